@@ -1,0 +1,103 @@
+"""``manifest.jsonl``: the durable log of finished shards that makes stage 02 resumable.
+
+After each shard file has been atomically renamed into place, stage 02 appends one line
+``{"idx": int, "id": str, "num_tokens": int}`` and flushes + fsyncs it. A kill can therefore
+leave (a) a shard without its manifest line (the kill fell between rename and append) or (b) a
+last line cut mid-write. :func:`read_manifest` tolerates (b) (an unterminated or unparsable
+*last* line is dropped, reported via ``dropped_tail``); the resume logic in
+``eagle3.extract`` handles (a). A malformed line elsewhere is corruption -> UserError.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import NamedTuple
+
+from eagle3.errors import UserError
+from eagle3.io import atomic_write_jsonl
+
+MANIFEST = "manifest.jsonl"
+
+
+class Manifest(NamedTuple):
+    """Parsed manifest: rows keyed by idx (last row wins) and whether a torn tail was dropped."""
+
+    rows: dict[int, dict]
+    dropped_tail: bool
+
+
+def _valid_row(row) -> bool:
+    return (
+        isinstance(row, dict)
+        and isinstance(row.get("idx"), int)
+        and not isinstance(row.get("idx"), bool)
+        and row["idx"] >= 0
+        and isinstance(row.get("id"), str)
+        and isinstance(row.get("num_tokens"), int)
+    )
+
+
+def read_manifest(path: str | os.PathLike) -> Manifest:
+    """Read ``manifest.jsonl``; a missing file is an empty manifest.
+
+    Raises:
+        UserError: a line other than the last is not a valid ``{idx, id, num_tokens}`` object
+            (message names the file and line number).
+    """
+    path = Path(path)
+    if not path.is_file():
+        return Manifest({}, False)
+    data = path.read_bytes()
+    lines = data.split(b"\n")
+    terminated = data.endswith(b"\n")
+    if terminated:
+        lines = lines[:-1]
+    rows: dict[int, dict] = {}
+    dropped = False
+    for i, raw in enumerate(lines):
+        last = i == len(lines) - 1
+        if not raw.strip():
+            continue
+        try:
+            row = json.loads(raw.decode("utf-8"))
+            ok = _valid_row(row)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            ok = False
+        if not ok or (last and not terminated):
+            if last:  # torn tail of an interrupted append
+                dropped = True
+                continue
+            raise UserError(f"{path}:{i + 1}: malformed manifest line (expected {{idx, id, num_tokens}})")
+        rows[row["idx"]] = row
+    return Manifest(rows, dropped)
+
+
+def rewrite_manifest(path: str | os.PathLike, rows: dict[int, dict]) -> None:
+    """Atomically replace the manifest with ``rows`` sorted by idx (used to repair a torn tail)."""
+    atomic_write_jsonl(path, [rows[k] for k in sorted(rows)])
+
+
+class ManifestWriter:
+    """Append-only writer: each :meth:`append` is one line, flushed and fsynced before returning."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.path, "a", encoding="utf-8")
+
+    def append(self, idx: int, sample_id: str, num_tokens: int) -> None:
+        """Record that shard ``idx`` (prompt ``sample_id``, ``num_tokens`` tokens) is on disk."""
+        self._f.write(json.dumps({"idx": int(idx), "id": str(sample_id), "num_tokens": int(num_tokens)}) + "\n")
+        self._f.flush()
+        os.fsync(self._f.fileno())
+
+    def close(self) -> None:
+        self._f.close()
+
+    def __enter__(self) -> "ManifestWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,332 @@
+"""Hidden-state shards in the vLLM speculators v1 layout, and their ``data_config.json``.
+
+One ``torch.save`` dict per sample (FIELD-NOTES section 5, speculators v1)::
+
+    {shards_dir}/rows_{start}-{end}/data_{idx}.pt     start = idx // rows_per_dir * rows_per_dir
+    {
+      "input_ids":     int64 [L]            verifier token ids
+      "hidden_states": [4 x bf16 [L, H]]    aux1, aux2, aux3 (HF hidden_states indices), last
+      "loss_mask":     int64 [L]            1 on assistant-reply tokens
+    }
+
+Readers also accept the flat speculators folder ``{dir}/data_{idx}.pt``. Files whose name
+contains ``.tmp-`` are unfinished atomic writes (``eagle3.io``) and are ignored. Every shard is
+written atomically, so a shard file that exists is complete.
+
+``data_config.json`` (written last by stage 02) records the verifier and every convention
+needed to interpret the tensors; see :func:`write_data_config` for the keys.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from eagle3.errors import UserError
+from eagle3.io import TMP_MARK, atomic_torch_save, atomic_write_json, read_json, safe_torch_load
+
+FORMAT = "speculators-v1"
+DATA_CONFIG = "data_config.json"
+SHARD_KEYS = ("input_ids", "hidden_states", "loss_mask")
+NUM_HIDDEN_STATES = 4  # three aux states + last
+LAYER_INDEX_CONVENTION = (
+    "HF hidden_states index: 0 = embeddings, i = output of decoder layer i-1 = residual stream "
+    "entering decoder layer i; hidden_states[3] is HF hidden_states[-1]"
+)
+_NAME_RE = re.compile(r"^data_(\d+)\.pt$")
+_ROWS_RE = re.compile(r"^rows_(\d+)-(\d+)$")
+
+#: data_config.json keys and their JSON types (bool is checked before int where it matters).
+DATA_CONFIG_KEYS: dict[str, type | tuple[type, ...]] = {
+    "format": str,
+    "verifier": str,
+    "architecture": str,
+    "num_layers": int,
+    "hidden_size": int,
+    "vocab_size": int,
+    "aux_layers": list,
+    "layer_index_convention": str,
+    "last_hidden_state": str,
+    "dtype": str,
+    "max_length": int,
+    "rows_per_dir": int,
+    "chat_template_hash": (str, type(None)),
+    "config_fingerprint": str,
+    "prompts_sha256": str,
+    "num_samples": int,
+    "num_tokens": int,
+    "num_loss_tokens": int,
+    "bytes_per_token": int,
+    "skipped": dict,
+}
+
+
+def shard_path(root: str | os.PathLike, idx: int, rows_per_dir: int) -> Path:
+    """Path of sample ``idx``: ``{root}/rows_{start}-{start+rows_per_dir}/data_{idx}.pt``.
+
+    ``start = idx // rows_per_dir * rows_per_dir`` (SpecForge/speculators folder sharding, which
+    keeps directories small enough for network file systems).
+
+    Raises:
+        ValueError: ``idx < 0`` or ``rows_per_dir < 1`` (a caller bug).
+    """
+    if idx < 0 or rows_per_dir < 1:
+        raise ValueError(f"shard_path: idx={idx} rows_per_dir={rows_per_dir}")
+    start = idx // rows_per_dir * rows_per_dir
+    return Path(root) / f"rows_{start}-{start + rows_per_dir}" / f"data_{idx}.pt"
+
+
+def _as_int64(x: Any) -> torch.Tensor:
+    t = torch.as_tensor(x)
+    if t.dtype.is_floating_point or t.dtype.is_complex:
+        raise ValueError(f"expected integer ids, got {t.dtype}")
+    return t.to(torch.int64).reshape(-1).clone()  # [L]
+
+
+def write_sample(
+    root: str | os.PathLike,
+    idx: int,
+    rows_per_dir: int,
+    input_ids: Sequence[int] | torch.Tensor,
+    hidden_states: Sequence[torch.Tensor],
+    loss_mask: Sequence[int] | torch.Tensor,
+) -> Path:
+    """Write one sample atomically and return its path.
+
+    Args:
+        input_ids: ``[L]`` token ids (any integer dtype; stored int64).
+        hidden_states: 4 tensors ``[L, H]`` (aux1, aux2, aux3, last); stored bf16. Each is
+            ``.clone()``-d so that a view into a padded batch does not drag the whole batch
+            storage into the file (``torch.save`` stores a view's full storage).
+        loss_mask: ``[L]`` 0/1 (stored int64).
+
+    Raises:
+        ValueError: wrong count, shape or non-finite values (a caller bug: capture must
+            never produce them).
+    """
+    ids = _as_int64(input_ids)  # [L]
+    mask = _as_int64(loss_mask)  # [L]
+    L = ids.numel()
+    if mask.numel() != L:
+        raise ValueError(f"sample {idx}: loss_mask has {mask.numel()} entries, input_ids {L}")
+    if len(hidden_states) != NUM_HIDDEN_STATES:
+        raise ValueError(f"sample {idx}: {len(hidden_states)} hidden states, expected {NUM_HIDDEN_STATES}")
+    hs = []
+    for k, h in enumerate(hidden_states):
+        if h.dim() != 2 or h.shape[0] != L:
+            raise ValueError(f"sample {idx}: hidden_states[{k}] has shape {tuple(h.shape)}, expected [{L}, H]")
+        hb = h.detach().to("cpu", torch.bfloat16).contiguous().clone()  # [L, H] own storage
+        if not bool(torch.isfinite(hb).all()):
+            raise ValueError(f"sample {idx}: hidden_states[{k}] has NaN/Inf")
+        hs.append(hb)
+    path = shard_path(root, idx, rows_per_dir)
+    atomic_torch_save({"input_ids": ids, "hidden_states": hs, "loss_mask": mask}, path)
+    return path
+
+
+def list_samples(root: str | os.PathLike) -> list[tuple[int, Path]]:
+    """All finished samples under ``root`` as ``(idx, path)`` sorted by idx.
+
+    Accepts the nested layout (``rows_*/data_{idx}.pt``) and the flat speculators layout
+    (``data_{idx}.pt``), even mixed. Unfinished atomic writes (``*.tmp-*``) are ignored.
+
+    Raises:
+        UserError: ``root`` is not a folder, or the same idx appears twice.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        raise UserError(f"{root}: shards folder not found")
+    found: dict[int, Path] = {}
+
+    def visit(folder: Path) -> None:
+        for entry in os.scandir(folder):
+            name = entry.name
+            if TMP_MARK in name:
+                continue
+            m = _NAME_RE.match(name)
+            if m and entry.is_file():
+                idx = int(m.group(1))
+                if idx in found:
+                    raise UserError(f"{entry.path}: sample {idx} also stored as {found[idx]}")
+                found[idx] = Path(entry.path)
+
+    visit(root)
+    for entry in os.scandir(root):
+        if entry.is_dir() and _ROWS_RE.match(entry.name):
+            visit(Path(entry.path))
+    return sorted(found.items())
+
+
+def remove_stale_tmp(root: str | os.PathLike) -> list[Path]:
+    """Delete leftover ``*.tmp-*`` files of interrupted atomic writes under ``root`` (recursive).
+
+    Only call this when no writer is running on ``root``. Returns the removed paths.
+    """
+    root = Path(root)
+    removed = []
+    if not root.is_dir():
+        return removed
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            if TMP_MARK in name:
+                p = Path(dirpath) / name
+                try:
+                    p.unlink()
+                    removed.append(p)
+                except FileNotFoundError:
+                    pass
+    return removed
+
+
+def expect_from_data_config(meta: dict) -> dict:
+    """The ``expect`` dict for :func:`load_sample` from a validated ``data_config.json`` dict."""
+    return {
+        "hidden_size": int(meta["hidden_size"]),
+        "num_hidden_states": len(meta["aux_layers"]) + 1,
+        "vocab_size": int(meta["vocab_size"]),
+    }
+
+
+def _bad(path: Path, key: str, msg: str) -> UserError:
+    return UserError(f"{path}: key '{key}': {msg}")
+
+
+def _check_1d_int64(path: Path, obj: dict, key: str) -> torch.Tensor:
+    t = obj[key]
+    if not isinstance(t, torch.Tensor):
+        raise _bad(path, key, f"expected a tensor, got {type(t).__name__}")
+    if t.dtype != torch.int64:
+        raise _bad(path, key, f"dtype {t.dtype}, expected torch.int64")
+    if t.dim() != 1:
+        raise _bad(path, key, f"shape {tuple(t.shape)}, expected [L]")
+    return t
+
+
+def load_sample(path: str | os.PathLike, expect: dict | None = None) -> dict:
+    """Load one shard with ``weights_only=True`` and validate it.
+
+    Args:
+        path: a ``data_{idx}.pt`` file.
+        expect: optional ``{"hidden_size": H, "num_hidden_states": 4, "vocab_size": V}`` (any
+            subset; see :func:`expect_from_data_config`) checked against the tensors.
+
+    Returns:
+        ``{"input_ids": int64 [L], "hidden_states": [4 x bf16 [L, H]], "loss_mask": int64 [L]}``.
+
+    Raises:
+        UserError: naming the file and key: unreadable/truncated/unsafe pickle, not a dict,
+            missing key, wrong type/dtype/rank, unequal lengths, empty sample, wrong number of
+            hidden states or hidden size, NaN/Inf, token id outside the vocab, mask not 0/1.
+    """
+    path = Path(path)
+    obj = safe_torch_load(path)
+    if not isinstance(obj, dict):
+        raise UserError(f"{path}: not a speculators shard (top level is {type(obj).__name__}, expected dict)")
+    for key in SHARD_KEYS:
+        if key not in obj:
+            raise _bad(path, key, "missing")
+    ids = _check_1d_int64(path, obj, "input_ids")  # [L]
+    mask = _check_1d_int64(path, obj, "loss_mask")  # [L]
+    L = ids.numel()
+    if L == 0:
+        raise _bad(path, "input_ids", "empty sample")
+    if mask.numel() != L:
+        raise _bad(path, "loss_mask", f"length {mask.numel()} != input_ids length {L}")
+    if bool(((mask != 0) & (mask != 1)).any()):
+        raise _bad(path, "loss_mask", "values must be 0 or 1")
+    if bool((ids < 0).any()):
+        raise _bad(path, "input_ids", "negative token id")
+    hs = obj["hidden_states"]
+    if not isinstance(hs, (list, tuple)) or not all(isinstance(h, torch.Tensor) for h in hs):
+        raise _bad(path, "hidden_states", f"expected a list of tensors, got {type(hs).__name__}")
+    expect = expect or {}
+    n_expected = int(expect.get("num_hidden_states", NUM_HIDDEN_STATES))
+    if len(hs) != n_expected:
+        raise _bad(path, "hidden_states", f"{len(hs)} tensors, expected {n_expected} (3 aux layers + last)")
+    H = expect.get("hidden_size")
+    for k, h in enumerate(hs):
+        key = f"hidden_states[{k}]"
+        if h.dtype != torch.bfloat16:
+            raise _bad(path, key, f"dtype {h.dtype}, expected torch.bfloat16")
+        if h.dim() != 2 or h.shape[0] != L:
+            raise _bad(path, key, f"shape {tuple(h.shape)}, expected [{L}, H] (L = input_ids length)")
+        if H is not None and h.shape[1] != H:
+            raise _bad(path, key, f"hidden size {h.shape[1]}, data_config says {H}")
+        if h.shape[1] != hs[0].shape[1]:
+            raise _bad(path, key, f"hidden size {h.shape[1]} != hidden_states[0]'s {hs[0].shape[1]}")
+        if not bool(torch.isfinite(h).all()):
+            raise _bad(path, key, "contains NaN/Inf")
+    V = expect.get("vocab_size")
+    if V is not None and int(ids.max()) >= V:
+        raise _bad(path, "input_ids", f"token id {int(ids.max())} >= vocab_size {V}")
+    return {"input_ids": ids, "hidden_states": list(hs), "loss_mask": mask}
+
+
+def write_data_config(root: str | os.PathLike, meta: dict) -> Path:
+    """Validate and atomically write ``{root}/data_config.json``.
+
+    Keys (all required; see :data:`DATA_CONFIG_KEYS`): ``format`` ("speculators-v1"),
+    ``verifier`` (id = ``verifier.display_name()``), ``architecture``, ``num_layers``,
+    ``hidden_size``, ``vocab_size``, ``aux_layers`` (HF indices), ``layer_index_convention``,
+    ``last_hidden_state`` ("post_norm"|"pre_norm"), ``dtype`` ("bfloat16"), ``max_length``,
+    ``rows_per_dir``, ``chat_template_hash``, ``config_fingerprint``, ``prompts_sha256``,
+    ``num_samples``, ``num_tokens``, ``num_loss_tokens``, ``bytes_per_token``
+    (= 4 * H * 2 for bf16), ``skipped`` (reason -> count). Extra keys are kept.
+
+    Raises:
+        ValueError: a key is missing or has the wrong type (a caller bug).
+    """
+    path = Path(root) / DATA_CONFIG
+    problem = _data_config_problem(meta)
+    if problem:
+        raise ValueError(f"write_data_config: {problem}")
+    atomic_write_json(path, meta)
+    return path
+
+
+def _data_config_problem(meta: Any) -> str | None:
+    if not isinstance(meta, dict):
+        return "top level must be a JSON object"
+    for key, typ in DATA_CONFIG_KEYS.items():
+        if key not in meta:
+            return f"missing key '{key}'"
+        v = meta[key]
+        if isinstance(v, bool) or not isinstance(v, typ):
+            return f"key '{key}' has type {type(v).__name__}"
+    if meta["format"] != FORMAT:
+        return f"key 'format' is {meta['format']!r}, expected {FORMAT!r}"
+    if meta["last_hidden_state"] not in ("post_norm", "pre_norm"):
+        return f"key 'last_hidden_state' is {meta['last_hidden_state']!r}, expected post_norm or pre_norm"
+    aux = meta["aux_layers"]
+    if len(aux) != 3 or not all(isinstance(i, int) and not isinstance(i, bool) for i in aux):
+        return f"key 'aux_layers' must be 3 integers, got {aux!r}"
+    for key in ("num_layers", "hidden_size", "vocab_size"):
+        if meta[key] < 1:
+            return f"key '{key}' must be >= 1"
+    return None
+
+
+def read_data_config(root: str | os.PathLike) -> dict:
+    """Read and validate ``{root}/data_config.json`` (``root`` may also be the file itself).
+
+    Raises:
+        UserError: missing file, malformed JSON, or a missing/wrongly typed key (named).
+    """
+    path = Path(root)
+    if path.is_dir() or not path.name.endswith(".json"):
+        path = path / DATA_CONFIG
+    meta = read_json(path)
+    problem = _data_config_problem(meta)
+    if problem:
+        raise UserError(f"{path}: {problem}")
+    return meta
+
+
+def bytes_per_token(hidden_size: int, num_states: int = NUM_HIDDEN_STATES) -> int:
+    """Hidden-state bytes per token in bf16: ``num_states * H * 2`` (H = 7168 -> 57344)."""
+    return int(num_states * hidden_size * 2)
+
