@@ -1,0 +1,260 @@
+"""Loading the verifier (target) model, its tokenizer and its configuration.
+
+The verifier is a Hugging Face causal LM stored in a local folder (never fetched from a hub at run
+time). Two layouts are supported:
+
+* an HF folder (``config.json`` + safetensors + tokenizer files);
+* a folder holding a GGUF file (``verifier.gguf_file``), which transformers dequantises to float
+  (needs the ``gguf`` package); the embedded default SmolLM2-135M-Instruct is loaded this way.
+
+Multimodal wrappers such as Kimi-K2.5 (``KimiK25ForConditionalGeneration``) keep the language
+model's settings in a nested ``text_config``; :func:`text_config` unwraps it, so every shape the
+pipeline needs (:func:`verifier_dims`) is read from the text model.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+
+from eagle3.config import VerifierConfig
+from eagle3.errors import UserError
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+# ---------------------------------------------------------------------------------------------
+# paths and devices
+# ---------------------------------------------------------------------------------------------
+def _check_files(vcfg: VerifierConfig) -> Path:
+    """Return the verifier folder; raise UserError when it (or its GGUF/config file) is missing."""
+    path = vcfg.resolved_path()
+    if not path.is_dir():
+        raise UserError(f"verifier.path: folder '{path}' not found")
+    if vcfg.gguf_file:
+        if not (path / vcfg.gguf_file).is_file():
+            raise UserError(f"verifier.gguf_file: '{path / vcfg.gguf_file}' not found")
+    elif not (path / "config.json").is_file():
+        raise UserError(f"verifier.path: '{path}' has no config.json (set verifier.gguf_file for a GGUF model)")
+    return path
+
+
+def _hf_kwargs(vcfg: VerifierConfig) -> dict:
+    """Keyword arguments shared by every ``from_pretrained`` call.
+
+    ``trust_remote_code`` is passed only when the config asks for it, so a checkpoint's own Python
+    code never runs by accident (transformers' default is False).
+    """
+    kw: dict[str, Any] = {}
+    if vcfg.gguf_file:
+        kw["gguf_file"] = vcfg.gguf_file
+    if vcfg.trust_remote_code:
+        kw["trust_remote_code"] = True
+    return kw
+
+
+def resolve_device(device: Optional[Union[str, torch.device]]) -> torch.device:
+    """``None``/``"auto"`` -> ``cuda`` if available else ``cpu``; anything else -> ``torch.device(device)``.
+
+    Raises:
+        UserError: an unparsable device string.
+    """
+    if device is None or str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise UserError(f"verifier.device: invalid device '{device}'") from e
+
+
+# ---------------------------------------------------------------------------------------------
+# tokenizer, config, model
+# ---------------------------------------------------------------------------------------------
+def load_tokenizer(vcfg: VerifierConfig):
+    """Load the verifier's tokenizer from the local folder (or GGUF).
+
+    The pad token is set to the EOS token when the tokenizer has none (pads are always masked
+    out by the attention mask, so the id only has to be valid). ``padding_side`` is left as the
+    tokenizer defines it; batched generation sets LEFT padding itself.
+
+    Raises:
+        UserError: missing folder/files, or a tokenizer transformers cannot load.
+    """
+    from transformers import AutoTokenizer
+
+    path = _check_files(vcfg)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path), **_hf_kwargs(vcfg))
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"verifier.path: cannot load the tokenizer from '{path}': {first}") from e
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_verifier_config(vcfg: VerifierConfig):
+    """Load only the verifier's configuration (no weights), also for GGUF files.
+
+    When transformers does not know the ``model_type`` (e.g. Kimi-K2.5 with
+    ``trust_remote_code: false``), ``config.json`` is read as a plain ``PretrainedConfig`` so its
+    shapes can still be read with :func:`verifier_dims` (nested ``text_config`` stays a dict).
+
+    Returns:
+        ``transformers.PretrainedConfig``.
+
+    Raises:
+        UserError: missing folder/files, or malformed ``config.json``.
+    """
+    from transformers import AutoConfig, PretrainedConfig
+
+    path = _check_files(vcfg)
+    try:
+        return AutoConfig.from_pretrained(str(path), **_hf_kwargs(vcfg))
+    except (ValueError, KeyError, OSError) as e:
+        if vcfg.gguf_file:
+            raise UserError(f"verifier.gguf_file: cannot read the config of '{path / vcfg.gguf_file}': {e}") from e
+        cfg_file = path / "config.json"
+        try:
+            raw = json.loads(cfg_file.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as je:
+            raise UserError(f"{cfg_file}:{je.lineno}: malformed JSON: {je.msg}") from je
+        log.warning("transformers cannot build the config of %s (%s); reading config.json as plain data", path,
+                    str(e).splitlines()[0] if str(e) else type(e).__name__)
+        return PretrainedConfig(**raw)
+
+
+def load_verifier(vcfg: VerifierConfig, device: Optional[Union[str, torch.device]] = None):
+    """Load the verifier model (eval mode, ``vcfg.dtype``) and its tokenizer.
+
+    Args:
+        vcfg: the ``verifier`` section of the run config.
+        device: overrides ``vcfg.device``; ``"auto"``/None -> cuda if available else cpu.
+
+    Returns:
+        ``(model, tokenizer)``: an ``AutoModelForCausalLM`` in eval mode on ``device``, and the
+        tokenizer of :func:`load_tokenizer`.
+
+    Raises:
+        UserError: missing folder/files or a model transformers cannot build.
+    """
+    from transformers import AutoModelForCausalLM
+
+    path = _check_files(vcfg)
+    dev = resolve_device(device if device is not None else vcfg.device)
+    tok = load_tokenizer(vcfg)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=_DTYPES[vcfg.dtype], **_hf_kwargs(vcfg))
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"verifier.path: cannot load the model from '{path}': {first}") from e
+    model.to(dev)
+    model.eval()
+    if getattr(model, "generation_config", None) is not None and model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = tok.pad_token_id
+    return model, tok
+
+
+# ---------------------------------------------------------------------------------------------
+# shapes
+# ---------------------------------------------------------------------------------------------
+def _get(cfg: Any, key: str, default: Any = None) -> Any:
+    if isinstance(cfg, dict):
+        return cfg.get(key, default)
+    return getattr(cfg, key, default)
+
+
+def text_config(hf_config: Any) -> Any:
+    """The language model's config: the nested ``text_config`` of a multimodal wrapper, else ``hf_config``.
+
+    Kimi-K2.5 (``KimiK25ForConditionalGeneration``) nests its DeepseekV3-style text model config
+    under ``text_config`` (FIELD-NOTES section 6). A nested dict (config read without the remote
+    code) is returned as a dict. ``get_text_config()`` of transformers is not used because plain
+    ``PretrainedConfig`` objects built from raw JSON keep ``text_config`` as a dict.
+
+    Args:
+        hf_config: ``transformers.PretrainedConfig`` or a ``config.json`` dict.
+    """
+    sub = _get(hf_config, "text_config")
+    return sub if sub is not None else hf_config
+
+
+def _rope_theta(cfg: Any) -> Optional[float]:
+    """``rope_theta`` (transformers <5 and most remote code) or ``rope_parameters['rope_theta']`` (transformers 5)."""
+    theta = _get(cfg, "rope_theta")
+    if theta is None:
+        params = _get(cfg, "rope_parameters") or {}
+        if isinstance(params, dict):
+            theta = params.get("rope_theta")
+            if theta is None and params:  # per-layer-type dict, e.g. {"full_attention": {...}}
+                first = next(iter(params.values()))
+                theta = first.get("rope_theta") if isinstance(first, dict) else None
+    return float(theta) if theta is not None else None
+
+
+def _causal_lm_class_name(model_type: Optional[str]) -> Optional[str]:
+    """transformers' causal-LM class name for a ``model_type`` (GGUF configs carry no ``architectures``)."""
+    if not model_type:
+        return None
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError:  # pragma: no cover - moved in a future transformers
+        return None
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+
+
+def verifier_dims(hf_config: Any) -> dict:
+    """The verifier shapes the pipeline needs, read from the text model's config.
+
+    Args:
+        hf_config: ``transformers.PretrainedConfig`` or ``config.json`` dict (wrappers unwrapped
+            with :func:`text_config`).
+
+    Returns:
+        dict with ``num_layers`` (decoder layers N; HF returns N+1 hidden states),
+        ``hidden_size``, ``vocab_size``, ``architecture`` (the TOP-level ``architectures[0]``, e.g.
+        ``KimiK25ForConditionalGeneration``; for GGUF configs, which have none, transformers'
+        causal-LM class for the model type, e.g. ``LlamaForCausalLM``), ``model_type`` (of the text model, e.g.
+        ``deepseek_v3``/``kimi_k2``), ``rms_norm_eps``, ``rope_theta`` (None if absent),
+        ``num_attention_heads``, ``num_key_value_heads`` (defaults to the head count),
+        ``head_dim`` (``head_dim`` field for standard attention; ``hidden_size // heads`` for MLA
+        models, which have ``kv_lora_rank``, because the drafter is a Llama-style layer),
+        ``intermediate_size`` (the dense MLP width) and ``max_position_embeddings``.
+
+    Raises:
+        UserError: a required field (num_hidden_layers, hidden_size, vocab_size) is missing.
+    """
+    top = hf_config
+    tc = text_config(hf_config)
+    out: dict[str, Any] = {}
+    for key, name in (("num_layers", "num_hidden_layers"), ("hidden_size", "hidden_size"), ("vocab_size", "vocab_size")):
+        v = _get(tc, name)
+        if v is None and name == "vocab_size":
+            v = _get(top, "vocab_size")
+        if v is None:
+            raise UserError(f"verifier config: missing field '{name}' in the text model config")
+        out[key] = int(v)
+    archs = _get(top, "architectures") or _get(tc, "architectures") or [None]
+    out["model_type"] = _get(tc, "model_type")
+    out["architecture"] = archs[0] or _causal_lm_class_name(out["model_type"])
+    out["rms_norm_eps"] = float(_get(tc, "rms_norm_eps", _get(tc, "layer_norm_eps", 1e-6)) or 1e-6)
+    out["rope_theta"] = _rope_theta(tc)
+    if _get(tc, "num_attention_heads") is None:
+        raise UserError("verifier config: missing field 'num_attention_heads' in the text model config")
+    heads = int(_get(tc, "num_attention_heads"))
+    out["num_attention_heads"] = heads
+    out["num_key_value_heads"] = int(_get(tc, "num_key_value_heads") or heads)
+    head_dim = _get(tc, "head_dim")
+    if head_dim is None or _get(tc, "kv_lora_rank") is not None:
+        head_dim = out["hidden_size"] // heads
+    out["head_dim"] = int(head_dim)
+    out["intermediate_size"] = int(_get(tc, "intermediate_size") or 4 * out["hidden_size"])
+    mpe = _get(tc, "max_position_embeddings")
+    out["max_position_embeddings"] = int(mpe) if mpe is not None else None
+    return out
