@@ -1,0 +1,127 @@
+"""Regeneration: replace assistant turns with the verifier's own greedy answers.
+
+A drafter learns to predict the verifier, so training on the verifier's own outputs (rather than
+on another model's answers, e.g. ShareGPT's ChatGPT replies) raises acceptance (EAGLE-3 paper and
+SpecForge/speculators both regenerate). Answers are produced turn by turn: turn k's prompt holds
+the user turns 0..k and the REGENERATED answers 0..k-1, so a multi-turn conversation stays
+self-consistent.
+
+Batching: within a turn round, prompts are sorted by token length (fewer pads), batched with LEFT
+padding (every row's last prompt token sits at the same column, so one ``generate`` call continues
+all rows) and decoded greedily. Greedy decoding with an attention mask and mask-derived position
+ids gives the same tokens as unbatched decoding up to floating-point rounding (tested).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional
+
+import torch
+from tqdm import tqdm
+
+from eagle3.chat import end_of_turn_ids, render
+
+log = logging.getLogger(__name__)
+
+
+def _turns(conv: dict) -> tuple[Optional[dict], list[str]]:
+    """``(system message or None, user contents)``; assistant contents are discarded."""
+    msgs = conv["messages"]
+    system = msgs[0] if msgs and msgs[0]["role"] == "system" else None
+    return system, [m["content"] for m in msgs if m["role"] == "user"]
+
+
+@torch.inference_mode()
+def generate_greedy(model, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
+                    pad_id: int) -> list[tuple[list[int], bool]]:
+    """Greedy-decode a batch of token-id prompts with left padding.
+
+    Args:
+        model: HF causal LM (eval mode).
+        prompts: B prompts, ``list[int]`` each (no padding).
+        max_new_tokens: new-token budget per prompt.
+        stop_ids: token ids that end an answer (:func:`eagle3.chat.end_of_turn_ids`).
+        pad_id: id written in the padded positions (masked out by the attention mask).
+
+    Returns:
+        per prompt ``(answer_ids, stopped)``: the new tokens up to (excluding) the first stop token,
+        and whether a stop token was produced (False = truncated at ``max_new_tokens``).
+    """
+    from transformers import GenerationConfig
+
+    dev = next(model.parameters()).device
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)  # [B, W]
+    attn = torch.zeros((len(prompts), width), dtype=torch.long)  # [B, W]
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        attn[i, width - len(p):] = 1
+    gcfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
+                            eos_token_id=sorted(stop_ids), pad_token_id=pad_id)
+    out = model.generate(input_ids=ids.to(dev), attention_mask=attn.to(dev), generation_config=gcfg)  # [B, W+T]
+    new = out[:, width:].tolist()
+    results = []
+    for row in new:
+        cut = next((j for j, t in enumerate(row) if t in stop_ids), None)
+        results.append((row[:cut] if cut is not None else row, cut is not None))
+    return results
+
+
+def regenerate(model, tokenizer, conversations: list[dict], max_new_tokens: int, batch_size: int,
+               chat_template: Optional[str] = None, stats: Optional[dict] = None) -> list[dict]:
+    """Replace every assistant turn with the verifier's greedy answer, turn by turn.
+
+    Args:
+        model: the verifier (HF causal LM, eval mode).
+        tokenizer: its tokenizer (chat template used to render prompts).
+        conversations: normalised ``{id, messages}`` (prompt-only conversations included: each
+            user turn gets an answer).
+        max_new_tokens: answer budget per turn; an answer that hits it is kept as is (counted in
+            ``stats["truncated"]``).
+        batch_size: prompts per ``generate`` call.
+        chat_template: Jinja template overriding the tokenizer's.
+        stats: optional dict filled with ``answers``, ``new_tokens`` (answer tokens, stop token
+            excluded), ``truncated``, ``seconds`` (wall time of generation).
+
+    Returns:
+        New conversations ``{id, messages}`` in input order: optional system message, then
+        alternating user / regenerated assistant turns. Answer text = the decoded answer tokens,
+        end-of-turn token stripped (the template writes it back when rendering). Deterministic.
+    """
+    if batch_size < 1 or max_new_tokens < 1:
+        raise ValueError("batch_size and max_new_tokens must be >= 1")
+    stop_ids = end_of_turn_ids(tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    state = []
+    for c in conversations:
+        system, users = _turns(c)
+        state.append(([system] if system is not None else [], users))
+    rounds = max((len(u) for _, u in state), default=0)
+    total = sum(len(u) for _, u in state)
+    st = {"answers": 0, "new_tokens": 0, "truncated": 0, "seconds": 0.0}
+    t0 = time.perf_counter()
+    with tqdm(total=total, desc="regenerate", unit="answer") as bar:
+        for k in range(rounds):
+            todo = [i for i, (_, u) in enumerate(state) if len(u) > k]
+            prompts = {}
+            for i in todo:
+                msgs, users = state[i]
+                msgs.append({"role": "user", "content": users[k]})
+                prompts[i] = render(tokenizer, msgs, chat_template, add_generation_prompt=True)
+            order = sorted(todo, key=lambda i: (len(prompts[i]), i))
+            for b in range(0, len(order), batch_size):
+                chunk = order[b:b + batch_size]
+                answers = generate_greedy(model, [prompts[i] for i in chunk], max_new_tokens, stop_ids, pad_id)
+                for i, (ans, stopped) in zip(chunk, answers):
+                    text = tokenizer.decode(ans, skip_special_tokens=True)
+                    state[i][0].append({"role": "assistant", "content": text})
+                    st["new_tokens"] += len(ans)
+                    st["truncated"] += int(not stopped)
+                    st["answers"] += 1
+                bar.update(len(chunk))
+    st["seconds"] = time.perf_counter() - t0
+    if stats is not None:
+        stats.update(st)
+    return [{"id": c["id"], "messages": msgs} for c, (msgs, _) in zip(conversations, state)]
