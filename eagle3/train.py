@@ -1,0 +1,730 @@
+"""Stage 04: train an EAGLE-3 drafter with training-time test (TTT) on the captured shards.
+
+One call of :func:`run` does, on every process (single process, or ``torchrun`` ranks):
+
+1. torch.distributed from the torchrun environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``):
+   NCCL on GPU, gloo on CPU; without those variables it runs as a single process.
+2. Drafter shape (:func:`build_drafter_args`): ``cfg.drafter`` fields, ``null`` ones copied from the
+   verifier's text config (``eagle3.verifier.verifier_dims``); vocab sizes from ``vocab_map.pt``,
+   ``target_hidden_size`` from ``data_config.json``.
+3. Verifier head (:mod:`eagle3.target_head`): ``{train_dir}/target_head.safetensors``, extracted
+   from the verifier once by rank 0 and reused on every resume.
+4. Drafter init (:func:`init_drafter`): token embedding = the verifier's (frozen, as in EAGLE-3 and
+   SpecForge); ``lm_head`` = the verifier's LM-head rows of the draft vocabulary when the drafter
+   hidden size equals the verifier's (a warm start: if the drafter's output matched the verifier's
+   final hidden state, step 0 would reproduce the verifier's distribution on the draft vocab);
+   everything else is PyTorch default init under ``train.seed``.
+5. Loop: AdamW, warmup + cosine per optimizer step (:mod:`eagle3.schedule`), gradient
+   accumulation (DDP ``no_sync`` on the non-final micro-batches), gradient clipping, bf16 autocast
+   on GPU only. The loss is :func:`eagle3.ttt.ttt_loss` against the verifier distribution computed
+   from the captured last hidden state by :func:`eagle3.ttt.compute_targets`. No host syncs in a
+   step except at log steps (every ``log_every``), where loss, per-TTT-step accuracy, LR, grad
+   norm and tokens/s go to TensorBoard (``{train_dir}/tb``), ``{train_dir}/metrics.jsonl`` and the
+   tqdm bar (rank 0).
+6. Validation on the ``val`` split every ``eval_every`` steps (default once per epoch) and at the end.
+7. Checkpoints (:mod:`eagle3.checkpoint`) every ``ckpt_every`` steps, on SIGTERM/SIGINT (the current
+   step finishes first, then the process returns normally: exit 0) and at the end; ``resume=True``
+   continues from the newest complete one, bit-identically on CPU (data order, LR, RNG).
+8. Export (rank 0) with :func:`eagle3.export.export_drafter` to ``cfg.export_dir``, and a report
+   ``{train_dir}/train_report.{json,md}`` + ``loss.png``.
+
+DDP note: each rank's loss is the mean over its own counted tokens, and DDP averages gradients over
+ranks. That equals the single-process loss of the concatenated global batch when the ranks count
+the same number of tokens (SpecForge and the EAGLE reference trainers make the same choice).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler
+
+from eagle3 import checkpoint as ckpt
+from eagle3.config import RunConfig
+from eagle3.dataset import ResumableSampler, ShardDataset, collate, read_split
+from eagle3.errors import UserError
+from eagle3.io import atomic_write_json, atomic_write_text, atomic_write_jsonl
+from eagle3.schedule import build_scheduler
+from eagle3.shards import expect_from_data_config, read_data_config
+from eagle3.target_head import FILENAME as TARGET_HEAD_FILE
+from eagle3.target_head import TargetHead
+from eagle3.vocab import VOCAB_MAP, load_vocab_map
+
+log = logging.getLogger(__name__)
+
+TARGET_CHUNK = 2048  # positions per lm_head chunk in compute_targets (bounds the [chunk, V] logits)
+
+
+# ---------------------------------------------------------------------------------------------
+# distributed setup
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class DistInfo:
+    """Where this process sits: ``rank``/``world`` (1/0 without torchrun), its device, and a CPU
+    (gloo) process group for control messages (stop flag, counters) that never syncs the GPU."""
+
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device
+    ctrl_group: Any = None
+    initialized_here: bool = False
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1
+
+
+def init_distributed(device: Optional[str] = None) -> DistInfo:
+    """Initialise torch.distributed from the torchrun env (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+    ``MASTER_ADDR``, ``MASTER_PORT``); NCCL when CUDA is available, else gloo.
+
+    Args:
+        device: ``"cpu"`` forces CPU (and gloo); None = ``cuda:{LOCAL_RANK}`` if available else CPU.
+
+    Returns:
+        :class:`DistInfo`; a single process (world 1) when ``WORLD_SIZE`` is unset or 1.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
+    use_cuda = torch.cuda.is_available() and device != "cpu"
+    dev = torch.device(f"cuda:{local_rank}") if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(dev)
+    info = DistInfo(rank=rank, world=world, local_rank=local_rank, device=dev)
+    if world > 1:
+        if not dist.is_initialized():
+            backend = "nccl" if use_cuda else "gloo"
+            kw = {"device_id": dev} if use_cuda else {}
+            dist.init_process_group(backend=backend, **kw)
+            info.initialized_here = True
+        info.ctrl_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
+    return info
+
+
+def _barrier(d: DistInfo) -> None:
+    if d.distributed:
+        dist.barrier(group=d.ctrl_group)
+
+
+def _any_rank(flag: bool, d: DistInfo) -> bool:
+    """True if ``flag`` is True on any rank (one CPU all-reduce on the gloo control group)."""
+    if not d.distributed:
+        return flag
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=d.ctrl_group)
+    return bool(t.item())
+
+
+def _sum_ranks(values: list[float], d: DistInfo) -> list[float]:
+    if not d.distributed:
+        return values
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, group=d.ctrl_group)
+    return t.tolist()
+
+
+# ---------------------------------------------------------------------------------------------
+# model construction
+# ---------------------------------------------------------------------------------------------
+def build_drafter_args(cfg: RunConfig, data_config: dict, vocab: dict):
+    """``DrafterArgs`` from ``cfg.drafter``; ``null`` fields are copied from the verifier config.
+
+    The verifier config is read (``eagle3.verifier.load_verifier_config``, no weights) only when
+    some field is null; then :meth:`eagle3.model.DrafterArgs.from_hf_config` fills it from the
+    text model config (nested ``text_config`` unwrapped), with ``head_dim`` = hidden / heads for
+    MLA verifiers (Kimi/DeepSeek: :func:`eagle3.verifier.verifier_dims`). Vocab sizes come from
+    ``vocab_map.pt``; ``target_hidden_size`` from ``data_config.json``.
+
+    Raises:
+        UserError: unreadable verifier config, or an invalid shape (field named by ``DrafterArgs``).
+    """
+    from eagle3.model import DrafterArgs
+
+    fields = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+              "rms_norm_eps", "rope_theta", "max_position_embeddings")
+    given = {f: getattr(cfg.drafter, f) for f in fields}
+    fixed = dict(draft_vocab_size=int(vocab["draft_vocab_size"]), target_vocab_size=int(vocab["target_vocab_size"]),
+                 target_hidden_size=int(data_config["hidden_size"]))
+    if all(v is not None for v in given.values()):
+        return DrafterArgs(**given, **fixed)
+    from eagle3.verifier import load_verifier_config, text_config, verifier_dims
+
+    hf = load_verifier_config(cfg.verifier)
+    dims = verifier_dims(hf)
+    over = dict(given)
+    if over["head_dim"] is None:
+        if over["hidden_size"] is not None or over["num_attention_heads"] is not None:
+            h = over["hidden_size"] or dims["hidden_size"]
+            over["head_dim"] = h // (over["num_attention_heads"] or dims["num_attention_heads"])
+        else:
+            over["head_dim"] = dims["head_dim"]
+    return DrafterArgs.from_hf_config(text_config(hf), fixed["draft_vocab_size"], **over,
+                                      **{k: v for k, v in fixed.items() if k != "draft_vocab_size"})
+
+
+def prepare_target_head(cfg: RunConfig, data_config: dict, d: DistInfo) -> TargetHead:
+    """Load ``{train_dir}/target_head.safetensors``; rank 0 extracts it from the verifier first if missing.
+
+    Extraction reads only the three tensors from a safetensors checkpoint
+    (:func:`eagle3.safetensors_head.load_target_head_from_safetensors`, Kimi-sized verifiers), or
+    loads the model through transformers for GGUF verifiers (:func:`eagle3.verifier.load_verifier`).
+
+    Raises:
+        UserError: the head does not match ``data_config.json`` (hidden size, vocab size, norm convention).
+    """
+    path = cfg.train_dir / TARGET_HEAD_FILE
+    if d.is_main and not path.is_file():
+        log.info("extracting the verifier's embedding / lm_head / final norm to %s", path)
+        vdir = cfg.verifier.resolved_path()
+        if cfg.verifier.gguf_file is None and any(vdir.glob("*.safetensors*")):
+            from eagle3.safetensors_head import load_target_head_from_safetensors
+
+            load_target_head_from_safetensors(vdir, data_config["last_hidden_state"]).save(cfg.train_dir)
+        else:
+            from eagle3.verifier import load_verifier
+
+            model, _tok = load_verifier(cfg.verifier, device="cpu")
+            TargetHead.from_model(model, data_config["last_hidden_state"]).save(cfg.train_dir)
+            del model
+    _barrier(d)
+    head = TargetHead.load(path)
+    if head.hidden_size != int(data_config["hidden_size"]) or head.vocab_size != int(data_config["vocab_size"]):
+        raise UserError(f"{path}: head is [{head.vocab_size}, {head.hidden_size}] but data_config.json says vocab_size "
+                        f"{data_config['vocab_size']}, hidden_size {data_config['hidden_size']} (delete it to re-extract)")
+    want_post = data_config["last_hidden_state"] == "post_norm"
+    if head.last_is_post_norm != want_post:
+        raise UserError(f"{path}: metadata 'last_is_post_norm' is {head.last_is_post_norm} but data_config.json says "
+                        f"last_hidden_state={data_config['last_hidden_state']!r} (delete it to re-extract)")
+    return head
+
+
+def init_drafter(args, head: TargetHead, vocab: dict, seed: int):
+    """Build the drafter: seeded init (``Eagle3Drafter`` defaults), the verifier embedding (frozen),
+    the d2t/t2d vocab map, and ``lm_head`` = the verifier's LM-head rows of the draft vocab.
+
+    Returns:
+        ``Eagle3Drafter`` (float32, CPU).
+
+    Raises:
+        UserError: the drafter hidden size differs from the verifier's (EAGLE-3 drafters reuse
+            the verifier's token embedding, so the widths must agree).
+    """
+    from eagle3.model import Eagle3Drafter
+
+    if head.embed.shape[1] != args.hidden_size:
+        raise UserError(f"drafter.hidden_size: {args.hidden_size} differs from the verifier hidden size "
+                        f"{head.embed.shape[1]}; the drafter reuses the verifier's token embedding")
+    torch.manual_seed(seed)
+    drafter = Eagle3Drafter(args).float()
+    drafter.load_embeddings(head.embed.float())  # [V, H], frozen
+    drafter.set_vocab_map(vocab["d2t"], vocab["t2d"])
+    target_ids = torch.arange(args.draft_vocab_size, dtype=torch.int64) + vocab["d2t"]  # [dV]
+    with torch.no_grad():
+        drafter.lm_head.weight.copy_(head.lm_head.float()[target_ids])  # [dV, H]
+    drafter.embed_tokens.weight.requires_grad_(False)
+    return drafter
+
+
+class TTTObjective(nn.Module):
+    """The drafter + TTT loss as one ``forward``, so that DDP sees every trainable use in forward.
+
+    ``forward(input_ids [B,L] int64, aux [B,L,3Ht], target_logp [B,L,dV], in_draft [B,L] bool,
+    target_argmax [B,L] int64, loss_mask [B,L]) -> (loss scalar, stats dict)``.
+    """
+
+    def __init__(self, drafter: nn.Module, ttt_length: int, step_weight: float):
+        super().__init__()
+        self.drafter = drafter
+        self.ttt_length = ttt_length
+        self.step_weight = step_weight
+
+    def forward(self, input_ids, aux, target_logp, in_draft, target_argmax, loss_mask):
+        from eagle3.ttt import ttt_loss
+
+        step_hiddens = self.drafter.ttt_forward(input_ids, aux, self.ttt_length)  # list of [B, L, H]
+        return ttt_loss(self.drafter, step_hiddens, target_logp, in_draft, target_argmax, loss_mask,
+                        step_weight=self.step_weight)
+
+
+def trainable_state(drafter: nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters that training changes (``requires_grad``), detached on CPU, by name."""
+    return {n: p.detach().to("cpu").clone() for n, p in drafter.named_parameters() if p.requires_grad}
+
+
+# ---------------------------------------------------------------------------------------------
+# signals
+# ---------------------------------------------------------------------------------------------
+class StopFlag:
+    """SIGTERM/SIGINT set a flag; the loop finishes the current optimizer step, checkpoints and returns.
+
+    A second SIGINT falls through to the previous handler (so Ctrl-C twice still aborts).
+    Handlers are installed only in the main thread and restored by :meth:`restore`.
+    """
+
+    def __init__(self):
+        self.requested = False
+        self.signum: Optional[int] = None
+        self._old: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGTERM, signal.SIGINT):
+                self._old[s] = signal.signal(s, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.requested and signum == signal.SIGINT:
+            old = self._old.get(signum)
+            if callable(old):
+                old(signum, frame)
+            raise KeyboardInterrupt
+        self.requested = True
+        self.signum = signum
+
+    def restore(self) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+        self._old = {}
+
+
+# ---------------------------------------------------------------------------------------------
+# metrics
+# ---------------------------------------------------------------------------------------------
+class _Metrics:
+    """Rank-0 sinks: ``metrics.jsonl`` (append + flush), TensorBoard."""
+
+    def __init__(self, train_dir: Path, start_step: int, enabled: bool):
+        self.enabled = enabled
+        self.path = train_dir / "metrics.jsonl"
+        self.tb = None
+        if not enabled:
+            return
+        rows = _read_metrics(self.path)
+        kept = [r for r in rows if r.get("step", 0) <= start_step]
+        if len(kept) != len(rows) or (self.path.exists() and start_step == 0):
+            atomic_write_jsonl(self.path, kept if start_step else [])
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.tb = SummaryWriter(log_dir=str(train_dir / "tb"), purge_step=start_step if start_step else None)
+
+    def write(self, row: dict) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+        step = row["step"]
+        for k, v in row.items():
+            if k not in ("step", "epoch", "kind") and isinstance(v, (int, float)):
+                self.tb.add_scalar(f"{row['kind']}/{k}", v, step)
+        self.tb.flush()
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def _read_metrics(path: Path) -> list[dict]:
+    """Rows of ``metrics.jsonl``; a torn last line (killed mid-write) is skipped."""
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def _stats_to_floats(stats: dict, prefix: str = "") -> dict[str, float]:
+    """Flatten a stats dict of scalars / 1-D tensors (one entry per TTT step) into floats (host sync)."""
+    out = {}
+    for k, v in stats.items():
+        if isinstance(v, torch.Tensor):
+            v = v.detach().float().cpu()
+            if v.numel() == 1:
+                out[prefix + k] = float(v)
+            else:
+                for i, x in enumerate(v.reshape(-1).tolist()):
+                    out[f"{prefix}{k}_{i}"] = float(x)
+        elif isinstance(v, (int, float)):
+            out[prefix + k] = float(v)
+        elif isinstance(v, (list, tuple)):
+            for i, x in enumerate(v):
+                out[f"{prefix}{k}_{i}"] = float(x)
+    return out
+
+
+class _Accum:
+    """Sums tensors on the device without syncing; read once per log window."""
+
+    def __init__(self):
+        self.sums: dict[str, torch.Tensor] = {}
+        self.n = 0
+
+    def add(self, stats: dict) -> None:
+        self.n += 1
+        for k, v in stats.items():
+            if isinstance(v, torch.Tensor):
+                v = v.detach().float()
+                self.sums[k] = self.sums[k] + v if k in self.sums else v.clone()
+
+    def mean(self) -> dict[str, torch.Tensor]:
+        return {k: v / max(1, self.n) for k, v in self.sums.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# the run
+# ---------------------------------------------------------------------------------------------
+def _autocast_dtype(cfg: RunConfig, device: torch.device) -> Optional[torch.dtype]:
+    if device.type != "cuda":
+        if cfg.train.bf16 == "on":
+            log.warning("train.bf16=on ignored: bf16 autocast is used on GPU only (CPU trains in float32)")
+        return None
+    return torch.bfloat16 if cfg.train.bf16 in ("auto", "on") else None
+
+
+def _fingerprint(cfg: RunConfig, args) -> str:
+    t = cfg.train
+    keep = {k: getattr(t, k) for k in ("ttt_length", "step_weight", "lr", "weight_decay", "warmup_ratio", "epochs",
+                                          "batch_size", "grad_accum", "grad_clip", "seed")}
+    return ckpt.config_fingerprint({"train": keep, "drafter": dataclasses.asdict(args),
+                                    "max_length": cfg.extract.max_length})
+
+
+def _move_batch(batch: dict, device: torch.device, float_dtype: torch.dtype) -> dict:
+    nb = device.type == "cuda"
+    out = {}
+    for k, v in batch.items():
+        v = v.to(device, non_blocking=nb)
+        if v.is_floating_point():
+            v = v.to(float_dtype)
+        out[k] = v
+    return out
+
+
+def run(cfg: RunConfig, resume: bool = False, max_steps: Optional[int] = None, stop_after: Optional[int] = None,
+        device: Optional[str] = None) -> dict:
+    """Train (or continue training) the drafter described by ``cfg``; see the module docstring.
+
+    Args:
+        cfg: the run config (``train``, ``drafter``, ``export`` sections; paths from ``cfg``).
+        resume: continue from the newest complete checkpoint in ``{train_dir}/checkpoints``
+            (starts fresh, with a warning, when there is none). Without ``resume`` an existing
+            checkpoint folder is an error (so a finished run is never silently overwritten).
+        max_steps: overrides ``train.max_steps`` (total optimizer steps: schedule horizon and end).
+        stop_after: stop after this many optimizer steps *in this call*, with a checkpoint, without
+            changing the schedule (time-sliced / preemptible jobs; tests).
+        device: ``"cpu"`` to force CPU.
+
+    Returns:
+        dict: ``step``, ``total_steps``, ``stopped`` (True when interrupted by a signal or
+        ``stop_after``), ``checkpoint`` (path of the last one written or loaded), ``export_dir``
+        (None when stopped early), ``final_val`` (validation metrics) and measured ``tokens_per_s``.
+
+    Raises:
+        UserError: bad inputs (missing/corrupt data files, shape mismatches, resume of a different
+            drafter shape, existing checkpoints without ``resume``).
+    """
+    d = init_distributed(device)
+    stop = StopFlag()
+    try:
+        return _run(cfg, d, stop, resume, max_steps, stop_after)
+    finally:
+        stop.restore()
+        if d.initialized_here and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: Optional[int],
+         stop_after: Optional[int]) -> dict:
+    t = cfg.train
+    train_dir = cfg.train_dir
+    if d.is_main:
+        train_dir.mkdir(parents=True, exist_ok=True)
+        ckpt.remove_stale_tmp(train_dir)
+    existing = ckpt.list_checkpoints(train_dir)
+    if existing and not resume:
+        raise UserError(f"{ckpt.ckpt_dir(train_dir)}: holds checkpoints (newest step {existing[-1][0]}); "
+                        f"pass --resume to continue, or set train.output_dir to a new folder")
+
+    # ---- inputs ----------------------------------------------------------------------------
+    data_config = read_data_config(cfg.shards_dir)
+    vocab = load_vocab_map(cfg.data_dir / VOCAB_MAP, target_vocab_size=int(data_config["vocab_size"]))
+    split = read_split(cfg.data_dir)
+    args = build_drafter_args(cfg, data_config, vocab)
+    head = prepare_target_head(cfg, data_config, d)
+    drafter = init_drafter(args, head, vocab, t.seed).to(d.device)
+    amp = _autocast_dtype(cfg, d.device)
+    feat_dtype = torch.bfloat16 if amp is not None else torch.float32
+    head_lm = head.lm_head.to(d.device, feat_dtype)  # [V, Ht]
+    head_norm = None if head.last_is_post_norm else head.norm_weight.to(d.device, feat_dtype)  # [Ht]
+    head_eps = float(head.norm_eps)
+    d2t_dev, t2d_dev = vocab["d2t"].to(d.device), vocab["t2d"].to(d.device)
+    del head
+
+    expect = expect_from_data_config(data_config)
+    max_len = int(data_config["max_length"])
+    train_ds = ShardDataset(cfg.shards_dir, split["train"], max_len, expect, "train")
+    val_ds = ShardDataset(cfg.shards_dir, split["val"], max_len, expect, "val") if split["val"] else None
+    sampler = ResumableSampler(train_ds, num_replicas=d.world, rank=d.rank, shuffle=True, seed=t.seed)
+    workers = 2 if d.device.type == "cuda" else 0
+    loader = DataLoader(train_ds, batch_size=t.batch_size, sampler=sampler, collate_fn=collate, drop_last=True,
+                        num_workers=workers, pin_memory=d.device.type == "cuda")
+    per_step = t.batch_size * t.grad_accum  # samples per rank per optimizer step
+    steps_per_epoch = (len(train_ds) // d.world) // per_step
+    if steps_per_epoch < 1:
+        raise UserError(f"{cfg.data_dir / 'split.json'}: key 'train': {len(train_ds)} samples, fewer than one optimizer "
+                        f"step needs (batch_size {t.batch_size} x grad_accum {t.grad_accum} x {d.world} processes)")
+    total_steps = math.ceil(t.epochs * steps_per_epoch)
+    horizon = max_steps if max_steps is not None else t.max_steps
+    if horizon is not None:
+        total_steps = min(total_steps, horizon)
+    eval_every = t.eval_every or steps_per_epoch
+
+    # ---- optimisation ----------------------------------------------------------------------
+    objective = TTTObjective(drafter, t.ttt_length, t.step_weight)
+    model = objective
+    if d.distributed:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(objective, device_ids=[d.device.index] if d.device.type == "cuda" else None)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
+    scheduler = build_scheduler(optimizer, total_steps, t.warmup_ratio)
+    fingerprint = _fingerprint(cfg, args)
+
+    step, epoch, samples_in_epoch, last_ckpt = 0, 0, 0, None
+    if resume:
+        found = ckpt.find_latest_checkpoint(train_dir)
+        if found is None:
+            log.warning("--resume: no usable checkpoint in %s; starting from step 0", ckpt.ckpt_dir(train_dir))
+        else:
+            path, state = found
+            ckpt.check_drafter_args(path, state["drafter_args"], dataclasses.asdict(args))
+            if state["config_fingerprint"] != fingerprint:
+                log.warning("%s: training settings differ from the checkpoint's (fingerprint %s != %s)", path,
+                            state["config_fingerprint"], fingerprint)
+            missing, unexpected = drafter.load_state_dict(state["model"], strict=False)
+            want = {n for n, p in drafter.named_parameters() if p.requires_grad}
+            lost = sorted(want & set(missing))
+            if lost or unexpected:
+                raise UserError(f"{path}: key 'model': missing {lost[:3]} unexpected {list(unexpected)[:3]}")
+            optimizer.load_state_dict(state["optimizer"])
+            scheduler.load_state_dict(state["scheduler"])
+            step, epoch, samples_in_epoch = int(state["step"]), int(state["epoch"]), int(state["samples_in_epoch"])
+            rngs = state["rng"]
+            if len(rngs) == d.world:
+                ckpt.restore_rng(rngs[d.rank])
+            else:
+                log.warning("%s: saved with %d processes, now %d; RNG states reseeded", path, len(rngs), d.world)
+                torch.manual_seed(t.seed + 1000 * step + d.rank)
+            last_ckpt = path
+            if d.is_main:
+                log.info("resumed from %s (step %d, epoch %d, %d samples into the epoch)", path, step, epoch,
+                         samples_in_epoch)
+
+    metrics = _Metrics(train_dir, step, d.is_main)
+
+    def save(step_now: int, ep: int, samples: int) -> Path:
+        rng = ckpt.capture_rng()
+        rngs = [None] * d.world
+        if d.distributed:
+            dist.all_gather_object(rngs, rng, group=d.ctrl_group)
+        else:
+            rngs = [rng]
+        path = ckpt.ckpt_path(train_dir, step_now)
+        if d.is_main:
+            path = ckpt.save_checkpoint(train_dir, {
+                "step": step_now, "epoch": ep, "samples_in_epoch": samples, "model": trainable_state(drafter),
+                "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rngs,
+                "drafter_args": dataclasses.asdict(args), "config_fingerprint": fingerprint, "world_size": d.world,
+            }, keep=t.keep_checkpoints)
+        _barrier(d)
+        return path
+
+    def targets(batch):
+        from eagle3.ttt import compute_targets
+
+        with torch.no_grad():
+            return compute_targets(batch["last"], head_lm, d2t_dev, t2d_dev, norm_weight=head_norm,
+                                   norm_eps=head_eps, chunk=TARGET_CHUNK)
+
+    def forward(batch):
+        tl, ind, tam = targets(batch)  # [B,L,dV], [B,L], [B,L]
+        ctx = torch.autocast(device_type=d.device.type, dtype=amp) if amp is not None else contextlib.nullcontext()
+        with ctx:
+            return model(batch["input_ids"], batch["aux"], tl, ind, tam, batch["loss_mask"])
+
+    def validate() -> dict:
+        if val_ds is None:
+            return {}
+        vs = DistributedSampler(val_ds, num_replicas=d.world, rank=d.rank, shuffle=False, drop_last=False)
+        vl = DataLoader(val_ds, batch_size=t.batch_size, sampler=vs, collate_fn=collate)
+        acc = _Accum()
+        drafter.eval()
+        with torch.no_grad():
+            for batch in vl:
+                batch = _move_batch(batch, d.device, feat_dtype)
+                loss, stats = forward(batch)
+                acc.add({"loss": loss, **stats})
+        drafter.train()
+        vals = _stats_to_floats(acc.mean())
+        keys = sorted(vals)
+        summed = _sum_ranks([vals[k] for k in keys], d)
+        return {k: v / d.world for k, v in zip(keys, summed)}
+
+    # ---- loop --------------------------------------------------------------------------------
+    drafter.train()
+    stopped = False
+    steps_this_call = 0
+    final_val: dict = {}
+    window = _Accum()
+    tok_window = 0  # real (non-pad) tokens of this rank since the last log, from CPU lengths
+    t_window = time.perf_counter()
+    tok_total, t_total = 0, 0.0
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total_steps, initial=step, disable=not d.is_main, desc="train", unit="step", dynamic_ncols=True)
+    samples_per_step_global = per_step * d.world
+    try:
+        while step < total_steps and not stopped:
+            k = samples_in_epoch // samples_per_step_global
+            if k >= steps_per_epoch:
+                epoch, samples_in_epoch, k = epoch + 1, 0, 0
+            sampler.set_epoch(epoch)
+            sampler.set_start(samples_in_epoch)
+            it = iter(loader)
+            for _ in range(k, steps_per_epoch):
+                if step >= total_steps:
+                    break
+                t_step = time.perf_counter()
+                for micro in range(t.grad_accum):
+                    batch = next(it)
+                    tok_window += int(batch["lengths"].sum())
+                    batch = _move_batch(batch, d.device, feat_dtype)
+                    sync = micro == t.grad_accum - 1
+                    ctx = model.no_sync() if (d.distributed and not sync) else contextlib.nullcontext()
+                    with ctx:
+                        loss, stats = forward(batch)
+                        (loss / t.grad_accum).backward()
+                    window.add({"loss": loss, **stats})
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                lr_used = scheduler.get_last_lr()[0]
+                scheduler.step()
+                step += 1
+                steps_this_call += 1
+                samples_in_epoch += samples_per_step_global
+                t_total += time.perf_counter() - t_step
+                bar.update(1)
+                if step % t.log_every == 0 or step == total_steps:
+                    means = _stats_to_floats(window.mean())
+                    elapsed = time.perf_counter() - t_window
+                    toks = _sum_ranks([float(tok_window)], d)[0]
+                    tok_total += toks
+                    row = {"kind": "train", "step": step, "epoch": epoch, "lr": lr_used,
+                           "grad_norm": float(grad_norm), "tokens_per_s": toks / max(elapsed, 1e-9), **means}
+                    metrics.write(row)
+                    bar.set_postfix(loss=f"{means.get('loss', float('nan')):.4f}", lr=f"{lr_used:.2e}")
+                    window = _Accum()
+                    tok_window, t_window = 0, time.perf_counter()
+                if step % eval_every == 0 and step != total_steps:
+                    val = validate()
+                    if val:
+                        metrics.write({"kind": "val", "step": step, "epoch": epoch, **val})
+                want_stop = stop.requested or (stop_after is not None and steps_this_call >= stop_after)
+                stopped = _any_rank(want_stop, d)
+                if step % t.ckpt_every == 0 or stopped or step == total_steps:
+                    last_ckpt = save(step, epoch, samples_in_epoch)
+                if stopped:
+                    if d.is_main:
+                        why = f"signal {stop.signum}" if stop.signum else f"stop_after={stop_after}"
+                        log.info("stopped at step %d (%s); checkpoint %s", step, why, last_ckpt)
+                    break
+    finally:
+        bar.close()
+
+    result = {"step": step, "total_steps": total_steps, "stopped": stopped,
+              "checkpoint": str(last_ckpt) if last_ckpt else None, "export_dir": None, "final_val": {},
+              "tokens_per_s": (tok_total / t_total) if t_total > 0 else None}
+    if stopped:
+        metrics.close()
+        return result
+
+    # ---- end: final validation, export, report -----------------------------------------------
+    final_val = validate()
+    if final_val:
+        metrics.write({"kind": "val", "step": step, "epoch": epoch, **final_val})
+    result["final_val"] = final_val
+    metrics.close()
+    if d.is_main:
+        from eagle3.export import export_drafter
+
+        verifier_info = {k: data_config[k] for k in ("verifier", "architecture", "num_layers", "hidden_size",
+                                                      "vocab_size", "last_hidden_state")}
+        export_drafter(drafter, cfg.export_dir, engine=cfg.export.engine, aux_layers_hf=list(data_config["aux_layers"]),
+                       verifier_info=verifier_info)
+        result["export_dir"] = str(cfg.export_dir)
+        write_report(train_dir, result, args)
+    _barrier(d)
+    return result
+
+
+def write_report(train_dir: Path, result: dict, args) -> None:
+    """``train_report.json`` + ``train_report.md`` (final validation per TTT step) + ``loss.png`` (train/val loss)."""
+    rows = _read_metrics(train_dir / "metrics.jsonl")
+    report = dict(result, drafter_args=dataclasses.asdict(args))
+    atomic_write_json(train_dir / "train_report.json", report)
+    val = result.get("final_val") or {}
+    acc_keys = sorted((k for k in val if k.startswith("acc_")), key=lambda k: int(k.split("_")[-1]))
+    lines = ["# Training report", "", f"- optimizer steps: {result['step']} / {result['total_steps']}",
+             f"- checkpoint: `{result['checkpoint']}`", f"- export: `{result['export_dir']}`"]
+    if result.get("tokens_per_s"):
+        lines.append(f"- training throughput: {result['tokens_per_s']:.0f} tokens/s (all ranks)")
+    if "loss" in val:
+        lines.append(f"- final validation loss: {val['loss']:.4f}")
+    if acc_keys:
+        lines += ["", "| TTT step | val top-1 acc |", "|---:|---:|"]
+        lines += [f"| {k.split('_')[-1]} | {val[k]:.4f} |" for k in acc_keys]
+    atomic_write_text(train_dir / "train_report.md", "\n".join(lines) + "\n")
+    tr = [(r["step"], r["loss"]) for r in rows if r.get("kind") == "train" and "loss" in r]
+    va = [(r["step"], r["loss"]) for r in rows if r.get("kind") == "val" and "loss" in r]
+    if tr:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot(*zip(*tr), label="train")
+        if va:
+            ax.plot(*zip(*va), "o-", label="val")
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("TTT loss")
+        ax.legend()
+        fig.tight_layout()
+        from eagle3.io import atomic_path
+
+        with atomic_path(train_dir / "loss.png") as tmp:
+            fig.savefig(tmp, format="png")
+        plt.close(fig)
