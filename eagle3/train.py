@@ -248,22 +248,29 @@ def init_drafter(args, head: TargetHead, vocab: dict, seed: int):
 class TTTObjective(nn.Module):
     """The drafter + TTT loss as one ``forward``, so that DDP sees every trainable use in forward.
 
-    ``forward(input_ids [B,L] int64, aux [B,L,3Ht], target_logp [B,L,dV], in_draft [B,L] bool,
-    target_argmax [B,L] int64, loss_mask [B,L]) -> (loss scalar, stats dict)``.
+    ``forward(input_ids [B,L] int64, aux [B,L,3Ht], target_logp [B,L,dV] float32, in_draft [B,L] bool,
+    target_argmax [B,L] int64, loss_mask [B,L]) -> (loss scalar, metrics)``, where ``metrics`` is
+    :func:`eagle3.ttt.ttt_loss`'s dict of per-TTT-step tensors ``[K]`` (``loss``, ``acc``,
+    ``correct``, ``count``).
+
+    Args:
+        checkpoint_logits: recompute each step's ``[B, L, dV]`` logits in backward instead of
+            storing them (``ttt_loss(checkpoint=True)``); used on GPU, where memory binds.
     """
 
-    def __init__(self, drafter: nn.Module, ttt_length: int, step_weight: float):
+    def __init__(self, drafter: nn.Module, ttt_length: int, step_weight: float, checkpoint_logits: bool = False):
         super().__init__()
         self.drafter = drafter
         self.ttt_length = ttt_length
         self.step_weight = step_weight
+        self.checkpoint_logits = checkpoint_logits
 
     def forward(self, input_ids, aux, target_logp, in_draft, target_argmax, loss_mask):
-        from eagle3.ttt import ttt_loss
+        from eagle3.ttt import TTTTargets, ttt_loss
 
-        step_hiddens = self.drafter.ttt_forward(input_ids, aux, self.ttt_length)  # list of [B, L, H]
-        return ttt_loss(self.drafter, step_hiddens, target_logp, in_draft, target_argmax, loss_mask,
-                        step_weight=self.step_weight)
+        step_hiddens = self.drafter.ttt_forward(input_ids, aux, self.ttt_length)  # K x [B, L, H]
+        return ttt_loss(self.drafter, step_hiddens, TTTTargets(target_logp, in_draft, target_argmax), loss_mask,
+                        step_weight=self.step_weight, checkpoint=self.checkpoint_logits)
 
 
 def trainable_state(drafter: nn.Module) -> dict[str, torch.Tensor]:
@@ -310,14 +317,17 @@ class StopFlag:
 class _Metrics:
     """Rank-0 sinks: ``metrics.jsonl`` (append + flush), TensorBoard."""
 
-    def __init__(self, train_dir: Path, start_step: int, enabled: bool):
+    def __init__(self, train_dir: Path, start_step: int, enabled: bool, finished: bool = False):
+        """Rows of steps after ``start_step`` (written before a kill, redone now) are dropped; so is the
+        final validation row when the run had already ``finished`` (it is recomputed)."""
         self.enabled = enabled
         self.path = train_dir / "metrics.jsonl"
         self.tb = None
         if not enabled:
             return
         rows = _read_metrics(self.path)
-        kept = [r for r in rows if r.get("step", 0) <= start_step]
+        kept = [r for r in rows if r.get("step", 0) < start_step or (
+            r.get("step", 0) == start_step and not (finished and r.get("kind") == "val"))]
         if len(kept) != len(rows) or (self.path.exists() and start_step == 0):
             atomic_write_jsonl(self.path, kept if start_step else [])
         from torch.utils.tensorboard import SummaryWriter
@@ -354,41 +364,52 @@ def _read_metrics(path: Path) -> list[dict]:
     return rows
 
 
-def _stats_to_floats(stats: dict, prefix: str = "") -> dict[str, float]:
-    """Flatten a stats dict of scalars / 1-D tensors (one entry per TTT step) into floats (host sync)."""
-    out = {}
-    for k, v in stats.items():
-        if isinstance(v, torch.Tensor):
-            v = v.detach().float().cpu()
-            if v.numel() == 1:
-                out[prefix + k] = float(v)
-            else:
-                for i, x in enumerate(v.reshape(-1).tolist()):
-                    out[f"{prefix}{k}_{i}"] = float(x)
-        elif isinstance(v, (int, float)):
-            out[prefix + k] = float(v)
-        elif isinstance(v, (list, tuple)):
-            for i, x in enumerate(v):
-                out[f"{prefix}{k}_{i}"] = float(x)
+def _reduce_totals(totals: dict[str, torch.Tensor], d: DistInfo) -> dict[str, torch.Tensor]:
+    """Sum :meth:`_Accum.totals` over ranks (CPU all-reduce on the gloo control group; host sync)."""
+    out = {k: v.detach().to("cpu", torch.float64) for k, v in totals.items()}
+    if d.distributed:
+        for k in sorted(out):
+            dist.all_reduce(out[k], group=d.ctrl_group)
     return out
 
 
 class _Accum:
-    """Sums tensors on the device without syncing; read once per log window."""
+    """Sums a window of micro-batch results on the device without host syncs; read at log steps.
+
+    ``add(loss, metrics)`` takes the scalar TTT loss and :func:`eagle3.ttt.ttt_loss`'s metrics.
+    :meth:`summary` gives ``loss`` (mean over micro-batches), ``step_loss_{i}`` (mean per-step CE)
+    and ``acc_{i}`` = sum(correct) / sum(count) over the window (token-weighted, per TTT step i).
+    """
 
     def __init__(self):
         self.sums: dict[str, torch.Tensor] = {}
         self.n = 0
 
-    def add(self, stats: dict) -> None:
+    def add(self, loss: torch.Tensor, metrics: dict) -> None:
         self.n += 1
-        for k, v in stats.items():
-            if isinstance(v, torch.Tensor):
-                v = v.detach().float()
-                self.sums[k] = self.sums[k] + v if k in self.sums else v.clone()
+        vals = {"loss": loss.detach().float(), "step_loss": metrics["loss"].detach().float(),  # [], [K]
+                "correct": metrics["correct"].detach().float(), "count": metrics["count"].detach().float()}  # [K]
+        for k, v in vals.items():
+            self.sums[k] = self.sums[k] + v if k in self.sums else v.clone()
 
-    def mean(self) -> dict[str, torch.Tensor]:
-        return {k: v / max(1, self.n) for k, v in self.sums.items()}
+    def totals(self) -> dict[str, torch.Tensor]:
+        """Raw sums (for cross-rank reduction) plus ``n``."""
+        return dict(self.sums, n=torch.tensor(float(self.n)))
+
+    @staticmethod
+    def summarize(sums: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Host-side floats from (possibly rank-summed) :meth:`totals`."""
+        if not sums or float(sums["n"]) == 0:
+            return {}
+        n = float(sums["n"])
+        out = {"loss": float(sums["loss"]) / n}
+        for i, x in enumerate((sums["step_loss"] / n).tolist()):
+            out[f"step_loss_{i}"] = x
+        acc = sums["correct"] / sums["count"].clamp(min=1)  # [K]
+        for i, x in enumerate(acc.tolist()):
+            out[f"acc_{i}"] = x
+        out["loss_tokens"] = float(sums["count"][0])
+        return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -501,7 +522,7 @@ def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: O
     eval_every = t.eval_every or steps_per_epoch
 
     # ---- optimisation ----------------------------------------------------------------------
-    objective = TTTObjective(drafter, t.ttt_length, t.step_weight)
+    objective = TTTObjective(drafter, t.ttt_length, t.step_weight, checkpoint_logits=d.device.type == "cuda")
     model = objective
     if d.distributed:
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -542,7 +563,7 @@ def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: O
                 log.info("resumed from %s (step %d, epoch %d, %d samples into the epoch)", path, step, epoch,
                          samples_in_epoch)
 
-    metrics = _Metrics(train_dir, step, d.is_main)
+    metrics = _Metrics(train_dir, step, d.is_main, finished=step >= total_steps)
 
     def save(step_now: int, ep: int, samples: int) -> Path:
         rng = ckpt.capture_rng()
@@ -568,11 +589,11 @@ def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: O
             return compute_targets(batch["last"], head_lm, d2t_dev, t2d_dev, norm_weight=head_norm,
                                    norm_eps=head_eps, chunk=TARGET_CHUNK)
 
-    def forward(batch):
+    def forward(batch, module: nn.Module):
         tl, ind, tam = targets(batch)  # [B,L,dV], [B,L], [B,L]
         ctx = torch.autocast(device_type=d.device.type, dtype=amp) if amp is not None else contextlib.nullcontext()
         with ctx:
-            return model(batch["input_ids"], batch["aux"], tl, ind, tam, batch["loss_mask"])
+            return module(batch["input_ids"], batch["aux"], tl, ind, tam, batch["loss_mask"])
 
     def validate() -> dict:
         if val_ds is None:
@@ -584,13 +605,10 @@ def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: O
         with torch.no_grad():
             for batch in vl:
                 batch = _move_batch(batch, d.device, feat_dtype)
-                loss, stats = forward(batch)
-                acc.add({"loss": loss, **stats})
+                loss, stats = forward(batch, objective)  # no DDP wrapper: no gradient sync in eval
+                acc.add(loss, stats)
         drafter.train()
-        vals = _stats_to_floats(acc.mean())
-        keys = sorted(vals)
-        summed = _sum_ranks([vals[k] for k in keys], d)
-        return {k: v / d.world for k, v in zip(keys, summed)}
+        return _Accum.summarize(_reduce_totals(acc.totals(), d))
 
     # ---- loop --------------------------------------------------------------------------------
     drafter.train()
@@ -624,9 +642,9 @@ def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: O
                     sync = micro == t.grad_accum - 1
                     ctx = model.no_sync() if (d.distributed and not sync) else contextlib.nullcontext()
                     with ctx:
-                        loss, stats = forward(batch)
+                        loss, stats = forward(batch, model)
                         (loss / t.grad_accum).backward()
-                    window.add({"loss": loss, **stats})
+                    window.add(loss, stats)
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -638,7 +656,7 @@ def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: O
                 t_total += time.perf_counter() - t_step
                 bar.update(1)
                 if step % t.log_every == 0 or step == total_steps:
-                    means = _stats_to_floats(window.mean())
+                    means = _Accum.summarize(_reduce_totals(window.totals(), d))
                     elapsed = time.perf_counter() - t_window
                     toks = _sum_ranks([float(tok_window)], d)[0]
                     tok_total += toks
@@ -680,8 +698,8 @@ def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: O
     if d.is_main:
         from eagle3.export import export_drafter
 
-        verifier_info = {k: data_config[k] for k in ("verifier", "architecture", "num_layers", "hidden_size",
-                                                      "vocab_size", "last_hidden_state")}
+        verifier_info = {"name": data_config["verifier"],
+                         **{k: data_config[k] for k in ("architecture", "num_layers", "hidden_size", "vocab_size")}}
         export_drafter(drafter, cfg.export_dir, engine=cfg.export.engine, aux_layers_hf=list(data_config["aux_layers"]),
                        verifier_info=verifier_info)
         result["export_dir"] = str(cfg.export_dir)

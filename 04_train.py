@@ -1,0 +1,34 @@
+#!/usr/bin/env python
+"""Stage 04: train the EAGLE-3 drafter on the captured shards, then export it for SGLang/vLLM.
+
+Single process: ``python 04_train.py --config configs/smollm2-135m.yaml``
+Several GPUs:   ``torchrun --nproc_per_node 8 04_train.py --config configs/kimi-k2.5.yaml``
+Continue after a crash/preemption: add ``--resume`` (newest complete checkpoint in {train_dir}/checkpoints).
+SIGTERM/SIGINT finish the current optimizer step, write a checkpoint and exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from eagle3.cli import run_main
+from eagle3.config import add_config_args, load_config
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_config_args(p)
+    p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
+    p.add_argument("--max-steps", type=int, default=None, help="total optimizer steps (overrides train.max_steps)")
+    a = p.parse_args(argv)
+    if a.max_steps is not None and a.max_steps < 1:
+        p.error("--max-steps must be >= 1")
+    cfg = load_config(a.config, a.overrides)
+    from eagle3.train import run
+
+    run(cfg, resume=a.resume, max_steps=a.max_steps)
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,101 @@
+"""Helpers for the training tests: a tiny synthetic stage-02/03 output and a run YAML over it.
+
+``make_tiny_run`` writes everything stage 04 reads, without a verifier:
+speculators-v1 shards (``eagle3.shards.write_sample``) + ``data_config.json``, ``vocab_map.pt``,
+``split.json`` and ``{train_dir}/target_head.safetensors``; the drafter shape is fully given in the
+YAML, so the verifier path is never opened.
+
+Run as a script it is one DDP worker: ``python tests/_ddp_worker.py CONFIG [--set k=v ...]`` under
+``torchrun``-style env vars (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) trains on CPU with gloo.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from eagle3.shards import FORMAT, LAYER_INDEX_CONVENTION, write_data_config, write_sample  # noqa: E402
+from eagle3.target_head import TargetHead  # noqa: E402
+from eagle3.vocab import save_vocab_map  # noqa: E402
+
+
+def make_tiny_run(root: Path, n_train: int = 8, n_val: int = 2, lengths=(12, 9, 16, 7), hidden: int = 16,
+                  vocab: int = 48, draft_vocab: int = 24, equal_lengths: bool = False, seed: int = 0,
+                  train: dict | None = None, pre_norm: bool = False) -> Path:
+    """Write a tiny synthetic run under ``root`` and return its YAML path.
+
+    Shards: ``n_train + n_val`` samples, lengths cycling through ``lengths`` (all ``lengths[0]`` when
+    ``equal_lengths``), random bf16 hidden states ``[L, hidden]``, loss mask 1 after the first 2 tokens
+    (all ones when ``equal_lengths``). Vocab map: draft ids = every second target id. Target head:
+    random ``[vocab, hidden]`` embedding/lm_head (untied) and norm weight.
+    """
+    g = torch.Generator().manual_seed(seed)
+    shards = root / "shards"
+    data = root / "data"
+    n = n_train + n_val
+    for idx in range(n):
+        L = lengths[0] if equal_lengths else lengths[idx % len(lengths)]
+        ids = torch.randint(0, vocab, (L,), generator=g)  # [L]
+        mask = torch.ones(L, dtype=torch.int64) if equal_lengths else (torch.arange(L) >= 2).long()  # [L]
+        hs = [torch.randn(L, hidden, generator=g) for _ in range(4)]  # 4 x [L, H]
+        write_sample(shards, idx, 4, ids, hs, mask)
+    write_data_config(shards, {
+        "format": FORMAT, "verifier": "synthetic", "architecture": "LlamaForCausalLM", "num_layers": 6,
+        "hidden_size": hidden, "vocab_size": vocab, "aux_layers": [2, 3, 4],
+        "layer_index_convention": LAYER_INDEX_CONVENTION, "last_hidden_state": "pre_norm" if pre_norm else "post_norm",
+        "dtype": "bfloat16", "max_length": max(lengths), "rows_per_dir": 4, "chat_template_hash": None,
+        "config_fingerprint": "x", "prompts_sha256": "x", "num_samples": n, "num_tokens": 0, "num_loss_tokens": 0,
+        "bytes_per_token": 8 * hidden, "skipped": {},
+    })
+    data.mkdir(parents=True, exist_ok=True)
+    target_ids = torch.arange(0, 2 * draft_vocab, 2)  # [dV] every second id
+    d2t = target_ids - torch.arange(draft_vocab)  # [dV] offsets
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[target_ids] = True
+    save_vocab_map(data / "vocab_map.pt", d2t, t2d)
+    (data / "split.json").write_text(json.dumps({"train": list(range(n_train)), "val": list(range(n_train, n))}))
+    train_dir = root / "train"
+    TargetHead(embed=torch.randn(vocab, hidden, generator=g), lm_head=torch.randn(vocab, hidden, generator=g),
+               norm_weight=1 + 0.1 * torch.randn(hidden, generator=g), norm_eps=1e-6,
+               last_is_post_norm=not pre_norm).save(train_dir)
+    cfg = {
+        "run_name": "tiny",
+        "output_root": str(root),
+        "verifier": {"path": str(root / "no-verifier-needed")},
+        "prompts": {"source": "unused.jsonl"},
+        "drafter": {"hidden_size": hidden, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 4,
+                    "intermediate_size": 32, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+                    "max_position_embeddings": 64},
+        "train": {"ttt_length": 3, "lr": 1e-2, "warmup_ratio": 0.25, "epochs": 2, "batch_size": 2, "grad_accum": 1,
+                  "log_every": 1, "ckpt_every": 2, "keep_checkpoints": 2, "seed": seed, **(train or {})},
+        "export": {"engine": "sglang"},
+    }
+    path = root / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    from eagle3.config import add_config_args, load_config
+    from eagle3.train import run
+
+    p = argparse.ArgumentParser()
+    add_config_args(p)
+    p.add_argument("--resume", action="store_true")
+    a = p.parse_args(argv)
+    run(load_config(a.config, a.overrides), resume=a.resume, device="cpu")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
