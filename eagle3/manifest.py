@@ -87,11 +87,17 @@ class ManifestWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._f = open(self.path, "a", encoding="utf-8")
 
-    def append(self, idx: int, sample_id: str, num_tokens: int) -> None:
-        """Record that shard ``idx`` (prompt ``sample_id``, ``num_tokens`` tokens) is on disk."""
-        self._f.write(json.dumps({"idx": int(idx), "id": str(sample_id), "num_tokens": int(num_tokens)}) + "\n")
+    def append(self, idx: int, sample_id: str, num_tokens: int, **extra) -> dict:
+        """Record that shard ``idx`` (prompt ``sample_id``, ``num_tokens`` tokens) is on disk.
+
+        ``extra`` JSON-serialisable fields (e.g. ``num_loss_tokens``) are stored on the same line.
+        Returns the row written.
+        """
+        row = {"idx": int(idx), "id": str(sample_id), "num_tokens": int(num_tokens), **extra}
+        self._f.write(json.dumps(row) + "\n")
         self._f.flush()
         os.fsync(self._f.fileno())
+        return row
 
     def close(self) -> None:
         self._f.close()

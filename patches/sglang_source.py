@@ -93,3 +93,23 @@ def compile_def(path: str | Path, qualname: str, namespace: Optional[dict] = Non
     ns = dict(namespace or {})
     exec(compile(mod, f"{path}::{qualname}", "exec"), ns)  # noqa: S102 - SGLang's own, installed source
     return ns[node.name]
+
+
+def compile_class(path: str | Path, name: str, namespace: Optional[dict] = None) -> type:
+    """Compile one top-level class from a source file in ``namespace`` (e.g. SGLang's ``CaptureHiddenMode``)."""
+    tree = ast.parse(Path(path).read_text(encoding="utf-8"))
+    node = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name), None)
+    if node is None:
+        raise LookupError(f"{path}: no class '{name}'")
+    ns = dict(namespace or {})
+    exec(compile(ast.Module(body=[node], type_ignores=[]), f"{path}::{name}", "exec"), ns)  # noqa: S102
+    return ns[name]
+
+
+def load_file_module(path: str | Path, name: str):
+    """Import one SGLang source file as a standalone module (only for files whose imports are
+    satisfied without SGLang's dependencies, e.g. ``srt/layers/aux_hidden_states.py``)."""
+    spec = importlib.util.spec_from_file_location(name, str(path))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
