@@ -34,7 +34,7 @@ def make_tiny_run(root: Path, n_train: int = 8, n_val: int = 2, lengths=(12, 9, 
 
     Shards: ``n_train + n_val`` samples, lengths cycling through ``lengths`` (all ``lengths[0]`` when
     ``equal_lengths``), random bf16 hidden states ``[L, hidden]``, loss mask 1 after the first 2 tokens
-    (all ones when ``equal_lengths``). Vocab map: draft ids = every second target id. Target head:
+    (all ones when ``equal_lengths``). Vocab map: draft ids = every ``vocab // draft_vocab``-th target id. Target head:
     random ``[vocab, hidden]`` embedding/lm_head (untied) and norm weight.
     """
     g = torch.Generator().manual_seed(seed)
@@ -56,7 +56,8 @@ def make_tiny_run(root: Path, n_train: int = 8, n_val: int = 2, lengths=(12, 9, 
         "bytes_per_token": 8 * hidden, "skipped": {},
     })
     data.mkdir(parents=True, exist_ok=True)
-    target_ids = torch.arange(0, 2 * draft_vocab, 2)  # [dV] every second id
+    stride = vocab // draft_vocab
+    target_ids = torch.arange(0, stride * draft_vocab, stride)  # [dV] every stride-th id (identity if equal)
     d2t = target_ids - torch.arange(draft_vocab)  # [dV] offsets
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[target_ids] = True
