@@ -105,8 +105,8 @@ class DrafterArgs:
         get = (lambda k, d=None: cfg.get(k, d)) if isinstance(cfg, dict) else (lambda k, d=None: getattr(cfg, k, d))
         rp = get("rope_parameters") or {}
         rs = get("rope_scaling") or (rp if rp.get("rope_type", "default") != "default" else None)
-        if rs and rs.get("rope_type", rs.get("type")) not in ("default", "linear", "llama3"):
-            rs = None
+        if rs and rs.get("rope_type", rs.get("type")) not in ("linear", "llama3"):
+            rs = None  # default rope (transformers 5 reports it as a dict), or an unsupported type
         H = get("hidden_size")
         heads = get("num_attention_heads")
         vals = dict(
