@@ -123,7 +123,7 @@ def server(tmp_path, monkeypatch):
             self._send(200, st.generate(body))
 
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    t = threading.Thread(target=httpd.serve_forever, daemon=True)
+    t = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     t.start()
     st.url = f"http://127.0.0.1:{httpd.server_address[1]}"
     yield st
