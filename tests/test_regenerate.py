@@ -1,0 +1,91 @@
+"""Batched, left-padded greedy regeneration equals a plain per-sample greedy loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eagle3.chat import end_of_turn_ids
+from eagle3.config import VerifierConfig
+from eagle3.regenerate import generate_greedy, regenerate
+from eagle3.verifier import load_verifier
+
+MAX_NEW = 6
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama_dir):
+    return load_verifier(VerifierConfig(path=str(tiny_llama_dir), dtype="float32"), device="cpu")
+
+
+@torch.no_grad()
+def _reference_greedy(model, prompt: list[int], max_new: int, stops: set[int]) -> list[int]:
+    """Unbatched, unpadded, uncached greedy decoding: argmax of the last position, one token at a time."""
+    seq = list(prompt)
+    out = []
+    for _ in range(max_new):
+        logits = model(torch.tensor([seq]), logits_to_keep=1).logits  # [1, 1, V]
+        nxt = int(logits[0, -1].argmax())
+        if nxt in stops:
+            break
+        out.append(nxt)
+        seq.append(nxt)
+    return out
+
+
+def _reference_regenerate(model, tok, conv, max_new):
+    stops = end_of_turn_ids(tok)
+    msgs = [m for m in conv["messages"] if m["role"] == "system"]
+    for u in [m["content"] for m in conv["messages"] if m["role"] == "user"]:
+        msgs.append({"role": "user", "content": u})
+        text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        prompt = tok(text, add_special_tokens=False)["input_ids"]
+        ans = _reference_greedy(model, prompt, max_new, stops)
+        msgs.append({"role": "assistant", "content": tok.decode(ans, skip_special_tokens=True)})
+    return {"id": conv["id"], "messages": msgs}
+
+
+CONVS = [
+    {"id": "a", "messages": [{"role": "user", "content": "Write a long story about a dragon and a knight."},
+                             {"role": "assistant", "content": "old answer"}]},
+    {"id": "b", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]},
+    {"id": "c", "messages": [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "x"},
+                             {"role": "user", "content": "Another one, please?"},
+                             {"role": "assistant", "content": "y"}]},
+    {"id": "d", "messages": [{"role": "user", "content": "Question one?"}, {"role": "user", "content": "And two?"}]},
+]
+
+
+def test_batched_equals_unbatched_greedy(tiny):
+    model, tok = tiny
+    stats = {}
+    got = regenerate(model, tok, CONVS, max_new_tokens=MAX_NEW, batch_size=3, stats=stats)
+    want = [_reference_regenerate(model, tok, c, MAX_NEW) for c in CONVS]
+    assert got == want
+    # structure: system kept, user turns kept, one fresh answer per user turn
+    assert [[m["role"] for m in c["messages"]] for c in got] == [
+        ["user", "assistant"], ["system", "user", "assistant"],
+        ["user", "assistant", "user", "assistant"], ["user", "assistant", "user", "assistant"]]
+    assert got[0]["messages"][1]["content"] != "old answer"
+    assert stats["answers"] == 6
+    assert 0 <= stats["new_tokens"] <= 6 * MAX_NEW
+
+
+def test_generate_greedy_stops_and_strips_stop_token(tiny):
+    model, tok = tiny
+    prompts = [[1, 4093, 198, 26843, 2], [1, 4093, 198, 34, 27, 34, 47, 2, 198, 1, 520, 9531, 198]]
+    free = [_reference_greedy(model, p, MAX_NEW, set()) for p in prompts]
+    # declare the 3rd free-running token of prompt 0 a stop token: the answer is cut just before it
+    stop = free[0][2]
+    got = generate_greedy(model, prompts, MAX_NEW, {stop}, pad_id=tok.pad_token_id)
+    for (ans, stopped), ref in zip(got, free):
+        cut = ref.index(stop) if stop in ref else None
+        assert ans == (ref[:cut] if cut is not None else ref)
+        assert stopped == (cut is not None)
+    assert got[0][1] and len(got[0][0]) == free[0].index(stop)
+
+
+def test_bad_arguments(tiny):
+    model, tok = tiny
+    with pytest.raises(ValueError):
+        regenerate(model, tok, CONVS, max_new_tokens=0, batch_size=1)
