@@ -1,0 +1,44 @@
+#!/usr/bin/env python
+"""Stage 02: run the verifier over the prompts and write EAGLE-3 hidden-state shards (resumable).
+
+    python 02_extract_hidden.py --config configs/smollm2-135m.yaml
+    python 02_extract_hidden.py --config configs/kimi-k2.5.yaml --backend sglang --server http://host:30000
+
+Re-running the same command after a crash resumes (finished shards are kept, none is rewritten).
+A run whose config/prompts/verifier changed is refused unless --overwrite (deletes the old shards).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from eagle3.cli import run_main
+from eagle3.config import add_config_args, load_config
+from eagle3.errors import UserError
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_config_args(p)
+    p.add_argument("--backend", choices=["hf", "sglang"], default=None, help="overrides extract.backend")
+    p.add_argument("--server", default=None, metavar="URL", help="SGLang server URL (overrides extract.sglang_url)")
+    p.add_argument("--overwrite", action="store_true", help="delete existing shards in the output folder and start over")
+    p.add_argument("--limit", type=int, default=None, metavar="N", help="only the first N prompts")
+    a = p.parse_args(argv)
+    if a.limit is not None and a.limit < 1:
+        raise UserError(f"--limit: must be >= 1, got {a.limit}")
+    cfg = load_config(a.config, a.overrides)
+    if a.backend:
+        cfg.extract.backend = a.backend
+    if a.server:
+        cfg.extract.sglang_url = a.server
+    from eagle3.extract import run
+
+    s = run(cfg, overwrite=a.overwrite, limit=a.limit)
+    print(f"{s['samples']} samples ({s['written']} written, {s['resumed']} resumed), {s['num_tokens']} tokens, "
+          f"{s['captured_tokens_per_s']} tok/s -> {s['shards_dir']}")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)
