@@ -1,0 +1,48 @@
+#!/usr/bin/env python
+"""Stage 05: benchmark an EAGLE-3 drafter.
+
+Offline (default): greedy vs chain speculative decoding with the transformers verifier, lossless
+check, acceptance length tau, per-position acceptance, tokens/s and speedup ->
+{bench_dir}/bench.json, bench.md, acceptance.png.
+
+Server mode (--server URL [URL2]): benchmark a running SGLang server started with
+--speculative-algorithm EAGLE3 (URL2 = same verifier without speculation, for the speedup) ->
+{bench_dir}/server_bench.json, server_bench.md, server_acceptance.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from eagle3.cli import run_main
+from eagle3.config import add_config_args, load_config
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_args(p)
+    p.add_argument("--drafter", help="exported drafter folder (default: cfg.export_dir)")
+    p.add_argument("--datasets", nargs="+", help="mtbench, humaneval, gsm8k or JSONL prompt files (default: benchmark.datasets; mtbench with --server)")
+    p.add_argument("--steps", type=int, help="chain draft length k (default: benchmark.steps)")
+    p.add_argument("--num-prompts", type=int, help="first N prompts of each dataset (default: benchmark.num_prompts)")
+    p.add_argument("--max-new-tokens", type=int, help="default: benchmark.max_new_tokens")
+    p.add_argument("--server", nargs="+", metavar="URL", help="SGLang server URL (EAGLE3) [+ baseline server URL]")
+    p.add_argument("--concurrency", type=int, default=1, help="requests in flight per server (--server mode)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per HTTP request (--server mode)")
+    a = p.parse_args(argv)
+    cfg = load_config(a.config, a.overrides)
+    for name in ("steps", "num_prompts", "max_new_tokens"):
+        v = getattr(a, name)
+        if v is not None and v < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if a.server:
+        from eagle3 import server_bench
+
+        return server_bench.run(cfg, a.server, a.datasets, a.num_prompts, a.max_new_tokens, a.concurrency, a.timeout)
+    from eagle3 import benchmark
+
+    return benchmark.run(cfg, a.drafter, a.datasets, a.steps, a.num_prompts, a.max_new_tokens)
+
+
+if __name__ == "__main__":
+    run_main(main)

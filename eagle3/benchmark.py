@@ -1,0 +1,423 @@
+"""Stage 05: offline benchmark of an exported EAGLE-3 drafter against its verifier (transformers).
+
+For each dataset, every prompt is decoded twice in the same run, greedy (baseline) and with chain
+speculative decoding (:mod:`eagle3.decode`), and the outputs must agree token for token.
+
+Metrics (names as in SGLang/SpecForge reports):
+
+- ``tau`` (acceptance length): mean over verify steps of accepted draft tokens + 1 (the bonus),
+  = SGLang's ``spec_accept_length`` (completion tokens / verify steps) up to the trimming of the
+  last step at EOS / max_new_tokens.
+- ``conditional[k]`` = P(draft position k+1 accepted | positions <= k accepted), the chain
+  acceptance rate of each position; ``unconditional[k]`` = P(positions 1..k+1 all accepted).
+  tau = 1 + sum(unconditional).
+- tokens/s with and without the drafter (generated tokens / wall seconds incl. prefill) and
+  ``speedup`` = their ratio.
+
+Precision: on CPU the verifier is run in float32 and any greedy/speculative difference is a
+failure (``UserError`` after the reports are written). In bf16/fp16 a batched verify forward can
+round differently from greedy's one-token forwards and flip an argmax on a near-tie; such
+differences are counted and listed (``mismatches``) but do not fail the run.
+
+Outputs in ``cfg.bench_dir``: ``bench.json``, ``bench.md`` and ``acceptance.png`` (atomic).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+from tqdm import tqdm
+
+from eagle3.config import RunConfig
+from eagle3.decode import greedy_generate, speculative_generate
+from eagle3.errors import UserError
+from eagle3.eval_prompts import EvalPrompt, dataset_label, load_eval_prompts
+from eagle3.io import atomic_write_bytes, atomic_write_json, atomic_write_text, read_json
+
+log = logging.getLogger(__name__)
+
+TRAIN_META = "eagle3_train.json"
+DATA_CONFIG = "data_config.json"
+
+
+# ---------------------------------------------------------------------------------------------
+# acceptance bookkeeping
+# ---------------------------------------------------------------------------------------------
+def rates_from_hist(hist: Sequence[int], steps: int) -> dict:
+    """Per-position chain acceptance from a histogram of accepted drafts per verify step.
+
+    Args:
+        hist: ``hist[a]`` = verify steps that accepted exactly ``a`` drafts (SGLang's
+            ``spec_correct_drafts_histogram``); may be shorter than ``steps + 1``.
+        steps: drafted tokens per verify step (k).
+
+    Returns:
+        dict ``conditional`` (k floats, P(position k+1 accepted | positions <= k accepted), NaN when no
+        step reached position k+1's turn) and ``unconditional`` (k floats, fraction of verify steps that
+        accepted position k+1; tau = 1 + sum of these).
+    """
+    hist = list(hist) + [0] * max(0, steps + 1 - len(hist))
+    n = sum(hist)
+    reach = [sum(hist[k:]) for k in range(steps + 1)]  # reach[k] = steps with >= k accepted drafts
+    nan = float("nan")
+    return {
+        "conditional": [reach[k + 1] / reach[k] if reach[k] else nan for k in range(steps)],
+        "unconditional": [reach[k + 1] / n if n else nan for k in range(steps)],
+    }
+
+
+def acceptance_stats(accepted: Sequence[Sequence[bool]], steps: int) -> dict:
+    """Acceptance statistics of chain drafting from per-verify-step flags.
+
+    Args:
+        accepted: one entry per verify step, ``steps`` booleans; flag k = draft position k+1 accepted
+            (a prefix of True values, as :class:`eagle3.decode.SpecResult.accepted`).
+        steps: drafted tokens per verify step (k).
+
+    Returns:
+        dict ``verify_steps`` (int), ``tau`` (float, mean accepted drafts + 1 per verify step; NaN when
+        no step), ``accepted_hist`` (k+1 ints: steps with exactly a accepted drafts), and
+        ``conditional`` / ``unconditional`` as in :func:`rates_from_hist`.
+
+    Raises:
+        ValueError: a flag list of the wrong length or not a prefix of True values (a caller bug).
+    """
+    hist = [0] * (steps + 1)
+    for flags in accepted:
+        if len(flags) != steps:
+            raise ValueError(f"acceptance_stats: expected {steps} flags per verify step, got {len(flags)}")
+        a = 0
+        while a < steps and flags[a]:
+            a += 1
+        if any(flags[a:]):
+            raise ValueError(f"acceptance_stats: flags {list(flags)} are not a prefix of accepted positions")
+        hist[a] += 1
+    n = len(accepted)
+    return {
+        "verify_steps": n,
+        "tau": (sum(a * c for a, c in enumerate(hist)) / n + 1.0) if n else float("nan"),
+        "accepted_hist": hist,
+        **rates_from_hist(hist, steps),
+    }
+
+
+def first_mismatch(a: Sequence[int], b: Sequence[int]) -> Optional[int]:
+    """Index of the first differing token of two sequences (length difference counts); None if equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+# ---------------------------------------------------------------------------------------------
+# one dataset
+# ---------------------------------------------------------------------------------------------
+def bench_prompts(
+    verifier,
+    drafter,
+    prompts_ids: Sequence[tuple[str, list[int]]],
+    aux_layers: Sequence[int],
+    steps: int,
+    max_new_tokens: int,
+    eos_ids: Sequence[int],
+    label: str = "prompts",
+    progress: bool = True,
+) -> dict:
+    """Greedy vs speculative decoding of tokenised prompts; lossless check per prompt.
+
+    Args:
+        verifier, drafter: see :func:`eagle3.decode.speculative_generate`.
+        prompts_ids: ``(id, chat-rendered prompt ids)`` pairs.
+        aux_layers: HF ``hidden_states`` indices of the drafter's aux features.
+        steps, max_new_tokens, eos_ids: decoding settings (temperature 0).
+        label: dataset label (tqdm and report).
+
+    Returns:
+        dict: ``dataset``, ``num_prompts``, acceptance stats (:func:`acceptance_stats`),
+        ``greedy_tokens``, ``greedy_seconds``, ``greedy_tokens_per_s``, ``spec_tokens``,
+        ``spec_seconds``, ``spec_tokens_per_s``, ``speedup``, ``draft_seconds``, ``verify_seconds``,
+        ``mismatches`` (list of ``{id, index}``: first differing output token), ``per_prompt``.
+    """
+    per_prompt, accepted = [], []
+    g_tok = g_sec = s_tok = s_sec = d_sec = v_sec = 0.0
+    mismatches = []
+    for pid, ids in tqdm(prompts_ids, desc=f"bench {label}", unit="prompt", disable=not progress):
+        g_tokens, g_seconds = greedy_generate(verifier, ids, max_new_tokens, eos_ids)
+        res = speculative_generate(verifier, drafter, ids, aux_layers, steps, max_new_tokens, eos_ids)
+        diff = first_mismatch(g_tokens, res.tokens)
+        if diff is not None:
+            mismatches.append({"id": pid, "index": diff})
+        accepted.extend(res.accepted)
+        g_tok += len(g_tokens)
+        g_sec += g_seconds
+        s_tok += len(res.tokens)
+        s_sec += res.seconds
+        d_sec += res.draft_seconds
+        v_sec += res.verify_seconds
+        per_prompt.append({
+            "id": pid, "prompt_tokens": len(ids), "greedy_tokens": len(g_tokens), "spec_tokens": len(res.tokens),
+            "greedy_seconds": g_seconds, "spec_seconds": res.seconds, "accept_lengths": res.accept_lengths,
+            "lossless": diff is None,
+        })
+    stats = acceptance_stats(accepted, steps)
+    g_tps = g_tok / g_sec if g_sec > 0 else float("nan")
+    s_tps = s_tok / s_sec if s_sec > 0 else float("nan")
+    return {
+        "dataset": label,
+        "num_prompts": len(prompts_ids),
+        **stats,
+        "greedy_tokens": int(g_tok), "greedy_seconds": g_sec, "greedy_tokens_per_s": g_tps,
+        "spec_tokens": int(s_tok), "spec_seconds": s_sec, "spec_tokens_per_s": s_tps,
+        "speedup": s_tps / g_tps if g_sec > 0 and s_sec > 0 else float("nan"),
+        "draft_seconds": d_sec, "verify_seconds": v_sec,
+        "mismatches": mismatches,
+        "per_prompt": per_prompt,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# reports
+# ---------------------------------------------------------------------------------------------
+def _f(x: float, nd: int = 2) -> str:
+    return "n/a" if x != x else f"{x:.{nd}f}"
+
+
+def render_markdown(report: dict) -> str:
+    """The Markdown tables of ``bench.md`` from a ``bench.json`` report dict."""
+    steps = report["steps"]
+    lines = [
+        f"# EAGLE-3 offline benchmark: {report['verifier']}",
+        "",
+        f"drafter `{report['drafter']}`, chain of {steps} draft tokens, temperature 0, "
+        f"max_new_tokens {report['max_new_tokens']}, {report['device']} {report['dtype']}, "
+        f"aux layers (HF hidden_states indices) {report['aux_layers']}",
+        "",
+        "| dataset | prompts | tau | greedy tok/s | EAGLE-3 tok/s | speedup | lossless |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for d in report["datasets"]:
+        ok = "yes" if not d["mismatches"] else f"NO ({len(d['mismatches'])} prompts)"
+        lines.append(
+            f"| {d['dataset']} | {d['num_prompts']} | {_f(d['tau'])} | {_f(d['greedy_tokens_per_s'], 1)} | "
+            f"{_f(d['spec_tokens_per_s'], 1)} | {_f(d['speedup'])}x | {ok} |"
+        )
+    head = " | ".join(f"pos {k + 1}" for k in range(steps))
+    lines += [
+        "",
+        "Per-position acceptance: conditional P(k accepted | 1..k-1 accepted) / unconditional P(1..k accepted)",
+        "",
+        f"| dataset | verify steps | {head} |",
+        "|---|---:|" + "---:|" * steps,
+    ]
+    for d in report["datasets"]:
+        cells = " | ".join(f"{_f(c)} / {_f(u)}" for c, u in zip(d["conditional"], d["unconditional"]))
+        lines.append(f"| {d['dataset']} | {d['verify_steps']} | {cells} |")
+    for w in report.get("warnings", []):
+        lines += ["", f"**warning**: {w}"]
+    return "\n".join(lines) + "\n"
+
+
+def plot_acceptance(datasets: Sequence[dict], steps: int, title: str = "") -> bytes:
+    """PNG bytes: grouped bars of conditional and unconditional acceptance per draft position per dataset."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    width = 0.8 / max(1, len(datasets))
+    for ax, key, name in ((axes[0], "conditional", "conditional"), (axes[1], "unconditional", "unconditional")):
+        for j, d in enumerate(datasets):
+            xs = [k + 1 + (j - (len(datasets) - 1) / 2) * width for k in range(steps)]
+            vals = [0.0 if v != v else v for v in d[key]]
+            ax.bar(xs, vals, width=width, label=f"{d['dataset']} (tau {_f(d['tau'])})")
+        ax.set_xticks(range(1, steps + 1))
+        ax.set_xlabel("draft position")
+        ax.set_title(f"{name} acceptance")
+        ax.set_ylim(0, 1)
+    axes[0].set_ylabel("rate")
+    axes[0].legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def write_reports(out_dir: str | Path, report: dict, stem: str = "bench", plot_name: str = "acceptance.png") -> list[Path]:
+    """Atomically write ``{stem}.json``, ``{stem}.md`` and the acceptance plot into ``out_dir``."""
+    out = Path(out_dir)
+    paths = [out / f"{stem}.json", out / f"{stem}.md", out / plot_name]
+    atomic_write_json(paths[0], report)
+    atomic_write_text(paths[1], render_markdown(report))
+    atomic_write_bytes(paths[2], plot_acceptance(report["datasets"], report["steps"], str(report.get("verifier", ""))))
+    return paths
+
+
+# ---------------------------------------------------------------------------------------------
+# aux layers: drafter metadata vs shards metadata
+# ---------------------------------------------------------------------------------------------
+def _aux_from_meta(meta: dict, path: Path) -> Optional[list[int]]:
+    for key in ("aux_layers_hf", "aux_layers"):
+        if key in meta:
+            val = meta[key]
+            if not isinstance(val, list) or len(val) != 3 or not all(isinstance(i, int) for i in val):
+                raise UserError(f"{path}: key '{key}' must be a list of 3 integers, got {val!r}")
+            return val
+    return None
+
+
+def resolve_aux_layers(drafter_dir: Path, shards_dir: Optional[Path], fallback: Optional[list[int]]) -> tuple[list[int], list[str]]:
+    """The aux layers (HF indices) to feed the drafter, and warnings.
+
+    Priority: the drafter's ``eagle3_train.json`` (``aux_layers_hf``/``aux_layers``), then the shards'
+    ``data_config.json``, then ``fallback``. A warning is returned when the drafter's and the
+    shards' lists differ (the FIELD-NOTES off-by-one failure: near-zero acceptance).
+
+    Raises:
+        UserError: no source names the aux layers, or a malformed metadata file.
+    """
+    warnings: list[str] = []
+    drafter_aux = data_aux = None
+    meta_path = Path(drafter_dir) / TRAIN_META
+    if meta_path.is_file():
+        drafter_aux = _aux_from_meta(read_json(meta_path), meta_path)
+    if shards_dir is not None and (Path(shards_dir) / DATA_CONFIG).is_file():
+        dc = Path(shards_dir) / DATA_CONFIG
+        data_aux = _aux_from_meta(read_json(dc), dc)
+    if drafter_aux is not None and data_aux is not None and list(drafter_aux) != list(data_aux):
+        warnings.append(
+            f"aux layers differ: drafter {meta_path} records {drafter_aux} but shards {Path(shards_dir) / DATA_CONFIG} "
+            f"record {data_aux} (HF hidden_states indices); using the drafter's"
+        )
+    aux = drafter_aux or data_aux or fallback
+    if aux is None:
+        raise UserError(f"{meta_path}: no aux layers recorded (and no data_config.json / extract.aux_layers)")
+    return [int(i) for i in aux], warnings
+
+
+# ---------------------------------------------------------------------------------------------
+# stage 05
+# ---------------------------------------------------------------------------------------------
+def _load_drafter(drafter_dir: Path, verifier, device, dtype):
+    from eagle3.export import load_exported
+
+    if not Path(drafter_dir).is_dir():
+        raise UserError(f"--drafter: folder '{drafter_dir}' not found (run 04_train.py first or pass --drafter)")
+    embed = verifier.get_input_embeddings().weight
+    drafter = load_exported(drafter_dir, embed_weight=embed)
+    return drafter.to(device=device, dtype=dtype).eval()
+
+
+def run_offline(
+    cfg: RunConfig,
+    verifier,
+    tokenizer,
+    drafter,
+    aux_layers: list[int],
+    datasets: Sequence[str],
+    steps: int,
+    num_prompts: Optional[int],
+    max_new_tokens: int,
+    strict: bool,
+    drafter_name: str = "",
+    warnings: Sequence[str] = (),
+    out_dir: Optional[Path] = None,
+) -> dict:
+    """Benchmark loaded models on ``datasets``; write the reports; enforce losslessness.
+
+    Returns:
+        the report dict written to ``bench.json``.
+
+    Raises:
+        UserError: a prompt set cannot be loaded, or (``strict``) speculative output differs from
+            greedy (raised after the reports are written, naming dataset, prompt and token index).
+    """
+    from eagle3.chat import end_of_turn_ids, render
+
+    eos = sorted(end_of_turn_ids(tokenizer))
+    param = next(verifier.parameters())
+    report = {
+        "verifier": cfg.verifier.display_name(),
+        "drafter": drafter_name,
+        "device": str(param.device),
+        "dtype": str(param.dtype).replace("torch.", ""),
+        "steps": steps,
+        "max_new_tokens": max_new_tokens,
+        "aux_layers": list(aux_layers),
+        "eos_ids": eos,
+        "warnings": list(warnings),
+        "datasets": [],
+    }
+    sets: list[tuple[str, list[EvalPrompt]]] = [(dataset_label(n), load_eval_prompts(n, num_prompts)) for n in datasets]
+    warm = render(tokenizer, [{"role": "user", "content": "Hi"}], cfg.verifier.chat_template, add_generation_prompt=True)
+    greedy_generate(verifier, warm, 4, eos)  # warm-up (allocator, kernels), not timed
+    speculative_generate(verifier, drafter, warm, aux_layers, steps, 4, eos)
+    for label, prompts in sets:
+        ids = [(p.id, render(tokenizer, p.messages, cfg.verifier.chat_template, add_generation_prompt=True)) for p in prompts]
+        report["datasets"].append(bench_prompts(verifier, drafter, ids, aux_layers, steps, max_new_tokens, eos, label))
+    bad = [(d["dataset"], m) for d in report["datasets"] for m in d["mismatches"]]
+    if bad:
+        msg = (f"speculative output differs from greedy on {len(bad)} prompts (first: dataset {bad[0][0]}, "
+               f"prompt {bad[0][1]['id']}, token {bad[0][1]['index']})")
+        report["warnings"].append(msg + ("" if strict else "; reduced precision: verify vs one-token forwards can flip near-tie argmax"))
+    out = Path(out_dir or cfg.bench_dir)
+    write_reports(out, report)
+    for w in report["warnings"]:
+        log.warning("%s", w)
+    if bad and strict:
+        raise UserError(f"{out / 'bench.json'}: lossless check failed: {msg}")
+    return report
+
+
+def run(
+    cfg: RunConfig,
+    drafter_dir: Optional[str] = None,
+    datasets: Optional[Sequence[str]] = None,
+    steps: Optional[int] = None,
+    num_prompts: Optional[int] = None,
+    max_new_tokens: Optional[int] = None,
+) -> int:
+    """Stage 05 (offline): load verifier + exported drafter and benchmark (see :func:`run_offline`).
+
+    On CPU the verifier and drafter run in float32 (lossless check strict); on GPU in
+    ``verifier.dtype`` (mismatches reported, not fatal unless the dtype is float32).
+
+    Returns:
+        0 on success.
+
+    Raises:
+        UserError: missing drafter folder or metadata, unloadable verifier, bad prompts, lossless failure.
+    """
+    from eagle3.layers import check_aux_layers, default_aux_layers
+    from eagle3.verifier import load_verifier, resolve_device, verifier_dims
+
+    bc = cfg.benchmark
+    steps = steps or bc.steps
+    max_new_tokens = max_new_tokens or bc.max_new_tokens
+    num_prompts = num_prompts or bc.num_prompts
+    datasets = list(datasets or bc.datasets)
+    drafter_dir = Path(drafter_dir) if drafter_dir else cfg.export_dir
+    if not drafter_dir.is_dir():
+        raise UserError(f"--drafter: folder '{drafter_dir}' not found (export a trained drafter first)")
+    device = resolve_device(cfg.verifier.device)
+    vcfg = cfg.verifier
+    if device.type == "cpu" and vcfg.dtype != "float32":
+        log.info("CPU run: using float32 instead of %s so that the lossless check is exact", vcfg.dtype)
+        vcfg = vcfg.model_copy(update={"dtype": "float32"})
+    verifier, tokenizer = load_verifier(vcfg, device)
+    n_layers = verifier_dims(verifier.config)["num_layers"]
+    fallback = cfg.extract.aux_layers or default_aux_layers(n_layers)
+    aux, warnings = resolve_aux_layers(drafter_dir, cfg.shards_dir, fallback)
+    aux = check_aux_layers(aux, n_layers, field=f"{drafter_dir / TRAIN_META}: aux_layers")
+    dtype = next(verifier.parameters()).dtype
+    drafter = _load_drafter(drafter_dir, verifier, device, dtype)
+    run_offline(cfg, verifier, tokenizer, drafter, aux, datasets, steps, num_prompts, max_new_tokens,
+                strict=dtype == torch.float32, drafter_name=str(drafter_dir), warnings=warnings)
+    return 0
