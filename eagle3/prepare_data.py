@@ -1,0 +1,177 @@
+"""Stage 03: validate the shards, count token frequencies, build the draft vocab, split train/val.
+
+Inputs: ``{shards_dir}`` (stage 02: shards + ``data_config.json``). Outputs in ``{data_dir}``
+(each written atomically; the stage is deterministic, so re-running it rewrites identical files):
+
+- ``token_freq.pt``: int64 ``[target_V]`` counts of target ids at loss-masked positions;
+- ``vocab_map.pt``: ``d2t`` int64 ``[draft_V]``, ``t2d`` bool ``[target_V]``, sizes (``eagle3.vocab``);
+- ``split.json``: ``{"train": [idx...], "val": [idx...]}`` (seeded permutation, both sorted);
+- ``data_report.json`` + ``data_report.md`` (+ ``coverage.png``: coverage of loss-masked tokens
+  by the top-k target ids as a function of k, the chosen draft size marked).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from eagle3.config import RunConfig
+from eagle3.errors import UserError
+from eagle3.io import atomic_path, atomic_torch_save, atomic_write_json, atomic_write_text
+from eagle3.shards import DATA_CONFIG, expect_from_data_config, list_samples, load_sample, read_data_config
+from eagle3.vocab import TOKEN_FREQ, VOCAB_MAP, build_vocab_map, count_token_freq, coverage, save_vocab_map
+
+log = logging.getLogger(__name__)
+
+SPLIT = "split.json"
+REPORT_JSON = "data_report.json"
+REPORT_MD = "data_report.md"
+PLOT = "coverage.png"
+
+
+def split_indices(indices: list[int], val_fraction: float, seed: int) -> dict[str, list[int]]:
+    """Seeded train/val split of sample ids.
+
+    ``n_val = round(val_fraction * n)``, at least 1 when ``val_fraction > 0`` and ``n >= 2``, and
+    never all samples. The permutation is ``random.Random(seed).shuffle`` of the ids sorted
+    ascending, so the split depends only on the id set, the fraction and the seed.
+
+    Returns:
+        ``{"train": sorted ids, "val": sorted ids}``.
+    """
+    ids = sorted(int(i) for i in indices)
+    n = len(ids)
+    n_val = round(val_fraction * n)
+    if val_fraction > 0 and n >= 2:
+        n_val = max(1, n_val)
+    n_val = min(n_val, max(n - 1, 0))
+    perm = list(ids)
+    random.Random(seed).shuffle(perm)
+    return {"train": sorted(perm[n_val:]), "val": sorted(perm[:n_val])}
+
+
+def _validated_samples(paths: list[tuple[int, Path]], expect: dict, stats: dict):
+    for idx, path in tqdm(paths, desc="validate shards", unit="shard", mininterval=1.0):
+        s = load_sample(path, expect=expect)
+        stats["num_samples"] += 1
+        stats["num_tokens"] += int(s["input_ids"].numel())
+        stats["num_loss_tokens"] += int(s["loss_mask"].sum())
+        stats["max_len"] = max(stats["max_len"], int(s["input_ids"].numel()))
+        yield s
+
+
+def _plot_coverage(path: Path, freq: torch.Tensor, draft_v: int, cov: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sorted_freq = torch.sort(freq, descending=True).values.double()  # [V]
+    curve = torch.cumsum(sorted_freq, 0) / sorted_freq.sum()  # [V]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(range(1, len(curve) + 1), curve.numpy())
+    ax.axvline(draft_v, color="r", ls="--", label=f"draft vocab {draft_v}: {cov:.2%}")
+    ax.set_xscale("log")
+    ax.set_xlabel("draft vocab size (most frequent target ids)")
+    ax.set_ylabel("coverage of loss-masked tokens")
+    ax.legend(loc="lower right")
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=100)
+    plt.close(fig)
+
+
+def run(cfg: RunConfig, *, plot: bool = True) -> dict:
+    """Run stage 03.
+
+    Raises:
+        UserError: missing/invalid ``data_config.json``; verifier id differs from the config's
+            ``verifier.display_name()``; ``data.draft_vocab_size`` > target vocab; any invalid
+            shard (file + key); shard count/tokens differ from ``data_config.json``; no
+            loss-masked token; fewer than 1 training sample.
+
+    Returns:
+        the report dict (also ``data_report.json``).
+    """
+    shards = cfg.shards_dir
+    meta = read_data_config(shards)
+    meta_path = shards / DATA_CONFIG
+    want = cfg.verifier.display_name()
+    if meta["verifier"] != want:
+        raise UserError(f"{meta_path}: key 'verifier' is {meta['verifier']!r} but the config's verifier is {want!r} "
+                        "(verifier.name / verifier.path); re-run 02 for this verifier")
+    V = int(meta["vocab_size"])
+    draft = cfg.data.draft_vocab_size
+    if draft > V:
+        raise UserError(f"data.draft_vocab_size: {draft} is larger than the verifier's vocab ({V} tokens, {meta_path}); "
+                        f"use at most {V}")
+    paths = list_samples(shards)
+    if not paths:
+        raise UserError(f"{shards}: no shards found")
+    stats = {"num_samples": 0, "num_tokens": 0, "num_loss_tokens": 0, "max_len": 0}
+    freq = count_token_freq(_validated_samples(paths, expect_from_data_config(meta), stats), V)  # [V]
+    for key in ("num_samples", "num_tokens", "num_loss_tokens"):
+        if stats[key] != meta[key]:
+            raise UserError(f"{meta_path}: key '{key}' is {meta[key]} but the shards hold {stats[key]} "
+                            "(shards added or removed after stage 02?)")
+    if stats["num_loss_tokens"] == 0:
+        raise UserError(f"{shards}: no loss-masked token in any shard (no assistant replies?)")
+    d2t, t2d = build_vocab_map(freq, draft)
+    cov = coverage(freq, t2d)
+    split = split_indices([i for i, _ in paths], cfg.data.val_fraction, cfg.data.seed)
+    if not split["train"]:
+        raise UserError(f"{shards}: not enough samples for a training split ({stats['num_samples']})")
+
+    out = cfg.data_dir
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_torch_save(freq, out / TOKEN_FREQ)
+    save_vocab_map(out / VOCAB_MAP, d2t, t2d)
+    atomic_write_json(out / SPLIT, split)
+    report = {
+        "shards_dir": str(shards),
+        "verifier": meta["verifier"],
+        "target_vocab_size": V,
+        "draft_vocab_size": int(d2t.numel()),
+        "identity_vocab_map": bool(d2t.numel() == V),
+        "coverage": round(cov, 6),
+        "distinct_loss_tokens": int((freq > 0).sum()),
+        "num_samples": stats["num_samples"],
+        "num_tokens": stats["num_tokens"],
+        "num_loss_tokens": stats["num_loss_tokens"],
+        "loss_token_fraction": round(stats["num_loss_tokens"] / stats["num_tokens"], 6),
+        "max_sample_len": stats["max_len"],
+        "mean_sample_len": round(stats["num_tokens"] / stats["num_samples"], 2),
+        "train_samples": len(split["train"]),
+        "val_samples": len(split["val"]),
+        "val_fraction": cfg.data.val_fraction,
+        "seed": cfg.data.seed,
+        "aux_layers": meta["aux_layers"],
+        "last_hidden_state": meta["last_hidden_state"],
+        "skipped_in_02": meta["skipped"],
+        "bytes_per_token": meta["bytes_per_token"],
+    }
+    atomic_write_json(out / REPORT_JSON, report)
+    atomic_write_text(out / REPORT_MD, _markdown(report))
+    if plot:
+        _plot_coverage(out / PLOT, freq, int(d2t.numel()), cov)
+    log.info("draft vocab %d/%d covers %.2f%% of %d loss tokens; %d train / %d val",
+             d2t.numel(), V, 100 * cov, stats["num_loss_tokens"], len(split["train"]), len(split["val"]))
+    return report
+
+
+def _markdown(r: dict) -> str:
+    rows = [("verifier", r["verifier"]), ("samples (train / val)", f"{r['num_samples']} ({r['train_samples']} / {r['val_samples']})"),
+            ("tokens", r["num_tokens"]), ("loss-masked tokens", r["num_loss_tokens"]),
+            ("target vocab", r["target_vocab_size"]), ("draft vocab", r["draft_vocab_size"]),
+            ("coverage of loss tokens by draft vocab", f"{r['coverage']:.4%}"),
+            ("distinct loss-token ids", r["distinct_loss_tokens"]),
+            ("mean / max sample length", f"{r['mean_sample_len']} / {r['max_sample_len']}"),
+            ("aux layers (HF index)", r["aux_layers"]), ("last hidden state", r["last_hidden_state"])]
+    lines = ["# Stage 03: data report", "", "| item | value |", "|---|---:|"]
+    lines += [f"| {k} | {v} |" for k, v in rows]
+    return "\n".join(lines) + "\n"
