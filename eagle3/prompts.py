@@ -177,8 +177,15 @@ def humaneval_message(prompt: str) -> str:
     return f"{HUMANEVAL_INSTRUCTION}\n\n```python\n{prompt.rstrip()}\n```"
 
 
+_FORMAT_KEYS = {"sharegpt": ("conversations",), "messages": ("messages",), "alpaca": ("instruction",),
+                "humaneval": ("prompt",), "questions": ("turns", "prompt", "question", "instruction")}
+
+
 def _raw_messages(rec: dict, fmt: str, where: str) -> list[tuple[str, str]]:
     """``[(role, content)]`` with roles already mapped (unknown roles kept as ``?<role>``)."""
+    if not any(k in rec for k in _FORMAT_KEYS[fmt]):
+        raise UserError(f"{where}: record has none of the keys expected for format '{fmt}' "
+                        f"({', '.join(_FORMAT_KEYS[fmt])}; keys seen: {', '.join(sorted(map(str, rec))) or 'none'})")
     if fmt == "sharegpt":
         conv = rec.get("conversations")
         if not isinstance(conv, list):

@@ -1,0 +1,154 @@
+"""Stage 01 orchestration: read -> normalise -> dedupe -> sample -> (regenerate) -> prompts.jsonl.
+
+Outputs (both written atomically, so a failed or killed run leaves no half-written file):
+
+* ``cfg.prompts_path`` (``{output_root}/prompts.jsonl``): one ``{"id", "messages"}`` per line;
+* ``prompts_report.json`` next to it: the settings fingerprint and the counts
+  (``read``, ``skipped`` by reason, ``dropped_leading_assistant``, ``deduped``, ``sampled_out``,
+  ``limited_out``, ``kept``, ``regenerated``, regeneration ``new_tokens``/``truncated``/``tokens_per_s``).
+
+Idempotent: every step is deterministic (seeded sampling, greedy decoding), and when both outputs
+exist with the same settings fingerprint (config fields, source file size + SHA-256, verifier)
+the stage does nothing and says so (``force=True`` recomputes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections import Counter
+from pathlib import Path
+from typing import Optional
+
+from pydantic import ValidationError
+
+from eagle3.config import PromptsConfig, RunConfig
+from eagle3.errors import UserError
+from eagle3.io import atomic_write_json, atomic_write_jsonl
+from eagle3.prompts import dedupe, read_conversations, sample
+
+log = logging.getLogger(__name__)
+
+REPORT_NAME = "prompts_report.json"
+
+
+def report_path(cfg: RunConfig) -> Path:
+    """``prompts_report.json`` next to ``cfg.prompts_path``."""
+    return cfg.prompts_path.parent / REPORT_NAME
+
+
+def _source_fingerprint(source: str) -> dict:
+    p = Path(source)
+    if source.startswith("hf:") or source == "humaneval" or not p.is_file():
+        return {"source": source}
+    h = hashlib.sha256()
+    with open(p, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return {"source": source, "bytes": p.stat().st_size, "sha256": h.hexdigest()}
+
+
+def settings(cfg: RunConfig, limit: Optional[int]) -> dict:
+    """The inputs that determine the outputs (stored in the report; equal settings = nothing to do)."""
+    pc = cfg.prompts
+    s = {"format": pc.format, "hf_split": pc.hf_split, "sample_size": pc.sample_size, "seed": pc.seed,
+         "dedupe": pc.dedupe, "system_prompt": pc.system_prompt, "regenerate": pc.regenerate, "limit": limit,
+         **_source_fingerprint(pc.source)}
+    if pc.regenerate:
+        s.update(max_new_tokens=pc.max_new_tokens, verifier=cfg.verifier.display_name(),
+                 verifier_dtype=cfg.verifier.dtype, chat_template=cfg.verifier.chat_template)
+    return s
+
+
+def run(cfg: RunConfig, source: Optional[str] = None, fmt: Optional[str] = None, regenerate: Optional[bool] = None,
+        limit: Optional[int] = None, force: bool = False) -> int:
+    """Run stage 01 and print where the outputs are.
+
+    Args:
+        cfg: run config; ``cfg.prompts`` holds the settings.
+        source, fmt, regenerate: override ``prompts.source``/``format``/``regenerate``.
+        limit: keep only the first ``limit`` conversations after sampling (quick runs).
+        force: recompute even when the outputs are up to date.
+
+    Returns:
+        0 (the CLI exit status).
+
+    Raises:
+        UserError: bad input (see :func:`eagle3.prompts.read_conversations`), nothing left to
+            write, or a verifier that cannot be loaded. No output is written in that case.
+    """
+    upd = {k: v for k, v in (("source", source), ("format", fmt), ("regenerate", regenerate)) if v is not None}
+    if upd:
+        try:
+            prompts_cfg = PromptsConfig.model_validate({**cfg.prompts.model_dump(), **upd})
+        except ValidationError as e:
+            err = e.errors()[0]
+            raise UserError(f"prompts.{'.'.join(map(str, err['loc']))}: {err['msg']}") from e
+        cfg = cfg.model_copy(update={"prompts": prompts_cfg})
+    if limit is not None and limit < 1:
+        raise UserError(f"--limit: must be >= 1, got {limit}")
+    pc = cfg.prompts
+    out, rep = cfg.prompts_path, report_path(cfg)
+    want = settings(cfg, limit)
+    if not force and out.is_file() and rep.is_file():
+        try:
+            old = json.loads(rep.read_text(encoding="utf-8")).get("settings")
+        except (json.JSONDecodeError, AttributeError):
+            old = None
+        if old == want:
+            print(f"prompts up to date: {out} ({rep.name} settings unchanged; use --force to redo)")
+            return 0
+
+    counts: Counter = Counter()
+    convs = read_conversations(pc.source, pc.format, hf_split=pc.hf_split, keep_prompt_only=pc.regenerate,
+                               system_prompt=pc.system_prompt, counts=counts)
+    n_read_ok = len(convs)
+    n_dup = 0
+    if pc.dedupe:
+        convs, n_dup = dedupe(convs)
+    n_before = len(convs)
+    convs = sample(convs, pc.sample_size, pc.seed)
+    n_sampled_out = n_before - len(convs)
+    n_limited_out = 0
+    if limit is not None and len(convs) > limit:
+        n_limited_out = len(convs) - limit
+        convs = convs[:limit]
+    if not convs:
+        raise UserError(f"prompts.source: no usable conversation in '{pc.source}' "
+                        f"(read {counts['read']}, skipped {dict((k, v) for k, v in counts.items() if k != 'read')})")
+
+    regen_stats: dict = {}
+    if pc.regenerate:
+        from eagle3.regenerate import regenerate as regen
+        from eagle3.verifier import load_verifier
+
+        model, tok = load_verifier(cfg.verifier)
+        convs = regen(model, tok, convs, pc.max_new_tokens, pc.gen_batch_size, cfg.verifier.chat_template,
+                      stats=regen_stats)
+
+    report = {
+        "settings": want,
+        "counts": {
+            "read": counts["read"],
+            "skipped": {k[len("skipped_"):]: v for k, v in sorted(counts.items()) if k.startswith("skipped_")},
+            "dropped_leading_assistant": counts["dropped_leading_assistant"],
+            "normalised": n_read_ok,
+            "deduped": n_dup,
+            "sampled_out": n_sampled_out,
+            "limited_out": n_limited_out,
+            "kept": len(convs),
+            "regenerated": len(convs) if pc.regenerate else 0,
+        },
+    }
+    if regen_stats:
+        secs = regen_stats["seconds"]
+        report["regeneration"] = {**regen_stats,
+                                  "tokens_per_s": regen_stats["new_tokens"] / secs if secs > 0 else None}
+    atomic_write_jsonl(out, convs)
+    atomic_write_json(rep, report)
+    c = report["counts"]
+    print(f"prompts: {out} ({c['kept']} conversations; read {c['read']}, skipped {sum(c['skipped'].values())}, "
+          f"deduped {c['deduped']}, regenerated {c['regenerated']})")
+    print(f"report:  {rep}")
+    return 0
