@@ -119,6 +119,16 @@ def _repeat_kv(x: torch.Tensor, rep: int) -> torch.Tensor:
     return x if rep == 1 else x.repeat_interleave(rep, dim=1)
 
 
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, is_causal: bool = False, attn_mask=None) -> torch.Tensor:
+    """``scaled_dot_product_attention`` with GQA: native ``enable_gqa`` where the flash kernel can take it
+    (fp16/bf16, no mask), else K/V expanded to all query heads so the memory-efficient kernel (fp32,
+    masks; no GQA support) is used instead of the math fallback that materialises the scores."""
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1 and (q.dtype not in (torch.float16, torch.bfloat16) or attn_mask is not None):
+        k, v, rep = _repeat_kv(k, rep), _repeat_kv(v, rep), 1
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=rep > 1)
+
+
 def ttt_attention_eager(q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], scale: float) -> torch.Tensor:
     """Reference TTT attention with explicit scores and the explicit mask.
 
@@ -155,7 +165,7 @@ def ttt_attention_sdpa(q: torch.Tensor, keys: Sequence[torch.Tensor], values: Se
     i = len(keys) - 1
     k0, v0 = keys[0], values[0]
     if i == 0:
-        return F.scaled_dot_product_attention(q, k0, v0, is_causal=True, scale=scale, enable_gqa=rep > 1)
+        return _sdpa(q, k0, v0, scale, is_causal=True)
     dt = q.dtype
     # diagonal scores of (step i, t) against the keys of steps 1..i at t, in float32
     qg = q.reshape(B, kvh, rep, L, hd).float()  # [B, kvh, rep, L, hd]
@@ -172,7 +182,7 @@ def ttt_attention_sdpa(q: torch.Tensor, keys: Sequence[torch.Tensor], values: Se
     sink_v = F.pad(eye, (hd, pad - i))  # [i, hd+pad]: sink j writes its weight to column hd+j
     k_aug = torch.cat([sink_k.expand(B, kvh, i, hd + pad), F.pad(k0, (0, pad))], dim=2)  # [B, kvh, i+L, hd+pad]
     v_aug = torch.cat([sink_v.expand(B, kvh, i, hd + pad), F.pad(v0, (0, pad))], dim=2)  # [B, kvh, i+L, hd+pad]
-    o = F.scaled_dot_product_attention(q_aug, k_aug, v_aug, is_causal=True, scale=scale, enable_gqa=rep > 1)
+    o = _sdpa(q_aug, k_aug, v_aug, scale, is_causal=True)
     o = o[:, :, i:]  # [B, nh, L, hd+pad]
     w = o[..., hd : hd + i]  # [B, nh, L, i] softmax weights of the diagonal keys
     out = o[..., :hd]  # [B, nh, L, hd] step-0 part, already normalised by the full denominator
@@ -204,10 +214,9 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: in
         ``[B, nh, T, hd]``.
     """
     T = q.shape[2]
-    rep = q.shape[1] // k.shape[1]
     if past == 0:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, scale=scale, enable_gqa=rep > 1)
+        return _sdpa(q, k, v, scale, is_causal=T > 1)
     if T == 1:
-        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=rep > 1)
+        return _sdpa(q, k, v, scale)
     mask = torch.ones(T, past + T, dtype=torch.bool, device=q.device).tril(diagonal=past)  # [T, past+T]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=rep > 1)
+    return _sdpa(q, k, v, scale, attn_mask=mask)

@@ -183,7 +183,7 @@ def test_tiny_drafter_overfits_fixed_batch():
     first = None
     for _ in range(150):
         loss, m = ttt_loss(d, d.ttt_forward(input_ids, aux, K), tg, mask)
-        first = float(loss) if first is None else first
+        first = float(loss.detach()) if first is None else first
         opt.zero_grad()
         loss.backward()
         opt.step()
