@@ -154,6 +154,13 @@ def test_end_to_end(server):
     assert be.capture([]) == []
 
 
+def test_aux_layers_none_takes_the_servers(server):
+    be = SGLangCapture(url=server.url, capture_dir=server.capture_dir, aux_layers=None)
+    assert be.aux_layers is None
+    be.info()
+    assert be.aux_layers == [3, 31, 59]
+
+
 def test_max_requests_splits_posts(server):
     be = _backend(server, max_requests=2)
     out = be.capture([[1, 2], [3], [4, 5, 6]])

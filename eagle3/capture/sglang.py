@@ -51,6 +51,7 @@ class SGLangCapture:
         aux_layers: the three HF ``hidden_states`` indices the run expects; checked against what the
             server reports capturing (``capture_info.json``), so an off-by-one layer convention
             between extraction and serving fails here instead of producing a useless drafter.
+            None = accept the server's layers (set on the first :meth:`info`).
         timeout: seconds allowed for one ``/generate`` batch.
         max_length: the run's ``extract.max_length``; when given, the server's
             ``chunked_prefill_size`` must be -1 or at least this.
@@ -60,7 +61,8 @@ class SGLangCapture:
         UserError: ``capture_dir`` is not a folder.
     """
 
-    def __init__(self, url: str, capture_dir: str | os.PathLike, aux_layers: Sequence[int], timeout: float = 600.0,
+    def __init__(self, url: str, capture_dir: str | os.PathLike, aux_layers: Optional[Sequence[int]],
+                 timeout: float = 600.0,
                  max_length: Optional[int] = None, max_requests: Optional[int] = None):
         if not url:
             raise UserError("extract.sglang_url: required for extract.backend: sglang")
@@ -68,7 +70,7 @@ class SGLangCapture:
         self.capture_dir = Path(capture_dir)
         if not self.capture_dir.is_dir():
             raise UserError(f"extract.capture_dir: {self.capture_dir} is not a folder (the server's --capture-dir)")
-        self.aux_layers = [int(i) for i in aux_layers]
+        self.aux_layers = [int(i) for i in aux_layers] if aux_layers is not None else None
         self.timeout = float(timeout)
         self.max_length = max_length
         self.max_requests = max_requests
@@ -149,6 +151,8 @@ class SGLangCapture:
         archs = model.get("architectures") or [cap.get("architecture") or "unknown"]
         arch = str(archs[0])
         layers = [int(i) for i in cap["layers_to_capture"]]
+        if self.aux_layers is None:
+            self.aux_layers = layers
         if layers != self.aux_layers:
             try:
                 fix = " ".join(str(i) for i in engine_layer_ids(self.aux_layers, "sglang", arch))
