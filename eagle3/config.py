@@ -80,6 +80,9 @@ class ExtractConfig(_Strict):
     rows_per_dir: int = Field(2000, ge=1, description="samples per rows_{start}-{end} folder")
     sglang_url: Optional[str] = None
     capture_dir: Optional[str] = Field(None, description="where the patched SGLang server writes tensors")
+    sglang_tp_size: int = Field(1, ge=1, description="--tp-size the capture server was launched with (recorded in metadata)")
+    sglang_timeout_s: float = Field(600.0, gt=0, description="HTTP timeout of one /generate batch")
+    requests_per_batch: int = Field(64, ge=1, description="max prompts per /generate POST (sglang backend)")
     output_dir: Optional[str] = Field(None, description="default {output_root}/shards")
 
     @field_validator("aux_layers")
@@ -136,6 +139,7 @@ class TrainConfig(_Strict):
     ckpt_every: int = Field(500, ge=1)
     keep_checkpoints: int = Field(2, ge=1)
     bf16: Literal["auto", "on", "off"] = Field("auto", description="auto = bf16 autocast on GPU only")
+    nproc_per_node: int = Field(1, ge=1, description="GPUs per node the run is planned for (torchrun --nproc_per_node); documentation")
     output_dir: Optional[str] = Field(None, description="default {output_root}/train")
 
 
@@ -153,6 +157,7 @@ class BenchmarkConfig(_Strict):
     num_prompts: Optional[int] = Field(None, ge=1, description="first N prompts of each dataset")
     max_new_tokens: int = Field(256, ge=1)
     steps: int = Field(3, ge=1, description="chain draft length k")
+    server_urls: list[str] = Field(default_factory=list, description="SGLang server(s) to benchmark instead of the in-process HF decoder: [spec] or [spec, baseline]")
     output_dir: Optional[str] = Field(None, description="default {output_root}/bench")
 
 
