@@ -121,10 +121,10 @@ def _repeat_kv(x: torch.Tensor, rep: int) -> torch.Tensor:
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, is_causal: bool = False, attn_mask=None) -> torch.Tensor:
     """``scaled_dot_product_attention`` with GQA: native ``enable_gqa`` where the flash kernel can take it
-    (fp16/bf16, no mask), else K/V expanded to all query heads so the memory-efficient kernel (fp32,
+    (fp16/bf16, no mask, head dim <= 256), else K/V expanded to all query heads so the memory-efficient kernel (fp32,
     masks; no GQA support) is used instead of the math fallback that materialises the scores."""
     rep = q.shape[1] // k.shape[1]
-    if rep > 1 and (q.dtype not in (torch.float16, torch.bfloat16) or attn_mask is not None):
+    if rep > 1 and (q.dtype not in (torch.float16, torch.bfloat16) or attn_mask is not None or q.shape[-1] > 256):
         k, v, rep = _repeat_kv(k, rep), _repeat_kv(v, rep), 1
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=rep > 1)
 

@@ -277,3 +277,24 @@ def test_vocab_map_validation_and_mapping():
         d.set_vocab_map(d2t, t2d_bad)
     with pytest.raises(UserError, match="int64"):
         d.set_vocab_map(d2t.int(), t2d)
+
+
+def test_bf16_autocast_training_path_close_to_fp32():
+    """The trainer's GPU path (fp32 weights, bf16 autocast, bf16 aux states) runs and tracks fp32."""
+    from eagle3.ttt import compute_targets, ttt_loss
+
+    d = make(seed=4)
+    B, L, K = 2, 12, 3
+    ids = torch.randint(0, 50, (B, L))
+    aux = torch.randn(B, L, 72).bfloat16()
+    tg = compute_targets(torch.randn(B, L, 24), torch.randn(50, 24), d.d2t, d.t2d)
+    mask = torch.ones(B, L, dtype=torch.long)
+    ref = d.ttt_forward(ids, aux.float(), K)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        outs = d.ttt_forward(ids, aux, K)
+        loss, m = ttt_loss(d, outs, tg, mask)
+    assert outs[0].dtype == torch.bfloat16 and loss.dtype == torch.float32
+    loss.backward()
+    assert d.fc.weight.grad is not None and torch.isfinite(d.fc.weight.grad).all()
+    for o, r in zip(outs, ref):
+        assert float((o.detach().float() - r.detach()).norm() / r.detach().norm()) < 0.05
