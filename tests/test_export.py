@@ -198,3 +198,17 @@ def test_bf16_export_dtype(tmp_path):
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
     re = load_exported(out, embed_weight=d.embed_tokens.weight)
     assert torch.equal(re.fc.weight, d.fc.weight.detach().bfloat16().float())
+
+
+def test_sglang_config_parses_with_transformers_autoconfig(tmp_path):
+    """SGLang reads the draft config through transformers' AutoConfig (model_type llama)."""
+    from transformers import AutoConfig
+
+    out = export_drafter(drafter(), tmp_path / "x", "sglang", [2, 15, 27], LLAMA30)
+    cfg = AutoConfig.from_pretrained(out)
+    assert type(cfg).__name__ == "LlamaConfig"
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.head_dim, cfg.num_key_value_heads) == (24, 1, 6, 2)
+    assert (cfg.draft_vocab_size, cfg.target_hidden_size, cfg.vocab_size) == (16, 24, 50)
+    assert cfg.eagle_config["eagle_aux_hidden_state_layer_ids"] == [1, 14, 26]
+    rope = getattr(cfg, "rope_parameters", None) or {"rope_theta": cfg.rope_theta, **(cfg.rope_scaling or {})}
+    assert rope["rope_theta"] == 50000.0 and rope["rope_type"] == "llama3" and rope["factor"] == 8.0
