@@ -334,7 +334,8 @@ def make_backend(cfg: RunConfig, aux_layers: Optional[list[int]] = None):
     tok = load_tokenizer(cfg.verifier)
     n = verifier_dims(load_verifier_config(cfg.verifier))["num_layers"]
     layers = _resolve_aux(ex.aux_layers if aux_layers is None else aux_layers, n)
-    return SGLangCapture(url=ex.sglang_url, capture_dir=ex.capture_dir, aux_layers=layers), tok
+    return SGLangCapture(url=ex.sglang_url, capture_dir=ex.capture_dir, aux_layers=layers, timeout=ex.sglang_timeout_s,
+                         max_length=ex.max_length, max_requests=ex.requests_per_batch), tok
 
 
 def _resolve_aux(layers: Optional[list[int]], num_layers: int) -> list[int]:
@@ -449,6 +450,7 @@ def run(cfg: RunConfig, *, overwrite: bool = False, limit: Optional[int] = None,
         "prompts_sha256": prompts_sha,
         "prompts_file": str(prompts_path),
         "backend": cfg.extract.backend,
+        **({"sglang_tp_size": cfg.extract.sglang_tp_size} if cfg.extract.backend == "sglang" else {}),
         "num_samples": len(rows),
         "num_tokens": num_tokens,
         "num_loss_tokens": num_loss,
