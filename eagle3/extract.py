@@ -33,6 +33,7 @@ tiny verifier mid-way. It has no other effect.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -68,6 +69,7 @@ from eagle3.shards import (
 log = logging.getLogger(__name__)
 
 STATE = "extract_state.json"
+LOCK = ".extract.lock"
 REPORT_JSON = "extract_report.json"
 REPORT_MD = "extract_report.md"
 SLEEP_ENV = "EAGLE3_EXTRACT_SLEEP_PER_BATCH"
@@ -366,13 +368,39 @@ def run(cfg: RunConfig, *, overwrite: bool = False, limit: Optional[int] = None,
     Raises:
         UserError: bad prompts file, fingerprint mismatch, unknown folder contents, bad aux layers.
     """
+    root = cfg.shards_dir
+    root.mkdir(parents=True, exist_ok=True)
+    with _exclusive(root):
+        return _extract(cfg, root, overwrite, limit, backend, tokenizer)
+
+
+@contextlib.contextmanager
+def _exclusive(root: Path):
+    """Hold an exclusive ``flock`` on ``{root}/.extract.lock`` (released by the OS even on SIGKILL).
+
+    Raises:
+        UserError: another stage-02 process is writing to ``root``.
+    """
+    import fcntl
+
+    f = open(root / LOCK, "a+")
+    try:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as e:
+            raise UserError(f"{root / LOCK}: another 02_extract_hidden run is writing to {root}") from e
+        yield
+    finally:
+        f.close()
+
+
+def _extract(cfg: RunConfig, root: Path, overwrite: bool, limit: Optional[int],
+             backend: Optional[CaptureBackend], tokenizer) -> dict:
     t_start = time.perf_counter()
     prompts_path = cfg.prompts_path
     prompts = read_prompts(prompts_path, limit)
     prompts_sha = file_sha256(prompts_path)
     fp, comp = fingerprint(cfg, prompts_sha)
-    root = cfg.shards_dir
-    root.mkdir(parents=True, exist_ok=True)
     _check_state(root, fp, comp, overwrite)
     stale = remove_stale_tmp(root)
     if stale:

@@ -246,3 +246,15 @@ def test_cli_exit_code_on_bad_input(tmp_path, tiny_llama_dir, capsys):
     assert e.value.code == 2
     assert "error: extract.sglang_url: required for backend sglang" in capsys.readouterr().err
     assert not list((tmp_path / "out" / "shards").rglob("*.pt"))
+
+
+def test_concurrent_run_refused(tmp_path, tiny_llama_dir):
+    import fcntl
+
+    cfg = load_config(_config(tmp_path, tiny_llama_dir))
+    cfg.shards_dir.mkdir(parents=True)
+    with open(cfg.shards_dir / ".extract.lock", "a+") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)  # another run holds the folder
+        with pytest.raises(UserError, match="another 02_extract_hidden run is writing"):
+            run(cfg)
+    assert not (cfg.shards_dir / STATE).exists()

@@ -156,7 +156,7 @@ class HFCapture:
             raise RuntimeError(f"verifier returned {n} hidden states, expected num_hidden_layers + 1 = {self.num_layers + 1}")
         picks = [hs[i] for i in self.aux_layers] + [hs[-1]]  # 4 x [B, Lmax, H]
         # One device->host copy per layer, then per-sample slices cloned (no padded storage kept).
-        picks = [p.to(device="cpu", dtype=torch.bfloat16) for p in picks]  # 4 x [B, Lmax, H]
+        picks = [p.to(torch.bfloat16).cpu() for p in picks]  # 4 x [B, Lmax, H]; cast on device, then copy
         return [[p[b, : len(s)].clone() for p in picks] for b, s in enumerate(batch)]  # B x 4 x [L_b, H]
 
     def last_hidden_state(self) -> LastHiddenState:
