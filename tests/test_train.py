@@ -242,3 +242,63 @@ def test_cli_bad_config_exits_2(tmp_path):
     p = subprocess.run([sys.executable, str(root / "04_train.py"), "--config", str(bad)], capture_output=True, text=True)
     assert p.returncode == 2
     assert "train.lr" in p.stderr and p.stderr.startswith("error:")
+
+
+# ---- drafter shape and verifier head from the verifier ------------------------------------------------
+def _save_tiny_verifier(folder: Path, tied: bool):
+    m = _tiny_llama(tied)
+    m.config.rope_parameters = {"rope_type": "default", "rope_theta": 50000.0}
+    m.save_pretrained(folder)
+    return m
+
+
+def test_drafter_args_nulls_come_from_verifier_config(tmp_path):
+    from eagle3.shards import read_data_config
+    from eagle3.train import build_drafter_args
+    from eagle3.vocab import load_vocab_map
+
+    _save_tiny_verifier(tmp_path / "verifier", tied=True)
+    path = make_tiny_run(tmp_path / "run", hidden=16, vocab=40, draft_vocab=20)
+    nulls = [f"drafter.{k}=null" for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                                            "rms_norm_eps", "rope_theta", "max_position_embeddings")]
+    cfg = load_config(path, nulls + [f"verifier.path={tmp_path / 'verifier'}", "drafter.intermediate_size=24"])
+    args = build_drafter_args(cfg, read_data_config(cfg.shards_dir), load_vocab_map(cfg.data_dir / "vocab_map.pt"))
+    # verifier: hidden 16, 2 heads, 1 KV head, eps 1e-5, rope 50000, 2048 positions (LlamaConfig default)
+    assert (args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim) == (16, 2, 1, 8)
+    assert args.intermediate_size == 24  # set in the config: wins over the verifier's 32
+    assert (args.rms_norm_eps, args.rope_theta, args.max_position_embeddings) == (1e-5, 50000.0, 2048)
+    assert (args.draft_vocab_size, args.target_vocab_size, args.target_hidden_size) == (20, 40, 16)
+
+
+def test_target_head_extracted_once_from_safetensors_verifier(tmp_path):
+    from eagle3.shards import read_data_config
+    from eagle3.train import DistInfo, prepare_target_head
+
+    m = _save_tiny_verifier(tmp_path / "verifier", tied=False)
+    path = make_tiny_run(tmp_path / "run", hidden=16, vocab=40, draft_vocab=20, pre_norm=True)
+    cfg = load_config(path, [f"verifier.path={tmp_path / 'verifier'}"])
+    (cfg.train_dir / "target_head.safetensors").unlink()  # the helper's random head: force extraction
+    single = DistInfo(rank=0, world=1, local_rank=0, device=torch.device("cpu"))
+    head = prepare_target_head(cfg, read_data_config(cfg.shards_dir), single)
+    assert torch.equal(head.lm_head, m.lm_head.weight.detach()) and torch.equal(head.embed, m.model.embed_tokens.weight.detach())
+    assert torch.equal(head.norm_weight, m.model.norm.weight.detach()) and head.last_is_post_norm is False
+    assert (cfg.train_dir / "target_head.safetensors").is_file()
+    # a head that disagrees with data_config.json is refused, naming the file
+    with pytest.raises(UserError, match=r"target_head.safetensors: metadata 'last_is_post_norm'"):
+        prepare_target_head(cfg, dict(read_data_config(cfg.shards_dir), last_hidden_state="post_norm"), single)
+
+
+@pytest.mark.slow
+def test_target_head_of_smollm2_gguf_reproduces_logits():
+    from conftest import SMOLLM_GGUF, smollm_dir
+
+    from eagle3.config import VerifierConfig
+    from eagle3.verifier import load_verifier
+
+    model, tok = load_verifier(VerifierConfig(path=str(smollm_dir()), gguf_file=SMOLLM_GGUF, dtype="float32"), device="cpu")
+    head = TargetHead.from_model(model, "post_norm")
+    assert head.tied and tuple(head.embed.shape) == (49152, 576) and head.norm_eps == model.config.rms_norm_eps
+    ids = torch.tensor([tok("The capital of France is")["input_ids"]])
+    with torch.no_grad():
+        out = model(ids, output_hidden_states=True)
+    torch.testing.assert_close(out.hidden_states[-1] @ head.lm_head.T, out.logits, atol=1e-4, rtol=1e-4)
