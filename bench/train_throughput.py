@@ -1,0 +1,455 @@
+"""Benchmark: the real stage-04 training step (drafter TTT + verifier targets + backward + AdamW) at a given shape.
+
+What one timed step is (the same calls as ``eagle3.train._run`` with ``grad_accum = 1``):
+
+1. ``eagle3.ttt.compute_targets(last, lm_head [V, Ht], d2t, t2d, chunk=eagle3.train.TARGET_CHUNK)``
+   under ``no_grad``: the verifier's soft targets from its last hidden state (full ``V``-column LM head);
+2. ``eagle3.train.TTTObjective`` (``drafter.ttt_forward`` over all ``ttt`` steps + ``ttt_loss``) under
+   ``torch.autocast(dtype=eagle3.train._autocast_dtype(...))`` (bf16 on GPU, none on CPU; the
+   drafter's weights stay float32 masters), optionally wrapped in ``torch.compile``;
+3. ``loss.backward()``, ``clip_grad_norm_(params, grad_clip)``, ``AdamW.step()``,
+   ``zero_grad(set_to_none=True)``, ``LambdaLR.step()`` (``eagle3.schedule.build_scheduler``),
+   with ``lr``, ``weight_decay``, ``grad_clip``, ``step_weight`` and ``warmup_ratio`` at their
+   ``eagle3.config.TrainConfig`` defaults.
+
+Inputs are synthetic random tensors of the training shapes: ``input_ids`` int64 ``[1, L]``,
+``aux`` ``[1, L, 3Ht]`` and ``last`` ``[1, L, Ht]`` in the feature dtype train.py uses (bf16 under
+autocast, else float32), ``loss_mask`` ones ``[1, L]``, and a random vocab map (``draft_V`` of
+``V`` verifier ids, sorted, as ``vocab_map.pt``'s ``d2t`` int64 ``[draft_V]`` / ``t2d`` bool ``[V]``).
+
+Model FLOPs of one step (batch 1, sequence ``L``, ``K`` TTT steps; the reference's counting)::
+
+    P_step = 2H*(nh + 2*kvh)*hd      # q, k, v projections of the 2H-wide input
+           + nh*hd*H                 # o_proj
+           + 3*H*I                   # gate, up, down
+           + H*draft_V               # lm_head to the draft vocab
+    P_fc   = 3*Ht*H                  # fc, once per token (not per TTT step)
+    dense  = 6 * L * (K*P_step + P_fc)                   # 2 forward + 4 backward per weight per token
+    causal = 3 * K * (4 * L*L/2 * nh * hd)               # every step's queries vs the step-0 causal keys,
+                                                         # QK^T and PV (2 x 2 FLOPs), half the square; x3 fwd+bwd
+    diag   = 3 * sum_{i<K} 4 * L * i * nh * hd           # step i's i diagonal keys (steps 1..i at t), x3
+    target = 2 * Ht * V * L                              # verifier LM head forward (no grad)
+    total  = dense + causal + diag + target
+
+At the reference shape (H = Ht = 7168, nh = kvh = 64, hd = 128, I = 18432, draft_V = 32000,
+V = 163840, L = 4096, K = 7) this is 1.9755e14 FLOPs per step (the issue's "about 1.98e14");
+with 8 KV heads 1.6219e14. It is a *model* FLOP count: work the step does but that the count
+leaves out (the logits recomputed in backward with ``checkpoint_logits``, the sdpa TTT kernel's
+``round_up(2i, 8)`` extra head-dim channels and ``i`` dummy queries, RMSNorm/rotary/softmax
+elementwise work) is not credited, and ``fc`` is counted at 6x although its input needs no
+gradient (4x would be its real matmul work; the difference is 0.3% of the total).
+
+MFU = total / step time / ceiling, where the ceiling is MEASURED in the same process: the mean
+rate of a square ``n^3`` matmul (``n`` = 8192 in bf16 on GPU; on CPU ``n`` = 512 in float32, the
+dtype CPU training computes in) over 10 runs after 3 warm-ups.
+
+``--max-seq-search`` runs each ``--search-seqs`` length (default 8192) for one warm-up + one timed
+step and reports whether it fits: no out-of-memory and peak memory <= ``--mem-budget-gib``.
+
+Prints a Markdown table and the JSON result (also written to ``--json``). On the H200 (torch 2.11;
+the project's pydantic wheels travel in ``.whl``)::
+
+    python bench/train_throughput.py --kv-heads 64 8 --json $OUT/train_throughput.json
+    python bench/train_throughput.py --kv-heads 64 8 --compile --json $OUT/train_throughput_compile.json
+    python bench/train_throughput.py --kv-heads 64 8 --max-seq-search --mem-budget-gib 96 --json $OUT/max_seq.json
+
+CPU smoke run (a few seconds)::
+
+    python bench/train_throughput.py --tiny --device cpu --json /tmp/tt.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import platform
+import resource
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Callable, Optional
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from eagle3.config import TrainConfig  # noqa: E402
+from eagle3.io import atomic_write_json  # noqa: E402
+from eagle3.model import DrafterArgs, Eagle3Drafter  # noqa: E402
+from eagle3.schedule import build_scheduler  # noqa: E402
+from eagle3.train import TARGET_CHUNK, TTTObjective, _autocast_dtype  # noqa: E402
+from eagle3.ttt import compute_targets  # noqa: E402
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Drafter + verifier shape of one benchmark configuration (all sizes in elements).
+
+    ``hidden`` H (drafter width = verifier embedding width), ``heads`` nh, ``kv_heads`` kvh,
+    ``head_dim`` hd, ``intermediate`` I (SwiGLU), ``draft_vocab`` draft_V, ``target_vocab`` V
+    (verifier LM head rows), ``target_hidden`` Ht (width of each aux state and of the last state),
+    ``seq`` L (tokens per sample, batch 1), ``ttt`` K (TTT steps).
+    """
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    draft_vocab: int
+    target_vocab: int
+    target_hidden: int
+    seq: int
+    ttt: int
+
+
+# Kimi-K2.5 drafter (configs/kimi-k2.5.yaml): one Llama layer on a 7168-wide residual stream.
+REFERENCE = Shape(hidden=7168, heads=64, kv_heads=64, head_dim=128, intermediate=18432, draft_vocab=32000,
+                  target_vocab=163840, target_hidden=7168, seq=4096, ttt=7)
+# A CPU smoke shape with the same structure (GQA allowed: heads 8).
+TINY = Shape(hidden=64, heads=8, kv_heads=8, head_dim=8, intermediate=128, draft_vocab=96,
+             target_vocab=320, target_hidden=48, seq=48, ttt=3)
+
+
+def train_step_flops(s: Shape) -> dict[str, int]:
+    """Model FLOPs of one training step (batch 1) at shape ``s``; the formula is in the module docstring.
+
+    Returns:
+        dict of exact integers: ``matmul_params_per_ttt_step`` (P_step), ``fc_params`` (P_fc),
+        ``dense``, ``attention_causal``, ``attention_diagonal``, ``target_head`` and ``total`` (FLOPs).
+    """
+    L, H, Ht, K = s.seq, s.hidden, s.target_hidden, s.ttt
+    nh, kvh, hd = s.heads, s.kv_heads, s.head_dim
+    p_step = 2 * H * (nh + 2 * kvh) * hd + nh * hd * H + 3 * H * s.intermediate + H * s.draft_vocab
+    p_fc = 3 * Ht * H
+    dense = 6 * L * (K * p_step + p_fc)
+    causal = 3 * K * (4 * L * L // 2 * nh * hd)  # L*L even for every L: 4*L*L/2 = 2*L*L
+    diag = 3 * sum(4 * L * i * nh * hd for i in range(K))
+    target = 2 * Ht * s.target_vocab * L
+    return {"matmul_params_per_ttt_step": p_step, "fc_params": p_fc, "dense": dense, "attention_causal": causal,
+            "attention_diagonal": diag, "target_head": target, "total": dense + causal + diag + target}
+
+
+# ---------------------------------------------------------------------------------------------
+# timing helpers
+# ---------------------------------------------------------------------------------------------
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_matmul_ceiling(device: torch.device, n: int, dtype: torch.dtype, warmup: int = 3, iters: int = 10) -> dict:
+    """Measured dense matmul rate: ``[n, n] @ [n, n]`` in ``dtype``, mean of ``iters`` after ``warmup``.
+
+    Returns:
+        dict ``n``, ``dtype``, ``mean_ms`` (one product), ``tflops`` (``2 n^3 / mean`` in 1e12 FLOP/s).
+    """
+    g = torch.Generator(device="cpu").manual_seed(1)
+    a = torch.randn(n, n, generator=g).to(device, dtype)  # [n, n]
+    b = torch.randn(n, n, generator=g).to(device, dtype)  # [n, n]
+    for _ in range(warmup):
+        c = a @ b  # [n, n]
+    _sync(device)
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            c = a @ b  # [n, n]
+        end.record()
+        torch.cuda.synchronize(device)
+        mean_s = start.elapsed_time(end) / 1e3 / iters
+    else:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            c = a @ b  # [n, n]
+        mean_s = (time.perf_counter() - t0) / iters
+    del a, b, c
+    return {"n": n, "dtype": str(dtype).replace("torch.", ""), "mean_ms": mean_s * 1e3,
+            "tflops": 2 * n**3 / mean_s / 1e12}
+
+
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak_gib(device: torch.device) -> float:
+    """Peak memory in GiB: ``torch.cuda.max_memory_allocated`` on GPU; on CPU the process's max RSS
+    (``getrusage``; it never resets, so it is an upper bound for the current configuration)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / GIB
+    rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return rss_kib * 1024 / GIB
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------
+# one configuration
+# ---------------------------------------------------------------------------------------------
+def build_step(s: Shape, device: torch.device, compile_objective: bool, checkpoint_logits: Optional[bool],
+               total_steps: int, seed: int = 0) -> tuple[Callable[[], torch.Tensor], dict]:
+    """Build the drafter, optimizer, scheduler, verifier head and random batch; return ``(step, info)``.
+
+    ``step()`` runs one full optimizer step (targets, forward, backward, clip, AdamW, LR step) and
+    returns the detached scalar loss tensor (no host sync). ``info`` records the settings used:
+    ``autocast`` dtype (None = float32), ``checkpoint_logits``, ``trainable_params``, the
+    ``TrainConfig`` hyper-parameters.
+    """
+    tc = TrainConfig()
+    amp = _autocast_dtype(SimpleNamespace(train=tc), device)  # bf16 on GPU, None on CPU (as train.py)
+    feat_dtype = torch.bfloat16 if amp is not None else torch.float32
+    ckpt_logits = (device.type == "cuda") if checkpoint_logits is None else checkpoint_logits  # train.py: GPU only
+    args = DrafterArgs(hidden_size=s.hidden, num_attention_heads=s.heads, num_key_value_heads=s.kv_heads,
+                       head_dim=s.head_dim, intermediate_size=s.intermediate, rms_norm_eps=1e-6, rope_theta=50000.0,
+                       max_position_embeddings=max(s.seq + s.ttt, 4096), draft_vocab_size=s.draft_vocab,
+                       target_vocab_size=s.target_vocab, target_hidden_size=s.target_hidden)
+    torch.manual_seed(seed)
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.device(device):  # allocate (and N(0, 0.02)-initialise) the float32 master weights on the device
+        drafter = Eagle3Drafter(args)
+    draft_ids = torch.randperm(s.target_vocab, generator=g)[: s.draft_vocab].sort().values  # [draft_V] verifier ids
+    d2t = draft_ids - torch.arange(s.draft_vocab)  # [draft_V] int64 offsets
+    t2d = torch.zeros(s.target_vocab, dtype=torch.bool)  # [V]
+    t2d[draft_ids] = True
+    drafter.set_vocab_map(d2t.to(device), t2d.to(device))
+    drafter.train()
+    d2t_dev, t2d_dev = d2t.to(device), t2d.to(device)
+    head_lm = (torch.randn(s.target_vocab, s.target_hidden, generator=g) * 0.02).to(device, feat_dtype)  # [V, Ht]
+
+    L = s.seq
+    input_ids = torch.randint(0, s.target_vocab, (1, L), generator=g).to(device)  # [1, L] int64
+    aux = torch.randn(1, L, 3 * s.target_hidden, generator=g).to(device, feat_dtype)  # [1, L, 3Ht]
+    last = torch.randn(1, L, s.target_hidden, generator=g).to(device, feat_dtype)  # [1, L, Ht]
+    loss_mask = torch.ones(1, L, dtype=torch.long, device=device)  # [1, L]
+
+    objective = TTTObjective(drafter, s.ttt, tc.step_weight, checkpoint_logits=ckpt_logits)
+    model = torch.compile(objective) if compile_objective else objective
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay)
+    scheduler = build_scheduler(optimizer, total_steps, tc.warmup_ratio)
+
+    def step() -> torch.Tensor:
+        with torch.no_grad():
+            tl, ind, tam = compute_targets(last, head_lm, d2t_dev, t2d_dev, norm_weight=None,
+                                           chunk=TARGET_CHUNK)  # [1, L, dV] f32, [1, L] bool, [1, L] int64
+        ctx = torch.autocast(device_type=device.type, dtype=amp) if amp is not None else contextlib.nullcontext()
+        with ctx:
+            loss, _stats = model(input_ids, aux, tl, ind, tam, loss_mask)  # scalar f32, dict of [K]
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        return loss.detach()
+
+    info = {"autocast": None if amp is None else str(amp).replace("torch.", ""), "checkpoint_logits": ckpt_logits,
+            "compile": compile_objective, "trainable_params": sum(p.numel() for p in params),
+            "frozen_params": sum(p.numel() for p in drafter.parameters() if not p.requires_grad),
+            "lr": tc.lr, "weight_decay": tc.weight_decay, "grad_clip": tc.grad_clip, "step_weight": tc.step_weight}
+    return step, info
+
+
+def run_config(s: Shape, device: torch.device, warmup: int, steps: int, compile_objective: bool,
+               checkpoint_logits: Optional[bool], ceiling_tflops: float) -> dict:
+    """Build, warm up (the first warm-up step includes compilation), time ``steps`` steps; one result row.
+
+    Row fields: the shape, ``step_ms`` (median; CUDA events on GPU, ``perf_counter`` on CPU),
+    ``step_ms_all``, ``tokens_per_s`` (``L / median``), ``first_step_s`` (incl. compilation and
+    lazy AdamW state creation), ``compile_s`` (``first_step_s - median``, only with ``--compile``),
+    ``peak_mem_gib`` (over the timed steps) and ``peak_mem_gib_incl_warmup``, ``flops``
+    (:func:`train_step_flops`), ``tflops_achieved``, ``mfu`` (vs ``ceiling_tflops``), ``loss``.
+    """
+    _free(device)
+    _reset_peak(device)
+    t0 = time.perf_counter()
+    step, info = build_step(s, device, compile_objective, checkpoint_logits, total_steps=warmup + steps)
+    _sync(device)
+    build_s = time.perf_counter() - t0
+
+    first_s = None
+    loss = None
+    for w in range(warmup):
+        t0 = time.perf_counter()
+        loss = step()
+        _sync(device)
+        if w == 0:
+            first_s = time.perf_counter() - t0
+    peak_warm = _peak_gib(device)
+    _reset_peak(device)
+    times = []
+    if device.type == "cuda":
+        evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
+        for a, b in evs:
+            a.record()
+            loss = step()
+            b.record()
+        torch.cuda.synchronize(device)
+        times = [a.elapsed_time(b) / 1e3 for a, b in evs]
+    else:
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            loss = step()
+            times.append(time.perf_counter() - t0)
+    med = statistics.median(times)
+    peak = _peak_gib(device)
+    flops = train_step_flops(s)
+    achieved = flops["total"] / med / 1e12
+    row = {**asdict(s), "device": str(device), **info, "build_s": build_s, "warmup": warmup, "steps": steps,
+           "step_ms": med * 1e3, "step_ms_all": [t * 1e3 for t in times], "tokens_per_s": s.seq / med,
+           "first_step_s": first_s,
+           "compile_s": (first_s - med) if (compile_objective and first_s is not None) else None,
+           "peak_mem_gib": peak, "peak_mem_gib_incl_warmup": max(peak, peak_warm),
+           "flops": flops, "tflops_achieved": achieved, "mfu": achieved / ceiling_tflops,
+           "loss": float(loss) if loss is not None else None, "oom": False}
+    return row
+
+
+def _is_oom(e: BaseException) -> bool:
+    return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+def run_guarded(s: Shape, device: torch.device, **kw) -> dict:
+    """:func:`run_config`, but an out-of-memory error becomes a row with ``oom: True`` (memory freed)."""
+    err = None
+    try:
+        return run_config(s, device, **kw)
+    except (torch.cuda.OutOfMemoryError, RuntimeError, MemoryError) as e:
+        if not _is_oom(e) and not isinstance(e, MemoryError):
+            raise
+        err = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    finally:
+        if kw.get("compile_objective"):
+            torch._dynamo.reset()
+    _free(device)
+    return {**asdict(s), "device": str(device), "oom": True, "error": err,
+            "peak_mem_gib": _peak_gib(device), "flops": train_step_flops(s)}
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+# ---------------------------------------------------------------------------------------------
+def _fmt(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def markdown(result: dict) -> str:
+    """Markdown table of the result rows plus the ceiling and FLOP sanity lines."""
+    c = result["ceiling"]
+    ref = result["reference_flops"]
+    lines = [
+        f"matmul ceiling: {c['tflops']:.1f} TFLOP/s ({c['n']}^3 {c['dtype']}, mean of 10 after 3 warm-ups, {c['mean_ms']:.3f} ms)",
+        f"reference-shape FLOPs/step (64 KV heads, L 4096, ttt 7): {ref['total']:.4e} (issue: ~1.98e14); "
+        f"with 8 KV heads: {result['reference_flops_kv8']['total']:.4e}",
+        "",
+    ]
+    search = result["mode"] == "max_seq_search"
+    head = ["seq", "kv heads", "ttt", "compile", "ckpt logits", "step ms", "tokens/s", "peak GiB", "FLOPs/step",
+            "TFLOP/s", "MFU"]
+    if search:
+        head += [f"fits {result['mem_budget_gib']:g} GiB"]
+    else:
+        head += ["compile s"]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
+    for r in result["runs"]:
+        cells = [str(r["seq"]), str(r["kv_heads"]), str(r["ttt"]), str(r.get("compile", "-")),
+                 str(r.get("checkpoint_logits", "-")),
+                 "OOM" if r["oom"] else _fmt(r["step_ms"], ".1f"), "-" if r["oom"] else _fmt(r["tokens_per_s"], ".0f"),
+                 _fmt(r["peak_mem_gib"], ".2f"), f"{r['flops']['total']:.4e}",
+                 "-" if r["oom"] else _fmt(r["tflops_achieved"], ".1f"), "-" if r["oom"] else _fmt(r["mfu"], ".3f")]
+        cells += [str(r["fits"])] if search else [_fmt(r.get("compile_s"), ".1f")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seq", type=int, default=None, help="tokens per sample (default 4096; --tiny 48)")
+    p.add_argument("--kv-heads", type=int, nargs="+", default=None,
+                   help="one or more KV-head counts, one run each (default: 64 = the reference's MHA shape; --tiny 8)")
+    p.add_argument("--ttt", type=int, default=None, help="TTT steps (default 7; --tiny 3)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps (default 5; --tiny 2)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 2; --tiny 1)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the TTTObjective (compile time reported)")
+    p.add_argument("--checkpoint-logits", action=argparse.BooleanOptionalAction, default=None,
+                   help="recompute the per-step logits in backward (default: as train.py, on for CUDA only)")
+    p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default cuda if available)")
+    p.add_argument("--tiny", action="store_true", help="a tiny shape for a CPU smoke run")
+    p.add_argument("--ceiling-n", type=int, default=None, help="matmul size of the ceiling (default 8192 GPU, 512 CPU)")
+    p.add_argument("--max-seq-search", action="store_true", help="try --search-seqs against --mem-budget-gib")
+    p.add_argument("--search-seqs", type=int, nargs="+", default=None, help="lengths to try (default 8192; --tiny 96)")
+    p.add_argument("--mem-budget-gib", type=float, default=96.0, help="budget for --max-seq-search (GiB)")
+    p.add_argument("--json", type=Path, default=None, help="also write the result here")
+    a = p.parse_args(argv)
+
+    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    base = TINY if a.tiny else REFERENCE
+    base = replace(base, **{k: v for k, v in (("seq", a.seq), ("ttt", a.ttt)) if v is not None})
+    kv_list = a.kv_heads or [base.kv_heads]
+    for kvh in kv_list:
+        if kvh < 1 or base.heads % kvh:
+            p.error(f"--kv-heads {kvh} must divide the {base.heads} attention heads")
+    steps = a.steps if a.steps is not None else (2 if a.tiny else 5)
+    warmup = a.warmup if a.warmup is not None else (1 if a.tiny else 2)
+    if a.max_seq_search:
+        seqs = a.search_seqs or ([96] if a.tiny else [8192])
+        steps, warmup = (a.steps or 1), (a.warmup if a.warmup is not None else 1)
+    else:
+        seqs = [base.seq]
+    if steps < 1 or warmup < 1:
+        p.error("--steps and --warmup must be >= 1 (the first warm-up step creates the AdamW state)")
+
+    # ceiling in the dtype the step's matmuls run in: bf16 under autocast (GPU), float32 on CPU
+    amp = _autocast_dtype(SimpleNamespace(train=TrainConfig()), device)
+    ceil_dtype = amp if amp is not None else torch.float32
+    ceiling = measure_matmul_ceiling(device, a.ceiling_n or (8192 if device.type == "cuda" else 512), ceil_dtype)
+    _free(device)
+
+    runs = []
+    for seq in seqs:
+        for kvh in kv_list:
+            s = replace(base, seq=seq, kv_heads=kvh)
+            row = run_guarded(s, device, warmup=warmup, steps=steps, compile_objective=a.compile,
+                              checkpoint_logits=a.checkpoint_logits, ceiling_tflops=ceiling["tflops"])
+            if a.max_seq_search:
+                row["fits"] = (not row["oom"]) and row["peak_mem_gib"] <= a.mem_budget_gib
+            runs.append(row)
+            print(f"seq {seq} kv_heads {kvh}: " + ("OOM" if row["oom"] else
+                  f"{row['step_ms']:.1f} ms/step, {row['tokens_per_s']:.0f} tok/s, peak {row['peak_mem_gib']:.2f} GiB, "
+                  f"MFU {row['mfu']:.3f}"), file=sys.stderr, flush=True)
+
+    env = {"torch": torch.__version__, "python": platform.python_version(), "device_name":
+           torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine(),
+           "cpu_threads": torch.get_num_threads()}
+    try:
+        import transformers
+
+        env["transformers"] = transformers.__version__
+    except ImportError:
+        env["transformers"] = None
+    result = {"mode": "max_seq_search" if a.max_seq_search else "throughput", "tiny": a.tiny, "env": env,
+              "ceiling": ceiling, "reference_flops": train_step_flops(REFERENCE),
+              "reference_flops_kv8": train_step_flops(replace(REFERENCE, kv_heads=8)),
+              "mem_budget_gib": a.mem_budget_gib if a.max_seq_search else None, "runs": runs}
+    print(markdown(result))
+    print(json.dumps(result, indent=2))
+    if a.json is not None:
+        atomic_write_json(a.json, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
