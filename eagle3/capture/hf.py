@@ -24,6 +24,7 @@ from typing import Sequence
 import torch
 
 from eagle3.capture.base import BackendInfo, LastHiddenState
+from eagle3.verifier import text_config
 
 log = logging.getLogger(__name__)
 
@@ -60,14 +61,6 @@ def plan_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
     return batches
 
 
-def _text_config(config):
-    try:
-        from eagle3.verifier import text_config
-    except ImportError:  # pragma: no cover - verifier.py is part of the package
-        return getattr(config, "text_config", None) or config
-    return text_config(config)
-
-
 def _architecture(model) -> str:
     archs = getattr(model.config, "architectures", None)
     return archs[0] if archs else type(model).__name__
@@ -92,7 +85,7 @@ class HFCapture:
         self.aux_layers = [int(i) for i in aux_layers]
         self.batch_tokens = int(batch_tokens)
         self.pad_id = int(pad_id)
-        tc = _text_config(model.config)
+        tc = text_config(model.config)  # multimodal wrappers (Kimi-K2.5): the language model's config
         self.num_layers = int(tc.num_hidden_layers)
         self.hidden_size = int(tc.hidden_size)
         self.vocab_size = int(getattr(tc, "vocab_size", None) or model.config.vocab_size)
@@ -135,6 +128,7 @@ class HFCapture:
     # ---- internals -----------------------------------------------------------------------
     @property
     def device(self) -> torch.device:
+        """Device of the input embeddings (where input ids go; ``device_map`` models included)."""
         return self.model.get_input_embeddings().weight.device
 
     def _pad(self, batch: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
