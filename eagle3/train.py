@@ -550,7 +550,12 @@ def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: O
             if lost or unexpected:
                 raise UserError(f"{path}: key 'model': missing {lost[:3]} unexpected {list(unexpected)[:3]}")
             optimizer.load_state_dict(state["optimizer"])
+            horizon_now = scheduler.lr_lambdas[0].__dict__.copy()  # this run's warmup/total steps
             scheduler.load_state_dict(state["scheduler"])
+            if scheduler.lr_lambdas[0].__dict__ != horizon_now:
+                log.warning("%s: LR schedule %s in the checkpoint, now %s (max_steps/epochs changed); "
+                            "continuing with the new one", path, scheduler.lr_lambdas[0].__dict__, horizon_now)
+                scheduler.lr_lambdas[0].__dict__.update(horizon_now)
             step, epoch, samples_in_epoch = int(state["step"]), int(state["epoch"]), int(state["samples_in_epoch"])
             rngs = state["rng"]
             if len(rngs) == d.world:
@@ -614,11 +619,11 @@ def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: O
     drafter.train()
     stopped = False
     steps_this_call = 0
-    final_val: dict = {}
     window = _Accum()
     tok_window = 0  # real (non-pad) tokens of this rank since the last log, from CPU lengths
     t_window = time.perf_counter()
-    tok_total, t_total = 0, 0.0
+    paused = 0.0  # seconds of validation / checkpoint writes inside the current log window (not counted)
+    tok_total, t_total = 0.0, 0.0
     from tqdm.auto import tqdm
 
     bar = tqdm(total=total_steps, initial=step, disable=not d.is_main, desc="train", unit="step", dynamic_ncols=True)
@@ -634,7 +639,6 @@ def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: O
             for _ in range(k, steps_per_epoch):
                 if step >= total_steps:
                     break
-                t_step = time.perf_counter()
                 for micro in range(t.grad_accum):
                     batch = next(it)
                     tok_window += int(batch["lengths"].sum())
@@ -653,19 +657,19 @@ def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: O
                 step += 1
                 steps_this_call += 1
                 samples_in_epoch += samples_per_step_global
-                t_total += time.perf_counter() - t_step
                 bar.update(1)
                 if step % t.log_every == 0 or step == total_steps:
                     means = _Accum.summarize(_reduce_totals(window.totals(), d))
-                    elapsed = time.perf_counter() - t_window
+                    elapsed = time.perf_counter() - t_window - paused  # includes the sync of this log step
                     toks = _sum_ranks([float(tok_window)], d)[0]
-                    tok_total += toks
+                    tok_total, t_total = tok_total + toks, t_total + elapsed
                     row = {"kind": "train", "step": step, "epoch": epoch, "lr": lr_used,
                            "grad_norm": float(grad_norm), "tokens_per_s": toks / max(elapsed, 1e-9), **means}
                     metrics.write(row)
                     bar.set_postfix(loss=f"{means.get('loss', float('nan')):.4f}", lr=f"{lr_used:.2e}")
                     window = _Accum()
-                    tok_window, t_window = 0, time.perf_counter()
+                    tok_window, t_window, paused = 0, time.perf_counter(), 0.0
+                t_pause = time.perf_counter()
                 if step % eval_every == 0 and step != total_steps:
                     val = validate()
                     if val:
@@ -674,6 +678,7 @@ def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: O
                 stopped = _any_rank(want_stop, d)
                 if step % t.ckpt_every == 0 or stopped or step == total_steps:
                     last_ckpt = save(step, epoch, samples_in_epoch)
+                paused += time.perf_counter() - t_pause
                 if stopped:
                     if d.is_main:
                         why = f"signal {stop.signum}" if stop.signum else f"stop_after={stop_after}"

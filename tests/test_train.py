@@ -197,7 +197,7 @@ def test_resume_equals_uninterrupted(tmp_path):
 def test_training_reduces_loss_and_trains_only_drafter_params(tmp_path):
     from eagle3.train import run
 
-    cfg = load_config(make_tiny_run(tmp_path, n_train=4, lengths=(10,), train={"epochs": 15, "batch_size": 4,
+    cfg = load_config(make_tiny_run(tmp_path, n_train=4, lengths=(10,), pre_norm=True, train={"epochs": 15, "batch_size": 4,
                                                                                 "warmup_ratio": 0.0, "lr": 3e-2, "eval_every": 100,
                                                                                 "ckpt_every": 100}))
     run(cfg, device="cpu")
