@@ -228,7 +228,8 @@ def test_existing_checkpoints_without_resume_is_user_error(tmp_path):
     from eagle3.train import run
 
     cfg = load_config(make_tiny_run(tmp_path, train={"epochs": 1}))
-    run(cfg, stop_after=1, device="cpu")
+    r = run(cfg, stop_after=1, max_steps=3, device="cpu")
+    assert (r["step"], r["total_steps"], r["stopped"]) == (1, 3, True)  # max_steps caps the 4 steps of the epoch
     with pytest.raises(UserError, match="pass --resume"):
         run(cfg, device="cpu")
 
