@@ -46,9 +46,12 @@ dtype CPU training computes in) over 10 runs after 3 warm-ups.
 ``--max-seq-search`` runs each ``--search-seqs`` length (default 8192) for one warm-up + one timed
 step and reports whether it fits: no out-of-memory and peak memory <= ``--mem-budget-gib``.
 
-Prints a Markdown table and the JSON result (also written to ``--json``). On the H200 (torch 2.11;
-the project's pydantic wheels travel in ``.whl``)::
+Prints a Markdown table and the JSON result (also written to ``--json``). On the H200 (torch 2.11,
+whose image lacks pydantic: install the project's wheels from ``.whl`` first)::
 
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/pydantic*.whl \
+        .whl/annotated_types*.whl .whl/typing_inspection*.whl .whl/typing_extensions*.whl
+    export PYTHONPATH=/tmp/site
     python bench/train_throughput.py --kv-heads 64 8 --json $OUT/train_throughput.json
     python bench/train_throughput.py --kv-heads 64 8 --compile --json $OUT/train_throughput_compile.json
     python bench/train_throughput.py --kv-heads 64 8 --max-seq-search --mem-budget-gib 96 --json $OUT/max_seq.json
@@ -349,7 +352,7 @@ def markdown(result: dict) -> str:
     c = result["ceiling"]
     ref = result["reference_flops"]
     lines = [
-        f"matmul ceiling: {c['tflops']:.1f} TFLOP/s ({c['n']}^3 {c['dtype']}, mean of 10 after 3 warm-ups, {c['mean_ms']:.3f} ms)",
+        f"matmul ceiling: {c['tflops']:.4g} TFLOP/s ({c['n']}^3 {c['dtype']}, mean of 10 after 3 warm-ups, {c['mean_ms']:.3f} ms)",
         f"reference-shape FLOPs/step (64 KV heads, L 4096, ttt 7): {ref['total']:.4e} (issue: ~1.98e14); "
         f"with 8 KV heads: {result['reference_flops_kv8']['total']:.4e}",
         "",
@@ -367,7 +370,7 @@ def markdown(result: dict) -> str:
                  str(r.get("checkpoint_logits", "-")),
                  "OOM" if r["oom"] else _fmt(r["step_ms"], ".1f"), "-" if r["oom"] else _fmt(r["tokens_per_s"], ".0f"),
                  _fmt(r["peak_mem_gib"], ".2f"), f"{r['flops']['total']:.4e}",
-                 "-" if r["oom"] else _fmt(r["tflops_achieved"], ".1f"), "-" if r["oom"] else _fmt(r["mfu"], ".3f")]
+                 "-" if r["oom"] else _fmt(r["tflops_achieved"], ".4g"), "-" if r["oom"] else _fmt(r["mfu"], ".3f")]
         cells += [str(r["fits"])] if search else [_fmt(r.get("compile_s"), ".1f")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
