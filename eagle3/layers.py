@@ -43,8 +43,11 @@ def default_aux_layers(num_layers: int) -> list[int]:
     Raises:
         UserError: the verifier has fewer than 6 layers (the three would not be distinct).
     """
-    if num_layers < 6:
-        raise UserError(f"verifier has {num_layers} layers; EAGLE-3 default aux layers need at least 6")
+    if num_layers < 7:
+        raise UserError(
+            f"verifier has {num_layers} layers; EAGLE-3 default aux layers [2, N//2, N-3] need at least 7 "
+            "(set extract.aux_layers explicitly)"
+        )
     return [2, num_layers // 2, num_layers - 3]
 
 

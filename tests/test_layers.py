@@ -39,8 +39,9 @@ def test_default_layers():
     assert default_aux_layers(61) == [2, 30, 58]  # Kimi-K2/K2.5, DeepSeek-V3
     assert default_aux_layers(30) == [2, 15, 27]  # SmolLM2-135M
     assert default_aux_layers(32) == [2, 16, 29]  # Llama-3.1-8B
-    with pytest.raises(UserError, match="at least 6"):
-        default_aux_layers(5)
+    assert default_aux_layers(7) == [2, 3, 4]  # smallest with three distinct layers
+    with pytest.raises(UserError, match="at least 7"):
+        default_aux_layers(6)  # would be [2, 3, 3]
 
 
 def test_check_aux_layers():
