@@ -15,6 +15,7 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import yaml
 
@@ -25,6 +26,16 @@ if str(ROOT) not in sys.path:
 from eagle3.shards import FORMAT, LAYER_INDEX_CONVENTION, write_data_config, write_sample  # noqa: E402
 from eagle3.target_head import TargetHead  # noqa: E402
 from eagle3.vocab import save_vocab_map  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def single_thread():
+    """Run each test with one intra-op thread: the tiny models here are dispatch-bound, and on a shared
+    2-core CI machine two spinning threads per process make them several times slower."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 def make_tiny_run(root: Path, n_train: int = 8, n_val: int = 2, lengths=(12, 9, 16, 7), hidden: int = 16,

@@ -13,7 +13,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _ddp_worker import make_tiny_run  # noqa: E402
+from _ddp_worker import make_tiny_run, single_thread  # noqa: E402,F401  (autouse fixture)
 
 from eagle3 import checkpoint as ckpt  # noqa: E402
 from eagle3.config import load_config  # noqa: E402

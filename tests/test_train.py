@@ -12,7 +12,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _ddp_worker import make_tiny_run  # noqa: E402
+from _ddp_worker import make_tiny_run, single_thread  # noqa: E402,F401  (autouse fixture)
 
 from eagle3 import checkpoint as ckpt  # noqa: E402
 from eagle3.config import load_config  # noqa: E402
@@ -163,32 +163,32 @@ def _train_rows(train_dir: Path) -> list[dict]:
 def test_resume_equals_uninterrupted(tmp_path):
     from eagle3.train import run
 
-    a = load_config(make_tiny_run(tmp_path / "a", train={"epochs": 3, "batch_size": 2, "ckpt_every": 2}))
-    b = load_config(make_tiny_run(tmp_path / "b", train={"epochs": 3, "batch_size": 2, "ckpt_every": 2}))
+    a = load_config(make_tiny_run(tmp_path / "a", train={"epochs": 2, "batch_size": 2, "ckpt_every": 2}))
+    b = load_config(make_tiny_run(tmp_path / "b", train={"epochs": 2, "batch_size": 2, "ckpt_every": 2}))
     ra = run(a, device="cpu")
-    assert ra["step"] == ra["total_steps"] == 12 and not ra["stopped"]  # 8 samples / 2 = 4 steps x 3 epochs
-    # b: stop mid-epoch (step 3: odd, not a ckpt_every multiple), resume, stop at an epoch boundary (8), finish
+    assert ra["step"] == ra["total_steps"] == 8 and not ra["stopped"]  # 8 samples / 2 = 4 steps x 2 epochs
+    # b: stop mid-epoch (step 3: odd, not a ckpt_every multiple), resume, stop at the epoch boundary (4), finish
     r1 = run(b, stop_after=3, device="cpu")
     assert r1["stopped"] and r1["step"] == 3 and r1["export_dir"] is None
     assert [s for s, _ in ckpt.list_checkpoints(b.train_dir)] == [2, 3]
-    r2 = run(b, resume=True, stop_after=5, device="cpu")
-    assert r2["step"] == 8
+    r2 = run(b, resume=True, stop_after=1, device="cpu")
+    assert r2["step"] == 4
     r3 = run(b, resume=True, device="cpu")
-    assert r3["step"] == 12 and not r3["stopped"]
+    assert r3["step"] == 8 and not r3["stopped"]
     sa, sb = _final_model(a.train_dir), _final_model(b.train_dir)
-    assert sa["step"] == sb["step"] == 12
+    assert sa["step"] == sb["step"] == 8
     for k in sa["model"]:
         assert torch.equal(sa["model"][k], sb["model"][k]), k
-    assert sa["scheduler"]["last_epoch"] == sb["scheduler"]["last_epoch"] == 12
+    assert sa["scheduler"]["last_epoch"] == sb["scheduler"]["last_epoch"] == 8
     # same data order, LR and loss at every step
     rows_a, rows_b = _train_rows(a.train_dir), _train_rows(b.train_dir)
-    assert [r["step"] for r in rows_b] == list(range(1, 13))
+    assert [r["step"] for r in rows_b] == list(range(1, 9))
     for x, y in zip(rows_a, rows_b):
         assert (x["step"], x["lr"], x["loss"], x["acc_0"]) == (y["step"], y["lr"], y["loss"], y["acc_0"])
     # outputs of the finished run
     assert (b.export_dir / "model.safetensors").is_file() and (b.export_dir / "config.json").is_file()
     rep = json.loads((b.train_dir / "train_report.json").read_text())
-    assert rep["step"] == 12 and "acc_0" in rep["final_val"]
+    assert rep["step"] == 8 and "acc_0" in rep["final_val"]
     assert (b.train_dir / "train_report.md").read_text().count("| 0 |") == 1
     assert (b.train_dir / "loss.png").stat().st_size > 0
     assert any((b.train_dir / "tb").iterdir())
