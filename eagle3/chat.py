@@ -113,13 +113,17 @@ def _check_prefix(prefix: list[int], full: list[int], what: str) -> None:
             f"full conversation at token {n} (the loss mask needs every turn prefix to be a token prefix)")
 
 
-def assistant_spans(tokenizer, messages: list[dict], chat_template: Optional[str] = None
-                    ) -> tuple[list[int], list[tuple[int, int]]]:
+def assistant_spans(tokenizer, messages: list[dict], chat_template: Optional[str] = None,
+                    limit: Optional[int] = None) -> tuple[list[int], list[tuple[int, int]]]:
     """Full rendering plus the ``[start, end)`` token span of each assistant reply.
 
     ``start`` = length of ``render(messages[:k], add_generation_prompt=True)``; ``end`` = one past
     the last end-of-turn token (:func:`end_of_turn_ids`) inside ``[start, len(render(messages[:k+1])))``,
     or that whole length when the turn has none. See the module docstring for the policy.
+
+    ``limit``: stop at the first assistant turn starting at or after this token index (its span
+    and later ones would be truncated away anyway); saves the quadratic prefix renderings of long
+    multi-turn conversations.
 
     Returns:
         ``(input_ids, spans)``.
@@ -127,7 +131,11 @@ def assistant_spans(tokenizer, messages: list[dict], chat_template: Optional[str
     Raises:
         TemplateNotPrefixStable: a prefix rendering is not a token prefix of the full rendering.
     """
-    full = render(tokenizer, messages, chat_template)
+    return _spans(tokenizer, messages, chat_template, render(tokenizer, messages, chat_template), limit)
+
+
+def _spans(tokenizer, messages: list[dict], chat_template: Optional[str], full: list[int],
+           limit: Optional[int]) -> tuple[list[int], list[tuple[int, int]]]:
     stops = end_of_turn_ids(tokenizer)
     spans: list[tuple[int, int]] = []
     for k, m in enumerate(messages):
@@ -135,6 +143,8 @@ def assistant_spans(tokenizer, messages: list[dict], chat_template: Optional[str
             continue
         head = render(tokenizer, messages[:k], chat_template, add_generation_prompt=True)
         _check_prefix(head, full, f"messages[:{k}] + generation prompt")
+        if limit is not None and len(head) >= limit:
+            break
         upto = render(tokenizer, messages[: k + 1], chat_template)
         _check_prefix(upto, full, f"messages[:{k + 1}]")
         start, stop = len(head), len(upto)
@@ -172,14 +182,14 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_length: int, chat
         raise ValueError(f"too_long must be 'truncate' or 'skip', got {too_long!r}")
     if max_length < 1:
         raise ValueError(f"max_length must be >= 1, got {max_length}")
-    ids, spans = assistant_spans(tokenizer, messages, chat_template)
+    full = render(tokenizer, messages, chat_template)
+    if too_long == "skip" and len(full) > max_length:
+        return None
+    ids, spans = _spans(tokenizer, messages, chat_template, full, limit=max_length)
     mask = [0] * len(ids)
     for s, e in spans:
         mask[s:e] = [1] * (e - s)
-    if len(ids) > max_length:
-        if too_long == "skip":
-            return None
-        ids, mask = ids[:max_length], mask[:max_length]
+    ids, mask = ids[:max_length], mask[:max_length]
     if not any(mask):
         return None
     return ids, mask
