@@ -5,7 +5,8 @@ Outputs (both written atomically, so a failed or killed run leaves no half-writt
 * ``cfg.prompts_path`` (``{output_root}/prompts.jsonl``): one ``{"id", "messages"}`` per line;
 * ``prompts_report.json`` next to it: the settings fingerprint and the counts
   (``read``, ``skipped`` by reason, ``dropped_leading_assistant``, ``deduped``, ``sampled_out``,
-  ``limited_out``, ``kept``, ``regenerated``, regeneration ``new_tokens``/``truncated``/``tokens_per_s``).
+  ``limited_out``, ``kept``, ``regenerated``, regeneration ``new_tokens``/``truncated``/``tokens_per_s``),
+  and the same counts as a Markdown table in ``prompts_report.md``.
 
 Idempotent: every step is deterministic (seeded sampling, greedy decoding), and when both outputs
 exist with the same settings fingerprint (config fields, source file size + SHA-256, verifier)
@@ -25,12 +26,29 @@ from pydantic import ValidationError
 
 from eagle3.config import PromptsConfig, RunConfig
 from eagle3.errors import UserError
-from eagle3.io import atomic_write_json, atomic_write_jsonl
+from eagle3.io import atomic_write_json, atomic_write_jsonl, atomic_write_text
 from eagle3.prompts import dedupe, read_conversations, sample
 
 log = logging.getLogger(__name__)
 
 REPORT_NAME = "prompts_report.json"
+
+
+def report_markdown(report: dict) -> str:
+    """The report's counts (and regeneration figures) as a Markdown table."""
+    c = report["counts"]
+    rows = [("read", c["read"])]
+    rows += [(f"skipped: {k}", v) for k, v in c["skipped"].items()]
+    rows += [(k, c[k]) for k in ("dropped_leading_assistant", "normalised", "deduped", "sampled_out", "limited_out",
+                                 "kept", "regenerated")]
+    reg = report.get("regeneration")
+    if reg:
+        rows += [("regeneration: new tokens", reg["new_tokens"]), ("regeneration: truncated answers", reg["truncated"]),
+                 ("regeneration: seconds", f"{reg['seconds']:.1f}"),
+                 ("regeneration: tokens/s", f"{reg['tokens_per_s']:.1f}" if reg["tokens_per_s"] else "n/a")]
+    lines = ["# Stage 01: prompts", "", f"source: `{report['settings']['source']}`", "", "| item | value |", "|---|---:|"]
+    lines += [f"| {k} | {v} |" for k, v in rows]
+    return "\n".join(lines) + "\n"
 
 
 def report_path(cfg: RunConfig) -> Path:
@@ -147,6 +165,7 @@ def run(cfg: RunConfig, source: Optional[str] = None, fmt: Optional[str] = None,
                                   "tokens_per_s": regen_stats["new_tokens"] / secs if secs > 0 else None}
     atomic_write_jsonl(out, convs)
     atomic_write_json(rep, report)
+    atomic_write_text(rep.with_suffix(".md"), report_markdown(report))
     c = report["counts"]
     print(f"prompts: {out} ({c['kept']} conversations; read {c['read']}, skipped {sum(c['skipped'].values())}, "
           f"deduped {c['deduped']}, regenerated {c['regenerated']})")

@@ -195,6 +195,8 @@ def test_stage01_writes_prompts_and_report(tmp_path, capsys):
                              "normalised": 6, "deduped": 2, "sampled_out": 1, "limited_out": 0, "kept": 3,
                              "regenerated": 0}
     assert str(cfg.prompts_path) in capsys.readouterr().out
+    md = report_path(cfg).with_suffix(".md").read_text()
+    assert "| read | 7 |" in md and "| skipped: empty_content | 1 |" in md and "| kept | 3 |" in md
     # idempotent: same settings -> nothing recomputed, same bytes
     before = cfg.prompts_path.read_bytes()
     assert run(cfg) == 0
