@@ -13,6 +13,16 @@ from eagle3.verifier import load_verifier
 MAX_NEW = 6
 
 
+@pytest.fixture(autouse=True)
+def single_thread():
+    """One intra-op thread: the tiny model is dispatch-bound, and two spinning threads per process are
+    several times slower on a shared 2-core CI machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def tiny(tiny_llama_dir):
     return load_verifier(VerifierConfig(path=str(tiny_llama_dir), dtype="float32"), device="cpu")
