@@ -99,9 +99,9 @@ def write_sample(
 
     Args:
         input_ids: ``[L]`` token ids (any integer dtype; stored int64).
-        hidden_states: 4 tensors ``[L, H]`` (aux1, aux2, aux3, last); stored bf16. Each is
-            ``.clone()``-d so that a view into a padded batch does not drag the whole batch
-            storage into the file (``torch.save`` stores a view's full storage).
+        hidden_states: 4 tensors ``[L, H]`` (aux1, aux2, aux3, last); stored bf16. A tensor that
+            is a view into a larger storage (e.g. a slice of a padded batch) is ``.clone()``-d
+            first, because ``torch.save`` stores a view's whole storage.
         loss_mask: ``[L]`` 0/1 (stored int64).
 
     Raises:
@@ -119,7 +119,9 @@ def write_sample(
     for k, h in enumerate(hidden_states):
         if h.dim() != 2 or h.shape[0] != L:
             raise ValueError(f"sample {idx}: hidden_states[{k}] has shape {tuple(h.shape)}, expected [{L}, H]")
-        hb = h.detach().to("cpu", torch.bfloat16).contiguous().clone()  # [L, H] own storage
+        hb = h.detach().to("cpu", torch.bfloat16).contiguous()  # [L, H]
+        if hb.storage_offset() != 0 or hb.untyped_storage().nbytes() != hb.numel() * hb.element_size():
+            hb = hb.clone()  # a view into a larger (padded) storage: keep only this sample's rows
         if not bool(torch.isfinite(hb).all()):
             raise ValueError(f"sample {idx}: hidden_states[{k}] has NaN/Inf")
         hs.append(hb)

@@ -148,10 +148,10 @@ class HFCapture:
         if hs is None or len(hs) != self.num_layers + 1:
             n = None if hs is None else len(hs)
             raise RuntimeError(f"verifier returned {n} hidden states, expected num_hidden_layers + 1 = {self.num_layers + 1}")
-        picks = [hs[i] for i in self.aux_layers] + [hs[-1]]  # 4 x [B, Lmax, H]
-        # One device->host copy per layer, then per-sample slices cloned (no padded storage kept).
-        picks = [p.to(torch.bfloat16).cpu() for p in picks]  # 4 x [B, Lmax, H]; cast on device, then copy
-        return [[p[b, : len(s)].clone() for p in picks] for b, s in enumerate(batch)]  # B x 4 x [L_b, H]
+        picks = [hs[i].to(torch.bfloat16) for i in self.aux_layers + [-1]]  # 4 x [B, Lmax, H], cast on device
+        # One copy per sample and layer, straight from the device into an exact-size CPU tensor: padding
+        # is never copied and no returned tensor keeps the padded batch's storage alive.
+        return [[p[b, : len(s)].to("cpu", copy=True) for p in picks] for b, s in enumerate(batch)]  # B x 4 x [L_b, H]
 
     def last_hidden_state(self) -> LastHiddenState:
         """``"post_norm"`` if ``lm_head(hidden_states[-1])`` reproduces the logits, else ``"pre_norm"``.
