@@ -5,6 +5,10 @@ Offline (default): greedy vs chain speculative decoding with the transformers ve
 check, acceptance length tau, per-position acceptance, tokens/s and speedup ->
 {bench_dir}/bench.json, bench.md, acceptance.png.
 
+On CPU the verifier runs in float32 and any greedy/speculative difference fails the run (exit 2).
+On GPU it runs in verifier.dtype; bf16 near-ties can flip an argmax, so differences are listed in
+bench.json/bench.md instead (use --set verifier.dtype=float32 for a strict check).
+
 Server mode (--server URL [URL2]): benchmark a running SGLang server started with
 --speculative-algorithm EAGLE3 (URL2 = same verifier without speculation, for the speedup) ->
 {bench_dir}/server_bench.json, server_bench.md, server_acceptance.png.

@@ -314,6 +314,18 @@ def resolve_aux_layers(drafter_dir: Path, shards_dir: Optional[Path], fallback: 
     return [int(i) for i in aux], warnings
 
 
+def verifier_warnings(drafter_dir: Path, verifier_name: str) -> list[str]:
+    """A warning when the drafter's ``eagle3_train.json`` names another verifier than the run config."""
+    meta_path = Path(drafter_dir) / TRAIN_META
+    if not meta_path.is_file():
+        return []
+    meta = read_json(meta_path)
+    rec = (meta.get("verifier") or {}).get("name") if isinstance(meta, dict) else None
+    if rec and rec != verifier_name:
+        return [f"drafter {meta_path} was exported for verifier '{rec}', benchmarking it with '{verifier_name}'"]
+    return []
+
+
 # ---------------------------------------------------------------------------------------------
 # stage 05
 # ---------------------------------------------------------------------------------------------
@@ -425,8 +437,14 @@ def run(
         vcfg = vcfg.model_copy(update={"dtype": "float32"})
     verifier, tokenizer = load_verifier(vcfg, device)
     n_layers = verifier_dims(verifier.config)["num_layers"]
-    fallback = cfg.extract.aux_layers or default_aux_layers(n_layers)
+    fallback = cfg.extract.aux_layers
+    if fallback is None:
+        try:
+            fallback = default_aux_layers(n_layers)
+        except UserError:  # too few layers for the default: the drafter's metadata must say
+            fallback = None
     aux, warnings = resolve_aux_layers(drafter_dir, cfg.shards_dir, fallback)
+    warnings += verifier_warnings(drafter_dir, cfg.verifier.display_name())
     aux = check_aux_layers(aux, n_layers, field=f"{drafter_dir / TRAIN_META}: aux_layers")
     dtype = next(verifier.parameters()).dtype
     drafter = _load_drafter(drafter_dir, verifier, device, dtype)

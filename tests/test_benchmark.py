@@ -144,6 +144,16 @@ def test_aux_layer_mismatch_warns_and_uses_the_drafters(tmp_path):
         resolve_aux_layers(drafter_dir, None, None)
 
 
+def test_verifier_name_warning(tmp_path):
+    from eagle3.benchmark import verifier_warnings
+
+    (tmp_path / "eagle3_train.json").write_text(json.dumps({"verifier": {"name": "org/model-a"}}))
+    assert verifier_warnings(tmp_path, "org/model-a") == []
+    (w,) = verifier_warnings(tmp_path, "org/model-b")
+    assert "'org/model-a'" in w and "'org/model-b'" in w
+    assert verifier_warnings(tmp_path / "none", "x") == []
+
+
 # ---------------------------------------------------------------------------------------------
 # stage 05 end to end on the tiny verifier
 # ---------------------------------------------------------------------------------------------
@@ -191,6 +201,7 @@ def test_cli_writes_lossless_reports(run_setup):
     bench = root / "out" / "bench"
     rep = json.loads((bench / "bench.json").read_text())
     assert rep["steps"] == 2 and rep["aux_layers"] == [2, 3, 4] and rep["dtype"] == "float32"
+    assert len(rep["warnings"]) == 1 and "exported for verifier 'tiny'" in rep["warnings"][0]  # config names the path
     (d,) = rep["datasets"]
     assert d["dataset"] == "prompts" and d["num_prompts"] == 2 and d["mismatches"] == []
     assert d["spec_tokens"] == d["greedy_tokens"] == sum(p["greedy_tokens"] for p in d["per_prompt"])
