@@ -240,7 +240,8 @@ def build_step(s: Shape, device: torch.device, compile_objective: bool, checkpoi
     objective = TTTObjective(drafter, s.ttt, tc.step_weight, checkpoint_logits=ckpt_logits)
     model = torch.compile(objective) if compile_objective else objective
     params = [p for p in drafter.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay)
+    optimizer = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay,
+                                  fused=device.type == "cuda")  # as train.py
     scheduler = build_scheduler(optimizer, total_steps, tc.warmup_ratio)
 
     def step() -> torch.Tensor:

@@ -522,14 +522,19 @@ def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: O
     eval_every = t.eval_every or steps_per_epoch
 
     # ---- optimisation ----------------------------------------------------------------------
-    objective = TTTObjective(drafter, t.ttt_length, t.step_weight, checkpoint_logits=d.device.type == "cuda")
+    ckpt_logits = d.device.type == "cuda" if t.checkpoint_logits == "auto" else t.checkpoint_logits == "on"
+    objective = TTTObjective(drafter, t.ttt_length, t.step_weight, checkpoint_logits=ckpt_logits)
     model = objective
     if d.distributed:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         model = DDP(objective, device_ids=[d.device.index] if d.device.type == "cuda" else None)
+    if t.compile:
+        # Variable batch lengths: dynamic shapes avoid one recompile per sequence length.
+        model = torch.compile(model, dynamic=True)
     params = [p for p in drafter.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
+    optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay,
+                                  fused=d.device.type == "cuda")  # fused kernel: one launch for all params
     scheduler = build_scheduler(optimizer, total_steps, t.warmup_ratio)
     fingerprint = _fingerprint(cfg, args)
 
