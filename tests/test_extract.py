@@ -200,10 +200,11 @@ def test_too_long_policies(tmp_path, tiny_llama_dir, smollm_tokenizer, tiny_back
 
 
 def test_default_aux_layers_need_six_distinct(tmp_path, tiny_llama_dir):
-    # 6 layers -> default [2, 3, 3] is not strictly increasing
+    # 6 layers -> default [2, 3, 3] would not be strictly increasing: refused, nothing written
     cfg = load_config(_config(tmp_path, tiny_llama_dir, aux_layers=None))
-    with pytest.raises(UserError, match=r"extract.aux_layers \(default"):
+    with pytest.raises(UserError, match=r"verifier has 6 layers.*set extract.aux_layers"):
         run(cfg)
+    assert not list(cfg.shards_dir.rglob("*.pt"))
 
 
 def test_aux_layer_out_of_range(tmp_path, tiny_llama_dir):
