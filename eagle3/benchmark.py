@@ -276,6 +276,8 @@ def write_reports(out_dir: str | Path, report: dict, stem: str = "bench", plot_n
 # aux layers: drafter metadata vs shards metadata
 # ---------------------------------------------------------------------------------------------
 def _aux_from_meta(meta: dict, path: Path) -> Optional[list[int]]:
+    if not isinstance(meta, dict):
+        raise UserError(f"{path}: expected a JSON object")
     for key in ("aux_layers_hf", "aux_layers"):
         if key in meta:
             val = meta[key]
