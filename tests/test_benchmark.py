@@ -166,7 +166,7 @@ def _cli():
 
 @pytest.fixture(scope="module")
 def run_setup(tmp_path_factory, tiny_llama_dir):
-    """Config YAML for the tiny verifier (float32 CPU), an exported random drafter and a prompt file."""
+    """Config YAML for the tiny verifier (bf16 in the config, float32 on CPU), an exported random drafter, prompts."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from eagle3.export import export_drafter
@@ -187,7 +187,7 @@ def run_setup(tmp_path_factory, tiny_llama_dir):
     cfg = root / "run.yaml"
     cfg.write_text(
         f"run_name: t\noutput_root: {root / 'out'}\n"
-        f"verifier: {{path: {tiny_llama_dir}, dtype: float32, device: cpu}}\n"
+        f"verifier: {{path: {tiny_llama_dir}, dtype: bfloat16, device: cpu}}\n"  # CPU run forces float32
         f"prompts: {{source: {prompts}}}\n"
         f"benchmark: {{datasets: [{prompts}], max_new_tokens: 12, steps: 3}}\n"
     )
