@@ -157,6 +157,62 @@ def _spans(tokenizer, messages: list[dict], chat_template: Optional[str], full: 
     return full, spans
 
 
+def _render_text(tokenizer, messages: list[dict], chat_template: Optional[str], add_generation_prompt: bool) -> str:
+    tpl = _template_text(tokenizer, chat_template)
+    try:
+        return tokenizer.apply_chat_template(messages, chat_template=tpl, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"verifier.chat_template: rendering failed: {first}") from e
+
+
+def segment_spans(tokenizer, messages: list[dict], chat_template: Optional[str] = None
+                  ) -> tuple[list[int], list[tuple[int, int]]]:
+    """Fallback of :func:`assistant_spans` for conversations whose token prefixes are unstable.
+
+    The rendered TEXT of every turn prefix (``messages[:k]`` + generation prompt, ``messages[:k+1]``)
+    must be a string prefix of the full rendering; the text is cut at those boundaries and each
+    segment tokenized on its own, so the sequence is header tokens followed by reply tokens exactly
+    as a serving engine produces them (it tokenizes the prompt, then appends generated tokens;
+    it never re-tokenizes across the boundary). The mask span of a reply runs to its last
+    end-of-turn token, as in :func:`assistant_spans`.
+
+    Returns:
+        ``(input_ids, spans)``.
+
+    Raises:
+        TemplateNotPrefixStable: the template rewrites earlier turns (text prefixes differ).
+    """
+    full = _render_text(tokenizer, messages, chat_template, False)
+    cuts: list[tuple[int, bool]] = []  # (char offset where a segment ends, segment is a reply)
+    for k, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        head = _render_text(tokenizer, messages[:k], chat_template, True)
+        upto = _render_text(tokenizer, messages[: k + 1], chat_template, False)
+        for what, t in ((f"messages[:{k}] + generation prompt", head), (f"messages[:{k + 1}]", upto)):
+            if not full.startswith(t):
+                raise TemplateNotPrefixStable(
+                    f"verifier.chat_template: the template is not prefix-stable even as text: the rendering of "
+                    f"{what} is not a prefix of the full conversation (the template rewrites earlier turns)")
+        cuts += [(len(head), False), (len(upto), True)]
+    stops = end_of_turn_ids(tokenizer)
+    ids: list[int] = []
+    spans: list[tuple[int, int]] = []
+    pos = 0
+    for end, is_reply in cuts + [(len(full), False)]:
+        seg = list(tokenizer(full[pos:end], add_special_tokens=False)["input_ids"]) if end > pos else []
+        if is_reply:
+            start = len(ids)
+            stop = start + len(seg)
+            last = max((start + j + 1 for j, t in enumerate(seg) if t in stops), default=stop)
+            spans.append((start, last))
+        ids += seg
+        pos = end
+    return ids, spans
+
+
 def tokenize_conversation(tokenizer, messages: list[dict], max_length: int, chat_template: Optional[str] = None,
                           too_long: str = "truncate") -> Optional[tuple[list[int], list[int]]]:
     """Tokenize a conversation and build its loss mask.
@@ -185,7 +241,14 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_length: int, chat
     full = render(tokenizer, messages, chat_template)
     if too_long == "skip" and len(full) > max_length:
         return None
-    ids, spans = _spans(tokenizer, messages, chat_template, full, limit=max_length)
+    try:
+        ids, spans = _spans(tokenizer, messages, chat_template, full, limit=max_length)
+    except TemplateNotPrefixStable:
+        # A BPE merge crosses a turn boundary (e.g. a reply starting with whitespace): tokenize
+        # each turn segment on its own, as a server would (it never re-tokenizes generated tokens).
+        ids, spans = segment_spans(tokenizer, messages, chat_template)
+        if too_long == "skip" and len(ids) > max_length:
+            return None
     mask = [0] * len(ids)
     for s, e in spans:
         mask[s:e] = [1] * (e - s)

@@ -128,3 +128,21 @@ def test_chat_template_hash():
     tok.chat_template = None
     with pytest.raises(UserError, match="chat_template"):
         chat_template_hash(tok)
+
+
+def test_unstable_boundary_falls_back_to_turn_segments(smollm_tokenizer):
+    """A reply starting with a newline merges with the header's newline under joint BPE; the mask
+    must still cover exactly the reply + <|im_end|>, tokenized as a server would produce them."""
+    from eagle3.chat import tokenize_conversation
+
+    tok = smollm_tokenizer
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "\n\nHello there"}]
+    head = render(tok, msgs[:1], add_generation_prompt=True)
+    ids, mask = tokenize_conversation(tok, msgs, max_length=512)
+    reply = tok("\n\nHello there", add_special_tokens=False)["input_ids"]
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    # header tokens unchanged, then the reply tokenized on its own, then <|im_end|>, then "\n"
+    assert ids[: len(head)] == head
+    assert ids[len(head): len(head) + len(reply)] == reply
+    assert ids[len(head) + len(reply)] == im_end
+    assert mask == [0] * len(head) + [1] * (len(reply) + 1) + [0] * (len(ids) - len(head) - len(reply) - 1)
