@@ -175,8 +175,11 @@ def segment_spans(tokenizer, messages: list[dict], chat_template: Optional[str] 
     must be a string prefix of the full rendering; the text is cut at those boundaries and each
     segment tokenized on its own, so the sequence is header tokens followed by reply tokens exactly
     as a serving engine produces them (it tokenizes the prompt, then appends generated tokens;
-    it never re-tokenizes across the boundary). The mask span of a reply runs to its last
-    end-of-turn token, as in :func:`assistant_spans`.
+    it never re-tokenizes across the boundary). An assistant message that carries ``tokens`` (the
+    ids the verifier generated, written by :mod:`eagle3.regenerate`) contributes those ids verbatim
+    followed by the tokenized template text after its content (e.g. ``<|im_end|>\n``), because
+    decoding and re-tokenizing is not always the identity. The mask span of a reply runs to its
+    last end-of-turn token, as in :func:`assistant_spans`.
 
     Returns:
         ``(input_ids, spans)``.
@@ -198,11 +201,22 @@ def segment_spans(tokenizer, messages: list[dict], chat_template: Optional[str] 
                     f"{what} is not a prefix of the full conversation (the template rewrites earlier turns)")
         cuts += [(len(head), False), (len(upto), True)]
     stops = end_of_turn_ids(tokenizer)
+    replies = [m for m in messages if m["role"] == "assistant"]
     ids: list[int] = []
     spans: list[tuple[int, int]] = []
     pos = 0
     for end, is_reply in cuts + [(len(full), False)]:
-        seg = list(tokenizer(full[pos:end], add_special_tokens=False)["input_ids"]) if end > pos else []
+        text = full[pos:end]
+        seg = None
+        if is_reply:
+            m = replies[len(spans)]
+            toks = m.get("tokens")
+            if toks is not None and text.startswith(m["content"]):
+                # the verifier's own generated ids, then the template's end-of-turn text
+                seg = [int(t) for t in toks] + list(
+                    tokenizer(text[len(m["content"]):], add_special_tokens=False)["input_ids"])
+        if seg is None:
+            seg = list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
         if is_reply:
             start = len(ids)
             stop = start + len(seg)
@@ -242,6 +256,8 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_length: int, chat
     if too_long == "skip" and len(full) > max_length:
         return None
     try:
+        if any("tokens" in m for m in messages if m["role"] == "assistant"):
+            raise TemplateNotPrefixStable("regenerated replies carry their token ids: build by segments")
         ids, spans = _spans(tokenizer, messages, chat_template, full, limit=max_length)
     except TemplateNotPrefixStable:
         # A BPE merge crosses a turn boundary (e.g. a reply starting with whitespace): tokenize

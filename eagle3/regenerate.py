@@ -88,7 +88,9 @@ def regenerate(model, tokenizer, conversations: list[dict], max_new_tokens: int,
     Returns:
         New conversations ``{id, messages}`` in input order: optional system message, then
         alternating user / regenerated assistant turns. Answer text = the decoded answer tokens,
-        end-of-turn token stripped (the template writes it back when rendering). Deterministic.
+        end-of-turn token stripped (the template writes it back when rendering); each regenerated
+        assistant message also carries ``tokens``, the generated ids (``list[int]``), which
+        :func:`eagle3.chat.tokenize_conversation` uses verbatim. Deterministic.
     """
     if batch_size < 1 or max_new_tokens < 1:
         raise ValueError("batch_size and max_new_tokens must be >= 1")
@@ -116,7 +118,10 @@ def regenerate(model, tokenizer, conversations: list[dict], max_new_tokens: int,
                 answers = generate_greedy(model, [prompts[i] for i in chunk], max_new_tokens, stop_ids, pad_id)
                 for i, (ans, stopped) in zip(chunk, answers):
                     text = tokenizer.decode(ans, skip_special_tokens=True)
-                    state[i][0].append({"role": "assistant", "content": text})
+                    # ``tokens``: the ids the verifier actually produced. Decoding to text and
+                    # re-tokenizing is not always the identity (e.g. 24 "\n" tokens re-tokenize as
+                    # two multi-newline tokens), so stage 02 uses these ids for the reply.
+                    state[i][0].append({"role": "assistant", "content": text, "tokens": [int(t) for t in ans]})
                     st["new_tokens"] += len(ans)
                     st["truncated"] += int(not stopped)
                     st["answers"] += 1

@@ -51,7 +51,7 @@ def _reference_regenerate(model, tok, conv, max_new):
         text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
         prompt = tok(text, add_special_tokens=False)["input_ids"]
         ans = _reference_greedy(model, prompt, max_new, stops)
-        msgs.append({"role": "assistant", "content": tok.decode(ans, skip_special_tokens=True)})
+        msgs.append({"role": "assistant", "content": tok.decode(ans, skip_special_tokens=True), "tokens": ans})
     return {"id": conv["id"], "messages": msgs}
 
 
