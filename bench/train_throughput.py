@@ -59,6 +59,44 @@ whose image lacks pydantic: install the project's wheels from ``.whl`` first)::
 CPU smoke run (a few seconds)::
 
     python bench/train_throughput.py --tiny --device cpu --json /tmp/tt.json
+
+DDP mode (multi-GPU scaling). Launched under ``torchrun`` (env ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``),
+every rank runs the same step as above with the ``TTTObjective`` wrapped exactly as
+``eagle3.train._run`` wraps it: ``eagle3.train.init_distributed`` (NCCL on ``cuda:LOCAL_RANK``, gloo
+with ``--device cpu``, plus a gloo control group), ``DistributedDataParallel(objective,
+device_ids=[local_rank] on GPU / None on CPU)`` when ``WORLD_SIZE > 1``, and ``torch.compile`` around
+the DDP module with ``--compile``. The weights are identical on every rank (seed 0; DDP also
+broadcasts rank 0's); each rank draws its own random batch (same shapes; batch seed ``1 + rank``),
+so the per-step gradient all-reduce is real work on distinct gradients. Timing: after the warm-up
+steps a device sync + barrier on the control group, per-step CUDA events (``perf_counter`` on CPU)
+over ``--steps`` steps, then sync + barrier again; ``timed_wall_s`` is that barrier-to-barrier window.
+Per-rank results are gathered (``all_gather_object`` on the control group) and rank 0 prints and
+writes, per configuration, ``row["ddp"]``:
+
+    world_size, backend, per_rank (rank, tokens_per_s = L / median step, step_ms, peak_mem_gib, ...),
+    per_gpu_tokens_per_s  = mean over ranks of tokens_per_s          [tokens/s per GPU]
+    total_tokens_per_s    = sum over ranks of tokens_per_s           [tokens/s, all GPUs]
+    total_tokens_per_s_wall = world * L * steps / max_rank(timed_wall_s)
+    params_identical_across_ranks: the float64 sum and sum of squares of the trainable weights
+        after the timed steps agree exactly on all ranks (DDP kept the replicas in sync)
+    with --baseline-json (a single-process run of this script at the same shape, compile,
+    checkpoint_logits and autocast):
+    scaling_efficiency      = per_gpu_tokens_per_s / baseline tokens_per_s   (goal >= 0.9)
+    scaling_efficiency_wall = total_tokens_per_s_wall / world / baseline tokens_per_s
+
+NVLink multicast stays off: ``NCCL_NVLS_ENABLE=0`` (forced), ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` and
+``NVSHMEM_DISABLE_NVLS=1`` are set before the process group starts. On an N-GPU box
+``bench/multi_gpu.sh N`` runs the 1-GPU baseline and the N-GPU DDP run and prints the comparison::
+
+    python3 bench/train_throughput.py --kv-heads 64 --steps 10 --warmup 3 --json $OUT/tt1.json
+    python3 -m torch.distributed.run --standalone --nproc_per_node 8 bench/train_throughput.py \\
+        --kv-heads 64 --steps 10 --warmup 3 --baseline-json $OUT/tt1.json --json $OUT/tt8.json
+
+CPU DDP smoke run (gloo, two processes)::
+
+    python bench/train_throughput.py --tiny --device cpu --json /tmp/tt1.json
+    torchrun --standalone --nproc_per_node 2 bench/train_throughput.py --tiny --device cpu \\
+        --baseline-json /tmp/tt1.json --json /tmp/tt2.json
 """
 
 from __future__ import annotations
@@ -67,6 +105,7 @@ import argparse
 import contextlib
 import gc
 import json
+import os
 import platform
 import resource
 import statistics
@@ -78,6 +117,7 @@ from types import SimpleNamespace
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -85,7 +125,7 @@ from eagle3.config import TrainConfig  # noqa: E402
 from eagle3.io import atomic_write_json  # noqa: E402
 from eagle3.model import DrafterArgs, Eagle3Drafter  # noqa: E402
 from eagle3.schedule import build_scheduler  # noqa: E402
-from eagle3.train import TARGET_CHUNK, TTTObjective, _autocast_dtype  # noqa: E402
+from eagle3.train import TARGET_CHUNK, DistInfo, TTTObjective, _autocast_dtype, init_distributed  # noqa: E402
 from eagle3.ttt import compute_targets  # noqa: E402
 
 GIB = 1024**3
@@ -202,13 +242,22 @@ def _free(device: torch.device) -> None:
 # one configuration
 # ---------------------------------------------------------------------------------------------
 def build_step(s: Shape, device: torch.device, compile_objective: bool, checkpoint_logits: Optional[bool],
-               total_steps: int, seed: int = 0) -> tuple[Callable[[], torch.Tensor], dict]:
-    """Build the drafter, optimizer, scheduler, verifier head and random batch; return ``(step, info)``.
+               total_steps: int, seed: int = 0, ddp: Optional[DistInfo] = None, batch_seed: Optional[int] = None,
+               ) -> tuple[Callable[[], torch.Tensor], dict, Callable[[], list[float]]]:
+    """Build the drafter, optimizer, scheduler, verifier head and random batch; return ``(step, info, checksum)``.
 
     ``step()`` runs one full optimizer step (targets, forward, backward, clip, AdamW, LR step) and
     returns the detached scalar loss tensor (no host sync). ``info`` records the settings used:
     ``autocast`` dtype (None = float32), ``checkpoint_logits``, ``trainable_params``, the
-    ``TrainConfig`` hyper-parameters.
+    ``TrainConfig`` hyper-parameters, ``ddp_wrapped`` (whether the objective is DDP-wrapped).
+    ``checksum()`` returns ``[sum, sum of squares]`` of the trainable weights in float64 (host sync).
+
+    Args:
+        seed: drafter init, vocab map and verifier head (identical on every rank).
+        ddp: with a multi-process :class:`eagle3.train.DistInfo`, the objective is wrapped in
+            ``DistributedDataParallel`` as in ``eagle3.train._run`` (before ``torch.compile``).
+        batch_seed: seed of the random batch (``input_ids``, ``aux``, ``last``); None draws it from
+            the ``seed`` stream after the head (the single-process default).
     """
     tc = TrainConfig()
     amp = _autocast_dtype(SimpleNamespace(train=tc), device)  # bf16 on GPU, None on CPU (as train.py)
@@ -232,13 +281,21 @@ def build_step(s: Shape, device: torch.device, compile_objective: bool, checkpoi
     head_lm = (torch.randn(s.target_vocab, s.target_hidden, generator=g) * 0.02).to(device, feat_dtype)  # [V, Ht]
 
     L = s.seq
-    input_ids = torch.randint(0, s.target_vocab, (1, L), generator=g).to(device)  # [1, L] int64
-    aux = torch.randn(1, L, 3 * s.target_hidden, generator=g).to(device, feat_dtype)  # [1, L, 3Ht]
-    last = torch.randn(1, L, s.target_hidden, generator=g).to(device, feat_dtype)  # [1, L, Ht]
+    gb = g if batch_seed is None else torch.Generator(device="cpu").manual_seed(batch_seed)
+    input_ids = torch.randint(0, s.target_vocab, (1, L), generator=gb).to(device)  # [1, L] int64
+    aux = torch.randn(1, L, 3 * s.target_hidden, generator=gb).to(device, feat_dtype)  # [1, L, 3Ht]
+    last = torch.randn(1, L, s.target_hidden, generator=gb).to(device, feat_dtype)  # [1, L, Ht]
     loss_mask = torch.ones(1, L, dtype=torch.long, device=device)  # [1, L]
 
     objective = TTTObjective(drafter, s.ttt, tc.step_weight, checkpoint_logits=ckpt_logits)
-    model = torch.compile(objective) if compile_objective else objective
+    model = objective
+    wrapped = ddp is not None and ddp.distributed
+    if wrapped:  # as eagle3.train._run: DDP around the objective, torch.compile around DDP
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(objective, device_ids=[device.index] if device.type == "cuda" else None)
+    if compile_objective:
+        model = torch.compile(model)
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay,
                                   fused=device.type == "cuda")  # as train.py
@@ -258,27 +315,53 @@ def build_step(s: Shape, device: torch.device, compile_objective: bool, checkpoi
         scheduler.step()
         return loss.detach()
 
+    def checksum() -> list[float]:
+        tot = torch.zeros((), dtype=torch.float64, device=device)
+        sq = torch.zeros((), dtype=torch.float64, device=device)
+        with torch.no_grad():
+            for p in params:
+                for c in p.detach().reshape(-1).split(1 << 24):  # bounded f64 temporaries (128 MiB)
+                    c = c.double()  # [<= 2^24] f64
+                    tot += c.sum()
+                    sq += c.square().sum()
+        return [float(tot), float(sq)]
+
     info = {"autocast": None if amp is None else str(amp).replace("torch.", ""), "checkpoint_logits": ckpt_logits,
             "compile": compile_objective, "trainable_params": sum(p.numel() for p in params),
             "frozen_params": sum(p.numel() for p in drafter.parameters() if not p.requires_grad),
-            "lr": tc.lr, "weight_decay": tc.weight_decay, "grad_clip": tc.grad_clip, "step_weight": tc.step_weight}
-    return step, info
+            "lr": tc.lr, "weight_decay": tc.weight_decay, "grad_clip": tc.grad_clip, "step_weight": tc.step_weight,
+            "ddp_wrapped": wrapped}
+    return step, info, checksum
+
+
+def _barrier(d: Optional[DistInfo]) -> None:
+    """Barrier on the gloo control group (no GPU work) when running multi-process; else nothing."""
+    if d is not None and d.distributed:
+        dist.barrier(group=d.ctrl_group)
 
 
 def run_config(s: Shape, device: torch.device, warmup: int, steps: int, compile_objective: bool,
-               checkpoint_logits: Optional[bool], ceiling_tflops: float) -> dict:
+               checkpoint_logits: Optional[bool], ceiling_tflops: float, ddp: Optional[DistInfo] = None,
+               baseline: Optional[dict] = None) -> dict:
     """Build, warm up (the first warm-up step includes compilation), time ``steps`` steps; one result row.
 
     Row fields: the shape, ``step_ms`` (median; CUDA events on GPU, ``perf_counter`` on CPU),
     ``step_ms_all``, ``tokens_per_s`` (``L / median``), ``first_step_s`` (incl. compilation and
     lazy AdamW state creation), ``compile_s`` (``first_step_s - median``, only with ``--compile``),
     ``peak_mem_gib`` (over the timed steps) and ``peak_mem_gib_incl_warmup``, ``flops``
-    (:func:`train_step_flops`), ``tflops_achieved``, ``mfu`` (vs ``ceiling_tflops``), ``loss``.
+    (:func:`train_step_flops`), ``tflops_achieved``, ``mfu`` (vs ``ceiling_tflops``), ``loss``,
+    ``timed_wall_s`` (wall seconds of the timed steps, sync to sync).
+
+    Under torchrun (``ddp`` given) these fields are this rank's; the rank's batch has seed
+    ``1 + rank``, the timed window is framed by device sync + control-group barriers, and
+    ``row["ddp"]`` is :func:`ddp_summary` over all ranks (``baseline``: the matching
+    single-process row for the scaling efficiency, or None). Every rank must call this together.
     """
     _free(device)
     _reset_peak(device)
     t0 = time.perf_counter()
-    step, info = build_step(s, device, compile_objective, checkpoint_logits, total_steps=warmup + steps)
+    step, info, checksum = build_step(s, device, compile_objective, checkpoint_logits, total_steps=warmup + steps,
+                                      ddp=ddp, batch_seed=None if ddp is None else 1 + ddp.rank)
     _sync(device)
     build_s = time.perf_counter() - t0
 
@@ -293,6 +376,8 @@ def run_config(s: Shape, device: torch.device, warmup: int, steps: int, compile_
     peak_warm = _peak_gib(device)
     _reset_peak(device)
     times = []
+    _barrier(ddp)  # all ranks start the timed window together (device already synced)
+    t_wall = time.perf_counter()
     if device.type == "cuda":
         evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
         for a, b in evs:
@@ -306,6 +391,8 @@ def run_config(s: Shape, device: torch.device, warmup: int, steps: int, compile_
             t0 = time.perf_counter()
             loss = step()
             times.append(time.perf_counter() - t0)
+    _barrier(ddp)  # the window ends when the slowest rank is done
+    wall_s = time.perf_counter() - t_wall
     med = statistics.median(times)
     peak = _peak_gib(device)
     flops = train_step_flops(s)
@@ -316,8 +403,89 @@ def run_config(s: Shape, device: torch.device, warmup: int, steps: int, compile_
            "compile_s": (first_s - med) if (compile_objective and first_s is not None) else None,
            "peak_mem_gib": peak, "peak_mem_gib_incl_warmup": max(peak, peak_warm),
            "flops": flops, "tflops_achieved": achieved, "mfu": achieved / ceiling_tflops,
-           "loss": float(loss) if loss is not None else None, "oom": False}
+           "loss": float(loss) if loss is not None else None, "oom": False, "timed_wall_s": wall_s}
+    if ddp is not None:
+        mine = {"rank": ddp.rank, "local_rank": ddp.local_rank, "device": str(device),
+                "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.machine(),
+                "tokens_per_s": row["tokens_per_s"], "step_ms": row["step_ms"], "step_ms_all": row["step_ms_all"],
+                "timed_wall_s": wall_s, "peak_mem_gib": peak, "mfu": row["mfu"], "loss": row["loss"],
+                "param_checksum": checksum()}
+        ranks = [mine]
+        if ddp.distributed:
+            ranks = [None] * ddp.world
+            dist.all_gather_object(ranks, mine, group=ddp.ctrl_group)
+        row["ddp"] = ddp_summary(ranks, s.seq, steps, baseline,
+                                 backend=dist.get_backend() if ddp.distributed else None)
     return row
+
+
+GOAL_EFFICIENCY = 0.9  # the issue's target: per-GPU rate >= 90% of the 1-GPU rate
+
+
+def ddp_summary(ranks: list[dict], seq: int, steps: int, baseline: Optional[dict], backend: Optional[str]) -> dict:
+    """Combine the gathered per-rank results of one configuration (formulas in the module docstring).
+
+    Args:
+        ranks: one dict per rank, in rank order, with ``tokens_per_s`` (tokens/s of that rank),
+            ``timed_wall_s`` (s) and ``param_checksum`` (``[sum, sum of squares]``).
+        seq: tokens per rank per step (L). steps: timed steps.
+        baseline: the matching single-process row (its ``tokens_per_s`` is the 1-GPU rate) with a
+            ``source`` path added, or None (no efficiency).
+
+    Returns:
+        dict ``world_size``, ``backend``, ``per_rank``, ``per_gpu_tokens_per_s`` (mean),
+        ``min_rank_tokens_per_s``, ``max_rank_tokens_per_s``, ``total_tokens_per_s`` (sum),
+        ``timed_wall_s`` (max over ranks), ``total_tokens_per_s_wall``, ``params_identical_across_ranks``,
+        and with a baseline ``baseline`` (source, tokens_per_s, step_ms, device), ``scaling_efficiency``,
+        ``scaling_efficiency_wall``, ``goal_efficiency`` and ``meets_goal``.
+    """
+    world = len(ranks)
+    rates = [float(r["tokens_per_s"]) for r in ranks]  # tokens/s per rank
+    wall = max(float(r["timed_wall_s"]) for r in ranks)  # s
+    out = {"world_size": world, "backend": backend, "per_rank": ranks,
+           "per_gpu_tokens_per_s": sum(rates) / world, "min_rank_tokens_per_s": min(rates),
+           "max_rank_tokens_per_s": max(rates), "total_tokens_per_s": sum(rates), "timed_wall_s": wall,
+           "total_tokens_per_s_wall": world * seq * steps / wall,
+           "params_identical_across_ranks": all(r["param_checksum"] == ranks[0]["param_checksum"] for r in ranks)}
+    if baseline is not None:
+        base = float(baseline["tokens_per_s"])
+        out["baseline"] = {"source": baseline.get("source"), "tokens_per_s": base, "step_ms": baseline.get("step_ms"),
+                           "device": baseline.get("device")}
+        out["scaling_efficiency"] = out["per_gpu_tokens_per_s"] / base
+        out["scaling_efficiency_wall"] = out["total_tokens_per_s_wall"] / world / base
+        out["goal_efficiency"] = GOAL_EFFICIENCY
+        out["meets_goal"] = out["scaling_efficiency"] >= GOAL_EFFICIENCY
+    return out
+
+
+_MATCH_KEYS = tuple(Shape.__dataclass_fields__) + ("compile", "checkpoint_logits", "autocast")
+
+
+def find_baseline_row(baseline: dict, want: dict, source: str) -> dict:
+    """The single-process row of a ``--json`` result that matches ``want`` on :data:`_MATCH_KEYS`.
+
+    Args:
+        baseline: the parsed JSON of a throughput run of this script (one process).
+        want: the shape fields plus the resolved ``compile``, ``checkpoint_logits`` and ``autocast``.
+        source: the file name, for messages and the returned row's ``source``.
+
+    Raises:
+        ValueError: not a throughput result, a multi-process result, or no matching non-OOM row.
+    """
+    if not isinstance(baseline, dict) or baseline.get("mode") != "throughput" or not isinstance(
+            baseline.get("runs"), list):
+        raise ValueError(f"{source}: not a throughput result of bench/train_throughput.py (key 'mode'/'runs')")
+    if int(baseline.get("world_size", 1)) != 1:
+        raise ValueError(f"{source}: key 'world_size' is {baseline['world_size']}; the baseline must be a 1-GPU run")
+    have = []
+    for r in baseline["runs"]:
+        if not isinstance(r, dict) or r.get("oom", True):
+            continue
+        got = {k: r.get(k) for k in _MATCH_KEYS}
+        if got == want:
+            return {**r, "source": source}
+        have.append(got)
+    raise ValueError(f"{source}: no run matches {want}; it has {have or 'no successful runs'}")
 
 
 def _is_oom(e: BaseException) -> bool:
@@ -374,7 +542,34 @@ def markdown(result: dict) -> str:
                  "-" if r["oom"] else _fmt(r["tflops_achieved"], ".4g"), "-" if r["oom"] else _fmt(r["mfu"], ".3f")]
         cells += [str(r["fits"])] if search else [_fmt(r.get("compile_s"), ".1f")]
         lines.append("| " + " | ".join(cells) + " |")
+    ddp_rows = [r for r in result["runs"] if r.get("ddp")]
+    if ddp_rows:
+        lines += ["", f"DDP: {result.get('world_size')} processes, backend {ddp_rows[0]['ddp']['backend']}; "
+                  "step ms / tokens/s above are rank 0's; efficiency = per-GPU tokens/s / 1-GPU tokens/s "
+                  f"(goal >= {GOAL_EFFICIENCY:g})", ""]
+        head = ["world", "seq", "kv heads", "compile", "per-GPU tok/s", "min rank tok/s", "total tok/s",
+                "total tok/s (wall)", "1-GPU tok/s", "efficiency", "eff. (wall)", "params in sync"]
+        lines += ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
+        for r in ddp_rows:
+            q = r["ddp"]
+            base = q.get("baseline", {}).get("tokens_per_s")
+            lines.append("| " + " | ".join([
+                str(q["world_size"]), str(r["seq"]), str(r["kv_heads"]), str(r["compile"]),
+                _fmt(q["per_gpu_tokens_per_s"], ".0f"), _fmt(q["min_rank_tokens_per_s"], ".0f"),
+                _fmt(q["total_tokens_per_s"], ".0f"), _fmt(q["total_tokens_per_s_wall"], ".0f"), _fmt(base, ".0f"),
+                _fmt(q.get("scaling_efficiency"), ".3f"), _fmt(q.get("scaling_efficiency_wall"), ".3f"),
+                str(q["params_identical_across_ranks"])]) + " |")
     return "\n".join(lines)
+
+
+def _nvls_off() -> None:
+    """Keep NVLink multicast off for NCCL / symmetric memory / NVSHMEM (before any process group)."""
+    if os.environ.get("NCCL_NVLS_ENABLE", "0") != "0":
+        print(f"NCCL_NVLS_ENABLE={os.environ['NCCL_NVLS_ENABLE']} overridden to 0 (no NVLink multicast)",
+              file=sys.stderr)
+    os.environ["NCCL_NVLS_ENABLE"] = "0"
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 
 
 def main(argv=None) -> int:
@@ -395,11 +590,47 @@ def main(argv=None) -> int:
     p.add_argument("--search-seqs", type=int, nargs="+", default=None, help="lengths to try (default 8192; --tiny 96)")
     p.add_argument("--mem-budget-gib", type=float, default=96.0, help="budget for --max-seq-search (GiB)")
     p.add_argument("--json", type=Path, default=None, help="also write the result here")
+    p.add_argument("--baseline-json", type=Path, default=None,
+                   help="under torchrun: a 1-GPU --json result at the same settings; adds the scaling efficiency")
     a = p.parse_args(argv)
 
-    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ  # torchrun (or equivalent) environment
+    ddp_info: Optional[DistInfo] = None
+    if launched:
+        if a.max_seq_search:
+            p.error("--max-seq-search is single-process only (an OOM on one rank would hang the others)")
+        if a.device not in (None, "cpu", "cuda"):
+            p.error(f"--device {a.device}: under torchrun each rank uses cuda:LOCAL_RANK; pass cuda or cpu")
+        if a.device == "cuda" and not torch.cuda.is_available():
+            p.error("--device cuda: CUDA is not available")
+    elif a.baseline_json is not None:
+        p.error("--baseline-json needs a torchrun launch (RANK / WORLD_SIZE in the environment)")
+    baseline = None
+    if a.baseline_json is not None:
+        try:
+            baseline = json.loads(a.baseline_json.read_text())
+        except (OSError, ValueError) as e:
+            p.error(f"--baseline-json {a.baseline_json}: {e}")
+
+    if launched:
+        _nvls_off()
+        ddp_info = init_distributed("cpu" if a.device == "cpu" else None)  # NCCL on cuda:LOCAL_RANK, else gloo
+        device = ddp_info.device
+    else:
+        device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+    try:
+        return _main(p, a, device, ddp_info, baseline)
+    finally:
+        if ddp_info is not None and ddp_info.initialized_here and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _main(p: argparse.ArgumentParser, a: argparse.Namespace, device: torch.device, ddp_info: Optional[DistInfo],
+          baseline: Optional[dict]) -> int:
+    """The benchmark after argument parsing and (under torchrun) process-group start; rank 0 reports."""
+    main_rank = ddp_info is None or ddp_info.is_main
     base = TINY if a.tiny else REFERENCE
     base = replace(base, **{k: v for k, v in (("seq", a.seq), ("ttt", a.ttt)) if v is not None})
     kv_list = a.kv_heads or [base.kv_heads]
@@ -419,6 +650,17 @@ def main(argv=None) -> int:
     # ceiling in the dtype the step's matmuls run in: bf16 under autocast (GPU), float32 on CPU
     amp = _autocast_dtype(SimpleNamespace(train=TrainConfig()), device)
     ceil_dtype = amp if amp is not None else torch.float32
+    base_rows = {}
+    if baseline is not None:  # validate before any heavy work; same error on every rank
+        ckpt = (device.type == "cuda") if a.checkpoint_logits is None else a.checkpoint_logits
+        for kvh in kv_list:
+            s = replace(base, kv_heads=kvh)
+            want = {**asdict(s), "compile": a.compile, "checkpoint_logits": ckpt,
+                    "autocast": None if amp is None else str(amp).replace("torch.", "")}
+            try:
+                base_rows[kvh] = find_baseline_row(baseline, want, str(a.baseline_json))
+            except ValueError as e:
+                p.error(f"--baseline-json: {e}")
     ceiling = measure_matmul_ceiling(device, a.ceiling_n or (8192 if device.type == "cuda" else 512), ceil_dtype)
     _free(device)
 
@@ -426,15 +668,25 @@ def main(argv=None) -> int:
     for seq in seqs:
         for kvh in kv_list:
             s = replace(base, seq=seq, kv_heads=kvh)
-            row = run_guarded(s, device, warmup=warmup, steps=steps, compile_objective=a.compile,
-                              checkpoint_logits=a.checkpoint_logits, ceiling_tflops=ceiling["tflops"])
+            kw = dict(warmup=warmup, steps=steps, compile_objective=a.compile, checkpoint_logits=a.checkpoint_logits,
+                      ceiling_tflops=ceiling["tflops"])
+            if ddp_info is not None:  # no OOM guard: a rank that survived an OOM would hang in the all-reduce
+                row = run_config(s, device, ddp=ddp_info, baseline=base_rows.get(kvh), **kw)
+            else:
+                row = run_guarded(s, device, **kw)
             if a.max_seq_search:
                 row["fits"] = (not row["oom"]) and row["peak_mem_gib"] <= a.mem_budget_gib
             runs.append(row)
+            if not main_rank:
+                continue
             print(f"seq {seq} kv_heads {kvh}: " + ("OOM" if row["oom"] else
                   f"{row['step_ms']:.1f} ms/step, {row['tokens_per_s']:.0f} tok/s, peak {row['peak_mem_gib']:.2f} GiB, "
-                  f"MFU {row['mfu']:.3f}"), file=sys.stderr, flush=True)
+                  f"MFU {row['mfu']:.3f}") + ("" if "ddp" not in row else
+                  f"; {row['ddp']['world_size']} ranks: {row['ddp']['per_gpu_tokens_per_s']:.0f} tok/s per GPU, "
+                  f"efficiency {_fmt(row['ddp'].get('scaling_efficiency'), '.3f')}"), file=sys.stderr, flush=True)
 
+    if not main_rank:
+        return 0
     env = {"torch": torch.__version__, "python": platform.python_version(), "device_name":
            torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine(),
            "cpu_threads": torch.get_num_threads()}
@@ -444,7 +696,11 @@ def main(argv=None) -> int:
         env["transformers"] = transformers.__version__
     except ImportError:
         env["transformers"] = None
+    env.update({k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+                                                "NVSHMEM_DISABLE_NVLS")})
     result = {"mode": "max_seq_search" if a.max_seq_search else "throughput", "tiny": a.tiny, "env": env,
+              "world_size": 1 if ddp_info is None else ddp_info.world, "torchrun": ddp_info is not None,
+              "baseline_json": None if a.baseline_json is None else str(a.baseline_json),
               "ceiling": ceiling, "reference_flops": train_step_flops(REFERENCE),
               "reference_flops_kv8": train_step_flops(replace(REFERENCE, kv_heads=8)),
               "mem_budget_gib": a.mem_budget_gib if a.max_seq_search else None, "runs": runs}
