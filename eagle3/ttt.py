@@ -110,6 +110,7 @@ def ttt_loss(
     loss_mask: torch.Tensor,
     step_weight: float = 0.8,
     checkpoint: bool = False,
+    compact: Optional[bool] = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """EAGLE-3 TTT loss: weighted sum over steps of the mean soft-label cross-entropy.
 
@@ -130,6 +131,9 @@ def ttt_loss(
         loss_mask: ``[B, L]`` int/bool, 1 on assistant tokens.
         step_weight: weight base (``train.step_weight``).
         checkpoint: activation-checkpoint the logits/CE of each step.
+        compact: build logits only at the valid positions (gathered rows) instead of all ``[B, n]``;
+            the same sums, so the same loss and gradients. Saves the ``lm_head`` matmul on prompt
+            tokens, but the gather needs a host sync, so ``None`` (auto) = on for CPU tensors only.
 
     Returns:
         ``(loss, metrics)``: scalar float32 loss (differentiable) and detached tensors, no host sync:
@@ -151,14 +155,19 @@ def ttt_loss(
             continue
         valid = mask_all[:, 2 + i : 2 + i + n] & targets.in_draft[:, 1 + i : 1 + i + n]  # [B, n]
         tgt = targets.logp_draft[:, 1 + i : 1 + i + n]  # [B, n, draft_V]
+        use_compact = (h.device.type == "cpu") if compact is None else compact
+        hs, tgt_am = h[:, :n], targets.argmax[:, 1 + i : 1 + i + n]  # [B, n, H], [B, n]
+        if use_compact:
+            rows = valid.nonzero(as_tuple=True)  # host sync: number of valid positions
+            hs, tgt, tgt_am, valid = hs[rows], tgt[rows], tgt_am[rows], valid[rows]  # [Nv, H], [Nv, dV], [Nv], [Nv]
         if checkpoint and torch.is_grad_enabled():
-            ce, pred = _checkpoint(_step_terms, drafter, h[:, :n], tgt, use_reentrant=False)
+            ce, pred = _checkpoint(_step_terms, drafter, hs, tgt, use_reentrant=False)
         else:
-            ce, pred = _step_terms(drafter, h[:, :n], tgt)
+            ce, pred = _step_terms(drafter, hs, tgt)
         cnt = valid.sum()
         step_loss = (ce * valid).sum() / cnt.clamp(min=1)
         total = total + (step_weight**i) * step_loss
-        correct = ((drafter.draft_to_target(pred) == targets.argmax[:, 1 + i : 1 + i + n]) & valid).sum()
+        correct = ((drafter.draft_to_target(pred) == tgt_am) & valid).sum()
         losses.append(step_loss.detach())
         corrects.append(correct)
         counts.append(cnt)

@@ -161,6 +161,23 @@ def test_ttt_loss_checkpoint_same_loss_and_grads():
         assert torch.allclose(a, b, atol=1e-6)
 
 
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_ttt_loss_compact_equals_dense(checkpoint):
+    """Logits only at valid positions (CPU default) give the dense path's loss, metrics and grads."""
+    d, hs, tg, loss_mask, *_ = _random_case(seed=5)
+    params = [*hs, d.lm_head.weight, d.norm.weight]
+    loss1, m1 = ttt_loss(d, hs, tg, loss_mask, compact=False, checkpoint=checkpoint)
+    g1 = torch.autograd.grad(loss1, params)
+    loss2, m2 = ttt_loss(d, hs, tg, loss_mask, compact=True, checkpoint=checkpoint)
+    g2 = torch.autograd.grad(loss2, params)
+    assert torch.allclose(loss1, loss2, rtol=1e-6)
+    for k in ("count", "correct"):
+        assert torch.equal(m1[k], m2[k])
+    assert int(m1["count"].sum()) > 0
+    for a, b in zip(g1, g2):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
 # ---------------------------------------------------------------------------------------------
 def test_tiny_drafter_overfits_fixed_batch():
     """A drafter fitted to one batch drives the loss down and step-0 accuracy to ~1."""
