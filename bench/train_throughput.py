@@ -619,6 +619,8 @@ def main(argv=None) -> int:
     else:
         device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if device.type == "cuda":
+            if device.index is None:  # torch 2.11 rejects an index-less device in set_device
+                device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(device)
     try:
         return _main(p, a, device, ddp_info, baseline)
