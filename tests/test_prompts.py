@@ -227,3 +227,21 @@ def test_cli_overrides(tmp_path):
     assert r.returncode == 0, r.stderr
     rows = [json.loads(x) for x in (tmp_path / "out" / "prompts.jsonl").read_text().splitlines()]
     assert rows == [{"id": "q-1", "messages": [U("u1"), A("a1")]}]
+
+
+def test_stage01_several_sources_concatenated(tmp_path):
+    """`prompts.source` may list files of different formats; they are read in order, then deduped."""
+    alp = tmp_path / "a.json"
+    alp.write_text(json.dumps([{"instruction": "Shared task", "input": "", "output": "x"},
+                               {"instruction": "Alpaca only", "input": "ctx", "output": "y"}]))
+    msg = _jsonl(tmp_path / "m.jsonl", [{"messages": [U("Shared task"), A("z")]}, {"messages": [U("Msg only"), A("w")]}])
+    f = tmp_path / "run.yaml"
+    f.write_text(f"run_name: t\noutput_root: {tmp_path / 'out'}\nverifier:\n  path: {tmp_path}\n"
+                 f"prompts:\n  source: [{alp}, {msg}]\n")
+    cfg = load_config(f)
+    assert run(cfg) == 0
+    rows = [json.loads(x) for x in cfg.prompts_path.read_text().splitlines()]
+    assert [r["messages"][0]["content"] for r in rows] == ["Shared task", "Alpaca only\n\nctx", "Msg only"]
+    rep = json.loads(report_path(cfg).read_text())
+    assert rep["counts"]["read"] == 4 and rep["counts"]["deduped"] == 1
+    assert [s["source"] for s in rep["settings"]["sources"]] == [str(alp), str(msg)]
