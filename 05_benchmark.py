@@ -30,6 +30,8 @@ def main(argv=None):
     p.add_argument("--steps", type=int, help="chain draft length k (default: benchmark.steps)")
     p.add_argument("--num-prompts", type=int, help="first N prompts of each dataset (default: benchmark.num_prompts)")
     p.add_argument("--max-new-tokens", type=int, help="default: benchmark.max_new_tokens")
+    p.add_argument("--serve-aux-layers", nargs=3, type=int, metavar="I",
+                   help="ablation: feed the drafter these HF-index aux layers instead of the ones it was trained on")
     p.add_argument("--server", nargs="+", metavar="URL", help="SGLang server URL (EAGLE3) [+ baseline server URL]")
     p.add_argument("--concurrency", type=int, default=1, help="requests in flight per server (--server mode)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per HTTP request (--server mode)")
@@ -45,7 +47,7 @@ def main(argv=None):
         return server_bench.run(cfg, a.server, a.datasets, a.num_prompts, a.max_new_tokens, a.concurrency, a.timeout)
     from eagle3 import benchmark
 
-    return benchmark.run(cfg, a.drafter, a.datasets, a.steps, a.num_prompts, a.max_new_tokens)
+    return benchmark.run(cfg, a.drafter, a.datasets, a.steps, a.num_prompts, a.max_new_tokens, a.serve_aux_layers)
 
 
 if __name__ == "__main__":

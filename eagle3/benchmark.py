@@ -409,8 +409,12 @@ def run(
     steps: Optional[int] = None,
     num_prompts: Optional[int] = None,
     max_new_tokens: Optional[int] = None,
+    serve_aux_layers: Optional[Sequence[int]] = None,
 ) -> int:
     """Stage 05 (offline): load verifier + exported drafter and benchmark (see :func:`run_offline`).
+
+    ``serve_aux_layers`` (HF indices) replaces the aux layers the drafter was trained on, to
+    measure what a serving-side layer-convention error costs (ablation); a warning is recorded.
 
     On CPU the verifier and drafter run in float32 (lossless check strict); on GPU in
     ``verifier.dtype`` (mismatches reported, not fatal unless the dtype is float32).
@@ -448,6 +452,12 @@ def run(
     aux, warnings = resolve_aux_layers(drafter_dir, cfg.shards_dir, fallback)
     warnings += verifier_warnings(drafter_dir, cfg.verifier.display_name())
     aux = check_aux_layers(aux, n_layers, field=f"{drafter_dir / TRAIN_META}: aux_layers")
+    if serve_aux_layers is not None and list(serve_aux_layers) != list(aux):
+        serve = check_aux_layers(serve_aux_layers, n_layers, field="--serve-aux-layers")
+        msg = f"serving with aux layers {serve} although the drafter was trained on {aux} (--serve-aux-layers)"
+        log.warning(msg)
+        warnings.append(msg)
+        aux = serve
     dtype = next(verifier.parameters()).dtype
     drafter = _load_drafter(drafter_dir, verifier, device, dtype)
     run_offline(cfg, verifier, tokenizer, drafter, aux, datasets, steps, num_prompts, max_new_tokens,

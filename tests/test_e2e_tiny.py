@@ -77,6 +77,19 @@ def test_tiny_pipeline_end_to_end(tiny_llama_dir, tmp_path):
     assert taus, bench
     assert min(taus) >= 1.0 + TAU_MARGIN, f"acceptance length {taus} below 1 + {TAU_MARGIN}"
 
+    # Serving-side layer ablation: the drafter is fed other aux layers than it was trained on,
+    # and the report says so.
+    shifted = out / "bench-shifted"
+    cmd = [sys.executable, str(ROOT / "05_benchmark.py"), "--config", str(ROOT / "configs/tiny-llama.yaml"),
+           "--serve-aux-layers", "2", "4", "5"]
+    for o in ov + [f"benchmark.output_dir={shifted}"]:
+        cmd += ["--set", o]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads((shifted / "bench.json").read_text())
+    assert rep["aux_layers"] == [2, 4, 5]
+    assert any("trained on [1, 3, 4]" in w for w in rep["warnings"])
+
 
 def _find_numbers(obj, key: str) -> list[float]:
     """All numeric values stored under ``key`` anywhere in a JSON tree."""
