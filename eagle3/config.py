@@ -143,7 +143,7 @@ class TrainConfig(_Strict):
     bf16: Literal["auto", "on", "off"] = Field("auto", description="auto = bf16 autocast on GPU only")
     compile: bool = Field(False, description="torch.compile the TTT objective (GPU: ~22% faster step after ~1 min compile)")
     checkpoint_logits: Literal["auto", "on", "off"] = Field(
-        "auto", description="recompute each TTT step's draft-vocab logits in backward; auto = on GPU only (saves ~7 GiB at Kimi size)"
+        "auto", description="recompute each TTT step's draft-vocab logits in backward; auto = on GPU without compile (saves ~7 GiB at Kimi size)"
     )
     nproc_per_node: int = Field(1, ge=1, description="GPUs per node the run is planned for (torchrun --nproc_per_node); documentation")
     output_dir: Optional[str] = Field(None, description="default {output_root}/train")

@@ -522,7 +522,13 @@ def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: O
     eval_every = t.eval_every or steps_per_epoch
 
     # ---- optimisation ----------------------------------------------------------------------
-    ckpt_logits = d.device.type == "cuda" if t.checkpoint_logits == "auto" else t.checkpoint_logits == "on"
+    # Logit checkpointing inside torch.compile(dynamic=True) fails in dynamo on torch 2.11
+    # ("lift_tracked_freevar_to_input"), and compiled without it was faster anyway (bench/results).
+    ckpt_logits = (d.device.type == "cuda" and not t.compile) if t.checkpoint_logits == "auto" \
+        else t.checkpoint_logits == "on"
+    if t.compile and ckpt_logits:
+        raise UserError("train.checkpoint_logits: 'on' cannot be combined with train.compile: true (torch.compile "
+                        "fails on the checkpointed loss); use 'auto' or 'off'")
     objective = TTTObjective(drafter, t.ttt_length, t.step_weight, checkpoint_logits=ckpt_logits)
     model = objective
     if d.distributed:
