@@ -4,6 +4,7 @@
 Single process: ``python 04_train.py --config configs/smollm2-135m.yaml``
 Several GPUs:   ``torchrun --nproc_per_node 8 04_train.py --config configs/kimi-k2.5.yaml``
 Continue after a crash/preemption: add ``--resume`` (newest complete checkpoint in {train_dir}/checkpoints).
+Export for the other engine without retraining: ``--export-only --engine vllm``.
 SIGTERM/SIGINT finish the current optimizer step, write a checkpoint and exit 0.
 """
 
@@ -20,10 +21,20 @@ def main(argv=None) -> int:
     add_config_args(p)
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
     p.add_argument("--max-steps", type=int, default=None, help="total optimizer steps (overrides train.max_steps)")
+    p.add_argument("--export-only", action="store_true",
+                   help="no training: export the newest checkpoint (e.g. for the other engine with --engine)")
+    p.add_argument("--engine", choices=["sglang", "vllm"], help="override export.engine")
     a = p.parse_args(argv)
     if a.max_steps is not None and a.max_steps < 1:
         p.error("--max-steps must be >= 1")
     cfg = load_config(a.config, a.overrides)
+    if a.engine:
+        cfg = cfg.model_copy(update={"export": cfg.export.model_copy(update={"engine": a.engine})})
+    if a.export_only:
+        from eagle3.export_checkpoint import export_from_checkpoint
+
+        print(f"exported: {export_from_checkpoint(cfg)}")
+        return 0
     from eagle3.train import run
 
     run(cfg, resume=a.resume, max_steps=a.max_steps)

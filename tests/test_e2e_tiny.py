@@ -67,6 +67,21 @@ def test_tiny_pipeline_end_to_end(tiny_llama_dir, tmp_path):
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 3]
 
+    # 04 --export-only --engine vllm: the same weights in the speculators format (vLLM ids = HF ids).
+    r = subprocess.run([sys.executable, str(ROOT / "04_train.py"), "--config", str(ROOT / "configs/tiny-llama.yaml"),
+                        "--export-only", "--engine", "vllm"] + [a for o in ov for a in ("--set", o)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    vcfg = json.loads((out / "drafter-vllm" / "config.json").read_text())
+    assert vcfg["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    from eagle3.export import load_exported
+    from eagle3.target_head import TargetHead
+
+    emb = TargetHead.load(out / "train").embed.float()
+    a, b = load_exported(out / "drafter-sglang", emb), load_exported(out / "drafter-vllm", emb)
+    for (ka, va), (kb, vb) in zip(sorted(a.state_dict().items()), sorted(b.state_dict().items())):
+        assert ka == kb and torch.equal(va, vb), ka
+
     # 05: lossless speculative decoding and a trained drafter above tau 1 + margin.
     _stage("05_benchmark.py", ov, env)
     bench = json.loads((out / "bench" / "bench.json").read_text())
