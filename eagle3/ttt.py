@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 import torch
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
 

@@ -50,3 +50,14 @@ def tiny_llama_dir(tmp_path_factory, smollm_tokenizer) -> Path:
     model.save_pretrained(out)
     smollm_tokenizer.save_pretrained(out)
     return out
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_intra_op_thread():
+    """Tiny tensors run fastest on one intra-op thread: two spinning OpenMP threads per process
+    oversubscribe the 2-core CI machine (measured 5-10x slower on the tiny-model tests).
+    Subprocess stages are unaffected (their tests set OMP_NUM_THREADS themselves where it matters)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -15,14 +15,6 @@ from eagle3.errors import UserError
 from eagle3.eval_prompts import HUMANEVAL_INSTRUCTION, load_eval_prompts, load_prompt_file
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny shapes run fastest on one intra-op thread (no oversubscription on the 2-core CI)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 # ---------------------------------------------------------------------------------------------
 # acceptance bookkeeping

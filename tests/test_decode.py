@@ -14,14 +14,6 @@ from eagle3.model import DrafterArgs, Eagle3Drafter
 AUX = [1, 3, 4]  # HF hidden_states indices of a 6-layer verifier
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny shapes run fastest on one intra-op thread (no oversubscription on the 2-core CI)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def make_verifier(vocab: int = 256, seed: int = 0):
     """A random 6-layer float32 Llama whose greedy output is varied (not one repeated token)."""

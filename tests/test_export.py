@@ -24,14 +24,6 @@ LAYER = [
 HEAD = ["fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one intra-op thread avoids OpenMP spin contention on a shared 2-core CI box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def drafter(seed=0) -> Eagle3Drafter:
     torch.manual_seed(seed)

@@ -11,14 +11,6 @@ from eagle3.export import SGLANG_KEYS
 from eagle3.model import DrafterArgs, DrafterCache, Eagle3Drafter, RMSNorm
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one intra-op thread avoids OpenMP spin contention on a shared 2-core CI box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def tiny_args(**kw) -> DrafterArgs:
     base = dict(

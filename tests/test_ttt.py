@@ -13,14 +13,6 @@ from eagle3.ttt import TTTTargets, compute_targets, ttt_attention_mask, ttt_loss
 TV, DV, HT = 40, 16, 24  # target vocab, draft vocab, verifier hidden
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one intra-op thread avoids OpenMP spin contention on a shared 2-core CI box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def tiny_args(**kw) -> DrafterArgs:
     base = dict(
