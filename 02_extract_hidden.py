@@ -3,6 +3,7 @@
 
     python 02_extract_hidden.py --config configs/smollm2-135m.yaml
     python 02_extract_hidden.py --config configs/kimi-k2.5.yaml --backend sglang --server http://host:30000
+    torchrun --nproc_per_node 8 02_extract_hidden.py --config configs/smollm2-135m.yaml   # hf: one replica per GPU
 
 Re-running the same command after a crash resumes (finished shards are kept, none is rewritten).
 A run whose config/prompts/verifier changed is refused unless --overwrite (deletes the old shards).
@@ -35,6 +36,14 @@ def main(argv=None) -> int:
     from eagle3.extract import run
 
     s = run(cfg, overwrite=a.overwrite, limit=a.limit)
+    if "samples" not in s:  # torchrun rank > 0: rank 0 reports for everyone
+        return 0
+    for r in s.get("ranks", []):
+        print(f"rank {r['rank']}: {r['written']} samples in {r['capture_s']} s, {r['samples_per_s']} samples/s, "
+              f"{r['tokens_per_s']} tok/s")
+    if "ranks" in s:
+        print(f"total ({s['world_size']} ranks): {s['written']} samples in {s['capture_s']} s, "
+              f"{s['samples_per_s']} samples/s")
     print(f"{s['samples']} samples ({s['written']} written, {s['resumed']} resumed), {s['num_tokens']} tokens, "
           f"{s['captured_tokens_per_s']} tok/s -> {s['shards_dir']}")
     return 0

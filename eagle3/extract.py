@@ -1,5 +1,11 @@
 """Stage 02: tokenize the prompts file, capture verifier hidden states, write speculators shards.
 
+Usage: ``python 02_extract_hidden.py --config run.yaml`` (one process), or spread over GPUs with
+``torchrun --nproc_per_node N 02_extract_hidden.py --config run.yaml`` (HF backend only): each rank
+loads its own verifier on ``cuda:LOCAL_RANK`` (CPU when the config says cpu / no GPU), captures the
+batches ``todo[rank::N]`` of the SAME global batch plan (tensors bit-identical to one process) into
+the same shard folder, and rank 0 merges the per-rank manifests and writes ``data_config.json``.
+
 Flow: read ``cfg.prompts_path`` (01 output) -> :func:`eagle3.chat.tokenize_conversation` (loss
 mask, ``max_length``, ``too_long``) -> dense sample ids ``idx = 0..n-1`` over the kept
 conversations in file order -> capture backend (``eagle3.capture``) in length-bucketed batches
@@ -10,7 +16,7 @@ Crash safety (every kill point is recoverable by re-running the same command):
 
 - each shard is written atomically (temp name + fsync + rename), so a shard file that exists is
   complete; a kill leaves at most ignorable ``*.tmp-*`` files, removed on the next run;
-- after each shard lands, ``manifest.jsonl`` gets ``{idx, id, num_tokens, num_loss_tokens}``
+- after each shard lands, ``manifest.jsonl`` (``manifest.rank{r}.jsonl`` under torchrun) gets ``{idx, id, num_tokens, num_loss_tokens}``
   (flush + fsync). On re-run, an idx is finished when its manifest row and its shard both exist;
   a shard without a row (kill between rename and append) is validated, checked against the
   expected token ids and adopted; a row without a shard (shard deleted) is redone; a torn last
@@ -25,6 +31,15 @@ Crash safety (every kill point is recoverable by re-running the same command):
   deletes this stage's files from the shards folder and starts over). ``batch_tokens`` is
   deliberately not part of it, so a run that ran out of memory can resume with a smaller budget
   (the resumed part then differs from an uninterrupted run only by float rounding).
+
+Multi-process (``WORLD_SIZE > 1``, torch.distributed over gloo, CPU-only control traffic): rank 0
+alone holds the folder lock (so an independent run is still refused, the job's own ranks are not),
+checks the fingerprint, removes temp files, merges leftover ``manifest.rank*.jsonl`` into
+``manifest.jsonl`` and reconciles it with the shards; the resulting finished set is broadcast, so
+every rank derives the same list ``todo`` of batches with a pending sample. Each rank appends to its
+own ``manifest.rank{r}.jsonl``; after an all-gather (the barrier) rank 0 merges them and writes
+``data_config.json`` last. A kill leaves rank manifests that the next start (any world size, one
+process included) merges first, so the resumed shard set is the same as an uninterrupted run's.
 
 Testing hook: the environment variable ``EAGLE3_EXTRACT_SLEEP_PER_BATCH`` (seconds, float)
 makes the loop sleep after each captured batch, so a fault-injection test can SIGKILL a run on a
@@ -41,8 +56,9 @@ import os
 import time
 from collections import Counter
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
 
 from tqdm import tqdm
 
@@ -73,6 +89,8 @@ LOCK = ".extract.lock"
 REPORT_JSON = "extract_report.json"
 REPORT_MD = "extract_report.md"
 SLEEP_ENV = "EAGLE3_EXTRACT_SLEEP_PER_BATCH"
+RANK_MANIFEST_PREFIX = "manifest.rank"
+DIST_TIMEOUT = timedelta(hours=6)  # ranks wait for the slowest one at the final gather
 _ROLES = ("system", "user", "assistant")
 
 
@@ -196,9 +214,44 @@ def _is_stage_file(p: Path) -> bool:
     name = p.name
     return (
         name in (MANIFEST, DATA_CONFIG, STATE, REPORT_JSON, REPORT_MD)
+        or _is_rank_manifest(name)
         or TMP_MARK in name
         or (name.startswith("data_") and name.endswith(".pt"))
     )
+
+
+def rank_manifest_name(rank: int) -> str:
+    """File name of rank ``rank``'s manifest under torchrun: ``manifest.rank{rank}.jsonl``."""
+    return f"{RANK_MANIFEST_PREFIX}{int(rank)}.jsonl"
+
+
+def _is_rank_manifest(name: str) -> bool:
+    """True for ``manifest.rank{r}.jsonl`` names (``r`` a non-negative integer)."""
+    mid = name[len(RANK_MANIFEST_PREFIX):-len(".jsonl")]
+    return name.startswith(RANK_MANIFEST_PREFIX) and name.endswith(".jsonl") and mid.isdigit()
+
+
+def merge_rank_manifests(root: Path) -> int:
+    """Fold every ``manifest.rank*.jsonl`` in ``root`` into ``manifest.jsonl`` and delete them.
+
+    The union (last row per idx wins; rows for one idx are identical anyway) is written
+    atomically before the rank files are removed, so a kill in between only repeats an idempotent
+    merge on the next start. Torn last lines are dropped (their shards get adopted by the resume
+    logic). Returns the number of rank files merged (0: nothing to do, ``manifest.jsonl`` untouched).
+
+    Raises:
+        UserError: a rank manifest is corrupt other than in its last line.
+    """
+    parts = sorted(p for p in root.iterdir() if p.is_file() and _is_rank_manifest(p.name)) if root.is_dir() else []
+    if not parts:
+        return 0
+    rows = dict(read_manifest(root / MANIFEST).rows)
+    for p in parts:
+        rows.update(read_manifest(p).rows)
+    rewrite_manifest(root / MANIFEST, rows)
+    for p in parts:
+        p.unlink()
+    return len(parts)
 
 
 def wipe_shards_dir(root: Path) -> int:
@@ -369,9 +422,130 @@ def run(cfg: RunConfig, *, overwrite: bool = False, limit: Optional[int] = None,
         UserError: bad prompts file, fingerprint mismatch, unknown folder contents, bad aux layers.
     """
     root = cfg.shards_dir
-    root.mkdir(parents=True, exist_ok=True)
-    with _exclusive(root):
-        return _extract(cfg, root, overwrite, limit, backend, tokenizer)
+    d = _init_dist()
+    if d.world == 1:
+        root.mkdir(parents=True, exist_ok=True)
+        with _exclusive(root):
+            return _extract(cfg, root, overwrite, limit, backend, tokenizer, d)
+    if cfg.extract.backend != "hf" and backend is None:
+        raise UserError(f"extract.backend: torchrun (WORLD_SIZE={d.world}) is supported for the hf backend only, "
+                        f"got '{cfg.extract.backend}'; run the sglang backend as one process")
+    cfg = _rank_config(cfg, d)
+    with contextlib.ExitStack() as stack:
+        def lock() -> None:
+            root.mkdir(parents=True, exist_ok=True)
+            stack.enter_context(_exclusive(root))  # rank 0 only; released when run() returns
+
+        d.on_rank0(lock)
+        out = _extract(cfg, root, overwrite, limit, backend, tokenizer, d)
+    d.close()
+    return out
+
+
+@dataclass
+class _Dist:
+    """This process's place in a torchrun job (``world == 1``: no torch.distributed, no-op collectives).
+
+    ``group`` is a gloo process group (CPU tensors only), so control traffic never touches a GPU.
+    """
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    group: Any = None
+    initialized_here: bool = False
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank (pickled)."""
+        if self.world == 1:
+            return obj
+        import torch.distributed as dist
+
+        buf = [obj]
+        dist.broadcast_object_list(buf, src=0, group=self.group)
+        return buf[0]
+
+    def all_gather(self, obj: Any) -> list:
+        """``[obj of rank 0, ..., obj of rank world-1]`` on every rank; doubles as a barrier."""
+        if self.world == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def on_rank0(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn()`` on rank 0 only and hand its result to every rank.
+
+        An exception on rank 0 reaches all ranks (so none hangs in the next collective): a
+        :class:`UserError` is re-raised with the same message everywhere, anything else is
+        re-raised on rank 0 and becomes a ``RuntimeError`` on the others.
+        """
+        if self.world == 1:
+            return fn()
+        res, err, exc = None, None, None
+        if self.rank == 0:
+            try:
+                res = fn()
+            except BaseException as e:  # noqa: BLE001 - forwarded to the other ranks, then re-raised
+                exc = e
+                err = ("user" if isinstance(e, UserError) else "bug", str(e) if isinstance(e, UserError)
+                       else f"{type(e).__name__}: {e}")
+        res, err = self.broadcast((res, err))
+        if exc is not None:
+            raise exc
+        if err is not None:
+            if err[0] == "user":
+                raise UserError(err[1])
+            raise RuntimeError(f"stage 02 failed on rank 0: {err[1]}")
+        return res
+
+    def close(self) -> None:
+        if self.initialized_here:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+            self.initialized_here = False
+
+
+def _init_dist() -> _Dist:
+    """torch.distributed (gloo) from the torchrun env when ``WORLD_SIZE > 1``; else a single process.
+
+    Raises:
+        UserError: ``WORLD_SIZE``/``RANK``/``LOCAL_RANK`` are not integers.
+    """
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+        if world <= 1:
+            return _Dist()
+        rank = int(os.environ.get("RANK", "0"))
+        local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
+    except ValueError as e:
+        raise UserError(f"WORLD_SIZE/RANK/LOCAL_RANK: not an integer ({e})") from e
+    import torch.distributed as dist
+
+    here = False
+    if not dist.is_initialized():
+        dist.init_process_group(backend="gloo", timeout=DIST_TIMEOUT)
+        here = True
+    group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo", timeout=DIST_TIMEOUT)
+    return _Dist(rank=rank, world=world, local_rank=local_rank, group=group, initialized_here=here)
+
+
+def _rank_config(cfg: RunConfig, d: _Dist) -> RunConfig:
+    """A copy of ``cfg`` whose verifier sits on ``cuda:LOCAL_RANK`` (when it would use CUDA at all).
+
+    ``verifier.device`` is not part of the fingerprint, so every rank still matches the folder.
+    """
+    import torch
+
+    dev = str(cfg.verifier.device)
+    if dev.startswith("cuda") or (dev == "auto" and torch.cuda.is_available()):
+        cfg = cfg.model_copy(deep=True)
+        cfg.verifier.device = f"cuda:{d.local_rank}"
+        torch.cuda.set_device(d.local_rank)
+    return cfg
 
 
 @contextlib.contextmanager
@@ -395,16 +569,23 @@ def _exclusive(root: Path):
 
 
 def _extract(cfg: RunConfig, root: Path, overwrite: bool, limit: Optional[int],
-             backend: Optional[CaptureBackend], tokenizer) -> dict:
+             backend: Optional[CaptureBackend], tokenizer, d: _Dist) -> dict:
     t_start = time.perf_counter()
     prompts_path = cfg.prompts_path
     prompts = read_prompts(prompts_path, limit)
     prompts_sha = file_sha256(prompts_path)
     fp, comp = fingerprint(cfg, prompts_sha)
-    _check_state(root, fp, comp, overwrite)
-    stale = remove_stale_tmp(root)
-    if stale:
-        log.info("removed %d unfinished temporary files from an interrupted run", len(stale))
+
+    def prepare_folder() -> None:
+        _check_state(root, fp, comp, overwrite)
+        stale = remove_stale_tmp(root)
+        if stale:
+            log.info("removed %d unfinished temporary files from an interrupted run", len(stale))
+        merged = merge_rank_manifests(root)
+        if merged:
+            log.info("merged %d per-rank manifests of an interrupted multi-process run", merged)
+
+    d.on_rank0(prepare_folder)
 
     if backend is None:
         backend, tokenizer = make_backend(cfg)
@@ -419,26 +600,39 @@ def _extract(cfg: RunConfig, root: Path, overwrite: bool, limit: Optional[int],
     rows_per_dir = cfg.extract.rows_per_dir
     expect = {"hidden_size": info["hidden_size"], "num_hidden_states": 4, "vocab_size": info["vocab_size"]}
     man_path = root / MANIFEST
-    done = _resume_state(root, samples, rows_per_dir, expect, man_path)
+
+    def reconcile() -> dict[int, dict]:
+        done = _resume_state(root, samples, rows_per_dir, expect, man_path)
+        if any(s.idx not in done for s in samples):
+            (root / DATA_CONFIG).unlink(missing_ok=True)  # present == complete
+        return done
+
+    done = d.on_rank0(reconcile)
     pending = [s for s in samples if s.idx not in done]
-    if pending:
-        (root / DATA_CONFIG).unlink(missing_ok=True)  # present == complete
     n_resumed = len(samples) - len(pending)
-    log.info("%d samples (%d already done), %d skipped", len(samples), n_resumed,
-             counts["skipped_too_long"] + counts["skipped_no_loss_tokens"])
+    if d.rank == 0:
+        log.info("%d samples (%d already done), %d skipped", len(samples), n_resumed,
+                 counts["skipped_too_long"] + counts["skipped_no_loss_tokens"])
 
     sleep_s = float(os.environ.get(SLEEP_ENV, "0") or 0)
     plan = plan_batches([len(s.input_ids) for s in samples], cfg.extract.batch_tokens)
+    # Batches with a pending sample, in plan order; rank r takes every world-th one. The batches
+    # themselves come from the global plan, so padding (and every tensor) matches one process.
+    todo = [g for g in plan if any(samples[i].idx not in done for i in g)]
+    mine = todo[d.rank::d.world]
     total_tok = sum(len(s.input_ids) for s in samples)
     done_tok = sum(len(s.input_ids) for s in samples if s.idx in done)
+    my_tok = sum(len(samples[i].input_ids) for g in mine for i in g if samples[i].idx not in done)
+    shown_done = done_tok if d.world == 1 else 0
+    my_man = man_path if d.world == 1 else root / rank_manifest_name(d.rank)
+    desc = "capture" if d.world == 1 else f"capture rank {d.rank}/{d.world}"
     written = 0
+    my_rows: list[dict] = []
     t_cap = time.perf_counter()
-    with ManifestWriter(man_path) as man, tqdm(total=total_tok, initial=done_tok, unit="tok", unit_scale=True,
-                                               desc="capture", mininterval=1.0) as bar:
-        for group in plan:
+    with ManifestWriter(my_man) as man, tqdm(total=shown_done + my_tok, initial=shown_done, unit="tok",
+                                             unit_scale=True, desc=desc, mininterval=1.0, position=d.rank) as bar:
+        for group in mine:
             batch = [samples[i] for i in group]
-            if all(s.idx in done for s in batch):
-                continue
             # Capture the whole planned batch (even finished members) so padded shapes match an
             # uninterrupted run exactly; only unfinished samples are written.
             states = backend.capture([s.input_ids for s in batch])
@@ -449,11 +643,32 @@ def _extract(cfg: RunConfig, root: Path, overwrite: bool, limit: Optional[int],
                     continue
                 check_captured(s.input_ids, st, info["hidden_size"], f"sample {s.idx} ('{s.id}')")
                 write_sample(root, s.idx, rows_per_dir, s.input_ids, st, s.loss_mask)
-                done[s.idx] = man.append(s.idx, s.id, len(s.input_ids), num_loss_tokens=sum(s.loss_mask))
+                row = man.append(s.idx, s.id, len(s.input_ids), num_loss_tokens=sum(s.loss_mask))
+                done[s.idx] = row
+                my_rows.append(row)
                 written += 1
                 bar.update(len(s.input_ids))
     t_cap = time.perf_counter() - t_cap
     captured_tok = total_tok - done_tok
+    ranks: list[dict] = []
+    if d.world > 1:
+        # The all-gather is the barrier after which rank 0 alone finalises the folder.
+        mine_stats = _rank_stats(d.rank, written, my_tok, t_cap)
+        gathered = d.all_gather({**mine_stats, "rows": my_rows})
+        if d.rank != 0:
+            return {**mine_stats, "world_size": d.world, "shards_dir": str(root)}
+        for g in gathered:
+            for row in g.pop("rows"):
+                done[row["idx"]] = row
+            ranks.append(g)
+            log.info("rank %d: %d samples in %.1f s = %s samples/s (%s tok/s)", g["rank"], g["written"],
+                     g["capture_s"], g["samples_per_s"], g["tokens_per_s"])
+        missing = [s.idx for s in samples if s.idx not in done]
+        if missing:
+            raise RuntimeError(f"stage 02: samples {missing[:10]} were assigned to no rank (bug)")
+        merge_rank_manifests(root)
+        written = sum(g["written"] for g in ranks)
+        t_cap = max(g["capture_s"] for g in ranks)  # wall time of the parallel capture
 
     rows = [done[k] for k in sorted(done)]
     num_tokens = sum(r["num_tokens"] for r in rows)
@@ -502,9 +717,26 @@ def _extract(cfg: RunConfig, root: Path, overwrite: bool, limit: Optional[int],
         "captured_tokens_per_s": round(captured_tok / t_cap, 1) if t_cap > 0 and captured_tok else None,
         "disk_gb": round(num_tokens * meta["bytes_per_token"] / 1e9, 4),
     }
+    if d.world > 1:
+        summary["world_size"] = d.world
+        summary["samples_per_s"] = round(written / t_cap, 2) if t_cap > 0 and written else None
+        summary["ranks"] = ranks
+        log.info("all %d ranks: %d samples in %.1f s = %s samples/s", d.world, written, t_cap, summary["samples_per_s"])
     atomic_write_json(root / REPORT_JSON, summary)
     atomic_write_text(root / REPORT_MD, _markdown(summary))
     return summary
+
+
+def _rank_stats(rank: int, written: int, captured_tokens: int, capture_s: float) -> dict:
+    """One rank's throughput: ``written`` samples and ``captured_tokens`` in ``capture_s`` seconds."""
+    return {
+        "rank": rank,
+        "written": written,
+        "captured_tokens": captured_tokens,
+        "capture_s": round(capture_s, 3),
+        "samples_per_s": round(written / capture_s, 2) if capture_s > 0 and written else None,
+        "tokens_per_s": round(captured_tokens / capture_s, 1) if capture_s > 0 and captured_tokens else None,
+    }
 
 
 def _markdown(s: dict) -> str:
