@@ -29,6 +29,9 @@ DEEPSEEK_ARCHS = frozenset(
         "DeepseekV32ForCausalLM",
         "KimiK25ForConditionalGeneration",
         "KimiK2ForCausalLM",
+        "Glm4MoeLiteForCausalLM",  # SGLang glm4_moe_lite.py: its own copy of the DeepSeek rule
+        "MistralLarge3ForCausalLM",  # subclass of DeepseekV3ForCausalLM in SGLang
+        "GlmMoeDsaForCausalLM",  # subclass of DeepseekV2ForCausalLM in SGLang
         "deepseek_v2",
         "deepseek_v3",
         "kimi_k2",
