@@ -84,6 +84,8 @@ def safe_torch_load(path: str | os.PathLike, map_location: str | torch.device = 
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: file not found")
+    if not zipfile.is_zipfile(path):  # torch.save writes a zip archive since torch 1.6
+        raise UserError(f"{path}: truncated or corrupt torch file (not a complete zip archive, or not a torch file at all)")
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
@@ -91,7 +93,7 @@ def safe_torch_load(path: str | os.PathLike, map_location: str | torch.device = 
         raise UserError(f"{path}: refused by the weights-only loader (unsafe or foreign pickle): {first}") from e
     except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"{path}: truncated or corrupt torch file: {first}") from e
+        raise UserError(f"{path}: truncated or corrupt torch file: {first[:160]}") from e
 
 
 def read_json(path: str | os.PathLike) -> Any:

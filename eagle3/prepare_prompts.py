@@ -139,8 +139,10 @@ def run(cfg: RunConfig, source: Optional[str] = None, fmt: Optional[str] = None,
         n_limited_out = len(convs) - limit
         convs = convs[:limit]
     if not convs:
+        hint = ("; prompt-only sources need prompts.regenerate: true (the verifier writes the answers)"
+                if counts.get("skipped_no_assistant") and not pc.regenerate else "")
         raise UserError(f"prompts.source: no usable conversation in '{pc.source}' "
-                        f"(read {counts['read']}, skipped {dict((k, v) for k, v in counts.items() if k != 'read')})")
+                        f"(read {counts['read']}, skipped {dict((k, v) for k, v in counts.items() if k != 'read')}){hint}")
 
     regen_stats: dict = {}
     if pc.regenerate:

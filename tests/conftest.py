@@ -9,7 +9,10 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED_DATA = ROOT.parent / "shared" / "data"
+# The public prompt sets (ShareGPT, MT-bench, GSM8K...) beside the checkout, never copied into it.
+SHARED_DATA = Path(os.environ.get("EAGLE3_SHARED_DATA", ROOT.parent / "shared" / "data"))
+needs_shared_data = pytest.mark.skipif(
+    not SHARED_DATA.is_dir(), reason=f"shared prompt data not found at {SHARED_DATA} (set EAGLE3_SHARED_DATA)")
 SMOLLM_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 

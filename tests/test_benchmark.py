@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from conftest import ROOT, SHARED_DATA
+from conftest import ROOT, SHARED_DATA, needs_shared_data
 from eagle3.benchmark import acceptance_stats, first_mismatch, rates_from_hist, render_markdown, resolve_aux_layers
 from eagle3.errors import UserError
 from eagle3.eval_prompts import HUMANEVAL_INSTRUCTION, load_eval_prompts, load_prompt_file
@@ -58,6 +58,7 @@ def test_first_mismatch():
 # ---------------------------------------------------------------------------------------------
 # eval prompt sets
 # ---------------------------------------------------------------------------------------------
+@needs_shared_data
 def test_mtbench_first_turns(monkeypatch):
     monkeypatch.setenv("EAGLE3_SHARED_DATA", str(SHARED_DATA))
     rows = [json.loads(line) for line in (SHARED_DATA / "eval" / "mt_bench_question.jsonl").read_text().splitlines()]
@@ -67,6 +68,7 @@ def test_mtbench_first_turns(monkeypatch):
     assert ps[5].id == str(rows[5]["question_id"])
 
 
+@needs_shared_data
 def test_gsm8k_first_n_and_humaneval(monkeypatch):
     monkeypatch.setenv("EAGLE3_SHARED_DATA", str(SHARED_DATA))
     first = json.loads((SHARED_DATA / "eval" / "gsm8k_test.jsonl").open().readline())

@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 
-from conftest import ROOT, SHARED_DATA
+from conftest import ROOT, SHARED_DATA, needs_shared_data
 from eagle3.config import load_config
 from eagle3.errors import UserError
 from eagle3.prepare_prompts import report_path, run
@@ -101,6 +101,7 @@ def test_question_files(tmp_path):
     assert counts == Counter(read=4)
 
 
+@needs_shared_data
 def test_humaneval_package_and_file():
     got = read_conversations("humaneval", keep_prompt_only=True)
     assert len(got) == 164
@@ -114,6 +115,7 @@ def test_humaneval_package_and_file():
     assert read_conversations(str(SHARED_DATA / "eval" / "HumanEval.jsonl.gz"), keep_prompt_only=True) == got
 
 
+@needs_shared_data
 def test_real_multiturn_sharegpt_counts():
     counts = Counter()
     got = read_conversations(str(SHARED_DATA / "train" / "sharegpt_v3_sample_multiturn.jsonl"), counts=counts)
