@@ -338,7 +338,8 @@ def _resume_state(root: Path, samples: list[Sample], rows_per_dir: int, expect: 
         except UserError:
             ok = False
         if ok:
-            done[idx] = {"idx": idx, "id": s.id, "num_tokens": len(s.input_ids), "num_loss_tokens": sum(s.loss_mask)}
+            done[idx] = {"idx": idx, "id": s.id, "num_tokens": len(s.input_ids), "num_loss_tokens": sum(s.loss_mask),
+                         "sha256": file_sha256(on_disk[idx])}
             changed = True
         else:
             log.warning("%s: does not match its prompt; rewriting it", on_disk[idx])
@@ -642,8 +643,10 @@ def _extract(cfg: RunConfig, root: Path, overwrite: bool, limit: Optional[int],
                 if s.idx in done:
                     continue
                 check_captured(s.input_ids, st, info["hidden_size"], f"sample {s.idx} ('{s.id}')")
-                write_sample(root, s.idx, rows_per_dir, s.input_ids, st, s.loss_mask)
-                row = man.append(s.idx, s.id, len(s.input_ids), num_loss_tokens=sum(s.loss_mask))
+                path = write_sample(root, s.idx, rows_per_dir, s.input_ids, st, s.loss_mask)
+                # sha256 of the shard as written: stage 03 detects later silent corruption with it
+                row = man.append(s.idx, s.id, len(s.input_ids), num_loss_tokens=sum(s.loss_mask),
+                                 sha256=file_sha256(path))
                 done[s.idx] = row
                 my_rows.append(row)
                 written += 1

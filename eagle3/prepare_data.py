@@ -22,6 +22,7 @@ from tqdm import tqdm
 from eagle3.config import RunConfig
 from eagle3.errors import UserError
 from eagle3.io import atomic_path, atomic_torch_save, atomic_write_json, atomic_write_text
+from eagle3.manifest import MANIFEST, read_manifest
 from eagle3.shards import DATA_CONFIG, expect_from_data_config, list_samples, load_sample, read_data_config
 from eagle3.vocab import TOKEN_FREQ, VOCAB_MAP, build_vocab_map, count_token_freq, coverage, save_vocab_map
 
@@ -54,8 +55,16 @@ def split_indices(indices: list[int], val_fraction: float, seed: int) -> dict[st
     return {"train": sorted(perm[n_val:]), "val": sorted(perm[:n_val])}
 
 
-def _validated_samples(paths: list[tuple[int, Path]], expect: dict, stats: dict):
+def _validated_samples(paths: list[tuple[int, Path]], expect: dict, stats: dict, checksums: dict[int, str]):
+    """Load and validate every shard; a shard whose sha256 differs from the one 02 recorded in
+    ``manifest.jsonl`` (bit rot, a partial copy, an edit) is an error even when it still unpickles."""
+    from eagle3.extract import file_sha256
+
     for idx, path in tqdm(paths, desc="validate shards", unit="shard", mininterval=1.0):
+        want = checksums.get(idx)
+        if want is not None and file_sha256(path) != want:
+            raise UserError(f"{path}: contents changed since extraction (sha256 differs from manifest.jsonl); "
+                            "delete the file and re-run 02_extract_hidden.py to recapture it")
         s = load_sample(path, expect=expect)
         stats["num_samples"] += 1
         stats["num_tokens"] += int(s["input_ids"].numel())
@@ -114,7 +123,10 @@ def run(cfg: RunConfig, *, plot: bool = True) -> dict:
     if not paths:
         raise UserError(f"{shards}: no shards found")
     stats = {"num_samples": 0, "num_tokens": 0, "num_loss_tokens": 0, "max_len": 0}
-    freq = count_token_freq(_validated_samples(paths, expect_from_data_config(meta), stats), V)  # [V]
+    man_path = shards / MANIFEST
+    checksums = {i: r["sha256"] for i, r in read_manifest(man_path).rows.items() if "sha256" in r} \
+        if man_path.is_file() else {}  # flat vLLM-speculators folders have no manifest
+    freq = count_token_freq(_validated_samples(paths, expect_from_data_config(meta), stats, checksums), V)  # [V]
     for key in ("num_samples", "num_tokens", "num_loss_tokens"):
         if stats[key] != meta[key]:
             raise UserError(f"{meta_path}: key '{key}' is {meta[key]} but the shards hold {stats[key]} "

@@ -259,3 +259,24 @@ def test_concurrent_run_refused(tmp_path, tiny_llama_dir):
         with pytest.raises(UserError, match="another 02_extract_hidden run is writing"):
             run(cfg)
     assert not (cfg.shards_dir / STATE).exists()
+
+
+def test_silent_corruption_caught_by_stage03_checksum(tmp_path, tiny_llama_dir, tiny_backend):
+    """Bytes flipped inside a shard's tensor data still unpickle (torch does not check the zip CRC);
+    the sha256 that 02 records per shard in manifest.jsonl makes stage 03 refuse it."""
+    from eagle3.prepare_data import run as prepare
+
+    cfg = load_config(_config(tmp_path, tiny_llama_dir))
+    cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"draft_vocab_size": 64})})
+    _run(cfg, tiny_backend)
+    rows = [json.loads(x) for x in (cfg.shards_dir / "manifest.jsonl").read_text().splitlines()]
+    assert all(len(r["sha256"]) == 64 for r in rows)
+    prepare(cfg, plot=False)  # intact: passes
+    victim = cfg.shards_dir / "rows_2-4" / "data_3.pt"
+    data = bytearray(victim.read_bytes())
+    mid = len(data) // 2
+    data[mid:mid + 64] = bytes(b ^ 0x01 for b in data[mid:mid + 64])
+    victim.write_bytes(bytes(data))
+    load_sample(victim)  # still loads: the corruption is silent without the checksum
+    with pytest.raises(UserError, match=r"data_3\.pt: contents changed since extraction"):
+        prepare(cfg, plot=False)
