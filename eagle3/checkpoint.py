@@ -27,7 +27,8 @@ from typing import Any, Optional
 import torch
 
 from eagle3.errors import UserError
-from eagle3.io import TMP_MARK, atomic_torch_save, safe_torch_load
+from eagle3.io import atomic_torch_save, safe_torch_load
+from eagle3.io import remove_stale_tmp as _remove_tmp
 
 log = logging.getLogger(__name__)
 
@@ -62,17 +63,7 @@ def list_checkpoints(train_dir: str | os.PathLike) -> list[tuple[int, Path]]:
 
 def remove_stale_tmp(train_dir: str | os.PathLike) -> int:
     """Delete temp files of interrupted checkpoint writes. Call on rank 0 before training. Returns the count."""
-    d = ckpt_dir(train_dir)
-    n = 0
-    if d.is_dir():
-        for entry in os.scandir(d):
-            if TMP_MARK in entry.name:
-                try:
-                    os.unlink(entry.path)
-                    n += 1
-                except FileNotFoundError:
-                    pass
-    return n
+    return len(_remove_tmp(ckpt_dir(train_dir)))
 
 
 def save_checkpoint(train_dir: str | os.PathLike, state: dict, keep: int) -> Path:

@@ -68,6 +68,7 @@ from eagle3.config import RunConfig
 from eagle3.errors import UserError
 from eagle3.io import TMP_MARK, atomic_write_json, atomic_write_text, read_json
 from eagle3.layers import check_aux_layers, default_aux_layers
+from eagle3.io import remove_stale_tmp
 from eagle3.manifest import MANIFEST, ManifestWriter, read_manifest, rewrite_manifest
 from eagle3.shards import (
     DATA_CONFIG,
@@ -76,7 +77,6 @@ from eagle3.shards import (
     bytes_per_token,
     list_samples,
     load_sample,
-    remove_stale_tmp,
     shard_path,
     write_data_config,
     write_sample,

@@ -105,3 +105,24 @@ def read_json(path: str | os.PathLike) -> Any:
         return json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise UserError(f"{path}:{e.lineno}: malformed JSON: {e.msg}") from e
+
+
+def remove_stale_tmp(root: str | os.PathLike) -> list[Path]:
+    """Delete leftover ``*.tmp-*`` files of interrupted atomic writes under ``root`` (recursive).
+
+    Only call this when no writer is running on ``root``. Returns the removed paths.
+    """
+    root = Path(root)
+    removed = []
+    if not root.is_dir():
+        return removed
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            if TMP_MARK in name:
+                p = Path(dirpath) / name
+                try:
+                    p.unlink()
+                    removed.append(p)
+                except FileNotFoundError:
+                    pass
+    return removed

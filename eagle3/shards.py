@@ -163,27 +163,6 @@ def list_samples(root: str | os.PathLike) -> list[tuple[int, Path]]:
     return sorted(found.items())
 
 
-def remove_stale_tmp(root: str | os.PathLike) -> list[Path]:
-    """Delete leftover ``*.tmp-*`` files of interrupted atomic writes under ``root`` (recursive).
-
-    Only call this when no writer is running on ``root``. Returns the removed paths.
-    """
-    root = Path(root)
-    removed = []
-    if not root.is_dir():
-        return removed
-    for dirpath, _dirs, files in os.walk(root):
-        for name in files:
-            if TMP_MARK in name:
-                p = Path(dirpath) / name
-                try:
-                    p.unlink()
-                    removed.append(p)
-                except FileNotFoundError:
-                    pass
-    return removed
-
-
 def expect_from_data_config(meta: dict) -> dict:
     """The ``expect`` dict for :func:`load_sample` from a validated ``data_config.json`` dict."""
     return {

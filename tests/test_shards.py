@@ -9,13 +9,13 @@ import torch
 
 from eagle3.errors import UserError
 from eagle3.manifest import ManifestWriter, read_manifest, rewrite_manifest
+from eagle3.io import remove_stale_tmp
 from eagle3.shards import (
     LAYER_INDEX_CONVENTION,
     expect_from_data_config,
     list_samples,
     load_sample,
     read_data_config,
-    remove_stale_tmp,
     shard_path,
     write_data_config,
     write_sample,
