@@ -15,13 +15,13 @@ The shared data folder is ``$EAGLE3_SHARED_DATA`` if set, else ``<repo root>/../
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 from eagle3.errors import UserError
+from eagle3.io import iter_jsonl
 
 BUILTIN = ("mtbench", "humaneval", "gsm8k")
 HUMANEVAL_INSTRUCTION = "Complete the code I provided.\n\n"
@@ -89,17 +89,10 @@ def _messages_from_row(row: dict, where: str) -> list[dict]:
 
 def _read_jsonl(path: Path) -> list[tuple[int, dict]]:
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError(f"{path}:{lineno}: malformed JSON: {e.msg}") from e
-            if not isinstance(row, dict):
-                raise UserError(f"{path}:{lineno}: expected a JSON object")
-            rows.append((lineno, row))
+    for lineno, row in iter_jsonl(path):
+        if not isinstance(row, dict):
+            raise UserError(f"{path}:{lineno}: expected a JSON object")
+        rows.append((lineno, row))
     return rows
 
 

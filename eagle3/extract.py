@@ -66,9 +66,8 @@ from eagle3.capture.base import CaptureBackend, check_captured
 from eagle3.capture.hf import plan_batches
 from eagle3.config import RunConfig
 from eagle3.errors import UserError
-from eagle3.io import TMP_MARK, atomic_write_json, atomic_write_text, read_json
+from eagle3.io import TMP_MARK, atomic_write_json, atomic_write_text, iter_jsonl, read_json, remove_stale_tmp
 from eagle3.layers import check_aux_layers, default_aux_layers
-from eagle3.io import remove_stale_tmp
 from eagle3.manifest import MANIFEST, ManifestWriter, read_manifest, rewrite_manifest
 from eagle3.shards import (
     DATA_CONFIG,
@@ -120,27 +119,20 @@ def read_prompts(path: str | os.PathLike, limit: Optional[int] = None) -> list[d
     if not path.is_file():
         raise UserError(f"{path}: prompts file not found (run 01_prepare_prompts.py first)")
     out: list[dict] = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if limit is not None and len(out) >= limit:
-                break
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError(f"{path}:{n}: malformed JSON: {e.msg}") from e
-            if not isinstance(rec, dict):
-                raise UserError(f"{path}:{n}: expected a JSON object")
-            if not isinstance(rec.get("id"), str):
-                raise UserError(f"{path}:{n}: key 'id' missing or not a string")
-            msgs = rec.get("messages")
-            if not isinstance(msgs, list) or not msgs:
-                raise UserError(f"{path}:{n}: key 'messages' missing or not a non-empty list")
-            for k, m in enumerate(msgs):
-                if not isinstance(m, dict) or m.get("role") not in _ROLES or not isinstance(m.get("content"), str):
-                    raise UserError(f"{path}:{n}: key 'messages[{k}]' must be {{role: system|user|assistant, content: str}}")
-            out.append({"id": rec["id"], "messages": msgs, "line": n})
+    for n, rec in iter_jsonl(path):
+        if limit is not None and len(out) >= limit:
+            break
+        if not isinstance(rec, dict):
+            raise UserError(f"{path}:{n}: expected a JSON object")
+        if not isinstance(rec.get("id"), str):
+            raise UserError(f"{path}:{n}: key 'id' missing or not a string")
+        msgs = rec.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise UserError(f"{path}:{n}: key 'messages' missing or not a non-empty list")
+        for k, m in enumerate(msgs):
+            if not isinstance(m, dict) or m.get("role") not in _ROLES or not isinstance(m.get("content"), str):
+                raise UserError(f"{path}:{n}: key 'messages[{k}]' must be {{role: system|user|assistant, content: str}}")
+        out.append({"id": rec["id"], "messages": msgs, "line": n})
     return out
 
 

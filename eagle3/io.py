@@ -96,6 +96,26 @@ def safe_torch_load(path: str | os.PathLike, map_location: str | torch.device = 
         raise UserError(f"{path}: truncated or corrupt torch file: {first[:160]}") from e
 
 
+def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
+    """Yield ``(line number, record)`` for each non-blank line of a JSONL file (``.gz`` read as gzip).
+
+    Raises:
+        UserError: ``file:line: malformed JSON: ...`` on the first bad line.
+    """
+    import gzip
+
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield lineno, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{path}:{lineno}: malformed JSON: {e.msg}") from e
+
+
 def read_json(path: str | os.PathLike) -> Any:
     """Read a JSON file; raise :class:`UserError` naming the file and line on bad JSON."""
     path = Path(path)

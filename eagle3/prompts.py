@@ -59,6 +59,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from eagle3.errors import UserError
+from eagle3.io import iter_jsonl
 
 FORMATS = ("auto", "sharegpt", "messages", "alpaca", "questions", "humaneval", "hf")
 
@@ -87,15 +88,8 @@ def _iter_file(path: Path) -> Iterator[tuple[str, dict]]:
     name = path.name[:-3] if path.name.endswith(".gz") else path.name
     try:
         if name.endswith(".jsonl"):
-            with _open_text(path) as f:
-                for lineno, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        rec = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise UserError(f"{path}:{lineno}: malformed JSON: {e.msg}") from e
-                    yield f"{path}:{lineno}", rec
+            for lineno, rec in iter_jsonl(path):
+                yield f"{path}:{lineno}", rec
         elif name.endswith(".json"):
             with _open_text(path) as f:
                 try:
