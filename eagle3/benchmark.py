@@ -328,6 +328,26 @@ def verifier_warnings(drafter_dir: Path, verifier_name: str) -> list[str]:
     return []
 
 
+def export_folder_warnings(drafter_dir: Path, aux_layers: Sequence[int], verifier_architecture: str) -> list[str]:
+    """Warnings when the exported folder's ``config.json`` makes its engine capture other verifier
+    layers than ``aux_layers`` (the HF indices this benchmark feeds the drafter).
+
+    Raises:
+        UserError: the folder's layer ids contradict its recorded engine / HF layers
+            (:func:`eagle3.export.check_export_folder`).
+    """
+    from eagle3.export import check_export_folder
+
+    if not (Path(drafter_dir) / "config.json").is_file():
+        return []
+    info = check_export_folder(drafter_dir, verifier_architecture=verifier_architecture)
+    out = list(info["warnings"])
+    if info["aux_layers_hf"] is not None and list(info["aux_layers_hf"]) != list(aux_layers):
+        out.append(f"{Path(drafter_dir) / 'config.json'}: {info['engine']} would capture HF layers {info['aux_layers_hf']} "
+                   f"(ids {info['engine_layer_ids']}), this benchmark feeds HF layers {list(aux_layers)}")
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # stage 05
 # ---------------------------------------------------------------------------------------------
@@ -451,6 +471,7 @@ def run(
             fallback = None
     aux, warnings = resolve_aux_layers(drafter_dir, cfg.shards_dir, fallback)
     warnings += verifier_warnings(drafter_dir, cfg.verifier.display_name())
+    warnings += export_folder_warnings(drafter_dir, aux, verifier_dims(verifier.config)["architecture"])
     aux = check_aux_layers(aux, n_layers, field=f"{drafter_dir / TRAIN_META}: aux_layers")
     if serve_aux_layers is not None and list(serve_aux_layers) != list(aux):
         serve = check_aux_layers(serve_aux_layers, n_layers, field="--serve-aux-layers")

@@ -149,7 +149,25 @@ def check_drafter_args(path: str | os.PathLike, saved: dict, current: dict) -> N
             same = a == b
         if not same:
             raise UserError(f"{path}: drafter field '{key}' is {a!r} in the checkpoint but {b!r} in the config "
-                            f"(set drafter.{key} back, or train into a new train.output_dir)")
+                            f"({drafter_field_source(key)}, or train into a new train.output_dir)")
+
+
+def drafter_field_source(key: str) -> str:
+    """How a user sets a :class:`eagle3.model.DrafterArgs` field back: the real config key or input.
+
+    ``drafter.*`` config keys exist only for the decoder-layer shape (:class:`eagle3.config.DrafterConfig`);
+    the draft vocab size comes from ``data.draft_vocab_size`` through stage 03's ``vocab_map.pt``,
+    and the target sizes / rope scaling from the verifier and its shards.
+    """
+    from eagle3.config import DrafterConfig
+
+    if key in DrafterConfig.model_fields:
+        return f"set drafter.{key} back"
+    if key == "draft_vocab_size":
+        return "set data.draft_vocab_size back and re-run 03_prepare_data.py"
+    if key in ("target_vocab_size", "target_hidden_size"):
+        return "it comes from the verifier (verifier.path) and its shards' data_config.json; use the checkpoint's verifier"
+    return "it comes from the verifier's config (verifier.path); use the checkpoint's verifier"
 
 
 def config_fingerprint(obj: Any) -> str:

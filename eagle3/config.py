@@ -152,7 +152,13 @@ class TrainConfig(_Strict):
 class ExportConfig(_Strict):
     """Export of the trained drafter for a serving engine."""
 
-    engine: Literal["sglang", "vllm"] = "sglang"
+    engine: Literal["sglang", "vllm"] = Field(
+        "sglang", description="the engine the folder is for; each engine takes only its own folder (layer-id conventions differ)"
+    )
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="dtype of the exported weights and config.json torch_dtype; auto = verifier.dtype "
+        "(bfloat16 by default; SGLang --dtype auto serves a float32 draft as float16)"
+    )
     output_dir: Optional[str] = Field(None, description="default {output_root}/drafter-{engine}")
 
 

@@ -1,28 +1,41 @@
 """Export a trained drafter as a folder SGLang or vLLM serves, and load such a folder back.
 
-Formats (FIELD-NOTES section 4):
+Each engine takes its own folder (``04_train.py --export-only --engine sglang|vllm`` writes either
+from the same checkpoint). The two differ in the aux-layer ids they state, and a folder served by
+the other engine loads without error but captures the wrong verifier layers:
 
-- ``sglang`` (also SpecForge; vLLM loads it too, renaming ``midlayer.`` -> ``layers.0.``):
+- ``sglang`` (also SpecForge) -> serve with SGLang only:
   ``config.json`` = LlamaConfig fields + ``architectures: ["LlamaForCausalLMEagle3"]``,
   ``num_hidden_layers: 1``, ``draft_vocab_size``, ``target_hidden_size`` and
   ``eagle_config: {eagle_aux_hidden_state_layer_ids, use_aux_hidden_state: true}`` with SGLang ids
-  (:func:`eagle3.layers.engine_layer_ids`); ``model.safetensors`` with keys :data:`SGLANG_KEYS`.
-- ``vllm`` (vLLM speculators format, read by ``vllm/transformers_utils/configs/speculators``):
-  ``config.json`` = ``architectures: ["Eagle3Speculator"]``, ``speculators_model_type: "eagle3"``,
-  ``transformer_layer_config`` (a LlamaConfig dict), ``draft_vocab_size``, ``target_hidden_size``,
-  ``norm_before_residual: false`` (written explicitly: vLLM's default when absent is true, which is
-  not this drafter), top-level ``eagle_aux_hidden_state_layer_ids`` (vLLM ids = HF indices) and
-  ``speculators_config`` (greedy proposal with ``speculative_tokens``, the verifier's
-  ``name_or_path`` and architecture). Weights use the speculators names: ``layers.0.`` instead of
-  ``midlayer.``, the rest as in SGLang (vLLM drops ``t2d`` at load; it is kept for round trips).
+  (:func:`eagle3.layers.engine_layer_ids`: HF index - 1 for Llama-family verifiers, the HF index
+  for DeepSeek/Kimi ones); ``model.safetensors`` with keys :data:`SGLANG_KEYS`. vLLM would load
+  these weights too, but reads the ``eagle_config`` ids as HF indices: one layer off for Llama.
+- ``vllm`` (vLLM speculators format, read by ``vllm/transformers_utils/configs/speculators``) ->
+  serve with vLLM only: ``config.json`` = ``architectures: ["Eagle3Speculator"]``,
+  ``speculators_model_type: "eagle3"``, ``transformer_layer_config`` (a LlamaConfig dict),
+  ``draft_vocab_size``, ``target_hidden_size``, ``norm_before_residual: false`` (written
+  explicitly: vLLM's default when absent is true, which is not this drafter), top-level
+  ``eagle_aux_hidden_state_layer_ids`` (vLLM ids = HF indices) and ``speculators_config`` (greedy
+  proposal with ``speculative_tokens``, the verifier's ``name_or_path`` and architecture).
+  Weights use the speculators names: ``layers.0.`` instead of ``midlayer.``, the rest as in
+  SGLang (vLLM drops ``t2d`` at load; it is kept for round trips). SGLang cannot load it.
 
-Both also get ``eagle3_train.json``: our metadata (HF aux layers, engine, engine ids, verifier,
-drafter args). Embedding weights are omitted unless ``include_embeddings`` (both engines use the
-verifier's). Folders are written to a temporary sibling and renamed into place.
+Both ``config.json`` also carry an ``eagle3_train`` block (:data:`CONFIG_BLOCK`: ``engine``,
+``aux_layers_hf``, ``engine_layer_ids``, ``layer_id_convention``, the verifier architecture) that
+makes a folder used by the wrong engine, or ids edited by hand, detectable
+(:func:`check_export_folder`, used by :func:`load_exported`, stage 05 and the server benchmark),
+and ``torch_dtype`` / ``dtype`` = the weights' dtype (bfloat16 unless asked otherwise: SGLang
+0.5.23 ``--dtype auto`` serves a float32 draft config as float16, ``_get_and_verify_dtype``).
+``eagle3_train.json`` holds our metadata (HF aux layers, engine, engine ids, verifier, drafter
+args). Embedding weights are omitted unless ``include_embeddings``; both engines then use the
+verifier's, which requires equal hidden sizes (:func:`check_export_contract`). Folders are written
+to a temporary sibling and renamed into place.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -33,8 +46,11 @@ import torch
 
 from eagle3.errors import UserError
 from eagle3.io import atomic_write_json, read_json
-from eagle3.layers import check_aux_layers, engine_layer_ids
+from eagle3.layers import check_aux_layers, engine_layer_ids, hf_layers_from_engine, is_deepseek_family
 from eagle3.model import DrafterArgs, Eagle3Drafter
+from eagle3.vocab import check_vocab_map
+
+log = logging.getLogger(__name__)
 
 META_FILE = "eagle3_train.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -59,6 +75,35 @@ EMBED_KEY = "embed_tokens.weight"
 VERIFIER_FIELDS = ("name", "architecture", "num_layers", "hidden_size", "vocab_size")
 SGLANG_ARCH = "LlamaForCausalLMEagle3"
 VLLM_ARCH = "Eagle3Speculator"
+CONFIG_BLOCK = "eagle3_train"
+"""Key of our block in an exported ``config.json`` (engine, HF aux layers, id convention)."""
+EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DEFAULT_EXPORT_DTYPE = torch.bfloat16
+
+
+def export_dtype(name: str | torch.dtype, verifier_dtype: str = "bfloat16") -> torch.dtype:
+    """The dtype an export is written in: ``export.dtype`` (``auto`` = ``verifier.dtype``).
+
+    Raises:
+        UserError: an unknown dtype name.
+    """
+    if isinstance(name, torch.dtype):
+        if name not in EXPORT_DTYPES.values():
+            raise UserError(f"export.dtype: {name} is not one of {sorted(EXPORT_DTYPES)}")
+        return name
+    key = verifier_dtype if name == "auto" else name
+    if key not in EXPORT_DTYPES:
+        raise UserError(f"export.dtype: unknown dtype {key!r} (expected auto, {', '.join(sorted(EXPORT_DTYPES))})")
+    return EXPORT_DTYPES[key]
+
+
+def layer_id_convention(engine: str, architecture: str) -> str:
+    """How ``engine`` turns the draft config's aux-layer ids into verifier layers (recorded in exports)."""
+    if engine == "vllm":
+        return "hf: ids are HF hidden_states indices (vLLM uses them as given)"
+    if is_deepseek_family(architecture):
+        return "sglang-deepseek: ids are HF hidden_states indices (SGLang adds +1 only when the first id is 1)"
+    return "sglang-llama: ids are HF hidden_states index - 1 (SGLang captures id + 1)"
 
 
 def _llama_config(a: DrafterArgs, dtype: torch.dtype) -> dict:
@@ -81,7 +126,53 @@ def _llama_config(a: DrafterArgs, dtype: torch.dtype) -> dict:
         "attention_bias": False,
         "mlp_bias": False,
         "torch_dtype": str(dtype).replace("torch.", ""),
+        "dtype": str(dtype).replace("torch.", ""),
     }
+
+
+def check_export_contract(drafter: Eagle3Drafter, verifier_info: dict, include_embeddings: bool) -> None:
+    """Check the drafter/verifier shape contract a serving engine relies on (and does not check).
+
+    - verifier ``hidden_size`` = the drafter's ``target_hidden_size``; ``fc.weight`` is
+      ``[H, 3 x target_hidden_size]`` (three aux states concatenated, SGLang ``llama_eagle3.py``
+      ``fc = Linear(target_hidden_size * num_aux, hidden_size)``);
+    - verifier ``vocab_size`` = ``target_vocab_size``; ``lm_head.weight`` is ``[draft_V, H]`` and
+      the vocab map is valid for ``draft_V`` / ``target_V`` (:func:`eagle3.vocab.check_vocab_map`);
+    - every other tensor has the shape the drafter args imply;
+    - embeddings: SGLang 0.5.23 (``LlamaForCausalLM.set_embed``) replaces the draft embedding with
+      the verifier's only when ``target_hidden_size == hidden_size``, otherwise it keeps the draft
+      folder's ``embed_tokens.weight`` -- left at random init when the folder has none; vLLM shares
+      the verifier's only when the shapes agree. So a drafter whose hidden size differs from the
+      verifier's must be exported with ``include_embeddings=True``.
+
+    Raises:
+        UserError: naming the field or tensor, the shape found and the shape required.
+    """
+    a = drafter.args
+    vh, vv = int(verifier_info["hidden_size"]), int(verifier_info["vocab_size"])
+    if vh != a.target_hidden_size:
+        raise UserError(f"verifier_info.hidden_size: {vh}, but the drafter was built for target_hidden_size "
+                        f"{a.target_hidden_size} (its fc reads 3 x target hidden)")
+    if vv != a.target_vocab_size:
+        raise UserError(f"verifier_info.vocab_size: {vv}, but the drafter was built for target_vocab_size {a.target_vocab_size}")
+    sd = drafter.state_dict()
+    with torch.device("meta"):
+        ref = Eagle3Drafter(a).state_dict()
+    why = {"fc.weight": f"[hidden_size, 3 x verifier hidden_size] = [{a.hidden_size}, 3 x {vh}]",
+           "lm_head.weight": f"[draft_vocab_size, hidden_size] = [{a.draft_vocab_size}, {a.hidden_size}]",
+           EMBED_KEY: f"[verifier vocab_size, hidden_size] = [{vv}, {a.hidden_size}]"}
+    for key, want in ref.items():
+        if key not in sd:
+            continue  # reported by export_drafter as a missing required tensor
+        if tuple(sd[key].shape) != tuple(want.shape):
+            raise UserError(f"drafter tensor '{key}': shape {list(sd[key].shape)}, EAGLE-3 export needs "
+                            f"{why.get(key, list(want.shape))}")
+    check_vocab_map(sd["d2t"], sd["t2d"], "drafter vocab map", target_vocab_size=vv, draft_vocab_size=a.draft_vocab_size,
+                    draft_key="drafter draft_vocab_size", target_source="verifier_info.vocab_size")
+    if a.hidden_size != vh and not include_embeddings:
+        raise UserError(f"drafter hidden_size {a.hidden_size} differs from the verifier hidden_size {vh}: the engines then "
+                        f"do not use the verifier's embedding and would run the draft with a random one; export with "
+                        f"include_embeddings=True (writes '{EMBED_KEY}')")
 
 
 def export_drafter(
@@ -92,42 +183,44 @@ def export_drafter(
     verifier_info: dict,
     include_embeddings: bool = False,
     num_speculative_tokens: int = 3,
-    dtype: Optional[torch.dtype] = None,
+    dtype: str | torch.dtype = DEFAULT_EXPORT_DTYPE,
 ) -> Path:
     """Write ``drafter`` as a serving-engine folder (see the module docstring for both formats).
 
     Args:
         drafter: trained drafter (its ``d2t``/``t2d`` must be the run's vocab map).
         out_dir: destination folder (replaced if it exists).
-        engine: ``"sglang"`` or ``"vllm"``.
+        engine: ``"sglang"`` or ``"vllm"``; the folder is for that engine only.
         aux_layers_hf: the three aux layers as HF ``hidden_states`` indices (capture convention).
         verifier_info: ``{name, architecture, num_layers, hidden_size, vocab_size}``
             (``eagle3.verifier.verifier_dims`` + the verifier id).
-        include_embeddings: also store ``embed_tokens.weight``.
+        include_embeddings: also store ``embed_tokens.weight`` (required when the drafter's
+            hidden size differs from the verifier's, see :func:`check_export_contract`).
         num_speculative_tokens: vLLM ``speculators_config.proposal_methods[0].speculative_tokens``.
-        dtype: cast floating weights to this dtype (default: as stored in the drafter).
+        dtype: floating weights are cast to this dtype (``torch.bfloat16`` by default, the
+            verifier's dtype in production; a name from :data:`EXPORT_DTYPES` is accepted) and it
+            is recorded as ``torch_dtype``/``dtype`` in ``config.json``.
 
     Returns:
         The folder path.
 
     Raises:
-        UserError: unknown engine, missing ``verifier_info`` field, aux layers invalid for the
-            verifier, verifier dims not matching the drafter, or a required tensor missing.
+        UserError: unknown engine or dtype, missing ``verifier_info`` field, aux layers invalid
+            for the verifier, a broken shape contract (:func:`check_export_contract`), or a
+            required tensor missing.
     """
     from safetensors.torch import save_file
 
     if engine not in ("sglang", "vllm"):
         raise UserError(f"export.engine: unknown engine '{engine}' (expected sglang or vllm)")
+    out_dtype = export_dtype(dtype)
     for f in VERIFIER_FIELDS:
         if f not in verifier_info or verifier_info[f] is None:
             raise UserError(f"verifier_info: missing field '{f}'")
     a = drafter.args
     arch = str(verifier_info["architecture"])
     aux = check_aux_layers(aux_layers_hf, int(verifier_info["num_layers"]), field="aux_layers_hf")
-    if int(verifier_info["hidden_size"]) != a.target_hidden_size:
-        raise UserError(f"verifier_info.hidden_size {verifier_info['hidden_size']} != drafter target_hidden_size {a.target_hidden_size}")
-    if int(verifier_info["vocab_size"]) != a.target_vocab_size:
-        raise UserError(f"verifier_info.vocab_size {verifier_info['vocab_size']} != drafter target_vocab_size {a.target_vocab_size}")
+    check_export_contract(drafter, verifier_info, include_embeddings)
     ids = engine_layer_ids(aux, engine, arch)
 
     sd = drafter.state_dict()
@@ -140,12 +233,22 @@ def export_drafter(
         tensors[key] = sd[src]
     if include_embeddings:
         tensors[EMBED_KEY] = sd[EMBED_KEY]
-    out_dtype = dtype or drafter.fc.weight.dtype
     tensors = {
         k: (v.to(out_dtype) if v.is_floating_point() else v).detach().cpu().contiguous().clone() for k, v in tensors.items()
     }
 
     llama = _llama_config(a, out_dtype)
+    block = {
+        "format_version": 1,
+        "engine": engine,
+        "serve_with": f"{'SGLang' if engine == 'sglang' else 'vLLM'} only (the other engine reads these layer ids "
+                      f"in another convention; export with --engine {'vllm' if engine == 'sglang' else 'sglang'})",
+        "aux_layers_hf": aux,
+        "engine_layer_ids": ids,
+        "layer_id_convention": layer_id_convention(engine, arch),
+        "verifier_architecture": arch,
+        "verifier_num_layers": int(verifier_info["num_layers"]),
+    }
     if engine == "sglang":
         config = {
             "architectures": [SGLANG_ARCH],
@@ -153,6 +256,7 @@ def export_drafter(
             "draft_vocab_size": a.draft_vocab_size,
             "target_hidden_size": a.target_hidden_size,
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
+            CONFIG_BLOCK: block,
         }
     else:
         config = {
@@ -173,15 +277,19 @@ def export_drafter(
                 "verifier": {"name_or_path": str(verifier_info["name"]), "architectures": [arch]},
             },
             "torch_dtype": llama["torch_dtype"],
+            "dtype": llama["dtype"],
+            CONFIG_BLOCK: block,
         }
     meta = {
         "format_version": 1,
         "engine": engine,
         "aux_layers_hf": aux,
         "engine_layer_ids": ids,
+        "layer_id_convention": block["layer_id_convention"],
         "verifier": {f: verifier_info[f] for f in VERIFIER_FIELDS},
         "drafter_args": a.to_json(),
         "include_embeddings": bool(include_embeddings),
+        "dtype": llama["torch_dtype"],
         "weights": WEIGHTS_FILE,
     }
 
@@ -249,8 +357,118 @@ def _args_from_config(cfg: dict, path: Path) -> tuple[str, DrafterArgs]:
     return engine, args
 
 
+def _config_layer_ids(cfg: dict, engine: str, path: Path) -> Optional[list[int]]:
+    """The aux-layer ids the engine reads from ``config.json`` (``None`` when not stated)."""
+    if engine == "sglang":
+        ec = cfg.get("eagle_config") or {}
+        ids = ec.get("eagle_aux_hidden_state_layer_ids") if isinstance(ec, dict) else None
+        key = "eagle_config.eagle_aux_hidden_state_layer_ids"
+    else:
+        ids, key = cfg.get("eagle_aux_hidden_state_layer_ids"), "eagle_aux_hidden_state_layer_ids"
+    if ids is None:
+        return None
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise UserError(f"{path}: key '{key}' must be a list of integers, got {ids!r}")
+    return list(ids)
+
+
+def _recorded_block(cfg: dict, root: Path) -> Optional[dict]:
+    """Our ``eagle3_train`` block of ``config.json``, else the same facts from ``eagle3_train.json``."""
+    block = cfg.get(CONFIG_BLOCK)
+    src = root / "config.json"
+    if block is None and (root / META_FILE).is_file():
+        meta = read_json(root / META_FILE)
+        if isinstance(meta, dict) and "engine" in meta and "aux_layers_hf" in meta:
+            block = {"engine": meta["engine"], "aux_layers_hf": meta["aux_layers_hf"],
+                     "verifier_architecture": (meta.get("verifier") or {}).get("architecture")}
+            src = root / META_FILE
+    if block is None:
+        return None
+    if not isinstance(block, dict):
+        raise UserError(f"{src}: key '{CONFIG_BLOCK}' must be an object")
+    aux = block.get("aux_layers_hf")
+    if not isinstance(aux, list) or len(aux) != 3 or not all(isinstance(i, int) for i in aux):
+        raise UserError(f"{src}: key 'aux_layers_hf' must be a list of 3 integers, got {aux!r}")
+    if block.get("engine") not in ("sglang", "vllm"):
+        raise UserError(f"{src}: key 'engine' must be 'sglang' or 'vllm', got {block.get('engine')!r}")
+    return dict(block, source=str(src))
+
+
+def check_export_folder(
+    path: str | os.PathLike,
+    serving_engine: Optional[str] = None,
+    shards_aux_hf: Optional[list[int]] = None,
+    verifier_architecture: Optional[str] = None,
+) -> dict:
+    """Which engine an exported folder is for, which verifier layers it makes that engine capture,
+    and whether that agrees with its metadata, the intended engine and the shards.
+
+    The engine is read from ``config.json`` (``architectures``); the ids it states are converted
+    to HF indices with that engine's rule (:func:`eagle3.layers.hf_layers_from_engine`; verifier
+    architecture from the ``eagle3_train`` block or ``verifier_architecture``).
+
+    Args:
+        path: exported folder.
+        serving_engine: ``sglang``/``vllm`` when the caller knows which engine serves the folder
+            (e.g. the SGLang server benchmark); ``None`` for engine-neutral loaders.
+        shards_aux_hf: the HF aux layers of the training shards (``data_config.json``).
+        verifier_architecture: used when the folder records none (third-party exports).
+
+    Returns:
+        ``{"engine", "engine_layer_ids" (or None), "aux_layers_hf" (HF indices the engine
+        captures, or None when unknown), "warnings": [str]}``.
+
+    Raises:
+        UserError: ``config.json`` unreadable or of neither format; the recorded engine differs
+            from the folder's format; the stated ids are not the engine's ids for the recorded
+            HF layers (edited by hand or copied from the other engine's folder); or the folder
+            is for another engine than ``serving_engine``.
+    """
+    root = Path(path)
+    cfg_path = root / "config.json"
+    cfg = read_json(cfg_path)
+    if not isinstance(cfg, dict):
+        raise UserError(f"{cfg_path}: expected a JSON object")
+    engine, _args = _args_from_config(cfg, cfg_path)
+    ids = _config_layer_ids(cfg, engine, cfg_path)
+    block = _recorded_block(cfg, root)
+    warnings: list[str] = []
+    other = "vllm" if engine == "sglang" else "sglang"
+    if serving_engine is not None and serving_engine != engine:
+        raise UserError(f"{cfg_path}: this folder is for {engine}, but {serving_engine} serves it; {serving_engine} reads "
+                        f"its layer ids {ids} in another convention (one layer off for Llama verifiers). Use the "
+                        f"{serving_engine} export: 04_train.py --export-only --engine {serving_engine}")
+    aux_hf = None
+    arch = (block or {}).get("verifier_architecture") or verifier_architecture
+    if block is not None:
+        if block["engine"] != engine:
+            raise UserError(f"{block['source']}: key 'engine' is {block['engine']!r} but {cfg_path} is in the {engine} "
+                            f"format; the folder mixes two exports (re-export with --engine {block['engine']})")
+        aux_hf = [int(i) for i in block["aux_layers_hf"]]
+        if arch is not None:
+            want = engine_layer_ids(aux_hf, engine, str(arch))
+            if ids != want:
+                raise UserError(f"{cfg_path}: layer ids {ids} are not {engine}'s ids for the recorded HF aux layers "
+                                f"{aux_hf} (expected {want}: {layer_id_convention(engine, str(arch))}); edited by hand "
+                                f"or copied from the {other} folder? Re-export with --engine {engine}")
+    elif ids is not None and arch is not None:
+        aux_hf = hf_layers_from_engine(ids, engine, str(arch))
+    elif ids is None:
+        warnings.append(f"{cfg_path}: states no aux layer ids; {engine} will use its default layers")
+    else:
+        warnings.append(f"{cfg_path}: no '{CONFIG_BLOCK}' block and no verifier architecture: cannot tell which "
+                        f"verifier layers the {engine} ids {ids} select")
+    if shards_aux_hf is not None and aux_hf is not None and list(aux_hf) != [int(i) for i in shards_aux_hf]:
+        warnings.append(f"{cfg_path}: {engine} will capture HF layers {aux_hf} (ids {ids}) but the shards were "
+                        f"extracted at HF layers {list(shards_aux_hf)}: expect near-zero acceptance")
+    return {"engine": engine, "engine_layer_ids": ids, "aux_layers_hf": aux_hf, "warnings": warnings}
+
+
 def load_exported(path: str | os.PathLike, embed_weight: Optional[torch.Tensor] = None) -> Eagle3Drafter:
     """Load an exported folder (either format) into an :class:`Eagle3Drafter` (float32, CPU).
+
+    Weights stored in bfloat16/float16 are upcast exactly, so ``load_exported(...).to(bf16)``
+    computes what the exported drafter cast to bf16 computes.
 
     Args:
         path: folder written by :func:`export_drafter` (or a compatible SGLang/SpecForge/speculators one).
@@ -258,8 +476,10 @@ def load_exported(path: str | os.PathLike, embed_weight: Optional[torch.Tensor] 
             no ``embed_tokens.weight``.
 
     Raises:
-        UserError: missing/bad ``config.json`` key, missing or unexpected tensor, wrong tensor
-            shape, or no embeddings available -- each naming the file and key.
+        UserError: missing/bad ``config.json`` key, a folder whose layer ids disagree with its
+            recorded engine/HF layers (:func:`check_export_folder`), missing or unexpected tensor,
+            wrong tensor shape, an invalid ``d2t``/``t2d`` (:func:`eagle3.vocab.check_vocab_map`),
+            or no embeddings available -- each naming the file and key.
     """
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -270,6 +490,8 @@ def load_exported(path: str | os.PathLike, embed_weight: Optional[torch.Tensor] 
     if not isinstance(cfg, dict):
         raise UserError(f"{cfg_path}: expected a JSON object")
     engine, args = _args_from_config(cfg, cfg_path)
+    for w in check_export_folder(root)["warnings"]:
+        log.warning("%s", w)
     wpath = root / WEIGHTS_FILE
     if not wpath.is_file():
         raise UserError(f"{wpath}: file not found")
@@ -295,15 +517,18 @@ def load_exported(path: str | os.PathLike, embed_weight: Optional[torch.Tensor] 
         if embed_weight is None:
             raise UserError(f"{wpath}: no '{EMBED_KEY}' stored; pass the verifier's embedding (embed_weight)")
         if tuple(embed_weight.shape) != tuple(sd[EMBED_KEY].shape):
-            raise UserError(f"embed_weight has shape {list(embed_weight.shape)}, {cfg_path} implies {list(sd[EMBED_KEY].shape)}")
+            hint = (f" (the drafter's hidden_size {args.hidden_size} differs from target_hidden_size "
+                    f"{args.target_hidden_size}: the folder must carry its own '{EMBED_KEY}')"
+                    if args.hidden_size != args.target_hidden_size else "")
+            raise UserError(f"embed_weight has shape {list(embed_weight.shape)}, {cfg_path} implies "
+                            f"{list(sd[EMBED_KEY].shape)}{hint}")
         tensors[EMBED_KEY] = embed_weight
+    check_vocab_map(tensors["d2t"], tensors["t2d"], str(wpath), target_vocab_size=args.target_vocab_size,
+                    draft_vocab_size=args.draft_vocab_size, draft_key=f"{cfg_path.name} draft_vocab_size",
+                    target_source=f"{cfg_path.name} vocab_size")
     with torch.no_grad():
         for k, v in tensors.items():
             sd[k].copy_(v.to(sd[k].dtype) if v.is_floating_point() else v)
-    try:
-        drafter.set_vocab_map(drafter.d2t.clone(), drafter.t2d.clone())  # validates the stored map
-    except UserError as e:
-        raise UserError(f"{wpath}: {e}") from e
     return drafter
 
 

@@ -31,12 +31,11 @@ def export_from_checkpoint(cfg: RunConfig, engine: str | None = None) -> Path:
         UserError: no usable checkpoint, missing target head / vocab map / data_config, or a
             checkpoint whose drafter shape disagrees with the vocab map.
     """
-    from eagle3.export import export_drafter
     from eagle3.model import DrafterArgs
     from eagle3.shards import read_data_config
     from eagle3.target_head import TargetHead
     from eagle3.train import init_drafter
-    from eagle3.vocab import load_vocab_map
+    from eagle3.vocab import load_run_vocab_map
 
     if engine is not None:
         cfg = cfg.model_copy(update={"export": cfg.export.model_copy(update={"engine": engine})})
@@ -45,7 +44,7 @@ def export_from_checkpoint(cfg: RunConfig, engine: str | None = None) -> Path:
         raise UserError(f"{ckpt.ckpt_dir(cfg.train_dir)}: no complete checkpoint to export (run 04_train.py first)")
     path, state = found
     data_config = read_data_config(cfg.shards_dir)
-    vocab = load_vocab_map(cfg.data_dir / "vocab_map.pt", target_vocab_size=int(data_config["vocab_size"]))
+    vocab = load_run_vocab_map(cfg, int(data_config["vocab_size"]))
     args = DrafterArgs.from_json(state["drafter_args"], source=f"{path}: drafter_args")
     if args.draft_vocab_size != int(vocab["d2t"].shape[0]):
         raise UserError(f"{path}: drafter_args.draft_vocab_size {args.draft_vocab_size} differs from "
@@ -57,7 +56,21 @@ def export_from_checkpoint(cfg: RunConfig, engine: str | None = None) -> Path:
     if unexpected or trainable & set(missing):
         key = sorted(unexpected or (trainable & set(missing)))[0]
         raise UserError(f"{path}: key 'model.{key}' {'unexpected' if unexpected else 'missing'}")
+    return export_for_run(cfg, drafter, data_config)
+
+
+def export_for_run(cfg: RunConfig, drafter, data_config: dict) -> Path:
+    """Export ``drafter`` for ``cfg.export.engine`` into ``cfg.export_dir``, in ``export.dtype``
+    (``auto`` = ``verifier.dtype``), with the verifier facts and HF aux layers of the shards'
+    ``data_config.json``.
+
+    Raises:
+        UserError: see :func:`eagle3.export.export_drafter`.
+    """
+    from eagle3.export import export_drafter, export_dtype
+
     verifier_info = {"name": data_config["verifier"],
                      **{k: data_config[k] for k in ("architecture", "num_layers", "hidden_size", "vocab_size")}}
     return export_drafter(drafter, cfg.export_dir, engine=cfg.export.engine,
-                          aux_layers_hf=list(data_config["aux_layers"]), verifier_info=verifier_info)
+                          aux_layers_hf=list(data_config["aux_layers"]), verifier_info=verifier_info,
+                          dtype=export_dtype(cfg.export.dtype, cfg.verifier.dtype))

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from eagle3.attention import apply_rotary, cached_attention, resolve_attn_impl, rope_inv_freq, rotary_cos_sin, ttt_attention
 from eagle3.errors import UserError
+from eagle3.vocab import check_vocab_map
 
 
 @dataclass
@@ -295,20 +296,22 @@ class Eagle3Drafter(nn.Module):
         with torch.no_grad():
             self.embed_tokens.weight.copy_(weight)
 
-    def set_vocab_map(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-        """Install the draft vocab map (``vocab_map.pt`` of stage 03).
+    def set_vocab_map(self, d2t: torch.Tensor, t2d: torch.Tensor, where: str = "vocab map",
+                      draft_key: str = "drafter draft_vocab_size") -> None:
+        """Install the draft vocab map (``vocab_map.pt`` of stage 03): ``d2t`` int64 ``[draft_V]``
+        offsets, ``t2d`` bool ``[target_V]``.
+
+        Args:
+            where / draft_key: file and setting named in errors (see :func:`eagle3.vocab.check_vocab_map`).
 
         Raises:
-            UserError: wrong shape/dtype, or ``d2t`` and ``t2d`` disagree.
+            UserError: any :func:`eagle3.vocab.check_vocab_map` failure against this drafter's
+                ``draft_vocab_size`` / ``target_vocab_size`` (wrong dtype or length, target ids
+                out of range, duplicated or unsorted, ``t2d`` not the set ``d2t`` describes).
         """
         a = self.args
-        if d2t.shape != (a.draft_vocab_size,) or d2t.dtype != torch.long:
-            raise UserError(f"vocab map 'd2t' must be int64 [{a.draft_vocab_size}], got {d2t.dtype} {list(d2t.shape)}")
-        if t2d.shape != (a.target_vocab_size,) or t2d.dtype != torch.bool:
-            raise UserError(f"vocab map 't2d' must be bool [{a.target_vocab_size}], got {t2d.dtype} {list(t2d.shape)}")
-        target = torch.arange(a.draft_vocab_size) + d2t.cpu()
-        if target.min() < 0 or target.max() >= a.target_vocab_size or not bool(t2d.cpu()[target].all()) or int(t2d.sum()) != a.draft_vocab_size:
-            raise UserError("vocab map: 'd2t' and 't2d' do not describe the same draft vocabulary")
+        check_vocab_map(d2t, t2d, where, target_vocab_size=a.target_vocab_size, draft_vocab_size=a.draft_vocab_size,
+                        draft_key=draft_key, target_source="the drafter's target_vocab_size")
         self.d2t.copy_(d2t)
         self.t2d.copy_(t2d)
 

@@ -248,6 +248,8 @@ def run(cfg, urls: Sequence[str], datasets: Optional[Sequence[str]] = None, num_
     max_new_tokens = max_new_tokens or cfg.benchmark.max_new_tokens
     num_prompts = num_prompts or cfg.benchmark.num_prompts
     tok = load_tokenizer(cfg.verifier)
+    for w in draft_folder_warnings(cfg, urls[0]):
+        log.warning("%s", w)
     for name in datasets:
         label = dataset_label(name)
         prompts = load_eval_prompts(name, num_prompts)
@@ -258,3 +260,30 @@ def run(cfg, urls: Sequence[str], datasets: Optional[Sequence[str]] = None, num_
         log.info("%s: tau %s, %.1f output tok/s%s", label, f"{s['tau']:.2f}" if s.get("tau") else "n/a",
                  s["output_tokens_per_s"], f", speedup {report['speedup']:.2f}x" if "speedup" in report else "")
     return 0
+
+
+def draft_folder_warnings(cfg, url: str, timeout: float = 30.0) -> list[str]:
+    """Check the draft folder an SGLang server was started with, when it is readable here.
+
+    ``GET {url}/server_info`` names ``speculative_draft_model_path``; if that folder exists on this
+    machine, :func:`eagle3.export.check_export_folder` refuses a folder exported for vLLM (SGLang
+    would read its HF-index layer ids with its own +1 rule) and warns when the layers SGLang
+    captures differ from the HF layers of the run's shards (``data_config.json``).
+
+    Returns:
+        warnings (empty when the server or folder cannot be inspected).
+
+    Raises:
+        UserError: the folder is for the other engine or its layer ids contradict its metadata.
+    """
+    from eagle3.export import check_export_folder
+    from eagle3.shards import DATA_CONFIG, read_data_config
+
+    path = server_info(url, timeout).get("speculative_draft_model_path")
+    if not path or not (Path(path) / "config.json").is_file():
+        return []
+    shards_aux = arch = None
+    if (Path(cfg.shards_dir) / DATA_CONFIG).is_file():
+        dc = read_data_config(cfg.shards_dir)
+        shards_aux, arch = dc.get("aux_layers"), dc.get("architecture")
+    return check_export_folder(path, serving_engine="sglang", shards_aux_hf=shards_aux, verifier_architecture=arch)["warnings"]

@@ -62,7 +62,7 @@ from eagle3.schedule import build_scheduler
 from eagle3.shards import expect_from_data_config, read_data_config
 from eagle3.target_head import FILENAME as TARGET_HEAD_FILE
 from eagle3.target_head import TargetHead
-from eagle3.vocab import VOCAB_MAP, load_vocab_map
+from eagle3.vocab import load_run_vocab_map
 
 log = logging.getLogger(__name__)
 
@@ -489,7 +489,7 @@ def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: O
 
     # ---- inputs ----------------------------------------------------------------------------
     data_config = read_data_config(cfg.shards_dir)
-    vocab = load_vocab_map(cfg.data_dir / VOCAB_MAP, target_vocab_size=int(data_config["vocab_size"]))
+    vocab = load_run_vocab_map(cfg, int(data_config["vocab_size"]))
     split = read_split(cfg.data_dir)
     args = build_drafter_args(cfg, data_config, vocab)
     head = prepare_target_head(cfg, data_config, d)
@@ -712,12 +712,9 @@ def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: O
     result["final_val"] = final_val
     metrics.close()
     if d.is_main:
-        from eagle3.export import export_drafter
+        from eagle3.export_checkpoint import export_for_run
 
-        verifier_info = {"name": data_config["verifier"],
-                         **{k: data_config[k] for k in ("architecture", "num_layers", "hidden_size", "vocab_size")}}
-        export_drafter(drafter, cfg.export_dir, engine=cfg.export.engine, aux_layers_hf=list(data_config["aux_layers"]),
-                       verifier_info=verifier_info)
+        export_for_run(cfg, drafter, data_config)
         result["export_dir"] = str(cfg.export_dir)
         write_report(train_dir, result, args)
     _barrier(d)

@@ -126,8 +126,13 @@ def coverage(freq: torch.Tensor, t2d: torch.Tensor) -> float:
 
 
 def save_vocab_map(path: str | os.PathLike, d2t: torch.Tensor, t2d: torch.Tensor) -> Path:
-    """Atomically write ``vocab_map.pt`` (``d2t``, ``t2d``, ``target_vocab_size``, ``draft_vocab_size``)."""
+    """Atomically write ``vocab_map.pt`` (``d2t``, ``t2d``, ``target_vocab_size``, ``draft_vocab_size``).
+
+    Raises:
+        UserError: the map fails :func:`check_vocab_map` (nothing is written).
+    """
     path = Path(path)
+    check_vocab_map(d2t.to(torch.int64), t2d.to(torch.bool), str(path))
     atomic_torch_save(
         {"d2t": d2t.to(torch.int64).clone(), "t2d": t2d.to(torch.bool).clone(),
          "target_vocab_size": int(t2d.numel()), "draft_vocab_size": int(d2t.numel())},
@@ -136,20 +141,111 @@ def save_vocab_map(path: str | os.PathLike, d2t: torch.Tensor, t2d: torch.Tensor
     return path
 
 
+DRAFT_KEY = "data.draft_vocab_size"
+"""The config key that sets the draft vocab size (stage 03 builds the map with it)."""
+
+
+def _first(mask: torch.Tensor) -> int:
+    return int(mask.nonzero()[0, 0])
+
+
+def check_vocab_map(
+    d2t: object,
+    t2d: object,
+    where: str = "vocab map",
+    target_vocab_size: int | None = None,
+    draft_vocab_size: int | None = None,
+    draft_key: str = DRAFT_KEY,
+    target_source: str = "this verifier",
+) -> None:
+    """Check a draft vocab map against the expected sizes and for internal consistency.
+
+    The one validation every reader of a map uses (``vocab_map.pt`` in training and re-export,
+    ``d2t``/``t2d`` of an exported folder in :func:`eagle3.export.load_exported` and the
+    benchmark, :meth:`eagle3.model.Eagle3Drafter.set_vocab_map`). The format (module docstring,
+    FIELD-NOTES section 3; SGLang ``hot_token_id = d2t + arange``):
+
+    - ``d2t`` int64 ``[draft_V]`` holds offsets; the target ids ``arange(draft_V) + d2t`` lie in
+      ``0..target_V-1``, are distinct and strictly increasing (draft ids sorted by target id);
+    - ``t2d`` bool ``[target_V]`` is True exactly at those target ids.
+
+    Args:
+        d2t, t2d: the two tensors (any device).
+        where: prefix of error messages (a file path, or ``"vocab map"``).
+        target_vocab_size: the verifier vocab the map must be built for (``len(t2d)``).
+        draft_vocab_size: the draft vocab size the configuration asks for (``len(d2t)``).
+        draft_key: the setting that names ``draft_vocab_size`` in messages
+            (``data.draft_vocab_size`` for a run config, or an exported ``config.json`` key).
+        target_source: where ``target_vocab_size`` comes from, for messages.
+
+    Raises:
+        UserError: ``{where}: key 'd2t'|'t2d'|'draft_vocab_size'|'target_vocab_size': ...`` for a
+            wrong type/dtype/rank, a size that differs from the expected one, target ids out of
+            range, duplicated or not increasing (absolute ids instead of offsets are named as
+            such), or a ``t2d`` that marks another set than ``d2t`` describes.
+    """
+    if not isinstance(d2t, torch.Tensor) or d2t.dtype != torch.int64 or d2t.dim() != 1:
+        got = f"{d2t.dtype} {list(d2t.shape)}" if isinstance(d2t, torch.Tensor) else type(d2t).__name__
+        raise UserError(f"{where}: key 'd2t': expected a 1-D int64 tensor of offsets, got {got}")
+    if not isinstance(t2d, torch.Tensor) or t2d.dtype != torch.bool or t2d.dim() != 1:
+        got = f"{t2d.dtype} {list(t2d.shape)}" if isinstance(t2d, torch.Tensor) else type(t2d).__name__
+        raise UserError(f"{where}: key 't2d': expected a 1-D bool tensor, got {got}")
+    d2t, t2d = d2t.detach().cpu(), t2d.detach().cpu()
+    dv, tv = int(d2t.numel()), int(t2d.numel())
+    if target_vocab_size is not None and tv != int(target_vocab_size):
+        raise UserError(f"{where}: key 'target_vocab_size': map built for a target vocab of {tv}, "
+                        f"{target_source} has {target_vocab_size}")
+    if draft_vocab_size is not None and dv != int(draft_vocab_size):
+        raise UserError(f"{where}: key 'draft_vocab_size': the map has {dv} draft tokens but {draft_key} is "
+                        f"{draft_vocab_size} (re-run 03_prepare_data.py with {draft_key}: {draft_vocab_size}, "
+                        f"or set {draft_key} back to {dv})")
+    if dv < 1 or dv > tv:
+        raise UserError(f"{where}: key 'd2t': {dv} draft ids for a target vocab of {tv}")
+    tgt = torch.arange(dv, dtype=torch.int64) + d2t  # [draft_V] target id of each draft id
+    marked = t2d.nonzero().flatten()  # [n] target ids t2d marks, ascending
+    if dv > 1 and bool(d2t.any()) and marked.numel() == dv and torch.equal(d2t, marked):
+        raise UserError(f"{where}: key 'd2t': holds absolute target ids; the format stores offsets "
+                        "(d2t[i] = target_id - i)")
+    bad = (tgt < 0) | (tgt >= tv)  # [draft_V]
+    if bool(bad.any()):
+        i = _first(bad)
+        raise UserError(f"{where}: key 'd2t': draft id {i} maps to target id {int(tgt[i])}, outside 0..{tv - 1}")
+    if dv > 1:
+        order = torch.sort(tgt, stable=True)
+        dup = order.values[1:] == order.values[:-1]  # [draft_V - 1]
+        if bool(dup.any()):
+            j = _first(dup)
+            a, b = sorted((int(order.indices[j]), int(order.indices[j + 1])))
+            raise UserError(f"{where}: key 'd2t': draft ids {a} and {b} both map to target id {int(tgt[a])}")
+        down = tgt[1:] <= tgt[:-1]  # [draft_V - 1]
+        if bool(down.any()):
+            i = _first(down)
+            raise UserError(f"{where}: key 'd2t': draft ids must be sorted by target id, but draft id {i} maps to "
+                            f"{int(tgt[i])} and draft id {i + 1} to {int(tgt[i + 1])}")
+    want = torch.zeros(tv, dtype=torch.bool)  # [target_V]
+    want[tgt] = True
+    if not torch.equal(want, t2d):
+        k = _first(want != t2d)
+        raise UserError(f"{where}: key 't2d': marks {int(t2d.sum())} target ids, d2t describes {dv}; "
+                        f"they differ first at target id {k} (t2d {bool(t2d[k])}, d2t {bool(want[k])})")
+
+
 def load_vocab_map(
-    path: str | os.PathLike, target_vocab_size: int | None = None, draft_vocab_size: int | None = None
+    path: str | os.PathLike, target_vocab_size: int | None = None, draft_vocab_size: int | None = None,
+    draft_key: str = DRAFT_KEY,
 ) -> dict:
-    """Load and check ``vocab_map.pt``.
+    """Load and check ``vocab_map.pt`` (:func:`check_vocab_map`).
 
     Args:
         target_vocab_size / draft_vocab_size: if given, the sizes the map must have been built for.
+        draft_key: the setting that asked for ``draft_vocab_size`` (named in the error).
 
     Returns:
         ``{"d2t": int64 [draft_V], "t2d": bool [target_V], "target_vocab_size", "draft_vocab_size"}``.
 
     Raises:
-        UserError (naming the file and key): unreadable/unsafe file, missing key, wrong dtype or
-        length, inconsistent d2t/t2d, or a map built for another vocab size.
+        UserError (naming the file and key): unreadable/unsafe file, missing key, recorded sizes
+        that differ from the tensors, or any :func:`check_vocab_map` failure.
     """
     path = Path(path)
     obj = safe_torch_load(path)
@@ -159,20 +255,25 @@ def load_vocab_map(
         if key not in obj:
             raise UserError(f"{path}: key '{key}': missing")
     d2t, t2d = obj["d2t"], obj["t2d"]
-    tv, dv = int(obj["target_vocab_size"]), int(obj["draft_vocab_size"])
-    if not isinstance(d2t, torch.Tensor) or d2t.dtype != torch.int64 or d2t.shape != (dv,):
-        raise UserError(f"{path}: key 'd2t': expected int64 [{dv}]")
-    if not isinstance(t2d, torch.Tensor) or t2d.dtype != torch.bool or t2d.shape != (tv,):
-        raise UserError(f"{path}: key 't2d': expected bool [{tv}]")
-    if target_vocab_size is not None and tv != target_vocab_size:
-        raise UserError(
-            f"{path}: key 'target_vocab_size': map built for a target vocab of {tv}, this verifier has {target_vocab_size}"
-        )
-    if draft_vocab_size is not None and dv != draft_vocab_size:
-        raise UserError(f"{path}: key 'draft_vocab_size': map has {dv} draft tokens, expected {draft_vocab_size}")
-    tgt = draft_to_target_ids(d2t)  # [draft_V]
-    if dv and (int(tgt.min()) < 0 or int(tgt.max()) >= tv or bool((tgt[1:] <= tgt[:-1]).any())):
-        raise UserError(f"{path}: key 'd2t': draft->target ids must be strictly increasing within 0..{tv - 1}")
-    if int(t2d.sum()) != dv or not bool(t2d[tgt].all()):
-        raise UserError(f"{path}: key 't2d': does not mark exactly the {dv} target ids of d2t")
-    return {"d2t": d2t, "t2d": t2d, "target_vocab_size": tv, "draft_vocab_size": dv}
+    check_vocab_map(d2t, t2d, str(path), target_vocab_size, draft_vocab_size, draft_key)
+    for key, n in (("target_vocab_size", t2d.numel()), ("draft_vocab_size", d2t.numel())):
+        if not isinstance(obj[key], int) or int(obj[key]) != int(n):
+            raise UserError(f"{path}: key '{key}': records {obj[key]!r} but the tensors have {int(n)}")
+    return {"d2t": d2t, "t2d": t2d, "target_vocab_size": int(t2d.numel()), "draft_vocab_size": int(d2t.numel())}
+
+
+def load_run_vocab_map(cfg, target_vocab_size: int) -> dict:
+    """``{data_dir}/vocab_map.pt`` of a run, checked against the run config and the shards.
+
+    The map must have ``cfg.data.draft_vocab_size`` draft ids (stage 03 refuses sizes above the
+    target vocab, so no clamping applies) and ``target_vocab_size`` target ids.
+
+    Args:
+        cfg: :class:`eagle3.config.RunConfig`.
+        target_vocab_size: the verifier vocab recorded in the shards' ``data_config.json``.
+
+    Raises:
+        UserError: as :func:`load_vocab_map`; a size mismatch names ``data.draft_vocab_size``.
+    """
+    return load_vocab_map(cfg.data_dir / VOCAB_MAP, target_vocab_size=int(target_vocab_size),
+                          draft_vocab_size=int(cfg.data.draft_vocab_size))

@@ -3,6 +3,7 @@ identical logits, strict errors, atomic replacement."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -58,12 +59,26 @@ def logits_of(d: Eagle3Drafter, seed=1):
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("engine", ["sglang", "vllm"])
 @pytest.mark.parametrize("with_embed", [False, True])
-def test_round_trip_identical_logits(tmp_path, engine, with_embed):
+def test_round_trip_bf16_export_equals_drafter_cast_to_bf16(tmp_path, engine, with_embed):
+    """Default export is bfloat16: the reloaded drafter computes what the drafter cast to bf16 computes."""
     d = drafter()
     out = export_drafter(d, tmp_path / "x", engine, [2, 15, 27], LLAMA30, include_embeddings=with_embed)
     d2 = load_exported(out, embed_weight=None if with_embed else d.embed_tokens.weight)
     assert d2.args == d.args
     assert torch.equal(d2.d2t, d.d2t) and torch.equal(d2.t2d, d.t2d)
+    ref = copy.deepcopy(d).to(torch.bfloat16)
+    for a, b in zip(logits_of(ref), logits_of(d2.to(torch.bfloat16))):
+        assert a.dtype == torch.bfloat16 and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_round_trip_float32_when_asked(tmp_path, engine):
+    d = drafter()
+    out = export_drafter(d, tmp_path / "x", engine, [2, 15, 27], LLAMA30, dtype="float32")
+    cfg = json.loads((out / "config.json").read_text())
+    layer = cfg if engine == "sglang" else cfg["transformer_layer_config"]
+    assert cfg["torch_dtype"] == layer["torch_dtype"] == layer["dtype"] == "float32"
+    d2 = load_exported(out, embed_weight=d.embed_tokens.weight)
     for a, b in zip(logits_of(d), logits_of(d2)):
         assert torch.equal(a, b)
 
@@ -91,7 +106,7 @@ def test_vllm_key_set_and_config_fields(tmp_path):
     out = export_drafter(d, tmp_path / "vl", "vllm", [2, 15, 27], LLAMA30, num_speculative_tokens=4)
     sd = load_file(str(out / "model.safetensors"))
     assert set(sd) == {f"layers.0.{k}" for k in LAYER} | set(HEAD) == set(VLLM_KEYS)
-    assert torch.equal(sd["layers.0.hidden_norm.weight"], d.midlayer.hidden_norm.weight.detach())
+    assert torch.equal(sd["layers.0.hidden_norm.weight"], d.midlayer.hidden_norm.weight.detach().bfloat16())
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == ["Eagle3Speculator"] and cfg["speculators_model_type"] == "eagle3"
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
@@ -179,17 +194,34 @@ def test_export_replaces_existing_folder_atomically(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x"]
     assert sorted(p.name for p in out.iterdir()) == sorted(["config.json", "model.safetensors", META_FILE])
     re = load_exported(out, embed_weight=d2.embed_tokens.weight)
-    assert torch.equal(re.fc.weight, d2.fc.weight)
+    assert torch.equal(re.fc.weight, d2.fc.weight.detach().bfloat16().float())
 
 
-def test_bf16_export_dtype(tmp_path):
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_default_export_is_bf16_and_recorded(tmp_path, engine):
     d = drafter()
-    out = export_drafter(d, tmp_path / "x", "sglang", [2, 15, 27], LLAMA30, dtype=torch.bfloat16)
+    out = export_drafter(d, tmp_path / "x", engine, [2, 15, 27], LLAMA30)
     sd = load_file(str(out / "model.safetensors"))
-    assert sd["fc.weight"].dtype == torch.bfloat16 and sd["d2t"].dtype == torch.int64 and sd["t2d"].dtype == torch.bool
-    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
-    re = load_exported(out, embed_weight=d.embed_tokens.weight)
-    assert torch.equal(re.fc.weight, d.fc.weight.detach().bfloat16().float())
+    floats = {k: v.dtype for k, v in sd.items() if v.is_floating_point()}
+    assert set(floats.values()) == {torch.bfloat16} and sd["d2t"].dtype == torch.int64 and sd["t2d"].dtype == torch.bool
+    cfg = json.loads((out / "config.json").read_text())
+    layer = cfg if engine == "sglang" else cfg["transformer_layer_config"]
+    assert cfg["torch_dtype"] == layer["torch_dtype"] == layer["dtype"] == "bfloat16"
+    assert read_export_meta(out)["dtype"] == "bfloat16"
+    fp32 = export_drafter(d, tmp_path / "y", engine, [2, 15, 27], LLAMA30, dtype=torch.float32)
+    weights = sum(v.numel() for v in sd.values() if v.is_floating_point())
+    size_bf16, size_fp32 = (out / "model.safetensors").stat().st_size, (fp32 / "model.safetensors").stat().st_size
+    assert abs((size_fp32 - size_bf16) - 2 * weights) < 1024  # 2 bytes less per weight (headers differ slightly)
+    with pytest.raises(UserError, match="export.dtype"):
+        export_drafter(d, tmp_path / "z", engine, [2, 15, 27], LLAMA30, dtype="float8")
+
+
+def test_export_dtype_auto_follows_verifier():
+    from eagle3.export import export_dtype
+
+    assert export_dtype("auto", "bfloat16") == torch.bfloat16
+    assert export_dtype("auto", "float16") == torch.float16
+    assert export_dtype("float32", "bfloat16") == torch.float32
 
 
 def test_sglang_config_parses_with_transformers_autoconfig(tmp_path):
@@ -202,5 +234,7 @@ def test_sglang_config_parses_with_transformers_autoconfig(tmp_path):
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.head_dim, cfg.num_key_value_heads) == (24, 1, 6, 2)
     assert (cfg.draft_vocab_size, cfg.target_hidden_size, cfg.vocab_size) == (16, 24, 50)
     assert cfg.eagle_config["eagle_aux_hidden_state_layer_ids"] == [1, 14, 26]
+    # SGLang's _get_and_verify_dtype reads config.dtype (then torch_dtype); float32 there -> float16 under --dtype auto
+    assert getattr(cfg, "dtype", None) in (torch.bfloat16, "bfloat16")
     rope = getattr(cfg, "rope_parameters", None) or {"rope_theta": cfg.rope_theta, **(cfg.rope_scaling or {})}
     assert rope["rope_theta"] == 50000.0 and rope["rope_type"] == "llama3" and rope["factor"] == 8.0

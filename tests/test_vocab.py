@@ -98,5 +98,5 @@ def test_vocab_map_save_load_and_size_check(tmp_path):
     with pytest.raises(UserError, match="key 't2d'"):
         load_vocab_map(p)
     torch.save({"d2t": torch.tensor([0, 0, -1, 0]), "t2d": t2d, "target_vocab_size": 8, "draft_vocab_size": 4}, p)
-    with pytest.raises(UserError, match="strictly increasing"):
+    with pytest.raises(UserError, match="draft ids 1 and 2 both map to target id 1"):
         load_vocab_map(p)

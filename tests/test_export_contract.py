@@ -1,0 +1,185 @@
+"""Export contract (issue 11 items 5, 6): drafter/verifier shapes checked at export, embeddings
+written or refused explicitly; each folder records which engine it is for, and loaders refuse or
+warn when a folder is used by the other engine or its layer ids disagree with the shards."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from test_export import DSV3_61, LLAMA30, drafter  # noqa: E402
+
+from eagle3.errors import UserError  # noqa: E402
+from eagle3.export import CONFIG_BLOCK, META_FILE, check_export_folder, export_drafter, load_exported  # noqa: E402
+from eagle3.model import DrafterArgs, Eagle3Drafter  # noqa: E402
+
+
+def _wide_drafter() -> Eagle3Drafter:
+    """Drafter with hidden 32 reading a verifier of hidden 24 (the shape SGLang handles by keeping its own embedding)."""
+    torch.manual_seed(0)
+    a = DrafterArgs(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=40,
+                    rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=64, draft_vocab_size=50,
+                    target_vocab_size=50, target_hidden_size=24)
+    d = Eagle3Drafter(a)
+    with torch.no_grad():
+        d.embed_tokens.weight.normal_()
+    return d
+
+
+# ---- item 5: shape contract ---------------------------------------------------------------------
+def test_hidden_size_differs_from_verifier_needs_embeddings(tmp_path):
+    d = _wide_drafter()
+    with pytest.raises(UserError, match=r"hidden_size 32 differs from the verifier hidden_size 24.*include_embeddings=True"):
+        export_drafter(d, tmp_path / "x", "sglang", [2, 15, 27], LLAMA30)
+    assert not (tmp_path / "x").exists()
+    out = export_drafter(d, tmp_path / "x", "sglang", [2, 15, 27], LLAMA30, include_embeddings=True, dtype="float32")
+    assert list(load_file(str(out / "model.safetensors"))["embed_tokens.weight"].shape) == [50, 32]
+    re = load_exported(out)  # no verifier embedding needed: the folder carries the drafter's own
+    assert torch.equal(re.embed_tokens.weight, d.embed_tokens.weight)
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["hidden_size"], cfg["target_hidden_size"]) == (32, 24)
+
+
+def test_loading_wide_drafter_without_embeddings_explains(tmp_path):
+    d = _wide_drafter()
+    out = export_drafter(d, tmp_path / "x", "sglang", [2, 15, 27], LLAMA30, include_embeddings=True)
+    sd = load_file(str(out / "model.safetensors"))
+    del sd["embed_tokens.weight"]
+    from safetensors.torch import save_file
+
+    save_file(sd, str(out / "model.safetensors"))
+    with pytest.raises(UserError, match="must carry its own 'embed_tokens.weight'"):
+        load_exported(out, embed_weight=torch.zeros(50, 24))
+
+
+@pytest.mark.parametrize("module,layer,msg", [
+    ("fc", nn.Linear(48, 24, bias=False), r"'fc.weight': shape \[24, 48\].*\[hidden_size, 3 x verifier hidden_size\] = \[24, 3 x 24\]"),
+    ("lm_head", nn.Linear(24, 17, bias=False), r"'lm_head.weight': shape \[17, 24\].*\[16, 24\]"),
+])
+def test_tensor_shapes_checked_against_contract(tmp_path, module, layer, msg):
+    d = drafter()
+    setattr(d, module, layer)
+    with pytest.raises(UserError, match=msg):
+        export_drafter(d, tmp_path / "x", "sglang", [2, 15, 27], LLAMA30)
+    assert not (tmp_path / "x").exists()
+
+
+def test_invalid_vocab_buffers_refused_at_export(tmp_path):
+    d = drafter()
+    with torch.no_grad():
+        d.d2t[1] = d.d2t[0] - 1  # draft id 1 -> the target id of draft id 0 (buffer written directly)
+    with pytest.raises(UserError, match=r"drafter vocab map: key 'd2t': draft ids 0 and 1 both map"):
+        export_drafter(d, tmp_path / "x", "vllm", [2, 15, 27], LLAMA30)
+
+
+def test_verifier_vocab_differs(tmp_path):
+    with pytest.raises(UserError, match=r"verifier_info.vocab_size: 51"):
+        export_drafter(drafter(), tmp_path / "x", "sglang", [2, 15, 27], {**LLAMA30, "vocab_size": 51})
+
+
+# ---- item 6: which folder for which engine -------------------------------------------------------
+@pytest.mark.parametrize("engine,info,ids,conv", [
+    ("sglang", LLAMA30, [1, 14, 26], "sglang-llama"),
+    ("sglang", DSV3_61, [2, 30, 58], "sglang-deepseek"),
+    ("vllm", LLAMA30, [2, 15, 27], "hf"),
+])
+def test_config_json_records_engine_and_convention(tmp_path, engine, info, ids, conv):
+    aux = [2, 15, 27] if info is LLAMA30 else [2, 30, 58]
+    out = export_drafter(drafter(), tmp_path / "x", engine, aux, info)
+    block = json.loads((out / "config.json").read_text())[CONFIG_BLOCK]
+    assert block["engine"] == engine and block["aux_layers_hf"] == aux and block["engine_layer_ids"] == ids
+    assert block["layer_id_convention"].startswith(conv + ":")
+    assert block["verifier_architecture"] == info["architecture"]
+    got = check_export_folder(out)
+    assert (got["engine"], got["engine_layer_ids"], got["aux_layers_hf"], got["warnings"]) == (engine, ids, aux, [])
+
+
+def test_sglang_folder_for_vllm_is_refused_and_vice_versa(tmp_path):
+    sg = export_drafter(drafter(), tmp_path / "sg", "sglang", [2, 15, 27], LLAMA30)
+    vl = export_drafter(drafter(), tmp_path / "vl", "vllm", [2, 15, 27], LLAMA30)
+    with pytest.raises(UserError, match=r"this folder is for sglang, but vllm serves it.*--engine vllm"):
+        check_export_folder(sg, serving_engine="vllm")
+    with pytest.raises(UserError, match=r"this folder is for vllm, but sglang serves it.*--engine sglang"):
+        check_export_folder(vl, serving_engine="sglang")
+    assert check_export_folder(sg, serving_engine="sglang")["warnings"] == []
+
+
+def test_hf_ids_written_into_sglang_folder_are_refused(tmp_path):
+    """The off-by-one: someone puts the HF indices into the SGLang folder's eagle_config."""
+    d = drafter()
+    out = export_drafter(d, tmp_path / "x", "sglang", [2, 15, 27], LLAMA30)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [2, 15, 27]
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UserError, match=r"layer ids \[2, 15, 27\] are not sglang's ids for the recorded HF aux layers "
+                                        r"\[2, 15, 27\] \(expected \[1, 14, 26\]"):
+        load_exported(out, embed_weight=d.embed_tokens.weight)
+
+
+def test_folder_mixing_two_exports_is_refused(tmp_path):
+    """vLLM config.json copied over an SGLang folder's metadata (or the other way round)."""
+    d = drafter()
+    sg = export_drafter(d, tmp_path / "sg", "sglang", [2, 15, 27], LLAMA30)
+    vl = export_drafter(d, tmp_path / "vl", "vllm", [2, 15, 27], LLAMA30)
+    cfg = json.loads((vl / "config.json").read_text())
+    cfg[CONFIG_BLOCK] = json.loads((sg / "config.json").read_text())[CONFIG_BLOCK]
+    (vl / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UserError, match=r"key 'engine' is 'sglang' but .*config.json is in the vllm format"):
+        load_exported(vl, embed_weight=d.embed_tokens.weight)
+
+
+def test_third_party_folder_layers_from_engine_rule(tmp_path):
+    """No eagle3_train block or metadata: the ids are converted with the engine's rule and compared with the shards."""
+    out = export_drafter(drafter(), tmp_path / "x", "sglang", [2, 15, 27], LLAMA30)
+    cfg = json.loads((out / "config.json").read_text())
+    del cfg[CONFIG_BLOCK]
+    (out / "config.json").write_text(json.dumps(cfg))
+    (out / META_FILE).unlink()
+    got = check_export_folder(out, shards_aux_hf=[2, 15, 27], verifier_architecture="LlamaForCausalLM")
+    assert got["aux_layers_hf"] == [2, 15, 27] and got["warnings"] == []
+    got = check_export_folder(out, shards_aux_hf=[1, 14, 26], verifier_architecture="LlamaForCausalLM")
+    assert len(got["warnings"]) == 1 and "sglang will capture HF layers [2, 15, 27]" in got["warnings"][0]
+    assert "cannot tell" in check_export_folder(out)["warnings"][0]
+
+
+def test_benchmark_warns_when_folder_layers_differ(tmp_path):
+    from eagle3.benchmark import export_folder_warnings
+
+    out = export_drafter(drafter(), tmp_path / "x", "sglang", [2, 15, 27], LLAMA30)
+    assert export_folder_warnings(out, [2, 15, 27], "LlamaForCausalLM") == []
+    w = export_folder_warnings(out, [3, 15, 27], "LlamaForCausalLM")
+    assert len(w) == 1 and "sglang would capture HF layers [2, 15, 27]" in w[0]
+
+
+def test_server_bench_checks_the_servers_draft_folder(tmp_path, monkeypatch):
+    from _ddp_worker import make_tiny_run
+
+    from eagle3 import server_bench
+    from eagle3.config import load_config
+
+    cfg = load_config(make_tiny_run(tmp_path / "run"))  # shards: Llama, 6 layers, HF aux [2, 3, 4]
+    six = {**LLAMA30, "num_layers": 6}
+    good = export_drafter(drafter(), tmp_path / "sg", "sglang", [2, 3, 4], six)
+    off = export_drafter(drafter(), tmp_path / "off", "sglang", [1, 3, 4], six)
+    vl = export_drafter(drafter(), tmp_path / "vl", "vllm", [2, 3, 4], six)
+    path = {}
+    monkeypatch.setattr(server_bench, "server_info", lambda url, timeout=30.0: {"speculative_draft_model_path": str(path["p"])})
+    path["p"] = good
+    assert server_bench.draft_folder_warnings(cfg, "http://x") == []
+    path["p"] = off
+    w = server_bench.draft_folder_warnings(cfg, "http://x")
+    assert len(w) == 1 and "HF layers [1, 3, 4]" in w[0] and "[2, 3, 4]" in w[0]
+    path["p"] = vl
+    with pytest.raises(UserError, match="this folder is for vllm, but sglang serves it"):
+        server_bench.draft_folder_warnings(cfg, "http://x")
+    path["p"] = tmp_path / "not-here"
+    assert server_bench.draft_folder_warnings(SimpleNamespace(shards_dir=tmp_path), "http://x") == []
