@@ -385,7 +385,7 @@ def run_offline(
         UserError: a prompt set cannot be loaded, or (``strict``) speculative output differs from
             greedy (raised after the reports are written, naming dataset, prompt and token index).
     """
-    from eagle3.chat import end_of_turn_ids, render
+    from eagle3.chat import ChatOptions, end_of_turn_ids, prompt_ids
 
     eos = sorted(end_of_turn_ids(tokenizer))
     param = next(verifier.parameters())
@@ -402,11 +402,11 @@ def run_offline(
         "datasets": [],
     }
     sets: list[tuple[str, list[EvalPrompt]]] = [(dataset_label(n), load_eval_prompts(n, num_prompts)) for n in datasets]
-    warm = render(tokenizer, [{"role": "user", "content": "Hi"}], cfg.verifier.chat_template, add_generation_prompt=True)
+    warm = prompt_ids(tokenizer, [{"role": "user", "content": "Hi"}], ChatOptions.from_config(cfg))
     greedy_generate(verifier, warm, 4, eos)  # warm-up (allocator, kernels), not timed
     speculative_generate(verifier, drafter, warm, aux_layers, steps, 4, eos)
     for label, prompts in sets:
-        ids = [(p.id, render(tokenizer, p.messages, cfg.verifier.chat_template, add_generation_prompt=True)) for p in prompts]
+        ids = [(p.id, prompt_ids(tokenizer, p.messages, ChatOptions.from_config(cfg))) for p in prompts]
         report["datasets"].append(bench_prompts(verifier, drafter, ids, aux_layers, steps, max_new_tokens, eos, label))
     bad = [(d["dataset"], m) for d in report["datasets"] for m in d["mismatches"]]
     if bad:

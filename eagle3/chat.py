@@ -1,40 +1,116 @@
 """Chat rendering and the loss mask: which verifier tokens the drafter is trained on.
 
-The loss mask is found purely from token ids, by rendering turn prefixes with the chat template
-(DESIGN.md "Loss mask"; the same idea as SpecForge's template-based masking, without its regex):
+The rule: the loss mask covers exactly the tokens the verifier GENERATED when the answer was
+served, and a training sample holds them in exactly the context the server rendered for them.
+For assistant turn ``k`` of a conversation ``messages`` a chat server (SGLang, vLLM) renders
 
-* ``render(messages[:k], add_generation_prompt=True)`` ends exactly where assistant turn ``k``'s
-  reply begins (after the assistant header, e.g. ChatML ``<|im_start|>assistant\\n`` or Kimi
-  ``<|im_assistant|>assistant<|im_middle|>``);
-* ``render(messages[:k+1])`` ends where that turn ends, i.e. just before the next turn's header.
+* the context ``head_k = render(messages[:k], add_generation_prompt=True, **chat_template_kwargs)``
+  (history, then the assistant header, e.g. ChatML ``<|im_start|>assistant\\n``, Kimi thinking mode
+  ``<|im_assistant|>assistant<|im_middle|><think>``), tokenizes it, and
+* appends the generated tokens: the reply ``c_k`` (reasoning, ``</think>``, answer, tool-call text)
+  and the end-of-turn token at which generation stopped.
 
-Both must be true token prefixes of the full rendering; otherwise the template is not
-prefix-stable (it rewrites earlier turns depending on later ones, or a BPE merge crosses the
-boundary) and :class:`TemplateNotPrefixStable` is raised. No offset mappings and no regex on text
-are used, so slow/remote-code tokenizers without offsets (Kimi's tiktoken tokenizer) work.
+``c_k`` is read off the template, never off regex heuristics on the data: it is what follows
+turn ``k``'s generation prompt in ``render(messages[:k+1])``. Reasoning that the template drops
+from a finished turn (Kimi-K2.5 renders every non-tool-call assistant turn with an empty
+``<think></think>``; Qwen3 drops the think block of turns before the last user query) is put back
+where the verifier generated it, inside the think block (``verifier.think_tags``). An assistant
+message with ``tokens`` (the ids the verifier generated, from regeneration) contributes those ids
+verbatim, followed by the template's end-of-turn text (decode + re-tokenize is not the identity).
 
-End-of-turn policy: the mask covers the reply tokens and the end-of-turn token(s) the template
-writes after the reply (ChatML ``<|im_end|>``, Kimi ``<|im_end|>``), because the verifier emits
-them and the drafter must predict them. Template text that follows the LAST end-of-turn token of
-the turn (ChatML's ``"\\n"`` after ``<|im_end|>``) gets mask 0: generation stops at the
-end-of-turn token, so the verifier never produces it at serving time (SpecForge masks it out too).
-When the turn contains no end-of-turn token at all, the whole span up to the next header is masked.
+Samples per conversation. Turns whose served text ``head_k + c_k`` is a prefix of the next turn's
+context ``head_{k+1}`` share one sample (the usual case: ChatML, thinking off, or a think block the
+model left empty); when the history changes as turns are added (reasoning dropped), the next turn
+starts a new sample rendered as the server rendered its context then. In the worst case
+(reasoning in every turn) that is one sample per assistant turn; sample ids are then
+``{id}#turn{n}`` (``n`` = 1-based number of the sample's last assistant turn). A conversation for
+which some turn has no consistent rendering (its generation prompt cannot be found in the
+rendering of the turn, the template drops its tool calls or reasoning with no think block to put it
+back in, or the template raises) is skipped with a reason, never fatal: see
+:func:`conversation_samples`.
+
+End-of-turn policy: the mask covers the reply and the end-of-turn token(s) the template writes
+after it (ChatML/Kimi ``<|im_end|>``), because the verifier emits them; template text after the
+LAST end-of-turn token of the turn (ChatML's ``"\\n"``) gets mask 0 (generation stops at the
+end-of-turn token; SpecForge masks it out too). A reply without any end-of-turn token is masked
+whole. Tokens of the reasoning (from the reply start up to and including ``</think>``) get mask 0
+when ``loss_on_reasoning`` is off. Never masked: system, user and tool-result text, tool
+declarations, and the assistant header / generation prompt.
+
+Template self-check (:func:`check_template`, once per template): rendering with and without
+``add_generation_prompt`` must differ by a suffix, the generation prompt. A template that ignores
+the flag (same text both ways) would put the assistant header inside the mask: it is refused with
+an error naming the template, unless ``verifier.reply_start`` gives the text that opens a reply.
+
+Token ids only, no offset mappings (Kimi's tiktoken tokenizer has none). Every segment is
+tokenized with ``add_special_tokens=False`` (the template writes BOS itself when it wants one).
 """
 
 from __future__ import annotations
 
 import hashlib
-from typing import Optional
+import json
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
 
 from eagle3.errors import UserError
+
+log = logging.getLogger(__name__)
 
 # Special tokens that end an assistant turn in common chat templates (ChatML/Kimi, Llama 3,
 # Phi-3, Gemma, GPT-2 style, Llama 2). Only those present in the tokenizer's vocab are used.
 _END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "</s>", "<|end_of_text|>")
+DEFAULT_THINK_TAGS = ("<think>", "</think>")
 
 
 class TemplateNotPrefixStable(UserError):
-    """A rendered turn prefix is not a token prefix of the full conversation's rendering."""
+    """The conversation does not fit in one sample (or has no consistent rendering at all)."""
+
+
+class TemplateIgnoresGenerationPrompt(UserError):
+    """The chat template renders the same text with and without ``add_generation_prompt``."""
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """How conversations are rendered and masked; built from the run config by :meth:`from_config`.
+
+    Attributes:
+        chat_template: Jinja template overriding the tokenizer's (``verifier.chat_template``).
+        template_kwargs: extra template variables, passed to every rendering as
+            ``apply_chat_template(..., **template_kwargs)`` exactly as a server passes a request's
+            ``chat_template_kwargs`` (``verifier.chat_template_kwargs``; e.g. ``{"thinking": True}``
+            for Kimi-K2.5, ``{"enable_thinking": False}`` for Qwen3).
+        reply_start: text that opens an assistant reply, for templates that ignore
+            ``add_generation_prompt`` (``verifier.reply_start``); unused otherwise.
+        think_tags: the markers around reasoning (``verifier.think_tags``).
+        loss_on_reasoning: train on reasoning tokens (``extract.loss_on_reasoning``).
+    """
+
+    chat_template: Optional[str] = None
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    reply_start: Optional[str] = None
+    think_tags: tuple[str, str] = DEFAULT_THINK_TAGS
+    loss_on_reasoning: bool = True
+
+    @classmethod
+    def from_config(cls, cfg) -> "ChatOptions":
+        """Options of a :class:`eagle3.config.RunConfig` (verifier + extract sections)."""
+        v = cfg.verifier
+        return cls(chat_template=v.chat_template, template_kwargs=dict(v.chat_template_kwargs),
+                   reply_start=v.reply_start, think_tags=tuple(v.think_tags),
+                   loss_on_reasoning=cfg.extract.loss_on_reasoning)
+
+
+_DEFAULT = ChatOptions()
+
+
+def _opts(opts: Optional[ChatOptions], chat_template: Optional[str] = None) -> ChatOptions:
+    if opts is not None:
+        return opts
+    return _DEFAULT if chat_template is None else ChatOptions(chat_template=chat_template)
 
 
 def _template_text(tokenizer, chat_template: Optional[str]) -> str:
@@ -57,6 +133,14 @@ def chat_template_hash(tokenizer, chat_template: Optional[str] = None) -> str:
     return hashlib.sha256(_template_text(tokenizer, chat_template).encode("utf-8")).hexdigest()
 
 
+def template_name(tokenizer, opts: Optional[ChatOptions] = None) -> str:
+    """Human-readable name of the template in use, for error messages (source + sha256 prefix)."""
+    opts = _opts(opts)
+    src = ("verifier.chat_template (from the config)" if opts.chat_template is not None
+           else f"the chat template of tokenizer '{getattr(tokenizer, 'name_or_path', '') or type(tokenizer).__name__}'")
+    return f"{src}, sha256 {chat_template_hash(tokenizer, opts.chat_template)[:12]}"
+
+
 def end_of_turn_ids(tokenizer) -> set[int]:
     """Token ids that end an assistant turn: the EOS id(s) plus known end-of-turn specials in the vocab.
 
@@ -76,18 +160,44 @@ def end_of_turn_ids(tokenizer) -> set[int]:
     return ids
 
 
+def _tokenize(tokenizer, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+
+
+def render_text(tokenizer, messages: list[dict], opts: Optional[ChatOptions] = None,
+                add_generation_prompt: bool = False, tools: Optional[list] = None) -> str:
+    """The chat template's text for ``messages`` (``apply_chat_template(tokenize=False)``).
+
+    Args:
+        messages: ``[{"role", "content", "reasoning_content"?, "tool_calls"?, "tool_call_id"?}]``.
+        opts: template, ``template_kwargs`` (passed as keyword arguments, as servers do).
+        tools: OpenAI tool declarations of the request (``tools=``), or None.
+
+    Raises:
+        UserError: no chat template, or the template raised an error (message names the cause).
+    """
+    opts = _opts(opts)
+    tpl = _template_text(tokenizer, opts.chat_template)
+    kw = dict(opts.template_kwargs)
+    if tools:
+        kw["tools"] = tools
+    try:
+        return tokenizer.apply_chat_template(messages, chat_template=tpl, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt, **kw)
+    except Exception as e:  # jinja2 TemplateError and friends: the template rejects this input
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"verifier.chat_template: rendering failed: {first}") from e
+
+
 def render(tokenizer, messages: list[dict], chat_template: Optional[str] = None,
-           add_generation_prompt: bool = False) -> list[int]:
+           add_generation_prompt: bool = False, *, opts: Optional[ChatOptions] = None,
+           tools: Optional[list] = None) -> list[int]:
     """Render ``messages`` with the chat template and tokenize the text (no extra special tokens).
 
     Equivalent to ``apply_chat_template(..., tokenize=True)``, which also tokenizes the rendered text
-    with ``add_special_tokens=False`` (the template writes BOS itself when it wants one); done in two
-    steps so the return type is the same plain ``list[int]`` on every transformers version.
-
-    Args:
-        messages: ``[{"role": "system"|"user"|"assistant", "content": str}, ...]``.
-        chat_template: Jinja template overriding the tokenizer's.
-        add_generation_prompt: append the assistant header that opens a new reply.
+    with ``add_special_tokens=False``; done in two steps so the return type is the same plain
+    ``list[int]`` on every transformers version. ``opts`` (when given) supersedes ``chat_template``.
+    For a prompt to generate from, prefer :func:`prompt_ids` (it honours ``reply_start``).
 
     Returns:
         token ids, ``list[int]``.
@@ -95,180 +205,375 @@ def render(tokenizer, messages: list[dict], chat_template: Optional[str] = None,
     Raises:
         UserError: no chat template, or the template raised an error (message names the cause).
     """
-    tpl = _template_text(tokenizer, chat_template)
-    try:
-        text = tokenizer.apply_chat_template(messages, chat_template=tpl, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
-    except Exception as e:  # jinja2 TemplateError and friends: the template rejects this input
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"verifier.chat_template: rendering failed: {first}") from e
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return _tokenize(tokenizer, render_text(tokenizer, messages, _opts(opts, chat_template), add_generation_prompt, tools))
 
 
-def _check_prefix(prefix: list[int], full: list[int], what: str) -> None:
-    if len(prefix) > len(full) or full[: len(prefix)] != prefix:
-        n = next((i for i, (a, b) in enumerate(zip(prefix, full)) if a != b), min(len(prefix), len(full)))
-        raise TemplateNotPrefixStable(
-            f"verifier.chat_template: the template is not prefix-stable: rendering of {what} differs from the "
-            f"full conversation at token {n} (the loss mask needs every turn prefix to be a token prefix)")
+# ---------------------------------------------------------------------------------------------
+# template self-check and the generation prompt
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TemplateInfo:
+    """Result of :func:`check_template`: ``generation_prompt`` = the text the template appends for
+    ``add_generation_prompt=True`` (or ``reply_start`` when ``ignores_generation_prompt``)."""
+
+    generation_prompt: str
+    ignores_generation_prompt: bool
 
 
-def assistant_spans(tokenizer, messages: list[dict], chat_template: Optional[str] = None,
-                    limit: Optional[int] = None) -> tuple[list[int], list[tuple[int, int]]]:
-    """Full rendering plus the ``[start, end)`` token span of each assistant reply.
+_CHECKED: dict[tuple, TemplateInfo] = {}
 
-    ``start`` = length of ``render(messages[:k], add_generation_prompt=True)``; ``end`` = one past
-    the last end-of-turn token (:func:`end_of_turn_ids`) inside ``[start, len(render(messages[:k+1])))``,
-    or that whole length when the turn has none. See the module docstring for the policy.
 
-    ``limit``: stop at the first assistant turn starting at or after this token index (its span
-    and later ones would be truncated away anyway); saves the quadratic prefix renderings of long
-    multi-turn conversations.
+def check_template(tokenizer, opts: Optional[ChatOptions] = None, probe: Optional[list[dict]] = None,
+                   tools: Optional[list] = None) -> TemplateInfo:
+    """Loss-mask self-check of the template in use (cached per template, kwargs and tokenizer).
+
+    Renders ``probe`` (default: one user message) with and without ``add_generation_prompt``.
+    The rendering with it must be the rendering without it plus a non-empty suffix (the assistant
+    header where the reply starts), otherwise the reply start cannot be found from the template.
 
     Returns:
-        ``(input_ids, spans)``.
+        :class:`TemplateInfo`.
 
     Raises:
-        TemplateNotPrefixStable: a prefix rendering is not a token prefix of the full rendering.
+        TemplateIgnoresGenerationPrompt: both renderings are equal (the template ignores
+            ``add_generation_prompt``) and ``opts.reply_start`` is not set; the message names the
+            template.
+        UserError: the generation prompt is not a suffix, or the probe cannot be rendered.
     """
-    return _spans(tokenizer, messages, chat_template, render(tokenizer, messages, chat_template), limit)
+    opts = _opts(opts)
+    key = (type(tokenizer).__name__, getattr(tokenizer, "name_or_path", ""), chat_template_hash(tokenizer, opts.chat_template),
+           json.dumps(dict(opts.template_kwargs), sort_keys=True, default=str), opts.reply_start)
+    hit = _CHECKED.get(key)
+    if hit is not None:
+        return hit
+    probe = probe if probe else [{"role": "user", "content": "Hello"}]
+    with_gp = render_text(tokenizer, probe, opts, True, tools)
+    without = render_text(tokenizer, probe, opts, False, tools)
+    if with_gp == without:
+        if not opts.reply_start:
+            raise TemplateIgnoresGenerationPrompt(
+                f"verifier.chat_template: {template_name(tokenizer, opts)} ignores add_generation_prompt (rendering "
+                "with and without it gives the same text), so the assistant header would be trained on as part of "
+                "the reply; fix the template or set verifier.reply_start to the text that opens an assistant "
+                "reply (e.g. '<|im_start|>assistant\\n')")
+        info = TemplateInfo(opts.reply_start, True)
+    elif not with_gp.startswith(without):
+        raise UserError(
+            f"verifier.chat_template: {template_name(tokenizer, opts)}: add_generation_prompt=True does not append "
+            f"a generation prompt at the end (the rendering changes before it), so the reply start cannot be found")
+    else:
+        info = TemplateInfo(with_gp[len(without):], False)
+    _CHECKED[key] = info
+    return info
 
 
-def _spans(tokenizer, messages: list[dict], chat_template: Optional[str], full: list[int],
-           limit: Optional[int]) -> tuple[list[int], list[tuple[int, int]]]:
-    stops = end_of_turn_ids(tokenizer)
-    spans: list[tuple[int, int]] = []
-    for k, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        head = render(tokenizer, messages[:k], chat_template, add_generation_prompt=True)
-        _check_prefix(head, full, f"messages[:{k}] + generation prompt")
-        if limit is not None and len(head) >= limit:
-            break
-        upto = render(tokenizer, messages[: k + 1], chat_template)
-        _check_prefix(upto, full, f"messages[:{k + 1}]")
-        start, stop = len(head), len(upto)
-        end = stop
-        for j in range(stop - 1, start - 1, -1):
-            if full[j] in stops:
-                end = j + 1
-                break
-        spans.append((start, end))
-    return full, spans
+def generation_prompt(tokenizer, messages: list[dict], opts: Optional[ChatOptions] = None,
+                      tools: Optional[list] = None) -> str:
+    """The text a server renders before generating the next assistant reply to ``messages``.
 
-
-def _render_text(tokenizer, messages: list[dict], chat_template: Optional[str], add_generation_prompt: bool) -> str:
-    tpl = _template_text(tokenizer, chat_template)
-    try:
-        return tokenizer.apply_chat_template(messages, chat_template=tpl, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
-    except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"verifier.chat_template: rendering failed: {first}") from e
-
-
-def segment_spans(tokenizer, messages: list[dict], chat_template: Optional[str] = None
-                  ) -> tuple[list[int], list[tuple[int, int]]]:
-    """Fallback of :func:`assistant_spans` for conversations whose token prefixes are unstable.
-
-    The rendered TEXT of every turn prefix (``messages[:k]`` + generation prompt, ``messages[:k+1]``)
-    must be a string prefix of the full rendering; the text is cut at those boundaries and each
-    segment tokenized on its own, so the sequence is header tokens followed by reply tokens exactly
-    as a serving engine produces them (it tokenizes the prompt, then appends generated tokens;
-    it never re-tokenizes across the boundary). An assistant message that carries ``tokens`` (the
-    ids the verifier generated, written by :mod:`eagle3.regenerate`) contributes those ids verbatim
-    followed by the tokenized template text after its content (e.g. ``<|im_end|>\n``), because
-    decoding and re-tokenizing is not always the identity. The mask span of a reply runs to its
-    last end-of-turn token, as in :func:`assistant_spans`.
-
-    Returns:
-        ``(input_ids, spans)``.
+    ``render(messages, add_generation_prompt=True)``; for a template that ignores the flag,
+    ``render(messages) + reply_start`` (see :func:`check_template`, which this runs first).
 
     Raises:
-        TemplateNotPrefixStable: the template rewrites earlier turns (text prefixes differ).
+        UserError / TemplateIgnoresGenerationPrompt: see :func:`render_text`, :func:`check_template`.
     """
-    full = _render_text(tokenizer, messages, chat_template, False)
-    cuts: list[tuple[int, bool]] = []  # (char offset where a segment ends, segment is a reply)
+    opts = _opts(opts)
+    info = check_template(tokenizer, opts, messages, tools)
+    if info.ignores_generation_prompt:
+        return render_text(tokenizer, messages, opts, False, tools) + info.generation_prompt
+    return render_text(tokenizer, messages, opts, True, tools)
+
+
+def prompt_ids(tokenizer, messages: list[dict], opts: Optional[ChatOptions] = None,
+               tools: Optional[list] = None) -> list[int]:
+    """Token ids of :func:`generation_prompt` (what regeneration and benchmarks feed the verifier)."""
+    return _tokenize(tokenizer, generation_prompt(tokenizer, messages, opts, tools))
+
+
+def split_reasoning(text: str, think_tags: tuple[str, str] = DEFAULT_THINK_TAGS,
+                    opened: bool = False) -> tuple[Optional[str], str]:
+    """Split a generated or stored reply into ``(reasoning or None, answer)`` at the think block.
+
+    ``text`` holds the reasoning when it starts with the open tag (after whitespace), or when
+    ``opened`` (the prompt already ended with the open tag, Kimi thinking mode); the reasoning ends
+    at the first close tag (missing close tag: all reasoning, e.g. a truncated answer). Both parts
+    are stripped of surrounding whitespace, as servers' reasoning parsers return them.
+    """
+    open_, close = think_tags
+    body = text
+    if not opened:
+        s = text.lstrip()
+        if not s.startswith(open_):
+            return None, text
+        body = s[len(open_):]
+    if close not in body:
+        return body.strip(), ""
+    r, a = body.split(close, 1)
+    return r.strip(), a.strip()
+
+
+# ---------------------------------------------------------------------------------------------
+# served turns -> samples
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class _Turn:
+    number: int  # 1-based assistant turn number
+    head: str  # context text the server rendered (ends with the generation prompt)
+    reply: str  # template text of the reply up to the next turn (reasoning restored)
+    message: dict
+
+
+class _Inconsistent(Exception):
+    """A turn has no consistent rendering; ``args[0]`` = short reason key."""
+
+
+def _reply_text(tokenizer, messages: list[dict], k: int, head: str, info: TemplateInfo, opts: ChatOptions,
+                tools: Optional[list]) -> str:
+    """Template text of assistant turn ``k``'s reply as generated (see module docstring)."""
+    m = messages[k]
+    upto = render_text(tokenizer, messages[: k + 1], opts, False, tools)
+    if upto.startswith(head):
+        reply = upto[len(head):]
+    else:
+        # The history renders differently once turn k is there (Kimi: a tool-call chain's reasoning is
+        # dropped when it ends): turn k's own text follows its generation prompt, the last one.
+        gp = info.generation_prompt
+        pos = upto.rfind(gp) if gp.strip() else -1
+        if pos < 0:
+            raise _Inconsistent("generation_prompt_not_found")
+        reply = upto[pos + len(gp):]
+    content = m.get("content")
+    if isinstance(content, str) and content.strip() and content.strip() not in reply:
+        raise _Inconsistent("reply_not_rendered")
+    reasoning = (m.get("reasoning_content") or "").strip()
+    if reasoning and reasoning not in reply:
+        open_, close = opts.think_tags
+        if head.endswith(open_) and reply.startswith(close):  # Kimi thinking: "<think>" ends the prompt
+            reply = reasoning + reply
+        elif reply.startswith(open_ + close):  # an empty think block opens the reply
+            reply = open_ + reasoning + reply[len(open_):]
+        else:
+            raise _Inconsistent("reasoning_not_rendered")
+    if m.get("tool_calls"):
+        bare = {key: v for key, v in m.items() if key != "tool_calls"}
+        if render_text(tokenizer, messages[:k] + [bare], opts, False, tools) == upto:
+            raise _Inconsistent("tool_calls_not_rendered")
+    return reply
+
+
+def _reasoning_chars(head: str, reply: str, opts: ChatOptions) -> int:
+    """Length of the reasoning part of ``reply`` (through the close tag); 0 without a think block."""
+    open_, close = opts.think_tags
+    if not (head.endswith(open_) or reply.lstrip().startswith(open_)):
+        return 0
+    j = reply.find(close)
+    return len(reply) if j < 0 else j + len(close)
+
+
+def _find_sub(seq: list[int], sub: list[int]) -> int:
+    n = len(sub)
+    for i in range(len(seq) - n + 1):
+        if seq[i:i + n] == sub:
+            return i
+    return -1
+
+
+def _reply_ids(tokenizer, turn: _Turn, opts: ChatOptions, stops: set[int]) -> tuple[list[int], list[int]]:
+    """``(ids, mask)`` of one reply segment (mask per the module's end-of-turn/reasoning policy)."""
+    reply, m = turn.reply, turn.message
+    n_r_chars = _reasoning_chars(turn.head, reply, opts)
+    toks = m.get("tokens")
+    if toks is not None:
+        # generated ids verbatim, then the template text from the last end-of-turn token on
+        eot_strings = [s for s in tokenizer.convert_ids_to_tokens(sorted(stops)) if s]
+        pos = max((reply.rfind(s) for s in eot_strings), default=-1)
+        if pos < 0:
+            c = m.get("content") or ""
+            j = reply.rfind(c) if c else -1
+            pos = j + len(c) if j >= 0 else len(reply)
+        gen = [int(t) for t in toks]
+        ids = gen + _tokenize(tokenizer, reply[pos:])
+        n_r = 0
+        if n_r_chars:
+            close_ids = _tokenize(tokenizer, opts.think_tags[1])
+            j = _find_sub(gen, close_ids) if close_ids else -1
+            n_r = len(gen) if j < 0 else j + len(close_ids)
+    else:
+        first = _tokenize(tokenizer, reply[:n_r_chars])
+        ids = first + _tokenize(tokenizer, reply[n_r_chars:])
+        n_r = len(first)
+    end = next((j + 1 for j in range(len(ids) - 1, -1, -1) if ids[j] in stops), len(ids))
+    mask = [1] * end + [0] * (len(ids) - end)
+    if not opts.loss_on_reasoning:
+        mask[:n_r] = [0] * min(n_r, len(mask))
+    return ids, mask
+
+
+@dataclass
+class ChatSample:
+    """One training sample of a conversation: ``suffix`` is appended to the conversation id
+    (``""`` when the conversation is one sample, else ``"#turn{n}"``)."""
+
+    suffix: str
+    input_ids: list[int]
+    loss_mask: list[int]
+    turns: int  # assistant turns with loss tokens in this sample
+
+
+@dataclass
+class ConversationSamples:
+    """What :func:`conversation_samples` made of one conversation.
+
+    ``samples``: kept samples (each with at least one loss token, length <= max_length).
+    ``counts``: ``truncated``, ``skipped_too_long``, ``skipped_no_loss_tokens`` (per sample),
+    ``skipped_inconsistent`` / ``skipped_render_failed`` (per conversation, see ``skip_reason``),
+    ``split_conversations`` (1 when the conversation gave several samples), ``split_samples``.
+    ``skip_reason``: why the whole conversation was skipped (``"inconsistent:<why>"`` or
+    ``"render_failed: <error>"``), else None.
+    """
+
+    samples: list[ChatSample]
+    counts: Counter
+    skip_reason: Optional[str] = None
+
+
+def _served_turns(tokenizer, messages: list[dict], opts: ChatOptions, tools: Optional[list]) -> list[_Turn]:
+    turns: list[_Turn] = []
+    info = None
     for k, m in enumerate(messages):
-        if m["role"] != "assistant":
+        if m.get("role") != "assistant":
             continue
-        head = _render_text(tokenizer, messages[:k], chat_template, True)
-        upto = _render_text(tokenizer, messages[: k + 1], chat_template, False)
-        for what, t in ((f"messages[:{k}] + generation prompt", head), (f"messages[:{k + 1}]", upto)):
-            if not full.startswith(t):
-                raise TemplateNotPrefixStable(
-                    f"verifier.chat_template: the template is not prefix-stable even as text: the rendering of "
-                    f"{what} is not a prefix of the full conversation (the template rewrites earlier turns)")
-        cuts += [(len(head), False), (len(upto), True)]
-    stops = end_of_turn_ids(tokenizer)
-    replies = [m for m in messages if m["role"] == "assistant"]
+        if info is None:
+            info = check_template(tokenizer, opts, messages[:k], tools)
+        head = generation_prompt(tokenizer, messages[:k], opts, tools)
+        turns.append(_Turn(len(turns) + 1, head, _reply_text(tokenizer, messages, k, head, info, opts, tools), m))
+    return turns
+
+
+def _group(turns: list[_Turn]) -> list[list[_Turn]]:
+    """Consecutive turns whose served text is a prefix of the next turn's context share a sample."""
+    groups: list[list[_Turn]] = []
+    for t in turns:
+        if groups:
+            last = groups[-1][-1]
+            if t.head.startswith(last.head + last.reply):
+                groups[-1].append(t)
+                continue
+        groups.append([t])
+    return groups
+
+
+def _group_ids(tokenizer, group: list[_Turn], opts: ChatOptions, stops: set[int], cap: int
+               ) -> tuple[list[int], list[int], int]:
+    """Tokens and mask of one sample; stops adding turns once ``cap`` tokens are reached."""
     ids: list[int] = []
-    spans: list[tuple[int, int]] = []
-    pos = 0
-    for end, is_reply in cuts + [(len(full), False)]:
-        text = full[pos:end]
-        seg = None
-        if is_reply:
-            m = replies[len(spans)]
-            toks = m.get("tokens")
-            if toks is not None and text.startswith(m["content"]):
-                # the verifier's own generated ids, then the template's end-of-turn text
-                seg = [int(t) for t in toks] + list(
-                    tokenizer(text[len(m["content"]):], add_special_tokens=False)["input_ids"])
-        if seg is None:
-            seg = list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
-        if is_reply:
-            start = len(ids)
-            stop = start + len(seg)
-            last = max((start + j + 1 for j, t in enumerate(seg) if t in stops), default=stop)
-            spans.append((start, last))
-        ids += seg
-        pos = end
-    return ids, spans
+    mask: list[int] = []
+    done = ""
+    turns = 0
+    for t in group:
+        if len(ids) >= cap:
+            break
+        ctx = _tokenize(tokenizer, t.head[len(done):])
+        r_ids, r_mask = _reply_ids(tokenizer, t, opts, stops)
+        ids += ctx + r_ids
+        mask += [0] * len(ctx) + r_mask
+        done = t.head + t.reply
+        turns += 1
+    return ids, mask, turns
 
 
-def tokenize_conversation(tokenizer, messages: list[dict], max_length: int, chat_template: Optional[str] = None,
-                          too_long: str = "truncate") -> Optional[tuple[list[int], list[int]]]:
-    """Tokenize a conversation and build its loss mask.
+def conversation_samples(tokenizer, messages: list[dict], max_length: int, opts: Optional[ChatOptions] = None,
+                         too_long: str = "truncate", tools: Optional[list] = None) -> ConversationSamples:
+    """Stage 02's per-conversation entry point: training samples (ids + loss mask) of one conversation.
+
+    Pure function of its arguments (safe to call from worker processes). See the module docstring
+    for what is rendered and masked and when a conversation becomes several samples.
 
     Args:
         tokenizer: the verifier's tokenizer (fast or slow; no offset mapping needed).
-        messages: ``[{"role", "content"}]`` as in the prompts file.
-        max_length: maximum number of tokens (>= 1).
-        chat_template: Jinja template overriding the tokenizer's.
-        too_long: ``"truncate"`` keeps the first ``max_length`` tokens; ``"skip"`` returns None.
+        messages: the prompts-file messages (system/user/assistant/tool; ``reasoning_content``,
+            ``tool_calls``, ``tool_call_id``, ``tokens`` as written by stage 01).
+        max_length: maximum tokens per sample (>= 1).
+        opts: rendering/masking options (:meth:`ChatOptions.from_config`).
+        too_long: ``"truncate"`` keeps the first ``max_length`` tokens of a longer sample (counted
+            ``truncated``); ``"skip"`` drops it (``skipped_too_long``).
+        tools: the conversation's tool declarations (rendered by the template like a server does).
 
     Returns:
-        ``(input_ids, loss_mask)``, two ``list[int]`` of equal length L <= max_length; ``loss_mask[i]``
-        is 1 iff token i belongs to an assistant reply (incl. its end-of-turn token, see module
-        docstring). None when the conversation is skipped: too long under ``"skip"``, or no
-        loss-masked token is left (no assistant turn, or all replies truncated away).
+        :class:`ConversationSamples`. A sample left without loss tokens (no assistant turn, or
+        replies truncated away) is dropped and counted ``skipped_no_loss_tokens``.
 
     Raises:
         ValueError: bad ``too_long`` or ``max_length``.
-        TemplateNotPrefixStable / UserError: see :func:`assistant_spans` and :func:`render`.
+        TemplateIgnoresGenerationPrompt / UserError: template-wide problems (see
+            :func:`check_template`, no template at all): fatal for the run, unlike a single
+            conversation that cannot be rendered consistently (``skip_reason``).
     """
     if too_long not in ("truncate", "skip"):
         raise ValueError(f"too_long must be 'truncate' or 'skip', got {too_long!r}")
     if max_length < 1:
         raise ValueError(f"max_length must be >= 1, got {max_length}")
-    full = render(tokenizer, messages, chat_template)
-    if too_long == "skip" and len(full) > max_length:
-        return None
+    opts = _opts(opts)
+    counts: Counter = Counter()
     try:
-        if any("tokens" in m for m in messages if m["role"] == "assistant"):
-            raise TemplateNotPrefixStable("regenerated replies carry their token ids: build by segments")
-        ids, spans = _spans(tokenizer, messages, chat_template, full, limit=max_length)
-    except TemplateNotPrefixStable:
-        # A BPE merge crosses a turn boundary (e.g. a reply starting with whitespace): tokenize
-        # each turn segment on its own, as a server would (it never re-tokenizes generated tokens).
-        ids, spans = segment_spans(tokenizer, messages, chat_template)
-        if too_long == "skip" and len(ids) > max_length:
-            return None
-    mask = [0] * len(ids)
-    for s, e in spans:
-        mask[s:e] = [1] * (e - s)
-    ids, mask = ids[:max_length], mask[:max_length]
-    if not any(mask):
+        turns = _served_turns(tokenizer, messages, opts, tools)
+    except _Inconsistent as e:
+        counts["skipped_inconsistent"] += 1
+        return ConversationSamples([], counts, f"inconsistent:{e.args[0]}")
+    except TemplateIgnoresGenerationPrompt:
+        raise
+    except UserError as e:
+        if "no chat template" in str(e) or "does not append" in str(e):
+            raise
+        counts["skipped_render_failed"] += 1
+        return ConversationSamples([], counts, f"render_failed: {e}")
+    if not turns:
+        counts["skipped_no_loss_tokens"] += 1
+        return ConversationSamples([], counts)
+    groups = _group(turns)
+    stops = end_of_turn_ids(tokenizer)
+    samples: list[ChatSample] = []
+    for g in groups:
+        ids, mask, n_turns = _group_ids(tokenizer, g, opts, stops, max_length + 1)
+        if len(ids) > max_length:
+            if too_long == "skip":
+                counts["skipped_too_long"] += 1
+                continue
+            counts["truncated"] += 1
+            ids, mask = ids[:max_length], mask[:max_length]
+        if not any(mask):
+            counts["skipped_no_loss_tokens"] += 1
+            continue
+        suffix = "" if len(groups) == 1 else f"#turn{g[n_turns - 1].number}"
+        samples.append(ChatSample(suffix, ids, mask, n_turns))
+    if len(groups) > 1:
+        counts["split_conversations"] += 1
+        counts["split_samples"] += len(samples)
+    return ConversationSamples(samples, counts)
+
+
+def tokenize_conversation(tokenizer, messages: list[dict], max_length: int, chat_template: Optional[str] = None,
+                          too_long: str = "truncate", *, opts: Optional[ChatOptions] = None,
+                          tools: Optional[list] = None) -> Optional[tuple[list[int], list[int]]]:
+    """Single-sample view of :func:`conversation_samples` (tests, tools): ``(input_ids, loss_mask)``.
+
+    Returns:
+        the one sample's ``(input_ids, loss_mask)`` (``list[int]`` each, length <= max_length), or
+        None when the conversation yields no sample (too long under ``"skip"``, no loss token left).
+
+    Raises:
+        TemplateNotPrefixStable: the conversation needs several samples (its history changes as
+            turns are added) or has no consistent rendering; stage 02 handles both.
+        ValueError, UserError: see :func:`conversation_samples`.
+    """
+    res = conversation_samples(tokenizer, messages, max_length, _opts(opts, chat_template), too_long, tools)
+    if res.skip_reason is not None:
+        raise TemplateNotPrefixStable(f"verifier.chat_template: the template is not prefix-stable for this "
+                                      f"conversation and it has no consistent rendering ({res.skip_reason})")
+    if res.counts["split_conversations"]:
+        raise TemplateNotPrefixStable(
+            "verifier.chat_template: the template is not prefix-stable for this conversation (its history changes "
+            f"as turns are added): it gives {res.counts['split_samples']} samples, one per served context")
+    if not res.samples:
         return None
-    return ids, mask
+    return res.samples[0].input_ids, res.samples[0].loss_mask

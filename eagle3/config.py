@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -31,6 +31,26 @@ class VerifierConfig(_Strict):
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     device: str = Field("auto", description="'auto' = cuda if available else cpu")
     chat_template: Optional[str] = Field(None, description="Jinja template overriding the tokenizer's")
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="extra chat-template variables, passed to every rendering in 01/02/05 as "
+                    "apply_chat_template(**kwargs), exactly as the server receives them in a request's "
+                    "chat_template_kwargs: e.g. {thinking: true} (Kimi-K2.5), {enable_thinking: false} (Qwen3)")
+    reply_start: Optional[str] = Field(
+        None, description="only for templates that ignore add_generation_prompt: the text that opens an assistant "
+                          "reply (e.g. '<|im_start|>assistant\\n'); appended to prompts, the loss mask starts after it")
+    think_tags: tuple[str, str] = Field(("<think>", "</think>"), description="markers around reasoning in a reply")
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _no_reserved(cls, v):
+        reserved = {"messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+                    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+                    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+        bad = sorted(set(v) & reserved)
+        if bad:
+            raise ValueError(f"{', '.join(bad)}: set by the pipeline itself, not a template variable")
+        return v
 
     def resolved_path(self) -> Path:
         """The folder holding the verifier files (``package:`` prefix resolved)."""
@@ -78,6 +98,9 @@ class ExtractConfig(_Strict):
     )
     max_length: int = Field(2048, ge=8)
     too_long: Literal["truncate", "skip"] = "truncate"
+    loss_on_reasoning: bool = Field(
+        True, description="train on the reasoning tokens of a reply (<think>...</think>) too; false = only the answer, "
+                          "tool calls and end-of-turn token")
     batch_tokens: int = Field(16384, ge=1, description="padded tokens per prefill batch (HF backend)")
     rows_per_dir: int = Field(2000, ge=1, description="samples per rows_{start}-{end} folder")
     sglang_url: Optional[str] = None

@@ -6,9 +6,9 @@ loads its own verifier on ``cuda:LOCAL_RANK`` (CPU when the config says cpu / no
 batches ``todo[rank::N]`` of the SAME global batch plan (tensors bit-identical to one process) into
 the same shard folder, and rank 0 merges the per-rank manifests and writes ``data_config.json``.
 
-Flow: read ``cfg.prompts_path`` (01 output) -> :func:`eagle3.chat.tokenize_conversation` (loss
-mask, ``max_length``, ``too_long``) -> dense sample ids ``idx = 0..n-1`` over the kept
-conversations in file order -> capture backend (``eagle3.capture``) in length-bucketed batches
+Flow: read ``cfg.prompts_path`` (01 output) -> :func:`eagle3.chat.conversation_samples` (loss
+mask, ``max_length``, ``too_long``; one or several samples per conversation) -> dense sample ids
+``idx = 0..n-1`` over the kept samples in file order -> capture backend (``eagle3.capture``) in length-bucketed batches
 (:func:`eagle3.capture.hf.plan_batches`) -> one shard per sample (``eagle3.shards``) ->
 ``data_config.json`` written LAST (its presence marks a complete extraction).
 
@@ -90,7 +90,7 @@ REPORT_MD = "extract_report.md"
 SLEEP_ENV = "EAGLE3_EXTRACT_SLEEP_PER_BATCH"
 RANK_MANIFEST_PREFIX = "manifest.rank"
 DIST_TIMEOUT = timedelta(hours=6)  # ranks wait for the slowest one at the final gather
-_ROLES = ("system", "user", "assistant")
+_ROLES = ("system", "user", "assistant", "tool")
 
 
 @dataclass
@@ -107,7 +107,11 @@ class Sample:
 # prompts + tokenization
 # ---------------------------------------------------------------------------------------------
 def read_prompts(path: str | os.PathLike, limit: Optional[int] = None) -> list[dict]:
-    """Read the 01 prompts file (JSONL ``{"id": str, "messages": [{"role", "content"}]}``).
+    """Read the 01 prompts file (JSONL ``{"id": str, "messages": [...], "tools"?: [...]}``).
+
+    A message is ``{role: system|user|assistant|tool, content: str}`` plus, optionally,
+    ``reasoning_content: str``, ``tool_calls: list`` (assistant), ``tool_call_id``/``name`` (tool)
+    and ``tokens: [int]`` (assistant, the ids the verifier generated); see DESIGN.md "Prompts file".
 
     Args:
         limit: keep only the first ``limit`` records.
@@ -131,47 +135,68 @@ def read_prompts(path: str | os.PathLike, limit: Optional[int] = None) -> list[d
             raise UserError(f"{path}:{n}: key 'messages' missing or not a non-empty list")
         for k, m in enumerate(msgs):
             if not isinstance(m, dict) or m.get("role") not in _ROLES or not isinstance(m.get("content"), str):
-                raise UserError(f"{path}:{n}: key 'messages[{k}]' must be {{role: system|user|assistant, content: str}}")
-        out.append({"id": rec["id"], "messages": msgs, "line": n})
+                raise UserError(f"{path}:{n}: key 'messages[{k}]' must be {{role: {'|'.join(_ROLES)}, content: str}}")
+            for key, typ in (("reasoning_content", str), ("tool_calls", list), ("tool_call_id", str), ("tokens", list)):
+                if m.get(key) is not None and not isinstance(m[key], typ):
+                    raise UserError(f"{path}:{n}: key 'messages[{k}].{key}' must be a {typ.__name__}")
+        tools = rec.get("tools")
+        if tools is not None and not isinstance(tools, list):
+            raise UserError(f"{path}:{n}: key 'tools' must be a list of tool declarations")
+        out.append({"id": rec["id"], "messages": msgs, "line": n, **({"tools": tools} if tools else {})})
     return out
 
 
-def tokenize_prompts(tokenizer, prompts: list[dict], cfg: RunConfig, prompts_path: Path) -> tuple[list[Sample], Counter]:
-    """Tokenize every conversation with :func:`eagle3.chat.tokenize_conversation`.
+MAX_SKIPPED_IDS = 1000  # ids of skipped conversations kept per reason in data_config / the report
+
+
+def tokenize_prompts(tokenizer, prompts: list[dict], cfg: RunConfig, prompts_path: Path
+                     ) -> tuple[list[Sample], Counter, dict[str, list[str]]]:
+    """Turn every conversation into training samples with :func:`eagle3.chat.conversation_samples`.
+
+    A conversation gives one sample (id = its id) or, when the template's history changes as turns
+    are added, several (ids ``{id}#turn{n}``); dense ``idx`` in file order over all samples.
 
     Returns:
-        ``(samples, counts)``: kept samples with dense idx in file order; counts
-        ``skipped_too_long`` (``too_long: skip``), ``skipped_no_loss_tokens`` (no assistant
-        token left), ``truncated`` (``too_long: truncate`` and the rendering was longer).
+        ``(samples, counts, skipped_ids)``: counts ``skipped_too_long`` (``too_long: skip``),
+        ``skipped_no_loss_tokens``, ``skipped_inconsistent`` / ``skipped_render_failed`` (whole
+        conversations without a consistent rendering), ``truncated``, ``split_conversations``,
+        ``split_samples``; ``skipped_ids``: reason -> conversation ids (first
+        :data:`MAX_SKIPPED_IDS`).
 
     Raises:
-        UserError: the chat template fails on a conversation (message prefixed with file:line).
+        UserError: template-wide problems (no template, template ignores add_generation_prompt),
+            or every conversation failed to render (message prefixed with the first one's file:line).
     """
-    from eagle3.chat import tokenize_conversation
+    from eagle3.chat import ChatOptions, conversation_samples
 
     ex = cfg.extract
-    tpl = cfg.verifier.chat_template
+    opts = ChatOptions.from_config(cfg)
     samples: list[Sample] = []
     counts: Counter = Counter()
+    skipped: dict[str, list[str]] = {}
+    first_failure = None
     for rec in tqdm(prompts, desc="tokenize", unit="conv", mininterval=2.0):
         try:
-            # Ask for one token more than allowed: tells "fits" from "was truncated" in one call.
-            res = tokenize_conversation(tokenizer, rec["messages"], ex.max_length + 1, tpl, too_long="truncate")
+            res = conversation_samples(tokenizer, rec["messages"], ex.max_length, opts, ex.too_long, rec.get("tools"))
         except UserError as e:
             raise UserError(f"{prompts_path}:{rec['line']}: {e}") from e
-        if res is not None and len(res[0]) > ex.max_length:
-            if ex.too_long == "skip":
-                counts["skipped_too_long"] += 1
-                continue
-            counts["truncated"] += 1
-            res = (res[0][: ex.max_length], res[1][: ex.max_length])
-            if not any(res[1]):
-                res = None
-        if res is None:
-            counts["skipped_no_loss_tokens"] += 1
-            continue
-        samples.append(Sample(len(samples), rec["id"], list(res[0]), list(res[1])))
-    return samples, counts
+        counts.update(res.counts)
+        if res.skip_reason is not None:
+            ids = skipped.setdefault(res.skip_reason.split(":", 1)[0] if res.skip_reason.startswith("render_failed")
+                                     else res.skip_reason, [])
+            if len(ids) < MAX_SKIPPED_IDS:
+                ids.append(rec["id"])
+            if first_failure is None:
+                first_failure = f"{prompts_path}:{rec['line']}: conversation '{rec['id']}' skipped: {res.skip_reason}"
+                log.warning("%s", first_failure)
+        for s in res.samples:
+            samples.append(Sample(len(samples), rec["id"] + s.suffix, list(s.input_ids), list(s.loss_mask)))
+    if not samples and first_failure is not None and counts["skipped_render_failed"] == len(prompts):
+        raise UserError(f"every conversation failed to render; the first: {first_failure}")
+    if counts["split_conversations"]:
+        log.info("%d conversations split into %d samples (history rendered differently per turn)",
+                 counts["split_conversations"], counts["split_samples"])
+    return samples, counts, skipped
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,9 +217,19 @@ def fingerprint(cfg: RunConfig, prompts_sha256: str) -> tuple[str, dict]:
     Components: ``verifier`` section without ``device``; ``extract.{backend, aux_layers,
     max_length, too_long, rows_per_dir}``; the prompts file sha256; the verifier id.
     """
+    # Rendering fields added later are left out while at their defaults, so folders extracted
+    # before they existed still resume.
+    ver = cfg.verifier.model_dump(exclude={"device"}, mode="json")
+    ext = cfg.extract.model_dump(include={"backend", "aux_layers", "max_length", "too_long", "rows_per_dir",
+                                          "loss_on_reasoning"}, mode="json")
+    for key, default in (("chat_template_kwargs", {}), ("reply_start", None), ("think_tags", ["<think>", "</think>"])):
+        if ver.get(key) == default:
+            del ver[key]
+    if ext.get("loss_on_reasoning") is True:
+        del ext["loss_on_reasoning"]
     comp = {
-        "verifier": cfg.verifier.model_dump(exclude={"device"}),
-        "extract": cfg.extract.model_dump(include={"backend", "aux_layers", "max_length", "too_long", "rows_per_dir"}),
+        "verifier": ver,
+        "extract": ext,
         "prompts_sha256": prompts_sha256,
         "verifier_id": cfg.verifier.display_name(),
     }
@@ -589,7 +624,7 @@ def _extract(cfg: RunConfig, root: Path, overwrite: bool, limit: Optional[int],
     if cfg.extract.aux_layers is not None and aux != list(cfg.extract.aux_layers):
         raise ValueError(f"backend captures {aux} but extract.aux_layers is {cfg.extract.aux_layers}")
 
-    samples, counts = tokenize_prompts(tokenizer, prompts, cfg, prompts_path)
+    samples, counts, skipped_ids = tokenize_prompts(tokenizer, prompts, cfg, prompts_path)
     rows_per_dir = cfg.extract.rows_per_dir
     expect = {"hidden_size": info["hidden_size"], "num_hidden_states": 4, "vocab_size": info["vocab_size"]}
     man_path = root / MANIFEST
@@ -695,6 +730,10 @@ def _extract(cfg: RunConfig, root: Path, overwrite: bool, limit: Optional[int],
         "bytes_per_token": bytes_per_token(info["hidden_size"]),
         "skipped": {k: int(v) for k, v in sorted(counts.items()) if k.startswith("skipped")},
         "truncated": int(counts["truncated"]),
+        "chat_template_kwargs": dict(cfg.verifier.chat_template_kwargs),
+        "loss_on_reasoning": cfg.extract.loss_on_reasoning,
+        "split": {"conversations": int(counts["split_conversations"]), "samples": int(counts["split_samples"])},
+        "skipped_ids": skipped_ids,
     }
     write_data_config(root, meta)
     summary = {
@@ -707,6 +746,9 @@ def _extract(cfg: RunConfig, root: Path, overwrite: bool, limit: Optional[int],
         "num_loss_tokens": num_loss,
         "skipped": meta["skipped"],
         "truncated": meta["truncated"],
+        "split_conversations": meta["split"]["conversations"],
+        "split_samples": meta["split"]["samples"],
+        "skipped_ids": skipped_ids,
         "capture_s": round(t_cap, 3),
         "total_s": round(time.perf_counter() - t_start, 3),
         "captured_tokens_per_s": round(captured_tok / t_cap, 1) if t_cap > 0 and captured_tok else None,
@@ -736,9 +778,12 @@ def _rank_stats(rank: int, written: int, captured_tokens: int, capture_s: float)
 
 def _markdown(s: dict) -> str:
     lines = ["# Stage 02: hidden-state extraction", "", "| metric | value |", "|---|---:|"]
-    for k in ("prompts", "samples", "written", "resumed", "num_tokens", "num_loss_tokens", "truncated",
+    for k in ("prompts", "samples", "split_conversations", "split_samples", "written", "resumed", "num_tokens",
+              "num_loss_tokens", "truncated",
               "capture_s", "total_s", "captured_tokens_per_s", "disk_gb"):
         lines.append(f"| {k} | {s[k]} |")
     for k, v in s["skipped"].items():
         lines.append(f"| {k} | {v} |")
+    for reason, ids in s.get("skipped_ids", {}).items():
+        lines.append(f"| skipped ({reason}) | {', '.join(ids[:20])}{' ...' if len(ids) > 20 else ''} |")
     return "\n".join(lines) + "\n"

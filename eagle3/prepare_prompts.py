@@ -40,7 +40,7 @@ def report_markdown(report: dict) -> str:
     rows = [("read", c["read"])]
     rows += [(f"skipped: {k}", v) for k, v in c["skipped"].items()]
     rows += [(k, c[k]) for k in ("dropped_leading_assistant", "normalised", "deduped", "sampled_out", "limited_out",
-                                 "kept", "regenerated")]
+                                 "kept", "regenerated", "inline_reasoning_split") if k in c]
     reg = report.get("regeneration")
     if reg:
         rows += [("regeneration: new tokens", reg["new_tokens"]), ("regeneration: truncated answers", reg["truncated"]),
@@ -79,6 +79,13 @@ def settings(cfg: RunConfig, limit: Optional[int]) -> dict:
     if pc.regenerate:
         s.update(max_new_tokens=pc.max_new_tokens, verifier=cfg.verifier.display_name(),
                  verifier_dtype=cfg.verifier.dtype, chat_template=cfg.verifier.chat_template)
+        # template arguments and reply start shape the prompts the verifier answers (recorded only when set,
+        # so reports written before these settings existed stay up to date)
+        for key in ("chat_template_kwargs", "reply_start"):
+            if getattr(cfg.verifier, key):
+                s[key] = getattr(cfg.verifier, key)
+    if tuple(cfg.verifier.think_tags) != ("<think>", "</think>"):
+        s["think_tags"] = list(cfg.verifier.think_tags)
     return s
 
 
@@ -126,7 +133,8 @@ def run(cfg: RunConfig, source: Optional[str] = None, fmt: Optional[str] = None,
     convs = []
     for src in sources:  # several sources are concatenated in order, then deduped and sampled together
         convs += read_conversations(src, pc.format, hf_split=pc.hf_split, keep_prompt_only=pc.regenerate,
-                                    system_prompt=pc.system_prompt, counts=counts)
+                                    system_prompt=pc.system_prompt, counts=counts,
+                                    think_tags=tuple(cfg.verifier.think_tags))
     n_read_ok = len(convs)
     n_dup = 0
     if pc.dedupe:
@@ -150,8 +158,10 @@ def run(cfg: RunConfig, source: Optional[str] = None, fmt: Optional[str] = None,
         from eagle3.verifier import load_verifier
 
         model, tok = load_verifier(cfg.verifier)
-        convs = regen(model, tok, convs, pc.max_new_tokens, pc.gen_batch_size, cfg.verifier.chat_template,
-                      stats=regen_stats)
+        from eagle3.chat import ChatOptions
+
+        convs = regen(model, tok, convs, pc.max_new_tokens, pc.gen_batch_size, stats=regen_stats,
+                      opts=ChatOptions.from_config(cfg))
 
     report = {
         "settings": want,
@@ -165,6 +175,8 @@ def run(cfg: RunConfig, source: Optional[str] = None, fmt: Optional[str] = None,
             "limited_out": n_limited_out,
             "kept": len(convs),
             "regenerated": len(convs) if pc.regenerate else 0,
+            # assistant replies whose inline <think> block became reasoning_content
+            **({"inline_reasoning_split": counts["inline_reasoning_split"]} if counts["inline_reasoning_split"] else {}),
         },
     }
     if regen_stats:

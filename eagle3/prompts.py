@@ -175,8 +175,9 @@ _FORMAT_KEYS = {"sharegpt": ("conversations",), "messages": ("messages",), "alpa
                 "humaneval": ("prompt",), "questions": ("turns", "prompt", "question", "instruction")}
 
 
-def _raw_messages(rec: dict, fmt: str, where: str) -> list[tuple[str, str]]:
-    """``[(role, content)]`` with roles already mapped (unknown roles kept as ``?<role>``)."""
+def _raw_messages(rec: dict, fmt: str, where: str) -> list:
+    """``[(role, content)]`` (``messages`` format: dicts that also keep reasoning and tool fields) with
+    roles already mapped (unknown roles kept as ``?<role>``)."""
     if not any(k in rec for k in _FORMAT_KEYS[fmt]):
         raise UserError(f"{where}: record has none of the keys expected for format '{fmt}' "
                         f"({', '.join(_FORMAT_KEYS[fmt])}; keys seen: {', '.join(sorted(map(str, rec))) or 'none'})")
@@ -201,8 +202,19 @@ def _raw_messages(rec: dict, fmt: str, where: str) -> list[tuple[str, str]]:
             if not isinstance(m, dict):
                 raise UserError(f"{where}: messages[{j}] must be an object")
             role = str(m.get("role", "")).lower()
-            role = role if role in ("system", "user", "assistant") else "?" + role
-            out.append((role, _text(m.get("content"), where, f"messages[{j}].content")))
+            role = role if role in ("system", "user", "assistant", "tool") else "?" + role
+            msg = {"role": role, "content": _text(m.get("content"), where, f"messages[{j}].content")}
+            reasoning = m.get("reasoning_content", m.get("reasoning"))
+            if reasoning is not None:
+                msg["reasoning_content"] = _text(reasoning, where, f"messages[{j}].reasoning_content")
+            if m.get("tool_calls"):
+                if not isinstance(m["tool_calls"], list):
+                    raise UserError(f"{where}: field 'messages[{j}].tool_calls' must be a list")
+                msg["tool_calls"] = m["tool_calls"]
+            for key in ("tool_call_id", "name"):
+                if role == "tool" and m.get(key) is not None:
+                    msg[key] = str(m[key])
+            out.append(msg)
         return out
     if fmt == "alpaca":
         inp, outp = rec.get("input", ""), rec.get("output")
@@ -229,22 +241,58 @@ def _raw_messages(rec: dict, fmt: str, where: str) -> list[tuple[str, str]]:
                     f"(keys seen: {', '.join(sorted(map(str, rec))) or 'none'})")
 
 
-def normalise(raw: list[tuple[str, str]], keep_prompt_only: bool, system_prompt: Optional[str],
-              counts: Counter) -> Optional[list[dict]]:
-    """Apply the module's normalisation policies to ``[(role, content)]``.
+def _as_message(x) -> dict:
+    if isinstance(x, dict):
+        return dict(x)
+    role, content = x
+    return {"role": role, "content": content}
+
+
+def _valid_order(msgs: list[dict]) -> bool:
+    """user/assistant alternate, starting with user; ``tool`` results follow an assistant turn with
+    ``tool_calls`` (or another tool result) and are followed by an assistant turn or more results."""
+    prev, calls = None, False
+    for m in msgs:
+        r = m["role"]
+        if r == "user":
+            ok = prev in (None, "assistant") and not calls
+        elif r == "assistant":
+            ok = prev in ("user", "tool")
+        else:  # tool
+            ok = calls and prev in ("assistant", "tool")
+        if not ok:
+            return False
+        if r == "assistant":
+            calls = bool(m.get("tool_calls"))
+        elif r == "user":
+            calls = False
+        prev = r
+    return True
+
+
+def normalise(raw: list, keep_prompt_only: bool, system_prompt: Optional[str], counts: Counter,
+              think_tags: tuple[str, str] = ("<think>", "</think>")) -> Optional[list[dict]]:
+    """Apply the module's normalisation policies to ``[(role, content)]`` or message dicts.
+
+    Message dicts may carry ``reasoning_content``, ``tool_calls`` (assistant) and ``tool_call_id``
+    / ``name`` (tool); they are kept. An assistant reply whose content starts with an inline think
+    block (``think_tags``) and has no ``reasoning_content`` is split into ``reasoning_content`` and
+    the answer (counted ``inline_reasoning_split``), as a server's reasoning parser returns it.
 
     Returns:
-        ``[{"role", "content"}]`` or None when the conversation is skipped (reason counted).
+        ``[{"role", "content", ...}]`` or None when the conversation is skipped (reason counted).
     """
-    msgs = [(r, c.strip()) for r, c in raw]
-    if any(r.startswith("?") for r, _ in msgs):
+    msgs = [_as_message(x) for x in raw]
+    for m in msgs:
+        m["content"] = m["content"].strip()
+    if any(m["role"].startswith("?") for m in msgs):
         counts["skipped_unknown_role"] += 1
         return None
     system = None
-    if msgs and msgs[0][0] == "system":
-        system = msgs.pop(0)[1]
+    if msgs and msgs[0]["role"] == "system":
+        system = msgs.pop(0)["content"]
     dropped = 0
-    while msgs and msgs[0][0] == "assistant":
+    while msgs and msgs[0]["role"] in ("assistant", "tool"):
         msgs.pop(0)
         dropped += 1
     if dropped:
@@ -252,10 +300,22 @@ def normalise(raw: list[tuple[str, str]], keep_prompt_only: bool, system_prompt:
     if not msgs:
         counts["skipped_no_user" if raw else "skipped_empty_conversation"] += 1
         return None
-    if any(not c for _, c in msgs) or (system is not None and not system):
+    from eagle3.chat import split_reasoning
+
+    for m in msgs:
+        if m["role"] == "assistant" and m.get("reasoning_content") is None:
+            r, a = split_reasoning(m["content"], think_tags)
+            if r is not None:
+                m["reasoning_content"], m["content"] = r, a
+                counts["inline_reasoning_split"] += 1
+        if m.get("reasoning_content") is not None:
+            m["reasoning_content"] = m["reasoning_content"].strip()
+    # an assistant turn may have no text when it only calls tools or only reasoned
+    if any(not m["content"] and not (m["role"] == "assistant" and (m.get("tool_calls") or m.get("reasoning_content")))
+           for m in msgs) or (system is not None and not system):
         counts["skipped_empty_content"] += 1
         return None
-    roles = [r for r, _ in msgs]
+    roles = [m["role"] for m in msgs]
     has_answer = "assistant" in roles
     if not has_answer:
         if any(r != "user" for r in roles):
@@ -265,22 +325,25 @@ def normalise(raw: list[tuple[str, str]], keep_prompt_only: bool, system_prompt:
             counts["skipped_no_assistant"] += 1
             return None
     else:
-        if any(r != ("user" if i % 2 == 0 else "assistant") for i, r in enumerate(roles)):
+        if not _valid_order(msgs):
             counts["skipped_non_alternating"] += 1
             return None
         if roles[-1] == "user" and not keep_prompt_only:
             msgs.pop()
+        while msgs[-1]["role"] == "tool":  # results nobody answered: nothing to learn after them
+            msgs.pop()
     if system is None and system_prompt:
         system = system_prompt
     out = [{"role": "system", "content": system}] if system is not None else []
-    return out + [{"role": r, "content": c} for r, c in msgs]
+    return out + msgs
 
 
 # ---------------------------------------------------------------------------------------------
 # public API
 # ---------------------------------------------------------------------------------------------
 def read_conversations(source: str, fmt: str = "auto", *, hf_split: str = "train", keep_prompt_only: bool = False,
-                       system_prompt: Optional[str] = None, counts: Optional[Counter] = None) -> list[dict]:
+                       system_prompt: Optional[str] = None, counts: Optional[Counter] = None,
+                       think_tags: tuple[str, str] = ("<think>", "</think>")) -> list[dict]:
     """Read and normalise conversations from ``source``.
 
     Args:
@@ -290,9 +353,11 @@ def read_conversations(source: str, fmt: str = "auto", *, hf_split: str = "train
         keep_prompt_only: keep conversations without an assistant turn (they will be regenerated).
         system_prompt: system message prepended to conversations that have none.
         counts: Counter updated with ``read`` (records seen) and the skip/drop reasons.
+        think_tags: reasoning markers, for inline think blocks in assistant content.
 
     Returns:
-        ``[{"id": str, "messages": [{"role", "content"}]}]`` in source order.
+        ``[{"id": str, "messages": [{"role", "content", ...}], "tools"?: [...]}]`` in source order
+        (``tools``: the record's OpenAI tool declarations, when it has any).
 
     Raises:
         UserError: missing/unreadable file, malformed JSON (``file:line``), a record of an
@@ -321,7 +386,7 @@ def read_conversations(source: str, fmt: str = "auto", *, hf_split: str = "train
         if rfmt is None:
             raise UserError(f"{where}: unrecognised record: none of the keys {', '.join(_RECOGNISED)} "
                             f"(keys seen: {', '.join(sorted(map(str, rec))) or 'none'})")
-        msgs = normalise(_raw_messages(rec, rfmt, where), keep_prompt_only, system_prompt, counts)
+        msgs = normalise(_raw_messages(rec, rfmt, where), keep_prompt_only, system_prompt, counts, think_tags)
         if msgs is None:
             continue
         rid = next((str(rec[k]) for k in _ID_KEYS if rec.get(k) not in (None, "")), None)
@@ -330,7 +395,10 @@ def read_conversations(source: str, fmt: str = "auto", *, hf_split: str = "train
         seen_ids[rid] += 1
         if seen_ids[rid] > 1:
             rid = f"{rid}#{seen_ids[rid]}"
-        out.append({"id": rid, "messages": msgs})
+        tools = rec.get("tools") if rfmt == "messages" else None
+        if tools is not None and not isinstance(tools, list):
+            raise UserError(f"{where}: field 'tools' must be a list of tool declarations")
+        out.append({"id": rid, "messages": msgs, **({"tools": tools} if tools else {})})
     return out
 
 

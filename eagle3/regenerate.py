@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 from tqdm import tqdm
 
-from eagle3.chat import end_of_turn_ids, render
+from eagle3.chat import ChatOptions, end_of_turn_ids, generation_prompt, split_reasoning
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,8 @@ def generate_greedy(model, prompts: list[list[int]], max_new_tokens: int, stop_i
 
 
 def regenerate(model, tokenizer, conversations: list[dict], max_new_tokens: int, batch_size: int,
-               chat_template: Optional[str] = None, stats: Optional[dict] = None) -> list[dict]:
+               chat_template: Optional[str] = None, stats: Optional[dict] = None,
+               opts: Optional[ChatOptions] = None) -> list[dict]:
     """Replace every assistant turn with the verifier's greedy answer, turn by turn.
 
     Args:
@@ -81,19 +82,24 @@ def regenerate(model, tokenizer, conversations: list[dict], max_new_tokens: int,
         max_new_tokens: answer budget per turn; an answer that hits it is kept as is (counted in
             ``stats["truncated"]``).
         batch_size: prompts per ``generate`` call.
-        chat_template: Jinja template overriding the tokenizer's.
+        chat_template: Jinja template overriding the tokenizer's (ignored when ``opts`` is given).
+        opts: rendering options (template, ``chat_template_kwargs``, ``reply_start``, think tags):
+            prompts are :func:`eagle3.chat.generation_prompt`, exactly what a server renders.
         stats: optional dict filled with ``answers``, ``new_tokens`` (answer tokens, stop token
             excluded), ``truncated``, ``seconds`` (wall time of generation).
 
     Returns:
         New conversations ``{id, messages}`` in input order: optional system message, then
         alternating user / regenerated assistant turns. Answer text = the decoded answer tokens,
-        end-of-turn token stripped (the template writes it back when rendering); each regenerated
+        end-of-turn token stripped (the template writes it back when rendering); a reply with a think
+        block is split into ``reasoning_content`` and ``content`` as a server's reasoning parser
+        does (:func:`eagle3.chat.split_reasoning`); each regenerated
         assistant message also carries ``tokens``, the generated ids (``list[int]``), which
         :func:`eagle3.chat.tokenize_conversation` uses verbatim. Deterministic.
     """
     if batch_size < 1 or max_new_tokens < 1:
         raise ValueError("batch_size and max_new_tokens must be >= 1")
+    opts = opts if opts is not None else ChatOptions(chat_template=chat_template)
     stop_ids = end_of_turn_ids(tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     state = []
@@ -107,11 +113,12 @@ def regenerate(model, tokenizer, conversations: list[dict], max_new_tokens: int,
     with tqdm(total=total, desc="regenerate", unit="answer") as bar:
         for k in range(rounds):
             todo = [i for i, (_, u) in enumerate(state) if len(u) > k]
-            prompts = {}
+            prompts, heads = {}, {}
             for i in todo:
                 msgs, users = state[i]
                 msgs.append({"role": "user", "content": users[k]})
-                prompts[i] = render(tokenizer, msgs, chat_template, add_generation_prompt=True)
+                heads[i] = generation_prompt(tokenizer, msgs, opts)
+                prompts[i] = list(tokenizer(heads[i], add_special_tokens=False)["input_ids"])
             order = sorted(todo, key=lambda i: (len(prompts[i]), i))
             for b in range(0, len(order), batch_size):
                 chunk = order[b:b + batch_size]
@@ -121,7 +128,13 @@ def regenerate(model, tokenizer, conversations: list[dict], max_new_tokens: int,
                     # ``tokens``: the ids the verifier actually produced. Decoding to text and
                     # re-tokenizing is not always the identity (e.g. 24 "\n" tokens re-tokenize as
                     # two multi-newline tokens), so stage 02 uses these ids for the reply.
-                    state[i][0].append({"role": "assistant", "content": text, "tokens": [int(t) for t in ans]})
+                    msg = {"role": "assistant", "content": text, "tokens": [int(t) for t in ans]}
+                    # think tags may be special tokens: split on the text with specials kept
+                    reasoning, answer = split_reasoning(tokenizer.decode(ans, skip_special_tokens=False),
+                                                        opts.think_tags, heads[i].endswith(opts.think_tags[0]))
+                    if reasoning is not None:
+                        msg.update(content=answer, reasoning_content=reasoning)
+                    state[i][0].append(msg)
                     st["new_tokens"] += len(ans)
                     st["truncated"] += int(not stopped)
                     st["answers"] += 1

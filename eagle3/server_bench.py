@@ -1,6 +1,6 @@
 """Benchmark a running SGLang server started with ``--speculative-algorithm EAGLE3`` (HTTP, stdlib only).
 
-Each prompt is chat-rendered locally (:func:`eagle3.chat.render`, same template as training) and sent
+Each prompt is chat-rendered locally (:func:`eagle3.chat.prompt_ids`, same template and kwargs as training) and sent
 as ``input_ids`` to ``POST {url}/generate`` with ``sampling_params {temperature: 0, max_new_tokens}``.
 
 Response shape (SGLang 0.5.23, ``srt/managers/tokenizer_manager.py`` ``_handle_batch_output`` and
@@ -240,7 +240,7 @@ def run(cfg, urls: Sequence[str], datasets: Optional[Sequence[str]] = None, num_
     Raises:
         UserError: tokenizer, prompt set or server problems (see :func:`run_server_bench`).
     """
-    from eagle3.chat import render
+    from eagle3.chat import ChatOptions, prompt_ids
     from eagle3.eval_prompts import dataset_label, load_eval_prompts
     from eagle3.verifier import load_tokenizer
 
@@ -253,7 +253,7 @@ def run(cfg, urls: Sequence[str], datasets: Optional[Sequence[str]] = None, num_
     for name in datasets:
         label = dataset_label(name)
         prompts = load_eval_prompts(name, num_prompts)
-        ids = [(p.id, render(tok, p.messages, cfg.verifier.chat_template, add_generation_prompt=True)) for p in prompts]
+        ids = [(p.id, prompt_ids(tok, p.messages, ChatOptions.from_config(cfg))) for p in prompts]
         out = Path(cfg.bench_dir) if len(datasets) == 1 else Path(cfg.bench_dir) / f"server-{label}"
         report = run_server_bench(urls, ids, max_new_tokens, concurrency, label, timeout, out)
         s = report["servers"][0]

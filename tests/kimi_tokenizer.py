@@ -5,7 +5,9 @@ Kimi-K2/K2.5 ship a tiktoken-based remote-code tokenizer: a ``PreTrainedTokenize
 ``<|im_system|> <|im_user|> <|im_assistant|> <|im_middle|> <|im_end|>`` (FIELD-NOTES section 6).
 This stand-in reproduces exactly those properties with a readable vocabulary: the specials, three
 whole-word tokens (``system``, ``user``, ``assistant``, as Kimi's BPE has them) and one token per
-printable ASCII character, matched greedily longest-first.
+printable ASCII character, matched greedily longest-first; plus the reasoning and tool-call markers
+(``<think>``, ``</think>``, ``<|tool_call_begin|>``...) and ChatML's ``<|im_start|>`` as single
+tokens, so Kimi thinking-mode and Qwen3-style templates can be tested with masks spelled by hand.
 """
 
 from __future__ import annotations
@@ -13,6 +15,12 @@ from __future__ import annotations
 from transformers import PreTrainedTokenizer
 
 KIMI_SPECIALS = ["[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>"]
+# Single tokens of Kimi-K2-Thinking / K2.5 for reasoning and tool calls (the markers llama.cpp's Kimi-K2
+# chat parser preserves as whole tokens); appended after the characters so older ids do not move.
+KIMI_THINK_TOOL_SPECIALS = ["<think>", "</think>", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
+                            "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"]
+# ChatML markers (Qwen3-style templates); each a single token as in Qwen3's vocabulary.
+CHATML_SPECIALS = ["<|im_start|>"]
 WORDS = ["assistant", "system", "user"]  # longest first: greedy matching
 
 # Kimi-K2 style template: every turn is <|im_{role}|>{role}<|im_middle|>{content}<|im_end|> with no
@@ -38,12 +46,13 @@ class KimiStyleTokenizer(PreTrainedTokenizer):
 
     def __init__(self, **kwargs):
         chars = ["\n"] + [chr(c) for c in range(32, 127)]
-        tokens = KIMI_SPECIALS + ["[UNK]"] + WORDS + chars
+        extra = KIMI_THINK_TOOL_SPECIALS + CHATML_SPECIALS
+        tokens = KIMI_SPECIALS + ["[UNK]"] + WORDS + chars + extra
         self._vocab = {t: i for i, t in enumerate(tokens)}
         self._inv = {i: t for t, i in self._vocab.items()}
         kwargs.setdefault("chat_template", KIMI_CHAT_TEMPLATE)
         super().__init__(bos_token="[BOS]", eos_token="[EOS]", unk_token="[UNK]", pad_token="[EOS]",
-                         additional_special_tokens=KIMI_SPECIALS[2:], **kwargs)
+                         additional_special_tokens=KIMI_SPECIALS[2:] + extra, **kwargs)
 
     @property
     def vocab_size(self) -> int:
