@@ -2,7 +2,12 @@
 
 Output record (the prompts file contract of DESIGN.md)::
 
-    {"id": str, "messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}
+    {"id": str, "messages": [{"role": "system"|"user"|"assistant"|"tool", "content": str, ...}, ...],
+     "tools"?: [...]}
+
+(``messages`` records also keep ``reasoning_content`` (or ``reasoning``), ``tool_calls``,
+``tool_call_id``/``name`` and the record's ``tools``: the chat template renders them, DESIGN.md
+"Prompts file".)
 
 Recognised inputs (``fmt="auto"`` decides per record from its keys, in this order):
 
@@ -32,9 +37,14 @@ Normalisation policies (each skip is counted under ``skipped_<reason>`` in the `
 * a system message is allowed only first; ``system_prompt`` is prepended when there is none;
 * leading assistant turns (ShareGPT "split" continuation chunks start with ``gpt``) are dropped
   (counted as ``dropped_leading_assistant``, the conversation is kept);
-* empty content -> skipped (``skipped_empty_content``); unknown role -> ``skipped_unknown_role``;
+* an assistant reply starting with an inline think block (``<think>...</think>``) and no
+  ``reasoning_content`` is split into both (``inline_reasoning_split``);
+* empty content -> skipped (``skipped_empty_content``), except an assistant turn that only calls
+  tools or only reasoned; unknown role -> ``skipped_unknown_role``;
   no user turn at all -> ``skipped_no_user``; no message at all -> ``skipped_empty_conversation``;
-  roles that do not alternate user/assistant -> ``skipped_non_alternating``;
+  roles that do not alternate user/assistant -> ``skipped_non_alternating`` (``tool`` results may
+  follow an assistant turn with ``tool_calls`` and precede the next assistant turn; trailing
+  results nobody answered are dropped);
 * a conversation with answers that ends on a user turn: that turn is dropped unless
   ``keep_prompt_only`` (regeneration will answer it);
 * a *prompt-only* conversation (no assistant turn; its user turns are consecutive prompts to be
