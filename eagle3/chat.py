@@ -51,6 +51,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
@@ -63,6 +64,7 @@ log = logging.getLogger(__name__)
 # Phi-3, Gemma, GPT-2 style, Llama 2). Only those present in the tokenizer's vocab are used.
 _END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "</s>", "<|end_of_text|>")
 DEFAULT_THINK_TAGS = ("<think>", "</think>")
+_EOT_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 class TemplateNotPrefixStable(UserError):
@@ -145,8 +147,13 @@ def end_of_turn_ids(tokenizer) -> set[int]:
     """Token ids that end an assistant turn: the EOS id(s) plus known end-of-turn specials in the vocab.
 
     Used both for the loss-mask end (see module docstring) and as stop tokens of greedy
-    regeneration, so the two agree.
+    regeneration, so the two agree. Cached per tokenizer object (``get_vocab`` builds a dict of
+    the whole vocabulary: 164K entries for Kimi, once per conversation otherwise).
     """
+    try:
+        return set(_EOT_CACHE[tokenizer])
+    except (KeyError, TypeError):
+        pass
     ids: set[int] = set()
     eos = getattr(tokenizer, "eos_token_id", None)
     if isinstance(eos, int):
@@ -157,6 +164,10 @@ def end_of_turn_ids(tokenizer) -> set[int]:
     for t in _END_OF_TURN_TOKENS:
         if t in vocab:
             ids.add(int(vocab[t]))
+    try:
+        _EOT_CACHE[tokenizer] = frozenset(ids)
+    except TypeError:  # not weak-referenceable: no cache
+        pass
     return ids
 
 
