@@ -86,7 +86,9 @@ def regenerate(model, tokenizer, conversations: list[dict], max_new_tokens: int,
         opts: rendering options (template, ``chat_template_kwargs``, ``reply_start``, think tags):
             prompts are :func:`eagle3.chat.generation_prompt`, exactly what a server renders.
         stats: optional dict filled with ``answers``, ``new_tokens`` (answer tokens, stop token
-            excluded), ``truncated``, ``seconds`` (wall time of generation).
+            excluded), ``truncated``, ``seconds`` (wall time of generation), ``kept_with_tools``
+            (conversations with tool calls, returned unchanged: their tool results answer the
+            original calls, which cannot be re-run here).
 
     Returns:
         New conversations ``{id, messages}`` in input order: optional system message, then
@@ -103,12 +105,18 @@ def regenerate(model, tokenizer, conversations: list[dict], max_new_tokens: int,
     stop_ids = end_of_turn_ids(tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     state = []
-    for c in conversations:
-        system, users = _turns(c)
+    # Tool results answer the ORIGINAL calls: such a conversation cannot be re-answered turn by turn
+    # in-process (no tools run here), so it is kept as it is and counted (``kept_with_tools``).
+    passthrough = {i for i, c in enumerate(conversations)
+                   if any(m["role"] == "tool" or m.get("tool_calls") for m in c["messages"])}
+    if passthrough:
+        log.warning("%d conversations with tool calls kept as they are (not regenerated in-process)", len(passthrough))
+    for i, c in enumerate(conversations):
+        system, users = _turns(c) if i not in passthrough else (None, [])
         state.append(([system] if system is not None else [], users))
     rounds = max((len(u) for _, u in state), default=0)
     total = sum(len(u) for _, u in state)
-    st = {"answers": 0, "new_tokens": 0, "truncated": 0, "seconds": 0.0}
+    st = {"answers": 0, "new_tokens": 0, "truncated": 0, "seconds": 0.0, "kept_with_tools": len(passthrough)}
     t0 = time.perf_counter()
     with tqdm(total=total, desc="regenerate", unit="answer") as bar:
         for k in range(rounds):
@@ -117,7 +125,7 @@ def regenerate(model, tokenizer, conversations: list[dict], max_new_tokens: int,
             for i in todo:
                 msgs, users = state[i]
                 msgs.append({"role": "user", "content": users[k]})
-                heads[i] = generation_prompt(tokenizer, msgs, opts)
+                heads[i] = generation_prompt(tokenizer, msgs, opts, conversations[i].get("tools"))
                 prompts[i] = list(tokenizer(heads[i], add_special_tokens=False)["input_ids"])
             order = sorted(todo, key=lambda i: (len(prompts[i]), i))
             for b in range(0, len(order), batch_size):
@@ -142,4 +150,10 @@ def regenerate(model, tokenizer, conversations: list[dict], max_new_tokens: int,
     st["seconds"] = time.perf_counter() - t0
     if stats is not None:
         stats.update(st)
-    return [{"id": c["id"], "messages": msgs} for c, (msgs, _) in zip(conversations, state)]
+    out = []
+    for i, (c, (msgs, _)) in enumerate(zip(conversations, state)):
+        if i in passthrough:
+            out.append(c)
+        else:
+            out.append({"id": c["id"], "messages": msgs, **({"tools": c["tools"]} if c.get("tools") else {})})
+    return out

@@ -158,3 +158,25 @@ def test_inconsistent_conversation_is_skipped_with_its_id(tmp_path, tiny_llama_d
     assert [s.id for s in samples] == ["plain"]
     assert counts["skipped_inconsistent"] == 2
     assert skipped == {"inconsistent:reasoning_not_rendered": ["c2", "c3"]}
+
+
+def test_regenerate_renders_thinking_prompts_and_keeps_tool_conversations(tiny_backend):
+    """In-process regeneration answers the server's prompt (kwargs reach the template: the prompt
+    ends with <think>, so the reply is all reasoning until a </think>), and returns conversations
+    with tool calls unchanged (their tool results answer the original calls)."""
+    from eagle3.chat import ChatOptions, prompt_ids
+    from eagle3.regenerate import regenerate
+
+    cap, tok = tiny_backend
+    tool_conv = {"id": "t", "tools": [{"type": "function", "function": {"name": "get"}}], "messages": [
+        {"role": "user", "content": "w?"}, {"role": "assistant", "content": "", "tool_calls": [CALL]},
+        {"role": "tool", "tool_call_id": "functions.get:0", "content": "5"}, {"role": "assistant", "content": "5."}]}
+    plain = {"id": "p", "messages": [{"role": "user", "content": "Hi"}]}
+    opts = ChatOptions(chat_template=KIMI_K25_STYLE, template_kwargs={"thinking": True})
+    stats = {}
+    out = regenerate(cap.model, tok, [tool_conv, plain], 4, 2, stats=stats, opts=opts)
+    assert out[0] == tool_conv and stats["kept_with_tools"] == 1 and stats["answers"] == 1
+    head = prompt_ids(tok, plain["messages"], opts)
+    assert tok.decode(head).endswith("<|im_assistant|>assistant<|im_middle|><think>")
+    reply = out[1]["messages"][1]
+    assert reply["tokens"] and reply["reasoning_content"] == tok.decode(reply["tokens"]).split("</think>")[0].strip()
