@@ -71,7 +71,11 @@ class TemplateNotPrefixStable(UserError):
     """The conversation does not fit in one sample (or has no consistent rendering at all)."""
 
 
-class TemplateIgnoresGenerationPrompt(UserError):
+class TemplateUnusable(UserError):
+    """A problem of the template itself (not of one conversation): fatal for the run."""
+
+
+class TemplateIgnoresGenerationPrompt(TemplateUnusable):
     """The chat template renders the same text with and without ``add_generation_prompt``."""
 
 
@@ -120,7 +124,7 @@ def _template_text(tokenizer, chat_template: Optional[str]) -> str:
     if isinstance(tpl, dict):  # several named templates: the default one is used by apply_chat_template
         tpl = tpl.get("default") or next(iter(tpl.values()))
     if not tpl:
-        raise UserError("verifier.chat_template: the tokenizer has no chat template; set verifier.chat_template")
+        raise TemplateUnusable("verifier.chat_template: the tokenizer has no chat template; set verifier.chat_template")
     return tpl
 
 
@@ -249,7 +253,8 @@ def check_template(tokenizer, opts: Optional[ChatOptions] = None, probe: Optiona
         TemplateIgnoresGenerationPrompt: both renderings are equal (the template ignores
             ``add_generation_prompt``) and ``opts.reply_start`` is not set; the message names the
             template.
-        UserError: the generation prompt is not a suffix, or the probe cannot be rendered.
+        TemplateUnusable: no template, or the generation prompt is not a suffix.
+        UserError: the probe cannot be rendered.
     """
     opts = _opts(opts)
     key = (type(tokenizer).__name__, getattr(tokenizer, "name_or_path", ""), chat_template_hash(tokenizer, opts.chat_template),
@@ -269,7 +274,7 @@ def check_template(tokenizer, opts: Optional[ChatOptions] = None, probe: Optiona
                 "reply (e.g. '<|im_start|>assistant\\n')")
         info = TemplateInfo(opts.reply_start, True)
     elif not with_gp.startswith(without):
-        raise UserError(
+        raise TemplateUnusable(
             f"verifier.chat_template: {template_name(tokenizer, opts)}: add_generation_prompt=True does not append "
             f"a generation prompt at the end (the rendering changes before it), so the reply start cannot be found")
     else:
@@ -516,9 +521,10 @@ def conversation_samples(tokenizer, messages: list[dict], max_length: int, opts:
 
     Raises:
         ValueError: bad ``too_long`` or ``max_length``.
-        TemplateIgnoresGenerationPrompt / UserError: template-wide problems (see
+        TemplateUnusable (incl. TemplateIgnoresGenerationPrompt): template-wide problems (see
             :func:`check_template`, no template at all): fatal for the run, unlike a single
-            conversation that cannot be rendered consistently (``skip_reason``).
+            conversation that cannot be rendered consistently or makes the template raise
+            (``skip_reason``).
     """
     if too_long not in ("truncate", "skip"):
         raise ValueError(f"too_long must be 'truncate' or 'skip', got {too_long!r}")
@@ -531,11 +537,9 @@ def conversation_samples(tokenizer, messages: list[dict], max_length: int, opts:
     except _Inconsistent as e:
         counts["skipped_inconsistent"] += 1
         return ConversationSamples([], counts, f"inconsistent:{e.args[0]}")
-    except TemplateIgnoresGenerationPrompt:
+    except TemplateUnusable:
         raise
-    except UserError as e:
-        if "no chat template" in str(e) or "does not append" in str(e):
-            raise
+    except UserError as e:  # the template raised on this conversation
         counts["skipped_render_failed"] += 1
         return ConversationSamples([], counts, f"render_failed: {e}")
     if not turns:

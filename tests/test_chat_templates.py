@@ -268,3 +268,12 @@ def test_split_reasoning():
     assert split_reasoning("A</think>B", opened=True) == ("A", "B")
     assert split_reasoning("no think") == (None, "no think")
     assert split_reasoning("<think>cut off") == ("cut off", "")
+
+
+def test_template_raising_on_one_conversation_skips_it(tok):
+    tpl = "{%- if messages[0]['content'] == 'boom' -%}{{ raise_exception('no boom here') }}{%- endif -%}" + CHATML_NO_TOOLS
+    ok = _samples(tok, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], tpl)
+    assert len(ok.samples) == 1 and ok.skip_reason is None
+    bad = _samples(tok, [{"role": "user", "content": "boom"}, {"role": "assistant", "content": "yo"}], tpl)
+    assert bad.samples == [] and bad.counts["skipped_render_failed"] == 1
+    assert bad.skip_reason.startswith("render_failed") and "no boom here" in bad.skip_reason

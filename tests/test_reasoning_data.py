@@ -180,3 +180,12 @@ def test_regenerate_renders_thinking_prompts_and_keeps_tool_conversations(tiny_b
     assert tok.decode(head).endswith("<|im_assistant|>assistant<|im_middle|><think>")
     reply = out[1]["messages"][1]
     assert reply["tokens"] and reply["reasoning_content"] == tok.decode(reply["tokens"]).split("</think>")[0].strip()
+
+
+def test_every_conversation_failing_to_render_is_fatal(tmp_path, smollm_tokenizer):
+    cfg = _cfg(tmp_path, "v")
+    cfg.verifier.chat_template = "{{ raise_exception('template broken') }}"
+    _jsonl(cfg.prompts_path, THINKING_ROWS)
+    with pytest.raises(UserError, match=r"every conversation failed to render; the first: .*prompts.jsonl:1: "
+                                        r"conversation 'c1' skipped: render_failed: .*template broken"):
+        tokenize_prompts(smollm_tokenizer, read_prompts(cfg.prompts_path), cfg, cfg.prompts_path)
