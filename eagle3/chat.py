@@ -364,7 +364,7 @@ def _reply_text(tokenizer, messages: list[dict], k: int, head: str, info: Templa
     reasoning = (m.get("reasoning_content") or "").strip()
     if reasoning and reasoning not in reply:
         open_, close = opts.think_tags
-        if head.endswith(open_) and reply.startswith(close):  # Kimi thinking: "<think>" ends the prompt
+        if head.rstrip().endswith(open_) and reply.lstrip().startswith(close):  # "<think>" ends the prompt (Kimi)
             reply = reasoning + reply
         elif reply.startswith(open_ + close):  # an empty think block opens the reply
             reply = open_ + reasoning + reply[len(open_):]
@@ -380,7 +380,7 @@ def _reply_text(tokenizer, messages: list[dict], k: int, head: str, info: Templa
 def _reasoning_chars(head: str, reply: str, opts: ChatOptions) -> int:
     """Length of the reasoning part of ``reply`` (through the close tag); 0 without a think block."""
     open_, close = opts.think_tags
-    if not (head.endswith(open_) or reply.lstrip().startswith(open_)):
+    if not (head.rstrip().endswith(open_) or reply.lstrip().startswith(open_)):
         return 0
     j = reply.find(close)
     return len(reply) if j < 0 else j + len(close)

@@ -139,7 +139,7 @@ def regenerate(model, tokenizer, conversations: list[dict], max_new_tokens: int,
                     msg = {"role": "assistant", "content": text, "tokens": [int(t) for t in ans]}
                     # think tags may be special tokens: split on the text with specials kept
                     reasoning, answer = split_reasoning(tokenizer.decode(ans, skip_special_tokens=False),
-                                                        opts.think_tags, heads[i].endswith(opts.think_tags[0]))
+                                                        opts.think_tags, heads[i].rstrip().endswith(opts.think_tags[0]))
                     if reasoning is not None:
                         msg.update(content=answer, reasoning_content=reasoning)
                     state[i][0].append(msg)

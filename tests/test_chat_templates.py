@@ -277,3 +277,15 @@ def test_template_raising_on_one_conversation_skips_it(tok):
     bad = _samples(tok, [{"role": "user", "content": "boom"}, {"role": "assistant", "content": "yo"}], tpl)
     assert bad.samples == [] and bad.counts["skipped_render_failed"] == 1
     assert bad.skip_reason.startswith("render_failed") and "no boom here" in bad.skip_reason
+
+
+
+def test_qwen3_thinking_2507_prompt_opens_think(tok):
+    """Qwen3-*-Thinking-2507 templates end the generation prompt with "<think>\n": the verifier
+    writes only "reasoning\n</think>\n\nanswer", and the reasoning is still recognised as such."""
+    tpl = QWEN3_STYLE.replace("{{ '<|im_start|>assistant\\n' }}{%- if enable_thinking",
+                              "{{ '<|im_start|>assistant\\n<think>\\n' }}{%- if enable_thinking")
+    assert generation_prompt(tok, TWO_TURNS_REASONING[:1], ChatOptions(tpl)).endswith("assistant\n<think>\n")
+    res = _samples(tok, TWO_TURNS_REASONING[:2], tpl, loss_on_reasoning=False)
+    _check(tok, res.samples[0], q_user("hi") + Q_HEAD + T("<think>", m=0) + C("\n", 0) + C("Hmm.\n", 0)
+           + T("</think>", m=0) + C("\n\nyo", 1) + T("<|im_end|>", m=1) + C("\n", 0))
