@@ -1,13 +1,15 @@
 #!/usr/bin/env python
 """Stage 05: benchmark an EAGLE-3 drafter.
 
-Offline (default): greedy vs chain speculative decoding with the transformers verifier, lossless
-check, acceptance length tau, per-position acceptance, tokens/s and speedup ->
+Offline (default): batched greedy vs batched chain speculative decoding with the transformers
+verifier (--batch-size prompts at a time), lossless check of every emitted token, acceptance length
+tau, per-position acceptance, tokens/s, speedup and the drafter's share of the step time ->
 {bench_dir}/bench.json, bench.md, acceptance.png.
 
-On CPU the verifier runs in float32 and any greedy/speculative difference fails the run (exit 2).
-On GPU it runs in verifier.dtype; bf16 near-ties can flip an argmax, so differences are listed in
-bench.json/bench.md instead (use --set verifier.dtype=float32 for a strict check).
+Each difference from greedy is listed with its logit gap; gaps up to --tie-tolerance are near-ties
+(counted). On CPU the verifier runs in float32 and a difference beyond the tolerance fails the run
+(exit 2). On GPU it runs in verifier.dtype; bf16 rounding can flip a near-tie argmax, so differences
+are listed in bench.json/bench.md instead (use --set verifier.dtype=float32 for a strict check).
 
 Server mode (--server URL [URL2]): benchmark a running SGLang server started with
 --speculative-algorithm EAGLE3 (URL2 = same verifier without speculation, for the speedup) ->
@@ -30,6 +32,9 @@ def main(argv=None):
     p.add_argument("--steps", type=int, help="chain draft length k (default: benchmark.steps)")
     p.add_argument("--num-prompts", type=int, help="first N prompts of each dataset (default: benchmark.num_prompts)")
     p.add_argument("--max-new-tokens", type=int, help="default: benchmark.max_new_tokens")
+    p.add_argument("--batch-size", type=int, help="prompts decoded together (default: benchmark.batch_size)")
+    p.add_argument("--tie-tolerance", type=float, metavar="LOGITS",
+                   help="near-tie tolerance of the lossless check in logits (default: benchmark.tie_tolerance)")
     p.add_argument("--serve-aux-layers", nargs=3, type=int, metavar="I",
                    help="ablation: feed the drafter these HF-index aux layers instead of the ones it was trained on")
     p.add_argument("--server", nargs="+", metavar="URL", help="SGLang server URL (EAGLE3) [+ baseline server URL]")
@@ -37,7 +42,9 @@ def main(argv=None):
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per HTTP request (--server mode)")
     a = p.parse_args(argv)
     cfg = load_config(a.config, a.overrides)
-    for name in ("steps", "num_prompts", "max_new_tokens"):
+    if a.tie_tolerance is not None and not a.tie_tolerance >= 0:
+        p.error("--tie-tolerance must be >= 0")
+    for name in ("steps", "num_prompts", "max_new_tokens", "batch_size"):
         v = getattr(a, name)
         if v is not None and v < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -47,7 +54,8 @@ def main(argv=None):
         return server_bench.run(cfg, a.server, a.datasets, a.num_prompts, a.max_new_tokens, a.concurrency, a.timeout)
     from eagle3 import benchmark
 
-    return benchmark.run(cfg, a.drafter, a.datasets, a.steps, a.num_prompts, a.max_new_tokens, a.serve_aux_layers)
+    return benchmark.run(cfg, a.drafter, a.datasets, a.steps, a.num_prompts, a.max_new_tokens, a.serve_aux_layers,
+                         a.batch_size, a.tie_tolerance)
 
 
 if __name__ == "__main__":

@@ -203,17 +203,22 @@ def ttt_attention(q, keys, values, scale: float, attn_impl: str = "auto") -> tor
 # ---------------------------------------------------------------------------------------------
 # KV-cached attention (inference)
 # ---------------------------------------------------------------------------------------------
-def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, scale: float) -> torch.Tensor:
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, scale: float,
+                     mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attention of ``T`` new queries over ``past`` cached keys plus the ``T`` new ones (causal among the new).
 
     Args:
         q: ``[B, nh, T, hd]``; k, v: ``[B, kvh, past + T, hd]`` (cache already extended).
         past: number of cached keys before this call (a Python int: the cache length).
+        mask: optional bool ``[B, 1, T, past + T]`` (True = attend), replacing the causal rule
+            (:meth:`eagle3.model.DrafterCache.attention_mask`: per-row holes in a batched cache).
 
     Returns:
         ``[B, nh, T, hd]``.
     """
     T = q.shape[2]
+    if mask is not None:
+        return _sdpa(q, k, v, scale, attn_mask=mask)
     if past == 0:
         return _sdpa(q, k, v, scale, is_causal=T > 1)
     if T == 1:

@@ -192,6 +192,11 @@ class BenchmarkConfig(_Strict):
     num_prompts: Optional[int] = Field(None, ge=1, description="first N prompts of each dataset")
     max_new_tokens: int = Field(256, ge=1)
     steps: int = Field(3, ge=1, description="chain draft length k")
+    batch_size: int = Field(32, ge=1, description="prompts decoded together (greedy baseline and EAGLE-3 alike); speedups are measured at this batch size")
+    tie_tolerance: Optional[float] = Field(
+        None, ge=0,
+        description="logit gap (verify top-1 minus the logit of greedy's token) up to which a difference from greedy is "
+                    "counted as a floating-point near-tie, not a failure; default 1e-3 for float32, 0.25 for bf16/fp16")
     server_urls: list[str] = Field(default_factory=list, description="SGLang server(s) to benchmark instead of the in-process HF decoder: [spec] or [spec, baseline]")
     output_dir: Optional[str] = Field(None, description="default {output_root}/bench")
 

@@ -208,32 +208,67 @@ class Eagle3DecoderLayer(nn.Module):
 
 
 class DrafterCache:
-    """KV cache of the drafter for incremental decoding.
+    """KV cache of the drafter for incremental, batched decoding.
 
     ``keys[l]`` / ``values[l]``: ``[B, kvh, S, hd]`` for layer ``l`` (the drafter has one layer),
-    rotary already applied to keys. ``length`` = ``S``, the number of cached positions (a Python int,
+    rotary already applied to keys. ``length`` = ``S``, the number of cached slots (a Python int,
     so no host sync is needed to read it).
+
+    Rows of a batch advance by different numbers of verified tokens per round, so a slot may hold
+    a real position in one row and nothing in another: ``valid`` (bool ``[B, S]``, None while every
+    slot of every row is real) marks the real ones, and :meth:`Eagle3Drafter.decode` masks the rest
+    out of attention. A slot's rotary position is whatever ``position_ids`` said when it was
+    written, so holes never shift positions.
     """
 
     def __init__(self, num_layers: int = 1):
         self.keys: list[Optional[torch.Tensor]] = [None] * num_layers
         self.values: list[Optional[torch.Tensor]] = [None] * num_layers
+        self.valid: Optional[torch.Tensor] = None  # [B, S] bool, None = all slots valid
 
     @property
     def length(self) -> int:
-        """Number of cached key positions."""
+        """Number of cached key slots."""
         return 0 if self.keys[0] is None else int(self.keys[0].shape[2])
 
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append ``[B, kvh, T, hd]`` keys/values to ``layer``; return the full ``[B, kvh, S+T, hd]`` tensors."""
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, valid: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``[B, kvh, T, hd]`` keys/values to ``layer``; return the full ``[B, kvh, S+T, hd]`` tensors.
+
+        ``valid`` (bool ``[B, T]``, None = all valid) marks which new slots hold real positions;
+        it is recorded once per call of layer 0 (all layers share the slots).
+        """
+        if layer == 0 and (valid is not None or self.valid is not None):
+            B, T = k.shape[0], k.shape[2]
+            new = torch.ones(B, T, dtype=torch.bool, device=k.device) if valid is None else valid.to(torch.bool)  # [B, T]
+            if self.valid is None:
+                old = torch.ones(B, self.length, dtype=torch.bool, device=k.device)  # [B, S]
+            else:
+                old = self.valid
+            self.valid = torch.cat([old, new], dim=1)  # [B, S+T]
         if self.keys[layer] is not None:
             k = torch.cat([self.keys[layer], k], dim=2)
             v = torch.cat([self.values[layer], v], dim=2)
         self.keys[layer], self.values[layer] = k, v
         return k, v
 
+    def attention_mask(self, T: int) -> Optional[torch.Tensor]:
+        """Boolean mask ``[B, 1, T, S]`` for the last ``T`` slots as queries (call after :meth:`append`).
+
+        A query sees every valid slot up to its own (causal by slot order) and always its own slot
+        (so that a padding query, whose output is never used, is not fully masked). None when no
+        slot is invalid (plain causal attention suffices).
+        """
+        if self.valid is None:
+            return None
+        S = self.valid.shape[1]
+        past = S - T
+        causal = torch.ones(T, S, dtype=torch.bool, device=self.valid.device).tril(diagonal=past)  # [T, S]
+        own = torch.zeros(T, S, dtype=torch.bool, device=self.valid.device)
+        own[:, past:] = torch.eye(T, dtype=torch.bool, device=self.valid.device)  # [T, S]
+        return ((self.valid[:, None, :] & causal) | own)[:, None]  # [B, 1, T, S]
+
     def crop(self, n: int) -> None:
-        """Keep only the first ``n`` positions (drop rejected draft tokens).
+        """Keep only the first ``n`` slots (drop drafted tokens).
 
         Raises:
             ValueError: ``n`` is negative or larger than :attr:`length`.
@@ -244,11 +279,13 @@ class DrafterCache:
             if self.keys[l] is not None:
                 self.keys[l] = self.keys[l][:, :, :n]
                 self.values[l] = self.values[l][:, :, :n]
+        if self.valid is not None:
+            self.valid = self.valid[:, :n]
 
     def clone(self) -> "DrafterCache":
         """A shallow copy (tensors are shared; crop/append never modify them in place)."""
         c = DrafterCache(len(self.keys))
-        c.keys, c.values = list(self.keys), list(self.values)
+        c.keys, c.values, c.valid = list(self.keys), list(self.values), self.valid
         return c
 
 
@@ -380,10 +417,11 @@ class Eagle3Drafter(nn.Module):
         return outs
 
     # ---- inference: KV-cached decoding --------------------------------------------------------
-    def decode(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor, cache: DrafterCache) -> torch.Tensor:
+    def decode(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor, cache: DrafterCache,
+               valid: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Run the midlayer on ``T`` new positions, appending their keys/values to ``cache``.
 
-        Each new query attends to every cached key and causally to the new ones, which
+        Each new query attends to every valid cached key and causally to the new ones, which
         reproduces TTT: prefill verified positions (token ``x_{t+1}``, hidden ``fc(f_t)``,
         position ``t``), then feed draft step ``i`` (drafted token, the previous step's output,
         position ``t+i``) one at a time (SGLang / vLLM chain drafting).
@@ -391,17 +429,22 @@ class Eagle3Drafter(nn.Module):
         Args:
             input_ids: int64 ``[B, T]`` verifier-vocab token ids.
             hidden: ``[B, T, H]`` already projected (:meth:`project` output or a previous output).
-            position_ids: int64 ``[B, T]`` rotary positions.
-            cache: :class:`DrafterCache`, extended in place by ``T``.
+            position_ids: int64 ``[B, T]`` rotary positions (per row: rows of a batch may be at
+                different positions).
+            cache: :class:`DrafterCache`, extended in place by ``T`` slots.
+            valid: bool ``[B, T]``, which new slots hold real positions (None = all). Invalid slots
+                (left padding, rejected drafts of a batched round) are never attended to by later
+                queries; their own outputs are meaningless.
 
         Returns:
             ``[B, T, H]`` midlayer outputs (feed to :meth:`compute_logits` or back as ``hidden``).
         """
         attn = self.midlayer.self_attn
         past = cache.length
+        T = input_ids.shape[1]
         emb = self.embed_tokens(input_ids).to(hidden.dtype)  # [B, T, H]
         cos, sin = rotary_cos_sin(position_ids, self._inv_freq(hidden.device))  # [B, 1, T, hd] float32
         q, k, v = self.midlayer.qkv(emb, hidden, cos, sin)  # [B, nh, T, hd], [B, kvh, T, hd] x2
-        k_all, v_all = cache.append(0, k, v)  # [B, kvh, past+T, hd]
-        o = cached_attention(q, k_all, v_all, past, attn.scale)  # [B, nh, T, hd]
+        k_all, v_all = cache.append(0, k, v, valid)  # [B, kvh, past+T, hd]
+        o = cached_attention(q, k_all, v_all, past, attn.scale, mask=cache.attention_mask(T))  # [B, nh, T, hd]
         return self.midlayer.finish(o, hidden)  # [B, T, H]

@@ -16,9 +16,19 @@ Response shape (SGLang 0.5.23, ``srt/managers/tokenizer_manager.py`` ``_handle_b
         "spec_num_correct_drafts", "spec_num_proposed_drafts",
         "spec_correct_drafts_histogram"}}  # [a] = verify steps that accepted exactly a drafts
 
-Metrics: ``tau`` = sum(completion_tokens) / sum(spec_verify_ct) over all requests (SGLang's
-definition, pooled); per-position acceptance from the pooled histogram (same definitions as
-:func:`eagle3.benchmark.acceptance_stats`); output tokens/s = sum(completion_tokens) / wall seconds
+SGLang counts ``spec_correct_drafts_histogram`` (and ``spec_num_correct_drafts``) per verify step
+BEFORE the output is cut at EOS / ``max_new_tokens`` (``_resolve_spec_overlap_token_ids`` adds the
+accepted count, ``check_finished`` then trims ``output_ids``), while ``completion_tokens`` counts
+only what was emitted. Counted as reported, a drafter proposing the verifier's own tokens at 3
+steps with ``max_new_tokens`` 10 gives histogram ``[0, 0, 0, 3]`` (12 tokens) for 9 tokens emitted
+by the verify steps. :func:`emitted_histogram` moves each request's last step down to what it
+emitted, so every metric here counts emitted tokens only, exactly as the offline benchmark does.
+
+Metrics (pooled over requests, same definitions as :func:`eagle3.benchmark.acceptance_stats`):
+``tau`` = tokens emitted by verify steps (``completion_tokens - 1`` per request: the first token
+comes from the prefill) / ``spec_verify_ct`` = 1 + sum of the unconditional per-position rates of the
+emitted histogram; ``sglang_accept_length`` = sum(completion_tokens) / sum(spec_verify_ct), SGLang's
+own figure (prefill token included); output tokens/s = sum(completion_tokens) / wall seconds
 of the whole set (client clock, ``concurrency`` requests in flight). With two URLs the second is the
 baseline server (no speculation): speedup = tokens/s ratio, and the greedy outputs are compared.
 """
@@ -97,6 +107,43 @@ def generate(url: str, input_ids: list[int], max_new_tokens: int, timeout: float
     return {"output_ids": out.get("output_ids"), "text": out.get("text"), "meta_info": meta, "seconds": seconds}
 
 
+def emitted_histogram(hist: Sequence[int], completion_tokens: int, verify_ct: int) -> tuple[list[int], str]:
+    """One request's accepted-drafts histogram restricted to the tokens it emitted.
+
+    SGLang records each verify step's accepted drafts before the cut at EOS / ``max_new_tokens``,
+    so the last step of a request may be counted with ``a`` accepted drafts although only
+    ``e < a + 1`` of its tokens were emitted. The tokens emitted by verify steps are
+    ``completion_tokens - 1`` (the first comes from the prefill); the histogram implies
+    ``sum((a + 1) * hist[a])``; the excess ``x`` belongs to the last step, which is moved from bucket
+    ``a`` to ``a - x``. ``a >= x`` is all the histogram says about ``a``: when several populated
+    buckets qualify, the most populated one is taken (largest ``a`` on a tie); this changes which
+    draft position loses one count, never the emitted total or tau.
+
+    Args:
+        hist: ``spec_correct_drafts_histogram`` of one request (``hist[a]`` = steps with ``a`` accepted drafts).
+        completion_tokens: the request's ``completion_tokens`` (emitted, incl. the prefill token).
+        verify_ct: the request's ``spec_verify_ct``.
+
+    Returns:
+        ``(hist, status)``: the emitted histogram (same length as ``hist``) and ``"exact"`` (nothing
+        to move, or one possible bucket), ``"ambiguous"`` (several buckets qualified) or
+        ``"inconsistent"`` (the histogram implies fewer tokens than emitted, or no bucket can hold
+        the excess; returned unchanged).
+    """
+    h = [int(c) for c in hist]
+    emitted = max(0, completion_tokens - 1) if verify_ct > 0 else 0
+    excess = sum((a + 1) * c for a, c in enumerate(h)) - emitted
+    if excess == 0:
+        return h, "exact"
+    cands = [a for a, c in enumerate(h) if c > 0 and a >= excess]
+    if excess < 0 or not cands:
+        return h, "inconsistent"
+    a = max(cands, key=lambda b: (h[b], b))
+    h[a] -= 1
+    h[a - excess] += 1
+    return h, "exact" if len(cands) == 1 else "ambiguous"
+
+
 def bench_server(url: str, prompts_ids: Sequence[tuple[str, list[int]]], max_new_tokens: int,
                  concurrency: int = 1, timeout: float = 600.0, label: str = "", progress: bool = True) -> dict:
     """Send every prompt to one server (``concurrency`` in flight) after one untimed warm-up request.
@@ -104,8 +151,12 @@ def bench_server(url: str, prompts_ids: Sequence[tuple[str, list[int]]], max_new
     Returns:
         dict: ``url``, ``server_info``, ``num_prompts``, ``completion_tokens``, ``wall_seconds``,
         ``output_tokens_per_s``, ``mean_request_tokens_per_s``, ``speculative`` (bool), and when
-        speculative: ``verify_steps``, ``tau``, ``mean_spec_accept_length`` (mean of per-request
-        meta_info values), ``accepted_hist``, ``conditional``, ``unconditional``; ``per_request``.
+        speculative: ``verify_steps``, ``tau`` (emitted tokens only, see the module docstring),
+        ``sglang_accept_length`` (SGLang's pooled completion_tokens / verify steps),
+        ``mean_spec_accept_length`` (mean of per-request meta_info values), ``accepted_hist`` (emitted,
+        :func:`emitted_histogram`), ``reported_accepted_hist`` (as SGLang counted it),
+        ``histogram_trims`` (requests per :func:`emitted_histogram` status), ``conditional``,
+        ``unconditional``; ``per_request``.
 
     Raises:
         UserError: the server cannot be reached or answers malformed responses.
@@ -124,23 +175,39 @@ def bench_server(url: str, prompts_ids: Sequence[tuple[str, list[int]]], max_new
             bar.update(1)
         bar.close()
     wall = time.perf_counter() - t0
-    per_req, hist = [], []
-    tokens = verify = 0
+    per_req, hist, raw_hist = [], [], []
+    tokens = verify = verify_tokens = 0
     accept_lengths = []
+    trims = {"exact": 0, "ambiguous": 0, "inconsistent": 0}
+
+    def add(into: list, h):
+        for a, c in enumerate(h):
+            into += [0] * (a + 1 - len(into))
+            into[a] += c
+
     for (pid, ids), r in zip(prompts_ids, results):
         m = r["meta_info"]
         tokens += m["completion_tokens"]
         row = {"id": pid, "prompt_tokens": len(ids), "completion_tokens": m["completion_tokens"], "seconds": r["seconds"],
                "output_ids": r["output_ids"]}
         row.update({k: m[k] for k in SPEC_KEYS if k in m})
-        if "spec_verify_ct" in m:
-            verify += m["spec_verify_ct"]
+        vct = int(m.get("spec_verify_ct") or 0)
+        if vct > 0:
+            verify += vct
+            verify_tokens += m["completion_tokens"] - 1  # the first token comes from the prefill
         if "spec_accept_length" in m:
             accept_lengths.append(m["spec_accept_length"])
-        for a, c in enumerate(m.get("spec_correct_drafts_histogram") or []):
-            hist += [0] * (a + 1 - len(hist))
-            hist[a] += c
+        raw = m.get("spec_correct_drafts_histogram") or []
+        if raw:
+            emitted, status = emitted_histogram(raw, m["completion_tokens"], vct)
+            trims[status] += 1
+            row["emitted_histogram"] = emitted
+            add(raw_hist, raw)
+            add(hist, emitted)
         per_req.append(row)
+    if trims["inconsistent"]:
+        log.warning("%s: %d requests report a draft histogram that does not match completion_tokens - 1; "
+                    "used as reported", url, trims["inconsistent"])
     res = {
         "url": url, "dataset": label, "server_info": info, "num_prompts": len(prompts_ids), "concurrency": concurrency,
         "completion_tokens": tokens, "wall_seconds": wall,
@@ -151,9 +218,11 @@ def bench_server(url: str, prompts_ids: Sequence[tuple[str, list[int]]], max_new
     if verify > 0:
         steps = int(info.get("speculative_num_steps") or max(1, len(hist) - 1))
         res.update({
-            "steps": steps, "verify_steps": verify, "tau": tokens / verify,
+            "steps": steps, "verify_steps": verify, "tau": verify_tokens / verify,
+            "sglang_accept_length": tokens / verify,
             "mean_spec_accept_length": sum(accept_lengths) / len(accept_lengths) if accept_lengths else float("nan"),
-            "accepted_hist": hist, **rates_from_hist(hist, steps),
+            "accepted_hist": hist, "reported_accepted_hist": raw_hist, "histogram_trims": trims,
+            **rates_from_hist(hist, steps),
         })
     res["per_request"] = per_req
     return res
@@ -166,10 +235,13 @@ def render_markdown(report: dict) -> str:
 
     lines = [f"# SGLang server benchmark ({report['dataset']}, {report['num_prompts']} prompts, temperature 0, "
              f"max_new_tokens {report['max_new_tokens']}, concurrency {report['concurrency']})", "",
-             "| server | speculative | tau | output tok/s | mean request tok/s | completion tokens | wall s |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+             "tau: tokens emitted by verify steps / verify steps (the last step of a request counted up to "
+             "the cut at EOS / max_new_tokens); SGLang's spec_accept_length also counts the prefill token.", "",
+             "| server | speculative | tau | SGLang accept length | output tok/s | mean request tok/s | completion tokens | wall s |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
     for s in report["servers"]:
         lines.append(f"| {s['url']} | {'yes' if s['speculative'] else 'no'} | {f(s.get('tau'))} | "
+                     f"{f(s.get('sglang_accept_length'))} | "
                      f"{f(s['output_tokens_per_s'], 1)} | {f(s['mean_request_tokens_per_s'], 1)} | "
                      f"{s['completion_tokens']} | {f(s['wall_seconds'], 1)} |")
     spec = report["servers"][0]

@@ -49,6 +49,27 @@ def test_acceptance_stats_rejects_non_prefix_flags():
         acceptance_stats([[True]], 2)
 
 
+def test_bench_prompts_oracle_drafter_tau_counts_only_emitted_tokens():
+    """Issue 11 item 2 end to end: a drafter proposing the verifier's own greedy tokens, 3 steps,
+    max_new_tokens 10: each prompt's 3 verify steps emit 4 + 4 + 1 tokens (tau 3.0, not 4.0)."""
+    from oracle_drafter import OracleDrafter
+    from test_decode import make_verifier
+
+    from eagle3.benchmark import bench_prompts
+    from eagle3.decode import greedy_generate
+
+    v = make_verifier()
+    prompts = [("a", [5, 17, 99, 3, 250, 42, 7, 7, 120, 64, 33, 8]), ("b", [9, 8, 7, 6, 5, 4])]  # longest first
+    seqs = [ids + greedy_generate(v, ids, 20)[0] for _, ids in prompts]
+    d = bench_prompts(v, OracleDrafter(seqs, v.config.vocab_size), prompts, [1, 3, 4], 3, 10, [], batch_size=2,
+                      progress=False)
+    assert d["tau"] == pytest.approx(3.0)
+    assert d["verify_steps"] == 6 and d["accepted_hist"] == [2, 0, 0, 4]
+    assert d["conditional"] == pytest.approx([4 / 6, 1.0, 1.0])
+    assert [p["accept_lengths"] for p in d["per_prompt"]] == [[4, 4, 1], [4, 4, 1]]
+    assert d["spec_tokens"] == d["greedy_tokens"] == 20 and d["mismatches"] == []
+
+
 def test_first_mismatch():
     assert first_mismatch([1, 2, 3], [1, 2, 3]) is None
     assert first_mismatch([1, 2, 3], [1, 5, 3]) == 1
@@ -212,15 +233,17 @@ def test_cli_writes_lossless_reports(run_setup):
 def test_lossless_failure_raises_after_writing_report(run_setup, monkeypatch):
     import eagle3.benchmark as B
 
+    import eagle3.decode as D
+
     root, cfg, _ = run_setup
-    real = B.speculative_generate
+    real = D.speculative_generate_batch
 
     def corrupted(*a, **k):
         r = real(*a, **k)
-        r.tokens[-1] += 1
+        r.rows[0].tokens[-1] += 1
         return r
 
-    monkeypatch.setattr(B, "speculative_generate", corrupted)
+    monkeypatch.setattr(D, "speculative_generate_batch", corrupted)
     out = root / "out-bad"
     with pytest.raises(SystemExit) as e:
         from eagle3.cli import run_main
@@ -229,7 +252,9 @@ def test_lossless_failure_raises_after_writing_report(run_setup, monkeypatch):
                                "--set", f"benchmark.output_dir={out}"])
     assert e.value.code == 2
     rep = json.loads((out / "bench.json").read_text())
-    assert rep["datasets"][0]["mismatches"] == [{"id": "p0", "index": rep["datasets"][0]["per_prompt"][0]["greedy_tokens"] - 1}]
+    (d,) = rep["datasets"]
+    assert d["mismatches"] == [{"id": "p0", "index": d["per_prompt"][0]["greedy_tokens"] - 1, "gap": None, "near_tie": False}]
+    assert d["failures"] == 1 and d["near_ties"] == 0
     assert "NO (1 prompts)" in (out / "bench.md").read_text()
 
 
@@ -242,10 +267,13 @@ def test_missing_drafter_folder_is_a_user_error(run_setup):
 def test_render_markdown_table():
     rep = {"verifier": "v", "drafter": "d", "steps": 2, "max_new_tokens": 8, "device": "cpu", "dtype": "float32",
            "aux_layers": [2, 15, 27], "warnings": ["w1"],
-           "datasets": [{"dataset": "mtbench", "num_prompts": 3, "tau": 1.5, "greedy_tokens_per_s": 10.0,
-                         "spec_tokens_per_s": 12.5, "speedup": 1.25, "mismatches": [], "verify_steps": 4,
+           "datasets": [{"dataset": "mtbench", "num_prompts": 3, "batch_size": 2, "tau": 1.5, "greedy_tokens_per_s": 10.0,
+                         "spec_tokens_per_s": 12.5, "speedup": 1.25, "drafter_share": 0.25, "wall_seconds": 3.21,
+                         "tie_tolerance": 0.25, "verify_steps": 4, "near_ties": 1, "failures": 0,
+                         "mismatches": [{"id": "q7", "index": 5, "gap": 0.0625, "near_tie": True}],
                          "conditional": [0.5, float("nan")], "unconditional": [0.5, 0.0]}]}
     md = render_markdown(rep)
-    assert "| mtbench | 3 | 1.50 | 10.0 | 12.5 | 1.25x | yes |" in md
+    assert "| mtbench | 3 | 2 | 1.50 | 10.0 | 12.5 | 1.25x | 0.25 | 3.2 | yes (1 near-ties) |" in md
+    assert "| mtbench | q7 | 5 | 0.0625 | yes |" in md and "tolerance 0.25" in md
     assert "| mtbench | 4 | 0.50 / 0.50 | n/a / 0.00 |" in md
     assert "**warning**: w1" in md

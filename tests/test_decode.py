@@ -95,14 +95,15 @@ def _expected_accept_lengths(greedy: list[int], c: int, steps: int, max_new: int
 
     ``greedy`` is the verifier's greedy continuation (longer than ``max_new`` + steps). Token 0
     comes from the prefill; each verify step at emitted index j accepts the leading drafts that
-    equal greedy[j+1], greedy[j+2], ... and emits them plus one bonus token.
+    equal greedy[j+1], greedy[j+2], ... and emits them plus one bonus token, the last step only
+    up to ``max_new`` tokens in all.
     """
     lens, j = [], 0
     while j + 1 < max_new:
         a = 0
         while a < steps and greedy[j + 1 + a] == c:
             a += 1
-        lens.append(a + 1)
+        lens.append(min(a + 1, max_new - 1 - j))
         j += a + 1
     return lens
 
@@ -142,28 +143,36 @@ def test_eos_and_max_new_tokens_trim_like_greedy(verifier, long_greedy):
 
 
 def test_drafter_cache_holds_only_verified_step0_keys(verifier):
-    """Each drafter call continues the cache (positions == cache length onwards) and the step-0
-    calls cover every verified position exactly once: 0..n-1 for the prompt, then each round's
-    accepted tokens."""
+    """Per round: one step-0 call appending the positions verified last round (the prompt first;
+    later always k+1 slots, the rejected ones marked invalid, positions continuing), then k-1
+    drafted calls at positions t+1..t+k-1 that are cropped before the next round."""
     drafter = make_drafter(verifier, list(range(0, 256, 2)))
     calls = []
     orig = drafter.decode
 
-    def spy(input_ids, hidden, position_ids, cache):
-        calls.append((cache.length, position_ids[0].tolist()))
-        return orig(input_ids, hidden, position_ids, cache)
+    def spy(input_ids, hidden, position_ids, cache, valid=None):
+        calls.append((cache.length, position_ids[0].tolist(), None if valid is None else valid[0].tolist()))
+        return orig(input_ids, hidden, position_ids, cache, valid)
 
     drafter.decode = spy
     steps = 3
     r = speculative_generate(verifier, drafter, PROMPTS[0], AUX, steps=steps, max_new_tokens=15)
     n = len(PROMPTS[0])
-    for length, pos in calls:
-        assert pos == list(range(length, length + len(pos)))
-    step0 = [pos for (_, pos) in calls[:: steps]]  # 1 step-0 call + (steps-1) drafted calls per round
-    assert step0[0] == list(range(n))
-    assert len(step0) == r.num_verify_steps
-    for prev, cur, a in zip(step0, step0[1:], r.accept_lengths):
-        assert cur == list(range(prev[-1] + 1, prev[-1] + 1 + a))
+    rounds = [calls[i : i + steps] for i in range(0, len(calls), steps)]
+    assert len(rounds) >= r.num_verify_steps and all(len(g) == steps for g in rounds)
+    assert rounds[0][0] == (0, list(range(n)), [True] * n)
+    slots, last = 0, n - 1  # cache slots, last verified position
+    for rnd in range(r.num_verify_steps):
+        length, pos, valid = rounds[rnd][0]
+        assert length == slots  # the previous round's drafted keys were cropped
+        if rnd > 0:
+            emitted = r.accept_lengths[rnd - 1]  # not the last round: nothing was cut
+            assert pos == list(range(last + 1, last + 2 + steps))
+            assert valid == [j < emitted for j in range(steps + 1)]
+            last += emitted
+        slots += len(pos)
+        for i in range(1, steps):
+            assert rounds[rnd][i] == (slots + i - 1, [last + i], None)
 
 
 def test_bad_arguments_raise_user_error(verifier):
@@ -191,3 +200,135 @@ def test_lossless_on_tiny_llama_fixture(tiny_llama_dir, smollm_tokenizer):
     g, _ = greedy_generate(v, ids, 20, [smollm_tokenizer.eos_token_id])
     r = speculative_generate(v, drafter, ids, [2, 3, 4], steps=3, max_new_tokens=20, eos_ids=[smollm_tokenizer.eos_token_id])
     assert r.tokens == g
+
+
+def test_oracle_drafter_counts_only_emitted_tokens(verifier, long_greedy):
+    """Issue 11 item 2: a drafter that always proposes the verifier's own greedy tokens, 3 steps,
+    max_new_tokens 10. Token 0 comes from the prefill; the 3 verify steps emit 4 + 4 + 1 tokens
+    (the third step's verifier accepted all 3 drafts, but only one token fits the budget): tau 3.0."""
+    from oracle_drafter import OracleDrafter
+
+    from eagle3.benchmark import acceptance_stats
+
+    oracle = OracleDrafter([PROMPTS[0] + long_greedy], verifier.config.vocab_size)
+    r = speculative_generate(verifier, oracle, PROMPTS[0], AUX, steps=3, max_new_tokens=10)
+    assert r.tokens == long_greedy[:10]
+    assert r.accept_lengths == [4, 4, 1]
+    T, F = True, False
+    assert r.accepted == [[T, T, T], [T, T, T], [F, F, F]]
+    s = acceptance_stats(r.accepted, 3)
+    assert s["tau"] == pytest.approx(3.0) and s["accepted_hist"] == [1, 0, 0, 2]
+    assert s["conditional"] == pytest.approx([2 / 3, 1.0, 1.0])
+    # EOS inside a step: greedy[6] first occurs at index i <= 6; the cut keeps tokens 0..i
+    eos = long_greedy[6]
+    stop = long_greedy.index(eos)
+    r = speculative_generate(verifier, oracle, PROMPTS[0], AUX, steps=3, max_new_tokens=40, eos_ids=[eos])
+    assert r.tokens == long_greedy[: stop + 1]
+    assert sum(r.accept_lengths) == stop  # every emitted token after the prefill one, nothing past EOS
+    assert r.accept_lengths[:-1] == [4] * (len(r.accept_lengths) - 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# batches: rows of different lengths that accept different numbers of drafts per round
+# ---------------------------------------------------------------------------------------------
+BATCH_PROMPTS = [PROMPTS[0], [9, 8, 7, 6, 5, 4], PROMPTS[1], [13, 250, 31, 4, 4, 4, 100, 2, 8]]
+
+
+@pytest.fixture(scope="module")
+def per_row_greedy(verifier):
+    return [greedy_generate(verifier, p, 20, ())[0] for p in BATCH_PROMPTS]
+
+
+def test_batched_greedy_equals_per_row_greedy(verifier, per_row_greedy):
+    from eagle3.decode import greedy_generate_batch
+
+    res = greedy_generate_batch(verifier, BATCH_PROMPTS, 20)
+    assert res.tokens == per_row_greedy
+    ref = verifier.generate(torch.tensor([BATCH_PROMPTS[1]]), do_sample=False, max_new_tokens=20, min_new_tokens=20,
+                            eos_token_id=None, pad_token_id=0)
+    assert per_row_greedy[1] == ref[0, len(BATCH_PROMPTS[1]):].tolist()
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_batched_speculative_equals_per_row_greedy_and_batch1_tau(verifier, per_row_greedy, steps):
+    """fp32: batched speculative output == per-row unbatched greedy token for token, and every row
+    accepts exactly what it accepts alone (so tau of batch 4 == tau of batch 1)."""
+    from eagle3.benchmark import acceptance_stats
+    from eagle3.decode import speculative_generate_batch
+
+    drafter = make_drafter(verifier, list(range(0, 256, 3)))
+    batch = speculative_generate_batch(verifier, drafter, BATCH_PROMPTS, AUX, steps=steps, max_new_tokens=20,
+                                       reference=per_row_greedy)
+    alone = [speculative_generate(verifier, drafter, p, AUX, steps=steps, max_new_tokens=20) for p in BATCH_PROMPTS]
+    assert [r.tokens for r in batch.rows] == per_row_greedy
+    assert [r.accept_lengths for r in batch.rows] == [r.accept_lengths for r in alone]
+    assert all(r.mismatch is None and r.gap is None for r in batch.rows)
+    flags_b = [f for r in batch.rows for f in r.accepted]
+    flags_1 = [f for r in alone for f in r.accepted]
+    assert acceptance_stats(flags_b, steps)["tau"] == acceptance_stats(flags_1, steps)["tau"]
+    assert batch.rounds >= max(r.num_verify_steps for r in batch.rows)
+
+
+def test_batched_constant_drafter_mixed_acceptance(verifier, long_greedy):
+    """A drafter that always proposes the most frequent greedy token: rows accept different counts
+    per round; each row still matches its own greedy output and hand-simulated accept lengths."""
+    from eagle3.decode import greedy_generate_batch, speculative_generate_batch
+
+    c = Counter(long_greedy).most_common(1)[0][0]
+    drafter = constant_drafter(verifier, c)
+    prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[1]]
+    greedy = [greedy_generate(verifier, p, 40, ())[0] for p in prompts]
+    res = speculative_generate_batch(verifier, drafter, prompts, AUX, steps=3, max_new_tokens=30)
+    for g, row in zip(greedy, res.rows):
+        assert row.tokens == g[:30]
+        assert row.accept_lengths == _expected_accept_lengths(g, c, 3, 30)
+    assert len({tuple(r.accept_lengths) for r in res.rows}) > 1  # rows really advanced differently
+    assert greedy_generate_batch(verifier, prompts, 30).tokens == [g[:30] for g in greedy]
+
+
+def test_batched_oracle_drafter_tau_counts_only_emitted_tokens(verifier):
+    """Issue 11 item 2 in a batch: every row gets 4 + 4 + 1 emitted tokens at 3 steps and 10 new tokens."""
+    from oracle_drafter import OracleDrafter
+
+    from eagle3.benchmark import acceptance_stats
+    from eagle3.decode import speculative_generate_batch
+
+    greedy = [greedy_generate(verifier, p, 20, ())[0] for p in BATCH_PROMPTS]
+    oracle = OracleDrafter([p + g for p, g in zip(BATCH_PROMPTS, greedy)], verifier.config.vocab_size)
+    res = speculative_generate_batch(verifier, oracle, BATCH_PROMPTS, AUX, steps=3, max_new_tokens=10, reference=greedy)
+    assert [r.tokens for r in res.rows] == [g[:10] for g in greedy]
+    assert all(r.accept_lengths == [4, 4, 1] for r in res.rows)
+    s = acceptance_stats([f for r in res.rows for f in r.accepted], 3)
+    assert s["tau"] == pytest.approx(3.0) and s["accepted_hist"] == [4, 0, 0, 8]
+
+
+def test_batched_eos_per_row(verifier, per_row_greedy):
+    """A row that emits the EOS id stops there (EOS kept); the others run to max_new_tokens."""
+    from eagle3.decode import greedy_generate_batch, speculative_generate_batch
+
+    eos = per_row_greedy[2][5]
+    cuts = [g[: g.index(eos) + 1] if eos in g[:20] else g[:20] for g in per_row_greedy]
+    assert any(len(c) < 20 for c in cuts)
+    drafter = make_drafter(verifier, list(range(0, 256, 3)))
+    spec = speculative_generate_batch(verifier, drafter, BATCH_PROMPTS, AUX, steps=2, max_new_tokens=20, eos_ids=[eos])
+    assert [r.tokens for r in spec.rows] == cuts
+    assert [1 + sum(r.accept_lengths) for r in spec.rows] == [len(c) for c in cuts]
+    assert greedy_generate_batch(verifier, BATCH_PROMPTS, 20, [eos]).tokens == cuts
+
+
+def test_mismatch_reports_index_and_logit_gap(verifier, per_row_greedy):
+    """A reference that differs from the verifier at token 5 of row 1: the first mismatch is found
+    there, with gap = verifier logit of its top-1 minus that of the reference token (hand-computed
+    from a plain forward over prompt + greedy[:5])."""
+    from eagle3.decode import speculative_generate_batch
+
+    ref = [list(g) for g in per_row_greedy]
+    wrong = (ref[1][5] + 7) % 256
+    ref[1][5] = wrong
+    drafter = make_drafter(verifier, list(range(0, 256, 3)))
+    res = speculative_generate_batch(verifier, drafter, BATCH_PROMPTS, AUX, steps=3, max_new_tokens=20, reference=ref)
+    assert [r.mismatch for r in res.rows] == [None, 5, None, None]
+    with torch.no_grad():
+        logits = verifier(torch.tensor([BATCH_PROMPTS[1] + per_row_greedy[1][:5]])).logits[0, -1]  # [V]
+    want = float(logits.max() - logits[wrong])
+    assert want > 0 and res.rows[1].gap == pytest.approx(want, abs=1e-4)

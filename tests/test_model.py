@@ -290,3 +290,26 @@ def test_bf16_autocast_training_path_close_to_fp32():
     assert d.fc.weight.grad is not None and torch.isfinite(d.fc.weight.grad).all()
     for o, r in zip(outs, ref):
         assert float((o.detach().float() - r.detach()).norm() / r.detach().norm()) < 0.05
+
+
+def test_decode_with_invalid_slots_equals_decode_without_them():
+    """Batched drafter cache with holes (padding, rejected drafts): each row's outputs at its valid
+    slots equal an unbatched run over that row's valid slots only, at the same rotary positions."""
+    d = make(seed=4)
+    B, T1, T2 = 2, 6, 4
+    ids = torch.randint(0, 50, (B, T1 + T2))
+    h = torch.randn(B, T1 + T2, d.args.hidden_size)
+    valid = torch.tensor([[0, 1, 1, 1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 0, 1, 1, 1, 0, 1, 1]], dtype=torch.bool)
+    pos = (valid.long().cumsum(1) - 1).clamp(min=0)  # positions continue across holes
+    with torch.no_grad():
+        c = DrafterCache()
+        a = d.decode(ids[:, :T1], h[:, :T1], pos[:, :T1], c, valid=valid[:, :T1])
+        b = d.decode(ids[:, T1:], h[:, T1:], pos[:, T1:], c, valid=valid[:, T1:])
+        assert c.length == T1 + T2 and torch.equal(c.valid, valid)
+        out = torch.cat([a, b], 1)  # [B, T1+T2, H]
+        for r in range(B):
+            keep = valid[r]
+            ref = d.decode(ids[r : r + 1, keep], h[r : r + 1, keep], pos[r : r + 1, keep], DrafterCache())
+            assert torch.allclose(out[r, keep], ref[0], atol=1e-5)
+        c.crop(7)
+        assert c.valid.shape == (B, 7) and c.length == 7

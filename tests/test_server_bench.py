@@ -16,25 +16,41 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from eagle3.errors import UserError
-from eagle3.server_bench import bench_server, generate, run_server_bench
+from eagle3.server_bench import bench_server, emitted_histogram, generate, run_server_bench
 
 STEPS = 3
 
 
-def _answer(input_ids: list[int], max_new: int, speculative: bool) -> dict:
-    """Deterministic fake decode: output = (sum(prompt) + i) % 1000; histogram depends on the prompt."""
+def _accepts(input_ids: list[int], oracle: bool):
+    """Accepted drafts per verify step: every draft (oracle) or, for a prompt of length L, L % 4 then 1, repeated."""
+    while True:
+        if oracle:
+            yield STEPS
+        else:
+            yield len(input_ids) % 4
+            yield 1
+
+
+def _answer(input_ids: list[int], max_new: int, speculative: bool, oracle: bool = False) -> dict:
+    """Deterministic fake decode: output = (sum(prompt) + i) % 1000.
+
+    Speculative answers count like SGLang 0.5.23: the first token comes from the prefill, each
+    verify step adds its accepted drafts + 1, and the histogram / correct-draft counters record
+    the verifier's whole decision BEFORE ``output_ids`` are cut at ``max_new_tokens``.
+    """
     out = [(sum(input_ids) + i) % 1000 for i in range(max_new)]
     meta = {"id": "r", "finish_reason": {"type": "length", "length": max_new}, "prompt_tokens": len(input_ids),
             "weight_version": "default", "num_retractions": 0, "reasoning_tokens": 0,
             "completion_tokens": max_new, "cached_tokens": 0, "e2e_latency": 0.01}
     if speculative:
-        # prompt of length L: hist[a] = steps that accepted a drafts (sum of (a+1)*hist = completion tokens)
-        hist = [0, 0, 0, 0]
-        hist[len(input_ids) % 4] = 1
-        rest = max_new - (len(input_ids) % 4 + 1)
-        hist[1] += rest // 2  # each adds 2 tokens
-        hist[0] += rest % 2
-        verify = sum(hist)
+        hist = [0] * (STEPS + 1)
+        n, verify = 1, 0
+        accepts = _accepts(input_ids, oracle)
+        while n < max_new:
+            a = next(accepts)
+            hist[a] += 1
+            verify += 1
+            n += a + 1
         correct = sum(a * c for a, c in enumerate(hist))
         meta.update({"spec_accept_rate": correct / (verify * STEPS), "spec_accept_length": max_new / verify,
                      "spec_num_correct_drafts": correct, "spec_num_proposed_drafts": verify * STEPS,
@@ -43,7 +59,7 @@ def _answer(input_ids: list[int], max_new: int, speculative: bool) -> dict:
 
 
 class _StandIn:
-    def __init__(self, speculative: bool, fail: bool = False):
+    def __init__(self, speculative: bool, fail: bool = False, oracle: bool = False):
         self.requests: list[dict] = []
         outer = self
 
@@ -75,7 +91,7 @@ class _StandIn:
                     self._send(400, {"error": {"message": "bad request body", "type": "invalid_request_error"}})
                     return
                 sp = req["sampling_params"]
-                self._send(200, _answer(req["input_ids"], sp["max_new_tokens"], speculative))
+                self._send(200, _answer(req["input_ids"], sp["max_new_tokens"], speculative, oracle))
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
@@ -106,24 +122,56 @@ def test_bench_server_pools_tau_and_histogram(concurrency):
     with _StandIn(speculative=True) as s:
         res = bench_server(s.url, PROMPTS, 10, concurrency=concurrency, progress=False)
         assert len(s.requests) == 1 + len(PROMPTS)  # warm-up + one per prompt
-    # hand-computed from the stand-in's rule (max_new 10): prompt lengths 3, 5, 6 give
-    # L=3: [0,3,0,1], L=5: [0,5,0,0], L=6: [1,3,1,0]  (sum of (a+1)*hist[a] = 10 each)
-    hists = [_answer(ids, 10, True)["meta_info"]["spec_correct_drafts_histogram"] for _, ids in PROMPTS]
-    assert hists == [[0, 3, 0, 1], [0, 5, 0, 0], [1, 3, 1, 0]]
-    pooled = [1, 11, 1, 1]
+    # hand-computed from the stand-in's rule (max_new 10, first token from the prefill):
+    # L=3: accepts 3,1,3 -> 1+4+2+4 = 11, last step emits 3 of 4: reported [0,1,0,2], emitted [0,1,1,1]
+    # L=5: accepts 1,1,1,1,1 -> 1+2*5 = 11, last emits 1 of 2:      reported [0,5,0,0], emitted [1,4,0,0]
+    # L=6: accepts 2,1,2,1 -> 1+3+2+3+2 = 11, last emits 1 of 2:    reported [0,2,2,0], emitted [0,3,1,0]
+    #      (buckets 1 and 2 both hold the excess with 2 counts each: the tie takes bucket 2; the
+    #      true last step was in bucket 1, which would give [1,1,2,0]: same emitted total and tau)
+    metas = [_answer(ids, 10, True)["meta_info"] for _, ids in PROMPTS]
+    assert [m["spec_correct_drafts_histogram"] for m in metas] == [[0, 1, 0, 2], [0, 5, 0, 0], [0, 2, 2, 0]]
+    assert [r["emitted_histogram"] for r in res["per_request"]] == [[0, 1, 1, 1], [1, 4, 0, 0], [0, 3, 1, 0]]
+    assert res["histogram_trims"] == {"exact": 1, "ambiguous": 2, "inconsistent": 0}
+    assert res["reported_accepted_hist"] == [0, 8, 2, 2]
+    assert res["accepted_hist"] == [1, 8, 2, 1]
     assert res["speculative"] and res["steps"] == STEPS
-    assert res["completion_tokens"] == 30 and res["verify_steps"] == 14
-    assert res["tau"] == pytest.approx(30 / 14)
-    assert res["accepted_hist"] == pooled
-    # reach >=0: 14, >=1: 13, >=2: 2, >=3: 1
-    assert res["conditional"] == pytest.approx([13 / 14, 2 / 13, 1 / 2])
-    assert res["unconditional"] == pytest.approx([13 / 14, 2 / 14, 1 / 14])
+    assert res["completion_tokens"] == 30 and res["verify_steps"] == 12
+    assert res["tau"] == pytest.approx(27 / 12)  # 9 tokens per request come from verify steps
+    assert res["sglang_accept_length"] == pytest.approx(30 / 12)
+    # reach >=0: 12, >=1: 11, >=2: 3, >=3: 1
+    assert res["conditional"] == pytest.approx([11 / 12, 3 / 11, 1 / 3])
+    assert res["unconditional"] == pytest.approx([11 / 12, 3 / 12, 1 / 12])
     assert res["tau"] == pytest.approx(1 + sum(res["unconditional"]))
-    assert res["mean_spec_accept_length"] == pytest.approx((10 / 4 + 10 / 5 + 10 / 5) / 3)
+    assert res["mean_spec_accept_length"] == pytest.approx((10 / 3 + 10 / 5 + 10 / 4) / 3)
     assert res["server_info"] == {"model_path": "tiny", "speculative_algorithm": "EAGLE3", "speculative_num_steps": 3,
                                   "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4}
     assert [r["id"] for r in res["per_request"]] == ["a", "b", "c"]  # request order kept under concurrency
     assert res["output_tokens_per_s"] == pytest.approx(30 / res["wall_seconds"])
+
+
+def test_oracle_drafter_tau_counts_only_emitted_tokens():
+    """Issue 11 item 2: a drafter that always proposes the verifier's own tokens, 3 steps,
+    max_new_tokens 10. SGLang reports histogram [0,0,0,3] (12 tokens' worth) for 3 verify steps
+    that emitted 1+4+4+1... = 9 tokens after the prefill token: tau 3.0, not 4.0."""
+    with _StandIn(speculative=True, oracle=True) as s:
+        res = bench_server(s.url, [("a", [1, 2, 3])], 10, progress=False)
+    assert res["reported_accepted_hist"] == [0, 0, 0, 3]
+    assert res["accepted_hist"] == [1, 0, 0, 2]
+    assert res["histogram_trims"] == {"exact": 1, "ambiguous": 0, "inconsistent": 0}
+    assert res["verify_steps"] == 3 and res["tau"] == pytest.approx(3.0)
+    assert res["sglang_accept_length"] == pytest.approx(10 / 3)
+    assert res["conditional"] == pytest.approx([2 / 3, 1.0, 1.0])
+    assert res["unconditional"] == pytest.approx([2 / 3, 2 / 3, 2 / 3])
+
+
+def test_emitted_histogram_cases():
+    assert emitted_histogram([0, 0, 0, 3], 10, 3) == ([1, 0, 0, 2], "exact")
+    assert emitted_histogram([0, 0, 0, 3], 13, 3) == ([0, 0, 0, 3], "exact")  # nothing cut
+    assert emitted_histogram([0, 0, 0, 3], 12, 3) == ([0, 0, 1, 2], "exact")  # EOS inside the last step
+    assert emitted_histogram([2, 1], 5, 3) == ([2, 1], "exact")  # 1 (prefill) + 1 + 1 + 2
+    assert emitted_histogram([5], 2, 5) == ([5], "inconsistent")  # implies 5 tokens, 1 emitted by verify
+    assert emitted_histogram([1, 0, 1], 9, 2) == ([1, 0, 1], "inconsistent")  # implies 4, emitted 8
+    assert emitted_histogram([], 1, 0) == ([], "exact")
 
 
 def test_two_servers_speedup_and_reports(tmp_path):
