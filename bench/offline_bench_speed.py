@@ -1,0 +1,162 @@
+"""Benchmark: wall time of the batched offline benchmark (05) and EAGLE-3 vs greedy tokens/s per batch size.
+
+For one prompt set (default MT-bench, 80 prompts x 256 new tokens, chain of 3 draft tokens) and each
+``--batch-sizes`` value, runs exactly what ``05_benchmark.py`` runs (:func:`eagle3.benchmark.bench_prompts`:
+batched greedy baseline, batched EAGLE-3 checked token for token against it, both in the same run)
+and prints:
+
+- ``wall_s``: seconds for the whole set at that batch size (greedy + EAGLE-3 + checks), the figure
+  of issue 9 item 4 (goal <= 60 s for 80 x 256 on one H200, SmolLM2-135M, 3 steps);
+- greedy and EAGLE-3 tokens/s and their ratio (``speedup``), ``tau``, per-position acceptance;
+- ``drafter_share``: drafter time / (drafter + verify time) of the EAGLE-3 steps (device time
+  between CUDA events): where EAGLE-3 does not pay for a small verifier, this says why;
+- lossless check: differences from greedy within / beyond the near-tie tolerance, with logit gaps.
+
+Batch size 1 decodes only ``--num-prompts-batch1`` prompts (tokens/s does not need all 80 and one
+prompt at a time is the slow case). Without a trained drafter, ``--random-drafter`` measures the
+machinery alone (tau ~1, speedup not meaningful).
+
+    python bench/offline_bench_speed.py --config configs/smollm2-135m-full.yaml --set verifier.path=$EAGLE3_GGUF_DIR \\
+        --batch-sizes 1 8 32 --json bench/results/offline_bench_speed.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from eagle3.benchmark import (  # noqa: E402
+    TRAIN_META, _load_drafter, bench_prompts, default_tie_tolerance, json_safe, resolve_aux_layers, warm_up,
+)
+from eagle3.cli import run_main  # noqa: E402
+from eagle3.config import add_config_args, load_config  # noqa: E402
+from eagle3.errors import UserError  # noqa: E402
+from eagle3.io import atomic_write_json  # noqa: E402
+
+log = logging.getLogger("offline_bench_speed")
+
+
+def _random_drafter(verifier, device, dtype):
+    """An untrained drafter of the verifier's shape (identity draft vocab of min(32000, V) ids)."""
+    from eagle3.model import DrafterArgs, Eagle3Drafter
+
+    cfg = verifier.config.get_text_config() if hasattr(verifier.config, "get_text_config") else verifier.config
+    args = DrafterArgs.from_hf_config(cfg, draft_vocab_size=min(32000, int(cfg.vocab_size)))
+    torch.manual_seed(0)
+    d = Eagle3Drafter(args, verifier.get_input_embeddings().weight.detach().float().cpu())
+    return d.to(device=device, dtype=dtype).eval()
+
+
+def _row(b: int, d: dict) -> dict:
+    keys = ("num_prompts", "wall_seconds", "greedy_tokens", "greedy_seconds", "greedy_tokens_per_s", "spec_tokens",
+            "spec_seconds", "spec_tokens_per_s", "speedup", "tau", "verify_steps", "conditional", "unconditional",
+            "accepted_hist", "draft_seconds", "verify_seconds", "drafter_share", "rounds", "near_ties", "failures",
+            "mismatches", "tie_tolerance")
+    return {"batch_size": b, **{k: d[k] for k in keys}}
+
+
+def markdown(res: dict) -> str:
+    def f(x, nd=2):
+        return "n/a" if x is None or x != x else f"{x:.{nd}f}"
+
+    lines = [f"# Offline benchmark speed: {res['verifier']} on {res['device_name']} ({res['dtype']})", "",
+             f"{res['dataset']}, {res['max_new_tokens']} new tokens, chain of {res['steps']}, drafter `{res['drafter']}`", "",
+             "| batch | prompts | wall s | greedy tok/s | EAGLE-3 tok/s | speedup | tau | drafter share | near-ties | failures |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in res["rows"]:
+        lines.append(f"| {r['batch_size']} | {r['num_prompts']} | {f(r['wall_seconds'], 1)} | {f(r['greedy_tokens_per_s'], 1)} | "
+                     f"{f(r['spec_tokens_per_s'], 1)} | {f(r['speedup'])}x | {f(r['tau'])} | {f(r['drafter_share'])} | "
+                     f"{r['near_ties']} | {r['failures']} |")
+    lines += ["", f"bench_{res['num_prompts']}x{res['max_new_tokens']}_s (batch {res['headline_batch_size']}): "
+                  f"**{f(res['bench_set_s'], 1)} s**"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_args(p)
+    p.add_argument("--drafter", help="exported drafter folder (default: cfg.export_dir)")
+    p.add_argument("--random-drafter", action="store_true", help="untrained drafter: machinery speed only")
+    p.add_argument("--dataset", default="mtbench", help="mtbench, humaneval, gsm8k or a JSONL prompt file")
+    p.add_argument("--num-prompts", type=int, default=80)
+    p.add_argument("--num-prompts-batch1", type=int, default=16, help="prompts decoded at batch size 1")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--headline-batch-size", type=int, help="batch size of the 'whole set' figure (default: benchmark.batch_size if listed, else the largest)")
+    p.add_argument("--tie-tolerance", type=float, help="near-tie tolerance in logits (default: benchmark.tie_tolerance or the dtype's)")
+    p.add_argument("--json", help="write the results here")
+    a = p.parse_args(argv)
+    if min(a.batch_sizes) < 1 or a.num_prompts < 1 or a.max_new_tokens < 1 or a.steps < 1 or a.num_prompts_batch1 < 1:
+        p.error("--batch-sizes, --num-prompts, --num-prompts-batch1, --max-new-tokens and --steps must be >= 1")
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    cfg = load_config(a.config, a.overrides)
+
+    from eagle3.chat import end_of_turn_ids, render
+    from eagle3.eval_prompts import dataset_label, load_eval_prompts
+    from eagle3.layers import check_aux_layers, default_aux_layers
+    from eagle3.verifier import load_verifier, resolve_device, verifier_dims
+
+    device = resolve_device(cfg.verifier.device)
+    vcfg = cfg.verifier
+    if device.type == "cpu" and vcfg.dtype != "float32":
+        vcfg = vcfg.model_copy(update={"dtype": "float32"})
+    verifier, tok = load_verifier(vcfg, device)
+    dtype = next(verifier.parameters()).dtype
+    n_layers = verifier_dims(verifier.config)["num_layers"]
+    if a.random_drafter:
+        drafter, drafter_name = _random_drafter(verifier, device, dtype), "random (untrained)"
+        aux = cfg.extract.aux_layers or default_aux_layers(n_layers)
+    else:
+        ddir = Path(a.drafter) if a.drafter else cfg.export_dir
+        aux, _ = resolve_aux_layers(ddir, cfg.shards_dir, cfg.extract.aux_layers or default_aux_layers(n_layers))
+        drafter, drafter_name = _load_drafter(ddir, verifier, device, dtype), str(ddir)
+    aux = check_aux_layers(aux, n_layers, field=f"{TRAIN_META}: aux_layers")
+    tol = a.tie_tolerance if a.tie_tolerance is not None else cfg.benchmark.tie_tolerance
+    tol = default_tie_tolerance(dtype) if tol is None else tol
+    eos = sorted(end_of_turn_ids(tok))
+    prompts = load_eval_prompts(a.dataset, a.num_prompts)
+    ids = [(q.id, render(tok, q.messages, cfg.verifier.chat_template, add_generation_prompt=True)) for q in prompts]
+    headline = a.headline_batch_size or (cfg.benchmark.batch_size if cfg.benchmark.batch_size in a.batch_sizes else max(a.batch_sizes))
+    if headline not in a.batch_sizes:
+        raise UserError(f"--headline-batch-size {headline} is not one of --batch-sizes {a.batch_sizes}")
+    res = {
+        "verifier": cfg.verifier.display_name(), "drafter": drafter_name, "dataset": dataset_label(a.dataset),
+        "num_prompts": len(ids), "max_new_tokens": a.max_new_tokens, "steps": a.steps, "aux_layers": list(aux),
+        "dtype": str(dtype).replace("torch.", ""), "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__, "tie_tolerance": tol, "headline_batch_size": headline,
+        "command": " ".join([Path(sys.argv[0]).name] + (sys.argv[1:] if argv is None else list(argv))), "rows": [],
+    }
+    warm = ids[0][1]
+    for b in a.batch_sizes:
+        subset = ids if b > 1 else ids[: a.num_prompts_batch1]
+        warm_up(verifier, drafter, warm, aux, a.steps, eos, min(b, len(subset)))
+        t0 = time.perf_counter()
+        d = bench_prompts(verifier, drafter, subset, aux, a.steps, a.max_new_tokens, eos, res["dataset"],
+                          batch_size=b, tie_tolerance=tol)
+        log.info("batch %d: %d prompts in %.1f s (greedy %.1f tok/s, EAGLE-3 %.1f tok/s, speedup %.2fx, tau %.2f, "
+                 "drafter share %.2f, near-ties %d, failures %d)", b, len(subset), time.perf_counter() - t0,
+                 d["greedy_tokens_per_s"], d["spec_tokens_per_s"], d["speedup"], d["tau"], d["drafter_share"],
+                 d["near_ties"], d["failures"])
+        res["rows"].append(_row(b, d))
+    head = next(r for r in res["rows"] if r["batch_size"] == headline)
+    res["bench_set_s"] = head["wall_seconds"] if head["num_prompts"] == len(ids) else None
+    res[f"bench_{len(ids)}x{a.max_new_tokens}_s"] = res["bench_set_s"]
+    print(markdown(res))
+    print(json.dumps(json_safe({k: v for k, v in res.items() if k != "rows"}), indent=1))
+    if a.json:
+        atomic_write_json(a.json, json_safe(res))
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,42 @@
+"""bench/offline_bench_speed.py on CPU at tiny size: one run per batch size, same outputs, JSON keys."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from conftest import ROOT
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("offline_bench_speed", ROOT / "bench" / "offline_bench_speed.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_offline_bench_speed_tiny(tmp_path, tiny_llama_dir):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"q{i}", "prompt": t}) + "\n"
+                               for i, t in enumerate(["What is 2+2?", "Name a colour please.", "Hi"])))
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"run_name: t\noutput_root: {tmp_path / 'out'}\nverifier: {{path: {tiny_llama_dir}, device: cpu}}\n"
+                   f"prompts: {{source: {prompts}}}\nextract: {{aux_layers: [1, 3, 4]}}\n")
+    out = tmp_path / "speed.json"
+    rc = _script().main(["--config", str(cfg), "--random-drafter", "--dataset", str(prompts), "--num-prompts", "3",
+                         "--num-prompts-batch1", "2", "--max-new-tokens", "6", "--batch-sizes", "1", "3",
+                         "--json", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["dtype"] == "float32" and res["headline_batch_size"] == 3 and res["aux_layers"] == [1, 3, 4]
+    b1, b3 = res["rows"]
+    assert (b1["batch_size"], b1["num_prompts"], b3["batch_size"], b3["num_prompts"]) == (1, 2, 3, 3)
+    assert res["bench_3x6_s"] == res["bench_set_s"] == b3["wall_seconds"] > 0
+    for r in (b1, b3):
+        assert r["failures"] == 0 and r["mismatches"] == []  # float32: lossless
+        assert r["speedup"] == pytest.approx(r["spec_tokens_per_s"] / r["greedy_tokens_per_s"])
+        assert 0 < r["drafter_share"] < 1
+        assert r["spec_tokens"] == r["greedy_tokens"]
+        assert r["tau"] == pytest.approx(1 + sum(r["unconditional"]))
