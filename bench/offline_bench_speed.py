@@ -100,7 +100,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cfg = load_config(a.config, a.overrides)
 
-    from eagle3.chat import end_of_turn_ids, render
+    from eagle3.chat import ChatOptions, end_of_turn_ids, prompt_ids
     from eagle3.eval_prompts import dataset_label, load_eval_prompts
     from eagle3.layers import check_aux_layers, default_aux_layers
     from eagle3.verifier import load_verifier, resolve_device, verifier_dims
@@ -124,7 +124,8 @@ def main(argv=None) -> int:
     tol = default_tie_tolerance(dtype) if tol is None else tol
     eos = sorted(end_of_turn_ids(tok))
     prompts = load_eval_prompts(a.dataset, a.num_prompts)
-    ids = [(q.id, render(tok, q.messages, cfg.verifier.chat_template, add_generation_prompt=True)) for q in prompts]
+    chat = ChatOptions.from_config(cfg)
+    ids = [(q.id, prompt_ids(tok, q.messages, chat)) for q in prompts]
     headline = a.headline_batch_size or (cfg.benchmark.batch_size if cfg.benchmark.batch_size in a.batch_sizes else max(a.batch_sizes))
     if headline not in a.batch_sizes:
         raise UserError(f"--headline-batch-size {headline} is not one of --batch-sizes {a.batch_sizes}")
