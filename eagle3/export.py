@@ -45,7 +45,7 @@ from typing import Optional
 import torch
 
 from eagle3.errors import UserError
-from eagle3.io import atomic_write_json, read_json
+from eagle3.io import atomic_write_json, disk_full_guard, read_json
 from eagle3.layers import check_aux_layers, engine_layer_ids, hf_layers_from_engine, is_deepseek_family
 from eagle3.model import DrafterArgs, Eagle3Drafter
 from eagle3.vocab import check_vocab_map
@@ -297,7 +297,8 @@ def export_drafter(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
     try:
-        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        with disk_full_guard(out / WEIGHTS_FILE, sum(t.numel() * t.element_size() for t in tensors.values())):
+            save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         atomic_write_json(tmp / "config.json", config)
         atomic_write_json(tmp / META_FILE, meta)
         old = None

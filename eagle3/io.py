@@ -3,15 +3,24 @@
 Every output of the pipeline is written to a temporary name in the destination folder and
 renamed into place (``os.replace`` is atomic on POSIX), so a kill at any moment leaves either the
 old file, the new file, or an ignorable ``*.tmp-*`` file, never a truncated output.
+
+A full disk (``ENOSPC``) or an exhausted quota (``EDQUOT``) during any of these writes removes the
+temporary file and raises :class:`~eagle3.errors.UserError` with one line: the path, the bytes the
+write needed (when known) and the bytes free on that filesystem (``shutil.disk_usage``). The CLIs
+turn it into ``error: ...`` and exit code 2; re-running the same command after freeing space
+resumes (every stage treats a missing output as "not done yet"). Append-only logs
+(:func:`append_bytes`) roll a failed append back to the previous end of file.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import json
 import os
 import pickle
+import shutil
 import tempfile
 import zipfile
 from pathlib import Path
@@ -22,34 +31,173 @@ import torch
 from eagle3.errors import UserError
 
 TMP_MARK = ".tmp-"
+#: errno values that mean "no room to write": disk full, quota exceeded.
+DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+# How writers that do not raise OSError report the same condition: safetensors' SafetensorError says
+# "Error while serializing: I/O error: No space left on device (os error 28)" (measured on a full
+# tmpfs, safetensors 0.7). torch.save straight into a file on a full disk raises an errno-less
+# RuntimeError ("unexpected pos"), which is why eagle3.io serialises to memory and writes the bytes.
+_DISK_FULL_TEXT = ("No space left on device", "Disk quota exceeded", "StorageFull", "QuotaExceeded",
+                   f"(os error {errno.ENOSPC})", f"(os error {errno.EDQUOT})")
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """True when ``exc`` reports ``ENOSPC``/``EDQUOT`` (an ``OSError`` with that errno, or a
+    writer's own exception type whose message carries the OS error, as safetensors' does)."""
+    if isinstance(exc, OSError) and exc.errno is not None:
+        return exc.errno in DISK_FULL_ERRNOS
+    if isinstance(exc, Exception):
+        text = str(exc)
+        return any(t in text for t in _DISK_FULL_TEXT)
+    return False
+
+
+def format_bytes(n: int) -> str:
+    """``n`` bytes in decimal units with the exact count: ``'1.50 GB (1500000000 bytes)'``."""
+    n = int(n)
+    for unit, f in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= f:
+            return f"{n / f:.2f} {unit} ({n} bytes)"
+    return f"{n} bytes"
+
+
+def free_bytes(path: str | os.PathLike) -> tuple[int, Path]:
+    """``(bytes free to this user, folder measured)`` on the filesystem that holds ``path``.
+
+    The folder measured is ``path`` when it is a folder, else its parent, or the nearest existing
+    ancestor of that (``shutil.disk_usage``).
+    """
+    p = Path(path).absolute()
+    if not p.is_dir():
+        p = p.parent  # name the folder the file goes into
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return int(shutil.disk_usage(p).free), p
+
+
+def disk_full_error(path: str | os.PathLike, exc: BaseException, needed: int | None = None) -> "UserError":
+    """The one-line :class:`UserError` for a write to ``path`` that failed with ``exc`` (disk full).
+
+    Message: ``{path}: disk full (No space left on device) writing {needed}; {free} free on the
+    filesystem of {folder}; free space or move the output, then re-run the same command to resume``.
+    """
+    err = getattr(exc, "errno", None)
+    reason = os.strerror(err) if err in DISK_FULL_ERRNOS else "No space left on device or quota exceeded"
+    try:
+        free, where = free_bytes(path)
+        free_s = f"{format_bytes(free)} free on the filesystem of {where}"
+    except OSError:
+        free_s = "free space unknown"
+    need_s = f" writing {format_bytes(needed)}" if needed is not None else ""
+    return UserError(f"{path}: disk full ({reason}){need_s}; {free_s}; free space or move the output folder, "
+                     "then re-run the same command to resume")
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary path next to ``path``; on success fsync and rename it to ``path``.
+def disk_full_guard(path: str | os.PathLike, needed: int | None = None) -> Iterator[None]:
+    """Turn a disk-full error (:func:`is_disk_full`) raised inside the block into :func:`disk_full_error`.
 
-    On an exception the temporary file is removed and ``path`` is untouched.
+    Other exceptions pass through unchanged. Cleaning up partial output is the block's job (the
+    atomic writers below do it before the error reaches this guard).
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + TMP_MARK, dir=path.parent)
-    os.close(fd)
-    tmp = Path(tmp)
     try:
-        yield tmp
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
+        yield
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - re-raised unless it is a disk-full error
+        if is_disk_full(e):
+            raise disk_full_error(path, e, needed) from e
         raise
 
 
+def _write_all(f, data: bytes) -> None:
+    """Hand ``data`` to the OS through the file object ``f`` (binary).
+
+    Every writer in this module goes through here, so a test can inject ``ENOSPC`` after N bytes
+    by replacing this function. Handles short writes of unbuffered files.
+    """
+    view = memoryview(data)
+    while view:
+        n = f.write(view)
+        if n is None or n <= 0:  # non-blocking file with nothing written: not used here
+            raise OSError(errno.EIO, "write made no progress")
+        view = view[n:]
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike, needed: int | None = None) -> Iterator[Path]:
+    """Yield a temporary path next to ``path``; on success fsync and rename it to ``path``.
+
+    On an exception the temporary file is removed and ``path`` is untouched.
+
+    Args:
+        needed: bytes the write will take, for the disk-full message (None: unknown).
+
+    Raises:
+        UserError: the disk is full or the quota exhausted (temp file already removed); see
+            :func:`disk_full_error`.
+    """
+    path = Path(path)
+    with disk_full_guard(path, needed):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=path.name + TMP_MARK, dir=path.parent)
+        os.close(fd)
+        tmp = Path(tmp)
+        try:
+            yield tmp
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+            raise
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically."""
-    with atomic_path(path) as tmp:
-        tmp.write_bytes(data)
+    """Write ``data`` to ``path`` atomically.
+
+    Raises:
+        UserError: disk full / quota exceeded (nothing left behind; message names ``path``,
+            ``len(data)`` and the free space).
+    """
+    with atomic_path(path, needed=len(data)) as tmp:
+        with open(tmp, "wb") as f:
+            _write_all(f, data)
+
+
+def open_append(path: str | os.PathLike):
+    """Open ``path`` for :func:`append_bytes` (unbuffered binary append; parent folders created).
+
+    Raises:
+        UserError: disk full / quota exceeded while creating the folder or the file.
+    """
+    path = Path(path)
+    with disk_full_guard(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return open(path, "ab", buffering=0)
+
+
+def append_bytes(f, data: bytes, path: str | os.PathLike | None = None, fsync: bool = True) -> None:
+    """Append ``data`` to the file ``f`` (from :func:`open_append`) all-or-nothing, then fsync.
+
+    A failed or interrupted append is rolled back (``ftruncate`` to the previous end), so the
+    file never ends in a torn record because of this writer.
+
+    Raises:
+        UserError: disk full / quota exceeded (file rolled back).
+    """
+    path = Path(path if path is not None else f.name)
+    end = os.fstat(f.fileno()).st_size
+    with disk_full_guard(path, len(data)):
+        try:
+            _write_all(f, data)
+            if fsync:
+                os.fsync(f.fileno())
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.ftruncate(f.fileno(), end)
+            raise
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:

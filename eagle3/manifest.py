@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from eagle3.errors import UserError
-from eagle3.io import atomic_write_jsonl
+from eagle3.io import append_bytes, atomic_write_jsonl, open_append
 
 MANIFEST = "manifest.jsonl"
 
@@ -80,12 +80,15 @@ def rewrite_manifest(path: str | os.PathLike, rows: dict[int, dict]) -> None:
 
 
 class ManifestWriter:
-    """Append-only writer: each :meth:`append` is one line, flushed and fsynced before returning."""
+    """Append-only writer: each :meth:`append` is one line, written whole and fsynced before returning.
+
+    A disk-full error mid-append rolls the file back to its previous end (no torn line) and raises
+    :class:`UserError` (:func:`eagle3.io.append_bytes`).
+    """
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = open(self.path, "a", encoding="utf-8")
+        self._f = open_append(self.path)
 
     def append(self, idx: int, sample_id: str, num_tokens: int, **extra) -> dict:
         """Record that shard ``idx`` (prompt ``sample_id``, ``num_tokens`` tokens) is on disk.
@@ -94,9 +97,7 @@ class ManifestWriter:
         Returns the row written.
         """
         row = {"idx": int(idx), "id": str(sample_id), "num_tokens": int(num_tokens), **extra}
-        self._f.write(json.dumps(row) + "\n")
-        self._f.flush()
-        os.fsync(self._f.fileno())
+        append_bytes(self._f, (json.dumps(row) + "\n").encode("utf-8"), self.path)
         return row
 
     def close(self) -> None:

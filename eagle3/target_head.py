@@ -104,7 +104,7 @@ class TargetHead:
             tensors["lm_head"] = self.lm_head.contiguous()
         meta = {"norm_eps": repr(float(self.norm_eps)), "last_is_post_norm": str(bool(self.last_is_post_norm)),
                 "tied": str(tied)}
-        with atomic_path(path) as tmp:
+        with atomic_path(path, needed=sum(t.numel() * t.element_size() for t in tensors.values())) as tmp:
             save_file(tensors, str(tmp), metadata=meta)
         return path
 

@@ -57,7 +57,8 @@ from eagle3 import checkpoint as ckpt
 from eagle3.config import RunConfig
 from eagle3.dataset import ResumableSampler, ShardDataset, collate, read_split
 from eagle3.errors import UserError
-from eagle3.io import atomic_write_json, atomic_write_text, atomic_write_jsonl
+from eagle3.io import (append_bytes, atomic_write_json, atomic_write_jsonl, atomic_write_text, disk_full_guard,
+                       open_append)
 from eagle3.schedule import build_scheduler
 from eagle3.shards import expect_from_data_config, read_data_config
 from eagle3.target_head import FILENAME as TARGET_HEAD_FILE
@@ -337,14 +338,14 @@ class _Metrics:
     def write(self, row: dict) -> None:
         if not self.enabled:
             return
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(row) + "\n")
-            f.flush()
+        with open_append(self.path) as f:  # disk full: rolled back, UserError (exit 2)
+            append_bytes(f, (json.dumps(row) + "\n").encode("utf-8"), self.path, fsync=False)
         step = row["step"]
-        for k, v in row.items():
-            if k not in ("step", "epoch", "kind") and isinstance(v, (int, float)):
-                self.tb.add_scalar(f"{row['kind']}/{k}", v, step)
-        self.tb.flush()
+        with disk_full_guard(self.path.parent / "tb"):  # TensorBoard's writer re-raises its thread's OSError here
+            for k, v in row.items():
+                if k not in ("step", "epoch", "kind") and isinstance(v, (int, float)):
+                    self.tb.add_scalar(f"{row['kind']}/{k}", v, step)
+            self.tb.flush()
 
     def close(self) -> None:
         if self.tb is not None:
