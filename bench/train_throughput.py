@@ -4,10 +4,12 @@ What one timed step is (the same calls as ``eagle3.train._run`` with ``grad_accu
 
 1. ``eagle3.ttt.compute_targets(last, lm_head [V, Ht], d2t, t2d, chunk=eagle3.train.TARGET_CHUNK)``
    under ``no_grad``: the verifier's soft targets from its last hidden state (full ``V``-column LM head);
-2. ``eagle3.train.TTTObjective`` (``drafter.ttt_forward`` over all ``ttt`` steps + ``ttt_loss``) under
+2. ``eagle3.train.backward_step``: the step's token counts and loss denominators
+   (``eagle3.ttt.step_denominators``, one all-reduce per step under DDP), then
+   ``eagle3.train.TTTObjective`` (``drafter.ttt_forward`` over all ``ttt`` steps + ``ttt_loss``) under
    ``torch.autocast(dtype=eagle3.train._autocast_dtype(...))`` (bf16 on GPU, none on CPU; the
-   drafter's weights stay float32 masters), optionally wrapped in ``torch.compile``;
-3. ``loss.backward()``, ``clip_grad_norm_(params, grad_clip)``, ``AdamW.step()``,
+   drafter's weights stay float32 masters), optionally wrapped in ``torch.compile``, and ``loss.backward()``;
+3. ``clip_grad_norm_(params, grad_clip)``, ``AdamW.step()``,
    ``zero_grad(set_to_none=True)``, ``LambdaLR.step()`` (``eagle3.schedule.build_scheduler``),
    with ``lr``, ``weight_decay``, ``grad_clip``, ``step_weight`` and ``warmup_ratio`` at their
    ``eagle3.config.TrainConfig`` defaults.
@@ -102,7 +104,6 @@ CPU DDP smoke run (gloo, two processes)::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import os
@@ -125,7 +126,7 @@ from eagle3.config import TrainConfig  # noqa: E402
 from eagle3.io import atomic_write_json  # noqa: E402
 from eagle3.model import DrafterArgs, Eagle3Drafter  # noqa: E402
 from eagle3.schedule import build_scheduler  # noqa: E402
-from eagle3.train import TARGET_CHUNK, DistInfo, TTTObjective, _autocast_dtype, init_distributed  # noqa: E402
+from eagle3.train import TARGET_CHUNK, DistInfo, TTTObjective, _autocast_dtype, backward_step, init_distributed  # noqa: E402
 from eagle3.ttt import compute_targets  # noqa: E402
 
 GIB = 1024**3
@@ -301,19 +302,20 @@ def build_step(s: Shape, device: torch.device, compile_objective: bool, checkpoi
                                   fused=device.type == "cuda")  # as train.py
     scheduler = build_scheduler(optimizer, total_steps, tc.warmup_ratio)
 
+    dinfo = ddp if wrapped else DistInfo(rank=0, world=1, local_rank=0, device=device)
+    batch = {"input_ids": input_ids, "aux": aux, "loss_mask": loss_mask}
+    weights = torch.tensor([tc.step_weight**i for i in range(s.ttt)], device=device)  # [K]
+
     def step() -> torch.Tensor:
         with torch.no_grad():
-            tl, ind, tam = compute_targets(last, head_lm, d2t_dev, t2d_dev, norm_weight=None,
-                                           chunk=TARGET_CHUNK)  # [1, L, dV] f32, [1, L] bool, [1, L] int64
-        ctx = torch.autocast(device_type=device.type, dtype=amp) if amp is not None else contextlib.nullcontext()
-        with ctx:
-            loss, _stats = model(input_ids, aux, tl, ind, tam, loss_mask)  # scalar f32, dict of [K]
-        loss.backward()
+            tg = compute_targets(last, head_lm, d2t_dev, t2d_dev, norm_weight=None,
+                                 chunk=TARGET_CHUNK)  # [1, L, dV] f32, [1, L] bool, [1, L] int64
+        (stats,) = backward_step(model, [batch], [tg], s.ttt, dinfo, amp)  # dict of [K]
         torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
-        return loss.detach()
+        return (weights * stats["loss"]).sum()  # this rank's TTT loss (per-step token means), no host sync
 
     def checksum() -> list[float]:
         tot = torch.zeros((), dtype=torch.float64, device=device)

@@ -17,20 +17,25 @@ One call of :func:`run` does, on every process (single process, or ``torchrun`` 
 5. Loop: AdamW, warmup + cosine per optimizer step (:mod:`eagle3.schedule`), gradient
    accumulation (DDP ``no_sync`` on the non-final micro-batches), gradient clipping, bf16 autocast
    on GPU only. The loss is :func:`eagle3.ttt.ttt_loss` against the verifier distribution computed
-   from the captured last hidden state by :func:`eagle3.ttt.compute_targets`. No host syncs in a
+   from the captured last hidden state by :func:`eagle3.ttt.compute_targets`, normalised over the
+   counted tokens of the whole optimizer step (:func:`backward_step`). No host syncs in a
    step except at log steps (every ``log_every``), where loss, per-TTT-step accuracy, LR, grad
    norm and tokens/s go to TensorBoard (``{train_dir}/tb``), ``{train_dir}/metrics.jsonl`` and the
    tqdm bar (rank 0).
-6. Validation on the ``val`` split every ``eval_every`` steps (default once per epoch) and at the end.
+6. Validation on the ``val`` split every ``eval_every`` steps (default once per epoch) and at the end:
+   each sample once (rank r takes samples r, r+W, ...), loss and accuracy token-weighted over all of them.
 7. Checkpoints (:mod:`eagle3.checkpoint`) every ``ckpt_every`` steps, on SIGTERM/SIGINT (the current
    step finishes first, then the process returns normally: exit 0) and at the end; ``resume=True``
    continues from the newest complete one, bit-identically on CPU (data order, LR, RNG).
 8. Export (rank 0) with :func:`eagle3.export.export_drafter` to ``cfg.export_dir``, and a report
    ``{train_dir}/train_report.{json,md}`` + ``loss.png``.
 
-DDP note: each rank's loss is the mean over its own counted tokens, and DDP averages gradients over
-ranks. That equals the single-process loss of the concatenated global batch when the ranks count
-the same number of tokens (SpecForge and the EAGLE reference trainers make the same choice).
+Loss normalisation (DESIGN.md "Loss normalisation"): the loss of TTT step ``i`` is the sum of the
+token cross-entropies over the counted positions of the whole optimizer step (all micro-batches, all
+ranks) divided by their number, so the gradient does not depend on how the step's samples are split
+into micro-batches and ranks (batch 2 x accumulation 1 == batch 1 x accumulation 2 == 2 ranks x
+batch 1). Each micro-batch's counts are taken before any backward pass of the step and summed over
+ranks by one all-reduce per optimizer step (:func:`eagle3.ttt.step_denominators`).
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 
 from eagle3 import checkpoint as ckpt
 from eagle3.config import RunConfig
@@ -250,9 +255,10 @@ class TTTObjective(nn.Module):
     """The drafter + TTT loss as one ``forward``, so that DDP sees every trainable use in forward.
 
     ``forward(input_ids [B,L] int64, aux [B,L,3Ht], target_logp [B,L,dV] float32, in_draft [B,L] bool,
-    target_argmax [B,L] int64, loss_mask [B,L]) -> (loss scalar, metrics)``, where ``metrics`` is
-    :func:`eagle3.ttt.ttt_loss`'s dict of per-TTT-step tensors ``[K]`` (``loss``, ``acc``,
-    ``correct``, ``count``).
+    target_argmax [B,L] int64, loss_mask [B,L], denom [K] float32 | None) -> (loss scalar, metrics)``,
+    where ``metrics`` is :func:`eagle3.ttt.ttt_loss`'s dict of per-TTT-step tensors ``[K]`` (``loss``,
+    ``ce_sum``, ``acc``, ``correct``, ``count``) and ``denom`` its per-step denominators (None = this
+    batch's own counts).
 
     Args:
         checkpoint_logits: recompute each step's ``[B, L, dV]`` logits in backward instead of
@@ -266,12 +272,55 @@ class TTTObjective(nn.Module):
         self.step_weight = step_weight
         self.checkpoint_logits = checkpoint_logits
 
-    def forward(self, input_ids, aux, target_logp, in_draft, target_argmax, loss_mask):
+    def forward(self, input_ids, aux, target_logp, in_draft, target_argmax, loss_mask, denom=None):
         from eagle3.ttt import TTTTargets, ttt_loss
 
         step_hiddens = self.drafter.ttt_forward(input_ids, aux, self.ttt_length)  # K x [B, L, H]
         return ttt_loss(self.drafter, step_hiddens, TTTTargets(target_logp, in_draft, target_argmax), loss_mask,
-                        step_weight=self.step_weight, checkpoint=self.checkpoint_logits)
+                        step_weight=self.step_weight, checkpoint=self.checkpoint_logits, denom=denom)
+
+
+def backward_step(model: nn.Module, batches: list[dict], targets: list, ttt_length: int, d: DistInfo,
+                  amp: Optional[torch.dtype] = None) -> list[dict]:
+    """Forward + backward of every micro-batch of ONE optimizer step, with the step-normalised loss.
+
+    First the counted positions of each micro-batch and TTT step (:func:`eagle3.ttt.ttt_token_counts`,
+    known from the loss mask and the verifier targets before any backward pass) are summed over the
+    micro-batches and, under DDP, over ranks (:func:`eagle3.ttt.step_denominators`: one all-reduce per
+    optimizer step, queued on the device, no host sync). Then each micro-batch's loss
+    ``sum_i step_weight**i * S_i / denom_i`` is backpropagated (DDP ``no_sync`` on all but the last),
+    so the accumulated gradient is that of ``sum_i step_weight**i * (step sum of CE of step i) / N_i``
+    whatever the split into micro-batches and ranks. Gradients accumulate into ``.grad``; the caller
+    clips, steps and zeroes.
+
+    Args:
+        model: :class:`TTTObjective`, possibly wrapped in DDP and/or ``torch.compile``.
+        batches: the micro-batches of this rank (``input_ids`` ``[B,L]``, ``aux`` ``[B,L,3Ht]``,
+            ``loss_mask`` ``[B,L]``, on the device); sizes may differ between micro-batches.
+        targets: :class:`eagle3.ttt.TTTTargets` of each batch (all alive at once: ``len(batches)`` x
+            ``[B, L, draft_V]`` float32).
+        ttt_length: ``K``.
+        d: this process's :class:`DistInfo` (every rank must call this once per optimizer step).
+        amp: autocast dtype on the device, or None.
+
+    Returns:
+        :func:`eagle3.ttt.ttt_loss`'s detached metrics of each micro-batch.
+    """
+    from eagle3.ttt import step_denominators, ttt_token_counts
+
+    counts = [ttt_token_counts(b["loss_mask"], tg.in_draft, ttt_length) for b, tg in zip(batches, targets)]  # [K] each
+    denom = step_denominators(counts, d.world)  # [K] float32: max(N_i, 1) / world
+    stats = []
+    for m, (b, tg) in enumerate(zip(batches, targets)):
+        last = m == len(batches) - 1
+        sync_ctx = model.no_sync() if (d.distributed and not last) else contextlib.nullcontext()
+        amp_ctx = torch.autocast(device_type=d.device.type, dtype=amp) if amp is not None else contextlib.nullcontext()
+        with sync_ctx:
+            with amp_ctx:
+                loss, st = model(b["input_ids"], b["aux"], tg.logp_draft, tg.in_draft, tg.argmax, b["loss_mask"], denom)
+            loss.backward()
+        stats.append(st)
+    return stats
 
 
 def trainable_state(drafter: nn.Module) -> dict[str, torch.Tensor]:
@@ -377,37 +426,40 @@ def _reduce_totals(totals: dict[str, torch.Tensor], d: DistInfo) -> dict[str, to
 class _Accum:
     """Sums a window of micro-batch results on the device without host syncs; read at log steps.
 
-    ``add(loss, metrics)`` takes the scalar TTT loss and :func:`eagle3.ttt.ttt_loss`'s metrics.
-    :meth:`summary` gives ``loss`` (mean over micro-batches), ``step_loss_{i}`` (mean per-step CE)
-    and ``acc_{i}`` = sum(correct) / sum(count) over the window (token-weighted, per TTT step i).
+    ``add(metrics)`` takes :func:`eagle3.ttt.ttt_loss`'s metrics. :meth:`summarize` gives, over the
+    window and (after :func:`_reduce_totals`) all ranks, token-weighted like the training loss:
+    ``step_loss_{i}`` = sum of CE / number of counted positions of TTT step ``i``, ``loss`` =
+    ``sum_i step_weight**i * step_loss_{i}`` (for a window of one optimizer step: exactly the loss
+    that step minimised), ``acc_{i}`` = sum(correct) / sum(count), ``loss_tokens`` = counted
+    positions of step 0. The sums start at zeros ``[K]`` so that every rank reduces the same keys,
+    even a rank that saw no batch.
     """
 
-    def __init__(self):
-        self.sums: dict[str, torch.Tensor] = {}
+    def __init__(self, ttt_length: int):
+        self.sums = {k: torch.zeros(ttt_length, dtype=torch.float64) for k in ("ce_sum", "correct", "count")}
         self.n = 0
 
-    def add(self, loss: torch.Tensor, metrics: dict) -> None:
+    def add(self, metrics: dict) -> None:
         self.n += 1
-        vals = {"loss": loss.detach().float(), "step_loss": metrics["loss"].detach().float(),  # [], [K]
-                "correct": metrics["correct"].detach().float(), "count": metrics["count"].detach().float()}  # [K]
-        for k, v in vals.items():
-            self.sums[k] = self.sums[k] + v if k in self.sums else v.clone()
+        for k in self.sums:
+            v = metrics[k].detach().to(torch.float64)  # [K] on the device
+            self.sums[k] = v.clone() if self.n == 1 else self.sums[k] + v  # the CPU zeros never meet the device
 
     def totals(self) -> dict[str, torch.Tensor]:
-        """Raw sums (for cross-rank reduction) plus ``n``."""
+        """Raw sums (for cross-rank reduction) plus ``n`` (micro-batches)."""
         return dict(self.sums, n=torch.tensor(float(self.n)))
 
     @staticmethod
-    def summarize(sums: dict[str, torch.Tensor]) -> dict[str, float]:
+    def summarize(sums: dict[str, torch.Tensor], step_weight: float) -> dict[str, float]:
         """Host-side floats from (possibly rank-summed) :meth:`totals`."""
         if not sums or float(sums["n"]) == 0:
             return {}
-        n = float(sums["n"])
-        out = {"loss": float(sums["loss"]) / n}
-        for i, x in enumerate((sums["step_loss"] / n).tolist()):
+        count = sums["count"].clamp(min=1)  # [K]
+        step_loss = (sums["ce_sum"] / count).tolist()  # [K]
+        out = {"loss": sum(step_weight**i * x for i, x in enumerate(step_loss))}
+        for i, x in enumerate(step_loss):
             out[f"step_loss_{i}"] = x
-        acc = sums["correct"] / sums["count"].clamp(min=1)  # [K]
-        for i, x in enumerate(acc.tolist()):
+        for i, x in enumerate((sums["correct"] / count).tolist()):
             out[f"acc_{i}"] = x
         out["loss_tokens"] = float(sums["count"][0])
         return out
@@ -606,32 +658,32 @@ def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: O
             return compute_targets(batch["last"], head_lm, d2t_dev, t2d_dev, norm_weight=head_norm,
                                    norm_eps=head_eps, chunk=TARGET_CHUNK)
 
-    def forward(batch, module: nn.Module):
-        tl, ind, tam = targets(batch)  # [B,L,dV], [B,L], [B,L]
-        ctx = torch.autocast(device_type=d.device.type, dtype=amp) if amp is not None else contextlib.nullcontext()
-        with ctx:
-            return module(batch["input_ids"], batch["aux"], tl, ind, tam, batch["loss_mask"])
-
     def validate() -> dict:
         if val_ds is None:
             return {}
-        vs = DistributedSampler(val_ds, num_replicas=d.world, rank=d.rank, shuffle=False, drop_last=False)
-        vl = DataLoader(val_ds, batch_size=t.batch_size, sampler=vs, collate_fn=collate)
-        acc = _Accum()
+        # each sample exactly once (no DistributedSampler padding, which would count some twice);
+        # ranks may get different numbers of batches: nothing below is a collective until the reduce
+        vl = DataLoader(val_ds, batch_size=t.batch_size, sampler=list(range(d.rank, len(val_ds), d.world)),
+                        collate_fn=collate)
+        acc = _Accum(t.ttt_length)
         drafter.eval()
         with torch.no_grad():
             for batch in vl:
                 batch = _move_batch(batch, d.device, feat_dtype)
-                loss, stats = forward(batch, objective)  # no DDP wrapper: no gradient sync in eval
-                acc.add(loss, stats)
+                tl, ind, tam = targets(batch)  # [B,L,dV], [B,L], [B,L]
+                ctx = torch.autocast(device_type=d.device.type, dtype=amp) if amp is not None \
+                    else contextlib.nullcontext()
+                with ctx:  # no DDP wrapper: no gradient sync in eval
+                    _loss, stats = objective(batch["input_ids"], batch["aux"], tl, ind, tam, batch["loss_mask"])
+                acc.add(stats)
         drafter.train()
-        return _Accum.summarize(_reduce_totals(acc.totals(), d))
+        return _Accum.summarize(_reduce_totals(acc.totals(), d), t.step_weight)
 
     # ---- loop --------------------------------------------------------------------------------
     drafter.train()
     stopped = False
     steps_this_call = 0
-    window = _Accum()
+    window = _Accum(t.ttt_length)
     tok_window = 0  # real (non-pad) tokens of this rank since the last log, from CPU lengths
     t_window = time.perf_counter()
     paused = 0.0  # seconds of validation / checkpoint writes inside the current log window (not counted)
@@ -651,16 +703,14 @@ def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: O
             for _ in range(k, steps_per_epoch):
                 if step >= total_steps:
                     break
-                for micro in range(t.grad_accum):
+                batches = []
+                for _micro in range(t.grad_accum):
                     batch = next(it)
                     tok_window += int(batch["lengths"].sum())
-                    batch = _move_batch(batch, d.device, feat_dtype)
-                    sync = micro == t.grad_accum - 1
-                    ctx = model.no_sync() if (d.distributed and not sync) else contextlib.nullcontext()
-                    with ctx:
-                        loss, stats = forward(batch, model)
-                        (loss / t.grad_accum).backward()
-                    window.add(loss, stats)
+                    batches.append(_move_batch(batch, d.device, feat_dtype))
+                for stats in backward_step(model, batches, [targets(b) for b in batches], t.ttt_length, d, amp):
+                    window.add(stats)
+                del batches
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -671,7 +721,7 @@ def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: O
                 samples_in_epoch += samples_per_step_global
                 bar.update(1)
                 if step % t.log_every == 0 or step == total_steps:
-                    means = _Accum.summarize(_reduce_totals(window.totals(), d))
+                    means = _Accum.summarize(_reduce_totals(window.totals(), d), t.step_weight)
                     elapsed = time.perf_counter() - t_window - paused  # includes the sync of this log step
                     toks = _sum_ranks([float(tok_window)], d)[0]
                     tok_total, t_total = tok_total + toks, t_total + elapsed
@@ -679,7 +729,7 @@ def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: O
                            "grad_norm": float(grad_norm), "tokens_per_s": toks / max(elapsed, 1e-9), **means}
                     metrics.write(row)
                     bar.set_postfix(loss=f"{means.get('loss', float('nan')):.4f}", lr=f"{lr_used:.2e}")
-                    window = _Accum()
+                    window = _Accum(t.ttt_length)
                     tok_window, t_window, paused = 0, time.perf_counter(), 0.0
                 t_pause = time.perf_counter()
                 if step % eval_every == 0 and step != total_steps:

@@ -5,6 +5,14 @@ All indexing follows DESIGN.md "TTT indexing": drafter step ``i`` at position ``
 vocabulary and renormalised; it is counted iff ``t+2+i <= L-1``, ``loss_mask[t+2+i] == 1`` and the
 verifier's full-vocab argmax at ``t+1+i`` lies in the draft vocabulary. Step ``i`` is weighted
 ``step_weight ** i`` (0.8 in the EAGLE-3 paper, arXiv 2503.01840, and SpecForge).
+
+Normalisation over an optimizer step (DESIGN.md "Loss normalisation"): the loss of step ``i`` is the
+sum of the per-token cross-entropies over the counted positions of the WHOLE optimizer step (every
+micro-batch of gradient accumulation, every DDP rank) divided by the number of those positions. A
+trainer counts them up front with :func:`ttt_token_counts`, turns the counts of all its micro-batches
+into per-step denominators with :func:`step_denominators` (one all-reduce per optimizer step), and
+passes them to :func:`ttt_loss` as ``denom``; the gradient is then independent of how the step's
+samples are split into micro-batches and ranks.
 """
 
 from __future__ import annotations
@@ -94,6 +102,58 @@ def compute_targets(
     return TTTTargets(logp.view(B, L, -1), t2d[amax].view(B, L), amax.view(B, L))
 
 
+def _valid_positions(loss_mask: torch.Tensor, in_draft: torch.Tensor, i: int) -> torch.Tensor:
+    """Counted positions of TTT step ``i``: ``[B, n]`` bool over ``t = 0..n-1`` with ``n = L - 2 - i``
+    (``loss_mask[:, t+2+i] == 1`` and ``in_draft[:, t+1+i]``); ``n <= 0`` gives ``[B, 0]``."""
+    L = loss_mask.shape[1]
+    n = max(L - 2 - i, 0)
+    return loss_mask[:, 2 + i : 2 + i + n].bool() & in_draft[:, 1 + i : 1 + i + n].to(loss_mask.device)
+
+
+def ttt_token_counts(loss_mask: torch.Tensor, in_draft: torch.Tensor, ttt_length: int) -> torch.Tensor:
+    """Number of counted positions of each TTT step in one (micro-)batch, without the drafter.
+
+    The same rule as :func:`ttt_loss` (DESIGN.md "TTT indexing"): step ``i`` counts position ``t``
+    iff ``t + 2 + i <= L - 1``, ``loss_mask[:, t+2+i] == 1`` and ``in_draft[:, t+1+i]``.
+
+    Args:
+        loss_mask: ``[B, L]`` int/bool, 1 on assistant tokens (0 on padding).
+        in_draft: ``[B, L]`` bool, :attr:`TTTTargets.in_draft` of the same batch.
+        ttt_length: number of TTT steps ``K``.
+
+    Returns:
+        int64 ``[K]`` on ``loss_mask``'s device (no host sync).
+    """
+    return torch.stack([_valid_positions(loss_mask, in_draft, i).sum() for i in range(ttt_length)])  # [K]
+
+
+def step_denominators(counts: list[torch.Tensor], world_size: int = 1, group=None) -> torch.Tensor:
+    """Per-TTT-step loss denominators for every micro-batch of one optimizer step.
+
+    ``N_i`` = the counted positions of step ``i`` summed over the micro-batches in ``counts`` and,
+    when ``world_size > 1``, over all ranks (ONE ``all_reduce`` of a ``[K]`` tensor per optimizer
+    step, on ``group``: on CUDA tensors it is queued on the device, no host sync). Returns
+    ``max(N_i, 1) / world_size``: a micro-batch loss ``sum_i w**i * S_i / denom_i`` (``S_i`` its
+    summed cross-entropy of step ``i``) then makes the DDP-averaged, micro-batch-summed gradient equal
+    the gradient of ``sum_i w**i * (sum of all S_i) / N_i`` (DDP divides gradients by ``world_size``,
+    which the denominator multiplies back). Steps with no counted position anywhere contribute 0.
+
+    Args:
+        counts: :func:`ttt_token_counts` of each micro-batch of this rank (int64 ``[K]`` each).
+        world_size: number of DDP ranks (every rank must call this, with the same ``K``).
+        group: ``torch.distributed`` process group (None = the default group).
+
+    Returns:
+        float32 ``[K]`` on the device of ``counts``.
+    """
+    total = torch.stack(list(counts)).sum(0).to(torch.float64)  # [K]
+    if world_size > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(total, group=group)
+    return (total.clamp(min=1) / world_size).float()  # [K]
+
+
 def _step_terms(drafter, h: torch.Tensor, tgt_logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-position soft CE ``-(p * log q).sum`` ``[B, n]`` float32 and drafter argmax ``[B, n]`` (draft ids)."""
     logits = drafter.compute_logits(h).float()  # [B, n, draft_V]
@@ -110,13 +170,16 @@ def ttt_loss(
     step_weight: float = 0.8,
     checkpoint: bool = False,
     compact: Optional[bool] = None,
+    denom: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """EAGLE-3 TTT loss: weighted sum over steps of the mean soft-label cross-entropy.
 
     For step ``i`` (hidden ``step_hiddens[i]`` ``[B, L, H]``) position ``t`` is valid iff
     ``t + 2 + i <= L - 1`` and ``loss_mask[:, t+2+i] == 1`` and ``targets.in_draft[:, t+1+i]``.
-    ``loss_i = sum_valid CE(p_{t+1+i}, q_{i,t}) / max(1, #valid)`` (mean over the valid positions of
-    the whole batch, not per sample) and ``loss = sum_i step_weight**i * loss_i``. Logits are built
+    ``S_i = sum_valid CE(p_{t+1+i}, q_{i,t})`` and ``loss = sum_i step_weight**i * S_i / denom_i``,
+    where ``denom_i = max(1, #valid)`` of this batch by default (the mean over the valid positions of
+    the whole batch, not per sample), or the given ``denom`` (:func:`step_denominators`: the count of
+    the whole optimizer step, so that micro-batch losses add up to the step's mean). Logits are built
     one step at a time (``[B, L, draft_V]`` at most once alive with ``checkpoint=True``, which
     recomputes them in backward instead of storing them).
 
@@ -133,26 +196,29 @@ def ttt_loss(
         compact: build logits only at the valid positions (gathered rows) instead of all ``[B, n]``;
             the same sums, so the same loss and gradients. Saves the ``lm_head`` matmul on prompt
             tokens, but the gather needs a host sync, so ``None`` (auto) = on for CPU tensors only.
+        denom: float ``[K]`` per-step denominators (:func:`step_denominators`), or None.
 
     Returns:
         ``(loss, metrics)``: scalar float32 loss (differentiable) and detached tensors, no host sync:
-        ``loss`` ``[K]`` per-step mean CE, ``acc`` ``[K]``, ``correct`` ``[K]`` int64,
-        ``count`` ``[K]`` int64 (valid positions), with ``K = len(step_hiddens)``.
+        ``loss`` ``[K]`` per-step mean CE over this batch's valid positions, ``ce_sum`` ``[K]`` float32
+        (``S_i``), ``acc`` ``[K]``, ``correct`` ``[K]`` int64, ``count`` ``[K]`` int64 (valid
+        positions), with ``K = len(step_hiddens)``.
     """
     B, L = loss_mask.shape
     dev = step_hiddens[0].device
     mask_all = loss_mask.to(dev).bool()  # [B, L]
     total = torch.zeros((), dtype=torch.float32, device=dev)
-    losses, corrects, counts = [], [], []
+    losses, sums, corrects, counts = [], [], [], []
     for i, h in enumerate(step_hiddens):
         n = L - 2 - i  # positions t = 0..L-3-i satisfy t+2+i <= L-1
         if n <= 0:
             zero = torch.zeros((), device=dev)
             losses.append(zero)
+            sums.append(zero)
             corrects.append(zero.long())
             counts.append(zero.long())
             continue
-        valid = mask_all[:, 2 + i : 2 + i + n] & targets.in_draft[:, 1 + i : 1 + i + n]  # [B, n]
+        valid = _valid_positions(mask_all, targets.in_draft, i)  # [B, n]
         tgt = targets.logp_draft[:, 1 + i : 1 + i + n]  # [B, n, draft_V]
         use_compact = (h.device.type == "cpu") if compact is None else compact
         hs, tgt_am = h[:, :n], targets.argmax[:, 1 + i : 1 + i + n]  # [B, n, H], [B, n]
@@ -164,16 +230,19 @@ def ttt_loss(
         else:
             ce, pred = _step_terms(drafter, hs, tgt)
         cnt = valid.sum()
-        step_loss = (ce * valid).sum() / cnt.clamp(min=1)
-        total = total + (step_weight**i) * step_loss
+        ce_sum = (ce * valid).sum()  # S_i
+        step_loss = ce_sum / cnt.clamp(min=1)
+        total = total + (step_weight**i) * (step_loss if denom is None else ce_sum / denom[i])
         correct = ((drafter.draft_to_target(pred) == tgt_am) & valid).sum()
         losses.append(step_loss.detach())
+        sums.append(ce_sum.detach())
         corrects.append(correct)
         counts.append(cnt)
     counts_t = torch.stack(counts)
     corrects_t = torch.stack(corrects)
     metrics = {
         "loss": torch.stack(losses).float(),
+        "ce_sum": torch.stack(sums).float(),
         "acc": corrects_t.float() / counts_t.clamp(min=1).float(),
         "correct": corrects_t,
         "count": counts_t,

@@ -1,8 +1,9 @@
 """DDP equivalence: 2 gloo processes on CPU (torchrun) == 1 process on the same global batch.
 
-The ranks must count equal numbers of loss tokens for the per-rank-mean + DDP-average loss to equal
-the single-process mean (see ``eagle3.train``): equal-length samples, full loss mask, and a draft
-vocab equal to the full vocab (every verifier argmax is in the draft vocab).
+Several optimizer steps over two epochs (data order, LR schedule, checkpoint state across ranks). The
+loss is normalised over the tokens of the whole optimizer step on all ranks (DESIGN.md "Loss
+normalisation"), so the ranks need not count equal numbers of tokens; unequal counts are tested on the
+first step's gradient in ``tests/test_loss_norm.py``.
 """
 
 from __future__ import annotations
