@@ -103,6 +103,9 @@ class ExtractConfig(_Strict):
                           "tool calls and end-of-turn token")
     batch_tokens: int = Field(16384, ge=1, description="padded tokens per prefill batch (HF backend)")
     rows_per_dir: int = Field(2000, ge=1, description="samples per rows_{start}-{end} folder")
+    tokenize_workers: Optional[int] = Field(
+        None, ge=1, description="processes that tokenize conversations and build loss masks; null = the usable CPU "
+        "cores divided by the local torchrun ranks; 1 = in-process (the result is the same for any count)")
     sglang_url: Optional[str] = None
     capture_dir: Optional[str] = Field(None, description="where the patched SGLang server writes tensors")
     sglang_tp_size: int = Field(1, ge=1, description="--tp-size the capture server was launched with (recorded in metadata)")

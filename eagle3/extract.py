@@ -49,6 +49,7 @@ tiny verifier mid-way. It has no other effect.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -149,12 +150,26 @@ def read_prompts(path: str | os.PathLike, limit: Optional[int] = None) -> list[d
 MAX_SKIPPED_IDS = 1000  # ids of skipped conversations kept per reason in data_config / the report
 
 
+def _tokenize_one(tokenizer, rec: dict, *, max_length: int, opts, too_long: str, where: str):
+    """The per-conversation step of :func:`tokenize_prompts` (module-level: runs in
+    :mod:`eagle3.tokenize_pool` workers): :func:`eagle3.chat.conversation_samples` of ``rec``; a
+    template-wide error becomes ``UserError("{where}:{line}: ...")``."""
+    from eagle3.chat import conversation_samples
+
+    try:
+        return conversation_samples(tokenizer, rec["messages"], max_length, opts, too_long, rec.get("tools"))
+    except UserError as e:
+        raise UserError(f"{where}:{rec['line']}: {e}") from e
+
+
 def tokenize_prompts(tokenizer, prompts: list[dict], cfg: RunConfig, prompts_path: Path
                      ) -> tuple[list[Sample], Counter, dict[str, list[str]]]:
     """Turn every conversation into training samples with :func:`eagle3.chat.conversation_samples`.
 
     A conversation gives one sample (id = its id) or, when the template's history changes as turns
-    are added, several (ids ``{id}#turn{n}``); dense ``idx`` in file order over all samples.
+    are added, several (ids ``{id}#turn{n}``); dense ``idx`` in file order over all samples. The
+    conversations are spread over ``extract.tokenize_workers`` processes (:mod:`eagle3.tokenize_pool`;
+    results in file order, so nothing here depends on the worker count).
 
     Returns:
         ``(samples, counts, skipped_ids)``: counts ``skipped_too_long`` (``too_long: skip``),
@@ -165,21 +180,20 @@ def tokenize_prompts(tokenizer, prompts: list[dict], cfg: RunConfig, prompts_pat
 
     Raises:
         UserError: template-wide problems (no template, template ignores add_generation_prompt),
-            or every conversation failed to render (message prefixed with the first one's file:line).
+            or every conversation failed to render (message prefixed with the first one's file:line);
+            the conversation named is the first in file order, whatever the worker count.
     """
-    from eagle3.chat import ChatOptions, conversation_samples
+    from eagle3.chat import ChatOptions
+    from eagle3.tokenize_pool import map_records
 
     ex = cfg.extract
-    opts = ChatOptions.from_config(cfg)
+    one = functools.partial(_tokenize_one, max_length=ex.max_length, opts=ChatOptions.from_config(cfg),
+                            too_long=ex.too_long, where=str(prompts_path))
     samples: list[Sample] = []
     counts: Counter = Counter()
     skipped: dict[str, list[str]] = {}
     first_failure = None
-    for rec in tqdm(prompts, desc="tokenize", unit="conv", mininterval=2.0):
-        try:
-            res = conversation_samples(tokenizer, rec["messages"], ex.max_length, opts, ex.too_long, rec.get("tools"))
-        except UserError as e:
-            raise UserError(f"{prompts_path}:{rec['line']}: {e}") from e
+    for rec, res in zip(prompts, map_records(one, tokenizer, prompts, workers=ex.tokenize_workers, desc="tokenize")):
         counts.update(res.counts)
         if res.skip_reason is not None:
             ids = skipped.setdefault(res.skip_reason.split(":", 1)[0] if res.skip_reason.startswith("render_failed")
