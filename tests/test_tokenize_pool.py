@@ -41,7 +41,7 @@ def _conversations(tok, n: int = 50) -> list[dict]:
             msgs += [{"role": "user", "content": _text(i, 4)},
                      {"role": "assistant", "content": tok.decode(ids), "tokens": ids}]
         elif kind == 3:  # long: over max_length
-            msgs += [{"role": "user", "content": _text(i, 60)}, {"role": "assistant", "content": _text(i, 80)}]
+            msgs += [{"role": "user", "content": _text(i, 10)}, {"role": "assistant", "content": _text(i, 90)}]
         elif kind == 4:  # multi-turn, regenerated
             a = tok(_text(i, 3), add_special_tokens=False)["input_ids"]
             b = tok(_text(i + 5, 6), add_special_tokens=False)["input_ids"]
