@@ -66,6 +66,8 @@ def test_tiny_pipeline_end_to_end(tiny_llama_dir, tmp_path):
     cfg = json.loads((out / "drafter-sglang" / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 3]
+    assert cfg["torch_dtype"] == cfg["dtype"] == "bfloat16"  # export.dtype; 05 below benchmarks this bf16 export
+    assert cfg["eagle3_train"]["engine"] == "sglang" and cfg["eagle3_train"]["aux_layers_hf"] == [1, 3, 4]
 
     # 04 --export-only --engine vllm: the same weights in the speculators format (vLLM ids = HF ids).
     r = subprocess.run([sys.executable, str(ROOT / "04_train.py"), "--config", str(ROOT / "configs/tiny-llama.yaml"),
