@@ -183,3 +183,22 @@ def test_server_bench_checks_the_servers_draft_folder(tmp_path, monkeypatch):
         server_bench.draft_folder_warnings(cfg, "http://x")
     path["p"] = tmp_path / "not-here"
     assert server_bench.draft_folder_warnings(SimpleNamespace(shards_dir=tmp_path), "http://x") == []
+
+
+def test_kimi_drafter_export_size_bf16_vs_fp32():
+    """README figure: the Kimi-K2.5 drafter of configs/kimi-k2.5.yaml exports 985,427,968 weights
+    (embedding omitted) = 1.97 GB in bf16, 3.94 GB in fp32 (shapes on the meta device, no weights)."""
+    from eagle3.config import load_config
+    from eagle3.export import SGLANG_KEYS
+
+    c = load_config(Path(__file__).resolve().parents[1] / "configs" / "kimi-k2.5.yaml").drafter
+    a = DrafterArgs(hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
+                    num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, intermediate_size=c.intermediate_size,
+                    rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta, max_position_embeddings=c.max_position_embeddings,
+                    draft_vocab_size=32000, target_vocab_size=163840, target_hidden_size=7168)
+    with torch.device("meta"):
+        sd = Eagle3Drafter(a).state_dict()
+    n = sum(sd[k].numel() for k in SGLANG_KEYS if sd[k].is_floating_point())
+    # fc 3*7168*7168 + q 14336*8192 + k,v 2*14336*1024 + o 8192*7168 + mlp 3*7168*18432 + 4 norms + lm_head 32000*7168
+    assert n == 154140672 + 117440512 + 2 * 14680064 + 58720256 + 396361728 + 4 * 7168 + 229376000 == 985427968
+    assert (round(2 * n / 1e9, 2), round(4 * n / 1e9, 2)) == (1.97, 3.94)
