@@ -189,3 +189,19 @@ def test_every_conversation_failing_to_render_is_fatal(tmp_path, smollm_tokenize
     with pytest.raises(UserError, match=r"every conversation failed to render; the first: .*prompts.jsonl:1: "
                                         r"conversation 'c1' skipped: render_failed: .*template broken"):
         tokenize_prompts(smollm_tokenizer, read_prompts(cfg.prompts_path), cfg, cfg.prompts_path)
+
+
+def test_stage02_stops_on_a_template_ignoring_generation_prompt(tmp_path, smollm_tokenizer):
+    from test_chat_templates import BROKEN_CHATML
+
+    cfg = _cfg(tmp_path, "v")
+    cfg.verifier.chat_template = BROKEN_CHATML
+    _jsonl(cfg.prompts_path, [{"id": "p", "messages": [{"role": "user", "content": "q"},
+                                                        {"role": "assistant", "content": "a"}]}])
+    with pytest.raises(UserError, match=r"prompts.jsonl:1: verifier.chat_template: verifier.chat_template \(from the "
+                                        r"config\), sha256 [0-9a-f]{12} ignores add_generation_prompt"):
+        tokenize_prompts(smollm_tokenizer, read_prompts(cfg.prompts_path), cfg, cfg.prompts_path)
+    cfg.verifier.reply_start = "<|im_start|>assistant\n"
+    samples, _, _ = tokenize_prompts(smollm_tokenizer, read_prompts(cfg.prompts_path), cfg, cfg.prompts_path)
+    masked = smollm_tokenizer.decode([t for t, m in zip(samples[0].input_ids, samples[0].loss_mask) if m])
+    assert masked == "a<|im_end|>"
