@@ -72,6 +72,23 @@ class VerifierConfig(_Strict):
         return self.path + (f"/{self.gguf_file}" if self.gguf_file else "")
 
 
+class RegenServerConfig(_Strict):
+    """Stage 01 regeneration through serving endpoints (``prompts.regenerate_via: sglang|openai``)."""
+
+    urls: list[str] = Field(default_factory=list, description="server base URLs, one per serving node (e.g. http://node1:30000); load is spread over them")
+    model: Optional[str] = Field(None, description="'model' field of OpenAI requests; default: verifier.name, else the server's only model")
+    api_key_env: Optional[str] = Field(None, description="name of an environment variable holding a bearer token (hosted endpoints); never the key itself")
+    requests_per_endpoint: int = Field(8, ge=1, description="requests in flight per endpoint")
+    timeout_s: float = Field(600.0, gt=0, description="seconds allowed for one request (a whole answer)")
+    max_attempts: int = Field(5, ge=1, description="attempts per request (timeouts, connection errors, HTTP 5xx/429 are retried); then the conversation is counted as failed and the run goes on")
+    backoff_s: float = Field(1.0, ge=0, description="wait after the first failed attempt; doubled after each further one")
+    backoff_max_s: float = Field(60.0, ge=0, description="cap of the wait between attempts")
+    dead_after: int = Field(3, ge=1, description="failed attempts in a row that take an endpoint out of rotation")
+    revive_after_s: float = Field(30.0, ge=0, description="seconds out of rotation before an endpoint is probed again")
+    give_up_after_s: float = Field(300.0, ge=0, description="stop the run (resumable) when every endpoint has been out of rotation this long")
+    extra_body: dict = Field(default_factory=dict, description="extra fields merged into every request body (e.g. {top_k: 1}); for sglang into sampling_params")
+
+
 class PromptsConfig(_Strict):
     """Stage 01: where conversations come from and whether the verifier rewrites the answers."""
 
@@ -87,6 +104,12 @@ class PromptsConfig(_Strict):
     regenerate: bool = Field(False, description="replace assistant turns with the verifier's own greedy answers")
     max_new_tokens: int = Field(256, ge=1)
     gen_batch_size: int = Field(16, ge=1)
+    regenerate_via: Literal["local", "sglang", "openai"] = Field(
+        "local", description="local = in-process greedy (transformers); sglang = SGLang native /generate (token ids in and out); "
+        "openai = /v1/chat/completions (vLLM, SGLang, hosted; text out)")
+    temperature: float = Field(0.0, ge=0, description="sampling temperature of server regeneration (0 = greedy; the local path is always greedy)")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling of server regeneration")
+    server: RegenServerConfig = Field(default_factory=RegenServerConfig, description="endpoints for regenerate_via: sglang|openai")
 
 
 class ExtractConfig(_Strict):

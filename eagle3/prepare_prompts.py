@@ -24,6 +24,7 @@ from typing import Optional
 
 from pydantic import ValidationError
 
+from eagle3.chat import ChatOptions
 from eagle3.config import PromptsConfig, RunConfig
 from eagle3.errors import UserError
 from eagle3.io import atomic_write_json, atomic_write_jsonl, atomic_write_text
@@ -43,6 +44,13 @@ def report_markdown(report: dict) -> str:
                                  "kept", "regenerated", "inline_reasoning_split") if k in c]
     reg = report.get("regeneration")
     if reg:
+        if "via" in reg:
+            rows += [("regeneration: via", reg["via"])]
+        if "failed" in reg:
+            rows += [("regeneration: failed conversations", reg["failed"]), ("regeneration: retried requests", reg["retries"]),
+                     ("regeneration: resumed from the log", reg["resumed"])]
+        if "sampling" in reg:
+            rows += [(f"sampling: {k}", json.dumps(v) if isinstance(v, dict) else v) for k, v in reg["sampling"].items()]
         rows += [("regeneration: new tokens", reg["new_tokens"]), ("regeneration: truncated answers", reg["truncated"]),
                  ("regeneration: seconds", f"{reg['seconds']:.1f}"),
                  ("regeneration: tokens/s", f"{reg['tokens_per_s']:.1f}" if reg["tokens_per_s"] else "n/a")]
@@ -51,6 +59,14 @@ def report_markdown(report: dict) -> str:
     lines = ["# Stage 01: prompts", "", f"source: `{src}`", "", "| item | value |", "|---|---:|"]
     lines += [f"| {k} | {v} |" for k, v in rows]
     return "\n".join(lines) + "\n"
+
+
+def _had_failures(rep: Path) -> bool:
+    try:
+        reg = json.loads(rep.read_text(encoding="utf-8")).get("regeneration") or {}
+    except (json.JSONDecodeError, AttributeError, OSError):
+        return False
+    return bool(reg.get("failed"))
 
 
 def report_path(cfg: RunConfig) -> Path:
@@ -84,9 +100,42 @@ def settings(cfg: RunConfig, limit: Optional[int]) -> dict:
         for key in ("chat_template_kwargs", "reply_start"):
             if getattr(cfg.verifier, key):
                 s[key] = getattr(cfg.verifier, key)
+        if pc.regenerate_via != "local":  # endpoints, concurrency and timeouts may change between runs
+            s.update(regenerate_via=pc.regenerate_via, temperature=pc.temperature, top_p=pc.top_p,
+                     model=pc.server.model, extra_body=pc.server.extra_body)
     if tuple(cfg.verifier.think_tags) != ("<think>", "</think>"):
         s["think_tags"] = list(cfg.verifier.think_tags)
     return s
+
+
+def partial_path(cfg: RunConfig) -> Path:
+    """The resume log of server regeneration, next to ``cfg.prompts_path``."""
+    from eagle3.regen_server import PARTIAL_NAME
+
+    return cfg.prompts_path.parent / PARTIAL_NAME
+
+
+def _regenerate(cfg: RunConfig, convs: list[dict], want: dict, stats: dict) -> list[dict]:
+    """Regenerate the answers in-process (``local``) or through the configured endpoints."""
+    pc = cfg.prompts
+    if pc.regenerate_via == "local":
+        if pc.temperature != 0 or pc.top_p != 1:
+            raise UserError("prompts.temperature/top_p: the local path decodes greedily; sampling needs "
+                            "prompts.regenerate_via: sglang or openai")
+        from eagle3.regenerate import regenerate as regen
+        from eagle3.verifier import load_verifier
+
+        model, tok = load_verifier(cfg.verifier)
+        return regen(model, tok, convs, pc.max_new_tokens, pc.gen_batch_size, stats=stats,
+                     opts=ChatOptions.from_config(cfg))
+    from eagle3.regen_server import regenerate_via_server
+    from eagle3.verifier import load_tokenizer
+
+    if not pc.server.urls:
+        raise UserError(f"prompts.server.urls: needed for prompts.regenerate_via: {pc.regenerate_via}")
+    tok = load_tokenizer(cfg.verifier)
+    return regenerate_via_server(convs, tok, pc, ChatOptions.from_config(cfg), partial_path=partial_path(cfg),
+                                 settings=want, stats=stats)
 
 
 def run(cfg: RunConfig, source: Optional[str] = None, fmt: Optional[str] = None, regenerate: Optional[bool] = None,
@@ -124,7 +173,7 @@ def run(cfg: RunConfig, source: Optional[str] = None, fmt: Optional[str] = None,
             old = json.loads(rep.read_text(encoding="utf-8")).get("settings")
         except (json.JSONDecodeError, AttributeError):
             old = None
-        if old == want:
+        if old == want and not _had_failures(rep):
             print(f"prompts up to date: {out} ({rep.name} settings unchanged; use --force to redo)")
             return 0
 
@@ -154,14 +203,12 @@ def run(cfg: RunConfig, source: Optional[str] = None, fmt: Optional[str] = None,
 
     regen_stats: dict = {}
     if pc.regenerate:
-        from eagle3.regenerate import regenerate as regen
-        from eagle3.verifier import load_verifier
-
-        model, tok = load_verifier(cfg.verifier)
-        from eagle3.chat import ChatOptions
-
-        convs = regen(model, tok, convs, pc.max_new_tokens, pc.gen_batch_size, stats=regen_stats,
-                      opts=ChatOptions.from_config(cfg))
+        if force:
+            partial_path(cfg).unlink(missing_ok=True)
+        convs = _regenerate(cfg, convs, want, regen_stats)
+        if not convs:
+            raise UserError(f"prompts.server.urls: every conversation failed to regenerate "
+                            f"({regen_stats.get('failed', 0)} failed; see the error lines above)")
 
     report = {
         "settings": want,
@@ -181,11 +228,21 @@ def run(cfg: RunConfig, source: Optional[str] = None, fmt: Optional[str] = None,
     }
     if regen_stats:
         secs = regen_stats["seconds"]
-        report["regeneration"] = {**regen_stats,
+        report["regeneration"] = {**regen_stats, "via": pc.regenerate_via,
                                   "tokens_per_s": regen_stats["new_tokens"] / secs if secs > 0 else None}
+        if pc.regenerate_via != "local":
+            report["regeneration"]["sampling"] = {
+                "max_new_tokens": pc.max_new_tokens, "temperature": pc.temperature, "top_p": pc.top_p,
+                "chat_template_kwargs": dict(cfg.verifier.chat_template_kwargs), "extra_body": pc.server.extra_body}
     atomic_write_jsonl(out, convs)
     atomic_write_json(rep, report)
     atomic_write_text(rep.with_suffix(".md"), report_markdown(report))
+    failed = regen_stats.get("failed", 0)
+    if pc.regenerate and pc.regenerate_via != "local" and not failed:
+        partial_path(cfg).unlink(missing_ok=True)  # everything is in the final file now
+    if failed:
+        print(f"regeneration: {failed} conversation(s) failed (ids in {rep.name}); they are not in {out.name}. "
+              f"Rerun the same command to retry only those.")
     c = report["counts"]
     print(f"prompts: {out} ({c['kept']} conversations; read {c['read']}, skipped {sum(c['skipped'].values())}, "
           f"deduped {c['deduped']}, regenerated {c['regenerated']})")
