@@ -12,12 +12,14 @@ and prints:
   between CUDA events): where EAGLE-3 does not pay for a small verifier, this says why;
 - lossless check: differences from greedy within / beyond the near-tie tolerance, with logit gaps.
 
-Batch size 1 decodes only ``--num-prompts-batch1`` prompts (tokens/s does not need all 80 and one
-prompt at a time is the slow case). Without a trained drafter, ``--random-drafter`` measures the
-machinery alone (tau ~1, speedup not meaningful).
+The headline batch size (``--headline-batch-size``; default ``benchmark.batch_size`` when listed,
+else the largest) decodes the whole set: its ``wall_s`` is ``bench_{N}x{T}_s``. Every other batch
+size decodes only the first ``max(batch, --prompts-per-batch-size)`` prompts (tokens/s needs no
+80 prompts, and one prompt at a time is the slow case). Without a trained drafter,
+``--random-drafter`` measures the machinery alone (tau ~1, speedup not meaningful).
 
     python bench/offline_bench_speed.py --config configs/smollm2-135m-full.yaml --set verifier.path=$EAGLE3_GGUF_DIR \\
-        --batch-sizes 1 8 32 --json bench/results/offline_bench_speed.json
+        --drafter outputs/smollm2-135m-full/drafter-sglang --batch-sizes 1 8 32 80 --json bench/results/offline_bench_speed.json
 """
 
 from __future__ import annotations
@@ -87,16 +89,17 @@ def main(argv=None) -> int:
     p.add_argument("--random-drafter", action="store_true", help="untrained drafter: machinery speed only")
     p.add_argument("--dataset", default="mtbench", help="mtbench, humaneval, gsm8k or a JSONL prompt file")
     p.add_argument("--num-prompts", type=int, default=80)
-    p.add_argument("--num-prompts-batch1", type=int, default=16, help="prompts decoded at batch size 1")
+    p.add_argument("--prompts-per-batch-size", type=int, default=8,
+                   help="batch sizes other than the headline decode the first max(batch, this) prompts")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 80])
     p.add_argument("--headline-batch-size", type=int, help="batch size of the 'whole set' figure (default: benchmark.batch_size if listed, else the largest)")
     p.add_argument("--tie-tolerance", type=float, help="near-tie tolerance in logits (default: benchmark.tie_tolerance or the dtype's)")
     p.add_argument("--json", help="write the results here")
     a = p.parse_args(argv)
-    if min(a.batch_sizes) < 1 or a.num_prompts < 1 or a.max_new_tokens < 1 or a.steps < 1 or a.num_prompts_batch1 < 1:
-        p.error("--batch-sizes, --num-prompts, --num-prompts-batch1, --max-new-tokens and --steps must be >= 1")
+    if min(a.batch_sizes) < 1 or min(a.num_prompts, a.max_new_tokens, a.steps, a.prompts_per_batch_size) < 1:
+        p.error("--batch-sizes, --num-prompts, --prompts-per-batch-size, --max-new-tokens and --steps must be >= 1")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cfg = load_config(a.config, a.overrides)
 
@@ -139,7 +142,7 @@ def main(argv=None) -> int:
     }
     warm = ids[0][1]
     for b in a.batch_sizes:
-        subset = ids if b > 1 else ids[: a.num_prompts_batch1]
+        subset = ids if b == headline else ids[: max(b, a.prompts_per_batch_size)]
         warm_up(verifier, drafter, warm, aux, a.steps, eos, min(b, len(subset)))
         t0 = time.perf_counter()
         d = bench_prompts(verifier, drafter, subset, aux, a.steps, a.max_new_tokens, eos, res["dataset"],

@@ -172,11 +172,18 @@ class _PhaseTimer:
         return float(sum(self.marks.get(name, [])))
 
 
-def _forward_params(model: torch.nn.Module) -> set[str]:
-    try:
-        return set(inspect.signature(model.forward).parameters)
-    except (TypeError, ValueError):
-        return set()
+_PARAMS: dict[type, frozenset] = {}
+
+
+def _forward_params(model: torch.nn.Module) -> frozenset:
+    """Names of ``model.forward``'s parameters (cached per model class: read on every forward)."""
+    cls = type(model)
+    if cls not in _PARAMS:
+        try:
+            _PARAMS[cls] = frozenset(inspect.signature(model.forward).parameters)
+        except (TypeError, ValueError):
+            _PARAMS[cls] = frozenset()
+    return _PARAMS[cls]
 
 
 def _cache_kwargs(model: torch.nn.Module, cache) -> dict:

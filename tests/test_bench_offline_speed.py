@@ -26,7 +26,7 @@ def test_offline_bench_speed_tiny(tmp_path, tiny_llama_dir):
                    f"prompts: {{source: {prompts}}}\nextract: {{aux_layers: [1, 3, 4]}}\n")
     out = tmp_path / "speed.json"
     rc = _script().main(["--config", str(cfg), "--random-drafter", "--dataset", str(prompts), "--num-prompts", "3",
-                         "--num-prompts-batch1", "2", "--max-new-tokens", "6", "--batch-sizes", "1", "3",
+                         "--prompts-per-batch-size", "2", "--max-new-tokens", "6", "--batch-sizes", "1", "3",
                          "--json", str(out)])
     assert rc == 0
     res = json.loads(out.read_text())
