@@ -16,6 +16,7 @@ import argparse
 from eagle3.cli import run_main
 from eagle3.config import add_config_args, load_config
 from eagle3.errors import UserError
+from eagle3.io import format_bytes
 
 
 def main(argv=None) -> int:
@@ -25,6 +26,8 @@ def main(argv=None) -> int:
     p.add_argument("--server", default=None, metavar="URL", help="SGLang server URL (overrides extract.sglang_url)")
     p.add_argument("--overwrite", action="store_true", help="delete existing shards in the output folder and start over")
     p.add_argument("--limit", type=int, default=None, metavar="N", help="only the first N prompts")
+    p.add_argument("--ignore-disk-check", action="store_true",
+                   help="capture even when the disk plan says the shards will not fit (extract.disk_margin)")
     a = p.parse_args(argv)
     if a.limit is not None and a.limit < 1:
         raise UserError(f"--limit: must be >= 1, got {a.limit}")
@@ -35,7 +38,7 @@ def main(argv=None) -> int:
         cfg.extract.sglang_url = a.server
     from eagle3.extract import run
 
-    s = run(cfg, overwrite=a.overwrite, limit=a.limit)
+    s = run(cfg, overwrite=a.overwrite, limit=a.limit, ignore_disk_check=a.ignore_disk_check)
     if "samples" not in s:  # torchrun rank > 0: rank 0 reports for everyone
         return 0
     for r in s.get("ranks", []):
@@ -44,6 +47,10 @@ def main(argv=None) -> int:
     if "ranks" in s:
         print(f"total ({s['world_size']} ranks): {s['written']} samples in {s['capture_s']} s, "
               f"{s['samples_per_s']} samples/s")
+    if s.get("disk_plan"):
+        dp = s["disk_plan"]
+        print(f"disk plan: {dp['samples']} samples, {dp['tokens']} tokens -> {format_bytes(dp['bytes'])} estimated "
+              f"({format_bytes(dp['free_bytes'])} were free on {dp['path']})")
     print(f"{s['samples']} samples ({s['written']} written, {s['resumed']} resumed), {s['num_tokens']} tokens, "
           f"{s['captured_tokens_per_s']} tok/s -> {s['shards_dir']}")
     return 0

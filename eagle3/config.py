@@ -135,6 +135,11 @@ class ExtractConfig(_Strict):
     sglang_timeout_s: float = Field(600.0, gt=0, description="HTTP timeout of one /generate batch")
     requests_per_batch: int = Field(64, ge=1, description="max prompts per /generate POST (sglang backend)")
     output_dir: Optional[str] = Field(None, description="default {output_root}/shards")
+    disk_margin: float = Field(
+        0.05, ge=0, description="disk plan: free space required beyond the estimated bytes, as a fraction of the "
+        "estimate (the larger of this and disk_margin_bytes); 02 refuses to start without it (--ignore-disk-check)")
+    disk_margin_bytes: int = Field(
+        1_000_000_000, ge=0, description="disk plan: minimum free space beyond the estimate, in bytes")
 
     @field_validator("aux_layers")
     @classmethod

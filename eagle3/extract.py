@@ -446,7 +446,7 @@ def _resolve_aux(layers: Optional[list[int]], num_layers: int) -> list[int]:
 # the stage
 # ---------------------------------------------------------------------------------------------
 def run(cfg: RunConfig, *, overwrite: bool = False, limit: Optional[int] = None,
-        backend: Optional[CaptureBackend] = None, tokenizer=None) -> dict:
+        backend: Optional[CaptureBackend] = None, tokenizer=None, ignore_disk_check: bool = False) -> dict:
     """Run stage 02 (resumable). See the module docstring for the crash-safety design.
 
     Args:
@@ -455,6 +455,7 @@ def run(cfg: RunConfig, *, overwrite: bool = False, limit: Optional[int] = None,
         limit: only the first ``limit`` prompts.
         backend, tokenizer: an already-built backend and tokenizer (tests, benchmarks); default
             :func:`make_backend`. Its ``aux_layers`` must be the configured/default ones.
+        ignore_disk_check: capture even when the disk plan (:mod:`eagle3.disk_plan`) does not fit.
 
     Returns:
         summary dict (also written as ``extract_report.json`` / ``.md``): samples, tokens,
@@ -462,13 +463,36 @@ def run(cfg: RunConfig, *, overwrite: bool = False, limit: Optional[int] = None,
 
     Raises:
         UserError: bad prompts file, fingerprint mismatch, unknown folder contents, bad aux layers.
+        eagle3.disk_plan.NotEnoughDisk: the run does not fit on the disk (nothing written; a shards
+            folder this call created is removed again).
     """
+    from eagle3.disk_plan import NotEnoughDisk
+
     root = cfg.shards_dir
     d = _init_dist()
+    fresh = not root.exists()
+    try:
+        return _run(cfg, root, overwrite, limit, backend, tokenizer, d, ignore_disk_check)
+    except NotEnoughDisk:
+        if fresh and d.rank == 0:
+            _remove_fresh_folder(root)
+        raise
+
+
+def _remove_fresh_folder(root: Path) -> None:
+    """Undo what a refused run did to a shards folder it created: its lock, state file, folder."""
+    for name in (STATE, LOCK):
+        (root / name).unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        root.rmdir()  # only when empty
+
+
+def _run(cfg: RunConfig, root: Path, overwrite: bool, limit: Optional[int], backend: Optional[CaptureBackend],
+         tokenizer, d: "_Dist", ignore_disk_check: bool) -> dict:
     if d.world == 1:
         root.mkdir(parents=True, exist_ok=True)
         with _exclusive(root):
-            return _extract(cfg, root, overwrite, limit, backend, tokenizer, d)
+            return _extract(cfg, root, overwrite, limit, backend, tokenizer, d, ignore_disk_check)
     if cfg.extract.backend != "hf" and backend is None:
         raise UserError(f"extract.backend: torchrun (WORLD_SIZE={d.world}) is supported for the hf backend only, "
                         f"got '{cfg.extract.backend}'; run the sglang backend as one process")
@@ -479,7 +503,7 @@ def run(cfg: RunConfig, *, overwrite: bool = False, limit: Optional[int] = None,
             stack.enter_context(_exclusive(root))  # rank 0 only; released when run() returns
 
         d.on_rank0(lock)
-        out = _extract(cfg, root, overwrite, limit, backend, tokenizer, d)
+        out = _extract(cfg, root, overwrite, limit, backend, tokenizer, d, ignore_disk_check)
     d.close()
     return out
 
@@ -610,8 +634,26 @@ def _exclusive(root: Path):
         f.close()
 
 
+def _check_disk(cfg: RunConfig, root: Path, samples: list[Sample], done: dict[int, dict], info: dict,
+                skipped_ids: dict, ignore: bool) -> dict:
+    """Disk-plan step (rank 0, before any capture): :func:`eagle3.disk_plan.plan_disk` of the samples
+    not in ``done``; returns the plan as a dict (recorded in data_config.json and the report).
+
+    Raises:
+        eagle3.disk_plan.NotEnoughDisk: the filesystem of ``root`` has less free space than needed.
+    """
+    from eagle3.disk_plan import check_disk, plan_disk
+
+    todo = [s for s in samples if s.idx not in done]
+    plan = plan_disk(root, [(s.id, len(s.input_ids)) for s in todo], hidden_size=info["hidden_size"],
+                     hidden_bytes_per_token=bytes_per_token(info["hidden_size"]), rows_per_dir=cfg.extract.rows_per_dir,
+                     pending_idx=[s.idx for s in todo], write=write_sample, margin=cfg.extract.disk_margin,
+                     margin_bytes=cfg.extract.disk_margin_bytes, skipped_ids=skipped_ids)
+    return check_disk(plan, ignore).to_dict()
+
+
 def _extract(cfg: RunConfig, root: Path, overwrite: bool, limit: Optional[int],
-             backend: Optional[CaptureBackend], tokenizer, d: _Dist) -> dict:
+             backend: Optional[CaptureBackend], tokenizer, d: _Dist, ignore_disk_check: bool = False) -> dict:
     t_start = time.perf_counter()
     prompts_path = cfg.prompts_path
     prompts = read_prompts(prompts_path, limit)
@@ -650,6 +692,7 @@ def _extract(cfg: RunConfig, root: Path, overwrite: bool, limit: Optional[int],
         return done
 
     done = d.on_rank0(reconcile)
+    disk = d.on_rank0(lambda: _check_disk(cfg, root, samples, done, info, skipped_ids, ignore_disk_check))
     pending = [s for s in samples if s.idx not in done]
     n_resumed = len(samples) - len(pending)
     if d.rank == 0:
@@ -767,6 +810,7 @@ def _extract(cfg: RunConfig, root: Path, overwrite: bool, limit: Optional[int],
         "total_s": round(time.perf_counter() - t_start, 3),
         "captured_tokens_per_s": round(captured_tok / t_cap, 1) if t_cap > 0 and captured_tok else None,
         "disk_gb": round(num_tokens * meta["bytes_per_token"] / 1e9, 4),
+        "disk_plan": disk,
     }
     if d.world > 1:
         summary["world_size"] = d.world
@@ -800,4 +844,8 @@ def _markdown(s: dict) -> str:
         lines.append(f"| {k} | {v} |")
     for reason, ids in s.get("skipped_ids", {}).items():
         lines.append(f"| skipped ({reason}) | {', '.join(ids[:20])}{' ...' if len(ids) > 20 else ''} |")
+    if s.get("disk_plan"):
+        from eagle3.disk_plan import DiskPlan
+
+        lines += ["", DiskPlan(**s["disk_plan"]).describe()]
     return "\n".join(lines) + "\n"
