@@ -186,7 +186,12 @@ class TrainConfig(_Strict):
     warmup_ratio: float = Field(0.02, ge=0, le=1)
     epochs: float = Field(1.0, gt=0)
     max_steps: Optional[int] = Field(None, ge=1, description="stop after this many optimizer steps")
-    batch_size: int = Field(1, ge=1, description="samples per process per micro-batch")
+    batch_size: int = Field(1, ge=1, description="samples per process per micro-batch (ignored when batch_tokens is set)")
+    batch_tokens: Optional[int] = Field(
+        None, ge=1, description="token-budget micro-batches instead of batch_size: samples of similar length "
+        "(sorted within shuffled windows) up to this many padded tokens per process per micro-batch (eagle3/batching.py)")
+    num_workers: Optional[int] = Field(
+        None, ge=0, description="data loader worker processes per rank; null = auto (GPU: up to 8 by CPU count, CPU: 0)")
     grad_accum: int = Field(1, ge=1)
     grad_clip: float = Field(0.5, gt=0)
     seed: int = 0
@@ -197,7 +202,8 @@ class TrainConfig(_Strict):
     bf16: Literal["auto", "on", "off"] = Field("auto", description="auto = bf16 autocast on GPU only")
     compile: bool = Field(False, description="torch.compile the TTT objective (GPU: ~22% faster step after ~1 min compile)")
     checkpoint_logits: Literal["auto", "on", "off"] = Field(
-        "auto", description="recompute each TTT step's draft-vocab logits in backward; auto = on GPU without compile (saves ~7 GiB at Kimi size)"
+        "auto", description="recompute each TTT step's draft-vocab logits in backward; auto = off (the loss keeps only "
+        "bf16 logits at loss positions; 'on' saves M x draft_V x 2 bytes per TTT step for ~12% more step time)"
     )
     nproc_per_node: int = Field(1, ge=1, description="GPUs per node the run is planned for (torchrun --nproc_per_node); documentation")
     output_dir: Optional[str] = Field(None, description="default {output_root}/train")

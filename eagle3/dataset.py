@@ -104,8 +104,13 @@ def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     Returns:
         ``input_ids`` int64 ``[B, Lmax]`` (pad 0), ``aux`` ``[B, Lmax, 3Ht]`` and ``last``
         ``[B, Lmax, Ht]`` (pad 0, dtype of the shards), ``loss_mask`` int64 ``[B, Lmax]`` (pad 0),
-        ``attention_mask`` int64 ``[B, Lmax]`` (1 on real tokens), ``lengths`` int64 ``[B]``.
+        ``attention_mask`` int64 ``[B, Lmax]`` (1 on real tokens), ``lengths`` int64 ``[B]``,
+        ``loss_pos`` int64 ``[M]`` (flat indices ``b * Lmax + p`` of the loss positions ``p >= 2``,
+        :func:`eagle3.ttt_rows.loss_positions`; computed here, in the loader workers, so that the loss
+        needs no device-to-host sync to find them).
     """
+    from eagle3.ttt_rows import loss_positions
+
     B = len(items)
     lengths = torch.tensor([it["input_ids"].numel() for it in items], dtype=torch.int64)  # [B]
     Lmax = int(lengths.max())
@@ -122,7 +127,8 @@ def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         attn[b, :n] = 1
         aux[b, :n] = it["aux"]
         last[b, :n] = it["last"]
-    return {"input_ids": ids, "aux": aux, "last": last, "loss_mask": mask, "attention_mask": attn, "lengths": lengths}
+    return {"input_ids": ids, "aux": aux, "last": last, "loss_mask": mask, "attention_mask": attn, "lengths": lengths,
+            "loss_pos": loss_positions(mask)}
 
 
 class ResumableSampler(DistributedSampler):

@@ -60,6 +60,7 @@ from torch.utils.data import DataLoader
 
 from eagle3 import checkpoint as ckpt
 from eagle3.config import RunConfig
+from eagle3.batching import eval_batches, sample_lengths
 from eagle3.dataset import ResumableSampler, ShardDataset, collate, read_split
 from eagle3.errors import UserError
 from eagle3.io import (append_bytes, atomic_write_json, atomic_write_jsonl, atomic_write_text, disk_full_guard,
@@ -258,7 +259,10 @@ class TTTObjective(nn.Module):
     target_argmax [B,L] int64, loss_mask [B,L], denom [K] float32 | None) -> (loss scalar, metrics)``,
     where ``metrics`` is :func:`eagle3.ttt.ttt_loss`'s dict of per-TTT-step tensors ``[K]`` (``loss``,
     ``ce_sum``, ``acc``, ``correct``, ``count``) and ``denom`` its per-step denominators (None = this
-    batch's own counts).
+    batch's own counts). With ``loss_pos`` (int64 ``[M]``, :func:`eagle3.ttt_rows.loss_positions`) instead
+    of ``loss_mask``, the targets are the ``[M, dV]``, ``[M]``, ``[M]`` rows of
+    :func:`eagle3.ttt_rows.row_targets` and the loss is :func:`eagle3.ttt_rows.ttt_loss_rows` (same sums;
+    logits only where the loss can count; what training uses).
 
     Args:
         checkpoint_logits: recompute each step's ``[B, L, dV]`` logits in backward instead of
@@ -272,10 +276,15 @@ class TTTObjective(nn.Module):
         self.step_weight = step_weight
         self.checkpoint_logits = checkpoint_logits
 
-    def forward(self, input_ids, aux, target_logp, in_draft, target_argmax, loss_mask, denom=None):
+    def forward(self, input_ids, aux, target_logp, in_draft, target_argmax, loss_mask=None, denom=None, loss_pos=None):
         from eagle3.ttt import TTTTargets, ttt_loss
 
         step_hiddens = self.drafter.ttt_forward(input_ids, aux, self.ttt_length)  # K x [B, L, H]
+        if loss_pos is not None:
+            from eagle3.ttt_rows import ttt_loss_rows
+
+            return ttt_loss_rows(self.drafter, step_hiddens, TTTTargets(target_logp, in_draft, target_argmax), loss_pos,
+                                 step_weight=self.step_weight, checkpoint=self.checkpoint_logits, denom=denom)
         return ttt_loss(self.drafter, step_hiddens, TTTTargets(target_logp, in_draft, target_argmax), loss_mask,
                         step_weight=self.step_weight, checkpoint=self.checkpoint_logits, denom=denom)
 
@@ -296,9 +305,10 @@ def backward_step(model: nn.Module, batches: list[dict], targets: list, ttt_leng
     Args:
         model: :class:`TTTObjective`, possibly wrapped in DDP and/or ``torch.compile``.
         batches: the micro-batches of this rank (``input_ids`` ``[B,L]``, ``aux`` ``[B,L,3Ht]``,
-            ``loss_mask`` ``[B,L]``, on the device); sizes may differ between micro-batches.
+            ``loss_mask`` ``[B,L]``, on the device); sizes may differ between micro-batches. A batch with
+            ``loss_pos`` (``eagle3.dataset.collate``) uses the loss-row path (:mod:`eagle3.ttt_rows`).
         targets: :class:`eagle3.ttt.TTTTargets` of each batch (all alive at once: ``len(batches)`` x
-            ``[B, L, draft_V]`` float32).
+            ``[B, L, draft_V]`` float32, or ``[M, draft_V]`` rows with ``loss_pos``).
         ttt_length: ``K``.
         d: this process's :class:`DistInfo` (every rank must call this once per optimizer step).
         amp: autocast dtype on the device, or None.
@@ -307,8 +317,10 @@ def backward_step(model: nn.Module, batches: list[dict], targets: list, ttt_leng
         :func:`eagle3.ttt.ttt_loss`'s detached metrics of each micro-batch.
     """
     from eagle3.ttt import step_denominators, ttt_token_counts
+    from eagle3.ttt_rows import ttt_row_counts
 
-    counts = [ttt_token_counts(b["loss_mask"], tg.in_draft, ttt_length) for b, tg in zip(batches, targets)]  # [K] each
+    counts = [ttt_row_counts(b["loss_pos"], b["input_ids"].shape[1], tg.in_draft, ttt_length) if "loss_pos" in b
+              else ttt_token_counts(b["loss_mask"], tg.in_draft, ttt_length) for b, tg in zip(batches, targets)]  # [K] each
     denom = step_denominators(counts, d.world)  # [K] float32: max(N_i, 1) / world
     stats = []
     for m, (b, tg) in enumerate(zip(batches, targets)):
@@ -317,7 +329,12 @@ def backward_step(model: nn.Module, batches: list[dict], targets: list, ttt_leng
         amp_ctx = torch.autocast(device_type=d.device.type, dtype=amp) if amp is not None else contextlib.nullcontext()
         with sync_ctx:
             with amp_ctx:
-                loss, st = model(b["input_ids"], b["aux"], tg.logp_draft, tg.in_draft, tg.argmax, b["loss_mask"], denom)
+                if "loss_pos" in b:
+                    loss, st = model(b["input_ids"], b["aux"], tg.logp_draft, tg.in_draft, tg.argmax, None, denom,
+                                     loss_pos=b["loss_pos"])
+                else:
+                    loss, st = model(b["input_ids"], b["aux"], tg.logp_draft, tg.in_draft, tg.argmax, b["loss_mask"],
+                                     denom)
             loss.backward()
         stats.append(st)
     return stats
@@ -466,6 +483,80 @@ class _Accum:
 
 
 # ---------------------------------------------------------------------------------------------
+# data order
+# ---------------------------------------------------------------------------------------------
+def _loader_kwargs(t, device: torch.device, world: int) -> dict:
+    """DataLoader settings: worker processes (``train.num_workers``; auto = up to 8 per rank on GPU by CPU
+    count, 0 on CPU), pinned host memory and 4 batches of read-ahead per worker on GPU. Workers are
+    started per epoch (not persistent) and stopped when the loop drops its iterator, so none outlive
+    :func:`run`."""
+    workers = t.num_workers
+    if workers is None:
+        workers = min(8, max(1, (os.cpu_count() or 2) // max(1, world) - 1)) if device.type == "cuda" else 0
+    kw = {"num_workers": workers, "pin_memory": device.type == "cuda", "collate_fn": collate}
+    if workers > 0:
+        kw.update(prefetch_factor=4)
+    return kw
+
+
+class _TrainData:
+    """The training data order of one rank: fixed-size batches (``ResumableSampler``) or token-budget
+    batches (:class:`eagle3.batching.TokenBudgetBatchSampler`), behind one interface.
+
+    A position in the data is ``(epoch, step_in_epoch)`` (optimizer steps done in that epoch); the
+    checkpoint stores it as ``epoch``, ``steps_in_epoch`` and ``samples_in_epoch`` (global samples).
+    """
+
+    def __init__(self, cfg: RunConfig, train_ds: ShardDataset, d: DistInfo):
+        t = cfg.train
+        self.world, self.accum = d.world, t.grad_accum
+        kw = _loader_kwargs(t, d.device, d.world)
+        self.token_budget = t.batch_tokens is not None
+        if self.token_budget:
+            from eagle3.batching import TokenBudgetBatchSampler, sample_lengths
+
+            lengths = sample_lengths(cfg.shards_dir, train_ds, train_ds.max_length)
+            self.sampler = TokenBudgetBatchSampler(lengths, t.batch_tokens, d.world, d.rank, t.grad_accum, t.seed)
+            self.loader = DataLoader(train_ds, batch_sampler=self.sampler, **kw)
+            self.total_steps = self.sampler.total_steps(t.epochs)
+        else:
+            self.sampler = ResumableSampler(train_ds, num_replicas=d.world, rank=d.rank, shuffle=True, seed=t.seed)
+            self.loader = DataLoader(train_ds, batch_size=t.batch_size, sampler=self.sampler, drop_last=True, **kw)
+            self.samples_per_step = t.batch_size * t.grad_accum * d.world  # global samples per optimizer step
+            self._steps = (len(train_ds) // d.world) // (t.batch_size * t.grad_accum)
+            if self._steps < 1:
+                raise UserError(f"{cfg.data_dir / 'split.json'}: key 'train': {len(train_ds)} samples, fewer than one "
+                                f"optimizer step needs (batch_size {t.batch_size} x grad_accum {t.grad_accum} x "
+                                f"{d.world} processes)")
+            self.total_steps = math.ceil(t.epochs * self._steps)
+
+    def steps_in_epoch(self, epoch: int) -> int:
+        return self.sampler.steps_in_epoch(epoch) if self.token_budget else self._steps
+
+    def samples_before(self, epoch: int, step_in_epoch: int) -> int:
+        """Global samples consumed by the first ``step_in_epoch`` optimizer steps of ``epoch``."""
+        if not self.token_budget:
+            return step_in_epoch * self.samples_per_step
+        return sum(len(b) for b in self.sampler.epoch_batches(epoch)[: step_in_epoch * self.world * self.accum])
+
+    def step_from_checkpoint(self, state: dict) -> int:
+        """``steps_in_epoch`` of a checkpoint (derived from ``samples_in_epoch`` for checkpoints that predate it)."""
+        if "steps_in_epoch" in state:
+            return int(state["steps_in_epoch"])
+        if self.token_budget:
+            raise UserError("checkpoint: key 'steps_in_epoch' missing; it was written by a run without "
+                            "train.batch_tokens, so its data position cannot be mapped to token-budget batches")
+        return int(state["samples_in_epoch"]) // self.samples_per_step
+
+    def iterate(self, epoch: int, step_in_epoch: int):
+        """Micro-batches of this rank from optimizer step ``step_in_epoch`` of ``epoch`` on."""
+        self.sampler.set_epoch(epoch)
+        self.sampler.set_start(step_in_epoch if self.token_budget else step_in_epoch * self.samples_per_step)
+        return iter(self.loader)
+
+
+
+# ---------------------------------------------------------------------------------------------
 # the run
 # ---------------------------------------------------------------------------------------------
 def _autocast_dtype(cfg: RunConfig, device: torch.device) -> Optional[torch.dtype]:
@@ -520,8 +611,11 @@ def run(cfg: RunConfig, resume: bool = False, max_steps: Optional[int] = None, s
     """
     d = init_distributed(device)
     stop = StopFlag()
+    from eagle3.attention import no_cudnn_sdpa
+
     try:
-        return _run(cfg, d, stop, resume, max_steps, stop_after)
+        with no_cudnn_sdpa():  # batch shapes change every step: no per-shape cuDNN plans (~40 ms each)
+            return _run(cfg, d, stop, resume, max_steps, stop_after)
     finally:
         stop.restore()
         if d.initialized_here and dist.is_initialized():
@@ -559,26 +653,21 @@ def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: O
     max_len = int(data_config["max_length"])
     train_ds = ShardDataset(cfg.shards_dir, split["train"], max_len, expect, "train")
     val_ds = ShardDataset(cfg.shards_dir, split["val"], max_len, expect, "val") if split["val"] else None
-    sampler = ResumableSampler(train_ds, num_replicas=d.world, rank=d.rank, shuffle=True, seed=t.seed)
-    workers = 2 if d.device.type == "cuda" else 0
-    loader = DataLoader(train_ds, batch_size=t.batch_size, sampler=sampler, collate_fn=collate, drop_last=True,
-                        num_workers=workers, pin_memory=d.device.type == "cuda")
-    per_step = t.batch_size * t.grad_accum  # samples per rank per optimizer step
-    steps_per_epoch = (len(train_ds) // d.world) // per_step
-    if steps_per_epoch < 1:
-        raise UserError(f"{cfg.data_dir / 'split.json'}: key 'train': {len(train_ds)} samples, fewer than one optimizer "
-                        f"step needs (batch_size {t.batch_size} x grad_accum {t.grad_accum} x {d.world} processes)")
-    total_steps = math.ceil(t.epochs * steps_per_epoch)
+    data = _TrainData(cfg, train_ds, d)
+    total_steps = data.total_steps
     horizon = max_steps if max_steps is not None else t.max_steps
     if horizon is not None:
         total_steps = min(total_steps, horizon)
-    eval_every = t.eval_every or steps_per_epoch
+    val_lengths = sample_lengths(cfg.shards_dir, val_ds, max_len) if (val_ds is not None and t.batch_tokens) else None
+    eval_every = t.eval_every or data.steps_in_epoch(0)
 
     # ---- optimisation ----------------------------------------------------------------------
     # Logit checkpointing inside torch.compile(dynamic=True) fails in dynamo on torch 2.11
     # ("lift_tracked_freevar_to_input"), and compiled without it was faster anyway (bench/results).
-    ckpt_logits = (d.device.type == "cuda" and not t.compile) if t.checkpoint_logits == "auto" \
-        else t.checkpoint_logits == "on"
+    # auto = off: the training loss (eagle3/ttt_rows.py) keeps only the bf16 logits of the loss rows per TTT
+    # step (M x draft_V x 2 bytes; 7 x 1 GB at 16K loss tokens), and recomputing them cost 12% of a
+    # SmolLM2 step on the H200 (bench/small_train_speed.py: tokens vs tokens+nock).
+    ckpt_logits = t.checkpoint_logits == "on"
     if t.compile and ckpt_logits:
         raise UserError("train.checkpoint_logits: 'on' cannot be combined with train.compile: true (torch.compile "
                         "fails on the checkpointed loss); use 'auto' or 'off'")
@@ -590,6 +679,10 @@ def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: O
         model = DDP(objective, device_ids=[d.device.index] if d.device.type == "cuda" else None)
     if t.compile:
         # Variable batch lengths: dynamic shapes avoid one recompile per sequence length.
+        if t.batch_tokens is not None and d.is_main:
+            log.warning("train.compile with train.batch_tokens: batch size, length and loss-row count all vary; "
+                        "on the H200 this did not reach 60 SmolLM2 steps in 3 minutes (recompiles), while "
+                        "uncompiled token-budget training ran 155K tokens/s (bench/small_train_speed.py)")
         model = torch.compile(model, dynamic=True)
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay,
@@ -597,7 +690,7 @@ def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: O
     scheduler = build_scheduler(optimizer, total_steps, t.warmup_ratio)
     fingerprint = _fingerprint(cfg, args)
 
-    step, epoch, samples_in_epoch, last_ckpt = 0, 0, 0, None
+    step, epoch, step_in_epoch, last_ckpt = 0, 0, 0, None
     if resume:
         found = ckpt.find_latest_checkpoint(train_dir)
         if found is None:
@@ -620,7 +713,7 @@ def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: O
                 log.warning("%s: LR schedule %s in the checkpoint, now %s (max_steps/epochs changed); "
                             "continuing with the new one", path, scheduler.lr_lambdas[0].__dict__, horizon_now)
                 scheduler.lr_lambdas[0].__dict__.update(horizon_now)
-            step, epoch, samples_in_epoch = int(state["step"]), int(state["epoch"]), int(state["samples_in_epoch"])
+            step, epoch, step_in_epoch = int(state["step"]), int(state["epoch"]), data.step_from_checkpoint(state)
             rngs = state["rng"]
             if len(rngs) == d.world:
                 ckpt.restore_rng(rngs[d.rank])
@@ -629,12 +722,12 @@ def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: O
                 torch.manual_seed(t.seed + 1000 * step + d.rank)
             last_ckpt = path
             if d.is_main:
-                log.info("resumed from %s (step %d, epoch %d, %d samples into the epoch)", path, step, epoch,
-                         samples_in_epoch)
+                log.info("resumed from %s (step %d, epoch %d, %d steps into the epoch)", path, step, epoch,
+                         step_in_epoch)
 
     metrics = _Metrics(train_dir, step, d.is_main, finished=step >= total_steps)
 
-    def save(step_now: int, ep: int, samples: int) -> Path:
+    def save(step_now: int, ep: int, ep_step: int) -> Path:
         rng = ckpt.capture_rng()
         rngs = [None] * d.world
         if d.distributed:
@@ -644,7 +737,8 @@ def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: O
         path = ckpt.ckpt_path(train_dir, step_now)
         if d.is_main:
             path = ckpt.save_checkpoint(train_dir, {
-                "step": step_now, "epoch": ep, "samples_in_epoch": samples, "model": trainable_state(drafter),
+                "step": step_now, "epoch": ep, "steps_in_epoch": ep_step,
+                "samples_in_epoch": data.samples_before(ep, ep_step), "model": trainable_state(drafter),
                 "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rngs,
                 "drafter_args": dataclasses.asdict(args), "config_fingerprint": fingerprint, "world_size": d.world,
             }, keep=t.keep_checkpoints)
@@ -652,9 +746,15 @@ def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: O
         return path
 
     def targets(batch):
+        """Verifier targets: only at the loss rows (``loss_pos``, eagle3/ttt_rows.py: [M,dV], [M], [M]) when the
+        batch lists them, else at every position ([B,L,dV], [B,L], [B,L]; bench/small_train_speed.py legacy loop)."""
         from eagle3.ttt import compute_targets
+        from eagle3.ttt_rows import row_targets
 
         with torch.no_grad():
+            if "loss_pos" in batch:
+                return row_targets(batch["last"], batch["loss_pos"], head_lm, d2t_dev, t2d_dev, norm_weight=head_norm,
+                                   norm_eps=head_eps, chunk=TARGET_CHUNK)
             return compute_targets(batch["last"], head_lm, d2t_dev, t2d_dev, norm_weight=head_norm,
                                    norm_eps=head_eps, chunk=TARGET_CHUNK)
 
@@ -663,18 +763,26 @@ def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: O
             return {}
         # each sample exactly once (no DistributedSampler padding, which would count some twice);
         # ranks may get different numbers of batches: nothing below is a collective until the reduce
-        vl = DataLoader(val_ds, batch_size=t.batch_size, sampler=list(range(d.rank, len(val_ds), d.world)),
-                        collate_fn=collate)
+        if val_lengths is not None:  # token budget: this rank's samples (r, r+W, ...) in length-sorted batches
+            vl = DataLoader(val_ds, batch_sampler=eval_batches(val_lengths, t.batch_tokens, d.world, d.rank),
+                            **_loader_kwargs(t, d.device, d.world))
+        else:
+            vl = DataLoader(val_ds, batch_size=t.batch_size, sampler=list(range(d.rank, len(val_ds), d.world)),
+                            collate_fn=collate)
         acc = _Accum(t.ttt_length)
         drafter.eval()
         with torch.no_grad():
             for batch in vl:
                 batch = _move_batch(batch, d.device, feat_dtype)
-                tl, ind, tam = targets(batch)  # [B,L,dV], [B,L], [B,L]
+                tl, ind, tam = targets(batch)  # [M,dV], [M], [M] (loss rows) or [B,L,dV], [B,L], [B,L]
                 ctx = torch.autocast(device_type=d.device.type, dtype=amp) if amp is not None \
                     else contextlib.nullcontext()
                 with ctx:  # no DDP wrapper: no gradient sync in eval
-                    _loss, stats = objective(batch["input_ids"], batch["aux"], tl, ind, tam, batch["loss_mask"])
+                    if "loss_pos" in batch:
+                        _loss, stats = objective(batch["input_ids"], batch["aux"], tl, ind, tam,
+                                                 loss_pos=batch["loss_pos"])
+                    else:
+                        _loss, stats = objective(batch["input_ids"], batch["aux"], tl, ind, tam, batch["loss_mask"])
                 acc.add(stats)
         drafter.train()
         return _Accum.summarize(_reduce_totals(acc.totals(), d), t.step_weight)
@@ -691,16 +799,12 @@ def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: O
     from tqdm.auto import tqdm
 
     bar = tqdm(total=total_steps, initial=step, disable=not d.is_main, desc="train", unit="step", dynamic_ncols=True)
-    samples_per_step_global = per_step * d.world
     try:
         while step < total_steps and not stopped:
-            k = samples_in_epoch // samples_per_step_global
-            if k >= steps_per_epoch:
-                epoch, samples_in_epoch, k = epoch + 1, 0, 0
-            sampler.set_epoch(epoch)
-            sampler.set_start(samples_in_epoch)
-            it = iter(loader)
-            for _ in range(k, steps_per_epoch):
+            if step_in_epoch >= data.steps_in_epoch(epoch):
+                epoch, step_in_epoch = epoch + 1, 0
+            it = data.iterate(epoch, step_in_epoch)
+            for _ in range(step_in_epoch, data.steps_in_epoch(epoch)):
                 if step >= total_steps:
                     break
                 batches = []
@@ -718,7 +822,7 @@ def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: O
                 scheduler.step()
                 step += 1
                 steps_this_call += 1
-                samples_in_epoch += samples_per_step_global
+                step_in_epoch += 1
                 bar.update(1)
                 if step % t.log_every == 0 or step == total_steps:
                     means = _Accum.summarize(_reduce_totals(window.totals(), d), t.step_weight)
@@ -726,7 +830,8 @@ def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: O
                     toks = _sum_ranks([float(tok_window)], d)[0]
                     tok_total, t_total = tok_total + toks, t_total + elapsed
                     row = {"kind": "train", "step": step, "epoch": epoch, "lr": lr_used,
-                           "grad_norm": float(grad_norm), "tokens_per_s": toks / max(elapsed, 1e-9), **means}
+                           "grad_norm": float(grad_norm), "tokens_per_s": toks / max(elapsed, 1e-9),
+                           "window_tokens": toks, "window_s": elapsed, **means}
                     metrics.write(row)
                     bar.set_postfix(loss=f"{means.get('loss', float('nan')):.4f}", lr=f"{lr_used:.2e}")
                     window = _Accum(t.ttt_length)
@@ -739,7 +844,7 @@ def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: O
                 want_stop = stop.requested or (stop_after is not None and steps_this_call >= stop_after)
                 stopped = _any_rank(want_stop, d)
                 if step % t.ckpt_every == 0 or stopped or step == total_steps:
-                    last_ckpt = save(step, epoch, samples_in_epoch)
+                    last_ckpt = save(step, epoch, step_in_epoch)
                 paused += time.perf_counter() - t_pause
                 if stopped:
                     if d.is_main:
@@ -747,6 +852,7 @@ def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: O
                         log.info("stopped at step %d (%s); checkpoint %s", step, why, last_ckpt)
                     break
     finally:
+        it = None  # stops this epoch's loader workers now (their prefetched batches are dropped)
         bar.close()
 
     result = {"step": step, "total_steps": total_steps, "stopped": stopped,

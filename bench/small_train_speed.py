@@ -1,0 +1,318 @@
+"""Benchmark: stage-04 training throughput of the SmolLM2 drafter, old fixed-batch loop vs token-budget loop.
+
+Every mode runs the real trainer, ``eagle3.train.run``, on the same shards (data loading, targets,
+TTT forward/backward, AdamW, logging), for ``--steps`` optimizer steps each, in one process:
+
+- ``legacy8``: the loop as issue 9 measured it (14K tokens/s on an H200): ``batch_size`` 8 padded to
+  the longest sample, 2 loader workers, verifier targets and draft logits at every position
+  (``eagle3.ttt.ttt_loss``; the collate output without ``loss_pos``, which selects that path), logit
+  checkpointing, and torch's default SDPA backend (cuDNN on Hopper, which builds a plan per new shape;
+  ``eagle3.train.run`` now turns it off).
+- ``fixed8``: ``batch_size`` 8 with today's loop (host-indexed loss rows, auto loader workers).
+- ``tokens``: ``train.batch_tokens`` token-budget micro-batches (``--batch-tokens``, default 16384).
+
+A mode may carry ``+nock`` (``train.checkpoint_logits=off``) or ``+compile`` (``train.compile=true``), e.g.
+``--modes legacy8,tokens,tokens+nock``.
+
+Throughput = real (non-pad) tokens / seconds over the log windows after the first (``--log-every``
+steps each; the first window holds start-up and allocator warm-up), read from ``metrics.jsonl``
+(``window_tokens``, ``window_s``). Validation and checkpoint writes are not inside the windows.
+It also prints the wall time that the issue-9 run (4 epochs of 1.74M tokens = 6.96M tokens; 498 s
+measured, the published trainer 320 s) would take at each mode's rate.
+
+Data: synthetic SmolLM2-shaped shards written to ``--workdir`` (hidden 576, vocab 49152, draft vocab
+32000; lengths = a log-normal prompt of median 60 tokens + a reply of 16..256 tokens, cut at
+``--max-length`` 1024; mean about 290 tokens like the issue's data), or a real prepared run with
+``--config`` (after stages 02 and 03; its ``train`` section is overridden per mode, outputs go to
+``--workdir``). Drafter: SmolLM2 shape (H 576, 9 heads, 3 KV heads, head dim 64, I 1536), TTT 7.
+
+H200 (torch 2.11; pydantic from the project's wheels, see bench/train_throughput.py)::
+
+    python3 bench/small_train_speed.py --json $OUT/small_train_speed.json          # ~4 min
+    python3 bench/small_train_speed.py --config RUN.yaml --set verifier.path=... --json $OUT/real.json
+
+CPU smoke run (tiny shapes, a minute)::
+
+    python bench/small_train_speed.py --tiny --device cpu --json /tmp/sts.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from eagle3.io import atomic_write_json  # noqa: E402
+
+ISSUE_RUN_TOKENS = 4 * 1.74e6  # issue 9: 4 epochs over 1.74M tokens
+ISSUE_OURS_S, ISSUE_REFERENCE_S = 498.0, 320.0
+SMOL = {"hidden": 576, "vocab": 49152, "draft_vocab": 32000, "heads": 9, "kv_heads": 3, "head_dim": 64,
+        "intermediate": 1536, "ttt": 7}
+TINY = {"hidden": 32, "vocab": 256, "draft_vocab": 64, "heads": 4, "kv_heads": 2, "head_dim": 8,
+        "intermediate": 48, "ttt": 3}
+
+
+# ---------------------------------------------------------------------------------------------
+# synthetic data
+# ---------------------------------------------------------------------------------------------
+def synthetic_lengths(n: int, max_length: int, seed: int) -> list[tuple[int, int]]:
+    """``(prompt, reply)`` token counts: prompt ~ exp(N(ln 60, 1)) clipped to [4, max_length - 16], reply ~ U[16, 256]."""
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.exp(torch.randn(n, generator=g) + math.log(60)).clamp(4, max_length - 16).long()  # [n]
+    reply = torch.randint(16, 257, (n,), generator=g)  # [n]
+    return [(int(p), int(min(r, max_length - p))) for p, r in zip(prompt, reply)]
+
+
+def _write_many(args) -> list[tuple[int, int, int]]:
+    """Write a slice of the synthetic shards: the speculators-v1 dict of ``eagle3.shards.write_sample``,
+    saved with plain ``torch.save`` (no per-file fsync: benchmark data, not a crash-safe stage output)."""
+    from eagle3.shards import shard_path
+
+    torch.set_num_threads(1)
+    root, jobs, hidden, vocab = args
+    out = []
+    for idx, prompt, reply in jobs:
+        g = torch.Generator().manual_seed(1000 + idx)
+        L = prompt + reply
+        ids = torch.randint(0, vocab, (L,), generator=g)  # [L]
+        mask = torch.cat([torch.zeros(prompt, dtype=torch.long), torch.ones(reply, dtype=torch.long)])  # [L]
+        hs = [torch.randn(L, hidden, generator=g).bfloat16() for _ in range(4)]  # 4 x [L, H]
+        path = shard_path(root, idx, 2000)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"input_ids": ids, "hidden_states": hs, "loss_mask": mask}, path)
+        out.append((idx, L, reply))
+    return out
+
+
+def write_synthetic(root: Path, n: int, n_val: int, shape: dict, max_length: int, seed: int = 0) -> Path:
+    """Shards + manifest + data_config + vocab map + split + target head + run YAML under ``root``; returns the YAML."""
+    import yaml
+
+    from eagle3.manifest import MANIFEST
+    from eagle3.shards import FORMAT, LAYER_INDEX_CONVENTION, write_data_config
+    from eagle3.target_head import TargetHead
+    from eagle3.vocab import save_vocab_map
+
+    shards, data = root / "shards", root / "data"
+    H, V, dV = shape["hidden"], shape["vocab"], shape["draft_vocab"]
+    lens = synthetic_lengths(n + n_val, max_length, seed)
+    workers = max(1, min(16, (os.cpu_count() or 2)))
+    todo = [(i, p, r) for i, (p, r) in enumerate(lens)]
+    with ProcessPoolExecutor(workers) as ex:
+        done = [x for part in ex.map(_write_many, [(shards, todo[k::workers], H, V) for k in range(workers)])
+                for x in part]
+    (shards / MANIFEST).write_text("".join(json.dumps({"idx": i, "id": f"s{i}", "num_tokens": L,
+                                                       "num_loss_tokens": r}) + "\n" for i, L, r in done))
+    write_data_config(shards, {
+        "format": FORMAT, "verifier": "synthetic-smollm2", "architecture": "LlamaForCausalLM", "num_layers": 30,
+        "hidden_size": H, "vocab_size": V, "aux_layers": [2, 15, 27], "layer_index_convention": LAYER_INDEX_CONVENTION,
+        "last_hidden_state": "post_norm", "dtype": "bfloat16", "max_length": max_length, "rows_per_dir": 2000,
+        "chat_template_hash": None, "config_fingerprint": "x", "prompts_sha256": "x", "num_samples": n + n_val,
+        "num_tokens": sum(L for _, L, _ in done), "num_loss_tokens": sum(r for *_, r in done),
+        "bytes_per_token": 8 * H, "skipped": {}})
+    g = torch.Generator().manual_seed(seed)
+    data.mkdir(parents=True, exist_ok=True)
+    ids = torch.randperm(V, generator=g)[:dV].sort().values  # [dV]
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[ids] = True
+    save_vocab_map(data / "vocab_map.pt", ids - torch.arange(dV), t2d)
+    (data / "split.json").write_text(json.dumps({"train": list(range(n)), "val": list(range(n, n + n_val))}))
+    head_dir = root / "head"
+    head_dir.mkdir(parents=True, exist_ok=True)
+    TargetHead(embed=torch.randn(V, H, generator=g) * 0.05, lm_head=torch.randn(V, H, generator=g) * 0.05,
+               norm_weight=torch.ones(H), norm_eps=1e-5).save(head_dir)
+    cfg = {"run_name": "small-train-speed", "output_root": str(root),
+           "verifier": {"path": str(root / "no-verifier")}, "prompts": {"source": "unused.jsonl"},
+           "extract": {"max_length": max_length},
+           "drafter": {"hidden_size": H, "num_attention_heads": shape["heads"], "num_key_value_heads": shape["kv_heads"],
+                       "head_dim": shape["head_dim"], "intermediate_size": shape["intermediate"], "rms_norm_eps": 1e-5,
+                       "rope_theta": 100000.0, "max_position_embeddings": 8192},
+           "data": {"draft_vocab_size": dV}, "train": {"ttt_length": shape["ttt"], "lr": 1e-3}}
+    path = root / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# one mode
+# ---------------------------------------------------------------------------------------------
+def _legacy_collate(items):
+    from eagle3.dataset import collate
+
+    out = collate(items)
+    out.pop("loss_pos")  # no loss rows: eagle3.train takes the dense ttt_loss path
+    return out
+
+
+def loader_rate(cfg, batches: int) -> dict:
+    """Data loading alone, as ``eagle3.train`` sets it up for ``cfg`` (workers, pinning): real tokens/s over
+    ``batches`` micro-batches after the first, and one process's ``ShardDataset[i]`` time per sample."""
+    from eagle3.dataset import ShardDataset, read_split
+    from eagle3.shards import expect_from_data_config, read_data_config
+    from eagle3.train import DistInfo, _TrainData
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    meta = read_data_config(cfg.shards_dir)
+    ds = ShardDataset(cfg.shards_dir, read_split(cfg.data_dir)["train"], int(meta["max_length"]),
+                      expect_from_data_config(meta))
+    t0 = time.perf_counter()
+    n = min(100, len(ds))
+    for i in range(n):
+        ds[i]
+    per_sample_ms = 1e3 * (time.perf_counter() - t0) / n
+    data = _TrainData(cfg, ds, DistInfo(rank=0, world=1, local_rank=0, device=dev))
+    it = data.iterate(0, 0)
+    next(it)
+    t0, toks, got = time.perf_counter(), 0, 0
+    for b in it:
+        toks += int(b["lengths"].sum())
+        got += 1
+        if got >= batches:
+            break
+    secs = time.perf_counter() - t0
+    it = None
+    return {"loader_tokens_per_s": toks / secs, "loader_batches": got, "sample_load_ms": per_sample_ms,
+            "num_workers": data.loader.num_workers}
+
+
+def run_mode(mode: str, config: Path, overrides: list[str], workdir: Path, steps: int, batch_tokens: int,
+             log_every: int, device: str | None, head_dir: Path | None) -> dict:
+    """Train ``steps`` optimizer steps in ``mode``; returns throughput figures from its metrics.jsonl."""
+    import shutil
+
+    import eagle3.train as train_mod
+    from eagle3.config import load_config
+
+    out = workdir / f"train-{mode.replace('+', '-')}"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    if head_dir is not None:
+        shutil.copy(head_dir / "target_head.safetensors", out / "target_head.safetensors")
+    base_mode, *flags = mode.split("+")
+    ov = list(overrides) + [f"train.output_dir={out}", f"export.output_dir={workdir / ('export-' + mode.replace('+', '-'))}",
+                            f"train.log_every={log_every}", "train.ckpt_every=1000000000",
+                            "train.eval_every=1000000000", "train.epochs=1000"]
+    if base_mode == "tokens":
+        ov += [f"train.batch_tokens={batch_tokens}"]
+    else:
+        ov += ["train.batch_size=8", "train.batch_tokens=null"]
+    if base_mode == "legacy8":
+        ov += ["train.num_workers=2", "train.checkpoint_logits='on'"]
+    if "nock" in flags:
+        ov += ["train.checkpoint_logits='off'"]
+    if "compile" in flags:
+        ov += ["train.compile=true", "train.checkpoint_logits='off'"]
+    cfg = load_config(config, ov)
+    lr = loader_rate(cfg, 30 if base_mode == "tokens" else 100)
+    saved = train_mod.collate, torch.backends.cuda.enable_cudnn_sdp
+    if base_mode == "legacy8":
+        train_mod.collate = _legacy_collate
+        torch.backends.cuda.enable_cudnn_sdp = lambda _on: None  # keep torch's default SDPA choice (cuDNN)
+    t0 = time.perf_counter()
+    try:
+        res = train_mod.run(cfg, max_steps=steps, device=device)
+    finally:
+        train_mod.collate, torch.backends.cuda.enable_cudnn_sdp = saved
+    wall = time.perf_counter() - t0
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if r.get("kind") == "train"]
+    steady = rows[1:] if len(rows) > 1 else rows
+    toks = sum(r["window_tokens"] for r in steady)
+    secs = sum(r["window_s"] for r in steady)
+    tps = toks / secs if secs > 0 else float("nan")
+    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    return {"mode": mode, "steps": res["step"], "tokens_per_s": tps, "steady_tokens": toks, "steady_s": secs,
+            "step_ms": 1e3 * secs / max(1, sum(log_every for _ in steady)), "run_wall_s": wall,
+            "tokens_per_step": toks / max(1, log_every * len(steady)), "peak_mem_gib": peak,
+            "final_loss": rows[-1].get("loss") if rows else None, **lr,
+            "issue_run_projected_s": ISSUE_RUN_TOKENS / tps if tps == tps and tps > 0 else None}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--config", type=Path, help="a prepared run (stages 02-03 done): real shards instead of synthetic")
+    p.add_argument("--set", dest="overrides", action="append", default=[], help="override for --config (repeatable)")
+    p.add_argument("--workdir", type=Path, default=Path("/dev/shm/small_train_speed" if Path("/dev/shm").is_dir()
+                                                          else "/tmp/small_train_speed"),
+                   help="synthetic shards and train outputs (default: RAM disk /dev/shm)")
+    p.add_argument("--samples", type=int, default=2000, help="synthetic training samples")
+    p.add_argument("--max-length", type=int, default=1024)
+    p.add_argument("--modes", default="legacy8,fixed8,tokens")
+    p.add_argument("--steps", default="legacy8=120,fixed8=120,tokens=150", help="optimizer steps per mode")
+    p.add_argument("--batch-tokens", type=int, default=16384)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke run)")
+    p.add_argument("--device", default=None, help="'cpu' forces CPU")
+    p.add_argument("--json", type=Path)
+    p.add_argument("--profile", type=Path, help="also write torch.profiler tables (top ops by CPU and device time) "
+                   "of 12 steps of each mode to this folder")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    steps = {k: int(v) for k, v in (x.split("=") for x in a.steps.split(","))}
+    modes = a.modes.split(",")
+    a.workdir.mkdir(parents=True, exist_ok=True)
+    head_dir = None
+    if a.config is None:
+        shape = TINY if a.tiny else SMOL
+        t0 = time.perf_counter()
+        config = write_synthetic(a.workdir / "data", a.samples, 16, shape, a.max_length)
+        head_dir = a.workdir / "data" / "head"
+        print(f"synthetic shards: {a.samples} samples in {time.perf_counter() - t0:.1f} s", flush=True)
+    else:
+        config = a.config
+    results = []
+    if a.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        a.profile.mkdir(parents=True, exist_ok=True)
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        for m in modes:
+            with profile(activities=acts) as prof:
+                run_mode(m, config, a.overrides, a.workdir, 12, a.batch_tokens, 4, a.device, head_dir)
+            ka = prof.key_averages()
+            dev_key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+            text = (ka.table(sort_by=dev_key, row_limit=30) + "\n\n" + ka.table(sort_by="cpu_time_total", row_limit=30))
+            (a.profile / f"profile_{m}.txt").write_text(text)
+            print(f"profile of {m}: {a.profile / f'profile_{m}.txt'}", flush=True)
+    for m in modes:
+        r = run_mode(m, config, a.overrides, a.workdir, steps.get(m, 100), a.batch_tokens, a.log_every, a.device,
+                     head_dir)
+        results.append(r)
+        print(json.dumps(r), flush=True)
+    by = {r["mode"]: r for r in results}
+    base = by.get("legacy8") or results[0]
+    out = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() and a.device != "cpu" else "cpu",
+           "torch": torch.__version__, "data": str(a.config) if a.config else f"synthetic x{a.samples}",
+           "batch_tokens": a.batch_tokens, "results": results}
+    for r in results:
+        r["speedup_vs_" + base["mode"]] = r["tokens_per_s"] / base["tokens_per_s"]
+    if "tokens" in by:
+        out["small_train_tokens_per_s"] = by["tokens"]["tokens_per_s"]
+        out["small_train_wall_vs_reference"] = by["tokens"]["issue_run_projected_s"] / ISSUE_REFERENCE_S
+    lines = ["| mode | tokens/s | step ms | tokens/step | vs " + base["mode"] + " | issue run (6.96M tokens) s |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for r in results:
+        lines.append(f"| {r['mode']} | {r['tokens_per_s']:.0f} | {r['step_ms']:.1f} | {r['tokens_per_step']:.0f} | "
+                     f"{r['speedup_vs_' + base['mode']]:.2f}x | {r['issue_run_projected_s'] or float('nan'):.0f} |")
+    lines.append(f"(issue 9: ours 498 s, published trainer 320 s)")
+    print("\n".join(lines))
+    out["table_md"] = "\n".join(lines)
+    if a.json:
+        atomic_write_json(a.json, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
