@@ -214,15 +214,19 @@ def run_mode(mode: str, config: Path, overrides: list[str], workdir: Path, steps
         ov += ["train.compile=true", "train.checkpoint_logits='off'"]
     cfg = load_config(config, ov)
     lr = loader_rate(cfg, 30 if base_mode == "tokens" else 100)
-    saved = train_mod.collate, torch.backends.cuda.enable_cudnn_sdp
+    import contextlib
+
+    import eagle3.attention as attn_mod
+
+    saved = train_mod.collate, attn_mod.no_cudnn_sdpa
     if base_mode == "legacy8":
         train_mod.collate = _legacy_collate
-        torch.backends.cuda.enable_cudnn_sdp = lambda _on: None  # keep torch's default SDPA choice (cuDNN)
+        attn_mod.no_cudnn_sdpa = contextlib.nullcontext  # keep torch's default SDPA choice (cuDNN on Hopper)
     t0 = time.perf_counter()
     try:
         res = train_mod.run(cfg, max_steps=steps, device=device)
     finally:
-        train_mod.collate, torch.backends.cuda.enable_cudnn_sdp = saved
+        train_mod.collate, attn_mod.no_cudnn_sdpa = saved
     wall = time.perf_counter() - t0
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if r.get("kind") == "train"]

@@ -25,6 +25,7 @@ Two implementations with identical results:
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Optional, Sequence
 
@@ -103,6 +104,25 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 # ---------------------------------------------------------------------------------------------
 # TTT attention
 # ---------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def no_cudnn_sdpa():
+    """Keep ``scaled_dot_product_attention`` off cuDNN's backend inside the block (restored after).
+
+    cuDNN's SDPA backend, torch's first choice on Hopper, builds an execution plan for every new input
+    shape: about 40 ms of host time per call (H200, torch 2.11: 91 TTT attention calls of distinct
+    lengths took 3.6 s of CPU forward and 4.0 s backward). Wherever shapes change from call to call
+    (training batches, KV-cached decoding with a growing cache), that dominates; the flash /
+    memory-efficient kernels cost the same whatever the shape. At one repeated shape cuDNN was ~3%
+    faster (Kimi-size step, bench/train_throughput.py), so this is not a global setting.
+    """
+    prev = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(prev)
+
+
 def resolve_attn_impl(attn_impl: str) -> str:
     """Map ``auto`` to ``sdpa``; validate the name.
 

@@ -140,6 +140,22 @@ def row_targets(last_hidden: torch.Tensor, loss_pos: torch.Tensor, lm_head_weigh
     return TTTTargets(t.logp_draft[0], t.in_draft[0], t.argmax[0])  # [M, dV], [M], [M]
 
 
+def ttt_row_counts(loss_pos: torch.Tensor, seq_len: int, in_draft: torch.Tensor, ttt_length: int) -> torch.Tensor:
+    """Counted positions of each TTT step of one micro-batch (the rows version of ``eagle3.ttt.ttt_token_counts``).
+
+    Step ``i`` counts the loss row ``(b, p)`` iff ``p >= 2 + i`` and the target at ``p - 1`` is in the draft vocab.
+
+    Args:
+        loss_pos: int64 ``[M]`` (:func:`loss_positions`), seq_len: the padded length ``L`` of the batch,
+        in_draft: bool ``[M]`` (:func:`row_targets`), ttt_length: ``K``.
+
+    Returns:
+        int64 ``[K]`` on ``in_draft``'s device (no host sync).
+    """
+    p = loss_pos.to(in_draft.device) % seq_len  # [M]
+    return torch.stack([((p >= 2 + i) & in_draft).sum() for i in range(ttt_length)])  # [K]
+
+
 def ttt_loss_rows(
     drafter,
     step_hiddens: list[torch.Tensor],
@@ -151,9 +167,10 @@ def ttt_loss_rows(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """EAGLE-3 TTT loss at the host-chosen rows; the same value and metrics as :func:`eagle3.ttt.ttt_loss`.
 
-    ``loss_i = sum_{counted rows} CE(p_{p-1}, q_{i, p-2-i}) / D_i`` and ``loss = sum_i step_weight**i * loss_i``,
-    where ``D_i`` = ``denom[i]`` when given (a normaliser shared by every micro-batch and rank of an
-    optimizer step), else ``max(1, #counted rows of step i)`` (the batch's own mean, as ``ttt_loss``).
+    ``S_i = sum_{counted rows} CE(p_{p-1}, q_{i, p-2-i})`` and ``loss = sum_i step_weight**i * S_i / D_i``,
+    where ``D_i`` = ``denom[i]`` when given (``eagle3.ttt.step_denominators``: shared by every
+    micro-batch and rank of an optimizer step), else ``max(1, #counted rows of step i)`` (the batch's
+    own mean), exactly as :func:`eagle3.ttt.ttt_loss`.
 
     Args:
         drafter: :class:`eagle3.model.Eagle3Drafter` (``compute_logits``, ``draft_to_target``).
@@ -166,14 +183,15 @@ def ttt_loss_rows(
 
     Returns:
         ``(loss, metrics)`` as :func:`eagle3.ttt.ttt_loss`: scalar float32 loss and detached ``[K]``
-        tensors ``loss`` (sum CE / D_i), ``acc``, ``correct`` int64, ``count`` int64; no host sync.
+        tensors ``loss`` (this batch's mean CE), ``ce_sum`` (``S_i``), ``acc``, ``correct`` int64,
+        ``count`` int64; no host sync.
     """
     B, L, H = step_hiddens[0].shape
     dev = step_hiddens[0].device
     loss_pos = loss_pos.to(dev)
     p = loss_pos % L  # [M] predicted position within its sample
     total = torch.zeros((), dtype=torch.float32, device=dev)
-    losses, corrects, counts = [], [], []
+    losses, sums, corrects, counts = [], [], [], []
     for i, h in enumerate(step_hiddens):
         ok = p >= 2 + i  # [M] the hidden row p-2-i exists
         valid = ok & targets.in_draft  # [M]
@@ -185,17 +203,19 @@ def ttt_loss_rows(
         else:
             ce, pred = _row_step_terms(drafter, hs, targets.logp_draft)  # [M], [M]
         cnt = valid.sum()
-        d = denom[i].to(torch.float32) if denom is not None else cnt.clamp(min=1).to(torch.float32)
-        step_loss = (ce * valid).sum() / d
-        total = total + (step_weight**i) * step_loss
+        ce_sum = (ce * valid).sum()  # S_i
+        step_loss = ce_sum / cnt.clamp(min=1)
+        total = total + (step_weight**i) * (step_loss if denom is None else ce_sum / denom[i])
         correct = ((drafter.draft_to_target(pred) == targets.argmax) & valid).sum()
         losses.append(step_loss.detach())
+        sums.append(ce_sum.detach())
         corrects.append(correct)
         counts.append(cnt)
     counts_t = torch.stack(counts)  # [K]
     corrects_t = torch.stack(corrects)  # [K]
     metrics = {
         "loss": torch.stack(losses).float(),
+        "ce_sum": torch.stack(sums).float(),
         "acc": corrects_t.float() / counts_t.clamp(min=1).float(),
         "correct": corrects_t,
         "count": counts_t,

@@ -19,7 +19,7 @@ from eagle3.dataset import collate  # noqa: E402
 from eagle3.errors import UserError  # noqa: E402
 from eagle3.model import DrafterArgs, Eagle3Drafter  # noqa: E402
 from eagle3.ttt import compute_targets, ttt_loss  # noqa: E402
-from eagle3.ttt_rows import loss_positions, row_targets, ttt_loss_rows  # noqa: E402
+from eagle3.ttt_rows import loss_positions, row_targets, ttt_loss_rows, ttt_row_counts  # noqa: E402
 
 LENGTHS = [int(x) for x in torch.randint(3, 60, (97,), generator=torch.Generator().manual_seed(5))]
 
@@ -152,7 +152,7 @@ def test_row_loss_equals_dense_loss_values_metrics_and_gradients():
     assert int(m1["count"][0]) > 5  # the case has counted positions in every step
     # the CE math runs in float32 in both paths (targets are float32 log-probs): float32 tolerances
     torch.testing.assert_close(l2, l1, rtol=1e-6, atol=1e-6)
-    for k in ("loss", "acc", "correct", "count"):
+    for k in ("loss", "acc", "correct", "count") + (("ce_sum",) if "ce_sum" in m1 else ()):
         torch.testing.assert_close(m2[k], m1[k], rtol=1e-6, atol=1e-6)
     assert g1.keys() == g2.keys() and g1
     for k in g1:
@@ -175,6 +175,9 @@ def test_bucketed_batch_equals_per_sample_sum_with_shared_normaliser():
 
     with torch.no_grad():
         counts = sum(piece([it], None)[1]["count"] for it in items).double()  # [K] counted tokens of the step
+        b = collate(items)
+        t = row_targets(b["last"], b["loss_pos"], lm, drafter.d2t, drafter.t2d)
+        assert ttt_row_counts(b["loss_pos"], b["input_ids"].shape[1], t.in_draft, K).tolist() == counts.long().tolist()
     drafter.zero_grad()
     loss_b, _ = piece(items, counts)
     loss_b.backward()
