@@ -295,6 +295,8 @@ def main(argv=None) -> int:
                      head_dir)
         results.append(r)
         print(json.dumps(r), flush=True)
+        if head_dir is None:  # real data: the first mode extracted the verifier head; the others reuse it
+            head_dir = a.workdir / f"train-{m.replace('+', '-')}"
     by = {r["mode"]: r for r in results}
     base = by.get("legacy8") or results[0]
     out = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() and a.device != "cpu" else "cpu",

@@ -176,7 +176,9 @@ class TokenBudgetBatchSampler:
 
 
 def eval_batches(lengths: Sequence[int], batch_tokens: int, num_replicas: int = 1, rank: int = 0) -> list[list[int]]:
-    """Validation batches of one rank: dataset order sorted by length, cut by the token budget, rank ``r``
-    takes batches ``r, r+W, ...`` (counts may differ by one across ranks; every sample is used once)."""
-    s = TokenBudgetBatchSampler(lengths, batch_tokens, shuffle=False, window=0)
-    return s.epoch_batches(0)[rank::num_replicas]
+    """Validation batches of one rank: rank ``r`` takes samples ``r, r+W, ...`` (every sample once over the
+    ranks, and every rank has samples when there are at least ``W``), sorted by length and cut by the token
+    budget; batch counts may differ across ranks (validation has no collective inside the loop)."""
+    mine = list(range(rank, len(lengths), num_replicas))
+    s = TokenBudgetBatchSampler([lengths[i] for i in mine], batch_tokens, shuffle=False, window=0)
+    return [[mine[j] for j in b] for b in s.epoch_batches(0)]
