@@ -16,9 +16,12 @@ One call of :func:`run` does, on every process (single process, or ``torchrun`` 
    everything else is PyTorch default init under ``train.seed``.
 5. Loop: AdamW, warmup + cosine per optimizer step (:mod:`eagle3.schedule`), gradient
    accumulation (DDP ``no_sync`` on the non-final micro-batches), gradient clipping, bf16 autocast
-   on GPU only. The loss is :func:`eagle3.ttt.ttt_loss` against the verifier distribution computed
-   from the captured last hidden state by :func:`eagle3.ttt.compute_targets`, normalised over the
-   counted tokens of the whole optimizer step (:func:`backward_step`). No host syncs in a
+   on GPU only. Micro-batches hold ``batch_size`` samples, or with ``train.batch_tokens`` samples of
+   similar length up to that many padded tokens (:mod:`eagle3.batching`), read by loader worker
+   processes into pinned memory. The loss is the TTT loss of :func:`eagle3.ttt.ttt_loss` evaluated
+   only at the loss rows that ``collate`` lists on the host (:mod:`eagle3.ttt_rows`: verifier targets
+   and draft logits there only), normalised over the counted tokens of the whole optimizer step
+   (:func:`backward_step`). SDPA runs without cuDNN (:func:`eagle3.attention.no_cudnn_sdpa`). No host syncs in a
    step except at log steps (every ``log_every``), where loss, per-TTT-step accuracy, LR, grad
    norm and tokens/s go to TensorBoard (``{train_dir}/tb``), ``{train_dir}/metrics.jsonl`` and the
    tqdm bar (rank 0).

@@ -18,7 +18,7 @@ from eagle3.config import load_config  # noqa: E402
 from eagle3.dataset import collate  # noqa: E402
 from eagle3.errors import UserError  # noqa: E402
 from eagle3.model import DrafterArgs, Eagle3Drafter  # noqa: E402
-from eagle3.ttt import compute_targets, ttt_loss  # noqa: E402
+from eagle3.ttt import compute_targets, step_denominators, ttt_loss  # noqa: E402
 from eagle3.ttt_rows import loss_positions, row_targets, ttt_loss_rows, ttt_row_counts  # noqa: E402
 
 LENGTHS = [int(x) for x in torch.randint(3, 60, (97,), generator=torch.Generator().manual_seed(5))]
@@ -174,10 +174,13 @@ def test_bucketed_batch_equals_per_sample_sum_with_shared_normaliser():
         return ttt_loss_rows(drafter, hs, t, b["loss_pos"], denom=denom)
 
     with torch.no_grad():
-        counts = sum(piece([it], None)[1]["count"] for it in items).double()  # [K] counted tokens of the step
-        b = collate(items)
-        t = row_targets(b["last"], b["loss_pos"], lm, drafter.d2t, drafter.t2d)
-        assert ttt_row_counts(b["loss_pos"], b["input_ids"].shape[1], t.in_draft, K).tolist() == counts.long().tolist()
+        per_sample = []
+        for it in items:
+            one = collate([it])
+            t = row_targets(one["last"], one["loss_pos"], lm, drafter.d2t, drafter.t2d)
+            per_sample.append(ttt_row_counts(one["loss_pos"], one["input_ids"].shape[1], t.in_draft, K))
+        counts = step_denominators(per_sample)  # [K] the step's counted tokens (eagle3.ttt, issue 11 item 1)
+        assert counts.tolist() == sum(piece([it], None)[1]["count"] for it in items).clamp(min=1).float().tolist()
     drafter.zero_grad()
     loss_b, _ = piece(items, counts)
     loss_b.backward()
@@ -258,3 +261,18 @@ def test_token_budget_two_ranks_equal_one_process_accumulating(tmp_path):
 
 def test_eval_batches_give_every_rank_samples():
     assert eval_batches([9, 12], 32, 2, 0) == [[0]] and eval_batches([9, 12], 32, 2, 1) == [[1]]
+
+
+def test_token_budget_step_gradient_equals_per_sample_accumulation(tmp_path):
+    """One bucketed micro-batch of two samples of very different lengths (40 and 6 tokens, budget 80) gives
+    the same first-step gradient as the samples one by one (batch 1 x grad_accum 2): the loss is a mean over
+    the optimizer step's counted tokens (issue 11 item 1), not over micro-batches."""
+    from test_loss_norm import ONE_STEP, TWO_SAMPLES, _assert_same_grads, _first_grads, _run_split
+
+    from eagle3.train import run
+
+    cfg = load_config(make_tiny_run(tmp_path / "tok", train={**ONE_STEP, "batch_tokens": 80}, **TWO_SAMPLES))
+    r = run(cfg, device="cpu")
+    assert r["step"] == r["total_steps"] == 1
+    split = _run_split(tmp_path / "b1a2", batch_size=1, grad_accum=2)
+    _assert_same_grads(_first_grads(cfg.train_dir), _first_grads(split))
