@@ -127,7 +127,14 @@ class StandInServer:
                     return
                 self.wfile.write(data)
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        class Server(ThreadingHTTPServer):
+            def handle_error(self, request, client_address):  # the client gave up (injected timeout): expected
+                import sys
+
+                if not isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+                    super().handle_error(request, client_address)
+
+        self.httpd = Server(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
@@ -152,7 +159,8 @@ class StandInServer:
 
     def _chat(self, body: dict) -> dict:
         kw = body.get("chat_template_kwargs") or {}
-        text = self.tok.apply_chat_template(body["messages"], tokenize=False, add_generation_prompt=True, **kw)
+        text = self.tok.apply_chat_template(body["messages"], tokenize=False, add_generation_prompt=True,
+                                            tools=body.get("tools"), **kw)
         ids = list(self.tok(text, add_special_tokens=False)["input_ids"])
         stops = {self.tok.eos_token_id} | {self.tok.convert_tokens_to_ids("<|im_end|>")}
         out, kind = self.backend.generate(ids, body.get("max_tokens", 128), stops)
@@ -161,6 +169,11 @@ class StandInServer:
         r = self.backend.reasoning(ids)
         if r is not None:
             msg["reasoning_content"] = r
+        if body.get("tools"):  # a model that calls the first declared tool (OpenAI tool_calls shape)
+            name = body["tools"][0]["function"]["name"]
+            msg.update(content="", tool_calls=[{"id": f"call_{len(ids)}", "type": "function",
+                                                "function": {"name": name, "arguments": '{"q": 1}'}}])
+            kind = "tool_calls"
         return {"id": "chatcmpl-x", "object": "chat.completion", "model": body.get("model", "standin"),
                 "choices": [{"index": 0, "message": msg, "finish_reason": kind}],
                 "usage": {"prompt_tokens": len(ids), "completion_tokens": len(out), "total_tokens": len(ids) + len(out)}}

@@ -164,6 +164,33 @@ def test_openai_reasoning_content_kept_and_sampling_sent(smollm_tokenizer, tmp_p
     assert m["role"] == "assistant" and m["reasoning_content"].startswith("thinking about ") and "tokens" not in m
 
 
+TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "look up a fact",
+                                           "parameters": {"type": "object", "properties": {"q": {"type": "integer"}}}}}]
+
+
+def test_tools_sent_tool_calls_kept_and_tool_results_passed_through(smollm_tokenizer, tmp_path):
+    """As eagle3.regenerate: a conversation holding tool results is kept unchanged (its results answer
+    the original calls); declared tools go to the server and the model's tool calls are kept."""
+    tok = smollm_tokenizer
+    with_results = {"id": "t1", "messages": [
+        U("Look it up."), {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "42"}, A("It is 42.")], "tools": TOOLS}
+    declared = {"id": "t2", "messages": [U("Find the answer.")], "tools": TOOLS}
+    with StandInServer(FakeBackend(tok.eos_token_id), tok) as srv:
+        st = {}
+        got = regenerate_via_server([with_results, declared, CONVS[3]], tok, _pc("openai", [srv.url]),
+                                    partial_path=tmp_path / "p.jsonl", settings=SETTINGS, stats=st)
+        bodies = [b for _, b in srv.requests]
+    assert got[0] == with_results and st["kept_with_tools"] == 1
+    assert len(bodies) == 2 and sorted("tools" in b for b in bodies) == [False, True]  # (sent concurrently)
+    assert next(b for b in bodies if "tools" in b)["tools"] == TOOLS
+    assert got[1]["tools"] == TOOLS
+    reply = got[1]["messages"][1]
+    assert reply["tool_calls"][0]["function"] == {"name": "lookup", "arguments": '{"q": 1}'} and reply["content"] == ""
+    assert "tool_calls" not in got[2]["messages"][1]
+
+
 # ---- faults ---------------------------------------------------------------------------------------
 def _reference(tok, convs, tmp_path, via="sglang"):
     with StandInServer(FakeBackend(tok.eos_token_id), tok) as srv:
@@ -290,7 +317,7 @@ def test_sigkill_mid_run_then_resume_loses_and_duplicates_nothing(smollm_tokeniz
     out = tmp_path / "run"
     partial = out / "prompts.regen-partial.jsonl"
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    with StandInServer(FakeBackend(tok.eos_token_id), tok, delay=0.05) as srv:
+    with StandInServer(FakeBackend(tok.eos_token_id), tok, delay=0.1) as srv:
         proc = subprocess.Popen(_cmd(out, tiny_llama_dir, srv.url, str(src)), cwd=tmp_path, env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         deadline = time.time() + 120
@@ -355,3 +382,37 @@ def test_kimi_config_regenerates_through_the_configured_endpoints(smollm_tokeniz
         f"output_root={tmp_path / 'run'}", f"verifier.path={tiny_llama_dir}", "verifier.trust_remote_code=false",
         f"prompts.source={src}", "prompts.server.urls=[http://127.0.0.1:9]"])
     assert run(cfg2) == 0
+
+
+def test_failed_conversations_are_retried_alone_by_the_next_run(smollm_tokenizer, tiny_llama_dir, tmp_path, capsys):
+    from eagle3.config import load_config
+    from eagle3.prepare_prompts import run
+
+    tok = smollm_tokenizer
+    convs = _many(6)
+    src = tmp_path / "src.jsonl"
+    src.write_text("".join(json.dumps(c) + "\n" for c in convs))
+    want = _reference(tok, convs, tmp_path)
+    poison = prompt_ids(tok, [U("question number 4?")])
+    out = tmp_path / "run"
+
+    def cfg(url):
+        return load_config(ROOT / "configs" / "tiny-llama.yaml", [
+            f"output_root={out}", f"verifier.path={tiny_llama_dir}", f"prompts.source={src}",
+            "prompts.format=messages", "prompts.sample_size=null", "prompts.regenerate_via=sglang",
+            f"prompts.server.urls=[{url}]", "prompts.server.max_attempts=2", "prompts.server.backoff_s=0.01"])
+
+    with StandInServer(FakeBackend(tok.eos_token_id), tok,
+                       fault=lambda n, p, b: "500" if b["input_ids"] == poison else None) as srv:
+        assert run(cfg(srv.url)) == 0
+    rep = json.loads((out / "prompts_report.json").read_text())
+    assert rep["regeneration"]["failed"] == 1 and rep["regeneration"]["failed_ids"] == ["q4"]
+    assert [json.loads(x)["id"] for x in (out / "prompts.jsonl").read_text().splitlines()] == ["q0", "q1", "q2", "q3", "q5"]
+    assert "1 conversation(s) failed" in capsys.readouterr().out
+    assert (out / "prompts.regen-partial.jsonl").is_file()  # kept: the next run needs it
+    with StandInServer(FakeBackend(tok.eos_token_id), tok) as srv:
+        assert run(cfg(srv.url)) == 0  # not "up to date": the last run had failures
+        assert [b["input_ids"] for _, b in srv.requests] == [poison]  # only the failed conversation
+    assert [json.loads(x) for x in (out / "prompts.jsonl").read_text().splitlines()] == want
+    assert not (out / "prompts.regen-partial.jsonl").exists()
+    assert json.loads((out / "prompts_report.json").read_text())["regeneration"]["resumed"] == 5
