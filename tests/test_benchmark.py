@@ -70,6 +70,51 @@ def test_bench_prompts_oracle_drafter_tau_counts_only_emitted_tokens():
     assert d["spec_tokens"] == d["greedy_tokens"] == 20 and d["mismatches"] == []
 
 
+def test_bench_prompts_batch4_equals_batch1():
+    """Same prompts, batch 4 vs batch 1: same outputs, same accept lengths, same tau (fp32)."""
+    from test_decode import make_drafter, make_verifier
+
+    from eagle3.benchmark import bench_prompts
+
+    v = make_verifier()
+    d = make_drafter(v, list(range(0, 256, 3)))
+    prompts = [("a", [5, 17, 99, 3]), ("b", [9, 8, 7, 6, 5, 4, 3]), ("c", [77]), ("d", [200, 1, 2, 3, 4])]
+    r4 = bench_prompts(v, d, prompts, [1, 3, 4], 3, 12, [], batch_size=4, progress=False)
+    r1 = bench_prompts(v, d, prompts, [1, 3, 4], 3, 12, [], batch_size=1, progress=False)
+    assert r4["mismatches"] == r1["mismatches"] == []
+    assert [p["accept_lengths"] for p in r4["per_prompt"]] == [p["accept_lengths"] for p in r1["per_prompt"]]
+    assert r4["tau"] == r1["tau"] and r4["accepted_hist"] == r1["accepted_hist"]
+    assert [p["id"] for p in r4["per_prompt"]] == ["a", "b", "c", "d"]  # input order kept despite length sorting
+
+
+def test_bench_prompts_splits_near_ties_from_failures(monkeypatch):
+    """A greedy reference that differs from the verifier at token 3 of one prompt: reported with the
+    verify logit gap; a near-tie when the gap is within the tolerance, a failure otherwise."""
+    import eagle3.decode as D
+    from test_decode import make_drafter, make_verifier
+
+    from eagle3.benchmark import bench_prompts
+
+    v = make_verifier()
+    d = make_drafter(v, list(range(0, 256, 3)))
+    real = D.greedy_generate_batch
+
+    def altered(*a, **k):
+        g = real(*a, **k)
+        g.tokens[0][3] = (g.tokens[0][3] + 1) % 256
+        return g
+
+    monkeypatch.setattr(D, "greedy_generate_batch", altered)
+    prompts = [("a", [5, 17, 99, 3]), ("b", [9, 8, 7])]
+    loose = bench_prompts(v, d, prompts, [1, 3, 4], 2, 8, [], batch_size=2, tie_tolerance=1e9, progress=False)
+    (m,) = loose["mismatches"]
+    assert m["id"] == "a" and m["index"] == 3 and m["gap"] > 0 and m["near_tie"]
+    assert (loose["near_ties"], loose["failures"]) == (1, 0)
+    strict = bench_prompts(v, d, prompts, [1, 3, 4], 2, 8, [], batch_size=2, tie_tolerance=m["gap"] / 2, progress=False)
+    assert strict["mismatches"][0]["gap"] == pytest.approx(m["gap"]) and not strict["mismatches"][0]["near_tie"]
+    assert (strict["near_ties"], strict["failures"]) == (0, 1)
+
+
 def test_first_mismatch():
     assert first_mismatch([1, 2, 3], [1, 2, 3]) is None
     assert first_mismatch([1, 2, 3], [1, 5, 3]) == 1
