@@ -11,19 +11,19 @@ from __future__ import annotations
 
 import argparse
 
-from eagle3.cli import run_main
+from eagle3.cli import ArgumentParser, positive_int, run_main
 from eagle3.config import add_config_args, load_config
 from eagle3.prompts import FORMATS
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Stage 01: prepare the prompts/conversations file.")
+    p = ArgumentParser(description="Stage 01: prepare the prompts/conversations file.")
     add_config_args(p)
     p.add_argument("--source", help="override prompts.source: 'humaneval', a .json/.jsonl(.gz) file, or 'hf:<name>'")
     p.add_argument("--format", dest="fmt", choices=FORMATS, help="override prompts.format")
     p.add_argument("--regenerate", action=argparse.BooleanOptionalAction, default=None,
                    help="override prompts.regenerate (answers from the verifier's greedy decoding)")
-    p.add_argument("--limit", type=int, help="keep only the first N conversations after sampling")
+    p.add_argument("--limit", type=positive_int, help="keep only the first N conversations after sampling")
     p.add_argument("--force", action="store_true", help="recompute even if the outputs are up to date")
     a = p.parse_args(argv)
     cfg = load_config(a.config, a.overrides)

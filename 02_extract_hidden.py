@@ -11,26 +11,22 @@ A run whose config/prompts/verifier changed is refused unless --overwrite (delet
 
 from __future__ import annotations
 
-import argparse
-
-from eagle3.cli import run_main
+from eagle3.cli import ArgumentParser, http_url, positive_int, run_main
 from eagle3.config import add_config_args, load_config
 from eagle3.errors import UserError
 from eagle3.io import format_bytes
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     add_config_args(p)
     p.add_argument("--backend", choices=["hf", "sglang"], default=None, help="overrides extract.backend")
-    p.add_argument("--server", default=None, metavar="URL", help="SGLang server URL (overrides extract.sglang_url)")
+    p.add_argument("--server", type=http_url, default=None, metavar="URL", help="SGLang server URL (overrides extract.sglang_url)")
     p.add_argument("--overwrite", action="store_true", help="delete existing shards in the output folder and start over")
-    p.add_argument("--limit", type=int, default=None, metavar="N", help="only the first N prompts")
+    p.add_argument("--limit", type=positive_int, default=None, metavar="N", help="only the first N prompts")
     p.add_argument("--ignore-disk-check", action="store_true",
                    help="capture even when the disk plan says the shards will not fit (extract.disk_margin)")
     a = p.parse_args(argv)
-    if a.limit is not None and a.limit < 1:
-        raise UserError(f"--limit: must be >= 1, got {a.limit}")
     cfg = load_config(a.config, a.overrides)
     if a.backend:
         cfg.extract.backend = a.backend

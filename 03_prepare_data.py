@@ -8,14 +8,12 @@ Writes {data_dir}/token_freq.pt, vocab_map.pt, split.json, data_report.json/.md,
 
 from __future__ import annotations
 
-import argparse
-
-from eagle3.cli import run_main
+from eagle3.cli import ArgumentParser, run_main
 from eagle3.config import add_config_args, load_config
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     add_config_args(p)
     p.add_argument("--no-plot", action="store_true", help="skip coverage.png")
     a = p.parse_args(argv)

@@ -10,23 +10,19 @@ SIGTERM/SIGINT finish the current optimizer step, write a checkpoint and exit 0.
 
 from __future__ import annotations
 
-import argparse
-
-from eagle3.cli import run_main
+from eagle3.cli import ArgumentParser, positive_int, run_main
 from eagle3.config import add_config_args, load_config
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     add_config_args(p)
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
-    p.add_argument("--max-steps", type=int, default=None, help="total optimizer steps (overrides train.max_steps)")
+    p.add_argument("--max-steps", type=positive_int, default=None, help="total optimizer steps (overrides train.max_steps)")
     p.add_argument("--export-only", action="store_true",
                    help="no training: export the newest checkpoint (e.g. for the other engine with --engine)")
     p.add_argument("--engine", choices=["sglang", "vllm"], help="override export.engine")
     a = p.parse_args(argv)
-    if a.max_steps is not None and a.max_steps < 1:
-        p.error("--max-steps must be >= 1")
     cfg = load_config(a.config, a.overrides)
     if a.engine:
         cfg = cfg.model_copy(update={"export": cfg.export.model_copy(update={"engine": a.engine})})

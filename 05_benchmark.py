@@ -20,34 +20,30 @@ from __future__ import annotations
 
 import argparse
 
-from eagle3.cli import run_main
+from eagle3.cli import ArgumentParser, http_url, positive_float, positive_int, run_main
 from eagle3.config import add_config_args, load_config
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(p)
     p.add_argument("--drafter", help="exported drafter folder (default: cfg.export_dir)")
     p.add_argument("--datasets", nargs="+", help="mtbench, humaneval, gsm8k or JSONL prompt files (default: benchmark.datasets; mtbench with --server)")
-    p.add_argument("--steps", type=int, help="chain draft length k (default: benchmark.steps)")
-    p.add_argument("--num-prompts", type=int, help="first N prompts of each dataset (default: benchmark.num_prompts)")
-    p.add_argument("--max-new-tokens", type=int, help="default: benchmark.max_new_tokens")
-    p.add_argument("--batch-size", type=int, help="prompts decoded together (default: benchmark.batch_size)")
+    p.add_argument("--steps", type=positive_int, help="chain draft length k (default: benchmark.steps)")
+    p.add_argument("--num-prompts", type=positive_int, help="first N prompts of each dataset (default: benchmark.num_prompts)")
+    p.add_argument("--max-new-tokens", type=positive_int, help="default: benchmark.max_new_tokens")
+    p.add_argument("--batch-size", type=positive_int, help="prompts decoded together (default: benchmark.batch_size)")
     p.add_argument("--tie-tolerance", type=float, metavar="LOGITS",
                    help="near-tie tolerance of the lossless check in logits (default: benchmark.tie_tolerance)")
     p.add_argument("--serve-aux-layers", nargs=3, type=int, metavar="I",
                    help="ablation: feed the drafter these HF-index aux layers instead of the ones it was trained on")
-    p.add_argument("--server", nargs="+", metavar="URL", help="SGLang server URL (EAGLE3) [+ baseline server URL]")
-    p.add_argument("--concurrency", type=int, default=1, help="requests in flight per server (--server mode)")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per HTTP request (--server mode)")
+    p.add_argument("--server", nargs="+", type=http_url, metavar="URL", help="SGLang server URL (EAGLE3) [+ baseline server URL]")
+    p.add_argument("--concurrency", type=positive_int, default=1, help="requests in flight per server (--server mode)")
+    p.add_argument("--timeout", type=positive_float, default=600.0, help="seconds per HTTP request (--server mode)")
     a = p.parse_args(argv)
     cfg = load_config(a.config, a.overrides)
     if a.tie_tolerance is not None and not a.tie_tolerance >= 0:
-        p.error("--tie-tolerance must be >= 0")
-    for name in ("steps", "num_prompts", "max_new_tokens", "batch_size"):
-        v = getattr(a, name)
-        if v is not None and v < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+        p.error(f"argument --tie-tolerance: must be >= 0, got {a.tie_tolerance}")
     if a.server:
         from eagle3 import server_bench
 

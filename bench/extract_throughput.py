@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle3.capture.hf import HFCapture  # noqa: E402
+from eagle3.cli import ArgumentParser, positive_int, run_main  # noqa: E402
 from eagle3.config import add_config_args, load_config  # noqa: E402
 from eagle3.io import atomic_write_json  # noqa: E402
 from eagle3.layers import default_aux_layers  # noqa: E402
@@ -53,12 +54,12 @@ def _timed(fns: dict, device: torch.device, repeats: int) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     add_config_args(p)
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: verifier.device)")
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq", type=int, default=512)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--batch", type=positive_int, default=4)
+    p.add_argument("--seq", type=positive_int, default=512)
+    p.add_argument("--repeats", type=positive_int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="also write the result here")
     a = p.parse_args(argv)
@@ -114,4 +115,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

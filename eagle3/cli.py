@@ -1,20 +1,84 @@
-"""Shared glue for the numbered CLI scripts: ``--config`` parsing and the error contract."""
+"""Shared glue for the numbered CLI scripts: argument parsing and the error contract.
+
+Contract (DESIGN.md, HELPERS): bad user input -> one line ``error: <the flag / --set override / file
+and key>: <what is wrong>`` on stderr and exit status 2, never a traceback. :class:`ArgumentParser`
+turns argparse's own errors (unknown flag, bad ``type=``, bad choice, missing ``--config``) into
+:class:`~eagle3.errors.UserError`; :func:`eagle3.config.load_config` does the same for the config file
+and ``--set``; :func:`run_main` prints them.
+"""
 
 from __future__ import annotations
 
+import argparse
+import errno
 import logging
 import sys
-from typing import Callable
+from typing import Callable, NoReturn, Optional
 
 from eagle3.errors import UserError
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` whose errors raise :class:`UserError` instead of printing the usage
+    and exiting, so that they follow the ``error: ...`` / exit 2 contract of :func:`run_main` and can be
+    caught in-process (``main(argv)`` in tests). ``--help`` still prints and exits 0."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UserError(f"{' '.join(message.split())} (see {self.prog} --help)")
+
+
+def positive_int(text: str) -> int:
+    """argparse ``type=``: an integer >= 1 (message names the flag through argparse)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def positive_float(text: str) -> float:
+    """argparse ``type=``: a finite number > 0."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not (v > 0 and v != float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return v
+
+
+def http_url(text: str) -> str:
+    """argparse ``type=``: a server base URL (``http(s)://host[:port]``), see :func:`eagle3.config.check_http_url`."""
+    from eagle3.config import check_http_url
+
+    try:
+        return check_http_url(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+# OS errors that say a user-given path is unusable (permissions, read-only, a file where a folder
+# must be...), never a bug in the code: reported as ``error: <path>: <reason>``.
+PATH_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EISDIR, errno.EEXIST,
+                         errno.ENAMETOOLONG, errno.ELOOP})
+
+
+def path_error(exc: BaseException) -> Optional[UserError]:
+    """The one-line :class:`UserError` for an ``OSError`` on a named path with one of
+    :data:`PATH_ERRNOS` (e.g. ``output_root`` under a regular file, or an unwritable folder); else None."""
+    if isinstance(exc, OSError) and exc.errno in PATH_ERRNOS and exc.filename is not None:
+        return UserError(f"{exc.filename}: {exc.strerror or exc} (check the paths in the config and flags)")
+    return None
 
 
 def run_main(main: Callable[[list[str] | None], int | None], argv: list[str] | None = None) -> None:
     """Run a stage's ``main``; turn :class:`UserError` into ``error: ...`` on stderr and exit 2.
 
     A disk-full / quota error (``ENOSPC``/``EDQUOT``) that escaped the atomic writers of
-    :mod:`eagle3.io` is reported the same way (one line, exit 2). Any other exception propagates
-    with its traceback (a bug, not bad input).
+    :mod:`eagle3.io`, and an unusable path (:func:`path_error`), are reported the same way (one
+    line, exit 2). Any other exception propagates with its traceback (a bug, not bad input).
     """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -22,9 +86,13 @@ def run_main(main: Callable[[list[str] | None], int | None], argv: list[str] | N
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
-    except Exception as e:  # noqa: BLE001 - only a disk-full error is turned into a one-liner
+    except Exception as e:  # noqa: BLE001 - only disk-full and path errors are turned into one-liners
         from eagle3.io import disk_full_error, is_disk_full
 
+        bad_path = path_error(e)
+        if bad_path is not None:
+            print(f"error: {bad_path}", file=sys.stderr)
+            sys.exit(bad_path.exit_code)
         if not is_disk_full(e):
             raise
         # A writer outside eagle3.io (a library's own file) ran out of space: still one line + exit 2.

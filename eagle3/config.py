@@ -17,6 +17,22 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from eagle3.errors import UserError
 
 
+def check_http_url(url: str) -> str:
+    """``url`` if it is an absolute ``http://`` or ``https://`` URL with a host (a server base URL such
+    as ``http://127.0.0.1:30000``); else ``ValueError`` with a one-line reason (pydantic and argparse
+    turn it into the field's / flag's message)."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError on a non-numeric or out-of-range port
+    except ValueError as e:
+        raise ValueError(f"not a valid URL ({e}): {url!r}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"expected http://host:port, got {url!r}")
+    return url
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -141,6 +157,11 @@ class ExtractConfig(_Strict):
     disk_margin_bytes: int = Field(
         1_000_000_000, ge=0, description="disk plan: minimum free space beyond the estimate, in bytes")
 
+    @field_validator("sglang_url")
+    @classmethod
+    def _url(cls, v):
+        return None if v is None else check_http_url(v)
+
     @field_validator("aux_layers")
     @classmethod
     def _three(cls, v):
@@ -237,6 +258,11 @@ class BenchmarkConfig(_Strict):
     server_urls: list[str] = Field(default_factory=list, description="SGLang server(s) to benchmark instead of the in-process HF decoder: [spec] or [spec, baseline]")
     output_dir: Optional[str] = Field(None, description="default {output_root}/bench")
 
+    @field_validator("server_urls")
+    @classmethod
+    def _urls(cls, v):
+        return [check_http_url(u) for u in v]
+
 
 class RunConfig(_Strict):
     """One run: every stage's settings. See configs/smollm2-135m.yaml for a commented example."""
@@ -283,14 +309,82 @@ class RunConfig(_Strict):
         return Path(self.benchmark.output_dir) if self.benchmark.output_dir else self.root / "bench"
 
 
-def _format_validation_error(path: Path, err: ValidationError) -> str:
+def _format_validation_error(path: Path, err: ValidationError, overrides: Optional[dict] = None) -> str:
+    """One line for the first pydantic error, naming the ``--set`` override when one set that key.
+
+    ``overrides`` maps key tuples (``("train", "lr")``) to the override text; an error whose location
+    is at or below an overridden key, or above it (an unknown section the override created), blames
+    the override instead of the file.
+    """
     e = err.errors()[0]
-    loc = ".".join(str(x) for x in e["loc"])
+    loc_t = tuple(str(x) for x in e["loc"])
+    loc = ".".join(loc_t)
+    where = str(path)
+    for keys, text in (overrides or {}).items():
+        n = min(len(keys), len(loc_t))
+        if n and keys[:n] == loc_t[:n]:
+            where = f"--set {text}"
     if e["type"] == "extra_forbidden":
-        return f"{path}: unknown config key '{loc}'"
+        return f"{where}: unknown config key '{loc}'"
     if e["type"] == "missing":
-        return f"{path}: missing required config key '{loc}'"
-    return f"{path}: field '{loc}': {e['msg']} (got {e.get('input')!r})"
+        return f"{where}: missing required config key '{loc}'"
+    return f"{where}: field '{loc}': {e['msg']} (got {_short(e.get('input'))})"
+
+
+def _short(value, limit: int = 80) -> str:
+    """``repr`` on one line, cut to ``limit`` characters (a chat template can be kilobytes)."""
+    return _one_line(repr(value), limit)
+
+
+def _one_line(text: str, limit: int = 80) -> str:
+    """``text`` with line breaks shown as ``\\n``, cut to ``limit`` characters."""
+    t = text.replace("\r", "\\r").replace("\n", "\\n")
+    return t if len(t) <= limit else t[: limit - 3] + "..."
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """PyYAML's own one-line description of a parse error (its ``problem``, else the whole text)."""
+    return " ".join(str(getattr(e, "problem", None) or e).split())
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict[tuple[str, ...], str]:
+    """Apply ``section.key=value`` overrides to the parsed YAML mapping ``raw`` in place.
+
+    The value is parsed as YAML (``train.lr=3e-4`` is a float, ``export.engine=vllm`` a string); to
+    pass a string YAML would read otherwise (a Jinja template ``{{ x }}`` or ``{% if %}``, a leading
+    ``*`` or ``!``), quote it: ``--set "verifier.chat_template='{{ x }}'"``.
+
+    Returns:
+        ``{key tuple: override text for messages}`` (later overrides of the same key win).
+
+    Raises:
+        UserError: ``--set <override>: ...`` for a missing ``=``, an empty key part, a value that is
+            not valid YAML, or a key below a field that is not a section.
+    """
+    applied: dict[tuple[str, ...], str] = {}
+    for ov in overrides:
+        key, sep, val = ov.partition("=")
+        text = _one_line(ov, 80)
+        if not sep:
+            raise UserError(f"--set {text}: expected section.key=value")
+        parts = tuple(x.strip() for x in key.split("."))
+        if not all(parts):
+            raise UserError(f"--set {text}: empty key name in '{key}' (expected section.key=value)")
+        try:
+            value = yaml.safe_load(val)
+        except yaml.YAMLError as e:
+            raise UserError(f"--set {text}: value is not valid YAML ({_yaml_problem(e)}); to pass it as a string, "
+                            f"quote it: --set \"{key}='...'\"") from None
+        node = raw
+        for i, p in enumerate(parts[:-1]):
+            if node.get(p) is None:  # absent, or an empty section (`train:` with nothing under it)
+                node[p] = {}
+            node = node[p]
+            if not isinstance(node, dict):
+                raise UserError(f"--set {text}: '{'.'.join(parts[: i + 1])}' is a value, not a section")
+        node[parts[-1]] = value
+        applied[parts] = text
+    return applied
 
 
 def load_config(path: str | os.PathLike, overrides: Optional[list[str]] = None) -> RunConfig:
@@ -298,37 +392,34 @@ def load_config(path: str | os.PathLike, overrides: Optional[list[str]] = None) 
 
     Args:
         path: YAML file.
-        overrides: ``section.key=value`` strings (value parsed as YAML) applied before validation.
+        overrides: ``section.key=value`` strings (value parsed as YAML, :func:`apply_overrides`)
+            applied before validation; errors caused by one name it (``--set train.lr=x: ...``).
 
     Raises:
-        UserError: missing file, bad YAML (with line), unknown key, wrong type or range (with field).
+        UserError: one line: missing/unreadable file, bad YAML (with line), not a mapping, bad
+            override, unknown key, wrong type or range (with field).
     """
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"{path}: config file not found")
+        raise UserError(f"{path}: config file not found" + (" (it is a directory)" if path.is_dir() else ""))
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"{path}: cannot read the config file ({e.__class__.__name__}: "
+                        f"{getattr(e, 'strerror', None) or e})") from e
+    try:
+        raw = yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f":{mark.line + 1}" if mark is not None else ""
-        raise UserError(f"{path}{where}: malformed YAML: {getattr(e, 'problem', e)}") from e
+        raise UserError(f"{path}{where}: malformed YAML: {_yaml_problem(e)}") from e
     if not isinstance(raw, dict):
-        raise UserError(f"{path}: the config must be a YAML mapping")
-    for ov in overrides or []:
-        if "=" not in ov:
-            raise UserError(f"override '{ov}': expected section.key=value")
-        key, val = ov.split("=", 1)
-        node = raw
-        parts = key.split(".")
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-            if not isinstance(node, dict):
-                raise UserError(f"override '{ov}': '{p}' is not a section")
-        node[parts[-1]] = yaml.safe_load(val)
+        raise UserError(f"{path}: the config must be a YAML mapping (got {type(raw).__name__})")
+    applied = apply_overrides(raw, list(overrides or []))
     try:
         return RunConfig.model_validate(raw)
     except ValidationError as e:
-        raise UserError(_format_validation_error(path, e)) from e
+        raise UserError(_format_validation_error(path, e, applied)) from e
 
 
 def add_config_args(parser) -> None:
