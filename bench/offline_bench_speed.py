@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from eagle3.benchmark import (  # noqa: E402
     TRAIN_META, _load_drafter, bench_prompts, default_tie_tolerance, json_safe, resolve_aux_layers, warm_up,
 )
-from eagle3.cli import run_main  # noqa: E402
+from eagle3.cli import ArgumentParser, run_main  # noqa: E402
 from eagle3.config import add_config_args, load_config  # noqa: E402
 from eagle3.errors import UserError  # noqa: E402
 from eagle3.io import atomic_write_json  # noqa: E402
@@ -83,7 +83,7 @@ def markdown(res: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(p)
     p.add_argument("--drafter", help="exported drafter folder (default: cfg.export_dir)")
     p.add_argument("--random-drafter", action="store_true", help="untrained drafter: machinery speed only")

@@ -19,7 +19,6 @@ The tokenizer load is timed separately (the GGUF load is slow and happens once p
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -28,6 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from eagle3.cli import ArgumentParser, positive_int, run_main  # noqa: E402
 from eagle3.config import add_config_args, load_config  # noqa: E402
 from eagle3.io import atomic_write_json  # noqa: E402
 
@@ -74,16 +74,16 @@ def read_prompts_file(path: Path, num: int | None) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     add_config_args(p)
     p.add_argument("--prompts", type=Path, default=None, help="a real prompts.jsonl (01 output) instead of the mix")
-    p.add_argument("--num", type=int, default=4000, help="conversations")
+    p.add_argument("--num", type=positive_int, default=4000, help="conversations")
     p.add_argument("--no-regenerated", dest="regenerated", action="store_false",
                    help="keep the dataset answers as plain text (no recorded token ids)")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="reply length of the simulated regeneration")
-    p.add_argument("--workers", type=int, nargs="+", default=None,
+    p.add_argument("--max-new-tokens", type=positive_int, default=256, help="reply length of the simulated regeneration")
+    p.add_argument("--workers", type=positive_int, nargs="+", default=None,
                    help="worker counts to time (default: 1 and the auto count for this machine)")
-    p.add_argument("--repeats", type=int, default=1, help="best of this many runs per worker count")
+    p.add_argument("--repeats", type=positive_int, default=1, help="best of this many runs per worker count")
     p.add_argument("--json", type=Path, default=None, help="also write the result here")
     a = p.parse_args(argv)
     cfg = load_config(a.config, a.overrides)
@@ -153,4 +153,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

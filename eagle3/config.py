@@ -104,6 +104,11 @@ class RegenServerConfig(_Strict):
     give_up_after_s: float = Field(300.0, ge=0, description="stop the run (resumable) when every endpoint has been out of rotation this long")
     extra_body: dict = Field(default_factory=dict, description="extra fields merged into every request body (e.g. {top_k: 1}); for sglang into sampling_params")
 
+    @field_validator("urls")
+    @classmethod
+    def _urls(cls, v):
+        return [check_http_url(u) for u in v]
+
 
 class PromptsConfig(_Strict):
     """Stage 01: where conversations come from and whether the verifier rewrites the answers."""

@@ -20,7 +20,7 @@ from eagle3.cli import run_main
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ["01_prepare_prompts.py", "02_extract_hidden.py", "03_prepare_data.py", "04_train.py", "05_benchmark.py",
-           "bench/extract_throughput.py"]
+           "bench/extract_throughput.py", "bench/offline_bench_speed.py", "bench/tokenize_throughput.py"]
 BASE = "run_name: r\nverifier:\n  path: {root}/no-verifier\nprompts:\n  source: {root}/no-prompts.jsonl\n"
 
 
@@ -85,6 +85,7 @@ PER_SCRIPT = {
         (["--format", "csv"], "argument --format: invalid choice: 'csv'"),
         (["--source", "{root}/nope.jsonl"], "{root}/nope.jsonl: prompts file not found"),
         ([], "{root}/no-prompts.jsonl: prompts file not found"),
+        (["--set", "prompts.server.urls=[node1:30000]"], "--set prompts.server.urls=[node1:30000]: field 'prompts.server.urls'"),
     ],
     "02_extract_hidden.py": [
         (["--limit", "-3"], "argument --limit: must be >= 1, got -3"),
@@ -116,6 +117,14 @@ PER_SCRIPT = {
         (["--set", "benchmark.server_urls=[ftp://x]"], "--set benchmark.server_urls=[ftp://x]: field 'benchmark.server_urls': Value error, expected http://host:port"),
         (["--drafter", "{root}/no-drafter"], "--drafter: folder '{root}/no-drafter' not found"),
         ([], "--drafter: folder 'outputs/r/drafter-sglang' not found"),
+    ],
+    "bench/offline_bench_speed.py": [
+        (["--num-prompts", "0"], "--batch-sizes, --num-prompts"),
+        (["--batch-sizes", "8", "x"], "argument --batch-sizes: invalid int value: 'x'"),
+    ],
+    "bench/tokenize_throughput.py": [
+        (["--num", "0"], "argument --num: must be >= 1, got 0"),
+        ([], "verifier.path: folder '{root}/no-verifier' not found"),
     ],
     "bench/extract_throughput.py": [
         (["--batch", "0"], "argument --batch: must be >= 1, got 0"),
