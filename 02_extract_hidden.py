@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from eagle3.cli import ArgumentParser, http_url, positive_int, run_main
 from eagle3.config import add_config_args, load_config
-from eagle3.errors import UserError
 from eagle3.io import format_bytes
 
 

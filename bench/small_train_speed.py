@@ -38,7 +38,6 @@ CPU smoke run (tiny shapes, a minute)::
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
@@ -52,6 +51,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from eagle3.cli import ArgumentParser, run_main  # noqa: E402
 from eagle3.io import atomic_write_json  # noqa: E402
 
 ISSUE_RUN_TOKENS = 4 * 1.74e6  # issue 9: 4 epochs over 1.74M tokens
@@ -245,7 +245,7 @@ def run_mode(mode: str, config: Path, overrides: list[str], workdir: Path, steps
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", type=Path, help="a prepared run (stages 02-03 done): real shards instead of synthetic")
     p.add_argument("--set", dest="overrides", action="append", default=[], help="override for --config (repeatable)")
     p.add_argument("--workdir", type=Path, default=Path("/dev/shm/small_train_speed" if Path("/dev/shm").is_dir()
@@ -263,6 +263,10 @@ def main(argv=None) -> int:
     p.add_argument("--profile", type=Path, help="also write torch.profiler tables (top ops by CPU and device time) "
                    "of 12 steps of each mode to this folder")
     a = p.parse_args(argv)
+    if a.config is not None:  # bad --config / --set: one error line before any work (eagle3.cli contract)
+        from eagle3.config import load_config
+
+        load_config(a.config, a.overrides)
     logging.basicConfig(level=logging.WARNING)
     steps = {k: int(v) for k, v in (x.split("=") for x in a.steps.split(","))}
     modes = a.modes.split(",")
@@ -321,4 +325,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

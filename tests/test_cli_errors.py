@@ -126,6 +126,11 @@ PER_SCRIPT = {
         (["--num", "0"], "argument --num: must be >= 1, got 0"),
         ([], "verifier.path: folder '{root}/no-verifier' not found"),
     ],
+    "bench/small_train_speed.py": [  # --config is optional there (synthetic data without it)
+        (["--set", "verifier.chat_template={{ x }}"], "--set verifier.chat_template={{ x }}: value is not valid YAML"),
+        (["--config", "{list}"], "{list}: the config must be a YAML mapping"),
+        (["--batch-tokens", "many"], "argument --batch-tokens: invalid int value: 'many'"),
+    ],
     "bench/extract_throughput.py": [
         (["--batch", "0"], "argument --batch: must be >= 1, got 0"),
         ([], "verifier.path: folder '{root}/no-verifier' not found"),
