@@ -41,10 +41,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import sys
 import threading
 import time
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -147,14 +147,18 @@ class ResumeLog:
         """Record conversation ``idx`` as finished (one line, flushed and fsynced before returning)."""
         line = json.dumps({"idx": int(idx), **conv}, ensure_ascii=False)
         with self._lock:
+            if self._f is None:  # the run is ending (Ctrl-C, error): this one is redone by the next run
+                raise InterruptedError(f"{self.path}: closed")
             self._f.write(line + "\n")
             self._f.flush()
             os.fsync(self._f.fileno())
 
     def close(self) -> None:
-        if self._f is not None:
-            self._f.close()
-            self._f = None
+        """Close the file; waits for an append in progress (no line is left half-written)."""
+        with self._lock:
+            if self._f is not None:
+                self._f.close()
+                self._f = None
 
     def remove(self) -> None:
         """Delete the log (after the final prompts file is written)."""
@@ -429,37 +433,51 @@ def regenerate_via_server(conversations: list[dict], tokenizer, pc: PromptsConfi
 
     t0 = time.perf_counter()
     journal.open()
-    ex = ThreadPoolExecutor(max_workers=pool.capacity, thread_name_prefix="regen")
-    pending: dict = {}
-    it = iter(todo)
+    # Daemon worker threads (not a ThreadPoolExecutor, whose threads the interpreter joins at exit): on
+    # Ctrl-C or an error the run ends at once instead of waiting up to timeout_s for requests in flight;
+    # what finished is in the fsynced log, what did not is redone by the next run.
+    tasks: queue.Queue = queue.Queue()
+    results: queue.Queue = queue.Queue()
+    for i in todo:
+        tasks.put(i)
+
+    def worker() -> None:
+        while not stop.is_set():
+            try:
+                i = tasks.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                results.put((i, work(i), None))
+            except BaseException as e:  # noqa: BLE001 - handed to the main thread
+                results.put((i, None, e))
+
+    threads = [threading.Thread(target=worker, name=f"regen-{k}", daemon=True)
+               for k in range(min(pool.capacity, len(todo)))]
+    for t in threads:
+        t.start()
     try:
-        while True:
-            while len(pending) < 2 * pool.capacity:
-                i = next(it, None)
-                if i is None:
+        for _ in range(len(todo)):
+            while True:
+                try:  # a timeout keeps the main thread responsive to Ctrl-C
+                    i, conv, err = results.get(timeout=0.5)
                     break
-                pending[ex.submit(work, i)] = i
-            if not pending:
-                break
-            finished, _ = wait(pending, return_when=FIRST_COMPLETED)
-            for f in finished:
-                i = pending.pop(f)
-                try:
-                    done[i] = f.result()
-                except _ConversationFailed as e:
-                    cid = conversations[i]["id"]
-                    st["failed"] += 1
-                    st["failed_ids"].append(cid)
-                    tqdm.write(f"error: regenerate: conversation {cid!r} turn {e.turn + 1}/{e.turns} failed after "
-                               f"{e.attempts} attempt(s): {e}; counted as failed, the run goes on", file=sys.stderr)
-    except BaseException:
-        stop.set()
-        ex.shutdown(wait=False, cancel_futures=True)
-        raise
+                except queue.Empty:
+                    continue
+            if err is None:
+                done[i] = conv
+            elif isinstance(err, _ConversationFailed):
+                cid = conversations[i]["id"]
+                st["failed"] += 1
+                st["failed_ids"].append(cid)
+                tqdm.write(f"error: regenerate: conversation {cid!r} turn {err.turn + 1}/{err.turns} failed after "
+                           f"{err.attempts} attempt(s): {err}; counted as failed, the run goes on", file=sys.stderr)
+            else:
+                raise err
     finally:
+        stop.set()
         prog.close()
         journal.close()
-    ex.shutdown(wait=True)
     st["seconds"] = time.perf_counter() - t0
     st["endpoints"] = pool.summary()
     if stats is not None:

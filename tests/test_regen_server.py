@@ -416,3 +416,37 @@ def test_failed_conversations_are_retried_alone_by_the_next_run(smollm_tokenizer
     assert [json.loads(x) for x in (out / "prompts.jsonl").read_text().splitlines()] == want
     assert not (out / "prompts.regen-partial.jsonl").exists()
     assert json.loads((out / "prompts_report.json").read_text())["regeneration"]["resumed"] == 5
+
+
+@pytest.mark.slow
+def test_ctrl_c_ends_the_run_at_once_and_keeps_finished_answers(smollm_tokenizer, tiny_llama_dir, tmp_path):
+    """SIGINT while requests hang on a server: the run stops within seconds (not after timeout_s) with the
+    conversations finished so far in the resume log."""
+    tok = smollm_tokenizer
+    convs = _many(12)
+    src = tmp_path / "src.jsonl"
+    src.write_text("".join(json.dumps(c) + "\n" for c in convs))
+    out = tmp_path / "run"
+    partial = out / "prompts.regen-partial.jsonl"
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    with StandInServer(FakeBackend(tok.eos_token_id), tok, fault=lambda n, p, b: "timeout" if n > 3 else None,
+                       timeout_sleep=600) as srv:
+        cmd = _cmd(out, tiny_llama_dir, srv.url, str(src)) + ["--set", "prompts.server.timeout_s=600"]
+        proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        deadline = time.time() + 120
+        while time.time() < deadline and len(srv.requests) < 5:
+            time.sleep(0.05)
+        time.sleep(0.3)
+        t0 = time.time()
+        proc.send_signal(signal.SIGINT)
+        try:
+            rc = proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        waited = time.time() - t0
+    assert rc == 130 and waited < 15, (rc, waited, proc.stdout.read().decode()[-2000:])
+    rows = [json.loads(x) for x in partial.read_text().splitlines()]
+    assert "settings" in rows[0] and 1 <= len(rows) - 1 <= 3  # the answered requests' conversations
+    assert not (out / "prompts.jsonl").exists()
