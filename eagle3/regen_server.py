@@ -16,7 +16,8 @@ trains on are produced by the serving stack itself (``prompts.regenerate_via``):
   ``content``, split at ``verifier.think_tags`` into ``reasoning_content`` + ``content`` exactly like
   the local path (:mod:`eagle3.regenerate`). ``meta_info.prompt_tokens`` must equal the number of
   ids sent (the server took our tokenisation as is).
-* ``openai``: ``POST /v1/chat/completions`` (vLLM, SGLang, hosted APIs) with ``messages``,
+* ``openai``: ``POST /v1/chat/completions`` (vLLM, SGLang, hosted APIs) with ``messages`` (earlier
+  answers with their ``reasoning_content``, as stage 02 renders them),
   ``max_tokens``, ``temperature``, ``top_p``, ``chat_template_kwargs`` (``verifier.chat_template_kwargs``,
   as SGLang and vLLM take them) and the record's ``tools``. Text comes back:
   ``choices[0].message.content``, ``tool_calls`` when the model called a tool, and, where the server
@@ -263,9 +264,11 @@ class OpenAIChat:
         self.base.update(pc.server.extra_body)
 
     def request(self, messages: list[dict], tools: Optional[list] = None) -> tuple[dict, Callable]:
-        # history as an OpenAI client sends it: role + content (+ tool calls); the server's template
-        # decides what to do with earlier reasoning, exactly as stage 02's rendering does
-        msgs = [{k: v for k, v in m.items() if k in ("role", "content", "tool_calls")} for m in messages]
+        # history with the earlier answers' reasoning (SGLang and vLLM take ``reasoning_content`` in
+        # assistant messages): the server's template then sees the messages stage 02 renders and
+        # decides itself whether earlier reasoning stays (Kimi and Qwen3 drop it)
+        msgs = [{k: v for k, v in m.items() if k in ("role", "content", "tool_calls", "reasoning_content")}
+                for m in messages]
         body = {**self.base, "messages": msgs}
         if tools:
             body["tools"] = tools

@@ -154,14 +154,19 @@ def test_openai_reasoning_content_kept_and_sampling_sent(smollm_tokenizer, tmp_p
     pc.temperature, pc.top_p = 0.6, 0.95
     with StandInServer(FakeBackend(tok.eos_token_id, reasoning=True), tok) as srv:
         pc.server.urls = [srv.url]
-        got = regenerate_via_server(CONVS[:2], tok, pc, ChatOptions(template_kwargs={"enable_thinking": True}),
+        got = regenerate_via_server(CONVS[:3], tok, pc, ChatOptions(template_kwargs={"enable_thinking": True}),
                                     partial_path=tmp_path / "p.jsonl", settings=SETTINGS)
         body = srv.requests[0][1]
+        second_turn = next(b for _, b in srv.requests if len(b["messages"]) == 3)
     assert {k: body[k] for k in ("model", "max_tokens", "temperature", "top_p", "top_k", "chat_template_kwargs")} == {
         "model": "kimi", "max_tokens": 24, "temperature": 0.6, "top_p": 0.95, "top_k": 1,
         "chat_template_kwargs": {"enable_thinking": True}}
     m = got[0]["messages"][1]
     assert m["role"] == "assistant" and m["reasoning_content"].startswith("thinking about ") and "tokens" not in m
+    # the second turn is asked with the first answer and its reasoning, as stage 02 will render them
+    first = got[2]["messages"][1]
+    assert second_turn["messages"][1] == {"role": "assistant", "content": first["content"],
+                                          "reasoning_content": first["reasoning_content"]}
 
 
 TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "look up a fact",
