@@ -1,25 +1,35 @@
-"""Benchmark: HF capture backend throughput vs the verifier's bare forward on the same batch.
+"""Benchmark: stage 02's HF capture pipeline vs the verifier's bare forward, same batches, same run.
 
-Three timings on one ``[batch, seq]`` batch of random token ids (median of ``--repeats`` after
-one warm-up):
+``--batches`` batches of ``[batch, seq]`` random token ids (every sample ``seq`` long, so no
+padding on either side), each timed end to end after one warm-up batch (median of ``--repeats``):
 
-- ``bare``: ``model(input_ids, attention_mask, use_cache=False, logits_to_keep=1)`` (the same
-  model work the capture does, without hidden-state outputs or copies);
-- ``bare_full_logits``: the plain forward with logits for every position;
-- ``capture``: ``HFCapture.capture`` (``output_hidden_states=True``, 4 states -> bf16 CPU,
-  per-sample slicing), i.e. stage 02's per-batch cost minus the disk write.
+- ``bare``: ``model(input_ids, attention_mask, use_cache=False, logits_to_keep=1)`` per batch,
+  synchronised at the end: the forward work the capture cannot avoid;
+- ``pipeline``: :func:`eagle3.extract.capture_and_write`, the code stage 02 runs: hooked capture
+  of the 3 aux states + last, padding sliced and cast to bf16 on the device, one pinned
+  device->host copy per batch overlapped with the next forward, shards serialised, hashed and
+  written atomically (fsync + rename) by ``--write-threads`` background threads into a temporary
+  folder under ``--out-dir``, manifest rows appended in order; timed until the last shard and
+  manifest row are durable;
+- ``serial``: the same function with ``write_threads=0`` (no overlap, shards written inline: the
+  old stage-02 loop's structure) unless ``--no-serial``;
+- ``capture``: ``HFCapture.capture`` only (states in host memory, nothing written).
 
-Prints a Markdown table and JSON; ``overhead`` = capture time / bare time.
+Prints a Markdown table and JSON; ``capture_vs_bare_ratio`` = pipeline tokens/s / bare tokens/s.
 
-    python bench/extract_throughput.py --config configs/smollm2-135m.yaml --device cpu --batch 4 --seq 512
+    python bench/extract_throughput.py --config configs/smollm2-135m.yaml --device cuda --batch 64 --seq 2048 \\
+        [--set verifier.path=DIR] [--out-dir /tmp] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,27 +40,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from eagle3.capture.hf import HFCapture  # noqa: E402
 from eagle3.cli import ArgumentParser, positive_int, run_main  # noqa: E402
 from eagle3.config import add_config_args, load_config  # noqa: E402
+from eagle3.extract import Sample, capture_and_write, default_write_threads  # noqa: E402
 from eagle3.io import atomic_write_json  # noqa: E402
 from eagle3.layers import default_aux_layers  # noqa: E402
 from eagle3.verifier import load_verifier, verifier_dims  # noqa: E402
 
 
-def _timed(fns: dict, device: torch.device, repeats: int) -> dict:
-    """Median seconds of each callable; one warm-up each, then the callables interleaved per repeat
-    (so a load change on a shared machine hits all of them alike)."""
-    for fn in fns.values():
-        fn()
-    times: dict = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, fn in fns.items():
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            times[k].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
 
 
 def main(argv=None) -> int:
@@ -59,7 +67,12 @@ def main(argv=None) -> int:
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: verifier.device)")
     p.add_argument("--batch", type=positive_int, default=4)
     p.add_argument("--seq", type=positive_int, default=512)
-    p.add_argument("--repeats", type=positive_int, default=3)
+    p.add_argument("--batches", type=positive_int, default=6, help="batches per timed run")
+    p.add_argument("--repeats", type=positive_int, default=2)
+    p.add_argument("--write-threads", type=_non_negative_int, default=None,
+                   help="default: extract.write_threads or the auto count; 0 = serial")
+    p.add_argument("--out-dir", type=Path, default=None, help="where the temporary shard folders go (default: $TMPDIR)")
+    p.add_argument("--no-serial", dest="serial", action="store_false", help="skip the serial (no overlap) timing")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="also write the result here")
     a = p.parse_args(argv)
@@ -71,43 +84,87 @@ def main(argv=None) -> int:
     dims = verifier_dims(model.config)
     aux = cfg.extract.aux_layers or default_aux_layers(dims["num_layers"])
     device = model.get_input_embeddings().weight.device
+    B, L, K = a.batch, a.seq, a.batches
     g = torch.Generator().manual_seed(a.seed)
-    ids = torch.randint(0, dims["vocab_size"], (a.batch, a.seq), generator=g)  # [B, L]
+    ids = torch.randint(0, dims["vocab_size"], (K, B, L), generator=g)  # [K, B, L]
     ids_dev = ids.to(device)
-    att = torch.ones_like(ids_dev)  # [B, L]
-    cap = HFCapture(model, aux, batch_tokens=a.batch * a.seq)
-    batch = ids.tolist()
+    att = torch.ones((B, L), dtype=torch.long, device=device)  # [B, L]
+    cap = HFCapture(model, aux, batch_tokens=B * L)
+    samples = [Sample(i, f"s{i}", ids[i // B, i % B].tolist(), [1] * L) for i in range(K * B)]
+    batches = [list(range(k * B, (k + 1) * B)) for k in range(K)]
+    threads = a.write_threads if a.write_threads is not None else (
+        cfg.extract.write_threads if cfg.extract.write_threads is not None else default_write_threads())
+    H = dims["hidden_size"]
 
     @torch.inference_mode()
-    def bare():
-        model(input_ids=ids_dev, attention_mask=att, use_cache=False, logits_to_keep=1)
+    def bare() -> None:
+        for k in range(K):
+            model(input_ids=ids_dev[k], attention_mask=att, use_cache=False, logits_to_keep=1)
 
-    @torch.inference_mode()
-    def bare_full():
-        model(input_ids=ids_dev, attention_mask=att, use_cache=False)
+    def capture_only() -> None:
+        for grp in batches:
+            cap.capture([samples[i].input_ids for i in grp])
 
-    t = _timed({"bare": bare, "full": bare_full, "capture": lambda: cap.capture(batch)}, device, a.repeats)
-    t_bare, t_full, t_cap = t["bare"], t["full"], t["capture"]
-    n = a.batch * a.seq
+    def pipeline(n_threads: int):
+        def fn() -> None:
+            root = Path(tempfile.mkdtemp(prefix="extract-bench-", dir=a.out_dir))
+            try:
+                rows = capture_and_write(cap, samples, batches, {}, H, root, 2000, root / "manifest.jsonl",
+                                         write_threads=n_threads, max_pending_tokens=2 * B * L)
+                assert len(rows) == K * B
+            finally:
+                shutil.rmtree(root, ignore_errors=True)
+        return fn
+
+    fns = {"bare": bare, "pipeline": pipeline(threads), "capture": capture_only}
+    if a.serial:
+        fns["serial"] = pipeline(0)
+    # warm-up (one batch's worth of each), then the runs interleaved per repeat so that a load
+    # change on a shared machine hits all of them alike
+    with torch.inference_mode():
+        model(input_ids=ids_dev[0], attention_mask=att, use_cache=False, logits_to_keep=1)
+    cap.capture([samples[i].input_ids for i in batches[0]])
+    _sync(device)
+    times: dict = {k: [] for k in fns}
+    for _ in range(a.repeats):
+        for k, fn in fns.items():
+            _sync(device)
+            t = time.perf_counter()
+            fn()
+            _sync(device)
+            times[k].append(time.perf_counter() - t)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    n = K * B * L
+    tps = {k: round(n / v, 1) for k, v in med.items()}
     res = {
         "verifier": cfg.verifier.display_name(),
         "device": str(device),
         "dtype": cfg.verifier.dtype,
-        "torch_threads": torch.get_num_threads(),
-        "batch": a.batch,
-        "seq": a.seq,
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "batch": B,
+        "seq": L,
+        "batches": K,
+        "repeats": a.repeats,
         "aux_layers": list(aux),
+        "write_threads": threads,
+        "out_dir": str(a.out_dir or tempfile.gettempdir()),
         "load_s": round(load_s, 2),
-        "bare_tokens_per_s": round(n / t_bare, 1),
-        "bare_full_logits_tokens_per_s": round(n / t_full, 1),
-        "capture_tokens_per_s": round(n / t_cap, 1),
-        "overhead": round(t_cap / t_bare, 3),
-        "bytes_per_token": 4 * dims["hidden_size"] * 2,
+        "hooks": bool(cap._hooks_ok),
+        "bare_tokens_per_s": tps["bare"],
+        "pipeline_tokens_per_s": tps["pipeline"],
+        "capture_only_tokens_per_s": tps["capture"],
+        **({"serial_pipeline_tokens_per_s": tps["serial"]} if "serial" in tps else {}),
+        "capture_vs_bare_ratio": round(med["bare"] / med["pipeline"], 3),
+        "shard_write_gb_per_s": round(n * 4 * H * 2 / med["pipeline"] / 1e9, 3),
+        "bytes_per_token": 4 * H * 2,
+        "seconds": {k: [round(x, 3) for x in v] for k, v in times.items()},
     }
-    print("| verifier | device | batch x seq | bare tok/s | bare (all logits) tok/s | capture tok/s | overhead |")
-    print("|---|---|---|---:|---:|---:|---:|")
-    print(f"| {res['verifier']} | {res['device']} {res['dtype']} | {a.batch} x {a.seq} | {res['bare_tokens_per_s']} | "
-          f"{res['bare_full_logits_tokens_per_s']} | {res['capture_tokens_per_s']} | {res['overhead']}x |")
+    print("| verifier | device | batch x seq x batches | bare tok/s | pipeline tok/s (capture + copy + write) | "
+          "serial tok/s | capture only tok/s | pipeline / bare |")
+    print("|---|---|---|---:|---:|---:|---:|---:|")
+    print(f"| {res['verifier']} | {res['device']} {res['dtype']} | {B} x {L} x {K} | {tps['bare']} | {tps['pipeline']} | "
+          f"{tps.get('serial', '-')} | {tps['capture']} | {res['capture_vs_bare_ratio']} |")
     print(json.dumps(res))
     if a.json:
         atomic_write_json(a.json, res)

@@ -147,6 +147,10 @@ class ExtractConfig(_Strict):
                           "tool calls and end-of-turn token")
     batch_tokens: int = Field(16384, ge=1, description="padded tokens per prefill batch (HF backend)")
     rows_per_dir: int = Field(2000, ge=1, description="samples per rows_{start}-{end} folder")
+    write_threads: Optional[int] = Field(
+        None, ge=0, description="background threads that serialise, hash and atomically write shards while the "
+        "verifier captures the next batch; null = min(8, usable cores / local ranks); 0 = serial (no overlap; "
+        "same bytes on disk either way)")
     tokenize_workers: Optional[int] = Field(
         None, ge=1, description="processes that tokenize conversations and build loss masks; null = the usable CPU "
         "cores divided by the local torchrun ranks; 1 = in-process (the result is the same for any count)")

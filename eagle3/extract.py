@@ -32,6 +32,13 @@ Crash safety (every kill point is recoverable by re-running the same command):
   deliberately not part of it, so a run that ran out of memory can resume with a smaller budget
   (the resumed part then differs from an uninterrupted run only by float rounding).
 
+Pipelining (``extract.write_threads`` > 0, the default): the forward of batch k+1 is launched
+before batch k's states are waited for (HF backend: one pinned device->host copy per batch on a
+side stream), and shards are serialised, hashed and written by background threads
+(:mod:`eagle3.shard_writer`) while the GPU works. Manifest rows are still appended in batch order
+and only after their shard is durable, so the rules above hold unchanged and the folder is
+byte-identical to the serial loop's (``write_threads: 0``).
+
 Multi-process (``WORLD_SIZE > 1``, torch.distributed over gloo, CPU-only control traffic): rank 0
 alone holds the folder lock (so an independent run is still refused, the job's own ranks are not),
 checks the fingerprint, removes temp files, merges leftover ``manifest.rank*.jsonl`` into
@@ -59,6 +66,7 @@ from collections import Counter
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable, Optional
 
 from tqdm import tqdm
@@ -70,6 +78,7 @@ from eagle3.errors import UserError
 from eagle3.io import TMP_MARK, atomic_write_json, atomic_write_text, iter_jsonl, read_json, remove_stale_tmp
 from eagle3.layers import check_aux_layers, default_aux_layers
 from eagle3.manifest import MANIFEST, ManifestWriter, read_manifest, rewrite_manifest
+from eagle3.shard_writer import ShardWriter
 from eagle3.shards import (
     DATA_CONFIG,
     FORMAT,
@@ -652,9 +661,29 @@ def _check_disk(cfg: RunConfig, root: Path, samples: list[Sample], done: dict[in
     return check_disk(plan, ignore).to_dict()
 
 
-def _extract(cfg: RunConfig, root: Path, overwrite: bool, limit: Optional[int],
-             backend: Optional[CaptureBackend], tokenizer, d: _Dist, ignore_disk_check: bool = False) -> dict:
-    t_start = time.perf_counter()
+@dataclass
+class _Prepared:
+    """What the plan step fixes before any capture: prompts, fingerprint, backend, samples, finished set."""
+
+    prompts: list[dict]
+    prompts_sha: str
+    fp: str
+    backend: Any
+    tokenizer: Any
+    info: dict
+    aux: list[int]
+    samples: list[Sample]
+    counts: Counter
+    skipped_ids: dict[str, list[str]]
+    done: dict[int, dict]
+    disk: dict
+
+
+def _prepare(cfg: RunConfig, root: Path, overwrite: bool, limit: Optional[int],
+             backend: Optional[CaptureBackend], tokenizer, d: _Dist, ignore_disk_check: bool) -> _Prepared:
+    """Plan + tokenize steps: read prompts, check/prepare the folder (rank 0), build the backend,
+    tokenize (:func:`tokenize_prompts`), reconcile the manifest with the shards and check the disk
+    plan (rank 0, :func:`_check_disk`)."""
     prompts_path = cfg.prompts_path
     prompts = read_prompts(prompts_path, limit)
     prompts_sha = file_sha256(prompts_path)
@@ -681,25 +710,103 @@ def _extract(cfg: RunConfig, root: Path, overwrite: bool, limit: Optional[int],
         raise ValueError(f"backend captures {aux} but extract.aux_layers is {cfg.extract.aux_layers}")
 
     samples, counts, skipped_ids = tokenize_prompts(tokenizer, prompts, cfg, prompts_path)
-    rows_per_dir = cfg.extract.rows_per_dir
     expect = {"hidden_size": info["hidden_size"], "num_hidden_states": 4, "vocab_size": info["vocab_size"]}
-    man_path = root / MANIFEST
 
     def reconcile() -> dict[int, dict]:
-        done = _resume_state(root, samples, rows_per_dir, expect, man_path)
+        done = _resume_state(root, samples, cfg.extract.rows_per_dir, expect, root / MANIFEST)
         if any(s.idx not in done for s in samples):
             (root / DATA_CONFIG).unlink(missing_ok=True)  # present == complete
         return done
 
     done = d.on_rank0(reconcile)
     disk = d.on_rank0(lambda: _check_disk(cfg, root, samples, done, info, skipped_ids, ignore_disk_check))
-    pending = [s for s in samples if s.idx not in done]
-    n_resumed = len(samples) - len(pending)
     if d.rank == 0:
-        log.info("%d samples (%d already done), %d skipped", len(samples), n_resumed,
+        log.info("%d samples (%d already done), %d skipped", len(samples), len(done),
                  counts["skipped_too_long"] + counts["skipped_no_loss_tokens"])
+    return _Prepared(prompts, prompts_sha, fp, backend, tokenizer, info, aux, samples, counts, skipped_ids, done, disk)
 
+
+def default_write_threads() -> int:
+    """Writer threads for ``extract.write_threads: null``: the usable cores divided among the local
+    torchrun ranks, at most 8 (enough to keep up with one H200 on SmolLM2-size shards)."""
+    from eagle3.tokenize_pool import default_workers
+
+    return max(1, min(8, default_workers()))
+
+
+def _start_capture(backend: CaptureBackend, batch: list[list[int]]):
+    """``backend.capture_async(batch)`` when the backend has it (HF), else a finished capture."""
+    start = getattr(backend, "capture_async", None)
+    if callable(start):
+        return start(batch)
+    states = backend.capture(batch)
+    return SimpleNamespace(result=lambda: states)
+
+
+def capture_and_write(backend: CaptureBackend, samples: list[Sample], batches: list[list[int]], done: dict[int, dict],
+                      hidden_size: int, root: Path, rows_per_dir: int, manifest_path: Path, *, write_threads: int,
+                      max_pending_tokens: int, on_commit: Optional[Callable[[dict], None]] = None) -> list[dict]:
+    """Capture + write steps: capture each batch of ``samples`` positions, write the shards of the
+    samples not in ``done``, log them in ``manifest_path``; returns the new manifest rows (in order).
+
+    ``write_threads > 0`` pipelines the work: batch k+1's forward is launched before batch k's
+    states are waited for (``capture_async``, HF backend), and the shards are written by that many
+    background threads (:class:`eagle3.shard_writer.ShardWriter`, at most ``max_pending_tokens``
+    tokens in flight). ``write_threads == 0`` is the serial loop. Both give the same shard bytes and
+    the same manifest (rows appended in batch order, each after its shard is durable). ``done`` is
+    updated as rows are appended. Used by stage 02 and by ``bench/extract_throughput.py``.
+
+    Raises:
+        RuntimeError: a backend broke its contract (:func:`eagle3.capture.base.check_captured`).
+        UserError / OSError: a shard or manifest write failed (e.g. disk full).
+    """
     sleep_s = float(os.environ.get(SLEEP_ENV, "0") or 0)
+    rows: list[dict] = []
+
+    def committed(row: dict) -> None:
+        done[row["idx"]] = row
+        rows.append(row)
+        if on_commit is not None:
+            on_commit(row)
+
+    def write(group: list[int], handle) -> None:
+        states = handle.result()
+        if sleep_s:
+            time.sleep(sleep_s)
+        for i, st in zip(group, states):
+            s = samples[i]
+            if s.idx in done:
+                continue
+            check_captured(s.input_ids, st, hidden_size, f"sample {s.idx} ('{s.id}')")
+            writer.submit(s.idx, s.id, s.input_ids, st, s.loss_mask)
+
+    with ManifestWriter(manifest_path) as man, ShardWriter(root, rows_per_dir, man, threads=write_threads,
+                                                           max_pending_tokens=max_pending_tokens,
+                                                           on_commit=committed) as writer:
+        prev = None
+        for group in batches:
+            # Capture the whole planned batch (even finished members) so padded shapes match an
+            # uninterrupted run exactly; only unfinished samples are written.
+            handle = _start_capture(backend, [samples[i].input_ids for i in group])
+            if write_threads == 0:
+                write(group, handle)
+                continue
+            if prev is not None:
+                write(*prev)  # batch k-1's copy landed while batch k's forward was being launched
+            prev = (group, handle)
+        if prev is not None:
+            write(*prev)
+    return rows
+
+
+def _extract(cfg: RunConfig, root: Path, overwrite: bool, limit: Optional[int],
+             backend: Optional[CaptureBackend], tokenizer, d: _Dist, ignore_disk_check: bool = False) -> dict:
+    """The stage in named steps: prepare (plan + tokenize + disk check), capture + write, gather
+    ranks, finalise."""
+    t_start = time.perf_counter()
+    p = _prepare(cfg, root, overwrite, limit, backend, tokenizer, d, ignore_disk_check)
+    samples, done = p.samples, p.done
+    n_resumed = len(done)
     plan = plan_batches([len(s.input_ids) for s in samples], cfg.extract.batch_tokens)
     # Batches with a pending sample, in plan order; rank r takes every world-th one. The batches
     # themselves come from the global plan, so padding (and every tensor) matches one process.
@@ -709,32 +816,18 @@ def _extract(cfg: RunConfig, root: Path, overwrite: bool, limit: Optional[int],
     done_tok = sum(len(s.input_ids) for s in samples if s.idx in done)
     my_tok = sum(len(samples[i].input_ids) for g in mine for i in g if samples[i].idx not in done)
     shown_done = done_tok if d.world == 1 else 0
-    my_man = man_path if d.world == 1 else root / rank_manifest_name(d.rank)
+    my_man = root / MANIFEST if d.world == 1 else root / rank_manifest_name(d.rank)
     desc = "capture" if d.world == 1 else f"capture rank {d.rank}/{d.world}"
-    written = 0
-    my_rows: list[dict] = []
+    threads = cfg.extract.write_threads
     t_cap = time.perf_counter()
-    with ManifestWriter(my_man) as man, tqdm(total=shown_done + my_tok, initial=shown_done, unit="tok",
-                                             unit_scale=True, desc=desc, mininterval=1.0, position=d.rank) as bar:
-        for group in mine:
-            batch = [samples[i] for i in group]
-            # Capture the whole planned batch (even finished members) so padded shapes match an
-            # uninterrupted run exactly; only unfinished samples are written.
-            states = backend.capture([s.input_ids for s in batch])
-            if sleep_s:
-                time.sleep(sleep_s)
-            for s, st in zip(batch, states):
-                if s.idx in done:
-                    continue
-                check_captured(s.input_ids, st, info["hidden_size"], f"sample {s.idx} ('{s.id}')")
-                path = write_sample(root, s.idx, rows_per_dir, s.input_ids, st, s.loss_mask)
-                # sha256 of the shard as written: stage 03 detects later silent corruption with it
-                row = man.append(s.idx, s.id, len(s.input_ids), num_loss_tokens=sum(s.loss_mask),
-                                 sha256=file_sha256(path))
-                done[s.idx] = row
-                my_rows.append(row)
-                written += 1
-                bar.update(len(s.input_ids))
+    with tqdm(total=shown_done + my_tok, initial=shown_done, unit="tok", unit_scale=True, desc=desc,
+              mininterval=1.0, position=d.rank) as bar:
+        my_rows = capture_and_write(p.backend, samples, mine, done, p.info["hidden_size"], root,
+                                    cfg.extract.rows_per_dir, my_man,
+                                    write_threads=default_write_threads() if threads is None else threads,
+                                    max_pending_tokens=2 * cfg.extract.batch_tokens,
+                                    on_commit=lambda row: bar.update(row["num_tokens"]))
+    written = len(my_rows)
     t_cap = time.perf_counter() - t_cap
     captured_tok = total_tok - done_tok
     ranks: list[dict] = []
@@ -744,22 +837,35 @@ def _extract(cfg: RunConfig, root: Path, overwrite: bool, limit: Optional[int],
         gathered = d.all_gather({**mine_stats, "rows": my_rows})
         if d.rank != 0:
             return {**mine_stats, "world_size": d.world, "shards_dir": str(root)}
-        for g in gathered:
-            for row in g.pop("rows"):
-                done[row["idx"]] = row
-            ranks.append(g)
-            log.info("rank %d: %d samples in %.1f s = %s samples/s (%s tok/s)", g["rank"], g["written"],
-                     g["capture_s"], g["samples_per_s"], g["tokens_per_s"])
-        missing = [s.idx for s in samples if s.idx not in done]
-        if missing:
-            raise RuntimeError(f"stage 02: samples {missing[:10]} were assigned to no rank (bug)")
-        merge_rank_manifests(root)
-        written = sum(g["written"] for g in ranks)
-        t_cap = max(g["capture_s"] for g in ranks)  # wall time of the parallel capture
+        written, t_cap = _gather_ranks(root, samples, done, gathered, ranks)
+    return _finalise(cfg, root, p, n_resumed, written, t_cap, captured_tok, t_start, d, ranks)
 
+
+def _gather_ranks(root: Path, samples: list[Sample], done: dict[int, dict], gathered: list[dict],
+                  ranks: list[dict]) -> tuple[int, float]:
+    """Rank 0, multi-process: fold every rank's rows into ``done``, merge the rank manifests;
+    returns ``(written, capture wall seconds)`` over all ranks."""
+    for g in gathered:
+        for row in g.pop("rows"):
+            done[row["idx"]] = row
+        ranks.append(g)
+        log.info("rank %d: %d samples in %.1f s = %s samples/s (%s tok/s)", g["rank"], g["written"],
+                 g["capture_s"], g["samples_per_s"], g["tokens_per_s"])
+    missing = [s.idx for s in samples if s.idx not in done]
+    if missing:
+        raise RuntimeError(f"stage 02: samples {missing[:10]} were assigned to no rank (bug)")
+    merge_rank_manifests(root)
+    return sum(g["written"] for g in ranks), max(g["capture_s"] for g in ranks)  # wall time of the parallel capture
+
+
+def _finalise(cfg: RunConfig, root: Path, p: _Prepared, n_resumed: int, written: int, t_cap: float,
+              captured_tok: int, t_start: float, d: _Dist, ranks: list[dict]) -> dict:
+    """Finalise step: ``data_config.json`` (written last: marks the extraction complete) and the report."""
+    done, info, counts = p.done, p.info, p.counts
     rows = [done[k] for k in sorted(done)]
     num_tokens = sum(r["num_tokens"] for r in rows)
     num_loss = sum(int(r.get("num_loss_tokens", 0)) for r in rows)
+    rows_per_dir = cfg.extract.rows_per_dir
     from eagle3.chat import chat_template_hash
 
     meta = {
@@ -769,16 +875,16 @@ def _extract(cfg: RunConfig, root: Path, overwrite: bool, limit: Optional[int],
         "num_layers": info["num_layers"],
         "hidden_size": info["hidden_size"],
         "vocab_size": info["vocab_size"],
-        "aux_layers": aux,
+        "aux_layers": p.aux,
         "layer_index_convention": LAYER_INDEX_CONVENTION,
         "last_hidden_state": info["last_hidden_state"],
         "dtype": "bfloat16",
         "max_length": cfg.extract.max_length,
         "rows_per_dir": rows_per_dir,
-        "chat_template_hash": chat_template_hash(tokenizer, cfg.verifier.chat_template),
-        "config_fingerprint": fp,
-        "prompts_sha256": prompts_sha,
-        "prompts_file": str(prompts_path),
+        "chat_template_hash": chat_template_hash(p.tokenizer, cfg.verifier.chat_template),
+        "config_fingerprint": p.fp,
+        "prompts_sha256": p.prompts_sha,
+        "prompts_file": str(cfg.prompts_path),
         "backend": cfg.extract.backend,
         **({"sglang_tp_size": cfg.extract.sglang_tp_size} if cfg.extract.backend == "sglang" else {}),
         "num_samples": len(rows),
@@ -790,12 +896,12 @@ def _extract(cfg: RunConfig, root: Path, overwrite: bool, limit: Optional[int],
         "chat_template_kwargs": dict(cfg.verifier.chat_template_kwargs),
         "loss_on_reasoning": cfg.extract.loss_on_reasoning,
         "split": {"conversations": int(counts["split_conversations"]), "samples": int(counts["split_samples"])},
-        "skipped_ids": skipped_ids,
+        "skipped_ids": p.skipped_ids,
     }
     write_data_config(root, meta)
     summary = {
         "shards_dir": str(root),
-        "prompts": len(prompts),
+        "prompts": len(p.prompts),
         "samples": len(rows),
         "written": written,
         "resumed": n_resumed,
@@ -805,12 +911,12 @@ def _extract(cfg: RunConfig, root: Path, overwrite: bool, limit: Optional[int],
         "truncated": meta["truncated"],
         "split_conversations": meta["split"]["conversations"],
         "split_samples": meta["split"]["samples"],
-        "skipped_ids": skipped_ids,
+        "skipped_ids": p.skipped_ids,
         "capture_s": round(t_cap, 3),
         "total_s": round(time.perf_counter() - t_start, 3),
         "captured_tokens_per_s": round(captured_tok / t_cap, 1) if t_cap > 0 and captured_tok else None,
         "disk_gb": round(num_tokens * meta["bytes_per_token"] / 1e9, 4),
-        "disk_plan": disk,
+        "disk_plan": p.disk,
     }
     if d.world > 1:
         summary["world_size"] = d.world

@@ -100,6 +100,16 @@ class ManifestWriter:
         append_bytes(self._f, (json.dumps(row) + "\n").encode("utf-8"), self.path)
         return row
 
+    def append_many(self, rows: list[dict]) -> list[dict]:
+        """Append ``rows`` (each ``{idx, id, num_tokens, **extra}``) all-or-nothing with one fsync.
+
+        The bytes are those of :meth:`append` called row by row. Returns the rows written.
+        """
+        out = [{"idx": int(r["idx"]), "id": str(r["id"]), "num_tokens": int(r["num_tokens"]),
+                **{k: v for k, v in r.items() if k not in ("idx", "id", "num_tokens")}} for r in rows]
+        append_bytes(self._f, "".join(json.dumps(r) + "\n" for r in out).encode("utf-8"), self.path)
+        return out
+
     def close(self) -> None:
         self._f.close()
 

@@ -9,6 +9,18 @@ tokens keep positions ``0..L-1`` and, under causal attention, never see the padd
 rows are sliced off before returning. :func:`plan_batches` groups samples by length so the
 padded token count of a batch stays under ``batch_tokens``.
 
+Only the four needed states are kept: forward pre-hooks on the decoder layers at the aux indices
+take the residual stream entering them (= ``hidden_states[i]``) and a forward hook on the decoder
+takes its output (= ``hidden_states[-1]``), instead of ``output_hidden_states=True`` holding all
+N+1 ``[B, L, H]`` tensors. The first capture checks on a padded probe batch that the hooks give
+exactly (``torch.equal``) what ``output_hidden_states`` gives, else it falls back to it.
+
+Pipelining (:meth:`HFCapture.capture_async`): the padding is sliced off and the states cast to
+bf16 on the device, packed into one ``[4, T, H]`` tensor (T = real tokens of the batch) and
+copied with ONE non-blocking copy into pinned host memory on a side CUDA stream, so the copy of
+batch k overlaps the forward of batch k+1; :meth:`PendingCapture.result` waits for that copy's
+event only. On CPU the same code runs without streams or pinned memory.
+
 Last hidden state: HF returns ``hidden_states[-1]`` post-norm for Llama/DeepseekV3 (the final
 norm is applied before it is appended); other code may not. On the first use the backend runs a
 short probe forward and compares ``lm_head(hidden_states[-1])`` with the logits; a match means
@@ -17,9 +29,10 @@ short probe forward and compares ``lm_head(hidden_states[-1])`` with the logits;
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -94,6 +107,8 @@ class HFCapture:
         # Only the hidden states are needed: keep 1 logit row instead of [B, L, V] (10 GB for Kimi).
         self._keep_kw = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
         self._last: LastHiddenState | None = None
+        self._hooks_ok: Optional[bool] = None  # None = not yet checked (first capture)
+        self._copy_stream = None  # CUDA side stream of the device -> host copies (lazy)
 
     # ---- contract ------------------------------------------------------------------------
     def info(self) -> BackendInfo:
@@ -110,7 +125,22 @@ class HFCapture:
         """Prefill ``batch`` and return per sample ``[aux1, aux2, aux3, last]``, each bf16 CPU ``[L_i, H]``.
 
         Samples are split into forwards of at most ``batch_tokens`` padded tokens
-        (:func:`plan_batches`); the output order matches the input order.
+        (:func:`plan_batches`); the output order matches the input order. Every returned tensor
+        owns exactly its ``L_i x H`` storage (no padded batch kept alive). Synchronous form of
+        :meth:`capture_async`.
+
+        Raises:
+            ValueError: an empty sample.
+            RuntimeError: the model returned a number of hidden states other than N+1.
+        """
+        return self.capture_async(batch).result(own_storage=True)
+
+    def capture_async(self, batch: list[list[int]]) -> "PendingCapture":
+        """Launch the prefill of ``batch`` and the device -> host copy of its states; return at once.
+
+        On CUDA the returned handle's :meth:`PendingCapture.result` blocks only until the one
+        pinned-memory copy of each forward has landed, so the caller can launch the next batch's
+        forward first (the copy overlaps it). Same values as :meth:`capture`.
 
         Raises:
             ValueError: an empty sample.
@@ -118,12 +148,9 @@ class HFCapture:
         """
         if any(len(s) == 0 for s in batch):
             raise ValueError("HFCapture.capture: empty sample")
-        out: list[list[torch.Tensor] | None] = [None] * len(batch)
-        for group in plan_batches([len(s) for s in batch], self.batch_tokens):
-            states = self._forward([batch[i] for i in group])
-            for i, st in zip(group, states):
-                out[i] = st
-        return out  # type: ignore[return-value]
+        parts = [(group, self._forward([batch[i] for i in group]))
+                 for group in plan_batches([len(s) for s in batch], self.batch_tokens)]
+        return PendingCapture(len(batch), parts)
 
     # ---- internals -----------------------------------------------------------------------
     @property
@@ -140,18 +167,100 @@ class HFCapture:
             att[b, : len(s)] = 1
         return ids.to(self.device), att.to(self.device)
 
-    @torch.inference_mode()
-    def _forward(self, batch: list[list[int]]) -> list[list[torch.Tensor]]:
-        ids, att = self._pad(batch)  # [B, Lmax] right-padded
+    def _hook_targets(self):
+        """``(decoder, layers)``: the module whose output is ``hidden_states[-1]`` and its decoder
+        layer list, or None when the model does not expose them (``get_decoder().layers``)."""
+        get_decoder = getattr(self.model, "get_decoder", None)
+        if not callable(get_decoder):
+            return None
+        try:
+            decoder = get_decoder()
+        except (AttributeError, NotImplementedError):
+            return None
+        layers = getattr(decoder, "layers", None)
+        if not isinstance(decoder, torch.nn.Module) or not isinstance(layers, torch.nn.ModuleList) \
+                or len(layers) != self.num_layers:
+            return None
+        return decoder, layers
+
+    def _states_hooked(self, ids: torch.Tensor, att: torch.Tensor) -> list[torch.Tensor]:
+        """The 4 states via hooks: input of decoder layer i for each aux i, then the decoder output."""
+        decoder, layers = self._hook_targets()
+        got: dict[int, torch.Tensor] = {}
+
+        def pre_hook(i):
+            def fn(_mod, args, kwargs):
+                got[i] = args[0] if args else kwargs["hidden_states"]  # [B, Lmax, H] residual entering layer i
+            return fn
+
+        def out_hook(_mod, _args, out):
+            h = getattr(out, "last_hidden_state", None)
+            got[-1] = h if h is not None else out[0]  # [B, Lmax, H]
+
+        with contextlib.ExitStack() as stack:
+            for i in self.aux_layers:
+                stack.enter_context(layers[i].register_forward_pre_hook(pre_hook(i), with_kwargs=True))
+            stack.enter_context(decoder.register_forward_hook(out_hook))
+            self.model(input_ids=ids, attention_mask=att, use_cache=False, **self._keep_kw)
+        return [got[i] for i in self.aux_layers + [-1]]
+
+    def _states_all(self, ids: torch.Tensor, att: torch.Tensor) -> list[torch.Tensor]:
+        """The 4 states picked from ``output_hidden_states=True`` (all N+1 materialised)."""
         out = self.model(input_ids=ids, attention_mask=att, **self._fwd_kw, **self._keep_kw)
         hs = out.hidden_states  # (N+1) x [B, Lmax, H]
         if hs is None or len(hs) != self.num_layers + 1:
             n = None if hs is None else len(hs)
             raise RuntimeError(f"verifier returned {n} hidden states, expected num_hidden_layers + 1 = {self.num_layers + 1}")
-        picks = [hs[i].to(torch.bfloat16) for i in self.aux_layers + [-1]]  # 4 x [B, Lmax, H], cast on device
-        # One copy per sample and layer, straight from the device into an exact-size CPU tensor: padding
-        # is never copied and no returned tensor keeps the padded batch's storage alive.
-        return [[p[b, : len(s)].to("cpu", copy=True) for p in picks] for b, s in enumerate(batch)]  # B x 4 x [L_b, H]
+        return [hs[i] for i in self.aux_layers + [-1]]
+
+    def _check_hooks(self) -> bool:
+        """Whether the hooks reproduce ``output_hidden_states`` exactly, on a padded 2-sample probe."""
+        if self._hook_targets() is None:
+            return False
+        n = min(8, self.vocab_size)
+        seq = [int(i * 7919 % self.vocab_size) for i in range(n)]
+        ids, att = self._pad([seq, seq[: max(1, n // 2)]])  # [2, n], second row padded
+        try:
+            hooked = self._states_hooked(ids, att)
+        except (KeyError, IndexError, TypeError) as e:
+            log.info("capture hooks unavailable (%s: %s); using output_hidden_states", type(e).__name__, e)
+            return False
+        full = self._states_all(ids, att)
+        ok = all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(hooked, full))
+        if not ok:
+            log.warning("decoder hooks do not reproduce output_hidden_states on this model; using output_hidden_states")
+        return ok
+
+    @torch.inference_mode()
+    def _forward(self, batch: list[list[int]]) -> "_Part":
+        if self._hooks_ok is None:
+            self._hooks_ok = self._check_hooks()
+        ids, att = self._pad(batch)  # [B, Lmax] right-padded
+        picks = (self._states_hooked if self._hooks_ok else self._states_all)(ids, att)  # 4 x [B, Lmax, H]
+        B, Lmax = ids.shape
+        lengths = [len(s) for s in batch]
+        H = picks[0].shape[-1]
+        T = sum(lengths)
+        dev = picks[0].device
+        # Real (unpadded) rows of the flattened batch, sample by sample: built on the host (no sync).
+        keep = (torch.arange(Lmax).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)).reshape(-1)  # [B*Lmax]
+        rows = keep.nonzero().squeeze(1).to(dev)  # [T]
+        pack = torch.empty((len(picks), T, H), dtype=torch.bfloat16, device=dev)  # [4, T, H]
+        for k, p in enumerate(picks):
+            torch.index_select(p.reshape(B * Lmax, H).to(torch.bfloat16), 0, rows, out=pack[k])  # cast on device
+        if dev.type != "cuda":
+            return _Part(pack, lengths, None)
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(device=dev)
+        cs = self._copy_stream
+        host = torch.empty((len(picks), T, H), dtype=torch.bfloat16, pin_memory=True)  # [4, T, H]
+        cs.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(cs):
+            host.copy_(pack, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(cs)
+        pack.record_stream(cs)  # keep the device buffer from reuse until the copy is done
+        return _Part(host, lengths, event)
 
     def last_hidden_state(self) -> LastHiddenState:
         """``"post_norm"`` if ``lm_head(hidden_states[-1])`` reproduces the logits, else ``"pre_norm"``.
@@ -207,3 +316,45 @@ class HFCapture:
             if isinstance(norm, torch.nn.Module):
                 return norm
         return None
+
+
+class _Part:
+    """One forward's states in host memory (or on their way): ``host`` ``[4, T, H]`` bf16, samples
+    back to back (``lengths``), ``event`` = the CUDA event after the copy (None: already there)."""
+
+    __slots__ = ("host", "lengths", "event")
+
+    def __init__(self, host: torch.Tensor, lengths: list[int], event):
+        self.host, self.lengths, self.event = host, lengths, event
+
+
+class PendingCapture:
+    """The result of :meth:`HFCapture.capture_async`: per-sample states once the copies have landed."""
+
+    def __init__(self, n: int, parts: list[tuple[list[int], _Part]]):
+        self._n = n
+        self._parts = parts
+
+    def ready(self) -> bool:
+        """True when every device -> host copy has finished (never blocks)."""
+        return all(p.event is None or p.event.query() for _, p in self._parts)
+
+    def result(self, own_storage: bool = False) -> list[list[torch.Tensor]]:
+        """Wait for the copies; per sample (input order) ``[aux1, aux2, aux3, last]`` bf16 CPU ``[L_i, H]``.
+
+        Args:
+            own_storage: clone each tensor out of the batch buffer (exact-size storage; what
+                :meth:`HFCapture.capture` returns). Default: views into the batch's pinned
+                buffer, which stays alive while any view does (``eagle3.shards.write_sample``
+                clones a view before saving it).
+        """
+        out: list = [None] * self._n
+        for group, part in self._parts:
+            if part.event is not None:
+                part.event.synchronize()
+            off = 0
+            for i, L in zip(group, part.lengths):
+                views = [part.host[k, off:off + L] for k in range(part.host.shape[0])]  # 4 x [L, H]
+                out[i] = [v.clone() for v in views] if own_storage else views
+                off += L
+        return out

@@ -1,0 +1,145 @@
+"""Stage 02's shard writer: serialisation, sha256 and atomic writes on background threads, manifest in order.
+
+Each submitted sample is written by :func:`eagle3.shards.write_sample` (atomic: temp name, fsync,
+rename) and hashed (:func:`eagle3.extract.file_sha256` of the file as written) on a thread pool,
+so the GPU keeps capturing the next batch meanwhile (``torch.save``'s tensor copies, file writes,
+fsync and hashlib release the GIL). Manifest rows are appended in SUBMISSION order, each only
+after its shard is durable, with one flush + fsync per group of consecutive finished rows: the
+manifest ends up byte-identical to the one the serial loop writes, and the crash-safety contract
+of ``eagle3.extract`` is unchanged (a row never precedes its shard; a shard whose row was not yet
+appended when the process died is validated and adopted on resume).
+
+``threads=0`` writes, hashes and appends inline in :meth:`ShardWriter.submit` (the serial path).
+Memory stays bounded: :meth:`ShardWriter.submit` blocks while more than ``max_pending_tokens``
+tokens are submitted but not yet committed.
+"""
+
+from __future__ import annotations
+
+import collections
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from eagle3.manifest import ManifestWriter
+from eagle3.shards import write_sample
+
+
+def _write_one(root: Path, idx: int, rows_per_dir: int, input_ids: list[int], states: Sequence[torch.Tensor],
+               loss_mask: list[int]) -> str:
+    from eagle3.extract import file_sha256
+
+    path = write_sample(root, idx, rows_per_dir, input_ids, states, loss_mask)
+    # sha256 of the shard as written: stage 03 detects later silent corruption with it
+    return file_sha256(path)
+
+
+class ShardWriter:
+    """Write shards (one per sample) and log them in ``manifest.jsonl`` in submission order.
+
+    Args:
+        root: shards folder; ``rows_per_dir``: see :func:`eagle3.shards.shard_path`.
+        manifest: open manifest; rows ``{idx, id, num_tokens, num_loss_tokens, sha256}``.
+        threads: writer threads; 0 = inline (serial).
+        max_pending_tokens: back-pressure bound on submitted-but-uncommitted tokens (a single
+            sample larger than the bound is still accepted when nothing else is pending).
+        on_commit: called with each appended row, in order (progress, bookkeeping).
+    """
+
+    def __init__(self, root: Path, rows_per_dir: int, manifest: ManifestWriter, threads: int = 0,
+                 max_pending_tokens: int = 1 << 18, on_commit: Optional[Callable[[dict], None]] = None):
+        self.root = Path(root)
+        self.rows_per_dir = int(rows_per_dir)
+        self.manifest = manifest
+        self.threads = int(threads)
+        self.max_pending_tokens = int(max_pending_tokens)
+        self.on_commit = on_commit
+        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="shard-writer") if self.threads > 0 else None
+        self._pending: collections.deque[tuple[dict, Future]] = collections.deque()
+        self._pending_tokens = 0
+
+    def submit(self, idx: int, sample_id: str, input_ids: list[int], states: Sequence[torch.Tensor],
+               loss_mask: list[int]) -> None:
+        """Queue sample ``idx`` (prompt ``sample_id``) for writing; ``states`` = 4 bf16 CPU ``[L, H]``.
+
+        Raises:
+            the error of an earlier write (e.g. ``OSError`` on a full disk), before queueing more.
+        """
+        meta = {"idx": int(idx), "id": str(sample_id), "num_tokens": len(input_ids),
+                "num_loss_tokens": sum(loss_mask)}
+        if self._pool is None:
+            sha = _write_one(self.root, idx, self.rows_per_dir, input_ids, states, loss_mask)
+            self._append([(meta, sha)])
+            return
+        L = len(input_ids)
+        self.commit_ready()
+        while self._pending and self._pending_tokens + L > self.max_pending_tokens:
+            self._pending[0][1].result()  # wait for the oldest write (raises its error)
+            self.commit_ready()
+        fut = self._pool.submit(_write_one, self.root, idx, self.rows_per_dir, input_ids, states, loss_mask)
+        self._pending.append((meta, fut))
+        self._pending_tokens += L
+
+    def commit_ready(self) -> int:
+        """Append the rows of the leading finished writes (in submission order); return how many.
+
+        Raises:
+            the error of the first failed write among them (rows before it are appended first).
+        """
+        done: list[tuple[dict, str]] = []
+        err: Optional[BaseException] = None
+        while self._pending and self._pending[0][1].done():
+            meta, fut = self._pending[0]
+            if fut.cancelled():
+                break
+            err = fut.exception()
+            if err is not None:
+                break
+            self._pending.popleft()
+            self._pending_tokens -= meta["num_tokens"]
+            done.append((meta, fut.result()))
+        if done:
+            self._append(done)
+        if err is not None:
+            raise err
+        return len(done)
+
+    def _append(self, done: list[tuple[dict, str]]) -> None:
+        rows = self.manifest.append_many([{**meta, "sha256": sha} for meta, sha in done])
+        if self.on_commit is not None:
+            for row in rows:
+                self.on_commit(row)
+
+    def flush(self) -> None:
+        """Wait for every queued write and append all rows (raises the first write error)."""
+        while self._pending:
+            self._pending[0][1].exception()  # wait without raising here; commit_ready raises in order
+            self.commit_ready()
+
+    def close(self, wait_commit: bool = True) -> None:
+        """Flush (when ``wait_commit``) and stop the threads.
+
+        With ``wait_commit=False`` (an error or interrupt upstream): queued writes are cancelled,
+        running ones finish (each is atomic), and the rows of the leading finished writes are still
+        appended; a failed write's error is then not raised again.
+        """
+        try:
+            if wait_commit:
+                self.flush()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True, cancel_futures=True)
+                self._pool = None
+                if not wait_commit:
+                    try:
+                        self.commit_ready()
+                    except Exception:  # noqa: BLE001 - the upstream error is the one to report
+                        pass
+
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(wait_commit=exc_type is None)
