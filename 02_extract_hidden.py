@@ -3,6 +3,8 @@
 
     python 02_extract_hidden.py --config configs/smollm2-135m.yaml
     python 02_extract_hidden.py --config configs/kimi-k2.5.yaml --backend sglang --server http://host:30000
+    python 02_extract_hidden.py --config configs/kimi-k2.5.yaml --server http://node1:30000 http://node2:30000 \
+        --capture-dir /shared/capture/node1 /shared/capture/node2   # several capture nodes
     torchrun --nproc_per_node 8 02_extract_hidden.py --config configs/smollm2-135m.yaml   # hf: one replica per GPU
 
 Re-running the same command after a crash resumes (finished shards are kept, none is rewritten).
@@ -20,7 +22,10 @@ def main(argv=None) -> int:
     p = ArgumentParser(description=__doc__.splitlines()[0])
     add_config_args(p)
     p.add_argument("--backend", choices=["hf", "sglang"], default=None, help="overrides extract.backend")
-    p.add_argument("--server", type=http_url, default=None, metavar="URL", help="SGLang server URL (overrides extract.sglang_url)")
+    p.add_argument("--server", nargs="+", type=http_url, default=None, metavar="URL",
+                   help="SGLang server URL(s), one per node (overrides extract.sglang_url)")
+    p.add_argument("--capture-dir", nargs="+", default=None, metavar="DIR",
+                   help="each server's capture folder as this host sees it, in --server order (overrides extract.capture_dir)")
     p.add_argument("--overwrite", action="store_true", help="delete existing shards in the output folder and start over")
     p.add_argument("--limit", type=positive_int, default=None, metavar="N", help="only the first N prompts")
     p.add_argument("--ignore-disk-check", action="store_true",
@@ -30,7 +35,9 @@ def main(argv=None) -> int:
     if a.backend:
         cfg.extract.backend = a.backend
     if a.server:
-        cfg.extract.sglang_url = a.server
+        cfg.extract.sglang_url = a.server[0] if len(a.server) == 1 else a.server
+    if a.capture_dir:
+        cfg.extract.capture_dir = a.capture_dir[0] if len(a.capture_dir) == 1 else a.capture_dir
     from eagle3.extract import run
 
     s = run(cfg, overwrite=a.overwrite, limit=a.limit, ignore_disk_check=a.ignore_disk_check)
@@ -46,6 +53,9 @@ def main(argv=None) -> int:
         dp = s["disk_plan"]
         print(f"disk plan: {dp['samples']} samples, {dp['tokens']} tokens -> {format_bytes(dp['bytes'])} estimated "
               f"({format_bytes(dp['free_bytes'])} were free on {dp['path']})")
+    for sv in s.get("servers", []):
+        print(f"server {sv['url']}: {sv['batches']} batches, {sv['failed_attempts']} failed attempts, "
+              f"out of rotation {sv['taken_out_of_rotation']} times")
     print(f"{s['samples']} samples ({s['written']} written, {s['resumed']} resumed), {s['num_tokens']} tokens, "
           f"{s['captured_tokens_per_s']} tok/s -> {s['shards_dir']}")
     return 0

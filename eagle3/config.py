@@ -154,8 +154,17 @@ class ExtractConfig(_Strict):
     tokenize_workers: Optional[int] = Field(
         None, ge=1, description="processes that tokenize conversations and build loss masks; null = the usable CPU "
         "cores divided by the local torchrun ranks; 1 = in-process (the result is the same for any count)")
-    sglang_url: Optional[str] = None
-    capture_dir: Optional[str] = Field(None, description="where the patched SGLang server writes tensors")
+    sglang_url: Optional[Union[str, list[str]]] = Field(
+        None, description="the patched SGLang server's URL, or a list of them (one per node): batches are spread over "
+        "them, a failing server's batches retried on the others; the shards are the same as with one server")
+    capture_dir: Optional[Union[str, list[str]]] = Field(
+        None, description="where the patched SGLang server writes tensors (its --capture-dir as this host sees it); "
+        "a list with one folder per sglang_url entry, in the same order, when there are several servers")
+    batches_in_flight_per_server: int = Field(
+        2, ge=1, description="several sglang servers: batches sent to one server at a time (captured batches wait in "
+        "host memory until written: at most this x servers)")
+    server_max_failures: int = Field(
+        3, ge=1, description="several sglang servers: failed batches in a row that take a server out of rotation")
     sglang_tp_size: int = Field(1, ge=1, description="--tp-size the capture server was launched with (recorded in metadata)")
     sglang_timeout_s: float = Field(600.0, gt=0, description="HTTP timeout of one /generate batch")
     requests_per_batch: int = Field(64, ge=1, description="max prompts per /generate POST (sglang backend)")
@@ -169,6 +178,10 @@ class ExtractConfig(_Strict):
     @field_validator("sglang_url")
     @classmethod
     def _url(cls, v):
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("an empty list; give one URL or several")
+            return [check_http_url(u) for u in v]
         return None if v is None else check_http_url(v)
 
     @field_validator("aux_layers")

@@ -196,8 +196,9 @@ class EndpointPool:
                 ep.consecutive_failures += 1
                 if ep.consecutive_failures == self.dead_after:
                     ep.taken_out += 1
-                    log.warning("endpoint %s taken out of rotation for %.0f s after %d failures in a row: %s",
-                                ep.url, self.revive_after_s, ep.consecutive_failures, error)
+                    spell = "for the rest of the run" if self.revive_after_s == float("inf") else f"for {self.revive_after_s:.0f} s"
+                    log.warning("endpoint %s taken out of rotation %s after %d failures in a row: %s",
+                                ep.url, spell, ep.consecutive_failures, error)
                 if ep.consecutive_failures >= self.dead_after:  # (again, after a failed probe)
                     ep.dead_until = time.monotonic() + self.revive_after_s
             self._cv.notify_all()

@@ -73,6 +73,7 @@ from tqdm import tqdm
 
 from eagle3.capture.base import CaptureBackend, check_captured
 from eagle3.capture.hf import plan_batches
+from eagle3.capture.multi import prefetching
 from eagle3.config import RunConfig
 from eagle3.errors import UserError
 from eagle3.io import TMP_MARK, atomic_write_json, atomic_write_text, iter_jsonl, read_json, remove_stale_tmp
@@ -430,18 +431,20 @@ def make_backend(cfg: RunConfig, aux_layers: Optional[list[int]] = None):
         pad = tok.pad_token_id if tok.pad_token_id is not None else 0
         return HFCapture(model, layers, batch_tokens=ex.batch_tokens, pad_id=pad), tok
     if not ex.sglang_url:
-        raise UserError("extract.sglang_url: required for backend sglang (or pass --server URL)")
+        raise UserError("extract.sglang_url: required for backend sglang (or pass --server URL [URL ...])")
     if not ex.capture_dir:
         raise UserError("extract.capture_dir: required for backend sglang (where the patched server writes tensors)")
     try:
-        from eagle3.capture.sglang import SGLangCapture
+        from eagle3.capture.multi import sglang_backend
     except ImportError as e:
         raise UserError(f"extract.backend: the sglang capture backend is not available ({e})") from e
     tok = load_tokenizer(cfg.verifier)
     n = verifier_dims(load_verifier_config(cfg.verifier))["num_layers"]
     layers = _resolve_aux(ex.aux_layers if aux_layers is None else aux_layers, n)
-    return SGLangCapture(url=ex.sglang_url, capture_dir=ex.capture_dir, aux_layers=layers, timeout=ex.sglang_timeout_s,
-                         max_length=ex.max_length, max_requests=ex.requests_per_batch), tok
+    # one URL: SGLangCapture; several (one per node): MultiServerCapture over them
+    return sglang_backend(ex.sglang_url, ex.capture_dir, layers, timeout=ex.sglang_timeout_s, max_length=ex.max_length,
+                          max_requests=ex.requests_per_batch, per_server=ex.batches_in_flight_per_server,
+                          max_failures=ex.server_max_failures), tok
 
 
 def _resolve_aux(layers: Optional[list[int]], num_layers: int) -> list[int]:
@@ -820,8 +823,10 @@ def _extract(cfg: RunConfig, root: Path, overwrite: bool, limit: Optional[int],
     desc = "capture" if d.world == 1 else f"capture rank {d.rank}/{d.world}"
     threads = cfg.extract.write_threads
     t_cap = time.perf_counter()
-    with tqdm(total=shown_done + my_tok, initial=shown_done, unit="tok", unit_scale=True, desc=desc,
-              mininterval=1.0, position=d.rank) as bar:
+    # several SGLang servers: the batch plan is announced so batches are captured ahead, in parallel
+    with prefetching(p.backend, [[samples[i].input_ids for i in g] for g in mine]), \
+            tqdm(total=shown_done + my_tok, initial=shown_done, unit="tok", unit_scale=True, desc=desc,
+                 mininterval=1.0, position=d.rank) as bar:
         my_rows = capture_and_write(p.backend, samples, mine, done, p.info["hidden_size"], root,
                                     cfg.extract.rows_per_dir, my_man,
                                     write_threads=default_write_threads() if threads is None else threads,
@@ -917,6 +922,7 @@ def _finalise(cfg: RunConfig, root: Path, p: _Prepared, n_resumed: int, written:
         "captured_tokens_per_s": round(captured_tok / t_cap, 1) if t_cap > 0 and captured_tok else None,
         "disk_gb": round(num_tokens * meta["bytes_per_token"] / 1e9, 4),
         "disk_plan": p.disk,
+        **({"servers": p.backend.server_summary()} if hasattr(p.backend, "server_summary") else {}),
     }
     if d.world > 1:
         summary["world_size"] = d.world

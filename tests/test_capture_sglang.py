@@ -10,6 +10,7 @@ processor leaves them). The "verifier" is a seeded embedding table, so expected 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -27,8 +28,11 @@ from conftest import ROOT
 sys.path.insert(0, str(ROOT / "patches"))
 import eagle3_capture as ec  # noqa: E402
 
-H, V = 8, 64
+H, V = 8, 49152  # V = SmolLM2's vocab, so real tokenizer ids can be captured (tests/test_capture_multi.py)
 EMB = torch.randn(V, H, generator=torch.Generator().manual_seed(0))  # [V, H] the stand-in verifier
+# The patch finds its folder through the environment (one server per process in production); stand-ins
+# sharing this process each set it under this lock while they write.
+_PATCH_LOCK = threading.Lock()
 
 
 def expected(ids: list[int]) -> list[torch.Tensor]:
@@ -48,14 +52,26 @@ class StandIn:
                        "chunked_prefill_size": 8192}
         self.mode = "ok"  # ok | drop_token | alter_token | cached | unpatched | partial | no_file
         self.posts: list[dict] = []
+        # fail every /generate from the fail_after-th one on (0-based count of POSTs):
+        # "500" answers HTTP 500, "refuse" drops that request's connection and shuts the server down
+        self.fail_after: int | None = None
+        self.fail_mode = "500"
 
     def start_model(self):
         """Like SGLang's model runner after configure_aux_hidden_state_capture (patched): capture_info.json."""
         model = SimpleNamespace(model=SimpleNamespace(layers_to_capture=list(self.layers)),
                                 config=SimpleNamespace(num_hidden_layers=61, hidden_size=H, vocab_size=V))
-        ec.record_capture_layers(model)
+        with _PATCH_LOCK:
+            os.environ[ec.ENV_DIR] = str(self.capture_dir)
+            ec.record_capture_layers(model)
 
     def generate(self, body: dict) -> list[dict]:
+        with _PATCH_LOCK:
+            os.environ[ec.ENV_DIR] = str(self.capture_dir)
+            ec._STATE["layers"] = list(self.layers)
+            return self._generate(body)
+
+    def _generate(self, body: dict) -> list[dict]:
         self.posts.append(body)
         batch, rids = body["input_ids"], body["rid"]
         assert body["return_hidden_states"] is True
@@ -95,6 +111,15 @@ def server(tmp_path, monkeypatch):
     monkeypatch.setitem(ec._STATE, "layers", None)
     st = StandIn(cap)
     st.start_model()
+    httpd = serve(st)
+    yield st
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def serve(st: StandIn) -> ThreadingHTTPServer:
+    """Serve ``st`` over HTTP on a free local port in a thread; sets ``st.url``. Stop: ``shutdown()`` + ``server_close()``."""
+    failed = threading.Event()
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *a):
@@ -120,15 +145,22 @@ def server(tmp_path, monkeypatch):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             if self.path != "/generate":
                 return self._send(404, {"detail": "Not Found"})
+            if st.fail_after is not None and len(st.posts) >= st.fail_after:
+                st.posts.append(body)
+                if st.fail_mode == "500":
+                    return self._send(500, {"detail": "CUDA error: an illegal memory access was encountered"})
+                self.close_connection = True  # "refuse": no answer to this one, nothing listening afterwards
+                if not failed.is_set():
+                    failed.set()
+                    threading.Thread(target=lambda: (httpd.shutdown(), httpd.server_close()), daemon=True).start()
+                return
             self._send(200, st.generate(body))
 
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     t = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     t.start()
     st.url = f"http://127.0.0.1:{httpd.server_address[1]}"
-    yield st
-    httpd.shutdown()
-    httpd.server_close()
+    return httpd
 
 
 def _backend(st, **kw):

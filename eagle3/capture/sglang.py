@@ -17,9 +17,11 @@ whose ``meta_info`` carries ``id`` (= rid), ``prompt_tokens`` and ``cached_token
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import os
+import threading
 import urllib.error
 import urllib.request
 import uuid
@@ -77,6 +79,7 @@ class SGLangCapture:
         self._info: Optional[BackendInfo] = None
         self._prefix = uuid.uuid4().hex[:12]
         self._count = 0
+        self._rid_lock = threading.Lock()  # capture() may run on several threads (eagle3.capture.multi)
 
     # ---- HTTP ----------------------------------------------------------------------------
     def _request(self, path: str, payload: Optional[dict] = None) -> Any:
@@ -96,6 +99,9 @@ class SGLangCapture:
             raise UserError(f"extract.sglang_url {self.url}{path}: HTTP {e.code}: {detail[0][:300] if detail else e.reason}") from e
         except (urllib.error.URLError, TimeoutError, OSError) as e:
             raise UserError(f"extract.sglang_url {self.url}{path}: server not reachable: {getattr(e, 'reason', e)}") from e
+        except http.client.HTTPException as e:  # IncompleteRead, BadStatusLine: the server died mid-answer
+            raise UserError(f"extract.sglang_url {self.url}{path}: connection broken mid-response: "
+                            f"{type(e).__name__}: {e}") from e
         try:
             return json.loads(body)
         except json.JSONDecodeError as e:
@@ -187,8 +193,9 @@ class SGLangCapture:
         return out
 
     def _new_rids(self, n: int) -> list[str]:
-        rids = [f"eagle3-{self._prefix}-{self._count + i}" for i in range(n)]
-        self._count += n
+        with self._rid_lock:
+            rids = [f"eagle3-{self._prefix}-{self._count + i}" for i in range(n)]
+            self._count += n
         return rids
 
     def _capture_chunk(self, batch: list[list[int]]) -> list[list[torch.Tensor]]:

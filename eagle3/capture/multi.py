@@ -1,0 +1,237 @@
+"""Capture across several patched SGLang servers at once (one per node), as one capture backend.
+
+Each server is an :class:`eagle3.capture.sglang.SGLangCapture` with its own capture directory (the
+folder its ``--capture-dir`` names, on storage this process can read: the node's local disk
+mounted here, or a shared file system). :class:`MultiServerCapture` implements the same
+:class:`eagle3.capture.base.CaptureBackend` contract, so stage 02 writes exactly the shards and
+manifest one server would give:
+
+* **Order**: stage 02 announces its batches in plan order (:func:`prefetching` ->
+  :meth:`MultiServerCapture.schedule`); up to ``per_server x servers`` of them are captured ahead,
+  concurrently, on a thread pool, and :meth:`MultiServerCapture.capture` hands the results back in
+  the order asked for. Which server captured a batch changes nothing in the shards (same token ids
+  in, same tensors out; each request's capture file is read, checked and deleted by its server's
+  :class:`SGLangCapture`).
+* **Load spread, failures**: :class:`eagle3.endpoints.EndpointPool` picks, per batch, the live
+  server with the fewest batches in flight (at most ``per_server`` each). A batch that fails on a
+  server (connection refused or dropped, timeout, HTTP error, a capture file missing or wrong: any
+  :class:`UserError` of :class:`SGLangCapture`) is retried on another server (after
+  ``backoff_s x attempt`` seconds); ``max_failures`` failed batches in a row take a server out of
+  rotation for the rest of the run. When every server is out, or one batch failed
+  ``max_failures x servers`` times, the run stops with a :class:`UserError` listing each server's
+  last error; the shards written so far are kept, and re-running resumes (stage 02's manifest).
+* **Memory**: at most ``per_server x servers`` captured batches wait in host memory.
+
+``info()`` asks every server at start and refuses servers that disagree (hidden size, layers,
+vocabulary, architecture, norm convention) or do not answer: a node that is down at the start is a
+configuration error (remove it from ``extract.sglang_url``), not a mid-run failure.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Iterator, Optional, Sequence
+
+import torch
+
+from eagle3.capture.base import BackendInfo
+from eagle3.capture.sglang import SGLangCapture
+from eagle3.endpoints import AllEndpointsDown, EndpointPool
+from eagle3.errors import UserError
+
+log = logging.getLogger(__name__)
+
+WHAT = "extract.sglang_url"
+
+
+class MultiServerCapture:
+    """:class:`eagle3.capture.base.CaptureBackend` over several :class:`SGLangCapture` servers.
+
+    Args:
+        servers: one per node (distinct URLs, each with its own ``capture_dir``).
+        per_server: batches in flight per server (``extract.batches_in_flight_per_server``).
+        max_failures: failed batches in a row that take a server out of rotation
+            (``extract.server_max_failures``).
+        backoff_s: seconds before retry ``k`` of a batch is ``backoff_s * k`` (capped at 30 s).
+
+    Raises:
+        UserError: fewer than one server, or duplicate URLs.
+    """
+
+    def __init__(self, servers: Sequence[SGLangCapture], per_server: int = 2, max_failures: int = 3,
+                 backoff_s: float = 1.0):
+        if not servers:
+            raise UserError(f"{WHAT}: at least one server is needed")
+        self.servers = list(servers)
+        self._by_url = {s.url: s for s in self.servers}
+        # out of rotation for good (no revival): a node that failed max_failures batches in a row is
+        # down or broken for this run; give_up_after_s=0: every server out = stop at once
+        self.pool = EndpointPool([s.url for s in self.servers], per_endpoint=per_server, dead_after=max_failures,
+                                 revive_after_s=float("inf"), give_up_after_s=0.0, what=WHAT)
+        self.max_failures = int(max_failures)
+        self.backoff_s = float(backoff_s)
+        self.aux_layers = self.servers[0].aux_layers
+        self._last_error: dict[str, str] = {}
+        self._batches_done = collections.Counter()
+        self._lock = threading.Lock()
+        self._executor = ThreadPoolExecutor(max_workers=self.pool.capacity, thread_name_prefix="sglang-capture")
+        self._ahead: collections.deque[tuple[list[list[int]], Future]] = collections.deque()
+        self._upcoming: Optional[Iterator[list[list[int]]]] = None
+
+    # ---- contract ----------------------------------------------------------------------------
+    def info(self) -> BackendInfo:
+        """Every server's :meth:`SGLangCapture.info` (each checks its flags and capture_info.json);
+        they must agree.
+
+        Raises:
+            UserError: a server fails its checks or is unreachable, or differs from the first one.
+        """
+        first = self.servers[0].info()
+        self.aux_layers = self.servers[0].aux_layers
+        for s in self.servers[1:]:
+            if s.aux_layers is None:
+                s.aux_layers = list(self.aux_layers)
+            got = s.info()
+            if got != first or s.aux_layers != self.aux_layers:
+                raise UserError(f"{WHAT} {s.url}: serves {dict(got, aux_layers=s.aux_layers)} but {self.servers[0].url} "
+                                f"serves {dict(first, aux_layers=self.aux_layers)}; every capture server must run "
+                                "the same verifier with the same flags")
+        return first
+
+    def capture(self, batch: list[list[int]]) -> list[list[torch.Tensor]]:
+        """Per sample ``[aux1, aux2, aux3, last]`` bf16 CPU ``[L_i, H]``, captured on some live server.
+
+        The next scheduled batch (:meth:`schedule`) is answered from the look-ahead; any other batch
+        is captured now.
+
+        Raises:
+            UserError: the batch failed on every server it was tried on, or every server is out.
+            RuntimeError: ``batch`` is not the next scheduled one (a caller bug).
+        """
+        if not self._ahead:
+            return self._capture_anywhere(batch)
+        ids, fut = self._ahead.popleft()
+        if ids != batch:
+            raise RuntimeError("MultiServerCapture.capture: batches must be asked for in the scheduled order")
+        self._fill()
+        return fut.result()
+
+    # ---- look-ahead ---------------------------------------------------------------------------
+    def schedule(self, batches: Sequence[list[list[int]]]) -> None:
+        """Announce the batches :meth:`capture` will be asked for, in that order; capturing starts now."""
+        self.cancel()
+        self._upcoming = iter(list(batches))
+        self._fill()
+
+    def cancel(self) -> None:
+        """Forget the schedule; batches not started are dropped (ones in flight finish and are discarded)."""
+        for _, fut in self._ahead:
+            fut.cancel()
+        self._ahead.clear()
+        self._upcoming = None
+
+    def _fill(self) -> None:
+        while self._upcoming is not None and len(self._ahead) < self.pool.capacity:
+            nxt = next(self._upcoming, None)
+            if nxt is None:
+                self._upcoming = None
+                return
+            self._ahead.append((nxt, self._executor.submit(self._capture_anywhere, nxt)))
+
+    # ---- one batch, retried across servers ----------------------------------------------------
+    def _capture_anywhere(self, batch: list[list[int]]) -> list[list[torch.Tensor]]:
+        max_attempts = self.max_failures * len(self.servers)
+        last = None
+        for attempt in range(1, max_attempts + 1):
+            try:
+                ep = self.pool.acquire(avoid=last)
+            except AllEndpointsDown:
+                raise UserError(self._all_down_message()) from None
+            try:
+                out = self._by_url[ep.url].capture(batch)
+            except UserError as e:
+                self.pool.release(ep, ok=False, error=str(e))
+                with self._lock:
+                    self._last_error[ep.url] = str(e)
+                if self._all_out():
+                    raise UserError(self._all_down_message()) from e
+                if attempt == max_attempts:
+                    raise UserError(f"{WHAT}: a batch of {len(batch)} samples failed {attempt} times; the last "
+                                    f"error: {e}") from e
+                log.warning("capture batch failed on %s (attempt %d/%d), retrying on another server: %s",
+                            ep.url, attempt, max_attempts, e)
+                last = ep
+                time.sleep(min(30.0, self.backoff_s * attempt))
+                continue
+            self.pool.release(ep, ok=True)
+            with self._lock:
+                self._batches_done[ep.url] += 1
+            return out
+        raise AssertionError("unreachable")
+
+    def _all_out(self) -> bool:
+        with self.pool._cv:
+            return all(e.consecutive_failures >= self.pool.dead_after for e in self.pool.endpoints)
+
+    def _all_down_message(self) -> str:
+        with self._lock:
+            errs = "; ".join(f"{u}: {self._last_error.get(u, 'no error recorded')}" for u in self._by_url)
+        return (f"{WHAT}: every capture server failed {self.max_failures} batches in a row and is out of rotation "
+                f"({errs}); the shards written so far are kept: fix or replace the servers, then re-run the same "
+                "command to resume")
+
+    def server_summary(self) -> list[dict]:
+        """Per server: URL, batches captured, requests, failed attempts, times taken out of rotation."""
+        with self._lock:
+            done = dict(self._batches_done)
+        return [{**e, "batches": done.get(e["url"], 0)} for e in self.pool.summary()]
+
+
+@contextlib.contextmanager
+def prefetching(backend, batches: Sequence[list[list[int]]]):
+    """While the block runs, ``backend`` captures ``batches`` (token-id lists per batch, in the order
+    the block will ask for them) ahead, when it can (:meth:`MultiServerCapture.schedule`); other
+    backends are left as they are. The schedule is cancelled on the way out."""
+    schedule = getattr(backend, "schedule", None)
+    if schedule is None:
+        yield
+        return
+    schedule(batches)
+    try:
+        yield
+    finally:
+        backend.cancel()
+
+
+def sglang_backend(urls: str | Sequence[str], capture_dirs: str | Sequence[str], aux_layers: Optional[list[int]], *,
+                   timeout: float, max_length: Optional[int], max_requests: Optional[int], per_server: int = 2,
+                   max_failures: int = 3):
+    """The SGLang capture backend for one server URL (an :class:`SGLangCapture`) or several (a
+    :class:`MultiServerCapture`; ``capture_dirs`` then gives one folder per URL, in the same order).
+
+    Raises:
+        UserError: no URL, duplicate URLs, a capture folder count that does not match, or a folder
+            that is not there.
+    """
+    urls = [urls] if isinstance(urls, str) else list(urls)
+    dirs = [capture_dirs] if isinstance(capture_dirs, str) else list(capture_dirs)
+    if not urls:
+        raise UserError(f"{WHAT}: required for backend sglang (or pass --server URL [URL ...])")
+    if len(dirs) != len(urls):
+        raise UserError(f"extract.capture_dir: {len(urls)} servers in {WHAT} need {len(urls)} capture folders (a list, "
+                        f"one per server, in the same order; each server's --capture-dir as this host sees it), "
+                        f"got {len(dirs)}")
+    if len({u.rstrip('/') for u in urls}) != len(urls):
+        raise UserError(f"{WHAT}: duplicate URL in {urls}")
+    if len({str(d) for d in dirs}) != len(dirs):
+        raise UserError(f"extract.capture_dir: duplicate folder in {dirs}; each server needs its own capture folder")
+    servers = [SGLangCapture(url=u, capture_dir=d, aux_layers=aux_layers, timeout=timeout, max_length=max_length,
+                             max_requests=max_requests) for u, d in zip(urls, dirs)]
+    if len(servers) == 1:
+        return servers[0]
+    return MultiServerCapture(servers, per_server=per_server, max_failures=max_failures)
