@@ -163,3 +163,5 @@ def test_sglang_backend_from_config_values(tmp_path, servers):
     cfg = load_config(_config(tmp_path / "c", tmp_path, backend="sglang", sglang_url=[a.url, b.url],
                               capture_dir=[str(a.capture_dir), str(b.capture_dir)]))
     assert cfg.extract.sglang_url == [a.url, b.url] and cfg.extract.server_max_failures == 3
+    with pytest.raises(UserError, match=r"extract\.sglang_url.*expected http://host:port, got 'node2:30000'"):
+        load_config(_config(tmp_path / "d", tmp_path, backend="sglang", sglang_url=[a.url, "node2:30000"]))
