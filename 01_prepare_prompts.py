@@ -22,9 +22,11 @@ def main(argv=None):
     p.add_argument("--source", help="override prompts.source: 'humaneval', a .json/.jsonl(.gz) file, or 'hf:<name>'")
     p.add_argument("--format", dest="fmt", choices=FORMATS, help="override prompts.format")
     p.add_argument("--regenerate", action=argparse.BooleanOptionalAction, default=None,
-                   help="override prompts.regenerate (answers from the verifier's greedy decoding)")
+                   help="override prompts.regenerate (answers from the verifier itself: in-process greedy, or "
+                        "through serving endpoints with prompts.regenerate_via: sglang|openai)")
     p.add_argument("--limit", type=positive_int, help="keep only the first N conversations after sampling")
-    p.add_argument("--force", action="store_true", help="recompute even if the outputs are up to date")
+    p.add_argument("--force", action="store_true",
+                   help="recompute even if the outputs are up to date (also discards a server regeneration's resume log)")
     a = p.parse_args(argv)
     cfg = load_config(a.config, a.overrides)
     import eagle3.prepare_prompts

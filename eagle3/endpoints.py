@@ -203,6 +203,40 @@ class EndpointPool:
                     ep.dead_until = time.monotonic() + self.revive_after_s
             self._cv.notify_all()
 
+    # ---- before the run --------------------------------------------------------------------------
+    def preflight(self, timeout: float = 10.0, path: str = "/health") -> list[str]:
+        """GET ``path`` on every endpoint once; an endpoint that does not answer at all starts out of rotation.
+
+        Any HTTP answer (even 404 from a hosted API without ``/health``) counts as reachable; a refused
+        or timed-out connection does not. Returns the unreachable URLs.
+
+        Raises:
+            UserError: no endpoint answers (names each URL and its error), so a run against a wrong
+                address stops at once instead of after ``give_up_after_s``.
+        """
+        bad: dict[str, str] = {}
+        for ep in self.endpoints:
+            req = urllib.request.Request(ep.url + path, method="GET", headers=self.headers)
+            try:
+                with urllib.request.urlopen(req, timeout=timeout) as resp:
+                    resp.read()
+            except urllib.error.HTTPError:
+                pass  # it answered
+            except (urllib.error.URLError, TimeoutError, OSError) as e:
+                bad[ep.url] = f"{type(getattr(e, 'reason', e)).__name__}: {getattr(e, 'reason', e)}"
+        if len(bad) == len(self.endpoints):
+            raise UserError(f"{self.what}: no endpoint answers ("
+                            + "; ".join(f"{u}: {m}" for u, m in bad.items()) + ")")
+        with self._cv:
+            for ep in self.endpoints:
+                if ep.url in bad:
+                    log.warning("endpoint %s does not answer (%s); out of rotation for %.0f s", ep.url, bad[ep.url],
+                                self.revive_after_s)
+                    ep.consecutive_failures = self.dead_after
+                    ep.taken_out += 1
+                    ep.dead_until = time.monotonic() + self.revive_after_s
+        return list(bad)
+
     # ---- one request --------------------------------------------------------------------------
     def _post_once(self, ep: Endpoint, path: str, payload: dict, timeout: float) -> Any:
         data = json.dumps(payload).encode("utf-8")

@@ -389,6 +389,7 @@ def regenerate_via_server(conversations: list[dict], tokenizer, pc: PromptsConfi
             headers["Authorization"] = f"Bearer {key}"
         pool = EndpointPool(sc.urls, sc.requests_per_endpoint, sc.dead_after, sc.revive_after_s, sc.give_up_after_s,
                             headers=headers)
+        pool.preflight(timeout=min(sc.timeout_s, 30.0))
     policy = RetryPolicy(sc.max_attempts, sc.backoff_s, sc.backoff_max_s)
     journal = ResumeLog(partial_path, settings)
     done = journal.load(conversations)

@@ -222,8 +222,8 @@ def test_injected_500_timeout_drop_and_dead_endpoint_lose_nothing(smollm_tokeniz
     assert got == want  # nothing lost, nothing duplicated, same order
     assert st["failed"] == 0 and st["retries"] >= 4
     by_url = {e["url"]: e for e in st["endpoints"]}
-    # dead_after = 2 failures in a row; later probes fail again without counting as a new removal
-    assert by_url[dead]["taken_out_of_rotation"] == 1 and by_url[dead]["failed_attempts"] == by_url[dead]["requests"] >= 2
+    # out of rotation from the preflight on; its probes fail again without counting as a new removal
+    assert by_url[dead]["taken_out_of_rotation"] == 1 and by_url[dead]["failed_attempts"] == by_url[dead]["requests"]
     assert by_url[srv.url]["failed_attempts"] >= 4
     # the resume log holds each conversation exactly once
     rows = [json.loads(x) for x in (tmp_path / "p.jsonl").read_text().splitlines()[1:]]
@@ -256,12 +256,21 @@ def test_bad_request_is_not_retried(smollm_tokenizer, tmp_path):
         assert got == [] and st["failed"] == 2 and len(srv.requests) == 2
 
 
-def test_all_endpoints_down_stops_the_run_with_a_user_error(smollm_tokenizer, tmp_path):
+def test_no_endpoint_answering_stops_before_the_run(smollm_tokenizer, tmp_path):
     urls = [f"http://127.0.0.1:{_free_port()}", f"http://127.0.0.1:{_free_port()}"]
-    with pytest.raises(UserError, match="every endpoint failed 1 requests in a row"):
-        regenerate_via_server(_many(3), smollm_tokenizer, _pc("sglang", urls, dead_after=1, give_up_after_s=0.2,
-                                                              revive_after_s=0.05, max_attempts=50),
-                              partial_path=tmp_path / "p.jsonl", settings=SETTINGS)
+    with pytest.raises(UserError, match=r"prompts.server.urls: no endpoint answers \(http://127.0.0.1:\d+: ConnectionRefused"):
+        regenerate_via_server(_many(3), smollm_tokenizer, _pc("sglang", urls), partial_path=tmp_path / "p.jsonl",
+                              settings=SETTINGS)
+
+
+def test_all_endpoints_failing_for_give_up_after_s_stops_the_run(smollm_tokenizer, tmp_path):
+    tok = smollm_tokenizer
+    dead = f"http://127.0.0.1:{_free_port()}"
+    with StandInServer(FakeBackend(tok.eos_token_id), tok, fault=lambda n, p, b: "503") as srv:
+        pc = _pc("sglang", [dead, srv.url], dead_after=1, give_up_after_s=0.3, revive_after_s=0.05, max_attempts=1000)
+        with pytest.raises(UserError, match="every endpoint failed 1 requests in a row"):
+            regenerate_via_server(_many(3), tok, pc, partial_path=tmp_path / "p.jsonl", settings=SETTINGS)
+    assert (tmp_path / "p.jsonl").read_text().count("\n") == 1  # the settings line: nothing finished, nothing lost
 
 
 def test_pool_spreads_load_and_revives_a_probed_endpoint():
