@@ -389,7 +389,9 @@ def regenerate_via_server(conversations: list[dict], tokenizer, pc: PromptsConfi
             headers["Authorization"] = f"Bearer {key}"
         pool = EndpointPool(sc.urls, sc.requests_per_endpoint, sc.dead_after, sc.revive_after_s, sc.give_up_after_s,
                             headers=headers)
-        pool.preflight(timeout=min(sc.timeout_s, 30.0))
+        check_reachable = True
+    else:
+        check_reachable = False
     policy = RetryPolicy(sc.max_attempts, sc.backoff_s, sc.backoff_max_s)
     journal = ResumeLog(partial_path, settings)
     done = journal.load(conversations)
@@ -406,6 +408,8 @@ def regenerate_via_server(conversations: list[dict], tokenizer, pc: PromptsConfi
         log.warning("%d conversations with tool results kept as they are (not regenerated)", len(passthrough))
     if resumed:
         print(f"resuming: {resumed} of {len(conversations)} conversations already regenerated ({journal.path})")
+    if todo and check_reachable:
+        pool.preflight(timeout=min(sc.timeout_s, 30.0))
     stop = threading.Event()
     lock = threading.Lock()
     prog = _Progress(sum(len(_user_turns(conversations[i])[1]) for i in todo))
