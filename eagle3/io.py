@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import io
 import json
 import os
 import pickle
@@ -215,11 +214,64 @@ def atomic_write_jsonl(path: str | os.PathLike, rows: list[dict]) -> None:
     atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
 
 
-def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
-    """``torch.save`` to ``path`` atomically (temp name in the same folder, then rename)."""
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    atomic_write_bytes(path, buf.getvalue())
+class _Sink:
+    """Write-only file object for ``torch.save``: every chunk goes to ``f`` through :func:`_write_all`
+    (so the disk-full handling applies) and, when given, into ``hasher``."""
+
+    def __init__(self, f, hasher=None):
+        self.f, self.hasher = f, hasher
+        self.error: BaseException | None = None  # the first write error (torch.save masks it)
+
+    def write(self, data) -> int:
+        if self.hasher is not None:
+            self.hasher.update(data)  # hashlib releases the GIL on large chunks
+        try:
+            _write_all(self.f, data)
+        except BaseException as e:
+            if self.error is None:
+                self.error = e
+            raise
+        return len(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _tensor_bytes(obj: Any) -> int:
+    """Bytes of the tensors in ``obj`` (dicts, lists, tuples walked): the size of a ``torch.save``
+    archive up to its small pickle and zip headers."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
+def atomic_torch_save(obj: Any, path: str | os.PathLike, hasher=None) -> None:
+    """``torch.save`` to ``path`` atomically (temp name in the same folder, fsync, rename).
+
+    The archive is streamed into the temporary file (no in-memory copy of it); its bytes are those
+    of ``torch.save(obj, io.BytesIO())`` (a file object, not a path: the archive's folder name is
+    "archive" either way). ``hasher`` (e.g. ``hashlib.sha256()``) is updated with every byte
+    written, so a caller gets the file's checksum without reading it back.
+
+    Raises:
+        UserError: disk full / quota exceeded (nothing left behind; the message names ``path``,
+            the tensor bytes to write and the free space).
+    """
+    with atomic_path(path, needed=_tensor_bytes(obj)) as tmp:
+        with open(tmp, "wb") as f:
+            sink = _Sink(f, hasher)
+            try:
+                torch.save(obj, sink)
+            except BaseException:
+                # torch.save's zip writer turns a failed write into its own RuntimeError on close:
+                # re-raise the write's error (e.g. ENOSPC) so it is reported as such
+                if sink.error is not None:
+                    raise sink.error  # noqa: B904 - chained to torch's error
+                raise
 
 
 def safe_torch_load(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> Any:

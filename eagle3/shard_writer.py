@@ -1,7 +1,7 @@
 """Stage 02's shard writer: serialisation, sha256 and atomic writes on background threads, manifest in order.
 
 Each submitted sample is written by :func:`eagle3.shards.write_sample` (atomic: temp name, fsync,
-rename) and hashed (:func:`eagle3.extract.file_sha256` of the file as written) on a thread pool,
+rename; sha256 of the bytes as they stream to the file) on a thread pool,
 so the GPU keeps capturing the next batch meanwhile (``torch.save``'s tensor copies, file writes,
 fsync and hashlib release the GIL). Manifest rows are appended in SUBMISSION order, each only
 after its shard is durable, with one flush + fsync per group of consecutive finished rows: the
@@ -17,6 +17,7 @@ tokens are submitted but not yet committed.
 from __future__ import annotations
 
 import collections
+import hashlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -29,11 +30,11 @@ from eagle3.shards import write_sample
 
 def _write_one(root: Path, idx: int, rows_per_dir: int, input_ids: list[int], states: Sequence[torch.Tensor],
                loss_mask: list[int]) -> str:
-    from eagle3.extract import file_sha256
-
-    path = write_sample(root, idx, rows_per_dir, input_ids, states, loss_mask)
-    # sha256 of the shard as written: stage 03 detects later silent corruption with it
-    return file_sha256(path)
+    # sha256 of the shard's bytes as they are written (no read-back): stage 03 detects later
+    # silent corruption with it
+    h = hashlib.sha256()
+    write_sample(root, idx, rows_per_dir, input_ids, states, loss_mask, hasher=h)
+    return h.hexdigest()
 
 
 class ShardWriter:

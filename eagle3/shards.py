@@ -94,6 +94,7 @@ def write_sample(
     input_ids: Sequence[int] | torch.Tensor,
     hidden_states: Sequence[torch.Tensor],
     loss_mask: Sequence[int] | torch.Tensor,
+    hasher=None,
 ) -> Path:
     """Write one sample atomically and return its path.
 
@@ -103,6 +104,7 @@ def write_sample(
             is a view into a larger storage (e.g. a slice of a padded batch) is ``.clone()``-d
             first, because ``torch.save`` stores a view's whole storage.
         loss_mask: ``[L]`` 0/1 (stored int64).
+        hasher: e.g. ``hashlib.sha256()``, updated with the file's bytes as they are written.
 
     Raises:
         ValueError: wrong count, shape or non-finite values (a caller bug: capture must
@@ -126,7 +128,7 @@ def write_sample(
             raise ValueError(f"sample {idx}: hidden_states[{k}] has NaN/Inf")
         hs.append(hb)
     path = shard_path(root, idx, rows_per_dir)
-    atomic_torch_save({"input_ids": ids, "hidden_states": hs, "loss_mask": mask}, path)
+    atomic_torch_save({"input_ids": ids, "hidden_states": hs, "loss_mask": mask}, path, hasher=hasher)
     return path
 
 

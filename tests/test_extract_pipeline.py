@@ -152,3 +152,30 @@ def test_capture_async_views_equal_capture():
         for x, y in zip(a, b):
             assert x.shape == (len(s), 64) and torch.equal(x, y)
             assert y.untyped_storage().nbytes() == len(s) * 64 * 2
+
+
+def test_streamed_torch_save_is_the_bytesio_archive_and_hashes_it(tmp_path):
+    """Shards are streamed into their temp file (no in-memory archive copy) with the sha256 taken on
+    the way: the bytes must be exactly those of ``torch.save`` into a BytesIO (the old writer)."""
+    import hashlib
+    import io
+
+    from eagle3.io import atomic_torch_save
+    from eagle3.shards import write_sample
+
+    torch.manual_seed(0)
+    hs = [torch.randn(37, 64).to(torch.bfloat16) for _ in range(4)]
+    obj = {"input_ids": torch.arange(37), "hidden_states": hs, "loss_mask": torch.ones(37, dtype=torch.int64)}
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    h = hashlib.sha256()
+    atomic_torch_save(obj, tmp_path / "a.pt", hasher=h)
+    data = (tmp_path / "a.pt").read_bytes()
+    assert data == buf.getvalue()
+    assert h.hexdigest() == hashlib.sha256(data).hexdigest()
+    # write_sample of views into a larger (pinned-style) batch buffer: same file as exact-size tensors
+    big = torch.randn(4, 100, 64).to(torch.bfloat16)
+    views = [big[k, 10:47] for k in range(4)]
+    p1 = write_sample(tmp_path / "v", 3, 4, list(range(37)), views, [1] * 37)
+    p2 = write_sample(tmp_path / "c", 3, 4, list(range(37)), [v.clone() for v in views], [1] * 37)
+    assert p1.read_bytes() == p2.read_bytes() and p1.stat().st_size < 37 * 64 * 2 * 4 + 4096
