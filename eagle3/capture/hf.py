@@ -247,7 +247,8 @@ class HFCapture:
         rows = keep.nonzero().squeeze(1).to(dev)  # [T]
         pack = torch.empty((len(picks), T, H), dtype=torch.bfloat16, device=dev)  # [4, T, H]
         for k, p in enumerate(picks):
-            torch.index_select(p.reshape(B * Lmax, H).to(torch.bfloat16), 0, rows, out=pack[k])  # cast on device
+            flat = p.reshape(B * Lmax, H).to(device=dev, dtype=torch.bfloat16)  # cast on the device
+            torch.index_select(flat, 0, rows, out=pack[k])  # [T, H] real rows only
         if dev.type != "cuda":
             return _Part(pack, lengths, None)
         if self._copy_stream is None:
