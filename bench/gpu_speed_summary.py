@@ -1,0 +1,126 @@
+"""Collect issue 9's headline GPU-speed figures into one JSON + Markdown table.
+
+Reads the JSON files the per-stage bench scripts write (``--json``) from a results folder and writes
+``gpu_speed.json`` / ``gpu_speed.md`` with one entry per headline key, each carrying its value, the
+baseline it is a ratio against, the source file and the command that produced it. A figure whose
+source file is absent is written as ``null`` with ``"measured": false``: the table never invents a
+number, so a partial GPU session shows exactly what was and was not measured.
+
+| key | source file (``--json`` of) | value |
+|---|---|---|
+| ``tokenize_conv_per_s`` | ``tokenize.json`` (bench/tokenize_throughput.py) | conversations/s at N workers |
+| ``capture_vs_bare_ratio`` | ``capture.json`` (bench/extract_throughput.py) | captured / bare tokens/s, same batch |
+| ``small_train_tokens_per_s`` | ``small_train.json`` (bench/small_train_speed.py) | token-budget loop tokens/s |
+| ``small_train_wall_vs_reference`` | ``small_train.json`` | projected issue-run wall / 320 s |
+| ``bench_80x256_s`` | ``bench_speed.json`` (bench/offline_bench_speed.py) | wall s, 80 prompts x 256 tokens, 3 steps |
+| ``kimi_step_ms``, ``kimi_mfu`` | ``kimi_step.json`` (bench/train_throughput.py) | ms/step and MFU of the first run |
+
+    python bench/gpu_speed_summary.py RESULTS_DIR [--out bench/results/gpu_speed.json]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from eagle3.cli import ArgumentParser, run_main  # noqa: E402
+from eagle3.errors import UserError  # noqa: E402
+from eagle3.io import atomic_write_json, atomic_write_text  # noqa: E402
+
+CFG = "configs/smollm2-135m-full.yaml --set verifier.path=$EAGLE3_GGUF_DIR"
+
+
+def _first(d: dict, *keys: str) -> Any:
+    """The first of ``keys`` present in ``d`` (None if none)."""
+    for k in keys:
+        if k in d and d[k] is not None:
+            return d[k]
+    return None
+
+
+def _bench_wall(d: dict) -> Optional[float]:
+    return _first(d, "bench_80x256_s", "headline_wall_s", "wall_s")
+
+
+def _kimi(d: dict, key: str) -> Optional[float]:
+    runs = d.get("runs") or []
+    if not runs:
+        return None
+    r = runs[0]
+    if key == "step_ms" and r.get("step_ms") is None and r.get("tokens_per_s"):
+        return 1000.0 * r["seq"] / r["tokens_per_s"]  # batch 1: ms per step = seq tokens / rate
+    return r.get(key)
+
+
+# key -> (file, extractor, baseline, command)
+FIGURES: dict[str, tuple[str, Callable[[dict], Any], str, str]] = {
+    "tokenize_conv_per_s": ("tokenize.json", lambda d: _first(d, "tokenize_conv_per_s", "conv_per_s"),
+                            "1 worker in the same run",
+                            f"python3 bench/tokenize_throughput.py --config {CFG} --json tokenize.json"),
+    "capture_vs_bare_ratio": ("capture.json", lambda d: _first(d, "capture_vs_bare_ratio", "ratio"),
+                              "bare verifier forward at the same batch (64 x 2048)",
+                              f"python3 bench/extract_throughput.py --config {CFG} --device cuda --batch 64 --seq 2048 --json capture.json"),
+    "small_train_tokens_per_s": ("small_train.json", lambda d: d.get("small_train_tokens_per_s"),
+                                 "legacy batch-8 loop in the same run",
+                                 "python3 bench/small_train_speed.py --json small_train.json"),
+    "small_train_wall_vs_reference": ("small_train.json", lambda d: d.get("small_train_wall_vs_reference"),
+                                      "published trainer, 320 s for the issue's 6.96M-token run",
+                                      "python3 bench/small_train_speed.py --json small_train.json"),
+    "bench_80x256_s": ("bench_speed.json", _bench_wall, "batched greedy in the same run",
+                       f"python3 bench/offline_bench_speed.py --config {CFG} --batch-sizes 1 8 32 --json bench_speed.json"),
+    "kimi_step_ms": ("kimi_step.json", lambda d: _kimi(d, "step_ms"), "matmul ceiling measured in the same run",
+                     "python3 bench/train_throughput.py --kv-heads 64 --json kimi_step.json"),
+    "kimi_mfu": ("kimi_step.json", lambda d: _kimi(d, "mfu"), "matmul ceiling measured in the same run",
+                 "python3 bench/train_throughput.py --kv-heads 64 --json kimi_step.json"),
+}
+
+
+def collect(results: Path) -> dict:
+    """``{key: {value, measured, baseline, source, command}}`` for every headline key.
+
+    Raises:
+        UserError: a source file exists but is not valid JSON.
+    """
+    out = {}
+    for key, (name, get, baseline, cmd) in FIGURES.items():
+        f = results / name
+        value = None
+        if f.is_file():
+            try:
+                value = get(json.loads(f.read_text()))
+            except json.JSONDecodeError as e:
+                raise UserError(f"{f}: line {e.lineno}: not valid JSON ({e.msg})") from None
+        out[key] = {"value": value, "measured": value is not None, "baseline": baseline,
+                    "source": str(f) if f.is_file() else None, "command": cmd}
+    return out
+
+
+def markdown(figs: dict) -> str:
+    """The figures as a Markdown table (unmeasured ones say so)."""
+    lines = ["| figure | value | baseline | command |", "|---|---:|---|---|"]
+    for k, v in figs.items():
+        val = "not measured" if v["value"] is None else (f"{v['value']:.4g}" if isinstance(v["value"], float) else v["value"])
+        lines.append(f"| `{k}` | {val} | {v['baseline']} | `{v['command']}` |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("results", type=Path, help="folder holding the bench scripts' JSON files")
+    p.add_argument("--out", type=Path, default=Path("bench/results/gpu_speed.json"))
+    a = p.parse_args(argv)
+    if not a.results.is_dir():
+        raise UserError(f"{a.results}: not a folder")
+    figs = collect(a.results)
+    atomic_write_json(a.out, figs)
+    atomic_write_text(a.out.with_suffix(".md"), markdown(figs))
+    print(markdown(figs), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,38 @@
+"""bench/gpu_speed_summary.py: headline figures read from the bench scripts' JSON, never invented."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import gpu_speed_summary as gss  # noqa: E402
+
+
+def test_collect_reads_present_figures_and_marks_missing(tmp_path):
+    (tmp_path / "small_train.json").write_text(json.dumps(
+        {"small_train_tokens_per_s": 150000.0, "small_train_wall_vs_reference": 0.25}))
+    # a train_throughput run without step_ms: ms/step = seq / tokens_per_s (batch 1)
+    (tmp_path / "kimi_step.json").write_text(json.dumps(
+        {"runs": [{"seq": 4096, "tokens_per_s": 8192.0, "mfu": 0.5}]}))
+    figs = gss.collect(tmp_path)
+    assert set(figs) == set(gss.FIGURES)
+    assert figs["small_train_tokens_per_s"]["value"] == 150000.0
+    assert figs["small_train_wall_vs_reference"]["value"] == 0.25
+    assert figs["kimi_step_ms"]["value"] == 500.0
+    assert figs["kimi_mfu"]["value"] == 0.5
+    for k in ("tokenize_conv_per_s", "capture_vs_bare_ratio", "bench_80x256_s"):
+        assert figs[k] == {**figs[k], "value": None, "measured": False, "source": None}
+    assert all(v["command"].startswith("python3 bench/") for v in figs.values())
+    assert "| `bench_80x256_s` | not measured |" in gss.markdown(figs)
+
+
+def test_cli_bad_json_is_one_line_error(tmp_path):
+    (tmp_path / "capture.json").write_text("{not json")
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_speed_summary.py"), str(tmp_path),
+                        "--out", str(tmp_path / "o.json")], capture_output=True, text=True)
+    assert r.returncode == 2
+    assert r.stderr.strip().startswith("error:") and "capture.json" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "o.json").exists()
