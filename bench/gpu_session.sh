@@ -58,6 +58,7 @@ pack() {  # small results -> $OUT (at most 8 files come back)
            "$ROOT"/train/train_report.json "$ROOT"/bench-steps*/bench.json "$ROOT"/bench-steps*/bench.md; do
     [ -e "$f" ] && { d="$W/res/$(basename "$(dirname "$f")")"; mkdir -p "$d"; cp "$f" "$d/"; }
   done
+  "$PY" bench/gpu_speed_summary.py "$W/res" --out "$W/res/gpu_speed.json" || true
   tar -czf "$OUT/results.tar.gz" -C "$W" res status 2>/dev/null
   [ -e "$ROOT/prompts.jsonl" ] && [ ! -e "$OUT/prompts.jsonl.gz" ] && gzip -c "$ROOT/prompts.jsonl" > "$OUT/prompts.jsonl.gz"
   ls -la "$W/status"
