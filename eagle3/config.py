@@ -183,6 +183,12 @@ class ExtractConfig(_Strict):
                 raise ValueError("an empty list; give one URL or several")
             return [check_http_url(u) for u in v]
         return None if v is None else check_http_url(v)
+    storage_dtype: Literal["bfloat16", "float8_e4m3fn"] = Field(
+        "bfloat16", description="hidden states on disk: bfloat16 = speculators-v1 (readable by other tools); "
+        "float8_e4m3fn = half the bytes, scaled e4m3 + fp32 scales (eagle3.fp8), dequantised on the training device")
+    fp8_scale: Literal["per_token", "per_block"] = Field(
+        "per_token", description="fp8 only: one scale per token and tensor, or one per fp8_block_size columns")
+    fp8_block_size: int = Field(128, ge=1, description="fp8 per_block only: columns per scale (must divide the hidden size)")
 
     @field_validator("aux_layers")
     @classmethod

@@ -7,6 +7,8 @@ the speculators-v1 shards in ``shards_dir``, DESIGN.md "Shards"). One item is on
 - ``aux`` bf16 ``[L, 3*Ht]`` = ``cat(aux1, aux2, aux3)`` (EAGLE-3 feature order: low, mid, high)
 - ``last`` bf16 ``[L, Ht]`` (the verifier's last hidden state, post- or pre-norm as recorded)
 - ``loss_mask`` int64 ``[L]``
+- fp8 shards (``eagle3.fp8``): ``aux``/``last`` are float8_e4m3fn and ``aux_scale`` fp32 ``[L, 3nb]``,
+  ``last_scale`` fp32 ``[L, nb]`` come along; stage 04 dequantises after the host->device copy.
 
 truncated to ``max_length`` tokens. :func:`collate` pads on the right with token id 0, zero
 features and loss mask 0; right padding is safe because drafter attention is causal, so real
@@ -90,12 +92,17 @@ class ShardDataset(Dataset):
         s = load_sample(self.paths[i], expect=self.expect)
         n = s["input_ids"].numel() if self.max_length is None else min(self.max_length, s["input_ids"].numel())
         hs = s["hidden_states"]
-        return {
+        item = {
             "input_ids": s["input_ids"][:n],  # [L] int64
-            "aux": torch.cat([h[:n] for h in hs[:3]], dim=-1),  # [L, 3Ht] bf16
-            "last": hs[3][:n],  # [L, Ht] bf16
+            "aux": torch.cat([h[:n] for h in hs[:3]], dim=-1),  # [L, 3Ht] bf16 (fp8 shards: float8_e4m3fn)
+            "last": hs[3][:n],  # [L, Ht] bf16 (fp8 shards: float8_e4m3fn)
             "loss_mask": s["loss_mask"][:n],  # [L] int64
         }
+        if "hidden_scales" in s:  # fp8 shards: scales travel along, dequantised on the device (eagle3.fp8)
+            sc = s["hidden_scales"]
+            item["aux_scale"] = torch.cat([x[:n] for x in sc[:3]], dim=-1)  # [L, 3nb] fp32
+            item["last_scale"] = sc[3][:n]  # [L, nb] fp32
+        return item
 
 
 def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -107,7 +114,8 @@ def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         ``attention_mask`` int64 ``[B, Lmax]`` (1 on real tokens), ``lengths`` int64 ``[B]``,
         ``loss_pos`` int64 ``[M]`` (flat indices ``b * Lmax + p`` of the loss positions ``p >= 2``,
         :func:`eagle3.ttt_rows.loss_positions`; computed here, in the loader workers, so that the loss
-        needs no device-to-host sync to find them).
+        needs no device-to-host sync to find them); fp8 shards add ``aux_scale`` ``[B, Lmax, 3nb]`` and
+        ``last_scale`` ``[B, Lmax, nb]`` (fp32, pad 0) for :func:`eagle3.fp8.dequantize_batch`.
     """
     from eagle3.ttt_rows import loss_positions
 
@@ -120,6 +128,8 @@ def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     attn = torch.zeros((B, Lmax), dtype=torch.int64)  # [B, Lmax]
     aux = torch.zeros((B, Lmax, ref["aux"].shape[-1]), dtype=ref["aux"].dtype)  # [B, Lmax, 3Ht]
     last = torch.zeros((B, Lmax, ref["last"].shape[-1]), dtype=ref["last"].dtype)  # [B, Lmax, Ht]
+    scales = {k: torch.zeros((B, Lmax, ref[k].shape[-1]), dtype=ref[k].dtype)  # [B, Lmax, nb] (fp8 shards)
+              for k in ("aux_scale", "last_scale") if k in ref}
     for b, it in enumerate(items):
         n = int(lengths[b])
         ids[b, :n] = it["input_ids"]
@@ -127,8 +137,10 @@ def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         attn[b, :n] = 1
         aux[b, :n] = it["aux"]
         last[b, :n] = it["last"]
+        for k, v in scales.items():
+            v[b, :n] = it[k]
     return {"input_ids": ids, "aux": aux, "last": last, "loss_mask": mask, "attention_mask": attn, "lengths": lengths,
-            "loss_pos": loss_positions(mask)}
+            "loss_pos": loss_positions(mask), **scales}
 
 
 class ResumableSampler(DistributedSampler):

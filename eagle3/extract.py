@@ -79,15 +79,16 @@ from eagle3.errors import UserError
 from eagle3.io import TMP_MARK, atomic_write_json, atomic_write_text, iter_jsonl, read_json, remove_stale_tmp
 from eagle3.layers import check_aux_layers, default_aux_layers
 from eagle3.manifest import MANIFEST, ManifestWriter, read_manifest, rewrite_manifest
+from eagle3.fp8 import Storage, storage_from_config
 from eagle3.shard_writer import ShardWriter
 from eagle3.shards import (
     DATA_CONFIG,
-    FORMAT,
     LAYER_INDEX_CONVENTION,
     bytes_per_token,
     list_samples,
     load_sample,
     shard_path,
+    storage_meta,
     write_data_config,
     write_sample,
 )
@@ -239,7 +240,8 @@ def fingerprint(cfg: RunConfig, prompts_sha256: str) -> tuple[str, dict]:
     """sha256 over what determines the shard tensors: returns ``(hex, components)``.
 
     Components: ``verifier`` section without ``device``; ``extract.{backend, aux_layers,
-    max_length, too_long, rows_per_dir}``; the prompts file sha256; the verifier id.
+    max_length, too_long, rows_per_dir}``; the prompts file sha256; the verifier id; the fp8
+    storage (``storage``, only when ``extract.storage_dtype`` is not bfloat16).
     """
     # Rendering fields added later are left out while at their defaults, so folders extracted
     # before they existed still resume.
@@ -257,6 +259,9 @@ def fingerprint(cfg: RunConfig, prompts_sha256: str) -> tuple[str, dict]:
         "prompts_sha256": prompts_sha256,
         "verifier_id": cfg.verifier.display_name(),
     }
+    storage = storage_from_config(cfg.extract)
+    if storage.is_fp8:  # only when set, so bf16 folders of earlier versions keep their fingerprint
+        comp["storage"] = storage.to_meta()
     blob = json.dumps(comp, sort_keys=True, separators=(",", ":")).encode("utf-8")
     return hashlib.sha256(blob).hexdigest(), comp
 
@@ -656,10 +661,14 @@ def _check_disk(cfg: RunConfig, root: Path, samples: list[Sample], done: dict[in
     """
     from eagle3.disk_plan import check_disk, plan_disk
 
+    import functools
+
     todo = [s for s in samples if s.idx not in done]
+    storage = storage_from_config(cfg.extract)  # fp8: the plan measures fp8 shards (values + scales)
     plan = plan_disk(root, [(s.id, len(s.input_ids)) for s in todo], hidden_size=info["hidden_size"],
-                     hidden_bytes_per_token=bytes_per_token(info["hidden_size"]), rows_per_dir=cfg.extract.rows_per_dir,
-                     pending_idx=[s.idx for s in todo], write=write_sample, margin=cfg.extract.disk_margin,
+                     hidden_bytes_per_token=bytes_per_token(info["hidden_size"], storage=storage),
+                     rows_per_dir=cfg.extract.rows_per_dir, pending_idx=[s.idx for s in todo],
+                     write=functools.partial(write_sample, storage=storage), margin=cfg.extract.disk_margin,
                      margin_bytes=cfg.extract.disk_margin_bytes, skipped_ids=skipped_ids)
     return check_disk(plan, ignore).to_dict()
 
@@ -713,7 +722,8 @@ def _prepare(cfg: RunConfig, root: Path, overwrite: bool, limit: Optional[int],
         raise ValueError(f"backend captures {aux} but extract.aux_layers is {cfg.extract.aux_layers}")
 
     samples, counts, skipped_ids = tokenize_prompts(tokenizer, prompts, cfg, prompts_path)
-    expect = {"hidden_size": info["hidden_size"], "num_hidden_states": 4, "vocab_size": info["vocab_size"]}
+    expect = {"hidden_size": info["hidden_size"], "num_hidden_states": 4, "vocab_size": info["vocab_size"],
+              "storage_dtype": storage_from_config(cfg.extract).dtype}
 
     def reconcile() -> dict[int, dict]:
         done = _resume_state(root, samples, cfg.extract.rows_per_dir, expect, root / MANIFEST)
@@ -748,7 +758,8 @@ def _start_capture(backend: CaptureBackend, batch: list[list[int]]):
 
 def capture_and_write(backend: CaptureBackend, samples: list[Sample], batches: list[list[int]], done: dict[int, dict],
                       hidden_size: int, root: Path, rows_per_dir: int, manifest_path: Path, *, write_threads: int,
-                      max_pending_tokens: int, on_commit: Optional[Callable[[dict], None]] = None) -> list[dict]:
+                      max_pending_tokens: int, on_commit: Optional[Callable[[dict], None]] = None,
+                      storage: Optional[Storage] = None) -> list[dict]:
     """Capture + write steps: capture each batch of ``samples`` positions, write the shards of the
     samples not in ``done``, log them in ``manifest_path``; returns the new manifest rows (in order).
 
@@ -757,7 +768,8 @@ def capture_and_write(backend: CaptureBackend, samples: list[Sample], batches: l
     background threads (:class:`eagle3.shard_writer.ShardWriter`, at most ``max_pending_tokens``
     tokens in flight). ``write_threads == 0`` is the serial loop. Both give the same shard bytes and
     the same manifest (rows appended in batch order, each after its shard is durable). ``done`` is
-    updated as rows are appended. Used by stage 02 and by ``bench/extract_throughput.py``.
+    updated as rows are appended. ``storage``: bf16 (None) or fp8 shards (:mod:`eagle3.fp8`).
+    Used by stage 02 and by ``bench/extract_throughput.py``.
 
     Raises:
         RuntimeError: a backend broke its contract (:func:`eagle3.capture.base.check_captured`).
@@ -785,7 +797,7 @@ def capture_and_write(backend: CaptureBackend, samples: list[Sample], batches: l
 
     with ManifestWriter(manifest_path) as man, ShardWriter(root, rows_per_dir, man, threads=write_threads,
                                                            max_pending_tokens=max_pending_tokens,
-                                                           on_commit=committed) as writer:
+                                                           on_commit=committed, storage=storage) as writer:
         prev = None
         for group in batches:
             # Capture the whole planned batch (even finished members) so padded shapes match an
@@ -831,7 +843,8 @@ def _extract(cfg: RunConfig, root: Path, overwrite: bool, limit: Optional[int],
                                     cfg.extract.rows_per_dir, my_man,
                                     write_threads=default_write_threads() if threads is None else threads,
                                     max_pending_tokens=2 * cfg.extract.batch_tokens,
-                                    on_commit=lambda row: bar.update(row["num_tokens"]))
+                                    on_commit=lambda row: bar.update(row["num_tokens"]),
+                                    storage=storage_from_config(cfg.extract))
     written = len(my_rows)
     t_cap = time.perf_counter() - t_cap
     captured_tok = total_tok - done_tok
@@ -873,8 +886,9 @@ def _finalise(cfg: RunConfig, root: Path, p: _Prepared, n_resumed: int, written:
     rows_per_dir = cfg.extract.rows_per_dir
     from eagle3.chat import chat_template_hash
 
+    storage = storage_from_config(cfg.extract)
     meta = {
-        "format": FORMAT,
+        **storage_meta(storage),  # format, dtype (+ fp8 scale keys)
         "verifier": cfg.verifier.display_name(),
         "architecture": info["architecture"],
         "num_layers": info["num_layers"],
@@ -883,7 +897,6 @@ def _finalise(cfg: RunConfig, root: Path, p: _Prepared, n_resumed: int, written:
         "aux_layers": p.aux,
         "layer_index_convention": LAYER_INDEX_CONVENTION,
         "last_hidden_state": info["last_hidden_state"],
-        "dtype": "bfloat16",
         "max_length": cfg.extract.max_length,
         "rows_per_dir": rows_per_dir,
         "chat_template_hash": chat_template_hash(p.tokenizer, cfg.verifier.chat_template),
@@ -895,7 +908,7 @@ def _finalise(cfg: RunConfig, root: Path, p: _Prepared, n_resumed: int, written:
         "num_samples": len(rows),
         "num_tokens": num_tokens,
         "num_loss_tokens": num_loss,
-        "bytes_per_token": bytes_per_token(info["hidden_size"]),
+        "bytes_per_token": bytes_per_token(info["hidden_size"], storage=storage),
         "skipped": {k: int(v) for k, v in sorted(counts.items()) if k.startswith("skipped")},
         "truncated": int(counts["truncated"]),
         "chat_template_kwargs": dict(cfg.verifier.chat_template_kwargs),

@@ -166,6 +166,7 @@ def run(cfg: RunConfig, *, plot: bool = True) -> dict:
         "last_hidden_state": meta["last_hidden_state"],
         "skipped_in_02": meta["skipped"],
         "bytes_per_token": meta["bytes_per_token"],
+        "storage_dtype": meta.get("storage_dtype", "bfloat16"),  # fp8 shards were validated with their scales
     }
     atomic_write_json(out / REPORT_JSON, report)
     atomic_write_text(out / REPORT_MD, _markdown(report))

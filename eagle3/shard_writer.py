@@ -29,11 +29,11 @@ from eagle3.shards import write_sample
 
 
 def _write_one(root: Path, idx: int, rows_per_dir: int, input_ids: list[int], states: Sequence[torch.Tensor],
-               loss_mask: list[int]) -> str:
+               loss_mask: list[int], storage=None) -> str:
     # sha256 of the shard's bytes as they are written (no read-back): stage 03 detects later
     # silent corruption with it
     h = hashlib.sha256()
-    write_sample(root, idx, rows_per_dir, input_ids, states, loss_mask, hasher=h)
+    write_sample(root, idx, rows_per_dir, input_ids, states, loss_mask, storage, hasher=h)
     return h.hexdigest()
 
 
@@ -47,16 +47,19 @@ class ShardWriter:
         max_pending_tokens: back-pressure bound on submitted-but-uncommitted tokens (a single
             sample larger than the bound is still accepted when nothing else is pending).
         on_commit: called with each appended row, in order (progress, bookkeeping).
+        storage: :class:`eagle3.fp8.Storage` of the shards (None = bf16 speculators-v1).
     """
 
     def __init__(self, root: Path, rows_per_dir: int, manifest: ManifestWriter, threads: int = 0,
-                 max_pending_tokens: int = 1 << 18, on_commit: Optional[Callable[[dict], None]] = None):
+                 max_pending_tokens: int = 1 << 18, on_commit: Optional[Callable[[dict], None]] = None,
+                 storage=None):
         self.root = Path(root)
         self.rows_per_dir = int(rows_per_dir)
         self.manifest = manifest
         self.threads = int(threads)
         self.max_pending_tokens = int(max_pending_tokens)
         self.on_commit = on_commit
+        self.storage = storage
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="shard-writer") if self.threads > 0 else None
         self._pending: collections.deque[tuple[dict, Future]] = collections.deque()
         self._pending_tokens = 0
@@ -71,7 +74,7 @@ class ShardWriter:
         meta = {"idx": int(idx), "id": str(sample_id), "num_tokens": len(input_ids),
                 "num_loss_tokens": sum(loss_mask)}
         if self._pool is None:
-            sha = _write_one(self.root, idx, self.rows_per_dir, input_ids, states, loss_mask)
+            sha = _write_one(self.root, idx, self.rows_per_dir, input_ids, states, loss_mask, self.storage)
             self._append([(meta, sha)])
             return
         L = len(input_ids)
@@ -79,7 +82,8 @@ class ShardWriter:
         while self._pending and self._pending_tokens + L > self.max_pending_tokens:
             self._pending[0][1].result()  # wait for the oldest write (raises its error)
             self.commit_ready()
-        fut = self._pool.submit(_write_one, self.root, idx, self.rows_per_dir, input_ids, states, loss_mask)
+        fut = self._pool.submit(_write_one, self.root, idx, self.rows_per_dir, input_ids, states, loss_mask,
+                                self.storage)
         self._pending.append((meta, fut))
         self._pending_tokens += L
 

@@ -13,6 +13,12 @@ Readers also accept the flat speculators folder ``{dir}/data_{idx}.pt``. Files w
 contains ``.tmp-`` are unfinished atomic writes (``eagle3.io``) and are ignored. Every shard is
 written atomically, so a shard file that exists is complete.
 
+fp8 storage (``extract.storage_dtype: float8_e4m3fn``, format ``eagle3-fp8-v1``; :mod:`eagle3.fp8`)
+keeps the same dict, with ``hidden_states`` as 4 x float8_e4m3fn ``[L, H]`` and one more key
+``hidden_scales``: 4 x float32 ``[L, nb]`` (``nb`` = 1 per token, or ``H / block_size``), so that
+``h = hidden_states[k].float() * scale`` per block. ``data_config.json`` records it
+(``storage_dtype``, ``scale_scheme``, ``scale_block_size``, ``scale_dtype``, ``storage_format_version``).
+
 ``data_config.json`` (written last by stage 02) records the verifier and every convention
 needed to interpret the tensors; see :func:`write_data_config` for the keys.
 """
@@ -27,9 +33,12 @@ from typing import Any, Sequence
 import torch
 
 from eagle3.errors import UserError
+from eagle3.fp8 import FP8_DTYPE, Storage, dequantize, has_nan_fp8, quantize
 from eagle3.io import TMP_MARK, atomic_torch_save, atomic_write_json, read_json, safe_torch_load
 
 FORMAT = "speculators-v1"
+FORMAT_FP8 = "eagle3-fp8-v1"  # speculators-v1 layout + fp8 hidden states + "hidden_scales"
+FP8_FORMAT_VERSION = 1
 DATA_CONFIG = "data_config.json"
 SHARD_KEYS = ("input_ids", "hidden_states", "loss_mask")
 NUM_HIDDEN_STATES = 4  # three aux states + last
@@ -94,6 +103,7 @@ def write_sample(
     input_ids: Sequence[int] | torch.Tensor,
     hidden_states: Sequence[torch.Tensor],
     loss_mask: Sequence[int] | torch.Tensor,
+    storage: Storage | None = None,
     hasher=None,
 ) -> Path:
     """Write one sample atomically and return its path.
@@ -104,6 +114,8 @@ def write_sample(
             is a view into a larger storage (e.g. a slice of a padded batch) is ``.clone()``-d
             first, because ``torch.save`` stores a view's whole storage.
         loss_mask: ``[L]`` 0/1 (stored int64).
+        storage: ``None``/bf16 = speculators-v1; fp8 = quantised from the bf16 values
+            (:func:`eagle3.fp8.quantize`) plus ``hidden_scales``.
         hasher: e.g. ``hashlib.sha256()``, updated with the file's bytes as they are written.
 
     Raises:
@@ -127,9 +139,23 @@ def write_sample(
         if not bool(torch.isfinite(hb).all()):
             raise ValueError(f"sample {idx}: hidden_states[{k}] has NaN/Inf")
         hs.append(hb)
+    obj = {"input_ids": ids, "hidden_states": hs, "loss_mask": mask}
+    if storage is not None and storage.is_fp8:
+        nb = storage.num_blocks(hs[0].shape[1])
+        pairs = [quantize(h, nb) for h in hs]  # [L, H] fp8, [L, nb] fp32
+        obj["hidden_states"] = [q for q, _ in pairs]
+        obj["hidden_scales"] = [sc for _, sc in pairs]
     path = shard_path(root, idx, rows_per_dir)
-    atomic_torch_save({"input_ids": ids, "hidden_states": hs, "loss_mask": mask}, path, hasher=hasher)
+    atomic_torch_save(obj, path, hasher=hasher)
     return path
+
+
+def hidden_states_bf16(sample: dict) -> list[torch.Tensor]:
+    """The 4 hidden states of a :func:`load_sample` result as bf16 ``[L, H]`` (fp8 dequantised on CPU)."""
+    hs = sample["hidden_states"]
+    if "hidden_scales" not in sample:
+        return list(hs)
+    return [dequantize(q, sc, torch.bfloat16) for q, sc in zip(hs, sample["hidden_scales"])]
 
 
 def list_samples(root: str | os.PathLike) -> list[tuple[int, Path]]:
@@ -179,10 +205,13 @@ def all_finite(t: torch.Tensor) -> bool:
 
 def expect_from_data_config(meta: dict) -> dict:
     """The ``expect`` dict for :func:`load_sample` from a validated ``data_config.json`` dict."""
+    st = Storage.from_meta(meta)
     return {
         "hidden_size": int(meta["hidden_size"]),
         "num_hidden_states": len(meta["aux_layers"]) + 1,
         "vocab_size": int(meta["vocab_size"]),
+        "storage_dtype": st.dtype,
+        **({"scale_blocks": st.num_blocks(int(meta["hidden_size"]))} if st.is_fp8 else {}),
     }
 
 
@@ -206,16 +235,20 @@ def load_sample(path: str | os.PathLike, expect: dict | None = None) -> dict:
 
     Args:
         path: a ``data_{idx}.pt`` file.
-        expect: optional ``{"hidden_size": H, "num_hidden_states": 4, "vocab_size": V}`` (any
-            subset; see :func:`expect_from_data_config`) checked against the tensors.
+        expect: optional ``{"hidden_size": H, "num_hidden_states": 4, "vocab_size": V,
+            "storage_dtype": "bfloat16"|"float8_e4m3fn", "scale_blocks": nb}`` (any subset; see
+            :func:`expect_from_data_config`) checked against the tensors.
 
     Returns:
-        ``{"input_ids": int64 [L], "hidden_states": [4 x bf16 [L, H]], "loss_mask": int64 [L]}``.
+        ``{"input_ids": int64 [L], "hidden_states": [4 x bf16 [L, H]], "loss_mask": int64 [L]}``;
+        fp8 shards: ``hidden_states`` are float8_e4m3fn ``[L, H]`` and ``hidden_scales``
+        (4 x float32 ``[L, nb]``) is added (:func:`hidden_states_bf16` dequantises).
 
     Raises:
         UserError: naming the file and key: unreadable/truncated/unsafe pickle, not a dict,
             missing key, wrong type/dtype/rank, unequal lengths, empty sample, wrong number of
-            hidden states or hidden size, NaN/Inf, token id outside the vocab, mask not 0/1.
+            hidden states or hidden size, NaN/Inf, token id outside the vocab, mask not 0/1;
+            fp8: storage dtype other than data_config's, missing/misshaped/non-finite/non-positive scales.
     """
     path = Path(path)
     obj = safe_torch_load(path)
@@ -243,22 +276,53 @@ def load_sample(path: str | os.PathLike, expect: dict | None = None) -> dict:
     if len(hs) != n_expected:
         raise _bad(path, "hidden_states", f"{len(hs)} tensors, expected {n_expected} (3 aux layers + last)")
     H = expect.get("hidden_size")
+    fp8 = bool(hs) and hs[0].dtype == FP8_DTYPE
+    want_dtype = FP8_DTYPE if fp8 else torch.bfloat16
+    if "storage_dtype" in expect and str(want_dtype).split(".")[-1] != expect["storage_dtype"]:
+        raise _bad(path, "hidden_states[0]", f"dtype {hs[0].dtype}, but data_config.json says storage_dtype "
+                   f"{expect['storage_dtype']!r} (shards of another run mixed in, or converted halfway?)")
     for k, h in enumerate(hs):
         key = f"hidden_states[{k}]"
-        if h.dtype != torch.bfloat16:
-            raise _bad(path, key, f"dtype {h.dtype}, expected torch.bfloat16")
+        if h.dtype != want_dtype:
+            raise _bad(path, key, f"dtype {h.dtype}, expected {want_dtype}")
         if h.dim() != 2 or h.shape[0] != L:
             raise _bad(path, key, f"shape {tuple(h.shape)}, expected [{L}, H] (L = input_ids length)")
         if H is not None and h.shape[1] != H:
             raise _bad(path, key, f"hidden size {h.shape[1]}, data_config says {H}")
         if h.shape[1] != hs[0].shape[1]:
             raise _bad(path, key, f"hidden size {h.shape[1]} != hidden_states[0]'s {hs[0].shape[1]}")
-        if not all_finite(h):
+        if has_nan_fp8(h) if fp8 else not all_finite(h):
             raise _bad(path, key, "contains NaN/Inf")
     V = expect.get("vocab_size")
     if V is not None and int(ids.max()) >= V:
         raise _bad(path, "input_ids", f"token id {int(ids.max())} >= vocab_size {V}")
-    return {"input_ids": ids, "hidden_states": list(hs), "loss_mask": mask}
+    out = {"input_ids": ids, "hidden_states": list(hs), "loss_mask": mask}
+    if fp8:
+        out["hidden_scales"] = _check_scales(path, obj, hs, expect.get("scale_blocks"))
+    return out
+
+
+def _check_scales(path: Path, obj: dict, hs: list, nb_expected: int | None) -> list[torch.Tensor]:
+    """Validate ``hidden_scales`` of an fp8 shard: one float32 ``[L, nb]`` per hidden state, ``nb``
+    dividing H (and equal to data_config's when given), finite and > 0."""
+    sc = obj.get("hidden_scales")
+    if sc is None:
+        raise _bad(path, "hidden_scales", "missing (fp8 hidden states need their scales)")
+    if not isinstance(sc, (list, tuple)) or len(sc) != len(hs) or not all(isinstance(s, torch.Tensor) for s in sc):
+        raise _bad(path, "hidden_scales", f"expected a list of {len(hs)} tensors")
+    L, H = hs[0].shape
+    for k, s in enumerate(sc):
+        key = f"hidden_scales[{k}]"
+        if s.dtype != torch.float32:
+            raise _bad(path, key, f"dtype {s.dtype}, expected torch.float32")
+        nb = s.shape[-1] if s.dim() == 2 else -1
+        if s.dim() != 2 or s.shape[0] != L or nb < 1 or H % nb:
+            raise _bad(path, key, f"shape {tuple(s.shape)}, expected [{L}, nb] with nb dividing {H}")
+        if nb_expected is not None and nb != nb_expected:
+            raise _bad(path, key, f"{nb} scales per token, data_config.json implies {nb_expected}")
+        if not bool(torch.isfinite(s).all()) or not bool((s > 0).all()):
+            raise _bad(path, key, "scales must be finite and > 0")
+    return list(sc)
 
 
 def write_data_config(root: str | os.PathLike, meta: dict) -> Path:
@@ -292,8 +356,11 @@ def _data_config_problem(meta: Any) -> str | None:
         v = meta[key]
         if isinstance(v, bool) or not isinstance(v, typ):
             return f"key '{key}' has type {type(v).__name__}"
-    if meta["format"] != FORMAT:
-        return f"key 'format' is {meta['format']!r}, expected {FORMAT!r}"
+    if meta["format"] not in (FORMAT, FORMAT_FP8):
+        return f"key 'format' is {meta['format']!r}, expected {FORMAT!r} or {FORMAT_FP8!r}"
+    problem = _storage_problem(meta)
+    if problem:
+        return problem
     if meta["last_hidden_state"] not in ("post_norm", "pre_norm"):
         return f"key 'last_hidden_state' is {meta['last_hidden_state']!r}, expected post_norm or pre_norm"
     aux = meta["aux_layers"]
@@ -303,6 +370,36 @@ def _data_config_problem(meta: Any) -> str | None:
         if meta[key] < 1:
             return f"key '{key}' must be >= 1"
     return None
+
+
+def _storage_problem(meta: dict) -> str | None:
+    """Consistency of ``format`` / ``dtype`` / ``storage_dtype`` and the fp8 scale keys."""
+    dtype = meta.get("storage_dtype", "bfloat16")
+    if meta["format"] == FORMAT:
+        if dtype != "bfloat16" or meta["dtype"] != "bfloat16":
+            return f"key 'storage_dtype': format {FORMAT!r} stores bfloat16, got {dtype!r} (dtype {meta['dtype']!r})"
+        return None
+    if dtype != "float8_e4m3fn" or meta["dtype"] != dtype:
+        return f"key 'storage_dtype' is {dtype!r} (dtype {meta['dtype']!r}); format {FORMAT_FP8!r} stores float8_e4m3fn"
+    if meta.get("storage_format_version") != FP8_FORMAT_VERSION:
+        return f"key 'storage_format_version' is {meta.get('storage_format_version')!r}, this version reads {FP8_FORMAT_VERSION}"
+    if meta.get("scale_dtype") != "float32":
+        return f"key 'scale_dtype' is {meta.get('scale_dtype')!r}, expected 'float32'"
+    try:
+        Storage.from_meta(meta).num_blocks(int(meta["hidden_size"]))
+    except (ValueError, TypeError) as e:
+        return f"key 'scale_scheme'/'scale_block_size': {e}"
+    return None
+
+
+def storage_meta(storage: Storage) -> dict:
+    """The ``data_config.json`` keys that describe ``storage``: ``format``, ``dtype`` and, for fp8,
+    ``storage_dtype``, ``scale_scheme``, ``scale_block_size``, ``scale_dtype``, ``storage_format_version``.
+    bf16 gives exactly the speculators-v1 keys (``format``, ``dtype``)."""
+    if not storage.is_fp8:
+        return {"format": FORMAT, "dtype": "bfloat16"}
+    return {"format": FORMAT_FP8, "dtype": storage.dtype, **storage.to_meta(),
+            "storage_format_version": FP8_FORMAT_VERSION}
 
 
 def read_data_config(root: str | os.PathLike) -> dict:
@@ -321,7 +418,8 @@ def read_data_config(root: str | os.PathLike) -> dict:
     return meta
 
 
-def bytes_per_token(hidden_size: int, num_states: int = NUM_HIDDEN_STATES) -> int:
-    """Hidden-state bytes per token in bf16: ``num_states * H * 2`` (H = 7168 -> 57344)."""
-    return int(num_states * hidden_size * 2)
+def bytes_per_token(hidden_size: int, num_states: int = NUM_HIDDEN_STATES, storage: Storage | None = None) -> int:
+    """Hidden-state bytes per token: bf16 ``num_states * H * 2`` (H = 7168 -> 57344); fp8
+    ``num_states * (H + 4 nb)`` (per-token scales, H = 7168 -> 28688)."""
+    return (storage or Storage()).bytes_per_token(hidden_size, num_states)
 

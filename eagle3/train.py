@@ -66,6 +66,7 @@ from eagle3.config import RunConfig
 from eagle3.batching import eval_batches, sample_lengths
 from eagle3.dataset import ResumableSampler, ShardDataset, collate, read_split
 from eagle3.errors import UserError
+from eagle3.fp8 import dequantize_batch, is_fp8
 from eagle3.io import (append_bytes, atomic_write_json, atomic_write_jsonl, atomic_write_text, disk_full_guard,
                        open_append)
 from eagle3.schedule import build_scheduler
@@ -579,14 +580,15 @@ def _fingerprint(cfg: RunConfig, args) -> str:
 
 
 def _move_batch(batch: dict, device: torch.device, float_dtype: torch.dtype) -> dict:
+    """Copy a collated batch to ``device``; fp8 features (+ scales) are dequantised there, after the copy."""
     nb = device.type == "cuda"
     out = {}
     for k, v in batch.items():
         v = v.to(device, non_blocking=nb)
-        if v.is_floating_point():
+        if v.is_floating_point() and not is_fp8(v) and not k.endswith("_scale"):
             v = v.to(float_dtype)
         out[k] = v
-    return out
+    return dequantize_batch(out, float_dtype)
 
 
 def run(cfg: RunConfig, resume: bool = False, max_steps: Optional[int] = None, stop_after: Optional[int] = None,

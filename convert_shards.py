@@ -1,0 +1,72 @@
+#!/usr/bin/env python
+"""Convert a stage-02 shard set between bf16 (speculators-v1) and fp8 (scaled e4m3) storage.
+
+    # explicit folders
+    python convert_shards.py --src out/shards --dst out/shards-fp8 --to float8_e4m3fn
+    # from a run config: source = its shards folder, target storage = its extract.storage_dtype/fp8_*
+    python convert_shards.py --config configs/smollm2-135m.yaml --set extract.storage_dtype=float8_e4m3fn \\
+        --dst out/shards-fp8
+    # then train on it: add --set extract.output_dir=out/shards-fp8 to 03_prepare_data.py and 04_train.py
+
+Atomic and resumable (re-run the same command after a kill or a full disk); see eagle3/shard_convert.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from eagle3.cli import run_main
+from eagle3.errors import UserError
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--config", help="run YAML: default source folder and target storage")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field (repeatable), e.g. extract.storage_dtype=float8_e4m3fn")
+    p.add_argument("--src", help="source shard folder (default: the config's shards folder)")
+    p.add_argument("--dst", required=True, help="destination folder (created; must differ from --src)")
+    p.add_argument("--to", choices=["bfloat16", "float8_e4m3fn"], help="target storage dtype (default: the config's "
+                   "extract.storage_dtype)")
+    p.add_argument("--scale", choices=["per_token", "per_block"], help="fp8 scale scheme (default: config or per_token)")
+    p.add_argument("--block-size", type=int, help="fp8 per_block: columns per scale (default: config or 128)")
+    p.add_argument("--workers", type=int, default=None, help="shards converted concurrently (default min(8, cores))")
+    p.add_argument("--overwrite", action="store_true", help="delete a different earlier conversion in --dst")
+    p.add_argument("--json", help="also write the summary as JSON here")
+    a = p.parse_args(argv)
+
+    from eagle3.fp8 import Storage
+    from eagle3.shard_convert import convert
+
+    src, to, scale, block = a.src, a.to, a.scale, a.block_size
+    if a.config:
+        from eagle3.config import load_config
+
+        ex = (cfg := load_config(a.config, a.overrides)).extract
+        src, to = src or str(cfg.shards_dir), to or ex.storage_dtype
+        scale, block = scale or ex.fp8_scale, block or ex.fp8_block_size
+    elif a.overrides:
+        raise UserError("--set needs --config")
+    if src is None:
+        raise UserError("--src: required without --config")
+    if to is None:
+        raise UserError("--to: required without --config")
+    scale, block = scale or "per_token", block or 128
+    try:
+        storage = Storage() if to == "bfloat16" else Storage(to, scale, block if scale == "per_block" else None)
+    except ValueError as e:
+        raise UserError(f"--block-size: {e}") from e
+    summary = convert(src, a.dst, storage, overwrite=a.overwrite, workers=a.workers)
+    text = json.dumps(summary, indent=2)
+    print(text)
+    if a.json:
+        from eagle3.io import atomic_write_text
+
+        atomic_write_text(a.json, text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)
