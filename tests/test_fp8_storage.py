@@ -268,6 +268,11 @@ def test_extract_fp8_metadata_and_stage03(bf16_run):
     assert (rf["num_tokens"], rf["coverage"]) == (rb["num_tokens"], rb["coverage"])
     fb = sum(p.stat().st_size for _, p in list_samples(bf.shards_dir))
     ff = sum(p.stat().st_size for _, p in list_samples(f8.shards_dir))
+    # the disk plan of 02 measured the fp8 writer (values + scales), not bf16
+    pb = json.loads((bf.shards_dir / "extract_report.json").read_text())["disk_plan"]
+    pf = json.loads((f8.shards_dir / "extract_report.json").read_text())["disk_plan"]
+    assert pf["hidden_bytes_per_token"] == 4 * (64 + 4) and pb["hidden_bytes_per_token"] == 4 * 64 * 2
+    assert abs(pf["shard_bytes"] - ff) <= 0.02 * ff and abs(pb["shard_bytes"] - fb) <= 0.02 * fb
     data_saved = mb["num_tokens"] * (mb["bytes_per_token"] - mf["bytes_per_token"])
     assert 0.85 * data_saved < fb - ff <= data_saved  # less only by the zip records of the 4 scale tensors
 
