@@ -661,8 +661,6 @@ def _check_disk(cfg: RunConfig, root: Path, samples: list[Sample], done: dict[in
     """
     from eagle3.disk_plan import check_disk, plan_disk
 
-    import functools
-
     todo = [s for s in samples if s.idx not in done]
     storage = storage_from_config(cfg.extract)  # fp8: the plan measures fp8 shards (values + scales)
     plan = plan_disk(root, [(s.id, len(s.input_ids)) for s in todo], hidden_size=info["hidden_size"],
