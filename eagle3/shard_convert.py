@@ -176,9 +176,10 @@ def _convert(src: Path, dst: Path, meta: dict, storage: Storage, overwrite: bool
         if want is not None and _sha256(path) != want:
             raise UserError(f"{path}: contents changed since extraction (sha256 differs from {src_man_path})")
         s = load_sample(path, expect=expect)
-        out = write_sample(dst, idx, rows_per_dir, s["input_ids"], hidden_states_bf16(s), s["loss_mask"], storage)
+        h = hashlib.sha256()  # of the bytes as written (no read-back)
+        write_sample(dst, idx, rows_per_dir, s["input_ids"], hidden_states_bf16(s), s["loss_mask"], storage, hasher=h)
         return {"idx": idx, "id": src_rows.get(idx, {}).get("id", str(idx)), "num_tokens": int(s["input_ids"].numel()),
-                "num_loss_tokens": int(s["loss_mask"].sum()), "sha256": _sha256(out)}
+                "num_loss_tokens": int(s["loss_mask"].sum()), "sha256": h.hexdigest()}
 
     n_workers = workers or min(8, os.cpu_count() or 1)
     with ManifestWriter(man_path) as man, cf.ThreadPoolExecutor(n_workers) as pool, \
