@@ -27,17 +27,20 @@ t0=$SECONDS
 "$PY" convert_shards.py --src "$BF/shards" --dst "$OUT/fp8/shards" --to float8_e4m3fn --json "$OUT/convert.json"
 echo "convert wall $(( SECONDS - t0 )) s"
 run_stages "$OUT/fp8" "$OUT/fp8/shards"
-if [ ! -f "$BF/bench/bench.json" ] || [ ! -f "$BF/train/train_report.json" ]; then
-  run_stages "$OUT/bf16" "$(cd "$BF" && pwd)/shards"; BFR="$OUT/bf16"
+# the bf16 drafter: reuse the run's own (h200_quality.sh writes bench-steps$STEPS/), else train one here
+BFB="$BF/bench-steps$STEPS/bench.json"; [ -f "$BFB" ] || BFB="$BF/bench/bench.json"
+if [ ! -f "$BFB" ] || [ ! -f "$BF/train/train_report.json" ]; then
+  run_stages "$OUT/bf16" "$(cd "$BF" && pwd)/shards"; BFR="$OUT/bf16"; BFB="$OUT/bf16/bench/bench.json"
 else
   BFR="$BF"
 fi
-"$PY" - "$BFR" "$OUT/fp8" "$OUT/convert.json" <<'PYEOF'
+"$PY" - "$BFR" "$OUT/fp8" "$OUT/convert.json" "$BFB" <<'PYEOF'
 import json, sys
 from pathlib import Path
 bf, f8, conv = Path(sys.argv[1]), Path(sys.argv[2]), json.loads(Path(sys.argv[3]).read_text())
+bench_json = {bf: Path(sys.argv[4]), f8: f8 / "bench" / "bench.json"}
 def tau(root):
-    rep = json.loads((root / "bench" / "bench.json").read_text())
+    rep = json.loads(bench_json[root].read_text())
     out = {}
     for d in rep.get("datasets", []):
         name = d.get("name") or d.get("dataset")
