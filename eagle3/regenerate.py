@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 from tqdm import tqdm
 
+from eagle3.attention import no_cudnn_sdpa
 from eagle3.chat import ChatOptions, end_of_turn_ids, generation_prompt, split_reasoning
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,7 @@ def _turns(conv: dict) -> tuple[Optional[dict], list[str]]:
 
 
 @torch.inference_mode()
+@no_cudnn_sdpa()  # the KV cache grows every step: no per-shape cuDNN plans (see eagle3.attention)
 def generate_greedy(model, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
                     pad_id: int) -> list[tuple[list[int], bool]]:
     """Greedy-decode a batch of token-id prompts with left padding.

@@ -36,6 +36,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from eagle3.attention import no_cudnn_sdpa
 from eagle3.capture.base import BackendInfo, LastHiddenState
 from eagle3.verifier import text_config
 
@@ -232,6 +233,7 @@ class HFCapture:
         return ok
 
     @torch.inference_mode()
+    @no_cudnn_sdpa()  # padded lengths change per batch: no per-shape cuDNN plans (~40 ms/call on H200)
     def _forward(self, batch: list[list[int]]) -> "_Part":
         if self._hooks_ok is None:
             self._hooks_ok = self._check_hooks()
