@@ -76,7 +76,7 @@ from eagle3.capture.hf import plan_batches
 from eagle3.capture.multi import prefetching
 from eagle3.config import RunConfig
 from eagle3.errors import UserError
-from eagle3.io import TMP_MARK, atomic_write_json, atomic_write_text, iter_jsonl, read_json, remove_stale_tmp
+from eagle3.io import TMP_MARK, atomic_write_json, atomic_write_text, exclusive_lock, iter_jsonl, read_json, remove_stale_tmp
 from eagle3.layers import check_aux_layers, default_aux_layers
 from eagle3.manifest import MANIFEST, ManifestWriter, read_manifest, rewrite_manifest
 from eagle3.fp8 import Storage, storage_from_config
@@ -631,24 +631,13 @@ def _rank_config(cfg: RunConfig, d: _Dist) -> RunConfig:
     return cfg
 
 
-@contextlib.contextmanager
 def _exclusive(root: Path):
-    """Hold an exclusive ``flock`` on ``{root}/.extract.lock`` (released by the OS even on SIGKILL).
+    """Exclusive ``flock`` on ``{root}/.extract.lock`` (:func:`eagle3.io.exclusive_lock`).
 
     Raises:
         UserError: another stage-02 process is writing to ``root``.
     """
-    import fcntl
-
-    f = open(root / LOCK, "a+")
-    try:
-        try:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError as e:
-            raise UserError(f"{root / LOCK}: another 02_extract_hidden run is writing to {root}") from e
-        yield
-    finally:
-        f.close()
+    return exclusive_lock(root / LOCK, f"another 02_extract_hidden run is writing to {root}")
 
 
 def _check_disk(cfg: RunConfig, root: Path, samples: list[Sample], done: dict[int, dict], info: dict,

@@ -327,6 +327,31 @@ def read_json(path: str | os.PathLike) -> Any:
         raise UserError(f"{path}:{e.lineno}: malformed JSON: {e.msg}") from e
 
 
+@contextlib.contextmanager
+def exclusive_lock(lock_path: str | os.PathLike, holder: str) -> Iterator[None]:
+    """Hold an exclusive, non-blocking ``flock`` on ``lock_path`` for the block (the OS releases it
+    even on SIGKILL, so a killed run never leaves a stale lock).
+
+    Args:
+        lock_path: the lock file (created if absent, never deleted).
+        holder: what writes there, for the error, e.g. ``"another 02_extract_hidden run is writing to X"``.
+
+    Raises:
+        UserError: ``{lock_path}: {holder}`` when another process holds the lock.
+    """
+    import fcntl
+
+    f = open(lock_path, "a+")
+    try:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as e:
+            raise UserError(f"{lock_path}: {holder}") from e
+        yield
+    finally:
+        f.close()
+
+
 def remove_stale_tmp(root: str | os.PathLike) -> list[Path]:
     """Delete leftover ``*.tmp-*`` files of interrupted atomic writes under ``root`` (recursive).
 

@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from eagle3.errors import UserError
 from eagle3.fp8 import Storage
-from eagle3.io import atomic_write_json, read_json, remove_stale_tmp
+from eagle3.io import atomic_write_json, exclusive_lock, read_json, remove_stale_tmp
 from eagle3.manifest import MANIFEST, ManifestWriter, read_manifest
 from eagle3.shards import (
     DATA_CONFIG,
@@ -91,19 +91,9 @@ def _wipe(dst: Path) -> None:
     (dst / STATE).unlink(missing_ok=True)
 
 
-@contextlib.contextmanager
 def _exclusive(dst: Path):
-    import fcntl
-
-    f = open(dst / LOCK, "a+")
-    try:
-        try:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError as e:
-            raise UserError(f"{dst / LOCK}: another conversion is writing to {dst}") from e
-        yield
-    finally:
-        f.close()
+    """Exclusive ``flock`` on ``{dst}/{LOCK}`` (:func:`eagle3.io.exclusive_lock`); UserError if held."""
+    return exclusive_lock(dst / LOCK, f"another conversion is writing to {dst}")
 
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, storage: Storage, *, overwrite: bool = False,

@@ -162,6 +162,27 @@ def _step_terms(drafter, h: torch.Tensor, tgt_logp: torch.Tensor) -> tuple[torch
     return ce, logits.argmax(-1)
 
 
+
+def step_metrics(losses: list[torch.Tensor], sums: list[torch.Tensor], corrects: list[torch.Tensor],
+                 counts: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-TTT-step metrics as device tensors (no host sync), one entry per step ``[K]``.
+
+    Args: per step i: ``losses[i]`` its (normalised) loss, ``sums[i]`` the summed token cross-entropy,
+    ``corrects[i]`` / ``counts[i]`` top-1 hits and counted tokens (0-dim tensors).
+
+    Returns:
+        ``{"loss", "ce_sum", "acc" (= correct / max(count, 1)), "correct", "count"}``, each ``[K]``.
+    """
+    counts_t = torch.stack(counts)  # [K]
+    corrects_t = torch.stack(corrects)  # [K]
+    return {
+        "loss": torch.stack(losses).float(),  # [K]
+        "ce_sum": torch.stack(sums).float(),  # [K]
+        "acc": corrects_t.float() / counts_t.clamp(min=1).float(),  # [K]
+        "correct": corrects_t,
+        "count": counts_t,
+    }
+
 def ttt_loss(
     drafter,
     step_hiddens: list[torch.Tensor],
@@ -238,13 +259,4 @@ def ttt_loss(
         sums.append(ce_sum.detach())
         corrects.append(correct)
         counts.append(cnt)
-    counts_t = torch.stack(counts)
-    corrects_t = torch.stack(corrects)
-    metrics = {
-        "loss": torch.stack(losses).float(),
-        "ce_sum": torch.stack(sums).float(),
-        "acc": corrects_t.float() / counts_t.clamp(min=1).float(),
-        "correct": corrects_t,
-        "count": counts_t,
-    }
-    return total, metrics
+    return total, step_metrics(losses, sums, corrects, counts)

@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
-from eagle3.ttt import TTTTargets, compute_targets
+from eagle3.ttt import TTTTargets, compute_targets, step_metrics
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,13 +211,4 @@ def ttt_loss_rows(
         sums.append(ce_sum.detach())
         corrects.append(correct)
         counts.append(cnt)
-    counts_t = torch.stack(counts)  # [K]
-    corrects_t = torch.stack(corrects)  # [K]
-    metrics = {
-        "loss": torch.stack(losses).float(),
-        "ce_sum": torch.stack(sums).float(),
-        "acc": corrects_t.float() / counts_t.clamp(min=1).float(),
-        "correct": corrects_t,
-        "count": counts_t,
-    }
-    return total, metrics
+    return total, step_metrics(losses, sums, corrects, counts)
