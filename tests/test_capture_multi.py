@@ -60,26 +60,28 @@ def _cfg(tmp_path: Path, name: str, model_dir: Path):
                                disk_margin_bytes=0))
 
 
-def _folder(root: Path) -> dict[str, bytes]:
-    """Every stage-02 file's bytes by relative path, minus what names the run (paths, timings, the disk plan)."""
+def _folder(root: Path, ignore: tuple[str, ...] = ()) -> dict[str, bytes]:
+    """Every stage-02 file's bytes by relative path, minus what names the run (paths, timings, the disk plan)
+    and the data_config.json keys in ``ignore``."""
     out = {}
     for p in sorted(root.rglob("*")):
         if p.is_file() and p.name not in (".extract.lock", "extract_state.json", "extract_report.json",
                                           "extract_report.md", "data_config.json"):
             out[str(p.relative_to(root))] = p.read_bytes()
     dc = read_json(root / "data_config.json")
-    dc.pop("prompts_file")
+    for key in ("prompts_file", *ignore):
+        dc.pop(key)
     out["data_config.json"] = repr(sorted(dc.items())).encode()
     return out
 
 
 @pytest.fixture()
-def reference(tmp_path, servers, tiny_llama_dir, smollm_tokenizer) -> dict[str, bytes]:
-    """The shard folder of an uninterrupted run on one server."""
+def reference(tmp_path, servers, tiny_llama_dir, smollm_tokenizer) -> Path:
+    """The shards folder of an uninterrupted run on one server."""
     cfg = _cfg(tmp_path, "ref", tiny_llama_dir)
     s = run(cfg, backend=_one(servers[2]), tokenizer=smollm_tokenizer)
     assert s["samples"] == 6
-    return _folder(cfg.shards_dir)
+    return cfg.shards_dir
 
 
 def _check_exactly_once(root: Path, sts) -> None:
@@ -99,7 +101,7 @@ def test_failing_server_mid_run_same_shards_as_one_server(tmp_path, servers, ref
     s = run(cfg, backend=be, tokenizer=smollm_tokenizer)
     assert s["written"] == 6
     _check_exactly_once(cfg.shards_dir, [a, b])
-    assert _folder(cfg.shards_dir) == reference
+    assert _folder(cfg.shards_dir) == _folder(reference)
     by = {sv["url"]: sv for sv in s["servers"]}
     assert by[b.url]["batches"] == 1 and by[b.url]["failed_attempts"] >= 1  # its failed batches went to a
     assert by[a.url]["batches"] == len(a.posts) >= 3
@@ -112,7 +114,7 @@ def test_failing_server_mid_run_same_shards_as_one_server(tmp_path, servers, ref
 def test_batches_spread_over_servers(tmp_path, servers, reference, tiny_llama_dir, smollm_tokenizer):
     cfg = _cfg(tmp_path, "spread", tiny_llama_dir)
     s = run(cfg, backend=_multi(servers[:2], per_server=1), tokenizer=smollm_tokenizer)
-    assert _folder(cfg.shards_dir) == reference
+    assert _folder(cfg.shards_dir) == _folder(reference)
     assert all(sv["batches"] >= 1 for sv in s["servers"])  # both servers worked
     assert sum(sv["batches"] for sv in s["servers"]) == len(servers[0].posts) + len(servers[1].posts)
 
@@ -131,7 +133,7 @@ def test_every_server_failing_stops_then_resume_matches(tmp_path, servers, refer
     s = run(cfg, backend=_multi([a, b], per_server=1), tokenizer=smollm_tokenizer)
     assert s["resumed"] == len(kept) and s["written"] == 6 - len(kept)
     _check_exactly_once(cfg.shards_dir, [a, b])
-    assert _folder(cfg.shards_dir) == reference
+    assert _folder(cfg.shards_dir) == _folder(reference)
 
 
 def test_servers_must_agree(servers):
@@ -165,3 +167,36 @@ def test_sglang_backend_from_config_values(tmp_path, servers):
     assert cfg.extract.sglang_url == [a.url, b.url] and cfg.extract.server_max_failures == 3
     with pytest.raises(UserError, match=r"extract\.sglang_url.*expected http://host:port, got 'node2:30000'"):
         load_config(_config(tmp_path / "d", tmp_path, backend="sglang", sglang_url=[a.url, "node2:30000"]))
+
+
+def test_cli_several_servers_one_failing(tmp_path, servers, reference, tiny_llama_dir, capsys):
+    """02_extract_hidden.py --server A B --capture-dir DA DB, B answering HTTP 500 after one batch."""
+    import importlib
+    import json
+    import re
+    import shutil
+    import sys
+
+    from eagle3.cli import run_main
+
+    # the tiny verifier's tokenizer with a 61-layer config, so aux layers [3, 31, 59] are valid
+    vdir = tmp_path / "verifier"
+    shutil.copytree(tiny_llama_dir, vdir)
+    conf = json.loads((vdir / "config.json").read_text())
+    (vdir / "config.json").write_text(json.dumps({**conf, "num_hidden_layers": 61}))
+    a, b = servers[0], servers[1]
+    b.fail_after = 1
+    cfg_path = _config(tmp_path / "cli", vdir, backend="sglang", aux_layers=AUX, batch_tokens=40, disk_margin_bytes=0)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    cli = importlib.import_module("02_extract_hidden")
+    with pytest.raises(SystemExit) as e:
+        run_main(cli.main, ["--config", str(cfg_path), "--server", a.url, b.url,
+                            "--capture-dir", str(a.capture_dir), str(b.capture_dir)])
+    out = capsys.readouterr().out
+    assert e.value.code == 0, out
+    assert re.search(rf"^server {b.url}: 1 batches, [1-9]\d* failed attempts, ", out, re.M), out
+    assert re.search(rf"^server {a.url}: 5 batches, 0 failed attempts, out of rotation 0 times$", out, re.M), out
+    root = load_config(cfg_path).shards_dir
+    _check_exactly_once(root, [a, b])
+    # the verifier folder (part of the fingerprint) is another copy here; everything else is the same
+    assert _folder(root, ignore=("config_fingerprint",)) == _folder(reference, ignore=("config_fingerprint",))

@@ -52,10 +52,11 @@ class StandIn:
                        "chunked_prefill_size": 8192}
         self.mode = "ok"  # ok | drop_token | alter_token | cached | unpatched | partial | no_file
         self.posts: list[dict] = []
-        # fail every /generate from the fail_after-th one on (0-based count of POSTs):
+        # fail every /generate from the fail_after-th one on (0-based count of requests received):
         # "500" answers HTTP 500, "refuse" drops that request's connection and shuts the server down
         self.fail_after: int | None = None
         self.fail_mode = "500"
+        self.received = 0  # /generate requests that arrived (counted on arrival, under _PATCH_LOCK)
 
     def start_model(self):
         """Like SGLang's model runner after configure_aux_hidden_state_capture (patched): capture_info.json."""
@@ -145,7 +146,10 @@ def serve(st: StandIn) -> ThreadingHTTPServer:
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             if self.path != "/generate":
                 return self._send(404, {"detail": "Not Found"})
-            if st.fail_after is not None and len(st.posts) >= st.fail_after:
+            with _PATCH_LOCK:
+                n = st.received
+                st.received += 1
+            if st.fail_after is not None and n >= st.fail_after:
                 st.posts.append(body)
                 if st.fail_mode == "500":
                     return self._send(500, {"detail": "CUDA error: an illegal memory access was encountered"})

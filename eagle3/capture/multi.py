@@ -82,6 +82,7 @@ class MultiServerCapture:
         self._executor = ThreadPoolExecutor(max_workers=self.pool.capacity, thread_name_prefix="sglang-capture")
         self._ahead: collections.deque[tuple[list[list[int]], Future]] = collections.deque()
         self._upcoming: Optional[Iterator[list[list[int]]]] = None
+        self._generation = 0  # bumped by cancel(): look-ahead captures of an older schedule stop retrying
 
     # ---- contract ----------------------------------------------------------------------------
     def info(self) -> BackendInfo:
@@ -130,6 +131,7 @@ class MultiServerCapture:
 
     def cancel(self) -> None:
         """Forget the schedule; batches not started are dropped (ones in flight finish and are discarded)."""
+        self._generation += 1
         for _, fut in self._ahead:
             fut.cancel()
         self._ahead.clear()
@@ -141,13 +143,17 @@ class MultiServerCapture:
             if nxt is None:
                 self._upcoming = None
                 return
-            self._ahead.append((nxt, self._executor.submit(self._capture_anywhere, nxt)))
+            self._ahead.append((nxt, self._executor.submit(self._capture_anywhere, nxt, self._generation)))
 
     # ---- one batch, retried across servers ----------------------------------------------------
-    def _capture_anywhere(self, batch: list[list[int]]) -> list[list[torch.Tensor]]:
+    def _capture_anywhere(self, batch: list[list[int]], generation: Optional[int] = None) -> list[list[torch.Tensor]]:
+        """Capture ``batch`` on some live server, retrying on others; ``generation``: the schedule a
+        look-ahead capture belongs to (once cancelled, it makes no further attempt)."""
         max_attempts = self.max_failures * len(self.servers)
         last = None
         for attempt in range(1, max_attempts + 1):
+            if generation is not None and generation != self._generation:
+                raise RuntimeError("look-ahead capture cancelled (stage 02 stopped)")
             try:
                 ep = self.pool.acquire(avoid=last)
             except AllEndpointsDown:
