@@ -4,7 +4,7 @@ Stage 02 knows, once the prompts are tokenized, exactly how many tokens each pen
 A shard file of ``L`` tokens is ``a + b * L`` bytes: ``b`` = the storage dtype's hidden-state bytes
 per token (``4 x H x 2`` in bf16, FIELD-NOTES section 5) plus 16 bytes of ``input_ids`` and
 ``loss_mask`` (int64), ``a`` = ``torch.save``'s zip/pickle overhead per file. Both are measured,
-not assumed: :func:`shard_size_model` writes two probe shards (``L = 8`` and ``L = 16``) with the
+not assumed: :func:`shard_size_model` writes two probe shards (``L = 64`` and ``L = 128``) with the
 run's own shard writer into a temporary folder, so a storage format added later (fp8 with scales)
 is measured the same way. The zip writer aligns each tensor to 64 bytes, so a real file differs
 from ``a + b * L`` by at most ``64 x (tensors)`` bytes (measured: < 100 bytes for 6 tensors).
@@ -35,7 +35,9 @@ from eagle3.io import format_bytes, free_bytes
 
 log = logging.getLogger(__name__)
 
-PROBE_LENGTHS = (8, 16)  # multiples of 8: int64 ids/mask and bf16/fp8 rows stay 64-byte aligned
+# Multiples of 64: every tensor's byte count (L x any element size, e.g. fp8's per-token fp32 scales) is then a
+# multiple of torch.save's 64-byte alignment, so the fit carries no padding (probing at L = 8, 16 was 2% low for fp8).
+PROBE_LENGTHS = (64, 128)
 FIXED_METADATA_BYTES = 16 * 1024  # data_config.json, reports, extract_state.json, lock, without the id lists
 SHA256_HEX = 64
 

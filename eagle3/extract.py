@@ -643,7 +643,8 @@ def _exclusive(root: Path):
 def _check_disk(cfg: RunConfig, root: Path, samples: list[Sample], done: dict[int, dict], info: dict,
                 skipped_ids: dict, ignore: bool) -> dict:
     """Disk-plan step (rank 0, before any capture): :func:`eagle3.disk_plan.plan_disk` of the samples
-    not in ``done``; returns the plan as a dict (recorded in data_config.json and the report).
+    not in ``done``; returns the plan as a dict (recorded in ``extract_report.json``/``.md``; not in
+    data_config.json, whose content depends only on the data).
 
     Raises:
         eagle3.disk_plan.NotEnoughDisk: the filesystem of ``root`` has less free space than needed.

@@ -38,8 +38,9 @@ def test_shard_size_model_matches_written_files(tmp_path, H):
         assert abs(p.stat().st_size - (overhead + per_token * L)) <= 6 * 64  # zip's 64-byte alignment per tensor
 
 
-def test_estimate_matches_bytes_written(tmp_path, tiny_llama_dir, tiny_backend):  # noqa: F811
-    cfg = load_config(_config(tmp_path, tiny_llama_dir))
+@pytest.mark.parametrize("storage", ["bfloat16", "float8_e4m3fn"])
+def test_estimate_matches_bytes_written(tmp_path, tiny_llama_dir, tiny_backend, storage):  # noqa: F811
+    cfg = load_config(_config(tmp_path, tiny_llama_dir, storage_dtype=storage))
     s = _run(cfg, tiny_backend)
     plan = s["disk_plan"]
     root = cfg.shards_dir
@@ -52,7 +53,12 @@ def test_estimate_matches_bytes_written(tmp_path, tiny_llama_dir, tiny_backend):
     assert total <= plan["bytes"] <= 1.05 * total + 16 * 1024  # metadata: a fixed 16 kB allowance, never short
     allocated = sum(p.stat().st_blocks * 512 for p in shards)
     assert allocated <= plan["allocated_bytes"]
-    assert plan["checked"] and plan["fits"] and plan["hidden_bytes_per_token"] == 4 * 64 * 2
+    assert plan["checked"] and plan["fits"]
+    if storage == "bfloat16":
+        assert plan["hidden_bytes_per_token"] == 4 * 64 * 2 and plan["file_bytes_per_token"] == 4 * 64 * 2 + 16
+    else:  # fp8 values + scales, measured from the fp8 writer: about half
+        assert plan["hidden_bytes_per_token"] == read_json(root / "data_config.json")["bytes_per_token"]
+        assert plan["file_bytes_per_token"] == plan["hidden_bytes_per_token"] + 16 < 0.6 * (4 * 64 * 2 + 16)
     assert "disk plan: " in (root / "extract_report.md").read_text()
     assert "disk_plan" not in read_json(root / "data_config.json")  # data_config depends on the data only
 
