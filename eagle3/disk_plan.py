@@ -4,9 +4,10 @@ Stage 02 knows, once the prompts are tokenized, exactly how many tokens each pen
 A shard file of ``L`` tokens is ``a + b * L`` bytes: ``b`` = the storage dtype's hidden-state bytes
 per token (``4 x H x 2`` in bf16, FIELD-NOTES section 5) plus 16 bytes of ``input_ids`` and
 ``loss_mask`` (int64), ``a`` = ``torch.save``'s zip/pickle overhead per file. Both are measured,
-not assumed: :func:`shard_size_model` writes two probe shards (``L = 64`` and ``L = 128``) with the
-run's own shard writer into a temporary folder, so a storage format added later (fp8 with scales)
-is measured the same way. The zip writer aligns each tensor to 64 bytes, so a real file differs
+not assumed: :func:`shard_size_model` serialises two probe shards (``L = 64`` and ``L = 128``) built by
+the run's own shard encoder (:func:`eagle3.shards.shard_object`) in memory, exactly as
+``eagle3.io.atomic_torch_save`` serialises a shard before writing it (nothing touches a disk that may
+be full), so every storage format (bf16, fp8 with scales) is measured the same way. The zip writer aligns each tensor to 64 bytes, so a real file differs
 from ``a + b * L`` by at most ``64 x (tensors)`` bytes (measured: < 100 bytes for 6 tensors).
 
 On top come the metadata files (manifest rows with their sha256, ``data_config.json``, reports,
@@ -20,10 +21,10 @@ extract.disk_margin_bytes)``; ``--ignore-disk-check`` runs anyway (the plan is s
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -41,8 +42,9 @@ PROBE_LENGTHS = (64, 128)
 FIXED_METADATA_BYTES = 16 * 1024  # data_config.json, reports, extract_state.json, lock, without the id lists
 SHA256_HEX = 64
 
-#: ``write(root, idx, rows_per_dir, input_ids, hidden_states, loss_mask) -> Path``: the shard writer.
-ShardWriteFn = Callable[..., Path]
+#: ``encode(input_ids, hidden_states, loss_mask) -> dict``: the object a shard file holds
+#: (:func:`eagle3.shards.shard_object` with the run's storage).
+ShardEncodeFn = Callable[..., dict]
 
 
 class NotEnoughDisk(UserError):
@@ -81,19 +83,19 @@ class DiskPlan:
                 f"{format_bytes(self.margin_bytes)}; {format_bytes(self.free_bytes)} free on {self.path}")
 
 
-def shard_size_model(hidden_size: int, write: ShardWriteFn, num_states: int = 4) -> tuple[float, float]:
-    """``(overhead bytes per file, bytes per token)`` of shards written by ``write``, measured.
+def shard_size_model(hidden_size: int, encode: ShardEncodeFn, num_states: int = 4) -> tuple[float, float]:
+    """``(overhead bytes per file, bytes per token)`` of shards encoded by ``encode``, measured.
 
-    Writes shards of :data:`PROBE_LENGTHS` tokens (hidden states all ones: finite, and a non-zero
-    scale for quantised storage) into a temporary folder and fits ``size = a + b * L`` through
-    their file sizes. ``write`` has :func:`eagle3.shards.write_sample`'s signature.
+    Serialises (``torch.save`` into memory, as :func:`eagle3.io.atomic_torch_save` does before it
+    writes) shards of :data:`PROBE_LENGTHS` tokens (hidden states all ones: finite, and a non-zero
+    scale for quantised storage) and fits ``size = a + b * L`` through their byte counts.
     """
     sizes = []
-    with tempfile.TemporaryDirectory(prefix="eagle3-disk-probe-") as tmp:
-        for k, L in enumerate(PROBE_LENGTHS):
-            states = [torch.ones(L, hidden_size, dtype=torch.bfloat16) for _ in range(num_states)]  # [L, H]
-            path = write(tmp, k, 1, [0] * L, states, [0] * L)
-            sizes.append(Path(path).stat().st_size)
+    for L in PROBE_LENGTHS:
+        states = [torch.ones(L, hidden_size, dtype=torch.bfloat16) for _ in range(num_states)]  # [L, H]
+        buf = io.BytesIO()
+        torch.save(encode([0] * L, states, [0] * L), buf)
+        sizes.append(buf.tell())
     (l0, l1), (s0, s1) = PROBE_LENGTHS, sizes
     per_token = (s1 - s0) / (l1 - l0)
     return s0 - per_token * l0, per_token
@@ -114,7 +116,7 @@ def block_size_of(folder: str | os.PathLike) -> int:
 
 
 def plan_disk(root: str | os.PathLike, pending: Sequence[tuple[str, int]], *, hidden_size: int,
-              hidden_bytes_per_token: int, rows_per_dir: int, pending_idx: Sequence[int], write: ShardWriteFn,
+              hidden_bytes_per_token: int, rows_per_dir: int, pending_idx: Sequence[int], encode: ShardEncodeFn,
               margin: float, margin_bytes: int, skipped_ids: Optional[dict] = None,
               free: Optional[tuple[int, Path]] = None) -> DiskPlan:
     """The disk plan of writing the ``pending`` samples (``(id, num_tokens)`` each) under ``root``.
@@ -125,12 +127,12 @@ def plan_disk(root: str | os.PathLike, pending: Sequence[tuple[str, int]], *, hi
             (for the ``rows_*`` folders they land in).
         hidden_size: verifier H; ``hidden_bytes_per_token``: the storage dtype's hidden-state bytes
             per token (recorded; bf16 = ``4 x H x 2``).
-        write: the shard writer (measured by :func:`shard_size_model`).
+        encode: the shard encoder (measured by :func:`shard_size_model`).
         margin, margin_bytes: headroom = ``max(margin x allocated, margin_bytes)``.
         skipped_ids: the id lists data_config.json and the report will carry.
         free: ``(free bytes, folder)`` (default :func:`eagle3.io.free_bytes` of ``root``).
     """
-    overhead, per_token = shard_size_model(hidden_size, write)
+    overhead, per_token = shard_size_model(hidden_size, encode)
     free_b, where = free if free is not None else free_bytes(root)
     block = block_size_of(where)
     tokens = sum(n for _, n in pending)

@@ -87,10 +87,10 @@ from eagle3.shards import (
     bytes_per_token,
     list_samples,
     load_sample,
+    shard_object,
     shard_path,
     storage_meta,
     write_data_config,
-    write_sample,
 )
 
 log = logging.getLogger(__name__)
@@ -656,7 +656,7 @@ def _check_disk(cfg: RunConfig, root: Path, samples: list[Sample], done: dict[in
     plan = plan_disk(root, [(s.id, len(s.input_ids)) for s in todo], hidden_size=info["hidden_size"],
                      hidden_bytes_per_token=bytes_per_token(info["hidden_size"], storage=storage),
                      rows_per_dir=cfg.extract.rows_per_dir, pending_idx=[s.idx for s in todo],
-                     write=functools.partial(write_sample, storage=storage), margin=cfg.extract.disk_margin,
+                     encode=functools.partial(shard_object, storage=storage), margin=cfg.extract.disk_margin,
                      margin_bytes=cfg.extract.disk_margin_bytes, skipped_ids=skipped_ids)
     return check_disk(plan, ignore).to_dict()
 

@@ -96,17 +96,14 @@ def _as_int64(x: Any) -> torch.Tensor:
     return t.to(torch.int64).reshape(-1).clone()  # [L]
 
 
-def write_sample(
-    root: str | os.PathLike,
-    idx: int,
-    rows_per_dir: int,
+def shard_object(
     input_ids: Sequence[int] | torch.Tensor,
     hidden_states: Sequence[torch.Tensor],
     loss_mask: Sequence[int] | torch.Tensor,
     storage: Storage | None = None,
-    hasher=None,
-) -> Path:
-    """Write one sample atomically and return its path.
+    idx: int = 0,
+) -> dict:
+    """The dict :func:`write_sample` saves for one sample (validated and converted; nothing written).
 
     Args:
         input_ids: ``[L]`` token ids (any integer dtype; stored int64).
@@ -116,7 +113,7 @@ def write_sample(
         loss_mask: ``[L]`` 0/1 (stored int64).
         storage: ``None``/bf16 = speculators-v1; fp8 = quantised from the bf16 values
             (:func:`eagle3.fp8.quantize`) plus ``hidden_scales``.
-        hasher: e.g. ``hashlib.sha256()``, updated with the file's bytes as they are written.
+        idx: the sample's idx (named in errors).
 
     Raises:
         ValueError: wrong count, shape or non-finite values (a caller bug: capture must
@@ -145,6 +142,30 @@ def write_sample(
         pairs = [quantize(h, nb) for h in hs]  # [L, H] fp8, [L, nb] fp32
         obj["hidden_states"] = [q for q, _ in pairs]
         obj["hidden_scales"] = [sc for _, sc in pairs]
+    return obj
+
+
+def write_sample(
+    root: str | os.PathLike,
+    idx: int,
+    rows_per_dir: int,
+    input_ids: Sequence[int] | torch.Tensor,
+    hidden_states: Sequence[torch.Tensor],
+    loss_mask: Sequence[int] | torch.Tensor,
+    storage: Storage | None = None,
+    hasher=None,
+) -> Path:
+    """Write one sample atomically (:func:`shard_object` saved with ``torch.save``) and return its path.
+
+    Args:
+        input_ids, hidden_states, loss_mask, storage: see :func:`shard_object`.
+        hasher: e.g. ``hashlib.sha256()``, updated with the file's bytes as they are written.
+
+    Raises:
+        ValueError: wrong count, shape or non-finite values (a caller bug: capture must
+            never produce them).
+    """
+    obj = shard_object(input_ids, hidden_states, loss_mask, storage, idx=idx)
     path = shard_path(root, idx, rows_per_dir)
     atomic_torch_save(obj, path, hasher=hasher)
     return path

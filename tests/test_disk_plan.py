@@ -17,7 +17,7 @@ from eagle3.disk_plan import NotEnoughDisk, plan_disk, shard_size_model
 from eagle3.extract import LOCK, REPORT_JSON, run
 from eagle3.io import read_json
 from eagle3.manifest import read_manifest
-from eagle3.shards import list_samples, write_sample
+from eagle3.shards import list_samples, shard_object, write_sample
 
 from test_extract import _config, _run, tiny_backend  # noqa: F401 - fixture
 
@@ -31,7 +31,7 @@ def _files(root: Path) -> list[Path]:
 
 @pytest.mark.parametrize("H", [64, 576])
 def test_shard_size_model_matches_written_files(tmp_path, H):
-    overhead, per_token = shard_size_model(H, write_sample)
+    overhead, per_token = shard_size_model(H, shard_object)
     assert per_token == 4 * H * 2 + 16  # 4 bf16 [L, H] states + int64 ids and mask
     for L in (1, 7, 29, 100, 513):
         p = write_sample(tmp_path, L, 1000, list(range(L)), [torch.randn(L, H) for _ in range(4)], [1] * L)
@@ -139,7 +139,7 @@ def test_refusal_on_resume_leaves_the_folder_alone(tmp_path, tiny_llama_dir, tin
 
 def test_margin_is_the_larger_of_fraction_and_bytes(tmp_path):
     pending = [("a", 100), ("b", 300)]
-    kw = dict(hidden_size=64, hidden_bytes_per_token=512, rows_per_dir=10, pending_idx=[0, 1], write=write_sample)
+    kw = dict(hidden_size=64, hidden_bytes_per_token=512, rows_per_dir=10, pending_idx=[0, 1], encode=shard_object)
     p = plan_disk(tmp_path, pending, margin=0.5, margin_bytes=10, free=(10**9, tmp_path), **kw)
     assert p.margin_bytes == int(0.5 * p.allocated_bytes) and p.needed_bytes == p.allocated_bytes + p.margin_bytes
     q = plan_disk(tmp_path, pending, margin=0.5, margin_bytes=10**7, free=(10**7, tmp_path), **kw)
