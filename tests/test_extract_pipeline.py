@@ -56,7 +56,7 @@ def test_pipelined_writer_gives_the_serial_bytes(tmp_path, tiny_llama_dir, threa
 
 
 def _fake_write(delays: dict[int, float], fail: set[int], log: list):
-    def write(root, idx, rows_per_dir, input_ids, states, loss_mask):
+    def write(root, idx, rows_per_dir, input_ids, states, loss_mask, storage=None):
         time.sleep(delays.get(idx, 0.0))
         if idx in fail:
             raise UserError(f"{root}/data_{idx}.pt: disk full")
@@ -98,7 +98,7 @@ def test_writer_bounds_pending_tokens(tmp_path, monkeypatch):
     active = [0]
     lock = threading.Lock()
 
-    def write(root, idx, rows_per_dir, input_ids, states, loss_mask):
+    def write(root, idx, rows_per_dir, input_ids, states, loss_mask, storage=None):
         with lock:
             active[0] += 1
             peak[0] = max(peak[0], active[0])
