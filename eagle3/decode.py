@@ -56,6 +56,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from eagle3.attention import no_cudnn_sdpa
 from eagle3.errors import UserError
 from eagle3.model import DrafterCache
 
@@ -307,6 +308,7 @@ def _check_common(max_new_tokens: int, steps: Optional[int] = None) -> None:
 # greedy baseline
 # ---------------------------------------------------------------------------------------------
 @torch.inference_mode()
+@no_cudnn_sdpa()  # the KV caches grow every step: no per-shape cuDNN plans (eagle3.attention)
 def greedy_generate_batch(verifier: torch.nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                           eos_ids: Sequence[int] = (), check_every: int = 8) -> BatchGreedy:
     """Plain batched greedy decoding (the benchmark baseline), same cache machinery as the verify.
@@ -413,6 +415,7 @@ def _first_mismatch_update(logits, chosen, ref, idx, live, mm_idx, mm_gap):
 
 
 @torch.inference_mode()
+@no_cudnn_sdpa()  # the KV caches grow every step: no per-shape cuDNN plans (eagle3.attention)
 def speculative_generate_batch(
     verifier: torch.nn.Module,
     drafter: torch.nn.Module,

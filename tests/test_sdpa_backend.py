@@ -36,3 +36,20 @@ def test_regeneration_runs_without_cudnn_sdpa():
     generate_greedy(model, [[5, 17, 3], [8, 1, 2, 9]], 4, set(), pad_id=0)
     assert len(seen) >= 4 and not any(seen)
     assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
+def test_offline_benchmark_decoding_runs_without_cudnn_sdpa():
+    from eagle3.decode import greedy_generate_batch, speculative_generate_batch
+    from test_decode import AUX, BATCH_PROMPTS, make_drafter, make_verifier
+
+    verifier = make_verifier()
+    drafter = make_drafter(verifier, [1, 2, 3])
+    seen = _record_backend(verifier)
+    seen_d: list[bool] = []
+    drafter.lm_head.register_forward_pre_hook(
+        lambda mod, args: seen_d.append(torch.backends.cuda.cudnn_sdp_enabled()))
+    greedy_generate_batch(verifier, BATCH_PROMPTS, 6)
+    speculative_generate_batch(verifier, drafter, BATCH_PROMPTS, AUX, steps=2, max_new_tokens=6)
+    assert len(seen) >= 6 and not any(seen)
+    assert seen_d and not any(seen_d)
+    assert torch.backends.cuda.cudnn_sdp_enabled()
