@@ -33,8 +33,48 @@ def check_http_url(url: str) -> str:
     return url
 
 
+def _numeric_leaves(annotation) -> tuple[bool, bool]:
+    """(has int/float, has bool) among the leaf types of ``annotation`` (through Optional/Union/list/dict)."""
+    import typing
+
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is Literal:
+        return False, any(isinstance(a, bool) for a in args)
+    if not args:
+        return annotation in (int, float), annotation is bool
+    num = boolean = False
+    for a in args:
+        n, b = _numeric_leaves(a)
+        num, boolean = num or n, boolean or b
+    return num, boolean
+
+
+def _has_bool(value) -> bool:
+    """True if ``value`` is a bool or a list/tuple holding one (YAML ``true``/``false``)."""
+    if isinstance(value, bool):
+        return True
+    return isinstance(value, (list, tuple)) and any(isinstance(v, bool) for v in value)
+
+
 class _Strict(BaseModel):
+    """Base of every config section: unknown keys are errors, and a YAML boolean is never a number.
+
+    pydantic's lax mode turns ``true`` into ``1`` for an int/float field (``draft_vocab_size: true``
+    would build a 1-token draft vocab); strict mode would also refuse ``lr: 1`` for a float and
+    string paths, so only booleans are refused, by one before-validator on every field whose type
+    (inside Optional/list) is int or float and not bool.
+    """
+
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_as_number(cls, v, info):
+        if _has_bool(v):
+            num, boolean = _numeric_leaves(cls.model_fields[info.field_name].annotation)
+            if num and not boolean:
+                raise ValueError("expected a number, not a boolean")
+        return v
 
 
 class VerifierConfig(_Strict):

@@ -83,3 +83,31 @@ def test_every_stage_exits_2_on_a_misspelled_key(tmp_path, script):
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1] == f"error: {f}: unknown config key 'train.learning_rate'"
     assert not (tmp_path / "outputs").exists()
+
+
+@pytest.mark.parametrize("override, key", [
+    ("data.draft_vocab_size=true", "data.draft_vocab_size"),
+    ("train.lr=false", "train.lr"),
+    ("extract.aux_layers=[true,2,3]", "extract.aux_layers"),
+    ("train.max_steps=true", "train.max_steps"),  # Optional[int]
+    ("drafter.rope_theta=true", "drafter.rope_theta"),  # Optional[float]
+])
+def test_a_boolean_is_never_a_number(tmp_path, override, key):
+    """pydantic's lax mode coerced true -> 1 (a 1-token draft vocab); every int/float field refuses it."""
+    with pytest.raises(UserError) as e:
+        load_config(_write(tmp_path, BASE), [override])
+    assert str(e.value).startswith(f"--set {override}: field '{key}': Value error, expected a number, not a boolean")
+    f = _write(tmp_path, BASE + "train:\n  grad_accum: yes\n")
+    with pytest.raises(UserError, match=rf"{f}: field 'train.grad_accum': .*not a boolean"):
+        load_config(f)
+    cfg = load_config(_write(tmp_path, BASE + "train:\n  lr: 1\n  compile: true\n"))
+    assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float) and cfg.train.compile is True
+
+
+def test_prepare_data_exits_2_on_a_boolean_vocab_size(tmp_path):
+    r = subprocess.run([sys.executable, str(ROOT / "03_prepare_data.py"), "--config", str(ROOT / "configs/tiny-llama.yaml"),
+                        "--set", "data.draft_vocab_size=true"], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert r.returncode == 2
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: --set data.draft_vocab_size=true: field 'data.draft_vocab_size':") and "boolean" in last
+    assert not (tmp_path / "outputs").exists()
