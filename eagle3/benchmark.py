@@ -435,6 +435,44 @@ def _load_drafter(drafter_dir: Path, verifier, device, dtype):
     return drafter.to(device=device, dtype=dtype).eval()
 
 
+
+def check_drafter_vocab(cfg, drafter, drafter_dir: Path, own_export: bool) -> list[str]:
+    """The benchmarked drafter's draft vocab against the run config and the run's ``vocab_map.pt``.
+
+    The export carries its own ``d2t`` (int64 ``[draft_V]``); a run's own export (no ``--drafter``)
+    must have ``draft_V == data.draft_vocab_size`` and, when stage 03's ``{data_dir}/vocab_map.pt``
+    exists, the same ``d2t`` (a stale export after re-running 03 is refused). A drafter passed with
+    ``--drafter`` may come from another run: a difference is a warning.
+
+    Returns:
+        warning lines (also logged).
+
+    Raises:
+        UserError: own export whose draft vocab differs from ``data.draft_vocab_size`` or from
+            ``vocab_map.pt``; a malformed ``vocab_map.pt`` (as :func:`eagle3.vocab.load_vocab_map`).
+    """
+    from eagle3.vocab import VOCAB_MAP, load_vocab_map
+
+    warnings: list[str] = []
+    got, want = int(drafter.args.draft_vocab_size), int(cfg.data.draft_vocab_size)
+    problem = None
+    if got != want:
+        problem = (f"{drafter_dir}: drafter has draft_vocab_size {got} but the config's data.draft_vocab_size is "
+                   f"{want}")
+    else:
+        vm_path = cfg.data_dir / VOCAB_MAP
+        if vm_path.is_file():
+            vm = load_vocab_map(vm_path, target_vocab_size=int(drafter.args.target_vocab_size))
+            if not torch.equal(vm["d2t"].to(drafter.d2t.device), drafter.d2t):
+                problem = f"{drafter_dir}: drafter's d2t differs from {vm_path} (export from an older stage-03 run?)"
+    if problem is None:
+        return warnings
+    if own_export:
+        raise UserError(problem + " (re-run 04_train.py, or pass --drafter to benchmark another drafter)")
+    log.warning(problem)
+    warnings.append(problem)
+    return warnings
+
 def warm_up(verifier, drafter, prompt: list[int], aux_layers: Sequence[int], steps: int, eos: Sequence[int],
             batch_size: int) -> None:
     """Untimed runs of both decoders at ``batch_size`` (allocator, kernels and their heuristics)."""
@@ -589,6 +627,7 @@ def run(
         aux = serve
     dtype = next(verifier.parameters()).dtype
     drafter = _load_drafter(drafter_dir, verifier, device, dtype)
+    warnings += check_drafter_vocab(cfg, drafter, drafter_dir, own_export=drafter_dir == cfg.export_dir)
     run_offline(cfg, verifier, tokenizer, drafter, aux, datasets, steps, num_prompts, max_new_tokens,
                 strict=dtype == torch.float32, drafter_name=str(drafter_dir), warnings=warnings,
                 batch_size=batch_size, tie_tolerance=tie_tolerance)

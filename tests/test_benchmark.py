@@ -249,6 +249,7 @@ def run_setup(tmp_path_factory, tiny_llama_dir):
         f"run_name: t\noutput_root: {root / 'out'}\n"
         f"verifier: {{path: {tiny_llama_dir}, dtype: bfloat16, device: cpu}}\n"  # CPU run forces float32
         f"prompts: {{source: {prompts}}}\n"
+        f"data: {{draft_vocab_size: 512}}\n"  # the drafter's (05 warns on a difference)
         f"benchmark: {{datasets: [{prompts}], max_new_tokens: 12, steps: 3}}\n"
     )
     return root, cfg, prompts
