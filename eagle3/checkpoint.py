@@ -152,6 +152,38 @@ def check_drafter_args(path: str | os.PathLike, saved: dict, current: dict) -> N
                             f"({drafter_field_source(key)}, or train into a new train.output_dir)")
 
 
+def check_data_order(path: str | os.PathLike, saved: Optional[dict], current: dict) -> None:
+    """Refuse to resume a checkpoint written with other batching settings than the configured ones.
+
+    A checkpoint's data position is ``(epoch, steps_in_epoch)`` in optimizer steps; resume skips that
+    many steps of the epoch's batch order, which is a function of ``train.seed``, ``train.batch_tokens``
+    (token budget) or ``train.batch_size`` (fixed-size batches) and ``train.grad_accum``. With any of
+    them changed the skipped steps are not the ones trained on, and the epoch/step counts change, so
+    resume would neither see the promised data order nor end where it should.
+
+    Deliberately allowed (not checked here): ``train.epochs`` / ``train.max_steps`` / ``--max-steps``
+    (the horizon of a time-sliced job; the LR schedule is re-stretched with a warning) and the number
+    of processes (RNG states reseeded with a warning).
+
+    Args:
+        saved: ``data_order`` stored in the checkpoint (``None`` for checkpoints that predate it: not checked).
+        current: the same dict built from the config now (keys ``train.*``).
+
+    Raises:
+        UserError: naming the checkpoint and every differing key with both values, e.g.
+            ``step_00000010.pt: written with train.batch_tokens=1024, train.batch_size=None but the config
+            has train.batch_tokens=None, train.batch_size=1 ...``.
+    """
+    if saved is None:
+        return
+    keys = [k for k in sorted(set(saved) | set(current)) if saved.get(k, "<absent>") != current.get(k, "<absent>")]
+    if keys:
+        then = ", ".join(f"{k}={saved.get(k, '<absent>')}" for k in keys)
+        now = ", ".join(f"{k}={current.get(k, '<absent>')}" for k in keys)
+        raise UserError(f"{path}: written with {then} but the config has {now}; resume keeps the data order "
+                        f"only with the same batching (set them back, or train into a new train.output_dir)")
+
+
 def drafter_field_source(key: str) -> str:
     """How a user sets a :class:`eagle3.model.DrafterArgs` field back: the real config key or input.
 

@@ -571,6 +571,15 @@ def _autocast_dtype(cfg: RunConfig, device: torch.device) -> Optional[torch.dtyp
     return torch.bfloat16 if cfg.train.bf16 in ("auto", "on") else None
 
 
+def _data_order(cfg: RunConfig) -> dict:
+    """The settings that fix the batch order and the optimizer-step count of an epoch (checkpoint key
+    ``data_order``; :func:`eagle3.checkpoint.check_data_order`). ``batch_size`` is recorded as None when
+    ``batch_tokens`` is set (it is ignored then)."""
+    t = cfg.train
+    return {"train.seed": t.seed, "train.batch_tokens": t.batch_tokens,
+            "train.batch_size": None if t.batch_tokens is not None else t.batch_size, "train.grad_accum": t.grad_accum}
+
+
 def _fingerprint(cfg: RunConfig, args) -> str:
     t = cfg.train
     keep = {k: getattr(t, k) for k in ("ttt_length", "step_weight", "lr", "weight_decay", "warmup_ratio", "epochs",
@@ -703,6 +712,7 @@ def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: O
         else:
             path, state = found
             ckpt.check_drafter_args(path, state["drafter_args"], dataclasses.asdict(args))
+            ckpt.check_data_order(path, state.get("data_order"), _data_order(cfg))
             if state["config_fingerprint"] != fingerprint:
                 log.warning("%s: training settings differ from the checkpoint's (fingerprint %s != %s)", path,
                             state["config_fingerprint"], fingerprint)
@@ -746,6 +756,7 @@ def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: O
                 "samples_in_epoch": data.samples_before(ep, ep_step), "model": trainable_state(drafter),
                 "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rngs,
                 "drafter_args": dataclasses.asdict(args), "config_fingerprint": fingerprint, "world_size": d.world,
+                "data_order": _data_order(cfg),
             }, keep=t.keep_checkpoints)
         _barrier(d)
         return path

@@ -116,3 +116,28 @@ def test_resume_ignores_half_written_and_corrupt_newest(tmp_path):
     assert r["step"] == 2  # resumed from step 1 (step 2 corrupt), did one step
     assert not (ckpt.ckpt_dir(cfg.train_dir) / "step_00000003.pt.tmp-xyz").exists()  # stale temp cleaned
     assert ckpt.load_checkpoint(ckpt.ckpt_path(cfg.train_dir, 2))["step"] == 2  # rewritten, valid
+
+
+def test_check_data_order_names_every_changed_key():
+    same = {"train.seed": 0, "train.batch_tokens": None, "train.batch_size": 2, "train.grad_accum": 1}
+    ckpt.check_data_order("c.pt", dict(same), dict(same))
+    ckpt.check_data_order("c.pt", None, dict(same))  # checkpoint from before the key: not checked
+    with pytest.raises(UserError, match=r"c.pt: written with train.grad_accum=1, train.seed=0 but the config has "
+                                        r"train.grad_accum=2, train.seed=5;"):
+        ckpt.check_data_order("c.pt", same, {**same, "train.grad_accum": 2, "train.seed": 5})
+
+
+def test_resume_with_changed_batching_is_user_error(tmp_path):
+    """Trained with a token budget, resumed without it: used to warn about the LR schedule only and go on
+    with batch_size batches (epoch 10 of 8); now refused naming the keys. epochs/max_steps stay allowed."""
+    from eagle3.train import run
+
+    path = make_tiny_run(tmp_path, train={"epochs": 2})
+    run(load_config(path, ["train.batch_tokens=64"]), stop_after=1, device="cpu")
+    with pytest.raises(UserError, match=r"step_00000001.pt: written with train.batch_size=None, train.batch_tokens=64 "
+                                        r"but the config has train.batch_size=\d+, train.batch_tokens=None"):
+        run(load_config(path), resume=True, device="cpu")
+    with pytest.raises(UserError, match=r"written with train.grad_accum=1 but the config has train.grad_accum=2"):
+        run(load_config(path, ["train.batch_tokens=64", "train.grad_accum=2"]), resume=True, device="cpu")
+    r = run(load_config(path, ["train.batch_tokens=64", "train.epochs=1"]), resume=True, stop_after=1, device="cpu")
+    assert r["step"] == 2
