@@ -35,6 +35,7 @@ to a temporary sibling and renamed into place.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -294,6 +295,7 @@ def export_drafter(
     }
 
     out = Path(out_dir)
+    _check_replaceable(out, engine)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
     try:
@@ -313,6 +315,36 @@ def export_drafter(
         raise
     return out
 
+
+
+def _check_replaceable(out: Path, engine: str) -> None:
+    """Refuse to replace a folder that is not an export of this project for the same engine.
+
+    An export replaces ``out`` whole; pointing ``export.output_dir`` at the other engine's folder
+    (whose layer ids follow another convention: SGLang's are HF index - 1 for Llama) or at a folder
+    of unrelated files would silently destroy it.
+
+    Raises:
+        UserError: ``out`` is a file; a non-empty folder without ``eagle3_train.json``; or an export
+            for the other engine.
+    """
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise UserError(f"{out}: export.output_dir is a file, not a folder")
+    meta_path = out / META_FILE
+    if not meta_path.is_file():
+        if any(out.iterdir()):
+            raise UserError(f"{out}: export.output_dir holds files that are not an eagle3-train export; "
+                            "choose an empty or new folder")
+        return
+    try:
+        old_engine = json.loads(meta_path.read_text()).get("engine")
+    except (OSError, ValueError, AttributeError):
+        old_engine = None
+    if old_engine is not None and old_engine != engine:
+        raise UserError(f"{out}: holds the {old_engine} export; exporting for {engine} there would replace it "
+                        f"(set export.output_dir to another folder, e.g. drafter-{engine})")
 
 def _need(cfg: dict, key: str, where: Path):
     if key not in cfg or cfg[key] is None:

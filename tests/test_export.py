@@ -190,7 +190,7 @@ def test_export_replaces_existing_folder_atomically(tmp_path):
     d1, d2 = drafter(0), drafter(5)
     out = export_drafter(d1, tmp_path / "x", "sglang", [2, 15, 27], LLAMA30)
     (out / "stale.txt").write_text("old")
-    export_drafter(d2, tmp_path / "x", "vllm", [2, 15, 27], LLAMA30)
+    export_drafter(d2, tmp_path / "x", "sglang", [2, 15, 27], LLAMA30)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x"]
     assert sorted(p.name for p in out.iterdir()) == sorted(["config.json", "model.safetensors", META_FILE])
     re = load_exported(out, embed_weight=d2.embed_tokens.weight)

@@ -202,3 +202,21 @@ def test_kimi_drafter_export_size_bf16_vs_fp32():
     # fc 3*7168*7168 + q 14336*8192 + k,v 2*14336*1024 + o 8192*7168 + mlp 3*7168*18432 + 4 norms + lm_head 32000*7168
     assert n == 154140672 + 117440512 + 2 * 14680064 + 58720256 + 396361728 + 4 * 7168 + 229376000 == 985427968
     assert (round(2 * n / 1e9, 2), round(4 * n / 1e9, 2)) == (1.97, 3.94)
+
+
+def test_export_refuses_to_replace_other_engines_folder_or_foreign_files(tmp_path):
+    d = drafter()
+    out = export_drafter(d, tmp_path / "drafter-sglang", "sglang", [2, 15, 27], LLAMA30)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(UserError, match=r"holds the sglang export; exporting for vllm there would replace it"):
+        export_drafter(d, out, "vllm", [2, 15, 27], LLAMA30)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # untouched
+    export_drafter(d, out, "sglang", [2, 15, 27], LLAMA30)  # same engine: re-export replaces it
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    with pytest.raises(UserError, match=r"not an eagle3-train export"):
+        export_drafter(d, foreign, "sglang", [2, 15, 27], LLAMA30)
+    assert (foreign / "notes.txt").read_text() == "keep me"
+    (tmp_path / "empty").mkdir()
+    export_drafter(d, tmp_path / "empty", "vllm", [2, 15, 27], LLAMA30)  # an empty folder is fine
