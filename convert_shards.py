@@ -16,12 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 
-from eagle3.cli import run_main
+from eagle3.cli import ArgumentParser, positive_int, run_main
 from eagle3.errors import UserError
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+    p = ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--config", help="run YAML: default source folder and target storage")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -31,8 +31,8 @@ def main(argv=None) -> int:
     p.add_argument("--to", choices=["bfloat16", "float8_e4m3fn"], help="target storage dtype (default: the config's "
                    "extract.storage_dtype)")
     p.add_argument("--scale", choices=["per_token", "per_block"], help="fp8 scale scheme (default: config or per_token)")
-    p.add_argument("--block-size", type=int, help="fp8 per_block: columns per scale (default: config or 128)")
-    p.add_argument("--workers", type=int, default=None, help="shards converted concurrently (default min(8, cores))")
+    p.add_argument("--block-size", type=positive_int, help="fp8 per_block: columns per scale (default: config or 128)")
+    p.add_argument("--workers", type=positive_int, default=None, help="shards converted concurrently (default min(8, cores))")
     p.add_argument("--overwrite", action="store_true", help="delete a different earlier conversion in --dst")
     p.add_argument("--json", help="also write the summary as JSON here")
     a = p.parse_args(argv)
@@ -46,14 +46,16 @@ def main(argv=None) -> int:
 
         ex = (cfg := load_config(a.config, a.overrides)).extract
         src, to = src or str(cfg.shards_dir), to or ex.storage_dtype
-        scale, block = scale or ex.fp8_scale, block or ex.fp8_block_size
+        scale = scale or ex.fp8_scale
+        block = block if block is not None else ex.fp8_block_size
     elif a.overrides:
         raise UserError("--set needs --config")
     if src is None:
         raise UserError("--src: required without --config")
     if to is None:
         raise UserError("--to: required without --config")
-    scale, block = scale or "per_token", block or 128
+    scale = scale or "per_token"
+    block = block if block is not None else 128
     try:
         storage = Storage() if to == "bfloat16" else Storage(to, scale, block if scale == "per_block" else None)
     except ValueError as e:

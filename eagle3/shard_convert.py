@@ -121,6 +121,9 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, storage: Storage, *,
     meta = read_data_config(src)
     if dst.resolve() == src.resolve():
         raise UserError(f"{dst}: the destination must differ from the source folder (conversion is not in place)")
+    if src.resolve() in dst.resolve().parents:
+        raise UserError(f"{dst}: the destination is inside the source folder {src} (its shards would be read as "
+                        "source shards by later stages); choose a folder outside it")
     H = int(meta["hidden_size"])
     try:
         storage.num_blocks(H)

@@ -374,6 +374,20 @@ def test_convert_cli_from_config(bf16_run, tmp_path, capsys):
         run_main(cli.main, ["--src", str(bf.shards_dir), "--dst", str(tmp_path / "x"), "--to", "float8_e4m3fn",
                             "--scale", "per_block", "--block-size", "48"])
     assert e.value.code == 2 and "block_size 48 does not divide hidden size 64" in capsys.readouterr().err
+    # malformed flags: one error line, exit 2 (no usage dump, no silent default), nothing written
+    for argv, msg in [(["--to", "float16"], "argument --to: invalid choice"),
+                      (["--to", "float8_e4m3fn", "--scale", "per_block", "--block-size", "0"], "--block-size"),
+                      (["--to", "float8_e4m3fn", "--workers", "-1"], "--workers")]:
+        with pytest.raises(SystemExit) as e:
+            run_main(cli.main, ["--src", str(bf.shards_dir), "--dst", str(tmp_path / "y"), *argv])
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and err.startswith("error:") and msg in err and "\n" not in err, err
+        assert "block_size 128" not in err
+        assert not (tmp_path / "y").exists()
+    with pytest.raises(SystemExit) as e:  # destination inside the source folder
+        run_main(cli.main, ["--src", str(bf.shards_dir), "--dst", str(bf.shards_dir / "sub"), "--to", "float8_e4m3fn"])
+    assert e.value.code == 2 and "inside the source folder" in capsys.readouterr().err
+    assert not (bf.shards_dir / "sub").exists()
 
 
 # ---- stage 04 on fp8 shards -----------------------------------------------------------------------
