@@ -185,7 +185,7 @@ class ExtractConfig(_Strict):
     loss_on_reasoning: bool = Field(
         True, description="train on the reasoning tokens of a reply (<think>...</think>) too; false = only the answer, "
                           "tool calls and end-of-turn token")
-    batch_tokens: int = Field(16384, ge=1, description="padded tokens per prefill batch (HF backend)")
+    batch_tokens: int = Field(16384, ge=1, description="padded tokens per capture batch: one HF prefill, or one batch of /generate requests to the SGLang server(s)")
     rows_per_dir: int = Field(2000, ge=1, description="samples per rows_{start}-{end} folder")
     write_threads: Optional[int] = Field(
         None, ge=0, description="background threads that serialise, hash and atomically write shards while the "
