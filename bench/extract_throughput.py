@@ -23,7 +23,6 @@ Prints a Markdown table and JSON; ``capture_vs_bare_ratio`` = pipeline tokens/s 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -38,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle3.capture.hf import HFCapture  # noqa: E402
-from eagle3.cli import ArgumentParser, positive_int, run_main  # noqa: E402
+from eagle3.cli import ArgumentParser, non_negative_int, positive_int, run_main  # noqa: E402
 from eagle3.config import add_config_args, load_config  # noqa: E402
 from eagle3.extract import Sample, capture_and_write, default_write_threads  # noqa: E402
 from eagle3.io import atomic_write_json  # noqa: E402
@@ -51,14 +50,6 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
-    return v
 
 
 def main(argv=None) -> int:
@@ -69,7 +60,7 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=positive_int, default=512)
     p.add_argument("--batches", type=positive_int, default=6, help="batches per timed run")
     p.add_argument("--repeats", type=positive_int, default=2)
-    p.add_argument("--write-threads", type=_non_negative_int, default=None,
+    p.add_argument("--write-threads", type=non_negative_int, default=None,
                    help="default: extract.write_threads or the auto count; 0 = serial")
     p.add_argument("--out-dir", type=Path, default=None, help="where the temporary shard folders go (default: $TMPDIR)")
     p.add_argument("--no-serial", dest="serial", action="store_false", help="skip the serial (no overlap) timing")

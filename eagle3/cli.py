@@ -27,15 +27,24 @@ class ArgumentParser(argparse.ArgumentParser):
         raise UserError(f"{' '.join(message.split())} (see {self.prog} --help)")
 
 
-def positive_int(text: str) -> int:
-    """argparse ``type=``: an integer >= 1 (message names the flag through argparse)."""
+def _int_at_least(text: str, low: int) -> int:
     try:
         v = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+        raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
+    if v < low:
+        raise argparse.ArgumentTypeError(f"must be >= {low}, got {v}")
     return v
+
+
+def positive_int(text: str) -> int:
+    """argparse ``type=``: an integer >= 1 (message names the flag through argparse)."""
+    return _int_at_least(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    """argparse ``type=``: an integer >= 0 (message names the flag through argparse)."""
+    return _int_at_least(text, 0)
 
 
 def positive_float(text: str) -> float:

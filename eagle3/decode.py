@@ -358,20 +358,29 @@ def greedy_generate_batch(verifier: torch.nn.Module, prompts: Sequence[Sequence[
     return BatchGreedy([_cut(r, eos, max_new_tokens) for r in all_tok.tolist()], seconds, forwards)
 
 
+
+def _one_prompt(input_ids) -> list[int]:
+    """One prompt as ``list[int]`` from ``[n]`` or ``[1, n]`` ids (list or LongTensor).
+
+    Raises:
+        UserError: a batch of several prompts, or an empty prompt.
+    """
+    ids = torch.as_tensor(input_ids, dtype=torch.long)
+    if ids.dim() == 2:
+        if ids.shape[0] != 1:
+            raise UserError(f"input_ids: expected one prompt ([n] or [1, n]), got shape {list(ids.shape)}")
+        ids = ids[0]  # [n]
+    if ids.numel() == 0:
+        raise UserError("input_ids: the prompt is empty")
+    return ids.tolist()
+
 def greedy_generate(verifier: torch.nn.Module, input_ids, max_new_tokens: int, eos_ids: Sequence[int] = ()) -> tuple[list[int], float]:
     """One prompt through :func:`greedy_generate_batch`: ``(tokens, seconds)``.
 
     Raises:
         UserError: empty prompt, ``max_new_tokens < 1``.
     """
-    ids = torch.as_tensor(input_ids, dtype=torch.long)
-    if ids.dim() == 2:
-        if ids.shape[0] != 1:
-            raise UserError(f"input_ids: expected one prompt ([n] or [1, n]), got shape {list(ids.shape)}")
-        ids = ids[0]
-    if ids.numel() == 0:
-        raise UserError("input_ids: the prompt is empty")
-    res = greedy_generate_batch(verifier, [ids.tolist()], max_new_tokens, eos_ids)
+    res = greedy_generate_batch(verifier, [_one_prompt(input_ids)], max_new_tokens, eos_ids)
     return res.tokens[0], res.seconds
 
 
@@ -567,14 +576,7 @@ def speculative_generate(verifier: torch.nn.Module, drafter: torch.nn.Module, in
     Raises:
         UserError: see :func:`speculative_generate_batch`; a batched ``input_ids``.
     """
-    ids = torch.as_tensor(input_ids, dtype=torch.long)
-    if ids.dim() == 2:
-        if ids.shape[0] != 1:
-            raise UserError(f"input_ids: expected one prompt ([n] or [1, n]), got shape {list(ids.shape)}")
-        ids = ids[0]
-    if ids.numel() == 0:
-        raise UserError("input_ids: the prompt is empty")
-    res = speculative_generate_batch(verifier, drafter, [ids.tolist()], aux_layers, steps, max_new_tokens, eos_ids)
+    res = speculative_generate_batch(verifier, drafter, [_one_prompt(input_ids)], aux_layers, steps, max_new_tokens, eos_ids)
     row = res.rows[0]
     row.seconds, row.draft_seconds, row.verify_seconds = res.seconds, res.draft_seconds, res.verify_seconds
     return row
