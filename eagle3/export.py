@@ -346,6 +346,19 @@ def _check_replaceable(out: Path, engine: str) -> None:
         raise UserError(f"{out}: holds the {old_engine} export; exporting for {engine} there would replace it "
                         f"(set export.output_dir to another folder, e.g. drafter-{engine})")
 
+def _read_config_json(root: Path) -> tuple[Path, dict]:
+    """``(path, dict)`` of an exported folder's ``config.json``.
+
+    Raises:
+        UserError: missing or unreadable file (:func:`eagle3.io.read_json`), or not a JSON object.
+    """
+    cfg_path = root / "config.json"
+    cfg = read_json(cfg_path)
+    if not isinstance(cfg, dict):
+        raise UserError(f"{cfg_path}: expected a JSON object")
+    return cfg_path, cfg
+
+
 def _need(cfg: dict, key: str, where: Path):
     if key not in cfg or cfg[key] is None:
         raise UserError(f"{where}: missing config key '{key}'")
@@ -458,10 +471,7 @@ def check_export_folder(
             is for another engine than ``serving_engine``.
     """
     root = Path(path)
-    cfg_path = root / "config.json"
-    cfg = read_json(cfg_path)
-    if not isinstance(cfg, dict):
-        raise UserError(f"{cfg_path}: expected a JSON object")
+    cfg_path, cfg = _read_config_json(root)
     engine, _args = _args_from_config(cfg, cfg_path)
     ids = _config_layer_ids(cfg, engine, cfg_path)
     block = _recorded_block(cfg, root)
@@ -518,10 +528,7 @@ def load_exported(path: str | os.PathLike, embed_weight: Optional[torch.Tensor] 
     from safetensors.torch import load_file
 
     root = Path(path)
-    cfg_path = root / "config.json"
-    cfg = read_json(cfg_path)
-    if not isinstance(cfg, dict):
-        raise UserError(f"{cfg_path}: expected a JSON object")
+    cfg_path, cfg = _read_config_json(root)
     engine, args = _args_from_config(cfg, cfg_path)
     for w in check_export_folder(root)["warnings"]:
         log.warning("%s", w)

@@ -76,7 +76,7 @@ from eagle3.capture.hf import plan_batches
 from eagle3.capture.multi import prefetching
 from eagle3.config import RunConfig
 from eagle3.errors import UserError
-from eagle3.io import TMP_MARK, atomic_write_json, atomic_write_text, exclusive_lock, iter_jsonl, read_json, remove_stale_tmp
+from eagle3.io import TMP_MARK, atomic_write_json, atomic_write_text, exclusive_lock, file_sha256, iter_jsonl, read_json, remove_stale_tmp
 from eagle3.layers import check_aux_layers, default_aux_layers
 from eagle3.manifest import MANIFEST, ManifestWriter, read_manifest, rewrite_manifest
 from eagle3.fp8 import Storage, storage_from_config
@@ -227,15 +227,6 @@ def tokenize_prompts(tokenizer, prompts: list[dict], cfg: RunConfig, prompts_pat
 # ---------------------------------------------------------------------------------------------
 # fingerprint and folder state
 # ---------------------------------------------------------------------------------------------
-def file_sha256(path: str | os.PathLike) -> str:
-    """Hex sha256 of a file's bytes (streamed)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def fingerprint(cfg: RunConfig, prompts_sha256: str) -> tuple[str, dict]:
     """sha256 over what determines the shard tensors: returns ``(hex, components)``.
 

@@ -316,6 +316,17 @@ def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
                 raise UserError(f"{path}:{lineno}: malformed JSON: {e.msg}") from e
 
 
+def file_sha256(path: str | os.PathLike) -> str:
+    """Hex sha256 of a file's bytes, streamed in 1 MiB blocks (shard checksums, input fingerprints)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def read_json(path: str | os.PathLike) -> Any:
     """Read a JSON file; raise :class:`UserError` naming the file and line on bad JSON."""
     path = Path(path)

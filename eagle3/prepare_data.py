@@ -58,7 +58,7 @@ def split_indices(indices: list[int], val_fraction: float, seed: int) -> dict[st
 def _validated_samples(paths: list[tuple[int, Path]], expect: dict, stats: dict, checksums: dict[int, str]):
     """Load and validate every shard; a shard whose sha256 differs from the one 02 recorded in
     ``manifest.jsonl`` (bit rot, a partial copy, an edit) is an error even when it still unpickles."""
-    from eagle3.extract import file_sha256
+    from eagle3.io import file_sha256
 
     for idx, path in tqdm(paths, desc="validate shards", unit="shard", mininterval=1.0):
         want = checksums.get(idx)

@@ -15,7 +15,6 @@ the stage does nothing and says so (``force=True`` recomputes).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from collections import Counter
@@ -27,7 +26,7 @@ from pydantic import ValidationError
 from eagle3.chat import ChatOptions
 from eagle3.config import PromptsConfig, RunConfig
 from eagle3.errors import UserError
-from eagle3.io import atomic_write_json, atomic_write_jsonl, atomic_write_text
+from eagle3.io import atomic_write_json, atomic_write_jsonl, atomic_write_text, file_sha256
 from eagle3.prompts import dedupe, read_conversations, sample
 
 log = logging.getLogger(__name__)
@@ -78,11 +77,7 @@ def _source_fingerprint(source: str) -> dict:
     p = Path(source)
     if source.startswith("hf:") or source == "humaneval" or not p.is_file():
         return {"source": source}
-    h = hashlib.sha256()
-    with open(p, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return {"source": source, "bytes": p.stat().st_size, "sha256": h.hexdigest()}
+    return {"source": source, "bytes": p.stat().st_size, "sha256": file_sha256(p)}
 
 
 def settings(cfg: RunConfig, limit: Optional[int]) -> dict:

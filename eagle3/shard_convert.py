@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from eagle3.errors import UserError
 from eagle3.fp8 import Storage
-from eagle3.io import atomic_write_json, exclusive_lock, read_json, remove_stale_tmp
+from eagle3.io import atomic_write_json, exclusive_lock, file_sha256, read_json, remove_stale_tmp
 from eagle3.manifest import MANIFEST, ManifestWriter, read_manifest
 from eagle3.shards import (
     DATA_CONFIG,
@@ -54,14 +54,6 @@ log = logging.getLogger(__name__)
 
 STATE = "convert_state.json"
 LOCK = ".convert.lock"
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _fingerprint(src_meta: dict, storage: Storage) -> tuple[str, dict]:
@@ -166,7 +158,7 @@ def _convert(src: Path, dst: Path, meta: dict, storage: Storage, overwrite: bool
     def one(item: tuple[int, Path]) -> dict:
         idx, path = item
         want = src_rows.get(idx, {}).get("sha256")
-        if want is not None and _sha256(path) != want:
+        if want is not None and file_sha256(path) != want:
             raise UserError(f"{path}: contents changed since extraction (sha256 differs from {src_man_path})")
         s = load_sample(path, expect=expect)
         h = hashlib.sha256()  # of the bytes as written (no read-back)

@@ -183,6 +183,7 @@ def step_metrics(losses: list[torch.Tensor], sums: list[torch.Tensor], corrects:
         "count": counts_t,
     }
 
+
 def ttt_loss(
     drafter,
     step_hiddens: list[torch.Tensor],
