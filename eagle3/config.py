@@ -165,6 +165,10 @@ class PromptsConfig(_Strict):
     regenerate: bool = Field(False, description="replace assistant turns with the verifier's own greedy answers")
     max_new_tokens: int = Field(256, ge=1)
     gen_batch_size: int = Field(16, ge=1)
+    max_context_tokens: Optional[int] = Field(
+        None, ge=1, description="regeneration answers a turn only while its rendered prompt is shorter than this many "
+        "tokens; later turns (and a conversation whose first prompt is already this long) are left out, because "
+        "02 cuts every sample at extract.max_length and could not train on their answers; null = extract.max_length")
     regenerate_via: Literal["local", "sglang", "openai"] = Field(
         "local", description="local = in-process greedy (transformers); sglang = SGLang native /generate (token ids in and out); "
         "openai = /v1/chat/completions (vLLM, SGLang, hosted; text out)")
@@ -249,6 +253,9 @@ class DataConfig(_Strict):
     draft_vocab_size: int = Field(32000, ge=1)
     val_fraction: float = Field(0.05, ge=0.0, lt=1.0)
     seed: int = 0
+    train_samples: Optional[int] = Field(
+        None, ge=1, description="train on a seeded subset of this many samples of the training split (data-scaling "
+        "curves: the validation split and the draft vocab map stay those of the whole shard set); null = all")
     output_dir: Optional[str] = Field(None, description="default {output_root}/data")
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import random
+from typing import Optional
 from pathlib import Path
 
 import torch
@@ -53,6 +54,17 @@ def split_indices(indices: list[int], val_fraction: float, seed: int) -> dict[st
     perm = list(ids)
     random.Random(seed).shuffle(perm)
     return {"train": sorted(perm[n_val:]), "val": sorted(perm[:n_val])}
+
+
+def subset_train(train: list[int], n: Optional[int], seed: int) -> list[int]:
+    """``data.train_samples``: a seeded subset of ``n`` training ids (sorted), or all when ``n`` is None or
+    not smaller. Subsets of one seed are nested (the first ``n`` of one seeded permutation), so the
+    points of a data-scaling curve add data rather than swap it."""
+    if n is None or n >= len(train):
+        return list(train)
+    perm = sorted(train)
+    random.Random(seed + 1).shuffle(perm)
+    return sorted(perm[:n])
 
 
 def _validated_samples(paths: list[tuple[int, Path]], expect: dict, stats: dict, checksums: dict[int, str]):
@@ -138,6 +150,8 @@ def run(cfg: RunConfig, *, plot: bool = True) -> dict:
     split = split_indices([i for i, _ in paths], cfg.data.val_fraction, cfg.data.seed)
     if not split["train"]:
         raise UserError(f"{shards}: not enough samples for a training split ({stats['num_samples']})")
+    train_all = len(split["train"])
+    split["train"] = subset_train(split["train"], cfg.data.train_samples, cfg.data.seed)
 
     out = cfg.data_dir
     out.mkdir(parents=True, exist_ok=True)
@@ -159,6 +173,7 @@ def run(cfg: RunConfig, *, plot: bool = True) -> dict:
         "max_sample_len": stats["max_len"],
         "mean_sample_len": round(stats["num_tokens"] / stats["num_samples"], 2),
         "train_samples": len(split["train"]),
+        "train_samples_available": train_all,
         "val_samples": len(split["val"]),
         "val_fraction": cfg.data.val_fraction,
         "seed": cfg.data.seed,

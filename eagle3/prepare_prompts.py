@@ -88,7 +88,8 @@ def settings(cfg: RunConfig, limit: Optional[int]) -> dict:
          **(_source_fingerprint(pc.source) if isinstance(pc.source, str)
             else {"sources": [_source_fingerprint(x) for x in pc.source]})}
     if pc.regenerate:
-        s.update(max_new_tokens=pc.max_new_tokens, verifier=cfg.verifier.display_name(),
+        s.update(max_new_tokens=pc.max_new_tokens, max_context_tokens=max_context_tokens(cfg),
+                 verifier=cfg.verifier.display_name(),
                  verifier_dtype=cfg.verifier.dtype, chat_template=cfg.verifier.chat_template)
         # template arguments and reply start shape the prompts the verifier answers (recorded only when set,
         # so reports written before these settings existed stay up to date)
@@ -122,7 +123,7 @@ def _regenerate(cfg: RunConfig, convs: list[dict], want: dict, stats: dict) -> l
 
         model, tok = load_verifier(cfg.verifier)
         return regen(model, tok, convs, pc.max_new_tokens, pc.gen_batch_size, stats=stats,
-                     opts=ChatOptions.from_config(cfg))
+                     opts=ChatOptions.from_config(cfg), max_context=max_context_tokens(cfg))
     from eagle3.regen_server import regenerate_via_server
     from eagle3.verifier import load_tokenizer
 
@@ -130,7 +131,13 @@ def _regenerate(cfg: RunConfig, convs: list[dict], want: dict, stats: dict) -> l
         raise UserError(f"prompts.server.urls: needed for prompts.regenerate_via: {pc.regenerate_via}")
     tok = load_tokenizer(cfg.verifier)
     return regenerate_via_server(convs, tok, pc, ChatOptions.from_config(cfg), partial_path=partial_path(cfg),
-                                 settings=want, stats=stats)
+                                 settings=want, stats=stats, max_context=max_context_tokens(cfg))
+
+
+def max_context_tokens(cfg: RunConfig) -> int:
+    """Regeneration's context cap in tokens: ``prompts.max_context_tokens``, else ``extract.max_length``
+    (02 cuts every sample there, so an answer that starts past it is never trained on)."""
+    return cfg.prompts.max_context_tokens or cfg.extract.max_length
 
 
 def run(cfg: RunConfig, source: Optional[str] = None, fmt: Optional[str] = None, regenerate: Optional[bool] = None,

@@ -336,6 +336,14 @@ class _Progress:
         self.bar.close()
 
 
+class _OverContext(Exception):
+    """A conversation whose first prompt already reaches the context cap (left out, not failed)."""
+
+    def __init__(self, idx: int):
+        super().__init__(idx)
+        self.idx = idx
+
+
 def _user_turns(conv: dict) -> tuple[list[dict], list[str]]:
     msgs = conv["messages"]
     system = [dict(msgs[0])] if msgs and msgs[0]["role"] == "system" else []
@@ -344,7 +352,7 @@ def _user_turns(conv: dict) -> tuple[list[dict], list[str]]:
 
 def regenerate_via_server(conversations: list[dict], tokenizer, pc: PromptsConfig, opts: Optional[ChatOptions] = None,
                           *, partial_path: str | os.PathLike, settings: dict, stats: Optional[dict] = None,
-                          pool: Optional[EndpointPool] = None) -> list[dict]:
+                          pool: Optional[EndpointPool] = None, max_context: Optional[int] = None) -> list[dict]:
     """Replace every assistant turn with the serving endpoint's answer, turn by turn, resumably.
 
     Args:
@@ -360,8 +368,11 @@ def regenerate_via_server(conversations: list[dict], tokenizer, pc: PromptsConfi
             think tags.
         stats: filled with ``answers``, ``new_tokens``, ``truncated``, ``failed``, ``failed_ids``,
             ``retries``, ``resumed`` (conversations taken from the log), ``kept_with_tools``,
-            ``seconds``, ``endpoints``.
+            ``seconds``, ``endpoints``, ``turns_over_context``, ``dropped_over_context``.
         pool: endpoint pool to use (default: built from ``pc.server``).
+        max_context: context cap in tokens, as in :func:`eagle3.regenerate.regenerate`: a turn whose
+            rendered prompt has at least this many tokens is not sent (nor are the later ones); a
+            conversation whose first prompt reaches it is left out. None = no cap.
 
     Returns:
         Finished conversations ``{id, messages, tools?}`` in input order (failed ones left out):
@@ -403,7 +414,8 @@ def regenerate_via_server(conversations: list[dict], tokenizer, pc: PromptsConfi
         done[i] = conversations[i]
     todo = [i for i in range(len(conversations)) if i not in done]
     st = {"answers": 0, "new_tokens": 0, "truncated": 0, "failed": 0, "failed_ids": [], "retries": 0,
-          "resumed": resumed, "kept_with_tools": len(passthrough), "seconds": 0.0}
+          "resumed": resumed, "kept_with_tools": len(passthrough), "seconds": 0.0,
+          "turns_over_context": 0, "dropped_over_context": 0}
     if passthrough:
         log.warning("%d conversations with tool results kept as they are (not regenerated)", len(passthrough))
     if resumed:
@@ -420,6 +432,16 @@ def regenerate_via_server(conversations: list[dict], tokenizer, pc: PromptsConfi
             if stop.is_set():
                 raise InterruptedError
             msgs.append({"role": "user", "content": u})
+            if max_context is not None and len(tokenizer(
+                    generation_prompt(tokenizer, msgs, opts, conversations[i].get("tools")),
+                    add_special_tokens=False)["input_ids"]) >= max_context:
+                msgs.pop()
+                prog.update(len(users) - k)
+                with lock:
+                    st["turns_over_context"] += len(users) - k
+                if k == 0:
+                    raise _OverContext(i)
+                break
             payload, check = proto.request(msgs, conversations[i].get("tools"))
             try:
                 ans, attempts = pool.post(proto.path, payload, sc.timeout_s, policy, check=check)
@@ -474,6 +496,8 @@ def regenerate_via_server(conversations: list[dict], tokenizer, pc: PromptsConfi
                     continue
             if err is None:
                 done[i] = conv
+            elif isinstance(err, _OverContext):
+                st["dropped_over_context"] += 1
             elif isinstance(err, _ConversationFailed):
                 cid = conversations[i]["id"]
                 st["failed"] += 1

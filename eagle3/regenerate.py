@@ -73,7 +73,7 @@ def generate_greedy(model, prompts: list[list[int]], max_new_tokens: int, stop_i
 
 def regenerate(model, tokenizer, conversations: list[dict], max_new_tokens: int, batch_size: int,
                chat_template: Optional[str] = None, stats: Optional[dict] = None,
-               opts: Optional[ChatOptions] = None) -> list[dict]:
+               opts: Optional[ChatOptions] = None, max_context: Optional[int] = None) -> list[dict]:
     """Replace every assistant turn with the verifier's greedy answer, turn by turn.
 
     Args:
@@ -87,13 +87,21 @@ def regenerate(model, tokenizer, conversations: list[dict], max_new_tokens: int,
         chat_template: Jinja template overriding the tokenizer's (ignored when ``opts`` is given).
         opts: rendering options (template, ``chat_template_kwargs``, ``reply_start``, think tags):
             prompts are :func:`eagle3.chat.generation_prompt`, exactly what a server renders.
+        max_context: context cap in tokens (``prompts.max_context_tokens``, default
+            ``extract.max_length``): a turn whose rendered prompt has at least this many tokens is
+            not answered, and neither are the conversation's later turns (02 cuts samples at
+            ``extract.max_length``: such an answer could never be trained on, and one 62-turn
+            conversation would otherwise cost 62 sequential ``generate`` rounds). A conversation
+            whose FIRST prompt reaches the cap is left out of the result. None = no cap.
         stats: optional dict filled with ``answers``, ``new_tokens`` (answer tokens, stop token
             excluded), ``truncated``, ``seconds`` (wall time of generation), ``kept_with_tools``
             (conversations with tool calls, returned unchanged: their tool results answer the
-            original calls, which cannot be re-run here).
+            original calls, which cannot be re-run here), ``turns_over_context`` (user turns left
+            unanswered by ``max_context``) and ``dropped_over_context`` (conversations left out).
 
     Returns:
-        New conversations ``{id, messages}`` in input order: optional system message, then
+        New conversations ``{id, messages}`` in input order (less those left out by ``max_context``):
+        optional system message, then
         alternating user / regenerated assistant turns. Answer text = the decoded answer tokens,
         end-of-turn token stripped (the template writes it back when rendering); a reply with a think
         block is split into ``reasoning_content`` and ``content`` as a server's reasoning parser
@@ -118,7 +126,9 @@ def regenerate(model, tokenizer, conversations: list[dict], max_new_tokens: int,
         state.append(([system] if system is not None else [], users))
     rounds = max((len(u) for _, u in state), default=0)
     total = sum(len(u) for _, u in state)
-    st = {"answers": 0, "new_tokens": 0, "truncated": 0, "seconds": 0.0, "kept_with_tools": len(passthrough)}
+    st = {"answers": 0, "new_tokens": 0, "truncated": 0, "seconds": 0.0, "kept_with_tools": len(passthrough),
+          "turns_over_context": 0, "dropped_over_context": 0}
+    dropped = set()
     t0 = time.perf_counter()
     with tqdm(total=total, desc="regenerate", unit="answer") as bar:
         for k in range(rounds):
@@ -129,6 +139,15 @@ def regenerate(model, tokenizer, conversations: list[dict], max_new_tokens: int,
                 msgs.append({"role": "user", "content": users[k]})
                 heads[i] = generation_prompt(tokenizer, msgs, opts, conversations[i].get("tools"))
                 prompts[i] = list(tokenizer(heads[i], add_special_tokens=False)["input_ids"])
+                if max_context is not None and len(prompts[i]) >= max_context:
+                    msgs.pop()  # the unanswered user turn
+                    st["turns_over_context"] += len(users) - k
+                    bar.update(len(users) - k)
+                    state[i] = (msgs, users[:k])
+                    del prompts[i], heads[i]
+                    if k == 0:
+                        dropped.add(i)
+            todo = [i for i in todo if i in prompts]
             order = sorted(todo, key=lambda i: (len(prompts[i]), i))
             for b in range(0, len(order), batch_size):
                 chunk = order[b:b + batch_size]
@@ -150,10 +169,16 @@ def regenerate(model, tokenizer, conversations: list[dict], max_new_tokens: int,
                     st["answers"] += 1
                 bar.update(len(chunk))
     st["seconds"] = time.perf_counter() - t0
+    st["dropped_over_context"] = len(dropped)
+    if dropped:
+        log.warning("%d conversations left out: their first prompt has >= %d tokens (prompts.max_context_tokens)",
+                    len(dropped), max_context)
     if stats is not None:
         stats.update(st)
     out = []
     for i, (c, (msgs, _)) in enumerate(zip(conversations, state)):
+        if i in dropped:
+            continue
         if i in passthrough:
             out.append(c)
         else:

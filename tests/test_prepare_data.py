@@ -158,3 +158,23 @@ def test_cli_missing_data_config_exits_2(tmp_path, capsys):
         run_main(cli.main, ["--config", str(_cfg(tmp_path))])
     assert e.value.code == 2
     assert "data_config.json: file not found" in capsys.readouterr().err
+
+
+def test_train_subset_nested_seeded_and_val_unchanged(tmp_path):
+    from eagle3.prepare_data import subset_train
+
+    train = list(range(50, 90))
+    a, b = subset_train(train, 10, 0), subset_train(train, 25, 0)
+    assert len(a) == 10 and len(b) == 25 and a == sorted(a) and set(a) <= set(b) <= set(train)
+    assert subset_train(train, 10, 1) != a and subset_train(train[::-1], 10, 0) == a
+    assert subset_train(train, None, 0) == train and subset_train(train, 99, 0) == train
+    # through 03: val identical to the full run's, train = the seeded subset of the full run's train
+    _make_shards(load_config(_cfg(tmp_path)).shards_dir)
+    full = run(load_config(_cfg(tmp_path)))
+    split_full = json.loads((load_config(_cfg(tmp_path)).data_dir / "split.json").read_text())
+    cfg = load_config(_cfg(tmp_path), overrides=["data.train_samples=2"])
+    rep = run(cfg)
+    split = json.loads((cfg.data_dir / "split.json").read_text())
+    assert split["val"] == split_full["val"]
+    assert split["train"] == subset_train(split_full["train"], 2, cfg.data.seed) and len(split["train"]) == 2
+    assert rep["train_samples"] == 2 and rep["train_samples_available"] == full["train_samples"] > 2

@@ -464,3 +464,28 @@ def test_ctrl_c_ends_the_run_at_once_and_keeps_finished_answers(smollm_tokenizer
     rows = [json.loads(x) for x in partial.read_text().splitlines()]
     assert "settings" in rows[0] and 1 <= len(rows) - 1 <= 3  # the answered requests' conversations
     assert not (out / "prompts.jsonl").exists()
+
+
+@pytest.mark.parametrize("via", ["sglang", "openai"])
+def test_context_cap_matches_the_uncapped_run_cut_by_hand(smollm_tokenizer, tmp_path, via):
+    """``max_context``: turns whose rendered prompt reaches the cap are not sent (nor later ones); a
+    conversation whose first prompt reaches it is left out (counted, not failed); the rest is unchanged."""
+    tok = smollm_tokenizer
+    convs = _many(6) + [{"id": "long", "messages": [U("word " * 400)]}]
+    full = _reference(tok, convs, tmp_path, via)
+
+    def n_tokens(msgs):
+        return len(tok(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True),
+                       add_special_tokens=False)["input_ids"])
+
+    first = n_tokens(full[0]["messages"][:1])  # q0: two turns; its second prompt is longer than the first
+    cap = first + 5
+    assert n_tokens(full[0]["messages"][:3]) >= cap and n_tokens(convs[-1]["messages"]) >= cap
+    want = [{"id": c["id"], "messages": c["messages"][:2]} for c in full[:-1]]
+    st = {}
+    with StandInServer(FakeBackend(tok.eos_token_id), tok) as srv:
+        got = regenerate_via_server(convs, tok, _pc(via, [srv.url]), partial_path=tmp_path / "cap.jsonl",
+                                    settings=SETTINGS, stats=st, max_context=cap)
+    assert got == want
+    assert st["dropped_over_context"] == 1 and st["failed"] == 0
+    assert st["turns_over_context"] == 1 + 2  # 'long' (1 turn) + q0's and q3's second turns

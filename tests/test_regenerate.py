@@ -99,3 +99,45 @@ def test_bad_arguments(tiny):
     model, tok = tiny
     with pytest.raises(ValueError):
         regenerate(model, tok, CONVS, max_new_tokens=0, batch_size=1)
+
+
+def _prompt_len(tok, msgs):
+    text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    return len(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def test_context_cap_answers_turns_only_below_the_cap(tiny):
+    """``max_context``: the turn whose prompt reaches the cap and every later turn go unanswered; a
+    conversation whose first prompt reaches it is left out; everything below the cap is unchanged."""
+    model, tok = tiny
+    full = [_reference_regenerate(model, tok, c, MAX_NEW) for c in CONVS]
+    # cap between conversation c's first and second prompt: c keeps one turn, the long first prompt of a
+    # is over the cap (left out), b and d's prompts are measured to decide the expected result by hand
+    c_first = _prompt_len(tok, full[2]["messages"][:1])
+    c_second = _prompt_len(tok, full[2]["messages"][:3])
+    a_first = _prompt_len(tok, full[0]["messages"][:1])
+    assert c_first < c_second
+    cap = c_first + 1
+    assert a_first >= cap, "conversation a's first prompt must be over the cap for this test"
+    want = []
+    turns_left = 0
+    for conv in full:
+        msgs, kept = conv["messages"], []
+        users = [m for m in msgs if m["role"] == "user"]
+        for j, m in enumerate(msgs):
+            if m["role"] == "user" and _prompt_len(tok, msgs[:j + 1]) >= cap:
+                turns_left += sum(1 for x in msgs[j:] if x["role"] == "user")
+                break
+            kept.append(m)
+        if any(m["role"] == "assistant" for m in kept):
+            want.append({"id": conv["id"], "messages": kept})
+        else:
+            assert users  # every test conversation has a user turn
+    stats = {}
+    got = regenerate(model, tok, CONVS, max_new_tokens=MAX_NEW, batch_size=3, stats=stats, max_context=cap)
+    assert got == want
+    assert "a" not in [c["id"] for c in got] and stats["dropped_over_context"] == 1
+    assert [m["role"] for m in next(c for c in got if c["id"] == "c")["messages"]] == ["user", "assistant"]
+    assert stats["turns_over_context"] == turns_left >= 2
+    # no cap reached: identical to the uncapped run
+    assert regenerate(model, tok, CONVS, max_new_tokens=MAX_NEW, batch_size=3, max_context=10_000) == full
