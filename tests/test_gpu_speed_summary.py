@@ -25,7 +25,7 @@ def test_collect_reads_present_figures_and_marks_missing(tmp_path):
     assert figs["kimi_mfu"]["value"] == 0.5
     for k in ("tokenize_conv_per_s", "capture_vs_bare_ratio", "bench_80x256_s"):
         assert figs[k] == {**figs[k], "value": None, "measured": False, "source": None}
-    assert all(v["command"].startswith("python3 bench/") for v in figs.values())
+    assert all(v["command"].startswith("python3 bench/") for v in figs.values())  # no fallback source present
     assert "| `bench_80x256_s` | not measured |" in gss.markdown(figs)
 
 
@@ -36,3 +36,21 @@ def test_cli_bad_json_is_one_line_error(tmp_path):
     assert r.returncode == 2
     assert r.stderr.strip().startswith("error:") and "capture.json" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "o.json").exists()
+
+
+def test_fallbacks_from_stage_reports(tmp_path):
+    """Without the dedicated benches: 04's train_report gives the training figures, 05's bench.json the
+    80 x 256 wall, but only for the MT-bench 80-prompt, 256-token, 3-step set."""
+    (tmp_path / "train_report.json").write_text(json.dumps({"tokens_per_s": 174000.0}))
+    bench = {"steps": 3, "max_new_tokens": 256, "datasets": [
+        {"dataset": "gsm8k", "num_prompts": 200, "wall_seconds": 30.0},
+        {"dataset": "mtbench", "num_prompts": 80, "wall_seconds": 12.5}]}
+    (tmp_path / "bench-steps3.json").write_text(json.dumps(bench))
+    figs = gss.collect(tmp_path)
+    assert figs["small_train_tokens_per_s"]["value"] == 174000.0
+    assert figs["small_train_wall_vs_reference"]["value"] == 6.96e6 / 174000.0 / 320.0  # 0.125
+    assert figs["bench_80x256_s"]["value"] == 12.5
+    assert figs["bench_80x256_s"]["source"].endswith("bench-steps3.json")
+    (tmp_path / "bench-steps3.json").write_text(json.dumps({**bench, "max_new_tokens": 512}))
+    assert gss.collect(tmp_path)["bench_80x256_s"]["value"] is None  # another set: not the figure
+    assert gss.collect(tmp_path)["bench_80x256_s"]["command"].startswith("python3 bench/offline_bench_speed.py")

@@ -1,0 +1,180 @@
+"""Collect a real-data drafter run into issue 10's ``quality.json``: tau per draft length and set, where it is lost.
+
+Reads one run's reports from a folder (copied out of the GPU run by ``bench/gpu_session.sh``):
+
+- ``bench-steps{K}.json`` (05, one per chain length K, e.g. 3 and 7): tau, per-position acceptance,
+  speedup against batched greedy in the same run, drafter share of the step time;
+- ``train_report.json`` (04): ``final_val`` top-1 agreement ``acc_i`` of TTT position i on held-out
+  TRAINING data (the validation split), and tokens/s;
+- ``data_report.json`` (03) and ``prompts_report.json`` (01): samples, tokens, loss tokens, answers.
+
+Writes ``quality.json`` (``tau[steps][set]``, ``num_prompts``, ``loss_tokens``, ``config``, the goal and
+whether it was met, per-position acceptance, the train/eval gap) and ``quality.md`` beside it, plus
+``quality_positions.png``: the drafter's top-1 agreement per draft position on held-out training data
+next to the conditional acceptance per position on each benchmark set (the gap between the curves is
+the distribution shift between training data and benchmark prompts; their level is the drafter).
+
+    python bench/quality_summary.py bench/results/h200-20261201 --config configs/smollm2-135m-full.yaml \\
+        --overrides "train.epochs=2 train.batch_tokens=16384 benchmark.max_new_tokens=256" --out bench/results/quality.json
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from eagle3.cli import ArgumentParser, run_main  # noqa: E402
+from eagle3.errors import UserError  # noqa: E402
+from eagle3.io import atomic_write_json, atomic_write_text  # noqa: E402
+
+GOAL = {"3": {"mtbench": 2.5, "gsm8k": 3.0}, "7": {"mtbench": 3.0}}  # issue 10
+
+
+def _read(path: Path, required: bool = True) -> Optional[dict]:
+    if not path.is_file():
+        if required:
+            raise UserError(f"{path}: file not found")
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path}: line {e.lineno}: not valid JSON ({e.msg})") from None
+
+
+def collect(run: Path, config: str, overrides: str = "") -> dict:
+    """The quality summary of one run folder (see the module docstring for the files read).
+
+    Raises:
+        UserError: no ``bench-steps*.json`` in ``run``, or a file that is not valid JSON.
+    """
+    benches = {}
+    for f in sorted(run.glob("bench-steps*.json")):
+        m = re.fullmatch(r"bench-steps(\d+)\.json", f.name)
+        if m:
+            benches[m.group(1)] = _read(f)
+    if not benches:
+        raise UserError(f"{run}: no bench-steps<K>.json (05's bench.json for chain length K)")
+    train = _read(run / "train_report.json", required=False) or {}
+    data = _read(run / "data_report.json", required=False) or {}
+    prompts = _read(run / "prompts_report.json", required=False) or {}
+    tau, per_pos, speed, nprompts = {}, {}, {}, {}
+    for k, b in benches.items():
+        tau[k], per_pos[k], speed[k] = {}, {}, {}
+        for ds in b["datasets"]:
+            name = ds["dataset"]
+            tau[k][name] = round(ds["tau"], 4)
+            nprompts[name] = ds["num_prompts"]
+            per_pos[k][name] = {"conditional": [round(x, 4) for x in ds["conditional"]],
+                                "unconditional": [round(x, 4) for x in ds["unconditional"]]}
+            speed[k][name] = {"batch_size": ds["batch_size"], "speedup": round(ds["speedup"], 4),
+                              "drafter_share": round(ds["drafter_share"], 4), "wall_s": round(ds["wall_seconds"], 2),
+                              "mismatches_beyond_tolerance": ds["failures"], "near_ties": ds["near_ties"]}
+    val = train.get("final_val") or {}
+    val_acc = [round(val[f"acc_{i}"], 4) for i in range(64) if f"acc_{i}" in val]
+    goal = {k: {s: {"goal": g, "tau": tau.get(k, {}).get(s), "met": (tau.get(k, {}).get(s) or 0) >= g}
+                for s, g in sets.items()} for k, sets in GOAL.items()}
+    first = next(iter(benches.values()))
+    regen = prompts.get("regeneration") or {}
+    return {
+        "tau": tau,
+        "num_prompts": nprompts,
+        "loss_tokens": data.get("num_loss_tokens"),
+        "tokens": data.get("num_tokens"),
+        "train_samples": data.get("train_samples"),
+        "conversations": (prompts.get("counts") or {}).get("kept"),
+        "answers_regenerated": regen.get("answers"),
+        "answers_truncated": regen.get("truncated"),
+        "config": config,
+        "overrides": overrides.split() if overrides else [],
+        "evaluator": {"dtype": first.get("dtype"), "device": first.get("device"), "max_new_tokens": first.get("max_new_tokens"),
+                      "tie_tolerance": first.get("tie_tolerance"), "how": "05_benchmark.py, in-process HF verifier, chain drafting, T=0"},
+        "goal": goal,
+        "goal_met": all(v["met"] for sets in goal.values() for v in sets.values()),
+        "per_position": per_pos,
+        "val_top1_per_position": val_acc,
+        "train_eval_gap_pos1": {s: (round(val_acc[0] - p["conditional"][0], 4) if val_acc else None)
+                                for s, p in per_pos[min(per_pos, key=int)].items()},
+        "speed": speed,
+        "train_tokens_per_s": train.get("tokens_per_s"),
+    }
+
+
+def markdown(q: dict) -> str:
+    """Tau table (chain lengths x sets, with the goal), per-position acceptance vs held-out top-1, speedups."""
+    sets = list(q["num_prompts"])
+    lines = ["| steps | " + " | ".join(f"{s} ({q['num_prompts'][s]})" for s in sets) + " |",
+             "|---:|" + "---:|" * len(sets)]
+    for k in sorted(q["tau"], key=int):
+        cells = []
+        for s in sets:
+            t = q["tau"][k].get(s)
+            g = (q["goal"].get(k) or {}).get(s)
+            cells.append("-" if t is None else f"{t:.2f}" + (f" (goal {g['goal']})" if g else ""))
+        lines.append(f"| {k} | " + " | ".join(cells) + " |")
+    k0 = min(q["per_position"], key=int)
+    lines += ["", f"Top-1 per draft position: held-out training data (04 validation) vs conditional acceptance "
+              f"on each set ({k0} steps):", "",
+              "| position | " + " | ".join(["held-out train", *sets]) + " |", "|---:|" + "---:|" * (len(sets) + 1)]
+    for i in range(int(k0)):
+        v = q["val_top1_per_position"][i] if i < len(q["val_top1_per_position"]) else None
+        row = [f"{v:.2f}" if v is not None else "-"] + [f"{q['per_position'][k0][s]['conditional'][i]:.2f}" for s in sets]
+        lines.append(f"| {i + 1} | " + " | ".join(row) + " |")
+    lines += ["", "| steps | set | batch | speedup vs batched greedy | drafter share | wall s |", "|---:|---|---:|---:|---:|---:|"]
+    for k in sorted(q["speed"], key=int):
+        for s, v in q["speed"][k].items():
+            lines.append(f"| {k} | {s} | {v['batch_size']} | {v['speedup']:.2f}x | {v['drafter_share']:.2f} | {v['wall_s']} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(q: dict, path: Path) -> None:
+    """Per-position curves: held-out training top-1 and each set's conditional acceptance (longest chain)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    k = max(q["per_position"], key=int)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    val = q["val_top1_per_position"][: int(k)]
+    if val:
+        ax.plot(range(1, len(val) + 1), val, "k--o", label="held-out training data (top-1)")
+    for s, p in q["per_position"][k].items():
+        ax.plot(range(1, len(p["conditional"]) + 1), p["conditional"], "-o", label=f"{s} (conditional acceptance)")
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("P(accepted | previous accepted)")
+    ax.set_ylim(0, 1)
+    ax.set_title(f"Where tau is lost ({k}-step chain)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    tmp = path.with_name(path.name + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)
+
+
+def main(argv=None) -> int:
+    p = ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("run", type=Path, help="folder with bench-steps<K>.json, train_report.json, data_report.json, prompts_report.json")
+    p.add_argument("--config", default="configs/smollm2-135m-full.yaml", help="the run's config (recorded)")
+    p.add_argument("--overrides", default="", help="the run's --set overrides, space-separated (recorded)")
+    p.add_argument("--out", type=Path, default=Path("bench/results/quality.json"))
+    a = p.parse_args(argv)
+    if not a.run.is_dir():
+        raise UserError(f"{a.run}: not a folder")
+    q = collect(a.run, a.config, a.overrides)
+    q["source"] = str(a.run)
+    atomic_write_json(a.out, q)
+    md = markdown(q)
+    atomic_write_text(a.out.with_suffix(".md"), md)
+    plot(q, a.out.with_name(a.out.stem + "_positions.png"))
+    print(md, end="")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)
