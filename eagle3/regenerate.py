@@ -6,17 +6,24 @@ SpecForge/speculators both regenerate). Answers are produced turn by turn: turn 
 the user turns 0..k and the REGENERATED answers 0..k-1, so a multi-turn conversation stays
 self-consistent.
 
-Batching: within a turn round, prompts are sorted by token length (fewer pads), batched with LEFT
-padding (every row's last prompt token sits at the same column, so one ``generate`` call continues
-all rows) and decoded greedily. Greedy decoding with an attention mask and mask-derived position
-ids gives the same tokens as unbatched decoding up to floating-point rounding (tested).
+Batching: a ready pool, not turn rounds. A conversation's turn k+1 becomes ready as soon as its turn
+k is answered, and every ``generate`` call takes up to ``batch_size`` ready turns of ANY turn index,
+chosen by :func:`pick_batch` (conversations with more turns left first, so a multi-turn
+conversation advances one turn in every batch of the first-turn bulk instead of running one small
+batch per turn after it; the rest of the batch by prompt length, fewer pads). A ``generate`` batch
+runs until its longest answer stops, and decoding a small verifier is launch-bound (a step costs
+about the same at 10 rows as at 1024), so the cost is the number of batches times their longest
+answer: ``stats["decode_steps"]``. Prompts are LEFT padded (every row's last prompt token sits at
+the same column, so one ``generate`` call continues all rows) and decoded greedily. Greedy decoding
+with an attention mask and mask-derived position ids gives the same tokens as unbatched decoding up
+to floating-point rounding (tested), so the schedule does not change the answers.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from tqdm import tqdm
@@ -32,6 +39,46 @@ def _turns(conv: dict) -> tuple[Optional[dict], list[str]]:
     msgs = conv["messages"]
     system = msgs[0] if msgs and msgs[0]["role"] == "system" else None
     return system, [m["content"] for m in msgs if m["role"] == "user"]
+
+
+def pick_batch(prompt_lens: Sequence[int], remaining: Sequence[int], batch_size: int) -> list[int]:
+    """Which ready turns go into the next ``generate`` batch (a pure function of the ready pool).
+
+    Args:
+        prompt_lens: token length of each ready turn's prompt (one ready turn per conversation).
+        remaining: per ready turn, the user turns its conversation still has to answer, this one
+            included (``>= 1``).
+        batch_size: rows per batch (``>= 1``).
+
+    Returns:
+        positions into the ready lists, at most ``batch_size``, in batch order:
+        1. turns of conversations with ``remaining >= 2``, most remaining first (ties: shorter
+           prompt, then position): the longest conversation is the critical path (one batch per
+           turn), so it advances in every batch;
+        2. the rest filled from the last turns (``remaining == 1``) that add no padding first (prompt
+           no longer than the longest prompt already picked, longest first), then the shortest
+           (ties: position). With no multi-turn conversation ready this is the old plan: batches
+           of consecutive prompt lengths.
+
+    Raises:
+        ValueError: lists of different lengths, ``batch_size < 1`` or a ``remaining < 1``.
+    """
+    if len(prompt_lens) != len(remaining) or batch_size < 1 or any(r < 1 for r in remaining):
+        raise ValueError("pick_batch: prompt_lens and remaining must have the same length, "
+                         "remaining >= 1 and batch_size >= 1")
+    multi = sorted((j for j, r in enumerate(remaining) if r >= 2),
+                   key=lambda j: (-remaining[j], prompt_lens[j], j))[:batch_size]
+    width = max((prompt_lens[j] for j in multi), default=0)
+    last = [j for j, r in enumerate(remaining) if r == 1]
+    free = sorted((j for j in last if prompt_lens[j] <= width), key=lambda j: (-prompt_lens[j], j))
+    wider = sorted((j for j in last if prompt_lens[j] > width), key=lambda j: (prompt_lens[j], j))
+    return (multi + free + wider)[:batch_size]
+
+
+def answer_steps(n_tokens: int, stopped: bool, max_new_tokens: int) -> int:
+    """Decode steps ``generate`` spends on one answer: its tokens plus the stop token, at most
+    ``max_new_tokens`` (a batch runs until its longest answer stops: the batch costs the max)."""
+    return min(max_new_tokens, n_tokens + int(stopped))
 
 
 @torch.inference_mode()
@@ -74,7 +121,11 @@ def generate_greedy(model, prompts: list[list[int]], max_new_tokens: int, stop_i
 def regenerate(model, tokenizer, conversations: list[dict], max_new_tokens: int, batch_size: int,
                chat_template: Optional[str] = None, stats: Optional[dict] = None,
                opts: Optional[ChatOptions] = None, max_context: Optional[int] = None) -> list[dict]:
-    """Replace every assistant turn with the verifier's greedy answer, turn by turn.
+    """Replace every assistant turn with the verifier's greedy answer, turn by turn, from a ready pool.
+
+    Turn k+1 of a conversation is rendered (with the regenerated answers 0..k) as soon as turn k is
+    answered; each ``generate`` batch takes up to ``batch_size`` ready turns chosen by
+    :func:`pick_batch` (see the module docstring).
 
     Args:
         model: the verifier (HF causal LM, eval mode).
@@ -83,7 +134,7 @@ def regenerate(model, tokenizer, conversations: list[dict], max_new_tokens: int,
             user turn gets an answer).
         max_new_tokens: answer budget per turn; an answer that hits it is kept as is (counted in
             ``stats["truncated"]``).
-        batch_size: prompts per ``generate`` call.
+        batch_size: prompts per ``generate`` call (ready turns of any turn index).
         chat_template: Jinja template overriding the tokenizer's (ignored when ``opts`` is given).
         opts: rendering options (template, ``chat_template_kwargs``, ``reply_start``, think tags):
             prompts are :func:`eagle3.chat.generation_prompt`, exactly what a server renders.
@@ -97,7 +148,10 @@ def regenerate(model, tokenizer, conversations: list[dict], max_new_tokens: int,
             excluded), ``truncated``, ``seconds`` (wall time of generation), ``kept_with_tools``
             (conversations with tool calls, returned unchanged: their tool results answer the
             original calls, which cannot be re-run here), ``turns_over_context`` (user turns left
-            unanswered by ``max_context``) and ``dropped_over_context`` (conversations left out).
+            unanswered by ``max_context``), ``dropped_over_context`` (conversations left out),
+            ``batches`` (``generate`` calls) and ``decode_steps`` (sum over batches of the longest
+            answer's steps, stop token included, at most ``max_new_tokens``: the GPU-time figure of a
+            launch-bound decoder).
 
     Returns:
         New conversations ``{id, messages}`` in input order (less those left out by ``max_context``):
@@ -124,50 +178,63 @@ def regenerate(model, tokenizer, conversations: list[dict], max_new_tokens: int,
     for i, c in enumerate(conversations):
         system, users = _turns(c) if i not in passthrough else (None, [])
         state.append(([system] if system is not None else [], users))
-    rounds = max((len(u) for _, u in state), default=0)
     total = sum(len(u) for _, u in state)
     st = {"answers": 0, "new_tokens": 0, "truncated": 0, "seconds": 0.0, "kept_with_tools": len(passthrough),
-          "turns_over_context": 0, "dropped_over_context": 0}
+          "turns_over_context": 0, "dropped_over_context": 0, "batches": 0, "decode_steps": 0}
     dropped = set()
+    done = [0] * len(state)  # answered turns per conversation
+    ready: dict[int, tuple[list[int], str]] = {}  # conversation -> (prompt ids, prompt text) of its next turn
+
+    def make_ready(i: int, bar) -> None:
+        """Render conversation i's next turn; apply the context cap (that turn and later ones dropped)."""
+        msgs, users = state[i]
+        k = done[i]
+        msgs.append({"role": "user", "content": users[k]})
+        head = generation_prompt(tokenizer, msgs, opts, conversations[i].get("tools"))
+        ids = list(tokenizer(head, add_special_tokens=False)["input_ids"])
+        if max_context is not None and len(ids) >= max_context:
+            msgs.pop()  # the unanswered user turn
+            st["turns_over_context"] += len(users) - k
+            bar.update(len(users) - k)
+            state[i] = (msgs, users[:k])
+            if k == 0:
+                dropped.add(i)
+            return
+        ready[i] = (ids, head)
+
     t0 = time.perf_counter()
     with tqdm(total=total, desc="regenerate", unit="answer") as bar:
-        for k in range(rounds):
-            todo = [i for i, (_, u) in enumerate(state) if len(u) > k]
-            prompts, heads = {}, {}
-            for i in todo:
-                msgs, users = state[i]
-                msgs.append({"role": "user", "content": users[k]})
-                heads[i] = generation_prompt(tokenizer, msgs, opts, conversations[i].get("tools"))
-                prompts[i] = list(tokenizer(heads[i], add_special_tokens=False)["input_ids"])
-                if max_context is not None and len(prompts[i]) >= max_context:
-                    msgs.pop()  # the unanswered user turn
-                    st["turns_over_context"] += len(users) - k
-                    bar.update(len(users) - k)
-                    state[i] = (msgs, users[:k])
-                    del prompts[i], heads[i]
-                    if k == 0:
-                        dropped.add(i)
-            todo = [i for i in todo if i in prompts]
-            order = sorted(todo, key=lambda i: (len(prompts[i]), i))
-            for b in range(0, len(order), batch_size):
-                chunk = order[b:b + batch_size]
-                answers = generate_greedy(model, [prompts[i] for i in chunk], max_new_tokens, stop_ids, pad_id)
-                for i, (ans, stopped) in zip(chunk, answers):
-                    text = tokenizer.decode(ans, skip_special_tokens=True)
-                    # ``tokens``: the ids the verifier actually produced. Decoding to text and
-                    # re-tokenizing is not always the identity (e.g. 24 "\n" tokens re-tokenize as
-                    # two multi-newline tokens), so stage 02 uses these ids for the reply.
-                    msg = {"role": "assistant", "content": text, "tokens": [int(t) for t in ans]}
-                    # think tags may be special tokens: split on the text with specials kept
-                    reasoning, answer = split_reasoning(tokenizer.decode(ans, skip_special_tokens=False),
-                                                        opts.think_tags, heads[i].rstrip().endswith(opts.think_tags[0]))
-                    if reasoning is not None:
-                        msg.update(content=answer, reasoning_content=reasoning)
-                    state[i][0].append(msg)
-                    st["new_tokens"] += len(ans)
-                    st["truncated"] += int(not stopped)
-                    st["answers"] += 1
-                bar.update(len(chunk))
+        for i, (_, users) in enumerate(state):
+            if users:
+                make_ready(i, bar)
+        while ready:
+            pool = sorted(ready)
+            pick = pick_batch([len(ready[i][0]) for i in pool], [len(state[i][1]) - done[i] for i in pool],
+                              batch_size)
+            chunk = [pool[j] for j in pick]
+            answers = generate_greedy(model, [ready[i][0] for i in chunk], max_new_tokens, stop_ids, pad_id)
+            st["batches"] += 1
+            st["decode_steps"] += max(answer_steps(len(ans), stopped, max_new_tokens) for ans, stopped in answers)
+            for i, (ans, stopped) in zip(chunk, answers):
+                head = ready.pop(i)[1]
+                text = tokenizer.decode(ans, skip_special_tokens=True)
+                # ``tokens``: the ids the verifier actually produced. Decoding to text and
+                # re-tokenizing is not always the identity (e.g. 24 "\n" tokens re-tokenize as
+                # two multi-newline tokens), so stage 02 uses these ids for the reply.
+                msg = {"role": "assistant", "content": text, "tokens": [int(t) for t in ans]}
+                # think tags may be special tokens: split on the text with specials kept
+                reasoning, answer = split_reasoning(tokenizer.decode(ans, skip_special_tokens=False),
+                                                    opts.think_tags, head.rstrip().endswith(opts.think_tags[0]))
+                if reasoning is not None:
+                    msg.update(content=answer, reasoning_content=reasoning)
+                state[i][0].append(msg)
+                done[i] += 1
+                st["new_tokens"] += len(ans)
+                st["truncated"] += int(not stopped)
+                st["answers"] += 1
+                if done[i] < len(state[i][1]):
+                    make_ready(i, bar)  # turn k+1 is ready as soon as turn k is answered
+            bar.update(len(chunk))
     st["seconds"] = time.perf_counter() - t0
     st["dropped_over_context"] = len(dropped)
     if dropped:

@@ -7,7 +7,8 @@ import torch
 
 from eagle3.chat import end_of_turn_ids
 from eagle3.config import VerifierConfig
-from eagle3.regenerate import generate_greedy, regenerate
+import eagle3.regenerate as regen_mod
+from eagle3.regenerate import answer_steps, generate_greedy, pick_batch, regenerate
 from eagle3.verifier import load_verifier
 
 MAX_NEW = 6
@@ -141,3 +142,67 @@ def test_context_cap_answers_turns_only_below_the_cap(tiny):
     assert stats["turns_over_context"] == turns_left >= 2
     # no cap reached: identical to the uncapped run
     assert regenerate(model, tok, CONVS, max_new_tokens=MAX_NEW, batch_size=3, max_context=10_000) == full
+
+
+def test_pick_batch_hand_computed():
+    """Multi-turn conversations first (most turns left first), then last turns that add no padding
+    (longest first), then the shortest of the rest; ties by position."""
+    # multi: 4 (5 left), 1 (3 left) -> width max(4, 9) = 9; every last turn fits under it: 5 (8), 3 (7), 0 (5), 2 (3)
+    assert pick_batch([5, 9, 3, 7, 4, 8], [1, 3, 1, 1, 5, 1], 4) == [4, 1, 5, 3]
+    assert pick_batch([5, 9, 3, 7, 4, 8], [1, 3, 1, 1, 5, 1], 1) == [4]
+    # width max(2, 4) = 4: only 2 (3) fits under it; then the shortest wider ones: 0 (5), 3 (7), 5 (8)
+    assert pick_batch([5, 2, 3, 7, 4, 8], [1, 3, 1, 1, 5, 1], 4) == [4, 1, 2, 0]
+    assert pick_batch([5, 2, 3, 7, 4, 8], [1, 3, 1, 1, 5, 1], 10) == [4, 1, 2, 0, 3, 5]
+    # equal turns left: shorter prompt first, then position
+    assert pick_batch([6, 4, 4], [2, 2, 2], 2) == [1, 2]
+    # no multi-turn conversation ready: consecutive prompt lengths from the shortest (the old plan)
+    assert pick_batch([5, 3, 3, 1], [1, 1, 1, 1], 2) == [3, 1]
+    assert pick_batch([], [], 3) == []
+    with pytest.raises(ValueError):
+        pick_batch([1, 2], [1], 2)
+    with pytest.raises(ValueError):
+        pick_batch([1], [0], 2)
+    with pytest.raises(ValueError):
+        pick_batch([1], [1], 0)
+
+
+def test_answer_steps():
+    assert answer_steps(3, True, 6) == 4  # 3 tokens + the stop token
+    assert answer_steps(5, True, 6) == 6
+    assert answer_steps(6, False, 6) == 6  # truncated at the budget
+    assert answer_steps(0, True, 6) == 1
+
+
+def _conv(cid, n_turns, system=None):
+    msgs = [{"role": "system", "content": system}] if system else []
+    for t in range(n_turns):
+        msgs += [{"role": "user", "content": f"Conversation {cid}, question {t + 1}: tell me about the number {t * 7 + 3}."},
+                 {"role": "assistant", "content": "old"}]
+    return {"id": cid, "messages": msgs}
+
+
+def test_pooled_turns_of_any_round_equal_reference(tiny, monkeypatch):
+    """Conversations of 1, 3 and 5 turns (plus another single turn) at batch size 2 < the 4 ready first
+    turns: batches mix turn indices, the answers still equal the unbatched uncached greedy reference, and
+    the 5-turn conversation advances in every batch, so 5 batches suffice (round by round: 2 + 1 + 1 + 1 + 1 = 6)."""
+    model, tok = tiny
+    convs = [_conv("one", 1), _conv("three", 3, system="Be brief."), _conv("five", 5), _conv("single", 1)]
+    batches = []
+    real = regen_mod.generate_greedy
+
+    def spy(model_, prompts, max_new, stops, pad):
+        out = real(model_, prompts, max_new, stops, pad)
+        batches.append((len(prompts), out))
+        return out
+
+    monkeypatch.setattr(regen_mod, "generate_greedy", spy)
+    stats = {}
+    got = regenerate(model, tok, convs, max_new_tokens=MAX_NEW, batch_size=2, stats=stats)
+    want = [_reference_regenerate(model, tok, c, MAX_NEW) for c in convs]
+    assert got == want
+    assert [sum(m["role"] == "assistant" for m in c["messages"]) for c in got] == [1, 3, 5, 1]
+    assert stats["answers"] == 10
+    assert stats["batches"] == len(batches) == 5
+    assert all(n == 2 for n, _ in batches)
+    assert stats["decode_steps"] == sum(max(answer_steps(len(a), s, MAX_NEW) for a, s in out) for _, out in batches)
+    assert 5 <= stats["decode_steps"] <= 5 * MAX_NEW
