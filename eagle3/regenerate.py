@@ -8,9 +8,9 @@ self-consistent.
 
 Batching: a ready pool, not turn rounds. A conversation's turn k+1 becomes ready as soon as its turn
 k is answered, and every ``generate`` call takes up to ``batch_size`` ready turns of ANY turn index,
-chosen by :func:`pick_batch` (conversations with more turns left first, so a multi-turn
-conversation advances one turn in every batch of the first-turn bulk instead of running one small
-batch per turn after it; the rest of the batch by prompt length, fewer pads). A ``generate`` batch
+chosen by :func:`pick_batch` (conversations with more turns left than full batches left first, so
+a multi-turn conversation advances one turn in every batch of the first-turn bulk instead of
+running one batch per turn after it; the rest of the batch by prompt length, fewer pads). A ``generate`` batch
 runs until its longest answer stops, and decoding a small verifier is launch-bound (a step costs
 about the same at 10 rows as at 1024), so the cost is the number of batches times their longest
 answer: ``stats["decode_steps"]``. Prompts are LEFT padded (every row's last prompt token sits at
@@ -44,21 +44,29 @@ def _turns(conv: dict) -> tuple[Optional[dict], list[str]]:
 def pick_batch(prompt_lens: Sequence[int], remaining: Sequence[int], batch_size: int) -> list[int]:
     """Which ready turns go into the next ``generate`` batch (a pure function of the ready pool).
 
+    Every unfinished conversation has exactly one ready turn, so ``bulk = ceil(sum(remaining) /
+    batch_size)`` is the number of full batches the answers still need. A conversation with
+    ``remaining >= bulk`` (and at least 2) is critical: it must advance in every batch to finish
+    inside the bulk instead of after it, where each of its turns would cost a batch of its own
+    (a batch runs up to ``max_new_tokens`` decode steps however few rows it has). The batch is:
+
+    1. the critical turns, most remaining first (ties: shorter prompt, then position), at most
+       ``batch_size``;
+    2. then the other turns ordered by prompt length (ties: more remaining, then position): first
+       those no longer than the widest critical prompt, longest first (they add no padding column),
+       then the shortest wider ones, up to ``batch_size``.
+
+    With first turns only (every ``remaining == 1``) this is the old round plan: batches of
+    consecutive prompt lengths from the shortest.
+
     Args:
-        prompt_lens: token length of each ready turn's prompt (one ready turn per conversation).
+        prompt_lens: token length of each ready turn's prompt.
         remaining: per ready turn, the user turns its conversation still has to answer, this one
-            included (``>= 1``).
+            included (``>= 1``; later turns a context cap will drop are counted).
         batch_size: rows per batch (``>= 1``).
 
     Returns:
-        positions into the ready lists, at most ``batch_size``, in batch order:
-        1. turns of conversations with ``remaining >= 2``, most remaining first (ties: shorter
-           prompt, then position): the longest conversation is the critical path (one batch per
-           turn), so it advances in every batch;
-        2. the rest filled from the last turns (``remaining == 1``) that add no padding first (prompt
-           no longer than the longest prompt already picked, longest first), then the shortest
-           (ties: position). With no multi-turn conversation ready this is the old plan: batches
-           of consecutive prompt lengths.
+        positions into the ready lists, ``min(batch_size, len(prompt_lens))`` of them, in batch order.
 
     Raises:
         ValueError: lists of different lengths, ``batch_size < 1`` or a ``remaining < 1``.
@@ -66,13 +74,16 @@ def pick_batch(prompt_lens: Sequence[int], remaining: Sequence[int], batch_size:
     if len(prompt_lens) != len(remaining) or batch_size < 1 or any(r < 1 for r in remaining):
         raise ValueError("pick_batch: prompt_lens and remaining must have the same length, "
                          "remaining >= 1 and batch_size >= 1")
-    multi = sorted((j for j, r in enumerate(remaining) if r >= 2),
-                   key=lambda j: (-remaining[j], prompt_lens[j], j))[:batch_size]
-    width = max((prompt_lens[j] for j in multi), default=0)
-    last = [j for j, r in enumerate(remaining) if r == 1]
-    free = sorted((j for j in last if prompt_lens[j] <= width), key=lambda j: (-prompt_lens[j], j))
-    wider = sorted((j for j in last if prompt_lens[j] > width), key=lambda j: (prompt_lens[j], j))
-    return (multi + free + wider)[:batch_size]
+    bulk = -(-sum(remaining) // batch_size)  # full batches still needed
+    critical = sorted((j for j, r in enumerate(remaining) if r >= max(2, bulk)),
+                      key=lambda j: (-remaining[j], prompt_lens[j], j))[:batch_size]
+    width = max((prompt_lens[j] for j in critical), default=0)
+    chosen = set(critical)
+    others = sorted((j for j in range(len(remaining)) if j not in chosen),
+                    key=lambda j: (prompt_lens[j], -remaining[j], j))
+    under = [j for j in others if prompt_lens[j] <= width][::-1]
+    wider = [j for j in others if prompt_lens[j] > width]
+    return (critical + under + wider)[:batch_size]
 
 
 def answer_steps(n_tokens: int, stopped: bool, max_new_tokens: int) -> int:
@@ -120,7 +131,8 @@ def generate_greedy(model, prompts: list[list[int]], max_new_tokens: int, stop_i
 
 def regenerate(model, tokenizer, conversations: list[dict], max_new_tokens: int, batch_size: int,
                chat_template: Optional[str] = None, stats: Optional[dict] = None,
-               opts: Optional[ChatOptions] = None, max_context: Optional[int] = None) -> list[dict]:
+               opts: Optional[ChatOptions] = None, max_context: Optional[int] = None,
+               schedule: str = "pool") -> list[dict]:
     """Replace every assistant turn with the verifier's greedy answer, turn by turn, from a ready pool.
 
     Turn k+1 of a conversation is rendered (with the regenerated answers 0..k) as soon as turn k is
@@ -152,6 +164,9 @@ def regenerate(model, tokenizer, conversations: list[dict], max_new_tokens: int,
             ``batches`` (``generate`` calls) and ``decode_steps`` (sum over batches of the longest
             answer's steps, stop token included, at most ``max_new_tokens``: the GPU-time figure of a
             launch-bound decoder).
+        schedule: ``"pool"`` (default: :func:`pick_batch` over the ready pool) or ``"rounds"`` (the
+            former plan, kept as the baseline of ``bench/regen_speed.py``: all turns k, sorted by
+            prompt length, before any turn k+1). The answers do not depend on it (greedy, tested).
 
     Returns:
         New conversations ``{id, messages}`` in input order (less those left out by ``max_context``):
@@ -165,6 +180,8 @@ def regenerate(model, tokenizer, conversations: list[dict], max_new_tokens: int,
     """
     if batch_size < 1 or max_new_tokens < 1:
         raise ValueError("batch_size and max_new_tokens must be >= 1")
+    if schedule not in ("pool", "rounds"):
+        raise ValueError(f"schedule: 'pool' or 'rounds', not {schedule!r}")
     opts = opts if opts is not None else ChatOptions(chat_template=chat_template)
     stop_ids = end_of_turn_ids(tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -209,9 +226,13 @@ def regenerate(model, tokenizer, conversations: list[dict], max_new_tokens: int,
                 make_ready(i, bar)
         while ready:
             pool = sorted(ready)
-            pick = pick_batch([len(ready[i][0]) for i in pool], [len(state[i][1]) - done[i] for i in pool],
-                              batch_size)
-            chunk = [pool[j] for j in pick]
+            if schedule == "rounds":  # the lowest turn index only, by prompt length
+                k = min(done[i] for i in pool)
+                chunk = sorted((i for i in pool if done[i] == k), key=lambda i: (len(ready[i][0]), i))[:batch_size]
+            else:
+                pick = pick_batch([len(ready[i][0]) for i in pool], [len(state[i][1]) - done[i] for i in pool],
+                                  batch_size)
+                chunk = [pool[j] for j in pick]
             answers = generate_greedy(model, [ready[i][0] for i in chunk], max_new_tokens, stop_ids, pad_id)
             st["batches"] += 1
             st["decode_steps"] += max(answer_steps(len(ans), stopped, max_new_tokens) for ans, stopped in answers)

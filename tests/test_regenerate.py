@@ -145,17 +145,25 @@ def test_context_cap_answers_turns_only_below_the_cap(tiny):
 
 
 def test_pick_batch_hand_computed():
-    """Multi-turn conversations first (most turns left first), then last turns that add no padding
-    (longest first), then the shortest of the rest; ties by position."""
-    # multi: 4 (5 left), 1 (3 left) -> width max(4, 9) = 9; every last turn fits under it: 5 (8), 3 (7), 0 (5), 2 (3)
+    """Critical turns (conversations with >= 2 and >= ceil(total / batch_size) turns left) first, most
+    left first; then the others by prompt length: those under the widest critical prompt longest first
+    (no padding added), then the shortest; ties by more turns left, then position."""
+    # 12 turns left / 4 = 3 full batches: 4 (5 left) and 1 (3 left) are critical, width max(4, 9) = 9;
+    # every other turn fits under it: 5 (8), 3 (7), 0 (5), 2 (3)
     assert pick_batch([5, 9, 3, 7, 4, 8], [1, 3, 1, 1, 5, 1], 4) == [4, 1, 5, 3]
-    assert pick_batch([5, 9, 3, 7, 4, 8], [1, 3, 1, 1, 5, 1], 1) == [4]
+    # batch size 1: 12 batches are needed whatever the order, nothing is critical: the shortest prompt
+    assert pick_batch([5, 9, 3, 7, 4, 8], [1, 3, 1, 1, 5, 1], 1) == [2]
     # width max(2, 4) = 4: only 2 (3) fits under it; then the shortest wider ones: 0 (5), 3 (7), 5 (8)
     assert pick_batch([5, 2, 3, 7, 4, 8], [1, 3, 1, 1, 5, 1], 4) == [4, 1, 2, 0]
     assert pick_batch([5, 2, 3, 7, 4, 8], [1, 3, 1, 1, 5, 1], 10) == [4, 1, 2, 0, 3, 5]
-    # equal turns left: shorter prompt first, then position
-    assert pick_batch([6, 4, 4], [2, 2, 2], 2) == [1, 2]
-    # no multi-turn conversation ready: consecutive prompt lengths from the shortest (the old plan)
+    # 5 turns left / 2 = 3 batches: a conversation with 2 turns left can wait (it is ordered by length) ...
+    assert pick_batch([4, 6, 2, 9], [2, 1, 1, 1], 2) == [2, 0]
+    assert pick_batch([1, 6, 2, 9], [2, 1, 1, 1], 2) == [0, 2]
+    # ... one with 3 left cannot (6 / 2 = 3 batches): it goes first, then 2 (2 <= its width 4)
+    assert pick_batch([4, 6, 2, 9], [3, 1, 1, 1], 2) == [0, 2]
+    # equal prompt lengths, nothing critical: more turns left first
+    assert pick_batch([3, 3, 3], [1, 2, 1], 1) == [1]
+    # first turns only: consecutive prompt lengths from the shortest (the old plan)
     assert pick_batch([5, 3, 3, 1], [1, 1, 1, 1], 2) == [3, 1]
     assert pick_batch([], [], 3) == []
     with pytest.raises(ValueError):
@@ -206,3 +214,11 @@ def test_pooled_turns_of_any_round_equal_reference(tiny, monkeypatch):
     assert all(n == 2 for n, _ in batches)
     assert stats["decode_steps"] == sum(max(answer_steps(len(a), s, MAX_NEW) for a, s in out) for _, out in batches)
     assert 5 <= stats["decode_steps"] <= 5 * MAX_NEW
+    # the former round plan (bench baseline): same answers, 2 + 1 + 1 + 1 + 1 batches
+    batches.clear()
+    old = {}
+    assert regenerate(model, tok, convs, max_new_tokens=MAX_NEW, batch_size=2, stats=old, schedule="rounds") == want
+    assert old["batches"] == len(batches) == 6
+    assert [n for n, _ in batches] == [2, 2, 2, 2, 1, 1]  # rounds 0 (4 turns), 1 and 2 (three, five), 3, 4 (five)
+    with pytest.raises(ValueError):
+        regenerate(model, tok, convs, max_new_tokens=MAX_NEW, batch_size=2, schedule="fifo")
