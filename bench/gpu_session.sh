@@ -7,25 +7,36 @@
 #   bash bench/gpu_session.sh start     # after `. /tmp/gpu/env.sh`: launch `run` detached, return at once
 #   bash bench/gpu_session.sh wait 540  # wait up to 540 s for the detached run; pack results into $OUT
 #   bash bench/gpu_session.sh run       # (what `start` launches) everything below, in dependency order
+#   bash bench/gpu_session.sh stop      # end the detached run (its whole process group; never `pkill -f`
+#                                       # a pattern that is also in your own command line: it kills the call)
 #
 # The work is a dependency graph run with as much overlap as one H200 (16 cores) allows; a 135M
 # verifier and its drafter are launch-bound, so independent processes share the GPU well:
 #   kimi_step (alone, so the Kimi step time is not shared)       -> then, in parallel:
 #   tokenize bench | capture bench | s01 -> s02 -> s03 -> { s04 -> s05 steps 3, 7 -> bench_speed (batch 1/8/32/80)
 #                                         | fp8: convert -> 03 -> 04 -> 05 steps 3   (same seed, same shards)
-#                                         | curve (after s04): 03 with data.train_samples=N -> 04 -> 05, N in CURVE }
+#                                         | curve (after s04): 03 with data.train_samples=N -> 04 -> 05, N in CURVE
+#                                         | ablations (after s04): 03 -> 04 -> 05 per ABL entry | 05 served with SHIFT }
 # Every phase writes $W/status/<phase>.{done,failed} with its wall seconds, so a phase that fails does
 # not stop the independent ones, and `wait` reports exactly what ran. Concurrent phases share the GPU:
 # their wall times and tokens/s are not solo figures (the speed benches measure ratios in one process).
 # Env: W (work dir, default /tmp/gpu-run), CONFIG (default configs/smollm2-135m-full.yaml),
 #      RUN_SETS (extra --set for every stage of the real-data runs), CURVE (training-sample counts of the
-#      data curve, default "1000 3000 6000"; empty = none), SPEED (1 = run the speed benches, default 1).
+#      data curve, default "1000 3000 6000"; empty = none), SPEED (1 = run the speed benches, default 1),
+#      SEED (a folder holding prompts.jsonl[.gz] + prompts_report.json of an earlier 01 with the same settings:
+#      copied into the run root first, so 01 finds them up to date and skips regeneration, ~16 min on an H200),
+#      FP8 (1 = the fp8 chain, default 1), ABL (ablations retrained on the same shards, "name:key=v,key=v ...";
+#      default "ttt1:train.ttt_length=1 vocab8k:data.draft_vocab_size=8000 vocab49k:data.draft_vocab_size=49152";
+#      empty = none), SHIFT (aux layers the main drafter is ALSO served with, default "3 16 28": the one-layer
+#      serving shift of issue 10; empty = skip).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 W=${W:-/tmp/gpu-run}
 CONFIG=${CONFIG:-configs/smollm2-135m-full.yaml}
 PY=${PYTHON:-python3}
 CURVE=${CURVE-1000 3000 6000}
+ABL=${ABL-ttt1:train.ttt_length=1 vocab8k:data.draft_vocab_size=8000 vocab49k:data.draft_vocab_size=49152}
+SHIFT=${SHIFT-3 16 28}
 mkdir -p "$W/status" "$W/res"
 ROOT="$W/real"
 # the fp8 copy goes to RAM (/dev/shm) when it has room: bf16 shards of the full run take ~35 GB of the
@@ -74,16 +85,42 @@ curve_chain() {  # issue 10 item 2: the same recipe on nested subsets of the tra
   wait
 }
 
+seed_prompts() {  # SEED: reuse an earlier regeneration (01 checks its settings and redoes it if they differ)
+  [ -n "${SEED:-}" ] || return 0
+  mkdir -p "$ROOT"
+  [ -e "$ROOT/prompts.jsonl" ] && return 0
+  if [ -e "$SEED/prompts.jsonl.gz" ]; then gunzip -c "$SEED/prompts.jsonl.gz" > "$ROOT/prompts.jsonl.tmp"
+  else cp "$SEED/prompts.jsonl" "$ROOT/prompts.jsonl.tmp"; fi
+  mv "$ROOT/prompts.jsonl.tmp" "$ROOT/prompts.jsonl"
+  cp "$SEED/prompts_report.json" "$ROOT/prompts_report.json"
+  echo "== seeded $ROOT/prompts.jsonl from $SEED"
+}
+
+ablations() {  # issue 10 item 1: one change at a time, retrained on the main run's shards
+  for a in $ABL; do
+    local name=${a%%:*} sets=${a#*:}
+    derived "abl_$name" "$W/abl-$name" ${sets//,/ } &
+  done
+  wait
+}
+
 real_track() {
+  seed_prompts
   phase s01 "$PY" 01_prepare_prompts.py --config "$CONFIG" "${SETS[@]}" &&
   phase s02 "$PY" 02_extract_hidden.py --config "$CONFIG" "${SETS[@]}" &&
   phase s03 "$PY" 03_prepare_data.py --config "$CONFIG" "${SETS[@]}" || return 1
-  fp8_chain & local fp=$!
+  local fp=""
+  if [ "${FP8:-1}" = 1 ]; then fp8_chain & fp=$!; fi
   if phase s04 "$PY" 04_train.py --config "$CONFIG" "${SETS[@]}"; then
     curve_chain & local cv=$!
+    ablations & local ab=$!
+    if [ -n "$SHIFT" ]; then
+      phase s05_shift "$PY" 05_benchmark.py --config "$CONFIG" "${SETS[@]}" --set "benchmark.output_dir=$ROOT/bench-shift" \
+          --steps 3 --serve-aux-layers $SHIFT &
+    fi
     phase s05_steps3 "$PY" 05_benchmark.py --config "$CONFIG" "${SETS[@]}" --set "benchmark.output_dir=$ROOT/bench-steps3" --steps 3 &
     phase s05_steps7 "$PY" 05_benchmark.py --config "$CONFIG" "${SETS[@]}" --set "benchmark.output_dir=$ROOT/bench-steps7" --steps 7 &
-    wait "$fp" "$cv"; wait
+    wait $fp "$cv" "$ab"; wait
     phase bench_speed "$PY" bench/offline_bench_speed.py --config "$CONFIG" "${SETS[@]}" --batch-sizes 1 8 32 80 \
         --headline-batch-size 80 --json "$W/res/bench_speed.json"
   fi
@@ -92,7 +129,7 @@ real_track() {
 
 pack() {  # small results -> $OUT/results.tar.gz (+ the regenerated prompts once)
   [ -n "${OUT:-}" ] || return 0
-  for r in "$W"/real "$FP8_ROOT" "$W"/curve-*; do
+  for r in "$W"/real "$FP8_ROOT" "$W"/curve-* "$W"/abl-*; do
     [ -d "$r" ] || continue
     for f in "$r"/prompts_report.json "$r"/shards/data_config.json "$r"/data/data_report.json \
              "$r"/train/train_report.json "$r"/train/train_log.jsonl "$r"/bench*/bench.json "$r"/bench*/bench.md; do
@@ -121,12 +158,15 @@ case "${1:-}" in
     touch "$W/status/ALL.done" ;;
   start)
     setsid nohup bash "$0" run > "$W/run.log" 2>&1 < /dev/null &
+    echo $! > "$W/run.pid"
     sleep 2; echo "started (pid $!), log $W/run.log" ;;
+  stop)  # setsid made the run a process-group leader: end the group (the run and every stage it started)
+    [ -e "$W/run.pid" ] && kill -- "-$(cat "$W/run.pid")" 2>/dev/null; sleep 1; echo "stopped"; ls "$W/status" ;;
   wait)
     lim=${2:-540}; t0=$SECONDS
     while [ ! -e "$W/status/ALL.done" ] && (( SECONDS - t0 < lim )); do sleep 5; done
     tail -30 "$W/run.log"; df -h "$W" /dev/shm 2>/dev/null | tail -2
     for f in "$W"/res/*.log; do echo "-- $(basename "$f"): $(tr '\r' '\n' < "$f" | grep -v '^\s*$' | tail -1 | cut -c1-200)"; done
     pack ;;
-  *) echo "usage: $0 start | wait SECONDS | run"; exit 2 ;;
+  *) echo "usage: $0 start | wait SECONDS | stop | run"; exit 2 ;;
 esac
