@@ -165,6 +165,9 @@ class PromptsConfig(_Strict):
     regenerate: bool = Field(False, description="replace assistant turns with the verifier's own greedy answers")
     max_new_tokens: int = Field(256, ge=1)
     gen_batch_size: int = Field(16, ge=1)
+    gen_schedule: Literal["pool", "rounds"] = Field(
+        "pool", description="local regeneration batching: pool = ready turns of any turn index (multi-turn conversations "
+        "advance inside the first-turn bulk; fewer decode steps, wider batches), rounds = all turns k before any turn k+1")
     max_context_tokens: Optional[int] = Field(
         None, ge=1, description="regeneration answers a turn only while its rendered prompt is shorter than this many "
         "tokens; later turns (and a conversation whose first prompt is already this long) are left out, because "

@@ -123,7 +123,7 @@ def _regenerate(cfg: RunConfig, convs: list[dict], want: dict, stats: dict) -> l
 
         model, tok = load_verifier(cfg.verifier)
         return regen(model, tok, convs, pc.max_new_tokens, pc.gen_batch_size, stats=stats,
-                     opts=ChatOptions.from_config(cfg), max_context=max_context_tokens(cfg))
+                     opts=ChatOptions.from_config(cfg), max_context=max_context_tokens(cfg), schedule=pc.gen_schedule)
     from eagle3.regen_server import regenerate_via_server
     from eagle3.verifier import load_tokenizer
 

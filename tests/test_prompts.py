@@ -247,3 +247,22 @@ def test_stage01_several_sources_concatenated(tmp_path):
     rep = json.loads(report_path(cfg).read_text())
     assert rep["counts"]["read"] == 4 and rep["counts"]["deduped"] == 1
     assert [s["source"] for s in rep["settings"]["sources"]] == [str(alp), str(msg)]
+
+
+@pytest.mark.parametrize("sets,schedule,cap", [([], "pool", 512), (["prompts.gen_schedule=rounds", "prompts.max_context_tokens=300"], "rounds", 300)])
+def test_local_regeneration_gets_schedule_and_context_cap(tmp_path, monkeypatch, sets, schedule, cap):
+    """01's local path hands prompts.gen_schedule and the context cap (prompts.max_context_tokens, else
+    extract.max_length) to eagle3.regenerate.regenerate."""
+    import eagle3.regenerate
+    import eagle3.verifier
+    from eagle3.config import load_config
+    from eagle3.prepare_prompts import _regenerate
+
+    cfg_path = tmp_path / "c.yaml"
+    cfg_path.write_text("run_name: t\nverifier: {path: x}\nprompts: {source: humaneval, regenerate: true}\nextract: {max_length: 512}\n")
+    cfg = load_config(cfg_path, overrides=sets)
+    seen = {}
+    monkeypatch.setattr(eagle3.verifier, "load_verifier", lambda vc: ("model", "tok"))
+    monkeypatch.setattr(eagle3.regenerate, "regenerate", lambda *a, **k: seen.update(k) or ["ok"])
+    assert _regenerate(cfg, [], {}, {}) == ["ok"]
+    assert seen["schedule"] == schedule and seen["max_context"] == cap
