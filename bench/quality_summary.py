@@ -6,7 +6,10 @@ Reads one run's reports from a folder (copied out of the GPU run by ``bench/gpu_
   speedup against batched greedy in the same run, drafter share of the step time;
 - ``train_report.json`` (04): ``final_val`` top-1 agreement ``acc_i`` of TTT position i on held-out
   TRAINING data (the validation split), and tokens/s;
-- ``data_report.json`` (03) and ``prompts_report.json`` (01): samples, tokens, loss tokens, answers.
+- ``data_report.json`` (03) and ``prompts_report.json`` (01): samples, tokens, loss tokens, answers;
+- optional ``per_prompt_steps3.json`` (``{"per_prompt": {set: {id: [emitted, verify steps]}}}``), else
+  the ``per_prompt`` rows of a full ``bench-steps3.json``: tau by prompt category, the benchmark sets as chat / code / math and
+  MT-bench's own 8 categories (read from ``eval/mt_bench_question.jsonl`` in the shared data folder).
 
 Writes ``quality.json`` (``tau[steps][set]``, ``num_prompts``, ``loss_tokens``, ``config``, the goal and
 whether it was met, per-position acceptance, the train/eval gap) and ``quality.md`` beside it, plus
@@ -78,6 +81,11 @@ def collect(run: Path, config: str, overrides: str = "") -> dict:
     val_acc = [round(val[f"acc_{i}"], 4) for i in range(64) if f"acc_{i}" in val]
     goal = {k: {s: {"goal": g, "tau": tau.get(k, {}).get(s), "met": (tau.get(k, {}).get(s) or 0) >= g}
                 for s, g in sets.items()} for k, sets in GOAL.items()}
+    pp = _read(run / "per_prompt_steps3.json", required=False)
+    if pp is None and "3" in benches and all("per_prompt" in ds for ds in benches["3"]["datasets"]):
+        pp = {"per_prompt": {ds["dataset"]: {str(r["id"]): [sum(r["accept_lengths"]), len(r["accept_lengths"])]
+                                             for r in ds["per_prompt"]} for ds in benches["3"]["datasets"]}}
+    by_category = _by_category(pp)
     first = next(iter(benches.values()))
     regen = prompts.get("regeneration") or {}
     return {
@@ -100,8 +108,46 @@ def collect(run: Path, config: str, overrides: str = "") -> dict:
         "train_eval_gap_pos1": {s: (round(val_acc[0] - p["conditional"][0], 4) if val_acc else None)
                                 for s, p in per_pos[min(per_pos, key=int)].items()},
         "speed": speed,
+        "tau_by_category_steps3": by_category,
         "train_tokens_per_s": train.get("tokens_per_s"),
     }
+
+
+SET_KIND = {"mtbench": "chat", "humaneval": "code", "gsm8k": "math"}
+
+
+def _by_category(pp: Optional[dict]) -> Optional[dict]:
+    """Tau (emitted tokens / verify steps) per prompt category: chat / code / math over the sets, and
+    MT-bench's categories when its question file is found (None when the per-prompt file is absent)."""
+    if not pp:
+        return None
+    rows = pp["per_prompt"]
+    acc: dict[str, list[int]] = {}
+    for name, prompts in rows.items():
+        e = sum(v[0] for v in prompts.values())
+        n = sum(v[1] for v in prompts.values())
+        kind = acc.setdefault(SET_KIND.get(name, name), [0, 0])
+        kind[0] += e
+        kind[1] += n
+    out = {"by_kind": {k: round(e / n, 4) for k, (e, n) in acc.items() if n}}
+    if "mtbench" in rows:
+        from eagle3.eval_prompts import shared_data_dir
+
+        try:
+            qfile = shared_data_dir() / "eval" / "mt_bench_question.jsonl"
+            cats = {str(json.loads(line)["question_id"]): json.loads(line)["category"]
+                    for line in qfile.read_text().splitlines() if line.strip()}
+        except (OSError, UserError):
+            cats = {}
+        mt: dict[str, list[int]] = {}
+        for qid, (e, n) in rows["mtbench"].items():
+            if qid in cats:
+                c = mt.setdefault(cats[qid], [0, 0])
+                c[0] += e
+                c[1] += n
+        if mt:
+            out["mtbench"] = {c: {"tau": round(e / n, 4), "verify_steps": n} for c, (e, n) in sorted(mt.items())}
+    return out
 
 
 def markdown(q: dict) -> str:
@@ -124,6 +170,12 @@ def markdown(q: dict) -> str:
         v = q["val_top1_per_position"][i] if i < len(q["val_top1_per_position"]) else None
         row = [f"{v:.2f}" if v is not None else "-"] + [f"{q['per_position'][k0][s]['conditional'][i]:.2f}" for s in sets]
         lines.append(f"| {i + 1} | " + " | ".join(row) + " |")
+    cat = q.get("tau_by_category_steps3")
+    if cat:
+        lines += ["", "Tau by prompt category (3 steps): " + ", ".join(f"{k} {v:.2f}" for k, v in cat["by_kind"].items())]
+        if cat.get("mtbench"):
+            lines += ["", "| MT-bench category | tau | verify steps |", "|---|---:|---:|"]
+            lines += [f"| {c} | {v['tau']:.2f} | {v['verify_steps']} |" for c, v in cat["mtbench"].items()]
     lines += ["", "| steps | set | batch | speedup vs batched greedy | drafter share | wall s |", "|---:|---|---:|---:|---:|---:|"]
     for k in sorted(q["speed"], key=int):
         for s, v in q["speed"][k].items():

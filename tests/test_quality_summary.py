@@ -56,3 +56,26 @@ def test_cli_writes_json_md_png_and_refuses_empty_folder(tmp_path):
                         "--out", str(tmp_path / "e.json")], capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.startswith("error:") and "bench-steps" in r.stderr
     assert not (tmp_path / "e.json").exists()
+
+
+def test_tau_by_category_from_per_prompt_rows(tmp_path, monkeypatch):
+    """Category tau = emitted tokens / verify steps summed over the category's prompts; MT-bench's own
+    categories come from its question file in the shared data folder."""
+    run = _run(tmp_path / "run") if (tmp_path / "run").mkdir() is None else None
+    b = json.loads((run / "bench-steps3.json").read_text())
+    b["datasets"][0]["per_prompt"] = [{"id": "81", "accept_lengths": [1, 2, 3]},   # writing: 6 / 3
+                                      {"id": "82", "accept_lengths": [1, 1]},      # writing: 2 / 2
+                                      {"id": "91", "accept_lengths": [4]}]         # math: 4 / 1
+    b["datasets"][1]["per_prompt"] = [{"id": 0, "accept_lengths": [2, 3]}]       # gsm8k -> math kind
+    (run / "bench-steps3.json").write_text(json.dumps(b))
+    shared = tmp_path / "shared"
+    (shared / "eval").mkdir(parents=True)
+    (shared / "eval" / "mt_bench_question.jsonl").write_text("\n".join(json.dumps(q) for q in [
+        {"question_id": 81, "category": "writing"}, {"question_id": 82, "category": "writing"},
+        {"question_id": 91, "category": "math"}]) + "\n")
+    monkeypatch.setenv("EAGLE3_SHARED_DATA", str(shared))
+    q = qs.collect(run, "c")
+    cat = q["tau_by_category_steps3"]
+    assert cat["by_kind"] == {"chat": round(12 / 6, 4), "math": 2.5}
+    assert cat["mtbench"] == {"math": {"tau": 4.0, "verify_steps": 1}, "writing": {"tau": 1.6, "verify_steps": 5}}
+    assert "| writing | 1.60 | 5 |" in qs.markdown(q)
