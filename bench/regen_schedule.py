@@ -146,21 +146,28 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> int:
+def regen_args(prompts_help: str) -> ArgumentParser:
+    """The flags this script and ``bench/regen_speed.py`` share: config, overrides, prompts file, batch
+    size, answer budget and the JSON / Markdown outputs."""
     p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", "-c", default=str(ROOT / "configs" / "smollm2-135m-full.yaml"),
-                   help="run YAML: the verifier's tokenizer and chat options, the default batch size, "
-                        "max_new_tokens and context cap (default: configs/smollm2-135m-full.yaml)")
+                   help="run YAML: the verifier, its chat options, the default batch size, max_new_tokens and "
+                        "context cap (default: configs/smollm2-135m-full.yaml)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a config field (value parsed as YAML); repeatable")
-    p.add_argument("--prompts", type=Path, required=True, help="a regenerated 01 prompts.jsonl[.gz]")
+    p.add_argument("--prompts", type=Path, required=True, help=prompts_help)
     p.add_argument("--batch-size", type=positive_int, default=None, help="default: prompts.gen_batch_size")
     p.add_argument("--max-new-tokens", type=positive_int, default=None, help="default: prompts.max_new_tokens")
+    p.add_argument("--json", type=Path, default=None, help="write the figures here")
+    p.add_argument("--md", type=Path, default=None, help="write the Markdown table here")
+    return p
+
+
+def main(argv=None) -> int:
+    p = regen_args("a regenerated 01 prompts.jsonl[.gz]")
     p.add_argument("--max-context", type=non_negative_int, default=None,
                    help="context cap in tokens, 0 = none (default: prompts.max_context_tokens or extract.max_length)")
     p.add_argument("--limit", type=positive_int, default=None, help="only the first N conversations")
-    p.add_argument("--json", type=Path, default=None, help="write the figures here")
-    p.add_argument("--md", type=Path, default=None, help="write the Markdown table here")
     a = p.parse_args(argv)
     cfg = load_config(a.config, a.overrides)
 

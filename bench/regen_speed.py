@@ -25,8 +25,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
-from eagle3.cli import ArgumentParser, positive_int, run_main  # noqa: E402
+from eagle3.cli import positive_int, run_main  # noqa: E402
 from eagle3.config import load_config  # noqa: E402
 from eagle3.io import atomic_write_json, atomic_write_text  # noqa: E402
 
@@ -58,17 +59,11 @@ def markdown(res: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", "-c", default=str(ROOT / "configs" / "smollm2-135m-full.yaml"),
-                   help="run YAML: verifier, chat options, defaults (default: configs/smollm2-135m-full.yaml)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override a config field (value parsed as YAML); repeatable")
-    p.add_argument("--prompts", type=Path, required=True, help="a 01 prompts.jsonl[.gz] (its user turns are answered)")
+    from regen_schedule import regen_args
+
+    p = regen_args("a 01 prompts.jsonl[.gz] (its user turns are answered)")
+    p.description = __doc__.splitlines()[0]
     p.add_argument("--num", type=positive_int, default=2000, help="conversations, spread over the file")
-    p.add_argument("--batch-size", type=positive_int, default=None, help="default: prompts.gen_batch_size")
-    p.add_argument("--max-new-tokens", type=positive_int, default=None, help="default: prompts.max_new_tokens")
-    p.add_argument("--json", type=Path, default=None, help="write the figures here")
-    p.add_argument("--md", type=Path, default=None, help="write the Markdown table here")
     a = p.parse_args(argv)
     cfg = load_config(a.config, a.overrides)
 
