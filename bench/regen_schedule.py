@@ -163,6 +163,16 @@ def regen_args(prompts_help: str) -> ArgumentParser:
     return p
 
 
+def emit(a, res: dict, md: str) -> int:
+    """Print the Markdown table; write ``--json`` / ``--md`` when given (atomically). Returns 0."""
+    print(md, end="")
+    if a.json:
+        atomic_write_json(a.json, res)
+    if a.md:
+        atomic_write_text(a.md, md)
+    return 0
+
+
 def main(argv=None) -> int:
     p = regen_args("a regenerated 01 prompts.jsonl[.gz]")
     p.add_argument("--max-context", type=non_negative_int, default=None,
@@ -199,13 +209,7 @@ def main(argv=None) -> int:
            "batch_size": batch_size, "max_new_tokens": max_new, "max_context": cap,
            "prompt_lengths_s": round(time.perf_counter() - t0, 1),
            **compare(convs, batch_size, max_new)}
-    md = markdown(res)
-    print(md, end="")
-    if a.json:
-        atomic_write_json(a.json, res)
-    if a.md:
-        atomic_write_text(a.md, md)
-    return 0
+    return emit(a, res, markdown(res))
 
 
 if __name__ == "__main__":

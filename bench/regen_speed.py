@@ -29,7 +29,6 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from eagle3.cli import positive_int, run_main  # noqa: E402
 from eagle3.config import load_config  # noqa: E402
-from eagle3.io import atomic_write_json, atomic_write_text  # noqa: E402
 
 SCHEDULES = ("rounds", "pool")
 
@@ -59,7 +58,7 @@ def markdown(res: dict) -> str:
 
 
 def main(argv=None) -> int:
-    from regen_schedule import regen_args
+    from regen_schedule import emit, regen_args
 
     p = regen_args("a 01 prompts.jsonl[.gz] (its user turns are answered)")
     p.description = __doc__.splitlines()[0]
@@ -109,13 +108,7 @@ def main(argv=None) -> int:
            "ratio_pool_over_rounds": {k: runs["pool"][k] / runs["rounds"][k] if runs["rounds"][k] else None
                                       for k in ("seconds", "batches", "decode_steps")},
            "identical_answers": sum(x == y for x, y in pairs), "answers_compared": len(pairs)}
-    md = markdown(res)
-    print(md, end="")
-    if a.json:
-        atomic_write_json(a.json, res)
-    if a.md:
-        atomic_write_text(a.md, md)
-    return 0
+    return emit(a, res, markdown(res))
 
 
 if __name__ == "__main__":
