@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 from eagle3.errors import UserError
 from eagle3.io import append_bytes, atomic_write_jsonl, open_append
@@ -39,6 +39,51 @@ def _valid_row(row) -> bool:
     )
 
 
+def read_append_log(path: str | os.PathLike, valid: Callable[[object], bool],
+                    malformed: str) -> tuple[list[tuple[int, dict, bytes]], bool]:
+    """Rows of an append-only JSONL log written one whole, fsynced line at a time (``manifest.jsonl``,
+    01's regeneration resume log).
+
+    An interrupted append can leave only the LAST line torn (no final newline, or not a valid row):
+    it is dropped and reported. Blank lines are skipped.
+
+    Args:
+        path: the log (must exist).
+        valid: accepts a parsed row.
+        malformed: what a bad line is called in the error (``"{path}:{line}: {malformed}"``).
+
+    Returns:
+        ``([(line number from 1, row, raw line bytes)], torn)``.
+
+    Raises:
+        UserError: a line other than the last is not valid JSON or not ``valid``.
+    """
+    path = Path(path)
+    data = path.read_bytes()
+    lines = data.split(b"\n")
+    terminated = data.endswith(b"\n")
+    if terminated:
+        lines = lines[:-1]
+    rows: list[tuple[int, dict, bytes]] = []
+    torn = False
+    for n, raw in enumerate(lines, 1):
+        last = n == len(lines)
+        if not raw.strip():
+            continue
+        try:
+            row = json.loads(raw.decode("utf-8"))
+            ok = valid(row)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            row, ok = None, False
+        if not ok or (last and not terminated):
+            if last:  # torn tail of an interrupted append
+                torn = True
+                continue
+            raise UserError(f"{path}:{n}: {malformed}")
+        rows.append((n, row, raw))
+    return rows, torn
+
+
 def read_manifest(path: str | os.PathLike) -> Manifest:
     """Read ``manifest.jsonl``; a missing file is an empty manifest.
 
@@ -49,29 +94,8 @@ def read_manifest(path: str | os.PathLike) -> Manifest:
     path = Path(path)
     if not path.is_file():
         return Manifest({}, False)
-    data = path.read_bytes()
-    lines = data.split(b"\n")
-    terminated = data.endswith(b"\n")
-    if terminated:
-        lines = lines[:-1]
-    rows: dict[int, dict] = {}
-    dropped = False
-    for i, raw in enumerate(lines):
-        last = i == len(lines) - 1
-        if not raw.strip():
-            continue
-        try:
-            row = json.loads(raw.decode("utf-8"))
-            ok = _valid_row(row)
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            ok = False
-        if not ok or (last and not terminated):
-            if last:  # torn tail of an interrupted append
-                dropped = True
-                continue
-            raise UserError(f"{path}:{i + 1}: malformed manifest line (expected {{idx, id, num_tokens}})")
-        rows[row["idx"]] = row
-    return Manifest(rows, dropped)
+    rows, dropped = read_append_log(path, _valid_row, "malformed manifest line (expected {idx, id, num_tokens})")
+    return Manifest({row["idx"]: row for _, row, _ in rows}, dropped)
 
 
 def rewrite_manifest(path: str | os.PathLike, rows: dict[int, dict]) -> None:

@@ -57,6 +57,7 @@ from eagle3.config import PromptsConfig
 from eagle3.endpoints import EndpointPool, RequestFailed, RetryPolicy
 from eagle3.errors import UserError
 from eagle3.io import atomic_write_text
+from eagle3.manifest import read_append_log
 
 log = logging.getLogger(__name__)
 
@@ -94,28 +95,11 @@ class ResumeLog:
         """
         if not self.path.is_file():
             return {}
-        data = self.path.read_bytes()
-        lines = data.split(b"\n")
-        terminated = data.endswith(b"\n")
-        if terminated:
-            lines = lines[:-1]
+        rows, torn = read_append_log(self.path, lambda r: isinstance(r, dict),
+                                     "malformed line in the regeneration resume log")
         done: dict[int, dict] = {}
-        torn = False
-        for n, raw in enumerate(lines, 1):
-            last = n == len(lines)
-            try:
-                row = json.loads(raw.decode("utf-8"))
-                ok = isinstance(row, dict)
-            except (UnicodeDecodeError, json.JSONDecodeError):
-                row, ok = None, False
-            if last and not terminated:
-                ok = False
-            if not ok:
-                if last:
-                    torn = True
-                    continue
-                raise UserError(f"{self.path}:{n}: malformed line in the regeneration resume log")
-            if n == 1:
+        for j, (n, row, _) in enumerate(rows):
+            if j == 0:  # the header
                 old = row.get("settings")
                 if old != self.settings:
                     diff = sorted(k for k in set(old or {}) | set(self.settings)
@@ -130,10 +114,9 @@ class ResumeLog:
                 raise UserError(f"{self.path}:{n}: entry {cid!r} at position {idx!r} does not match the input "
                                 "conversations; pass --force to discard the log and start over")
             done[idx] = {k: v for k, v in row.items() if k != "idx"}
-        if torn and lines[:1] and lines[0].strip():
+        if torn and rows:
             log.warning("%s: dropped a torn last line (interrupted write)", self.path)
-            keep = b"".join(x + b"\n" for x in lines[:-1])
-            atomic_write_text(self.path, keep.decode("utf-8"))
+            atomic_write_text(self.path, b"".join(raw + b"\n" for _, _, raw in rows).decode("utf-8"))
         elif torn:  # not even the header made it
             self.path.unlink()
         return done
