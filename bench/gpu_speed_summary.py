@@ -30,10 +30,12 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from eagle3.cli import ArgumentParser, run_main  # noqa: E402
 from eagle3.errors import UserError  # noqa: E402
 from eagle3.io import atomic_write_json, atomic_write_text  # noqa: E402
+from small_train_speed import ISSUE_REFERENCE_S, ISSUE_RUN_TOKENS  # noqa: E402  (issue 9's run: 6.96M tokens, 320 s)
 
 CFG = "configs/smollm2-135m-full.yaml --set verifier.path=$EAGLE3_GGUF_DIR"
 
@@ -60,7 +62,6 @@ def _kimi(d: dict, key: str) -> Optional[float]:
     return r.get(key)
 
 
-REFERENCE_TOKENS, REFERENCE_S = 6.96e6, 320.0  # issue 9: the published trainer's run (1.74M tokens x 4 epochs) took 320 s
 
 
 def _bench_set(d: dict, dataset: str = "mtbench", n: int = 80, new: int = 256, steps: int = 3) -> Optional[float]:
@@ -79,7 +80,7 @@ def _train_tps(d: dict) -> Optional[float]:
 
 def _train_vs_reference(d: dict) -> Optional[float]:
     t = d.get("tokens_per_s")
-    return None if not t else REFERENCE_TOKENS / t / REFERENCE_S
+    return None if not t else ISSUE_RUN_TOKENS / t / ISSUE_REFERENCE_S
 
 
 # key -> (file, extractor, baseline, command); later entries of FALLBACKS are tried when the first yields nothing

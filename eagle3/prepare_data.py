@@ -13,7 +13,6 @@ Inputs: ``{shards_dir}`` (stage 02: shards + ``data_config.json``). Outputs in `
 from __future__ import annotations
 
 import logging
-import os
 import random
 from typing import Optional
 from pathlib import Path
@@ -83,11 +82,9 @@ def _validate_one(idx: int, path: Path, expect: dict, want: Optional[str]) -> di
 def validate_workers() -> int:
     """Threads that hash and load shards in 03: min(8, usable cores). sha256 and file reads release the
     GIL, so threads scale (one thread hashed ~0.6 GB/s on the H200 machine: 54 s for 32 GB)."""
-    try:
-        n = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        n = os.cpu_count() or 1
-    return max(1, min(8, n))
+    from eagle3.tokenize_pool import available_cpus
+
+    return min(8, available_cpus())
 
 
 def _validated_samples(paths: list[tuple[int, Path]], expect: dict, stats: dict, checksums: dict[int, str],
