@@ -28,7 +28,8 @@
 #      SEED (a folder holding prompts.jsonl[.gz] + prompts_report.json of an earlier 01 with the same settings:
 #      copied into the run root first, so 01 finds them up to date and skips regeneration, ~16 min on an H200),
 #      FP8 (1 = the fp8 chain, default 1), ABL (ablations retrained on the same shards, "name:key=v,key=v ...";
-#      default "ttt1:train.ttt_length=1 vocab8k:data.draft_vocab_size=8000 vocab49k:data.draft_vocab_size=49152";
+#      default "ttt1:train.ttt_length=1 vocab8k:data.draft_vocab_size=8000 vocab49k:data.draft_vocab_size=49152
+#      lr3e-3:train.lr=3e-3" (the last: 16K-token batches are ~7x the reference recipe's, whose lr it kept);
 #      empty = none), SHIFT (aux layers the main drafter is ALSO served with, default "3 16 28": the one-layer
 #      serving shift of issue 10; empty = skip), SUB (training samples of the ablations and of the fp8 run,
 #      default 6000: each is then compared with the curve's bf16 run of the same SUB samples, which is the
@@ -42,7 +43,7 @@ W=${W:-/tmp/gpu-run}
 CONFIG=${CONFIG:-configs/smollm2-135m-full.yaml}
 PY=${PYTHON:-python3}
 CURVE=${CURVE-1000 3000 6000}
-ABL=${ABL-ttt1:train.ttt_length=1 vocab8k:data.draft_vocab_size=8000 vocab49k:data.draft_vocab_size=49152}
+ABL=${ABL-ttt1:train.ttt_length=1 vocab8k:data.draft_vocab_size=8000 vocab49k:data.draft_vocab_size=49152 lr3e-3:train.lr=3e-3}
 SHIFT=${SHIFT-3 16 28}
 SUB=${SUB-6000}
 mkdir -p "$W/status" "$W/res"
