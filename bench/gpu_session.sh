@@ -205,6 +205,8 @@ case "${1:-}" in
     setsid nohup bash "$0" run > "$W/run.log" 2>&1 < /dev/null &
     echo $! > "$W/run.pid"
     sleep 2; echo "started (pid $!), log $W/run.log" ;;
+  derived)  # re-run the derived runs whose 04/05 did not finish (their 03 done), e.g. after an OOM
+    derived_train ;;
   stop)  # setsid made the run a process-group leader: end the group (the run and every stage it started)
     [ -e "$W/run.pid" ] && kill -- "-$(cat "$W/run.pid")" 2>/dev/null; sleep 1; echo "stopped"; ls "$W/status" ;;
   wait)

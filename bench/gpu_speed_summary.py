@@ -17,9 +17,13 @@ number, so a partial GPU session shows exactly what was and was not measured.
 
 Fallbacks where the dedicated bench did not run: ``small_train_*`` from 04's ``train_report.json``
 (tokens/s of a real token-budget run; wall vs the reference projected at that rate), ``bench_80x256_s``
-from 05's ``bench-steps3.json`` (the MT-bench 80 x 256, 3-step set's wall, greedy baseline included).
+from 05's ``bench-steps3.json`` (the MT-bench 80 x 256, 3-step set's wall, greedy baseline included),
+``capture_vs_bare_ratio`` from ``capture_disk.json`` (``bench/gpu_session.sh``'s tail: shards to the run's disk).
 
-    python bench/gpu_speed_summary.py RESULTS_DIR [--out bench/results/gpu_speed.json]
+Several folders (newest session first): each figure comes from the first folder that measured it, so
+figures not re-measured in a later session keep the earlier session's value and say which file.
+
+    python bench/gpu_speed_summary.py RESULTS_DIR [RESULTS_DIR ...] [--out bench/results/gpu_speed.json]
 """
 
 from __future__ import annotations
@@ -112,21 +116,28 @@ FALLBACKS: dict[str, list[tuple[str, Callable[[dict], Any], str, str]]] = {
     "small_train_wall_vs_reference": [("train_report.json", _train_vs_reference,
                                        "published trainer, 320 s for the issue's 6.96M-token run (projected at the measured tokens/s)",
                                        f"python3 04_train.py --config {CFG} --set train.batch_tokens=16384")],
+    "capture_vs_bare_ratio": [("capture_disk.json", lambda d: d.get("capture_vs_bare_ratio"),
+                               "bare verifier forward at the same batch (64 x 2048); shards to the run's disk",
+                               f"python3 bench/extract_throughput.py --config {CFG} --device cuda --batch 64 --seq 2048 "
+                               "--no-serial --out-dir RUN_DIR --json capture_disk.json")],
     "bench_80x256_s": [("bench-steps3.json", _bench_set, "batched greedy in the same run (inside the wall)",
                         f"python3 05_benchmark.py --config {CFG} --set benchmark.max_new_tokens=256 --steps 3")],
 }
 
 
-def collect(results: Path) -> dict:
-    """``{key: {value, measured, baseline, source, command}}`` for every headline key.
+def collect(results: Path | list[Path]) -> dict:
+    """``{key: {value, measured, baseline, source, command}}`` for every headline key; ``results``: one
+    folder or several (the first folder, then its fallbacks, then the next folder...).
 
     Raises:
         UserError: a source file exists but is not valid JSON.
     """
+    dirs = [results] if isinstance(results, Path) else list(results)
+    results = dirs[0]
     out = {}
     for key, first in FIGURES.items():
-        for name, get, baseline, cmd in [first, *FALLBACKS.get(key, [])]:
-            f = results / name
+        for folder, (name, get, baseline, cmd) in [(d, c) for d in dirs for c in [first, *FALLBACKS.get(key, [])]]:
+            f = folder / name
             value = None
             if f.is_file():
                 try:
@@ -154,11 +165,12 @@ def markdown(figs: dict) -> str:
 
 def main(argv=None) -> int:
     p = ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("results", type=Path, help="folder holding the bench scripts' JSON files")
+    p.add_argument("results", type=Path, nargs="+", help="folders holding the bench scripts' JSON files (newest first)")
     p.add_argument("--out", type=Path, default=Path("bench/results/gpu_speed.json"))
     a = p.parse_args(argv)
-    if not a.results.is_dir():
-        raise UserError(f"{a.results}: not a folder")
+    for r in a.results:
+        if not r.is_dir():
+            raise UserError(f"{r}: not a folder")
     figs = collect(a.results)
     atomic_write_json(a.out, figs)
     atomic_write_text(a.out.with_suffix(".md"), markdown(figs))

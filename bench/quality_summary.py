@@ -9,7 +9,9 @@ Reads one run's reports from a folder (copied out of the GPU run by ``bench/gpu_
 - ``data_report.json`` (03) and ``prompts_report.json`` (01): samples, tokens, loss tokens, answers;
 - optional ``per_prompt_steps3.json`` (``{"per_prompt": {set: {id: [emitted, verify steps]}}}``), else
   the ``per_prompt`` rows of a full ``bench-steps3.json``: tau by prompt category, the benchmark sets as chat / code / math and
-  MT-bench's own 8 categories (read from ``eval/mt_bench_question.jsonl`` in the shared data folder).
+  MT-bench's own 8 categories (read from ``eval/mt_bench_question.jsonl`` in the shared data folder);
+- optional ``bench_speed.json`` (``bench/offline_bench_speed.py``): EAGLE-3 vs batched greedy tokens/s per
+  batch size (1 / 8 / 32 / 80), tau and the drafter's share of the step time, measured alone on the GPU.
 
 Writes ``quality.json`` (``tau[steps][set]``, ``num_prompts``, ``loss_tokens``, ``config``, the goal and
 whether it was met, per-position acceptance, the train/eval gap) and ``quality.md`` beside it, plus
@@ -86,6 +88,13 @@ def collect(run: Path, config: str, overrides: str = "") -> dict:
         pp = {"per_prompt": {ds["dataset"]: {str(r["id"]): [sum(r["accept_lengths"]), len(r["accept_lengths"])]
                                              for r in ds["per_prompt"]} for ds in benches["3"]["datasets"]}}
     by_category = _by_category(pp)
+    bs = _read(run / "bench_speed.json", required=False)
+    speed_by_batch = None if bs is None else {
+        "dataset": bs.get("dataset"), "steps": bs.get("steps"), "dtype": bs.get("dtype"),
+        "rows": [{"batch_size": r["batch_size"], "num_prompts": r["num_prompts"],
+                  "greedy_tokens_per_s": round(r["greedy_tokens_per_s"], 1),
+                  "eagle3_tokens_per_s": round(r["spec_tokens_per_s"], 1), "speedup": round(r["speedup"], 4),
+                  "tau": round(r["tau"], 4), "drafter_share": round(r["drafter_share"], 4)} for r in bs["rows"]]}
     first = next(iter(benches.values()))
     regen = prompts.get("regeneration") or {}
     return {
@@ -108,6 +117,7 @@ def collect(run: Path, config: str, overrides: str = "") -> dict:
         "train_eval_gap_pos1": {s: (round(val_acc[0] - p["conditional"][0], 4) if val_acc else None)
                                 for s, p in per_pos[min(per_pos, key=int)].items()},
         "speed": speed,
+        "speed_by_batch": speed_by_batch,
         "tau_by_category_steps3": by_category,
         "train_tokens_per_s": train.get("tokens_per_s"),
     }
@@ -176,6 +186,16 @@ def markdown(q: dict) -> str:
         if cat.get("mtbench"):
             lines += ["", "| MT-bench category | tau | verify steps |", "|---|---:|---:|"]
             lines += [f"| {c} | {v['tau']:.2f} | {v['verify_steps']} |" for c, v in cat["mtbench"].items()]
+    sb = q.get("speed_by_batch")
+    if sb:
+        lines += ["", f"Speedup by batch size ({sb['dataset']}, {sb['steps']} steps, {sb['dtype']}, "
+                  "bench/offline_bench_speed.py alone on the GPU):", "",
+                  "| batch | prompts | greedy tok/s | EAGLE-3 tok/s | speedup | tau | drafter share |",
+                  "|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| {r['batch_size']} | {r['num_prompts']} | {r['greedy_tokens_per_s']:.0f} | {r['eagle3_tokens_per_s']:.0f} | "
+                  f"{r['speedup']:.2f}x | {r['tau']:.2f} | {r['drafter_share']:.2f} |" for r in sb["rows"]]
+    if q.get("speed_note"):
+        lines += ["", q["speed_note"]]
     lines += ["", "| steps | set | batch | speedup vs batched greedy | drafter share | wall s |", "|---:|---|---:|---:|---:|---:|"]
     for k in sorted(q["speed"], key=int):
         for s, v in q["speed"][k].items():
@@ -215,11 +235,13 @@ def main(argv=None) -> int:
     p.add_argument("--config", default="configs/smollm2-135m-full.yaml", help="the run's config (recorded)")
     p.add_argument("--overrides", default="", help="the run's --set overrides, space-separated (recorded)")
     p.add_argument("--out", type=Path, default=Path("bench/results/quality.json"))
+    p.add_argument("--speed-note", default="", help="a line printed above the per-set speedups (e.g. that the GPU was shared)")
     a = p.parse_args(argv)
     if not a.run.is_dir():
         raise UserError(f"{a.run}: not a folder")
     q = collect(a.run, a.config, a.overrides)
     q["source"] = str(a.run)
+    q["speed_note"] = a.speed_note or None
     atomic_write_json(a.out, q)
     md = markdown(q)
     atomic_write_text(a.out.with_suffix(".md"), md)

@@ -54,3 +54,22 @@ def test_fallbacks_from_stage_reports(tmp_path):
     (tmp_path / "bench-steps3.json").write_text(json.dumps({**bench, "max_new_tokens": 512}))
     assert gss.collect(tmp_path)["bench_80x256_s"]["value"] is None  # another set: not the figure
     assert gss.collect(tmp_path)["bench_80x256_s"]["command"].startswith("python3 bench/offline_bench_speed.py")
+
+
+def test_several_folders_newest_first_and_capture_disk_fallback(tmp_path):
+    new, old = tmp_path / "new", tmp_path / "old"
+    new.mkdir()
+    old.mkdir()
+    # the new session ran only the tail capture bench (shards to disk); the old one had capture.json and tokenize.json
+    (new / "capture_disk.json").write_text(json.dumps({"capture_vs_bare_ratio": 0.214}))
+    (old / "capture.json").write_text(json.dumps({"capture_vs_bare_ratio": 0.263}))
+    (old / "tokenize.json").write_text(json.dumps({"tokenize_conv_per_s": 5754.0}))
+    figs = gss.collect([new, old])
+    assert figs["capture_vs_bare_ratio"]["value"] == 0.214
+    assert figs["capture_vs_bare_ratio"]["source"] == str(new / "capture_disk.json")
+    assert "to the run's disk" in figs["capture_vs_bare_ratio"]["baseline"]
+    assert figs["tokenize_conv_per_s"]["value"] == 5754.0
+    assert figs["tokenize_conv_per_s"]["source"] == str(old / "tokenize.json")
+    assert figs["kimi_mfu"]["value"] is None
+    # one folder still works, and the old figure wins when the new folder lacks it
+    assert gss.collect(old)["capture_vs_bare_ratio"]["value"] == 0.263
