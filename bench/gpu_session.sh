@@ -36,7 +36,9 @@
 #      same recipe, seed and subset; empty = all), BENCH_SETS (extra --set for every 05 run only, e.g.
 #      "verifier.dtype=float32": an fp32 verifier for the lossless check and tau), TAIL (1 = after
 #      bench_speed, with the GPU otherwise idle: the capture benches on disk and in RAM, bf16 and fp8, and
-#      the bf16-vs-fp8 training speed on the real shards; default 1).
+#      the bf16-vs-fp8 training speed on the real shards; default 1), SLOTS (derived 04 -> 05 chains at once,
+#      default 4).
+#   bash bench/gpu_session.sh derived   # re-run the derived runs whose 04/05 did not finish (their 03 done)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 W=${W:-/tmp/gpu-run}
@@ -46,6 +48,10 @@ CURVE=${CURVE-1000 3000 6000}
 ABL=${ABL-ttt1:train.ttt_length=1 vocab8k:data.draft_vocab_size=8000 vocab49k:data.draft_vocab_size=49152 lr3e-3:train.lr=3e-3}
 SHIFT=${SHIFT-3 16 28}
 SUB=${SUB-6000}
+SLOTS=${SLOTS:-4}
+# variable batch shapes fragment the caching allocator: on 2026-12-01, 7 trainings + 4 fp32 05 runs at once
+# ran the 140 GB GPU out of memory (one 04 held 33 GB, one 05 29 GB). Expandable segments + SLOTS avoid it.
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 mkdir -p "$W/status" "$W/res"
 ROOT="$W/real"
 # the fp8 copy goes to RAM (/dev/shm) when it has room: bf16 shards of the full run take ~35 GB of the
@@ -99,10 +105,11 @@ derived_prep() {  # 03 of every derived run, one at a time, while s04 trains (ea
   touch "$W/status/derived_prep.finished"
 }
 
-derived_train() {  # 04 -> 05 (steps 3) of every derived run, all at once (after s04 and derived_prep)
+derived_train() {  # 04 -> 05 (steps 3) of every derived run, at most SLOTS chains at a time (after s04 and derived_prep)
   local name r extra
   while read -r name r extra; do
     read -r -a ex <<< "$extra"; dargs "$r" "${ex[@]}"
+    while [ "$(jobs -rp | wc -l)" -ge "$SLOTS" ]; do sleep 2; done
     { [ -e "$W/status/${name}_03.done" ] &&
       phase "${name}_04" "$PY" 04_train.py --config "$CONFIG" "${DA[@]}" &&
       phase "${name}_05" "$PY" 05_benchmark.py --config "$CONFIG" "${DA[@]}" "${B5[@]}" --steps 3; } &
