@@ -5,7 +5,10 @@ Single process: ``python 04_train.py --config configs/smollm2-135m.yaml``
 Several GPUs:   ``torchrun --nproc_per_node 8 04_train.py --config configs/kimi-k2.5.yaml``
 Continue after a crash/preemption: add ``--resume`` (newest complete checkpoint in {train_dir}/checkpoints).
 Export for the other engine without retraining: ``--export-only --engine vllm``.
-SIGTERM/SIGINT finish the current optimizer step, write a checkpoint and exit 0.
+SIGTERM/SIGINT finish the current optimizer step, write a checkpoint and exit 128 + the signal
+number (143 for SIGTERM, 130 for SIGINT, the shell's convention for a process ended by a signal), with
+no export: so `04_train.py && 05_benchmark.py` stops there, and a scheduler does not count the run as
+finished (a 0 would let 05 benchmark an older export left in the folder).
 """
 
 from __future__ import annotations
@@ -33,8 +36,22 @@ def main(argv=None) -> int:
         return 0
     from eagle3.train import run
 
-    run(cfg, resume=a.resume, max_steps=a.max_steps)
+    res = run(cfg, resume=a.resume, max_steps=a.max_steps)
+    if res["stopped"]:
+        return interrupted_exit(res)
     return 0
+
+
+def interrupted_exit(res: dict) -> int:
+    """One stderr line for a run stopped by a signal; returns ``128 + signal`` (SIGTERM when another
+    rank received it: every rank of a DDP run exits with the same code)."""
+    import signal
+    import sys
+
+    signum = res.get("signal") or signal.SIGTERM
+    print(f"interrupted by {signal.Signals(signum).name} at step {res['step']}/{res['total_steps']}: checkpoint "
+          f"{res['checkpoint']}, nothing exported; continue with the same command plus --resume", file=sys.stderr)
+    return 128 + int(signum)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ One call of :func:`run` does, on every process (single process, or ``torchrun`` 
 6. Validation on the ``val`` split every ``eval_every`` steps (default once per epoch) and at the end:
    each sample once (rank r takes samples r, r+W, ...), loss and accuracy token-weighted over all of them.
 7. Checkpoints (:mod:`eagle3.checkpoint`) every ``ckpt_every`` steps, on SIGTERM/SIGINT (the current
-   step finishes first, then the process returns normally: exit 0) and at the end; ``resume=True``
+   step finishes first, then :func:`run` returns with ``stopped``; 04's CLI exits 128 + signal) and at the end; ``resume=True``
    continues from the newest complete one, bit-identically on CPU (data order, LR, RNG).
 8. Export (rank 0) with :func:`eagle3.export.export_drafter` to ``cfg.export_dir``, and a report
    ``{train_dir}/train_report.{json,md}`` + ``loss.png``.
@@ -616,7 +616,7 @@ def run(cfg: RunConfig, resume: bool = False, max_steps: Optional[int] = None, s
 
     Returns:
         dict: ``step``, ``total_steps``, ``stopped`` (True when interrupted by a signal or
-        ``stop_after``), ``checkpoint`` (path of the last one written or loaded), ``export_dir``
+        ``stop_after``), ``signal`` (the signal number this rank received, else None), ``checkpoint`` (path of the last one written or loaded), ``export_dir``
         (None when stopped early), ``final_val`` (validation metrics) and measured ``tokens_per_s``.
 
     Raises:
@@ -871,7 +871,7 @@ def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: O
         it = None  # stops this epoch's loader workers now (their prefetched batches are dropped)
         bar.close()
 
-    result = {"step": step, "total_steps": total_steps, "stopped": stopped,
+    result = {"step": step, "total_steps": total_steps, "stopped": stopped, "signal": stop.signum if stopped else None,
               "checkpoint": str(last_ckpt) if last_ckpt else None, "export_dir": None, "final_val": {},
               "tokens_per_s": (tok_total / t_total) if t_total > 0 else None}
     if stopped:

@@ -1,5 +1,5 @@
 """Fault injection: ``04_train.py`` killed with SIGKILL at seeded random points, then resumed, ends with
-the same parameters as an uninterrupted run; SIGTERM writes a final checkpoint and exits 0."""
+the same parameters as an uninterrupted run; SIGTERM writes a final checkpoint and exits 143 (128 + SIGTERM) without exporting."""
 
 from __future__ import annotations
 
@@ -113,7 +113,7 @@ def test_sigkill_at_random_points_then_resume_matches_uninterrupted(tmp_path, re
 
 
 @pytest.mark.slow
-def test_sigterm_writes_final_checkpoint_and_exits_zero(tmp_path, reference):
+def test_sigterm_writes_final_checkpoint_and_exits_143(tmp_path, reference):
     ref = reference
     cfg_path = make_tiny_run(tmp_path / "term", train=TRAIN)
     train_dir = load_config(cfg_path).train_dir
@@ -121,8 +121,9 @@ def test_sigterm_writes_final_checkpoint_and_exits_zero(tmp_path, reference):
     assert _wait_progress(proc, train_dir, 1)
     proc.send_signal(signal.SIGTERM)
     _out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err[-2000:]
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]  # `04 && 05` must not go on to benchmark
     assert "stopped at step" in err
+    assert "interrupted by SIGTERM at step" in err and "--resume" in err
     stopped_at = _train_steps(train_dir)[-1]
     assert stopped_at < TOTAL
     newest = ckpt.list_checkpoints(train_dir)[-1][0]
@@ -132,3 +133,18 @@ def test_sigterm_writes_final_checkpoint_and_exits_zero(tmp_path, reference):
     _out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-2000:]
     _assert_same(ref, _final_model(train_dir))
+
+
+def test_interrupted_exit_code_and_message(capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_cli", Path(__file__).resolve().parents[1] / "04_train.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    res = {"step": 3, "total_steps": 10, "stopped": True, "signal": int(signal.SIGINT), "checkpoint": "ck/step_3"}
+    assert cli.interrupted_exit(res) == 130
+    err = capsys.readouterr().err
+    assert err.strip() == ("interrupted by SIGINT at step 3/10: checkpoint ck/step_3, nothing exported; "
+                           "continue with the same command plus --resume")
+    # a DDP rank that stopped because another rank got the signal exits like that rank (SIGTERM)
+    assert cli.interrupted_exit({**res, "signal": None}) == 143
