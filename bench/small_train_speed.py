@@ -14,6 +14,16 @@ TTT forward/backward, AdamW, logging), for ``--steps`` optimizer steps each, in 
 A mode may carry ``+nock`` (``train.checkpoint_logits=off``) or ``+compile`` (``train.compile=true``), e.g.
 ``--modes legacy8,tokens,tokens+nock``.
 
+``+fp8`` (issue 13: fp8 shards must not train slower): the same mode on the SAME samples stored as fp8
+(``eagle3-fp8-v1``, e4m3 + per-token fp32 scales), made from the bf16 shards by the project's converter
+(``eagle3.shard_convert.convert``) into ``--fp8-shards`` (default ``WORKDIR/shards-fp8``; a folder that
+already holds that conversion, e.g. ``convert_shards.py``'s output, is reused as is). The trainer then
+reads 1-byte features + scales and dequantises on the device (``eagle3.fp8.dequantize_batch``); the
+split, vocab map, seed and steps are the bf16 mode's. ``--modes tokens,tokens+fp8`` reports each
+mode's tokens/s and loader tokens/s, ``fp8_vs_bf16_tokens_per_s`` (fp8 / bf16; issue 13 asks >= 1),
+``fp8_vs_bf16_loader_tokens_per_s``, and both first-step losses (equal up to fp8 rounding).
+A ``+fp8`` mode without its own ``--steps`` entry runs the steps of its bf16 mode.
+
 Throughput = real (non-pad) tokens / seconds over the log windows after the first (``--log-every``
 steps each; the first window holds start-up and allocator warm-up), read from ``metrics.jsonl``
 (``window_tokens``, ``window_s``). Validation and checkpoint writes are not inside the windows.
@@ -30,10 +40,12 @@ H200 (torch 2.11; pydantic from the project's wheels, see bench/train_throughput
 
     python3 bench/small_train_speed.py --json $OUT/small_train_speed.json          # ~4 min
     python3 bench/small_train_speed.py --config RUN.yaml --set verifier.path=... --json $OUT/real.json
+    python3 bench/small_train_speed.py --modes tokens,tokens+fp8 --steps tokens=150 --json $OUT/fp8.json  # ~3 min
 
 CPU smoke run (tiny shapes, a minute)::
 
     python bench/small_train_speed.py --tiny --device cpu --json /tmp/sts.json
+    python bench/small_train_speed.py --tiny --device cpu --modes tokens,tokens+fp8 --json /tmp/sts-fp8.json
 """
 
 from __future__ import annotations
@@ -52,6 +64,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle3.cli import ArgumentParser, run_main  # noqa: E402
+from eagle3.errors import UserError  # noqa: E402
 from eagle3.io import atomic_write_json  # noqa: E402
 
 ISSUE_RUN_TOKENS = 4 * 1.74e6  # issue 9: 4 epochs over 1.74M tokens
@@ -144,6 +157,51 @@ def write_synthetic(root: Path, n: int, n_val: int, shape: dict, max_length: int
 
 
 # ---------------------------------------------------------------------------------------------
+# fp8 copy of the shards (issue 13)
+# ---------------------------------------------------------------------------------------------
+FP8 = "fp8"  # the mode flag: train on the fp8 copy of the shards
+
+
+def mode_flags(mode: str) -> list[str]:
+    """The ``+`` flags of a mode name (``"tokens+nock+fp8"`` -> ``["nock", "fp8"]``)."""
+    return mode.split("+")[1:]
+
+
+def bf16_mode(mode: str) -> str:
+    """The mode without its ``+fp8`` flag (the bf16 run it is compared with)."""
+    return "+".join(x for x in mode.split("+") if x != FP8)
+
+
+def make_fp8_shards(src: Path, dst: Path, overwrite: bool) -> dict:
+    """Store the bf16 shard set ``src`` as fp8 in ``dst`` with the project's converter.
+
+    Uses :func:`eagle3.shard_convert.convert` with ``Storage("float8_e4m3fn")`` (per-token fp32 scales,
+    the stage-02 default), so the benchmark trains on exactly what ``convert_shards.py`` writes. A
+    ``dst`` that already holds this conversion is resumed (nothing to do when complete).
+
+    Args:
+        src: bf16 (speculators-v1) stage-02 folder.
+        dst: output folder.
+        overwrite: redo a different earlier conversion in ``dst`` instead of refusing it.
+
+    Returns:
+        the converter's summary (``samples``, ``converted``, ``ratio`` of file bytes, ``seconds``...).
+
+    Raises:
+        UserError: ``src`` is already fp8 (nothing to compare against), or the converter's errors
+            (a different conversion in ``dst`` without ``overwrite``, corrupt source, disk full).
+    """
+    from eagle3.fp8 import Storage
+    from eagle3.shard_convert import convert
+    from eagle3.shards import read_data_config
+
+    if Storage.from_meta(read_data_config(src)).is_fp8:
+        raise UserError(f"{src / 'data_config.json'}: storage_dtype is already float8_e4m3fn; '+{FP8}' modes need "
+                        "bf16 shards to compare against")
+    return convert(src, dst, Storage("float8_e4m3fn"), overwrite=overwrite)
+
+
+# ---------------------------------------------------------------------------------------------
 # one mode
 # ---------------------------------------------------------------------------------------------
 def _legacy_collate(items):
@@ -173,8 +231,9 @@ def loader_rate(cfg, batches: int) -> dict:
     data = _TrainData(cfg, ds, DistInfo(rank=0, world=1, local_rank=0, device=dev))
     it = data.iterate(0, 0)
     next(it)
-    t0, toks, got = time.perf_counter(), 0, 0
+    t0, toks, got, feat = time.perf_counter(), 0, 0, None
     for b in it:
+        feat = feat or str(b["aux"].dtype).removeprefix("torch.")  # what crosses to the device (fp8 shards: 1 byte)
         toks += int(b["lengths"].sum())
         got += 1
         if got >= batches:
@@ -182,12 +241,16 @@ def loader_rate(cfg, batches: int) -> dict:
     secs = time.perf_counter() - t0
     it = None
     return {"loader_tokens_per_s": toks / secs, "loader_batches": got, "sample_load_ms": per_sample_ms,
-            "num_workers": data.loader.num_workers}
+            "num_workers": data.loader.num_workers, "loader_feature_dtype": feat,
+            "storage_dtype": meta.get("storage_dtype", "bfloat16")}
 
 
 def run_mode(mode: str, config: Path, overrides: list[str], workdir: Path, steps: int, batch_tokens: int,
-             log_every: int, device: str | None, head_dir: Path | None) -> dict:
-    """Train ``steps`` optimizer steps in ``mode``; returns throughput figures from its metrics.jsonl."""
+             log_every: int, device: str | None, head_dir: Path | None, fp8_dir: Path | None = None) -> dict:
+    """Train ``steps`` optimizer steps in ``mode``; returns throughput figures from its metrics.jsonl.
+
+    A ``+fp8`` mode reads its shards from ``fp8_dir`` (:func:`make_fp8_shards`); everything else is the config's.
+    """
     import shutil
 
     import eagle3.train as train_mod
@@ -212,6 +275,10 @@ def run_mode(mode: str, config: Path, overrides: list[str], workdir: Path, steps
         ov += ["train.checkpoint_logits='off'"]
     if "compile" in flags:
         ov += ["train.compile=true", "train.checkpoint_logits='off'"]
+    if FP8 in flags:
+        if fp8_dir is None:
+            raise ValueError(f"mode {mode}: needs fp8_dir")
+        ov += [f"extract.output_dir={fp8_dir}"]  # same split/vocab map (data dir): same sample ids
     cfg = load_config(config, ov)
     lr = loader_rate(cfg, 30 if base_mode == "tokens" else 100)
     import contextlib
@@ -240,8 +307,43 @@ def run_mode(mode: str, config: Path, overrides: list[str], workdir: Path, steps
     return {"mode": mode, "steps": res["step"], "tokens_per_s": tps, "steady_tokens": toks, "steady_s": secs,
             "step_ms": 1e3 * secs / max(1, sum(log_every for _ in steady)), "run_wall_s": wall,
             "tokens_per_step": toks / max(1, log_every * len(steady)), "peak_mem_gib": peak,
-            "final_loss": rows[-1].get("loss") if rows else None, **lr,
+            "first_loss": rows[0].get("loss") if rows else None, "final_loss": rows[-1].get("loss") if rows else None,
+            **lr,
             "issue_run_projected_s": ISSUE_RUN_TOKENS / tps if tps == tps and tps > 0 else None}
+
+
+def fp8_comparison(out: dict, results: list[dict], by: dict, fp8_summary: dict | None) -> list[str]:
+    """Pair each ``+fp8`` result with its bf16 mode: adds ``fp8_vs_bf16_tokens_per_s`` (fp8 / bf16),
+    ``fp8_vs_bf16_loader_tokens_per_s`` and ``first_loss_rel_diff`` (``|fp8 - bf16| / bf16`` of the step-1
+    loss) to the fp8 row, the first pair's figures to ``out``; returns Markdown lines (none without pairs)."""
+    if fp8_summary is not None:
+        out["fp8_convert"] = fp8_summary
+    pairs = [(by[bf16_mode(r["mode"])], r) for r in results
+             if FP8 in mode_flags(r["mode"]) and bf16_mode(r["mode"]) in by]
+    if not pairs:
+        return []
+    lines = ["", "| storage | mode | tokens/s | loader tokens/s | loader ships | step-1 loss | fp8 / bf16 tokens/s "
+             "| fp8 / bf16 loader |", "|---|---|---:|---:|---|---:|---:|---:|"]
+
+    def row(r: dict, ratio: str = "", loader_ratio: str = "") -> str:
+        loss = "" if r["first_loss"] is None else f"{r['first_loss']:.5f}"
+        return (f"| {r['storage_dtype']} | {r['mode']} | {r['tokens_per_s']:.0f} | {r['loader_tokens_per_s']:.0f} "
+                f"| {r['loader_feature_dtype']} | {loss} | {ratio} | {loader_ratio} |")
+
+    for b, f in pairs:
+        f["fp8_vs_bf16_tokens_per_s"] = f["tokens_per_s"] / b["tokens_per_s"]
+        f["fp8_vs_bf16_loader_tokens_per_s"] = f["loader_tokens_per_s"] / b["loader_tokens_per_s"]
+        f["first_loss_rel_diff"] = (abs(f["first_loss"] - b["first_loss"]) / abs(b["first_loss"])
+                                    if f["first_loss"] is not None and b["first_loss"] else None)
+        lines += [row(b), row(f, f"{f['fp8_vs_bf16_tokens_per_s']:.3f}x", f"{f['fp8_vs_bf16_loader_tokens_per_s']:.3f}x")]
+    b, f = pairs[0]
+    out.update({"fp8_vs_bf16_tokens_per_s": f["fp8_vs_bf16_tokens_per_s"],
+                "fp8_vs_bf16_loader_tokens_per_s": f["fp8_vs_bf16_loader_tokens_per_s"],
+                "fp8_tokens_per_s": f["tokens_per_s"], "bf16_tokens_per_s": b["tokens_per_s"],
+                "fp8_loader_tokens_per_s": f["loader_tokens_per_s"],
+                "bf16_loader_tokens_per_s": b["loader_tokens_per_s"],
+                "fp8_first_loss_rel_diff": f["first_loss_rel_diff"]})
+    return lines
 
 
 def main(argv=None) -> int:
@@ -257,6 +359,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", default="legacy8=120,fixed8=120,tokens=150", help="optimizer steps per mode")
     p.add_argument("--batch-tokens", type=int, default=16384)
     p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--fp8-shards", type=Path, help="'+fp8' modes: folder of the fp8 copy of the shards (default "
+                   "WORKDIR/shards-fp8); converted from the bf16 shards unless it already holds that conversion")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke run)")
     p.add_argument("--device", default=None, help="'cpu' forces CPU")
     p.add_argument("--json", type=Path)
@@ -270,6 +374,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING)
     steps = {k: int(v) for k, v in (x.split("=") for x in a.steps.split(","))}
     modes = a.modes.split(",")
+    steps = {m: steps.get(m, steps.get(bf16_mode(m), 100)) for m in modes}  # '+fp8': its bf16 mode's steps
     a.workdir.mkdir(parents=True, exist_ok=True)
     head_dir = None
     if a.config is None:
@@ -280,6 +385,16 @@ def main(argv=None) -> int:
         print(f"synthetic shards: {a.samples} samples in {time.perf_counter() - t0:.1f} s", flush=True)
     else:
         config = a.config
+    fp8_dir, fp8_summary = None, None
+    if any(FP8 in mode_flags(m) for m in modes):
+        from eagle3.config import load_config
+
+        fp8_dir = a.fp8_shards or a.workdir / "shards-fp8"
+        # synthetic shards are rewritten by every run: redo their conversion; a real run's is resumed/reused
+        fp8_summary = make_fp8_shards(load_config(config, a.overrides).shards_dir, fp8_dir,
+                                      overwrite=a.config is None and a.fp8_shards is None)
+        print(f"fp8 shards: {fp8_dir} ({fp8_summary['converted']} converted, {fp8_summary['resumed']} reused, "
+              f"file bytes x{fp8_summary.get('ratio')}, {fp8_summary['seconds']} s)", flush=True)
     results = []
     if a.profile:
         from torch.profiler import ProfilerActivity, profile
@@ -288,15 +403,15 @@ def main(argv=None) -> int:
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
         for m in modes:
             with profile(activities=acts) as prof:
-                run_mode(m, config, a.overrides, a.workdir, 12, a.batch_tokens, 4, a.device, head_dir)
+                run_mode(m, config, a.overrides, a.workdir, 12, a.batch_tokens, 4, a.device, head_dir, fp8_dir)
             ka = prof.key_averages()
             dev_key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
             text = (ka.table(sort_by=dev_key, row_limit=30) + "\n\n" + ka.table(sort_by="cpu_time_total", row_limit=30))
             (a.profile / f"profile_{m}.txt").write_text(text)
             print(f"profile of {m}: {a.profile / f'profile_{m}.txt'}", flush=True)
     for m in modes:
-        r = run_mode(m, config, a.overrides, a.workdir, steps.get(m, 100), a.batch_tokens, a.log_every, a.device,
-                     head_dir)
+        r = run_mode(m, config, a.overrides, a.workdir, steps[m], a.batch_tokens, a.log_every, a.device,
+                     head_dir, fp8_dir)
         results.append(r)
         print(json.dumps(r), flush=True)
         if head_dir is None:  # real data: the first mode extracted the verifier head; the others reuse it
@@ -317,6 +432,7 @@ def main(argv=None) -> int:
         lines.append(f"| {r['mode']} | {r['tokens_per_s']:.0f} | {r['step_ms']:.1f} | {r['tokens_per_step']:.0f} | "
                      f"{r['speedup_vs_' + base['mode']]:.2f}x | {r['issue_run_projected_s'] or float('nan'):.0f} |")
     lines.append(f"(issue 9: ours 498 s, published trainer 320 s)")
+    lines += fp8_comparison(out, results, by, fp8_summary)
     print("\n".join(lines))
     out["table_md"] = "\n".join(lines)
     if a.json:

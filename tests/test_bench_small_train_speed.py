@@ -4,6 +4,7 @@ from the same code)."""
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -33,3 +34,53 @@ def test_bench_tiny_cpu_reports_all_modes(tmp_path):
     assert [x["mode"] for x in r["results"]] == ["legacy8", "fixed8", "tokens"]
     assert all(x["steps"] == 2 and x["tokens_per_s"] > 0 for x in r["results"])
     assert r["small_train_tokens_per_s"] == r["results"][2]["tokens_per_s"]
+
+
+def test_bench_fp8_mode_trains_on_converted_fp8_shards(tmp_path):
+    """``tokens,tokens+fp8`` (issue 13): the second run reads the converter's fp8 copy of the same samples (its
+    data_config, the loader's batches and the step-1 loss show it), both rows report finite tokens/s, and the
+    ratio is fp8 / bf16."""
+    import small_train_speed
+
+    from eagle3.errors import UserError
+    from eagle3.io import read_json
+
+    work, out = tmp_path / "w", tmp_path / "r.json"
+    small_train_speed.main(["--tiny", "--device", "cpu", "--samples", "24", "--modes", "tokens,tokens+fp8",
+                            "--steps", "tokens=3", "--batch-tokens", "400", "--log-every", "1",
+                            "--workdir", str(work), "--json", str(out)])
+    r = json.loads(out.read_text())
+    bf, fp = r["results"]
+    assert (bf["mode"], fp["mode"]) == ("tokens", "tokens+fp8")
+    assert bf["steps"] == fp["steps"] == 3  # the +fp8 mode takes its bf16 mode's --steps entry
+    for x in (bf, fp):
+        assert math.isfinite(x["tokens_per_s"]) and x["tokens_per_s"] > 0
+        assert math.isfinite(x["loader_tokens_per_s"]) and x["loader_tokens_per_s"] > 0
+    assert r["fp8_vs_bf16_tokens_per_s"] == pytest.approx(fp["tokens_per_s"] / bf["tokens_per_s"])
+    assert r["fp8_vs_bf16_loader_tokens_per_s"] == pytest.approx(fp["loader_tokens_per_s"] / bf["loader_tokens_per_s"])
+    # the fp8 run trained on the converter's output, and its loader shipped 1-byte features
+    meta = read_json(work / "shards-fp8" / "data_config.json")
+    assert meta["storage_dtype"] == "float8_e4m3fn" and meta["format"] != read_json(
+        work / "data" / "shards" / "data_config.json")["format"]
+    assert meta["converted_from"]["path"] == str(work / "data" / "shards")
+    assert r["fp8_convert"]["samples"] == 24 + 16 and r["fp8_convert"]["complete"]
+    assert (bf["storage_dtype"], bf["loader_feature_dtype"]) == ("bfloat16", "bfloat16")
+    assert (fp["storage_dtype"], fp["loader_feature_dtype"]) == ("float8_e4m3fn", "float8_e4m3fn")
+    # same init, samples and order: the step-1 losses differ only by fp8 rounding of the features (bitwise equal
+    # on CPU if the fp8 run had read the bf16 shards)
+    assert math.isfinite(bf["first_loss"]) and math.isfinite(fp["first_loss"])
+    assert fp["first_loss"] != bf["first_loss"]
+    assert fp["first_loss_rel_diff"] == pytest.approx(abs(fp["first_loss"] - bf["first_loss"]) / bf["first_loss"])
+    assert fp["first_loss_rel_diff"] < 1e-2
+    assert "| float8_e4m3fn | tokens+fp8 |" in r["table_md"]
+    # nothing to compare against when the source is fp8 already
+    with pytest.raises(UserError, match="already float8_e4m3fn"):
+        small_train_speed.make_fp8_shards(work / "shards-fp8", tmp_path / "again", overwrite=False)
+
+
+def test_fp8_mode_names():
+    from small_train_speed import bf16_mode, mode_flags
+
+    assert mode_flags("tokens+nock+fp8") == ["nock", "fp8"] and mode_flags("tokens") == []
+    assert bf16_mode("tokens+nock+fp8") == "tokens+nock" and bf16_mode("fixed8+fp8") == "fixed8"
+    assert bf16_mode("tokens") == "tokens"
