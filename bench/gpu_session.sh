@@ -177,6 +177,7 @@ tail_benches() {  # one at a time on an otherwise idle GPU: issue 9's capture ra
   [ -d "$FP8_ROOT/data" ] && phase trainspeed_fp8 "$PY" bench/small_train_speed.py --config "$CONFIG" "${BASE[@]}" \
       --set "output_root=$FP8_ROOT" --set "extract.output_dir=$FP8_ROOT/shards" "${T[@]}" \
       --workdir "$W/ts-fp8" --json "$W/res/trainspeed_fp8.json"
+  phase trainspeed_both "$PY" bench/small_train_speed.py --config "$CONFIG" "${SETS[@]}" "${T[@]}" --modes tokens,tokens+fp8 --fp8-shards "$FP8_ROOT/shards" --workdir "$W/ts-both" --json "$W/res/trainspeed_both.json"
 }
 
 pack() {  # small results -> $OUT/results.tar.gz (+ the regenerated prompts once)
