@@ -24,6 +24,10 @@ mode's tokens/s and loader tokens/s, ``fp8_vs_bf16_tokens_per_s`` (fp8 / bf16; i
 ``fp8_vs_bf16_loader_tokens_per_s``, and both first-step losses (equal up to fp8 rounding).
 A ``+fp8`` mode without its own ``--steps`` entry runs the steps of its bf16 mode.
 
+``--rounds N`` runs the mode list N times, reversing the order every other round (A B, B A, ...), and
+reports per mode the median tokens/s, loader tokens/s and step time (per-round figures under ``rounds``;
+``fp8_vs_bf16_tokens_per_s_rounds`` pairs the runs of each round): for machines shared with other jobs.
+
 Throughput = real (non-pad) tokens / seconds over the log windows after the first (``--log-every``
 steps each; the first window holds start-up and allocator warm-up), read from ``metrics.jsonl``
 (``window_tokens``, ``window_s``). Validation and checkpoint writes are not inside the windows.
@@ -63,7 +67,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eagle3.cli import ArgumentParser, run_main  # noqa: E402
+from eagle3.cli import ArgumentParser, positive_int, run_main  # noqa: E402
 from eagle3.errors import UserError  # noqa: E402
 from eagle3.io import atomic_write_json  # noqa: E402
 
@@ -312,6 +316,23 @@ def run_mode(mode: str, config: Path, overrides: list[str], workdir: Path, steps
             "issue_run_projected_s": ISSUE_RUN_TOKENS / tps if tps == tps and tps > 0 else None}
 
 
+def median_of_rounds(runs: list[dict]) -> dict:
+    """One mode's row from its runs (one per ``--rounds`` round): a single run is returned as is; several give
+    the first run's row with ``tokens_per_s``, ``loader_tokens_per_s``, ``step_ms`` replaced by their medians
+    (``issue_run_projected_s`` recomputed) and the per-round figures under ``rounds``."""
+    import statistics
+
+    if len(runs) == 1:
+        return runs[0]
+    keys = ("tokens_per_s", "loader_tokens_per_s", "step_ms")
+    out = {k: v for k, v in runs[0].items() if k != "round"}
+    out.update({k: statistics.median(r[k] for r in runs) for k in keys})
+    tps = out["tokens_per_s"]
+    out["issue_run_projected_s"] = ISSUE_RUN_TOKENS / tps if tps == tps and tps > 0 else None
+    out["rounds"] = [{k: r[k] for k in ("round",) + keys} for r in runs]
+    return out
+
+
 def fp8_comparison(out: dict, results: list[dict], by: dict, fp8_summary: dict | None) -> list[str]:
     """Pair each ``+fp8`` result with its bf16 mode: adds ``fp8_vs_bf16_tokens_per_s`` (fp8 / bf16),
     ``fp8_vs_bf16_loader_tokens_per_s`` and ``first_loss_rel_diff`` (``|fp8 - bf16| / bf16`` of the step-1
@@ -333,6 +354,9 @@ def fp8_comparison(out: dict, results: list[dict], by: dict, fp8_summary: dict |
     for b, f in pairs:
         f["fp8_vs_bf16_tokens_per_s"] = f["tokens_per_s"] / b["tokens_per_s"]
         f["fp8_vs_bf16_loader_tokens_per_s"] = f["loader_tokens_per_s"] / b["loader_tokens_per_s"]
+        if "rounds" in f and "rounds" in b:  # paired: the two runs of one round saw the same machine load
+            f["fp8_vs_bf16_tokens_per_s_rounds"] = [x["tokens_per_s"] / y["tokens_per_s"]
+                                                    for x, y in zip(f["rounds"], b["rounds"])]
         f["first_loss_rel_diff"] = (abs(f["first_loss"] - b["first_loss"]) / abs(b["first_loss"])
                                     if f["first_loss"] is not None and b["first_loss"] else None)
         lines += [row(b), row(f, f"{f['fp8_vs_bf16_tokens_per_s']:.3f}x", f"{f['fp8_vs_bf16_loader_tokens_per_s']:.3f}x")]
@@ -343,6 +367,8 @@ def fp8_comparison(out: dict, results: list[dict], by: dict, fp8_summary: dict |
                 "fp8_loader_tokens_per_s": f["loader_tokens_per_s"],
                 "bf16_loader_tokens_per_s": b["loader_tokens_per_s"],
                 "fp8_first_loss_rel_diff": f["first_loss_rel_diff"]})
+    if "fp8_vs_bf16_tokens_per_s_rounds" in f:
+        out["fp8_vs_bf16_tokens_per_s_rounds"] = f["fp8_vs_bf16_tokens_per_s_rounds"]
     return lines
 
 
@@ -361,6 +387,8 @@ def main(argv=None) -> int:
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--fp8-shards", type=Path, help="'+fp8' modes: folder of the fp8 copy of the shards (default "
                    "WORKDIR/shards-fp8); converted from the bf16 shards unless it already holds that conversion")
+    p.add_argument("--rounds", type=positive_int, default=1, help="run the modes this many times, order reversed "
+                   "every other round (A B, B A, ...); each mode reports the median over rounds (a shared machine)")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke run)")
     p.add_argument("--device", default=None, help="'cpu' forces CPU")
     p.add_argument("--json", type=Path)
@@ -409,18 +437,25 @@ def main(argv=None) -> int:
             text = (ka.table(sort_by=dev_key, row_limit=30) + "\n\n" + ka.table(sort_by="cpu_time_total", row_limit=30))
             (a.profile / f"profile_{m}.txt").write_text(text)
             print(f"profile of {m}: {a.profile / f'profile_{m}.txt'}", flush=True)
-    for m in modes:
-        r = run_mode(m, config, a.overrides, a.workdir, steps[m], a.batch_tokens, a.log_every, a.device,
-                     head_dir, fp8_dir)
-        results.append(r)
-        print(json.dumps(r), flush=True)
-        if head_dir is None:  # real data: the first mode extracted the verifier head; the others reuse it
-            head_dir = a.workdir / f"train-{m.replace('+', '-')}"
+    runs = []
+    for k in range(a.rounds):
+        for m in (modes if k % 2 == 0 else modes[::-1]):  # ABBA...: drift of a shared machine hits both alike
+            r = run_mode(m, config, a.overrides, a.workdir, steps[m], a.batch_tokens, a.log_every, a.device,
+                         head_dir, fp8_dir)
+            runs.append({**r, "round": k} if a.rounds > 1 else r)
+            print(json.dumps(runs[-1]), flush=True)
+            if head_dir is None:  # real data: the first run extracted the verifier head; the others reuse a copy
+                import shutil
+
+                head_dir = a.workdir / "head"
+                head_dir.mkdir(exist_ok=True)
+                shutil.copy(a.workdir / f"train-{m.replace('+', '-')}" / "target_head.safetensors", head_dir)
+    results = [median_of_rounds([r for r in runs if r["mode"] == m]) for m in modes]
     by = {r["mode"]: r for r in results}
     base = by.get("legacy8") or results[0]
     out = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() and a.device != "cpu" else "cpu",
            "torch": torch.__version__, "data": str(a.config) if a.config else f"synthetic x{a.samples}",
-           "batch_tokens": a.batch_tokens, "results": results}
+           "batch_tokens": a.batch_tokens, "rounds": a.rounds, "results": results}
     for r in results:
         r["speedup_vs_" + base["mode"]] = r["tokens_per_s"] / base["tokens_per_s"]
     if "tokens" in by:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -47,7 +48,7 @@ def test_bench_fp8_mode_trains_on_converted_fp8_shards(tmp_path):
 
     work, out = tmp_path / "w", tmp_path / "r.json"
     small_train_speed.main(["--tiny", "--device", "cpu", "--samples", "24", "--modes", "tokens,tokens+fp8",
-                            "--steps", "tokens=3", "--batch-tokens", "400", "--log-every", "1",
+                            "--steps", "tokens=3", "--batch-tokens", "400", "--log-every", "1", "--rounds", "2",
                             "--workdir", str(work), "--json", str(out)])
     r = json.loads(out.read_text())
     bf, fp = r["results"]
@@ -56,6 +57,10 @@ def test_bench_fp8_mode_trains_on_converted_fp8_shards(tmp_path):
     for x in (bf, fp):
         assert math.isfinite(x["tokens_per_s"]) and x["tokens_per_s"] > 0
         assert math.isfinite(x["loader_tokens_per_s"]) and x["loader_tokens_per_s"] > 0
+        assert [y["round"] for y in x["rounds"]] == [0, 1]  # --rounds 2: median of two runs per mode
+        assert x["tokens_per_s"] == pytest.approx(statistics.median(y["tokens_per_s"] for y in x["rounds"]))
+    assert r["fp8_vs_bf16_tokens_per_s_rounds"] == pytest.approx(
+        [f["tokens_per_s"] / b["tokens_per_s"] for f, b in zip(fp["rounds"], bf["rounds"])])
     assert r["fp8_vs_bf16_tokens_per_s"] == pytest.approx(fp["tokens_per_s"] / bf["tokens_per_s"])
     assert r["fp8_vs_bf16_loader_tokens_per_s"] == pytest.approx(fp["loader_tokens_per_s"] / bf["loader_tokens_per_s"])
     # the fp8 run trained on the converter's output, and its loader shipped 1-byte features
@@ -84,3 +89,16 @@ def test_fp8_mode_names():
     assert mode_flags("tokens+nock+fp8") == ["nock", "fp8"] and mode_flags("tokens") == []
     assert bf16_mode("tokens+nock+fp8") == "tokens+nock" and bf16_mode("fixed8+fp8") == "fixed8"
     assert bf16_mode("tokens") == "tokens"
+
+
+def test_median_of_rounds_single_run_unchanged_several_give_medians():
+    from small_train_speed import ISSUE_RUN_TOKENS, median_of_rounds
+
+    one = {"mode": "tokens", "tokens_per_s": 10.0, "loader_tokens_per_s": 5.0, "step_ms": 2.0, "x": 1}
+    assert median_of_rounds([one]) is one  # --rounds 1 (the default): the row as before
+    runs = [{**one, "round": k, "tokens_per_s": t, "loader_tokens_per_s": lt, "step_ms": ms}
+            for k, (t, lt, ms) in enumerate([(30.0, 1.0, 7.0), (10.0, 3.0, 5.0), (20.0, 2.0, 9.0)])]
+    m = median_of_rounds(runs)
+    assert (m["tokens_per_s"], m["loader_tokens_per_s"], m["step_ms"], m["x"]) == (20.0, 2.0, 7.0, 1)
+    assert m["issue_run_projected_s"] == ISSUE_RUN_TOKENS / 20.0 and "round" not in m
+    assert [x["tokens_per_s"] for x in m["rounds"]] == [30.0, 10.0, 20.0]
