@@ -58,6 +58,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import inspect
 import json
 import logging
 import os
@@ -726,13 +727,20 @@ def default_write_threads() -> int:
     return max(1, min(8, default_workers()))
 
 
-def _start_capture(backend: CaptureBackend, batch: list[list[int]]):
-    """``backend.capture_async(batch)`` when the backend has it (HF), else a finished capture."""
+def _start_capture(backend: CaptureBackend, batch: list[list[int]], storage: Optional[Storage] = None):
+    """Launch ``batch``'s capture; the handle's ``states()`` waits for it and returns per sample what
+    the shard writer takes: :class:`eagle3.shards.StoredStates` from a backend whose
+    ``capture_async`` accepts ``storage`` (HF: NaN/Inf check and fp8 quantisation done on the
+    device per batch), else the 4 bf16 tensors of the capture contract (the writer checks and
+    quantises them)."""
     start = getattr(backend, "capture_async", None)
     if callable(start):
-        return start(batch)
+        if "storage" in inspect.signature(start).parameters:
+            handle = start(batch, storage=storage or Storage())
+            return SimpleNamespace(states=handle.stored)
+        return SimpleNamespace(states=start(batch).result)
     states = backend.capture(batch)
-    return SimpleNamespace(result=lambda: states)
+    return SimpleNamespace(states=lambda: states)
 
 
 def capture_and_write(backend: CaptureBackend, samples: list[Sample], batches: list[list[int]], done: dict[int, dict],
@@ -764,7 +772,7 @@ def capture_and_write(backend: CaptureBackend, samples: list[Sample], batches: l
             on_commit(row)
 
     def write(group: list[int], handle) -> None:
-        states = handle.result()
+        states = handle.states()
         if sleep_s:
             time.sleep(sleep_s)
         for i, st in zip(group, states):
@@ -781,7 +789,7 @@ def capture_and_write(backend: CaptureBackend, samples: list[Sample], batches: l
         for group in batches:
             # Capture the whole planned batch (even finished members) so padded shapes match an
             # uninterrupted run exactly; only unfinished samples are written.
-            handle = _start_capture(backend, [samples[i].input_ids for i in group])
+            handle = _start_capture(backend, [samples[i].input_ids for i in group], storage)
             if write_threads == 0:
                 write(group, handle)
                 continue

@@ -104,16 +104,51 @@ def quantize(h: torch.Tensor, num_blocks: int = 1) -> tuple[torch.Tensor, torch.
     Raises:
         ValueError: ``num_blocks`` does not divide ``H``, or ``h`` has NaN/Inf.
     """
+    q, scale = quantize_unchecked(h, num_blocks)
+    if not scales_finite(scale):  # exactly "h is finite": see quantize_unchecked
+        raise ValueError("quantize: input has NaN/Inf")
+    return q, scale
+
+
+def quantize_unchecked(h: torch.Tensor, num_blocks: int = 1,
+                       out: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize` without its NaN/Inf check, so it never synchronises a device (stage 02 runs
+    it on the verifier's GPU per captured batch, before the device -> host copy).
+
+    The check is not lost: a block's scale is ``amax(|block|) / 448``, and ``amax`` propagates NaN
+    and +-Inf, so the scales are all finite exactly when ``h`` is (:func:`scales_finite`); every
+    shard writer checks the scales. Same operations as :func:`quantize`, so the same bytes on any
+    device (elementwise IEEE float32 division, round-to-nearest-even e4m3 cast).
+
+    Args:
+        h: ``[..., H]`` any float dtype.
+        num_blocks: scales per row; must divide ``H``.
+        out: optional preallocated ``(q [..., H] float8_e4m3fn, scale [..., num_blocks] float32)``.
+
+    Returns:
+        ``(q, scale)`` as :func:`quantize` (``out`` when given).
+
+    Raises:
+        ValueError: ``num_blocks`` does not divide ``H``.
+    """
     H = h.shape[-1]
     if num_blocks < 1 or H % num_blocks:
         raise ValueError(f"quantize: {num_blocks} blocks do not divide hidden size {H}")
     x = h.float().reshape(*h.shape[:-1], num_blocks, H // num_blocks)  # [..., nb, H/nb]
-    if not bool(torch.isfinite(x).all()):
-        raise ValueError("quantize: input has NaN/Inf")
-    amax = x.abs().amax(dim=-1)  # [..., nb]
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))  # [..., nb]
+    amax = x.abs().amax(dim=-1)  # [..., nb]; NaN/Inf propagate
+    # amax >= 0, so "== 0" picks the same rows as "not > 0" for finite input, but keeps a NaN amax NaN
+    scale = torch.where(amax == 0, torch.ones_like(amax), amax / FP8_MAX)  # [..., nb]
     q = (x / scale.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)  # [..., nb, H/nb]
-    return q.reshape(h.shape), scale.to(SCALE_DTYPE)
+    if out is None:
+        return q.reshape(h.shape), scale.to(SCALE_DTYPE)
+    out[0].copy_(q.reshape(h.shape))
+    out[1].copy_(scale)
+    return out
+
+
+def scales_finite(scale: torch.Tensor) -> bool:
+    """True iff every scale of :func:`quantize_unchecked` is finite, i.e. iff its input was finite."""
+    return bool(torch.isfinite(scale).all())
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

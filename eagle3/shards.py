@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
 from eagle3.errors import UserError
-from eagle3.fp8 import FP8_DTYPE, Storage, dequantize, has_nan_fp8, quantize
+from eagle3.fp8 import FP8_DTYPE, SCALE_DTYPE, Storage, dequantize, has_nan_fp8, quantize_unchecked, scales_finite
 from eagle3.io import TMP_MARK, atomic_torch_save, atomic_write_json, read_json, safe_torch_load
 
 FORMAT = "speculators-v1"
@@ -96,9 +97,75 @@ def _as_int64(x: Any) -> torch.Tensor:
     return t.to(torch.int64).reshape(-1).clone()  # [L]
 
 
+@dataclass(frozen=True)
+class StoredStates:
+    """One sample's hidden states already in their stored form (what :func:`encode_batch` gives the
+    HF capture backend per batch on the device, sliced per sample on the host).
+
+    Attributes:
+        hidden_states: 4 x ``[L, H]``: bf16 (speculators-v1) or float8_e4m3fn (fp8 storage); may be
+            views into a larger batch buffer (:func:`shard_object` copies them out).
+        hidden_scales: fp8 only: 4 x float32 ``[L, nb]`` (:func:`eagle3.fp8.quantize_unchecked`); None for bf16.
+        source_finite: bf16 only: True when the producer has checked every value finite (one device
+            reduction per batch), so the writer skips its own check; False = the writer checks.
+            fp8 shards are always checked through their scales (finite exactly when the source was).
+    """
+
+    hidden_states: list
+    hidden_scales: Optional[list] = None
+    source_finite: bool = False
+
+
+def encode_batch(pack: torch.Tensor, storage: Storage | None = None) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    """The stored form of a whole captured batch, on ``pack``'s device, without any host sync.
+
+    Stage 02's HF backend calls this on the GPU before the device -> host copy, so the writer
+    threads get finished tensors: no per-shard float conversion, NaN/Inf scan or fp8 quantisation
+    on the CPU, and for fp8 half the bytes cross PCIe. Per row the same operations as
+    :func:`shard_object`'s own path, so the shard bytes are the same.
+
+    Args:
+        pack: bf16 ``[4, T, H]`` (the batch's samples back to back, padding removed).
+        storage: None/bf16 or fp8 (:mod:`eagle3.fp8`).
+
+    Returns:
+        ``(values, scales, finite)``: bf16: ``(pack, None, finite)`` with ``finite`` a 0-dim bool
+        tensor (every value finite); fp8: ``(q float8_e4m3fn [4, T, H], scales float32 [4, T, nb],
+        finite)``, where ``finite`` is also what the scales say (non-finite input gives non-finite scales).
+    """
+    if storage is None or not storage.is_fp8:
+        return pack, None, torch.isfinite(pack).all()  # [4, T, H] -> 0-dim bool
+    n, T, H = pack.shape
+    nb = storage.num_blocks(H)
+    q = torch.empty((n, T, H), dtype=FP8_DTYPE, device=pack.device)  # [4, T, H]
+    sc = torch.empty((n, T, nb), dtype=SCALE_DTYPE, device=pack.device)  # [4, T, nb]
+    for k in range(n):  # one state at a time: the float32 temporaries stay [T, H]
+        quantize_unchecked(pack[k], nb, out=(q[k], sc[k]))
+    return q, sc, torch.isfinite(sc).all()
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the CPU, contiguous, with exactly its own storage (``torch.save`` stores a view's
+    whole storage, e.g. the padded batch buffer a capture slice points into)."""
+    t = t.detach().to("cpu").contiguous()
+    if t.storage_offset() != 0 or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        t = t.clone()
+    return t
+
+
+def _check_shape(idx: int, k: int, h: torch.Tensor, L: int, what: str = "hidden_states", cols=None) -> None:
+    if h.dim() != 2 or h.shape[0] != L or (cols is not None and h.shape[1] != cols):
+        want = f"[{L}, {'H' if cols is None else cols}]"
+        raise ValueError(f"sample {idx}: {what}[{k}] has shape {tuple(h.shape)}, expected {want}")
+
+
+def _nonfinite(idx: int, k: int) -> ValueError:
+    return ValueError(f"sample {idx}: hidden_states[{k}] has NaN/Inf")
+
+
 def shard_object(
     input_ids: Sequence[int] | torch.Tensor,
-    hidden_states: Sequence[torch.Tensor],
+    hidden_states: Sequence[torch.Tensor] | StoredStates,
     loss_mask: Sequence[int] | torch.Tensor,
     storage: Storage | None = None,
     idx: int = 0,
@@ -107,41 +174,82 @@ def shard_object(
 
     Args:
         input_ids: ``[L]`` token ids (any integer dtype; stored int64).
-        hidden_states: 4 tensors ``[L, H]`` (aux1, aux2, aux3, last); stored bf16. A tensor that
-            is a view into a larger storage (e.g. a slice of a padded batch) is ``.clone()``-d
-            first, because ``torch.save`` stores a view's whole storage.
+        hidden_states: 4 tensors ``[L, H]`` (aux1, aux2, aux3, last); stored bf16 (fp8 storage:
+            quantised here with :func:`eagle3.fp8.quantize_unchecked`, plus ``hidden_scales``).
+            Or a :class:`StoredStates` already in the stored form of ``storage`` (from
+            :func:`encode_batch`): only checked (shapes, dtypes, NaN/Inf through the scales or,
+            unless ``source_finite``, the values) and copied out of their batch buffer. A tensor
+            that is a view into a larger storage is ``.clone()``-d, because ``torch.save`` stores a
+            view's whole storage.
         loss_mask: ``[L]`` 0/1 (stored int64).
-        storage: ``None``/bf16 = speculators-v1; fp8 = quantised from the bf16 values
-            (:func:`eagle3.fp8.quantize`) plus ``hidden_scales``.
+        storage: ``None``/bf16 = speculators-v1; fp8 = float8_e4m3fn values + ``hidden_scales``.
         idx: the sample's idx (named in errors).
 
     Raises:
-        ValueError: wrong count, shape or non-finite values (a caller bug: capture must
-            never produce them).
+        ValueError: wrong count, shape, dtype or non-finite values (``sample {idx}:
+            hidden_states[{k}] has NaN/Inf``; a caller bug: capture must never produce them).
     """
     ids = _as_int64(input_ids)  # [L]
     mask = _as_int64(loss_mask)  # [L]
     L = ids.numel()
     if mask.numel() != L:
         raise ValueError(f"sample {idx}: loss_mask has {mask.numel()} entries, input_ids {L}")
+    fp8 = storage is not None and storage.is_fp8
+    if isinstance(hidden_states, StoredStates):
+        return _stored_object(ids, mask, hidden_states, storage, idx)
     if len(hidden_states) != NUM_HIDDEN_STATES:
         raise ValueError(f"sample {idx}: {len(hidden_states)} hidden states, expected {NUM_HIDDEN_STATES}")
     hs = []
     for k, h in enumerate(hidden_states):
-        if h.dim() != 2 or h.shape[0] != L:
-            raise ValueError(f"sample {idx}: hidden_states[{k}] has shape {tuple(h.shape)}, expected [{L}, H]")
-        hb = h.detach().to("cpu", torch.bfloat16).contiguous()  # [L, H]
-        if hb.storage_offset() != 0 or hb.untyped_storage().nbytes() != hb.numel() * hb.element_size():
-            hb = hb.clone()  # a view into a larger (padded) storage: keep only this sample's rows
-        if not bool(torch.isfinite(hb).all()):
-            raise ValueError(f"sample {idx}: hidden_states[{k}] has NaN/Inf")
+        _check_shape(idx, k, h, L)
+        hb = _own(h.detach().to(torch.bfloat16))  # [L, H]
+        if not all_finite(hb):  # one float32 sum; the exact scan only when that sum is not finite
+            raise _nonfinite(idx, k)
         hs.append(hb)
     obj = {"input_ids": ids, "hidden_states": hs, "loss_mask": mask}
-    if storage is not None and storage.is_fp8:
+    if fp8:
         nb = storage.num_blocks(hs[0].shape[1])
-        pairs = [quantize(h, nb) for h in hs]  # [L, H] fp8, [L, nb] fp32
+        pairs = [quantize_unchecked(h, nb) for h in hs]  # [L, H] fp8, [L, nb] fp32 (input checked above)
         obj["hidden_states"] = [q for q, _ in pairs]
         obj["hidden_scales"] = [sc for _, sc in pairs]
+    return obj
+
+
+def _stored_object(ids: torch.Tensor, mask: torch.Tensor, st: StoredStates, storage: Storage | None,
+                   idx: int) -> dict:
+    """:func:`shard_object` for states already in stored form: check, copy out of the batch buffer."""
+    L = ids.numel()
+    fp8 = storage is not None and storage.is_fp8
+    hs, scs = list(st.hidden_states), st.hidden_scales
+    if len(hs) != NUM_HIDDEN_STATES:
+        raise ValueError(f"sample {idx}: {len(hs)} hidden states, expected {NUM_HIDDEN_STATES}")
+    want = FP8_DTYPE if fp8 else torch.bfloat16
+    if (scs is not None) != fp8 or (fp8 and len(scs) != len(hs)):
+        raise ValueError(f"sample {idx}: stored states {'without' if fp8 else 'with'} scales for "
+                         f"{'fp8' if fp8 else 'bf16'} storage")
+    H = hs[0].shape[-1]
+    nb = storage.num_blocks(H) if fp8 else None
+    out_h, out_s = [], []
+    for k, h in enumerate(hs):
+        _check_shape(idx, k, h, L, cols=H)
+        if h.dtype != want:
+            raise ValueError(f"sample {idx}: hidden_states[{k}] is {h.dtype}, storage wants {want}")
+        if fp8:
+            sc = scs[k]
+            _check_shape(idx, k, sc, L, what="hidden_scales", cols=nb)
+            if sc.dtype != SCALE_DTYPE:
+                raise ValueError(f"sample {idx}: hidden_scales[{k}] is {sc.dtype}, expected {SCALE_DTYPE}")
+            sc = _own(sc)  # [L, nb]
+            if not scales_finite(sc):  # finite scales <=> finite source (eagle3.fp8.quantize_unchecked)
+                raise _nonfinite(idx, k)
+            out_s.append(sc)
+        hb = _own(h)  # [L, H]
+        if not fp8 and not st.source_finite and not all_finite(hb):
+            raise _nonfinite(idx, k)
+        out_h.append(hb)
+    obj = {"input_ids": ids, "hidden_states": out_h, "loss_mask": mask}
+    if fp8:
+        obj["hidden_scales"] = out_s
     return obj
 
 
@@ -150,7 +258,7 @@ def write_sample(
     idx: int,
     rows_per_dir: int,
     input_ids: Sequence[int] | torch.Tensor,
-    hidden_states: Sequence[torch.Tensor],
+    hidden_states: Sequence[torch.Tensor] | StoredStates,
     loss_mask: Sequence[int] | torch.Tensor,
     storage: Storage | None = None,
     hasher=None,

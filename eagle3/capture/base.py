@@ -48,18 +48,23 @@ class CaptureBackend(Protocol):
     def capture(self, batch: list[list[int]]) -> list[list[torch.Tensor]]: ...
 
 
-def check_captured(sample_ids: list[int], states: list[torch.Tensor], hidden_size: int, where: str) -> None:
-    """Assert a backend's output for one sample honours the contract (4 bf16 ``[L, H]`` CPU tensors).
+def check_captured(sample_ids: list[int], states, hidden_size: int, where: str) -> None:
+    """Assert a backend's output for one sample honours the contract (4 bf16 ``[L, H]`` CPU tensors,
+    or an ``eagle3.shards.StoredStates`` whose 4 ``hidden_states`` are bf16 or float8_e4m3fn
+    ``[L, H]`` on the CPU; its scales are checked by the shard writer).
 
     Raises:
         RuntimeError: a backend bug (wrong count, shape, dtype or device); ``where`` names the sample.
     """
     L = len(sample_ids)
-    if len(states) != NUM_CAPTURED:
-        raise RuntimeError(f"{where}: capture backend returned {len(states)} tensors, expected {NUM_CAPTURED}")
-    for k, t in enumerate(states):
-        if tuple(t.shape) != (L, hidden_size) or t.dtype != torch.bfloat16 or t.device.type != "cpu":
+    stored = getattr(states, "hidden_states", None)
+    tensors = list(stored) if stored is not None else states
+    dtypes = (torch.bfloat16, torch.float8_e4m3fn) if stored is not None else (torch.bfloat16,)
+    if len(tensors) != NUM_CAPTURED:
+        raise RuntimeError(f"{where}: capture backend returned {len(tensors)} tensors, expected {NUM_CAPTURED}")
+    for k, t in enumerate(tensors):
+        if tuple(t.shape) != (L, hidden_size) or t.dtype not in dtypes or t.device.type != "cpu":
             raise RuntimeError(
                 f"{where}: capture tensor {k} is {tuple(t.shape)} {t.dtype} on {t.device}, "
-                f"expected ({L}, {hidden_size}) torch.bfloat16 on cpu"
+                f"expected ({L}, {hidden_size}) {' or '.join(map(str, dtypes))} on cpu"
             )

@@ -38,6 +38,8 @@ import torch
 
 from eagle3.attention import no_cudnn_sdpa
 from eagle3.capture.base import BackendInfo, LastHiddenState
+from eagle3.fp8 import Storage
+from eagle3.shards import StoredStates, encode_batch
 from eagle3.verifier import text_config
 
 log = logging.getLogger(__name__)
@@ -136,12 +138,19 @@ class HFCapture:
         """
         return self.capture_async(batch).result(own_storage=True)
 
-    def capture_async(self, batch: list[list[int]]) -> "PendingCapture":
+    def capture_async(self, batch: list[list[int]], storage: Optional[Storage] = None) -> "PendingCapture":
         """Launch the prefill of ``batch`` and the device -> host copy of its states; return at once.
 
         On CUDA the returned handle's :meth:`PendingCapture.result` blocks only until the one
         pinned-memory copy of each forward has landed, so the caller can launch the next batch's
         forward first (the copy overlaps it). Same values as :meth:`capture`.
+
+        Args:
+            storage: the shards' storage. Given (stage 02), each forward's states are also put in
+                their stored form on the device (:func:`eagle3.shards.encode_batch`: the NaN/Inf
+                check of the whole batch; for fp8 the quantisation, so only 1-byte values and the
+                scales are copied to the host); read them with :meth:`PendingCapture.stored`.
+                None: bf16 states for :meth:`PendingCapture.result`.
 
         Raises:
             ValueError: an empty sample.
@@ -149,7 +158,7 @@ class HFCapture:
         """
         if any(len(s) == 0 for s in batch):
             raise ValueError("HFCapture.capture: empty sample")
-        parts = [(group, self._forward([batch[i] for i in group]))
+        parts = [(group, self._forward([batch[i] for i in group], storage))
                  for group in plan_batches([len(s) for s in batch], self.batch_tokens)]
         return PendingCapture(len(batch), parts)
 
@@ -234,7 +243,7 @@ class HFCapture:
 
     @torch.inference_mode()
     @no_cudnn_sdpa()  # padded lengths change per batch: no per-shape cuDNN plans (~40 ms/call on H200)
-    def _forward(self, batch: list[list[int]]) -> "_Part":
+    def _forward(self, batch: list[list[int]], storage: Optional[Storage] = None) -> "_Part":
         if self._hooks_ok is None:
             self._hooks_ok = self._check_hooks()
         ids, att = self._pad(batch)  # [B, Lmax] right-padded
@@ -251,19 +260,32 @@ class HFCapture:
         for k, p in enumerate(picks):
             flat = p.reshape(B * Lmax, H).to(device=dev, dtype=torch.bfloat16)  # cast on the device
             torch.index_select(flat, 0, rows, out=pack[k])  # [T, H] real rows only
+        dev_t = [pack]  # what goes to the host: bf16 states, or fp8 values + scales, + the finite flag
+        if storage is not None:
+            values, scales, finite = encode_batch(pack, storage)  # no sync: checked on the host later
+            dev_t = [values] + ([scales] if scales is not None else []) + [finite.reshape(1)]
         if dev.type != "cuda":
-            return _Part(pack, lengths, None)
+            return _Part(lengths, None, *self._unpack(dev_t, storage))
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(device=dev)
         cs = self._copy_stream
-        host = torch.empty((len(picks), T, H), dtype=torch.bfloat16, pin_memory=True)  # [4, T, H]
+        host_t = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in dev_t]
         cs.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(cs):
-            host.copy_(pack, non_blocking=True)
+            for h, t in zip(host_t, dev_t):
+                h.copy_(t, non_blocking=True)
             event = torch.cuda.Event()
             event.record(cs)
-        pack.record_stream(cs)  # keep the device buffer from reuse until the copy is done
-        return _Part(host, lengths, event)
+        for t in dev_t:
+            t.record_stream(cs)  # keep the device buffers from reuse until the copy is done
+        return _Part(lengths, event, *self._unpack(host_t, storage))
+
+    @staticmethod
+    def _unpack(ts: list[torch.Tensor], storage: Optional[Storage]):
+        """``(host, scales, finite)`` of :class:`_Part` from the list :meth:`_forward` copies."""
+        if storage is None:
+            return ts[0], None, None
+        return ts[0], (ts[1] if len(ts) == 3 else None), ts[-1]
 
     def last_hidden_state(self) -> LastHiddenState:
         """``"post_norm"`` if ``lm_head(hidden_states[-1])`` reproduces the logits, else ``"pre_norm"``.
@@ -322,13 +344,15 @@ class HFCapture:
 
 
 class _Part:
-    """One forward's states in host memory (or on their way): ``host`` ``[4, T, H]`` bf16, samples
-    back to back (``lengths``), ``event`` = the CUDA event after the copy (None: already there)."""
+    """One forward's states in host memory (or on their way): ``host`` ``[4, T, H]`` (bf16, or fp8
+    values when ``scales`` ``[4, T, nb]`` float32 is set), samples back to back (``lengths``),
+    ``finite`` a 1-element bool tensor (every state value finite; None when no storage was asked
+    for), ``event`` = the CUDA event after the copies (None: already there)."""
 
-    __slots__ = ("host", "lengths", "event")
+    __slots__ = ("host", "lengths", "event", "scales", "finite")
 
-    def __init__(self, host: torch.Tensor, lengths: list[int], event):
-        self.host, self.lengths, self.event = host, lengths, event
+    def __init__(self, lengths: list[int], event, host: torch.Tensor, scales=None, finite=None):
+        self.host, self.lengths, self.event, self.scales, self.finite = host, lengths, event, scales, finite
 
 
 class PendingCapture:
@@ -342,6 +366,11 @@ class PendingCapture:
         """True when every device -> host copy has finished (never blocks)."""
         return all(p.event is None or p.event.query() for _, p in self._parts)
 
+    def _wait(self) -> None:
+        for _, part in self._parts:
+            if part.event is not None:
+                part.event.synchronize()
+
     def result(self, own_storage: bool = False) -> list[list[torch.Tensor]]:
         """Wait for the copies; per sample (input order) ``[aux1, aux2, aux3, last]`` bf16 CPU ``[L_i, H]``.
 
@@ -350,14 +379,42 @@ class PendingCapture:
                 :meth:`HFCapture.capture` returns). Default: views into the batch's pinned
                 buffer, which stays alive while any view does (``eagle3.shards.write_sample``
                 clones a view before saving it).
+
+        Raises:
+            RuntimeError: the capture was launched with fp8 storage (use :meth:`stored`).
         """
+        self._wait()
         out: list = [None] * self._n
         for group, part in self._parts:
-            if part.event is not None:
-                part.event.synchronize()
-            off = 0
-            for i, L in zip(group, part.lengths):
-                views = [part.host[k, off:off + L] for k in range(part.host.shape[0])]  # 4 x [L, H]
+            if part.scales is not None:
+                raise RuntimeError("PendingCapture.result: states were quantised to fp8 on the device; use stored()")
+            for i, views in zip(group, _split(part.host, part.lengths)):
                 out[i] = [v.clone() for v in views] if own_storage else views
-                off += L
         return out
+
+    def stored(self) -> list[StoredStates]:
+        """Wait for the copies; per sample (input order) its :class:`eagle3.shards.StoredStates`
+        (views into the batch's pinned buffers; needs ``capture_async(..., storage=...)``).
+
+        bf16: ``source_finite`` is the device's NaN/Inf check of the whole forward batch (when it
+        failed, every sample of that batch is checked again by the writer, which names the bad one).
+        """
+        self._wait()
+        out: list = [None] * self._n
+        for group, part in self._parts:
+            if part.finite is None:
+                raise RuntimeError("PendingCapture.stored: capture_async was called without a storage")
+            finite = bool(part.finite.item())
+            scales = _split(part.scales, part.lengths) if part.scales is not None else [None] * len(group)
+            for i, views, sc in zip(group, _split(part.host, part.lengths), scales):
+                out[i] = StoredStates(views, sc, source_finite=finite and sc is None)
+        return out
+
+
+def _split(buf: torch.Tensor, lengths: list[int]) -> list[list[torch.Tensor]]:
+    """Per sample, the views ``buf[k, off:off + L]`` for every k (``buf`` ``[n, T, C]``, samples back to back)."""
+    out, off = [], 0
+    for L in lengths:
+        out.append([buf[k, off:off + L] for k in range(buf.shape[0])])  # n x [L, C]
+        off += L
+    return out
