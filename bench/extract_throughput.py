@@ -24,6 +24,15 @@ writer (:mod:`eagle3.fp8`: half the bytes per token).
 
 Prints a Markdown table and JSON; ``capture_vs_bare_ratio`` = pipeline tokens/s / bare tokens/s.
 
+``--writer-only`` (no model, no GPU): the shard writer alone on ``--batches`` synthetic batches of
+``[batch, seq]`` tokens x 4 states of ``--hidden`` columns, bf16, handed over as views into one
+``[4, T, H]`` batch buffer like the capture's, same threads, into ``--out-dir``:
+``writer_list`` = 4 bf16 tensors per sample (the writer checks and, for fp8, quantises on the
+CPU: what stage 02 did before the device-side encoding, and still does for backends without it),
+``writer_stored`` = :func:`eagle3.shards.encode_batch` per batch first (on the GPU in stage 02; on
+the CPU here, timed apart as ``encode_s``), then :class:`eagle3.shards.StoredStates` per sample;
+``disk`` = the plain-write ceiling above. ``*_vs_disk_ratio`` = writer GB/s / ceiling GB/s.
+
     python bench/extract_throughput.py --config configs/smollm2-135m.yaml --device cuda --batch 64 --seq 2048 \\
         [--set verifier.path=DIR] [--out-dir /tmp] [--json out.json]
 """
@@ -85,6 +94,85 @@ def write_files(out_dir, n_files: int, nbytes: int, threads: int) -> None:
         shutil.rmtree(root, ignore_errors=True)
 
 
+def writer_bench(a, cfg) -> dict:
+    """``--writer-only``: the shard writer's GB/s (list path, stored path) vs the plain-write ceiling."""
+    from eagle3.manifest import ManifestWriter
+    from eagle3.shard_writer import ShardWriter
+
+    try:
+        from eagle3.shards import StoredStates, encode_batch
+    except ImportError:  # an older tree: only the list path exists
+        StoredStates = encode_batch = None
+    B, L, K, H = a.batch, a.seq, a.batches, a.hidden
+    storage = storage_from_config(cfg.extract)
+    threads = a.write_threads if a.write_threads is not None else (
+        cfg.extract.write_threads if cfg.extract.write_threads is not None else default_write_threads())
+    g = torch.Generator().manual_seed(a.seed)
+    packs = [torch.randn((4, B * L, H), generator=g).to(torch.bfloat16) for _ in range(K)]  # K x [4, T, H]
+    ids, mask = list(range(L)), [1] * L
+    fp8 = storage if storage.is_fp8 else None
+    encoded: list = []
+    encode_s = 0.0
+    if encode_batch is not None:
+        t = time.perf_counter()
+        for pack in packs:
+            v, sc, fin = encode_batch(pack, storage)
+            encoded.append((v, sc, bool(fin)))
+        encode_s = time.perf_counter() - t
+
+    def per_sample(k: int, stored: bool):
+        if not stored:
+            return [[packs[k][j, b * L:(b + 1) * L] for j in range(4)] for b in range(B)]
+        v, sc, fin = encoded[k]
+        return [StoredStates([v[j, b * L:(b + 1) * L] for j in range(4)],
+                             None if sc is None else [sc[j, b * L:(b + 1) * L] for j in range(4)],
+                             source_finite=fin) for b in range(B)]
+
+    def writer(stored: bool):
+        def fn() -> None:
+            root = Path(tempfile.mkdtemp(prefix="writer-bench-", dir=a.out_dir))
+            try:
+                with ManifestWriter(root / "manifest.jsonl") as man, ShardWriter(
+                        root, 2000, man, threads=threads, max_pending_tokens=2 * B * L, storage=fp8) as w:
+                    for k in range(K):
+                        for b, st in enumerate(per_sample(k, stored)):
+                            w.submit(k * B + b, f"s{k * B + b}", ids, st, mask)
+            finally:
+                shutil.rmtree(root, ignore_errors=True)
+        return fn
+
+    bpt = storage.bytes_per_token(H)
+    fns = {"writer_list": writer(False), "disk": lambda: write_files(a.out_dir, K * B, L * bpt, max(threads, 1))}
+    if encode_batch is not None:
+        fns["writer_stored"] = writer(True)
+    times: dict = {k: [] for k in fns}
+    for _ in range(a.repeats):
+        for k, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    n = K * B * L
+    gbs = {k: round(n * bpt / v / 1e9, 3) for k, v in med.items()}
+    res = {"mode": "writer_only", "storage_dtype": storage.dtype, "hidden": H, "batch": B, "seq": L, "batches": K,
+           "repeats": a.repeats, "write_threads": threads, "cpu_count": os.cpu_count(), "torch": torch.__version__,
+           "out_dir": str(a.out_dir or tempfile.gettempdir()), "bytes_per_token": bpt,
+           **{f"{k}_gb_per_s": v for k, v in gbs.items()},
+           **{f"{k}_tokens_per_s": round(n / v, 1) for k, v in med.items()},
+           **{f"{k}_vs_disk_ratio": round(med["disk"] / med[k], 3) for k in med if k != "disk"},
+           **({"encode_s_cpu": round(encode_s, 3)} if encode_batch is not None else {}),
+           "seconds": {k: [round(x, 3) for x in v] for k, v in times.items()}}
+    print("| storage | threads | tokens | list path GB/s | stored path GB/s | plain-write ceiling GB/s | "
+          "list / ceiling | stored / ceiling |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print(f"| {storage.dtype} | {threads} | {n} | {gbs['writer_list']} | {gbs.get('writer_stored', '-')} | "
+          f"{gbs['disk']} | {res['writer_list_vs_disk_ratio']} | {res.get('writer_stored_vs_disk_ratio', '-')} |")
+    print(json.dumps(res))
+    if a.json:
+        atomic_write_json(a.json, res)
+    return res
+
+
 def main(argv=None) -> int:
     p = ArgumentParser(description=__doc__.splitlines()[0])
     add_config_args(p)
@@ -100,8 +188,14 @@ def main(argv=None) -> int:
     p.add_argument("--no-disk", dest="disk", action="store_false", help="skip the plain-write disk ceiling timing")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="also write the result here")
+    p.add_argument("--writer-only", action="store_true",
+                   help="no model: time the shard writer alone (list vs stored path) against the plain-write ceiling")
+    p.add_argument("--hidden", type=positive_int, default=576, help="--writer-only: hidden size H (SmolLM2-135M: 576)")
     a = p.parse_args(argv)
     cfg = load_config(a.config, a.overrides)
+    if a.writer_only:
+        writer_bench(a, cfg)
+        return 0
 
     t0 = time.perf_counter()
     model, _tok = load_verifier(cfg.verifier, device=a.device)

@@ -25,6 +25,7 @@ needed to interpret the tensors; see :func:`write_data_config` for the keys.
 
 from __future__ import annotations
 
+import array
 import os
 import re
 from dataclasses import dataclass
@@ -91,10 +92,16 @@ def shard_path(root: str | os.PathLike, idx: int, rows_per_dir: int) -> Path:
 
 
 def _as_int64(x: Any) -> torch.Tensor:
+    if isinstance(x, list) and x:
+        try:  # ~20x faster than torch.as_tensor on a list of Python ints; same int64 values
+            return torch.frombuffer(array.array("q", x), dtype=torch.int64)  # [L]
+        except (TypeError, OverflowError):
+            pass  # floats and the like: as_tensor below gives the error
     t = torch.as_tensor(x)
     if t.dtype.is_floating_point or t.dtype.is_complex:
         raise ValueError(f"expected integer ids, got {t.dtype}")
-    return t.to(torch.int64).reshape(-1).clone()  # [L]
+    t = t.to(torch.int64).reshape(-1)  # [L]
+    return t.clone() if isinstance(x, torch.Tensor) else t  # a list gave a fresh tensor already
 
 
 @dataclass(frozen=True)
@@ -145,12 +152,23 @@ def encode_batch(pack: torch.Tensor, storage: Storage | None = None) -> tuple[to
 
 
 def _own(t: torch.Tensor) -> torch.Tensor:
-    """``t`` on the CPU, contiguous, with exactly its own storage (``torch.save`` stores a view's
-    whole storage, e.g. the padded batch buffer a capture slice points into)."""
+    """``t`` on the CPU, contiguous, as a tensor whose storage is exactly its own bytes.
+
+    ``torch.save`` stores a view's WHOLE storage (e.g. the pinned batch buffer a capture slice
+    points into), so a view is re-wrapped: a tensor over just its byte range of the same memory
+    (``torch.frombuffer``, which keeps the buffer alive), not a copy. Copying would cost a fresh
+    allocation and its page faults per shard, the largest single cost of the writer thread after
+    sha256 (``bench/extract_throughput.py --writer-only``). Same values, same ``torch.save`` bytes.
+    """
     t = t.detach().to("cpu").contiguous()
-    if t.storage_offset() != 0 or t.untyped_storage().nbytes() != t.numel() * t.element_size():
-        t = t.clone()
-    return t
+    nbytes = t.numel() * t.element_size()
+    if t.storage_offset() == 0 and t.untyped_storage().nbytes() == nbytes:
+        return t
+    if nbytes == 0:
+        return t.clone()
+    whole = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())  # [storage bytes]
+    start = t.storage_offset() * t.element_size()
+    return torch.frombuffer(memoryview(whole.numpy())[start:start + nbytes], dtype=t.dtype).view(t.shape)
 
 
 def _check_shape(idx: int, k: int, h: torch.Tensor, L: int, what: str = "hidden_states", cols=None) -> None:
