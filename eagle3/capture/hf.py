@@ -19,7 +19,10 @@ Pipelining (:meth:`HFCapture.capture_async`): the padding is sliced off and the 
 bf16 on the device, packed into one ``[4, T, H]`` tensor (T = real tokens of the batch) and
 copied with ONE non-blocking copy into pinned host memory on a side CUDA stream, so the copy of
 batch k overlaps the forward of batch k+1; :meth:`PendingCapture.result` waits for that copy's
-event only. On CPU the same code runs without streams or pinned memory.
+event only. With ``capture_async(batch, storage=...)`` (stage 02) the pack is also put in its stored
+form before the copy (:func:`eagle3.shards.encode_batch`: the batch's NaN/Inf flag; fp8 values +
+scales), so the shard writer threads do no per-shard scan or quantisation on the CPU. On CPU the
+same code runs without streams or pinned memory.
 
 Last hidden state: HF returns ``hidden_states[-1]`` post-norm for Llama/DeepseekV3 (the final
 norm is applied before it is appended); other code may not. On the first use the backend runs a
