@@ -39,6 +39,7 @@ the CPU here, timed apart as ``encode_s``), then :class:`eagle3.shards.StoredSta
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -47,6 +48,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -92,6 +94,25 @@ def write_files(out_dir, n_files: int, nbytes: int, threads: int) -> None:
             list(ex.map(one, range(n_files)))
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def device_encoding_check(cap: HFCapture, batch: list[list[int]], storage, n: int = 4) -> Optional[bool]:
+    """Whether the shards of the first ``n`` samples of ``batch`` encoded on the capture device
+    (:func:`eagle3.shards.encode_batch`, what stage 02 writes) are byte-identical to the writer's
+    CPU path on the plain bf16 capture of the same batch (None on an older tree without it)."""
+    try:
+        from eagle3.shards import shard_object
+        stored = cap.capture_async(batch, storage=storage).stored()
+    except (ImportError, TypeError, AttributeError):
+        return None
+    plain = cap.capture(batch)
+
+    def enc(ids, states) -> bytes:
+        buf = io.BytesIO()
+        torch.save(shard_object(ids, states, [1] * len(ids), storage if storage.is_fp8 else None), buf)
+        return buf.getvalue()
+
+    return all(enc(batch[i], stored[i]) == enc(batch[i], plain[i]) for i in range(min(n, len(batch))))
 
 
 def writer_bench(a, cfg) -> dict:
@@ -290,6 +311,8 @@ def main(argv=None) -> int:
             "disk_bound_tokens_per_s": tps["disk"],
             "pipeline_vs_disk_ratio": round(med["disk"] / med["pipeline"], 3)} if "disk" in med else {}),
         "seconds": {k: [round(x, 3) for x in v] for k, v in times.items()},
+        # shards encoded on the device (NaN/Inf flag; fp8 quantisation) == the CPU path's bytes
+        "device_encoding_bytes_equal": device_encoding_check(cap, [samples[i].input_ids for i in batches[0]], storage),
     }
     print("| verifier | device | storage | batch x seq x batches | bare tok/s | pipeline tok/s (capture + copy + write) | "
           "serial tok/s | capture only tok/s | disk ceiling tok/s | pipeline / bare |")

@@ -1,0 +1,46 @@
+"""bench/extract_throughput.py at tiny sizes on CPU: the pipeline run checks that shards encoded on
+the capture device are the CPU path's bytes; ``--writer-only`` times the writer without a model."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("extract_throughput", ROOT / "bench" / "extract_throughput.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+def test_pipeline_bench_checks_device_encoding_bytes(tmp_path, tiny_llama_dir, dtype):
+    out = tmp_path / "r.json"
+    rc = _bench().main(["--config", str(ROOT / "configs" / "tiny-llama.yaml"), "--set", f"verifier.path={tiny_llama_dir}",
+                        "--set", f"extract.storage_dtype={dtype}", "--device", "cpu", "--batch", "3", "--seq", "16",
+                        "--batches", "2", "--repeats", "1", "--write-threads", "2", "--no-serial", "--no-disk",
+                        "--out-dir", str(tmp_path), "--json", str(out)])
+    res = json.loads(out.read_text())
+    assert rc == 0 and res["device_encoding_bytes_equal"] is True and res["storage_dtype"] == dtype
+    assert res["pipeline_tokens_per_s"] > 0
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+def test_writer_only_bench(tmp_path, dtype):
+    out = tmp_path / "w.json"
+    rc = _bench().main(["--config", str(ROOT / "configs" / "tiny-llama.yaml"), "--set", f"extract.storage_dtype={dtype}",
+                        "--writer-only", "--hidden", "64", "--batch", "4", "--seq", "32", "--batches", "2",
+                        "--repeats", "1", "--write-threads", "2", "--out-dir", str(tmp_path), "--json", str(out)])
+    res = json.loads(out.read_text())
+    assert rc == 0 and res["mode"] == "writer_only"
+    assert res["bytes_per_token"] == (4 * 64 * 2 if dtype == "bfloat16" else 4 * (64 + 4))
+    for k in ("writer_list", "writer_stored", "disk"):
+        assert res[f"{k}_gb_per_s"] > 0
+    assert res["writer_stored_vs_disk_ratio"] > 0
+    assert not list(tmp_path.glob("writer-bench-*")) and not list(tmp_path.glob("disk-bench-*"))  # cleaned up
