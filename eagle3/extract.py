@@ -755,7 +755,10 @@ def capture_and_write(backend: CaptureBackend, samples: list[Sample], batches: l
     background threads (:class:`eagle3.shard_writer.ShardWriter`, at most ``max_pending_tokens``
     tokens in flight). ``write_threads == 0`` is the serial loop. Both give the same shard bytes and
     the same manifest (rows appended in batch order, each after its shard is durable). ``done`` is
-    updated as rows are appended. ``storage``: bf16 (None) or fp8 shards (:mod:`eagle3.fp8`).
+    updated as rows are appended. ``storage``: bf16 (None) or fp8 shards (:mod:`eagle3.fp8`); a
+    backend whose ``capture_async`` takes ``storage`` (HF) encodes each batch on its device
+    (:func:`eagle3.shards.encode_batch`: NaN/Inf flag, fp8 quantisation) and hands over
+    :class:`eagle3.shards.StoredStates`; the writer still refuses NaN/Inf before a shard is written.
     Used by stage 02 and by ``bench/extract_throughput.py``.
 
     Raises:

@@ -148,3 +148,14 @@ def test_manifest_sha256_is_of_the_device_encoded_bytes(tmp_path):
     assert [r["idx"] for r in rows] == [0, 1, 2]
     for r in rows:
         assert r["sha256"] == hashlib.sha256(paths[r["idx"]].read_bytes()).hexdigest()
+
+
+def test_check_captured_takes_stored_states_and_names_a_wrong_dtype():
+    from eagle3.capture.base import check_captured
+
+    q = torch.zeros(3, 16).to(FP8_DTYPE)
+    check_captured([1, 2, 3], StoredStates([q] * 4, [torch.ones(3, 1)] * 4), 16, "s")  # fp8 stored form: fine
+    with pytest.raises(RuntimeError, match=r"s: capture tensor 0 is \(3, 16\) torch.float32 on cpu"):
+        check_captured([1, 2, 3], StoredStates([torch.zeros(3, 16)] * 4), 16, "s")
+    with pytest.raises(RuntimeError, match="expected \\(3, 16\\) torch.bfloat16 on cpu"):
+        check_captured([1, 2, 3], [q] * 4, 16, "s")  # plain lists stay bf16 only (the capture contract)
