@@ -12,7 +12,7 @@ import torch
 
 import eagle3.io as eio
 from eagle3.errors import UserError
-from eagle3.fp8 import FP8_DTYPE, Storage, dequantize, dequantize_batch, quantize
+from eagle3.fp8 import FP8_DTYPE, Storage, dequantize, dequantize_batch, has_nan_fp8, quantize
 from eagle3.shards import (
     FORMAT,
     FORMAT_FP8,
@@ -412,3 +412,16 @@ def test_train_on_fp8_shards_matches_bf16_first_loss(tmp_path):
     la = [r["loss"] for r in rows_a if r["kind"] == "train"]
     lb = [r["loss"] for r in rows_b if r["kind"] == "train"]
     assert la[0] != lb[0] and abs(la[0] - lb[0]) < 0.02 * abs(la[0])
+
+
+def test_has_nan_fp8_exactly_the_nan_bit_patterns():
+    """Each of the 256 e4m3fn bit patterns, alone among finite values: NaN iff ``S1111111`` (0x7F, 0xFF), as
+    torch's own decoding says; empty tensors have none."""
+    base = torch.tensor([0x00, 0x38, 0xB8, 0x7E, 0xFE, 0x80], dtype=torch.uint8)  # 0, 1, -1, 448, -448, -0
+    for bits in range(256):
+        q = torch.cat([base, torch.tensor([bits], dtype=torch.uint8), base]).view(FP8_DTYPE).reshape(1, 13)  # [1, 13]
+        want = bool(torch.isnan(q.float()).any())
+        assert want == (bits & 0x7F == 0x7F)
+        assert has_nan_fp8(q) is want, bits
+    assert has_nan_fp8(base.view(FP8_DTYPE)) is False
+    assert has_nan_fp8(torch.empty(0, 4, dtype=FP8_DTYPE)) is False
