@@ -102,3 +102,34 @@ def test_median_of_rounds_single_run_unchanged_several_give_medians():
     assert (m["tokens_per_s"], m["loader_tokens_per_s"], m["step_ms"], m["x"]) == (20.0, 2.0, 7.0, 1)
     assert m["issue_run_projected_s"] == ISSUE_RUN_TOKENS / 20.0 and "round" not in m
     assert [x["tokens_per_s"] for x in m["rounds"]] == [30.0, 10.0, 20.0]
+
+
+def test_bench_fp8_mode_on_a_prepared_run_reuses_its_conversion(tmp_path):
+    """``--config`` (a prepared run; the GPU session's form): the first run extracts the verifier head and later
+    runs reuse a copy of it (``--rounds 2`` reruns that first mode), the fp8 copy goes to ``--fp8-shards``, and
+    a second call finds that conversion complete and converts nothing."""
+    import small_train_speed
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = small_train_speed.write_synthetic(tmp_path / "run", 12, 4, small_train_speed.TINY, 256)
+    H, V = small_train_speed.TINY["hidden"], small_train_speed.TINY["vocab"]
+    vdir = tmp_path / "verifier"  # safetensors checkpoint with the 3 head tensors (tied embeddings)
+    vdir.mkdir()
+    (vdir / "config.json").write_text(json.dumps({"hidden_size": H, "vocab_size": V, "rms_norm_eps": 1e-5,
+                                                  "tie_word_embeddings": True}))
+    save_file({"model.embed_tokens.weight": torch.randn(V, H) * 0.05, "model.norm.weight": torch.ones(H)},
+              str(vdir / "model.safetensors"))
+    args = ["--config", str(cfg), "--set", f"verifier.path={vdir}", "--device", "cpu", "--modes", "tokens,tokens+fp8",
+            "--steps", "tokens=2", "--batch-tokens", "300", "--log-every", "1", "--fp8-shards", str(tmp_path / "fp8"),
+            "--workdir", str(tmp_path / "w")]
+    small_train_speed.main(args + ["--rounds", "2", "--json", str(tmp_path / "a.json")])
+    a = json.loads((tmp_path / "a.json").read_text())
+    assert a["fp8_convert"]["converted"] == 16 and a["fp8_convert"]["complete"]
+    assert [x["storage_dtype"] for x in a["results"]] == ["bfloat16", "float8_e4m3fn"]
+    assert all(len(x["rounds"]) == 2 and math.isfinite(x["tokens_per_s"]) for x in a["results"])
+    small_train_speed.main(args + ["--json", str(tmp_path / "b.json")])
+    b = json.loads((tmp_path / "b.json").read_text())
+    assert (b["fp8_convert"]["converted"], b["fp8_convert"]["resumed"]) == (0, 16)
+    assert b["results"][1]["loader_feature_dtype"] == "float8_e4m3fn"
+    assert math.isfinite(b["fp8_vs_bf16_tokens_per_s"]) and b["fp8_vs_bf16_tokens_per_s"] > 0
