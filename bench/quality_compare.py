@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle3.cli import ArgumentParser, run_main  # noqa: E402
 from eagle3.errors import UserError  # noqa: E402
-from eagle3.io import atomic_write_json, atomic_write_text  # noqa: E402
+from eagle3.io import atomic_path, atomic_write_json, atomic_write_text  # noqa: E402
 
 SETS = ("mtbench", "humaneval", "gsm8k")
 
@@ -175,10 +175,9 @@ def plot_curve(rows: list[dict], path: Path) -> None:
     ax2.set_ylabel("top-1 vs verifier, draft position 1")
     ax2.set_title("Held-out training data")
     fig.tight_layout()
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
     plt.close(fig)
-    tmp.replace(path)
 
 
 def main(argv=None) -> int:

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle3.cli import ArgumentParser, run_main  # noqa: E402
 from eagle3.errors import UserError  # noqa: E402
-from eagle3.io import atomic_write_json, atomic_write_text  # noqa: E402
+from eagle3.io import atomic_path, atomic_write_json, atomic_write_text  # noqa: E402
 
 GOAL = {"3": {"mtbench": 2.5, "gsm8k": 3.0}, "7": {"mtbench": 3.0}}  # issue 10
 
@@ -223,10 +223,9 @@ def plot(q: dict, path: Path) -> None:
     ax.set_title(f"Where tau is lost ({k}-step chain)")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
     plt.close(fig)
-    tmp.replace(path)
 
 
 def main(argv=None) -> int:
