@@ -216,8 +216,11 @@ def test_injected_500_timeout_drop_and_dead_endpoint_lose_nothing(smollm_tokeniz
     dead = f"http://127.0.0.1:{_free_port()}"  # nothing listens: connection refused
     with StandInServer(FakeBackend(tok.eos_token_id), tok, fault=fault, timeout_sleep=1.5) as srv:
         st = {}
-        # two overlapping faults can take the live endpoint out too: it comes back after 0.3 s
-        pc = _pc(via, [dead, srv.url], timeout_s=0.5, max_attempts=6, revive_after_s=0.3)
+        # two overlapping faults can take the live endpoint out too: it comes back after 1 s. Each revival
+        # of the dead endpoint lets one probe through, which spends an attempt of whichever request takes
+        # it: on a loaded 2-core machine 0.3 s revivals and 6 attempts let one request lose all its
+        # attempts (seen once in CI), so revivals are rarer and attempts have headroom
+        pc = _pc(via, [dead, srv.url], timeout_s=0.5, max_attempts=10, revive_after_s=1.0)
         got = regenerate_via_server(convs, tok, pc, partial_path=tmp_path / "p.jsonl", settings=SETTINGS, stats=st)
     assert got == want  # nothing lost, nothing duplicated, same order
     assert st["failed"] == 0 and st["retries"] >= 4
