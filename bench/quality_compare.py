@@ -190,7 +190,10 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, required=True, help="JSON path; the Markdown table goes beside it (.md)")
     a = p.parse_args(argv)
     rows = compare(load_run(a.ref), [load_run(s) for s in a.run])
-    atomic_write_json(a.out, {"title": a.title, "notes": a.note, "rows": rows})
+    import shlex
+
+    cmd = shlex.join(["python", "bench/quality_compare.py", *(sys.argv[1:] if argv is None else argv)])
+    atomic_write_json(a.out, {"title": a.title, "notes": a.note, "command": cmd, "rows": rows})
     md = markdown(rows, a.title) + "".join(f"\n{n}\n" for n in a.note)
     atomic_write_text(a.out.with_suffix(".md"), md)
     if a.curve:

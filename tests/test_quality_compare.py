@@ -80,6 +80,9 @@ def test_cli_curve_png_and_bad_spec(tmp_path):
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "c.png").stat().st_size > 0 and (tmp_path / "c.md").is_file()
+    saved = json.loads((tmp_path / "c.json").read_text())
+    assert saved["command"].startswith("python bench/quality_compare.py --ref 17K=") and "--curve" in saved["command"]
+    assert [r["name"] for r in saved["rows"]] == ["17K", "6K"]
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "quality_compare.py"), "--ref", "no-equals-sign",
                         "--out", str(tmp_path / "d.json")], capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.startswith("error:") and "NAME=PATH" in r.stderr
