@@ -3,7 +3,9 @@
 
     python 03_prepare_data.py --config configs/smollm2-135m.yaml
 
-Writes {data_dir}/token_freq.pt, vocab_map.pt, split.json, data_report.json/.md, coverage.png.
+Writes {data_dir}/token_freq.pt, vocab_map.pt, split.json, data_report.json/.md, coverage.png, and a
+validation record (validation_record.json in the shards folder if writable, else in data_dir) that lets a
+re-run on unchanged shards skip hashing and loading them (--revalidate forces the full pass).
 """
 
 from __future__ import annotations
@@ -16,11 +18,14 @@ def main(argv=None) -> int:
     p = ArgumentParser(description=__doc__.splitlines()[0])
     add_config_args(p)
     p.add_argument("--no-plot", action="store_true", help="skip coverage.png")
+    p.add_argument("--revalidate", action="store_true",
+                   help="hash and load every shard even when an earlier 03's validation record matches the shards "
+                        "(unchanged sizes/mtimes, manifest, data_config); catches bit rot after the first validation")
     a = p.parse_args(argv)
     cfg = load_config(a.config, a.overrides)
     from eagle3.prepare_data import run
 
-    r = run(cfg, plot=not a.no_plot)
+    r = run(cfg, plot=not a.no_plot, revalidate=a.revalidate)
     print(f"{r['num_samples']} samples ({r['train_samples']} train / {r['val_samples']} val), draft vocab "
           f"{r['draft_vocab_size']}/{r['target_vocab_size']} covers {r['coverage']:.2%} of loss tokens -> {cfg.data_dir}")
     return 0

@@ -8,6 +8,11 @@ Inputs: ``{shards_dir}`` (stage 02: shards + ``data_config.json``). Outputs in `
 - ``split.json``: ``{"train": [idx...], "val": [idx...]}`` (seeded permutation, both sorted);
 - ``data_report.json`` + ``data_report.md`` (+ ``coverage.png``: coverage of loss-masked tokens
   by the top-k target ids as a function of k, the chosen draft size marked).
+
+Validation (hash + load of every shard) is skipped when a validation record of an earlier 03 matches
+the shard set exactly (``eagle3.validation_record``; written to ``{shards_dir}`` when writable, else
+``{data_dir}``); the outputs are then computed from the recorded stats and counts, identically.
+``data_report.json`` says which: ``"validation": "full" | "reused"``.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from eagle3.errors import UserError
 from eagle3.io import atomic_path, atomic_torch_save, atomic_write_json, atomic_write_text
 from eagle3.manifest import MANIFEST, read_manifest
 from eagle3.shards import DATA_CONFIG, expect_from_data_config, list_samples, load_sample, read_data_config
+from eagle3.validation_record import format_time, load_matching_record, shard_set_fingerprint, write_record
 from eagle3.vocab import TOKEN_FREQ, VOCAB_MAP, build_vocab_map, count_token_freq, coverage, save_vocab_map
 
 log = logging.getLogger(__name__)
@@ -145,8 +151,71 @@ def _plot_coverage(path: Path, freq: torch.Tensor, draft_v: int, cov: float) -> 
     plt.close(fig)
 
 
-def run(cfg: RunConfig, *, plot: bool = True) -> dict:
+def _validate_all(shards: Path, meta: dict, paths: list[tuple[int, Path]]) -> tuple[dict, torch.Tensor]:
+    """Full validation: hash + load every shard, count loss-token frequencies, check the totals.
+
+    Returns:
+        ``(stats, freq)``: stats ``num_samples``, ``num_tokens``, ``num_loss_tokens``, ``max_len``
+        (tokens); freq int64 ``[V]``.
+
+    Raises:
+        UserError: an invalid shard, a sha256 differing from ``manifest.jsonl``, totals differing from
+            ``data_config.json``, no loss-masked token.
+    """
+    V = int(meta["vocab_size"])
+    stats = {"num_samples": 0, "num_tokens": 0, "num_loss_tokens": 0, "max_len": 0}
+    man_path = shards / MANIFEST
+    checksums = {i: r["sha256"] for i, r in read_manifest(man_path).rows.items() if "sha256" in r} \
+        if man_path.is_file() else {}  # flat vLLM-speculators folders have no manifest
+    freq = count_token_freq(_validated_samples(paths, expect_from_data_config(meta), stats, checksums), V)  # [V]
+    _check_totals(shards, meta, stats)
+    return stats, freq
+
+
+def _check_totals(shards: Path, meta: dict, stats: dict) -> None:
+    meta_path = shards / DATA_CONFIG
+    for key in ("num_samples", "num_tokens", "num_loss_tokens"):
+        if stats[key] != meta[key]:
+            raise UserError(f"{meta_path}: key '{key}' is {meta[key]} but the shards hold {stats[key]} "
+                            "(shards added or removed after stage 02?)")
+    if stats["num_loss_tokens"] == 0:
+        raise UserError(f"{shards}: no loss-masked token in any shard (no assistant replies?)")
+
+
+def _shard_stats(cfg: RunConfig, meta: dict, paths: list[tuple[int, Path]], revalidate: bool
+                 ) -> tuple[dict, torch.Tensor, str]:
+    """Stats and loss-token counts of the shard set: reused from a validation record whose fingerprint
+    matches (``eagle3.validation_record``), else from a full validation, after which the record is
+    written (shards folder if writable, else the data folder).
+
+    Returns:
+        ``(stats, freq int64 [V], "full" | "reused")``.
+    """
+    shards = cfg.shards_dir
+    folders = [shards, cfg.data_dir]
+    # fingerprint BEFORE reading any shard: a shard changed during the pass makes the record stale
+    fp = shard_set_fingerprint(shards, paths, shards / MANIFEST, shards / DATA_CONFIG)
+    if not revalidate:
+        hit = load_matching_record(folders, fp, int(meta["vocab_size"]))
+        if hit is not None:
+            stats, freq, created, path = hit
+            _check_totals(shards, meta, stats)
+            log.info("reusing the shard validation of %s (%s; shards, manifest.jsonl and data_config.json unchanged "
+                     "since); --revalidate forces a full pass", format_time(created), path)
+            return stats, freq, "reused"
+    stats, freq = _validate_all(shards, meta, paths)
+    where = write_record(folders, fp, stats, freq)
+    if where is not None:
+        log.info("validation record written to %s (a re-run on unchanged shards skips the hashing)", where)
+    return stats, freq, "full"
+
+
+def run(cfg: RunConfig, *, plot: bool = True, revalidate: bool = False) -> dict:
     """Run stage 03.
+
+    Args:
+        revalidate: hash and load every shard even when a validation record matches the shard set
+            (``03_prepare_data.py --revalidate``; see ``eagle3.validation_record``).
 
     Raises:
         UserError: missing/invalid ``data_config.json``; verifier id differs from the config's
@@ -172,17 +241,7 @@ def run(cfg: RunConfig, *, plot: bool = True) -> dict:
     paths = list_samples(shards)
     if not paths:
         raise UserError(f"{shards}: no shards found")
-    stats = {"num_samples": 0, "num_tokens": 0, "num_loss_tokens": 0, "max_len": 0}
-    man_path = shards / MANIFEST
-    checksums = {i: r["sha256"] for i, r in read_manifest(man_path).rows.items() if "sha256" in r} \
-        if man_path.is_file() else {}  # flat vLLM-speculators folders have no manifest
-    freq = count_token_freq(_validated_samples(paths, expect_from_data_config(meta), stats, checksums), V)  # [V]
-    for key in ("num_samples", "num_tokens", "num_loss_tokens"):
-        if stats[key] != meta[key]:
-            raise UserError(f"{meta_path}: key '{key}' is {meta[key]} but the shards hold {stats[key]} "
-                            "(shards added or removed after stage 02?)")
-    if stats["num_loss_tokens"] == 0:
-        raise UserError(f"{shards}: no loss-masked token in any shard (no assistant replies?)")
+    stats, freq, how = _shard_stats(cfg, meta, paths, revalidate)  # freq: [V]
     d2t, t2d = build_vocab_map(freq, draft)
     cov = coverage(freq, t2d)
     split = split_indices([i for i, _ in paths], cfg.data.val_fraction, cfg.data.seed)
@@ -220,6 +279,7 @@ def run(cfg: RunConfig, *, plot: bool = True) -> dict:
         "skipped_in_02": meta["skipped"],
         "bytes_per_token": meta["bytes_per_token"],
         "storage_dtype": meta.get("storage_dtype", "bfloat16"),  # fp8 shards were validated with their scales
+        "validation": how,  # "full": every shard hashed + loaded now; "reused": a matching validation record
     }
     atomic_write_json(out / REPORT_JSON, report)
     atomic_write_text(out / REPORT_MD, _markdown(report))
@@ -237,7 +297,8 @@ def _markdown(r: dict) -> str:
             ("coverage of loss tokens by draft vocab", f"{r['coverage']:.4%}"),
             ("distinct loss-token ids", r["distinct_loss_tokens"]),
             ("mean / max sample length", f"{r['mean_sample_len']} / {r['max_sample_len']}"),
-            ("aux layers (HF index)", r["aux_layers"]), ("last hidden state", r["last_hidden_state"])]
+            ("aux layers (HF index)", r["aux_layers"]), ("last hidden state", r["last_hidden_state"]),
+            ("shard validation", r["validation"])]
     lines = ["# Stage 03: data report", "", "| item | value |", "|---|---:|"]
     lines += [f"| {k} | {v} |" for k, v in rows]
     return "\n".join(lines) + "\n"

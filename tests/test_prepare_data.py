@@ -77,9 +77,9 @@ def test_prepare_data_hand_computed(tmp_path):
     assert json.loads((out / "data_report.json").read_text()) == report
     assert "| draft vocab | 4 |" in (out / "data_report.md").read_text()
     assert (out / "coverage.png").read_bytes()[:4] == b"\x89PNG"
-    # idempotent: a second run rewrites identical content
+    # idempotent: a second full run rewrites identical content
     before = {p.name: p.read_bytes() for p in out.iterdir() if p.suffix in (".json", ".md")}
-    run(cfg, plot=False)
+    run(cfg, plot=False, revalidate=True)
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.suffix in (".json", ".md")} == before
     assert torch.equal(torch.load(out / "token_freq.pt", weights_only=True), freq)
     assert not list(out.glob("*.tmp-*"))
