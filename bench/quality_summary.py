@@ -35,20 +35,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle3.cli import ArgumentParser, run_main  # noqa: E402
 from eagle3.errors import UserError  # noqa: E402
-from eagle3.io import atomic_path, atomic_write_json, atomic_write_text  # noqa: E402
+from eagle3.io import atomic_path, atomic_write_json, atomic_write_text, read_json  # noqa: E402
 
 GOAL = {"3": {"mtbench": 2.5, "gsm8k": 3.0}, "7": {"mtbench": 3.0}}  # issue 10
 
 
 def _read(path: Path, required: bool = True) -> Optional[dict]:
-    if not path.is_file():
-        if required:
-            raise UserError(f"{path}: file not found")
-        return None
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path}: line {e.lineno}: not valid JSON ({e.msg})") from None
+    """``path``'s JSON (:func:`eagle3.io.read_json`: one-line error naming the file and line), or None
+    when it is absent and not ``required``."""
+    return read_json(path) if required or path.is_file() else None
 
 
 def collect(run: Path, config: str, overrides: str = "") -> dict:
