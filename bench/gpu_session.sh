@@ -27,7 +27,7 @@
 #      data curve, default "1000 3000 6000"; empty = none), SPEED (1 = run the speed benches, default 1),
 #      SEED (a folder holding prompts.jsonl[.gz] + prompts_report.json of an earlier 01 with the same settings:
 #      copied into the run root first, so 01 finds them up to date and skips regeneration, ~16 min on an H200),
-#      FP8 (1 = the fp8 chain, default 1), ABL (ablations retrained on the same shards, "name:key=v,key=v ...";
+#      FP8 (1 = the fp8 chain, default 1; convert = only the conversion, during s04, for the tail's trainspeed_both), ABL (ablations retrained on the same shards, "name:key=v,key=v ...";
 #      default "ttt1:train.ttt_length=1 vocab8k:data.draft_vocab_size=8000 vocab49k:data.draft_vocab_size=49152
 #      lr3e-3:train.lr=3e-3" (the last: 16K-token batches are ~7x the reference recipe's, whose lr it kept);
 #      empty = none), SHIFT (aux layers the main drafter is ALSO served with, default "3 16 28": the one-layer
@@ -117,12 +117,16 @@ derived_train() {  # 04 -> 05 (steps 3) of every derived run, at most SLOTS chai
   wait
 }
 
+fp8_convert() {  # the real run's shards as fp8 in FP8_ROOT (CPU work; the tail's trainspeed_both reuses them)
+  phase fp8_convert "$PY" convert_shards.py --src "$ROOT/shards" --dst "$FP8_ROOT/shards" --to float8_e4m3fn \
+      --json "$W/res/fp8_convert.json"
+}
+
 fp8_chain() {  # issue 13: the same shards stored as fp8 (converted), then 03 -> 04 -> 05 steps 3
   local r=$FP8_ROOT
   local A=("${BASE[@]}" --set "output_root=$r" --set "extract.output_dir=$r/shards")
   for o in "${SUBSET[@]}"; do A+=(--set "$o"); done
-  phase fp8_convert "$PY" convert_shards.py --src "$ROOT/shards" --dst "$r/shards" --to float8_e4m3fn \
-      --json "$W/res/fp8_convert.json" &&
+  fp8_convert &&
   phase fp8_03 "$PY" 03_prepare_data.py --config "$CONFIG" "${A[@]}" --no-plot &&
   until [ -e "$W/status/s04.released" ] || [ -e "$W/status/s04.failed" ]; do sleep 5; done &&
   phase fp8_04 "$PY" 04_train.py --config "$CONFIG" "${A[@]}" &&
@@ -146,7 +150,8 @@ real_track() {
   phase s02 "$PY" 02_extract_hidden.py --config "$CONFIG" "${SETS[@]}" &&
   phase s03 "$PY" 03_prepare_data.py --config "$CONFIG" "${SETS[@]}" || return 1
   local fp=""
-  if [ "${FP8:-1}" = 1 ]; then fp8_chain & fp=$!; fi
+  if [ "${FP8:-1}" = 1 ]; then fp8_chain & fp=$!
+  elif [ "$FP8" = convert ]; then fp8_convert & fp=$!; fi
   rm -f "$W/status/derived_prep.finished"; derived_prep &
   if phase s04 "$PY" 04_train.py --config "$CONFIG" "${SETS[@]}"; then
     touch "$W/status/s04.released"
