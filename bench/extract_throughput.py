@@ -59,7 +59,7 @@ from eagle3.cli import ArgumentParser, non_negative_int, positive_int, run_main 
 from eagle3.config import add_config_args, load_config  # noqa: E402
 from eagle3.extract import Sample, capture_and_write, default_write_threads  # noqa: E402
 from eagle3.fp8 import storage_from_config  # noqa: E402
-from eagle3.io import atomic_write_json  # noqa: E402
+from eagle3.io import atomic_write_bytes, atomic_write_json  # noqa: E402
 from eagle3.layers import default_aux_layers  # noqa: E402
 from eagle3.verifier import load_verifier, verifier_dims  # noqa: E402
 
@@ -69,29 +69,18 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-
-
 def write_files(out_dir, n_files: int, nbytes: int, threads: int) -> None:
-    """The disk ceiling: ``n_files`` files of ``nbytes`` bytes each, written, fsynced and renamed
-    into a temporary folder under ``out_dir`` by ``threads`` threads (what the shard writer does to
-    each shard, minus capture and serialisation); the folder is removed afterwards."""
+    """The disk ceiling: ``n_files`` files of ``nbytes`` random bytes each, written by ``threads``
+    threads into a temporary folder under ``out_dir`` with :func:`eagle3.io.atomic_write_bytes` (temp
+    name, fsync, rename: the shard writer's own write path, minus capture and serialisation); the
+    folder is removed afterwards."""
     from concurrent.futures import ThreadPoolExecutor
 
-    buf = os.urandom(min(nbytes, 1 << 20)) * (nbytes // (1 << 20) or 1)
-    buf = buf[:nbytes] if len(buf) >= nbytes else buf + bytes(nbytes - len(buf))
+    buf = (os.urandom(1 << 20) * (nbytes // (1 << 20) + 1))[:nbytes]
     root = Path(tempfile.mkdtemp(prefix="disk-bench-", dir=out_dir))
-
-    def one(i: int) -> None:
-        tmp = root / f"{i}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(buf)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, root / f"{i}.pt")
-
     try:
         with ThreadPoolExecutor(threads) as ex:
-            list(ex.map(one, range(n_files)))
+            list(ex.map(lambda i: atomic_write_bytes(root / f"{i}.pt", buf), range(n_files)))
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

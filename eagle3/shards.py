@@ -197,8 +197,8 @@ def shard_object(
             Or a :class:`StoredStates` already in the stored form of ``storage`` (from
             :func:`encode_batch`): only checked (shapes, dtypes, NaN/Inf through the scales or,
             unless ``source_finite``, the values) and copied out of their batch buffer. A tensor
-            that is a view into a larger storage is ``.clone()``-d, because ``torch.save`` stores a
-            view's whole storage.
+            that is a view into a larger storage is re-wrapped over its own bytes (:func:`_own`),
+            because ``torch.save`` stores a view's whole storage.
         loss_mask: ``[L]`` 0/1 (stored int64).
         storage: ``None``/bf16 = speculators-v1; fp8 = float8_e4m3fn values + ``hidden_scales``.
         idx: the sample's idx (named in errors).

@@ -381,7 +381,7 @@ class PendingCapture:
             own_storage: clone each tensor out of the batch buffer (exact-size storage; what
                 :meth:`HFCapture.capture` returns). Default: views into the batch's pinned
                 buffer, which stays alive while any view does (``eagle3.shards.write_sample``
-                clones a view before saving it).
+                saves a view over its own bytes only, not the whole buffer).
 
         Raises:
             RuntimeError: the capture was launched with fp8 storage (use :meth:`stored`).
