@@ -176,7 +176,7 @@ tail_benches() {  # one at a time on an otherwise idle GPU: issue 9's capture ra
   phase capture_shm "$PY" bench/extract_throughput.py "${C[@]}" --out-dir /dev/shm --json "$W/res/capture_shm.json"
   phase capture_fp8_disk "$PY" bench/extract_throughput.py "${C[@]}" --set extract.storage_dtype=float8_e4m3fn \
       --out-dir "$W" --json "$W/res/capture_fp8_disk.json"
-  local T=(--modes tokens --steps tokens=150 --batch-tokens 16384)
+  local T=(--steps tokens=150 --batch-tokens 16384)
   # bf16 vs fp8 training tokens/s on the real shards in one process (the fp8 copy is FP8_ROOT's when the
   # fp8 chain made it, else converted here)
   phase trainspeed_both "$PY" bench/small_train_speed.py --config "$CONFIG" "${SETS[@]}" "${T[@]}" \
