@@ -37,7 +37,9 @@
 #      "verifier.dtype=float32": an fp32 verifier for the lossless check and tau), TAIL (1 = after
 #      bench_speed, with the GPU otherwise idle: the capture benches on disk and in RAM, bf16 and fp8, and
 #      the bf16-vs-fp8 training speed on the real shards; default 1), SLOTS (derived 04 -> 05 chains at once,
-#      default 4).
+#      default 4), OVERLAP (1 = the derived chains train beside s04 instead of after it; default 0),
+#      BENCH_SPEED (0 = skip bench/offline_bench_speed.py after the 05 runs; default 1),
+#      TAIL_FIRST (1 = the capture benches run first, on the idle GPU, before the real run; default 0).
 #   bash bench/gpu_session.sh derived   # re-run the derived runs whose 04/05 did not finish (their 03 done)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -81,6 +83,10 @@ phase() {  # phase NAME CMD...: run once, record wall time and exit status; retu
   fi
 }
 
+retry1() {  # retry1 CMD...: run CMD; when it fails, once more after 30 s
+  "$@" || { sleep 30; "$@"; }
+}
+
 dargs() {  # dargs ROOT EXTRA_SET...: -> DA, the --set list of a run derived from the real run's shards
   local r=$1; shift
   DA=("${BASE[@]}" --set "output_root=$r" --set "extract.output_dir=$ROOT/shards")
@@ -110,9 +116,10 @@ derived_train() {  # 04 -> 05 (steps 3) of every derived run, at most SLOTS chai
   while read -r name r extra; do
     read -r -a ex <<< "$extra"; dargs "$r" "${ex[@]}"
     while [ "$(jobs -rp | wc -l)" -ge "$SLOTS" ]; do sleep 2; done
+    # each stage gets one retry: a chain that ran the shared GPU out of memory usually fits a little later
     { [ -e "$W/status/${name}_03.done" ] &&
-      phase "${name}_04" "$PY" 04_train.py --config "$CONFIG" "${DA[@]}" &&
-      phase "${name}_05" "$PY" 05_benchmark.py --config "$CONFIG" "${DA[@]}" "${B5[@]}" --steps 3; } &
+      retry1 phase "${name}_04" "$PY" 04_train.py --config "$CONFIG" "${DA[@]}" &&
+      retry1 phase "${name}_05" "$PY" 05_benchmark.py --config "$CONFIG" "${DA[@]}" "${B5[@]}" --steps 3; } &
   done < <(derived_jobs)
   wait
 }
@@ -153,9 +160,15 @@ real_track() {
   if [ "${FP8:-1}" = 1 ]; then fp8_chain & fp=$!
   elif [ "$FP8" = convert ]; then fp8_convert & fp=$!; fi
   rm -f "$W/status/derived_prep.finished"; derived_prep &
+  local dt=""
+  if [ "${OVERLAP:-0}" = 1 ]; then  # derived 04 -> 05 chains train beside s04 (SLOTS of them at once)
+    { until [ -e "$W/status/derived_prep.finished" ]; do sleep 5; done; derived_train; } & dt=$!
+  fi
   if phase s04 "$PY" 04_train.py --config "$CONFIG" "${SETS[@]}"; then
     touch "$W/status/s04.released"
-    { until [ -e "$W/status/derived_prep.finished" ]; do sleep 5; done; derived_train; } & local dt=$!
+    if [ -z "$dt" ]; then
+      { until [ -e "$W/status/derived_prep.finished" ]; do sleep 5; done; derived_train; } & dt=$!
+    fi
     if [ -n "$SHIFT" ]; then
       phase s05_shift "$PY" 05_benchmark.py --config "$CONFIG" "${SETS[@]}" "${B5[@]}" --set "benchmark.output_dir=$ROOT/bench-shift" \
           --steps 3 --serve-aux-layers $SHIFT &
@@ -163,7 +176,7 @@ real_track() {
     phase s05_steps3 "$PY" 05_benchmark.py --config "$CONFIG" "${SETS[@]}" "${B5[@]}" --set "benchmark.output_dir=$ROOT/bench-steps3" --steps 3 &
     phase s05_steps7 "$PY" 05_benchmark.py --config "$CONFIG" "${SETS[@]}" "${B5[@]}" --set "benchmark.output_dir=$ROOT/bench-steps7" --steps 7 &
     wait $fp "$dt"; wait
-    phase bench_speed "$PY" bench/offline_bench_speed.py --config "$CONFIG" "${SETS[@]}" --batch-sizes 1 8 32 80 \
+    [ "${BENCH_SPEED:-1}" = 1 ] && phase bench_speed "$PY" bench/offline_bench_speed.py --config "$CONFIG" "${SETS[@]}" --batch-sizes 1 8 32 80 \
         --headline-batch-size 80 --json "$W/res/bench_speed.json"
     [ "${TAIL:-1}" = 1 ] && tail_benches
   fi
@@ -171,11 +184,19 @@ real_track() {
 }
 
 tail_benches() {  # one at a time on an otherwise idle GPU: issue 9's capture ratio, issue 13's fp8 speeds
+  capture_benches
+  train_speed_bench
+}
+
+capture_benches() {  # issue 9's capture ratio: to disk and to RAM in bf16, to disk in fp8 (phases already done are skipped)
   local C=(--config "$CONFIG" "${SETS[@]}" --device cuda --batch 64 --seq 2048 --no-serial)
   phase capture_disk "$PY" bench/extract_throughput.py "${C[@]}" --out-dir "$W" --json "$W/res/capture_disk.json"
   phase capture_shm "$PY" bench/extract_throughput.py "${C[@]}" --out-dir /dev/shm --json "$W/res/capture_shm.json"
   phase capture_fp8_disk "$PY" bench/extract_throughput.py "${C[@]}" --set extract.storage_dtype=float8_e4m3fn \
       --out-dir "$W" --json "$W/res/capture_fp8_disk.json"
+}
+
+train_speed_bench() {
   local T=(--steps tokens=150 --batch-tokens 16384)
   # bf16 vs fp8 training tokens/s on the real shards in one process (the fp8 copy is FP8_ROOT's when the
   # fp8 chain made it, else converted here)
@@ -209,6 +230,8 @@ case "${1:-}" in
       phase capture "$PY" bench/extract_throughput.py --config "$CONFIG" "${SETS[@]}" --device cuda --batch 64 --seq 2048 \
           --json "$W/res/capture.json" &
     fi
+    # TAIL_FIRST=1: the capture benches first, on the idle GPU, before the real run (they need no shards)
+    [ "${TAIL_FIRST:-0}" = 1 ] && capture_benches
     real_track
     wait
     touch "$W/status/ALL.done" ;;

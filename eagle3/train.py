@@ -873,7 +873,8 @@ def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: O
 
     result = {"step": step, "total_steps": total_steps, "stopped": stopped, "signal": stop.signum if stopped else None,
               "checkpoint": str(last_ckpt) if last_ckpt else None, "export_dir": None, "final_val": {},
-              "tokens_per_s": (tok_total / t_total) if t_total > 0 else None}
+              "tokens_per_s": (tok_total / t_total) if t_total > 0 else None,
+              "peak_gpu_mem_gib": _peak_gpu_mem_gib(d.device)}
     if stopped:
         metrics.close()
         return result
@@ -894,6 +895,16 @@ def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: O
     return result
 
 
+def _peak_gpu_mem_gib(device: torch.device) -> Optional[float]:
+    """Peak memory this process allocated on ``device`` through PyTorch's caching allocator (GiB), None off CUDA.
+
+    Counts tensors only (``torch.cuda.max_memory_allocated``), not the allocator's reserve or the CUDA context;
+    it is what decides how many trainings share one GPU (bench/gpu_session.sh SLOTS)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_allocated(device) / 2**30
+
+
 def write_report(train_dir: Path, result: dict, args) -> None:
     """``train_report.json`` + ``train_report.md`` (final validation per TTT step) + ``loss.png`` (train/val loss)."""
     rows = _read_metrics(train_dir / "metrics.jsonl")
@@ -905,6 +916,8 @@ def write_report(train_dir: Path, result: dict, args) -> None:
              f"- checkpoint: `{result['checkpoint']}`", f"- export: `{result['export_dir']}`"]
     if result.get("tokens_per_s"):
         lines.append(f"- training throughput: {result['tokens_per_s']:.0f} tokens/s (all ranks)")
+    if result.get("peak_gpu_mem_gib") is not None:
+        lines.append(f"- peak GPU memory (tensors, rank 0): {result['peak_gpu_mem_gib']:.1f} GiB")
     if "loss" in val:
         lines.append(f"- final validation loss: {val['loss']:.4f}")
     if acc_keys:
