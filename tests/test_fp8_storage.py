@@ -30,6 +30,33 @@ FP8 = Storage("float8_e4m3fn", "per_token")
 
 
 # ---- quantisation values --------------------------------------------------------------------------
+def _amax_rows(n: int = 4096, seed: int = 0) -> torch.Tensor:
+    """[n, 2] float32 rows whose amax is spread over many binades (so some scale rounding is hard)."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.rand((n, 2), generator=g) * 2 - 1) * torch.exp2(torch.randint(-20, 20, (n, 1), generator=g).float())
+
+
+def test_quantize_scale_is_correctly_rounded_division():
+    # the scale is IEEE float32 amax / 448 (what every device's true division gives), not amax * (1 / 448):
+    # the float64 quotient rounded to float32 is the correctly rounded float32 quotient
+    h = _amax_rows()  # [n, 2]
+    _, s = quantize(h)
+    want = (h.abs().amax(dim=-1, keepdim=True).double() / 448.0).float()  # [n, 1]
+    assert torch.equal(s, want)
+    recip = h.abs().amax(dim=-1, keepdim=True) * torch.tensor(1.0 / 448.0)  # the reciprocal multiply
+    assert not torch.equal(recip, want)  # so these rows do tell the two apart
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_quantize_same_bytes_on_cuda_and_cpu():
+    # stage 02 quantises on the verifier's GPU, shard_convert and the SGLang path on the CPU: same shard bytes
+    h = _amax_rows(1 << 16).to(torch.bfloat16).repeat(1, 64)  # [n, 128]
+    q_cpu, s_cpu = quantize(h)
+    q_dev, s_dev = quantize(h.cuda())
+    assert torch.equal(s_dev.cpu(), s_cpu)
+    assert torch.equal(q_dev.cpu().view(torch.uint8), q_cpu.view(torch.uint8))
+
+
 def test_quantize_hand_computed():
     h = torch.tensor([[1.0, -2.0, 0.5, 4.0], [4.0, 0.3, 0.0, -4.0], [0.0, 0.0, 0.0, 0.0]])
     q, s = quantize(h)
