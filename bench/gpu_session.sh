@@ -37,7 +37,9 @@
 #      "verifier.dtype=float32": an fp32 verifier for the lossless check and tau), TAIL (1 = after
 #      bench_speed, with the GPU otherwise idle: the capture benches on disk and in RAM, bf16 and fp8, and
 #      the bf16-vs-fp8 training speed on the real shards; default 1), SLOTS (derived 04 -> 05 chains at once,
-#      default 4), OVERLAP (1 = the derived chains train beside s04 instead of after it; default 0),
+#      default 4), OVERLAP (1 = the derived chains train beside s04 instead of after it; default 0. On
+#      2026-12-01c, s04 plus 3 derived trainings ran at 14 steps/s together vs ~9 for s04 alone, but s04
+#      itself fell to 3-6 steps/s: use it when the derived runs matter more than s04's finish time),
 #      BENCH_SPEED (0 = skip bench/offline_bench_speed.py after the 05 runs; default 1),
 #      TAIL_FIRST (1 = the capture benches run first, on the idle GPU, before the real run; default 0).
 #   bash bench/gpu_session.sh derived   # re-run the derived runs whose 04/05 did not finish (their 03 done)
