@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -445,25 +446,34 @@ def test_ctrl_c_ends_the_run_at_once_and_keeps_finished_answers(smollm_tokenizer
     src.write_text("".join(json.dumps(c) + "\n" for c in convs))
     out = tmp_path / "run"
     partial = out / "prompts.regen-partial.jsonl"
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    # faulthandler: if the run does not end, SIGABRT makes it print every thread's stack into the output
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONFAULTHANDLER="1")
     with StandInServer(FakeBackend(tok.eos_token_id), tok, fault=lambda n, p, b: "timeout" if n > 3 else None,
                        timeout_sleep=600) as srv:
         cmd = _cmd(out, tiny_llama_dir, srv.url, str(src)) + ["--set", "prompts.server.timeout_s=600"]
         proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        output: list[bytes] = []  # drained as it comes, so a full pipe can never block the run
+        drain = threading.Thread(target=lambda: output.extend(iter(lambda: proc.stdout.read(4096), b"")), daemon=True)
+        drain.start()
         deadline = time.time() + 120
         while time.time() < deadline and len(srv.requests) < 5:
             time.sleep(0.05)
+        assert len(srv.requests) >= 5, ("the run never reached the hanging requests", b"".join(output).decode()[-2000:])
         time.sleep(0.3)
         t0 = time.time()
         proc.send_signal(signal.SIGINT)
         try:
             rc = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)  # the stacks of a run that did not end, for the message below
+            rc = proc.wait(timeout=30)
         finally:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
         waited = time.time() - t0
-    assert rc == 130 and waited < 15, (rc, waited, proc.stdout.read().decode()[-2000:])
+        drain.join(timeout=10)
+    assert rc == 130 and waited < 15, (rc, waited, b"".join(output).decode(errors="replace")[-6000:])
     rows = [json.loads(x) for x in partial.read_text().splitlines()]
     assert "settings" in rows[0] and 1 <= len(rows) - 1 <= 3  # the answered requests' conversations
     assert not (out / "prompts.jsonl").exists()
