@@ -8,7 +8,8 @@
     torchrun --nproc_per_node 8 02_extract_hidden.py --config configs/smollm2-135m.yaml   # hf: one replica per GPU
 
 Re-running the same command after a crash resumes (finished shards are kept, none is rewritten).
-A run whose config/prompts/verifier changed is refused unless --overwrite (deletes the old shards).
+A run whose config/prompts/verifier changed is refused unless --overwrite (deletes the old shards, once the
+new run's disk plan fits counting the space they free).
 """
 
 from __future__ import annotations

@@ -68,9 +68,10 @@ class DiskPlan:
     allocated_bytes: int  # ``bytes`` with every file and rows_* folder rounded up to whole blocks
     margin_bytes: int
     needed_bytes: int  # allocated_bytes + margin_bytes
-    free_bytes: int
+    free_bytes: int  # free on the filesystem, plus freed_by_overwrite
     fits: bool
     checked: bool  # False under --ignore-disk-check
+    freed_by_overwrite: int = 0  # old shards --overwrite deletes once the plan fits (counted in free_bytes)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -80,7 +81,9 @@ class DiskPlan:
         return (f"disk plan: {self.samples} samples, {self.tokens} tokens x {self.file_bytes_per_token:.0f} B/token "
                 f"(+{self.file_overhead_bytes:.0f} B per file) = {format_bytes(self.bytes)} "
                 f"({format_bytes(self.allocated_bytes)} in {self.block_size}-byte blocks) + margin "
-                f"{format_bytes(self.margin_bytes)}; {format_bytes(self.free_bytes)} free on {self.path}")
+                f"{format_bytes(self.margin_bytes)}; {format_bytes(self.free_bytes)} free on {self.path}"
+                + (f" (counting {format_bytes(self.freed_by_overwrite)} of old shards that --overwrite deletes)"
+                   if self.freed_by_overwrite else ""))
 
 
 def shard_size_model(hidden_size: int, encode: ShardEncodeFn, num_states: int = 4) -> tuple[float, float]:
@@ -118,7 +121,7 @@ def block_size_of(folder: str | os.PathLike) -> int:
 def plan_disk(root: str | os.PathLike, pending: Sequence[tuple[str, int]], *, hidden_size: int,
               hidden_bytes_per_token: int, rows_per_dir: int, pending_idx: Sequence[int], encode: ShardEncodeFn,
               margin: float, margin_bytes: int, skipped_ids: Optional[dict] = None,
-              free: Optional[tuple[int, Path]] = None) -> DiskPlan:
+              free: Optional[tuple[int, Path]] = None, freed_by_overwrite: int = 0) -> DiskPlan:
     """The disk plan of writing the ``pending`` samples (``(id, num_tokens)`` each) under ``root``.
 
     Args:
@@ -131,6 +134,8 @@ def plan_disk(root: str | os.PathLike, pending: Sequence[tuple[str, int]], *, hi
         margin, margin_bytes: headroom = ``max(margin x allocated, margin_bytes)``.
         skipped_ids: the id lists data_config.json and the report will carry.
         free: ``(free bytes, folder)`` (default :func:`eagle3.io.free_bytes` of ``root``).
+        freed_by_overwrite: of those free bytes, how many are old shards that ``--overwrite`` deletes
+            only once this plan fits (recorded, and named in the messages).
     """
     overhead, per_token = shard_size_model(hidden_size, encode)
     free_b, where = free if free is not None else free_bytes(root)
@@ -155,7 +160,7 @@ def plan_disk(root: str | os.PathLike, pending: Sequence[tuple[str, int]], *, hi
                     file_bytes_per_token=per_token, file_overhead_bytes=overhead, shard_bytes=shard_bytes,
                     metadata_bytes=metadata, bytes=shard_bytes + metadata, block_size=block, allocated_bytes=allocated,
                     margin_bytes=margin_b, needed_bytes=needed, free_bytes=int(free_b), fits=free_b >= needed,
-                    checked=True)
+                    checked=True, freed_by_overwrite=int(freed_by_overwrite))
 
 
 def check_disk(plan: DiskPlan, ignore: bool) -> DiskPlan:
@@ -177,5 +182,7 @@ def check_disk(plan: DiskPlan, ignore: bool) -> DiskPlan:
     raise NotEnoughDisk(
         f"{plan.path}: not enough disk space for stage 02: needs {format_bytes(plan.needed_bytes)} "
         f"({plan.samples} samples, {plan.tokens} tokens, {format_bytes(plan.allocated_bytes)} + margin "
-        f"{format_bytes(plan.margin_bytes)}), {format_bytes(plan.free_bytes)} free; free space, set "
-        "extract.output_dir to a larger filesystem, or pass --ignore-disk-check")
+        f"{format_bytes(plan.margin_bytes)}), {format_bytes(plan.free_bytes)} free"
+        + (f" counting {format_bytes(plan.freed_by_overwrite)} of old shards that --overwrite would delete "
+           "(nothing was deleted)" if plan.freed_by_overwrite else "")
+        + "; free space, set extract.output_dir to a larger filesystem, or pass --ignore-disk-check")

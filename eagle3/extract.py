@@ -302,28 +302,44 @@ def merge_rank_manifests(root: Path) -> int:
     return len(parts)
 
 
+def _wipe_targets(root: Path) -> tuple[list[Path], list[Path]]:
+    """``(files, rows_* folders)`` that :func:`wipe_shards_dir` deletes under ``root``."""
+    files: list[Path] = []
+    dirs: list[Path] = []
+    if not root.is_dir():
+        return files, dirs
+    for entry in list(root.iterdir()):
+        if entry.is_dir() and entry.name.startswith("rows_"):
+            files += [f for f in entry.iterdir() if f.is_file() and _is_stage_file(f)]
+            dirs.append(entry)
+        elif entry.is_file() and _is_stage_file(entry):
+            files.append(entry)
+    return files, dirs
+
+
+def wipe_frees_bytes(root: Path) -> int:
+    """Bytes the filesystem gets back when :func:`wipe_shards_dir` runs on ``root`` (allocated blocks
+    of the files it deletes, ``st_blocks x 512``): what ``--overwrite`` may count as free in the disk
+    plan, which runs before anything is deleted."""
+    files, _ = _wipe_targets(root)
+    return sum(f.stat().st_blocks * 512 for f in files)
+
+
 def wipe_shards_dir(root: Path) -> int:
     """Delete this stage's files (shards, ``rows_*`` folders, manifest, state, reports) under ``root``.
 
     Other files are left alone (``root`` is user-configurable; never ``rmtree`` it blindly).
     Returns the number of files removed.
     """
-    n = 0
-    if not root.is_dir():
-        return 0
-    for entry in list(root.iterdir()):
-        if entry.is_dir() and entry.name.startswith("rows_"):
-            for f in list(entry.iterdir()):
-                if f.is_file() and _is_stage_file(f):
-                    f.unlink()
-                    n += 1
-            try:
-                entry.rmdir()
-            except OSError:
-                pass  # the user put something else there: keep it
-        elif entry.is_file() and _is_stage_file(entry):
-            entry.unlink()
-            n += 1
+    files, dirs = _wipe_targets(root)
+    for f in files:
+        f.unlink()
+    for entry in dirs:
+        try:
+            entry.rmdir()
+        except OSError:
+            pass  # the user put something else there: keep it
+    n = len(files)
     return n
 
 
@@ -633,23 +649,29 @@ def _exclusive(root: Path):
 
 
 def _check_disk(cfg: RunConfig, root: Path, samples: list[Sample], done: dict[int, dict], info: dict,
-                skipped_ids: dict, ignore: bool) -> dict:
+                skipped_ids: dict, ignore: bool, freed_by_overwrite: int = 0) -> dict:
     """Disk-plan step (rank 0, before any capture): :func:`eagle3.disk_plan.plan_disk` of the samples
     not in ``done``; returns the plan as a dict (recorded in ``extract_report.json``/``.md``; not in
     data_config.json, whose content depends only on the data).
+
+    ``freed_by_overwrite``: bytes of old shards that ``--overwrite`` deletes once the plan fits
+    (:func:`wipe_frees_bytes`); counted as free, so a refused plan deletes nothing.
 
     Raises:
         eagle3.disk_plan.NotEnoughDisk: the filesystem of ``root`` has less free space than needed.
     """
     from eagle3.disk_plan import check_disk, plan_disk
+    from eagle3.io import free_bytes
 
     todo = [s for s in samples if s.idx not in done]
+    free_b, where = free_bytes(root)
     storage = storage_from_config(cfg.extract)  # fp8: the plan measures fp8 shards (values + scales)
     plan = plan_disk(root, [(s.id, len(s.input_ids)) for s in todo], hidden_size=info["hidden_size"],
                      hidden_bytes_per_token=bytes_per_token(info["hidden_size"], storage=storage),
                      rows_per_dir=cfg.extract.rows_per_dir, pending_idx=[s.idx for s in todo],
                      encode=functools.partial(shard_object, storage=storage), margin=cfg.extract.disk_margin,
-                     margin_bytes=cfg.extract.disk_margin_bytes, skipped_ids=skipped_ids)
+                     margin_bytes=cfg.extract.disk_margin_bytes, skipped_ids=skipped_ids,
+                     free=(free_b + freed_by_overwrite, where), freed_by_overwrite=freed_by_overwrite)
     return check_disk(plan, ignore).to_dict()
 
 
@@ -680,6 +702,9 @@ def _prepare(cfg: RunConfig, root: Path, overwrite: bool, limit: Optional[int],
     prompts = read_prompts(prompts_path, limit)
     prompts_sha = file_sha256(prompts_path)
     fp, comp = fingerprint(cfg, prompts_sha)
+    # --overwrite deletes the old shards only once the disk plan of the new run fits (counting the space
+    # they free): a refused run keeps them
+    freed = d.on_rank0(lambda: wipe_frees_bytes(root)) if overwrite else 0
 
     def prepare_folder() -> None:
         _check_state(root, fp, comp, overwrite)
@@ -690,7 +715,8 @@ def _prepare(cfg: RunConfig, root: Path, overwrite: bool, limit: Optional[int],
         if merged:
             log.info("merged %d per-rank manifests of an interrupted multi-process run", merged)
 
-    d.on_rank0(prepare_folder)
+    if not overwrite:
+        d.on_rank0(prepare_folder)
 
     if backend is None:
         backend, tokenizer = make_backend(cfg)
@@ -711,8 +737,13 @@ def _prepare(cfg: RunConfig, root: Path, overwrite: bool, limit: Optional[int],
             (root / DATA_CONFIG).unlink(missing_ok=True)  # present == complete
         return done
 
-    done = d.on_rank0(reconcile)
-    disk = d.on_rank0(lambda: _check_disk(cfg, root, samples, done, info, skipped_ids, ignore_disk_check))
+    if overwrite:  # plan first (nothing will be resumed), delete only when it fits
+        disk = d.on_rank0(lambda: _check_disk(cfg, root, samples, {}, info, skipped_ids, ignore_disk_check, freed))
+        d.on_rank0(prepare_folder)
+        done = d.on_rank0(reconcile)
+    else:
+        done = d.on_rank0(reconcile)
+        disk = d.on_rank0(lambda: _check_disk(cfg, root, samples, done, info, skipped_ids, ignore_disk_check))
     if d.rank == 0:
         log.info("%d samples (%d already done), %d skipped", len(samples), len(done),
                  counts["skipped_too_long"] + counts["skipped_no_loss_tokens"])

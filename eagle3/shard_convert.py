@@ -131,6 +131,9 @@ def _convert(src: Path, dst: Path, meta: dict, storage: Storage, overwrite: bool
     t0 = time.perf_counter()
     fp, comp = _fingerprint(meta, storage)
     state_path = dst / STATE
+    samples = list_samples(src)
+    if not samples:  # before anything in dst is deleted
+        raise UserError(f"{src}: no shards found")
     if overwrite:
         _wipe(dst)
     elif _stage_files(dst):
@@ -143,9 +146,6 @@ def _convert(src: Path, dst: Path, meta: dict, storage: Storage, overwrite: bool
 
     src_man_path = src / MANIFEST
     src_rows = read_manifest(src_man_path).rows if src_man_path.is_file() else {}
-    samples = list_samples(src)
-    if not samples:
-        raise UserError(f"{src}: no shards found")
     rows_per_dir = int(meta["rows_per_dir"])
     expect = expect_from_data_config(meta)
     man_path = dst / MANIFEST

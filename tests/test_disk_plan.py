@@ -145,3 +145,31 @@ def test_margin_is_the_larger_of_fraction_and_bytes(tmp_path):
     q = plan_disk(tmp_path, pending, margin=0.5, margin_bytes=10**7, free=(10**7, tmp_path), **kw)
     assert q.margin_bytes == 10**7 and not q.fits
     assert p.tokens == 400 and p.shard_bytes > 400 * 528
+
+
+def test_overwrite_deletes_nothing_when_the_new_plan_does_not_fit(tmp_path, tiny_llama_dir, tiny_backend,  # noqa: F811
+                                                                   monkeypatch):
+    # --overwrite used to delete the old shards first and check the disk after: a refused run lost them
+    cfg = load_config(_config(tmp_path, tiny_llama_dir, disk_margin_bytes=0, disk_margin=0.0))
+    _run(cfg, tiny_backend)
+    root = cfg.shards_dir
+    before = {p: p.read_bytes() for p in _files(root)}
+    freed = sum(p.stat().st_blocks * 512 for p in _files(root))  # what deleting the old run gives back
+    assert freed > 0
+    big = load_config(_config(tmp_path, tiny_llama_dir, disk_margin_bytes=freed + 1_000_000, disk_margin=0.0))
+    _fake_free(monkeypatch, 0)
+    with pytest.raises(NotEnoughDisk, match=rf"^{re.escape(str(root))}: not enough disk space for stage 02: .* "
+                                             rf"\({freed} bytes\) free counting .* of old shards that --overwrite "
+                                             r"would delete \(nothing was deleted\); "):
+        _run(big, tiny_backend, overwrite=True)
+    assert {p: p.read_bytes() for p in _files(root)} == before  # every old file still there, unchanged
+    assert not list(root.rglob("*.tmp-*"))
+
+    _fake_free(monkeypatch, 1_000_000_000)  # fits: the old run is deleted, the new one written
+    s = _run(cfg, tiny_backend, overwrite=True)
+    plan = read_json(root / REPORT_JSON)["disk_plan"]
+    assert s["written"] == 6 and plan["samples"] == 6
+    assert plan["freed_by_overwrite"] == freed and plan["free_bytes"] == 1_000_000_000 + freed
+    assert "of old shards that --overwrite deletes" in (root / "extract_report.md").read_text()
+    assert {p.name: p.read_bytes() for p in _files(root) if p.suffix == ".pt"} == \
+           {p.name: b for p, b in before.items() if p.suffix == ".pt"}  # same data, same shards

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -363,6 +364,24 @@ def test_convert_resumes_after_kill_and_disk_full(bf16_run, tmp_path, monkeypatc
         convert(bf.shards_dir, bf.shards_dir, FP8)
     redo = convert(bf.shards_dir, dst, Storage("float8_e4m3fn", "per_block", 32), overwrite=True)
     assert redo["complete"] and read_data_config(dst)["scale_block_size"] == 32
+
+
+def test_convert_overwrite_keeps_dst_when_the_source_has_no_shards(bf16_run, tmp_path):
+    # --overwrite deletes the earlier conversion only once the source is known to hold shards
+    import shutil
+
+    from eagle3.shard_convert import convert
+
+    bf, _ = bf16_run
+    dst = tmp_path / "fp8"
+    convert(bf.shards_dir, dst, FP8, workers=1)
+    before = {p: p.read_bytes() for p in dst.rglob("*") if p.is_file()}
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    shutil.copy(bf.shards_dir / "data_config.json", empty / "data_config.json")  # a set whose shards are gone
+    with pytest.raises(UserError, match=rf"^{re.escape(str(empty))}: no shards found$"):
+        convert(empty, dst, Storage("float8_e4m3fn", "per_block", 32), overwrite=True)
+    assert {p: p.read_bytes() for p in dst.rglob("*") if p.is_file()} == before
 
 
 def test_convert_refuses_corrupt_source(bf16_run, tmp_path):
