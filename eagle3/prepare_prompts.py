@@ -105,8 +105,8 @@ def settings(cfg: RunConfig, limit: Optional[int]) -> dict:
 
 
 def partial_path(cfg: RunConfig) -> Path:
-    """The resume log of server regeneration, next to ``cfg.prompts_path``."""
-    from eagle3.regen_server import PARTIAL_NAME
+    """The regeneration resume log (either path: endpoints or in-process), next to ``cfg.prompts_path``."""
+    from eagle3.resume_log import PARTIAL_NAME
 
     return cfg.prompts_path.parent / PARTIAL_NAME
 
@@ -119,11 +119,15 @@ def _regenerate(cfg: RunConfig, convs: list[dict], want: dict, stats: dict) -> l
             raise UserError("prompts.temperature/top_p: the local path decodes greedily; sampling needs "
                             "prompts.regenerate_via: sglang or openai")
         from eagle3.regenerate import regenerate as regen
+        from eagle3.resume_log import ResumeLog
         from eagle3.verifier import load_verifier
 
+        journal = ResumeLog(partial_path(cfg), want)
+        journal.load(convs)  # a log of other settings or input is refused before the verifier loads
         model, tok = load_verifier(cfg.verifier)
         return regen(model, tok, convs, pc.max_new_tokens, pc.gen_batch_size, stats=stats,
-                     opts=ChatOptions.from_config(cfg), max_context=max_context_tokens(cfg), schedule=pc.gen_schedule)
+                     opts=ChatOptions.from_config(cfg), max_context=max_context_tokens(cfg), schedule=pc.gen_schedule,
+                     journal=journal)
     from eagle3.regen_server import regenerate_via_server
     from eagle3.verifier import load_tokenizer
 
@@ -240,7 +244,7 @@ def run(cfg: RunConfig, source: Optional[str] = None, fmt: Optional[str] = None,
     atomic_write_json(rep, report)
     atomic_write_text(rep.with_suffix(".md"), report_markdown(report))
     failed = regen_stats.get("failed", 0)
-    if pc.regenerate and pc.regenerate_via != "local" and not failed:
+    if pc.regenerate and not failed:
         partial_path(cfg).unlink(missing_ok=True)  # everything is in the final file now
     if failed:
         print(f"regeneration: {failed} conversation(s) failed (ids in {rep.name}); they are not in {out.name}. "

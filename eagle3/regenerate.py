@@ -21,6 +21,7 @@ to floating-point rounding (tested), so the schedule does not change the answers
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Optional, Sequence
@@ -30,6 +31,7 @@ from tqdm import tqdm
 
 from eagle3.attention import no_cudnn_sdpa
 from eagle3.chat import ChatOptions, end_of_turn_ids, generation_prompt, split_reasoning
+from eagle3.resume_log import ResumeLog
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +134,7 @@ def generate_greedy(model, prompts: list[list[int]], max_new_tokens: int, stop_i
 def regenerate(model, tokenizer, conversations: list[dict], max_new_tokens: int, batch_size: int,
                chat_template: Optional[str] = None, stats: Optional[dict] = None,
                opts: Optional[ChatOptions] = None, max_context: Optional[int] = None,
-               schedule: str = "pool") -> list[dict]:
+               schedule: str = "pool", journal: Optional[ResumeLog] = None) -> list[dict]:
     """Replace every assistant turn with the verifier's greedy answer, turn by turn, from a ready pool.
 
     Turn k+1 of a conversation is rendered (with the regenerated answers 0..k) as soon as turn k is
@@ -167,6 +169,16 @@ def regenerate(model, tokenizer, conversations: list[dict], max_new_tokens: int,
         schedule: ``"pool"`` (default: :func:`pick_batch` over the ready pool) or ``"rounds"`` (the
             former plan, kept as the baseline of ``bench/regen_speed.py``: all turns k, sorted by
             prompt length, before any turn k+1). The answers do not depend on it (greedy, tested).
+        journal: resume log (:class:`eagle3.resume_log.ResumeLog`, stage 01 keeps it next to the
+            prompts file): conversations it already holds are taken from it, not answered again
+            (``stats["resumed"]``); each conversation is appended (fsynced) as soon as its last turn is
+            answered, so a run stopped by Ctrl-C or a crash loses at most the batch in flight. A resumed
+            run gives the answers of an uninterrupted one up to the numerics of other batch
+            compositions (equal in float32, tested). The caller deletes the log once the output is
+            written.
+
+    Raises:
+        UserError: ``journal`` was written under other settings or for other conversations.
 
     Returns:
         New conversations ``{id, messages}`` in input order (less those left out by ``max_context``):
@@ -192,12 +204,20 @@ def regenerate(model, tokenizer, conversations: list[dict], max_new_tokens: int,
                    if any(m["role"] == "tool" or m.get("tool_calls") for m in c["messages"])}
     if passthrough:
         log.warning("%d conversations with tool calls kept as they are (not regenerated in-process)", len(passthrough))
+    finished = journal.load(conversations) if journal is not None else {}  # idx -> {id, messages[, tools]}
     for i, c in enumerate(conversations):
-        system, users = _turns(c) if i not in passthrough else (None, [])
+        system, users = _turns(c) if i not in passthrough and i not in finished else (None, [])
         state.append(([system] if system is not None else [], users))
     total = sum(len(u) for _, u in state)
     st = {"answers": 0, "new_tokens": 0, "truncated": 0, "seconds": 0.0, "kept_with_tools": len(passthrough),
-          "turns_over_context": 0, "dropped_over_context": 0, "batches": 0, "decode_steps": 0}
+          "turns_over_context": 0, "dropped_over_context": 0, "batches": 0, "decode_steps": 0,
+          "resumed": len(finished)}
+
+    def record(i: int) -> None:
+        """Conversation i is final (every turn answered, or cut by the context cap after turn 1): log it."""
+        if journal is not None:
+            c = conversations[i]
+            journal.append(i, {"id": c["id"], "messages": state[i][0], **({"tools": c["tools"]} if c.get("tools") else {})})
     dropped = set()
     done = [0] * len(state)  # answered turns per conversation
     ready: dict[int, tuple[list[int], str]] = {}  # conversation -> (prompt ids, prompt text) of its next turn
@@ -215,12 +235,18 @@ def regenerate(model, tokenizer, conversations: list[dict], max_new_tokens: int,
             bar.update(len(users) - k)
             state[i] = (msgs, users[:k])
             if k == 0:
-                dropped.add(i)
+                dropped.add(i)  # not logged: a resumed run finds it over the cap again, without generating
+            else:
+                record(i)
             return
         ready[i] = (ids, head)
 
     t0 = time.perf_counter()
-    with tqdm(total=total, desc="regenerate", unit="answer") as bar:
+    if journal is not None:
+        journal.open()
+    with contextlib.ExitStack() as stack, tqdm(total=total, desc="regenerate", unit="answer") as bar:
+        if journal is not None:
+            stack.callback(journal.close)
         for i, (_, users) in enumerate(state):
             if users:
                 make_ready(i, bar)
@@ -255,6 +281,8 @@ def regenerate(model, tokenizer, conversations: list[dict], max_new_tokens: int,
                 st["answers"] += 1
                 if done[i] < len(state[i][1]):
                     make_ready(i, bar)  # turn k+1 is ready as soon as turn k is answered
+                else:
+                    record(i)
             bar.update(len(chunk))
     st["seconds"] = time.perf_counter() - t0
     st["dropped_over_context"] = len(dropped)
@@ -269,6 +297,8 @@ def regenerate(model, tokenizer, conversations: list[dict], max_new_tokens: int,
             continue
         if i in passthrough:
             out.append(c)
+        elif i in finished:
+            out.append(finished[i])
         else:
             out.append({"id": c["id"], "messages": msgs, **({"tools": c["tools"]} if c.get("tools") else {})})
     return out

@@ -266,3 +266,7 @@ def test_local_regeneration_gets_schedule_and_context_cap(tmp_path, monkeypatch,
     monkeypatch.setattr(eagle3.regenerate, "regenerate", lambda *a, **k: seen.update(k) or ["ok"])
     assert _regenerate(cfg, [], {}, {}) == ["ok"]
     assert seen["schedule"] == schedule and seen["max_context"] == cap
+    # resumable like the server path: the same log next to prompts.jsonl, under 01's settings
+    from eagle3.prepare_prompts import partial_path
+
+    assert seen["journal"].path == partial_path(cfg) == cfg.prompts_path.parent / "prompts.regen-partial.jsonl"

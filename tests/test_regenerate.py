@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -222,3 +224,46 @@ def test_pooled_turns_of_any_round_equal_reference(tiny, monkeypatch):
     assert [n for n, _ in batches] == [2, 2, 2, 2, 1, 1]  # rounds 0 (4 turns), 1 and 2 (three, five), 3, 4 (five)
     with pytest.raises(ValueError):
         regenerate(model, tok, convs, max_new_tokens=MAX_NEW, batch_size=2, schedule="fifo")
+
+
+def test_resume_after_a_kill_equals_the_uninterrupted_run(tiny, tmp_path, monkeypatch):
+    """In-process regeneration with a resume log: a run killed in its 4th batch keeps the conversations
+    finished before it; the rerun answers only the rest, and the result equals the uninterrupted run."""
+    from eagle3.errors import UserError
+    from eagle3.resume_log import ResumeLog
+
+    model, tok = tiny
+    convs = [_conv("one", 1), _conv("three", 3, system="Be brief."), _conv("five", 5), _conv("single", 1)]
+    want = regenerate(model, tok, convs, max_new_tokens=MAX_NEW, batch_size=2)
+    real = regen_mod.generate_greedy
+    calls = []
+
+    def dies_in_batch_4(*a):
+        calls.append(len(a[1]))
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return real(*a)
+
+    path = tmp_path / "prompts.regen-partial.jsonl"
+    monkeypatch.setattr(regen_mod, "generate_greedy", dies_in_batch_4)
+    with pytest.raises(KeyboardInterrupt):
+        regenerate(model, tok, convs, max_new_tokens=MAX_NEW, batch_size=2, journal=ResumeLog(path, {"s": 1}))
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    assert rows[0] == {"settings": {"s": 1}}
+    logged = {r["id"]: r for r in rows[1:]}
+    # batches 1-3 answered every first turn and turns 2-3 of the longer ones: "one", "single" finished
+    assert set(logged) == {"one", "single"}
+    for r in rows[1:]:
+        assert {k: v for k, v in r.items() if k != "idx"} == want[r["idx"]]
+
+    calls.clear()
+    monkeypatch.setattr(regen_mod, "generate_greedy", lambda *a: calls.append(len(a[1])) or real(*a))
+    stats = {}
+    got = regenerate(model, tok, convs, max_new_tokens=MAX_NEW, batch_size=2, stats=stats,
+                     journal=ResumeLog(path, {"s": 1}))
+    assert got == want
+    assert stats["resumed"] == 2 and stats["answers"] == 3 + 5 and sum(calls) == 8  # "three" and "five" only
+    assert len(path.read_text().splitlines()) == 1 + 4  # every conversation is in the log now
+    with pytest.raises(UserError, match=r"prompts\.regen-partial\.jsonl: a regeneration was started here with "
+                                         r"other settings \(s differ\)"):
+        regenerate(model, tok, convs, max_new_tokens=MAX_NEW, batch_size=2, journal=ResumeLog(path, {"s": 2}))
