@@ -134,11 +134,12 @@ def plan_disk(root: str | os.PathLike, pending: Sequence[tuple[str, int]], *, hi
         margin, margin_bytes: headroom = ``max(margin x allocated, margin_bytes)``.
         skipped_ids: the id lists data_config.json and the report will carry.
         free: ``(free bytes, folder)`` (default :func:`eagle3.io.free_bytes` of ``root``).
-        freed_by_overwrite: of those free bytes, how many are old shards that ``--overwrite`` deletes
-            only once this plan fits (recorded, and named in the messages).
+        freed_by_overwrite: bytes of old shards that ``--overwrite`` deletes only once this plan fits:
+            added to the free bytes (recorded, and named in the messages).
     """
     overhead, per_token = shard_size_model(hidden_size, encode)
     free_b, where = free if free is not None else free_bytes(root)
+    free_b += freed_by_overwrite
     block = block_size_of(where)
     tokens = sum(n for _, n in pending)
     shard_bytes = 0

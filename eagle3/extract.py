@@ -339,8 +339,7 @@ def wipe_shards_dir(root: Path) -> int:
             entry.rmdir()
         except OSError:
             pass  # the user put something else there: keep it
-    n = len(files)
-    return n
+    return len(files)
 
 
 def _check_state(root: Path, fp: str, comp: dict, overwrite: bool) -> None:
@@ -661,17 +660,15 @@ def _check_disk(cfg: RunConfig, root: Path, samples: list[Sample], done: dict[in
         eagle3.disk_plan.NotEnoughDisk: the filesystem of ``root`` has less free space than needed.
     """
     from eagle3.disk_plan import check_disk, plan_disk
-    from eagle3.io import free_bytes
 
     todo = [s for s in samples if s.idx not in done]
-    free_b, where = free_bytes(root)
     storage = storage_from_config(cfg.extract)  # fp8: the plan measures fp8 shards (values + scales)
     plan = plan_disk(root, [(s.id, len(s.input_ids)) for s in todo], hidden_size=info["hidden_size"],
                      hidden_bytes_per_token=bytes_per_token(info["hidden_size"], storage=storage),
                      rows_per_dir=cfg.extract.rows_per_dir, pending_idx=[s.idx for s in todo],
                      encode=functools.partial(shard_object, storage=storage), margin=cfg.extract.disk_margin,
                      margin_bytes=cfg.extract.disk_margin_bytes, skipped_ids=skipped_ids,
-                     free=(free_b + freed_by_overwrite, where), freed_by_overwrite=freed_by_overwrite)
+                     freed_by_overwrite=freed_by_overwrite)
     return check_disk(plan, ignore).to_dict()
 
 

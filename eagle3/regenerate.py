@@ -213,11 +213,15 @@ def regenerate(model, tokenizer, conversations: list[dict], max_new_tokens: int,
           "turns_over_context": 0, "dropped_over_context": 0, "batches": 0, "decode_steps": 0,
           "resumed": len(finished)}
 
+    def result(i: int) -> dict:
+        """Conversation i as returned: its id, the messages so far (regenerated answers), its tools."""
+        c = conversations[i]
+        return {"id": c["id"], "messages": state[i][0], **({"tools": c["tools"]} if c.get("tools") else {})}
+
     def record(i: int) -> None:
         """Conversation i is final (every turn answered, or cut by the context cap after turn 1): log it."""
         if journal is not None:
-            c = conversations[i]
-            journal.append(i, {"id": c["id"], "messages": state[i][0], **({"tools": c["tools"]} if c.get("tools") else {})})
+            journal.append(i, result(i))
     dropped = set()
     done = [0] * len(state)  # answered turns per conversation
     ready: dict[int, tuple[list[int], str]] = {}  # conversation -> (prompt ids, prompt text) of its next turn
@@ -242,11 +246,11 @@ def regenerate(model, tokenizer, conversations: list[dict], max_new_tokens: int,
         ready[i] = (ids, head)
 
     t0 = time.perf_counter()
-    if journal is not None:
-        journal.open()
-    with contextlib.ExitStack() as stack, tqdm(total=total, desc="regenerate", unit="answer") as bar:
+    with contextlib.ExitStack() as stack:
         if journal is not None:
+            journal.open()
             stack.callback(journal.close)
+        bar = stack.enter_context(tqdm(total=total, desc="regenerate", unit="answer"))
         for i, (_, users) in enumerate(state):
             if users:
                 make_ready(i, bar)
@@ -292,7 +296,7 @@ def regenerate(model, tokenizer, conversations: list[dict], max_new_tokens: int,
     if stats is not None:
         stats.update(st)
     out = []
-    for i, (c, (msgs, _)) in enumerate(zip(conversations, state)):
+    for i, c in enumerate(conversations):
         if i in dropped:
             continue
         if i in passthrough:
@@ -300,5 +304,5 @@ def regenerate(model, tokenizer, conversations: list[dict], max_new_tokens: int,
         elif i in finished:
             out.append(finished[i])
         else:
-            out.append({"id": c["id"], "messages": msgs, **({"tools": c["tools"]} if c.get("tools") else {})})
+            out.append(result(i))
     return out
