@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle3.cli import ArgumentParser, run_main  # noqa: E402
 from eagle3.errors import UserError  # noqa: E402
-from eagle3.io import atomic_path, atomic_write_json, atomic_write_text, read_json  # noqa: E402
+from eagle3.io import atomic_save_png, atomic_write_json, atomic_write_text, read_json  # noqa: E402
 
 SETS = ("mtbench", "humaneval", "gsm8k")
 
@@ -169,9 +169,7 @@ def plot_curve(rows: list[dict], path: Path) -> None:
     ax2.set_ylabel("top-1 vs verifier, draft position 1")
     ax2.set_title("Held-out training data")
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
+    atomic_save_png(fig, path, dpi=110)
 
 
 def main(argv=None) -> int:

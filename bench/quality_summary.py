@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle3.cli import ArgumentParser, run_main  # noqa: E402
 from eagle3.errors import UserError  # noqa: E402
-from eagle3.io import atomic_path, atomic_write_json, atomic_write_text, read_json  # noqa: E402
+from eagle3.io import atomic_save_png, atomic_write_json, atomic_write_text, read_json  # noqa: E402
 
 GOAL = {"3": {"mtbench": 2.5, "gsm8k": 3.0}, "7": {"mtbench": 3.0}}  # issue 10
 
@@ -218,9 +218,7 @@ def plot(q: dict, path: Path) -> None:
     ax.set_title(f"Where tau is lost ({k}-step chain)")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
+    atomic_save_png(fig, path, dpi=110)
 
 
 def main(argv=None) -> int:

@@ -153,6 +153,25 @@ def atomic_path(path: str | os.PathLike, needed: int | None = None) -> Iterator[
             raise
 
 
+def atomic_save_png(fig, path: str | os.PathLike, dpi: float | None = None) -> None:
+    """Save a matplotlib figure as PNG at ``path`` atomically (:func:`atomic_path`) and close it.
+
+    Args:
+        fig: a ``matplotlib.figure.Figure``.
+        dpi: dots per inch (None: matplotlib's ``savefig.dpi``, by default the figure's own).
+
+    Raises:
+        UserError: disk full / quota exceeded (nothing left behind).
+    """
+    import matplotlib.pyplot as plt
+
+    try:
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, format="png", **({} if dpi is None else {"dpi": dpi}))
+    finally:
+        plt.close(fig)
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write ``data`` to ``path`` atomically.
 

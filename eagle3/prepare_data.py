@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from eagle3.config import RunConfig
 from eagle3.errors import UserError
-from eagle3.io import atomic_path, atomic_torch_save, atomic_write_json, atomic_write_text
+from eagle3.io import atomic_save_png, atomic_torch_save, atomic_write_json, atomic_write_text
 from eagle3.manifest import MANIFEST, read_manifest
 from eagle3.shards import DATA_CONFIG, expect_from_data_config, list_samples, load_sample, read_data_config
 from eagle3.validation_record import format_time, load_matching_record, shard_set_fingerprint, write_record
@@ -146,9 +146,7 @@ def _plot_coverage(path: Path, freq: torch.Tensor, draft_v: int, cov: float) -> 
     ax.legend(loc="lower right")
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=100)
-    plt.close(fig)
+    atomic_save_png(fig, path, dpi=100)
 
 
 def _validate_all(shards: Path, meta: dict, paths: list[tuple[int, Path]]) -> tuple[dict, torch.Tensor]:

@@ -940,8 +940,6 @@ def write_report(train_dir: Path, result: dict, args) -> None:
         ax.set_ylabel("TTT loss")
         ax.legend()
         fig.tight_layout()
-        from eagle3.io import atomic_path
+        from eagle3.io import atomic_save_png
 
-        with atomic_path(train_dir / "loss.png") as tmp:
-            fig.savefig(tmp, format="png")
-        plt.close(fig)
+        atomic_save_png(fig, train_dir / "loss.png")
