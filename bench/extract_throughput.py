@@ -13,7 +13,10 @@ padding on either side), each timed end to end after one warm-up batch (median o
   manifest row are durable;
 - ``serial``: the same function with ``write_threads=0`` (no overlap, shards written inline: the
   old stage-02 loop's structure) unless ``--no-serial``;
-- ``capture``: ``HFCapture.capture`` only (states in host memory, nothing written);
+- ``capture``: ``HFCapture.capture`` only (states in host memory, each sample cloned out of the
+  batch buffer, nothing written);
+- ``capture_copy``: the pipeline's own capture loop (batch k+1 launched before batch k's pinned copy
+  is waited for, states in their stored form) with nothing written: the pipeline's ceiling;
 - ``disk``: the same number of shard-sized files of the same bytes written, fsynced and renamed by
   the same number of threads into ``--out-dir`` with no capture at all: the write ceiling of that
   filesystem in this run (unless ``--no-disk``). Where ``pipeline_vs_disk_ratio`` is near 1 the
@@ -21,6 +24,13 @@ padding on either side), each timed end to end after one warm-up batch (median o
 
 ``extract.storage_dtype`` (``--set extract.storage_dtype=float8_e4m3fn``) benchmarks the fp8 shard
 writer (:mod:`eagle3.fp8`: half the bytes per token).
+
+``--checksums A [B ...]``: the shard checksum recorded per manifest row (:mod:`eagle3.checksum`); the
+first is the headline ``pipeline``, each further one is timed as ``pipeline_<algo>`` in the same run
+(e.g. ``--checksums xxh3_128 sha256``: the hash 02 records now against the one it recorded before).
+``--zip-crc-off``: also time ``pipeline_nozipcrc``, the headline with ``torch.save``'s per-record zip
+CRC32 off (``torch.serialization.set_crc32_options(False)``: what the CRC costs the writer; stage 02
+keeps torch's default).
 
 Prints a Markdown table and JSON; ``capture_vs_bare_ratio`` = pipeline tokens/s / bare tokens/s.
 
@@ -39,6 +49,7 @@ the CPU here, timed apart as ``encode_s``), then :class:`eagle3.shards.StoredSta
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -55,13 +66,28 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle3.capture.hf import HFCapture  # noqa: E402
+from eagle3.checksum import ALGOS, DEFAULT_ALGO  # noqa: E402
 from eagle3.cli import ArgumentParser, non_negative_int, positive_int, run_main  # noqa: E402
 from eagle3.config import add_config_args, load_config  # noqa: E402
-from eagle3.extract import Sample, capture_and_write, default_write_threads  # noqa: E402
+from eagle3.extract import Sample, _start_capture, capture_and_write, default_write_threads  # noqa: E402
 from eagle3.fp8 import storage_from_config  # noqa: E402
 from eagle3.io import atomic_write_bytes, atomic_write_json  # noqa: E402
 from eagle3.layers import default_aux_layers  # noqa: E402
 from eagle3.verifier import load_verifier, verifier_dims  # noqa: E402
+
+
+@contextlib.contextmanager
+def zip_crc32(on: bool):
+    """``torch.save``'s per-record zip CRC32 on or off inside the block (a process-wide torch
+    setting, restored after; ``torch.serialization.set_crc32_options``, torch >= 2.6)."""
+    if on:
+        yield
+        return
+    torch.serialization.set_crc32_options(False)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(True)
 
 
 def _sync(device: torch.device) -> None:
@@ -138,12 +164,13 @@ def writer_bench(a, cfg) -> dict:
                              None if sc is None else [sc[j, b * L:(b + 1) * L] for j in range(4)],
                              source_finite=fin) for b in range(B)]
 
-    def writer(stored: bool):
+    def writer(stored: bool, checksum: str = a.checksums[0], zip_crc: bool = True):
         def fn() -> None:
             root = Path(tempfile.mkdtemp(prefix="writer-bench-", dir=a.out_dir))
             try:
-                with ManifestWriter(root / "manifest.jsonl") as man, ShardWriter(
-                        root, 2000, man, threads=threads, max_pending_tokens=2 * B * L, storage=fp8) as w:
+                with zip_crc32(zip_crc), ManifestWriter(root / "manifest.jsonl") as man, ShardWriter(
+                        root, 2000, man, threads=threads, max_pending_tokens=2 * B * L, storage=fp8,
+                        checksum=checksum) as w:
                     for k in range(K):
                         for b, st in enumerate(per_sample(k, stored)):
                             w.submit(k * B + b, f"s{k * B + b}", ids, st, mask)
@@ -155,6 +182,10 @@ def writer_bench(a, cfg) -> dict:
     fns = {"writer_list": writer(False), "disk": lambda: write_files(a.out_dir, K * B, L * bpt, max(threads, 1))}
     if encode_batch is not None:
         fns["writer_stored"] = writer(True)
+        for algo in a.checksums[1:]:
+            fns[f"writer_stored_{algo}"] = writer(True, algo)
+        if a.zip_crc_off:
+            fns["writer_stored_nozipcrc"] = writer(True, zip_crc=False)
     times: dict = {k: [] for k in fns}
     for _ in range(a.repeats):
         for k, fn in fns.items():
@@ -164,7 +195,7 @@ def writer_bench(a, cfg) -> dict:
     med = {k: statistics.median(v) for k, v in times.items()}
     n = K * B * L
     gbs = {k: round(n * bpt / v / 1e9, 3) for k, v in med.items()}
-    res = {"mode": "writer_only", "storage_dtype": storage.dtype, "hidden": H, "batch": B, "seq": L, "batches": K,
+    res = {"mode": "writer_only", "storage_dtype": storage.dtype, "checksum": a.checksums[0], "hidden": H, "batch": B, "seq": L, "batches": K,
            "repeats": a.repeats, "write_threads": threads, "cpu_count": os.cpu_count(), "torch": torch.__version__,
            "out_dir": str(a.out_dir or tempfile.gettempdir()), "bytes_per_token": bpt,
            **{f"{k}_gb_per_s": v for k, v in gbs.items()},
@@ -177,6 +208,8 @@ def writer_bench(a, cfg) -> dict:
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     print(f"| {storage.dtype} | {threads} | {n} | {gbs['writer_list']} | {gbs.get('writer_stored', '-')} | "
           f"{gbs['disk']} | {res['writer_list_vs_disk_ratio']} | {res.get('writer_stored_vs_disk_ratio', '-')} |")
+    for k in (k for k in fns if k.startswith("writer_stored_")):
+        print(f"| {k} | {gbs[k]} GB/s | {res[f'{k}_vs_disk_ratio']} of the ceiling |")
     print(json.dumps(res))
     if a.json:
         atomic_write_json(a.json, res)
@@ -201,6 +234,10 @@ def main(argv=None) -> int:
     p.add_argument("--writer-only", action="store_true",
                    help="no model: time the shard writer alone (list vs stored path) against the plain-write ceiling")
     p.add_argument("--hidden", type=positive_int, default=576, help="--writer-only: hidden size H (SmolLM2-135M: 576)")
+    p.add_argument("--checksums", nargs="+", choices=ALGOS, default=[DEFAULT_ALGO],
+                   help="shard checksum(s): the first is the headline, the others timed in the same run")
+    p.add_argument("--zip-crc-off", action="store_true",
+                   help="also time the headline with torch.save's zip CRC32 off (what the CRC costs)")
     a = p.parse_args(argv)
     cfg = load_config(a.config, a.overrides)
     if a.writer_only:
@@ -236,13 +273,23 @@ def main(argv=None) -> int:
         for grp in batches:
             cap.capture([samples[i].input_ids for i in grp])
 
-    def pipeline(n_threads: int):
+    def capture_copy() -> None:
+        prev = None  # the pipeline's capture loop, the writer left out: its ceiling
+        for grp in batches:
+            handle = _start_capture(cap, [samples[i].input_ids for i in grp], storage)
+            if prev is not None:
+                prev.states()
+            prev = handle
+        prev.states()
+
+    def pipeline(n_threads: int, checksum: str = a.checksums[0], zip_crc: bool = True):
         def fn() -> None:
             root = Path(tempfile.mkdtemp(prefix="extract-bench-", dir=a.out_dir))
             try:
-                rows = capture_and_write(cap, samples, batches, {}, H, root, 2000, root / "manifest.jsonl",
-                                         write_threads=n_threads, max_pending_tokens=2 * B * L,
-                                         storage=storage if storage.is_fp8 else None)
+                with zip_crc32(zip_crc):
+                    rows = capture_and_write(cap, samples, batches, {}, H, root, 2000, root / "manifest.jsonl",
+                                             write_threads=n_threads, max_pending_tokens=2 * B * L,
+                                             storage=storage if storage.is_fp8 else None, checksum=checksum)
                 assert len(rows) == K * B
             finally:
                 shutil.rmtree(root, ignore_errors=True)
@@ -251,7 +298,11 @@ def main(argv=None) -> int:
     def disk() -> None:
         write_files(a.out_dir, K * B, L * bytes_per_token, max(threads, 1))
 
-    fns = {"bare": bare, "pipeline": pipeline(threads), "capture": capture_only}
+    fns = {"bare": bare, "pipeline": pipeline(threads), "capture": capture_only, "capture_copy": capture_copy}
+    for algo in a.checksums[1:]:
+        fns[f"pipeline_{algo}"] = pipeline(threads, algo)
+    if a.zip_crc_off:
+        fns["pipeline_nozipcrc"] = pipeline(threads, zip_crc=False)
     if a.serial:
         fns["serial"] = pipeline(0)
     if a.disk:
@@ -291,8 +342,14 @@ def main(argv=None) -> int:
         "bare_tokens_per_s": tps["bare"],
         "pipeline_tokens_per_s": tps["pipeline"],
         "capture_only_tokens_per_s": tps["capture"],
+        "capture_copy_tokens_per_s": tps["capture_copy"],
+        "capture_copy_vs_bare_ratio": round(med["bare"] / med["capture_copy"], 3),
         **({"serial_pipeline_tokens_per_s": tps["serial"]} if "serial" in tps else {}),
         "capture_vs_bare_ratio": round(med["bare"] / med["pipeline"], 3),
+        "checksum": a.checksums[0],
+        **{f"{k}_tokens_per_s": tps[k] for k in fns if k.startswith("pipeline_")},
+        **{f"capture_vs_bare_ratio_{k[len('pipeline_'):]}": round(med["bare"] / med[k], 3)
+           for k in fns if k.startswith("pipeline_")},
         "storage_dtype": storage.dtype,
         "shard_write_gb_per_s": round(n * bytes_per_token / med["pipeline"] / 1e9, 3),
         "bytes_per_token": bytes_per_token,
@@ -304,11 +361,13 @@ def main(argv=None) -> int:
         "device_encoding_bytes_equal": device_encoding_check(cap, [samples[i].input_ids for i in batches[0]], storage),
     }
     print("| verifier | device | storage | batch x seq x batches | bare tok/s | pipeline tok/s (capture + copy + write) | "
-          "serial tok/s | capture only tok/s | disk ceiling tok/s | pipeline / bare |")
-    print("|---|---|---|---|---:|---:|---:|---:|---:|---:|")
+          "serial tok/s | capture only tok/s | capture + copy tok/s | disk ceiling tok/s | pipeline / bare |")
+    print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
     print(f"| {res['verifier']} | {res['device']} {res['dtype']} | {storage.dtype} | {B} x {L} x {K} | {tps['bare']} | "
-          f"{tps['pipeline']} | {tps.get('serial', '-')} | {tps['capture']} | {tps.get('disk', '-')} | "
+          f"{tps['pipeline']} | {tps.get('serial', '-')} | {tps['capture']} | {tps['capture_copy']} | {tps.get('disk', '-')} | "
           f"{res['capture_vs_bare_ratio']} |")
+    for k in (k for k in fns if k.startswith("pipeline_")):
+        print(f"| {k} | {tps[k]} tok/s | {round(med['bare'] / med[k], 3)} of bare |")
     print(json.dumps(res))
     if a.json:
         atomic_write_json(a.json, res)

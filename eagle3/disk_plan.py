@@ -10,7 +10,7 @@ the run's own shard encoder (:func:`eagle3.shards.shard_object`) in memory, exac
 be full), so every storage format (bf16, fp8 with scales) is measured the same way. The zip writer aligns each tensor to 64 bytes, so a real file differs
 from ``a + b * L`` by at most ``64 x (tensors)`` bytes (measured: < 100 bytes for 6 tensors).
 
-On top come the metadata files (manifest rows with their sha256, ``data_config.json``, reports,
+On top come the metadata files (manifest rows with their checksum, ``data_config.json``, reports,
 ``extract_state.json``) and the filesystem's block rounding (each file and ``rows_*`` folder takes
 whole blocks of ``statvfs().f_frsize`` bytes). The plan covers only samples not yet written (a
 resumed run needs room for the rest only). The check refuses to start when the free space of the
@@ -31,6 +31,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from eagle3.checksum import DEFAULT_ALGO, HEX_LEN
 from eagle3.errors import UserError
 from eagle3.io import format_bytes, free_bytes
 
@@ -40,7 +41,7 @@ log = logging.getLogger(__name__)
 # multiple of torch.save's 64-byte alignment, so the fit carries no padding (probing at L = 8, 16 was 2% low for fp8).
 PROBE_LENGTHS = (64, 128)
 FIXED_METADATA_BYTES = 16 * 1024  # data_config.json, reports, extract_state.json, lock, without the id lists
-SHA256_HEX = 64
+
 
 #: ``encode(input_ids, hidden_states, loss_mask) -> dict``: the object a shard file holds
 #: (:func:`eagle3.shards.shard_object` with the run's storage).
@@ -148,8 +149,9 @@ def plan_disk(root: str | os.PathLike, pending: Sequence[tuple[str, int]], *, hi
         size = overhead + per_token * n
         shard_bytes += int(round(size))
         allocated += _round_up(size, block)
-    # manifest rows as ManifestWriter writes them (sha256 included)
-    man = sum(len(json.dumps({"idx": i, "id": sid, "num_tokens": n, "num_loss_tokens": n, "sha256": "0" * SHA256_HEX}))
+    # manifest rows as ManifestWriter writes them (checksum included)
+    man = sum(len(json.dumps({"idx": i, "id": sid, "num_tokens": n, "num_loss_tokens": n,
+                              DEFAULT_ALGO: "0" * HEX_LEN[DEFAULT_ALGO]}))
               + 1 for i, (sid, n) in zip(pending_idx, pending))
     ids_json = len(json.dumps(skipped_ids or {}))
     metadata = man + FIXED_METADATA_BYTES + 2 * ids_json  # the id lists go into data_config.json and the report

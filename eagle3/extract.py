@@ -77,6 +77,7 @@ from eagle3.capture.hf import plan_batches
 from eagle3.capture.multi import prefetching
 from eagle3.config import RunConfig
 from eagle3.errors import UserError
+from eagle3.checksum import DEFAULT_ALGO, file_checksum
 from eagle3.io import TMP_MARK, atomic_write_json, atomic_write_text, exclusive_lock, file_sha256, iter_jsonl, read_json, remove_stale_tmp
 from eagle3.layers import check_aux_layers, default_aux_layers
 from eagle3.manifest import MANIFEST, ManifestWriter, read_manifest, rewrite_manifest
@@ -402,7 +403,7 @@ def _resume_state(root: Path, samples: list[Sample], rows_per_dir: int, expect: 
             ok = False
         if ok:
             done[idx] = {"idx": idx, "id": s.id, "num_tokens": len(s.input_ids), "num_loss_tokens": sum(s.loss_mask),
-                         "sha256": file_sha256(on_disk[idx])}
+                         DEFAULT_ALGO: file_checksum(on_disk[idx], DEFAULT_ALGO)}
             changed = True
         else:
             log.warning("%s: does not match its prompt; rewriting it", on_disk[idx])
@@ -774,7 +775,7 @@ def _start_capture(backend: CaptureBackend, batch: list[list[int]], storage: Opt
 def capture_and_write(backend: CaptureBackend, samples: list[Sample], batches: list[list[int]], done: dict[int, dict],
                       hidden_size: int, root: Path, rows_per_dir: int, manifest_path: Path, *, write_threads: int,
                       max_pending_tokens: int, on_commit: Optional[Callable[[dict], None]] = None,
-                      storage: Optional[Storage] = None) -> list[dict]:
+                      storage: Optional[Storage] = None, checksum: str = DEFAULT_ALGO) -> list[dict]:
     """Capture + write steps: capture each batch of ``samples`` positions, write the shards of the
     samples not in ``done``, log them in ``manifest_path``; returns the new manifest rows (in order).
 
@@ -787,7 +788,7 @@ def capture_and_write(backend: CaptureBackend, samples: list[Sample], batches: l
     backend whose ``capture_async`` takes ``storage`` (HF) encodes each batch on its device
     (:func:`eagle3.shards.encode_batch`: NaN/Inf flag, fp8 quantisation) and hands over
     :class:`eagle3.shards.StoredStates`; the writer still refuses NaN/Inf before a shard is written.
-    Used by stage 02 and by ``bench/extract_throughput.py``.
+    ``checksum``: the hash recorded per row (:mod:`eagle3.checksum`). Used by stage 02 and by ``bench/extract_throughput.py``.
 
     Raises:
         RuntimeError: a backend broke its contract (:func:`eagle3.capture.base.check_captured`).
@@ -815,7 +816,8 @@ def capture_and_write(backend: CaptureBackend, samples: list[Sample], batches: l
 
     with ManifestWriter(manifest_path) as man, ShardWriter(root, rows_per_dir, man, threads=write_threads,
                                                            max_pending_tokens=max_pending_tokens,
-                                                           on_commit=committed, storage=storage) as writer:
+                                                           on_commit=committed, storage=storage,
+                                                           checksum=checksum) as writer:
         prev = None
         for group in batches:
             # Capture the whole planned batch (even finished members) so padded shapes match an

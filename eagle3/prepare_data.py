@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from eagle3.checksum import row_checksum
 from eagle3.config import RunConfig
 from eagle3.errors import UserError
 from eagle3.io import atomic_save_png, atomic_torch_save, atomic_write_json, atomic_write_text
@@ -73,29 +74,31 @@ def subset_train(train: list[int], n: Optional[int], seed: int) -> list[int]:
     return sorted(perm[:n])
 
 
-def _validate_one(idx: int, path: Path, expect: dict, want: Optional[str]) -> dict:
-    """Hash (against 02's manifest) and load one shard; returns only ``input_ids`` and ``loss_mask``
-    (the hidden states are validated, then dropped, so memory stays one shard per worker)."""
-    from eagle3.io import file_sha256
+def _validate_one(idx: int, path: Path, expect: dict, want: Optional[tuple[str, str]]) -> dict:
+    """Hash (against 02's manifest: ``want`` = ``(algo, hex)``, :mod:`eagle3.checksum`) and load one
+    shard; returns only ``input_ids`` and ``loss_mask`` (the hidden states are validated, then
+    dropped, so memory stays one shard per worker)."""
+    from eagle3.checksum import file_checksum
 
-    if want is not None and file_sha256(path) != want:
-        raise UserError(f"{path}: contents changed since extraction (sha256 differs from manifest.jsonl); "
+    if want is not None and file_checksum(path, want[0]) != want[1]:
+        raise UserError(f"{path}: contents changed since extraction ({want[0]} differs from manifest.jsonl); "
                         "delete the file and re-run 02_extract_hidden.py to recapture it")
     s = load_sample(path, expect=expect)
     return {"input_ids": s["input_ids"], "loss_mask": s["loss_mask"]}
 
 
 def validate_workers() -> int:
-    """Threads that hash and load shards in 03: min(8, usable cores). sha256 and file reads release the
-    GIL, so threads scale (one thread hashed ~0.6 GB/s on the H200 machine: 54 s for 32 GB)."""
+    """Threads that hash and load shards in 03: min(8, usable cores). The hashers and file reads release
+    the GIL, so threads scale (one thread hashed sha256 at ~0.6 GB/s on the H200 machine: 54 s for
+    32 GB; xxh3_128, what 02 records now, hashes ~20x faster, so loading dominates)."""
     from eagle3.tokenize_pool import available_cpus
 
     return min(8, available_cpus())
 
 
-def _validated_samples(paths: list[tuple[int, Path]], expect: dict, stats: dict, checksums: dict[int, str],
-                       workers: Optional[int] = None):
-    """Load and validate every shard, in order; a shard whose sha256 differs from the one 02 recorded in
+def _validated_samples(paths: list[tuple[int, Path]], expect: dict, stats: dict,
+                       checksums: dict[int, tuple[str, str]], workers: Optional[int] = None):
+    """Load and validate every shard, in order; a shard whose checksum differs from the one 02 recorded in
     ``manifest.jsonl`` (bit rot, a partial copy, an edit) is an error even when it still unpickles.
     ``workers`` threads hash and load ahead (at most ``4 x workers`` shards in flight)."""
     from collections import deque
@@ -157,14 +160,14 @@ def _validate_all(shards: Path, meta: dict, paths: list[tuple[int, Path]]) -> tu
         (tokens); freq int64 ``[V]``.
 
     Raises:
-        UserError: an invalid shard, a sha256 differing from ``manifest.jsonl``, totals differing from
+        UserError: an invalid shard, a checksum differing from ``manifest.jsonl``, totals differing from
             ``data_config.json``, no loss-masked token.
     """
     V = int(meta["vocab_size"])
     stats = {"num_samples": 0, "num_tokens": 0, "num_loss_tokens": 0, "max_len": 0}
     man_path = shards / MANIFEST
-    checksums = {i: r["sha256"] for i, r in read_manifest(man_path).rows.items() if "sha256" in r} \
-        if man_path.is_file() else {}  # flat vLLM-speculators folders have no manifest
+    rows = read_manifest(man_path).rows if man_path.is_file() else {}  # flat vLLM-speculators folders: none
+    checksums = {i: c for i, r in rows.items() if (c := row_checksum(r)) is not None}
     freq = count_token_freq(_validated_samples(paths, expect_from_data_config(meta), stats, checksums), V)  # [V]
     _check_totals(shards, meta, stats)
     return stats, freq

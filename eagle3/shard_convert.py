@@ -6,11 +6,11 @@
 the same sample ids into ``dst`` in the nested layout, with the same guarantees as stage 02:
 
 - each shard is written atomically (``eagle3.io``); after it lands, ``{dst}/manifest.jsonl`` gets
-  ``{idx, id, num_tokens, num_loss_tokens, sha256}`` (fsynced), so stage 03 checks the new files;
+  ``{idx, id, num_tokens, num_loss_tokens, xxh3_128}`` (fsynced; :mod:`eagle3.checksum`), so stage 03 checks the new files;
 - ``{dst}/convert_state.json`` fingerprints the source (its ``data_config.json``) and the target
   storage; a re-run with the same arguments resumes (finished = manifest row + file), a different
   one is refused unless ``overwrite``; ``*.tmp-*`` leftovers are removed at start;
-- a source shard whose sha256 differs from the source manifest is an error (no silent copy of bit rot);
+- a source shard whose checksum differs from the source manifest is an error (no silent copy of bit rot);
 - ``{dst}/data_config.json`` (the source's, with ``format``/``dtype``/storage keys and
   ``bytes_per_token`` updated and ``converted_from`` added) is written last: present == complete;
 - disk full (ENOSPC/EDQUOT) stops with one line (:mod:`eagle3.io`) and a re-run continues.
@@ -35,7 +35,8 @@ from tqdm import tqdm
 
 from eagle3.errors import UserError
 from eagle3.fp8 import Storage
-from eagle3.io import atomic_write_json, exclusive_lock, file_sha256, read_json, remove_stale_tmp
+from eagle3.checksum import DEFAULT_ALGO, file_checksum, new_hasher, row_checksum
+from eagle3.io import atomic_write_json, exclusive_lock, read_json, remove_stale_tmp
 from eagle3.manifest import MANIFEST, ManifestWriter, read_manifest
 from eagle3.shards import (
     DATA_CONFIG,
@@ -107,7 +108,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, storage: Storage, *,
 
     Raises:
         UserError: missing/invalid source, ``dst == src``, different earlier conversion in ``dst``,
-            a corrupt source shard (validation or sha256), disk full (one line; re-run resumes).
+            a corrupt source shard (validation or checksum), disk full (one line; re-run resumes).
     """
     src, dst = Path(src), Path(dst)
     meta = read_data_config(src)
@@ -157,14 +158,14 @@ def _convert(src: Path, dst: Path, meta: dict, storage: Storage, overwrite: bool
 
     def one(item: tuple[int, Path]) -> dict:
         idx, path = item
-        want = src_rows.get(idx, {}).get("sha256")
-        if want is not None and file_sha256(path) != want:
-            raise UserError(f"{path}: contents changed since extraction (sha256 differs from {src_man_path})")
+        want = row_checksum(src_rows.get(idx, {}))  # (algo, hex) or None
+        if want is not None and file_checksum(path, want[0]) != want[1]:
+            raise UserError(f"{path}: contents changed since extraction ({want[0]} differs from {src_man_path})")
         s = load_sample(path, expect=expect)
-        h = hashlib.sha256()  # of the bytes as written (no read-back)
+        h = new_hasher(DEFAULT_ALGO)  # of the bytes as written (no read-back)
         write_sample(dst, idx, rows_per_dir, s["input_ids"], hidden_states_bf16(s), s["loss_mask"], storage, hasher=h)
         return {"idx": idx, "id": src_rows.get(idx, {}).get("id", str(idx)), "num_tokens": int(s["input_ids"].numel()),
-                "num_loss_tokens": int(s["loss_mask"].sum()), "sha256": h.hexdigest()}
+                "num_loss_tokens": int(s["loss_mask"].sum()), DEFAULT_ALGO: h.hexdigest()}
 
     n_workers = workers or min(8, os.cpu_count() or 1)
     with ManifestWriter(man_path) as man, cf.ThreadPoolExecutor(n_workers) as pool, \

@@ -1,9 +1,9 @@
-"""Stage 02's shard writer: serialisation, sha256 and atomic writes on background threads, manifest in order.
+"""Stage 02's shard writer: serialisation, checksum and atomic writes on background threads, manifest in order.
 
 Each submitted sample is written by :func:`eagle3.shards.write_sample` (atomic: temp name, fsync,
-rename; sha256 of the bytes as they stream to the file) on a thread pool,
+rename; checksum of the bytes as they stream to the file, :mod:`eagle3.checksum`) on a thread pool,
 so the GPU keeps capturing the next batch meanwhile (``torch.save``'s tensor copies, file writes,
-fsync and hashlib release the GIL). Manifest rows are appended in SUBMISSION order, each only
+fsync and the hashers release the GIL). Manifest rows are appended in SUBMISSION order, each only
 after its shard is durable, with one flush + fsync per group of consecutive finished rows: the
 manifest ends up byte-identical to the one the serial loop writes, and the crash-safety contract
 of ``eagle3.extract`` is unchanged (a row never precedes its shard; a shard whose row was not yet
@@ -17,22 +17,22 @@ tokens are submitted but not yet committed.
 from __future__ import annotations
 
 import collections
-import hashlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import torch
 
+from eagle3.checksum import DEFAULT_ALGO, new_hasher
 from eagle3.manifest import ManifestWriter
 from eagle3.shards import write_sample
 
 
 def _write_one(root: Path, idx: int, rows_per_dir: int, input_ids: list[int], states: Sequence[torch.Tensor],
-               loss_mask: list[int], storage=None) -> str:
-    # sha256 of the shard's bytes as they are written (no read-back): stage 03 detects later
+               loss_mask: list[int], storage=None, checksum: str = DEFAULT_ALGO) -> str:
+    # checksum of the shard's bytes as they are written (no read-back): stage 03 detects later
     # silent corruption with it
-    h = hashlib.sha256()
+    h = new_hasher(checksum)
     write_sample(root, idx, rows_per_dir, input_ids, states, loss_mask, storage, hasher=h)
     return h.hexdigest()
 
@@ -42,17 +42,18 @@ class ShardWriter:
 
     Args:
         root: shards folder; ``rows_per_dir``: see :func:`eagle3.shards.shard_path`.
-        manifest: open manifest; rows ``{idx, id, num_tokens, num_loss_tokens, sha256}``.
+        manifest: open manifest; rows ``{idx, id, num_tokens, num_loss_tokens, <checksum>}``.
         threads: writer threads; 0 = inline (serial).
         max_pending_tokens: back-pressure bound on submitted-but-uncommitted tokens (a single
             sample larger than the bound is still accepted when nothing else is pending).
         on_commit: called with each appended row, in order (progress, bookkeeping).
         storage: :class:`eagle3.fp8.Storage` of the shards (None = bf16 speculators-v1).
+        checksum: hash of each shard's bytes, recorded under its name (:mod:`eagle3.checksum`).
     """
 
     def __init__(self, root: Path, rows_per_dir: int, manifest: ManifestWriter, threads: int = 0,
                  max_pending_tokens: int = 1 << 18, on_commit: Optional[Callable[[dict], None]] = None,
-                 storage=None):
+                 storage=None, checksum: str = DEFAULT_ALGO):
         self.root = Path(root)
         self.rows_per_dir = int(rows_per_dir)
         self.manifest = manifest
@@ -60,6 +61,8 @@ class ShardWriter:
         self.max_pending_tokens = int(max_pending_tokens)
         self.on_commit = on_commit
         self.storage = storage
+        new_hasher(checksum)  # unknown name: ValueError now, not in a writer thread
+        self.checksum = checksum
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="shard-writer") if self.threads > 0 else None
         self._pending: collections.deque[tuple[dict, Future]] = collections.deque()
         self._pending_tokens = 0
@@ -74,8 +77,9 @@ class ShardWriter:
         meta = {"idx": int(idx), "id": str(sample_id), "num_tokens": len(input_ids),
                 "num_loss_tokens": sum(loss_mask)}
         if self._pool is None:
-            sha = _write_one(self.root, idx, self.rows_per_dir, input_ids, states, loss_mask, self.storage)
-            self._append([(meta, sha)])
+            digest = _write_one(self.root, idx, self.rows_per_dir, input_ids, states, loss_mask, self.storage,
+                                self.checksum)
+            self._append([(meta, digest)])
             return
         L = len(input_ids)
         self.commit_ready()
@@ -83,7 +87,7 @@ class ShardWriter:
             self._pending[0][1].result()  # wait for the oldest write (raises its error)
             self.commit_ready()
         fut = self._pool.submit(_write_one, self.root, idx, self.rows_per_dir, input_ids, states, loss_mask,
-                                self.storage)
+                                self.storage, self.checksum)
         self._pending.append((meta, fut))
         self._pending_tokens += L
 
@@ -112,7 +116,7 @@ class ShardWriter:
         return len(done)
 
     def _append(self, done: list[tuple[dict, str]]) -> None:
-        rows = self.manifest.append_many([{**meta, "sha256": sha} for meta, sha in done])
+        rows = self.manifest.append_many([{**meta, self.checksum: digest} for meta, digest in done])
         if self.on_commit is not None:
             for row in rows:
                 self.on_commit(row)

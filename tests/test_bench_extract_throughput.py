@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,10 +26,15 @@ def test_pipeline_bench_checks_device_encoding_bytes(tmp_path, tiny_llama_dir, d
     rc = _bench().main(["--config", str(ROOT / "configs" / "tiny-llama.yaml"), "--set", f"verifier.path={tiny_llama_dir}",
                         "--set", f"extract.storage_dtype={dtype}", "--device", "cpu", "--batch", "3", "--seq", "16",
                         "--batches", "2", "--repeats", "1", "--write-threads", "2", "--no-serial", "--no-disk",
-                        "--out-dir", str(tmp_path), "--json", str(out)])
+                        "--out-dir", str(tmp_path), "--json", str(out), "--checksums", "xxh3_128", "sha256",
+                        "--zip-crc-off"])
     res = json.loads(out.read_text())
     assert rc == 0 and res["device_encoding_bytes_equal"] is True and res["storage_dtype"] == dtype
-    assert res["pipeline_tokens_per_s"] > 0
+    assert res["checksum"] == "xxh3_128"
+    for k in ("pipeline", "capture_copy", "pipeline_sha256", "pipeline_nozipcrc"):
+        assert res[f"{k}_tokens_per_s"] > 0
+    assert res["capture_vs_bare_ratio_sha256"] > 0 and res["capture_copy_vs_bare_ratio"] > 0
+    assert torch.serialization.get_crc32_options() is True  # the process-wide setting is restored
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
@@ -36,9 +42,11 @@ def test_writer_only_bench(tmp_path, dtype):
     out = tmp_path / "w.json"
     rc = _bench().main(["--config", str(ROOT / "configs" / "tiny-llama.yaml"), "--set", f"extract.storage_dtype={dtype}",
                         "--writer-only", "--hidden", "64", "--batch", "4", "--seq", "32", "--batches", "2",
-                        "--repeats", "1", "--write-threads", "2", "--out-dir", str(tmp_path), "--json", str(out)])
+                        "--repeats", "1", "--write-threads", "2", "--out-dir", str(tmp_path), "--json", str(out),
+                        "--checksums", "xxh3_128", "sha256", "--zip-crc-off"])
     res = json.loads(out.read_text())
-    assert rc == 0 and res["mode"] == "writer_only"
+    assert rc == 0 and res["mode"] == "writer_only" and res["checksum"] == "xxh3_128"
+    assert res["writer_stored_sha256_gb_per_s"] > 0 and res["writer_stored_nozipcrc_gb_per_s"] > 0
     assert res["bytes_per_token"] == (4 * 64 * 2 if dtype == "bfloat16" else 4 * (64 + 4))
     for k in ("writer_list", "writer_stored", "disk"):
         assert res[f"{k}_gb_per_s"] > 0

@@ -263,14 +263,14 @@ def test_concurrent_run_refused(tmp_path, tiny_llama_dir):
 
 def test_silent_corruption_caught_by_stage03_checksum(tmp_path, tiny_llama_dir, tiny_backend):
     """Bytes flipped inside a shard's tensor data still unpickle (torch does not check the zip CRC);
-    the sha256 that 02 records per shard in manifest.jsonl makes stage 03 refuse it."""
+    the checksum that 02 records per shard in manifest.jsonl (xxh3_128) makes stage 03 refuse it."""
     from eagle3.prepare_data import run as prepare
 
     cfg = load_config(_config(tmp_path, tiny_llama_dir))
     cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"draft_vocab_size": 64})})
     _run(cfg, tiny_backend)
     rows = [json.loads(x) for x in (cfg.shards_dir / "manifest.jsonl").read_text().splitlines()]
-    assert all(len(r["sha256"]) == 64 for r in rows)
+    assert all(len(r["xxh3_128"]) == 32 and "sha256" not in r for r in rows)
     prepare(cfg, plot=False)  # intact: passes
     victim = cfg.shards_dir / "rows_2-4" / "data_3.pt"
     data = bytearray(victim.read_bytes())

@@ -56,7 +56,7 @@ def test_pipelined_writer_gives_the_serial_bytes(tmp_path, tiny_llama_dir, threa
 
 
 def _fake_write(delays: dict[int, float], fail: set[int], log: list):
-    def write(root, idx, rows_per_dir, input_ids, states, loss_mask, storage=None):
+    def write(root, idx, rows_per_dir, input_ids, states, loss_mask, storage=None, checksum="xxh3_128"):
         time.sleep(delays.get(idx, 0.0))
         if idx in fail:
             raise UserError(f"{root}/data_{idx}.pt: disk full")
@@ -77,7 +77,7 @@ def test_writer_appends_in_submission_order_whatever_finishes_first(tmp_path, mo
     assert done != [2, 0, 1, 3]  # the writes really finished out of submission order
     assert [r["idx"] for r in committed] == [2, 0, 1, 3]
     text = (tmp_path / "m.jsonl").read_text()
-    assert text.splitlines()[0] == '{"idx": 2, "id": "p2", "num_tokens": 3, "num_loss_tokens": 2, "sha256": "sha-2"}'
+    assert text.splitlines()[0] == '{"idx": 2, "id": "p2", "num_tokens": 3, "num_loss_tokens": 2, "xxh3_128": "sha-2"}'
     assert [r for r in read_manifest(tmp_path / "m.jsonl").rows] == [2, 0, 1, 3]
 
 
@@ -98,7 +98,7 @@ def test_writer_bounds_pending_tokens(tmp_path, monkeypatch):
     active = [0]
     lock = threading.Lock()
 
-    def write(root, idx, rows_per_dir, input_ids, states, loss_mask, storage=None):
+    def write(root, idx, rows_per_dir, input_ids, states, loss_mask, storage=None, checksum="xxh3_128"):
         with lock:
             active[0] += 1
             peak[0] = max(peak[0], active[0])

@@ -13,12 +13,12 @@ import pytest
 import torch
 import yaml
 
-import eagle3.io
+import eagle3.checksum
 import eagle3.prepare_data as prepare_data
 import eagle3.validation_record as vr
 from eagle3.config import load_config
 from eagle3.errors import UserError
-from eagle3.io import file_sha256
+from eagle3.checksum import file_checksum
 from eagle3.manifest import MANIFEST
 from eagle3.prepare_data import run
 from eagle3.shards import DATA_CONFIG, list_samples, write_sample
@@ -39,34 +39,35 @@ def _cfg(tmp_path: Path, name: str, **data):
     return p
 
 
-def _shards(tmp_path: Path) -> Path:
-    """The hand-made shards of test_prepare_data plus a manifest with each shard's sha256 (as 02 writes)."""
+def _shards(tmp_path: Path, algo: str = "xxh3_128") -> Path:
+    """The hand-made shards of test_prepare_data plus a manifest with each shard's checksum (as 02
+    writes: xxh3_128; ``algo="sha256"``: as 02 wrote before)."""
     root = tmp_path / "shards"
     _make_shards(root)
-    rows = [{"idx": i, "id": f"p{i}", "num_tokens": len(SAMPLES[i][0]), "sha256": file_sha256(p)}
+    rows = [{"idx": i, "id": f"p{i}", "num_tokens": len(SAMPLES[i][0]), algo: file_checksum(p, algo)}
             for i, p in list_samples(root)]
     (root / MANIFEST).write_text("".join(json.dumps(r) + "\n" for r in rows))
     return root
 
 
 class Spy:
-    """Counts shard hashes (``eagle3.io.file_sha256`` on ``data_*.pt``) and shard loads in 03."""
+    """Counts shard hashes (``eagle3.checksum.file_checksum`` on ``data_*.pt``) and shard loads in 03."""
 
     def __init__(self, monkeypatch):
         self.hashed: list[str] = []
         self.loaded: list[str] = []
-        real_sha, real_load = eagle3.io.file_sha256, prepare_data.load_sample
+        real_sum, real_load = eagle3.checksum.file_checksum, prepare_data.load_sample
 
-        def sha(path):
+        def checksum(path, algo=eagle3.checksum.DEFAULT_ALGO):
             if Path(path).name.startswith("data_"):
                 self.hashed.append(Path(path).name)
-            return real_sha(path)
+            return real_sum(path, algo)
 
         def load(path, expect=None):
             self.loaded.append(Path(path).name)
             return real_load(path, expect=expect)
 
-        monkeypatch.setattr(eagle3.io, "file_sha256", sha)
+        monkeypatch.setattr(eagle3.checksum, "file_checksum", checksum)
         monkeypatch.setattr(prepare_data, "load_sample", load)
 
     def reset(self) -> None:
@@ -162,7 +163,7 @@ def _touch(p: Path) -> None:
 
 def _manifest_row_sha(root: Path) -> None:
     rows = [json.loads(ln) for ln in (root / MANIFEST).read_text().splitlines()]
-    rows[2]["sha256"] = "0" * 64
+    rows[2]["xxh3_128"] = "0" * 32
     (root / MANIFEST).write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
@@ -176,7 +177,7 @@ def _data_config(root: Path) -> None:
 CHANGES = {
     "touch_shard": (lambda r: _touch(r / "rows_2-4" / "data_2.pt"), 5, None),
     "modify_shard": (lambda r: _flip_byte_keep_size(r / "rows_2-4" / "data_2.pt"), 3,
-                     r"data_2.pt: contents changed since extraction \(sha256 differs from manifest.jsonl\)"),
+                     r"data_2.pt: contents changed since extraction \(xxh3_128 differs from manifest.jsonl\)"),
     "manifest_row": (_manifest_row_sha, 3, r"data_2.pt: contents changed since extraction"),
     "data_config": (_data_config, 5, None),
     "delete_shard": (lambda r: (r / "rows_4-6" / "data_4.pt").unlink(), 4,
@@ -207,6 +208,17 @@ def test_changed_shard_set_validates_fully(tmp_path, monkeypatch, change):
         assert len(set(spy.hashed) | set(spy.loaded)) >= n_hashed
         with pytest.raises(UserError, match=error):  # and a failed pass leaves no record that would hide it
             run(cfg, plot=False)
+
+
+def test_sha256_manifest_of_an_earlier_02_is_still_checked(tmp_path, monkeypatch):
+    """Shards whose manifest rows carry sha256 (02 before xxh3_128): 03 hashes them with sha256, a
+    modified one is refused naming the algorithm, and an intact set passes."""
+    shards = _shards(tmp_path, "sha256")
+    spy = Spy(monkeypatch)
+    assert run(load_config(_cfg(tmp_path, "a")), plot=False)["validation"] == "full" and len(spy.hashed) == 5
+    _flip_byte_keep_size(shards / "rows_2-4" / "data_2.pt")
+    with pytest.raises(UserError, match=r"data_2.pt: contents changed since extraction \(sha256 differs"):
+        run(load_config(_cfg(tmp_path, "a")), plot=False)
 
 
 CORRUPT = {
