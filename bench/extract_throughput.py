@@ -28,6 +28,7 @@ writer (:mod:`eagle3.fp8`: half the bytes per token).
 ``--checksums A [B ...]``: the shard checksum recorded per manifest row (:mod:`eagle3.checksum`); the
 first is the headline ``pipeline``, each further one is timed as ``pipeline_<algo>`` in the same run
 (e.g. ``--checksums xxh3_128 sha256``: the hash 02 records now against the one it recorded before).
+``--threads-variants N [N ...]``: the headline with N writer threads, as ``pipeline_t<N>``.
 ``--zip-crc-off``: also time ``pipeline_nozipcrc``, the headline with ``torch.save``'s per-record zip
 CRC32 off (``torch.serialization.set_crc32_options(False)``: what the CRC costs the writer; stage 02
 keeps torch's default).
@@ -236,6 +237,8 @@ def main(argv=None) -> int:
     p.add_argument("--hidden", type=positive_int, default=576, help="--writer-only: hidden size H (SmolLM2-135M: 576)")
     p.add_argument("--checksums", nargs="+", choices=ALGOS, default=[DEFAULT_ALGO],
                    help="shard checksum(s): the first is the headline, the others timed in the same run")
+    p.add_argument("--threads-variants", type=positive_int, nargs="*", default=[],
+                   help="also time the headline pipeline with these writer thread counts (pipeline_t<N>)")
     p.add_argument("--zip-crc-off", action="store_true",
                    help="also time the headline with torch.save's zip CRC32 off (what the CRC costs)")
     a = p.parse_args(argv)
@@ -303,6 +306,8 @@ def main(argv=None) -> int:
         fns[f"pipeline_{algo}"] = pipeline(threads, algo)
     if a.zip_crc_off:
         fns["pipeline_nozipcrc"] = pipeline(threads, zip_crc=False)
+    for n_threads in a.threads_variants:
+        fns[f"pipeline_t{n_threads}"] = pipeline(n_threads)
     if a.serial:
         fns["serial"] = pipeline(0)
     if a.disk:

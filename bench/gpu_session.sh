@@ -42,6 +42,7 @@
 #      itself fell to 3-6 steps/s: use it when the derived runs matter more than s04's finish time),
 #      BENCH_SPEED (0 = skip bench/offline_bench_speed.py after the 05 runs; default 1),
 #      TAIL_FIRST (1 = the capture benches run first, on the idle GPU, before the real run; default 0).
+#   bash bench/gpu_session.sh capture   # only the capture benches, in the foreground, results packed into $OUT
 #   bash bench/gpu_session.sh derived   # re-run the derived runs whose 04/05 did not finish (their 03 done)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -190,10 +191,14 @@ tail_benches() {  # one at a time on an otherwise idle GPU: issue 9's capture ra
   train_speed_bench
 }
 
-capture_benches() {  # issue 9's capture ratio: to disk and to RAM in bf16, to disk in fp8 (phases already done are skipped)
-  local C=(--config "$CONFIG" "${SETS[@]}" --device cuda --batch 64 --seq 2048 --no-serial)
-  phase capture_disk "$PY" bench/extract_throughput.py "${C[@]}" --out-dir "$W" --json "$W/res/capture_disk.json"
-  phase capture_shm "$PY" bench/extract_throughput.py "${C[@]}" --out-dir /dev/shm --json "$W/res/capture_shm.json"
+capture_benches() {  # issue 9's capture ratio: to RAM and to disk in bf16, to disk in fp8 (phases already done are skipped)
+  # each also times, in the same run: the sha256 checksum 02 recorded before xxh3_128, and (RAM) the
+  # writer with torch.save's zip CRC off and with 12 threads, (disk) with 16 threads
+  local C=(--config "$CONFIG" "${SETS[@]}" --device cuda --batch 64 --seq 2048 --no-serial --checksums xxh3_128 sha256)
+  phase capture_shm "$PY" bench/extract_throughput.py "${C[@]}" --batches 12 --zip-crc-off --threads-variants 12 \
+      --out-dir /dev/shm --json "$W/res/capture_shm.json"
+  phase capture_disk "$PY" bench/extract_throughput.py "${C[@]}" --threads-variants 16 --out-dir "$W" \
+      --json "$W/res/capture_disk.json"
   phase capture_fp8_disk "$PY" bench/extract_throughput.py "${C[@]}" --set extract.storage_dtype=float8_e4m3fn \
       --out-dir "$W" --json "$W/res/capture_fp8_disk.json"
 }
@@ -243,6 +248,8 @@ case "${1:-}" in
     sleep 2; echo "started (pid $!), log $W/run.log" ;;
   derived)  # re-run the derived runs whose 04/05 did not finish (their 03 done), e.g. after an OOM
     derived_train ;;
+  capture)  # only the capture benches (issue 9), in the foreground, then pack into $OUT
+    capture_benches; pack ;;
   stop)  # setsid made the run a process-group leader: end the group (the run and every stage it started)
     [ -e "$W/run.pid" ] && kill -- "-$(cat "$W/run.pid")" 2>/dev/null; sleep 1; echo "stopped"; ls "$W/status" ;;
   wait)

@@ -27,11 +27,11 @@ def test_pipeline_bench_checks_device_encoding_bytes(tmp_path, tiny_llama_dir, d
                         "--set", f"extract.storage_dtype={dtype}", "--device", "cpu", "--batch", "3", "--seq", "16",
                         "--batches", "2", "--repeats", "1", "--write-threads", "2", "--no-serial", "--no-disk",
                         "--out-dir", str(tmp_path), "--json", str(out), "--checksums", "xxh3_128", "sha256",
-                        "--zip-crc-off"])
+                        "--zip-crc-off", "--threads-variants", "1"])
     res = json.loads(out.read_text())
     assert rc == 0 and res["device_encoding_bytes_equal"] is True and res["storage_dtype"] == dtype
     assert res["checksum"] == "xxh3_128"
-    for k in ("pipeline", "capture_copy", "pipeline_sha256", "pipeline_nozipcrc"):
+    for k in ("pipeline", "capture_copy", "pipeline_sha256", "pipeline_nozipcrc", "pipeline_t1"):
         assert res[f"{k}_tokens_per_s"] > 0
     assert res["capture_vs_bare_ratio_sha256"] > 0 and res["capture_copy_vs_bare_ratio"] > 0
     assert torch.serialization.get_crc32_options() is True  # the process-wide setting is restored
