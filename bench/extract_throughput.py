@@ -29,6 +29,11 @@ writer (:mod:`eagle3.fp8`: half the bytes per token).
 first is the headline ``pipeline``, each further one is timed as ``pipeline_<algo>`` in the same run
 (e.g. ``--checksums xxh3_128 sha256``: the hash 02 records now against the one it recorded before).
 ``--threads-variants N [N ...]``: the headline with N writer threads, as ``pipeline_t<N>``.
+``--stream-save``: also time ``pipeline_streamsave``, shards streamed through a Python file object
+(:data:`eagle3.shards.SAVE_VIA_PATH` False: the writer before; same bytes).
+``--switch-interval-variants S [S ...]``: the headline with the GIL switch interval S seconds while the
+writer threads run (:data:`eagle3.shard_writer.SWITCH_INTERVAL_S`), as ``pipeline_si<S>``
+(0.005 = Python's default).
 ``--zip-crc-off``: also time ``pipeline_nozipcrc``, the headline with ``torch.save``'s per-record zip
 CRC32 off (``torch.serialization.set_crc32_options(False)``: what the CRC costs the writer; stage 02
 keeps torch's default).
@@ -75,6 +80,24 @@ from eagle3.fp8 import storage_from_config  # noqa: E402
 from eagle3.io import atomic_write_bytes, atomic_write_json  # noqa: E402
 from eagle3.layers import default_aux_layers  # noqa: E402
 from eagle3.verifier import load_verifier, verifier_dims  # noqa: E402
+
+
+@contextlib.contextmanager
+def writer_settings(via_path: Optional[bool] = None, switch: Optional[float] = None):
+    """Inside the block: shards saved via a path or a file object (``via_path``), and the writer's GIL
+    switch interval (``switch`` s); None keeps the module's setting. Restored after."""
+    import eagle3.shard_writer as sw
+    import eagle3.shards as sh
+
+    old = (sh.SAVE_VIA_PATH, sw.SWITCH_INTERVAL_S)
+    if via_path is not None:
+        sh.SAVE_VIA_PATH = via_path
+    if switch is not None:
+        sw.SWITCH_INTERVAL_S = switch
+    try:
+        yield
+    finally:
+        sh.SAVE_VIA_PATH, sw.SWITCH_INTERVAL_S = old
 
 
 @contextlib.contextmanager
@@ -131,6 +154,25 @@ def device_encoding_check(cap: HFCapture, batch: list[list[int]], storage, n: in
     return all(enc(batch[i], stored[i]) == enc(batch[i], plain[i]) for i in range(min(n, len(batch))))
 
 
+def path_save_check(out_dir) -> bool:
+    """Whether a shard saved by path (:func:`eagle3.io.atomic_torch_save` ``via_path=True``, this torch's
+    C++ writer) is byte-identical to ``torch.save`` into a BytesIO (the stream writer's bytes)."""
+    from eagle3.io import atomic_torch_save
+
+    g = torch.Generator().manual_seed(1)
+    obj = {"input_ids": torch.arange(33), "hidden_states": [torch.randn((33, 16), generator=g).to(torch.bfloat16)
+                                                            for _ in range(4)],
+           "loss_mask": torch.ones(33, dtype=torch.int64)}
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    root = Path(tempfile.mkdtemp(prefix="path-save-check-", dir=out_dir))
+    try:
+        atomic_torch_save(obj, root / "data_0.pt", via_path=True)
+        return (root / "data_0.pt").read_bytes() == buf.getvalue()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def writer_bench(a, cfg) -> dict:
     """``--writer-only``: the shard writer's GB/s (list path, stored path) vs the plain-write ceiling."""
     from eagle3.manifest import ManifestWriter
@@ -165,11 +207,11 @@ def writer_bench(a, cfg) -> dict:
                              None if sc is None else [sc[j, b * L:(b + 1) * L] for j in range(4)],
                              source_finite=fin) for b in range(B)]
 
-    def writer(stored: bool, checksum: str = a.checksums[0], zip_crc: bool = True):
+    def writer(stored: bool, checksum: str = a.checksums[0], zip_crc: bool = True, via_path: Optional[bool] = None):
         def fn() -> None:
             root = Path(tempfile.mkdtemp(prefix="writer-bench-", dir=a.out_dir))
             try:
-                with zip_crc32(zip_crc), ManifestWriter(root / "manifest.jsonl") as man, ShardWriter(
+                with zip_crc32(zip_crc), writer_settings(via_path), ManifestWriter(root / "manifest.jsonl") as man, ShardWriter(
                         root, 2000, man, threads=threads, max_pending_tokens=2 * B * L, storage=fp8,
                         checksum=checksum) as w:
                     for k in range(K):
@@ -187,6 +229,8 @@ def writer_bench(a, cfg) -> dict:
             fns[f"writer_stored_{algo}"] = writer(True, algo)
         if a.zip_crc_off:
             fns["writer_stored_nozipcrc"] = writer(True, zip_crc=False)
+        if a.stream_save:
+            fns["writer_stored_streamsave"] = writer(True, via_path=False)
     times: dict = {k: [] for k in fns}
     for _ in range(a.repeats):
         for k, fn in fns.items():
@@ -196,7 +240,11 @@ def writer_bench(a, cfg) -> dict:
     med = {k: statistics.median(v) for k, v in times.items()}
     n = K * B * L
     gbs = {k: round(n * bpt / v / 1e9, 3) for k, v in med.items()}
-    res = {"mode": "writer_only", "storage_dtype": storage.dtype, "checksum": a.checksums[0], "hidden": H, "batch": B, "seq": L, "batches": K,
+    import eagle3.shard_writer as sw
+    import eagle3.shards as sh
+
+    res = {"mode": "writer_only", "storage_dtype": storage.dtype, "checksum": a.checksums[0],
+           "save_via_path": sh.SAVE_VIA_PATH, "switch_interval_s": sw.SWITCH_INTERVAL_S, "hidden": H, "batch": B, "seq": L, "batches": K,
            "repeats": a.repeats, "write_threads": threads, "cpu_count": os.cpu_count(), "torch": torch.__version__,
            "out_dir": str(a.out_dir or tempfile.gettempdir()), "bytes_per_token": bpt,
            **{f"{k}_gb_per_s": v for k, v in gbs.items()},
@@ -239,6 +287,10 @@ def main(argv=None) -> int:
                    help="shard checksum(s): the first is the headline, the others timed in the same run")
     p.add_argument("--threads-variants", type=positive_int, nargs="*", default=[],
                    help="also time the headline pipeline with these writer thread counts (pipeline_t<N>)")
+    p.add_argument("--stream-save", action="store_true",
+                   help="also time the headline with shards streamed through a Python file object (the writer before)")
+    p.add_argument("--switch-interval-variants", type=float, nargs="*", default=[],
+                   help="also time the headline with these GIL switch intervals (s) while the writers run")
     p.add_argument("--zip-crc-off", action="store_true",
                    help="also time the headline with torch.save's zip CRC32 off (what the CRC costs)")
     a = p.parse_args(argv)
@@ -285,11 +337,12 @@ def main(argv=None) -> int:
             prev = handle
         prev.states()
 
-    def pipeline(n_threads: int, checksum: str = a.checksums[0], zip_crc: bool = True):
+    def pipeline(n_threads: int, checksum: str = a.checksums[0], zip_crc: bool = True,
+                 via_path: Optional[bool] = None, switch: Optional[float] = None):
         def fn() -> None:
             root = Path(tempfile.mkdtemp(prefix="extract-bench-", dir=a.out_dir))
             try:
-                with zip_crc32(zip_crc):
+                with zip_crc32(zip_crc), writer_settings(via_path, switch):
                     rows = capture_and_write(cap, samples, batches, {}, H, root, 2000, root / "manifest.jsonl",
                                              write_threads=n_threads, max_pending_tokens=2 * B * L,
                                              storage=storage if storage.is_fp8 else None, checksum=checksum)
@@ -308,6 +361,10 @@ def main(argv=None) -> int:
         fns["pipeline_nozipcrc"] = pipeline(threads, zip_crc=False)
     for n_threads in a.threads_variants:
         fns[f"pipeline_t{n_threads}"] = pipeline(n_threads)
+    if a.stream_save:
+        fns["pipeline_streamsave"] = pipeline(threads, via_path=False)
+    for si in a.switch_interval_variants:
+        fns[f"pipeline_si{si:g}"] = pipeline(threads, switch=si)
     if a.serial:
         fns["serial"] = pipeline(0)
     if a.disk:
@@ -329,6 +386,9 @@ def main(argv=None) -> int:
     med = {k: statistics.median(v) for k, v in times.items()}
     n = K * B * L
     tps = {k: round(n / v, 1) for k, v in med.items()}
+    import eagle3.shard_writer as sw
+    import eagle3.shards as sh
+
     res = {
         "verifier": cfg.verifier.display_name(),
         "device": str(device),
@@ -352,6 +412,8 @@ def main(argv=None) -> int:
         **({"serial_pipeline_tokens_per_s": tps["serial"]} if "serial" in tps else {}),
         "capture_vs_bare_ratio": round(med["bare"] / med["pipeline"], 3),
         "checksum": a.checksums[0],
+        "save_via_path": sh.SAVE_VIA_PATH,
+        "switch_interval_s": sw.SWITCH_INTERVAL_S,
         **{f"{k}_tokens_per_s": tps[k] for k in fns if k.startswith("pipeline_")},
         **{f"capture_vs_bare_ratio_{k[len('pipeline_'):]}": round(med["bare"] / med[k], 3)
            for k in fns if k.startswith("pipeline_")},
@@ -364,6 +426,7 @@ def main(argv=None) -> int:
         "seconds": {k: [round(x, 3) for x in v] for k, v in times.items()},
         # shards encoded on the device (NaN/Inf flag; fp8 quantisation) == the CPU path's bytes
         "device_encoding_bytes_equal": device_encoding_check(cap, [samples[i].input_ids for i in batches[0]], storage),
+        "path_save_bytes_equal": path_save_check(a.out_dir),
     }
     print("| verifier | device | storage | batch x seq x batches | bare tok/s | pipeline tok/s (capture + copy + write) | "
           "serial tok/s | capture only tok/s | capture + copy tok/s | disk ceiling tok/s | pipeline / bare |")

@@ -192,11 +192,13 @@ tail_benches() {  # one at a time on an otherwise idle GPU: issue 9's capture ra
 }
 
 capture_benches() {  # issue 9's capture ratio: to RAM and to disk in bf16, to disk in fp8 (phases already done are skipped)
-  # each also times, in the same run: the sha256 checksum 02 recorded before xxh3_128, and (RAM) the
-  # writer with torch.save's zip CRC off and with 12 threads, (disk) with 16 threads
-  local C=(--config "$CONFIG" "${SETS[@]}" --device cuda --batch 64 --seq 2048 --no-serial --checksums xxh3_128 sha256)
-  phase capture_shm "$PY" bench/extract_throughput.py "${C[@]}" --batches 12 --zip-crc-off --threads-variants 12 \
-      --out-dir /dev/shm --json "$W/res/capture_shm.json"
+  # each also times, in the same run, the writer before this session's change: shards streamed through a
+  # Python file object (--stream-save) and Python's default 5 ms GIL switch interval (si0.005); to disk also
+  # with 16 writer threads
+  local C=(--config "$CONFIG" "${SETS[@]}" --device cuda --batch 64 --seq 2048 --no-serial --stream-save
+           --switch-interval-variants 0.005)
+  phase capture_shm "$PY" bench/extract_throughput.py "${C[@]}" --batches 12 --repeats 3 --out-dir /dev/shm \
+      --json "$W/res/capture_shm.json"
   phase capture_disk "$PY" bench/extract_throughput.py "${C[@]}" --threads-variants 16 --out-dir "$W" \
       --json "$W/res/capture_disk.json"
   phase capture_fp8_disk "$PY" bench/extract_throughput.py "${C[@]}" --set extract.storage_dtype=float8_e4m3fn \

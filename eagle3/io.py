@@ -268,29 +268,89 @@ def _tensor_bytes(obj: Any) -> int:
     return 0
 
 
-def atomic_torch_save(obj: Any, path: str | os.PathLike, hasher=None) -> None:
+#: ``atomic_torch_save(..., via_path=True)`` names its temporary file ``archive.tmp-*``: torch names the
+#: archive's inner folder after the file name's stem, so the bytes equal a ``torch.save`` into a file
+#: object (folder ``archive``), whatever the destination's name.
+ARCHIVE_STEM = "archive"
+
+
+def _save_archive(obj: Any, tmp: Path) -> None:
+    """``torch.save(obj, tmp)`` by path: the one place path-mode archives are written, so a test can
+    inject a full disk here (torch's C++ writer reports it as an errno-less RuntimeError)."""
+    torch.save(obj, str(tmp))
+
+
+def _hash_file(f, hasher, block: int = 1 << 22) -> None:
+    """Update ``hasher`` with the bytes of the open binary file ``f`` from its start (read back from
+    the page cache; ``readinto`` and the hashers release the GIL)."""
+    buf = bytearray(block)
+    view = memoryview(buf)
+    f.seek(0)
+    while True:
+        n = f.readinto(buf)
+        if not n:
+            return
+        hasher.update(view[:n])
+
+
+def atomic_torch_save(obj: Any, path: str | os.PathLike, hasher=None, via_path: bool = False) -> None:
     """``torch.save`` to ``path`` atomically (temp name in the same folder, fsync, rename).
 
-    The archive is streamed into the temporary file (no in-memory copy of it); its bytes are those
-    of ``torch.save(obj, io.BytesIO())`` (a file object, not a path: the archive's folder name is
-    "archive" either way). ``hasher`` (e.g. ``hashlib.sha256()``) is updated with every byte
-    written, so a caller gets the file's checksum without reading it back.
+    The bytes are those of ``torch.save(obj, io.BytesIO())`` either way. ``hasher`` (e.g.
+    ``xxhash.xxh3_128()``) is updated with every byte of the file.
+
+    Two ways to write the archive:
+
+    - ``via_path=False``: streamed through a Python file object (no in-memory copy of it), the
+      hasher fed as the bytes go out; a failed write's ``OSError`` (ENOSPC) is reported as such.
+    - ``via_path=True`` (stage 02's shard writer threads): torch's C++ zip writer writes the
+      temporary file ``archive.tmp-*`` itself (:data:`ARCHIVE_STEM`), then the file is read back from
+      the page cache for the hasher. A Python file object costs two GIL round trips per archive
+      record (~64 per shard); beside a thread that runs Python (stage 02's capture loop) each round
+      trip can wait a whole GIL switch interval (5 ms), which starved the writer threads. torch's
+      writer reports a full disk without errno: a RuntimeError with less free space left than the
+      tensors need is reported as disk full.
 
     Raises:
         UserError: disk full / quota exceeded (nothing left behind; the message names ``path``,
             the tensor bytes to write and the free space).
     """
-    with atomic_path(path, needed=_tensor_bytes(obj)) as tmp:
-        with open(tmp, "wb") as f:
-            sink = _Sink(f, hasher)
+    needed = _tensor_bytes(obj)
+    if not via_path:
+        with atomic_path(path, needed=needed) as tmp:
+            with open(tmp, "wb") as f:
+                sink = _Sink(f, hasher)
+                try:
+                    torch.save(obj, sink)
+                except BaseException:
+                    # torch.save's zip writer turns a failed write into its own RuntimeError on close:
+                    # re-raise the write's error (e.g. ENOSPC) so it is reported as such
+                    if sink.error is not None:
+                        raise sink.error  # noqa: B904 - chained to torch's error
+                    raise
+        return
+    path = Path(path)
+    with disk_full_guard(path, needed):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix=ARCHIVE_STEM + TMP_MARK, dir=path.parent)
+        os.close(fd)
+        tmp = Path(name)
+        try:
             try:
-                torch.save(obj, sink)
-            except BaseException:
-                # torch.save's zip writer turns a failed write into its own RuntimeError on close:
-                # re-raise the write's error (e.g. ENOSPC) so it is reported as such
-                if sink.error is not None:
-                    raise sink.error  # noqa: B904 - chained to torch's error
+                _save_archive(obj, tmp)
+            except RuntimeError as e:
+                if free_bytes(path.parent)[0] < needed:  # measured before the partial file is removed
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp)) from e
                 raise
+            with open(tmp, "rb") as f:
+                if hasher is not None:
+                    _hash_file(f, hasher)
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+            raise
 
 
 def safe_torch_load(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> Any:

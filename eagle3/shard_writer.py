@@ -9,6 +9,12 @@ manifest ends up byte-identical to the one the serial loop writes, and the crash
 of ``eagle3.extract`` is unchanged (a row never precedes its shard; a shard whose row was not yet
 appended when the process died is validated and adopted on resume).
 
+While writer threads exist the process's GIL switch interval is at most :data:`SWITCH_INTERVAL_S`
+(restored on close): a writer thread coming back from a GIL-free call (file write, fsync, hashing)
+otherwise waits up to Python's default 5 ms for a thread running Python (the capture loop launching
+the next forward) to let go of the GIL, and that wait, not the bytes, held the writer's throughput
+(``bench/extract_throughput.py --switch-interval-variants``).
+
 ``threads=0`` writes, hashes and appends inline in :meth:`ShardWriter.submit` (the serial path).
 Memory stays bounded: :meth:`ShardWriter.submit` blocks while more than ``max_pending_tokens``
 tokens are submitted but not yet committed.
@@ -17,6 +23,7 @@ tokens are submitted but not yet committed.
 from __future__ import annotations
 
 import collections
+import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -26,6 +33,9 @@ import torch
 from eagle3.checksum import DEFAULT_ALGO, new_hasher
 from eagle3.manifest import ManifestWriter
 from eagle3.shards import write_sample
+
+#: GIL switch interval (seconds) while writer threads run; None leaves Python's setting alone.
+SWITCH_INTERVAL_S: Optional[float] = 0.0005
 
 
 def _write_one(root: Path, idx: int, rows_per_dir: int, input_ids: list[int], states: Sequence[torch.Tensor],
@@ -64,6 +74,10 @@ class ShardWriter:
         new_hasher(checksum)  # unknown name: ValueError now, not in a writer thread
         self.checksum = checksum
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="shard-writer") if self.threads > 0 else None
+        self._old_switch: Optional[float] = None
+        if self._pool is not None and SWITCH_INTERVAL_S is not None:
+            self._old_switch = sys.getswitchinterval()
+            sys.setswitchinterval(min(self._old_switch, SWITCH_INTERVAL_S))
         self._pending: collections.deque[tuple[dict, Future]] = collections.deque()
         self._pending_tokens = 0
 
@@ -141,6 +155,9 @@ class ShardWriter:
             if self._pool is not None:
                 self._pool.shutdown(wait=True, cancel_futures=True)
                 self._pool = None
+                if self._old_switch is not None:
+                    sys.setswitchinterval(self._old_switch)
+                    self._old_switch = None
                 if not wait_commit:
                     try:
                         self.commit_ready()

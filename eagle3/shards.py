@@ -271,6 +271,13 @@ def _stored_object(ids: torch.Tensor, mask: torch.Tensor, st: StoredStates, stor
     return obj
 
 
+#: Shards are written by torch's C++ writer straight to their temporary file
+#: (:func:`eagle3.io.atomic_torch_save` ``via_path=True``: few GIL round trips, so stage 02's writer
+#: threads are not starved by the capture loop); False streams them through a Python file object
+#: (the writer before; ``bench/extract_throughput.py --stream-save`` times both in one run). Same bytes.
+SAVE_VIA_PATH = True
+
+
 def write_sample(
     root: str | os.PathLike,
     idx: int,
@@ -285,7 +292,7 @@ def write_sample(
 
     Args:
         input_ids, hidden_states, loss_mask, storage: see :func:`shard_object`.
-        hasher: e.g. ``hashlib.sha256()``, updated with the file's bytes as they are written.
+        hasher: e.g. ``xxhash.xxh3_128()``, updated with the file's bytes.
 
     Raises:
         ValueError: wrong count, shape or non-finite values (a caller bug: capture must
@@ -293,7 +300,7 @@ def write_sample(
     """
     obj = shard_object(input_ids, hidden_states, loss_mask, storage, idx=idx)
     path = shard_path(root, idx, rows_per_dir)
-    atomic_torch_save(obj, path, hasher=hasher)
+    atomic_torch_save(obj, path, hasher=hasher, via_path=SAVE_VIA_PATH)
     return path
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,14 +28,19 @@ def test_pipeline_bench_checks_device_encoding_bytes(tmp_path, tiny_llama_dir, d
                         "--set", f"extract.storage_dtype={dtype}", "--device", "cpu", "--batch", "3", "--seq", "16",
                         "--batches", "2", "--repeats", "1", "--write-threads", "2", "--no-serial", "--no-disk",
                         "--out-dir", str(tmp_path), "--json", str(out), "--checksums", "xxh3_128", "sha256",
-                        "--zip-crc-off", "--threads-variants", "1"])
+                        "--zip-crc-off", "--threads-variants", "1", "--stream-save",
+                        "--switch-interval-variants", "0.005"])
     res = json.loads(out.read_text())
     assert rc == 0 and res["device_encoding_bytes_equal"] is True and res["storage_dtype"] == dtype
+    assert res["path_save_bytes_equal"] is True
     assert res["checksum"] == "xxh3_128"
-    for k in ("pipeline", "capture_copy", "pipeline_sha256", "pipeline_nozipcrc", "pipeline_t1"):
+    for k in ("pipeline", "capture_copy", "pipeline_sha256", "pipeline_nozipcrc", "pipeline_t1",
+              "pipeline_streamsave", "pipeline_si0.005"):
         assert res[f"{k}_tokens_per_s"] > 0
     assert res["capture_vs_bare_ratio_sha256"] > 0 and res["capture_copy_vs_bare_ratio"] > 0
     assert torch.serialization.get_crc32_options() is True  # the process-wide setting is restored
+    assert res["save_via_path"] is True and res["switch_interval_s"] == 0.0005  # and the writer's
+    assert sys.getswitchinterval() == 0.005
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
@@ -43,10 +49,12 @@ def test_writer_only_bench(tmp_path, dtype):
     rc = _bench().main(["--config", str(ROOT / "configs" / "tiny-llama.yaml"), "--set", f"extract.storage_dtype={dtype}",
                         "--writer-only", "--hidden", "64", "--batch", "4", "--seq", "32", "--batches", "2",
                         "--repeats", "1", "--write-threads", "2", "--out-dir", str(tmp_path), "--json", str(out),
-                        "--checksums", "xxh3_128", "sha256", "--zip-crc-off"])
+                        "--checksums", "xxh3_128", "sha256", "--zip-crc-off",
+                        "--stream-save"])
     res = json.loads(out.read_text())
     assert rc == 0 and res["mode"] == "writer_only" and res["checksum"] == "xxh3_128"
     assert res["writer_stored_sha256_gb_per_s"] > 0 and res["writer_stored_nozipcrc_gb_per_s"] > 0
+    assert res["writer_stored_streamsave_gb_per_s"] > 0
     assert res["bytes_per_token"] == (4 * 64 * 2 if dtype == "bfloat16" else 4 * (64 + 4))
     for k in ("writer_list", "writer_stored", "disk"):
         assert res[f"{k}_gb_per_s"] > 0

@@ -58,6 +58,34 @@ class DiskBudget:
         self.used += len(data)
 
 
+class ArchiveBudget:
+    """Stand-in for ``eagle3.io._save_archive`` (shards saved by path, ``via_path=True``) on a disk with
+    ``budget`` free bytes: the archive's bytes that fit are written, then torch's C++ writer fails the
+    way it does on a full disk (an errno-less RuntimeError); ``free`` stands in for
+    ``eagle3.io.free_bytes`` on that disk. Every later save fails too (the disk stays full)."""
+
+    def __init__(self, budget: int):
+        self.budget, self.used = budget, 0
+        self.failures: list[str] = []
+
+    def __call__(self, obj, tmp: Path) -> None:
+        import io
+
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        data = buf.getvalue()
+        room = max(0, self.budget - self.used)
+        tmp.write_bytes(data[:room])
+        self.used += min(room, len(data))
+        if len(data) > room:
+            self.failures.append(tmp.name)
+            raise RuntimeError("[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed writing file "
+                               "data/0: file write failed")
+
+    def free(self, path) -> tuple[int, Path]:
+        return max(0, self.budget - self.used), Path(path)
+
+
 def _tmp_files(root: Path) -> list[Path]:
     return [p for p in root.rglob("*") if eio.TMP_MARK in p.name]
 
@@ -86,6 +114,28 @@ def test_atomic_torch_save_disk_full(tmp_path, monkeypatch):
     with pytest.raises(UserError, match=r"vocab_map\.pt: disk full .* writing"):
         eio.atomic_torch_save({"d2t": torch.zeros(1000, dtype=torch.int64)}, tmp_path / "vocab_map.pt")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_atomic_torch_save_via_path_disk_full(tmp_path, monkeypatch):
+    """Saved by path (stage 02's shards): torch's errno-less RuntimeError with less room left than the
+    tensors need is reported as disk full; no temp file is left."""
+    budget = ArchiveBudget(100)
+    monkeypatch.setattr(eio, "_save_archive", budget)
+    monkeypatch.setattr(eio, "free_bytes", budget.free)
+    with pytest.raises(UserError, match=r"data_3\.pt: disk full \(No space left on device\) writing 8.00 kB"):
+        eio.atomic_torch_save({"d2t": torch.zeros(1000, dtype=torch.int64)}, tmp_path / "data_3.pt", via_path=True)
+    assert budget.failures and list(tmp_path.iterdir()) == []
+
+
+def test_atomic_torch_save_via_path_other_errors_pass_through(tmp_path, monkeypatch):
+    """A RuntimeError of torch's writer with room left on the disk is not called disk full."""
+    def broken(obj, tmp):
+        raise RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed")
+
+    monkeypatch.setattr(eio, "_save_archive", broken)
+    with pytest.raises(RuntimeError, match="file write failed") as e:
+        eio.atomic_torch_save({"a": torch.zeros(4)}, tmp_path / "x.pt", via_path=True)
+    assert not isinstance(e.value, UserError) and list(tmp_path.iterdir()) == []
 
 
 def test_other_os_errors_are_not_rewritten(tmp_path, monkeypatch):
@@ -156,6 +206,8 @@ def test_real_small_filesystem(tmp_path):
         f"try:\n    with io.atomic_path('{mnt}/head.safetensors') as tmp:\n"
         "        save_file({'a': torch.zeros(50000)}, str(tmp))\n"
         "except UserError as e:\n    print(e)\n"
+        f"try:\n    io.atomic_torch_save({{'a': torch.zeros(50000)}}, '{mnt}/data_0.pt', via_path=True)\n"
+        "except UserError as e:\n    print(e)\n"
         f"print(sorted(os.listdir('{mnt}')))\n"
     )
     env = dict(os.environ, OMP_NUM_THREADS="1",
@@ -171,7 +223,8 @@ def test_real_small_filesystem(tmp_path):
     free = int(re.search(r"\((\d+) bytes\) free", lines[0]).group(1))
     assert free < 65536  # the tmpfs' own free space, not the host disk's
     assert lines[1].startswith(f"{mnt}/head.safetensors: disk full")
-    assert lines[2] == "['small.bin']"  # no partial file, no temp file
+    assert lines[2].startswith(f"{mnt}/data_0.pt: disk full (No space left on device) writing 200.00 kB")  # torch's C++ writer
+    assert lines[3] == "['small.bin']"  # no partial file, no temp file
 
 
 # ---- stage 02 -------------------------------------------------------------------------------------
@@ -230,10 +283,14 @@ def test_extract_disk_full_then_resume_matches_uninterrupted(tmp_path, tiny_llam
 
     cfg = _config(tmp_path / "full", tiny_llama_dir)
     root = tmp_path / "full" / "out" / "shards"
-    budget = {"shards": DiskBudget(shard_bytes // 2, match=r"data_\d+\.pt"),  # dies inside the 3rd-4th shard
+    budget = {"shards": ArchiveBudget(shard_bytes // 2),  # dies inside the 3rd-4th shard (saved by path)
               "manifest": DiskBudget(300, match=r"manifest\.jsonl"),  # a row torn mid-line
               "data_config": DiskBudget(0, match=r"data_config\.json")}[where]  # everything but the last file
-    monkeypatch.setattr(eio, "_write_all", budget)
+    if where == "shards":
+        monkeypatch.setattr(eio, "_save_archive", budget)
+        monkeypatch.setattr(eio, "free_bytes", budget.free)
+    else:
+        monkeypatch.setattr(eio, "_write_all", budget)
     code, err = _extract_cli(cfg, capsys)
     assert code == 2 and budget.failures
     errors = [x for x in err.splitlines() if x.startswith("error:")]  # (stderr also has tqdm bars)

@@ -154,9 +154,11 @@ def test_capture_async_views_equal_capture():
             assert y.untyped_storage().nbytes() == len(s) * 64 * 2
 
 
-def test_streamed_torch_save_is_the_bytesio_archive_and_hashes_it(tmp_path):
-    """Shards are streamed into their temp file (no in-memory archive copy) with the sha256 taken on
-    the way: the bytes must be exactly those of ``torch.save`` into a BytesIO (the old writer)."""
+@pytest.mark.parametrize("via_path", [False, True], ids=["streamed", "by_path"])
+def test_atomic_torch_save_is_the_bytesio_archive_and_hashes_it(tmp_path, via_path):
+    """Shards streamed through a file object (hashed on the way) or saved by path by torch's C++
+    writer (read back for the hash; stage 02's default): the bytes must be exactly those of
+    ``torch.save`` into a BytesIO (the old writer), whatever the destination's name."""
     import hashlib
     import io
 
@@ -168,14 +170,33 @@ def test_streamed_torch_save_is_the_bytesio_archive_and_hashes_it(tmp_path):
     obj = {"input_ids": torch.arange(37), "hidden_states": hs, "loss_mask": torch.ones(37, dtype=torch.int64)}
     buf = io.BytesIO()
     torch.save(obj, buf)
-    h = hashlib.sha256()
-    atomic_torch_save(obj, tmp_path / "a.pt", hasher=h)
-    data = (tmp_path / "a.pt").read_bytes()
-    assert data == buf.getvalue()
-    assert h.hexdigest() == hashlib.sha256(data).hexdigest()
+    for name in ("a.pt", "data_12.pt", "x"):
+        h = hashlib.sha256()
+        atomic_torch_save(obj, tmp_path / name, hasher=h, via_path=via_path)
+        data = (tmp_path / name).read_bytes()
+        assert data == buf.getvalue(), name
+        assert h.hexdigest() == hashlib.sha256(data).hexdigest()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.pt", "data_12.pt", "x"]  # no temp file left
     # write_sample of views into a larger (pinned-style) batch buffer: same file as exact-size tensors
     big = torch.randn(4, 100, 64).to(torch.bfloat16)
     views = [big[k, 10:47] for k in range(4)]
     p1 = write_sample(tmp_path / "v", 3, 4, list(range(37)), views, [1] * 37)
     p2 = write_sample(tmp_path / "c", 3, 4, list(range(37)), [v.clone() for v in views], [1] * 37)
     assert p1.read_bytes() == p2.read_bytes() and p1.stat().st_size < 37 * 64 * 2 * 4 + 4096
+
+
+def test_writer_threads_lower_the_switch_interval_and_restore_it(tmp_path):
+    """While writer threads run, the GIL switch interval is at most ``SWITCH_INTERVAL_S``; it is
+    restored on close, also when the block fails; the serial writer leaves it alone."""
+    import sys
+
+    old = sys.getswitchinterval()
+    with ManifestWriter(tmp_path / "a.jsonl") as man, sw.ShardWriter(tmp_path / "a", 4, man, threads=0):
+        assert sys.getswitchinterval() == old
+    with ManifestWriter(tmp_path / "b.jsonl") as man, sw.ShardWriter(tmp_path / "b", 4, man, threads=2):
+        assert sys.getswitchinterval() == min(old, sw.SWITCH_INTERVAL_S) == 0.0005
+    assert sys.getswitchinterval() == old
+    with pytest.raises(KeyError):
+        with ManifestWriter(tmp_path / "c.jsonl") as man, sw.ShardWriter(tmp_path / "c", 4, man, threads=2):
+            raise KeyError("upstream")
+    assert sys.getswitchinterval() == old
