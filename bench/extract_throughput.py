@@ -34,6 +34,8 @@ first is the headline ``pipeline``, each further one is timed as ``pipeline_<alg
 ``--switch-interval-variants S [S ...]``: the headline with the GIL switch interval S seconds while the
 writer threads run (:data:`eagle3.shard_writer.SWITCH_INTERVAL_S`), as ``pipeline_si<S>``
 (0.005 = Python's default).
+``--profile``: after the timings, the headline pipeline once more under :mod:`stack_sampler` (every
+thread's stack every 5 ms), the shares per thread group in the JSON's ``profile``.
 ``--zip-crc-off``: also time ``pipeline_nozipcrc``, the headline with ``torch.save``'s per-record zip
 CRC32 off (``torch.serialization.set_crc32_options(False)``: what the CRC costs the writer; stage 02
 keeps torch's default).
@@ -70,6 +72,7 @@ from typing import Optional
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from eagle3.capture.hf import HFCapture  # noqa: E402
 from eagle3.checksum import ALGOS, DEFAULT_ALGO  # noqa: E402
@@ -291,6 +294,9 @@ def main(argv=None) -> int:
                    help="also time the headline with shards streamed through a Python file object (the writer before)")
     p.add_argument("--switch-interval-variants", type=float, nargs="*", default=[],
                    help="also time the headline with these GIL switch intervals (s) while the writers run")
+    p.add_argument("--profile", action="store_true",
+                   help="after the timings, run the headline pipeline once more under bench/stack_sampler.py "
+                        "(every thread's stack every 5 ms): where the main thread and the writer threads sit")
     p.add_argument("--zip-crc-off", action="store_true",
                    help="also time the headline with torch.save's zip CRC32 off (what the CRC costs)")
     a = p.parse_args(argv)
@@ -383,6 +389,14 @@ def main(argv=None) -> int:
             fn()
             _sync(device)
             times[k].append(time.perf_counter() - t)
+    profile = None
+    if a.profile:  # untimed: the sampler takes the GIL every 5 ms
+        from stack_sampler import StackSampler
+
+        with StackSampler(interval=0.005, depth=5) as sampler:
+            fns["pipeline"]()
+            _sync(device)
+        profile = sampler.table(top=12)
     med = {k: statistics.median(v) for k, v in times.items()}
     n = K * B * L
     tps = {k: round(n / v, 1) for k, v in med.items()}
@@ -427,6 +441,7 @@ def main(argv=None) -> int:
         # shards encoded on the device (NaN/Inf flag; fp8 quantisation) == the CPU path's bytes
         "device_encoding_bytes_equal": device_encoding_check(cap, [samples[i].input_ids for i in batches[0]], storage),
         "path_save_bytes_equal": path_save_check(a.out_dir),
+        **({"profile": profile} if profile is not None else {}),
     }
     print("| verifier | device | storage | batch x seq x batches | bare tok/s | pipeline tok/s (capture + copy + write) | "
           "serial tok/s | capture only tok/s | capture + copy tok/s | disk ceiling tok/s | pipeline / bare |")

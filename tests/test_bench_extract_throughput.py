@@ -29,10 +29,11 @@ def test_pipeline_bench_checks_device_encoding_bytes(tmp_path, tiny_llama_dir, d
                         "--batches", "2", "--repeats", "1", "--write-threads", "2", "--no-serial", "--no-disk",
                         "--out-dir", str(tmp_path), "--json", str(out), "--checksums", "xxh3_128", "sha256",
                         "--zip-crc-off", "--threads-variants", "1", "--stream-save",
-                        "--switch-interval-variants", "0.005"])
+                        "--switch-interval-variants", "0.005", "--profile"])
     res = json.loads(out.read_text())
     assert rc == 0 and res["device_encoding_bytes_equal"] is True and res["storage_dtype"] == dtype
     assert res["path_save_bytes_equal"] is True
+    assert isinstance(res["profile"], dict)  # the sampler's own behaviour: test_stack_sampler below
     assert res["checksum"] == "xxh3_128"
     for k in ("pipeline", "capture_copy", "pipeline_sha256", "pipeline_nozipcrc", "pipeline_t1",
               "pipeline_streamsave", "pipeline_si0.005"):
@@ -60,3 +61,32 @@ def test_writer_only_bench(tmp_path, dtype):
         assert res[f"{k}_gb_per_s"] > 0
     assert res["writer_stored_vs_disk_ratio"] > 0
     assert not list(tmp_path.glob("writer-bench-*")) and not list(tmp_path.glob("disk-bench-*"))  # cleaned up
+
+
+def test_stack_sampler_attributes_time_to_the_calls_threads_sit_in():
+    """A main thread spinning in Python and a named thread sleeping: each group's top stack is its own
+    call, with nearly all of its samples (the sampler needs the GIL, so it samples less often than asked)."""
+    import threading
+    import time
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from stack_sampler import StackSampler
+
+    def spin() -> None:
+        t = time.perf_counter()
+        while time.perf_counter() - t < 0.4:
+            sum(range(100))
+
+    def nap() -> None:
+        time.sleep(0.4)
+
+    with StackSampler(interval=0.002, depth=2) as s:
+        th = threading.Thread(target=nap, name="napper_0")
+        th.start()
+        spin()
+        th.join()
+    tab = s.table(top=2)
+    assert {"main", "napper"} <= set(tab)  # (other threads of the test process, e.g. tqdm's monitor, too)
+    assert tab["main"]["samples"] >= 10 and tab["main"]["top"][0][0].startswith("test_bench_extract_throughput.py:spin:")
+    assert tab["main"]["top"][0][1] >= 0.8
+    assert tab["napper"]["top"][0][0].startswith("test_bench_extract_throughput.py:nap:") and tab["napper"]["top"][0][1] >= 0.8
