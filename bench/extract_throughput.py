@@ -3,14 +3,15 @@
 ``--batches`` batches of ``[batch, seq]`` random token ids (every sample ``seq`` long, so no
 padding on either side), each timed end to end after one warm-up batch (median of ``--repeats``):
 
-- ``bare``: ``model(input_ids, attention_mask, use_cache=False, logits_to_keep=1)`` per batch,
-  synchronised at the end: the forward work the capture cannot avoid;
+- ``bare``: ``model(input_ids, use_cache=False, logits_to_keep=1)`` per batch (no mask: nothing is
+  padded, and the capture passes none either), synchronised at the end: the forward work the capture
+  cannot avoid;
 - ``pipeline``: :func:`eagle3.extract.capture_and_write`, the code stage 02 runs: hooked capture
   of the 3 aux states + last, padding sliced and cast to bf16 on the device, one pinned
   device->host copy per batch overlapped with the next forward, shards serialised, hashed and
   written atomically (fsync + rename) by ``--write-threads`` background threads into a temporary
   folder under ``--out-dir``, manifest rows appended in order; timed until the last shard and
-  manifest row are durable;
+  manifest row are durable (the folder is removed after the timing, outside it);
 - ``serial``: the same function with ``write_threads=0`` (no overlap, shards written inline: the
   old stage-02 loop's structure) unless ``--no-serial``;
 - ``capture``: ``HFCapture.capture`` only (states in host memory, each sample cloned out of the
@@ -122,20 +123,34 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+_SCRATCH: list[Path] = []
+
+
+def scratch(prefix: str, out_dir) -> Path:
+    """A new temporary folder under ``out_dir``, removed by :func:`remove_scratch` after the timing:
+    deleting gigabytes of shards is not part of what a run is timed for (it took 11% of the RAM
+    pipeline's and 29% of the disk pipeline's wall in the 2026-12-01 profile)."""
+    root = Path(tempfile.mkdtemp(prefix=prefix, dir=out_dir))
+    _SCRATCH.append(root)
+    return root
+
+
+def remove_scratch() -> None:
+    """Remove every folder :func:`scratch` made."""
+    while _SCRATCH:
+        shutil.rmtree(_SCRATCH.pop(), ignore_errors=True)
+
+
 def write_files(out_dir, n_files: int, nbytes: int, threads: int) -> None:
     """The disk ceiling: ``n_files`` files of ``nbytes`` random bytes each, written by ``threads``
-    threads into a temporary folder under ``out_dir`` with :func:`eagle3.io.atomic_write_bytes` (temp
-    name, fsync, rename: the shard writer's own write path, minus capture and serialisation); the
-    folder is removed afterwards."""
+    threads into a :func:`scratch` folder under ``out_dir`` with :func:`eagle3.io.atomic_write_bytes`
+    (temp name, fsync, rename: the shard writer's own write path, minus capture and serialisation)."""
     from concurrent.futures import ThreadPoolExecutor
 
     buf = (os.urandom(1 << 20) * (nbytes // (1 << 20) + 1))[:nbytes]
-    root = Path(tempfile.mkdtemp(prefix="disk-bench-", dir=out_dir))
-    try:
-        with ThreadPoolExecutor(threads) as ex:
-            list(ex.map(lambda i: atomic_write_bytes(root / f"{i}.pt", buf), range(n_files)))
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    root = scratch("disk-bench-", out_dir)
+    with ThreadPoolExecutor(threads) as ex:
+        list(ex.map(lambda i: atomic_write_bytes(root / f"{i}.pt", buf), range(n_files)))
 
 
 def device_encoding_check(cap: HFCapture, batch: list[list[int]], storage, n: int = 4) -> Optional[bool]:
@@ -212,16 +227,13 @@ def writer_bench(a, cfg) -> dict:
 
     def writer(stored: bool, checksum: str = a.checksums[0], zip_crc: bool = True, via_path: Optional[bool] = None):
         def fn() -> None:
-            root = Path(tempfile.mkdtemp(prefix="writer-bench-", dir=a.out_dir))
-            try:
-                with zip_crc32(zip_crc), writer_settings(via_path), ManifestWriter(root / "manifest.jsonl") as man, ShardWriter(
-                        root, 2000, man, threads=threads, max_pending_tokens=2 * B * L, storage=fp8,
-                        checksum=checksum) as w:
-                    for k in range(K):
-                        for b, st in enumerate(per_sample(k, stored)):
-                            w.submit(k * B + b, f"s{k * B + b}", ids, st, mask)
-            finally:
-                shutil.rmtree(root, ignore_errors=True)
+            root = scratch("writer-bench-", a.out_dir)
+            with zip_crc32(zip_crc), writer_settings(via_path), ManifestWriter(root / "manifest.jsonl") as man, ShardWriter(
+                    root, 2000, man, threads=threads, max_pending_tokens=2 * B * L, storage=fp8,
+                    checksum=checksum) as w:
+                for k in range(K):
+                    for b, st in enumerate(per_sample(k, stored)):
+                        w.submit(k * B + b, f"s{k * B + b}", ids, st, mask)
         return fn
 
     bpt = storage.bytes_per_token(H)
@@ -237,9 +249,12 @@ def writer_bench(a, cfg) -> dict:
     times: dict = {k: [] for k in fns}
     for _ in range(a.repeats):
         for k, fn in fns.items():
-            t = time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - t)
+            try:
+                t = time.perf_counter()
+                fn()
+                times[k].append(time.perf_counter() - t)
+            finally:
+                remove_scratch()
     med = {k: statistics.median(v) for k, v in times.items()}
     n = K * B * L
     gbs = {k: round(n * bpt / v / 1e9, 3) for k, v in med.items()}
@@ -315,7 +330,6 @@ def main(argv=None) -> int:
     g = torch.Generator().manual_seed(a.seed)
     ids = torch.randint(0, dims["vocab_size"], (K, B, L), generator=g)  # [K, B, L]
     ids_dev = ids.to(device)
-    att = torch.ones((B, L), dtype=torch.long, device=device)  # [B, L]
     cap = HFCapture(model, aux, batch_tokens=B * L)
     samples = [Sample(i, f"s{i}", ids[i // B, i % B].tolist(), [1] * L) for i in range(K * B)]
     batches = [list(range(k * B, (k + 1) * B)) for k in range(K)]
@@ -326,9 +340,9 @@ def main(argv=None) -> int:
     bytes_per_token = storage.bytes_per_token(H)
 
     @torch.inference_mode()
-    def bare() -> None:
+    def bare() -> None:  # no mask: nothing is padded (what the capture passes too)
         for k in range(K):
-            model(input_ids=ids_dev[k], attention_mask=att, use_cache=False, logits_to_keep=1)
+            model(input_ids=ids_dev[k], use_cache=False, logits_to_keep=1)
 
     def capture_only() -> None:
         for grp in batches:
@@ -346,15 +360,12 @@ def main(argv=None) -> int:
     def pipeline(n_threads: int, checksum: str = a.checksums[0], zip_crc: bool = True,
                  via_path: Optional[bool] = None, switch: Optional[float] = None):
         def fn() -> None:
-            root = Path(tempfile.mkdtemp(prefix="extract-bench-", dir=a.out_dir))
-            try:
-                with zip_crc32(zip_crc), writer_settings(via_path, switch):
-                    rows = capture_and_write(cap, samples, batches, {}, H, root, 2000, root / "manifest.jsonl",
-                                             write_threads=n_threads, max_pending_tokens=2 * B * L,
-                                             storage=storage if storage.is_fp8 else None, checksum=checksum)
-                assert len(rows) == K * B
-            finally:
-                shutil.rmtree(root, ignore_errors=True)
+            root = scratch("extract-bench-", a.out_dir)
+            with zip_crc32(zip_crc), writer_settings(via_path, switch):
+                rows = capture_and_write(cap, samples, batches, {}, H, root, 2000, root / "manifest.jsonl",
+                                         write_threads=n_threads, max_pending_tokens=2 * B * L,
+                                         storage=storage if storage.is_fp8 else None, checksum=checksum)
+            assert len(rows) == K * B
         return fn
 
     def disk() -> None:
@@ -378,24 +389,30 @@ def main(argv=None) -> int:
     # warm-up (one batch's worth of each), then the runs interleaved per repeat so that a load
     # change on a shared machine hits all of them alike
     with torch.inference_mode():
-        model(input_ids=ids_dev[0], attention_mask=att, use_cache=False, logits_to_keep=1)
+        model(input_ids=ids_dev[0], use_cache=False, logits_to_keep=1)
     cap.capture([samples[i].input_ids for i in batches[0]])
     _sync(device)
     times: dict = {k: [] for k in fns}
     for _ in range(a.repeats):
         for k, fn in fns.items():
-            _sync(device)
-            t = time.perf_counter()
-            fn()
-            _sync(device)
-            times[k].append(time.perf_counter() - t)
+            try:
+                _sync(device)
+                t = time.perf_counter()
+                fn()
+                _sync(device)
+                times[k].append(time.perf_counter() - t)
+            finally:
+                remove_scratch()
     profile = None
     if a.profile:  # untimed: the sampler takes the GIL every 5 ms
         from stack_sampler import StackSampler
 
-        with StackSampler(interval=0.005, depth=5) as sampler:
-            fns["pipeline"]()
-            _sync(device)
+        try:
+            with StackSampler(interval=0.005, depth=5) as sampler:
+                fns["pipeline"]()
+                _sync(device)
+        finally:
+            remove_scratch()
         profile = sampler.table(top=12)
     med = {k: statistics.median(v) for k, v in times.items()}
     n = K * B * L

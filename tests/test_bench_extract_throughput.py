@@ -85,8 +85,11 @@ def test_stack_sampler_attributes_time_to_the_calls_threads_sit_in():
         th.start()
         spin()
         th.join()
-    tab = s.table(top=2)
+    tab = s.table(top=20)
+
+    def share(group: str, func: str) -> float:  # over every line of ``func`` (the leaf line varies)
+        return sum(sh for st, sh in tab[group]["top"] if st.startswith(f"test_bench_extract_throughput.py:{func}:"))
+
     assert {"main", "napper"} <= set(tab)  # (other threads of the test process, e.g. tqdm's monitor, too)
-    assert tab["main"]["samples"] >= 10 and tab["main"]["top"][0][0].startswith("test_bench_extract_throughput.py:spin:")
-    assert tab["main"]["top"][0][1] >= 0.8
-    assert tab["napper"]["top"][0][0].startswith("test_bench_extract_throughput.py:nap:") and tab["napper"]["top"][0][1] >= 0.8
+    assert tab["main"]["samples"] >= 10 and share("main", "spin") >= 0.8
+    assert share("napper", "nap") >= 0.8

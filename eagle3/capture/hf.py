@@ -171,14 +171,27 @@ class HFCapture:
         """Device of the input embeddings (where input ids go; ``device_map`` models included)."""
         return self.model.get_input_embeddings().weight.device
 
-    def _pad(self, batch: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _pad(self, batch: list[list[int]]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``(ids [B, Lmax], attention_mask [B, Lmax] or None)`` on the model's device, right-padded.
+
+        No sync: on CUDA both are built in pinned memory and copied non-blocking (a pageable copy
+        waits for every kernel queued before it, which kept the next forward's launch and the
+        writer hand-off from overlapping the running forward). A batch without padding gets no mask
+        (None): transformers skips an all-ones mask anyway, after checking it with a device sync.
+        """
         B, Lmax = len(batch), max(len(s) for s in batch)
-        ids = torch.full((B, Lmax), self.pad_id, dtype=torch.long)  # [B, Lmax]
-        att = torch.zeros((B, Lmax), dtype=torch.long)  # [B, Lmax]
+        dev = self.device
+        pin = dev.type == "cuda"
+        ids = torch.full((B, Lmax), self.pad_id, dtype=torch.long, pin_memory=pin)  # [B, Lmax]
         for b, s in enumerate(batch):
             ids[b, : len(s)] = torch.as_tensor(s, dtype=torch.long)
-            att[b, : len(s)] = 1
-        return ids.to(self.device), att.to(self.device)
+        att = None
+        if any(len(s) != Lmax for s in batch):
+            att = torch.zeros((B, Lmax), dtype=torch.long, pin_memory=pin)  # [B, Lmax]
+            for b, s in enumerate(batch):
+                att[b, : len(s)] = 1
+            att = att.to(dev, non_blocking=pin)
+        return ids.to(dev, non_blocking=pin), att
 
     def _hook_targets(self):
         """``(decoder, layers)``: the module whose output is ``hidden_states[-1]`` and its decoder
@@ -196,7 +209,7 @@ class HFCapture:
             return None
         return decoder, layers
 
-    def _states_hooked(self, ids: torch.Tensor, att: torch.Tensor) -> list[torch.Tensor]:
+    def _states_hooked(self, ids: torch.Tensor, att: Optional[torch.Tensor]) -> list[torch.Tensor]:
         """The 4 states via hooks: input of decoder layer i for each aux i, then the decoder output."""
         decoder, layers = self._hook_targets()
         got: dict[int, torch.Tensor] = {}
@@ -217,7 +230,7 @@ class HFCapture:
             self.model(input_ids=ids, attention_mask=att, use_cache=False, **self._keep_kw)
         return [got[i] for i in self.aux_layers + [-1]]
 
-    def _states_all(self, ids: torch.Tensor, att: torch.Tensor) -> list[torch.Tensor]:
+    def _states_all(self, ids: torch.Tensor, att: Optional[torch.Tensor]) -> list[torch.Tensor]:
         """The 4 states picked from ``output_hidden_states=True`` (all N+1 materialised)."""
         out = self.model(input_ids=ids, attention_mask=att, **self._fwd_kw, **self._keep_kw)
         hs = out.hidden_states  # (N+1) x [B, Lmax, H]
@@ -249,20 +262,30 @@ class HFCapture:
     def _forward(self, batch: list[list[int]], storage: Optional[Storage] = None) -> "_Part":
         if self._hooks_ok is None:
             self._hooks_ok = self._check_hooks()
-        ids, att = self._pad(batch)  # [B, Lmax] right-padded
+        ids, att = self._pad(batch)  # [B, Lmax] right-padded; att None when nothing is padded
         picks = (self._states_hooked if self._hooks_ok else self._states_all)(ids, att)  # 4 x [B, Lmax, H]
         B, Lmax = ids.shape
         lengths = [len(s) for s in batch]
         H = picks[0].shape[-1]
         T = sum(lengths)
         dev = picks[0].device
-        # Real (unpadded) rows of the flattened batch, sample by sample: built on the host (no sync).
-        keep = (torch.arange(Lmax).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)).reshape(-1)  # [B*Lmax]
-        rows = keep.nonzero().squeeze(1).to(dev)  # [T]
         pack = torch.empty((len(picks), T, H), dtype=torch.bfloat16, device=dev)  # [4, T, H]
+        rows = None  # no padding: every row is real
+        if T != B * Lmax:
+            # Real (unpadded) rows of the flattened batch, sample by sample: built on the host, copied
+            # from pinned memory without a sync (the forward just launched keeps running meanwhile).
+            keep = (torch.arange(Lmax).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)).reshape(-1)  # [B*Lmax]
+            rows = keep.nonzero().squeeze(1)  # [T]
+            if dev.type == "cuda":
+                rows = rows.pin_memory().to(dev, non_blocking=True)
+            else:
+                rows = rows.to(dev)
         for k, p in enumerate(picks):
             flat = p.reshape(B * Lmax, H).to(device=dev, dtype=torch.bfloat16)  # cast on the device
-            torch.index_select(flat, 0, rows, out=pack[k])  # [T, H] real rows only
+            if rows is None:
+                pack[k].copy_(flat)  # [T, H]
+            else:
+                torch.index_select(flat, 0, rows, out=pack[k])  # [T, H] real rows only
         dev_t = [pack]  # what goes to the host: bf16 states, or fp8 values + scales, + the finite flag
         if storage is not None:
             values, scales, finite = encode_batch(pack, storage)  # no sync: checked on the host later
