@@ -192,12 +192,10 @@ tail_benches() {  # one at a time on an otherwise idle GPU: issue 9's capture ra
 }
 
 capture_benches() {  # issue 9's capture ratio: to RAM and to disk in bf16, to disk in fp8 (phases already done are skipped)
-  # each also times, in the same run, the writer before this session's change: shards streamed through a
-  # Python file object (--stream-save) and Python's default 5 ms GIL switch interval (si0.005); to disk also
-  # with 16 writer threads
-  local C=(--config "$CONFIG" "${SETS[@]}" --device cuda --batch 64 --seq 2048 --no-serial --stream-save
-           --switch-interval-variants 0.005)
-  phase capture_shm "$PY" bench/extract_throughput.py "${C[@]}" --batches 12 --repeats 3 --out-dir /dev/shm \
+  # RAM: 12 batches (the steady state: the last batch's writes, which nothing overlaps, weigh 1/12), with the
+  # stack profile of one more untimed run; disk: also with 16 writer threads
+  local C=(--config "$CONFIG" "${SETS[@]}" --device cuda --batch 64 --seq 2048 --no-serial)
+  phase capture_shm "$PY" bench/extract_throughput.py "${C[@]}" --batches 12 --repeats 3 --profile --out-dir /dev/shm \
       --json "$W/res/capture_shm.json"
   phase capture_disk "$PY" bench/extract_throughput.py "${C[@]}" --threads-variants 16 --out-dir "$W" \
       --json "$W/res/capture_disk.json"

@@ -32,7 +32,7 @@ def test_pipeline_bench_checks_device_encoding_bytes(tmp_path, tiny_llama_dir, d
                         "--switch-interval-variants", "0.005", "--profile"])
     res = json.loads(out.read_text())
     assert rc == 0 and res["device_encoding_bytes_equal"] is True and res["storage_dtype"] == dtype
-    assert res["path_save_bytes_equal"] is True
+    assert res["path_save_bytes_equal"] is True and res["hidden_states_equal_hf"] is True
     assert isinstance(res["profile"], dict)  # the sampler's own behaviour: test_stack_sampler below
     assert res["checksum"] == "xxh3_128"
     for k in ("pipeline", "capture_copy", "pipeline_sha256", "pipeline_nozipcrc", "pipeline_t1",
