@@ -124,13 +124,14 @@ def _write_all(f, data: bytes) -> None:
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | os.PathLike, needed: int | None = None) -> Iterator[Path]:
+def atomic_path(path: str | os.PathLike, needed: int | None = None, tmp_prefix: str | None = None) -> Iterator[Path]:
     """Yield a temporary path next to ``path``; on success fsync and rename it to ``path``.
 
     On an exception the temporary file is removed and ``path`` is untouched.
 
     Args:
         needed: bytes the write will take, for the disk-full message (None: unknown).
+        tmp_prefix: the temporary name's stem (default ``path``'s name); ``TMP_MARK`` follows it.
 
     Raises:
         UserError: the disk is full or the quota exhausted (temp file already removed); see
@@ -139,7 +140,7 @@ def atomic_path(path: str | os.PathLike, needed: int | None = None) -> Iterator[
     path = Path(path)
     with disk_full_guard(path, needed):
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=path.name + TMP_MARK, dir=path.parent)
+        fd, tmp = tempfile.mkstemp(prefix=(tmp_prefix or path.name) + TMP_MARK, dir=path.parent)
         os.close(fd)
         tmp = Path(tmp)
         try:
@@ -329,28 +330,16 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike, hasher=None, via_path: 
                         raise sink.error  # noqa: B904 - chained to torch's error
                     raise
         return
-    path = Path(path)
-    with disk_full_guard(path, needed):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(prefix=ARCHIVE_STEM + TMP_MARK, dir=path.parent)
-        os.close(fd)
-        tmp = Path(name)
+    with atomic_path(path, needed=needed, tmp_prefix=ARCHIVE_STEM) as tmp:
         try:
-            try:
-                _save_archive(obj, tmp)
-            except RuntimeError as e:
-                if free_bytes(path.parent)[0] < needed:  # measured before the partial file is removed
-                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp)) from e
-                raise
-            with open(tmp, "rb") as f:
-                if hasher is not None:
-                    _hash_file(f, hasher)
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                tmp.unlink()
+            _save_archive(obj, tmp)
+        except RuntimeError as e:
+            if free_bytes(tmp.parent)[0] < needed:  # measured before the partial file is removed
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp)) from e
             raise
+        if hasher is not None:
+            with open(tmp, "rb") as f:
+                _hash_file(f, hasher)
 
 
 def safe_torch_load(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> Any:
