@@ -342,7 +342,7 @@ def test_convert_bf16_to_fp8_equals_fp8_extraction_and_back(bf16_run, tmp_path):
 
 
 def test_convert_resumes_after_kill_and_disk_full(bf16_run, tmp_path, monkeypatch):
-    from test_disk_full import DiskBudget
+    from test_disk_full import ArchiveBudget
 
     from eagle3.shard_convert import convert
 
@@ -350,7 +350,9 @@ def test_convert_resumes_after_kill_and_disk_full(bf16_run, tmp_path, monkeypatc
     dst = tmp_path / "fp8"
     part = convert(bf.shards_dir, dst, FP8, workers=1, limit=2)  # a run that stopped after 2 shards
     assert not part["complete"] and not (dst / "data_config.json").exists()
-    monkeypatch.setattr(eio, "_write_all", DiskBudget(1500, match=r"data_\d+\.pt"))
+    budget = ArchiveBudget(1500)  # shards are saved by path (eagle3.shards.SAVE_VIA_PATH)
+    monkeypatch.setattr(eio, "_save_archive", budget)
+    monkeypatch.setattr(eio, "free_bytes", budget.free)
     with pytest.raises(UserError, match=r"data_\d+\.pt: disk full \(No space left on device\) writing"):
         convert(bf.shards_dir, dst, FP8, workers=1)
     assert not [p for p in dst.rglob("*") if eio.TMP_MARK in p.name] and not (dst / "data_config.json").exists()
