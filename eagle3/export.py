@@ -19,7 +19,9 @@ the other engine loads without error but captures the wrong verifier layers:
   ``eagle_aux_hidden_state_layer_ids`` (vLLM ids = HF indices) and ``speculators_config`` (greedy
   proposal with ``speculative_tokens``, the verifier's ``name_or_path`` and architecture).
   Weights use the speculators names: ``layers.0.`` instead of ``midlayer.``, the rest as in
-  SGLang (vLLM drops ``t2d`` at load; it is kept for round trips). SGLang cannot load it.
+  SGLang (vLLM drops ``t2d`` at load; it is kept for round trips), except that a full-vocab drafter
+  (``draft_vocab_size`` = the verifier's vocab) has neither ``d2t`` nor ``t2d``: vLLM's loader
+  refuses ``d2t`` then (:func:`writes_vocab_map`). SGLang cannot load it.
 
 Both ``config.json`` also carry an ``eagle3_train`` block (:data:`CONFIG_BLOCK`: ``engine``,
 ``aux_layers_hf``, ``engine_layer_ids``, ``layer_id_convention``, the verifier architecture) that
@@ -67,11 +69,13 @@ LAYER_KEYS = (
     "hidden_norm.weight",
     "post_attention_layernorm.weight",
 )
-HEAD_KEYS = ("fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d")
+VOCAB_KEYS = ("d2t", "t2d")
+HEAD_KEYS = ("fc.weight", "norm.weight", "lm_head.weight") + VOCAB_KEYS
 SGLANG_KEYS = tuple(f"midlayer.{k}" for k in LAYER_KEYS) + HEAD_KEYS
-"""Required tensor names of the SGLang export (``embed_tokens.weight`` optional)."""
+"""Tensor names of the SGLang export (``embed_tokens.weight`` optional)."""
 VLLM_KEYS = tuple(f"layers.0.{k}" for k in LAYER_KEYS) + HEAD_KEYS
-"""Required tensor names of the vLLM speculators export (``embed_tokens.weight`` optional)."""
+"""Tensor names of the vLLM speculators export with a reduced draft vocab (``embed_tokens.weight``
+optional; a full-vocab vLLM export has no ``d2t``/``t2d``, see :func:`writes_vocab_map`)."""
 EMBED_KEY = "embed_tokens.weight"
 VERIFIER_FIELDS = ("name", "architecture", "num_layers", "hidden_size", "vocab_size")
 SGLANG_ARCH = "LlamaForCausalLMEagle3"
@@ -96,6 +100,24 @@ def export_dtype(name: str | torch.dtype, verifier_dtype: str = "bfloat16") -> t
     if key not in EXPORT_DTYPES:
         raise UserError(f"export.dtype: unknown dtype {key!r} (expected auto, {', '.join(sorted(EXPORT_DTYPES))})")
     return EXPORT_DTYPES[key]
+
+
+def writes_vocab_map(engine: str, draft_vocab_size: int, target_vocab_size: int) -> bool:
+    """Whether the ``engine`` folder carries ``d2t``/``t2d`` (what each engine's EAGLE-3 loader accepts).
+
+    - vLLM 0.33 (``vllm/model_executor/models/llama_eagle3.py``, ``Eagle3LlamaForCausalLM``):
+      ``__init__`` creates the ``draft_id_to_target_id`` parameter only when the config's
+      ``draft_vocab_size`` differs from the verifier's vocab (``model_config.get_vocab_size()``);
+      ``load_weights`` renames ``d2t`` to it and skips ``t2d``. So a full-vocab folder that carries
+      ``d2t`` is refused (``There is no module or parameter named 'draft_id_to_target_id'``), and a
+      reduced-vocab folder without it keeps the zero-initialised parameter: every draft id is taken
+      for the target id of the same number (silently wrong drafts). -> written iff draft_V < target_V.
+    - SGLang 0.5.23 (``sglang/srt/models/llama_eagle3.py``, ``LlamaForCausalLMEagle3.load_weights``):
+      ``hot_token_id = d2t + arange`` when ``d2t`` is present, ``t2d`` skipped; without ``d2t`` the
+      draft ids are used as target ids. A full-vocab ``d2t`` is all zeros (identity, accepted).
+      -> always written (required for draft_V < target_V, harmless otherwise).
+    """
+    return engine == "sglang" or int(draft_vocab_size) != int(target_vocab_size)
 
 
 def layer_id_convention(engine: str, architecture: str) -> str:
@@ -226,6 +248,8 @@ def export_drafter(
 
     sd = drafter.state_dict()
     required = SGLANG_KEYS if engine == "sglang" else VLLM_KEYS
+    if not writes_vocab_map(engine, a.draft_vocab_size, a.target_vocab_size):
+        required = tuple(k for k in required if k not in VOCAB_KEYS)  # full vocab: vLLM refuses d2t
     tensors: dict[str, torch.Tensor] = {}
     for key in required:
         src = key.replace("layers.0.", "midlayer.", 1) if key.startswith("layers.0.") else key
@@ -518,6 +542,10 @@ def load_exported(path: str | os.PathLike, embed_weight: Optional[torch.Tensor] 
         embed_weight: the verifier's input embedding ``[target_V, H]``; required when the folder has
             no ``embed_tokens.weight``.
 
+    A folder without ``d2t``/``t2d`` is accepted when ``draft_vocab_size`` equals ``vocab_size``
+    (identity map; vLLM's full-vocab format); a vLLM folder WITH ``d2t`` in that case is refused,
+    as vLLM refuses it (:func:`writes_vocab_map`).
+
     Raises:
         UserError: missing/bad ``config.json`` key, a folder whose layer ids disagree with its
             recorded engine/HF layers (:func:`check_export_folder`), missing or unexpected tensor,
@@ -541,10 +569,21 @@ def load_exported(path: str | os.PathLike, embed_weight: Optional[torch.Tensor] 
         raise UserError(f"{wpath}: unreadable safetensors file: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
     if engine == "vllm":
         tensors = {(k.replace("layers.0.", "midlayer.", 1) if k.startswith("layers.0.") else k): v for k, v in tensors.items()}
+    full_vocab = args.draft_vocab_size == args.target_vocab_size
+    if engine == "vllm" and full_vocab and "d2t" in tensors:
+        raise UserError(f"{wpath}: tensor 'd2t' in a full-vocab folder ({cfg_path.name} draft_vocab_size = vocab_size = "
+                        f"{args.draft_vocab_size}): vLLM refuses it (Eagle3LlamaForCausalLM has no "
+                        f"'draft_id_to_target_id' when the draft vocab is the verifier's); re-export with 04_train.py "
+                        f"--export-only --engine vllm")
+    if full_vocab and "d2t" not in tensors and "t2d" not in tensors:
+        tensors["d2t"] = torch.zeros(args.draft_vocab_size, dtype=torch.int64)  # identity map, as both engines use it
+        tensors["t2d"] = torch.ones(args.target_vocab_size, dtype=torch.bool)
     for key in SGLANG_KEYS:
         if key not in tensors:
             shown = key.replace("midlayer.", "layers.0.", 1) if engine == "vllm" else key
-            raise UserError(f"{wpath}: missing required tensor '{shown}'")
+            why = (f" (draft_vocab_size {args.draft_vocab_size} < vocab_size {args.target_vocab_size}: without it the "
+                   f"engine takes every draft id for the target id of the same number)" if key == "d2t" else "")
+            raise UserError(f"{wpath}: missing required tensor '{shown}'{why}")
     extra = sorted(set(tensors) - set(SGLANG_KEYS) - {EMBED_KEY})
     if extra:
         raise UserError(f"{wpath}: unexpected tensor '{extra[0]}'")

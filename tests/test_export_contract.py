@@ -220,3 +220,94 @@ def test_export_refuses_to_replace_other_engines_folder_or_foreign_files(tmp_pat
     assert (foreign / "notes.txt").read_text() == "keep me"
     (tmp_path / "empty").mkdir()
     export_drafter(d, tmp_path / "empty", "vllm", [2, 15, 27], LLAMA30)  # an empty folder is fine
+
+
+# ---- issue 26 item 3: the vocab map against each engine's real loader rule -----------------------
+def _drafter_with_vocab(draft_v: int, seed: int = 0) -> Eagle3Drafter:
+    """A drafter of the test_export shape with ``draft_v`` draft ids over the verifier vocab 50."""
+    torch.manual_seed(seed)
+    a = DrafterArgs(hidden_size=24, num_attention_heads=4, num_key_value_heads=2, head_dim=6, intermediate_size=40,
+                    rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=512, draft_vocab_size=draft_v,
+                    target_vocab_size=50, target_hidden_size=24)
+    d = Eagle3Drafter(a)
+    ids = torch.tensor(sorted(torch.randperm(50)[:draft_v].tolist()))
+    t2d = torch.zeros(50, dtype=torch.bool)
+    t2d[ids] = True
+    d.set_vocab_map(ids - torch.arange(draft_v), t2d)
+    with torch.no_grad():
+        d.embed_tokens.weight.normal_()
+    return d
+
+
+def vllm_eagle3_vocab_load(folder: Path, verifier_vocab: int) -> torch.Tensor:
+    """vLLM 0.33's handling of the vocab map, step by step (``vllm/model_executor/models/llama_eagle3.py``):
+    ``Eagle3LlamaForCausalLM.__init__`` creates ``draft_id_to_target_id`` (zeros ``[draft_V]``) only when
+    ``config.draft_vocab_size != model_config.get_vocab_size()``; ``load_weights`` skips ``t2d`` and renames
+    ``d2t`` to that parameter, which ``AutoWeightsLoader`` refuses when it does not exist;
+    ``compute_logits`` scatters draft logits to ``arange(draft_V) + draft_id_to_target_id``, or with no
+    parameter asserts the logits already have ``config.vocab_size`` columns. Returns the target id of each
+    draft id as served."""
+    cfg = json.loads((folder / "config.json").read_text())
+    draft_v = cfg["draft_vocab_size"]  # speculators update_eagle3 copies it into the draft config
+    param = torch.zeros(draft_v, dtype=torch.long) if draft_v != verifier_vocab else None
+    for name, w in load_file(str(folder / "model.safetensors")).items():
+        if "t2d" in name:
+            continue
+        if "d2t" in name:
+            if param is None:
+                raise ValueError("There is no module or parameter named 'draft_id_to_target_id' in Eagle3LlamaForCausalLM")
+            param = w
+    if param is None:
+        assert cfg["transformer_layer_config"]["vocab_size"] == draft_v  # compute_logits' shape assertion
+        return torch.arange(draft_v)
+    return torch.arange(draft_v) + param
+
+
+def sglang_eagle3_vocab_load(folder: Path) -> torch.Tensor:
+    """SGLang 0.5.23 (``sglang/srt/models/llama_eagle3.py`` ``LlamaForCausalLMEagle3.load_weights``):
+    ``hot_token_id = d2t + arange(len(d2t))`` when ``d2t`` is present (``t2d`` skipped); without it
+    ``hot_token_id`` is None and the worker uses draft ids as target ids (``eagle_worker_v2``). The
+    draft lm_head has ``draft_vocab_size`` rows."""
+    cfg = json.loads((folder / "config.json").read_text())
+    hot = None
+    for name, w in load_file(str(folder / "model.safetensors")).items():
+        if "d2t" in name:
+            hot = w + torch.arange(w.shape[0])
+    return hot if hot is not None else torch.arange(cfg["draft_vocab_size"])
+
+
+@pytest.mark.parametrize("draft_v", [16, 50])  # reduced draft vocab, and draft vocab == verifier vocab (03 accepts it)
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_every_vocab_config_loads_in_each_engine_with_the_drafters_map(tmp_path, engine, draft_v):
+    d = _drafter_with_vocab(draft_v)
+    want = torch.arange(draft_v) + d.d2t  # target id of each draft id
+    out = export_drafter(d, tmp_path / "x", engine, [2, 15, 27], LLAMA30)
+    served = vllm_eagle3_vocab_load(out, 50) if engine == "vllm" else sglang_eagle3_vocab_load(out)
+    assert torch.equal(served, want)
+    keys = set(load_file(str(out / "model.safetensors")))
+    assert ({"d2t", "t2d"} <= keys) == (engine == "sglang" or draft_v < 50)
+    re = load_exported(out, embed_weight=d.embed_tokens.weight)  # our own loader (05) agrees
+    assert torch.equal(re.d2t, d.d2t) and torch.equal(re.t2d, d.t2d)
+    assert check_export_folder(out, serving_engine=engine)["warnings"] == []
+
+
+def test_old_full_vocab_vllm_folder_with_d2t_is_refused_and_reduced_without_d2t(tmp_path):
+    """What vLLM refuses (full vocab + d2t) or serves wrongly (reduced vocab, no d2t) our loader refuses."""
+    from safetensors.torch import save_file
+
+    d = _drafter_with_vocab(50)
+    out = export_drafter(d, tmp_path / "x", "vllm", [2, 15, 27], LLAMA30)
+    sd = load_file(str(out / "model.safetensors"))
+    save_file({**sd, "d2t": d.d2t.clone(), "t2d": d.t2d.clone()}, str(out / "model.safetensors"))
+    with pytest.raises(ValueError, match="draft_id_to_target_id"):
+        vllm_eagle3_vocab_load(out, 50)
+    with pytest.raises(UserError, match=r"tensor 'd2t' in a full-vocab folder .*vLLM refuses it"):
+        load_exported(out, embed_weight=d.embed_tokens.weight)
+    d = _drafter_with_vocab(16)
+    out = export_drafter(d, tmp_path / "y", "vllm", [2, 15, 27], LLAMA30)
+    sd = load_file(str(out / "model.safetensors"))
+    del sd["d2t"]
+    save_file(sd, str(out / "model.safetensors"))
+    assert not torch.equal(vllm_eagle3_vocab_load(out, 50), torch.arange(16) + d.d2t)  # zeros: silently wrong
+    with pytest.raises(UserError, match=r"missing required tensor 'd2t' \(draft_vocab_size 16 < vocab_size 50"):
+        load_exported(out, embed_weight=d.embed_tokens.weight)
