@@ -335,8 +335,9 @@ class ExportConfig(_Strict):
         "sglang", description="the engine the folder is for; each engine takes only its own folder (layer-id conventions differ)"
     )
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
-        "auto", description="dtype of the exported weights and config.json torch_dtype; auto = verifier.dtype "
-        "(bfloat16 by default; SGLang --dtype auto serves a float32 draft as float16)"
+        "auto", description="dtype of the exported weights and config.json torch_dtype; auto = the serving dtype: "
+        "verifier.dtype, but bfloat16 when verifier.dtype is float32 (an exactness setting; SGLang --dtype auto "
+        "serves a float32 draft as float16, vLLM casts the draft to the verifier's dtype)"
     )
     output_dir: Optional[str] = Field(None, description="default {output_root}/drafter-{engine}")
 

@@ -27,8 +27,9 @@ Both ``config.json`` also carry an ``eagle3_train`` block (:data:`CONFIG_BLOCK`:
 ``aux_layers_hf``, ``engine_layer_ids``, ``layer_id_convention``, the verifier architecture) that
 makes a folder used by the wrong engine, or ids edited by hand, detectable
 (:func:`check_export_folder`, used by :func:`load_exported`, stage 05 and the server benchmark),
-and ``torch_dtype`` / ``dtype`` = the weights' dtype (bfloat16 unless asked otherwise: SGLang
-0.5.23 ``--dtype auto`` serves a float32 draft config as float16, ``_get_and_verify_dtype``).
+and ``torch_dtype`` / ``dtype`` = the weights' dtype (bfloat16 unless asked otherwise, also for a
+float32 verifier, :func:`export_dtype`: SGLang 0.5.23 ``--dtype auto`` serves a float32 draft
+config as float16, ``_get_and_verify_dtype``).
 ``eagle3_train.json`` holds our metadata (HF aux layers, engine, engine ids, verifier, drafter
 args). Embedding weights are omitted unless ``include_embeddings``; both engines then use the
 verifier's, which requires equal hidden sizes (:func:`check_export_contract`). Folders are written
@@ -87,7 +88,16 @@ DEFAULT_EXPORT_DTYPE = torch.bfloat16
 
 
 def export_dtype(name: str | torch.dtype, verifier_dtype: str = "bfloat16") -> torch.dtype:
-    """The dtype an export is written in: ``export.dtype`` (``auto`` = ``verifier.dtype``).
+    """The dtype an export is written in: ``export.dtype``; ``auto`` = the dtype the verifier is
+    SERVED in: ``verifier.dtype``, except that a float32 verifier gives bfloat16.
+
+    ``verifier.dtype: float32`` is this project's exactness setting (CPU checks, fatal lossless
+    checks in 05), not a serving dtype: SGLang 0.5.23's ``--dtype auto`` turns a float32 draft
+    config into float16 (``sglang/srt/configs/model_config.py`` ``_get_and_verify_dtype``: "we use
+    float16 for float32 models"), a dtype the drafter never ran in, and vLLM 0.33 casts the draft
+    to the verifier's serving dtype anyway (``SpeculativeConfig``: draft ``dtype`` =
+    ``target_model_config.dtype``); the float32 file is then only twice the size. An explicit
+    ``float32`` is written as asked (:func:`export_drafter` warns for SGLang).
 
     Raises:
         UserError: an unknown dtype name.
@@ -96,6 +106,10 @@ def export_dtype(name: str | torch.dtype, verifier_dtype: str = "bfloat16") -> t
         if name not in EXPORT_DTYPES.values():
             raise UserError(f"export.dtype: {name} is not one of {sorted(EXPORT_DTYPES)}")
         return name
+    if name == "auto" and verifier_dtype == "float32":
+        log.info("export.dtype auto with verifier.dtype float32: exporting bfloat16, the serving dtype "
+                 "(set export.dtype: float32 to keep float32 weights)")
+        return torch.bfloat16
     key = verifier_dtype if name == "auto" else name
     if key not in EXPORT_DTYPES:
         raise UserError(f"export.dtype: unknown dtype {key!r} (expected auto, {', '.join(sorted(EXPORT_DTYPES))})")
@@ -237,6 +251,10 @@ def export_drafter(
     if engine not in ("sglang", "vllm"):
         raise UserError(f"export.engine: unknown engine '{engine}' (expected sglang or vllm)")
     out_dtype = export_dtype(dtype)
+    if engine == "sglang" and out_dtype == torch.float32:
+        log.warning("export.dtype float32 for SGLang: its --dtype auto serves a float32 draft config as float16 "
+                    "(ModelConfig._get_and_verify_dtype); launch the server with --dtype bfloat16/float32, or export "
+                    "with export.dtype: auto (bfloat16)")
     for f in VERIFIER_FIELDS:
         if f not in verifier_info or verifier_info[f] is None:
             raise UserError(f"verifier_info: missing field '{f}'")

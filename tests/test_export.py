@@ -224,6 +224,27 @@ def test_export_dtype_auto_follows_verifier():
     assert export_dtype("float32", "bfloat16") == torch.float32
 
 
+def test_export_dtype_auto_is_bf16_for_a_float32_verifier(tmp_path, caplog):
+    """Issue 26 item 5: verifier.dtype float32 (exactness) + export.dtype auto served as fp16 by SGLang's
+    --dtype auto. auto is the serving dtype: bfloat16; an explicit float32 is kept, with a warning for SGLang."""
+    import logging
+
+    from eagle3.export import export_dtype
+
+    assert export_dtype("auto", "float32") == torch.bfloat16
+    d = drafter()
+    out = export_drafter(d, tmp_path / "x", "sglang", [2, 15, 27], LLAMA30, dtype=export_dtype("auto", "float32"))
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    with caplog.at_level(logging.WARNING, logger="eagle3.export"):
+        out = export_drafter(d, tmp_path / "y", "sglang", [2, 15, 27], LLAMA30, dtype=export_dtype("float32", "float32"))
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "float32"
+    assert any("serves a float32 draft config as float16" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="eagle3.export"):
+        export_drafter(d, tmp_path / "z", "vllm", [2, 15, 27], LLAMA30, dtype="float32")
+    assert not caplog.records  # vLLM casts the draft to the verifier's dtype
+
+
 def test_sglang_config_parses_with_transformers_autoconfig(tmp_path):
     """SGLang reads the draft config through transformers' AutoConfig (model_type llama)."""
     from transformers import AutoConfig
