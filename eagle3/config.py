@@ -292,7 +292,10 @@ class DrafterConfig(_Strict):
     intermediate_size: Optional[int] = Field(None, ge=1)
     rms_norm_eps: Optional[float] = Field(None, gt=0)
     rope_theta: Optional[float] = Field(None, gt=0)
-    max_position_embeddings: Optional[int] = Field(None, ge=1)
+    max_position_embeddings: Optional[int] = Field(
+        None, ge=1, description="the draft config's context; below the verifier's, 04 warns and the SGLang export is "
+        "refused (SGLang will not start such a draft). No weight depends on it: --export-only re-exports with the "
+        "value set here (null = the verifier's)")
 
 
 class TrainConfig(_Strict):

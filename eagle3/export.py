@@ -212,6 +212,50 @@ def check_export_contract(drafter: Eagle3Drafter, verifier_info: dict, include_e
                         f"include_embeddings=True (writes '{EMBED_KEY}')")
 
 
+def check_context_length(args: DrafterArgs, verifier_context: Optional[int], engine: str) -> None:
+    """The draft config's context length against the verifier's, by the engine's rule.
+
+    SGLang 0.5.23 builds the draft's ``ModelConfig`` with the target's context length
+    (``speculative/eagle_worker_v2.py``: ``context_length=target ... context_len``) and
+    ``ModelConfig._derive_context_length`` (``srt/configs/model_config.py``) raises when it
+    exceeds the draft's own (:func:`eagle3.verifier.serving_context_length` of the exported
+    config) unless ``SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1``: the server does not start.
+    vLLM 0.33 does not refuse: it caps the draft's ``max_model_len`` at the smaller of the two
+    (``SpeculativeConfig._maybe_override_draft_max_model_len``) and sizes the draft's rotary table
+    by ``max_position_embeddings``, so positions past it are outside what the draft was configured
+    for. The drafter's weights do not depend on ``max_position_embeddings`` (rotary angles are
+    computed), so re-exporting with a larger value is exact.
+
+    Args:
+        args: the drafter's args (``max_position_embeddings``, ``rope_scaling``).
+        verifier_context: the verifier's context length (:func:`eagle3.verifier.verifier_context_length`);
+            ``None`` = unknown, nothing checked.
+        engine: ``sglang`` (refused) or ``vllm`` (warned).
+
+    Raises:
+        UserError: ``engine == "sglang"`` and the draft's context is shorter, naming
+            ``drafter.max_position_embeddings``, both lengths, SGLang's rule and the fix.
+    """
+    from eagle3.verifier import serving_context_length
+
+    if verifier_context is None:
+        return
+    draft = serving_context_length(_llama_config(args, DEFAULT_EXPORT_DTYPE))
+    if draft is None or draft >= verifier_context:
+        return
+    need = -(-verifier_context * args.max_position_embeddings // draft)  # scales with any rope factor
+    fix = (f"set drafter.max_position_embeddings: null (the verifier's) or >= {need} and re-export "
+           f"(04_train.py --export-only; the weights do not depend on it, rotary angles are computed)")
+    head = (f"drafter.max_position_embeddings: {args.max_position_embeddings} gives the draft a context length of "
+            f"{draft} tokens, below the verifier's {verifier_context}")
+    if engine == "sglang":
+        raise UserError(f"{head}: SGLang 0.5.23 refuses to start such a draft (ModelConfig._derive_context_length: "
+                        f"the draft gets the verifier's context length and may not exceed its own unless "
+                        f"SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1); {fix}")
+    log.warning("%s: vLLM caps the draft at %d positions (SpeculativeConfig._maybe_override_draft_max_model_len), "
+                "longer requests run the draft past its configured range; %s", head, draft, fix)
+
+
 def export_drafter(
     drafter: Eagle3Drafter,
     out_dir: str | os.PathLike,
@@ -230,7 +274,8 @@ def export_drafter(
         engine: ``"sglang"`` or ``"vllm"``; the folder is for that engine only.
         aux_layers_hf: the three aux layers as HF ``hidden_states`` indices (capture convention).
         verifier_info: ``{name, architecture, num_layers, hidden_size, vocab_size}``
-            (``eagle3.verifier.verifier_dims`` + the verifier id).
+            (``eagle3.verifier.verifier_dims`` + the verifier id), optionally ``context_length``
+            (checked by :func:`check_context_length`).
         include_embeddings: also store ``embed_tokens.weight`` (required when the drafter's
             hidden size differs from the verifier's, see :func:`check_export_contract`).
         num_speculative_tokens: vLLM ``speculators_config.proposal_methods[0].speculative_tokens``.
@@ -243,8 +288,8 @@ def export_drafter(
 
     Raises:
         UserError: unknown engine or dtype, missing ``verifier_info`` field, aux layers invalid
-            for the verifier, a broken shape contract (:func:`check_export_contract`), or a
-            required tensor missing.
+            for the verifier, a broken shape contract (:func:`check_export_contract`), a draft
+            context SGLang refuses (:func:`check_context_length`), or a required tensor missing.
     """
     from safetensors.torch import save_file
 
@@ -262,6 +307,7 @@ def export_drafter(
     arch = str(verifier_info["architecture"])
     aux = check_aux_layers(aux_layers_hf, int(verifier_info["num_layers"]), field="aux_layers_hf")
     check_export_contract(drafter, verifier_info, include_embeddings)
+    check_context_length(a, verifier_info.get("context_length"), engine)
     ids = engine_layer_ids(aux, engine, arch)
 
     sd = drafter.state_dict()

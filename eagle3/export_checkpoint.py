@@ -9,11 +9,14 @@ layers in the HF convention; :func:`eagle3.layers.engine_layer_ids` converts the
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from eagle3 import checkpoint as ckpt
 from eagle3.config import RunConfig
 from eagle3.errors import UserError
+
+log = logging.getLogger(__name__)
 
 
 def export_from_checkpoint(cfg: RunConfig, engine: str | None = None) -> Path:
@@ -49,6 +52,7 @@ def export_from_checkpoint(cfg: RunConfig, engine: str | None = None) -> Path:
     if args.draft_vocab_size != int(vocab["d2t"].shape[0]):
         raise UserError(f"{path}: drafter_args.draft_vocab_size {args.draft_vocab_size} differs from "
                         f"{cfg.data_dir / 'vocab_map.pt'} ({int(vocab['d2t'].shape[0])})")
+    args = _with_config_context(cfg, args)
     head = TargetHead.load(cfg.train_dir)
     drafter = init_drafter(args, head, vocab, seed=0)
     missing, unexpected = drafter.load_state_dict(state["model"], strict=False)
@@ -57,6 +61,30 @@ def export_from_checkpoint(cfg: RunConfig, engine: str | None = None) -> Path:
         key = sorted(unexpected or (trainable & set(missing)))[0]
         raise UserError(f"{path}: key 'model.{key}' {'unexpected' if unexpected else 'missing'}")
     return export_for_run(cfg, drafter, data_config)
+
+
+def _with_config_context(cfg: RunConfig, args):
+    """The checkpoint's drafter args with ``max_position_embeddings`` from the config when it asks
+    for another one (``drafter.max_position_embeddings``; ``null`` = the verifier's when the
+    checkpoint's is shorter). Only the exported config changes: no weight depends on it
+    (rotary angles are computed), so this is how a draft SGLang would refuse is re-exported."""
+    import dataclasses
+
+    from eagle3.verifier import load_verifier_config, text_config, verifier_dims
+
+    want = cfg.drafter.max_position_embeddings
+    if want is None:
+        try:
+            want = verifier_dims(text_config(load_verifier_config(cfg.verifier)))["max_position_embeddings"]
+        except UserError:
+            return args
+        if want is None or want <= args.max_position_embeddings:
+            return args
+    if want != args.max_position_embeddings:
+        log.info("export: max_position_embeddings %d (checkpoint: %d), from drafter.max_position_embeddings",
+                 want, args.max_position_embeddings)
+        args = dataclasses.replace(args, max_position_embeddings=int(want))
+    return args
 
 
 def export_for_run(cfg: RunConfig, drafter, data_config: dict) -> Path:
@@ -68,9 +96,11 @@ def export_for_run(cfg: RunConfig, drafter, data_config: dict) -> Path:
         UserError: see :func:`eagle3.export.export_drafter`.
     """
     from eagle3.export import export_drafter, export_dtype
+    from eagle3.verifier import verifier_context_length
 
     verifier_info = {"name": data_config["verifier"],
-                     **{k: data_config[k] for k in ("architecture", "num_layers", "hidden_size", "vocab_size")}}
+                     **{k: data_config[k] for k in ("architecture", "num_layers", "hidden_size", "vocab_size")},
+                     "context_length": verifier_context_length(cfg.verifier)}
     return export_drafter(drafter, cfg.export_dir, engine=cfg.export.engine,
                           aux_layers_hf=list(data_config["aux_layers"]), verifier_info=verifier_info,
                           dtype=export_dtype(cfg.export.dtype, cfg.verifier.dtype))

@@ -177,7 +177,7 @@ def build_drafter_args(cfg: RunConfig, data_config: dict, vocab: dict):
     fixed = dict(draft_vocab_size=int(vocab["draft_vocab_size"]), target_vocab_size=int(vocab["target_vocab_size"]),
                  target_hidden_size=int(data_config["hidden_size"]))
     if all(v is not None for v in given.values()):
-        return DrafterArgs(**given, **fixed)
+        return warn_short_context(cfg, DrafterArgs(**given, **fixed))
     from eagle3.verifier import load_verifier_config, text_config, verifier_dims
 
     hf = load_verifier_config(cfg.verifier)
@@ -189,8 +189,25 @@ def build_drafter_args(cfg: RunConfig, data_config: dict, vocab: dict):
             over["head_dim"] = h // (over["num_attention_heads"] or dims["num_attention_heads"])
         else:
             over["head_dim"] = dims["head_dim"]
-    return DrafterArgs.from_hf_config(text_config(hf), fixed["draft_vocab_size"], **over,
-                                      **{k: v for k, v in fixed.items() if k != "draft_vocab_size"})
+    return warn_short_context(cfg, DrafterArgs.from_hf_config(text_config(hf), fixed["draft_vocab_size"], **over,
+                                      **{k: v for k, v in fixed.items() if k != "draft_vocab_size"}))
+
+
+def warn_short_context(cfg: RunConfig, args):
+    """Warn at the start of 04 when the drafter's context is below the verifier's: the export for
+    SGLang will be refused, vLLM caps the draft (:func:`eagle3.export.check_context_length`).
+
+    Returns:
+        ``args`` unchanged.
+    """
+    from eagle3.export import check_context_length
+    from eagle3.verifier import verifier_context_length
+
+    try:
+        check_context_length(args, verifier_context_length(cfg.verifier), "sglang")
+    except UserError as e:
+        log.warning("%s. The SGLang export will be refused; vLLM caps the draft at that length.", e)
+    return args
 
 
 def prepare_target_head(cfg: RunConfig, data_config: dict, d: DistInfo) -> TargetHead:

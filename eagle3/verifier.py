@@ -198,6 +198,48 @@ def _rope_theta(cfg: Any) -> Optional[float]:
     return float(theta) if theta is not None else None
 
 
+CONTEXT_LENGTH_KEYS = ("max_sequence_length", "seq_length", "max_seq_len", "model_max_length", "max_position_embeddings")
+"""Config keys a context length is read from, first present wins (SGLang 0.5.23
+``sglang/srt/utils/hf_transformers/common.py`` ``CONTEXT_LENGTH_KEYS``)."""
+
+
+def serving_context_length(cfg: Any) -> Optional[int]:
+    """The context length (tokens) SGLang derives from a (text) model config: the first of
+    :data:`CONTEXT_LENGTH_KEYS` times the rope scaling ``factor``, where the factor counts only
+    without ``original_max_position_embeddings`` and for rope types other than ``llama3``
+    (SGLang 0.5.23 ``get_context_length``). ``rope_scaling`` or (transformers 5) a non-default
+    ``rope_parameters`` is read. ``None`` when no key is present (SGLang then assumes 2048).
+
+    Args:
+        cfg: ``transformers.PretrainedConfig`` or ``config.json`` dict (already unwrapped with
+            :func:`text_config`), or an exported drafter's ``config.json``.
+    """
+    rs = _get(cfg, "rope_scaling")
+    if not rs:
+        rp = _get(cfg, "rope_parameters")
+        rs = rp if isinstance(rp, dict) and rp.get("rope_type", "default") != "default" else None
+    factor = 1.0
+    if isinstance(rs, dict) and rs:
+        factor = float(rs.get("factor", 1) or 1)
+        if "original_max_position_embeddings" in rs or rs.get("rope_type") == "llama3":
+            factor = 1.0
+    for key in CONTEXT_LENGTH_KEYS:
+        v = _get(cfg, key)
+        if v is not None:
+            return int(factor * int(v))
+    return None
+
+
+def verifier_context_length(vcfg: VerifierConfig) -> Optional[int]:
+    """:func:`serving_context_length` of the verifier's text config; ``None`` when its config
+    cannot be read (no weights are loaded; callers only warn or check with it)."""
+    try:
+        return serving_context_length(text_config(load_verifier_config(vcfg)))
+    except (UserError, OSError, ValueError) as e:
+        log.debug("verifier context length unknown: %s", e)
+        return None
+
+
 def _causal_lm_class_name(model_type: Optional[str]) -> Optional[str]:
     """transformers' causal-LM class name for a ``model_type`` (GGUF configs carry no ``architectures``)."""
     if not model_type:

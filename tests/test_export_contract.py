@@ -311,3 +311,124 @@ def test_old_full_vocab_vllm_folder_with_d2t_is_refused_and_reduced_without_d2t(
     assert not torch.equal(vllm_eagle3_vocab_load(out, 50), torch.arange(16) + d.d2t)  # zeros: silently wrong
     with pytest.raises(UserError, match=r"missing required tensor 'd2t' \(draft_vocab_size 16 < vocab_size 50"):
         load_exported(out, embed_weight=d.embed_tokens.weight)
+
+
+# ---- issue 26 items 4 and 5: SGLang's own start-up rules run on the exported config.json ----------
+def _sglang_fns():
+    """SGLang 0.5.23's real ``get_context_length``, ``ModelConfig._derive_context_length`` and
+    ``_get_and_verify_dtype``, compiled from the installed source (patches/sglang_source.py; None if absent)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "patches"))
+    import logging
+
+    import sglang_source as src
+
+    root = src.sglang_root()
+    if root is None:
+        pytest.skip("SGLang not installed (CI: pip install --no-deps sglang==0.5.23)")
+    common, mc = root / "srt/utils/hf_transformers/common.py", root / "srt/configs/model_config.py"
+    keys = next(n for n in __import__("ast").parse(common.read_text()).body
+                if getattr(getattr(n, "targets", [None])[0], "id", None) == "CONTEXT_LENGTH_KEYS")
+    ns = {}
+    exec(compile(__import__("ast").Module(body=[keys], type_ignores=[]), "keys", "exec"), ns)
+    get_ctx = src.compile_def(common, "get_context_length", ns)
+    env = SimpleNamespace(SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=SimpleNamespace(get=lambda: False))
+    derive = src.compile_def(mc, "ModelConfig._derive_context_length",
+                             {"get_context_length": get_ctx, "envs": env, "is_in_ci": lambda: False,
+                              "logger": logging.getLogger("sglang-src")})
+    dtype_fn = src.compile_def(mc, "_get_and_verify_dtype", {
+        "torch": torch, "logger": logging.getLogger("sglang-src"),
+        "_STR_DTYPE_TO_TORCH_DTYPE": {"half": torch.float16, "float16": torch.float16, "float": torch.float32,
+                                      "float32": torch.float32, "bfloat16": torch.bfloat16}})
+    return get_ctx, derive, dtype_fn
+
+
+def _sglang_starts(draft_folder: Path, verifier_cfg: dict) -> bool:
+    """Whether SGLang's draft ModelConfig accepts the folder: the draft gets the target's derived context
+    length (eagle_worker_v2: context_length=target context_len) and ``_derive_context_length`` runs."""
+    get_ctx, derive, _ = _sglang_fns()
+    draft = SimpleNamespace(**json.loads((draft_folder / "config.json").read_text()))
+    me = SimpleNamespace(is_draft_model=True, hf_text_config=draft, hf_config=SimpleNamespace(architectures=draft.architectures))
+    try:
+        derive(me, get_ctx(SimpleNamespace(**verifier_cfg)))
+    except ValueError as e:
+        assert "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN" in str(e)
+        return False
+    return True
+
+
+def _drafter_ctx(mpe: int, rope_scaling=None) -> Eagle3Drafter:
+    a = DrafterArgs(hidden_size=24, num_attention_heads=4, num_key_value_heads=2, head_dim=6, intermediate_size=40,
+                    rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=mpe, draft_vocab_size=16,
+                    target_vocab_size=50, target_hidden_size=24, rope_scaling=rope_scaling)
+    d = drafter()
+    d2 = Eagle3Drafter(a)
+    d2.load_state_dict(d.state_dict())
+    return d2
+
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8192}
+
+
+@pytest.mark.parametrize("mpe,rope,verifier", [
+    (2048, None, {"max_position_embeddings": 8192}),                         # short: SGLang refuses
+    (8192, None, {"max_position_embeddings": 8192}),                         # equal: starts
+    (16384, None, {"max_position_embeddings": 8192}),                        # longer: starts
+    (2048, {"rope_type": "linear", "factor": 4.0}, {"max_position_embeddings": 8192}),  # 2048 x 4 = 8192: starts
+    (2048, {"rope_type": "linear", "factor": 2.0}, {"max_position_embeddings": 8192}),  # 4096 < 8192
+    (8192, LLAMA3, {"max_position_embeddings": 131072, "rope_scaling": LLAMA3}),      # Llama-3.1 verifier, short draft
+    (131072, LLAMA3, {"max_position_embeddings": 131072, "rope_scaling": LLAMA3}),    # the copied default: starts
+])
+def test_sglang_export_refused_exactly_when_sglang_refuses_the_draft_context(tmp_path, mpe, rope, verifier):
+    """Issue 26 item 4: our verdict (export refused / written) equals SGLang 0.5.23's own start-up check
+    on the folder; the vLLM export is written with a warning naming the key."""
+    from eagle3.verifier import serving_context_length
+
+    get_ctx = _sglang_fns()[0]
+    vctx = serving_context_length(verifier)
+    assert vctx == get_ctx(SimpleNamespace(**{"rope_scaling": None, **verifier}))  # our rule == SGLang's
+    d = _drafter_ctx(mpe, rope)
+    info = {**LLAMA30, "context_length": vctx}
+    sg = export_drafter(d, tmp_path / "probe", "sglang", [2, 15, 27], LLAMA30)  # no context known: not checked
+    sglang_ok = _sglang_starts(sg, {"rope_scaling": None, **verifier})
+    if sglang_ok:
+        export_drafter(d, tmp_path / "sg", "sglang", [2, 15, 27], info)
+    else:
+        with pytest.raises(UserError, match=rf"drafter.max_position_embeddings: {mpe} gives the draft a context length "
+                                            r"of \d+ tokens, below the verifier's \d+: SGLang 0.5.23 refuses.*"
+                                            r"SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1.*>= \d+"):
+            export_drafter(d, tmp_path / "sg", "sglang", [2, 15, 27], info)
+        assert not (tmp_path / "sg").exists()
+    export_drafter(d, tmp_path / "vl", "vllm", [2, 15, 27], info)  # vLLM does not refuse
+
+
+def test_short_context_fix_hint_is_enough_and_export_only_applies_it(tmp_path, caplog):
+    """The '>= N' of the refusal makes SGLang start; 04 warns at the start of training."""
+    import logging
+    import re
+
+    d = _drafter_ctx(2048, {"rope_type": "linear", "factor": 2.0})
+    with pytest.raises(UserError) as e:
+        export_drafter(d, tmp_path / "sg", "sglang", [2, 15, 27], {**LLAMA30, "context_length": 8192})
+    need = int(re.search(r">= (\d+)", str(e.value)).group(1))
+    assert need == 4096
+    ok = export_drafter(_drafter_ctx(need, {"rope_type": "linear", "factor": 2.0}), tmp_path / "sg", "sglang",
+                        [2, 15, 27], {**LLAMA30, "context_length": 8192})
+    assert _sglang_starts(ok, {"max_position_embeddings": 8192, "rope_scaling": None})
+    with caplog.at_level(logging.WARNING, logger="eagle3.export"):
+        export_drafter(d, tmp_path / "vl", "vllm", [2, 15, 27], {**LLAMA30, "context_length": 8192})
+    assert any("drafter.max_position_embeddings: 2048" in r.getMessage() and "vLLM caps" in r.getMessage()
+               for r in caplog.records)
+
+
+@pytest.mark.parametrize("verifier_dtype,export,served", [
+    ("float32", "auto", torch.bfloat16), ("bfloat16", "auto", torch.bfloat16), ("float16", "auto", torch.float16),
+    ("float32", "float32", torch.float16),  # asked explicitly: written, and SGLang --dtype auto serves it as fp16 (warned)
+])
+def test_sglang_dtype_auto_serves_the_export_as_the_verifier_is_served(tmp_path, verifier_dtype, export, served):
+    """Issue 26 item 5, with SGLang's real _get_and_verify_dtype on the exported config.json."""
+    from eagle3.export import export_dtype
+
+    out = export_drafter(drafter(), tmp_path / "x", "sglang", [2, 15, 27], LLAMA30,
+                         dtype=export_dtype(export, verifier_dtype))
+    assert _sglang_fns()[2](json.loads((out / "config.json").read_text()), "auto") == served
