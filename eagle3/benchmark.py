@@ -298,6 +298,18 @@ def render_markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def headline(report: dict, out_dir: str | Path) -> str:
+    """The lines stage 05 prints at its end: per dataset tau, tokens/s greedy vs with the drafter (both
+    measured in this run), the speedup and the lossless verdict (as in ``bench.md``), then the report path."""
+    lines = []
+    for d in report["datasets"]:
+        lines.append(f"{d['dataset']}: tau {_f(d['tau'])}, greedy {_f(d['greedy_tokens_per_s'], 1)} tok/s vs "
+                     f"EAGLE-3 {_f(d['spec_tokens_per_s'], 1)} tok/s = {_f(d['speedup'])}x, "
+                     f"lossless {_lossless_cell(d)} ({d['num_prompts']} prompts, {report['device']} {report['dtype']})")
+    lines.append(f"report: {Path(out_dir) / 'bench.md'}")
+    return "\n".join(lines)
+
+
 def _lossless_cell(d: dict) -> str:
     """``yes``, ``yes (n near-ties)`` or ``NO (n prompts)`` for one dataset row."""
     fails = d.get("failures", len(d["mismatches"]))
@@ -562,6 +574,7 @@ def run_offline(
         log.warning("%s", w)
     if bad and strict:
         raise UserError(f"{out / 'bench.json'}: lossless check failed: {msg}")
+    print(headline(report, out))
     return report
 
 

@@ -908,6 +908,7 @@ def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: O
         export_for_run(cfg, drafter, data_config)
         result["export_dir"] = str(cfg.export_dir)
         write_report(train_dir, result, args)
+        print(headline(result, train_dir))
     _barrier(d)
     return result
 
@@ -920,6 +921,21 @@ def _peak_gpu_mem_gib(device: torch.device) -> Optional[float]:
     if device.type != "cuda":
         return None
     return torch.cuda.max_memory_allocated(device) / 2**30
+
+
+def headline(result: dict, train_dir: Path) -> str:
+    """The lines stage 04 prints at its end: optimizer steps, final validation loss and top-1 accuracy per
+    TTT step (``final_val``'s ``loss`` / ``acc_{i}``, as in ``train_report.md``), the report and the export."""
+    val = result.get("final_val") or {}
+    acc = [val[k] for k in sorted((k for k in val if k.startswith("acc_")), key=lambda k: int(k.split("_")[-1]))]
+    text = f"trained: {result['step']}/{result['total_steps']} optimizer steps"
+    if "loss" in val:
+        text += f"; final validation loss {val['loss']:.4f}"
+    if acc:
+        text += f", top-1 {' / '.join(f'{a:.3f}' for a in acc)} (TTT steps 0..{len(acc) - 1})"
+    elif not val:
+        text += "; no validation split (data.val_fraction)"
+    return "\n".join([text, f"report: {train_dir / 'train_report.md'}", f"export: {result['export_dir']}"])
 
 
 def write_report(train_dir: Path, result: dict, args) -> None:
