@@ -411,26 +411,92 @@ class RunConfig(_Strict):
         return Path(self.benchmark.output_dir) if self.benchmark.output_dir else self.root / "bench"
 
 
-def _format_validation_error(path: Path, err: ValidationError, overrides: Optional[dict] = None) -> str:
-    """One line for the first pydantic error, naming the ``--set`` override when one set that key.
+def _format_validation_error(path: Path, err: ValidationError, overrides: Optional[dict] = None,
+                             lines: Optional[dict] = None) -> str:
+    """One line for the first pydantic error, naming the ``--set`` override when one set that key, else
+    the file and the line of the key (``run.yaml:14: ...``, from ``lines`` = :func:`_key_lines`).
 
     ``overrides`` maps key tuples (``("train", "lr")``) to the override text; an error whose location
     is at or below an overridden key, or above it (an unknown section the override created), blames
-    the override instead of the file.
+    the override instead of the file. An unknown key gets the closest valid key of its section
+    (``did you mean 'lr'?``, :func:`_did_you_mean`).
     """
     e = err.errors()[0]
     loc_t = tuple(str(x) for x in e["loc"])
     loc = ".".join(loc_t)
-    where = str(path)
+    where, by_override = str(path), False
     for keys, text in (overrides or {}).items():
         n = min(len(keys), len(loc_t))
         if n and keys[:n] == loc_t[:n]:
-            where = f"--set {text}"
+            where, by_override = f"--set {text}", True
+    if not by_override and lines:
+        # the key itself; for a missing key, the section that lacks it (none for a top-level key)
+        line = next((lines[loc_t[:n]] for n in range(len(loc_t), 0, -1) if loc_t[:n] in lines), None)
+        if line is not None:
+            where = f"{where}:{line}"
     if e["type"] == "extra_forbidden":
-        return f"{where}: unknown config key '{loc}'"
+        return f"{where}: unknown config key '{loc}'{_did_you_mean(loc_t)}"
     if e["type"] == "missing":
         return f"{where}: missing required config key '{loc}'"
     return f"{where}: field '{loc}': {e['msg']} (got {_short(e.get('input'))})"
+
+
+def _section_model(loc: tuple[str, ...]) -> Optional[type[BaseModel]]:
+    """The config section model reached by the keys ``loc`` from :class:`RunConfig` (None past a leaf)."""
+    import typing
+
+    def sub(ann):
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            return ann
+        return next((m for a in typing.get_args(ann) if (m := sub(a)) is not None), None)
+
+    model: Optional[type[BaseModel]] = RunConfig
+    for part in loc:
+        field = model.model_fields.get(part) if model else None
+        model = sub(field.annotation) if field else None
+    return model
+
+
+def _did_you_mean(loc: tuple[str, ...]) -> str:
+    """`` (did you mean 'lr'?)`` for the unknown key ``loc[-1]`` among its section's keys (difflib's
+    closest match, ratio >= 0.6), else ``''``."""
+    import difflib
+
+    model = _section_model(loc[:-1])
+    if model is None:
+        return ""
+    close = difflib.get_close_matches(loc[-1], list(model.model_fields), n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _key_lines(text: str) -> dict[tuple[str, ...], int]:
+    """1-based line of every key in the YAML ``text``: ``{("train", "lr"): 14, ...}`` (list items by index).
+
+    From PyYAML's node tree (``yaml.compose``: the same parse as ``safe_load``, with positions); a later
+    duplicate key wins, as in ``safe_load``. Empty when the text does not compose (safe_load reports that).
+    """
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return {}
+    out: dict[tuple[str, ...], int] = {}
+
+    def walk(node, prefix: tuple[str, ...]) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                if isinstance(k, yaml.ScalarNode):
+                    key = prefix + (str(k.value),)
+                    for old in [x for x in out if x[: len(key)] == key]:  # a duplicate key replaces the earlier
+                        del out[old]
+                    out[key] = k.start_mark.line + 1
+                    walk(v, key)
+        elif isinstance(node, yaml.SequenceNode):
+            for i, v in enumerate(node.value):
+                out[prefix + (str(i),)] = v.start_mark.line + 1
+                walk(v, prefix + (str(i),))
+
+    walk(root, ())
+    return out
 
 
 def _short(value, limit: int = 80) -> str:
@@ -521,7 +587,7 @@ def load_config(path: str | os.PathLike, overrides: Optional[list[str]] = None) 
     try:
         return RunConfig.model_validate(raw)
     except ValidationError as e:
-        raise UserError(_format_validation_error(path, e, applied)) from e
+        raise UserError(_format_validation_error(path, e, applied, _key_lines(text))) from e
 
 
 def add_config_args(parser) -> None:

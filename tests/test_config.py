@@ -56,6 +56,44 @@ def test_bad_fields_name_file_and_field(tmp_path, extra, message):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("text, message", [
+    # a typo'd key: its line and the closest valid key of its section
+    (BASE + "train:\n  epochs: 2\n  lrr: 0.1\n", "run.yaml:8: unknown config key 'train.lrr' (did you mean 'lr'?)"),
+    (BASE + "trian:\n  lr: 0.1\n", "run.yaml:6: unknown config key 'trian' (did you mean 'train'?)"),
+    ("run_name: r\nverifier:\n  path: x\n  dtyp: float32\nprompts:\n  source: y\n",
+     "run.yaml:4: unknown config key 'verifier.dtyp' (did you mean 'dtype'?)"),
+    (BASE.replace("prompts:\n", "prompts:\n  server:\n    url: [x]\n"),
+     "run.yaml:6: unknown config key 'prompts.server.url' (did you mean 'urls'?)"),
+    (BASE + "train:\n  zzz_nothing_alike: 1\n", "run.yaml:7: unknown config key 'train.zzz_nothing_alike'"),
+    # wrong values: the line of the key, also inside a list
+    (BASE + "\n\ntrain:\n  epochs: many\n", "run.yaml:9: field 'train.epochs'"),
+    (BASE + "extract:\n  aux_layers:\n    - 2\n    - x\n    - 27\n", "run.yaml:9: field 'extract.aux_layers.1'"),
+    # a missing key: the section lacking it; none for a top-level key
+    ("run_name: r\nverifier:\n  name: x\nprompts:\n  source: y\n", "run.yaml:2: missing required config key 'verifier.path'"),
+    ("run_name: r\nprompts:\n  source: y\n", "run.yaml: missing required config key 'verifier'"),
+])
+def test_file_errors_give_the_line_and_the_closest_key(tmp_path, text, message):
+    f = _write(tmp_path, text)
+    with pytest.raises(UserError) as e:
+        load_config(f)
+    assert str(e.value).startswith(str(f.parent) + "/" + message), str(e.value)
+    assert str(e.value).endswith("(did you mean 'lr'?)") == ("lrr" in text)
+
+
+def test_override_errors_name_the_override_with_the_closest_key(tmp_path):
+    with pytest.raises(UserError) as e:
+        load_config(_write(tmp_path, BASE), ["train.lrr=0.1"])
+    assert str(e.value) == "--set train.lrr=0.1: unknown config key 'train.lrr' (did you mean 'lr'?)"
+
+
+def test_key_lines_follow_duplicates_as_safe_load_does():
+    from eagle3.config import _key_lines
+
+    assert _key_lines("a: 1\nb:\n  c: 2\n  d: [1, 2]\nb:\n  e: 3\n") == {("a",): 1, ("b",): 5, ("b", "e"): 6}
+    assert _key_lines("a: [1,\n  2]\n") == {("a",): 1, ("a", "0"): 1, ("a", "1"): 2}
+    assert _key_lines("a: : b\n") == {}
+
+
 def test_missing_required_and_bad_yaml(tmp_path):
     with pytest.raises(UserError, match="missing required config key 'verifier'"):
         load_config(_write(tmp_path, "run_name: r\nprompts:\n  source: x\n"))
@@ -81,7 +119,7 @@ def test_every_stage_exits_2_on_a_misspelled_key(tmp_path, script):
     r = subprocess.run([sys.executable, str(ROOT / script), "--config", str(f)], capture_output=True, text=True,
                        cwd=tmp_path, timeout=300)
     assert r.returncode == 2
-    assert r.stderr.strip().splitlines()[-1] == f"error: {f}: unknown config key 'train.learning_rate'"
+    assert r.stderr.strip().splitlines()[-1] == f"error: {f}:7: unknown config key 'train.learning_rate'"
     assert not (tmp_path / "outputs").exists()
 
 
@@ -98,7 +136,7 @@ def test_a_boolean_is_never_a_number(tmp_path, override, key):
         load_config(_write(tmp_path, BASE), [override])
     assert str(e.value).startswith(f"--set {override}: field '{key}': Value error, expected a number, not a boolean")
     f = _write(tmp_path, BASE + "train:\n  grad_accum: yes\n")
-    with pytest.raises(UserError, match=rf"{f}: field 'train.grad_accum': .*not a boolean"):
+    with pytest.raises(UserError, match=rf"{f}:7: field 'train.grad_accum': .*not a boolean"):
         load_config(f)
     cfg = load_config(_write(tmp_path, BASE + "train:\n  lr: 1\n  compile: true\n"))
     assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float) and cfg.train.compile is True
