@@ -13,7 +13,7 @@ import argparse
 
 from eagle3.cli import ArgumentParser, positive_int, run_main
 from eagle3.config import add_config_args, load_config
-from eagle3.prompts import FORMATS
+from eagle3.prompts.readers import FORMATS
 
 
 def main(argv=None):
@@ -29,9 +29,9 @@ def main(argv=None):
                    help="recompute even if the outputs are up to date (also discards a server regeneration's resume log)")
     a = p.parse_args(argv)
     cfg = load_config(a.config, a.overrides)
-    import eagle3.prepare_prompts
+    import eagle3.prompts.prepare_prompts
 
-    return eagle3.prepare_prompts.run(cfg, source=a.source, fmt=a.fmt, regenerate=a.regenerate, limit=a.limit,
+    return eagle3.prompts.prepare_prompts.run(cfg, source=a.source, fmt=a.fmt, regenerate=a.regenerate, limit=a.limit,
                                       force=a.force)
 
 

@@ -39,7 +39,7 @@ def main(argv=None) -> int:
         cfg.extract.sglang_url = a.server[0] if len(a.server) == 1 else a.server
     if a.capture_dir:
         cfg.extract.capture_dir = a.capture_dir[0] if len(a.capture_dir) == 1 else a.capture_dir
-    from eagle3.extract import run
+    from eagle3.capture.extract import run
 
     s = run(cfg, overwrite=a.overwrite, limit=a.limit, ignore_disk_check=a.ignore_disk_check)
     if "samples" not in s:  # torchrun rank > 0: rank 0 reports for everyone

@@ -23,7 +23,7 @@ def main(argv=None) -> int:
                         "(unchanged sizes/mtimes, manifest, data_config); catches bit rot after the first validation")
     a = p.parse_args(argv)
     cfg = load_config(a.config, a.overrides)
-    from eagle3.prepare_data import run
+    from eagle3.data.prepare_data import run
 
     r = run(cfg, plot=not a.no_plot, revalidate=a.revalidate)
     print(f"{r['num_samples']} samples ({r['train_samples']} train / {r['val_samples']} val), draft vocab "

@@ -30,13 +30,14 @@ def main(argv=None) -> int:
     if a.engine:
         cfg = cfg.model_copy(update={"export": cfg.export.model_copy(update={"engine": a.engine})})
     if a.export_only:
-        from eagle3.export_checkpoint import export_from_checkpoint
+        from eagle3.export.from_checkpoint import export_from_checkpoint
 
         print(f"exported: {export_from_checkpoint(cfg)}")
         return 0
-    from eagle3.train import run
+    from eagle3.export.from_checkpoint import export_for_run
+    from eagle3.train.trainer import run
 
-    res = run(cfg, resume=a.resume, max_steps=a.max_steps)
+    res = run(cfg, resume=a.resume, max_steps=a.max_steps, export=export_for_run)
     if res["stopped"]:
         return interrupted_exit(res)
     return 0

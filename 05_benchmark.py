@@ -45,10 +45,10 @@ def main(argv=None):
     if a.tie_tolerance is not None and not a.tie_tolerance >= 0:
         p.error(f"argument --tie-tolerance: must be >= 0, got {a.tie_tolerance}")
     if a.server:
-        from eagle3 import server_bench
+        from eagle3.benchmark import server as server_bench
 
         return server_bench.run(cfg, a.server, a.datasets, a.num_prompts, a.max_new_tokens, a.concurrency, a.timeout)
-    from eagle3 import benchmark
+    from eagle3.benchmark import offline as benchmark
 
     return benchmark.run(cfg, a.drafter, a.datasets, a.steps, a.num_prompts, a.max_new_tokens, a.serve_aux_layers,
                          a.batch_size, a.tie_tolerance)

@@ -8,7 +8,7 @@
         --dst out/shards-fp8
     # then train on it: add --set extract.output_dir=out/shards-fp8 to 03_prepare_data.py and 04_train.py
 
-Atomic and resumable (re-run the same command after a kill or a full disk); see eagle3/shard_convert.py.
+Atomic and resumable (re-run the same command after a kill or a full disk); see eagle3/shards/convert.py.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="also write the summary as JSON here")
     a = p.parse_args(argv)
 
-    from eagle3.fp8 import Storage
-    from eagle3.shard_convert import convert
+    from eagle3.shards.fp8 import Storage
+    from eagle3.shards.convert import convert
 
     src, to, scale, block = a.src, a.to, a.scale, a.block_size
     if a.config:

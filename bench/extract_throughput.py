@@ -6,7 +6,7 @@ padding on either side), each timed end to end after one warm-up batch (median o
 - ``bare``: ``model(input_ids, use_cache=False, logits_to_keep=1)`` per batch (no mask: nothing is
   padded, and the capture passes none either), synchronised at the end: the forward work the capture
   cannot avoid;
-- ``pipeline``: :func:`eagle3.extract.capture_and_write`, the code stage 02 runs: hooked capture
+- ``pipeline``: :func:`eagle3.capture.extract.capture_and_write`, the code stage 02 runs: hooked capture
   of the 3 aux states + last, padding sliced and cast to bf16 on the device, one pinned
   device->host copy per batch overlapped with the next forward, shards serialised, hashed and
   written atomically (fsync + rename) by ``--write-threads`` background threads into a temporary
@@ -24,16 +24,16 @@ padding on either side), each timed end to end after one warm-up batch (median o
   capture is bound by the disk, not by the pipeline (compare with ``--out-dir /dev/shm``).
 
 ``extract.storage_dtype`` (``--set extract.storage_dtype=float8_e4m3fn``) benchmarks the fp8 shard
-writer (:mod:`eagle3.fp8`: half the bytes per token).
+writer (:mod:`eagle3.shards.fp8`: half the bytes per token).
 
-``--checksums A [B ...]``: the shard checksum recorded per manifest row (:mod:`eagle3.checksum`); the
+``--checksums A [B ...]``: the shard checksum recorded per manifest row (:mod:`eagle3.shards.checksum`); the
 first is the headline ``pipeline``, each further one is timed as ``pipeline_<algo>`` in the same run
 (e.g. ``--checksums xxh3_128 sha256``: the hash 02 records now against the one it recorded before).
 ``--threads-variants N [N ...]``: the headline with N writer threads, as ``pipeline_t<N>``.
 ``--stream-save``: also time ``pipeline_streamsave``, shards streamed through a Python file object
-(:data:`eagle3.shards.SAVE_VIA_PATH` False: the writer before; same bytes).
+(:data:`eagle3.shards.format.SAVE_VIA_PATH` False: the writer before; same bytes).
 ``--switch-interval-variants S [S ...]``: the headline with the GIL switch interval S seconds while the
-writer threads run (:data:`eagle3.shard_writer.SWITCH_INTERVAL_S`), as ``pipeline_si<S>``
+writer threads run (:data:`eagle3.capture.shard_writer.SWITCH_INTERVAL_S`), as ``pipeline_si<S>``
 (0.005 = Python's default).
 ``--profile``: after the timings, the headline pipeline once more under :mod:`stack_sampler` (every
 thread's stack every 5 ms), the shares per thread group in the JSON's ``profile``.
@@ -48,8 +48,8 @@ Prints a Markdown table and JSON; ``capture_vs_bare_ratio`` = pipeline tokens/s 
 ``[4, T, H]`` batch buffer like the capture's, same threads, into ``--out-dir``:
 ``writer_list`` = 4 bf16 tensors per sample (the writer checks and, for fp8, quantises on the
 CPU: what stage 02 did before the device-side encoding, and still does for backends without it),
-``writer_stored`` = :func:`eagle3.shards.encode_batch` per batch first (on the GPU in stage 02; on
-the CPU here, timed apart as ``encode_s``), then :class:`eagle3.shards.StoredStates` per sample;
+``writer_stored`` = :func:`eagle3.shards.format.encode_batch` per batch first (on the GPU in stage 02; on
+the CPU here, timed apart as ``encode_s``), then :class:`eagle3.shards.format.StoredStates` per sample;
 ``disk`` = the plain-write ceiling above. ``*_vs_disk_ratio`` = writer GB/s / ceiling GB/s.
 
     python bench/extract_throughput.py --config configs/smollm2-135m.yaml --device cuda --batch 64 --seq 2048 \\
@@ -76,11 +76,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from eagle3.capture.hf import HFCapture  # noqa: E402
-from eagle3.checksum import ALGOS, DEFAULT_ALGO  # noqa: E402
+from eagle3.shards.checksum import ALGOS, DEFAULT_ALGO  # noqa: E402
 from eagle3.cli import ArgumentParser, non_negative_int, positive_int, run_main  # noqa: E402
 from eagle3.config import add_config_args, load_config  # noqa: E402
-from eagle3.extract import Sample, _start_capture, capture_and_write, default_write_threads  # noqa: E402
-from eagle3.fp8 import storage_from_config  # noqa: E402
+from eagle3.capture.extract import Sample, _start_capture, capture_and_write, default_write_threads  # noqa: E402
+from eagle3.shards.fp8 import storage_from_config  # noqa: E402
 from eagle3.io import atomic_write_bytes, atomic_write_json  # noqa: E402
 from eagle3.layers import default_aux_layers  # noqa: E402
 from eagle3.verifier import load_verifier, verifier_dims  # noqa: E402
@@ -90,8 +90,8 @@ from eagle3.verifier import load_verifier, verifier_dims  # noqa: E402
 def writer_settings(via_path: Optional[bool] = None, switch: Optional[float] = None):
     """Inside the block: shards saved via a path or a file object (``via_path``), and the writer's GIL
     switch interval (``switch`` s); None keeps the module's setting. Restored after."""
-    import eagle3.shard_writer as sw
-    import eagle3.shards as sh
+    import eagle3.capture.shard_writer as sw
+    import eagle3.shards.format as sh
 
     old = (sh.SAVE_VIA_PATH, sw.SWITCH_INTERVAL_S)
     if via_path is not None:
@@ -155,10 +155,10 @@ def write_files(out_dir, n_files: int, nbytes: int, threads: int) -> None:
 
 def device_encoding_check(cap: HFCapture, batch: list[list[int]], storage, n: int = 4) -> Optional[bool]:
     """Whether the shards of the first ``n`` samples of ``batch`` encoded on the capture device
-    (:func:`eagle3.shards.encode_batch`, what stage 02 writes) are byte-identical to the writer's
+    (:func:`eagle3.shards.format.encode_batch`, what stage 02 writes) are byte-identical to the writer's
     CPU path on the plain bf16 capture of the same batch (None on an older tree without it)."""
     try:
-        from eagle3.shards import shard_object
+        from eagle3.shards.format import shard_object
         stored = cap.capture_async(batch, storage=storage).stored()
     except (ImportError, TypeError, AttributeError):
         return None
@@ -178,7 +178,7 @@ def hidden_states_check(cap: HFCapture, batch: list[list[int]]) -> dict:
     all-ones/zeros attention mask, run with the same attention backends (cuDNN SDPA off, as in the
     capture). Per case, ``batch`` as given (``unpadded``) and with every other sample cut to half its
     length (``padded``): ``{"equal": bitwise equal on every real row, "max_abs_diff": float}``."""
-    from eagle3.attention import no_cudnn_sdpa
+    from eagle3.sdpa import no_cudnn_sdpa
 
     model = cap.model
     out_d = {}
@@ -227,11 +227,11 @@ def path_save_check(out_dir) -> bool:
 
 def writer_bench(a, cfg) -> dict:
     """``--writer-only``: the shard writer's GB/s (list path, stored path) vs the plain-write ceiling."""
-    from eagle3.manifest import ManifestWriter
-    from eagle3.shard_writer import ShardWriter
+    from eagle3.shards.manifest import ManifestWriter
+    from eagle3.capture.shard_writer import ShardWriter
 
     try:
-        from eagle3.shards import StoredStates, encode_batch
+        from eagle3.shards.format import StoredStates, encode_batch
     except ImportError:  # an older tree: only the list path exists
         StoredStates = encode_batch = None
     B, L, K, H = a.batch, a.seq, a.batches, a.hidden
@@ -292,8 +292,8 @@ def writer_bench(a, cfg) -> dict:
     med = {k: statistics.median(v) for k, v in times.items()}
     n = K * B * L
     gbs = {k: round(n * bpt / v / 1e9, 3) for k, v in med.items()}
-    import eagle3.shard_writer as sw
-    import eagle3.shards as sh
+    import eagle3.capture.shard_writer as sw
+    import eagle3.shards.format as sh
 
     res = {"mode": "writer_only", "storage_dtype": storage.dtype, "checksum": a.checksums[0],
            "save_via_path": sh.SAVE_VIA_PATH, "switch_interval_s": sw.SWITCH_INTERVAL_S, "hidden": H, "batch": B, "seq": L, "batches": K,
@@ -451,8 +451,8 @@ def main(argv=None) -> int:
     med = {k: statistics.median(v) for k, v in times.items()}
     n = K * B * L
     tps = {k: round(n / v, 1) for k, v in med.items()}
-    import eagle3.shard_writer as sw
-    import eagle3.shards as sh
+    import eagle3.capture.shard_writer as sw
+    import eagle3.shards.format as sh
 
     res = {
         "verifier": cfg.verifier.display_name(),

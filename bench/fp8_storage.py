@@ -4,8 +4,8 @@ Captures ``--samples`` real conversations with the configured verifier (default 
 HF backend, on CPU: the multi-turn ShareGPT sample of ../shared/data, answers as given) -- or reads an
 existing stage-02 shard folder with ``--shards`` -- and, for bf16 and each fp8 scale scheme, reports:
 
-- bytes per token: of the format (``eagle3.fp8.Storage.bytes_per_token``) and of the shard files
-  actually written with ``eagle3.shards.write_sample`` (zip overhead included), both as a ratio to bf16;
+- bytes per token: of the format (``eagle3.shards.fp8.Storage.bytes_per_token``) and of the shard files
+  actually written with ``eagle3.shards.format.write_sample`` (zip overhead included), both as a ratio to bf16;
 - reconstruction relative RMS error per tensor ``||deq - h|| / ||h||`` (aux1, aux2, aux3, last),
   against the bf16 values that bf16 shards hold today;
 - the error of the verifier targets, which come from the last hidden state (soft labels,
@@ -39,9 +39,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from eagle3.fp8 import Storage, dequantize, quantize  # noqa: E402
+from eagle3.shards.fp8 import Storage, dequantize, quantize  # noqa: E402
 from eagle3.io import atomic_write_json  # noqa: E402
-from eagle3.shards import hidden_states_bf16, list_samples, load_sample, write_sample  # noqa: E402
+from eagle3.shards.format import hidden_states_bf16, list_samples, load_sample, write_sample  # noqa: E402
 
 TENSORS = ("aux1", "aux2", "aux3", "last")
 KIMI_H = 7168
@@ -54,12 +54,12 @@ def capture_samples(config: str, n: int, max_length: int, source: Path):
     """``n`` real conversations through the verifier: list of (input_ids [L], loss_mask [L], 4 x bf16 [L, H]),
     plus the head (lm_head [V, H], norm weight or None, eps)."""
     from eagle3.capture.hf import HFCapture
-    from eagle3.chat import tokenize_conversation
+    from eagle3.prompts.chat import tokenize_conversation
     from eagle3.config import load_config
     from eagle3.errors import UserError
     from eagle3.layers import default_aux_layers
-    from eagle3.prompts import read_conversations
-    from eagle3.target_head import TargetHead
+    from eagle3.prompts.readers import read_conversations
+    from eagle3.train.target_head import TargetHead
     from eagle3.verifier import load_verifier
 
     cfg = load_config(config)
@@ -100,8 +100,8 @@ def read_shards(folder: Path, n: int, config: str | None):
     if config is None:
         return samples, None, None, 0.0, {"shards": str(folder)}
     from eagle3.config import load_config
-    from eagle3.shards import read_data_config
-    from eagle3.target_head import TargetHead
+    from eagle3.shards.format import read_data_config
+    from eagle3.train.target_head import TargetHead
     from eagle3.verifier import load_verifier
 
     cfg = load_config(config)

@@ -11,8 +11,8 @@
 #       -> tokens/s per GPU (mean of the ranks' L / median step time), total tokens/s, and
 #          scaling efficiency = per-GPU tokens/s / 1-GPU tokens/s (goal >= 0.9); the weights'
 #          checksums must agree on all ranks after the timed steps (DDP kept them in sync).
-#   (c) tests/test_ddp.py (trainer DDP == 1 process) on GPU: SKIPPED. It cannot run on CUDA/NCCL
-#       through an environment switch: tests/_ddp_worker.py calls eagle3.train.run(..., device="cpu")
+#   (c) tests/train/test_ddp.py (trainer DDP == 1 process) on GPU: SKIPPED. It cannot run on CUDA/NCCL
+#       through an environment switch: tests/_ddp_worker.py calls eagle3.train.trainer.run(..., device="cpu")
 #       and the test's 1-process reference also passes device="cpu", so it always trains on CPU/gloo.
 #       (b)'s cross-rank weight checksum is the GPU-side DDP sync check instead.
 #
@@ -81,7 +81,7 @@ run_logged tt1 "$T1" "$PY" bench/train_throughput.py "${COMMON[@]}" --json "$OUT
 run_logged "tt$N" "$TN" "$PY" -m torch.distributed.run --standalone --nproc_per_node "$N" \
     bench/train_throughput.py "${COMMON[@]}" --baseline-json "$OUT/tt1.json" --json "$OUT/tt$N.json"
 # (c) see the header: skipped
-C_REASON='skipped: tests/_ddp_worker.py and tests/test_ddp.py hard-code eagle3.train.run(device="cpu")'
+C_REASON='skipped: tests/_ddp_worker.py and tests/train/test_ddp.py hard-code eagle3.train.trainer.run(device="cpu")'
 C_REASON+=' (gloo); there is no env switch to CUDA/NCCL'
 echo "[c] $C_REASON" >&2
 
@@ -128,7 +128,7 @@ rows = [
     f"{f(q['total_tokens_per_s'], '.0f')} | {f(q['total_tokens_per_s_wall'], '.0f')} | "
     f"{f(q.get('scaling_efficiency'), '.3f')} | {f(q.get('scaling_efficiency_wall'), '.3f')} | "
     f"{f(summary['max_peak_mem_gib'], '.2f')} | {q['params_identical_across_ranks']} |",
-    "| (c) tests/test_ddp.py on GPU | - | - | - | - | - | - | - | - | skipped (c) |",
+    "| (c) tests/train/test_ddp.py on GPU | - | - | - | - | - | - | - | - | skipped (c) |",
 ]
 head = (f"Multi-GPU run: {summary['device_name']}, torch {summary['torch']}; seq {m['seq']}, kv heads {m['kv_heads']}, "
         f"ttt {m['ttt']}, compile {m['compile']}, {m['steps']} timed steps after {m['warmup']} warm-up; "

@@ -1,7 +1,7 @@
 """Benchmark: wall time of the batched offline benchmark (05) and EAGLE-3 vs greedy tokens/s per batch size.
 
 For one prompt set (default MT-bench, 80 prompts x 256 new tokens, chain of 3 draft tokens) and each
-``--batch-sizes`` value, runs exactly what ``05_benchmark.py`` runs (:func:`eagle3.benchmark.bench_prompts`:
+``--batch-sizes`` value, runs exactly what ``05_benchmark.py`` runs (:func:`eagle3.benchmark.offline.bench_prompts`:
 batched greedy baseline, batched EAGLE-3 checked token for token against it, both in the same run)
 and prints:
 
@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eagle3.benchmark import (  # noqa: E402
+from eagle3.benchmark.offline import (  # noqa: E402
     TRAIN_META, _load_drafter, bench_prompts, default_tie_tolerance, json_safe, resolve_aux_layers, warm_up,
 )
 from eagle3.cli import ArgumentParser, run_main  # noqa: E402
@@ -48,7 +48,7 @@ log = logging.getLogger("offline_bench_speed")
 
 def _random_drafter(verifier, device, dtype):
     """An untrained drafter of the verifier's shape (identity draft vocab of min(32000, V) ids)."""
-    from eagle3.model import DrafterArgs, Eagle3Drafter
+    from eagle3.train.model import DrafterArgs, Eagle3Drafter
 
     cfg = verifier.config.get_text_config() if hasattr(verifier.config, "get_text_config") else verifier.config
     args = DrafterArgs.from_hf_config(cfg, draft_vocab_size=min(32000, int(cfg.vocab_size)))
@@ -103,8 +103,8 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cfg = load_config(a.config, a.overrides)
 
-    from eagle3.chat import ChatOptions, end_of_turn_ids, prompt_ids
-    from eagle3.eval_prompts import dataset_label, load_eval_prompts
+    from eagle3.prompts.chat import ChatOptions, end_of_turn_ids, prompt_ids
+    from eagle3.benchmark.eval_prompts import dataset_label, load_eval_prompts
     from eagle3.layers import check_aux_layers, default_aux_layers
     from eagle3.verifier import load_verifier, resolve_device, verifier_dims
 

@@ -1,8 +1,8 @@
 """Benchmark (GPU): stage 01's local regeneration wall time, round-by-round vs ready-pool schedule.
 
-Runs :func:`eagle3.regenerate.regenerate` on the same conversations twice in one process, with
+Runs :func:`eagle3.prompts.regenerate.regenerate` on the same conversations twice in one process, with
 ``schedule="rounds"`` (the former plan: every turn k before any turn k+1) and ``schedule="pool"``
-(the ready pool of :func:`eagle3.regenerate.pick_batch`), after a short warm-up ``generate``, and
+(the ready pool of :func:`eagle3.prompts.regenerate.pick_batch`), after a short warm-up ``generate``, and
 prints each run's seconds, answers/s, batches and decode steps (sum over batches of the longest
 answer), the ratio pool/rounds, and how many answers are identical (greedy answers do not depend
 on the schedule up to floating-point rounding of different batch compositions).
@@ -68,10 +68,10 @@ def main(argv=None) -> int:
 
     import torch
 
-    from eagle3.chat import ChatOptions, end_of_turn_ids
-    from eagle3.extract import read_prompts
-    from eagle3.prepare_prompts import max_context_tokens
-    from eagle3.regenerate import generate_greedy, regenerate
+    from eagle3.prompts.chat import ChatOptions, end_of_turn_ids
+    from eagle3.capture.extract import read_prompts
+    from eagle3.prompts.prepare_prompts import max_context_tokens
+    from eagle3.prompts.regenerate import generate_greedy, regenerate
     from eagle3.verifier import load_verifier
 
     batch_size = a.batch_size or cfg.prompts.gen_batch_size

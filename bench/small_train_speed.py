@@ -1,13 +1,13 @@
 """Benchmark: stage-04 training throughput of the SmolLM2 drafter, old fixed-batch loop vs token-budget loop.
 
-Every mode runs the real trainer, ``eagle3.train.run``, on the same shards (data loading, targets,
+Every mode runs the real trainer, ``eagle3.train.trainer.run``, on the same shards (data loading, targets,
 TTT forward/backward, AdamW, logging), for ``--steps`` optimizer steps each, in one process:
 
 - ``legacy8``: the loop as issue 9 measured it (14K tokens/s on an H200): ``batch_size`` 8 padded to
   the longest sample, 2 loader workers, verifier targets and draft logits at every position
-  (``eagle3.ttt.ttt_loss``; the collate output without ``loss_pos``, which selects that path), logit
+  (``eagle3.train.ttt.ttt_loss``; the collate output without ``loss_pos``, which selects that path), logit
   checkpointing, and torch's default SDPA backend (cuDNN on Hopper, which builds a plan per new shape;
-  ``eagle3.train.run`` now turns it off).
+  ``eagle3.train.trainer.run`` now turns it off).
 - ``fixed8``: ``batch_size`` 8 with today's loop (host-indexed loss rows, auto loader workers).
 - ``tokens``: ``train.batch_tokens`` token-budget micro-batches (``--batch-tokens``, default 16384).
 
@@ -16,9 +16,9 @@ A mode may carry ``+nock`` (``train.checkpoint_logits=off``) or ``+compile`` (``
 
 ``+fp8`` (issue 13: fp8 shards must not train slower): the same mode on the SAME samples stored as fp8
 (``eagle3-fp8-v1``, e4m3 + per-token fp32 scales), made from the bf16 shards by the project's converter
-(``eagle3.shard_convert.convert``) into ``--fp8-shards`` (default ``WORKDIR/shards-fp8``; a folder that
+(``eagle3.shards.convert.convert``) into ``--fp8-shards`` (default ``WORKDIR/shards-fp8``; a folder that
 already holds that conversion, e.g. ``convert_shards.py``'s output, is reused as is). The trainer then
-reads 1-byte features + scales and dequantises on the device (``eagle3.fp8.dequantize_batch``); the
+reads 1-byte features + scales and dequantises on the device (``eagle3.shards.fp8.dequantize_batch``); the
 split, vocab map, seed and steps are the bf16 mode's. ``--modes tokens,tokens+fp8`` reports each
 mode's tokens/s and loader tokens/s, ``fp8_vs_bf16_tokens_per_s`` (fp8 / bf16; issue 13 asks >= 1),
 ``fp8_vs_bf16_loader_tokens_per_s``, and both first-step losses (equal up to fp8 rounding).
@@ -91,9 +91,9 @@ def synthetic_lengths(n: int, max_length: int, seed: int) -> list[tuple[int, int
 
 
 def _write_many(args) -> list[tuple[int, int, int]]:
-    """Write a slice of the synthetic shards: the speculators-v1 dict of ``eagle3.shards.write_sample``,
+    """Write a slice of the synthetic shards: the speculators-v1 dict of ``eagle3.shards.format.write_sample``,
     saved with plain ``torch.save`` (no per-file fsync: benchmark data, not a crash-safe stage output)."""
-    from eagle3.shards import shard_path
+    from eagle3.shards.format import shard_path
 
     torch.set_num_threads(1)
     root, jobs, hidden, vocab = args
@@ -115,10 +115,10 @@ def write_synthetic(root: Path, n: int, n_val: int, shape: dict, max_length: int
     """Shards + manifest + data_config + vocab map + split + target head + run YAML under ``root``; returns the YAML."""
     import yaml
 
-    from eagle3.manifest import MANIFEST
-    from eagle3.shards import FORMAT, LAYER_INDEX_CONVENTION, write_data_config
-    from eagle3.target_head import TargetHead
-    from eagle3.vocab import save_vocab_map
+    from eagle3.shards.manifest import MANIFEST
+    from eagle3.shards.format import FORMAT, LAYER_INDEX_CONVENTION, write_data_config
+    from eagle3.train.target_head import TargetHead
+    from eagle3.data.vocab import save_vocab_map
 
     shards, data = root / "shards", root / "data"
     H, V, dV = shape["hidden"], shape["vocab"], shape["draft_vocab"]
@@ -179,7 +179,7 @@ def bf16_mode(mode: str) -> str:
 def make_fp8_shards(src: Path, dst: Path, overwrite: bool) -> dict:
     """Store the bf16 shard set ``src`` as fp8 in ``dst`` with the project's converter.
 
-    Uses :func:`eagle3.shard_convert.convert` with ``Storage("float8_e4m3fn")`` (per-token fp32 scales,
+    Uses :func:`eagle3.shards.convert.convert` with ``Storage("float8_e4m3fn")`` (per-token fp32 scales,
     the stage-02 default), so the benchmark trains on exactly what ``convert_shards.py`` writes. A
     ``dst`` that already holds this conversion is resumed (nothing to do when complete).
 
@@ -195,9 +195,9 @@ def make_fp8_shards(src: Path, dst: Path, overwrite: bool) -> dict:
         UserError: ``src`` is already fp8 (nothing to compare against), or the converter's errors
             (a different conversion in ``dst`` without ``overwrite``, corrupt source, disk full).
     """
-    from eagle3.fp8 import Storage
-    from eagle3.shard_convert import convert
-    from eagle3.shards import read_data_config
+    from eagle3.shards.fp8 import Storage
+    from eagle3.shards.convert import convert
+    from eagle3.shards.format import read_data_config
 
     if Storage.from_meta(read_data_config(src)).is_fp8:
         raise UserError(f"{src / 'data_config.json'}: storage_dtype is already float8_e4m3fn; '+{FP8}' modes need "
@@ -209,19 +209,19 @@ def make_fp8_shards(src: Path, dst: Path, overwrite: bool) -> dict:
 # one mode
 # ---------------------------------------------------------------------------------------------
 def _legacy_collate(items):
-    from eagle3.dataset import collate
+    from eagle3.data.dataset import collate
 
     out = collate(items)
-    out.pop("loss_pos")  # no loss rows: eagle3.train takes the dense ttt_loss path
+    out.pop("loss_pos")  # no loss rows: eagle3.train.trainer takes the dense ttt_loss path
     return out
 
 
 def loader_rate(cfg, batches: int) -> dict:
-    """Data loading alone, as ``eagle3.train`` sets it up for ``cfg`` (workers, pinning): real tokens/s over
+    """Data loading alone, as ``eagle3.train.trainer`` sets it up for ``cfg`` (workers, pinning): real tokens/s over
     ``batches`` micro-batches after the first, and one process's ``ShardDataset[i]`` time per sample."""
-    from eagle3.dataset import ShardDataset, read_split
-    from eagle3.shards import expect_from_data_config, read_data_config
-    from eagle3.train import DistInfo, _TrainData
+    from eagle3.data.dataset import ShardDataset, read_split
+    from eagle3.shards.format import expect_from_data_config, read_data_config
+    from eagle3.train.trainer import DistInfo, _TrainData
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     meta = read_data_config(cfg.shards_dir)
@@ -257,7 +257,8 @@ def run_mode(mode: str, config: Path, overrides: list[str], workdir: Path, steps
     """
     import shutil
 
-    import eagle3.train as train_mod
+    import eagle3.train.trainer as train_mod
+    from eagle3.export.from_checkpoint import export_for_run
     from eagle3.config import load_config
 
     out = workdir / f"train-{mode.replace('+', '-')}"
@@ -287,7 +288,7 @@ def run_mode(mode: str, config: Path, overrides: list[str], workdir: Path, steps
     lr = loader_rate(cfg, 30 if base_mode == "tokens" else 100)
     import contextlib
 
-    import eagle3.attention as attn_mod
+    import eagle3.sdpa as attn_mod
 
     saved = train_mod.collate, attn_mod.no_cudnn_sdpa
     if base_mode == "legacy8":
@@ -295,7 +296,7 @@ def run_mode(mode: str, config: Path, overrides: list[str], workdir: Path, steps
         attn_mod.no_cudnn_sdpa = contextlib.nullcontext  # keep torch's default SDPA choice (cuDNN on Hopper)
     t0 = time.perf_counter()
     try:
-        res = train_mod.run(cfg, max_steps=steps, device=device)
+        res = train_mod.run(cfg, max_steps=steps, device=device, export=export_for_run)
     finally:
         train_mod.collate, attn_mod.no_cudnn_sdpa = saved
     wall = time.perf_counter() - t0

@@ -1,16 +1,16 @@
 """Benchmark: the real stage-04 training step (drafter TTT + verifier targets + backward + AdamW) at a given shape.
 
-What one timed step is (the same calls as ``eagle3.train._run`` with ``grad_accum = 1``):
+What one timed step is (the same calls as ``eagle3.train.trainer._run`` with ``grad_accum = 1``):
 
-1. ``eagle3.ttt.compute_targets(last, lm_head [V, Ht], d2t, t2d, chunk=eagle3.train.TARGET_CHUNK)``
+1. ``eagle3.train.ttt.compute_targets(last, lm_head [V, Ht], d2t, t2d, chunk=eagle3.train.trainer.TARGET_CHUNK)``
    under ``no_grad``: the verifier's soft targets from its last hidden state (full ``V``-column LM head);
-2. ``eagle3.train.backward_step``: the step's token counts and loss denominators
-   (``eagle3.ttt.step_denominators``, one all-reduce per step under DDP), then
-   ``eagle3.train.TTTObjective`` (``drafter.ttt_forward`` over all ``ttt`` steps + ``ttt_loss``) under
-   ``torch.autocast(dtype=eagle3.train._autocast_dtype(...))`` (bf16 on GPU, none on CPU; the
+2. ``eagle3.train.trainer.backward_step``: the step's token counts and loss denominators
+   (``eagle3.train.ttt.step_denominators``, one all-reduce per step under DDP), then
+   ``eagle3.train.trainer.TTTObjective`` (``drafter.ttt_forward`` over all ``ttt`` steps + ``ttt_loss``) under
+   ``torch.autocast(dtype=eagle3.train.trainer._autocast_dtype(...))`` (bf16 on GPU, none on CPU; the
    drafter's weights stay float32 masters), optionally wrapped in ``torch.compile``, and ``loss.backward()``;
 3. ``clip_grad_norm_(params, grad_clip)``, ``AdamW.step()``,
-   ``zero_grad(set_to_none=True)``, ``LambdaLR.step()`` (``eagle3.schedule.build_scheduler``),
+   ``zero_grad(set_to_none=True)``, ``LambdaLR.step()`` (``eagle3.train.schedule.build_scheduler``),
    with ``lr``, ``weight_decay``, ``grad_clip``, ``step_weight`` and ``warmup_ratio`` at their
    ``eagle3.config.TrainConfig`` defaults.
 
@@ -64,7 +64,7 @@ CPU smoke run (a few seconds)::
 
 DDP mode (multi-GPU scaling). Launched under ``torchrun`` (env ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``),
 every rank runs the same step as above with the ``TTTObjective`` wrapped exactly as
-``eagle3.train._run`` wraps it: ``eagle3.train.init_distributed`` (NCCL on ``cuda:LOCAL_RANK``, gloo
+``eagle3.train.trainer._run`` wraps it: ``eagle3.train.trainer.init_distributed`` (NCCL on ``cuda:LOCAL_RANK``, gloo
 with ``--device cpu``, plus a gloo control group), ``DistributedDataParallel(objective,
 device_ids=[local_rank] on GPU / None on CPU)`` when ``WORLD_SIZE > 1``, and ``torch.compile`` around
 the DDP module with ``--compile``. The weights are identical on every rank (seed 0; DDP also
@@ -124,10 +124,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle3.config import TrainConfig  # noqa: E402
 from eagle3.io import atomic_write_json  # noqa: E402
-from eagle3.model import DrafterArgs, Eagle3Drafter  # noqa: E402
-from eagle3.schedule import build_scheduler  # noqa: E402
-from eagle3.train import TARGET_CHUNK, DistInfo, TTTObjective, _autocast_dtype, backward_step, init_distributed  # noqa: E402
-from eagle3.ttt import compute_targets  # noqa: E402
+from eagle3.train.model import DrafterArgs, Eagle3Drafter  # noqa: E402
+from eagle3.train.schedule import build_scheduler  # noqa: E402
+from eagle3.train.trainer import TARGET_CHUNK, DistInfo, TTTObjective, _autocast_dtype, backward_step, init_distributed  # noqa: E402
+from eagle3.train.ttt import compute_targets  # noqa: E402
 
 GIB = 1024**3
 
@@ -255,8 +255,8 @@ def build_step(s: Shape, device: torch.device, compile_objective: bool, checkpoi
 
     Args:
         seed: drafter init, vocab map and verifier head (identical on every rank).
-        ddp: with a multi-process :class:`eagle3.train.DistInfo`, the objective is wrapped in
-            ``DistributedDataParallel`` as in ``eagle3.train._run`` (before ``torch.compile``).
+        ddp: with a multi-process :class:`eagle3.train.trainer.DistInfo`, the objective is wrapped in
+            ``DistributedDataParallel`` as in ``eagle3.train.trainer._run`` (before ``torch.compile``).
         batch_seed: seed of the random batch (``input_ids``, ``aux``, ``last``); None draws it from
             the ``seed`` stream after the head (the single-process default).
     """
@@ -291,7 +291,7 @@ def build_step(s: Shape, device: torch.device, compile_objective: bool, checkpoi
     objective = TTTObjective(drafter, s.ttt, tc.step_weight, checkpoint_logits=ckpt_logits)
     model = objective
     wrapped = ddp is not None and ddp.distributed
-    if wrapped:  # as eagle3.train._run: DDP around the objective, torch.compile around DDP
+    if wrapped:  # as eagle3.train.trainer._run: DDP around the objective, torch.compile around DDP
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         model = DDP(objective, device_ids=[device.index] if device.type == "cuda" else None)

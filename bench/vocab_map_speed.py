@@ -2,7 +2,7 @@
 
 Default: target vocab 163840 (Kimi-K2.5) -> draft vocab 32000 over 17M loss-masked tokens
 (synthetic Zipf-distributed ids, in samples of ~2K tokens with ~60% of positions loss-masked,
-like real shards). Times :func:`eagle3.vocab.count_token_freq` + :func:`build_vocab_map` +
+like real shards). Times :func:`eagle3.data.vocab.count_token_freq` + :func:`build_vocab_map` +
 :func:`coverage` (data generation is timed separately) and prints a Markdown line and JSON.
 
     python bench/vocab_map_speed.py [--vocab 163840 --draft 32000 --tokens 17000000 --json out.json]
@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle3.io import atomic_write_json  # noqa: E402
-from eagle3.vocab import build_vocab_map, count_token_freq, coverage  # noqa: E402
+from eagle3.data.vocab import build_vocab_map, count_token_freq, coverage  # noqa: E402
 
 
 def synthetic_samples(vocab: int, masked_tokens: int, sample_len: int, mask_frac: float, zipf_s: float, seed: int):

@@ -252,7 +252,7 @@ class ExtractConfig(_Strict):
         return None if v is None else check_http_url(v)
     storage_dtype: Literal["bfloat16", "float8_e4m3fn"] = Field(
         "bfloat16", description="hidden states on disk: bfloat16 = speculators-v1 (readable by other tools); "
-        "float8_e4m3fn = half the bytes, scaled e4m3 + fp32 scales (eagle3.fp8), dequantised on the training device")
+        "float8_e4m3fn = half the bytes, scaled e4m3 + fp32 scales (eagle3.shards.fp8), dequantised on the training device")
     fp8_scale: Literal["per_token", "per_block"] = Field(
         "per_token", description="fp8 only: one scale per token and tensor, or one per fp8_block_size columns")
     fp8_block_size: int = Field(128, ge=1, description="fp8 per_block only: columns per scale (must divide the hidden size)")
@@ -311,7 +311,7 @@ class TrainConfig(_Strict):
     batch_size: int = Field(1, ge=1, description="samples per process per micro-batch (ignored when batch_tokens is set)")
     batch_tokens: Optional[int] = Field(
         None, ge=1, description="token-budget micro-batches instead of batch_size: samples of similar length "
-        "(sorted within shuffled windows) up to this many padded tokens per process per micro-batch (eagle3/batching.py)")
+        "(sorted within shuffled windows) up to this many padded tokens per process per micro-batch (eagle3/data/batching.py)")
     num_workers: Optional[int] = Field(
         None, ge=0, description="data loader worker processes per rank; null = auto (GPU: up to 8 by CPU count, CPU: 0)")
     grad_accum: int = Field(1, ge=1)

@@ -1,7 +1,7 @@
 """Helpers for the training tests: a tiny synthetic stage-02/03 output and a run YAML over it.
 
 ``make_tiny_run`` writes everything stage 04 reads, without a verifier:
-speculators-v1 shards (``eagle3.shards.write_sample``) + ``data_config.json``, ``vocab_map.pt``,
+speculators-v1 shards (``eagle3.shards.format.write_sample``) + ``data_config.json``, ``vocab_map.pt``,
 ``split.json`` and ``{train_dir}/target_head.safetensors``; the drafter shape is fully given in the
 YAML, so the verifier path is never opened.
 
@@ -23,9 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from eagle3.shards import FORMAT, LAYER_INDEX_CONVENTION, write_data_config, write_sample  # noqa: E402
-from eagle3.target_head import TargetHead  # noqa: E402
-from eagle3.vocab import save_vocab_map  # noqa: E402
+from eagle3.shards.format import FORMAT, LAYER_INDEX_CONVENTION, write_data_config, write_sample  # noqa: E402
+from eagle3.train.target_head import TargetHead  # noqa: E402
+from eagle3.data.vocab import save_vocab_map  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -100,13 +100,14 @@ def main(argv=None) -> int:
     import argparse
 
     from eagle3.config import add_config_args, load_config
-    from eagle3.train import run
+    from eagle3.export.from_checkpoint import export_for_run
+    from eagle3.train.trainer import run
 
     p = argparse.ArgumentParser()
     add_config_args(p)
     p.add_argument("--resume", action="store_true")
     a = p.parse_args(argv)
-    run(load_config(a.config, a.overrides), resume=a.resume, device="cpu")
+    run(load_config(a.config, a.overrides), resume=a.resume, device="cpu", export=export_for_run)
     return 0
 
 

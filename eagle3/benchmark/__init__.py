@@ -1,0 +1,1 @@
+"""Stage 05: offline and server benchmarks of an exported drafter."""

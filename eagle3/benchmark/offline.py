@@ -1,0 +1,647 @@
+"""Stage 05: offline benchmark of an exported EAGLE-3 drafter against its verifier (transformers).
+
+For each dataset, every prompt is decoded twice in the same run, greedy (baseline) and with chain
+speculative decoding (:mod:`eagle3.benchmark.decode`), and the outputs must agree token for token.
+
+Metrics (names as in SGLang/SpecForge reports):
+
+- ``tau`` (acceptance length): tokens EMITTED by verify steps / verify steps, i.e. mean of
+  accepted draft tokens + 1 (the bonus) where the last step of each prompt counts only the tokens
+  before the cut at EOS / max_new_tokens (issue 11 item 2: counting the verifier's whole decision
+  there inflates tau, e.g. 4.0 instead of 3.0 for a perfect drafter at 3 steps and 10 tokens).
+  SGLang's ``spec_accept_length`` = completion tokens / verify steps also counts the prefill token.
+- ``conditional[k]`` = P(draft position k+1 accepted | positions <= k accepted), the chain
+  acceptance rate of each position; ``unconditional[k]`` = P(positions 1..k+1 all accepted).
+  tau = 1 + sum(unconditional).
+- tokens/s with and without the drafter (generated tokens / wall seconds incl. prefill) and
+  ``speedup`` = their ratio.
+
+Batching (``benchmark.batch_size``): prompts are decoded in batches, greedy and speculative alike
+with the same KV-cache machinery (:mod:`eagle3.benchmark.decode`), so the speedup is batched EAGLE-3 against
+batched greedy at the same batch size, measured in the same run. ``drafter_share`` = drafter time /
+(drafter + verify time) of the speculative steps: where it is large, the drafter does not pay.
+
+Losslessness: every emitted token is compared with greedy's. A difference comes with its logit
+gap (verify logits: top-1 minus the logit of greedy's token at the first differing index). A gap
+<= ``benchmark.tie_tolerance`` (default :func:`default_tie_tolerance`: 1e-3 in float32, 0.25 in
+bf16/fp16) is a near-tie: rounding of the ``k+1``-token verify vs the one-token greedy forward, counted
+as ``near_ties``. Larger gaps are ``failures``: in float32 (CPU default) they fail the run
+(``UserError`` after the reports are written); in bf16/fp16 they are listed and warned about.
+
+Outputs in ``cfg.bench_dir``: ``bench.json``, ``bench.md`` and ``acceptance.png`` (atomic).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+from tqdm import tqdm
+
+from eagle3.config import RunConfig
+from eagle3.errors import UserError
+from eagle3.benchmark.eval_prompts import EvalPrompt, dataset_label, load_eval_prompts
+from eagle3.io import atomic_write_bytes, atomic_write_json, atomic_write_text, read_json
+
+log = logging.getLogger(__name__)
+
+TRAIN_META = "eagle3_train.json"
+DATA_CONFIG = "data_config.json"
+
+
+# ---------------------------------------------------------------------------------------------
+# acceptance bookkeeping
+# ---------------------------------------------------------------------------------------------
+def rates_from_hist(hist: Sequence[int], steps: int) -> dict:
+    """Per-position chain acceptance from a histogram of accepted drafts per verify step.
+
+    Args:
+        hist: ``hist[a]`` = verify steps that accepted exactly ``a`` drafts (SGLang's
+            ``spec_correct_drafts_histogram``); may be shorter than ``steps + 1``.
+        steps: drafted tokens per verify step (k).
+
+    Returns:
+        dict ``conditional`` (k floats, P(position k+1 accepted | positions <= k accepted), NaN when no
+        step reached position k+1's turn) and ``unconditional`` (k floats, fraction of verify steps that
+        accepted position k+1; tau = 1 + sum of these).
+    """
+    hist = list(hist) + [0] * max(0, steps + 1 - len(hist))
+    n = sum(hist)
+    reach = [sum(hist[k:]) for k in range(steps + 1)]  # reach[k] = steps with >= k accepted drafts
+    nan = float("nan")
+    return {
+        "conditional": [reach[k + 1] / reach[k] if reach[k] else nan for k in range(steps)],
+        "unconditional": [reach[k + 1] / n if n else nan for k in range(steps)],
+    }
+
+
+def acceptance_stats(accepted: Sequence[Sequence[bool]], steps: int) -> dict:
+    """Acceptance statistics of chain drafting from per-verify-step flags.
+
+    Args:
+        accepted: one entry per verify step, ``steps`` booleans; flag k = draft position k+1 accepted
+            (a prefix of True values, as :class:`eagle3.benchmark.decode.SpecResult.accepted`).
+        steps: drafted tokens per verify step (k).
+
+    Returns:
+        dict ``verify_steps`` (int), ``tau`` (float, mean accepted drafts + 1 per verify step; NaN when
+        no step), ``accepted_hist`` (k+1 ints: steps with exactly a accepted drafts), and
+        ``conditional`` / ``unconditional`` as in :func:`rates_from_hist`.
+
+    Raises:
+        ValueError: a flag list of the wrong length or not a prefix of True values (a caller bug).
+    """
+    hist = [0] * (steps + 1)
+    for flags in accepted:
+        if len(flags) != steps:
+            raise ValueError(f"acceptance_stats: expected {steps} flags per verify step, got {len(flags)}")
+        a = 0
+        while a < steps and flags[a]:
+            a += 1
+        if any(flags[a:]):
+            raise ValueError(f"acceptance_stats: flags {list(flags)} are not a prefix of accepted positions")
+        hist[a] += 1
+    n = len(accepted)
+    return {
+        "verify_steps": n,
+        "tau": (sum(a * c for a, c in enumerate(hist)) / n + 1.0) if n else float("nan"),
+        "accepted_hist": hist,
+        **rates_from_hist(hist, steps),
+    }
+
+
+def first_mismatch(a: Sequence[int], b: Sequence[int]) -> Optional[int]:
+    """Index of the first differing token of two sequences (length difference counts); None if equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+# ---------------------------------------------------------------------------------------------
+# one dataset
+# ---------------------------------------------------------------------------------------------
+def default_tie_tolerance(dtype: torch.dtype) -> float:
+    """The near-tie tolerance (logit units) used when ``benchmark.tie_tolerance`` is unset.
+
+    float32: 1e-3 (shape-dependent rounding of a 30-layer fp32 forward is ~1e-5; a larger gap is a
+    bug). bfloat16/float16: 0.25, two bf16 steps at logit magnitude 16-32 (8 significant bits), the
+    size of the rounding differences between a ``k+1``-token verify and a one-token greedy forward.
+    """
+    return 1e-3 if dtype == torch.float32 else 0.25
+
+
+def bench_prompts(
+    verifier,
+    drafter,
+    prompts_ids: Sequence[tuple[str, list[int]]],
+    aux_layers: Sequence[int],
+    steps: int,
+    max_new_tokens: int,
+    eos_ids: Sequence[int],
+    label: str = "prompts",
+    batch_size: int = 32,
+    tie_tolerance: float = 0.0,
+    progress: bool = True,
+) -> dict:
+    """Batched greedy vs batched speculative decoding of tokenised prompts; lossless check per prompt.
+
+    Prompts are sorted by length (longest first, least padding) and cut into batches of
+    ``batch_size``; each batch is decoded greedily (timed), then speculatively (timed) with greedy's
+    tokens as the reference, so every emitted token is checked and each prompt's first difference
+    comes with its logit gap (:func:`eagle3.benchmark.decode.speculative_generate_batch`).
+
+    Args:
+        verifier, drafter: see :func:`eagle3.benchmark.decode.speculative_generate_batch`.
+        prompts_ids: ``(id, chat-rendered prompt ids)`` pairs.
+        aux_layers: HF ``hidden_states`` indices of the drafter's aux features.
+        steps, max_new_tokens, eos_ids: decoding settings (temperature 0).
+        label: dataset label (tqdm and report).
+        batch_size: prompts decoded together (>= 1).
+        tie_tolerance: a difference whose logit gap is <= this is a near-tie (counted, not a failure).
+
+    Returns:
+        dict: ``dataset``, ``num_prompts``, ``batch_size``, acceptance stats (:func:`acceptance_stats`,
+        emitted tokens only), ``greedy_tokens``, ``greedy_seconds``, ``greedy_tokens_per_s``,
+        ``spec_tokens``, ``spec_seconds``, ``spec_tokens_per_s``, ``speedup``, ``draft_seconds``,
+        ``verify_seconds``, ``drafter_share`` (draft / (draft + verify) of the speculative step time),
+        ``rounds``, ``wall_seconds`` (the whole set, both decoders and the checks), ``tie_tolerance``,
+        ``mismatches`` (list of ``{id, index, gap, near_tie}``: first differing output token, gap =
+        verify top-1 logit minus the logit of greedy's token, None if unknown), ``near_ties`` and
+        ``failures`` (counts of mismatches within / beyond ``tie_tolerance``), ``per_prompt``.
+
+    Raises:
+        UserError: ``batch_size < 1``.
+    """
+    from eagle3.benchmark.decode import greedy_generate_batch, speculative_generate_batch
+
+    if batch_size < 1:
+        raise UserError(f"benchmark.batch_size: must be >= 1, got {batch_size}")
+    order = sorted(range(len(prompts_ids)), key=lambda i: (-len(prompts_ids[i][1]), i))
+    per_prompt: list[Optional[dict]] = [None] * len(prompts_ids)
+    accepted: list[list[bool]] = []
+    g_tok = g_sec = s_tok = s_sec = d_sec = v_sec = 0.0
+    rounds = 0
+    mismatches = []
+    t_wall = time.perf_counter()
+    bar = tqdm(total=len(prompts_ids), desc=f"bench {label} (batch {batch_size})", unit="prompt", disable=not progress)
+    for b0 in range(0, len(order), batch_size):
+        idx = order[b0 : b0 + batch_size]
+        ids = [prompts_ids[i][1] for i in idx]
+        g = greedy_generate_batch(verifier, ids, max_new_tokens, eos_ids)
+        s = speculative_generate_batch(verifier, drafter, ids, aux_layers, steps, max_new_tokens, eos_ids, reference=g.tokens)
+        g_sec += g.seconds
+        s_sec += s.seconds
+        d_sec += s.draft_seconds
+        v_sec += s.verify_seconds
+        rounds += s.rounds
+        for i, g_tokens, res in zip(idx, g.tokens, s.rows):
+            pid = prompts_ids[i][0]
+            diff = first_mismatch(g_tokens, res.tokens)
+            if diff is not None:
+                gap = res.gap if res.mismatch == diff else None
+                mismatches.append({"id": pid, "index": diff, "gap": gap,
+                                   "near_tie": gap is not None and gap <= tie_tolerance})
+            accepted.extend(res.accepted)
+            g_tok += len(g_tokens)
+            s_tok += len(res.tokens)
+            per_prompt[i] = {
+                "id": pid, "prompt_tokens": len(prompts_ids[i][1]), "greedy_tokens": len(g_tokens),
+                "spec_tokens": len(res.tokens), "accept_lengths": res.accept_lengths, "lossless": diff is None,
+            }
+        bar.update(len(idx))
+    bar.close()
+    wall = time.perf_counter() - t_wall
+    stats = acceptance_stats(accepted, steps)
+    g_tps = g_tok / g_sec if g_sec > 0 else float("nan")
+    s_tps = s_tok / s_sec if s_sec > 0 else float("nan")
+    near = sum(1 for m in mismatches if m["near_tie"])
+    return {
+        "dataset": label,
+        "num_prompts": len(prompts_ids),
+        "batch_size": batch_size,
+        **stats,
+        "greedy_tokens": int(g_tok), "greedy_seconds": g_sec, "greedy_tokens_per_s": g_tps,
+        "spec_tokens": int(s_tok), "spec_seconds": s_sec, "spec_tokens_per_s": s_tps,
+        "speedup": s_tps / g_tps if g_sec > 0 and s_sec > 0 else float("nan"),
+        "draft_seconds": d_sec, "verify_seconds": v_sec,
+        "drafter_share": d_sec / (d_sec + v_sec) if d_sec + v_sec > 0 else float("nan"),
+        "rounds": rounds, "wall_seconds": wall,
+        "tie_tolerance": tie_tolerance,
+        "mismatches": mismatches, "near_ties": near, "failures": len(mismatches) - near,
+        "per_prompt": per_prompt,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# reports
+# ---------------------------------------------------------------------------------------------
+def _f(x: Optional[float], nd: int = 2) -> str:
+    return "n/a" if x is None or x != x else f"{x:.{nd}f}"
+
+
+def json_safe(obj):
+    """``obj`` with NaN/inf floats replaced by None (strict JSON; NaN marks an undefined rate)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
+def render_markdown(report: dict) -> str:
+    """The Markdown tables of ``bench.md`` from a ``bench.json`` report dict."""
+    steps = report["steps"]
+    lines = [
+        f"# EAGLE-3 offline benchmark: {report['verifier']}",
+        "",
+        f"drafter `{report['drafter']}`, chain of {steps} draft tokens, temperature 0, "
+        f"max_new_tokens {report['max_new_tokens']}, {report['device']} {report['dtype']}, "
+        f"aux layers (HF hidden_states indices) {report['aux_layers']}",
+        "",
+        "| dataset | prompts | batch | tau | greedy tok/s | EAGLE-3 tok/s | speedup | drafter share | wall s | lossless |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for d in report["datasets"]:
+        lines.append(
+            f"| {d['dataset']} | {d['num_prompts']} | {d.get('batch_size', 1)} | {_f(d['tau'])} | "
+            f"{_f(d['greedy_tokens_per_s'], 1)} | {_f(d['spec_tokens_per_s'], 1)} | {_f(d['speedup'])}x | "
+            f"{_f(d.get('drafter_share'))} | {_f(d.get('wall_seconds'), 1)} | {_lossless_cell(d)} |"
+        )
+    head = " | ".join(f"pos {k + 1}" for k in range(steps))
+    lines += [
+        "",
+        "Per-position acceptance: conditional P(k accepted | 1..k-1 accepted) / unconditional P(1..k accepted)",
+        "",
+        f"| dataset | verify steps | {head} |",
+        "|---|---:|" + "---:|" * steps,
+    ]
+    for d in report["datasets"]:
+        cells = " | ".join(f"{_f(c)} / {_f(u)}" for c, u in zip(d["conditional"], d["unconditional"]))
+        lines.append(f"| {d['dataset']} | {d['verify_steps']} | {cells} |")
+    mism = [(d["dataset"], m) for d in report["datasets"] for m in d["mismatches"]]
+    if mism:
+        lines += ["", f"Differences from greedy (first differing token per prompt; gap = verify top-1 logit minus "
+                      f"the logit of greedy's token; near-tie tolerance {report['datasets'][0].get('tie_tolerance')}):", "",
+                  "| dataset | prompt | token index | logit gap | near-tie |", "|---|---|---:|---:|---|"]
+        for name, m in mism:
+            lines.append(f"| {name} | {m['id']} | {m['index']} | {_f(m.get('gap'), 4)} | {'yes' if m.get('near_tie') else 'no'} |")
+    for w in report.get("warnings", []):
+        lines += ["", f"**warning**: {w}"]
+    return "\n".join(lines) + "\n"
+
+
+def headline(report: dict, out_dir: str | Path) -> str:
+    """The lines stage 05 prints at its end: per dataset tau, tokens/s greedy vs with the drafter (both
+    measured in this run), the speedup and the lossless verdict (as in ``bench.md``), then the report path."""
+    lines = []
+    for d in report["datasets"]:
+        lines.append(f"{d['dataset']}: tau {_f(d['tau'])}, greedy {_f(d['greedy_tokens_per_s'], 1)} tok/s vs "
+                     f"EAGLE-3 {_f(d['spec_tokens_per_s'], 1)} tok/s = {_f(d['speedup'])}x, "
+                     f"lossless {_lossless_cell(d)} ({d['num_prompts']} prompts, {report['device']} {report['dtype']})")
+    lines.append(f"report: {Path(out_dir) / 'bench.md'}")
+    return "\n".join(lines)
+
+
+def _lossless_cell(d: dict) -> str:
+    """``yes``, ``yes (n near-ties)`` or ``NO (n prompts)`` for one dataset row."""
+    fails = d.get("failures", len(d["mismatches"]))
+    near = d.get("near_ties", 0)
+    if fails:
+        return f"NO ({fails} prompts)" + (f" + {near} near-ties" if near else "")
+    return "yes" if not near else f"yes ({near} near-ties)"
+
+
+def plot_acceptance(datasets: Sequence[dict], steps: int, title: str = "") -> bytes:
+    """PNG bytes: grouped bars of conditional and unconditional acceptance per draft position per dataset."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    width = 0.8 / max(1, len(datasets))
+    for ax, key, name in ((axes[0], "conditional", "conditional"), (axes[1], "unconditional", "unconditional")):
+        for j, d in enumerate(datasets):
+            xs = [k + 1 + (j - (len(datasets) - 1) / 2) * width for k in range(steps)]
+            vals = [0.0 if v is None or v != v else v for v in d[key]]
+            ax.bar(xs, vals, width=width, label=f"{d['dataset']} (tau {_f(d['tau'])})")
+        ax.set_xticks(range(1, steps + 1))
+        ax.set_xlabel("draft position")
+        ax.set_title(f"{name} acceptance")
+        ax.set_ylim(0, 1)
+    axes[0].set_ylabel("rate")
+    axes[0].legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def write_reports(out_dir: str | Path, report: dict, stem: str = "bench", plot_name: str = "acceptance.png") -> list[Path]:
+    """Atomically write ``{stem}.json``, ``{stem}.md`` and the acceptance plot into ``out_dir``."""
+    out = Path(out_dir)
+    paths = [out / f"{stem}.json", out / f"{stem}.md", out / plot_name]
+    atomic_write_json(paths[0], json_safe(report))
+    atomic_write_text(paths[1], render_markdown(report))
+    atomic_write_bytes(paths[2], plot_acceptance(report["datasets"], report["steps"], str(report.get("verifier", ""))))
+    return paths
+
+
+# ---------------------------------------------------------------------------------------------
+# aux layers: drafter metadata vs shards metadata
+# ---------------------------------------------------------------------------------------------
+def _aux_from_meta(meta: dict, path: Path) -> Optional[list[int]]:
+    if not isinstance(meta, dict):
+        raise UserError(f"{path}: expected a JSON object")
+    for key in ("aux_layers_hf", "aux_layers"):
+        if key in meta:
+            val = meta[key]
+            if not isinstance(val, list) or len(val) != 3 or not all(isinstance(i, int) for i in val):
+                raise UserError(f"{path}: key '{key}' must be a list of 3 integers, got {val!r}")
+            return val
+    return None
+
+
+def resolve_aux_layers(drafter_dir: Path, shards_dir: Optional[Path], fallback: Optional[list[int]]) -> tuple[list[int], list[str]]:
+    """The aux layers (HF indices) to feed the drafter, and warnings.
+
+    Priority: the drafter's ``eagle3_train.json`` (``aux_layers_hf``/``aux_layers``), then the shards'
+    ``data_config.json``, then ``fallback``. A warning is returned when the drafter's and the
+    shards' lists differ (the FIELD-NOTES off-by-one failure: near-zero acceptance).
+
+    Raises:
+        UserError: no source names the aux layers, or a malformed metadata file.
+    """
+    warnings: list[str] = []
+    drafter_aux = data_aux = None
+    meta_path = Path(drafter_dir) / TRAIN_META
+    if meta_path.is_file():
+        drafter_aux = _aux_from_meta(read_json(meta_path), meta_path)
+    if shards_dir is not None and (Path(shards_dir) / DATA_CONFIG).is_file():
+        dc = Path(shards_dir) / DATA_CONFIG
+        data_aux = _aux_from_meta(read_json(dc), dc)
+    if drafter_aux is not None and data_aux is not None and list(drafter_aux) != list(data_aux):
+        warnings.append(
+            f"aux layers differ: drafter {meta_path} records {drafter_aux} but shards {Path(shards_dir) / DATA_CONFIG} "
+            f"record {data_aux} (HF hidden_states indices); using the drafter's"
+        )
+    aux = drafter_aux or data_aux or fallback
+    if aux is None:
+        raise UserError(f"{meta_path}: no aux layers recorded (and no data_config.json / extract.aux_layers)")
+    return [int(i) for i in aux], warnings
+
+
+def verifier_warnings(drafter_dir: Path, verifier_name: str) -> list[str]:
+    """A warning when the drafter's ``eagle3_train.json`` names another verifier than the run config."""
+    meta_path = Path(drafter_dir) / TRAIN_META
+    if not meta_path.is_file():
+        return []
+    meta = read_json(meta_path)
+    rec = (meta.get("verifier") or {}).get("name") if isinstance(meta, dict) else None
+    if rec and rec != verifier_name:
+        return [f"drafter {meta_path} was exported for verifier '{rec}', benchmarking it with '{verifier_name}'"]
+    return []
+
+
+def export_folder_warnings(drafter_dir: Path, aux_layers: Sequence[int], verifier_architecture: str) -> list[str]:
+    """Warnings when the exported folder's ``config.json`` makes its engine capture other verifier
+    layers than ``aux_layers`` (the HF indices this benchmark feeds the drafter).
+
+    Raises:
+        UserError: the folder's layer ids contradict its recorded engine / HF layers
+            (:func:`eagle3.export.serving.check_export_folder`).
+    """
+    from eagle3.export.serving import check_export_folder
+
+    if not (Path(drafter_dir) / "config.json").is_file():
+        return []
+    info = check_export_folder(drafter_dir, verifier_architecture=verifier_architecture)
+    out = list(info["warnings"])
+    if info["aux_layers_hf"] is not None and list(info["aux_layers_hf"]) != list(aux_layers):
+        out.append(f"{Path(drafter_dir) / 'config.json'}: {info['engine']} would capture HF layers {info['aux_layers_hf']} "
+                   f"(ids {info['engine_layer_ids']}), this benchmark feeds HF layers {list(aux_layers)}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# stage 05
+# ---------------------------------------------------------------------------------------------
+def _load_drafter(drafter_dir: Path, verifier, device, dtype):
+    from eagle3.export.serving import load_exported
+
+    if not Path(drafter_dir).is_dir():
+        raise UserError(f"--drafter: folder '{drafter_dir}' not found (run 04_train.py first or pass --drafter)")
+    embed = verifier.get_input_embeddings().weight
+    drafter = load_exported(drafter_dir, embed_weight=embed)
+    return drafter.to(device=device, dtype=dtype).eval()
+
+
+
+def check_drafter_vocab(cfg, drafter, drafter_dir: Path, own_export: bool) -> list[str]:
+    """The benchmarked drafter's draft vocab against the run config and the run's ``vocab_map.pt``.
+
+    The export carries its own ``d2t`` (int64 ``[draft_V]``); a run's own export (no ``--drafter``)
+    must have ``draft_V == data.draft_vocab_size`` and, when stage 03's ``{data_dir}/vocab_map.pt``
+    exists, the same ``d2t`` (a stale export after re-running 03 is refused). A drafter passed with
+    ``--drafter`` may come from another run: a difference is a warning.
+
+    Returns:
+        warning lines (also logged).
+
+    Raises:
+        UserError: own export whose draft vocab differs from ``data.draft_vocab_size`` or from
+            ``vocab_map.pt``; a malformed ``vocab_map.pt`` (as :func:`eagle3.data.vocab.load_vocab_map`).
+    """
+    from eagle3.data.vocab import VOCAB_MAP, load_vocab_map
+
+    warnings: list[str] = []
+    got, want = int(drafter.args.draft_vocab_size), int(cfg.data.draft_vocab_size)
+    problem = None
+    if got != want:
+        problem = (f"{drafter_dir}: drafter has draft_vocab_size {got} but the config's data.draft_vocab_size is "
+                   f"{want}")
+    else:
+        vm_path = cfg.data_dir / VOCAB_MAP
+        if vm_path.is_file():
+            vm = load_vocab_map(vm_path, target_vocab_size=int(drafter.args.target_vocab_size))
+            if not torch.equal(vm["d2t"].to(drafter.d2t.device), drafter.d2t):
+                problem = f"{drafter_dir}: drafter's d2t differs from {vm_path} (export from an older stage-03 run?)"
+    if problem is None:
+        return warnings
+    if own_export:
+        raise UserError(problem + " (re-run 04_train.py, or pass --drafter to benchmark another drafter)")
+    log.warning(problem)
+    warnings.append(problem)
+    return warnings
+
+def warm_up(verifier, drafter, prompt: list[int], aux_layers: Sequence[int], steps: int, eos: Sequence[int],
+            batch_size: int) -> None:
+    """Untimed runs of both decoders at ``batch_size`` (allocator, kernels and their heuristics)."""
+    from eagle3.benchmark.decode import greedy_generate_batch, speculative_generate_batch
+
+    batch = [list(prompt)] * batch_size
+    greedy_generate_batch(verifier, batch, 8, eos)
+    speculative_generate_batch(verifier, drafter, batch, aux_layers, steps, 8, eos)
+
+
+def run_offline(
+    cfg: RunConfig,
+    verifier,
+    tokenizer,
+    drafter,
+    aux_layers: list[int],
+    datasets: Sequence[str],
+    steps: int,
+    num_prompts: Optional[int],
+    max_new_tokens: int,
+    strict: bool,
+    drafter_name: str = "",
+    warnings: Sequence[str] = (),
+    out_dir: Optional[Path] = None,
+    batch_size: Optional[int] = None,
+    tie_tolerance: Optional[float] = None,
+) -> dict:
+    """Benchmark loaded models on ``datasets``; write the reports; enforce losslessness.
+
+    ``batch_size`` / ``tie_tolerance`` default to ``cfg.benchmark`` (tolerance None:
+    :func:`default_tie_tolerance` of the verifier's dtype).
+
+    Returns:
+        the report dict written to ``bench.json``.
+
+    Raises:
+        UserError: a prompt set cannot be loaded, or (``strict``) speculative output differs from
+            greedy by more than the tie tolerance (raised after the reports are written, naming
+            dataset, prompt, token index and gap).
+    """
+    from eagle3.prompts.chat import ChatOptions, end_of_turn_ids, prompt_ids
+
+    eos = sorted(end_of_turn_ids(tokenizer))
+    param = next(verifier.parameters())
+    batch_size = batch_size or cfg.benchmark.batch_size
+    if tie_tolerance is None:
+        tie_tolerance = cfg.benchmark.tie_tolerance
+    if tie_tolerance is None:
+        tie_tolerance = default_tie_tolerance(param.dtype)
+    report = {
+        "verifier": cfg.verifier.display_name(),
+        "drafter": drafter_name,
+        "device": str(param.device),
+        "dtype": str(param.dtype).replace("torch.", ""),
+        "steps": steps,
+        "max_new_tokens": max_new_tokens,
+        "batch_size": batch_size,
+        "tie_tolerance": tie_tolerance,
+        "aux_layers": list(aux_layers),
+        "eos_ids": eos,
+        "warnings": list(warnings),
+        "datasets": [],
+    }
+    sets: list[tuple[str, list[EvalPrompt]]] = [(dataset_label(n), load_eval_prompts(n, num_prompts)) for n in datasets]
+    chat = ChatOptions.from_config(cfg)
+    warm = prompt_ids(tokenizer, [{"role": "user", "content": "Hi"}], chat)
+    warm_up(verifier, drafter, warm, aux_layers, steps, eos, min(batch_size, max(len(p) for _, p in sets)))
+    for label, prompts in sets:
+        ids = [(p.id, prompt_ids(tokenizer, p.messages, chat)) for p in prompts]
+        report["datasets"].append(bench_prompts(verifier, drafter, ids, aux_layers, steps, max_new_tokens, eos, label,
+                                                batch_size=batch_size, tie_tolerance=tie_tolerance))
+    bad = [(d["dataset"], m) for d in report["datasets"] for m in d["mismatches"] if not m["near_tie"]]
+    near = sum(d["near_ties"] for d in report["datasets"])
+    if near:
+        report["warnings"].append(f"{near} prompts differ from greedy at a near-tie (logit gap <= {tie_tolerance}); "
+                                  "listed in mismatches")
+    if bad:
+        gap = bad[0][1]["gap"]
+        msg = (f"speculative output differs from greedy beyond the tie tolerance {tie_tolerance} on {len(bad)} prompts "
+               f"(first: dataset {bad[0][0]}, prompt {bad[0][1]['id']}, token {bad[0][1]['index']}, logit gap "
+               f"{'unknown' if gap is None else f'{gap:.4g}'})")
+        report["warnings"].append(msg + ("" if strict else "; reduced precision: raise benchmark.tie_tolerance only if "
+                                                             "the gaps are rounding-sized"))
+    out = Path(out_dir or cfg.bench_dir)
+    write_reports(out, report)
+    for w in report["warnings"]:
+        log.warning("%s", w)
+    if bad and strict:
+        raise UserError(f"{out / 'bench.json'}: lossless check failed: {msg}")
+    print(headline(report, out))
+    return report
+
+
+def run(
+    cfg: RunConfig,
+    drafter_dir: Optional[str] = None,
+    datasets: Optional[Sequence[str]] = None,
+    steps: Optional[int] = None,
+    num_prompts: Optional[int] = None,
+    max_new_tokens: Optional[int] = None,
+    serve_aux_layers: Optional[Sequence[int]] = None,
+    batch_size: Optional[int] = None,
+    tie_tolerance: Optional[float] = None,
+) -> int:
+    """Stage 05 (offline): load verifier + exported drafter and benchmark (see :func:`run_offline`).
+
+    ``serve_aux_layers`` (HF indices) replaces the aux layers the drafter was trained on, to
+    measure what a serving-side layer-convention error costs (ablation); a warning is recorded.
+
+    On CPU the verifier and drafter run in float32 (lossless check strict); on GPU in
+    ``verifier.dtype`` (mismatches reported, not fatal unless the dtype is float32).
+    ``batch_size`` / ``tie_tolerance`` override ``benchmark.batch_size`` / ``benchmark.tie_tolerance``.
+
+    Returns:
+        0 on success.
+
+    Raises:
+        UserError: missing drafter folder or metadata, unloadable verifier, bad prompts, lossless failure.
+    """
+    from eagle3.layers import check_aux_layers, default_aux_layers
+    from eagle3.verifier import load_verifier, resolve_device, verifier_dims
+
+    bc = cfg.benchmark
+    steps = steps or bc.steps
+    max_new_tokens = max_new_tokens or bc.max_new_tokens
+    num_prompts = num_prompts or bc.num_prompts
+    datasets = list(datasets or bc.datasets)
+    drafter_dir = Path(drafter_dir) if drafter_dir else cfg.export_dir
+    if not drafter_dir.is_dir():
+        raise UserError(f"--drafter: folder '{drafter_dir}' not found (export a trained drafter first)")
+    device = resolve_device(cfg.verifier.device)
+    vcfg = cfg.verifier
+    if device.type == "cpu" and vcfg.dtype != "float32":
+        log.info("CPU run: using float32 instead of %s so that the lossless check is exact", vcfg.dtype)
+        vcfg = vcfg.model_copy(update={"dtype": "float32"})
+    verifier, tokenizer = load_verifier(vcfg, device)
+    n_layers = verifier_dims(verifier.config)["num_layers"]
+    fallback = cfg.extract.aux_layers
+    if fallback is None:
+        try:
+            fallback = default_aux_layers(n_layers)
+        except UserError:  # too few layers for the default: the drafter's metadata must say
+            fallback = None
+    aux, warnings = resolve_aux_layers(drafter_dir, cfg.shards_dir, fallback)
+    warnings += verifier_warnings(drafter_dir, cfg.verifier.display_name())
+    warnings += export_folder_warnings(drafter_dir, aux, verifier_dims(verifier.config)["architecture"])
+    aux = check_aux_layers(aux, n_layers, field=f"{drafter_dir / TRAIN_META}: aux_layers")
+    if serve_aux_layers is not None and list(serve_aux_layers) != list(aux):
+        serve = check_aux_layers(serve_aux_layers, n_layers, field="--serve-aux-layers")
+        msg = f"serving with aux layers {serve} although the drafter was trained on {aux} (--serve-aux-layers)"
+        log.warning(msg)
+        warnings.append(msg)
+        aux = serve
+    dtype = next(verifier.parameters()).dtype
+    drafter = _load_drafter(drafter_dir, verifier, device, dtype)
+    warnings += check_drafter_vocab(cfg, drafter, drafter_dir, own_export=drafter_dir == cfg.export_dir)
+    run_offline(cfg, verifier, tokenizer, drafter, aux, datasets, steps, num_prompts, max_new_tokens,
+                strict=dtype == torch.float32, drafter_name=str(drafter_dir), warnings=warnings,
+                batch_size=batch_size, tie_tolerance=tie_tolerance)
+    return 0

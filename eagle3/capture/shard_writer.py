@@ -1,0 +1,171 @@
+"""Stage 02's shard writer: serialisation, checksum and atomic writes on background threads, manifest in order.
+
+Each submitted sample is written by :func:`eagle3.shards.format.write_sample` (atomic: temp name, fsync,
+rename; checksum of the bytes as they stream to the file, :mod:`eagle3.shards.checksum`) on a thread pool,
+so the GPU keeps capturing the next batch meanwhile (``torch.save``'s tensor copies, file writes,
+fsync and the hashers release the GIL). Manifest rows are appended in SUBMISSION order, each only
+after its shard is durable, with one flush + fsync per group of consecutive finished rows: the
+manifest ends up byte-identical to the one the serial loop writes, and the crash-safety contract
+of ``eagle3.capture.extract`` is unchanged (a row never precedes its shard; a shard whose row was not yet
+appended when the process died is validated and adopted on resume).
+
+While writer threads exist the process's GIL switch interval is at most :data:`SWITCH_INTERVAL_S`
+(restored on close): a writer thread coming back from a GIL-free call (file write, fsync, hashing)
+otherwise waits up to Python's default 5 ms for a thread running Python (the capture loop launching
+the next forward) to let go of the GIL, and that wait, not the bytes, held the writer's throughput
+(``bench/extract_throughput.py --switch-interval-variants``).
+
+``threads=0`` writes, hashes and appends inline in :meth:`ShardWriter.submit` (the serial path).
+Memory stays bounded: :meth:`ShardWriter.submit` blocks while more than ``max_pending_tokens``
+tokens are submitted but not yet committed.
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from eagle3.shards.checksum import DEFAULT_ALGO, new_hasher
+from eagle3.shards.manifest import ManifestWriter
+from eagle3.shards.format import write_sample
+
+#: GIL switch interval (seconds) while writer threads run; None leaves Python's setting alone.
+SWITCH_INTERVAL_S: Optional[float] = 0.0005
+
+
+def _write_one(root: Path, idx: int, rows_per_dir: int, input_ids: list[int], states: Sequence[torch.Tensor],
+               loss_mask: list[int], storage=None, checksum: str = DEFAULT_ALGO) -> str:
+    # checksum of the shard's bytes as they are written (no read-back): stage 03 detects later
+    # silent corruption with it
+    h = new_hasher(checksum)
+    write_sample(root, idx, rows_per_dir, input_ids, states, loss_mask, storage, hasher=h)
+    return h.hexdigest()
+
+
+class ShardWriter:
+    """Write shards (one per sample) and log them in ``manifest.jsonl`` in submission order.
+
+    Args:
+        root: shards folder; ``rows_per_dir``: see :func:`eagle3.shards.format.shard_path`.
+        manifest: open manifest; rows ``{idx, id, num_tokens, num_loss_tokens, <checksum>}``.
+        threads: writer threads; 0 = inline (serial).
+        max_pending_tokens: back-pressure bound on submitted-but-uncommitted tokens (a single
+            sample larger than the bound is still accepted when nothing else is pending).
+        on_commit: called with each appended row, in order (progress, bookkeeping).
+        storage: :class:`eagle3.shards.fp8.Storage` of the shards (None = bf16 speculators-v1).
+        checksum: hash of each shard's bytes, recorded under its name (:mod:`eagle3.shards.checksum`).
+    """
+
+    def __init__(self, root: Path, rows_per_dir: int, manifest: ManifestWriter, threads: int = 0,
+                 max_pending_tokens: int = 1 << 18, on_commit: Optional[Callable[[dict], None]] = None,
+                 storage=None, checksum: str = DEFAULT_ALGO):
+        self.root = Path(root)
+        self.rows_per_dir = int(rows_per_dir)
+        self.manifest = manifest
+        self.threads = int(threads)
+        self.max_pending_tokens = int(max_pending_tokens)
+        self.on_commit = on_commit
+        self.storage = storage
+        new_hasher(checksum)  # unknown name: ValueError now, not in a writer thread
+        self.checksum = checksum
+        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="shard-writer") if self.threads > 0 else None
+        self._old_switch: Optional[float] = None
+        if self._pool is not None and SWITCH_INTERVAL_S is not None:
+            self._old_switch = sys.getswitchinterval()
+            sys.setswitchinterval(min(self._old_switch, SWITCH_INTERVAL_S))
+        self._pending: collections.deque[tuple[dict, Future]] = collections.deque()
+        self._pending_tokens = 0
+
+    def submit(self, idx: int, sample_id: str, input_ids: list[int], states: Sequence[torch.Tensor],
+               loss_mask: list[int]) -> None:
+        """Queue sample ``idx`` (prompt ``sample_id``) for writing; ``states`` = 4 bf16 CPU ``[L, H]``.
+
+        Raises:
+            the error of an earlier write (e.g. ``OSError`` on a full disk), before queueing more.
+        """
+        meta = {"idx": int(idx), "id": str(sample_id), "num_tokens": len(input_ids),
+                "num_loss_tokens": sum(loss_mask)}
+        if self._pool is None:
+            digest = _write_one(self.root, idx, self.rows_per_dir, input_ids, states, loss_mask, self.storage,
+                                self.checksum)
+            self._append([(meta, digest)])
+            return
+        L = len(input_ids)
+        self.commit_ready()
+        while self._pending and self._pending_tokens + L > self.max_pending_tokens:
+            self._pending[0][1].result()  # wait for the oldest write (raises its error)
+            self.commit_ready()
+        fut = self._pool.submit(_write_one, self.root, idx, self.rows_per_dir, input_ids, states, loss_mask,
+                                self.storage, self.checksum)
+        self._pending.append((meta, fut))
+        self._pending_tokens += L
+
+    def commit_ready(self) -> int:
+        """Append the rows of the leading finished writes (in submission order); return how many.
+
+        Raises:
+            the error of the first failed write among them (rows before it are appended first).
+        """
+        done: list[tuple[dict, str]] = []
+        err: Optional[BaseException] = None
+        while self._pending and self._pending[0][1].done():
+            meta, fut = self._pending[0]
+            if fut.cancelled():
+                break
+            err = fut.exception()
+            if err is not None:
+                break
+            self._pending.popleft()
+            self._pending_tokens -= meta["num_tokens"]
+            done.append((meta, fut.result()))
+        if done:
+            self._append(done)
+        if err is not None:
+            raise err
+        return len(done)
+
+    def _append(self, done: list[tuple[dict, str]]) -> None:
+        rows = self.manifest.append_many([{**meta, self.checksum: digest} for meta, digest in done])
+        if self.on_commit is not None:
+            for row in rows:
+                self.on_commit(row)
+
+    def flush(self) -> None:
+        """Wait for every queued write and append all rows (raises the first write error)."""
+        while self._pending:
+            self._pending[0][1].exception()  # wait without raising here; commit_ready raises in order
+            self.commit_ready()
+
+    def close(self, wait_commit: bool = True) -> None:
+        """Flush (when ``wait_commit``) and stop the threads.
+
+        With ``wait_commit=False`` (an error or interrupt upstream): queued writes are cancelled,
+        running ones finish (each is atomic), and the rows of the leading finished writes are still
+        appended; a failed write's error is then not raised again.
+        """
+        try:
+            if wait_commit:
+                self.flush()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True, cancel_futures=True)
+                self._pool = None
+                if self._old_switch is not None:
+                    sys.setswitchinterval(self._old_switch)
+                    self._old_switch = None
+                if not wait_commit:
+                    try:
+                        self.commit_ready()
+                    except Exception:  # noqa: BLE001 - the upstream error is the one to report
+                        pass
+
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(wait_commit=exc_type is None)

@@ -1,0 +1,305 @@
+"""Stage 03: validate the shards, count token frequencies, build the draft vocab, split train/val.
+
+Inputs: ``{shards_dir}`` (stage 02: shards + ``data_config.json``). Outputs in ``{data_dir}``
+(each written atomically; the stage is deterministic, so re-running it rewrites identical files):
+
+- ``token_freq.pt``: int64 ``[target_V]`` counts of target ids at loss-masked positions;
+- ``vocab_map.pt``: ``d2t`` int64 ``[draft_V]``, ``t2d`` bool ``[target_V]``, sizes (``eagle3.data.vocab``);
+- ``split.json``: ``{"train": [idx...], "val": [idx...]}`` (seeded permutation, both sorted);
+- ``data_report.json`` + ``data_report.md`` (+ ``coverage.png``: coverage of loss-masked tokens
+  by the top-k target ids as a function of k, the chosen draft size marked).
+
+Validation (hash + load of every shard) is skipped when a validation record of an earlier 03 matches
+the shard set exactly (``eagle3.data.validation_record``; written to ``{shards_dir}`` when writable, else
+``{data_dir}``); the outputs are then computed from the recorded stats and counts, identically.
+``data_report.json`` says which: ``"validation": "full" | "reused"``.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import Optional
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from eagle3.shards.checksum import row_checksum
+from eagle3.config import RunConfig
+from eagle3.errors import UserError
+from eagle3.io import atomic_save_png, atomic_torch_save, atomic_write_json, atomic_write_text
+from eagle3.shards.manifest import MANIFEST, read_manifest
+from eagle3.shards.format import DATA_CONFIG, expect_from_data_config, list_samples, load_sample, read_data_config
+from eagle3.data.validation_record import format_time, load_matching_record, shard_set_fingerprint, write_record
+from eagle3.data.vocab import TOKEN_FREQ, VOCAB_MAP, build_vocab_map, count_token_freq, coverage, save_vocab_map
+
+log = logging.getLogger(__name__)
+
+SPLIT = "split.json"
+REPORT_JSON = "data_report.json"
+REPORT_MD = "data_report.md"
+PLOT = "coverage.png"
+
+
+def split_indices(indices: list[int], val_fraction: float, seed: int) -> dict[str, list[int]]:
+    """Seeded train/val split of sample ids.
+
+    ``n_val = round(val_fraction * n)``, at least 1 when ``val_fraction > 0`` and ``n >= 2``, and
+    never all samples. The permutation is ``random.Random(seed).shuffle`` of the ids sorted
+    ascending, so the split depends only on the id set, the fraction and the seed.
+
+    Returns:
+        ``{"train": sorted ids, "val": sorted ids}``.
+    """
+    ids = sorted(int(i) for i in indices)
+    n = len(ids)
+    n_val = round(val_fraction * n)
+    if val_fraction > 0 and n >= 2:
+        n_val = max(1, n_val)
+    n_val = min(n_val, max(n - 1, 0))
+    perm = list(ids)
+    random.Random(seed).shuffle(perm)
+    return {"train": sorted(perm[n_val:]), "val": sorted(perm[:n_val])}
+
+
+def subset_train(train: list[int], n: Optional[int], seed: int) -> list[int]:
+    """``data.train_samples``: a seeded subset of ``n`` training ids (sorted), or all when ``n`` is None or
+    not smaller. Subsets of one seed are nested (the first ``n`` of one seeded permutation), so the
+    points of a data-scaling curve add data rather than swap it."""
+    if n is None or n >= len(train):
+        return list(train)
+    perm = sorted(train)
+    random.Random(seed + 1).shuffle(perm)
+    return sorted(perm[:n])
+
+
+def _validate_one(idx: int, path: Path, expect: dict, want: Optional[tuple[str, str]]) -> dict:
+    """Hash (against 02's manifest: ``want`` = ``(algo, hex)``, :mod:`eagle3.shards.checksum`) and load one
+    shard; returns only ``input_ids`` and ``loss_mask`` (the hidden states are validated, then
+    dropped, so memory stays one shard per worker)."""
+    from eagle3.shards.checksum import file_checksum
+
+    if want is not None and file_checksum(path, want[0]) != want[1]:
+        raise UserError(f"{path}: contents changed since extraction ({want[0]} differs from manifest.jsonl); "
+                        "delete the file and re-run 02_extract_hidden.py to recapture it")
+    s = load_sample(path, expect=expect)
+    return {"input_ids": s["input_ids"], "loss_mask": s["loss_mask"]}
+
+
+def validate_workers() -> int:
+    """Threads that hash and load shards in 03: min(8, usable cores). The hashers and file reads release
+    the GIL, so threads scale (one thread hashed sha256 at ~0.6 GB/s on the H200 machine: 54 s for
+    32 GB; xxh3_128, what 02 records now, hashes ~20x faster, so loading dominates)."""
+    from eagle3.capture.tokenize_pool import available_cpus
+
+    return min(8, available_cpus())
+
+
+def _validated_samples(paths: list[tuple[int, Path]], expect: dict, stats: dict,
+                       checksums: dict[int, tuple[str, str]], workers: Optional[int] = None):
+    """Load and validate every shard, in order; a shard whose checksum differs from the one 02 recorded in
+    ``manifest.jsonl`` (bit rot, a partial copy, an edit) is an error even when it still unpickles.
+    ``workers`` threads hash and load ahead (at most ``4 x workers`` shards in flight)."""
+    from collections import deque
+    from concurrent.futures import ThreadPoolExecutor
+
+    workers = workers or validate_workers()
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="validate") as pool:
+        pending: deque = deque()
+        it = iter(paths)
+        bar = tqdm(total=len(paths), desc="validate shards", unit="shard", mininterval=1.0)
+        try:
+            while True:
+                while len(pending) < 4 * workers:
+                    nxt = next(it, None)
+                    if nxt is None:
+                        break
+                    idx, path = nxt
+                    pending.append(pool.submit(_validate_one, idx, path, expect, checksums.get(idx)))
+                if not pending:
+                    break
+                s = pending.popleft().result()  # in order: the first bad shard in order is the one reported
+                stats["num_samples"] += 1
+                stats["num_tokens"] += int(s["input_ids"].numel())
+                stats["num_loss_tokens"] += int(s["loss_mask"].sum())
+                stats["max_len"] = max(stats["max_len"], int(s["input_ids"].numel()))
+                bar.update(1)
+                yield s
+        finally:
+            bar.close()
+            for f in pending:
+                f.cancel()
+
+
+def _plot_coverage(path: Path, freq: torch.Tensor, draft_v: int, cov: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sorted_freq = torch.sort(freq, descending=True).values.double()  # [V]
+    curve = torch.cumsum(sorted_freq, 0) / sorted_freq.sum()  # [V]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(range(1, len(curve) + 1), curve.numpy())
+    ax.axvline(draft_v, color="r", ls="--", label=f"draft vocab {draft_v}: {cov:.2%}")
+    ax.set_xscale("log")
+    ax.set_xlabel("draft vocab size (most frequent target ids)")
+    ax.set_ylabel("coverage of loss-masked tokens")
+    ax.legend(loc="lower right")
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    atomic_save_png(fig, path, dpi=100)
+
+
+def _validate_all(shards: Path, meta: dict, paths: list[tuple[int, Path]]) -> tuple[dict, torch.Tensor]:
+    """Full validation: hash + load every shard, count loss-token frequencies, check the totals.
+
+    Returns:
+        ``(stats, freq)``: stats ``num_samples``, ``num_tokens``, ``num_loss_tokens``, ``max_len``
+        (tokens); freq int64 ``[V]``.
+
+    Raises:
+        UserError: an invalid shard, a checksum differing from ``manifest.jsonl``, totals differing from
+            ``data_config.json``, no loss-masked token.
+    """
+    V = int(meta["vocab_size"])
+    stats = {"num_samples": 0, "num_tokens": 0, "num_loss_tokens": 0, "max_len": 0}
+    man_path = shards / MANIFEST
+    rows = read_manifest(man_path).rows if man_path.is_file() else {}  # flat vLLM-speculators folders: none
+    checksums = {i: c for i, r in rows.items() if (c := row_checksum(r)) is not None}
+    freq = count_token_freq(_validated_samples(paths, expect_from_data_config(meta), stats, checksums), V)  # [V]
+    _check_totals(shards, meta, stats)
+    return stats, freq
+
+
+def _check_totals(shards: Path, meta: dict, stats: dict) -> None:
+    meta_path = shards / DATA_CONFIG
+    for key in ("num_samples", "num_tokens", "num_loss_tokens"):
+        if stats[key] != meta[key]:
+            raise UserError(f"{meta_path}: key '{key}' is {meta[key]} but the shards hold {stats[key]} "
+                            "(shards added or removed after stage 02?)")
+    if stats["num_loss_tokens"] == 0:
+        raise UserError(f"{shards}: no loss-masked token in any shard (no assistant replies?)")
+
+
+def _shard_stats(cfg: RunConfig, meta: dict, paths: list[tuple[int, Path]], revalidate: bool
+                 ) -> tuple[dict, torch.Tensor, str]:
+    """Stats and loss-token counts of the shard set: reused from a validation record whose fingerprint
+    matches (``eagle3.data.validation_record``), else from a full validation, after which the record is
+    written (shards folder if writable, else the data folder).
+
+    Returns:
+        ``(stats, freq int64 [V], "full" | "reused")``.
+    """
+    shards = cfg.shards_dir
+    folders = [shards, cfg.data_dir]
+    # fingerprint BEFORE reading any shard: a shard changed during the pass makes the record stale
+    fp = shard_set_fingerprint(shards, paths, shards / MANIFEST, shards / DATA_CONFIG)
+    if not revalidate:
+        hit = load_matching_record(folders, fp, int(meta["vocab_size"]))
+        if hit is not None:
+            stats, freq, created, path = hit
+            _check_totals(shards, meta, stats)
+            log.info("reusing the shard validation of %s (%s; shards, manifest.jsonl and data_config.json unchanged "
+                     "since); --revalidate forces a full pass", format_time(created), path)
+            return stats, freq, "reused"
+    stats, freq = _validate_all(shards, meta, paths)
+    where = write_record(folders, fp, stats, freq)
+    if where is not None:
+        log.info("validation record written to %s (a re-run on unchanged shards skips the hashing)", where)
+    return stats, freq, "full"
+
+
+def run(cfg: RunConfig, *, plot: bool = True, revalidate: bool = False) -> dict:
+    """Run stage 03.
+
+    Args:
+        revalidate: hash and load every shard even when a validation record matches the shard set
+            (``03_prepare_data.py --revalidate``; see ``eagle3.data.validation_record``).
+
+    Raises:
+        UserError: missing/invalid ``data_config.json``; verifier id differs from the config's
+            ``verifier.display_name()``; ``data.draft_vocab_size`` > target vocab; any invalid
+            shard (file + key); shard count/tokens differ from ``data_config.json``; no
+            loss-masked token; fewer than 1 training sample.
+
+    Returns:
+        the report dict (also ``data_report.json``).
+    """
+    shards = cfg.shards_dir
+    meta = read_data_config(shards)
+    meta_path = shards / DATA_CONFIG
+    want = cfg.verifier.display_name()
+    if meta["verifier"] != want:
+        raise UserError(f"{meta_path}: key 'verifier' is {meta['verifier']!r} but the config's verifier is {want!r} "
+                        "(verifier.name / verifier.path); re-run 02 for this verifier")
+    V = int(meta["vocab_size"])
+    draft = cfg.data.draft_vocab_size
+    if draft > V:
+        raise UserError(f"data.draft_vocab_size: {draft} is larger than the verifier's vocab ({V} tokens, {meta_path}); "
+                        f"use at most {V}")
+    paths = list_samples(shards)
+    if not paths:
+        raise UserError(f"{shards}: no shards found")
+    stats, freq, how = _shard_stats(cfg, meta, paths, revalidate)  # freq: [V]
+    d2t, t2d = build_vocab_map(freq, draft)
+    cov = coverage(freq, t2d)
+    split = split_indices([i for i, _ in paths], cfg.data.val_fraction, cfg.data.seed)
+    if not split["train"]:
+        raise UserError(f"{shards}: not enough samples for a training split ({stats['num_samples']})")
+    train_all = len(split["train"])
+    split["train"] = subset_train(split["train"], cfg.data.train_samples, cfg.data.seed)
+
+    out = cfg.data_dir
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_torch_save(freq, out / TOKEN_FREQ)
+    save_vocab_map(out / VOCAB_MAP, d2t, t2d)
+    atomic_write_json(out / SPLIT, split)
+    report = {
+        "shards_dir": str(shards),
+        "verifier": meta["verifier"],
+        "target_vocab_size": V,
+        "draft_vocab_size": int(d2t.numel()),
+        "identity_vocab_map": bool(d2t.numel() == V),
+        "coverage": round(cov, 6),
+        "distinct_loss_tokens": int((freq > 0).sum()),
+        "num_samples": stats["num_samples"],
+        "num_tokens": stats["num_tokens"],
+        "num_loss_tokens": stats["num_loss_tokens"],
+        "loss_token_fraction": round(stats["num_loss_tokens"] / stats["num_tokens"], 6),
+        "max_sample_len": stats["max_len"],
+        "mean_sample_len": round(stats["num_tokens"] / stats["num_samples"], 2),
+        "train_samples": len(split["train"]),
+        "train_samples_available": train_all,
+        "val_samples": len(split["val"]),
+        "val_fraction": cfg.data.val_fraction,
+        "seed": cfg.data.seed,
+        "aux_layers": meta["aux_layers"],
+        "last_hidden_state": meta["last_hidden_state"],
+        "skipped_in_02": meta["skipped"],
+        "bytes_per_token": meta["bytes_per_token"],
+        "storage_dtype": meta.get("storage_dtype", "bfloat16"),  # fp8 shards were validated with their scales
+        "validation": how,  # "full": every shard hashed + loaded now; "reused": a matching validation record
+    }
+    atomic_write_json(out / REPORT_JSON, report)
+    atomic_write_text(out / REPORT_MD, _markdown(report))
+    if plot:
+        _plot_coverage(out / PLOT, freq, int(d2t.numel()), cov)
+    log.info("draft vocab %d/%d covers %.2f%% of %d loss tokens; %d train / %d val",
+             d2t.numel(), V, 100 * cov, stats["num_loss_tokens"], len(split["train"]), len(split["val"]))
+    return report
+
+
+def _markdown(r: dict) -> str:
+    rows = [("verifier", r["verifier"]), ("samples (train / val)", f"{r['num_samples']} ({r['train_samples']} / {r['val_samples']})"),
+            ("tokens", r["num_tokens"]), ("loss-masked tokens", r["num_loss_tokens"]),
+            ("target vocab", r["target_vocab_size"]), ("draft vocab", r["draft_vocab_size"]),
+            ("coverage of loss tokens by draft vocab", f"{r['coverage']:.4%}"),
+            ("distinct loss-token ids", r["distinct_loss_tokens"]),
+            ("mean / max sample length", f"{r['mean_sample_len']} / {r['max_sample_len']}"),
+            ("aux layers (HF index)", r["aux_layers"]), ("last hidden state", r["last_hidden_state"]),
+            ("shard validation", r["validation"])]
+    lines = ["# Stage 03: data report", "", "| item | value |", "|---|---:|"]
+    lines += [f"| {k} | {v} |" for k, v in rows]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,159 @@
+"""Stage 03's validation record: what a full shard validation established, reused while the shards are unchanged.
+
+A full validation in 03 hashes every shard against ``manifest.jsonl`` (sha256 recorded by 02) and loads
+it through :func:`eagle3.shards.format.load_sample` (keys, dtypes, shapes, NaN/Inf). On a 32 GB shard set that
+takes about a minute; ablations that re-run 03 on the same shards with another draft vocab size or
+training subset repeat it for nothing. After a successful full pass, 03 writes a record (JSON,
+``VALIDATION_RECORD``) holding
+
+- ``fingerprint``: sha256 over the resolved shards folder path, the sha256 of ``manifest.jsonl`` and of
+  ``data_config.json``, and the list of ``(relative path, size, mtime_ns)`` of every shard file;
+- ``stats``: ``num_samples``, ``num_tokens``, ``num_loss_tokens``, ``max_len``;
+- ``token_freq``: the int64 ``[target_V]`` loss-token counts as a list;
+- ``version`` (:data:`RECORD_VERSION`) and ``created_at`` (unix seconds, UTC).
+
+A later 03 whose fingerprint matches exactly reuses stats and counts instead of hashing and loading.
+Any change to a shard file's size or mtime (an edit, ``touch``, a copy without preserved times), an
+added or removed shard, or a changed manifest / data_config changes the fingerprint. What the
+fingerprint cannot see: bytes that change in place while size and mtime stay the same (bit rot, a
+tool that restores mtimes); ``--revalidate`` forces the full pass for those.
+
+Where it lives: in the shards folder when that is writable (the ablations that share one shard set
+share the record), else in the run's data folder (re-runs of that run reuse it). Readers look in
+both, shards folder first. A record that cannot be read or parsed, has another version, or does not
+hold consistent values is ignored (a warning for the unreadable/inconsistent kinds) and rewritten
+after the full pass; it is never an error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from eagle3.errors import UserError
+from eagle3.io import atomic_write_json, file_sha256
+
+log = logging.getLogger(__name__)
+
+VALIDATION_RECORD = "validation_record.json"
+RECORD_FORMAT = "eagle3-03-validation"
+RECORD_VERSION = 1
+STAT_KEYS = ("num_samples", "num_tokens", "num_loss_tokens", "max_len")
+
+
+def shard_set_fingerprint(shards: Path, paths: list[tuple[int, Path]], manifest: Path, data_config: Path) -> str:
+    """Hex sha256 identifying the shard set as 03 sees it (cheap: a stat per shard, no shard read).
+
+    Covers the resolved ``shards`` path (a copied folder is validated again), the sha256 of
+    ``manifest`` (None when absent: flat speculators folders) and of ``data_config``, and
+    ``(path relative to shards, st_size, st_mtime_ns)`` of each shard in ``paths`` order
+    (``eagle3.shards.format.list_samples``: sorted by idx).
+
+    Raises:
+        OSError: a shard vanished between listing and ``stat``.
+    """
+    files = []
+    for _, p in paths:
+        st = os.stat(p)
+        files.append([p.relative_to(shards).as_posix(), st.st_size, st.st_mtime_ns])
+    parts = {
+        "shards_dir": str(shards.resolve()),
+        "manifest_sha256": file_sha256(manifest) if manifest.is_file() else None,
+        "data_config_sha256": file_sha256(data_config),
+        "files": files,
+    }
+    blob = json.dumps(parts, sort_keys=True, separators=(",", ":")).encode("utf-8")
+    return hashlib.sha256(blob).hexdigest()
+
+
+def _parse(obj, vocab_size: int) -> tuple[dict, torch.Tensor, float]:
+    """Check a loaded record; ValueError naming the first problem."""
+    if not isinstance(obj, dict):
+        raise ValueError("not a JSON object")
+    stats = obj.get("stats")
+    if not isinstance(stats, dict) or any(type(stats.get(k)) is not int or stats[k] < 0 for k in STAT_KEYS):
+        raise ValueError(f"key 'stats' must hold non-negative integers {', '.join(STAT_KEYS)}")
+    freq = obj.get("token_freq")
+    if not isinstance(freq, list) or len(freq) != vocab_size or any(type(x) is not int or x < 0 for x in freq):
+        raise ValueError(f"key 'token_freq' must be a list of {vocab_size} non-negative integers")
+    if sum(freq) != stats["num_loss_tokens"]:
+        raise ValueError(f"key 'token_freq' sums to {sum(freq)}, key 'stats' says {stats['num_loss_tokens']} loss tokens")
+    created = obj.get("created_at")
+    if not isinstance(created, (int, float)):
+        raise ValueError("key 'created_at' must be a number")
+    return {k: stats[k] for k in STAT_KEYS}, torch.tensor(freq, dtype=torch.int64), float(created)
+
+
+def load_matching_record(folders: list[Path], fingerprint: str, vocab_size: int) -> Optional[tuple[dict, torch.Tensor, float, Path]]:
+    """The first record in ``folders`` whose fingerprint equals ``fingerprint``.
+
+    Returns:
+        ``(stats, token_freq int64 [vocab_size], created_at unix seconds, record path)``, or None when
+        no folder holds a matching, readable record. Unreadable or inconsistent records are logged as
+        warnings and skipped; records of another format/version or another fingerprint are skipped
+        (logged at info).
+    """
+    for folder in folders:
+        path = folder / VALIDATION_RECORD
+        if not path.is_file():
+            continue
+        try:
+            obj = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            log.warning("%s: unreadable validation record (%s); ignoring it, validating every shard, rewriting it",
+                        path, e)
+            continue
+        if not isinstance(obj, dict) or obj.get("format") != RECORD_FORMAT or obj.get("version") != RECORD_VERSION:
+            got = (obj.get("format"), obj.get("version")) if isinstance(obj, dict) else type(obj).__name__
+            log.warning("%s: not a version-%d validation record (format/version %s); ignoring it, "
+                        "validating every shard, rewriting it", path, RECORD_VERSION, got)
+            continue
+        if obj.get("fingerprint") != fingerprint:
+            log.info("%s: the shards changed since that validation; validating every shard", path)
+            continue
+        try:
+            stats, freq, created = _parse(obj, vocab_size)
+        except ValueError as e:
+            log.warning("%s: corrupt validation record (%s); ignoring it, validating every shard, rewriting it", path, e)
+            continue
+        return stats, freq, created, path
+    return None
+
+
+def write_record(folders: list[Path], fingerprint: str, stats: dict, freq: torch.Tensor) -> Optional[Path]:
+    """Write the record atomically into the first folder of ``folders`` that accepts it.
+
+    ``freq``: int64 ``[target_V]``. A folder that refuses the write (read-only, permissions, disk
+    full) is skipped with a warning; the record is an optimisation, so failing everywhere only logs.
+
+    Returns:
+        the path written, or None.
+    """
+    record = {
+        "format": RECORD_FORMAT,
+        "version": RECORD_VERSION,
+        "created_at": time.time(),
+        "fingerprint": fingerprint,
+        "stats": {k: int(stats[k]) for k in STAT_KEYS},
+        "token_freq": [int(x) for x in freq.tolist()],
+    }
+    for folder in folders:
+        path = folder / VALIDATION_RECORD
+        try:
+            atomic_write_json(path, record)
+            return path
+        except (OSError, UserError) as e:
+            log.warning("%s: cannot write the validation record (%s)", path, str(e).splitlines()[0] if str(e) else type(e).__name__)
+    return None
+
+
+def format_time(ts: float) -> str:
+    """``YYYY-MM-DD HH:MM:SS UTC`` of unix seconds ``ts``."""
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(ts))

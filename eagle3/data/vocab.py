@@ -1,0 +1,279 @@
+"""Draft vocabulary: token frequencies on loss-masked positions and the d2t / t2d maps.
+
+Convention (FIELD-NOTES section 3; SGLang ``hot_token_id = d2t + arange``, vLLM drops ``t2d``):
+
+- keep the ``draft_vocab_size`` target ids that occur most often at loss-masked positions
+  (ties broken by the lower id), sorted by target id ascending;
+- ``d2t``: int64 ``[draft_V]`` offsets, ``target_id = draft_id + d2t[draft_id]``;
+- ``t2d``: bool ``[target_V]``, True where the target id is in the draft vocab;
+- identity map when ``target_V <= draft_vocab_size``: ``draft_V = target_V``, ``d2t`` all zero,
+  ``t2d`` all True.
+
+``vocab_map.pt`` = ``{"d2t", "t2d", "target_vocab_size", "draft_vocab_size"}``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterable, Mapping, Sequence
+
+import torch
+
+from eagle3.errors import UserError
+from eagle3.io import atomic_torch_save, safe_torch_load
+
+VOCAB_MAP = "vocab_map.pt"
+TOKEN_FREQ = "token_freq.pt"
+_FLUSH_TOKENS = 1 << 22  # bincount once per ~4M buffered ids instead of once per sample
+
+
+def count_token_freq(
+    samples: Iterable[Mapping[str, torch.Tensor] | Sequence[torch.Tensor]], vocab_size: int
+) -> torch.Tensor:
+    """Count target token ids at loss-masked positions.
+
+    Args:
+        samples: iterable of shard dicts (``input_ids`` int ``[L]``, ``loss_mask`` 0/1 ``[L]``)
+            or ``(input_ids, loss_mask)`` pairs.
+        vocab_size: target vocab ``V``.
+
+    Returns:
+        int64 ``[V]`` counts. Vectorised: masked ids are buffered and counted with
+        ``torch.bincount`` every few million tokens (no per-token Python work).
+
+    Raises:
+        ValueError: a masked id is outside ``0..V-1`` or ids/mask lengths differ.
+    """
+    freq = torch.zeros(vocab_size, dtype=torch.int64)  # [V]
+    buf: list[torch.Tensor] = []
+    n_buf = 0
+
+    def flush() -> None:
+        nonlocal buf, n_buf
+        if not buf:
+            return
+        ids = torch.cat(buf)  # [n]
+        buf, n_buf = [], 0
+        if ids.numel() == 0:
+            return
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(f"count_token_freq: token id {hi if hi >= vocab_size else lo} outside 0..{vocab_size - 1}")
+        freq.add_(torch.bincount(ids, minlength=vocab_size))
+
+    for s in samples:
+        ids, mask = (s["input_ids"], s["loss_mask"]) if isinstance(s, Mapping) else s
+        ids = torch.as_tensor(ids).reshape(-1)  # [L]
+        mask = torch.as_tensor(mask).reshape(-1)  # [L]
+        if ids.numel() != mask.numel():
+            raise ValueError(f"count_token_freq: {ids.numel()} ids but {mask.numel()} mask entries")
+        sel = ids[mask.bool()].to(torch.int64)  # [n_masked]
+        buf.append(sel)
+        n_buf += sel.numel()
+        if n_buf >= _FLUSH_TOKENS:
+            flush()
+    flush()
+    return freq
+
+
+def build_vocab_map(freq: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Build the draft vocab from target-token counts.
+
+    Args:
+        freq: int ``[target_V]`` counts (see :func:`count_token_freq`).
+        draft_vocab_size: wanted ``draft_V`` (>= 1).
+
+    Returns:
+        ``(d2t, t2d)``: int64 ``[draft_V]`` offsets (``target = draft + d2t[draft]``) and bool
+        ``[target_V]``. Top ``draft_V`` ids by count, ties broken by lower id, sorted ascending.
+        If ``target_V <= draft_vocab_size``: identity, ``draft_V = target_V``.
+
+    Raises:
+        ValueError: ``freq`` is not 1-D or ``draft_vocab_size < 1``.
+    """
+    if freq.dim() != 1 or draft_vocab_size < 1:
+        raise ValueError(f"build_vocab_map: freq shape {tuple(freq.shape)}, draft_vocab_size {draft_vocab_size}")
+    V = freq.numel()
+    if V <= draft_vocab_size:
+        return torch.zeros(V, dtype=torch.int64), torch.ones(V, dtype=torch.bool)
+    # Stable descending sort keeps equal counts in ascending-id order -> lower id wins ties.
+    order = torch.sort(freq.to(torch.int64), descending=True, stable=True).indices  # [V]
+    keep = torch.sort(order[:draft_vocab_size]).values  # [draft_V] target ids, ascending
+    d2t = keep - torch.arange(draft_vocab_size, dtype=torch.int64)  # [draft_V]
+    t2d = torch.zeros(V, dtype=torch.bool)  # [V]
+    t2d[keep] = True
+    return d2t, t2d
+
+
+def draft_to_target_ids(d2t: torch.Tensor) -> torch.Tensor:
+    """int64 ``[draft_V]`` target id of each draft id: ``arange(draft_V) + d2t`` (SGLang ``hot_token_id``)."""
+    return torch.arange(d2t.numel(), dtype=torch.int64) + d2t  # [draft_V]
+
+
+def coverage(freq: torch.Tensor, t2d: torch.Tensor) -> float:
+    """Fraction of counted (loss-masked) target tokens that fall in the draft vocab, in [0, 1].
+
+    Raises:
+        ValueError: shapes differ or no token was counted.
+    """
+    if freq.shape != t2d.shape:
+        raise ValueError(f"coverage: freq {tuple(freq.shape)} vs t2d {tuple(t2d.shape)}")
+    total = int(freq.sum())
+    if total == 0:
+        raise ValueError("coverage: no tokens counted")
+    return int(freq[t2d].sum()) / total
+
+
+def save_vocab_map(path: str | os.PathLike, d2t: torch.Tensor, t2d: torch.Tensor) -> Path:
+    """Atomically write ``vocab_map.pt`` (``d2t``, ``t2d``, ``target_vocab_size``, ``draft_vocab_size``).
+
+    Raises:
+        UserError: the map fails :func:`check_vocab_map` (nothing is written).
+    """
+    path = Path(path)
+    check_vocab_map(d2t.to(torch.int64), t2d.to(torch.bool), str(path))
+    atomic_torch_save(
+        {"d2t": d2t.to(torch.int64).clone(), "t2d": t2d.to(torch.bool).clone(),
+         "target_vocab_size": int(t2d.numel()), "draft_vocab_size": int(d2t.numel())},
+        path,
+    )
+    return path
+
+
+DRAFT_KEY = "data.draft_vocab_size"
+"""The config key that sets the draft vocab size (stage 03 builds the map with it)."""
+
+
+def _first(mask: torch.Tensor) -> int:
+    return int(mask.nonzero()[0, 0])
+
+
+def check_vocab_map(
+    d2t: object,
+    t2d: object,
+    where: str = "vocab map",
+    target_vocab_size: int | None = None,
+    draft_vocab_size: int | None = None,
+    draft_key: str = DRAFT_KEY,
+    target_source: str = "this verifier",
+) -> None:
+    """Check a draft vocab map against the expected sizes and for internal consistency.
+
+    The one validation every reader of a map uses (``vocab_map.pt`` in training and re-export,
+    ``d2t``/``t2d`` of an exported folder in :func:`eagle3.export.serving.load_exported` and the
+    benchmark, :meth:`eagle3.train.model.Eagle3Drafter.set_vocab_map`). The format (module docstring,
+    FIELD-NOTES section 3; SGLang ``hot_token_id = d2t + arange``):
+
+    - ``d2t`` int64 ``[draft_V]`` holds offsets; the target ids ``arange(draft_V) + d2t`` lie in
+      ``0..target_V-1``, are distinct and strictly increasing (draft ids sorted by target id);
+    - ``t2d`` bool ``[target_V]`` is True exactly at those target ids.
+
+    Args:
+        d2t, t2d: the two tensors (any device).
+        where: prefix of error messages (a file path, or ``"vocab map"``).
+        target_vocab_size: the verifier vocab the map must be built for (``len(t2d)``).
+        draft_vocab_size: the draft vocab size the configuration asks for (``len(d2t)``).
+        draft_key: the setting that names ``draft_vocab_size`` in messages
+            (``data.draft_vocab_size`` for a run config, or an exported ``config.json`` key).
+        target_source: where ``target_vocab_size`` comes from, for messages.
+
+    Raises:
+        UserError: ``{where}: key 'd2t'|'t2d'|'draft_vocab_size'|'target_vocab_size': ...`` for a
+            wrong type/dtype/rank, a size that differs from the expected one, target ids out of
+            range, duplicated or not increasing (absolute ids instead of offsets are named as
+            such), or a ``t2d`` that marks another set than ``d2t`` describes.
+    """
+    if not isinstance(d2t, torch.Tensor) or d2t.dtype != torch.int64 or d2t.dim() != 1:
+        got = f"{d2t.dtype} {list(d2t.shape)}" if isinstance(d2t, torch.Tensor) else type(d2t).__name__
+        raise UserError(f"{where}: key 'd2t': expected a 1-D int64 tensor of offsets, got {got}")
+    if not isinstance(t2d, torch.Tensor) or t2d.dtype != torch.bool or t2d.dim() != 1:
+        got = f"{t2d.dtype} {list(t2d.shape)}" if isinstance(t2d, torch.Tensor) else type(t2d).__name__
+        raise UserError(f"{where}: key 't2d': expected a 1-D bool tensor, got {got}")
+    d2t, t2d = d2t.detach().cpu(), t2d.detach().cpu()
+    dv, tv = int(d2t.numel()), int(t2d.numel())
+    if target_vocab_size is not None and tv != int(target_vocab_size):
+        raise UserError(f"{where}: key 'target_vocab_size': map built for a target vocab of {tv}, "
+                        f"{target_source} has {target_vocab_size}")
+    if draft_vocab_size is not None and dv != int(draft_vocab_size):
+        raise UserError(f"{where}: key 'draft_vocab_size': the map has {dv} draft tokens but {draft_key} is "
+                        f"{draft_vocab_size} (re-run 03_prepare_data.py with {draft_key}: {draft_vocab_size}, "
+                        f"or set {draft_key} back to {dv})")
+    if dv < 1 or dv > tv:
+        raise UserError(f"{where}: key 'd2t': {dv} draft ids for a target vocab of {tv}")
+    tgt = torch.arange(dv, dtype=torch.int64) + d2t  # [draft_V] target id of each draft id
+    marked = t2d.nonzero().flatten()  # [n] target ids t2d marks, ascending
+    if dv > 1 and bool(d2t.any()) and marked.numel() == dv and torch.equal(d2t, marked):
+        raise UserError(f"{where}: key 'd2t': holds absolute target ids; the format stores offsets "
+                        "(d2t[i] = target_id - i)")
+    bad = (tgt < 0) | (tgt >= tv)  # [draft_V]
+    if bool(bad.any()):
+        i = _first(bad)
+        raise UserError(f"{where}: key 'd2t': draft id {i} maps to target id {int(tgt[i])}, outside 0..{tv - 1}")
+    if dv > 1:
+        order = torch.sort(tgt, stable=True)
+        dup = order.values[1:] == order.values[:-1]  # [draft_V - 1]
+        if bool(dup.any()):
+            j = _first(dup)
+            a, b = sorted((int(order.indices[j]), int(order.indices[j + 1])))
+            raise UserError(f"{where}: key 'd2t': draft ids {a} and {b} both map to target id {int(tgt[a])}")
+        down = tgt[1:] <= tgt[:-1]  # [draft_V - 1]
+        if bool(down.any()):
+            i = _first(down)
+            raise UserError(f"{where}: key 'd2t': draft ids must be sorted by target id, but draft id {i} maps to "
+                            f"{int(tgt[i])} and draft id {i + 1} to {int(tgt[i + 1])}")
+    want = torch.zeros(tv, dtype=torch.bool)  # [target_V]
+    want[tgt] = True
+    if not torch.equal(want, t2d):
+        k = _first(want != t2d)
+        raise UserError(f"{where}: key 't2d': marks {int(t2d.sum())} target ids, d2t describes {dv}; "
+                        f"they differ first at target id {k} (t2d {bool(t2d[k])}, d2t {bool(want[k])})")
+
+
+def load_vocab_map(
+    path: str | os.PathLike, target_vocab_size: int | None = None, draft_vocab_size: int | None = None,
+    draft_key: str = DRAFT_KEY,
+) -> dict:
+    """Load and check ``vocab_map.pt`` (:func:`check_vocab_map`).
+
+    Args:
+        target_vocab_size / draft_vocab_size: if given, the sizes the map must have been built for.
+        draft_key: the setting that asked for ``draft_vocab_size`` (named in the error).
+
+    Returns:
+        ``{"d2t": int64 [draft_V], "t2d": bool [target_V], "target_vocab_size", "draft_vocab_size"}``.
+
+    Raises:
+        UserError (naming the file and key): unreadable/unsafe file, missing key, recorded sizes
+        that differ from the tensors, or any :func:`check_vocab_map` failure.
+    """
+    path = Path(path)
+    obj = safe_torch_load(path)
+    if not isinstance(obj, dict):
+        raise UserError(f"{path}: not a vocab map (top level is {type(obj).__name__})")
+    for key in ("d2t", "t2d", "target_vocab_size", "draft_vocab_size"):
+        if key not in obj:
+            raise UserError(f"{path}: key '{key}': missing")
+    d2t, t2d = obj["d2t"], obj["t2d"]
+    check_vocab_map(d2t, t2d, str(path), target_vocab_size, draft_vocab_size, draft_key)
+    for key, n in (("target_vocab_size", t2d.numel()), ("draft_vocab_size", d2t.numel())):
+        if not isinstance(obj[key], int) or int(obj[key]) != int(n):
+            raise UserError(f"{path}: key '{key}': records {obj[key]!r} but the tensors have {int(n)}")
+    return {"d2t": d2t, "t2d": t2d, "target_vocab_size": int(t2d.numel()), "draft_vocab_size": int(d2t.numel())}
+
+
+def load_run_vocab_map(cfg, target_vocab_size: int) -> dict:
+    """``{data_dir}/vocab_map.pt`` of a run, checked against the run config and the shards.
+
+    The map must have ``cfg.data.draft_vocab_size`` draft ids (stage 03 refuses sizes above the
+    target vocab, so no clamping applies) and ``target_vocab_size`` target ids.
+
+    Args:
+        cfg: :class:`eagle3.config.RunConfig`.
+        target_vocab_size: the verifier vocab recorded in the shards' ``data_config.json``.
+
+    Raises:
+        UserError: as :func:`load_vocab_map`; a size mismatch names ``data.draft_vocab_size``.
+    """
+    return load_vocab_map(cfg.data_dir / VOCAB_MAP, target_vocab_size=int(target_vocab_size),
+                          draft_vocab_size=int(cfg.data.draft_vocab_size))

@@ -1,0 +1,1 @@
+"""Export a trained drafter for SGLang / vLLM and load it back (after stage 04)."""

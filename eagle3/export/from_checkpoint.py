@@ -1,0 +1,106 @@
+"""Re-export a trained drafter from its newest checkpoint, for either serving engine.
+
+``04_train.py --export-only [--engine sglang|vllm]``: training already exports once for
+``export.engine``; this writes the other format (or the same again) without retraining, from the
+newest complete checkpoint in ``{train_dir}/checkpoints``, the verifier head saved at
+``{train_dir}/target_head.safetensors``, the vocab map of stage 03 and the shards' metadata (aux
+layers in the HF convention; :func:`eagle3.layers.engine_layer_ids` converts them per engine).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from eagle3.train import checkpoint as ckpt
+from eagle3.config import RunConfig
+from eagle3.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+def export_from_checkpoint(cfg: RunConfig, engine: str | None = None) -> Path:
+    """Build the drafter from the newest checkpoint and export it.
+
+    Args:
+        cfg: run config (``train_dir``, ``data_dir``, ``shards_dir``, ``export``).
+        engine: ``sglang`` | ``vllm``; default ``cfg.export.engine``. The folder is
+            ``export.output_dir`` or ``{output_root}/drafter-{engine}``.
+
+    Returns:
+        The export folder.
+
+    Raises:
+        UserError: no usable checkpoint, missing target head / vocab map / data_config, or a
+            checkpoint whose drafter shape disagrees with the vocab map.
+    """
+    from eagle3.train.model import DrafterArgs
+    from eagle3.shards.format import read_data_config
+    from eagle3.train.target_head import TargetHead
+    from eagle3.train.trainer import init_drafter
+    from eagle3.data.vocab import load_run_vocab_map
+
+    if engine is not None:
+        cfg = cfg.model_copy(update={"export": cfg.export.model_copy(update={"engine": engine})})
+    found = ckpt.find_latest_checkpoint(cfg.train_dir)
+    if found is None:
+        raise UserError(f"{ckpt.ckpt_dir(cfg.train_dir)}: no complete checkpoint to export (run 04_train.py first)")
+    path, state = found
+    data_config = read_data_config(cfg.shards_dir)
+    vocab = load_run_vocab_map(cfg, int(data_config["vocab_size"]))
+    args = DrafterArgs.from_json(state["drafter_args"], source=f"{path}: drafter_args")
+    if args.draft_vocab_size != int(vocab["d2t"].shape[0]):
+        raise UserError(f"{path}: drafter_args.draft_vocab_size {args.draft_vocab_size} differs from "
+                        f"{cfg.data_dir / 'vocab_map.pt'} ({int(vocab['d2t'].shape[0])})")
+    args = _with_config_context(cfg, args)
+    head = TargetHead.load(cfg.train_dir)
+    drafter = init_drafter(args, head, vocab, seed=0)
+    missing, unexpected = drafter.load_state_dict(state["model"], strict=False)
+    trainable = {k for k, p in drafter.named_parameters() if p.requires_grad}
+    if unexpected or trainable & set(missing):
+        key = sorted(unexpected or (trainable & set(missing)))[0]
+        raise UserError(f"{path}: key 'model.{key}' {'unexpected' if unexpected else 'missing'}")
+    return export_for_run(cfg, drafter, data_config)
+
+
+def _with_config_context(cfg: RunConfig, args):
+    """The checkpoint's drafter args with ``max_position_embeddings`` from the config when it asks
+    for another one (``drafter.max_position_embeddings``; ``null`` = the verifier's when the
+    checkpoint's is shorter). Only the exported config changes: no weight depends on it
+    (rotary angles are computed), so this is how a draft SGLang would refuse is re-exported."""
+    import dataclasses
+
+    from eagle3.verifier import load_verifier_config, text_config, verifier_dims
+
+    want = cfg.drafter.max_position_embeddings
+    if want is None:
+        try:
+            want = verifier_dims(text_config(load_verifier_config(cfg.verifier)))["max_position_embeddings"]
+        except UserError:
+            return args
+        if want is None or want <= args.max_position_embeddings:
+            return args
+    if want != args.max_position_embeddings:
+        log.info("export: max_position_embeddings %d (checkpoint: %d), from drafter.max_position_embeddings",
+                 want, args.max_position_embeddings)
+        args = dataclasses.replace(args, max_position_embeddings=int(want))
+    return args
+
+
+def export_for_run(cfg: RunConfig, drafter, data_config: dict) -> Path:
+    """Export ``drafter`` for ``cfg.export.engine`` into ``cfg.export_dir``, in ``export.dtype``
+    (``auto`` = ``verifier.dtype``), with the verifier facts and HF aux layers of the shards'
+    ``data_config.json``.
+
+    Raises:
+        UserError: see :func:`eagle3.export.serving.export_drafter`.
+    """
+    from eagle3.export.serving import export_drafter, export_dtype
+    from eagle3.verifier import verifier_context_length
+
+    verifier_info = {"name": data_config["verifier"],
+                     **{k: data_config[k] for k in ("architecture", "num_layers", "hidden_size", "vocab_size")},
+                     "context_length": verifier_context_length(cfg.verifier)}
+    return export_drafter(drafter, cfg.export_dir, engine=cfg.export.engine,
+                          aux_layers_hf=list(data_config["aux_layers"]), verifier_info=verifier_info,
+                          dtype=export_dtype(cfg.export.dtype, cfg.verifier.dtype))

@@ -1,0 +1,1 @@
+"""Stage 01: prompt readers, chat rendering, regeneration by the verifier (local or served)."""

@@ -1,0 +1,309 @@
+"""A pool of HTTP serving endpoints: load spread, dead ones out of rotation, retries with backoff.
+
+Used by stage 01 to regenerate answers through serving nodes (``eagle3.prompts.regen_server``). One
+endpoint = one server base URL (e.g. one SGLang node ``http://node3:30000``). Policy:
+
+* **Load spread**: each request goes to the live endpoint with the fewest requests in flight
+  (ties: the one used least recently), at most ``per_endpoint`` in flight per endpoint; a caller
+  waits for a free slot.
+* **Retries**: a request that fails with a timeout, a connection error (refused, reset, dropped
+  mid-response), HTTP 5xx or 429, or an unparsable body is retried up to ``max_attempts`` attempts
+  in all, after ``backoff_s * 2**(attempt-1)`` seconds (capped at ``backoff_max_s``, with +-25%
+  jitter), on another endpoint when one is free. Other 4xx statuses (a bad request: the prompt is
+  too long, an unknown model name) are not retried. :class:`RequestFailed` carries the last error.
+* **Dead endpoints**: ``dead_after`` consecutive failed attempts take an endpoint out of rotation
+  for ``revive_after_s`` seconds; then one probe request is let through, and a success brings it
+  back (a failed probe sends it out again). When every endpoint has been failing (out of rotation
+  or failing its probes) for ``give_up_after_s`` seconds,
+  :class:`AllEndpointsDown` (a :class:`UserError`) stops the run; work finished so far is kept by
+  the caller's resume log.
+
+HTTP uses the standard library (``urllib.request``): one connection per request, which costs
+nothing next to an LLM answer's latency.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from eagle3.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+class AllEndpointsDown(UserError):
+    """Every endpoint has been out of rotation for longer than the pool's ``give_up_after_s``."""
+
+
+class RequestFailed(Exception):
+    """One request failed for good (not retryable, or out of attempts). ``attempts``: attempts made."""
+
+    def __init__(self, message: str, attempts: int):
+        super().__init__(message)
+        self.attempts = attempts
+
+
+class _AttemptError(Exception):
+    """One attempt failed; ``retryable`` says whether another attempt may succeed."""
+
+    def __init__(self, message: str, retryable: bool):
+        super().__init__(message)
+        self.retryable = retryable
+
+
+@dataclass
+class Endpoint:
+    """One server base URL and its health bookkeeping (guarded by the pool's lock)."""
+
+    url: str
+    in_flight: int = 0
+    consecutive_failures: int = 0
+    dead_until: float = 0.0  # monotonic time before which the endpoint is out of rotation
+    probing: bool = False  # a probe request after a dead spell is in flight
+    last_used: float = 0.0
+    requests: int = 0
+    failures: int = 0
+    taken_out: int = 0  # how many times it left the rotation
+
+    def summary(self) -> dict:
+        return {"url": self.url, "requests": self.requests, "failed_attempts": self.failures,
+                "taken_out_of_rotation": self.taken_out}
+
+
+@dataclass
+class RetryPolicy:
+    """Attempts per request and the exponential backoff between them (seconds)."""
+
+    max_attempts: int = 5
+    backoff_s: float = 1.0
+    backoff_max_s: float = 60.0
+    rng: random.Random = field(default_factory=lambda: random.Random(0))
+
+    def delay(self, attempt: int) -> float:
+        """Seconds to wait after failed attempt ``attempt`` (1-based): ``backoff_s * 2**(attempt-1)``, capped, +-25%."""
+        base = min(self.backoff_max_s, self.backoff_s * (2 ** (attempt - 1)))
+        return base * (0.75 + 0.5 * self.rng.random())
+
+
+class EndpointPool:
+    """Thread-safe choice of an endpoint for each request (see the module docstring for the policy).
+
+    Args:
+        urls: server base URLs (no trailing path), at least one, no duplicates.
+        per_endpoint: requests in flight per endpoint (>= 1).
+        dead_after: consecutive failed attempts that take an endpoint out of rotation (>= 1).
+        revive_after_s: seconds out of rotation before a probe request is let through.
+        give_up_after_s: seconds with every endpoint out of rotation before :class:`AllEndpointsDown`.
+        headers: extra HTTP headers sent with every request (e.g. ``Authorization``).
+        what: config key named in error messages.
+
+    Raises:
+        UserError: no URL, a duplicate URL, or a URL that is not ``http(s)://host[:port]``.
+    """
+
+    def __init__(self, urls: list[str], per_endpoint: int = 8, dead_after: int = 3, revive_after_s: float = 30.0,
+                 give_up_after_s: float = 300.0, headers: Optional[dict] = None, what: str = "prompts.server.urls"):
+        if not urls:
+            raise UserError(f"{what}: at least one endpoint URL is needed")
+        clean = [u.rstrip("/") for u in urls]
+        for u in clean:
+            if not (u.startswith("http://") or u.startswith("https://")) or len(u.split("://", 1)[1]) == 0:
+                raise UserError(f"{what}: '{u}' is not an http(s)://host[:port] URL")
+        if len(set(clean)) != len(clean):
+            raise UserError(f"{what}: duplicate URL in {clean}")
+        if per_endpoint < 1 or dead_after < 1:
+            raise ValueError("per_endpoint and dead_after must be >= 1")
+        self.endpoints = [Endpoint(u) for u in clean]
+        self.per_endpoint = per_endpoint
+        self.dead_after = dead_after
+        self.revive_after_s = revive_after_s
+        self.give_up_after_s = give_up_after_s
+        self.headers = {"Content-Type": "application/json", **(headers or {})}
+        self.what = what
+        self._cv = threading.Condition()
+        self._all_dead_since: Optional[float] = None
+
+    @property
+    def capacity(self) -> int:
+        """Requests in flight over all endpoints at most."""
+        return self.per_endpoint * len(self.endpoints)
+
+    # ---- choosing and releasing ---------------------------------------------------------------
+    def _usable(self, ep: Endpoint, now: float) -> bool:
+        if ep.in_flight >= self.per_endpoint:
+            return False
+        if ep.dead_until > now:
+            return False
+        if ep.consecutive_failures >= self.dead_after:  # revived: one probe at a time
+            return not ep.probing
+        return True
+
+    def acquire(self, avoid: Optional[Endpoint] = None) -> Endpoint:
+        """Block until an endpoint has a free slot; return it with the slot taken.
+
+        ``avoid``: prefer another endpoint than this one (the one that just failed) when possible.
+
+        Raises:
+            AllEndpointsDown: every endpoint has been out of rotation for ``give_up_after_s``.
+        """
+        with self._cv:
+            while True:
+                now = time.monotonic()
+                # a revived endpoint whose probe fails again has not been back: only a success resets the clock
+                if any(e.consecutive_failures < self.dead_after for e in self.endpoints):
+                    self._all_dead_since = None
+                else:
+                    if self._all_dead_since is None:
+                        self._all_dead_since = now
+                    if now - self._all_dead_since >= self.give_up_after_s:
+                        raise AllEndpointsDown(
+                            f"{self.what}: every endpoint failed {self.dead_after} requests in a row and stayed "
+                            f"unreachable for {self.give_up_after_s:.0f} s ({', '.join(e.url for e in self.endpoints)}); "
+                            "finished answers are kept, rerun the same command to resume")
+                usable = [e for e in self.endpoints if self._usable(e, now)]
+                if avoid is not None and len(usable) > 1:
+                    usable = [e for e in usable if e is not avoid] or usable
+                if usable:
+                    ep = min(usable, key=lambda e: (e.in_flight, e.last_used))
+                    ep.in_flight += 1
+                    ep.requests += 1
+                    ep.last_used = now
+                    if ep.consecutive_failures >= self.dead_after:
+                        ep.probing = True
+                    return ep
+                wake = [e.dead_until - now for e in self.endpoints if e.dead_until > now]
+                self._cv.wait(timeout=min(wake + [1.0]))
+
+    def release(self, ep: Endpoint, ok: bool, error: str = "") -> None:
+        """Give back ``ep``'s slot and record whether the attempt succeeded."""
+        with self._cv:
+            ep.in_flight -= 1
+            ep.probing = False
+            if ok:
+                if ep.consecutive_failures >= self.dead_after:
+                    log.warning("endpoint %s is back in rotation", ep.url)
+                ep.consecutive_failures = 0
+            else:
+                ep.failures += 1
+                ep.consecutive_failures += 1
+                if ep.consecutive_failures == self.dead_after:
+                    ep.taken_out += 1
+                    spell = "for the rest of the run" if self.revive_after_s == float("inf") else f"for {self.revive_after_s:.0f} s"
+                    log.warning("endpoint %s taken out of rotation %s after %d failures in a row: %s",
+                                ep.url, spell, ep.consecutive_failures, error)
+                if ep.consecutive_failures >= self.dead_after:  # (again, after a failed probe)
+                    ep.dead_until = time.monotonic() + self.revive_after_s
+            self._cv.notify_all()
+
+    # ---- before the run --------------------------------------------------------------------------
+    def preflight(self, timeout: float = 10.0, path: str = "/health") -> list[str]:
+        """GET ``path`` on every endpoint once; an endpoint that does not answer at all starts out of rotation.
+
+        Any HTTP answer (even 404 from a hosted API without ``/health``) counts as reachable; a refused
+        or timed-out connection does not. Returns the unreachable URLs.
+
+        Raises:
+            UserError: no endpoint answers (names each URL and its error), so a run against a wrong
+                address stops at once instead of after ``give_up_after_s``.
+        """
+        bad: dict[str, str] = {}
+        for ep in self.endpoints:
+            req = urllib.request.Request(ep.url + path, method="GET", headers=self.headers)
+            try:
+                with urllib.request.urlopen(req, timeout=timeout) as resp:
+                    resp.read()
+            except urllib.error.HTTPError:
+                pass  # it answered
+            except (urllib.error.URLError, TimeoutError, OSError) as e:
+                bad[ep.url] = f"{type(getattr(e, 'reason', e)).__name__}: {getattr(e, 'reason', e)}"
+        if len(bad) == len(self.endpoints):
+            raise UserError(f"{self.what}: no endpoint answers ("
+                            + "; ".join(f"{u}: {m}" for u, m in bad.items()) + ")")
+        with self._cv:
+            for ep in self.endpoints:
+                if ep.url in bad:
+                    log.warning("endpoint %s does not answer (%s); out of rotation for %.0f s", ep.url, bad[ep.url],
+                                self.revive_after_s)
+                    ep.consecutive_failures = self.dead_after
+                    ep.taken_out += 1
+                    ep.dead_until = time.monotonic() + self.revive_after_s
+        return list(bad)
+
+    # ---- one request --------------------------------------------------------------------------
+    def _post_once(self, ep: Endpoint, path: str, payload: dict, timeout: float) -> Any:
+        data = json.dumps(payload).encode("utf-8")
+        req = urllib.request.Request(ep.url + path, data=data, method="POST", headers=self.headers)
+        where = f"{ep.url}{path}"
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                body = resp.read()
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode("utf-8", "replace").strip().splitlines()
+            msg = f"{where}: HTTP {e.code}: {detail[0][:300] if detail else e.reason}"
+            raise _AttemptError(msg, retryable=e.code >= 500 or e.code in (408, 429)) from e
+        except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
+            # refused, reset, dropped mid-response (http.client.RemoteDisconnected/IncompleteRead), timeout
+            reason = getattr(e, "reason", None) or e
+            raise _AttemptError(f"{where}: {type(reason).__name__}: {reason}", retryable=True) from e
+        except Exception as e:  # http.client.HTTPException family not derived from OSError (IncompleteRead, BadStatusLine)
+            raise _AttemptError(f"{where}: {type(e).__name__}: {e}", retryable=True) from e
+        try:
+            return json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise _AttemptError(f"{where}: response is not JSON: {body[:120]!r}", retryable=True) from e
+
+    def post(self, path: str, payload: dict, timeout: float, policy: RetryPolicy, check=None) -> tuple[Any, int]:
+        """POST ``payload`` as JSON to ``path`` on some endpoint, retrying per ``policy``.
+
+        Args:
+            path: e.g. ``/generate`` or ``/v1/chat/completions``.
+            payload: the JSON body.
+            timeout: seconds allowed for one attempt (connect + answer).
+            policy: attempts and backoff.
+            check: optional ``check(response) -> parsed``; a ``ValueError`` it raises counts as a
+                retryable failed attempt (e.g. a response of the wrong shape, an aborted request).
+
+        Returns:
+            ``(check(response) or response, attempts used)``.
+
+        Raises:
+            RequestFailed: out of attempts, or a non-retryable HTTP status (message: the last error).
+            AllEndpointsDown: see :meth:`acquire`.
+        """
+        last: Optional[Endpoint] = None
+        for attempt in range(1, policy.max_attempts + 1):
+            ep = self.acquire(avoid=last)
+            try:
+                out = self._post_once(ep, path, payload, timeout)
+                if check is not None:
+                    try:
+                        out = check(out)
+                    except ValueError as e:
+                        raise _AttemptError(f"{ep.url}{path}: {e}", retryable=True) from e
+            except _AttemptError as e:
+                # a 4xx other than 408/429 says the request is bad, not the endpoint
+                self.release(ep, ok=not e.retryable, error=str(e))
+                if not e.retryable:
+                    raise RequestFailed(str(e), attempt) from e
+                if attempt == policy.max_attempts:
+                    raise RequestFailed(str(e), attempt) from e
+                log.info("attempt %d/%d failed (%s); retrying", attempt, policy.max_attempts, e)
+                last = ep
+                time.sleep(policy.delay(attempt))
+                continue
+            self.release(ep, ok=True)
+            return out, attempt
+        raise AssertionError("unreachable")
+
+    def summary(self) -> list[dict]:
+        """Per endpoint: URL, requests sent, failed attempts, times taken out of rotation."""
+        with self._cv:
+            return [e.summary() for e in self.endpoints]

@@ -1,0 +1,256 @@
+"""Stage 01 orchestration: read -> normalise -> dedupe -> sample -> (regenerate) -> prompts.jsonl.
+
+Outputs (both written atomically, so a failed or killed run leaves no half-written file):
+
+* ``cfg.prompts_path`` (``{output_root}/prompts.jsonl``): one ``{"id", "messages"}`` per line;
+* ``prompts_report.json`` next to it: the settings fingerprint and the counts
+  (``read``, ``skipped`` by reason, ``dropped_leading_assistant``, ``deduped``, ``sampled_out``,
+  ``limited_out``, ``kept``, ``regenerated``, regeneration ``new_tokens``/``truncated``/``tokens_per_s``),
+  and the same counts as a Markdown table in ``prompts_report.md``.
+
+Idempotent: every step is deterministic (seeded sampling, greedy decoding), and when both outputs
+exist with the same settings fingerprint (config fields, source file size + SHA-256, verifier)
+the stage does nothing and says so (``force=True`` recomputes).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from pathlib import Path
+from typing import Optional
+
+from pydantic import ValidationError
+
+from eagle3.prompts.chat import ChatOptions
+from eagle3.config import PromptsConfig, RunConfig
+from eagle3.errors import UserError
+from eagle3.io import atomic_write_json, atomic_write_jsonl, atomic_write_text, file_sha256
+from eagle3.prompts.readers import dedupe, read_conversations, sample
+
+log = logging.getLogger(__name__)
+
+REPORT_NAME = "prompts_report.json"
+
+
+def report_markdown(report: dict) -> str:
+    """The report's counts (and regeneration figures) as a Markdown table."""
+    c = report["counts"]
+    rows = [("read", c["read"])]
+    rows += [(f"skipped: {k}", v) for k, v in c["skipped"].items()]
+    rows += [(k, c[k]) for k in ("dropped_leading_assistant", "normalised", "deduped", "sampled_out", "limited_out",
+                                 "kept", "regenerated", "inline_reasoning_split") if k in c]
+    reg = report.get("regeneration")
+    if reg:
+        if "via" in reg:
+            rows += [("regeneration: via", reg["via"])]
+        if "failed" in reg:
+            rows += [("regeneration: failed conversations", reg["failed"]), ("regeneration: retried requests", reg["retries"]),
+                     ("regeneration: resumed from the log", reg["resumed"])]
+        if "sampling" in reg:
+            rows += [(f"sampling: {k}", json.dumps(v) if isinstance(v, dict) else v) for k, v in reg["sampling"].items()]
+        rows += [("regeneration: new tokens", reg["new_tokens"]), ("regeneration: truncated answers", reg["truncated"]),
+                 ("regeneration: seconds", f"{reg['seconds']:.1f}"),
+                 ("regeneration: tokens/s", f"{reg['tokens_per_s']:.1f}" if reg["tokens_per_s"] else "n/a")]
+    st = report["settings"]
+    src = st["source"] if "source" in st else ", ".join(x["source"] for x in st["sources"])
+    lines = ["# Stage 01: prompts", "", f"source: `{src}`", "", "| item | value |", "|---|---:|"]
+    lines += [f"| {k} | {v} |" for k, v in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _had_failures(rep: Path) -> bool:
+    try:
+        reg = json.loads(rep.read_text(encoding="utf-8")).get("regeneration") or {}
+    except (json.JSONDecodeError, AttributeError, OSError):
+        return False
+    return bool(reg.get("failed"))
+
+
+def report_path(cfg: RunConfig) -> Path:
+    """``prompts_report.json`` next to ``cfg.prompts_path``."""
+    return cfg.prompts_path.parent / REPORT_NAME
+
+
+def _source_fingerprint(source: str) -> dict:
+    p = Path(source)
+    if source.startswith("hf:") or source == "humaneval" or not p.is_file():
+        return {"source": source}
+    return {"source": source, "bytes": p.stat().st_size, "sha256": file_sha256(p)}
+
+
+def settings(cfg: RunConfig, limit: Optional[int]) -> dict:
+    """The inputs that determine the outputs (stored in the report; equal settings = nothing to do)."""
+    pc = cfg.prompts
+    s = {"format": pc.format, "hf_split": pc.hf_split, "sample_size": pc.sample_size, "seed": pc.seed,
+         "dedupe": pc.dedupe, "system_prompt": pc.system_prompt, "regenerate": pc.regenerate, "limit": limit,
+         **(_source_fingerprint(pc.source) if isinstance(pc.source, str)
+            else {"sources": [_source_fingerprint(x) for x in pc.source]})}
+    if pc.regenerate:
+        s.update(max_new_tokens=pc.max_new_tokens, max_context_tokens=max_context_tokens(cfg),
+                 verifier=cfg.verifier.display_name(),
+                 verifier_dtype=cfg.verifier.dtype, chat_template=cfg.verifier.chat_template)
+        # template arguments and reply start shape the prompts the verifier answers (recorded only when set,
+        # so reports written before these settings existed stay up to date)
+        for key in ("chat_template_kwargs", "reply_start"):
+            if getattr(cfg.verifier, key):
+                s[key] = getattr(cfg.verifier, key)
+        if pc.regenerate_via != "local":  # endpoints, concurrency and timeouts may change between runs
+            s.update(regenerate_via=pc.regenerate_via, temperature=pc.temperature, top_p=pc.top_p,
+                     model=pc.server.model, extra_body=pc.server.extra_body)
+    if tuple(cfg.verifier.think_tags) != ("<think>", "</think>"):
+        s["think_tags"] = list(cfg.verifier.think_tags)
+    return s
+
+
+def partial_path(cfg: RunConfig) -> Path:
+    """The regeneration resume log (either path: endpoints or in-process), next to ``cfg.prompts_path``."""
+    from eagle3.prompts.resume_log import PARTIAL_NAME
+
+    return cfg.prompts_path.parent / PARTIAL_NAME
+
+
+def _regenerate(cfg: RunConfig, convs: list[dict], want: dict, stats: dict) -> list[dict]:
+    """Regenerate the answers in-process (``local``) or through the configured endpoints."""
+    pc = cfg.prompts
+    if pc.regenerate_via == "local":
+        if pc.temperature != 0 or pc.top_p != 1:
+            raise UserError("prompts.temperature/top_p: the local path decodes greedily; sampling needs "
+                            "prompts.regenerate_via: sglang or openai")
+        from eagle3.prompts.regenerate import regenerate as regen
+        from eagle3.prompts.resume_log import ResumeLog
+        from eagle3.verifier import load_verifier
+
+        journal = ResumeLog(partial_path(cfg), want)
+        journal.load(convs)  # a log of other settings or input is refused before the verifier loads
+        model, tok = load_verifier(cfg.verifier)
+        return regen(model, tok, convs, pc.max_new_tokens, pc.gen_batch_size, stats=stats,
+                     opts=ChatOptions.from_config(cfg), max_context=max_context_tokens(cfg), schedule=pc.gen_schedule,
+                     journal=journal)
+    from eagle3.prompts.regen_server import regenerate_via_server
+    from eagle3.verifier import load_tokenizer
+
+    if not pc.server.urls:
+        raise UserError(f"prompts.server.urls: needed for prompts.regenerate_via: {pc.regenerate_via}")
+    tok = load_tokenizer(cfg.verifier)
+    return regenerate_via_server(convs, tok, pc, ChatOptions.from_config(cfg), partial_path=partial_path(cfg),
+                                 settings=want, stats=stats, max_context=max_context_tokens(cfg))
+
+
+def max_context_tokens(cfg: RunConfig) -> int:
+    """Regeneration's context cap in tokens: ``prompts.max_context_tokens``, else ``extract.max_length``
+    (02 cuts every sample there, so an answer that starts past it is never trained on)."""
+    return cfg.prompts.max_context_tokens or cfg.extract.max_length
+
+
+def run(cfg: RunConfig, source: Optional[str] = None, fmt: Optional[str] = None, regenerate: Optional[bool] = None,
+        limit: Optional[int] = None, force: bool = False) -> int:
+    """Run stage 01 and print where the outputs are.
+
+    Args:
+        cfg: run config; ``cfg.prompts`` holds the settings.
+        source, fmt, regenerate: override ``prompts.source``/``format``/``regenerate``.
+        limit: keep only the first ``limit`` conversations after sampling (quick runs).
+        force: recompute even when the outputs are up to date.
+
+    Returns:
+        0 (the CLI exit status).
+
+    Raises:
+        UserError: bad input (see :func:`eagle3.prompts.readers.read_conversations`), nothing left to
+            write, or a verifier that cannot be loaded. No output is written in that case.
+    """
+    upd = {k: v for k, v in (("source", source), ("format", fmt), ("regenerate", regenerate)) if v is not None}
+    if upd:
+        try:
+            prompts_cfg = PromptsConfig.model_validate({**cfg.prompts.model_dump(), **upd})
+        except ValidationError as e:
+            err = e.errors()[0]
+            raise UserError(f"prompts.{'.'.join(map(str, err['loc']))}: {err['msg']}") from e
+        cfg = cfg.model_copy(update={"prompts": prompts_cfg})
+    if limit is not None and limit < 1:
+        raise UserError(f"--limit: must be >= 1, got {limit}")
+    pc = cfg.prompts
+    out, rep = cfg.prompts_path, report_path(cfg)
+    want = settings(cfg, limit)
+    if not force and out.is_file() and rep.is_file():
+        try:
+            old = json.loads(rep.read_text(encoding="utf-8")).get("settings")
+        except (json.JSONDecodeError, AttributeError):
+            old = None
+        if old == want and not _had_failures(rep):
+            print(f"prompts up to date: {out} ({rep.name} settings unchanged; use --force to redo)")
+            return 0
+
+    counts: Counter = Counter()
+    sources = [pc.source] if isinstance(pc.source, str) else list(pc.source)
+    convs = []
+    for src in sources:  # several sources are concatenated in order, then deduped and sampled together
+        convs += read_conversations(src, pc.format, hf_split=pc.hf_split, keep_prompt_only=pc.regenerate,
+                                    system_prompt=pc.system_prompt, counts=counts,
+                                    think_tags=tuple(cfg.verifier.think_tags))
+    n_read_ok = len(convs)
+    n_dup = 0
+    if pc.dedupe:
+        convs, n_dup = dedupe(convs)
+    n_before = len(convs)
+    convs = sample(convs, pc.sample_size, pc.seed)
+    n_sampled_out = n_before - len(convs)
+    n_limited_out = 0
+    if limit is not None and len(convs) > limit:
+        n_limited_out = len(convs) - limit
+        convs = convs[:limit]
+    if not convs:
+        hint = ("; prompt-only sources need prompts.regenerate: true (the verifier writes the answers)"
+                if counts.get("skipped_no_assistant") and not pc.regenerate else "")
+        raise UserError(f"prompts.source: no usable conversation in '{pc.source}' "
+                        f"(read {counts['read']}, skipped {dict((k, v) for k, v in counts.items() if k != 'read')}){hint}")
+
+    regen_stats: dict = {}
+    if pc.regenerate:
+        if force:
+            partial_path(cfg).unlink(missing_ok=True)
+        convs = _regenerate(cfg, convs, want, regen_stats)
+        if not convs:
+            raise UserError(f"prompts.server.urls: every conversation failed to regenerate "
+                            f"({regen_stats.get('failed', 0)} failed; see the error lines above)")
+
+    report = {
+        "settings": want,
+        "counts": {
+            "read": counts["read"],
+            "skipped": {k[len("skipped_"):]: v for k, v in sorted(counts.items()) if k.startswith("skipped_")},
+            "dropped_leading_assistant": counts["dropped_leading_assistant"],
+            "normalised": n_read_ok,
+            "deduped": n_dup,
+            "sampled_out": n_sampled_out,
+            "limited_out": n_limited_out,
+            "kept": len(convs),
+            "regenerated": len(convs) if pc.regenerate else 0,
+            # assistant replies whose inline <think> block became reasoning_content
+            **({"inline_reasoning_split": counts["inline_reasoning_split"]} if counts["inline_reasoning_split"] else {}),
+        },
+    }
+    if regen_stats:
+        secs = regen_stats["seconds"]
+        report["regeneration"] = {**regen_stats, "via": pc.regenerate_via,
+                                  "tokens_per_s": regen_stats["new_tokens"] / secs if secs > 0 else None}
+        if pc.regenerate_via != "local":
+            report["regeneration"]["sampling"] = {
+                "max_new_tokens": pc.max_new_tokens, "temperature": pc.temperature, "top_p": pc.top_p,
+                "chat_template_kwargs": dict(cfg.verifier.chat_template_kwargs), "extra_body": pc.server.extra_body}
+    atomic_write_jsonl(out, convs)
+    atomic_write_json(rep, report)
+    atomic_write_text(rep.with_suffix(".md"), report_markdown(report))
+    failed = regen_stats.get("failed", 0)
+    if pc.regenerate and not failed:
+        partial_path(cfg).unlink(missing_ok=True)  # everything is in the final file now
+    if failed:
+        print(f"regeneration: {failed} conversation(s) failed (ids in {rep.name}); they are not in {out.name}. "
+              f"Rerun the same command to retry only those.")
+    c = report["counts"]
+    print(f"prompts: {out} ({c['kept']} conversations; read {c['read']}, skipped {sum(c['skipped'].values())}, "
+          f"deduped {c['deduped']}, regenerated {c['regenerated']})")
+    print(f"report:  {rep}")
+    return 0

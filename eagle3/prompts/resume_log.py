@@ -1,0 +1,106 @@
+"""Stage 01's regeneration resume log: the conversations already answered, appended and fsynced one by one.
+
+Both regeneration paths keep one next to the prompts file (:data:`PARTIAL_NAME`): through endpoints
+(:mod:`eagle3.prompts.regen_server`) and in-process (:mod:`eagle3.prompts.regenerate`). A run that stops (Ctrl-C, a crash,
+a preempted node) leaves the finished conversations in it; the next run with the same settings loads
+them and answers only the rest; 01 deletes the log once ``prompts.jsonl`` is written.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from pathlib import Path
+
+from eagle3.errors import UserError
+from eagle3.io import atomic_write_text
+from eagle3.shards.manifest import read_append_log
+
+log = logging.getLogger(__name__)
+
+PARTIAL_NAME = "prompts.regen-partial.jsonl"
+
+
+class ResumeLog:
+    """Append-only log of finished conversations that makes server regeneration resumable.
+
+    Line 1: ``{"settings": {...}}`` (the stage-01 settings fingerprint); then one
+    ``{"idx": int, "id": str, "messages": [...], "tools"?: [...]}`` per finished conversation (``idx`` = position in
+    the input list), each flushed and fsynced before :meth:`append` returns. A kill can leave a
+    last line cut mid-write; :meth:`load` drops it (and rewrites the file without it, atomically).
+
+    Args:
+        path: the log file.
+        settings: JSON-serialisable fingerprint; a log written under other settings is refused.
+    """
+
+    def __init__(self, path: str | os.PathLike, settings: dict):
+        self.path = Path(path)
+        self.settings = json.loads(json.dumps(settings))  # normalised as it will read back
+        self._f = None
+        self._lock = threading.Lock()
+
+    def load(self, conversations: list[dict]) -> dict[int, dict]:
+        """Finished conversations already in the log, keyed by input position.
+
+        Raises:
+            UserError: the log was started with other settings or other input (names the file and
+                the differing key / line), or a line other than the last is malformed.
+        """
+        if not self.path.is_file():
+            return {}
+        rows, torn = read_append_log(self.path, lambda r: isinstance(r, dict),
+                                     "malformed line in the regeneration resume log")
+        done: dict[int, dict] = {}
+        for j, (n, row, _) in enumerate(rows):
+            if j == 0:  # the header
+                old = row.get("settings")
+                if old != self.settings:
+                    diff = sorted(k for k in set(old or {}) | set(self.settings)
+                                  if (old or {}).get(k) != self.settings.get(k))
+                    raise UserError(f"{self.path}: a regeneration was started here with other settings "
+                                    f"({', '.join(diff) or 'header'} differ); rerun with those settings to resume, "
+                                    "or pass --force to discard it and start over")
+                continue
+            idx, cid = row.get("idx"), row.get("id")
+            if not isinstance(idx, int) or not 0 <= idx < len(conversations) or cid != conversations[idx]["id"] \
+                    or not isinstance(row.get("messages"), list):
+                raise UserError(f"{self.path}:{n}: entry {cid!r} at position {idx!r} does not match the input "
+                                "conversations; pass --force to discard the log and start over")
+            done[idx] = {k: v for k, v in row.items() if k != "idx"}
+        if torn and rows:
+            log.warning("%s: dropped a torn last line (interrupted write)", self.path)
+            atomic_write_text(self.path, b"".join(raw + b"\n" for _, _, raw in rows).decode("utf-8"))
+        elif torn:  # not even the header made it
+            self.path.unlink()
+        return done
+
+    def open(self) -> None:
+        """Open for appending; a new log gets its settings line first (written atomically)."""
+        if not self.path.is_file():
+            atomic_write_text(self.path, json.dumps({"settings": self.settings}, ensure_ascii=False) + "\n")
+        self._f = open(self.path, "a", encoding="utf-8")
+
+    def append(self, idx: int, conv: dict) -> None:
+        """Record conversation ``idx`` as finished (one line, flushed and fsynced before returning)."""
+        line = json.dumps({"idx": int(idx), **conv}, ensure_ascii=False)
+        with self._lock:
+            if self._f is None:  # the run is ending (Ctrl-C, error): this one is redone by the next run
+                raise InterruptedError(f"{self.path}: closed")
+            self._f.write(line + "\n")
+            self._f.flush()
+            os.fsync(self._f.fileno())
+
+    def close(self) -> None:
+        """Close the file; waits for an append in progress (no line is left half-written)."""
+        with self._lock:
+            if self._f is not None:
+                self._f.close()
+                self._f = None
+
+    def remove(self) -> None:
+        """Delete the log (after the final prompts file is written)."""
+        self.close()
+        self.path.unlink(missing_ok=True)

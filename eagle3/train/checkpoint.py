@@ -1,0 +1,248 @@
+"""Training checkpoints: atomic write, newest-complete lookup with fallback, pruning, RNG state.
+
+Layout: ``{train_dir}/checkpoints/step_{N:08d}.pt`` (N = optimizer steps taken), one
+``torch.save`` dict written by rank 0 through :func:`eagle3.io.atomic_torch_save` (temp name +
+rename), so a file with the final name is complete; a kill mid-write leaves an ignorable
+``step_*.pt.tmp-*`` file. The dict holds only tensors, numbers, strings, lists and dicts, so it
+loads with ``torch.load(weights_only=True)`` (:func:`eagle3.io.safe_torch_load`).
+
+Keys (:data:`REQUIRED_KEYS`): ``format``, ``step``, ``epoch``, ``samples_in_epoch`` (global
+samples of the current epoch already consumed), ``model`` (trainable parameters only: the frozen
+embedding and the d2t/t2d buffers come from the verifier and the vocab map), ``optimizer``,
+``scheduler``, ``rng`` (one entry per rank: torch/cuda/python/numpy states), ``drafter_args``,
+``config_fingerprint``, ``world_size``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import re
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from eagle3.errors import UserError
+from eagle3.io import atomic_torch_save, safe_torch_load
+from eagle3.io import remove_stale_tmp as _remove_tmp
+
+log = logging.getLogger(__name__)
+
+FORMAT = "eagle3-train-ckpt-v1"
+REQUIRED_KEYS = ("format", "step", "epoch", "samples_in_epoch", "model", "optimizer", "scheduler", "rng",
+                 "drafter_args", "config_fingerprint", "world_size")
+_NAME_RE = re.compile(r"^step_(\d{8})\.pt$")
+
+
+def ckpt_dir(train_dir: str | os.PathLike) -> Path:
+    """``{train_dir}/checkpoints``."""
+    return Path(train_dir) / "checkpoints"
+
+
+def ckpt_path(train_dir: str | os.PathLike, step: int) -> Path:
+    """``{train_dir}/checkpoints/step_{step:08d}.pt``."""
+    return ckpt_dir(train_dir) / f"step_{step:08d}.pt"
+
+
+def list_checkpoints(train_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """Finished checkpoints as ``(step, path)``, oldest first; temp files (``*.tmp-*``) are ignored."""
+    d = ckpt_dir(train_dir)
+    if not d.is_dir():
+        return []
+    out = []
+    for entry in os.scandir(d):
+        m = _NAME_RE.match(entry.name)
+        if m and entry.is_file():
+            out.append((int(m.group(1)), Path(entry.path)))
+    return sorted(out)
+
+
+def remove_stale_tmp(train_dir: str | os.PathLike) -> int:
+    """Delete temp files of interrupted checkpoint writes. Call on rank 0 before training. Returns the count."""
+    return len(_remove_tmp(ckpt_dir(train_dir)))
+
+
+def save_checkpoint(train_dir: str | os.PathLike, state: dict, keep: int) -> Path:
+    """Write ``state`` (must contain :data:`REQUIRED_KEYS` except ``format``) atomically, then keep the newest ``keep``.
+
+    Returns:
+        The checkpoint path.
+
+    Raises:
+        ValueError: a required key is missing (a caller bug).
+    """
+    state = dict(state, format=FORMAT)
+    missing = [k for k in REQUIRED_KEYS if k not in state]
+    if missing:
+        raise ValueError(f"save_checkpoint: missing keys {missing}")
+    path = ckpt_path(train_dir, int(state["step"]))
+    atomic_torch_save(state, path)
+    prune_checkpoints(train_dir, keep)
+    return path
+
+
+def prune_checkpoints(train_dir: str | os.PathLike, keep: int) -> list[Path]:
+    """Delete all but the newest ``keep >= 1`` finished checkpoints. Returns the deleted paths."""
+    ckpts = list_checkpoints(train_dir)
+    removed = []
+    for _step, p in ckpts[: max(0, len(ckpts) - max(1, keep))]:
+        try:
+            p.unlink()
+            removed.append(p)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def load_checkpoint(path: str | os.PathLike) -> dict:
+    """Load and validate one checkpoint (weights-only).
+
+    Raises:
+        UserError: truncated/corrupt/unsafe file, wrong format, or a missing key (named).
+    """
+    path = Path(path)
+    state = safe_torch_load(path)
+    if not isinstance(state, dict):
+        raise UserError(f"{path}: not a training checkpoint (top level is {type(state).__name__})")
+    if state.get("format") != FORMAT:
+        raise UserError(f"{path}: key 'format' is {state.get('format')!r}, expected {FORMAT!r}")
+    for k in REQUIRED_KEYS:
+        if k not in state:
+            raise UserError(f"{path}: missing key '{k}'")
+    return state
+
+
+def find_latest_checkpoint(train_dir: str | os.PathLike) -> Optional[tuple[Path, dict]]:
+    """The newest checkpoint that loads and validates, falling back to older ones with a warning.
+
+    Returns:
+        ``(path, state)`` or None when there is no usable checkpoint.
+    """
+    for _step, path in reversed(list_checkpoints(train_dir)):
+        try:
+            return path, load_checkpoint(path)
+        except UserError as e:
+            log.warning("skipping unusable checkpoint: %s", e)
+    return None
+
+
+def check_drafter_args(path: str | os.PathLike, saved: dict, current: dict) -> None:
+    """Refuse to resume a checkpoint whose drafter shape differs from the configured one.
+
+    Args:
+        saved: ``drafter_args`` stored in the checkpoint (``dataclasses.asdict(DrafterArgs)``).
+        current: the drafter args built from the config now.
+
+    Raises:
+        UserError: naming the checkpoint and the first differing field, e.g.
+            ``step_00000010.pt: drafter field 'hidden_size' is 64 in the checkpoint but 32 now``.
+    """
+    for key in sorted(set(saved) | set(current)):
+        a, b = saved.get(key, "<absent>"), current.get(key, "<absent>")
+        if isinstance(a, float) or isinstance(b, float):
+            same = a == b or (isinstance(a, (int, float)) and isinstance(b, (int, float)) and abs(a - b) <= 1e-12 * max(1.0, abs(a)))
+        else:
+            same = a == b
+        if not same:
+            raise UserError(f"{path}: drafter field '{key}' is {a!r} in the checkpoint but {b!r} in the config "
+                            f"({drafter_field_source(key)}, or train into a new train.output_dir)")
+
+
+def check_data_order(path: str | os.PathLike, saved: Optional[dict], current: dict) -> None:
+    """Refuse to resume a checkpoint written with other batching settings than the configured ones.
+
+    A checkpoint's data position is ``(epoch, steps_in_epoch)`` in optimizer steps; resume skips that
+    many steps of the epoch's batch order, which is a function of ``train.seed``, ``train.batch_tokens``
+    (token budget) or ``train.batch_size`` (fixed-size batches) and ``train.grad_accum``. With any of
+    them changed the skipped steps are not the ones trained on, and the epoch/step counts change, so
+    resume would neither see the promised data order nor end where it should.
+
+    Deliberately allowed (not checked here): ``train.epochs`` / ``train.max_steps`` / ``--max-steps``
+    (the horizon of a time-sliced job; the LR schedule is re-stretched with a warning) and the number
+    of processes (RNG states reseeded with a warning).
+
+    Args:
+        saved: ``data_order`` stored in the checkpoint (``None`` for checkpoints that predate it: not checked).
+        current: the same dict built from the config now (keys ``train.*``).
+
+    Raises:
+        UserError: naming the checkpoint and every differing key with both values, e.g.
+            ``step_00000010.pt: written with train.batch_tokens=1024, train.batch_size=None but the config
+            has train.batch_tokens=None, train.batch_size=1 ...``.
+    """
+    if saved is None:
+        return
+    keys = [k for k in sorted(set(saved) | set(current)) if saved.get(k, "<absent>") != current.get(k, "<absent>")]
+    if keys:
+        then = ", ".join(f"{k}={saved.get(k, '<absent>')}" for k in keys)
+        now = ", ".join(f"{k}={current.get(k, '<absent>')}" for k in keys)
+        raise UserError(f"{path}: written with {then} but the config has {now}; resume keeps the data order "
+                        f"only with the same batching (set them back, or train into a new train.output_dir)")
+
+
+def drafter_field_source(key: str) -> str:
+    """How a user sets a :class:`eagle3.train.model.DrafterArgs` field back: the real config key or input.
+
+    ``drafter.*`` config keys exist only for the decoder-layer shape (:class:`eagle3.config.DrafterConfig`);
+    the draft vocab size comes from ``data.draft_vocab_size`` through stage 03's ``vocab_map.pt``,
+    and the target sizes / rope scaling from the verifier and its shards.
+    """
+    from eagle3.config import DrafterConfig
+
+    if key in DrafterConfig.model_fields:
+        return f"set drafter.{key} back"
+    if key == "draft_vocab_size":
+        return "set data.draft_vocab_size back and re-run 03_prepare_data.py"
+    if key in ("target_vocab_size", "target_hidden_size"):
+        return "it comes from the verifier (verifier.path) and its shards' data_config.json; use the checkpoint's verifier"
+    return "it comes from the verifier's config (verifier.path); use the checkpoint's verifier"
+
+
+def config_fingerprint(obj: Any) -> str:
+    """sha256 (hex, 16 chars) of a JSON-serialisable object (sorted keys): identifies the training setup."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode("utf-8")).hexdigest()[:16]
+
+
+# ---- RNG ----------------------------------------------------------------------------------------
+def capture_rng() -> dict:
+    """This process's RNG states (torch CPU, all CUDA devices, Python ``random``, NumPy) as weights-only-safe values."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": _py_state_to_list(random.getstate())}
+    state["cuda"] = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+    try:
+        import numpy as np
+
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = {"name": name, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
+                          "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+    except ImportError:  # pragma: no cover - numpy is a torch/matplotlib dependency
+        state["numpy"] = None
+    return state
+
+
+def restore_rng(state: dict) -> None:
+    """Inverse of :func:`capture_rng` (CUDA states restored only when the device count matches)."""
+    torch.set_rng_state(state["torch"])
+    random.setstate(_py_state_from_list(state["python"]))
+    cuda = state.get("cuda") or []
+    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
+    np_state = state.get("numpy")
+    if np_state is not None:
+        import numpy as np
+
+        np.random.set_state((np_state["name"], np_state["keys"].numpy().astype("uint32"), np_state["pos"],
+                             np_state["has_gauss"], np_state["cached_gaussian"]))
+
+
+def _py_state_to_list(s: tuple) -> list:
+    version, internal, gauss = s
+    return [version, list(internal), gauss]
+
+
+def _py_state_from_list(s: list) -> tuple:
+    version, internal, gauss = s
+    return (version, tuple(internal), gauss)

@@ -1,0 +1,451 @@
+"""The EAGLE-3 drafter: ``fc`` + one Llama-style decoder layer (``midlayer``) + ``norm`` + ``lm_head``.
+
+Architecture (FIELD-NOTES section 1; EAGLE-3 paper arXiv 2503.01840; SGLang ``llama_eagle3.py``):
+three verifier aux hidden states ``f_t = cat(aux1, aux2, aux3)`` ``[3Ht]`` are projected by ``fc``
+(no bias) to ``H``. The decoder layer takes ``cat(input_layernorm(embed(x)), hidden_norm(h))``
+(width ``2H``, embedding first) as the input of q/k/v, keeps the un-normalised ``h`` as the
+residual (``norm_before_residual = false`` in vLLM speculators terms), then
+``post_attention_layernorm`` + SwiGLU MLP with a second residual. Its output (pre final norm) is
+both the next TTT step's / draft step's hidden input and, through ``norm`` and ``lm_head``
+(``H -> draft_V``), the draft logits. ``embed_tokens`` is the verifier's, frozen.
+
+Parameter names equal the SGLang / SpecForge checkpoint keys (FIELD-NOTES section 4), so
+``state_dict()`` minus ``embed_tokens.weight`` is the SGLang export.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Optional
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from eagle3.train.attention import apply_rotary, cached_attention, rope_inv_freq, rotary_cos_sin, ttt_attention
+from eagle3.sdpa import resolve_attn_impl
+from eagle3.errors import UserError
+from eagle3.data.vocab import check_vocab_map
+
+
+@dataclass
+class DrafterArgs:
+    """Shape of the drafter (a LlamaConfig subset plus the EAGLE-3 fields).
+
+    ``hidden_size`` H must equal the verifier's embedding width (the frozen ``embed_tokens`` is the
+    verifier's); ``target_hidden_size`` Ht is the width of each aux state (``fc``: ``3Ht -> H``).
+    ``rope_scaling``: HF dict (``rope_type`` default/linear/llama3) or ``None``.
+    """
+
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    draft_vocab_size: int
+    target_vocab_size: int
+    target_hidden_size: int
+    rope_scaling: Optional[dict] = None
+
+    def __post_init__(self):
+        for f in fields(self):
+            if f.name in ("rope_scaling",):
+                continue
+            v = getattr(self, f.name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
+                raise UserError(f"drafter field '{f.name}' must be a positive number, got {v!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise UserError(
+                f"drafter field 'num_key_value_heads' ({self.num_key_value_heads}) must divide "
+                f"num_attention_heads ({self.num_attention_heads})"
+            )
+        if self.head_dim % 2:
+            raise UserError(f"drafter field 'head_dim' must be even for rotary embeddings, got {self.head_dim}")
+        if self.draft_vocab_size > self.target_vocab_size:
+            raise UserError(
+                f"drafter field 'draft_vocab_size' ({self.draft_vocab_size}) exceeds target_vocab_size ({self.target_vocab_size})"
+            )
+        rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling)  # validates rope_scaling
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-serialisable dict of all fields."""
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, obj: dict | str, source: str = "drafter args") -> "DrafterArgs":
+        """Build from :meth:`to_json` output (a dict or its JSON text).
+
+        Raises:
+            UserError: a field is missing or unknown, naming it and ``source``.
+        """
+        if isinstance(obj, str):
+            obj = json.loads(obj)
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(obj) - names)
+        if unknown:
+            raise UserError(f"{source}: unknown drafter field '{unknown[0]}'")
+        missing = [f.name for f in fields(cls) if f.name not in obj and f.name != "rope_scaling"]
+        if missing:
+            raise UserError(f"{source}: missing drafter field '{missing[0]}'")
+        return cls(**obj)
+
+    @classmethod
+    def from_hf_config(cls, cfg: Any, draft_vocab_size: int, **overrides) -> "DrafterArgs":
+        """Copy the decoder-layer shape from a verifier (text) config; ``overrides`` that are not None win.
+
+        Reads ``hidden_size, num_attention_heads, num_key_value_heads (default: heads), head_dim
+        (default: hidden/heads), intermediate_size, rms_norm_eps, rope_theta`` (or transformers 5
+        ``rope_parameters["rope_theta"]``), ``max_position_embeddings, vocab_size``. The verifier's
+        rope scaling is copied only if it is default/linear/llama3 (else default rope, e.g. for
+        YaRN verifiers such as Kimi; the export states ``rope_scaling: null`` so serving agrees).
+        """
+        get = (lambda k, d=None: cfg.get(k, d)) if isinstance(cfg, dict) else (lambda k, d=None: getattr(cfg, k, d))
+        rp = get("rope_parameters") or {}
+        rs = get("rope_scaling") or (rp if rp.get("rope_type", "default") != "default" else None)
+        if rs and rs.get("rope_type", rs.get("type")) not in ("linear", "llama3"):
+            rs = None  # default rope (transformers 5 reports it as a dict), or an unsupported type
+        H = get("hidden_size")
+        heads = get("num_attention_heads")
+        vals = dict(
+            hidden_size=H,
+            num_attention_heads=heads,
+            num_key_value_heads=get("num_key_value_heads") or heads,
+            head_dim=get("head_dim") or (H // heads if H and heads else None),
+            intermediate_size=get("intermediate_size"),
+            rms_norm_eps=get("rms_norm_eps", 1e-6),
+            rope_theta=get("rope_theta") or rp.get("rope_theta", 10000.0),
+            max_position_embeddings=get("max_position_embeddings", 4096),
+            draft_vocab_size=draft_vocab_size,
+            target_vocab_size=get("vocab_size"),
+            target_hidden_size=H,
+            rope_scaling=dict(rs) if rs else None,
+        )
+        vals.update({k: v for k, v in overrides.items() if v is not None})
+        missing = [k for k, v in vals.items() if v is None and k != "rope_scaling"]
+        if missing:
+            raise UserError(f"verifier config: cannot derive drafter field '{missing[0]}'; set drafter.{missing[0]}")
+        return cls(**vals)
+
+
+class RMSNorm(nn.Module):
+    """Llama RMSNorm: ``weight * x / sqrt(mean(x^2) + eps)``, statistics in float32, output in input dtype."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dt = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)  # [..., D]
+        return self.weight * xf.to(dt)
+
+
+class Eagle3Attention(nn.Module):
+    """q/k/v projections from the ``2H`` concatenated input, ``o_proj`` back to ``H`` (no biases)."""
+
+    def __init__(self, a: DrafterArgs):
+        super().__init__()
+        self.nh, self.kvh, self.hd = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+        self.q_proj = nn.Linear(2 * a.hidden_size, self.nh * self.hd, bias=False)
+        self.k_proj = nn.Linear(2 * a.hidden_size, self.kvh * self.hd, bias=False)
+        self.v_proj = nn.Linear(2 * a.hidden_size, self.kvh * self.hd, bias=False)
+        self.o_proj = nn.Linear(self.nh * self.hd, a.hidden_size, bias=False)
+        self.scale = 1.0 / math.sqrt(self.hd)
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """``x`` ``[B, T, 2H]`` -> q ``[B, nh, T, hd]``, k, v ``[B, kvh, T, hd]`` (rotary on q, k)."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)  # [B, nh, T, hd]
+        k = self.k_proj(x).view(B, T, self.kvh, self.hd).transpose(1, 2)  # [B, kvh, T, hd]
+        v = self.v_proj(x).view(B, T, self.kvh, self.hd).transpose(1, 2)  # [B, kvh, T, hd]
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def out(self, o: torch.Tensor) -> torch.Tensor:
+        """``o`` ``[B, nh, T, hd]`` -> ``[B, T, H]``."""
+        B, _, T, _ = o.shape
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, self.nh * self.hd))
+
+
+class Eagle3MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, a: DrafterArgs):
+        super().__init__()
+        self.gate_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Eagle3DecoderLayer(nn.Module):
+    """The drafter's single decoder layer (SGLang key prefix ``midlayer.``)."""
+
+    def __init__(self, a: DrafterArgs):
+        super().__init__()
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.hidden_norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.self_attn = Eagle3Attention(a)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.mlp = Eagle3MLP(a)
+
+    def qkv(self, emb: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """emb, hidden ``[B, T, H]`` -> q, k, v of ``cat(input_layernorm(emb), hidden_norm(hidden))``."""
+        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)  # [B, T, 2H]
+        return self.self_attn.qkv(x, cos, sin)
+
+    def finish(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """Attention output ``[B, nh, T, hd]`` + residual ``[B, T, H]`` -> layer output ``[B, T, H]``."""
+        h = residual + self.self_attn.out(attn)  # [B, T, H]
+        return h + self.mlp(self.post_attention_layernorm(h))  # [B, T, H]
+
+
+class DrafterCache:
+    """KV cache of the drafter for incremental, batched decoding.
+
+    ``keys[l]`` / ``values[l]``: ``[B, kvh, S, hd]`` for layer ``l`` (the drafter has one layer),
+    rotary already applied to keys. ``length`` = ``S``, the number of cached slots (a Python int,
+    so no host sync is needed to read it).
+
+    Rows of a batch advance by different numbers of verified tokens per round, so a slot may hold
+    a real position in one row and nothing in another: ``valid`` (bool ``[B, S]``, None while every
+    slot of every row is real) marks the real ones, and :meth:`Eagle3Drafter.decode` masks the rest
+    out of attention. A slot's rotary position is whatever ``position_ids`` said when it was
+    written, so holes never shift positions.
+    """
+
+    def __init__(self, num_layers: int = 1):
+        self.keys: list[Optional[torch.Tensor]] = [None] * num_layers
+        self.values: list[Optional[torch.Tensor]] = [None] * num_layers
+        self.valid: Optional[torch.Tensor] = None  # [B, S] bool, None = all slots valid
+
+    @property
+    def length(self) -> int:
+        """Number of cached key slots."""
+        return 0 if self.keys[0] is None else int(self.keys[0].shape[2])
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, valid: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``[B, kvh, T, hd]`` keys/values to ``layer``; return the full ``[B, kvh, S+T, hd]`` tensors.
+
+        ``valid`` (bool ``[B, T]``, None = all valid) marks which new slots hold real positions;
+        it is recorded once per call of layer 0 (all layers share the slots).
+        """
+        if layer == 0 and (valid is not None or self.valid is not None):
+            B, T = k.shape[0], k.shape[2]
+            new = torch.ones(B, T, dtype=torch.bool, device=k.device) if valid is None else valid.to(torch.bool)  # [B, T]
+            if self.valid is None:
+                old = torch.ones(B, self.length, dtype=torch.bool, device=k.device)  # [B, S]
+            else:
+                old = self.valid
+            self.valid = torch.cat([old, new], dim=1)  # [B, S+T]
+        if self.keys[layer] is not None:
+            k = torch.cat([self.keys[layer], k], dim=2)
+            v = torch.cat([self.values[layer], v], dim=2)
+        self.keys[layer], self.values[layer] = k, v
+        return k, v
+
+    def attention_mask(self, T: int) -> Optional[torch.Tensor]:
+        """Boolean mask ``[B, 1, T, S]`` for the last ``T`` slots as queries (call after :meth:`append`).
+
+        A query sees every valid slot up to its own (causal by slot order) and always its own slot
+        (so that a padding query, whose output is never used, is not fully masked). None when no
+        slot is invalid (plain causal attention suffices).
+        """
+        if self.valid is None:
+            return None
+        S = self.valid.shape[1]
+        past = S - T
+        causal = torch.ones(T, S, dtype=torch.bool, device=self.valid.device).tril(diagonal=past)  # [T, S]
+        own = torch.zeros(T, S, dtype=torch.bool, device=self.valid.device)
+        own[:, past:] = torch.eye(T, dtype=torch.bool, device=self.valid.device)  # [T, S]
+        return ((self.valid[:, None, :] & causal) | own)[:, None]  # [B, 1, T, S]
+
+    def crop(self, n: int) -> None:
+        """Keep only the first ``n`` slots (drop drafted tokens).
+
+        Raises:
+            ValueError: ``n`` is negative or larger than :attr:`length`.
+        """
+        if not 0 <= n <= self.length:
+            raise ValueError(f"cannot crop a drafter cache of length {self.length} to {n}")
+        for l in range(len(self.keys)):
+            if self.keys[l] is not None:
+                self.keys[l] = self.keys[l][:, :, :n]
+                self.values[l] = self.values[l][:, :, :n]
+        if self.valid is not None:
+            self.valid = self.valid[:, :n]
+
+    def clone(self) -> "DrafterCache":
+        """A shallow copy (tensors are shared; crop/append never modify them in place)."""
+        c = DrafterCache(len(self.keys))
+        c.keys, c.values, c.valid = list(self.keys), list(self.values), self.valid
+        return c
+
+
+class Eagle3Drafter(nn.Module):
+    """EAGLE-3 drafter with SGLang-compatible parameter names.
+
+    Submodules: ``embed_tokens`` (frozen, ``[target_V, H]``), ``fc`` (``3Ht -> H``), ``midlayer``,
+    ``norm``, ``lm_head`` (``H -> draft_V``). Buffers: ``d2t`` int64 ``[draft_V]`` (offset table,
+    ``target = draft + d2t[draft]``), ``t2d`` bool ``[target_V]`` (FIELD-NOTES section 3).
+    Initialisation: linear weights ``N(0, 0.02)`` (HF ``initializer_range``), norms 1, identity
+    vocab map (``d2t = 0``, ``t2d[:draft_V] = True``) until :meth:`set_vocab_map`.
+    """
+
+    def __init__(self, args: DrafterArgs, embed_weight: Optional[torch.Tensor] = None):
+        super().__init__()
+        self.args = args
+        a = args
+        self.embed_tokens = nn.Embedding(a.target_vocab_size, a.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.fc = nn.Linear(3 * a.target_hidden_size, a.hidden_size, bias=False)
+        self.midlayer = Eagle3DecoderLayer(a)
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.lm_head = nn.Linear(a.hidden_size, a.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(a.draft_vocab_size, dtype=torch.long))
+        t2d = torch.zeros(a.target_vocab_size, dtype=torch.bool)
+        t2d[: a.draft_vocab_size] = True
+        self.register_buffer("t2d", t2d)
+        with torch.no_grad():
+            for m in self.modules():
+                if isinstance(m, nn.Linear):
+                    m.weight.normal_(0.0, 0.02)
+        if embed_weight is not None:
+            self.load_embeddings(embed_weight)
+
+    # ---- setup -------------------------------------------------------------------------------
+    def load_embeddings(self, weight: torch.Tensor) -> None:
+        """Copy the verifier's input embedding ``[target_V, H]`` into the frozen ``embed_tokens``.
+
+        Raises:
+            UserError: shape mismatch.
+        """
+        want = tuple(self.embed_tokens.weight.shape)
+        if tuple(weight.shape) != want:
+            raise UserError(f"verifier embedding has shape {tuple(weight.shape)}, drafter expects {want}")
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(weight)
+
+    def set_vocab_map(self, d2t: torch.Tensor, t2d: torch.Tensor, where: str = "vocab map",
+                      draft_key: str = "drafter draft_vocab_size") -> None:
+        """Install the draft vocab map (``vocab_map.pt`` of stage 03): ``d2t`` int64 ``[draft_V]``
+        offsets, ``t2d`` bool ``[target_V]``.
+
+        Args:
+            where / draft_key: file and setting named in errors (see :func:`eagle3.data.vocab.check_vocab_map`).
+
+        Raises:
+            UserError: any :func:`eagle3.data.vocab.check_vocab_map` failure against this drafter's
+                ``draft_vocab_size`` / ``target_vocab_size`` (wrong dtype or length, target ids
+                out of range, duplicated or unsorted, ``t2d`` not the set ``d2t`` describes).
+        """
+        a = self.args
+        check_vocab_map(d2t, t2d, where, target_vocab_size=a.target_vocab_size, draft_vocab_size=a.draft_vocab_size,
+                        draft_key=draft_key, target_source="the drafter's target_vocab_size")
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    # ---- building blocks ---------------------------------------------------------------------
+    def project(self, aux: torch.Tensor) -> torch.Tensor:
+        """``fc``: aux features ``[..., 3Ht]`` -> ``[..., H]`` (cast to ``fc``'s dtype unless autocast is on)."""
+        if not torch.is_autocast_enabled(aux.device.type):
+            aux = aux.to(self.fc.weight.dtype)
+        return self.fc(aux)
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Draft logits ``lm_head(norm(h))``: ``[..., H]`` -> ``[..., draft_V]`` (draft-vocab ids)."""
+        return self.lm_head(self.norm(h))
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Map draft ids (any shape, int64) to verifier ids: ``draft + d2t[draft]``."""
+        return draft_ids + self.d2t[draft_ids]
+
+    def _inv_freq(self, device) -> torch.Tensor:
+        a = self.args
+        return rope_inv_freq(a.head_dim, a.rope_theta, a.rope_scaling, device=device)  # [hd/2]
+
+    # ---- training: training-time test -------------------------------------------------------
+    def ttt_forward(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, ttt_length: int, attn_impl: str = "auto") -> list[torch.Tensor]:
+        """Unroll the drafter for ``ttt_length`` TTT steps over a whole sequence.
+
+        Indexing (DESIGN.md "TTT indexing"): step ``i`` at position ``t`` embeds token
+        ``x_{t+1+i}`` (id 0 beyond the sequence; such positions are never counted by the loss),
+        takes hidden ``fc(f_t)`` for ``i = 0`` else the step-``(i-1)`` output at ``t``, uses rotary
+        position ``t + i`` and attends to step-0 keys ``s <= t`` plus the keys of steps ``1..i``
+        at ``t``.
+
+        Args:
+            input_ids: int64 ``[B, L]`` verifier tokens ``x_0..x_{L-1}``.
+            aux_hidden: ``[B, L, 3Ht]`` concatenated aux states ``f_t``.
+            ttt_length: number of steps (>= 1).
+            attn_impl: ``auto`` (= ``sdpa``), ``sdpa`` (fast) or ``eager`` (reference).
+
+        Returns:
+            ``ttt_length`` tensors ``[B, L, H]``: each step's midlayer output (pre final norm).
+
+        Raises:
+            UserError: bad ``attn_impl`` or ``ttt_length`` < 1.
+        """
+        impl = resolve_attn_impl(attn_impl)
+        if ttt_length < 1:
+            raise UserError(f"train.ttt_length must be >= 1, got {ttt_length}")
+        B, L = input_ids.shape
+        attn = self.midlayer.self_attn
+        hidden = self.project(aux_hidden)  # [B, L, H]
+        inv_freq = self._inv_freq(input_ids.device)
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        outs: list[torch.Tensor] = []
+        for i in range(ttt_length):
+            ids = F.pad(input_ids[:, 1 + i :], (0, min(1 + i, L)))  # [B, L] x_{t+1+i}, 0 past the end
+            emb = self.embed_tokens(ids).to(hidden.dtype)  # [B, L, H]
+            pos = torch.arange(i, L + i, device=input_ids.device)  # [L] rotary position t+i
+            cos, sin = rotary_cos_sin(pos, inv_freq)  # [1, 1, L, hd] float32
+            q, k, v = self.midlayer.qkv(emb, hidden, cos, sin)  # [B, nh, L, hd], [B, kvh, L, hd] x2
+            keys.append(k)
+            values.append(v)
+            o = ttt_attention(q, keys, values, attn.scale, impl)  # [B, nh, L, hd]
+            hidden = self.midlayer.finish(o, hidden)  # [B, L, H]
+            outs.append(hidden)
+        return outs
+
+    # ---- inference: KV-cached decoding --------------------------------------------------------
+    def decode(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor, cache: DrafterCache,
+               valid: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Run the midlayer on ``T`` new positions, appending their keys/values to ``cache``.
+
+        Each new query attends to every valid cached key and causally to the new ones, which
+        reproduces TTT: prefill verified positions (token ``x_{t+1}``, hidden ``fc(f_t)``,
+        position ``t``), then feed draft step ``i`` (drafted token, the previous step's output,
+        position ``t+i``) one at a time (SGLang / vLLM chain drafting).
+
+        Args:
+            input_ids: int64 ``[B, T]`` verifier-vocab token ids.
+            hidden: ``[B, T, H]`` already projected (:meth:`project` output or a previous output).
+            position_ids: int64 ``[B, T]`` rotary positions (per row: rows of a batch may be at
+                different positions).
+            cache: :class:`DrafterCache`, extended in place by ``T`` slots.
+            valid: bool ``[B, T]``, which new slots hold real positions (None = all). Invalid slots
+                (left padding, rejected drafts of a batched round) are never attended to by later
+                queries; their own outputs are meaningless.
+
+        Returns:
+            ``[B, T, H]`` midlayer outputs (feed to :meth:`compute_logits` or back as ``hidden``).
+        """
+        attn = self.midlayer.self_attn
+        past = cache.length
+        T = input_ids.shape[1]
+        emb = self.embed_tokens(input_ids).to(hidden.dtype)  # [B, T, H]
+        cos, sin = rotary_cos_sin(position_ids, self._inv_freq(hidden.device))  # [B, 1, T, hd] float32
+        q, k, v = self.midlayer.qkv(emb, hidden, cos, sin)  # [B, nh, T, hd], [B, kvh, T, hd] x2
+        k_all, v_all = cache.append(0, k, v, valid)  # [B, kvh, past+T, hd]
+        o = cached_attention(q, k_all, v_all, past, attn.scale, mask=cache.attention_mask(T))  # [B, nh, T, hd]
+        return self.midlayer.finish(o, hidden)  # [B, T, H]

@@ -1,0 +1,980 @@
+"""Stage 04: train an EAGLE-3 drafter with training-time test (TTT) on the captured shards.
+
+One call of :func:`run` does, on every process (single process, or ``torchrun`` ranks):
+
+1. torch.distributed from the torchrun environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``):
+   NCCL on GPU, gloo on CPU; without those variables it runs as a single process.
+2. Drafter shape (:func:`build_drafter_args`): ``cfg.drafter`` fields, ``null`` ones copied from the
+   verifier's text config (``eagle3.verifier.verifier_dims``); vocab sizes from ``vocab_map.pt``,
+   ``target_hidden_size`` from ``data_config.json``.
+3. Verifier head (:mod:`eagle3.train.target_head`): ``{train_dir}/target_head.safetensors``, extracted
+   from the verifier once by rank 0 and reused on every resume.
+4. Drafter init (:func:`init_drafter`): token embedding = the verifier's (frozen, as in EAGLE-3 and
+   SpecForge); ``lm_head`` = the verifier's LM-head rows of the draft vocabulary when the drafter
+   hidden size equals the verifier's (a warm start: if the drafter's output matched the verifier's
+   final hidden state, step 0 would reproduce the verifier's distribution on the draft vocab);
+   everything else is PyTorch default init under ``train.seed``.
+5. Loop: AdamW, warmup + cosine per optimizer step (:mod:`eagle3.train.schedule`), gradient
+   accumulation (DDP ``no_sync`` on the non-final micro-batches), gradient clipping, bf16 autocast
+   on GPU only. Micro-batches hold ``batch_size`` samples, or with ``train.batch_tokens`` samples of
+   similar length up to that many padded tokens (:mod:`eagle3.data.batching`), read by loader worker
+   processes into pinned memory. The loss is the TTT loss of :func:`eagle3.train.ttt.ttt_loss` evaluated
+   only at the loss rows that ``collate`` lists on the host (:mod:`eagle3.train.ttt_rows`: verifier targets
+   and draft logits there only), normalised over the counted tokens of the whole optimizer step
+   (:func:`backward_step`). SDPA runs without cuDNN (:func:`eagle3.sdpa.no_cudnn_sdpa`). No host syncs in a
+   step except at log steps (every ``log_every``), where loss, per-TTT-step accuracy, LR, grad
+   norm and tokens/s go to TensorBoard (``{train_dir}/tb``), ``{train_dir}/metrics.jsonl`` and the
+   tqdm bar (rank 0).
+6. Validation on the ``val`` split every ``eval_every`` steps (default once per epoch) and at the end:
+   each sample once (rank r takes samples r, r+W, ...), loss and accuracy token-weighted over all of them.
+7. Checkpoints (:mod:`eagle3.train.checkpoint`) every ``ckpt_every`` steps, on SIGTERM/SIGINT (the current
+   step finishes first, then :func:`run` returns with ``stopped``; 04's CLI exits 128 + signal) and at the end; ``resume=True``
+   continues from the newest complete one, bit-identically on CPU (data order, LR, RNG).
+8. Export (rank 0) with :func:`eagle3.export.serving.export_drafter` to ``cfg.export_dir``, and a report
+   ``{train_dir}/train_report.{json,md}`` + ``loss.png``.
+
+Loss normalisation (DESIGN.md "Loss normalisation"): the loss of TTT step ``i`` is the sum of the
+token cross-entropies over the counted positions of the whole optimizer step (all micro-batches, all
+ranks) divided by their number, so the gradient does not depend on how the step's samples are split
+into micro-batches and ranks (batch 2 x accumulation 1 == batch 1 x accumulation 2 == 2 ranks x
+batch 1). Each micro-batch's counts are taken before any backward pass of the step and summed over
+ranks by one all-reduce per optimizer step (:func:`eagle3.train.ttt.step_denominators`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader
+
+from eagle3.train import checkpoint as ckpt
+from eagle3.config import RunConfig
+from eagle3.data.batching import eval_batches, sample_lengths
+from eagle3.data.dataset import ResumableSampler, ShardDataset, collate, read_split
+from eagle3.errors import UserError
+from eagle3.shards.fp8 import dequantize_batch, is_fp8
+from eagle3.io import (append_bytes, atomic_write_json, atomic_write_jsonl, atomic_write_text, disk_full_guard,
+                       open_append)
+from eagle3.train.schedule import build_scheduler
+from eagle3.shards.format import expect_from_data_config, read_data_config
+from eagle3.train.target_head import FILENAME as TARGET_HEAD_FILE
+from eagle3.train.target_head import TargetHead
+from eagle3.data.vocab import load_run_vocab_map
+
+log = logging.getLogger(__name__)
+
+TARGET_CHUNK = 2048  # positions per lm_head chunk in compute_targets (bounds the [chunk, V] logits)
+
+
+# ---------------------------------------------------------------------------------------------
+# distributed setup
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class DistInfo:
+    """Where this process sits: ``rank``/``world`` (1/0 without torchrun), its device, and a CPU
+    (gloo) process group for control messages (stop flag, counters) that never syncs the GPU."""
+
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device
+    ctrl_group: Any = None
+    initialized_here: bool = False
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1
+
+
+def init_distributed(device: Optional[str] = None) -> DistInfo:
+    """Initialise torch.distributed from the torchrun env (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+    ``MASTER_ADDR``, ``MASTER_PORT``); NCCL when CUDA is available, else gloo.
+
+    Args:
+        device: ``"cpu"`` forces CPU (and gloo); None = ``cuda:{LOCAL_RANK}`` if available else CPU.
+
+    Returns:
+        :class:`DistInfo`; a single process (world 1) when ``WORLD_SIZE`` is unset or 1.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
+    use_cuda = torch.cuda.is_available() and device != "cpu"
+    dev = torch.device(f"cuda:{local_rank}") if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(dev)
+    info = DistInfo(rank=rank, world=world, local_rank=local_rank, device=dev)
+    if world > 1:
+        if not dist.is_initialized():
+            backend = "nccl" if use_cuda else "gloo"
+            kw = {"device_id": dev} if use_cuda else {}
+            dist.init_process_group(backend=backend, **kw)
+            info.initialized_here = True
+        info.ctrl_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
+    return info
+
+
+def _barrier(d: DistInfo) -> None:
+    if d.distributed:
+        dist.barrier(group=d.ctrl_group)
+
+
+def _any_rank(flag: bool, d: DistInfo) -> bool:
+    """True if ``flag`` is True on any rank (one CPU all-reduce on the gloo control group)."""
+    if not d.distributed:
+        return flag
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=d.ctrl_group)
+    return bool(t.item())
+
+
+def _sum_ranks(values: list[float], d: DistInfo) -> list[float]:
+    if not d.distributed:
+        return values
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, group=d.ctrl_group)
+    return t.tolist()
+
+
+# ---------------------------------------------------------------------------------------------
+# model construction
+# ---------------------------------------------------------------------------------------------
+def build_drafter_args(cfg: RunConfig, data_config: dict, vocab: dict):
+    """``DrafterArgs`` from ``cfg.drafter``; ``null`` fields are copied from the verifier config.
+
+    The verifier config is read (``eagle3.verifier.load_verifier_config``, no weights) only when
+    some field is null; then :meth:`eagle3.train.model.DrafterArgs.from_hf_config` fills it from the
+    text model config (nested ``text_config`` unwrapped), with ``head_dim`` = hidden / heads for
+    MLA verifiers (Kimi/DeepSeek: :func:`eagle3.verifier.verifier_dims`). Vocab sizes come from
+    ``vocab_map.pt``; ``target_hidden_size`` from ``data_config.json``.
+
+    Raises:
+        UserError: unreadable verifier config, or an invalid shape (field named by ``DrafterArgs``).
+    """
+    from eagle3.train.model import DrafterArgs
+
+    fields = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+              "rms_norm_eps", "rope_theta", "max_position_embeddings")
+    given = {f: getattr(cfg.drafter, f) for f in fields}
+    fixed = dict(draft_vocab_size=int(vocab["draft_vocab_size"]), target_vocab_size=int(vocab["target_vocab_size"]),
+                 target_hidden_size=int(data_config["hidden_size"]))
+    if all(v is not None for v in given.values()):
+        return warn_short_context(cfg, DrafterArgs(**given, **fixed))
+    from eagle3.verifier import load_verifier_config, text_config, verifier_dims
+
+    hf = load_verifier_config(cfg.verifier)
+    dims = verifier_dims(hf)
+    over = dict(given)
+    if over["head_dim"] is None:
+        if over["hidden_size"] is not None or over["num_attention_heads"] is not None:
+            h = over["hidden_size"] or dims["hidden_size"]
+            over["head_dim"] = h // (over["num_attention_heads"] or dims["num_attention_heads"])
+        else:
+            over["head_dim"] = dims["head_dim"]
+    return warn_short_context(cfg, DrafterArgs.from_hf_config(text_config(hf), fixed["draft_vocab_size"], **over,
+                                      **{k: v for k, v in fixed.items() if k != "draft_vocab_size"}))
+
+
+def warn_short_context(cfg: RunConfig, args):
+    """Warn at the start of 04 when the drafter's context is below the verifier's: the export for
+    SGLang will be refused, vLLM caps the draft (:func:`eagle3.train.draft_config.check_context_length`).
+
+    Returns:
+        ``args`` unchanged.
+    """
+    from eagle3.train.draft_config import check_context_length
+    from eagle3.verifier import verifier_context_length
+
+    try:
+        check_context_length(args, verifier_context_length(cfg.verifier), "sglang")
+    except UserError as e:
+        log.warning("%s. The SGLang export will be refused; vLLM caps the draft at that length.", e)
+    return args
+
+
+def prepare_target_head(cfg: RunConfig, data_config: dict, d: DistInfo) -> TargetHead:
+    """Load ``{train_dir}/target_head.safetensors``; rank 0 extracts it from the verifier first if missing.
+
+    Extraction reads only the three tensors from a safetensors checkpoint
+    (:func:`eagle3.train.safetensors_head.load_target_head_from_safetensors`, Kimi-sized verifiers), or
+    loads the model through transformers for GGUF verifiers (:func:`eagle3.verifier.load_verifier`).
+
+    Raises:
+        UserError: the head does not match ``data_config.json`` (hidden size, vocab size, norm convention).
+    """
+    path = cfg.train_dir / TARGET_HEAD_FILE
+    if d.is_main and not path.is_file():
+        log.info("extracting the verifier's embedding / lm_head / final norm to %s", path)
+        vdir = cfg.verifier.resolved_path()
+        if cfg.verifier.gguf_file is None and any(vdir.glob("*.safetensors*")):
+            from eagle3.train.safetensors_head import load_target_head_from_safetensors
+
+            load_target_head_from_safetensors(vdir, data_config["last_hidden_state"]).save(cfg.train_dir)
+        else:
+            from eagle3.verifier import load_verifier
+
+            model, _tok = load_verifier(cfg.verifier, device="cpu")
+            TargetHead.from_model(model, data_config["last_hidden_state"]).save(cfg.train_dir)
+            del model
+    _barrier(d)
+    head = TargetHead.load(path)
+    if head.hidden_size != int(data_config["hidden_size"]) or head.vocab_size != int(data_config["vocab_size"]):
+        raise UserError(f"{path}: head is [{head.vocab_size}, {head.hidden_size}] but data_config.json says vocab_size "
+                        f"{data_config['vocab_size']}, hidden_size {data_config['hidden_size']} (delete it to re-extract)")
+    want_post = data_config["last_hidden_state"] == "post_norm"
+    if head.last_is_post_norm != want_post:
+        raise UserError(f"{path}: metadata 'last_is_post_norm' is {head.last_is_post_norm} but data_config.json says "
+                        f"last_hidden_state={data_config['last_hidden_state']!r} (delete it to re-extract)")
+    return head
+
+
+def init_drafter(args, head: TargetHead, vocab: dict, seed: int):
+    """Build the drafter: seeded init (``Eagle3Drafter`` defaults), the verifier embedding (frozen),
+    the d2t/t2d vocab map, and ``lm_head`` = the verifier's LM-head rows of the draft vocab.
+
+    Returns:
+        ``Eagle3Drafter`` (float32, CPU).
+
+    Raises:
+        UserError: the drafter hidden size differs from the verifier's (EAGLE-3 drafters reuse
+            the verifier's token embedding, so the widths must agree).
+    """
+    from eagle3.train.model import Eagle3Drafter
+
+    if head.embed.shape[1] != args.hidden_size:
+        raise UserError(f"drafter.hidden_size: {args.hidden_size} differs from the verifier hidden size "
+                        f"{head.embed.shape[1]}; the drafter reuses the verifier's token embedding")
+    torch.manual_seed(seed)
+    drafter = Eagle3Drafter(args).float()
+    drafter.load_embeddings(head.embed.float())  # [V, H], frozen
+    drafter.set_vocab_map(vocab["d2t"], vocab["t2d"])
+    target_ids = torch.arange(args.draft_vocab_size, dtype=torch.int64) + vocab["d2t"]  # [dV]
+    with torch.no_grad():
+        drafter.lm_head.weight.copy_(head.lm_head.float()[target_ids])  # [dV, H]
+    drafter.embed_tokens.weight.requires_grad_(False)
+    return drafter
+
+
+class TTTObjective(nn.Module):
+    """The drafter + TTT loss as one ``forward``, so that DDP sees every trainable use in forward.
+
+    ``forward(input_ids [B,L] int64, aux [B,L,3Ht], target_logp [B,L,dV] float32, in_draft [B,L] bool,
+    target_argmax [B,L] int64, loss_mask [B,L], denom [K] float32 | None) -> (loss scalar, metrics)``,
+    where ``metrics`` is :func:`eagle3.train.ttt.ttt_loss`'s dict of per-TTT-step tensors ``[K]`` (``loss``,
+    ``ce_sum``, ``acc``, ``correct``, ``count``) and ``denom`` its per-step denominators (None = this
+    batch's own counts). With ``loss_pos`` (int64 ``[M]``, :func:`eagle3.data.dataset.loss_positions`) instead
+    of ``loss_mask``, the targets are the ``[M, dV]``, ``[M]``, ``[M]`` rows of
+    :func:`eagle3.train.ttt_rows.row_targets` and the loss is :func:`eagle3.train.ttt_rows.ttt_loss_rows` (same sums;
+    logits only where the loss can count; what training uses).
+
+    Args:
+        checkpoint_logits: recompute each step's ``[B, L, dV]`` logits in backward instead of
+            storing them (``ttt_loss(checkpoint=True)``); used on GPU, where memory binds.
+    """
+
+    def __init__(self, drafter: nn.Module, ttt_length: int, step_weight: float, checkpoint_logits: bool = False):
+        super().__init__()
+        self.drafter = drafter
+        self.ttt_length = ttt_length
+        self.step_weight = step_weight
+        self.checkpoint_logits = checkpoint_logits
+
+    def forward(self, input_ids, aux, target_logp, in_draft, target_argmax, loss_mask=None, denom=None, loss_pos=None):
+        from eagle3.train.ttt import TTTTargets, ttt_loss
+
+        step_hiddens = self.drafter.ttt_forward(input_ids, aux, self.ttt_length)  # K x [B, L, H]
+        if loss_pos is not None:
+            from eagle3.train.ttt_rows import ttt_loss_rows
+
+            return ttt_loss_rows(self.drafter, step_hiddens, TTTTargets(target_logp, in_draft, target_argmax), loss_pos,
+                                 step_weight=self.step_weight, checkpoint=self.checkpoint_logits, denom=denom)
+        return ttt_loss(self.drafter, step_hiddens, TTTTargets(target_logp, in_draft, target_argmax), loss_mask,
+                        step_weight=self.step_weight, checkpoint=self.checkpoint_logits, denom=denom)
+
+
+def backward_step(model: nn.Module, batches: list[dict], targets: list, ttt_length: int, d: DistInfo,
+                  amp: Optional[torch.dtype] = None) -> list[dict]:
+    """Forward + backward of every micro-batch of ONE optimizer step, with the step-normalised loss.
+
+    First the counted positions of each micro-batch and TTT step (:func:`eagle3.train.ttt.ttt_token_counts`,
+    known from the loss mask and the verifier targets before any backward pass) are summed over the
+    micro-batches and, under DDP, over ranks (:func:`eagle3.train.ttt.step_denominators`: one all-reduce per
+    optimizer step, queued on the device, no host sync). Then each micro-batch's loss
+    ``sum_i step_weight**i * S_i / denom_i`` is backpropagated (DDP ``no_sync`` on all but the last),
+    so the accumulated gradient is that of ``sum_i step_weight**i * (step sum of CE of step i) / N_i``
+    whatever the split into micro-batches and ranks. Gradients accumulate into ``.grad``; the caller
+    clips, steps and zeroes.
+
+    Args:
+        model: :class:`TTTObjective`, possibly wrapped in DDP and/or ``torch.compile``.
+        batches: the micro-batches of this rank (``input_ids`` ``[B,L]``, ``aux`` ``[B,L,3Ht]``,
+            ``loss_mask`` ``[B,L]``, on the device); sizes may differ between micro-batches. A batch with
+            ``loss_pos`` (``eagle3.data.dataset.collate``) uses the loss-row path (:mod:`eagle3.train.ttt_rows`).
+        targets: :class:`eagle3.train.ttt.TTTTargets` of each batch (all alive at once: ``len(batches)`` x
+            ``[B, L, draft_V]`` float32, or ``[M, draft_V]`` rows with ``loss_pos``).
+        ttt_length: ``K``.
+        d: this process's :class:`DistInfo` (every rank must call this once per optimizer step).
+        amp: autocast dtype on the device, or None.
+
+    Returns:
+        :func:`eagle3.train.ttt.ttt_loss`'s detached metrics of each micro-batch.
+    """
+    from eagle3.train.ttt import step_denominators, ttt_token_counts
+    from eagle3.train.ttt_rows import ttt_row_counts
+
+    counts = [ttt_row_counts(b["loss_pos"], b["input_ids"].shape[1], tg.in_draft, ttt_length) if "loss_pos" in b
+              else ttt_token_counts(b["loss_mask"], tg.in_draft, ttt_length) for b, tg in zip(batches, targets)]  # [K] each
+    denom = step_denominators(counts, d.world)  # [K] float32: max(N_i, 1) / world
+    stats = []
+    for m, (b, tg) in enumerate(zip(batches, targets)):
+        last = m == len(batches) - 1
+        sync_ctx = model.no_sync() if (d.distributed and not last) else contextlib.nullcontext()
+        amp_ctx = torch.autocast(device_type=d.device.type, dtype=amp) if amp is not None else contextlib.nullcontext()
+        with sync_ctx:
+            with amp_ctx:
+                if "loss_pos" in b:
+                    loss, st = model(b["input_ids"], b["aux"], tg.logp_draft, tg.in_draft, tg.argmax, None, denom,
+                                     loss_pos=b["loss_pos"])
+                else:
+                    loss, st = model(b["input_ids"], b["aux"], tg.logp_draft, tg.in_draft, tg.argmax, b["loss_mask"],
+                                     denom)
+            loss.backward()
+        stats.append(st)
+    return stats
+
+
+def trainable_state(drafter: nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters that training changes (``requires_grad``), detached on CPU, by name."""
+    return {n: p.detach().to("cpu").clone() for n, p in drafter.named_parameters() if p.requires_grad}
+
+
+# ---------------------------------------------------------------------------------------------
+# signals
+# ---------------------------------------------------------------------------------------------
+class StopFlag:
+    """SIGTERM/SIGINT set a flag; the loop finishes the current optimizer step, checkpoints and returns.
+
+    A second SIGINT falls through to the previous handler (so Ctrl-C twice still aborts).
+    Handlers are installed only in the main thread and restored by :meth:`restore`.
+    """
+
+    def __init__(self):
+        self.requested = False
+        self.signum: Optional[int] = None
+        self._old: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGTERM, signal.SIGINT):
+                self._old[s] = signal.signal(s, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.requested and signum == signal.SIGINT:
+            old = self._old.get(signum)
+            if callable(old):
+                old(signum, frame)
+            raise KeyboardInterrupt
+        self.requested = True
+        self.signum = signum
+
+    def restore(self) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+        self._old = {}
+
+
+# ---------------------------------------------------------------------------------------------
+# metrics
+# ---------------------------------------------------------------------------------------------
+class _Metrics:
+    """Rank-0 sinks: ``metrics.jsonl`` (append + flush), TensorBoard."""
+
+    def __init__(self, train_dir: Path, start_step: int, enabled: bool, finished: bool = False):
+        """Rows of steps after ``start_step`` (written before a kill, redone now) are dropped; so is the
+        final validation row when the run had already ``finished`` (it is recomputed)."""
+        self.enabled = enabled
+        self.path = train_dir / "metrics.jsonl"
+        self.tb = None
+        if not enabled:
+            return
+        rows = _read_metrics(self.path)
+        kept = [r for r in rows if r.get("step", 0) < start_step or (
+            r.get("step", 0) == start_step and not (finished and r.get("kind") == "val"))]
+        if len(kept) != len(rows) or (self.path.exists() and start_step == 0):
+            atomic_write_jsonl(self.path, kept if start_step else [])
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.tb = SummaryWriter(log_dir=str(train_dir / "tb"), purge_step=start_step if start_step else None)
+
+    def write(self, row: dict) -> None:
+        if not self.enabled:
+            return
+        with open_append(self.path) as f:  # disk full: rolled back, UserError (exit 2)
+            append_bytes(f, (json.dumps(row) + "\n").encode("utf-8"), self.path, fsync=False)
+        step = row["step"]
+        with disk_full_guard(self.path.parent / "tb"):  # TensorBoard's writer re-raises its thread's OSError here
+            for k, v in row.items():
+                if k not in ("step", "epoch", "kind") and isinstance(v, (int, float)):
+                    self.tb.add_scalar(f"{row['kind']}/{k}", v, step)
+            self.tb.flush()
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def _read_metrics(path: Path) -> list[dict]:
+    """Rows of ``metrics.jsonl``; a torn last line (killed mid-write) is skipped."""
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def _reduce_totals(totals: dict[str, torch.Tensor], d: DistInfo) -> dict[str, torch.Tensor]:
+    """Sum :meth:`_Accum.totals` over ranks (CPU all-reduce on the gloo control group; host sync)."""
+    out = {k: v.detach().to("cpu", torch.float64) for k, v in totals.items()}
+    if d.distributed:
+        for k in sorted(out):
+            dist.all_reduce(out[k], group=d.ctrl_group)
+    return out
+
+
+class _Accum:
+    """Sums a window of micro-batch results on the device without host syncs; read at log steps.
+
+    ``add(metrics)`` takes :func:`eagle3.train.ttt.ttt_loss`'s metrics. :meth:`summarize` gives, over the
+    window and (after :func:`_reduce_totals`) all ranks, token-weighted like the training loss:
+    ``step_loss_{i}`` = sum of CE / number of counted positions of TTT step ``i``, ``loss`` =
+    ``sum_i step_weight**i * step_loss_{i}`` (for a window of one optimizer step: exactly the loss
+    that step minimised), ``acc_{i}`` = sum(correct) / sum(count), ``loss_tokens`` = counted
+    positions of step 0. The sums start at zeros ``[K]`` so that every rank reduces the same keys,
+    even a rank that saw no batch.
+    """
+
+    def __init__(self, ttt_length: int):
+        self.sums = {k: torch.zeros(ttt_length, dtype=torch.float64) for k in ("ce_sum", "correct", "count")}
+        self.n = 0
+
+    def add(self, metrics: dict) -> None:
+        self.n += 1
+        for k in self.sums:
+            v = metrics[k].detach().to(torch.float64)  # [K] on the device
+            self.sums[k] = v.clone() if self.n == 1 else self.sums[k] + v  # the CPU zeros never meet the device
+
+    def totals(self) -> dict[str, torch.Tensor]:
+        """Raw sums (for cross-rank reduction) plus ``n`` (micro-batches)."""
+        return dict(self.sums, n=torch.tensor(float(self.n)))
+
+    @staticmethod
+    def summarize(sums: dict[str, torch.Tensor], step_weight: float) -> dict[str, float]:
+        """Host-side floats from (possibly rank-summed) :meth:`totals`."""
+        if not sums or float(sums["n"]) == 0:
+            return {}
+        count = sums["count"].clamp(min=1)  # [K]
+        step_loss = (sums["ce_sum"] / count).tolist()  # [K]
+        out = {"loss": sum(step_weight**i * x for i, x in enumerate(step_loss))}
+        for i, x in enumerate(step_loss):
+            out[f"step_loss_{i}"] = x
+        for i, x in enumerate((sums["correct"] / count).tolist()):
+            out[f"acc_{i}"] = x
+        out["loss_tokens"] = float(sums["count"][0])
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# data order
+# ---------------------------------------------------------------------------------------------
+def _loader_kwargs(t, device: torch.device, world: int) -> dict:
+    """DataLoader settings: worker processes (``train.num_workers``; auto = up to 8 per rank on GPU by CPU
+    count, 0 on CPU), pinned host memory and 4 batches of read-ahead per worker on GPU. Workers are
+    started per epoch (not persistent) and stopped when the loop drops its iterator, so none outlive
+    :func:`run`."""
+    workers = t.num_workers
+    if workers is None:
+        workers = min(8, max(1, (os.cpu_count() or 2) // max(1, world) - 1)) if device.type == "cuda" else 0
+    kw = {"num_workers": workers, "pin_memory": device.type == "cuda", "collate_fn": collate}
+    if workers > 0:
+        kw.update(prefetch_factor=4)
+    return kw
+
+
+class _TrainData:
+    """The training data order of one rank: fixed-size batches (``ResumableSampler``) or token-budget
+    batches (:class:`eagle3.data.batching.TokenBudgetBatchSampler`), behind one interface.
+
+    A position in the data is ``(epoch, step_in_epoch)`` (optimizer steps done in that epoch); the
+    checkpoint stores it as ``epoch``, ``steps_in_epoch`` and ``samples_in_epoch`` (global samples).
+    """
+
+    def __init__(self, cfg: RunConfig, train_ds: ShardDataset, d: DistInfo):
+        t = cfg.train
+        self.world, self.accum = d.world, t.grad_accum
+        kw = _loader_kwargs(t, d.device, d.world)
+        self.token_budget = t.batch_tokens is not None
+        if self.token_budget:
+            from eagle3.data.batching import TokenBudgetBatchSampler, sample_lengths
+
+            lengths = sample_lengths(cfg.shards_dir, train_ds, train_ds.max_length)
+            self.sampler = TokenBudgetBatchSampler(lengths, t.batch_tokens, d.world, d.rank, t.grad_accum, t.seed)
+            self.loader = DataLoader(train_ds, batch_sampler=self.sampler, **kw)
+            self.total_steps = self.sampler.total_steps(t.epochs)
+        else:
+            self.sampler = ResumableSampler(train_ds, num_replicas=d.world, rank=d.rank, shuffle=True, seed=t.seed)
+            self.loader = DataLoader(train_ds, batch_size=t.batch_size, sampler=self.sampler, drop_last=True, **kw)
+            self.samples_per_step = t.batch_size * t.grad_accum * d.world  # global samples per optimizer step
+            self._steps = (len(train_ds) // d.world) // (t.batch_size * t.grad_accum)
+            if self._steps < 1:
+                raise UserError(f"{cfg.data_dir / 'split.json'}: key 'train': {len(train_ds)} samples, fewer than one "
+                                f"optimizer step needs (batch_size {t.batch_size} x grad_accum {t.grad_accum} x "
+                                f"{d.world} processes)")
+            self.total_steps = math.ceil(t.epochs * self._steps)
+
+    def steps_in_epoch(self, epoch: int) -> int:
+        return self.sampler.steps_in_epoch(epoch) if self.token_budget else self._steps
+
+    def samples_before(self, epoch: int, step_in_epoch: int) -> int:
+        """Global samples consumed by the first ``step_in_epoch`` optimizer steps of ``epoch``."""
+        if not self.token_budget:
+            return step_in_epoch * self.samples_per_step
+        return sum(len(b) for b in self.sampler.epoch_batches(epoch)[: step_in_epoch * self.world * self.accum])
+
+    def step_from_checkpoint(self, state: dict) -> int:
+        """``steps_in_epoch`` of a checkpoint (derived from ``samples_in_epoch`` for checkpoints that predate it)."""
+        if "steps_in_epoch" in state:
+            return int(state["steps_in_epoch"])
+        if self.token_budget:
+            raise UserError("checkpoint: key 'steps_in_epoch' missing; it was written by a run without "
+                            "train.batch_tokens, so its data position cannot be mapped to token-budget batches")
+        return int(state["samples_in_epoch"]) // self.samples_per_step
+
+    def iterate(self, epoch: int, step_in_epoch: int):
+        """Micro-batches of this rank from optimizer step ``step_in_epoch`` of ``epoch`` on."""
+        self.sampler.set_epoch(epoch)
+        self.sampler.set_start(step_in_epoch if self.token_budget else step_in_epoch * self.samples_per_step)
+        return iter(self.loader)
+
+
+
+# ---------------------------------------------------------------------------------------------
+# the run
+# ---------------------------------------------------------------------------------------------
+def _autocast_dtype(cfg: RunConfig, device: torch.device) -> Optional[torch.dtype]:
+    if device.type != "cuda":
+        if cfg.train.bf16 == "on":
+            log.warning("train.bf16=on ignored: bf16 autocast is used on GPU only (CPU trains in float32)")
+        return None
+    return torch.bfloat16 if cfg.train.bf16 in ("auto", "on") else None
+
+
+def _data_order(cfg: RunConfig) -> dict:
+    """The settings that fix the batch order and the optimizer-step count of an epoch (checkpoint key
+    ``data_order``; :func:`eagle3.train.checkpoint.check_data_order`). ``batch_size`` is recorded as None when
+    ``batch_tokens`` is set (it is ignored then)."""
+    t = cfg.train
+    return {"train.seed": t.seed, "train.batch_tokens": t.batch_tokens,
+            "train.batch_size": None if t.batch_tokens is not None else t.batch_size, "train.grad_accum": t.grad_accum}
+
+
+def _fingerprint(cfg: RunConfig, args) -> str:
+    t = cfg.train
+    keep = {k: getattr(t, k) for k in ("ttt_length", "step_weight", "lr", "weight_decay", "warmup_ratio", "epochs",
+                                          "batch_size", "grad_accum", "grad_clip", "seed")}
+    return ckpt.config_fingerprint({"train": keep, "drafter": dataclasses.asdict(args),
+                                    "max_length": cfg.extract.max_length})
+
+
+def _move_batch(batch: dict, device: torch.device, float_dtype: torch.dtype) -> dict:
+    """Copy a collated batch to ``device``; fp8 features (+ scales) are dequantised there, after the copy."""
+    nb = device.type == "cuda"
+    out = {}
+    for k, v in batch.items():
+        v = v.to(device, non_blocking=nb)
+        if v.is_floating_point() and not is_fp8(v) and not k.endswith("_scale"):
+            v = v.to(float_dtype)
+        out[k] = v
+    return dequantize_batch(out, float_dtype)
+
+
+def run(cfg: RunConfig, resume: bool = False, max_steps: Optional[int] = None, stop_after: Optional[int] = None,
+        device: Optional[str] = None, export: Optional[Callable[[RunConfig, Any, dict], Path]] = None) -> dict:
+    """Train (or continue training) the drafter described by ``cfg``; see the module docstring.
+
+    Args:
+        cfg: the run config (``train``, ``drafter``, ``export`` sections; paths from ``cfg``).
+        resume: continue from the newest complete checkpoint in ``{train_dir}/checkpoints``
+            (starts fresh, with a warning, when there is none). Without ``resume`` an existing
+            checkpoint folder is an error (so a finished run is never silently overwritten).
+        max_steps: overrides ``train.max_steps`` (total optimizer steps: schedule horizon and end).
+        stop_after: stop after this many optimizer steps *in this call*, with a checkpoint, without
+            changing the schedule (time-sliced / preemptible jobs; tests).
+        device: ``"cpu"`` to force CPU.
+        export: called as ``export(cfg, drafter, data_config)`` on rank 0 when training finishes (not when
+            stopped early), before the report; returns the export folder. ``04_train.py`` passes
+            :func:`eagle3.export.from_checkpoint.export_for_run`; None = no export (stage 04 never imports
+            the later export package).
+
+    Returns:
+        dict: ``step``, ``total_steps``, ``stopped`` (True when interrupted by a signal or
+        ``stop_after``), ``signal`` (the signal number this rank received, else None), ``checkpoint`` (path of the last one written or loaded), ``export_dir``
+        (None when stopped early), ``final_val`` (validation metrics) and measured ``tokens_per_s``.
+
+    Raises:
+        UserError: bad inputs (missing/corrupt data files, shape mismatches, resume of a different
+            drafter shape, existing checkpoints without ``resume``).
+    """
+    d = init_distributed(device)
+    stop = StopFlag()
+    from eagle3.sdpa import no_cudnn_sdpa
+
+    try:
+        with no_cudnn_sdpa():  # batch shapes change every step: no per-shape cuDNN plans (~40 ms each)
+            return _run(cfg, d, stop, resume, max_steps, stop_after, export)
+    finally:
+        stop.restore()
+        if d.initialized_here and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: Optional[int],
+         stop_after: Optional[int], export: Optional[Callable] = None) -> dict:
+    t = cfg.train
+    train_dir = cfg.train_dir
+    if d.is_main:
+        train_dir.mkdir(parents=True, exist_ok=True)
+        ckpt.remove_stale_tmp(train_dir)
+    existing = ckpt.list_checkpoints(train_dir)
+    if existing and not resume:
+        raise UserError(f"{ckpt.ckpt_dir(train_dir)}: holds checkpoints (newest step {existing[-1][0]}); "
+                        f"pass --resume to continue, or set train.output_dir to a new folder")
+
+    # ---- inputs ----------------------------------------------------------------------------
+    data_config = read_data_config(cfg.shards_dir)
+    vocab = load_run_vocab_map(cfg, int(data_config["vocab_size"]))
+    split = read_split(cfg.data_dir)
+    args = build_drafter_args(cfg, data_config, vocab)
+    head = prepare_target_head(cfg, data_config, d)
+    drafter = init_drafter(args, head, vocab, t.seed).to(d.device)
+    amp = _autocast_dtype(cfg, d.device)
+    feat_dtype = torch.bfloat16 if amp is not None else torch.float32
+    head_lm = head.lm_head.to(d.device, feat_dtype)  # [V, Ht]
+    head_norm = None if head.last_is_post_norm else head.norm_weight.to(d.device, feat_dtype)  # [Ht]
+    head_eps = float(head.norm_eps)
+    d2t_dev, t2d_dev = vocab["d2t"].to(d.device), vocab["t2d"].to(d.device)
+    del head
+
+    expect = expect_from_data_config(data_config)
+    max_len = int(data_config["max_length"])
+    train_ds = ShardDataset(cfg.shards_dir, split["train"], max_len, expect, "train")
+    val_ds = ShardDataset(cfg.shards_dir, split["val"], max_len, expect, "val") if split["val"] else None
+    data = _TrainData(cfg, train_ds, d)
+    total_steps = data.total_steps
+    horizon = max_steps if max_steps is not None else t.max_steps
+    if horizon is not None:
+        total_steps = min(total_steps, horizon)
+    val_lengths = sample_lengths(cfg.shards_dir, val_ds, max_len) if (val_ds is not None and t.batch_tokens) else None
+    eval_every = t.eval_every or data.steps_in_epoch(0)
+
+    # ---- optimisation ----------------------------------------------------------------------
+    # Logit checkpointing inside torch.compile(dynamic=True) fails in dynamo on torch 2.11
+    # ("lift_tracked_freevar_to_input"), and compiled without it was faster anyway (bench/results).
+    # auto = off: the training loss (eagle3/train/ttt_rows.py) keeps only the bf16 logits of the loss rows per TTT
+    # step (M x draft_V x 2 bytes; 7 x 1 GB at 16K loss tokens), and recomputing them cost 12% of a
+    # SmolLM2 step on the H200 (bench/small_train_speed.py: tokens vs tokens+nock).
+    ckpt_logits = t.checkpoint_logits == "on"
+    if t.compile and ckpt_logits:
+        raise UserError("train.checkpoint_logits: 'on' cannot be combined with train.compile: true (torch.compile "
+                        "fails on the checkpointed loss); use 'auto' or 'off'")
+    objective = TTTObjective(drafter, t.ttt_length, t.step_weight, checkpoint_logits=ckpt_logits)
+    model = objective
+    if d.distributed:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(objective, device_ids=[d.device.index] if d.device.type == "cuda" else None)
+    if t.compile:
+        # Variable batch lengths: dynamic shapes avoid one recompile per sequence length.
+        if t.batch_tokens is not None and d.is_main:
+            log.warning("train.compile with train.batch_tokens: batch size, length and loss-row count all vary; "
+                        "on the H200 this did not reach 60 SmolLM2 steps in 3 minutes (recompiles), while "
+                        "uncompiled token-budget training ran 155K tokens/s (bench/small_train_speed.py)")
+        model = torch.compile(model, dynamic=True)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay,
+                                  fused=d.device.type == "cuda")  # fused kernel: one launch for all params
+    scheduler = build_scheduler(optimizer, total_steps, t.warmup_ratio)
+    fingerprint = _fingerprint(cfg, args)
+
+    step, epoch, step_in_epoch, last_ckpt = 0, 0, 0, None
+    if resume:
+        found = ckpt.find_latest_checkpoint(train_dir)
+        if found is None:
+            log.warning("--resume: no usable checkpoint in %s; starting from step 0", ckpt.ckpt_dir(train_dir))
+        else:
+            path, state = found
+            ckpt.check_drafter_args(path, state["drafter_args"], dataclasses.asdict(args))
+            ckpt.check_data_order(path, state.get("data_order"), _data_order(cfg))
+            if state["config_fingerprint"] != fingerprint:
+                log.warning("%s: training settings differ from the checkpoint's (fingerprint %s != %s)", path,
+                            state["config_fingerprint"], fingerprint)
+            missing, unexpected = drafter.load_state_dict(state["model"], strict=False)
+            want = {n for n, p in drafter.named_parameters() if p.requires_grad}
+            lost = sorted(want & set(missing))
+            if lost or unexpected:
+                raise UserError(f"{path}: key 'model': missing {lost[:3]} unexpected {list(unexpected)[:3]}")
+            optimizer.load_state_dict(state["optimizer"])
+            horizon_now = scheduler.lr_lambdas[0].__dict__.copy()  # this run's warmup/total steps
+            scheduler.load_state_dict(state["scheduler"])
+            if scheduler.lr_lambdas[0].__dict__ != horizon_now:
+                log.warning("%s: LR schedule %s in the checkpoint, now %s (max_steps/epochs changed); "
+                            "continuing with the new one", path, scheduler.lr_lambdas[0].__dict__, horizon_now)
+                scheduler.lr_lambdas[0].__dict__.update(horizon_now)
+            step, epoch, step_in_epoch = int(state["step"]), int(state["epoch"]), data.step_from_checkpoint(state)
+            rngs = state["rng"]
+            if len(rngs) == d.world:
+                ckpt.restore_rng(rngs[d.rank])
+            else:
+                log.warning("%s: saved with %d processes, now %d; RNG states reseeded", path, len(rngs), d.world)
+                torch.manual_seed(t.seed + 1000 * step + d.rank)
+            last_ckpt = path
+            if d.is_main:
+                log.info("resumed from %s (step %d, epoch %d, %d steps into the epoch)", path, step, epoch,
+                         step_in_epoch)
+
+    metrics = _Metrics(train_dir, step, d.is_main, finished=step >= total_steps)
+
+    def save(step_now: int, ep: int, ep_step: int) -> Path:
+        rng = ckpt.capture_rng()
+        rngs = [None] * d.world
+        if d.distributed:
+            dist.all_gather_object(rngs, rng, group=d.ctrl_group)
+        else:
+            rngs = [rng]
+        path = ckpt.ckpt_path(train_dir, step_now)
+        if d.is_main:
+            path = ckpt.save_checkpoint(train_dir, {
+                "step": step_now, "epoch": ep, "steps_in_epoch": ep_step,
+                "samples_in_epoch": data.samples_before(ep, ep_step), "model": trainable_state(drafter),
+                "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rngs,
+                "drafter_args": dataclasses.asdict(args), "config_fingerprint": fingerprint, "world_size": d.world,
+                "data_order": _data_order(cfg),
+            }, keep=t.keep_checkpoints)
+        _barrier(d)
+        return path
+
+    def targets(batch):
+        """Verifier targets: only at the loss rows (``loss_pos``, eagle3/train/ttt_rows.py: [M,dV], [M], [M]) when the
+        batch lists them, else at every position ([B,L,dV], [B,L], [B,L]; bench/small_train_speed.py legacy loop)."""
+        from eagle3.train.ttt import compute_targets
+        from eagle3.train.ttt_rows import row_targets
+
+        with torch.no_grad():
+            if "loss_pos" in batch:
+                return row_targets(batch["last"], batch["loss_pos"], head_lm, d2t_dev, t2d_dev, norm_weight=head_norm,
+                                   norm_eps=head_eps, chunk=TARGET_CHUNK)
+            return compute_targets(batch["last"], head_lm, d2t_dev, t2d_dev, norm_weight=head_norm,
+                                   norm_eps=head_eps, chunk=TARGET_CHUNK)
+
+    def validate() -> dict:
+        if val_ds is None:
+            return {}
+        # each sample exactly once (no DistributedSampler padding, which would count some twice);
+        # ranks may get different numbers of batches: nothing below is a collective until the reduce
+        if val_lengths is not None:  # token budget: this rank's samples (r, r+W, ...) in length-sorted batches
+            vl = DataLoader(val_ds, batch_sampler=eval_batches(val_lengths, t.batch_tokens, d.world, d.rank),
+                            **_loader_kwargs(t, d.device, d.world))
+        else:
+            vl = DataLoader(val_ds, batch_size=t.batch_size, sampler=list(range(d.rank, len(val_ds), d.world)),
+                            collate_fn=collate)
+        acc = _Accum(t.ttt_length)
+        drafter.eval()
+        with torch.no_grad():
+            for batch in vl:
+                batch = _move_batch(batch, d.device, feat_dtype)
+                tl, ind, tam = targets(batch)  # [M,dV], [M], [M] (loss rows) or [B,L,dV], [B,L], [B,L]
+                ctx = torch.autocast(device_type=d.device.type, dtype=amp) if amp is not None \
+                    else contextlib.nullcontext()
+                with ctx:  # no DDP wrapper: no gradient sync in eval
+                    if "loss_pos" in batch:
+                        _loss, stats = objective(batch["input_ids"], batch["aux"], tl, ind, tam,
+                                                 loss_pos=batch["loss_pos"])
+                    else:
+                        _loss, stats = objective(batch["input_ids"], batch["aux"], tl, ind, tam, batch["loss_mask"])
+                acc.add(stats)
+        drafter.train()
+        return _Accum.summarize(_reduce_totals(acc.totals(), d), t.step_weight)
+
+    # ---- loop --------------------------------------------------------------------------------
+    drafter.train()
+    stopped = False
+    steps_this_call = 0
+    window = _Accum(t.ttt_length)
+    tok_window = 0  # real (non-pad) tokens of this rank since the last log, from CPU lengths
+    t_window = time.perf_counter()
+    paused = 0.0  # seconds of validation / checkpoint writes inside the current log window (not counted)
+    tok_total, t_total = 0.0, 0.0
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total_steps, initial=step, disable=not d.is_main, desc="train", unit="step", dynamic_ncols=True)
+    try:
+        while step < total_steps and not stopped:
+            if step_in_epoch >= data.steps_in_epoch(epoch):
+                epoch, step_in_epoch = epoch + 1, 0
+            it = data.iterate(epoch, step_in_epoch)
+            for _ in range(step_in_epoch, data.steps_in_epoch(epoch)):
+                if step >= total_steps:
+                    break
+                batches = []
+                for _micro in range(t.grad_accum):
+                    batch = next(it)
+                    tok_window += int(batch["lengths"].sum())
+                    batches.append(_move_batch(batch, d.device, feat_dtype))
+                for stats in backward_step(model, batches, [targets(b) for b in batches], t.ttt_length, d, amp):
+                    window.add(stats)
+                del batches
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                lr_used = scheduler.get_last_lr()[0]
+                scheduler.step()
+                step += 1
+                steps_this_call += 1
+                step_in_epoch += 1
+                bar.update(1)
+                if step % t.log_every == 0 or step == total_steps:
+                    means = _Accum.summarize(_reduce_totals(window.totals(), d), t.step_weight)
+                    elapsed = time.perf_counter() - t_window - paused  # includes the sync of this log step
+                    toks = _sum_ranks([float(tok_window)], d)[0]
+                    tok_total, t_total = tok_total + toks, t_total + elapsed
+                    row = {"kind": "train", "step": step, "epoch": epoch, "lr": lr_used,
+                           "grad_norm": float(grad_norm), "tokens_per_s": toks / max(elapsed, 1e-9),
+                           "window_tokens": toks, "window_s": elapsed, **means}
+                    metrics.write(row)
+                    bar.set_postfix(loss=f"{means.get('loss', float('nan')):.4f}", lr=f"{lr_used:.2e}")
+                    window = _Accum(t.ttt_length)
+                    tok_window, t_window, paused = 0, time.perf_counter(), 0.0
+                t_pause = time.perf_counter()
+                if step % eval_every == 0 and step != total_steps:
+                    val = validate()
+                    if val:
+                        metrics.write({"kind": "val", "step": step, "epoch": epoch, **val})
+                want_stop = stop.requested or (stop_after is not None and steps_this_call >= stop_after)
+                stopped = _any_rank(want_stop, d)
+                if step % t.ckpt_every == 0 or stopped or step == total_steps:
+                    last_ckpt = save(step, epoch, step_in_epoch)
+                paused += time.perf_counter() - t_pause
+                if stopped:
+                    if d.is_main:
+                        why = f"signal {stop.signum}" if stop.signum else f"stop_after={stop_after}"
+                        log.info("stopped at step %d (%s); checkpoint %s", step, why, last_ckpt)
+                    break
+    finally:
+        it = None  # stops this epoch's loader workers now (their prefetched batches are dropped)
+        bar.close()
+
+    result = {"step": step, "total_steps": total_steps, "stopped": stopped, "signal": stop.signum if stopped else None,
+              "checkpoint": str(last_ckpt) if last_ckpt else None, "export_dir": None, "final_val": {},
+              "tokens_per_s": (tok_total / t_total) if t_total > 0 else None,
+              "peak_gpu_mem_gib": _peak_gpu_mem_gib(d.device)}
+    if stopped:
+        metrics.close()
+        return result
+
+    # ---- end: final validation, export, report -----------------------------------------------
+    final_val = validate()
+    if final_val:
+        metrics.write({"kind": "val", "step": step, "epoch": epoch, **final_val})
+    result["final_val"] = final_val
+    metrics.close()
+    if d.is_main:
+        if export is not None:
+            result["export_dir"] = str(export(cfg, drafter, data_config))
+        write_report(train_dir, result, args)
+        print(headline(result, train_dir))
+    _barrier(d)
+    return result
+
+
+def _peak_gpu_mem_gib(device: torch.device) -> Optional[float]:
+    """Peak memory this process allocated on ``device`` through PyTorch's caching allocator (GiB), None off CUDA.
+
+    Counts tensors only (``torch.cuda.max_memory_allocated``), not the allocator's reserve or the CUDA context;
+    it is what decides how many trainings share one GPU (bench/gpu_session.sh SLOTS)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_allocated(device) / 2**30
+
+
+def headline(result: dict, train_dir: Path) -> str:
+    """The lines stage 04 prints at its end: optimizer steps, final validation loss and top-1 accuracy per
+    TTT step (``final_val``'s ``loss`` / ``acc_{i}``, as in ``train_report.md``), the report and the export."""
+    val = result.get("final_val") or {}
+    acc = [val[k] for k in sorted((k for k in val if k.startswith("acc_")), key=lambda k: int(k.split("_")[-1]))]
+    text = f"trained: {result['step']}/{result['total_steps']} optimizer steps"
+    if "loss" in val:
+        text += f"; final validation loss {val['loss']:.4f}"
+    if acc:
+        text += f", top-1 {' / '.join(f'{a:.3f}' for a in acc)} (TTT steps 0..{len(acc) - 1})"
+    elif not val:
+        text += "; no validation split (data.val_fraction)"
+    return "\n".join([text, f"report: {train_dir / 'train_report.md'}", f"export: {result['export_dir']}"])
+
+
+def write_report(train_dir: Path, result: dict, args) -> None:
+    """``train_report.json`` + ``train_report.md`` (final validation per TTT step) + ``loss.png`` (train/val loss)."""
+    rows = _read_metrics(train_dir / "metrics.jsonl")
+    report = dict(result, drafter_args=dataclasses.asdict(args))
+    atomic_write_json(train_dir / "train_report.json", report)
+    val = result.get("final_val") or {}
+    acc_keys = sorted((k for k in val if k.startswith("acc_")), key=lambda k: int(k.split("_")[-1]))
+    lines = ["# Training report", "", f"- optimizer steps: {result['step']} / {result['total_steps']}",
+             f"- checkpoint: `{result['checkpoint']}`", f"- export: `{result['export_dir']}`"]
+    if result.get("tokens_per_s"):
+        lines.append(f"- training throughput: {result['tokens_per_s']:.0f} tokens/s (all ranks)")
+    if result.get("peak_gpu_mem_gib") is not None:
+        lines.append(f"- peak GPU memory (tensors, rank 0): {result['peak_gpu_mem_gib']:.1f} GiB")
+    if "loss" in val:
+        lines.append(f"- final validation loss: {val['loss']:.4f}")
+    if acc_keys:
+        lines += ["", "| TTT step | val top-1 acc |", "|---:|---:|"]
+        lines += [f"| {k.split('_')[-1]} | {val[k]:.4f} |" for k in acc_keys]
+    atomic_write_text(train_dir / "train_report.md", "\n".join(lines) + "\n")
+    tr = [(r["step"], r["loss"]) for r in rows if r.get("kind") == "train" and "loss" in r]
+    va = [(r["step"], r["loss"]) for r in rows if r.get("kind") == "val" and "loss" in r]
+    if tr:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot(*zip(*tr), label="train")
+        if va:
+            ax.plot(*zip(*va), "o-", label="val")
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("TTT loss")
+        ax.legend()
+        fig.tight_layout()
+        from eagle3.io import atomic_save_png
+
+        atomic_save_png(fig, train_dir / "loss.png")

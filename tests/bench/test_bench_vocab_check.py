@@ -1,0 +1,47 @@
+"""05 checks the benchmarked drafter's draft vocab against the run config and vocab_map.pt (issue 11 item 3)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle3.benchmark.offline import check_drafter_vocab
+from eagle3.config import load_config
+from eagle3.errors import UserError
+from eagle3.data.vocab import save_vocab_map
+from test_decode import make_drafter, make_verifier
+
+ROOT = Path(__file__).resolve().parents[2]
+TARGETS = list(range(0, 256, 8))  # draft vocab of 32 target ids
+
+
+def _cfg(tmp_path, draft_vocab_size):
+    return load_config(ROOT / "configs" / "tiny-llama.yaml",
+                       [f"output_root={tmp_path}", f"data.draft_vocab_size={draft_vocab_size}"])
+
+
+def test_own_export_with_other_draft_vocab_size_refused(tmp_path):
+    drafter = make_drafter(make_verifier(), TARGETS)
+    cfg = _cfg(tmp_path, 64)
+    with pytest.raises(UserError, match=r"draft_vocab_size 32 but the config's data.draft_vocab_size is 64"):
+        check_drafter_vocab(cfg, drafter, cfg.export_dir, own_export=True)
+    # a drafter from elsewhere (--drafter): warned, not refused
+    (w,) = check_drafter_vocab(cfg, drafter, tmp_path / "other", own_export=False)
+    assert "data.draft_vocab_size is 64" in w
+
+
+def test_own_export_stale_against_vocab_map_refused(tmp_path):
+    drafter = make_drafter(make_verifier(), TARGETS)
+    cfg = _cfg(tmp_path, 32)
+    assert check_drafter_vocab(cfg, drafter, cfg.export_dir, own_export=True) == []  # no vocab_map.pt yet
+    ids = torch.tensor(TARGETS)  # [32]
+    t2d = torch.zeros(256, dtype=torch.bool)
+    t2d[ids] = True
+    save_vocab_map(cfg.data_dir / "vocab_map.pt", ids - torch.arange(32), t2d)
+    assert check_drafter_vocab(cfg, drafter, cfg.export_dir, own_export=True) == []  # same map
+    other = torch.tensor([t + 1 for t in TARGETS])  # another stage-03 run's map, same size
+    t2d2 = torch.zeros(256, dtype=torch.bool)
+    t2d2[other] = True
+    save_vocab_map(cfg.data_dir / "vocab_map.pt", other - torch.arange(32), t2d2)
+    with pytest.raises(UserError, match=r"d2t differs from .*vocab_map.pt"):
+        check_drafter_vocab(cfg, drafter, cfg.export_dir, own_export=True)

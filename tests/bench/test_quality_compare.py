@@ -1,0 +1,89 @@
+"""bench/quality_compare.py and bench/collect_session.py: tau deltas with paired bootstrap intervals,
+values read from the runs' reports (hand-computed here), never invented."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import collect_session as cs  # noqa: E402
+import quality_compare as qc  # noqa: E402
+
+
+def test_paired_bootstrap_by_hand():
+    a = {"1": [4, 2], "2": [2, 2]}
+    b = {"1": [6, 2], "2": [2, 2], "3": [9, 1]}  # prompt 3 only in b: not paired, ignored
+    d = qc.paired_bootstrap(a, b)
+    # tau(a) = 6/4 = 1.5, tau(b) = 8/4 = 2.0; resamples {1,1}: 12/4 - 8/4 = 1.0, {2,2}: 0, {1,2}: 0.5
+    assert d == {"delta": 0.5, "lo": 0.0, "hi": 1.0, "prompts": 2}
+    assert qc.paired_bootstrap(a, a) == {"delta": 0.0, "lo": 0.0, "hi": 0.0, "prompts": 2}
+    assert qc.paired_bootstrap(a, {"9": [1, 1]}) is None
+
+
+def _bench(datasets):
+    return {"steps": 3, "dtype": "float32", "max_new_tokens": 256, "datasets": [
+        {"dataset": name, "tau": sum(sum(r) for r in rows.values()) / sum(len(r) for r in rows.values()),
+         "num_prompts": len(rows),
+         "per_prompt": [{"id": i, "accept_lengths": r, "lossless": True} for i, r in rows.items()]}
+        for name, rows in datasets.items()]}
+
+
+def _session(tmp_path):
+    res = tmp_path / "s" / "res"
+    (res / "real" / "bench-steps3").mkdir(parents=True)
+    (res / "real" / "train").mkdir()
+    (res / "real" / "bench-steps3" / "bench.json").write_text(json.dumps(_bench({"mtbench": {"81": [1, 3, 2], "82": [2, 2]}})))
+    (res / "real" / "bench-steps3" / "bench.md").write_text("| table |\n")
+    (res / "real" / "train" / "train_report.json").write_text(json.dumps({"step": 10, "final_val": {"acc_0": 0.8, "acc_1": 0.7}}))
+    (res / "curve-6000" / "bench").mkdir(parents=True)
+    (res / "curve-6000" / "data").mkdir()
+    (res / "curve-6000" / "bench" / "bench.json").write_text(json.dumps(_bench({"mtbench": {"81": [1, 1, 1], "82": [2, 1]}})))
+    (res / "curve-6000" / "data" / "data_report.json").write_text(json.dumps({"train_samples": 6000, "coverage": 1.0}))
+    (res / "capture_disk.json").write_text(json.dumps({"capture_vs_bare_ratio": 0.2}))
+    (tmp_path / "s" / "status").mkdir()
+    (tmp_path / "s" / "status" / "s04.done").write_text("295\n")
+    (tmp_path / "s" / "status" / "curve6000_04.failed").write_text("64 rc=1\n")
+    return tmp_path / "s"
+
+
+def test_collect_session_then_compare(tmp_path):
+    out = tmp_path / "out"
+    phases = cs.collect(_session(tmp_path), out)
+    assert phases == {"s04": [{"status": "done", "record": "295"}], "curve6000_04": [{"status": "failed", "record": "64 rc=1"}]}
+    slim = json.loads((out / "bench-steps3.json").read_text())
+    assert "per_prompt" not in slim["datasets"][0]
+    pp = json.loads((out / "per_prompt_steps3.json").read_text())
+    assert pp["per_prompt"] == {"mtbench": {"81": [6, 3], "82": [4, 2]}}  # [emitted, verify steps]
+    assert (out / "bench-steps3.md").read_text() == "| table |\n"
+    assert json.loads((out / "runs" / "curve-6000" / "per_prompt.json").read_text())["per_prompt"] == \
+        {"mtbench": {"81": [3, 3], "82": [3, 2]}}
+    assert json.loads((out / "capture_disk.json").read_text()) == {"capture_vs_bare_ratio": 0.2}
+
+    rows = qc.compare(qc.load_run(f"17K={out / 'bench-steps3.json'}"), [qc.load_run(f"6K={out / 'runs' / 'curve-6000'}")])
+    ref, run = rows
+    assert ref["reference"] and ref["tau"] == {"mtbench": 2.0} and ref["val_top1"] == [0.8, 0.7] and ref["optimizer_steps"] == 10
+    assert run["tau"] == {"mtbench": 1.2} and run["train_samples"] == 6000 and run["val_top1"] == []
+    # tau 6/5 - 10/5 = -0.8; resamples {81,81}: 1 - 2 = -1.0, {82,82}: 1.5 - 2 = -0.5
+    assert run["delta_vs_ref"]["mtbench"] == {"delta": -0.8, "lo": -1.0, "hi": -0.5, "prompts": 2}
+    md = qc.markdown(rows, "T")
+    assert "| 6K | 6000 | - | - | 1.20 (-0.80 [-1.00, -0.50]) |" in md
+
+
+def test_cli_curve_png_and_bad_spec(tmp_path):
+    out = tmp_path / "out"
+    cs.collect(_session(tmp_path), out)
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "quality_compare.py"), "--ref", f"17K={out / 'bench-steps3.json'}",
+                        "--run", f"6K={out / 'runs' / 'curve-6000'}", "--curve", "--out", str(tmp_path / "c.json")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "c.png").stat().st_size > 0 and (tmp_path / "c.md").is_file()
+    saved = json.loads((tmp_path / "c.json").read_text())
+    assert saved["command"].startswith("python bench/quality_compare.py --ref 17K=") and "--curve" in saved["command"]
+    assert [r["name"] for r in saved["rows"]] == ["17K", "6K"]
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "quality_compare.py"), "--ref", "no-equals-sign",
+                        "--out", str(tmp_path / "d.json")], capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.startswith("error:") and "NAME=PATH" in r.stderr
+    assert not (tmp_path / "d.json").exists()

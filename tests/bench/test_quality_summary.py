@@ -1,0 +1,81 @@
+"""bench/quality_summary.py: issue 10's quality.json from a run's reports (values read, never invented)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import quality_summary as qs  # noqa: E402
+
+
+def _ds(name, n, tau, cond):
+    return {"dataset": name, "num_prompts": n, "tau": tau, "conditional": cond, "unconditional": cond,
+            "batch_size": 80, "speedup": 1.5, "drafter_share": 0.2, "wall_seconds": 10.0, "failures": 0, "near_ties": 3}
+
+
+def _run(tmp_path, mt3=2.6, gsm3=3.1, mt7=3.2):
+    (tmp_path / "bench-steps3.json").write_text(json.dumps({"dtype": "float32", "max_new_tokens": 256, "datasets": [
+        _ds("mtbench", 80, mt3, [0.5, 0.4, 0.3]), _ds("gsm8k", 200, gsm3, [0.7, 0.6, 0.5])]}))
+    (tmp_path / "bench-steps7.json").write_text(json.dumps({"datasets": [
+        _ds("mtbench", 80, mt7, [0.5] * 7), _ds("gsm8k", 200, 3.5, [0.7] * 7)]}))
+    (tmp_path / "train_report.json").write_text(json.dumps({"tokens_per_s": 1.0, "final_val": {"acc_0": 0.6, "acc_1": 0.55}}))
+    (tmp_path / "data_report.json").write_text(json.dumps({"num_loss_tokens": 1234, "num_tokens": 2000}))
+    return tmp_path
+
+
+def test_collect_tau_goal_and_gap(tmp_path):
+    q = qs.collect(_run(tmp_path), "configs/x.yaml", "a=1 b=2")
+    assert q["tau"] == {"3": {"mtbench": 2.6, "gsm8k": 3.1}, "7": {"mtbench": 3.2, "gsm8k": 3.5}}
+    assert q["num_prompts"] == {"mtbench": 80, "gsm8k": 200} and q["loss_tokens"] == 1234
+    assert q["config"] == "configs/x.yaml" and q["overrides"] == ["a=1", "b=2"]
+    assert q["goal_met"] is True
+    # held-out top-1 at position 1 (0.6) minus each set's conditional acceptance at position 1
+    assert q["train_eval_gap_pos1"] == {"mtbench": pytest.approx(0.1), "gsm8k": pytest.approx(-0.1)}
+    assert q["val_top1_per_position"] == [0.6, 0.55]
+    assert "| 3 | 2.60 (goal 2.5) | 3.10 (goal 3.0) |" in qs.markdown(q)
+    q = qs.collect(_run(tmp_path, gsm3=2.99), "c", "")
+    assert q["goal_met"] is False and q["goal"]["3"]["gsm8k"] == {"goal": 3.0, "tau": 2.99, "met": False}
+
+
+def test_cli_writes_json_md_png_and_refuses_empty_folder(tmp_path):
+    run = _run(tmp_path / "run") if (tmp_path / "run").mkdir() is None else None
+    out = tmp_path / "q.json"
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "quality_summary.py"), str(run), "--out", str(out)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(out.read_text())["tau"]["3"]["mtbench"] == 2.6
+    assert out.with_suffix(".md").read_text().startswith("| steps |")
+    assert (tmp_path / "q_positions.png").read_bytes()[:4] == b"\x89PNG"
+    (tmp_path / "empty").mkdir()
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "quality_summary.py"), str(tmp_path / "empty"),
+                        "--out", str(tmp_path / "e.json")], capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.startswith("error:") and "bench-steps" in r.stderr
+    assert not (tmp_path / "e.json").exists()
+
+
+def test_tau_by_category_from_per_prompt_rows(tmp_path, monkeypatch):
+    """Category tau = emitted tokens / verify steps summed over the category's prompts; MT-bench's own
+    categories come from its question file in the shared data folder."""
+    run = _run(tmp_path / "run") if (tmp_path / "run").mkdir() is None else None
+    b = json.loads((run / "bench-steps3.json").read_text())
+    b["datasets"][0]["per_prompt"] = [{"id": "81", "accept_lengths": [1, 2, 3]},   # writing: 6 / 3
+                                      {"id": "82", "accept_lengths": [1, 1]},      # writing: 2 / 2
+                                      {"id": "91", "accept_lengths": [4]}]         # math: 4 / 1
+    b["datasets"][1]["per_prompt"] = [{"id": 0, "accept_lengths": [2, 3]}]       # gsm8k -> math kind
+    (run / "bench-steps3.json").write_text(json.dumps(b))
+    shared = tmp_path / "shared"
+    (shared / "eval").mkdir(parents=True)
+    (shared / "eval" / "mt_bench_question.jsonl").write_text("\n".join(json.dumps(q) for q in [
+        {"question_id": 81, "category": "writing"}, {"question_id": 82, "category": "writing"},
+        {"question_id": 91, "category": "math"}]) + "\n")
+    monkeypatch.setenv("EAGLE3_SHARED_DATA", str(shared))
+    q = qs.collect(run, "c")
+    cat = q["tau_by_category_steps3"]
+    assert cat["by_kind"] == {"chat": round(12 / 6, 4), "math": 2.5}
+    assert cat["mtbench"] == {"math": {"tau": 4.0, "verify_steps": 1}, "writing": {"tau": 1.6, "verify_steps": 5}}
+    assert "| writing | 1.60 | 5 |" in qs.markdown(q)

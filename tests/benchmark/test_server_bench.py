@@ -1,0 +1,230 @@
+"""SGLang server benchmark against a local stand-in HTTP server answering like SGLang 0.5.23.
+
+The stand-in's ``/generate`` response copies the shape of SGLang 0.5.23
+``tokenizer_manager._handle_batch_output`` + ``_calculate_spec_decoding_metrics`` (non-streaming):
+``{"text", "output_ids", "meta_info": {id, finish_reason, prompt_tokens, completion_tokens,
+cached_tokens, e2e_latency, [spec_accept_rate, spec_accept_length, spec_num_correct_drafts,
+spec_num_proposed_drafts, spec_verify_ct, spec_correct_drafts_histogram]}}``.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from eagle3.errors import UserError
+from eagle3.benchmark.server import bench_server, emitted_histogram, generate, run_server_bench
+
+STEPS = 3
+
+
+def _accepts(input_ids: list[int], oracle: bool):
+    """Accepted drafts per verify step: every draft (oracle) or, for a prompt of length L, L % 4 then 1, repeated."""
+    while True:
+        if oracle:
+            yield STEPS
+        else:
+            yield len(input_ids) % 4
+            yield 1
+
+
+def _answer(input_ids: list[int], max_new: int, speculative: bool, oracle: bool = False) -> dict:
+    """Deterministic fake decode: output = (sum(prompt) + i) % 1000.
+
+    Speculative answers count like SGLang 0.5.23: the first token comes from the prefill, each
+    verify step adds its accepted drafts + 1, and the histogram / correct-draft counters record
+    the verifier's whole decision BEFORE ``output_ids`` are cut at ``max_new_tokens``.
+    """
+    out = [(sum(input_ids) + i) % 1000 for i in range(max_new)]
+    meta = {"id": "r", "finish_reason": {"type": "length", "length": max_new}, "prompt_tokens": len(input_ids),
+            "weight_version": "default", "num_retractions": 0, "reasoning_tokens": 0,
+            "completion_tokens": max_new, "cached_tokens": 0, "e2e_latency": 0.01}
+    if speculative:
+        hist = [0] * (STEPS + 1)
+        n, verify = 1, 0
+        accepts = _accepts(input_ids, oracle)
+        while n < max_new:
+            a = next(accepts)
+            hist[a] += 1
+            verify += 1
+            n += a + 1
+        correct = sum(a * c for a, c in enumerate(hist))
+        meta.update({"spec_accept_rate": correct / (verify * STEPS), "spec_accept_length": max_new / verify,
+                     "spec_num_correct_drafts": correct, "spec_num_proposed_drafts": verify * STEPS,
+                     "spec_verify_ct": verify, "spec_correct_drafts_histogram": hist})
+    return {"text": " ".join(map(str, out)), "output_ids": out, "meta_info": meta}
+
+
+class _StandIn:
+    def __init__(self, speculative: bool, fail: bool = False, oracle: bool = False):
+        self.requests: list[dict] = []
+        outer = self
+
+        class H(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def _send(self, code: int, obj):
+                body = json.dumps(obj).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                if self.path == "/server_info":
+                    info = {"model_path": "tiny", "speculative_algorithm": "EAGLE3" if speculative else None,
+                            "speculative_num_steps": STEPS if speculative else None, "speculative_eagle_topk": 1,
+                            "speculative_num_draft_tokens": STEPS + 1, "unrelated": 1}
+                    self._send(200, info)
+                else:
+                    self._send(404, {"detail": "Not Found"})
+
+            def do_POST(self):
+                req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                outer.requests.append(req)
+                if fail or self.path != "/generate":
+                    self._send(400, {"error": {"message": "bad request body", "type": "invalid_request_error"}})
+                    return
+                sp = req["sampling_params"]
+                self._send(200, _answer(req["input_ids"], sp["max_new_tokens"], speculative, oracle))
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+PROMPTS = [("a", [1, 2, 3]), ("b", [4, 5, 6, 7, 8]), ("c", [9] * 6)]
+
+
+def test_generate_sends_greedy_request_and_reads_meta_info():
+    with _StandIn(speculative=True) as s:
+        r = generate(s.url, [1, 2, 3], 9)
+        assert s.requests[-1] == {"input_ids": [1, 2, 3], "sampling_params": {"temperature": 0, "max_new_tokens": 9}}
+    assert r["output_ids"] == [(6 + i) % 1000 for i in range(9)]
+    assert r["meta_info"]["completion_tokens"] == 9 and r["seconds"] > 0
+
+
+@pytest.mark.parametrize("concurrency", [1, 3])
+def test_bench_server_pools_tau_and_histogram(concurrency):
+    with _StandIn(speculative=True) as s:
+        res = bench_server(s.url, PROMPTS, 10, concurrency=concurrency, progress=False)
+        assert len(s.requests) == 1 + len(PROMPTS)  # warm-up + one per prompt
+    # hand-computed from the stand-in's rule (max_new 10, first token from the prefill):
+    # L=3: accepts 3,1,3 -> 1+4+2+4 = 11, last step emits 3 of 4: reported [0,1,0,2], emitted [0,1,1,1]
+    # L=5: accepts 1,1,1,1,1 -> 1+2*5 = 11, last emits 1 of 2:      reported [0,5,0,0], emitted [1,4,0,0]
+    # L=6: accepts 2,1,2,1 -> 1+3+2+3+2 = 11, last emits 1 of 2:    reported [0,2,2,0], emitted [0,3,1,0]
+    #      (buckets 1 and 2 both hold the excess with 2 counts each: the tie takes bucket 2; the
+    #      true last step was in bucket 1, which would give [1,1,2,0]: same emitted total and tau)
+    metas = [_answer(ids, 10, True)["meta_info"] for _, ids in PROMPTS]
+    assert [m["spec_correct_drafts_histogram"] for m in metas] == [[0, 1, 0, 2], [0, 5, 0, 0], [0, 2, 2, 0]]
+    assert [r["emitted_histogram"] for r in res["per_request"]] == [[0, 1, 1, 1], [1, 4, 0, 0], [0, 3, 1, 0]]
+    assert res["histogram_trims"] == {"exact": 1, "ambiguous": 2, "inconsistent": 0}
+    assert res["reported_accepted_hist"] == [0, 8, 2, 2]
+    assert res["accepted_hist"] == [1, 8, 2, 1]
+    assert res["speculative"] and res["steps"] == STEPS
+    assert res["completion_tokens"] == 30 and res["verify_steps"] == 12
+    assert res["tau"] == pytest.approx(27 / 12)  # 9 tokens per request come from verify steps
+    assert res["sglang_accept_length"] == pytest.approx(30 / 12)
+    # reach >=0: 12, >=1: 11, >=2: 3, >=3: 1
+    assert res["conditional"] == pytest.approx([11 / 12, 3 / 11, 1 / 3])
+    assert res["unconditional"] == pytest.approx([11 / 12, 3 / 12, 1 / 12])
+    assert res["tau"] == pytest.approx(1 + sum(res["unconditional"]))
+    assert res["mean_spec_accept_length"] == pytest.approx((10 / 3 + 10 / 5 + 10 / 4) / 3)
+    assert res["server_info"] == {"model_path": "tiny", "speculative_algorithm": "EAGLE3", "speculative_num_steps": 3,
+                                  "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4}
+    assert [r["id"] for r in res["per_request"]] == ["a", "b", "c"]  # request order kept under concurrency
+    assert res["output_tokens_per_s"] == pytest.approx(30 / res["wall_seconds"])
+
+
+def test_oracle_drafter_tau_counts_only_emitted_tokens():
+    """Issue 11 item 2: a drafter that always proposes the verifier's own tokens, 3 steps,
+    max_new_tokens 10. SGLang reports histogram [0,0,0,3] (12 tokens' worth) for 3 verify steps
+    that emitted 1+4+4+1... = 9 tokens after the prefill token: tau 3.0, not 4.0."""
+    with _StandIn(speculative=True, oracle=True) as s:
+        res = bench_server(s.url, [("a", [1, 2, 3])], 10, progress=False)
+    assert res["reported_accepted_hist"] == [0, 0, 0, 3]
+    assert res["accepted_hist"] == [1, 0, 0, 2]
+    assert res["histogram_trims"] == {"exact": 1, "ambiguous": 0, "inconsistent": 0}
+    assert res["verify_steps"] == 3 and res["tau"] == pytest.approx(3.0)
+    assert res["sglang_accept_length"] == pytest.approx(10 / 3)
+    assert res["conditional"] == pytest.approx([2 / 3, 1.0, 1.0])
+    assert res["unconditional"] == pytest.approx([2 / 3, 2 / 3, 2 / 3])
+
+
+def test_emitted_histogram_cases():
+    assert emitted_histogram([0, 0, 0, 3], 10, 3) == ([1, 0, 0, 2], "exact")
+    assert emitted_histogram([0, 0, 0, 3], 13, 3) == ([0, 0, 0, 3], "exact")  # nothing cut
+    assert emitted_histogram([0, 0, 0, 3], 12, 3) == ([0, 0, 1, 2], "exact")  # EOS inside the last step
+    assert emitted_histogram([2, 1], 5, 3) == ([2, 1], "exact")  # 1 (prefill) + 1 + 1 + 2
+    assert emitted_histogram([5], 2, 5) == ([5], "inconsistent")  # implies 5 tokens, 1 emitted by verify
+    assert emitted_histogram([1, 0, 1], 9, 2) == ([1, 0, 1], "inconsistent")  # implies 4, emitted 8
+    assert emitted_histogram([], 1, 0) == ([], "exact")
+
+
+def test_two_servers_speedup_and_reports(tmp_path):
+    with _StandIn(speculative=True) as spec, _StandIn(speculative=False) as base:
+        rep = run_server_bench([spec.url, base.url], PROMPTS, 8, concurrency=2, dataset="mtbench",
+                               out_dir=tmp_path, progress=False)
+    a, b = rep["servers"]
+    assert a["speculative"] and not b["speculative"] and "tau" not in b
+    assert rep["speedup"] == pytest.approx(a["output_tokens_per_s"] / b["output_tokens_per_s"])
+    assert rep["identical_outputs"] == 3
+    saved = json.loads((tmp_path / "server_bench.json").read_text())
+    assert saved["servers"][0]["tau"] == pytest.approx(a["tau"])
+    md = (tmp_path / "server_bench.md").read_text()
+    assert f"| {spec.url} | yes | {a['tau']:.2f} |" in md and f"| {base.url} | no | n/a |" in md
+    assert "identical outputs: 3/3" in md
+    assert (tmp_path / "server_acceptance.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_server_errors_are_user_errors(tmp_path):
+    with _StandIn(speculative=True, fail=True) as s:
+        with pytest.raises(UserError, match=r"HTTP 400: .*bad request body"):
+            generate(s.url, [1], 4)
+    import socket
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()  # nothing listens there now
+    with pytest.raises(UserError, match="cannot connect"):
+        generate(f"http://127.0.0.1:{port}", [1], 4, timeout=5)
+    with pytest.raises(UserError, match="1 or 2 URLs"):
+        run_server_bench([], PROMPTS, 4)
+
+
+def test_cli_server_mode_sends_chat_rendered_prompts(tmp_path, tiny_llama_dir, smollm_tokenizer):
+    import importlib.util
+
+    from conftest import ROOT
+    from eagle3.prompts.chat import render
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "x", "prompt": "Hello there"}) + "\n" + json.dumps({"id": "y", "prompt": "Bye"}) + "\n")
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"run_name: t\noutput_root: {tmp_path / 'out'}\nverifier: {{path: {tiny_llama_dir}}}\n"
+                   f"prompts: {{source: {prompts}}}\n")
+    spec = importlib.util.spec_from_file_location("bench_cli", ROOT / "05_benchmark.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    with _StandIn(speculative=True) as s:
+        rc = cli.main(["--config", str(cfg), "--server", s.url, "--datasets", str(prompts), "--max-new-tokens", "6"])
+        sent = [r["input_ids"] for r in s.requests[1:]]
+    assert rc == 0
+    want = [render(smollm_tokenizer, [{"role": "user", "content": t}], add_generation_prompt=True) for t in ("Hello there", "Bye")]
+    assert sent == want
+    rep = json.loads((tmp_path / "out" / "bench" / "server_bench.json").read_text())
+    assert rep["dataset"] == "p" and rep["servers"][0]["completion_tokens"] == 12

@@ -1,0 +1,282 @@
+"""Stage 02 end to end on a tiny random Llama verifier: shards, metadata, resume, fingerprint."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from eagle3.config import load_config
+from eagle3.errors import UserError
+from eagle3.capture.extract import STATE, read_prompts, run
+from eagle3.shards.manifest import read_manifest
+from eagle3.shards.format import list_samples, load_sample, read_data_config
+
+ROOT = Path(__file__).resolve().parents[2]
+AUX = [1, 3, 4]
+
+CONVS = [
+    ("p0", [("user", "What is 2+2?"), ("assistant", "2+2 is 4.")]),
+    ("p1", [("system", "Be brief."), ("user", "Name a colour."), ("assistant", "Blue.")]),
+    ("p2", [("user", "Write a haiku about the sea."),
+            ("assistant", "Waves fold into foam, the grey horizon breathing, salt on every stone.")]),
+    ("p3", [("user", "Hi"), ("assistant", "Hello! How can I help?"), ("user", "Say bye"), ("assistant", "Bye!")]),
+    ("p4", [("user", "No answer here")]),  # no assistant turn -> skipped_no_loss_tokens
+    ("p5", [("user", "Count to five."), ("assistant", "One, two, three, four, five.")]),
+    ("p6", [("user", "Explain recursion in one sentence."),
+            ("assistant", "Recursion is when a function solves a problem by calling itself on smaller parts of it.")]),
+]
+
+
+def _write_prompts(path: Path, convs=CONVS) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for pid, msgs in convs:
+            f.write(json.dumps({"id": pid, "messages": [{"role": r, "content": c} for r, c in msgs]}) + "\n")
+
+
+def _config(tmp_path: Path, model_dir: Path, **extract) -> Path:
+    ex = {"aux_layers": AUX, "max_length": 64, "batch_tokens": 80, "rows_per_dir": 2}
+    ex.update(extract)
+    cfg = {
+        "run_name": "t",
+        "output_root": str(tmp_path / "out"),
+        "verifier": {"path": str(model_dir), "name": "tiny-llama", "dtype": "float32", "device": "cpu"},
+        "prompts": {"source": "humaneval"},
+        "extract": ex,
+    }
+    p = tmp_path / "run.yaml"
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    p.write_text(yaml.safe_dump(cfg))
+    _write_prompts(tmp_path / "out" / "prompts.jsonl")
+    return p
+
+
+@pytest.fixture(scope="module")
+def tiny_backend(tiny_llama_dir):
+    """One loaded tiny verifier + HF capture backend shared by the tests below (saves reloading)."""
+    from eagle3.capture.hf import HFCapture
+    from eagle3.config import VerifierConfig
+    from eagle3.verifier import load_verifier
+
+    model, tok = load_verifier(VerifierConfig(path=str(tiny_llama_dir), name="tiny-llama", dtype="float32", device="cpu"))
+    return HFCapture(model, AUX, batch_tokens=10**9), tok
+
+
+def _run(cfg, backend, **kw):
+    cap, tok = backend
+    return run(cfg, backend=cap, tokenizer=tok, **kw)
+
+
+def _snapshot(root: Path) -> dict:
+    out = {}
+    for idx, p in list_samples(root):
+        s = load_sample(p)
+        out[idx] = (s, p.stat().st_ino, p.stat().st_mtime_ns)
+    return out
+
+
+def test_end_to_end_shards_match_verifier(tmp_path, tiny_llama_dir, smollm_tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    from eagle3.prompts.chat import tokenize_conversation
+
+    cfg = load_config(_config(tmp_path, tiny_llama_dir))
+    summary = run(cfg)
+    root = cfg.shards_dir
+    assert summary["samples"] == 6 and summary["written"] == 6 and summary["resumed"] == 0
+    assert summary["skipped"] == {"skipped_no_loss_tokens": 1}
+    listed = list_samples(root)
+    assert [i for i, _ in listed] == [0, 1, 2, 3, 4, 5]
+    assert listed[2][1] == root / "rows_2-4" / "data_2.pt"
+    meta = read_data_config(root)
+    assert meta["verifier"] == "tiny-llama" and meta["aux_layers"] == AUX
+    assert (meta["num_layers"], meta["hidden_size"], meta["vocab_size"]) == (6, 64, len(smollm_tokenizer))
+    assert meta["last_hidden_state"] == "post_norm" and meta["architecture"] == "LlamaForCausalLM"
+    assert meta["bytes_per_token"] == 4 * 64 * 2
+    man = read_manifest(root / "manifest.jsonl").rows
+    assert [man[i]["id"] for i in range(6)] == ["p0", "p1", "p2", "p3", "p5", "p6"]  # p4 skipped, dense idx
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    total = loss = 0
+    kept = [c for c in CONVS if c[0] != "p4"]
+    for (idx, path), (pid, msgs) in zip(listed, kept):
+        s = load_sample(path, expect={"hidden_size": 64, "vocab_size": meta["vocab_size"]})
+        ids, mask = tokenize_conversation(smollm_tokenizer, [{"role": r, "content": c} for r, c in msgs], 64)
+        assert s["input_ids"].tolist() == ids and s["loss_mask"].tolist() == mask
+        assert man[idx]["num_tokens"] == len(ids)
+        total += len(ids)
+        loss += sum(mask)
+        with torch.no_grad():
+            ref = model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
+        for h, layer in zip(s["hidden_states"], AUX + [6]):
+            torch.testing.assert_close(h.float(), ref[layer][0].to(torch.bfloat16).float(), atol=5e-4, rtol=8e-3)
+    assert meta["num_tokens"] == total and meta["num_loss_tokens"] == loss and meta["num_samples"] == 6
+    report = json.loads((root / "extract_report.json").read_text())
+    assert report["num_tokens"] == total
+    assert "| samples | 6 |" in (root / "extract_report.md").read_text()
+
+
+def test_resume_after_losing_shards_and_manifest_lines(tmp_path, tiny_llama_dir, tiny_backend):
+    cfg = load_config(_config(tmp_path, tiny_llama_dir))
+    _run(cfg, tiny_backend)
+    root = cfg.shards_dir
+    before = _snapshot(root)
+    # Damage: delete shards 1 and 4, drop the last two manifest lines and add a torn one (the shards
+    # of those lines stay: they must be adopted, not rewritten), leave a stale temp file.
+    (root / "rows_0-2" / "data_1.pt").unlink()
+    (root / "rows_4-6" / "data_4.pt").unlink()
+    lines = (root / "manifest.jsonl").read_text().splitlines(keepends=True)
+    dropped = [json.loads(x)["idx"] for x in lines[-2:]]
+    (root / "manifest.jsonl").write_text("".join(lines[:-2]) + '{"idx": 9, "id"')
+    (root / "rows_2-4" / "data_3.pt.tmp-xyz").write_bytes(b"partial")
+    (root / "data_config.json").unlink()
+
+    summary = _run(cfg, tiny_backend)
+    assert summary["written"] == 2 and summary["resumed"] == 4
+    after = _snapshot(root)
+    assert sorted(after) == sorted(before)
+    for idx, (s, ino, mtime) in after.items():
+        b, b_ino, b_mtime = before[idx]
+        assert torch.equal(s["input_ids"], b["input_ids"]) and torch.equal(s["loss_mask"], b["loss_mask"])
+        assert all(torch.equal(x, y) for x, y in zip(s["hidden_states"], b["hidden_states"]))  # bit-identical
+        if idx not in (1, 4):
+            assert (ino, mtime) == (b_ino, b_mtime), f"shard {idx} was rewritten"
+    assert set(dropped) - {1, 4} <= set(read_manifest(root / "manifest.jsonl").rows)
+    rows = [json.loads(x) for x in (root / "manifest.jsonl").read_text().splitlines()]
+    assert sorted(r["idx"] for r in rows) == list(range(6))  # no duplicates, nothing lost
+    assert not list(root.rglob("*.tmp-*"))
+    assert read_data_config(root)["num_samples"] == 6
+
+
+def test_fingerprint_mismatch_refused_then_overwrite(tmp_path, tiny_llama_dir, tiny_backend):
+    path = _config(tmp_path, tiny_llama_dir)
+    _run(load_config(path), tiny_backend, limit=3)
+    cfg2 = load_config(path, ["extract.max_length=40"])
+    with pytest.raises(UserError, match=f"{STATE}: key 'fingerprint'.*different extract.*--overwrite"):
+        _run(cfg2, tiny_backend, limit=3)
+    # batch_tokens is not part of the fingerprint: resuming with a smaller budget is allowed
+    s = _run(load_config(path, ["extract.batch_tokens=40"]), tiny_backend, limit=3)
+    assert s["written"] == 0 and s["resumed"] == 3
+    s = _run(cfg2, tiny_backend, limit=3, overwrite=True)
+    assert s["written"] == 3 and s["resumed"] == 0
+    assert read_data_config(cfg2.shards_dir)["max_length"] == 40
+    assert all(load_sample(p)["input_ids"].numel() <= 40 for _, p in list_samples(cfg2.shards_dir))
+
+
+def test_changed_prompts_refused(tmp_path, tiny_llama_dir, tiny_backend):
+    path = _config(tmp_path, tiny_llama_dir)
+    cfg = load_config(path)
+    _run(cfg, tiny_backend, limit=2)
+    _write_prompts(cfg.prompts_path, CONVS[::-1])
+    with pytest.raises(UserError, match="different prompts_sha256"):
+        _run(cfg, tiny_backend, limit=2)
+
+
+def test_unknown_shards_refused(tmp_path, tiny_llama_dir):
+    cfg = load_config(_config(tmp_path, tiny_llama_dir))
+    cfg.shards_dir.mkdir(parents=True)
+    (cfg.shards_dir / "data_0.pt").write_bytes(b"x")
+    with pytest.raises(UserError, match="no extract_state.json"):
+        run(cfg)
+
+
+def test_too_long_policies(tmp_path, tiny_llama_dir, smollm_tokenizer, tiny_backend):
+    from eagle3.prompts.chat import tokenize_conversation
+
+    lengths = {pid: len(tokenize_conversation(smollm_tokenizer, [{"role": r, "content": c} for r, c in m], 10_000)[0])
+               for pid, m in CONVS if pid != "p4"}
+    cut = sorted(lengths.values())[2]  # two conversations fit, the rest are longer
+    n_long = sum(v > cut for v in lengths.values())
+    s = _run(load_config(_config(tmp_path / "a", tiny_llama_dir, max_length=cut, too_long="skip")), tiny_backend)
+    assert s["skipped"]["skipped_too_long"] == n_long and s["samples"] == 6 - n_long
+    s = _run(load_config(_config(tmp_path / "b", tiny_llama_dir, max_length=cut, too_long="truncate")), tiny_backend)
+    assert s["truncated"] == n_long
+    assert max(load_sample(p)["input_ids"].numel() for _, p in list_samples(tmp_path / "b" / "out" / "shards")) == cut
+
+
+def test_default_aux_layers_need_six_distinct(tmp_path, tiny_llama_dir):
+    # 6 layers -> default [2, 3, 3] would not be strictly increasing: refused, nothing written
+    cfg = load_config(_config(tmp_path, tiny_llama_dir, aux_layers=None))
+    with pytest.raises(UserError, match=r"verifier has 6 layers.*set extract.aux_layers"):
+        run(cfg)
+    assert not list(cfg.shards_dir.rglob("*.pt"))
+
+
+def test_aux_layer_out_of_range(tmp_path, tiny_llama_dir):
+    cfg = load_config(_config(tmp_path, tiny_llama_dir, aux_layers=[1, 2, 6]))
+    with pytest.raises(UserError, match="aux layer 6 is outside 1..5"):
+        run(cfg)
+
+
+def test_bad_prompts_file(tmp_path):
+    p = tmp_path / "prompts.jsonl"
+    p.write_text('{"id": "a", "messages": [{"role": "user", "content": "x"}]}\n{"id": "b", "messages": [{"role": "bot", "content": "y"}]}\n')
+    with pytest.raises(UserError, match=r"prompts.jsonl:2: key 'messages\[0\]'"):
+        read_prompts(p)
+    p.write_text('{"id": "a", "messages": []}\n')
+    with pytest.raises(UserError, match="prompts.jsonl:1: key 'messages'"):
+        read_prompts(p)
+    p.write_text('{"id": "a"\n')
+    with pytest.raises(UserError, match="prompts.jsonl:1: malformed JSON"):
+        read_prompts(p)
+    with pytest.raises(UserError, match="prompts file not found"):
+        read_prompts(tmp_path / "nope.jsonl")
+
+
+def test_cli_exit_code_on_bad_input(tmp_path, tiny_llama_dir, capsys):
+    sys.path.insert(0, str(ROOT))
+    import importlib
+
+    cli = importlib.import_module("02_extract_hidden")
+    from eagle3.cli import run_main
+
+    path = _config(tmp_path, tiny_llama_dir)
+    (tmp_path / "out" / "prompts.jsonl").write_text("not json\n")
+    with pytest.raises(SystemExit) as e:
+        run_main(cli.main, ["--config", str(path)])
+    assert e.value.code == 2
+    assert "prompts.jsonl:1: malformed JSON" in capsys.readouterr().err
+    _write_prompts(tmp_path / "out" / "prompts.jsonl")
+    with pytest.raises(SystemExit) as e:
+        run_main(cli.main, ["--config", str(path), "--backend", "sglang"])
+    assert e.value.code == 2
+    assert "error: extract.sglang_url: required for backend sglang" in capsys.readouterr().err
+    assert not list((tmp_path / "out" / "shards").rglob("*.pt"))
+
+
+def test_concurrent_run_refused(tmp_path, tiny_llama_dir):
+    import fcntl
+
+    cfg = load_config(_config(tmp_path, tiny_llama_dir))
+    cfg.shards_dir.mkdir(parents=True)
+    with open(cfg.shards_dir / ".extract.lock", "a+") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)  # another run holds the folder
+        with pytest.raises(UserError, match="another 02_extract_hidden run is writing"):
+            run(cfg)
+    assert not (cfg.shards_dir / STATE).exists()
+
+
+def test_silent_corruption_caught_by_stage03_checksum(tmp_path, tiny_llama_dir, tiny_backend):
+    """Bytes flipped inside a shard's tensor data still unpickle (torch does not check the zip CRC);
+    the checksum that 02 records per shard in manifest.jsonl (xxh3_128) makes stage 03 refuse it."""
+    from eagle3.data.prepare_data import run as prepare
+
+    cfg = load_config(_config(tmp_path, tiny_llama_dir))
+    cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"draft_vocab_size": 64})})
+    _run(cfg, tiny_backend)
+    rows = [json.loads(x) for x in (cfg.shards_dir / "manifest.jsonl").read_text().splitlines()]
+    assert all(len(r["xxh3_128"]) == 32 and "sha256" not in r for r in rows)
+    prepare(cfg, plot=False)  # intact: passes
+    victim = cfg.shards_dir / "rows_2-4" / "data_3.pt"
+    data = bytearray(victim.read_bytes())
+    mid = len(data) // 2
+    data[mid:mid + 64] = bytes(b ^ 0x01 for b in data[mid:mid + 64])
+    victim.write_bytes(bytes(data))
+    load_sample(victim)  # still loads: the corruption is silent without the checksum
+    with pytest.raises(UserError, match=r"data_3\.pt: contents changed since extraction"):
+        prepare(cfg, plot=False)

@@ -1,0 +1,173 @@
+"""Every CLI input path follows the error contract (issue 11 item 7): bad flags, bad ``--set``
+overrides and bad config files end in ONE line ``error: <names the flag / override / file>: ...``
+on stderr and exit status 2, never a traceback.
+
+Each case runs in-process through ``eagle3.cli.run_main(main, argv)`` (fast: no interpreter start);
+one subprocess per script checks the real entry point with the issue's own input (a Jinja template
+as a ``--set`` value).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from eagle3.cli import run_main
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = ["01_prepare_prompts.py", "02_extract_hidden.py", "03_prepare_data.py", "04_train.py", "05_benchmark.py",
+           "bench/extract_throughput.py", "bench/offline_bench_speed.py", "bench/tokenize_throughput.py"]
+BASE = "run_name: r\nverifier:\n  path: {root}/no-verifier\nprompts:\n  source: {root}/no-prompts.jsonl\n"
+
+
+def _load_main(script: str):
+    spec = importlib.util.spec_from_file_location("cli_" + Path(script).stem, ROOT / script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.main
+
+
+def _fill(text: str, files: dict) -> str:
+    """Replace ``{name}`` placeholders (not str.format: the cases contain Jinja braces)."""
+    for k, v in files.items():
+        text = text.replace("{" + k + "}", str(v))
+    return text
+
+
+@pytest.fixture
+def files(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # any default outputs/ would land here (and must not appear)
+    good = tmp_path / "run.yaml"
+    good.write_text(BASE.format(root=tmp_path))
+    as_list = tmp_path / "list.yaml"
+    as_list.write_text("- run_name: r\n- verifier: x\n")
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"run_name: \xff\xfe\n")
+    return {"good": str(good), "list": str(as_list), "binary": str(binary), "dir": str(tmp_path),
+            "missing": str(tmp_path / "missing.yaml"), "root": tmp_path}
+
+
+# (argv after the script, text that must start the message after "error: ") -- valid for every script;
+# {good} etc. are filled from the ``files`` fixture
+COMMON = [
+    (["--config", "{good}", "--set", "verifier.chat_template={{ x }}"],
+     "--set verifier.chat_template={{ x }}: value is not valid YAML"),
+    (["--config", "{good}", "--set", "verifier.chat_template={% if x %}a{% endif %}"],
+     "--set verifier.chat_template={% if x %}a{% endif %}: value is not valid YAML"),
+    (["--config", "{good}", "--set", "verifier.chat_template={ x }"],
+     "--set verifier.chat_template={ x }: field 'verifier.chat_template': Input should be a valid string"),
+    (["--config", "{good}", "--set", "train.lr"], "--set train.lr: expected section.key=value"),
+    (["--config", "{good}", "--set", "=3"], "--set =3: empty key name"),
+    (["--config", "{good}", "--set", "nosuch.key=1"], "--set nosuch.key=1: unknown config key 'nosuch'"),
+    (["--config", "{good}", "--set", "train.learning_rate=1"],
+     "--set train.learning_rate=1: unknown config key 'train.learning_rate'"),
+    (["--config", "{good}", "--set", "train.lr=fast"], "--set train.lr=fast: field 'train.lr'"),
+    (["--config", "{good}", "--set", "train.batch_size=[1, 2]"], "--set train.batch_size=[1, 2]: field 'train.batch_size'"),
+    (["--config", "{good}", "--set", "run_name.x=1"], "--set run_name.x=1: 'run_name' is a value, not a section"),
+    (["--config", "{good}", "--set", "verifier=null"], "--set verifier=null: field 'verifier'"),
+    (["--config", "{missing}"], "{missing}: config file not found"),
+    (["--config", "{dir}"], "{dir}: config file not found (it is a directory)"),
+    (["--config", "{list}"], "{list}: the config must be a YAML mapping"),
+    (["--config", "{binary}"], "{binary}: cannot read the config file"),
+    ([], "the following arguments are required: --config"),
+    (["--config", "{good}", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+]
+
+# flags of one script (and the paths they name that do not exist)
+PER_SCRIPT = {
+    "01_prepare_prompts.py": [
+        (["--limit", "0"], "argument --limit: must be >= 1, got 0"),
+        (["--limit", "ten"], "argument --limit: expected an integer >= 1, got 'ten'"),
+        (["--format", "csv"], "argument --format: invalid choice: 'csv'"),
+        (["--source", "{root}/nope.jsonl"], "{root}/nope.jsonl: prompts file not found"),
+        ([], "{root}/no-prompts.jsonl: prompts file not found"),
+        (["--set", "prompts.server.urls=[node1:30000]"], "--set prompts.server.urls=[node1:30000]: field 'prompts.server.urls'"),
+    ],
+    "02_extract_hidden.py": [
+        (["--limit", "-3"], "argument --limit: must be >= 1, got -3"),
+        (["--backend", "vllm"], "argument --backend: invalid choice: 'vllm'"),
+        (["--server", "localhost:30000"], "argument --server: expected http://host:port, got 'localhost:30000'"),
+        (["--set", "extract.sglang_url=127.0.0.1"], "--set extract.sglang_url=127.0.0.1: field 'extract.sglang_url'"),
+        (["--set", "output_root={good}/under-a-file"], "{good}/under-a-file/shards: Not a directory"),
+        ([], "outputs/r/prompts.jsonl: prompts file not found"),
+    ],
+    "03_prepare_data.py": [
+        ([], "outputs/r/shards"),
+        (["--set", "extract.output_dir={root}/nope"], "{root}/nope"),
+    ],
+    "04_train.py": [
+        (["--max-steps", "0"], "argument --max-steps: must be >= 1, got 0"),
+        (["--engine", "trt"], "argument --engine: invalid choice: 'trt'"),
+        ([], "outputs/r/shards"),
+        (["--export-only"], "outputs/r/train"),
+    ],
+    "05_benchmark.py": [
+        (["--steps", "0"], "argument --steps: must be >= 1, got 0"),
+        (["--num-prompts", "x"], "argument --num-prompts: expected an integer >= 1, got 'x'"),
+        (["--timeout", "-1"], "argument --timeout: must be a finite number > 0, got -1"),
+        (["--concurrency", "0"], "argument --concurrency: must be >= 1, got 0"),
+        (["--serve-aux-layers", "1", "2", "x"], "argument --serve-aux-layers: invalid int value: 'x'"),
+        (["--tie-tolerance", "-0.5"], "argument --tie-tolerance: must be >= 0, got -0.5"),
+        (["--server", "notaurl"], "argument --server: expected http://host:port, got 'notaurl'"),
+        (["--server", "http://h:port"], "argument --server: not a valid URL"),
+        (["--set", "benchmark.server_urls=[ftp://x]"], "--set benchmark.server_urls=[ftp://x]: field 'benchmark.server_urls': Value error, expected http://host:port"),
+        (["--drafter", "{root}/no-drafter"], "--drafter: folder '{root}/no-drafter' not found"),
+        ([], "--drafter: folder 'outputs/r/drafter-sglang' not found"),
+    ],
+    "bench/offline_bench_speed.py": [
+        (["--num-prompts", "0"], "--batch-sizes, --num-prompts"),
+        (["--batch-sizes", "8", "x"], "argument --batch-sizes: invalid int value: 'x'"),
+    ],
+    "bench/tokenize_throughput.py": [
+        (["--num", "0"], "argument --num: must be >= 1, got 0"),
+        ([], "verifier.path: folder '{root}/no-verifier' not found"),
+    ],
+    "bench/small_train_speed.py": [  # --config is optional there (synthetic data without it)
+        (["--set", "verifier.chat_template={{ x }}"], "--set verifier.chat_template={{ x }}: value is not valid YAML"),
+        (["--config", "{list}"], "{list}: the config must be a YAML mapping"),
+        (["--batch-tokens", "many"], "argument --batch-tokens: invalid int value: 'many'"),
+    ],
+    "bench/extract_throughput.py": [
+        (["--batch", "0"], "argument --batch: must be >= 1, got 0"),
+        ([], "verifier.path: folder '{root}/no-verifier' not found"),
+        (["--set", "verifier.device=gpu7"], "verifier.path: folder '{root}/no-verifier' not found"),
+    ],
+}
+
+CASES = [(s, argv, want) for s in SCRIPTS for argv, want in COMMON] + \
+        [(s, ["--config", "{good}", *argv], want) for s, cases in PER_SCRIPT.items() for argv, want in cases]
+
+
+@pytest.mark.parametrize("script, argv, want", CASES,
+                         ids=[f"{Path(s).stem}:{' '.join(a)[:50]}" for s, a, _ in CASES])
+def test_bad_input_is_one_error_line_and_exit_2(files, capsys, script, argv, want):
+    main = _load_main(script)
+    argv = [_fill(a, files) for a in argv]
+    want = _fill(want, files)
+    with pytest.raises(SystemExit) as e:
+        run_main(main, argv)
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("error:")]
+    assert e.value.code == 2, err
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith(f"error: {want}"), lines[0]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_script_entry_point_jinja_override_exits_2(tmp_path, script):
+    """The issue's input through the real entry point: no traceback, exit 2, one ``error:`` line."""
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(BASE.format(root=tmp_path))
+    r = subprocess.run([sys.executable, str(ROOT / script), "--config", str(cfg), "--set",
+                        "verifier.chat_template={% for m in messages %}{{ m.content }}{% endfor %}"],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines() == [
+        "error: --set verifier.chat_template={% for m in messages %}{{ m.content }}{% endfor %}: value is not "
+        "valid YAML (found character '%' that cannot start any token); to pass it as a string, quote it: "
+        "--set \"verifier.chat_template='...'\""]

@@ -1,0 +1,151 @@
+"""The run YAML: strict schema, one-line errors naming the file and field, overrides, derived paths."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from eagle3.config import load_config
+from eagle3.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[2]
+BASE = "run_name: r\nverifier:\n  path: /models/x\nprompts:\n  source: humaneval\n"
+
+
+def _write(tmp_path, text: str) -> Path:
+    f = tmp_path / "run.yaml"
+    f.write_text(text)
+    return f
+
+
+def test_committed_configs_load():
+    names = {"smollm2-135m": "smollm2-135m", "smollm2-135m-full": "smollm2-135m-full",
+             "kimi-k2.5": "kimi-k2.5-eagle3", "tiny-llama": "tiny-llama"}
+    for name, run_name in names.items():
+        assert load_config(ROOT / "configs" / f"{name}.yaml").run_name == run_name
+
+
+def test_defaults_and_derived_paths(tmp_path):
+    cfg = load_config(_write(tmp_path, BASE))
+    assert cfg.train.ttt_length == 7 and cfg.train.step_weight == 0.8 and cfg.data.draft_vocab_size == 32000
+    assert cfg.extract.aux_layers is None  # = EAGLE default [2, N//2, N-3], resolved against the verifier
+    assert cfg.shards_dir == Path("outputs/r/shards") and cfg.export_dir == Path("outputs/r/drafter-sglang")
+    cfg = load_config(_write(tmp_path, BASE), ["export.engine=vllm", "extract.output_dir=/big/shards"])
+    assert cfg.export_dir == Path("outputs/r/drafter-vllm") and cfg.shards_dir == Path("/big/shards")
+
+
+@pytest.mark.parametrize("extra, message", [
+    ("train:\n  lrr: 0.1\n", "unknown config key 'train.lrr'"),
+    ("trian:\n  lr: 0.1\n", "unknown config key 'trian'"),
+    ("train:\n  lr: -0.001\n", "field 'train.lr': Input should be greater than 0"),
+    ("train:\n  epochs: many\n", "field 'train.epochs'"),
+    ("data:\n  draft_vocab_size: 0\n", "field 'data.draft_vocab_size'"),
+    ("extract:\n  aux_layers: [2, 15]\n", "exactly 3 aux layers"),
+    ("extract:\n  aux_layers: [0, 15, 27]\n", "must be >= 1"),
+    ("extract:\n  aux_layers: [15, 2, 27]\n", "strictly increasing"),
+    ("export:\n  engine: trt\n", "field 'export.engine'"),
+])
+def test_bad_fields_name_file_and_field(tmp_path, extra, message):
+    f = _write(tmp_path, BASE + extra)
+    with pytest.raises(UserError) as e:
+        load_config(f)
+    assert str(f) in str(e.value) and message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("text, message", [
+    # a typo'd key: its line and the closest valid key of its section
+    (BASE + "train:\n  epochs: 2\n  lrr: 0.1\n", "run.yaml:8: unknown config key 'train.lrr' (did you mean 'lr'?)"),
+    (BASE + "trian:\n  lr: 0.1\n", "run.yaml:6: unknown config key 'trian' (did you mean 'train'?)"),
+    ("run_name: r\nverifier:\n  path: x\n  dtyp: float32\nprompts:\n  source: y\n",
+     "run.yaml:4: unknown config key 'verifier.dtyp' (did you mean 'dtype'?)"),
+    (BASE.replace("prompts:\n", "prompts:\n  server:\n    url: [x]\n"),
+     "run.yaml:6: unknown config key 'prompts.server.url' (did you mean 'urls'?)"),
+    (BASE + "train:\n  zzz_nothing_alike: 1\n", "run.yaml:7: unknown config key 'train.zzz_nothing_alike'"),
+    # wrong values: the line of the key, also inside a list
+    (BASE + "\n\ntrain:\n  epochs: many\n", "run.yaml:9: field 'train.epochs'"),
+    (BASE + "extract:\n  aux_layers:\n    - 2\n    - x\n    - 27\n", "run.yaml:9: field 'extract.aux_layers.1'"),
+    # a missing key: the section lacking it; none for a top-level key
+    ("run_name: r\nverifier:\n  name: x\nprompts:\n  source: y\n", "run.yaml:2: missing required config key 'verifier.path'"),
+    ("run_name: r\nprompts:\n  source: y\n", "run.yaml: missing required config key 'verifier'"),
+])
+def test_file_errors_give_the_line_and_the_closest_key(tmp_path, text, message):
+    f = _write(tmp_path, text)
+    with pytest.raises(UserError) as e:
+        load_config(f)
+    assert str(e.value).startswith(str(f.parent) + "/" + message), str(e.value)
+    assert str(e.value).endswith("(did you mean 'lr'?)") == ("lrr" in text)
+
+
+def test_override_errors_name_the_override_with_the_closest_key(tmp_path):
+    with pytest.raises(UserError) as e:
+        load_config(_write(tmp_path, BASE), ["train.lrr=0.1"])
+    assert str(e.value) == "--set train.lrr=0.1: unknown config key 'train.lrr' (did you mean 'lr'?)"
+
+
+def test_key_lines_follow_duplicates_as_safe_load_does():
+    from eagle3.config import _key_lines
+
+    assert _key_lines("a: 1\nb:\n  c: 2\n  d: [1, 2]\nb:\n  e: 3\n") == {("a",): 1, ("b",): 5, ("b", "e"): 6}
+    assert _key_lines("a: [1,\n  2]\n") == {("a",): 1, ("a", "0"): 1, ("a", "1"): 2}
+    assert _key_lines("a: : b\n") == {}
+
+
+def test_missing_required_and_bad_yaml(tmp_path):
+    with pytest.raises(UserError, match="missing required config key 'verifier'"):
+        load_config(_write(tmp_path, "run_name: r\nprompts:\n  source: x\n"))
+    with pytest.raises(UserError, match=r"run\.yaml:3: malformed YAML"):
+        load_config(_write(tmp_path, "run_name: r\nverifier:\n  path: : x\n"))
+    with pytest.raises(UserError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
+    with pytest.raises(UserError, match="expected section.key=value"):
+        load_config(_write(tmp_path, BASE), ["train.lr"])
+
+
+def test_aux_layer_beyond_verifier_is_refused_with_the_layer_count():
+    from eagle3.layers import check_aux_layers
+
+    with pytest.raises(UserError, match=r"aux layer 30 is outside 1\.\.29 for a 30-layer verifier"):
+        check_aux_layers([2, 15, 30], 30)
+
+
+@pytest.mark.parametrize("script", ["01_prepare_prompts.py", "02_extract_hidden.py", "03_prepare_data.py",
+                                    "04_train.py", "05_benchmark.py"])
+def test_every_stage_exits_2_on_a_misspelled_key(tmp_path, script):
+    f = _write(tmp_path, BASE + "train:\n  learning_rate: 0.1\n")
+    r = subprocess.run([sys.executable, str(ROOT / script), "--config", str(f)], capture_output=True, text=True,
+                       cwd=tmp_path, timeout=300)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1] == f"error: {f}:7: unknown config key 'train.learning_rate'"
+    assert not (tmp_path / "outputs").exists()
+
+
+@pytest.mark.parametrize("override, key", [
+    ("data.draft_vocab_size=true", "data.draft_vocab_size"),
+    ("train.lr=false", "train.lr"),
+    ("extract.aux_layers=[true,2,3]", "extract.aux_layers"),
+    ("train.max_steps=true", "train.max_steps"),  # Optional[int]
+    ("drafter.rope_theta=true", "drafter.rope_theta"),  # Optional[float]
+])
+def test_a_boolean_is_never_a_number(tmp_path, override, key):
+    """pydantic's lax mode coerced true -> 1 (a 1-token draft vocab); every int/float field refuses it."""
+    with pytest.raises(UserError) as e:
+        load_config(_write(tmp_path, BASE), [override])
+    assert str(e.value).startswith(f"--set {override}: field '{key}': Value error, expected a number, not a boolean")
+    f = _write(tmp_path, BASE + "train:\n  grad_accum: yes\n")
+    with pytest.raises(UserError, match=rf"{f}:7: field 'train.grad_accum': .*not a boolean"):
+        load_config(f)
+    cfg = load_config(_write(tmp_path, BASE + "train:\n  lr: 1\n  compile: true\n"))
+    assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float) and cfg.train.compile is True
+
+
+def test_prepare_data_exits_2_on_a_boolean_vocab_size(tmp_path):
+    r = subprocess.run([sys.executable, str(ROOT / "03_prepare_data.py"), "--config", str(ROOT / "configs/tiny-llama.yaml"),
+                        "--set", "data.draft_vocab_size=true"], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert r.returncode == 2
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: --set data.draft_vocab_size=true: field 'data.draft_vocab_size':") and "boolean" in last
+    assert not (tmp_path / "outputs").exists()

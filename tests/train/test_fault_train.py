@@ -1,0 +1,150 @@
+"""Fault injection: ``04_train.py`` killed with SIGKILL at seeded random points, then resumed, ends with
+the same parameters as an uninterrupted run; SIGTERM writes a final checkpoint and exits 143 (128 + SIGTERM) without exporting."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _ddp_worker import make_tiny_run, single_thread  # noqa: E402,F401  (autouse fixture)
+
+from eagle3.train import checkpoint as ckpt  # noqa: E402
+from eagle3.config import load_config  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAIN = {"epochs": 2, "batch_size": 1, "ckpt_every": 3, "keep_checkpoints": 2, "log_every": 1, "eval_every": 100}
+TOTAL = 16  # 8 samples x 2 epochs
+
+
+def _start(cfg_path: Path, *extra: str) -> subprocess.Popen:
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")  # = the in-process reference
+    env.pop("WORLD_SIZE", None)
+    env.pop("RANK", None)
+    return subprocess.Popen([sys.executable, str(ROOT / "04_train.py"), "--config", str(cfg_path), *extra],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _train_steps(train_dir: Path) -> list[int]:
+    path = train_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    steps = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if row.get("kind") == "train":
+            steps.append(row["step"])
+    return steps
+
+
+def _wait_progress(proc: subprocess.Popen, train_dir: Path, after: int, timeout: float = 120.0) -> bool:
+    """Wait until metrics.jsonl has a train row with step > ``after``; False if the process ended first."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if proc.poll() is not None:
+            return False
+        steps = _train_steps(train_dir)
+        if steps and steps[-1] > after:
+            return True
+        time.sleep(0.05)
+    raise AssertionError("no training progress within the timeout")
+
+
+def _final_model(train_dir: Path) -> dict:
+    state = ckpt.load_checkpoint(ckpt.list_checkpoints(train_dir)[-1][1])
+    assert state["step"] == TOTAL
+    return state["model"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict:
+    """Final trainable parameters of an uninterrupted run (in-process, CPU)."""
+    from eagle3.train.trainer import run
+
+    cfg = load_config(make_tiny_run(tmp_path_factory.mktemp("ref"), train=TRAIN))
+    run(cfg, device="cpu")
+    return _final_model(cfg.train_dir)
+
+
+def _assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], atol=1e-6, rtol=0, msg=k)
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_points_then_resume_matches_uninterrupted(tmp_path, reference):
+    ref = reference
+    cfg_path = make_tiny_run(tmp_path / "killed", train=TRAIN)
+    train_dir = load_config(cfg_path).train_dir
+    rng = random.Random(20261129)
+    kills = 0
+    for _attempt in range(3):
+        before = (_train_steps(train_dir) or [0])[-1]
+        proc = _start(cfg_path, "--resume")
+        if _wait_progress(proc, train_dir, before):
+            time.sleep(rng.uniform(0.0, 1.0))  # somewhere in a step, a checkpoint write or a log write
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+                kills += 1
+        proc.communicate(timeout=60)
+    assert kills >= 2, "the kills should land while training runs"
+    proc = _start(cfg_path, "--resume")
+    _out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-2000:]
+    _assert_same(ref, _final_model(train_dir))
+    # every step logged exactly once after the dedupe on resume
+    assert _train_steps(train_dir) == list(range(1, TOTAL + 1))
+    assert not any(".tmp-" in p.name for p in ckpt.ckpt_dir(train_dir).iterdir())
+    assert (load_config(cfg_path).export_dir / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_sigterm_writes_final_checkpoint_and_exits_143(tmp_path, reference):
+    ref = reference
+    cfg_path = make_tiny_run(tmp_path / "term", train=TRAIN)
+    train_dir = load_config(cfg_path).train_dir
+    proc = _start(cfg_path)
+    assert _wait_progress(proc, train_dir, 1)
+    proc.send_signal(signal.SIGTERM)
+    _out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]  # `04 && 05` must not go on to benchmark
+    assert "stopped at step" in err
+    assert "interrupted by SIGTERM at step" in err and "--resume" in err
+    stopped_at = _train_steps(train_dir)[-1]
+    assert stopped_at < TOTAL
+    newest = ckpt.list_checkpoints(train_dir)[-1][0]
+    assert newest == stopped_at  # the final checkpoint is at the step that was running when SIGTERM came
+    assert not (load_config(cfg_path).export_dir).exists()  # stopped early: no export
+    proc = _start(cfg_path, "--resume")
+    _out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-2000:]
+    _assert_same(ref, _final_model(train_dir))
+
+
+def test_interrupted_exit_code_and_message(capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_cli", Path(__file__).resolve().parents[2] / "04_train.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    res = {"step": 3, "total_steps": 10, "stopped": True, "signal": int(signal.SIGINT), "checkpoint": "ck/step_3"}
+    assert cli.interrupted_exit(res) == 130
+    err = capsys.readouterr().err
+    assert err.strip() == ("interrupted by SIGINT at step 3/10: checkpoint ck/step_3, nothing exported; "
+                           "continue with the same command plus --resume")
+    # a DDP rank that stopped because another rank got the signal exits like that rank (SIGTERM)
+    assert cli.interrupted_exit({**res, "signal": None}) == 143

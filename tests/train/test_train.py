@@ -1,0 +1,306 @@
+"""Stage 04: LR schedule, dataset/collate/sampler, target head, and the training loop (resume == uninterrupted)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _ddp_worker import make_tiny_run, single_thread  # noqa: E402,F401  (autouse fixture)
+
+from eagle3.train import checkpoint as ckpt  # noqa: E402
+from eagle3.config import load_config  # noqa: E402
+from eagle3.data.dataset import ResumableSampler, ShardDataset, collate, read_split  # noqa: E402
+from eagle3.errors import UserError  # noqa: E402
+from eagle3.export.from_checkpoint import export_for_run  # noqa: E402
+from eagle3.train.schedule import build_scheduler, lr_factor, warmup_steps_for  # noqa: E402
+from eagle3.shards.format import write_sample  # noqa: E402
+from eagle3.train.target_head import TargetHead  # noqa: E402
+
+
+# ---- schedule ------------------------------------------------------------------------------------
+def test_warmup_cosine_values_hand_computed():
+    # W = 2, T = 6: warmup 0, 1/2; cosine over 4 steps: 1, (1+cos(pi/4))/2, 1/2, (1-cos(pi/4))/2, 0
+    c = math.cos(math.pi / 4)
+    want = [0.0, 0.5, 1.0, (1 + c) / 2, 0.5, (1 - c) / 2, 0.0, 0.0]
+    got = [lr_factor(s, 2, 6) for s in range(8)]
+    assert got == pytest.approx(want, abs=1e-12)
+    assert warmup_steps_for(10, 0.25) == 3  # ceil(2.5)
+    assert warmup_steps_for(100, 0.0) == 0
+
+
+def test_scheduler_lr_per_optimizer_step():
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.AdamW([p], lr=0.2)
+    sched = build_scheduler(opt, total_steps=4, warmup_ratio=0.25)  # W = 1
+    seen = []
+    for _ in range(4):
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    # s=0: 0 (warmup); s=1..3: cosine over 3 steps: 1, 0.75, 0.25
+    assert seen == pytest.approx([0.0, 0.2, 0.2 * 0.75, 0.2 * 0.25], abs=1e-12)
+    with pytest.raises(UserError, match="optimizer steps"):
+        build_scheduler(opt, total_steps=0, warmup_ratio=0.0)
+
+
+# ---- dataset -------------------------------------------------------------------------------------
+def test_collate_pads_right_with_zero_and_mask_zero():
+    a = {"input_ids": torch.tensor([5, 6, 7]), "aux": torch.ones(3, 6), "last": torch.full((3, 2), 2.0),
+         "loss_mask": torch.tensor([0, 1, 1])}
+    b = {"input_ids": torch.tensor([9]), "aux": torch.full((1, 6), 3.0), "last": torch.ones(1, 2),
+         "loss_mask": torch.tensor([1])}
+    out = collate([a, b])
+    assert out["input_ids"].tolist() == [[5, 6, 7], [9, 0, 0]]
+    assert out["loss_mask"].tolist() == [[0, 1, 1], [1, 0, 0]]
+    assert out["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert out["lengths"].tolist() == [3, 1]
+    assert torch.equal(out["aux"][1], torch.cat([torch.full((1, 6), 3.0), torch.zeros(2, 6)]))
+    assert torch.equal(out["last"][1, 1:], torch.zeros(2, 2))
+
+
+def test_dataset_item_concat_and_truncation(tmp_path):
+    L, H = 7, 4
+    hs = [torch.full((L, H), float(k)) + torch.arange(L)[:, None] for k in range(4)]  # distinct per state/pos
+    write_sample(tmp_path, 3, 10, torch.arange(L), hs, torch.tensor([0, 0, 1, 1, 1, 1, 1]))
+    ds = ShardDataset(tmp_path, [3], max_length=5)
+    item = ds[0]
+    assert item["input_ids"].tolist() == [0, 1, 2, 3, 4]
+    assert item["loss_mask"].tolist() == [0, 0, 1, 1, 1]
+    want_aux = torch.cat([hs[0][:5], hs[1][:5], hs[2][:5]], dim=-1).bfloat16()  # [5, 3H]
+    assert torch.equal(item["aux"], want_aux)
+    assert torch.equal(item["last"], hs[3][:5].bfloat16())
+    with pytest.raises(UserError, match=r"split.json: key 'val': sample 4 has no shard"):
+        ShardDataset(tmp_path, [3, 4], split_name="val")
+
+
+def test_read_split_errors_name_key(tmp_path):
+    (tmp_path / "split.json").write_text(json.dumps({"train": [1, 2], "val": "x"}))
+    with pytest.raises(UserError, match=r"split.json: key 'val'"):
+        read_split(tmp_path)
+
+
+def test_sampler_resume_and_distributed_partition():
+    ds = list(range(10))
+    full = ResumableSampler(ds, 1, 0, seed=7)
+    full.set_epoch(3)
+    order = list(full)
+    assert sorted(order) == list(range(10))
+    again = ResumableSampler(ds, 1, 0, seed=7)
+    again.set_epoch(3)
+    again.set_start(4)
+    assert list(again) == order[4:] and len(again) == 6
+    other = ResumableSampler(ds, 1, 0, seed=7)
+    other.set_epoch(4)
+    assert list(other) != order  # reshuffled per epoch
+    # two ranks: rank r takes r, r+2, ... of the same permutation; resuming at 4 global samples skips 2 each
+    ranks = []
+    for r in range(2):
+        s = ResumableSampler(ds, 2, r, seed=7)
+        s.set_epoch(3)
+        s.set_start(4)
+        ranks.append(list(s))
+    assert ranks[0] == order[4::2] and ranks[1] == order[5::2]
+
+
+# ---- target head ---------------------------------------------------------------------------------
+def _tiny_llama(tied: bool):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-5, tie_word_embeddings=tied)
+    m = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        m.model.norm.weight.normal_()
+    return m
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_target_head_from_model_and_roundtrip(tmp_path, tied):
+    m = _tiny_llama(tied)
+    head = TargetHead.from_model(m, "pre_norm")
+    assert torch.equal(head.embed, m.model.embed_tokens.weight.detach())
+    assert torch.equal(head.lm_head, m.lm_head.weight.detach())
+    assert torch.equal(head.norm_weight, m.model.norm.weight.detach())
+    assert head.norm_eps == 1e-5 and head.last_is_post_norm is False and head.tied is tied
+    # the head reproduces the model's logits from the pre-norm last state
+    ids = torch.tensor([[1, 5, 7]])
+    out = m(ids, output_hidden_states=True)
+    # HF hidden_states[-1] is post-norm: lm_head(h) == logits
+    assert torch.allclose(out.hidden_states[-1] @ head.lm_head.T, out.logits, atol=1e-5)
+    head.save(tmp_path)
+    back = TargetHead.load(tmp_path)
+    assert torch.equal(back.embed, head.embed) and torch.equal(back.lm_head, head.lm_head)
+    assert torch.equal(back.norm_weight, head.norm_weight)
+    assert back.norm_eps == head.norm_eps and back.last_is_post_norm is False and back.tied is tied
+
+
+def test_target_head_load_errors(tmp_path):
+    with pytest.raises(UserError, match="target_head.safetensors: file not found"):
+        TargetHead.load(tmp_path)
+    (tmp_path / "target_head.safetensors").write_bytes(b"garbage")
+    with pytest.raises(UserError, match="corrupt safetensors"):
+        TargetHead.load(tmp_path)
+
+
+# ---- training loop ---------------------------------------------------------------------------------
+def _final_model(train_dir: Path) -> dict:
+    step, path = ckpt.list_checkpoints(train_dir)[-1]
+    return ckpt.load_checkpoint(path)
+
+
+def _train_rows(train_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (train_dir / "metrics.jsonl").read_text().splitlines()
+            if json.loads(x)["kind"] == "train"]
+
+
+def test_resume_equals_uninterrupted(tmp_path):
+    from eagle3.train.trainer import run
+
+    a = load_config(make_tiny_run(tmp_path / "a", train={"epochs": 2, "batch_size": 2, "ckpt_every": 2}))
+    b = load_config(make_tiny_run(tmp_path / "b", train={"epochs": 2, "batch_size": 2, "ckpt_every": 2}))
+    ra = run(a, device="cpu", export=export_for_run)
+    assert ra["step"] == ra["total_steps"] == 8 and not ra["stopped"]  # 8 samples / 2 = 4 steps x 2 epochs
+    # b: stop mid-epoch (step 3: odd, not a ckpt_every multiple), resume, stop at the epoch boundary (4), finish
+    r1 = run(b, stop_after=3, device="cpu")
+    assert r1["stopped"] and r1["step"] == 3 and r1["export_dir"] is None
+    assert [s for s, _ in ckpt.list_checkpoints(b.train_dir)] == [2, 3]
+    r2 = run(b, resume=True, stop_after=1, device="cpu")
+    assert r2["step"] == 4
+    r3 = run(b, resume=True, device="cpu", export=export_for_run)
+    assert r3["step"] == 8 and not r3["stopped"]
+    sa, sb = _final_model(a.train_dir), _final_model(b.train_dir)
+    assert sa["step"] == sb["step"] == 8
+    for k in sa["model"]:
+        assert torch.equal(sa["model"][k], sb["model"][k]), k
+    assert sa["scheduler"]["last_epoch"] == sb["scheduler"]["last_epoch"] == 8
+    # same data order, LR and loss at every step
+    rows_a, rows_b = _train_rows(a.train_dir), _train_rows(b.train_dir)
+    assert [r["step"] for r in rows_b] == list(range(1, 9))
+    for x, y in zip(rows_a, rows_b):
+        assert (x["step"], x["lr"], x["loss"], x["acc_0"]) == (y["step"], y["lr"], y["loss"], y["acc_0"])
+    # outputs of the finished run
+    assert (b.export_dir / "model.safetensors").is_file() and (b.export_dir / "config.json").is_file()
+    rep = json.loads((b.train_dir / "train_report.json").read_text())
+    assert rep["step"] == 8 and "acc_0" in rep["final_val"]
+    assert (b.train_dir / "train_report.md").read_text().count("| 0 |") == 1
+    assert (b.train_dir / "loss.png").stat().st_size > 0
+    assert any((b.train_dir / "tb").iterdir())
+
+
+def test_training_reduces_loss_and_trains_only_drafter_params(tmp_path):
+    from eagle3.train.trainer import run
+
+    cfg = load_config(make_tiny_run(tmp_path, n_train=4, lengths=(10,), pre_norm=True, train={"epochs": 15, "batch_size": 4,
+                                                                                "warmup_ratio": 0.0, "lr": 3e-2, "eval_every": 100,
+                                                                                "ckpt_every": 100}))
+    run(cfg, device="cpu")
+    rows = _train_rows(cfg.train_dir)
+    assert len(rows) == 15
+    assert rows[-1]["loss"] < 0.5 * rows[0]["loss"]  # same 4 samples every step: the drafter fits them
+    state = _final_model(cfg.train_dir)
+    assert "embed_tokens.weight" not in state["model"]  # frozen verifier embedding is not a trainable param
+    assert {"fc.weight", "lm_head.weight", "norm.weight"} <= set(state["model"])
+
+
+def test_lm_head_initialised_from_verifier_draft_rows(tmp_path):
+    from eagle3.train.trainer import build_drafter_args, init_drafter
+    from eagle3.shards.format import read_data_config
+    from eagle3.data.vocab import load_vocab_map
+
+    cfg = load_config(make_tiny_run(tmp_path))
+    dc = read_data_config(cfg.shards_dir)
+    vocab = load_vocab_map(cfg.data_dir / "vocab_map.pt")
+    head = TargetHead.load(cfg.train_dir)
+    drafter = init_drafter(build_drafter_args(cfg, dc, vocab), head, vocab, seed=0)
+    assert torch.equal(drafter.lm_head.weight, head.lm_head[0::2][:24])  # draft ids = every 2nd target id
+    assert torch.equal(drafter.embed_tokens.weight, head.embed)
+    assert not drafter.embed_tokens.weight.requires_grad
+
+
+def test_existing_checkpoints_without_resume_is_user_error(tmp_path):
+    from eagle3.train.trainer import run
+
+    cfg = load_config(make_tiny_run(tmp_path, train={"epochs": 1}))
+    r = run(cfg, stop_after=1, max_steps=3, device="cpu")
+    assert (r["step"], r["total_steps"], r["stopped"]) == (1, 3, True)  # max_steps caps the 4 steps of the epoch
+    with pytest.raises(UserError, match="pass --resume"):
+        run(cfg, device="cpu")
+
+
+def test_cli_bad_config_exits_2(tmp_path):
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("run_name: x\nverifier: {path: y}\nprompts: {source: z}\ntrain: {lr: -1}\n")
+    p = subprocess.run([sys.executable, str(root / "04_train.py"), "--config", str(bad)], capture_output=True, text=True)
+    assert p.returncode == 2
+    assert "train.lr" in p.stderr and p.stderr.startswith("error:")
+
+
+# ---- drafter shape and verifier head from the verifier ------------------------------------------------
+def _save_tiny_verifier(folder: Path, tied: bool):
+    m = _tiny_llama(tied)
+    m.config.rope_parameters = {"rope_type": "default", "rope_theta": 50000.0}
+    m.save_pretrained(folder)
+    return m
+
+
+def test_drafter_args_nulls_come_from_verifier_config(tmp_path):
+    from eagle3.shards.format import read_data_config
+    from eagle3.train.trainer import build_drafter_args
+    from eagle3.data.vocab import load_vocab_map
+
+    _save_tiny_verifier(tmp_path / "verifier", tied=True)
+    path = make_tiny_run(tmp_path / "run", hidden=16, vocab=40, draft_vocab=20)
+    nulls = [f"drafter.{k}=null" for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                                            "rms_norm_eps", "rope_theta", "max_position_embeddings")]
+    cfg = load_config(path, nulls + [f"verifier.path={tmp_path / 'verifier'}", "drafter.intermediate_size=24"])
+    args = build_drafter_args(cfg, read_data_config(cfg.shards_dir), load_vocab_map(cfg.data_dir / "vocab_map.pt"))
+    # verifier: hidden 16, 2 heads, 1 KV head, eps 1e-5, rope 50000, 2048 positions (LlamaConfig default)
+    assert (args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim) == (16, 2, 1, 8)
+    assert args.intermediate_size == 24  # set in the config: wins over the verifier's 32
+    assert (args.rms_norm_eps, args.rope_theta, args.max_position_embeddings) == (1e-5, 50000.0, 2048)
+    assert (args.draft_vocab_size, args.target_vocab_size, args.target_hidden_size) == (20, 40, 16)
+
+
+def test_target_head_extracted_once_from_safetensors_verifier(tmp_path):
+    from eagle3.shards.format import read_data_config
+    from eagle3.train.trainer import DistInfo, prepare_target_head
+
+    m = _save_tiny_verifier(tmp_path / "verifier", tied=False)
+    path = make_tiny_run(tmp_path / "run", hidden=16, vocab=40, draft_vocab=20, pre_norm=True)
+    cfg = load_config(path, [f"verifier.path={tmp_path / 'verifier'}"])
+    (cfg.train_dir / "target_head.safetensors").unlink()  # the helper's random head: force extraction
+    single = DistInfo(rank=0, world=1, local_rank=0, device=torch.device("cpu"))
+    head = prepare_target_head(cfg, read_data_config(cfg.shards_dir), single)
+    assert torch.equal(head.lm_head, m.lm_head.weight.detach()) and torch.equal(head.embed, m.model.embed_tokens.weight.detach())
+    assert torch.equal(head.norm_weight, m.model.norm.weight.detach()) and head.last_is_post_norm is False
+    assert (cfg.train_dir / "target_head.safetensors").is_file()
+    # a head that disagrees with data_config.json is refused, naming the file
+    with pytest.raises(UserError, match=r"target_head.safetensors: metadata 'last_is_post_norm'"):
+        prepare_target_head(cfg, dict(read_data_config(cfg.shards_dir), last_hidden_state="post_norm"), single)
+
+
+@pytest.mark.slow
+def test_target_head_of_smollm2_gguf_reproduces_logits():
+    from conftest import SMOLLM_GGUF, smollm_dir
+
+    from eagle3.config import VerifierConfig
+    from eagle3.verifier import load_verifier
+
+    model, tok = load_verifier(VerifierConfig(path=str(smollm_dir()), gguf_file=SMOLLM_GGUF, dtype="float32"), device="cpu")
+    head = TargetHead.from_model(model, "post_norm")
+    assert head.tied and tuple(head.embed.shape) == (49152, 576) and head.norm_eps == model.config.rms_norm_eps
+    ids = torch.tensor([tok("The capital of France is")["input_ids"]])
+    with torch.no_grad():
+        out = model(ids, output_hidden_states=True)
+    torch.testing.assert_close(out.hidden_states[-1] @ head.lm_head.T, out.logits, atol=1e-4, rtol=1e-4)
