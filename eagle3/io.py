@@ -342,6 +342,27 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike, hasher=None, via_path: 
                 _hash_file(f, hasher)
 
 
+# A file a later stage reads -> the stage that writes it, so that running a stage too early says what to run
+# (names as the stages define them: eagle3.shards.DATA_CONFIG, eagle3.vocab.VOCAB_MAP ...; tested).
+WRITTEN_BY = {
+    "prompts.jsonl": "01_prepare_prompts.py",
+    "data_config.json": "02_extract_hidden.py",
+    "manifest.jsonl": "02_extract_hidden.py",
+    "vocab_map.pt": "03_prepare_data.py",
+    "token_freq.pt": "03_prepare_data.py",
+    "split.json": "03_prepare_data.py",
+    "target_head.safetensors": "04_train.py",
+}
+
+
+def file_not_found(path: str | os.PathLike) -> UserError:
+    """``<path>: file not found``, plus ``(02_extract_hidden.py writes it: run that stage first)`` when
+    ``path`` is a file a stage writes (:data:`WRITTEN_BY`, by file name)."""
+    path = Path(path)
+    stage = WRITTEN_BY.get(path.name)
+    return UserError(f"{path}: file not found" + (f" ({stage} writes it: run that stage first)" if stage else ""))
+
+
 def safe_torch_load(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> Any:
     """``torch.load(path, weights_only=True)`` with one-line errors.
 
@@ -351,7 +372,7 @@ def safe_torch_load(path: str | os.PathLike, map_location: str | torch.device = 
     """
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"{path}: file not found")
+        raise file_not_found(path)
     if not zipfile.is_zipfile(path):  # torch.save writes a zip archive since torch 1.6
         raise UserError(f"{path}: truncated or corrupt torch file (not a complete zip archive, or not a torch file at all)")
     try:
@@ -399,7 +420,7 @@ def read_json(path: str | os.PathLike) -> Any:
     """Read a JSON file; raise :class:`UserError` naming the file and line on bad JSON."""
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"{path}: file not found")
+        raise file_not_found(path)
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:

@@ -21,7 +21,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from eagle3.errors import UserError
-from eagle3.io import atomic_path
+from eagle3.io import atomic_path, file_not_found
 
 FILENAME = "target_head.safetensors"
 
@@ -124,7 +124,7 @@ class TargetHead:
         if path.is_dir() or path.suffix != ".safetensors":
             path = path / FILENAME
         if not path.is_file():
-            raise UserError(f"{path}: file not found")
+            raise file_not_found(path)
         try:
             from safetensors import safe_open
 

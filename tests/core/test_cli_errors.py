@@ -96,13 +96,13 @@ PER_SCRIPT = {
         ([], "outputs/r/prompts.jsonl: prompts file not found"),
     ],
     "03_prepare_data.py": [
-        ([], "outputs/r/shards"),
+        ([], "outputs/r/shards/data_config.json: file not found (02_extract_hidden.py writes it: run that stage first)"),
         (["--set", "extract.output_dir={root}/nope"], "{root}/nope"),
     ],
     "04_train.py": [
         (["--max-steps", "0"], "argument --max-steps: must be >= 1, got 0"),
         (["--engine", "trt"], "argument --engine: invalid choice: 'trt'"),
-        ([], "outputs/r/shards"),
+        ([], "outputs/r/shards/data_config.json: file not found (02_extract_hidden.py writes it: run that stage first)"),
         (["--export-only"], "outputs/r/train"),
     ],
     "05_benchmark.py": [
@@ -171,3 +171,22 @@ def test_script_entry_point_jinja_override_exits_2(tmp_path, script):
         "error: --set verifier.chat_template={% for m in messages %}{{ m.content }}{% endfor %}: value is not "
         "valid YAML (found character '%' that cannot start any token); to pass it as a string, quote it: "
         "--set \"verifier.chat_template='...'\""]
+
+
+def test_written_by_names_the_files_as_the_stages_define_them():
+    """The "run that stage first" table uses the stages' own file names, and a missing one says which stage."""
+    from eagle3.io import WRITTEN_BY, file_not_found, read_json, safe_torch_load
+    from eagle3.manifest import MANIFEST
+    from eagle3.prepare_data import SPLIT
+    from eagle3.shards import DATA_CONFIG
+    from eagle3.target_head import FILENAME
+    from eagle3.vocab import TOKEN_FREQ, VOCAB_MAP
+
+    assert WRITTEN_BY == {"prompts.jsonl": "01_prepare_prompts.py", DATA_CONFIG: "02_extract_hidden.py",
+                          MANIFEST: "02_extract_hidden.py", VOCAB_MAP: "03_prepare_data.py",
+                          TOKEN_FREQ: "03_prepare_data.py", SPLIT: "03_prepare_data.py", FILENAME: "04_train.py"}
+    assert str(file_not_found("/x/other.json")) == "/x/other.json: file not found"
+    with pytest.raises(Exception, match=r"^/nope/data/vocab_map.pt: file not found \(03_prepare_data.py writes it"):
+        safe_torch_load("/nope/data/vocab_map.pt")
+    with pytest.raises(Exception, match=r"^/nope/data/split.json: file not found \(03_prepare_data.py writes it"):
+        read_json("/nope/data/split.json")
