@@ -68,6 +68,20 @@ def _had_failures(rep: Path) -> bool:
     return bool(reg.get("failed"))
 
 
+def read_counts_text(counts: Counter) -> str:
+    """What reading the sources found, for messages: ``no records`` or ``read 3 records, skipped 3 (no
+    assistant: 2, empty content: 1)`` (the ``skipped_<reason>`` counters of :mod:`eagle3.prompts`, nonzero only)."""
+    read = counts.get("read", 0)
+    if not read:
+        return "no records"
+    reasons = [(k[len("skipped_"):].replace("_", " "), v) for k, v in sorted(counts.items())
+               if k.startswith("skipped_") and v]
+    text = f"read {read} record{'s' if read != 1 else ''}"
+    if reasons:
+        text += f", skipped {sum(v for _, v in reasons)} (" + ", ".join(f"{r}: {v}" for r, v in reasons) + ")"
+    return text
+
+
 def report_path(cfg: RunConfig) -> Path:
     """``prompts_report.json`` next to ``cfg.prompts_path``."""
     return cfg.prompts_path.parent / REPORT_NAME
@@ -204,8 +218,7 @@ def run(cfg: RunConfig, source: Optional[str] = None, fmt: Optional[str] = None,
     if not convs:
         hint = ("; prompt-only sources need prompts.regenerate: true (the verifier writes the answers)"
                 if counts.get("skipped_no_assistant") and not pc.regenerate else "")
-        raise UserError(f"prompts.source: no usable conversation in '{pc.source}' "
-                        f"(read {counts['read']}, skipped {dict((k, v) for k, v in counts.items() if k != 'read')}){hint}")
+        raise UserError(f"prompts.source: no usable conversation in '{pc.source}': {read_counts_text(counts)}{hint}")
 
     regen_stats: dict = {}
     if pc.regenerate:

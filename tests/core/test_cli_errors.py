@@ -47,6 +47,11 @@ def files(tmp_path, monkeypatch):
     as_list.write_text("- run_name: r\n- verifier: x\n")
     binary = tmp_path / "binary.yaml"
     binary.write_bytes(b"run_name: \xff\xfe\n")
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "bad-turns.jsonl").write_text(
+        '{"messages": [{"role": "user", "content": "hi"}]}\n'
+        '{"messages": [{"role": "user", "content": ""}, {"role": "assistant", "content": "x"}]}\n'
+        '{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": ""}]}\n')
     return {"good": str(good), "list": str(as_list), "binary": str(binary), "dir": str(tmp_path),
             "missing": str(tmp_path / "missing.yaml"), "root": tmp_path}
 
@@ -85,6 +90,10 @@ PER_SCRIPT = {
         (["--format", "csv"], "argument --format: invalid choice: 'csv'"),
         (["--source", "{root}/nope.jsonl"], "{root}/nope.jsonl: prompts file not found"),
         ([], "{root}/no-prompts.jsonl: prompts file not found"),
+        (["--source", "{root}/empty.jsonl"], "prompts.source: no usable conversation in '{root}/empty.jsonl': no records"),
+        (["--source", "{root}/bad-turns.jsonl"], "prompts.source: no usable conversation in '{root}/bad-turns.jsonl': "
+                                                 "read 3 records, skipped 3 (empty content: 2, no assistant: 1); "
+                                                 "prompt-only sources need prompts.regenerate: true"),
         (["--set", "prompts.server.urls=[node1:30000]"], "--set prompts.server.urls=[node1:30000]: field 'prompts.server.urls'"),
     ],
     "02_extract_hidden.py": [
