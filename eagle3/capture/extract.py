@@ -343,6 +343,52 @@ def wipe_shards_dir(root: Path) -> int:
     return len(files)
 
 
+def changed_settings(old: dict, new: dict) -> list[str]:
+    """What differs between two :func:`fingerprint` component dicts, one entry per config key:
+    ``extract.max_length: 2048 -> 4096``, ``verifier.dtype: 'bfloat16' -> 'float32'``, ``the prompts
+    file (prompts.jsonl: sha256 1a2b3c4d -> 5e6f7a8b)``. A key left out of one side (a rendering field at its
+    default, see :func:`fingerprint`) shows as ``default``; an old state file without components gives []."""
+    def flat(comp: dict) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in comp.items():
+            if k in ("verifier", "extract") and isinstance(v, dict):
+                out.update({f"{k}.{kk}": vv for kk, vv in v.items()})
+            elif k == "storage" and isinstance(v, dict):  # Storage.to_meta() names -> the extract config keys
+                names = {"storage_dtype": "storage_dtype", "scale_scheme": "fp8_scale", "scale_block_size": "fp8_block_size"}
+                out.update({f"extract.{names[kk]}": vv for kk, vv in v.items() if kk in names and vv is not None})
+            else:
+                out[k] = v
+        return out
+
+    if not old:
+        return []
+    a, b = flat(old), flat(new)
+    if "storage" in new and "storage" not in old:
+        a.setdefault("extract.storage_dtype", "bfloat16")
+    if "storage" in old and "storage" not in new:
+        b.setdefault("extract.storage_dtype", "bfloat16")
+    out = []
+    for key in sorted(set(a) | set(b)):
+        va, vb = a.get(key, "default"), b.get(key, "default")
+        if va == vb:
+            continue
+        if key == "prompts_sha256":
+            out.append(f"the prompts file (sha256 {str(va)[:8]} -> {str(vb)[:8]})")
+        elif key == "verifier_id":
+            out.append(f"the verifier id: {va!r} -> {vb!r}")
+        else:
+            fa = "default" if key not in a else _short_value(va)
+            fb = "default" if key not in b else _short_value(vb)
+            out.append(f"{key}: {fa} -> {fb}")
+    return out
+
+
+def _short_value(v: Any, limit: int = 60) -> str:
+    """``repr`` of a setting on one line, cut to ``limit`` characters (chat templates are long)."""
+    t = repr(v)
+    return t if len(t) <= limit else t[: limit - 3] + "..."
+
+
 def _check_state(root: Path, fp: str, comp: dict, overwrite: bool) -> None:
     state_path = root / STATE
     has_data = root.is_dir() and any(True for _ in _iter_stage_files(root))
@@ -354,10 +400,10 @@ def _check_state(root: Path, fp: str, comp: dict, overwrite: bool) -> None:
         old = read_json(state_path)
         if not isinstance(old, dict) or old.get("fingerprint") != fp:
             old_comp = old.get("components", {}) if isinstance(old, dict) else {}
-            diff = sorted(k for k in comp if old_comp.get(k) != comp[k]) or ["fingerprint"]
+            changed = changed_settings(old_comp, comp) or ["the settings fingerprint"]
             raise UserError(
-                f"{state_path}: key 'fingerprint': the shards in {root} were extracted with a different "
-                f"{', '.join(diff)}; re-run with --overwrite to delete them and start over"
+                f"{state_path}: the shards in {root} were extracted with other settings: changed "
+                f"{'; '.join(changed)}; re-run with --overwrite to delete them and start over"
             )
     elif has_data:
         raise UserError(

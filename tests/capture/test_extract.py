@@ -153,12 +153,30 @@ def test_resume_after_losing_shards_and_manifest_lines(tmp_path, tiny_llama_dir,
     assert read_data_config(root)["num_samples"] == 6
 
 
+def test_changed_settings_name_each_changed_key():
+    from eagle3.extract import changed_settings
+
+    old = {"verifier": {"path": "/m", "dtype": "bfloat16"}, "extract": {"max_length": 2048, "backend": "hf"},
+           "prompts_sha256": "1a2b3c4d" + "0" * 56, "verifier_id": "m"}
+    new = {"verifier": {"path": "/m", "dtype": "float32", "reply_start": "<|im_start|>assistant\n"},
+           "extract": {"max_length": 4096, "backend": "hf"}, "prompts_sha256": "5e6f7a8b" + "0" * 56, "verifier_id": "m",
+           "storage": {"storage_dtype": "float8_e4m3fn", "scale_scheme": "per_token", "scale_dtype": "float32"}}
+    assert changed_settings(old, new) == [
+        "extract.fp8_scale: default -> 'per_token'", "extract.max_length: 2048 -> 4096",
+        "extract.storage_dtype: 'bfloat16' -> 'float8_e4m3fn'", "the prompts file (sha256 1a2b3c4d -> 5e6f7a8b)",
+        "verifier.dtype: 'bfloat16' -> 'float32'", "verifier.reply_start: default -> '<|im_start|>assistant\\n'"]
+    assert changed_settings({}, new) == [] and changed_settings(new, new) == []
+
+
 def test_fingerprint_mismatch_refused_then_overwrite(tmp_path, tiny_llama_dir, tiny_backend):
     path = _config(tmp_path, tiny_llama_dir)
     _run(load_config(path), tiny_backend, limit=3)
     cfg2 = load_config(path, ["extract.max_length=40"])
-    with pytest.raises(UserError, match=f"{STATE}: key 'fingerprint'.*different extract.*--overwrite"):
+    with pytest.raises(UserError) as e:
         _run(cfg2, tiny_backend, limit=3)
+    assert str(e.value).endswith(f"{STATE}: the shards in {cfg2.shards_dir} were extracted with other settings: changed "
+                                 f"extract.max_length: {load_config(path).extract.max_length} -> 40; re-run with "
+                                 "--overwrite to delete them and start over")
     # batch_tokens is not part of the fingerprint: resuming with a smaller budget is allowed
     s = _run(load_config(path, ["extract.batch_tokens=40"]), tiny_backend, limit=3)
     assert s["written"] == 0 and s["resumed"] == 3

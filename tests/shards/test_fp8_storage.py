@@ -311,7 +311,7 @@ def test_extract_refuses_switching_storage_midway(bf16_run, tiny_llama_dir):
     bf, _ = bf16_run
     cfg = bf.model_copy(deep=True)
     cfg.extract.storage_dtype = "float8_e4m3fn"
-    with pytest.raises(UserError, match="extracted with a different storage"):
+    with pytest.raises(UserError, match="extracted with other settings: changed extract.fp8_scale: default -> .per_token.; extract.storage_dtype: .bfloat16. -> .float8_e4m3fn."):
         run(cfg)
 
 
