@@ -343,7 +343,7 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike, hasher=None, via_path: 
 
 
 # A file a later stage reads -> the stage that writes it, so that running a stage too early says what to run
-# (names as the stages define them: eagle3.shards.DATA_CONFIG, eagle3.vocab.VOCAB_MAP ...; tested).
+# (names as the stages define them: eagle3.shards.format.DATA_CONFIG, eagle3.data.vocab.VOCAB_MAP ...; tested).
 WRITTEN_BY = {
     "prompts.jsonl": "01_prepare_prompts.py",
     "data_config.json": "02_extract_hidden.py",

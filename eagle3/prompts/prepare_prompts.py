@@ -70,7 +70,7 @@ def _had_failures(rep: Path) -> bool:
 
 def read_counts_text(counts: Counter) -> str:
     """What reading the sources found, for messages: ``no records`` or ``read 3 records, skipped 3 (no
-    assistant: 2, empty content: 1)`` (the ``skipped_<reason>`` counters of :mod:`eagle3.prompts`, nonzero only)."""
+    assistant: 2, empty content: 1)`` (the ``skipped_<reason>`` counters of :mod:`eagle3.prompts.readers`, nonzero only)."""
     read = counts.get("read", 0)
     if not read:
         return "no records"

@@ -154,7 +154,7 @@ def test_resume_after_losing_shards_and_manifest_lines(tmp_path, tiny_llama_dir,
 
 
 def test_changed_settings_name_each_changed_key():
-    from eagle3.extract import changed_settings
+    from eagle3.capture.extract import changed_settings
 
     old = {"verifier": {"path": "/m", "dtype": "bfloat16"}, "extract": {"max_length": 2048, "backend": "hf"},
            "prompts_sha256": "1a2b3c4d" + "0" * 56, "verifier_id": "m"}

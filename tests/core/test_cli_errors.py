@@ -185,11 +185,11 @@ def test_script_entry_point_jinja_override_exits_2(tmp_path, script):
 def test_written_by_names_the_files_as_the_stages_define_them():
     """The "run that stage first" table uses the stages' own file names, and a missing one says which stage."""
     from eagle3.io import WRITTEN_BY, file_not_found, read_json, safe_torch_load
-    from eagle3.manifest import MANIFEST
-    from eagle3.prepare_data import SPLIT
-    from eagle3.shards import DATA_CONFIG
-    from eagle3.target_head import FILENAME
-    from eagle3.vocab import TOKEN_FREQ, VOCAB_MAP
+    from eagle3.shards.manifest import MANIFEST
+    from eagle3.data.prepare_data import SPLIT
+    from eagle3.shards.format import DATA_CONFIG
+    from eagle3.train.target_head import FILENAME
+    from eagle3.data.vocab import TOKEN_FREQ, VOCAB_MAP
 
     assert WRITTEN_BY == {"prompts.jsonl": "01_prepare_prompts.py", DATA_CONFIG: "02_extract_hidden.py",
                           MANIFEST: "02_extract_hidden.py", VOCAB_MAP: "03_prepare_data.py",
