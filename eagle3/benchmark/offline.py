@@ -183,11 +183,7 @@ def bench_prompts(
     if batch_size < 1:
         raise UserError(f"benchmark.batch_size: must be >= 1, got {batch_size}")
     order = sorted(range(len(prompts_ids)), key=lambda i: (-len(prompts_ids[i][1]), i))
-    per_prompt: list[Optional[dict]] = [None] * len(prompts_ids)
-    accepted: list[list[bool]] = []
-    g_tok = g_sec = s_tok = s_sec = d_sec = v_sec = 0.0
-    rounds = 0
-    mismatches = []
+    tally = _BenchTally(len(prompts_ids))
     t_wall = time.perf_counter()
     bar = tqdm(total=len(prompts_ids), desc=f"bench {label} (batch {batch_size})", unit="prompt", disable=not progress)
     for b0 in range(0, len(order), batch_size):
@@ -195,47 +191,68 @@ def bench_prompts(
         ids = [prompts_ids[i][1] for i in idx]
         g = greedy_generate_batch(verifier, ids, max_new_tokens, eos_ids)
         s = speculative_generate_batch(verifier, drafter, ids, aux_layers, steps, max_new_tokens, eos_ids, reference=g.tokens)
-        g_sec += g.seconds
-        s_sec += s.seconds
-        d_sec += s.draft_seconds
-        v_sec += s.verify_seconds
-        rounds += s.rounds
+        tally.add_batch(idx, prompts_ids, g, s, tie_tolerance)
+        bar.update(len(idx))
+    bar.close()
+    wall = time.perf_counter() - t_wall
+    return tally.summary(label, batch_size, steps, wall, tie_tolerance)
+
+
+class _BenchTally:
+    """Sums of :func:`bench_prompts` over its batches: tokens and seconds of both decoders, draft/verify time,
+    rounds, accepted draft tokens (emitted ones), first mismatches and one row per prompt (input order)."""
+
+    def __init__(self, n_prompts: int):
+        self.per_prompt: list[Optional[dict]] = [None] * n_prompts
+        self.accepted: list[list[bool]] = []
+        self.g_tok = self.g_sec = self.s_tok = self.s_sec = self.d_sec = self.v_sec = 0.0
+        self.rounds = 0
+        self.mismatches: list[dict] = []
+
+    def add_batch(self, idx: list[int], prompts_ids, g, s, tie_tolerance: float) -> None:
+        """Fold one batch: ``g`` greedy and ``s`` speculative results (:mod:`eagle3.benchmark.decode`) of prompts ``idx``."""
+        self.g_sec += g.seconds
+        self.s_sec += s.seconds
+        self.d_sec += s.draft_seconds
+        self.v_sec += s.verify_seconds
+        self.rounds += s.rounds
         for i, g_tokens, res in zip(idx, g.tokens, s.rows):
             pid = prompts_ids[i][0]
             diff = first_mismatch(g_tokens, res.tokens)
             if diff is not None:
                 gap = res.gap if res.mismatch == diff else None
-                mismatches.append({"id": pid, "index": diff, "gap": gap,
-                                   "near_tie": gap is not None and gap <= tie_tolerance})
-            accepted.extend(res.accepted)
-            g_tok += len(g_tokens)
-            s_tok += len(res.tokens)
-            per_prompt[i] = {
+                self.mismatches.append({"id": pid, "index": diff, "gap": gap,
+                                        "near_tie": gap is not None and gap <= tie_tolerance})
+            self.accepted.extend(res.accepted)
+            self.g_tok += len(g_tokens)
+            self.s_tok += len(res.tokens)
+            self.per_prompt[i] = {
                 "id": pid, "prompt_tokens": len(prompts_ids[i][1]), "greedy_tokens": len(g_tokens),
                 "spec_tokens": len(res.tokens), "accept_lengths": res.accept_lengths, "lossless": diff is None,
             }
-        bar.update(len(idx))
-    bar.close()
-    wall = time.perf_counter() - t_wall
-    stats = acceptance_stats(accepted, steps)
-    g_tps = g_tok / g_sec if g_sec > 0 else float("nan")
-    s_tps = s_tok / s_sec if s_sec > 0 else float("nan")
-    near = sum(1 for m in mismatches if m["near_tie"])
-    return {
-        "dataset": label,
-        "num_prompts": len(prompts_ids),
-        "batch_size": batch_size,
-        **stats,
-        "greedy_tokens": int(g_tok), "greedy_seconds": g_sec, "greedy_tokens_per_s": g_tps,
-        "spec_tokens": int(s_tok), "spec_seconds": s_sec, "spec_tokens_per_s": s_tps,
-        "speedup": s_tps / g_tps if g_sec > 0 and s_sec > 0 else float("nan"),
-        "draft_seconds": d_sec, "verify_seconds": v_sec,
-        "drafter_share": d_sec / (d_sec + v_sec) if d_sec + v_sec > 0 else float("nan"),
-        "rounds": rounds, "wall_seconds": wall,
-        "tie_tolerance": tie_tolerance,
-        "mismatches": mismatches, "near_ties": near, "failures": len(mismatches) - near,
-        "per_prompt": per_prompt,
-    }
+
+    def summary(self, label: str, batch_size: int, steps: int, wall: float, tie_tolerance: float) -> dict:
+        """The result dict of :func:`bench_prompts` (see there)."""
+        g_tok, g_sec, s_tok, s_sec, d_sec, v_sec = self.g_tok, self.g_sec, self.s_tok, self.s_sec, self.d_sec, self.v_sec
+        stats = acceptance_stats(self.accepted, steps)
+        g_tps = g_tok / g_sec if g_sec > 0 else float("nan")
+        s_tps = s_tok / s_sec if s_sec > 0 else float("nan")
+        near = sum(1 for m in self.mismatches if m["near_tie"])
+        return {
+            "dataset": label,
+            "num_prompts": len(self.per_prompt),
+            "batch_size": batch_size,
+            **stats,
+            "greedy_tokens": int(g_tok), "greedy_seconds": g_sec, "greedy_tokens_per_s": g_tps,
+            "spec_tokens": int(s_tok), "spec_seconds": s_sec, "spec_tokens_per_s": s_tps,
+            "speedup": s_tps / g_tps if g_sec > 0 and s_sec > 0 else float("nan"),
+            "draft_seconds": d_sec, "verify_seconds": v_sec,
+            "drafter_share": d_sec / (d_sec + v_sec) if d_sec + v_sec > 0 else float("nan"),
+            "rounds": self.rounds, "wall_seconds": wall,
+            "tie_tolerance": tie_tolerance,
+            "mismatches": self.mismatches, "near_ties": near, "failures": len(self.mismatches) - near,
+            "per_prompt": self.per_prompt,
+        }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -495,6 +512,29 @@ def warm_up(verifier, drafter, prompt: list[int], aux_layers: Sequence[int], ste
     speculative_generate_batch(verifier, drafter, batch, aux_layers, steps, 8, eos)
 
 
+def lossless_verdict(report: dict, tie_tolerance: float, strict: bool) -> Optional[str]:
+    """Add the lossless check's warnings to ``report["warnings"]``; return the failure line, None when every
+    difference from greedy is a near-tie (logit gap <= ``tie_tolerance``) or there is none.
+
+    The line names the count and the first failing prompt (dataset, id, token index, logit gap); without
+    ``strict`` its warning adds the reduced-precision hint.
+    """
+    bad = [(d["dataset"], m) for d in report["datasets"] for m in d["mismatches"] if not m["near_tie"]]
+    near = sum(d["near_ties"] for d in report["datasets"])
+    if near:
+        report["warnings"].append(f"{near} prompts differ from greedy at a near-tie (logit gap <= {tie_tolerance}); "
+                                  "listed in mismatches")
+    if not bad:
+        return None
+    gap = bad[0][1]["gap"]
+    msg = (f"speculative output differs from greedy beyond the tie tolerance {tie_tolerance} on {len(bad)} prompts "
+           f"(first: dataset {bad[0][0]}, prompt {bad[0][1]['id']}, token {bad[0][1]['index']}, logit gap "
+           f"{'unknown' if gap is None else f'{gap:.4g}'})")
+    report["warnings"].append(msg + ("" if strict else "; reduced precision: raise benchmark.tie_tolerance only if "
+                                                         "the gaps are rounding-sized"))
+    return msg
+
+
 def run_offline(
     cfg: RunConfig,
     verifier,
@@ -556,23 +596,12 @@ def run_offline(
         ids = [(p.id, prompt_ids(tokenizer, p.messages, chat)) for p in prompts]
         report["datasets"].append(bench_prompts(verifier, drafter, ids, aux_layers, steps, max_new_tokens, eos, label,
                                                 batch_size=batch_size, tie_tolerance=tie_tolerance))
-    bad = [(d["dataset"], m) for d in report["datasets"] for m in d["mismatches"] if not m["near_tie"]]
-    near = sum(d["near_ties"] for d in report["datasets"])
-    if near:
-        report["warnings"].append(f"{near} prompts differ from greedy at a near-tie (logit gap <= {tie_tolerance}); "
-                                  "listed in mismatches")
-    if bad:
-        gap = bad[0][1]["gap"]
-        msg = (f"speculative output differs from greedy beyond the tie tolerance {tie_tolerance} on {len(bad)} prompts "
-               f"(first: dataset {bad[0][0]}, prompt {bad[0][1]['id']}, token {bad[0][1]['index']}, logit gap "
-               f"{'unknown' if gap is None else f'{gap:.4g}'})")
-        report["warnings"].append(msg + ("" if strict else "; reduced precision: raise benchmark.tie_tolerance only if "
-                                                             "the gaps are rounding-sized"))
+    msg = lossless_verdict(report, tie_tolerance, strict)
     out = Path(out_dir or cfg.bench_dir)
     write_reports(out, report)
     for w in report["warnings"]:
         log.warning("%s", w)
-    if bad and strict:
+    if msg and strict:
         raise UserError(f"{out / 'bench.json'}: lossless check failed: {msg}")
     print(headline(report, out))
     return report

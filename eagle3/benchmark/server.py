@@ -165,6 +165,36 @@ def bench_server(url: str, prompts_ids: Sequence[tuple[str, list[int]]], max_new
         raise UserError(f"--concurrency: must be >= 1, got {concurrency}")
     info = server_info(url)
     generate(url, prompts_ids[0][1], min(8, max_new_tokens), timeout)  # warm-up
+    results, wall = _send_all(url, prompts_ids, max_new_tokens, concurrency, timeout, label, progress)
+    t = _tally_requests(prompts_ids, results)
+    tokens, verify, hist, per_req = t["tokens"], t["verify"], t["hist"], t["per_req"]
+    if t["trims"]["inconsistent"]:
+        log.warning("%s: %d requests report a draft histogram that does not match completion_tokens - 1; "
+                    "used as reported", url, t["trims"]["inconsistent"])
+    res = {
+        "url": url, "dataset": label, "server_info": info, "num_prompts": len(prompts_ids), "concurrency": concurrency,
+        "completion_tokens": tokens, "wall_seconds": wall,
+        "output_tokens_per_s": tokens / wall if wall > 0 else float("nan"),
+        "mean_request_tokens_per_s": sum(p["completion_tokens"] / p["seconds"] for p in per_req if p["seconds"] > 0) / len(per_req),
+        "speculative": verify > 0,
+    }
+    if verify > 0:
+        steps = int(info.get("speculative_num_steps") or max(1, len(hist) - 1))
+        accept_lengths = t["accept_lengths"]
+        res.update({
+            "steps": steps, "verify_steps": verify, "tau": t["verify_tokens"] / verify,
+            "sglang_accept_length": tokens / verify,
+            "mean_spec_accept_length": sum(accept_lengths) / len(accept_lengths) if accept_lengths else float("nan"),
+            "accepted_hist": hist, "reported_accepted_hist": t["raw_hist"], "histogram_trims": t["trims"],
+            **rates_from_hist(hist, steps),
+        })
+    res["per_request"] = per_req
+    return res
+
+
+def _send_all(url: str, prompts_ids: Sequence[tuple[str, list[int]]], max_new_tokens: int, concurrency: int,
+              timeout: float, label: str, progress: bool) -> tuple[list[dict], float]:
+    """Every prompt through :func:`generate`, ``concurrency`` in flight; ``(responses in prompt order, wall seconds)``."""
     results: list[Optional[dict]] = [None] * len(prompts_ids)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
@@ -174,7 +204,18 @@ def bench_server(url: str, prompts_ids: Sequence[tuple[str, list[int]]], max_new
             results[i] = fut.result()
             bar.update(1)
         bar.close()
-    wall = time.perf_counter() - t0
+    return results, time.perf_counter() - t0
+
+
+def _tally_requests(prompts_ids: Sequence[tuple[str, list[int]]], results: list[dict]) -> dict:
+    """Per-request rows and the pooled figures of the responses' ``meta_info``.
+
+    Returns:
+        dict: ``per_req`` (rows), ``tokens`` (completion tokens), ``verify`` (verify steps), ``verify_tokens``
+        (completion tokens of speculative requests minus their prefill token), ``accept_lengths``
+        (``spec_accept_length`` values), ``hist`` (emitted, :func:`emitted_histogram`), ``raw_hist`` (as
+        reported), ``trims`` (requests per :func:`emitted_histogram` status).
+    """
     per_req, hist, raw_hist = [], [], []
     tokens = verify = verify_tokens = 0
     accept_lengths = []
@@ -205,27 +246,8 @@ def bench_server(url: str, prompts_ids: Sequence[tuple[str, list[int]]], max_new
             add(raw_hist, raw)
             add(hist, emitted)
         per_req.append(row)
-    if trims["inconsistent"]:
-        log.warning("%s: %d requests report a draft histogram that does not match completion_tokens - 1; "
-                    "used as reported", url, trims["inconsistent"])
-    res = {
-        "url": url, "dataset": label, "server_info": info, "num_prompts": len(prompts_ids), "concurrency": concurrency,
-        "completion_tokens": tokens, "wall_seconds": wall,
-        "output_tokens_per_s": tokens / wall if wall > 0 else float("nan"),
-        "mean_request_tokens_per_s": sum(p["completion_tokens"] / p["seconds"] for p in per_req if p["seconds"] > 0) / len(per_req),
-        "speculative": verify > 0,
-    }
-    if verify > 0:
-        steps = int(info.get("speculative_num_steps") or max(1, len(hist) - 1))
-        res.update({
-            "steps": steps, "verify_steps": verify, "tau": verify_tokens / verify,
-            "sglang_accept_length": tokens / verify,
-            "mean_spec_accept_length": sum(accept_lengths) / len(accept_lengths) if accept_lengths else float("nan"),
-            "accepted_hist": hist, "reported_accepted_hist": raw_hist, "histogram_trims": trims,
-            **rates_from_hist(hist, steps),
-        })
-    res["per_request"] = per_req
-    return res
+    return {"per_req": per_req, "tokens": tokens, "verify": verify, "verify_tokens": verify_tokens,
+            "accept_lengths": accept_lengths, "hist": hist, "raw_hist": raw_hist, "trims": trims}
 
 
 def render_markdown(report: dict) -> str:

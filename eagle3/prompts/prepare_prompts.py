@@ -162,6 +162,10 @@ def run(cfg: RunConfig, source: Optional[str] = None, fmt: Optional[str] = None,
         limit: Optional[int] = None, force: bool = False) -> int:
     """Run stage 01 and print where the outputs are.
 
+    Steps: :func:`apply_overrides`, :func:`up_to_date` (nothing to do), :func:`select_conversations`
+    (read, normalise, dedupe, sample, limit), :func:`_regenerate` (when ``prompts.regenerate``),
+    :func:`build_report`, :func:`write_outputs`.
+
     Args:
         cfg: run config; ``cfg.prompts`` holds the settings.
         source, fmt, regenerate: override ``prompts.source``/``format``/``regenerate``.
@@ -175,6 +179,35 @@ def run(cfg: RunConfig, source: Optional[str] = None, fmt: Optional[str] = None,
         UserError: bad input (see :func:`eagle3.prompts.readers.read_conversations`), nothing left to
             write, or a verifier that cannot be loaded. No output is written in that case.
     """
+    cfg = apply_overrides(cfg, source, fmt, regenerate, limit)
+    pc = cfg.prompts
+    out, rep = cfg.prompts_path, report_path(cfg)
+    want = settings(cfg, limit)
+    if not force and up_to_date(out, rep, want):
+        print(f"prompts up to date: {out} ({rep.name} settings unchanged; use --force to redo)")
+        return 0
+
+    convs, counts, kept_by_step = select_conversations(cfg, limit)
+    regen_stats: dict = {}
+    if pc.regenerate:
+        if force:
+            partial_path(cfg).unlink(missing_ok=True)
+        convs = _regenerate(cfg, convs, want, regen_stats)
+        if not convs:
+            raise UserError(f"prompts.server.urls: every conversation failed to regenerate "
+                            f"({regen_stats.get('failed', 0)} failed; see the error lines above)")
+    report = build_report(cfg, want, counts, kept_by_step, convs, regen_stats)
+    write_outputs(cfg, convs, report, regen_stats)
+    return 0
+
+
+def apply_overrides(cfg: RunConfig, source: Optional[str], fmt: Optional[str], regenerate: Optional[bool],
+                    limit: Optional[int]) -> RunConfig:
+    """``cfg`` with the CLI's ``--source``/``--format``/``--regenerate`` applied and validated.
+
+    Raises:
+        UserError: an override the ``prompts`` schema refuses (named ``prompts.<field>``), or ``limit < 1``.
+    """
     upd = {k: v for k, v in (("source", source), ("format", fmt), ("regenerate", regenerate)) if v is not None}
     if upd:
         try:
@@ -185,18 +218,31 @@ def run(cfg: RunConfig, source: Optional[str] = None, fmt: Optional[str] = None,
         cfg = cfg.model_copy(update={"prompts": prompts_cfg})
     if limit is not None and limit < 1:
         raise UserError(f"--limit: must be >= 1, got {limit}")
-    pc = cfg.prompts
-    out, rep = cfg.prompts_path, report_path(cfg)
-    want = settings(cfg, limit)
-    if not force and out.is_file() and rep.is_file():
-        try:
-            old = json.loads(rep.read_text(encoding="utf-8")).get("settings")
-        except (json.JSONDecodeError, AttributeError):
-            old = None
-        if old == want and not _had_failures(rep):
-            print(f"prompts up to date: {out} ({rep.name} settings unchanged; use --force to redo)")
-            return 0
+    return cfg
 
+
+def up_to_date(out: Path, rep: Path, want: dict) -> bool:
+    """Both outputs exist, the report's settings equal ``want`` and no regeneration failed last time."""
+    if not (out.is_file() and rep.is_file()):
+        return False
+    try:
+        old = json.loads(rep.read_text(encoding="utf-8")).get("settings")
+    except (json.JSONDecodeError, AttributeError):
+        old = None
+    return old == want and not _had_failures(rep)
+
+
+def select_conversations(cfg: RunConfig, limit: Optional[int]) -> tuple[list[dict], Counter, dict]:
+    """Read every source (in order), dedupe, sample ``prompts.sample_size`` (seeded) and keep the first ``limit``.
+
+    Returns:
+        ``(conversations, counts, steps)``: the reader's counts (``read``, ``skipped_*``, ...) and the
+        steps' figures ``normalised``, ``deduped``, ``sampled_out``, ``limited_out``.
+
+    Raises:
+        UserError: no usable conversation left (with the reader's counts and a hint for prompt-only sources).
+    """
+    pc = cfg.prompts
     counts: Counter = Counter()
     sources = [pc.source] if isinstance(pc.source, str) else list(pc.source)
     convs = []
@@ -219,26 +265,20 @@ def run(cfg: RunConfig, source: Optional[str] = None, fmt: Optional[str] = None,
         hint = ("; prompt-only sources need prompts.regenerate: true (the verifier writes the answers)"
                 if counts.get("skipped_no_assistant") and not pc.regenerate else "")
         raise UserError(f"prompts.source: no usable conversation in '{pc.source}': {read_counts_text(counts)}{hint}")
+    steps = {"normalised": n_read_ok, "deduped": n_dup, "sampled_out": n_sampled_out, "limited_out": n_limited_out}
+    return convs, counts, steps
 
-    regen_stats: dict = {}
-    if pc.regenerate:
-        if force:
-            partial_path(cfg).unlink(missing_ok=True)
-        convs = _regenerate(cfg, convs, want, regen_stats)
-        if not convs:
-            raise UserError(f"prompts.server.urls: every conversation failed to regenerate "
-                            f"({regen_stats.get('failed', 0)} failed; see the error lines above)")
 
+def build_report(cfg: RunConfig, want: dict, counts: Counter, steps: dict, convs: list[dict], regen_stats: dict) -> dict:
+    """``prompts_report.json``'s content: the settings, the counts of every step and the regeneration figures."""
+    pc = cfg.prompts
     report = {
         "settings": want,
         "counts": {
             "read": counts["read"],
             "skipped": {k[len("skipped_"):]: v for k, v in sorted(counts.items()) if k.startswith("skipped_")},
             "dropped_leading_assistant": counts["dropped_leading_assistant"],
-            "normalised": n_read_ok,
-            "deduped": n_dup,
-            "sampled_out": n_sampled_out,
-            "limited_out": n_limited_out,
+            **steps,  # normalised, deduped, sampled_out, limited_out (this key order)
             "kept": len(convs),
             "regenerated": len(convs) if pc.regenerate else 0,
             # assistant replies whose inline <think> block became reasoning_content
@@ -253,6 +293,13 @@ def run(cfg: RunConfig, source: Optional[str] = None, fmt: Optional[str] = None,
             report["regeneration"]["sampling"] = {
                 "max_new_tokens": pc.max_new_tokens, "temperature": pc.temperature, "top_p": pc.top_p,
                 "chat_template_kwargs": dict(cfg.verifier.chat_template_kwargs), "extra_body": pc.server.extra_body}
+    return report
+
+
+def write_outputs(cfg: RunConfig, convs: list[dict], report: dict, regen_stats: dict) -> None:
+    """Write ``prompts.jsonl``, the report (JSON + Markdown), drop the resume log when nothing failed, and print."""
+    pc = cfg.prompts
+    out, rep = cfg.prompts_path, report_path(cfg)
     atomic_write_jsonl(out, convs)
     atomic_write_json(rep, report)
     atomic_write_text(rep.with_suffix(".md"), report_markdown(report))
@@ -266,4 +313,3 @@ def run(cfg: RunConfig, source: Optional[str] = None, fmt: Optional[str] = None,
     print(f"prompts: {out} ({c['kept']} conversations; read {c['read']}, skipped {sum(c['skipped'].values())}, "
           f"deduped {c['deduped']}, regenerated {c['regenerated']})")
     print(f"report:  {rep}")
-    return 0

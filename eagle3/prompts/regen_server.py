@@ -279,34 +279,13 @@ def regenerate_via_server(conversations: list[dict], tokenizer, pc: PromptsConfi
     """
     sc = pc.server
     opts = opts if opts is not None else ChatOptions()
-    if pc.regenerate_via == "sglang":
-        proto = SGLangGenerate(tokenizer, pc, opts)
-    elif pc.regenerate_via == "openai":
-        proto = OpenAIChat(tokenizer, pc, opts)
-    else:
-        raise ValueError(f"regenerate_via_server: unsupported regenerate_via {pc.regenerate_via!r}")
+    proto = _protocol(tokenizer, pc, opts)
+    check_reachable = pool is None
     if pool is None:
-        headers = {}
-        if sc.api_key_env:
-            key = os.environ.get(sc.api_key_env)
-            if not key:
-                raise UserError(f"prompts.server.api_key_env: environment variable {sc.api_key_env} is not set")
-            headers["Authorization"] = f"Bearer {key}"
-        pool = EndpointPool(sc.urls, sc.requests_per_endpoint, sc.dead_after, sc.revive_after_s, sc.give_up_after_s,
-                            headers=headers)
-        check_reachable = True
-    else:
-        check_reachable = False
+        pool = _endpoint_pool(sc)
     policy = RetryPolicy(sc.max_attempts, sc.backoff_s, sc.backoff_max_s)
     journal = ResumeLog(partial_path, settings)
-    done = journal.load(conversations)
-    resumed = len(done)
-    # tool results answer the ORIGINAL calls: such a conversation is kept as it is (eagle3.prompts.regenerate does the same)
-    passthrough = [i for i, c in enumerate(conversations)
-                   if any(m["role"] == "tool" or m.get("tool_calls") for m in c["messages"])]
-    for i in passthrough:
-        done[i] = conversations[i]
-    todo = [i for i in range(len(conversations)) if i not in done]
+    done, passthrough, todo, resumed = _plan(conversations, journal)
     st = {"answers": 0, "new_tokens": 0, "truncated": 0, "failed": 0, "failed_ids": [], "retries": 0,
           "resumed": resumed, "kept_with_tools": len(passthrough), "seconds": 0.0,
           "turns_over_context": 0, "dropped_over_context": 0}
@@ -316,96 +295,169 @@ def regenerate_via_server(conversations: list[dict], tokenizer, pc: PromptsConfi
         print(f"resuming: {resumed} of {len(conversations)} conversations already regenerated ({journal.path})")
     if todo and check_reachable:
         pool.preflight(timeout=min(sc.timeout_s, 30.0))
-    stop = threading.Event()
-    lock = threading.Lock()
-    prog = _Progress(sum(len(_user_turns(conversations[i])[1]) for i in todo))
-
-    def work(i: int) -> dict:
-        msgs, users = _user_turns(conversations[i])
-        for k, u in enumerate(users):
-            if stop.is_set():
-                raise InterruptedError
-            msgs.append({"role": "user", "content": u})
-            if max_context is not None and len(tokenizer(
-                    generation_prompt(tokenizer, msgs, opts, conversations[i].get("tools")),
-                    add_special_tokens=False)["input_ids"]) >= max_context:
-                msgs.pop()
-                prog.update(len(users) - k)
-                with lock:
-                    st["turns_over_context"] += len(users) - k
-                if k == 0:
-                    raise _OverContext(i)
-                break
-            payload, check = proto.request(msgs, conversations[i].get("tools"))
-            try:
-                ans, attempts = pool.post(proto.path, payload, sc.timeout_s, policy, check=check)
-            except RequestFailed as e:
-                prog.update(len(users) - k)
-                raise _ConversationFailed(i, k, len(users), e.attempts, str(e)) from e
-            msgs.append(ans.message())
-            with lock:
-                st["answers"] += 1
-                st["new_tokens"] += ans.new_tokens
-                st["truncated"] += int(ans.truncated)
-                st["retries"] += attempts - 1
-            prog.update(1, ans.new_tokens)
-        conv = {"id": conversations[i]["id"], "messages": msgs}
-        if conversations[i].get("tools"):
-            conv["tools"] = conversations[i]["tools"]
-        journal.append(i, conv)
-        return conv
-
+    job = _ServerJob(conversations, tokenizer, opts, proto, pool, policy, sc.timeout_s, journal, max_context, st,
+                     total_turns=sum(len(_user_turns(conversations[i])[1]) for i in todo))
     t0 = time.perf_counter()
-    journal.open()
-    # Daemon worker threads (not a ThreadPoolExecutor, whose threads the interpreter joins at exit): on
-    # Ctrl-C or an error the run ends at once instead of waiting up to timeout_s for requests in flight;
-    # what finished is in the fsynced log, what did not is redone by the next run.
-    tasks: queue.Queue = queue.Queue()
-    results: queue.Queue = queue.Queue()
-    for i in todo:
-        tasks.put(i)
-
-    def worker() -> None:
-        while not stop.is_set():
-            try:
-                i = tasks.get_nowait()
-            except queue.Empty:
-                return
-            try:
-                results.put((i, work(i), None))
-            except BaseException as e:  # noqa: BLE001 - handed to the main thread
-                results.put((i, None, e))
-
-    threads = [threading.Thread(target=worker, name=f"regen-{k}", daemon=True)
-               for k in range(min(pool.capacity, len(todo)))]
-    for t in threads:
-        t.start()
-    try:
-        for _ in range(len(todo)):
-            while True:
-                try:  # a timeout keeps the main thread responsive to Ctrl-C
-                    i, conv, err = results.get(timeout=0.5)
-                    break
-                except queue.Empty:
-                    continue
-            if err is None:
-                done[i] = conv
-            elif isinstance(err, _OverContext):
-                st["dropped_over_context"] += 1
-            elif isinstance(err, _ConversationFailed):
-                cid = conversations[i]["id"]
-                st["failed"] += 1
-                st["failed_ids"].append(cid)
-                tqdm.write(f"error: regenerate: conversation {cid!r} turn {err.turn + 1}/{err.turns} failed after "
-                           f"{err.attempts} attempt(s): {err}; counted as failed, the run goes on", file=sys.stderr)
-            else:
-                raise err
-    finally:
-        stop.set()
-        prog.close()
-        journal.close()
+    job.run(todo, done)
     st["seconds"] = time.perf_counter() - t0
     st["endpoints"] = pool.summary()
     if stats is not None:
         stats.update(st)
     return [done[i] for i in range(len(conversations)) if i in done]
+
+
+def _protocol(tokenizer, pc: PromptsConfig, opts: ChatOptions):
+    """The request builder / response checker of ``prompts.regenerate_via``."""
+    if pc.regenerate_via == "sglang":
+        return SGLangGenerate(tokenizer, pc, opts)
+    if pc.regenerate_via == "openai":
+        return OpenAIChat(tokenizer, pc, opts)
+    raise ValueError(f"regenerate_via_server: unsupported regenerate_via {pc.regenerate_via!r}")
+
+
+def _endpoint_pool(sc) -> EndpointPool:
+    """The :class:`EndpointPool` of ``prompts.server`` (bearer key from ``api_key_env`` when set).
+
+    Raises:
+        UserError: ``api_key_env`` names an unset environment variable.
+    """
+    headers = {}
+    if sc.api_key_env:
+        key = os.environ.get(sc.api_key_env)
+        if not key:
+            raise UserError(f"prompts.server.api_key_env: environment variable {sc.api_key_env} is not set")
+        headers["Authorization"] = f"Bearer {key}"
+    return EndpointPool(sc.urls, sc.requests_per_endpoint, sc.dead_after, sc.revive_after_s, sc.give_up_after_s,
+                        headers=headers)
+
+
+def _plan(conversations: list[dict], journal: ResumeLog) -> tuple[dict[int, dict], list[int], list[int], int]:
+    """``(done, passthrough, todo, resumed)``: conversations finished in the resume log (``resumed`` of them) or
+    kept as they are (tool results answer the ORIGINAL calls, as :mod:`eagle3.prompts.regenerate` does), and the
+    indices still to do.
+
+    Raises:
+        UserError: a resume log written with other settings or input (:meth:`ResumeLog.load`).
+    """
+    done = journal.load(conversations)
+    resumed = len(done)
+    passthrough = [i for i, c in enumerate(conversations)
+                   if any(m["role"] == "tool" or m.get("tool_calls") for m in c["messages"])]
+    for i in passthrough:
+        done[i] = conversations[i]
+    todo = [i for i in range(len(conversations)) if i not in done]
+    return done, passthrough, todo, resumed
+
+
+class _ServerJob:
+    """The concurrent part of :func:`regenerate_via_server`: one daemon thread per request slot of the pool,
+    each answering whole conversations turn by turn (:meth:`answer`), results collected on the calling thread
+    (:meth:`run`); ``stats`` is updated under a lock."""
+
+    def __init__(self, conversations, tokenizer, opts, proto, pool, policy, timeout_s, journal, max_context, stats,
+                 total_turns: int):
+        self.convs, self.tok, self.opts, self.proto, self.pool = conversations, tokenizer, opts, proto, pool
+        self.policy, self.timeout_s, self.journal, self.max_context, self.st = policy, timeout_s, journal, max_context, stats
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.prog = _Progress(total_turns)
+
+    def answer(self, i: int) -> dict:
+        """Regenerate conversation ``i`` (appended to the resume log when finished).
+
+        Raises:
+            _OverContext: its first prompt reaches ``max_context``.
+            _ConversationFailed: a request failed for good.
+            InterruptedError: the run is stopping.
+        """
+        conv_in, st = self.convs[i], self.st
+        msgs, users = _user_turns(conv_in)
+        for k, u in enumerate(users):
+            if self.stop.is_set():
+                raise InterruptedError
+            msgs.append({"role": "user", "content": u})
+            if self.max_context is not None and len(self.tok(
+                    generation_prompt(self.tok, msgs, self.opts, conv_in.get("tools")),
+                    add_special_tokens=False)["input_ids"]) >= self.max_context:
+                msgs.pop()
+                self.prog.update(len(users) - k)
+                with self.lock:
+                    st["turns_over_context"] += len(users) - k
+                if k == 0:
+                    raise _OverContext(i)
+                break
+            payload, check = self.proto.request(msgs, conv_in.get("tools"))
+            try:
+                ans, attempts = self.pool.post(self.proto.path, payload, self.timeout_s, self.policy, check=check)
+            except RequestFailed as e:
+                self.prog.update(len(users) - k)
+                raise _ConversationFailed(i, k, len(users), e.attempts, str(e)) from e
+            msgs.append(ans.message())
+            with self.lock:
+                st["answers"] += 1
+                st["new_tokens"] += ans.new_tokens
+                st["truncated"] += int(ans.truncated)
+                st["retries"] += attempts - 1
+            self.prog.update(1, ans.new_tokens)
+        conv = {"id": conv_in["id"], "messages": msgs}
+        if conv_in.get("tools"):
+            conv["tools"] = conv_in["tools"]
+        self.journal.append(i, conv)
+        return conv
+
+    def run(self, todo: list[int], done: dict[int, dict]) -> None:
+        """Answer every conversation of ``todo`` into ``done``; failures are counted and reported on one
+        ``error:`` line each, anything else (``UserError`` of a dead pool, Ctrl-C) ends the run."""
+        self.journal.open()
+        # Daemon worker threads (not a ThreadPoolExecutor, whose threads the interpreter joins at exit): on
+        # Ctrl-C or an error the run ends at once instead of waiting up to timeout_s for requests in flight;
+        # what finished is in the fsynced log, what did not is redone by the next run.
+        tasks: queue.Queue = queue.Queue()
+        results: queue.Queue = queue.Queue()
+        for i in todo:
+            tasks.put(i)
+
+        def worker() -> None:
+            while not self.stop.is_set():
+                try:
+                    i = tasks.get_nowait()
+                except queue.Empty:
+                    return
+                try:
+                    results.put((i, self.answer(i), None))
+                except BaseException as e:  # noqa: BLE001 - handed to the main thread
+                    results.put((i, None, e))
+
+        threads = [threading.Thread(target=worker, name=f"regen-{k}", daemon=True)
+                   for k in range(min(self.pool.capacity, len(todo)))]
+        for t in threads:
+            t.start()
+        try:
+            for _ in range(len(todo)):
+                while True:
+                    try:  # a timeout keeps the main thread responsive to Ctrl-C
+                        i, conv, err = results.get(timeout=0.5)
+                        break
+                    except queue.Empty:
+                        continue
+                if err is None:
+                    done[i] = conv
+                else:
+                    self._failed(i, err)
+        finally:
+            self.stop.set()
+            self.prog.close()
+            self.journal.close()
+
+    def _failed(self, i: int, err: BaseException) -> None:
+        """Count a conversation left out (over the context cap, or failed for good); re-raise anything else."""
+        if isinstance(err, _OverContext):
+            self.st["dropped_over_context"] += 1
+        elif isinstance(err, _ConversationFailed):
+            cid = self.convs[i]["id"]
+            self.st["failed"] += 1
+            self.st["failed_ids"].append(cid)
+            tqdm.write(f"error: regenerate: conversation {cid!r} turn {err.turn + 1}/{err.turns} failed after "
+                       f"{err.attempts} attempt(s): {err}; counted as failed, the run goes on", file=sys.stderr)
+        else:
+            raise err
