@@ -296,6 +296,10 @@ class DrafterConfig(_Strict):
         None, ge=1, description="the draft config's context; below the verifier's, 04 warns and the SGLang export is "
         "refused (SGLang will not start such a draft). No weight depends on it: --export-only re-exports with the "
         "value set here (null = the verifier's)")
+    variant: Literal["eagle3", "eagle3.1"] = Field(
+        "eagle3", description="drafter architecture: eagle3 (the paper) or eagle3.1 (an RMSNorm on each aux hidden state "
+        "before fc, and the post-norm output fed back between steps; speculators PR 610/670, TorchSpec PR 97; served by "
+        "SGLang 0.5.23 and vLLM 0.33 through the config keys fc_norm / norm_output). eagle3/model.py")
 
 
 class TrainConfig(_Strict):

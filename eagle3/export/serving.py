@@ -23,6 +23,16 @@ the other engine loads without error but captures the wrong verifier layers:
   (``draft_vocab_size`` = the verifier's vocab) has neither ``d2t`` nor ``t2d``: vLLM's loader
   refuses ``d2t`` then (:func:`writes_vocab_map`). SGLang cannot load it.
 
+EAGLE-3.1 drafters (``DrafterArgs.variant == "eagle3.1"``, eagle3/model.py) add the tensors
+``fc_norm.{0,1,2}.weight`` (same names in both engines) and the top-level config keys
+``fc_norm: true`` and ``norm_output: true``, which SGLang 0.5.23 reads from the draft config
+(``llama_eagle3.py`` ``LlamaModel.__init__``) and vLLM 0.33 copies from the speculators config
+(``speculators/algos.py`` ``update_eagle3``) into the model config its ``llama_eagle3.py`` reads.
+:data:`VARIANT_ENGINES` lists which engine serves which variant; an export for an engine not listed
+is refused (one line naming the engine). An engine release whose model code predates these keys
+would load such a folder as EAGLE-3.0 (SGLang's loader skips unknown tensors): serve 3.1 folders
+with the versions named there or newer.
+
 Both ``config.json`` also carry an ``eagle3_train`` block (:data:`CONFIG_BLOCK`: ``engine``,
 ``aux_layers_hf``, ``engine_layer_ids``, ``layer_id_convention``, the verifier architecture) that
 makes a folder used by the wrong engine, or ids edited by hand, detectable
@@ -52,7 +62,7 @@ from eagle3.errors import UserError
 from eagle3.io import atomic_write_json, disk_full_guard, read_json
 from eagle3.layers import check_aux_layers, engine_layer_ids, hf_layers_from_engine, is_deepseek_family
 from eagle3.train.draft_config import DEFAULT_EXPORT_DTYPE, check_context_length, llama_config
-from eagle3.train.model import DrafterArgs, Eagle3Drafter
+from eagle3.train.model import VARIANTS, DrafterArgs, Eagle3Drafter
 from eagle3.data.vocab import check_vocab_map
 
 log = logging.getLogger(__name__)
@@ -73,6 +83,14 @@ LAYER_KEYS = (
 )
 VOCAB_KEYS = ("d2t", "t2d")
 HEAD_KEYS = ("fc.weight", "norm.weight", "lm_head.weight") + VOCAB_KEYS
+FC_NORM_KEYS = tuple(f"fc_norm.{j}.weight" for j in range(3))
+"""The extra tensors of an ``eagle3.1`` drafter (one RMSNorm weight ``[Ht]`` per aux state), both engines."""
+VARIANT_ENGINES = {
+    "eagle3": {"sglang": "SGLang llama_eagle3.py", "vllm": "vLLM llama_eagle3.py"},
+    "eagle3.1": {"sglang": "SGLang 0.5.23 llama_eagle3.py (config keys fc_norm, norm_output)",
+                 "vllm": "vLLM 0.33 llama_eagle3.py + transformers_utils/configs/speculators/algos.py (fc_norm, norm_output)"},
+}
+"""Which engine serves which drafter variant, and the model code read to say so."""
 SGLANG_KEYS = tuple(f"midlayer.{k}" for k in LAYER_KEYS) + HEAD_KEYS
 """Tensor names of the SGLang export (``embed_tokens.weight`` optional)."""
 VLLM_KEYS = tuple(f"layers.0.{k}" for k in LAYER_KEYS) + HEAD_KEYS
@@ -85,6 +103,32 @@ VLLM_ARCH = "Eagle3Speculator"
 CONFIG_BLOCK = "eagle3_train"
 """Key of our block in an exported ``config.json`` (engine, HF aux layers, id convention)."""
 EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def required_keys(engine: str, variant: str = "eagle3") -> tuple[str, ...]:
+    """Tensor names an export for ``engine`` must hold (``embed_tokens.weight`` optional): :data:`SGLANG_KEYS`
+    or :data:`VLLM_KEYS`, plus :data:`FC_NORM_KEYS` for ``eagle3.1``."""
+    base = SGLANG_KEYS if engine == "sglang" else VLLM_KEYS
+    return base + (FC_NORM_KEYS if variant == "eagle3.1" else ())
+
+
+def check_engine_serves(engine: str, variant: str) -> None:
+    """Refuse an export of a drafter ``variant`` for an ``engine`` that cannot serve it (:data:`VARIANT_ENGINES`).
+
+    Raises:
+        UserError: one line naming the engine and the variant.
+    """
+    if variant not in VARIANT_ENGINES:
+        raise UserError(f"drafter variant '{variant}': unknown (expected one of {', '.join(VARIANTS)})")
+    serving = VARIANT_ENGINES[variant]
+    if engine not in serving:
+        raise UserError(f"export.engine: {engine} cannot serve an {variant} drafter (its EAGLE-3 model code has no "
+                        f"{variant} layers); export for {' or '.join(sorted(serving))}, or train with drafter.variant: eagle3")
+
+
+def _variant_keys(variant: str) -> dict:
+    """The draft-config keys both engines read for ``variant`` (none for ``eagle3``: folders stay as before)."""
+    return {"fc_norm": True, "norm_output": True} if variant == "eagle3.1" else {}
 
 
 def export_dtype(name: str | torch.dtype, verifier_dtype: str = "bfloat16") -> torch.dtype:
@@ -219,7 +263,8 @@ def export_drafter(
         The folder path.
 
     Raises:
-        UserError: unknown engine or dtype, missing ``verifier_info`` field, aux layers invalid
+        UserError: unknown engine or dtype, an engine that cannot serve the drafter's variant
+            (:func:`check_engine_serves`), missing ``verifier_info`` field, aux layers invalid
             for the verifier, a broken shape contract (:func:`check_export_contract`), a draft
             context SGLang refuses (:func:`check_context_length`), or a required tensor missing.
     """
@@ -227,6 +272,7 @@ def export_drafter(
 
     if engine not in ("sglang", "vllm"):
         raise UserError(f"export.engine: unknown engine '{engine}' (expected sglang or vllm)")
+    check_engine_serves(engine, drafter.args.variant)
     out_dtype = export_dtype(dtype)
     if engine == "sglang" and out_dtype == torch.float32:
         log.warning("export.dtype float32 for SGLang: its --dtype auto serves a float32 draft config as float16 "
@@ -243,7 +289,7 @@ def export_drafter(
     ids = engine_layer_ids(aux, engine, arch)
 
     sd = drafter.state_dict()
-    required = SGLANG_KEYS if engine == "sglang" else VLLM_KEYS
+    required = required_keys(engine, a.variant)
     if not writes_vocab_map(engine, a.draft_vocab_size, a.target_vocab_size):
         required = tuple(k for k in required if k not in VOCAB_KEYS)  # full vocab: vLLM refuses d2t
     tensors: dict[str, torch.Tensor] = {}
@@ -269,6 +315,7 @@ def export_drafter(
         "layer_id_convention": layer_id_convention(engine, arch),
         "verifier_architecture": arch,
         "verifier_num_layers": int(verifier_info["num_layers"]),
+        "variant": a.variant,
     }
     if engine == "sglang":
         config = {
@@ -277,6 +324,7 @@ def export_drafter(
             "draft_vocab_size": a.draft_vocab_size,
             "target_hidden_size": a.target_hidden_size,
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
+            **_variant_keys(a.variant),
             CONFIG_BLOCK: block,
         }
     else:
@@ -288,6 +336,7 @@ def export_drafter(
             "draft_vocab_size": a.draft_vocab_size,
             "target_hidden_size": a.target_hidden_size,
             "norm_before_residual": False,
+            **_variant_keys(a.variant),
             "eagle_aux_hidden_state_layer_ids": ids,
             "speculators_config": {
                 "algorithm": "eagle3",
@@ -310,6 +359,7 @@ def export_drafter(
         "verifier": {f: verifier_info[f] for f in VERIFIER_FIELDS},
         "drafter_args": a.to_json(),
         "include_embeddings": bool(include_embeddings),
+        "variant": a.variant,
         "dtype": llama["torch_dtype"],
         "weights": WEIGHTS_FILE,
     }
@@ -402,6 +452,7 @@ def _args_from_config(cfg: dict, path: Path) -> tuple[str, DrafterArgs]:
         src["target_hidden_size"] = cfg.get("target_hidden_size") or cfg.get("hidden_size")
     else:
         raise UserError(f"{path}: key 'architectures' is {archs}; expected [{SGLANG_ARCH!r}] or [{VLLM_ARCH!r}]")
+    variant = _config_variant(cfg, path)
     if int(src.get("num_hidden_layers", 1)) != 1:
         raise UserError(f"{path}: key 'num_hidden_layers' must be 1, got {src.get('num_hidden_layers')}")
     heads = _need(src, "num_attention_heads", path)
@@ -419,8 +470,31 @@ def _args_from_config(cfg: dict, path: Path) -> tuple[str, DrafterArgs]:
         target_vocab_size=_need(src, "vocab_size", path),
         target_hidden_size=src["target_hidden_size"],
         rope_scaling=src.get("rope_scaling"),
+        variant=variant,
     )
     return engine, args
+
+
+def _config_variant(cfg: dict, path: Path) -> str:
+    """The drafter variant a ``config.json`` makes the engines build (the keys SGLang 0.5.23 / vLLM 0.33 read).
+
+    ``fc_norm`` (or SGLang's legacy ``use_aux_norm``) and ``norm_output`` both true = ``eagle3.1``, both
+    false/absent = ``eagle3``.
+
+    Raises:
+        UserError: ``norm_before_fc`` (one norm over the concatenated aux states, not implemented here) or
+            only one of the two EAGLE-3.1 keys set (neither variant), naming the file and key.
+    """
+    ec = cfg.get("eagle_config") if isinstance(cfg.get("eagle_config"), dict) else {}
+    if cfg.get("norm_before_fc") or ec.get("norm_before_fc"):
+        raise UserError(f"{path}: key 'norm_before_fc' is true (one RMSNorm over the concatenated aux states); this "
+                        f"project implements eagle3 and eagle3.1 (fc_norm: one norm per aux state) only")
+    fc_norm = bool(cfg.get("fc_norm") or cfg.get("use_aux_norm"))
+    norm_output = bool(cfg.get("norm_output"))
+    if fc_norm != norm_output:
+        raise UserError(f"{path}: keys 'fc_norm' ({fc_norm}) and 'norm_output' ({norm_output}) differ; eagle3 has both "
+                        f"false, eagle3.1 both true, and this project implements only those two")
+    return "eagle3.1" if fc_norm else "eagle3"
 
 
 def _config_layer_ids(cfg: dict, engine: str, path: Path) -> Optional[list[int]]:
@@ -574,13 +648,14 @@ def load_exported(path: str | os.PathLike, embed_weight: Optional[torch.Tensor] 
     if full_vocab and "d2t" not in tensors and "t2d" not in tensors:
         tensors["d2t"] = torch.zeros(args.draft_vocab_size, dtype=torch.int64)  # identity map, as both engines use it
         tensors["t2d"] = torch.ones(args.target_vocab_size, dtype=torch.bool)
-    for key in SGLANG_KEYS:
+    want = required_keys("sglang", args.variant)
+    for key in want:
         if key not in tensors:
             shown = key.replace("midlayer.", "layers.0.", 1) if engine == "vllm" else key
             why = (f" (draft_vocab_size {args.draft_vocab_size} < vocab_size {args.target_vocab_size}: without it the "
                    f"engine takes every draft id for the target id of the same number)" if key == "d2t" else "")
             raise UserError(f"{wpath}: missing required tensor '{shown}'{why}")
-    extra = sorted(set(tensors) - set(SGLANG_KEYS) - {EMBED_KEY})
+    extra = sorted(set(tensors) - set(want) - {EMBED_KEY})
     if extra:
         raise UserError(f"{wpath}: unexpected tensor '{extra[0]}'")
     drafter = Eagle3Drafter(args)

@@ -141,6 +141,8 @@ def check_drafter_args(path: str | os.PathLike, saved: dict, current: dict) -> N
         UserError: naming the checkpoint and the first differing field, e.g.
             ``step_00000010.pt: drafter field 'hidden_size' is 64 in the checkpoint but 32 now``.
     """
+    if "variant" in current:  # a checkpoint written before DrafterArgs.variant existed holds an eagle3 drafter
+        saved = {"variant": "eagle3", **saved}
     for key in sorted(set(saved) | set(current)):
         a, b = saved.get(key, "<absent>"), current.get(key, "<absent>")
         if isinstance(a, float) or isinstance(b, float):

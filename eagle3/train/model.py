@@ -9,6 +9,19 @@ residual (``norm_before_residual = false`` in vLLM speculators terms), then
 both the next TTT step's / draft step's hidden input and, through ``norm`` and ``lm_head``
 (``H -> draft_V``), the draft logits. ``embed_tokens`` is the verifier's, frozen.
 
+Variants (:data:`VARIANTS`, ``DrafterArgs.variant``, config ``drafter.variant``):
+
+- ``eagle3``: as above (EAGLE-3 paper; SafeAILab ``cnets.py``: ``lm_head`` reads the normed state,
+  the next step the un-normed one).
+- ``eagle3.1``: two changes, as speculators (PR 610 ``norm_output``, PR 670 ``fc_norm``), TorchSpec
+  PR 97 ("post-norm architecture", arXiv 2605.09992) and the engines define them:
+  ``fc_norm`` = one RMSNorm per aux state (``fc_norm.{0,1,2}``, width ``Ht``) applied to each chunk
+  before ``fc``: ``fc(cat(n0(aux1), n1(aux2), n2(aux3)))``; ``norm_output`` = the step output is
+  ``norm(midlayer(...))``, fed back as the next step's hidden AND read by ``lm_head`` directly (no
+  second norm). SGLang 0.5.23 ``llama_eagle3.py`` (config keys ``fc_norm``, ``norm_output``) and
+  vLLM 0.33 ``llama_eagle3.py`` + ``speculators/algos.py`` (the same keys) serve it; a single norm
+  over the whole concatenation (speculators' ``norm_before_fc``) is not this variant.
+
 Parameter names equal the SGLang / SpecForge checkpoint keys (FIELD-NOTES section 4), so
 ``state_dict()`` minus ``embed_tokens.weight`` is the SGLang export.
 """
@@ -29,6 +42,9 @@ from eagle3.sdpa import resolve_attn_impl
 from eagle3.errors import UserError
 from eagle3.data.vocab import check_vocab_map
 
+VARIANTS = ("eagle3", "eagle3.1")
+"""Drafter architectures (module docstring): ``eagle3`` (paper) and ``eagle3.1`` (fc_norm + norm_output)."""
+
 
 @dataclass
 class DrafterArgs:
@@ -37,6 +53,8 @@ class DrafterArgs:
     ``hidden_size`` H must equal the verifier's embedding width (the frozen ``embed_tokens`` is the
     verifier's); ``target_hidden_size`` Ht is the width of each aux state (``fc``: ``3Ht -> H``).
     ``rope_scaling``: HF dict (``rope_type`` default/linear/llama3) or ``None``.
+    ``variant``: one of :data:`VARIANTS` (module docstring); absent in checkpoints and exports
+    written before it existed, which are ``eagle3``.
     """
 
     hidden_size: int
@@ -51,10 +69,13 @@ class DrafterArgs:
     target_vocab_size: int
     target_hidden_size: int
     rope_scaling: Optional[dict] = None
+    variant: str = "eagle3"
 
     def __post_init__(self):
+        if self.variant not in VARIANTS:
+            raise UserError(f"drafter field 'variant' must be one of {', '.join(VARIANTS)}, got {self.variant!r}")
         for f in fields(self):
-            if f.name in ("rope_scaling",):
+            if f.name in ("rope_scaling", "variant"):
                 continue
             v = getattr(self, f.name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
@@ -89,10 +110,20 @@ class DrafterArgs:
         unknown = sorted(set(obj) - names)
         if unknown:
             raise UserError(f"{source}: unknown drafter field '{unknown[0]}'")
-        missing = [f.name for f in fields(cls) if f.name not in obj and f.name != "rope_scaling"]
+        missing = [f.name for f in fields(cls) if f.name not in obj and f.name not in ("rope_scaling", "variant")]
         if missing:
             raise UserError(f"{source}: missing drafter field '{missing[0]}'")
         return cls(**obj)
+
+    @property
+    def fc_norm(self) -> bool:
+        """EAGLE-3.1: one RMSNorm per aux state before ``fc`` (engine config key ``fc_norm``)."""
+        return self.variant == "eagle3.1"
+
+    @property
+    def norm_output(self) -> bool:
+        """EAGLE-3.1: the step output is the post-final-norm state (engine config key ``norm_output``)."""
+        return self.variant == "eagle3.1"
 
     @classmethod
     def from_hf_config(cls, cfg: Any, draft_vocab_size: int, **overrides) -> "DrafterArgs":
@@ -126,7 +157,7 @@ class DrafterArgs:
             rope_scaling=dict(rs) if rs else None,
         )
         vals.update({k: v for k, v in overrides.items() if v is not None})
-        missing = [k for k, v in vals.items() if v is None and k != "rope_scaling"]
+        missing = [k for k, v in vals.items() if v is None and k not in ("rope_scaling", "variant")]
         if missing:
             raise UserError(f"verifier config: cannot derive drafter field '{missing[0]}'; set drafter.{missing[0]}")
         return cls(**vals)
@@ -294,7 +325,10 @@ class Eagle3Drafter(nn.Module):
     """EAGLE-3 drafter with SGLang-compatible parameter names.
 
     Submodules: ``embed_tokens`` (frozen, ``[target_V, H]``), ``fc`` (``3Ht -> H``), ``midlayer``,
-    ``norm``, ``lm_head`` (``H -> draft_V``). Buffers: ``d2t`` int64 ``[draft_V]`` (offset table,
+    ``norm``, ``lm_head`` (``H -> draft_V``), and for ``eagle3.1`` ``fc_norm`` (3 RMSNorms of width
+    ``Ht``, keys ``fc_norm.{0,1,2}.weight`` as in SGLang/vLLM). "Step output" below is what a
+    step feeds to the next one and to :meth:`compute_logits`: the midlayer output (``eagle3``) or
+    ``norm`` of it (``eagle3.1``, ``norm_output``). Buffers: ``d2t`` int64 ``[draft_V]`` (offset table,
     ``target = draft + d2t[draft]``), ``t2d`` bool ``[target_V]`` (FIELD-NOTES section 3).
     Initialisation: linear weights ``N(0, 0.02)`` (HF ``initializer_range``), norms 1, identity
     vocab map (``d2t = 0``, ``t2d[:draft_V] = True``) until :meth:`set_vocab_map`.
@@ -307,6 +341,8 @@ class Eagle3Drafter(nn.Module):
         self.embed_tokens = nn.Embedding(a.target_vocab_size, a.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
         self.fc = nn.Linear(3 * a.target_hidden_size, a.hidden_size, bias=False)
+        if a.fc_norm:
+            self.fc_norm = nn.ModuleList([RMSNorm(a.target_hidden_size, a.rms_norm_eps) for _ in range(3)])
         self.midlayer = Eagle3DecoderLayer(a)
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.lm_head = nn.Linear(a.hidden_size, a.draft_vocab_size, bias=False)
@@ -355,14 +391,25 @@ class Eagle3Drafter(nn.Module):
 
     # ---- building blocks ---------------------------------------------------------------------
     def project(self, aux: torch.Tensor) -> torch.Tensor:
-        """``fc``: aux features ``[..., 3Ht]`` -> ``[..., H]`` (cast to ``fc``'s dtype unless autocast is on)."""
+        """``fc``: aux features ``[..., 3Ht]`` -> ``[..., H]`` (cast to ``fc``'s dtype unless autocast is on).
+
+        ``eagle3.1``: each ``Ht`` chunk (aux1, aux2, aux3) is first normed by its own ``fc_norm[j]``
+        (SGLang/vLLM ``combine_hidden_states``: ``chunk(3)``, norm, ``cat``)."""
         if not torch.is_autocast_enabled(aux.device.type):
             aux = aux.to(self.fc.weight.dtype)
+        if self.args.fc_norm:
+            chunks = aux.chunk(3, dim=-1)  # 3 x [..., Ht]
+            aux = torch.cat([n(c) for n, c in zip(self.fc_norm, chunks)], dim=-1)  # [..., 3Ht]
         return self.fc(aux)
 
+    def step_output(self, h: torch.Tensor) -> torch.Tensor:
+        """The step output of a midlayer output ``h`` ``[..., H]``: ``h`` (``eagle3``) or ``norm(h)`` (``eagle3.1``)."""
+        return self.norm(h) if self.args.norm_output else h
+
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Draft logits ``lm_head(norm(h))``: ``[..., H]`` -> ``[..., draft_V]`` (draft-vocab ids)."""
-        return self.lm_head(self.norm(h))
+        """Draft logits of a step output ``[..., H]`` -> ``[..., draft_V]`` (draft-vocab ids):
+        ``lm_head(norm(h))`` (``eagle3``), ``lm_head(h)`` (``eagle3.1``: ``h`` is already normed)."""
+        return self.lm_head(h if self.args.norm_output else self.norm(h))
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Map draft ids (any shape, int64) to verifier ids: ``draft + d2t[draft]``."""
@@ -389,7 +436,8 @@ class Eagle3Drafter(nn.Module):
             attn_impl: ``auto`` (= ``sdpa``), ``sdpa`` (fast) or ``eager`` (reference).
 
         Returns:
-            ``ttt_length`` tensors ``[B, L, H]``: each step's midlayer output (pre final norm).
+            ``ttt_length`` tensors ``[B, L, H]``: each step's output (the midlayer output, pre final
+            norm; ``eagle3.1``: after the final norm), fed to the next step and to :meth:`compute_logits`.
 
         Raises:
             UserError: bad ``attn_impl`` or ``ttt_length`` < 1.
@@ -413,7 +461,7 @@ class Eagle3Drafter(nn.Module):
             keys.append(k)
             values.append(v)
             o = ttt_attention(q, keys, values, attn.scale, impl)  # [B, nh, L, hd]
-            hidden = self.midlayer.finish(o, hidden)  # [B, L, H]
+            hidden = self.step_output(self.midlayer.finish(o, hidden))  # [B, L, H]
             outs.append(hidden)
         return outs
 
@@ -438,7 +486,8 @@ class Eagle3Drafter(nn.Module):
                 queries; their own outputs are meaningless.
 
         Returns:
-            ``[B, T, H]`` midlayer outputs (feed to :meth:`compute_logits` or back as ``hidden``).
+            ``[B, T, H]`` step outputs (midlayer outputs; ``eagle3.1``: normed), fed to
+            :meth:`compute_logits` or back as ``hidden``.
         """
         attn = self.midlayer.self_attn
         past = cache.length
@@ -448,4 +497,4 @@ class Eagle3Drafter(nn.Module):
         q, k, v = self.midlayer.qkv(emb, hidden, cos, sin)  # [B, nh, T, hd], [B, kvh, T, hd] x2
         k_all, v_all = cache.append(0, k, v, valid)  # [B, kvh, past+T, hd]
         o = cached_attention(q, k_all, v_all, past, attn.scale, mask=cache.attention_mask(T))  # [B, nh, T, hd]
-        return self.midlayer.finish(o, hidden)  # [B, T, H]
+        return self.step_output(self.midlayer.finish(o, hidden))  # [B, T, H]

@@ -177,7 +177,7 @@ def build_drafter_args(cfg: RunConfig, data_config: dict, vocab: dict):
     fixed = dict(draft_vocab_size=int(vocab["draft_vocab_size"]), target_vocab_size=int(vocab["target_vocab_size"]),
                  target_hidden_size=int(data_config["hidden_size"]))
     if all(v is not None for v in given.values()):
-        return warn_short_context(cfg, DrafterArgs(**given, **fixed))
+        return warn_short_context(cfg, DrafterArgs(**given, **fixed, variant=cfg.drafter.variant))
     from eagle3.verifier import load_verifier_config, text_config, verifier_dims
 
     hf = load_verifier_config(cfg.verifier)
@@ -190,7 +190,8 @@ def build_drafter_args(cfg: RunConfig, data_config: dict, vocab: dict):
         else:
             over["head_dim"] = dims["head_dim"]
     return warn_short_context(cfg, DrafterArgs.from_hf_config(text_config(hf), fixed["draft_vocab_size"], **over,
-                                      **{k: v for k, v in fixed.items() if k != "draft_vocab_size"}))
+                                      **{k: v for k, v in fixed.items() if k != "draft_vocab_size"},
+                                      variant=cfg.drafter.variant))
 
 
 def warn_short_context(cfg: RunConfig, args):
