@@ -307,6 +307,12 @@ class TrainConfig(_Strict):
 
     ttt_length: int = Field(7, ge=1)
     step_weight: float = Field(0.8, gt=0, description="loss weight of TTT step i is step_weight**i")
+    loss: Literal["soft_ce", "hard_ce", "tv", "lk_hybrid"] = Field(
+        "soft_ce", description="per-token loss against the verifier (eagle3/ttt.py token_loss): soft_ce = cross-entropy "
+        "to its distribution over the draft vocab (EAGLE-3); hard_ce = cross-entropy to its argmax; tv = 1 - alpha, "
+        "alpha = sum_v min(p_v, q_v) (acceptance probability); lk_hybrid = lam*KL + (1-lam)*(1-alpha), "
+        "lam = exp(-lk_eta*alpha) per token (arXiv 2602.23881). Token means over the optimizer step as for soft_ce")
+    lk_eta: float = Field(3.0, gt=0, description="eta of train.loss: lk_hybrid (3 = the LK paper's and speculators' default)")
     lr: float = Field(1e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     warmup_ratio: float = Field(0.02, ge=0, le=1)

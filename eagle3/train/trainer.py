@@ -291,12 +291,15 @@ class TTTObjective(nn.Module):
             storing them (``ttt_loss(checkpoint=True)``); used on GPU, where memory binds.
     """
 
-    def __init__(self, drafter: nn.Module, ttt_length: int, step_weight: float, checkpoint_logits: bool = False):
+    def __init__(self, drafter: nn.Module, ttt_length: int, step_weight: float, checkpoint_logits: bool = False,
+                 loss: str = "soft_ce", lk_eta: float = 3.0):
         super().__init__()
         self.drafter = drafter
         self.ttt_length = ttt_length
         self.step_weight = step_weight
         self.checkpoint_logits = checkpoint_logits
+        self.loss = loss
+        self.lk_eta = lk_eta
 
     def forward(self, input_ids, aux, target_logp, in_draft, target_argmax, loss_mask=None, denom=None, loss_pos=None):
         from eagle3.train.ttt import TTTTargets, ttt_loss
@@ -306,9 +309,11 @@ class TTTObjective(nn.Module):
             from eagle3.train.ttt_rows import ttt_loss_rows
 
             return ttt_loss_rows(self.drafter, step_hiddens, TTTTargets(target_logp, in_draft, target_argmax), loss_pos,
-                                 step_weight=self.step_weight, checkpoint=self.checkpoint_logits, denom=denom)
+                                 step_weight=self.step_weight, checkpoint=self.checkpoint_logits, denom=denom,
+                                 loss=self.loss, lk_eta=self.lk_eta)
         return ttt_loss(self.drafter, step_hiddens, TTTTargets(target_logp, in_draft, target_argmax), loss_mask,
-                        step_weight=self.step_weight, checkpoint=self.checkpoint_logits, denom=denom)
+                        step_weight=self.step_weight, checkpoint=self.checkpoint_logits, denom=denom, loss=self.loss,
+                        lk_eta=self.lk_eta)
 
 
 def backward_step(model: nn.Module, batches: list[dict], targets: list, ttt_length: int, d: DistInfo,
@@ -602,6 +607,8 @@ def _fingerprint(cfg: RunConfig, args) -> str:
     t = cfg.train
     keep = {k: getattr(t, k) for k in ("ttt_length", "step_weight", "lr", "weight_decay", "warmup_ratio", "epochs",
                                           "batch_size", "grad_accum", "grad_clip", "seed")}
+    if t.loss != "soft_ce":  # recorded only when set, so that fingerprints of earlier runs stay what they were
+        keep.update(loss=t.loss, lk_eta=t.lk_eta)
     return ckpt.config_fingerprint({"train": keep, "drafter": dataclasses.asdict(args),
                                     "max_length": cfg.extract.max_length})
 
@@ -707,7 +714,8 @@ def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: O
     if t.compile and ckpt_logits:
         raise UserError("train.checkpoint_logits: 'on' cannot be combined with train.compile: true (torch.compile "
                         "fails on the checkpointed loss); use 'auto' or 'off'")
-    objective = TTTObjective(drafter, t.ttt_length, t.step_weight, checkpoint_logits=ckpt_logits)
+    objective = TTTObjective(drafter, t.ttt_length, t.step_weight, checkpoint_logits=ckpt_logits, loss=t.loss,
+                             lk_eta=t.lk_eta)
     model = objective
     if d.distributed:
         from torch.nn.parallel import DistributedDataParallel as DDP

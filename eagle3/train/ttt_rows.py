@@ -21,16 +21,21 @@ order), so loss, gradients and metrics agree within float tolerance (tests/test_
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
-from eagle3.train.ttt import TTTTargets, compute_targets, step_metrics
+from eagle3.train.ttt import LK_ETA, TTTTargets, compute_targets, draft_index, step_metrics
+
+log = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------------------------------------
-# soft-label cross-entropy with a hand-written backward (few passes over [M, draft_V])
+# per-row losses with hand-written backwards (few passes over [M, draft_V]; eagle3.ttt.token_loss
+# is the autograd reference they are tested against)
 # ---------------------------------------------------------------------------------------------
 def _soft_ce_fwd(logits: torch.Tensor, tgt_logp: torch.Tensor):
     """``ce = sum_j p_j (lse - x_j)`` with ``p = exp(tgt_logp)``, ``x`` = logits in float32; also ``lse``,
@@ -50,44 +55,139 @@ def _soft_ce_bwd(logits: torch.Tensor, tgt_logp: torch.Tensor, lse: torch.Tensor
     return (grad * g[:, None]).to(logits.dtype)
 
 
+def _hard_ce_fwd(logits: torch.Tensor, y: torch.Tensor):
+    """``ce = lse - x_y`` ``[M]``, ``lse`` ``[M]``, argmax ``[M]``; ``y`` int64 ``[M]`` draft ids."""
+    x = logits.float()  # [M, V]
+    lse = torch.logsumexp(x, dim=-1)  # [M]
+    return lse - x.gather(1, y[:, None]).squeeze(1), lse, x.argmax(-1)
+
+
+def _hard_ce_bwd(logits: torch.Tensor, y: torch.Tensor, lse: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``d ce / d x_j = softmax_j(x) - [j == y]``, times ``g`` ``[M]``."""
+    q = torch.exp(logits.float() - lse[:, None])  # [M, V]
+    grad = q - F.one_hot(y, q.shape[1]).to(q.dtype)  # [M, V]
+    return (grad * g[:, None]).to(logits.dtype)
+
+
+def _overlap_fwd(logits: torch.Tensor, tgt_logp: torch.Tensor, lk: bool, eta: float):
+    """``tv``: ``1 - alpha``; ``lk``: ``lam * KL(p||q) + (1 - lam)(1 - alpha)``, ``lam = exp(-eta alpha)``
+    (:func:`eagle3.ttt.token_loss`). Returns the loss, ``lse``, ``psum``, ``lam`` (zeros for ``tv``), argmax, all ``[M]``."""
+    x = logits.float()  # [M, V]
+    lse = torch.logsumexp(x, dim=-1)  # [M]
+    logq = x - lse[:, None]  # [M, V]
+    p = tgt_logp.exp()  # [M, V]
+    alpha = torch.minimum(p, logq.exp()).sum(-1)  # [M]
+    psum = p.sum(-1)  # [M]
+    if not lk:
+        return 1.0 - alpha, lse, psum, torch.zeros_like(alpha), x.argmax(-1)
+    kl = (p * (tgt_logp - logq)).sum(-1)  # [M]
+    lam = torch.exp(-eta * alpha)  # [M] (a constant for the backward: stop-gradient)
+    return lam * kl + (1.0 - lam) * (1.0 - alpha), lse, psum, lam, x.argmax(-1)
+
+
+def _overlap_bwd(logits: torch.Tensor, tgt_logp: torch.Tensor, lse: torch.Tensor, psum: torch.Tensor,
+                 lam: torch.Tensor, g: torch.Tensor, lk: bool) -> torch.Tensor:
+    """Gradient of :func:`_overlap_fwd`'s loss in ``x``, times ``g`` ``[M]``.
+
+    ``d(1 - alpha)/dx_j = q_j (a - 1[q_j < p_j])`` with ``a = sum_v q_v 1[q_v < p_v]`` (``d alpha / d q_v =
+    1[q_v < p_v]``, through the softmax Jacobian); ``d KL / dx_j = q_j sum(p) - p_j``."""
+    q = torch.exp(logits.float() - lse[:, None])  # [M, V]
+    p = tgt_logp.exp()  # [M, V]
+    below = (q < p).to(q.dtype)  # [M, V]
+    a = (q * below).sum(-1, keepdim=True)  # [M, 1]
+    grad = q * (a - below)  # [M, V] d TV / dx
+    if lk:
+        grad = lam[:, None] * (q * psum[:, None] - p) + (1.0 - lam[:, None]) * grad
+    return (grad * g[:, None]).to(logits.dtype)
+
+
 _COMPILED: dict = {}
 
 
-def _kernels(device: torch.device):
-    """The two functions above, ``torch.compile``-d (dynamic M) on CUDA so each is one or two fused
-    kernels; plain eager on CPU (and when compiling is unavailable)."""
+def _kernel(fn, device: torch.device):
+    """``fn`` ``torch.compile``-d (dynamic M) on CUDA so it becomes one or two fused kernels; plain eager on
+    CPU. A compile failure (no inductor backend, a dynamo error at the first call) falls back to eager once
+    and for good: the functions are pure, so the eager result is the same."""
     if device.type != "cuda":
-        return _soft_ce_fwd, _soft_ce_bwd
-    if "fns" not in _COMPILED:
+        return fn
+    if fn not in _COMPILED:
         try:
-            _COMPILED["fns"] = (torch.compile(_soft_ce_fwd, dynamic=True), torch.compile(_soft_ce_bwd, dynamic=True))
+            compiled = torch.compile(fn, dynamic=True)
         except Exception:  # noqa: BLE001 - no inductor backend: eager is correct, only slower
-            _COMPILED["fns"] = (_soft_ce_fwd, _soft_ce_bwd)
-    return _COMPILED["fns"]
+            compiled = fn
+
+        def call(*args, _c=compiled, _fn=fn):
+            if _COMPILED.get(("failed", _fn)):
+                return _fn(*args)
+            try:
+                return _c(*args)
+            except Exception as e:  # noqa: BLE001
+                log.warning("torch.compile of %s failed (%s); using eager", _fn.__name__, str(e).splitlines()[0][:200])
+                _COMPILED[("failed", _fn)] = True
+                return _fn(*args)
+
+        _COMPILED[fn] = call
+    return _COMPILED[fn]
 
 
-class _SoftCE(torch.autograd.Function):
-    """Soft-label CE of draft logits against the verifier's draft-vocab log-probs, per row.
+class _RowLoss(torch.autograd.Function):
+    """A per-row loss of draft logits against the verifier targets (``kind`` in :data:`eagle3.ttt.LOSSES`).
 
-    Saves only the logits (bf16 under autocast) and the ``[M]`` statistics, instead of autograd's
-    float32 copies, log-softmax and products (``[M, V]`` each, for every TTT step).
+    Saves only the logits (bf16 under autocast), the targets already alive and ``[M]`` statistics, instead
+    of autograd's float32 copies, softmaxes and products (``[M, V]`` each, for every TTT step).
     """
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, tgt_logp: torch.Tensor):
-        fwd, _ = _kernels(logits.device)
-        with torch.autocast(device_type=logits.device.type, enabled=False):  # float32 math as written
-            ce, lse, psum, pred = fwd(logits, tgt_logp)
-        ctx.save_for_backward(logits, tgt_logp, lse, psum)
+    def forward(ctx, logits: torch.Tensor, tgt_logp: torch.Tensor, y: Optional[torch.Tensor], kind: str, eta: float):
+        dev = logits.device
+        ctx.kind = kind
+        with torch.autocast(device_type=dev.type, enabled=False):  # float32 math as written
+            if kind == "soft_ce":
+                loss, lse, psum, pred = _kernel(_soft_ce_fwd, dev)(logits, tgt_logp)
+                ctx.save_for_backward(logits, tgt_logp, lse, psum)
+            elif kind == "hard_ce":
+                loss, lse, pred = _kernel(_hard_ce_fwd, dev)(logits, y)
+                ctx.save_for_backward(logits, y, lse)
+            elif kind in ("tv", "lk_hybrid"):
+                loss, lse, psum, lam, pred = _kernel(_overlap_fwd, dev)(logits, tgt_logp, kind == "lk_hybrid", eta)
+                ctx.save_for_backward(logits, tgt_logp, lse, psum, lam)
+            else:
+                raise ValueError(f"unknown loss {kind!r}")
         ctx.mark_non_differentiable(pred)
-        return ce, pred
+        return loss, pred
 
     @staticmethod
-    def backward(ctx, g_ce: torch.Tensor, _g_pred):
-        logits, tgt_logp, lse, psum = ctx.saved_tensors
-        _, bwd = _kernels(logits.device)
-        with torch.autocast(device_type=logits.device.type, enabled=False):
-            return bwd(logits, tgt_logp, lse, psum, g_ce.float().contiguous()), None
+    def backward(ctx, g_loss: torch.Tensor, _g_pred):
+        saved = ctx.saved_tensors
+        dev = saved[0].device
+        g = g_loss.float().contiguous()
+        with torch.autocast(device_type=dev.type, enabled=False):
+            if ctx.kind == "soft_ce":
+                grad = _kernel(_soft_ce_bwd, dev)(*saved, g)
+            elif ctx.kind == "hard_ce":
+                grad = _kernel(_hard_ce_bwd, dev)(*saved, g)
+            else:
+                grad = _kernel(_overlap_bwd, dev)(*saved, g, ctx.kind == "lk_hybrid")
+        return grad, None, None, None, None
+
+
+def row_loss(logits: torch.Tensor, tgt_logp: torch.Tensor, tgt_draft: Optional[torch.Tensor] = None,
+             loss: str = "soft_ce", lk_eta: float = LK_ETA) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row loss float32 ``[M]`` (:func:`eagle3.ttt.token_loss`, same values) and the logits' argmax int64
+    ``[M]``; gradient only to ``logits`` (the targets are constants), by a hand-written backward.
+
+    Args:
+        logits: ``[M, V]`` draft logits (any float dtype).
+        tgt_logp: ``[M, V]`` float32 verifier log-probs over the draft vocab.
+        tgt_draft: int64 ``[M]`` draft id of the verifier argmax (``hard_ce``; :func:`eagle3.ttt.draft_index`).
+        loss / lk_eta: see :func:`eagle3.ttt.token_loss`.
+
+    Raises:
+        ValueError: unknown ``loss``, or ``hard_ce`` without ``tgt_draft``.
+    """
+    if loss == "hard_ce" and tgt_draft is None:
+        raise ValueError("hard_ce needs the draft id of the verifier's argmax (tgt_draft)")
+    return _RowLoss.apply(logits, tgt_logp.detach(), tgt_draft, loss, float(lk_eta))
 
 
 def soft_ce(logits: torch.Tensor, tgt_logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,12 +198,13 @@ def soft_ce(logits: torch.Tensor, tgt_logp: torch.Tensor) -> tuple[torch.Tensor,
         logits: ``[M, V]`` draft logits (any float dtype).
         tgt_logp: ``[M, V]`` float32 verifier log-probs over the draft vocab.
     """
-    return _SoftCE.apply(logits, tgt_logp.detach())
+    return row_loss(logits, tgt_logp)
 
 
-def _row_step_terms(drafter, hs: torch.Tensor, tgt_logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """CE ``[M]`` and draft argmax ``[M]`` of hidden rows ``hs`` ``[M, H]`` (``lm_head(norm(hs))``)."""
-    return soft_ce(drafter.compute_logits(hs), tgt_logp)
+def _row_step_terms(drafter, hs: torch.Tensor, tgt_logp: torch.Tensor, tgt_draft: Optional[torch.Tensor] = None,
+                    loss: str = "soft_ce", lk_eta: float = LK_ETA) -> tuple[torch.Tensor, torch.Tensor]:
+    """Loss ``[M]`` and draft argmax ``[M]`` of step outputs ``hs`` ``[M, H]`` (:meth:`compute_logits`)."""
+    return row_loss(drafter.compute_logits(hs), tgt_logp, tgt_draft, loss, lk_eta)
 
 
 @torch.no_grad()
@@ -150,6 +251,8 @@ def ttt_loss_rows(
     step_weight: float = 0.8,
     checkpoint: bool = False,
     denom: Optional[torch.Tensor] = None,
+    loss: str = "soft_ce",
+    lk_eta: float = LK_ETA,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """EAGLE-3 TTT loss at the host-chosen rows; the same value and metrics as :func:`eagle3.train.ttt.ttt_loss`.
 
@@ -166,6 +269,7 @@ def ttt_loss_rows(
         step_weight: weight base (``train.step_weight``).
         checkpoint: recompute each step's ``[M, draft_V]`` logits in backward instead of storing them.
         denom: optional float ``[K]`` normalisers (see above).
+        loss / lk_eta: the per-token loss (``train.loss``, :func:`eagle3.ttt.token_loss`); ``CE`` above is it.
 
     Returns:
         ``(loss, metrics)`` as :func:`eagle3.train.ttt.ttt_loss`: scalar float32 loss and detached ``[K]``
@@ -178,16 +282,17 @@ def ttt_loss_rows(
     p = loss_pos % L  # [M] predicted position within its sample
     total = torch.zeros((), dtype=torch.float32, device=dev)
     losses, sums, corrects, counts = [], [], [], []
+    tgt_draft = draft_index(targets.argmax, drafter.d2t) if loss == "hard_ce" else None  # [M], the same every step
     for i, h in enumerate(step_hiddens):
         ok = p >= 2 + i  # [M] the hidden row p-2-i exists
         valid = ok & targets.in_draft  # [M]
         rows = (loss_pos - 2 - i).clamp(min=0)  # [M] (rows of invalid entries are never counted)
         hs = h.reshape(B * L, H)[rows]  # [M, H]
         if checkpoint and torch.is_grad_enabled():
-            ce, pred = _checkpoint(_row_step_terms, drafter, hs, targets.logp_draft, use_reentrant=False,
-                                   preserve_rng_state=False)  # no random numbers; saving the RNG state syncs
+            ce, pred = _checkpoint(_row_step_terms, drafter, hs, targets.logp_draft, tgt_draft, loss, lk_eta,
+                                   use_reentrant=False, preserve_rng_state=False)  # no random numbers; saving the RNG state syncs
         else:
-            ce, pred = _row_step_terms(drafter, hs, targets.logp_draft)  # [M], [M]
+            ce, pred = _row_step_terms(drafter, hs, targets.logp_draft, tgt_draft, loss, lk_eta)  # [M], [M]
         cnt = valid.sum()
         ce_sum = (ce * valid).sum()  # S_i
         step_loss = ce_sum / cnt.clamp(min=1)
