@@ -328,7 +328,12 @@ class TrainConfig(_Strict):
     grad_clip: float = Field(0.5, gt=0)
     seed: int = 0
     log_every: int = Field(10, ge=1)
-    eval_every: Optional[int] = Field(None, ge=1, description="default: once per epoch")
+    eval_every: Optional[int] = Field(None, ge=1, description="validate every N optimizer steps (and at the end); default: once per epoch")
+    select_best: Literal["last", "sim_accept"] = Field(
+        "last", description="which weights are exported: the last step's, or those of the validation with the highest "
+        "simulated acceptance length tau_sim = 1 + sum_m prod_{j<=m} alpha_j (alpha_j = held-out top-1 of TTT position j; "
+        "TorchSpec/SpecForge simulated_acc_len + 1; eagle3/train/sim_accept.py). The curve is reported either way")
+    select_chain: Optional[int] = Field(None, ge=1, description="chain length k of tau_sim for select_best; default benchmark.steps")
     ckpt_every: int = Field(500, ge=1)
     keep_checkpoints: int = Field(2, ge=1)
     bf16: Literal["auto", "on", "off"] = Field("auto", description="auto = bf16 autocast on GPU only")

@@ -60,6 +60,11 @@ def export_from_checkpoint(cfg: RunConfig, engine: str | None = None) -> Path:
     if unexpected or trainable & set(missing):
         key = sorted(unexpected or (trainable & set(missing)))[0]
         raise UserError(f"{path}: key 'model.{key}' {'unexpected' if unexpected else 'missing'}")
+    if cfg.train.select_best == "sim_accept":  # the weights training exported: those of the best validation
+        from eagle3.train.sim_accept import BestTracker
+
+        BestTracker(cfg.train_dir, cfg.train.select_chain or cfg.benchmark.steps, True, start_step=int(state["step"]),
+                    keep_best=True).restore_best(drafter)
     return export_for_run(cfg, drafter, data_config)
 
 

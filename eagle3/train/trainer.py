@@ -771,6 +771,10 @@ def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: O
                          step_in_epoch)
 
     metrics = _Metrics(train_dir, step, d.is_main, finished=step >= total_steps)
+    from eagle3.train.sim_accept import BestTracker
+
+    tracker = BestTracker(train_dir, t.select_chain or cfg.benchmark.steps, d.is_main, start_step=step,
+                          keep_best=t.select_best == "sim_accept")
 
     def save(step_now: int, ep: int, ep_step: int) -> Path:
         rng = ckpt.capture_rng()
@@ -887,6 +891,7 @@ def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: O
                     val = validate()
                     if val:
                         metrics.write({"kind": "val", "step": step, "epoch": epoch, **val})
+                        tracker.update(step, epoch, val, drafter)
                 want_stop = stop.requested or (stop_after is not None and steps_this_call >= stop_after)
                 stopped = _any_rank(want_stop, d)
                 if step % t.ckpt_every == 0 or stopped or step == total_steps:
@@ -913,9 +918,13 @@ def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: O
     final_val = validate()
     if final_val:
         metrics.write({"kind": "val", "step": step, "epoch": epoch, **final_val})
+        tracker.update(step, epoch, final_val, drafter)
     result["final_val"] = final_val
     metrics.close()
     if d.is_main:
+        result["sim_accept"] = dict(tracker.summary(), select_best=t.select_best,
+                                    exported_step=tracker.restore_best(drafter) if t.select_best == "sim_accept" else None)
+        tracker.plot()
         if export is not None:
             result["export_dir"] = str(export(cfg, drafter, data_config))
         write_report(train_dir, result, args)
@@ -967,6 +976,10 @@ def write_report(train_dir: Path, result: dict, args) -> None:
     if acc_keys:
         lines += ["", "| TTT step | val top-1 acc |", "|---:|---:|"]
         lines += [f"| {k.split('_')[-1]} | {val[k]:.4f} |" for k in acc_keys]
+    if result.get("sim_accept"):
+        from eagle3.train.sim_accept import markdown_lines
+
+        lines += ["", *markdown_lines(result["sim_accept"])]
     atomic_write_text(train_dir / "train_report.md", "\n".join(lines) + "\n")
     tr = [(r["step"], r["loss"]) for r in rows if r.get("kind") == "train" and "loss" in r]
     va = [(r["step"], r["loss"]) for r in rows if r.get("kind") == "val" and "loss" in r]

@@ -1,0 +1,210 @@
+"""Best checkpoint by simulated acceptance length (``train.select_best: sim_accept``).
+
+Every validation of 04 (``train.eval_every`` optimizer steps, and at the end) gives the held-out
+top-1 agreement ``alpha_j`` of each TTT position ``j = 1..K`` (``acc_{j-1}`` of the validation
+row: correct / counted positions of the whole validation split, token-weighted). In TTT the step-j
+input tokens are the verifier's own tokens (the regenerated answer) and the hidden inputs are the
+drafter's own earlier outputs, so ``alpha_j`` estimates P(draft j accepted | drafts 1..j-1 accepted)
+of greedy chain decoding, and the expected number of tokens one verify step emits with a chain of
+``k`` drafts is
+
+    tau_sim(k) = 1 + sum_{m=1..k} prod_{j=1..m} alpha_j
+
+(the 1 is the verifier's bonus token; 05 reports tau the same way: emitted tokens per verify step,
+DESIGN.md "Acceptance counts emitted tokens only"). Source: TorchSpec ``eagle3_trainer.py``
+(``simulated_acc_len = acc_0 + acc_0*acc_1 + ...``, best checkpoint by ``eval/simulated_acc_len``,
+``controller/eval.py``) and SpecForge ``specforge/eval/evaluator.py`` (``_simulated_acc_len``,
+token-weighted per-position accuracy, ``best_metric: eval/simulated_acc_len``); both sum over every
+TTT position and leave out the bonus token, so their figure is ``tau_sim(K) - 1``. Here the chain
+length is ``train.select_chain`` (default ``benchmark.steps``, the chain 05 measures). Bias:
+positions whose verifier argmax is outside the draft vocab are not counted (DESIGN.md "TTT
+indexing"), so with a small draft vocab ``alpha_j`` is slightly optimistic.
+
+:class:`BestTracker` keeps the curve (``{train_dir}/sim_accept.json``: one row per validation) and
+the weights of the best validation so far (``{train_dir}/best_drafter.pt``: the trainable tensors,
+written atomically); the run exports those weights when ``select_best`` is ``sim_accept``. A resumed
+run drops the rows after its checkpoint's step (they are recomputed), and the saved best too when it
+was taken after that step.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import nn
+
+from eagle3.errors import UserError
+from eagle3.io import atomic_save_png, atomic_torch_save, atomic_write_json, read_json, safe_torch_load
+
+log = logging.getLogger(__name__)
+
+CURVE_FILE = "sim_accept.json"
+BEST_FILE = "best_drafter.pt"
+PLOT_FILE = "sim_accept.png"
+
+
+def position_acceptance(val: dict) -> list[float]:
+    """``[alpha_1, ..., alpha_K]``: the ``acc_{j}`` entries of a validation row (``_Accum.summarize``) in order."""
+    out, j = [], 0
+    while f"acc_{j}" in val:
+        out.append(float(val[f"acc_{j}"]))
+        j += 1
+    return out
+
+
+def simulated_tau(alpha: list[float], chain: int) -> float:
+    """``1 + sum_{m=1..k} prod_{j<=m} alpha_j`` with ``k = min(chain, len(alpha))`` (module docstring).
+
+    Args:
+        alpha: per-position acceptance ``alpha_1..alpha_K`` in ``[0, 1]``.
+        chain: draft tokens per verify step (>= 1).
+
+    Raises:
+        ValueError: ``chain < 1`` or an ``alpha`` outside ``[0, 1]``.
+    """
+    if chain < 1:
+        raise ValueError(f"chain must be >= 1, got {chain}")
+    if any(not 0.0 <= a <= 1.0 for a in alpha):
+        raise ValueError(f"per-position acceptance must lie in [0, 1], got {alpha}")
+    tau, run = 1.0, 1.0
+    for a in alpha[:chain]:
+        run *= a
+        tau += run
+    return tau
+
+
+class BestTracker:
+    """The simulated-acceptance curve of one run and the weights of its best validation (module docstring).
+
+    Args:
+        train_dir: the run's ``train.output_dir``.
+        chain: chain length ``k`` of the selection score ``tau_sim(k)``.
+        enabled: write files (rank 0 only; other ranks track nothing).
+        start_step: the step training (re)starts from; rows after it are dropped.
+        keep_best: save the best weights (``train.select_best: sim_accept``); else only the curve.
+    """
+
+    def __init__(self, train_dir: Path, chain: int, enabled: bool, start_step: int = 0, keep_best: bool = False):
+        self.dir = Path(train_dir)
+        self.chain = int(chain)
+        self.enabled = enabled
+        self.keep_best = keep_best
+        self.rows: list[dict] = []
+        self.best: Optional[dict] = None  # the best row, when its weights are on disk (or not needed)
+        if enabled:
+            self._load(start_step)
+
+    def _load(self, start_step: int) -> None:
+        path = self.dir / CURVE_FILE
+        best_path = self.dir / BEST_FILE
+        if start_step == 0 or not path.is_file():
+            for p in (path, best_path):
+                p.unlink(missing_ok=True)
+            return
+        old = read_json(path)
+        if not isinstance(old, dict) or not isinstance(old.get("rows"), list):
+            raise UserError(f"{path}: key 'rows' missing (delete the file to start the curve again)")
+        if int(old.get("chain", self.chain)) != self.chain:
+            log.warning("%s: curve scored with chain %s, now %d; rescored", path, old.get("chain"), self.chain)
+        self.rows = [self._score(r) for r in old["rows"] if int(r["step"]) <= start_step]
+        best = old.get("best")
+        if best is not None and int(best["step"]) <= start_step and (best_path.is_file() or not self.keep_best):
+            self.best = self._score(dict(best))
+        else:
+            best_path.unlink(missing_ok=True)
+            self.best = None
+        if self.best is None and not self.keep_best and self.rows:
+            self.best = max(self.rows, key=lambda r: r["tau_sim"])
+
+    def _score(self, row: dict) -> dict:
+        row = dict(row)
+        row["tau_sim"] = simulated_tau(row["alpha"], self.chain)
+        return row
+
+    def update(self, step: int, epoch: int, val: dict, drafter: nn.Module) -> bool:
+        """Record the validation at ``step``; save ``drafter``'s trainable tensors when it is the best so far.
+
+        Returns:
+            True when this validation is the new best (strictly higher ``tau_sim``; ties keep the earlier one).
+        """
+        alpha = position_acceptance(val)
+        if not self.enabled or not alpha:
+            return False
+        row = self._score({"step": int(step), "epoch": int(epoch), "alpha": [round(a, 6) for a in alpha],
+                           "loss": val.get("loss")})
+        row["tau_sim_all"] = {str(k): round(simulated_tau(alpha, k), 6) for k in sorted({1, 3, 7, len(alpha)})
+                              if k <= len(alpha)}
+        self.rows = [r for r in self.rows if r["step"] != row["step"]] + [row]
+        is_best = self.best is None or row["tau_sim"] > self.best["tau_sim"]
+        if is_best:
+            if self.keep_best:
+                state = {n: p.detach().to("cpu").clone() for n, p in drafter.named_parameters() if p.requires_grad}
+                atomic_torch_save({"step": int(step), "tau_sim": row["tau_sim"], "chain": self.chain, "model": state},
+                                  self.dir / BEST_FILE)
+            self.best = dict(row)
+        atomic_write_json(self.dir / CURVE_FILE, self.summary())
+        return is_best
+
+    def summary(self) -> dict:
+        """``{chain, formula, source, best: row | None, rows: [...]}`` (what ``sim_accept.json`` holds)."""
+        return {"chain": self.chain, "formula": "tau_sim(k) = 1 + sum_{m=1..k} prod_{j<=m} alpha_j, alpha_j = held-out "
+                "top-1 of TTT position j", "source": "TorchSpec eagle3_trainer.py / SpecForge eval/evaluator.py "
+                "simulated_acc_len (+1 for the bonus token)", "best": self.best, "rows": self.rows}
+
+    def restore_best(self, drafter: nn.Module) -> Optional[int]:
+        """Load the best weights into ``drafter`` (in place); returns their step, or None when nothing was saved.
+
+        Raises:
+            UserError: the best file is unreadable or its tensors do not fit the drafter.
+        """
+        path = self.dir / BEST_FILE
+        if not self.enabled or self.best is None or not path.is_file():
+            return None
+        state = safe_torch_load(path)
+        params = dict(drafter.named_parameters())
+        for name, t in state["model"].items():
+            if name not in params or tuple(params[name].shape) != tuple(t.shape):
+                raise UserError(f"{path}: tensor '{name}' does not fit the drafter (delete the file and re-run)")
+        with torch.no_grad():
+            for name, t in state["model"].items():
+                params[name].copy_(t.to(params[name].device, params[name].dtype))
+        return int(state["step"])
+
+    def plot(self) -> None:
+        """``sim_accept.png``: tau_sim(chain) per validation step, the best one marked."""
+        if not self.enabled or not self.rows:
+            return
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        rows = sorted(self.rows, key=lambda r: r["step"])
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot([r["step"] for r in rows], [r["tau_sim"] for r in rows], "o-", label=f"tau_sim({self.chain})")
+        if self.best is not None:
+            ax.plot([self.best["step"]], [self.best["tau_sim"]], "r*", markersize=14, label="best")
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("simulated acceptance length (validation)")
+        ax.legend()
+        fig.tight_layout()
+        atomic_save_png(fig, self.dir / PLOT_FILE)
+
+
+def markdown_lines(summary: dict) -> list[str]:
+    """Markdown of a run's curve (``BestTracker.summary()`` + ``select_best`` / ``exported_step``)."""
+    k = summary["chain"]
+    best = summary.get("best") or {}
+    lines = [f"Simulated acceptance length on the validation split, tau_sim({k}) = 1 + sum_m prod_(j<=m) alpha_j "
+             f"(select_best: {summary.get('select_best', 'last')}; exported step: "
+             f"{summary.get('exported_step') if summary.get('exported_step') is not None else 'the last'}):", "",
+             f"| step | epoch | tau_sim({k}) | alpha_1 | alpha_2 | alpha_3 | val loss |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in sorted(summary.get("rows") or [], key=lambda r: r["step"]):
+        a = list(r["alpha"]) + [float("nan")] * 3
+        mark = " (best)" if best and r["step"] == best.get("step") else ""
+        loss = f"{r['loss']:.4f}" if isinstance(r.get("loss"), (int, float)) else "-"
+        lines.append(f"| {r['step']}{mark} | {r['epoch']} | {r['tau_sim']:.4f} | {a[0]:.4f} | {a[1]:.4f} | {a[2]:.4f} | {loss} |")
+    return lines
