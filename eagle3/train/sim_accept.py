@@ -201,10 +201,10 @@ def markdown_lines(summary: dict) -> list[str]:
     lines = [f"Simulated acceptance length on the validation split, tau_sim({k}) = 1 + sum_m prod_(j<=m) alpha_j "
              f"(select_best: {summary.get('select_best', 'last')}; exported step: "
              f"{summary.get('exported_step') if summary.get('exported_step') is not None else 'the last'}):", "",
-             f"| step | epoch | tau_sim({k}) | alpha_1 | alpha_2 | alpha_3 | val loss |", "|---:|---:|---:|---:|---:|---:|---:|"]
+             f"| step | tau_sim({k}) | alpha_1 | alpha_2 | alpha_3 | val loss |", "|---:|---:|---:|---:|---:|---:|"]
     for r in sorted(summary.get("rows") or [], key=lambda r: r["step"]):
         a = list(r["alpha"]) + [float("nan")] * 3
         mark = " (best)" if best and r["step"] == best.get("step") else ""
         loss = f"{r['loss']:.4f}" if isinstance(r.get("loss"), (int, float)) else "-"
-        lines.append(f"| {r['step']}{mark} | {r['epoch']} | {r['tau_sim']:.4f} | {a[0]:.4f} | {a[1]:.4f} | {a[2]:.4f} | {loss} |")
+        lines.append(f"| {r['step']}{mark} | {r['tau_sim']:.4f} | {a[0]:.4f} | {a[1]:.4f} | {a[2]:.4f} | {loss} |")
     return lines
