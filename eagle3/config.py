@@ -299,7 +299,7 @@ class DrafterConfig(_Strict):
     variant: Literal["eagle3", "eagle3.1"] = Field(
         "eagle3", description="drafter architecture: eagle3 (the paper) or eagle3.1 (an RMSNorm on each aux hidden state "
         "before fc, and the post-norm output fed back between steps; speculators PR 610/670, TorchSpec PR 97; served by "
-        "SGLang 0.5.23 and vLLM 0.33 through the config keys fc_norm / norm_output). eagle3/model.py")
+        "SGLang 0.5.23 and vLLM 0.33 through the config keys fc_norm / norm_output). eagle3/train/model.py")
 
 
 class TrainConfig(_Strict):
@@ -308,7 +308,7 @@ class TrainConfig(_Strict):
     ttt_length: int = Field(7, ge=1)
     step_weight: float = Field(0.8, gt=0, description="loss weight of TTT step i is step_weight**i")
     loss: Literal["soft_ce", "hard_ce", "tv", "lk_hybrid"] = Field(
-        "soft_ce", description="per-token loss against the verifier (eagle3/ttt.py token_loss): soft_ce = cross-entropy "
+        "soft_ce", description="per-token loss against the verifier (eagle3/train/ttt.py token_loss): soft_ce = cross-entropy "
         "to its distribution over the draft vocab (EAGLE-3); hard_ce = cross-entropy to its argmax; tv = 1 - alpha, "
         "alpha = sum_v min(p_v, q_v) (acceptance probability); lk_hybrid = lam*KL + (1-lam)*(1-alpha), "
         "lam = exp(-lk_eta*alpha) per token (arXiv 2602.23881). Token means over the optimizer step as for soft_ce")

@@ -23,7 +23,7 @@ the other engine loads without error but captures the wrong verifier layers:
   (``draft_vocab_size`` = the verifier's vocab) has neither ``d2t`` nor ``t2d``: vLLM's loader
   refuses ``d2t`` then (:func:`writes_vocab_map`). SGLang cannot load it.
 
-EAGLE-3.1 drafters (``DrafterArgs.variant == "eagle3.1"``, eagle3/model.py) add the tensors
+EAGLE-3.1 drafters (``DrafterArgs.variant == "eagle3.1"``, eagle3/train/model.py) add the tensors
 ``fc_norm.{0,1,2}.weight`` (same names in both engines) and the top-level config keys
 ``fc_norm: true`` and ``norm_output: true``, which SGLang 0.5.23 reads from the draft config
 (``llama_eagle3.py`` ``LlamaModel.__init__``) and vLLM 0.33 copies from the speculators config

@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------------------------------------
-# per-row losses with hand-written backwards (few passes over [M, draft_V]; eagle3.ttt.token_loss
+# per-row losses with hand-written backwards (few passes over [M, draft_V]; eagle3.train.ttt.token_loss
 # is the autograd reference they are tested against)
 # ---------------------------------------------------------------------------------------------
 def _soft_ce_fwd(logits: torch.Tensor, tgt_logp: torch.Tensor):
@@ -71,7 +71,7 @@ def _hard_ce_bwd(logits: torch.Tensor, y: torch.Tensor, lse: torch.Tensor, g: to
 
 def _overlap_fwd(logits: torch.Tensor, tgt_logp: torch.Tensor, lk: bool, eta: float):
     """``tv``: ``1 - alpha``; ``lk``: ``lam * KL(p||q) + (1 - lam)(1 - alpha)``, ``lam = exp(-eta alpha)``
-    (:func:`eagle3.ttt.token_loss`). Returns the loss, ``lse``, ``psum``, ``lam`` (zeros for ``tv``), argmax, all ``[M]``."""
+    (:func:`eagle3.train.ttt.token_loss`). Returns the loss, ``lse``, ``psum``, ``lam`` (zeros for ``tv``), argmax, all ``[M]``."""
     x = logits.float()  # [M, V]
     lse = torch.logsumexp(x, dim=-1)  # [M]
     logq = x - lse[:, None]  # [M, V]
@@ -131,7 +131,7 @@ def _kernel(fn, device: torch.device):
 
 
 class _RowLoss(torch.autograd.Function):
-    """A per-row loss of draft logits against the verifier targets (``kind`` in :data:`eagle3.ttt.LOSSES`).
+    """A per-row loss of draft logits against the verifier targets (``kind`` in :data:`eagle3.train.ttt.LOSSES`).
 
     Saves only the logits (bf16 under autocast), the targets already alive and ``[M]`` statistics, instead
     of autograd's float32 copies, softmaxes and products (``[M, V]`` each, for every TTT step).
@@ -173,14 +173,14 @@ class _RowLoss(torch.autograd.Function):
 
 def row_loss(logits: torch.Tensor, tgt_logp: torch.Tensor, tgt_draft: Optional[torch.Tensor] = None,
              loss: str = "soft_ce", lk_eta: float = LK_ETA) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row loss float32 ``[M]`` (:func:`eagle3.ttt.token_loss`, same values) and the logits' argmax int64
+    """Per-row loss float32 ``[M]`` (:func:`eagle3.train.ttt.token_loss`, same values) and the logits' argmax int64
     ``[M]``; gradient only to ``logits`` (the targets are constants), by a hand-written backward.
 
     Args:
         logits: ``[M, V]`` draft logits (any float dtype).
         tgt_logp: ``[M, V]`` float32 verifier log-probs over the draft vocab.
-        tgt_draft: int64 ``[M]`` draft id of the verifier argmax (``hard_ce``; :func:`eagle3.ttt.draft_index`).
-        loss / lk_eta: see :func:`eagle3.ttt.token_loss`.
+        tgt_draft: int64 ``[M]`` draft id of the verifier argmax (``hard_ce``; :func:`eagle3.train.ttt.draft_index`).
+        loss / lk_eta: see :func:`eagle3.train.ttt.token_loss`.
 
     Raises:
         ValueError: unknown ``loss``, or ``hard_ce`` without ``tgt_draft``.
@@ -269,7 +269,7 @@ def ttt_loss_rows(
         step_weight: weight base (``train.step_weight``).
         checkpoint: recompute each step's ``[M, draft_V]`` logits in backward instead of storing them.
         denom: optional float ``[K]`` normalisers (see above).
-        loss / lk_eta: the per-token loss (``train.loss``, :func:`eagle3.ttt.token_loss`); ``CE`` above is it.
+        loss / lk_eta: the per-token loss (``train.loss``, :func:`eagle3.train.ttt.token_loss`); ``CE`` above is it.
 
     Returns:
         ``(loss, metrics)`` as :func:`eagle3.train.ttt.ttt_loss`: scalar float32 loss and detached ``[K]``
