@@ -12,6 +12,7 @@ Run as a script it is one DDP worker: ``python tests/_ddp_worker.py CONFIG [--se
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -106,9 +107,28 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     add_config_args(p)
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--stop-after", type=int, default=None)
+    p.add_argument("--record", default=None, help="append the shard id of every training sample loaded to RECORD.<rank>")
     a = p.parse_args(argv)
-    run(load_config(a.config, a.overrides), resume=a.resume, device="cpu", export=export_for_run)
+    if a.record:
+        record_loads(Path(f"{a.record}.{os.environ.get('RANK', '0')}"))
+    run(load_config(a.config, a.overrides), resume=a.resume, stop_after=a.stop_after, device="cpu", export=export_for_run)
     return 0
+
+
+def record_loads(path: Path) -> None:
+    """Make every ``ShardDataset`` item load append its shard id to ``path`` (one per line): which
+    samples a run trained on (CPU loaders use no worker processes, so a load is a trained sample)."""
+    from eagle3.data.dataset import ShardDataset
+
+    orig = ShardDataset.__getitem__
+
+    def getitem(self, i):
+        with open(path, "a") as f:
+            f.write(f"{self.indices[i]}\n")
+        return orig(self, i)
+
+    ShardDataset.__getitem__ = getitem
 
 
 if __name__ == "__main__":

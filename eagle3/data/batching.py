@@ -23,7 +23,10 @@ Optimizer step ``s`` of the epoch uses global batches ``s*W*A .. s*W*A + W*A - 1
 ``A`` = ``grad_accum``); rank ``r``'s micro-batch ``m`` is global batch ``s*W*A + m*W + r``. Ranks
 therefore see disjoint batches and equal step counts, and resuming at step ``s`` of an epoch is
 skipping its first ``s*W*A`` global batches (:meth:`set_start`), which reproduces the uninterrupted
-order exactly. Bucketing by sorted length within a shuffled window follows fairseq / HF
+order exactly. Steps consume a prefix of the uncut plan on any process count, so a checkpoint written
+on ``W`` processes resumes on ``W'`` by skipping the batches its ``samples_in_epoch`` covers
+(:meth:`batches_for_samples`, :meth:`set_start_batch`) and dealing the rest out to the ``W'`` ranks:
+each batch of the epoch is trained once. Bucketing by sorted length within a shuffled window follows fairseq / HF
 ``group_by_length`` practice.
 """
 
@@ -100,12 +103,19 @@ class TokenBudgetBatchSampler:
         self.num_replicas, self.rank, self.grad_accum = int(num_replicas), int(rank), int(grad_accum)
         self.seed, self.window, self.shuffle = int(seed), int(window), shuffle
         self.epoch = 0
-        self.start_step = 0
+        self.start_batch = 0
         self._cache: dict[int, list[list[int]]] = {}
 
     # ---- the plan ----------------------------------------------------------------------------
     def epoch_batches(self, epoch: int) -> list[list[int]]:
         """Global batches of ``epoch`` (all ranks), dataset positions, cut to a multiple of ``num_replicas * grad_accum``."""
+        batches = self.epoch_plan(epoch)
+        per_step = self.num_replicas * self.grad_accum
+        return batches[: len(batches) // per_step * per_step]
+
+    def epoch_plan(self, epoch: int) -> list[list[int]]:
+        """Global batches of ``epoch`` before the cut (steps 1-3 of the module docstring): a pure
+        function of ``(lengths, batch_tokens, window, seed, epoch)``, independent of the process count."""
         if epoch in self._cache:
             return self._cache[epoch]
         N = len(self.lengths)
@@ -125,10 +135,29 @@ class TokenBudgetBatchSampler:
                 batches.append(cur)
         if self.shuffle:
             batches = [batches[j] for j in torch.randperm(len(batches), generator=g).tolist()]
-        per_step = self.num_replicas * self.grad_accum
-        batches = batches[: len(batches) // per_step * per_step]
         self._cache = {epoch: batches}  # one epoch at a time: plans are cheap to rebuild
         return batches
+
+    def batches_for_samples(self, epoch: int, samples: int) -> int:
+        """How many leading global batches of ``epoch``'s plan hold ``samples`` samples (a checkpoint's
+        ``samples_in_epoch``: steps consume a prefix of the plan on any process count).
+
+        Raises:
+            UserError: no prefix of the plan holds exactly that many samples.
+        """
+        total = 0
+        for n, b in enumerate(self.epoch_plan(epoch)):
+            if total == samples:
+                return n
+            total += len(b)
+        if total == samples:
+            return len(self.epoch_plan(epoch))
+        raise UserError(f"checkpoint: key 'samples_in_epoch' {samples} is not a batch boundary of epoch {epoch}'s "
+                        f"token-budget plan (train.batch_tokens {self.batch_tokens}): the shards or split changed")
+
+    def steps_after(self, epoch: int, start_batch: int) -> int:
+        """Optimizer steps of ``epoch`` left after its first ``start_batch`` global batches, on this process count."""
+        return max(0, len(self.epoch_plan(epoch)) - start_batch) // (self.num_replicas * self.grad_accum)
 
     def steps_in_epoch(self, epoch: int) -> int:
         """Optimizer steps of ``epoch`` (the same on every rank)."""
@@ -155,24 +184,31 @@ class TokenBudgetBatchSampler:
     def set_epoch(self, epoch: int) -> None:
         """Use the plan of ``epoch`` from its first step (resets :meth:`set_start`)."""
         self.epoch = int(epoch)
-        self.start_step = 0
+        self.start_batch = 0
 
     def set_start(self, step_in_epoch: int) -> None:
-        """Begin the next iteration at optimizer step ``step_in_epoch`` of the current epoch."""
-        self.start_step = int(step_in_epoch)
+        """Begin the next iteration at optimizer step ``step_in_epoch`` of the current epoch (this process count)."""
+        self.start_batch = int(step_in_epoch) * self.num_replicas * self.grad_accum
+
+    def set_start_batch(self, start_batch: int) -> None:
+        """Begin the next iteration after the first ``start_batch`` global batches of the epoch's plan,
+        dealing the rest out to the current ranks (a checkpoint written on another process count:
+        :meth:`batches_for_samples`); each batch of the epoch is then trained once."""
+        self.start_batch = int(start_batch)
 
     def rank_batches(self) -> list[list[int]]:
-        """This rank's micro-batches from :attr:`start_step` on, in training order."""
-        batches = self.epoch_batches(self.epoch)
-        W, A, r = self.num_replicas, self.grad_accum, self.rank
-        steps = len(batches) // (W * A)
-        return [batches[s * W * A + m * W + r] for s in range(self.start_step, steps) for m in range(A)]
+        """This rank's micro-batches from :attr:`start_batch` on, in training order: step ``s`` after
+        the start, micro-batch ``m`` = plan batch ``start + s*W*A + m*W + rank``."""
+        batches = self.epoch_plan(self.epoch)
+        W, A, r, g0 = self.num_replicas, self.grad_accum, self.rank, self.start_batch
+        steps = self.steps_after(self.epoch, g0)
+        return [batches[g0 + s * W * A + m * W + r] for s in range(steps) for m in range(A)]
 
     def __iter__(self) -> Iterator[list[int]]:
         return iter(self.rank_batches())
 
     def __len__(self) -> int:
-        return max(0, self.steps_in_epoch(self.epoch) - self.start_step) * self.grad_accum
+        return self.steps_after(self.epoch, self.start_batch) * self.grad_accum
 
 
 def eval_batches(lengths: Sequence[int], batch_tokens: int, num_replicas: int = 1, rank: int = 0) -> list[list[int]]:

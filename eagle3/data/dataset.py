@@ -16,7 +16,8 @@ positions never attend to padding, and padded positions are never counted (loss 
 
 Order: :class:`ResumableSampler` is ``torch.utils.data.DistributedSampler`` (seeded shuffle per
 epoch via ``set_epoch``, rank r takes indices ``r, r+W, ...``) that can start part-way into an
-epoch, so a resumed run sees exactly the samples an uninterrupted run would have seen.
+epoch, so a resumed run sees exactly the samples an uninterrupted run would have seen, also on
+another number of processes (each sample once per epoch).
 """
 
 from __future__ import annotations
@@ -156,16 +157,20 @@ def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
 
 
 class ResumableSampler(DistributedSampler):
-    """``DistributedSampler`` that can skip the first part of an epoch.
+    """``DistributedSampler`` that can start part-way into an epoch, for any number of processes.
 
     ``num_replicas``/``rank`` are given explicitly (1/0 without torch.distributed), ``drop_last``
     is True (every rank gets the same count, no duplicated samples), ``shuffle`` uses
     ``seed + epoch`` (PyTorch convention; call :meth:`set_epoch`).
 
-    :meth:`set_start` takes the number of GLOBAL samples (all ranks) already consumed in this
-    epoch; each rank skips ``global_start // num_replicas`` of its own indices, which equals the
-    uninterrupted order whenever ``global_start`` is a multiple of ``num_replicas`` (always the
-    case at optimizer-step boundaries: ``steps * grad_accum * batch_size * world_size``).
+    The epoch's order is one permutation of the dataset that does not depend on the process count
+    (``torch.randperm(N, generator=seed + epoch)``, as ``DistributedSampler``); rank ``r`` takes
+    positions ``r, r+W, ...``, so ``k`` optimizer steps of ``n`` global samples consume exactly the
+    permutation's first ``k * n`` entries on any ``W``. :meth:`set_start` takes that global count
+    (the checkpoint's ``samples_in_epoch``) and deals the REST of the permutation out to the
+    current ranks (``W`` may differ from the run that wrote the checkpoint): every sample of the
+    epoch is seen once, the tail that does not fill all ranks equally is dropped (``drop_last``).
+    With ``start = 0`` the order is exactly ``DistributedSampler(drop_last=True)``'s.
     """
 
     def __init__(self, dataset: Dataset, num_replicas: int = 1, rank: int = 0, shuffle: bool = True, seed: int = 0):
@@ -173,15 +178,26 @@ class ResumableSampler(DistributedSampler):
         self.start = 0
 
     def set_start(self, global_start: int) -> None:
-        """Skip ``global_start // num_replicas`` indices of this rank at the next ``__iter__`` (reset by :meth:`set_epoch`)."""
-        self.start = int(global_start) // self.num_replicas
+        """Skip the first ``global_start`` samples of the epoch's permutation (all ranks together) at
+        the next ``__iter__`` (reset by :meth:`set_epoch`)."""
+        self.start = int(global_start)
 
     def set_epoch(self, epoch: int) -> None:
         super().set_epoch(epoch)
         self.start = 0
 
+    def epoch_order(self) -> list[int]:
+        """The epoch's permutation of dataset positions (all ranks; ``DistributedSampler``'s seeding)."""
+        if not self.shuffle:
+            return list(range(len(self.dataset)))
+        g = torch.Generator()
+        g.manual_seed(self.seed + self.epoch)
+        return torch.randperm(len(self.dataset), generator=g).tolist()
+
     def __iter__(self) -> Iterator[int]:
-        return iter(list(super().__iter__())[self.start:])
+        rest = self.epoch_order()[self.start:]
+        per_rank = len(rest) // self.num_replicas
+        return iter(rest[self.rank::self.num_replicas][:per_rank])
 
     def __len__(self) -> int:
-        return max(0, self.num_samples - self.start)
+        return max(0, len(self.dataset) - self.start) // self.num_replicas

@@ -557,28 +557,84 @@ class _TrainData:
                                 f"{d.world} processes)")
             self.total_steps = math.ceil(t.epochs * self._steps)
 
+    # A resumed epoch may have been started on another number of processes: it is then described by
+    # its origin (epoch, steps done, global units consumed: samples, or batches of the token-budget
+    # plan), and the rest of its data is dealt out to the current ranks (each sample once per epoch).
+    _origin: Optional[tuple[int, int, int]] = None
+
+    def _units_per_step(self) -> int:
+        return self.world * self.accum if self.token_budget else self.samples_per_step
+
+    def _units_before(self, epoch: int, step_in_epoch: int) -> int:
+        """Global samples (fixed batches) or plan batches (token budget) consumed by ``step_in_epoch`` steps."""
+        if self._origin is not None and self._origin[0] == epoch:
+            _, k0, g0 = self._origin
+            return g0 + (step_in_epoch - k0) * self._units_per_step()
+        return step_in_epoch * self._units_per_step()
+
     def steps_in_epoch(self, epoch: int) -> int:
+        if self._origin is not None and self._origin[0] == epoch:
+            _, k0, g0 = self._origin
+            if self.token_budget:
+                return k0 + self.sampler.steps_after(epoch, g0)
+            return k0 + (max(0, len(self.sampler.dataset) - g0) // self.world) // (self.samples_per_step // self.world)
         return self.sampler.steps_in_epoch(epoch) if self.token_budget else self._steps
 
     def samples_before(self, epoch: int, step_in_epoch: int) -> int:
-        """Global samples consumed by the first ``step_in_epoch`` optimizer steps of ``epoch``."""
+        """Global samples consumed by the first ``step_in_epoch`` optimizer steps of ``epoch`` (checkpoint key
+        ``samples_in_epoch``: the data position, whatever number of processes took those steps)."""
+        g = self._units_before(epoch, step_in_epoch)
         if not self.token_budget:
-            return step_in_epoch * self.samples_per_step
-        return sum(len(b) for b in self.sampler.epoch_batches(epoch)[: step_in_epoch * self.world * self.accum])
+            return g
+        return sum(len(b) for b in self.sampler.epoch_plan(epoch)[:g])
 
     def step_from_checkpoint(self, state: dict) -> int:
-        """``steps_in_epoch`` of a checkpoint (derived from ``samples_in_epoch`` for checkpoints that predate it)."""
+        """``steps_in_epoch`` of a checkpoint (derived from ``samples_in_epoch`` for checkpoints that predate it);
+        its ``samples_in_epoch`` fixes where the epoch's data resumes, on any number of processes."""
         if "steps_in_epoch" in state:
-            return int(state["steps_in_epoch"])
-        if self.token_budget:
+            k = int(state["steps_in_epoch"])
+        elif self.token_budget:
             raise UserError("checkpoint: key 'steps_in_epoch' missing; it was written by a run without "
                             "train.batch_tokens, so its data position cannot be mapped to token-budget batches")
-        return int(state["samples_in_epoch"]) // self.samples_per_step
+        else:
+            k = int(state["samples_in_epoch"]) // self.samples_per_step
+        epoch = int(state["epoch"])
+        if "samples_in_epoch" in state:
+            samples = int(state["samples_in_epoch"])
+            g = self.sampler.batches_for_samples(epoch, samples) if self.token_budget else samples
+        else:  # predates the key: taken on this process count
+            g = k * self._units_per_step()
+            samples = self.samples_before(epoch, k) if self.token_budget else g
+        self._origin = (epoch, k, g)
+        if int(state.get("world_size", self.world)) != self.world:
+            log.info("checkpoint written on %s processes, now %d: epoch %d resumes after its first %d samples, "
+                     "the rest dealt out to %d ranks", state.get("world_size"), self.world, epoch, samples, self.world)
+        return k
+
+    def resumed_total_steps(self, epochs: float, step: int) -> int:
+        """Optimizer steps of ``epochs`` epochs for a run resumed (:meth:`step_from_checkpoint`) at global
+        optimizer step ``step``: the steps taken before the resumed epoch, that epoch's steps on this
+        process count from its recorded data position, then whole epochs (a fractional last epoch
+        rounded up, counted in samples/batches as the uninterrupted run counts it)."""
+        e0, k0, g0 = self._origin
+        full, frac = int(math.floor(epochs)), epochs - math.floor(epochs)
+        total = step - k0
+        total += sum(self.steps_in_epoch(e) for e in range(e0, full))
+        if frac > 0 and e0 <= full:
+            std = self.sampler.steps_in_epoch(full) if self.token_budget else self._steps
+            want = math.ceil(frac * std)
+            if e0 < full:
+                total += want
+            else:
+                left = max(0, want * self._units_per_step() - g0)
+                total += min(self.steps_in_epoch(e0), k0 + math.ceil(left / self._units_per_step()))
+        return max(total, step)
 
     def iterate(self, epoch: int, step_in_epoch: int):
         """Micro-batches of this rank from optimizer step ``step_in_epoch`` of ``epoch`` on."""
         self.sampler.set_epoch(epoch)
-        self.sampler.set_start(step_in_epoch if self.token_budget else step_in_epoch * self.samples_per_step)
+        g = self._units_before(epoch, step_in_epoch)
+        self.sampler.set_start_batch(g) if self.token_budget else self.sampler.set_start(g)
         return iter(self.loader)
 
 
@@ -586,6 +642,26 @@ class _TrainData:
 # ---------------------------------------------------------------------------------------------
 # the run
 # ---------------------------------------------------------------------------------------------
+def _horizon_after_resume(data: _TrainData, state: dict, d: DistInfo, t, total_steps: int,
+                          horizon: Optional[int], scheduler) -> int:
+    """The step horizon of a run resumed on another number of processes than the checkpoint's: the
+    rest of the resumed epoch is dealt out to the new ranks (:class:`_TrainData`), so ``train.epochs``
+    ends after a different step count than either process count alone gives; the LR schedule's
+    horizon follows. Unchanged process count: ``total_steps`` as computed."""
+    if int(state.get("world_size", d.world)) == d.world:
+        return total_steps
+    from eagle3.train.schedule import WarmupCosine, warmup_steps_for
+
+    new = data.resumed_total_steps(t.epochs, int(state["step"]))
+    if horizon is not None:
+        new = min(new, horizon)
+    if new != total_steps:
+        log.info("resumed on %d processes (checkpoint: %s): %d optimizer steps in all", d.world,
+                 state.get("world_size"), new)
+        scheduler.lr_lambdas[0].__dict__.update(WarmupCosine(warmup_steps_for(new, t.warmup_ratio), new).__dict__)
+    return new
+
+
 def _autocast_dtype(cfg: RunConfig, device: torch.device) -> Optional[torch.dtype]:
     if device.type != "cuda":
         if cfg.train.bf16 == "on":
@@ -759,6 +835,7 @@ def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: O
                             "continuing with the new one", path, scheduler.lr_lambdas[0].__dict__, horizon_now)
                 scheduler.lr_lambdas[0].__dict__.update(horizon_now)
             step, epoch, step_in_epoch = int(state["step"]), int(state["epoch"]), data.step_from_checkpoint(state)
+            total_steps = _horizon_after_resume(data, state, d, t, total_steps, horizon, scheduler)
             rngs = state["rng"]
             if len(rngs) == d.world:
                 ckpt.restore_rng(rngs[d.rank])

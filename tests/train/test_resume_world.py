@@ -1,0 +1,88 @@
+"""Issue 26 item 2: resuming on another number of processes trains each sample once per epoch.
+
+10 training samples, batch 1; a run on ``a`` gloo processes stops after some steps (checkpoint
+``samples_in_epoch``), the resume on ``b`` processes finishes epoch 0. Every sample the two runs load
+is recorded (tests/_ddp_worker.py ``record_loads``): no sample twice, none skipped except the tail that
+does not fill all ``b`` ranks (``drop_last``), for fixed-size batches and token-budget batches
+(``train.batch_tokens``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _ddp_worker import make_tiny_run, record_loads, single_thread  # noqa: E402,F401  (autouse fixture)
+
+from eagle3.train import checkpoint as ckpt  # noqa: E402
+from eagle3.data.batching import TokenBudgetBatchSampler  # noqa: E402
+from eagle3.config import load_config  # noqa: E402
+
+HERE = Path(__file__).resolve().parents[1]  # tests/ (the _ddp_worker.py helper)
+N_TRAIN, LENGTHS, BUDGET = 10, (12, 9, 16, 7), 20
+
+
+def _train(yaml: Path, nproc: int, record: Path, stop_after: int, resume: bool, monkeypatch) -> None:
+    extra = ["--stop-after", str(stop_after), "--record", str(record)] + (["--resume"] if resume else [])
+    if nproc == 1:  # in-process (RANK unset: one process, no process group)
+        from eagle3.data.dataset import ShardDataset
+        from eagle3.train.trainer import run
+
+        monkeypatch.setattr(ShardDataset, "__getitem__", ShardDataset.__getitem__)  # restored after the test
+        record_loads(Path(f"{record}.0"))
+        run(load_config(yaml), resume=resume, stop_after=stop_after, device="cpu")
+        return
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           str(HERE / "_ddp_worker.py"), "--config", str(yaml), *extra]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+
+
+def _seen(record: Path) -> list[int]:
+    ids = []
+    for f in sorted(record.parent.glob(record.name + ".*")):
+        ids += [int(x) for x in f.read_text().split()]
+    return [i for i in ids if i < N_TRAIN]  # validation samples (ids 10, 11) are not training
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("budget", [None, BUDGET], ids=["batch_size", "batch_tokens"])
+@pytest.mark.parametrize("a,b", [(2, 1), (1, 2)])
+def test_resume_on_another_process_count_trains_each_sample_once(tmp_path, monkeypatch, a, b, budget):
+    train = {"batch_size": 1, "grad_accum": 1, "epochs": 1, "ckpt_every": 1, "batch_tokens": budget}
+    yaml = make_tiny_run(tmp_path / "run", n_train=N_TRAIN, n_val=2, lengths=LENGTHS, train=train)
+    cfg = load_config(yaml)
+    first = 2 if a == 2 else 3  # steps before the stop: 4 samples on 2 processes, 3 on 1 (odd: not a multiple of b)
+    _train(yaml, a, tmp_path / "A", first, False, monkeypatch)
+    seen_a = _seen(tmp_path / "A")
+    state = ckpt.load_checkpoint(ckpt.list_checkpoints(cfg.train_dir)[-1][1])
+    assert state["world_size"] == a and state["samples_in_epoch"] == len(seen_a) and len(set(seen_a)) == len(seen_a)
+
+    # the rest of epoch 0 on b processes, by an independent count of what is left
+    if budget is None:
+        perm = torch.randperm(N_TRAIN, generator=torch.Generator().manual_seed(0)).tolist()  # seed + epoch 0
+        assert sorted(seen_a) == sorted(perm[:len(seen_a)])  # steps consumed a prefix of the epoch's permutation
+        left = (N_TRAIN - len(seen_a)) // b
+        expect = perm[:len(seen_a) + left * b]
+    else:
+        lengths = [LENGTHS[i % len(LENGTHS)] for i in range(N_TRAIN)]
+        plan = TokenBudgetBatchSampler(lengths, budget, seed=0).epoch_batches(0)  # 1 process: the uncut plan
+        done = first * a  # global batches of the first run
+        assert sorted(seen_a) == sorted(i for bt in plan[:done] for i in bt)
+        left = (len(plan) - done) // b
+        expect = [i for bt in plan[:done + left * b] for i in bt]
+    _train(yaml, b, tmp_path / "B", left, True, monkeypatch)
+    seen = seen_a + _seen(tmp_path / "B")
+    assert len(seen) == len(set(seen)), f"replayed: {sorted(i for i in set(seen) if seen.count(i) > 1)}"
+    assert sorted(seen) == sorted(expect)  # nothing skipped but the tail that does not fill b ranks
+    assert N_TRAIN - len(seen) < b * (1 if budget is None else max(len(x) for x in plan))
+    last = ckpt.load_checkpoint(ckpt.list_checkpoints(cfg.train_dir)[-1][1])
+    assert (last["epoch"], last["samples_in_epoch"], last["world_size"]) == (0, len(seen), b)
+    assert last["steps_in_epoch"] == first + left
