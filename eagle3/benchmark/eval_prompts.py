@@ -41,7 +41,7 @@ def shared_data_dir() -> Path:
     env = os.environ.get("EAGLE3_SHARED_DATA")
     if env:
         return Path(env)
-    return Path(__file__).resolve().parents[1].parent / "shared" / "data"
+    return Path(__file__).resolve().parents[2].parent / "shared" / "data"  # eagle3/benchmark/ -> repo -> ..
 
 
 def _shared_file(rel: str) -> Path:

@@ -148,6 +148,14 @@ def test_gsm8k_first_n_and_humaneval(monkeypatch):
     assert he[3].messages[0]["content"] == HUMANEVAL_INSTRUCTION + probs[he[3].id]["prompt"]
 
 
+def test_shared_data_default_is_beside_the_repo(monkeypatch):
+    """Without EAGLE3_SHARED_DATA the folder is <repo root>/../shared/data (the layout move had made it <repo>/shared)."""
+    from eagle3.benchmark.eval_prompts import shared_data_dir
+
+    monkeypatch.delenv("EAGLE3_SHARED_DATA", raising=False)
+    assert shared_data_dir() == ROOT.resolve().parent / "shared" / "data"
+
+
 def test_missing_shared_data_is_a_user_error(monkeypatch, tmp_path):
     monkeypatch.setenv("EAGLE3_SHARED_DATA", str(tmp_path / "nope"))
     with pytest.raises(UserError, match="EAGLE3_SHARED_DATA"):
