@@ -430,10 +430,16 @@ def read_json(path: str | os.PathLike) -> Any:
 @contextlib.contextmanager
 def exclusive_lock(lock_path: str | os.PathLike, holder: str) -> Iterator[None]:
     """Hold an exclusive, non-blocking ``flock`` on ``lock_path`` for the block (the OS releases it
-    even on SIGKILL, so a killed run never leaves a stale lock).
+    even on SIGKILL, so a killed run never leaves a stale lock); the file is deleted again at the end
+    of the block, so a finished run leaves no empty lock file behind.
+
+    Deleting a lock file is safe only this way (the usual flock pattern): the holder unlinks it while
+    still holding the lock, and a process that obtains the lock checks that the file it locked is still
+    the one at ``lock_path`` (same device and inode); if the holder removed it in between, it opens the
+    new file and tries again. So two processes never both hold a lock on ``lock_path``.
 
     Args:
-        lock_path: the lock file (created if absent, never deleted).
+        lock_path: the lock file (created if absent, removed when the block ends).
         holder: what writes there, for the error, e.g. ``"another 02_extract_hidden run is writing to X"``.
 
     Raises:
@@ -441,14 +447,30 @@ def exclusive_lock(lock_path: str | os.PathLike, holder: str) -> Iterator[None]:
     """
     import fcntl
 
-    f = open(lock_path, "a+")
-    try:
+    lock_path = Path(lock_path)
+    while True:
+        f = open(lock_path, "a+")
         try:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError as e:
+            f.close()
             raise UserError(f"{lock_path}: {holder}") from e
+        except BaseException:
+            f.close()
+            raise
+        mine = os.fstat(f.fileno())
+        try:
+            now = os.stat(lock_path)
+        except FileNotFoundError:
+            now = None
+        if now is not None and (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino):
+            break
+        f.close()  # the previous holder removed the file after we opened it: lock the new one
+    try:
         yield
     finally:
+        with contextlib.suppress(FileNotFoundError):
+            lock_path.unlink()  # still holding the lock (see above)
         f.close()
 
 

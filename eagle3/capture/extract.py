@@ -541,21 +541,26 @@ def run(cfg: RunConfig, *, overwrite: bool = False, limit: Optional[int] = None,
 
     root = cfg.shards_dir
     d = _init_dist()
-    fresh = not root.exists()
+    created = [p for p in (root, *root.parents) if not p.exists()]  # folders this call may create, deepest first
     try:
         return _run(cfg, root, overwrite, limit, backend, tokenizer, d, ignore_disk_check)
-    except NotEnoughDisk:
-        if fresh and d.rank == 0:
-            _remove_fresh_folder(root)
+    except (NotEnoughDisk, UserError):
+        if created and d.rank == 0:
+            _remove_fresh_folder(created)
         raise
 
 
-def _remove_fresh_folder(root: Path) -> None:
-    """Undo what a refused run did to a shards folder it created: its lock, state file, folder."""
-    for name in (STATE, LOCK):
-        (root / name).unlink(missing_ok=True)
-    with contextlib.suppress(OSError):
-        root.rmdir()  # only when empty
+def _remove_fresh_folder(created: list[Path]) -> None:
+    """Undo what a refused run did to the folders it created (``created``: the shards folder and the
+    missing parents, deepest first): its state file, lock and the folders, only while they hold nothing
+    else (captured shards are never removed here)."""
+    root = created[0]
+    if root.is_dir() and {p.name for p in root.iterdir()} <= {STATE, LOCK}:
+        for name in (STATE, LOCK):
+            (root / name).unlink(missing_ok=True)
+    for folder in created:
+        with contextlib.suppress(OSError):
+            folder.rmdir()  # only when empty
 
 
 def _run(cfg: RunConfig, root: Path, overwrite: bool, limit: Optional[int], backend: Optional[CaptureBackend],

@@ -745,20 +745,22 @@ def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: O
          stop_after: Optional[int], export: Optional[Callable] = None) -> dict:
     t = cfg.train
     train_dir = cfg.train_dir
-    if d.is_main:
-        train_dir.mkdir(parents=True, exist_ok=True)
-        ckpt.remove_stale_tmp(train_dir)
-    existing = ckpt.list_checkpoints(train_dir)
-    if existing and not resume:
-        raise UserError(f"{ckpt.ckpt_dir(train_dir)}: holds checkpoints (newest step {existing[-1][0]}); "
-                        f"pass --resume to continue, or set train.output_dir to a new folder")
 
-    # ---- inputs ----------------------------------------------------------------------------
+    # ---- inputs: read and checked before anything is written, so that a bad input (a stage not run yet, a
+    # draft vocab changed without re-running 03) is the first error and leaves no empty train/ folder behind
     data_config = read_data_config(cfg.shards_dir)
     vocab = load_run_vocab_map(cfg, int(data_config["vocab_size"]))
     split = read_split(cfg.data_dir)
     args = build_drafter_args(cfg, data_config, vocab)
-    head = prepare_target_head(cfg, data_config, d)
+    existing = ckpt.list_checkpoints(train_dir)
+    if existing and not resume:
+        raise UserError(f"{ckpt.ckpt_dir(train_dir)}: holds checkpoints (newest step {existing[-1][0]}); "
+                        f"pass --resume to continue, or set train.output_dir to a new folder")
+    if d.is_main and train_dir.is_dir():
+        ckpt.remove_stale_tmp(train_dir)
+    head = prepare_target_head(cfg, data_config, d)  # the first write: target_head.safetensors (creates train_dir)
+    if d.is_main:
+        train_dir.mkdir(parents=True, exist_ok=True)
     drafter = init_drafter(args, head, vocab, t.seed).to(d.device)
     amp = _autocast_dtype(cfg, d.device)
     feat_dtype = torch.bfloat16 if amp is not None else torch.float32

@@ -183,6 +183,7 @@ def test_fingerprint_mismatch_refused_then_overwrite(tmp_path, tiny_llama_dir, t
     s = _run(cfg2, tiny_backend, limit=3, overwrite=True)
     assert s["written"] == 3 and s["resumed"] == 0
     assert read_data_config(cfg2.shards_dir)["max_length"] == 40
+    assert not (cfg2.shards_dir / ".extract.lock").exists()  # a finished run leaves no empty lock file
     assert all(load_sample(p)["input_ids"].numel() <= 40 for _, p in list_samples(cfg2.shards_dir))
 
 
@@ -191,8 +192,9 @@ def test_changed_prompts_refused(tmp_path, tiny_llama_dir, tiny_backend):
     cfg = load_config(path)
     _run(cfg, tiny_backend, limit=2)
     _write_prompts(cfg.prompts_path, CONVS[::-1])
-    with pytest.raises(UserError, match="different prompts_sha256"):
+    with pytest.raises(UserError, match=r"other settings: changed the prompts file \(sha256 [0-9a-f]{8} -> [0-9a-f]{8}\);"):
         _run(cfg, tiny_backend, limit=2)
+    assert not (cfg.shards_dir / ".extract.lock").exists()  # released and removed, also after a refusal
 
 
 def test_unknown_shards_refused(tmp_path, tiny_llama_dir):

@@ -164,6 +164,8 @@ def test_bad_input_is_one_error_line_and_exit_2(files, capsys, script, argv, wan
     assert e.value.code == 2, err
     assert len(lines) == 1 and "Traceback" not in err, err
     assert lines[0].startswith(f"error: {want}"), lines[0]
+    left = sorted(str(p.relative_to(files["root"])) for p in (files["root"] / "outputs").rglob("*"))
+    assert not left, f"a refused run left {left} behind"  # nothing half-written (04 made an empty train/)
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

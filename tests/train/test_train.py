@@ -233,6 +233,16 @@ def test_existing_checkpoints_without_resume_is_user_error(tmp_path):
     assert (r["step"], r["total_steps"], r["stopped"]) == (1, 3, True)  # max_steps caps the 4 steps of the epoch
     with pytest.raises(UserError, match="pass --resume"):
         run(cfg, device="cpu")
+    # a draft vocab changed without re-running 03: that is the first error, before "holds checkpoints" ...
+    changed = cfg.model_copy(update={"data": cfg.data.model_copy(update={"draft_vocab_size": 16})})
+    with pytest.raises(UserError, match="data.draft_vocab_size") as e:
+        run(changed, device="cpu")
+    assert "holds checkpoints" not in str(e.value)
+    # ... and in a fresh train folder it leaves nothing behind
+    fresh = changed.model_copy(update={"train": changed.train.model_copy(update={"output_dir": str(tmp_path / "t2")})})
+    with pytest.raises(UserError, match="data.draft_vocab_size"):
+        run(fresh, device="cpu")
+    assert not (tmp_path / "t2").exists()
 
 
 def test_cli_bad_config_exits_2(tmp_path):
