@@ -14,6 +14,7 @@ pipeline needs (:func:`verifier_dims`) is read from the text model.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from pathlib import Path
@@ -130,6 +131,42 @@ def load_verifier_config(vcfg: VerifierConfig):
         return PretrainedConfig(**raw)
 
 
+# transformers >= 5.2x (quantizers/quantizer_gguf.py, GgufQuantizer.update_dtype) warns on every GGUF load in a
+# dtype other than float32 that packed GGUF weights are fastest in float32. verifier.dtype is a deliberate
+# choice (configs/smollm2-135m.yaml: bf16 generated faster than fp32 on the 2-core CPU, and 05 switches to float32
+# on CPU for its exact lossless check), so that note is dropped and the reason logged once per process instead.
+_GGUF_DTYPE_NOTE = "Loading a GGUF checkpoint with its weights packed is fastest in float32"
+_GGUF_LOGGER = "transformers.quantizers.quantizer_gguf"
+_gguf_reason_logged = False
+
+
+class _DropGgufDtypeNote(logging.Filter):
+    """Drops transformers' "GGUF is fastest in float32" warning (:data:`_GGUF_DTYPE_NOTE`); passes every other record."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.getMessage()).startswith(_GGUF_DTYPE_NOTE)
+
+
+@contextlib.contextmanager
+def _gguf_dtype_note_silenced(vcfg: VerifierConfig):
+    """While loading a GGUF verifier in ``verifier.dtype`` != float32: transformers' float32 note is filtered out
+    of its logger, and one INFO line per process says why the dtype is kept (see :data:`_GGUF_DTYPE_NOTE`)."""
+    global _gguf_reason_logged
+    if not vcfg.gguf_file or vcfg.dtype == "float32":
+        yield
+        return
+    if not _gguf_reason_logged:
+        log.info("GGUF verifier loaded in verifier.dtype=%s on purpose (it generated faster than float32 on CPU); "
+                 "transformers' 'fastest in float32' note is not shown", vcfg.dtype)
+        _gguf_reason_logged = True
+    logger, note = logging.getLogger(_GGUF_LOGGER), _DropGgufDtypeNote()
+    logger.addFilter(note)
+    try:
+        yield
+    finally:
+        logger.removeFilter(note)
+
+
 def load_verifier(vcfg: VerifierConfig, device: Optional[Union[str, torch.device]] = None):
     """Load the verifier model (eval mode, ``vcfg.dtype``) and its tokenizer.
 
@@ -150,7 +187,8 @@ def load_verifier(vcfg: VerifierConfig, device: Optional[Union[str, torch.device
     dev = resolve_device(device if device is not None else vcfg.device)
     tok = load_tokenizer(vcfg)
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=_DTYPES[vcfg.dtype], **_hf_kwargs(vcfg))
+        with _gguf_dtype_note_silenced(vcfg):
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=_DTYPES[vcfg.dtype], **_hf_kwargs(vcfg))
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"verifier.path: cannot load the model from '{path}': {first}") from e

