@@ -342,6 +342,14 @@ class TrainConfig(_Strict):
         "auto", description="recompute each TTT step's draft-vocab logits in backward; auto = off (the loss keeps only "
         "bf16 logits at loss positions; 'on' saves M x draft_V x 2 bytes per TTT step for ~12% more step time)"
     )
+    hidden_states: Literal["offline", "online"] = Field(
+        "offline", description="offline = 04 reads the verifier's hidden states from 02's shards; online = 02 writes "
+        "token-only samples (input_ids + loss_mask, 16 bytes/token, format eagle3-tokens-v1) and 04 computes the states "
+        "of each micro-batch itself with 02's capture code: extract.backend hf = the verifier in-process (verifier.dtype, "
+        "frozen, one replica per rank), sglang = the capture server(s) of extract.sglang_url (DESIGN.md 'Online training')")
+    online_prefetch: int = Field(
+        2, ge=1, description="online with extract.backend sglang: micro-batches captured ahead of training (a bounded "
+        "queue: the capture of batch k+1 overlaps training on batch k; each waits in host memory)")
     nproc_per_node: int = Field(1, ge=1, description="GPUs per node the run is planned for (torchrun --nproc_per_node); documentation")
     output_dir: Optional[str] = Field(None, description="default {output_root}/train")
 

@@ -48,6 +48,13 @@ own ``manifest.rank{r}.jsonl``; after an all-gather (the barrier) rank 0 merges 
 ``data_config.json`` last. A kill leaves rank manifests that the next start (any world size, one
 process included) merges first, so the resumed shard set is the same as an uninterrupted run's.
 
+Token-only samples (``train.hidden_states: online``): the same tokenization, masks, sample ids,
+manifest, resume rules and disk plan, but each shard holds only ``input_ids`` and ``loss_mask``
+(format ``eagle3-tokens-v1``, 16 bytes per token, :mod:`eagle3.shards`); no prefill runs. The backend
+is still built, for its ``info()`` (dims, aux layers, the last-hidden-state convention, recorded in
+``data_config.json`` for 04 to check against the verifier it runs): the HF backend loads the verifier
+and runs its one probe forward; the SGLang backend asks its server(s).
+
 Testing hook: the environment variable ``EAGLE3_EXTRACT_SLEEP_PER_BATCH`` (seconds, float)
 makes the loop sleep after each captured batch, so a fault-injection test can SIGKILL a run on a
 tiny verifier mid-way. It has no other effect.
@@ -86,12 +93,14 @@ from eagle3.capture.shard_writer import ShardWriter
 from eagle3.shards.format import (
     DATA_CONFIG,
     LAYER_INDEX_CONVENTION,
+    TOKEN_BYTES_PER_TOKEN,
     bytes_per_token,
     list_samples,
     load_sample,
     shard_object,
     shard_path,
     storage_meta,
+    tokens_meta,
     write_data_config,
 )
 
@@ -229,12 +238,18 @@ def tokenize_prompts(tokenizer, prompts: list[dict], cfg: RunConfig, prompts_pat
 # ---------------------------------------------------------------------------------------------
 # fingerprint and folder state
 # ---------------------------------------------------------------------------------------------
+def token_only(cfg: RunConfig) -> bool:
+    """Whether stage 02 writes token-only samples (``train.hidden_states: online``; :mod:`eagle3.shards`)."""
+    return cfg.train.hidden_states == "online"
+
+
 def fingerprint(cfg: RunConfig, prompts_sha256: str) -> tuple[str, dict]:
     """sha256 over what determines the shard tensors: returns ``(hex, components)``.
 
     Components: ``verifier`` section without ``device``; ``extract.{backend, aux_layers,
     max_length, too_long, rows_per_dir}``; the prompts file sha256; the verifier id; the fp8
-    storage (``storage``, only when ``extract.storage_dtype`` is not bfloat16).
+    storage (``storage``, only when ``extract.storage_dtype`` is not bfloat16); ``samples: tokens``
+    for token-only samples (so a folder of one kind never resumes as the other).
     """
     # Rendering fields added later are left out while at their defaults, so folders extracted
     # before they existed still resume.
@@ -253,7 +268,9 @@ def fingerprint(cfg: RunConfig, prompts_sha256: str) -> tuple[str, dict]:
         "verifier_id": cfg.verifier.display_name(),
     }
     storage = storage_from_config(cfg.extract)
-    if storage.is_fp8:  # only when set, so bf16 folders of earlier versions keep their fingerprint
+    if token_only(cfg):
+        comp["samples"] = "tokens"
+    elif storage.is_fp8:  # only when set, so bf16 folders of earlier versions keep their fingerprint
         comp["storage"] = storage.to_meta()
     blob = json.dumps(comp, sort_keys=True, separators=(",", ":")).encode("utf-8")
     return hashlib.sha256(blob).hexdigest(), comp
@@ -715,13 +732,30 @@ def _check_disk(cfg: RunConfig, root: Path, samples: list[Sample], done: dict[in
 
     todo = [s for s in samples if s.idx not in done]
     storage = storage_from_config(cfg.extract)  # fp8: the plan measures fp8 shards (values + scales)
+    encode = functools.partial(shard_object, storage=storage)
+    hidden_bpt = bytes_per_token(info["hidden_size"], storage=storage)
+    if token_only(cfg):  # the plan measures token-only shards: ids + mask, no hidden states
+        encode, hidden_bpt = _token_encode, 0
     plan = plan_disk(root, [(s.id, len(s.input_ids)) for s in todo], hidden_size=info["hidden_size"],
-                     hidden_bytes_per_token=bytes_per_token(info["hidden_size"], storage=storage),
+                     hidden_bytes_per_token=hidden_bpt,
                      rows_per_dir=cfg.extract.rows_per_dir, pending_idx=[s.idx for s in todo],
-                     encode=functools.partial(shard_object, storage=storage), margin=cfg.extract.disk_margin,
+                     encode=encode, margin=cfg.extract.disk_margin,
                      margin_bytes=cfg.extract.disk_margin_bytes, skipped_ids=skipped_ids,
                      freed_by_overwrite=freed_by_overwrite)
     return check_disk(plan, ignore).to_dict()
+
+
+def _token_encode(input_ids, _hidden_states, loss_mask) -> dict:
+    """The shard encoder of token-only samples for the disk plan (the states of the probe are dropped)."""
+    return shard_object(input_ids, None, loss_mask)
+
+
+def _expect(cfg: RunConfig, info: dict) -> dict:
+    """What every shard of this run must hold (:func:`eagle3.shards.load_sample`'s ``expect``)."""
+    if token_only(cfg):
+        return {"vocab_size": info["vocab_size"], "tokens_only": True}
+    return {"hidden_size": info["hidden_size"], "num_hidden_states": 4, "vocab_size": info["vocab_size"],
+            "storage_dtype": storage_from_config(cfg.extract).dtype}
 
 
 @dataclass
@@ -777,8 +811,7 @@ def _prepare(cfg: RunConfig, root: Path, overwrite: bool, limit: Optional[int],
         raise ValueError(f"backend captures {aux} but extract.aux_layers is {cfg.extract.aux_layers}")
 
     samples, counts, skipped_ids = tokenize_prompts(tokenizer, prompts, cfg, prompts_path)
-    expect = {"hidden_size": info["hidden_size"], "num_hidden_states": 4, "vocab_size": info["vocab_size"],
-              "storage_dtype": storage_from_config(cfg.extract).dtype}
+    expect = _expect(cfg, info)
 
     def reconcile() -> dict[int, dict]:
         done = _resume_state(root, samples, cfg.extract.rows_per_dir, expect, root / MANIFEST)
@@ -885,6 +918,36 @@ def capture_and_write(backend: CaptureBackend, samples: list[Sample], batches: l
     return rows
 
 
+def write_token_samples(samples: list[Sample], batches: list[list[int]], done: dict[int, dict], root: Path,
+                        rows_per_dir: int, manifest_path: Path, *, write_threads: int, max_pending_tokens: int,
+                        on_commit: Optional[Callable[[dict], None]] = None, checksum: str = DEFAULT_ALGO) -> list[dict]:
+    """The write step of token-only samples (``train.hidden_states: online``): the pending samples of
+    ``batches`` (positions into ``samples``), in batch order, as ``{input_ids, loss_mask}`` shards
+    through the same :class:`eagle3.shard_writer.ShardWriter` (atomic files, checksums, manifest rows in
+    order after each shard is durable) as :func:`capture_and_write`; no verifier forward. Returns the new rows.
+
+    Raises:
+        UserError / OSError: a shard or manifest write failed (e.g. disk full).
+    """
+    rows: list[dict] = []
+
+    def committed(row: dict) -> None:
+        done[row["idx"]] = row
+        rows.append(row)
+        if on_commit is not None:
+            on_commit(row)
+
+    with ManifestWriter(manifest_path) as man, ShardWriter(root, rows_per_dir, man, threads=write_threads,
+                                                           max_pending_tokens=max_pending_tokens,
+                                                           on_commit=committed, checksum=checksum) as writer:
+        for group in batches:
+            for i in group:
+                s = samples[i]
+                if s.idx not in done:
+                    writer.submit(s.idx, s.id, s.input_ids, None, s.loss_mask)
+    return rows
+
+
 def _extract(cfg: RunConfig, root: Path, overwrite: bool, limit: Optional[int],
              backend: Optional[CaptureBackend], tokenizer, d: _Dist, ignore_disk_check: bool = False) -> dict:
     """The stage in named steps: prepare (plan + tokenize + disk check), capture + write, gather
@@ -907,15 +970,21 @@ def _extract(cfg: RunConfig, root: Path, overwrite: bool, limit: Optional[int],
     threads = cfg.extract.write_threads
     t_cap = time.perf_counter()
     # several SGLang servers: the batch plan is announced so batches are captured ahead, in parallel
-    with prefetching(p.backend, [[samples[i].input_ids for i in g] for g in mine]), \
+    ahead = [] if token_only(cfg) else [[samples[i].input_ids for i in g] for g in mine]
+    with prefetching(p.backend, ahead), \
             tqdm(total=shown_done + my_tok, initial=shown_done, unit="tok", unit_scale=True, desc=desc,
                  mininterval=1.0, position=d.rank) as bar:
-        my_rows = capture_and_write(p.backend, samples, mine, done, p.info["hidden_size"], root,
-                                    cfg.extract.rows_per_dir, my_man,
-                                    write_threads=default_write_threads() if threads is None else threads,
-                                    max_pending_tokens=2 * cfg.extract.batch_tokens,
-                                    on_commit=lambda row: bar.update(row["num_tokens"]),
-                                    storage=storage_from_config(cfg.extract))
+        wt = default_write_threads() if threads is None else threads
+        if token_only(cfg):
+            my_rows = write_token_samples(samples, mine, done, root, cfg.extract.rows_per_dir, my_man,
+                                          write_threads=wt, max_pending_tokens=2 * cfg.extract.batch_tokens,
+                                          on_commit=lambda row: bar.update(row["num_tokens"]))
+        else:
+            my_rows = capture_and_write(p.backend, samples, mine, done, p.info["hidden_size"], root,
+                                        cfg.extract.rows_per_dir, my_man, write_threads=wt,
+                                        max_pending_tokens=2 * cfg.extract.batch_tokens,
+                                        on_commit=lambda row: bar.update(row["num_tokens"]),
+                                        storage=storage_from_config(cfg.extract))
     written = len(my_rows)
     t_cap = time.perf_counter() - t_cap
     captured_tok = total_tok - done_tok
@@ -958,8 +1027,9 @@ def _finalise(cfg: RunConfig, root: Path, p: _Prepared, n_resumed: int, written:
     from eagle3.prompts.chat import chat_template_hash
 
     storage = storage_from_config(cfg.extract)
+    tokens = token_only(cfg)
     meta = {
-        **storage_meta(storage),  # format, dtype (+ fp8 scale keys)
+        **(tokens_meta() if tokens else storage_meta(storage)),  # format, dtype (+ fp8 scale keys)
         "verifier": cfg.verifier.display_name(),
         "architecture": info["architecture"],
         "num_layers": info["num_layers"],
@@ -979,7 +1049,7 @@ def _finalise(cfg: RunConfig, root: Path, p: _Prepared, n_resumed: int, written:
         "num_samples": len(rows),
         "num_tokens": num_tokens,
         "num_loss_tokens": num_loss,
-        "bytes_per_token": bytes_per_token(info["hidden_size"], storage=storage),
+        "bytes_per_token": 0 if tokens else bytes_per_token(info["hidden_size"], storage=storage),
         "skipped": {k: int(v) for k, v in sorted(counts.items()) if k.startswith("skipped")},
         "truncated": int(counts["truncated"]),
         "chat_template_kwargs": dict(cfg.verifier.chat_template_kwargs),
@@ -1004,7 +1074,7 @@ def _finalise(cfg: RunConfig, root: Path, p: _Prepared, n_resumed: int, written:
         "capture_s": round(t_cap, 3),
         "total_s": round(time.perf_counter() - t_start, 3),
         "captured_tokens_per_s": round(captured_tok / t_cap, 1) if t_cap > 0 and captured_tok else None,
-        "disk_gb": round(num_tokens * meta["bytes_per_token"] / 1e9, 4),
+        "disk_gb": round(num_tokens * (TOKEN_BYTES_PER_TOKEN if tokens else meta["bytes_per_token"]) / 1e9, 4),
         "disk_plan": p.disk,
         **({"servers": p.backend.server_summary()} if hasattr(p.backend, "server_summary") else {}),
     }

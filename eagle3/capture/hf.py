@@ -165,6 +165,29 @@ class HFCapture:
                  for group in plan_batches([len(s) for s in batch], self.batch_tokens)]
         return PendingCapture(len(batch), parts)
 
+    @torch.no_grad()
+    @no_cudnn_sdpa()  # padded lengths change per batch: no per-shape cuDNN plans (~40 ms/call on H200)
+    def prefill_states(self, ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
+        """The capture's 4 states of a padded batch, left on the device: online training (stage 04,
+        :mod:`eagle3.train.online`) trains on them without a host round trip.
+
+        The same hooks (or ``output_hidden_states`` fallback, decided by the same first-use check) as
+        :meth:`capture_async`, under ``torch.no_grad`` (not inference mode: the states feed autograd as
+        inputs of the drafter) and without cuDNN SDPA.
+
+        Args:
+            ids: int64 ``[B, L]`` on :attr:`device`, right-padded (any pad id).
+            attention_mask: int64 ``[B, L]`` (1 = real token) or None (no padding, or right padding
+                under causal attention, where real positions never attend to the padding).
+
+        Returns:
+            ``[aux1, aux2, aux3, last]``, each ``[B, L, H]`` in the model's dtype on its device; the padded
+            rows hold whatever the model computed there (the caller zeroes them).
+        """
+        if self._hooks_ok is None:
+            self._hooks_ok = self._check_hooks()
+        return (self._states_hooked if self._hooks_ok else self._states_all)(ids, attention_mask)
+
     # ---- internals -----------------------------------------------------------------------
     @property
     def device(self) -> torch.device:

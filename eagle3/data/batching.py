@@ -69,7 +69,7 @@ def sample_lengths(shards_dir: str | os.PathLike, dataset, max_length: Optional[
         if row is not None and row.get("num_tokens", 0) > 0:
             n = int(row["num_tokens"])
         else:
-            n = int(load_sample(path)["input_ids"].numel())
+            n = int(load_sample(path, expect=getattr(dataset, "expect", None))["input_ids"].numel())
             loaded += 1
         out.append(n if max_length is None else min(n, max_length))
     if loaded:

@@ -9,6 +9,8 @@ the speculators-v1 shards in ``shards_dir``, DESIGN.md "Shards"). One item is on
 - ``loss_mask`` int64 ``[L]``
 - fp8 shards (``eagle3.shards.fp8``): ``aux``/``last`` are float8_e4m3fn and ``aux_scale`` fp32 ``[L, 3nb]``,
   ``last_scale`` fp32 ``[L, nb]`` come along; stage 04 dequantises after the host->device copy.
+- token-only samples (``eagle3-tokens-v1``, online training) and ``states=False``: ``input_ids`` and
+  ``loss_mask`` only; stage 04 computes ``aux``/``last`` itself (:mod:`eagle3.train.online`).
 
 truncated to ``max_length`` tokens. :func:`collate` pads on the right with token id 0, zero
 features and loss mask 0; right padding is safe because drafter attention is causal, so real
@@ -67,13 +69,15 @@ class ShardDataset(Dataset):
         max_length: keep the first ``max_length`` tokens of each sample (``None`` = all).
         expect: passed to :func:`eagle3.shards.format.load_sample` (hidden size, vocab size checks).
         split_name: used in error messages (``split.json: key 'train'``...).
+        states: False = items without ``aux``/``last`` (online training over a hidden-state folder);
+            token-only folders (``expect["tokens_only"]``) never have them.
 
     Raises:
         UserError: an id of the split has no shard file.
     """
 
     def __init__(self, shards_dir: str | os.PathLike, indices: Sequence[int], max_length: Optional[int] = None,
-                 expect: Optional[dict] = None, split_name: str = "train"):
+                 expect: Optional[dict] = None, split_name: str = "train", states: bool = True):
         if max_length is not None and max_length < 2:
             raise UserError(f"train: max_length must be >= 2, got {max_length}")
         found = dict(list_samples(shards_dir))
@@ -85,6 +89,7 @@ class ShardDataset(Dataset):
         self.indices = list(indices)
         self.max_length = max_length
         self.expect = expect
+        self.states = states and not (expect or {}).get("tokens_only", False)
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -92,6 +97,8 @@ class ShardDataset(Dataset):
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         s = load_sample(self.paths[i], expect=self.expect)
         n = s["input_ids"].numel() if self.max_length is None else min(self.max_length, s["input_ids"].numel())
+        if not self.states:
+            return {"input_ids": s["input_ids"][:n], "loss_mask": s["loss_mask"][:n]}  # [L] int64 each
         hs = s["hidden_states"]
         item = {
             "input_ids": s["input_ids"][:n],  # [L] int64
@@ -130,7 +137,8 @@ def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         ``loss_pos`` int64 ``[M]`` (flat indices ``b * Lmax + p`` of the loss positions ``p >= 2``,
         :func:`eagle3.data.dataset.loss_positions`; computed here, in the loader workers, so that the loss
         needs no device-to-host sync to find them); fp8 shards add ``aux_scale`` ``[B, Lmax, 3nb]`` and
-        ``last_scale`` ``[B, Lmax, nb]`` (fp32, pad 0) for :func:`eagle3.shards.fp8.dequantize_batch`.
+        ``last_scale`` ``[B, Lmax, nb]`` (fp32, pad 0) for :func:`eagle3.shards.fp8.dequantize_batch`. Items
+        without ``aux`` (token-only, online training) give a batch without ``aux`` and ``last``.
     """
     B = len(items)
     lengths = torch.tensor([it["input_ids"].numel() for it in items], dtype=torch.int64)  # [B]
@@ -139,8 +147,9 @@ def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     ids = torch.full((B, Lmax), PAD_TOKEN_ID, dtype=torch.int64)  # [B, Lmax]
     mask = torch.zeros((B, Lmax), dtype=torch.int64)  # [B, Lmax]
     attn = torch.zeros((B, Lmax), dtype=torch.int64)  # [B, Lmax]
-    aux = torch.zeros((B, Lmax, ref["aux"].shape[-1]), dtype=ref["aux"].dtype)  # [B, Lmax, 3Ht]
-    last = torch.zeros((B, Lmax, ref["last"].shape[-1]), dtype=ref["last"].dtype)  # [B, Lmax, Ht]
+    has_states = "aux" in ref
+    aux = torch.zeros((B, Lmax, ref["aux"].shape[-1]), dtype=ref["aux"].dtype) if has_states else None  # [B, Lmax, 3Ht]
+    last = torch.zeros((B, Lmax, ref["last"].shape[-1]), dtype=ref["last"].dtype) if has_states else None  # [B, Lmax, Ht]
     scales = {k: torch.zeros((B, Lmax, ref[k].shape[-1]), dtype=ref[k].dtype)  # [B, Lmax, nb] (fp8 shards)
               for k in ("aux_scale", "last_scale") if k in ref}
     for b, it in enumerate(items):
@@ -148,12 +157,16 @@ def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         ids[b, :n] = it["input_ids"]
         mask[b, :n] = it["loss_mask"]
         attn[b, :n] = 1
-        aux[b, :n] = it["aux"]
-        last[b, :n] = it["last"]
+        if has_states:
+            aux[b, :n] = it["aux"]
+            last[b, :n] = it["last"]
         for k, v in scales.items():
             v[b, :n] = it[k]
-    return {"input_ids": ids, "aux": aux, "last": last, "loss_mask": mask, "attention_mask": attn, "lengths": lengths,
-            "loss_pos": loss_positions(mask), **scales}
+    out = {"input_ids": ids, "loss_mask": mask, "attention_mask": attn, "lengths": lengths,
+           "loss_pos": loss_positions(mask), **scales}
+    if has_states:
+        out.update(aux=aux, last=last)
+    return out
 
 
 class ResumableSampler(DistributedSampler):

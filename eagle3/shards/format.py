@@ -19,6 +19,13 @@ keeps the same dict, with ``hidden_states`` as 4 x float8_e4m3fn ``[L, H]`` and 
 ``h = hidden_states[k].float() * scale`` per block. ``data_config.json`` records it
 (``storage_dtype``, ``scale_scheme``, ``scale_block_size``, ``scale_dtype``, ``storage_format_version``).
 
+Token-only samples (format ``eagle3-tokens-v1``, ``train.hidden_states: online``): the same file
+names and layout, each dict only ``{"input_ids": int64 [L], "loss_mask": int64 [L]}`` (16 bytes per
+token): stage 04 computes the hidden states itself (:mod:`eagle3.train.online`). ``data_config.json``
+then has ``format: eagle3-tokens-v1``, ``dtype``/``storage_dtype`` ``"none"``, ``bytes_per_token`` 0
+(hidden-state bytes), and still the verifier's dims, aux layers and norm convention, which 04 checks
+against the verifier it runs.
+
 ``data_config.json`` (written last by stage 02) records the verifier and every convention
 needed to interpret the tensors; see :func:`write_data_config` for the keys.
 """
@@ -41,6 +48,9 @@ from eagle3.io import TMP_MARK, atomic_torch_save, atomic_write_json, read_json,
 FORMAT = "speculators-v1"
 FORMAT_FP8 = "eagle3-fp8-v1"  # speculators-v1 layout + fp8 hidden states + "hidden_scales"
 FP8_FORMAT_VERSION = 1
+FORMAT_TOKENS = "eagle3-tokens-v1"  # input_ids + loss_mask only: stage 04 computes the states (online training)
+TOKEN_SHARD_KEYS = ("input_ids", "loss_mask")
+TOKEN_BYTES_PER_TOKEN = 16  # int64 input_ids + int64 loss_mask
 DATA_CONFIG = "data_config.json"
 SHARD_KEYS = ("input_ids", "hidden_states", "loss_mask")
 NUM_HIDDEN_STATES = 4  # three aux states + last
@@ -183,7 +193,7 @@ def _nonfinite(idx: int, k: int) -> ValueError:
 
 def shard_object(
     input_ids: Sequence[int] | torch.Tensor,
-    hidden_states: Sequence[torch.Tensor] | StoredStates,
+    hidden_states: Sequence[torch.Tensor] | StoredStates | None,
     loss_mask: Sequence[int] | torch.Tensor,
     storage: Storage | None = None,
     idx: int = 0,
@@ -198,7 +208,8 @@ def shard_object(
             :func:`encode_batch`): only checked (shapes, dtypes, NaN/Inf through the scales or,
             unless ``source_finite``, the values) and copied out of their batch buffer. A tensor
             that is a view into a larger storage is re-wrapped over its own bytes (:func:`_own`),
-            because ``torch.save`` stores a view's whole storage.
+            because ``torch.save`` stores a view's whole storage. None: a token-only sample
+            (``eagle3-tokens-v1``: ``{"input_ids", "loss_mask"}`` only; ``storage`` is ignored).
         loss_mask: ``[L]`` 0/1 (stored int64).
         storage: ``None``/bf16 = speculators-v1; fp8 = float8_e4m3fn values + ``hidden_scales``.
         idx: the sample's idx (named in errors).
@@ -212,6 +223,8 @@ def shard_object(
     L = ids.numel()
     if mask.numel() != L:
         raise ValueError(f"sample {idx}: loss_mask has {mask.numel()} entries, input_ids {L}")
+    if hidden_states is None:
+        return {"input_ids": ids, "loss_mask": mask}
     fp8 = storage is not None and storage.is_fp8
     if isinstance(hidden_states, StoredStates):
         return _stored_object(ids, mask, hidden_states, storage, idx)
@@ -283,7 +296,7 @@ def write_sample(
     idx: int,
     rows_per_dir: int,
     input_ids: Sequence[int] | torch.Tensor,
-    hidden_states: Sequence[torch.Tensor] | StoredStates,
+    hidden_states: Sequence[torch.Tensor] | StoredStates | None,
     loss_mask: Sequence[int] | torch.Tensor,
     storage: Storage | None = None,
     hasher=None,
@@ -357,8 +370,20 @@ def all_finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(t).all())
 
 
+def is_token_only(meta: dict) -> bool:
+    """Whether a validated ``data_config.json`` dict describes token-only samples (``eagle3-tokens-v1``)."""
+    return meta.get("format") == FORMAT_TOKENS
+
+
+def tokens_meta() -> dict:
+    """The ``data_config.json`` storage keys of token-only samples (the counterpart of :func:`storage_meta`)."""
+    return {"format": FORMAT_TOKENS, "dtype": "none", "storage_dtype": "none"}
+
+
 def expect_from_data_config(meta: dict) -> dict:
     """The ``expect`` dict for :func:`load_sample` from a validated ``data_config.json`` dict."""
+    if is_token_only(meta):
+        return {"vocab_size": int(meta["vocab_size"]), "tokens_only": True}
     st = Storage.from_meta(meta)
     return {
         "hidden_size": int(meta["hidden_size"]),
@@ -390,13 +415,16 @@ def load_sample(path: str | os.PathLike, expect: dict | None = None) -> dict:
     Args:
         path: a ``data_{idx}.pt`` file.
         expect: optional ``{"hidden_size": H, "num_hidden_states": 4, "vocab_size": V,
-            "storage_dtype": "bfloat16"|"float8_e4m3fn", "scale_blocks": nb}`` (any subset; see
-            :func:`expect_from_data_config`) checked against the tensors.
+            "storage_dtype": "bfloat16"|"float8_e4m3fn", "scale_blocks": nb, "tokens_only": bool}``
+            (any subset; see :func:`expect_from_data_config`) checked against the tensors.
+            ``tokens_only`` True: the shard must be token-only (no ``hidden_states``); False or
+            absent: it must hold hidden states.
 
     Returns:
         ``{"input_ids": int64 [L], "hidden_states": [4 x bf16 [L, H]], "loss_mask": int64 [L]}``;
         fp8 shards: ``hidden_states`` are float8_e4m3fn ``[L, H]`` and ``hidden_scales``
-        (4 x float32 ``[L, nb]``) is added (:func:`hidden_states_bf16` dequantises).
+        (4 x float32 ``[L, nb]``) is added (:func:`hidden_states_bf16` dequantises); token-only
+        shards: ``{"input_ids", "loss_mask"}`` only.
 
     Raises:
         UserError: naming the file and key: unreadable/truncated/unsafe pickle, not a dict,
@@ -408,7 +436,12 @@ def load_sample(path: str | os.PathLike, expect: dict | None = None) -> dict:
     obj = safe_torch_load(path)
     if not isinstance(obj, dict):
         raise UserError(f"{path}: not a speculators shard (top level is {type(obj).__name__}, expected dict)")
-    for key in SHARD_KEYS:
+    expect = expect or {}
+    tokens_only = bool(expect.get("tokens_only", False))
+    if tokens_only and "hidden_states" in obj:
+        raise _bad(path, "hidden_states", f"present, but data_config.json says {FORMAT_TOKENS!r} (token-only samples; "
+                   "shards of another run mixed in?)")
+    for key in TOKEN_SHARD_KEYS if tokens_only else SHARD_KEYS:
         if key not in obj:
             raise _bad(path, key, "missing")
     ids = _check_1d_int64(path, obj, "input_ids")  # [L]
@@ -422,10 +455,14 @@ def load_sample(path: str | os.PathLike, expect: dict | None = None) -> dict:
         raise _bad(path, "loss_mask", "values must be 0 or 1")
     if bool((ids < 0).any()):
         raise _bad(path, "input_ids", "negative token id")
+    if tokens_only:
+        V = expect.get("vocab_size")
+        if V is not None and int(ids.max()) >= V:
+            raise _bad(path, "input_ids", f"token id {int(ids.max())} >= vocab_size {V}")
+        return {"input_ids": ids, "loss_mask": mask}
     hs = obj["hidden_states"]
     if not isinstance(hs, (list, tuple)) or not all(isinstance(h, torch.Tensor) for h in hs):
         raise _bad(path, "hidden_states", f"expected a list of tensors, got {type(hs).__name__}")
-    expect = expect or {}
     n_expected = int(expect.get("num_hidden_states", NUM_HIDDEN_STATES))
     if len(hs) != n_expected:
         raise _bad(path, "hidden_states", f"{len(hs)} tensors, expected {n_expected} (3 aux layers + last)")
@@ -510,8 +547,8 @@ def _data_config_problem(meta: Any) -> str | None:
         v = meta[key]
         if isinstance(v, bool) or not isinstance(v, typ):
             return f"key '{key}' has type {type(v).__name__}"
-    if meta["format"] not in (FORMAT, FORMAT_FP8):
-        return f"key 'format' is {meta['format']!r}, expected {FORMAT!r} or {FORMAT_FP8!r}"
+    if meta["format"] not in (FORMAT, FORMAT_FP8, FORMAT_TOKENS):
+        return f"key 'format' is {meta['format']!r}, expected {FORMAT!r}, {FORMAT_FP8!r} or {FORMAT_TOKENS!r}"
     problem = _storage_problem(meta)
     if problem:
         return problem
@@ -529,6 +566,11 @@ def _data_config_problem(meta: Any) -> str | None:
 def _storage_problem(meta: dict) -> str | None:
     """Consistency of ``format`` / ``dtype`` / ``storage_dtype`` and the fp8 scale keys."""
     dtype = meta.get("storage_dtype", "bfloat16")
+    if meta["format"] == FORMAT_TOKENS:
+        if dtype != "none" or meta["dtype"] != "none" or meta["bytes_per_token"] != 0:
+            return (f"key 'storage_dtype': format {FORMAT_TOKENS!r} stores no hidden states (dtype and storage_dtype "
+                    f"'none', bytes_per_token 0), got {dtype!r}, {meta['dtype']!r}, {meta['bytes_per_token']!r}")
+        return None
     if meta["format"] == FORMAT:
         if dtype != "bfloat16" or meta["dtype"] != "bfloat16":
             return f"key 'storage_dtype': format {FORMAT!r} stores bfloat16, got {dtype!r} (dtype {meta['dtype']!r})"

@@ -54,7 +54,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -743,46 +743,127 @@ def run(cfg: RunConfig, resume: bool = False, max_steps: Optional[int] = None, s
 
 def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: Optional[int],
          stop_after: Optional[int], export: Optional[Callable] = None) -> dict:
-    t = cfg.train
-    train_dir = cfg.train_dir
+    """The stage in named steps: inputs (+ folder check), data, optimisation, resume, loop, end."""
+    inputs = _load_inputs(cfg, d, resume)
+    data = _build_data(cfg, d, inputs, max_steps)
+    run_ = _Training(cfg, d, inputs, data, _build_optimisation(cfg, d, inputs, data.total_steps))
+    try:
+        if resume:
+            run_.restore()
+        run_.loop(stop, stop_after)
+        return run_.finish(stop, export)
+    finally:
+        inputs.states.close()
 
-    # ---- inputs: read and checked before anything is written, so that a bad input (a stage not run yet, a
-    # draft vocab changed without re-running 03) is the first error and leaves no empty train/ folder behind
-    data_config = read_data_config(cfg.shards_dir)
-    vocab = load_run_vocab_map(cfg, int(data_config["vocab_size"]))
-    split = read_split(cfg.data_dir)
-    args = build_drafter_args(cfg, data_config, vocab)
+
+def _check_train_dir(cfg: RunConfig, d: DistInfo, resume: bool) -> None:
+    """Folder step (after the inputs are read, before anything is written): refuse existing checkpoints without
+    ``resume``; drop stale temp files of an interrupted run."""
+    train_dir = cfg.train_dir
     existing = ckpt.list_checkpoints(train_dir)
     if existing and not resume:
         raise UserError(f"{ckpt.ckpt_dir(train_dir)}: holds checkpoints (newest step {existing[-1][0]}); "
                         f"pass --resume to continue, or set train.output_dir to a new folder")
     if d.is_main and train_dir.is_dir():
         ckpt.remove_stale_tmp(train_dir)
+
+
+@dataclass
+class _Inputs:
+    """What the inputs step fixes: metadata, vocab map, split, drafter shape and init, the verifier head on the
+    device (``head_lm`` ``[V, Ht]``, ``head_norm`` ``[Ht]`` or None when the last state is post-norm), the
+    autocast and feature dtypes, and the source of the hidden states (:mod:`eagle3.train.online`)."""
+
+    data_config: dict
+    vocab: dict
+    split: dict
+    args: Any
+    drafter: nn.Module
+    amp: Optional[torch.dtype]
+    feat_dtype: torch.dtype
+    head_lm: torch.Tensor
+    head_norm: Optional[torch.Tensor]
+    head_eps: float
+    d2t: torch.Tensor
+    t2d: torch.Tensor
+    states: Any
+
+
+def _load_inputs(cfg: RunConfig, d: DistInfo, resume: bool) -> _Inputs:
+    """Inputs step: ``data_config.json``, vocab map, split, drafter args (all read and checked before anything
+    is written, so a bad input is the first error and leaves no empty train/ folder behind), the folder check,
+    verifier head, drafter init, and the hidden-state source (shards, or the verifier / capture servers for
+    ``train.hidden_states: online``)."""
+    from eagle3.train.online import check_hidden_states, state_source
+
+    data_config = read_data_config(cfg.shards_dir)
+    check_hidden_states(cfg, data_config)
+    vocab = load_run_vocab_map(cfg, int(data_config["vocab_size"]))
+    split = read_split(cfg.data_dir)
+    args = build_drafter_args(cfg, data_config, vocab)
+    _check_train_dir(cfg, d, resume)
     head = prepare_target_head(cfg, data_config, d)  # the first write: target_head.safetensors (creates train_dir)
     if d.is_main:
-        train_dir.mkdir(parents=True, exist_ok=True)
-    drafter = init_drafter(args, head, vocab, t.seed).to(d.device)
+        cfg.train_dir.mkdir(parents=True, exist_ok=True)
+    drafter = init_drafter(args, head, vocab, cfg.train.seed).to(d.device)
     amp = _autocast_dtype(cfg, d.device)
     feat_dtype = torch.bfloat16 if amp is not None else torch.float32
-    head_lm = head.lm_head.to(d.device, feat_dtype)  # [V, Ht]
-    head_norm = None if head.last_is_post_norm else head.norm_weight.to(d.device, feat_dtype)  # [Ht]
-    head_eps = float(head.norm_eps)
-    d2t_dev, t2d_dev = vocab["d2t"].to(d.device), vocab["t2d"].to(d.device)
+    inputs = _Inputs(
+        data_config=data_config, vocab=vocab, split=split, args=args, drafter=drafter, amp=amp, feat_dtype=feat_dtype,
+        head_lm=head.lm_head.to(d.device, feat_dtype),  # [V, Ht]
+        head_norm=None if head.last_is_post_norm else head.norm_weight.to(d.device, feat_dtype),  # [Ht]
+        head_eps=float(head.norm_eps), d2t=vocab["d2t"].to(d.device), t2d=vocab["t2d"].to(d.device), states=None)
     del head
+    inputs.states = state_source(cfg, data_config, d.device, feat_dtype)
+    return inputs
 
-    expect = expect_from_data_config(data_config)
-    max_len = int(data_config["max_length"])
-    train_ds = ShardDataset(cfg.shards_dir, split["train"], max_len, expect, "train")
-    val_ds = ShardDataset(cfg.shards_dir, split["val"], max_len, expect, "val") if split["val"] else None
-    data = _TrainData(cfg, train_ds, d)
-    total_steps = data.total_steps
+
+@dataclass
+class _Data:
+    """What the data step fixes: datasets, the training order of this rank, the step horizon, eval cadence."""
+
+    train_ds: ShardDataset
+    val_ds: Optional[ShardDataset]
+    order: "_TrainData"
+    total_steps: int
+    val_lengths: Optional[list[int]]
+    eval_every: int
+    horizon: Optional[int]  # max_steps / train.max_steps (None = the epochs decide)
+
+
+def _build_data(cfg: RunConfig, d: DistInfo, inputs: _Inputs, max_steps: Optional[int]) -> _Data:
+    """Data step: train/val datasets over the shards (items without states when they are computed online),
+    the data order (:class:`_TrainData`), total optimizer steps (``max_steps`` / ``train.max_steps`` cap)."""
+    t = cfg.train
+    expect = expect_from_data_config(inputs.data_config)
+    max_len = int(inputs.data_config["max_length"])
+    with_states = inputs.states.reads_shard_states
+    train_ds = ShardDataset(cfg.shards_dir, inputs.split["train"], max_len, expect, "train", states=with_states)
+    val_ds = ShardDataset(cfg.shards_dir, inputs.split["val"], max_len, expect, "val",
+                          states=with_states) if inputs.split["val"] else None
+    order = _TrainData(cfg, train_ds, d)
+    total_steps = order.total_steps
     horizon = max_steps if max_steps is not None else t.max_steps
     if horizon is not None:
         total_steps = min(total_steps, horizon)
     val_lengths = sample_lengths(cfg.shards_dir, val_ds, max_len) if (val_ds is not None and t.batch_tokens) else None
-    eval_every = t.eval_every or data.steps_in_epoch(0)
+    return _Data(train_ds, val_ds, order, total_steps, val_lengths, t.eval_every or order.steps_in_epoch(0), horizon)
 
-    # ---- optimisation ----------------------------------------------------------------------
+
+@dataclass
+class _Optimisation:
+    objective: "TTTObjective"
+    model: nn.Module  # the objective, wrapped in DDP and/or torch.compile
+    params: list
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    fingerprint: str
+
+
+def _build_optimisation(cfg: RunConfig, d: DistInfo, inputs: _Inputs, total_steps: int) -> _Optimisation:
+    """Optimisation step: the TTT objective (DDP, torch.compile), AdamW over the trainable drafter
+    parameters, the warmup + cosine schedule over ``total_steps``."""
+    t = cfg.train
     # Logit checkpointing inside torch.compile(dynamic=True) fails in dynamo on torch 2.11
     # ("lift_tracked_freevar_to_input"), and compiled without it was faster anyway (bench/results).
     # auto = off: the training loss (eagle3/train/ttt_rows.py) keeps only the bf16 logits of the loss rows per TTT
@@ -792,7 +873,7 @@ def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: O
     if t.compile and ckpt_logits:
         raise UserError("train.checkpoint_logits: 'on' cannot be combined with train.compile: true (torch.compile "
                         "fails on the checkpointed loss); use 'auto' or 'off'")
-    objective = TTTObjective(drafter, t.ttt_length, t.step_weight, checkpoint_logits=ckpt_logits, loss=t.loss,
+    objective = TTTObjective(inputs.drafter, t.ttt_length, t.step_weight, checkpoint_logits=ckpt_logits, loss=t.loss,
                              lk_eta=t.lk_eta)
     model = objective
     if d.distributed:
@@ -806,210 +887,282 @@ def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: O
                         "on the H200 this did not reach 60 SmolLM2 steps in 3 minutes (recompiles), while "
                         "uncompiled token-budget training ran 155K tokens/s (bench/small_train_speed.py)")
         model = torch.compile(model, dynamic=True)
-    params = [p for p in drafter.parameters() if p.requires_grad]
+    params = [p for p in inputs.drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay,
                                   fused=d.device.type == "cuda")  # fused kernel: one launch for all params
     scheduler = build_scheduler(optimizer, total_steps, t.warmup_ratio)
-    fingerprint = _fingerprint(cfg, args)
+    return _Optimisation(objective, model, params, optimizer, scheduler, _fingerprint(cfg, inputs.args))
 
-    step, epoch, step_in_epoch, last_ckpt = 0, 0, 0, None
-    if resume:
-        found = ckpt.find_latest_checkpoint(train_dir)
+
+class _Training:
+    """One rank's training run after setup: position in the data, metrics window, and the steps of the
+    loop as methods (:meth:`restore`, :meth:`loop` -> :meth:`train_step` + :meth:`log_step` +
+    :meth:`after_step` (the hooks that run between optimizer steps: validation, checkpoint, stop),
+    :meth:`validate`, :meth:`save`, :meth:`finish`)."""
+
+    def __init__(self, cfg: RunConfig, d: DistInfo, inputs: _Inputs, data: _Data, opt: _Optimisation):
+        self.cfg, self.t, self.d = cfg, cfg.train, d
+        self.inputs, self.data, self.opt = inputs, data, opt
+        self.train_dir = cfg.train_dir
+        self.total_steps = data.total_steps
+        self.step, self.epoch, self.step_in_epoch, self.last_ckpt = 0, 0, 0, None
+        self.steps_this_call = 0
+        self.stopped = False
+        self.metrics: Optional[_Metrics] = None
+        self.tracker = None  # eagle3.train.sim_accept.BestTracker, started with the loop
+        self.tok_total, self.t_total = 0.0, 0.0
+
+    # ---- resume ------------------------------------------------------------------------------
+    def restore(self) -> None:
+        """Continue from the newest complete checkpoint: weights, optimizer, schedule, data position, RNG."""
+        t, d, o, drafter = self.t, self.d, self.opt, self.inputs.drafter
+        found = ckpt.find_latest_checkpoint(self.train_dir)
         if found is None:
-            log.warning("--resume: no usable checkpoint in %s; starting from step 0", ckpt.ckpt_dir(train_dir))
+            log.warning("--resume: no usable checkpoint in %s; starting from step 0", ckpt.ckpt_dir(self.train_dir))
+            return
+        path, state = found
+        ckpt.check_drafter_args(path, state["drafter_args"], dataclasses.asdict(self.inputs.args))
+        ckpt.check_data_order(path, state.get("data_order"), _data_order(self.cfg))
+        if state["config_fingerprint"] != o.fingerprint:
+            log.warning("%s: training settings differ from the checkpoint's (fingerprint %s != %s)", path,
+                        state["config_fingerprint"], o.fingerprint)
+        missing, unexpected = drafter.load_state_dict(state["model"], strict=False)
+        want = {n for n, p in drafter.named_parameters() if p.requires_grad}
+        lost = sorted(want & set(missing))
+        if lost or unexpected:
+            raise UserError(f"{path}: key 'model': missing {lost[:3]} unexpected {list(unexpected)[:3]}")
+        o.optimizer.load_state_dict(state["optimizer"])
+        horizon_now = o.scheduler.lr_lambdas[0].__dict__.copy()  # this run's warmup/total steps
+        o.scheduler.load_state_dict(state["scheduler"])
+        if o.scheduler.lr_lambdas[0].__dict__ != horizon_now:
+            log.warning("%s: LR schedule %s in the checkpoint, now %s (max_steps/epochs changed); "
+                        "continuing with the new one", path, o.scheduler.lr_lambdas[0].__dict__, horizon_now)
+            o.scheduler.lr_lambdas[0].__dict__.update(horizon_now)
+        self.step, self.epoch = int(state["step"]), int(state["epoch"])
+        self.step_in_epoch = self.data.order.step_from_checkpoint(state)
+        self.total_steps = _horizon_after_resume(self.data.order, state, d, t, self.total_steps, self.data.horizon,
+                                                 o.scheduler)
+        rngs = state["rng"]
+        if len(rngs) == d.world:
+            ckpt.restore_rng(rngs[d.rank])
         else:
-            path, state = found
-            ckpt.check_drafter_args(path, state["drafter_args"], dataclasses.asdict(args))
-            ckpt.check_data_order(path, state.get("data_order"), _data_order(cfg))
-            if state["config_fingerprint"] != fingerprint:
-                log.warning("%s: training settings differ from the checkpoint's (fingerprint %s != %s)", path,
-                            state["config_fingerprint"], fingerprint)
-            missing, unexpected = drafter.load_state_dict(state["model"], strict=False)
-            want = {n for n, p in drafter.named_parameters() if p.requires_grad}
-            lost = sorted(want & set(missing))
-            if lost or unexpected:
-                raise UserError(f"{path}: key 'model': missing {lost[:3]} unexpected {list(unexpected)[:3]}")
-            optimizer.load_state_dict(state["optimizer"])
-            horizon_now = scheduler.lr_lambdas[0].__dict__.copy()  # this run's warmup/total steps
-            scheduler.load_state_dict(state["scheduler"])
-            if scheduler.lr_lambdas[0].__dict__ != horizon_now:
-                log.warning("%s: LR schedule %s in the checkpoint, now %s (max_steps/epochs changed); "
-                            "continuing with the new one", path, scheduler.lr_lambdas[0].__dict__, horizon_now)
-                scheduler.lr_lambdas[0].__dict__.update(horizon_now)
-            step, epoch, step_in_epoch = int(state["step"]), int(state["epoch"]), data.step_from_checkpoint(state)
-            total_steps = _horizon_after_resume(data, state, d, t, total_steps, horizon, scheduler)
-            rngs = state["rng"]
-            if len(rngs) == d.world:
-                ckpt.restore_rng(rngs[d.rank])
-            else:
-                log.warning("%s: saved with %d processes, now %d; RNG states reseeded", path, len(rngs), d.world)
-                torch.manual_seed(t.seed + 1000 * step + d.rank)
-            last_ckpt = path
-            if d.is_main:
-                log.info("resumed from %s (step %d, epoch %d, %d steps into the epoch)", path, step, epoch,
-                         step_in_epoch)
+            log.warning("%s: saved with %d processes, now %d; RNG states reseeded", path, len(rngs), d.world)
+            torch.manual_seed(t.seed + 1000 * self.step + d.rank)
+        self.last_ckpt = path
+        if d.is_main:
+            log.info("resumed from %s (step %d, epoch %d, %d steps into the epoch)", path, self.step, self.epoch,
+                     self.step_in_epoch)
 
-    metrics = _Metrics(train_dir, step, d.is_main, finished=step >= total_steps)
-    from eagle3.train.sim_accept import BestTracker
-
-    tracker = BestTracker(train_dir, t.select_chain or cfg.benchmark.steps, d.is_main, start_step=step,
-                          keep_best=t.select_best == "sim_accept")
-
-    def save(step_now: int, ep: int, ep_step: int) -> Path:
+    def save(self) -> Path:
+        """Checkpoint at the current step (every rank's RNG gathered; rank 0 writes)."""
+        d, o = self.d, self.opt
         rng = ckpt.capture_rng()
         rngs = [None] * d.world
         if d.distributed:
             dist.all_gather_object(rngs, rng, group=d.ctrl_group)
         else:
             rngs = [rng]
-        path = ckpt.ckpt_path(train_dir, step_now)
+        path = ckpt.ckpt_path(self.train_dir, self.step)
         if d.is_main:
-            path = ckpt.save_checkpoint(train_dir, {
-                "step": step_now, "epoch": ep, "steps_in_epoch": ep_step,
-                "samples_in_epoch": data.samples_before(ep, ep_step), "model": trainable_state(drafter),
-                "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rngs,
-                "drafter_args": dataclasses.asdict(args), "config_fingerprint": fingerprint, "world_size": d.world,
-                "data_order": _data_order(cfg),
-            }, keep=t.keep_checkpoints)
+            path = ckpt.save_checkpoint(self.train_dir, {
+                "step": self.step, "epoch": self.epoch, "steps_in_epoch": self.step_in_epoch,
+                "samples_in_epoch": self.data.order.samples_before(self.epoch, self.step_in_epoch),
+                "model": trainable_state(self.inputs.drafter), "optimizer": o.optimizer.state_dict(),
+                "scheduler": o.scheduler.state_dict(), "rng": rngs,
+                "drafter_args": dataclasses.asdict(self.inputs.args), "config_fingerprint": o.fingerprint,
+                "world_size": d.world, "data_order": _data_order(self.cfg),
+            }, keep=self.t.keep_checkpoints)
         _barrier(d)
         return path
 
-    def targets(batch):
+    # ---- one micro-batch ---------------------------------------------------------------------
+    def device_batch(self, batch: dict) -> dict:
+        """A loader batch on the device, with its hidden states (from the shards, or computed online)."""
+        return self.inputs.states.fill(_move_batch(batch, self.d.device, self.inputs.feat_dtype))
+
+    def targets(self, batch: dict):
         """Verifier targets: only at the loss rows (``loss_pos``, eagle3/train/ttt_rows.py: [M,dV], [M], [M]) when the
         batch lists them, else at every position ([B,L,dV], [B,L], [B,L]; bench/small_train_speed.py legacy loop)."""
         from eagle3.train.ttt import compute_targets
         from eagle3.train.ttt_rows import row_targets
 
+        i = self.inputs
         with torch.no_grad():
             if "loss_pos" in batch:
-                return row_targets(batch["last"], batch["loss_pos"], head_lm, d2t_dev, t2d_dev, norm_weight=head_norm,
-                                   norm_eps=head_eps, chunk=TARGET_CHUNK)
-            return compute_targets(batch["last"], head_lm, d2t_dev, t2d_dev, norm_weight=head_norm,
-                                   norm_eps=head_eps, chunk=TARGET_CHUNK)
+                return row_targets(batch["last"], batch["loss_pos"], i.head_lm, i.d2t, i.t2d, norm_weight=i.head_norm,
+                                   norm_eps=i.head_eps, chunk=TARGET_CHUNK)
+            return compute_targets(batch["last"], i.head_lm, i.d2t, i.t2d, norm_weight=i.head_norm,
+                                   norm_eps=i.head_eps, chunk=TARGET_CHUNK)
 
-    def validate() -> dict:
-        if val_ds is None:
+    # ---- validation ----------------------------------------------------------------------------
+    def validate(self) -> dict:
+        """Loss and accuracy on the val split: each sample once (rank r takes r, r+W, ...), token-weighted."""
+        data, t, d, drafter = self.data, self.t, self.d, self.inputs.drafter
+        if data.val_ds is None:
             return {}
         # each sample exactly once (no DistributedSampler padding, which would count some twice);
         # ranks may get different numbers of batches: nothing below is a collective until the reduce
-        if val_lengths is not None:  # token budget: this rank's samples (r, r+W, ...) in length-sorted batches
-            vl = DataLoader(val_ds, batch_sampler=eval_batches(val_lengths, t.batch_tokens, d.world, d.rank),
+        if data.val_lengths is not None:  # token budget: this rank's samples (r, r+W, ...) in length-sorted batches
+            vl = DataLoader(data.val_ds, batch_sampler=eval_batches(data.val_lengths, t.batch_tokens, d.world, d.rank),
                             **_loader_kwargs(t, d.device, d.world))
         else:
-            vl = DataLoader(val_ds, batch_size=t.batch_size, sampler=list(range(d.rank, len(val_ds), d.world)),
+            vl = DataLoader(data.val_ds, batch_size=t.batch_size, sampler=list(range(d.rank, len(data.val_ds), d.world)),
                             collate_fn=collate)
         acc = _Accum(t.ttt_length)
         drafter.eval()
         with torch.no_grad():
-            for batch in vl:
-                batch = _move_batch(batch, d.device, feat_dtype)
-                tl, ind, tam = targets(batch)  # [M,dV], [M], [M] (loss rows) or [B,L,dV], [B,L], [B,L]
+            for batch in self.inputs.states.wrap(iter(vl)):
+                batch = self.device_batch(batch)
+                tl, ind, tam = self.targets(batch)  # [M,dV], [M], [M] (loss rows) or [B,L,dV], [B,L], [B,L]
+                amp = self.inputs.amp
                 ctx = torch.autocast(device_type=d.device.type, dtype=amp) if amp is not None \
                     else contextlib.nullcontext()
                 with ctx:  # no DDP wrapper: no gradient sync in eval
                     if "loss_pos" in batch:
-                        _loss, stats = objective(batch["input_ids"], batch["aux"], tl, ind, tam,
-                                                 loss_pos=batch["loss_pos"])
+                        _loss, stats = self.opt.objective(batch["input_ids"], batch["aux"], tl, ind, tam,
+                                                          loss_pos=batch["loss_pos"])
                     else:
-                        _loss, stats = objective(batch["input_ids"], batch["aux"], tl, ind, tam, batch["loss_mask"])
+                        _loss, stats = self.opt.objective(batch["input_ids"], batch["aux"], tl, ind, tam,
+                                                          batch["loss_mask"])
                 acc.add(stats)
         drafter.train()
         return _Accum.summarize(_reduce_totals(acc.totals(), d), t.step_weight)
 
-    # ---- loop --------------------------------------------------------------------------------
-    drafter.train()
-    stopped = False
-    steps_this_call = 0
-    window = _Accum(t.ttt_length)
-    tok_window = 0  # real (non-pad) tokens of this rank since the last log, from CPU lengths
-    t_window = time.perf_counter()
-    paused = 0.0  # seconds of validation / checkpoint writes inside the current log window (not counted)
-    tok_total, t_total = 0.0, 0.0
-    from tqdm.auto import tqdm
+    # ---- the loop ------------------------------------------------------------------------------
+    def loop(self, stop: StopFlag, stop_after: Optional[int]) -> None:
+        """Optimizer steps until ``total_steps``, a stop signal or ``stop_after`` steps of this call."""
+        from tqdm.auto import tqdm
 
-    bar = tqdm(total=total_steps, initial=step, disable=not d.is_main, desc="train", unit="step", dynamic_ncols=True)
-    try:
-        while step < total_steps and not stopped:
-            if step_in_epoch >= data.steps_in_epoch(epoch):
-                epoch, step_in_epoch = epoch + 1, 0
-            it = data.iterate(epoch, step_in_epoch)
-            for _ in range(step_in_epoch, data.steps_in_epoch(epoch)):
-                if step >= total_steps:
-                    break
-                batches = []
-                for _micro in range(t.grad_accum):
-                    batch = next(it)
-                    tok_window += int(batch["lengths"].sum())
-                    batches.append(_move_batch(batch, d.device, feat_dtype))
-                for stats in backward_step(model, batches, [targets(b) for b in batches], t.ttt_length, d, amp):
-                    window.add(stats)
-                del batches
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                lr_used = scheduler.get_last_lr()[0]
-                scheduler.step()
-                step += 1
-                steps_this_call += 1
-                step_in_epoch += 1
-                bar.update(1)
-                if step % t.log_every == 0 or step == total_steps:
-                    means = _Accum.summarize(_reduce_totals(window.totals(), d), t.step_weight)
-                    elapsed = time.perf_counter() - t_window - paused  # includes the sync of this log step
-                    toks = _sum_ranks([float(tok_window)], d)[0]
-                    tok_total, t_total = tok_total + toks, t_total + elapsed
-                    row = {"kind": "train", "step": step, "epoch": epoch, "lr": lr_used,
-                           "grad_norm": float(grad_norm), "tokens_per_s": toks / max(elapsed, 1e-9),
-                           "window_tokens": toks, "window_s": elapsed, **means}
-                    metrics.write(row)
-                    bar.set_postfix(loss=f"{means.get('loss', float('nan')):.4f}", lr=f"{lr_used:.2e}")
-                    window = _Accum(t.ttt_length)
-                    tok_window, t_window, paused = 0, time.perf_counter(), 0.0
-                t_pause = time.perf_counter()
-                if step % eval_every == 0 and step != total_steps:
-                    val = validate()
-                    if val:
-                        metrics.write({"kind": "val", "step": step, "epoch": epoch, **val})
-                        tracker.update(step, epoch, val, drafter)
-                want_stop = stop.requested or (stop_after is not None and steps_this_call >= stop_after)
-                stopped = _any_rank(want_stop, d)
-                if step % t.ckpt_every == 0 or stopped or step == total_steps:
-                    last_ckpt = save(step, epoch, step_in_epoch)
-                paused += time.perf_counter() - t_pause
-                if stopped:
-                    if d.is_main:
-                        why = f"signal {stop.signum}" if stop.signum else f"stop_after={stop_after}"
-                        log.info("stopped at step %d (%s); checkpoint %s", step, why, last_ckpt)
-                    break
-    finally:
-        it = None  # stops this epoch's loader workers now (their prefetched batches are dropped)
-        bar.close()
+        from eagle3.train.sim_accept import BestTracker
 
-    result = {"step": step, "total_steps": total_steps, "stopped": stopped, "signal": stop.signum if stopped else None,
-              "checkpoint": str(last_ckpt) if last_ckpt else None, "export_dir": None, "final_val": {},
-              "tokens_per_s": (tok_total / t_total) if t_total > 0 else None,
-              "peak_gpu_mem_gib": _peak_gpu_mem_gib(d.device)}
-    if stopped:
-        metrics.close()
+        t = self.t
+        self.metrics = _Metrics(self.train_dir, self.step, self.d.is_main, finished=self.step >= self.total_steps)
+        self.tracker = BestTracker(self.train_dir, t.select_chain or self.cfg.benchmark.steps, self.d.is_main,
+                                   start_step=self.step, keep_best=t.select_best == "sim_accept")
+        self.inputs.drafter.train()
+        self.window = _Accum(self.t.ttt_length)
+        self.tok_window = 0  # real (non-pad) tokens of this rank since the last log, from CPU lengths
+        self.t_window = time.perf_counter()
+        self.paused = 0.0  # seconds of validation / checkpoint writes inside the current log window (not counted)
+        self.bar = tqdm(total=self.total_steps, initial=self.step, disable=not self.d.is_main, desc="train",
+                        unit="step", dynamic_ncols=True)
+        it = None
+        try:
+            while self.step < self.total_steps and not self.stopped:
+                order = self.data.order
+                if self.step_in_epoch >= order.steps_in_epoch(self.epoch):
+                    self.epoch, self.step_in_epoch = self.epoch + 1, 0
+                it = self.inputs.states.wrap(order.iterate(self.epoch, self.step_in_epoch))
+                for _ in range(self.step_in_epoch, order.steps_in_epoch(self.epoch)):
+                    if self.step >= self.total_steps:
+                        break
+                    grad_norm, lr_used = self.train_step(it)
+                    if self.step % self.t.log_every == 0 or self.step == self.total_steps:
+                        self.log_step(grad_norm, lr_used)
+                    if self.after_step(stop, stop_after):
+                        break
+                it = _close_iter(it)
+        finally:
+            _close_iter(it)  # stops this epoch's loader workers / capture threads now (prefetched batches dropped)
+            self.bar.close()
+
+    def train_step(self, it) -> tuple[torch.Tensor, float]:
+        """One optimizer step: ``grad_accum`` micro-batches from ``it``, forward + backward
+        (:func:`backward_step`), clipping, AdamW, schedule. Returns ``(grad norm (device), LR used)``."""
+        t, o = self.t, self.opt
+        batches = []
+        for _micro in range(t.grad_accum):
+            batch = next(it)
+            self.tok_window += int(batch["lengths"].sum())
+            batches.append(self.device_batch(batch))
+        for stats in backward_step(o.model, batches, [self.targets(b) for b in batches], t.ttt_length, self.d,
+                                   self.inputs.amp):
+            self.window.add(stats)
+        del batches
+        grad_norm = torch.nn.utils.clip_grad_norm_(o.params, t.grad_clip)
+        o.optimizer.step()
+        o.optimizer.zero_grad(set_to_none=True)
+        lr_used = o.scheduler.get_last_lr()[0]
+        o.scheduler.step()
+        self.step += 1
+        self.steps_this_call += 1
+        self.step_in_epoch += 1
+        self.bar.update(1)
+        return grad_norm, lr_used
+
+    def log_step(self, grad_norm: torch.Tensor, lr_used: float) -> None:
+        """Log step: the window's loss/accuracy over all ranks, LR, grad norm, tokens/s (host sync here only)."""
+        d = self.d
+        means = _Accum.summarize(_reduce_totals(self.window.totals(), d), self.t.step_weight)
+        elapsed = time.perf_counter() - self.t_window - self.paused  # includes the sync of this log step
+        toks = _sum_ranks([float(self.tok_window)], d)[0]
+        self.tok_total, self.t_total = self.tok_total + toks, self.t_total + elapsed
+        row = {"kind": "train", "step": self.step, "epoch": self.epoch, "lr": lr_used,
+               "grad_norm": float(grad_norm), "tokens_per_s": toks / max(elapsed, 1e-9),
+               "window_tokens": toks, "window_s": elapsed, **means}
+        self.metrics.write(row)
+        self.bar.set_postfix(loss=f"{means.get('loss', float('nan')):.4f}", lr=f"{lr_used:.2e}")
+        self.window = _Accum(self.t.ttt_length)
+        self.tok_window, self.t_window, self.paused = 0, time.perf_counter(), 0.0
+
+    def after_step(self, stop: StopFlag, stop_after: Optional[int]) -> bool:
+        """Hooks between optimizer steps (their time is not counted in tokens/s): periodic validation,
+        the stop decision (all ranks agree), checkpoints. Returns True when the run stops here."""
+        t, d = self.t, self.d
+        t_pause = time.perf_counter()
+        if self.step % self.data.eval_every == 0 and self.step != self.total_steps:
+            val = self.validate()
+            if val:
+                self.metrics.write({"kind": "val", "step": self.step, "epoch": self.epoch, **val})
+                self.tracker.update(self.step, self.epoch, val, self.inputs.drafter)
+        want_stop = stop.requested or (stop_after is not None and self.steps_this_call >= stop_after)
+        self.stopped = _any_rank(want_stop, d)
+        if self.step % t.ckpt_every == 0 or self.stopped or self.step == self.total_steps:
+            self.last_ckpt = self.save()
+        self.paused += time.perf_counter() - t_pause
+        if self.stopped and d.is_main:
+            why = f"signal {stop.signum}" if stop.signum else f"stop_after={stop_after}"
+            log.info("stopped at step %d (%s); checkpoint %s", self.step, why, self.last_ckpt)
+        return self.stopped
+
+    # ---- end -----------------------------------------------------------------------------------
+    def finish(self, stop: StopFlag, export: Optional[Callable] = None) -> dict:
+        """End step: the result dict; unless stopped: final validation, ``export`` (rank 0; see :func:`run`), the report."""
+        d = self.d
+        result = {"step": self.step, "total_steps": self.total_steps, "stopped": self.stopped,
+                  "signal": stop.signum if self.stopped else None,
+                  "checkpoint": str(self.last_ckpt) if self.last_ckpt else None, "export_dir": None, "final_val": {},
+                  "tokens_per_s": (self.tok_total / self.t_total) if self.t_total > 0 else None,
+                  "peak_gpu_mem_gib": _peak_gpu_mem_gib(d.device), "hidden_states": self.t.hidden_states}
+        if self.stopped:
+            self.metrics.close()
+            return result
+        final_val = self.validate()
+        if final_val:
+            self.metrics.write({"kind": "val", "step": self.step, "epoch": self.epoch, **final_val})
+            self.tracker.update(self.step, self.epoch, final_val, self.inputs.drafter)
+        result["final_val"] = final_val
+        self.metrics.close()
+        if d.is_main:
+            sel = self.t.select_best
+            result["sim_accept"] = dict(self.tracker.summary(), select_best=sel, exported_step=self.tracker.restore_best(
+                self.inputs.drafter) if sel == "sim_accept" else None)
+            self.tracker.plot()
+            if export is not None:
+                result["export_dir"] = str(export(self.cfg, self.inputs.drafter, self.inputs.data_config))
+            write_report(self.train_dir, result, self.inputs.args)
+            print(headline(result, self.train_dir))
+        _barrier(d)
         return result
 
-    # ---- end: final validation, export, report -----------------------------------------------
-    final_val = validate()
-    if final_val:
-        metrics.write({"kind": "val", "step": step, "epoch": epoch, **final_val})
-        tracker.update(step, epoch, final_val, drafter)
-    result["final_val"] = final_val
-    metrics.close()
-    if d.is_main:
-        result["sim_accept"] = dict(tracker.summary(), select_best=t.select_best,
-                                    exported_step=tracker.restore_best(drafter) if t.select_best == "sim_accept" else None)
-        tracker.plot()
-        if export is not None:
-            result["export_dir"] = str(export(cfg, drafter, data_config))
-        write_report(train_dir, result, args)
-        print(headline(result, train_dir))
-    _barrier(d)
-    return result
+
+def _close_iter(it) -> None:
+    """Stop a batch iterator now: loader workers end when the last reference goes; an online capture
+    iterator (:mod:`eagle3.train.online`) stops its threads (:meth:`close`). Returns None (to clear the name)."""
+    close = getattr(it, "close", None)
+    if callable(close):
+        close()
+    return None
 
 
 def _peak_gpu_mem_gib(device: torch.device) -> Optional[float]:

@@ -1,0 +1,299 @@
+"""Online training (``train.hidden_states: online``): 02 writes token-only samples, 04 runs the verifier.
+
+On a tiny random fp32 Llama verifier (CPU): 02 offline (hidden-state shards, every sample captured alone:
+``extract.batch_tokens: 1``) and 02 online (token-only) over the same prompts, 03 over each, then 04:
+
+- token-only samples hold the same ids, masks and manifest rows; 03 gives the same vocab map and split;
+- online == offline bitwise (losses of every step, the first step's gradient, final weights) for batch 1
+  x accumulation 2 (every verifier forward in 04 is then the forward 02 ran);
+- with padded batches (batch 2) online == offline up to fp32 rounding (02 captured each sample alone, 04
+  a padded pair), and the online states of a padded batch are zero at the padding;
+- an online run SIGKILLed at random points and resumed ends with the uninterrupted run's weights;
+- 2 gloo ranks online == 1 process offline on the same global batch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+HERE = Path(__file__).resolve().parent
+
+from _ddp_worker import single_thread  # noqa: E402,F401  (autouse fixture)
+from test_extract import _write_prompts  # noqa: E402
+
+from eagle3.train import checkpoint as ckpt  # noqa: E402
+from eagle3.config import load_config  # noqa: E402
+
+ROOT = HERE.parents[1]
+AUX = [1, 3, 4]
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron".split()
+CONVS = [(f"q{i}", [("user", f"Question {i}: list {i % 5 + 1} words."),
+                    ("assistant", "Sure: " + " ".join(WORDS[(i + k) % len(WORDS)] for k in range(2 + (5 * i) % 9)))])
+         for i in range(10)]
+TRAIN = {"ttt_length": 2, "lr": 3e-3, "warmup_ratio": 0.25, "epochs": 2, "batch_size": 1, "grad_accum": 2,
+         "log_every": 1, "ckpt_every": 2, "keep_checkpoints": 2, "eval_every": 100, "seed": 0}
+
+
+def _yaml(root: Path, tiny: Path, online: bool, train: dict | None = None, shards: Path | None = None,
+          data: Path | None = None) -> Path:
+    """A run YAML under ``root`` (``output_root``); ``shards``/``data``: read another run's 02/03 outputs."""
+    cfg = {
+        "run_name": "online-test", "output_root": str(root),
+        "verifier": {"path": str(tiny), "name": "tiny-llama", "dtype": "float32", "device": "cpu"},
+        "prompts": {"source": "humaneval"},
+        "extract": {"aux_layers": AUX, "max_length": 64, "batch_tokens": 1, "rows_per_dir": 4, "disk_margin_bytes": 0,
+                    **({"output_dir": str(shards)} if shards else {})},
+        "data": {"draft_vocab_size": 64, "val_fraction": 0.2, **({"output_dir": str(data)} if data else {})},
+        "drafter": {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 64},
+        "train": {**TRAIN, **(train or {}), "hidden_states": "online" if online else "offline"},
+        "export": {"dtype": "float32"},
+    }
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / ("online.yaml" if online else "offline.yaml")
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory, tiny_llama_dir) -> dict:
+    """02 + 03 offline (hidden states) and online (token-only) over the same prompts."""
+    from eagle3.capture import extract
+    from eagle3.data import prepare_data
+
+    out = {}
+    for kind in ("offline", "online"):
+        root = tmp_path_factory.mktemp(kind)
+        _write_prompts(root / "prompts.jsonl", CONVS)
+        cfg = load_config(_yaml(root, tiny_llama_dir, kind == "online"))
+        out[kind] = {"root": root, "extract": extract.run(cfg), "data": prepare_data.run(cfg, plot=False), "cfg": cfg}
+    return out
+
+
+def _train_cfg(prepared: dict, name: str, tiny: Path, online: bool, tmp: Path, **train):
+    """A config training on ``prepared[name]``'s 02/03 outputs with its own train/export folders under ``tmp``."""
+    src = prepared[name]["cfg"]
+    path = _yaml(tmp, tiny, online, train, shards=src.shards_dir, data=src.data_dir)
+    return path, load_config(path)
+
+
+def _rows(train_dir: Path, kind: str = "train") -> list[dict]:
+    return [r for r in (json.loads(x) for x in (train_dir / "metrics.jsonl").read_text().splitlines())
+            if r["kind"] == kind]
+
+
+def _final(train_dir: Path) -> dict:
+    return ckpt.load_checkpoint(ckpt.list_checkpoints(train_dir)[-1][1])
+
+
+def _first_grads(train_dir: Path) -> list[torch.Tensor]:
+    """The first step's gradient: AdamW's first moment after one step is exactly ``(1 - beta1) * grad``."""
+    opt = ckpt.load_checkpoint(dict(ckpt.list_checkpoints(train_dir))[1])["optimizer"]
+    return [opt["state"][i]["exp_avg"] / 0.1 for i in sorted(opt["state"])]
+
+
+def test_token_only_samples_and_their_03(prepared):
+    from eagle3.shards.format import list_samples, load_sample, read_data_config
+
+    off, on = prepared["offline"], prepared["online"]
+    meta_on, meta_off = read_data_config(on["cfg"].shards_dir), read_data_config(off["cfg"].shards_dir)
+    assert meta_on["format"] == "eagle3-tokens-v1" and meta_on["bytes_per_token"] == 0
+    assert meta_on["dtype"] == meta_on["storage_dtype"] == "none"
+    for key in ("aux_layers", "hidden_size", "vocab_size", "num_layers", "last_hidden_state", "architecture",
+                "num_samples", "num_tokens", "num_loss_tokens", "skipped"):
+        assert meta_on[key] == meta_off[key], key
+    a, b = list_samples(on["cfg"].shards_dir), list_samples(off["cfg"].shards_dir)
+    assert [i for i, _ in a] == [i for i, _ in b] and len(a) == 10
+    plan = on["extract"]["disk_plan"]
+    assert plan["hidden_bytes_per_token"] == 0 and plan["file_bytes_per_token"] == 16.0
+    for (_, pa), (_, pb) in zip(a, b):
+        raw = torch.load(pa, weights_only=True)
+        assert sorted(raw) == ["input_ids", "loss_mask"]  # no hidden states on disk
+        sb = load_sample(pb)
+        assert torch.equal(raw["input_ids"], sb["input_ids"]) and torch.equal(raw["loss_mask"], sb["loss_mask"])
+        L = raw["input_ids"].numel()
+        # the disk plan's size model of token-only shards (16 bytes/token + torch.save's per-file bytes)
+        assert abs(pa.stat().st_size - (plan["file_overhead_bytes"] + 16 * L)) <= 2 * 64
+    assert on["extract"]["disk_gb"] == round(meta_on["num_tokens"] * 16 / 1e9, 4)
+    # 03: the same token frequencies, vocab map and split from token-only samples
+    for f in ("token_freq.pt", "vocab_map.pt", "split.json"):
+        assert (on["cfg"].data_dir / f).read_bytes() == (off["cfg"].data_dir / f).read_bytes(), f
+    assert on["data"]["validation"] == "full" and on["data"]["storage_dtype"] == "none"
+
+
+def test_offline_training_refuses_token_only_samples(prepared, tiny_llama_dir, tmp_path):
+    from eagle3.errors import UserError
+    from eagle3.train.trainer import run
+
+    _path, cfg = _train_cfg(prepared, "online", tiny_llama_dir, False, tmp_path)
+    with pytest.raises(UserError, match="eagle3-tokens-v1.*train.hidden_states: online"):
+        run(cfg, device="cpu")
+
+
+def test_online_equals_offline_bitwise(prepared, tiny_llama_dir, tmp_path):
+    from eagle3.train.trainer import run
+
+    keep = {"ckpt_every": 1, "keep_checkpoints": 20}  # the step-1 checkpoint holds the first gradient
+    _p, off = _train_cfg(prepared, "offline", tiny_llama_dir, False, tmp_path / "off", **keep)
+    _p, on = _train_cfg(prepared, "online", tiny_llama_dir, True, tmp_path / "on", **keep)
+    r_off, r_on = run(off, device="cpu"), run(on, device="cpu")
+    assert r_off["step"] == r_on["step"] == 8  # 8 train samples / (1 x 2) per step x 2 epochs
+    assert r_on["hidden_states"] == "online"
+    lo, ln = _rows(off.train_dir), _rows(on.train_dir)
+    assert [r["loss"] for r in lo] == [r["loss"] for r in ln] and len(lo) == 8
+    assert [r["grad_norm"] for r in lo] == [r["grad_norm"] for r in ln]
+    assert _rows(off.train_dir, "val")[-1] == _rows(on.train_dir, "val")[-1]
+    grads = list(zip(_first_grads(off.train_dir), _first_grads(on.train_dir)))
+    assert grads and all(torch.equal(ga, gb) for ga, gb in grads)
+    assert any(float(ga.abs().max()) > 0 for ga, _ in grads)
+    a, b = _final(off.train_dir)["model"], _final(on.train_dir)["model"]
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert lo[0]["loss"] != lo[-1]["loss"]  # it trained
+
+
+def test_online_padded_batches_close_to_offline(prepared, tiny_llama_dir, tmp_path):
+    from eagle3.train.trainer import run
+
+    train = {"batch_size": 2, "grad_accum": 1, "epochs": 1}
+    _p, off = _train_cfg(prepared, "offline", tiny_llama_dir, False, tmp_path / "off", **train)
+    _p, on = _train_cfg(prepared, "online", tiny_llama_dir, True, tmp_path / "on", **train)
+    run(off, device="cpu")
+    run(on, device="cpu")
+    lo, ln = [r["loss"] for r in _rows(off.train_dir)], [r["loss"] for r in _rows(on.train_dir)]
+    assert len(lo) == len(ln) == 4
+    torch.testing.assert_close(torch.tensor(ln), torch.tensor(lo), rtol=1e-4, atol=0)
+    a, b = _final(off.train_dir)["model"], _final(on.train_dir)["model"]
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-3, atol=1e-5, msg=k)
+
+
+def test_online_states_of_a_padded_batch(prepared, tiny_llama_dir):
+    """VerifierStates.fill == 02's capture of each sample (bf16), zero at the padding; the verifier is frozen."""
+    from eagle3.data.dataset import collate
+    from eagle3.shards.format import list_samples, load_sample
+    from eagle3.train.online import VerifierStates
+
+    on, off = prepared["online"], prepared["offline"]
+    meta = json.loads((on["cfg"].shards_dir / "data_config.json").read_text())
+    src = VerifierStates.load(on["cfg"], meta, torch.device("cpu"), torch.float32)
+    assert not any(p.requires_grad for p in src.capture.model.parameters()) and not src.capture.model.training
+    samples = [load_sample(p) for _, p in list_samples(off["cfg"].shards_dir)[:3]]
+    items = [{"input_ids": s["input_ids"], "loss_mask": s["loss_mask"]} for s in samples]
+    batch = collate(items)
+    assert not {"aux", "last"} & set(batch)
+    got = src.fill(batch)
+    assert got["aux"].dtype == torch.float32 and got["aux"].shape[-1] == 3 * meta["hidden_size"]
+    assert got["aux"].grad_fn is None and not got["aux"].requires_grad
+    for b, s in enumerate(samples):
+        n = s["input_ids"].numel()
+        want_aux = torch.cat(s["hidden_states"][:3], dim=-1).float()  # [n, 3H] 02's bf16 states
+        torch.testing.assert_close(got["aux"][b, :n], want_aux, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(got["last"][b, :n], s["hidden_states"][3].float(), rtol=2e-2, atol=2e-2)
+        assert not got["aux"][b, n:].any() and not got["last"][b, n:].any()
+    # a batch of one: the very forward 02 ran, bit for bit
+    one = src.fill(collate(items[:1]))
+    assert torch.equal(one["aux"][0], torch.cat(samples[0]["hidden_states"][:3], dim=-1).float())
+    assert torch.equal(one["last"][0], samples[0]["hidden_states"][3].float())
+
+
+def test_online_verifier_mismatch_is_user_error(prepared, tiny_llama_dir):
+    from eagle3.errors import UserError
+    from eagle3.train.online import VerifierStates
+
+    meta = json.loads((prepared["online"]["cfg"].shards_dir / "data_config.json").read_text())
+    with pytest.raises(UserError, match="key 'last_hidden_state' is 'pre_norm'"):
+        VerifierStates.load(prepared["online"]["cfg"], {**meta, "last_hidden_state": "pre_norm"},
+                            torch.device("cpu"), torch.float32)
+
+
+# ---- resume after SIGKILL ------------------------------------------------------------------------
+KILL_TRAIN = {"batch_size": 1, "grad_accum": 1, "epochs": 2, "ckpt_every": 3}  # 16 steps
+TOTAL = 16
+
+
+def _start(cfg_path: Path, *extra: str) -> subprocess.Popen:
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env.pop("WORLD_SIZE", None)
+    env.pop("RANK", None)
+    return subprocess.Popen([sys.executable, str(ROOT / "04_train.py"), "--config", str(cfg_path), *extra],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _steps(train_dir: Path) -> list[int]:
+    path = train_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if row.get("kind") == "train":
+            out.append(row["step"])
+    return out
+
+
+@pytest.mark.slow
+def test_online_sigkill_then_resume_matches_uninterrupted(prepared, tiny_llama_dir, tmp_path):
+    from eagle3.train.trainer import run
+
+    _p, ref = _train_cfg(prepared, "online", tiny_llama_dir, True, tmp_path / "ref", **KILL_TRAIN)
+    run(ref, device="cpu")
+    want = _final(ref.train_dir)["model"]
+    cfg_path, cfg = _train_cfg(prepared, "online", tiny_llama_dir, True, tmp_path / "killed", **KILL_TRAIN)
+    rng = random.Random(20261202)
+    kills = 0
+    for _attempt in range(3):
+        before = (_steps(cfg.train_dir) or [0])[-1]
+        proc = _start(cfg_path, "--resume")
+        t0 = time.monotonic()
+        while proc.poll() is None and time.monotonic() - t0 < 120 and (_steps(cfg.train_dir) or [0])[-1] <= before:
+            time.sleep(0.05)
+        if proc.poll() is None:
+            time.sleep(rng.uniform(0.0, 0.5))  # somewhere in a step (verifier forward included) or a write
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+                kills += 1
+        proc.communicate(timeout=60)
+    assert kills >= 2, "the kills should land while training runs"
+    proc = _start(cfg_path, "--resume")
+    _out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-2000:]
+    got = _final(cfg.train_dir)
+    assert got["step"] == TOTAL
+    assert all(torch.equal(got["model"][k], v) for k, v in want.items())
+    assert _steps(cfg.train_dir) == list(range(1, TOTAL + 1))
+
+
+# ---- DDP ---------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_online_two_gloo_ranks_match_offline_one_process(prepared, tiny_llama_dir, tmp_path):
+    from eagle3.train.trainer import run
+
+    # global batch 4 per optimizer step: 1 process x (2 samples x 2 accum) vs 2 ranks x (1 sample x 2 accum)
+    _p, one = _train_cfg(prepared, "offline", tiny_llama_dir, False, tmp_path / "one", batch_size=2, grad_accum=2)
+    two_yaml, two = _train_cfg(prepared, "online", tiny_llama_dir, True, tmp_path / "two", batch_size=1, grad_accum=2)
+    assert run(one, device="cpu")["step"] == 4
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(ROOT / "tests" / "_ddp_worker.py"), "--config", str(two_yaml)]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    s1, s2 = _final(one.train_dir), _final(two.train_dir)
+    assert s1["step"] == s2["step"] == 4 and s2["world_size"] == 2
+    torch.testing.assert_close(torch.tensor([r["loss"] for r in _rows(two.train_dir)]),
+                               torch.tensor([r["loss"] for r in _rows(one.train_dir)]), rtol=1e-5, atol=0)
+    for k, v in s1["model"].items():
+        torch.testing.assert_close(s2["model"][k], v, atol=1e-5, rtol=1e-5, msg=k)
