@@ -50,7 +50,7 @@ process included) merges first, so the resumed shard set is the same as an unint
 
 Token-only samples (``train.hidden_states: online``): the same tokenization, masks, sample ids,
 manifest, resume rules and disk plan, but each shard holds only ``input_ids`` and ``loss_mask``
-(format ``eagle3-tokens-v1``, 16 bytes per token, :mod:`eagle3.shards`); no prefill runs. The backend
+(format ``eagle3-tokens-v1``, 16 bytes per token, :mod:`eagle3.shards.format`); no prefill runs. The backend
 is still built, for its ``info()`` (dims, aux layers, the last-hidden-state convention, recorded in
 ``data_config.json`` for 04 to check against the verifier it runs): the HF backend loads the verifier
 and runs its one probe forward; the SGLang backend asks its server(s).
@@ -239,7 +239,7 @@ def tokenize_prompts(tokenizer, prompts: list[dict], cfg: RunConfig, prompts_pat
 # fingerprint and folder state
 # ---------------------------------------------------------------------------------------------
 def token_only(cfg: RunConfig) -> bool:
-    """Whether stage 02 writes token-only samples (``train.hidden_states: online``; :mod:`eagle3.shards`)."""
+    """Whether stage 02 writes token-only samples (``train.hidden_states: online``; :mod:`eagle3.shards.format`)."""
     return cfg.train.hidden_states == "online"
 
 
