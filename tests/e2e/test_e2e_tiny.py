@@ -38,8 +38,8 @@ def test_tiny_pipeline_end_to_end(tiny_llama_dir, tmp_path):
     out = tmp_path / "run"
     ov = [f"verifier.path={tiny_llama_dir}", f"output_root={out}"]
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    for script in ("01_prepare_prompts.py", "02_extract_hidden.py", "03_prepare_data.py", "04_train.py"):
-        _stage(script, ov, env)
+    printed = {script: _stage(script, ov, env).stdout
+               for script in ("01_prepare_prompts.py", "02_extract_hidden.py", "03_prepare_data.py", "04_train.py")}
 
     # 01: 12 regenerated conversations, each user turn answered.
     rows = [json.loads(line) for line in (out / "prompts.jsonl").read_text().splitlines()]
@@ -85,7 +85,7 @@ def test_tiny_pipeline_end_to_end(tiny_llama_dir, tmp_path):
         assert ka == kb and torch.equal(va, vb), ka
 
     # 05: lossless speculative decoding and a trained drafter above tau 1 + margin.
-    _stage("05_benchmark.py", ov, env)
+    printed["05_benchmark.py"] = _stage("05_benchmark.py", ov, env).stdout
     bench = json.loads((out / "bench" / "bench.json").read_text())
     assert (out / "bench" / "bench.md").is_file() and (out / "bench" / "acceptance.png").is_file()
     text = json.dumps(bench)
@@ -93,6 +93,28 @@ def test_tiny_pipeline_end_to_end(tiny_llama_dir, tmp_path):
     taus = _find_numbers(bench, "tau")
     assert taus, bench
     assert min(taus) >= 1.0 + TAU_MARGIN, f"acceptance length {taus} below 1 + {TAU_MARGIN}"
+
+    # 04 and 05 end with their headline; the demo summary reads the same figures from the stages' reports
+    train_rep = json.loads((out / "train" / "train_report.json").read_text())
+    assert printed["04_train.py"].splitlines()[-3].startswith(f"trained: {train_rep['step']}/{train_rep['total_steps']} ")
+    assert printed["04_train.py"].splitlines()[-1] == f"export: {out / 'drafter-sglang'}"
+    d0 = bench["datasets"][0]
+    assert printed["05_benchmark.py"].splitlines()[-2].startswith(f"{d0['dataset']}: tau {d0['tau']:.2f}, ")
+    assert printed["05_benchmark.py"].splitlines()[-1] == f"report: {out / 'bench' / 'bench.md'}"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "demo_summary.py"), "--config",
+                        str(ROOT / "configs/tiny-llama.yaml"), *[a for o in ov for a in ("--set", o)],
+                        "--seconds", "04_train=7"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((out / "demo_summary.json").read_text())
+    fig = {s["stage"]: s["figures"] for s in summary["stages"]}
+    assert fig["01_prepare_prompts"]["prompts"] == 12 and fig["02_extract_hidden"]["samples"] == 12
+    assert fig["03_prepare_data"]["draft_vocab_size"] == 512
+    acc = train_rep["final_val"]
+    assert fig["04_train"]["val_top1"] == [acc[f"acc_{i}"] for i in range(len(fig["04_train"]["val_top1"]))]
+    assert fig["04_train"]["val_top1"] and fig["04_train"]["steps"] == train_rep["step"]
+    assert fig["05_benchmark"]["datasets"][0]["tau"] == d0["tau"] and fig["05_benchmark"]["datasets"][0]["lossless"]
+    assert summary["stages_seconds"] == 7 and summary["export_dir"] == str(out / "drafter-sglang")
+    assert f"export (serve this folder): {out / 'drafter-sglang'}" in r.stdout
 
     # Serving-side layer ablation: the drafter is fed other aux layers than it was trained on,
     # and the report says so.
