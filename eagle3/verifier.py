@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import weakref
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -97,7 +98,106 @@ def load_tokenizer(vcfg: VerifierConfig):
         raise UserError(f"verifier.path: cannot load the tokenizer from '{path}': {first}") from e
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
+    register_stop_ids(tok, config_eos_ids(vcfg))
     return tok
+
+
+# ---------------------------------------------------------------------------------------------
+# the verifier's stop set
+# ---------------------------------------------------------------------------------------------
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "</s>",
+                      "<|end_of_text|>")
+"""Special tokens that end an assistant turn in common chat templates (ChatML/Kimi, Llama 3 incl.
+Llama-3.1's ``<|eom_id|>`` after a tool call, Phi-3, Gemma, GPT-2 style, Llama 2); only those in the
+tokenizer's vocab are used."""
+_STOP_IDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _eos_field(value: Any, source: Path) -> set[int]:
+    if value is None:
+        return set()
+    vals = [value] if isinstance(value, int) and not isinstance(value, bool) else value
+    if not isinstance(vals, (list, tuple)) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                                                        for v in vals):
+        raise UserError(f"{source}: key 'eos_token_id' must be a token id or a list of token ids, got {value!r}")
+    return {int(v) for v in vals}
+
+
+def config_eos_ids(vcfg: VerifierConfig) -> set[int]:
+    """The stop ids a serving engine takes from the verifier folder: ``eos_token_id`` (an int or a
+    list) of ``config.json`` (top level and a nested ``text_config``) united with that of
+    ``generation_config.json`` -- SGLang 0.5.23 ``ModelConfig._get_hf_eos_token_id`` (config eos |
+    generation-config eos), and what HF ``generate`` stops on (its ``generation_config``). Files
+    that are absent (GGUF folders) contribute nothing.
+
+    Raises:
+        UserError: a file that is not JSON or an ``eos_token_id`` that is not ids, naming the file.
+    """
+    path = vcfg.resolved_path()
+    out: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        f = path / name
+        if not f.is_file():
+            continue
+        try:
+            raw = json.loads(f.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise UserError(f"{f}:{e.lineno}: malformed JSON: {e.msg}") from e
+        if not isinstance(raw, dict):
+            continue
+        out |= _eos_field(raw.get("eos_token_id"), f)
+        if isinstance(raw.get("text_config"), dict):
+            out |= _eos_field(raw["text_config"].get("eos_token_id"), f)
+    return out
+
+
+def register_stop_ids(tokenizer, ids: set[int]) -> None:
+    """Attach the verifier folder's stop ids (:func:`config_eos_ids`) to its tokenizer object, so
+    that :func:`stop_token_ids` of that tokenizer includes them wherever it is used (01, 02, 05)."""
+    try:
+        _STOP_IDS[tokenizer] = frozenset(_builtin_stop_ids(tokenizer) | {int(i) for i in ids})
+    except TypeError:  # not weak-referenceable: only the built-in set
+        pass
+
+
+def _builtin_stop_ids(tokenizer) -> set[int]:
+    ids: set[int] = set()
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif isinstance(eos, (list, tuple)):
+        ids.update(int(i) for i in eos)
+    vocab = tokenizer.get_vocab()
+    for t in END_OF_TURN_TOKENS:
+        if t in vocab:
+            ids.add(int(vocab[t]))
+    return ids
+
+
+def stop_token_ids(tokenizer) -> set[int]:
+    """THE verifier's stop set: the ids that end an assistant turn, for every reader (01's local
+    and server regeneration stop, 02's loss-mask turn end, 05's decoding stop; recorded as
+    ``stop_token_ids`` in ``prompts_report.json`` and ``data_config.json``).
+
+    = the tokenizer's EOS id(s) | the known end-of-turn specials in its vocab
+    (:data:`END_OF_TURN_TOKENS`) | for a tokenizer from :func:`load_tokenizer`, the folder's
+    ``config.json`` / ``generation_config.json`` ``eos_token_id`` (:func:`config_eos_ids`: where
+    SGLang and HF ``generate`` take their stop ids). Cached per tokenizer object (``get_vocab``
+    builds a dict of the whole vocabulary: 164K entries for Kimi).
+
+    Returns:
+        a new ``set[int]``.
+    """
+    try:
+        return set(_STOP_IDS[tokenizer])
+    except (KeyError, TypeError):
+        pass
+    ids = _builtin_stop_ids(tokenizer)
+    try:
+        _STOP_IDS[tokenizer] = frozenset(ids)
+    except TypeError:
+        pass
+    return ids
 
 
 def load_verifier_config(vcfg: VerifierConfig):

@@ -1024,7 +1024,7 @@ def _finalise(cfg: RunConfig, root: Path, p: _Prepared, n_resumed: int, written:
     num_tokens = sum(r["num_tokens"] for r in rows)
     num_loss = sum(int(r.get("num_loss_tokens", 0)) for r in rows)
     rows_per_dir = cfg.extract.rows_per_dir
-    from eagle3.prompts.chat import chat_template_hash
+    from eagle3.prompts.chat import chat_template_hash, end_of_turn_ids
 
     storage = storage_from_config(cfg.extract)
     tokens = token_only(cfg)
@@ -1054,6 +1054,7 @@ def _finalise(cfg: RunConfig, root: Path, p: _Prepared, n_resumed: int, written:
         "truncated": int(counts["truncated"]),
         "chat_template_kwargs": dict(cfg.verifier.chat_template_kwargs),
         "loss_on_reasoning": cfg.extract.loss_on_reasoning,
+        "stop_token_ids": sorted(end_of_turn_ids(p.tokenizer)),  # the loss mask's turn end (eagle3.verifier.stop_token_ids)
         "split": {"conversations": int(counts["split_conversations"]), "samples": int(counts["split_samples"])},
         "skipped_ids": p.skipped_ids,
     }

@@ -51,7 +51,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
@@ -60,11 +59,7 @@ from eagle3.errors import UserError
 
 log = logging.getLogger(__name__)
 
-# Special tokens that end an assistant turn in common chat templates (ChatML/Kimi, Llama 3,
-# Phi-3, Gemma, GPT-2 style, Llama 2). Only those present in the tokenizer's vocab are used.
-_END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "</s>", "<|end_of_text|>")
 DEFAULT_THINK_TAGS = ("<think>", "</think>")
-_EOT_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 class TemplateNotPrefixStable(UserError):
@@ -148,31 +143,15 @@ def template_name(tokenizer, opts: Optional[ChatOptions] = None) -> str:
 
 
 def end_of_turn_ids(tokenizer) -> set[int]:
-    """Token ids that end an assistant turn: the EOS id(s) plus known end-of-turn specials in the vocab.
+    """Token ids that end an assistant turn: the verifier's stop set (:func:`eagle3.verifier.stop_token_ids`:
+    EOS id(s), known end-of-turn specials, and the folder's config / generation_config ``eos_token_id``).
 
     Used both for the loss-mask end (see module docstring) and as stop tokens of greedy
-    regeneration, so the two agree. Cached per tokenizer object (``get_vocab`` builds a dict of
-    the whole vocabulary: 164K entries for Kimi, once per conversation otherwise).
+    regeneration and of 05's decoding, so they agree.
     """
-    try:
-        return set(_EOT_CACHE[tokenizer])
-    except (KeyError, TypeError):
-        pass
-    ids: set[int] = set()
-    eos = getattr(tokenizer, "eos_token_id", None)
-    if isinstance(eos, int):
-        ids.add(eos)
-    elif isinstance(eos, (list, tuple)):
-        ids.update(int(i) for i in eos)
-    vocab = tokenizer.get_vocab()
-    for t in _END_OF_TURN_TOKENS:
-        if t in vocab:
-            ids.add(int(vocab[t]))
-    try:
-        _EOT_CACHE[tokenizer] = frozenset(ids)
-    except TypeError:  # not weak-referenceable: no cache
-        pass
-    return ids
+    from eagle3.verifier import stop_token_ids
+
+    return stop_token_ids(tokenizer)
 
 
 def _template_messages(messages: list[dict]) -> list[dict]:

@@ -23,7 +23,7 @@ from typing import Optional
 
 from pydantic import ValidationError
 
-from eagle3.prompts.chat import ChatOptions
+from eagle3.prompts.chat import ChatOptions, end_of_turn_ids
 from eagle3.config import PromptsConfig, RunConfig
 from eagle3.errors import UserError
 from eagle3.io import atomic_write_json, atomic_write_jsonl, atomic_write_text, file_sha256
@@ -139,6 +139,7 @@ def _regenerate(cfg: RunConfig, convs: list[dict], want: dict, stats: dict) -> l
         journal = ResumeLog(partial_path(cfg), want)
         journal.load(convs)  # a log of other settings or input is refused before the verifier loads
         model, tok = load_verifier(cfg.verifier)
+        stats["stop_token_ids"] = sorted(end_of_turn_ids(tok))  # the verifier's stop set (eagle3.verifier.stop_token_ids)
         return regen(model, tok, convs, pc.max_new_tokens, pc.gen_batch_size, stats=stats,
                      opts=ChatOptions.from_config(cfg), max_context=max_context_tokens(cfg), schedule=pc.gen_schedule,
                      journal=journal)
@@ -148,6 +149,7 @@ def _regenerate(cfg: RunConfig, convs: list[dict], want: dict, stats: dict) -> l
     if not pc.server.urls:
         raise UserError(f"prompts.server.urls: needed for prompts.regenerate_via: {pc.regenerate_via}")
     tok = load_tokenizer(cfg.verifier)
+    stats["stop_token_ids"] = sorted(end_of_turn_ids(tok))
     return regenerate_via_server(convs, tok, pc, ChatOptions.from_config(cfg), partial_path=partial_path(cfg),
                                  settings=want, stats=stats, max_context=max_context_tokens(cfg))
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import gzip
 import json
 import subprocess
@@ -262,7 +264,8 @@ def test_local_regeneration_gets_schedule_and_context_cap(tmp_path, monkeypatch,
     cfg_path.write_text("run_name: t\nverifier: {path: x}\nprompts: {source: humaneval, regenerate: true}\nextract: {max_length: 512}\n")
     cfg = load_config(cfg_path, overrides=sets)
     seen = {}
-    monkeypatch.setattr(eagle3.verifier, "load_verifier", lambda vc: ("model", "tok"))
+    tok = SimpleNamespace(eos_token_id=2, get_vocab=lambda: {"<|im_end|>": 2})  # what 01 reads of the tokenizer
+    monkeypatch.setattr(eagle3.verifier, "load_verifier", lambda vc: ("model", tok))
     monkeypatch.setattr(eagle3.prompts.regenerate, "regenerate", lambda *a, **k: seen.update(k) or ["ok"])
     assert _regenerate(cfg, [], {}, {}) == ["ok"]
     assert seen["schedule"] == schedule and seen["max_context"] == cap
