@@ -188,6 +188,16 @@ class PromptsConfig(_Strict):
     gen_schedule: Literal["pool", "rounds"] = Field(
         "pool", description="local regeneration batching: pool = ready turns of any turn index (multi-turn conversations "
         "advance inside the first-turn bulk; fewer decode steps, wider batches), rounds = all turns k before any turn k+1")
+    regen_engine: Literal["slots", "hf_continuous", "static"] = Field(
+        "slots", description="local regeneration decoder: slots = continuous batching over gen_batch_size rows with a "
+        "preallocated KV cache (a finished row is refilled at the next check; eagle3.continuous.SlotEngine); "
+        "hf_continuous = transformers' ContinuousBatchingManager (paged cache; without flash-attn its paged sdpa "
+        "scores every row against all rows' keys); static = generate() batches decoding until their longest "
+        "answer stops (gen_schedule). Greedy answers are the same (float32: equal)")
+    regen_check_every: int = Field(16, ge=1, description="slots engine: decode steps between host checks "
+                                   "(finished rows harvested and refilled; a finished row idles until then)")
+    regen_cuda_graphs: bool = Field(True, description="continuous engines on CUDA: replay decode steps as CUDA graphs")
+    regen_prefill_tokens: int = Field(65536, ge=1, description="slots engine: padded prompt tokens per prefill forward")
     max_context_tokens: Optional[int] = Field(
         None, ge=1, description="regeneration answers a turn only while its rendered prompt is shorter than this many "
         "tokens; later turns (and a conversation whose first prompt is already this long) are left out, because "

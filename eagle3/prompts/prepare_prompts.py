@@ -132,6 +132,7 @@ def _regenerate(cfg: RunConfig, convs: list[dict], want: dict, stats: dict) -> l
         if pc.temperature != 0 or pc.top_p != 1:
             raise UserError("prompts.temperature/top_p: the local path decodes greedily; sampling needs "
                             "prompts.regenerate_via: sglang or openai")
+        from eagle3.prompts.regenerate import engine_options
         from eagle3.prompts.regenerate import regenerate as regen
         from eagle3.prompts.resume_log import ResumeLog
         from eagle3.verifier import load_verifier
@@ -142,7 +143,7 @@ def _regenerate(cfg: RunConfig, convs: list[dict], want: dict, stats: dict) -> l
         stats["stop_token_ids"] = sorted(end_of_turn_ids(tok))  # the verifier's stop set (eagle3.verifier.stop_token_ids)
         return regen(model, tok, convs, pc.max_new_tokens, pc.gen_batch_size, stats=stats,
                      opts=ChatOptions.from_config(cfg), max_context=max_context_tokens(cfg), schedule=pc.gen_schedule,
-                     journal=journal)
+                     journal=journal, engine=pc.regen_engine, engine_options=engine_options(pc))
     from eagle3.prompts.regen_server import regenerate_via_server
     from eagle3.verifier import load_tokenizer
 

@@ -131,15 +131,205 @@ def generate_greedy(model, prompts: list[list[int]], max_new_tokens: int, stop_i
     return results
 
 
+ENGINES = ("slots", "hf_continuous", "static")
+
+
+def stop_token_ids(tokenizer) -> set[int]:
+    """The verifier's stop set for regeneration: the one call site every engine uses
+    (:func:`eagle3.prompts.chat.end_of_turn_ids`)."""
+    return end_of_turn_ids(tokenizer)
+
+
+class _Run:
+    """State of one regeneration: per conversation the messages so far, the user turns, answered turns, and
+    the ready pool (conversation -> (prompt ids, prompt text) of its next turn). Methods are the named steps
+    of :func:`regenerate`."""
+
+    def __init__(self, tokenizer, conversations: list[dict], opts: ChatOptions, max_context: Optional[int],
+                 journal: Optional[ResumeLog]):
+        self.tok, self.convs, self.opts, self.max_context, self.journal = tokenizer, conversations, opts, max_context, journal
+        # Tool results answer the ORIGINAL calls: such a conversation cannot be re-answered turn by turn
+        # in-process (no tools run here), so it is kept as it is and counted (``kept_with_tools``).
+        self.passthrough = {i for i, c in enumerate(conversations)
+                            if any(m["role"] == "tool" or m.get("tool_calls") for m in c["messages"])}
+        if self.passthrough:
+            log.warning("%d conversations with tool calls kept as they are (not regenerated in-process)",
+                        len(self.passthrough))
+        self.finished = journal.load(conversations) if journal is not None else {}  # idx -> {id, messages[, tools]}
+        self.state = []
+        for i, c in enumerate(conversations):
+            system, users = _turns(c) if i not in self.passthrough and i not in self.finished else (None, [])
+            self.state.append(([system] if system is not None else [], users))
+        self.total = sum(len(u) for _, u in self.state)
+        self.st = {"answers": 0, "new_tokens": 0, "truncated": 0, "seconds": 0.0,
+                   "kept_with_tools": len(self.passthrough), "turns_over_context": 0, "dropped_over_context": 0,
+                   "batches": 0, "decode_steps": 0, "resumed": len(self.finished)}
+        self.dropped: set[int] = set()
+        self.done = [0] * len(self.state)  # answered turns per conversation
+        self.ready: dict[int, tuple[list[int], str]] = {}
+        self.pending_log: list[int] = []  # finished conversations not yet in the resume log
+
+    def result(self, i: int) -> dict:
+        """Conversation i as returned: its id, the messages so far (regenerated answers), its tools."""
+        c = self.convs[i]
+        return {"id": c["id"], "messages": self.state[i][0], **({"tools": c["tools"]} if c.get("tools") else {})}
+
+    def record(self, i: int) -> None:
+        """Conversation i is final (every turn answered, or cut by the context cap after turn 1)."""
+        if self.journal is not None:
+            self.pending_log.append(i)
+
+    def flush_log(self) -> None:
+        """Append the finished conversations to the resume log (one fsync for the lot)."""
+        if self.journal is not None and self.pending_log:
+            self.journal.append_many([(i, self.result(i)) for i in self.pending_log])
+        self.pending_log.clear()
+
+    def remaining(self, i: int) -> int:
+        """User turns conversation i still has to answer (its ready one included)."""
+        return len(self.state[i][1]) - self.done[i]
+
+    def make_ready(self, i: int, bar) -> bool:
+        """Render conversation i's next turn into the ready pool; apply the context cap (that turn and later ones
+        dropped). Returns whether the turn is ready."""
+        msgs, users = self.state[i]
+        k = self.done[i]
+        msgs.append({"role": "user", "content": users[k]})
+        head = generation_prompt(self.tok, msgs, self.opts, self.convs[i].get("tools"))
+        ids = list(self.tok(head, add_special_tokens=False)["input_ids"])
+        if self.max_context is not None and len(ids) >= self.max_context:
+            msgs.pop()  # the unanswered user turn
+            self.st["turns_over_context"] += len(users) - k
+            bar.update(len(users) - k)
+            self.state[i] = (msgs, users[:k])
+            if k == 0:
+                self.dropped.add(i)  # not logged: a resumed run finds it over the cap again, without generating
+            else:
+                self.record(i)
+            return False
+        self.ready[i] = (ids, head)
+        return True
+
+    def answer(self, i: int, ans: list[int], stopped: bool, bar) -> bool:
+        """Store conversation i's answer to its ready turn; render the next turn. Returns whether one is ready."""
+        head = self.ready.pop(i)[1]
+        tok = self.tok
+        # ``tokens``: the ids the verifier actually produced. Decoding to text and re-tokenizing is not always
+        # the identity (e.g. 24 "\n" tokens re-tokenize as two multi-newline tokens), so stage 02 uses these ids.
+        msg = {"role": "assistant", "content": tok.decode(ans, skip_special_tokens=True), "tokens": [int(t) for t in ans]}
+        # think tags may be special tokens: split on the text with specials kept
+        reasoning, text = split_reasoning(tok.decode(ans, skip_special_tokens=False), self.opts.think_tags,
+                                          head.rstrip().endswith(self.opts.think_tags[0]))
+        if reasoning is not None:
+            msg.update(content=text, reasoning_content=reasoning)
+        self.state[i][0].append(msg)
+        self.done[i] += 1
+        self.st["new_tokens"] += len(ans)
+        self.st["truncated"] += int(not stopped)
+        self.st["answers"] += 1
+        bar.update(1)
+        if self.done[i] < len(self.state[i][1]):
+            return self.make_ready(i, bar)  # turn k+1 is ready as soon as turn k is answered
+        self.record(i)
+        return False
+
+    def outputs(self) -> list[dict]:
+        """The conversations in input order, less those left out by the context cap."""
+        out = []
+        for i, c in enumerate(self.convs):
+            if i in self.dropped:
+                continue
+            out.append(c if i in self.passthrough else self.finished[i] if i in self.finished else self.result(i))
+        return out
+
+
+def _decode_static(run: _Run, model, max_new_tokens: int, batch_size: int, schedule: str, bar) -> None:
+    """The static-batch engine: ``generate`` batches of ready turns (:func:`pick_batch` or rounds), each
+    decoding until its longest answer stops."""
+    stop_ids = stop_token_ids(run.tok)
+    pad_id = run.tok.pad_token_id if run.tok.pad_token_id is not None else run.tok.eos_token_id
+    while run.ready:
+        pool = sorted(run.ready)
+        if schedule == "rounds":  # the lowest turn index only, by prompt length
+            k = min(run.done[i] for i in pool)
+            chunk = sorted((i for i in pool if run.done[i] == k), key=lambda i: (len(run.ready[i][0]), i))[:batch_size]
+        else:
+            pick = pick_batch([len(run.ready[i][0]) for i in pool], [run.remaining(i) for i in pool], batch_size)
+            chunk = [pool[j] for j in pick]
+        answers = generate_greedy(model, [run.ready[i][0] for i in chunk], max_new_tokens, stop_ids, pad_id)
+        run.st["batches"] += 1
+        run.st["decode_steps"] += max(answer_steps(len(ans), stopped, max_new_tokens) for ans, stopped in answers)
+        for i, (ans, stopped) in zip(chunk, answers):
+            run.answer(i, ans, stopped, bar)
+        run.flush_log()
+
+
+def make_engine(name: str, model, tokenizer, max_new_tokens: int, batch_size: int, max_context: Optional[int],
+                options: Optional[dict] = None):
+    """A continuous-batching engine of :mod:`eagle3.prompts.continuous` by name (``slots`` or ``hf_continuous``).
+
+    ``options``: the engine's keyword arguments (``SlotEngine``: check_every, prefill_tokens, width_step,
+    cuda_graphs). The slot cache holds prompts shorter than ``max_context`` (the context cap; None = the model's
+    ``max_position_embeddings`` less ``max_new_tokens``) plus ``max_new_tokens`` answer tokens.
+    """
+    from eagle3.prompts.continuous import HFContinuousEngine, SlotEngine
+
+    stop_ids = stop_token_ids(tokenizer)
+    if name == "slots":
+        cfg = model.config.get_text_config()
+        max_len = (max_context + max_new_tokens) if max_context is not None else cfg.max_position_embeddings
+        return SlotEngine(model, batch_size, max_len, max_new_tokens, stop_ids, **(options or {}))
+    if name == "hf_continuous":
+        return HFContinuousEngine(model, batch_size, max_new_tokens, stop_ids, **(options or {}))
+    raise ValueError(f"regen engine: one of {ENGINES}, not {name!r}")
+
+
+def engine_options(pc) -> Optional[dict]:
+    """The continuous engine's keyword arguments from ``prompts`` (:class:`eagle3.config.PromptsConfig`)."""
+    if pc.regen_engine == "slots":
+        return {"check_every": pc.regen_check_every, "prefill_tokens": pc.regen_prefill_tokens,
+                "cuda_graphs": pc.regen_cuda_graphs}
+    if pc.regen_engine == "hf_continuous":
+        return {"use_cuda_graph": pc.regen_cuda_graphs}
+    return None
+
+
+def _decode_continuous(run: _Run, engine, bar) -> None:
+    """A continuous engine: every ready turn is submitted (most turns left first: long conversations are the
+    critical path); each answer renders and submits its conversation's next turn at once."""
+    def submit(i: int) -> None:
+        engine.submit(i, run.ready[i][0], (-run.remaining(i), len(run.ready[i][0])))
+
+    for i in sorted(run.ready):
+        submit(i)
+    last_flush = time.monotonic()
+    try:
+        for i, ans, stopped in engine.results():
+            if run.answer(i, ans, stopped, bar):
+                submit(i)
+            if run.pending_log and (len(run.pending_log) >= 256 or time.monotonic() - last_flush > 1.0):
+                run.flush_log()  # at most ~1 s of finished conversations is lost to a kill
+                last_flush = time.monotonic()
+    finally:
+        run.flush_log()  # Ctrl-C / error: what finished is kept
+    run.st["batches"] += engine.stats.get("prefill_calls", 0)
+    run.st["decode_steps"] += engine.stats.get("decode_steps", 0)
+
+
 def regenerate(model, tokenizer, conversations: list[dict], max_new_tokens: int, batch_size: int,
                chat_template: Optional[str] = None, stats: Optional[dict] = None,
                opts: Optional[ChatOptions] = None, max_context: Optional[int] = None,
-               schedule: str = "pool", journal: Optional[ResumeLog] = None) -> list[dict]:
-    """Replace every assistant turn with the verifier's greedy answer, turn by turn, from a ready pool.
+               schedule: str = "pool", journal: Optional[ResumeLog] = None, engine: str = "slots",
+               engine_options: Optional[dict] = None) -> list[dict]:
+    """Replace every assistant turn with the verifier's greedy answer, turn by turn.
 
     Turn k+1 of a conversation is rendered (with the regenerated answers 0..k) as soon as turn k is
-    answered; each ``generate`` batch takes up to ``batch_size`` ready turns chosen by
-    :func:`pick_batch` (see the module docstring).
+    answered. ``engine`` decodes the ready turns: ``slots`` (default; :class:`eagle3.prompts.continuous.SlotEngine`,
+    continuous batching over ``batch_size`` rows, a finished row refilled at the next check),
+    ``hf_continuous`` (transformers' ``ContinuousBatchingManager``) or ``static`` (``generate`` batches of up
+    to ``batch_size`` ready turns chosen by :func:`pick_batch` or by rounds, see the module docstring). The
+    answers do not depend on the engine or the schedule up to the rounding of other batch compositions
+    (float32: equal, tested).
 
     Args:
         model: the verifier (HF causal LM, eval mode).
@@ -148,161 +338,74 @@ def regenerate(model, tokenizer, conversations: list[dict], max_new_tokens: int,
             user turn gets an answer).
         max_new_tokens: answer budget per turn; an answer that hits it is kept as is (counted in
             ``stats["truncated"]``).
-        batch_size: prompts per ``generate`` call (ready turns of any turn index).
+        batch_size: decode rows (continuous engines) or prompts per ``generate`` call (static).
         chat_template: Jinja template overriding the tokenizer's (ignored when ``opts`` is given).
         opts: rendering options (template, ``chat_template_kwargs``, ``reply_start``, think tags):
             prompts are :func:`eagle3.prompts.chat.generation_prompt`, exactly what a server renders.
         max_context: context cap in tokens (``prompts.max_context_tokens``, default
             ``extract.max_length``): a turn whose rendered prompt has at least this many tokens is
             not answered, and neither are the conversation's later turns (02 cuts samples at
-            ``extract.max_length``: such an answer could never be trained on, and one 62-turn
-            conversation would otherwise cost 62 sequential ``generate`` rounds). A conversation
+            ``extract.max_length``: such an answer could never be trained on). A conversation
             whose FIRST prompt reaches the cap is left out of the result. None = no cap.
         stats: optional dict filled with ``answers``, ``new_tokens`` (answer tokens, stop token
             excluded), ``truncated``, ``seconds`` (wall time of generation), ``kept_with_tools``
             (conversations with tool calls, returned unchanged: their tool results answer the
             original calls, which cannot be re-run here), ``turns_over_context`` (user turns left
             unanswered by ``max_context``), ``dropped_over_context`` (conversations left out),
-            ``batches`` (``generate`` calls) and ``decode_steps`` (sum over batches of the longest
-            answer's steps, stop token included, at most ``max_new_tokens``: the GPU-time figure of a
-            launch-bound decoder).
-        schedule: ``"pool"`` (default: :func:`pick_batch` over the ready pool) or ``"rounds"`` (the
-            former plan, kept as the baseline of ``bench/regen_speed.py``: all turns k, sorted by
-            prompt length, before any turn k+1). The answers do not depend on it (greedy, tested).
+            ``batches`` (``generate`` calls; continuous engines: prefill forwards), ``decode_steps``
+            (static: sum over batches of the longest answer's steps; continuous: decode steps run), ``engine``.
+        schedule: static engine only: ``"pool"`` (:func:`pick_batch` over the ready pool) or ``"rounds"``
+            (all turns k, sorted by prompt length, before any turn k+1).
         journal: resume log (:class:`eagle3.prompts.resume_log.ResumeLog`, stage 01 keeps it next to the
             prompts file): conversations it already holds are taken from it, not answered again
-            (``stats["resumed"]``); each conversation is appended (fsynced) as soon as its last turn is
-            answered, so a run stopped by Ctrl-C or a crash loses at most the batch in flight. A resumed
-            run gives the answers of an uninterrupted one up to the numerics of other batch
-            compositions (equal in float32, tested). The caller deletes the log once the output is
-            written.
+            (``stats["resumed"]``); finished conversations are appended (fsynced) as they finish (static:
+            after each batch; continuous: at least every second, one fsync for the lot), so a run stopped by
+            Ctrl-C, a kill or a crash loses only conversations in flight. The caller deletes the log once
+            the output is written.
+        engine: ``slots`` | ``hf_continuous`` | ``static`` (``prompts.regen_engine``).
+        engine_options: keyword arguments of the continuous engine (see :func:`make_engine`).
 
     Raises:
         UserError: ``journal`` was written under other settings or for other conversations.
+        ValueError: ``batch_size`` or ``max_new_tokens`` < 1, unknown schedule or engine.
 
     Returns:
         New conversations ``{id, messages}`` in input order (less those left out by ``max_context``):
-        optional system message, then
-        alternating user / regenerated assistant turns. Answer text = the decoded answer tokens,
-        end-of-turn token stripped (the template writes it back when rendering); a reply with a think
-        block is split into ``reasoning_content`` and ``content`` as a server's reasoning parser
-        does (:func:`eagle3.prompts.chat.split_reasoning`); each regenerated
-        assistant message also carries ``tokens``, the generated ids (``list[int]``), which
-        :func:`eagle3.prompts.chat.tokenize_conversation` uses verbatim. Deterministic.
+        optional system message, then alternating user / regenerated assistant turns. Answer text = the
+        decoded answer tokens, end-of-turn token stripped (the template writes it back when rendering); a
+        reply with a think block is split into ``reasoning_content`` and ``content`` as a server's
+        reasoning parser does (:func:`eagle3.prompts.chat.split_reasoning`); each regenerated assistant message also
+        carries ``tokens``, the generated ids (``list[int]``), which :func:`eagle3.prompts.chat.tokenize_conversation`
+        uses verbatim. Deterministic.
     """
     if batch_size < 1 or max_new_tokens < 1:
         raise ValueError("batch_size and max_new_tokens must be >= 1")
     if schedule not in ("pool", "rounds"):
         raise ValueError(f"schedule: 'pool' or 'rounds', not {schedule!r}")
+    if engine not in ENGINES:
+        raise ValueError(f"engine: one of {ENGINES}, not {engine!r}")
     opts = opts if opts is not None else ChatOptions(chat_template=chat_template)
-    stop_ids = end_of_turn_ids(tokenizer)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    state = []
-    # Tool results answer the ORIGINAL calls: such a conversation cannot be re-answered turn by turn
-    # in-process (no tools run here), so it is kept as it is and counted (``kept_with_tools``).
-    passthrough = {i for i, c in enumerate(conversations)
-                   if any(m["role"] == "tool" or m.get("tool_calls") for m in c["messages"])}
-    if passthrough:
-        log.warning("%d conversations with tool calls kept as they are (not regenerated in-process)", len(passthrough))
-    finished = journal.load(conversations) if journal is not None else {}  # idx -> {id, messages[, tools]}
-    for i, c in enumerate(conversations):
-        system, users = _turns(c) if i not in passthrough and i not in finished else (None, [])
-        state.append(([system] if system is not None else [], users))
-    total = sum(len(u) for _, u in state)
-    st = {"answers": 0, "new_tokens": 0, "truncated": 0, "seconds": 0.0, "kept_with_tools": len(passthrough),
-          "turns_over_context": 0, "dropped_over_context": 0, "batches": 0, "decode_steps": 0,
-          "resumed": len(finished)}
-
-    def result(i: int) -> dict:
-        """Conversation i as returned: its id, the messages so far (regenerated answers), its tools."""
-        c = conversations[i]
-        return {"id": c["id"], "messages": state[i][0], **({"tools": c["tools"]} if c.get("tools") else {})}
-
-    def record(i: int) -> None:
-        """Conversation i is final (every turn answered, or cut by the context cap after turn 1): log it."""
-        if journal is not None:
-            journal.append(i, result(i))
-    dropped = set()
-    done = [0] * len(state)  # answered turns per conversation
-    ready: dict[int, tuple[list[int], str]] = {}  # conversation -> (prompt ids, prompt text) of its next turn
-
-    def make_ready(i: int, bar) -> None:
-        """Render conversation i's next turn; apply the context cap (that turn and later ones dropped)."""
-        msgs, users = state[i]
-        k = done[i]
-        msgs.append({"role": "user", "content": users[k]})
-        head = generation_prompt(tokenizer, msgs, opts, conversations[i].get("tools"))
-        ids = list(tokenizer(head, add_special_tokens=False)["input_ids"])
-        if max_context is not None and len(ids) >= max_context:
-            msgs.pop()  # the unanswered user turn
-            st["turns_over_context"] += len(users) - k
-            bar.update(len(users) - k)
-            state[i] = (msgs, users[:k])
-            if k == 0:
-                dropped.add(i)  # not logged: a resumed run finds it over the cap again, without generating
-            else:
-                record(i)
-            return
-        ready[i] = (ids, head)
-
+    run = _Run(tokenizer, conversations, opts, max_context, journal)
     t0 = time.perf_counter()
     with contextlib.ExitStack() as stack:
         if journal is not None:
             journal.open()
             stack.callback(journal.close)
-        bar = stack.enter_context(tqdm(total=total, desc="regenerate", unit="answer"))
-        for i, (_, users) in enumerate(state):
+        bar = stack.enter_context(tqdm(total=run.total, desc="regenerate", unit="answer"))
+        for i, (_, users) in enumerate(run.state):
             if users:
-                make_ready(i, bar)
-        while ready:
-            pool = sorted(ready)
-            if schedule == "rounds":  # the lowest turn index only, by prompt length
-                k = min(done[i] for i in pool)
-                chunk = sorted((i for i in pool if done[i] == k), key=lambda i: (len(ready[i][0]), i))[:batch_size]
-            else:
-                pick = pick_batch([len(ready[i][0]) for i in pool], [len(state[i][1]) - done[i] for i in pool],
-                                  batch_size)
-                chunk = [pool[j] for j in pick]
-            answers = generate_greedy(model, [ready[i][0] for i in chunk], max_new_tokens, stop_ids, pad_id)
-            st["batches"] += 1
-            st["decode_steps"] += max(answer_steps(len(ans), stopped, max_new_tokens) for ans, stopped in answers)
-            for i, (ans, stopped) in zip(chunk, answers):
-                head = ready.pop(i)[1]
-                text = tokenizer.decode(ans, skip_special_tokens=True)
-                # ``tokens``: the ids the verifier actually produced. Decoding to text and
-                # re-tokenizing is not always the identity (e.g. 24 "\n" tokens re-tokenize as
-                # two multi-newline tokens), so stage 02 uses these ids for the reply.
-                msg = {"role": "assistant", "content": text, "tokens": [int(t) for t in ans]}
-                # think tags may be special tokens: split on the text with specials kept
-                reasoning, answer = split_reasoning(tokenizer.decode(ans, skip_special_tokens=False),
-                                                    opts.think_tags, head.rstrip().endswith(opts.think_tags[0]))
-                if reasoning is not None:
-                    msg.update(content=answer, reasoning_content=reasoning)
-                state[i][0].append(msg)
-                done[i] += 1
-                st["new_tokens"] += len(ans)
-                st["truncated"] += int(not stopped)
-                st["answers"] += 1
-                if done[i] < len(state[i][1]):
-                    make_ready(i, bar)  # turn k+1 is ready as soon as turn k is answered
-                else:
-                    record(i)
-            bar.update(len(chunk))
-    st["seconds"] = time.perf_counter() - t0
-    st["dropped_over_context"] = len(dropped)
-    if dropped:
+                run.make_ready(i, bar)
+        run.flush_log()
+        if engine == "static":
+            _decode_static(run, model, max_new_tokens, batch_size, schedule, bar)
+        elif run.ready:
+            eng = make_engine(engine, model, tokenizer, max_new_tokens, batch_size, max_context, engine_options)
+            stack.callback(eng.close)
+            _decode_continuous(run, eng, bar)
+    run.st.update(seconds=time.perf_counter() - t0, dropped_over_context=len(run.dropped), engine=engine)
+    if run.dropped:
         log.warning("%d conversations left out: their first prompt has >= %d tokens (prompts.max_context_tokens)",
-                    len(dropped), max_context)
+                    len(run.dropped), max_context)
     if stats is not None:
-        stats.update(st)
-    out = []
-    for i, c in enumerate(conversations):
-        if i in dropped:
-            continue
-        if i in passthrough:
-            out.append(c)
-        elif i in finished:
-            out.append(finished[i])
-        else:
-            out.append(result(i))
-    return out
+        stats.update(run.st)
+    return run.outputs()

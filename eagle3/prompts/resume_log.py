@@ -85,11 +85,16 @@ class ResumeLog:
 
     def append(self, idx: int, conv: dict) -> None:
         """Record conversation ``idx`` as finished (one line, flushed and fsynced before returning)."""
-        line = json.dumps({"idx": int(idx), **conv}, ensure_ascii=False)
+        self.append_many([(idx, conv)])
+
+    def append_many(self, entries: list[tuple[int, dict]]) -> None:
+        """Record several finished conversations ``(idx, conv)``: one line each, one flush + fsync for all
+        (in-process regeneration finishes thousands a minute; an fsync each would cost seconds)."""
+        text = "".join(json.dumps({"idx": int(idx), **conv}, ensure_ascii=False) + "\n" for idx, conv in entries)
         with self._lock:
-            if self._f is None:  # the run is ending (Ctrl-C, error): this one is redone by the next run
+            if self._f is None:  # the run is ending (Ctrl-C, error): these are redone by the next run
                 raise InterruptedError(f"{self.path}: closed")
-            self._f.write(line + "\n")
+            self._f.write(text)
             self._f.flush()
             os.fsync(self._f.fileno())
 

@@ -207,7 +207,7 @@ def test_pooled_turns_of_any_round_equal_reference(tiny, monkeypatch):
 
     monkeypatch.setattr(regen_mod, "generate_greedy", spy)
     stats = {}
-    got = regenerate(model, tok, convs, max_new_tokens=MAX_NEW, batch_size=2, stats=stats)
+    got = regenerate(model, tok, convs, max_new_tokens=MAX_NEW, batch_size=2, stats=stats, engine="static")
     want = [_reference_regenerate(model, tok, c, MAX_NEW) for c in convs]
     assert got == want
     assert [sum(m["role"] == "assistant" for m in c["messages"]) for c in got] == [1, 3, 5, 1]
@@ -219,7 +219,8 @@ def test_pooled_turns_of_any_round_equal_reference(tiny, monkeypatch):
     # the former round plan (bench baseline): same answers, 2 + 1 + 1 + 1 + 1 batches
     batches.clear()
     old = {}
-    assert regenerate(model, tok, convs, max_new_tokens=MAX_NEW, batch_size=2, stats=old, schedule="rounds") == want
+    assert regenerate(model, tok, convs, max_new_tokens=MAX_NEW, batch_size=2, stats=old, schedule="rounds",
+                      engine="static") == want
     assert old["batches"] == len(batches) == 6
     assert [n for n, _ in batches] == [2, 2, 2, 2, 1, 1]  # rounds 0 (4 turns), 1 and 2 (three, five), 3, 4 (five)
     with pytest.raises(ValueError):
@@ -247,7 +248,8 @@ def test_resume_after_a_kill_equals_the_uninterrupted_run(tiny, tmp_path, monkey
     path = tmp_path / "prompts.regen-partial.jsonl"
     monkeypatch.setattr(regen_mod, "generate_greedy", dies_in_batch_4)
     with pytest.raises(KeyboardInterrupt):
-        regenerate(model, tok, convs, max_new_tokens=MAX_NEW, batch_size=2, journal=ResumeLog(path, {"s": 1}))
+        regenerate(model, tok, convs, max_new_tokens=MAX_NEW, batch_size=2, journal=ResumeLog(path, {"s": 1}),
+                   engine="static")
     rows = [json.loads(x) for x in path.read_text().splitlines()]
     assert rows[0] == {"settings": {"s": 1}}
     logged = {r["id"]: r for r in rows[1:]}
@@ -260,7 +262,7 @@ def test_resume_after_a_kill_equals_the_uninterrupted_run(tiny, tmp_path, monkey
     monkeypatch.setattr(regen_mod, "generate_greedy", lambda *a: calls.append(len(a[1])) or real(*a))
     stats = {}
     got = regenerate(model, tok, convs, max_new_tokens=MAX_NEW, batch_size=2, stats=stats,
-                     journal=ResumeLog(path, {"s": 1}))
+                     journal=ResumeLog(path, {"s": 1}), engine="static")
     assert got == want
     assert stats["resumed"] == 2 and stats["answers"] == 3 + 5 and sum(calls) == 8  # "three" and "five" only
     assert len(path.read_text().splitlines()) == 1 + 4  # every conversation is in the log now

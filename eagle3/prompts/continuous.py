@@ -1,0 +1,422 @@
+"""Continuous-batching greedy decoders for stage 01's in-process regeneration.
+
+Both engines share one contract (:class:`Engine`): :meth:`Engine.submit` queues a prompt (token ids)
+under a key with a priority, :meth:`Engine.results` decodes and yields ``(key, answer_ids, stopped)``
+as answers finish; the caller may submit more prompts while iterating (stage 01 submits turn k+1 of a
+conversation when turn k's answer arrives), and the iteration ends when nothing is queued or running.
+Answers are greedy: the new tokens up to (excluding) the first stop token, ``stopped`` False when the
+``max_new_tokens`` budget ran out first, as :func:`eagle3.prompts.regenerate.generate_greedy` returns them.
+
+* :class:`SlotEngine` (``prompts.regen_engine: slots``): a fixed number of decode slots over a
+  preallocated KV cache ``[slots, kv_heads, max_len, head_dim]`` per layer. A finished row's slot is
+  refilled by the next waiting prompt at the next check (every ``check_every`` steps: the only host
+  syncs; rows that finish in between idle until then); new prompts are prefilled in right-padded
+  batches straight into their slots. Attention runs through a function registered in transformers'
+  ``AttentionInterface`` (the verifier's own modules, weights and RoPE do the rest): the decode step
+  reads each slot's cache up to a shared column bound (the longest live row, rounded up to
+  ``width_step``) under a length mask, and grouped-query heads are folded into the query length
+  (``[S, kv_heads, group, D]`` against ``[S, kv_heads, W, D]``), so K/V are never repeated. On CUDA each
+  column bound's decode step is captured once as a CUDA graph (``cuda_graphs``), so a step costs its
+  kernels, not ~30 layers of Python.
+* :class:`HFContinuousEngine` (``prompts.regen_engine: hf_continuous``): transformers'
+  ``ContinuousBatchingManager`` (``model.init_continuous_batching``; paged KV cache, its own scheduler
+  thread). Without the flash-attn package its attention is ``paged|sdpa``, which packs every request of
+  a step into one sequence with a ``[1, 1, queries, all cached keys]`` mask: a decode step of B rows
+  scores B x (all rows' keys), B times the work of per-row attention (transformers 5.17 and 5.24,
+  ``integrations/sdpa_paged.py``; its fused decode path needs ``flash_attn_with_kvcache``). Kept as the
+  library baseline that ``bench/regen_speed.py`` measures beside the slot engine.
+
+Greedy tokens equal plain transformers greedy decoding in float32 (tests/test_continuous.py: a tiny
+random Llama and the real SmolLM2 GGUF, varied batch compositions); in bf16 other batch compositions
+round differently, which ``bench/regen_speed.py`` counts with the logit gap at the first difference.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+from dataclasses import dataclass, field
+from typing import Iterator, Optional, Sequence
+
+import torch
+
+log = logging.getLogger(__name__)
+
+ATTN_NAME = "eagle3_slots"
+
+
+def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """``[B, Hkv, L, D] -> [B, Hkv * groups, L, D]`` (query head h reads KV head h // groups, as HF's repeat_kv)."""
+    if groups == 1:
+        return x
+    b, h, n, d = x.shape
+    return x[:, :, None].expand(b, h, groups, n, d).reshape(b, h * groups, n, d)
+
+
+@dataclass
+class SlotCache:
+    """Preallocated KV cache of :class:`SlotEngine` and the per-forward routing its attention reads.
+
+    Attributes:
+        k, v: per layer ``[S, Hkv, max_len, D]`` in the verifier's dtype.
+        rows: prefill mode: slot index of each prefill row, int64 ``[P]``; None = decode mode.
+        lengths: decode mode: cached tokens per slot (= the column the step's key is written to), int64 ``[S]``.
+        mask: decode mode: ``[S, 1, 1, W]`` bool, True where a slot's cached column is attended.
+    """
+
+    k: list
+    v: list
+    rows: Optional[torch.Tensor] = None
+    lengths: Optional[torch.Tensor] = None
+    mask: Optional[torch.Tensor] = None
+
+
+def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
+                   dropout: float = 0.0, scaling: Optional[float] = None, slot_cache: Optional[SlotCache] = None,
+                   **kwargs):
+    """Attention of :class:`SlotEngine`, registered as ``AttentionInterface[ATTN_NAME]`` (same signature as
+    transformers' ``sdpa_attention_forward``).
+
+    Prefill (``slot_cache.rows`` set): query ``[P, H, Wp, D]``, key/value ``[P, Hkv, Wp, D]`` of right-padded
+    prompts; K/V are written to columns ``[0, Wp)`` of the rows' slots and the output is causal attention over
+    the prompt itself (a real token never sees the padding after it). Decode: query ``[S, H, 1, D]``, key/value
+    ``[S, Hkv, 1, D]`` written at column ``lengths[s]`` of slot s, then attention over the slot's first
+    ``W = mask.shape[-1]`` columns under ``mask``, with the ``H // Hkv`` query heads of a KV head as its query
+    positions. Returns ``(out [B, q_len, H, D], None)``.
+    """
+    c = slot_cache
+    if c is None:
+        raise RuntimeError(f"attention '{ATTN_NAME}' needs the slot_cache keyword (only SlotEngine calls it)")
+    kc, vc = c.k[module.layer_idx], c.v[module.layer_idx]
+    b, h, q_len, d = query.shape
+    hkv = key.shape[1]
+    if c.rows is not None:  # prefill
+        kc[c.rows, :, :q_len] = key
+        vc[c.rows, :, :q_len] = value
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, _repeat_kv(key, h // hkv), _repeat_kv(value, h // hkv), is_causal=True, scale=scaling)  # [P, H, Wp, D]
+        return out.transpose(1, 2), None
+    ar = torch.arange(b, device=query.device)
+    kc[ar, :, c.lengths] = key[:, :, 0]  # [S, Hkv, D] at column lengths[s]
+    vc[ar, :, c.lengths] = value[:, :, 0]
+    w = c.mask.shape[-1]
+    q = query.reshape(b, hkv, h // hkv, d)  # [S, Hkv, G, D]: head h = kv * G + g
+    out = torch.nn.functional.scaled_dot_product_attention(q, kc[:, :, :w], vc[:, :, :w], attn_mask=c.mask,
+                                                           scale=scaling)  # [S, Hkv, G, D]
+    return out.reshape(b, 1, h, d), None
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_NAME, slot_attention)
+
+
+class _AttnSwap:
+    """Context manager: the model runs ``ATTN_NAME`` inside, its former attention implementation after."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __enter__(self):
+        _register_attention()
+        self.old = self.model.config._attn_implementation
+        self.model.set_attn_implementation(ATTN_NAME)
+        return self
+
+    def __exit__(self, *exc):
+        self.model.set_attn_implementation(self.old)
+
+
+@dataclass(order=True)
+class _Waiting:
+    priority: tuple
+    key: object = field(compare=False)
+    ids: list = field(compare=False)
+
+
+class Engine:
+    """Shared submit/results contract (see the module docstring)."""
+
+    def submit(self, key, ids: Sequence[int], priority: tuple = ()) -> None:
+        raise NotImplementedError
+
+    def results(self) -> Iterator[tuple[object, list[int], bool]]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release the engine's resources (cache, threads, attention switch)."""
+
+
+class SlotEngine(Engine):
+    """Continuous batching over ``slots`` decode rows with a preallocated KV cache (module docstring).
+
+    Args:
+        model: HF causal LM (eval mode) whose attention layers carry ``layer_idx`` and call the attention
+            interface (Llama-family: Llama, SmolLM2, Qwen2/3, Mistral without sliding window).
+        slots: decode rows (``prompts.gen_batch_size``).
+        max_len: cache columns per slot: longest prompt + ``max_new_tokens``; a longer prompt raises ValueError.
+        max_new_tokens: answer budget.
+        stop_ids: token ids that end an answer.
+        check_every: decode steps between host checks (finished rows harvested, free slots refilled).
+        prefill_tokens: padded tokens per prefill forward (``rows x width``).
+        width_step: the decode step's column bound is rounded up to a multiple of this (one CUDA graph each).
+        cuda_graphs: capture decode steps as CUDA graphs (CUDA only; falls back to eager if capture fails).
+
+    Memory: ``2 * layers * slots * max_len * kv_heads * head_dim`` elements of the model dtype, plus
+    ``slots x max_new_tokens`` int64 answer buffer. Priorities: lower tuples are admitted first.
+    """
+
+    def __init__(self, model, slots: int, max_len: int, max_new_tokens: int, stop_ids: set[int],
+                 check_every: int = 16, prefill_tokens: int = 65536, width_step: int = 256,
+                 cuda_graphs: bool = True):
+        if slots < 1 or max_new_tokens < 1 or check_every < 1 or max_len <= max_new_tokens:
+            raise ValueError("SlotEngine: slots, max_new_tokens, check_every >= 1 and max_len > max_new_tokens")
+        self.model, self.S, self.max_len, self.max_new = model, slots, max_len, max_new_tokens
+        self.check_every, self.prefill_tokens, self.width_step = check_every, prefill_tokens, width_step
+        p = next(model.parameters())
+        self.dev, dtype = p.device, p.dtype
+        cfg = model.config.get_text_config()
+        n_layers, hkv = cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.cache = SlotCache(k=[torch.zeros(slots, hkv, max_len, d, dtype=dtype, device=self.dev) for _ in range(n_layers)],
+                               v=[torch.zeros(slots, hkv, max_len, d, dtype=dtype, device=self.dev) for _ in range(n_layers)])
+        self.kv_bytes_per_token = 2 * n_layers * hkv * d * p.element_size()
+        z = dict(device=self.dev, dtype=torch.long)
+        self.last = torch.zeros(slots, **z)  # [S] token fed to the next step
+        self.lengths = torch.zeros(slots, **z)  # [S] cached tokens
+        self.n_gen = torch.zeros(slots, **z)  # [S] answer tokens so far (stop token included)
+        self.done = torch.ones(slots, dtype=torch.bool, device=self.dev)  # [S] finished or empty
+        self.stopped = torch.zeros(slots, dtype=torch.bool, device=self.dev)  # [S]
+        self.out = torch.zeros(slots, max_new_tokens, **z)  # [S, T] answer tokens
+        self.stop_t = torch.tensor(sorted(stop_ids), **z)
+        self.col = torch.arange(max_len, **z)
+        self.ar = torch.arange(slots, **z)
+        self.key: list = [None] * slots  # host: request key per slot (None = free)
+        self.host_len = [0] * slots  # host: prompt length of the slot's request
+        self.host_gen = [0] * slots  # host: answer tokens at the last check (an upper bound lags by a window)
+        self.waiting: list[_Waiting] = []
+        self._seq = 0
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.use_graphs = cuda_graphs and self.dev.type == "cuda"
+        self._pool = None
+        self.stats = {"decode_steps": 0, "prefill_calls": 0, "kv_bytes_read": 0, "graph_captures": 0}
+        self._swap = _AttnSwap(model).__enter__()
+
+    # ------------------------------------------------------------------ contract
+    def submit(self, key, ids: Sequence[int], priority: tuple = ()) -> None:
+        """Queue prompt ``ids`` (non-empty, ``len < max_len - max_new_tokens + 1``) under ``key``."""
+        if not 0 < len(ids) <= self.max_len - self.max_new:
+            raise ValueError(f"SlotEngine: prompt of {len(ids)} tokens (cache holds prompts of 1..{self.max_len - self.max_new})")
+        heapq.heappush(self.waiting, _Waiting((*priority, self._seq), key, list(ids)))
+        self._seq += 1
+
+    def results(self) -> Iterator[tuple[object, list[int], bool]]:
+        """Decode until nothing is waiting or live; yields answers as they are harvested."""
+        with torch.inference_mode():
+            while True:
+                self._admit()
+                live = [s for s in range(self.S) if self.key[s] is not None]
+                if not live:
+                    if not self.waiting:
+                        return
+                    continue
+                self._decode_window(live)
+                yield from self._harvest()
+
+    def close(self) -> None:
+        if self._swap is not None:
+            self._swap.__exit__(None, None, None)
+            self._swap = None
+        self.graphs.clear()
+        self.cache.k.clear()
+        self.cache.v.clear()
+
+    # ------------------------------------------------------------------ steps
+    def _admit(self) -> None:
+        """Prefill waiting prompts into free slots (right-padded batches of <= ``prefill_tokens`` tokens)."""
+        free = [s for s in range(self.S) if self.key[s] is None]
+        n_live = self.S - len(free)
+        # refill in bulk: a prefill forward costs a launch-bound pass however few rows it has
+        if not free or not self.waiting or (len(free) * 32 < self.S and 2 * n_live >= self.S and len(self.waiting) > len(free)):
+            return
+        take = [heapq.heappop(self.waiting) for _ in range(min(len(free), len(self.waiting)))]
+        take.sort(key=lambda w: len(w.ids))
+        i = 0
+        while i < len(take):
+            j, width = i, 0
+            while j < len(take) and max(width, len(take[j].ids)) * (j - i + 1) <= max(self.prefill_tokens, len(take[j].ids)):
+                width = max(width, len(take[j].ids))
+                j += 1
+            self._prefill(take[i:j], free[i:j], width)
+            i = j
+
+    def _prefill(self, reqs: list[_Waiting], slots: list[int], width: int) -> None:
+        """One right-padded prefill forward; each row's first answer token goes to its slot."""
+        p = len(reqs)
+        ids = torch.zeros(p, width, dtype=torch.long)  # [P, Wp]
+        for r, w in enumerate(reqs):
+            ids[r, :len(w.ids)] = torch.tensor(w.ids, dtype=torch.long)
+        lens = torch.tensor([len(w.ids) for w in reqs], device=self.dev)  # [P]
+        rows = torch.tensor(slots, device=self.dev)  # [P]
+        self.cache.rows = rows
+        pos = torch.arange(width, device=self.dev).expand(p, width)  # [P, Wp]
+        hid = self.model.base_model(input_ids=ids.to(self.dev), position_ids=pos, slot_cache=self.cache,
+                                    use_cache=False).last_hidden_state  # [P, Wp, hidden]
+        self.cache.rows = None
+        last = hid[torch.arange(p, device=self.dev), lens - 1]  # [P, hidden]
+        tok = self.model.get_output_embeddings()(last).argmax(-1)  # [P]
+        self.last[rows] = tok
+        self.out[rows, 0] = tok
+        self.n_gen[rows] = 1
+        self.lengths[rows] = lens
+        self.stopped[rows] = torch.isin(tok, self.stop_t)
+        self.done[rows] = self.stopped[rows] | (self.max_new <= 1)
+        for s, w in zip(slots, reqs):
+            self.key[s], self.host_len[s], self.host_gen[s] = w.key, len(w.ids), 1
+        self.stats["prefill_calls"] += 1
+
+    def _width(self, live: list[int], steps: int) -> int:
+        """Column bound for the next ``steps`` steps: the longest live row's end, rounded up to ``width_step``."""
+        need = max(self.host_len[s] + min(self.max_new, self.host_gen[s] + steps) for s in live)
+        return min(self.max_len, -(-need // self.width_step) * self.width_step)
+
+    def _decode_window(self, live: list[int]) -> None:
+        """``check_every`` decode steps at one column bound (graph replay on CUDA)."""
+        steps = self.check_every
+        w = self._width(live, steps)
+        for _ in range(steps):
+            if self.use_graphs:
+                self._graph_step(w)
+            else:
+                self._step(w)
+        self.stats["decode_steps"] += steps
+        self.stats["kv_bytes_read"] += steps * self.S * w * self.kv_bytes_per_token
+
+    def _step(self, w: int) -> None:
+        """One decode step of every slot (device-only: no host sync; finished and empty slots compute, unchanged)."""
+        c = self.cache
+        c.lengths = self.lengths
+        c.mask = (self.col[:w] <= self.lengths[:, None]).view(self.S, 1, 1, w)  # [S, 1, 1, W]
+        logits = self.model(input_ids=self.last[:, None], position_ids=self.lengths[:, None], slot_cache=c,
+                            use_cache=False).logits  # [S, 1, V]
+        tok = logits[:, -1].argmax(-1)  # [S]
+        active = ~self.done  # [S]
+        idx = self.n_gen.clamp(max=self.max_new - 1)  # [S]
+        self.out[self.ar, idx] = torch.where(active, tok, self.out[self.ar, idx])
+        self.n_gen += active
+        hit = torch.isin(tok, self.stop_t) & active
+        self.stopped |= hit
+        self.done |= hit | (self.n_gen >= self.max_new)
+        self.lengths += active
+        self.last.copy_(torch.where(active, tok, self.last))
+
+    def _graph_step(self, w: int) -> None:
+        g = self.graphs.get(w)
+        if g is None:
+            g = self._capture(w)
+            if g is None:
+                self._step(w)
+                return
+        g.replay()
+
+    def _capture(self, w: int):
+        """Capture ``_step(w)`` as a CUDA graph (state is restored after the warm-up run); None on failure."""
+        state = [t.clone() for t in (self.last, self.lengths, self.n_gen, self.done, self.stopped, self.out)]
+        try:
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                self._step(w)  # warm-up (allocator, lazy init); K/V it writes are rewritten identically by the real step
+            torch.cuda.current_stream().wait_stream(s)
+            for t, v in zip((self.last, self.lengths, self.n_gen, self.done, self.stopped, self.out), state):
+                t.copy_(v)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self._pool):
+                self._step(w)
+            self._pool = g.pool()
+        except Exception as e:  # noqa: BLE001 - any capture failure: decode eagerly (same results)
+            log.warning("CUDA graph capture failed (%s: %s); decoding without graphs", type(e).__name__, e)
+            for t, v in zip((self.last, self.lengths, self.n_gen, self.done, self.stopped, self.out), state):
+                t.copy_(v)
+            self.use_graphs = False
+            return None
+        self.graphs[w] = g
+        self.stats["graph_captures"] += 1
+        return g
+
+    def _harvest(self) -> Iterator[tuple[object, list[int], bool]]:
+        """One host sync: finished slots' answers come back and the slots are freed."""
+        flags = torch.stack([self.done.long(), self.stopped.long(), self.n_gen]).cpu()  # [3, S]
+        done, stopped, n_gen = flags.tolist()
+        live = [s for s in range(self.S) if self.key[s] is not None]
+        for s in live:
+            self.host_gen[s] = n_gen[s]
+        fin = [s for s in live if done[s]]
+        if not fin:
+            return
+        rows = self.out[torch.tensor(fin, device=self.dev)].cpu().tolist()  # [F, T]
+        for s, row in zip(fin, rows):
+            n = n_gen[s] - int(bool(stopped[s]))
+            key = self.key[s]
+            self.key[s] = None
+            yield key, row[:n], bool(stopped[s])
+
+
+class HFContinuousEngine(Engine):
+    """transformers' continuous batching (``model.init_continuous_batching``) behind the :class:`Engine` contract.
+
+    Its scheduler thread batches queued requests under ``max_requests_per_batch = slots`` (and its token
+    budget); priorities are honoured only as submission order (the manager is FIFO). ``generated_tokens``
+    ends with the stop token when one was produced; it is cut off here, as everywhere in stage 01.
+
+    Args:
+        model: HF causal LM; its attention implementation is switched to ``paged|<impl>`` while the engine
+            lives (transformers does this) and restored by :meth:`close`.
+        slots: ``max_requests_per_batch``.
+        max_new_tokens, stop_ids: answer budget and stop set.
+        use_cuda_graph: transformers' switch (None = its own choice).
+        max_memory_percent: share of free accelerator memory for the paged cache (None = transformers' 0.9).
+    """
+
+    def __init__(self, model, slots: int, max_new_tokens: int, stop_ids: set[int],
+                 use_cuda_graph: Optional[bool] = None, max_memory_percent: Optional[float] = None):
+        from transformers import ContinuousBatchingConfig, GenerationConfig
+
+        self.stop_ids, self.max_new = set(stop_ids), max_new_tokens
+        pad = model.config.get_text_config().pad_token_id
+        gcfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
+                                eos_token_id=sorted(stop_ids), pad_token_id=pad if pad is not None else sorted(stop_ids)[0])
+        cb = ContinuousBatchingConfig(max_requests_per_batch=slots, use_cuda_graph=use_cuda_graph,
+                                      max_memory_percent=max_memory_percent)
+        self.mgr = model.init_continuous_batching(generation_config=gcfg, continuous_batching_config=cb)
+        self.mgr.start()
+        self.keys: dict[str, object] = {}
+        self._n = 0
+        self.stats = {"decode_steps": 0, "prefill_calls": 0}
+
+    def submit(self, key, ids: Sequence[int], priority: tuple = ()) -> None:
+        rid = f"r{self._n}"
+        self._n += 1
+        self.keys[rid] = key
+        self.mgr.add_request(list(ids), request_id=rid, max_new_tokens=self.max_new, eos_token_id=sorted(self.stop_ids))
+
+    def results(self) -> Iterator[tuple[object, list[int], bool]]:
+        while self.keys:
+            r = self.mgr.get_result(timeout=1.0)
+            if r is None:
+                if not self.mgr.is_running():
+                    raise RuntimeError("transformers' continuous batching manager stopped with requests in flight")
+                continue
+            if not r.is_finished() or r.request_id not in self.keys:
+                continue
+            key = self.keys.pop(r.request_id)
+            toks = list(r.generated_tokens)
+            stopped = bool(toks) and toks[-1] in self.stop_ids
+            yield key, toks[:-1] if stopped else toks, stopped
+        self.stats["decode_steps"] = int(getattr(self.mgr, "current_batch", 0))
+
+    def close(self) -> None:
+        if self.mgr is not None:
+            self.mgr.stop(block=True)
+            self.mgr = None

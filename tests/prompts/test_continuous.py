@@ -1,0 +1,193 @@
+"""Continuous-batching regeneration engines (eagle3.prompts.continuous) equal plain transformers greedy decoding (fp32)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from eagle3.config import VerifierConfig
+from eagle3.prompts.continuous import HFContinuousEngine, SlotEngine
+from eagle3.prompts.regenerate import regenerate
+from eagle3.verifier import load_verifier
+
+from conftest import SMOLLM_GGUF  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama_dir):
+    return load_verifier(VerifierConfig(path=str(tiny_llama_dir), dtype="float32"), device="cpu")
+
+
+@torch.no_grad()
+def hf_greedy(model, prompt: list[int], max_new: int, stops: set[int]) -> tuple[list[int], bool]:
+    """Plain transformers greedy decoding of one prompt (no padding, DynamicCache): (answer, stopped)."""
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         max_new_tokens=max_new, do_sample=False, num_beams=1, eos_token_id=sorted(stops),
+                         pad_token_id=sorted(stops)[0])
+    row = out[0, len(prompt):].tolist()
+    cut = next((j for j, t in enumerate(row) if t in stops), None)
+    return (row[:cut], True) if cut is not None else (row, False)
+
+
+def _prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(1, 40, (n,), generator=g).tolist()
+    return [torch.randint(3, vocab, (k,), generator=g).tolist() for k in lens]
+
+
+def _stops(model, prompts, max_new) -> set[int]:
+    """Two stop ids that occur in free-running answers (so some answers stop early, others run out)."""
+    free = [hf_greedy(model, p, max_new, {0})[0] for p in prompts[:4]]
+    return {free[0][3], free[1][5]}
+
+
+def _run(engine, prompts, later: dict | None = None):
+    """Submit prompts, then (while iterating) the ``later`` prompts keyed after a finished key; collect answers."""
+    for i, p in enumerate(prompts):
+        engine.submit(i, p, (len(p) % 3,))
+    got = {}
+    for key, ans, stopped in engine.results():
+        got[key] = (ans, stopped)
+        if later and key in later:
+            engine.submit(("after", key), later[key])
+    engine.close()
+    return got
+
+
+@pytest.mark.parametrize("slots,check_every,prefill_tokens,width_step", [
+    (1, 1, 65536, 256),   # one row at a time, checked every step
+    (3, 5, 40, 16),       # rows refilled mid-answer of others, several prefill batches, growing column bound
+    (16, 4, 65536, 8),    # every prompt in one prefill, all rows live together
+])
+def test_slot_engine_equals_hf_greedy(tiny, slots, check_every, prefill_tokens, width_step):
+    model, _ = tiny
+    max_new = 12
+    prompts = _prompts(11, model.config.vocab_size)
+    stops = _stops(model, prompts, max_new)
+    want = [hf_greedy(model, p, max_new, stops) for p in prompts]
+    assert any(s for _, s in want) and not all(s for _, s in want)  # both endings occur
+    later = {2: prompts[0] + want[2][0], 5: prompts[7][:3]}  # prompts submitted while decoding
+    eng = SlotEngine(model, slots, max_len=64, max_new_tokens=max_new, stop_ids=stops, check_every=check_every,
+                     prefill_tokens=prefill_tokens, width_step=width_step, cuda_graphs=False)
+    got = _run(eng, prompts, later)
+    assert [got[i] for i in range(len(prompts))] == want
+    for k, p in later.items():
+        assert got[("after", k)] == hf_greedy(model, p, max_new, stops)
+    assert model.config._attn_implementation == "sdpa"  # restored by close()
+    assert eng.stats["decode_steps"] % check_every == 0 and eng.stats["prefill_calls"] >= 1
+
+
+def test_slot_engine_budget_of_one_and_bad_prompts(tiny):
+    model, _ = tiny
+    prompts = _prompts(4, model.config.vocab_size, seed=1)
+    eng = SlotEngine(model, 2, max_len=48, max_new_tokens=1, stop_ids={0}, cuda_graphs=False)
+    with pytest.raises(ValueError, match="prompt of 48 tokens"):
+        eng.submit("long", [5] * 48)  # the cache holds prompts of up to max_len - max_new_tokens
+    with pytest.raises(ValueError):
+        eng.submit("empty", [])
+    got = _run(eng, prompts)
+    assert [got[i] for i in range(4)] == [hf_greedy(model, p, 1, {0}) for p in prompts]
+
+
+def test_hf_continuous_engine_equals_hf_greedy(tiny):
+    """transformers' ContinuousBatchingManager behind the same contract (the library baseline)."""
+    model, _ = tiny
+    max_new = 8
+    prompts = _prompts(5, model.config.vocab_size, seed=2)
+    stops = _stops(model, prompts, max_new)
+    want = [hf_greedy(model, p, max_new, stops) for p in prompts]
+    got = _run(HFContinuousEngine(model, 4, max_new, stops), prompts, {1: prompts[3][:5]})
+    assert [got[i] for i in range(5)] == want
+    assert got[("after", 1)] == hf_greedy(model, prompts[3][:5], max_new, stops)
+    assert model.config._attn_implementation == "sdpa"
+
+
+def _conv(cid, n_turns):
+    msgs = []
+    for t in range(n_turns):
+        msgs += [{"role": "user", "content": f"Conversation {cid}, question {t + 1}: what is {t * 7 + 3} plus {t}?"},
+                 {"role": "assistant", "content": "old"}]
+    return {"id": cid, "messages": msgs}
+
+
+CONVS = [_conv("one", 1), _conv("three", 3), _conv("five", 5), _conv("single", 1), _conv("two", 2)]
+
+
+@pytest.mark.parametrize("batch_size", [1, 2, 7])
+def test_regenerate_slots_equals_static(tiny, batch_size):
+    """Multi-turn conversations through the slot engine (turn k+1 joins once turn k is answered) give the
+    static engine's conversations, whatever the number of rows."""
+    model, tok = tiny
+    want = regenerate(model, tok, CONVS, max_new_tokens=6, batch_size=3, engine="static")
+    stats = {}
+    got = regenerate(model, tok, CONVS, max_new_tokens=6, batch_size=batch_size, stats=stats, engine="slots",
+                     engine_options={"check_every": 2, "cuda_graphs": False})
+    assert got == want
+    assert stats["answers"] == 12 and stats["engine"] == "slots" and stats["decode_steps"] > 0
+
+
+def test_slots_resume_after_a_kill(tiny, tmp_path, monkeypatch):
+    """A slots run killed mid-decode keeps the conversations finished before it in the resume log; the rerun
+    answers only the rest and equals the uninterrupted run."""
+    from eagle3.prompts.resume_log import ResumeLog
+
+    model, tok = tiny
+    opts = {"check_every": 1, "cuda_graphs": False}
+    real = SlotEngine._harvest
+    calls = []
+
+    def counted(self):
+        calls.append(1)
+        yield from real(self)
+
+    monkeypatch.setattr(SlotEngine, "_harvest", counted)
+    want = regenerate(model, tok, CONVS, max_new_tokens=6, batch_size=2, engine="slots", engine_options=opts)
+    kill_at, calls[:] = len(calls), []  # the last check: every conversation but the last to finish is logged
+
+    def dies(self):
+        calls.append(1)
+        if len(calls) == kill_at:
+            raise KeyboardInterrupt
+        yield from real(self)
+
+    monkeypatch.setattr(SlotEngine, "_harvest", dies)
+    path = tmp_path / "prompts.regen-partial.jsonl"
+    with pytest.raises(KeyboardInterrupt):
+        regenerate(model, tok, CONVS, max_new_tokens=6, batch_size=2, journal=ResumeLog(path, {"s": 1}),
+                   engine="slots", engine_options=opts)
+    rows = [json.loads(x) for x in path.read_text().splitlines()][1:]
+    assert 1 <= len(rows) < len(CONVS)
+    for r in rows:
+        assert {k: v for k, v in r.items() if k != "idx"} == want[r["idx"]]
+    monkeypatch.setattr(SlotEngine, "_harvest", real)
+    stats = {}
+    got = regenerate(model, tok, CONVS, max_new_tokens=6, batch_size=2, stats=stats,
+                     journal=ResumeLog(path, {"s": 1}), engine="slots", engine_options=opts)
+    assert got == want and stats["resumed"] == len(rows)
+    assert stats["answers"] == 12 - sum(sum(m["role"] == "assistant" for m in r["messages"]) for r in rows)
+
+
+@pytest.fixture(scope="module")
+def smollm_fp32():
+    from conftest import smollm_dir
+
+    return load_verifier(VerifierConfig(path=str(smollm_dir()), gguf_file=SMOLLM_GGUF, dtype="float32"), device="cpu")
+
+
+def test_slot_engine_equals_hf_greedy_on_smollm2(smollm_fp32):
+    """The real verifier (SmolLM2-135M-Instruct GGUF, dequantised to fp32) on chat prompts, 2 rows for 4 prompts."""
+    from eagle3.prompts.chat import ChatOptions, generation_prompt
+    from eagle3.prompts.regenerate import stop_token_ids
+
+    model, tok = smollm_fp32
+    stops = stop_token_ids(tok)
+    prompts = [tok(generation_prompt(tok, [{"role": "user", "content": q}], ChatOptions()),
+                   add_special_tokens=False)["input_ids"]
+               for q in ("What is 2+2?", "Name three colours.", "Write a haiku about the sea.", "Hi")]
+    want = [hf_greedy(model, p, 16, stops) for p in prompts]
+    got = _run(SlotEngine(model, 2, max_len=128, max_new_tokens=16, stop_ids=stops, check_every=3, cuda_graphs=False),
+               prompts)
+    assert [got[i] for i in range(4)] == want
+    assert any(s for _, s in want)  # at least one answer ends on the end-of-turn token
