@@ -6,17 +6,23 @@ SpecForge/speculators both regenerate). Answers are produced turn by turn: turn 
 the user turns 0..k and the REGENERATED answers 0..k-1, so a multi-turn conversation stays
 self-consistent.
 
-Batching: a ready pool, not turn rounds. A conversation's turn k+1 becomes ready as soon as its turn
-k is answered, and every ``generate`` call takes up to ``batch_size`` ready turns of ANY turn index,
-chosen by :func:`pick_batch` (conversations with more turns left than full batches left first, so
-a multi-turn conversation advances one turn in every batch of the first-turn bulk instead of
-running one batch per turn after it; the rest of the batch by prompt length, fewer pads). A ``generate`` batch
-runs until its longest answer stops, and decoding a small verifier is launch-bound (a step costs
-about the same at 10 rows as at 1024), so the cost is the number of batches times their longest
-answer: ``stats["decode_steps"]``. Prompts are LEFT padded (every row's last prompt token sits at
-the same column, so one ``generate`` call continues all rows) and decoded greedily. Greedy decoding
-with an attention mask and mask-derived position ids gives the same tokens as unbatched decoding up
-to floating-point rounding (tested), so the schedule does not change the answers.
+Engines (``prompts.regen_engine``; a conversation's turn k+1 becomes ready as soon as its turn k is
+answered, in every engine):
+
+* ``slots`` (default): continuous batching, :class:`eagle3.prompts.continuous.SlotEngine`: ``batch_size``
+  decode rows over a preallocated KV cache; a finished row is refilled by a waiting turn at the next
+  check (every ``regen_check_every`` steps), conversations with the most turns left first (they are the
+  critical path). ``stats["decode_steps"]`` = steps run; ``stats["batches"]`` = prefill forwards.
+* ``hf_continuous``: transformers' ``ContinuousBatchingManager`` behind the same contract (the library
+  baseline; see :mod:`eagle3.prompts.continuous` for why it is slow without flash-attn).
+* ``static``: ``generate`` batches of up to ``batch_size`` ready turns of ANY turn index chosen by
+  :func:`pick_batch` (or all turns k before any turn k+1: ``schedule="rounds"``), each running until its
+  longest answer stops, so the cost is the number of batches times their longest answer
+  (``stats["decode_steps"]``). Prompts are LEFT padded (one ``generate`` call continues all rows).
+
+Greedy decoding gives the same tokens in every engine and batch composition up to floating-point
+rounding (float32: equal to unbatched transformers greedy decoding, tested), so neither the engine nor
+the schedule changes the answers.
 """
 
 from __future__ import annotations
@@ -321,27 +327,17 @@ def regenerate(model, tokenizer, conversations: list[dict], max_new_tokens: int,
                opts: Optional[ChatOptions] = None, max_context: Optional[int] = None,
                schedule: str = "pool", journal: Optional[ResumeLog] = None, engine: str = "slots",
                engine_options: Optional[dict] = None) -> list[dict]:
-    """Replace every assistant turn with the verifier's greedy answer, turn by turn.
-
-    Turn k+1 of a conversation is rendered (with the regenerated answers 0..k) as soon as turn k is
-    answered. ``engine`` decodes the ready turns: ``slots`` (default; :class:`eagle3.prompts.continuous.SlotEngine`,
-    continuous batching over ``batch_size`` rows, a finished row refilled at the next check),
-    ``hf_continuous`` (transformers' ``ContinuousBatchingManager``) or ``static`` (``generate`` batches of up
-    to ``batch_size`` ready turns chosen by :func:`pick_batch` or by rounds, see the module docstring). The
-    answers do not depend on the engine or the schedule up to the rounding of other batch compositions
-    (float32: equal, tested).
+    """Replace every assistant turn with the verifier's greedy answer, turn by turn (engines: module docstring).
 
     Args:
         model: the verifier (HF causal LM, eval mode).
         tokenizer: its tokenizer (chat template used to render prompts).
-        conversations: normalised ``{id, messages}`` (prompt-only conversations included: each
-            user turn gets an answer).
+        conversations: normalised ``{id, messages}`` (prompt-only ones included: each user turn is answered).
         max_new_tokens: answer budget per turn; an answer that hits it is kept as is (counted in
             ``stats["truncated"]``).
         batch_size: decode rows (continuous engines) or prompts per ``generate`` call (static).
         chat_template: Jinja template overriding the tokenizer's (ignored when ``opts`` is given).
-        opts: rendering options (template, ``chat_template_kwargs``, ``reply_start``, think tags):
-            prompts are :func:`eagle3.prompts.chat.generation_prompt`, exactly what a server renders.
+        opts: rendering options; prompts are :func:`eagle3.prompts.chat.generation_prompt` (what a server renders).
         max_context: context cap in tokens (``prompts.max_context_tokens``, default
             ``extract.max_length``): a turn whose rendered prompt has at least this many tokens is
             not answered, and neither are the conversation's later turns (02 cuts samples at
@@ -370,13 +366,12 @@ def regenerate(model, tokenizer, conversations: list[dict], max_new_tokens: int,
         ValueError: ``batch_size`` or ``max_new_tokens`` < 1, unknown schedule or engine.
 
     Returns:
-        New conversations ``{id, messages}`` in input order (less those left out by ``max_context``):
-        optional system message, then alternating user / regenerated assistant turns. Answer text = the
-        decoded answer tokens, end-of-turn token stripped (the template writes it back when rendering); a
-        reply with a think block is split into ``reasoning_content`` and ``content`` as a server's
-        reasoning parser does (:func:`eagle3.prompts.chat.split_reasoning`); each regenerated assistant message also
-        carries ``tokens``, the generated ids (``list[int]``), which :func:`eagle3.prompts.chat.tokenize_conversation`
-        uses verbatim. Deterministic.
+        New conversations ``{id, messages}`` in input order (less those left out by ``max_context``): optional
+        system message, then alternating user / regenerated assistant turns. Answer text = the decoded answer
+        tokens, end-of-turn token stripped; a think block is split into ``reasoning_content`` and ``content``
+        as a server's reasoning parser does (:func:`eagle3.prompts.chat.split_reasoning`); each regenerated
+        assistant message carries ``tokens``, the generated ids, which
+        :func:`eagle3.prompts.chat.tokenize_conversation` uses verbatim. Deterministic.
     """
     if batch_size < 1 or max_new_tokens < 1:
         raise ValueError("batch_size and max_new_tokens must be >= 1")
