@@ -125,25 +125,22 @@ def partial_path(cfg: RunConfig) -> Path:
     return cfg.prompts_path.parent / PARTIAL_NAME
 
 
-def _regenerate(cfg: RunConfig, convs: list[dict], want: dict, stats: dict) -> list[dict]:
-    """Regenerate the answers in-process (``local``) or through the configured endpoints."""
+def _regenerate(cfg: RunConfig, convs: list[dict], want: dict, stats: dict, force: bool = False) -> Optional[list[dict]]:
+    """Regenerate the answers in-process (``local``, over the torchrun replicas if any: None on ranks > 0)
+    or through the configured endpoints."""
     pc = cfg.prompts
     if pc.regenerate_via == "local":
         if pc.temperature != 0 or pc.top_p != 1:
             raise UserError("prompts.temperature/top_p: the local path decodes greedily; sampling needs "
                             "prompts.regenerate_via: sglang or openai")
         from eagle3.prompts.regenerate import engine_options
-        from eagle3.prompts.regenerate import regenerate as regen
-        from eagle3.prompts.resume_log import ResumeLog
-        from eagle3.verifier import load_verifier
+        from eagle3.prompts.replicas import regenerate_replicas
 
-        journal = ResumeLog(partial_path(cfg), want)
-        journal.load(convs)  # a log of other settings or input is refused before the verifier loads
-        model, tok = load_verifier(cfg.verifier)
-        stats["stop_token_ids"] = sorted(end_of_turn_ids(tok))  # the verifier's stop set (eagle3.verifier.stop_token_ids)
-        return regen(model, tok, convs, pc.max_new_tokens, pc.gen_batch_size, stats=stats,
-                     opts=ChatOptions.from_config(cfg), max_context=max_context_tokens(cfg), schedule=pc.gen_schedule,
-                     journal=journal, engine=pc.regen_engine, engine_options=engine_options(pc))
+        # one process, or one verifier replica per torchrun rank (None on ranks > 0: rank 0 writes)
+        return regenerate_replicas(cfg, convs, want, stats, force=force, regen_kwargs=dict(
+            max_new_tokens=pc.max_new_tokens, batch_size=pc.gen_batch_size, opts=ChatOptions.from_config(cfg),
+            max_context=max_context_tokens(cfg), schedule=pc.gen_schedule, engine=pc.regen_engine,
+            engine_options=engine_options(pc)))
     from eagle3.prompts.regen_server import regenerate_via_server
     from eagle3.verifier import load_tokenizer
 
@@ -195,7 +192,9 @@ def run(cfg: RunConfig, source: Optional[str] = None, fmt: Optional[str] = None,
     if pc.regenerate:
         if force:
             partial_path(cfg).unlink(missing_ok=True)
-        convs = _regenerate(cfg, convs, want, regen_stats)
+        convs = _regenerate(cfg, convs, want, regen_stats, force=force)
+        if convs is None:  # a torchrun rank > 0: its answers are in its resume log, rank 0 writes the outputs
+            return 0
         if not convs:
             raise UserError(f"prompts.server.urls: every conversation failed to regenerate "
                             f"({regen_stats.get('failed', 0)} failed; see the error lines above)")
@@ -308,7 +307,10 @@ def write_outputs(cfg: RunConfig, convs: list[dict], report: dict, regen_stats: 
     atomic_write_text(rep.with_suffix(".md"), report_markdown(report))
     failed = regen_stats.get("failed", 0)
     if pc.regenerate and not failed:
-        partial_path(cfg).unlink(missing_ok=True)  # everything is in the final file now
+        from eagle3.prompts.replicas import all_logs
+
+        for p in all_logs(partial_path(cfg).parent):  # everything is in the final file now (every replica's log)
+            p.unlink(missing_ok=True)
     if failed:
         print(f"regeneration: {failed} conversation(s) failed (ids in {rep.name}); they are not in {out.name}. "
               f"Rerun the same command to retry only those.")

@@ -146,6 +146,11 @@ def stop_token_ids(tokenizer) -> set[int]:
     return end_of_turn_ids(tokenizer)
 
 
+def has_tool_calls(conv: dict) -> bool:
+    """Whether a conversation holds tool calls or results (kept as it is: no tools run here)."""
+    return any(m["role"] == "tool" or m.get("tool_calls") for m in conv["messages"])
+
+
 class _Run:
     """State of one regeneration: per conversation the messages so far, the user turns, answered turns, and
     the ready pool (conversation -> (prompt ids, prompt text) of its next turn). Methods are the named steps
@@ -156,8 +161,7 @@ class _Run:
         self.tok, self.convs, self.opts, self.max_context, self.journal = tokenizer, conversations, opts, max_context, journal
         # Tool results answer the ORIGINAL calls: such a conversation cannot be re-answered turn by turn
         # in-process (no tools run here), so it is kept as it is and counted (``kept_with_tools``).
-        self.passthrough = {i for i, c in enumerate(conversations)
-                            if any(m["role"] == "tool" or m.get("tool_calls") for m in c["messages"])}
+        self.passthrough = {i for i, c in enumerate(conversations) if has_tool_calls(c)}
         if self.passthrough:
             log.warning("%d conversations with tool calls kept as they are (not regenerated in-process)",
                         len(self.passthrough))

@@ -265,11 +265,11 @@ def test_local_regeneration_gets_schedule_and_context_cap(tmp_path, monkeypatch,
     cfg = load_config(cfg_path, overrides=sets)
     seen = {}
     tok = SimpleNamespace(eos_token_id=2, get_vocab=lambda: {"<|im_end|>": 2})  # what 01 reads of the tokenizer
-    monkeypatch.setattr(eagle3.verifier, "load_verifier", lambda vc: ("model", tok))
-    monkeypatch.setattr(eagle3.prompts.regenerate, "regenerate", lambda *a, **k: seen.update(k) or ["ok"])
-    assert _regenerate(cfg, [], {}, {}) == ["ok"]
-    assert seen["schedule"] == schedule and seen["max_context"] == cap
+    monkeypatch.setattr(eagle3.verifier, "load_verifier", lambda vc, device=None: ("model", tok))
+    monkeypatch.setattr(eagle3.prompts.regenerate, "regenerate", lambda *a, **k: seen.update(k) or [])
+    assert _regenerate(cfg, [], {}, {}) == []
+    assert seen["schedule"] == schedule and seen["max_context"] == cap and seen["engine"] == "slots"
     # resumable like the server path: the same log next to prompts.jsonl, under 01's settings
     from eagle3.prompts.prepare_prompts import partial_path
 
-    assert seen["journal"].path == partial_path(cfg) == cfg.prompts_path.parent / "prompts.regen-partial.jsonl"
+    assert seen["journal"].log.path == partial_path(cfg) == cfg.prompts_path.parent / "prompts.regen-partial.jsonl"

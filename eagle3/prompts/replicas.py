@@ -1,0 +1,193 @@
+"""Stage 01's in-process regeneration over N verifier replicas (``torchrun --nproc_per_node N 01_prepare_prompts.py``).
+
+Every rank reads the same input (stage 01 is deterministic up to this point), loads the verifier on
+``cuda:LOCAL_RANK`` (CPU without CUDA) and answers its share of the conversations not yet in a resume log:
+the open conversations sorted by user turns (most first), dealt round-robin, so multi-turn conversations
+spread evenly. Rank r appends its finished conversations to its own resume log (rank 0:
+``prompts.regen-partial.jsonl``, the one-process name; rank r > 0: ``prompts.regen-partial.rank{r}.jsonl``),
+entries keyed by position in the FULL input. After a barrier rank 0 reads every log and writes
+``prompts.jsonl`` from them in input order: the file a one-process run writes (greedy answers do not depend
+on which replica or batch answered them, float32: equal, tests/prompts/test_replicas.py). Any run, of any
+world size, resumes from all logs found. One process (no ``WORLD_SIZE``) runs the same code with a
+world of 1.
+
+Process group: gloo (only barriers and small Python objects cross ranks), timeout 3 hours: a rank that
+finishes early waits for the slowest one.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from eagle3.errors import UserError
+from eagle3.prompts.resume_log import PARTIAL_NAME, ResumeLog
+
+TIMEOUT = datetime.timedelta(hours=3)
+_SUMMED = ("answers", "new_tokens", "truncated", "turns_over_context", "dropped_over_context", "batches",
+           "decode_steps")
+
+
+@dataclass
+class Dist:
+    """This process's place among the replicas (world 1 = a single process, no process group)."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    initialized_here: bool = False
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def gather(self, obj) -> list:
+        """Every rank's ``obj`` (a list of ``world`` items on every rank)."""
+        if self.world == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+    def close(self) -> None:
+        if self.initialized_here:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+            self.initialized_here = False
+
+
+def init_dist() -> Dist:
+    """gloo process group from the torchrun env when ``WORLD_SIZE > 1``; else a world of 1.
+
+    Raises:
+        UserError: ``WORLD_SIZE``/``RANK``/``LOCAL_RANK`` are not integers.
+    """
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+        rank = int(os.environ.get("RANK", "0") or 0)
+        local_rank = int(os.environ.get("LOCAL_RANK", str(rank)) or 0)
+    except ValueError as e:
+        raise UserError(f"WORLD_SIZE/RANK/LOCAL_RANK: not an integer ({e})") from e
+    if world <= 1:
+        return Dist()
+    import torch.distributed as dist
+
+    here = not dist.is_initialized()
+    if here:
+        dist.init_process_group(backend="gloo", timeout=TIMEOUT)
+    return Dist(rank=rank, world=world, local_rank=local_rank, initialized_here=here)
+
+
+def log_path(folder: Path, rank: int) -> Path:
+    """Rank ``rank``'s resume log in ``folder``."""
+    return folder / (PARTIAL_NAME if rank == 0 else PARTIAL_NAME.replace(".jsonl", f".rank{rank}.jsonl"))
+
+
+def all_logs(folder: Path) -> list[Path]:
+    """Every resume log in ``folder`` (rank 0's first, then the others by rank)."""
+    ranked = sorted(folder.glob(PARTIAL_NAME.replace(".jsonl", ".rank*.jsonl")),
+                    key=lambda p: int(p.name.rsplit(".rank", 1)[1].split(".")[0]))
+    return [p for p in [folder / PARTIAL_NAME, *ranked] if p.is_file()]
+
+
+def load_finished(folder: Path, settings: dict, convs: list[dict]) -> dict[int, dict]:
+    """Finished conversations of every log, by input position.
+
+    Raises:
+        UserError: a log of other settings or input (:meth:`ResumeLog.load`).
+    """
+    done: dict[int, dict] = {}
+    for p in all_logs(folder):
+        done.update(ResumeLog(p, settings).load(convs))
+    return done
+
+
+class _GlobalLog:
+    """A rank's resume log seen by :func:`regenerate` on its share: local positions written as global ones."""
+
+    def __init__(self, log: ResumeLog, positions: list[int]):
+        self.log, self.positions = log, positions
+
+    def load(self, conversations) -> dict:
+        return {}  # finished conversations were taken out of the share already
+
+    def open(self) -> None:
+        self.log.open()
+
+    def append_many(self, entries) -> None:
+        self.log.append_many([(self.positions[i], conv) for i, conv in entries])
+
+    def append(self, idx: int, conv: dict) -> None:
+        self.append_many([(idx, conv)])
+
+    def close(self) -> None:
+        self.log.close()
+
+
+def share(convs: list[dict], open_positions: list[int], rank: int, world: int) -> list[int]:
+    """Rank ``rank``'s positions: the open conversations by user turns (most first, then position), dealt round-robin."""
+    order = sorted(open_positions, key=lambda i: (-sum(m["role"] == "user" for m in convs[i]["messages"]), i))
+    return sorted(order[rank::world])
+
+
+def merge_stats(parts: list[dict], resumed: int, kept_with_tools: int) -> dict:
+    """One report's regeneration stats from every rank's: counts summed, seconds the slowest rank's."""
+    out = {k: sum(p.get(k, 0) for p in parts) for k in _SUMMED}
+    out.update(seconds=max(p.get("seconds", 0.0) for p in parts), resumed=resumed, kept_with_tools=kept_with_tools,
+               replicas=len(parts), engine=parts[0].get("engine"))
+    return out
+
+
+def assemble(convs: list[dict], finished: dict[int, dict], has_tools) -> list[dict]:
+    """The output in input order: tool conversations as they are, the others from the logs; a conversation in
+    neither was left out by the context cap (its first prompt is over it: never logged)."""
+    return [c if has_tools(c) else finished[i] for i, c in enumerate(convs) if has_tools(c) or i in finished]
+
+
+def regenerate_replicas(cfg, convs: list[dict], want: dict, stats: dict, force: bool = False,
+                        regen_kwargs: Optional[dict] = None) -> Optional[list[dict]]:
+    """Regenerate ``convs`` over the torchrun replicas (module docstring). Returns the conversations on rank 0,
+    None on the other ranks (which must not write outputs); ``stats`` gets the merged figures on rank 0.
+
+    Raises:
+        UserError: a resume log written under other settings or for other input.
+    """
+    import torch
+
+    from eagle3.prompts.regenerate import has_tool_calls, regenerate
+    from eagle3.verifier import load_verifier, stop_token_ids
+
+    d = init_dist()
+    folder = cfg.prompts_path.parent
+    try:
+        if force and d.rank == 0:
+            for p in all_logs(folder):
+                p.unlink()
+        d.barrier()
+        finished = load_finished(folder, want, convs)  # refused before the verifier loads
+        d.barrier()  # every rank has read the logs before any rank appends
+        todo = [i for i, c in enumerate(convs) if i not in finished and not has_tool_calls(c)]
+        mine = share(convs, todo, d.rank, d.world)
+        device = f"cuda:{d.local_rank}" if d.world > 1 and torch.cuda.is_available() else None
+        model, tok = load_verifier(cfg.verifier, device=device)
+        stats["stop_token_ids"] = sorted(stop_token_ids(tok))  # the verifier's stop set, recorded in the report
+        st: dict = {}
+        regenerate(model, tok, [convs[i] for i in mine], stats=st,
+                   journal=_GlobalLog(ResumeLog(log_path(folder, d.rank), want), mine), **(regen_kwargs or {}))
+        parts = d.gather(st)
+        d.barrier()  # every rank's log is complete
+        if d.rank != 0:
+            return None
+        tools = sum(1 for c in convs if has_tool_calls(c))
+        stats.update(merge_stats(parts, resumed=len(finished), kept_with_tools=tools), stop_token_ids=stats["stop_token_ids"])
+        return assemble(convs, load_finished(folder, want, convs), has_tool_calls)
+    finally:
+        d.close()

@@ -1,0 +1,102 @@
+"""torchrun regeneration: 2 gloo ranks on CPU write the prompts.jsonl of a one-process run (fp32 tiny verifier)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from eagle3.prompts.replicas import all_logs, assemble, log_path, merge_stats, share
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _conv(cid, n_turns, tools=False):
+    msgs = []
+    for t in range(n_turns):
+        msgs += [{"role": "user", "content": f"Conversation {cid}, question {t + 1}: how many legs has a {t + 2}-pod?"},
+                 {"role": "assistant", "content": "old"}]
+    if tools:
+        msgs += [{"role": "tool", "content": "42"}]
+    return {"id": cid, "messages": msgs}
+
+
+def _setup(tmp_path: Path, tiny_llama_dir: Path, name: str, engine: str = "slots") -> Path:
+    src = tmp_path / "convs.jsonl"
+    if not src.exists():
+        convs = [_conv(f"c{i}", n) for i, n in enumerate([1, 3, 1, 2, 4, 1, 1])]
+        src.write_text("".join(json.dumps(c) + "\n" for c in convs))
+    cfg = tmp_path / f"{name}.yaml"
+    cfg.write_text(f"""run_name: {name}
+output_root: {tmp_path / name}
+verifier: {{path: {tiny_llama_dir}, dtype: float32, device: cpu}}
+prompts: {{source: {src}, format: messages, regenerate: true, max_new_tokens: 6, gen_batch_size: 2,
+          regen_engine: {engine}, regen_check_every: 2}}
+extract: {{max_length: 256}}
+""")
+    return cfg
+
+
+def _run01(cfg: Path, nproc: int, *extra) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] \
+        if nproc > 1 else [sys.executable]
+    p = subprocess.run([*launch, str(ROOT / "01_prepare_prompts.py"), "--config", str(cfg), *extra],
+                       env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_write_the_one_process_file(tmp_path, tiny_llama_dir):
+    one, two = _setup(tmp_path, tiny_llama_dir, "one"), _setup(tmp_path, tiny_llama_dir, "two")
+    _run01(one, 1)
+    _run01(two, 2)
+    a = (tmp_path / "one" / "prompts.jsonl").read_text()
+    b = (tmp_path / "two" / "prompts.jsonl").read_text()
+    assert a == b and len(a.splitlines()) == 7
+    rep = json.loads((tmp_path / "two" / "prompts_report.json").read_text())["regeneration"]
+    assert rep["replicas"] == 2 and rep["answers"] == 13
+    assert json.loads((tmp_path / "one" / "prompts_report.json").read_text())["regeneration"]["answers"] == 13
+    assert all_logs(tmp_path / "two") == []  # every replica's log removed once prompts.jsonl is written
+
+    # resume across world sizes: a killed 2-rank run left rank 1's log with two conversations; one process
+    # takes them from it, answers the rest and writes the same file
+    three = _setup(tmp_path, tiny_llama_dir, "three")
+    settings = json.loads((tmp_path / "one" / "prompts_report.json").read_text())["settings"]
+    rows = [json.loads(x) for x in a.splitlines()]
+    (tmp_path / "three").mkdir()
+    log_path(tmp_path / "three", 1).write_text(json.dumps({"settings": settings}) + "\n" + "".join(
+        json.dumps({"idx": i, **rows[i]}) + "\n" for i in (1, 4)))
+    _run01(three, 1)
+    assert (tmp_path / "three" / "prompts.jsonl").read_text() == a
+    rep = json.loads((tmp_path / "three" / "prompts_report.json").read_text())["regeneration"]
+    assert rep["resumed"] == 2 and rep["answers"] == 13 - 3 - 4
+
+
+def test_share_deals_multi_turn_conversations_round_robin():
+    convs = [_conv(str(i), n) for i, n in enumerate([1, 3, 1, 2, 4, 1])]
+    # by user turns: 4 (4), 1 (3), 3 (2), then 0, 2, 5 (1 each, by position); dealt 4, 1, 3, 0, 2, 5
+    assert share(convs, list(range(6)), 0, 2) == [2, 3, 4]
+    assert share(convs, list(range(6)), 1, 2) == [0, 1, 5]
+    assert share(convs, [0, 2, 5], 0, 3) == [0] and share(convs, [0, 2, 5], 2, 3) == [5]
+    assert sorted(share(convs, list(range(6)), 0, 1)) == list(range(6))
+
+
+def test_assemble_and_merge_stats(tmp_path):
+    convs = [_conv("a", 1), _conv("t", 1, tools=True), _conv("dropped", 1), _conv("b", 2)]
+    fin = {0: {"id": "a", "messages": ["A"]}, 3: {"id": "b", "messages": ["B"]}}
+    assert assemble(convs, fin, lambda c: c["id"] == "t") == [fin[0], convs[1], fin[3]]
+    st = merge_stats([{"answers": 3, "seconds": 2.0, "decode_steps": 10, "engine": "slots"},
+                      {"answers": 2, "seconds": 5.0, "decode_steps": 4}], resumed=1, kept_with_tools=1)
+    assert st["answers"] == 5 and st["seconds"] == 5.0 and st["decode_steps"] == 14 and st["replicas"] == 2
+    assert st["resumed"] == 1 and st["engine"] == "slots"
+    assert log_path(tmp_path, 0).name == "prompts.regen-partial.jsonl"
+    for r in (2, 0, 11):
+        log_path(tmp_path, r).write_text("x")
+    assert [p.name for p in all_logs(tmp_path)] == ["prompts.regen-partial.jsonl", "prompts.regen-partial.rank2.jsonl",
+                                                    "prompts.regen-partial.rank11.jsonl"]
