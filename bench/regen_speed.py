@@ -1,20 +1,34 @@
-"""Benchmark (GPU): stage 01's local regeneration wall time, round-by-round vs ready-pool schedule.
+"""Benchmark (GPU): stage 01's in-process regeneration speed against the decode-step roofline, engines side by side.
 
-Runs :func:`eagle3.prompts.regenerate.regenerate` on the same conversations twice in one process, with
-``schedule="rounds"`` (the former plan: every turn k before any turn k+1) and ``schedule="pool"``
-(the ready pool of :func:`eagle3.prompts.regenerate.pick_batch`), after a short warm-up ``generate``, and
-prints each run's seconds, answers/s, batches and decode steps (sum over batches of the longest
-answer), the ratio pool/rounds, and how many answers are identical (greedy answers do not depend
-on the schedule up to floating-point rounding of different batch compositions).
+One process, one verifier load:
 
-Conversations: ``--num`` records spread evenly over ``--prompts`` (a 01 prompts file; its user turns
-are re-answered, its assistant turns ignored), so the multi-turn share matches the file. Scale
-``--batch-size`` with the subset (e.g. 2,000 of 16,197 conversations at 256 instead of 1024-2048) so the
-first-turn bulk spans as many batches as in the full run: the pool's gain is the multi-turn rounds
-folded into the bulk. ``bench/regen_schedule.py`` predicts the decode-step ratio without a model.
+1. HBM bandwidth, measured by a device-to-device copy of ``--copy-gib`` GiB (read + write bytes / time).
+2. The main run: ``--main-engine`` (default ``slots``) over ``--num`` conversations (all by default) through
+   :func:`eagle3.prompts.regenerate.regenerate`, exactly as ``01_prepare_prompts.py --regenerate`` runs it
+   (context cap, chat options, batch size from the config). Generated tokens/s (answer tokens, stop tokens
+   excluded, as 01's report) and the ratio to the roofline: a decode step must read the weights once and
+   every live row's KV cache up to its length, so ``roofline_s = (decode_steps * weight_bytes +
+   kv_tokens_needed * kv_bytes_per_token) / bandwidth``; ratio = roofline_s / measured seconds (prefill,
+   CUDA-graph capture and host work count against the engine).
+3. Bound: decode-step time of the slot engine at a column bound of one ``width_step`` (weights + launches,
+   almost no KV) and at the full cache, against the measured ms per step: launch-bound when the small
+   step already costs most of a measured step, memory-bound when step time follows the bytes read.
+4. Baselines on a subset (``--baseline-num`` conversations spread over the input, in the same process):
+   ``static`` (the former path: ``generate`` batches until their longest answer stops), ``hf_continuous``
+   (transformers' ContinuousBatchingManager, ``--hf-num`` conversations) and the main engine on the same
+   subset; tokens/s and the ratios. Answers of the main engine and static are compared token for token;
+   a difference is counted with the logit gap at its first differing token (bf16 near-ties, as 05 counts
+   them: ``benchmark.tie_tolerance``, default 0.25 in bf16).
 
-    python bench/regen_speed.py --prompts outputs/gpu-20261201/prompts.jsonl.gz \\
-        [--config configs/smollm2-135m-full.yaml] [--num 2000] [--batch-size 256] [--json out.json]
+Input: the config's ``prompts.source`` read, deduplicated and sampled as stage 01 does, or ``--prompts``
+(a messages/ShareGPT JSONL(.gz), e.g. ../shared/data/train-extra/train_extra_pool.jsonl.gz).
+
+    python bench/regen_speed.py --config configs/smollm2-135m-full.yaml --json bench/results/regen_speed.json \\
+        --md bench/results/regen_speed.md
+    python bench/regen_speed.py --prompts ../shared/data/train-extra/train_extra_pool.jsonl.gz --num 100000 \\
+        --baseline-num 0 --json bench/results/regen_speed_100k.json
+
+CPU smoke (tests/bench/test_regen_speed.py): ``--set verifier.path=<tiny> --num 6 --baseline-num 4``.
 """
 
 from __future__ import annotations
@@ -27,10 +41,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from eagle3.cli import positive_int, run_main  # noqa: E402
+from eagle3.cli import non_negative_int, positive_int, run_main  # noqa: E402
 from eagle3.config import load_config  # noqa: E402
-
-SCHEDULES = ("rounds", "pool")
 
 
 def spread(records: list, num: int) -> list:
@@ -40,74 +52,287 @@ def spread(records: list, num: int) -> list:
     return [records[i * len(records) // num] for i in range(num)]
 
 
+def _sync(dev) -> None:
+    import torch
+
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def measure_bandwidth(dev, gib: float) -> float | None:
+    """Device memory bandwidth in bytes/s: a ``gib`` GiB device-to-device copy (bytes read + written / time),
+    best of 5 after a warm-up. None on CPU (no roofline there)."""
+    import torch
+
+    if dev.type != "cuda":
+        return None
+    n = int(gib * 2 ** 30) // 2
+    a = torch.empty(n, dtype=torch.bfloat16, device=dev)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    best = float("inf")
+    for _ in range(5):
+        _sync(dev)
+        t0 = time.perf_counter()
+        b.copy_(a)
+        _sync(dev)
+        best = min(best, time.perf_counter() - t0)
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * n * 2 / best
+
+
+def read_input(cfg, prompts: Path | None) -> list[dict]:
+    """The conversations stage 01 would regenerate (config sources, deduped, sampled) or a file's."""
+    from eagle3.prompts.readers import dedupe, read_conversations, sample
+
+    pc = cfg.prompts
+    sources = [str(prompts)] if prompts else ([pc.source] if isinstance(pc.source, str) else list(pc.source))
+    convs = []
+    for src in sources:
+        convs += read_conversations(src, "auto" if prompts else pc.format, hf_split=pc.hf_split, keep_prompt_only=True,
+                                    system_prompt=pc.system_prompt, think_tags=tuple(cfg.verifier.think_tags))
+    if pc.dedupe:
+        convs, _ = dedupe(convs)
+    return convs if prompts else sample(convs, pc.sample_size, pc.seed)
+
+
+def timed_run(model, tok, convs, engine: str, cfg, batch_size: int, max_new: int, opts_kw: dict) -> tuple[list, dict]:
+    """One :func:`regenerate` call, synchronised around; returns (conversations, stats with ``seconds``,
+    ``tokens_per_s``)."""
+    from eagle3.prompts.chat import ChatOptions
+    from eagle3.prompts.prepare_prompts import max_context_tokens
+    from eagle3.prompts.regenerate import regenerate
+
+    dev = next(model.parameters()).device
+    st: dict = {}
+    _sync(dev)
+    t0 = time.perf_counter()
+    out = regenerate(model, tok, convs, max_new, batch_size, stats=st, opts=ChatOptions.from_config(cfg),
+                     max_context=max_context_tokens(cfg), schedule=cfg.prompts.gen_schedule, engine=engine,
+                     engine_options=opts_kw.get(engine))
+    _sync(dev)
+    st["seconds"] = time.perf_counter() - t0
+    st["tokens_per_s"] = st["new_tokens"] / st["seconds"]
+    if dev.type == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
+    print(f"{engine}: {len(convs)} conversations, {st['answers']} answers, {st['new_tokens']} tokens in "
+          f"{st['seconds']:.1f} s ({st['tokens_per_s']:.0f} tokens/s)", flush=True)
+    return out, st
+
+
+def roofline(st: dict, weight_bytes: int, bandwidth: float | None) -> dict:
+    """The main run's roofline figures (needs the slot engine's ``engine_stats`` and a bandwidth)."""
+    es = st.get("engine_stats") or {}
+    if not bandwidth or "kv_tokens_needed" not in es:
+        return {}
+    kv = es["kv_tokens_needed"] * es["kv_bytes_per_token"]
+    need = st["decode_steps"] * weight_bytes + kv
+    return {"bytes_needed": need, "kv_bytes_needed": kv, "kv_bytes_read": es["kv_bytes_read"],
+            "kv_read_over_needed": es["kv_bytes_read"] / kv if kv else None,
+            "roofline_s": need / bandwidth, "ratio_to_roofline": need / bandwidth / st["seconds"],
+            "ms_per_decode_step": 1000 * st["seconds"] / max(1, st["decode_steps"]),
+            "roofline_ms_per_step": 1000 * need / bandwidth / max(1, st["decode_steps"])}
+
+
+def step_ms(model, slots: int, width: int, max_new: int, graphs: bool, reps: int = 20) -> float:
+    """Milliseconds of one slot-engine decode step with every slot live, all in one group reading ``width`` columns."""
+    import torch
+
+    from eagle3.prompts.continuous import SlotEngine
+
+    eng = SlotEngine(model, slots, width, min(max_new, width // 2), {0}, width_classes=[], cuda_graphs=graphs)
+    try:
+        with torch.inference_mode():
+            eng._partition()  # nothing waiting: one group of every slot at the full width
+            eng.done.fill_(False)
+            eng.lengths.fill_(max(0, width - reps - 2))
+            step = eng._graph_step if eng.use_graphs else eng._step
+            step()  # capture / warm-up
+            _sync(eng.dev)
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                step()
+            _sync(eng.dev)
+            return 1000 * (time.perf_counter() - t0) / reps
+    finally:
+        eng.close()
+        if eng.dev.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def bound(model, st: dict, cfg, batch_size: int, max_new: int, bandwidth: float | None) -> dict:
+    """Launch floor (column bound of one width_step) vs a full-cache step vs the measured step."""
+    from eagle3.prompts.prepare_prompts import max_context_tokens
+
+    es = st.get("engine_stats") or {}
+    max_len = max_context_tokens(cfg) + max_new
+    graphs = cfg.prompts.regen_cuda_graphs
+    small = step_ms(model, batch_size, 256, max_new, graphs)
+    full = step_ms(model, batch_size, max_len, max_new, graphs)
+    measured = 1000 * st["seconds"] / max(1, st["decode_steps"])
+    full_bytes = batch_size * max_len * es.get("kv_bytes_per_token", 0)
+    out = {"step_ms_launch_floor": small, "step_ms_full_cache": full, "step_ms_measured": measured,
+           "floor_share_of_measured": small / measured,
+           "verdict": "launch-bound" if small >= 0.6 * measured else "memory-bound"}
+    if bandwidth and full_bytes:
+        out["full_cache_step_bandwidth_share"] = full_bytes / (full / 1000) / bandwidth
+    return out
+
+
+def compare(model, tok, cfg, ours: list, theirs: list, tie_tol: float, limit: int = 200) -> dict:
+    """Answers of two runs on the same conversations: identical turns, and for each conversation's first
+    differing turn the logit gap between the two tokens at the first differing position."""
+    import torch
+
+    from eagle3.prompts.chat import ChatOptions, generation_prompt
+    from eagle3.prompts.regenerate import stop_token_ids
+
+    opts, stops, dev = ChatOptions.from_config(cfg), sorted(stop_token_ids(tok)), next(model.parameters()).device
+    same = total = 0
+    gaps = []
+    for c, d in zip(ours, theirs):
+        for j, (m, n) in enumerate(zip(c["messages"], d["messages"])):
+            if "tokens" not in m or "tokens" not in n:
+                continue
+            total += 1
+            if m["tokens"] == n["tokens"]:
+                same += 1
+                continue
+            if len(gaps) < limit:
+                a, b = m["tokens"], n["tokens"]
+                k = next(i for i in range(min(len(a), len(b)) + 1) if i == min(len(a), len(b)) or a[i] != b[i])
+                ids = tok(generation_prompt(tok, c["messages"][:j], opts, c.get("tools")), add_special_tokens=False)["input_ids"]
+                with torch.inference_mode():
+                    logits = model(torch.tensor([ids + a[:k]], device=dev), logits_to_keep=1).logits[0, -1].float()
+                pick = lambda t, k=k: logits[t[k]] if k < len(t) else logits[stops].max()  # noqa: E731
+                gaps.append(abs(float(pick(a) - pick(b))))
+            break  # later turns see different histories
+    return {"answers_compared": total, "identical": same, "differing_first_turns_checked": len(gaps),
+            "near_ties": sum(g <= tie_tol for g in gaps), "tie_tolerance": tie_tol,
+            "max_gap": max(gaps, default=None), "gaps": sorted(gaps)[-20:]}
+
+
 def markdown(res: dict) -> str:
-    """Markdown table of both runs and the ratio."""
-    lines = [f"Stage 01 local regeneration, {res['conversations']} conversations ({res['multi_turn']} multi-turn), "
-             f"batch size {res['batch_size']}, max_new_tokens {res['max_new_tokens']}, context cap "
-             f"{res['max_context']}, {res['device']}.", "",
-             "| schedule | seconds | answers | answers/s | batches | decode steps | ms / decode step |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
-    for name in SCHEDULES:
-        r = res["runs"][name]
-        lines.append(f"| {name} | {r['seconds']:.1f} | {r['answers']} | {r['answers_per_s']:.1f} | {r['batches']} | "
-                     f"{r['decode_steps']} | {r['ms_per_decode_step']:.1f} |")
-    q = res["ratio_pool_over_rounds"]
-    lines.append(f"| pool / rounds | {q['seconds']:.3f} | | | {q['batches']:.3f} | {q['decode_steps']:.3f} | |")
-    lines += ["", f"Identical answers: {res['identical_answers']} of {res['answers_compared']}."]
+    """The figures as Markdown tables."""
+    m, rf = res["main"], res.get("roofline") or {}
+    lines = [f"Stage 01 regeneration, {res['verifier']} ({res['dtype']}) on {res['device']}: {m['conversations']} "
+             f"conversations, batch {res['batch_size']}, max_new_tokens {res['max_new_tokens']}, context cap "
+             f"{res['max_context']}; HBM bandwidth {res['bandwidth_gb_s'] or 0:.0f} GB/s (device copy).", "",
+             "| run | engine | conversations | answers | tokens | seconds | tokens/s | decode steps |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    rows = [("main", m)] + [(f"subset {k}", v) for k, v in res.get("baseline", {}).get("runs", {}).items()]
+    for name, r in rows:
+        lines.append(f"| {name} | {r['engine']} | {r['conversations']} | {r['answers']} | {r['new_tokens']} | "
+                     f"{r['seconds']:.1f} | {r['tokens_per_s']:.0f} | {r['decode_steps']} |")
+    if rf:
+        lines += ["", "| roofline | value |", "|---|---:|",
+                  f"| ratio to roofline | {rf['ratio_to_roofline']:.3f} |",
+                  f"| ms / decode step (measured, all work) | {rf['ms_per_decode_step']:.2f} |",
+                  f"| ms / decode step (roofline) | {rf['roofline_ms_per_step']:.2f} |",
+                  f"| KV read / KV needed (column bound) | {rf['kv_read_over_needed']:.2f} |"]
+    b = res.get("bound")
+    if b:
+        lines += ["", f"Bound: **{b['verdict']}** (decode step {b['step_ms_launch_floor']:.2f} ms at a 256-column "
+                  f"bound, {b['step_ms_full_cache']:.2f} ms over the full cache, {b['step_ms_measured']:.2f} ms "
+                  "measured per step)."]
+    bl = res.get("baseline", {})
+    if bl.get("ratios"):
+        lines += ["", "Speed ratios on the subset: " + ", ".join(f"{k} {v:.2f}x" for k, v in bl["ratios"].items()) + "."]
+    if bl.get("equality"):
+        e = bl["equality"]
+        lines += ["", f"{res['main_engine']} vs static: {e['identical']} of {e['answers_compared']} answers identical; "
+                  f"{e['near_ties']} of {e['differing_first_turns_checked']} first differences are near-ties "
+                  f"(logit gap <= {e['tie_tolerance']}), max gap {e['max_gap']}."]
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> int:
-    from regen_schedule import emit, regen_args
+def _row(st: dict, engine: str, n: int) -> dict:
+    keep = ("answers", "new_tokens", "truncated", "seconds", "tokens_per_s", "decode_steps", "batches", "engine_stats")
+    return {"engine": engine, "conversations": n, **{k: st[k] for k in keep if k in st}}
 
-    p = regen_args("a 01 prompts.jsonl[.gz] (its user turns are answered)")
-    p.description = __doc__.splitlines()[0]
-    p.add_argument("--num", type=positive_int, default=2000, help="conversations, spread over the file")
+
+def baselines(model, tok, cfg, convs, a, batch_size, max_new, opts_kw) -> dict:
+    """The subset runs: main engine, static, hf_continuous; ratios and the main-vs-static answer comparison."""
+    import torch
+
+    from eagle3.benchmark.offline import default_tie_tolerance
+
+    sub = spread(convs, a.baseline_num)
+    runs, outs = {}, {}
+    for eng in dict.fromkeys([a.main_engine, "static"]):
+        outs[eng], st = timed_run(model, tok, sub, eng, cfg, batch_size, max_new, opts_kw)
+        runs[eng] = _row(st, eng, len(sub))
+    if a.hf_num:
+        hf_sub = spread(sub, a.hf_num)
+        try:
+            _, st = timed_run(model, tok, hf_sub, "hf_continuous", cfg, min(batch_size, len(hf_sub)), max_new, opts_kw)
+            runs["hf_continuous"] = _row(st, "hf_continuous", len(hf_sub))
+        except Exception as e:  # noqa: BLE001 - a library failure is a result too; the bench goes on
+            runs["hf_continuous"] = {"engine": "hf_continuous", "error": f"{type(e).__name__}: {e}"[:500]}
+            print(f"hf_continuous failed: {runs['hf_continuous']['error']}", flush=True)
+    ratios = {f"{a.main_engine}/static": runs[a.main_engine]["tokens_per_s"] / runs["static"]["tokens_per_s"]}
+    if "tokens_per_s" in runs.get("hf_continuous", {}):
+        ratios[f"{a.main_engine}/hf_continuous"] = runs[a.main_engine]["tokens_per_s"] / runs["hf_continuous"]["tokens_per_s"]
+    tie = cfg.benchmark.tie_tolerance if cfg.benchmark.tie_tolerance is not None else default_tie_tolerance(
+        next(model.parameters()).dtype)
+    eq = compare(model, tok, cfg, outs[a.main_engine], outs["static"], tie) if a.main_engine != "static" else None
+    del outs
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return {"conversations": len(sub), "runs": runs, "ratios": ratios, "equality": eq}
+
+
+def main(argv=None) -> int:
+    from eagle3.cli import ArgumentParser
+    from regen_schedule import emit
+
+    p = ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", "-c", default=str(ROOT / "configs" / "smollm2-135m-full.yaml"))
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("--prompts", type=Path, default=None, help="a conversations file instead of the config's sources")
+    p.add_argument("--num", type=positive_int, default=None, help="conversations of the main run, spread (default: all)")
+    p.add_argument("--baseline-num", type=non_negative_int, default=1024, help="subset for the baselines (0 = none)")
+    p.add_argument("--hf-num", type=non_negative_int, default=128, help="hf_continuous subset (0 = skip it)")
+    p.add_argument("--main-engine", default="slots", choices=("slots", "hf_continuous", "static"))
+    p.add_argument("--batch-size", type=positive_int, default=None, help="default: prompts.gen_batch_size")
+    p.add_argument("--max-new-tokens", type=positive_int, default=None, help="default: prompts.max_new_tokens")
+    p.add_argument("--copy-gib", type=float, default=4.0, help="size of the bandwidth probe copy")
+    p.add_argument("--no-bound", action="store_true", help="skip the decode-step bound probe")
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--md", type=Path, default=None)
     a = p.parse_args(argv)
     cfg = load_config(a.config, a.overrides)
 
     import torch
 
-    from eagle3.prompts.chat import ChatOptions, end_of_turn_ids
-    from eagle3.capture.extract import read_prompts
     from eagle3.prompts.prepare_prompts import max_context_tokens
-    from eagle3.prompts.regenerate import generate_greedy, regenerate
+    from eagle3.prompts.regenerate import engine_options
     from eagle3.verifier import load_verifier
 
-    batch_size = a.batch_size or cfg.prompts.gen_batch_size
-    max_new = a.max_new_tokens or cfg.prompts.max_new_tokens
-    cap = max_context_tokens(cfg)
-    convs = spread(read_prompts(a.prompts), a.num)
+    batch_size, max_new = a.batch_size or cfg.prompts.gen_batch_size, a.max_new_tokens or cfg.prompts.max_new_tokens
+    convs = read_input(cfg, a.prompts)
+    main_convs = spread(convs, a.num) if a.num else convs
     model, tok = load_verifier(cfg.verifier)
-    opts = ChatOptions.from_config(cfg)
     dev = next(model.parameters()).device
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    ids = tok("Hello, how are you?", add_special_tokens=False)["input_ids"]
-    generate_greedy(model, [ids] * 8, 16, end_of_turn_ids(tok), pad)  # warm-up: kernels, allocator
-    runs, outs = {}, {}
-    for name in SCHEDULES:
-        stats: dict = {}
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        outs[name] = regenerate(model, tok, convs, max_new, batch_size, stats=stats, opts=opts, max_context=cap,
-                                schedule=name)
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-        runs[name] = {**stats, "seconds": round(dt, 2), "answers_per_s": stats["answers"] / dt,
-                      "ms_per_decode_step": 1000 * dt / max(1, stats["decode_steps"])}
-        print(f"{name}: {stats['answers']} answers in {dt:.1f} s, {stats['batches']} batches, "
-              f"{stats['decode_steps']} decode steps", flush=True)
-    pairs = [(m["tokens"], n["tokens"]) for c, d in zip(outs["rounds"], outs["pool"])
-             for m, n in zip(c["messages"], d["messages"]) if "tokens" in m and "tokens" in n]
-    res = {"verifier": cfg.verifier.display_name(), "device": str(torch.cuda.get_device_name(dev))
-           if dev.type == "cuda" else str(dev), "source": str(a.prompts), "conversations": len(convs),
-           "multi_turn": sum(1 for c in convs if sum(m["role"] == "user" for m in c["messages"]) > 1),
-           "batch_size": batch_size, "max_new_tokens": max_new, "max_context": cap, "runs": runs,
-           "ratio_pool_over_rounds": {k: runs["pool"][k] / runs["rounds"][k] if runs["rounds"][k] else None
-                                      for k in ("seconds", "batches", "decode_steps")},
-           "identical_answers": sum(x == y for x, y in pairs), "answers_compared": len(pairs)}
+    opts_kw = {e: engine_options(cfg.prompts.model_copy(update={"regen_engine": e})) for e in ("slots", "hf_continuous")}
+    bw = measure_bandwidth(dev, a.copy_gib)
+    weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
+    timed_run(model, tok, main_convs[:8], a.main_engine, cfg, 8, 8, opts_kw)  # warm-up: kernels, allocator
+    _, st = timed_run(model, tok, main_convs, a.main_engine, cfg, batch_size, max_new, opts_kw)
+    res = {"verifier": cfg.verifier.display_name(), "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+           "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else str(dev),
+           "torch": torch.__version__, "transformers": __import__("transformers").__version__,
+           "source": str(a.prompts or cfg.prompts.source), "batch_size": batch_size, "max_new_tokens": max_new,
+           "max_context": max_context_tokens(cfg), "main_engine": a.main_engine,
+           "bandwidth_gb_s": bw / 1e9 if bw else None, "weight_bytes": weight_bytes,
+           "main": _row(st, a.main_engine, len(main_convs)), "roofline": roofline(st, weight_bytes, bw)}
+    if a.main_engine == "slots" and not a.no_bound:
+        res["bound"] = bound(model, st, cfg, batch_size, max_new, bw)
+    if a.baseline_num:
+        res["baseline"] = baselines(model, tok, cfg, convs, a, batch_size, max_new, opts_kw)
     return emit(a, res, markdown(res))
 
 

@@ -12,12 +12,13 @@ Answers are greedy: the new tokens up to (excluding) the first stop token, ``sto
   refilled by the next waiting prompt at the next check (every ``check_every`` steps: the only host
   syncs; rows that finish in between idle until then); new prompts are prefilled in right-padded
   batches straight into their slots. Attention runs through a function registered in transformers'
-  ``AttentionInterface`` (the verifier's own modules, weights and RoPE do the rest): the decode step
-  reads each slot's cache up to a shared column bound (the longest live row, rounded up to
-  ``width_step``) under a length mask, and grouped-query heads are folded into the query length
-  (``[S, kv_heads, group, D]`` against ``[S, kv_heads, W, D]``), so K/V are never repeated. On CUDA each
-  column bound's decode step is captured once as a CUDA graph (``cuda_graphs``), so a step costs its
-  kernels, not ~30 layers of Python.
+  ``AttentionInterface`` (the verifier's own modules, weights and RoPE do the rest). Slots form groups by
+  width class (column caps, e.g. answer budget + 128 / + 512 / + 1024 / the full cache): a prompt takes
+  a slot of the narrowest class holding it and its answer, and a group's decode attention reads only its
+  cap's columns under a length mask, so short rows do not pay for the longest one. Grouped-query heads
+  are folded into the query length (``[S, kv_heads, group, D]`` against ``[S, kv_heads, cap, D]``), so
+  K/V are never repeated. On CUDA the decode step (shapes fixed by the groups) is captured once as a
+  CUDA graph (``cuda_graphs``), so a step costs its kernels, not ~30 layers of Python.
 * :class:`HFContinuousEngine` (``prompts.regen_engine: hf_continuous``): transformers'
   ``ContinuousBatchingManager`` (``model.init_continuous_batching``; paged KV cache, its own scheduler
   thread). Without the flash-attn package its attention is ``paged|sdpa``, which packs every request of
@@ -61,14 +62,15 @@ class SlotCache:
         k, v: per layer ``[S, Hkv, max_len, D]`` in the verifier's dtype.
         rows: prefill mode: slot index of each prefill row, int64 ``[P]``; None = decode mode.
         lengths: decode mode: cached tokens per slot (= the column the step's key is written to), int64 ``[S]``.
-        mask: decode mode: ``[S, 1, 1, W]`` bool, True where a slot's cached column is attended.
+        groups: decode mode: per slot group ``(first slot, end slot, mask [S_g, 1, 1, cap])``, mask True where a
+            slot's cached column is attended (the group reads its cap's columns).
     """
 
     k: list
     v: list
     rows: Optional[torch.Tensor] = None
     lengths: Optional[torch.Tensor] = None
-    mask: Optional[torch.Tensor] = None
+    groups: Optional[list] = None
 
 
 def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
@@ -80,8 +82,8 @@ def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
     Prefill (``slot_cache.rows`` set): query ``[P, H, Wp, D]``, key/value ``[P, Hkv, Wp, D]`` of right-padded
     prompts; K/V are written to columns ``[0, Wp)`` of the rows' slots and the output is causal attention over
     the prompt itself (a real token never sees the padding after it). Decode: query ``[S, H, 1, D]``, key/value
-    ``[S, Hkv, 1, D]`` written at column ``lengths[s]`` of slot s, then attention over the slot's first
-    ``W = mask.shape[-1]`` columns under ``mask``, with the ``H // Hkv`` query heads of a KV head as its query
+    ``[S, Hkv, 1, D]`` written at column ``lengths[s]`` of slot s, then per slot group attention over the
+    group's first ``cap`` columns under its mask, with the ``H // Hkv`` query heads of a KV head as its query
     positions. Returns ``(out [B, q_len, H, D], None)``.
     """
     c = slot_cache
@@ -99,10 +101,13 @@ def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
     ar = torch.arange(b, device=query.device)
     kc[ar, :, c.lengths] = key[:, :, 0]  # [S, Hkv, D] at column lengths[s]
     vc[ar, :, c.lengths] = value[:, :, 0]
-    w = c.mask.shape[-1]
     q = query.reshape(b, hkv, h // hkv, d)  # [S, Hkv, G, D]: head h = kv * G + g
-    out = torch.nn.functional.scaled_dot_product_attention(q, kc[:, :, :w], vc[:, :, :w], attn_mask=c.mask,
-                                                           scale=scaling)  # [S, Hkv, G, D]
+    outs = []
+    for s0, s1, mask in c.groups:  # each slot group reads its cap's columns
+        w = mask.shape[-1]
+        outs.append(torch.nn.functional.scaled_dot_product_attention(
+            q[s0:s1], kc[s0:s1, :, :w], vc[s0:s1, :, :w], attn_mask=mask, scale=scaling))  # [S_g, Hkv, G, D]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)  # [S, Hkv, G, D]
     return out.reshape(b, 1, h, d), None
 
 
@@ -160,7 +165,11 @@ class SlotEngine(Engine):
         stop_ids: token ids that end an answer.
         check_every: decode steps between host checks (finished rows harvested, free slots refilled).
         prefill_tokens: padded tokens per prefill forward (``rows x width``).
-        width_step: the decode step's column bound is rounded up to a multiple of this (one CUDA graph each).
+        width_classes: column caps of the slot groups (ascending; ``max_len`` is always the last). Slots are split
+            into one contiguous group per cap, in proportion to the first waiting prompts' classes (a prompt's
+            class: the smallest cap >= its length + ``max_new_tokens``; the widest group keeps >= 1/16 of the
+            slots); a prompt takes a free slot of its class or a wider one, and each group's attention reads
+            its cap's columns. Default: ``max_new_tokens`` + 128, + 512, + 1024 (those below ``max_len``).
         cuda_graphs: capture decode steps as CUDA graphs (CUDA only; falls back to eager if capture fails).
 
     Memory: ``2 * layers * slots * max_len * kv_heads * head_dim`` elements of the model dtype, plus
@@ -168,12 +177,16 @@ class SlotEngine(Engine):
     """
 
     def __init__(self, model, slots: int, max_len: int, max_new_tokens: int, stop_ids: set[int],
-                 check_every: int = 16, prefill_tokens: int = 65536, width_step: int = 256,
+                 check_every: int = 16, prefill_tokens: int = 65536, width_classes: Optional[Sequence[int]] = None,
                  cuda_graphs: bool = True):
         if slots < 1 or max_new_tokens < 1 or check_every < 1 or max_len <= max_new_tokens:
             raise ValueError("SlotEngine: slots, max_new_tokens, check_every >= 1 and max_len > max_new_tokens")
         self.model, self.S, self.max_len, self.max_new = model, slots, max_len, max_new_tokens
-        self.check_every, self.prefill_tokens, self.width_step = check_every, prefill_tokens, width_step
+        self.check_every, self.prefill_tokens = check_every, prefill_tokens
+        if width_classes is None:
+            width_classes = [max_new_tokens + extra for extra in (128, 512, 1024)]
+        self.caps = sorted({c for c in width_classes if max_new_tokens < c < max_len} | {max_len})
+        self.groups: Optional[list[tuple[int, int, int]]] = None  # (first slot, end slot, cap), set at the first admission
         p = next(model.parameters())
         self.dev, dtype = p.device, p.dtype
         cfg = model.config.get_text_config()
@@ -194,13 +207,14 @@ class SlotEngine(Engine):
         self.ar = torch.arange(slots, **z)
         self.key: list = [None] * slots  # host: request key per slot (None = free)
         self.host_len = [0] * slots  # host: prompt length of the slot's request
-        self.host_gen = [0] * slots  # host: answer tokens at the last check (an upper bound lags by a window)
         self.waiting: list[_Waiting] = []
         self._seq = 0
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graph: Optional[torch.cuda.CUDAGraph] = None
         self.use_graphs = cuda_graphs and self.dev.type == "cuda"
-        self._pool = None
-        self.stats = {"decode_steps": 0, "prefill_calls": 0, "kv_bytes_read": 0, "graph_captures": 0}
+        # kv_tokens_needed: sum over decode steps of the live rows' attended columns (the roofline's KV reads);
+        # kv_bytes_read: what the column-bounded attention reads (every slot up to the bound)
+        self.stats = {"decode_steps": 0, "prefill_calls": 0, "kv_bytes_read": 0, "kv_tokens_needed": 0,
+                      "graph_captures": 0, "kv_bytes_per_token": self.kv_bytes_per_token}
         self._swap = _AttnSwap(model).__enter__()
 
     # ------------------------------------------------------------------ contract
@@ -221,34 +235,72 @@ class SlotEngine(Engine):
                     if not self.waiting:
                         return
                     continue
-                self._decode_window(live)
+                self._decode_window()
                 yield from self._harvest()
 
     def close(self) -> None:
         if self._swap is not None:
             self._swap.__exit__(None, None, None)
             self._swap = None
-        self.graphs.clear()
+        self.graph = None
         self.cache.k.clear()
         self.cache.v.clear()
 
     # ------------------------------------------------------------------ steps
+    def _class_of(self, n_prompt: int) -> int:
+        """Index of the narrowest width class holding a prompt of ``n_prompt`` tokens and its answer."""
+        return next(c for c, cap in enumerate(self.caps) if cap >= n_prompt + self.max_new)
+
+    def _partition(self) -> None:
+        """Slot groups per width class, sized by the waiting prompts' classes (the widest keeps >= S/16, >= 1)."""
+        need = [0] * len(self.caps)
+        for w in self.waiting:
+            need[self._class_of(len(w.ids))] += 1
+        total = max(1, sum(need))
+        share = [int(self.S * n / total) for n in need]
+        share[-1] = max(share[-1], max(1, self.S // 16))
+        while sum(share) > self.S:  # take the excess from the largest group
+            share[share.index(max(share))] -= 1
+        share[share.index(max(share))] += self.S - sum(share)
+        self.groups, start = [], 0
+        for n, cap in zip(share, self.caps):
+            if n:
+                self.groups.append((start, start + n, cap))
+                start += n
+
     def _admit(self) -> None:
-        """Prefill waiting prompts into free slots (right-padded batches of <= ``prefill_tokens`` tokens)."""
-        free = [s for s in range(self.S) if self.key[s] is None]
-        n_live = self.S - len(free)
+        """Prefill waiting prompts into free slots of their class or a wider one (right-padded batches of
+        <= ``prefill_tokens`` tokens)."""
+        if self.groups is None:
+            self._partition()
+        free = [[s for s in range(a, b) if self.key[s] is None] for a, b, _ in self.groups]  # per group
+        n_free = sum(map(len, free))
         # refill in bulk: a prefill forward costs a launch-bound pass however few rows it has
-        if not free or not self.waiting or (len(free) * 32 < self.S and 2 * n_live >= self.S and len(self.waiting) > len(free)):
+        if not n_free or not self.waiting or (n_free * 32 < self.S and 2 * (self.S - n_free) >= self.S
+                                              and len(self.waiting) > n_free):
             return
-        take = [heapq.heappop(self.waiting) for _ in range(min(len(free), len(self.waiting)))]
-        take.sort(key=lambda w: len(w.ids))
+        placed, deferred = [], []
+        for _ in range(min(len(self.waiting), 4 * n_free)):
+            if len(placed) == n_free:
+                break
+            w = heapq.heappop(self.waiting)
+            need = self.caps[self._class_of(len(w.ids))]
+            g = next((g for g, (_, _, cap) in enumerate(self.groups) if cap >= need and free[g]), None)
+            if g is None:
+                deferred.append(w)  # only narrower slots are free: it waits for one of its class
+            else:
+                placed.append((w, free[g].pop()))
+        for w in deferred:
+            heapq.heappush(self.waiting, w)
+        placed.sort(key=lambda x: len(x[0].ids))
         i = 0
-        while i < len(take):
+        while i < len(placed):
             j, width = i, 0
-            while j < len(take) and max(width, len(take[j].ids)) * (j - i + 1) <= max(self.prefill_tokens, len(take[j].ids)):
-                width = max(width, len(take[j].ids))
+            while j < len(placed) and max(width, len(placed[j][0].ids)) * (j - i + 1) <= max(
+                    self.prefill_tokens, len(placed[j][0].ids)):
+                width = max(width, len(placed[j][0].ids))
                 j += 1
-            self._prefill(take[i:j], free[i:j], width)
+            self._prefill([w for w, _ in placed[i:j]], [s for _, s in placed[i:j]], width)
             i = j
 
     def _prefill(self, reqs: list[_Waiting], slots: list[int], width: int) -> None:
@@ -273,31 +325,26 @@ class SlotEngine(Engine):
         self.stopped[rows] = torch.isin(tok, self.stop_t)
         self.done[rows] = self.stopped[rows] | (self.max_new <= 1)
         for s, w in zip(slots, reqs):
-            self.key[s], self.host_len[s], self.host_gen[s] = w.key, len(w.ids), 1
+            self.key[s], self.host_len[s] = w.key, len(w.ids)
         self.stats["prefill_calls"] += 1
 
-    def _width(self, live: list[int], steps: int) -> int:
-        """Column bound for the next ``steps`` steps: the longest live row's end, rounded up to ``width_step``."""
-        need = max(self.host_len[s] + min(self.max_new, self.host_gen[s] + steps) for s in live)
-        return min(self.max_len, -(-need // self.width_step) * self.width_step)
-
-    def _decode_window(self, live: list[int]) -> None:
-        """``check_every`` decode steps at one column bound (graph replay on CUDA)."""
-        steps = self.check_every
-        w = self._width(live, steps)
-        for _ in range(steps):
+    def _decode_window(self) -> None:
+        """``check_every`` decode steps (graph replays on CUDA)."""
+        for _ in range(self.check_every):
             if self.use_graphs:
-                self._graph_step(w)
+                self._graph_step()
             else:
-                self._step(w)
-        self.stats["decode_steps"] += steps
-        self.stats["kv_bytes_read"] += steps * self.S * w * self.kv_bytes_per_token
+                self._step()
+        self.stats["decode_steps"] += self.check_every
+        self.stats["kv_bytes_read"] += self.check_every * sum((b - a) * cap for a, b, cap in self.groups) \
+            * self.kv_bytes_per_token
 
-    def _step(self, w: int) -> None:
+    def _step(self) -> None:
         """One decode step of every slot (device-only: no host sync; finished and empty slots compute, unchanged)."""
         c = self.cache
         c.lengths = self.lengths
-        c.mask = (self.col[:w] <= self.lengths[:, None]).view(self.S, 1, 1, w)  # [S, 1, 1, W]
+        c.groups = [(a, b, (self.col[:cap] <= self.lengths[a:b, None]).view(b - a, 1, 1, cap))  # [S_g, 1, 1, cap]
+                    for a, b, cap in self.groups]
         logits = self.model(input_ids=self.last[:, None], position_ids=self.lengths[:, None], slot_cache=c,
                             use_cache=False).logits  # [S, 1, V]
         tok = logits[:, -1].argmax(-1)  # [S]
@@ -311,37 +358,33 @@ class SlotEngine(Engine):
         self.lengths += active
         self.last.copy_(torch.where(active, tok, self.last))
 
-    def _graph_step(self, w: int) -> None:
-        g = self.graphs.get(w)
-        if g is None:
-            g = self._capture(w)
-            if g is None:
-                self._step(w)
-                return
-        g.replay()
+    def _graph_step(self) -> None:
+        if self.graph is None and self._capture() is None:
+            self._step()
+            return
+        self.graph.replay()
 
-    def _capture(self, w: int):
-        """Capture ``_step(w)`` as a CUDA graph (state is restored after the warm-up run); None on failure."""
+    def _capture(self):
+        """Capture ``_step()`` as a CUDA graph (state is restored after the warm-up run); None on failure."""
         state = [t.clone() for t in (self.last, self.lengths, self.n_gen, self.done, self.stopped, self.out)]
         try:
             s = torch.cuda.Stream()
             s.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(s):
-                self._step(w)  # warm-up (allocator, lazy init); K/V it writes are rewritten identically by the real step
+                self._step()  # warm-up (allocator, lazy init); K/V it writes are rewritten identically by the real step
             torch.cuda.current_stream().wait_stream(s)
             for t, v in zip((self.last, self.lengths, self.n_gen, self.done, self.stopped, self.out), state):
                 t.copy_(v)
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self._pool):
-                self._step(w)
-            self._pool = g.pool()
+            with torch.cuda.graph(g):
+                self._step()
         except Exception as e:  # noqa: BLE001 - any capture failure: decode eagerly (same results)
             log.warning("CUDA graph capture failed (%s: %s); decoding without graphs", type(e).__name__, e)
             for t, v in zip((self.last, self.lengths, self.n_gen, self.done, self.stopped, self.out), state):
                 t.copy_(v)
             self.use_graphs = False
             return None
-        self.graphs[w] = g
+        self.graph = g
         self.stats["graph_captures"] += 1
         return g
 
@@ -350,13 +393,13 @@ class SlotEngine(Engine):
         flags = torch.stack([self.done.long(), self.stopped.long(), self.n_gen]).cpu()  # [3, S]
         done, stopped, n_gen = flags.tolist()
         live = [s for s in range(self.S) if self.key[s] is not None]
-        for s in live:
-            self.host_gen[s] = n_gen[s]
         fin = [s for s in live if done[s]]
         if not fin:
             return
         rows = self.out[torch.tensor(fin, device=self.dev)].cpu().tolist()  # [F, T]
         for s, row in zip(fin, rows):
+            steps = n_gen[s] - 1  # decode steps after the prefill's token; step j attends prompt + j columns
+            self.stats["kv_tokens_needed"] += steps * self.host_len[s] + steps * (steps + 1) // 2
             n = n_gen[s] - int(bool(stopped[s]))
             key = self.key[s]
             self.key[s] = None
@@ -375,11 +418,13 @@ class HFContinuousEngine(Engine):
             lives (transformers does this) and restored by :meth:`close`.
         slots: ``max_requests_per_batch``.
         max_new_tokens, stop_ids: answer budget and stop set.
+        max_len: longest prompt + answer; sizes the paged cache to ``slots x max_len`` tokens (None: transformers'
+            sizing from free memory).
         use_cuda_graph: transformers' switch (None = its own choice).
         max_memory_percent: share of free accelerator memory for the paged cache (None = transformers' 0.9).
     """
 
-    def __init__(self, model, slots: int, max_new_tokens: int, stop_ids: set[int],
+    def __init__(self, model, slots: int, max_new_tokens: int, stop_ids: set[int], max_len: Optional[int] = None,
                  use_cuda_graph: Optional[bool] = None, max_memory_percent: Optional[float] = None):
         from transformers import ContinuousBatchingConfig, GenerationConfig
 
@@ -387,8 +432,11 @@ class HFContinuousEngine(Engine):
         pad = model.config.get_text_config().pad_token_id
         gcfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
                                 eos_token_id=sorted(stop_ids), pad_token_id=pad if pad is not None else sorted(stop_ids)[0])
+        # a cache of slots x max_len tokens in transformers' default 256-token blocks (as the slot engine's), else
+        # its own sizing (``max_memory_percent`` of free memory)
+        blocks = -(-slots * max_len // 256) if max_len and max_memory_percent is None else None
         cb = ContinuousBatchingConfig(max_requests_per_batch=slots, use_cuda_graph=use_cuda_graph,
-                                      max_memory_percent=max_memory_percent)
+                                      max_memory_percent=max_memory_percent, num_blocks=blocks)
         self.mgr = model.init_continuous_batching(generation_config=gcfg, continuous_batching_config=cb)
         self.mgr.start()
         self.keys: dict[str, object] = {}

@@ -285,12 +285,12 @@ def make_engine(name: str, model, tokenizer, max_new_tokens: int, batch_size: in
     from eagle3.prompts.continuous import HFContinuousEngine, SlotEngine
 
     stop_ids = stop_token_ids(tokenizer)
+    cfg = model.config.get_text_config()
+    max_len = (max_context + max_new_tokens) if max_context is not None else cfg.max_position_embeddings
     if name == "slots":
-        cfg = model.config.get_text_config()
-        max_len = (max_context + max_new_tokens) if max_context is not None else cfg.max_position_embeddings
         return SlotEngine(model, batch_size, max_len, max_new_tokens, stop_ids, **(options or {}))
     if name == "hf_continuous":
-        return HFContinuousEngine(model, batch_size, max_new_tokens, stop_ids, **(options or {}))
+        return HFContinuousEngine(model, batch_size, max_new_tokens, stop_ids, max_len=max_len, **(options or {}))
     raise ValueError(f"regen engine: one of {ENGINES}, not {name!r}")
 
 
@@ -322,6 +322,7 @@ def _decode_continuous(run: _Run, engine, bar) -> None:
                 last_flush = time.monotonic()
     finally:
         run.flush_log()  # Ctrl-C / error: what finished is kept
+    run.st["engine_stats"] = dict(engine.stats)
     run.st["batches"] += engine.stats.get("prefill_calls", 0)
     run.st["decode_steps"] += engine.stats.get("decode_steps", 0)
 

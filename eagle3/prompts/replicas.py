@@ -143,6 +143,8 @@ def merge_stats(parts: list[dict], resumed: int, kept_with_tools: int) -> dict:
     out = {k: sum(p.get(k, 0) for p in parts) for k in _SUMMED}
     out.update(seconds=max(p.get("seconds", 0.0) for p in parts), resumed=resumed, kept_with_tools=kept_with_tools,
                replicas=len(parts), engine=parts[0].get("engine"))
+    if any("engine_stats" in p for p in parts):
+        out["engine_stats"] = [p.get("engine_stats") for p in parts]  # one per replica
     return out
 
 

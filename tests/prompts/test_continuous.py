@@ -56,12 +56,13 @@ def _run(engine, prompts, later: dict | None = None):
     return got
 
 
-@pytest.mark.parametrize("slots,check_every,prefill_tokens,width_step", [
-    (1, 1, 65536, 256),   # one row at a time, checked every step
-    (3, 5, 40, 16),       # rows refilled mid-answer of others, several prefill batches, growing column bound
-    (16, 4, 65536, 8),    # every prompt in one prefill, all rows live together
+@pytest.mark.parametrize("slots,check_every,prefill_tokens,classes", [
+    (1, 1, 65536, None),      # one row at a time, checked every step
+    (3, 5, 40, [20, 30]),     # rows refilled mid-answer of others, several prefill batches, 3 width classes
+    (16, 4, 65536, [16, 40]),  # every prompt in one prefill, all rows live together
+    (5, 3, 65536, [14]),      # a class for 2-token prompts only: most wait for the wide group
 ])
-def test_slot_engine_equals_hf_greedy(tiny, slots, check_every, prefill_tokens, width_step):
+def test_slot_engine_equals_hf_greedy(tiny, slots, check_every, prefill_tokens, classes):
     model, _ = tiny
     max_new = 12
     prompts = _prompts(11, model.config.vocab_size)
@@ -70,13 +71,27 @@ def test_slot_engine_equals_hf_greedy(tiny, slots, check_every, prefill_tokens, 
     assert any(s for _, s in want) and not all(s for _, s in want)  # both endings occur
     later = {2: prompts[0] + want[2][0], 5: prompts[7][:3]}  # prompts submitted while decoding
     eng = SlotEngine(model, slots, max_len=64, max_new_tokens=max_new, stop_ids=stops, check_every=check_every,
-                     prefill_tokens=prefill_tokens, width_step=width_step, cuda_graphs=False)
+                     prefill_tokens=prefill_tokens, width_classes=classes, cuda_graphs=False)
     got = _run(eng, prompts, later)
     assert [got[i] for i in range(len(prompts))] == want
     for k, p in later.items():
         assert got[("after", k)] == hf_greedy(model, p, max_new, stops)
     assert model.config._attn_implementation == "sdpa"  # restored by close()
     assert eng.stats["decode_steps"] % check_every == 0 and eng.stats["prefill_calls"] >= 1
+    caps = [cap for _, _, cap in eng.groups]
+    assert caps == sorted(caps) and caps[-1] == 64 and eng.groups[-1][1] == slots  # groups tile the slots
+
+
+def test_width_classes_partition(tiny):
+    """Groups in proportion to the waiting prompts' classes (widest >= S/16 and >= 1), prompts in their class."""
+    model, _ = tiny
+    eng = SlotEngine(model, 16, max_len=64, max_new_tokens=10, stop_ids={0}, width_classes=[20, 40], cuda_graphs=False)
+    for i, n in enumerate([3] * 6 + [25] * 2):  # classes: 3 + 10 <= 20 (six), 25 + 10 <= 40 (two), none of 64
+        eng.submit(i, [5] * n)
+    eng._partition()
+    # shares 16 x 6/8 = 12 and 16 x 2/8 = 4, the widest gets max(0, 16 // 16) = 1, taken from the largest
+    assert eng.caps == [20, 40, 64] and eng.groups == [(0, 11, 20), (11, 15, 40), (15, 16, 64)]
+    eng.close()
 
 
 def test_slot_engine_budget_of_one_and_bad_prompts(tiny):
@@ -98,7 +113,7 @@ def test_hf_continuous_engine_equals_hf_greedy(tiny):
     prompts = _prompts(5, model.config.vocab_size, seed=2)
     stops = _stops(model, prompts, max_new)
     want = [hf_greedy(model, p, max_new, stops) for p in prompts]
-    got = _run(HFContinuousEngine(model, 4, max_new, stops), prompts, {1: prompts[3][:5]})
+    got = _run(HFContinuousEngine(model, 4, max_new, stops, max_len=64), prompts, {1: prompts[3][:5]})
     assert [got[i] for i in range(5)] == want
     assert got[("after", 1)] == hf_greedy(model, prompts[3][:5], max_new, stops)
     assert model.config._attn_implementation == "sdpa"

@@ -1,0 +1,52 @@
+"""bench/regen_speed.py at a tiny size on CPU: every run, the ratios and the answer comparison are consistent."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import regen_speed as rsp  # noqa: E402
+
+
+def test_spread():
+    assert rsp.spread(list(range(10)), 4) == [0, 2, 5, 7]
+    assert rsp.spread([1, 2], 5) == [1, 2]
+
+
+def test_roofline_by_hand():
+    st = {"decode_steps": 10, "seconds": 2.0,
+          "engine_stats": {"kv_tokens_needed": 1000, "kv_bytes_per_token": 4, "kv_bytes_read": 8000}}
+    r = rsp.roofline(st, weight_bytes=100, bandwidth=1000.0)
+    # (10 steps x 100 weight bytes + 1000 tokens x 4 bytes) / 1000 B/s = 5 s of roofline in 2 s measured
+    assert r["bytes_needed"] == 5000 and r["roofline_s"] == 5.0 and r["ratio_to_roofline"] == 2.5
+    assert r["kv_read_over_needed"] == 2.0 and r["ms_per_decode_step"] == 200.0
+    assert rsp.roofline(st, 100, None) == {}
+
+
+def test_bench_runs_tiny_on_cpu(tmp_path, tiny_llama_dir):
+    src = tmp_path / "convs.jsonl"
+    turns = [1, 3, 1, 2, 1, 1]
+    src.write_text("".join(json.dumps({"id": f"c{i}", "messages": [
+        m for t in range(n) for m in ({"role": "user", "content": f"Q{i}.{t}: name {t + 2} animals"},
+                                      {"role": "assistant", "content": "x"})]}) + "\n" for i, n in enumerate(turns)))
+    out = tmp_path / "r.json"
+    assert rsp.main(["--config", str(ROOT / "configs" / "tiny-llama.yaml"), "--set", f"verifier.path={tiny_llama_dir}",
+                     "--prompts", str(src), "--baseline-num", "4", "--hf-num", "2", "--batch-size", "3",
+                     "--max-new-tokens", "5", "--set", "prompts.regen_check_every=2", "--json", str(out),
+                     "--md", str(tmp_path / "r.md")]) == 0
+    res = json.loads(out.read_text())
+    assert res["main"]["conversations"] == 6 and res["main"]["answers"] == sum(turns)
+    runs = res["baseline"]["runs"]
+    sub = rsp.spread(turns, 4)
+    assert runs["slots"]["answers"] == runs["static"]["answers"] == sum(sub)
+    assert runs["hf_continuous"]["answers"] == sum(rsp.spread(sub, 2))
+    assert res["baseline"]["ratios"]["slots/static"] == runs["slots"]["tokens_per_s"] / runs["static"]["tokens_per_s"]
+    eq = res["baseline"]["equality"]
+    assert eq["answers_compared"] == sum(sub) and eq["identical"] == sum(sub)  # fp32: same tokens
+    assert res["roofline"] == {} and res["bandwidth_gb_s"] is None  # no roofline on CPU
+    assert res["bound"]["verdict"] in ("launch-bound", "memory-bound") and res["bound"]["step_ms_measured"] > 0
+    assert "| main | slots | 6 |" in (tmp_path / "r.md").read_text()
