@@ -338,16 +338,14 @@ def regenerate(model, tokenizer, conversations: list[dict], max_new_tokens: int,
         model: the verifier (HF causal LM, eval mode).
         tokenizer: its tokenizer (chat template used to render prompts).
         conversations: normalised ``{id, messages}`` (prompt-only ones included: each user turn is answered).
-        max_new_tokens: answer budget per turn; an answer that hits it is kept as is (counted in
-            ``stats["truncated"]``).
+        max_new_tokens: answer budget per turn; an answer that hits it is kept (``stats["truncated"]``).
         batch_size: decode rows (continuous engines) or prompts per ``generate`` call (static).
         chat_template: Jinja template overriding the tokenizer's (ignored when ``opts`` is given).
         opts: rendering options; prompts are :func:`eagle3.prompts.chat.generation_prompt` (what a server renders).
-        max_context: context cap in tokens (``prompts.max_context_tokens``, default
-            ``extract.max_length``): a turn whose rendered prompt has at least this many tokens is
-            not answered, and neither are the conversation's later turns (02 cuts samples at
-            ``extract.max_length``: such an answer could never be trained on). A conversation
-            whose FIRST prompt reaches the cap is left out of the result. None = no cap.
+        max_context: context cap in tokens (``prompts.max_context_tokens``, default ``extract.max_length``): a
+            turn whose rendered prompt has at least this many tokens is not answered, nor are the later turns
+            (02 cuts samples at ``extract.max_length``: never trained on). A conversation whose FIRST prompt
+            reaches the cap is left out of the result. None = no cap.
         stats: optional dict filled with ``answers``, ``new_tokens`` (answer tokens, stop token
             excluded), ``truncated``, ``seconds`` (wall time of generation), ``kept_with_tools``
             (conversations with tool calls, returned unchanged: their tool results answer the
@@ -357,12 +355,10 @@ def regenerate(model, tokenizer, conversations: list[dict], max_new_tokens: int,
             (static: sum over batches of the longest answer's steps; continuous: decode steps run), ``engine``.
         schedule: static engine only: ``"pool"`` (:func:`pick_batch` over the ready pool) or ``"rounds"``
             (all turns k, sorted by prompt length, before any turn k+1).
-        journal: resume log (:class:`eagle3.prompts.resume_log.ResumeLog`, stage 01 keeps it next to the
-            prompts file): conversations it already holds are taken from it, not answered again
-            (``stats["resumed"]``); finished conversations are appended (fsynced) as they finish (static:
-            after each batch; continuous: at least every second, one fsync for the lot), so a run stopped by
-            Ctrl-C, a kill or a crash loses only conversations in flight. The caller deletes the log once
-            the output is written.
+        journal: resume log (:class:`eagle3.prompts.resume_log.ResumeLog`, next to the prompts file): the
+            conversations it holds are taken from it (``stats["resumed"]``); finished ones are appended (fsynced;
+            static: after each batch, continuous: at least every second), so a run stopped by Ctrl-C, a kill
+            or a crash loses only conversations in flight. The caller deletes the log once the output is written.
         engine: ``slots`` | ``hf_continuous`` | ``static`` (``prompts.regen_engine``).
         engine_options: keyword arguments of the continuous engine (see :func:`make_engine`).
 
