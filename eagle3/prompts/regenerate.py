@@ -38,6 +38,7 @@ from tqdm import tqdm
 from eagle3.sdpa import no_cudnn_sdpa
 from eagle3.prompts.chat import ChatOptions, end_of_turn_ids, generation_prompt, split_reasoning
 from eagle3.prompts.resume_log import ResumeLog
+from eagle3.verifier import stop_token_ids  # THE verifier's stop set (one call site per engine below)
 
 log = logging.getLogger(__name__)
 
@@ -138,12 +139,6 @@ def generate_greedy(model, prompts: list[list[int]], max_new_tokens: int, stop_i
 
 
 ENGINES = ("slots", "hf_continuous", "static")
-
-
-def stop_token_ids(tokenizer) -> set[int]:
-    """The verifier's stop set for regeneration: the one call site every engine uses
-    (:func:`eagle3.prompts.chat.end_of_turn_ids`)."""
-    return end_of_turn_ids(tokenizer)
 
 
 def has_tool_calls(conv: dict) -> bool:
