@@ -37,7 +37,12 @@ from eagle3.cli import ArgumentParser, run_main  # noqa: E402
 from eagle3.errors import UserError  # noqa: E402
 from eagle3.io import atomic_save_png, atomic_write_json, atomic_write_text, read_json  # noqa: E402
 
-GOAL = {"3": {"mtbench": 2.5, "gsm8k": 3.0}, "7": {"mtbench": 3.0}}  # issue 10
+GOALS = {
+    "10": {"3": {"mtbench": 2.5, "gsm8k": 3.0}, "7": {"mtbench": 3.0}},
+    "23": {"3": {"mtbench": 2.8, "humaneval": 2.8, "gsm8k": 3.2}, "7": {"mtbench": 3.4}},
+}
+"""The goals of issue 10 (the first real-data drafter) and issue 23 ("a drafter worth serving")."""
+GOAL = GOALS["10"]
 
 
 def _read(path: Path, required: bool = True) -> Optional[dict]:
@@ -46,7 +51,7 @@ def _read(path: Path, required: bool = True) -> Optional[dict]:
     return read_json(path) if required or path.is_file() else None
 
 
-def collect(run: Path, config: str, overrides: str = "") -> dict:
+def collect(run: Path, config: str, overrides: str = "", goals: str = "10") -> dict:
     """The quality summary of one run folder (see the module docstring for the files read).
 
     Raises:
@@ -77,7 +82,7 @@ def collect(run: Path, config: str, overrides: str = "") -> dict:
     val = train.get("final_val") or {}
     val_acc = [round(val[f"acc_{i}"], 4) for i in range(64) if f"acc_{i}" in val]
     goal = {k: {s: {"goal": g, "tau": tau.get(k, {}).get(s), "met": (tau.get(k, {}).get(s) or 0) >= g}
-                for s, g in sets.items()} for k, sets in GOAL.items()}
+                for s, g in sets.items()} for k, sets in GOALS[goals].items()}
     pp = _read(run / "per_prompt_steps3.json", required=False)
     if pp is None and "3" in benches and all("per_prompt" in ds for ds in benches["3"]["datasets"]):
         pp = {"per_prompt": {ds["dataset"]: {str(r["id"]): [sum(r["accept_lengths"]), len(r["accept_lengths"])]
@@ -92,9 +97,18 @@ def collect(run: Path, config: str, overrides: str = "") -> dict:
                   "tau": round(r["tau"], 4), "drafter_share": round(r["drafter_share"], 4)} for r in bs["rows"]]}
     first = next(iter(benches.values()))
     regen = prompts.get("regeneration") or {}
+    recipe = train.get("recipe") or {}
+    sim = train.get("sim_accept") or {}
     return {
         "tau": tau,
         "num_prompts": nprompts,
+        "variant": (train.get("drafter_args") or {}).get("variant", "eagle3") if train else None,
+        "loss": recipe.get("loss", "soft_ce") if train else None,
+        "num_train_prompts": (prompts.get("counts") or {}).get("kept"),
+        "recipe": recipe or None,
+        "sim_accept": {"chain": sim.get("chain"), "select_best": sim.get("select_best"),
+                       "exported_step": sim.get("exported_step"), "best": sim.get("best"),
+                       "curve": [[r["step"], round(r["tau_sim"], 4)] for r in sim.get("rows") or []]} if sim else None,
         "loss_tokens": data.get("num_loss_tokens"),
         "tokens": data.get("num_tokens"),
         "train_samples": data.get("train_samples"),
@@ -227,11 +241,12 @@ def main(argv=None) -> int:
     p.add_argument("--config", default="configs/smollm2-135m-full.yaml", help="the run's config (recorded)")
     p.add_argument("--overrides", default="", help="the run's --set overrides, space-separated (recorded)")
     p.add_argument("--out", type=Path, default=Path("bench/results/quality.json"))
+    p.add_argument("--goals", choices=sorted(GOALS), default="10", help="whose goals the table shows: issue 10's or issue 23's")
     p.add_argument("--speed-note", default="", help="a line printed above the per-set speedups (e.g. that the GPU was shared)")
     a = p.parse_args(argv)
     if not a.run.is_dir():
         raise UserError(f"{a.run}: not a folder")
-    q = collect(a.run, a.config, a.overrides)
+    q = collect(a.run, a.config, a.overrides, a.goals)
     q["source"] = str(a.run)
     q["speed_note"] = a.speed_note or None
     atomic_write_json(a.out, q)

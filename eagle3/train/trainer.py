@@ -1133,7 +1133,9 @@ class _Training:
                   "signal": stop.signum if self.stopped else None,
                   "checkpoint": str(self.last_ckpt) if self.last_ckpt else None, "export_dir": None, "final_val": {},
                   "tokens_per_s": (self.tok_total / self.t_total) if self.t_total > 0 else None,
-                  "peak_gpu_mem_gib": _peak_gpu_mem_gib(d.device), "hidden_states": self.t.hidden_states}
+                  "peak_gpu_mem_gib": _peak_gpu_mem_gib(d.device), "hidden_states": self.t.hidden_states,
+                  "recipe": {k: getattr(self.t, k) for k in ("loss", "lk_eta", "lr", "epochs", "batch_tokens", "batch_size",
+                                                           "grad_accum", "warmup_ratio", "ttt_length", "select_best")}}
         if self.stopped:
             self.metrics.close()
             return result

