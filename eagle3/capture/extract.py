@@ -97,6 +97,7 @@ from eagle3.shards.format import (
     bytes_per_token,
     list_samples,
     load_sample,
+    NonFiniteStates,
     shard_object,
     shard_path,
     storage_meta,
@@ -980,11 +981,14 @@ def _extract(cfg: RunConfig, root: Path, overwrite: bool, limit: Optional[int],
                                           write_threads=wt, max_pending_tokens=2 * cfg.extract.batch_tokens,
                                           on_commit=lambda row: bar.update(row["num_tokens"]))
         else:
-            my_rows = capture_and_write(p.backend, samples, mine, done, p.info["hidden_size"], root,
-                                        cfg.extract.rows_per_dir, my_man, write_threads=wt,
-                                        max_pending_tokens=2 * cfg.extract.batch_tokens,
-                                        on_commit=lambda row: bar.update(row["num_tokens"]),
-                                        storage=storage_from_config(cfg.extract))
+            try:
+                my_rows = capture_and_write(p.backend, samples, mine, done, p.info["hidden_size"], root,
+                                            cfg.extract.rows_per_dir, my_man, write_threads=wt,
+                                            max_pending_tokens=2 * cfg.extract.batch_tokens,
+                                            on_commit=lambda row: bar.update(row["num_tokens"]),
+                                            storage=storage_from_config(cfg.extract))
+            except NonFiniteStates as e:  # name the layer and the dtype the verifier ran in (one error line)
+                raise e.explained(aux_layers=p.aux, dtype=cfg.verifier.dtype if cfg.extract.backend == "hf" else None) from None
     written = len(my_rows)
     t_cap = time.perf_counter() - t_cap
     captured_tok = total_tok - done_tok
@@ -1054,6 +1058,7 @@ def _finalise(cfg: RunConfig, root: Path, p: _Prepared, n_resumed: int, written:
         "truncated": int(counts["truncated"]),
         "chat_template_kwargs": dict(cfg.verifier.chat_template_kwargs),
         "loss_on_reasoning": cfg.extract.loss_on_reasoning,
+        **({"verifier_dtype": cfg.verifier.dtype} if cfg.extract.backend == "hf" else {}),  # named in 03's NaN/Inf errors
         "stop_token_ids": sorted(end_of_turn_ids(p.tokenizer)),  # the loss mask's turn end (eagle3.verifier.stop_token_ids)
         "split": {"conversations": int(counts["split_conversations"]), "samples": int(counts["split_samples"])},
         "skipped_ids": p.skipped_ids,

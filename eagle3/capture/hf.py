@@ -42,7 +42,8 @@ import torch
 from eagle3.sdpa import no_cudnn_sdpa
 from eagle3.capture.base import BackendInfo, LastHiddenState
 from eagle3.shards.fp8 import Storage
-from eagle3.shards.format import StoredStates, encode_batch
+from eagle3.errors import UserError
+from eagle3.shards.format import NONFINITE_FIX, StoredStates, encode_batch
 from eagle3.verifier import text_config
 
 log = logging.getLogger(__name__)
@@ -275,7 +276,8 @@ class HFCapture:
             log.info("capture hooks unavailable (%s: %s); using output_hidden_states", type(e).__name__, e)
             return False
         full = self._states_all(ids, att)
-        ok = all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(hooked, full))
+        # exact equality with NaN == NaN: an overflowing verifier is reported by the writer, not blamed on the hooks
+        ok = all(a.shape == b.shape and torch.allclose(a, b, rtol=0, atol=0, equal_nan=True) for a, b in zip(hooked, full))
         if not ok:
             log.warning("decoder hooks do not reproduce output_hidden_states on this model; using output_hidden_states")
         return ok
@@ -353,6 +355,7 @@ class HFCapture:
         n = min(8, self.vocab_size)
         ids = (torch.arange(n, dtype=torch.long) * 7919 % self.vocab_size).unsqueeze(0).to(self.device)  # [1, n]
         out = self.model(input_ids=ids, attention_mask=torch.ones_like(ids), **self._fwd_kw)
+        check_probe_finite(out.hidden_states, out.logits, self.model)
         last = out.hidden_states[-1]  # [1, n, H]
         logits = out.logits.float()  # [1, n, V]
         head = self.model.get_output_embeddings()
@@ -390,6 +393,29 @@ class HFCapture:
             if isinstance(norm, torch.nn.Module):
                 return norm
         return None
+
+
+def check_probe_finite(hidden_states: Sequence[torch.Tensor], logits: torch.Tensor, model) -> None:
+    """Refuse a probe forward with NaN/Inf before anything is concluded from it (the post/pre-norm
+    detection would otherwise blame the norm convention for an overflow).
+
+    Args:
+        hidden_states: HF ``hidden_states`` of the probe, ``N + 1`` tensors ``[B, n, H]``.
+        logits: ``[B, n, V]``.
+        model: the verifier (its parameter dtype is named).
+
+    Raises:
+        UserError: naming the first non-finite HF ``hidden_states`` index (or the logits), the dtype
+            and the fix (:data:`eagle3.shards.format.NONFINITE_FIX`).
+    """
+    bad = next((i for i, h in enumerate(hidden_states) if not bool(torch.isfinite(h).all())), None)
+    if bad is None and bool(torch.isfinite(logits).all()):
+        return
+    dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+    where = ("the logits" if bad is None else f"HF hidden_states[{bad}]"
+             + (" (the last hidden state)" if bad == len(hidden_states) - 1 else ""))
+    raise UserError(f"verifier probe forward (8 tokens, before any sample): {where} has NaN/Inf with verifier.dtype "
+                    f"{dtype}; {NONFINITE_FIX}")
 
 
 class _Part:

@@ -32,7 +32,7 @@ import torch
 
 from eagle3.shards.checksum import DEFAULT_ALGO, new_hasher
 from eagle3.shards.manifest import ManifestWriter
-from eagle3.shards.format import write_sample
+from eagle3.shards.format import NonFiniteStates, write_sample
 
 #: GIL switch interval (seconds) while writer threads run; None leaves Python's setting alone.
 SWITCH_INTERVAL_S: Optional[float] = 0.0005
@@ -91,14 +91,17 @@ class ShardWriter:
         meta = {"idx": int(idx), "id": str(sample_id), "num_tokens": len(input_ids),
                 "num_loss_tokens": sum(loss_mask)}
         if self._pool is None:
-            digest = _write_one(self.root, idx, self.rows_per_dir, input_ids, states, loss_mask, self.storage,
-                                self.checksum)
+            try:
+                digest = _write_one(self.root, idx, self.rows_per_dir, input_ids, states, loss_mask, self.storage,
+                                    self.checksum)
+            except NonFiniteStates as e:
+                raise e.explained(sample_id=meta["id"]) from None
             self._append([(meta, digest)])
             return
         L = len(input_ids)
         self.commit_ready()
         while self._pending and self._pending_tokens + L > self.max_pending_tokens:
-            self._pending[0][1].result()  # wait for the oldest write (raises its error)
+            self._pending[0][1].exception()  # wait for the oldest write; commit_ready raises its error
             self.commit_ready()
         fut = self._pool.submit(_write_one, self.root, idx, self.rows_per_dir, input_ids, states, loss_mask,
                                 self.storage, self.checksum)
@@ -118,6 +121,8 @@ class ShardWriter:
             if fut.cancelled():
                 break
             err = fut.exception()
+            if isinstance(err, NonFiniteStates):
+                err = err.explained(sample_id=meta["id"])  # the conversation id, known here
             if err is not None:
                 break
             self._pending.popleft()

@@ -187,8 +187,44 @@ def _check_shape(idx: int, k: int, h: torch.Tensor, L: int, what: str = "hidden_
         raise ValueError(f"sample {idx}: {what}[{k}] has shape {tuple(h.shape)}, expected {want}")
 
 
-def _nonfinite(idx: int, k: int) -> ValueError:
-    return ValueError(f"sample {idx}: hidden_states[{k}] has NaN/Inf")
+NONFINITE_FIX = ("the verifier overflows in this dtype (float16 is the usual cause): run it in bfloat16 or float32 "
+                 "(verifier.dtype) and re-run")
+
+
+def hf_layer_name(k: int, aux_layers: Optional[Sequence[int]]) -> str:
+    """Which verifier state stored hidden state ``k`` is: ``HF hidden_states[i]`` for an aux layer
+    (the capture convention, DESIGN.md "Aux layers"), ``the last hidden state`` for ``k == len(aux)``."""
+    if aux_layers is not None and k < len(aux_layers):
+        return f"HF hidden_states[{int(aux_layers[k])}]"
+    return "the last hidden state" if aux_layers is not None else f"hidden state {k}"
+
+
+class NonFiniteStates(UserError, ValueError):
+    """Captured hidden states with NaN/Inf: one line naming the sample (idx, conversation id), the
+    state (stored index and HF ``hidden_states`` index / last), the verifier dtype and the fix.
+
+    Raised by :func:`shard_object` (before any byte of the shard is written) with what it knows
+    (``idx``, ``k``); stage 02 adds the rest with :meth:`explained`. A ``UserError``: the CLIs print
+    ``error: ...`` and exit 2 (bad numbers from the verifier are an input problem, not a crash).
+    """
+
+    def __init__(self, idx: int, k: int, sample_id: Optional[str] = None, aux_layers: Optional[Sequence[int]] = None,
+                 dtype: Optional[str] = None):
+        self.idx, self.k, self.sample_id, self.aux_layers, self.dtype = int(idx), int(k), sample_id, aux_layers, dtype
+        conv = f" (conversation '{sample_id}')" if sample_id is not None else ""
+        where = f" = {hf_layer_name(self.k, aux_layers)}" if aux_layers is not None else ""
+        dt = f" with verifier.dtype {dtype}" if dtype else ""
+        super().__init__(f"sample {self.idx}{conv}: hidden_states[{self.k}]{where} has NaN/Inf{dt}; {NONFINITE_FIX}")
+
+    def explained(self, sample_id: Optional[str] = None, aux_layers: Optional[Sequence[int]] = None,
+                  dtype: Optional[str] = None) -> "NonFiniteStates":
+        """The same error with the fields the caller knows filled in (those already set are kept)."""
+        return NonFiniteStates(self.idx, self.k, self.sample_id if self.sample_id is not None else sample_id,
+                               self.aux_layers if self.aux_layers is not None else aux_layers, self.dtype or dtype)
+
+
+def _nonfinite(idx: int, k: int) -> NonFiniteStates:
+    return NonFiniteStates(idx, k)
 
 
 def shard_object(
@@ -215,8 +251,9 @@ def shard_object(
         idx: the sample's idx (named in errors).
 
     Raises:
-        ValueError: wrong count, shape, dtype or non-finite values (``sample {idx}:
-            hidden_states[{k}] has NaN/Inf``; a caller bug: capture must never produce them).
+        NonFiniteStates: NaN/Inf in a state (``sample {idx}: hidden_states[{k}] has NaN/Inf; ...``,
+            a UserError: the verifier overflowed, see :class:`NonFiniteStates`).
+        ValueError: wrong count, shape or dtype (a caller bug).
     """
     ids = _as_int64(input_ids)  # [L]
     mask = _as_int64(loss_mask)  # [L]
@@ -391,6 +428,8 @@ def expect_from_data_config(meta: dict) -> dict:
         "vocab_size": int(meta["vocab_size"]),
         "storage_dtype": st.dtype,
         **({"scale_blocks": st.num_blocks(int(meta["hidden_size"]))} if st.is_fp8 else {}),
+        "aux_layers": [int(i) for i in meta["aux_layers"]],  # named in NaN/Inf errors
+        **({"verifier_dtype": str(meta["verifier_dtype"])} if meta.get("verifier_dtype") else {}),
     }
 
 
@@ -483,7 +522,11 @@ def load_sample(path: str | os.PathLike, expect: dict | None = None) -> dict:
         if h.shape[1] != hs[0].shape[1]:
             raise _bad(path, key, f"hidden size {h.shape[1]} != hidden_states[0]'s {hs[0].shape[1]}")
         if has_nan_fp8(h) if fp8 else not all_finite(h):
-            raise _bad(path, key, "contains NaN/Inf")
+            aux = expect.get("aux_layers")
+            what = f" ({hf_layer_name(k, aux)} of the verifier" if aux is not None else " (of the verifier"
+            dt = expect.get("verifier_dtype")
+            raise _bad(path, key, f"contains NaN/Inf{what}{', captured in ' + dt if dt else ''}): {NONFINITE_FIX} "
+                                  f"(02 with --overwrite), then 03")
     V = expect.get("vocab_size")
     if V is not None and int(ids.max()) >= V:
         raise _bad(path, "input_ids", f"token id {int(ids.max())} >= vocab_size {V}")

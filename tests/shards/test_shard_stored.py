@@ -111,7 +111,7 @@ def test_nonfinite_capture_refused_with_the_same_error(tmp_path, storage, thread
     state, as the writer's CPU check did; the other samples of the batch are still written."""
     cap = _poisoned_capture(2, value)  # padded row 2 = SAMPLES[1] (rows go longest first: lengths 9, 6, 3)
     samples = [Sample(10 + i, f"p{i}", s, [1] * len(s)) for i, s in enumerate(SAMPLES)]
-    with pytest.raises(ValueError, match=r"^sample 11: hidden_states\[3\] has NaN/Inf$"):
+    with pytest.raises(ValueError, match=r"^sample 11 \(conversation 'p1'\): hidden_states\[3\] has NaN/Inf; the verifier overflows in this dtype"):
         capture_and_write(cap, samples, [[0, 1, 2]], {}, 64, tmp_path, 4, tmp_path / "manifest.jsonl",
                           write_threads=threads, max_pending_tokens=10_000, storage=storage)
     written = [i for i, _ in list_samples(tmp_path)]

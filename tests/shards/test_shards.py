@@ -201,7 +201,7 @@ def test_data_config_round_trip_and_errors(tmp_path):
     back = read_data_config(tmp_path)
     assert back == meta
     assert expect_from_data_config(back) == {"hidden_size": H, "num_hidden_states": 4, "vocab_size": 100,
-                                             "storage_dtype": "bfloat16"}
+                                             "storage_dtype": "bfloat16", "aux_layers": [2, 3, 4]}
     bad = dict(meta)
     del bad["hidden_size"]
     (tmp_path / "data_config.json").write_text(__import__("json").dumps(bad))
