@@ -20,6 +20,11 @@ with stage 02's own capture code, chosen by ``extract.backend``:
   k+1 overlaps training on k), and the states are collated exactly as :func:`eagle3.data.dataset.collate`
   collates shard states (bf16, zero padding), in order.
 
+NaN/Inf (a verifier overflowing in its dtype): 02 refuses such states before a shard is written; online,
+every micro-batch's states are checked too: ``VerifierStates`` ANDs a device flag per micro-batch (no host
+sync) that the trainer reads at its log steps (:meth:`VerifierStates.states_finite`, all ranks agree, then a UserError
+naming the verifier dtype and the fix); ``ServerStates`` scans each batch on the capture thread and fails it there.
+
 Either source checks the verifier it runs against ``data_config.json`` (hidden size, vocabulary,
 layers, architecture, aux layers, last-hidden-state convention): the drafter's targets depend on them.
 """
@@ -52,8 +57,17 @@ class ShardStates:
         """A device batch, as it is (``aux``/``last`` already there)."""
         return batch
 
+    def states_finite(self) -> bool:
+        """True: 02 refused non-finite states before writing them."""
+        return True
+
     def close(self) -> None:
         pass
+
+
+def _nonfinite_error(verifier_dtype: str, where: str) -> UserError:
+    return UserError(f"online hidden states: the verifier gave NaN/Inf {where} with verifier.dtype {verifier_dtype}; "
+                     "set verifier.dtype: bfloat16 (float16 overflows on large activations) or float32")
 
 
 def check_conventions(info: dict, aux_layers: list[int], data_config: dict, where: str) -> None:
@@ -87,9 +101,11 @@ class VerifierStates:
 
     reads_shard_states = False
 
-    def __init__(self, capture, feat_dtype: torch.dtype):
+    def __init__(self, capture, feat_dtype: torch.dtype, verifier_dtype: str = "?"):
         self.capture = capture
         self.feat_dtype = feat_dtype
+        self.verifier_dtype = verifier_dtype
+        self._finite: Optional[torch.Tensor] = None  # 0-dim bool on the device: every state so far finite
 
     @classmethod
     def load(cls, cfg, data_config: dict, device: torch.device, feat_dtype: torch.dtype) -> "VerifierStates":
@@ -108,7 +124,7 @@ class VerifierStates:
         capture = HFCapture(model, list(data_config["aux_layers"]), pad_id=pad)
         check_conventions(capture.info(), capture.aux_layers, data_config, f"the verifier {cfg.verifier.display_name()!r}")
         log.info("online hidden states: %s on %s (%s)", cfg.verifier.display_name(), device, cfg.verifier.dtype)
-        return cls(capture, feat_dtype)
+        return cls(capture, feat_dtype, cfg.verifier.dtype)
 
     def wrap(self, batches: Iterator[dict]) -> Iterator[dict]:
         """Token batches stay token batches on the host; the states are made on the device (:meth:`fill`)."""
@@ -123,7 +139,20 @@ class VerifierStates:
         aux = torch.cat([s.to(torch.bfloat16) for s in states[:3]], dim=-1).masked_fill_(pad, 0)  # [B, L, 3H]
         last = states[3].to(torch.bfloat16).masked_fill_(pad, 0)  # [B, L, H]
         del states
+        ok = torch.isfinite(aux).all() & torch.isfinite(last).all()  # 0-dim, on the device: no sync here
+        self._finite = ok if self._finite is None else self._finite & ok
         return {**batch, "aux": aux.to(self.feat_dtype), "last": last.to(self.feat_dtype)}
+
+    def states_finite(self) -> bool:
+        """Whether every state since the last call was finite: reads the device flag (one host sync; the
+        trainer calls it at its log steps and after the final validation) and resets it."""
+        ok = self._finite is None or bool(self._finite)
+        self._finite = None
+        return ok
+
+    def nonfinite_error(self, step: int) -> UserError:
+        """The error the trainer raises (on every rank) when :meth:`states_finite` was False on some rank."""
+        return _nonfinite_error(self.verifier_dtype, f"in a micro-batch up to optimizer step {step}")
 
     def close(self) -> None:
         self.capture = None  # the replica goes with the last reference
@@ -136,8 +165,10 @@ def attach_states(batch: dict, states: list[list[torch.Tensor]], hidden_size: in
 
     Raises:
         RuntimeError: the backend broke the capture contract (:func:`eagle3.capture.base.check_captured`).
+        UserError: a captured state is NaN/Inf.
     """
     from eagle3.capture.base import check_captured
+    from eagle3.shards.format import all_finite
 
     ids, lengths = batch["input_ids"], batch["lengths"]
     B, Lmax = ids.shape
@@ -148,6 +179,8 @@ def attach_states(batch: dict, states: list[list[torch.Tensor]], hidden_size: in
         check_captured(ids[b, :n].tolist(), st, hidden_size, f"online batch row {b}")
         aux[b, :n] = torch.cat(st[:3], dim=-1)
         last[b, :n] = st[3]
+    if not (all_finite(aux) and all_finite(last)):
+        raise _nonfinite_error("of the capture server(s)", f"in a captured batch of {B} samples")
     return {**batch, "aux": aux, "last": last}
 
 
@@ -242,6 +275,10 @@ class ServerStates:
 
     def fill(self, batch: dict) -> dict:
         return batch
+
+    def states_finite(self) -> bool:
+        """True: every captured batch was scanned on its capture thread (:func:`attach_states`)."""
+        return True
 
     def close(self) -> None:
         pass

@@ -1091,8 +1091,10 @@ class _Training:
         return grad_norm, lr_used
 
     def log_step(self, grad_norm: torch.Tensor, lr_used: float) -> None:
-        """Log step: the window's loss/accuracy over all ranks, LR, grad norm, tokens/s (host sync here only)."""
+        """Log step: the window's loss/accuracy over all ranks, LR, grad norm, tokens/s (host sync here only);
+        online, the NaN/Inf flag of the window's verifier states (:meth:`_check_states`)."""
         d = self.d
+        self._check_states()
         means = _Accum.summarize(_reduce_totals(self.window.totals(), d), self.t.step_weight)
         elapsed = time.perf_counter() - self.t_window - self.paused  # includes the sync of this log step
         toks = _sum_ranks([float(self.tok_window)], d)[0]
@@ -1104,6 +1106,12 @@ class _Training:
         self.bar.set_postfix(loss=f"{means.get('loss', float('nan')):.4f}", lr=f"{lr_used:.2e}")
         self.window = _Accum(self.t.ttt_length)
         self.tok_window, self.t_window, self.paused = 0, time.perf_counter(), 0.0
+
+    def _check_states(self) -> None:
+        """Stop every rank with a UserError when some rank's online verifier states were NaN/Inf since the last
+        check (:meth:`eagle3.train.online.VerifierStates.states_finite`; offline shards were checked by 02)."""
+        if _any_rank(not self.inputs.states.states_finite(), self.d):
+            raise self.inputs.states.nonfinite_error(self.step)
 
     def after_step(self, stop: StopFlag, stop_after: Optional[int]) -> bool:
         """Hooks between optimizer steps (their time is not counted in tokens/s): periodic validation,
@@ -1140,6 +1148,7 @@ class _Training:
             self.metrics.close()
             return result
         final_val = self.validate()
+        self._check_states()
         if final_val:
             self.metrics.write({"kind": "val", "step": self.step, "epoch": self.epoch, **final_val})
             self.tracker.update(self.step, self.epoch, final_val, self.inputs.drafter)

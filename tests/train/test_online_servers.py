@@ -199,3 +199,17 @@ def test_captured_batches_prefetch_in_order_and_close():
     next(it2)
     it2.close()
     assert list(it2) == []
+
+
+def test_attach_states_refuses_nonfinite_capture():
+    from eagle3.data.dataset import collate
+    from eagle3.errors import UserError
+    from eagle3.train.online import attach_states
+
+    batch = collate([{"input_ids": torch.tensor([1, 2, 3]), "loss_mask": torch.ones(3, dtype=torch.long)}])
+    good = [[torch.ones(3, 4, dtype=torch.bfloat16) for _ in range(4)]]
+    assert attach_states(batch, good, 4)["last"].shape == (1, 3, 4)
+    bad = [[t.clone() for t in good[0]]]
+    bad[0][2][1, 3] = float("inf")
+    with pytest.raises(UserError, match="NaN/Inf in a captured batch of 1 samples"):
+        attach_states(batch, bad, 4)

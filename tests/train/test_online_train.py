@@ -297,3 +297,29 @@ def test_online_two_gloo_ranks_match_offline_one_process(prepared, tiny_llama_di
                                torch.tensor([r["loss"] for r in _rows(one.train_dir)]), rtol=1e-5, atol=0)
     for k, v in s1["model"].items():
         torch.testing.assert_close(s2["model"][k], v, atol=1e-5, rtol=1e-5, msg=k)
+
+
+def test_online_nonfinite_verifier_states_stop_the_run(prepared, tiny_llama_dir, tmp_path, monkeypatch):
+    """A verifier that overflows on some micro-batch (here: NaN injected into its 3rd prefill) stops 04 at the next
+    log step with one UserError naming verifier.dtype; no checkpoint is written after it."""
+    from eagle3.capture.hf import HFCapture
+    from eagle3.errors import UserError
+    from eagle3.train.trainer import run
+
+    real = HFCapture.prefill_states
+    calls = []
+
+    def overflowing(self, ids, attention_mask=None):
+        states = real(self, ids, attention_mask)
+        calls.append(1)
+        if len(calls) == 3:  # micro-batch 1 of optimizer step 2
+            states[1] = states[1].clone()
+            states[1][0, 0, 0] = float("nan")
+        return states
+
+    monkeypatch.setattr(HFCapture, "prefill_states", overflowing)
+    _p, cfg = _train_cfg(prepared, "online", tiny_llama_dir, True, tmp_path, ckpt_every=1, keep_checkpoints=20)
+    with pytest.raises(UserError, match=r"NaN/Inf in a micro-batch up to optimizer step 2 with verifier.dtype float32"):
+        run(cfg, device="cpu")
+    assert [s for s, _ in ckpt.list_checkpoints(cfg.train_dir)] == [1]
+    assert [r["step"] for r in _rows(cfg.train_dir)] == [1]
