@@ -144,8 +144,8 @@ def test_thinking_dataset_split_ids_metadata_and_resume(tmp_path, tiny_llama_dir
     again = dict(list_samples(cfg.shards_dir))
     assert load_sample(again[1])["loss_mask"].tolist() == samples[1].loss_mask
     assert again[0].stat().st_mtime_ns == first[0]
-    # the same folder with thinking off is another extraction: refused, naming the verifier section
-    with pytest.raises(UserError, match="different verifier"):
+    # the same folder with thinking off is another extraction: refused, naming the changed key and both values
+    with pytest.raises(UserError, match=r"changed verifier\.chat_template_kwargs: \{'thinking': True\} -> \{'thinking': False\}"):
         run(_cfg(tmp_path, tiny_llama_dir, {"thinking": False}), backend=cap, tokenizer=tok)
 
 
