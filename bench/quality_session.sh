@@ -134,9 +134,9 @@ PYEOF
 data_track() {  # 01 -> 02 -> 03 once; every recipe trains on these shards, vocab map and split
   seed_prompts
   { phase s01 "$PY" 01_prepare_prompts.py --config "$CONFIG" "${SETS[@]}" ||  # fallbacks: no CUDA graphs, then the old path
-    { echo "== s01 retry without CUDA graphs"; rm -f "$W/status/s01.failed";
+    { echo "== s01 retry without CUDA graphs"; rm -f "$W/status/s01.failed"; cp "$W/logs/s01.log" "$W/logs/s01-try1.log";
       phase s01 "$PY" 01_prepare_prompts.py --config "$CONFIG" "${SETS[@]}" --set prompts.regen_cuda_graphs=false --force; } ||
-    { echo "== s01 retry with the static engine"; rm -f "$W/status/s01.failed";
+    { echo "== s01 retry with the static engine"; rm -f "$W/status/s01.failed"; cp "$W/logs/s01.log" "$W/logs/s01-try2.log";
       phase s01 "$PY" 01_prepare_prompts.py --config "$CONFIG" "${SETS[@]}" --set prompts.regen_engine=static --force; }; } &&
   phase s02 "$PY" 02_extract_hidden.py --config "$CONFIG" "${SETS[@]}" &&
   phase s03 "$PY" 03_prepare_data.py --config "$CONFIG" "${SETS[@]}" --no-plot
