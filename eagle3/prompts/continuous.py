@@ -41,6 +41,8 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
+from eagle3.sdpa import no_cudnn_sdpa
+
 log = logging.getLogger(__name__)
 
 ATTN_NAME = "eagle3_slots"
@@ -226,17 +228,24 @@ class SlotEngine(Engine):
         self._seq += 1
 
     def results(self) -> Iterator[tuple[object, list[int], bool]]:
-        """Decode until nothing is waiting or live; yields answers as they are harvested."""
-        with torch.inference_mode():
+        """Decode until nothing is waiting or live; yields answers as they are harvested.
+
+        The next window's decode steps are launched before the previous window's answers are yielded, so
+        the caller's host work on them (detokenising, rendering the next turn, the resume log) overlaps the
+        GPU; prompts submitted meanwhile are admitted at the next check.
+        """
+        ready: list = []
+        # no cuDNN SDPA: its per-shape plans cost ~40 ms of host time per new prefill shape (eagle3.sdpa)
+        with torch.inference_mode(), no_cudnn_sdpa():
             while True:
                 self._admit()
-                live = [s for s in range(self.S) if self.key[s] is not None]
-                if not live:
-                    if not self.waiting:
-                        return
-                    continue
-                self._decode_window()
-                yield from self._harvest()
+                live = any(k is not None for k in self.key)
+                if live:
+                    self._decode_window()  # asynchronous on CUDA (graph replays)
+                yield from ready
+                if not live and not self.waiting:
+                    return
+                ready = self._harvest() if live else []
 
     def close(self) -> None:
         if self._swap is not None:
@@ -388,22 +397,21 @@ class SlotEngine(Engine):
         self.stats["graph_captures"] += 1
         return g
 
-    def _harvest(self) -> Iterator[tuple[object, list[int], bool]]:
+    def _harvest(self) -> list[tuple[object, list[int], bool]]:
         """One host sync: finished slots' answers come back and the slots are freed."""
         flags = torch.stack([self.done.long(), self.stopped.long(), self.n_gen]).cpu()  # [3, S]
         done, stopped, n_gen = flags.tolist()
-        live = [s for s in range(self.S) if self.key[s] is not None]
-        fin = [s for s in live if done[s]]
+        fin = [s for s in range(self.S) if self.key[s] is not None and done[s]]
         if not fin:
-            return
+            return []
         rows = self.out[torch.tensor(fin, device=self.dev)].cpu().tolist()  # [F, T]
+        out = []
         for s, row in zip(fin, rows):
             steps = n_gen[s] - 1  # decode steps after the prefill's token; step j attends prompt + j columns
             self.stats["kv_tokens_needed"] += steps * self.host_len[s] + steps * (steps + 1) // 2
-            n = n_gen[s] - int(bool(stopped[s]))
-            key = self.key[s]
+            out.append((self.key[s], row[:n_gen[s] - int(bool(stopped[s]))], bool(stopped[s])))
             self.key[s] = None
-            yield key, row[:n], bool(stopped[s])
+        return out
 
 
 class HFContinuousEngine(Engine):

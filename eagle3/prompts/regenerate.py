@@ -197,11 +197,28 @@ class _Run:
     def make_ready(self, i: int, bar) -> bool:
         """Render conversation i's next turn into the ready pool; apply the context cap (that turn and later ones
         dropped). Returns whether the turn is ready."""
+        head = self._render(i)
+        return self._ready(i, head, list(self.tok(head, add_special_tokens=False)["input_ids"]), bar)
+
+    def make_ready_many(self, idx: list[int], bar, chunk: int = 4096) -> None:
+        """:meth:`make_ready` for many conversations, one batched tokenizer call per ``chunk`` prompts (a fast
+        tokenizer encodes a batch in parallel; the same ids as one by one)."""
+        for c0 in range(0, len(idx), chunk):
+            part = idx[c0:c0 + chunk]
+            heads = [self._render(i) for i in part]
+            for i, head, ids in zip(part, heads, self.tok(heads, add_special_tokens=False)["input_ids"]):
+                self._ready(i, head, list(ids), bar)
+
+    def _render(self, i: int) -> str:
+        """Append conversation i's next user turn to its messages; the prompt text a server would render."""
+        msgs, users = self.state[i]
+        msgs.append({"role": "user", "content": users[self.done[i]]})
+        return generation_prompt(self.tok, msgs, self.opts, self.convs[i].get("tools"))
+
+    def _ready(self, i: int, head: str, ids: list[int], bar) -> bool:
+        """Put the rendered turn in the ready pool, or apply the context cap to it and the later turns."""
         msgs, users = self.state[i]
         k = self.done[i]
-        msgs.append({"role": "user", "content": users[k]})
-        head = generation_prompt(self.tok, msgs, self.opts, self.convs[i].get("tools"))
-        ids = list(self.tok(head, add_special_tokens=False)["input_ids"])
         if self.max_context is not None and len(ids) >= self.max_context:
             msgs.pop()  # the unanswered user turn
             self.st["turns_over_context"] += len(users) - k
@@ -383,9 +400,7 @@ def regenerate(model, tokenizer, conversations: list[dict], max_new_tokens: int,
             journal.open()
             stack.callback(journal.close)
         bar = stack.enter_context(tqdm(total=run.total, desc="regenerate", unit="answer"))
-        for i, (_, users) in enumerate(run.state):
-            if users:
-                run.make_ready(i, bar)
+        run.make_ready_many([i for i, (_, users) in enumerate(run.state) if users], bar)
         run.flush_log()
         if engine == "static":
             _decode_static(run, model, max_new_tokens, batch_size, schedule, bar)

@@ -155,7 +155,7 @@ def test_slots_resume_after_a_kill(tiny, tmp_path, monkeypatch):
 
     def counted(self):
         calls.append(1)
-        yield from real(self)
+        return real(self)
 
     monkeypatch.setattr(SlotEngine, "_harvest", counted)
     want = regenerate(model, tok, CONVS, max_new_tokens=6, batch_size=2, engine="slots", engine_options=opts)
@@ -165,7 +165,7 @@ def test_slots_resume_after_a_kill(tiny, tmp_path, monkeypatch):
         calls.append(1)
         if len(calls) == kill_at:
             raise KeyboardInterrupt
-        yield from real(self)
+        return real(self)
 
     monkeypatch.setattr(SlotEngine, "_harvest", dies)
     path = tmp_path / "prompts.regen-partial.jsonl"
