@@ -233,9 +233,11 @@ class CapturedBatches:
         self._src = iter(())
 
 
-class ServerStates:
+class ServerStates(ShardStates):
     """Online against capture servers (``extract.backend: sglang``): states captured on the host ahead of
-    training (:class:`CapturedBatches`), then moved to the device like shard states."""
+    training (:class:`CapturedBatches`), then moved to the device like shard states (``fill``, ``close``
+    and ``states_finite`` are :class:`ShardStates`' own: every captured batch was scanned for NaN/Inf on its
+    capture thread, :func:`attach_states`)."""
 
     reads_shard_states = False
 
@@ -272,16 +274,6 @@ class ServerStates:
 
     def wrap(self, batches: Iterator[dict]) -> CapturedBatches:
         return CapturedBatches(batches, self.backend, self.hidden_size, self.depth, self.pin)
-
-    def fill(self, batch: dict) -> dict:
-        return batch
-
-    def states_finite(self) -> bool:
-        """True: every captured batch was scanned on its capture thread (:func:`attach_states`)."""
-        return True
-
-    def close(self) -> None:
-        pass
 
 
 def check_hidden_states(cfg, data_config: dict) -> None:

@@ -31,6 +31,8 @@ HERE = Path(__file__).resolve().parent
 
 from _ddp_worker import single_thread  # noqa: E402,F401  (autouse fixture)
 from test_extract import _write_prompts  # noqa: E402
+from test_fault_train import _start  # noqa: E402  (04 as a subprocess, the in-process reference's env)
+from test_fault_train import _train_steps as _steps  # noqa: E402
 
 from eagle3.train import checkpoint as ckpt  # noqa: E402
 from eagle3.config import load_config  # noqa: E402
@@ -222,27 +224,6 @@ KILL_TRAIN = {"batch_size": 1, "grad_accum": 1, "epochs": 2, "ckpt_every": 3}  #
 TOTAL = 16
 
 
-def _start(cfg_path: Path, *extra: str) -> subprocess.Popen:
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    env.pop("WORLD_SIZE", None)
-    env.pop("RANK", None)
-    return subprocess.Popen([sys.executable, str(ROOT / "04_train.py"), "--config", str(cfg_path), *extra],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _steps(train_dir: Path) -> list[int]:
-    path = train_dir / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if row.get("kind") == "train":
-            out.append(row["step"])
-    return out
 
 
 @pytest.mark.slow
