@@ -10,7 +10,9 @@
 #                                             # call `wait` again in the next device call while the run goes on)
 #   bash bench/quality_session.sh run         # everything in the foreground (what `start` launches)
 #   bash bench/quality_session.sh pack        # summaries + tarball of what is there now
-#   bash bench/quality_session.sh stop        # end the detached run (its process group)
+#   bash bench/quality_session.sh stop        # end the detached run (its process group); a phase is skipped on a
+#                                             # restart only once it is done: stopping mid-phase redoes that phase
+#                                             # (2026-12-02: a stopped regen_speed cost its 12 minutes twice)
 #
 # Env:
 #   W         work dir (default /tmp/quality-run); CONFIG (default configs/smollm2-135m-full.yaml)
