@@ -84,24 +84,3 @@ def test_recorded_turns_and_cli(tmp_path, tiny_llama_dir, smollm_tokenizer):
     assert (res["rounds"]["batches"], res["rounds"]["decode_steps"]) == (4, 1033)
     assert (res["pooled"]["batches"], res["pooled"]["decode_steps"]) == (3, 521)
     assert "| pooled / rounds | 0.750 | 0.504 |" in md.read_text()
-
-
-def test_regen_speed_cli_tiny(tmp_path, tiny_llama_dir):
-    """bench/regen_speed.py on the tiny verifier: both schedules answer the same, 1/3/5/1-turn
-    conversations at batch size 2 take 6 batches round by round and 5 from the pool."""
-    import regen_speed
-
-    recs = [_record(cid, [f"Conversation {cid}, question {t}?" for t in range(n)], [1] * n)
-            for cid, n in (("one", 1), ("three", 3), ("five", 5), ("single", 1))]
-    path = tmp_path / "prompts.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
-    assert regen_speed.spread(list(range(10)), 4) == [0, 2, 5, 7]
-    out = tmp_path / "speed.json"
-    assert regen_speed.main(["--config", str(ROOT / "configs/tiny-llama.yaml"), "--set", f"verifier.path={tiny_llama_dir}",
-                             "--prompts", str(path), "--batch-size", "2", "--max-new-tokens", "4",
-                             "--json", str(out)]) == 0
-    res = json.loads(out.read_text())
-    assert (res["conversations"], res["multi_turn"]) == (4, 2)
-    assert res["runs"]["rounds"]["batches"] == 6 and res["runs"]["pool"]["batches"] == 5
-    assert res["runs"]["rounds"]["answers"] == res["runs"]["pool"]["answers"] == 10
-    assert res["identical_answers"] == res["answers_compared"] == 10
