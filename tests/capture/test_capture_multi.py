@@ -27,13 +27,13 @@ from test_extract import _config
 AUX = [3, 31, 59]
 
 
-@pytest.fixture()
-def servers(tmp_path, monkeypatch):
-    """Three stand-in servers, each with its own capture folder (started; stopped at the end)."""
+def standin_servers(tmp_path, monkeypatch, n: int):
+    """``n`` stand-in servers, each with its own capture folder (a generator for fixtures: started, yielded,
+    stopped)."""
     monkeypatch.setenv(ec.ENV_DIR, str(tmp_path))
     monkeypatch.setitem(ec._STATE, "layers", None)
     out, httpds = [], []
-    for k in range(3):
+    for k in range(n):
         cap = tmp_path / f"capture{k}"
         cap.mkdir()
         st = StandIn(cap)
@@ -44,6 +44,12 @@ def servers(tmp_path, monkeypatch):
     for h in httpds:
         h.shutdown()
         h.server_close()
+
+
+@pytest.fixture()
+def servers(tmp_path, monkeypatch):
+    """Three stand-in servers, each with its own capture folder (started; stopped at the end)."""
+    yield from standin_servers(tmp_path, monkeypatch, 3)
 
 
 def _one(st, **kw) -> SGLangCapture:

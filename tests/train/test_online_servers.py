@@ -27,6 +27,7 @@ from eagle3.train import checkpoint as ckpt
 from eagle3.train.target_head import TargetHead
 
 from test_capture_sglang import H, V, StandIn, ec, serve
+from test_capture_multi import standin_servers
 from test_extract import _write_prompts
 
 AUX = [3, 31, 59]
@@ -41,20 +42,7 @@ TRAIN = {"ttt_length": 2, "lr": 3e-3, "warmup_ratio": 0.25, "epochs": 2, "batch_
 @pytest.fixture()
 def servers(tmp_path, monkeypatch):
     """Two stand-in capture servers, each with its own capture folder."""
-    monkeypatch.setenv(ec.ENV_DIR, str(tmp_path))
-    monkeypatch.setitem(ec._STATE, "layers", None)
-    out, httpds = [], []
-    for k in range(2):
-        cap = tmp_path / f"capture{k}"
-        cap.mkdir()
-        st = StandIn(cap)
-        st.start_model()
-        httpds.append(serve(st))
-        out.append(st)
-    yield out
-    for h in httpds:
-        h.shutdown()
-        h.server_close()
+    yield from standin_servers(tmp_path, monkeypatch, 2)
 
 
 def _yaml(root: Path, tiny: Path, online: bool, sts, shards: Path | None = None, data: Path | None = None) -> Path:

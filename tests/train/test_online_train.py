@@ -33,6 +33,7 @@ from _ddp_worker import single_thread  # noqa: E402,F401  (autouse fixture)
 from test_extract import _write_prompts  # noqa: E402
 from test_fault_train import _start  # noqa: E402  (04 as a subprocess, the in-process reference's env)
 from test_fault_train import _train_steps as _steps  # noqa: E402
+from test_fault_train import _wait_progress  # noqa: E402
 
 from eagle3.train import checkpoint as ckpt  # noqa: E402
 from eagle3.config import load_config  # noqa: E402
@@ -239,10 +240,7 @@ def test_online_sigkill_then_resume_matches_uninterrupted(prepared, tiny_llama_d
     for _attempt in range(3):
         before = (_steps(cfg.train_dir) or [0])[-1]
         proc = _start(cfg_path, "--resume")
-        t0 = time.monotonic()
-        while proc.poll() is None and time.monotonic() - t0 < 120 and (_steps(cfg.train_dir) or [0])[-1] <= before:
-            time.sleep(0.05)
-        if proc.poll() is None:
+        if _wait_progress(proc, cfg.train_dir, before):
             time.sleep(rng.uniform(0.0, 0.5))  # somewhere in a step (verifier forward included) or a write
             if proc.poll() is None:
                 proc.send_signal(signal.SIGKILL)
