@@ -26,7 +26,7 @@ from eagle3.config import load_config
 from eagle3.train import checkpoint as ckpt
 from eagle3.train.target_head import TargetHead
 
-from test_capture_sglang import H, V, StandIn, ec, serve
+from test_capture_sglang import H, V, ec
 from test_capture_multi import standin_servers
 from test_extract import _write_prompts
 
