@@ -98,6 +98,8 @@ seed_prompts() {  # SEED: reuse an earlier regeneration (01 checks its settings 
 speed_regen() {  # issue 22's figures on the idle GPU, before anything else runs
   [ "${SPEED:-0}" = 1 ] || return 0
   read -r -a RG <<< "${REGEN_ARGS:-}"
+  [ -e bench/regen_step.py ] && phase regen_step "$PY" bench/regen_step.py --config "${SPEED_CONFIG:-configs/smollm2-135m-full.yaml}" \
+      "${BASE[@]}" --json "$W/speed/regen_step.json" --md "$W/speed/regen_step.md"
   phase regen_speed "$PY" bench/regen_speed.py --config "${SPEED_CONFIG:-configs/smollm2-135m-full.yaml}" "${BASE[@]}" \
       "${RG[@]}" --json "$W/speed/regen_speed.json" --md "$W/speed/regen_speed.md"
   return 0
@@ -144,9 +146,12 @@ data_track() {  # 01 -> 02 -> 03 once; every recipe trains on these shards, voca
   phase s03 "$PY" 03_prepare_data.py --config "$CONFIG" "${SETS[@]}" --no-plot
 }
 
-rargs() {  # rargs NAME SETS_WITH_COMMAS -> RA: the --set list of recipe NAME (own train/export/bench folders)
-  local r="$W/runs/$1"
-  RA=("${BASE[@]}" --set "output_root=$r" --set "extract.output_dir=$ROOT/shards" --set "data.output_dir=$ROOT/data")
+rargs() {  # rargs NAME SETS_WITH_COMMAS -> RA: the --set list of recipe NAME (own train/export/bench folders; a
+  # recipe that sets a data.* key (train_samples, exclude_id_prefixes) gets its own 03 output in $r/data: 03 applies
+  # those keys when it writes split.json, 04 trains on whatever split.json holds)
+  local r="$W/runs/$1" data="$ROOT/data"
+  [[ ",$2" == *",data."* ]] && data="$r/data"
+  RA=("${BASE[@]}" --set "output_root=$r" --set "extract.output_dir=$ROOT/shards" --set "data.output_dir=$data")
   [ -n "$NPROMPTS" ] && RA+=(--set "prompts.sample_size=$NPROMPTS")
   for o in "${CM[@]}"; do RA+=(--set "$o"); done
   local sets=$2
@@ -156,6 +161,9 @@ rargs() {  # rargs NAME SETS_WITH_COMMAS -> RA: the --set list of recipe NAME (o
 recipe_chain() {  # recipe_chain NAME SETS: 04, then 05 at 3 steps (every set) and at 7 steps (SETS7)
   local name=$1 r="$W/runs/$1"
   rargs "$1" "$2"
+  if [[ ",$2" == *",data."* ]] && ! phase "${name}_03" "$PY" 03_prepare_data.py --config "$CONFIG" "${RA[@]}" --no-plot; then
+    return 1
+  fi
   if ! phase "${name}_04" train_until_deadline "$name" "$PY" 04_train.py --config "$CONFIG" "${RA[@]}" --resume; then  # --resume: a retried or resumed chain continues its checkpoints
     return 1
   fi

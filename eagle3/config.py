@@ -289,6 +289,11 @@ class DataConfig(_Strict):
     train_samples: Optional[int] = Field(
         None, ge=1, description="train on a seeded subset of this many samples of the training split (data-scaling "
         "curves: the validation split and the draft vocab map stay those of the whole shard set); null = all")
+    exclude_id_prefixes: list[str] = Field(
+        default_factory=list, description="drop training samples whose id (02's manifest.jsonl 'id': 01's "
+        "conversation id, e.g. 'staqc_sql_titles/...' or 'nl2bash/...' for the train-extra pool) starts with one of "
+        "these: a data-mix ablation on the same shards (the validation split and the draft vocab map stay those "
+        "of the whole shard set, as with train_samples, which applies after it); [] = keep all")
     output_dir: Optional[str] = Field(None, description="default {output_root}/data")
 
 

@@ -74,6 +74,44 @@ def subset_train(train: list[int], n: Optional[int], seed: int) -> list[int]:
     return sorted(perm[:n])
 
 
+def exclude_by_id(train: list[int], shards: Path, prefixes: list[str]) -> tuple[list[int], dict[str, int]]:
+    """``data.exclude_id_prefixes``: drop the training samples whose id starts with one of ``prefixes``.
+
+    Args:
+        train: sample indices of the training split.
+        shards: 02's output folder; the ids come from its ``manifest.jsonl`` (``{"idx", "id", ...}``: 01's
+            conversation id plus 02's turn suffix).
+        prefixes: id prefixes (an empty list keeps every sample).
+
+    Returns:
+        ``(kept indices in their order, {prefix: samples dropped})``.
+
+    Raises:
+        UserError: the manifest is missing or lacks a training sample's row, or every training sample is dropped.
+    """
+    if not prefixes:
+        return list(train), {}
+    from eagle3.shards.manifest import MANIFEST, read_manifest
+
+    path = shards / MANIFEST
+    if not path.is_file():
+        raise UserError(f"data.exclude_id_prefixes: {path} is missing (02 writes it); re-run 02_extract_hidden.py")
+    rows = read_manifest(path).rows
+    kept, dropped = [], {p: 0 for p in prefixes}
+    for i in train:
+        if i not in rows:
+            raise UserError(f"{path}: no row for sample {i} (data.exclude_id_prefixes needs every sample's id); "
+                            "re-run 02_extract_hidden.py to complete it")
+        hit = next((p for p in prefixes if rows[i]["id"].startswith(p)), None)
+        if hit is None:
+            kept.append(i)
+        else:
+            dropped[hit] += 1
+    if not kept:
+        raise UserError(f"data.exclude_id_prefixes: {prefixes} drops all {len(train)} training samples of {shards}")
+    return kept, dropped
+
+
 def _validate_one(idx: int, path: Path, expect: dict, want: Optional[tuple[str, str]]) -> dict:
     """Hash (against 02's manifest: ``want`` = ``(algo, hex)``, :mod:`eagle3.shards.checksum`) and load one
     shard; returns only ``input_ids`` and ``loss_mask`` (the hidden states are validated, then
@@ -249,6 +287,7 @@ def run(cfg: RunConfig, *, plot: bool = True, revalidate: bool = False) -> dict:
     if not split["train"]:
         raise UserError(f"{shards}: not enough samples for a training split ({stats['num_samples']})")
     train_all = len(split["train"])
+    split["train"], excluded = exclude_by_id(split["train"], shards, cfg.data.exclude_id_prefixes)
     split["train"] = subset_train(split["train"], cfg.data.train_samples, cfg.data.seed)
 
     out = cfg.data_dir
@@ -272,6 +311,7 @@ def run(cfg: RunConfig, *, plot: bool = True, revalidate: bool = False) -> dict:
         "mean_sample_len": round(stats["num_tokens"] / stats["num_samples"], 2),
         "train_samples": len(split["train"]),
         "train_samples_available": train_all,
+        "excluded_by_id_prefix": excluded,
         "val_samples": len(split["val"]),
         "val_fraction": cfg.data.val_fraction,
         "seed": cfg.data.seed,

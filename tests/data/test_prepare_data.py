@@ -178,3 +178,39 @@ def test_train_subset_nested_seeded_and_val_unchanged(tmp_path):
     assert split["val"] == split_full["val"]
     assert split["train"] == subset_train(split_full["train"], 2, cfg.data.seed) and len(split["train"]) == 2
     assert rep["train_samples"] == 2 and rep["train_samples_available"] == full["train_samples"] > 2
+
+
+def _write_manifest(shards: Path, ids: list[str]) -> None:
+    lines = [json.dumps({"idx": i, "id": sid, "num_tokens": len(SAMPLES[i][0])}) for i, sid in enumerate(ids)]
+    (shards / "manifest.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_exclude_id_prefixes_drops_train_only(tmp_path):
+    ids = ["staqc_sql_titles/1", "chat/2", "nl2bash/3", "chat/4", "math/5"]
+    cfg_full = load_config(_cfg(tmp_path))
+    _make_shards(cfg_full.shards_dir)
+    _write_manifest(cfg_full.shards_dir, ids)
+    full = run(cfg_full)
+    split_full = json.loads((cfg_full.data_dir / "split.json").read_text())
+    vocab_full = (cfg_full.data_dir / "vocab_map.pt").read_bytes()
+    cfg = load_config(_cfg(tmp_path), overrides=["data.exclude_id_prefixes=[staqc_sql_titles/, nl2bash/]"])
+    rep = run(cfg)
+    split = json.loads((cfg.data_dir / "split.json").read_text())
+    want = [i for i in split_full["train"] if not ids[i].startswith(("staqc_sql_titles/", "nl2bash/"))]
+    assert split["train"] == want and split["val"] == split_full["val"]
+    dropped = [i for i in split_full["train"] if i not in want]
+    assert rep["excluded_by_id_prefix"] == {
+        "staqc_sql_titles/": sum(ids[i].startswith("staqc_sql_titles/") for i in dropped),
+        "nl2bash/": sum(ids[i].startswith("nl2bash/") for i in dropped)}
+    assert rep["train_samples"] == len(want) and rep["train_samples_available"] == full["train_samples"]
+    assert (cfg.data_dir / "vocab_map.pt").read_bytes() == vocab_full  # the draft vocab map is the whole set's
+
+
+def test_exclude_id_prefixes_errors(tmp_path):
+    cfg = load_config(_cfg(tmp_path), overrides=["data.exclude_id_prefixes=[x]"])
+    _make_shards(cfg.shards_dir)
+    with pytest.raises(UserError, match="manifest.jsonl is missing"):
+        run(cfg)
+    _write_manifest(cfg.shards_dir, ["x/1", "x/2", "x/3", "x/4", "x/5"])
+    with pytest.raises(UserError, match="drops all"):
+        run(cfg)
