@@ -154,8 +154,9 @@ rargs() {  # rargs NAME SETS_WITH_COMMAS -> RA: the --set list of recipe NAME (o
   RA=("${BASE[@]}" --set "output_root=$r" --set "extract.output_dir=$ROOT/shards" --set "data.output_dir=$data")
   [ -n "$NPROMPTS" ] && RA+=(--set "prompts.sample_size=$NPROMPTS")
   for o in "${CM[@]}"; do RA+=(--set "$o"); done
-  local sets=$2
-  for o in ${sets//,/ }; do RA+=(--set "$o"); done
+  local sets o
+  sets=$(sed -E ':a; s/(\[[^],]*),/\1@C@/; ta' <<< "$2")  # a comma inside [..] (a YAML list value) is not a separator
+  for o in ${sets//,/ }; do RA+=(--set "${o//@C@/,}"); done
 }
 
 recipe_chain() {  # recipe_chain NAME SETS: 04, then 05 at 3 steps (every set) and at 7 steps (SETS7)
