@@ -29,6 +29,9 @@
 #   SLOTS     04 -> 05 chains at once (default 4: ~3 steps/s each on the H200 for SmolLM2)
 #   BENCH_SETS extra --set for 05 only (default "verifier.dtype=float32": fp32 lossless check + tau)
 #   SETS7     datasets of the 7-step benchmark (default mtbench; empty = none)
+#   BENCH_FULL recipe names that get 05 on every set of the config + the 7-step run (default: every recipe); the
+#             others get 05 at 3 steps on BENCH_ABL (default mtbench) only: 05 is the costliest phase of a lease
+#             (2026-12-01: ~230 s per 3-set run alone, 310-340 s with the GPU shared)
 #   SPEED     1 = the speed benches of issues 21/22 in the same lease, each alone on the GPU: before 01,
 #             bench/regen_speed.py on SPEED_CONFIG (default configs/smollm2-135m-full.yaml; REGEN_ARGS extra
 #             flags); after 03, bench/online_train_speed.py on the first ONLINE_LIMIT (default 2000) regenerated
@@ -147,10 +150,14 @@ data_track() {  # 01 -> 02 -> 03 once; every recipe trains on these shards, voca
 }
 
 rargs() {  # rargs NAME SETS_WITH_COMMAS -> RA: the --set list of recipe NAME (own train/export/bench folders; a
-  # recipe that sets a data.* key (train_samples, exclude_id_prefixes) gets its own 03 output in $r/data: 03 applies
-  # those keys when it writes split.json, 04 trains on whatever split.json holds)
+  # recipe that sets a data.* key (train_samples, exclude_id_prefixes) gets its own 03 output in $W/data-KEY, shared by
+  # the recipes with the same data.* keys: 03 applies those keys when it writes split.json, 04 trains on whatever
+  # split.json holds)
   local r="$W/runs/$1" data="$ROOT/data"
-  [[ ",$2" == *",data."* ]] && data="$r/data"
+  DKEY=  # recipes with the same data.* keys share one 03 output
+  if [[ ",$2" == *",data."* ]]; then
+    DKEY=$(tr ',' '\n' <<< "$2" | grep '^data\.' | sort | md5sum | cut -c1-10); data="$W/data-$DKEY"
+  fi
   RA=("${BASE[@]}" --set "output_root=$r" --set "extract.output_dir=$ROOT/shards" --set "data.output_dir=$data")
   [ -n "$NPROMPTS" ] && RA+=(--set "prompts.sample_size=$NPROMPTS")
   for o in "${CM[@]}"; do RA+=(--set "$o"); done
@@ -162,15 +169,20 @@ rargs() {  # rargs NAME SETS_WITH_COMMAS -> RA: the --set list of recipe NAME (o
 recipe_chain() {  # recipe_chain NAME SETS: 04, then 05 at 3 steps (every set) and at 7 steps (SETS7)
   local name=$1 r="$W/runs/$1"
   rargs "$1" "$2"
-  if [[ ",$2" == *",data."* ]] && ! phase "${name}_03" "$PY" 03_prepare_data.py --config "$CONFIG" "${RA[@]}" --no-plot; then
+  if [ -n "$DKEY" ] && ! ( flock 9; phase "data-${DKEY}_03" "$PY" 03_prepare_data.py --config "$CONFIG" "${RA[@]}" --no-plot ) \
+      9> "$W/status/data-$DKEY.lock"; then
     return 1
   fi
   if ! phase "${name}_04" train_until_deadline "$name" "$PY" 04_train.py --config "$CONFIG" "${RA[@]}" --resume; then  # --resume: a retried or resumed chain continues its checkpoints
     return 1
   fi
+  local full=1 ds=()  # BENCH_FULL set: only the recipes it names get every set + the 7-step run
+  if [ -n "${BENCH_FULL:-}" ] && [[ " $BENCH_FULL " != *" $name "* ]]; then
+    full=0; read -r -a ds <<< "${BENCH_ABL:-mtbench}"; ds=(--datasets "${ds[@]}")
+  fi
   phase "${name}_05s3" "$PY" 05_benchmark.py --config "$CONFIG" "${RA[@]}" "${B5[@]}" \
-      --set "benchmark.output_dir=$r/bench-steps3" --steps 3 || return 1
-  if [ -n "$SETS7" ]; then
+      --set "benchmark.output_dir=$r/bench-steps3" --steps 3 "${ds[@]}" || return 1
+  if [ -n "$SETS7" ] && [ "$full" = 1 ]; then
     phase "${name}_05s7" "$PY" 05_benchmark.py --config "$CONFIG" "${RA[@]}" "${B5[@]}" \
         --set "benchmark.output_dir=$r/bench-steps7" --steps 7 --datasets $SETS7
   fi
