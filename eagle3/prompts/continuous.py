@@ -11,14 +11,26 @@ Answers are greedy: the new tokens up to (excluding) the first stop token, ``sto
   preallocated KV cache ``[slots, kv_heads, max_len, head_dim]`` per layer. A finished row's slot is
   refilled by the next waiting prompt at the next check (every ``check_every`` steps: the only host
   syncs; rows that finish in between idle until then); new prompts are prefilled in right-padded
-  batches straight into their slots. Attention runs through a function registered in transformers'
-  ``AttentionInterface`` (the verifier's own modules, weights and RoPE do the rest). Slots form groups by
-  width class (column caps, e.g. answer budget + 128 / + 512 / + 1024 / the full cache): a prompt takes
-  a slot of the narrowest class holding it and its answer, and a group's decode attention reads only its
-  cap's columns under a length mask, so short rows do not pay for the longest one. Grouped-query heads
-  are folded into the query length (``[S, kv_heads, group, D]`` against ``[S, kv_heads, cap, D]``), so
-  K/V are never repeated. On CUDA the decode step (shapes fixed by the groups) is captured once as a
-  CUDA graph (``cuda_graphs``), so a step costs its kernels, not ~30 layers of Python.
+  batches straight into their slots, the lowest free slot first. Attention runs through a function
+  registered in transformers' ``AttentionInterface`` (the verifier's own modules, weights and RoPE do the
+  rest). Decode attention (``attention``, ``prompts.regen_attention``):
+
+  - ``flex``: PyTorch FlexAttention (``torch.nn.attention.flex_attention``, compiled on CUDA, eager on
+    CPU) with a ``BlockMask`` built on device each step from the per-slot lengths: a live row reads only
+    its ``ceil((length + 1) / block)`` KV blocks (a mask for the partial last block), a finished or empty
+    slot one block. The whole cache is one group. Grouped-query heads via ``enable_gqa``.
+  - ``sdpa_groups``: slots form groups by width class (column caps, e.g. answer budget + 128 / + 512 /
+    + 1024 / the full cache): a prompt takes a slot of the narrowest class holding it and its answer, and a
+    group's SDPA reads only its cap's columns under a length mask. Grouped-query heads are folded into the
+    query length (``[S, kv_heads, group, D]`` against ``[S, kv_heads, cap, D]``), so K/V are never repeated.
+  - ``auto``: ``flex`` on CUDA when it compiles and captures in a CUDA graph (probed at construction),
+    else ``sdpa_groups`` with a one-line warning; ``sdpa_groups`` on CPU.
+
+  Every decode window runs over a slot prefix ``[:n]``, ``n`` the smallest of ``S, S/2, S/4, ... (>=
+  min_prefix)`` holding every live slot (state tensors and caches are sliced views, so a step over
+  ``[:n]`` touches only those rows): the long multi-turn tail, with a handful of rows live, costs a
+  small step instead of a full one. On CUDA each prefix's decode step is captured once as a CUDA graph
+  (``cuda_graphs``), so a step costs its kernels, not ~30 layers of Python.
 * :class:`HFContinuousEngine` (``prompts.regen_engine: hf_continuous``): transformers'
   ``ContinuousBatchingManager`` (``model.init_continuous_batching``; paged KV cache, its own scheduler
   thread). Without the flash-attn package its attention is ``paged|sdpa``, which packs every request of
@@ -46,6 +58,7 @@ from eagle3.sdpa import no_cudnn_sdpa
 log = logging.getLogger(__name__)
 
 ATTN_NAME = "eagle3_slots"
+ATTENTIONS = ("auto", "flex", "sdpa_groups")  # SlotEngine(attention=...), prompts.regen_attention
 
 
 def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -61,11 +74,18 @@ class SlotCache:
     """Preallocated KV cache of :class:`SlotEngine` and the per-forward routing its attention reads.
 
     Attributes:
-        k, v: per layer ``[S, Hkv, max_len, D]`` in the verifier's dtype.
+        k, v: per layer ``[S, Hkv, L, D]`` in the verifier's dtype (``L``: ``max_len``, rounded up to whole
+            flex blocks on the flex path).
         rows: prefill mode: slot index of each prefill row, int64 ``[P]``; None = decode mode.
-        lengths: decode mode: cached tokens per slot (= the column the step's key is written to), int64 ``[S]``.
-        groups: decode mode: per slot group ``(first slot, end slot, mask [S_g, 1, 1, cap])``, mask True where a
-            slot's cached column is attended (the group reads its cap's columns).
+        lengths: decode mode: cached tokens per slot of the step's prefix (= the column the step's key is
+            written to), int64 ``[n]``.
+        groups: decode, ``sdpa_groups``: per slot group clipped to the prefix ``(first slot, end slot, mask
+            [S_g, 1, 1, cap])``, mask True where a slot's cached column is attended (the group reads its cap's columns).
+        flex: decode, ``flex``: ``fn(query, key, value, attn_len, kv_indices, scale)`` (:func:`flex_decode`
+            with the block size bound); None on the sdpa_groups path.
+        attn_len: decode, ``flex``: last attended column per row of the prefix, int64 ``[n]`` (0 for finished
+            and empty slots: they read one block).
+        kv_indices: decode, ``flex``: static block indices ``[S, 1, 1, L / block]`` int32 (``arange`` per row).
     """
 
     k: list
@@ -73,6 +93,86 @@ class SlotCache:
     rows: Optional[torch.Tensor] = None
     lengths: Optional[torch.Tensor] = None
     groups: Optional[list] = None
+    flex: Optional[object] = None
+    attn_len: Optional[torch.Tensor] = None
+    kv_indices: Optional[torch.Tensor] = None
+
+
+def decode_block_mask(attn_len: torch.Tensor, kv_indices: torch.Tensor, block: int, kv_len: int):
+    """FlexAttention ``BlockMask`` of a decode step: row b attends columns ``[0, attn_len[b]]``.
+
+    Args:
+        attn_len: int64 ``[n]``, last attended column per row (``< kv_len``).
+        kv_indices: int32 ``[n, 1, 1, kv_len / block]``, block ``j`` of every row at position ``j`` (``arange``).
+        block: KV block size (columns); ``kv_len`` must be a multiple of it.
+        kv_len: KV columns of the cache.
+
+    Returns:
+        ``BlockMask`` of shape ``[n, 1, 1, kv_len]`` (q_len 1): ``ceil((attn_len + 1) / block)`` blocks per row, a
+        ``mask_mod`` ``kv_idx <= attn_len[b]`` for the partial last block. Device ops only (no host sync), so
+        it is built inside the captured step.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    nb = torch.div(attn_len + block, block, rounding_mode="floor").to(torch.int32).view(-1, 1, 1)  # [n, 1, 1]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return kv_idx <= attn_len[b]
+
+    kw = {"seq_lengths": (1, kv_len)}
+    if "compute_q_blocks" in _from_kv_blocks_params():
+        kw["compute_q_blocks"] = False  # the transposed (backward) index is not needed
+    return BlockMask.from_kv_blocks(nb, kv_indices, BLOCK_SIZE=block, mask_mod=mask_mod, **kw)
+
+
+_FKB_PARAMS: Optional[frozenset] = None
+
+
+def _from_kv_blocks_params() -> frozenset:
+    global _FKB_PARAMS
+    if _FKB_PARAMS is None:
+        import inspect
+
+        from torch.nn.attention.flex_attention import BlockMask
+
+        _FKB_PARAMS = frozenset(inspect.signature(BlockMask.from_kv_blocks).parameters)
+    return _FKB_PARAMS
+
+
+def flex_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_len: torch.Tensor,
+                kv_indices: torch.Tensor, scale: Optional[float], block: int) -> torch.Tensor:
+    """Decode attention with per-row KV lengths through FlexAttention.
+
+    Args:
+        query: ``[n, H, 1, D]``; key, value: ``[n, Hkv, L, D]`` (``H`` a multiple of ``Hkv``: GQA via ``enable_gqa``).
+        attn_len: int64 ``[n]``, row b attends columns ``[0, attn_len[b]]``.
+        kv_indices: int32 ``[n, 1, 1, L / block]`` (see :func:`decode_block_mask`).
+        scale: softmax scale (None: ``1 / sqrt(D)``).
+        block: KV block size.
+
+    Returns:
+        ``[n, H, 1, D]``, the query's dtype.
+    """
+    from torch.nn.attention.flex_attention import flex_attention
+
+    bm = decode_block_mask(attn_len, kv_indices, block, key.shape[2])
+    return flex_attention(query, key, value, block_mask=bm, scale=scale, enable_gqa=True)
+
+
+_COMPILED_FLEX = None
+
+
+def compiled_flex_decode():
+    """:func:`flex_decode` under ``torch.compile`` (one per process; a recompile per slot prefix, so the
+    recompile limit is raised to 64)."""
+    global _COMPILED_FLEX
+    if _COMPILED_FLEX is None:
+        cfg = torch._dynamo.config
+        for name in ("recompile_limit", "cache_size_limit"):
+            if hasattr(cfg, name):
+                setattr(cfg, name, max(getattr(cfg, name), 64))
+        _COMPILED_FLEX = torch.compile(flex_decode, dynamic=False, fullgraph=True)
+    return _COMPILED_FLEX
 
 
 def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
@@ -83,9 +183,10 @@ def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
 
     Prefill (``slot_cache.rows`` set): query ``[P, H, Wp, D]``, key/value ``[P, Hkv, Wp, D]`` of right-padded
     prompts; K/V are written to columns ``[0, Wp)`` of the rows' slots and the output is causal attention over
-    the prompt itself (a real token never sees the padding after it). Decode: query ``[S, H, 1, D]``, key/value
-    ``[S, Hkv, 1, D]`` written at column ``lengths[s]`` of slot s, then per slot group attention over the
-    group's first ``cap`` columns under its mask, with the ``H // Hkv`` query heads of a KV head as its query
+    the prompt itself (a real token never sees the padding after it). Decode over the slot prefix ``[:n]``:
+    query ``[n, H, 1, D]``, key/value ``[n, Hkv, 1, D]`` written at column ``lengths[s]`` of slot s, then either
+    FlexAttention over each row's live blocks (``slot_cache.flex``) or per slot group SDPA over the group's
+    first ``cap`` columns under its mask, with the ``H // Hkv`` query heads of a KV head as its query
     positions. Returns ``(out [B, q_len, H, D], None)``.
     """
     c = slot_cache
@@ -101,16 +202,40 @@ def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
             query, _repeat_kv(key, h // hkv), _repeat_kv(value, h // hkv), is_causal=True, scale=scaling)  # [P, H, Wp, D]
         return out.transpose(1, 2), None
     ar = torch.arange(b, device=query.device)
-    kc[ar, :, c.lengths] = key[:, :, 0]  # [S, Hkv, D] at column lengths[s]
+    kc[ar, :, c.lengths] = key[:, :, 0]  # [n, Hkv, D] at column lengths[s]
     vc[ar, :, c.lengths] = value[:, :, 0]
-    q = query.reshape(b, hkv, h // hkv, d)  # [S, Hkv, G, D]: head h = kv * G + g
+    if c.flex is not None:
+        out = c.flex(query, kc[:b], vc[:b], c.attn_len, c.kv_indices[:b], scaling)  # [n, H, 1, D]
+        return out.transpose(1, 2), None
+    q = query.reshape(b, hkv, h // hkv, d)  # [n, Hkv, G, D]: head h = kv * G + g
     outs = []
     for s0, s1, mask in c.groups:  # each slot group reads its cap's columns
         w = mask.shape[-1]
         outs.append(torch.nn.functional.scaled_dot_product_attention(
             q[s0:s1], kc[s0:s1, :, :w], vc[s0:s1, :, :w], attn_mask=mask, scale=scaling))  # [S_g, Hkv, G, D]
-    out = outs[0] if len(outs) == 1 else torch.cat(outs)  # [S, Hkv, G, D]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)  # [n, Hkv, G, D]
     return out.reshape(b, 1, h, d), None
+
+
+def prefix_sizes(slots: int, min_prefix: int = 8) -> list[int]:
+    """Slot prefixes a decode window may run over, ascending: ``slots``, ``ceil(slots / 2)``, ... while >= ``min_prefix``
+    (``slots`` alone when ``slots <= min_prefix``). E.g. ``prefix_sizes(1024) == [8, 16, ..., 512, 1024]``."""
+    if slots < 1 or min_prefix < 1:
+        raise ValueError("prefix_sizes: slots and min_prefix >= 1")
+    sizes = [slots]
+    while -(-sizes[-1] // 2) >= min_prefix and sizes[-1] > 1:
+        sizes.append(-(-sizes[-1] // 2))
+    return sorted(set(sizes))
+
+
+def choose_prefix(sizes: Sequence[int], live: Sequence[int]) -> int:
+    """The smallest prefix of ``sizes`` (ascending, as :func:`prefix_sizes`) holding every slot index in ``live``
+    (the smallest prefix when nothing is live). ValueError when a live slot lies beyond the largest prefix."""
+    top = max(live, default=-1)
+    for n in sizes:
+        if n > top:
+            return n
+    raise ValueError(f"choose_prefix: live slot {top} beyond the largest prefix {sizes[-1]}")
 
 
 def _register_attention() -> None:
@@ -167,35 +292,63 @@ class SlotEngine(Engine):
         stop_ids: token ids that end an answer.
         check_every: decode steps between host checks (finished rows harvested, free slots refilled).
         prefill_tokens: padded tokens per prefill forward (``rows x width``).
-        width_classes: column caps of the slot groups (ascending; ``max_len`` is always the last). Slots are split
-            into one contiguous group per cap, in proportion to the first waiting prompts' classes (a prompt's
-            class: the smallest cap >= its length + ``max_new_tokens``; the widest group keeps >= 1/16 of the
-            slots); a prompt takes a free slot of its class or a wider one, and each group's attention reads
-            its cap's columns. Default: ``max_new_tokens`` + 128, + 512, + 1024 (those below ``max_len``).
-        cuda_graphs: capture decode steps as CUDA graphs (CUDA only; falls back to eager if capture fails).
+        width_classes: ``sdpa_groups`` only: column caps of the slot groups (ascending; ``max_len`` is always the
+            last). Slots are split into one contiguous group per cap, in proportion to the first waiting prompts'
+            classes (a prompt's class: the smallest cap >= its length + ``max_new_tokens``; the widest group keeps
+            >= 1/16 of the slots); a prompt takes a free slot of its class or a wider one, and each group's
+            attention reads its cap's columns. Default: ``max_new_tokens`` + 128, + 512, + 1024 (those below
+            ``max_len``). The flex path has one group of the full cache.
+        cuda_graphs: capture decode steps as CUDA graphs, one per slot prefix (CUDA only; falls back to eager if
+            capture fails).
+        attention: ``auto`` | ``flex`` | ``sdpa_groups`` (module docstring). ``flex`` raises when FlexAttention
+            fails to compile or capture on CUDA; ``auto`` falls back to ``sdpa_groups`` with a warning.
+        flex_block: KV block size of the flex path (columns; the cache is rounded up to whole blocks).
+        min_prefix: smallest slot prefix a decode window runs over (:func:`prefix_sizes`).
 
     Memory: ``2 * layers * slots * max_len * kv_heads * head_dim`` elements of the model dtype, plus
     ``slots x max_new_tokens`` int64 answer buffer. Priorities: lower tuples are admitted first.
+    Stats (``stats``): ``decode_steps``, ``prefill_calls``, ``graph_captures``, ``kv_bytes_per_token``,
+    ``kv_bytes_read`` (flex: the blocks the steps read, counted on device and read at each check;
+    sdpa_groups: every prefix row up to its group's cap), ``kv_tokens_needed`` (the live rows' attended
+    columns), ``prefix_steps`` (decode steps per prefix size, keys as strings), ``attention`` (the path taken).
     """
 
     def __init__(self, model, slots: int, max_len: int, max_new_tokens: int, stop_ids: set[int],
                  check_every: int = 16, prefill_tokens: int = 65536, width_classes: Optional[Sequence[int]] = None,
-                 cuda_graphs: bool = True):
+                 cuda_graphs: bool = True, attention: str = "auto", flex_block: int = 128, min_prefix: int = 8):
         if slots < 1 or max_new_tokens < 1 or check_every < 1 or max_len <= max_new_tokens:
             raise ValueError("SlotEngine: slots, max_new_tokens, check_every >= 1 and max_len > max_new_tokens")
         self.model, self.S, self.max_len, self.max_new = model, slots, max_len, max_new_tokens
+        if attention not in ATTENTIONS:
+            raise ValueError(f"SlotEngine: attention one of {ATTENTIONS}, not {attention!r}")
+        if flex_block < 1:
+            raise ValueError("SlotEngine: flex_block >= 1")
         self.check_every, self.prefill_tokens = check_every, prefill_tokens
-        if width_classes is None:
+        p = next(model.parameters())
+        self.dev, dtype = p.device, p.dtype
+        self.use_graphs = cuda_graphs and self.dev.type == "cuda"
+        cfg = model.config.get_text_config()
+        n_layers, hkv = cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        h = cfg.num_attention_heads
+        d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.block = flex_block
+        self.flex = self._pick_attention(attention, slots, h, hkv, d, dtype, -(-max_len // flex_block) * flex_block)
+        if self.flex is not None:
+            width_classes = []
+        elif width_classes is None:
             width_classes = [max_new_tokens + extra for extra in (128, 512, 1024)]
         self.caps = sorted({c for c in width_classes if max_new_tokens < c < max_len} | {max_len})
         self.groups: Optional[list[tuple[int, int, int]]] = None  # (first slot, end slot, cap), set at the first admission
-        p = next(model.parameters())
-        self.dev, dtype = p.device, p.dtype
-        cfg = model.config.get_text_config()
-        n_layers, hkv = cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.cache = SlotCache(k=[torch.zeros(slots, hkv, max_len, d, dtype=dtype, device=self.dev) for _ in range(n_layers)],
-                               v=[torch.zeros(slots, hkv, max_len, d, dtype=dtype, device=self.dev) for _ in range(n_layers)])
+        cols = -(-max_len // flex_block) * flex_block if self.flex is not None else max_len
+        self.cache = SlotCache(k=[torch.zeros(slots, hkv, cols, d, dtype=dtype, device=self.dev) for _ in range(n_layers)],
+                               v=[torch.zeros(slots, hkv, cols, d, dtype=dtype, device=self.dev) for _ in range(n_layers)])
+        if self.flex is not None:
+            self.cache.flex = self.flex
+            nb = cols // flex_block
+            self.cache.kv_indices = torch.arange(nb, dtype=torch.int32, device=self.dev).expand(
+                slots, 1, 1, nb).contiguous()  # [S, 1, 1, L / block]
+        self.prefixes = prefix_sizes(slots, min_prefix)
+        self.kv_cols = torch.zeros((), dtype=torch.long, device=self.dev)  # flex: KV columns read by the steps so far
         self.kv_bytes_per_token = 2 * n_layers * hkv * d * p.element_size()
         z = dict(device=self.dev, dtype=torch.long)
         self.last = torch.zeros(slots, **z)  # [S] token fed to the next step
@@ -211,12 +364,13 @@ class SlotEngine(Engine):
         self.host_len = [0] * slots  # host: prompt length of the slot's request
         self.waiting: list[_Waiting] = []
         self._seq = 0
-        self.graph: Optional[torch.cuda.CUDAGraph] = None
-        self.use_graphs = cuda_graphs and self.dev.type == "cuda"
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # per slot prefix
+        self._pool = None  # one memory pool shared by the prefix graphs (replayed one at a time)
         # kv_tokens_needed: sum over decode steps of the live rows' attended columns (the roofline's KV reads);
-        # kv_bytes_read: what the column-bounded attention reads (every slot up to the bound)
+        # kv_bytes_read: what the attention reads (flex: the blocks; sdpa_groups: every prefix slot up to its cap)
         self.stats = {"decode_steps": 0, "prefill_calls": 0, "kv_bytes_read": 0, "kv_tokens_needed": 0,
-                      "graph_captures": 0, "kv_bytes_per_token": self.kv_bytes_per_token}
+                      "graph_captures": 0, "kv_bytes_per_token": self.kv_bytes_per_token, "prefix_steps": {},
+                      "attention": "flex" if self.flex is not None else "sdpa_groups"}
         self._swap = _AttnSwap(model).__enter__()
 
     # ------------------------------------------------------------------ contract
@@ -251,7 +405,7 @@ class SlotEngine(Engine):
         if self._swap is not None:
             self._swap.__exit__(None, None, None)
             self._swap = None
-        self.graph = None
+        self.graphs.clear()
         self.cache.k.clear()
         self.cache.v.clear()
 
@@ -298,7 +452,7 @@ class SlotEngine(Engine):
             if g is None:
                 deferred.append(w)  # only narrower slots are free: it waits for one of its class
             else:
-                placed.append((w, free[g].pop()))
+                placed.append((w, free[g].pop(0)))  # lowest free slot first: the live rows stay in a short prefix
         for w in deferred:
             heapq.heappush(self.waiting, w)
         placed.sort(key=lambda x: len(x[0].ids))
@@ -337,70 +491,149 @@ class SlotEngine(Engine):
             self.key[s], self.host_len[s] = w.key, len(w.ids)
         self.stats["prefill_calls"] += 1
 
+    def _pick_attention(self, attention: str, slots: int, h: int, hkv: int, d: int, dtype, cols: int):
+        """The flex decode function, or None for sdpa_groups. On CUDA the compiled kernel is probed (compiled,
+        run and, with ``cuda_graphs``, captured in a throwaway graph at the full slot count): ``flex`` raises on a
+        failure, ``auto`` logs one line and takes sdpa_groups. On CPU ``flex`` is eager FlexAttention (it
+        materialises the scores: for tests) and ``auto`` is sdpa_groups."""
+        if attention == "sdpa_groups" or (attention == "auto" and self.dev.type != "cuda"):
+            return None
+        if self.dev.type != "cuda":
+            import functools
+
+            return functools.partial(flex_decode, block=self.block)
+        fn = compiled_flex_decode()
+
+        def call(q, k, v, attn_len, kv_indices, scale):
+            return fn(q, k, v, attn_len, kv_indices, scale, self.block)
+
+        try:
+            self._probe_flex(call, slots, h, hkv, d, dtype, cols)
+        except Exception as e:  # noqa: BLE001 - any compile/capture failure: the SDPA path gives the same tokens
+            if attention == "flex":
+                raise RuntimeError(f"SlotEngine: FlexAttention decode failed on {self.dev} "
+                                   f"({type(e).__name__}: {str(e)[:300]})") from e
+            log.warning("FlexAttention decode unavailable (%s: %s); regen attention falls back to sdpa_groups",
+                        type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+            return None
+        return call
+
+    def _probe_flex(self, call, slots: int, h: int, hkv: int, d: int, dtype, cols: int) -> None:
+        """Compile and run the flex decode at ``[slots, h, 1, d]`` against a ``cols``-column cache (and capture it
+        in a CUDA graph when graphs are on); raises on any failure or a wrong result."""
+        nb = cols // self.block
+        with torch.inference_mode():
+            g = torch.Generator(device=self.dev).manual_seed(0)
+            q = torch.randn(slots, h, 1, d, generator=g, device=self.dev).to(dtype)  # [S, H, 1, D]
+            k = torch.randn(slots, hkv, cols, d, generator=g, device=self.dev).to(dtype)  # [S, Hkv, L, D]
+            v = torch.randn(slots, hkv, cols, d, generator=g, device=self.dev).to(dtype)
+            attn_len = torch.arange(slots, device=self.dev) % cols  # [S]
+            idx = torch.arange(nb, dtype=torch.int32, device=self.dev).expand(slots, 1, 1, nb).contiguous()
+            out = call(q, k, v, attn_len, idx, None)  # [S, H, 1, D]
+            if self.use_graphs:
+                s = torch.cuda.Stream()
+                s.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(s):
+                    call(q, k, v, attn_len, idx, None)
+                torch.cuda.current_stream().wait_stream(s)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    out = call(q, k, v, attn_len, idx, None)
+                graph.replay()
+            r = slots - 1  # check the longest row against SDPA over its columns
+            n = int(attn_len[r]) + 1
+            ref = torch.nn.functional.scaled_dot_product_attention(
+                q[r:r + 1].float(), _repeat_kv(k[r:r + 1, :, :n].float(), h // hkv),
+                _repeat_kv(v[r:r + 1, :, :n].float(), h // hkv))  # [1, H, 1, D]
+            err = float((out[r:r + 1].float() - ref).abs().max())
+            if not err < (1e-3 if dtype == torch.float32 else 5e-2):
+                raise RuntimeError(f"flex decode differs from SDPA by {err:.3g}")
+
     def _decode_window(self) -> None:
-        """``check_every`` decode steps (graph replays on CUDA)."""
+        """``check_every`` decode steps over the smallest slot prefix holding every live slot (graph replays on CUDA)."""
+        n = choose_prefix(self.prefixes, [s for s, k in enumerate(self.key) if k is not None])
         for _ in range(self.check_every):
             if self.use_graphs:
-                self._graph_step()
+                self._graph_step(n)
             else:
-                self._step()
+                self._step(n)
         self.stats["decode_steps"] += self.check_every
-        self.stats["kv_bytes_read"] += self.check_every * sum((b - a) * cap for a, b, cap in self.groups) \
-            * self.kv_bytes_per_token
+        ps = self.stats["prefix_steps"]
+        ps[str(n)] = ps.get(str(n), 0) + self.check_every
+        if self.flex is None:
+            self.stats["kv_bytes_read"] += self.check_every * sum((min(b, n) - a) * cap for a, b, cap in self.groups
+                                                                  if a < n) * self.kv_bytes_per_token
 
-    def _step(self) -> None:
-        """One decode step of every slot (device-only: no host sync; finished and empty slots compute, unchanged)."""
+    def _step(self, n: Optional[int] = None) -> None:
+        """One decode step of the slots ``[:n]`` (default all; device-only: no host sync; finished and empty
+        slots of the prefix compute, unchanged)."""
+        n = self.S if n is None else n
         c = self.cache
-        c.lengths = self.lengths
-        c.groups = [(a, b, (self.col[:cap] <= self.lengths[a:b, None]).view(b - a, 1, 1, cap))  # [S_g, 1, 1, cap]
-                    for a, b, cap in self.groups]
-        logits = self.model(input_ids=self.last[:, None], position_ids=self.lengths[:, None], slot_cache=c,
-                            use_cache=False).logits  # [S, 1, V]
-        tok = logits[:, -1].argmax(-1)  # [S]
-        active = ~self.done  # [S]
-        idx = self.n_gen.clamp(max=self.max_new - 1)  # [S]
-        self.out[self.ar, idx] = torch.where(active, tok, self.out[self.ar, idx])
-        self.n_gen += active
+        lengths, done, n_gen = self.lengths[:n], self.done[:n], self.n_gen[:n]  # [n] views: in-place ops write the state
+        c.lengths = lengths
+        if self.flex is not None:
+            c.attn_len = torch.where(done, torch.zeros_like(lengths), lengths)  # [n] finished/empty: column 0 only
+            self.kv_cols += torch.div(c.attn_len + self.block, self.block, rounding_mode="floor").sum() * self.block
+        else:
+            c.groups = [(a, min(b, n), (self.col[:cap] <= lengths[a:min(b, n), None]).view(min(b, n) - a, 1, 1, cap))
+                        for a, b, cap in self.groups if a < n]  # [S_g, 1, 1, cap] per group in the prefix
+        logits = self.model(input_ids=self.last[:n, None], position_ids=lengths[:, None], slot_cache=c,
+                            use_cache=False).logits  # [n, 1, V]
+        tok = logits[:, -1].argmax(-1)  # [n]
+        active = ~done  # [n]
+        ar, out = self.ar[:n], self.out[:n]
+        idx = n_gen.clamp(max=self.max_new - 1)  # [n]
+        out[ar, idx] = torch.where(active, tok, out[ar, idx])
+        n_gen += active
         hit = torch.isin(tok, self.stop_t) & active
-        self.stopped |= hit
-        self.done |= hit | (self.n_gen >= self.max_new)
-        self.lengths += active
-        self.last.copy_(torch.where(active, tok, self.last))
+        self.stopped[:n] |= hit
+        done |= hit | (n_gen >= self.max_new)
+        lengths += active
+        self.last[:n].copy_(torch.where(active, tok, self.last[:n]))
 
-    def _graph_step(self) -> None:
-        if self.graph is None and self._capture() is None:
-            self._step()
+    def _graph_step(self, n: Optional[int] = None) -> None:
+        n = self.S if n is None else n
+        if n not in self.graphs and self._capture(n) is None:
+            self._step(n)
             return
-        self.graph.replay()
+        self.graphs[n].replay()
 
-    def _capture(self):
-        """Capture ``_step()`` as a CUDA graph (state is restored after the warm-up run); None on failure."""
-        state = [t.clone() for t in (self.last, self.lengths, self.n_gen, self.done, self.stopped, self.out)]
+    def _state(self) -> tuple:
+        return self.last, self.lengths, self.n_gen, self.done, self.stopped, self.out, self.kv_cols
+
+    def _capture(self, n: int):
+        """Capture ``_step(n)`` as a CUDA graph (state is restored after the warm-up run); None on failure."""
+        state = [t.clone() for t in self._state()]
         try:
             s = torch.cuda.Stream()
             s.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(s):
-                self._step()  # warm-up (allocator, lazy init); K/V it writes are rewritten identically by the real step
+                self._step(n)  # warm-up (allocator, lazy init, flex compile); K/V it writes are rewritten identically
             torch.cuda.current_stream().wait_stream(s)
-            for t, v in zip((self.last, self.lengths, self.n_gen, self.done, self.stopped, self.out), state):
+            for t, v in zip(self._state(), state):
                 t.copy_(v)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                self._step()
+            with torch.cuda.graph(g, pool=self._pool):
+                self._step(n)
         except Exception as e:  # noqa: BLE001 - any capture failure: decode eagerly (same results)
             log.warning("CUDA graph capture failed (%s: %s); decoding without graphs", type(e).__name__, e)
-            for t, v in zip((self.last, self.lengths, self.n_gen, self.done, self.stopped, self.out), state):
+            for t, v in zip(self._state(), state):
                 t.copy_(v)
             self.use_graphs = False
             return None
-        self.graph = g
+        self.graphs[n] = g
         self.stats["graph_captures"] += 1
         return g
 
     def _harvest(self) -> list[tuple[object, list[int], bool]]:
         """One host sync: finished slots' answers come back and the slots are freed."""
-        flags = torch.stack([self.done.long(), self.stopped.long(), self.n_gen]).cpu()  # [3, S]
-        done, stopped, n_gen = flags.tolist()
+        flags = torch.cat([torch.stack([self.done.long(), self.stopped.long(), self.n_gen]).flatten(),
+                           self.kv_cols.view(1)]).cpu()  # [3 S + 1]
+        done, stopped, n_gen = flags[:-1].view(3, self.S).tolist()
+        if self.flex is not None:
+            self.stats["kv_bytes_read"] = int(flags[-1]) * self.kv_bytes_per_token
         fin = [s for s in range(self.S) if self.key[s] is not None and done[s]]
         if not fin:
             return []
