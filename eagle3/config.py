@@ -198,6 +198,11 @@ class PromptsConfig(_Strict):
                                    "(finished rows harvested and refilled; a finished row idles until then)")
     regen_cuda_graphs: bool = Field(True, description="continuous engines on CUDA: replay decode steps as CUDA graphs")
     regen_prefill_tokens: int = Field(65536, ge=1, description="slots engine: padded prompt tokens per prefill forward")
+    regen_attention: Literal["auto", "flex", "sdpa_groups"] = Field(
+        "auto", description="slots engine decode attention: flex = PyTorch FlexAttention with a per-step BlockMask "
+        "from the per-slot lengths (a row reads only its live KV blocks; compiled, captured in the CUDA graph); "
+        "sdpa_groups = SDPA per width-class slot group up to the group's column cap; auto = flex on CUDA when it "
+        "compiles and captures (probed at engine start), else sdpa_groups with a one-line warning (CPU: sdpa_groups)")
     max_context_tokens: Optional[int] = Field(
         None, ge=1, description="regeneration answers a turn only while its rendered prompt is shorter than this many "
         "tokens; later turns (and a conversation whose first prompt is already this long) are left out, because "

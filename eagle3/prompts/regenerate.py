@@ -290,8 +290,8 @@ def make_engine(name: str, model, tokenizer, max_new_tokens: int, batch_size: in
                 options: Optional[dict] = None):
     """A continuous-batching engine of :mod:`eagle3.prompts.continuous` by name (``slots`` or ``hf_continuous``).
 
-    ``options``: the engine's keyword arguments (``SlotEngine``: check_every, prefill_tokens, width_step,
-    cuda_graphs). The slot cache holds prompts shorter than ``max_context`` (the context cap; None = the model's
+    ``options``: the engine's keyword arguments (``SlotEngine``: check_every, prefill_tokens, width_classes,
+    cuda_graphs, attention). The slot cache holds prompts shorter than ``max_context`` (the context cap; None = the model's
     ``max_position_embeddings`` less ``max_new_tokens``) plus ``max_new_tokens`` answer tokens.
     """
     from eagle3.prompts.continuous import HFContinuousEngine, SlotEngine
@@ -310,7 +310,7 @@ def engine_options(pc) -> Optional[dict]:
     """The continuous engine's keyword arguments from ``prompts`` (:class:`eagle3.config.PromptsConfig`)."""
     if pc.regen_engine == "slots":
         return {"check_every": pc.regen_check_every, "prefill_tokens": pc.regen_prefill_tokens,
-                "cuda_graphs": pc.regen_cuda_graphs}
+                "cuda_graphs": pc.regen_cuda_graphs, "attention": pc.regen_attention}
     if pc.regen_engine == "hf_continuous":
         return {"use_cuda_graph": pc.regen_cuda_graphs}
     return None
