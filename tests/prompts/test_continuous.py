@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from eagle3.config import VerifierConfig
-from eagle3.prompts.continuous import HFContinuousEngine, SlotEngine
+from eagle3.prompts.continuous import (HFContinuousEngine, SlotEngine, choose_prefix, decode_block_mask, flex_decode,
+                                       prefix_sizes)
 from eagle3.prompts.regenerate import regenerate
 from eagle3.verifier import load_verifier
 
@@ -82,6 +83,108 @@ def test_slot_engine_equals_hf_greedy(tiny, slots, check_every, prefill_tokens, 
     assert caps == sorted(caps) and caps[-1] == 64 and eng.groups[-1][1] == slots  # groups tile the slots
 
 
+@pytest.mark.parametrize("attention,slots,check_every,min_prefix,block", [
+    ("flex", 3, 2, 1, 16),     # 11 prompts on 3 rows: refills, the prefix shrinks to 2 and 1 in the tail
+    ("flex", 8, 3, 2, 8),      # prefixes 2, 4, 8; blocks of 8 columns (several per row, partial last blocks)
+    ("flex", 16, 4, 8, 128),   # every prompt at once, one block per row (the cache is rounded up to 128 columns)
+    ("sdpa_groups", 5, 2, 1, 128),  # the width-group path under the same prefix logic
+])
+def test_slot_engine_prefixes_equal_hf_greedy(tiny, attention, slots, check_every, min_prefix, block):
+    """Greedy answers through FlexAttention (eager on CPU) and through the width groups, with decode windows over
+    slot prefixes, equal plain transformers greedy decoding token for token (fp32), prompts resubmitted mid-run."""
+    model, _ = tiny
+    max_new = 12
+    prompts = _prompts(11, model.config.vocab_size, seed=3)
+    stops = _stops(model, prompts, max_new)
+    want = [hf_greedy(model, p, max_new, stops) for p in prompts]
+    later = {1: prompts[1] + want[1][0] + prompts[4][:2], 9: prompts[2][:5]}  # a next turn, a late new prompt
+    eng = SlotEngine(model, slots, max_len=64, max_new_tokens=max_new, stop_ids=stops, check_every=check_every,
+                     width_classes=[20, 40], cuda_graphs=False, attention=attention, flex_block=block,
+                     min_prefix=min_prefix)
+    assert eng.stats["attention"] == attention
+    cols = eng.cache.k[0].shape[2]
+    got = _run(eng, prompts, later)
+    assert [got[i] for i in range(len(prompts))] == want
+    for k, p in later.items():
+        assert got[("after", k)] == hf_greedy(model, p, max_new, stops)
+    ps = {int(n): c for n, c in eng.stats["prefix_steps"].items()}
+    assert sum(ps.values()) == eng.stats["decode_steps"] and set(ps) <= set(prefix_sizes(slots, min_prefix))
+    if min_prefix < slots:
+        assert len(ps) >= 2  # the tail ran on a smaller prefix than the bulk
+    kv = eng.stats["kv_tokens_needed"] * eng.stats["kv_bytes_per_token"]
+    assert kv <= eng.stats["kv_bytes_read"] <= eng.stats["decode_steps"] * slots * 128 * eng.stats["kv_bytes_per_token"]
+    if attention == "flex":
+        assert eng.groups == [(0, slots, 64)] and cols == -(-64 // block) * block
+
+
+def test_flex_kv_bytes_read_by_hand(tiny):
+    """One slot, one prompt, a check every step: step j reads floor((p + j) / block) + 1 blocks of the row."""
+    model, _ = tiny
+    p, block, max_new = 13, 8, 20
+    prompt = _prompts(1, model.config.vocab_size, seed=4)[0][:1] * p
+    eng = SlotEngine(model, 1, max_len=48, max_new_tokens=max_new, stop_ids={0}, check_every=1, cuda_graphs=False,
+                     attention="flex", flex_block=block)
+    got = _run(eng, [prompt])
+    assert got[0] == hf_greedy(model, prompt, max_new, {0})
+    steps = len(got[0][0]) + int(got[0][1]) - 1  # decode steps after the prefill's token
+    assert eng.stats["decode_steps"] == steps and eng.stats["prefix_steps"] == {"1": steps}
+    blocks = sum((p + j) // block + 1 for j in range(steps))
+    assert eng.stats["kv_bytes_read"] == blocks * block * eng.stats["kv_bytes_per_token"]
+    assert eng.stats["kv_tokens_needed"] == steps * p + steps * (steps + 1) // 2
+
+
+def test_decode_block_mask_against_dense():
+    """Hand-made lengths: block counts, the dense block layout and the element mask (through the attention
+    output against SDPA under a dense column mask) for empty, partial, exact-boundary and full rows."""
+    block, kv_len = 4, 16
+    attn_len = torch.tensor([0, 2, 3, 4, 9, 15])  # last attended column per row
+    idx = torch.arange(kv_len // block, dtype=torch.int32).expand(6, 1, 1, 4).contiguous()
+    bm = decode_block_mask(attn_len, idx, block, kv_len)
+    assert bm.kv_num_blocks.view(-1).tolist() == [1, 1, 1, 2, 3, 4]  # ceil((len + 1) / 4)
+    assert bm.shape == (6, 1, 1, kv_len)
+    dense_blocks = bm.to_dense()[:, 0, 0].tolist()  # [6, 4] 0/1 per KV block
+    assert dense_blocks == [[1, 0, 0, 0], [1, 0, 0, 0], [1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]
+    elem = torch.tensor([[bool(bm.mask_mod(torch.tensor(b), 0, 0, torch.tensor(c))) for c in range(kv_len)]
+                         for b in range(6)])  # [6, 16]
+    want = torch.arange(kv_len)[None] <= attn_len[:, None]  # [6, 16]
+    inside = torch.tensor(dense_blocks, dtype=torch.bool).repeat_interleave(block, 1)  # [6, 16] columns of read blocks
+    assert torch.equal(elem & inside, want)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(6, 6, 1, 8, generator=g)  # [n, H, 1, D], 3 query heads per KV head
+    k, v = torch.randn(6, 2, kv_len, 8, generator=g), torch.randn(6, 2, kv_len, 8, generator=g)  # [n, Hkv, L, D]
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), attn_mask=want.view(6, 1, 1, kv_len))
+    torch.testing.assert_close(flex_decode(q, k, v, attn_len, idx, None, block), ref)
+
+
+def test_prefix_sizes_and_choice():
+    assert prefix_sizes(1024) == [8, 16, 32, 64, 128, 256, 512, 1024]
+    assert prefix_sizes(1000) == [8, 16, 32, 63, 125, 250, 500, 1000]
+    assert prefix_sizes(5) == [5] and prefix_sizes(8) == [8] and prefix_sizes(16, 1) == [1, 2, 4, 8, 16]
+    sizes = prefix_sizes(1024)
+    assert choose_prefix(sizes, [0, 3, 7]) == 8
+    assert choose_prefix(sizes, [8]) == 16
+    assert choose_prefix(sizes, [2, 100]) == 128 and choose_prefix(sizes, [127]) == 128
+    assert choose_prefix(sizes, [0, 1023]) == 1024
+    assert choose_prefix(sizes, []) == 8
+    with pytest.raises(ValueError, match="beyond the largest prefix"):
+        choose_prefix(sizes, [1024])
+
+
+def test_lowest_free_slot_first(tiny):
+    model, _ = tiny
+    eng = SlotEngine(model, 8, max_len=64, max_new_tokens=4, stop_ids={0}, cuda_graphs=False, attention="flex")
+    for i in range(3):
+        eng.submit(i, [5, 6, 7])
+    eng._admit()
+    assert eng.key == [0, 1, 2] + [None] * 5  # a short prefix holds them
+    eng.key[1] = None  # freed: the next prompt takes slot 1, not slot 3
+    eng.submit(9, [5])
+    eng._admit()
+    assert eng.key[:4] == [0, 9, 2, None]
+    eng.close()
+
+
 def test_width_classes_partition(tiny):
     """Groups in proportion to the waiting prompts' classes (widest >= S/16 and >= 1), prompts in their class."""
     model, _ = tiny
@@ -130,17 +233,18 @@ def _conv(cid, n_turns):
 CONVS = [_conv("one", 1), _conv("three", 3), _conv("five", 5), _conv("single", 1), _conv("two", 2)]
 
 
-@pytest.mark.parametrize("batch_size", [1, 2, 7])
-def test_regenerate_slots_equals_static(tiny, batch_size):
+@pytest.mark.parametrize("batch_size,attention", [(1, "auto"), (2, "flex"), (7, "auto"), (7, "flex")])
+def test_regenerate_slots_equals_static(tiny, batch_size, attention):
     """Multi-turn conversations through the slot engine (turn k+1 joins once turn k is answered) give the
     static engine's conversations, whatever the number of rows."""
     model, tok = tiny
     want = regenerate(model, tok, CONVS, max_new_tokens=6, batch_size=3, engine="static")
     stats = {}
     got = regenerate(model, tok, CONVS, max_new_tokens=6, batch_size=batch_size, stats=stats, engine="slots",
-                     engine_options={"check_every": 2, "cuda_graphs": False})
+                     engine_options={"check_every": 2, "cuda_graphs": False, "attention": attention})
     assert got == want
     assert stats["answers"] == 12 and stats["engine"] == "slots" and stats["decode_steps"] > 0
+    assert stats["engine_stats"]["attention"] == ("flex" if attention == "flex" else "sdpa_groups")  # auto on CPU
 
 
 def test_slots_resume_after_a_kill(tiny, tmp_path, monkeypatch):
@@ -206,3 +310,9 @@ def test_slot_engine_equals_hf_greedy_on_smollm2(smollm_fp32):
                prompts)
     assert [got[i] for i in range(4)] == want
     assert any(s for _, s in want)  # at least one answer ends on the end-of-turn token
+    eng = SlotEngine(model, 3, max_len=128, max_new_tokens=16, stop_ids=stops, check_every=2, cuda_graphs=False,
+                     attention="flex", flex_block=32, min_prefix=1)
+    later = {0: prompts[0] + want[0][0] + prompts[3]}  # a second turn after the first answer
+    got = _run(eng, prompts, later)
+    assert [got[i] for i in range(4)] == want  # FlexAttention decode, prefixes 1..3
+    assert got[("after", 0)] == hf_greedy(model, later[0], 16, stops)
