@@ -10,9 +10,12 @@ One process, one verifier load:
    every live row's KV cache up to its length, so ``roofline_s = (decode_steps * weight_bytes +
    kv_tokens_needed * kv_bytes_per_token) / bandwidth``; ratio = roofline_s / measured seconds (prefill,
    CUDA-graph capture and host work count against the engine).
-3. Bound: decode-step time of the slot engine at a column bound of one ``width_step`` (weights + launches,
-   almost no KV) and at the full cache, against the measured ms per step: launch-bound when the small
-   step already costs most of a measured step, memory-bound when step time follows the bytes read.
+3. Bound: decode-step time of the slot engine (``prompts.regen_attention``'s path, every slot live) with
+   every row at ~256 columns (weights + launches, little KV) and at the full cache, against the measured
+   ms per step: launch-bound when the small step already costs most of a measured step, memory-bound when
+   step time follows the bytes read. ``kv_bytes_read`` is what the attention read (flex: the rows' blocks;
+   sdpa_groups: every prefix row up to its group's cap); ``prefix_steps`` the decode steps per slot prefix
+   (the tail runs on small prefixes). ``bench/regen_step.py`` times single steps per path and setting.
 4. Baselines on a subset (``--baseline-num`` conversations spread over the input, in the same process):
    ``static`` (the former path: ``generate`` batches until their longest answer stops), ``hf_continuous``
    (transformers' ContinuousBatchingManager, ``--hf-num`` conversations) and the main engine on the same
@@ -133,17 +136,20 @@ def roofline(st: dict, weight_bytes: int, bandwidth: float | None) -> dict:
     return {"bytes_needed": need, "kv_bytes_needed": kv, "kv_bytes_read": es["kv_bytes_read"],
             "kv_read_over_needed": es["kv_bytes_read"] / kv if kv else None,
             "roofline_s": need / bandwidth, "ratio_to_roofline": need / bandwidth / st["seconds"],
+            "attention": es.get("attention"), "prefix_steps": es.get("prefix_steps"),
             "ms_per_decode_step": 1000 * st["seconds"] / max(1, st["decode_steps"]),
             "roofline_ms_per_step": 1000 * need / bandwidth / max(1, st["decode_steps"])}
 
 
-def step_ms(model, slots: int, width: int, max_new: int, graphs: bool, reps: int = 20) -> float:
-    """Milliseconds of one slot-engine decode step with every slot live, all in one group reading ``width`` columns."""
+def step_ms(model, slots: int, width: int, max_new: int, graphs: bool, reps: int = 20, attention: str = "auto") -> float:
+    """Milliseconds of one slot-engine decode step with every slot live near column ``width`` (sdpa_groups: one
+    group reading ``width`` columns; flex: every row reads its blocks up to its length ~ ``width``)."""
     import torch
 
     from eagle3.prompts.continuous import SlotEngine
 
-    eng = SlotEngine(model, slots, width, min(max_new, width // 2), {0}, width_classes=[], cuda_graphs=graphs)
+    eng = SlotEngine(model, slots, width, min(max_new, width // 2), {0}, width_classes=[], cuda_graphs=graphs,
+                     attention=attention)
     try:
         with torch.inference_mode():
             eng._partition()  # nothing waiting: one group of every slot at the full width
@@ -170,8 +176,9 @@ def bound(model, st: dict, cfg, batch_size: int, max_new: int, bandwidth: float 
     es = st.get("engine_stats") or {}
     max_len = max_context_tokens(cfg) + max_new
     graphs = cfg.prompts.regen_cuda_graphs
-    small = step_ms(model, batch_size, 256, max_new, graphs)
-    full = step_ms(model, batch_size, max_len, max_new, graphs)
+    att = cfg.prompts.regen_attention
+    small = step_ms(model, batch_size, 256, max_new, graphs, attention=att)
+    full = step_ms(model, batch_size, max_len, max_new, graphs, attention=att)
     measured = 1000 * st["seconds"] / max(1, st["decode_steps"])
     full_bytes = batch_size * max_len * es.get("kv_bytes_per_token", 0)
     out = {"step_ms_launch_floor": small, "step_ms_full_cache": full, "step_ms_measured": measured,
@@ -232,7 +239,10 @@ def markdown(res: dict) -> str:
                   f"| ratio to roofline | {rf['ratio_to_roofline']:.3f} |",
                   f"| ms / decode step (measured, all work) | {rf['ms_per_decode_step']:.2f} |",
                   f"| ms / decode step (roofline) | {rf['roofline_ms_per_step']:.2f} |",
-                  f"| KV read / KV needed (column bound) | {rf['kv_read_over_needed']:.2f} |"]
+                  f"| KV read / KV needed ({rf.get('attention', 'column bound')}) | {rf['kv_read_over_needed']:.2f} |"]
+        if rf.get("prefix_steps"):
+            lines += ["", "Decode steps per slot prefix: " + ", ".join(
+                f"{n}: {c}" for n, c in sorted(rf["prefix_steps"].items(), key=lambda x: -int(x[0]))) + "."]
     b = res.get("bound")
     if b:
         lines += ["", f"Bound: **{b['verdict']}** (decode step {b['step_ms_launch_floor']:.2f} ms at a 256-column "

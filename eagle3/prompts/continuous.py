@@ -500,7 +500,10 @@ class SlotEngine(Engine):
             return None
         if self.dev.type != "cuda":
             import functools
+            import warnings
 
+            # eager FlexAttention is the point here (tests); its advice to compile is noise
+            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
             return functools.partial(flex_decode, block=self.block)
         fn = compiled_flex_decode()
 
@@ -529,16 +532,17 @@ class SlotEngine(Engine):
             v = torch.randn(slots, hkv, cols, d, generator=g, device=self.dev).to(dtype)
             attn_len = torch.arange(slots, device=self.dev) % cols  # [S]
             idx = torch.arange(nb, dtype=torch.int32, device=self.dev).expand(slots, 1, 1, nb).contiguous()
-            out = call(q, k, v, attn_len, idx, None)  # [S, H, 1, D]
+            scale = d ** -0.5  # as the Llama-family modules pass it (the same compiled graph serves the engine)
+            out = call(q, k, v, attn_len, idx, scale)  # [S, H, 1, D]
             if self.use_graphs:
                 s = torch.cuda.Stream()
                 s.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(s):
-                    call(q, k, v, attn_len, idx, None)
+                    call(q, k, v, attn_len, idx, scale)
                 torch.cuda.current_stream().wait_stream(s)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
-                    out = call(q, k, v, attn_len, idx, None)
+                    out = call(q, k, v, attn_len, idx, scale)
                 graph.replay()
             r = slots - 1  # check the longest row against SDPA over its columns
             n = int(attn_len[r]) + 1

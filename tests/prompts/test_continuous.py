@@ -316,3 +316,21 @@ def test_slot_engine_equals_hf_greedy_on_smollm2(smollm_fp32):
     got = _run(eng, prompts, later)
     assert [got[i] for i in range(4)] == want  # FlexAttention decode, prefixes 1..3
     assert got[("after", 0)] == hf_greedy(model, later[0], 16, stops)
+
+
+def test_compiled_flex_decode_equals_eager():
+    """The compiled flex decode (the CUDA path's function: BlockMask built inside the graph, fullgraph) traces and
+    compiles here on CPU and equals eager FlexAttention, at two prefix shapes (a recompile each)."""
+    from eagle3.prompts.continuous import compiled_flex_decode
+
+    block, kv_len = 128, 256
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(5, 6, 1, 16, generator=g)  # [n, H, 1, D]
+    k, v = torch.randn(5, 2, kv_len, 16, generator=g), torch.randn(5, 2, kv_len, 16, generator=g)  # [n, Hkv, L, D]
+    attn_len = torch.tensor([0, 3, 127, 128, 255])
+    idx = torch.arange(2, dtype=torch.int32).expand(5, 1, 1, 2).contiguous()
+    fn = compiled_flex_decode()
+    with torch.inference_mode():
+        for n in (5, 2):
+            want = flex_decode(q[:n], k[:n], v[:n], attn_len[:n], idx[:n], 16 ** -0.5, block)
+            torch.testing.assert_close(fn(q[:n], k[:n], v[:n], attn_len[:n], idx[:n], 16 ** -0.5, block), want)

@@ -1,0 +1,45 @@
+"""bench/regen_step.py on CPU with --tiny: every path and setting times a step, the byte figures are consistent."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import regen_step as rst  # noqa: E402
+
+
+def test_settings_pick_the_small_prefix():
+    st = {s["setting"]: s for s in rst.settings(1024, 2560, 8)}
+    assert st["bulk"]["live"] == 1024 and st["bulk"]["lengths"] == (100, 700)
+    assert st["tail, full step"]["prefix"] == 1024 and st["tail, small prefix"]["prefix"] == 8
+    assert st["long"]["lengths"] == (1280, 2496)
+
+
+def test_regen_step_tiny_on_cpu(tmp_path):
+    out, md = tmp_path / "s.json", tmp_path / "s.md"
+    assert rst.main(["--tiny", "--reps", "2", "--json", str(out), "--md", str(md)]) == 0
+    res = json.loads(out.read_text())
+    rows = {(r["attention"], r["setting"]): r for r in res["rows"]}
+    assert len(rows) == 8 and not [r for r in res["rows"] if "error" in r]
+    bpt = res["kv_bytes_per_token"]
+    assert bpt == 2 * 2 * 2 * 16 * 4  # 2 (K, V) x 2 layers x 2 KV heads x head_dim 16 x fp32
+    for (att, name), r in rows.items():
+        assert r["ms_median"] > 0 and r["roofline_ms"] is None  # no bandwidth probe on CPU
+        assert r["kv_bytes_needed"] <= r["kv_bytes_read"]
+        assert r["bytes_needed"] == res["weight_bytes"] + r["kv_bytes_needed"]
+    # sdpa_groups (one full-cache group) reads every prefix row's 256 columns
+    assert rows[("sdpa_groups", "bulk")]["kv_bytes_read"] == 16 * 256 * bpt
+    assert rows[("sdpa_groups", "tail, small prefix")]["kv_bytes_read"] == 8 * 256 * bpt
+    # flex reads whole 128-column blocks of the live rows, one block per finished slot of the prefix
+    full, small = rows[("flex", "tail, full step")], rows[("flex", "tail, small prefix")]
+    assert small["prefix"] == 8 and full["prefix"] == 16 and full["mean_length"] == small["mean_length"]
+    assert full["kv_bytes_read"] - small["kv_bytes_read"] == 8 * 128 * bpt
+    assert rows[("flex", "bulk")]["kv_bytes_read"] < rows[("sdpa_groups", "bulk")]["kv_bytes_read"]
+    k = res["profile"]["kernels"]
+    assert k[-1]["kernel"] == "(all)" and len(k) >= 2 and all(x["us"] > 0 for x in k)
+    text = md.read_text()
+    assert "| flex | tail, small prefix | 8 | 8 |" in text and "Top kernels" in text
