@@ -334,3 +334,15 @@ def test_compiled_flex_decode_equals_eager():
         for n in (5, 2):
             want = flex_decode(q[:n], k[:n], v[:n], attn_len[:n], idx[:n], 16 ** -0.5, block)
             torch.testing.assert_close(fn(q[:n], k[:n], v[:n], attn_len[:n], idx[:n], 16 ** -0.5, block), want)
+
+
+def test_flex_probe_checks_the_result(tiny):
+    """The start-up probe of the flex path (run on CUDA by auto/flex) passes eager FlexAttention and rejects a wrong
+    kernel (here one that returns zeros) with a clear error."""
+    model, _ = tiny
+    eng = SlotEngine(model, 4, max_len=64, max_new_tokens=4, stop_ids={0}, cuda_graphs=False, attention="flex",
+                     flex_block=16)
+    eng._probe_flex(eng.flex, 6, 6, 2, 16, torch.float32, 64)
+    with pytest.raises(RuntimeError, match="flex decode differs from SDPA"):
+        eng._probe_flex(lambda q, *a: torch.zeros_like(q), 6, 6, 2, 16, torch.float32, 64)
+    eng.close()
