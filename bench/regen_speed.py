@@ -155,8 +155,8 @@ def step_ms(model, slots: int, width: int, max_new: int, graphs: bool, reps: int
             eng._partition()  # nothing waiting: one group of every slot at the full width
             eng.done.fill_(False)
             eng.lengths.fill_(max(0, width - reps - 2))
+            eng._first_step(eng.S)  # capture / warm-up (an auto engine may leave the flex path here)
             step = eng._graph_step if eng.use_graphs else eng._step
-            step()  # capture / warm-up
             _sync(eng.dev)
             t0 = time.perf_counter()
             for _ in range(reps):

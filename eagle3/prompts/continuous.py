@@ -334,7 +334,7 @@ class SlotEngine(Engine):
         n_layers, hkv = cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         h = cfg.num_attention_heads
         d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.block = flex_block
+        self.block, self.attention_mode, self._tried = flex_block, attention, set()  # _tried: prefixes stepped once
         self.flex = self._pick_attention(attention, slots, h, hkv, d, dtype, -(-max_len // flex_block) * flex_block)
         if self.flex is not None:
             width_classes = []
@@ -561,8 +561,10 @@ class SlotEngine(Engine):
     def _decode_window(self) -> None:
         """``check_every`` decode steps over the smallest slot prefix holding every live slot (graph replays on CUDA)."""
         n = choose_prefix(self.prefixes, [s for s, k in enumerate(self.key) if k is not None])
-        for _ in range(self.check_every):
-            if self.use_graphs:
+        for i in range(self.check_every):
+            if i == 0 and n not in self._tried:
+                self._first_step(n)
+            elif self.use_graphs:
                 self._graph_step(n)
             else:
                 self._step(n)
@@ -600,6 +602,32 @@ class SlotEngine(Engine):
         lengths += active
         self.last[:n].copy_(torch.where(active, tok, self.last[:n]))
 
+    def _first_step(self, n: int) -> None:
+        """The first step over prefix ``n`` (where flex compiles and is captured for that shape): a flex failure
+        raises for ``attention="flex"``; for ``auto`` the engine logs it, switches to sdpa_groups and redoes the step."""
+        state = [t.clone() for t in self._state()] if self.flex is not None else None
+        try:
+            self._graph_step(n) if self.use_graphs else self._step(n)
+        except Exception as e:  # noqa: BLE001 - re-raised below unless flex can be dropped
+            if state is None:
+                raise
+            for t, v in zip(self._state(), state):
+                t.copy_(v)
+            self._drop_flex(n, e)
+            self._graph_step(n) if self.use_graphs else self._step(n)
+        self._tried.add(n)
+
+    def _drop_flex(self, n: int, e: Exception) -> None:
+        """Leave the flex path after a failure at prefix ``n`` (``auto``), or raise (``flex``)."""
+        msg = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        if self.attention_mode == "flex":
+            raise RuntimeError(f"SlotEngine: FlexAttention decode failed at slot prefix {n} ({msg})") from e
+        log.warning("FlexAttention decode failed at slot prefix %d (%s); regen attention falls back to sdpa_groups", n, msg)
+        self.stats["kv_bytes_read"] = int(self.kv_cols) * self.kv_bytes_per_token  # flex's reads so far (one sync)
+        self.flex = self.cache.flex = None
+        self.graphs.clear()  # recaptured on the SDPA path (self.groups: one group over the whole cache)
+        self.stats["attention"] = "sdpa_groups"
+
     def _graph_step(self, n: Optional[int] = None) -> None:
         n = self.S if n is None else n
         if n not in self.graphs and self._capture(n) is None:
@@ -627,9 +655,11 @@ class SlotEngine(Engine):
             with torch.cuda.graph(g, pool=self._pool):
                 self._step(n)
         except Exception as e:  # noqa: BLE001 - any capture failure: decode eagerly (same results)
-            log.warning("CUDA graph capture failed (%s: %s); decoding without graphs", type(e).__name__, e)
             for t, v in zip(self._state(), state):
                 t.copy_(v)
+            if self.flex is not None:
+                raise  # _first_step leaves the flex path (auto) first
+            log.warning("CUDA graph capture failed (%s: %s); decoding without graphs", type(e).__name__, e)
             self.use_graphs = False
             return None
         self.graphs[n] = g

@@ -346,3 +346,28 @@ def test_flex_probe_checks_the_result(tiny):
     with pytest.raises(RuntimeError, match="flex decode differs from SDPA"):
         eng._probe_flex(lambda q, *a: torch.zeros_like(q), 6, 6, 2, 16, torch.float32, 64)
     eng.close()
+
+
+@pytest.mark.parametrize("mode", ["auto", "flex"])
+def test_flex_failure_falls_back_or_raises(tiny, mode):
+    """A flex failure at a prefix's first step: auto logs it and redoes the step on the SDPA path (same answers),
+    flex raises with the prefix named."""
+    model, _ = tiny
+    max_new = 8
+    prompts = _prompts(5, model.config.vocab_size, seed=5)
+    stops = _stops(model, prompts, max_new)
+    eng = SlotEngine(model, 4, max_len=64, max_new_tokens=max_new, stop_ids=stops, check_every=2, cuda_graphs=False,
+                     attention="flex", flex_block=16, min_prefix=1)
+    eng.attention_mode = mode  # as an auto engine whose start-up probe passed
+
+    def broken(*a):
+        raise RuntimeError("no kernel")
+
+    eng.flex = eng.cache.flex = broken
+    if mode == "flex":
+        with pytest.raises(RuntimeError, match="FlexAttention decode failed at slot prefix 4"):
+            _run(eng, prompts)
+        return
+    got = _run(eng, prompts)
+    assert [got[i] for i in range(5)] == [hf_greedy(model, p, max_new, stops) for p in prompts]
+    assert eng.stats["attention"] == "sdpa_groups" and eng.flex is None
