@@ -81,8 +81,8 @@ class SlotCache:
             written to), int64 ``[n]``.
         groups: decode, ``sdpa_groups``: per slot group clipped to the prefix ``(first slot, end slot, mask
             [S_g, 1, 1, cap])``, mask True where a slot's cached column is attended (the group reads its cap's columns).
-        flex: decode, ``flex``: ``fn(query, key, value, attn_len, kv_indices, scale)`` (:func:`flex_decode`
-            with the block size bound); None on the sdpa_groups path.
+        flex: decode, ``flex``: ``fn(query, key, value, attn_len, kv_indices, scale, kv_num_blocks=)``
+            (:func:`flex_decode` with the block size bound); None on the sdpa_groups path.
         attn_len: decode, ``flex``: last attended column per row of the prefix, int64 ``[n]`` (0 for finished
             and empty slots: they read one block).
         kv_indices: decode, ``flex``: static block indices ``[S, 1, 1, L / block]`` int32 (``arange`` per row).
@@ -96,9 +96,16 @@ class SlotCache:
     flex: Optional[object] = None
     attn_len: Optional[torch.Tensor] = None
     kv_indices: Optional[torch.Tensor] = None
+    kv_blocks: Optional[torch.Tensor] = None  # decode, flex: blocks per row, int32 [n, 1, 1] (once per step, not per layer)
 
 
-def decode_block_mask(attn_len: torch.Tensor, kv_indices: torch.Tensor, block: int, kv_len: int):
+def kv_num_blocks(attn_len: torch.Tensor, block: int) -> torch.Tensor:
+    """KV blocks a decode row reads: ``ceil((attn_len + 1) / block)``, int32 ``[n, 1, 1]`` from int64 ``[n]``."""
+    return torch.div(attn_len + block, block, rounding_mode="floor").to(torch.int32).view(-1, 1, 1)
+
+
+def decode_block_mask(attn_len: torch.Tensor, kv_indices: torch.Tensor, block: int, kv_len: int,
+                      num_blocks: Optional[torch.Tensor] = None):
     """FlexAttention ``BlockMask`` of a decode step: row b attends columns ``[0, attn_len[b]]``.
 
     Args:
@@ -106,6 +113,7 @@ def decode_block_mask(attn_len: torch.Tensor, kv_indices: torch.Tensor, block: i
         kv_indices: int32 ``[n, 1, 1, kv_len / block]``, block ``j`` of every row at position ``j`` (``arange``).
         block: KV block size (columns); ``kv_len`` must be a multiple of it.
         kv_len: KV columns of the cache.
+        num_blocks: :func:`kv_num_blocks` of ``attn_len`` when already computed (the engine: once per step).
 
     Returns:
         ``BlockMask`` of shape ``[n, 1, 1, kv_len]`` (q_len 1): ``ceil((attn_len + 1) / block)`` blocks per row, a
@@ -114,7 +122,7 @@ def decode_block_mask(attn_len: torch.Tensor, kv_indices: torch.Tensor, block: i
     """
     from torch.nn.attention.flex_attention import BlockMask
 
-    nb = torch.div(attn_len + block, block, rounding_mode="floor").to(torch.int32).view(-1, 1, 1)  # [n, 1, 1]
+    nb = kv_num_blocks(attn_len, block) if num_blocks is None else num_blocks  # [n, 1, 1]
 
     def mask_mod(b, h, q_idx, kv_idx):
         return kv_idx <= attn_len[b]
@@ -143,7 +151,8 @@ def _from_kv_blocks_params() -> frozenset:
 
 
 def flex_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_len: torch.Tensor,
-                kv_indices: torch.Tensor, scale: Optional[float], block: int) -> torch.Tensor:
+                kv_indices: torch.Tensor, scale: Optional[float], block: int,
+                num_blocks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Decode attention with per-row KV lengths through FlexAttention.
 
     Args:
@@ -152,13 +161,14 @@ def flex_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, att
         kv_indices: int32 ``[n, 1, 1, L / block]`` (see :func:`decode_block_mask`).
         scale: softmax scale (None: ``1 / sqrt(D)``).
         block: KV block size.
+        num_blocks: int32 ``[n, 1, 1]``, :func:`kv_num_blocks` of ``attn_len`` if already computed.
 
     Returns:
         ``[n, H, 1, D]``, the query's dtype.
     """
     from torch.nn.attention.flex_attention import flex_attention
 
-    bm = decode_block_mask(attn_len, kv_indices, block, key.shape[2])
+    bm = decode_block_mask(attn_len, kv_indices, block, key.shape[2], num_blocks)
     return flex_attention(query, key, value, block_mask=bm, scale=scale, enable_gqa=True)
 
 
@@ -208,7 +218,7 @@ def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
     kc[ar, :, c.lengths] = key[:, :, 0]  # [n, Hkv, D] at column lengths[s]
     vc[ar, :, c.lengths] = value[:, :, 0]
     if c.flex is not None:
-        out = c.flex(query, kc[:b], vc[:b], c.attn_len, c.kv_indices[:b], scaling)  # [n, H, 1, D]
+        out = c.flex(query, kc[:b], vc[:b], c.attn_len, c.kv_indices[:b], scaling, num_blocks=c.kv_blocks)  # [n, H, 1, D]
         return out.transpose(1, 2), None
     q = query.reshape(b, hkv, h // hkv, d)  # [n, Hkv, G, D]: head h = kv * G + g
     outs = []
@@ -510,8 +520,8 @@ class SlotEngine(Engine):
             return functools.partial(flex_decode, block=self.block)
         fn = compiled_flex_decode()
 
-        def call(q, k, v, attn_len, kv_indices, scale):
-            return fn(q, k, v, attn_len, kv_indices, scale, self.block)
+        def call(q, k, v, attn_len, kv_indices, scale, num_blocks=None):
+            return fn(q, k, v, attn_len, kv_indices, scale, self.block, num_blocks)
 
         try:
             self._probe_flex(call, slots, h, hkv, d, dtype, cols)
@@ -537,17 +547,18 @@ class SlotEngine(Engine):
         with torch.inference_mode():
             q = torch.randn(slots, h, 1, d, generator=g, device=self.dev, dtype=dtype)  # [S, H, 1, D]
             attn_len = torch.arange(slots, device=self.dev) % cols  # [S]
+            nbk = kv_num_blocks(attn_len, self.block)  # [S, 1, 1], as _step passes it
             scale = d ** -0.5  # as the Llama-family modules pass it (the same compiled graph serves the engine)
-            out = call(q, k, v, attn_len, idx, scale)  # [S, H, 1, D]
+            out = call(q, k, v, attn_len, idx, scale, num_blocks=nbk)  # [S, H, 1, D]
             if self.use_graphs:
                 s = torch.cuda.Stream()
                 s.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(s):
-                    call(q, k, v, attn_len, idx, scale)
+                    call(q, k, v, attn_len, idx, scale, num_blocks=nbk)
                 torch.cuda.current_stream().wait_stream(s)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
-                    out = call(q, k, v, attn_len, idx, scale)
+                    out = call(q, k, v, attn_len, idx, scale, num_blocks=nbk)
                 graph.replay()
             for r in sorted({0, min(3, slots - 1), slots - 1}):  # rows of 1, 4 and the most columns against SDPA
                 n = int(attn_len[r]) + 1
@@ -584,7 +595,8 @@ class SlotEngine(Engine):
         c.lengths = lengths
         if self.flex is not None:
             c.attn_len = torch.where(done, torch.zeros_like(lengths), lengths)  # [n] finished/empty: column 0 only
-            self.kv_cols += torch.div(c.attn_len + self.block, self.block, rounding_mode="floor").sum() * self.block
+            c.kv_blocks = kv_num_blocks(c.attn_len, self.block)  # [n, 1, 1]
+            self.kv_cols += c.kv_blocks.sum() * self.block
         else:
             c.groups = [(a, min(b, n), (self.col[:cap] <= lengths[a:min(b, n), None]).view(min(b, n) - a, 1, 1, cap))
                         for a, b, cap in self.groups if a < n]  # [S_g, 1, 1, cap] per group in the prefix

@@ -9,7 +9,7 @@ import torch
 
 from eagle3.config import VerifierConfig
 from eagle3.prompts.continuous import (HFContinuousEngine, SlotEngine, choose_prefix, decode_block_mask, flex_decode,
-                                       prefix_sizes)
+                                       kv_num_blocks, prefix_sizes)
 from eagle3.prompts.regenerate import regenerate
 from eagle3.verifier import load_verifier
 
@@ -155,6 +155,9 @@ def test_decode_block_mask_against_dense():
     ref = torch.nn.functional.scaled_dot_product_attention(
         q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), attn_mask=want.view(6, 1, 1, kv_len))
     torch.testing.assert_close(flex_decode(q, k, v, attn_len, idx, None, block), ref)
+    nb = kv_num_blocks(attn_len, block)  # as the engine passes it, once per step
+    assert nb.dtype == torch.int32 and nb.shape == (6, 1, 1)
+    torch.testing.assert_close(flex_decode(q, k, v, attn_len, idx, None, block, nb), ref)
 
 
 def test_prefix_sizes_and_choice():
@@ -333,7 +336,8 @@ def test_compiled_flex_decode_equals_eager():
     with torch.inference_mode():
         for n in (5, 2):
             want = flex_decode(q[:n], k[:n], v[:n], attn_len[:n], idx[:n], 16 ** -0.5, block)
-            torch.testing.assert_close(fn(q[:n], k[:n], v[:n], attn_len[:n], idx[:n], 16 ** -0.5, block), want)
+            nb = kv_num_blocks(attn_len[:n], block)
+            torch.testing.assert_close(fn(q[:n], k[:n], v[:n], attn_len[:n], idx[:n], 16 ** -0.5, block, nb), want)
 
 
 def test_flex_probe_checks_the_result(tiny):
@@ -344,7 +348,7 @@ def test_flex_probe_checks_the_result(tiny):
                      flex_block=16)
     eng._probe_flex(eng.flex, 6, 6, 2, 16, torch.float32, 64)
     with pytest.raises(RuntimeError, match="flex decode differs from SDPA"):
-        eng._probe_flex(lambda q, *a: torch.zeros_like(q), 6, 6, 2, 16, torch.float32, 64)
+        eng._probe_flex(lambda q, *a, **kw: torch.zeros_like(q), 6, 6, 2, 16, torch.float32, 64)
     eng.close()
 
 
@@ -360,7 +364,7 @@ def test_flex_failure_falls_back_or_raises(tiny, mode):
                      attention="flex", flex_block=16, min_prefix=1)
     eng.attention_mode = mode  # as an auto engine whose start-up probe passed
 
-    def broken(*a):
+    def broken(*a, **kw):
         raise RuntimeError("no kernel")
 
     eng.flex = eng.cache.flex = broken
