@@ -180,6 +180,7 @@ def compiled_flex_decode():
     recompile limit is raised to 64)."""
     global _COMPILED_FLEX
     if _COMPILED_FLEX is None:
+        _from_kv_blocks_params()  # inspect.signature runs here, eagerly: the traced function only reads the result
         cfg = torch._dynamo.config
         for name in ("recompile_limit", "cache_size_limit"):
             if hasattr(cfg, name):

@@ -309,10 +309,12 @@ def test_slot_engine_equals_hf_greedy_on_smollm2(smollm_fp32):
                    add_special_tokens=False)["input_ids"]
                for q in ("What is 2+2?", "Name three colours.", "Write a haiku about the sea.", "Hi")]
     want = [hf_greedy(model, p, 16, stops) for p in prompts]
-    got = _run(SlotEngine(model, 2, max_len=128, max_new_tokens=16, stop_ids=stops, check_every=3, cuda_graphs=False),
-               prompts)
+    sdpa = SlotEngine(model, 2, max_len=128, max_new_tokens=16, stop_ids=stops, check_every=3, cuda_graphs=False,
+                      attention="sdpa_groups", min_prefix=1)
+    got = _run(sdpa, prompts)
     assert [got[i] for i in range(4)] == want
     assert any(s for _, s in want)  # at least one answer ends on the end-of-turn token
+    assert set(sdpa.stats["prefix_steps"]) <= {"1", "2"}  # width groups under the prefix logic
     eng = SlotEngine(model, 3, max_len=128, max_new_tokens=16, stop_ids=stops, check_every=2, cuda_graphs=False,
                      attention="flex", flex_block=32, min_prefix=1)
     later = {0: prompts[0] + want[0][0] + prompts[3]}  # a second turn after the first answer
