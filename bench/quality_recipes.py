@@ -20,6 +20,7 @@ flat layout :mod:`bench.quality_summary` reads (``bench-steps3.json`` [+ ``per_p
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Optional
@@ -59,6 +60,13 @@ def summarise(runs_dir: Path, ref: str, out: Path, config: str = "") -> dict:
     quality = {}
     for p in runs:
         q = qs.collect(p, config, goals="23")
+        if q["sim_accept"] is None and (p / "sim_accept.json").is_file():
+            # a run stopped at the lease's deadline (SIGTERM, then 04 --export-only) has no train_report, but its
+            # validation curve is in sim_accept.json
+            sim = json.loads((p / "sim_accept.json").read_text())
+            q["sim_accept"] = {"chain": sim.get("chain"), "select_best": "sim_accept", "exported_step": None,
+                               "best": sim.get("best"), "stopped_early": True,
+                               "curve": [[r["step"], round(r["tau_sim"], 4)] for r in sim.get("rows") or []]}
         q["source"] = str(p)
         quality[p.name] = q
         (out / p.name).mkdir(parents=True, exist_ok=True)
@@ -70,8 +78,12 @@ def summarise(runs_dir: Path, ref: str, out: Path, config: str = "") -> dict:
     for row in rows:
         q = quality[row["name"]]
         best = (q.get("sim_accept") or {}).get("best") or {}
+        no_report = q.get("recipe") is None and row["name"] != ref
+        if no_report and not row.get("optimizer_steps") and (q.get("sim_accept") or {}).get("curve"):
+            row["optimizer_steps"] = q["sim_accept"]["curve"][-1][0]  # the last validation (>= steps - eval_every)
         row.update(variant=q["variant"], loss=q["loss"], num_train_prompts=q["num_train_prompts"],
-                   change=_recipe_diff(q.get("recipe"), rq.get("recipe"), q["variant"], rq["variant"]),
+                   change=("(no train_report: stopped at the deadline; see the run's command)" if no_report else
+                           _recipe_diff(q.get("recipe"), rq.get("recipe"), q["variant"], rq["variant"])),
                    tau_steps7=q["tau"].get("7", {}), sim_accept_best=best.get("tau_sim"),
                    sim_accept_best_step=best.get("step"),
                    exported_step=(q.get("sim_accept") or {}).get("exported_step"))
@@ -83,8 +95,11 @@ def summarise(runs_dir: Path, ref: str, out: Path, config: str = "") -> dict:
         t = quality[name]["tau"].get("3", {})
         return sum(t.values()) / len(t) if t else float("-inf")
 
-    head = max(names, key=lambda n: (mean_tau(n), n == ref))
-    hq = dict(quality[head], headline_run=head, headline_rule="highest mean tau over the sets at 3 steps")
+    most = max(len(quality[n]["tau"].get("3", {})) for n in names)  # only runs benchmarked on every set compete
+    full = [n for n in names if len(quality[n]["tau"].get("3", {})) == most]
+    head = max(full, key=lambda n: (mean_tau(n), n == ref))
+    hq = dict(quality[head], headline_run=head,
+              headline_rule="highest mean tau at 3 steps among the runs benchmarked on every set")
     (out / "headline").mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "headline" / "quality.json", hq)
     atomic_write_text(out / "headline" / "quality.md", qs.markdown(hq))
