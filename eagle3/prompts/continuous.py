@@ -18,7 +18,8 @@ Answers are greedy: the new tokens up to (excluding) the first stop token, ``sto
   - ``flex``: PyTorch FlexAttention (``torch.nn.attention.flex_attention``, compiled on CUDA, eager on
     CPU) with a ``BlockMask`` built on device each step from the per-slot lengths: a live row reads only
     its ``ceil((length + 1) / block)`` KV blocks (a mask for the partial last block), a finished or empty
-    slot one block. The whole cache is one group. Grouped-query heads via ``enable_gqa``.
+    slot one block. The whole cache is one group. Grouped-query heads are folded into the query
+    length, as on the SDPA path (:func:`flex_decode` says why).
   - ``sdpa_groups``: slots form groups by width class (column caps, e.g. answer budget + 128 / + 512 /
     + 1024 / the full cache): a prompt takes a slot of the narrowest class holding it and its answer, and a
     group's SDPA reads only its cap's columns under a length mask. Grouped-query heads are folded into the
@@ -105,7 +106,7 @@ def kv_num_blocks(attn_len: torch.Tensor, block: int) -> torch.Tensor:
 
 
 def decode_block_mask(attn_len: torch.Tensor, kv_indices: torch.Tensor, block: int, kv_len: int,
-                      num_blocks: Optional[torch.Tensor] = None):
+                      num_blocks: Optional[torch.Tensor] = None, q_len: int = 1):
     """FlexAttention ``BlockMask`` of a decode step: row b attends columns ``[0, attn_len[b]]``.
 
     Args:
@@ -114,9 +115,11 @@ def decode_block_mask(attn_len: torch.Tensor, kv_indices: torch.Tensor, block: i
         block: KV block size (columns); ``kv_len`` must be a multiple of it.
         kv_len: KV columns of the cache.
         num_blocks: :func:`kv_num_blocks` of ``attn_len`` when already computed (the engine: once per step).
+        q_len: query positions (``<= block``: one query block); every position of a row sees the same columns
+            (:func:`flex_decode` puts a KV head's grouped query heads there).
 
     Returns:
-        ``BlockMask`` of shape ``[n, 1, 1, kv_len]`` (q_len 1): ``ceil((attn_len + 1) / block)`` blocks per row, a
+        ``BlockMask`` of shape ``[n, 1, q_len, kv_len]``: ``ceil((attn_len + 1) / block)`` blocks per row, a
         ``mask_mod`` ``kv_idx <= attn_len[b]`` for the partial last block. Device ops only (no host sync), so
         it is built inside the captured step.
     """
@@ -129,11 +132,11 @@ def decode_block_mask(attn_len: torch.Tensor, kv_indices: torch.Tensor, block: i
 
     params, kw = _from_kv_blocks_params(), {}
     if "seq_lengths" in params:
-        kw["seq_lengths"] = (1, kv_len)
+        kw["seq_lengths"] = (q_len, kv_len)
     if "compute_q_blocks" in params:
         kw["compute_q_blocks"] = False  # the transposed (backward) index is not needed
     bm = BlockMask.from_kv_blocks(nb, kv_indices, BLOCK_SIZE=block, mask_mod=mask_mod, **kw)
-    return bm if "seq_lengths" in params else bm._adjust(1, kv_len)  # older torch: lengths of whole blocks
+    return bm if "seq_lengths" in params else bm._adjust(q_len, kv_len)  # older torch: lengths of whole blocks
 
 
 _FKB_PARAMS: Optional[frozenset] = None
@@ -156,7 +159,12 @@ def flex_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, att
     """Decode attention with per-row KV lengths through FlexAttention.
 
     Args:
-        query: ``[n, H, 1, D]``; key, value: ``[n, Hkv, L, D]`` (``H`` a multiple of ``Hkv``: GQA via ``enable_gqa``).
+        query: ``[n, H, 1, D]``; key, value: ``[n, Hkv, L, D]`` (``H`` a multiple of ``Hkv``). The ``G = H // Hkv``
+            query heads of a KV head become its ``G`` query positions (``[n, Hkv, G, D]``, head ``h = kv * G + g``
+            as HF's ``repeat_kv``), not ``enable_gqa``: Inductor's split-KV decode kernel takes GQA only for a
+            power-of-two ``G`` (torch ``_inductor/kernel/flex/flex_decoding.py`` ``_use_flex_decoding``) and
+            SmolLM2's is 3, so with ``enable_gqa`` the main kernel ran one query row per 128-row tile (the H200
+            lease of 2026-12-02: 0.66 ms per layer for 1024 rows x ~400 columns, ~8x the bandwidth time).
         attn_len: int64 ``[n]``, row b attends columns ``[0, attn_len[b]]``.
         kv_indices: int32 ``[n, 1, 1, L / block]`` (see :func:`decode_block_mask`).
         scale: softmax scale (None: ``1 / sqrt(D)``).
@@ -168,8 +176,12 @@ def flex_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, att
     """
     from torch.nn.attention.flex_attention import flex_attention
 
-    bm = decode_block_mask(attn_len, kv_indices, block, key.shape[2], num_blocks)
-    return flex_attention(query, key, value, block_mask=bm, scale=scale, enable_gqa=True)
+    n, h, _, d = query.shape
+    hkv = key.shape[1]
+    q = query.reshape(n, hkv, h // hkv, d)  # [n, Hkv, G, D]
+    bm = decode_block_mask(attn_len, kv_indices, block, key.shape[2], num_blocks, q_len=h // hkv)
+    out = flex_attention(q, key, value, block_mask=bm, scale=scale)  # [n, Hkv, G, D]
+    return out.reshape(n, h, 1, d)
 
 
 _COMPILED_FLEX = None

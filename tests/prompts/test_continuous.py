@@ -142,6 +142,8 @@ def test_decode_block_mask_against_dense():
     bm = decode_block_mask(attn_len, idx, block, kv_len)
     assert bm.kv_num_blocks.view(-1).tolist() == [1, 1, 1, 2, 3, 4]  # ceil((len + 1) / 4)
     assert bm.shape == (6, 1, 1, kv_len)
+    bm3 = decode_block_mask(attn_len, idx, block, kv_len, q_len=3)  # the grouped heads as 3 query positions
+    assert bm3.shape == (6, 1, 3, kv_len) and torch.equal(bm3.kv_num_blocks, bm.kv_num_blocks)
     dense_blocks = bm.to_dense()[:, 0, 0].tolist()  # [6, 4] 0/1 per KV block
     assert dense_blocks == [[1, 0, 0, 0], [1, 0, 0, 0], [1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]
     elem = torch.tensor([[bool(bm.mask_mod(torch.tensor(b), 0, 0, torch.tensor(c))) for c in range(kv_len)]
