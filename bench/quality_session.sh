@@ -158,6 +158,7 @@ rargs() {  # rargs NAME SETS_WITH_COMMAS -> RA: the --set list of recipe NAME (o
   if [[ ",$2" == *",data."* ]]; then
     DKEY=$(tr ',' '\n' <<< "$2" | grep '^data\.' | sort | md5sum | cut -c1-10); data="$W/data-$DKEY"
   fi
+  DDIR=$data
   RA=("${BASE[@]}" --set "output_root=$r" --set "extract.output_dir=$ROOT/shards" --set "data.output_dir=$data")
   [ -n "$NPROMPTS" ] && RA+=(--set "prompts.sample_size=$NPROMPTS")
   for o in "${CM[@]}"; do RA+=(--set "$o"); done
@@ -169,6 +170,7 @@ rargs() {  # rargs NAME SETS_WITH_COMMAS -> RA: the --set list of recipe NAME (o
 recipe_chain() {  # recipe_chain NAME SETS: 04, then 05 at 3 steps (every set) and at 7 steps (SETS7)
   local name=$1 r="$W/runs/$1"
   rargs "$1" "$2"
+  mkdir -p "$r"; echo "$DDIR" > "$r/data_dir"
   if [ -n "$DKEY" ] && ! ( flock 9; phase "data-${DKEY}_03" "$PY" 03_prepare_data.py --config "$CONFIG" "${RA[@]}" --no-plot ) \
       9> "$W/status/data-$DKEY.lock"; then
     return 1
@@ -233,7 +235,9 @@ pack() {  # per-run flat folders (quality_summary's layout), the summaries, one 
     for f in train/train_report.json train/train_report.md train/sim_accept.json train/sim_accept.png; do
       [ -e "$r/$f" ] && cp "$r/$f" "$res/runs/$name/"
     done
-    for f in "$ROOT"/data/data_report.json "$ROOT"/prompts_report.json; do [ -e "$f" ] && cp "$f" "$res/runs/$name/"; done
+    local dr="$ROOT/data/data_report.json"
+    [ -e "$r/data_dir" ] && dr="$(cat "$r/data_dir")/data_report.json"  # the recipe's own 03 (data.* keys)
+    for f in "$dr" "$ROOT"/prompts_report.json; do [ -e "$f" ] && cp "$f" "$res/runs/$name/"; done
     for k in 3 7; do
       [ -e "$r/bench-steps$k/bench.json" ] && "$PY" - "$r/bench-steps$k/bench.json" "$res/runs/$name" "$k" <<'PYEOF'
 import json, sys
