@@ -62,3 +62,24 @@ def test_cli_refuses_missing_reference(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "quality_recipes.py"), str(tmp_path / "runs"), "--ref", "ref",
                         "--out", str(tmp_path / "o")], capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.startswith("error:") and "no reference run 'ref'" in r.stderr
+
+
+def test_headline_only_among_full_benchmarks_and_deadline_runs(tmp_path):
+    """An ablation benchmarked on MT-bench alone (the lease's BENCH_ABL) does not win the headline over runs on
+    every set, however high its one tau; a run stopped at the deadline (no train_report, only sim_accept.json)
+    keeps its curve and last validation step."""
+    runs = tmp_path / "runs"
+    _run(runs, "ref", 2.0, 2.5, {"1": [20, 10], "2": [20, 10]})
+    _run(runs, "full", 2.1, 2.6, {"1": [21, 10], "2": [21, 10]})
+    d = runs / "mtonly"
+    d.mkdir()
+    (d / "bench-steps3.json").write_text(json.dumps({"steps": 3, "datasets": [_ds("mtbench", 2.9)]}))
+    (d / "per_prompt_steps3.json").write_text(json.dumps({"per_prompt": {"mtbench": {"1": [29, 10], "2": [29, 10]}}}))
+    (runs / "full" / "train_report.json").unlink()
+    (runs / "full" / "sim_accept.json").write_text(json.dumps({"chain": 3, "best": {"step": 600, "tau_sim": 2.1},
+                                                               "rows": [{"step": 400, "tau_sim": 2.0}, {"step": 600, "tau_sim": 2.1}]}))
+    table = qr.summarise(runs, "ref", tmp_path / "out")
+    assert table["headline"] == "full"  # mean 2.35 over both sets beats ref's 2.25; mtonly (2.9, one set) is out
+    rows = {r["name"]: r for r in table["rows"]}
+    assert rows["full"]["optimizer_steps"] == 600 and rows["full"]["sim_accept_best"] == 2.1
+    assert rows["full"]["change"].startswith("(no train_report")
