@@ -20,7 +20,6 @@ flat layout :mod:`bench.quality_summary` reads (``bench-steps3.json`` [+ ``per_p
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Optional
@@ -60,13 +59,6 @@ def summarise(runs_dir: Path, ref: str, out: Path, config: str = "") -> dict:
     quality = {}
     for p in runs:
         q = qs.collect(p, config, goals="23")
-        if q["sim_accept"] is None and (p / "sim_accept.json").is_file():
-            # a run stopped at the lease's deadline (SIGTERM, then 04 --export-only) has no train_report, but its
-            # validation curve is in sim_accept.json
-            sim = json.loads((p / "sim_accept.json").read_text())
-            q["sim_accept"] = {"chain": sim.get("chain"), "select_best": "sim_accept", "exported_step": None,
-                               "best": sim.get("best"), "stopped_early": True,
-                               "curve": [[r["step"], round(r["tau_sim"], 4)] for r in sim.get("rows") or []]}
         q["source"] = str(p)
         quality[p.name] = q
         (out / p.name).mkdir(parents=True, exist_ok=True)

@@ -153,17 +153,16 @@ rargs() {  # rargs NAME SETS_WITH_COMMAS -> RA: the --set list of recipe NAME (o
   # recipe that sets a data.* key (train_samples, exclude_id_prefixes) gets its own 03 output in $W/data-KEY, shared by
   # the recipes with the same data.* keys: 03 applies those keys when it writes split.json, 04 trains on whatever
   # split.json holds)
-  local r="$W/runs/$1" data="$ROOT/data"
+  local r="$W/runs/$1" data="$ROOT/data" sets o
+  sets=$(sed -E ':a; s/(\[[^],]*),/\1@C@/; ta' <<< "$2")  # a comma inside [..] (a YAML list value) is not a separator
   DKEY=  # recipes with the same data.* keys share one 03 output
-  if [[ ",$2" == *",data."* ]]; then
-    DKEY=$(tr ',' '\n' <<< "$2" | grep '^data\.' | sort | md5sum | cut -c1-10); data="$W/data-$DKEY"
+  if [[ ",$sets" == *",data."* ]]; then
+    DKEY=$(tr ',' '\n' <<< "$sets" | grep '^data\.' | sort | md5sum | cut -c1-10); data="$W/data-$DKEY"
   fi
   DDIR=$data
   RA=("${BASE[@]}" --set "output_root=$r" --set "extract.output_dir=$ROOT/shards" --set "data.output_dir=$data")
   [ -n "$NPROMPTS" ] && RA+=(--set "prompts.sample_size=$NPROMPTS")
   for o in "${CM[@]}"; do RA+=(--set "$o"); done
-  local sets o
-  sets=$(sed -E ':a; s/(\[[^],]*),/\1@C@/; ta' <<< "$2")  # a comma inside [..] (a YAML list value) is not a separator
   for o in ${sets//,/ }; do RA+=(--set "${o//@C@/,}"); done
 }
 

@@ -98,7 +98,9 @@ def collect(run: Path, config: str, overrides: str = "", goals: str = "10") -> d
     first = next(iter(benches.values()))
     regen = prompts.get("regeneration") or {}
     recipe = train.get("recipe") or {}
-    sim = train.get("sim_accept") or {}
+    # a run stopped at a lease's deadline (SIGTERM, then 04 --export-only) has no train_report; its validation curve
+    # is still in 04's sim_accept.json
+    sim = train.get("sim_accept") or _read(run / "sim_accept.json", required=False) or {}
     return {
         "tau": tau,
         "num_prompts": nprompts,
