@@ -40,6 +40,12 @@
 #             step, checkpoints and exits 143; the chain then exports that checkpoint (04 --export-only: the best
 #             by sim_accept when select_best is set) and goes on to 05, so a lease's end is planned, not hit
 #             (default: none). The run's train_report says how many steps it reached.
+#   ONLINE_SPEED 0 = skip bench/online_train_speed.py (measured in an earlier lease); @MAIN_STEPS@ then comes from
+#             ONLINE_TPS (default 126626, lease 2026-12-02b's online tokens/s) and STEPS_FOR_S
+#   REGEN_MIN NPROMPTS=auto takes at least this many conversations (default 1000), e.g. more than the disk holds
+#             as shards (issue 21: ~38K conversations of the 127K config are 64 GB)
+#   SPEED05   a recipe name: after every recipe, bench/offline_bench_speed.py at batch 1 on its export, alone on the
+#             GPU (SPEED05_PROMPTS MT-bench prompts, default 8) -> $W/speed/offline_bench_speed.json
 #   STEPS_FOR_S with SPEED=1: the optimizer steps one online training alone does in STEPS_FOR_S seconds at the
 #             measured online tokens/s (16,384-token batches hold ~15K real tokens), written to $W/main_steps;
 #             a recipe's value @MAIN_STEPS@ is replaced by it (e.g. big:train.max_steps=@MAIN_STEPS@), so the
@@ -110,6 +116,11 @@ speed_regen() {  # issue 22's figures on the idle GPU, before anything else runs
 
 speed_online() {  # issue 21's online/offline ratio on the regenerated data, alone on the GPU, before the recipes
   [ "${SPEED:-0}" = 1 ] || return 0
+  if [ "${ONLINE_SPEED:-1}" = 0 ]; then  # measured in an earlier lease: size the main run from ONLINE_TPS
+    echo $(( ${STEPS_FOR_S:-0} * ${ONLINE_TPS:-126626} / 15000 > 100 ? ${STEPS_FOR_S:-0} * ${ONLINE_TPS:-126626} / 15000 : 100 )) > "$W/main_steps"
+    echo "== main run steps: $(cat "$W/main_steps") (ONLINE_TPS ${ONLINE_TPS:-126626} tokens/s)"
+    return 0
+  fi
   phase online_speed "$PY" bench/online_train_speed.py --config "$CONFIG" "${BASE[@]}" --prompts "$ROOT/prompts.jsonl" \
       --limit "${ONLINE_LIMIT:-2000}" --steps "${ONLINE_STEPS:-100}" --workdir "$W/ots" \
       --json "$W/speed/online_train_speed.json" --md "$W/speed/online_train_speed.md"
@@ -126,11 +137,11 @@ PYEOF
 
 auto_nprompts() {  # NPROMPTS=auto: size 01 to the lease from regen_speed's measured rate
   [ "$NPROMPTS" = auto ] || return 0
-  NPROMPTS=$("$PY" - "$W/speed/regen_speed.json" "${REGEN_BUDGET_S:-300}" <<'PYEOF' || echo 20000
+  NPROMPTS=$("$PY" - "$W/speed/regen_speed.json" "${REGEN_BUDGET_S:-300}" "${REGEN_MIN:-1000}" <<'PYEOF' || echo "${REGEN_MIN:-20000}"
 import json, sys
 m = json.load(open(sys.argv[1]))["main"]
 per_conv = m["new_tokens"] / max(1, m["conversations"])
-print(max(1000, int(float(sys.argv[2]) * m["tokens_per_s"] / per_conv)))
+print(max(int(sys.argv[3]), int(float(sys.argv[2]) * m["tokens_per_s"] / per_conv)))
 PYEOF
 )
   [ "$NPROMPTS" -ge "${NPROMPTS_ALL:-1000000}" ] && NPROMPTS=  # all of them fit
@@ -265,9 +276,19 @@ PYEOF
   ls "$W/status"
 }
 
+speed_bench() {  # SPEED05=NAME: 05's speedup at batch 1 (bench/offline_bench_speed.py) for recipe NAME, after every
+  # recipe, alone on the GPU, in the verifier's serving dtype (SPEED05_PROMPTS prompts of MT-bench, default 8)
+  [ -n "${SPEED05:-}" ] || return 0
+  local spec sets=
+  for spec in $RECIPES; do [ "${spec%%:*}" = "$SPEED05" ] && sets=${spec#*:}; done
+  rargs "$SPEED05" "${sets//@MAIN_STEPS@/$(cat "$W/main_steps" 2>/dev/null || echo 1000)}"
+  phase speed05 "$PY" bench/offline_bench_speed.py --config "$CONFIG" "${RA[@]}" --batch-sizes 1 --headline-batch-size 1 \
+      --num-prompts "${SPEED05_PROMPTS:-8}" --steps 3 --json "$W/speed/offline_bench_speed.json"
+}
+
 case "${1:-}" in
   run)
-    { speed_regen; auto_nprompts; data_track && speed_online && recipes; } ; touch "$W/status/ALL.done" ;;
+    { speed_regen; auto_nprompts; data_track && speed_online && recipes && speed_bench; } ; touch "$W/status/ALL.done" ;;
   start)
     setsid nohup bash "$0" run > "$W/run.log" 2>&1 < /dev/null &
     echo $! > "$W/run.pid"; sleep 2; echo "started (pid $(cat "$W/run.pid")), log $W/run.log" ;;

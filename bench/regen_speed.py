@@ -137,6 +137,7 @@ def roofline(st: dict, weight_bytes: int, bandwidth: float | None) -> dict:
             "kv_read_over_needed": es["kv_bytes_read"] / kv if kv else None,
             "roofline_s": need / bandwidth, "ratio_to_roofline": need / bandwidth / st["seconds"],
             "attention": es.get("attention"), "prefix_steps": es.get("prefix_steps"),
+            "decode_s": es.get("decode_s"), "prefill_s": es.get("prefill_s"), "seconds": st["seconds"],
             "ms_per_decode_step": 1000 * st["seconds"] / max(1, st["decode_steps"]),
             "roofline_ms_per_step": 1000 * need / bandwidth / max(1, st["decode_steps"])}
 
@@ -240,6 +241,9 @@ def markdown(res: dict) -> str:
                   f"| ms / decode step (measured, all work) | {rf['ms_per_decode_step']:.2f} |",
                   f"| ms / decode step (roofline) | {rf['roofline_ms_per_step']:.2f} |",
                   f"| KV read / KV needed ({rf.get('attention', 'column bound')}) | {rf['kv_read_over_needed']:.2f} |"]
+        if rf.get("decode_s") is not None:
+            lines.append(f"| seconds: decode steps / prefill forwards / rest of the run (device time) | "
+                         f"{rf['decode_s']:.1f} / {rf['prefill_s']:.1f} / {rf['seconds'] - rf['decode_s'] - rf['prefill_s']:.1f} |")
         if rf.get("prefix_steps"):
             lines += ["", "Decode steps per slot prefix: " + ", ".join(
                 f"{n}: {c}" for n, c in sorted(rf["prefix_steps"].items(), key=lambda x: -int(x[0]))) + "."]

@@ -919,13 +919,19 @@ def capture_and_write(backend: CaptureBackend, samples: list[Sample], batches: l
     return rows
 
 
+#: token-only samples to write from which :func:`write_token_samples` uses worker processes
+TOKEN_PROCESS_MIN = 2048
+
+
 def write_token_samples(samples: list[Sample], batches: list[list[int]], done: dict[int, dict], root: Path,
                         rows_per_dir: int, manifest_path: Path, *, write_threads: int, max_pending_tokens: int,
                         on_commit: Optional[Callable[[dict], None]] = None, checksum: str = DEFAULT_ALGO) -> list[dict]:
     """The write step of token-only samples (``train.hidden_states: online``): the pending samples of
     ``batches`` (positions into ``samples``), in batch order, as ``{input_ids, loss_mask}`` shards
     through the same :class:`eagle3.shard_writer.ShardWriter` (atomic files, checksums, manifest rows in
-    order after each shard is durable) as :func:`capture_and_write`; no verifier forward. Returns the new rows.
+    order after each shard is durable) as :func:`capture_and_write`; no verifier forward. From
+    :data:`TOKEN_PROCESS_MIN` samples on (and ``write_threads > 1``) the ``write_threads`` writers are processes
+    (``ShardWriter(processes=True)``: the pickler holds the GIL). Returns the new rows.
 
     Raises:
         UserError / OSError: a shard or manifest write failed (e.g. disk full).
@@ -938,9 +944,12 @@ def write_token_samples(samples: list[Sample], batches: list[list[int]], done: d
         if on_commit is not None:
             on_commit(row)
 
+    n_todo = sum(samples[i].idx not in done for group in batches for i in group)
+    procs = write_threads > 1 and n_todo >= TOKEN_PROCESS_MIN
     with ManifestWriter(manifest_path) as man, ShardWriter(root, rows_per_dir, man, threads=write_threads,
                                                            max_pending_tokens=max_pending_tokens,
-                                                           on_commit=committed, checksum=checksum) as writer:
+                                                           on_commit=committed, checksum=checksum,
+                                                           processes=procs) as writer:
         for group in batches:
             for i in group:
                 s = samples[i]

@@ -80,7 +80,9 @@ def _run_chunk(records: Sequence[Any]) -> list:
     return [fn(tok, r) for r in records]
 
 
-def _context():
+def process_context():
+    """The start method of this project's worker pools: ``fork`` where there is one (the parent's imports and
+    tokenizer are inherited), else ``spawn``."""
     methods = mp.get_all_start_methods()
     return mp.get_context("fork" if "fork" in methods else "spawn")
 
@@ -117,9 +119,9 @@ def map_records(fn: Callable[[Any, Any], Any], tokenizer: Any, records: Sequence
             return out
         cs = chunk_size or max(1, min(256, -(-n // (w * 8))))
         chunks = [records[i:i + cs] for i in range(0, n, cs)]
-        log.info("tokenizing %d records in %d worker processes (%d chunks of <= %d)", n, w, len(chunks), cs)
+        log.info("%s: %d records in %d worker processes (%d chunks of <= %d)", desc, n, w, len(chunks), cs)
         out = []
-        with ProcessPoolExecutor(max_workers=w, mp_context=_context(), initializer=_init_worker,
+        with ProcessPoolExecutor(max_workers=w, mp_context=process_context(), initializer=_init_worker,
                                  initargs=(fn, tokenizer)) as pool:
             futures = [pool.submit(_run_chunk, c) for c in chunks]
             try:

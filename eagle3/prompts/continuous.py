@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence
 
@@ -336,7 +337,9 @@ class SlotEngine(Engine):
     Stats (``stats``): ``decode_steps``, ``prefill_calls``, ``graph_captures``, ``kv_bytes_per_token``,
     ``kv_bytes_read`` (flex: the blocks the steps read, counted on device and read at each check;
     sdpa_groups: every prefix row up to its group's cap), ``kv_tokens_needed`` (the live rows' attended
-    columns), ``prefix_steps`` (decode steps per prefix size, keys as strings), ``attention`` (the path taken).
+    columns), ``prefix_steps`` (decode steps per prefix size, keys as strings), ``attention`` (the path taken),
+    ``prefill_s`` / ``decode_s`` (device seconds of the prefill forwards / decode windows between CUDA events,
+    read at each check; host seconds on the CPU).
     """
 
     def __init__(self, model, slots: int, max_len: int, max_new_tokens: int, stop_ids: set[int],
@@ -396,7 +399,8 @@ class SlotEngine(Engine):
         # kv_bytes_read: what the attention reads (flex: the blocks; sdpa_groups: every prefix slot up to its cap)
         self.stats = {"decode_steps": 0, "prefill_calls": 0, "kv_bytes_read": 0, "kv_tokens_needed": 0,
                       "graph_captures": 0, "kv_bytes_per_token": self.kv_bytes_per_token, "prefix_steps": {},
-                      "attention": "flex" if self.flex is not None else "sdpa_groups"}
+                      "attention": "flex" if self.flex is not None else "sdpa_groups", "prefill_s": 0.0, "decode_s": 0.0}
+        self._timed: list[tuple[str, object, object]] = []  # (stat, start, end): CUDA events read at the next sync
         self._swap = _AttnSwap(model).__enter__()
 
     # ------------------------------------------------------------------ contract
@@ -501,6 +505,7 @@ class SlotEngine(Engine):
         lens = torch.tensor([len(w.ids) for w in reqs], device=self.dev)  # [P]
         rows = torch.tensor(slots, device=self.dev)  # [P]
         self.cache.rows = rows
+        t0 = self._mark()
         pos = torch.arange(width, device=self.dev).expand(p, width)  # [P, Wp]
         hid = self.model.base_model(input_ids=ids.to(self.dev), position_ids=pos, slot_cache=self.cache,
                                     use_cache=False).last_hidden_state  # [P, Wp, hidden]
@@ -513,6 +518,7 @@ class SlotEngine(Engine):
         self.lengths[rows] = lens
         self.stopped[rows] = torch.isin(tok, self.stop_t)
         self.done[rows] = self.stopped[rows] | (self.max_new <= 1)
+        self._timed.append(("prefill_s", t0, self._mark()))
         for s, w in zip(slots, reqs):
             self.key[s], self.host_len[s] = w.key, len(w.ids)
         self.stats["prefill_calls"] += 1
@@ -585,6 +591,7 @@ class SlotEngine(Engine):
     def _decode_window(self) -> None:
         """``check_every`` decode steps over the smallest slot prefix holding every live slot (graph replays on CUDA)."""
         n = choose_prefix(self.prefixes, [s for s, k in enumerate(self.key) if k is not None])
+        t0 = self._mark()
         for i in range(self.check_every):
             if i == 0 and n not in self._tried:
                 self._first_step(n)
@@ -592,6 +599,7 @@ class SlotEngine(Engine):
                 self._graph_step(n)
             else:
                 self._step(n)
+        self._timed.append(("decode_s", t0, self._mark()))
         self.stats["decode_steps"] += self.check_every
         ps = self.stats["prefix_steps"]
         ps[str(n)] = ps.get(str(n), 0) + self.check_every
@@ -691,10 +699,26 @@ class SlotEngine(Engine):
         self.stats["graph_captures"] += 1
         return g
 
+    def _mark(self):
+        """A timestamp of the work queued so far: a recorded CUDA event on CUDA (no sync), else the host clock."""
+        if self.dev.type != "cuda":
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def _read_timers(self) -> None:
+        """Add the device time of the prefills and decode windows recorded so far to ``stats`` (``prefill_s``,
+        ``decode_s``; on the CPU host seconds); after a sync, so every event has completed."""
+        for key, a, b in self._timed:
+            self.stats[key] += (b - a) if isinstance(a, float) else a.elapsed_time(b) / 1000.0
+        self._timed.clear()
+
     def _harvest(self) -> list[tuple[object, list[int], bool]]:
         """One host sync: finished slots' answers come back and the slots are freed."""
         flags = torch.cat([torch.stack([self.done.long(), self.stopped.long(), self.n_gen]).flatten(),
                            self.kv_cols.view(1)]).cpu()  # [3 S + 1]
+        self._read_timers()
         done, stopped, n_gen = flags[:-1].view(3, self.S).tolist()
         if self.flex is not None:
             self.stats["kv_bytes_read"] = int(flags[-1]) * self.kv_bytes_per_token

@@ -1144,8 +1144,12 @@ class _Training:
                   "peak_gpu_mem_gib": _peak_gpu_mem_gib(d.device), "hidden_states": self.t.hidden_states,
                   "recipe": {k: getattr(self.t, k) for k in ("loss", "lk_eta", "lr", "epochs", "batch_tokens", "batch_size",
                                                            "grad_accum", "warmup_ratio", "ttt_length", "select_best")}}
-        if self.stopped:
+        if self.stopped:  # no final validation, no export; the report says where it stopped and how to go on
             self.metrics.close()
+            if d.is_main:
+                result["sim_accept"] = dict(self.tracker.summary(), select_best=self.t.select_best, exported_step=None)
+                write_report(self.train_dir, result, self.inputs.args)
+            _barrier(d)
             return result
         final_val = self.validate()
         self._check_states()
@@ -1202,7 +1206,9 @@ def headline(result: dict, train_dir: Path) -> str:
 
 
 def write_report(train_dir: Path, result: dict, args) -> None:
-    """``train_report.json`` + ``train_report.md`` (final validation per TTT step) + ``loss.png`` (train/val loss)."""
+    """``train_report.json`` + ``train_report.md`` (final validation per TTT step) + ``loss.png`` (train/val loss).
+    A run stopped by a signal gets one too (``stopped``, ``signal``, its step, no ``final_val``); the run that
+    resumes it rewrites it."""
     rows = _read_metrics(train_dir / "metrics.jsonl")
     report = dict(result, drafter_args=dataclasses.asdict(args))
     atomic_write_json(train_dir / "train_report.json", report)
@@ -1210,6 +1216,9 @@ def write_report(train_dir: Path, result: dict, args) -> None:
     acc_keys = sorted((k for k in val if k.startswith("acc_")), key=lambda k: int(k.split("_")[-1]))
     lines = ["# Training report", "", f"- optimizer steps: {result['step']} / {result['total_steps']}",
              f"- checkpoint: `{result['checkpoint']}`", f"- export: `{result['export_dir']}`"]
+    if result.get("stopped"):
+        lines.append(f"- **stopped** by signal {result.get('signal')} at step {result['step']}: no final validation, "
+                     "no export; `04_train.py --resume` goes on, `--export-only` exports this checkpoint")
     if result.get("tokens_per_s"):
         lines.append(f"- training throughput: {result['tokens_per_s']:.0f} tokens/s (all ranks)")
     if result.get("peak_gpu_mem_gib") is not None:

@@ -25,6 +25,12 @@ def test_roofline_by_hand():
     assert r["bytes_needed"] == 5000 and r["roofline_s"] == 5.0 and r["ratio_to_roofline"] == 2.5
     assert r["kv_read_over_needed"] == 2.0 and r["ms_per_decode_step"] == 200.0
     assert rsp.roofline(st, 100, None) == {}
+    st["engine_stats"].update(decode_s=1.25, prefill_s=0.5)
+    r = rsp.roofline(st, weight_bytes=100, bandwidth=1000.0)
+    res = {"main": {"conversations": 1, "engine": "slots", "answers": 1, "new_tokens": 10, "seconds": 2.0,
+                    "tokens_per_s": 5.0, "decode_steps": 10}, "roofline": r, "verifier": "v", "dtype": "bf16",
+           "device": "d", "batch_size": 4, "max_new_tokens": 8, "max_context": 16, "bandwidth_gb_s": 1.0}
+    assert "| 1.2 / 0.5 / 0.2 |" in rsp.markdown(res)  # decode / prefill / the rest of the 2 s
 
 
 def test_bench_runs_tiny_on_cpu(tmp_path, tiny_llama_dir):

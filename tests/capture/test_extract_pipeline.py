@@ -55,6 +55,45 @@ def test_pipelined_writer_gives_the_serial_bytes(tmp_path, tiny_llama_dir, threa
     assert [int(x.split(",")[0].split(":")[1]) for x in lines] != sorted(range(17))
 
 
+def test_token_only_writer_processes_give_the_serial_bytes(tmp_path, tiny_llama_dir, monkeypatch):
+    """Token-only 02 (online training) through worker processes, in groups that straddle the batches, writes
+    the serial loop's files and manifest byte for byte."""
+    import yaml
+
+    import eagle3.capture.extract as ex
+
+    monkeypatch.setattr(ex, "TOKEN_PROCESS_MIN", 1)
+    monkeypatch.setattr(sw, "GROUP_SIZE", 3)
+    pools = []
+    real_pool = sw.ProcessPoolExecutor
+    monkeypatch.setattr(sw, "ProcessPoolExecutor", lambda *a, **k: pools.append(a) or real_pool(*a, **k))
+    outs = {}
+    for name, wt in (("serial", 0), ("processes", 2)):
+        cfg_path = _config(tmp_path / name, tiny_llama_dir, batch_tokens=100, rows_per_dir=4, write_threads=wt)
+        d = yaml.safe_load(cfg_path.read_text())
+        d["train"] = {"hidden_states": "online"}
+        cfg_path.write_text(yaml.safe_dump(d))
+        _write_prompts(tmp_path / name / "out" / "prompts.jsonl", CONVS)
+        res = run(load_config(cfg_path))
+        assert res["written"] == 17
+        outs[name] = _tree(tmp_path / name / "out" / "shards")
+    ser, pro = outs["serial"], outs["processes"]
+    assert pools == [(2,)]  # the process path ran (once: the processes run), the serial one did not
+    assert sum(k.endswith(".pt") for k in ser) == 17 and ser.keys() == pro.keys()
+    for k in ser:
+        if k != "data_config.json":
+            assert ser[k] == pro[k], k
+    first = torch.load(next(p for p in sorted((tmp_path / "processes" / "out" / "shards").rglob("*.pt"))),
+                       weights_only=True)
+    assert set(first) == {"input_ids", "loss_mask"}  # token-only
+
+
+def test_process_writer_refuses_hidden_states(tmp_path):
+    with ManifestWriter(tmp_path / "m.jsonl") as man, sw.ShardWriter(tmp_path, 4, man, threads=2, processes=True) as w:
+        with pytest.raises(ValueError, match="token-only samples only"):
+            w.submit(0, "p0", [1, 2], [torch.zeros(2, 4)] * 4, [0, 1])
+
+
 def _fake_write(delays: dict[int, float], fail: set[int], log: list):
     def write(root, idx, rows_per_dir, input_ids, states, loss_mask, storage=None, checksum="xxh3_128"):
         time.sleep(delays.get(idx, 0.0))

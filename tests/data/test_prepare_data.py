@@ -214,3 +214,50 @@ def test_exclude_id_prefixes_errors(tmp_path):
     _write_manifest(cfg.shards_dir, ["x/1", "x/2", "x/3", "x/4", "x/5"])
     with pytest.raises(UserError, match="drops all"):
         run(cfg)
+
+
+def _token_shards(root: Path, n: int, seed: int = 0) -> list[tuple[int, Path]]:
+    """``n`` token-only samples (``eagle3-tokens-v1``: input_ids + loss_mask) with random lengths and masks."""
+    from eagle3.shards.format import shard_path
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for idx in range(n):
+        L = int(torch.randint(1, 12, (1,), generator=g))
+        ids = torch.randint(0, V, (L,), generator=g).tolist()
+        mask = torch.randint(0, 2, (L,), generator=g).tolist()
+        write_sample(root, idx, 8, ids, None, mask)
+        out.append((idx, shard_path(root, idx, 8)))
+    return out
+
+
+def test_token_only_validation_in_processes_matches_threads(tmp_path, monkeypatch):
+    """03's process path for large token-only sets yields the thread path's samples, in order, with the same
+    counts, across several map_records windows; the first bad shard in order is the one raised."""
+    import eagle3.capture.tokenize_pool as tp
+    import eagle3.data.prepare_data as pd
+
+    paths = _token_shards(tmp_path / "shards", 40)
+    expect = {"tokens_only": True, "vocab_size": V}
+    monkeypatch.setattr(tp, "available_cpus", lambda: 2)
+    st_t = {"num_samples": 0, "num_tokens": 0, "num_loss_tokens": 0, "max_len": 0}
+    threaded = list(pd._validated_samples(paths, expect, st_t, {}, workers=2))  # 40 < PROCESS_MIN_SHARDS
+    monkeypatch.setattr(pd, "PROCESS_MIN_SHARDS", 1)
+    monkeypatch.setattr(pd, "PROCESS_WINDOW", 16)  # windows of 16 + 16 + 8
+    st_p = {"num_samples": 0, "num_tokens": 0, "num_loss_tokens": 0, "max_len": 0}
+    procs = list(pd._validated_samples(paths, expect, st_p, {}, workers=2))
+    loaded = [torch.load(p, weights_only=True) for _, p in paths]
+    assert len(procs) == len(threaded) == 40
+    for a, b, ref in zip(procs, threaded, loaded):
+        assert torch.equal(a["input_ids"], ref["input_ids"]) and torch.equal(b["input_ids"], ref["input_ids"])
+        assert torch.equal(a["loss_mask"], ref["loss_mask"]) and a["input_ids"].dtype == torch.int64
+    want = {"num_samples": 40, "num_tokens": sum(len(r["input_ids"]) for r in loaded),
+            "num_loss_tokens": sum(int(r["loss_mask"].sum()) for r in loaded),
+            "max_len": max(len(r["input_ids"]) for r in loaded)}
+    assert st_p == st_t == want
+    for bad in (21, 33):  # two bad shards in the second and third windows: the first is named
+        d = torch.load(paths[bad][1], weights_only=True)
+        d["loss_mask"][0] = 2
+        torch.save(d, paths[bad][1])
+    with pytest.raises(UserError, match=r"data_21\.pt: key 'loss_mask': values must be 0 or 1"):
+        list(pd._validated_samples(paths, expect, dict.fromkeys(want, 0), {}, workers=2))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import json
 
 import pytest
@@ -103,8 +105,13 @@ def test_slot_engine_prefixes_equal_hf_greedy(tiny, attention, slots, check_ever
                      min_prefix=min_prefix)
     assert eng.stats["attention"] == attention
     cols = eng.cache.k[0].shape[2]
+    t0 = time.perf_counter()
     got = _run(eng, prompts, later)
+    wall = time.perf_counter() - t0
     assert [got[i] for i in range(len(prompts))] == want
+    # the timed parts (host clock on the CPU) are inside the run and do not overlap
+    assert 0 < eng.stats["prefill_s"] and 0 < eng.stats["decode_s"] and eng.stats["prefill_s"] + eng.stats["decode_s"] <= wall
+    assert not eng._timed  # every mark was read at a check
     for k, p in later.items():
         assert got[("after", k)] == hf_greedy(model, p, max_new, stops)
     ps = {int(n): c for n, c in eng.stats["prefix_steps"].items()}

@@ -129,9 +129,14 @@ def test_sigterm_writes_final_checkpoint_and_exits_143(tmp_path, reference):
     newest = ckpt.list_checkpoints(train_dir)[-1][0]
     assert newest == stopped_at  # the final checkpoint is at the step that was running when SIGTERM came
     assert not (load_config(cfg_path).export_dir).exists()  # stopped early: no export
+    rep = json.loads((train_dir / "train_report.json").read_text())  # a stopped run is reported too
+    assert rep["stopped"] and rep["signal"] == signal.SIGTERM and rep["step"] == stopped_at and not rep["final_val"]
+    assert f"**stopped** by signal {int(signal.SIGTERM)} at step {stopped_at}" in (train_dir / "train_report.md").read_text()
     proc = _start(cfg_path, "--resume")
     _out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-2000:]
+    rep = json.loads((train_dir / "train_report.json").read_text())
+    assert not rep["stopped"] and rep["step"] == TOTAL  # the resumed run rewrites it
     _assert_same(ref, _final_model(train_dir))
 
 
