@@ -105,7 +105,7 @@ seed_prompts() {  # SEED: reuse an earlier regeneration (01 checks its settings 
 }
 
 speed_regen() {  # issue 22's figures on the idle GPU, before anything else runs
-  [ "${SPEED:-0}" = 1 ] || return 0
+  [ "${SPEED:-0}" = 1 ] && [ "${REGEN_SPEED:-1}" = 1 ] || return 0  # REGEN_SPEED=0: measured already
   read -r -a RG <<< "${REGEN_ARGS:-}"
   [ -e bench/regen_step.py ] && phase regen_step "$PY" bench/regen_step.py --config "${SPEED_CONFIG:-configs/smollm2-135m-full.yaml}" \
       "${BASE[@]}" --json "$W/speed/regen_step.json" --md "$W/speed/regen_step.md"
