@@ -10,6 +10,9 @@
 #                                             # call `wait` again in the next device call while the run goes on)
 #   bash bench/quality_session.sh run         # everything in the foreground (what `start` launches)
 #   bash bench/quality_session.sh pack        # summaries + tarball of what is there now
+#   (2026-12-02c: a machine more than 30 s idle between calls is given back with everything on it, the run
+#   included; and a `wait` that ends seconds before a phase does packs without it: plan the last `wait` past the
+#   plan's end, not to the budget's)
 #   bash bench/quality_session.sh stop        # end the detached run (its process group); a phase is skipped on a
 #                                             # restart only once it is done: stopping mid-phase redoes that phase
 #                                             # (2026-12-02: a stopped regen_speed cost its 12 minutes twice)

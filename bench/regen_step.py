@@ -46,6 +46,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from eagle3.cli import positive_int, run_main  # noqa: E402
 
 PATHS = ("sdpa_groups", "flex")  # the cheap one first: flex's compiles must not starve it of the time budget
+COMPILED = "flex+compile"  # --compile: flex with the whole decode step compiled (SlotEngine(compile_step=True))
 
 
 def tiny_model():
@@ -150,11 +151,12 @@ def profile_step(eng, prefix: int, rows: int = 10) -> list[dict]:
         {"kernel": "(all)", "calls": sum(e.count for e in evs), "us": total, "share": 1.0}]
 
 
-def profile(eng, attention: str, slots: int, max_len: int, res: dict) -> None:
-    """``res['profile']``: the top kernels of one eager step with every slot live at ~400 columns (errors recorded)."""
+def profile(eng, attention: str, slots: int, max_len: int, res: dict, key: str = "profile") -> None:
+    """``res[key]``: the top kernels of one step outside a CUDA graph (eager, or the compiled step for
+    ``flex+compile``) with every slot live at ~400 columns (errors recorded)."""
     try:
         set_state(eng, slots, [min(400, max_len - 8)] * slots)
-        res["profile"] = {"attention": attention, "setting": "bulk", "prefix": slots, "kernels": profile_step(eng, slots)}
+        res[key] = {"attention": attention, "setting": "bulk", "prefix": slots, "kernels": profile_step(eng, slots)}
         res.pop("profile_error", None)
     except Exception as e:  # noqa: BLE001 - a failed profile is reported; the table stands
         res["profile_error"] = f"{type(e).__name__}: {e}"[:500]
@@ -177,9 +179,11 @@ def markdown(res: dict) -> str:
         ratio = f"{r['ratio_to_roofline']:.3f}" if r.get("ratio_to_roofline") is not None else "-"
         lines.append(f"| {r['attention']} | {r['setting']} | {r['live']} | {r['prefix']} | {r['mean_length']:.0f} | "
                      f"{r['ms_median']:.3f} | {rf} | {ratio} | {r['kv_read_over_needed']:.2f} |")
-    if res.get("profile"):
-        p = res["profile"]
-        lines += ["", f"Top kernels of one eager `{p['setting']}` step ({p['attention']}, prefix {p['prefix']}; "
+    for key, how in (("profile", "eager"), ("profile_compiled", "compiled")):
+        if not res.get(key):
+            continue
+        p = res[key]
+        lines += ["", f"Top kernels of one {how} `{p['setting']}` step ({p['attention']}, prefix {p['prefix']}; "
                   f"{'device' if res['device'] != 'cpu' else 'CPU'} time):", "",
                   "| kernel | calls | us | share |", "|---|---:|---:|---:|"]
         for k in p["kernels"]:
@@ -194,8 +198,9 @@ def run_path(model, attention: str, a, slots: int, max_len: int, max_new: int, r
     from eagle3.prompts.continuous import SlotEngine
 
     try:
-        eng = SlotEngine(model, slots, max_len, max_new, {-1}, attention=attention, cuda_graphs=not a.no_graphs,
-                         width_classes=[], min_prefix=a.min_prefix)
+        eng = SlotEngine(model, slots, max_len, max_new, {-1}, attention=attention.split("+")[0],
+                         cuda_graphs=not a.no_graphs, width_classes=[], min_prefix=a.min_prefix,
+                         compile_step=attention.endswith("+compile"))
         eng._partition()  # nothing waiting: one group of every slot over the full cache
     except Exception as e:  # noqa: BLE001 - a failed path is a result; the other goes on
         res["rows"].append({"attention": attention, "setting": "(engine)", "error": f"{type(e).__name__}: {e}"[:500]})
@@ -247,6 +252,8 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=positive_int, default=30, help="timed steps per setting (median)")
     p.add_argument("--min-prefix", type=positive_int, default=8)
     p.add_argument("--no-graphs", action="store_true", help="time eager steps on CUDA too")
+    p.add_argument("--compile", action="store_true", help=f"also time '{COMPILED}': the whole decode step compiled "
+                   "(prompts.regen_compile; one compile per slot prefix)")
     p.add_argument("--no-profile", action="store_true")
     p.add_argument("--budget-s", type=float, default=75.0, help="settings left after this many seconds are skipped")
     p.add_argument("--json", type=Path, default=None)
@@ -283,7 +290,7 @@ def main(argv=None) -> int:
            "weight_bytes": sum(t.numel() * t.element_size() for t in model.parameters()),
            "kv_bytes_per_token": 2 * cfgt.num_hidden_layers * hkv * d * next(model.parameters()).element_size(),
            "bandwidth_gb_s": bw / 1e9 if bw else None, "rows": []}
-    paths = a.attention or PATHS
+    paths = list(a.attention or PATHS) + ([COMPILED] if a.compile else [])
     prefer = "flex" if "flex" in paths else paths[0]  # the profiled path (the other one if it fails to build)
     ran = []
     with torch.inference_mode():
@@ -292,7 +299,9 @@ def main(argv=None) -> int:
             if eng is None:
                 continue
             ran.append(att)
-            if not a.no_profile and att in (prefer, paths[-1]) and "profile" not in res:
+            if not a.no_profile and att == COMPILED:
+                profile(eng, att, slots, max_len, res, key="profile_compiled")
+            elif not a.no_profile and att in (prefer, paths[-1]) and "profile" not in res:
                 profile(eng, att, slots, max_len, res)
             eng.close()
             del eng
@@ -301,7 +310,7 @@ def main(argv=None) -> int:
         if not a.no_profile and "profile" not in res and ran:  # the preferred path failed: profile one that ran
             from eagle3.prompts.continuous import SlotEngine
 
-            eng = SlotEngine(model, slots, max_len, max_new, {-1}, attention=ran[0], width_classes=[])
+            eng = SlotEngine(model, slots, max_len, max_new, {-1}, attention=ran[0].split("+")[0], width_classes=[])
             eng._partition()
             profile(eng, ran[0], slots, max_len, res)
             eng.close()

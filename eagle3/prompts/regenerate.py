@@ -310,7 +310,7 @@ def engine_options(pc) -> Optional[dict]:
     """The continuous engine's keyword arguments from ``prompts`` (:class:`eagle3.config.PromptsConfig`)."""
     if pc.regen_engine == "slots":
         return {"check_every": pc.regen_check_every, "prefill_tokens": pc.regen_prefill_tokens,
-                "cuda_graphs": pc.regen_cuda_graphs, "attention": pc.regen_attention}
+                "cuda_graphs": pc.regen_cuda_graphs, "attention": pc.regen_attention, "compile_step": pc.regen_compile}
     if pc.regen_engine == "hf_continuous":
         return {"use_cuda_graph": pc.regen_cuda_graphs}
     return None

@@ -43,3 +43,20 @@ def test_regen_step_tiny_on_cpu(tmp_path):
     assert k[-1]["kernel"] == "(all)" and len(k) >= 2 and all(x["us"] > 0 for x in k)
     text = md.read_text()
     assert "| flex | tail, small prefix | 8 | 8 |" in text and "Top kernels" in text
+
+
+def test_regen_step_compiled_path_tiny_on_cpu(tmp_path):
+    """--compile adds flex+compile: the same settings and byte counts as flex, its own profile of the compiled step."""
+    out, md = tmp_path / "s.json", tmp_path / "s.md"
+    assert rst.main(["--tiny", "--reps", "1", "--attention", "flex", "--compile", "--budget-s", "600",
+                     "--json", str(out), "--md", str(md)]) == 0
+    res = json.loads(out.read_text())
+    assert not [r for r in res["rows"] if "error" in r]
+    by = {}
+    for r in res["rows"]:
+        by.setdefault(r["attention"], {})[r["setting"]] = r
+    assert set(by) == {"flex", "flex+compile"} and by["flex"].keys() == by["flex+compile"].keys()
+    for name, r in by["flex+compile"].items():
+        assert r["ms_median"] > 0 and r["kv_bytes_read"] == by["flex"][name]["kv_bytes_read"]
+    assert res["profile"]["attention"] == "flex" and res["profile_compiled"]["attention"] == "flex+compile"
+    assert "Top kernels of one compiled `bulk` step (flex+compile" in md.read_text()

@@ -382,7 +382,45 @@ def test_flex_failure_falls_back_or_raises(tiny, mode):
     if mode == "flex":
         with pytest.raises(RuntimeError, match="FlexAttention decode failed at slot prefix 4"):
             _run(eng, prompts)
+        eng.close()  # _run raised before its close: give the model its attention back
         return
     got = _run(eng, prompts)
     assert [got[i] for i in range(5)] == [hf_greedy(model, p, max_new, stops) for p in prompts]
     assert eng.stats["attention"] == "sdpa_groups" and eng.flex is None
+
+
+@pytest.mark.parametrize("attention", ["flex", "sdpa_groups"])
+def test_compiled_step_equals_hf_greedy(tiny, attention):
+    """prompts.regen_compile: the whole decode step under torch.compile (one compile per slot prefix) gives HF greedy's
+    answers token for token in fp32, rows refilled mid-answer and a tail on a smaller prefix included."""
+    model, _ = tiny
+    max_new = 12
+    prompts = _prompts(11, model.config.vocab_size)
+    stops = _stops(model, prompts, max_new)
+    want = [hf_greedy(model, p, max_new, stops) for p in prompts]
+    eng = SlotEngine(model, 4, max_len=64, max_new_tokens=max_new, stop_ids=stops, check_every=3, cuda_graphs=False,
+                     attention=attention, flex_block=16, min_prefix=2, compile_step=True)
+    assert eng.stats["compiled_step"] and eng._compiled is not None
+    got = _run(eng, prompts)
+    assert [got[i] for i in range(len(prompts))] == want
+    assert eng.stats["compiled_step"] and len(eng.stats["prefix_steps"]) >= 2  # compiled for more than one prefix
+
+
+def test_compiled_step_failure_falls_back(tiny, caplog):
+    """A compiled step that fails is dropped with one warning; the answers are still HF greedy's."""
+    model, _ = tiny
+    max_new = 8
+    prompts = _prompts(5, model.config.vocab_size, seed=7)
+    want = [hf_greedy(model, p, max_new, {0}) for p in prompts]
+
+    def broken(*a, **k):
+        raise RuntimeError("inductor: no C++ compiler")
+
+    eng = SlotEngine(model, 3, max_len=64, max_new_tokens=max_new, stop_ids={0}, check_every=2, cuda_graphs=False,
+                     attention="flex", flex_block=16, compile_step=True)
+    eng._compiled = broken  # as a compile that fails at its first call
+    with caplog.at_level("WARNING"):
+        got = _run(eng, prompts)
+    assert [got[i] for i in range(len(prompts))] == want
+    assert not eng.stats["compiled_step"] and eng.stats["attention"] == "flex"  # flex kept, compile dropped
+    assert sum("compiled decode step failed" in r.message for r in caplog.records) == 1
