@@ -120,7 +120,8 @@ speed_regen() {  # issue 22's figures on the idle GPU, before anything else runs
 speed_online() {  # issue 21's online/offline ratio on the regenerated data, alone on the GPU, before the recipes
   [ "${SPEED:-0}" = 1 ] || return 0
   if [ "${ONLINE_SPEED:-1}" = 0 ]; then  # measured in an earlier lease: size the main run from ONLINE_TPS
-    echo $(( ${STEPS_FOR_S:-0} * ${ONLINE_TPS:-126626} / 15000 > 100 ? ${STEPS_FOR_S:-0} * ${ONLINE_TPS:-126626} / 15000 : 100 )) > "$W/main_steps"
+    local steps=$(( ${STEPS_FOR_S:-0} * ${ONLINE_TPS:-126626} / 15000 ))
+    echo $(( steps > 100 ? steps : 100 )) > "$W/main_steps"
     echo "== main run steps: $(cat "$W/main_steps") (ONLINE_TPS ${ONLINE_TPS:-126626} tokens/s)"
     return 0
   fi

@@ -90,6 +90,7 @@ from eagle3.layers import check_aux_layers, default_aux_layers
 from eagle3.shards.manifest import MANIFEST, ManifestWriter, read_manifest, rewrite_manifest
 from eagle3.shards.fp8 import Storage, storage_from_config
 from eagle3.capture.shard_writer import ShardWriter
+from eagle3.shards import format as shard_format  # TOKEN_PROCESS_MIN read at call time (tests lower it)
 from eagle3.shards.format import (
     DATA_CONFIG,
     LAYER_INDEX_CONVENTION,
@@ -919,10 +920,6 @@ def capture_and_write(backend: CaptureBackend, samples: list[Sample], batches: l
     return rows
 
 
-#: token-only samples to write from which :func:`write_token_samples` uses worker processes
-TOKEN_PROCESS_MIN = 2048
-
-
 def write_token_samples(samples: list[Sample], batches: list[list[int]], done: dict[int, dict], root: Path,
                         rows_per_dir: int, manifest_path: Path, *, write_threads: int, max_pending_tokens: int,
                         on_commit: Optional[Callable[[dict], None]] = None, checksum: str = DEFAULT_ALGO) -> list[dict]:
@@ -930,7 +927,7 @@ def write_token_samples(samples: list[Sample], batches: list[list[int]], done: d
     ``batches`` (positions into ``samples``), in batch order, as ``{input_ids, loss_mask}`` shards
     through the same :class:`eagle3.shard_writer.ShardWriter` (atomic files, checksums, manifest rows in
     order after each shard is durable) as :func:`capture_and_write`; no verifier forward. From
-    :data:`TOKEN_PROCESS_MIN` samples on (and ``write_threads > 1``) the ``write_threads`` writers are processes
+    :data:`eagle3.shards.format.TOKEN_PROCESS_MIN` samples on (and ``write_threads > 1``) the ``write_threads`` writers are processes
     (``ShardWriter(processes=True)``: the pickler holds the GIL). Returns the new rows.
 
     Raises:
@@ -945,7 +942,7 @@ def write_token_samples(samples: list[Sample], batches: list[list[int]], done: d
             on_commit(row)
 
     n_todo = sum(samples[i].idx not in done for group in batches for i in group)
-    procs = write_threads > 1 and n_todo >= TOKEN_PROCESS_MIN
+    procs = write_threads > 1 and n_todo >= shard_format.TOKEN_PROCESS_MIN
     with ManifestWriter(manifest_path) as man, ShardWriter(root, rows_per_dir, man, threads=write_threads,
                                                            max_pending_tokens=max_pending_tokens,
                                                            on_commit=committed, checksum=checksum,

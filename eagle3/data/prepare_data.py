@@ -134,8 +134,6 @@ def validate_workers() -> int:
     return min(8, available_cpus())
 
 
-#: token-only sample sets at least this large are validated by worker processes (:func:`_token_samples_mp`)
-PROCESS_MIN_SHARDS = 2048
 #: shards per :func:`eagle3.capture.tokenize_pool.map_records` call there (bounds the results held at once)
 PROCESS_WINDOW = 16384
 
@@ -169,11 +167,13 @@ def _validated_samples(paths: list[tuple[int, Path]], expect: dict, stats: dict,
     ``num_loss_tokens``, ``max_len``); a shard whose checksum differs from the one 02 recorded in
     ``manifest.jsonl`` (bit rot, a partial copy, an edit) is an error even when it still unpickles.
     ``workers`` threads hash and load ahead (at most ``4 x workers`` shards in flight); token-only sets of
-    at least :data:`PROCESS_MIN_SHARDS` samples go to worker processes instead (one per usable core,
+    at least :data:`eagle3.shards.format.TOKEN_PROCESS_MIN` samples go to worker processes instead (one per usable core,
     :func:`_token_samples_mp`)."""
     from eagle3.capture.tokenize_pool import available_cpus
 
-    if expect.get("tokens_only") and available_cpus() > 1 and len(paths) >= PROCESS_MIN_SHARDS:
+    from eagle3.shards import format as shard_format
+
+    if expect.get("tokens_only") and available_cpus() > 1 and len(paths) >= shard_format.TOKEN_PROCESS_MIN:
         samples = _token_samples_mp(paths, expect, checksums, workers or available_cpus())
     else:
         samples = _samples_threaded(paths, expect, checksums, workers or validate_workers())

@@ -60,9 +60,9 @@ def test_token_only_writer_processes_give_the_serial_bytes(tmp_path, tiny_llama_
     the serial loop's files and manifest byte for byte."""
     import yaml
 
-    import eagle3.capture.extract as ex
+    import eagle3.shards.format as shard_format
 
-    monkeypatch.setattr(ex, "TOKEN_PROCESS_MIN", 1)
+    monkeypatch.setattr(shard_format, "TOKEN_PROCESS_MIN", 1)
     monkeypatch.setattr(sw, "GROUP_SIZE", 3)
     pools = []
     real_pool = sw.ProcessPoolExecutor
@@ -83,8 +83,8 @@ def test_token_only_writer_processes_give_the_serial_bytes(tmp_path, tiny_llama_
     for k in ser:
         if k != "data_config.json":
             assert ser[k] == pro[k], k
-    first = torch.load(next(p for p in sorted((tmp_path / "processes" / "out" / "shards").rglob("*.pt"))),
-                       weights_only=True)
+    shard = next(p for p in sorted((tmp_path / "processes" / "out" / "shards").rglob("*.pt")))
+    first = torch.load(shard, weights_only=True)
     assert set(first) == {"input_ids", "loss_mask"}  # token-only
 
 

@@ -236,13 +236,14 @@ def test_token_only_validation_in_processes_matches_threads(tmp_path, monkeypatc
     counts, across several map_records windows; the first bad shard in order is the one raised."""
     import eagle3.capture.tokenize_pool as tp
     import eagle3.data.prepare_data as pd
+    import eagle3.shards.format as shard_format
 
     paths = _token_shards(tmp_path / "shards", 40)
     expect = {"tokens_only": True, "vocab_size": V}
     monkeypatch.setattr(tp, "available_cpus", lambda: 2)
     st_t = {"num_samples": 0, "num_tokens": 0, "num_loss_tokens": 0, "max_len": 0}
-    threaded = list(pd._validated_samples(paths, expect, st_t, {}, workers=2))  # 40 < PROCESS_MIN_SHARDS
-    monkeypatch.setattr(pd, "PROCESS_MIN_SHARDS", 1)
+    threaded = list(pd._validated_samples(paths, expect, st_t, {}, workers=2))  # 40 < TOKEN_PROCESS_MIN
+    monkeypatch.setattr(shard_format, "TOKEN_PROCESS_MIN", 1)
     monkeypatch.setattr(pd, "PROCESS_WINDOW", 16)  # windows of 16 + 16 + 8
     st_p = {"num_samples": 0, "num_tokens": 0, "num_loss_tokens": 0, "max_len": 0}
     procs = list(pd._validated_samples(paths, expect, st_p, {}, workers=2))
