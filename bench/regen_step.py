@@ -5,7 +5,10 @@ Builds the verifier as stage 01 does (``--config`` + ``--set verifier.path=...``
 ``prompts.gen_batch_size`` slots and ``max_context + max_new_tokens`` columns, then for each setting puts
 the engine's state by hand (the first ``live`` slots live at random lengths, the rest finished) and times
 one decode step over the slot prefix ``[:prefix]``: a CUDA-graph replay between CUDA events, median of
-``--reps`` (on CPU: an eager step, ``time.perf_counter``). Settings (slots S, lengths in columns):
+``--reps`` (on CPU: an eager step, ``time.perf_counter``); ``first step s`` is the wall time of the step that
+compiles and captures the prefix (what a run pays once per prefix; Inductor's on-disk cache makes a
+later process's compile of the same shapes cheaper). ``flex+compile`` compiles the full prefix only, as
+stage 01 does (``compile_min_prefix``): its small-prefix rows step eagerly and say so. Settings (slots S, lengths in columns):
 
 * ``bulk``: S live at lengths ~U(100, 700), prefix S (the bulk of a run);
 * ``long``: S live at lengths ~U(L/2, L - 64), prefix S (a full cache's worth of KV);
@@ -99,12 +102,28 @@ def kv_read_bytes(eng, prefix: int, live: int, lengths: list[int]) -> int:
     return cols * eng.kv_bytes_per_token
 
 
+def first_step_s(eng, prefix: int) -> float:
+    """Wall seconds of the engine's first step over ``[:prefix]``: the compile (flex, or the whole step for
+    ``compile_step``) and the CUDA-graph capture a run pays once per slot prefix; a flex failure raises
+    (attention="flex")."""
+    import torch
+
+    cuda = eng.dev.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(eng.dev)
+    t = time.perf_counter()
+    eng._first_step(prefix)
+    if cuda:
+        torch.cuda.synchronize(eng.dev)
+    return time.perf_counter() - t
+
+
 def time_step(eng, prefix: int, reps: int) -> list[float]:
-    """Milliseconds of ``reps`` decode steps over ``[:prefix]`` (graph replays timed by CUDA events on CUDA)."""
+    """Milliseconds of ``reps`` decode steps over ``[:prefix]`` (graph replays timed by CUDA events on CUDA),
+    after :func:`first_step_s` (the caller's) has compiled and captured that prefix."""
     import torch
 
     if eng.dev.type == "cuda":
-        eng._first_step(prefix)  # capture (and compile) / warm-up; a flex failure raises (attention="flex")
         step = eng._graph_step if eng.use_graphs else eng._step
         torch.cuda.synchronize(eng.dev)
         ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
@@ -114,7 +133,6 @@ def time_step(eng, prefix: int, reps: int) -> list[float]:
             b.record()
         torch.cuda.synchronize(eng.dev)
         return [a.elapsed_time(b) for a, b in ev]
-    eng._first_step(prefix)
     out = []
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -168,17 +186,21 @@ def markdown(res: dict) -> str:
     lines = [f"Decode step of the slot engine, {res['verifier']} ({res['dtype']}) on {res['device']}: {res['slots']} slots, "
              f"{res['max_len']} columns, weights {res['weight_bytes'] / 1e6:.1f} MB, KV {res['kv_bytes_per_token']} B/token; "
              f"bandwidth {res['bandwidth_gb_s'] or 0:.0f} GB/s (device copy); median of {res['reps']} steps.", "",
-             "| attention | setting | live | prefix | mean length | ms / step | roofline ms | ratio | KV read / needed |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| attention | setting | live | prefix | mean length | ms / step | roofline ms | ratio | KV read / needed | "
+             "first step s |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in res["rows"]:
         if "error" in r:
             lines.append(f"| {r['attention']} | {r['setting']} | {r.get('live', '')} | {r.get('prefix', '')} | | "
-                         f"failed: {r['error'][:80]} | | | |")
+                         f"failed: {r['error'][:80]} | | | | |")
             continue
         rf = f"{r['roofline_ms']:.3f}" if r.get("roofline_ms") is not None else "-"
         ratio = f"{r['ratio_to_roofline']:.3f}" if r.get("ratio_to_roofline") is not None else "-"
-        lines.append(f"| {r['attention']} | {r['setting']} | {r['live']} | {r['prefix']} | {r['mean_length']:.0f} | "
-                     f"{r['ms_median']:.3f} | {rf} | {ratio} | {r['kv_read_over_needed']:.2f} |")
+        att = r["attention"] + (" (compile dropped)" if r.get("compile_dropped") else
+                                " (eager: prefix < compile_min_prefix)" if r["attention"] == COMPILED
+                                and r.get("compiled") is False else "")
+        lines.append(f"| {att} | {r['setting']} | {r['live']} | {r['prefix']} | {r['mean_length']:.0f} | "
+                     f"{r['ms_median']:.3f} | {rf} | {ratio} | {r['kv_read_over_needed']:.2f} | "
+                     f"{r.get('first_step_s', 0.0):.1f} |")
     for key, how in (("profile", "eager"), ("profile_compiled", "compiled")):
         if not res.get(key):
             continue
@@ -191,14 +213,15 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_path(model, attention: str, a, slots: int, max_len: int, max_new: int, res: dict, t0: float) -> object:
+def run_path(model, attention: str, a, slots: int, max_len: int, max_new: int, res: dict, t0: float,
+             stops: frozenset = frozenset({-1})) -> object:
     """All settings of one attention path into ``res['rows']``; returns the engine (None if it failed to build)."""
     import torch
 
     from eagle3.prompts.continuous import SlotEngine
 
     try:
-        eng = SlotEngine(model, slots, max_len, max_new, {-1}, attention=attention.split("+")[0],
+        eng = SlotEngine(model, slots, max_len, max_new, set(stops), attention=attention.split("+")[0],
                          cuda_graphs=not a.no_graphs, width_classes=[], min_prefix=a.min_prefix,
                          compile_step=attention.endswith("+compile"))
         eng._partition()  # nothing waiting: one group of every slot over the full cache
@@ -219,13 +242,17 @@ def run_path(model, attention: str, a, slots: int, max_len: int, max_new: int, r
             hi = min(hi, max_len - a.reps - 4)
             lengths = [rng.randint(min(lo, hi), hi) for _ in range(st["live"])]
             set_state(eng, st["live"], lengths)
+            first = first_step_s(eng, st["prefix"])
             ms = time_step(eng, st["prefix"], a.reps)
             kv_need = sum(n + 1 for n in lengths) * eng.kv_bytes_per_token
             read = kv_read_bytes(eng, st["prefix"], st["live"], lengths)
             need = res["weight_bytes"] + kv_need
             bw = res["bandwidth_gb_s"]
             med = statistics.median(ms)
-            row.update(mean_length=sum(lengths) / len(lengths), ms_median=med, ms_min=min(ms),
+            # compiled: this row's steps ran the compiled step (False below compile_min_prefix, as in 01, or dropped)
+            row.update(first_step_s=first, compiled=eng._compiled_at(st["prefix"]),
+                       compile_dropped=attention == COMPILED and eng._compiled is None,
+                       mean_length=sum(lengths) / len(lengths), ms_median=med, ms_min=min(ms),
                        kv_bytes_needed=kv_need, kv_bytes_read=read, kv_read_over_needed=read / kv_need,
                        bytes_needed=need, roofline_ms=1000 * need / (bw * 1e9) if bw else None)
             row["ratio_to_roofline"] = row["roofline_ms"] / med if bw else None
@@ -266,13 +293,17 @@ def main(argv=None) -> int:
     if a.tiny:
         model, name = tiny_model(), "tiny random Llama"
         slots, max_new, max_len = 16, 64, 256
+        stops = {-1}
     else:
         from eagle3.config import load_config
         from eagle3.prompts.prepare_prompts import max_context_tokens
-        from eagle3.verifier import load_verifier
+        from eagle3.verifier import load_verifier, stop_token_ids
 
         cfg = load_config(a.config, a.overrides)
-        model, _ = load_verifier(cfg.verifier)
+        model, tok = load_verifier(cfg.verifier)
+        # as many stop ids as 01 passes, none a real token (no row stops): the compiled graphs' shapes, and so
+        # Inductor's on-disk cache key, match 01's and regen_speed's, so their compile of the full prefix is warm
+        stops = set(range(-len(stop_token_ids(tok)), 0))
         name = cfg.verifier.display_name()
         slots, max_new = cfg.prompts.gen_batch_size, cfg.prompts.max_new_tokens
         max_len = max_context_tokens(cfg) + max_new
@@ -295,7 +326,7 @@ def main(argv=None) -> int:
     ran = []
     with torch.inference_mode():
         for att in paths:
-            eng = run_path(model, att, a, slots, max_len, max_new, res, t0)
+            eng = run_path(model, att, a, slots, max_len, max_new, res, t0, frozenset(stops))
             if eng is None:
                 continue
             ran.append(att)
@@ -310,7 +341,7 @@ def main(argv=None) -> int:
         if not a.no_profile and "profile" not in res and ran:  # the preferred path failed: profile one that ran
             from eagle3.prompts.continuous import SlotEngine
 
-            eng = SlotEngine(model, slots, max_len, max_new, {-1}, attention=ran[0].split("+")[0], width_classes=[])
+            eng = SlotEngine(model, slots, max_len, max_new, set(stops), attention=ran[0].split("+")[0], width_classes=[])
             eng._partition()
             profile(eng, ran[0], slots, max_len, res)
             eng.close()

@@ -341,6 +341,10 @@ class SlotEngine(Engine):
             static shapes, one compile per slot prefix, before its CUDA graph is captured). A SmolLM2 step at 1,024
             rows is ~2,600 small kernels around the attention (H200 lease 2026-12-02c: 7.6 ms, 3.4 ms of it
             attention), which Inductor fuses. A failed compile logs one warning and the engine goes on uncompiled.
+        compile_min_prefix: smallest slot prefix the compiled step runs over (default ``slots``: only the full
+            prefix, where nearly every step of a long run falls: the H200 17K run stepped 5,424 times, all at 1,024);
+            smaller prefixes (a run's tail, small test batches) step eagerly with flex compiled alone. Each prefix
+            compiled costs one cold Inductor compile (tens of seconds on the H200).
 
     Memory: ``2 * layers * slots * max_len * kv_heads * head_dim`` elements of the model dtype, plus
     ``slots x max_new_tokens`` int64 answer buffer. Priorities: lower tuples are admitted first.
@@ -355,7 +359,7 @@ class SlotEngine(Engine):
     def __init__(self, model, slots: int, max_len: int, max_new_tokens: int, stop_ids: set[int],
                  check_every: int = 16, prefill_tokens: int = 65536, width_classes: Optional[Sequence[int]] = None,
                  cuda_graphs: bool = True, attention: str = "auto", flex_block: int = 128, min_prefix: int = 8,
-                 compile_step: bool = False):
+                 compile_step: bool = False, compile_min_prefix: Optional[int] = None):
         if slots < 1 or max_new_tokens < 1 or check_every < 1 or max_len <= max_new_tokens:
             raise ValueError("SlotEngine: slots, max_new_tokens, check_every >= 1 and max_len > max_new_tokens")
         self.model, self.S, self.max_len, self.max_new = model, slots, max_len, max_new_tokens
@@ -375,6 +379,7 @@ class SlotEngine(Engine):
         self.flex = self._pick_attention(attention, slots, h, hkv, d, dtype, -(-max_len // flex_block) * flex_block)
         self._flex_alone = self.flex  # the flex call to go back to if the compiled step is dropped
         self._compiled = None
+        self._compile_min = slots if compile_min_prefix is None else max(1, int(compile_min_prefix))
         if compile_step:
             import functools
 
@@ -383,6 +388,7 @@ class SlotEngine(Engine):
             if self.flex is not None:  # traced inside the compiled step (no nested compile)
                 self.flex = functools.partial(flex_decode, block=flex_block)
             self._compiled = torch.compile(self._step_eager, dynamic=False)
+        self._flex_inline = self.flex  # the flex call the compiled step traces (== _flex_alone uncompiled)
         if self.flex is not None:
             width_classes = []
         elif width_classes is None:
@@ -421,7 +427,7 @@ class SlotEngine(Engine):
         self.stats = {"decode_steps": 0, "prefill_calls": 0, "kv_bytes_read": 0, "kv_tokens_needed": 0,
                       "graph_captures": 0, "kv_bytes_per_token": self.kv_bytes_per_token, "prefix_steps": {},
                       "attention": "flex" if self.flex is not None else "sdpa_groups", "prefill_s": 0.0, "decode_s": 0.0,
-                      "compiled_step": self._compiled is not None}
+                      "compiled_step": self._compiled is not None, "compile_min_prefix": self._compile_min}
         self._timed: list[tuple[str, object, object]] = []  # (stat, start, end): CUDA events read at the next sync
         self._swap = _AttnSwap(model).__enter__()
 
@@ -629,9 +635,21 @@ class SlotEngine(Engine):
             self.stats["kv_bytes_read"] += self.check_every * sum((min(b, n) - a) * cap for a, b, cap in self.groups
                                                                   if a < n) * self.kv_bytes_per_token
 
+    def _compiled_at(self, n: int) -> bool:
+        """Whether a step over prefix ``n`` runs the compiled step (``compile_step`` held and ``n >= compile_min_prefix``)."""
+        return self._compiled is not None and n >= self._compile_min
+
     def _step(self, n: Optional[int] = None) -> None:
-        """One decode step of the slots ``[:n]``: the compiled step when ``compile_step`` holds, else :meth:`_step_eager`."""
-        (self._compiled or self._step_eager)(self.S if n is None else n)
+        """One decode step of the slots ``[:n]``: the compiled step where :meth:`_compiled_at`, else :meth:`_step_eager`
+        (the cache's flex call is set to match: traced inline when compiled, compiled alone when eager)."""
+        n = self.S if n is None else n
+        if self._compiled_at(n):
+            self.cache.flex = self._flex_inline if self.flex is not None else None  # None: flex dropped (sdpa_groups)
+            self._compiled(n)
+        else:
+            if self.flex is not None:
+                self.cache.flex = self._flex_alone
+            self._step_eager(n)
 
     def _step_eager(self, n: int) -> None:
         """One decode step of the slots ``[:n]`` (device-only: no host sync; finished and empty slots of the prefix
@@ -664,7 +682,7 @@ class SlotEngine(Engine):
         """The first step over prefix ``n`` (where flex compiles and is captured for that shape): a flex failure
         raises for ``attention="flex"``; for ``auto`` the engine logs it, switches to sdpa_groups and redoes the step."""
         while True:
-            state = [t.clone() for t in self._state()] if self.flex is not None or self._compiled is not None else None
+            state = [t.clone() for t in self._state()] if self.flex is not None or self._compiled_at(n) else None
             try:
                 self._graph_step(n) if self.use_graphs else self._step(n)
                 break
@@ -673,7 +691,7 @@ class SlotEngine(Engine):
                     raise
                 for t, v in zip(self._state(), state):
                     t.copy_(v)
-                if self._compiled is not None:
+                if self._compiled_at(n):
                     self._drop_compile(n, e)  # then the step is retried uncompiled (a flex failure next drops flex)
                 else:
                     self._drop_flex(n, e)
@@ -729,7 +747,7 @@ class SlotEngine(Engine):
         except Exception as e:  # noqa: BLE001 - any capture failure: decode eagerly (same results)
             for t, v in zip(self._state(), state):
                 t.copy_(v)
-            if self.flex is not None or self._compiled is not None:
+            if self.flex is not None or self._compiled_at(n):
                 raise  # _first_step leaves the compiled step, then the flex path (auto), first
             log.warning("CUDA graph capture failed (%s: %s); decoding without graphs", type(e).__name__, e)
             self.use_graphs = False

@@ -58,5 +58,12 @@ def test_regen_step_compiled_path_tiny_on_cpu(tmp_path):
     assert set(by) == {"flex", "flex+compile"} and by["flex"].keys() == by["flex+compile"].keys()
     for name, r in by["flex+compile"].items():
         assert r["ms_median"] > 0 and r["kv_bytes_read"] == by["flex"][name]["kv_bytes_read"]
+        assert r["first_step_s"] > 0 and r["compile_dropped"] is False
+        # the full prefix (16) runs compiled, as 01 does; the small prefix steps eagerly
+        assert r["compiled"] is (r["prefix"] == 16), name
+    assert all(r["compiled"] is False for r in by["flex"].values())
+    # the compile is paid once per slot prefix: the second setting on prefix 16 replays what the first compiled
+    assert by["flex+compile"]["long"]["first_step_s"] < by["flex+compile"]["bulk"]["first_step_s"]
     assert res["profile"]["attention"] == "flex" and res["profile_compiled"]["attention"] == "flex+compile"
     assert "Top kernels of one compiled `bulk` step (flex+compile" in md.read_text()
+    assert "flex+compile (eager: prefix < compile_min_prefix) | tail, small prefix" in md.read_text()

@@ -378,7 +378,7 @@ def test_flex_failure_falls_back_or_raises(tiny, mode):
     def broken(*a, **kw):
         raise RuntimeError("no kernel")
 
-    eng.flex = eng.cache.flex = broken
+    eng.flex = eng._flex_alone = eng.cache.flex = broken  # the eager steps call _flex_alone
     if mode == "flex":
         with pytest.raises(RuntimeError, match="FlexAttention decode failed at slot prefix 4"):
             _run(eng, prompts)
@@ -399,11 +399,36 @@ def test_compiled_step_equals_hf_greedy(tiny, attention):
     stops = _stops(model, prompts, max_new)
     want = [hf_greedy(model, p, max_new, stops) for p in prompts]
     eng = SlotEngine(model, 4, max_len=64, max_new_tokens=max_new, stop_ids=stops, check_every=3, cuda_graphs=False,
-                     attention=attention, flex_block=16, min_prefix=2, compile_step=True)
+                     attention=attention, flex_block=16, min_prefix=2, compile_step=True, compile_min_prefix=2)
     assert eng.stats["compiled_step"] and eng._compiled is not None
     got = _run(eng, prompts)
     assert [got[i] for i in range(len(prompts))] == want
     assert eng.stats["compiled_step"] and len(eng.stats["prefix_steps"]) >= 2  # compiled for more than one prefix
+
+
+def test_compiled_step_full_prefix_only_by_default(tiny):
+    """By default only the full slot prefix runs the compiled step (one cold compile per run); the tail's smaller
+    prefixes step eagerly, and the mix still gives HF greedy's answers token for token in fp32."""
+    model, _ = tiny
+    max_new = 12
+    prompts = _prompts(11, model.config.vocab_size)  # as test_compiled_step_equals_hf_greedy: its tail hits prefix 2
+    stops = _stops(model, prompts, max_new)
+    want = [hf_greedy(model, p, max_new, stops) for p in prompts]
+    eng = SlotEngine(model, 4, max_len=64, max_new_tokens=max_new, stop_ids=stops, check_every=3, cuda_graphs=False,
+                     attention="flex", flex_block=16, min_prefix=2, compile_step=True)
+    assert eng.stats["compile_min_prefix"] == 4
+    compiled, seen = eng._compiled, []
+
+    def counting(n):
+        seen.append(n)
+        return compiled(n)
+
+    eng._compiled = counting
+    got = _run(eng, prompts)
+    assert [got[i] for i in range(len(prompts))] == want
+    assert seen and set(seen) == {4}  # the compiled step ran at the full prefix only
+    assert set(eng.stats["prefix_steps"]) - {"4"}  # and smaller prefixes were stepped (eagerly)
+    assert eng.stats["compiled_step"]
 
 
 def test_compiled_step_failure_falls_back(tiny, caplog):
