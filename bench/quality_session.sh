@@ -40,6 +40,9 @@
 #             bench/regen_speed.py on SPEED_CONFIG (default configs/smollm2-135m-full.yaml; REGEN_ARGS extra
 #             flags); after 03, bench/online_train_speed.py on the first ONLINE_LIMIT (default 2000) regenerated
 #             conversations, ONLINE_STEPS (default 100) steps per mode (default 0 = neither)
+#   REGEN_STEP / REGEN_SPEED 0 = skip bench/regen_step.py / bench/regen_speed.py under SPEED=1 (measured already;
+#             default 1 each). REGEN_COMPILE=auto needs regen_step: lease 2026-12-03 set REGEN_SPEED=0, which then
+#             skipped both, and 01 ran uncompiled
 #   REGEN_COMPILE 1 = prompts.regen_compile=true for every stage; auto = after regen_step (run it with
 #             REGEN_STEP_ARGS="--compile ..."), on when its flex+compile bulk step held and took at most COMPILE_GAIN
 #             (default 0.9) of the eager flex step's time (the decision: $W/regen_compile); default 0
@@ -134,12 +137,14 @@ PYEOF
 }
 
 speed_regen() {  # issue 22's figures on the idle GPU, before anything else runs
-  [ "${SPEED:-0}" = 1 ] && [ "${REGEN_SPEED:-1}" = 1 ] || return 0  # REGEN_SPEED=0: measured already
+  [ "${SPEED:-0}" = 1 ] || return 0
   read -r -a RG <<< "${REGEN_ARGS:-}"
   read -r -a RSA <<< "${REGEN_STEP_ARGS:-}"
-  [ -e bench/regen_step.py ] && phase regen_step "$PY" bench/regen_step.py --config "${SPEED_CONFIG:-configs/smollm2-135m-full.yaml}" \
+  # REGEN_STEP=0 / REGEN_SPEED=0: skip that bench (measured already); regen_step feeds REGEN_COMPILE=auto
+  [ "${REGEN_STEP:-1}" = 1 ] && [ -e bench/regen_step.py ] && phase regen_step "$PY" bench/regen_step.py --config "${SPEED_CONFIG:-configs/smollm2-135m-full.yaml}" \
       "${BASE[@]}" "${RSA[@]}" --json "$W/speed/regen_step.json" --md "$W/speed/regen_step.md"
   compile_choice
+  [ "${REGEN_SPEED:-1}" = 1 ] || return 0
   phase regen_speed "$PY" bench/regen_speed.py --config "${SPEED_CONFIG:-configs/smollm2-135m-full.yaml}" "${BASE[@]}" \
       "${RG[@]}" --json "$W/speed/regen_speed.json" --md "$W/speed/regen_speed.md"
   return 0
@@ -273,7 +278,7 @@ recipes() {  # every recipe, SLOTS chains at a time (each chain retried once: an
     { recipe_chain "$name" "$sets" || { [ -e "$W/deadline.hit" ] || { sleep 20; recipe_chain "$name" "$sets"; }; }; } &
   done
   while [ "$(jobs -rp | grep -vx "$watch" | wc -l)" -gt 0 ]; do sleep 2; done
-  kill "$watch" 2>/dev/null
+  kill "$watch" 2>/dev/null || true  # the watcher has exited once the deadline passed: not a failure of the recipes
 }
 
 pack() {  # per-run flat folders (quality_summary's layout), the summaries, one tarball in $OUT
@@ -302,7 +307,11 @@ PYEOF
     done
   done
   cp "$ROOT"/shards/data_config.json "$res/" 2>/dev/null
-  "$PY" bench/quality_recipes.py "$res/runs" --ref ref --config "$CONFIG" --out "$res/summary" > "$res/summary.txt" 2>&1
+  if [ -d "$res/runs/ref" ]; then  # the recipe table needs its reference run
+    "$PY" bench/quality_recipes.py "$res/runs" --ref ref --config "$CONFIG" --out "$res/summary" > "$res/summary.txt" 2>&1
+  else
+    echo "no run named ref: no recipe table (bench/quality_summary.py on a run folder gives its quality.json)" > "$res/summary.txt"
+  fi
   cat "$res/summary.txt"
   cp "$W/run.log" "$res/" 2>/dev/null
   nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv > "$res/nvidia-smi.txt" 2>/dev/null
