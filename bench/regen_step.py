@@ -280,7 +280,7 @@ def main(argv=None) -> int:
     p.add_argument("--min-prefix", type=positive_int, default=8)
     p.add_argument("--no-graphs", action="store_true", help="time eager steps on CUDA too")
     p.add_argument("--compile", action="store_true", help=f"also time '{COMPILED}': the whole decode step compiled "
-                   "(prompts.regen_compile; one compile per slot prefix)")
+                   "(prompts.regen_compile; compiled at the full prefix only, as 01)")
     p.add_argument("--no-profile", action="store_true")
     p.add_argument("--budget-s", type=float, default=75.0, help="settings left after this many seconds are skipped")
     p.add_argument("--json", type=Path, default=None)
