@@ -392,8 +392,8 @@ def test_flex_failure_falls_back_or_raises(tiny, mode):
 @pytest.mark.parametrize("attention", ["flex", "sdpa_groups"])
 def test_compiled_step_equals_hf_greedy(tiny, attention):
     """prompts.regen_compile: the whole decode step under torch.compile (compile_min_prefix=2: one compile per slot
-    prefix) gives HF greedy's
-    answers token for token in fp32, rows refilled mid-answer and a tail on a smaller prefix included."""
+    prefix) gives HF greedy's answers token for token in fp32, rows refilled mid-answer and a tail on a smaller
+    prefix included."""
     model, _ = tiny
     max_new = 12
     prompts = _prompts(11, model.config.vocab_size)
