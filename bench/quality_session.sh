@@ -127,7 +127,7 @@ import json, sys
 rows = {(r["attention"], r["setting"]): r for r in json.load(open(sys.argv[1]))["rows"] if "error" not in r}
 c, e = rows.get(("flex+compile", "bulk")), rows.get(("flex", "bulk"))
 ok = bool(c and e and c.get("compiled") and c["ms_median"] <= float(sys.argv[2]) * e["ms_median"])
-print(1 if ok else 0, file=sys.stdout)
+print(1 if ok else 0)
 PYEOF
 )
   echo "$on" > "$W/regen_compile"

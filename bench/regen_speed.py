@@ -335,7 +335,7 @@ def main(argv=None) -> int:
     bw = measure_bandwidth(dev, a.copy_gib)
     weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
     # warm-up (kernels, allocator) uncompiled: an 8-slot compile would be a cold compile no later run reuses
-    warm_kw = {e: (o if not (o or {}).get("compile_step") else {**o, "compile_step": False}) for e, o in opts_kw.items()}
+    warm_kw = {**opts_kw, "slots": {**opts_kw["slots"], "compile_step": False}}
     timed_run(model, tok, main_convs[:8], a.main_engine, cfg, 8, 8, warm_kw)
     _, st = timed_run(model, tok, main_convs, a.main_engine, cfg, batch_size, max_new, opts_kw)
     res = {"verifier": cfg.verifier.display_name(), "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),

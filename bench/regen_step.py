@@ -214,14 +214,14 @@ def markdown(res: dict) -> str:
 
 
 def run_path(model, attention: str, a, slots: int, max_len: int, max_new: int, res: dict, t0: float,
-             stops: frozenset = frozenset({-1})) -> object:
+             stops: set[int]) -> object:
     """All settings of one attention path into ``res['rows']``; returns the engine (None if it failed to build)."""
     import torch
 
     from eagle3.prompts.continuous import SlotEngine
 
     try:
-        eng = SlotEngine(model, slots, max_len, max_new, set(stops), attention=attention.split("+")[0],
+        eng = SlotEngine(model, slots, max_len, max_new, stops, attention=attention.split("+")[0],
                          cuda_graphs=not a.no_graphs, width_classes=[], min_prefix=a.min_prefix,
                          compile_step=attention.endswith("+compile"))
         eng._partition()  # nothing waiting: one group of every slot over the full cache
@@ -326,7 +326,7 @@ def main(argv=None) -> int:
     ran = []
     with torch.inference_mode():
         for att in paths:
-            eng = run_path(model, att, a, slots, max_len, max_new, res, t0, frozenset(stops))
+            eng = run_path(model, att, a, slots, max_len, max_new, res, t0, stops)
             if eng is None:
                 continue
             ran.append(att)
@@ -341,7 +341,7 @@ def main(argv=None) -> int:
         if not a.no_profile and "profile" not in res and ran:  # the preferred path failed: profile one that ran
             from eagle3.prompts.continuous import SlotEngine
 
-            eng = SlotEngine(model, slots, max_len, max_new, set(stops), attention=ran[0].split("+")[0], width_classes=[])
+            eng = SlotEngine(model, slots, max_len, max_new, stops, attention=ran[0].split("+")[0], width_classes=[])
             eng._partition()
             profile(eng, ran[0], slots, max_len, res)
             eng.close()

@@ -199,9 +199,10 @@ class PromptsConfig(_Strict):
     regen_cuda_graphs: bool = Field(True, description="continuous engines on CUDA: replay decode steps as CUDA graphs")
     regen_prefill_tokens: int = Field(65536, ge=1, description="slots engine: padded prompt tokens per prefill forward")
     regen_compile: bool = Field(
-        False, description="slots engine: torch.compile the whole decode step at the full slot prefix (one compile, before "
-        "its CUDA graph; a run's smaller tail prefixes step eagerly): fuses the ~2,600 small kernels of a SmolLM2 step around its attention; a failed compile warns "
-        "and decodes uncompiled. Greedy answers are the same in float32")
+        False, description="slots engine: torch.compile the whole decode step at the full slot prefix (one compile, "
+        "before its CUDA graph; a run's smaller tail prefixes step eagerly): fuses the ~2,600 small kernels of a "
+        "SmolLM2 step around its attention; a failed compile warns and decodes uncompiled. Greedy answers are the "
+        "same in float32")
     regen_attention: Literal["auto", "flex", "sdpa_groups"] = Field(
         "auto", description="slots engine decode attention: flex = PyTorch FlexAttention with a per-step BlockMask "
         "from the per-slot lengths (a row reads only its live KV blocks; compiled, captured in the CUDA graph); "

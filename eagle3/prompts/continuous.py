@@ -339,8 +339,8 @@ class SlotEngine(Engine):
         min_prefix: smallest slot prefix a decode window runs over (:func:`prefix_sizes`).
         compile_step: ``torch.compile`` the whole decode step (verifier forward, attention, argmax, state update;
             static shapes, one compile per slot prefix from ``compile_min_prefix`` up, before its CUDA graph is
-            captured). A SmolLM2 step at 1,024 rows is ~2,600 small kernels around the attention (H200 lease 2026-12-02c: 7.6 ms, 3.4 ms of it
-            attention), which Inductor fuses. A failed compile logs one warning and the engine goes on uncompiled.
+            captured). A SmolLM2 step at 1,024 rows is ~2,600 small kernels around the attention (H200 lease
+            2026-12-02c: 7.6 ms, 3.4 ms of it attention), which Inductor fuses. A failed compile logs one warning and the engine goes on uncompiled.
         compile_min_prefix: smallest slot prefix the compiled step runs over (default ``slots``: only the full
             prefix, where nearly every step of a long run falls: the H200 17K run stepped 5,424 times, all at 1,024);
             smaller prefixes (a run's tail, small test batches) step eagerly with flex compiled alone. Each prefix
