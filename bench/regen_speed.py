@@ -139,7 +139,10 @@ def roofline(st: dict, weight_bytes: int, bandwidth: float | None) -> dict:
             "attention": es.get("attention"), "prefix_steps": es.get("prefix_steps"),
             "decode_s": es.get("decode_s"), "prefill_s": es.get("prefill_s"), "seconds": st["seconds"],
             "ms_per_decode_step": 1000 * st["seconds"] / max(1, st["decode_steps"]),
-            "roofline_ms_per_step": 1000 * need / bandwidth / max(1, st["decode_steps"])}
+            "roofline_ms_per_step": 1000 * need / bandwidth / max(1, st["decode_steps"]),
+            # the first step of each slot prefix (compile + graph capture; host seconds within decode_s): a fixed cost
+            # per run (lease 2026-12-03b: 7.30 ms a decode window step at 17K, 5.40 ms at 100K, compiled both)
+            "first_step_s": sum((es.get("first_step_s") or {}).values()) if "first_step_s" in es else None}
 
 
 def step_ms(model, slots: int, width: int, max_new: int, graphs: bool, reps: int = 20, attention: str = "auto") -> float:
@@ -244,6 +247,10 @@ def markdown(res: dict) -> str:
         if rf.get("decode_s") is not None:
             lines.append(f"| seconds: decode steps / prefill forwards / rest of the run (device time) | "
                          f"{rf['decode_s']:.1f} / {rf['prefill_s']:.1f} / {rf['seconds'] - rf['decode_s'] - rf['prefill_s']:.1f} |")
+        if rf.get("first_step_s") is not None:
+            rest = rf["seconds"] - rf["first_step_s"]
+            lines.append(f"| seconds of first steps per prefix (compile + capture, within decode) / tokens/s without "
+                         f"them | {rf['first_step_s']:.1f} / {m['new_tokens'] / rest if rest > 0 else 0:.0f} |")
         if rf.get("prefix_steps"):
             lines += ["", "Decode steps per slot prefix: " + ", ".join(
                 f"{n}: {c}" for n, c in sorted(rf["prefix_steps"].items(), key=lambda x: -int(x[0]))) + "."]

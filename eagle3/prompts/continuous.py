@@ -353,7 +353,8 @@ class SlotEngine(Engine):
     sdpa_groups: every prefix row up to its group's cap), ``kv_tokens_needed`` (the live rows' attended
     columns), ``prefix_steps`` (decode steps per prefix size, keys as strings), ``attention`` (the path taken),
     ``prefill_s`` / ``decode_s`` (device seconds of the prefill forwards / decode windows between CUDA events,
-    read at each check; host seconds on the CPU).
+    read at each check; host seconds on the CPU), ``first_step_s`` (host seconds of each prefix's first step, keys
+    as strings: its compile and graph capture, timed between two syncs, within ``decode_s``).
     """
 
     def __init__(self, model, slots: int, max_len: int, max_new_tokens: int, stop_ids: set[int],
@@ -427,7 +428,8 @@ class SlotEngine(Engine):
         self.stats = {"decode_steps": 0, "prefill_calls": 0, "kv_bytes_read": 0, "kv_tokens_needed": 0,
                       "graph_captures": 0, "kv_bytes_per_token": self.kv_bytes_per_token, "prefix_steps": {},
                       "attention": "flex" if self.flex is not None else "sdpa_groups", "prefill_s": 0.0, "decode_s": 0.0,
-                      "compiled_step": self._compiled is not None, "compile_min_prefix": self._compile_min}
+                      "compiled_step": self._compiled is not None, "compile_min_prefix": self._compile_min,
+                      "first_step_s": {}}
         self._timed: list[tuple[str, object, object]] = []  # (stat, start, end): CUDA events read at the next sync
         self._swap = _AttnSwap(model).__enter__()
 
@@ -680,7 +682,12 @@ class SlotEngine(Engine):
 
     def _first_step(self, n: int) -> None:
         """The first step over prefix ``n`` (where flex compiles and is captured for that shape): a flex failure
-        raises for ``attention="flex"``; for ``auto`` the engine logs it, switches to sdpa_groups and redoes the step."""
+        raises for ``attention="flex"``; for ``auto`` the engine logs it, switches to sdpa_groups and redoes the step.
+        Its host seconds (compile + capture; one sync before and after) go to ``stats["first_step_s"][str(n)]``."""
+        cuda = self.dev.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.dev)
+        t0 = time.perf_counter()
         while True:
             state = [t.clone() for t in self._state()] if self.flex is not None or self._compiled_at(n) else None
             try:
@@ -695,6 +702,10 @@ class SlotEngine(Engine):
                     self._drop_compile(n, e)  # then the step is retried uncompiled (a flex failure next drops flex)
                 else:
                     self._drop_flex(n, e)
+        if cuda:
+            torch.cuda.synchronize(self.dev)
+        fs = self.stats["first_step_s"]
+        fs[str(n)] = fs.get(str(n), 0.0) + time.perf_counter() - t0  # a prefix retried after a dropped path adds up
         self._tried.add(n)
 
     def _drop_compile(self, n: int, e: Exception) -> None:

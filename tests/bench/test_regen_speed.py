@@ -31,6 +31,11 @@ def test_roofline_by_hand():
                     "tokens_per_s": 5.0, "decode_steps": 10}, "roofline": r, "verifier": "v", "dtype": "bf16",
            "device": "d", "batch_size": 4, "max_new_tokens": 8, "max_context": 16, "bandwidth_gb_s": 1.0}
     assert "| 1.2 / 0.5 / 0.2 |" in rsp.markdown(res)  # decode / prefill / the rest of the 2 s
+    assert r["first_step_s"] is None and "first steps" not in rsp.markdown(res)  # an engine without the stat
+    st["engine_stats"]["first_step_s"] = {"8": 0.25, "4": 0.15}
+    res["roofline"] = rsp.roofline(st, weight_bytes=100, bandwidth=1000.0)
+    assert res["roofline"]["first_step_s"] == 0.4
+    assert "| 0.4 / 6 |" in rsp.markdown(res)  # 10 tokens in the 2 s less 0.4 s of first steps = 6.25 tokens/s
 
 
 def test_bench_runs_tiny_on_cpu(tmp_path, tiny_llama_dir):

@@ -67,3 +67,26 @@ def test_regen_step_compiled_path_tiny_on_cpu(tmp_path):
     assert res["profile"]["attention"] == "flex" and res["profile_compiled"]["attention"] == "flex+compile"
     assert "Top kernels of one compiled `bulk` step (flex+compile" in md.read_text()
     assert "flex+compile (eager: prefix < compile_min_prefix) | tail, small prefix" in md.read_text()
+
+
+def test_kernel_rows_count_device_events_once():
+    """A CUDA profile lists a kernel twice (its launcher record on the CPU, the kernel on the device) and a CPU op
+    (aten::mm) with its kernels' time as self device time: only device-side events count (the compiled step's table of
+    lease 2026-12-03b summed 9.98 ms for a 5.3 ms step)."""
+    from types import SimpleNamespace as E
+
+    from torch.autograd import DeviceType
+
+    cpu, dev = DeviceType.CPU, DeviceType.CUDA
+    evs = [E(key="triton_flex", count=30, device_type=cpu, self_device_time_total=3000.0, self_cpu_time_total=50.0),
+           E(key="triton_flex", count=30, device_type=dev, self_device_time_total=3000.0, self_cpu_time_total=0.0),
+           E(key="aten::mm", count=4, device_type=cpu, self_device_time_total=1000.0, self_cpu_time_total=80.0),
+           E(key="nvjet_gemm", count=4, device_type=dev, self_device_time_total=1000.0, self_cpu_time_total=0.0),
+           E(key="aten::argmax", count=1, device_type=cpu, self_device_time_total=0.0, self_cpu_time_total=9.0)]
+    rows = rst.kernel_rows(evs, cuda=True)
+    assert [(r["kernel"], r["calls"], r["us"]) for r in rows] == [
+        ("triton_flex", 30, 3000.0), ("nvjet_gemm", 4, 1000.0), ("(all)", 34, 4000.0)]
+    assert rows[0]["share"] == 0.75 and rows[1]["share"] == 0.25
+    # on the CPU the ops' own CPU time is the figure (device events have none)
+    rows = rst.kernel_rows(evs, cuda=False, rows=2)
+    assert [(r["kernel"], r["us"]) for r in rows] == [("aten::mm", 80.0), ("triton_flex", 50.0), ("(all)", 139.0)]

@@ -118,6 +118,10 @@ def test_slot_engine_prefixes_equal_hf_greedy(tiny, attention, slots, check_ever
     assert sum(ps.values()) == eng.stats["decode_steps"] and set(ps) <= set(prefix_sizes(slots, min_prefix))
     if min_prefix < slots:
         assert len(ps) >= 2  # the tail ran on a smaller prefix than the bulk
+    # each prefix stepped has its first step timed once (its compile/capture), inside the decode windows
+    fs = eng.stats["first_step_s"]
+    assert set(fs) == set(eng.stats["prefix_steps"]) and all(v > 0 for v in fs.values())
+    assert sum(fs.values()) <= eng.stats["decode_s"]
     kv = eng.stats["kv_tokens_needed"] * eng.stats["kv_bytes_per_token"]
     assert kv <= eng.stats["kv_bytes_read"] <= eng.stats["decode_steps"] * slots * 128 * eng.stats["kv_bytes_per_token"]
     if attention == "flex":
