@@ -5,6 +5,7 @@ Single process: ``python 04_train.py --config configs/smollm2-135m.yaml``
 Several GPUs:   ``torchrun --nproc_per_node 8 04_train.py --config configs/kimi-k2.5.yaml``
 Continue after a crash/preemption: add ``--resume`` (newest complete checkpoint in {train_dir}/checkpoints).
 Export for the other engine without retraining: ``--export-only --engine vllm``.
+Warm start from an exported drafter (same data and vocab map): ``--set train.init_from=outputs/run/drafter-sglang``.
 SIGTERM/SIGINT finish the current optimizer step, write a checkpoint and exit 128 + the signal
 number (143 for SIGTERM, 130 for SIGINT, the shell's convention for a process ended by a signal), with
 no export: so `04_train.py && 05_benchmark.py` stops there, and a scheduler does not count the run as
@@ -34,10 +35,10 @@ def main(argv=None) -> int:
 
         print(f"exported: {export_from_checkpoint(cfg)}")
         return 0
-    from eagle3.export.from_checkpoint import export_for_run
+    from eagle3.export.from_checkpoint import export_for_run, load_init_drafter
     from eagle3.train.trainer import run
 
-    res = run(cfg, resume=a.resume, max_steps=a.max_steps, export=export_for_run)
+    res = run(cfg, resume=a.resume, max_steps=a.max_steps, export=export_for_run, init=load_init_drafter)
     if res["stopped"]:
         return interrupted_exit(res)
     return 0

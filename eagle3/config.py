@@ -359,6 +359,11 @@ class TrainConfig(_Strict):
         "simulated acceptance length tau_sim = 1 + sum_m prod_{j<=m} alpha_j (alpha_j = held-out top-1 of TTT position j; "
         "TorchSpec/SpecForge simulated_acc_len + 1; eagle3/train/sim_accept.py). The curve is reported either way")
     select_chain: Optional[int] = Field(None, ge=1, description="chain length k of tau_sim for select_best; default benchmark.steps")
+    init_from: Optional[str] = Field(
+        None, description="exported drafter folder (04's drafter-sglang / drafter-vllm, or a compatible EAGLE-3 export) "
+        "whose weights start this run: a warm start with a fresh optimizer and schedule (SpecForge's / speculators' "
+        "continue-from-a-drafter); its variant, shapes, d2t and aux layers must be this run's. A checkpoint of "
+        "--resume overrides it")
     ckpt_every: int = Field(500, ge=1)
     keep_checkpoints: int = Field(2, ge=1)
     bf16: Literal["auto", "on", "off"] = Field("auto", description="auto = bf16 autocast on GPU only")

@@ -92,6 +92,35 @@ def _with_config_context(cfg: RunConfig, args):
     return args
 
 
+def load_init_drafter(cfg: RunConfig, embed_weight, data_config: dict):
+    """The drafter of ``train.init_from`` (an exported folder) for 04's warm start
+    (:func:`eagle3.train.trainer.warm_start` copies its trainable tensors).
+
+    Args:
+        cfg: the run config (``train.init_from`` set).
+        embed_weight: the verifier's input embedding ``[target_V, H]`` (exports leave it out).
+        data_config: the shards' ``data_config.json``: its HF ``aux_layers`` must be the folder's.
+
+    Returns:
+        ``Eagle3Drafter`` (float32, CPU; :func:`eagle3.export.serving.load_exported`).
+
+    Raises:
+        UserError: not a folder; the folder records other HF aux layers than the shards (its ``fc`` reads other
+            verifier layers: near-zero acceptance); or any error of :func:`eagle3.export.serving.load_exported`.
+    """
+    from eagle3.export.serving import check_export_folder, load_exported
+
+    path = Path(cfg.train.init_from)
+    if not path.is_dir():
+        raise UserError(f"train.init_from: folder '{path}' not found (an exported drafter folder: 04's drafter-sglang)")
+    aux = [int(i) for i in data_config["aux_layers"]]
+    got = check_export_folder(path)["aux_layers_hf"]
+    if got is not None and list(got) != aux:
+        raise UserError(f"{path}: train.init_from was trained on HF aux layers {list(got)}, this run's shards hold "
+                        f"{aux} (data_config.json aux_layers)")
+    return load_exported(path, embed_weight=embed_weight)
+
+
 def export_for_run(cfg: RunConfig, drafter, data_config: dict) -> Path:
     """Export ``drafter`` for ``cfg.export.engine`` into ``cfg.export_dir``, in ``export.dtype``
     (``auto`` = ``verifier.dtype``), with the verifier facts and HF aux layers of the shards'

@@ -702,7 +702,8 @@ def _move_batch(batch: dict, device: torch.device, float_dtype: torch.dtype) -> 
 
 
 def run(cfg: RunConfig, resume: bool = False, max_steps: Optional[int] = None, stop_after: Optional[int] = None,
-        device: Optional[str] = None, export: Optional[Callable[[RunConfig, Any, dict], Path]] = None) -> dict:
+        device: Optional[str] = None, export: Optional[Callable[[RunConfig, Any, dict], Path]] = None,
+        init: Optional[Callable[[RunConfig, torch.Tensor, dict], nn.Module]] = None) -> dict:
     """Train (or continue training) the drafter described by ``cfg``; see the module docstring.
 
     Args:
@@ -718,6 +719,10 @@ def run(cfg: RunConfig, resume: bool = False, max_steps: Optional[int] = None, s
             stopped early), before the report; returns the export folder. ``04_train.py`` passes
             :func:`eagle3.export.from_checkpoint.export_for_run`; None = no export (stage 04 never imports
             the later export package).
+        init: with ``train.init_from``, called as ``init(cfg, embed_weight [V, H], data_config)`` on every rank and
+            returns the drafter in that folder (``04_train.py`` passes
+            :func:`eagle3.export.from_checkpoint.load_init_drafter`); its trainable tensors start the run
+            (:func:`warm_start`).
 
     Returns:
         dict: ``step``, ``total_steps``, ``stopped`` (True when interrupted by a signal or
@@ -734,7 +739,7 @@ def run(cfg: RunConfig, resume: bool = False, max_steps: Optional[int] = None, s
 
     try:
         with no_cudnn_sdpa():  # batch shapes change every step: no per-shape cuDNN plans (~40 ms each)
-            return _run(cfg, d, stop, resume, max_steps, stop_after, export)
+            return _run(cfg, d, stop, resume, max_steps, stop_after, export, init)
     finally:
         stop.restore()
         if d.initialized_here and dist.is_initialized():
@@ -742,9 +747,9 @@ def run(cfg: RunConfig, resume: bool = False, max_steps: Optional[int] = None, s
 
 
 def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: Optional[int],
-         stop_after: Optional[int], export: Optional[Callable] = None) -> dict:
-    """The stage in named steps: inputs (+ folder check), data, optimisation, resume, loop, end."""
-    inputs = _load_inputs(cfg, d, resume)
+         stop_after: Optional[int], export: Optional[Callable] = None, init: Optional[Callable] = None) -> dict:
+    """The stage in named steps: inputs (+ folder check, warm start), data, optimisation, resume, loop, end."""
+    inputs = _load_inputs(cfg, d, resume, init)
     data = _build_data(cfg, d, inputs, max_steps)
     run_ = _Training(cfg, d, inputs, data, _build_optimisation(cfg, d, inputs, data.total_steps))
     try:
@@ -789,7 +794,46 @@ class _Inputs:
     states: Any
 
 
-def _load_inputs(cfg: RunConfig, d: DistInfo, resume: bool) -> _Inputs:
+def warm_start(drafter: nn.Module, src: nn.Module, source: str) -> int:
+    """Copy ``src``'s trainable tensors into ``drafter`` (in place; ``train.init_from``'s warm start).
+
+    Both are :class:`eagle3.train.model.Eagle3Drafter`; ``drafter`` is this run's freshly initialised one (its
+    frozen ``embed_tokens`` and vocab map stay). Every trainable tensor of ``drafter`` must exist in ``src`` with the
+    same shape, and ``src``'s trainable set must hold nothing else; the variant and the ``d2t`` offset table (int64
+    ``[draft_V]``) must be equal: an ``lm_head`` row is a draft id, which names another target token under another
+    stage-03 map (FIELD-NOTES section 3).
+
+    Returns:
+        the number of tensors copied.
+
+    Raises:
+        UserError: naming ``source`` and the first difference (variant, d2t, a missing / extra / misshapen tensor).
+    """
+    a, b = getattr(src.args, "variant", "eagle3"), getattr(drafter.args, "variant", "eagle3")
+    if a != b:
+        raise UserError(f"{source}: train.init_from is a {a} drafter but this run trains {b} (drafter.variant)")
+    if tuple(src.d2t.shape) != tuple(drafter.d2t.shape) or not torch.equal(src.d2t.cpu(), drafter.d2t.cpu()):
+        raise UserError(f"{source}: train.init_from's d2t differs from this run's vocab map (draft vocab "
+                        f"{src.d2t.numel()} vs {drafter.d2t.numel()}): it was trained on another stage-03 map; "
+                        f"warm-start only on the same data and data.draft_vocab_size")
+    mine = {n: p for n, p in drafter.named_parameters() if p.requires_grad}
+    theirs = dict(src.named_parameters())
+    for name, p in mine.items():
+        if name not in theirs:
+            raise UserError(f"{source}: train.init_from has no tensor '{name}' (drafter shape differs from the config)")
+        if tuple(theirs[name].shape) != tuple(p.shape):
+            raise UserError(f"{source}: train.init_from's '{name}' is {list(theirs[name].shape)}, this run's drafter "
+                            f"needs {list(p.shape)} (drafter.* settings differ)")
+    extra = sorted(n for n, p in theirs.items() if n not in mine and n != "embed_tokens.weight")
+    if extra:
+        raise UserError(f"{source}: train.init_from has tensor '{extra[0]}' that this run's drafter does not train")
+    with torch.no_grad():
+        for name, p in mine.items():
+            p.copy_(theirs[name].to(p.device, p.dtype))
+    return len(mine)
+
+
+def _load_inputs(cfg: RunConfig, d: DistInfo, resume: bool, init: Optional[Callable] = None) -> _Inputs:
     """Inputs step: ``data_config.json``, vocab map, split, drafter args (all read and checked before anything
     is written, so a bad input is the first error and leaves no empty train/ folder behind), the folder check,
     verifier head, drafter init, and the hidden-state source (shards, or the verifier / capture servers for
@@ -805,7 +849,13 @@ def _load_inputs(cfg: RunConfig, d: DistInfo, resume: bool) -> _Inputs:
     head = prepare_target_head(cfg, data_config, d)  # the first write: target_head.safetensors (creates train_dir)
     if d.is_main:
         cfg.train_dir.mkdir(parents=True, exist_ok=True)
-    drafter = init_drafter(args, head, vocab, cfg.train.seed).to(d.device)
+    drafter = init_drafter(args, head, vocab, cfg.train.seed)
+    if cfg.train.init_from:  # warm start (a --resume checkpoint, restored later, overrides it)
+        if init is None:
+            raise UserError("train.init_from: needs the export loader that 04_train.py passes (trainer.run(init=...))")
+        n = warm_start(drafter, init(cfg, drafter.embed_tokens.weight, data_config), cfg.train.init_from)
+        log.info("warm start: %d trainable tensors from %s", n, cfg.train.init_from)
+    drafter = drafter.to(d.device)
     amp = _autocast_dtype(cfg, d.device)
     feat_dtype = torch.bfloat16 if amp is not None else torch.float32
     inputs = _Inputs(
@@ -1142,6 +1192,7 @@ class _Training:
                   "checkpoint": str(self.last_ckpt) if self.last_ckpt else None, "export_dir": None, "final_val": {},
                   "tokens_per_s": (self.tok_total / self.t_total) if self.t_total > 0 else None,
                   "peak_gpu_mem_gib": _peak_gpu_mem_gib(d.device), "hidden_states": self.t.hidden_states,
+                  "init_from": self.t.init_from,
                   "recipe": {k: getattr(self.t, k) for k in ("loss", "lk_eta", "lr", "epochs", "batch_tokens", "batch_size",
                                                            "grad_accum", "warmup_ratio", "ttt_length", "select_best")}}
         if self.stopped:  # no final validation, no export; the report says where it stopped and how to go on

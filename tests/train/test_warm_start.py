@@ -1,0 +1,98 @@
+"""train.init_from: a warm start from an exported drafter (same data and vocab map), its round trip and refusals."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _ddp_worker import make_tiny_run, single_thread  # noqa: E402,F401  (autouse fixture)
+
+from eagle3.config import load_config  # noqa: E402
+from eagle3.data.vocab import load_vocab_map  # noqa: E402
+from eagle3.errors import UserError  # noqa: E402
+from eagle3.export.from_checkpoint import export_for_run, load_init_drafter  # noqa: E402
+from eagle3.shards.format import read_data_config  # noqa: E402
+from eagle3.train import checkpoint as ckpt  # noqa: E402
+from eagle3.train.target_head import TargetHead  # noqa: E402
+from eagle3.train.trainer import build_drafter_args, init_drafter, run, warm_start  # noqa: E402
+
+F32 = ["export.dtype=float32"]  # an exact round trip (the default export dtype is the verifier's)
+
+
+def _trained(tmp_path: Path):
+    """Run A: 4 steps on the tiny data, exported in float32; returns (config, final checkpoint state)."""
+    a = load_config(make_tiny_run(tmp_path / "a", train={"epochs": 1}), F32)
+    run(a, device="cpu", export=export_for_run)
+    return a, ckpt.load_checkpoint(ckpt.list_checkpoints(a.train_dir)[-1][1])
+
+
+def _fresh(cfg):
+    dc = read_data_config(cfg.shards_dir)
+    vocab = load_vocab_map(cfg.data_dir / "vocab_map.pt")
+    drafter = init_drafter(build_drafter_args(cfg, dc, vocab), TargetHead.load(cfg.train_dir), vocab, seed=1)
+    return drafter, dc
+
+
+def test_warm_start_copies_the_exported_weights_exactly(tmp_path):
+    a, state = _trained(tmp_path)
+    b = load_config(make_tiny_run(tmp_path / "b"), F32 + [f"train.init_from={a.export_dir}"])
+    drafter, dc = _fresh(b)
+    before = drafter.fc.weight.detach().clone()
+    n = warm_start(drafter, load_init_drafter(b, drafter.embed_tokens.weight, dc), str(a.export_dir))
+    trained = {k: v for k, v in state["model"].items() if k != "embed_tokens.weight" and v.is_floating_point()
+               and k in dict(drafter.named_parameters())}
+    assert n == len(trained) > 3 and not torch.equal(before, drafter.fc.weight)
+    params = dict(drafter.named_parameters())
+    for k, v in trained.items():
+        assert torch.equal(params[k].detach(), v), k  # A's final weights, bit for bit
+    assert torch.equal(drafter.embed_tokens.weight, TargetHead.load(b.train_dir).embed)  # the frozen embedding stays
+
+
+def test_warm_started_run_starts_where_the_init_ended(tmp_path):
+    """The same data again: run B's first-step loss from A's weights is below a cold run's (and the report says so)."""
+    a, _ = _trained(tmp_path)
+    b = load_config(make_tiny_run(tmp_path / "b", train={"max_steps": 1}), [f"train.init_from={a.export_dir}"])
+    c = load_config(make_tiny_run(tmp_path / "c", train={"max_steps": 1}))
+    rb = run(b, device="cpu", init=load_init_drafter)
+    run(c, device="cpu")
+
+    def first_loss(cfg):
+        rows = [json.loads(x) for x in (cfg.train_dir / "metrics.jsonl").read_text().splitlines()]
+        return next(r["loss"] for r in rows if r["kind"] == "train")
+
+    assert first_loss(b) < first_loss(c)
+    assert rb["init_from"] == str(a.export_dir)
+    assert json.loads((b.train_dir / "train_report.json").read_text())["init_from"] == str(a.export_dir)
+    # without the loader (trainer.run called directly) the setting is refused, not ignored
+    d = load_config(make_tiny_run(tmp_path / "d"), [f"train.init_from={a.export_dir}"])
+    with pytest.raises(UserError, match="train.init_from: needs the export loader"):
+        run(d, device="cpu")
+
+
+def test_warm_start_refusals(tmp_path):
+    a, _ = _trained(tmp_path)
+    b = load_config(make_tiny_run(tmp_path / "b"), [f"train.init_from={a.export_dir}"])
+    drafter, dc = _fresh(b)
+    src = load_init_drafter(b, drafter.embed_tokens.weight, dc)
+    src.d2t[0] += 1  # another stage-03 map
+    with pytest.raises(UserError, match=r"drafter-sglang: train.init_from's d2t differs from this run's vocab map"):
+        warm_start(drafter, src, str(a.export_dir))
+    with pytest.raises(UserError, match=r"trained on HF aux layers \[2, 3, 4\], this run's shards hold \[1, 3, 4\]"):
+        load_init_drafter(b, drafter.embed_tokens.weight, dict(dc, aux_layers=[1, 3, 4]))
+    missing = load_config(make_tiny_run(tmp_path / "m"), [f"train.init_from={tmp_path / 'nowhere'}"])
+    with pytest.raises(UserError, match="train.init_from: folder .*nowhere' not found"):
+        load_init_drafter(missing, drafter.embed_tokens.weight, dc)
+    v31 = load_config(make_tiny_run(tmp_path / "v"), [f"train.init_from={a.export_dir}", "drafter.variant=eagle3.1"])
+    d31, dc31 = _fresh(v31)
+    with pytest.raises(UserError, match="is a eagle3 drafter but this run trains eagle3.1"):
+        warm_start(d31, load_init_drafter(v31, d31.embed_tokens.weight, dc31), str(a.export_dir))
+    wide = load_config(make_tiny_run(tmp_path / "w"), [f"train.init_from={a.export_dir}", "drafter.intermediate_size=40"])
+    dw, dcw = _fresh(wide)
+    with pytest.raises(UserError, match=r"train.init_from's '.*mlp.gate_proj.weight' is \[32, 16\], this run's drafter needs \[40, 16\]"):
+        warm_start(dw, load_init_drafter(wide, dw.embed_tokens.weight, dcw), str(a.export_dir))
