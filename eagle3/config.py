@@ -362,8 +362,9 @@ class TrainConfig(_Strict):
     init_from: Optional[str] = Field(
         None, description="exported drafter folder (04's drafter-sglang / drafter-vllm, or a compatible EAGLE-3 export) "
         "whose weights start this run: a warm start with a fresh optimizer and schedule (SpecForge's / speculators' "
-        "continue-from-a-drafter); its variant, shapes, d2t and aux layers must be this run's. A checkpoint of "
-        "--resume overrides it")
+        "continue-from-a-drafter); its variant, shapes, verifier vocab and aux layers must be this run's. Under another "
+        "vocab map (other data or data.draft_vocab_size) lm_head rows move by target token and tokens it never "
+        "drafted keep their verifier init. A checkpoint of --resume overrides it")
     ckpt_every: int = Field(500, ge=1)
     keep_checkpoints: int = Field(2, ge=1)
     bf16: Literal["auto", "on", "off"] = Field("auto", description="auto = bf16 autocast on GPU only")

@@ -794,43 +794,58 @@ class _Inputs:
     states: Any
 
 
-def warm_start(drafter: nn.Module, src: nn.Module, source: str) -> int:
+def warm_start(drafter: nn.Module, src: nn.Module, source: str) -> dict:
     """Copy ``src``'s trainable tensors into ``drafter`` (in place; ``train.init_from``'s warm start).
 
     Both are :class:`eagle3.train.model.Eagle3Drafter`; ``drafter`` is this run's freshly initialised one (its
-    frozen ``embed_tokens`` and vocab map stay). Every trainable tensor of ``drafter`` must exist in ``src`` with the
-    same shape, and ``src``'s trainable set must hold nothing else; the variant and the ``d2t`` offset table (int64
-    ``[draft_V]``) must be equal: an ``lm_head`` row is a draft id, which names another target token under another
-    stage-03 map (FIELD-NOTES section 3).
+    frozen ``embed_tokens``, its vocab map and so its ``lm_head`` rows = the verifier's rows of its draft ids stay
+    where ``src`` has nothing for them). Every trainable tensor of ``drafter`` but ``lm_head.weight`` must exist in
+    ``src`` with the same shape, and ``src``'s trainable set must hold nothing else; the variant and the target vocab
+    must be equal. ``lm_head.weight`` (``[draft_V, H]``) is copied by target token: row ``i`` names target
+    ``i + d2t[i]`` (FIELD-NOTES section 3), so under another stage-03 map (other data, another
+    ``data.draft_vocab_size``) each of this run's draft tokens that ``src`` also drafts gets ``src``'s row for that
+    token, and the others keep their verifier init. Under the same map that is a plain copy.
 
     Returns:
-        the number of tensors copied.
+        ``{"tensors": copied tensors, "lm_head_rows": this run's draft_V, "lm_head_rows_copied": rows from src}``.
 
     Raises:
-        UserError: naming ``source`` and the first difference (variant, d2t, a missing / extra / misshapen tensor).
+        UserError: naming ``source`` and the first difference (variant, target vocab, a missing / extra /
+            misshapen tensor).
     """
     a, b = getattr(src.args, "variant", "eagle3"), getattr(drafter.args, "variant", "eagle3")
     if a != b:
         raise UserError(f"{source}: train.init_from is a {a} drafter but this run trains {b} (drafter.variant)")
-    if tuple(src.d2t.shape) != tuple(drafter.d2t.shape) or not torch.equal(src.d2t.cpu(), drafter.d2t.cpu()):
-        raise UserError(f"{source}: train.init_from's d2t differs from this run's vocab map (draft vocab "
-                        f"{src.d2t.numel()} vs {drafter.d2t.numel()}): it was trained on another stage-03 map; "
-                        f"warm-start only on the same data and data.draft_vocab_size")
+    if int(src.args.target_vocab_size) != int(drafter.args.target_vocab_size):
+        raise UserError(f"{source}: train.init_from drafts for a verifier vocab of {src.args.target_vocab_size} tokens, "
+                        f"this run's verifier has {drafter.args.target_vocab_size} (another tokenizer)")
     mine = {n: p for n, p in drafter.named_parameters() if p.requires_grad}
     theirs = dict(src.named_parameters())
     for name, p in mine.items():
         if name not in theirs:
             raise UserError(f"{source}: train.init_from has no tensor '{name}' (drafter shape differs from the config)")
-        if tuple(theirs[name].shape) != tuple(p.shape):
+        want = list(p.shape) if name != "lm_head.weight" else [None, p.shape[1]]
+        got = list(theirs[name].shape) if name != "lm_head.weight" else [None, theirs[name].shape[1]]
+        if got != want:
             raise UserError(f"{source}: train.init_from's '{name}' is {list(theirs[name].shape)}, this run's drafter "
                             f"needs {list(p.shape)} (drafter.* settings differ)")
     extra = sorted(n for n, p in theirs.items() if n not in mine and n != "embed_tokens.weight")
     if extra:
         raise UserError(f"{source}: train.init_from has tensor '{extra[0]}' that this run's drafter does not train")
+    dv_new, dv_old = drafter.d2t.numel(), src.d2t.numel()
+    tgt_new = torch.arange(dv_new) + drafter.d2t.cpu()  # [dV] target id of each of this run's draft ids
+    tgt_old = torch.arange(dv_old) + src.d2t.cpu()  # [dV_src]
+    row_of = torch.full((int(drafter.args.target_vocab_size),), -1, dtype=torch.long)  # [V] src draft id per target
+    row_of[tgt_old] = torch.arange(dv_old)
+    src_rows = row_of[tgt_new]  # [dV] -1 where src does not draft that token
+    hit = src_rows >= 0  # [dV]
     with torch.no_grad():
         for name, p in mine.items():
-            p.copy_(theirs[name].to(p.device, p.dtype))
-    return len(mine)
+            if name == "lm_head.weight":
+                p[hit.to(p.device)] = theirs[name][src_rows[hit]].to(p.device, p.dtype)  # [n_hit, H]
+            else:
+                p.copy_(theirs[name].to(p.device, p.dtype))
+    return {"tensors": len(mine), "lm_head_rows": dv_new, "lm_head_rows_copied": int(hit.sum())}
 
 
 def _load_inputs(cfg: RunConfig, d: DistInfo, resume: bool, init: Optional[Callable] = None) -> _Inputs:
@@ -853,8 +868,11 @@ def _load_inputs(cfg: RunConfig, d: DistInfo, resume: bool, init: Optional[Calla
     if cfg.train.init_from:  # warm start (a --resume checkpoint, restored later, overrides it)
         if init is None:
             raise UserError("train.init_from: needs the export loader that 04_train.py passes (trainer.run(init=...))")
-        n = warm_start(drafter, init(cfg, drafter.embed_tokens.weight, data_config), cfg.train.init_from)
-        log.info("warm start: %d trainable tensors from %s", n, cfg.train.init_from)
+        ws = warm_start(drafter, init(cfg, drafter.embed_tokens.weight, data_config), cfg.train.init_from)
+        log.info("warm start from %s: %d trainable tensors; lm_head: %d of %d draft tokens from it, the rest from the "
+                 "verifier (another vocab map)" if ws["lm_head_rows_copied"] < ws["lm_head_rows"] else
+                 "warm start from %s: %d trainable tensors (lm_head %d of %d rows)", cfg.train.init_from, ws["tensors"],
+                 ws["lm_head_rows_copied"], ws["lm_head_rows"])
     drafter = drafter.to(d.device)
     amp = _autocast_dtype(cfg, d.device)
     feat_dtype = torch.bfloat16 if amp is not None else torch.float32

@@ -1,4 +1,5 @@
-"""train.init_from: a warm start from an exported drafter (same data and vocab map), its round trip and refusals."""
+"""train.init_from: a warm start from an exported drafter, its round trip, lm_head rows moved by target token under
+another vocab map, and the refusals."""
 
 from __future__ import annotations
 
@@ -44,10 +45,11 @@ def test_warm_start_copies_the_exported_weights_exactly(tmp_path):
     b = load_config(make_tiny_run(tmp_path / "b"), F32 + [f"train.init_from={a.export_dir}"])
     drafter, dc = _fresh(b)
     before = drafter.fc.weight.detach().clone()
-    n = warm_start(drafter, load_init_drafter(b, drafter.embed_tokens.weight, dc), str(a.export_dir))
+    ws = warm_start(drafter, load_init_drafter(b, drafter.embed_tokens.weight, dc), str(a.export_dir))
     trained = {k: v for k, v in state["model"].items() if k != "embed_tokens.weight" and v.is_floating_point()
                and k in dict(drafter.named_parameters())}
-    assert n == len(trained) > 3 and not torch.equal(before, drafter.fc.weight)
+    assert ws == {"tensors": len(trained), "lm_head_rows": 24, "lm_head_rows_copied": 24} and len(trained) > 3
+    assert not torch.equal(before, drafter.fc.weight)
     params = dict(drafter.named_parameters())
     for k, v in trained.items():
         assert torch.equal(params[k].detach(), v), k  # A's final weights, bit for bit
@@ -80,8 +82,8 @@ def test_warm_start_refusals(tmp_path):
     b = load_config(make_tiny_run(tmp_path / "b"), [f"train.init_from={a.export_dir}"])
     drafter, dc = _fresh(b)
     src = load_init_drafter(b, drafter.embed_tokens.weight, dc)
-    src.d2t[0] += 1  # another stage-03 map
-    with pytest.raises(UserError, match=r"drafter-sglang: train.init_from's d2t differs from this run's vocab map"):
+    src.args.target_vocab_size = 64  # a drafter for another tokenizer
+    with pytest.raises(UserError, match=r"drafter-sglang: train.init_from drafts for a verifier vocab of 64 tokens, this"):
         warm_start(drafter, src, str(a.export_dir))
     with pytest.raises(UserError, match=r"trained on HF aux layers \[2, 3, 4\], this run's shards hold \[1, 3, 4\]"):
         load_init_drafter(b, drafter.embed_tokens.weight, dict(dc, aux_layers=[1, 3, 4]))
@@ -96,3 +98,21 @@ def test_warm_start_refusals(tmp_path):
     dw, dcw = _fresh(wide)
     with pytest.raises(UserError, match=r"train.init_from's '.*mlp.gate_proj.weight' is \[32, 16\], this run's drafter needs \[40, 16\]"):
         warm_start(dw, load_init_drafter(wide, dw.embed_tokens.weight, dcw), str(a.export_dir))
+
+
+def test_warm_start_moves_lm_head_rows_by_target_token(tmp_path):
+    """A's map drafts every 2nd target id (24 of 48), B's every 3rd (16): B's draft id i names target 3i, which A
+    drafts as id 3i/2 when i is even. Those 8 rows come from A, the other 8 keep B's verifier init (target 3i's row)."""
+    a, state = _trained(tmp_path)
+    b = load_config(make_tiny_run(tmp_path / "b", draft_vocab=16), F32 + [f"train.init_from={a.export_dir}"])
+    drafter, dc = _fresh(b)
+    d2t_b = drafter.d2t.clone()
+    ws = warm_start(drafter, load_init_drafter(b, drafter.embed_tokens.weight, dc), str(a.export_dir))
+    assert ws["lm_head_rows"] == 16 and ws["lm_head_rows_copied"] == 8
+    head = TargetHead.load(b.train_dir).lm_head  # [48, 16]
+    lm_a = state["model"]["lm_head.weight"]  # [24, 16]
+    for i in range(16):
+        want = lm_a[3 * i // 2] if i % 2 == 0 else head[3 * i]
+        assert torch.equal(drafter.lm_head.weight[i].detach(), want), i
+    assert torch.equal(drafter.d2t, d2t_b)  # the run keeps its own vocab map
+    assert torch.equal(drafter.fc.weight.detach(), state["model"]["fc.weight"])
