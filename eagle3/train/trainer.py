@@ -860,6 +860,9 @@ def _load_inputs(cfg: RunConfig, d: DistInfo, resume: bool, init: Optional[Calla
     vocab = load_run_vocab_map(cfg, int(data_config["vocab_size"]))
     split = read_split(cfg.data_dir)
     args = build_drafter_args(cfg, data_config, vocab)
+    if cfg.train.init_from and not Path(cfg.train.init_from).is_dir():  # before the first write (the full check: below)
+        raise UserError(f"train.init_from: folder '{cfg.train.init_from}' not found (an exported drafter folder: 04's "
+                        f"drafter-sglang)")
     _check_train_dir(cfg, d, resume)
     head = prepare_target_head(cfg, data_config, d)  # the first write: target_head.safetensors (creates train_dir)
     if d.is_main:

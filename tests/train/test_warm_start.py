@@ -116,3 +116,24 @@ def test_warm_start_moves_lm_head_rows_by_target_token(tmp_path):
         assert torch.equal(drafter.lm_head.weight[i].detach(), want), i
     assert torch.equal(drafter.d2t, d2t_b)  # the run keeps its own vocab map
     assert torch.equal(drafter.fc.weight.detach(), state["model"]["fc.weight"])
+
+
+def test_04_cli_passes_the_export_loader(tmp_path):
+    """04_train.py wires train.init_from to the export loader; a missing folder is one line on stderr, exit 2."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    a, _ = _trained(tmp_path)
+    yb = make_tiny_run(tmp_path / "b", train={"max_steps": 1})
+    r = subprocess.run([sys.executable, str(root / "04_train.py"), "--config", str(yb), "--set",
+                        f"train.init_from={a.export_dir}"], capture_output=True, text=True, cwd=root)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rep = json.loads((tmp_path / "b" / "train" / "train_report.json").read_text())
+    assert rep["init_from"] == str(a.export_dir) and rep["step"] == 1
+    yc = make_tiny_run(tmp_path / "c", train={"max_steps": 1})
+    r = subprocess.run([sys.executable, str(root / "04_train.py"), "--config", str(yc), "--set",
+                        f"train.init_from={tmp_path / 'gone'}"], capture_output=True, text=True, cwd=root)
+    lines = [x for x in r.stderr.splitlines() if x.strip() and "Warning" not in x]
+    assert r.returncode == 2 and lines[-1].endswith(f"train.init_from: folder '{tmp_path / 'gone'}' not found (an exported "
+                                                    "drafter folder: 04's drafter-sglang)"), r.stderr[-2000:]
+    assert not (tmp_path / "c" / "train" / "checkpoints").exists()  # nothing half-written
