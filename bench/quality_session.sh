@@ -28,9 +28,10 @@
 #             prompts_report.json of an earlier 01 with the same settings
 #   INIT      warm start of every recipe (train.init_from): an exported drafter folder, or a folder with the parts
 #             drafter.tar.gz.partNN that PACK_DRAFTER left in $OUT (same SEED data: 03 then writes the same vocab map)
-#   PACK_DRAFTER a recipe name: `pack` also brings its export back as drafter.tar.gz.partNN (15 MiB parts; the SmolLM2
-#             EAGLE 3.1 export is ~47 MB), for INIT on a later lease; the prompts are then packed only without SEED
-#             ($OUT takes 8 files)
+#   PACK_DRAFTER a recipe name: once it has exported, `pack` brings its export back as drafter.tar.gz.partNN (15 MiB
+#             parts; the SmolLM2 EAGLE 3.1 export is ~47 MB, bf16) instead of the prompts ($OUT takes 8 files and 64 MiB
+#             together; the prompts come back with the packs before, from the one after 01 on), for INIT on a later
+#             lease (a fresh machine within the session: nothing outside git outlives the session)
 #   RUN_SETS  extra --set for every stage (e.g. "train.hidden_states=online" once online training exists)
 #   COMMON    --set for every recipe run (default "train.select_best=sim_accept train.eval_every=$EVAL_EVERY")
 #   EVAL_EVERY validation interval in optimizer steps (default 50)
@@ -225,7 +226,8 @@ rargs() {  # rargs NAME SETS_WITH_COMMAS -> RA: the --set list of recipe NAME (o
   for o in ${sets//,/ }; do RA+=(--set "${o//@C@/,}"); done
 }
 
-init_drafter() {  # INIT: the folder train.init_from names (parts from an earlier lease's PACK_DRAFTER are unpacked once)
+init_drafter() {  # INIT: the folder train.init_from names (parts from an earlier lease's PACK_DRAFTER are unpacked once);
+  # a typo or a broken archive stops the driver here, before 01 (04 would refuse it only after 01-03)
   [ -n "${INIT:-}" ] || return 0
   if [ -e "$INIT/drafter.tar.gz.part00" ]; then
     INIT_DIR="$W/init-drafter"
@@ -233,8 +235,13 @@ init_drafter() {  # INIT: the folder train.init_from names (parts from an earlie
       rm -rf "$INIT_DIR.tmp"; mkdir -p "$INIT_DIR.tmp"
       cat "$INIT"/drafter.tar.gz.part?? | tar -xzf - -C "$INIT_DIR.tmp" && rm -rf "$INIT_DIR" && mv "$INIT_DIR.tmp" "$INIT_DIR"
     fi
-  else
+  elif [ -d "$INIT" ]; then
     INIT_DIR=$(cd "$INIT" && pwd)
+  else
+    INIT_DIR=
+  fi
+  if [ -z "$INIT_DIR" ] || [ ! -e "$INIT_DIR/config.json" ] || [ ! -e "$INIT_DIR/model.safetensors" ]; then
+    echo "== INIT=$INIT: no exported drafter there (config.json + model.safetensors, or drafter.tar.gz.partNN)"; return 1
   fi
   echo "== warm start from $INIT_DIR"
 }
@@ -339,11 +346,15 @@ PYEOF
   tar -czf "$OUT/quality-results.tar.gz" -C "$W" res status logs speed 2>/dev/null
   # the regenerated prompts, for SEED in a later lease: gzip once, in PARTS_MAX (default 5) parts of 15 MiB at most
   # ($OUT takes 8 files of 16 MiB); left out when larger
-  local ex="$W/runs/${PACK_DRAFTER:-}/drafter-sglang"
-  if [ -n "${PACK_DRAFTER:-}" ] && [ -e "$ex/config.json" ]; then  # the export, for INIT on a later lease
-    tar -czf "$W/drafter.tar.gz" -C "$ex" . && split -b 15M -d -a 2 "$W/drafter.tar.gz" "$OUT/drafter.tar.gz.part"
-  fi
-  if [ -e "$W/status/s01.done" ] && [ -e "$ROOT/prompts.jsonl" ] && { [ -z "${SEED:-}" ] || [ -z "${PACK_DRAFTER:-}" ]; }; then
+  # the export of PACK_DRAFTER, for INIT on a later lease ($OUT takes 8 files and 64 MiB together: with the ~47 MB
+  # drafter the prompts stay behind; they came back with an earlier call's pack, the one after 01, before 04 exported)
+  local ex packed=0
+  for ex in "$W/runs/${PACK_DRAFTER:-none}"/drafter-*/; do
+    [ -n "${PACK_DRAFTER:-}" ] && [ -e "$ex/config.json" ] || continue
+    tar -czf "$W/drafter.tar.gz" -C "$ex" . && split -b 15M -d -a 2 "$W/drafter.tar.gz" "$OUT/drafter.tar.gz.part" && packed=1
+    break
+  done
+  if [ "$packed" = 0 ] && [ -e "$W/status/s01.done" ] && [ -e "$ROOT/prompts.jsonl" ]; then
     [ -e "$W/prompts.jsonl.gz" ] || { gzip -c "$ROOT/prompts.jsonl" > "$W/prompts.gz.tmp" && mv "$W/prompts.gz.tmp" "$W/prompts.jsonl.gz"; }
     if [ "$(stat -c %s "$W/prompts.jsonl.gz")" -le $(( ${PARTS_MAX:-5} * 15728640 )) ]; then
       split -b 15M -d -a 2 "$W/prompts.jsonl.gz" "$OUT/prompts.jsonl.gz.part"; cp "$ROOT/prompts_report.json" "$OUT/"
@@ -365,7 +376,7 @@ speed_bench() {  # SPEED05=NAME: 05's speedup at batch 1 (bench/offline_bench_sp
 case "${1:-}" in
   run)
     [ -e "$W/t0" ] || date +%s > "$W/t0"  # TRAIN_END_S counts from here (a restarted driver keeps the first start)
-    { speed_regen; auto_nprompts; init_drafter; data_track && speed_online && recipes && speed_bench; } ; touch "$W/status/ALL.done" ;;
+    { init_drafter && { speed_regen; auto_nprompts; data_track && speed_online && recipes && speed_bench; }; } ; touch "$W/status/ALL.done" ;;
   start)
     setsid nohup bash "$0" run > "$W/run.log" 2>&1 < /dev/null &
     echo $! > "$W/run.pid"; sleep 2; echo "started (pid $(cat "$W/run.pid")), log $W/run.log" ;;

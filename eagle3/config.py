@@ -360,7 +360,7 @@ class TrainConfig(_Strict):
         "TorchSpec/SpecForge simulated_acc_len + 1; eagle3/train/sim_accept.py). The curve is reported either way")
     select_chain: Optional[int] = Field(None, ge=1, description="chain length k of tau_sim for select_best; default benchmark.steps")
     init_from: Optional[str] = Field(
-        None, description="exported drafter folder (04's drafter-sglang / drafter-vllm, or a compatible EAGLE-3 export) "
+        None, min_length=1, description="exported drafter folder (04's drafter-sglang / drafter-vllm, or a compatible EAGLE-3 export) "
         "whose weights start this run: a warm start with a fresh optimizer and schedule (SpecForge's / speculators' "
         "continue-from-a-drafter); its variant, shapes, verifier vocab and aux layers must be this run's. Under another "
         "vocab map (other data or data.draft_vocab_size) lm_head rows move by target token and tokens it never "

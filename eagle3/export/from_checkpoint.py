@@ -106,7 +106,8 @@ def load_init_drafter(cfg: RunConfig, embed_weight, data_config: dict):
 
     Raises:
         UserError: not a folder; the folder records other HF aux layers than the shards (its ``fc`` reads other
-            verifier layers: near-zero acceptance); or any error of :func:`eagle3.export.serving.load_exported`.
+            verifier layers: near-zero acceptance); or any error of :func:`eagle3.export.serving.load_exported`, prefixed
+            ``train.init_from: ``.
     """
     from eagle3.export.serving import check_export_folder, load_exported
 
@@ -114,11 +115,16 @@ def load_init_drafter(cfg: RunConfig, embed_weight, data_config: dict):
     if not path.is_dir():
         raise UserError(f"train.init_from: folder '{path}' not found (an exported drafter folder: 04's drafter-sglang)")
     aux = [int(i) for i in data_config["aux_layers"]]
-    got = check_export_folder(path)["aux_layers_hf"]
-    if got is not None and list(got) != aux:
-        raise UserError(f"{path}: train.init_from was trained on HF aux layers {list(got)}, this run's shards hold "
-                        f"{aux} (data_config.json aux_layers)")
-    return load_exported(path, embed_weight=embed_weight)
+    try:
+        got = check_export_folder(path)["aux_layers_hf"]
+        if got is not None and list(got) != aux:
+            raise UserError(f"{path}: train.init_from was trained on HF aux layers {list(got)}, this run's shards hold "
+                            f"{aux} (data_config.json aux_layers)")
+        return load_exported(path, embed_weight=embed_weight)
+    except UserError as e:
+        if "train.init_from" in str(e):
+            raise
+        raise UserError(f"train.init_from: {e}") from e
 
 
 def export_for_run(cfg: RunConfig, drafter, data_config: dict) -> Path:

@@ -792,6 +792,7 @@ class _Inputs:
     d2t: torch.Tensor
     t2d: torch.Tensor
     states: Any
+    init_from: Optional[str] = None  # the train.init_from this call warm-started from (None: cold or resumed)
 
 
 def warm_start(drafter: nn.Module, src: nn.Module, source: str) -> dict:
@@ -848,6 +849,31 @@ def warm_start(drafter: nn.Module, src: nn.Module, source: str) -> dict:
     return {"tensors": len(mine), "lm_head_rows": dv_new, "lm_head_rows_copied": int(hit.sum())}
 
 
+def _warm_start_planned(cfg: RunConfig, d: DistInfo, resume: bool) -> bool:
+    """Whether this call warm-starts from ``train.init_from``: set, and no ``--resume`` checkpoint to continue (that
+    one holds the run's weights, the warm start's included). Checks, before anything is written, that the folder
+    looks like an export (``config.json`` + ``model.safetensors``).
+
+    Raises:
+        UserError: ``train.init_from: folder ... not found`` / ``... is not an exported drafter folder``.
+    """
+    src = cfg.train.init_from
+    if not src:
+        return False
+    if resume and ckpt.list_checkpoints(cfg.train_dir):
+        if d.is_main:
+            log.info("train.init_from (%s) not used: --resume continues from the run's checkpoint", src)
+        return False
+    path = Path(src)
+    if not path.is_dir():
+        raise UserError(f"train.init_from: folder '{src}' not found (an exported drafter folder: 04's drafter-sglang)")
+    for name in ("config.json", "model.safetensors"):
+        if not (path / name).is_file():
+            raise UserError(f"train.init_from: '{src}' is not an exported drafter folder (no {name}; 04 writes one "
+                            f"into {{output_root}}/drafter-sglang)")
+    return True
+
+
 def _load_inputs(cfg: RunConfig, d: DistInfo, resume: bool, init: Optional[Callable] = None) -> _Inputs:
     """Inputs step: ``data_config.json``, vocab map, split, drafter args (all read and checked before anything
     is written, so a bad input is the first error and leaves no empty train/ folder behind), the folder check,
@@ -860,19 +886,17 @@ def _load_inputs(cfg: RunConfig, d: DistInfo, resume: bool, init: Optional[Calla
     vocab = load_run_vocab_map(cfg, int(data_config["vocab_size"]))
     split = read_split(cfg.data_dir)
     args = build_drafter_args(cfg, data_config, vocab)
-    if cfg.train.init_from and not Path(cfg.train.init_from).is_dir():  # before the first write (the full check: below)
-        raise UserError(f"train.init_from: folder '{cfg.train.init_from}' not found (an exported drafter folder: 04's "
-                        f"drafter-sglang)")
+    warm = _warm_start_planned(cfg, d, resume)  # checked before the first write (the full check: after the head)
     _check_train_dir(cfg, d, resume)
     head = prepare_target_head(cfg, data_config, d)  # the first write: target_head.safetensors (creates train_dir)
     if d.is_main:
         cfg.train_dir.mkdir(parents=True, exist_ok=True)
     drafter = init_drafter(args, head, vocab, cfg.train.seed)
-    if cfg.train.init_from:  # warm start (a --resume checkpoint, restored later, overrides it)
+    if warm:
         if init is None:
             raise UserError("train.init_from: needs the export loader that 04_train.py passes (trainer.run(init=...))")
         ws = warm_start(drafter, init(cfg, drafter.embed_tokens.weight, data_config), cfg.train.init_from)
-        log.info("warm start from %s: %d trainable tensors; lm_head: %d of %d draft tokens from it, the rest from the "
+        (log.info if d.is_main else log.debug)("warm start from %s: %d trainable tensors; lm_head: %d of %d draft tokens from it, the rest from the "
                  "verifier (another vocab map)" if ws["lm_head_rows_copied"] < ws["lm_head_rows"] else
                  "warm start from %s: %d trainable tensors (lm_head %d of %d rows)", cfg.train.init_from, ws["tensors"],
                  ws["lm_head_rows_copied"], ws["lm_head_rows"])
@@ -883,7 +907,8 @@ def _load_inputs(cfg: RunConfig, d: DistInfo, resume: bool, init: Optional[Calla
         data_config=data_config, vocab=vocab, split=split, args=args, drafter=drafter, amp=amp, feat_dtype=feat_dtype,
         head_lm=head.lm_head.to(d.device, feat_dtype),  # [V, Ht]
         head_norm=None if head.last_is_post_norm else head.norm_weight.to(d.device, feat_dtype),  # [Ht]
-        head_eps=float(head.norm_eps), d2t=vocab["d2t"].to(d.device), t2d=vocab["t2d"].to(d.device), states=None)
+        head_eps=float(head.norm_eps), d2t=vocab["d2t"].to(d.device), t2d=vocab["t2d"].to(d.device), states=None,
+        init_from=cfg.train.init_from if warm else None)
     del head
     inputs.states = state_source(cfg, data_config, d.device, feat_dtype)
     return inputs
@@ -1010,6 +1035,7 @@ class _Training:
                         "continuing with the new one", path, o.scheduler.lr_lambdas[0].__dict__, horizon_now)
             o.scheduler.lr_lambdas[0].__dict__.update(horizon_now)
         self.step, self.epoch = int(state["step"]), int(state["epoch"])
+        self.inputs.init_from = state.get("init_from")  # the run's warm start, recorded by its first call
         self.step_in_epoch = self.data.order.step_from_checkpoint(state)
         self.total_steps = _horizon_after_resume(self.data.order, state, d, t, self.total_steps, self.data.horizon,
                                                  o.scheduler)
@@ -1041,7 +1067,7 @@ class _Training:
                 "model": trainable_state(self.inputs.drafter), "optimizer": o.optimizer.state_dict(),
                 "scheduler": o.scheduler.state_dict(), "rng": rngs,
                 "drafter_args": dataclasses.asdict(self.inputs.args), "config_fingerprint": o.fingerprint,
-                "world_size": d.world, "data_order": _data_order(self.cfg),
+                "world_size": d.world, "data_order": _data_order(self.cfg), "init_from": self.inputs.init_from,
             }, keep=self.t.keep_checkpoints)
         _barrier(d)
         return path
@@ -1213,7 +1239,7 @@ class _Training:
                   "checkpoint": str(self.last_ckpt) if self.last_ckpt else None, "export_dir": None, "final_val": {},
                   "tokens_per_s": (self.tok_total / self.t_total) if self.t_total > 0 else None,
                   "peak_gpu_mem_gib": _peak_gpu_mem_gib(d.device), "hidden_states": self.t.hidden_states,
-                  "init_from": self.t.init_from,
+                  "init_from": self.inputs.init_from,
                   "recipe": {k: getattr(self.t, k) for k in ("loss", "lk_eta", "lr", "epochs", "batch_tokens", "batch_size",
                                                            "grad_accum", "warmup_ratio", "ttt_length", "select_best")}}
         if self.stopped:  # no final validation, no export; the report says where it stopped and how to go on

@@ -137,3 +137,30 @@ def test_04_cli_passes_the_export_loader(tmp_path):
     assert r.returncode == 2 and lines[-1].endswith(f"train.init_from: folder '{tmp_path / 'gone'}' not found (an exported "
                                                     "drafter folder: 04's drafter-sglang)"), r.stderr[-2000:]
     assert not (tmp_path / "c" / "train" / "checkpoints").exists()  # nothing half-written
+
+
+def test_init_from_with_resume_bad_folders_and_empty(tmp_path):
+    """A --resume checkpoint wins (the folder is not even needed), the report keeps the run's first warm start; a folder
+    that is not an export is refused before anything is written; errors of the export loader name train.init_from."""
+    a, _ = _trained(tmp_path)
+    yb = make_tiny_run(tmp_path / "b", train={"epochs": 1})
+    b = load_config(yb, [f"train.init_from={a.export_dir}"])
+    r1 = run(b, device="cpu", init=load_init_drafter, stop_after=2)
+    assert r1["stopped"] and r1["init_from"] == str(a.export_dir)
+    gone = load_config(yb, [f"train.init_from={tmp_path / 'gone'}"])
+    r2 = run(gone, device="cpu", init=load_init_drafter, resume=True)  # continues its checkpoint: the folder is unused
+    assert r2["step"] == 4 and r2["init_from"] == str(a.export_dir)  # recorded by the warm-started first call
+    cold = load_config(make_tiny_run(tmp_path / "c", train={"epochs": 1}))
+    run(cold, device="cpu", stop_after=2)
+    r3 = run(load_config(Path(cold.output_root) / "run.yaml", [f"train.init_from={a.export_dir}"]), device="cpu",
+             init=load_init_drafter, resume=True)
+    assert r3["init_from"] is None  # resumed a cold run: no warm start happened, none is reported
+    not_export = load_config(make_tiny_run(tmp_path / "n"), [f"train.init_from={a.train_dir}"])
+    with pytest.raises(UserError, match=r"train.init_from: '.*/a/train' is not an exported drafter folder \(no config.json"):
+        run(not_export, device="cpu", init=load_init_drafter)
+    assert not (not_export.train_dir / "checkpoints").exists()
+    wide = load_config(make_tiny_run(tmp_path / "w"), [f"train.init_from={a.export_dir}", "drafter.hidden_size=32"])
+    with pytest.raises(UserError, match=r"^train.init_from: "):
+        load_init_drafter(wide, torch.zeros(48, 32), read_data_config(wide.shards_dir))
+    with pytest.raises(UserError, match="train.init_from"):
+        load_config(yb, ["train.init_from=''"])  # an empty string (YAML null = unset stays allowed)
