@@ -205,10 +205,9 @@ def main(argv=None) -> int:
            **count(model, drafter, prompt, list(aux), a.steps, a.max_new_tokens, a.top)}
     md = markdown(res)
     print(md)
-    if a.json:
-        atomic_write_json(a.json, res)
-    if a.md:
-        atomic_write_text(a.md, md)
+    for path, write, obj in ((a.json, atomic_write_json, res), (a.md, atomic_write_text, md)):
+        if path:
+            write(path, obj)
     return 0
 
 
