@@ -896,10 +896,11 @@ def _load_inputs(cfg: RunConfig, d: DistInfo, resume: bool, init: Optional[Calla
         if init is None:
             raise UserError("train.init_from: needs the export loader that 04_train.py passes (trainer.run(init=...))")
         ws = warm_start(drafter, init(cfg, drafter.embed_tokens.weight, data_config), cfg.train.init_from)
-        (log.info if d.is_main else log.debug)("warm start from %s: %d trainable tensors; lm_head: %d of %d draft tokens from it, the rest from the "
-                 "verifier (another vocab map)" if ws["lm_head_rows_copied"] < ws["lm_head_rows"] else
-                 "warm start from %s: %d trainable tensors (lm_head %d of %d rows)", cfg.train.init_from, ws["tensors"],
-                 ws["lm_head_rows_copied"], ws["lm_head_rows"])
+        if d.is_main:
+            moved = ws["lm_head_rows_copied"] < ws["lm_head_rows"]
+            log.info("warm start from %s: %d trainable tensors; lm_head %d of %d draft tokens from it%s",
+                     cfg.train.init_from, ws["tensors"], ws["lm_head_rows_copied"], ws["lm_head_rows"],
+                     " (another vocab map: the rest keep the verifier's rows)" if moved else "")
     drafter = drafter.to(d.device)
     amp = _autocast_dtype(cfg, d.device)
     feat_dtype = torch.bfloat16 if amp is not None else torch.float32
