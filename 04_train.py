@@ -5,7 +5,7 @@ Single process: ``python 04_train.py --config configs/smollm2-135m.yaml``
 Several GPUs:   ``torchrun --nproc_per_node 8 04_train.py --config configs/kimi-k2.5.yaml``
 Continue after a crash/preemption: add ``--resume`` (newest complete checkpoint in {train_dir}/checkpoints).
 Export for the other engine without retraining: ``--export-only --engine vllm``.
-Warm start from an exported drafter (same data and vocab map): ``--set train.init_from=outputs/run/drafter-sglang``.
+Warm start from an exported drafter (also one of other data): ``--set train.init_from=outputs/run/drafter-sglang``.
 SIGTERM/SIGINT finish the current optimizer step, write a checkpoint and exit 128 + the signal
 number (143 for SIGTERM, 130 for SIGINT, the shell's convention for a process ended by a signal), with
 no export: so `04_train.py && 05_benchmark.py` stops there, and a scheduler does not count the run as

@@ -117,14 +117,13 @@ def load_init_drafter(cfg: RunConfig, embed_weight, data_config: dict):
     aux = [int(i) for i in data_config["aux_layers"]]
     try:
         got = check_export_folder(path)["aux_layers_hf"]
-        if got is not None and list(got) != aux:
-            raise UserError(f"{path}: train.init_from was trained on HF aux layers {list(got)}, this run's shards hold "
-                            f"{aux} (data_config.json aux_layers)")
-        return load_exported(path, embed_weight=embed_weight)
+        drafter = load_exported(path, embed_weight=embed_weight)
     except UserError as e:
-        if "train.init_from" in str(e):
-            raise
         raise UserError(f"train.init_from: {e}") from e
+    if got is not None and list(got) != aux:
+        raise UserError(f"{path}: train.init_from was trained on HF aux layers {list(got)}, this run's shards hold "
+                        f"{aux} (data_config.json aux_layers)")
+    return drafter
 
 
 def export_for_run(cfg: RunConfig, drafter, data_config: dict) -> Path:

@@ -825,9 +825,8 @@ def warm_start(drafter: nn.Module, src: nn.Module, source: str) -> dict:
     for name, p in mine.items():
         if name not in theirs:
             raise UserError(f"{source}: train.init_from has no tensor '{name}' (drafter shape differs from the config)")
-        want = list(p.shape) if name != "lm_head.weight" else [None, p.shape[1]]
-        got = list(theirs[name].shape) if name != "lm_head.weight" else [None, theirs[name].shape[1]]
-        if got != want:
+        cut = 1 if name == "lm_head.weight" else 0  # lm_head: rows per draft vocab (moved below), width must match
+        if theirs[name].shape[cut:] != p.shape[cut:]:
             raise UserError(f"{source}: train.init_from's '{name}' is {list(theirs[name].shape)}, this run's drafter "
                             f"needs {list(p.shape)} (drafter.* settings differ)")
     extra = sorted(n for n, p in theirs.items() if n not in mine and n != "embed_tokens.weight")
