@@ -16,7 +16,9 @@ The headline batch size (``--headline-batch-size``; default ``benchmark.batch_si
 else the largest) decodes the whole set: its ``wall_s`` is ``bench_{N}x{T}_s``. Every other batch
 size decodes only the first ``max(batch, --prompts-per-batch-size)`` prompts (tokens/s needs no
 80 prompts, and one prompt at a time is the slow case). Without a trained drafter,
-``--random-drafter`` measures the machinery alone (tau ~1, speedup not meaningful).
+``--random-drafter`` measures the machinery alone (tau ~1, speedup not meaningful). ``--decoder`` picks
+``benchmark.decoder`` per row: ``--batch-sizes 1 --decoder static batched`` measures batch 1 with the static
+decoder (static caches, CUDA graphs: :mod:`eagle3.benchmark.static_decode`) and the batched one in the same run.
 
     python bench/offline_bench_speed.py --config configs/smollm2-135m-full.yaml --set verifier.path=$EAGLE3_GGUF_DIR \\
         --drafter outputs/smollm2-135m-full/drafter-sglang --batch-sizes 1 8 32 80 --json bench/results/offline_bench_speed.json
@@ -61,7 +63,7 @@ def _row(b: int, d: dict) -> dict:
     keys = ("num_prompts", "wall_seconds", "greedy_tokens", "greedy_seconds", "greedy_tokens_per_s", "spec_tokens",
             "spec_seconds", "spec_tokens_per_s", "speedup", "tau", "verify_steps", "conditional", "unconditional",
             "accepted_hist", "draft_seconds", "verify_seconds", "drafter_share", "rounds", "near_ties", "failures",
-            "mismatches", "tie_tolerance")
+            "mismatches", "tie_tolerance", "decoder", "warm_up_seconds")
     return {"batch_size": b, **{k: d[k] for k in keys}}
 
 
@@ -71,10 +73,10 @@ def markdown(res: dict) -> str:
 
     lines = [f"# Offline benchmark speed: {res['verifier']} on {res['device_name']} ({res['dtype']})", "",
              f"{res['dataset']}, {res['max_new_tokens']} new tokens, chain of {res['steps']}, drafter `{res['drafter']}`", "",
-             "| batch | prompts | wall s | greedy tok/s | EAGLE-3 tok/s | speedup | tau | drafter share | near-ties | failures |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| batch | decoder | prompts | wall s | greedy tok/s | EAGLE-3 tok/s | speedup | tau | drafter share | near-ties | failures |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in res["rows"]:
-        lines.append(f"| {r['batch_size']} | {r['num_prompts']} | {f(r['wall_seconds'], 1)} | {f(r['greedy_tokens_per_s'], 1)} | "
+        lines.append(f"| {r['batch_size']} | {r.get('decoder', 'batched')} | {r['num_prompts']} | {f(r['wall_seconds'], 1)} | {f(r['greedy_tokens_per_s'], 1)} | "
                      f"{f(r['spec_tokens_per_s'], 1)} | {f(r['speedup'])}x | {f(r['tau'])} | {f(r['drafter_share'])} | "
                      f"{r['near_ties']} | {r['failures']} |")
     lines += ["", f"bench_{res['num_prompts']}x{res['max_new_tokens']}_s (batch {res['headline_batch_size']}): "
@@ -96,6 +98,9 @@ def main(argv=None) -> int:
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 80])
     p.add_argument("--headline-batch-size", type=int, help="batch size of the 'whole set' figure (default: benchmark.batch_size if listed, else the largest)")
     p.add_argument("--tie-tolerance", type=float, help="near-tie tolerance in logits (default: benchmark.tie_tolerance or the dtype's)")
+    p.add_argument("--decoder", nargs="+", choices=["auto", "batched", "static"],
+                   help="benchmark.decoder, one row per batch size and decoder (default: the config's); 'static' = batch-1 "
+                        "static caches + CUDA graphs (batch sizes > 1 skip it); e.g. --batch-sizes 1 --decoder static batched")
     p.add_argument("--json", help="write the results here")
     a = p.parse_args(argv)
     if min(a.batch_sizes) < 1 or min(a.num_prompts, a.max_new_tokens, a.steps, a.prompts_per_batch_size) < 1:
@@ -141,19 +146,29 @@ def main(argv=None) -> int:
         "command": " ".join([Path(sys.argv[0]).name] + (sys.argv[1:] if argv is None else list(argv))), "rows": [],
     }
     warm = ids[0][1]
+    from eagle3.benchmark.static_decode import resolve_decoder
+
     for b in a.batch_sizes:
         subset = ids if b == headline else ids[: max(b, a.prompts_per_batch_size)]
         warm_up(verifier, drafter, warm, aux, a.steps, eos, min(b, len(subset)))
-        t0 = time.perf_counter()
-        d = bench_prompts(verifier, drafter, subset, aux, a.steps, a.max_new_tokens, eos, res["dataset"],
-                          batch_size=b, tie_tolerance=tol)
-        log.info("batch %d: %d prompts in %.1f s (greedy %.1f tok/s, EAGLE-3 %.1f tok/s, speedup %.2fx, tau %.2f, "
-                 "drafter share %.2f, near-ties %d, failures %d)", b, len(subset), time.perf_counter() - t0,
-                 d["greedy_tokens_per_s"], d["spec_tokens_per_s"], d["speedup"], d["tau"], d["drafter_share"],
-                 d["near_ties"], d["failures"])
-        res["rows"].append(_row(b, d))
-    head = next(r for r in res["rows"] if r["batch_size"] == headline)
-    res["bench_set_s"] = head["wall_seconds"] if head["num_prompts"] == len(ids) else None
+        ran = []
+        for dec in a.decoder or [cfg.benchmark.decoder]:
+            if dec == "static" and b != 1:
+                continue
+            mode = resolve_decoder(dec, b, device)
+            if mode in ran:
+                continue
+            ran.append(mode)
+            t0 = time.perf_counter()
+            d = bench_prompts(verifier, drafter, subset, aux, a.steps, a.max_new_tokens, eos, res["dataset"],
+                              batch_size=b, tie_tolerance=tol, decoder=mode)
+            log.info("batch %d (%s decoder): %d prompts in %.1f s (greedy %.1f tok/s, EAGLE-3 %.1f tok/s, speedup %.2fx, "
+                     "tau %.2f, drafter share %.2f, near-ties %d, failures %d)", b, mode, len(subset),
+                     time.perf_counter() - t0, d["greedy_tokens_per_s"], d["spec_tokens_per_s"], d["speedup"], d["tau"],
+                     d["drafter_share"], d["near_ties"], d["failures"])
+            res["rows"].append(_row(b, d))
+    head = next((r for r in res["rows"] if r["batch_size"] == headline), None)
+    res["bench_set_s"] = head["wall_seconds"] if head is not None and head["num_prompts"] == len(ids) else None
     res[f"bench_{len(ids)}x{a.max_new_tokens}_s"] = res["bench_set_s"]
     print(markdown(res))
     print(json.dumps(json_safe({k: v for k, v in res.items() if k != "rows"}), indent=1))

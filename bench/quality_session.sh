@@ -63,7 +63,9 @@
 #   REGEN_MIN NPROMPTS=auto takes at least this many conversations (default 1000), e.g. more than the disk holds
 #             as shards (issue 21: ~38K conversations of the 127K config are 64 GB)
 #   SPEED05   a recipe name: after every recipe, bench/offline_bench_speed.py at batch 1 on its export, alone on the
-#             GPU (SPEED05_PROMPTS MT-bench prompts, default 8) -> $W/speed/offline_bench_speed.json
+#             GPU (SPEED05_PROMPTS prompts per set, default 8) -> $W/speed/offline_bench_speed[_SET].json, one per item
+#             of SPEED05_SETS "set:decoder,decoder ..." (default "mtbench:batched"; decoders of benchmark.decoder, e.g.
+#             "mtbench:static,batched humaneval:static": the static batch-1 decoder beside the batched one)
 #   STEPS_FOR_S with SPEED=1: the optimizer steps one online training alone does in STEPS_FOR_S seconds at the
 #             measured online tokens/s (16,384-token batches hold ~15K real tokens), written to $W/main_steps;
 #             a recipe's value @MAIN_STEPS@ is replaced by it (e.g. big:train.max_steps=@MAIN_STEPS@), so the
@@ -354,7 +356,7 @@ PYEOF
     tar -czf "$W/drafter.tar.gz" -C "$ex" . && split -b 15M -d -a 2 "$W/drafter.tar.gz" "$OUT/drafter.tar.gz.part" && packed=1
     break
   done
-  if [ "$packed" = 0 ] && [ -e "$W/status/s01.done" ] && [ -e "$ROOT/prompts.jsonl" ]; then
+  if [ "$packed" = 0 ] && [ -z "${SEED:-}" ] && [ -e "$W/status/s01.done" ] && [ -e "$ROOT/prompts.jsonl" ]; then  # SEED: they are here already
     [ -e "$W/prompts.jsonl.gz" ] || { gzip -c "$ROOT/prompts.jsonl" > "$W/prompts.gz.tmp" && mv "$W/prompts.gz.tmp" "$W/prompts.jsonl.gz"; }
     if [ "$(stat -c %s "$W/prompts.jsonl.gz")" -le $(( ${PARTS_MAX:-5} * 15728640 )) ]; then
       split -b 15M -d -a 2 "$W/prompts.jsonl.gz" "$OUT/prompts.jsonl.gz.part"; cp "$ROOT/prompts_report.json" "$OUT/"
@@ -369,8 +371,14 @@ speed_bench() {  # SPEED05=NAME: 05's speedup at batch 1 (bench/offline_bench_sp
   local spec sets=
   for spec in $RECIPES; do [ "${spec%%:*}" = "$SPEED05" ] && sets=${spec#*:}; done
   rargs "$SPEED05" "${sets//@MAIN_STEPS@/$(cat "$W/main_steps" 2>/dev/null || echo 1000)}"
-  phase speed05 "$PY" bench/offline_bench_speed.py --config "$CONFIG" "${RA[@]}" --batch-sizes 1 --headline-batch-size 1 \
-      --num-prompts "${SPEED05_PROMPTS:-8}" --steps 3 --json "$W/speed/offline_bench_speed.json"
+  local item set decs tag
+  for item in ${SPEED05_SETS:-mtbench:batched}; do  # "set:decoder,decoder" -> one json per set (the first: the old name)
+    set=${item%%:*}; decs=${item#*:}; [ "$decs" = "$item" ] && decs=batched
+    tag=$([ "$set" = mtbench ] && echo "" || echo "_$set")
+    phase "speed05$tag" "$PY" bench/offline_bench_speed.py --config "$CONFIG" "${RA[@]}" --batch-sizes 1 --headline-batch-size 1 \
+        --dataset "$set" --num-prompts "${SPEED05_PROMPTS:-8}" --steps 3 --decoder ${decs//,/ } \
+        --json "$W/speed/offline_bench_speed$tag.json"
+  done
 }
 
 case "${1:-}" in

@@ -407,6 +407,12 @@ class BenchmarkConfig(_Strict):
     max_new_tokens: int = Field(256, ge=1)
     steps: int = Field(3, ge=1, description="chain draft length k")
     batch_size: int = Field(32, ge=1, description="prompts decoded together (greedy baseline and EAGLE-3 alike); speedups are measured at this batch size")
+    decoder: Literal["auto", "batched", "static"] = Field(
+        "auto",
+        description="in-process decoder of the greedy baseline and EAGLE-3 alike: 'batched' (transformers' DynamicCache, "
+                    "any batch size), 'static' (batch 1 only: preallocated caches, every decode step and round phase "
+                    "replayed as a CUDA graph on CUDA, so a small verifier's step costs its kernels, not the host), "
+                    "'auto' = static at batch_size 1 on CUDA, else batched (eagle3/benchmark/static_decode.py)")
     tie_tolerance: Optional[float] = Field(
         None, ge=0,
         description="logit gap (verify top-1 minus the logit of greedy's token) up to which a difference from greedy is "

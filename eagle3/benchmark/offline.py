@@ -148,6 +148,7 @@ def bench_prompts(
     batch_size: int = 32,
     tie_tolerance: float = 0.0,
     progress: bool = True,
+    decoder: str = "auto",
 ) -> dict:
     """Batched greedy vs batched speculative decoding of tokenised prompts; lossless check per prompt.
 
@@ -164,6 +165,10 @@ def bench_prompts(
         label: dataset label (tqdm and report).
         batch_size: prompts decoded together (>= 1).
         tie_tolerance: a difference whose logit gap is <= this is a near-tie (counted, not a failure).
+        decoder: ``benchmark.decoder`` (:func:`eagle3.benchmark.static_decode.resolve_decoder`): ``batched``
+            (:mod:`eagle3.benchmark.decode`), ``static`` (batch 1: :class:`~eagle3.benchmark.static_decode.StaticDecoder`,
+            static caches and CUDA graphs for the greedy baseline and EAGLE-3 alike; its graphs are captured on the
+            longest prompt before the timed set, ``warm_up_seconds``) or ``auto`` (static at batch 1 on CUDA).
 
     Returns:
         dict: ``dataset``, ``num_prompts``, ``batch_size``, acceptance stats (:func:`acceptance_stats`,
@@ -173,29 +178,66 @@ def bench_prompts(
         ``rounds``, ``wall_seconds`` (the whole set, both decoders and the checks), ``tie_tolerance``,
         ``mismatches`` (list of ``{id, index, gap, near_tie}``: first differing output token, gap =
         verify top-1 logit minus the logit of greedy's token, None if unknown), ``near_ties`` and
-        ``failures`` (counts of mismatches within / beyond ``tie_tolerance``), ``per_prompt``.
+        ``failures`` (counts of mismatches within / beyond ``tie_tolerance``), ``per_prompt``, ``decoder`` (the one
+        that ran) and ``warm_up_seconds`` (static: graph capture, untimed otherwise; 0 for batched).
 
     Raises:
-        UserError: ``batch_size < 1``.
+        UserError: ``batch_size < 1``, a bad ``decoder`` (:func:`~eagle3.benchmark.static_decode.resolve_decoder`).
     """
-    from eagle3.benchmark.decode import greedy_generate_batch, speculative_generate_batch
+    from eagle3.benchmark.static_decode import resolve_decoder
 
     if batch_size < 1:
         raise UserError(f"benchmark.batch_size: must be >= 1, got {batch_size}")
+    mode = resolve_decoder(decoder, batch_size, next(verifier.parameters()).device)
     order = sorted(range(len(prompts_ids)), key=lambda i: (-len(prompts_ids[i][1]), i))
     tally = _BenchTally(len(prompts_ids))
+    static, warm_s = None, 0.0
+    if mode == "static":
+        static, warm_s = _open_static(verifier, drafter, [p for _, p in prompts_ids], aux_layers, steps, max_new_tokens,
+                                      eos_ids)
     t_wall = time.perf_counter()
-    bar = tqdm(total=len(prompts_ids), desc=f"bench {label} (batch {batch_size})", unit="prompt", disable=not progress)
-    for b0 in range(0, len(order), batch_size):
-        idx = order[b0 : b0 + batch_size]
-        ids = [prompts_ids[i][1] for i in idx]
-        g = greedy_generate_batch(verifier, ids, max_new_tokens, eos_ids)
-        s = speculative_generate_batch(verifier, drafter, ids, aux_layers, steps, max_new_tokens, eos_ids, reference=g.tokens)
-        tally.add_batch(idx, prompts_ids, g, s, tie_tolerance)
-        bar.update(len(idx))
+    bar = tqdm(total=len(prompts_ids), desc=f"bench {label} (batch {batch_size}, {mode})", unit="prompt", disable=not progress)
+    try:
+        for b0 in range(0, len(order), batch_size):
+            idx = order[b0 : b0 + batch_size]
+            ids = [prompts_ids[i][1] for i in idx]
+            g, s = _decode_batch(static, verifier, drafter, ids, aux_layers, steps, max_new_tokens, eos_ids)
+            tally.add_batch(idx, prompts_ids, g, s, tie_tolerance)
+            bar.update(len(idx))
+    finally:
+        if static is not None:
+            static.close()
     bar.close()
     wall = time.perf_counter() - t_wall
-    return tally.summary(label, batch_size, steps, wall, tie_tolerance)
+    extra = {"decoder": mode, "warm_up_seconds": warm_s}
+    if static is not None:
+        extra["cuda_graphs"] = static.use_graphs
+        extra["graph_error"] = static.graph_error
+    return {**tally.summary(label, batch_size, steps, wall, tie_tolerance), **extra}
+
+
+def _decode_batch(static, verifier, drafter, ids: list[list[int]], aux_layers, steps: int, max_new_tokens: int, eos_ids):
+    """Greedy then speculative decoding of one batch (greedy's tokens as the reference): through ``static`` (a
+    :class:`~eagle3.benchmark.static_decode.StaticDecoder`, batch 1) when given, else the batched decoders."""
+    from eagle3.benchmark.decode import greedy_generate_batch, speculative_generate_batch
+
+    if static is not None:
+        g = static.greedy(ids[0])
+        return g, static.speculative(ids[0], reference=g.tokens[0])
+    g = greedy_generate_batch(verifier, ids, max_new_tokens, eos_ids)
+    return g, speculative_generate_batch(verifier, drafter, ids, aux_layers, steps, max_new_tokens, eos_ids, reference=g.tokens)
+
+
+def _open_static(verifier, drafter, prompts: Sequence[list[int]], aux_layers, steps: int, max_new_tokens: int, eos_ids):
+    """A :class:`~eagle3.benchmark.static_decode.StaticDecoder` sized for ``prompts``, its graphs captured by an untimed
+    warm-up on the longest one: ``(decoder, warm-up seconds)``."""
+    from eagle3.benchmark.static_decode import StaticDecoder, capacity_for
+
+    t0 = time.perf_counter()
+    dec = StaticDecoder(verifier, capacity_for(prompts, max_new_tokens, steps), max_new_tokens, eos_ids, drafter=drafter,
+                        aux_layers=aux_layers, steps=steps)
+    dec.warm_up(max(prompts, key=len))
+    return dec, time.perf_counter() - t0
 
 
 class _BenchTally:
@@ -595,7 +637,8 @@ def run_offline(
     for label, prompts in sets:
         ids = [(p.id, prompt_ids(tokenizer, p.messages, chat)) for p in prompts]
         report["datasets"].append(bench_prompts(verifier, drafter, ids, aux_layers, steps, max_new_tokens, eos, label,
-                                                batch_size=batch_size, tie_tolerance=tie_tolerance))
+                                                batch_size=batch_size, tie_tolerance=tie_tolerance,
+                                                decoder=cfg.benchmark.decoder))
     msg = lossless_verdict(report, tie_tolerance, strict)
     out = Path(out_dir or cfg.bench_dir)
     write_reports(out, report)

@@ -271,22 +271,20 @@ def choose_prefix(sizes: Sequence[int], live: Sequence[int]) -> int:
     raise ValueError(f"choose_prefix: live slot {top} beyond the largest prefix {sizes[-1]}")
 
 
-def _register_attention() -> None:
-    from transformers import AttentionInterface
+class AttentionSwap:
+    """Context manager: inside, ``model`` runs the attention function ``fn`` registered in transformers'
+    ``AttentionInterface`` as ``name`` (default: this engine's :func:`slot_attention`); its former attention
+    implementation after. Also used by 05's batch-1 static decoder (:mod:`eagle3.benchmark.static_decode`)."""
 
-    AttentionInterface.register(ATTN_NAME, slot_attention)
-
-
-class _AttnSwap:
-    """Context manager: the model runs ``ATTN_NAME`` inside, its former attention implementation after."""
-
-    def __init__(self, model):
-        self.model = model
+    def __init__(self, model, name: str = ATTN_NAME, fn=None):
+        self.model, self.name, self.fn = model, name, slot_attention if fn is None else fn
 
     def __enter__(self):
-        _register_attention()
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(self.name, self.fn)
         self.old = self.model.config._attn_implementation
-        self.model.set_attn_implementation(ATTN_NAME)
+        self.model.set_attn_implementation(self.name)
         return self
 
     def __exit__(self, *exc):
@@ -431,7 +429,7 @@ class SlotEngine(Engine):
                       "compiled_step": self._compiled is not None, "compile_min_prefix": self._compile_min,
                       "first_step_s": {}}
         self._timed: list[tuple[str, object, object]] = []  # (stat, start, end): CUDA events read at the next sync
-        self._swap = _AttnSwap(model).__enter__()
+        self._swap = AttentionSwap(model).__enter__()
 
     # ------------------------------------------------------------------ contract
     def submit(self, key, ids: Sequence[int], priority: tuple = ()) -> None:

@@ -321,6 +321,55 @@ class DrafterCache:
         return c
 
 
+class StaticKVCache:
+    """Position-aligned KV cache of ONE sequence with a fixed capacity: column ``p`` holds position ``p``.
+
+    Used by the batch-1 static decoder of stage 05 (:mod:`eagle3.benchmark.static_decode`) for the drafter
+    (:meth:`Eagle3Drafter.decode_static`) and for the verifier's layers alike. Writes go to the columns of the new
+    positions (``index_copy_``, a device index: no host sync) and a query at position ``p`` attends columns ``<= p``
+    (:meth:`mask`), so a rejected draft's keys are never cropped: the next forward at those positions overwrites
+    them, and until then they lie beyond every query. Every shape is fixed, so the forwards can be captured as CUDA
+    graphs.
+
+    Attributes:
+        capacity: columns ``C`` (positions ``0..C-1``).
+        k, v: per layer ``[1, kvh, C, d]`` (allocated at the layer's first write, in the dtype and head sizes of the
+            keys/values written: MLA's key and value head sizes differ).
+        columns: int64 ``[C]``, ``arange(C)``.
+        pos, attn_mask: the positions ``[T]`` of the forward in flight and their mask ``[1, 1, T, C]`` (set by the
+            caller before a verifier forward: every layer reads the same ones).
+    """
+
+    def __init__(self, capacity: int, num_layers: int = 1, device=None):
+        if capacity < 1 or num_layers < 1:
+            raise ValueError("StaticKVCache: capacity and num_layers >= 1")
+        self.capacity = capacity
+        self.k: list[Optional[torch.Tensor]] = [None] * num_layers
+        self.v: list[Optional[torch.Tensor]] = [None] * num_layers
+        self.columns = torch.arange(capacity, device=device)  # [C]
+        self.pos: Optional[torch.Tensor] = None
+        self.attn_mask: Optional[torch.Tensor] = None
+
+    def mask(self, pos: torch.Tensor) -> torch.Tensor:
+        """Bool ``[1, 1, T, C]``: query ``i`` (at position ``pos[i]``, int64 ``[T]``) attends columns ``<= pos[i]``."""
+        return (self.columns[None, :] <= pos[:, None])[None, None]  # [1, 1, T, C]
+
+    def set_forward(self, pos: torch.Tensor) -> None:
+        """Record the positions ``[T]`` of the next forward and their :meth:`mask` (read by every layer)."""
+        self.pos, self.attn_mask = pos, self.mask(pos)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``k``/``v`` ``[1, kvh, T, d]`` at columns ``pos`` (int64 ``[T]``, each ``< C``) of ``layer``; return the
+        layer's whole ``[1, kvh, C, d]`` tensors."""
+        if self.k[layer] is None:
+            self.k[layer] = k.new_zeros(1, k.shape[1], self.capacity, k.shape[3])
+            self.v[layer] = v.new_zeros(1, v.shape[1], self.capacity, v.shape[3])
+        kc, vc = self.k[layer], self.v[layer]
+        kc.index_copy_(2, pos, k.to(kc.dtype))
+        vc.index_copy_(2, pos, v.to(vc.dtype))
+        return kc, vc
+
+
 class Eagle3Drafter(nn.Module):
     """EAGLE-3 drafter with SGLang-compatible parameter names.
 
@@ -489,12 +538,41 @@ class Eagle3Drafter(nn.Module):
             ``[B, T, H]`` step outputs (midlayer outputs; ``eagle3.1``: normed), fed to
             :meth:`compute_logits` or back as ``hidden``.
         """
-        attn = self.midlayer.self_attn
         past = cache.length
         T = input_ids.shape[1]
+        q, k, v = self._decode_qkv(input_ids, hidden, position_ids)  # [B, nh, T, hd], [B, kvh, T, hd] x2
+        k_all, v_all = cache.append(0, k, v, valid)  # [B, kvh, past+T, hd]
+        o = cached_attention(q, k_all, v_all, past, self.midlayer.self_attn.scale, mask=cache.attention_mask(T))  # [B, nh, T, hd]
+        return self.step_output(self.midlayer.finish(o, hidden))  # [B, T, H]
+
+    def _decode_qkv(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor):
+        """q ``[B, nh, T, hd]``, k, v ``[B, kvh, T, hd]`` of ``T`` decode positions (token embedding + hidden, rotary at
+        ``position_ids`` ``[B, T]``)."""
         emb = self.embed_tokens(input_ids).to(hidden.dtype)  # [B, T, H]
         cos, sin = rotary_cos_sin(position_ids, self._inv_freq(hidden.device))  # [B, 1, T, hd] float32
-        q, k, v = self.midlayer.qkv(emb, hidden, cos, sin)  # [B, nh, T, hd], [B, kvh, T, hd] x2
-        k_all, v_all = cache.append(0, k, v, valid)  # [B, kvh, past+T, hd]
-        o = cached_attention(q, k_all, v_all, past, attn.scale, mask=cache.attention_mask(T))  # [B, nh, T, hd]
-        return self.step_output(self.midlayer.finish(o, hidden))  # [B, T, H]
+        return self.midlayer.qkv(emb, hidden, cos, sin)
+
+    def decode_static(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
+                      cache: StaticKVCache) -> torch.Tensor:
+        """:meth:`decode` for ONE sequence over a :class:`StaticKVCache` (the batch-1 static decoder of
+        :mod:`eagle3.benchmark.static_decode`; fixed shapes and no host sync, so it can be captured in a CUDA graph).
+
+        Position ``p``'s keys/values go to column ``p`` and a query at ``p`` attends every column ``<= p``. That is
+        :meth:`decode`'s rule when the columns ``< p`` hold the verified positions' step-0 keys and this round's
+        earlier draft steps: drafted step ``i`` sits at position ``t + i``, exactly where the next round's step-0
+        chunk (positions ``t + 1 ..``) writes, so nothing is cropped and a rejected slot is written over.
+
+        Args:
+            input_ids: int64 ``[1, T]`` verifier-vocab ids.
+            hidden: ``[1, T, H]`` projected hidden (:meth:`project` output or a previous step output).
+            position_ids: int64 ``[1, T]`` rotary positions = cache columns (each ``< cache.capacity``).
+            cache: the drafter's :class:`StaticKVCache` (one layer), written in place.
+
+        Returns:
+            ``[1, T, H]`` step outputs, as :meth:`decode`.
+        """
+        q, k, v = self._decode_qkv(input_ids, hidden, position_ids)  # [1, nh, T, hd], [1, kvh, T, hd] x2
+        pos = position_ids[0]  # [T]
+        k_all, v_all = cache.write(0, k, v, pos)  # [1, kvh, C, hd]
+        o = cached_attention(q, k_all, v_all, 0, self.midlayer.self_attn.scale, mask=cache.mask(pos))  # [1, nh, T, hd]
+        return self.step_output(self.midlayer.finish(o, hidden))  # [1, T, H]

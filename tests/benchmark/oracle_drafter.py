@@ -61,3 +61,10 @@ class OracleDrafter(nn.Module):
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
+
+    def decode_static(self, input_ids, hidden, position_ids, cache):
+        """Batch 1 over a static cache (:meth:`eagle3.train.model.Eagle3Drafter.decode_static`): the same fake outputs."""
+        T = input_ids.shape[1]
+        h = torch.zeros(1, T, self.H, device=input_ids.device)  # [1, T, H]
+        h[..., 0] = position_ids.float()
+        return h

@@ -1,0 +1,422 @@
+"""Batch-1 static decoding for stage 05: greedy and EAGLE-3 chain decoding over preallocated caches, every decode step
+(greedy) and every phase of a speculative round captured once as a CUDA graph.
+
+Why: at batch 1 a small verifier's step is bound by the host, not the GPU. :mod:`eagle3.benchmark.decode` runs
+transformers' ``DynamicCache`` forwards (a growing cache, a 2-D mask rebuilt every step): on the H200 a SmolLM2-135M
+greedy token cost 21.8 ms and an EAGLE-3 round 27.3 ms of verify + 5.4 ms of draft, 1.50x a greedy token, so the
+speedup was tau / 1.5 (lease 2026-12-03b; ``bench/batch1_host_ops.py`` counts the ops). Replaying graphs, a step
+costs its kernels, for the baseline and for EAGLE-3 alike, so the speedup measures the algorithm, not Python.
+
+Same results as :mod:`eagle3.benchmark.decode` at batch 1 (tests/benchmark/test_static_decode.py: greedy equal to
+transformers' ``generate``, EAGLE-3 tokens and acceptance lengths equal to the batched decoder's, tiny Llama and
+DeepseekV3 in float32): the same verify rule (:func:`~eagle3.benchmark.decode.accepted_prefix`), the same
+emission cut (:func:`~eagle3.benchmark.decode.emitted_lengths`) and the same first-mismatch record.
+
+How, for one sequence:
+
+* The verifier's keys/values live in a :class:`eagle3.train.model.StaticKVCache` (column = position) read by
+  :func:`static_attention`, registered in transformers' ``AttentionInterface`` as ``eagle3_static`` while the decoder
+  lives (the verifier's own modules, weights and rotary do the rest; transformers builds no mask for an
+  unregistered-mask attention). A forward at positions ``pos`` writes its keys there and attends columns ``<= pos``:
+  a rejected draft's columns are overwritten by the next verify, which starts at the first position not kept.
+* The drafter's step-0 keys live in a second one (:meth:`eagle3.train.model.Eagle3Drafter.decode_static`).
+* State (kept length, last token, emitted count, done flag, output buffer, per-round acceptance) stays on the device;
+  the host checks "done" every ``check_every`` steps or rounds (one sync each), as the batched decoders do.
+* A round is three graphs: **draft** (``k`` drafts from the previous step output), **verify** (the verifier on
+  ``[last, d_1..d_k]``, greedy acceptance, emission, the aux states of the verified positions), **chunk** (the
+  drafter's step 0 over those positions, whose output at the last kept one starts the next draft). Draft seconds =
+  draft + chunk graphs, verify seconds = the verify graph (CUDA events between replays).
+* Prefill (variable length) runs eagerly through the same attention; graphs are captured in :meth:`StaticDecoder.warm_up`
+  on a warm-up prompt, outside any timing. On the CPU (and with ``cuda_graphs=False``) the same functions run eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional, Sequence
+
+import torch
+
+from eagle3.benchmark.decode import (
+    BatchGreedy, BatchSpec, SpecResult, _PhaseTimer, _aux, _check_common, _check_prompts, _cut, _first_mismatch_update,
+    _forward_params, _sync, accepted_prefix, emitted_lengths,
+)
+from eagle3.errors import UserError
+from eagle3.prompts.continuous import AttentionSwap
+from eagle3.sdpa import no_cudnn_sdpa
+from eagle3.train.attention import _sdpa
+from eagle3.train.model import StaticKVCache
+
+log = logging.getLogger(__name__)
+
+ATTN_NAME = "eagle3_static"
+DECODERS = ("auto", "batched", "static")  # benchmark.decoder
+
+
+def resolve_decoder(decoder: str, batch_size: int, device: torch.device) -> str:
+    """``batched`` or ``static`` for ``benchmark.decoder`` at ``batch_size`` on ``device``.
+
+    ``auto``: ``static`` at batch 1 on CUDA (where the host bounds a small verifier's step), else ``batched``.
+
+    Raises:
+        UserError: an unknown name, or ``static`` at a batch size other than 1 (it decodes one sequence).
+    """
+    if decoder not in DECODERS:
+        raise UserError(f"benchmark.decoder: one of {', '.join(DECODERS)}, not {decoder!r}")
+    if decoder == "auto":
+        return "static" if batch_size == 1 and device.type == "cuda" else "batched"
+    if decoder == "static" and batch_size != 1:
+        raise UserError(f"benchmark.decoder: 'static' decodes one prompt at a time; benchmark.batch_size is {batch_size}")
+    return decoder
+
+
+def static_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
+                     dropout: float = 0.0, scaling: Optional[float] = None, static_kv: Optional[StaticKVCache] = None,
+                     **kwargs):
+    """Attention of :class:`StaticDecoder`, registered as ``AttentionInterface["eagle3_static"]`` (the signature of
+    transformers' ``sdpa_attention_forward``).
+
+    query ``[1, H, T, Dk]``, key ``[1, Hkv, T, Dk]``, value ``[1, Hkv, T, Dv]`` of the positions ``static_kv.pos``:
+    written to those columns of layer ``module.layer_idx``, then SDPA over all ``C`` columns under
+    ``static_kv.attn_mask`` (``[1, 1, T, C]``, column ``<= position``). Returns ``(out [1, T, H, Dv], None)``.
+
+    Raises:
+        RuntimeError: called without ``static_kv`` (only :class:`StaticDecoder` passes it).
+    """
+    c = static_kv
+    if c is None:
+        raise RuntimeError(f"attention '{ATTN_NAME}' needs the static_kv keyword (only StaticDecoder calls it)")
+    kc, vc = c.write(module.layer_idx, key, value, c.pos)  # [1, Hkv, C, Dk], [1, Hkv, C, Dv]
+    out = _sdpa(query, kc, vc, scaling, attn_mask=c.attn_mask)  # [1, H, T, Dv]
+    return out.transpose(1, 2), None
+
+
+class StaticDecoder:
+    """Greedy and EAGLE-3 chain decoding of one prompt at a time over static caches (module docstring).
+
+    Args:
+        verifier: HF causal LM (eval mode) whose attention modules carry ``layer_idx`` and call the attention
+            interface (Llama family, DeepseekV3); switched to ``eagle3_static`` until :meth:`close`.
+        capacity: cache columns: at least the longest prompt + ``max_new_tokens`` + ``2 * steps + 2``.
+        max_new_tokens, eos_ids: decoding settings of every call (a row stops after an EOS id, kept).
+        drafter: :class:`eagle3.train.model.Eagle3Drafter` (``project``, ``compute_logits``, ``draft_to_target``,
+            ``decode_static``), None for greedy only.
+        aux_layers: the drafter's three HF ``hidden_states`` indices.
+        steps: drafted tokens per round (k >= 1).
+        cuda_graphs: capture on CUDA (ignored on the CPU).
+        check_every: steps / rounds between host checks of "done".
+
+    Raises:
+        UserError: bad ``steps``/``max_new_tokens``/``aux_layers``.
+    """
+
+    def __init__(self, verifier, capacity: int, max_new_tokens: int, eos_ids: Sequence[int] = (), drafter=None,
+                 aux_layers: Sequence[int] = (), steps: int = 3, cuda_graphs: bool = True, check_every: int = 4):
+        _check_common(max_new_tokens, steps)
+        if drafter is not None and len(list(aux_layers)) != 3:
+            raise UserError(f"aux_layers: EAGLE-3 needs exactly 3 HF hidden_states indices, got {list(aux_layers)}")
+        self.verifier, self.drafter, self.k, self.max_new = verifier, drafter, steps, max_new_tokens
+        self.aux_layers, self.check_every = [int(i) for i in aux_layers], check_every
+        self.dev = next(verifier.parameters()).device
+        self.use_graphs = cuda_graphs and self.dev.type == "cuda"
+        self.capacity = int(capacity)
+        cfg = verifier.config.get_text_config() if hasattr(verifier.config, "get_text_config") else verifier.config
+        self.kv = StaticKVCache(self.capacity, cfg.num_hidden_layers, self.dev)
+        self.dkv = StaticKVCache(self.capacity, 1, self.dev)
+        z = dict(dtype=torch.long, device=self.dev)
+        k = steps
+        self.eos = {int(e) for e in eos_ids}
+        self.eos_t = torch.tensor(sorted(self.eos), **z)  # [E]
+        self.jj = torch.arange(k + 1, **z)  # [k+1]
+        self.width = max_new_tokens + k + 2  # output buffer; column width-1 = discard
+        self.n = torch.zeros(1, **z)  # [1] verifier positions cached (= position of `last`)
+        self.last = torch.zeros(1, **z)  # [1] last emitted token, not yet in the verifier cache
+        self.e = torch.zeros(1, **z)  # [1] tokens emitted
+        self.done = torch.ones(1, dtype=torch.bool, device=self.dev)  # [1]
+        self.out_tok = torch.full((1, self.width), -1, **z)  # [1, W]
+        self.ref = torch.full((1, max_new_tokens), -1, **z)  # [1, T] reference tokens (-1 = none)
+        self.mm_idx = torch.full((1,), -1, **z)  # [1]
+        self.mm_gap = torch.zeros(1, dtype=torch.float32, device=self.dev)  # [1]
+        self.acc = torch.full((max_new_tokens + check_every + 2,), -1, **z)  # [R] accepted drafts per round
+        self.r = torch.zeros(1, **z)  # [1] round counter
+        self.drafts = torch.zeros(1, k, **z)  # [1, k] hand-off draft -> verify
+        self.pred = torch.zeros(1, k + 1, **z)  # [1, k+1] hand-off verify -> chunk: verifier argmax
+        self.vpos = torch.zeros(1, k + 1, **z)  # [1, k+1] verified positions
+        self.a = torch.zeros(1, **z)  # [1] accepted drafts of the last verify
+        self.aux: Optional[torch.Tensor] = None  # [1, k+1, 3Ht] aux states of the verified positions (first prefill)
+        self.h_prev: Optional[torch.Tensor] = None  # [1, 1, H] step output that drafts the next token
+        self.live = torch.zeros(1, dtype=torch.bool, device=self.dev)  # [1] live flag of the last verify
+        self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
+        self.graph_error: Optional[str] = None  # why capture failed (then every phase runs eagerly)
+        self._pool = None
+        self._logits_to_keep = "logits_to_keep" in _forward_params(verifier)
+        self._swap = AttentionSwap(verifier, ATTN_NAME, static_attention).__enter__()
+
+    # ------------------------------------------------------------------ pieces
+    def _vforward(self, ids: torch.Tensor, pos: torch.Tensor, hidden: bool, last_only: bool = False):
+        """Verifier forward of ``ids [1, T]`` at positions ``pos [1, T]`` through the static cache."""
+        self.kv.set_forward(pos[0])
+        kw = {"logits_to_keep": 1} if last_only and self._logits_to_keep else {}
+        return self.verifier(input_ids=ids, position_ids=pos, use_cache=False, output_hidden_states=hidden,
+                             static_kv=self.kv, **kw)
+
+    def _check_len(self, prompt: list[int]) -> None:
+        need = len(prompt) + self.max_new + 2 * self.k + 2
+        if need > self.capacity:
+            raise ValueError(f"StaticDecoder: a prompt of {len(prompt)} tokens needs {need} cache columns, capacity {self.capacity}")
+
+    def _reset(self, first: torch.Tensor, P: int, reference: Optional[Sequence[int]]) -> None:
+        """State after the prefill: ``first`` ``[1]`` the prefill's token, ``P`` prompt positions cached."""
+        self.n.fill_(P)
+        self.last.copy_(first)
+        self.e.fill_(1)
+        self.done.copy_(torch.isin(first, self.eos_t) | (self.e >= self.max_new))
+        self.out_tok.fill_(-1)
+        self.out_tok[:, 0] = first
+        self.acc.fill_(-1)
+        self.r.zero_()
+        self.ref.fill_(-1)
+        if reference is not None:
+            toks = list(reference)[: self.max_new]
+            if toks:
+                self.ref[0, : len(toks)] = torch.tensor(toks, dtype=torch.long, device=self.dev)
+        self.mm_idx.fill_(-1)
+        self.mm_gap.zero_()
+
+    def _greedy_step(self) -> None:
+        """One greedy token (graph body): the verifier on ``last`` at position ``n``."""
+        logits = self._vforward(self.last[:, None], self.n[:, None], hidden=False).logits  # [1, 1, V]
+        tok = logits[:, -1].argmax(-1)  # [1]
+        live = ~self.done  # [1]
+        idx = torch.where(live & (self.e < self.max_new), self.e, torch.full_like(self.e, self.width - 1))  # [1]
+        self.out_tok.scatter_(1, idx[:, None], tok[:, None])
+        self.e.add_(live.long())
+        self.done.copy_(self.done | torch.isin(tok, self.eos_t) | (self.e >= self.max_new))
+        self.n.add_(live.long())
+        self.last.copy_(torch.where(live, tok, self.last))
+
+    def _draft(self) -> None:
+        """``k`` chain drafts from ``h_prev`` (graph body); drafted step ``i`` at position ``n - 1 + i``."""
+        d, h = self.drafter, self.h_prev
+        t = self.n - 1  # [1] last verified position
+        for i in range(self.k):
+            tok = d.draft_to_target(d.compute_logits(h)[:, -1].argmax(-1))  # [1] verifier ids = draft + d2t[draft]
+            self.drafts[:, i] = tok
+            if i + 1 < self.k:
+                h = d.decode_static(tok[:, None], h, (t + i + 1)[:, None], self.dkv)  # [1, 1, H]
+
+    def _verify(self) -> None:
+        """The verifier on ``[last, d_1..d_k]`` (graph body): acceptance, emission, the hand-off to :meth:`_chunk`."""
+        k, D = self.k, self.drafts
+        vin = torch.cat([self.last[:, None], D], dim=1)  # [1, k+1]
+        vpos = self.n[:, None] + self.jj  # [1, k+1]
+        out = self._vforward(vin, vpos, hidden=True)
+        logits = out.logits  # [1, k+1, V]
+        pred = logits.argmax(-1)  # [1, k+1]
+        a = accepted_prefix(D, pred)  # [1]
+        keep = self.jj[None] <= a[:, None]  # [1, k+1]
+        live = ~self.done  # [1]
+        emit_idx = self.e[:, None] + self.jj  # [1, k+1]
+        write = keep & live[:, None] & (emit_idx < self.max_new)  # [1, k+1]
+        mi, mg = _first_mismatch_update(logits, pred, self.ref, emit_idx, write, self.mm_idx, self.mm_gap)
+        self.mm_idx.copy_(mi)
+        self.mm_gap.copy_(mg)
+        self.out_tok.scatter_(1, torch.where(write, emit_idx, torch.full_like(emit_idx, self.width - 1)), pred)
+        self.acc.scatter_(0, self.r.clamp(max=self.acc.shape[0] - 1), a)
+        self.r.add_(1)
+        self.e.copy_(torch.where(live, self.e + a + 1, self.e))
+        self.done.copy_(self.done | (torch.isin(pred, self.eos_t) & write).any(1) | (self.e >= self.max_new))
+        self.last.copy_(torch.where(live, pred.gather(1, a[:, None]).squeeze(1), self.last))
+        self.n.copy_(torch.where(live, self.n + a + 1, self.n))
+        self.pred.copy_(pred)
+        self.vpos.copy_(vpos)
+        self.a.copy_(a)
+        self.live.copy_(live)
+        self.aux.copy_(_aux(out.hidden_states, self.aux_layers))  # [1, k+1, 3Ht]
+
+    def _chunk(self) -> None:
+        """The drafter's step 0 over the verified positions (graph body): position ``vpos[j]`` takes token
+        ``pred[j]`` (= x at ``vpos[j] + 1``) and its aux state; the output at the last kept one is the next ``h_prev``."""
+        d = self.drafter
+        h = d.decode_static(self.pred, d.project(self.aux), self.vpos, self.dkv)  # [1, k+1, H]
+        h_a = h.gather(1, self.a[:, None, None].expand(1, 1, h.shape[-1]))  # [1, 1, H]
+        self.h_prev.copy_(torch.where(self.live[:, None, None], h_a, self.h_prev))
+
+    def _run(self, name: str, fn) -> None:
+        """``fn`` as the CUDA graph ``name`` (captured at its first call; eager without graphs)."""
+        if not self.use_graphs:
+            fn()
+            return
+        g = self.graphs.get(name)
+        if g is None:
+            state = [t.clone() for t in self._state()]
+            try:
+                g = self._capture(fn)
+            except Exception as e:  # noqa: BLE001 - any capture failure: the same functions eagerly (same results)
+                for t, v in zip(self._state(), state):
+                    t.copy_(v)
+                self.graph_error = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                log.warning("StaticDecoder: CUDA graph capture of '%s' failed (%s); decoding without graphs", name,
+                            self.graph_error)
+                self.use_graphs = False
+                self.graphs.clear()
+                fn()
+                return
+            self.graphs[name] = g
+        g.replay()
+
+    def _capture(self, fn) -> "torch.cuda.CUDAGraph":
+        """Capture ``fn``: one warm-up run on a side stream (its writes are redone by the replay that follows: every
+        input it reads is restored first), then the capture, in one memory pool shared by the decoder's graphs."""
+        state = [t.clone() for t in self._state()]
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()
+        torch.cuda.current_stream().wait_stream(s)
+        for t, v in zip(self._state(), state):
+            t.copy_(v)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self._pool):
+            fn()
+        for t, v in zip(self._state(), state):  # capture records without running, but be exact
+            t.copy_(v)
+        return g
+
+    def _state(self) -> list:
+        ts = [self.n, self.last, self.e, self.done, self.out_tok, self.mm_idx, self.mm_gap, self.acc, self.r,
+              self.drafts, self.pred, self.vpos, self.a, self.live]
+        return ts + [t for t in (self.aux, self.h_prev) if t is not None]
+
+    # ------------------------------------------------------------------ contract
+    @torch.inference_mode()
+    def greedy(self, prompt: Sequence[int]) -> BatchGreedy:
+        """Greedy decoding of one prompt (the baseline); result as :func:`eagle3.benchmark.decode.greedy_generate_batch`'s.
+
+        Raises:
+            UserError: an empty prompt. ValueError: the prompt does not fit :attr:`capacity`.
+        """
+        row = _check_prompts([prompt])[0]
+        self._check_len(row)
+        with no_cudnn_sdpa():
+            _sync(self.dev)
+            t0 = time.perf_counter()
+            P = len(row)
+            ids = torch.tensor([row], dtype=torch.long, device=self.dev)  # [1, P]
+            pos = torch.arange(P, device=self.dev)[None]  # [1, P]
+            first = self._vforward(ids, pos, hidden=False, last_only=True).logits[:, -1].argmax(-1)  # [1]
+            self._reset(first, P, None)
+            forwards = 1
+            for step in range(1, self.max_new):
+                if step % self.check_every == 0 and bool(self.done):
+                    break
+                self._run("greedy", self._greedy_step)
+                forwards += 1
+            toks = self.out_tok[0, : self.max_new].cpu().tolist()
+            _sync(self.dev)
+            seconds = time.perf_counter() - t0
+        return BatchGreedy([_cut([t for t in toks if t >= 0], self.eos, self.max_new)], seconds, forwards)
+
+    @torch.inference_mode()
+    def speculative(self, prompt: Sequence[int], reference: Optional[Sequence[int]] = None) -> BatchSpec:
+        """EAGLE-3 chain decoding of one prompt; result as :func:`eagle3.benchmark.decode.speculative_generate_batch`'s
+        (``reference``: greedy's tokens, for the first mismatch and its logit gap).
+
+        Raises:
+            UserError: an empty prompt, no drafter, or ``aux_layers`` outside the verifier. ValueError: the prompt does
+            not fit :attr:`capacity`.
+        """
+        if self.drafter is None:
+            raise UserError("StaticDecoder.speculative: built without a drafter")
+        row = _check_prompts([prompt])[0]
+        self._check_len(row)
+        k, d = self.k, self.drafter
+        timer = _PhaseTimer(self.dev)
+        with no_cudnn_sdpa():
+            _sync(self.dev)
+            t0 = time.perf_counter()
+            P = len(row)
+            ids = torch.tensor([row], dtype=torch.long, device=self.dev)  # [1, P]
+            pos = torch.arange(P, device=self.dev)[None]  # [1, P]
+            out = self._vforward(ids, pos, hidden=True, last_only=True)
+            n_hidden = len(out.hidden_states)
+            if max(self.aux_layers) >= n_hidden - 1 or min(self.aux_layers) < 1:
+                raise UserError(f"aux_layers: {self.aux_layers} outside 1..{n_hidden - 2} for this {n_hidden - 1}-layer verifier")
+            plogits = out.logits[:, -1:]  # [1, 1, V]
+            first = plogits[:, 0].argmax(-1)  # [1]
+            self._reset(first, P, reference)
+            zero = torch.zeros(1, 1, dtype=torch.long, device=self.dev)
+            mi, mg = _first_mismatch_update(plogits, first[:, None], self.ref, zero, torch.ones_like(zero, dtype=torch.bool),
+                                            self.mm_idx, self.mm_gap)
+            self.mm_idx.copy_(mi)
+            self.mm_gap.copy_(mg)
+            aux = _aux(out.hidden_states, self.aux_layers)  # [1, P, 3Ht]
+            if self.aux is None:
+                self.aux = aux.new_zeros(1, k + 1, aux.shape[-1])
+            timer.start("draft")
+            d_ids = torch.cat([ids[:, 1:], first[:, None]], dim=1)  # [1, P] step 0 at t takes x_{t+1}
+            h = d.decode_static(d_ids, d.project(aux), pos, self.dkv)  # [1, P, H]
+            if self.h_prev is None:
+                self.h_prev = h[:, -1:].clone()
+            else:
+                self.h_prev.copy_(h[:, -1:])
+            timer.stop("draft")
+            rounds = 0
+            while rounds < self.max_new:  # every round emits >= 1 token
+                if rounds % self.check_every == 0 and bool(self.done):
+                    break
+                timer.start("draft")
+                self._run("draft", self._draft)
+                timer.stop("draft")
+                timer.start("verify")
+                self._run("verify", self._verify)
+                timer.stop("verify")
+                timer.start("draft")
+                self._run("chunk", self._chunk)
+                timer.stop("draft")
+                rounds += 1
+            toks = self.out_tok[0, : self.max_new].cpu().tolist()
+            acc = self.acc[: min(rounds, self.acc.shape[0])].cpu().tolist()
+            mm_i, mm_g = int(self.mm_idx), float(self.mm_gap)
+            _sync(self.dev)
+            seconds = time.perf_counter() - t0
+        toks = _cut([x for x in toks if x >= 0], self.eos, self.max_new)
+        lens = emitted_lengths(acc, len(toks))
+        res = SpecResult(tokens=toks, accept_lengths=lens, accepted=[[j < L - 1 for j in range(k)] for L in lens])
+        if reference is not None and 0 <= mm_i < len(toks):
+            res.mismatch, res.gap = mm_i, mm_g
+        return BatchSpec([res], seconds, timer.seconds("draft"), timer.seconds("verify"), rounds)
+
+    def warm_up(self, prompt: Sequence[int]) -> None:
+        """Untimed greedy and speculative runs of ``prompt`` (at most 8 new tokens are enough: the graphs are
+        captured at their first call, kernels and allocator warmed)."""
+        self.greedy(prompt)
+        if self.drafter is not None:
+            self.speculative(prompt)
+
+    def close(self) -> None:
+        """Drop the graphs and caches; the verifier's former attention implementation comes back."""
+        if self._swap is not None:
+            self._swap.__exit__(None, None, None)
+            self._swap = None
+        self.graphs.clear()
+        self.kv.k.clear()
+        self.kv.v.clear()
+        self.dkv.k.clear()
+        self.dkv.v.clear()
+
+    def __enter__(self) -> "StaticDecoder":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def capacity_for(prompts: Sequence[Sequence[int]], max_new_tokens: int, steps: int) -> int:
+    """Cache columns a :class:`StaticDecoder` needs for ``prompts``: the longest + ``max_new_tokens`` + ``2 * steps + 2``,
+    rounded up to a multiple of 64."""
+    need = max(len(p) for p in prompts) + max_new_tokens + 2 * steps + 2
+    return -(-need // 64) * 64
