@@ -76,6 +76,10 @@ def markdown(res: dict) -> str:
              "| batch | decoder | prompts | wall s | greedy tok/s | EAGLE-3 tok/s | speedup | tau | drafter share | near-ties | failures |",
              "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in res["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['batch_size']} | {r['decoder']} | {r['num_prompts']} | failed: {r['error'][:120]} |"
+                         + " |" * 7)
+            continue
         lines.append(f"| {r['batch_size']} | {r.get('decoder', 'batched')} | {r['num_prompts']} | {f(r['wall_seconds'], 1)} | {f(r['greedy_tokens_per_s'], 1)} | "
                      f"{f(r['spec_tokens_per_s'], 1)} | {f(r['speedup'])}x | {f(r['tau'])} | {f(r['drafter_share'])} | "
                      f"{r['near_ties']} | {r['failures']} |")
@@ -160,20 +164,34 @@ def main(argv=None) -> int:
                 continue
             ran.append(mode)
             t0 = time.perf_counter()
-            d = bench_prompts(verifier, drafter, subset, aux, a.steps, a.max_new_tokens, eos, res["dataset"],
-                              batch_size=b, tie_tolerance=tol, decoder=mode)
+            try:
+                d = bench_prompts(verifier, drafter, subset, aux, a.steps, a.max_new_tokens, eos, res["dataset"],
+                                  batch_size=b, tie_tolerance=tol, decoder=mode)
+            except (RuntimeError, ValueError) as e:  # one decoder failing (e.g. on a new device) keeps the others' rows
+                log.error("batch %d (%s decoder) failed: %s: %s", b, mode, type(e).__name__, e)
+                res["rows"].append({"batch_size": b, "decoder": mode, "num_prompts": len(subset),
+                                    "error": f"{type(e).__name__}: {e}"})
+                if a.json:
+                    atomic_write_json(a.json, json_safe(res))
+                continue
             log.info("batch %d (%s decoder): %d prompts in %.1f s (greedy %.1f tok/s, EAGLE-3 %.1f tok/s, speedup %.2fx, "
                      "tau %.2f, drafter share %.2f, near-ties %d, failures %d)", b, mode, len(subset),
                      time.perf_counter() - t0, d["greedy_tokens_per_s"], d["spec_tokens_per_s"], d["speedup"], d["tau"],
                      d["drafter_share"], d["near_ties"], d["failures"])
             res["rows"].append(_row(b, d))
-    head = next((r for r in res["rows"] if r["batch_size"] == headline), None)
+            if a.json:  # after every row: a run cut short keeps what it measured
+                atomic_write_json(a.json, json_safe(res))
+    head = next((r for r in res["rows"] if r["batch_size"] == headline and "error" not in r), None)
     res["bench_set_s"] = head["wall_seconds"] if head is not None and head["num_prompts"] == len(ids) else None
     res[f"bench_{len(ids)}x{a.max_new_tokens}_s"] = res["bench_set_s"]
     print(markdown(res))
     print(json.dumps(json_safe({k: v for k, v in res.items() if k != "rows"}), indent=1))
     if a.json:
         atomic_write_json(a.json, json_safe(res))
+    failed = [f"batch {r['batch_size']} {r['decoder']}" for r in res["rows"] if "error" in r]
+    if failed:
+        log.error("rows that failed: %s (their errors are in the rows)", ", ".join(failed))
+        return 1
     return 0
 
 

@@ -40,3 +40,33 @@ def test_offline_bench_speed_tiny(tmp_path, tiny_llama_dir):
         assert 0 < r["drafter_share"] < 1
         assert r["spec_tokens"] == r["greedy_tokens"]
         assert r["tau"] == pytest.approx(1 + sum(r["unconditional"]))
+
+
+def test_offline_bench_speed_failed_decoder_keeps_the_other_rows(tmp_path, tiny_llama_dir, monkeypatch):
+    """A decoder that raises (e.g. a CUDA-graph fault on a new device) is recorded as an error row; the next decoder
+    still runs, the JSON holds both, and the exit status is 1."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"q{i}", "prompt": t}) + "\n" for i, t in enumerate(["Hi", "2+2?"])))
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"run_name: t\noutput_root: {tmp_path / 'out'}\nverifier: {{path: {tiny_llama_dir}, device: cpu}}\n"
+                   f"prompts: {{source: {prompts}}}\nextract: {{aux_layers: [1, 3, 4]}}\n")
+    mod = _script()
+    real = mod.bench_prompts
+
+    def flaky(*args, **kw):
+        if kw.get("decoder") == "static":
+            raise RuntimeError("capture boom")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(mod, "bench_prompts", flaky)
+    out = tmp_path / "speed.json"
+    rc = mod.main(["--config", str(cfg), "--random-drafter", "--dataset", str(prompts), "--num-prompts", "2",
+                   "--max-new-tokens", "4", "--batch-sizes", "1", "--headline-batch-size", "1",
+                   "--decoder", "static", "batched", "--json", str(out)])
+    assert rc == 1
+    res = json.loads(out.read_text())
+    bad, good = res["rows"]
+    assert (bad["decoder"], bad["error"]) == ("static", "RuntimeError: capture boom")
+    assert good["decoder"] == "batched" and good["failures"] == 0 and good["spec_tokens"] == good["greedy_tokens"]
+    assert res["bench_set_s"] == good["wall_seconds"]
+    assert "failed: RuntimeError: capture boom" in mod.markdown(res)
