@@ -161,6 +161,11 @@ class StaticDecoder:
         return self.verifier(input_ids=ids, position_ids=pos, use_cache=False, output_hidden_states=hidden,
                              static_kv=self.kv, **kw)
 
+    def _prompt_inputs(self, row: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prefill's ``input_ids`` and ``position_ids``, both ``[1, P]`` int64 on the decoder's device."""
+        ids = torch.tensor([row], dtype=torch.long, device=self.dev)  # [1, P]
+        return ids, torch.arange(len(row), device=self.dev)[None]  # [1, P]
+
     def _check_len(self, prompt: list[int]) -> None:
         need = len(prompt) + self.max_new + 2 * self.k + 2
         if need > self.capacity:
@@ -305,8 +310,7 @@ class StaticDecoder:
             _sync(self.dev)
             t0 = time.perf_counter()
             P = len(row)
-            ids = torch.tensor([row], dtype=torch.long, device=self.dev)  # [1, P]
-            pos = torch.arange(P, device=self.dev)[None]  # [1, P]
+            ids, pos = self._prompt_inputs(row)  # [1, P], [1, P]
             first = self._vforward(ids, pos, hidden=False, last_only=True).logits[:, -1].argmax(-1)  # [1]
             self._reset(first, P, None)
             forwards = 1
@@ -339,8 +343,7 @@ class StaticDecoder:
             _sync(self.dev)
             t0 = time.perf_counter()
             P = len(row)
-            ids = torch.tensor([row], dtype=torch.long, device=self.dev)  # [1, P]
-            pos = torch.arange(P, device=self.dev)[None]  # [1, P]
+            ids, pos = self._prompt_inputs(row)  # [1, P], [1, P]
             out = self._vforward(ids, pos, hidden=True, last_only=True)
             n_hidden = len(out.hidden_states)
             if max(self.aux_layers) >= n_hidden - 1 or min(self.aux_layers) < 1:
