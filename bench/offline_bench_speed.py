@@ -169,16 +169,14 @@ def main(argv=None) -> int:
                                   batch_size=b, tie_tolerance=tol, decoder=mode)
             except (RuntimeError, ValueError) as e:  # one decoder failing (e.g. on a new device) keeps the others' rows
                 log.error("batch %d (%s decoder) failed: %s: %s", b, mode, type(e).__name__, e)
-                res["rows"].append({"batch_size": b, "decoder": mode, "num_prompts": len(subset),
-                                    "error": f"{type(e).__name__}: {e}"})
-                if a.json:
-                    atomic_write_json(a.json, json_safe(res))
-                continue
-            log.info("batch %d (%s decoder): %d prompts in %.1f s (greedy %.1f tok/s, EAGLE-3 %.1f tok/s, speedup %.2fx, "
-                     "tau %.2f, drafter share %.2f, near-ties %d, failures %d)", b, mode, len(subset),
-                     time.perf_counter() - t0, d["greedy_tokens_per_s"], d["spec_tokens_per_s"], d["speedup"], d["tau"],
-                     d["drafter_share"], d["near_ties"], d["failures"])
-            res["rows"].append(_row(b, d))
+                row = {"batch_size": b, "decoder": mode, "num_prompts": len(subset), "error": f"{type(e).__name__}: {e}"}
+            else:
+                log.info("batch %d (%s decoder): %d prompts in %.1f s (greedy %.1f tok/s, EAGLE-3 %.1f tok/s, speedup "
+                         "%.2fx, tau %.2f, drafter share %.2f, near-ties %d, failures %d)", b, mode, len(subset),
+                         time.perf_counter() - t0, d["greedy_tokens_per_s"], d["spec_tokens_per_s"], d["speedup"],
+                         d["tau"], d["drafter_share"], d["near_ties"], d["failures"])
+                row = _row(b, d)
+            res["rows"].append(row)
             if a.json:  # after every row: a run cut short keeps what it measured
                 atomic_write_json(a.json, json_safe(res))
     head = next((r for r in res["rows"] if r["batch_size"] == headline and "error" not in r), None)
