@@ -30,8 +30,12 @@
 #             drafter.tar.gz.partNN that PACK_DRAFTER left in $OUT (same SEED data: 03 then writes the same vocab map)
 #   PACK_DRAFTER a recipe name: once it has exported, `pack` brings its export back as drafter.tar.gz.partNN (15 MiB
 #             parts; the SmolLM2 EAGLE 3.1 export is ~47 MB, bf16) instead of the prompts ($OUT takes 8 files and 64 MiB
-#             together; the prompts come back with the packs before, from the one after 01 on), for INIT on a later
-#             lease (a fresh machine within the session: nothing outside git outlives the session)
+#             together), for INIT on a later lease (a fresh machine within the session: nothing outside git outlives
+#             the session)
+#   PACK_LARGE 1 = `wait` / `pack` bring the prompts (or PACK_DRAFTER's export) back before the driver is done; by
+#             default only the pack of a finished driver does: copying ~35-47 MB back makes the call return late, and
+#             a machine idle 30 s after a call is given back (lease 2026-12-04 lost two machines that way)
+#   Settings given to `start` alone hold for the later verbs too ($W/driver.env).
 #   RUN_SETS  extra --set for every stage (e.g. "train.hidden_states=online" once online training exists)
 #   COMMON    --set for every recipe run (default "train.select_best=sim_accept train.eval_every=$EVAL_EVERY")
 #   EVAL_EVERY validation interval in optimizer steps (default 50)
@@ -73,6 +77,23 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 W=${W:-/tmp/quality-run}
+# The driver's settings as `start` got them, for the later verbs (lease 2026-12-04: SEED was given to `start` alone,
+# so every `wait` packed the seeded prompts back into $OUT). `start` writes $W/driver.env; wait / pack / stop read it,
+# a variable set in their own environment winning.
+SETTINGS=(CONFIG VERIFIER NPROMPTS SEED INIT PACK_DRAFTER PACK_LARGE PARTS_MAX RUN_SETS COMMON EVAL_EVERY RECIPES SLOTS
+  BENCH_SETS SETS7 BENCH_FULL BENCH_ABL SPEED SPEED_CONFIG REGEN_ARGS REGEN_STEP REGEN_SPEED REGEN_STEP_ARGS
+  REGEN_COMPILE COMPILE_GAIN REGEN_BUDGET_S REGEN_MIN NPROMPTS_ALL TRAIN_END_S TRAIN_START_S DEADLINE_S ONLINE_SPEED
+  ONLINE_TPS ONLINE_LIMIT ONLINE_STEPS STEPS_FOR_S SPEED05 SPEED05_SETS SPEED05_PROMPTS PYTHON)
+save_settings() {  # $W/driver.env: one line per set variable, `[ -n "${V+x}" ] || V=value` (written whole, then renamed)
+  mkdir -p "$W"; local v
+  for v in "${SETTINGS[@]}"; do
+    [ -n "${!v+x}" ] && printf '[ -n "${%s+x}" ] || %s=%q\n' "$v" "$v" "${!v}"
+  done > "$W/driver.env.tmp" && mv "$W/driver.env.tmp" "$W/driver.env"
+}
+case "${1:-}" in
+  start) save_settings ;;
+  wait|pack|stop) [ -e "$W/driver.env" ] && . "$W/driver.env" ;;
+esac
 CONFIG=${CONFIG:-configs/smollm2-135m-full.yaml}
 PY=${PYTHON:-python3}
 NPROMPTS=${NPROMPTS-4000}
@@ -350,6 +371,11 @@ PYEOF
   # ($OUT takes 8 files of 16 MiB); left out when larger
   # the export of PACK_DRAFTER, for INIT on a later lease ($OUT takes 8 files and 64 MiB together: with the ~47 MB
   # drafter the prompts stay behind; they came back with an earlier call's pack, the one after 01, before 04 exported)
+  # Both are large (~35-47 MB): they come back only once the driver is done (or with PACK_LARGE=1), so a `wait` that
+  # returns while the run goes on stays small and the next call follows at once (lease 2026-12-04: both machines were
+  # given back right after a `wait` that had returned the ~35 MB of prompt parts mid-run, the run with them; a machine
+  # goes back after 30 s idle)
+  if [ ! -e "$W/status/ALL.done" ] && [ "${PACK_LARGE:-0}" != 1 ]; then ls "$W/status"; return 0; fi
   local ex packed=0
   for ex in "$W/runs/${PACK_DRAFTER:-none}"/drafter-*/; do
     [ -n "${PACK_DRAFTER:-}" ] && [ -e "$ex/config.json" ] || continue

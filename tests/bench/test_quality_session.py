@@ -1,0 +1,113 @@
+"""bench/quality_session.sh: what a `wait` / `pack` leaves in $OUT (the GPU lease driver's only way back).
+
+Two faults of lease 2026-12-04 as tests: settings given to `start` alone were unknown to the later `wait`
+(SEED set -> the seeded prompts were packed back anyway), and a `wait` that returned mid-run carried ~35 MB of
+prompt parts, after which the machine was given back (30 s idle) with the run on it."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "bench" / "quality_session.sh"
+
+pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("setsid") is None,
+                                reason="needs bash and setsid")
+
+PROMPTS = [{"id": f"c{i}", "messages": [{"role": "user", "content": f"q{i}"},
+                                        {"role": "assistant", "content": f"a{i}"}]} for i in range(5)]
+
+
+def _driver(verb: str, env: dict, *args: str) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if k not in ("SEED", "PACK_LARGE", "PACK_DRAFTER", "OUT", "INIT")}
+    return subprocess.run(["bash", str(SCRIPT), verb, *args], env={**base, "PYTHON": sys.executable, **env},
+                          capture_output=True, text=True, timeout=120)
+
+
+def _after_01(w: Path) -> None:
+    """The state of $W once 01 has run: s01.done and the regenerated prompts."""
+    (w / "status").mkdir(parents=True, exist_ok=True)
+    (w / "status" / "s01.done").write_text("3\n")
+    run = w / "data-run"
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    (run / "prompts_report.json").write_text(json.dumps({"counts": {"regenerated": len(PROMPTS)}}))
+
+
+def _packed_prompts(out: Path) -> list[dict]:
+    parts = sorted(out.glob("prompts.jsonl.gz.part*"))
+    if not parts:
+        return []
+    data = gzip.decompress(b"".join(p.read_bytes() for p in parts)).decode()
+    return [json.loads(line) for line in data.splitlines()]
+
+
+def test_pack_mid_run_leaves_the_large_files_behind(tmp_path):
+    w, out = tmp_path / "w", tmp_path / "out"
+    _after_01(w)
+    out.mkdir()
+    r = _driver("pack", {"W": str(w), "OUT": str(out)})
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["quality-results.tar.gz"]
+
+    out2 = tmp_path / "out2"
+    out2.mkdir()
+    r = _driver("pack", {"W": str(w), "OUT": str(out2), "PACK_LARGE": "1"})  # asked for: they come back mid-run
+    assert r.returncode == 0, r.stderr
+    assert _packed_prompts(out2) == PROMPTS
+    assert json.loads((out2 / "prompts_report.json").read_text())["counts"]["regenerated"] == 5
+
+    (w / "status" / "ALL.done").touch()  # the driver is done: the last pack brings them back by itself
+    out3 = tmp_path / "out3"
+    out3.mkdir()
+    r = _driver("pack", {"W": str(w), "OUT": str(out3)})
+    assert r.returncode == 0, r.stderr
+    assert _packed_prompts(out3) == PROMPTS
+
+
+def test_settings_given_to_start_hold_for_wait(tmp_path):
+    w, out, seed = tmp_path / "w", tmp_path / "out", tmp_path / "seed dir"
+    seed.mkdir()
+    # INIT names no drafter: the detached run stops at once (before 01) and marks itself done
+    r = _driver("start", {"W": str(w), "SEED": str(seed), "INIT": str(tmp_path / "missing"),
+                          "RECIPES": "ref:train.epochs=2 b:train.lr=3e-4"})
+    assert r.returncode == 0, r.stderr
+    deadline = time.monotonic() + 60
+    while not (w / "status" / "ALL.done").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert (w / "status" / "ALL.done").exists()
+    assert "no exported drafter there" in (w / "run.log").read_text()
+    env_file = (w / "driver.env").read_text()
+    assert "SEED=" in env_file and "RECIPES=" in env_file and "PACK_LARGE" not in env_file
+
+    # the values round-trip through the file exactly (spaces and quotes included); the caller's own value wins
+    probe = 'W="$1"; . "$W/driver.env"; printf "%s|%s" "$SEED" "$RECIPES"'
+    got = subprocess.run(["bash", "-c", probe, "x", str(w)], capture_output=True, text=True,
+                         env={"PATH": os.environ["PATH"]}).stdout
+    assert got == f"{seed}|ref:train.epochs=2 b:train.lr=3e-4"
+    got = subprocess.run(["bash", "-c", probe, "x", str(w)], capture_output=True, text=True,
+                         env={"PATH": os.environ["PATH"], "SEED": "/other"}).stdout
+    assert got.startswith("/other|")
+
+    _after_01(w)  # as if 01 had run on the seeded prompts
+    out.mkdir()
+    r = _driver("wait", {"W": str(w), "OUT": str(out)}, "1")  # SEED not given here: the driver's own is used
+    assert r.returncode == 0, r.stderr
+    assert _packed_prompts(out) == []  # the prompts are the seed's: nothing to bring back
+
+    w2, out2 = tmp_path / "w2", tmp_path / "out2"  # the same, with no SEED at start: they do come back
+    _after_01(w2)
+    (w2 / "status" / "ALL.done").touch()
+    out2.mkdir()
+    r = _driver("wait", {"W": str(w2), "OUT": str(out2)}, "1")
+    assert r.returncode == 0, r.stderr
+    assert _packed_prompts(out2) == PROMPTS
