@@ -41,12 +41,19 @@
 #      2026-12-01c, s04 plus 3 derived trainings ran at 14 steps/s together vs ~9 for s04 alone, but s04
 #      itself fell to 3-6 steps/s: use it when the derived runs matter more than s04's finish time),
 #      BENCH_SPEED (0 = skip bench/offline_bench_speed.py after the 05 runs; default 1),
-#      TAIL_FIRST (1 = the capture benches run first, on the idle GPU, before the real run; default 0).
+#      TAIL_FIRST (1 = the capture benches run first, on the idle GPU, before the real run; default 0),
+#      PACK_LARGE (1 = `wait` brings the regenerated prompts back before the run is done; default: only once done).
 #   bash bench/gpu_session.sh capture   # only the capture benches, in the foreground, results packed into $OUT
 #   bash bench/gpu_session.sh derived   # re-run the derived runs whose 04/05 did not finish (their 03 done)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 W=${W:-/tmp/gpu-run}
+. bench/lease_lib.sh  # settings given to `start` alone hold for wait / stop / capture ($W/driver.env)
+case "${1:-}" in
+  start) lease_save_settings "$W" CONFIG RUN_SETS CURVE SPEED SEED FP8 ABL SHIFT SUB BENCH_SETS TAIL SLOTS OVERLAP \
+           BENCH_SPEED TAIL_FIRST PACK_LARGE PYTHON ;;
+  wait|stop|capture|derived) lease_load_settings "$W" ;;
+esac
 CONFIG=${CONFIG:-configs/smollm2-135m-full.yaml}
 PY=${PYTHON:-python3}
 CURVE=${CURVE-1000 3000 6000}
@@ -224,7 +231,9 @@ pack() {  # small results -> $OUT/results.tar.gz (+ the regenerated prompts once
   cp "$W/run.log" "$W/res/" 2>/dev/null
   nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv > "$W/res/nvidia-smi.txt" 2>/dev/null
   tar -czf "$OUT/results.tar.gz" -C "$W" res status 2>/dev/null
-  [ -e "$ROOT/prompts.jsonl" ] && [ -e "$W/status/s01.done" ] && gzip -c "$ROOT/prompts.jsonl" > "$OUT/prompts.jsonl.gz"
+  # the prompts (large) only from a finished driver or with PACK_LARGE=1, and not when they came from SEED
+  [ -z "${SEED:-}" ] && lease_large_ok "$W" && [ -e "$ROOT/prompts.jsonl" ] && [ -e "$W/status/s01.done" ] &&
+    gzip -c "$ROOT/prompts.jsonl" > "$OUT/prompts.jsonl.gz"
   ls "$W/status"
 }
 

@@ -80,19 +80,14 @@ W=${W:-/tmp/quality-run}
 # The driver's settings as `start` got them, for the later verbs (lease 2026-12-04: SEED was given to `start` alone,
 # so every `wait` packed the seeded prompts back into $OUT). `start` writes $W/driver.env; wait / pack / stop read it,
 # a variable set in their own environment winning.
+. bench/lease_lib.sh
 SETTINGS=(CONFIG VERIFIER NPROMPTS SEED INIT PACK_DRAFTER PACK_LARGE PARTS_MAX RUN_SETS COMMON EVAL_EVERY RECIPES SLOTS
   BENCH_SETS SETS7 BENCH_FULL BENCH_ABL SPEED SPEED_CONFIG REGEN_ARGS REGEN_STEP REGEN_SPEED REGEN_STEP_ARGS
   REGEN_COMPILE COMPILE_GAIN REGEN_BUDGET_S REGEN_MIN NPROMPTS_ALL TRAIN_END_S TRAIN_START_S DEADLINE_S ONLINE_SPEED
   ONLINE_TPS ONLINE_LIMIT ONLINE_STEPS STEPS_FOR_S SPEED05 SPEED05_SETS SPEED05_PROMPTS PYTHON)
-save_settings() {  # $W/driver.env: one line per set variable, `[ -n "${V+x}" ] || V=value` (written whole, then renamed)
-  mkdir -p "$W"; local v
-  for v in "${SETTINGS[@]}"; do
-    [ -n "${!v+x}" ] && printf '[ -n "${%s+x}" ] || %s=%q\n' "$v" "$v" "${!v}"
-  done > "$W/driver.env.tmp" && mv "$W/driver.env.tmp" "$W/driver.env"
-}
 case "${1:-}" in
-  start) save_settings ;;
-  wait|pack|stop) [ -e "$W/driver.env" ] && . "$W/driver.env" ;;
+  start) lease_save_settings "$W" "${SETTINGS[@]}" ;;
+  wait|pack|stop) lease_load_settings "$W" ;;
 esac
 CONFIG=${CONFIG:-configs/smollm2-135m-full.yaml}
 PY=${PYTHON:-python3}
@@ -371,11 +366,8 @@ PYEOF
   # ($OUT takes 8 files of 16 MiB); left out when larger
   # the export of PACK_DRAFTER, for INIT on a later lease ($OUT takes 8 files and 64 MiB together: with the ~47 MB
   # drafter the prompts stay behind; they came back with an earlier call's pack, the one after 01, before 04 exported)
-  # Both are large (~35-47 MB): they come back only once the driver is done (or with PACK_LARGE=1), so a `wait` that
-  # returns while the run goes on stays small and the next call follows at once (lease 2026-12-04: both machines were
-  # given back right after a `wait` that had returned the ~35 MB of prompt parts mid-run, the run with them; a machine
-  # goes back after 30 s idle)
-  if [ ! -e "$W/status/ALL.done" ] && [ "${PACK_LARGE:-0}" != 1 ]; then ls "$W/status"; return 0; fi
+  # Both are large (~35-47 MB): only from a finished driver or with PACK_LARGE=1 (lease_large_ok says why)
+  lease_large_ok "$W" || { ls "$W/status"; return 0; }
   local ex packed=0
   for ex in "$W/runs/${PACK_DRAFTER:-none}"/drafter-*/; do
     [ -n "${PACK_DRAFTER:-}" ] && [ -e "$ex/config.json" ] || continue

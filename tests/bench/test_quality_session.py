@@ -111,3 +111,28 @@ def test_settings_given_to_start_hold_for_wait(tmp_path):
     r = _driver("wait", {"W": str(w2), "OUT": str(out2)}, "1")
     assert r.returncode == 0, r.stderr
     assert _packed_prompts(out2) == PROMPTS
+
+
+def test_gpu_session_wait_returns_the_prompts_only_when_done(tmp_path):
+    """bench/gpu_session.sh (the older driver) shares the rule through bench/lease_lib.sh."""
+    w = tmp_path / "w"
+    (w / "status").mkdir(parents=True)
+    (w / "status" / "s01.done").write_text("3\n")
+    (w / "real").mkdir()
+    (w / "real" / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    script = ROOT / "bench" / "gpu_session.sh"
+
+    def wait(out: Path, **env: str) -> list[str]:
+        out.mkdir()
+        r = subprocess.run(["bash", str(script), "wait", "0"], capture_output=True, text=True, timeout=120,
+                           env={"PATH": os.environ["PATH"], "PYTHON": sys.executable, "W": str(w), "OUT": str(out),
+                                **env})
+        assert r.returncode == 0, r.stderr
+        return sorted(p.name for p in out.iterdir())
+
+    assert wait(tmp_path / "o1") == ["results.tar.gz"]  # mid-run: small
+    (w / "status" / "ALL.done").touch()
+    assert wait(tmp_path / "o2") == ["prompts.jsonl.gz", "results.tar.gz"]
+    lines = gzip.decompress((tmp_path / "o2" / "prompts.jsonl.gz").read_bytes()).decode().splitlines()
+    assert [json.loads(x) for x in lines] == PROMPTS
+    assert wait(tmp_path / "o3", SEED=str(tmp_path)) == ["results.tar.gz"]  # seeded: nothing to bring back
