@@ -77,10 +77,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 W=${W:-/tmp/quality-run}
-# The driver's settings as `start` got them, for the later verbs (lease 2026-12-04: SEED was given to `start` alone,
-# so every `wait` packed the seeded prompts back into $OUT). `start` writes $W/driver.env; wait / pack / stop read it,
-# a variable set in their own environment winning.
-. bench/lease_lib.sh
+. bench/lease_lib.sh  # start's settings hold for wait / pack / stop ($W/driver.env)
 SETTINGS=(CONFIG VERIFIER NPROMPTS SEED INIT PACK_DRAFTER PACK_LARGE PARTS_MAX RUN_SETS COMMON EVAL_EVERY RECIPES SLOTS
   BENCH_SETS SETS7 BENCH_FULL BENCH_ABL SPEED SPEED_CONFIG REGEN_ARGS REGEN_STEP REGEN_SPEED REGEN_STEP_ARGS
   REGEN_COMPILE COMPILE_GAIN REGEN_BUDGET_S REGEN_MIN NPROMPTS_ALL TRAIN_END_S TRAIN_START_S DEADLINE_S ONLINE_SPEED
@@ -365,7 +362,7 @@ PYEOF
   # the regenerated prompts, for SEED in a later lease: gzip once, in PARTS_MAX (default 5) parts of 15 MiB at most
   # ($OUT takes 8 files of 16 MiB); left out when larger
   # the export of PACK_DRAFTER, for INIT on a later lease ($OUT takes 8 files and 64 MiB together: with the ~47 MB
-  # drafter the prompts stay behind; they came back with an earlier call's pack, the one after 01, before 04 exported)
+  # drafter the prompts stay behind: bring them back with PACK_LARGE=1 on a `wait` between 03 and the export)
   # Both are large (~35-47 MB): only from a finished driver or with PACK_LARGE=1 (lease_large_ok says why)
   lease_large_ok "$W" || { ls "$W/status"; return 0; }
   local ex packed=0
