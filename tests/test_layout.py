@@ -14,7 +14,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "eagle3"
-CORE = {"__init__", "config", "cli", "errors", "io", "verifier", "layers", "sdpa"}
+CORE = {"__init__", "config", "cli", "errors", "io", "verifier", "layers", "sdpa", "process_group"}
 STAGES = ["shards", "prompts", "capture", "data", "train", "export", "benchmark"]  # in pipeline order
 
 

@@ -561,12 +561,17 @@ def run(cfg: RunConfig, *, overwrite: bool = False, limit: Optional[int] = None,
     root = cfg.shards_dir
     d = _init_dist()
     created = [p for p in (root, *root.parents) if not p.exists()]  # folders this call may create, deepest first
+    clean = False
     try:
-        return _run(cfg, root, overwrite, limit, backend, tokenizer, d, ignore_disk_check)
+        out = _run(cfg, root, overwrite, limit, backend, tokenizer, d, ignore_disk_check)
+        clean = True
+        return out
     except (NotEnoughDisk, UserError):
         if created and d.rank == 0:
             _remove_fresh_folder(created)
         raise
+    finally:
+        d.close(clean)
 
 
 def _remove_fresh_folder(created: list[Path]) -> None:
@@ -598,9 +603,7 @@ def _run(cfg: RunConfig, root: Path, overwrite: bool, limit: Optional[int], back
             stack.enter_context(_exclusive(root))  # rank 0 only; released when run() returns
 
         d.on_rank0(lock)
-        out = _extract(cfg, root, overwrite, limit, backend, tokenizer, d, ignore_disk_check)
-    d.close()
-    return out
+        return _extract(cfg, root, overwrite, limit, backend, tokenizer, d, ignore_disk_check)
 
 
 @dataclass
@@ -662,12 +665,14 @@ class _Dist:
             raise RuntimeError(f"stage 02 failed on rank 0: {err[1]}")
         return res
 
-    def close(self) -> None:
+    def close(self, clean: bool = True) -> None:
+        """Tear the process group down when this process made it (:func:`eagle3.process_group.close_process_group`,
+        barrier on the gloo group first unless ``clean`` is False: an error path)."""
         if self.initialized_here:
-            import torch.distributed as dist
+            from eagle3.process_group import close_process_group
 
-            dist.destroy_process_group()
             self.initialized_here = False
+            close_process_group(self.group, barrier=clean)
 
 
 def _init_dist() -> _Dist:
@@ -686,9 +691,11 @@ def _init_dist() -> _Dist:
         raise UserError(f"WORLD_SIZE/RANK/LOCAL_RANK: not an integer ({e})") from e
     import torch.distributed as dist
 
+    from eagle3.process_group import init_process_group
+
     here = False
     if not dist.is_initialized():
-        dist.init_process_group(backend="gloo", timeout=DIST_TIMEOUT)
+        init_process_group(backend="gloo", timeout=DIST_TIMEOUT)
         here = True
     group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo", timeout=DIST_TIMEOUT)
     return _Dist(rank=rank, world=world, local_rank=local_rank, group=group, initialized_here=here)

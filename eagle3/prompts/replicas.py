@@ -56,12 +56,14 @@ class Dist:
         dist.all_gather_object(out, obj)
         return out
 
-    def close(self) -> None:
+    def close(self, clean: bool = True) -> None:
+        """Tear the process group down when this process made it (:func:`eagle3.process_group.close_process_group`;
+        ``clean=False`` on an error path: no barrier)."""
         if self.initialized_here:
-            import torch.distributed as dist
+            from eagle3.process_group import close_process_group
 
-            dist.destroy_process_group()
             self.initialized_here = False
+            close_process_group(barrier=clean)
 
 
 def init_dist() -> Dist:
@@ -80,9 +82,11 @@ def init_dist() -> Dist:
         return Dist()
     import torch.distributed as dist
 
+    from eagle3.process_group import init_process_group
+
     here = not dist.is_initialized()
     if here:
-        dist.init_process_group(backend="gloo", timeout=TIMEOUT)
+        init_process_group(backend="gloo", timeout=TIMEOUT)
     return Dist(rank=rank, world=world, local_rank=local_rank, initialized_here=here)
 
 
@@ -169,6 +173,7 @@ def regenerate_replicas(cfg, convs: list[dict], want: dict, stats: dict, force: 
 
     d = init_dist()
     folder = cfg.prompts_path.parent
+    clean = False
     try:
         if force and d.rank == 0:
             for p in all_logs(folder):
@@ -186,10 +191,13 @@ def regenerate_replicas(cfg, convs: list[dict], want: dict, stats: dict, force: 
                    journal=_GlobalLog(ResumeLog(log_path(folder, d.rank), want), mine), **(regen_kwargs or {}))
         parts = d.gather(st)
         d.barrier()  # every rank's log is complete
-        if d.rank != 0:
-            return None
-        tools = sum(1 for c in convs if has_tool_calls(c))
-        stats.update(merge_stats(parts, resumed=len(finished), kept_with_tools=tools), stop_token_ids=stats["stop_token_ids"])
-        return assemble(convs, load_finished(folder, want, convs), has_tool_calls)
+        out = None
+        if d.rank == 0:
+            tools = sum(1 for c in convs if has_tool_calls(c))
+            stats.update(merge_stats(parts, resumed=len(finished), kept_with_tools=tools),
+                         stop_token_ids=stats["stop_token_ids"])
+            out = assemble(convs, load_finished(folder, want, convs), has_tool_calls)
+        clean = True
+        return out
     finally:
-        d.close()
+        d.close(clean)

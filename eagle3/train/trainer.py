@@ -66,6 +66,7 @@ from eagle3.config import RunConfig
 from eagle3.data.batching import eval_batches, sample_lengths
 from eagle3.data.dataset import ResumableSampler, ShardDataset, collate, read_split
 from eagle3.errors import UserError
+from eagle3.process_group import close_process_group, init_process_group
 from eagle3.shards.fp8 import dequantize_batch, is_fp8
 from eagle3.io import (append_bytes, atomic_write_json, atomic_write_jsonl, atomic_write_text, disk_full_guard,
                        open_append)
@@ -126,7 +127,7 @@ def init_distributed(device: Optional[str] = None) -> DistInfo:
         if not dist.is_initialized():
             backend = "nccl" if use_cuda else "gloo"
             kw = {"device_id": dev} if use_cuda else {}
-            dist.init_process_group(backend=backend, **kw)
+            init_process_group(backend=backend, **kw)
             info.initialized_here = True
         info.ctrl_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
     return info
@@ -737,13 +738,16 @@ def run(cfg: RunConfig, resume: bool = False, max_steps: Optional[int] = None, s
     stop = StopFlag()
     from eagle3.sdpa import no_cudnn_sdpa
 
+    clean = False
     try:
         with no_cudnn_sdpa():  # batch shapes change every step: no per-shape cuDNN plans (~40 ms each)
-            return _run(cfg, d, stop, resume, max_steps, stop_after, export, init)
+            out = _run(cfg, d, stop, resume, max_steps, stop_after, export, init)
+        clean = True
+        return out
     finally:
         stop.restore()
-        if d.initialized_here and dist.is_initialized():
-            dist.destroy_process_group()
+        if d.initialized_here:
+            close_process_group(d.ctrl_group, barrier=clean)  # no barrier on an error path: peers may be stuck
 
 
 def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: Optional[int],

@@ -1,0 +1,115 @@
+"""Process-group teardown (``eagle3.process_group``): the order of calls, the error path, the callers'
+choice of barrier, and, on 2 real gloo ranks with a DDP step, that no gloo thread is left running when
+the process reaches interpreter exit (the cause of the rare SIGABRT at exit of a finished torchrun run).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from eagle3 import process_group
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Record barrier / destroy / gc calls instead of making them; a process group 'is initialised'."""
+    log: list = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "barrier", lambda group=None: log.append(("barrier", group)))
+    monkeypatch.setattr(dist, "destroy_process_group", lambda group=None: log.append(("destroy", group)))
+    monkeypatch.setattr(process_group.gc, "collect", lambda: log.append(("gc", None)))
+    return log
+
+
+def test_close_waits_at_the_barrier_then_destroys_then_collects(calls):
+    group = object()
+    process_group.close_process_group(group)
+    assert calls == [("barrier", group), ("destroy", None), ("gc", None)]
+
+
+def test_close_destroys_even_when_the_barrier_raises(calls, monkeypatch):
+    def dead_peer(group=None):
+        calls.append(("barrier", group))
+        raise RuntimeError("Connection closed by peer")
+
+    monkeypatch.setattr(dist, "barrier", dead_peer)
+    with pytest.raises(RuntimeError, match="closed by peer"):
+        process_group.close_process_group()
+    assert calls == [("barrier", None), ("destroy", None), ("gc", None)]
+
+
+def test_close_on_an_error_path_skips_the_barrier(calls):
+    process_group.close_process_group(object(), barrier=False)
+    assert calls == [("destroy", None), ("gc", None)]
+
+
+def test_close_without_a_process_group_does_nothing(calls, monkeypatch):
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    process_group.close_process_group()
+    assert calls == []
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_trainer_run_closes_with_a_barrier_only_on_success(monkeypatch, fails):
+    from eagle3.train import trainer
+
+    ctrl = object()
+    seen: list = []
+    monkeypatch.setattr(trainer, "init_distributed", lambda device=None: trainer.DistInfo(
+        rank=0, world=2, local_rank=0, device=None, ctrl_group=ctrl, initialized_here=True))
+
+    def fake_run(*args, **kwargs):
+        if fails:
+            raise ValueError("boom")
+        return {"step": 1}
+
+    monkeypatch.setattr(trainer, "_run", fake_run)
+    monkeypatch.setattr(trainer, "close_process_group", lambda group=None, *, barrier=True: seen.append((group, barrier)))
+    if fails:
+        with pytest.raises(ValueError, match="boom"):
+            trainer.run(cfg=None, device="cpu")
+    else:
+        assert trainer.run(cfg=None, device="cpu") == {"step": 1}
+    assert seen == [(ctrl, not fails)]
+
+
+WORKER = textwrap.dedent("""
+    import json, os, sys
+    import torch
+    import torch.distributed as dist
+    from eagle3.process_group import close_process_group, init_process_group
+
+    init_process_group(backend="gloo")
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
+    model(torch.randn(2, 4)).sum().backward()  # gloo all-reduce of the gradients
+    del model
+    close_process_group()
+    names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+    out = os.path.join(sys.argv[1], f"rank{os.environ['RANK']}.json")
+    json.dump(sorted(n for n in names if "gloo" in n), open(out, "w"))
+""")
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc to list threads")
+def test_no_gloo_thread_outlives_close_on_two_ranks(tmp_path):
+    """DDP's first ``import torch._dynamo`` pins a group made before it; ``init_process_group`` imports
+    it first, so ``close_process_group`` really ends the gloo threads (3 are left without that)."""
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(script), str(tmp_path)]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    left = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)}
+    assert left == {0: [], 1: []}, f"gloo threads still running after close_process_group: {left}"
