@@ -55,7 +55,8 @@
 #             skipped both, and 01 ran uncompiled
 #   REGEN_COMPILE 1 = prompts.regen_compile=true for every stage; auto = after regen_step (run it with
 #             REGEN_STEP_ARGS="--compile ..."), on when its flex+compile bulk step held and took at most COMPILE_GAIN
-#             (default 0.9) of the eager flex step's time (the decision: $W/regen_compile); default 0
+#             (default 0.9) of the eager flex step's time (the decision: $W/regen_compile); default 0 = the config's
+#             own prompts.regen_compile (default auto: the slots engine decides from the run's size)
 #   TRAIN_END_S seconds after the driver started at which the trainings get SIGTERM (instead of DEADLINE_S), and the
 #             main run's @MAIN_STEPS@ is sized (ONLINE_SPEED=0) to the time left then, less TRAIN_START_S (default 25)
 #   DEADLINE_S seconds after the recipes start at which every 04 still training gets SIGTERM: it finishes its

@@ -298,6 +298,89 @@ class _Waiting:
     ids: list = field(compare=False)
 
 
+# ---------------------------------------------------------------- prompts.regen_compile: auto
+# What a compiled decode step costs and saves, measured on one H200 with SmolLM2-135M-Instruct in bf16, 1,024 slots,
+# flex attention, CUDA graphs, 512 new tokens (the committed 17K / 127K configs). Other verifiers, slot counts or GPUs
+# differ; `auto` uses these figures as they are, so its decision is an estimate for anything else.
+# Seconds of the first full-prefix step with the whole step compiled from a COLD Inductor cache (compile + CUDA graph
+# capture): bench/results/h200-20261204/regen_speed_cold.json, main.engine_stats.first_step_s["1024"] = 41.36 s (the
+# 100K run of the same lease: 35.6 s, h200-20261204/prompts_report.json; a warm cache: 10.2 s, regen_speed_warm.json).
+# The cold figure, because a fresh machine is the usual case and a warm cache cannot be told apart before compiling.
+COMPILE_COLD_S = 41.4
+# Milliseconds of one eager full-prefix decode step: bench/results/h200-20261203/prompts_report.json (lease 03, 100K
+# conversations uncompiled), regeneration.engine_stats[0]: decode_s 203.68 s / 26,928 decode steps = 7.56 ms.
+EAGER_STEP_MS = 7.56
+# Milliseconds of one compiled full-prefix decode step in steady state: bench/results/h200-20261204/
+# regen_speed_{cold,warm}.json, (decode_s - sum(first_step_s)) / decode_steps = 5.64 / 5.67 ms (the 100K run: 5.10 ms).
+COMPILED_STEP_MS = 5.65
+
+
+def estimate_decode_steps(answers: int, max_new_tokens: int, slots: int) -> int:
+    """Decode steps a slot engine is expected to run for ``answers`` turns: the answer-token budget over the rows,
+    ``ceil(answers * max_new_tokens / slots)``.
+
+    An ESTIMATE on the high side, not a bound: it takes every answer to use its whole ``max_new_tokens`` and every
+    row to stay busy. Measured runs used about half the budget (the H200 17K config: 18,081 answers, estimate 9,041
+    steps, ran 5,440; 100K conversations of the 127K config: 106,041 answers, estimate 53,021, ran 26,928;
+    bench/results/h200-20261204), while rows idling until the next check and a long multi-turn tail can add steps.
+    ``answers`` counts every user turn still to answer, so later turns a context cap will drop are in it.
+    """
+    if answers < 0 or max_new_tokens < 1 or slots < 1:
+        raise ValueError("estimate_decode_steps: answers >= 0, max_new_tokens >= 1 and slots >= 1")
+    return -(-answers * max_new_tokens // slots)
+
+
+def compile_decision(setting, device_type: str, attention: str, answers: Optional[int], max_new_tokens: int,
+                     slots: int) -> dict:
+    """Whether the slot engine compiles its decode step (``prompts.regen_compile``), and why: recorded as
+    ``SlotEngine.stats["compile_decision"]`` (``prompts_report.json``: ``regeneration.engine_stats``).
+
+    ``True`` / ``False`` are taken as they are (``True`` compiles on any device, as before ``auto`` existed).
+    ``"auto"`` compiles only on CUDA with the flex decode path (where the constants above were measured; on the CPU
+    it never compiles), and there only when the estimated saving beats the cold compile::
+
+        estimate_decode_steps(answers, max_new_tokens, slots) * (EAGER_STEP_MS - COMPILED_STEP_MS) / 1000 > COMPILE_COLD_S
+
+    i.e. above 41.4 s / 1.91 ms = 21,675 estimated steps (43,351 answers or more at 512 new tokens over 1,024 slots).
+
+    Args:
+        setting: ``True``, ``False`` or ``"auto"``.
+        device_type: the verifier's device type (``"cuda"``, ``"cpu"``, ...).
+        attention: the decode attention the engine took (``"flex"`` or ``"sdpa_groups"``).
+        answers: turns the engine will answer (None: not known, and ``auto`` does not compile).
+        max_new_tokens: answer budget per turn (tokens).
+        slots: decode rows.
+
+    Returns:
+        ``{"setting", "compile", "reason"}``; for ``auto`` also the inputs (``device``, ``attention``, ``answers``,
+        ``max_new_tokens``, ``slots``) and, where it got that far, ``estimated_steps``, ``saving_ms_per_step``,
+        ``estimated_saving_s`` and ``compile_cost_s``.
+
+    Raises:
+        ValueError: ``setting`` is not ``True``, ``False`` or ``"auto"``.
+    """
+    if setting is True or setting is False:
+        return {"setting": setting, "compile": setting, "reason": f"prompts.regen_compile: {str(setting).lower()}"}
+    if setting != "auto":
+        raise ValueError(f"compile_step: one of true, false, 'auto', not {setting!r}")
+    out = {"setting": "auto", "compile": False, "device": device_type, "attention": attention, "answers": answers,
+           "max_new_tokens": max_new_tokens, "slots": slots}
+    if device_type != "cuda":
+        return {**out, "reason": f"auto: the verifier is on {device_type}, not CUDA (never compiled there)"}
+    if attention != "flex":
+        return {**out, "reason": f"auto: {attention} decode attention (the step saving was measured with flex only)"}
+    if answers is None:
+        return {**out, "reason": "auto: the number of answers is not known"}
+    steps = estimate_decode_steps(answers, max_new_tokens, slots)
+    saving_ms = EAGER_STEP_MS - COMPILED_STEP_MS
+    saving_s = steps * saving_ms / 1000.0
+    on = saving_s > COMPILE_COLD_S
+    reason = (f"auto: ~{steps} decode steps x {saving_ms:.2f} ms saved = {saving_s:.1f} s "
+              f"{'>' if on else '<='} {COMPILE_COLD_S} s cold compile")
+    return {**out, "compile": on, "reason": reason, "estimated_steps": steps, "saving_ms_per_step": round(saving_ms, 3),
+            "estimated_saving_s": round(saving_s, 2), "compile_cost_s": COMPILE_COLD_S}
+
+
 class Engine:
     """Shared submit/results contract (see the module docstring)."""
 
@@ -339,10 +422,14 @@ class SlotEngine(Engine):
             static shapes, one compile per slot prefix from ``compile_min_prefix`` up, before its CUDA graph is
             captured). A SmolLM2 step at 1,024 rows is ~2,600 small kernels around the attention (H200 lease
             2026-12-02c: 7.6 ms, 3.4 ms of it attention), which Inductor fuses. A failed compile logs one warning and the engine goes on uncompiled.
+            ``"auto"``: compile only where :func:`compile_decision` expects the saving to beat the cold compile
+            (CUDA, flex attention, enough decode steps for ``planned_answers``); ``True`` / ``False`` as they are.
         compile_min_prefix: smallest slot prefix the compiled step runs over (default ``slots``: only the full
             prefix, where nearly every step of a long run falls: the H200 17K run stepped 5,424 times, all at 1,024);
             smaller prefixes (a run's tail, small test batches) step eagerly with flex compiled alone. Each prefix
             compiled costs one cold Inductor compile (tens of seconds on the H200).
+        planned_answers: turns the caller will submit over the engine's life (``compile_step="auto"`` sizes the
+            work with it: :func:`estimate_decode_steps`); None = unknown (``auto`` then does not compile).
 
     Memory: ``2 * layers * slots * max_len * kv_heads * head_dim`` elements of the model dtype, plus
     ``slots x max_new_tokens`` int64 answer buffer. Priorities: lower tuples are admitted first.
@@ -352,13 +439,16 @@ class SlotEngine(Engine):
     columns), ``prefix_steps`` (decode steps per prefix size, keys as strings), ``attention`` (the path taken),
     ``prefill_s`` / ``decode_s`` (device seconds of the prefill forwards / decode windows between CUDA events,
     read at each check; host seconds on the CPU), ``first_step_s`` (host seconds of each prefix's first step, keys
-    as strings: its compile and graph capture, timed between two syncs, within ``decode_s``).
+    as strings: its compile and graph capture, timed between two syncs, within ``decode_s``), ``compiled_step``
+    (whether the compiled step is in use; False after a failed compile), ``compile_decision`` (:func:`compile_decision`:
+    the setting, the choice, its reason and inputs).
     """
 
     def __init__(self, model, slots: int, max_len: int, max_new_tokens: int, stop_ids: set[int],
                  check_every: int = 16, prefill_tokens: int = 65536, width_classes: Optional[Sequence[int]] = None,
                  cuda_graphs: bool = True, attention: str = "auto", flex_block: int = 128, min_prefix: int = 8,
-                 compile_step: bool = False, compile_min_prefix: Optional[int] = None):
+                 compile_step=False, compile_min_prefix: Optional[int] = None,
+                 planned_answers: Optional[int] = None):
         if slots < 1 or max_new_tokens < 1 or check_every < 1 or max_len <= max_new_tokens:
             raise ValueError("SlotEngine: slots, max_new_tokens, check_every >= 1 and max_len > max_new_tokens")
         self.model, self.S, self.max_len, self.max_new = model, slots, max_len, max_new_tokens
@@ -377,16 +467,8 @@ class SlotEngine(Engine):
         self.block, self.attention_mode, self._tried = flex_block, attention, set()  # _tried: prefixes stepped once
         self.flex = self._pick_attention(attention, slots, h, hkv, d, dtype, -(-max_len // flex_block) * flex_block)
         self._flex_alone = self.flex  # the flex call to go back to if the compiled step is dropped
-        self._compiled = None
         self._compile_min = slots if compile_min_prefix is None else max(1, int(compile_min_prefix))
-        if compile_step:
-            import functools
-
-            _from_kv_blocks_params()
-            _raise_recompile_limit()
-            if self.flex is not None:  # traced inside the compiled step (no nested compile)
-                self.flex = functools.partial(flex_decode, block=flex_block)
-            self._compiled = torch.compile(self._step_eager, dynamic=False)
+        self._setup_compile(compile_step, planned_answers)
         self._flex_inline = self.flex  # the flex call the compiled step traces (== _flex_alone uncompiled)
         if self.flex is not None:
             width_classes = []
@@ -427,9 +509,28 @@ class SlotEngine(Engine):
                       "graph_captures": 0, "kv_bytes_per_token": self.kv_bytes_per_token, "prefix_steps": {},
                       "attention": "flex" if self.flex is not None else "sdpa_groups", "prefill_s": 0.0, "decode_s": 0.0,
                       "compiled_step": self._compiled is not None, "compile_min_prefix": self._compile_min,
-                      "first_step_s": {}}
+                      "first_step_s": {}, "compile_decision": self.compile_decision}
         self._timed: list[tuple[str, object, object]] = []  # (stat, start, end): CUDA events read at the next sync
         self._swap = AttentionSwap(model).__enter__()
+
+    def _setup_compile(self, compile_step, planned_answers: Optional[int]) -> None:
+        """Decide (:func:`compile_decision`, once the attention path is known) and, if so, wrap the decode step in
+        ``torch.compile`` (compiled lazily at its first call); the decision goes to ``self.compile_decision``."""
+        self._compiled = None
+        self.compile_decision = compile_decision(compile_step, self.dev.type,
+                                                 "flex" if self.flex is not None else "sdpa_groups",
+                                                 planned_answers, self.max_new, self.S)
+        if compile_step == "auto":
+            log.info("prompts.regen_compile: %s (%s)", "compiling the decode step"
+                     if self.compile_decision["compile"] else "decode step not compiled", self.compile_decision["reason"])
+        if self.compile_decision["compile"]:
+            import functools
+
+            _from_kv_blocks_params()
+            _raise_recompile_limit()
+            if self.flex is not None:  # traced inside the compiled step (no nested compile)
+                self.flex = functools.partial(flex_decode, block=self.block)
+            self._compiled = torch.compile(self._step_eager, dynamic=False)
 
     # ------------------------------------------------------------------ contract
     def submit(self, key, ids: Sequence[int], priority: tuple = ()) -> None:

@@ -287,12 +287,13 @@ def _decode_static(run: _Run, model, max_new_tokens: int, batch_size: int, sched
 
 
 def make_engine(name: str, model, tokenizer, max_new_tokens: int, batch_size: int, max_context: Optional[int],
-                options: Optional[dict] = None):
+                options: Optional[dict] = None, planned_answers: Optional[int] = None):
     """A continuous-batching engine of :mod:`eagle3.prompts.continuous` by name (``slots`` or ``hf_continuous``).
 
     ``options``: the engine's keyword arguments (``SlotEngine``: check_every, prefill_tokens, width_classes,
-    cuda_graphs, attention). The slot cache holds prompts shorter than ``max_context`` (the context cap; None = the model's
-    ``max_position_embeddings`` less ``max_new_tokens``) plus ``max_new_tokens`` answer tokens.
+    cuda_graphs, attention, compile_step). The slot cache holds prompts shorter than ``max_context`` (the context cap; None = the model's
+    ``max_position_embeddings`` less ``max_new_tokens``) plus ``max_new_tokens`` answer tokens. ``planned_answers``:
+    the turns the run will submit (the slot engine's ``compile_step="auto"`` sizes the work with it).
     """
     from eagle3.prompts.continuous import HFContinuousEngine, SlotEngine
 
@@ -300,14 +301,16 @@ def make_engine(name: str, model, tokenizer, max_new_tokens: int, batch_size: in
     cfg = model.config.get_text_config()
     max_len = (max_context + max_new_tokens) if max_context is not None else cfg.max_position_embeddings
     if name == "slots":
-        return SlotEngine(model, batch_size, max_len, max_new_tokens, stop_ids, **(options or {}))
+        return SlotEngine(model, batch_size, max_len, max_new_tokens, stop_ids,
+                          **{"planned_answers": planned_answers, **(options or {})})
     if name == "hf_continuous":
         return HFContinuousEngine(model, batch_size, max_new_tokens, stop_ids, max_len=max_len, **(options or {}))
     raise ValueError(f"regen engine: one of {ENGINES}, not {name!r}")
 
 
 def engine_options(pc) -> Optional[dict]:
-    """The continuous engine's keyword arguments from ``prompts`` (:class:`eagle3.config.PromptsConfig`)."""
+    """The continuous engine's keyword arguments from ``prompts`` (:class:`eagle3.config.PromptsConfig`);
+    ``compile_step`` is ``prompts.regen_compile`` as set (``True``, ``False`` or ``"auto"``, which the engine decides)."""
     if pc.regen_engine == "slots":
         return {"check_every": pc.regen_check_every, "prefill_tokens": pc.regen_prefill_tokens,
                 "cuda_graphs": pc.regen_cuda_graphs, "attention": pc.regen_attention, "compile_step": pc.regen_compile}
@@ -364,7 +367,9 @@ def regenerate(model, tokenizer, conversations: list[dict], max_new_tokens: int,
             original calls, which cannot be re-run here), ``turns_over_context`` (user turns left
             unanswered by ``max_context``), ``dropped_over_context`` (conversations left out),
             ``batches`` (``generate`` calls; continuous engines: prefill forwards), ``decode_steps``
-            (static: sum over batches of the longest answer's steps; continuous: decode steps run), ``engine``.
+            (static: sum over batches of the longest answer's steps; continuous: decode steps run), ``engine``,
+            ``engine_stats`` (continuous engines: the engine's ``stats``; the slot engine's ``compile_decision`` says
+            whether and why the decode step was compiled).
         schedule: static engine only: ``"pool"`` (:func:`pick_batch` over the ready pool) or ``"rounds"``
             (all turns k, sorted by prompt length, before any turn k+1).
         journal: resume log (:class:`eagle3.prompts.resume_log.ResumeLog`, next to the prompts file): the
@@ -405,7 +410,9 @@ def regenerate(model, tokenizer, conversations: list[dict], max_new_tokens: int,
         if engine == "static":
             _decode_static(run, model, max_new_tokens, batch_size, schedule, bar)
         elif run.ready:
-            eng = make_engine(engine, model, tokenizer, max_new_tokens, batch_size, max_context, engine_options)
+            planned = sum(run.remaining(i) for i in run.ready)  # turns still to answer (prompts.regen_compile: auto)
+            eng = make_engine(engine, model, tokenizer, max_new_tokens, batch_size, max_context, engine_options,
+                              planned_answers=planned)
             stack.callback(eng.close)
             _decode_continuous(run, eng, bar)
     run.st.update(seconds=time.perf_counter() - t0, dropped_over_context=len(run.dropped), engine=engine)

@@ -149,3 +149,25 @@ def test_prepare_data_exits_2_on_a_boolean_vocab_size(tmp_path):
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("error: --set data.draft_vocab_size=true: field 'data.draft_vocab_size':") and "boolean" in last
     assert not (tmp_path / "outputs").exists()
+
+
+@pytest.mark.parametrize("line, want", [("  regen_compile: true\n", True), ("  regen_compile: false\n", False),
+                                        ("  regen_compile: auto\n", "auto"), ("", "auto")])
+def test_regen_compile_takes_true_false_or_auto(tmp_path, line, want):
+    """prompts.regen_compile: YAML true / false as before, or auto (the default: the slot engine decides)."""
+    got = load_config(_write(tmp_path, BASE + line)).prompts.regen_compile
+    assert got is want if isinstance(want, bool) else got == want
+
+
+@pytest.mark.parametrize("value", ["maybe", "compile", "2", "[auto]", "null"])
+def test_regen_compile_refuses_anything_else_in_one_line(tmp_path, value):
+    f = _write(tmp_path, BASE + f"  regen_compile: {value}\n")
+    with pytest.raises(UserError) as e:
+        load_config(f)
+    msg = str(e.value)
+    assert msg.startswith(f"{f}:6: field 'prompts.regen_compile': ") and "expected true, false or auto" in msg, msg
+    assert "\n" not in msg
+    with pytest.raises(UserError) as e:
+        load_config(_write(tmp_path, BASE), [f"prompts.regen_compile={value}"])
+    assert str(e.value).startswith(f"--set prompts.regen_compile={value}: field 'prompts.regen_compile': ")
+    assert "expected true, false or auto" in str(e.value) and "\n" not in str(e.value)

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from eagle3.config import VerifierConfig
-from eagle3.prompts.continuous import (HFContinuousEngine, SlotEngine, choose_prefix, decode_block_mask, flex_decode,
-                                       kv_num_blocks, prefix_sizes)
+from eagle3.prompts.continuous import (COMPILE_COLD_S, COMPILED_STEP_MS, EAGER_STEP_MS, HFContinuousEngine, SlotEngine,
+                                       choose_prefix, compile_decision, decode_block_mask, estimate_decode_steps,
+                                       flex_decode, kv_num_blocks, prefix_sizes)
 from eagle3.prompts.regenerate import regenerate
 from eagle3.verifier import load_verifier
 
@@ -454,3 +455,100 @@ def test_compiled_step_failure_falls_back(tiny, caplog):
     assert [got[i] for i in range(len(prompts))] == want
     assert not eng.stats["compiled_step"] and eng.stats["attention"] == "flex"  # flex kept, compile dropped
     assert sum("compiled decode step failed" in r.message for r in caplog.records) == 1
+
+
+# ---------------------------------------------------------------- prompts.regen_compile: auto
+
+def test_estimate_decode_steps_is_the_answer_budget_over_the_rows():
+    assert estimate_decode_steps(18081, 512, 1024) == 9041  # the 17K config's answers (H200 lease 2026-12-04)
+    assert estimate_decode_steps(106041, 512, 1024) == 53021  # 100K conversations of the 127K config
+    assert estimate_decode_steps(3, 10, 4) == 8  # 30 tokens over 4 rows: rounded up
+    assert estimate_decode_steps(0, 512, 1024) == 0
+    with pytest.raises(ValueError):
+        estimate_decode_steps(5, 0, 4)
+
+
+def test_compile_decision_auto_against_hand_computed_break_even():
+    """auto compiles when estimated steps x (7.56 - 5.65) ms > 41.4 s: 21,675 steps give 41.399 s (off), 21,676 give
+    41.401 s (on); at 512 tokens over 1,024 rows that is 43,350 vs 43,351 answers."""
+    assert (EAGER_STEP_MS, COMPILED_STEP_MS, COMPILE_COLD_S) == (7.56, 5.65, 41.4)  # the results files' figures
+    below = compile_decision("auto", "cuda", "flex", 43350, 512, 1024)
+    above = compile_decision("auto", "cuda", "flex", 43351, 512, 1024)
+    assert below["compile"] is False and below["estimated_steps"] == 21675
+    assert below["estimated_saving_s"] == pytest.approx(41.40, abs=0.01) and below["compile_cost_s"] == 41.4
+    assert above["compile"] is True and above["estimated_steps"] == 21676
+    assert "41.4 s cold compile" in above["reason"] and ">" in above["reason"]
+    # today's hand choices: the 17K config off (9,041 steps: 17.3 s saved), 100K of the 127K config on (101.3 s)
+    k17 = compile_decision("auto", "cuda", "flex", 18081, 512, 1024)
+    k100 = compile_decision("auto", "cuda", "flex", 106041, 512, 1024)
+    assert not k17["compile"] and k17["estimated_saving_s"] == pytest.approx(17.27, abs=0.01)
+    assert k100["compile"] and k100["estimated_saving_s"] == pytest.approx(101.27, abs=0.01)
+    assert k100 == {"setting": "auto", "compile": True, "device": "cuda", "attention": "flex", "answers": 106041,
+                    "max_new_tokens": 512, "slots": 1024, "estimated_steps": 53021, "saving_ms_per_step": 1.91,
+                    "estimated_saving_s": k100["estimated_saving_s"], "compile_cost_s": 41.4, "reason": k100["reason"]}
+
+
+def test_compile_decision_auto_never_on_cpu_nor_off_the_measured_path():
+    many = 10 ** 9  # far above break-even
+    cpu = compile_decision("auto", "cpu", "flex", many, 512, 1024)
+    assert cpu["compile"] is False and "cpu" in cpu["reason"] and "estimated_steps" not in cpu
+    assert compile_decision("auto", "mps", "flex", many, 512, 1024)["compile"] is False
+    sdpa = compile_decision("auto", "cuda", "sdpa_groups", many, 512, 1024)
+    assert sdpa["compile"] is False and "sdpa_groups" in sdpa["reason"]
+    assert compile_decision("auto", "cuda", "flex", None, 512, 1024)["compile"] is False  # work unknown
+    # true / false are taken as they are (true compiles on the CPU too, as before auto existed)
+    assert compile_decision(True, "cpu", "sdpa_groups", 0, 512, 1024) == {
+        "setting": True, "compile": True, "reason": "prompts.regen_compile: true"}
+    assert compile_decision(False, "cuda", "flex", many, 512, 1024)["compile"] is False
+    with pytest.raises(ValueError, match="compile_step"):
+        compile_decision("yes", "cuda", "flex", many, 512, 1024)
+
+
+def test_auto_engine_on_cpu_never_calls_torch_compile(tiny, monkeypatch):
+    model, _ = tiny
+
+    def no_compile(*a, **k):
+        raise AssertionError("torch.compile called on the CPU")
+
+    monkeypatch.setattr(torch, "compile", no_compile)
+    eng = SlotEngine(model, 4, max_len=64, max_new_tokens=8, stop_ids={0}, cuda_graphs=False, attention="flex",
+                     flex_block=16, compile_step="auto", planned_answers=10 ** 9)
+    try:
+        assert eng._compiled is None and not eng.stats["compiled_step"]
+        d = eng.stats["compile_decision"]
+        assert d["setting"] == "auto" and d["compile"] is False and d["device"] == "cpu" and d["answers"] == 10 ** 9
+    finally:
+        eng.close()
+
+
+def test_engine_compiles_when_the_decision_says_so(tiny, monkeypatch):
+    """The engine follows compile_decision (a CUDA-sized positive decision, faked here) and records it."""
+    import eagle3.prompts.continuous as cont
+
+    model, _ = tiny
+    seen = []
+
+    def decide(setting, device, attention, answers, max_new, slots):
+        seen.append((setting, device, attention, answers, max_new, slots))
+        return {"setting": setting, "compile": True, "reason": "test"}
+
+    monkeypatch.setattr(cont, "compile_decision", decide)
+    eng = SlotEngine(model, 4, max_len=64, max_new_tokens=8, stop_ids={0}, cuda_graphs=False, attention="flex",
+                     flex_block=16, compile_step="auto", planned_answers=123)
+    try:
+        assert seen == [("auto", "cpu", "flex", 123, 8, 4)]
+        assert eng._compiled is not None and eng.stats["compiled_step"]
+        assert eng.stats["compile_decision"] == {"setting": "auto", "compile": True, "reason": "test"}
+    finally:
+        eng.close()
+
+
+def test_regenerate_gives_the_engine_its_answers_and_records_the_decision(tiny):
+    model, tok = tiny
+    stats = {}
+    regenerate(model, tok, CONVS, max_new_tokens=6, batch_size=2, stats=stats, engine="slots",
+               engine_options={"check_every": 2, "cuda_graphs": False, "compile_step": "auto"})
+    d = stats["engine_stats"]["compile_decision"]
+    assert stats["answers"] == 12 and not stats["engine_stats"]["compiled_step"]
+    assert d == {"setting": "auto", "compile": False, "device": "cpu", "attention": "sdpa_groups", "answers": 12,
+                 "max_new_tokens": 6, "slots": 2, "reason": d["reason"]} and "not CUDA" in d["reason"]

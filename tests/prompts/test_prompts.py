@@ -273,3 +273,39 @@ def test_local_regeneration_gets_schedule_and_context_cap(tmp_path, monkeypatch,
     from eagle3.prompts.prepare_prompts import partial_path
 
     assert seen["journal"].log.path == partial_path(cfg) == cfg.prompts_path.parent / "prompts.regen-partial.jsonl"
+
+
+def test_regen_compile_is_not_in_the_settings_fingerprint(tmp_path):
+    """prompts.regen_compile changes speed, not answers: true / false / auto give 01 the same settings, so a finished
+    prompts.jsonl (and a resume log) stays valid when it changes."""
+    from eagle3.prompts.prepare_prompts import settings
+
+    f = tmp_path / "c.yaml"
+    f.write_text("run_name: t\nverifier: {path: x}\nprompts: {source: humaneval, regenerate: true}\n")
+    got = [settings(load_config(f, [f"prompts.regen_compile={v}"]), None) for v in ("true", "false", "auto")]
+    assert got[0] == got[1] == got[2] == settings(load_config(f), None)
+    assert "regen_compile" not in json.dumps(got[0])
+
+
+def test_report_records_the_regen_compile_decision(tmp_path, tiny_llama_dir, capsys):
+    """01's prompts_report.json says whether the decode step was compiled and why (auto, the default: never on the
+    CPU), with the decision's inputs; switching the setting afterwards leaves the prompts up to date."""
+    src = _jsonl(tmp_path / "c.jsonl", [{"messages": [U("Hi there"), A("x"), U("And then?"), A("y")]},
+                                        {"messages": [U("Count to three"), A("z")]}])
+    f = tmp_path / "run.yaml"
+    f.write_text(f"run_name: t\noutput_root: {tmp_path / 'out'}\n"
+                 f"verifier: {{path: {tiny_llama_dir}, dtype: float32, device: cpu}}\n"
+                 f"prompts: {{source: {src}, format: messages, regenerate: true, max_new_tokens: 4, gen_batch_size: 2,\n"
+                 f"          regen_cuda_graphs: false}}\nextract: {{max_length: 256}}\n")
+    cfg = load_config(f)
+    assert cfg.prompts.regen_compile == "auto"
+    assert run(cfg) == 0
+    rep = json.loads(report_path(cfg).read_text())["regeneration"]
+    (d,) = [s["compile_decision"] for s in rep["engine_stats"]]  # one per replica
+    assert d == {"setting": "auto", "compile": False, "device": "cpu", "attention": "sdpa_groups", "answers": 3,
+                 "max_new_tokens": 4, "slots": 2, "reason": d["reason"]} and "not CUDA" in d["reason"]
+    assert rep["engine_stats"][0]["compiled_step"] is False
+    capsys.readouterr()
+    for v in ("true", "false"):
+        assert run(load_config(f, [f"prompts.regen_compile={v}"])) == 0
+        assert "prompts up to date" in capsys.readouterr().out
