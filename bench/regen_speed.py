@@ -142,7 +142,10 @@ def roofline(st: dict, weight_bytes: int, bandwidth: float | None) -> dict:
             "roofline_ms_per_step": 1000 * need / bandwidth / max(1, st["decode_steps"]),
             # the first step of each slot prefix (compile + graph capture; host seconds within decode_s): a fixed cost
             # per run (lease 2026-12-03b: 7.30 ms a decode window step at 17K, 5.40 ms at 100K, compiled both)
-            "first_step_s": sum((es.get("first_step_s") or {}).values()) if "first_step_s" in es else None}
+            "first_step_s": sum((es.get("first_step_s") or {}).values()) if "first_step_s" in es else None,
+            # prefill: forwards, prompt tokens and rows x padded width (their ratio: the padding overhead)
+            "prefill_calls": es.get("prefill_calls"), "prefill_tokens": es.get("prefill_tokens"),
+            "prefill_padded_tokens": es.get("prefill_padded_tokens")}
 
 
 def step_ms(model, slots: int, width: int, max_new: int, graphs: bool, reps: int = 20, attention: str = "auto") -> float:
@@ -247,6 +250,10 @@ def markdown(res: dict) -> str:
         if rf.get("decode_s") is not None:
             lines.append(f"| seconds: decode steps / prefill forwards / rest of the run (device time) | "
                          f"{rf['decode_s']:.1f} / {rf['prefill_s']:.1f} / {rf['seconds'] - rf['decode_s'] - rf['prefill_s']:.1f} |")
+        if rf.get("prefill_tokens"):
+            lines.append(f"| prefill: forwards / prompt tokens / padded tokens (padding overhead) | {rf['prefill_calls']} / "
+                         f"{rf['prefill_tokens']} / {rf['prefill_padded_tokens']} "
+                         f"({rf['prefill_padded_tokens'] / rf['prefill_tokens']:.2f}x) |")
         if rf.get("first_step_s") is not None:
             rest = rf["seconds"] - rf["first_step_s"]
             lines.append(f"| seconds of first steps per prefix (compile + capture, within decode) / tokens/s without "

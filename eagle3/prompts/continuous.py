@@ -433,7 +433,9 @@ class SlotEngine(Engine):
 
     Memory: ``2 * layers * slots * max_len * kv_heads * head_dim`` elements of the model dtype, plus
     ``slots x max_new_tokens`` int64 answer buffer. Priorities: lower tuples are admitted first.
-    Stats (``stats``): ``decode_steps``, ``prefill_calls``, ``graph_captures``, ``kv_bytes_per_token``,
+    Stats (``stats``): ``decode_steps``, ``prefill_calls``, ``prefill_tokens`` / ``prefill_padded_tokens`` (prompt
+    tokens prefilled, and rows x padded width summed over the prefill forwards: their ratio is the prefill's padding
+    overhead), ``graph_captures``, ``kv_bytes_per_token``,
     ``kv_bytes_read`` (flex: the blocks the steps read, counted on device and read at each check;
     sdpa_groups: every prefix row up to its group's cap), ``kv_tokens_needed`` (the live rows' attended
     columns), ``prefix_steps`` (decode steps per prefix size, keys as strings), ``attention`` (the path taken),
@@ -505,8 +507,8 @@ class SlotEngine(Engine):
         self._pool = None  # one memory pool shared by the prefix graphs (replayed one at a time)
         # kv_tokens_needed: sum over decode steps of the live rows' attended columns (the roofline's KV reads);
         # kv_bytes_read: what the attention reads (flex: the blocks; sdpa_groups: every prefix slot up to its cap)
-        self.stats = {"decode_steps": 0, "prefill_calls": 0, "kv_bytes_read": 0, "kv_tokens_needed": 0,
-                      "graph_captures": 0, "kv_bytes_per_token": self.kv_bytes_per_token, "prefix_steps": {},
+        self.stats = {"decode_steps": 0, "prefill_calls": 0, "prefill_tokens": 0, "prefill_padded_tokens": 0,
+                      "kv_bytes_read": 0, "kv_tokens_needed": 0, "graph_captures": 0, "kv_bytes_per_token": self.kv_bytes_per_token, "prefix_steps": {},
                       "attention": "flex" if self.flex is not None else "sdpa_groups", "prefill_s": 0.0, "decode_s": 0.0,
                       "compiled_step": self._compiled is not None, "compile_min_prefix": self._compile_min,
                       "first_step_s": {}, "compile_decision": self.compile_decision}
@@ -651,6 +653,8 @@ class SlotEngine(Engine):
         for s, w in zip(slots, reqs):
             self.key[s], self.host_len[s] = w.key, len(w.ids)
         self.stats["prefill_calls"] += 1
+        self.stats["prefill_tokens"] += sum(len(w.ids) for w in reqs)
+        self.stats["prefill_padded_tokens"] += p * width
 
     def _pick_attention(self, attention: str, slots: int, h: int, hkv: int, d: int, dtype, cols: int):
         """The flex decode function, or None for sdpa_groups. On CUDA the compiled kernel is probed (compiled,

@@ -36,6 +36,10 @@ def test_roofline_by_hand():
     res["roofline"] = rsp.roofline(st, weight_bytes=100, bandwidth=1000.0)
     assert res["roofline"]["first_step_s"] == 0.4
     assert "| 0.4 / 6 |" in rsp.markdown(res)  # 10 tokens in the 2 s less 0.4 s of first steps = 6.25 tokens/s
+    assert "padding overhead" not in rsp.markdown(res)  # an engine without the prefill token counts
+    st["engine_stats"].update(prefill_calls=3, prefill_tokens=400, prefill_padded_tokens=500)
+    res["roofline"] = rsp.roofline(st, weight_bytes=100, bandwidth=1000.0)
+    assert "| 3 / 400 / 500 (1.25x) |" in rsp.markdown(res)  # 500 padded for 400 prompt tokens
 
 
 def test_bench_runs_tiny_on_cpu(tmp_path, tiny_llama_dir):

@@ -82,6 +82,12 @@ def test_slot_engine_equals_hf_greedy(tiny, slots, check_every, prefill_tokens, 
         assert got[("after", k)] == hf_greedy(model, p, max_new, stops)
     assert model.config._attn_implementation == "sdpa"  # restored by close()
     assert eng.stats["decode_steps"] % check_every == 0 and eng.stats["prefill_calls"] >= 1
+    # every prompt is prefilled once, by its own tokens; padding only where a forward holds several rows
+    assert eng.stats["prefill_tokens"] == sum(map(len, prompts)) + sum(map(len, later.values()))
+    if slots == 1:
+        assert eng.stats["prefill_padded_tokens"] == eng.stats["prefill_tokens"]
+    else:
+        assert eng.stats["prefill_padded_tokens"] >= eng.stats["prefill_tokens"]
     caps = [cap for _, _, cap in eng.groups]
     assert caps == sorted(caps) and caps[-1] == 64 and eng.groups[-1][1] == slots  # groups tile the slots
 
