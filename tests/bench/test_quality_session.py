@@ -97,12 +97,18 @@ def test_settings_given_to_start_hold_for_wait(tmp_path):
     got = subprocess.run(["bash", "-c", probe, "x", str(w)], capture_output=True, text=True,
                          env={"PATH": os.environ["PATH"], "SEED": "/other"}).stdout
     assert got.startswith("/other|")
+    got = subprocess.run(["bash", "-c", probe, "x", str(w)], capture_output=True, text=True,
+                         env={"PATH": os.environ["PATH"], "SEED": ""}).stdout
+    assert got.startswith(f"{seed}|")  # an empty SEED in a later call's environment is unset, not "no seed"
 
     _after_01(w)  # as if 01 had run on the seeded prompts
     out.mkdir()
     r = _driver("wait", {"W": str(w), "OUT": str(out)}, "1")  # SEED not given here: the driver's own is used
     assert r.returncode == 0, r.stderr
     assert _packed_prompts(out) == []  # the prompts are the seed's: nothing to bring back
+    r = _driver("wait", {"W": str(w), "OUT": str(out), "SEED": ""}, "1")  # an empty SEED there: the same
+    assert r.returncode == 0, r.stderr
+    assert _packed_prompts(out) == []
 
     w2, out2 = tmp_path / "w2", tmp_path / "out2"  # the same, with no SEED at start: they do come back
     _after_01(w2)
