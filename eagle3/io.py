@@ -123,9 +123,26 @@ def _write_all(f, data: bytes) -> None:
         view = view[n:]
 
 
+def json_error_detail(e: json.JSONDecodeError) -> str:
+    """``e``'s message with its column: ``json.JSONDecodeError.msg`` alone ends in "at" for some errors
+    ("Invalid control character at"), its position being kept apart (``colno``, 1-based)."""
+    return f"{e.msg} (column {e.colno})"
+
+
+def file_mode(directory: bool = False) -> int:
+    """The permission bits a plain ``open()`` / ``mkdir()`` would give under the process umask: ``0o666 & ~umask``
+    (``0o777`` for a folder). ``tempfile.mkstemp`` / ``mkdtemp`` create ``0o600`` / ``0o700`` whatever the umask,
+    so a file renamed into place from one of them would stay readable by its owner alone (a serving engine running as
+    another user could not read an exported drafter)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return (0o777 if directory else 0o666) & ~umask
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike, needed: int | None = None, tmp_prefix: str | None = None) -> Iterator[Path]:
-    """Yield a temporary path next to ``path``; on success fsync and rename it to ``path``.
+    """Yield a temporary path next to ``path``; on success fsync and rename it to ``path``. The file gets the
+    permissions ``open()`` would give under the umask (:func:`file_mode`), not ``mkstemp``'s owner-only ``0o600``.
 
     On an exception the temporary file is removed and ``path`` is untouched.
 
@@ -145,6 +162,8 @@ def atomic_path(path: str | os.PathLike, needed: int | None = None, tmp_prefix: 
         tmp = Path(tmp)
         try:
             yield tmp
+            # mkstemp's 0o600 (or a writer's own: safetensors' save_file makes 0o600 files too) -> open()'s mode
+            os.chmod(tmp, file_mode())
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
             os.replace(tmp, path)
@@ -402,7 +421,7 @@ def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
             try:
                 yield lineno, json.loads(line)
             except json.JSONDecodeError as e:
-                raise UserError(f"{path}:{lineno}: malformed JSON: {e.msg}") from e
+                raise UserError(f"{path}:{lineno}: malformed JSON: {json_error_detail(e)}") from e
 
 
 def file_sha256(path: str | os.PathLike) -> str:
@@ -424,7 +443,7 @@ def read_json(path: str | os.PathLike) -> Any:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
-        raise UserError(f"{path}:{e.lineno}: malformed JSON: {e.msg}") from e
+        raise UserError(f"{path}:{e.lineno}: malformed JSON: {json_error_detail(e)}") from e
 
 
 @contextlib.contextmanager

@@ -25,6 +25,7 @@ import torch
 
 from eagle3.config import VerifierConfig
 from eagle3.errors import UserError
+from eagle3.io import json_error_detail
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +143,7 @@ def config_eos_ids(vcfg: VerifierConfig) -> set[int]:
         try:
             raw = json.loads(f.read_text(encoding="utf-8"))
         except json.JSONDecodeError as e:
-            raise UserError(f"{f}:{e.lineno}: malformed JSON: {e.msg}") from e
+            raise UserError(f"{f}:{e.lineno}: malformed JSON: {json_error_detail(e)}") from e
         if not isinstance(raw, dict):
             continue
         out |= _eos_field(raw.get("eos_token_id"), f)
@@ -225,7 +226,7 @@ def load_verifier_config(vcfg: VerifierConfig):
         try:
             raw = json.loads(cfg_file.read_text(encoding="utf-8"))
         except json.JSONDecodeError as je:
-            raise UserError(f"{cfg_file}:{je.lineno}: malformed JSON: {je.msg}") from je
+            raise UserError(f"{cfg_file}:{je.lineno}: malformed JSON: {json_error_detail(je)}") from je
         log.warning("transformers cannot build the config of %s (%s); reading config.json as plain data", path,
                     str(e).splitlines()[0] if str(e) else type(e).__name__)
         return PretrainedConfig(**raw)

@@ -48,6 +48,7 @@ from tqdm import tqdm
 
 from eagle3.benchmark.offline import json_safe, plot_acceptance, rates_from_hist
 from eagle3.errors import UserError
+from eagle3.io import json_error_detail
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ def _http(url: str, payload: Optional[dict] = None, timeout: float = 600.0) -> d
     try:
         return json.loads(body)
     except json.JSONDecodeError as e:
-        raise UserError(f"--server {url}: response is not JSON: {e.msg}") from e
+        raise UserError(f"--server {url}: response is not JSON: {json_error_detail(e)}") from e
 
 
 def server_info(url: str, timeout: float = 30.0) -> dict:

@@ -142,7 +142,7 @@ def read_prompts(path: str | os.PathLike, limit: Optional[int] = None) -> list[d
         limit: keep only the first ``limit`` records.
 
     Raises:
-        UserError: missing file, malformed JSON, missing/mistyped key or role (``file:line: ...``).
+        UserError: missing or empty file, malformed JSON, missing/mistyped key or role (``file:line: ...``).
     """
     path = Path(path)
     if not path.is_file():
@@ -168,6 +168,9 @@ def read_prompts(path: str | os.PathLike, limit: Optional[int] = None) -> list[d
         if tools is not None and not isinstance(tools, list):
             raise UserError(f"{path}:{n}: key 'tools' must be a list of tool declarations")
         out.append({"id": rec["id"], "messages": msgs, "line": n, **({"tools": tools} if tools else {})})
+    if not out:
+        raise UserError(f"{path}: no conversations in the prompts file (empty or blank lines only; re-run "
+                        "01_prepare_prompts.py)")
     return out
 
 

@@ -59,7 +59,7 @@ from typing import Optional
 import torch
 
 from eagle3.errors import UserError
-from eagle3.io import atomic_write_json, disk_full_guard, read_json
+from eagle3.io import atomic_write_json, disk_full_guard, file_mode, read_json
 from eagle3.layers import check_aux_layers, engine_layer_ids, hf_layers_from_engine, is_deepseek_family
 from eagle3.train.draft_config import DEFAULT_EXPORT_DTYPE, check_context_length, llama_config
 from eagle3.train.model import VARIANTS, DrafterArgs, Eagle3Drafter
@@ -368,9 +368,11 @@ def export_drafter(
     _check_replaceable(out, engine)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
+    os.chmod(tmp, file_mode(directory=True))  # mkdtemp's 0o700 -> readable by a server running as another user
     try:
         with disk_full_guard(out / WEIGHTS_FILE, sum(t.numel() * t.element_size() for t in tensors.values())):
             save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        os.chmod(tmp / WEIGHTS_FILE, file_mode())  # safetensors writes 0o600 whatever the umask
         atomic_write_json(tmp / "config.json", config)
         atomic_write_json(tmp / META_FILE, meta)
         old = None

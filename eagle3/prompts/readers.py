@@ -69,7 +69,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from eagle3.errors import UserError
-from eagle3.io import iter_jsonl
+from eagle3.io import iter_jsonl, json_error_detail
 
 FORMATS = ("auto", "sharegpt", "messages", "alpaca", "questions", "humaneval", "hf")
 
@@ -105,7 +105,7 @@ def _iter_file(path: Path) -> Iterator[tuple[str, dict]]:
                 try:
                     data = json.load(f)
                 except json.JSONDecodeError as e:
-                    raise UserError(f"{path}:{e.lineno}: malformed JSON: {e.msg}") from e
+                    raise UserError(f"{path}:{e.lineno}: malformed JSON: {json_error_detail(e)}") from e
             if isinstance(data, dict):
                 data = [data]
             if not isinstance(data, list):

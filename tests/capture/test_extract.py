@@ -246,6 +246,9 @@ def test_bad_prompts_file(tmp_path):
         read_prompts(p)
     with pytest.raises(UserError, match="prompts file not found"):
         read_prompts(tmp_path / "nope.jsonl")
+    p.write_text("\n  \n")  # blank lines only (an empty prompts.jsonl): refused, not 0 shards and a done capture
+    with pytest.raises(UserError, match="prompts.jsonl: no conversations in the prompts file"):
+        read_prompts(p)
 
 
 def test_cli_exit_code_on_bad_input(tmp_path, tiny_llama_dir, capsys):

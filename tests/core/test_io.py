@@ -3,7 +3,7 @@
 import pytest
 
 from eagle3.errors import UserError
-from eagle3.io import exclusive_lock
+from eagle3.io import atomic_path, atomic_torch_save, atomic_write_json, exclusive_lock, iter_jsonl
 
 
 def test_exclusive_lock_refuses_second_holder_and_releases(tmp_path):
@@ -39,3 +39,31 @@ def test_lock_file_removed_by_the_previous_holder_is_not_the_one_held(tmp_path, 
             with pytest.raises(BlockingIOError):
                 real_flock(other.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     assert not lock.exists()
+
+
+@pytest.mark.parametrize("umask,mode", [(0o022, 0o644), (0o027, 0o640), (0o077, 0o600)])
+def test_atomic_writes_get_the_umask_mode(tmp_path, umask, mode):
+    """Files renamed into place from a mkstemp temp name have open()'s permissions (0o666 & ~umask), not 0o600."""
+    import os
+
+    import torch
+    from safetensors.torch import save_file
+
+    old = os.umask(umask)
+    try:
+        atomic_write_json(tmp_path / "a.json", {"x": 1})
+        atomic_torch_save({"t": torch.zeros(2)}, tmp_path / "b.pt")
+        with atomic_path(tmp_path / "c.safetensors") as t:  # a writer that makes its own 0o600 file
+            save_file({"t": torch.zeros(2)}, str(t))
+    finally:
+        os.umask(old)
+    assert (tmp_path / "a.json").stat().st_mode & 0o777 == mode
+    assert (tmp_path / "b.pt").stat().st_mode & 0o777 == mode
+    assert (tmp_path / "c.safetensors").stat().st_mode & 0o777 == mode
+
+
+def test_malformed_jsonl_names_line_and_column(tmp_path):
+    p = tmp_path / "bad.jsonl"
+    p.write_text('{"a": 1}\n{"a": "x\ty"}\n')  # a raw tab inside a string: column 9 of line 2 (1-based)
+    with pytest.raises(UserError, match=r"bad\.jsonl:2: malformed JSON: Invalid control character at \(column 9\)$"):
+        list(iter_jsonl(p))

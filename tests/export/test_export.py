@@ -6,6 +6,8 @@ from __future__ import annotations
 import copy
 import json
 
+import os
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -195,6 +197,20 @@ def test_export_replaces_existing_folder_atomically(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == sorted(["config.json", "model.safetensors", META_FILE])
     re = load_exported(out, embed_weight=d2.embed_tokens.weight)
     assert torch.equal(re.fc.weight, d2.fc.weight.detach().bfloat16().float())
+
+
+@pytest.mark.parametrize("umask,dir_mode,file_mode", [(0o022, 0o755, 0o644), (0o077, 0o700, 0o600)])
+def test_export_permissions_follow_the_umask(tmp_path, umask, dir_mode, file_mode):
+    """The folder and files get what mkdir()/open() give under the umask, not mkdtemp/mkstemp's owner-only modes:
+    an engine serving as another user must read the export (fresh-user trial: drwx------ under umask 022)."""
+    old = os.umask(umask)
+    try:
+        out = export_drafter(drafter(0), tmp_path / "x", "sglang", [2, 15, 27], LLAMA30)
+    finally:
+        os.umask(old)
+    assert out.stat().st_mode & 0o777 == dir_mode
+    assert {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()} == {
+        n: file_mode for n in ("config.json", "model.safetensors", META_FILE)}
 
 
 @pytest.mark.parametrize("engine", ["sglang", "vllm"])
