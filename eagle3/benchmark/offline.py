@@ -687,6 +687,9 @@ def run(
     drafter_dir = Path(drafter_dir) if drafter_dir else cfg.export_dir
     if not drafter_dir.is_dir():
         raise UserError(f"--drafter: folder '{drafter_dir}' not found (export a trained drafter first)")
+    from eagle3.export.serving import preflight_export
+
+    preflight_export(drafter_dir)  # a bad export fails before the verifier loads (minutes at Kimi scale)
     device = resolve_device(cfg.verifier.device)
     vcfg = cfg.verifier
     if device.type == "cpu" and vcfg.dtype != "float32":

@@ -93,6 +93,8 @@ def _open_text(path: Path):
 
 def _iter_file(path: Path) -> Iterator[tuple[str, dict]]:
     """Yield ``(where, record)``; ``where`` is ``file:line`` (JSONL) or ``file:[index]`` (JSON array)."""
+    if path.is_dir():
+        raise UserError(f"{path}: a folder, not a prompts file (name the .json/.jsonl file inside it)")
     if not path.is_file():
         raise UserError(f"{path}: prompts file not found")
     name = path.name[:-3] if path.name.endswith(".gz") else path.name

@@ -318,6 +318,33 @@ def test_missing_drafter_folder_is_a_user_error(run_setup):
         _cli().main(["--config", str(cfg), "--drafter", str(root / "nope")])
 
 
+def test_broken_drafter_fails_before_the_verifier_loads(run_setup, tmp_path, monkeypatch):
+    """A truncated weights file or a missing config.json is refused before load_verifier runs (minutes at Kimi
+    scale; the fresh-user trial waited ~20 s on SmolLM2 for a folder that could never load)."""
+    import shutil
+
+    import eagle3.verifier
+
+    root, cfg, _ = run_setup
+
+    def no_verifier(*a, **k):
+        raise AssertionError("the verifier was loaded before the drafter folder was checked")
+
+    monkeypatch.setattr(eagle3.verifier, "load_verifier", no_verifier)
+    bad = tmp_path / "truncated"
+    shutil.copytree(root / "drafter", bad)
+    w = bad / "model.safetensors"
+    w.write_bytes(w.read_bytes()[:-64])
+    with pytest.raises(UserError, match=r"truncated/model\.safetensors: unreadable safetensors file"):
+        _cli().main(["--config", str(cfg), "--drafter", str(bad)])
+    (bad / "model.safetensors").unlink()
+    with pytest.raises(UserError, match=r"truncated/model\.safetensors: file not found"):
+        _cli().main(["--config", str(cfg), "--drafter", str(bad)])
+    (bad / "config.json").unlink()
+    with pytest.raises(UserError, match=r"config\.json"):
+        _cli().main(["--config", str(cfg), "--drafter", str(bad)])
+
+
 def test_render_markdown_table():
     rep = {"verifier": "v", "drafter": "d", "steps": 2, "max_new_tokens": 8, "device": "cpu", "dtype": "float32",
            "aux_layers": [2, 15, 27], "warnings": ["w1"],

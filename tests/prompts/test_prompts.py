@@ -133,8 +133,13 @@ def test_real_multiturn_sharegpt_counts():
 def test_malformed_jsonl_line_names_file_and_line(tmp_path):
     f = tmp_path / "bad.jsonl"
     f.write_text(json.dumps({"messages": [U("a"), A("b")]}) + "\n\n{not json\n")
-    with pytest.raises(UserError, match=r"bad\.jsonl:3: malformed JSON"):
+    with pytest.raises(UserError, match=r"bad\.jsonl:3: malformed JSON: .* \(column 2\)$"):
         read_conversations(str(f))
+
+
+def test_folder_as_source_is_named_a_folder(tmp_path):
+    with pytest.raises(UserError, match=r": a folder, not a prompts file"):
+        read_conversations(str(tmp_path))
 
 
 def test_unrecognised_record_names_keys(tmp_path):
