@@ -134,9 +134,23 @@ def file_mode(directory: bool = False) -> int:
     (``0o777`` for a folder). ``tempfile.mkstemp`` / ``mkdtemp`` create ``0o600`` / ``0o700`` whatever the umask,
     so a file renamed into place from one of them would stay readable by its owner alone (a serving engine running as
     another user could not read an exported drafter)."""
+    return (0o777 if directory else 0o666) & ~_umask()
+
+
+def _umask() -> int:
+    """The process umask, read without changing it (Linux: ``/proc/self/status``). ``os.umask`` can only be read by
+    setting it, which would leave a window where a file made by another thread (stage 02's shard writers) gets
+    umask 0; that round trip is the fallback where ``/proc`` has no ``Umask:`` line."""
+    try:
+        with open("/proc/self/status", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
     umask = os.umask(0)
     os.umask(umask)
-    return (0o777 if directory else 0o666) & ~umask
+    return umask
 
 
 @contextlib.contextmanager

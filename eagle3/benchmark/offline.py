@@ -689,7 +689,8 @@ def run(
         raise UserError(f"--drafter: folder '{drafter_dir}' not found (export a trained drafter first)")
     from eagle3.export.serving import preflight_export
 
-    preflight_export(drafter_dir)  # a bad export fails before the verifier loads (minutes at Kimi scale)
+    preflight_export(drafter_dir)  # a bad export fails before the verifier loads (minutes at Kimi scale); its
+    # warnings are logged once, by load_exported below
     device = resolve_device(cfg.verifier.device)
     vcfg = cfg.verifier
     if device.type == "cpu" and vcfg.dtype != "float32":

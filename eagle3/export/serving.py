@@ -603,14 +603,14 @@ def check_export_folder(
     return {"engine": engine, "engine_layer_ids": ids, "aux_layers_hf": aux_hf, "warnings": warnings}
 
 
-def preflight_export(path: str | os.PathLike) -> tuple[Path, str, DrafterArgs, Path]:
+def preflight_export(path: str | os.PathLike) -> tuple[Path, str, DrafterArgs, Path, list[str]]:
     """The cheap checks of an exported folder, without reading its tensors: ``config.json`` (keys, engine),
-    the folder's layer ids (:func:`check_export_folder`, warnings logged) and the weights file's safetensors header
+    the folder's layer ids (:func:`check_export_folder`: its warnings are returned, not logged) and the weights file's safetensors header
     against its size (a truncated or half-written file fails here). Stage 05 runs it before loading the verifier,
     which takes minutes at Kimi scale, so a bad ``--drafter`` fails at once.
 
     Returns:
-        ``(config.json path, engine, DrafterArgs, weights path)``.
+        ``(config.json path, engine, DrafterArgs, weights path, warnings)``.
 
     Raises:
         UserError: as :func:`load_exported` for ``config.json``; the weights file missing, or not a readable
@@ -621,8 +621,7 @@ def preflight_export(path: str | os.PathLike) -> tuple[Path, str, DrafterArgs, P
     root = Path(path)
     cfg_path, cfg = _read_config_json(root)
     engine, args = _args_from_config(cfg, cfg_path)
-    for w in check_export_folder(root)["warnings"]:
-        log.warning("%s", w)
+    warnings = check_export_folder(root)["warnings"]
     wpath = root / WEIGHTS_FILE
     if not wpath.is_file():
         raise UserError(f"{wpath}: file not found")
@@ -631,7 +630,7 @@ def preflight_export(path: str | os.PathLike) -> tuple[Path, str, DrafterArgs, P
             f.keys()
     except (SafetensorError, OSError, ValueError) as e:
         raise UserError(f"{wpath}: unreadable safetensors file: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
-    return cfg_path, engine, args, wpath
+    return cfg_path, engine, args, wpath, warnings
 
 
 def load_exported(path: str | os.PathLike, embed_weight: Optional[torch.Tensor] = None) -> Eagle3Drafter:
@@ -658,7 +657,9 @@ def load_exported(path: str | os.PathLike, embed_weight: Optional[torch.Tensor] 
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    cfg_path, engine, args, wpath = preflight_export(path)
+    cfg_path, engine, args, wpath, warnings = preflight_export(path)
+    for w in warnings:
+        log.warning("%s", w)
     try:
         tensors = load_file(str(wpath))
     except (SafetensorError, OSError, ValueError) as e:
