@@ -77,6 +77,7 @@ def load_run(spec: str) -> dict:
         "optimizer_steps": train.get("step"),
         "train_tokens_per_s": train.get("tokens_per_s"),
         "train_samples": data.get("train_samples"),
+        "val_samples": data.get("val_samples"),
         "draft_vocab_size": data.get("draft_vocab_size"),
         "vocab_coverage": data.get("coverage"),
     }
@@ -112,7 +113,8 @@ def compare(ref: dict, runs: list[dict]) -> list[dict]:
     rows = []
     for r in [ref, *runs]:
         row = {k: r[k] for k in ("name", "path", "tau", "steps", "dtype", "val_top1", "optimizer_steps",
-                                 "train_tokens_per_s", "train_samples", "draft_vocab_size", "vocab_coverage")}
+                                 "train_tokens_per_s", "train_samples", "val_samples", "draft_vocab_size",
+                                 "vocab_coverage")}
         row["reference"] = r is ref
         if r is not ref:
             row["delta_vs_ref"] = {s: d for s in SETS
@@ -120,6 +122,16 @@ def compare(ref: dict, runs: list[dict]) -> list[dict]:
                                    and (d := paired_bootstrap(ref["per_prompt"][s], r["per_prompt"][s])) is not None}
         rows.append(row)
     return rows
+
+
+def val_split_note(rows: list[dict]) -> str:
+    """How large each run's validation split is, from its ``data_report.json`` (``val_samples``): one count when
+    every run reports the same, else the count per run; runs without a data report are named as such."""
+    sizes = {r["name"]: r.get("val_samples") for r in rows}
+    known = {v for v in sizes.values() if v is not None}
+    if len(known) == 1 and None not in sizes.values():
+        return f"{known.pop()} samples in every run"
+    return "; ".join(f"{n}: {'no data_report.json' if v is None else f'{v} samples'}" for n, v in sizes.items())
 
 
 def markdown(rows: list[dict], title: str) -> str:
@@ -139,7 +151,7 @@ def markdown(rows: list[dict], title: str) -> str:
         lines.append(f"| {name} | {r['train_samples'] or '-'} | {r['optimizer_steps'] or '-'} | {v} | "
                      + " | ".join(cells) + " |")
     lines += ["", "tau: 05, chain, T=0; (delta vs ref [95% paired bootstrap over prompts]); held-out top-1: 04's "
-              "validation split (the same 324 samples in every run)."]
+              f"validation split ({val_split_note(rows)})."]
     return "\n".join(lines) + "\n"
 
 

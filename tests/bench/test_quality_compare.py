@@ -87,3 +87,20 @@ def test_cli_curve_png_and_bad_spec(tmp_path):
                         "--out", str(tmp_path / "d.json")], capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.startswith("error:") and "NAME=PATH" in r.stderr
     assert not (tmp_path / "d.json").exists()
+
+
+def test_footnote_reads_the_validation_sizes(tmp_path):
+    """The table's footnote gives each run's validation split size from its data_report.json (it once printed a
+    fixed "324 samples" whatever the runs held)."""
+    for name, val in (("a", 1997), ("b", 1997), ("c", 40)):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "bench.json").write_text(json.dumps(_bench({"mtbench": {"81": [1, 2]}})))
+        (d / "data_report.json").write_text(json.dumps({"train_samples": 10, "val_samples": val}))
+    (tmp_path / "n").mkdir()
+    (tmp_path / "n" / "bench.json").write_text(json.dumps(_bench({"mtbench": {"81": [1, 2]}})))
+    same = qc.markdown(qc.compare(qc.load_run(f"a={tmp_path / 'a'}"), [qc.load_run(f"b={tmp_path / 'b'}")]), "T")
+    assert "(1997 samples in every run)" in same and "324" not in same
+    mixed = qc.markdown(qc.compare(qc.load_run(f"a={tmp_path / 'a'}"),
+                                   [qc.load_run(f"c={tmp_path / 'c'}"), qc.load_run(f"n={tmp_path / 'n'}")]), "T")
+    assert "(a: 1997 samples; c: 40 samples; n: no data_report.json)" in mixed
