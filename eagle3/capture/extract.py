@@ -574,6 +574,16 @@ def run(cfg: RunConfig, *, overwrite: bool = False, limit: Optional[int] = None,
             raise
 
 
+def interrupt_hint(cfg: RunConfig) -> str:
+    """What an interrupted 02 kept and how to go on (the line after ``interrupted by SIGTERM:``): the finished
+    shards recorded in ``manifest.jsonl`` (and the torchrun ranks' ``manifest.rank*.jsonl``) and that the same
+    command, without ``--overwrite`` (which deletes them), resumes."""
+    root = cfg.shards_dir
+    manifests = [p for p in [root / MANIFEST, *root.glob(RANK_MANIFEST_PREFIX + "*.jsonl")] if p.is_file()]
+    n = sum(p.read_bytes().count(b"\n") for p in manifests)
+    return f"{n} finished shards kept in {root}; re-run the same command (without --overwrite) to resume"
+
+
 def _remove_fresh_folder(created: list[Path]) -> None:
     """Undo what a refused run did to the folders it created (``created``: the shards folder and the
     missing parents, deepest first): its state file, lock and the folders, only while they hold nothing
