@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from eagle3.cli import ArgumentParser, positive_int, run_main
+from eagle3.cli import ArgumentParser, positive_int, resume_on_interrupt, run_main
 from eagle3.config import add_config_args, load_config
 from eagle3.prompts.readers import FORMATS
 
@@ -29,10 +29,10 @@ def main(argv=None):
                    help="recompute even if the outputs are up to date (also discards a server regeneration's resume log)")
     a = p.parse_args(argv)
     cfg = load_config(a.config, a.overrides)
-    import eagle3.prompts.prepare_prompts
+    import eagle3.prompts.prepare_prompts as stage
 
-    return eagle3.prompts.prepare_prompts.run(cfg, source=a.source, fmt=a.fmt, regenerate=a.regenerate, limit=a.limit,
-                                      force=a.force)
+    with resume_on_interrupt(lambda: stage.interrupt_hint(cfg)):  # SIGTERM / Ctrl-C: one line, exit 143 / 130
+        return stage.run(cfg, source=a.source, fmt=a.fmt, regenerate=a.regenerate, limit=a.limit, force=a.force)
 
 
 if __name__ == "__main__":

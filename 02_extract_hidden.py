@@ -14,7 +14,7 @@ new run's disk plan fits counting the space they free).
 
 from __future__ import annotations
 
-from eagle3.cli import ArgumentParser, http_url, positive_int, run_main
+from eagle3.cli import ArgumentParser, http_url, positive_int, resume_on_interrupt, run_main
 from eagle3.config import add_config_args, load_config
 from eagle3.io import format_bytes
 
@@ -39,9 +39,10 @@ def main(argv=None) -> int:
         cfg.extract.sglang_url = a.server[0] if len(a.server) == 1 else a.server
     if a.capture_dir:
         cfg.extract.capture_dir = a.capture_dir[0] if len(a.capture_dir) == 1 else a.capture_dir
-    from eagle3.capture.extract import run
+    from eagle3.capture.extract import interrupt_hint, run
 
-    s = run(cfg, overwrite=a.overwrite, limit=a.limit, ignore_disk_check=a.ignore_disk_check)
+    with resume_on_interrupt(lambda: interrupt_hint(cfg)):  # SIGTERM / Ctrl-C: one line, exit 143 / 130
+        s = run(cfg, overwrite=a.overwrite, limit=a.limit, ignore_disk_check=a.ignore_disk_check)
     if "samples" not in s:  # torchrun rank > 0: rank 0 reports for everyone
         return 0
     for r in s.get("ranks", []):

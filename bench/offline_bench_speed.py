@@ -38,7 +38,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle3.benchmark.offline import (  # noqa: E402
-    TRAIN_META, _load_drafter, bench_prompts, default_tie_tolerance, json_safe, resolve_aux_layers, warm_up,
+    TRAIN_META, _load_drafter, bench_prompts, default_tie_tolerance, effective_batch_size, json_safe, resolve_aux_layers,
+    warm_up,
 )
 from eagle3.cli import ArgumentParser, run_main  # noqa: E402
 from eagle3.config import add_config_args, load_config  # noqa: E402
@@ -59,12 +60,14 @@ def _random_drafter(verifier, device, dtype):
     return d.to(device=device, dtype=dtype).eval()
 
 
-def _row(b: int, d: dict) -> dict:
+def _row(d: dict) -> dict:
+    """One row of the sweep from a :func:`~eagle3.benchmark.offline.bench_prompts` result; ``batch_size`` is the
+    effective one (``min(--batch-sizes entry, prompts)``)."""
     keys = ("num_prompts", "wall_seconds", "greedy_tokens", "greedy_seconds", "greedy_tokens_per_s", "spec_tokens",
             "spec_seconds", "spec_tokens_per_s", "speedup", "tau", "verify_steps", "conditional", "unconditional",
             "accepted_hist", "draft_seconds", "verify_seconds", "drafter_share", "rounds", "near_ties", "failures",
             "mismatches", "tie_tolerance", "decoder", "warm_up_seconds")
-    return {"batch_size": b, **{k: d[k] for k in keys}}
+    return {"batch_size": d["batch_size"], **{k: d[k] for k in keys}}
 
 
 def markdown(res: dict) -> str:
@@ -168,18 +171,21 @@ def main(argv=None) -> int:
                 d = bench_prompts(verifier, drafter, subset, aux, a.steps, a.max_new_tokens, eos, res["dataset"],
                                   batch_size=b, tie_tolerance=tol, decoder=mode)
             except (RuntimeError, ValueError) as e:  # one decoder failing (e.g. on a new device) keeps the others' rows
-                log.error("batch %d (%s decoder) failed: %s: %s", b, mode, type(e).__name__, e)
-                row = {"batch_size": b, "decoder": mode, "num_prompts": len(subset), "error": f"{type(e).__name__}: {e}"}
+                eff = effective_batch_size(b, len(subset))
+                log.error("batch %d (%s decoder) failed: %s: %s", eff, mode, type(e).__name__, e)
+                row = {"batch_size": eff, "decoder": mode, "num_prompts": len(subset), "error": f"{type(e).__name__}: {e}"}
             else:
                 log.info("batch %d (%s decoder): %d prompts in %.1f s (greedy %.1f tok/s, EAGLE-3 %.1f tok/s, speedup "
-                         "%.2fx, tau %.2f, drafter share %.2f, near-ties %d, failures %d)", b, mode, len(subset),
+                         "%.2fx, tau %.2f, drafter share %.2f, near-ties %d, failures %d)", d["batch_size"], mode,
+                         len(subset),
                          time.perf_counter() - t0, d["greedy_tokens_per_s"], d["spec_tokens_per_s"], d["speedup"],
                          d["tau"], d["drafter_share"], d["near_ties"], d["failures"])
-                row = _row(b, d)
+                row = _row(d)
             res["rows"].append(row)
             if a.json:  # after every row: a run cut short keeps what it measured
                 atomic_write_json(a.json, json_safe(res))
-    head = next((r for r in res["rows"] if r["batch_size"] == headline and "error" not in r), None)
+    head_b = effective_batch_size(headline, len(ids))
+    head = next((r for r in res["rows"] if r["batch_size"] == head_b and "error" not in r), None)
     res["bench_set_s"] = head["wall_seconds"] if head is not None and head["num_prompts"] == len(ids) else None
     res[f"bench_{len(ids)}x{a.max_new_tokens}_s"] = res["bench_set_s"]
     print(markdown(res))

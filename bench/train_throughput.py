@@ -124,7 +124,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle3.config import TrainConfig  # noqa: E402
 from eagle3.io import atomic_write_json  # noqa: E402
-from eagle3.process_group import close_process_group  # noqa: E402
+from eagle3.process_group import process_group_scope  # noqa: E402
 from eagle3.train.model import DrafterArgs, Eagle3Drafter  # noqa: E402
 from eagle3.train.schedule import build_scheduler  # noqa: E402
 from eagle3.train.trainer import TARGET_CHUNK, DistInfo, TTTObjective, _autocast_dtype, backward_step, init_distributed  # noqa: E402
@@ -625,14 +625,9 @@ def main(argv=None) -> int:
             if device.index is None:  # torch 2.11 rejects an index-less device in set_device
                 device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(device)
-    clean = False
-    try:
-        rc = _main(p, a, device, ddp_info, baseline)
-        clean = True
-        return rc
-    finally:
-        if ddp_info is not None and ddp_info.initialized_here:
-            close_process_group(ddp_info.ctrl_group, barrier=clean)  # no barrier on an error path
+    owned = ddp_info is not None and ddp_info.initialized_here
+    with process_group_scope(ddp_info.ctrl_group if owned else None, owned=owned):  # barrier on success only
+        return _main(p, a, device, ddp_info, baseline)
 
 
 def _main(p: argparse.ArgumentParser, a: argparse.Namespace, device: torch.device, ddp_info: Optional[DistInfo],

@@ -10,10 +10,14 @@ and ``--set``; :func:`run_main` prints them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import logging
+import os
+import signal
 import sys
-from typing import Callable, NoReturn, Optional
+import threading
+from typing import Callable, Iterator, NoReturn, Optional
 
 from eagle3.errors import UserError
 
@@ -87,7 +91,9 @@ def run_main(main: Callable[[list[str] | None], int | None], argv: list[str] | N
 
     A disk-full / quota error (``ENOSPC``/``EDQUOT``) that escaped the atomic writers of
     :mod:`eagle3.io`, and an unusable path (:func:`path_error`), are reported the same way (one
-    line, exit 2). Any other exception propagates with its traceback (a bug, not bad input).
+    line, exit 2). Any other exception propagates with its traceback (a bug, not bad input). Ctrl-C
+    (``KeyboardInterrupt``), and SIGTERM inside :func:`resume_on_interrupt`, print one line ``interrupted by
+    SIGINT|SIGTERM[: <hint>]`` and exit ``128 + signal`` (130 / 143).
     """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -108,7 +114,55 @@ def run_main(main: Callable[[list[str] | None], int | None], argv: list[str] | N
         err = disk_full_error(getattr(e, "filename", None) or "output", e)
         print(f"error: {err}", file=sys.stderr)
         sys.exit(err.exit_code)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM inside resume_on_interrupt (Terminated)
+        signum = getattr(e, "signum", signal.SIGINT)
+        hint = getattr(e, "hint", None)
+        print(f"interrupted by {signal.Signals(signum).name}" + (f": {hint}" if hint else ""), file=sys.stderr)
+        sys.exit(128 + int(signum))
     sys.exit(int(rc or 0))
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM turned into an exception by :func:`resume_on_interrupt`: a ``KeyboardInterrupt`` (so every cleanup
+    path written for Ctrl-C runs: ``finally`` blocks, writer threads closed, no barrier in
+    :func:`eagle3.process_group.process_group_scope`), carrying ``signum`` for the exit status ``128 + signum``."""
+
+    def __init__(self, signum: int = signal.SIGTERM):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = int(signum)
+
+
+@contextlib.contextmanager
+def resume_on_interrupt(hint: Callable[[], str]) -> Iterator[None]:
+    """Run a resumable stage's work so that SIGTERM and Ctrl-C end it with one line, not a traceback.
+
+    While the block runs, SIGTERM raises :class:`Terminated` in the main thread (Python runs signal handlers
+    only there; worker threads are never interrupted, they are closed by the cleanup paths that Ctrl-C's
+    ``KeyboardInterrupt`` already takes). A ``KeyboardInterrupt`` leaving the block gets ``hint()`` (evaluated
+    then: what was kept, and that re-running the same command resumes) attached; :func:`run_main` prints
+    ``interrupted by SIGTERM: <hint>`` and exits ``128 + signal`` (143 / 130, as 04 does). A process forked
+    inside the block (a tokenizer pool worker) that gets SIGTERM dies of it as before. Outside the main thread
+    (a test calling ``main`` from a thread) no handler is installed.
+    """
+    owner = os.getpid()
+
+    def on_sigterm(signum, frame):
+        if os.getpid() != owner:  # a forked child: the default action, as without this handler
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        raise Terminated(signum)
+
+    main = threading.current_thread() is threading.main_thread()
+    old = signal.signal(signal.SIGTERM, on_sigterm) if main else None
+    try:
+        yield
+    except KeyboardInterrupt as e:
+        try:
+            e.hint = hint()
+        except Exception as err:  # noqa: BLE001 - the hint must never hide the interruption
+            e.hint = f"re-run the same command to resume ({type(err).__name__} while counting what was kept: {err})"
+        raise
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if old is None else old)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from eagle3.errors import UserError
 
@@ -49,7 +49,6 @@ def _numeric_leaves(annotation) -> tuple[bool, bool]:
     return num, boolean
 
 
-_BOOL = TypeAdapter(bool)  # pydantic's own bool parsing (lax: true/false, 0/1, "yes"/"no", ...)
 
 
 def _has_bool(value) -> bool:
@@ -59,13 +58,43 @@ def _has_bool(value) -> bool:
     return isinstance(value, (list, tuple)) and any(isinstance(v, bool) for v in value)
 
 
+def _plain_bool(annotation) -> bool:
+    """True if ``annotation`` is ``bool`` or ``Optional[bool]`` (a true/false field)."""
+    import typing
+
+    if annotation is bool:
+        return True
+    args = typing.get_args(annotation)
+    return typing.get_origin(annotation) is Union and set(args) == {bool, type(None)}
+
+
+_YAML11_BOOL_WORDS = {"on", "off", "yes", "no", "y", "n"}
+
+
+def _yaml_bool_words(annotation) -> list[str]:
+    """The values of a string ``Literal`` field (e.g. ``bf16: auto|on|off``) when one of them is a word that
+    PyYAML reads unquoted as a boolean (``on``, ``off``, ...); else []."""
+    import typing
+
+    if typing.get_origin(annotation) is not Literal:
+        return []
+    values = [a for a in typing.get_args(annotation) if isinstance(a, str)]
+    return values if _YAML11_BOOL_WORDS & {a.lower() for a in values} else []
+
+
 class _Strict(BaseModel):
-    """Base of every config section: unknown keys are errors, and a YAML boolean is never a number.
+    """Base of every config section: unknown keys are errors, a YAML boolean is never a number, and a
+    true/false field takes only a YAML boolean.
 
     pydantic's lax mode turns ``true`` into ``1`` for an int/float field (``draft_vocab_size: true``
     would build a 1-token draft vocab); strict mode would also refuse ``lr: 1`` for a float and
     string paths, so only booleans are refused, by one before-validator on every field whose type
     (inside Optional/list) is int or float and not bool.
+
+    The other way round, lax mode turns ``1``, ``0``, ``"yes"``, ``"on"``, ``"true"`` (quoted strings)
+    into a bool; a ``bool`` field here accepts only what the YAML loader made a boolean (``true`` /
+    ``false``; PyYAML reads YAML 1.1, so unquoted ``yes``/``no``/``on``/``off`` are booleans before
+    validation sees them) and refuses a number or any string with ``expected true or false``.
     """
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -77,6 +106,12 @@ class _Strict(BaseModel):
             num, boolean = _numeric_leaves(cls.model_fields[info.field_name].annotation)
             if num and not boolean:
                 raise ValueError("expected a number, not a boolean")
+            words = _yaml_bool_words(cls.model_fields[info.field_name].annotation)
+            if words and isinstance(v, bool):
+                raise ValueError(f"expected {', '.join(words[:-1])} or {words[-1]}, quoted: YAML reads an unquoted "
+                                 f"on/off/yes/no as a boolean")
+        elif v is not None and _plain_bool(cls.model_fields[info.field_name].annotation):
+            raise ValueError("expected true or false (an unquoted YAML boolean)")
         return v
 
 
@@ -214,13 +249,13 @@ class PromptsConfig(_Strict):
     @field_validator("regen_compile", mode="before")
     @classmethod
     def _compile_setting(cls, v):
-        """``auto`` (any case), else what a pydantic bool accepts (YAML true/false); anything else one line."""
+        """A YAML boolean (``true``/``false``, unquoted) or the string ``auto`` (any case); anything else,
+        a number (``1``) or another string (``"yes"``, a quoted ``"true"``) included, is refused in one line."""
+        if isinstance(v, bool):
+            return v
         if isinstance(v, str) and v.strip().lower() == "auto":
             return "auto"
-        try:
-            return _BOOL.validate_python(v)
-        except ValidationError:
-            raise ValueError("expected true, false or auto") from None
+        raise ValueError("expected true, false (unquoted YAML booleans) or auto")
 
     regen_attention: Literal["auto", "flex", "sdpa_groups"] = Field(
         "auto", description="slots engine decode attention: flex = PyTorch FlexAttention with a per-step BlockMask "

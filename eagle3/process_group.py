@@ -20,12 +20,17 @@ So a rank here (1) imports ``torch._dynamo`` before making the group, (2) on a c
 barrier until every rank is done with collectives, so none closes its sockets while a peer still sends,
 and (3) destroys the group in a ``finally``, then collects garbage, so the group's threads are joined and
 its sockets closed while the interpreter is fully alive.
+
+Every entry point runs its work inside :func:`process_group_scope`, which does (2) and (3): a barrier and the
+teardown when the block finishes, the teardown without a barrier when an exception (``KeyboardInterrupt`` and
+``SystemExit`` from a signal included) leaves it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch.distributed as dist
 
@@ -63,3 +68,27 @@ def close_process_group(group: Optional[Any] = None, *, barrier: bool = True) ->
     finally:
         dist.destroy_process_group()
         gc.collect()
+
+
+@contextlib.contextmanager
+def process_group_scope(group: Optional[Any] = None, *, owned: bool = True) -> Iterator[None]:
+    """Run a block of distributed work, then tear the process group down (:func:`close_process_group`).
+
+    The block finishing (a ``return`` inside it included): a barrier on ``group`` first, so no rank closes its
+    sockets while a peer still sends. An exception leaving the block (any ``BaseException``: a ``UserError``,
+    a bug, ``KeyboardInterrupt`` / ``SystemExit`` raised on a signal): no barrier (the other ranks may be
+    blocked in another collective or gone), the group is destroyed at once and the exception propagates.
+
+    Args:
+        group: the group to wait on (a gloo group; the control group when the world is NCCL); None = default.
+        owned: False when this process did not make the group (a caller's own, or a world of 1): nothing is
+            torn down.
+    """
+    try:
+        yield
+    except BaseException:
+        if owned:
+            close_process_group(group, barrier=False)
+        raise
+    if owned:
+        close_process_group(group, barrier=True)

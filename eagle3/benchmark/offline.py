@@ -171,7 +171,8 @@ def bench_prompts(
             longest prompt before the timed set, ``warm_up_seconds``) or ``auto`` (static at batch 1 on CUDA).
 
     Returns:
-        dict: ``dataset``, ``num_prompts``, ``batch_size``, acceptance stats (:func:`acceptance_stats`,
+        dict: ``dataset``, ``num_prompts``, ``batch_size`` (the effective one: ``min(batch_size, num_prompts)``,
+        what the largest batch held), acceptance stats (:func:`acceptance_stats`,
         emitted tokens only), ``greedy_tokens``, ``greedy_seconds``, ``greedy_tokens_per_s``,
         ``spec_tokens``, ``spec_seconds``, ``spec_tokens_per_s``, ``speedup``, ``draft_seconds``,
         ``verify_seconds``, ``drafter_share`` (draft / (draft + verify) of the speculative step time),
@@ -189,6 +190,7 @@ def bench_prompts(
     if batch_size < 1:
         raise UserError(f"benchmark.batch_size: must be >= 1, got {batch_size}")
     mode = resolve_decoder(decoder, batch_size, next(verifier.parameters()).device)
+    effective = effective_batch_size(batch_size, len(prompts_ids))
     order = sorted(range(len(prompts_ids)), key=lambda i: (-len(prompts_ids[i][1]), i))
     tally = _BenchTally(len(prompts_ids))
     static, warm_s = None, 0.0
@@ -196,7 +198,7 @@ def bench_prompts(
         static, warm_s = _open_static(verifier, drafter, [p for _, p in prompts_ids], aux_layers, steps, max_new_tokens,
                                       eos_ids)
     t_wall = time.perf_counter()
-    bar = tqdm(total=len(prompts_ids), desc=f"bench {label} (batch {batch_size}, {mode})", unit="prompt", disable=not progress)
+    bar = tqdm(total=len(prompts_ids), desc=f"bench {label} (batch {effective}, {mode})", unit="prompt", disable=not progress)
     try:
         for b0 in range(0, len(order), batch_size):
             idx = order[b0 : b0 + batch_size]
@@ -213,7 +215,13 @@ def bench_prompts(
     if static is not None:
         extra["cuda_graphs"] = static.use_graphs
         extra["graph_error"] = static.graph_error
-    return {**tally.summary(label, batch_size, steps, wall, tie_tolerance), **extra}
+    return {**tally.summary(label, effective, steps, wall, tie_tolerance), **extra}
+
+
+def effective_batch_size(batch_size: int, num_prompts: int) -> int:
+    """The batch size a run of ``num_prompts`` prompts decodes at with ``benchmark.batch_size`` = ``batch_size``:
+    ``min(batch_size, num_prompts)`` (1 prompt at batch 10 is decoded, and reported, as batch 1); at least 1."""
+    return max(1, min(batch_size, num_prompts))
 
 
 def _decode_batch(static, verifier, drafter, ids: list[list[int]], aux_layers, steps: int, max_new_tokens: int, eos_ids):
@@ -616,6 +624,8 @@ def run_offline(
         tie_tolerance = cfg.benchmark.tie_tolerance
     if tie_tolerance is None:
         tie_tolerance = default_tie_tolerance(param.dtype)
+    sets: list[tuple[str, list[EvalPrompt]]] = [(dataset_label(n), load_eval_prompts(n, num_prompts)) for n in datasets]
+    largest = effective_batch_size(batch_size, max(len(p) for _, p in sets))
     report = {
         "verifier": cfg.verifier.display_name(),
         "drafter": drafter_name,
@@ -623,17 +633,16 @@ def run_offline(
         "dtype": str(param.dtype).replace("torch.", ""),
         "steps": steps,
         "max_new_tokens": max_new_tokens,
-        "batch_size": batch_size,
+        "batch_size": largest,  # effective: the largest batch any set decodes (each set records its own)
         "tie_tolerance": tie_tolerance,
         "aux_layers": list(aux_layers),
         "eos_ids": eos,
         "warnings": list(warnings),
         "datasets": [],
     }
-    sets: list[tuple[str, list[EvalPrompt]]] = [(dataset_label(n), load_eval_prompts(n, num_prompts)) for n in datasets]
     chat = ChatOptions.from_config(cfg)
     warm = prompt_ids(tokenizer, [{"role": "user", "content": "Hi"}], chat)
-    warm_up(verifier, drafter, warm, aux_layers, steps, eos, min(batch_size, max(len(p) for _, p in sets)))
+    warm_up(verifier, drafter, warm, aux_layers, steps, eos, largest)
     for label, prompts in sets:
         ids = [(p.id, prompt_ids(tokenizer, p.messages, chat)) for p in prompts]
         report["datasets"].append(bench_prompts(verifier, drafter, ids, aux_layers, steps, max_new_tokens, eos, label,

@@ -560,21 +560,28 @@ def run(cfg: RunConfig, *, overwrite: bool = False, limit: Optional[int] = None,
             folder this call created is removed again).
     """
     from eagle3.capture.disk_plan import NotEnoughDisk
+    from eagle3.process_group import process_group_scope
 
     root = cfg.shards_dir
     d = _init_dist()
     created = [p for p in (root, *root.parents) if not p.exists()]  # folders this call may create, deepest first
-    clean = False
-    try:
-        out = _run(cfg, root, overwrite, limit, backend, tokenizer, d, ignore_disk_check)
-        clean = True
-        return out
-    except (NotEnoughDisk, UserError):
-        if created and d.rank == 0:
-            _remove_fresh_folder(created)
-        raise
-    finally:
-        d.close(clean)
+    with process_group_scope(d.group, owned=d.initialized_here):  # barrier on success only: peers may be stuck
+        try:
+            return _run(cfg, root, overwrite, limit, backend, tokenizer, d, ignore_disk_check)
+        except (NotEnoughDisk, UserError):
+            if created and d.rank == 0:
+                _remove_fresh_folder(created)
+            raise
+
+
+def interrupt_hint(cfg: RunConfig) -> str:
+    """What an interrupted 02 kept and how to go on (the line after ``interrupted by SIGTERM:``): the finished
+    shards recorded in ``manifest.jsonl`` (and the torchrun ranks' ``manifest.rank*.jsonl``) and that the same
+    command, without ``--overwrite`` (which deletes them), resumes."""
+    root = cfg.shards_dir
+    manifests = [p for p in [root / MANIFEST, *root.glob(RANK_MANIFEST_PREFIX + "*.jsonl")] if p.is_file()]
+    n = sum(p.read_bytes().count(b"\n") for p in manifests)
+    return f"{n} finished shards kept in {root}; re-run the same command (without --overwrite) to resume"
 
 
 def _remove_fresh_folder(created: list[Path]) -> None:
@@ -667,15 +674,6 @@ class _Dist:
                 raise UserError(err[1])
             raise RuntimeError(f"stage 02 failed on rank 0: {err[1]}")
         return res
-
-    def close(self, clean: bool = True) -> None:
-        """Tear the process group down when this process made it (:func:`eagle3.process_group.close_process_group`,
-        barrier on the gloo group first unless ``clean`` is False: an error path)."""
-        if self.initialized_here:
-            from eagle3.process_group import close_process_group
-
-            self.initialized_here = False
-            close_process_group(self.group, barrier=clean)
 
 
 def _init_dist() -> _Dist:

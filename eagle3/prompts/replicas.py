@@ -56,15 +56,6 @@ class Dist:
         dist.all_gather_object(out, obj)
         return out
 
-    def close(self, clean: bool = True) -> None:
-        """Tear the process group down when this process made it (:func:`eagle3.process_group.close_process_group`;
-        ``clean=False`` on an error path: no barrier)."""
-        if self.initialized_here:
-            from eagle3.process_group import close_process_group
-
-            self.initialized_here = False
-            close_process_group(barrier=clean)
-
 
 def init_dist() -> Dist:
     """gloo process group from the torchrun env when ``WORLD_SIZE > 1``; else a world of 1.
@@ -171,10 +162,11 @@ def regenerate_replicas(cfg, convs: list[dict], want: dict, stats: dict, force: 
     from eagle3.prompts.regenerate import has_tool_calls, regenerate
     from eagle3.verifier import load_verifier, stop_token_ids
 
+    from eagle3.process_group import process_group_scope
+
     d = init_dist()
     folder = cfg.prompts_path.parent
-    clean = False
-    try:
+    with process_group_scope(owned=d.initialized_here):  # barrier on success only: peers may be stuck after an error
         if force and d.rank == 0:
             for p in all_logs(folder):
                 p.unlink()
@@ -197,7 +189,4 @@ def regenerate_replicas(cfg, convs: list[dict], want: dict, stats: dict, force: 
             stats.update(merge_stats(parts, resumed=len(finished), kept_with_tools=tools),
                          stop_token_ids=stats["stop_token_ids"])
             out = assemble(convs, load_finished(folder, want, convs), has_tool_calls)
-        clean = True
         return out
-    finally:
-        d.close(clean)

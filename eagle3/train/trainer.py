@@ -66,7 +66,7 @@ from eagle3.config import RunConfig
 from eagle3.data.batching import eval_batches, sample_lengths
 from eagle3.data.dataset import ResumableSampler, ShardDataset, collate, read_split
 from eagle3.errors import UserError
-from eagle3.process_group import close_process_group, init_process_group
+from eagle3.process_group import init_process_group, process_group_scope
 from eagle3.shards.fp8 import dequantize_batch, is_fp8
 from eagle3.io import (append_bytes, atomic_write_json, atomic_write_jsonl, atomic_write_text, disk_full_guard,
                        open_append)
@@ -738,16 +738,12 @@ def run(cfg: RunConfig, resume: bool = False, max_steps: Optional[int] = None, s
     stop = StopFlag()
     from eagle3.sdpa import no_cudnn_sdpa
 
-    clean = False
-    try:
-        with no_cudnn_sdpa():  # batch shapes change every step: no per-shape cuDNN plans (~40 ms each)
-            out = _run(cfg, d, stop, resume, max_steps, stop_after, export, init)
-        clean = True
-        return out
-    finally:
-        stop.restore()
-        if d.initialized_here:
-            close_process_group(d.ctrl_group, barrier=clean)  # no barrier on an error path: peers may be stuck
+    with process_group_scope(d.ctrl_group, owned=d.initialized_here):  # barrier only when _run finished
+        try:
+            with no_cudnn_sdpa():  # batch shapes change every step: no per-shape cuDNN plans (~40 ms each)
+                return _run(cfg, d, stop, resume, max_steps, stop_after, export, init)
+        finally:
+            stop.restore()
 
 
 def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: Optional[int],

@@ -70,3 +70,20 @@ def test_offline_bench_speed_failed_decoder_keeps_the_other_rows(tmp_path, tiny_
     assert good["decoder"] == "batched" and good["failures"] == 0 and good["spec_tokens"] == good["greedy_tokens"]
     assert res["bench_set_s"] == good["wall_seconds"]
     assert "failed: RuntimeError: capture boom" in mod.markdown(res)
+
+
+def test_offline_bench_speed_rows_record_the_effective_batch_size(tmp_path, tiny_llama_dir):
+    """--batch-sizes 8 on 2 prompts decodes (and records) batch 2; the headline row is still found."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"q{i}", "prompt": t}) + "\n" for i, t in enumerate(["Hi", "2+2?"])))
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"run_name: t\noutput_root: {tmp_path / 'out'}\nverifier: {{path: {tiny_llama_dir}, device: cpu}}\n"
+                   f"prompts: {{source: {prompts}}}\nextract: {{aux_layers: [1, 3, 4]}}\n")
+    out = tmp_path / "speed.json"
+    rc = _script().main(["--config", str(cfg), "--random-drafter", "--dataset", str(prompts), "--num-prompts", "2",
+                         "--max-new-tokens", "4", "--batch-sizes", "8", "--json", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    (row,) = res["rows"]
+    assert (row["batch_size"], row["num_prompts"]) == (2, 2)
+    assert res["bench_set_s"] == row["wall_seconds"] > 0

@@ -87,6 +87,24 @@ def test_bench_prompts_batch4_equals_batch1():
     assert [p["id"] for p in r4["per_prompt"]] == ["a", "b", "c", "d"]  # input order kept despite length sorting
 
 
+def test_bench_prompts_reports_the_effective_batch_size(capsys):
+    """1 prompt at benchmark.batch_size 10 is decoded as batch 1: the progress label and the record say 1, not 10;
+    3 prompts at batch 2 say 2."""
+    from test_decode import make_drafter, make_verifier
+
+    from eagle3.benchmark.offline import bench_prompts
+
+    v = make_verifier()
+    d = make_drafter(v, list(range(0, 256, 3)))
+    one = bench_prompts(v, d, [("a", [5, 17, 99, 3])], [1, 3, 4], 2, 4, [], label="solo", batch_size=10)
+    err = capsys.readouterr().err
+    assert one["batch_size"] == 1 and one["num_prompts"] == 1
+    assert "bench solo (batch 1, batched)" in err and "batch 10" not in err, err
+    three = bench_prompts(v, d, [("a", [5, 17]), ("b", [9, 8, 7]), ("c", [77])], [1, 3, 4], 2, 4, [], batch_size=2,
+                          progress=False)
+    assert three["batch_size"] == 2
+
+
 def test_bench_prompts_splits_near_ties_from_failures(monkeypatch):
     """A greedy reference that differs from the verifier at token 3 of one prompt: reported with the
     verify logit gap; a near-tie when the gap is within the tolerance, a failure otherwise."""
@@ -282,6 +300,19 @@ def test_cli_writes_lossless_reports(run_setup):
     assert "| prompts | 2 |" in md and "| yes |" in md
     assert (bench / "acceptance.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not list(bench.glob("*.tmp-*"))
+
+
+def test_cli_records_the_effective_batch_size(run_setup):
+    """05 --batch-size 10 on 2 prompts: bench.json (top level and the dataset) and bench.md say batch 2."""
+    root, cfg, prompts = run_setup
+    out = root / "out-batch"
+    rc = _cli().main(["--config", str(cfg), "--drafter", str(root / "drafter"), "--num-prompts", "2", "--steps", "2",
+                      "--batch-size", "10", "--set", f"benchmark.output_dir={out}"])
+    assert rc == 0
+    rep = json.loads((out / "bench.json").read_text())
+    (d,) = rep["datasets"]
+    assert (rep["batch_size"], d["batch_size"], d["num_prompts"]) == (2, 2, 2)
+    assert "| prompts | 2 | 2 |" in (out / "bench.md").read_text()
 
 
 def test_lossless_failure_raises_after_writing_report(run_setup, monkeypatch):

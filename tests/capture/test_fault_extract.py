@@ -137,3 +137,44 @@ def test_sigkill_at_random_points_then_resume(tmp_path, tiny_llama_dir):
     meta, ref_meta = read_data_config(shards), read_data_config(tmp_path / "ref" / "shards")
     for key in ("num_samples", "num_tokens", "num_loss_tokens", "aux_layers", "config_fingerprint"):
         assert meta[key] == ref_meta[key]
+
+
+@pytest.mark.slow
+def test_sigterm_prints_the_resume_line_and_the_rerun_finishes(tmp_path, tiny_llama_dir):
+    """SIGTERM mid-run: exit 143 and one stderr line (shards kept, re-run the same command), no traceback; the same
+    command then finishes with the shards of an uninterrupted run."""
+    ref_cfg = _config(tmp_path / "ref", tiny_llama_dir)
+    r = subprocess.run(_cmd(ref_cfg), cwd=ROOT, env=_env(0.0), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    cfg = _config(tmp_path / "run", tiny_llama_dir)
+    shards = tmp_path / "run" / "shards"
+    manifest = shards / "manifest.jsonl"
+    proc = subprocess.Popen(_cmd(cfg), cwd=ROOT, env=_env(0.25), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while _manifest_lines(manifest) < 2 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    kept = _manifest_lines(manifest)
+    assert proc.returncode == 143, err[-3000:]
+    assert 2 <= kept < N_PROMPTS and not (shards / "data_config.json").exists()
+    assert "Traceback" not in err, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last == (f"interrupted by SIGTERM: {kept} finished shards kept in {shards}; re-run the same command "
+                    f"(without --overwrite) to resume"), err[-3000:]
+
+    r = subprocess.run(_cmd(cfg), cwd=ROOT, env=_env(0.0), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got, ref = _load_all(shards), _load_all(tmp_path / "ref" / "shards")
+    assert sorted(got) == sorted(ref) == list(range(N_PROMPTS))
+    for idx in range(N_PROMPTS):
+        assert torch.equal(got[idx]["input_ids"], ref[idx]["input_ids"])
+        for x, y in zip(got[idx]["hidden_states"], ref[idx]["hidden_states"]):
+            assert torch.equal(x, y), f"sample {idx} differs from the uninterrupted run"
+    assert read_manifest(manifest).rows == read_manifest(tmp_path / "ref" / "shards" / "manifest.jsonl").rows

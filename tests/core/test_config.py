@@ -165,9 +165,53 @@ def test_regen_compile_refuses_anything_else_in_one_line(tmp_path, value):
     with pytest.raises(UserError) as e:
         load_config(f)
     msg = str(e.value)
-    assert msg.startswith(f"{f}:6: field 'prompts.regen_compile': ") and "expected true, false or auto" in msg, msg
-    assert "\n" not in msg
+    assert msg.startswith(f"{f}:6: field 'prompts.regen_compile': ") and "expected true, false" in msg, msg
+    assert "or auto" in msg and "\n" not in msg
     with pytest.raises(UserError) as e:
         load_config(_write(tmp_path, BASE), [f"prompts.regen_compile={value}"])
     assert str(e.value).startswith(f"--set prompts.regen_compile={value}: field 'prompts.regen_compile': ")
-    assert "expected true, false or auto" in str(e.value) and "\n" not in str(e.value)
+    assert "expected true, false" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("value", ["1", "0", "'true'", "'false'", "'yes'", "'on'", "'1'"])
+def test_regen_compile_refuses_numbers_and_quoted_booleans(tmp_path, value):
+    """Only YAML booleans and auto: pydantic's lax bool (1 -> True, "yes" -> True) is not applied."""
+    f = _write(tmp_path, BASE + f"  regen_compile: {value}\n")
+    with pytest.raises(UserError) as e:
+        load_config(f)
+    msg = str(e.value)
+    assert msg.startswith(f"{f}:6: field 'prompts.regen_compile': ") and "expected true, false" in msg, msg
+    assert "or auto" in msg and "\n" not in msg
+    with pytest.raises(UserError) as e:
+        load_config(_write(tmp_path, BASE), [f"prompts.regen_compile={value}"])
+    assert str(e.value).startswith(f"--set prompts.regen_compile={value}: field 'prompts.regen_compile': ")
+
+
+@pytest.mark.parametrize("key", ["prompts.dedupe", "prompts.regenerate", "prompts.regen_cuda_graphs",
+                                 "extract.loss_on_reasoning", "train.compile", "verifier.trust_remote_code"])
+@pytest.mark.parametrize("value", ["1", "0", "'yes'", "'true'"])
+def test_true_false_fields_take_only_yaml_booleans(tmp_path, key, value):
+    """Every bool field refuses a number or a string in one line naming it; true/false still load."""
+    with pytest.raises(UserError) as e:
+        load_config(_write(tmp_path, BASE), [f"{key}={value}"])
+    msg = str(e.value)
+    assert msg.startswith(f"--set {key}={value}: field '{key}': ") and "expected true or false" in msg, msg
+    assert "\n" not in msg
+    section, name = key.split(".")
+    for yaml_value, want in (("true", True), ("false", False)):
+        got = getattr(getattr(load_config(_write(tmp_path, BASE), [f"{key}={yaml_value}"]), section), name)
+        assert got is want
+
+
+@pytest.mark.parametrize("key", ["train.bf16", "train.checkpoint_logits"])
+def test_on_off_fields_name_the_yaml_quoting_trap(tmp_path, key):
+    """auto|on|off fields: an unquoted on/off (a YAML boolean) is refused with a hint to quote it."""
+    section, name = key.split(".")
+    f = _write(tmp_path, BASE + f"{section}:\n  {name}: on\n")
+    with pytest.raises(UserError) as e:
+        load_config(f)
+    msg = str(e.value)
+    assert msg.startswith(f"{f}:7: field '{key}': ") and "expected auto, on or off, quoted" in msg, msg
+    assert "\n" not in msg
+    f = _write(tmp_path, BASE + f"{section}:\n  {name}: 'on'\n")
+    assert getattr(getattr(load_config(f), section), name) == "on"

@@ -74,13 +74,48 @@ def test_trainer_run_closes_with_a_barrier_only_on_success(monkeypatch, fails):
         return {"step": 1}
 
     monkeypatch.setattr(trainer, "_run", fake_run)
-    monkeypatch.setattr(trainer, "close_process_group", lambda group=None, *, barrier=True: seen.append((group, barrier)))
+    # the trainer tears down through process_group_scope, which calls this module attribute
+    monkeypatch.setattr(process_group, "close_process_group",
+                        lambda group=None, *, barrier=True: seen.append((group, barrier)))
     if fails:
         with pytest.raises(ValueError, match="boom"):
             trainer.run(cfg=None, device="cpu")
     else:
         assert trainer.run(cfg=None, device="cpu") == {"step": 1}
     assert seen == [(ctrl, not fails)]
+
+
+def test_scope_barriers_when_the_block_finishes(calls):
+    group = object()
+
+    def work():
+        with process_group.process_group_scope(group):
+            return 7  # a return inside the block is a clean finish
+
+    assert work() == 7
+    assert calls == [("barrier", group), ("destroy", None), ("gc", None)]
+
+
+@pytest.mark.parametrize("exc", [ValueError("boom"), KeyboardInterrupt(), SystemExit(143)])
+def test_scope_skips_the_barrier_when_an_exception_leaves_the_block(calls, exc):
+    """An error, Ctrl-C or a signal's SystemExit: the group is destroyed without a barrier, the exception kept."""
+    with pytest.raises(type(exc)):
+        with process_group.process_group_scope(object()):
+            calls.append(("work", None))
+            raise exc
+    assert calls == [("work", None), ("destroy", None), ("gc", None)]
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_scope_not_owned_tears_nothing_down(calls, fails):
+    """A group this process did not make (or a world of 1) is left alone on both paths."""
+    try:
+        with process_group.process_group_scope(object(), owned=False):
+            if fails:
+                raise ValueError("boom")
+    except ValueError:
+        pass
+    assert calls == []
 
 
 WORKER = textwrap.dedent("""

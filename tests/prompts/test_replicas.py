@@ -100,3 +100,56 @@ def test_assemble_and_merge_stats(tmp_path):
         log_path(tmp_path, r).write_text("x")
     assert [p.name for p in all_logs(tmp_path)] == ["prompts.regen-partial.jsonl", "prompts.regen-partial.rank2.jsonl",
                                                     "prompts.regen-partial.rank11.jsonl"]
+
+
+@pytest.mark.slow
+def test_sigterm_prints_the_resume_line_and_the_rerun_equals_the_uninterrupted_run(tmp_path, tiny_llama_dir):
+    """01 regenerating, SIGTERM once a conversation is in the resume log: exit 143 and one stderr line (how many
+    were kept, re-run the same command), no traceback; the same command then writes the uninterrupted run's file."""
+    import signal
+    import time
+
+    src = tmp_path / "many.jsonl"
+    src.write_text("".join(json.dumps(_conv(f"m{i}", 1 + i % 3)) + "\n" for i in range(40)))
+
+    def cfg_for(name: str) -> Path:
+        cfg = tmp_path / f"{name}.yaml"
+        cfg.write_text(f"""run_name: {name}
+output_root: {tmp_path / name}
+verifier: {{path: {tiny_llama_dir}, dtype: float32, device: cpu}}
+prompts: {{source: {src}, format: messages, regenerate: true, max_new_tokens: 24, gen_batch_size: 2,
+          regen_check_every: 2}}
+extract: {{max_length: 256}}
+""")
+        return cfg
+
+    _run01(cfg_for("ref"), 1)
+    cfg, out = cfg_for("cut"), tmp_path / "cut"
+    partial = out / "prompts.regen-partial.jsonl"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), TQDM_DISABLE="1")
+    proc = subprocess.Popen([sys.executable, str(ROOT / "01_prepare_prompts.py"), "--config", str(cfg)], env=env,
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while proc.poll() is None and time.monotonic() < deadline and (
+                not partial.exists() or partial.read_bytes().count(b"\n") < 2):  # settings line + a conversation
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 143, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    logged = [json.loads(x) for x in partial.read_text().splitlines()[1:]]  # after the settings line
+    kept = len({r["idx"] for r in logged})  # distinct: an interrupted flush may log one twice
+    assert 1 <= kept < 40 and not (out / "prompts.jsonl").exists()
+    assert err.strip().splitlines()[-1] == (
+        f"interrupted by SIGTERM: {kept} regenerated conversations kept in {out / 'prompts.regen-partial*.jsonl'}; "
+        "re-run the same command (without --force) to resume"), err[-3000:]
+
+    _run01(cfg, 1)
+    assert (out / "prompts.jsonl").read_text() == (tmp_path / "ref" / "prompts.jsonl").read_text()
+    rep = json.loads((out / "prompts_report.json").read_text())["regeneration"]
+    assert rep["resumed"] == kept
