@@ -414,7 +414,9 @@ def read_conversations(source: str, fmt: str = "auto", *, hf_split: str = "train
     return out
 
 
-def _dedupe_key(conv: dict) -> str:
+def dedupe_key(conv: dict) -> str:
+    """01's dedupe key of a conversation: its first user message, whitespace runs collapsed, stripped, lower-cased
+    ("" when it has no user turn)."""
     first = next((m["content"] for m in conv["messages"] if m["role"] == "user"), "")
     return re.sub(r"\s+", " ", first).strip().lower()
 
@@ -428,7 +430,7 @@ def dedupe(conversations: list[dict]) -> tuple[list[dict], int]:
     seen: set[str] = set()
     kept = []
     for c in conversations:
-        k = _dedupe_key(c)
+        k = dedupe_key(c)
         if k in seen:
             continue
         seen.add(k)
