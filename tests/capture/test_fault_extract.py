@@ -27,6 +27,9 @@ from eagle3.shards.manifest import read_manifest
 from eagle3.shards.format import list_samples, load_sample, read_data_config
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from _signals import sigterm_when  # noqa: E402
 N_PROMPTS = 14
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
 
@@ -149,20 +152,9 @@ def test_sigterm_prints_the_resume_line_and_the_rerun_finishes(tmp_path, tiny_ll
     cfg = _config(tmp_path / "run", tiny_llama_dir)
     shards = tmp_path / "run" / "shards"
     manifest = shards / "manifest.jsonl"
-    proc = subprocess.Popen(_cmd(cfg), cwd=ROOT, env=_env(0.25), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
-    try:
-        deadline = time.monotonic() + 240
-        while _manifest_lines(manifest) < 2 and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    rc, err = sigterm_when(_cmd(cfg), lambda: _manifest_lines(manifest) >= 2, env=_env(0.25), cwd=ROOT, wait_s=240)
     kept = _manifest_lines(manifest)
-    assert proc.returncode == 143, err[-3000:]
+    assert rc == 143, err[-3000:]
     assert 2 <= kept < N_PROMPTS and not (shards / "data_config.json").exists()
     assert "Traceback" not in err, err[-3000:]
     last = err.strip().splitlines()[-1]

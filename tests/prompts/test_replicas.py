@@ -13,6 +13,9 @@ import pytest
 from eagle3.prompts.replicas import all_logs, assemble, log_path, merge_stats, share
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from _signals import sigterm_when  # noqa: E402
 
 
 def _conv(cid, n_turns, tools=False):
@@ -106,8 +109,6 @@ def test_assemble_and_merge_stats(tmp_path):
 def test_sigterm_prints_the_resume_line_and_the_rerun_equals_the_uninterrupted_run(tmp_path, tiny_llama_dir):
     """01 regenerating, SIGTERM once a conversation is in the resume log: exit 143 and one stderr line (how many
     were kept, re-run the same command), no traceback; the same command then writes the uninterrupted run's file."""
-    import signal
-    import time
 
     src = tmp_path / "many.jsonl"
     src.write_text("".join(json.dumps(_conv(f"m{i}", 1 + i % 3)) + "\n" for i in range(40)))
@@ -127,20 +128,9 @@ extract: {{max_length: 256}}
     cfg, out = cfg_for("cut"), tmp_path / "cut"
     partial = out / "prompts.regen-partial.jsonl"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), TQDM_DISABLE="1")
-    proc = subprocess.Popen([sys.executable, str(ROOT / "01_prepare_prompts.py"), "--config", str(cfg)], env=env,
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 300
-        while proc.poll() is None and time.monotonic() < deadline and (
-                not partial.exists() or partial.read_bytes().count(b"\n") < 2):  # settings line + a conversation
-            time.sleep(0.01)
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 143, err[-3000:]
+    rc, err = sigterm_when([sys.executable, str(ROOT / "01_prepare_prompts.py"), "--config", str(cfg)], env=env,
+                           cwd=ROOT, ready=lambda: partial.exists() and partial.read_bytes().count(b"\n") >= 2)
+    assert rc == 143, err[-3000:]  # SIGTERM once the settings line and a conversation are logged
     assert "Traceback" not in err, err[-3000:]
     logged = [json.loads(x) for x in partial.read_text().splitlines()[1:]]  # after the settings line
     kept = len({r["idx"] for r in logged})  # distinct: an interrupted flush may log one twice
