@@ -112,6 +112,20 @@ def plan_figures(convs: list[list[Turn]], batches: list[list[tuple[int, int]]], 
             "padded_prefill_tokens": padded}
 
 
+def prefix_reuse(convs: list[list[Turn]]) -> dict:
+    """How much of the prefill a KV-cache prefix reuse across a conversation's turns would skip.
+
+    Turn k of a conversation (k >= 1) re-prefills the history that turn k-1 already had in the cache: its prompt and
+    its answer, ``p[k-1] + a[k-1]`` tokens (at most ``p[k]``; a chat template that renders the history differently
+    than it generated it would keep less). Returns ``prefill_tokens`` (every turn's prompt, as 01 prefills today),
+    ``reusable_tokens`` (those cached prefixes) and their ratio ``reusable_share``.
+    """
+    total = sum(p for turns in convs for p, _ in turns)
+    reusable = sum(min(turns[k][0], turns[k - 1][0] + turns[k - 1][1]) for turns in convs for k in range(1, len(turns)))
+    return {"prefill_tokens": total, "reusable_tokens": reusable,
+            "reusable_share": round(reusable / total, 4) if total else 0.0}
+
+
 def compare(convs: list[list[Turn]], batch_size: int, max_new_tokens: int) -> dict:
     """Both plans' figures, new/old ratios, and the pooled plan's lower bound on batches: the
     longest conversation (one batch per turn) or the answers / ``batch_size``, whichever is larger."""
@@ -143,6 +157,11 @@ def markdown(res: dict) -> str:
     lines += ["", f"Lower bound on pooled batches: {res['min_batches']} (longest conversation, or answers / batch size). "
               "Decode steps = sum over batches of the longest answer (tokens + stop, at most max_new_tokens): "
               "the GPU-time figure of a launch-bound decoder."]
+    if "prefix_reuse" in res:
+        pr = res["prefix_reuse"]
+        lines += ["", f"Prefix reuse across turns: {pr['reusable_tokens']} of {pr['prefill_tokens']} prompt tokens "
+                  f"({pr['reusable_share']:.1%}) are the previous turn's prompt + answer, which a KV-cache prefix reuse "
+                  "would not prefill again."]
     return "\n".join(lines) + "\n"
 
 
@@ -208,7 +227,7 @@ def main(argv=None) -> int:
            "answers_recorded": sum(sum(m["role"] == "assistant" for m in r["messages"]) for r in records),
            "batch_size": batch_size, "max_new_tokens": max_new, "max_context": cap,
            "prompt_lengths_s": round(time.perf_counter() - t0, 1),
-           **compare(convs, batch_size, max_new)}
+           "prefix_reuse": prefix_reuse(convs), **compare(convs, batch_size, max_new)}
     return emit(a, res, markdown(res))
 
 

@@ -38,6 +38,10 @@ def test_plans_by_hand():
     assert res["longest_conversation_turns"] == 3 and res["min_batches"] == 3
     # a smaller budget caps every batch: 100-token answers count 100 steps
     assert rs.plan_figures(convs, rs.plan_pooled(convs, 2), 100)["decode_steps"] == 6 + 100 + 3
+    # prefix reuse: A1 re-prefills A0's 10 + 5 of its 20; A2 would re-prefill A1's 20 + 511 but its prompt is 30
+    assert rs.prefix_reuse(convs) == {"prefill_tokens": 73, "reusable_tokens": 15 + 30,
+                                      "reusable_share": round(45 / 73, 4)}
+    assert rs.prefix_reuse([B, C]) == {"prefill_tokens": 13, "reusable_tokens": 0, "reusable_share": 0.0}
 
 
 def _record(cid, users, answer_lens, tools=False):
