@@ -95,6 +95,9 @@ class _Strict(BaseModel):
     into a bool; a ``bool`` field here accepts only what the YAML loader made a boolean (``true`` /
     ``false``; PyYAML reads YAML 1.1, so unquoted ``yes``/``no``/``on``/``off`` are booleans before
     validation sees them) and refuses a number or any string with ``expected true or false``.
+
+    A string field whose values are ``auto|on|off`` (``train.bf16``, ``train.checkpoint_logits``) takes the YAML
+    boolean of an unquoted ``on`` / ``off`` (or ``true`` / ``false``) as ``"on"`` / ``"off"``.
     """
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -108,6 +111,8 @@ class _Strict(BaseModel):
                 raise ValueError("expected a number, not a boolean")
             words = _yaml_bool_words(cls.model_fields[info.field_name].annotation)
             if words and isinstance(v, bool):
+                if {"on", "off"} <= set(words):  # auto|on|off: an unquoted on/off (or true/false) means that word
+                    return "on" if v else "off"
                 raise ValueError(f"expected {', '.join(words[:-1])} or {words[-1]}, quoted: YAML reads an unquoted "
                                  f"on/off/yes/no as a boolean")
         elif v is not None and _plain_bool(cls.model_fields[info.field_name].annotation):
