@@ -372,7 +372,8 @@ def headline(report: dict, out_dir: str | Path) -> str:
     for d in report["datasets"]:
         lines.append(f"{d['dataset']}: tau {_f(d['tau'])}, greedy {_f(d['greedy_tokens_per_s'], 1)} tok/s vs "
                      f"EAGLE-3 {_f(d['spec_tokens_per_s'], 1)} tok/s = {_f(d['speedup'])}x, "
-                     f"lossless {_lossless_cell(d)} ({d['num_prompts']} prompts, {report['device']} {report['dtype']})")
+                     f"lossless {_lossless_cell(d)} ({d['num_prompts']} prompt{'s' if d['num_prompts'] != 1 else ''}, "
+                     f"{report['device']} {report['dtype']})")
     lines.append(f"report: {Path(out_dir) / 'bench.md'}")
     return "\n".join(lines)
 

@@ -56,7 +56,7 @@ from eagle3.prompts.chat import ChatOptions, end_of_turn_ids, generation_prompt,
 from eagle3.config import PromptsConfig
 from eagle3.prompts.endpoints import EndpointPool, RequestFailed, RetryPolicy
 from eagle3.errors import UserError
-from eagle3.prompts.resume_log import PARTIAL_NAME, ResumeLog  # noqa: F401 - PARTIAL_NAME: part of this module's API
+from eagle3.prompts.resume_log import PARTIAL_NAME, ResumeLog, log_resuming  # noqa: F401 - PARTIAL_NAME: part of this module's API
 
 log = logging.getLogger(__name__)
 
@@ -341,6 +341,7 @@ def _plan(conversations: list[dict], journal: ResumeLog) -> tuple[dict[int, dict
     """
     done = journal.load(conversations)
     resumed = len(done)
+    log_resuming(resumed, len(conversations))
     passthrough = [i for i, c in enumerate(conversations)
                    if any(m["role"] == "tool" or m.get("tool_calls") for m in c["messages"])]
     for i in passthrough:

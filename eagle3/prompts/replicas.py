@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Optional
 
 from eagle3.errors import UserError
-from eagle3.prompts.resume_log import PARTIAL_NAME, ResumeLog
+from eagle3.prompts.resume_log import PARTIAL_NAME, ResumeLog, log_resuming
 
 TIMEOUT = datetime.timedelta(hours=3)
 _SUMMED = ("answers", "new_tokens", "truncated", "turns_over_context", "dropped_over_context", "batches",
@@ -172,6 +172,8 @@ def regenerate_replicas(cfg, convs: list[dict], want: dict, stats: dict, force: 
                 p.unlink()
         d.barrier()
         finished = load_finished(folder, want, convs)  # refused before the verifier loads
+        if d.rank == 0:
+            log_resuming(len(finished), len(convs))
         d.barrier()  # every rank has read the logs before any rank appends
         todo = [i for i, c in enumerate(convs) if i not in finished and not has_tool_calls(c)]
         mine = share(convs, todo, d.rank, d.world)

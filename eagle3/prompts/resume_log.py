@@ -109,3 +109,11 @@ class ResumeLog:
         """Delete the log (after the final prompts file is written)."""
         self.close()
         self.path.unlink(missing_ok=True)
+
+
+def log_resuming(done: int, total: int) -> None:
+    """Say, once per run, that 01 continues an interrupted regeneration: ``done`` of ``total`` conversations are
+    taken from the resume log(s) (nothing is said when ``done`` is 0)."""
+    if done:
+        log.info("resuming: %d of %d conversations already regenerated (resume log), %d to go", done, total,
+                 total - done)

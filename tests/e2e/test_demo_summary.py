@@ -138,3 +138,5 @@ def test_train_and_benchmark_headlines(tmp_path):
     assert bench_headline(rep, tmp_path / "bench").splitlines() == [
         "humaneval: tau 1.38, greedy 60.1 tok/s vs EAGLE-3 41.5 tok/s = 0.69x, lossless yes (1 near-ties) "
         "(10 prompts, cpu float32)", f"report: {tmp_path / 'bench' / 'bench.md'}"]
+    one = dict(rep, datasets=[dict(rep["datasets"][0], num_prompts=1)])
+    assert bench_headline(one, tmp_path / "bench").splitlines()[0].endswith("(1 prompt, cpu float32)")

@@ -139,7 +139,8 @@ extract: {{max_length: 256}}
         f"interrupted by SIGTERM: {kept} regenerated conversations kept in {out / 'prompts.regen-partial*.jsonl'}; "
         "re-run the same command (without --force) to resume"), err[-3000:]
 
-    _run01(cfg, 1)
+    again = _run01(cfg, 1)
     assert (out / "prompts.jsonl").read_text() == (tmp_path / "ref" / "prompts.jsonl").read_text()
     rep = json.loads((out / "prompts_report.json").read_text())["regeneration"]
     assert rep["resumed"] == kept
+    assert f"resuming: {kept} of 40 conversations already regenerated (resume log), {40 - kept} to go" in again.stderr
