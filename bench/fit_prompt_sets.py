@@ -39,14 +39,9 @@ from eagle3.config import load_config  # noqa: E402
 from eagle3.data.prepare_data import split_indices  # noqa: E402
 from eagle3.errors import UserError  # noqa: E402
 from eagle3.io import atomic_write_json, atomic_write_text, iter_jsonl  # noqa: E402
-from eagle3.prompts.readers import dedupe_key, read_conversations  # noqa: E402
+from eagle3.prompts.readers import dedupe_key, first_user_message, read_conversations  # noqa: E402
 
 SHAREGPT_ID = r"^[A-Za-z0-9]{7}_\d+$"
-
-
-def first_user(conv: dict) -> str:
-    """The conversation's first user message ("" when it has none)."""
-    return next((m["content"] for m in conv["messages"] if m["role"] == "user"), "")
 
 
 def split_seen_heldout(prompts: Path, manifest: Path, val_fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
@@ -82,7 +77,7 @@ def draw(convs: list[dict], pattern: str, max_chars: int, n: int, seed: int) -> 
     """First user turns of the conversations whose id matches ``pattern`` and whose first user turn is at most
     ``max_chars`` long: ``n`` of them drawn with ``random.Random(seed)`` (all, in order, when fewer)."""
     rx = re.compile(pattern)
-    pool = [u for c in convs if rx.search(str(c.get("id", ""))) and 0 < len(u := first_user(c)) <= max_chars]
+    pool = [u for c in convs if rx.search(str(c.get("id", ""))) and 0 < len(u := first_user_message(c)) <= max_chars]
     return pool if len(pool) <= n else random.Random(seed).sample(pool, n)
 
 

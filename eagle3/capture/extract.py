@@ -576,11 +576,11 @@ def run(cfg: RunConfig, *, overwrite: bool = False, limit: Optional[int] = None,
 
 def interrupt_hint(cfg: RunConfig) -> str:
     """What an interrupted 02 kept and how to go on (the line after ``interrupted by SIGTERM:``): the finished
-    shards recorded in ``manifest.jsonl`` (and the torchrun ranks' ``manifest.rank*.jsonl``) and that the same
-    command, without ``--overwrite`` (which deletes them), resumes."""
+    shards recorded in ``manifest.jsonl`` (and the torchrun ranks' ``manifest.rank*.jsonl``; read by
+    :func:`eagle3.shards.manifest.read_manifest`, a torn last line not counted) and that the same command, without
+    ``--overwrite`` (which deletes them), resumes."""
     root = cfg.shards_dir
-    manifests = [p for p in [root / MANIFEST, *root.glob(RANK_MANIFEST_PREFIX + "*.jsonl")] if p.is_file()]
-    n = sum(p.read_bytes().count(b"\n") for p in manifests)
+    n = sum(len(read_manifest(p).rows) for p in [root / MANIFEST, *root.glob(RANK_MANIFEST_PREFIX + "*.jsonl")])
     return f"{n} finished shards kept in {root}; re-run the same command (without --overwrite) to resume"
 
 

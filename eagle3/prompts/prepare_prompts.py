@@ -125,32 +125,17 @@ def partial_path(cfg: RunConfig) -> Path:
     return cfg.prompts_path.parent / PARTIAL_NAME
 
 
-def _logged_positions(logs: list[Path]) -> set[int]:
-    """The conversation positions (``idx``) the resume logs hold. Distinct: an interrupt inside a flush can log a
-    conversation twice (the resumed run takes it once); a torn or foreign line is not counted."""
-    seen: set[int] = set()
-    for p in logs:
-        for line in p.read_bytes().splitlines(keepends=True):
-            try:
-                row = json.loads(line) if line.endswith(b"\n") else None
-            except ValueError:
-                continue
-            if isinstance(row, dict) and isinstance(row.get("idx"), int):
-                seen.add(row["idx"])
-    return seen
-
-
 def interrupt_hint(cfg: RunConfig) -> str:
     """What an interrupted 01 kept and how to go on (the line after ``interrupted by SIGTERM:``): the number of
     distinct regenerated conversations in the resume logs (every rank's) and that the same command, without
     ``--force`` (which discards them), resumes."""
     from eagle3.prompts.replicas import all_logs
-    from eagle3.prompts.resume_log import PARTIAL_NAME
+    from eagle3.prompts.resume_log import PARTIAL_NAME, logged_positions
 
     logs = all_logs(cfg.prompts_path.parent)
     if not logs:
         return "no regenerated answer was kept yet; re-run the same command (without --force) to start again"
-    n = len(_logged_positions(logs))
+    n = len(logged_positions(logs))
     pattern = cfg.prompts_path.parent / PARTIAL_NAME.replace(".jsonl", "*.jsonl")
     return f"{n} regenerated conversations kept in {pattern}; re-run the same command (without --force) to resume"
 

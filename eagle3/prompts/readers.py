@@ -414,10 +414,15 @@ def read_conversations(source: str, fmt: str = "auto", *, hf_split: str = "train
     return out
 
 
+def first_user_message(conv: dict) -> str:
+    """The content of the conversation's first user message ("" when it has none)."""
+    return next((m["content"] for m in conv["messages"] if m["role"] == "user"), "")
+
+
 def dedupe_key(conv: dict) -> str:
     """01's dedupe key of a conversation: its first user message, whitespace runs collapsed, stripped, lower-cased
     ("" when it has no user turn)."""
-    first = next((m["content"] for m in conv["messages"] if m["role"] == "user"), "")
+    first = first_user_message(conv)
     return re.sub(r"\s+", " ", first).strip().lower()
 
 

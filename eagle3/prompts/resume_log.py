@@ -111,6 +111,20 @@ class ResumeLog:
         self.path.unlink(missing_ok=True)
 
 
+def logged_positions(paths: list[Path]) -> set[int]:
+    """The conversation positions (``idx``) that the resume logs ``paths`` hold, distinct (an interrupt inside a
+    flush can log a conversation twice; a resumed run takes it once), a torn last line not counted.
+
+    Raises:
+        UserError: a line other than the last is malformed (:func:`eagle3.shards.manifest.read_append_log`).
+    """
+    seen: set[int] = set()
+    for p in paths:
+        rows, _torn = read_append_log(p, lambda r: isinstance(r, dict), "malformed line in the regeneration resume log")
+        seen.update(row["idx"] for _, row, _ in rows if isinstance(row.get("idx"), int))
+    return seen
+
+
 def log_resuming(done: int, total: int) -> None:
     """Say, once per run, that 01 continues an interrupted regeneration: ``done`` of ``total`` conversations are
     taken from the resume log(s) (nothing is said when ``done`` is 0)."""
