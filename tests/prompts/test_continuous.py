@@ -726,3 +726,36 @@ def test_common_prefix():
 
     assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2 and common_prefix([1, 2], [1, 2, 3]) == 2
     assert common_prefix([], [1]) == 0 and common_prefix([9], [1]) == 0 and common_prefix([1, 2], [1, 2]) == 2
+
+
+def _prefill_snapshots(model, users, reuse: bool, max_new: int) -> dict:
+    """Run 2-turn conversations through a 3-slot engine; per (conversation, turn) the prompt and the K/V its prefill
+    left in columns [0, len(prompt)) of its slot, every layer (``[layers, 2, Hkv, len, D]``)."""
+    snaps, real = {}, SlotEngine._prefill
+    eng = SlotEngine(model, 3, max_len=128, max_new_tokens=max_new, stop_ids={0}, check_every=2, cuda_graphs=False,
+                     attention="flex", flex_block=16, prefix_reuse=reuse, reuse_min_tokens=1)
+
+    def spy(self, reqs, slots, width, offsets=None):
+        real(self, reqs, slots, width, offsets)
+        for w, s in zip(reqs, slots):
+            kv = [torch.stack([k[s, :, :len(w.ids)], v[s, :, :len(w.ids)]]) for k, v in zip(self.cache.k, self.cache.v)]
+            snaps[(w.key, len(w.ids) > len(users[w.key][0]))] = (w.ids, torch.stack(kv))
+
+    eng._prefill = spy.__get__(eng)
+    _run_turns(eng, users)
+    return snaps, eng.stats
+
+
+def test_offset_prefill_leaves_the_full_prefill_kv(tiny):
+    """The K/V a successor's suffix prefill leaves in its slot (columns [0, len): cached prefix + suffix, every layer)
+    equal a full prefill of the same prompt (fp32, 1e-5): RoPE positions, write columns and the mask over the cached
+    prefix are right. Three conversations whose successors share prefill forwards with first turns."""
+    model, _ = tiny
+    users = _user_turns(5, 2, model.config.vocab_size, seed=14)
+    got, st = _prefill_snapshots(model, users, True, 6)
+    want, st0 = _prefill_snapshots(model, users, False, 6)
+    assert st["reuse_rows"] >= 3 and st0["reused_tokens"] == 0
+    assert got.keys() == want.keys() and len(got) == 10
+    for k in got:
+        assert got[k][0] == want[k][0]
+        torch.testing.assert_close(got[k][1], want[k][1], rtol=1e-5, atol=1e-5)
