@@ -1114,7 +1114,9 @@ class HFContinuousEngine(Engine):
         self._n = 0
         self.stats = {"decode_steps": 0, "prefill_calls": 0}
 
-    def submit(self, key, ids: Sequence[int], priority: tuple = ()) -> None:
+    def submit(self, key, ids: Sequence[int], priority: tuple = (), parent=None, retain: bool = False) -> None:
+        """Queue ``ids`` under ``key``; ``priority``, ``parent`` and ``retain`` are ignored (transformers' manager is
+        FIFO and prefills every request in full: no cross-turn prefix reuse here)."""
         rid = f"r{self._n}"
         self._n += 1
         self.keys[rid] = key
