@@ -1,7 +1,8 @@
 """Continuous-batching greedy decoders for stage 01's in-process regeneration.
 
 Both engines share one contract (:class:`Engine`): :meth:`Engine.submit` queues a prompt (token ids)
-under a key with a priority, :meth:`Engine.results` decodes and yields ``(key, answer_ids, stopped)``
+under a key with a priority (and, optionally, ``retain`` / ``parent`` for cross-turn prefix reuse: hints the
+slot engine uses and :class:`HFContinuousEngine` ignores), :meth:`Engine.results` decodes and yields ``(key, answer_ids, stopped)``
 as answers finish; the caller may submit more prompts while iterating (stage 01 submits turn k+1 of a
 conversation when turn k's answer arrives), and the iteration ends when nothing is queued or running.
 Answers are greedy: the new tokens up to (excluding) the first stop token, ``stopped`` False when the
@@ -32,6 +33,19 @@ Answers are greedy: the new tokens up to (excluding) the first stop token, ``sto
   ``[:n]`` touches only those rows): the long multi-turn tail, with a handful of rows live, costs a
   small step instead of a full one. On CUDA each prefix's decode step is captured once as a CUDA graph
   (``cuda_graphs``), so a step costs its kernels, not ~30 layers of Python.
+
+  Cross-turn prefix reuse (``prefix_reuse``, ``prompts.regen_prefix_reuse``): turn k+1 of a conversation begins
+  with turn k's prompt and answer, whose K/V were in a slot a moment ago. A request submitted with ``retain=True``
+  keeps its slot when it finishes, holding the K/V of its prompt and of its answer less the last generated token
+  (a token's K/V are written when it is fed back, and the last one never is), until the check after its answer
+  is yielded. A request submitted by then with ``parent=<that key>`` takes the slot (no free slot needed, ahead of
+  the priority order); the engine compares the cached ids with the new prompt's (a re-rendered template can
+  tokenise the boundary differently: ids, not assumptions) and prefills only the suffix after the longest common
+  prefix, at RoPE positions and cache columns offset by its length, attending the cached columns and causally
+  within the suffix (:func:`offset_prefill_attention`, an explicit mask per row; rows at offset 0 share the masked
+  forward, a forward without offsets takes the causal path). A common prefix under ``reuse_min_tokens``, a slot
+  of too narrow a width class or a parent no longer held means a full prefill. Unclaimed retained slots are
+  freed at that check, so a retained slot idles for at most one decode window more than a freed one.
 * :class:`HFContinuousEngine` (``prompts.regen_engine: hf_continuous``): transformers'
   ``ContinuousBatchingManager`` (``model.init_continuous_batching``; paged KV cache, its own scheduler
   thread). Without the flash-attn package its attention is ``paged|sdpa``, which packs every request of
@@ -518,6 +532,10 @@ class SlotEngine(Engine):
             compiled costs one cold Inductor compile (tens of seconds on the H200).
         planned_answers: turns the caller will submit over the engine's life (``compile_step="auto"`` sizes the
             work with it: :func:`estimate_decode_steps`); None = unknown (``auto`` then does not compile).
+        prefix_reuse: honour :meth:`submit`'s ``retain`` / ``parent`` (cross-turn KV prefix reuse, module docstring);
+            False: every prompt is prefilled in full.
+        reuse_min_tokens: shortest common prefix worth reusing (tokens); a shorter one means a full prefill into the
+            parent's slot.
 
     Memory: ``2 * layers * slots * max_len * kv_heads * head_dim`` elements of the model dtype, plus
     ``slots x max_new_tokens`` int64 answer buffer. Priorities: lower tuples are admitted first.
@@ -531,7 +549,11 @@ class SlotEngine(Engine):
     read at each check; host seconds on the CPU), ``first_step_s`` (host seconds of each prefix's first step, keys
     as strings: its compile and graph capture, timed between two syncs, within ``decode_s``), ``compiled_step``
     (whether the compiled step is in use; False after a failed compile), ``compile_decision`` (:func:`compile_decision`:
-    the setting, the choice, its reason and inputs).
+    the setting, the choice, its reason and inputs), ``prefix_reuse`` (the switch), ``reused_tokens`` (prompt tokens
+    whose K/V a retained parent left: not prefilled; ``prefill_tokens`` counts only the tokens fed, so their sum is
+    every admitted prompt's length), ``reuse_rows`` (prompts prefilled after a cached prefix),
+    ``reuse_full_prefills`` (successors of a held parent prefilled in full: prefix under ``reuse_min_tokens`` or a
+    too narrow slot).
     """
 
     def __init__(self, model, slots: int, max_len: int, max_new_tokens: int, stop_ids: set[int],

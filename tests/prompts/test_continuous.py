@@ -343,6 +343,25 @@ def test_slot_engine_equals_hf_greedy_on_smollm2(smollm_fp32):
     assert got[("after", 0)] == hf_greedy(model, later[0], 16, stops)
 
 
+def test_prefix_reuse_on_smollm2_equals_hf_greedy(smollm_fp32):
+    """The real verifier (SmolLM2 GGUF, fp32) regenerating 3-turn chats through the slot engine with cross-turn prefix
+    reuse (2 rows for 3 conversations, flex decode) gives batch-1 transformers greedy's conversations token for token;
+    every later turn is prefilled after its cached prefix (the real ChatML re-rendering of the previous answer)."""
+    model, tok = smollm_fp32
+    convs = [{"id": f"c{i}", "messages": [m for q in qs for m in ({"role": "user", "content": q},
+                                                                  {"role": "assistant", "content": "old"})]}
+             for i, qs in enumerate([("What is 2+2?", "And times 3?", "Say it in words."),
+                                     ("Name three colours.", "Which one is warm?"),
+                                     ("Write a haiku about the sea.", "Now one about rain.", "Which do you prefer?")])]
+    want = regenerate(model, tok, convs, max_new_tokens=12, batch_size=1, engine="static")
+    stats = {}
+    got = regenerate(model, tok, convs, max_new_tokens=12, batch_size=2, stats=stats, engine="slots",
+                     engine_options={"check_every": 2, "cuda_graphs": False, "attention": "flex", "prefix_reuse": True})
+    assert got == want
+    es = stats["engine_stats"]
+    assert es["reuse_rows"] == 5 and es["reuse_full_prefills"] == 0 and es["reused_tokens"] > es["prefill_tokens"]
+
+
 def test_compiled_flex_decode_equals_eager():
     """The compiled flex decode (the CUDA path's function: BlockMask built inside the graph, fullgraph) traces and
     compiles here on CPU and equals eager FlexAttention, at two prefix shapes (a recompile each)."""
