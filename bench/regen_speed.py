@@ -31,6 +31,11 @@ Input: the config's ``prompts.source`` read, deduplicated and sampled as stage 0
     python bench/regen_speed.py --prompts ../shared/data/train-extra/train_extra_pool.jsonl.gz --num 100000 \\
         --baseline-num 0 --json bench/results/regen_speed_100k.json
 
+5. Prefix reuse A/B (``--reuse-ab N``): the slots engine on N conversations of the main input, cross-turn KV
+   prefix reuse on then off (``prompts.regen_prefix_reuse``): seconds, tokens/s, prefill / decode device seconds,
+   prompt tokens prefilled and reused, identical answers. The main run's prefilled / reused counts are in its
+   roofline table (``prompts.regen_prefix_reuse`` as configured).
+
 CPU smoke (tests/bench/test_regen_speed.py): ``--set verifier.path=<tiny> --num 6 --baseline-num 4``.
 """
 
@@ -145,7 +150,9 @@ def roofline(st: dict, weight_bytes: int, bandwidth: float | None) -> dict:
             "first_step_s": sum((es.get("first_step_s") or {}).values()) if "first_step_s" in es else None,
             # prefill: forwards, prompt tokens and rows x padded width (their ratio: the padding overhead)
             "prefill_calls": es.get("prefill_calls"), "prefill_tokens": es.get("prefill_tokens"),
-            "prefill_padded_tokens": es.get("prefill_padded_tokens")}
+            "prefill_padded_tokens": es.get("prefill_padded_tokens"),
+            # cross-turn prefix reuse (prompts.regen_prefix_reuse): prompt tokens whose K/V the previous turn left
+            "reused_tokens": es.get("reused_tokens"), "prefix_reuse": es.get("prefix_reuse")}
 
 
 def step_ms(model, slots: int, width: int, max_new: int, graphs: bool, reps: int = 20, attention: str = "auto") -> float:
@@ -254,6 +261,9 @@ def markdown(res: dict) -> str:
             lines.append(f"| prefill: forwards / prompt tokens / padded tokens (padding overhead) | {rf['prefill_calls']} / "
                          f"{rf['prefill_tokens']} / {rf['prefill_padded_tokens']} "
                          f"({rf['prefill_padded_tokens'] / rf['prefill_tokens']:.2f}x) |")
+        if rf.get("reused_tokens") is not None:
+            lines.append(f"| prompt tokens: prefilled / reused from the previous turn's KV (prefix reuse "
+                         f"{'on' if rf['prefix_reuse'] else 'off'}) | {rf['prefill_tokens']} / {rf['reused_tokens']} |")
         if rf.get("first_step_s") is not None:
             rest = rf["seconds"] - rf["first_step_s"]
             lines.append(f"| seconds of first steps per prefix (compile + capture, within decode) / tokens/s without "
@@ -261,6 +271,17 @@ def markdown(res: dict) -> str:
         if rf.get("prefix_steps"):
             lines += ["", "Decode steps per slot prefix: " + ", ".join(
                 f"{n}: {c}" for n, c in sorted(rf["prefix_steps"].items(), key=lambda x: -int(x[0]))) + "."]
+    ab = res.get("prefix_reuse_ab")
+    if ab:
+        lines += ["", f"Prefix reuse on / off, slots engine, {ab['conversations']} conversations:", "",
+                  "| prefix reuse | seconds | tokens/s | prefill s | decode s | prompt tokens prefilled | reused |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        for name in ("on", "off"):
+            r = ab[name]
+            lines.append(f"| {name} | {r['seconds']:.1f} | {r['tokens_per_s']:.0f} | {r['prefill_s']:.2f} | "
+                         f"{r['decode_s']:.2f} | {r['prefill_tokens']} | {r['reused_tokens']} |")
+        lines += ["", f"on/off: tokens/s {ab['speed_ratio']:.3f}x, prefill seconds {ab['prefill_s_ratio']:.3f}x; "
+                  f"{ab['identical']} of {ab['answers_compared']} answers identical."]
     b = res.get("bound")
     if b:
         lines += ["", f"Bound: **{b['verdict']}** (decode step {b['step_ms_launch_floor']:.2f} ms at a 256-column "
@@ -313,6 +334,29 @@ def baselines(model, tok, cfg, convs, a, batch_size, max_new, opts_kw) -> dict:
     return {"conversations": len(sub), "runs": runs, "ratios": ratios, "equality": eq}
 
 
+def reuse_ab(model, tok, cfg, convs, batch_size: int, max_new: int, opts_kw: dict) -> dict:
+    """The slots engine on ``convs`` twice, cross-turn prefix reuse on then off (``prompts.regen_prefix_reuse``),
+    same process: seconds, tokens/s, device seconds of prefill and decode, prompt tokens prefilled and reused, the
+    on/off ratios, and how many answers are identical (fp32: all; bf16: batch compositions differ, so near-ties may
+    flip)."""
+    rows, outs = {}, {}
+    for name, on in (("on", True), ("off", False)):
+        kw = {**opts_kw, "slots": {**opts_kw["slots"], "prefix_reuse": on}}
+        outs[name], st = timed_run(model, tok, convs, "slots", cfg, batch_size, max_new, kw)
+        es = st["engine_stats"]
+        rows[name] = {"seconds": st["seconds"], "tokens_per_s": st["tokens_per_s"], "new_tokens": st["new_tokens"],
+                      "prefill_s": es["prefill_s"], "decode_s": es["decode_s"], "prefill_calls": es["prefill_calls"],
+                      "prefill_tokens": es["prefill_tokens"], "reused_tokens": es["reused_tokens"],
+                      "decode_steps": st["decode_steps"]}
+        print(f"prefix reuse {name}: prompt tokens prefilled {es['prefill_tokens']}, reused {es['reused_tokens']}, "
+              f"prefill {es['prefill_s']:.2f} s, decode {es['decode_s']:.2f} s", flush=True)
+    pairs = [(m.get("tokens"), n.get("tokens")) for c, d in zip(outs["on"], outs["off"])
+             for m, n in zip(c["messages"], d["messages"]) if "tokens" in m and "tokens" in n]
+    return {"conversations": len(convs), **rows, "answers_compared": len(pairs), "identical": sum(a == b for a, b in pairs),
+            "speed_ratio": rows["on"]["tokens_per_s"] / rows["off"]["tokens_per_s"],
+            "prefill_s_ratio": rows["on"]["prefill_s"] / rows["off"]["prefill_s"] if rows["off"]["prefill_s"] else None}
+
+
 def main(argv=None) -> int:
     from eagle3.cli import ArgumentParser
     from regen_schedule import emit
@@ -327,6 +371,9 @@ def main(argv=None) -> int:
     p.add_argument("--main-engine", default="slots", choices=("slots", "hf_continuous", "static"))
     p.add_argument("--batch-size", type=positive_int, default=None, help="default: prompts.gen_batch_size")
     p.add_argument("--max-new-tokens", type=positive_int, default=None, help="default: prompts.max_new_tokens")
+    p.add_argument("--reuse-ab", type=non_negative_int, default=0, metavar="N",
+                   help="also run the slots engine on N conversations of the main input (spread) with cross-turn "
+                        "prefix reuse on, then off (0 = skip)")
     p.add_argument("--copy-gib", type=float, default=4.0, help="size of the bandwidth probe copy")
     p.add_argument("--no-bound", action="store_true", help="skip the decode-step bound probe")
     p.add_argument("--json", type=Path, default=None)
@@ -361,6 +408,8 @@ def main(argv=None) -> int:
            "main": _row(st, a.main_engine, len(main_convs)), "roofline": roofline(st, weight_bytes, bw)}
     if a.main_engine == "slots" and not a.no_bound:
         res["bound"] = bound(model, st, cfg, batch_size, max_new, bw)
+    if a.reuse_ab:
+        res["prefix_reuse_ab"] = reuse_ab(model, tok, cfg, spread(main_convs, a.reuse_ab), batch_size, max_new, opts_kw)
     if a.baseline_num:
         res["baseline"] = baselines(model, tok, cfg, convs, a, batch_size, max_new, opts_kw)
     return emit(a, res, markdown(res))

@@ -1,7 +1,8 @@
 """Continuous-batching greedy decoders for stage 01's in-process regeneration.
 
 Both engines share one contract (:class:`Engine`): :meth:`Engine.submit` queues a prompt (token ids)
-under a key with a priority, :meth:`Engine.results` decodes and yields ``(key, answer_ids, stopped)``
+under a key with a priority (and, optionally, ``retain`` / ``parent`` for cross-turn prefix reuse: hints the
+slot engine uses and :class:`HFContinuousEngine` ignores), :meth:`Engine.results` decodes and yields ``(key, answer_ids, stopped)``
 as answers finish; the caller may submit more prompts while iterating (stage 01 submits turn k+1 of a
 conversation when turn k's answer arrives), and the iteration ends when nothing is queued or running.
 Answers are greedy: the new tokens up to (excluding) the first stop token, ``stopped`` False when the
@@ -32,6 +33,19 @@ Answers are greedy: the new tokens up to (excluding) the first stop token, ``sto
   ``[:n]`` touches only those rows): the long multi-turn tail, with a handful of rows live, costs a
   small step instead of a full one. On CUDA each prefix's decode step is captured once as a CUDA graph
   (``cuda_graphs``), so a step costs its kernels, not ~30 layers of Python.
+
+  Cross-turn prefix reuse (``prefix_reuse``, ``prompts.regen_prefix_reuse``): turn k+1 of a conversation begins
+  with turn k's prompt and answer, whose K/V were in a slot a moment ago. A request submitted with ``retain=True``
+  keeps its slot when it finishes, holding the K/V of its prompt and of its answer less the last generated token
+  (a token's K/V are written when it is fed back, and the last one never is), until the check after its answer
+  is yielded. A request submitted by then with ``parent=<that key>`` takes the slot (no free slot needed, ahead of
+  the priority order); the engine compares the cached ids with the new prompt's (a re-rendered template can
+  tokenise the boundary differently: ids, not assumptions) and prefills only the suffix after the longest common
+  prefix, at RoPE positions and cache columns offset by its length, attending the cached columns and causally
+  within the suffix (:func:`offset_prefill_attention`, an explicit mask per row; rows at offset 0 share the masked
+  forward, a forward without offsets takes the causal path). A common prefix under ``reuse_min_tokens``, a slot
+  of too narrow a width class or a parent no longer held means a full prefill. Unclaimed retained slots are
+  freed at that check, so a retained slot idles for at most one decode window more than a freed one.
 * :class:`HFContinuousEngine` (``prompts.regen_engine: hf_continuous``): transformers'
   ``ContinuousBatchingManager`` (``model.init_continuous_batching``; paged KV cache, its own scheduler
   thread). Without the flash-attn package its attention is ``paged|sdpa``, which packs every request of
@@ -88,6 +102,8 @@ class SlotCache:
         attn_len: decode, ``flex``: last attended column per row of the prefix, int64 ``[n]`` (0 for finished
             and empty slots: they read one block).
         kv_indices: decode, ``flex``: static block indices ``[S, 1, 1, L / block]`` int32 (``arange`` per row).
+        prefill_cols, prefill_mask: prefill of rows at column offsets (cross-turn prefix reuse; None: every row from
+            column 0, causal): :func:`offset_prefill_layout`.
     """
 
     k: list
@@ -99,6 +115,8 @@ class SlotCache:
     attn_len: Optional[torch.Tensor] = None
     kv_indices: Optional[torch.Tensor] = None
     kv_blocks: Optional[torch.Tensor] = None  # decode, flex: blocks per row, int32 [n, 1, 1] (once per step, not per layer)
+    prefill_cols: Optional[torch.Tensor] = None  # prefill at offsets: cache column of each query, int64 [P, Wp]
+    prefill_mask: Optional[torch.Tensor] = None  # prefill at offsets: attended columns, bool [P, 1, Wp, Kw]
 
 
 def kv_num_blocks(attn_len: torch.Tensor, block: int) -> torch.Tensor:
@@ -208,6 +226,66 @@ def _raise_recompile_limit(limit: int = 64) -> None:
             setattr(cfg, name, max(getattr(cfg, name), limit))
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token-id sequences (ids compared one by one: a re-tokenised
+    chat template may split the previous answer's last tokens differently, so nothing is assumed)."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def offset_prefill_layout(offsets: torch.Tensor, width: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where the queries of a prefill at column offsets go, and what they attend.
+
+    Row r's ``width`` query positions (its suffix, right-padded) are tokens ``offsets[r] + j`` of its sequence;
+    columns ``[0, offsets[r])`` of its slot already hold the K/V of the tokens before them (the parent turn's
+    prompt and answer).
+
+    Args:
+        offsets: int64 ``[P]``, cached columns per row (0 for a row prefilled from scratch).
+        width: padded suffix width ``Wp``.
+        cols: cache columns per slot (``L``); every real token's column ``offsets[r] + j`` is ``< L - 1``.
+
+    Returns:
+        ``(cols_idx, mask)``: ``cols_idx`` int64 ``[P, Wp]``, the column each query's K/V is written to,
+        ``offsets[r] + j`` clamped to ``L - 1`` (only padding positions reach the clamp: their K/V land beyond the
+        row's length, where decode writes before it reads); ``mask`` bool ``[P, 1, Wp, Kw]``, ``Kw = min(L,
+        max(offsets) + Wp)``: query j of row r attends column c iff ``c <= offsets[r] + j`` (the cached prefix,
+        then causal within the suffix).
+    """
+    j = torch.arange(width, device=offsets.device)  # [Wp]
+    pos = offsets[:, None] + j  # [P, Wp] absolute position of each query
+    kw = min(cols, int(offsets.max()) + width)
+    mask = torch.arange(kw, device=offsets.device) <= pos[:, :, None]  # [P, Wp, Kw]
+    return pos.clamp(max=cols - 1), mask[:, None]
+
+
+def offset_prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kc: torch.Tensor,
+                             vc: torch.Tensor, rows: torch.Tensor, cols_idx: torch.Tensor, mask: torch.Tensor,
+                             scaling: Optional[float]) -> torch.Tensor:
+    """Prefill attention of suffixes that continue cached prefixes (one layer).
+
+    Args:
+        query: ``[P, H, Wp, D]``; key, value: ``[P, Hkv, Wp, D]`` of the right-padded suffixes.
+        kc, vc: the layer's cache ``[S, Hkv, L, D]``; the suffix K/V are written at ``cols_idx``.
+        rows: int64 ``[P]``, the rows' slots.
+        cols_idx, mask: :func:`offset_prefill_layout` (``[P, Wp]`` int64, ``[P, 1, Wp, Kw]`` bool).
+        scaling: softmax scale (None: ``1 / sqrt(D)``).
+
+    Returns:
+        ``[P, H, Wp, D]``: each suffix query over its row's cached columns and the suffix up to itself.
+    """
+    h, hkv = query.shape[1], key.shape[1]
+    kc[rows[:, None], :, cols_idx] = key.transpose(1, 2)  # [P, Wp, Hkv, D] at columns offsets[r] + j
+    vc[rows[:, None], :, cols_idx] = value.transpose(1, 2)
+    kw = mask.shape[-1]
+    k, v = kc[rows, :, :kw], vc[rows, :, :kw]  # [P, Hkv, Kw, D]: cached prefix + the suffix just written
+    return torch.nn.functional.scaled_dot_product_attention(
+        query, _repeat_kv(k, h // hkv), _repeat_kv(v, h // hkv), attn_mask=mask, scale=scaling)  # [P, H, Wp, D]
+
+
 def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
                    dropout: float = 0.0, scaling: Optional[float] = None, slot_cache: Optional[SlotCache] = None,
                    **kwargs):
@@ -216,7 +294,9 @@ def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
 
     Prefill (``slot_cache.rows`` set): query ``[P, H, Wp, D]``, key/value ``[P, Hkv, Wp, D]`` of right-padded
     prompts; K/V are written to columns ``[0, Wp)`` of the rows' slots and the output is causal attention over
-    the prompt itself (a real token never sees the padding after it). Decode over the slot prefix ``[:n]``:
+    the prompt itself (a real token never sees the padding after it). With ``slot_cache.prefill_mask`` set the rows
+    are suffixes at column offsets (:func:`offset_prefill_attention`: written at ``offsets[r] + j``, attending the
+    slot's cached prefix and the suffix causally). Decode over the slot prefix ``[:n]``:
     query ``[n, H, 1, D]``, key/value ``[n, Hkv, 1, D]`` written at column ``lengths[s]`` of slot s, then either
     FlexAttention over each row's live blocks (``slot_cache.flex``) or per slot group SDPA over the group's
     first ``cap`` columns under its mask, with the ``H // Hkv`` query heads of a KV head as its query
@@ -228,6 +308,9 @@ def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
     kc, vc = c.k[module.layer_idx], c.v[module.layer_idx]
     b, h, q_len, d = query.shape
     hkv = key.shape[1]
+    if c.rows is not None and c.prefill_mask is not None:  # prefill of suffixes after cached prefixes
+        out = offset_prefill_attention(query, key, value, kc, vc, c.rows, c.prefill_cols, c.prefill_mask, scaling)
+        return out.transpose(1, 2), None
     if c.rows is not None:  # prefill
         kc[c.rows, :, :q_len] = key
         vc[c.rows, :, :q_len] = value
@@ -296,6 +379,18 @@ class _Waiting:
     priority: tuple
     key: object = field(compare=False)
     ids: list = field(compare=False)
+    parent: object = field(compare=False, default=None)  # key of the retained request this prompt continues
+    retain: bool = field(compare=False, default=False)  # keep the slot's K/V for a successor when it finishes
+
+
+@dataclass
+class _Held:
+    """A finished request's slot kept for its successor: ``ids`` are the tokens whose K/V fill columns
+    ``[0, len(ids))`` (prompt + answer less its last token, whose K/V were never written); ``delivered``: its answer
+    has been yielded, so the caller has had its chance to submit the successor."""
+    key: object
+    ids: list
+    delivered: bool = False
 
 
 # ---------------------------------------------------------------- prompts.regen_compile: auto
@@ -382,9 +477,16 @@ def compile_decision(setting, device_type: str, attention: str, answers: Optiona
 
 
 class Engine:
-    """Shared submit/results contract (see the module docstring)."""
+    """Shared submit/results contract (see the module docstring).
 
-    def submit(self, key, ids: Sequence[int], priority: tuple = ()) -> None:
+    ``submit(key, ids, priority, parent=None, retain=False)``: ``key`` names the request (not None; unique among the
+    requests queued, running or retained, except that a successor may reuse its parent's key, as stage 01 does);
+    ``retain=True`` asks the engine to keep the request's K/V when it finishes, for a successor; ``parent=<key>``
+    says the prompt continues that retained request (its prompt + answer, then new tokens). Both are hints: an
+    engine may ignore them (:class:`HFContinuousEngine` does), and answers are the same either way.
+    """
+
+    def submit(self, key, ids: Sequence[int], priority: tuple = (), parent=None, retain: bool = False) -> None:
         raise NotImplementedError
 
     def results(self) -> Iterator[tuple[object, list[int], bool]]:
@@ -430,6 +532,10 @@ class SlotEngine(Engine):
             compiled costs one cold Inductor compile (tens of seconds on the H200).
         planned_answers: turns the caller will submit over the engine's life (``compile_step="auto"`` sizes the
             work with it: :func:`estimate_decode_steps`); None = unknown (``auto`` then does not compile).
+        prefix_reuse: honour :meth:`submit`'s ``retain`` / ``parent`` (cross-turn KV prefix reuse, module docstring);
+            False: every prompt is prefilled in full.
+        reuse_min_tokens: shortest common prefix worth reusing (tokens); a shorter one means a full prefill into the
+            parent's slot.
 
     Memory: ``2 * layers * slots * max_len * kv_heads * head_dim`` elements of the model dtype, plus
     ``slots x max_new_tokens`` int64 answer buffer. Priorities: lower tuples are admitted first.
@@ -443,14 +549,18 @@ class SlotEngine(Engine):
     read at each check; host seconds on the CPU), ``first_step_s`` (host seconds of each prefix's first step, keys
     as strings: its compile and graph capture, timed between two syncs, within ``decode_s``), ``compiled_step``
     (whether the compiled step is in use; False after a failed compile), ``compile_decision`` (:func:`compile_decision`:
-    the setting, the choice, its reason and inputs).
+    the setting, the choice, its reason and inputs), ``prefix_reuse`` (the switch), ``reused_tokens`` (prompt tokens
+    whose K/V a retained parent left: not prefilled; ``prefill_tokens`` counts only the tokens fed, so their sum is
+    every admitted prompt's length), ``reuse_rows`` (prompts prefilled after a cached prefix),
+    ``reuse_full_prefills`` (successors of a held parent prefilled in full: prefix under ``reuse_min_tokens`` or a
+    too narrow slot).
     """
 
     def __init__(self, model, slots: int, max_len: int, max_new_tokens: int, stop_ids: set[int],
                  check_every: int = 16, prefill_tokens: int = 65536, width_classes: Optional[Sequence[int]] = None,
                  cuda_graphs: bool = True, attention: str = "auto", flex_block: int = 128, min_prefix: int = 8,
                  compile_step=False, compile_min_prefix: Optional[int] = None,
-                 planned_answers: Optional[int] = None):
+                 planned_answers: Optional[int] = None, prefix_reuse: bool = True, reuse_min_tokens: int = 16):
         if slots < 1 or max_new_tokens < 1 or check_every < 1 or max_len <= max_new_tokens:
             raise ValueError("SlotEngine: slots, max_new_tokens, check_every >= 1 and max_len > max_new_tokens")
         self.model, self.S, self.max_len, self.max_new = model, slots, max_len, max_new_tokens
@@ -459,6 +569,7 @@ class SlotEngine(Engine):
         if flex_block < 1:
             raise ValueError("SlotEngine: flex_block >= 1")
         self.check_every, self.prefill_tokens = check_every, prefill_tokens
+        self.prefix_reuse, self.reuse_min_tokens = bool(prefix_reuse), max(1, int(reuse_min_tokens))
         p = next(model.parameters())
         self.dev, dtype = p.device, p.dtype
         self.use_graphs = cuda_graphs and self.dev.type == "cuda"
@@ -501,6 +612,11 @@ class SlotEngine(Engine):
         self.ar = torch.arange(slots, **z)
         self.key: list = [None] * slots  # host: request key per slot (None = free)
         self.host_len = [0] * slots  # host: prompt length of the slot's request
+        self.host_ids: list = [None] * slots  # host: prompt ids of the slot's request
+        self.retain = [False] * slots  # host: keep the slot's K/V for a successor when its request finishes
+        self.hold: list[Optional[_Held]] = [None] * slots  # host: a finished request's K/V kept for its successor
+        self.retained: dict = {}  # key of a finished request -> its held slot
+        self.successors: dict = {}  # parent key -> the waiting request that continues it
         self.waiting: list[_Waiting] = []
         self._seq = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # per slot prefix
@@ -511,7 +627,8 @@ class SlotEngine(Engine):
                       "kv_bytes_read": 0, "kv_tokens_needed": 0, "graph_captures": 0, "kv_bytes_per_token": self.kv_bytes_per_token, "prefix_steps": {},
                       "attention": "flex" if self.flex is not None else "sdpa_groups", "prefill_s": 0.0, "decode_s": 0.0,
                       "compiled_step": self._compiled is not None, "compile_min_prefix": self._compile_min,
-                      "first_step_s": {}, "compile_decision": self.compile_decision}
+                      "first_step_s": {}, "compile_decision": self.compile_decision,
+                      "prefix_reuse": self.prefix_reuse, "reused_tokens": 0, "reuse_rows": 0, "reuse_full_prefills": 0}
         self._timed: list[tuple[str, object, object]] = []  # (stat, start, end): CUDA events read at the next sync
         self._swap = AttentionSwap(model).__enter__()
 
@@ -535,12 +652,28 @@ class SlotEngine(Engine):
             self._compiled = torch.compile(self._step_eager, dynamic=False)
 
     # ------------------------------------------------------------------ contract
-    def submit(self, key, ids: Sequence[int], priority: tuple = ()) -> None:
-        """Queue prompt ``ids`` (non-empty, ``len < max_len - max_new_tokens + 1``) under ``key``."""
+    def submit(self, key, ids: Sequence[int], priority: tuple = (), parent=None, retain: bool = False) -> None:
+        """Queue prompt ``ids`` (non-empty, ``len < max_len - max_new_tokens + 1``) under ``key`` (not None).
+
+        Cross-turn prefix reuse (``prefix_reuse``; ignored without it): ``retain=True`` keeps the request's slot and
+        K/V when it finishes (the prompt and the answer tokens whose K/V were written: all but the last generated
+        token) until the check after its answer is yielded; a prompt submitted by then with ``parent=key`` (stage
+        01: the next turn, submitted while handling the answer) takes that slot at the next admission, without a
+        free slot and ahead of the priority order, and only its tokens after the longest common prefix with the
+        cached ids are prefilled (:meth:`_prefill`). Otherwise the slot is freed at that check. A ``parent`` that is
+        not retained (not asked, released, or ``prefix_reuse`` off) queues the prompt as any other (full prefill).
+        """
         if not 0 < len(ids) <= self.max_len - self.max_new:
             raise ValueError(f"SlotEngine: prompt of {len(ids)} tokens (cache holds prompts of 1..{self.max_len - self.max_new})")
-        heapq.heappush(self.waiting, _Waiting((*priority, self._seq), key, list(ids)))
+        if key is None:
+            raise ValueError("SlotEngine: a request key cannot be None (None marks a free slot)")
+        w = _Waiting((*priority, self._seq), key, list(ids), retain=self.prefix_reuse and retain)
         self._seq += 1
+        if self.prefix_reuse and parent is not None and parent in self.retained and parent not in self.successors:
+            w.parent = parent
+            self.successors[parent] = w  # admitted into the parent's slot (not through the heap)
+        else:
+            heapq.heappush(self.waiting, w)
 
     def results(self) -> Iterator[tuple[object, list[int], bool]]:
         """Decode until nothing is waiting or live; yields answers as they are harvested.
@@ -558,7 +691,10 @@ class SlotEngine(Engine):
                 if live:
                     self._decode_window()  # asynchronous on CUDA (graph replays)
                 yield from ready
-                if not live and not self.waiting:
+                for key, _, _ in ready:  # their successors had their chance: unclaimed slots are freed at the next check
+                    if key in self.retained:
+                        self.hold[self.retained[key]].delivered = True
+                if not live and not self.waiting and not self.successors:
                     return
                 ready = self._harvest() if live else []
 
@@ -592,20 +728,56 @@ class SlotEngine(Engine):
                 self.groups.append((start, start + n, cap))
                 start += n
 
+    def _free_slot(self, s: int) -> bool:
+        """Slot ``s`` holds no request, running or retained."""
+        return self.key[s] is None and self.hold[s] is None
+
+    def _release_delivered(self) -> None:
+        """Free the retained slots whose answer was yielded and whose successor did not come (stage 01: the next turn
+        is over the context cap, or the conversation is done)."""
+        for key in [k for k, s in self.retained.items() if self.hold[s].delivered and k not in self.successors]:
+            self.hold[self.retained.pop(key)] = None
+
+    def _claim(self, w: _Waiting) -> Optional[tuple[_Waiting, int, int]]:
+        """Successor ``w`` takes its parent's retained slot: ``(w, slot, offset)``, ``offset`` the cached columns it
+        keeps (the longest common prefix of the cached ids and its prompt, at most ``len - 1``: the last prompt token
+        is always prefilled, for the first answer token's logits; 0 below ``reuse_min_tokens``: a full prefill into
+        the slot). None when the slot's width class is too narrow for it (the slot is freed, ``w`` queued)."""
+        s = self.retained.pop(w.parent)
+        held, self.hold[s] = self.hold[s], None
+        cap = next(cap for a, b, cap in self.groups if a <= s < b)
+        if cap < len(w.ids) + self.max_new:
+            heapq.heappush(self.waiting, w)
+            self.stats["reuse_full_prefills"] += 1
+            return None
+        off = min(common_prefix(held.ids, w.ids), len(w.ids) - 1)
+        if off < self.reuse_min_tokens:
+            off = 0
+            self.stats["reuse_full_prefills"] += 1
+        return w, s, off
+
     def _admit(self) -> None:
-        """Prefill waiting prompts into free slots of their class or a wider one (right-padded batches of
-        <= ``prefill_tokens`` tokens)."""
+        """Prefill waiting prompts into free slots of their class or a wider one, and successors into their parents'
+        retained slots (right-padded batches of <= ``prefill_tokens`` tokens of prompt suffixes)."""
         if self.groups is None:
             self._partition()
-        free = [[s for s in range(a, b) if self.key[s] is None] for a, b, _ in self.groups]  # per group
-        n_free = sum(map(len, free))
+        self._release_delivered()
+        free = [[s for s in range(a, b) if self._free_slot(s)] for a, b, _ in self.groups]  # per group
+        n_free = sum(map(len, free)) + len(self.successors)  # a successor's slot is ready for it
         # refill in bulk: a prefill forward costs a launch-bound pass however few rows it has
-        if not n_free or not self.waiting or (n_free * 32 < self.S and 2 * (self.S - n_free) >= self.S
-                                              and len(self.waiting) > n_free):
+        if not n_free or not (self.waiting or self.successors) or (
+                n_free * 32 < self.S and 2 * (self.S - n_free) >= self.S and len(self.waiting) + len(self.successors) > n_free):
             return
-        placed, deferred = [], []
-        for _ in range(min(len(self.waiting), 4 * n_free)):
-            if len(placed) == n_free:
+        claimed = [self._claim(w) for w in self.successors.values()]
+        self.successors.clear()
+        placed = [c for c in claimed if c is not None]  # (request, slot, cached columns kept)
+        taken = {s for _, s, _ in placed}
+        free = [[s for s in range(a, b) if self._free_slot(s) and s not in taken]
+                for a, b, _ in self.groups]  # with the slots of successors _claim queued
+        n_heap = sum(map(len, free))
+        from_heap, deferred = 0, []
+        for _ in range(min(len(self.waiting), 4 * n_heap)):
+            if from_heap == n_heap:
                 break
             w = heapq.heappop(self.waiting)
             need = self.caps[self._class_of(len(w.ids))]
@@ -613,35 +785,49 @@ class SlotEngine(Engine):
             if g is None:
                 deferred.append(w)  # only narrower slots are free: it waits for one of its class
             else:
-                placed.append((w, free[g].pop(0)))  # lowest free slot first: the live rows stay in a short prefix
+                placed.append((w, free[g].pop(0), 0))  # lowest free slot first: the live rows stay in a short prefix
+                from_heap += 1
         for w in deferred:
             heapq.heappush(self.waiting, w)
-        placed.sort(key=lambda x: len(x[0].ids))
+        placed.sort(key=lambda x: len(x[0].ids) - x[2])  # by suffix length: the width a forward pads to
         i = 0
         while i < len(placed):
             j, width = i, 0
-            while j < len(placed) and max(width, len(placed[j][0].ids)) * (j - i + 1) <= max(
-                    self.prefill_tokens, len(placed[j][0].ids)):
-                width = max(width, len(placed[j][0].ids))
+            while j < len(placed) and max(width, len(placed[j][0].ids) - placed[j][2]) * (j - i + 1) <= max(
+                    self.prefill_tokens, len(placed[j][0].ids) - placed[j][2]):
+                width = max(width, len(placed[j][0].ids) - placed[j][2])
                 j += 1
-            self._prefill([w for w, _ in placed[i:j]], [s for _, s in placed[i:j]], width)
+            self._prefill([w for w, _, _ in placed[i:j]], [s for _, s, _ in placed[i:j]], width,
+                          [o for _, _, o in placed[i:j]])
             i = j
 
-    def _prefill(self, reqs: list[_Waiting], slots: list[int], width: int) -> None:
-        """One right-padded prefill forward; each row's first answer token goes to its slot."""
+    def _prefill(self, reqs: list[_Waiting], slots: list[int], width: int,
+                 offsets: Optional[list[int]] = None) -> None:
+        """One right-padded prefill forward; each row's first answer token goes to its slot.
+
+        ``offsets[r]``: columns of slot ``slots[r]`` that already hold the K/V of ``reqs[r].ids[:offsets[r]]`` (a
+        retained parent's prompt + answer); only the suffix ``ids[offsets[r]:]`` is fed, at positions ``offsets[r] +
+        j`` (RoPE) and columns ``offsets[r] + j``, attending the cached prefix (:func:`offset_prefill_attention`).
+        A forward whose offsets are all 0 (or None) takes the causal path of a fresh prompt. ``width``: the longest
+        suffix."""
         p = len(reqs)
+        offsets = offsets if offsets is not None else [0] * p
         ids = torch.zeros(p, width, dtype=torch.long)  # [P, Wp]
-        for r, w in enumerate(reqs):
-            ids[r, :len(w.ids)] = torch.tensor(w.ids, dtype=torch.long)
-        lens = torch.tensor([len(w.ids) for w in reqs], device=self.dev)  # [P]
+        for r, (w, o) in enumerate(zip(reqs, offsets)):
+            ids[r, :len(w.ids) - o] = torch.tensor(w.ids[o:], dtype=torch.long)
+        lens = torch.tensor([len(w.ids) for w in reqs], device=self.dev)  # [P] prompt lengths (cached + fed)
+        off = torch.tensor(offsets, device=self.dev)  # [P]
         rows = torch.tensor(slots, device=self.dev)  # [P]
         self.cache.rows = rows
+        if any(offsets):
+            self.cache.prefill_cols, self.cache.prefill_mask = offset_prefill_layout(
+                off, width, self.cache.k[0].shape[2])  # [P, Wp], [P, 1, Wp, Kw]
         t0 = self._mark()
-        pos = torch.arange(width, device=self.dev).expand(p, width)  # [P, Wp]
+        pos = off[:, None] + torch.arange(width, device=self.dev)  # [P, Wp] RoPE positions after the cached prefix
         hid = self.model.base_model(input_ids=ids.to(self.dev), position_ids=pos, slot_cache=self.cache,
                                     use_cache=False).last_hidden_state  # [P, Wp, hidden]
-        self.cache.rows = None
-        last = hid[torch.arange(p, device=self.dev), lens - 1]  # [P, hidden]
+        self.cache.rows = self.cache.prefill_cols = self.cache.prefill_mask = None
+        last = hid[torch.arange(p, device=self.dev), lens - off - 1]  # [P, hidden] the last prompt token of each row
         tok = self.model.get_output_embeddings()(last).argmax(-1)  # [P]
         self.last[rows] = tok
         self.out[rows, 0] = tok
@@ -651,9 +837,11 @@ class SlotEngine(Engine):
         self.done[rows] = self.stopped[rows] | (self.max_new <= 1)
         self._timed.append(("prefill_s", t0, self._mark()))
         for s, w in zip(slots, reqs):
-            self.key[s], self.host_len[s] = w.key, len(w.ids)
+            self.key[s], self.host_len[s], self.host_ids[s], self.retain[s] = w.key, len(w.ids), w.ids, w.retain
         self.stats["prefill_calls"] += 1
-        self.stats["prefill_tokens"] += sum(len(w.ids) for w in reqs)
+        self.stats["prefill_tokens"] += sum(len(w.ids) - o for w, o in zip(reqs, offsets))
+        self.stats["reused_tokens"] += sum(offsets)
+        self.stats["reuse_rows"] += sum(o > 0 for o in offsets)
         self.stats["prefill_padded_tokens"] += p * width
 
     def _pick_attention(self, attention: str, slots: int, h: int, hkv: int, d: int, dtype, cols: int):
@@ -902,7 +1090,12 @@ class SlotEngine(Engine):
             steps = n_gen[s] - 1  # decode steps after the prefill's token; step j attends prompt + j columns
             self.stats["kv_tokens_needed"] += steps * self.host_len[s] + steps * (steps + 1) // 2
             out.append((self.key[s], row[:n_gen[s] - int(bool(stopped[s]))], bool(stopped[s])))
-            self.key[s] = None
+            if self.retain[s]:  # K/V of the prompt and of every answer token but the last (fed back, never computed)
+                if self.key[s] in self.retained:  # the key's earlier retained slot was never claimed: free it
+                    self.hold[self.retained[self.key[s]]] = None
+                self.hold[s] = _Held(self.key[s], self.host_ids[s] + row[:n_gen[s] - 1])
+                self.retained[self.key[s]] = s
+            self.key[s], self.host_ids[s], self.retain[s] = None, None, False
         return out
 
 
@@ -943,7 +1136,9 @@ class HFContinuousEngine(Engine):
         self._n = 0
         self.stats = {"decode_steps": 0, "prefill_calls": 0}
 
-    def submit(self, key, ids: Sequence[int], priority: tuple = ()) -> None:
+    def submit(self, key, ids: Sequence[int], priority: tuple = (), parent=None, retain: bool = False) -> None:
+        """Queue ``ids`` under ``key``; ``priority``, ``parent`` and ``retain`` are ignored (transformers' manager is
+        FIFO and prefills every request in full: no cross-turn prefix reuse here)."""
         rid = f"r{self._n}"
         self._n += 1
         self.keys[rid] = key

@@ -50,6 +50,12 @@ def report_markdown(report: dict) -> str:
                      ("regeneration: resumed from the log", reg["resumed"])]
         if "sampling" in reg:
             rows += [(f"sampling: {k}", json.dumps(v) if isinstance(v, dict) else v) for k, v in reg["sampling"].items()]
+        es = reg.get("engine_stats") or []
+        es = [e for e in ([es] if isinstance(es, dict) else es) if e and "reused_tokens" in e]  # slot engines, per replica
+        if es:
+            reused, fed = sum(e["reused_tokens"] for e in es), sum(e["prefill_tokens"] for e in es)
+            rows += [("regeneration: prompt tokens prefilled / reused from the previous turn",
+                      f"{fed} / {reused} ({100.0 * reused / max(1, reused + fed):.1f}% reused)")]
         rows += [("regeneration: new tokens", reg["new_tokens"]), ("regeneration: truncated answers", reg["truncated"]),
                  ("regeneration: seconds", f"{reg['seconds']:.1f}"),
                  ("regeneration: tokens/s", f"{reg['tokens_per_s']:.1f}" if reg["tokens_per_s"] else "n/a")]

@@ -291,7 +291,7 @@ def make_engine(name: str, model, tokenizer, max_new_tokens: int, batch_size: in
     """A continuous-batching engine of :mod:`eagle3.prompts.continuous` by name (``slots`` or ``hf_continuous``).
 
     ``options``: the engine's keyword arguments (``SlotEngine``: check_every, prefill_tokens, width_classes,
-    cuda_graphs, attention, compile_step). The slot cache holds prompts shorter than ``max_context`` (the context cap; None = the model's
+    cuda_graphs, attention, compile_step, prefix_reuse). The slot cache holds prompts shorter than ``max_context`` (the context cap; None = the model's
     ``max_position_embeddings`` less ``max_new_tokens``) plus ``max_new_tokens`` answer tokens. ``planned_answers``:
     the turns the run will submit (the slot engine's ``compile_step="auto"`` sizes the work with it).
     """
@@ -310,10 +310,12 @@ def make_engine(name: str, model, tokenizer, max_new_tokens: int, batch_size: in
 
 def engine_options(pc) -> Optional[dict]:
     """The continuous engine's keyword arguments from ``prompts`` (:class:`eagle3.config.PromptsConfig`);
-    ``compile_step`` is ``prompts.regen_compile`` as set (``True``, ``False`` or ``"auto"``, which the engine decides)."""
+    ``compile_step`` is ``prompts.regen_compile`` as set (``True``, ``False`` or ``"auto"``, which the engine decides),
+    ``prefix_reuse`` ``prompts.regen_prefix_reuse``."""
     if pc.regen_engine == "slots":
         return {"check_every": pc.regen_check_every, "prefill_tokens": pc.regen_prefill_tokens,
-                "cuda_graphs": pc.regen_cuda_graphs, "attention": pc.regen_attention, "compile_step": pc.regen_compile}
+                "cuda_graphs": pc.regen_cuda_graphs, "attention": pc.regen_attention, "compile_step": pc.regen_compile,
+                "prefix_reuse": pc.regen_prefix_reuse}
     if pc.regen_engine == "hf_continuous":
         return {"use_cuda_graph": pc.regen_cuda_graphs}
     return None
@@ -321,9 +323,13 @@ def engine_options(pc) -> Optional[dict]:
 
 def _decode_continuous(run: _Run, engine, bar) -> None:
     """A continuous engine: every ready turn is submitted (most turns left first: long conversations are the
-    critical path); each answer renders and submits its conversation's next turn at once."""
-    def submit(i: int) -> None:
-        engine.submit(i, run.ready[i][0], (-run.remaining(i), len(run.ready[i][0])))
+    critical path); each answer renders and submits its conversation's next turn at once, as the successor
+    (``parent``) of the answered turn, which was submitted with ``retain`` when a next turn existed: the slot engine
+    then reuses the answered turn's K/V (``prompts.regen_prefix_reuse``). A next turn dropped by the context cap is
+    simply not submitted; the engine frees the retained slot at its next check."""
+    def submit(i: int, parent: bool = False) -> None:
+        engine.submit(i, run.ready[i][0], (-run.remaining(i), len(run.ready[i][0])), parent=i if parent else None,
+                      retain=run.remaining(i) > 1)
 
     for i in sorted(run.ready):
         submit(i)
@@ -331,13 +337,19 @@ def _decode_continuous(run: _Run, engine, bar) -> None:
     try:
         for i, ans, stopped in engine.results():
             if run.answer(i, ans, stopped, bar):
-                submit(i)
+                submit(i, parent=True)
             if run.pending_log and (len(run.pending_log) >= 256 or time.monotonic() - last_flush > 1.0):
                 run.flush_log()  # at most ~1 s of finished conversations is lost to a kill
                 last_flush = time.monotonic()
     finally:
         run.flush_log()  # Ctrl-C / error: what finished is kept
     run.st["engine_stats"] = dict(engine.stats)
+    es = engine.stats
+    if "reused_tokens" in es:
+        prompt = es["reused_tokens"] + es["prefill_tokens"]
+        log.info("regeneration prompts: %d tokens, %d prefilled, %d reused from the previous turn's KV (%.1f%%; "
+                 "prompts.regen_prefix_reuse: %s)", prompt, es["prefill_tokens"], es["reused_tokens"],
+                 100.0 * es["reused_tokens"] / max(1, prompt), str(es["prefix_reuse"]).lower())
     run.st["batches"] += engine.stats.get("prefill_calls", 0)
     run.st["decode_steps"] += engine.stats.get("decode_steps", 0)
 

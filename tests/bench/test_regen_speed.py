@@ -40,6 +40,10 @@ def test_roofline_by_hand():
     st["engine_stats"].update(prefill_calls=3, prefill_tokens=400, prefill_padded_tokens=500)
     res["roofline"] = rsp.roofline(st, weight_bytes=100, bandwidth=1000.0)
     assert "| 3 / 400 / 500 (1.25x) |" in rsp.markdown(res)  # 500 padded for 400 prompt tokens
+    assert "reused from the previous turn" not in rsp.markdown(res)  # an engine without the reuse counts
+    st["engine_stats"].update(reused_tokens=150, prefix_reuse=True)
+    res["roofline"] = rsp.roofline(st, weight_bytes=100, bandwidth=1000.0)
+    assert "(prefix reuse on) | 400 / 150 |" in rsp.markdown(res)
 
 
 def test_bench_runs_tiny_on_cpu(tmp_path, tiny_llama_dir):
@@ -51,7 +55,7 @@ def test_bench_runs_tiny_on_cpu(tmp_path, tiny_llama_dir):
     out = tmp_path / "r.json"
     assert rsp.main(["--config", str(ROOT / "configs" / "tiny-llama.yaml"), "--set", f"verifier.path={tiny_llama_dir}",
                      "--prompts", str(src), "--baseline-num", "4", "--hf-num", "2", "--batch-size", "3",
-                     "--max-new-tokens", "5", "--set", "prompts.regen_check_every=2", "--json", str(out),
+                     "--max-new-tokens", "5", "--set", "prompts.regen_check_every=2", "--reuse-ab", "6", "--json", str(out),
                      "--md", str(tmp_path / "r.md")]) == 0
     res = json.loads(out.read_text())
     assert res["main"]["conversations"] == 6 and res["main"]["answers"] == sum(turns)
@@ -65,3 +69,8 @@ def test_bench_runs_tiny_on_cpu(tmp_path, tiny_llama_dir):
     assert res["roofline"] == {} and res["bandwidth_gb_s"] is None  # no roofline on CPU
     assert res["bound"]["verdict"] in ("launch-bound", "memory-bound") and res["bound"]["step_ms_measured"] > 0
     assert "| main | slots | 6 |" in (tmp_path / "r.md").read_text()
+    ab = res["prefix_reuse_ab"]  # the same 6 conversations with prefix reuse on and off
+    assert ab["conversations"] == 6 and ab["identical"] == ab["answers_compared"] == sum(turns)  # fp32: same tokens
+    assert ab["on"]["reused_tokens"] > 0 and ab["off"]["reused_tokens"] == 0
+    assert ab["on"]["prefill_tokens"] + ab["on"]["reused_tokens"] == ab["off"]["prefill_tokens"]
+    assert "| on |" in (tmp_path / "r.md").read_text() and "Prefix reuse on / off" in (tmp_path / "r.md").read_text()

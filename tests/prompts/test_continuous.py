@@ -343,6 +343,25 @@ def test_slot_engine_equals_hf_greedy_on_smollm2(smollm_fp32):
     assert got[("after", 0)] == hf_greedy(model, later[0], 16, stops)
 
 
+def test_prefix_reuse_on_smollm2_equals_hf_greedy(smollm_fp32):
+    """The real verifier (SmolLM2 GGUF, fp32) regenerating 3-turn chats through the slot engine with cross-turn prefix
+    reuse (2 rows for 3 conversations, flex decode) gives batch-1 transformers greedy's conversations token for token;
+    every later turn is prefilled after its cached prefix (the real ChatML re-rendering of the previous answer)."""
+    model, tok = smollm_fp32
+    convs = [{"id": f"c{i}", "messages": [m for q in qs for m in ({"role": "user", "content": q},
+                                                                  {"role": "assistant", "content": "old"})]}
+             for i, qs in enumerate([("What is 2+2?", "And times 3?", "Say it in words."),
+                                     ("Name three colours.", "Which one is warm?"),
+                                     ("Write a haiku about the sea.", "Now one about rain.", "Which do you prefer?")])]
+    want = regenerate(model, tok, convs, max_new_tokens=12, batch_size=1, engine="static")
+    stats = {}
+    got = regenerate(model, tok, convs, max_new_tokens=12, batch_size=2, stats=stats, engine="slots",
+                     engine_options={"check_every": 2, "cuda_graphs": False, "attention": "flex", "prefix_reuse": True})
+    assert got == want
+    es = stats["engine_stats"]
+    assert es["reuse_rows"] == 5 and es["reuse_full_prefills"] == 0 and es["reused_tokens"] > es["prefill_tokens"]
+
+
 def test_compiled_flex_decode_equals_eager():
     """The compiled flex decode (the CUDA path's function: BlockMask built inside the graph, fullgraph) traces and
     compiles here on CPU and equals eager FlexAttention, at two prefix shapes (a recompile each)."""
@@ -558,3 +577,204 @@ def test_regenerate_gives_the_engine_its_answers_and_records_the_decision(tiny):
     assert stats["answers"] == 12 and not stats["engine_stats"]["compiled_step"]
     assert d == {"setting": "auto", "compile": False, "device": "cpu", "attention": "sdpa_groups", "answers": 12,
                  "max_new_tokens": 6, "slots": 2, "reason": d["reason"]} and "not CUDA" in d["reason"]
+
+
+# ---------------------------------------------------------------- cross-turn prefix reuse (prompts.regen_prefix_reuse)
+
+END = 7  # the token a "template" puts after an answer (as <|im_end|>); the stop ids are others
+
+
+def _user_turns(n_convs: int, n_turns: int, vocab: int, seed: int) -> list[list[list[int]]]:
+    """Per conversation, per turn, the user tokens (3..12 tokens each)."""
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randint(8, vocab, (int(torch.randint(3, 13, (1,), generator=g)),), generator=g).tolist()
+             for _ in range(n_turns)] for _ in range(n_convs)]
+
+
+def _next_prompt(prompt: list[int], ans: list[int], user: list[int], rewrite: bool) -> list[int]:
+    """Turn k+1's prompt: turn k's prompt, its answer (``rewrite``: the last two answer tokens re-tokenised as two
+    other ids, as a template's re-tokenisation may do at the boundary), the end token, the next user tokens."""
+    if rewrite:
+        ans = ans[:-2] + [(t + 1) % 5 + 1 for t in ans[-2:]]  # ids 1..5: never an answer token here (vocab >= 8)
+    return prompt + ans + [END] + user
+
+
+def _run_turns(engine, users, rewrite=(), late=(), parent=True):
+    """Drive ``engine`` as stage 01 does: every conversation's first turn submitted, turn k+1 submitted (with
+    ``parent``/``retain``) while handling turn k's answer; conversations in ``late`` submit their next turn only while
+    handling the NEXT answer of any conversation (their parent slot is gone by then). Returns ``{(c, k): (prompt,
+    answer, stopped)}``."""
+    got, prompts, turn, owed = {}, {}, {}, []
+
+    def submit(c):
+        k = turn[c]
+        engine.submit(c, prompts[c], (-(len(users[c]) - k),), parent=c if parent and k else None,
+                      retain=k + 1 < len(users[c]))
+
+    for c in range(len(users)):
+        prompts[c], turn[c] = list(users[c][0]), 0
+        submit(c)
+    for c, ans, stopped in engine.results():
+        for d in owed:
+            submit(d)
+        owed.clear()
+        got[(c, turn[c])] = (prompts[c], ans, stopped)
+        if turn[c] + 1 < len(users[c]):
+            prompts[c] = _next_prompt(prompts[c], ans, users[c][turn[c] + 1], c in rewrite and len(ans) >= 3)
+            turn[c] += 1
+            owed.append(c) if c in late else submit(c)
+    engine.close()
+    return got
+
+
+def _expected_offset(prompt, ans, stopped, rewritten, min_tokens):
+    """Cached columns a successor keeps, by hand: its parent's prompt + answer, less the last generated token when the
+    answer ran out of budget (a stop token is never part of the answer, so a stopped answer is cached whole), less
+    two more when the boundary was re-tokenised; 0 under the threshold."""
+    off = len(prompt) + len(ans) - (0 if stopped and not rewritten else 1 if not rewritten else 2)
+    return off if off >= min_tokens else 0
+
+
+@pytest.mark.parametrize("attention,slots,check_every,prefill_tokens,min_prefix", [
+    ("flex", 2, 3, 65536, 1),          # 6 conversations on 2 rows: first turns wait while successors take their slots
+    ("sdpa_groups", 3, 2, 48, 1),      # several prefill forwards per check (48-token budget), mixed offsets in one
+    ("flex", 8, 1, 65536, 2),          # every conversation live at once, checked every step
+])
+def test_prefix_reuse_equals_hf_greedy(tiny, attention, slots, check_every, prefill_tokens, min_prefix, monkeypatch):
+    """Multi-turn conversations with cross-turn prefix reuse: every answer equals plain transformers greedy decoding of
+    the full prompt (fp32), and the reused / prefilled token counts equal the hand-computed offsets (truncated answers
+    lose their last token, re-tokenised boundaries their last two; the first turns are prefilled in full)."""
+    model, _ = tiny
+    max_new = 10
+    users = _user_turns(6, 3, model.config.vocab_size, seed=11)
+    stops = _stops(model, [u[0] for u in users], max_new)
+    offsets_seen = []
+    real = SlotEngine._prefill
+
+    def spy(self, reqs, slots_, width, offsets=None):
+        offsets_seen.append(list(offsets or [0] * len(reqs)))
+        return real(self, reqs, slots_, width, offsets)
+
+    monkeypatch.setattr(SlotEngine, "_prefill", spy)
+    eng = SlotEngine(model, slots, max_len=160, max_new_tokens=max_new, stop_ids=stops, check_every=check_every,
+                     prefill_tokens=prefill_tokens, width_classes=[], cuda_graphs=False, attention=attention,
+                     flex_block=16, min_prefix=min_prefix, reuse_min_tokens=4)
+    got = _run_turns(eng, users, rewrite={1, 4})
+    assert len(got) == 18
+    for (c, k), (prompt, ans, stopped) in got.items():
+        assert (ans, stopped) == hf_greedy(model, prompt, max_new, stops), (c, k)
+    assert any(s for _, _, s in got.values()) and not all(s for _, _, s in got.values())  # both endings occur
+    want_off = {(c, k): _expected_offset(*got[(c, k - 1)], c in {1, 4} and len(got[(c, k - 1)][1]) >= 3, 4)
+                for c, k in got if k}
+    kinds = {(c in {1, 4} and len(got[(c, k - 1)][1]) >= 3, got[(c, k - 1)][2]) for c, k in want_off}
+    assert {(False, True), (False, False)} <= kinds and any(r for r, _ in kinds)  # stopped, truncated, re-tokenised
+    total = sum(len(p) for p, _, _ in got.values())
+    assert eng.stats["reused_tokens"] == sum(want_off.values()) > 0
+    assert eng.stats["prefill_tokens"] == total - sum(want_off.values())
+    assert eng.stats["reuse_rows"] == sum(o > 0 for o in want_off.values())
+    assert eng.stats["reuse_full_prefills"] == sum(o == 0 for o in want_off.values())
+    assert sorted(o for call in offsets_seen for o in call if o) == sorted(o for o in want_off.values() if o)
+    if slots < 6:
+        assert any(0 in call and any(call) for call in offsets_seen)  # first turns and successors in one forward
+
+
+def test_prefix_reuse_falls_back_when_the_slot_is_gone_or_off(tiny):
+    """A successor submitted after its parent's slot was freed (the caller let a check pass), a parent whose common
+    prefix is below the threshold, and prefix_reuse=False all prefill in full, with HF greedy's answers."""
+    model, _ = tiny
+    max_new = 8
+    users = _user_turns(4, 2, model.config.vocab_size, seed=12)
+    stops = _stops(model, [u[0] for u in users], max_new)
+
+    def check(got):
+        for (c, k), (prompt, ans, stopped) in got.items():
+            assert (ans, stopped) == hf_greedy(model, prompt, max_new, stops), (c, k)
+        return sum(len(p) for p, _, _ in got.values())
+
+    kw = dict(max_len=128, max_new_tokens=max_new, stop_ids=stops, check_every=2, cuda_graphs=False, attention="flex",
+              flex_block=16)
+    eng = SlotEngine(model, 1, **kw, reuse_min_tokens=4)  # one row: each check harvests one answer
+    got = _run_turns(eng, users, late={0, 1, 2, 3})  # every successor arrives one answer (one check) late
+    assert len(got) == 8
+    assert eng.stats["reused_tokens"] == 0 and eng.stats["prefill_tokens"] == check(got)
+    assert not eng.retained and all(h is None for h in eng.hold)  # nothing left held
+    eng = SlotEngine(model, 2, **kw, reuse_min_tokens=1000)  # every common prefix is under the threshold
+    got = _run_turns(eng, users)
+    assert eng.stats["reused_tokens"] == 0 and eng.stats["prefill_tokens"] == check(got)
+    assert eng.stats["reuse_full_prefills"] == 4
+    eng = SlotEngine(model, 2, **kw, prefix_reuse=False)
+    got = _run_turns(eng, users)
+    assert eng.stats["reused_tokens"] == 0 and eng.stats["prefill_tokens"] == check(got)
+    assert eng.stats["prefix_reuse"] is False and eng.stats["reuse_full_prefills"] == 0
+
+
+def test_prefix_reuse_frees_unclaimed_slots(tiny):
+    """A retained slot whose successor never comes is freed at the check after its answer is yielded, so later
+    prompts get it (a 1-slot engine would otherwise stall)."""
+    model, _ = tiny
+    prompts = _prompts(3, model.config.vocab_size, seed=13)
+    want = {i: hf_greedy(model, p, 4, {0}) for i, p in enumerate(prompts)}
+    eng = SlotEngine(model, 1, max_len=64, max_new_tokens=4, stop_ids={0}, check_every=1, cuda_graphs=False,
+                     attention="flex", flex_block=16)
+    for i, p in enumerate(prompts):
+        eng.submit(i, p, retain=True)  # nobody submits a successor
+    got = {k: (a, s) for k, a, s in eng.results()}
+    assert got == want
+    assert eng.stats["reused_tokens"] == 0 and list(eng.retained) == [2]  # the last one is still held, nothing waits
+    eng.close()
+
+
+def test_offset_prefill_layout_by_hand():
+    """Columns and mask of a prefill at offsets 0 and 3, width 2, a 6-column cache: row 1's padding clamps to column 5."""
+    cols, mask = eagle3_offset_layout(torch.tensor([0, 3]), 2, 6)
+    assert cols.tolist() == [[0, 1], [3, 4]]
+    assert mask.shape == (2, 1, 2, 5)  # Kw = min(6, 3 + 2)
+    assert mask[:, 0].int().tolist() == [[[1, 0, 0, 0, 0], [1, 1, 0, 0, 0]], [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]]
+    cols, mask = eagle3_offset_layout(torch.tensor([4, 0]), 3, 6)
+    assert cols.tolist() == [[4, 5, 5], [0, 1, 2]] and mask.shape == (2, 1, 3, 6)
+
+
+def eagle3_offset_layout(offsets, width, cols):
+    from eagle3.prompts.continuous import offset_prefill_layout
+
+    return offset_prefill_layout(offsets, width, cols)
+
+
+def test_common_prefix():
+    from eagle3.prompts.continuous import common_prefix
+
+    assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2 and common_prefix([1, 2], [1, 2, 3]) == 2
+    assert common_prefix([], [1]) == 0 and common_prefix([9], [1]) == 0 and common_prefix([1, 2], [1, 2]) == 2
+
+
+def _prefill_snapshots(model, users, reuse: bool, max_new: int) -> dict:
+    """Run 2-turn conversations through a 3-slot engine; per (conversation, turn) the prompt and the K/V its prefill
+    left in columns [0, len(prompt)) of its slot, every layer (``[layers, 2, Hkv, len, D]``)."""
+    snaps, real = {}, SlotEngine._prefill
+    eng = SlotEngine(model, 3, max_len=128, max_new_tokens=max_new, stop_ids={0}, check_every=2, cuda_graphs=False,
+                     attention="flex", flex_block=16, prefix_reuse=reuse, reuse_min_tokens=1)
+
+    def spy(self, reqs, slots, width, offsets=None):
+        real(self, reqs, slots, width, offsets)
+        for w, s in zip(reqs, slots):
+            kv = [torch.stack([k[s, :, :len(w.ids)], v[s, :, :len(w.ids)]]) for k, v in zip(self.cache.k, self.cache.v)]
+            snaps[(w.key, len(w.ids) > len(users[w.key][0]))] = (w.ids, torch.stack(kv))
+
+    eng._prefill = spy.__get__(eng)
+    _run_turns(eng, users)
+    return snaps, eng.stats
+
+
+def test_offset_prefill_leaves_the_full_prefill_kv(tiny):
+    """The K/V a successor's suffix prefill leaves in its slot (columns [0, len): cached prefix + suffix, every layer)
+    equal a full prefill of the same prompt (fp32, 1e-5): RoPE positions, write columns and the mask over the cached
+    prefix are right. Three conversations whose successors share prefill forwards with first turns."""
+    model, _ = tiny
+    users = _user_turns(5, 2, model.config.vocab_size, seed=14)
+    got, st = _prefill_snapshots(model, users, True, 6)
+    want, st0 = _prefill_snapshots(model, users, False, 6)
+    assert st["reuse_rows"] >= 3 and st0["reused_tokens"] == 0
+    assert got.keys() == want.keys() and len(got) == 10
+    for k in got:
+        assert got[k][0] == want[k][0]
+        torch.testing.assert_close(got[k][1], want[k][1], rtol=1e-5, atol=1e-5)

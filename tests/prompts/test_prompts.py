@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import gzip
 import json
+import os
 import subprocess
 import sys
 from collections import Counter
@@ -314,3 +315,60 @@ def test_report_records_the_regen_compile_decision(tmp_path, tiny_llama_dir, cap
     for v in ("true", "false"):
         assert run(load_config(f, [f"prompts.regen_compile={v}"])) == 0
         assert "prompts up to date" in capsys.readouterr().out
+
+
+def test_regen_prefix_reuse_is_not_in_the_settings_fingerprint(tmp_path):
+    """prompts.regen_prefix_reuse changes speed, not answers (fp32: tested token for token): both values give 01 the
+    same settings, so a finished prompts.jsonl and a resume log stay valid when it changes. Default: on."""
+    from eagle3.prompts.prepare_prompts import settings
+
+    f = tmp_path / "c.yaml"
+    f.write_text("run_name: t\nverifier: {path: x}\nprompts: {source: humaneval, regenerate: true}\n")
+    assert load_config(f).prompts.regen_prefix_reuse is True
+    got = [settings(load_config(f, [f"prompts.regen_prefix_reuse={v}"]), None) for v in ("true", "false")]
+    assert got[0] == got[1] == settings(load_config(f), None) and "prefix_reuse" not in json.dumps(got[0])
+
+
+def test_report_counts_prefix_reuse_and_answers_do_not_change(tmp_path, tiny_llama_dir, capsys):
+    """01 on multi-turn conversations with the slot engine: prompts_report.json's engine_stats count the prompt tokens
+    reused from the previous turn's KV and those prefilled (their sum: every rendered prompt's tokens), the Markdown
+    report prints them; with reuse off nothing is reused and prompts.jsonl is byte for byte the same (fp32)."""
+    from eagle3.prompts.chat import ChatOptions, generation_prompt
+    from eagle3.verifier import load_tokenizer
+
+    src = _jsonl(tmp_path / "c.jsonl", [{"messages": [U("Hi there"), A("x"), U("And then?"), A("y"), U("Why?"), A("z")]},
+                                        {"messages": [U("Count to three"), A("z")]},
+                                        {"messages": [U("Name a colour"), A("x"), U("Another one"), A("y")]}])
+    f = tmp_path / "run.yaml"
+    f.write_text(f"run_name: t\noutput_root: {tmp_path / 'out'}\n"
+                 f"verifier: {{path: {tiny_llama_dir}, dtype: float32, device: cpu}}\n"
+                 f"prompts: {{source: {src}, format: messages, regenerate: true, max_new_tokens: 6, gen_batch_size: 2,\n"
+                 f"          regen_cuda_graphs: false}}\nextract: {{max_length: 256}}\n")
+    cfg = load_config(f)
+    assert run(cfg) == 0
+    rep = json.loads(report_path(cfg).read_text())["regeneration"]
+    (es,) = rep["engine_stats"]
+    out = [json.loads(x) for x in cfg.prompts_path.read_text().splitlines()]
+    tok, opts = load_tokenizer(cfg.verifier), ChatOptions.from_config(cfg)
+    prompts = [tok(generation_prompt(tok, c["messages"][:j], opts), add_special_tokens=False)["input_ids"]
+               for c in out for j, m in enumerate(c["messages"]) if m["role"] == "assistant"]
+    assert len(prompts) == 6 and es["prefix_reuse"] is True
+    assert es["reused_tokens"] + es["prefill_tokens"] == sum(map(len, prompts))
+    # by hand: each later turn keeps the longest common prefix of its prompt and the previous prompt + answer tokens
+    # (less the last one when the answer ran out of its 6 tokens: its K/V were never written); the template's
+    # re-tokenisation may cut it inside the previous prompt ("\n" + answer text merging), so ids are compared
+    answers = [m["tokens"] for c in out for m in c["messages"] if m["role"] == "assistant"]
+    cached = [prompts[j] + answers[j][:len(answers[j]) - (len(answers[j]) == 6)] for j in (0, 1, 4)]
+    want = sum(len(os.path.commonprefix([c, prompts[j + 1]])) for c, j in zip(cached, (0, 1, 4)))
+    assert es["reuse_rows"] == 3 and es["reused_tokens"] == want >= len(prompts[0]) + len(prompts[1]) + len(prompts[4]) - 3
+    md = report_path(cfg).with_suffix(".md").read_text()
+    assert f"| regeneration: prompt tokens prefilled / reused from the previous turn | {es['prefill_tokens']} / " \
+           f"{es['reused_tokens']} (" in md
+    first = cfg.prompts_path.read_bytes()
+    capsys.readouterr()
+    off = load_config(f, ["prompts.regen_prefix_reuse=false"])
+    assert run(off) == 0 and "prompts up to date" in capsys.readouterr().out  # a speed setting: nothing to redo
+    assert run(off, force=True) == 0
+    (es,) = json.loads(report_path(cfg).read_text())["regeneration"]["engine_stats"]
+    assert es["reused_tokens"] == 0 and es["prefill_tokens"] == sum(map(len, prompts))
+    assert cfg.prompts_path.read_bytes() == first
