@@ -354,6 +354,25 @@ def choose_prefix(sizes: Sequence[int], live: Sequence[int]) -> int:
     raise ValueError(f"choose_prefix: live slot {top} beyond the largest prefix {sizes[-1]}")
 
 
+def defer_refill(n_free: int, slots: int, queued: int, refill_free: float) -> bool:
+    """Whether :class:`SlotEngine` leaves its free slots empty at this check instead of prefilling queued prompts.
+
+    A prefill forward costs about the same whatever it carries (H200, lease 2026-12-04d: 35-39 ms per forward of
+    3-6K prompt tokens, bound by the eager forward's dispatch), so while the engine is busy it refills in bulk:
+    it defers while fewer than ``refill_free * slots`` slots are free, at least half the slots are busy, and more
+    prompts are queued than slots are free (so the next check will fill them all). Deferring leaves those rows idle
+    for ``check_every`` decode steps; a decode step costs about the same with or without them.
+
+    Args:
+        n_free: free slots (a successor's retained slot counts as free for it).
+        slots: slots of the engine.
+        queued: prompts waiting, successors included.
+        refill_free: share of the slots that must be free before a refill (``prompts.regen_refill_free``; 1/32:
+            the setting every measured run used).
+    """
+    return n_free < refill_free * slots and 2 * (slots - n_free) >= slots and queued > n_free
+
+
 class AttentionSwap:
     """Context manager: inside, ``model`` runs the attention function ``fn`` registered in transformers'
     ``AttentionInterface`` as ``name`` (default: this engine's :func:`slot_attention`); its former attention
@@ -536,6 +555,8 @@ class SlotEngine(Engine):
             False: every prompt is prefilled in full.
         reuse_min_tokens: shortest common prefix worth reusing (tokens); a shorter one means a full prefill into the
             parent's slot.
+        refill_free: while at least half the slots are busy, queued prompts wait until this share of the slots is
+            free (:func:`defer_refill`): fewer, fuller prefill forwards against rows idle until then.
 
     Memory: ``2 * layers * slots * max_len * kv_heads * head_dim`` elements of the model dtype, plus
     ``slots x max_new_tokens`` int64 answer buffer. Priorities: lower tuples are admitted first.
@@ -560,7 +581,8 @@ class SlotEngine(Engine):
                  check_every: int = 16, prefill_tokens: int = 65536, width_classes: Optional[Sequence[int]] = None,
                  cuda_graphs: bool = True, attention: str = "auto", flex_block: int = 128, min_prefix: int = 8,
                  compile_step=False, compile_min_prefix: Optional[int] = None,
-                 planned_answers: Optional[int] = None, prefix_reuse: bool = True, reuse_min_tokens: int = 16):
+                 planned_answers: Optional[int] = None, prefix_reuse: bool = True, reuse_min_tokens: int = 16,
+                 refill_free: float = 1 / 32):
         if slots < 1 or max_new_tokens < 1 or check_every < 1 or max_len <= max_new_tokens:
             raise ValueError("SlotEngine: slots, max_new_tokens, check_every >= 1 and max_len > max_new_tokens")
         self.model, self.S, self.max_len, self.max_new = model, slots, max_len, max_new_tokens
@@ -570,6 +592,9 @@ class SlotEngine(Engine):
             raise ValueError("SlotEngine: flex_block >= 1")
         self.check_every, self.prefill_tokens = check_every, prefill_tokens
         self.prefix_reuse, self.reuse_min_tokens = bool(prefix_reuse), max(1, int(reuse_min_tokens))
+        if not 0 < refill_free <= 1:
+            raise ValueError(f"SlotEngine: refill_free in (0, 1], not {refill_free!r}")
+        self.refill_free = float(refill_free)
         p = next(model.parameters())
         self.dev, dtype = p.device, p.dtype
         self.use_graphs = cuda_graphs and self.dev.type == "cuda"
@@ -765,8 +790,8 @@ class SlotEngine(Engine):
         free = [[s for s in range(a, b) if self._free_slot(s)] for a, b, _ in self.groups]  # per group
         n_free = sum(map(len, free)) + len(self.successors)  # a successor's slot is ready for it
         # refill in bulk: a prefill forward costs a launch-bound pass however few rows it has
-        if not n_free or not (self.waiting or self.successors) or (
-                n_free * 32 < self.S and 2 * (self.S - n_free) >= self.S and len(self.waiting) + len(self.successors) > n_free):
+        if not n_free or not (self.waiting or self.successors) or defer_refill(
+                n_free, self.S, len(self.waiting) + len(self.successors), self.refill_free):
             return
         claimed = [self._claim(w) for w in self.successors.values()]
         self.successors.clear()

@@ -209,3 +209,14 @@ def test_on_off_fields_take_unquoted_on_off(tmp_path, key):
     assert str(e.value).startswith(f"{f}:7: field '{key}': ") and "\n" not in str(e.value)
 
 
+
+
+@pytest.mark.parametrize("value", ["0", "1.5", "-0.1"])
+def test_regen_refill_free_is_a_share_of_the_slots(tmp_path, value):
+    """prompts.regen_refill_free is in (0, 1]: 0 would never refill a busy engine, > 1 would wait for more than all."""
+    f = _write(tmp_path, BASE + "  regen_refill_free: " + value + "\n")
+    with pytest.raises(UserError) as e:
+        load_config(f)
+    assert str(f) in str(e.value) and "field 'prompts.regen_refill_free'" in str(e.value) and "\n" not in str(e.value)
+    assert load_config(_write(tmp_path, BASE + "  regen_refill_free: 0.125\n")).prompts.regen_refill_free == 0.125
+    assert load_config(_write(tmp_path, BASE)).prompts.regen_refill_free == 1 / 32

@@ -11,8 +11,8 @@ import torch
 
 from eagle3.config import VerifierConfig
 from eagle3.prompts.continuous import (COMPILE_COLD_S, COMPILED_STEP_MS, EAGER_STEP_MS, HFContinuousEngine, SlotEngine,
-                                       choose_prefix, compile_decision, decode_block_mask, estimate_decode_steps,
-                                       flex_decode, kv_num_blocks, prefix_sizes)
+                                       choose_prefix, compile_decision, decode_block_mask, defer_refill,
+                                       estimate_decode_steps, flex_decode, kv_num_blocks, prefix_sizes)
 from eagle3.prompts.regenerate import regenerate
 from eagle3.verifier import load_verifier
 
@@ -778,3 +778,33 @@ def test_offset_prefill_leaves_the_full_prefill_kv(tiny):
     for k in got:
         assert got[k][0] == want[k][0]
         torch.testing.assert_close(got[k][1], want[k][1], rtol=1e-5, atol=1e-5)
+
+
+def test_defer_refill_by_hand():
+    """The bulk-refill rule: defer while fewer than refill_free x slots are free, at least half are busy and more wait."""
+    assert defer_refill(31, 1024, 100, 1 / 32)        # 31 < 32 free, 993 busy, 100 waiting
+    assert not defer_refill(32, 1024, 100, 1 / 32)    # 32 free: refill
+    assert not defer_refill(31, 1024, 31, 1 / 32)     # every waiting prompt fits: refill
+    assert not defer_refill(600, 1024, 700, 1.0)      # under half busy: refill
+    assert defer_refill(511, 1024, 700, 0.5) and not defer_refill(512, 1024, 700, 0.5)
+    assert not defer_refill(1, 8, 5, 1 / 32)          # 8 slots x 1/32 < 1: never deferred
+
+
+def test_refill_free_gives_fewer_fuller_prefills_and_the_same_answers(tiny):
+    """A larger prompts.regen_refill_free batches the refills (fewer prefill forwards); answers stay HF greedy."""
+    model, _ = tiny
+    max_new = 12
+    prompts = _prompts(24, model.config.vocab_size, seed=3)
+    stops = _stops(model, prompts, max_new)
+    want = [hf_greedy(model, p, max_new, stops) for p in prompts]
+    calls = {}
+    for share in (1 / 32, 0.5):
+        eng = SlotEngine(model, 8, max_len=64, max_new_tokens=max_new, stop_ids=stops, check_every=1,
+                         cuda_graphs=False, refill_free=share)
+        got = _run(eng, prompts)
+        assert [got[i] for i in range(len(prompts))] == want
+        assert eng.stats["prefill_tokens"] == sum(map(len, prompts))
+        calls[share] = eng.stats["prefill_calls"]
+    assert calls[0.5] < calls[1 / 32], calls
+    with pytest.raises(ValueError, match="refill_free"):
+        SlotEngine(model, 8, max_len=64, max_new_tokens=max_new, stop_ids=stops, refill_free=0)
