@@ -33,7 +33,8 @@ Input: the config's ``prompts.source`` read, deduplicated and sampled as stage 0
 
 5. Prefix reuse A/B (``--reuse-ab N``): the slots engine on N conversations of the main input, cross-turn KV
    prefix reuse on then off (``prompts.regen_prefix_reuse``): seconds, tokens/s, prefill / decode device seconds,
-   prompt tokens prefilled and reused, identical answers. The main run's prefilled / reused counts are in its
+   prompt tokens prefilled and reused, identical answers; differences counted with their logit gap at the first
+   differing token, as in 4 (near-ties within ``benchmark.tie_tolerance``, max gap). The main run's prefilled / reused counts are in its
    roofline table (``prompts.regen_prefix_reuse`` as configured).
 
 CPU smoke (tests/bench/test_regen_speed.py): ``--set verifier.path=<tiny> --num 6 --baseline-num 4``.
@@ -203,6 +204,15 @@ def bound(model, st: dict, cfg, batch_size: int, max_new: int, bandwidth: float 
     return out
 
 
+def tie_tolerance(cfg, model) -> float:
+    """The logit gap under which a differing token counts as a near-tie: ``benchmark.tie_tolerance``, by default
+    the verifier dtype's (0.25 in bf16, as 05 counts them)."""
+    from eagle3.benchmark.offline import default_tie_tolerance
+
+    t = cfg.benchmark.tie_tolerance
+    return t if t is not None else default_tie_tolerance(next(model.parameters()).dtype)
+
+
 def compare(model, tok, cfg, ours: list, theirs: list, tie_tol: float, limit: int = 200) -> dict:
     """Answers of two runs on the same conversations: identical turns, and for each conversation's first
     differing turn the logit gap between the two tokens at the first differing position."""
@@ -281,7 +291,10 @@ def markdown(res: dict) -> str:
             lines.append(f"| {name} | {r['seconds']:.1f} | {r['tokens_per_s']:.0f} | {r['prefill_s']:.2f} | "
                          f"{r['decode_s']:.2f} | {r['prefill_tokens']} | {r['reused_tokens']} |")
         lines += ["", f"on/off: tokens/s {ab['speed_ratio']:.3f}x, prefill seconds {ab['prefill_s_ratio']:.3f}x; "
-                  f"{ab['identical']} of {ab['answers_compared']} answers identical."]
+                  f"{ab['identical']} of {ab['answers_compared']} answers identical"
+                  + (f"; {ab['near_ties']} of {ab['differing_first_turns_checked']} first differences are near-ties "
+                     f"(logit gap <= {ab['tie_tolerance']}), max gap {ab['max_gap']}."
+                     if "near_ties" in ab else ".")]
     b = res.get("bound")
     if b:
         lines += ["", f"Bound: **{b['verdict']}** (decode step {b['step_ms_launch_floor']:.2f} ms at a 256-column "
@@ -307,8 +320,6 @@ def baselines(model, tok, cfg, convs, a, batch_size, max_new, opts_kw) -> dict:
     """The subset runs: main engine, static, hf_continuous; ratios and the main-vs-static answer comparison."""
     import torch
 
-    from eagle3.benchmark.offline import default_tie_tolerance
-
     sub = spread(convs, a.baseline_num)
     runs, outs = {}, {}
     for eng in dict.fromkeys([a.main_engine, "static"]):
@@ -325,9 +336,8 @@ def baselines(model, tok, cfg, convs, a, batch_size, max_new, opts_kw) -> dict:
     ratios = {f"{a.main_engine}/static": runs[a.main_engine]["tokens_per_s"] / runs["static"]["tokens_per_s"]}
     if "tokens_per_s" in runs.get("hf_continuous", {}):
         ratios[f"{a.main_engine}/hf_continuous"] = runs[a.main_engine]["tokens_per_s"] / runs["hf_continuous"]["tokens_per_s"]
-    tie = cfg.benchmark.tie_tolerance if cfg.benchmark.tie_tolerance is not None else default_tie_tolerance(
-        next(model.parameters()).dtype)
-    eq = compare(model, tok, cfg, outs[a.main_engine], outs["static"], tie) if a.main_engine != "static" else None
+    eq = compare(model, tok, cfg, outs[a.main_engine], outs["static"], tie_tolerance(cfg, model)) \
+        if a.main_engine != "static" else None
     del outs
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -338,7 +348,9 @@ def reuse_ab(model, tok, cfg, convs, batch_size: int, max_new: int, opts_kw: dic
     """The slots engine on ``convs`` twice, cross-turn prefix reuse on then off (``prompts.regen_prefix_reuse``),
     same process: seconds, tokens/s, device seconds of prefill and decode, prompt tokens prefilled and reused, the
     on/off ratios, and how many answers are identical (fp32: all; bf16: batch compositions differ, so near-ties may
-    flip)."""
+    flip). Differences are counted as :func:`compare` counts them: for each conversation's first differing turn,
+    the logit gap between the two runs' tokens at the first differing position, teacher-forced on the verifier
+    (``near_ties``: gaps within ``tie_tolerance``; ``max_gap``; ``gaps``: the 20 largest)."""
     rows, outs = {}, {}
     for name, on in (("on", True), ("off", False)):
         kw = {**opts_kw, "slots": {**opts_kw["slots"], "prefix_reuse": on}}
@@ -352,7 +364,13 @@ def reuse_ab(model, tok, cfg, convs, batch_size: int, max_new: int, opts_kw: dic
               f"prefill {es['prefill_s']:.2f} s, decode {es['decode_s']:.2f} s", flush=True)
     pairs = [(m.get("tokens"), n.get("tokens")) for c, d in zip(outs["on"], outs["off"])
              for m, n in zip(c["messages"], d["messages"]) if "tokens" in m and "tokens" in n]
-    return {"conversations": len(convs), **rows, "answers_compared": len(pairs), "identical": sum(a == b for a, b in pairs),
+    # each conversation's first differing turn: the logit gap at its first differing token (compare(); its own
+    # counts stop at that turn, as later turns see different histories: kept under *_to_first_difference)
+    eq = compare(model, tok, cfg, outs["on"], outs["off"], tie_tolerance(cfg, model))
+    eq["answers_compared_to_first_difference"] = eq.pop("answers_compared")
+    eq["identical_to_first_difference"] = eq.pop("identical")
+    return {"conversations": len(convs), **rows, **eq, "answers_compared": len(pairs),
+            "identical": sum(a == b for a, b in pairs),
             "speed_ratio": rows["on"]["tokens_per_s"] / rows["off"]["tokens_per_s"],
             "prefill_s_ratio": rows["on"]["prefill_s"] / rows["off"]["prefill_s"] if rows["off"]["prefill_s"] else None}
 

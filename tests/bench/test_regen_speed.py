@@ -6,6 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
@@ -71,6 +73,72 @@ def test_bench_runs_tiny_on_cpu(tmp_path, tiny_llama_dir):
     assert "| main | slots | 6 |" in (tmp_path / "r.md").read_text()
     ab = res["prefix_reuse_ab"]  # the same 6 conversations with prefix reuse on and off
     assert ab["conversations"] == 6 and ab["identical"] == ab["answers_compared"] == sum(turns)  # fp32: same tokens
+    assert ab["differing_first_turns_checked"] == ab["near_ties"] == 0 and ab["max_gap"] is None
+    assert ab["tie_tolerance"] == 1e-3  # fp32's default
     assert ab["on"]["reused_tokens"] > 0 and ab["off"]["reused_tokens"] == 0
     assert ab["on"]["prefill_tokens"] + ab["on"]["reused_tokens"] == ab["off"]["prefill_tokens"]
     assert "| on |" in (tmp_path / "r.md").read_text() and "Prefix reuse on / off" in (tmp_path / "r.md").read_text()
+
+
+def test_reuse_ab_counts_differences_by_logit_gap(tiny_llama_dir, monkeypatch):
+    """--reuse-ab's difference count: for each conversation's first differing turn, the gap between the two runs'
+    tokens at the first differing position, teacher-forced on the verifier, checked against a full reference
+    forward; near-ties within benchmark.tie_tolerance; later turns of a differing conversation are not checked."""
+    import torch
+
+    from eagle3.config import load_config
+    from eagle3.prompts.chat import ChatOptions, generation_prompt
+    from eagle3.prompts.regenerate import stop_token_ids
+    from eagle3.verifier import load_verifier
+
+    cfg = load_config(ROOT / "configs" / "tiny-llama.yaml",
+                      [f"verifier.path={tiny_llama_dir}", "benchmark.tie_tolerance=0.5"])
+    model, tok = load_verifier(cfg.verifier)
+    opts = ChatOptions.from_config(cfg)
+    stops = sorted(stop_token_ids(tok))
+    common = tok("Sure, here", add_special_tokens=False)["input_ids"]
+
+    def ref_logits(messages):  # the whole sequence through the model, last position's logits
+        ids = tok(generation_prompt(tok, messages, opts), add_special_tokens=False)["input_ids"] + common
+        with torch.inference_mode():
+            return model(torch.tensor([ids])).logits[0, -1].float()
+
+    u0, u1 = {"role": "user", "content": "Name two animals."}, {"role": "user", "content": "And two more?"}
+    a0 = {"role": "assistant", "content": "Cat and dog.", "tokens": tok("Cat and dog.", add_special_tokens=False)["input_ids"]}
+    # conversation 0: turn 0 identical, turn 1 differs after `common` by a near-tie (the top token vs the one whose
+    # logit is nearest 0.2 below it); conversation 1: turn 0 differs after `common` by a wide gap (the top token vs
+    # a stop: one answer ends there), its turn 1 differs too but sees a different history (not checked)
+    l0 = ref_logits([u0, a0, u1])
+    top0 = int(l0.argmax())
+    near = int((l0 - (l0[top0] - 0.2)).abs().argmin())
+    l1 = ref_logits([u0])
+    top1 = int(l1.argmax())
+    gap_tie, gap_wide = float(l0[top0] - l0[near]), float(l1[top1] - l1[stops].max())
+    assert 0 < gap_tie <= 0.5 < gap_wide
+    on = [{"messages": [u0, a0, u1, {"role": "assistant", "content": "x", "tokens": common + [top0, 5]}]},
+          {"messages": [u0, {"role": "assistant", "content": "y", "tokens": common + [top1]}, u1,
+                        {"role": "assistant", "content": "z", "tokens": [7]}]}]
+    off = [{"messages": [u0, a0, u1, {"role": "assistant", "content": "x", "tokens": common + [near]}]},
+           {"messages": [u0, {"role": "assistant", "content": "y", "tokens": list(common)}, u1,
+                         {"role": "assistant", "content": "z", "tokens": [8]}]}]
+
+    def fake_run(model, tok, convs, engine, cfg, batch_size, max_new, opts_kw):
+        reuse = opts_kw["slots"]["prefix_reuse"]
+        st = {"seconds": 1.0, "tokens_per_s": 10.0, "new_tokens": 10, "decode_steps": 5,
+              "engine_stats": {"prefill_s": 0.5, "decode_s": 0.4, "prefill_calls": 2, "prefill_tokens": 40 - 10 * reuse,
+                               "reused_tokens": 10 * reuse}}
+        return (on if reuse else off), st
+
+    monkeypatch.setattr(rsp, "timed_run", fake_run)
+    ab = rsp.reuse_ab(model, tok, cfg, [{}, {}], 2, 8, {"slots": {"prefix_reuse": True}})
+    assert ab["answers_compared"] == 4 and ab["identical"] == 1  # every turn, as before
+    assert ab["answers_compared_to_first_difference"] == 3 and ab["identical_to_first_difference"] == 1
+    assert ab["differing_first_turns_checked"] == 2 and ab["tie_tolerance"] == 0.5 and ab["near_ties"] == 1
+    assert ab["gaps"] == pytest.approx([gap_tie, gap_wide], abs=1e-4)
+    assert ab["max_gap"] == pytest.approx(gap_wide, abs=1e-4)
+    md = rsp.markdown({"main": {"conversations": 2, "engine": "slots", "answers": 4, "new_tokens": 10, "seconds": 1.0,
+                                "tokens_per_s": 10.0, "decode_steps": 5}, "verifier": "v", "dtype": "float32",
+                       "device": "cpu", "batch_size": 2, "max_new_tokens": 8, "max_context": 16, "bandwidth_gb_s": None,
+                       "prefix_reuse_ab": ab})
+    assert (f"1 of 4 answers identical; 1 of 2 first differences are near-ties (logit gap <= 0.5), max gap "
+            f"{ab['max_gap']}.") in md
