@@ -397,6 +397,13 @@ class DrafterConfig(_Strict):
         "eagle3", description="drafter architecture: eagle3 (the paper) or eagle3.1 (an RMSNorm on each aux hidden state "
         "before fc, and the post-norm output fed back between steps; speculators PR 610/670, TorchSpec PR 97; served by "
         "SGLang 0.5.23 and vLLM 0.33 through the config keys fc_norm / norm_output). eagle3/train/model.py")
+    num_layers: int = Field(
+        1, ge=1, description="decoder layers of the drafter (exported as num_hidden_layers). Layer 0 is EAGLE-3's "
+        "(q/k/v read cat(input_layernorm(embed), hidden_norm(hidden)), 2H wide); layers 1.. are plain pre-norm Llama "
+        "layers (q/k/v read norm(previous layer output), H wide) in one residual stream, the final norm after the "
+        "last, all at the same rotary positions, as SGLang 0.5.23 and vLLM 0.33 llama_eagle3.py build them. The "
+        "engines name that pre-attention norm differently (SGLang layers.i.hidden_norm, vLLM layers.i.input_layernorm): "
+        "exports write it under both names. 1 = the drafter as before, bit for bit")
 
 
 class TrainConfig(_Strict):

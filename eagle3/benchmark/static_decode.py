@@ -123,7 +123,7 @@ class StaticDecoder:
         self.capacity = int(capacity)
         cfg = verifier.config.get_text_config() if hasattr(verifier.config, "get_text_config") else verifier.config
         self.kv = StaticKVCache(self.capacity, cfg.num_hidden_layers, self.dev)
-        self.dkv = StaticKVCache(self.capacity, 1, self.dev)
+        self.dkv = StaticKVCache(self.capacity, getattr(getattr(drafter, "args", None), "num_layers", 1), self.dev)
         z = dict(dtype=torch.long, device=self.dev)
         k = steps
         self.eos = {int(e) for e in eos_ids}

@@ -105,11 +105,34 @@ CONFIG_BLOCK = "eagle3_train"
 EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def required_keys(engine: str, variant: str = "eagle3") -> tuple[str, ...]:
+UPPER_NORM_KEYS = ("input_layernorm.weight", "hidden_norm.weight")
+"""The two names of the pre-attention norm of a decoder layer ``i >= 1`` (vLLM 0.33 reads ``input_layernorm``,
+SGLang 0.5.23 ``hidden_norm``); an export writes the drafter's one weight (``layers.{i}.input_layernorm``) under both."""
+ENGINE_UPPER_NORM = {"sglang": "hidden_norm.weight", "vllm": "input_layernorm.weight"}
+"""Which of :data:`UPPER_NORM_KEYS` each engine's ``llama_eagle3.py`` applies in layers ``i >= 1``."""
+
+
+def upper_layer_keys(num_layers: int) -> tuple[str, ...]:
+    """Tensor names of decoder layers ``1..num_layers-1`` (same in both formats): ``layers.{i}.`` + :data:`LAYER_KEYS`
+    (q/k/v ``[*, H]``; ``input_layernorm`` and ``hidden_norm`` hold the same weight, see :data:`UPPER_NORM_KEYS`)."""
+    return tuple(f"layers.{i}.{k}" for i in range(1, int(num_layers)) for k in LAYER_KEYS)
+
+
+def required_keys(engine: str, variant: str = "eagle3", num_layers: int = 1) -> tuple[str, ...]:
     """Tensor names an export for ``engine`` must hold (``embed_tokens.weight`` optional): :data:`SGLANG_KEYS`
-    or :data:`VLLM_KEYS`, plus :data:`FC_NORM_KEYS` for ``eagle3.1``."""
+    or :data:`VLLM_KEYS`, plus :data:`FC_NORM_KEYS` for ``eagle3.1`` and :func:`upper_layer_keys` for a deeper drafter."""
     base = SGLANG_KEYS if engine == "sglang" else VLLM_KEYS
-    return base + (FC_NORM_KEYS if variant == "eagle3.1" else ())
+    return base + (FC_NORM_KEYS if variant == "eagle3.1" else ()) + upper_layer_keys(num_layers)
+
+
+def _state_key(key: str) -> str:
+    """The drafter ``state_dict`` key an export key (either format) is written from: ``layers.0.`` -> ``midlayer.``,
+    ``layers.{i}.hidden_norm`` (``i >= 1``) -> ``layers.{i}.input_layernorm``, the rest as is."""
+    if key.startswith("layers.0."):
+        return key.replace("layers.0.", "midlayer.", 1)
+    if key.startswith("layers.") and key.endswith(".hidden_norm.weight"):
+        return key[: -len("hidden_norm.weight")] + "input_layernorm.weight"
+    return key
 
 
 def check_engine_serves(engine: str, variant: str) -> None:
@@ -289,12 +312,12 @@ def export_drafter(
     ids = engine_layer_ids(aux, engine, arch)
 
     sd = drafter.state_dict()
-    required = required_keys(engine, a.variant)
+    required = required_keys(engine, a.variant, a.num_layers)
     if not writes_vocab_map(engine, a.draft_vocab_size, a.target_vocab_size):
         required = tuple(k for k in required if k not in VOCAB_KEYS)  # full vocab: vLLM refuses d2t
     tensors: dict[str, torch.Tensor] = {}
     for key in required:
-        src = key.replace("layers.0.", "midlayer.", 1) if key.startswith("layers.0.") else key
+        src = _state_key(key)
         if src not in sd:
             raise UserError(f"drafter state: missing required tensor '{src}' (export key '{key}')")
         tensors[key] = sd[src]
@@ -455,8 +478,10 @@ def _args_from_config(cfg: dict, path: Path) -> tuple[str, DrafterArgs]:
     else:
         raise UserError(f"{path}: key 'architectures' is {archs}; expected [{SGLANG_ARCH!r}] or [{VLLM_ARCH!r}]")
     variant = _config_variant(cfg, path)
-    if int(src.get("num_hidden_layers", 1)) != 1:
-        raise UserError(f"{path}: key 'num_hidden_layers' must be 1, got {src.get('num_hidden_layers')}")
+    n_layers = src.get("num_hidden_layers", 1)
+    if not isinstance(n_layers, int) or isinstance(n_layers, bool) or n_layers < 1:
+        raise UserError(f"{path}: key 'num_hidden_layers' must be an integer >= 1 (the drafter's decoder layers), "
+                        f"got {n_layers!r}")
     heads = _need(src, "num_attention_heads", path)
     H = _need(src, "hidden_size", path)
     args = DrafterArgs(
@@ -473,6 +498,7 @@ def _args_from_config(cfg: dict, path: Path) -> tuple[str, DrafterArgs]:
         target_hidden_size=src["target_hidden_size"],
         rope_scaling=src.get("rope_scaling"),
         variant=variant,
+        num_layers=n_layers,
     )
     return engine, args
 
@@ -675,7 +701,7 @@ def load_exported(path: str | os.PathLike, embed_weight: Optional[torch.Tensor] 
     if full_vocab and "d2t" not in tensors and "t2d" not in tensors:
         tensors["d2t"] = torch.zeros(args.draft_vocab_size, dtype=torch.int64)  # identity map, as both engines use it
         tensors["t2d"] = torch.ones(args.target_vocab_size, dtype=torch.bool)
-    want = required_keys("sglang", args.variant)
+    want = required_keys("sglang", args.variant, args.num_layers)
     for key in want:
         if key not in tensors:
             shown = key.replace("midlayer.", "layers.0.", 1) if engine == "vllm" else key
@@ -685,6 +711,15 @@ def load_exported(path: str | os.PathLike, embed_weight: Optional[torch.Tensor] 
     extra = sorted(set(tensors) - set(want) - {EMBED_KEY})
     if extra:
         raise UserError(f"{wpath}: unexpected tensor '{extra[0]}'")
+    for i in range(1, args.num_layers):  # the pre-attention norm of layer i: the one this folder's engine applies
+        pre = f"layers.{i}."
+        used, other = pre + ENGINE_UPPER_NORM[engine], pre + [k for k in UPPER_NORM_KEYS if k != ENGINE_UPPER_NORM[engine]][0]
+        if not torch.equal(tensors[used], tensors[other]):
+            log.warning("%s: '%s' differs from '%s'; %s applies '%s' (loaded), the other engine the other one",
+                        wpath, used, other, engine, used)
+        weight = tensors.pop(used)
+        tensors.pop(other)
+        tensors[pre + "input_layernorm.weight"] = weight  # the drafter's name (Eagle3UpperLayer)
     drafter = Eagle3Drafter(args)
     sd = drafter.state_dict()
     for k, v in tensors.items():

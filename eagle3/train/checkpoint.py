@@ -143,6 +143,8 @@ def check_drafter_args(path: str | os.PathLike, saved: dict, current: dict) -> N
     """
     if "variant" in current:  # a checkpoint written before DrafterArgs.variant existed holds an eagle3 drafter
         saved = {"variant": "eagle3", **saved}
+    # DrafterArgs.to_json leaves num_layers out when 1 (and checkpoints written before it existed have one layer)
+    saved, current = {"num_layers": 1, **saved}, {"num_layers": 1, **current}
     for key in sorted(set(saved) | set(current)):
         a, b = saved.get(key, "<absent>"), current.get(key, "<absent>")
         if isinstance(a, float) or isinstance(b, float):

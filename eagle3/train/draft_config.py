@@ -1,4 +1,4 @@
-"""The served draft's HF config (a one-layer LlamaConfig) and the engines' context-length rule.
+"""The served draft's HF config (a LlamaConfig of ``num_layers`` layers) and the engines' context-length rule.
 
 Stage 04 warns at start when the drafter's context is below the verifier's (:func:`check_context_length`);
 the export (:mod:`eagle3.export.serving`) writes :func:`llama_config` and refuses the SGLang folder by the
@@ -21,7 +21,8 @@ DEFAULT_EXPORT_DTYPE = torch.bfloat16
 
 
 def llama_config(a: DrafterArgs, dtype: torch.dtype) -> dict:
-    """LlamaConfig fields of the one-layer drafter (``vocab_size`` = verifier vocab, for embeddings)."""
+    """LlamaConfig fields of the drafter (``num_hidden_layers`` = ``num_layers``; ``vocab_size`` = verifier vocab, for
+    embeddings)."""
     return {
         "model_type": "llama",
         "hidden_size": a.hidden_size,
@@ -29,7 +30,7 @@ def llama_config(a: DrafterArgs, dtype: torch.dtype) -> dict:
         "num_attention_heads": a.num_attention_heads,
         "num_key_value_heads": a.num_key_value_heads,
         "head_dim": a.head_dim,
-        "num_hidden_layers": 1,
+        "num_hidden_layers": a.num_layers,
         "hidden_act": "silu",
         "rms_norm_eps": a.rms_norm_eps,
         "rope_theta": a.rope_theta,

@@ -44,6 +44,8 @@ from eagle3.data.vocab import check_vocab_map
 
 VARIANTS = ("eagle3", "eagle3.1")
 """Drafter architectures (module docstring): ``eagle3`` (paper) and ``eagle3.1`` (fc_norm + norm_output)."""
+OPTIONAL_FIELDS = ("rope_scaling", "variant", "num_layers")
+""":class:`DrafterArgs` fields with a default (absent in checkpoints/exports written before they existed)."""
 
 
 @dataclass
@@ -55,6 +57,8 @@ class DrafterArgs:
     ``rope_scaling``: HF dict (``rope_type`` default/linear/llama3) or ``None``.
     ``variant``: one of :data:`VARIANTS` (module docstring); absent in checkpoints and exports
     written before it existed, which are ``eagle3``.
+    ``num_layers``: decoder layers (module docstring, "Depth"); :meth:`to_json` leaves it out when 1, so the
+    one-layer drafter's checkpoints, exports and fingerprints are what they were before it existed.
     """
 
     hidden_size: int
@@ -70,12 +74,15 @@ class DrafterArgs:
     target_hidden_size: int
     rope_scaling: Optional[dict] = None
     variant: str = "eagle3"
+    num_layers: int = 1
 
     def __post_init__(self):
         if self.variant not in VARIANTS:
             raise UserError(f"drafter field 'variant' must be one of {', '.join(VARIANTS)}, got {self.variant!r}")
+        if not isinstance(self.num_layers, int) or isinstance(self.num_layers, bool) or self.num_layers < 1:
+            raise UserError(f"drafter field 'num_layers' must be an integer >= 1, got {self.num_layers!r}")
         for f in fields(self):
-            if f.name in ("rope_scaling", "variant"):
+            if f.name in ("rope_scaling", "variant", "num_layers"):
                 continue
             v = getattr(self, f.name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
@@ -94,8 +101,11 @@ class DrafterArgs:
         rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling)  # validates rope_scaling
 
     def to_json(self) -> dict[str, Any]:
-        """A JSON-serialisable dict of all fields."""
-        return asdict(self)
+        """A JSON-serialisable dict of all fields (``num_layers`` only when it is not 1)."""
+        d = asdict(self)
+        if d["num_layers"] == 1:
+            del d["num_layers"]
+        return d
 
     @classmethod
     def from_json(cls, obj: dict | str, source: str = "drafter args") -> "DrafterArgs":
@@ -110,7 +120,7 @@ class DrafterArgs:
         unknown = sorted(set(obj) - names)
         if unknown:
             raise UserError(f"{source}: unknown drafter field '{unknown[0]}'")
-        missing = [f.name for f in fields(cls) if f.name not in obj and f.name not in ("rope_scaling", "variant")]
+        missing = [f.name for f in fields(cls) if f.name not in obj and f.name not in OPTIONAL_FIELDS]
         if missing:
             raise UserError(f"{source}: missing drafter field '{missing[0]}'")
         return cls(**obj)
@@ -157,7 +167,7 @@ class DrafterArgs:
             rope_scaling=dict(rs) if rs else None,
         )
         vals.update({k: v for k, v in overrides.items() if v is not None})
-        missing = [k for k, v in vals.items() if v is None and k not in ("rope_scaling", "variant")]
+        missing = [k for k, v in vals.items() if v is None and k not in OPTIONAL_FIELDS]
         if missing:
             raise UserError(f"verifier config: cannot derive drafter field '{missing[0]}'; set drafter.{missing[0]}")
         return cls(**vals)
@@ -179,19 +189,20 @@ class RMSNorm(nn.Module):
 
 
 class Eagle3Attention(nn.Module):
-    """q/k/v projections from the ``2H`` concatenated input, ``o_proj`` back to ``H`` (no biases)."""
+    """q/k/v projections from the ``in_mult * H`` wide input (``2H``: layer 0's concatenation; ``H``: layers >= 1),
+    ``o_proj`` back to ``H`` (no biases)."""
 
-    def __init__(self, a: DrafterArgs):
+    def __init__(self, a: DrafterArgs, in_mult: int = 2):
         super().__init__()
         self.nh, self.kvh, self.hd = a.num_attention_heads, a.num_key_value_heads, a.head_dim
-        self.q_proj = nn.Linear(2 * a.hidden_size, self.nh * self.hd, bias=False)
-        self.k_proj = nn.Linear(2 * a.hidden_size, self.kvh * self.hd, bias=False)
-        self.v_proj = nn.Linear(2 * a.hidden_size, self.kvh * self.hd, bias=False)
+        self.q_proj = nn.Linear(in_mult * a.hidden_size, self.nh * self.hd, bias=False)
+        self.k_proj = nn.Linear(in_mult * a.hidden_size, self.kvh * self.hd, bias=False)
+        self.v_proj = nn.Linear(in_mult * a.hidden_size, self.kvh * self.hd, bias=False)
         self.o_proj = nn.Linear(self.nh * self.hd, a.hidden_size, bias=False)
         self.scale = 1.0 / math.sqrt(self.hd)
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """``x`` ``[B, T, 2H]`` -> q ``[B, nh, T, hd]``, k, v ``[B, kvh, T, hd]`` (rotary on q, k)."""
+        """``x`` ``[B, T, in_mult * H]`` -> q ``[B, nh, T, hd]``, k, v ``[B, kvh, T, hd]`` (rotary on q, k)."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)  # [B, nh, T, hd]
         k = self.k_proj(x).view(B, T, self.kvh, self.hd).transpose(1, 2)  # [B, kvh, T, hd]
@@ -218,7 +229,7 @@ class Eagle3MLP(nn.Module):
 
 
 class Eagle3DecoderLayer(nn.Module):
-    """The drafter's single decoder layer (SGLang key prefix ``midlayer.``)."""
+    """The drafter's first decoder layer (layer 0; SGLang key prefix ``midlayer.``)."""
 
     def __init__(self, a: DrafterArgs):
         super().__init__()
@@ -239,11 +250,32 @@ class Eagle3DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))  # [B, T, H]
 
 
+class Eagle3UpperLayer(Eagle3DecoderLayer):
+    """A decoder layer ``i >= 1`` of a deeper drafter (key prefix ``layers.{i}.``): a plain pre-norm Llama layer.
+
+    q/k/v read ``input_layernorm(h)`` (``H`` wide; no embedding) where ``h`` is the previous layer's output, which
+    is also the residual. The engines name this norm differently: vLLM 0.33 ``layers.i.input_layernorm``, SGLang
+    0.5.23 ``layers.i.hidden_norm`` (both fused with the residual add); here it is ``input_layernorm`` and the export
+    writes it under both names (:mod:`eagle3.export.serving`). No ``hidden_norm`` module of its own.
+    """
+
+    def __init__(self, a: DrafterArgs):
+        nn.Module.__init__(self)
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.self_attn = Eagle3Attention(a, in_mult=1)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.mlp = Eagle3MLP(a)
+
+    def qkv(self, emb: Optional[torch.Tensor], hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """hidden ``[B, T, H]`` (``emb`` unused) -> q, k, v of ``input_layernorm(hidden)``."""
+        return self.self_attn.qkv(self.input_layernorm(hidden), cos, sin)
+
+
 class DrafterCache:
     """KV cache of the drafter for incremental, batched decoding.
 
-    ``keys[l]`` / ``values[l]``: ``[B, kvh, S, hd]`` for layer ``l`` (the drafter has one layer),
-    rotary already applied to keys. ``length`` = ``S``, the number of cached slots (a Python int,
+    ``keys[l]`` / ``values[l]``: ``[B, kvh, S, hd]`` for decoder layer ``l`` (``DrafterArgs.num_layers`` of them;
+    the lists grow on a layer's first :meth:`append`), rotary already applied to keys. All layers share the slots. ``length`` = ``S``, the number of cached slots (a Python int,
     so no host sync is needed to read it).
 
     Rows of a batch advance by different numbers of verified tokens per round, so a slot may hold
@@ -269,6 +301,9 @@ class DrafterCache:
         ``valid`` (bool ``[B, T]``, None = all valid) marks which new slots hold real positions;
         it is recorded once per call of layer 0 (all layers share the slots).
         """
+        while layer >= len(self.keys):
+            self.keys.append(None)
+            self.values.append(None)
         if layer == 0 and (valid is not None or self.valid is not None):
             B, T = k.shape[0], k.shape[2]
             new = torch.ones(B, T, dtype=torch.bool, device=k.device) if valid is None else valid.to(torch.bool)  # [B, T]
@@ -373,10 +408,11 @@ class StaticKVCache:
 class Eagle3Drafter(nn.Module):
     """EAGLE-3 drafter with SGLang-compatible parameter names.
 
-    Submodules: ``embed_tokens`` (frozen, ``[target_V, H]``), ``fc`` (``3Ht -> H``), ``midlayer``,
-    ``norm``, ``lm_head`` (``H -> draft_V``), and for ``eagle3.1`` ``fc_norm`` (3 RMSNorms of width
-    ``Ht``, keys ``fc_norm.{0,1,2}.weight`` as in SGLang/vLLM). "Step output" below is what a
-    step feeds to the next one and to :meth:`compute_logits`: the midlayer output (``eagle3``) or
+    Submodules: ``embed_tokens`` (frozen, ``[target_V, H]``), ``fc`` (``3Ht -> H``), ``midlayer`` (decoder
+    layer 0), ``layers`` (decoder layers ``1..num_layers-1``, keys ``layers.{i}.*``, :class:`Eagle3UpperLayer`;
+    empty for the one-layer drafter), ``norm``, ``lm_head`` (``H -> draft_V``), and for ``eagle3.1`` ``fc_norm``
+    (3 RMSNorms of width ``Ht``, keys ``fc_norm.{0,1,2}.weight`` as in SGLang/vLLM). "Step output" below is what a
+    step feeds to the next one and to :meth:`compute_logits`: the last decoder layer's output (``eagle3``) or
     ``norm`` of it (``eagle3.1``, ``norm_output``). Buffers: ``d2t`` int64 ``[draft_V]`` (offset table,
     ``target = draft + d2t[draft]``), ``t2d`` bool ``[target_V]`` (FIELD-NOTES section 3).
     Initialisation: linear weights ``N(0, 0.02)`` (HF ``initializer_range``), norms 1, identity
@@ -393,6 +429,8 @@ class Eagle3Drafter(nn.Module):
         if a.fc_norm:
             self.fc_norm = nn.ModuleList([RMSNorm(a.target_hidden_size, a.rms_norm_eps) for _ in range(3)])
         self.midlayer = Eagle3DecoderLayer(a)
+        # layers 1.. of a deeper drafter; keys "layers.{i}.*" (empty, so no keys, for the one-layer drafter)
+        self.layers = nn.ModuleDict({str(i): Eagle3UpperLayer(a) for i in range(1, a.num_layers)})
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.lm_head = nn.Linear(a.hidden_size, a.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(a.draft_vocab_size, dtype=torch.long))
@@ -452,7 +490,7 @@ class Eagle3Drafter(nn.Module):
         return self.fc(aux)
 
     def step_output(self, h: torch.Tensor) -> torch.Tensor:
-        """The step output of a midlayer output ``h`` ``[..., H]``: ``h`` (``eagle3``) or ``norm(h)`` (``eagle3.1``)."""
+        """The step output of the last decoder layer's output ``h`` ``[..., H]``: ``h`` (``eagle3``) or ``norm(h)`` (``eagle3.1``)."""
         return self.norm(h) if self.args.norm_output else h
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -463,6 +501,10 @@ class Eagle3Drafter(nn.Module):
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Map draft ids (any shape, int64) to verifier ids: ``draft + d2t[draft]``."""
         return draft_ids + self.d2t[draft_ids]
+
+    def decoder_layers(self) -> list[Eagle3DecoderLayer]:
+        """The decoder layers in order: ``midlayer``, then ``layers["1"]``, ``layers["2"]`` ..."""
+        return [self.midlayer] + [self.layers[str(i)] for i in range(1, self.args.num_layers)]
 
     def _inv_freq(self, device) -> torch.Tensor:
         a = self.args
@@ -485,7 +527,7 @@ class Eagle3Drafter(nn.Module):
             attn_impl: ``auto`` (= ``sdpa``), ``sdpa`` (fast) or ``eager`` (reference).
 
         Returns:
-            ``ttt_length`` tensors ``[B, L, H]``: each step's output (the midlayer output, pre final
+            ``ttt_length`` tensors ``[B, L, H]``: each step's output (the last decoder layer's output, pre final
             norm; ``eagle3.1``: after the final norm), fed to the next step and to :meth:`compute_logits`.
 
         Raises:
@@ -495,22 +537,25 @@ class Eagle3Drafter(nn.Module):
         if ttt_length < 1:
             raise UserError(f"train.ttt_length must be >= 1, got {ttt_length}")
         B, L = input_ids.shape
-        attn = self.midlayer.self_attn
+        layers = self.decoder_layers()
         hidden = self.project(aux_hidden)  # [B, L, H]
         inv_freq = self._inv_freq(input_ids.device)
-        keys: list[torch.Tensor] = []
-        values: list[torch.Tensor] = []
+        keys: list[list[torch.Tensor]] = [[] for _ in layers]  # per layer, per step
+        values: list[list[torch.Tensor]] = [[] for _ in layers]
         outs: list[torch.Tensor] = []
         for i in range(ttt_length):
             ids = F.pad(input_ids[:, 1 + i :], (0, min(1 + i, L)))  # [B, L] x_{t+1+i}, 0 past the end
             emb = self.embed_tokens(ids).to(hidden.dtype)  # [B, L, H]
             pos = torch.arange(i, L + i, device=input_ids.device)  # [L] rotary position t+i
             cos, sin = rotary_cos_sin(pos, inv_freq)  # [1, 1, L, hd] float32
-            q, k, v = self.midlayer.qkv(emb, hidden, cos, sin)  # [B, nh, L, hd], [B, kvh, L, hd] x2
-            keys.append(k)
-            values.append(v)
-            o = ttt_attention(q, keys, values, attn.scale, impl)  # [B, nh, L, hd]
-            hidden = self.step_output(self.midlayer.finish(o, hidden))  # [B, L, H]
+            h = hidden
+            for l, layer in enumerate(layers):  # layer l attends to its own keys of steps 0..i
+                q, k, v = layer.qkv(emb, h, cos, sin)  # [B, nh, L, hd], [B, kvh, L, hd] x2
+                keys[l].append(k)
+                values[l].append(v)
+                o = ttt_attention(q, keys[l], values[l], layer.self_attn.scale, impl)  # [B, nh, L, hd]
+                h = layer.finish(o, h)  # [B, L, H]
+            hidden = self.step_output(h)  # [B, L, H]
             outs.append(hidden)
         return outs
 
@@ -535,22 +580,32 @@ class Eagle3Drafter(nn.Module):
                 queries; their own outputs are meaningless.
 
         Returns:
-            ``[B, T, H]`` step outputs (midlayer outputs; ``eagle3.1``: normed), fed to
+            ``[B, T, H]`` step outputs (last decoder layer outputs; ``eagle3.1``: normed), fed to
             :meth:`compute_logits` or back as ``hidden``.
         """
         past = cache.length
         T = input_ids.shape[1]
-        q, k, v = self._decode_qkv(input_ids, hidden, position_ids)  # [B, nh, T, hd], [B, kvh, T, hd] x2
-        k_all, v_all = cache.append(0, k, v, valid)  # [B, kvh, past+T, hd]
-        o = cached_attention(q, k_all, v_all, past, self.midlayer.self_attn.scale, mask=cache.attention_mask(T))  # [B, nh, T, hd]
-        return self.step_output(self.midlayer.finish(o, hidden))  # [B, T, H]
+        mask = []  # the same for every layer (they share the slots); known after layer 0's append
 
-    def _decode_qkv(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor):
-        """q ``[B, nh, T, hd]``, k, v ``[B, kvh, T, hd]`` of ``T`` decode positions (token embedding + hidden, rotary at
-        ``position_ids`` ``[B, T]``)."""
+        def attend(l, q, k, v):
+            k_all, v_all = cache.append(l, k, v, valid)  # [B, kvh, past+T, hd]
+            if l == 0:
+                mask.append(cache.attention_mask(T))
+            return cached_attention(q, k_all, v_all, past, self.midlayer.self_attn.scale, mask=mask[0])  # [B, nh, T, hd]
+
+        return self._decode_layers(input_ids, hidden, position_ids, attend)  # [B, T, H]
+
+    def _decode_layers(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor, attend):
+        """The step outputs ``[B, T, H]`` of ``T`` decode positions (token embedding + hidden, rotary at
+        ``position_ids`` ``[B, T]`` for every layer); ``attend(l, q [B, nh, T, hd], k, v [B, kvh, T, hd])`` stores
+        layer ``l``'s keys/values in its cache and returns its attention output ``[B, nh, T, hd]``."""
         emb = self.embed_tokens(input_ids).to(hidden.dtype)  # [B, T, H]
         cos, sin = rotary_cos_sin(position_ids, self._inv_freq(hidden.device))  # [B, 1, T, hd] float32
-        return self.midlayer.qkv(emb, hidden, cos, sin)
+        h = hidden
+        for l, layer in enumerate(self.decoder_layers()):
+            q, k, v = layer.qkv(emb, h, cos, sin)  # [B, nh, T, hd], [B, kvh, T, hd] x2
+            h = layer.finish(attend(l, q, k, v), h)  # [B, T, H]
+        return self.step_output(h)
 
     def decode_static(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
                       cache: StaticKVCache) -> torch.Tensor:
@@ -566,13 +621,16 @@ class Eagle3Drafter(nn.Module):
             input_ids: int64 ``[1, T]`` verifier-vocab ids.
             hidden: ``[1, T, H]`` projected hidden (:meth:`project` output or a previous step output).
             position_ids: int64 ``[1, T]`` rotary positions = cache columns (each ``< cache.capacity``).
-            cache: the drafter's :class:`StaticKVCache` (one layer), written in place.
+            cache: the drafter's :class:`StaticKVCache` (``num_layers`` layers), written in place.
 
         Returns:
             ``[1, T, H]`` step outputs, as :meth:`decode`.
         """
-        q, k, v = self._decode_qkv(input_ids, hidden, position_ids)  # [1, nh, T, hd], [1, kvh, T, hd] x2
         pos = position_ids[0]  # [T]
-        k_all, v_all = cache.write(0, k, v, pos)  # [1, kvh, C, hd]
-        o = cached_attention(q, k_all, v_all, 0, self.midlayer.self_attn.scale, mask=cache.mask(pos))  # [1, nh, T, hd]
-        return self.step_output(self.midlayer.finish(o, hidden))  # [1, T, H]
+        mask = cache.mask(pos)  # [1, 1, T, C]
+
+        def attend(l, q, k, v):
+            k_all, v_all = cache.write(l, k, v, pos)  # [1, kvh, C, hd]
+            return cached_attention(q, k_all, v_all, 0, self.midlayer.self_attn.scale, mask=mask)  # [1, nh, T, hd]
+
+        return self._decode_layers(input_ids, hidden, position_ids, attend)  # [1, T, H]

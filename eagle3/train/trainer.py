@@ -178,7 +178,8 @@ def build_drafter_args(cfg: RunConfig, data_config: dict, vocab: dict):
     fixed = dict(draft_vocab_size=int(vocab["draft_vocab_size"]), target_vocab_size=int(vocab["target_vocab_size"]),
                  target_hidden_size=int(data_config["hidden_size"]))
     if all(v is not None for v in given.values()):
-        return warn_short_context(cfg, DrafterArgs(**given, **fixed, variant=cfg.drafter.variant))
+        return warn_short_context(cfg, DrafterArgs(**given, **fixed, variant=cfg.drafter.variant,
+                                                   num_layers=cfg.drafter.num_layers))
     from eagle3.verifier import load_verifier_config, text_config, verifier_dims
 
     hf = load_verifier_config(cfg.verifier)
@@ -192,7 +193,7 @@ def build_drafter_args(cfg: RunConfig, data_config: dict, vocab: dict):
             over["head_dim"] = dims["head_dim"]
     return warn_short_context(cfg, DrafterArgs.from_hf_config(text_config(hf), fixed["draft_vocab_size"], **over,
                                       **{k: v for k, v in fixed.items() if k != "draft_vocab_size"},
-                                      variant=cfg.drafter.variant))
+                                      variant=cfg.drafter.variant, num_layers=cfg.drafter.num_layers))
 
 
 def warn_short_context(cfg: RunConfig, args):
@@ -686,7 +687,7 @@ def _fingerprint(cfg: RunConfig, args) -> str:
                                           "batch_size", "grad_accum", "grad_clip", "seed")}
     if t.loss != "soft_ce":  # recorded only when set, so that fingerprints of earlier runs stay what they were
         keep.update(loss=t.loss, lk_eta=t.lk_eta)
-    return ckpt.config_fingerprint({"train": keep, "drafter": dataclasses.asdict(args),
+    return ckpt.config_fingerprint({"train": keep, "drafter": args.to_json(),  # num_layers only when > 1
                                     "max_length": cfg.extract.max_length})
 
 
@@ -1066,7 +1067,7 @@ class _Training:
                 "samples_in_epoch": self.data.order.samples_before(self.epoch, self.step_in_epoch),
                 "model": trainable_state(self.inputs.drafter), "optimizer": o.optimizer.state_dict(),
                 "scheduler": o.scheduler.state_dict(), "rng": rngs,
-                "drafter_args": dataclasses.asdict(self.inputs.args), "config_fingerprint": o.fingerprint,
+                "drafter_args": self.inputs.args.to_json(), "config_fingerprint": o.fingerprint,
                 "world_size": d.world, "data_order": _data_order(self.cfg), "init_from": self.inputs.init_from,
             }, keep=self.t.keep_checkpoints)
         _barrier(d)
@@ -1308,7 +1309,7 @@ def write_report(train_dir: Path, result: dict, args) -> None:
     A run stopped by a signal gets one too (``stopped``, ``signal``, its step, no ``final_val``); the run that
     resumes it rewrites it."""
     rows = _read_metrics(train_dir / "metrics.jsonl")
-    report = dict(result, drafter_args=dataclasses.asdict(args))
+    report = dict(result, drafter_args=args.to_json())
     atomic_write_json(train_dir / "train_report.json", report)
     val = result.get("final_val") or {}
     acc_keys = sorted((k for k in val if k.startswith("acc_")), key=lambda k: int(k.split("_")[-1]))
