@@ -26,14 +26,15 @@ def make_verifier(vocab: int = 256, seed: int = 0):
     return LlamaForCausalLM(cfg).eval()
 
 
-def make_drafter(verifier, draft_targets: list[int], seed: int = 1) -> Eagle3Drafter:
-    """A random real Eagle3Drafter over the draft vocab ``sorted(draft_targets)`` (d2t offsets)."""
+def make_drafter(verifier, draft_targets: list[int], seed: int = 1, num_layers: int = 1) -> Eagle3Drafter:
+    """A random real Eagle3Drafter over the draft vocab ``sorted(draft_targets)`` (d2t offsets), ``num_layers`` deep."""
     c = verifier.config
     V = c.vocab_size
     targets = torch.tensor(sorted(set(draft_targets)), dtype=torch.long)  # [draft_V]
     args = DrafterArgs(hidden_size=c.hidden_size, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                        intermediate_size=96, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=512,
-                       draft_vocab_size=len(targets), target_vocab_size=V, target_hidden_size=c.hidden_size)
+                       draft_vocab_size=len(targets), target_vocab_size=V, target_hidden_size=c.hidden_size,
+                       num_layers=num_layers)
     torch.manual_seed(seed)
     d = Eagle3Drafter(args, verifier.get_input_embeddings().weight).eval()
     t2d = torch.zeros(V, dtype=torch.bool)
@@ -76,9 +77,9 @@ def test_greedy_matches_transformers_generate(verifier):
     assert seconds > 0
 
 
-@pytest.mark.parametrize("steps", [1, 4])
-def test_random_drafter_is_lossless(verifier, steps):
-    drafter = make_drafter(verifier, list(range(0, 256, 3)))
+@pytest.mark.parametrize("steps,num_layers", [(1, 1), (4, 1), (4, 2)])
+def test_random_drafter_is_lossless(verifier, steps, num_layers):
+    drafter = make_drafter(verifier, list(range(0, 256, 3)), num_layers=num_layers)
     for p in PROMPTS[1:]:
         g, _ = greedy_generate(verifier, p, 16, ())
         r = speculative_generate(verifier, drafter, p, AUX, steps=steps, max_new_tokens=16)
@@ -249,14 +250,14 @@ def test_batched_greedy_equals_per_row_greedy(verifier, per_row_greedy):
     assert per_row_greedy[1] == ref[0, len(BATCH_PROMPTS[1]):].tolist()
 
 
-@pytest.mark.parametrize("steps", [1, 3])
-def test_batched_speculative_equals_per_row_greedy_and_batch1_tau(verifier, per_row_greedy, steps):
+@pytest.mark.parametrize("steps,num_layers", [(1, 1), (3, 1), (3, 2)])
+def test_batched_speculative_equals_per_row_greedy_and_batch1_tau(verifier, per_row_greedy, steps, num_layers):
     """fp32: batched speculative output == per-row unbatched greedy token for token, and every row
     accepts exactly what it accepts alone (so tau of batch 4 == tau of batch 1)."""
     from eagle3.benchmark.offline import acceptance_stats
     from eagle3.benchmark.decode import speculative_generate_batch
 
-    drafter = make_drafter(verifier, list(range(0, 256, 3)))
+    drafter = make_drafter(verifier, list(range(0, 256, 3)), num_layers=num_layers)
     batch = speculative_generate_batch(verifier, drafter, BATCH_PROMPTS, AUX, steps=steps, max_new_tokens=20,
                                        reference=per_row_greedy)
     alone = [speculative_generate(verifier, drafter, p, AUX, steps=steps, max_new_tokens=20) for p in BATCH_PROMPTS]
@@ -332,3 +333,36 @@ def test_mismatch_reports_index_and_logit_gap(verifier, per_row_greedy):
         logits = verifier(torch.tensor([BATCH_PROMPTS[1] + per_row_greedy[1][:5]])).logits[0, -1]  # [V]
     want = float(logits.max() - logits[wrong])
     assert want > 0 and res.rows[1].gap == pytest.approx(want, abs=1e-4)
+
+
+def two_token_drafter(verifier, a: int, b: int, num_layers: int, seed: int = 1) -> Eagle3Drafter:
+    """A real drafter over the draft vocab {a, b} whose choice depends on every layer: ``lm_head`` row 1 random, row 0
+    zero, so it drafts the larger id when ``w . norm(h) > 0`` and the smaller one otherwise (argmax takes the first of
+    ties). With ``a``, ``b`` the verifier's most frequent greedy tokens, some drafts are accepted."""
+    d = make_drafter(verifier, [a, b], seed=seed, num_layers=num_layers)
+    with torch.no_grad():
+        d.lm_head.weight.zero_()
+        d.lm_head.weight[1].normal_()
+    return d
+
+
+def frequent_pair(greedy_rows: list[list[int]]) -> tuple[int, int]:
+    (a, _), (b, _) = Counter(t for r in greedy_rows for t in r).most_common(2)
+    return a, b
+
+
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_layer_dependent_drafter_batched_equals_alone_with_acceptances(verifier, per_row_greedy, num_layers):
+    """Drafts that depend on all the drafter's layers (and so on each layer's cache: crops of the drafted slots,
+    holes of rejected ones) are accepted in places; batched == alone == greedy, accept lengths equal."""
+    from eagle3.benchmark.decode import speculative_generate_batch
+
+    drafter = two_token_drafter(verifier, *frequent_pair(per_row_greedy), num_layers=num_layers, seed=3)
+    batch = speculative_generate_batch(verifier, drafter, BATCH_PROMPTS, AUX, steps=3, max_new_tokens=20,
+                                       reference=per_row_greedy)
+    alone = [speculative_generate(verifier, drafter, p, AUX, steps=3, max_new_tokens=20) for p in BATCH_PROMPTS]
+    assert [r.tokens for r in batch.rows] == [r.tokens for r in alone] == per_row_greedy
+    assert [r.accept_lengths for r in batch.rows] == [r.accept_lengths for r in alone]
+    assert [r.accepted for r in batch.rows] == [r.accepted for r in alone]
+    flags = [f for r in alone for fl in r.accepted for f in fl]
+    assert 0 < sum(flags) < len(flags)  # accepted and rejected drafts both occur

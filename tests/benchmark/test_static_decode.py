@@ -65,9 +65,9 @@ def test_greedy_matches_transformers_generate_over_reused_decoder(verifier):
     assert verifier.config._attn_implementation != "eagle3_static"  # close() gave the attention back
 
 
-@pytest.mark.parametrize("steps", [1, 3])
-def test_speculative_equals_batched_decoder(verifier, steps):
-    drafter = make_drafter(verifier, list(range(0, 256, 3)))
+@pytest.mark.parametrize("steps,num_layers", [(1, 1), (3, 1), (3, 2)])
+def test_speculative_equals_batched_decoder(verifier, steps, num_layers):
+    drafter = make_drafter(verifier, list(range(0, 256, 3)), num_layers=num_layers)
     prompts = [PROMPTS[0], [9, 8, 7, 6, 5, 4], PROMPTS[2]]
     wants = [speculative_generate(verifier, drafter, p, AUX, steps=steps, max_new_tokens=20) for p in prompts]
     greedy = [greedy_generate(verifier, p, 20, ())[0] for p in prompts]
@@ -164,3 +164,20 @@ def test_errors(verifier):
             dec.speculative([1, 2])
     with pytest.raises(UserError, match="exactly 3"):
         StaticDecoder(verifier, 40, 20, drafter=make_drafter(verifier, [1, 2]), aux_layers=[1, 2])
+
+
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_layer_dependent_drafter_static_equals_batched(verifier, num_layers):
+    """The static decoder's drafter (one StaticKVCache column set per layer, drafted slots overwritten in place) drafts
+    what the batched decoder's does, with drafts that depend on every layer and are accepted in places."""
+    from test_decode import BATCH_PROMPTS, frequent_pair, two_token_drafter
+
+    greedy = [greedy_generate(verifier, p, 20, ())[0] for p in BATCH_PROMPTS]
+    drafter = two_token_drafter(verifier, *frequent_pair(greedy), num_layers=num_layers, seed=3)
+    wants = [speculative_generate(verifier, drafter, p, AUX, steps=3, max_new_tokens=20) for p in BATCH_PROMPTS]
+    with StaticDecoder(verifier, capacity_for(BATCH_PROMPTS, 20, 3), 20, drafter=drafter, aux_layers=AUX, steps=3) as dec:
+        for p, want, g in zip(BATCH_PROMPTS, wants, greedy):
+            got = dec.speculative(p).rows[0]
+            assert got.tokens == want.tokens == g
+            assert got.accept_lengths == want.accept_lengths and got.accepted == want.accepted
+    assert sum(f for w in wants for fl in w.accepted for f in fl) > 0

@@ -100,9 +100,9 @@ def test_unsupported_rope_scaling_is_a_user_error():
 
 
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("heads", [(4, 2), (4, 4)])
-def test_eager_and_sdpa_ttt_identical_outputs_and_grads(heads):
-    d = make(num_attention_heads=heads[0], num_key_value_heads=heads[1])
+@pytest.mark.parametrize("heads,num_layers", [((4, 2), 1), ((4, 4), 1), ((4, 2), 2)])
+def test_eager_and_sdpa_ttt_identical_outputs_and_grads(heads, num_layers):
+    d = make(num_attention_heads=heads[0], num_key_value_heads=heads[1], num_layers=num_layers)
     B, L, K = 2, 13, 5
     ids = torch.randint(0, 50, (B, L))
     aux = torch.randn(B, L, 72)
@@ -173,8 +173,9 @@ def test_bad_attn_impl_and_ttt_length():
 
 
 # ---------------------------------------------------------------------------------------------
-def test_kv_cached_decode_matches_ttt_every_step_and_position():
-    d = make(seed=2)
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_kv_cached_decode_matches_ttt_every_step_and_position(num_layers):
+    d = make(seed=2, num_layers=num_layers)
     B, L, K = 2, 9, 4
     ids = torch.randint(0, 50, (B, L))
     aux = torch.randn(B, L, 72)
@@ -196,8 +197,9 @@ def test_kv_cached_decode_matches_ttt_every_step_and_position():
                 assert torch.allclose(d.compute_logits(h)[:, 0], ref[i][:, t], atol=1e-5), (t, i)
 
 
-def test_chunked_prefill_equals_single_prefill():
-    d = make(seed=3)
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_chunked_prefill_equals_single_prefill(num_layers):
+    d = make(seed=3, num_layers=num_layers)
     B, L = 2, 11
     ids = torch.randint(0, 50, (B, L))
     with torch.no_grad():
@@ -292,10 +294,11 @@ def test_bf16_autocast_training_path_close_to_fp32():
         assert float((o.detach().float() - r.detach()).norm() / r.detach().norm()) < 0.05
 
 
-def test_decode_with_invalid_slots_equals_decode_without_them():
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_decode_with_invalid_slots_equals_decode_without_them(num_layers):
     """Batched drafter cache with holes (padding, rejected drafts): each row's outputs at its valid
     slots equal an unbatched run over that row's valid slots only, at the same rotary positions."""
-    d = make(seed=4)
+    d = make(seed=4, num_layers=num_layers)
     B, T1, T2 = 2, 6, 4
     ids = torch.randint(0, 50, (B, T1 + T2))
     h = torch.randn(B, T1 + T2, d.args.hidden_size)
