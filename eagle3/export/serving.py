@@ -6,7 +6,7 @@ the other engine loads without error but captures the wrong verifier layers:
 
 - ``sglang`` (also SpecForge) -> serve with SGLang only:
   ``config.json`` = LlamaConfig fields + ``architectures: ["LlamaForCausalLMEagle3"]``,
-  ``num_hidden_layers: 1``, ``draft_vocab_size``, ``target_hidden_size`` and
+  ``num_hidden_layers`` (= ``num_layers``, 1 by default), ``draft_vocab_size``, ``target_hidden_size`` and
   ``eagle_config: {eagle_aux_hidden_state_layer_ids, use_aux_hidden_state: true}`` with SGLang ids
   (:func:`eagle3.layers.engine_layer_ids`: HF index - 1 for Llama-family verifiers, the HF index
   for DeepSeek/Kimi ones); ``model.safetensors`` with keys :data:`SGLANG_KEYS`. vLLM would load
@@ -22,6 +22,14 @@ the other engine loads without error but captures the wrong verifier layers:
   SGLang (vLLM drops ``t2d`` at load; it is kept for round trips), except that a full-vocab drafter
   (``draft_vocab_size`` = the verifier's vocab) has neither ``d2t`` nor ``t2d``: vLLM's loader
   refuses ``d2t`` then (:func:`writes_vocab_map`). SGLang cannot load it.
+
+Deeper drafters (``DrafterArgs.num_layers`` = ``num_hidden_layers`` in both configs, eagle3/train/model.py "Depth"):
+layer 0 keeps its names (``midlayer.`` / ``layers.0.``); each layer ``i >= 1`` adds :func:`upper_layer_keys` in both
+formats (SGLang 0.5.23's loader maps only ``midlayer.`` to ``layers.0.`` and loads ``layers.{i}.*`` as named; vLLM's
+``AutoWeightsLoader`` the same). Its pre-attention norm is written twice, as ``layers.{i}.hidden_norm.weight`` (what
+SGLang applies) and ``layers.{i}.input_layernorm.weight`` (what vLLM applies): each engine creates both modules and
+leaves the other unused. :func:`load_exported` requires both and loads the one the folder's engine applies
+(:data:`ENGINE_UPPER_NORM`), warning when they differ.
 
 EAGLE-3.1 drafters (``DrafterArgs.variant == "eagle3.1"``, eagle3/train/model.py) add the tensors
 ``fc_norm.{0,1,2}.weight`` (same names in both engines) and the top-level config keys

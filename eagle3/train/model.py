@@ -1,4 +1,4 @@
-"""The EAGLE-3 drafter: ``fc`` + one Llama-style decoder layer (``midlayer``) + ``norm`` + ``lm_head``.
+"""The EAGLE-3 drafter: ``fc`` + Llama-style decoder layers (``midlayer``, then ``layers.{i}``) + ``norm`` + ``lm_head``.
 
 Architecture (FIELD-NOTES section 1; EAGLE-3 paper arXiv 2503.01840; SGLang ``llama_eagle3.py``):
 three verifier aux hidden states ``f_t = cat(aux1, aux2, aux3)`` ``[3Ht]`` are projected by ``fc``
@@ -22,8 +22,20 @@ Variants (:data:`VARIANTS`, ``DrafterArgs.variant``, config ``drafter.variant``)
   vLLM 0.33 ``llama_eagle3.py`` + ``speculators/algos.py`` (the same keys) serve it; a single norm
   over the whole concatenation (speculators' ``norm_before_fc``) is not this variant.
 
-Parameter names equal the SGLang / SpecForge checkpoint keys (FIELD-NOTES section 4), so
-``state_dict()`` minus ``embed_tokens.weight`` is the SGLang export.
+Depth (``DrafterArgs.num_layers``, config ``drafter.num_layers``, default 1 = the drafter above): decoder layer 0 is
+the layer described above (``midlayer``); layers ``i >= 1`` (:class:`Eagle3UpperLayer`, ``layers.{i}``) are plain
+pre-norm Llama layers, as SGLang 0.5.23 / vLLM 0.33 ``llama_eagle3.py`` build ``num_hidden_layers > 1``: with
+``h_0`` = layer 0's output, ``h_i = g + mlp_i(post_attention_layernorm_i(g))``, ``g = h_{i-1} +
+attn_i(input_layernorm_i(h_{i-1}))`` (q/k/v ``H`` wide; no embedding). The engines write this with fused
+``norm(x, residual)`` calls; it is the same residual stream. The last layer's output is what one layer's output was
+(step output, final ``norm``). All layers use the step's rotary positions; each has its own keys/values (TTT: step
+``i`` of layer ``l`` attends to layer ``l``'s keys of steps ``0..i``; decoding: ``DrafterCache.keys[l]``,
+``StaticKVCache`` layer ``l``). SGLang calls ``input_layernorm_i`` ``layers.i.hidden_norm``, vLLM
+``layers.i.input_layernorm``: the export writes it under both names (:mod:`eagle3.export.serving`).
+
+Parameter names equal the SGLang / SpecForge checkpoint keys (FIELD-NOTES section 4), so for one layer
+``state_dict()`` minus ``embed_tokens.weight`` is the SGLang export (a deeper drafter adds ``layers.{i}.*`` and the
+export adds ``layers.{i}.hidden_norm.weight``, a copy of ``layers.{i}.input_layernorm.weight``).
 """
 
 from __future__ import annotations
