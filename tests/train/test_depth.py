@@ -164,13 +164,13 @@ def test_model_equals_the_engines_layer_loop(tmp_path, engine, num_layers, varia
         assert (shallow.compute_logits(shallow.ttt_forward(ids, aux, 1)[0]) - ref[0]).abs().max() > 1e-2
 
 
-def test_layer_i_attends_to_its_own_ttt_keys():
-    """Step i of layer 1 reads layer 1's keys of steps 0..i: feeding layer 1 layer 0's keys changes the outputs."""
+def test_decode_keeps_one_cache_per_layer():
+    """A 2-layer prefill fills two caches of the same slots with different keys, and equals TTT step 0 (the later
+    steps, read from each layer's own cache, are checked by test_model.py::test_kv_cached_decode_matches_ttt_*)."""
     d = make(2)
     ids, aux = inputs()
     with torch.no_grad():
         good = d.ttt_forward(ids, aux, 3, attn_impl="eager")
-    # reference: layer-by-layer decode over caches, one per layer, as TTT (also in test_kv_cached_decode...)
     c = DrafterCache()
     B, L = ids.shape
     with torch.no_grad():
@@ -264,3 +264,74 @@ def test_args_config_and_checkpoint_plumbing():
     with pytest.raises(Exception):
         DrafterConfig(num_layers=0)
     assert "hidden_norm" in DrafterConfig.model_fields["num_layers"].description
+
+
+def _engine_params(n: int) -> set[str]:
+    """Parameter names (and stacked shards) of SGLang 0.5.23's / vLLM 0.33's ``llama_eagle3.py`` model for
+    ``num_hidden_layers = n`` (every layer creates input_layernorm AND hidden_norm; q/k/v and gate/up stacked)."""
+    out = {"model.fc.weight", "model.norm.weight", "lm_head.weight"}
+    for i in range(n):
+        p = f"model.layers.{i}."
+        out |= {p + "self_attn.qkv_proj.weight:" + s for s in "qkv"} | {p + "mlp.gate_up_proj.weight:" + s for s in "01"}
+        out |= {p + k for k in ("self_attn.o_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight",
+                                "hidden_norm.weight", "post_attention_layernorm.weight")}
+    return out
+
+
+def _sglang_loaded(names) -> dict[str, str]:
+    """SGLang 0.5.23 ``LlamaForCausalLMEagle3.load_weights`` name handling: legacy ``midlayer`` -> ``layers.0``,
+    d2t/t2d consumed, stacked q/k/v and gate/up, ``model.`` prefix when the bare name is not a parameter; names that
+    match no parameter are skipped silently (returned as ``None``)."""
+    params = _engine_params(99)
+    stacked = [(".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"), (".qkv_proj", ".v_proj", "v"),
+               (".gate_up_proj", ".gate_proj", "0"), (".gate_up_proj", ".up_proj", "1")]
+    got = {}
+    for orig in names:
+        name = orig.replace("midlayer", "layers.0") if "midlayer" in orig else orig
+        if "d2t" in name or "t2d" in name:
+            continue
+        for pn, wn, sid in stacked:
+            if wn in name:
+                name = name.replace(wn, pn)
+                full = name if name + ":" + sid in params else f"model.{name}"
+                got[orig] = full + ":" + sid if full + ":" + sid in params else None
+                break
+        else:
+            full = name if name in params else f"model.{name}"
+            got[orig] = full if full in params else None
+    return got
+
+
+def _vllm_loaded(names) -> dict[str, str]:
+    """vLLM 0.33 ``Eagle3LlamaForCausalLM.load_weights``: t2d dropped, d2t renamed, ``model.`` prefix except
+    ``lm_head``, then ``hf_to_vllm_mapper`` (``midlayer.`` -> ``layers.0.``, stacked q/k/v and gate/up)."""
+    stacked = {".q_proj": (".qkv_proj", "q"), ".k_proj": (".qkv_proj", "k"), ".v_proj": (".qkv_proj", "v"),
+               ".gate_proj": (".gate_up_proj", "0"), ".up_proj": (".gate_up_proj", "1")}
+    params = _engine_params(99)
+    got = {}
+    for orig in names:
+        if "t2d" in orig or "d2t" in orig:
+            continue
+        name = orig if "lm_head" in orig else "model." + orig
+        name = name.replace("midlayer.", "layers.0.")
+        for wn, (pn, sid) in stacked.items():
+            if wn in name:
+                name = name.replace(wn, pn) + ":" + sid
+                break
+        got[orig] = name if name in params else None
+    return got
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_engine_loaders_fill_every_parameter_of_a_two_layer_draft(tmp_path, engine):
+    """Every tensor of the 2-layer export lands on a parameter of the engine's 2-layer model and every parameter of
+    it is written (SGLang would skip an unknown name silently and keep a random or unit weight); the norm each engine
+    applies in layer 1 holds the trained weight."""
+    d = make(2)
+    out = export_drafter(d, tmp_path / engine, engine, [2, 15, 27], LLAMA30, dtype="float32")
+    t = load_file(str(out / "model.safetensors"))
+    got = (_sglang_loaded if engine == "sglang" else _vllm_loaded)(t)
+    assert None not in got.values(), [k for k, v in got.items() if v is None]
+    assert set(got.values()) == _engine_params(2)
+    applied = {v: k for k, v in got.items()}["model.layers.1." + ("hidden_norm" if engine == "sglang" else "input_layernorm") + ".weight"]
+    assert torch.equal(t[applied], d.layers["1"].input_layernorm.weight.detach())
