@@ -577,7 +577,8 @@ def _format_validation_error(path: Path, err: ValidationError, overrides: Option
         return f"{where}: unknown config key '{loc}'{_did_you_mean(loc_t)}"
     if e["type"] == "missing":
         return f"{where}: missing required config key '{loc}'"
-    return f"{where}: field '{loc}': {e['msg']} (got {_short(e.get('input'))})"
+    msg = e["msg"].removeprefix("Value error, ") if e["type"] == "value_error" else e["msg"]  # our validators' own words
+    return f"{where}: field '{loc}': {msg} (got {_short(e.get('input'))})"
 
 
 def _section_model(loc: tuple[str, ...]) -> Optional[type[BaseModel]]:

@@ -46,8 +46,10 @@ def report_markdown(report: dict) -> str:
         if "via" in reg:
             rows += [("regeneration: via", reg["via"])]
         if "failed" in reg:
-            rows += [("regeneration: failed conversations", reg["failed"]), ("regeneration: retried requests", reg["retries"]),
-                     ("regeneration: resumed from the log", reg["resumed"])]
+            rows += [("regeneration: failed conversations", reg["failed"]), ("regeneration: retried requests", reg["retries"])]
+        if "failed" in reg or reg.get("resumed"):  # a resumed run: its figures below cover the conversations it answered
+            rows += [("regeneration: conversations resumed from the log (answered by an earlier run; the regeneration "
+                      "figures below count this run's only)", reg.get("resumed", 0))]
         if "sampling" in reg:
             rows += [(f"sampling: {k}", json.dumps(v) if isinstance(v, dict) else v) for k, v in reg["sampling"].items()]
         es = reg.get("engine_stats") or []

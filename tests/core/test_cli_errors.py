@@ -123,7 +123,7 @@ PER_SCRIPT = {
         (["--tie-tolerance", "-0.5"], "argument --tie-tolerance: must be >= 0, got -0.5"),
         (["--server", "notaurl"], "argument --server: expected http://host:port, got 'notaurl'"),
         (["--server", "http://h:port"], "argument --server: not a valid URL"),
-        (["--set", "benchmark.server_urls=[ftp://x]"], "--set benchmark.server_urls=[ftp://x]: field 'benchmark.server_urls': Value error, expected http://host:port"),
+        (["--set", "benchmark.server_urls=[ftp://x]"], "--set benchmark.server_urls=[ftp://x]: field 'benchmark.server_urls': expected http://host:port"),
         (["--drafter", "{root}/no-drafter"], "--drafter: folder '{root}/no-drafter' not found"),
         ([], "--drafter: folder 'outputs/r/drafter-sglang' not found"),
     ],

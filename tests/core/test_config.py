@@ -134,7 +134,7 @@ def test_a_boolean_is_never_a_number(tmp_path, override, key):
     """pydantic's lax mode coerced true -> 1 (a 1-token draft vocab); every int/float field refuses it."""
     with pytest.raises(UserError) as e:
         load_config(_write(tmp_path, BASE), [override])
-    assert str(e.value).startswith(f"--set {override}: field '{key}': Value error, expected a number, not a boolean")
+    assert str(e.value).startswith(f"--set {override}: field '{key}': expected a number, not a boolean")
     f = _write(tmp_path, BASE + "train:\n  grad_accum: yes\n")
     with pytest.raises(UserError, match=rf"{f}:7: field 'train.grad_accum': .*not a boolean"):
         load_config(f)

@@ -372,3 +372,18 @@ def test_report_counts_prefix_reuse_and_answers_do_not_change(tmp_path, tiny_lla
     (es,) = json.loads(report_path(cfg).read_text())["regeneration"]["engine_stats"]
     assert es["reused_tokens"] == 0 and es["prefill_tokens"] == sum(map(len, prompts))
     assert cfg.prompts_path.read_bytes() == first
+
+
+def test_report_markdown_says_a_resumed_run_counts_only_its_own_answers():
+    """A resumed local regeneration's figures (new tokens, truncated, seconds) are this run's; the row says how many
+    conversations an earlier run answered, and a fresh run has no such row."""
+    from eagle3.prompts.prepare_prompts import report_markdown
+
+    rep = {"counts": {"read": 20, "skipped": {}, "kept": 20, "regenerated": 20}, "settings": {"source": "s.jsonl"},
+           "regeneration": {"resumed": 11, "new_tokens": 1344, "truncated": 42, "seconds": 935.1, "tokens_per_s": 1.4}}
+    md = report_markdown(rep)
+    assert ("| regeneration: conversations resumed from the log (answered by an earlier run; the regeneration figures "
+            "below count this run's only) | 11 |") in md
+    assert md.index("resumed from the log") < md.index("regeneration: new tokens | 1344")
+    rep["regeneration"]["resumed"] = 0
+    assert "resumed from the log" not in report_markdown(rep)
