@@ -47,6 +47,13 @@ def _stops(model, prompts, max_new) -> set[int]:
     return {free[0][3], free[1][5]}
 
 
+def _greedy_case(model, n: int, max_new: int, seed: int):
+    """``n`` random prompts, two stop ids that occur in their free-running answers, and HF greedy's answers."""
+    prompts = _prompts(n, model.config.vocab_size, seed=seed)
+    stops = _stops(model, prompts, max_new)
+    return prompts, stops, [hf_greedy(model, p, max_new, stops) for p in prompts]
+
+
 def _run(engine, prompts, later: dict | None = None):
     """Submit prompts, then (while iterating) the ``later`` prompts keyed after a finished key; collect answers."""
     for i, p in enumerate(prompts):
@@ -236,9 +243,7 @@ def test_hf_continuous_engine_equals_hf_greedy(tiny):
     """transformers' ContinuousBatchingManager behind the same contract (the library baseline)."""
     model, _ = tiny
     max_new = 8
-    prompts = _prompts(5, model.config.vocab_size, seed=2)
-    stops = _stops(model, prompts, max_new)
-    want = [hf_greedy(model, p, max_new, stops) for p in prompts]
+    prompts, stops, want = _greedy_case(model, 5, max_new, seed=2)
     got = _run(HFContinuousEngine(model, 4, max_new, stops, max_len=64), prompts, {1: prompts[3][:5]})
     assert [got[i] for i in range(5)] == want
     assert got[("after", 1)] == hf_greedy(model, prompts[3][:5], max_new, stops)
@@ -794,9 +799,7 @@ def test_refill_free_gives_fewer_fuller_prefills_and_the_same_answers(tiny):
     """A larger prompts.regen_refill_free batches the refills (fewer prefill forwards); answers stay HF greedy."""
     model, _ = tiny
     max_new = 12
-    prompts = _prompts(24, model.config.vocab_size, seed=3)
-    stops = _stops(model, prompts, max_new)
-    want = [hf_greedy(model, p, max_new, stops) for p in prompts]
+    prompts, stops, want = _greedy_case(model, 24, max_new, seed=3)
     calls = {}
     for share in (1 / 32, 0.5):
         eng = SlotEngine(model, 8, max_len=64, max_new_tokens=max_new, stop_ids=stops, check_every=1,

@@ -293,16 +293,22 @@ def test_regen_compile_is_not_in_the_settings_fingerprint(tmp_path):
     assert "regen_compile" not in json.dumps(got[0])
 
 
+def _tiny_regen_config(tmp_path, tiny_llama_dir, src, max_new_tokens: int):
+    """A run.yaml regenerating ``src`` (messages JSONL) with the tiny Llama on the CPU in float32, 2 decode rows."""
+    f = tmp_path / "run.yaml"
+    f.write_text(f"run_name: t\noutput_root: {tmp_path / 'out'}\n"
+                 f"verifier: {{path: {tiny_llama_dir}, dtype: float32, device: cpu}}\n"
+                 f"prompts: {{source: {src}, format: messages, regenerate: true, max_new_tokens: {max_new_tokens}, "
+                 f"gen_batch_size: 2,\n          regen_cuda_graphs: false}}\nextract: {{max_length: 256}}\n")
+    return f
+
+
 def test_report_records_the_regen_compile_decision(tmp_path, tiny_llama_dir, capsys):
     """01's prompts_report.json says whether the decode step was compiled and why (auto, the default: never on the
     CPU), with the decision's inputs; switching the setting afterwards leaves the prompts up to date."""
     src = _jsonl(tmp_path / "c.jsonl", [{"messages": [U("Hi there"), A("x"), U("And then?"), A("y")]},
                                         {"messages": [U("Count to three"), A("z")]}])
-    f = tmp_path / "run.yaml"
-    f.write_text(f"run_name: t\noutput_root: {tmp_path / 'out'}\n"
-                 f"verifier: {{path: {tiny_llama_dir}, dtype: float32, device: cpu}}\n"
-                 f"prompts: {{source: {src}, format: messages, regenerate: true, max_new_tokens: 4, gen_batch_size: 2,\n"
-                 f"          regen_cuda_graphs: false}}\nextract: {{max_length: 256}}\n")
+    f = _tiny_regen_config(tmp_path, tiny_llama_dir, src, max_new_tokens=4)
     cfg = load_config(f)
     assert cfg.prompts.regen_compile == "auto"
     assert run(cfg) == 0
@@ -339,11 +345,7 @@ def test_report_counts_prefix_reuse_and_answers_do_not_change(tmp_path, tiny_lla
     src = _jsonl(tmp_path / "c.jsonl", [{"messages": [U("Hi there"), A("x"), U("And then?"), A("y"), U("Why?"), A("z")]},
                                         {"messages": [U("Count to three"), A("z")]},
                                         {"messages": [U("Name a colour"), A("x"), U("Another one"), A("y")]}])
-    f = tmp_path / "run.yaml"
-    f.write_text(f"run_name: t\noutput_root: {tmp_path / 'out'}\n"
-                 f"verifier: {{path: {tiny_llama_dir}, dtype: float32, device: cpu}}\n"
-                 f"prompts: {{source: {src}, format: messages, regenerate: true, max_new_tokens: 6, gen_batch_size: 2,\n"
-                 f"          regen_cuda_graphs: false}}\nextract: {{max_length: 256}}\n")
+    f = _tiny_regen_config(tmp_path, tiny_llama_dir, src, max_new_tokens=6)
     cfg = load_config(f)
     assert run(cfg) == 0
     rep = json.loads(report_path(cfg).read_text())["regeneration"]

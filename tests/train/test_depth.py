@@ -16,31 +16,15 @@ from safetensors.torch import load_file, save_file
 from eagle3.errors import UserError
 from eagle3.export.serving import SGLANG_KEYS, VLLM_KEYS, export_drafter, load_exported, upper_layer_keys
 from eagle3.train.checkpoint import check_drafter_args
-from eagle3.train.model import DrafterArgs, DrafterCache, Eagle3Drafter, RMSNorm, StaticKVCache
+from eagle3.train.model import DrafterArgs, DrafterCache, Eagle3Drafter, StaticKVCache
+from test_variant import make as make_tiny
 
 LLAMA30 = dict(name="tiny/llama-30", architecture="LlamaForCausalLM", num_layers=30, hidden_size=24, vocab_size=50)
 
 
 def make(num_layers: int = 2, variant: str = "eagle3", seed: int = 0) -> Eagle3Drafter:
     """A tiny drafter (H 24, 4 heads of 6, 2 kv heads), non-trivial norms (every layer's differ), a d2t map."""
-    torch.manual_seed(seed)
-    a = DrafterArgs(hidden_size=24, num_attention_heads=4, num_key_value_heads=2, head_dim=6, intermediate_size=40,
-                    rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=256, draft_vocab_size=16,
-                    target_vocab_size=50, target_hidden_size=24, variant=variant, num_layers=num_layers)
-    d = Eagle3Drafter(a)
-    ids = torch.tensor(sorted(torch.randperm(50)[:16].tolist()))
-    t2d = torch.zeros(50, dtype=torch.bool)
-    t2d[ids] = True
-    d.set_vocab_map(ids - torch.arange(16), t2d)
-    with torch.no_grad():
-        d.embed_tokens.weight.normal_()
-        for m in d.modules():
-            if isinstance(m, RMSNorm):
-                m.weight.uniform_(0.5, 1.5)
-        for p in d.parameters():
-            if p.dim() == 2 and p.requires_grad:
-                p.mul_(10)
-    return d
+    return make_tiny(variant, seed, num_layers=num_layers)
 
 
 def inputs(seed=3, B=2, L=9):

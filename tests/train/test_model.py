@@ -22,9 +22,9 @@ def tiny_args(**kw) -> DrafterArgs:
     return DrafterArgs(**base)
 
 
-def make(seed=0, **kw) -> Eagle3Drafter:
-    torch.manual_seed(seed)
-    d = Eagle3Drafter(tiny_args(**kw))
+def scramble(d: Eagle3Drafter) -> Eagle3Drafter:
+    """Non-trivial weights in place: embeddings N(0, 1), every RMSNorm's weight U(0.5, 1.5) (each its own), trainable
+    matrices x10 (std 0.2: non-trivial attention patterns at this tiny width)."""
     with torch.no_grad():
         d.embed_tokens.weight.normal_()
         for m in d.modules():
@@ -32,8 +32,13 @@ def make(seed=0, **kw) -> Eagle3Drafter:
                 m.weight.uniform_(0.5, 1.5)
         for p in d.parameters():
             if p.dim() == 2 and p.requires_grad:
-                p.mul_(10)  # std 0.2: non-trivial attention patterns at this tiny width
+                p.mul_(10)
     return d
+
+
+def make(seed=0, **kw) -> Eagle3Drafter:
+    torch.manual_seed(seed)
+    return scramble(Eagle3Drafter(tiny_args(**kw)))
 
 
 # ---------------------------------------------------------------------------------------------
