@@ -105,6 +105,9 @@ def collect(run: Path, config: str, overrides: str = "", goals: str = "10") -> d
         "tau": tau,
         "num_prompts": nprompts,
         "variant": (train.get("drafter_args") or {}).get("variant", "eagle3") if train else None,
+        # the drafter's size (drafter.intermediate_size, drafter.num_layers: absent = 1 layer, as DrafterArgs.to_json)
+        "drafter": {"intermediate_size": (train.get("drafter_args") or {}).get("intermediate_size"),
+                    "num_layers": (train.get("drafter_args") or {}).get("num_layers", 1)} if train else None,
         "loss": recipe.get("loss", "soft_ce") if train else None,
         "num_train_prompts": (prompts.get("counts") or {}).get("kept"),
         "recipe": recipe or None,

@@ -45,19 +45,21 @@ def test_collect_tau_goal_and_gap(tmp_path):
 def test_variant_loss_train_prompts_sim_accept_and_issue23_goals(tmp_path):
     run = _run(tmp_path)
     (run / "train_report.json").write_text(json.dumps({
-        "final_val": {"acc_0": 0.6}, "drafter_args": {"variant": "eagle3.1"},
+        "final_val": {"acc_0": 0.6}, "drafter_args": {"variant": "eagle3.1", "intermediate_size": 6144, "num_layers": 2},
         "recipe": {"loss": "lk_hybrid", "lr": 1e-3, "epochs": 6},
         "sim_accept": {"chain": 3, "select_best": "sim_accept", "exported_step": 20, "best": {"step": 20, "tau_sim": 2.4},
                        "rows": [{"step": 10, "tau_sim": 2.1}, {"step": 20, "tau_sim": 2.4}]}}))
     (run / "prompts_report.json").write_text(json.dumps({"counts": {"kept": 6000}}))
     q = qs.collect(run, "c", "", goals="23")
     assert (q["variant"], q["loss"], q["num_train_prompts"]) == ("eagle3.1", "lk_hybrid", 6000)
+    assert q["drafter"] == {"intermediate_size": 6144, "num_layers": 2}
     assert q["sim_accept"]["curve"] == [[10, 2.1], [20, 2.4]] and q["sim_accept"]["exported_step"] == 20
     assert q["goal"]["3"]["mtbench"] == {"goal": 2.8, "tau": 2.6, "met": False} and q["goal_met"] is False
     # a run folder from before these keys existed: eagle3, soft_ce
     (run / "train_report.json").write_text(json.dumps({"final_val": {"acc_0": 0.6}}))
     q = qs.collect(run, "c", "")
     assert (q["variant"], q["loss"], q["sim_accept"]) == ("eagle3", "soft_ce", None)
+    assert q["drafter"] == {"intermediate_size": None, "num_layers": 1}  # one layer when DrafterArgs.to_json leaves it out
 
 
 def test_cli_writes_json_md_png_and_refuses_empty_folder(tmp_path):
