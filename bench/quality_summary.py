@@ -101,13 +101,14 @@ def collect(run: Path, config: str, overrides: str = "", goals: str = "10") -> d
     # a run stopped at a lease's deadline (SIGTERM, then 04 --export-only) has no train_report; its validation curve
     # is still in 04's sim_accept.json
     sim = train.get("sim_accept") or _read(run / "sim_accept.json", required=False) or {}
+    dargs = train.get("drafter_args") or {}
     return {
         "tau": tau,
         "num_prompts": nprompts,
-        "variant": (train.get("drafter_args") or {}).get("variant", "eagle3") if train else None,
+        "variant": dargs.get("variant", "eagle3") if train else None,
         # the drafter's size (drafter.intermediate_size, drafter.num_layers: absent = 1 layer, as DrafterArgs.to_json)
-        "drafter": {"intermediate_size": (train.get("drafter_args") or {}).get("intermediate_size"),
-                    "num_layers": (train.get("drafter_args") or {}).get("num_layers", 1)} if train else None,
+        "drafter": {"intermediate_size": dargs.get("intermediate_size"), "num_layers": dargs.get("num_layers", 1)}
+        if train else None,
         "loss": recipe.get("loss", "soft_ce") if train else None,
         "num_train_prompts": (prompts.get("counts") or {}).get("kept"),
         "recipe": recipe or None,

@@ -815,12 +815,12 @@ class SlotEngine(Engine):
         for w in deferred:
             heapq.heappush(self.waiting, w)
         placed.sort(key=lambda x: len(x[0].ids) - x[2])  # by suffix length: the width a forward pads to
+        suffix = [len(w.ids) - o for w, _, o in placed]  # tokens each row feeds
         i = 0
         while i < len(placed):
             j, width = i, 0
-            while j < len(placed) and max(width, len(placed[j][0].ids) - placed[j][2]) * (j - i + 1) <= max(
-                    self.prefill_tokens, len(placed[j][0].ids) - placed[j][2]):
-                width = max(width, len(placed[j][0].ids) - placed[j][2])
+            while j < len(placed) and max(width, suffix[j]) * (j - i + 1) <= max(self.prefill_tokens, suffix[j]):
+                width = max(width, suffix[j])
                 j += 1
             self._prefill([w for w, _, _ in placed[i:j]], [s for _, s, _ in placed[i:j]], width,
                           [o for _, _, o in placed[i:j]])
