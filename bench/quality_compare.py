@@ -4,7 +4,9 @@ Each run is ``NAME=PATH``: a 05 ``bench*.json`` (or a folder holding ``bench.jso
 ``bench/collect_session.py``. Read beside it: the per-prompt file (``bench.json`` -> ``per_prompt.json``,
 ``bench-X.json`` -> ``per_prompt_X.json``: ``{set: {id: [emitted tokens, verify steps]}}``), and where they
 exist ``train_report.json`` (04: ``final_val`` top-1 ``acc_i`` per TTT position on the held-out split,
-optimizer steps) and ``data_report.json`` (03: training samples, draft vocab, its coverage).
+optimizer steps; a run stopped before its final validation (SIGTERM at a lease's deadline) has none, and its export
+holds the best validated weights (``train.select_best: sim_accept``): then the top-1 is that validation's ``alpha``
+and the table names the step the weights are from) and ``data_report.json`` (03: training samples, draft vocab, its coverage).
 
 For every run and set: tau = emitted / verify steps over the set's prompts (05's own definition). For
 every non-reference run and every set both runs measured: ``delta`` = tau(run) - tau(ref) and its 95%
@@ -66,6 +68,11 @@ def load_run(spec: str) -> dict:
     train = _json(folder / "train_report.json", required=False) or {}
     data = _json(folder / "data_report.json", required=False) or {}
     val = train.get("final_val") or {}
+    top1 = [round(val[f"acc_{i}"], 4) for i in range(64) if f"acc_{i}" in val]
+    best = (train.get("sim_accept") or {}).get("best") or {}
+    weights_step = None
+    if not top1 and best.get("alpha"):  # stopped before the final validation: the export is the best validation's
+        top1, weights_step = [round(a, 4) for a in best["alpha"]], best.get("step")
     return {
         "name": name,
         "path": str(path),
@@ -73,8 +80,9 @@ def load_run(spec: str) -> dict:
         "per_prompt": pp.get("per_prompt", {}),
         "steps": (bench or {}).get("steps"),
         "dtype": (bench or {}).get("dtype"),
-        "val_top1": [round(val[f"acc_{i}"], 4) for i in range(64) if f"acc_{i}" in val],
+        "val_top1": top1,
         "optimizer_steps": train.get("step"),
+        "weights_step": weights_step,
         "train_tokens_per_s": train.get("tokens_per_s"),
         "train_samples": data.get("train_samples"),
         "val_samples": data.get("val_samples"),
@@ -113,7 +121,7 @@ def compare(ref: dict, runs: list[dict]) -> list[dict]:
     rows = []
     for r in [ref, *runs]:
         row = {k: r[k] for k in ("name", "path", "tau", "steps", "dtype", "val_top1", "optimizer_steps",
-                                 "train_tokens_per_s", "train_samples", "val_samples", "draft_vocab_size",
+                                 "weights_step", "train_tokens_per_s", "train_samples", "val_samples", "draft_vocab_size",
                                  "vocab_coverage")}
         row["reference"] = r is ref
         if r is not ref:
@@ -148,7 +156,10 @@ def markdown(rows: list[dict], title: str) -> str:
                          f"{t:.2f}" + (f" ({d['delta']:+.2f} [{d['lo']:+.2f}, {d['hi']:+.2f}])" if d else ""))
         v = f"{r['val_top1'][0]:.3f}" if r["val_top1"] else "-"
         name = r["name"] + (" (ref)" if r["reference"] else "")
-        lines.append(f"| {name} | {r['train_samples'] or '-'} | {r['optimizer_steps'] or '-'} | {v} | "
+        steps = str(r["optimizer_steps"] or "-")
+        if r.get("weights_step") is not None and r["weights_step"] != r["optimizer_steps"]:
+            steps += f" (weights of step {r['weights_step']})"
+        lines.append(f"| {name} | {r['train_samples'] or '-'} | {steps} | {v} | "
                      + " | ".join(cells) + " |")
     lines += ["", "tau: 05, chain, T=0; (delta vs ref [95% paired bootstrap over prompts]); held-out top-1: 04's "
               f"validation split ({val_split_note(rows)})."]

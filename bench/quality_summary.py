@@ -101,6 +101,12 @@ def collect(run: Path, config: str, overrides: str = "", goals: str = "10") -> d
     # a run stopped at a lease's deadline (SIGTERM, then 04 --export-only) has no train_report; its validation curve
     # is still in 04's sim_accept.json
     sim = train.get("sim_accept") or _read(run / "sim_accept.json", required=False) or {}
+    exported_step = sim.get("exported_step")
+    if not val_acc and (sim.get("best") or {}).get("alpha") and sim.get("select_best") == "sim_accept":
+        # stopped before its final validation (no final_val): 04 --export-only exports the best validation's weights,
+        # so that validation's top-1 per position is the held-out figure of the drafter 05 scored
+        val_acc = [round(a, 4) for a in sim["best"]["alpha"]]
+        exported_step = sim["best"].get("step")
     dargs = train.get("drafter_args") or {}
     return {
         "tau": tau,
@@ -113,7 +119,7 @@ def collect(run: Path, config: str, overrides: str = "", goals: str = "10") -> d
         "num_train_prompts": (prompts.get("counts") or {}).get("kept"),
         "recipe": recipe or None,
         "sim_accept": {"chain": sim.get("chain"), "select_best": sim.get("select_best"),
-                       "exported_step": sim.get("exported_step"), "best": sim.get("best"),
+                       "exported_step": exported_step, "best": sim.get("best"),
                        "curve": [[r["step"], round(r["tau_sim"], 4)] for r in sim.get("rows") or []]} if sim else None,
         "loss_tokens": data.get("num_loss_tokens"),
         "tokens": data.get("num_tokens"),

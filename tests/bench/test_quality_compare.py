@@ -104,3 +104,25 @@ def test_footnote_reads_the_validation_sizes(tmp_path):
     mixed = qc.markdown(qc.compare(qc.load_run(f"a={tmp_path / 'a'}"),
                                    [qc.load_run(f"c={tmp_path / 'c'}"), qc.load_run(f"n={tmp_path / 'n'}")]), "T")
     assert "(a: 1997 samples; c: 40 samples; n: no data_report.json)" in mixed
+
+
+def test_a_run_stopped_before_its_final_validation_reports_its_exported_weights(tmp_path):
+    """A run stopped at a lease's deadline has no final_val; its export holds the best validated weights
+    (select_best: sim_accept), so the table gives that validation's top-1 and names its step (lease 2026-12-04e's
+    run showed "-" while its weights' top-1 was in train_report.json)."""
+    for name, report in (
+            ("stopped", {"step": 6007, "stopped": True, "final_val": {},
+                         "sim_accept": {"best": {"step": 6000, "alpha": [0.896421, 0.892675, 0.890527]}}}),
+            ("finished", {"step": 7986, "final_val": {"acc_0": 0.893, "acc_1": 0.88},
+                          "sim_accept": {"best": {"step": 7000, "alpha": [0.5, 0.4]}}})):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "bench.json").write_text(json.dumps(_bench({"mtbench": {"81": [1, 2]}})))
+        (d / "train_report.json").write_text(json.dumps(report))
+    rows = qc.compare(qc.load_run(f"finished={tmp_path / 'finished'}"), [qc.load_run(f"stopped={tmp_path / 'stopped'}")])
+    fin, stop = rows
+    assert fin["val_top1"] == [0.893, 0.88] and fin["weights_step"] is None  # the final validation wins when present
+    assert stop["val_top1"] == [0.8964, 0.8927, 0.8905] and stop["weights_step"] == 6000
+    md = qc.markdown(rows, "T")
+    assert "| stopped | - | 6007 (weights of step 6000) | 0.896 |" in md
+    assert "| finished (ref) | - | 7986 | 0.893 |" in md

@@ -99,3 +99,24 @@ def test_tau_by_category_from_per_prompt_rows(tmp_path, monkeypatch):
     assert cat["by_kind"] == {"chat": round(12 / 6, 4), "math": 2.5}
     assert cat["mtbench"] == {"math": {"tau": 4.0, "verify_steps": 1}, "writing": {"tau": 1.6, "verify_steps": 5}}
     assert "| writing | 1.60 | 5 |" in qs.markdown(q)
+
+
+def test_a_run_stopped_before_its_final_validation_reports_the_exported_best(tmp_path):
+    """Lease 2026-12-04e's run was stopped at step 6,007 (no final_val, exported_step None in its train report) and
+    exported the best validation's weights (step 6,000): its held-out top-1 per position and exported step are that
+    validation's, not blanks."""
+    run = _run(tmp_path)
+    (run / "train_report.json").write_text(json.dumps({
+        "step": 6007, "stopped": True, "final_val": {},
+        "sim_accept": {"chain": 3, "select_best": "sim_accept", "exported_step": None,
+                       "best": {"step": 6000, "tau_sim": 3.41, "alpha": [0.896421, 0.892675, 0.890527]},
+                       "rows": [{"step": 5000, "tau_sim": 3.38}, {"step": 6000, "tau_sim": 3.41}]}}))
+    q = qs.collect(run, "c", "", goals="23")
+    assert q["val_top1_per_position"] == [0.8964, 0.8927, 0.8905] and q["sim_accept"]["exported_step"] == 6000
+    assert q["train_eval_gap_pos1"]["mtbench"] == pytest.approx(0.8964 - 0.5)
+    # select_best off: the export of a stopped run is its last checkpoint, whose top-1 was never measured
+    rep = json.loads((run / "train_report.json").read_text())
+    rep["sim_accept"]["select_best"] = "last"
+    (run / "train_report.json").write_text(json.dumps(rep))
+    q = qs.collect(run, "c", "", goals="23")
+    assert q["val_top1_per_position"] == [] and q["sim_accept"]["exported_step"] is None
