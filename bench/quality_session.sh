@@ -13,6 +13,9 @@
 #   (2026-12-02c: a machine more than 30 s idle between calls is given back with everything on it, the run
 #   included; and a `wait` that ends seconds before a phase does packs without it: plan the last `wait` past the
 #   plan's end, not to the budget's)
+#   bash bench/quality_session.sh finish      # the training deadline, now (a lease running short): every 04 running
+#                                             # checkpoints and exits, its best validation is exported and 05 runs
+#                                             # on it; then `wait` as before
 #   bash bench/quality_session.sh stop        # end the detached run (its process group); a phase is skipped on a
 #                                             # restart only once it is done: stopping mid-phase redoes that phase
 #                                             # (2026-12-02: a stopped regen_speed cost its 12 minutes twice)
@@ -85,7 +88,7 @@ SETTINGS=(CONFIG VERIFIER NPROMPTS SEED INIT PACK_DRAFTER PACK_LARGE PARTS_MAX R
   ONLINE_TPS ONLINE_LIMIT ONLINE_STEPS STEPS_FOR_S SPEED05 SPEED05_SETS SPEED05_PROMPTS PYTHON)
 case "${1:-}" in
   start) lease_save_settings "$W" "${SETTINGS[@]}" ;;
-  wait|pack|stop) lease_load_settings "$W" ;;
+  wait|pack|stop|finish) lease_load_settings "$W" ;;
 esac
 CONFIG=${CONFIG:-configs/smollm2-135m-full.yaml}
 PY=${PYTHON:-python3}
@@ -305,6 +308,13 @@ deadline_watch() {  # SIGTERM every 04 still running DEADLINE_S seconds after th
   [ -n "${TRAIN_END_S:-}" ] && wait_s=$(( TRAIN_END_S - $(date +%s) + $(cat "$W/t0") ))
   [ -n "$wait_s" ] || return 0
   (( wait_s > 0 )) && sleep "$wait_s"
+  end_trainings
+}
+
+end_trainings() {  # the deadline, now: mark it passed, then SIGTERM every 04 running. Each checkpoints and exits 143;
+  # train_until_deadline then exports (the best validation under select_best) and the chain goes on to 05. Marking it
+  # first matters: a 04 stopped without the mark counts as failed and its chain retries it with --resume (lease
+  # 2026-12-04e's hand-sent SIGTERM cost a verifier reload that way)
   touch "$W/deadline.hit"
   local f
   for f in "$W"/status/*_04.pid; do [ -e "$f" ] && kill -TERM "$(cat "$f")" 2>/dev/null; done
@@ -410,7 +420,8 @@ case "${1:-}" in
     tail -25 "$W/run.log" 2>/dev/null
     pack ;;
   pack) pack ;;
+  finish) end_trainings ;;  # a lease running short: end the trainings now, keep their 05 (then `wait`)
   stop)
     [ -e "$W/run.pid" ] && kill -- "-$(cat "$W/run.pid")" 2>/dev/null; sleep 1; echo "stopped"; ls "$W/status" ;;
-  *) echo "usage: $0 start | wait SECONDS | run | pack | stop"; exit 2 ;;
+  *) echo "usage: $0 start | wait SECONDS | run | pack | finish | stop"; exit 2 ;;
 esac

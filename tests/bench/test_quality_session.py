@@ -142,3 +142,25 @@ def test_gpu_session_wait_returns_the_prompts_only_when_done(tmp_path):
     lines = gzip.decompress((tmp_path / "o2" / "prompts.jsonl.gz").read_bytes()).decode().splitlines()
     assert [json.loads(x) for x in lines] == PROMPTS
     assert wait(tmp_path / "o3", SEED=str(tmp_path)) == ["results.tar.gz"]  # seeded: nothing to bring back
+
+
+def test_finish_is_the_deadline_now(tmp_path):
+    """`finish` marks the deadline passed before it signals each running 04, so its chain exports and scores the
+    checkpoint instead of retrying it (lease 2026-12-04e: a hand-sent SIGTERM without the mark made the chain rerun 04
+    with --resume, reloading the verifier)."""
+    w = tmp_path / "w"
+    (w / "status").mkdir(parents=True)
+    got = tmp_path / "got"
+    # a stand-in 04: on SIGTERM it records whether the deadline was already marked, then exits as 04 does (143)
+    fake = subprocess.Popen(["bash", "-c", f'trap \'[ -e "{w}/deadline.hit" ] && echo marked > "{got}"; exit 143\' TERM; '
+                             'while :; do sleep 0.1; done'])
+    try:
+        time.sleep(0.5)
+        (w / "status" / "deep_04.pid").write_text(f"{fake.pid}\n")
+        r = _driver("finish", {"W": str(w)})
+        assert r.returncode == 0, r.stderr
+        assert fake.wait(timeout=10) == 143
+    finally:
+        fake.kill()
+    assert (w / "deadline.hit").exists() and got.read_text() == "marked\n"
+    assert "SIGTERM sent to the running trainings" in r.stdout
