@@ -149,8 +149,11 @@ def _first_forward_ops(events) -> int:
 
 def markdown(res: dict) -> str:
     g, s = res["greedy"], res["eagle3"]
-    lines = [f"Host-dispatched ops at batch 1, {res['verifier']}, chain of {res['steps']}, {res['max_new_tokens']} new "
-             f"tokens (top-level ops: those no other op dispatched).", "",
+    d = res.get("drafter")
+    shape = (f", a random {d['variant']} drafter of {d['num_layers']} layer{'s' if d['num_layers'] > 1 else ''} "
+             f"(MLP {d['intermediate_size']})" if d else "")
+    lines = [f"Host-dispatched ops at batch 1, {res['verifier']}{shape}, chain of {res['steps']}, {res['max_new_tokens']} "
+             f"new tokens (top-level ops: those no other op dispatched).", "",
              "| what | ops |", "|---|---:|",
              f"| greedy: per token (decode forward + loop) | {g['ops_per_token']:.0f} |"]
     lines += [f"| EAGLE-3 round: {k} | {s['per_round'][k]:.0f} |" for k in PHASES]
@@ -200,8 +203,9 @@ def main(argv=None) -> int:
         prompt = tok("Write a short poem about the sea.")["input_ids"]
         aux = cfg.extract.aux_layers or default_aux_layers(verifier_dims(model.config)["num_layers"])
     model.eval()
-    drafter = _random_drafter(model, torch.device("cpu"), torch.float32)
-    res = {"verifier": name, "steps": a.steps, "max_new_tokens": a.max_new_tokens, "aux_layers": list(aux),
+    drafter = _random_drafter(model, torch.device("cpu"), torch.float32, None if a.tiny else cfg.drafter)
+    res = {"verifier": name, "drafter": {"num_layers": drafter.args.num_layers, "variant": drafter.args.variant,
+                                          "intermediate_size": drafter.args.intermediate_size}, "steps": a.steps, "max_new_tokens": a.max_new_tokens, "aux_layers": list(aux),
            **count(model, drafter, prompt, list(aux), a.steps, a.max_new_tokens, a.top)}
     md = markdown(res)
     print(md)

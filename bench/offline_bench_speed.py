@@ -49,12 +49,23 @@ from eagle3.io import atomic_write_json  # noqa: E402
 log = logging.getLogger("offline_bench_speed")
 
 
-def _random_drafter(verifier, device, dtype):
-    """An untrained drafter of the verifier's shape (identity draft vocab of min(32000, V) ids)."""
+def _random_drafter(verifier, device, dtype, drafter_cfg=None):
+    """An untrained drafter of the verifier's shape (identity draft vocab of min(32000, V) ids), with the run config's
+    ``drafter`` section applied when given (``drafter_cfg``: :class:`eagle3.config.DrafterConfig`; its non-null shape
+    fields, ``variant`` and ``num_layers``), so a speed figure is of the drafter the config trains: a second layer
+    or a wider MLP costs draft time (lease 2026-12-04e: a second layer took the drafter's share of a batch-80 step from
+    0.15 to 0.21)."""
     from eagle3.train.model import DrafterArgs, Eagle3Drafter
 
     cfg = verifier.config.get_text_config() if hasattr(verifier.config, "get_text_config") else verifier.config
-    args = DrafterArgs.from_hf_config(cfg, draft_vocab_size=min(32000, int(cfg.vocab_size)))
+    over = {}
+    if drafter_cfg is not None:
+        over = {f: getattr(drafter_cfg, f) for f in ("hidden_size", "num_attention_heads", "num_key_value_heads",
+                                                      "head_dim", "intermediate_size", "rms_norm_eps", "rope_theta",
+                                                      "max_position_embeddings")
+                if getattr(drafter_cfg, f) is not None}
+        over.update(variant=drafter_cfg.variant, num_layers=drafter_cfg.num_layers)
+    args = DrafterArgs.from_hf_config(cfg, draft_vocab_size=min(32000, int(cfg.vocab_size)), **over)
     torch.manual_seed(0)
     d = Eagle3Drafter(args, verifier.get_input_embeddings().weight.detach().float().cpu())
     return d.to(device=device, dtype=dtype).eval()
@@ -128,7 +139,7 @@ def main(argv=None) -> int:
     dtype = next(verifier.parameters()).dtype
     n_layers = verifier_dims(verifier.config)["num_layers"]
     if a.random_drafter:
-        drafter, drafter_name = _random_drafter(verifier, device, dtype), "random (untrained)"
+        drafter, drafter_name = _random_drafter(verifier, device, dtype, cfg.drafter), "random (untrained)"
         aux = cfg.extract.aux_layers or default_aux_layers(n_layers)
     else:
         ddir = Path(a.drafter) if a.drafter else cfg.export_dir
