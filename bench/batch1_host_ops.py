@@ -204,8 +204,9 @@ def main(argv=None) -> int:
         aux = cfg.extract.aux_layers or default_aux_layers(verifier_dims(model.config)["num_layers"])
     model.eval()
     drafter = _random_drafter(model, torch.device("cpu"), torch.float32, None if a.tiny else cfg.drafter)
-    res = {"verifier": name, "drafter": {"num_layers": drafter.args.num_layers, "variant": drafter.args.variant,
-                                          "intermediate_size": drafter.args.intermediate_size}, "steps": a.steps, "max_new_tokens": a.max_new_tokens, "aux_layers": list(aux),
+    shape = {"num_layers": drafter.args.num_layers, "variant": drafter.args.variant,
+             "intermediate_size": drafter.args.intermediate_size}
+    res = {"verifier": name, "drafter": shape, "steps": a.steps, "max_new_tokens": a.max_new_tokens, "aux_layers": list(aux),
            **count(model, drafter, prompt, list(aux), a.steps, a.max_new_tokens, a.top)}
     md = markdown(res)
     print(md)

@@ -69,9 +69,11 @@ def load_run(spec: str) -> dict:
     data = _json(folder / "data_report.json", required=False) or {}
     val = train.get("final_val") or {}
     top1 = [round(val[f"acc_{i}"], 4) for i in range(64) if f"acc_{i}" in val]
-    best = (train.get("sim_accept") or {}).get("best") or {}
+    sim = train.get("sim_accept") or {}
+    best = sim.get("best") or {}
     weights_step = None
-    if not top1 and best.get("alpha"):  # stopped before the final validation: the export is the best validation's
+    if not top1 and best.get("alpha") and sim.get("select_best") == "sim_accept":
+        # stopped before the final validation: 04 --export-only exported the best validation's weights
         top1, weights_step = [round(a, 4) for a in best["alpha"]], best.get("step")
     return {
         "name": name,

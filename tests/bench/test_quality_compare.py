@@ -112,15 +112,20 @@ def test_a_run_stopped_before_its_final_validation_reports_its_exported_weights(
     run showed "-" while its weights' top-1 was in train_report.json)."""
     for name, report in (
             ("stopped", {"step": 6007, "stopped": True, "final_val": {},
-                         "sim_accept": {"best": {"step": 6000, "alpha": [0.896421, 0.892675, 0.890527]}}}),
+                         "sim_accept": {"select_best": "sim_accept",
+                                        "best": {"step": 6000, "alpha": [0.896421, 0.892675, 0.890527]}}}),
+            ("stopped-last", {"step": 6007, "stopped": True, "final_val": {},  # exports its last, never validated
+                              "sim_accept": {"select_best": "last", "best": {"step": 6000, "alpha": [0.9]}}}),
             ("finished", {"step": 7986, "final_val": {"acc_0": 0.893, "acc_1": 0.88},
                           "sim_accept": {"best": {"step": 7000, "alpha": [0.5, 0.4]}}})):
         d = tmp_path / name
         d.mkdir()
         (d / "bench.json").write_text(json.dumps(_bench({"mtbench": {"81": [1, 2]}})))
         (d / "train_report.json").write_text(json.dumps(report))
-    rows = qc.compare(qc.load_run(f"finished={tmp_path / 'finished'}"), [qc.load_run(f"stopped={tmp_path / 'stopped'}")])
-    fin, stop = rows
+    rows = qc.compare(qc.load_run(f"finished={tmp_path / 'finished'}"), [qc.load_run(f"stopped={tmp_path / 'stopped'}"),
+                                                                          qc.load_run(f"last={tmp_path / 'stopped-last'}")])
+    fin, stop, last = rows
+    assert last["val_top1"] == [] and last["weights_step"] is None
     assert fin["val_top1"] == [0.893, 0.88] and fin["weights_step"] is None  # the final validation wins when present
     assert stop["val_top1"] == [0.8964, 0.8927, 0.8905] and stop["weights_step"] == 6000
     md = qc.markdown(rows, "T")
