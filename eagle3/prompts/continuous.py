@@ -46,6 +46,15 @@ Answers are greedy: the new tokens up to (excluding) the first stop token, ``sto
   forward, a forward without offsets takes the causal path). A common prefix under ``reuse_min_tokens``, a slot
   of too narrow a width class or a parent no longer held means a full prefill. Unclaimed retained slots are
   freed at that check, so a retained slot idles for at most one decode window more than a freed one.
+
+  Prefill graphs (``prefill_graphs``, ``prompts.regen_prefill_graphs``): an eager prefill forward is bound by the
+  host dispatch of the HF forward (H200, SmolLM2: 35-48 ms whatever it carries), so prefill forwards can run at
+  bucketed shapes (:func:`prefill_bucket`: rows, padded width and the offset path's attended columns rounded up to
+  powers of two), each bucket captured once as a CUDA graph over static buffers (ids, slots, offsets, last-token
+  index in; the first answer token per row out) and replayed after. Padded rows point at one scratch cache row after
+  the slots (never read: decode runs over prefixes ``[:n]``, ``n <= slots``); a real row's padded positions land past
+  its length, as before. On the CPU, without ``cuda_graphs`` or after a failed capture the same bucketed forwards
+  run eagerly.
 * :class:`HFContinuousEngine` (``prompts.regen_engine: hf_continuous``): transformers'
   ``ContinuousBatchingManager`` (``model.init_continuous_batching``; paged KV cache, its own scheduler
   thread). Without the flash-attn package its attention is ``paged|sdpa``, which packs every request of
@@ -618,9 +627,17 @@ class SlotEngine(Engine):
             parent's slot.
         refill_free: while at least half the slots are busy, queued prompts wait until this share of the slots is
             free (:func:`defer_refill`): fewer, fuller prefill forwards against rows idle until then.
+        prefill_graphs: run each prefill forward at a bucketed shape (:func:`prefill_bucket`: rows, padded width
+            and, at column offsets, the attended columns rounded up to powers of two; :meth:`_admit` keeps the
+            bucketed rows x width within ``prefill_tokens`` where a single row allows it), its padded rows writing
+            one scratch cache row after the slots, and (CUDA with ``cuda_graphs``) capture each bucket as a CUDA graph
+            at its first use, replayed after: an eager prefill forward is bound by host dispatch (SmolLM2: ~1,700
+            ops, 35-48 ms whatever it carries). A failed capture logs one warning and the same bucketed forwards run
+            eagerly (as always on the CPU). Greedy tokens are the same (fp32: equal).
 
-    Memory: ``2 * layers * slots * max_len * kv_heads * head_dim`` elements of the model dtype, plus
-    ``slots x max_new_tokens`` int64 answer buffer. Priorities: lower tuples are admitted first.
+    Memory: ``2 * layers * slots * max_len * kv_heads * head_dim`` elements of the model dtype (``slots + 1`` rows with
+    ``prefill_graphs``: the scratch row), plus ``slots x max_new_tokens`` int64 answer buffer; with prefill graphs
+    on CUDA, their shared memory pool (the activations of the largest bucket captured, about). Priorities: lower tuples are admitted first.
     Stats (``stats``): ``decode_steps``, ``prefill_calls``, ``prefill_tokens`` / ``prefill_padded_tokens`` (prompt
     tokens prefilled, and rows x padded width summed over the prefill forwards: their ratio is the prefill's padding
     overhead), ``graph_captures``, ``kv_bytes_per_token``,
@@ -635,7 +652,10 @@ class SlotEngine(Engine):
     whose K/V a retained parent left: not prefilled; ``prefill_tokens`` counts only the tokens fed, so their sum is
     every admitted prompt's length), ``reuse_rows`` (prompts prefilled after a cached prefix),
     ``reuse_full_prefills`` (successors of a held parent prefilled in full: prefix under ``reuse_min_tokens`` or a
-    too narrow slot).
+    too narrow slot), ``prefill_graphs`` (the switch), ``prefill_graph_captures`` (prefill buckets captured as CUDA
+    graphs), ``prefill_capture_s`` (host seconds of those captures, warm-up forward included; within ``prefill_s``'s
+    span), ``prefill_buckets`` (prefill forwards per bucket, keys ``"PbxWb"`` on the causal path and ``"PbxWbxKwb"``
+    at offsets); with ``prefill_graphs``, ``prefill_padded_tokens`` counts the bucketed ``Pb x Wb``.
     """
 
     def __init__(self, model, slots: int, max_len: int, max_new_tokens: int, stop_ids: set[int],
