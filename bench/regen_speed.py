@@ -37,6 +37,11 @@ Input: the config's ``prompts.source`` read, deduplicated and sampled as stage 0
    differing token, as in 4 (near-ties within ``benchmark.tie_tolerance``, max gap). The main run's prefilled / reused counts are in its
    roofline table (``prompts.regen_prefix_reuse`` as configured).
 
+6. Prefill graphs A/B (``--prefill-graphs-ab N``): the slots engine on N conversations of the main input, bucketed
+   prefill forwards captured as CUDA graphs on then off (``prompts.regen_prefill_graphs``): as 5, with the prefill
+   forwards, ms per forward, padded prefill tokens (bucket padding included), graphs captured and the host seconds
+   of their capture (the first use of each bucket pays it, within the run's seconds).
+
 CPU smoke (tests/bench/test_regen_speed.py): ``--set verifier.path=<tiny> --num 6 --baseline-num 4``.
 """
 
@@ -153,7 +158,9 @@ def roofline(st: dict, weight_bytes: int, bandwidth: float | None) -> dict:
             "prefill_calls": es.get("prefill_calls"), "prefill_tokens": es.get("prefill_tokens"),
             "prefill_padded_tokens": es.get("prefill_padded_tokens"),
             # cross-turn prefix reuse (prompts.regen_prefix_reuse): prompt tokens whose K/V the previous turn left
-            "reused_tokens": es.get("reused_tokens"), "prefix_reuse": es.get("prefix_reuse")}
+            "reused_tokens": es.get("reused_tokens"), "prefix_reuse": es.get("prefix_reuse"),
+            # bucketed prefill forwards as CUDA graphs (prompts.regen_prefill_graphs)
+            "prefill_graphs": es.get("prefill_graphs"), "prefill_graph_captures": es.get("prefill_graph_captures")}
 
 
 def step_ms(model, slots: int, width: int, max_new: int, graphs: bool, reps: int = 20, attention: str = "auto") -> float:
@@ -295,6 +302,25 @@ def markdown(res: dict) -> str:
                   + (f"; {ab['near_ties']} of {ab['differing_first_turns_checked']} first differences are near-ties "
                      f"(logit gap <= {ab['tie_tolerance']}), max gap {ab['max_gap']}."
                      if "near_ties" in ab else ".")]
+    pg = res.get("prefill_graphs_ab")
+    if pg:
+        lines += ["", f"Prefill graphs on / off (bucketed prefill forwards as CUDA graphs), slots engine, "
+                  f"{pg['conversations']} conversations:", "",
+                  "| prefill graphs | seconds | tokens/s | prefill s | prefill forwards | ms / forward | decode s | "
+                  "prompt tokens prefilled / padded | graphs captured (capture s) |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for name in ("on", "off"):
+            r = pg[name]
+            lines.append(f"| {name} | {r['seconds']:.1f} | {r['tokens_per_s']:.0f} | {r['prefill_s']:.2f} | "
+                         f"{r['prefill_calls']} | {1000 * r['prefill_s'] / max(1, r['prefill_calls']):.1f} | "
+                         f"{r['decode_s']:.2f} | {r['prefill_tokens']} / {r['prefill_padded_tokens']} | "
+                         f"{r['prefill_graph_captures']} ({r['prefill_capture_s']:.2f}) |")
+        lines += ["", f"on/off: tokens/s {pg['speed_ratio']:.3f}x, prefill seconds "
+                  + (f"{pg['prefill_s_ratio']:.3f}x" if pg["prefill_s_ratio"] is not None else "n/a")
+                  + f"; {pg['identical']} of {pg['answers_compared']} answers identical"
+                  + (f"; {pg['near_ties']} of {pg['differing_first_turns_checked']} first differences are near-ties "
+                     f"(logit gap <= {pg['tie_tolerance']}), max gap {pg['max_gap']}."
+                     if "near_ties" in pg else ".")]
     b = res.get("bound")
     if b:
         lines += ["", f"Bound: **{b['verdict']}** (decode step {b['step_ms_launch_floor']:.2f} ms at a 256-column "
@@ -351,17 +377,38 @@ def reuse_ab(model, tok, cfg, convs, batch_size: int, max_new: int, opts_kw: dic
     flip). Differences are counted as :func:`compare` counts them: for each conversation's first differing turn,
     the logit gap between the two runs' tokens at the first differing position, teacher-forced on the verifier
     (``near_ties``: gaps within ``tie_tolerance``; ``max_gap``; ``gaps``: the 20 largest)."""
+    return setting_ab(model, tok, cfg, convs, batch_size, max_new, opts_kw, "prefix_reuse")
+
+
+def prefill_graphs_ab(model, tok, cfg, convs, batch_size: int, max_new: int, opts_kw: dict) -> dict:
+    """The slots engine on ``convs`` twice, bucketed prefill forwards captured as CUDA graphs on then off
+    (``prompts.regen_prefill_graphs``), same process: as :func:`reuse_ab`, with the prefill forwards (``prefill_calls``),
+    the prefill graphs captured and the host seconds their capture took (``prefill_graph_captures``,
+    ``prefill_capture_s``; 0 on the CPU, where the bucketed forwards run eagerly), the padded prefill tokens
+    (bucket padding included) and the forwards per bucket (``prefill_buckets``) of each run."""
+    return setting_ab(model, tok, cfg, convs, batch_size, max_new, opts_kw, "prefill_graphs")
+
+
+def setting_ab(model, tok, cfg, convs, batch_size: int, max_new: int, opts_kw: dict, option: str) -> dict:
+    """The slots engine on ``convs`` with its keyword ``option`` (a speed setting: ``prefix_reuse``,
+    ``prefill_graphs``) True, then False; the runs' figures under ``on`` / ``off``, the on/off ratios and the answer
+    comparison (:func:`reuse_ab` describes them)."""
     rows, outs = {}, {}
     for name, on in (("on", True), ("off", False)):
-        kw = {**opts_kw, "slots": {**opts_kw["slots"], "prefix_reuse": on}}
+        kw = {**opts_kw, "slots": {**opts_kw["slots"], option: on}}
         outs[name], st = timed_run(model, tok, convs, "slots", cfg, batch_size, max_new, kw)
         es = st["engine_stats"]
         rows[name] = {"seconds": st["seconds"], "tokens_per_s": st["tokens_per_s"], "new_tokens": st["new_tokens"],
                       "prefill_s": es["prefill_s"], "decode_s": es["decode_s"], "prefill_calls": es["prefill_calls"],
                       "prefill_tokens": es["prefill_tokens"], "reused_tokens": es["reused_tokens"],
                       "decode_steps": st["decode_steps"]}
-        print(f"prefix reuse {name}: prompt tokens prefilled {es['prefill_tokens']}, reused {es['reused_tokens']}, "
-              f"prefill {es['prefill_s']:.2f} s, decode {es['decode_s']:.2f} s", flush=True)
+        if option == "prefill_graphs":
+            rows[name].update({k: es.get(k) for k in ("prefill_padded_tokens", "prefill_graph_captures",
+                                                      "prefill_capture_s", "prefill_buckets")})
+        print(f"{option} {name}: prompt tokens prefilled {es['prefill_tokens']}, reused {es['reused_tokens']}, "
+              f"prefill forwards {es['prefill_calls']} in {es['prefill_s']:.2f} s, decode {es['decode_s']:.2f} s"
+              + (f", {es.get('prefill_graph_captures')} prefill graphs captured in {es.get('prefill_capture_s', 0):.2f} s"
+                 if option == "prefill_graphs" else ""), flush=True)
     pairs = [(m.get("tokens"), n.get("tokens")) for c, d in zip(outs["on"], outs["off"])
              for m, n in zip(c["messages"], d["messages"]) if "tokens" in m and "tokens" in n]
     # each conversation's first differing turn: the logit gap at its first differing token (compare(); its own
@@ -392,6 +439,9 @@ def main(argv=None) -> int:
     p.add_argument("--reuse-ab", type=non_negative_int, default=0, metavar="N",
                    help="also run the slots engine on N conversations of the main input (spread) with cross-turn "
                         "prefix reuse on, then off (0 = skip)")
+    p.add_argument("--prefill-graphs-ab", type=non_negative_int, default=0, metavar="N",
+                   help="also run the slots engine on N conversations of the main input (spread) with bucketed prefill "
+                        "forwards captured as CUDA graphs (prompts.regen_prefill_graphs) on, then off (0 = skip)")
     p.add_argument("--copy-gib", type=float, default=4.0, help="size of the bandwidth probe copy")
     p.add_argument("--no-bound", action="store_true", help="skip the decode-step bound probe")
     p.add_argument("--json", type=Path, default=None)
@@ -428,6 +478,9 @@ def main(argv=None) -> int:
         res["bound"] = bound(model, st, cfg, batch_size, max_new, bw)
     if a.reuse_ab:
         res["prefix_reuse_ab"] = reuse_ab(model, tok, cfg, spread(main_convs, a.reuse_ab), batch_size, max_new, opts_kw)
+    if a.prefill_graphs_ab:
+        res["prefill_graphs_ab"] = prefill_graphs_ab(model, tok, cfg, spread(main_convs, a.prefill_graphs_ab),
+                                                     batch_size, max_new, opts_kw)
     if a.baseline_num:
         res["baseline"] = baselines(model, tok, cfg, convs, a, batch_size, max_new, opts_kw)
     return emit(a, res, markdown(res))

@@ -280,6 +280,14 @@ class PromptsConfig(_Strict):
         "such prefixes (bench/regen_schedule.py). Greedy answers are the same in float32 (tested); the counts are "
         "engine_stats reused_tokens / prefill_tokens in prompts_report.json. A speed setting: not in 01's settings "
         "fingerprint")
+    regen_prefill_graphs: bool = Field(
+        False, description="slots engine: prefill forwards at bucketed shapes (rows and padded width rounded up to "
+        "powers of two, rows x width within regen_prefill_tokens where a single row allows it; padded rows write only "
+        "a scratch cache row), each shape captured once as a CUDA graph on CUDA and replayed after: an eager SmolLM2 "
+        "prefill forward costs 35-48 ms of host dispatch (~1,700 ops) whatever it carries. On the CPU, or where "
+        "capture fails (one warning), the same bucketed forwards run eagerly. Off by default until measured on a GPU "
+        "(bench/regen_speed.py --prefill-graphs-ab). Greedy answers are the same in float32 (tested). A speed "
+        "setting: not in 01's settings fingerprint")
     max_context_tokens: Optional[int] = Field(
         None, ge=1, description="regeneration answers a turn only while its rendered prompt is shorter than this many "
         "tokens; later turns (and a conversation whose first prompt is already this long) are left out, because "

@@ -46,6 +46,15 @@ Answers are greedy: the new tokens up to (excluding) the first stop token, ``sto
   forward, a forward without offsets takes the causal path). A common prefix under ``reuse_min_tokens``, a slot
   of too narrow a width class or a parent no longer held means a full prefill. Unclaimed retained slots are
   freed at that check, so a retained slot idles for at most one decode window more than a freed one.
+
+  Prefill graphs (``prefill_graphs``, ``prompts.regen_prefill_graphs``): an eager prefill forward is bound by the
+  host dispatch of the HF forward (H200, SmolLM2: 35-48 ms whatever it carries), so prefill forwards can run at
+  bucketed shapes (:func:`prefill_bucket`: rows, padded width and the offset path's attended columns rounded up to
+  powers of two), each bucket captured once as a CUDA graph over static buffers (ids, slots, offsets, last-token
+  index in; the first answer token per row out) and replayed after. Padded rows point at one scratch cache row after
+  the slots (never read: decode runs over prefixes ``[:n]``, ``n <= slots``); a real row's padded positions land past
+  its length, as before. On the CPU, without ``cuda_graphs`` or after a failed capture the same bucketed forwards
+  run eagerly.
 * :class:`HFContinuousEngine` (``prompts.regen_engine: hf_continuous``): transformers'
   ``ContinuousBatchingManager`` (``model.init_continuous_batching``; paged KV cache, its own scheduler
   thread). Without the flash-attn package its attention is ``paged|sdpa``, which packs every request of
@@ -236,7 +245,8 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def offset_prefill_layout(offsets: torch.Tensor, width: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+def offset_prefill_layout(offsets: torch.Tensor, width: int, cols: int,
+                          kw: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Where the queries of a prefill at column offsets go, and what they attend.
 
     Row r's ``width`` query positions (its suffix, right-padded) are tokens ``offsets[r] + j`` of its sequence;
@@ -247,17 +257,21 @@ def offset_prefill_layout(offsets: torch.Tensor, width: int, cols: int) -> tuple
         offsets: int64 ``[P]``, cached columns per row (0 for a row prefilled from scratch).
         width: padded suffix width ``Wp``.
         cols: cache columns per slot (``L``); every real token's column ``offsets[r] + j`` is ``< L - 1``.
+        kw: attended columns ``Kw`` of the mask when given (a bucketed prefill: a static shape, no host sync; it must
+            cover every real query, ``Kw >= offsets[r] + suffix length`` for each row); None: ``min(L, max(offsets) +
+            Wp)``, read from ``offsets`` (one host sync on CUDA).
 
     Returns:
         ``(cols_idx, mask)``: ``cols_idx`` int64 ``[P, Wp]``, the column each query's K/V is written to,
         ``offsets[r] + j`` clamped to ``L - 1`` (only padding positions reach the clamp: their K/V land beyond the
         row's length, where decode writes before it reads); ``mask`` bool ``[P, 1, Wp, Kw]``, ``Kw = min(L,
         max(offsets) + Wp)``: query j of row r attends column c iff ``c <= offsets[r] + j`` (the cached prefix,
-        then causal within the suffix).
+        then causal within the suffix). A padding query at or past ``Kw`` attends all ``Kw`` columns (never none:
+        column 0 is always attended, so no row of the softmax is empty).
     """
     j = torch.arange(width, device=offsets.device)  # [Wp]
     pos = offsets[:, None] + j  # [P, Wp] absolute position of each query
-    kw = min(cols, int(offsets.max()) + width)
+    kw = min(cols, int(offsets.max()) + width) if kw is None else kw
     mask = torch.arange(kw, device=offsets.device) <= pos[:, :, None]  # [P, Wp, Kw]
     return pos.clamp(max=cols - 1), mask[:, None]
 
@@ -284,6 +298,44 @@ def offset_prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torc
     k, v = kc[rows, :, :kw], vc[rows, :, :kw]  # [P, Hkv, Kw, D]: cached prefix + the suffix just written
     return torch.nn.functional.scaled_dot_product_attention(
         query, _repeat_kv(k, h // hkv), _repeat_kv(v, h // hkv), attn_mask=mask, scale=scaling)  # [P, H, Wp, D]
+
+
+def _pow2_ceil(n: int) -> int:
+    """The smallest power of two ``>= n`` (``n >= 1``)."""
+    return 1 << (n - 1).bit_length()
+
+
+def prefill_bucket(rows: int, width: int, kv: int, max_rows: int, cols: int,
+                   min_width: int = 16) -> tuple[int, int, int]:
+    """The static shape a bucketed prefill forward (``SlotEngine(prefill_graphs=True)``) runs at.
+
+    Each dimension is rounded up to a power of two, then capped: a forward of ``rows`` prompts right-padded to
+    ``width`` tokens runs as ``Pb`` rows of ``Wb`` tokens (the ``Pb - rows`` padded rows write only the engine's
+    scratch cache row), and a prefill at column offsets attends ``Kwb`` cache columns. Few distinct shapes, so each
+    is captured once as a CUDA graph; the padding costs at most 2x per dimension.
+
+    Args:
+        rows: prompts in the forward, ``1 <= rows <= max_rows``.
+        width: the longest suffix fed (tokens), ``1 <= width <= cols``.
+        kv: cache columns the offset path must attend, the longest prompt of the forward (cached prefix + suffix,
+            ``<= cols``); 0 for a forward without offsets (the causal path, which reads no cache columns).
+        max_rows: the engine's slots (``Pb`` cap).
+        cols: cache columns per slot (``Wb`` and ``Kwb`` cap).
+        min_width: smallest ``Wb`` (tokens).
+
+    Returns:
+        ``(Pb, Wb, Kwb)``: ``min(max_rows, 2^ceil(log2 rows))``, ``min(cols, max(min_width, 2^ceil(log2 width)))``
+        and ``min(cols, 2^ceil(log2 kv))`` (0 when ``kv`` is 0). E.g. ``prefill_bucket(5, 40, 0, 1024, 2560) == (8, 64,
+        0)``, ``prefill_bucket(3, 300, 1100, 1024, 2560) == (4, 512, 2048)``.
+
+    Raises:
+        ValueError: an argument out of range.
+    """
+    if not (1 <= rows <= max_rows and 1 <= width <= cols and 0 <= kv <= cols and min_width >= 1):
+        raise ValueError(f"prefill_bucket: 1 <= rows ({rows}) <= max_rows ({max_rows}), 1 <= width ({width}) <= cols "
+                         f"({cols}), 0 <= kv ({kv}) <= cols, min_width ({min_width}) >= 1")
+    return (min(max_rows, _pow2_ceil(rows)), min(cols, max(min_width, _pow2_ceil(width))),
+            min(cols, _pow2_ceil(kv)) if kv else 0)
 
 
 def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
@@ -410,6 +462,24 @@ class _Held:
     key: object
     ids: list
     delivered: bool = False
+
+
+@dataclass
+class _PrefillBuffers:
+    """Static tensors of one prefill bucket ``key = (Pb, Wb, Kwb)`` (:func:`prefill_bucket`; ``Kwb`` 0: the causal
+    path): what its forward reads (filled by ``copy_`` before each forward) and writes, and its CUDA graph (None:
+    not captured, run eagerly)."""
+    key: tuple
+    ids: torch.Tensor  # int64 [Pb, Wb] token ids, right-padded with 0
+    meta: torch.Tensor  # int64 [4, Pb]: slot (padded rows: the scratch row S), offset, last prompt index, prompt length
+    tok: torch.Tensor  # int64 [Pb] output: first answer token of each row
+    graph: Optional[object] = None
+
+    @classmethod
+    def make(cls, key: tuple, dev) -> "_PrefillBuffers":
+        pb, wb, _ = key
+        z = dict(dtype=torch.long, device=dev)
+        return cls(key, torch.zeros(pb, wb, **z), torch.zeros(4, pb, **z), torch.zeros(pb, **z))
 
 
 # ---------------------------------------------------------------- prompts.regen_compile: auto
@@ -557,9 +627,17 @@ class SlotEngine(Engine):
             parent's slot.
         refill_free: while at least half the slots are busy, queued prompts wait until this share of the slots is
             free (:func:`defer_refill`): fewer, fuller prefill forwards against rows idle until then.
+        prefill_graphs: run each prefill forward at a bucketed shape (:func:`prefill_bucket`: rows, padded width
+            and, at column offsets, the attended columns rounded up to powers of two; :meth:`_admit` keeps the
+            bucketed rows x width within ``prefill_tokens`` where a single row allows it), its padded rows writing
+            one scratch cache row after the slots, and (CUDA with ``cuda_graphs``) capture each bucket as a CUDA graph
+            at its first use, replayed after: an eager prefill forward is bound by host dispatch (SmolLM2: ~1,700
+            ops, 35-48 ms whatever it carries). A failed capture logs one warning and the same bucketed forwards run
+            eagerly (as always on the CPU). Greedy tokens are the same (fp32: equal).
 
-    Memory: ``2 * layers * slots * max_len * kv_heads * head_dim`` elements of the model dtype, plus
-    ``slots x max_new_tokens`` int64 answer buffer. Priorities: lower tuples are admitted first.
+    Memory: ``2 * layers * slots * max_len * kv_heads * head_dim`` elements of the model dtype (``slots + 1`` rows with
+    ``prefill_graphs``: the scratch row), plus ``slots x max_new_tokens`` int64 answer buffer; with prefill graphs
+    on CUDA, their shared memory pool (the activations of the largest bucket captured, about). Priorities: lower tuples are admitted first.
     Stats (``stats``): ``decode_steps``, ``prefill_calls``, ``prefill_tokens`` / ``prefill_padded_tokens`` (prompt
     tokens prefilled, and rows x padded width summed over the prefill forwards: their ratio is the prefill's padding
     overhead), ``graph_captures``, ``kv_bytes_per_token``,
@@ -574,7 +652,10 @@ class SlotEngine(Engine):
     whose K/V a retained parent left: not prefilled; ``prefill_tokens`` counts only the tokens fed, so their sum is
     every admitted prompt's length), ``reuse_rows`` (prompts prefilled after a cached prefix),
     ``reuse_full_prefills`` (successors of a held parent prefilled in full: prefix under ``reuse_min_tokens`` or a
-    too narrow slot).
+    too narrow slot), ``prefill_graphs`` (the switch), ``prefill_graph_captures`` (prefill buckets captured as CUDA
+    graphs), ``prefill_capture_s`` (host seconds of those captures, warm-up forward included; within ``prefill_s``'s
+    span), ``prefill_buckets`` (prefill forwards per bucket, keys ``"PbxWb"`` on the causal path and ``"PbxWbxKwb"``
+    at offsets); with ``prefill_graphs``, ``prefill_padded_tokens`` counts the bucketed ``Pb x Wb``.
     """
 
     def __init__(self, model, slots: int, max_len: int, max_new_tokens: int, stop_ids: set[int],
@@ -582,7 +663,7 @@ class SlotEngine(Engine):
                  cuda_graphs: bool = True, attention: str = "auto", flex_block: int = 128, min_prefix: int = 8,
                  compile_step=False, compile_min_prefix: Optional[int] = None,
                  planned_answers: Optional[int] = None, prefix_reuse: bool = True, reuse_min_tokens: int = 16,
-                 refill_free: float = 1 / 32):
+                 refill_free: float = 1 / 32, prefill_graphs: bool = False):
         if slots < 1 or max_new_tokens < 1 or check_every < 1 or max_len <= max_new_tokens:
             raise ValueError("SlotEngine: slots, max_new_tokens, check_every >= 1 and max_len > max_new_tokens")
         self.model, self.S, self.max_len, self.max_new = model, slots, max_len, max_new_tokens
@@ -595,9 +676,12 @@ class SlotEngine(Engine):
         if not 0 < refill_free <= 1:
             raise ValueError(f"SlotEngine: refill_free in (0, 1], not {refill_free!r}")
         self.refill_free = float(refill_free)
+        self.prefill_graphs = bool(prefill_graphs)
         p = next(model.parameters())
         self.dev, dtype = p.device, p.dtype
         self.use_graphs = cuda_graphs and self.dev.type == "cuda"
+        # bucketed prefill forwards captured as CUDA graphs (else, and after a failed capture, run eagerly)
+        self._prefill_capture = self.prefill_graphs and self.use_graphs
         cfg = model.config.get_text_config()
         n_layers, hkv = cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         h = cfg.num_attention_heads
@@ -615,8 +699,11 @@ class SlotEngine(Engine):
         self.caps = sorted({c for c in width_classes if max_new_tokens < c < max_len} | {max_len})
         self.groups: Optional[list[tuple[int, int, int]]] = None  # (first slot, end slot, cap), set at the first admission
         cols = -(-max_len // flex_block) * flex_block if self.flex is not None else max_len
-        self.cache = SlotCache(k=[torch.zeros(slots, hkv, cols, d, dtype=dtype, device=self.dev) for _ in range(n_layers)],
-                               v=[torch.zeros(slots, hkv, cols, d, dtype=dtype, device=self.dev) for _ in range(n_layers)])
+        # prefill_graphs: one scratch row after the slots, where a bucketed prefill's padded rows write (decode runs over
+        # slot prefixes [:n], n <= slots, so it never reads it)
+        rows = slots + int(self.prefill_graphs)
+        self.cache = SlotCache(k=[torch.zeros(rows, hkv, cols, d, dtype=dtype, device=self.dev) for _ in range(n_layers)],
+                               v=[torch.zeros(rows, hkv, cols, d, dtype=dtype, device=self.dev) for _ in range(n_layers)])
         if self.flex is not None:
             self.cache.flex = self.flex
             nb = cols // flex_block
@@ -646,6 +733,8 @@ class SlotEngine(Engine):
         self._seq = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # per slot prefix
         self._pool = None  # one memory pool shared by the prefix graphs (replayed one at a time)
+        self._prefill_bufs: dict[tuple, _PrefillBuffers] = {}  # prefill_graphs: per bucket (Pb, Wb, Kwb)
+        self._prefill_pool = None  # one memory pool shared by the prefill graphs (replayed one at a time)
         # kv_tokens_needed: sum over decode steps of the live rows' attended columns (the roofline's KV reads);
         # kv_bytes_read: what the attention reads (flex: the blocks; sdpa_groups: every prefix slot up to its cap)
         self.stats = {"decode_steps": 0, "prefill_calls": 0, "prefill_tokens": 0, "prefill_padded_tokens": 0,
@@ -653,7 +742,9 @@ class SlotEngine(Engine):
                       "attention": "flex" if self.flex is not None else "sdpa_groups", "prefill_s": 0.0, "decode_s": 0.0,
                       "compiled_step": self._compiled is not None, "compile_min_prefix": self._compile_min,
                       "first_step_s": {}, "compile_decision": self.compile_decision,
-                      "prefix_reuse": self.prefix_reuse, "reused_tokens": 0, "reuse_rows": 0, "reuse_full_prefills": 0}
+                      "prefix_reuse": self.prefix_reuse, "reused_tokens": 0, "reuse_rows": 0, "reuse_full_prefills": 0,
+                      "prefill_graphs": self.prefill_graphs, "prefill_graph_captures": 0, "prefill_capture_s": 0.0,
+                      "prefill_buckets": {}}
         self._timed: list[tuple[str, object, object]] = []  # (stat, start, end): CUDA events read at the next sync
         self._swap = AttentionSwap(model).__enter__()
 
@@ -728,6 +819,7 @@ class SlotEngine(Engine):
             self._swap.__exit__(None, None, None)
             self._swap = None
         self.graphs.clear()
+        self._prefill_bufs.clear()
         self.cache.k.clear()
         self.cache.v.clear()
 
@@ -819,12 +911,22 @@ class SlotEngine(Engine):
         i = 0
         while i < len(placed):
             j, width = i, 0
-            while j < len(placed) and max(width, suffix[j]) * (j - i + 1) <= max(self.prefill_tokens, suffix[j]):
+            while j < len(placed) and self._fits(j - i + 1, max(width, suffix[j]), suffix[j]):
                 width = max(width, suffix[j])
                 j += 1
             self._prefill([w for w, _, _ in placed[i:j]], [s for _, s, _ in placed[i:j]], width,
                           [o for _, _, o in placed[i:j]])
             i = j
+
+    def _fits(self, rows: int, width: int, last: int) -> bool:
+        """Whether a prefill forward of ``rows`` prompts padded to ``width`` tokens stays within ``prefill_tokens``
+        (a single prompt of ``last`` tokens always fits); with ``prefill_graphs`` at its bucketed shape
+        (:func:`prefill_bucket`)."""
+        if not self.prefill_graphs:
+            return width * rows <= max(self.prefill_tokens, last)
+        cols = self.cache.k[0].shape[2]
+        pb, wb, _ = prefill_bucket(rows, width, 0, self.S, cols)
+        return pb * wb <= max(self.prefill_tokens, prefill_bucket(1, last, 0, self.S, cols)[1])
 
     def _prefill(self, reqs: list[_Waiting], slots: list[int], width: int,
                  offsets: Optional[list[int]] = None) -> None:
@@ -834,9 +936,16 @@ class SlotEngine(Engine):
         retained parent's prompt + answer); only the suffix ``ids[offsets[r]:]`` is fed, at positions ``offsets[r] +
         j`` (RoPE) and columns ``offsets[r] + j``, attending the cached prefix (:func:`offset_prefill_attention`).
         A forward whose offsets are all 0 (or None) takes the causal path of a fresh prompt. ``width``: the longest
-        suffix."""
+        suffix. With ``prefill_graphs`` the forward runs at its bucketed shape (:meth:`_prefill_bucketed`)."""
         p = len(reqs)
         offsets = offsets if offsets is not None else [0] * p
+        if self.prefill_graphs:
+            t0 = self._mark()
+            rows, lens, tok = self._prefill_bucketed(reqs, slots, width, offsets)  # [P] each, on device
+            self._prefill_state(rows, lens, tok)
+            self._timed.append(("prefill_s", t0, self._mark()))
+            self._prefill_host(reqs, slots, offsets)
+            return
         ids = torch.zeros(p, width, dtype=torch.long)  # [P, Wp]
         for r, (w, o) in enumerate(zip(reqs, offsets)):
             ids[r, :len(w.ids) - o] = torch.tensor(w.ids[o:], dtype=torch.long)
@@ -854,20 +963,126 @@ class SlotEngine(Engine):
         self.cache.rows = self.cache.prefill_cols = self.cache.prefill_mask = None
         last = hid[torch.arange(p, device=self.dev), lens - off - 1]  # [P, hidden] the last prompt token of each row
         tok = self.model.get_output_embeddings()(last).argmax(-1)  # [P]
+        self._prefill_state(rows, lens, tok)
+        self._timed.append(("prefill_s", t0, self._mark()))
+        self._prefill_host(reqs, slots, offsets)
+        self.stats["prefill_padded_tokens"] += p * width
+
+    def _prefill_state(self, rows: torch.Tensor, lens: torch.Tensor, tok: torch.Tensor) -> None:
+        """Decode state of freshly prefilled slots (device ops): ``rows`` int64 ``[P]`` the slots, ``lens`` int64 ``[P]``
+        their prompt lengths (cached + fed), ``tok`` int64 ``[P]`` the first answer token of each."""
         self.last[rows] = tok
         self.out[rows, 0] = tok
         self.n_gen[rows] = 1
         self.lengths[rows] = lens
         self.stopped[rows] = torch.isin(tok, self.stop_t)
         self.done[rows] = self.stopped[rows] | (self.max_new <= 1)
-        self._timed.append(("prefill_s", t0, self._mark()))
+
+    def _prefill_host(self, reqs: list[_Waiting], slots: list[int], offsets: list[int]) -> None:
+        """Host bookkeeping of a prefill forward: the slots' requests and the prefill counters."""
         for s, w in zip(slots, reqs):
             self.key[s], self.host_len[s], self.host_ids[s], self.retain[s] = w.key, len(w.ids), w.ids, w.retain
         self.stats["prefill_calls"] += 1
         self.stats["prefill_tokens"] += sum(len(w.ids) - o for w, o in zip(reqs, offsets))
         self.stats["reused_tokens"] += sum(offsets)
         self.stats["reuse_rows"] += sum(o > 0 for o in offsets)
-        self.stats["prefill_padded_tokens"] += p * width
+
+    # ------------------------------------------------------------------ bucketed prefill (prefill_graphs)
+    def _prefill_bucketed(self, reqs: list[_Waiting], slots: list[int], width: int,
+                          offsets: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One prefill forward at its bucketed shape (:func:`prefill_bucket`): replayed from a CUDA graph captured at
+        the bucket's first use (``prefill_graphs`` on CUDA with graphs), else run eagerly over the same buffers.
+
+        The ``P`` real rows fill rows ``[0, P)`` of the bucket's static buffers (ids right-padded with 0 to ``Wb``);
+        rows ``[P, Pb)`` are padding: slot ``S`` (the scratch cache row), offset 0, token ids 0, last index 0. A
+        forward with any offset runs the masked path over ``Kwb`` columns (all rows, offset 0 ones included),
+        else the causal path. Inputs reach the device in two copies (pinned and asynchronous on CUDA: no host
+        sync); the graph writes the first answer token of every row to the bucket's ``tok``.
+
+        Args:
+            reqs, slots, width, offsets: as :meth:`_prefill` (``offsets`` a list, 0 = from scratch).
+
+        Returns:
+            ``(rows, lens, tok)``: int64 ``[P]`` device views of the bucket's buffers (the real rows' slots, prompt
+            lengths and first answer tokens), valid until the bucket's next forward.
+        """
+        p, cols = len(reqs), self.cache.k[0].shape[2]
+        kv = max(len(w.ids) for w in reqs) if any(offsets) else 0
+        key = prefill_bucket(p, width, kv, self.S, cols)
+        pb, wb, _ = key
+        ids = torch.zeros(pb, wb, dtype=torch.long)  # [Pb, Wb] host
+        for r, (w, o) in enumerate(zip(reqs, offsets)):
+            ids[r, :len(w.ids) - o] = torch.tensor(w.ids[o:], dtype=torch.long)
+        pad = [0] * (pb - p)
+        meta = torch.tensor([list(slots) + [self.S] * (pb - p),  # padded rows: the scratch cache row
+                             list(offsets) + pad, [len(w.ids) - o - 1 for w, o in zip(reqs, offsets)] + pad,
+                             [len(w.ids) for w in reqs] + pad], dtype=torch.long)  # [4, Pb] host
+        buf = self._prefill_bufs.get(key)
+        if buf is None:
+            buf = self._prefill_bufs[key] = _PrefillBuffers.make(key, self.dev)
+        cuda = self.dev.type == "cuda"
+        buf.ids.copy_(ids.pin_memory() if cuda else ids, non_blocking=cuda)
+        buf.meta.copy_(meta.pin_memory() if cuda else meta, non_blocking=cuda)
+        if self._prefill_capture and buf.graph is None:
+            self._prefill_graph(buf)
+        if buf.graph is not None:
+            buf.graph.replay()
+        else:
+            self._prefill_forward(buf)
+        nb = self.stats["prefill_buckets"]
+        name = "x".join(map(str, key if key[2] else key[:2]))
+        nb[name] = nb.get(name, 0) + 1
+        self.stats["prefill_padded_tokens"] += pb * wb
+        return buf.meta[0, :p], buf.meta[3, :p], buf.tok[:p]
+
+    def _prefill_forward(self, buf: "_PrefillBuffers") -> None:
+        """The forward of a bucketed prefill over ``buf``'s static tensors (the function a prefill graph captures;
+        device ops only, static shapes): K/V of every row written to the cache (padded rows to the scratch row),
+        ``buf.tok`` [Pb] = the greedy token after each row's last prompt token."""
+        pb, wb, kw = buf.key
+        c = self.cache
+        rows, off, last = buf.meta[0], buf.meta[1], buf.meta[2]  # [Pb] each
+        c.rows = rows
+        if kw:
+            c.prefill_cols, c.prefill_mask = offset_prefill_layout(off, wb, c.k[0].shape[2], kw=kw)  # [Pb, Wb], [Pb, 1, Wb, Kwb]
+        try:
+            pos = off[:, None] + torch.arange(wb, device=self.dev)  # [Pb, Wb] RoPE positions after the cached prefix
+            hid = self.model.base_model(input_ids=buf.ids, position_ids=pos, slot_cache=c,
+                                        use_cache=False).last_hidden_state  # [Pb, Wb, hidden]
+        finally:
+            c.rows = c.prefill_cols = c.prefill_mask = None
+        h = hid[torch.arange(pb, device=self.dev), last]  # [Pb, hidden] the last prompt token of each row
+        buf.tok.copy_(self.model.get_output_embeddings()(h).argmax(-1))  # [Pb]
+
+    def _prefill_graph(self, buf: "_PrefillBuffers") -> None:
+        """Capture :meth:`_prefill_forward` over ``buf`` as a CUDA graph (warm-up on a side stream first, as torch
+        requires; the K/V the warm-up writes are rewritten identically by the replay that follows). All prefill
+        graphs share one memory pool (they replay one at a time, and each one's output is read before the next
+        replays). On a failure: one warning, and every prefill runs eagerly from then on (same shapes, same
+        tokens). Host seconds go to ``stats["prefill_capture_s"]``."""
+        t0 = time.perf_counter()
+        try:
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                self._prefill_forward(buf)  # warm-up (allocator, lazy init)
+            torch.cuda.current_stream().wait_stream(s)
+            if self._prefill_pool is None:
+                self._prefill_pool = torch.cuda.graph_pool_handle()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self._prefill_pool):
+                self._prefill_forward(buf)
+        except Exception as e:  # noqa: BLE001 - any capture failure: prefill eagerly (same results)
+            log.warning("prefill CUDA graph capture failed at bucket %s (%s: %s); prefill forwards run eagerly",
+                        buf.key, type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+            self._prefill_capture = False
+            for b in self._prefill_bufs.values():
+                b.graph = None
+            return
+        finally:
+            self.stats["prefill_capture_s"] += time.perf_counter() - t0
+        buf.graph = g
+        self.stats["prefill_graph_captures"] += 1
 
     def _pick_attention(self, attention: str, slots: int, h: int, hkv: int, d: int, dtype, cols: int):
         """The flex decode function, or None for sdpa_groups. On CUDA the compiled kernel is probed (compiled,

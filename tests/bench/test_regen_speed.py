@@ -57,7 +57,8 @@ def test_bench_runs_tiny_on_cpu(tmp_path, tiny_llama_dir):
     out = tmp_path / "r.json"
     assert rsp.main(["--config", str(ROOT / "configs" / "tiny-llama.yaml"), "--set", f"verifier.path={tiny_llama_dir}",
                      "--prompts", str(src), "--baseline-num", "4", "--hf-num", "2", "--batch-size", "3",
-                     "--max-new-tokens", "5", "--set", "prompts.regen_check_every=2", "--reuse-ab", "6", "--json", str(out),
+                     "--max-new-tokens", "5", "--set", "prompts.regen_check_every=2", "--reuse-ab", "6",
+                     "--prefill-graphs-ab", "5", "--json", str(out),
                      "--md", str(tmp_path / "r.md")]) == 0
     res = json.loads(out.read_text())
     assert res["main"]["conversations"] == 6 and res["main"]["answers"] == sum(turns)
@@ -78,6 +79,16 @@ def test_bench_runs_tiny_on_cpu(tmp_path, tiny_llama_dir):
     assert ab["on"]["reused_tokens"] > 0 and ab["off"]["reused_tokens"] == 0
     assert ab["on"]["prefill_tokens"] + ab["on"]["reused_tokens"] == ab["off"]["prefill_tokens"]
     assert "| on |" in (tmp_path / "r.md").read_text() and "Prefix reuse on / off" in (tmp_path / "r.md").read_text()
+    pg = res["prefill_graphs_ab"]  # 5 conversations with bucketed prefill (eager on the CPU) on and off
+    n5 = sum(rsp.spread(turns, 5))
+    assert pg["conversations"] == 5 and pg["identical"] == pg["answers_compared"] == n5  # fp32: same tokens
+    assert pg["differing_first_turns_checked"] == 0 and pg["max_gap"] is None
+    on, off = pg["on"], pg["off"]
+    assert on["prefill_graph_captures"] == off["prefill_graph_captures"] == 0  # CPU: nothing captured
+    assert sum(on["prefill_buckets"].values()) == on["prefill_calls"] and off["prefill_buckets"] == {}
+    assert on["prefill_tokens"] == off["prefill_tokens"] and on["prefill_padded_tokens"] >= off["prefill_padded_tokens"]
+    md = (tmp_path / "r.md").read_text()
+    assert "Prefill graphs on / off" in md and f"{pg['identical']} of {pg['answers_compared']} answers identical" in md
 
 
 def test_reuse_ab_counts_differences_by_logit_gap(tiny_llama_dir, monkeypatch):

@@ -178,7 +178,7 @@ def test_regen_compile_refuses_anything_else_in_one_line(tmp_path, value):
 
 
 @pytest.mark.parametrize("key", ["prompts.dedupe", "prompts.regenerate", "prompts.regen_cuda_graphs",
-                                 "prompts.regen_prefix_reuse",
+                                 "prompts.regen_prefix_reuse", "prompts.regen_prefill_graphs",
                                  "extract.loss_on_reasoning", "train.compile", "verifier.trust_remote_code"])
 @pytest.mark.parametrize("value", ["1", "0", "'yes'", "'true'"])
 def test_true_false_fields_take_only_yaml_booleans(tmp_path, key, value):

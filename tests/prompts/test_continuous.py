@@ -752,12 +752,13 @@ def test_common_prefix():
     assert common_prefix([], [1]) == 0 and common_prefix([9], [1]) == 0 and common_prefix([1, 2], [1, 2]) == 2
 
 
-def _prefill_snapshots(model, users, reuse: bool, max_new: int) -> dict:
+def _prefill_snapshots(model, users, reuse: bool, max_new: int, prefill_graphs: bool = False) -> dict:
     """Run 2-turn conversations through a 3-slot engine; per (conversation, turn) the prompt and the K/V its prefill
     left in columns [0, len(prompt)) of its slot, every layer (``[layers, 2, Hkv, len, D]``)."""
     snaps, real = {}, SlotEngine._prefill
     eng = SlotEngine(model, 3, max_len=128, max_new_tokens=max_new, stop_ids={0}, check_every=2, cuda_graphs=False,
-                     attention="flex", flex_block=16, prefix_reuse=reuse, reuse_min_tokens=1)
+                     attention="flex", flex_block=16, prefix_reuse=reuse, reuse_min_tokens=1,
+                     prefill_graphs=prefill_graphs)
 
     def spy(self, reqs, slots, width, offsets=None):
         real(self, reqs, slots, width, offsets)
@@ -811,3 +812,158 @@ def test_refill_free_gives_fewer_fuller_prefills_and_the_same_answers(tiny):
     assert calls[0.5] < calls[1 / 32], calls
     with pytest.raises(ValueError, match="refill_free"):
         SlotEngine(model, 8, max_len=64, max_new_tokens=max_new, stop_ids=stops, refill_free=0)
+
+
+# ---------------------------------------------------------------- bucketed prefill (prompts.regen_prefill_graphs)
+
+def test_prefill_bucket_by_hand():
+    """Rows and width to powers of two (width >= 16), the offset path's attended columns too, each capped."""
+    from eagle3.prompts.continuous import prefill_bucket
+
+    assert prefill_bucket(1, 1, 0, 1024, 2560) == (1, 16, 0)       # the smallest forward: one row, 16 columns
+    assert prefill_bucket(5, 40, 0, 1024, 2560) == (8, 64, 0)      # 5 -> 8 rows, 40 -> 64 tokens, causal path
+    assert prefill_bucket(3, 300, 1100, 1024, 2560) == (4, 512, 2048)  # offsets: 1,100 attended columns -> 2,048
+    assert prefill_bucket(32, 512, 512, 1024, 2560) == (32, 512, 512)  # already at a bucket: unchanged
+    assert prefill_bucket(600, 2000, 2100, 1024, 2560) == (1024, 2048, 2560)  # columns capped at the cache's
+    assert prefill_bucket(3, 40, 0, 3, 64) == (3, 64, 0)           # rows capped at the slots (3, not 4)
+    assert prefill_bucket(2, 17, 33, 8, 48) == (2, 32, 48)         # width 17 -> 32; 33 columns -> 64, capped at 48
+    assert prefill_bucket(2, 5, 9, 8, 48, min_width=4) == (2, 8, 16)
+    for bad in ((0, 5, 0, 8, 64), (9, 5, 0, 8, 64), (2, 0, 0, 8, 64), (2, 65, 0, 8, 64), (2, 5, 65, 8, 64)):
+        with pytest.raises(ValueError, match="prefill_bucket"):
+            prefill_bucket(*bad)
+
+
+def _is_bucket(n: int, cap: int, lo: int = 1) -> bool:
+    """``n`` is a power of two >= ``lo``, or the cap."""
+    return n == cap or (n >= lo and n & (n - 1) == 0)
+
+
+@pytest.mark.parametrize("attention,slots,check_every,prefill_tokens,reuse", [
+    ("flex", 5, 2, 65536, True),         # 5 rows (3 refilled: bucket 4, one padded row), successors at offsets
+    ("sdpa_groups", 5, 2, 64, True),     # a 64-token budget at bucketed shapes: many forwards, mixed offsets
+    ("flex", 5, 1, 65536, False),        # prefix reuse off: every turn prefilled in full on the causal path
+    ("sdpa_groups", 7, 3, 65536, False),  # 7 slots: rows bucket 8 capped at 7
+])
+def test_prefill_graphs_equals_hf_greedy(tiny, attention, slots, check_every, prefill_tokens, reuse, monkeypatch):
+    """Bucketed prefill forwards (prefill_graphs=True: eager on the CPU, the same shapes a CUDA graph would replay):
+    multi-turn answers equal plain transformers greedy decoding token for token (fp32), with prefix reuse on and off;
+    every forward runs at a bucketed shape (rows, width and the offset path's attended columns), padded rows go to
+    the scratch row, and rows and width were both padded somewhere."""
+    import eagle3.prompts.continuous as cont
+
+    model, _ = tiny
+    max_new = 10
+    users = _user_turns(7, 3, model.config.vocab_size, seed=21)
+    stops = _stops(model, [u[0] for u in users], max_new)
+    seen, masked = [], []
+    real_fwd, real_attn = SlotEngine._prefill_forward, cont.offset_prefill_attention
+
+    def fwd(self, buf):
+        seen.append((buf.key, buf.meta[0].tolist(), buf.meta[2].tolist()))
+        return real_fwd(self, buf)
+
+    def attn(query, key, value, kc, vc, rows, cols_idx, mask, scaling):
+        masked.append((tuple(query.shape), tuple(mask.shape), kc.shape[2]))
+        return real_attn(query, key, value, kc, vc, rows, cols_idx, mask, scaling)
+
+    monkeypatch.setattr(SlotEngine, "_prefill_forward", fwd)
+    monkeypatch.setattr(cont, "offset_prefill_attention", attn)
+    eng = SlotEngine(model, slots, max_len=160, max_new_tokens=max_new, stop_ids=stops, check_every=check_every,
+                     prefill_tokens=prefill_tokens, width_classes=[], cuda_graphs=False, attention=attention,
+                     flex_block=16, min_prefix=1, reuse_min_tokens=4, prefix_reuse=reuse, prefill_graphs=True)
+    assert eng.cache.k[0].shape[0] == slots + 1  # the scratch row
+    cols = eng.cache.k[0].shape[2]
+    got = _run_turns(eng, users, rewrite={1})
+    assert len(got) == 21
+    for (c, k), (prompt, ans, stopped) in got.items():
+        assert (ans, stopped) == hf_greedy(model, prompt, max_new, stops), (c, k)
+    st = eng.stats
+    assert st["prefill_graphs"] is True and st["prefill_graph_captures"] == 0  # CPU: eager, never captured
+    assert (st["reused_tokens"] > 0) == reuse and st["prefill_tokens"] + st["reused_tokens"] == sum(
+        len(p) for p, _, _ in got.values())
+    assert len(seen) == st["prefill_calls"] == sum(st["prefill_buckets"].values())
+    assert st["prefill_padded_tokens"] == sum(pb * wb for (pb, wb, _), _, _ in seen)
+    row_pad = width_pad = False
+    for (pb, wb, kw), rows, last in seen:
+        p = sum(r < slots for r in rows)
+        assert rows[p:] == [slots] * (pb - p) and len(set(rows[:p])) == p  # padded rows: the scratch row only
+        assert _is_bucket(pb, slots) and _is_bucket(wb, cols, 16) and (kw == 0 or _is_bucket(kw, cols))
+        assert pb * wb <= max(prefill_tokens, wb)  # within the budget at the bucketed shape (a lone row excepted)
+        row_pad |= pb > p
+        width_pad |= wb > max(last[:p]) + 1
+    assert row_pad and width_pad, seen
+    # the offset path ran at the bucketed shapes: queries [Pb, H, Wb, D], mask [Pb, 1, Wb, Kwb]
+    assert bool(masked) == reuse
+    offset_keys = [k for k, _, _ in seen if k[2]]
+    assert len(offset_keys) * 6 == len(masked)  # one call per layer
+    for (pb, wb, kw), (q, m, _) in zip([k for k in offset_keys for _ in range(6)], masked):
+        assert (q[0], q[2]) == (pb, wb) and m == (pb, 1, wb, kw)
+
+
+def test_bucketed_prefill_kv_equals_unbucketed(tiny):
+    """The K/V a bucketed prefill leaves in its slot for a real row (columns [0, len): cached prefix + suffix, every
+    layer) equal the unbucketed full prefill's (fp32, 1e-5), with prefix reuse on and off."""
+    model, _ = tiny
+    users = _user_turns(5, 2, model.config.vocab_size, seed=14)
+    want, _ = _prefill_snapshots(model, users, False, 6)
+    for reuse in (True, False):
+        got, st = _prefill_snapshots(model, users, reuse, 6, prefill_graphs=True)
+        assert st["prefill_graphs"] and (st["reuse_rows"] >= 3 if reuse else st["reused_tokens"] == 0)
+        assert st["prefill_padded_tokens"] > sum(len(ids) for ids, _ in got.values()) - st["reused_tokens"]
+        assert got.keys() == want.keys() and len(got) == 10
+        for k in got:
+            assert got[k][0] == want[k][0]
+            torch.testing.assert_close(got[k][1], want[k][1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("offsets", [None, [0, 12, 20]])
+def test_bucketed_prefill_writes_only_its_rows_and_the_scratch_row(tiny, offsets):
+    """A bucketed prefill of 3 rows (bucket 4: one padded row) into slots 1, 4 and 6 of 8, every slot's cache set to a
+    sentinel first: the other slots are untouched, the prefilled slots keep their cached prefix (columns [0, offset))
+    and get new K/V over their prompt, and the padded row wrote the scratch row (slot 8) only."""
+    from eagle3.prompts.continuous import _Waiting
+
+    model, _ = tiny
+    eng = SlotEngine(model, 8, max_len=64, max_new_tokens=4, stop_ids={0}, cuda_graphs=False, attention="flex",
+                     flex_block=16, prefill_graphs=True)
+    for t in eng.cache.k + eng.cache.v:
+        t.fill_(0.5)
+    before = [t.clone() for t in eng.cache.k + eng.cache.v]
+    g = torch.Generator().manual_seed(5)
+    lens = [9, 25, 30]
+    reqs = [_Waiting((i,), i, torch.randint(8, model.config.vocab_size, (n,), generator=g).tolist())
+            for i, n in enumerate(lens)]
+    offs = offsets or [0, 0, 0]
+    slots = [1, 4, 6]
+    with torch.inference_mode():
+        eng._prefill(reqs, slots, max(n - o for n, o in zip(lens, offs)), offsets)
+    # 3 rows -> 4; fresh: width 30 -> 32, the causal path; at offsets: suffixes 9, 13, 10 -> 16, prompts of up to
+    # 30 tokens -> 32 attended columns
+    assert list(eng.stats["prefill_buckets"]) == (["4x16x32"] if offsets else ["4x32"])
+    assert eng.stats["prefill_padded_tokens"] == (4 * 16 if offsets else 4 * 32)
+    for t0, t1 in zip(before, eng.cache.k + eng.cache.v):
+        for s in (0, 2, 3, 5, 7):
+            assert torch.equal(t1[s], t0[s]), s  # live slots untouched
+        for s, n, o in zip(slots, lens, offs):
+            assert torch.equal(t1[s, :, :o], t0[s, :, :o])  # the cached prefix kept
+            assert not torch.isclose(t1[s, :, o:n], t0[s, :, o:n]).any(), s  # the suffix written
+        assert not torch.equal(t1[8], t0[8])  # the padded row wrote the scratch row
+    assert eng.key[1] == 0 and eng.key[4] == 1 and eng.key[6] == 2 and eng.lengths[[1, 4, 6]].tolist() == lens
+    eng.close()
+
+
+def test_prefill_graph_capture_failure_falls_back_to_eager(tiny, caplog):
+    """A prefill graph that cannot be captured (here: capture asked for on the CPU) logs one warning and the bucketed
+    forwards run eagerly, with HF greedy's answers."""
+    model, _ = tiny
+    max_new = 8
+    prompts, stops, want = _greedy_case(model, 9, max_new, seed=4)
+    eng = SlotEngine(model, 4, max_len=64, max_new_tokens=max_new, stop_ids=stops, check_every=2, cuda_graphs=False,
+                     prefill_graphs=True)
+    eng._prefill_capture = True  # as on CUDA with graphs: torch.cuda.Stream() fails here
+    with caplog.at_level("WARNING"):
+        got = _run(eng, prompts)
+    assert [got[i] for i in range(len(prompts))] == want
+    warns = [r for r in caplog.records if "prefill CUDA graph capture failed" in r.getMessage()]
+    assert len(warns) == 1 and eng._prefill_capture is False
+    assert eng.stats["prefill_graph_captures"] == 0 and eng.stats["prefill_calls"] >= 2

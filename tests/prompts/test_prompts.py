@@ -335,6 +335,40 @@ def test_regen_prefix_reuse_is_not_in_the_settings_fingerprint(tmp_path):
     assert got[0] == got[1] == settings(load_config(f), None) and "prefix_reuse" not in json.dumps(got[0])
 
 
+def test_regen_prefill_graphs_is_not_in_the_settings_fingerprint(tmp_path):
+    """prompts.regen_prefill_graphs changes speed, not answers (fp32: tested token for token): both values give 01 the
+    same settings, so a finished prompts.jsonl and a resume log stay valid when it changes. Default: off."""
+    from eagle3.prompts.prepare_prompts import settings
+
+    f = tmp_path / "c.yaml"
+    f.write_text("run_name: t\nverifier: {path: x}\nprompts: {source: humaneval, regenerate: true}\n")
+    assert load_config(f).prompts.regen_prefill_graphs is False
+    got = [settings(load_config(f, [f"prompts.regen_prefill_graphs={v}"]), None) for v in ("true", "false")]
+    assert got[0] == got[1] == settings(load_config(f), None) and "prefill_graphs" not in json.dumps(got[0])
+
+
+def test_regen_prefill_graphs_reaches_the_engine_and_answers_do_not_change(tmp_path, tiny_llama_dir, capsys):
+    """01 with prompts.regen_prefill_graphs: true runs the slot engine's bucketed prefill (engine_stats say so; on the
+    CPU nothing is captured), finds prompts.jsonl up to date, and writes it byte for byte the same when forced (fp32)."""
+    src = _jsonl(tmp_path / "c.jsonl", [{"messages": [U("Hi there"), A("x"), U("And then?"), A("y")]},
+                                        {"messages": [U("Count to three"), A("z")]},
+                                        {"messages": [U("Name a colour"), A("x"), U("Another one"), A("y")]}])
+    f = _tiny_regen_config(tmp_path, tiny_llama_dir, src, max_new_tokens=6)
+    cfg = load_config(f)
+    assert run(cfg) == 0
+    (es,) = json.loads(report_path(cfg).read_text())["regeneration"]["engine_stats"]
+    assert es["prefill_graphs"] is False and es["prefill_buckets"] == {}
+    first = cfg.prompts_path.read_bytes()
+    capsys.readouterr()
+    on = load_config(f, ["prompts.regen_prefill_graphs=true"])
+    assert run(on) == 0 and "prompts up to date" in capsys.readouterr().out  # a speed setting: nothing to redo
+    assert run(on, force=True) == 0
+    (es,) = json.loads(report_path(cfg).read_text())["regeneration"]["engine_stats"]
+    assert es["prefill_graphs"] is True and es["prefill_graph_captures"] == 0
+    assert sum(es["prefill_buckets"].values()) == es["prefill_calls"] >= 1
+    assert cfg.prompts_path.read_bytes() == first
+
+
 def test_report_counts_prefix_reuse_and_answers_do_not_change(tmp_path, tiny_llama_dir, capsys):
     """01 on multi-turn conversations with the slot engine: prompts_report.json's engine_stats count the prompt tokens
     reused from the previous turn's KV and those prefilled (their sum: every rendered prompt's tokens), the Markdown
