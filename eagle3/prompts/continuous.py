@@ -464,6 +464,32 @@ class _Held:
     delivered: bool = False
 
 
+def capture_graph(fn, pool, after_warmup=None):
+    """``fn`` (device work on the current CUDA stream, static shapes, no host sync) captured as a CUDA graph.
+
+    As torch requires, ``fn`` runs once on a side stream first (allocator warm-up, lazy initialisation, a compile),
+    then ``after_warmup()`` (e.g. restoring state the warm-up advanced), then the capture into a graph allocating from
+    ``pool`` (``torch.cuda.graph_pool_handle()``; graphs sharing a pool must replay one at a time).
+
+    Returns:
+        the ``torch.cuda.CUDAGraph``; replaying it repeats ``fn``'s device work on the captured tensors.
+
+    Raises:
+        whatever the warm-up or the capture raises (the caller falls back to eager).
+    """
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    if after_warmup is not None:
+        after_warmup()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, pool=pool):
+        fn()
+    return g
+
+
 @dataclass
 class _PrefillBuffers:
     """Static tensors of one prefill bucket ``key = (Pb, Wb, Kwb)`` (:func:`prefill_bucket`; ``Kwb`` 0: the causal
@@ -1062,16 +1088,9 @@ class SlotEngine(Engine):
         tokens). Host seconds go to ``stats["prefill_capture_s"]``."""
         t0 = time.perf_counter()
         try:
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                self._prefill_forward(buf)  # warm-up (allocator, lazy init)
-            torch.cuda.current_stream().wait_stream(s)
             if self._prefill_pool is None:
                 self._prefill_pool = torch.cuda.graph_pool_handle()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self._prefill_pool):
-                self._prefill_forward(buf)
+            g = capture_graph(lambda: self._prefill_forward(buf), self._prefill_pool)
         except Exception as e:  # noqa: BLE001 - any capture failure: prefill eagerly (same results)
             log.warning("prefill CUDA graph capture failed at bucket %s (%s: %s); prefill forwards run eagerly",
                         buf.key, type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
@@ -1274,18 +1293,12 @@ class SlotEngine(Engine):
         """Capture ``_step(n)`` as a CUDA graph (state is restored after the warm-up run); None on failure."""
         state = [t.clone() for t in self._state()]
         try:
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                self._step(n)  # warm-up (allocator, lazy init, flex compile); K/V it writes are rewritten identically
-            torch.cuda.current_stream().wait_stream(s)
-            for t, v in zip(self._state(), state):
-                t.copy_(v)
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self._pool):
-                self._step(n)
+            # the warm-up (allocator, lazy init, flex compile) advances the state: restored before the capture; the
+            # K/V it writes are rewritten identically
+            g = capture_graph(lambda: self._step(n), self._pool,
+                              after_warmup=lambda: [t.copy_(v) for t, v in zip(self._state(), state)])
         except Exception as e:  # noqa: BLE001 - any capture failure: decode eagerly (same results)
             for t, v in zip(self._state(), state):
                 t.copy_(v)

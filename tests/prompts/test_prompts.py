@@ -323,28 +323,31 @@ def test_report_records_the_regen_compile_decision(tmp_path, tiny_llama_dir, cap
         assert "prompts up to date" in capsys.readouterr().out
 
 
-def test_regen_prefix_reuse_is_not_in_the_settings_fingerprint(tmp_path):
-    """prompts.regen_prefix_reuse changes speed, not answers (fp32: tested token for token): both values give 01 the
-    same settings, so a finished prompts.jsonl and a resume log stay valid when it changes. Default: on."""
+@pytest.mark.parametrize("key,default", [("regen_prefix_reuse", True), ("regen_prefill_graphs", False)])
+def test_speed_settings_are_not_in_the_settings_fingerprint(tmp_path, key, default):
+    """prompts.regen_prefix_reuse and prompts.regen_prefill_graphs change speed, not answers (fp32: tested token for
+    token): both values give 01 the same settings, so a finished prompts.jsonl and a resume log stay valid when they
+    change. Defaults: reuse on, prefill graphs off (until measured on a GPU)."""
     from eagle3.prompts.prepare_prompts import settings
 
     f = tmp_path / "c.yaml"
     f.write_text("run_name: t\nverifier: {path: x}\nprompts: {source: humaneval, regenerate: true}\n")
-    assert load_config(f).prompts.regen_prefix_reuse is True
-    got = [settings(load_config(f, [f"prompts.regen_prefix_reuse={v}"]), None) for v in ("true", "false")]
-    assert got[0] == got[1] == settings(load_config(f), None) and "prefix_reuse" not in json.dumps(got[0])
+    assert getattr(load_config(f).prompts, key) is default
+    got = [settings(load_config(f, [f"prompts.{key}={v}"]), None) for v in ("true", "false")]
+    assert got[0] == got[1] == settings(load_config(f), None) and key[len("regen_"):] not in json.dumps(got[0])
 
 
-def test_regen_prefill_graphs_is_not_in_the_settings_fingerprint(tmp_path):
-    """prompts.regen_prefill_graphs changes speed, not answers (fp32: tested token for token): both values give 01 the
-    same settings, so a finished prompts.jsonl and a resume log stay valid when it changes. Default: off."""
-    from eagle3.prompts.prepare_prompts import settings
-
-    f = tmp_path / "c.yaml"
-    f.write_text("run_name: t\nverifier: {path: x}\nprompts: {source: humaneval, regenerate: true}\n")
-    assert load_config(f).prompts.regen_prefill_graphs is False
-    got = [settings(load_config(f, [f"prompts.regen_prefill_graphs={v}"]), None) for v in ("true", "false")]
-    assert got[0] == got[1] == settings(load_config(f), None) and "prefill_graphs" not in json.dumps(got[0])
+def _speed_setting_rerun(f, cfg, setting: str, capsys) -> dict:
+    """01 again with a speed setting changed (``setting``, a --set string): it finds prompts.jsonl up to date, then a
+    forced run rewrites it byte for byte the same (fp32). Returns that run's engine_stats."""
+    first = cfg.prompts_path.read_bytes()
+    capsys.readouterr()
+    changed = load_config(f, [setting])
+    assert run(changed) == 0 and "prompts up to date" in capsys.readouterr().out  # a speed setting: nothing to redo
+    assert run(changed, force=True) == 0
+    (es,) = json.loads(report_path(cfg).read_text())["regeneration"]["engine_stats"]
+    assert cfg.prompts_path.read_bytes() == first
+    return es
 
 
 def test_regen_prefill_graphs_reaches_the_engine_and_answers_do_not_change(tmp_path, tiny_llama_dir, capsys):
@@ -358,15 +361,9 @@ def test_regen_prefill_graphs_reaches_the_engine_and_answers_do_not_change(tmp_p
     assert run(cfg) == 0
     (es,) = json.loads(report_path(cfg).read_text())["regeneration"]["engine_stats"]
     assert es["prefill_graphs"] is False and es["prefill_buckets"] == {}
-    first = cfg.prompts_path.read_bytes()
-    capsys.readouterr()
-    on = load_config(f, ["prompts.regen_prefill_graphs=true"])
-    assert run(on) == 0 and "prompts up to date" in capsys.readouterr().out  # a speed setting: nothing to redo
-    assert run(on, force=True) == 0
-    (es,) = json.loads(report_path(cfg).read_text())["regeneration"]["engine_stats"]
+    es = _speed_setting_rerun(f, cfg, "prompts.regen_prefill_graphs=true", capsys)
     assert es["prefill_graphs"] is True and es["prefill_graph_captures"] == 0
     assert sum(es["prefill_buckets"].values()) == es["prefill_calls"] >= 1
-    assert cfg.prompts_path.read_bytes() == first
 
 
 def test_report_counts_prefix_reuse_and_answers_do_not_change(tmp_path, tiny_llama_dir, capsys):
@@ -400,14 +397,8 @@ def test_report_counts_prefix_reuse_and_answers_do_not_change(tmp_path, tiny_lla
     md = report_path(cfg).with_suffix(".md").read_text()
     assert f"| regeneration: prompt tokens prefilled / reused from the previous turn | {es['prefill_tokens']} / " \
            f"{es['reused_tokens']} (" in md
-    first = cfg.prompts_path.read_bytes()
-    capsys.readouterr()
-    off = load_config(f, ["prompts.regen_prefix_reuse=false"])
-    assert run(off) == 0 and "prompts up to date" in capsys.readouterr().out  # a speed setting: nothing to redo
-    assert run(off, force=True) == 0
-    (es,) = json.loads(report_path(cfg).read_text())["regeneration"]["engine_stats"]
+    es = _speed_setting_rerun(f, cfg, "prompts.regen_prefix_reuse=false", capsys)
     assert es["reused_tokens"] == 0 and es["prefill_tokens"] == sum(map(len, prompts))
-    assert cfg.prompts_path.read_bytes() == first
 
 
 def test_report_markdown_says_a_resumed_run_counts_only_its_own_answers():
