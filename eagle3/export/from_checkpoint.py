@@ -9,6 +9,7 @@ layers in the HF convention; :func:`eagle3.layers.engine_layer_ids` converts the
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -31,13 +32,14 @@ def export_from_checkpoint(cfg: RunConfig, engine: str | None = None) -> Path:
         The export folder.
 
     Raises:
-        UserError: no usable checkpoint, missing target head / vocab map / data_config, or a
-            checkpoint whose drafter shape disagrees with the vocab map.
+        UserError: no usable checkpoint, missing target head / vocab map / data_config, a
+            checkpoint whose drafter shape disagrees with the vocab map, or with the config's ``drafter.*``
+            (:func:`eagle3.train.checkpoint.check_drafter_args`; ``max_position_embeddings`` may differ).
     """
     from eagle3.train.model import DrafterArgs
     from eagle3.shards.format import read_data_config
     from eagle3.train.target_head import TargetHead
-    from eagle3.train.trainer import init_drafter
+    from eagle3.train.trainer import build_drafter_args, init_drafter
     from eagle3.data.vocab import load_run_vocab_map
 
     if engine is not None:
@@ -52,6 +54,12 @@ def export_from_checkpoint(cfg: RunConfig, engine: str | None = None) -> Path:
     if args.draft_vocab_size != int(vocab["d2t"].shape[0]):
         raise UserError(f"{path}: drafter_args.draft_vocab_size {args.draft_vocab_size} differs from "
                         f"{cfg.data_dir / 'vocab_map.pt'} ({int(vocab['d2t'].shape[0])})")
+    # the config's drafter must be the checkpoint's (as --resume requires): an export silently of another shape than
+    # the config asks for (drafter.num_layers / intermediate_size / variant changed since training) is refused;
+    # max_position_embeddings alone may differ (only the exported config changes: _with_config_context)
+    want = dataclasses.asdict(build_drafter_args(cfg, data_config, vocab))
+    saved = {k: v for k, v in state["drafter_args"].items() if k != "max_position_embeddings"}
+    ckpt.check_drafter_args(path, saved, {k: v for k, v in want.items() if k != "max_position_embeddings"})
     args = _with_config_context(cfg, args)
     head = TargetHead.load(cfg.train_dir)
     drafter = init_drafter(args, head, vocab, seed=0)

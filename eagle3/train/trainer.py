@@ -849,13 +849,46 @@ def warm_start(drafter: nn.Module, src: nn.Module, source: str) -> dict:
     return {"tensors": len(mine), "lm_head_rows": dv_new, "lm_head_rows_copied": int(hit.sum())}
 
 
-def _warm_start_planned(cfg: RunConfig, d: DistInfo, resume: bool) -> bool:
-    """Whether this call warm-starts from ``train.init_from``: set, and no ``--resume`` checkpoint to continue (that
-    one holds the run's weights, the warm start's included). Checks, before anything is written, that the folder
-    looks like an export (``config.json`` + ``model.safetensors``).
+# DrafterArgs fields that fix the shape of a trainable tensor (or, variant, which tensors exist): a warm start needs
+# them equal; draft_vocab_size may differ (lm_head rows move by target token), the rest (norm eps, rope, context) shape
+# nothing
+_WARM_START_SHAPE = ("variant", "num_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "intermediate_size", "target_hidden_size", "target_vocab_size")
+
+
+def check_init_from_shape(src: str, exported: dict, args) -> None:
+    """Refuse a ``train.init_from`` export whose drafter shape differs from the one this run trains, before anything
+    is written (the full tensor check of :func:`warm_start` runs later, after the verifier head is extracted).
+
+    Args:
+        src: the export folder (for the message).
+        exported: the export's ``drafter_args`` (``eagle3_train.json``; absent keys take DrafterArgs' defaults:
+            ``variant`` eagle3 and ``num_layers`` 1 for exports written before those fields existed).
+        args: this run's :class:`eagle3.train.model.DrafterArgs`.
 
     Raises:
-        UserError: ``train.init_from: folder ... not found`` / ``... is not an exported drafter folder``.
+        UserError: naming the first differing field, e.g. ``train.init_from: 'x/drafter-sglang' holds a drafter with
+            num_layers 1, this run trains 2 (drafter.num_layers)``.
+    """
+    from eagle3.config import DrafterConfig
+
+    have = {"variant": "eagle3", "num_layers": 1, **exported}
+    for key in _WARM_START_SHAPE:
+        a, b = have.get(key), getattr(args, key)
+        if a != b:
+            where = f"drafter.{key}" if key in DrafterConfig.model_fields else "from the verifier and its shards"
+            raise UserError(f"train.init_from: '{src}' holds a drafter with {key} {a!r}, this run trains {b!r} ({where})")
+
+
+def _warm_start_planned(cfg: RunConfig, d: DistInfo, resume: bool, args=None) -> bool:
+    """Whether this call warm-starts from ``train.init_from``: set, and no ``--resume`` checkpoint to continue (that
+    one holds the run's weights, the warm start's included). Checks, before anything is written, that the folder
+    looks like an export (``config.json`` + ``model.safetensors``) and, given this run's drafter ``args``, that the
+    export's recorded drafter shape is the same (:func:`check_init_from_shape`).
+
+    Raises:
+        UserError: ``train.init_from: folder ... not found`` / ``... is not an exported drafter folder`` / a shape
+            field that differs.
     """
     src = cfg.train.init_from
     if not src:
@@ -871,6 +904,12 @@ def _warm_start_planned(cfg: RunConfig, d: DistInfo, resume: bool) -> bool:
         if not (path / name).is_file():
             raise UserError(f"train.init_from: '{src}' is not an exported drafter folder (no {name}; 04 writes one "
                             f"into {{output_root}}/drafter-sglang)")
+    if args is not None and (path / "eagle3_train.json").is_file():
+        from eagle3.export.serving import read_export_meta
+
+        exported = read_export_meta(path).get("drafter_args")
+        if isinstance(exported, dict):
+            check_init_from_shape(src, exported, args)
     return True
 
 
@@ -886,7 +925,7 @@ def _load_inputs(cfg: RunConfig, d: DistInfo, resume: bool, init: Optional[Calla
     vocab = load_run_vocab_map(cfg, int(data_config["vocab_size"]))
     split = read_split(cfg.data_dir)
     args = build_drafter_args(cfg, data_config, vocab)
-    warm = _warm_start_planned(cfg, d, resume)  # checked before the first write (the full check: after the head)
+    warm = _warm_start_planned(cfg, d, resume, args)  # checked before the first write (the full check: after the head)
     _check_train_dir(cfg, d, resume)
     head = prepare_target_head(cfg, data_config, d)  # the first write: target_head.safetensors (creates train_dir)
     if d.is_main:

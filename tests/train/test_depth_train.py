@@ -5,6 +5,7 @@ resume or warm start with another depth is refused, naming the field."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from _ddp_worker import make_tiny_run, single_thread  # noqa: E402,F401  (autous
 from eagle3.config import load_config  # noqa: E402
 from eagle3.data.vocab import load_vocab_map  # noqa: E402
 from eagle3.errors import UserError  # noqa: E402
-from eagle3.export.from_checkpoint import export_for_run, load_init_drafter  # noqa: E402
+from eagle3.export.from_checkpoint import export_for_run, export_from_checkpoint, load_init_drafter  # noqa: E402
 from eagle3.export.serving import load_exported  # noqa: E402
 from eagle3.shards.format import read_data_config  # noqa: E402
 from eagle3.train import checkpoint as ckpt  # noqa: E402
@@ -70,3 +71,38 @@ def test_two_layer_run_resume_export_and_init_from(tmp_path):
         else:
             with pytest.raises(UserError, match="train.init_from has tensor 'layers.1."):
                 warm_start(d, src, str(a.export_dir))
+
+
+def test_init_from_of_another_depth_is_refused_before_anything_is_written(tmp_path):
+    """A fresh-user trial (2026-12-04e): train.init_from a 1-layer export into a 2-layer run failed only after the
+    verifier head had been extracted (25 s on SmolLM2, leaving train-init/target_head.safetensors behind) and named a
+    tensor, not the setting. Now the export's recorded drafter_args are compared first, naming the field."""
+    a = load_config(make_tiny_run(tmp_path / "a", train={"epochs": 1, "batch_size": 2}), ["export.dtype=float32"])
+    run(a, device="cpu", export=export_for_run)
+    for extra, msg in ((["drafter.num_layers=2"], "holds a drafter with num_layers 1, this run trains 2 (drafter.num_layers)"),
+                       (["drafter.intermediate_size=40"], "holds a drafter with intermediate_size 32, this run trains 40 "
+                                                          "(drafter.intermediate_size)"),
+                       (["drafter.variant=eagle3.1"], "holds a drafter with variant 'eagle3', this run trains 'eagle3.1'")):
+        w = load_config(make_tiny_run(tmp_path / "w"), [*extra, f"train.init_from={a.export_dir}"])
+        root = Path(w.output_root)
+        before = sorted(p.relative_to(root) for p in root.rglob("*"))
+        with pytest.raises(UserError, match=re.escape(f"train.init_from: '{a.export_dir}' {msg}")):
+            run(w, device="cpu", export=export_for_run, init=load_init_drafter)
+        assert sorted(p.relative_to(root) for p in root.rglob("*")) == before  # nothing written
+
+
+def test_export_only_refuses_a_config_of_another_drafter_shape(tmp_path):
+    """`04 --export-only` with drafter.num_layers (or the width) changed since training re-exported the checkpoint's
+    drafter silently, rc 0 (fresh-user trial 2026-12-04e). It is refused as --resume refuses it, naming the field;
+    the context length alone may still change at export."""
+    a = load_config(make_tiny_run(tmp_path / "a", train={"epochs": 1, "batch_size": 2}), DEEP)
+    run(a, device="cpu", export=export_for_run)
+    for extra, field, was, now in ((["drafter.num_layers=3"], "num_layers", 2, 3),
+                                   (["drafter.num_layers=2", "drafter.intermediate_size=40"], "intermediate_size", 32, 40)):
+        c = load_config(make_tiny_run(tmp_path / "a", train={"epochs": 1, "batch_size": 2}), ["export.dtype=float32", *extra])
+        with pytest.raises(UserError, match=f"drafter field '{field}' is {was} in the checkpoint but {now} in the config"):
+            export_from_checkpoint(c)
+    ok = load_config(make_tiny_run(tmp_path / "a", train={"epochs": 1, "batch_size": 2}),
+                     [*DEEP, "drafter.max_position_embeddings=512"])
+    out = export_from_checkpoint(ok)
+    assert json.loads((out / "config.json").read_text())["max_position_embeddings"] == 512
