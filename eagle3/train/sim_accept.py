@@ -195,12 +195,20 @@ class BestTracker:
 
 
 def markdown_lines(summary: dict) -> list[str]:
-    """Markdown of a run's curve (``BestTracker.summary()`` + ``select_best`` / ``exported_step``)."""
+    """Markdown of a run's curve (``BestTracker.summary()`` + ``select_best`` / ``exported_step``; ``stopped``: a
+    run stopped before its export, whose exported step is None)."""
     k = summary["chain"]
     best = summary.get("best") or {}
+    sel, exported = summary.get("select_best", "last"), summary.get("exported_step")
+    if exported is not None:
+        what = str(exported)
+    elif summary.get("stopped"):  # no export yet: say what 04 --export-only will export
+        what = (f"none yet; `--export-only` exports step {best['step']}, the best" if sel == "sim_accept" and best
+                else "none yet; `--export-only` exports the checkpoint")
+    else:
+        what = "the last"
     lines = [f"Simulated acceptance length on the validation split, tau_sim({k}) = 1 + sum_m prod_(j<=m) alpha_j "
-             f"(select_best: {summary.get('select_best', 'last')}; exported step: "
-             f"{summary.get('exported_step') if summary.get('exported_step') is not None else 'the last'}):", "",
+             f"(select_best: {sel}; exported step: {what}):", "",
              f"| step | tau_sim({k}) | alpha_1 | alpha_2 | alpha_3 | val loss |", "|---:|---:|---:|---:|---:|---:|"]
     for r in sorted(summary.get("rows") or [], key=lambda r: r["step"]):
         a = list(r["alpha"]) + [float("nan")] * 3

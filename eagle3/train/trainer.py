@@ -1285,7 +1285,8 @@ class _Training:
         if self.stopped:  # no final validation, no export; the report says where it stopped and how to go on
             self.metrics.close()
             if d.is_main:
-                result["sim_accept"] = dict(self.tracker.summary(), select_best=self.t.select_best, exported_step=None)
+                result["sim_accept"] = dict(self.tracker.summary(), select_best=self.t.select_best, exported_step=None,
+                                            stopped=True)
                 write_report(self.train_dir, result, self.inputs.args)
             _barrier(d)
             return result
@@ -1353,6 +1354,8 @@ def write_report(train_dir: Path, result: dict, args) -> None:
     val = result.get("final_val") or {}
     acc_keys = sorted((k for k in val if k.startswith("acc_")), key=lambda k: int(k.split("_")[-1]))
     lines = ["# Training report", "", f"- optimizer steps: {result['step']} / {result['total_steps']}",
+             f"- drafter: {args.variant}, {args.num_layers} decoder layer{'s' if args.num_layers > 1 else ''}, hidden "
+             f"{args.hidden_size}, MLP {args.intermediate_size}, draft vocab {args.draft_vocab_size}",
              f"- checkpoint: `{result['checkpoint']}`", f"- export: `{result['export_dir']}`"]
     if result.get("stopped"):
         lines.append(f"- **stopped** by signal {result.get('signal')} at step {result['step']}: no final validation, "

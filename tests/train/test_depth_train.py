@@ -46,6 +46,7 @@ def test_two_layer_run_resume_export_and_init_from(tmp_path):
     for k in sa["model"]:
         assert torch.equal(sa["model"][k], sb["model"][k]), k
     # the export is the final checkpoint's drafter (float32 export: exact), both norm names for layer 1
+    assert "- drafter: eagle3, 2 decoder layers, hidden 16, MLP 32, draft vocab" in (a.train_dir / "train_report.md").read_text()
     cfg = json.loads((a.export_dir / "config.json").read_text())
     assert cfg.get("num_hidden_layers", (cfg.get("transformer_layer_config") or {}).get("num_hidden_layers")) == 2
     head = TargetHead.load(a.train_dir)

@@ -161,3 +161,21 @@ def test_eagle31_trains_resumes_and_exports(tmp_path):
 
     with pytest.raises(UserError, match="drafter field 'variant' is 'eagle3.1' in the checkpoint but 'eagle3'"):
         run(load_config(tmp_path / "b" / "run.yaml", ["train.loss=lk_hybrid"]), resume=True, device="cpu")
+
+
+def test_report_of_a_stopped_run_says_what_export_only_will_export():
+    """A run stopped before its export wrote "exported step: the last" beside "export: None" in train_report.md,
+    while `04 --export-only` exports the best validation (lease 2026-12-04e: step 6,000 of a run stopped at 6,007)."""
+    from eagle3.train.sim_accept import markdown_lines
+
+    rows = [{"step": 5000, "alpha": [0.89, 0.88, 0.88], "tau_sim": 3.38, "loss": 4.1},
+            {"step": 6000, "alpha": [0.9, 0.89, 0.89], "tau_sim": 3.41, "loss": 4.0}]
+    base = {"chain": 3, "rows": rows, "best": rows[1]}
+    head = lambda s: markdown_lines(s)[0]  # noqa: E731
+    assert head(dict(base, select_best="sim_accept", exported_step=None, stopped=True)).endswith(
+        "(select_best: sim_accept; exported step: none yet; `--export-only` exports step 6000, the best):")
+    assert head(dict(base, select_best="last", exported_step=None, stopped=True)).endswith(
+        "(select_best: last; exported step: none yet; `--export-only` exports the checkpoint):")
+    assert head(dict(base, select_best="sim_accept", exported_step=6000)).endswith("exported step: 6000):")
+    assert head(dict(base, select_best="last", exported_step=None)).endswith("exported step: the last):")
+    assert "| 6000 (best) | 3.4100 |" in "\n".join(markdown_lines(dict(base, select_best="sim_accept", exported_step=6000)))
