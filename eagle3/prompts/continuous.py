@@ -738,6 +738,27 @@ class SlotEngine(Engine):
         self.prefixes = prefix_sizes(slots, min_prefix)
         self.kv_cols = torch.zeros((), dtype=torch.long, device=self.dev)  # flex: KV columns read by the steps so far
         self.kv_bytes_per_token = 2 * n_layers * hkv * d * p.element_size()
+        self._init_slots(slots, max_len, max_new_tokens, stop_ids)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # per slot prefix
+        self._pool = None  # one memory pool shared by the prefix graphs (replayed one at a time)
+        self._prefill_bufs: dict[tuple, _PrefillBuffers] = {}  # prefill_graphs: per bucket (Pb, Wb, Kwb)
+        self._prefill_pool = None  # one memory pool shared by the prefill graphs (replayed one at a time)
+        # kv_tokens_needed: sum over decode steps of the live rows' attended columns (the roofline's KV reads);
+        # kv_bytes_read: what the attention reads (flex: the blocks; sdpa_groups: every prefix slot up to its cap)
+        self.stats = {"decode_steps": 0, "prefill_calls": 0, "prefill_tokens": 0, "prefill_padded_tokens": 0,
+                      "kv_bytes_read": 0, "kv_tokens_needed": 0, "graph_captures": 0, "kv_bytes_per_token": self.kv_bytes_per_token, "prefix_steps": {},
+                      "attention": "flex" if self.flex is not None else "sdpa_groups", "prefill_s": 0.0, "decode_s": 0.0,
+                      "compiled_step": self._compiled is not None, "compile_min_prefix": self._compile_min,
+                      "first_step_s": {}, "compile_decision": self.compile_decision,
+                      "prefix_reuse": self.prefix_reuse, "reused_tokens": 0, "reuse_rows": 0, "reuse_full_prefills": 0,
+                      "prefill_graphs": self.prefill_graphs, "prefill_graph_captures": 0, "prefill_capture_s": 0.0,
+                      "prefill_buckets": {}}
+        self._timed: list[tuple[str, object, object]] = []  # (stat, start, end): CUDA events read at the next sync
+        self._swap = AttentionSwap(model).__enter__()
+
+    def _init_slots(self, slots: int, max_len: int, max_new_tokens: int, stop_ids: set[int]) -> None:
+        """The per-slot decode state on the device (``[S]`` tensors, the ``[S, T]`` answer buffer) and its host
+        mirror (request key, prompt, retention per slot), all slots empty; the waiting queue."""
         z = dict(device=self.dev, dtype=torch.long)
         self.last = torch.zeros(slots, **z)  # [S] token fed to the next step
         self.lengths = torch.zeros(slots, **z)  # [S] cached tokens
@@ -757,22 +778,6 @@ class SlotEngine(Engine):
         self.successors: dict = {}  # parent key -> the waiting request that continues it
         self.waiting: list[_Waiting] = []
         self._seq = 0
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # per slot prefix
-        self._pool = None  # one memory pool shared by the prefix graphs (replayed one at a time)
-        self._prefill_bufs: dict[tuple, _PrefillBuffers] = {}  # prefill_graphs: per bucket (Pb, Wb, Kwb)
-        self._prefill_pool = None  # one memory pool shared by the prefill graphs (replayed one at a time)
-        # kv_tokens_needed: sum over decode steps of the live rows' attended columns (the roofline's KV reads);
-        # kv_bytes_read: what the attention reads (flex: the blocks; sdpa_groups: every prefix slot up to its cap)
-        self.stats = {"decode_steps": 0, "prefill_calls": 0, "prefill_tokens": 0, "prefill_padded_tokens": 0,
-                      "kv_bytes_read": 0, "kv_tokens_needed": 0, "graph_captures": 0, "kv_bytes_per_token": self.kv_bytes_per_token, "prefix_steps": {},
-                      "attention": "flex" if self.flex is not None else "sdpa_groups", "prefill_s": 0.0, "decode_s": 0.0,
-                      "compiled_step": self._compiled is not None, "compile_min_prefix": self._compile_min,
-                      "first_step_s": {}, "compile_decision": self.compile_decision,
-                      "prefix_reuse": self.prefix_reuse, "reused_tokens": 0, "reuse_rows": 0, "reuse_full_prefills": 0,
-                      "prefill_graphs": self.prefill_graphs, "prefill_graph_captures": 0, "prefill_capture_s": 0.0,
-                      "prefill_buckets": {}}
-        self._timed: list[tuple[str, object, object]] = []  # (stat, start, end): CUDA events read at the next sync
-        self._swap = AttentionSwap(model).__enter__()
 
     def _setup_compile(self, compile_step, planned_answers: Optional[int]) -> None:
         """Decide (:func:`compile_decision`, once the attention path is known) and, if so, wrap the decode step in

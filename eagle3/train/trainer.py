@@ -904,10 +904,10 @@ def _warm_start_planned(cfg: RunConfig, d: DistInfo, resume: bool, args=None) ->
         if not (path / name).is_file():
             raise UserError(f"train.init_from: '{src}' is not an exported drafter folder (no {name}; 04 writes one "
                             f"into {{output_root}}/drafter-sglang)")
-    if args is not None and (path / "eagle3_train.json").is_file():
-        from eagle3.export.serving import read_export_meta
+    if args is not None and (path / "eagle3_train.json").is_file():  # the export's metadata (export.serving.META_FILE)
+        from eagle3.io import read_json
 
-        exported = read_export_meta(path).get("drafter_args")
+        exported = read_json(path / "eagle3_train.json").get("drafter_args")
         if isinstance(exported, dict):
             check_init_from_shape(src, exported, args)
     return True
