@@ -874,7 +874,9 @@ def check_init_from_shape(src: str, exported: dict, args) -> None:
 
     have = {"variant": "eagle3", "num_layers": 1, **exported}
     for key in _WARM_START_SHAPE:
-        a, b = have.get(key), getattr(args, key)
+        if key not in have:  # not recorded: left to warm_start's tensor-by-tensor check
+            continue
+        a, b = have[key], getattr(args, key)
         if a != b:
             where = f"drafter.{key}" if key in DrafterConfig.model_fields else "from the verifier and its shards"
             raise UserError(f"train.init_from: '{src}' holds a drafter with {key} {a!r}, this run trains {b!r} ({where})")
@@ -907,7 +909,8 @@ def _warm_start_planned(cfg: RunConfig, d: DistInfo, resume: bool, args=None) ->
     if args is not None and (path / "eagle3_train.json").is_file():  # the export's metadata (export.serving.META_FILE)
         from eagle3.io import read_json
 
-        exported = read_json(path / "eagle3_train.json").get("drafter_args")
+        meta = read_json(path / "eagle3_train.json")
+        exported = meta.get("drafter_args") if isinstance(meta, dict) else None
         if isinstance(exported, dict):
             check_init_from_shape(src, exported, args)
     return True
