@@ -553,6 +553,35 @@ def check_drafter_vocab(cfg, drafter, drafter_dir: Path, own_export: bool) -> li
     warnings.append(problem)
     return warnings
 
+def check_drafter_shape(cfg, drafter, drafter_dir: Path, own_export: bool) -> list[str]:
+    """The benchmarked drafter's shape against the config's ``drafter:`` section (its non-null fields, ``variant``
+    and ``num_layers``; ``max_position_embeddings`` excepted: a re-export may change it alone).
+
+    05 scores the export, whatever the config says: a config edited after training (e.g. ``drafter.num_layers``)
+    would otherwise label the results with a drafter that was not measured. A run's own export (no ``--drafter``)
+    that differs is stale and refused; a drafter passed with ``--drafter`` may come from another run: a difference is
+    a warning.
+
+    Returns:
+        warning lines (also logged).
+
+    Raises:
+        UserError: the run's own export differs from the config, naming the first field.
+    """
+    want = {k: getattr(cfg.drafter, k) for k in type(cfg.drafter).model_fields if k != "max_position_embeddings"}
+    for key, value in want.items():
+        if value is None:  # copied from the verifier at training: nothing to compare
+            continue
+        got = getattr(drafter.args, key)
+        if got != value:
+            problem = f"{drafter_dir}: the drafter has {key} {got!r} but the config's drafter.{key} is {value!r}"
+            if own_export:
+                raise UserError(problem + " (re-run 04_train.py, or pass --drafter to benchmark another drafter)")
+            log.warning(problem)
+            return [problem]
+    return []
+
+
 def warm_up(verifier, drafter, prompt: list[int], aux_layers: Sequence[int], steps: int, eos: Sequence[int],
             batch_size: int) -> None:
     """Untimed runs of both decoders at ``batch_size`` (allocator, kernels and their heuristics)."""
@@ -727,6 +756,7 @@ def run(
     dtype = next(verifier.parameters()).dtype
     drafter = _load_drafter(drafter_dir, verifier, device, dtype)
     warnings += check_drafter_vocab(cfg, drafter, drafter_dir, own_export=drafter_dir == cfg.export_dir)
+    warnings += check_drafter_shape(cfg, drafter, drafter_dir, own_export=drafter_dir == cfg.export_dir)
     run_offline(cfg, verifier, tokenizer, drafter, aux, datasets, steps, num_prompts, max_new_tokens,
                 strict=dtype == torch.float32, drafter_name=str(drafter_dir), warnings=warnings,
                 batch_size=batch_size, tie_tolerance=tie_tolerance)

@@ -45,3 +45,33 @@ def test_own_export_stale_against_vocab_map_refused(tmp_path):
     save_vocab_map(cfg.data_dir / "vocab_map.pt", other - torch.arange(32), t2d2)
     with pytest.raises(UserError, match=r"d2t differs from .*vocab_map.pt"):
         check_drafter_vocab(cfg, drafter, cfg.export_dir, own_export=True)
+
+
+def test_drafter_shape_against_the_config(tmp_path):
+    """05 scores the export whatever the config's drafter: section says (fresh-user trial 2026-12-04e:
+    `--set drafter.num_layers=3` at 05 benchmarked the 2-layer export silently). The run's own export is refused when
+    they differ, naming the field; another run's export (--drafter) is a warning; null fields are not compared."""
+    from eagle3.benchmark.offline import check_drafter_shape
+
+    drafter = make_drafter(make_verifier(), TARGETS)
+    a = drafter.args
+    same = [f"output_root={tmp_path}", f"drafter.num_attention_heads={a.num_attention_heads}",
+            f"drafter.num_key_value_heads={a.num_key_value_heads}", f"drafter.head_dim={a.head_dim}",
+            f"drafter.intermediate_size={a.intermediate_size}"]
+
+    def cfg(*extra):
+        return load_config(ROOT / "configs" / "tiny-llama.yaml", [*same, *extra])
+
+    assert check_drafter_shape(cfg(), drafter, cfg().export_dir, own_export=True) == []
+    deep = cfg("drafter.num_layers=2")
+    with pytest.raises(UserError, match=r"the drafter has num_layers 1 but the config's drafter.num_layers is 2 "
+                                        r"\(re-run 04_train.py"):
+        check_drafter_shape(deep, drafter, deep.export_dir, own_export=True)
+    (w,) = check_drafter_shape(cfg(f"drafter.intermediate_size={a.intermediate_size + 8}"), drafter, tmp_path / "other",
+                               own_export=False)
+    assert f"intermediate_size {a.intermediate_size} but the config's drafter.intermediate_size is {a.intermediate_size + 8}" in w
+    ctx = cfg("drafter.max_position_embeddings=7")
+    assert check_drafter_shape(ctx, drafter, ctx.export_dir, own_export=True) == []  # a re-export may change it alone
+    loose = load_config(ROOT / "configs" / "tiny-llama.yaml", [f"output_root={tmp_path}", "drafter.num_attention_heads=null",
+                        "drafter.num_key_value_heads=null", "drafter.head_dim=null", "drafter.intermediate_size=null"])
+    assert check_drafter_shape(loose, drafter, loose.export_dir, own_export=True) == []  # nulls: the verifier's
