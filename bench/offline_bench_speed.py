@@ -58,13 +58,9 @@ def _random_drafter(verifier, device, dtype, drafter_cfg=None):
     from eagle3.train.model import DrafterArgs, Eagle3Drafter
 
     cfg = verifier.config.get_text_config() if hasattr(verifier.config, "get_text_config") else verifier.config
-    over = {}
-    if drafter_cfg is not None:
-        over = {f: getattr(drafter_cfg, f) for f in ("hidden_size", "num_attention_heads", "num_key_value_heads",
-                                                      "head_dim", "intermediate_size", "rms_norm_eps", "rope_theta",
-                                                      "max_position_embeddings")
-                if getattr(drafter_cfg, f) is not None}
-        over.update(variant=drafter_cfg.variant, num_layers=drafter_cfg.num_layers)
+    # every drafter.* field that is set (variant and num_layers always are); null ones come from the verifier
+    over = {} if drafter_cfg is None else {f: getattr(drafter_cfg, f) for f in type(drafter_cfg).model_fields
+                                            if getattr(drafter_cfg, f) is not None}
     args = DrafterArgs.from_hf_config(cfg, draft_vocab_size=min(32000, int(cfg.vocab_size)), **over)
     torch.manual_seed(0)
     d = Eagle3Drafter(args, verifier.get_input_embeddings().weight.detach().float().cpu())

@@ -253,6 +253,16 @@ def compare(model, tok, cfg, ours: list, theirs: list, tie_tol: float, limit: in
             "max_gap": max(gaps, default=None), "gaps": sorted(gaps)[-20:]}
 
 
+def ab_summary(ab: dict) -> str:
+    """The line under an on/off table (:func:`setting_ab`'s result): the tokens/s and prefill-seconds ratios and how
+    many answers were identical, with the near-ties among the first differences when they were checked."""
+    ratio = f"{ab['prefill_s_ratio']:.3f}x" if ab["prefill_s_ratio"] is not None else "n/a"
+    return (f"on/off: tokens/s {ab['speed_ratio']:.3f}x, prefill seconds {ratio}; "
+            f"{ab['identical']} of {ab['answers_compared']} answers identical"
+            + (f"; {ab['near_ties']} of {ab['differing_first_turns_checked']} first differences are near-ties "
+               f"(logit gap <= {ab['tie_tolerance']}), max gap {ab['max_gap']}." if "near_ties" in ab else "."))
+
+
 def markdown(res: dict) -> str:
     """The figures as Markdown tables."""
     m, rf = res["main"], res.get("roofline") or {}
@@ -297,11 +307,7 @@ def markdown(res: dict) -> str:
             r = ab[name]
             lines.append(f"| {name} | {r['seconds']:.1f} | {r['tokens_per_s']:.0f} | {r['prefill_s']:.2f} | "
                          f"{r['decode_s']:.2f} | {r['prefill_tokens']} | {r['reused_tokens']} |")
-        lines += ["", f"on/off: tokens/s {ab['speed_ratio']:.3f}x, prefill seconds {ab['prefill_s_ratio']:.3f}x; "
-                  f"{ab['identical']} of {ab['answers_compared']} answers identical"
-                  + (f"; {ab['near_ties']} of {ab['differing_first_turns_checked']} first differences are near-ties "
-                     f"(logit gap <= {ab['tie_tolerance']}), max gap {ab['max_gap']}."
-                     if "near_ties" in ab else ".")]
+        lines += ["", ab_summary(ab)]
     pg = res.get("prefill_graphs_ab")
     if pg:
         lines += ["", f"Prefill graphs on / off (bucketed prefill forwards as CUDA graphs), slots engine, "
@@ -315,12 +321,7 @@ def markdown(res: dict) -> str:
                          f"{r['prefill_calls']} | {1000 * r['prefill_s'] / max(1, r['prefill_calls']):.1f} | "
                          f"{r['decode_s']:.2f} | {r['prefill_tokens']} / {r['prefill_padded_tokens']} | "
                          f"{r['prefill_graph_captures']} ({r['prefill_capture_s']:.2f}) |")
-        lines += ["", f"on/off: tokens/s {pg['speed_ratio']:.3f}x, prefill seconds "
-                  + (f"{pg['prefill_s_ratio']:.3f}x" if pg["prefill_s_ratio"] is not None else "n/a")
-                  + f"; {pg['identical']} of {pg['answers_compared']} answers identical"
-                  + (f"; {pg['near_ties']} of {pg['differing_first_turns_checked']} first differences are near-ties "
-                     f"(logit gap <= {pg['tie_tolerance']}), max gap {pg['max_gap']}."
-                     if "near_ties" in pg else ".")]
+        lines += ["", ab_summary(pg)]
     b = res.get("bound")
     if b:
         lines += ["", f"Bound: **{b['verdict']}** (decode step {b['step_ms_launch_floor']:.2f} ms at a 256-column "
