@@ -30,7 +30,7 @@ def main(argv=None):
     p.add_argument("--drafter", help="exported drafter folder (default: cfg.export_dir)")
     p.add_argument("--datasets", nargs="+", help="mtbench, humaneval, gsm8k or JSONL prompt files (default: benchmark.datasets; mtbench with --server)")
     p.add_argument("--steps", type=positive_int, help="chain draft length k (default: benchmark.steps)")
-    p.add_argument("--num-prompts", type=positive_int, help="first N prompts of each dataset (default: benchmark.num_prompts)")
+    p.add_argument("--num-prompts", type=positive_int, help="N prompts of each dataset, picked by benchmark.prompt_pick (default: benchmark.num_prompts)")
     p.add_argument("--max-new-tokens", type=positive_int, help="default: benchmark.max_new_tokens")
     p.add_argument("--batch-size", type=positive_int, help="prompts decoded together (default: benchmark.batch_size)")
     p.add_argument("--tie-tolerance", type=float, metavar="LOGITS",

@@ -14,8 +14,11 @@ and prints:
 
 The headline batch size (``--headline-batch-size``; default ``benchmark.batch_size`` when listed,
 else the largest) decodes the whole set: its ``wall_s`` is ``bench_{N}x{T}_s``. Every other batch
-size decodes only the first ``max(batch, --prompts-per-batch-size)`` prompts (tokens/s needs no
-80 prompts, and one prompt at a time is the slow case). Without a trained drafter,
+size decodes only ``max(batch, --prompts-per-batch-size)`` prompts (tokens/s needs no
+80 prompts, and one prompt at a time is the slow case). Which prompts a subset holds is ``--pick`` (default
+``benchmark.prompt_pick``): ``spread`` takes them evenly over the set, ``first`` the first N. MT-bench is stored in
+category order, so its first 8 prompts are all *writing*: the batch-1 figures of leases 2026-12-03d..04e (8 first
+prompts) are writing-only; the JSON records ``prompt_pick`` and ``prompt_ids``. Without a trained drafter,
 ``--random-drafter`` measures the machinery alone (tau ~1, speedup not meaningful). ``--decoder`` picks
 ``benchmark.decoder`` per row: ``--batch-sizes 1 --decoder static batched`` measures batch 1 with the static
 decoder (static caches, CUDA graphs: :mod:`eagle3.benchmark.static_decode`) and the batched one in the same run.
@@ -106,7 +109,10 @@ def main(argv=None) -> int:
     p.add_argument("--dataset", default="mtbench", help="mtbench, humaneval, gsm8k or a JSONL prompt file")
     p.add_argument("--num-prompts", type=int, default=80)
     p.add_argument("--prompts-per-batch-size", type=int, default=8,
-                   help="batch sizes other than the headline decode the first max(batch, this) prompts")
+                   help="batch sizes other than the headline decode max(batch, this) prompts, picked by --pick")
+    p.add_argument("--pick", choices=["first", "spread"],
+                   help="which prompts a subset holds: 'spread' = evenly over the set (MT-bench: every category), "
+                        "'first' = the first N (default: benchmark.prompt_pick)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 80])
@@ -123,7 +129,7 @@ def main(argv=None) -> int:
     cfg = load_config(a.config, a.overrides)
 
     from eagle3.prompts.chat import ChatOptions, end_of_turn_ids, prompt_ids
-    from eagle3.benchmark.eval_prompts import dataset_label, load_eval_prompts
+    from eagle3.benchmark.eval_prompts import dataset_label, load_eval_subset, pick_prompts
     from eagle3.layers import check_aux_layers, default_aux_layers
     from eagle3.verifier import load_verifier, resolve_device, verifier_dims
 
@@ -145,7 +151,10 @@ def main(argv=None) -> int:
     tol = a.tie_tolerance if a.tie_tolerance is not None else cfg.benchmark.tie_tolerance
     tol = default_tie_tolerance(dtype) if tol is None else tol
     eos = sorted(end_of_turn_ids(tok))
-    prompts = load_eval_prompts(a.dataset, a.num_prompts)
+    pick = a.pick or cfg.benchmark.prompt_pick
+    prompts, subset_notes = load_eval_subset(a.dataset, a.num_prompts, pick)
+    for w in subset_notes:
+        log.warning("%s", w)
     chat = ChatOptions.from_config(cfg)
     ids = [(q.id, prompt_ids(tok, q.messages, chat)) for q in prompts]
     headline = a.headline_batch_size or (cfg.benchmark.batch_size if cfg.benchmark.batch_size in a.batch_sizes else max(a.batch_sizes))
@@ -157,13 +166,14 @@ def main(argv=None) -> int:
         "dtype": str(dtype).replace("torch.", ""), "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "tie_tolerance": tol, "headline_batch_size": headline,
+        "prompt_pick": pick, "prompt_ids": [i for i, _ in ids], "warnings": subset_notes,
         "command": " ".join([Path(sys.argv[0]).name] + (sys.argv[1:] if argv is None else list(argv))), "rows": [],
     }
     warm = ids[0][1]
     from eagle3.benchmark.static_decode import resolve_decoder
 
     for b in a.batch_sizes:
-        subset = ids if b == headline else ids[: max(b, a.prompts_per_batch_size)]
+        subset = ids if b == headline else pick_prompts(ids, max(b, a.prompts_per_batch_size), pick)
         warm_up(verifier, drafter, warm, aux, a.steps, eos, min(b, len(subset)))
         ran = []
         for dec in a.decoder or [cfg.benchmark.decoder]:

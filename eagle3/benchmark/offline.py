@@ -45,7 +45,7 @@ from tqdm import tqdm
 
 from eagle3.config import RunConfig
 from eagle3.errors import UserError
-from eagle3.benchmark.eval_prompts import EvalPrompt, dataset_label, load_eval_prompts
+from eagle3.benchmark.eval_prompts import EvalPrompt, dataset_label, load_eval_subset
 from eagle3.io import atomic_write_bytes, atomic_write_json, atomic_write_text, read_json
 
 log = logging.getLogger(__name__)
@@ -654,7 +654,12 @@ def run_offline(
         tie_tolerance = cfg.benchmark.tie_tolerance
     if tie_tolerance is None:
         tie_tolerance = default_tie_tolerance(param.dtype)
-    sets: list[tuple[str, list[EvalPrompt]]] = [(dataset_label(n), load_eval_prompts(n, num_prompts)) for n in datasets]
+    sets: list[tuple[str, list[EvalPrompt]]] = []
+    subset_notes: list[str] = []
+    for n in datasets:
+        chosen, notes = load_eval_subset(n, num_prompts, cfg.benchmark.prompt_pick)
+        sets.append((dataset_label(n), chosen))
+        subset_notes += notes
     largest = effective_batch_size(batch_size, max(len(p) for _, p in sets))
     report = {
         "verifier": cfg.verifier.display_name(),
@@ -667,7 +672,8 @@ def run_offline(
         "tie_tolerance": tie_tolerance,
         "aux_layers": list(aux_layers),
         "eos_ids": eos,
-        "warnings": list(warnings),
+        "prompt_pick": cfg.benchmark.prompt_pick,
+        "warnings": list(warnings) + subset_notes,
         "datasets": [],
     }
     chat = ChatOptions.from_config(cfg)

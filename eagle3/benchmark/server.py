@@ -336,7 +336,7 @@ def run(cfg, urls: Sequence[str], datasets: Optional[Sequence[str]] = None, num_
         UserError: tokenizer, prompt set or server problems (see :func:`run_server_bench`).
     """
     from eagle3.prompts.chat import ChatOptions, prompt_ids
-    from eagle3.benchmark.eval_prompts import dataset_label, load_eval_prompts
+    from eagle3.benchmark.eval_prompts import dataset_label, load_eval_subset
     from eagle3.verifier import load_tokenizer
 
     datasets = list(datasets or ["mtbench"])
@@ -347,7 +347,9 @@ def run(cfg, urls: Sequence[str], datasets: Optional[Sequence[str]] = None, num_
         log.warning("%s", w)
     for name in datasets:
         label = dataset_label(name)
-        prompts = load_eval_prompts(name, num_prompts)
+        prompts, notes = load_eval_subset(name, num_prompts, cfg.benchmark.prompt_pick)
+        for w in notes:
+            log.warning("%s", w)
         ids = [(p.id, prompt_ids(tok, p.messages, ChatOptions.from_config(cfg))) for p in prompts]
         out = Path(cfg.bench_dir) if len(datasets) == 1 else Path(cfg.bench_dir) / f"server-{label}"
         report = run_server_bench(urls, ids, max_new_tokens, concurrency, label, timeout, out)

@@ -42,6 +42,28 @@ def test_offline_bench_speed_tiny(tmp_path, tiny_llama_dir):
         assert r["tau"] == pytest.approx(1 + sum(r["unconditional"]))
 
 
+def test_offline_bench_speed_pick_spread_records_the_prompts(tmp_path, tiny_llama_dir):
+    """--pick spread benchmarks prompts spread over the file (both the headline and a smaller batch's subset);
+    --pick first's subset that leaves a category out is warned about in the JSON."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"Say {i}.", "category": "abc"[i // 2]}) + "\n"
+                               for i in range(6)))
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"run_name: t\noutput_root: {tmp_path / 'out'}\nverifier: {{path: {tiny_llama_dir}, device: cpu}}\n"
+                   f"prompts: {{source: {prompts}}}\nextract: {{aux_layers: [1, 3, 4]}}\n")
+    mod = _script()
+    for pick, ids, nwarn in (("spread", ["q0", "q2", "q4"], 0), ("first", ["q0", "q1", "q2"], 1)):
+        out = tmp_path / f"{pick}.json"
+        rc = mod.main(["--config", str(cfg), "--random-drafter", "--dataset", str(prompts), "--num-prompts", "3",
+                       "--pick", pick, "--prompts-per-batch-size", "2", "--max-new-tokens", "3", "--batch-sizes", "1",
+                       "3", "--json", str(out)])
+        assert rc == 0
+        res = json.loads(out.read_text())
+        assert (res["prompt_pick"], res["prompt_ids"], len(res["warnings"])) == (pick, ids, nwarn)
+        assert [r["num_prompts"] for r in res["rows"]] == [2, 3]
+    assert "cover 2 of 3 categories (a, b)" in res["warnings"][0]
+
+
 def test_offline_bench_speed_failed_decoder_keeps_the_other_rows(tmp_path, tiny_llama_dir, monkeypatch):
     """A decoder that raises (e.g. a CUDA-graph fault on a new device) is recorded as an error row; the next decoder
     still runs, the JSON holds both, and the exit status is 1."""

@@ -120,3 +120,22 @@ def test_a_run_stopped_before_its_final_validation_reports_the_exported_best(tmp
     (run / "train_report.json").write_text(json.dumps(rep))
     q = qs.collect(run, "c", "", goals="23")
     assert q["val_top1_per_position"] == [] and q["sim_accept"]["exported_step"] is None
+
+
+def test_batch_speed_names_how_its_prompts_were_picked(tmp_path):
+    """bench_speed.json's subset pick and its category warning reach quality.json and the table; a file from before
+    offline_bench_speed recorded the pick took the first N prompts."""
+    run = _run(tmp_path)
+    row = {"batch_size": 1, "num_prompts": 8, "greedy_tokens_per_s": 270.0, "spec_tokens_per_s": 432.0, "speedup": 1.6,
+           "tau": 2.13, "drafter_share": 0.16}
+    warn = "mtbench: the 8 prompts benchmarked (of 80) cover 1 of 8 categories (writing); ..."
+    (run / "bench_speed.json").write_text(json.dumps({"dataset": "mtbench", "steps": 3, "dtype": "bfloat16",
+                                                      "prompt_pick": "first", "warnings": [warn], "rows": [row]}))
+    q = qs.collect(run, "c", "")
+    assert (q["speed_by_batch"]["prompt_pick"], q["speed_by_batch"]["warnings"]) == ("first", [warn])
+    md = qs.markdown(q)
+    assert "prompts picked first" in md and f"Warning: {warn}" in md and "| 1 | 8 | 270 | 432 | 1.60x | 2.13 | 0.16 |" in md
+    (run / "bench_speed.json").write_text(json.dumps({"dataset": "mtbench", "steps": 3, "dtype": "bfloat16",
+                                                      "rows": [row]}))
+    q = qs.collect(run, "c", "")
+    assert (q["speed_by_batch"]["prompt_pick"], q["speed_by_batch"]["warnings"]) == ("first", [])

@@ -166,6 +166,37 @@ def test_gsm8k_first_n_and_humaneval(monkeypatch):
     assert he[3].messages[0]["content"] == HUMANEVAL_INSTRUCTION + probs[he[3].id]["prompt"]
 
 
+def test_pick_prompts_first_and_spread_by_hand():
+    from eagle3.benchmark.eval_prompts import pick_prompts
+
+    items = list(range(10))
+    assert pick_prompts(items, 4, "first") == [0, 1, 2, 3]
+    assert pick_prompts(items, 4, "spread") == [0, 2, 5, 7]  # floor(i * 10 / 4)
+    assert pick_prompts(items, 3, "spread") == [0, 3, 6]
+    assert pick_prompts(items, 10, "spread") == items == pick_prompts(items, 11, "first") == pick_prompts(items, None)
+    with pytest.raises(UserError, match="benchmark.prompt_pick: must be one of first, spread, got 'random'"):
+        pick_prompts(items, 2, "random")
+    with pytest.raises(UserError, match="benchmark.num_prompts: must be >= 1"):
+        load_eval_prompts("mtbench", num_prompts=0)  # argument checked before any file is read
+
+
+@needs_shared_data
+def test_mtbench_subsets_and_their_category_warning(monkeypatch):
+    """MT-bench is stored in category order: its first 8 prompts are all writing (the batch-1 speed figures of
+    leases 03d..04e); spread takes one of each category (question ids 81, 91, ..., 151) and is not warned about."""
+    from eagle3.benchmark.eval_prompts import load_eval_subset
+
+    monkeypatch.setenv("EAGLE3_SHARED_DATA", str(SHARED_DATA))
+    first, warn_first = load_eval_subset("mtbench", 8, "first")
+    spread, warn_spread = load_eval_subset("mtbench", 8, "spread")
+    assert {p.category for p in first} == {"writing"} and [p.id for p in first] == [str(i) for i in range(81, 89)]
+    assert [p.id for p in spread] == [str(i) for i in range(81, 160, 10)]
+    assert len({p.category for p in spread}) == 8 and warn_spread == []
+    assert warn_first == ["mtbench: the 8 prompts benchmarked (of 80) cover 1 of 8 categories (writing); tau and "
+                          "speedup are then not the set's (benchmark.prompt_pick: spread takes them evenly over the set)"]
+    assert load_eval_subset("mtbench", None, "first")[1] == [] == load_eval_subset("gsm8k", 5, "first")[1]  # no categories
+
+
 def test_shared_data_default_is_beside_the_repo(monkeypatch):
     """Without EAGLE3_SHARED_DATA the folder is <repo root>/../shared/data (the layout move had made it <repo>/shared)."""
     from eagle3.benchmark.eval_prompts import shared_data_dir
@@ -300,6 +331,26 @@ def test_cli_writes_lossless_reports(run_setup):
     assert "| prompts | 2 |" in md and "| yes |" in md
     assert (bench / "acceptance.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not list(bench.glob("*.tmp-*"))
+
+
+def test_cli_prompt_pick_spread_and_first_subset_warning(run_setup, tmp_path):
+    """benchmark.prompt_pick: spread benchmarks prompts spread over the file; first's subset that leaves a category out
+    is warned about in bench.json (and the report records the pick)."""
+    root, cfg, _ = run_setup
+    prompts = tmp_path / "cats.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"c{i}", "prompt": f"Say {i}.", "category": "ab"[i // 3]}) + "\n"
+                               for i in range(6)))
+    for pick, ids, nwarn in (("spread", ["c0", "c3"], 0), ("first", ["c0", "c1"], 1)):
+        out = tmp_path / f"out-{pick}"
+        rc = _cli().main(["--config", str(cfg), "--drafter", str(root / "drafter"), "--datasets", str(prompts),
+                          "--num-prompts", "2", "--steps", "2", "--set", f"benchmark.prompt_pick={pick}",
+                          "--set", f"benchmark.output_dir={out}"])
+        assert rc == 0
+        rep = json.loads((out / "bench.json").read_text())
+        assert rep["prompt_pick"] == pick and [p["id"] for p in rep["datasets"][0]["per_prompt"]] == ids
+        subset = [w for w in rep["warnings"] if "categories" in w]
+        assert len(subset) == nwarn
+    assert subset[0].startswith("cats: the 2 prompts benchmarked (of 6) cover 1 of 2 categories (a)")
 
 
 def test_cli_records_the_effective_batch_size(run_setup):
