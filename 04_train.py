@@ -5,6 +5,7 @@ Single process: ``python 04_train.py --config configs/smollm2-135m.yaml``
 Several GPUs:   ``torchrun --nproc_per_node 8 04_train.py --config configs/kimi-k2.5.yaml``
 Continue after a crash/preemption: add ``--resume`` (newest complete checkpoint in {train_dir}/checkpoints).
 Export for the other engine without retraining: ``--export-only --engine vllm``.
+End early on a longer lr schedule (exported as a finished run): ``--stop-at 6000`` with ``train.max_steps: 7986``.
 Warm start from an exported drafter (also one of other data): ``--set train.init_from=outputs/run/drafter-sglang``.
 SIGTERM/SIGINT finish the current optimizer step, write a checkpoint and exit 128 + the signal
 number (143 for SIGTERM, 130 for SIGINT, the shell's convention for a process ended by a signal), with
@@ -23,6 +24,10 @@ def main(argv=None) -> int:
     add_config_args(p)
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
     p.add_argument("--max-steps", type=positive_int, default=None, help="total optimizer steps (overrides train.max_steps)")
+    p.add_argument("--stop-at", type=positive_int, default=None, metavar="STEP",
+                   help="end the run at this optimizer step, before the schedule's last: the lr follows the whole "
+                        "schedule up to it, then final validation, export and report as for a finished run (reproduces "
+                        "a run stopped early on a longer schedule; --resume continues it)")
     p.add_argument("--export-only", action="store_true",
                    help="no training: export the newest checkpoint (e.g. for the other engine with --engine)")
     p.add_argument("--engine", choices=["sglang", "vllm"], help="override export.engine")
@@ -38,7 +43,8 @@ def main(argv=None) -> int:
     from eagle3.export.from_checkpoint import export_for_run, load_init_drafter
     from eagle3.train.trainer import run
 
-    res = run(cfg, resume=a.resume, max_steps=a.max_steps, export=export_for_run, init=load_init_drafter)
+    res = run(cfg, resume=a.resume, max_steps=a.max_steps, export=export_for_run, init=load_init_drafter,
+              stop_at=a.stop_at)
     if res["stopped"]:
         return interrupted_exit(res)
     return 0

@@ -705,7 +705,8 @@ def _move_batch(batch: dict, device: torch.device, float_dtype: torch.dtype) -> 
 
 def run(cfg: RunConfig, resume: bool = False, max_steps: Optional[int] = None, stop_after: Optional[int] = None,
         device: Optional[str] = None, export: Optional[Callable[[RunConfig, Any, dict], Path]] = None,
-        init: Optional[Callable[[RunConfig, torch.Tensor, dict], nn.Module]] = None) -> dict:
+        init: Optional[Callable[[RunConfig, torch.Tensor, dict], nn.Module]] = None,
+        stop_at: Optional[int] = None) -> dict:
     """Train (or continue training) the drafter described by ``cfg``; see the module docstring.
 
     Args:
@@ -716,6 +717,11 @@ def run(cfg: RunConfig, resume: bool = False, max_steps: Optional[int] = None, s
         max_steps: overrides ``train.max_steps`` (total optimizer steps: schedule horizon and end).
         stop_after: stop after this many optimizer steps *in this call*, with a checkpoint, without
             changing the schedule (time-sliced / preemptible jobs; tests).
+        stop_at: end the run at this optimizer step, before the schedule's last (``04_train.py --stop-at``): the lr
+            follows the whole schedule (``total_steps``) up to it, and the run ends there as a finished run does
+            (final validation, ``train.select_best``, export, report) with a checkpoint ``--resume`` can continue
+            from. Reproduces a run stopped early on a longer schedule (lease 2026-12-04e's drafter: step 6,000 of
+            7,986). Raises UserError when it is not before ``total_steps`` or a resumed checkpoint is already there.
         device: ``"cpu"`` to force CPU.
         export: called as ``export(cfg, drafter, data_config)`` on rank 0 when training finishes (not when
             stopped early), before the report; returns the export folder. ``04_train.py`` passes
@@ -742,13 +748,14 @@ def run(cfg: RunConfig, resume: bool = False, max_steps: Optional[int] = None, s
     with process_group_scope(d.ctrl_group, owned=d.initialized_here):  # barrier only when _run finished
         try:
             with no_cudnn_sdpa():  # batch shapes change every step: no per-shape cuDNN plans (~40 ms each)
-                return _run(cfg, d, stop, resume, max_steps, stop_after, export, init)
+                return _run(cfg, d, stop, resume, max_steps, stop_after, export, init, stop_at)
         finally:
             stop.restore()
 
 
 def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: Optional[int],
-         stop_after: Optional[int], export: Optional[Callable] = None, init: Optional[Callable] = None) -> dict:
+         stop_after: Optional[int], export: Optional[Callable] = None, init: Optional[Callable] = None,
+         stop_at: Optional[int] = None) -> dict:
     """The stage in named steps: inputs (+ folder check, warm start), data, optimisation, resume, loop, end."""
     inputs = _load_inputs(cfg, d, resume, init)
     data = _build_data(cfg, d, inputs, max_steps)
@@ -756,6 +763,7 @@ def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: O
     try:
         if resume:
             run_.restore()
+        run_.set_stop_at(stop_at)
         run_.loop(stop, stop_after)
         return run_.finish(stop, export)
     finally:
@@ -1046,10 +1054,32 @@ class _Training:
         self.total_steps = data.total_steps
         self.step, self.epoch, self.step_in_epoch, self.last_ckpt = 0, 0, 0, None
         self.steps_this_call = 0
+        self.stop_at: Optional[int] = None  # --stop-at: the run ends here, before total_steps (set_stop_at)
         self.stopped = False
         self.metrics: Optional[_Metrics] = None
         self.tracker = None  # eagle3.train.sim_accept.BestTracker, started with the loop
         self.tok_total, self.t_total = 0.0, 0.0
+
+    @property
+    def end_step(self) -> int:
+        """The step this run ends at: ``stop_at`` when set (before the schedule's end), else ``total_steps``."""
+        return self.total_steps if self.stop_at is None else self.stop_at
+
+    def set_stop_at(self, stop_at: Optional[int]) -> None:
+        """Check and set ``--stop-at`` (after :meth:`restore`, which may change ``total_steps``).
+
+        Raises:
+            UserError: ``stop_at`` not before the schedule's last step, or not after the resumed checkpoint's step.
+        """
+        if stop_at is None:
+            return
+        if stop_at >= self.total_steps:
+            raise UserError(f"--stop-at {stop_at}: the schedule has {self.total_steps} optimizer steps; a stop at or "
+                            f"after its end is the whole run (leave --stop-at out, or set train.max_steps)")
+        if stop_at <= self.step:
+            raise UserError(f"--stop-at {stop_at}: the checkpoint resumed from is at step {self.step} already "
+                            f"(`--export-only` exports it)")
+        self.stop_at = stop_at
 
     # ---- resume ------------------------------------------------------------------------------
     def restore(self) -> None:
@@ -1188,16 +1218,16 @@ class _Training:
                         unit="step", dynamic_ncols=True)
         it = None
         try:
-            while self.step < self.total_steps and not self.stopped:
+            while self.step < self.end_step and not self.stopped:
                 order = self.data.order
                 if self.step_in_epoch >= order.steps_in_epoch(self.epoch):
                     self.epoch, self.step_in_epoch = self.epoch + 1, 0
                 it = self.inputs.states.wrap(order.iterate(self.epoch, self.step_in_epoch))
                 for _ in range(self.step_in_epoch, order.steps_in_epoch(self.epoch)):
-                    if self.step >= self.total_steps:
+                    if self.step >= self.end_step:
                         break
                     grad_norm, lr_used = self.train_step(it)
-                    if self.step % self.t.log_every == 0 or self.step == self.total_steps:
+                    if self.step % self.t.log_every == 0 or self.step == self.end_step:
                         self.log_step(grad_norm, lr_used)
                     if self.after_step(stop, stop_after):
                         break
@@ -1258,14 +1288,14 @@ class _Training:
         the stop decision (all ranks agree), checkpoints. Returns True when the run stops here."""
         t, d = self.t, self.d
         t_pause = time.perf_counter()
-        if self.step % self.data.eval_every == 0 and self.step != self.total_steps:
+        if self.step % self.data.eval_every == 0 and self.step != self.end_step:  # the end step: finish() validates
             val = self.validate()
             if val:
                 self.metrics.write({"kind": "val", "step": self.step, "epoch": self.epoch, **val})
                 self.tracker.update(self.step, self.epoch, val, self.inputs.drafter)
         want_stop = stop.requested or (stop_after is not None and self.steps_this_call >= stop_after)
         self.stopped = _any_rank(want_stop, d)
-        if self.step % t.ckpt_every == 0 or self.stopped or self.step == self.total_steps:
+        if self.step % t.ckpt_every == 0 or self.stopped or self.step == self.end_step:
             self.last_ckpt = self.save()
         self.paused += time.perf_counter() - t_pause
         if self.stopped and d.is_main:
@@ -1277,7 +1307,7 @@ class _Training:
     def finish(self, stop: StopFlag, export: Optional[Callable] = None) -> dict:
         """End step: the result dict; unless stopped: final validation, ``export`` (rank 0; see :func:`run`), the report."""
         d = self.d
-        result = {"step": self.step, "total_steps": self.total_steps, "stopped": self.stopped,
+        result = {"step": self.step, "total_steps": self.total_steps, "stop_at": self.stop_at, "stopped": self.stopped,
                   "signal": stop.signum if self.stopped else None,
                   "checkpoint": str(self.last_ckpt) if self.last_ckpt else None, "export_dir": None, "final_val": {},
                   "tokens_per_s": (self.tok_total / self.t_total) if self.t_total > 0 else None,
@@ -1338,6 +1368,8 @@ def headline(result: dict, train_dir: Path) -> str:
     val = result.get("final_val") or {}
     acc = [val[k] for k in sorted((k for k in val if k.startswith("acc_")), key=lambda k: int(k.split("_")[-1]))]
     text = f"trained: {result['step']}/{result['total_steps']} optimizer steps"
+    if result.get("stop_at") and not result.get("stopped"):
+        text += f" (--stop-at {result['stop_at']}: the lr followed the {result['total_steps']}-step schedule)"
     if "loss" in val:
         text += f"; final validation loss {val['loss']:.4f}"
     if acc:
@@ -1356,7 +1388,9 @@ def write_report(train_dir: Path, result: dict, args) -> None:
     atomic_write_json(train_dir / "train_report.json", report)
     val = result.get("final_val") or {}
     acc_keys = sorted((k for k in val if k.startswith("acc_")), key=lambda k: int(k.split("_")[-1]))
-    lines = ["# Training report", "", f"- optimizer steps: {result['step']} / {result['total_steps']}",
+    lines = ["# Training report", "", f"- optimizer steps: {result['step']} / {result['total_steps']}" + (
+                 f" (ended at `--stop-at {result['stop_at']}` on the {result['total_steps']}-step lr schedule)"
+                 if result.get("stop_at") and not result.get("stopped") else ""),
              f"- drafter: {args.variant}, {args.num_layers} decoder layer{'s' if args.num_layers > 1 else ''}, hidden "
              f"{args.hidden_size}, MLP {args.intermediate_size}, draft vocab {args.draft_vocab_size}",
              f"- checkpoint: `{result['checkpoint']}`", f"- export: `{result['export_dir']}`"]

@@ -195,6 +195,42 @@ def test_resume_equals_uninterrupted(tmp_path):
     assert any((b.train_dir / "tb").iterdir())
 
 
+def test_stop_at_ends_a_finished_run_on_the_longer_schedule_and_resume_equals_uninterrupted(tmp_path):
+    """04 --stop-at: steps 1..5 of an 8-step schedule with the same lr and loss as the whole run; the run ends as a
+    finished one (final validation once at step 5, best export, report naming the stop), and --resume from its
+    step-5 checkpoint ends with the uninterrupted run's weights."""
+    from eagle3.train.trainer import run
+
+    tr = {"epochs": 2, "batch_size": 2, "ckpt_every": 2, "eval_every": 1, "select_best": "sim_accept"}
+    a = load_config(make_tiny_run(tmp_path / "a", train=tr))
+    b = load_config(make_tiny_run(tmp_path / "b", train=tr))
+    ra = run(a, device="cpu", export=export_for_run)
+    with pytest.raises(UserError, match=r"--stop-at 8: the schedule has 8 optimizer steps"):
+        run(b, device="cpu", stop_at=8)
+    rb = run(b, device="cpu", export=export_for_run, stop_at=5)
+    assert (rb["step"], rb["total_steps"], rb["stop_at"], rb["stopped"]) == (5, 8, 5, False)
+    assert rb["export_dir"] and (b.export_dir / "model.safetensors").is_file() and "acc_0" in rb["final_val"]
+    assert [s for s, _ in ckpt.list_checkpoints(b.train_dir)][-1] == 5
+    rows_a, rows_b = _train_rows(a.train_dir), _train_rows(b.train_dir)
+    assert [r["step"] for r in rows_b] == [1, 2, 3, 4, 5]
+    for x, y in zip(rows_a, rows_b):  # the lr of the 8-step schedule, not a 5-step one
+        assert (x["lr"], x["loss"]) == (y["lr"], y["loss"])
+    val = lambda cfg: [json.loads(x)["step"] for x in (cfg.train_dir / "metrics.jsonl").read_text().splitlines()
+                       if json.loads(x)["kind"] == "val"]
+    assert val(b) == [1, 2, 3, 4, 5]  # step 5 validated once (by the end step)
+    rep = json.loads((b.train_dir / "train_report.json").read_text())
+    assert rep["stop_at"] == 5 and rep["sim_accept"]["exported_step"] in range(1, 6)
+    assert "ended at `--stop-at 5` on the 8-step lr schedule" in (b.train_dir / "train_report.md").read_text()
+    with pytest.raises(UserError, match=r"--stop-at 4: the checkpoint resumed from is at step 5 already"):
+        run(b, resume=True, device="cpu", stop_at=4)
+    rc = run(b, resume=True, device="cpu", export=export_for_run)
+    assert (rc["step"], rc["stop_at"]) == (8, None) and val(b) == val(a) == list(range(1, 9))
+    sa, sb = _final_model(a.train_dir), _final_model(b.train_dir)
+    for k in sa["model"]:
+        assert torch.equal(sa["model"][k], sb["model"][k]), k
+    assert ra["final_val"] == rc["final_val"]
+
+
 def test_training_reduces_loss_and_trains_only_drafter_params(tmp_path):
     from eagle3.train.trainer import run
 
@@ -254,6 +290,24 @@ def test_cli_bad_config_exits_2(tmp_path):
     p = subprocess.run([sys.executable, str(root / "04_train.py"), "--config", str(bad)], capture_output=True, text=True)
     assert p.returncode == 2
     assert "train.lr" in p.stderr and p.stderr.startswith("error:")
+
+
+def test_cli_stop_at_passes_through_and_its_errors_are_one_line(tmp_path):
+    """04_train.py --stop-at reaches the trainer (a stop at the schedule's end: its one-line error, exit 2, no
+    checkpoint written); --stop-at 0 is refused by the parser."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = make_tiny_run(tmp_path, train={"epochs": 1, "batch_size": 2})  # 4 steps
+    p = subprocess.run([sys.executable, str(root / "04_train.py"), "--config", str(cfg), "--stop-at", "4",
+                        "--set", "verifier.device=cpu"], capture_output=True, text=True)
+    assert p.returncode == 2 and p.stderr.strip().splitlines()[-1] == (
+        "error: --stop-at 4: the schedule has 4 optimizer steps; a stop at or after its end is the whole run (leave "
+        "--stop-at out, or set train.max_steps)")
+    assert not ckpt.list_checkpoints(load_config(cfg).train_dir)
+    p = subprocess.run([sys.executable, str(root / "04_train.py"), "--config", str(cfg), "--stop-at", "0"],
+                       capture_output=True, text=True)
+    assert p.returncode == 2 and "--stop-at" in p.stderr
 
 
 # ---- drafter shape and verifier head from the verifier ------------------------------------------------
