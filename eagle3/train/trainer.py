@@ -1338,7 +1338,7 @@ class _Training:
             if export is not None:
                 result["export_dir"] = str(export(self.cfg, self.inputs.drafter, self.inputs.data_config))
             write_report(self.train_dir, result, self.inputs.args)
-            print(headline(result, self.train_dir))
+            print(headline(result, self.train_dir, self.inputs.args))
         _barrier(d)
         return result
 
@@ -1362,9 +1362,10 @@ def _peak_gpu_mem_gib(device: torch.device) -> Optional[float]:
     return torch.cuda.max_memory_allocated(device) / 2**30
 
 
-def headline(result: dict, train_dir: Path) -> str:
+def headline(result: dict, train_dir: Path, args=None) -> str:
     """The lines stage 04 prints at its end: optimizer steps, final validation loss and top-1 accuracy per
-    TTT step (``final_val``'s ``loss`` / ``acc_{i}``, as in ``train_report.md``), the report and the export."""
+    TTT step (``final_val``'s ``loss`` / ``acc_{i}``, as in ``train_report.md``), the drafter's shape (``args``:
+    :class:`eagle3.train.model.DrafterArgs`, when given), the report and the export."""
     val = result.get("final_val") or {}
     acc = [val[k] for k in sorted((k for k in val if k.startswith("acc_")), key=lambda k: int(k.split("_")[-1]))]
     text = f"trained: {result['step']}/{result['total_steps']} optimizer steps"
@@ -1376,7 +1377,10 @@ def headline(result: dict, train_dir: Path) -> str:
         text += f", top-1 {' / '.join(f'{a:.3f}' for a in acc)} (TTT steps 0..{len(acc) - 1})"
     elif not val:
         text += "; no validation split (data.val_fraction)"
-    return "\n".join([text, f"report: {train_dir / 'train_report.md'}", f"export: {result['export_dir']}"])
+    shape = [] if args is None else [
+        f"drafter: {args.variant}, {args.num_layers} decoder layer{'s' if args.num_layers > 1 else ''}, MLP "
+        f"{args.intermediate_size}, draft vocab {args.draft_vocab_size}"]
+    return "\n".join([text, *shape, f"report: {train_dir / 'train_report.md'}", f"export: {result['export_dir']}"])
 
 
 def write_report(train_dir: Path, result: dict, args) -> None:

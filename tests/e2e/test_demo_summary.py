@@ -130,6 +130,11 @@ def test_train_and_benchmark_headlines(tmp_path):
     assert train_headline(res, tmp_path).splitlines() == [
         "trained: 74/74 optimizer steps; final validation loss 5.4322, top-1 0.500 / 0.125 / 0.062 (TTT steps 0..2)",
         f"report: {tmp_path / 'train_report.md'}", "export: out/drafter-sglang"]
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(variant="eagle3.1", num_layers=2, intermediate_size=6144, draft_vocab_size=32000)
+    assert train_headline(res, tmp_path, args).splitlines()[1] == \
+        "drafter: eagle3.1, 2 decoder layers, MLP 6144, draft vocab 32000"
     assert train_headline(dict(res, final_val={}), tmp_path).splitlines()[0] == \
         "trained: 74/74 optimizer steps; no validation split (data.val_fraction)"
     rep = {"device": "cpu", "dtype": "float32", "datasets": [

@@ -96,7 +96,8 @@ def test_tiny_pipeline_end_to_end(tiny_llama_dir, tmp_path):
 
     # 04 and 05 end with their headline; the demo summary reads the same figures from the stages' reports
     train_rep = json.loads((out / "train" / "train_report.json").read_text())
-    assert printed["04_train.py"].splitlines()[-3].startswith(f"trained: {train_rep['step']}/{train_rep['total_steps']} ")
+    assert printed["04_train.py"].splitlines()[-4].startswith(f"trained: {train_rep['step']}/{train_rep['total_steps']} ")
+    assert printed["04_train.py"].splitlines()[-3].startswith("drafter: eagle3")
     assert printed["04_train.py"].splitlines()[-1] == f"export: {out / 'drafter-sglang'}"
     d0 = bench["datasets"][0]
     assert printed["05_benchmark.py"].splitlines()[-2].startswith(f"{d0['dataset']}: tau {d0['tau']:.2f}, ")
