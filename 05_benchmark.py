@@ -11,9 +11,10 @@ Each difference from greedy is listed with its logit gap; gaps up to --tie-toler
 (exit 2). On GPU it runs in verifier.dtype; bf16 rounding can flip a near-tie argmax, so differences
 are listed in bench.json/bench.md instead (use --set verifier.dtype=float32 for a strict check).
 
-Server mode (--server URL [URL2]): benchmark a running SGLang server started with
---speculative-algorithm EAGLE3 (URL2 = same verifier without speculation, for the speedup) ->
-{bench_dir}/server_bench.json, server_bench.md, server_acceptance.png.
+Server mode (--server URL [URL2], or benchmark.server_urls in the config): benchmark a running SGLang server
+started with --speculative-algorithm EAGLE3 (URL2 = same verifier without speculation, for the speedup) ->
+{bench_dir}/server_bench.json, server_bench.md, server_acceptance.png; the sets are --datasets, else the config's
+benchmark.datasets when it sets them, else mtbench.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def main(argv=None):
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(p)
     p.add_argument("--drafter", help="exported drafter folder (default: cfg.export_dir)")
-    p.add_argument("--datasets", nargs="+", help="mtbench, humaneval, gsm8k or JSONL prompt files (default: benchmark.datasets; mtbench with --server)")
+    p.add_argument("--datasets", nargs="+", help="mtbench, humaneval, gsm8k or JSONL prompt files (default: benchmark.datasets; in server mode mtbench when the config sets none)")
     p.add_argument("--steps", type=positive_int, help="chain draft length k (default: benchmark.steps)")
     p.add_argument("--num-prompts", type=positive_int, help="N prompts of each dataset, picked by benchmark.prompt_pick (default: benchmark.num_prompts)")
     p.add_argument("--max-new-tokens", type=positive_int, help="default: benchmark.max_new_tokens")
@@ -37,17 +38,18 @@ def main(argv=None):
                    help="near-tie tolerance of the lossless check in logits (default: benchmark.tie_tolerance)")
     p.add_argument("--serve-aux-layers", nargs=3, type=int, metavar="I",
                    help="ablation: feed the drafter these HF-index aux layers instead of the ones it was trained on")
-    p.add_argument("--server", nargs="+", type=http_url, metavar="URL", help="SGLang server URL (EAGLE3) [+ baseline server URL]")
+    p.add_argument("--server", nargs="+", type=http_url, metavar="URL", help="SGLang server URL (EAGLE3) [+ baseline server URL] (default: benchmark.server_urls; server mode when either is set)")
     p.add_argument("--concurrency", type=positive_int, default=1, help="requests in flight per server (--server mode)")
     p.add_argument("--timeout", type=positive_float, default=600.0, help="seconds per HTTP request (--server mode)")
     a = p.parse_args(argv)
     cfg = load_config(a.config, a.overrides)
     if a.tie_tolerance is not None and not a.tie_tolerance >= 0:
         p.error(f"argument --tie-tolerance: must be >= 0, got {a.tie_tolerance}")
-    if a.server:
+    urls = a.server or cfg.benchmark.server_urls  # the config's servers unless --server names others
+    if urls:
         from eagle3.benchmark import server as server_bench
 
-        return server_bench.run(cfg, a.server, a.datasets, a.num_prompts, a.max_new_tokens, a.concurrency, a.timeout)
+        return server_bench.run(cfg, urls, a.datasets, a.num_prompts, a.max_new_tokens, a.concurrency, a.timeout)
     from eagle3.benchmark import offline as benchmark
 
     return benchmark.run(cfg, a.drafter, a.datasets, a.steps, a.num_prompts, a.max_new_tokens, a.serve_aux_layers,

@@ -489,7 +489,7 @@ class ExportConfig(_Strict):
 class BenchmarkConfig(_Strict):
     """Stage 05: offline speculative decoding benchmark."""
 
-    datasets: list[str] = Field(default_factory=lambda: ["humaneval"], description="'humaneval', 'mtbench', 'gsm8k' (../shared/data) or prompt files")
+    datasets: list[str] = Field(default_factory=lambda: ["humaneval"], min_length=1, description="'humaneval', 'mtbench', 'gsm8k' (../shared/data) or prompt files")
     num_prompts: Optional[int] = Field(None, ge=1, description="N prompts of each dataset (all if unset), picked by prompt_pick")
     prompt_pick: Literal["first", "spread"] = Field(
         "first", description="which num_prompts prompts: 'first' (the first N; every recorded run of this project) or "
@@ -508,7 +508,7 @@ class BenchmarkConfig(_Strict):
         None, ge=0,
         description="logit gap (verify top-1 minus the logit of greedy's token) up to which a difference from greedy is "
                     "counted as a floating-point near-tie, not a failure; default 1e-3 for float32, 0.25 for bf16/fp16")
-    server_urls: list[str] = Field(default_factory=list, description="SGLang server(s) to benchmark instead of the in-process HF decoder: [spec] or [spec, baseline]")
+    server_urls: list[str] = Field(default_factory=list, max_length=2, description="SGLang server(s) to benchmark instead of the in-process HF decoder: [spec] or [spec, baseline]; 05 runs in server mode when set (--server overrides)")
     output_dir: Optional[str] = Field(None, description="default {output_root}/bench")
 
     @field_validator("server_urls")

@@ -732,6 +732,8 @@ def run(
     drafter_dir = Path(drafter_dir) if drafter_dir else cfg.export_dir
     if not drafter_dir.is_dir():
         raise UserError(f"--drafter: folder '{drafter_dir}' not found (export a trained drafter first)")
+    for name in datasets:  # a bad set name or prompt file fails here, before the verifier loads (minutes at scale)
+        load_eval_subset(name, num_prompts, bc.prompt_pick)
     from eagle3.export.serving import preflight_export
 
     preflight_export(drafter_dir)  # a bad export fails before the verifier loads (minutes at Kimi scale); its

@@ -326,7 +326,8 @@ def run(cfg, urls: Sequence[str], datasets: Optional[Sequence[str]] = None, num_
         max_new_tokens: Optional[int] = None, concurrency: int = 1, timeout: float = 600.0) -> int:
     """Stage 05 ``--server`` mode: render the prompts with the verifier's tokenizer and benchmark the server(s).
 
-    One report per dataset (default ``mtbench``): ``server_bench.json``/``.md`` in ``cfg.bench_dir``
+    One report per dataset (default: the config's ``benchmark.datasets`` when it sets them, else ``mtbench``):
+    ``server_bench.json``/``.md`` in ``cfg.bench_dir``
     (in ``{bench_dir}/server-{dataset}/`` when several datasets are given).
 
     Returns:
@@ -339,7 +340,9 @@ def run(cfg, urls: Sequence[str], datasets: Optional[Sequence[str]] = None, num_
     from eagle3.benchmark.eval_prompts import dataset_label, load_eval_subset
     from eagle3.verifier import load_tokenizer
 
-    datasets = list(datasets or ["mtbench"])
+    if not datasets:  # the config's sets when it names them (configs/kimi-k2.5.yaml), else MT-bench
+        datasets = cfg.benchmark.datasets if "datasets" in cfg.benchmark.model_fields_set else ["mtbench"]
+    datasets = list(datasets)
     max_new_tokens = max_new_tokens or cfg.benchmark.max_new_tokens
     num_prompts = num_prompts or cfg.benchmark.num_prompts
     tok = load_tokenizer(cfg.verifier)

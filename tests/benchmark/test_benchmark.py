@@ -425,6 +425,9 @@ def test_broken_drafter_fails_before_the_verifier_loads(run_setup, tmp_path, mon
     (bad / "config.json").unlink()
     with pytest.raises(UserError, match=r"config\.json"):
         _cli().main(["--config", str(cfg), "--drafter", str(bad)])
+    # a prompt set that cannot load (a misspelt name is taken as a file path) is refused before the verifier too
+    with pytest.raises(UserError, match=r"HumanEval: prompt file not found \(expected mtbench, humaneval, gsm8k"):
+        _cli().main(["--config", str(cfg), "--drafter", str(root / "drafter"), "--datasets", "HumanEval"])
 
 
 def test_render_markdown_table():

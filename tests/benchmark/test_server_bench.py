@@ -228,3 +228,32 @@ def test_cli_server_mode_sends_chat_rendered_prompts(tmp_path, tiny_llama_dir, s
     assert sent == want
     rep = json.loads((tmp_path / "out" / "bench" / "server_bench.json").read_text())
     assert rep["dataset"] == "p" and rep["servers"][0]["completion_tokens"] == 12
+
+
+def test_cli_server_mode_from_the_config(tmp_path, tiny_llama_dir):
+    """benchmark.server_urls alone puts 05 in server mode (configs/kimi-k2.5.yaml relies on it: it was ignored and 05
+    ran the in-process benchmark), on the config's benchmark.datasets; --server overrides the config's URLs."""
+    import importlib.util
+
+    from conftest import ROOT
+
+    sets = []
+    for name in ("p", "q"):
+        sets.append(tmp_path / f"{name}.jsonl")
+        sets[-1].write_text(json.dumps({"id": "x", "prompt": f"Hello {name}"}) + "\n")
+    spec = importlib.util.spec_from_file_location("bench_cli", ROOT / "05_benchmark.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    with _StandIn(speculative=True) as s, _StandIn(speculative=True) as other:
+        cfg = tmp_path / "run.yaml"
+        cfg.write_text(f"run_name: t\noutput_root: {tmp_path / 'out'}\nverifier: {{path: {tiny_llama_dir}}}\n"
+                       f"prompts: {{source: {sets[0]}}}\n"
+                       f"benchmark: {{server_urls: [{s.url}], datasets: [{sets[0]}, {sets[1]}], max_new_tokens: 4}}\n")
+        assert cli.main(["--config", str(cfg)]) == 0
+        assert len([r for r in s.requests if "input_ids" in r]) == 4  # per set: a warm-up request and its prompt
+        for name in ("p", "q"):
+            rep = json.loads((tmp_path / "out" / "bench" / f"server-{name}" / "server_bench.json").read_text())
+            assert rep["dataset"] == name and rep["servers"][0]["url"] == s.url
+        assert cli.main(["--config", str(cfg), "--server", other.url, "--datasets", str(sets[1])]) == 0
+        assert len([r for r in other.requests if "input_ids" in r]) == 2
+        assert len([r for r in s.requests if "input_ids" in r]) == 4  # the config's server not asked again

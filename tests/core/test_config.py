@@ -47,6 +47,8 @@ def test_defaults_and_derived_paths(tmp_path):
     ("extract:\n  aux_layers: [0, 15, 27]\n", "must be >= 1"),
     ("extract:\n  aux_layers: [15, 2, 27]\n", "strictly increasing"),
     ("export:\n  engine: trt\n", "field 'export.engine'"),
+    ("benchmark:\n  datasets: []\n", "field 'benchmark.datasets'"),  # was a traceback in 05 after the verifier load
+    ("benchmark:\n  server_urls: [http://a:1, http://b:2, http://c:3]\n", "field 'benchmark.server_urls'"),
 ])
 def test_bad_fields_name_file_and_field(tmp_path, extra, message):
     f = _write(tmp_path, BASE + extra)
