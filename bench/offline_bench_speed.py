@@ -1,6 +1,7 @@
 """Benchmark: wall time of the batched offline benchmark (05) and EAGLE-3 vs greedy tokens/s per batch size.
 
-For one prompt set (default MT-bench, 80 prompts x 256 new tokens, chain of 3 draft tokens) and each
+For one prompt set (default MT-bench, ``benchmark.num_prompts`` or 80 prompts x 256 new tokens, chain of 3 draft
+tokens) and each
 ``--batch-sizes`` value, runs exactly what ``05_benchmark.py`` runs (:func:`eagle3.benchmark.offline.bench_prompts`:
 batched greedy baseline, batched EAGLE-3 checked token for token against it, both in the same run)
 and prints:
@@ -41,8 +42,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle3.benchmark.offline import (  # noqa: E402
-    TRAIN_META, _load_drafter, bench_prompts, default_tie_tolerance, effective_batch_size, json_safe, resolve_aux_layers,
-    warm_up,
+    TRAIN_META, _load_drafter, bench_prompts, check_drafter_shape, check_drafter_vocab, default_tie_tolerance,
+    effective_batch_size, json_safe, resolve_aux_layers, warm_up,
 )
 from eagle3.cli import ArgumentParser, run_main  # noqa: E402
 from eagle3.config import add_config_args, load_config  # noqa: E402
@@ -107,7 +108,7 @@ def main(argv=None) -> int:
     p.add_argument("--drafter", help="exported drafter folder (default: cfg.export_dir)")
     p.add_argument("--random-drafter", action="store_true", help="untrained drafter: machinery speed only")
     p.add_argument("--dataset", default="mtbench", help="mtbench, humaneval, gsm8k or a JSONL prompt file")
-    p.add_argument("--num-prompts", type=int, default=80)
+    p.add_argument("--num-prompts", type=int, help="prompts of the set (default: benchmark.num_prompts, else 80)")
     p.add_argument("--prompts-per-batch-size", type=int, default=8,
                    help="batch sizes other than the headline decode max(batch, this) prompts, picked by --pick")
     p.add_argument("--pick", choices=["first", "spread"],
@@ -123,10 +124,12 @@ def main(argv=None) -> int:
                         "static caches + CUDA graphs (batch sizes > 1 skip it); e.g. --batch-sizes 1 --decoder static batched")
     p.add_argument("--json", help="write the results here")
     a = p.parse_args(argv)
-    if min(a.batch_sizes) < 1 or min(a.num_prompts, a.max_new_tokens, a.steps, a.prompts_per_batch_size) < 1:
+    if min(a.batch_sizes) < 1 or min(1 if a.num_prompts is None else a.num_prompts, a.max_new_tokens, a.steps,
+                                     a.prompts_per_batch_size) < 1:
         p.error("--batch-sizes, --num-prompts, --prompts-per-batch-size, --max-new-tokens and --steps must be >= 1")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cfg = load_config(a.config, a.overrides)
+    a.num_prompts = a.num_prompts or cfg.benchmark.num_prompts or 80
 
     from eagle3.prompts.chat import ChatOptions, end_of_turn_ids, prompt_ids
     from eagle3.benchmark.eval_prompts import dataset_label, load_eval_subset, pick_prompts
@@ -142,11 +145,15 @@ def main(argv=None) -> int:
     n_layers = verifier_dims(verifier.config)["num_layers"]
     if a.random_drafter:
         drafter, drafter_name = _random_drafter(verifier, device, dtype, cfg.drafter), "random (untrained)"
+        drafter_notes = []
         aux = cfg.extract.aux_layers or default_aux_layers(n_layers)
     else:
         ddir = Path(a.drafter) if a.drafter else cfg.export_dir
         aux, _ = resolve_aux_layers(ddir, cfg.shards_dir, cfg.extract.aux_layers or default_aux_layers(n_layers))
         drafter, drafter_name = _load_drafter(ddir, verifier, device, dtype), str(ddir)
+        # the config's drafter shape and vocab map, as 05 checks them (the run's own export refused, another warned)
+        drafter_notes = (check_drafter_vocab(cfg, drafter, ddir, own_export=ddir == cfg.export_dir)
+                         + check_drafter_shape(cfg, drafter, ddir, own_export=ddir == cfg.export_dir))
     aux = check_aux_layers(aux, n_layers, field=f"{TRAIN_META}: aux_layers")
     tol = a.tie_tolerance if a.tie_tolerance is not None else cfg.benchmark.tie_tolerance
     tol = default_tie_tolerance(dtype) if tol is None else tol
@@ -166,7 +173,7 @@ def main(argv=None) -> int:
         "dtype": str(dtype).replace("torch.", ""), "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "tie_tolerance": tol, "headline_batch_size": headline,
-        "prompt_pick": pick, "prompt_ids": [i for i, _ in ids], "warnings": subset_notes,
+        "prompt_pick": pick, "prompt_ids": [i for i, _ in ids], "warnings": drafter_notes + subset_notes,
         "command": " ".join([Path(sys.argv[0]).name] + (sys.argv[1:] if argv is None else list(argv))), "rows": [],
     }
     warm = ids[0][1]

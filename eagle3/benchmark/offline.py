@@ -566,20 +566,19 @@ def check_drafter_shape(cfg, drafter, drafter_dir: Path, own_export: bool) -> li
         warning lines (also logged).
 
     Raises:
-        UserError: the run's own export differs from the config, naming the first field.
+        UserError: the run's own export differs from the config, naming every differing field.
     """
     want = {k: getattr(cfg.drafter, k) for k in type(cfg.drafter).model_fields if k != "max_position_embeddings"}
-    for key, value in want.items():
-        if value is None:  # copied from the verifier at training: nothing to compare
-            continue
-        got = getattr(drafter.args, key)
-        if got != value:
-            problem = f"{drafter_dir}: the drafter has {key} {got!r} but the config's drafter.{key} is {value!r}"
-            if own_export:
-                raise UserError(problem + " (re-run 04_train.py, or pass --drafter to benchmark another drafter)")
-            log.warning(problem)
-            return [problem]
-    return []
+    diffs = [f"{key} {getattr(drafter.args, key)!r} but the config's drafter.{key} is {value!r}"
+             for key, value in want.items()  # None: copied from the verifier at training, nothing to compare
+             if value is not None and getattr(drafter.args, key) != value]
+    if not diffs:
+        return []
+    problem = f"{drafter_dir}: the drafter has " + "; ".join(diffs)
+    if own_export:
+        raise UserError(problem + " (re-run 04_train.py, or pass --drafter to benchmark another drafter)")
+    log.warning(problem)
+    return [problem]
 
 
 def warm_up(verifier, drafter, prompt: list[int], aux_layers: Sequence[int], steps: int, eos: Sequence[int],

@@ -109,3 +109,42 @@ def test_offline_bench_speed_rows_record_the_effective_batch_size(tmp_path, tiny
     (row,) = res["rows"]
     assert (row["batch_size"], row["num_prompts"]) == (2, 2)
     assert res["bench_set_s"] == row["wall_seconds"] > 0
+
+
+def test_offline_bench_speed_checks_the_drafter_shape_and_takes_num_prompts_from_the_config(tmp_path, tiny_llama_dir):
+    """As 05: the run's own export of another shape than the config's drafter: section is refused, naming every
+    differing field; another run's export (--drafter) is benchmarked with the difference as a warning in the JSON. The
+    prompt count defaults to benchmark.num_prompts (it was always 80)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from eagle3.errors import UserError
+    from eagle3.export.serving import export_drafter
+    from eagle3.train.model import DrafterArgs, Eagle3Drafter
+    from eagle3.verifier import verifier_dims
+
+    hf = AutoConfig.from_pretrained(tiny_llama_dir)
+    v = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    torch.manual_seed(0)
+    d = Eagle3Drafter(DrafterArgs.from_hf_config(hf, draft_vocab_size=512), v.get_input_embeddings().weight)
+    export_drafter(d, tmp_path / "out" / "drafter-sglang", "sglang", [2, 3, 4], {"name": "tiny", **verifier_dims(hf)})
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"Say {i}."}) + "\n" for i in range(3)))
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"run_name: t\noutput_root: {tmp_path / 'out'}\nverifier: {{path: {tiny_llama_dir}, device: cpu}}\n"
+                   f"prompts: {{source: {prompts}}}\ndata: {{draft_vocab_size: 512}}\n"
+                   f"extract: {{aux_layers: [2, 3, 4]}}\ndrafter: {{num_layers: 2, variant: eagle3.1}}\n"
+                   f"benchmark: {{num_prompts: 2}}\n")
+    args = ["--config", str(cfg), "--dataset", str(prompts), "--max-new-tokens", "3", "--batch-sizes", "1"]
+    mod = _script()
+    with pytest.raises(UserError, match=r"drafter-sglang: the drafter has variant 'eagle3' but the config's "
+                                        r"drafter.variant is 'eagle3.1'; num_layers 1 but the config's drafter.num_layers "
+                                        r"is 2 \(re-run 04_train.py"):
+        mod.main(args)
+    other = tmp_path / "other"
+    (tmp_path / "out" / "drafter-sglang").rename(other)
+    out = tmp_path / "s.json"
+    assert mod.main(args + ["--drafter", str(other), "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["num_prompts"] == 2 and res["prompt_ids"] == ["q0", "q1"]
+    assert len(res["warnings"]) == 1 and "num_layers 1 but the config's drafter.num_layers is 2" in res["warnings"][0]
