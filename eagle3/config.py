@@ -651,6 +651,30 @@ def _key_lines(text: str) -> dict[tuple[str, ...], int]:
     return out
 
 
+def _duplicate_key(text: str) -> Optional[tuple[str, int, int]]:
+    """The first key given twice in one YAML mapping of ``text``: ``(dotted key, its line, the first one's line)``
+    (1-based), or None. PyYAML's ``safe_load`` silently keeps the later value; a config that sets a field twice
+    (``num_prompts: 10`` ... ``num_prompts: 2``) is refused instead."""
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return None
+    stack = [(root, ())]
+    while stack:
+        node, prefix = stack.pop()
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[str, int] = {}
+            for k, v in node.value:
+                if isinstance(k, yaml.ScalarNode):
+                    if k.value in seen:
+                        return ".".join(prefix + (str(k.value),)), k.start_mark.line + 1, seen[k.value]
+                    seen[k.value] = k.start_mark.line + 1
+                    stack.append((v, prefix + (str(k.value),)))
+        elif isinstance(node, yaml.SequenceNode):
+            stack.extend((v, prefix + (str(i),)) for i, v in enumerate(node.value))
+    return None
+
+
 def _short(value, limit: int = 80) -> str:
     """``repr`` on one line, cut to ``limit`` characters (a chat template can be kilobytes)."""
     return _one_line(repr(value), limit)
@@ -735,6 +759,9 @@ def load_config(path: str | os.PathLike, overrides: Optional[list[str]] = None) 
         raise UserError(f"{path}{where}: malformed YAML: {_yaml_problem(e)}") from e
     if not isinstance(raw, dict):
         raise UserError(f"{path}: the config must be a YAML mapping (got {type(raw).__name__})")
+    dup = _duplicate_key(text)
+    if dup is not None:
+        raise UserError(f"{path}:{dup[1]}: config key '{dup[0]}' given twice (first at line {dup[2]}); keep one")
     applied = apply_overrides(raw, list(overrides or []))
     try:
         return RunConfig.model_validate(raw)

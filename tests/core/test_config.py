@@ -73,6 +73,11 @@ def test_bad_fields_name_file_and_field(tmp_path, extra, message):
     # a missing key: the section lacking it; none for a top-level key
     ("run_name: r\nverifier:\n  name: x\nprompts:\n  source: y\n", "run.yaml:2: missing required config key 'verifier.path'"),
     ("run_name: r\nprompts:\n  source: y\n", "run.yaml: missing required config key 'verifier'"),
+    # a key given twice in one mapping (safe_load keeps the last silently), also in a list item; top level too
+    (BASE + "benchmark:\n  num_prompts: 10\n  steps: 3\n  num_prompts: 2\n",
+     "run.yaml:9: config key 'benchmark.num_prompts' given twice (first at line 7); keep one"),
+    (BASE + "train:\n  lr: 0.1\ntrain:\n  epochs: 2\n", "run.yaml:8: config key 'train' given twice (first at line 6)"),
+    (BASE + "prompts2:\n  - {a: 1, a: 2}\n", "run.yaml:7: config key 'prompts2.0.a' given twice (first at line 7)"),
 ])
 def test_file_errors_give_the_line_and_the_closest_key(tmp_path, text, message):
     f = _write(tmp_path, text)
