@@ -124,6 +124,10 @@ def main(argv=None) -> int:
                         "static caches + CUDA graphs (batch sizes > 1 skip it); e.g. --batch-sizes 1 --decoder static batched")
     p.add_argument("--json", help="write the results here")
     a = p.parse_args(argv)
+    if a.json and Path(a.json).is_dir():  # found before minutes of measuring, not at the write
+        p.error(f"--json {a.json}: is a folder; give a file path")
+    if a.headline_batch_size is not None and a.headline_batch_size < 1:
+        p.error("--headline-batch-size must be >= 1")
     if min(a.batch_sizes) < 1 or min(1 if a.num_prompts is None else a.num_prompts, a.max_new_tokens, a.steps,
                                      a.prompts_per_batch_size) < 1:
         p.error("--batch-sizes, --num-prompts, --prompts-per-batch-size, --max-new-tokens and --steps must be >= 1")

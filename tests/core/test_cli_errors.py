@@ -130,6 +130,8 @@ PER_SCRIPT = {
     "bench/offline_bench_speed.py": [
         (["--num-prompts", "0"], "--batch-sizes, --num-prompts"),
         (["--batch-sizes", "8", "x"], "argument --batch-sizes: invalid int value: 'x'"),
+        (["--headline-batch-size", "0"], "--headline-batch-size must be >= 1"),  # was taken as unset
+        (["--json", "{root}"], "--json {root}: is a folder; give a file path"),  # was found after the measuring
     ],
     "bench/tokenize_throughput.py": [
         (["--num", "0"], "argument --num: must be >= 1, got 0"),
