@@ -222,3 +222,18 @@ def load_eval_prompts(name: str, num_prompts: Optional[int] = None, pick: str = 
 def dataset_label(name: str) -> str:
     """Short label of a dataset for tables and plots (the file stem for prompt files)."""
     return name if name in BUILTIN else Path(name).stem
+
+
+def dataset_labels(names: Sequence[str]) -> list[str]:
+    """:func:`dataset_label` of each name, made unique within one run: files of the same stem in different folders
+    (``a/two.jsonl``, ``b/two.jsonl``) get their parent folder in front (``a/two``, ``b/two``), and a set named twice
+    gets ``#2``, ``#3`` (reports per set, e.g. ``server-{label}/``, would otherwise overwrite each other)."""
+    labels = [dataset_label(n) for n in names]
+    out = [f"{Path(n).parent.name}/{lab}" if labels.count(lab) > 1 and n not in BUILTIN else lab
+           for n, lab in zip(names, labels)]
+    seen: dict[str, int] = {}
+    for i, lab in enumerate(out):
+        seen[lab] = seen.get(lab, 0) + 1
+        if seen[lab] > 1:
+            out[i] = f"{lab}#{seen[lab]}"
+    return out

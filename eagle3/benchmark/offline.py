@@ -45,7 +45,7 @@ from tqdm import tqdm
 
 from eagle3.config import RunConfig
 from eagle3.errors import UserError
-from eagle3.benchmark.eval_prompts import EvalPrompt, dataset_label, load_eval_subset
+from eagle3.benchmark.eval_prompts import EvalPrompt, dataset_labels, load_eval_subset
 from eagle3.io import atomic_write_bytes, atomic_write_json, atomic_write_text, read_json
 
 log = logging.getLogger(__name__)
@@ -655,9 +655,9 @@ def run_offline(
         tie_tolerance = default_tie_tolerance(param.dtype)
     sets: list[tuple[str, list[EvalPrompt]]] = []
     subset_notes: list[str] = []
-    for n in datasets:
+    for n, label in zip(datasets, dataset_labels(datasets)):
         chosen, notes = load_eval_subset(n, num_prompts, cfg.benchmark.prompt_pick)
-        sets.append((dataset_label(n), chosen))
+        sets.append((label, chosen))
         subset_notes += notes
     largest = effective_batch_size(batch_size, max(len(p) for _, p in sets))
     report = {

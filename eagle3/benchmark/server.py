@@ -328,7 +328,7 @@ def run(cfg, urls: Sequence[str], datasets: Optional[Sequence[str]] = None, num_
 
     One report per dataset (default: the config's ``benchmark.datasets`` when it sets them, else ``mtbench``):
     ``server_bench.json``/``.md`` in ``cfg.bench_dir``
-    (in ``{bench_dir}/server-{dataset}/`` when several datasets are given).
+    (in ``{bench_dir}/server-{label}/`` when several datasets are given; :func:`dataset_labels`, "/" as "_").
 
     Returns:
         0 on success.
@@ -337,7 +337,7 @@ def run(cfg, urls: Sequence[str], datasets: Optional[Sequence[str]] = None, num_
         UserError: tokenizer, prompt set or server problems (see :func:`run_server_bench`).
     """
     from eagle3.prompts.chat import ChatOptions, prompt_ids
-    from eagle3.benchmark.eval_prompts import dataset_label, load_eval_subset
+    from eagle3.benchmark.eval_prompts import dataset_labels, load_eval_subset
     from eagle3.verifier import load_tokenizer
 
     if not datasets:  # the config's sets when it names them (configs/kimi-k2.5.yaml), else MT-bench
@@ -348,13 +348,12 @@ def run(cfg, urls: Sequence[str], datasets: Optional[Sequence[str]] = None, num_
     tok = load_tokenizer(cfg.verifier)
     for w in draft_folder_warnings(cfg, urls[0]):
         log.warning("%s", w)
-    for name in datasets:
-        label = dataset_label(name)
+    for name, label in zip(datasets, dataset_labels(datasets)):
         prompts, notes = load_eval_subset(name, num_prompts, cfg.benchmark.prompt_pick)
         for w in notes:
             log.warning("%s", w)
         ids = [(p.id, prompt_ids(tok, p.messages, ChatOptions.from_config(cfg))) for p in prompts]
-        out = Path(cfg.bench_dir) if len(datasets) == 1 else Path(cfg.bench_dir) / f"server-{label}"
+        out = Path(cfg.bench_dir) if len(datasets) == 1 else Path(cfg.bench_dir) / f"server-{label.replace('/', '_')}"
         report = run_server_bench(urls, ids, max_new_tokens, concurrency, label, timeout, out)
         s = report["servers"][0]
         log.info("%s: tau %s, %.1f output tok/s%s", label, f"{s['tau']:.2f}" if s.get("tau") else "n/a",

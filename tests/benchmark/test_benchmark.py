@@ -197,6 +197,13 @@ def test_mtbench_subsets_and_their_category_warning(monkeypatch):
     assert load_eval_subset("mtbench", None, "first")[1] == [] == load_eval_subset("gsm8k", 5, "first")[1]  # no categories
 
 
+def test_dataset_labels_are_unique_within_a_run():
+    from eagle3.benchmark.eval_prompts import dataset_labels
+
+    assert dataset_labels(["mtbench", "x/two.jsonl", "y/two.jsonl", "y/one.jsonl"]) == ["mtbench", "x/two", "y/two", "one"]
+    assert dataset_labels(["gsm8k", "gsm8k", "a/p.jsonl", "a/p.jsonl"]) == ["gsm8k", "gsm8k#2", "a/p", "a/p#2"]
+
+
 def test_shared_data_default_is_beside_the_repo(monkeypatch):
     """Without EAGLE3_SHARED_DATA the folder is <repo root>/../shared/data (the layout move had made it <repo>/shared)."""
     from eagle3.benchmark.eval_prompts import shared_data_dir

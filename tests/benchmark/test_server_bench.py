@@ -257,3 +257,13 @@ def test_cli_server_mode_from_the_config(tmp_path, tiny_llama_dir):
         assert cli.main(["--config", str(cfg), "--server", other.url, "--datasets", str(sets[1])]) == 0
         assert len([r for r in other.requests if "input_ids" in r]) == 2
         assert len([r for r in s.requests if "input_ids" in r]) == 4  # the config's server not asked again
+        # two prompt files of the same name in different folders: two reports, not one overwriting the other
+        (tmp_path / "d1").mkdir()
+        (tmp_path / "d2").mkdir()
+        for d in ("d1", "d2"):
+            (tmp_path / d / "two.jsonl").write_text(json.dumps({"id": d, "prompt": f"Hi {d}"}) + "\n")
+        assert cli.main(["--config", str(cfg), "--datasets", str(tmp_path / "d1" / "two.jsonl"),
+                         str(tmp_path / "d2" / "two.jsonl")]) == 0
+        for d in ("d1", "d2"):
+            rep = json.loads((tmp_path / "out" / "bench" / f"server-{d}_two" / "server_bench.json").read_text())
+            assert rep["dataset"] == f"{d}/two"
