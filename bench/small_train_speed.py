@@ -90,14 +90,15 @@ def synthetic_lengths(n: int, max_length: int, seed: int) -> list[tuple[int, int
     return [(int(p), int(min(r, max_length - p))) for p, r in zip(prompt, reply)]
 
 
-def _write_many(args) -> list[tuple[int, int, int]]:
+def _write_many(args) -> tuple[list[tuple[int, int, int]], torch.Tensor]:
     """Write a slice of the synthetic shards: the speculators-v1 dict of ``eagle3.shards.format.write_sample``,
-    saved with plain ``torch.save`` (no per-file fsync: benchmark data, not a crash-safe stage output)."""
+    saved with plain ``torch.save`` (no per-file fsync: benchmark data, not a crash-safe stage output).
+    Returns ``([(idx, L, reply tokens)], loss-token counts int64 [vocab])``."""
     from eagle3.shards.format import shard_path
 
     torch.set_num_threads(1)
     root, jobs, hidden, vocab = args
-    out = []
+    out, freq = [], torch.zeros(vocab, dtype=torch.int64)  # [V]
     for idx, prompt, reply in jobs:
         g = torch.Generator().manual_seed(1000 + idx)
         L = prompt + reply
@@ -108,7 +109,21 @@ def _write_many(args) -> list[tuple[int, int, int]]:
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save({"input_ids": ids, "hidden_states": hs, "loss_mask": mask}, path)
         out.append((idx, L, reply))
-    return out
+        freq += torch.bincount(ids[prompt:], minlength=vocab)  # loss tokens: the reply
+    return out, freq
+
+
+def _record_validated(shards: Path, data: Path, done: list[tuple[int, int, int]], freq: torch.Tensor) -> None:
+    """Stage 03's passing validation record for the synthetic set (valid by construction; 04 trains only on a
+    shard set with one: ``eagle3.data.validation_record.require_passed``). ``freq``: int64 ``[V]``."""
+    from eagle3.data.validation_record import shard_set_fingerprint, write_record
+    from eagle3.shards.format import DATA_CONFIG, list_samples
+    from eagle3.shards.manifest import MANIFEST
+
+    stats = {"num_samples": len(done), "num_tokens": sum(L for _, L, _ in done),
+             "num_loss_tokens": sum(r for *_, r in done), "max_len": max(L for _, L, _ in done)}
+    fp = shard_set_fingerprint(shards, list_samples(shards), shards / MANIFEST, shards / DATA_CONFIG)
+    write_record([shards, data], fp, stats, freq)
 
 
 def write_synthetic(root: Path, n: int, n_val: int, shape: dict, max_length: int, seed: int = 0) -> Path:
@@ -126,8 +141,8 @@ def write_synthetic(root: Path, n: int, n_val: int, shape: dict, max_length: int
     workers = max(1, min(16, (os.cpu_count() or 2)))
     todo = [(i, p, r) for i, (p, r) in enumerate(lens)]
     with ProcessPoolExecutor(workers) as ex:
-        done = [x for part in ex.map(_write_many, [(shards, todo[k::workers], H, V) for k in range(workers)])
-                for x in part]
+        parts = list(ex.map(_write_many, [(shards, todo[k::workers], H, V) for k in range(workers)]))
+    done = sorted(x for part, _ in parts for x in part)
     (shards / MANIFEST).write_text("".join(json.dumps({"idx": i, "id": f"s{i}", "num_tokens": L,
                                                        "num_loss_tokens": r}) + "\n" for i, L, r in done))
     write_data_config(shards, {
@@ -137,6 +152,7 @@ def write_synthetic(root: Path, n: int, n_val: int, shape: dict, max_length: int
         "chat_template_hash": None, "config_fingerprint": "x", "prompts_sha256": "x", "num_samples": n + n_val,
         "num_tokens": sum(L for _, L, _ in done), "num_loss_tokens": sum(r for *_, r in done),
         "bytes_per_token": 8 * H, "skipped": {}})
+    _record_validated(shards, data, done, sum(f for _, f in parts))
     g = torch.Generator().manual_seed(seed)
     data.mkdir(parents=True, exist_ok=True)
     ids = torch.randperm(V, generator=g)[:dV].sort().values  # [dV]
@@ -203,6 +219,30 @@ def make_fp8_shards(src: Path, dst: Path, overwrite: bool) -> dict:
         raise UserError(f"{src / 'data_config.json'}: storage_dtype is already float8_e4m3fn; '+{FP8}' modes need "
                         "bf16 shards to compare against")
     return convert(src, dst, Storage("float8_e4m3fn"), overwrite=overwrite)
+
+
+def carry_validation(src: Path, dst: Path, data_dir: Path) -> Path:
+    """Give the converted copy ``dst`` of ``src`` 03's passing validation record of ``src`` (same samples: the
+    converter checked the source's checksums and keeps ``input_ids`` / ``loss_mask``; only the hidden states'
+    storage differs), so 04 trains on it without a second 03 over the data dir's vocab map and split.
+
+    Raises:
+        UserError: ``src`` has no passing record of its current shards (run 03 on it first).
+    """
+    from eagle3.data.validation_record import load_matching_record, require_passed, shard_set_fingerprint, write_record
+    from eagle3.shards.format import DATA_CONFIG, list_samples, read_data_config
+    from eagle3.shards.manifest import MANIFEST
+
+    require_passed(src, data_dir)
+
+    def fingerprint(d: Path) -> str:
+        return shard_set_fingerprint(d, list_samples(d), d / MANIFEST, d / DATA_CONFIG)
+
+    hit = load_matching_record([src, data_dir], fingerprint(src), int(read_data_config(src)["vocab_size"]))
+    if hit is None:
+        raise UserError(f"{src}: no usable validation record of 03 (see the warnings above); run 03_prepare_data.py")
+    stats, freq = hit[0], hit[1]
+    return write_record([dst, data_dir], fingerprint(dst), stats, freq)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -420,8 +460,9 @@ def main(argv=None) -> int:
 
         fp8_dir = a.fp8_shards or a.workdir / "shards-fp8"
         # synthetic shards are rewritten by every run: redo their conversion; a real run's is resumed/reused
-        fp8_summary = make_fp8_shards(load_config(config, a.overrides).shards_dir, fp8_dir,
-                                      overwrite=a.config is None and a.fp8_shards is None)
+        src_cfg = load_config(config, a.overrides)
+        fp8_summary = make_fp8_shards(src_cfg.shards_dir, fp8_dir, overwrite=a.config is None and a.fp8_shards is None)
+        carry_validation(src_cfg.shards_dir, fp8_dir, src_cfg.data_dir)
         print(f"fp8 shards: {fp8_dir} ({fp8_summary['converted']} converted, {fp8_summary['resumed']} reused, "
               f"file bytes x{fp8_summary.get('ratio')}, {fp8_summary['seconds']} s)", flush=True)
     results = []

@@ -2,7 +2,8 @@
 
 ``make_tiny_run`` writes everything stage 04 reads, without a verifier:
 speculators-v1 shards (``eagle3.shards.format.write_sample``) + ``data_config.json``, ``vocab_map.pt``,
-``split.json`` and ``{train_dir}/target_head.safetensors``; the drafter shape is fully given in the
+``split.json``, 03's passing ``validation_record.json`` (:func:`mark_validated`) and
+``{train_dir}/target_head.safetensors``; the drafter shape is fully given in the
 YAML, so the verifier path is never opened.
 
 Run as a script it is one DDP worker: ``python tests/_ddp_worker.py CONFIG [--set k=v ...]`` under
@@ -39,6 +40,18 @@ def single_thread():
     torch.set_num_threads(n)
 
 
+def mark_validated(shards: Path, data: Path, stats: dict, freq: torch.Tensor) -> Path:
+    """Write 03's passing validation record for the shard set as it is now (what a passing 03 leaves; 04
+    refuses a set without one). ``stats``: ``num_samples``, ``num_tokens``, ``num_loss_tokens``, ``max_len``;
+    ``freq``: int64 ``[V]`` loss-token counts. Returns the record path."""
+    from eagle3.data.validation_record import shard_set_fingerprint, write_record
+    from eagle3.shards.format import DATA_CONFIG, list_samples
+    from eagle3.shards.manifest import MANIFEST
+
+    fp = shard_set_fingerprint(shards, list_samples(shards), shards / MANIFEST, shards / DATA_CONFIG)
+    return write_record([shards, data], fp, stats, freq)
+
+
 def make_tiny_run(root: Path, n_train: int = 8, n_val: int = 2, lengths=(12, 9, 16, 7), hidden: int = 16,
                   vocab: int = 48, draft_vocab: int = 24, equal_lengths: bool = False, seed: int = 0,
                   train: dict | None = None, pre_norm: bool = False) -> Path:
@@ -53,12 +66,17 @@ def make_tiny_run(root: Path, n_train: int = 8, n_val: int = 2, lengths=(12, 9, 
     shards = root / "shards"
     data = root / "data"
     n = n_train + n_val
+    freq, stats = torch.zeros(vocab, dtype=torch.int64), {"num_samples": n, "num_tokens": 0, "num_loss_tokens": 0,
+                                                          "max_len": 0}
     for idx in range(n):
         L = lengths[0] if equal_lengths else lengths[idx % len(lengths)]
         ids = torch.randint(0, vocab, (L,), generator=g)  # [L]
         mask = torch.ones(L, dtype=torch.int64) if equal_lengths else (torch.arange(L) >= 2).long()  # [L]
         hs = [torch.randn(L, hidden, generator=g) for _ in range(4)]  # 4 x [L, H]
         write_sample(shards, idx, 4, ids, hs, mask)
+        freq += torch.bincount(ids[mask.bool()], minlength=vocab)  # [V]
+        stats.update(num_tokens=stats["num_tokens"] + L, num_loss_tokens=stats["num_loss_tokens"] + int(mask.sum()),
+                     max_len=max(stats["max_len"], L))
     write_data_config(shards, {
         "format": FORMAT, "verifier": "synthetic", "architecture": "LlamaForCausalLM", "num_layers": 6,
         "hidden_size": hidden, "vocab_size": vocab, "aux_layers": [2, 3, 4],
@@ -68,6 +86,7 @@ def make_tiny_run(root: Path, n_train: int = 8, n_val: int = 2, lengths=(12, 9, 
         "bytes_per_token": 8 * hidden, "skipped": {},
     })
     data.mkdir(parents=True, exist_ok=True)
+    mark_validated(shards, data, stats, freq)
     stride = vocab // draft_vocab
     target_ids = torch.arange(0, stride * draft_vocab, stride)  # [dV] every stride-th id (identity if equal)
     d2t = target_ids - torch.arange(draft_vocab)  # [dV] offsets

@@ -31,7 +31,8 @@ from eagle3.errors import UserError
 from eagle3.io import atomic_save_png, atomic_torch_save, atomic_write_json, atomic_write_text
 from eagle3.shards.manifest import MANIFEST, read_manifest
 from eagle3.shards.format import DATA_CONFIG, expect_from_data_config, list_samples, load_sample, read_data_config
-from eagle3.data.validation_record import format_time, load_matching_record, shard_set_fingerprint, write_record
+from eagle3.data.validation_record import (format_time, load_matching_record, shard_set_fingerprint, write_failed_record,
+                                           write_record)
 from eagle3.data.vocab import TOKEN_FREQ, VOCAB_MAP, build_vocab_map, count_token_freq, coverage, save_vocab_map
 
 log = logging.getLogger(__name__)
@@ -269,7 +270,12 @@ def _shard_stats(cfg: RunConfig, meta: dict, paths: list[tuple[int, Path]], reva
                  ) -> tuple[dict, torch.Tensor, str]:
     """Stats and loss-token counts of the shard set: reused from a validation record whose fingerprint
     matches (``eagle3.data.validation_record``), else from a full validation, after which the record is
-    written (shards folder if writable, else the data folder).
+    written (shards folder if writable, else the data folder): a passing one, or, when the pass raises, a
+    failed one holding the error (replacing an earlier passing record of the same fingerprint; stage 04 then
+    refuses the set).
+
+    Raises:
+        UserError: as :func:`_validate_all`; no folder accepts the passing record.
 
     Returns:
         ``(stats, freq int64 [V], "full" | "reused")``.
@@ -286,10 +292,13 @@ def _shard_stats(cfg: RunConfig, meta: dict, paths: list[tuple[int, Path]], reva
             log.info("reusing the shard validation of %s (%s; shards, manifest.jsonl and data_config.json unchanged "
                      "since); --revalidate forces a full pass", format_time(created), path)
             return stats, freq, "reused"
-    stats, freq = _validate_all(shards, meta, paths)
+    try:
+        stats, freq = _validate_all(shards, meta, paths)
+    except UserError as e:  # the set is not valid: no record may keep saying it is (stage 04 reads it)
+        write_failed_record(folders, fp, str(e))
+        raise
     where = write_record(folders, fp, stats, freq)
-    if where is not None:
-        log.info("validation record written to %s (a re-run on unchanged shards skips the hashing)", where)
+    log.info("validation record written to %s (a re-run on unchanged shards skips the hashing)", where)
     return stats, freq, "full"
 
 

@@ -12,7 +12,14 @@ training subset repeat it for nothing. After a successful full pass, 03 writes a
 - ``token_freq``: the int64 ``[target_V]`` loss-token counts as a list;
 - ``version`` (:data:`RECORD_VERSION`) and ``created_at`` (unix seconds, UTC).
 
-A later 03 whose fingerprint matches exactly reuses stats and counts instead of hashing and loading.
+- ``status``: ``"passed"``; a full pass that FAILS writes ``{"status": "failed", "error": <03's one-line error>}``
+  (no stats) under the same fingerprint instead, replacing the passing record of an earlier 03 (a failing
+  shard whose size and mtime did not change keeps the fingerprint). Records written before ``status``
+  existed have none and count as passed: 03 wrote a record only after a full pass succeeded.
+
+A later 03 whose fingerprint matches a passing record exactly reuses stats and counts instead of hashing and
+loading; a failed record is never reused (the full pass runs again). Stage 04 trains only on a shard set
+with a passing record of its current fingerprint (:func:`require_passed`).
 Any change to a shard file's size or mtime (an edit, ``touch``, a copy without preserved times), an
 added or removed shard, or a changed manifest / data_config changes the fingerprint. What the
 fingerprint cannot see: bytes that change in place while size and mtime stay the same (bit rot, a
@@ -20,7 +27,8 @@ tool that restores mtimes); ``--revalidate`` forces the full pass for those.
 
 Where it lives: in the shards folder when that is writable (the ablations that share one shard set
 share the record), else in the run's data folder (re-runs of that run reuse it). Readers look in
-both, shards folder first. A record that cannot be read or parsed, has another version, or does not
+both, shards folder first; a written record (passed or failed) replaces a record of the same fingerprint in
+the other folder, so the two never disagree. A record that cannot be read or parsed, has another version, or does not
 hold consistent values is ignored (a warning for the unreadable/inconsistent kinds) and rewritten
 after the full pass; it is never an error.
 """
@@ -44,7 +52,8 @@ log = logging.getLogger(__name__)
 
 VALIDATION_RECORD = "validation_record.json"
 RECORD_FORMAT = "eagle3-03-validation"
-RECORD_VERSION = 1
+RECORD_VERSION = 1  # ``status`` was added without a bump: a record without it is a passing one (see above)
+PASSED, FAILED = "passed", "failed"
 STAT_KEYS = ("num_samples", "num_tokens", "num_loss_tokens", "max_len")
 
 
@@ -118,6 +127,10 @@ def load_matching_record(folders: list[Path], fingerprint: str, vocab_size: int)
         if obj.get("fingerprint") != fingerprint:
             log.info("%s: the shards changed since that validation; validating every shard", path)
             continue
+        if obj.get("status", PASSED) != PASSED:
+            log.info("%s: 03's last validation of these shards failed (%s); validating every shard", path,
+                     obj.get("error"))
+            continue
         try:
             stats, freq, created = _parse(obj, vocab_size)
         except ValueError as e:
@@ -127,31 +140,131 @@ def load_matching_record(folders: list[Path], fingerprint: str, vocab_size: int)
     return None
 
 
-def write_record(folders: list[Path], fingerprint: str, stats: dict, freq: torch.Tensor) -> Optional[Path]:
-    """Write the record atomically into the first folder of ``folders`` that accepts it.
+def write_record(folders: list[Path], fingerprint: str, stats: dict, freq: torch.Tensor) -> Path:
+    """Write a passing record atomically into the first folder of ``folders`` that accepts it.
 
     ``freq``: int64 ``[target_V]``. A folder that refuses the write (read-only, permissions, disk
-    full) is skipped with a warning; the record is an optimisation, so failing everywhere only logs.
+    full) is skipped with a warning. A record of the same fingerprint in a later folder (a failed one
+    of an earlier 03) is replaced by this one.
 
     Returns:
-        the path written, or None.
+        the path written.
+
+    Raises:
+        UserError: no folder accepts it (stage 04 trains only on a shard set with a passing record).
     """
     record = {
         "format": RECORD_FORMAT,
         "version": RECORD_VERSION,
         "created_at": time.time(),
         "fingerprint": fingerprint,
+        "status": PASSED,
         "stats": {k: int(stats[k]) for k in STAT_KEYS},
         "token_freq": [int(x) for x in freq.tolist()],
     }
+    path = _write_first(folders, record)
+    if path is None:
+        raise UserError(f"{folders[0] / VALIDATION_RECORD}: cannot write the validation record here nor in "
+                        f"{folders[-1]} (see the warnings above); 04_train.py needs it: free space or fix "
+                        "permissions and re-run 03_prepare_data.py")
+    return path
+
+
+def write_failed_record(folders: list[Path], fingerprint: str, error: str) -> Optional[Path]:
+    """Record that a full validation of the shard set ``fingerprint`` failed with ``error`` (03's one-line
+    message), replacing any record of that fingerprint in ``folders`` (an earlier passing one included),
+    so stage 04 refuses the set until 03 passes on it again.
+
+    Returns:
+        the path written, or None (no folder accepted it; warned).
+    """
+    record = {
+        "format": RECORD_FORMAT,
+        "version": RECORD_VERSION,
+        "created_at": time.time(),
+        "fingerprint": fingerprint,
+        "status": FAILED,
+        "error": error.splitlines()[0] if error else "error",
+    }
+    return _write_first(folders, record)
+
+
+def _write_first(folders: list[Path], record: dict) -> Optional[Path]:
+    """``record`` into the first folder that accepts it; then a record of the same fingerprint in any other
+    folder is removed (a failed one after a pass, or a passing one after a failure)."""
+    written = None
     for folder in folders:
         path = folder / VALIDATION_RECORD
         try:
+            folder.mkdir(parents=True, exist_ok=True)
             atomic_write_json(path, record)
-            return path
+            written = path
+            break
         except (OSError, UserError) as e:
-            log.warning("%s: cannot write the validation record (%s)", path, str(e).splitlines()[0] if str(e) else type(e).__name__)
-    return None
+            log.warning("%s: cannot write the validation record (%s)", path,
+                        str(e).splitlines()[0] if str(e) else type(e).__name__)
+    for folder in folders:
+        path = folder / VALIDATION_RECORD
+        if written is not None and path != written and _fingerprint_of(path) == record["fingerprint"]:
+            try:
+                path.unlink()
+            except OSError as e:
+                log.warning("%s: cannot remove this older validation record of the same shards (%s)", path, e)
+    return written
+
+
+def _fingerprint_of(path: Path) -> Optional[str]:
+    """The ``fingerprint`` of the record at ``path``, or None (absent, unreadable, not a record)."""
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return obj.get("fingerprint") if isinstance(obj, dict) and obj.get("format") == RECORD_FORMAT else None
+
+
+def require_passed(shards: Path, data_dir: Path) -> Path:
+    """Stage 04's input check: the shard set as it is now passed 03's last validation of it.
+
+    Computes :func:`shard_set_fingerprint` of ``shards`` (a stat per shard, sha256 of ``manifest.jsonl`` and
+    ``data_config.json``; no shard read) and looks for a record of it in ``shards`` then ``data_dir``.
+
+    Returns:
+        the passing record's path.
+
+    Raises:
+        UserError: one line naming the shards folder and record, saying to run 03: a record of this
+            fingerprint says 03's last validation failed (its error quoted); or no record of a passing
+            validation matches the current shards (none written, or shards / manifest / data_config changed
+            since: added, removed, re-extracted or ``touch``ed shards).
+    """
+    from eagle3.shards.format import DATA_CONFIG, list_samples
+    from eagle3.shards.manifest import MANIFEST
+
+    shards, data_dir = Path(shards), Path(data_dir)
+    fp = shard_set_fingerprint(shards, list_samples(shards), shards / MANIFEST, shards / DATA_CONFIG)
+    found, stale = None, None
+    for folder in (shards, data_dir):
+        path = folder / VALIDATION_RECORD
+        try:
+            obj = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            obj = None
+        if not isinstance(obj, dict) or obj.get("format") != RECORD_FORMAT or obj.get("version") != RECORD_VERSION:
+            continue
+        if obj.get("fingerprint") != fp:
+            stale = stale or path
+        elif obj.get("status", PASSED) != PASSED:
+            raise UserError(f"{shards}: 03's last validation of this shard set failed ({obj.get('error')}); fix or "
+                            f"re-extract the shard and run 03_prepare_data.py (record: {path})")
+        else:
+            found = found or path
+    if found is not None:
+        return found
+    if stale is not None:
+        raise UserError(f"{shards}: the shards, manifest.jsonl or data_config.json changed since 03 last validated "
+                        f"them ({stale}); run 03_prepare_data.py before training")
+    raise UserError(f"{shards}: no record that 03 validated this shard set ({VALIDATION_RECORD} in {shards} or "
+                    f"{data_dir}); run 03_prepare_data.py before training")
 
 
 def format_time(ts: float) -> str:

@@ -75,6 +75,7 @@ from eagle3.shards.format import expect_from_data_config, read_data_config
 from eagle3.train.target_head import FILENAME as TARGET_HEAD_FILE
 from eagle3.train.target_head import TargetHead
 from eagle3.data.vocab import load_run_vocab_map
+from eagle3.data.validation_record import require_passed
 
 log = logging.getLogger(__name__)
 
@@ -935,6 +936,7 @@ def _load_inputs(cfg: RunConfig, d: DistInfo, resume: bool, init: Optional[Calla
     check_hidden_states(cfg, data_config)
     vocab = load_run_vocab_map(cfg, int(data_config["vocab_size"]))
     split = read_split(cfg.data_dir)
+    require_passed(cfg.shards_dir, cfg.data_dir)  # 03's last validation of these shards passed, else UserError
     args = build_drafter_args(cfg, data_config, vocab)
     warm = _warm_start_planned(cfg, d, resume, args)  # checked before the first write (the full check: after the head)
     _check_train_dir(cfg, d, resume)

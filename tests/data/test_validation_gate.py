@@ -1,0 +1,156 @@
+"""Stage 04 trains only on a shard set whose last 03 validation passed (eagle3.data.validation_record.require_passed).
+
+The fault this guards: 03 refused a shard flipped in place (size and mtime kept; ``xxh3_128`` differs from the
+manifest), and 04 then trained a full epoch on it with the vocab map / split of an earlier, passing 03.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import eagle3.data.validation_record as vr
+from eagle3.config import load_config
+from eagle3.data import prepare_data
+from eagle3.data.validation_record import VALIDATION_RECORD, require_passed
+from eagle3.errors import UserError
+from eagle3.shards.checksum import file_checksum
+from eagle3.shards.format import list_samples, read_data_config, write_data_config
+from eagle3.shards.manifest import MANIFEST
+from _ddp_worker import make_tiny_run, single_thread  # noqa: F401  (autouse fixture)
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAIN = {"epochs": 1, "batch_size": 2, "ckpt_every": 100}
+
+
+def _as_02_wrote(root: Path) -> list[str]:
+    """make_tiny_run's set as 02 leaves it: a manifest with each shard's xxh3_128, data_config totals that
+    match, no validation record yet. Returns the ``--set`` overrides 03 needs (the verifier id)."""
+    rows, tokens, loss = [], 0, 0
+    for i, p in list_samples(root / "shards"):
+        s = torch.load(p, weights_only=True)
+        tokens, loss = tokens + s["input_ids"].numel(), loss + int(s["loss_mask"].sum())
+        rows.append({"idx": i, "id": f"p{i}", "num_tokens": s["input_ids"].numel(), "xxh3_128": file_checksum(p)})
+    (root / "shards" / MANIFEST).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_data_config(root / "shards", {**read_data_config(root / "shards"), "num_tokens": tokens,
+                                        "num_loss_tokens": loss})
+    (root / "shards" / VALIDATION_RECORD).unlink()
+    return ["verifier.name=synthetic"]
+
+
+def _flip_4k_keep_size_and_mtime(path: Path) -> bytes:
+    """Overwrite 4 KB in the middle of ``path`` (the hidden states), restoring its mtime; returns the old bytes."""
+    old = path.read_bytes()
+    st = os.stat(path)
+    a = len(old) // 2
+    path.write_bytes(old[:a] + bytes(b ^ 0x5A for b in old[a:a + 4096]) + old[a + 4096:])
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.stat(path).st_size == st.st_size and os.stat(path).st_mtime_ns == st.st_mtime_ns
+    return old
+
+
+def _train_cli(path: Path, sets: list[str]) -> subprocess.CompletedProcess:
+    args = [sys.executable, str(ROOT / "04_train.py"), "--config", str(path)] + [x for s in sets for x in ("--set", s)]
+    return subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=300)
+
+
+def test_04_refuses_a_shard_set_03_rejected_and_trains_after_the_fix(tmp_path):
+    from eagle3.train.trainer import run as train
+
+    path = make_tiny_run(tmp_path, train=TRAIN)
+    sets = _as_02_wrote(tmp_path)
+    cfg = load_config(path, sets)
+    assert prepare_data.run(cfg, plot=False)["validation"] == "full"  # the earlier, passing 03
+    assert json.loads((cfg.shards_dir / VALIDATION_RECORD).read_text())["status"] == "passed"
+    shard = dict(list_samples(cfg.shards_dir))[5]
+    original = _flip_4k_keep_size_and_mtime(shard)
+    with pytest.raises(UserError, match=r"data_5.pt: contents changed since extraction \(xxh3_128 differs"):
+        prepare_data.run(cfg, plot=False, revalidate=True)
+    rec = json.loads((cfg.shards_dir / VALIDATION_RECORD).read_text())
+    assert rec["status"] == "failed" and "data_5.pt" in rec["error"] and "stats" not in rec
+    # a plain 03 does not reuse a failed record (the fingerprint is unchanged): it validates and refuses again
+    with pytest.raises(UserError, match=r"xxh3_128 differs"):
+        prepare_data.run(cfg, plot=False)
+
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    p = _train_cli(path, sets)
+    assert p.returncode == 2, p.stderr[-2000:]
+    err = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert len(err) == 1 and err[0].startswith(f"error: {cfg.shards_dir}: 03's last validation of this shard set "
+                                               f"failed ({shard}: contents changed since extraction (xxh3_128 differs")
+    assert "run 03_prepare_data.py" in err[0] and str(cfg.shards_dir / VALIDATION_RECORD) in err[0]
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # nothing written
+    assert not (cfg.train_dir / "metrics.jsonl").exists() and not cfg.export_dir.exists()
+
+    shard.write_bytes(original)  # re-extracted: same bytes, a new mtime
+    assert prepare_data.run(cfg, plot=False)["validation"] == "full"
+    r = train(cfg, device="cpu")
+    assert r["step"] == r["total_steps"] == 4 and not r["stopped"]
+
+
+def test_04_refuses_without_a_matching_passing_record(tmp_path):
+    path = make_tiny_run(tmp_path, train=TRAIN)
+    cfg = load_config(path)
+    assert require_passed(cfg.shards_dir, cfg.data_dir) == cfg.shards_dir / VALIDATION_RECORD
+    shard = dict(list_samples(cfg.shards_dir))[3]
+    os.utime(shard, ns=(os.stat(shard).st_atime_ns, os.stat(shard).st_mtime_ns + 10**9))  # touched after 03
+    with pytest.raises(UserError, match=r"shards: the shards, manifest.jsonl or data_config.json changed since 03 "
+                                        r"last validated them \(.*validation_record.json\); run 03_prepare_data.py"):
+        require_passed(cfg.shards_dir, cfg.data_dir)
+    (cfg.shards_dir / VALIDATION_RECORD).unlink()
+    with pytest.raises(UserError, match=r"no record that 03 validated this shard set .*; run 03_prepare_data.py"):
+        require_passed(cfg.shards_dir, cfg.data_dir)
+
+
+def test_record_of_an_03_before_status_counts_as_passed(tmp_path):
+    """Records written before ``status`` existed were written only after a passing full validation: 04 accepts
+    one whose fingerprint matches, and 03 reuses it."""
+    path = make_tiny_run(tmp_path, train=TRAIN)
+    sets = _as_02_wrote(tmp_path)
+    cfg = load_config(path, sets)
+    prepare_data.run(cfg, plot=False)
+    rec_path = cfg.shards_dir / VALIDATION_RECORD
+    rec = json.loads(rec_path.read_text())
+    del rec["status"]
+    rec_path.write_text(json.dumps(rec))
+    assert require_passed(cfg.shards_dir, cfg.data_dir) == rec_path
+    assert prepare_data.run(cfg, plot=False)["validation"] == "reused"
+
+
+def test_failed_record_replaces_a_passing_one_in_the_other_folder(tmp_path, monkeypatch):
+    """A passing record kept in the data dir (shards folder read-only then) does not outlive a later failed
+    validation written to the shards folder, and a later pass removes the failed one from the other folder."""
+    shards, data = tmp_path / "shards", tmp_path / "data"
+    shards.mkdir()
+    real = vr.atomic_write_json
+
+    def refuse_shards(path, obj):
+        if Path(path).parent == shards:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path, obj)
+
+    stats = {"num_samples": 1, "num_tokens": 2, "num_loss_tokens": 1, "max_len": 2}
+    monkeypatch.setattr(vr, "atomic_write_json", refuse_shards)
+    assert vr.write_record([shards, data], "fp", stats, torch.tensor([0, 1])) == data / VALIDATION_RECORD
+    monkeypatch.setattr(vr, "atomic_write_json", real)
+    assert vr.write_failed_record([shards, data], "fp", "x.pt: bad\nmore") == shards / VALIDATION_RECORD
+    assert not (data / VALIDATION_RECORD).exists()
+    assert json.loads((shards / VALIDATION_RECORD).read_text())["error"] == "x.pt: bad"
+    monkeypatch.setattr(vr, "atomic_write_json", refuse_shards)
+    assert vr.write_record([shards, data], "fp", stats, torch.tensor([0, 1])) == data / VALIDATION_RECORD
+    assert not (shards / VALIDATION_RECORD).exists()  # the failed record of the same shards is gone
+    assert require_passed_fp(shards, data, "fp", monkeypatch) == data / VALIDATION_RECORD
+    with pytest.raises(UserError, match=r"cannot write the validation record"):  # 04 needs it: not only a warning
+        vr.write_record([shards], "fp", stats, torch.tensor([0, 1]))
+
+
+def require_passed_fp(shards: Path, data: Path, fp: str, monkeypatch) -> Path:
+    """:func:`require_passed` with the shard set's fingerprint fixed to ``fp`` (no shards in these folders)."""
+    monkeypatch.setattr(vr, "shard_set_fingerprint", lambda *a: fp)
+    return require_passed(shards, data)
