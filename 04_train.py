@@ -32,6 +32,11 @@ def main(argv=None) -> int:
                    help="no training: export the newest checkpoint (e.g. for the other engine with --engine)")
     p.add_argument("--engine", choices=["sglang", "vllm"], help="override export.engine")
     a = p.parse_args(argv)
+    if a.export_only:  # no training: the training flags would be ignored silently
+        given = [f for f, v in (("--resume", a.resume), ("--max-steps", a.max_steps), ("--stop-at", a.stop_at)) if v]
+        if given:
+            p.error(f"--export-only exports the newest checkpoint without training; it cannot be combined with "
+                    f"{', '.join(given)}")
     cfg = load_config(a.config, a.overrides)
     if a.engine:
         cfg = cfg.model_copy(update={"export": cfg.export.model_copy(update={"engine": a.engine})})

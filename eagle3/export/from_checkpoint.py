@@ -21,7 +21,15 @@ log = logging.getLogger(__name__)
 
 
 def export_from_checkpoint(cfg: RunConfig, engine: str | None = None) -> Path:
-    """Build the drafter from the newest checkpoint and export it.
+    """Build the drafter from the newest checkpoint and export it. Read-only with respect to training's outputs
+    (checkpoints, ``best_drafter.pt``, ``sim_accept.json``): only the export folder is written.
+
+    Weights: ``train.select_best: last`` -> the checkpoint's. ``sim_accept`` -> ``best_drafter.pt``, the weights the
+    finished training exported (:func:`eagle3.train.sim_accept.load_best_for_export`): a best file that does not load,
+    does not fit or is not the step ``sim_accept.json`` names is a UserError (nothing exported; ``--set
+    train.select_best=last`` exports the checkpoint); no best file at all (trained with ``last``, no validation split)
+    exports the checkpoint's weights with a warning naming the field. The checkpoint is the newest that loads
+    (:func:`eagle3.train.checkpoint.find_latest_checkpoint`: older ones with a warning naming each skipped file).
 
     Args:
         cfg: run config (``train_dir``, ``data_dir``, ``shards_dir``, ``export``).
@@ -32,7 +40,8 @@ def export_from_checkpoint(cfg: RunConfig, engine: str | None = None) -> Path:
         The export folder.
 
     Raises:
-        UserError: no usable checkpoint, missing target head / vocab map / data_config, a
+        UserError: no checkpoint, or checkpoint files none of which loads; an unusable ``best_drafter.pt`` (above);
+            missing target head / vocab map / data_config, a
             checkpoint whose drafter shape disagrees with the vocab map, or with the config's ``drafter.*``
             (:func:`eagle3.train.checkpoint.check_drafter_args`; ``max_position_embeddings`` may differ).
     """
@@ -69,10 +78,13 @@ def export_from_checkpoint(cfg: RunConfig, engine: str | None = None) -> Path:
         key = sorted(unexpected or (trainable & set(missing)))[0]
         raise UserError(f"{path}: key 'model.{key}' {'unexpected' if unexpected else 'missing'}")
     if cfg.train.select_best == "sim_accept":  # the weights training exported: those of the best validation
-        from eagle3.train.sim_accept import BestTracker
+        from eagle3.train.sim_accept import load_best_for_export
 
-        BestTracker(cfg.train_dir, cfg.train.select_chain or cfg.benchmark.steps, True, start_step=int(state["step"]),
-                    keep_best=True).restore_best(drafter)
+        _step, warning = load_best_for_export(cfg.train_dir, drafter, int(state["step"]))
+        if warning:
+            log.warning(warning)
+    else:
+        log.info("export: the weights of checkpoint %s (train.select_best: last)", path.name)
     return export_for_run(cfg, drafter, data_config)
 
 

@@ -119,14 +119,34 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
 def find_latest_checkpoint(train_dir: str | os.PathLike) -> Optional[tuple[Path, dict]]:
     """The newest checkpoint that loads and validates, falling back to older ones with a warning.
 
+    Every caller that needs "the newest checkpoint" goes through here (``04 --resume``: ``_Training.restore``;
+    ``04 --export-only``: ``eagle3.export.from_checkpoint.export_from_checkpoint``). A file that does not load is
+    skipped with a warning naming it and why; a folder whose checkpoint files ALL fail is an error, never "no
+    checkpoint": ``--resume`` would otherwise start again from step 0 and overwrite the run's export.
+
     Returns:
-        ``(path, state)`` or None when there is no usable checkpoint.
+        ``(path, state)``, or None when the folder holds no checkpoint file (``step_*.pt``) at all.
+
+    Raises:
+        UserError: checkpoint files exist but none loads; one line naming the folder, the count, the newest
+            file and why it did not load.
     """
-    for _step, path in reversed(list_checkpoints(train_dir)):
+    found = list_checkpoints(train_dir)
+    newest_error: Optional[UserError] = None
+    for _step, path in reversed(found):
         try:
-            return path, load_checkpoint(path)
+            state = load_checkpoint(path)
         except UserError as e:
-            log.warning("skipping unusable checkpoint: %s", e)
+            newest_error = newest_error or e
+            log.warning("skipping unusable checkpoint: %s (trying the next older one)", e)
+            continue
+        if newest_error is not None:
+            log.warning("using %s (step %d), not the newest checkpoint file %s, which does not load", path.name,
+                        int(state["step"]), found[-1][1].name)
+        return path, state
+    if found:
+        raise UserError(f"{ckpt_dir(train_dir)}: none of its {len(found)} checkpoint file(s) loads; the newest: "
+                        f"{newest_error} (replace or delete the broken files, or train into a new train.output_dir)")
     return None
 
 
@@ -186,6 +206,56 @@ def check_data_order(path: str | os.PathLike, saved: Optional[dict], current: di
         now = ", ".join(f"{k}={current.get(k, '<absent>')}" for k in keys)
         raise UserError(f"{path}: written with {then} but the config has {now}; resume keeps the data order "
                         f"only with the same batching (set them back, or train into a new train.output_dir)")
+
+
+# Recipe fields that define the training loss: changed on --resume, the run would optimise (and log, validate,
+# select by) another objective from the checkpoint's step on, with the optimizer state of the old one, and its report
+# could name only one of them. That is a new run warm-started from the old weights: train.init_from, new output_dir.
+LOSS_FIELDS = ("train.ttt_length", "train.step_weight", "train.loss", "train.lk_eta")
+_RECIPE_NOTES = {
+    "train.lr": "the checkpoint's optimizer state and lr schedule are kept",
+    "train.weight_decay": "the checkpoint's optimizer state is kept, with its weight_decay",
+    "train.warmup_ratio": "the lr schedule's warmup follows the new value",
+    "train.epochs": "the lr schedule is re-stretched to the new horizon",
+    "train.max_steps": "the lr schedule is re-stretched to the new horizon",
+    "train.grad_clip": "the new value applies from here on",
+    "extract.max_length": "the new value applies from here on",
+}
+
+
+def check_recipe(path: str | os.PathLike, saved: Optional[dict], current: dict) -> list[str]:
+    """Compare the training recipe a checkpoint recorded (key ``recipe``: dotted config keys -> values) with the
+    configured one on ``--resume``.
+
+    Refused (:data:`LOSS_FIELDS`): a changed ``train.ttt_length`` / ``train.step_weight`` / ``train.loss`` (and
+    ``train.lk_eta`` when either loss uses it) changes the loss definition mid-run: metrics, validations and
+    ``select_best`` scores before and after would measure different things, and the optimizer moments were
+    accumulated for the old objective. A different objective from the same weights is a warm start
+    (``train.init_from``) into a new ``train.output_dir``. Everything else is allowed, with one line per field
+    saying which value is used (e.g. ``train.lr`` keeps the checkpoint's: its optimizer state and schedule).
+
+    Args:
+        saved: the checkpoint's ``recipe`` (None for checkpoints that predate it: nothing compared, returns []).
+        current: the same dict built from the config now.
+
+    Returns:
+        ``["train.lr 0.001 -> 0.05 (the checkpoint's optimizer state and lr schedule are kept)", ...]``, sorted.
+
+    Raises:
+        UserError: naming the checkpoint and every changed loss field with both values.
+    """
+    if saved is None:
+        return []
+    changed = [k for k in sorted(set(saved) | set(current)) if saved.get(k, "<absent>") != current.get(k, "<absent>")]
+    if "train.lk_eta" in changed and saved.get("train.loss") == current.get("train.loss") == "soft_ce":
+        changed.remove("train.lk_eta")  # soft_ce does not use eta
+    bad = [k for k in changed if k in LOSS_FIELDS]
+    if bad:
+        what = ", ".join(f"{k} {saved.get(k, '<absent>')} -> {current.get(k, '<absent>')}" for k in bad)
+        raise UserError(f"{path}: --resume with another loss definition ({what}); set them back, or start a new run "
+                        f"from this one's export with train.init_from in a new train.output_dir")
+    return [f"{k} {saved.get(k, '<absent>')} -> {current.get(k, '<absent>')} ({_RECIPE_NOTES.get(k, 'the new value is used')})"
+            for k in changed]
 
 
 def drafter_field_source(key: str) -> str:

@@ -163,15 +163,7 @@ class BestTracker:
         path = self.dir / BEST_FILE
         if not self.enabled or self.best is None or not path.is_file():
             return None
-        state = safe_torch_load(path)
-        params = dict(drafter.named_parameters())
-        for name, t in state["model"].items():
-            if name not in params or tuple(params[name].shape) != tuple(t.shape):
-                raise UserError(f"{path}: tensor '{name}' does not fit the drafter (delete the file and re-run)")
-        with torch.no_grad():
-            for name, t in state["model"].items():
-                params[name].copy_(t.to(params[name].device, params[name].dtype))
-        return int(state["step"])
+        return _load_best_into(path, drafter, "delete the file and re-run")
 
     def plot(self) -> None:
         """``sim_accept.png``: tau_sim(chain) per validation step, the best one marked."""
@@ -192,6 +184,70 @@ class BestTracker:
         ax.legend()
         fig.tight_layout()
         atomic_save_png(fig, self.dir / PLOT_FILE)
+
+
+def _load_best_into(path: Path, drafter: nn.Module, fix: str) -> int:
+    """Copy ``best_drafter.pt``'s tensors into ``drafter`` (in place); returns their step.
+
+    Raises:
+        UserError: unreadable file, key ``step``/``model`` missing, or a tensor that does not fit (named), each
+            followed by ``fix``.
+    """
+    try:
+        state = safe_torch_load(path)
+    except UserError as e:
+        raise UserError(f"{e}; {fix}") from e
+    for key in ("step", "model"):
+        if not isinstance(state, dict) or key not in state:
+            raise UserError(f"{path}: key '{key}' missing; {fix}")
+    params = dict(drafter.named_parameters())
+    for name, t in state["model"].items():
+        if name not in params or tuple(params[name].shape) != tuple(t.shape):
+            raise UserError(f"{path}: tensor '{name}' does not fit the drafter; {fix}")
+    with torch.no_grad():
+        for name, t in state["model"].items():
+            params[name].copy_(t.to(params[name].device, params[name].dtype))
+    return int(state["step"])
+
+
+def load_best_for_export(train_dir: Path, drafter: nn.Module, ckpt_step: int) -> tuple[Optional[int], Optional[str]]:
+    """``04 --export-only`` under ``train.select_best: sim_accept``: the weights the finished training exported, read
+    without changing anything in ``train_dir`` (unlike :class:`BestTracker`, which resets the curve and the best file
+    for the step a training run restarts from).
+
+    A careful user re-exporting a run (e.g. for the other engine) expects the same weights as the training's own
+    export, whatever checkpoint supplied the drafter's shape, and never a silent switch to other weights. So:
+    ``best_drafter.pt`` present -> its tensors are loaded into ``drafter``; it must load, fit, and be the step
+    ``sim_accept.json`` names as the best (else a one-line UserError: nothing is exported). Absent (the run was
+    trained with ``select_best: last``, had no validation split, or never validated) -> ``drafter`` keeps the
+    checkpoint's weights and a warning line says so.
+
+    Args:
+        train_dir: the run's ``train.output_dir``.
+        drafter: holds the checkpoint's weights (step ``ckpt_step``); overwritten in place with the best ones.
+        ckpt_step: the checkpoint's step (for the messages).
+
+    Returns:
+        ``(best step, None)`` when the best weights were loaded, ``(None, warning)`` when there are none.
+
+    Raises:
+        UserError: ``best_drafter.pt`` unreadable / not fitting / not the step the curve names.
+    """
+    path, curve = Path(train_dir) / BEST_FILE, Path(train_dir) / CURVE_FILE
+    if not path.is_file():
+        return None, (f"train.select_best: sim_accept, but {path} does not exist (trained with select_best: last, "
+                      f"without a validation split, or not validated yet); exporting the checkpoint's weights "
+                      f"(step {ckpt_step}) instead")
+    fix = f"set train.select_best=last to export the checkpoint (step {ckpt_step}) instead"
+    step = _load_best_into(path, drafter, fix)
+    summary = read_json(curve) if curve.is_file() else None
+    best = summary.get("best") if isinstance(summary, dict) else None
+    if isinstance(best, dict) and int(best.get("step", -1)) != step:
+        raise UserError(f"{path}: holds the weights of step {step}, but {curve} names step {best.get('step')} as the "
+                        f"best; {fix}")
+    log.info("export: the best validation's weights, step %d (%s; checkpoint step %d gave the shape)", step, path.name,
+             ckpt_step)
+    return step, None
 
 
 def markdown_lines(summary: dict) -> list[str]:

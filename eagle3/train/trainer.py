@@ -682,6 +682,16 @@ def _data_order(cfg: RunConfig) -> dict:
             "train.batch_size": None if t.batch_tokens is not None else t.batch_size, "train.grad_accum": t.grad_accum}
 
 
+def _recipe(cfg: RunConfig) -> dict:
+    """The training recipe a checkpoint records (key ``recipe``, dotted config keys): what
+    :func:`eagle3.train.checkpoint.check_recipe` compares on ``--resume``, naming the fields that differ."""
+    t = cfg.train
+    out = {f"train.{k}": getattr(t, k) for k in ("ttt_length", "step_weight", "loss", "lk_eta", "lr", "weight_decay",
+                                                 "warmup_ratio", "epochs", "max_steps", "grad_clip")}
+    out["extract.max_length"] = cfg.extract.max_length
+    return out
+
+
 def _fingerprint(cfg: RunConfig, args) -> str:
     t = cfg.train
     keep = {k: getattr(t, k) for k in ("ttt_length", "step_weight", "lr", "weight_decay", "warmup_ratio", "epochs",
@@ -757,18 +767,48 @@ def run(cfg: RunConfig, resume: bool = False, max_steps: Optional[int] = None, s
 def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: Optional[int],
          stop_after: Optional[int], export: Optional[Callable] = None, init: Optional[Callable] = None,
          stop_at: Optional[int] = None) -> dict:
-    """The stage in named steps: inputs (+ folder check, warm start), data, optimisation, resume, loop, end."""
-    inputs = _load_inputs(cfg, d, resume, init)
-    data = _build_data(cfg, d, inputs, max_steps)
-    run_ = _Training(cfg, d, inputs, data, _build_optimisation(cfg, d, inputs, data.total_steps))
+    """The stage in named steps: inputs (+ folder check, warm start), data, optimisation, resume, loop, end.
+    A refusal before the loop (any UserError of the steps up to the resume) removes what this call created."""
+    with _undo_on_refusal(cfg.train_dir, d.is_main):
+        inputs = _load_inputs(cfg, d, resume, init)
+        try:
+            data = _build_data(cfg, d, inputs, max_steps)
+            run_ = _Training(cfg, d, inputs, data, _build_optimisation(cfg, d, inputs, data.total_steps))
+            if resume:
+                run_.restore()
+            run_.set_stop_at(stop_at)
+        except BaseException:
+            inputs.states.close()
+            raise
     try:
-        if resume:
-            run_.restore()
-        run_.set_stop_at(stop_at)
         run_.loop(stop, stop_after)
         return run_.finish(stop, export)
     finally:
         inputs.states.close()
+
+
+@contextlib.contextmanager
+def _undo_on_refusal(train_dir: Path, enabled: bool):
+    """Around 04's setup steps (inputs, data, optimisation, resume; nothing of the loop): on a UserError, remove what
+    this call created before the refusal, i.e. ``{train_dir}/target_head.safetensors`` when it was not there before
+    and ``train_dir`` itself when this call made it and it is empty again. Files an earlier run made are kept.
+    ``enabled``: rank 0 (the rank that writes).
+
+    Raises:
+        the UserError, unchanged.
+    """
+    head = Path(train_dir) / TARGET_HEAD_FILE
+    had_dir, had_head = Path(train_dir).exists(), head.exists()
+    try:
+        yield
+    except UserError:
+        if enabled:
+            if not had_head:
+                head.unlink(missing_ok=True)
+            if not had_dir:
+                with contextlib.suppress(OSError):  # not empty: something else is in it, keep it
+                    Path(train_dir).rmdir()
+        raise
 
 
 def _check_train_dir(cfg: RunConfig, d: DistInfo, resume: bool) -> None:
@@ -938,6 +978,10 @@ def _load_inputs(cfg: RunConfig, d: DistInfo, resume: bool, init: Optional[Calla
     split = read_split(cfg.data_dir)
     require_passed(cfg.shards_dir, cfg.data_dir)  # 03's last validation of these shards passed, else UserError
     args = build_drafter_args(cfg, data_config, vocab)
+    if args.hidden_size != int(data_config["hidden_size"]):  # init_drafter's check, before the head is extracted
+        raise UserError(f"drafter.hidden_size: {args.hidden_size} differs from the verifier hidden size "
+                        f"{data_config['hidden_size']} ({cfg.shards_dir / 'data_config.json'}); the drafter reuses "
+                        f"the verifier's token embedding")
     warm = _warm_start_planned(cfg, d, resume, args)  # checked before the first write (the full check: after the head)
     _check_train_dir(cfg, d, resume)
     head = prepare_target_head(cfg, data_config, d)  # the first write: target_head.safetensors (creates train_dir)
@@ -978,6 +1022,7 @@ class _Data:
     val_lengths: Optional[list[int]]
     eval_every: int
     horizon: Optional[int]  # max_steps / train.max_steps (None = the epochs decide)
+    horizon_from: str = "train.epochs"  # what sets total_steps, for messages: "--max-steps N" / "train.max_steps N"
 
 
 def _build_data(cfg: RunConfig, d: DistInfo, inputs: _Inputs, max_steps: Optional[int]) -> _Data:
@@ -996,7 +1041,19 @@ def _build_data(cfg: RunConfig, d: DistInfo, inputs: _Inputs, max_steps: Optiona
     if horizon is not None:
         total_steps = min(total_steps, horizon)
     val_lengths = sample_lengths(cfg.shards_dir, val_ds, max_len) if (val_ds is not None and t.batch_tokens) else None
-    return _Data(train_ds, val_ds, order, total_steps, val_lengths, t.eval_every or order.steps_in_epoch(0), horizon)
+    horizon_from = f"train.epochs {t.epochs}"
+    if horizon is not None and horizon < order.total_steps:
+        horizon_from = f"--max-steps {max_steps}" if max_steps is not None else f"train.max_steps {t.max_steps}"
+    if val_ds is None and t.select_best == "sim_accept" and d.is_main:
+        log.warning(_no_val_selection(cfg))
+    return _Data(train_ds, val_ds, order, total_steps, val_lengths, t.eval_every or order.steps_in_epoch(0), horizon,
+                 horizon_from)
+
+
+def _no_val_selection(cfg: RunConfig) -> str:
+    """The warning of ``train.select_best: sim_accept`` without a validation split (nothing to select from)."""
+    return (f"train.select_best: sim_accept has no validation split to select from ({cfg.data_dir / 'split.json'} "
+            f"key 'val' is empty: stage 03 ran with data.val_fraction 0); the last step's weights are exported instead")
 
 
 @dataclass
@@ -1060,6 +1117,7 @@ class _Training:
         self.stopped = False
         self.metrics: Optional[_Metrics] = None
         self.tracker = None  # eagle3.train.sim_accept.BestTracker, started with the loop
+        self.warnings: list[str] = []  # one-line warnings of this call, also in train_report (key 'warnings')
         self.tok_total, self.t_total = 0.0, 0.0
 
     @property
@@ -1083,18 +1141,31 @@ class _Training:
                             f"(`--export-only` exports it)")
         self.stop_at = stop_at
 
+    def recipe_used(self) -> dict:
+        """The recipe of ``train_report.json``: the config's values, except those a resumed checkpoint's optimizer
+        state overrides (``lr``: the scheduler's base lr; ``weight_decay``: the optimizer's), i.e. what training used."""
+        out = {k: getattr(self.t, k) for k in ("loss", "lk_eta", "lr", "weight_decay", "epochs", "batch_tokens",
+                                               "batch_size", "grad_accum", "warmup_ratio", "ttt_length", "select_best")}
+        out["lr"] = float(self.opt.scheduler.base_lrs[0])
+        out["weight_decay"] = float(self.opt.optimizer.param_groups[0]["weight_decay"])
+        return out
+
     # ---- resume ------------------------------------------------------------------------------
     def restore(self) -> None:
         """Continue from the newest complete checkpoint: weights, optimizer, schedule, data position, RNG."""
         t, d, o, drafter = self.t, self.d, self.opt, self.inputs.drafter
         found = ckpt.find_latest_checkpoint(self.train_dir)
-        if found is None:
-            log.warning("--resume: no usable checkpoint in %s; starting from step 0", ckpt.ckpt_dir(self.train_dir))
+        if found is None:  # no checkpoint file at all (files that all fail to load: UserError)
+            log.warning("--resume: no checkpoint in %s; starting from step 0", ckpt.ckpt_dir(self.train_dir))
             return
         path, state = found
         ckpt.check_drafter_args(path, state["drafter_args"], dataclasses.asdict(self.inputs.args))
         ckpt.check_data_order(path, state.get("data_order"), _data_order(self.cfg))
-        if state["config_fingerprint"] != o.fingerprint:
+        changes = ckpt.check_recipe(path, state.get("recipe"), _recipe(self.cfg))  # refuses a changed loss definition
+        if changes:
+            self.warnings.append(f"resumed from {path.name} with other training settings: {'; '.join(changes)}")
+            log.warning("%s: %s", path, self.warnings[-1])
+        elif state["config_fingerprint"] != o.fingerprint:  # a checkpoint without 'recipe': fields unknown
             log.warning("%s: training settings differ from the checkpoint's (fingerprint %s != %s)", path,
                         state["config_fingerprint"], o.fingerprint)
         missing, unexpected = drafter.load_state_dict(state["model"], strict=False)
@@ -1114,6 +1185,10 @@ class _Training:
         self.step_in_epoch = self.data.order.step_from_checkpoint(state)
         self.total_steps = _horizon_after_resume(self.data.order, state, d, t, self.total_steps, self.data.horizon,
                                                  o.scheduler)
+        if self.step > self.total_steps:  # nothing to train, and the end step would be behind the weights
+            raise UserError(f"{self.data.horizon_from}: the run ends after {self.total_steps} optimizer steps, but the "
+                            f"checkpoint resumed from ({path}) is at step {self.step} already; ask for more steps, or "
+                            f"export that checkpoint with --export-only")
         rngs = state["rng"]
         if len(rngs) == d.world:
             ckpt.restore_rng(rngs[d.rank])
@@ -1143,6 +1218,7 @@ class _Training:
                 "scheduler": o.scheduler.state_dict(), "rng": rngs,
                 "drafter_args": self.inputs.args.to_json(), "config_fingerprint": o.fingerprint,
                 "world_size": d.world, "data_order": _data_order(self.cfg), "init_from": self.inputs.init_from,
+                "recipe": _recipe(self.cfg),
             }, keep=self.t.keep_checkpoints)
         _barrier(d)
         return path
@@ -1315,8 +1391,7 @@ class _Training:
                   "tokens_per_s": (self.tok_total / self.t_total) if self.t_total > 0 else None,
                   "peak_gpu_mem_gib": _peak_gpu_mem_gib(d.device), "hidden_states": self.t.hidden_states,
                   "init_from": self.inputs.init_from,
-                  "recipe": {k: getattr(self.t, k) for k in ("loss", "lk_eta", "lr", "epochs", "batch_tokens", "batch_size",
-                                                           "grad_accum", "warmup_ratio", "ttt_length", "select_best")}}
+                  "recipe": self.recipe_used(), "warnings": self.warnings}
         if self.stopped:  # no final validation, no export; the report says where it stopped and how to go on
             self.metrics.close()
             if d.is_main:
@@ -1336,6 +1411,11 @@ class _Training:
             sel = self.t.select_best
             result["sim_accept"] = dict(self.tracker.summary(), select_best=sel, exported_step=self.tracker.restore_best(
                 self.inputs.drafter) if sel == "sim_accept" else None)
+            if sel == "sim_accept" and result["sim_accept"]["exported_step"] is None:  # nothing was selected
+                self.warnings.append(_no_val_selection(self.cfg) if self.data.val_ds is None else
+                                     f"train.select_best: sim_accept found no best weights to restore; the last "
+                                     f"step's weights (step {self.step}) are exported instead")
+                log.warning(self.warnings[-1])
             self.tracker.plot()
             if export is not None:
                 result["export_dir"] = str(export(self.cfg, self.inputs.drafter, self.inputs.data_config))
@@ -1403,6 +1483,7 @@ def write_report(train_dir: Path, result: dict, args) -> None:
     if result.get("stopped"):
         lines.append(f"- **stopped** by signal {result.get('signal')} at step {result['step']}: no final validation, "
                      "no export; `04_train.py --resume` goes on, `--export-only` exports this checkpoint")
+    lines += [f"- **warning**: {w}" for w in result.get("warnings") or []]
     if result.get("tokens_per_s"):
         lines.append(f"- training throughput: {result['tokens_per_s']:.0f} tokens/s (all ranks)")
     if result.get("peak_gpu_mem_gib") is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import sys
@@ -141,3 +142,68 @@ def test_resume_with_changed_batching_is_user_error(tmp_path):
         run(load_config(path, ["train.batch_tokens=64", "train.grad_accum=2"]), resume=True, device="cpu")
     r = run(load_config(path, ["train.batch_tokens=64", "train.epochs=1"]), resume=True, stop_after=1, device="cpu")
     assert r["step"] == 2
+
+
+def test_all_checkpoints_corrupt_is_one_line_error_naming_the_newest(tmp_path, caplog):
+    """Checkpoint files that all fail to load are an error, not "no checkpoint": --resume used to warn, train
+    from step 0 and overwrite the export; --export-only (same lookup) is refused the same way. Only the newest
+    bad: the older one is used, with a warning naming the skipped file."""
+    from eagle3.export.from_checkpoint import export_for_run, export_from_checkpoint
+    from eagle3.train.trainer import run
+
+    cfg = load_config(make_tiny_run(tmp_path, train={"epochs": 1, "ckpt_every": 2, "keep_checkpoints": 2}))
+    run(cfg, device="cpu", export=export_for_run)  # checkpoints 2, 4; export written
+    p2, p4 = ckpt.ckpt_path(cfg.train_dir, 2), ckpt.ckpt_path(cfg.train_dir, 4)
+    p4.write_bytes(p4.read_bytes()[:100])
+    with caplog.at_level(logging.WARNING, logger="eagle3.train.checkpoint"):
+        path, state = ckpt.find_latest_checkpoint(cfg.train_dir)
+    assert state["step"] == 2 and "step_00000004.pt" in caplog.text and "using step_00000002.pt" in caplog.text
+    p2.write_bytes(p2.read_bytes()[:100])
+    before = {p: p.stat().st_mtime_ns for p in sorted(tmp_path.rglob("*")) if p.is_file()}
+    for call in (lambda: run(cfg, resume=True, device="cpu", export=export_for_run),
+                 lambda: export_from_checkpoint(cfg, engine="vllm")):
+        with pytest.raises(UserError) as e:
+            call()
+        msg = str(e.value)
+        assert "\n" not in msg and msg.startswith(f"{ckpt.ckpt_dir(cfg.train_dir)}: none of its 2 checkpoint file(s) loads")
+        assert "step_00000004.pt: truncated or corrupt torch file" in msg
+    assert {p: p.stat().st_mtime_ns for p in sorted(tmp_path.rglob("*")) if p.is_file()} == before  # nothing written
+    assert not (tmp_path / "drafter-vllm").exists()
+
+
+def test_resume_with_changed_recipe_names_fields_and_reports_what_was_used(tmp_path, caplog):
+    """--resume with another train.lr: the checkpoint's optimizer keeps its lr; the warning names the field and
+    train_report.json's recipe records the lr actually used. A changed loss definition is refused."""
+    from eagle3.train.trainer import run
+
+    path = make_tiny_run(tmp_path, train={"epochs": 1, "lr": 1e-3})
+    run(load_config(path), stop_after=2, device="cpu")
+    for over, field in (("train.ttt_length=2", "train.ttt_length 3 -> 2"), ("train.loss=lk_hybrid",
+                                                                             "train.loss soft_ce -> lk_hybrid")):
+        with pytest.raises(UserError, match=rf"step_00000002.pt: --resume with another loss definition \({field}\)"):
+            run(load_config(path, [over]), resume=True, device="cpu")
+    with caplog.at_level(logging.WARNING, logger="eagle3.train.trainer"):
+        r = run(load_config(path, ["train.lr=0.05"]), resume=True, device="cpu")
+    note = "train.lr 0.001 -> 0.05 (the checkpoint's optimizer state and lr schedule are kept)"
+    assert note in caplog.text
+    rep = json.loads((load_config(path).train_dir / "train_report.json").read_text())
+    assert rep["recipe"]["lr"] == 0.001 and r["recipe"]["lr"] == 0.001
+    assert any(note in w for w in rep["warnings"])
+    lrs = [json.loads(x)["lr"] for x in (load_config(path).train_dir / "metrics.jsonl").read_text().splitlines()
+           if json.loads(x)["kind"] == "train"]
+    assert max(lrs) <= 0.001  # the schedule of lr 0.001 went on
+
+
+def test_resume_past_the_requested_total_is_refused_before_writing(tmp_path):
+    """A checkpoint at step 6 resumed with max_steps 3 used to print "trained: 6/3", re-export and rewrite the
+    report; now one line naming --max-steps, and no file written."""
+    from eagle3.train.trainer import run
+
+    cfg = load_config(make_tiny_run(tmp_path, train={"epochs": 2}))
+    run(cfg, stop_after=6, device="cpu")
+    before = {p: p.stat().st_mtime_ns for p in sorted(tmp_path.rglob("*")) if p.is_file()}
+    with pytest.raises(UserError, match=r"^--max-steps 3: the run ends after 3 optimizer steps, but the checkpoint "
+                                        r"resumed from \(.*step_00000006.pt\) is at step 6 already"):
+        run(cfg, resume=True, max_steps=3, device="cpu")
+    assert {p: p.stat().st_mtime_ns for p in sorted(tmp_path.rglob("*")) if p.is_file()} == before
+    assert run(cfg, resume=True, max_steps=6, device="cpu")["step"] == 6  # at the total: the run's end, allowed

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from _ddp_worker import make_tiny_run, single_thread  # noqa: F401  (autouse fixture)
 
 from eagle3.config import load_config
+from eagle3.errors import UserError
 from eagle3.export.from_checkpoint import export_for_run, export_from_checkpoint
 from eagle3.export.serving import load_exported
 from eagle3.io import safe_torch_load
@@ -179,3 +180,65 @@ def test_report_of_a_stopped_run_says_what_export_only_will_export():
     assert head(dict(base, select_best="sim_accept", exported_step=6000)).endswith("exported step: 6000):")
     assert head(dict(base, select_best="last", exported_step=None)).endswith("exported step: the last):")
     assert "| 6000 (best) | 3.4100 |" in "\n".join(markdown_lines(dict(base, select_best="sim_accept", exported_step=6000)))
+
+
+def test_export_only_keeps_best_drafter_and_exports_it_after_a_checkpoint_fallback(tmp_path, caplog):
+    """--export-only whose newest checkpoints do not load falls back to an older one (step 4); it used to build a
+    BestTracker for that step, which DELETED the later best_drafter.pt and exported the step-4 weights. Now it reads
+    the best file without touching it and exports the weights the training exported; a corrupt best file is a
+    one-line error with nothing exported."""
+    import logging
+
+    path = make_tiny_run(tmp_path, n_train=8, n_val=4, train={"epochs": 3, "eval_every": 1, "ckpt_every": 2,
+                                                              "keep_checkpoints": 10, "select_best": "sim_accept",
+                                                              "lr": 2e-3})
+    cfg = load_config(path)
+    run(cfg, device="cpu", export=export_for_run)
+    best = safe_torch_load(cfg.train_dir / BEST_FILE)
+    assert best["step"] > 4  # (this seed's best is after the checkpoint the export falls back to)
+    trained = load_file(str(cfg.export_dir / "model.safetensors"))
+    for step, p in ckpt.list_checkpoints(cfg.train_dir):
+        if step > 4:
+            p.write_bytes(p.read_bytes()[:100])
+    kept = {p.name: p.read_bytes() for p in (cfg.train_dir / BEST_FILE, cfg.train_dir / CURVE_FILE)}
+    with caplog.at_level(logging.INFO):
+        out = export_from_checkpoint(cfg, engine="vllm")
+    assert "using step_00000004.pt (step 4)" in caplog.text
+    assert {p.name: p.read_bytes() for p in (cfg.train_dir / BEST_FILE, cfg.train_dir / CURVE_FILE)} == kept
+    again = load_file(str(out / "model.safetensors"))
+    assert torch.equal(again["fc.weight"], trained["fc.weight"])
+    assert torch.equal(again["fc.weight"], best["model"]["fc.weight"].bfloat16())
+    # a best file that does not load: one line naming it and the way out; the vLLM export is not replaced
+    bf = cfg.train_dir / BEST_FILE
+    bf.write_bytes(bf.read_bytes()[:50])
+    stamp = (out / "model.safetensors").stat().st_mtime_ns
+    with pytest.raises(UserError, match=rf"^{bf}: truncated or corrupt torch file.*; set train.select_best=last to "
+                                        r"export the checkpoint \(step 4\) instead$"):
+        export_from_checkpoint(cfg, engine="vllm")
+    assert bf.is_file() and (out / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_sim_accept_without_anything_to_select_warns_naming_the_field(tmp_path, caplog):
+    """select_best: sim_accept silently did nothing (a) without a validation split and (b) on --export-only of a run
+    trained with select_best: last. Now a warning names the field and what is exported instead (in train_report
+    too, where there is one)."""
+    import logging
+
+    cfg = load_config(make_tiny_run(tmp_path / "a", n_val=0, train={"epochs": 1, "select_best": "sim_accept"}))
+    with caplog.at_level(logging.WARNING):
+        r = run(cfg, device="cpu", export=export_for_run)
+    want = "train.select_best: sim_accept has no validation split to select from"
+    assert want in caplog.text and r["sim_accept"]["exported_step"] is None
+    rep = json.loads((cfg.train_dir / "train_report.json").read_text())
+    assert len(rep["warnings"]) == 1 and rep["warnings"][0].startswith(want)
+    assert f"- **warning**: {want}" in (cfg.train_dir / "train_report.md").read_text()
+    # (b): trained with last, exported with sim_accept: the checkpoint's weights, with a warning
+    last = load_config(make_tiny_run(tmp_path / "b", train={"epochs": 1, "select_best": "last"}))
+    run(last, device="cpu")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        out = export_from_checkpoint(last.model_copy(update={"train": last.train.model_copy(
+            update={"select_best": "sim_accept"})}))
+    assert "train.select_best: sim_accept, but" in caplog.text and "exporting the checkpoint's weights (step 4)" in caplog.text
+    ref = ckpt.find_latest_checkpoint(last.train_dir)[1]["model"]
+    assert torch.equal(load_file(str(out / "model.safetensors"))["fc.weight"], ref["fc.weight"].bfloat16())

@@ -18,7 +18,7 @@ from eagle3.train import checkpoint as ckpt  # noqa: E402
 from eagle3.config import load_config  # noqa: E402
 from eagle3.data.dataset import ResumableSampler, ShardDataset, collate, read_split  # noqa: E402
 from eagle3.errors import UserError  # noqa: E402
-from eagle3.export.from_checkpoint import export_for_run  # noqa: E402
+from eagle3.export.from_checkpoint import export_for_run, load_init_drafter  # noqa: E402
 from eagle3.train.schedule import build_scheduler, lr_factor, warmup_steps_for  # noqa: E402
 from eagle3.shards.format import write_sample  # noqa: E402
 from eagle3.train.target_head import TargetHead  # noqa: E402
@@ -368,3 +368,66 @@ def test_target_head_of_smollm2_gguf_reproduces_logits():
     with torch.no_grad():
         out = model(ids, output_hidden_states=True)
     torch.testing.assert_close(out.hidden_states[-1] @ head.lm_head.T, out.logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("flags,named", [(["--resume"], "--resume"), (["--max-steps", "3"], "--max-steps"),
+                                         (["--stop-at", "2", "--resume"], "--resume, --stop-at")])
+def test_cli_export_only_refuses_training_flags(tmp_path, flags, named):
+    """--export-only trains nothing: --resume / --max-steps / --stop-at with it were silently ignored; now the
+    parser refuses them in one line naming the flags, before anything is read or written."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    import importlib
+
+    cli = importlib.import_module("04_train")
+    cfg = make_tiny_run(tmp_path, train={"epochs": 1})
+    with pytest.raises(UserError) as e:
+        cli.main(["--config", str(cfg), "--export-only", *flags])
+    assert str(e.value).startswith(f"--export-only exports the newest checkpoint without training; it cannot be "
+                                   f"combined with {named}")
+    assert not (tmp_path / "drafter-sglang").exists()
+
+
+def _tree(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): p.stat().st_mtime_ns for p in sorted(folder.rglob("*"))} if folder.exists() else {}
+
+
+def test_refused_run_leaves_the_train_folder_as_it_was(tmp_path):
+    """A refusal after the verifier head was extracted (a missing shard, a truncated train.init_from export) used to
+    leave train/target_head.safetensors (57 MB for SmolLM2) behind. Now: a fresh train folder is not left at all, and
+    an earlier run's folder keeps exactly its files. drafter.hidden_size is refused before the extraction."""
+    from eagle3.train.trainer import run
+
+    _save_tiny_verifier(tmp_path / "verifier", tied=False)
+    path = make_tiny_run(tmp_path / "run", hidden=16, vocab=40, draft_vocab=20, train={"epochs": 1})
+    cfg = load_config(path, [f"verifier.path={tmp_path / 'verifier'}"])
+    (cfg.train_dir / "target_head.safetensors").unlink()  # the helper's random head: force extraction
+    cfg.train_dir.rmdir()
+    (cfg.shards_dir / "rows_0-4" / "data_3.pt").unlink()  # a missing shard: refused by the data step
+    with pytest.raises(UserError, match="sample 3 has no shard"):
+        run(cfg, device="cpu")
+    assert not cfg.train_dir.exists()
+    with pytest.raises(UserError, match="drafter.hidden_size: 32 differs from the verifier hidden size 16"):
+        run(load_config(path, [f"verifier.path={tmp_path / 'verifier'}", "drafter.hidden_size=32", "drafter.head_dim=8"]),
+            device="cpu")
+    assert not cfg.train_dir.exists()
+    # an export truncated on copy, as train.init_from (fresh folder): refused after the head; nothing left behind
+    src = tmp_path / "export"
+    src.mkdir()
+    (src / "config.json").write_text("{}")
+    (src / "model.safetensors").write_bytes(b"\x08\x00")
+    good = load_config(make_tiny_run(tmp_path / "run2", hidden=16, vocab=40, draft_vocab=20, train={"epochs": 1}),
+                       [f"verifier.path={tmp_path / 'verifier'}", f"train.init_from={src}"])
+    (good.train_dir / "target_head.safetensors").unlink()
+    good.train_dir.rmdir()
+    with pytest.raises(UserError, match="train.init_from"):
+        run(good, device="cpu", init=load_init_drafter)
+    assert not good.train_dir.exists()
+    # a folder an earlier call wrote (its head, a stopped run's checkpoint): a refusal keeps its files as they were
+    earlier = load_config(make_tiny_run(tmp_path / "run3", hidden=16, vocab=40, draft_vocab=20, train={"epochs": 1}))
+    run(earlier, stop_after=1, device="cpu")
+    before = _tree(earlier.train_dir)
+    assert "target_head.safetensors" in before and "checkpoints/step_00000001.pt" in before
+    (earlier.shards_dir / "rows_0-4" / "data_3.pt").unlink()
+    with pytest.raises(UserError, match="sample 3 has no shard"):
+        run(earlier, resume=True, device="cpu")
+    assert _tree(earlier.train_dir) == before
