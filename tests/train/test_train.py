@@ -402,7 +402,16 @@ def test_refused_run_leaves_the_train_folder_as_it_was(tmp_path):
     cfg = load_config(path, [f"verifier.path={tmp_path / 'verifier'}"])
     (cfg.train_dir / "target_head.safetensors").unlink()  # the helper's random head: force extraction
     cfg.train_dir.rmdir()
-    (cfg.shards_dir / "rows_0-4" / "data_3.pt").unlink()  # a missing shard: refused by the data step
+    (cfg.shards_dir / "rows_0-4" / "data_3.pt").unlink()  # a missing shard: refused by 03's record (no shard read)
+    with pytest.raises(UserError, match="changed since 03 last validated them"):
+        run(cfg, device="cpu")
+    assert not cfg.train_dir.exists()
+    # the same set recorded as validated (03 passes what the manifest holds) while split.json still lists sample 3:
+    # refused by the data step, after the head was extracted
+    from _ddp_worker import mark_validated
+
+    mark_validated(cfg.shards_dir, cfg.data_dir, {"num_samples": 9, "num_tokens": 0, "num_loss_tokens": 0,
+                                                  "max_len": 16}, torch.zeros(40, dtype=torch.int64))
     with pytest.raises(UserError, match="sample 3 has no shard"):
         run(cfg, device="cpu")
     assert not cfg.train_dir.exists()
@@ -428,6 +437,8 @@ def test_refused_run_leaves_the_train_folder_as_it_was(tmp_path):
     before = _tree(earlier.train_dir)
     assert "target_head.safetensors" in before and "checkpoints/step_00000001.pt" in before
     (earlier.shards_dir / "rows_0-4" / "data_3.pt").unlink()
+    mark_validated(earlier.shards_dir, earlier.data_dir, {"num_samples": 9, "num_tokens": 0, "num_loss_tokens": 0,
+                                                          "max_len": 16}, torch.zeros(40, dtype=torch.int64))
     with pytest.raises(UserError, match="sample 3 has no shard"):
         run(earlier, resume=True, device="cpu")
     assert _tree(earlier.train_dir) == before
