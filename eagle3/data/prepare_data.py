@@ -33,12 +33,12 @@ from eagle3.shards.manifest import MANIFEST, read_manifest
 from eagle3.shards.format import DATA_CONFIG, expect_from_data_config, list_samples, load_sample, read_data_config
 from eagle3.data.validation_record import (format_time, load_matching_record, shard_set_fingerprint, write_failed_record,
                                            write_record)
+from eagle3.data.settings import REPORT_JSON, data_settings
 from eagle3.data.vocab import TOKEN_FREQ, VOCAB_MAP, build_vocab_map, count_token_freq, coverage, save_vocab_map
 
 log = logging.getLogger(__name__)
 
 SPLIT = "split.json"
-REPORT_JSON = "data_report.json"
 REPORT_MD = "data_report.md"
 PLOT = "coverage.png"
 
@@ -366,14 +366,14 @@ def run(cfg: RunConfig, *, plot: bool = True, revalidate: bool = False) -> dict:
         "train_samples_available": train_all,
         "excluded_by_id_prefix": excluded,
         "val_samples": len(split["val"]),
-        "val_fraction": cfg.data.val_fraction,
-        "seed": cfg.data.seed,
+        "val_fraction": cfg.data.val_fraction, "seed": cfg.data.seed,
         "aux_layers": meta["aux_layers"],
         "last_hidden_state": meta["last_hidden_state"],
         "skipped_in_02": meta["skipped"],
         "bytes_per_token": meta["bytes_per_token"],
         "storage_dtype": meta.get("storage_dtype", "bfloat16"),  # fp8 shards were validated with their scales
         "validation": how,  # "full": every shard hashed + loaded now; "reused": a matching validation record
+        "settings": data_settings(cfg),  # the data: fields these outputs were made under (04 checks them)
     }
     atomic_write_json(out / REPORT_JSON, report)
     atomic_write_text(out / REPORT_MD, _markdown(report))

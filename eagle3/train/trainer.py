@@ -76,6 +76,7 @@ from eagle3.train.target_head import FILENAME as TARGET_HEAD_FILE
 from eagle3.train.target_head import TargetHead
 from eagle3.data.vocab import load_run_vocab_map
 from eagle3.data.validation_record import require_passed
+from eagle3.data.settings import require_current
 
 log = logging.getLogger(__name__)
 
@@ -977,6 +978,7 @@ def _load_inputs(cfg: RunConfig, d: DistInfo, resume: bool, init: Optional[Calla
     vocab = load_run_vocab_map(cfg, int(data_config["vocab_size"]))
     split = read_split(cfg.data_dir)
     require_passed(cfg.shards_dir, cfg.data_dir)  # 03's last validation of these shards passed, else UserError
+    require_current(cfg)  # 03's split and vocab map were made under the config's data: settings, else UserError
     args = build_drafter_args(cfg, data_config, vocab)
     if args.hidden_size != int(data_config["hidden_size"]):  # init_drafter's check, before the head is extracted
         raise UserError(f"drafter.hidden_size: {args.hidden_size} differs from the verifier hidden size "

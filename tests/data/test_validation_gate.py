@@ -154,3 +154,33 @@ def require_passed_fp(shards: Path, data: Path, fp: str, monkeypatch) -> Path:
     """:func:`require_passed` with the shard set's fingerprint fixed to ``fp`` (no shards in these folders)."""
     monkeypatch.setattr(vr, "shard_set_fingerprint", lambda *a: fp)
     return require_passed(shards, data)
+
+
+def test_04_refuses_a_split_made_under_other_data_settings(tmp_path):
+    """03's outputs record the data: settings they were made under (data_report.json 'settings'); 04 refuses them
+    when the config now says otherwise (e.g. data.exclude_id_prefixes set after 03, or an 03 that then failed and left
+    the earlier split), naming every field, and trains once 03 has run again."""
+    from eagle3.data.settings import require_current
+    from eagle3.train.trainer import run as train
+
+    path = make_tiny_run(tmp_path, train=TRAIN)
+    sets = _as_02_wrote(tmp_path)
+    cfg = load_config(path, sets)
+    rep = prepare_data.run(cfg, plot=False)
+    assert rep["settings"] == {"draft_vocab_size": 24, "val_fraction": cfg.data.val_fraction, "seed": 0,
+                               "train_samples": None, "exclude_id_prefixes": []}
+    require_current(cfg)  # the config 03 ran under: nothing to say
+    changed = load_config(path, sets + ["data.exclude_id_prefixes=[p1]", "data.seed=3"])
+    with pytest.raises(UserError) as e:
+        train(changed, device="cpu")
+    assert str(e.value) == (f"{cfg.data_dir}: 03's vocab map and split were made under other data settings (data.seed 0 "
+                            f"there, 3 in the config; data.exclude_id_prefixes [] there, ['p1'] in the config, "
+                            f"data_report.json); run 03_prepare_data.py again")
+    assert not cfg.train_dir.joinpath("checkpoints").exists()
+    prepare_data.run(changed, plot=False)
+    assert train(changed, device="cpu")["step"] >= 1
+    # a report from before the settings were recorded is not compared
+    old = json.loads((cfg.data_dir / "data_report.json").read_text())
+    del old["settings"]
+    (cfg.data_dir / "data_report.json").write_text(json.dumps(old))
+    require_current(cfg)
