@@ -1131,17 +1131,19 @@ class _Training:
         """Check and set ``--stop-at`` (after :meth:`restore`, which may change ``total_steps``).
 
         Raises:
-            UserError: ``stop_at`` not before the schedule's last step, or not after the resumed checkpoint's step.
+            UserError: ``stop_at`` not before the schedule's last step, or before the resumed checkpoint's step (at it:
+                a run stopped by a signal on its stop step, resumed with the same command, trains nothing and ends
+                there: final validation, export, report).
         """
         if stop_at is None:
             return
         if stop_at >= self.total_steps:
             raise UserError(f"--stop-at {stop_at}: the schedule has {self.total_steps} optimizer steps; a stop at or "
                             f"after its end is the whole run (leave --stop-at out, or set train.max_steps)")
-        if stop_at <= self.step:
-            raise UserError(f"--stop-at {stop_at}: the checkpoint resumed from is at step {self.step} already "
+        if stop_at < self.step:
+            raise UserError(f"--stop-at {stop_at}: the checkpoint resumed from is at step {self.step}, past it "
                             f"(`--export-only` exports it)")
-        self.stop_at = stop_at
+        self.stop_at = stop_at  # == self.step (a run stopped by a signal on its --stop-at step): no step, the end only
 
     def recipe_used(self) -> dict:
         """The recipe of ``train_report.json``: the config's values, except those a resumed checkpoint's optimizer

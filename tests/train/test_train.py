@@ -221,7 +221,7 @@ def test_stop_at_ends_a_finished_run_on_the_longer_schedule_and_resume_equals_un
     rep = json.loads((b.train_dir / "train_report.json").read_text())
     assert rep["stop_at"] == 5 and rep["sim_accept"]["exported_step"] in range(1, 6)
     assert "ended at `--stop-at 5` on the 8-step lr schedule" in (b.train_dir / "train_report.md").read_text()
-    with pytest.raises(UserError, match=r"--stop-at 4: the checkpoint resumed from is at step 5 already"):
+    with pytest.raises(UserError, match=r"--stop-at 4: the checkpoint resumed from is at step 5, past it"):
         run(b, resume=True, device="cpu", stop_at=4)
     rc = run(b, resume=True, device="cpu", export=export_for_run)
     assert (rc["step"], rc["stop_at"]) == (8, None) and val(b) == val(a) == list(range(1, 9))
@@ -229,6 +229,23 @@ def test_stop_at_ends_a_finished_run_on_the_longer_schedule_and_resume_equals_un
     for k in sa["model"]:
         assert torch.equal(sa["model"][k], sb["model"][k]), k
     assert ra["final_val"] == rc["final_val"]
+
+
+def test_stop_at_after_a_stop_on_its_step_resumes_to_the_end_only(tmp_path):
+    """A run stopped (signal; here stop_after) on its --stop-at step, then resumed with the same command, trains
+    nothing and ends there as a finished run (final validation once, export, report); it was refused."""
+    from eagle3.train.trainer import run
+
+    tr = {"epochs": 2, "batch_size": 2, "ckpt_every": 100, "eval_every": 2, "select_best": "sim_accept"}
+    b = load_config(make_tiny_run(tmp_path / "b", train=tr))
+    r1 = run(b, device="cpu", export=export_for_run, stop_at=5, stop_after=5)
+    assert (r1["step"], r1["stopped"], r1["export_dir"]) == (5, True, None)
+    r2 = run(b, resume=True, device="cpu", export=export_for_run, stop_at=5)
+    assert (r2["step"], r2["stopped"], r2["stop_at"]) == (5, False, 5) and r2["export_dir"] and r2["final_val"]
+    rows = [json.loads(x) for x in (b.train_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["kind"] == "val"] == [2, 4, 5]
+    assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2, 3, 4, 5]
+    assert json.loads((b.train_dir / "train_report.json").read_text())["stopped"] is False
 
 
 def test_training_reduces_loss_and_trains_only_drafter_params(tmp_path):
