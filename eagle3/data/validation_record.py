@@ -262,7 +262,8 @@ def require_passed(shards: Path, data_dir: Path) -> Path:
         return found
     if stale is not None:
         raise UserError(f"{shards}: the shards, manifest.jsonl or data_config.json changed since 03 last validated "
-                        f"them ({stale}); run 03_prepare_data.py before training")
+                        f"them, or the folder was moved or copied (the record holds its path, each shard's size and "
+                        f"mtime: {stale}); run 03_prepare_data.py before training")
     raise UserError(f"{shards}: no record that 03 validated this shard set ({VALIDATION_RECORD} in {shards} or "
                     f"{data_dir}); run 03_prepare_data.py before training")
 

@@ -101,7 +101,9 @@ def test_04_refuses_without_a_matching_passing_record(tmp_path):
     shard = dict(list_samples(cfg.shards_dir))[3]
     os.utime(shard, ns=(os.stat(shard).st_atime_ns, os.stat(shard).st_mtime_ns + 10**9))  # touched after 03
     with pytest.raises(UserError, match=r"shards: the shards, manifest.jsonl or data_config.json changed since 03 "
-                                        r"last validated them \(.*validation_record.json\); run 03_prepare_data.py"):
+                                        r"last validated them, or the folder was moved or copied \(the record holds "
+                                        r"its path, each shard's size and mtime: .*validation_record.json\); run "
+                                        r"03_prepare_data.py"):
         require_passed(cfg.shards_dir, cfg.data_dir)
     (cfg.shards_dir / VALIDATION_RECORD).unlink()
     with pytest.raises(UserError, match=r"no record that 03 validated this shard set .*; run 03_prepare_data.py"):
