@@ -102,6 +102,18 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _row_subset(dataset: str, prompts: list, ids: list, n: int, pick: str) -> tuple[list, list[str]]:
+    """The ``n`` prompts a batch size below the headline decodes (``pick`` over the headline's ``prompts`` / their
+    ``ids``), and the warning when they leave out categories of the whole set (``--pick``'s hint)."""
+    from eagle3.benchmark.eval_prompts import dataset_label, load_eval_prompts, pick_prompts, subset_warnings
+
+    chosen = pick_prompts(list(zip(prompts, ids)), n, pick)
+    notes = subset_warnings(dataset_label(dataset), load_eval_prompts(dataset), [p for p, _ in chosen], pick, "--pick")
+    for w in notes:
+        log.warning("%s", w)
+    return [i for _, i in chosen], notes
+
+
 def main(argv=None) -> int:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(p)
@@ -136,7 +148,7 @@ def main(argv=None) -> int:
     a.num_prompts = a.num_prompts or cfg.benchmark.num_prompts or 80
 
     from eagle3.prompts.chat import ChatOptions, end_of_turn_ids, prompt_ids
-    from eagle3.benchmark.eval_prompts import dataset_label, load_eval_subset, pick_prompts
+    from eagle3.benchmark.eval_prompts import dataset_label, load_eval_subset
     from eagle3.layers import check_aux_layers, default_aux_layers
     from eagle3.verifier import load_verifier, resolve_device, verifier_dims
 
@@ -163,7 +175,7 @@ def main(argv=None) -> int:
     tol = default_tie_tolerance(dtype) if tol is None else tol
     eos = sorted(end_of_turn_ids(tok))
     pick = a.pick or cfg.benchmark.prompt_pick
-    prompts, subset_notes = load_eval_subset(a.dataset, a.num_prompts, pick)
+    prompts, subset_notes = load_eval_subset(a.dataset, a.num_prompts, pick, pick_flag="--pick")
     for w in subset_notes:
         log.warning("%s", w)
     chat = ChatOptions.from_config(cfg)
@@ -184,7 +196,8 @@ def main(argv=None) -> int:
     from eagle3.benchmark.static_decode import resolve_decoder
 
     for b in a.batch_sizes:
-        subset = ids if b == headline else pick_prompts(ids, max(b, a.prompts_per_batch_size), pick)
+        subset, row_notes = (ids, []) if b == headline else _row_subset(a.dataset, prompts, ids, max(
+            b, a.prompts_per_batch_size), pick)
         warm_up(verifier, drafter, warm, aux, a.steps, eos, min(b, len(subset)))
         ran = []
         for dec in a.decoder or [cfg.benchmark.decoder]:
@@ -209,6 +222,7 @@ def main(argv=None) -> int:
                          time.perf_counter() - t0, d["greedy_tokens_per_s"], d["spec_tokens_per_s"], d["speedup"],
                          d["tau"], d["drafter_share"], d["near_ties"], d["failures"])
                 row = _row(d)
+            row.update(prompt_ids=[i for i, _ in subset], warnings=row_notes)
             res["rows"].append(row)
             if a.json:  # after every row: a run cut short keeps what it measured
                 atomic_write_json(a.json, json_safe(res))

@@ -163,8 +163,10 @@ def pick_prompts(items: Sequence[T], num_prompts: Optional[int], pick: str = "fi
     return [items[i * n // num_prompts] for i in range(num_prompts)]
 
 
-def subset_warnings(label: str, everything: Sequence[EvalPrompt], chosen: Sequence[EvalPrompt]) -> list[str]:
-    """One warning when ``chosen`` (a subset of ``everything``) leaves out categories the set has.
+def subset_warnings(label: str, everything: Sequence[EvalPrompt], chosen: Sequence[EvalPrompt], pick: str = "first",
+                    pick_flag: str = "benchmark.prompt_pick:") -> list[str]:
+    """One warning when ``chosen`` (a subset of ``everything``, picked by ``pick``) leaves out categories the set has,
+    with what would cover them: ``{pick_flag}: spread`` for a ``first`` subset, more prompts for a ``spread`` one.
 
     Only sets whose rows carry a ``category`` (MT-bench) can be checked. Returns [] otherwise.
     """
@@ -174,15 +176,17 @@ def subset_warnings(label: str, everything: Sequence[EvalPrompt], chosen: Sequen
     if not cats or not missing or len(chosen) >= len(everything):
         return []
     covered = ", ".join(c for c in cats if c in have) or "none"
+    fix = (f"{pick_flag} spread takes them evenly over the set" if pick == "first" else
+           f"spread over the set, {len(chosen)} prompts cannot hold all {len(cats)}: take at least {len(cats)}")
     return [f"{label}: the {len(chosen)} prompts benchmarked (of {len(everything)}) cover {len(have)} of {len(cats)} "
-            f"categories ({covered}); tau and speedup are then not the set's (benchmark.prompt_pick: spread takes "
-            f"them evenly over the set)"]
+            f"categories ({covered}); tau and speedup are then not the set's ({fix})"]
 
 
-def load_eval_subset(name: str, num_prompts: Optional[int] = None,
-                     pick: str = "first") -> tuple[list[EvalPrompt], list[str]]:
+def load_eval_subset(name: str, num_prompts: Optional[int] = None, pick: str = "first",
+                     pick_flag: str = "benchmark.prompt_pick:") -> tuple[list[EvalPrompt], list[str]]:
     """Load an evaluation set (see :func:`load_eval_prompts`), pick ``num_prompts`` of it (:func:`pick_prompts`)
-    and say when the subset leaves categories out (:func:`subset_warnings`).
+    and say when the subset leaves categories out (:func:`subset_warnings`; ``pick_flag`` names the setting in its
+    hint, e.g. ``--pick`` for a bench script).
 
     Returns:
         (the chosen prompts in set order, warnings).
@@ -192,7 +196,7 @@ def load_eval_subset(name: str, num_prompts: Optional[int] = None,
     """
     everything = load_eval_prompts(name)
     chosen = pick_prompts(everything, num_prompts, pick)
-    return chosen, subset_warnings(dataset_label(name), everything, chosen)
+    return chosen, subset_warnings(dataset_label(name), everything, chosen, pick, pick_flag)
 
 
 def load_eval_prompts(name: str, num_prompts: Optional[int] = None, pick: str = "first") -> list[EvalPrompt]:

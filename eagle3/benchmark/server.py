@@ -259,8 +259,11 @@ def render_markdown(report: dict) -> str:
     lines = [f"# SGLang server benchmark ({report['dataset']}, {report['num_prompts']} prompts, temperature 0, "
              f"max_new_tokens {report['max_new_tokens']}, concurrency {report['concurrency']})", "",
              "tau: tokens emitted by verify steps / verify steps (the last step of a request counted up to "
-             "the cut at EOS / max_new_tokens); SGLang's spec_accept_length also counts the prefill token.", "",
-             "| server | speculative | tau | SGLang accept length | output tok/s | mean request tok/s | completion tokens | wall s |",
+             "the cut at EOS / max_new_tokens); SGLang's spec_accept_length also counts the prefill token.", ""]
+    if report.get("prompt_pick"):
+        lines += [f"prompts picked: {report['prompt_pick']}", ""]
+    lines += [f"Warning: {w}" for w in report.get("warnings") or []] + ([""] if report.get("warnings") else [])
+    lines += ["| server | speculative | tau | SGLang accept length | output tok/s | mean request tok/s | completion tokens | wall s |",
              "|---|---|---:|---:|---:|---:|---:|---:|"]
     for s in report["servers"]:
         lines.append(f"| {s['url']} | {'yes' if s['speculative'] else 'no'} | {f(s.get('tau'))} | "
@@ -282,11 +285,12 @@ def render_markdown(report: dict) -> str:
 
 def run_server_bench(urls: Sequence[str], prompts_ids: Sequence[tuple[str, list[int]]], max_new_tokens: int,
                      concurrency: int = 1, dataset: str = "mtbench", timeout: float = 600.0,
-                     out_dir: Optional[str | Path] = None, progress: bool = True) -> dict:
+                     out_dir: Optional[str | Path] = None, progress: bool = True, extra: Optional[dict] = None) -> dict:
     """Benchmark one speculative server (``urls[0]``) and optionally a baseline server (``urls[1]``).
 
     Writes ``server_bench.json``, ``server_bench.md`` and (when speculative) ``server_acceptance.png``
-    into ``out_dir`` atomically.
+    into ``out_dir`` atomically. ``extra`` keys go into the report as they are (05: ``prompt_pick``, ``prompt_ids``,
+    ``warnings``: the subset's, shown in the Markdown too).
 
     Returns:
         the report: ``servers`` (list of :func:`bench_server` results) and, with two URLs,
@@ -304,7 +308,7 @@ def run_server_bench(urls: Sequence[str], prompts_ids: Sequence[tuple[str, list[
         raise UserError(f"dataset {dataset}: no prompts")
     servers = [bench_server(u, prompts_ids, max_new_tokens, concurrency, timeout, f"{dataset} @ {u}", progress) for u in urls]
     report = {"dataset": dataset, "num_prompts": len(prompts_ids), "max_new_tokens": max_new_tokens,
-              "concurrency": concurrency, "servers": servers}
+              "concurrency": concurrency, **(extra or {}), "servers": servers}
     if not servers[0]["speculative"]:
         log.warning("server %s reported no spec_verify_ct: was it started with --speculative-algorithm EAGLE3?", urls[0])
     if len(servers) == 2:
@@ -354,7 +358,8 @@ def run(cfg, urls: Sequence[str], datasets: Optional[Sequence[str]] = None, num_
             log.warning("%s", w)
         ids = [(p.id, prompt_ids(tok, p.messages, ChatOptions.from_config(cfg))) for p in prompts]
         out = Path(cfg.bench_dir) if len(datasets) == 1 else Path(cfg.bench_dir) / f"server-{label.replace('/', '_')}"
-        report = run_server_bench(urls, ids, max_new_tokens, concurrency, label, timeout, out)
+        report = run_server_bench(urls, ids, max_new_tokens, concurrency, label, timeout, out, extra={
+            "prompt_pick": cfg.benchmark.prompt_pick, "prompt_ids": [i for i, _ in ids], "warnings": notes})
         s = report["servers"][0]
         log.info("%s: tau %s, %.1f output tok/s%s", label, f"{s['tau']:.2f}" if s.get("tau") else "n/a",
                  s["output_tokens_per_s"], f", speedup {report['speedup']:.2f}x" if "speedup" in report else "")

@@ -52,6 +52,7 @@ def test_offline_bench_speed_pick_spread_records_the_prompts(tmp_path, tiny_llam
     cfg.write_text(f"run_name: t\noutput_root: {tmp_path / 'out'}\nverifier: {{path: {tiny_llama_dir}, device: cpu}}\n"
                    f"prompts: {{source: {prompts}}}\nextract: {{aux_layers: [1, 3, 4]}}\n")
     mod = _script()
+    rows = {}
     for pick, ids, nwarn in (("spread", ["q0", "q2", "q4"], 0), ("first", ["q0", "q1", "q2"], 1)):
         out = tmp_path / f"{pick}.json"
         rc = mod.main(["--config", str(cfg), "--random-drafter", "--dataset", str(prompts), "--num-prompts", "3",
@@ -61,7 +62,15 @@ def test_offline_bench_speed_pick_spread_records_the_prompts(tmp_path, tiny_llam
         res = json.loads(out.read_text())
         assert (res["prompt_pick"], res["prompt_ids"], len(res["warnings"])) == (pick, ids, nwarn)
         assert [r["num_prompts"] for r in res["rows"]] == [2, 3]
-    assert "cover 2 of 3 categories (a, b)" in res["warnings"][0]
+        assert res["rows"][1]["prompt_ids"] == ids and res["rows"][1]["warnings"] == []  # the headline's: top level
+        rows[pick] = res["rows"][0]
+    assert "cover 2 of 3 categories (a, b)" in res["warnings"][0] and "(--pick spread takes them" in res["warnings"][0]
+    # the batch-1 row's own subset (2 of the 3) and its warning: first -> q0, q1 (category a); spread -> q0, q2
+    assert rows["first"]["prompt_ids"] == ["q0", "q1"] and "cover 1 of 3 categories (a)" in rows["first"]["warnings"][0]
+    assert rows["spread"]["prompt_ids"] == ["q0", "q2"]
+    assert rows["spread"]["warnings"] == ["p: the 2 prompts benchmarked (of 6) cover 2 of 3 categories (a, b); tau and "
+                                          "speedup are then not the set's (spread over the set, 2 prompts cannot hold "
+                                          "all 3: take at least 3)"]
 
 
 def test_offline_bench_speed_failed_decoder_keeps_the_other_rows(tmp_path, tiny_llama_dir, monkeypatch):

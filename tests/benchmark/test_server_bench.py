@@ -177,7 +177,8 @@ def test_emitted_histogram_cases():
 def test_two_servers_speedup_and_reports(tmp_path):
     with _StandIn(speculative=True) as spec, _StandIn(speculative=False) as base:
         rep = run_server_bench([spec.url, base.url], PROMPTS, 8, concurrency=2, dataset="mtbench",
-                               out_dir=tmp_path, progress=False)
+                               out_dir=tmp_path, progress=False,
+                               extra={"prompt_pick": "first", "warnings": ["mtbench: the 3 prompts ... (x)"]})
     a, b = rep["servers"]
     assert a["speculative"] and not b["speculative"] and "tau" not in b
     assert rep["speedup"] == pytest.approx(a["output_tokens_per_s"] / b["output_tokens_per_s"])
@@ -187,6 +188,8 @@ def test_two_servers_speedup_and_reports(tmp_path):
     md = (tmp_path / "server_bench.md").read_text()
     assert f"| {spec.url} | yes | {a['tau']:.2f} |" in md and f"| {base.url} | no | n/a |" in md
     assert "identical outputs: 3/3" in md
+    assert "prompts picked: first" in md and "Warning: mtbench: the 3 prompts ... (x)" in md
+    assert saved["prompt_pick"] == "first"
     assert (tmp_path / "server_acceptance.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -254,6 +257,7 @@ def test_cli_server_mode_from_the_config(tmp_path, tiny_llama_dir):
         for name in ("p", "q"):
             rep = json.loads((tmp_path / "out" / "bench" / f"server-{name}" / "server_bench.json").read_text())
             assert rep["dataset"] == name and rep["servers"][0]["url"] == s.url
+            assert (rep["prompt_pick"], rep["prompt_ids"], rep["warnings"]) == ("first", ["x"], [])
         assert cli.main(["--config", str(cfg), "--server", other.url, "--datasets", str(sets[1])]) == 0
         assert len([r for r in other.requests if "input_ids" in r]) == 2
         assert len([r for r in s.requests if "input_ids" in r]) == 4  # the config's server not asked again
