@@ -39,17 +39,27 @@ def main(argv=None):
     p.add_argument("--serve-aux-layers", nargs=3, type=int, metavar="I",
                    help="ablation: feed the drafter these HF-index aux layers instead of the ones it was trained on")
     p.add_argument("--server", nargs="+", type=http_url, metavar="URL", help="SGLang server URL (EAGLE3) [+ baseline server URL] (default: benchmark.server_urls; server mode when either is set)")
-    p.add_argument("--concurrency", type=positive_int, default=1, help="requests in flight per server (--server mode)")
-    p.add_argument("--timeout", type=positive_float, default=600.0, help="seconds per HTTP request (--server mode)")
+    p.add_argument("--concurrency", type=positive_int, help="requests in flight per server (server mode; default 1)")
+    p.add_argument("--timeout", type=positive_float, help="seconds per HTTP request (server mode; default 600)")
     a = p.parse_args(argv)
     cfg = load_config(a.config, a.overrides)
     if a.tie_tolerance is not None and not a.tie_tolerance >= 0:
         p.error(f"argument --tie-tolerance: must be >= 0, got {a.tie_tolerance}")
     urls = a.server or cfg.benchmark.server_urls  # the config's servers unless --server names others
+    # a flag of the other mode would be ignored without a word (an offline ablation silently run against a server)
+    other = [f for f, v in (("--drafter", a.drafter), ("--steps", a.steps), ("--batch-size", a.batch_size),
+                            ("--tie-tolerance", a.tie_tolerance), ("--serve-aux-layers", a.serve_aux_layers))
+             if v is not None] if urls else [f for f, v in (("--concurrency", a.concurrency), ("--timeout", a.timeout))
+                                              if v is not None]
+    if other:
+        mode = ("server mode (--server or benchmark.server_urls)" if urls else
+                "the offline benchmark (server mode needs --server or benchmark.server_urls)")
+        p.error(f"{', '.join(other)}: not used in {mode}")
     if urls:
         from eagle3.benchmark import server as server_bench
 
-        return server_bench.run(cfg, urls, a.datasets, a.num_prompts, a.max_new_tokens, a.concurrency, a.timeout)
+        return server_bench.run(cfg, urls, a.datasets, a.num_prompts, a.max_new_tokens, a.concurrency or 1,
+                                a.timeout or 600.0)
     from eagle3.benchmark import offline as benchmark
 
     return benchmark.run(cfg, a.drafter, a.datasets, a.steps, a.num_prompts, a.max_new_tokens, a.serve_aux_layers,

@@ -117,6 +117,12 @@ PER_SCRIPT = {
     "05_benchmark.py": [
         (["--steps", "0"], "argument --steps: must be >= 1, got 0"),
         (["--num-prompts", "x"], "argument --num-prompts: expected an integer >= 1, got 'x'"),
+        # a flag of the other mode: was ignored without a word
+        (["--server", "http://h:1", "--batch-size", "4", "--serve-aux-layers", "1", "2", "3"],
+         "--batch-size, --serve-aux-layers: not used in server mode (--server or benchmark.server_urls)"),
+        (["--set", "benchmark.server_urls=[http://h:1]", "--steps", "2"], "--steps: not used in server mode"),
+        (["--concurrency", "4"], "--concurrency: not used in the offline benchmark (server mode needs --server or "
+                                 "benchmark.server_urls)"),
         (["--timeout", "-1"], "argument --timeout: must be a finite number > 0, got -1"),
         (["--concurrency", "0"], "argument --concurrency: must be >= 1, got 0"),
         (["--serve-aux-layers", "1", "2", "x"], "argument --serve-aux-layers: invalid int value: 'x'"),
