@@ -72,13 +72,13 @@ def _http(url: str, payload: Optional[dict] = None, timeout: float = 600.0) -> d
             body = r.read()
     except urllib.error.HTTPError as e:
         snippet = " ".join(e.read().decode("utf-8", "replace").split())[:200]
-        raise UserError(f"--server {url}: HTTP {e.code}: {snippet}") from e
+        raise UserError(f"server {url}: HTTP {e.code}: {snippet}") from e
     except (urllib.error.URLError, OSError) as e:
-        raise UserError(f"--server {url}: cannot connect: {getattr(e, 'reason', e)}") from e
+        raise UserError(f"server {url}: cannot connect: {getattr(e, 'reason', e)}") from e
     try:
         return json.loads(body)
     except json.JSONDecodeError as e:
-        raise UserError(f"--server {url}: response is not JSON: {json_error_detail(e)}") from e
+        raise UserError(f"server {url}: response is not JSON: {json_error_detail(e)}") from e
 
 
 def server_info(url: str, timeout: float = 30.0) -> dict:
@@ -104,7 +104,7 @@ def generate(url: str, input_ids: list[int], max_new_tokens: int, timeout: float
         out = out[0] if out else {}
     meta = out.get("meta_info") if isinstance(out, dict) else None
     if not isinstance(meta, dict) or not isinstance(meta.get("completion_tokens"), int):
-        raise UserError(f"--server {url}: /generate response has no meta_info.completion_tokens (is this SGLang?)")
+        raise UserError(f"server {url}: /generate response has no meta_info.completion_tokens (is this SGLang?)")
     return {"output_ids": out.get("output_ids"), "text": out.get("text"), "meta_info": meta, "seconds": seconds}
 
 
@@ -303,7 +303,7 @@ def run_server_bench(urls: Sequence[str], prompts_ids: Sequence[tuple[str, list[
     from eagle3.io import atomic_write_bytes, atomic_write_json, atomic_write_text
 
     if not 1 <= len(urls) <= 2:
-        raise UserError(f"--server: expected 1 or 2 URLs (speculative, then baseline), got {len(urls)}")
+        raise UserError(f"--server / benchmark.server_urls: expected 1 or 2 URLs (speculative, then baseline), got {len(urls)}")
     if not prompts_ids:
         raise UserError(f"dataset {dataset}: no prompts")
     servers = [bench_server(u, prompts_ids, max_new_tokens, concurrency, timeout, f"{dataset} @ {u}", progress) for u in urls]

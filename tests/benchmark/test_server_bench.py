@@ -203,7 +203,7 @@ def test_server_errors_are_user_errors(tmp_path):
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     sock.close()  # nothing listens there now
-    with pytest.raises(UserError, match="cannot connect"):
+    with pytest.raises(UserError, match=r"^server http://127\.0\.0\.1:\d+/generate: cannot connect"):  # --server or the config
         generate(f"http://127.0.0.1:{port}", [1], 4, timeout=5)
     with pytest.raises(UserError, match="1 or 2 URLs"):
         run_server_bench([], PROMPTS, 4)
