@@ -28,8 +28,15 @@ def export_from_checkpoint(cfg: RunConfig, engine: str | None = None) -> Path:
     finished training exported (:func:`eagle3.train.sim_accept.load_best_for_export`): a best file that does not load,
     does not fit or is not the step ``sim_accept.json`` names is a UserError (nothing exported; ``--set
     train.select_best=last`` exports the checkpoint); no best file at all (trained with ``last``, no validation split)
-    exports the checkpoint's weights with a warning naming the field. The checkpoint is the newest that loads
-    (:func:`eagle3.train.checkpoint.find_latest_checkpoint`: older ones with a warning naming each skipped file).
+    exports the checkpoint's weights with a warning naming the field.
+
+    Newest checkpoint file broken: when the checkpoint supplies the weights (``last``, or ``sim_accept`` without a
+    best file), a UserError names the file and the step of the newest one that loads (an older checkpoint's weights
+    are not what was asked for: delete the broken file to export that step, or ``--resume`` to train on from it).
+    With ``sim_accept`` and a ``best_drafter.pt`` the weights are the best file's whichever checkpoint loads; the
+    checkpoint gives only the drafter shape (``drafter_args``, one for the whole run and checked against the config)
+    and the step named in messages, so the newest that loads is used, with a warning naming each skipped file
+    (:func:`eagle3.train.checkpoint.find_latest_checkpoint`).
 
     Args:
         cfg: run config (``train_dir``, ``data_dir``, ``shards_dir``, ``export``).
@@ -40,7 +47,8 @@ def export_from_checkpoint(cfg: RunConfig, engine: str | None = None) -> Path:
         The export folder.
 
     Raises:
-        UserError: no checkpoint, or checkpoint files none of which loads; an unusable ``best_drafter.pt`` (above);
+        UserError: no checkpoint, or checkpoint files none of which loads, or (weights from the checkpoint) a newest
+            checkpoint file that does not load; an unusable ``best_drafter.pt`` (above);
             missing target head / vocab map / data_config, a
             checkpoint whose drafter shape disagrees with the vocab map, or with the config's ``drafter.*``
             (:func:`eagle3.train.checkpoint.check_drafter_args`; ``max_position_embeddings`` may differ).
@@ -53,7 +61,7 @@ def export_from_checkpoint(cfg: RunConfig, engine: str | None = None) -> Path:
 
     if engine is not None:
         cfg = cfg.model_copy(update={"export": cfg.export.model_copy(update={"engine": engine})})
-    found = ckpt.find_latest_checkpoint(cfg.train_dir)
+    found = ckpt.find_latest_checkpoint(cfg.train_dir, fallback=not _weights_from_checkpoint(cfg))
     if found is None:
         raise UserError(f"{ckpt.ckpt_dir(cfg.train_dir)}: no complete checkpoint to export (run 04_train.py first)")
     path, state = found
@@ -86,6 +94,14 @@ def export_from_checkpoint(cfg: RunConfig, engine: str | None = None) -> Path:
     else:
         log.info("export: the weights of checkpoint %s (train.select_best: last)", path.name)
     return export_for_run(cfg, drafter, data_config)
+
+
+def _weights_from_checkpoint(cfg: RunConfig) -> bool:
+    """Whether ``--export-only`` exports the checkpoint's weights (``select_best: last``, or ``sim_accept`` without a
+    ``best_drafter.pt``) rather than the best file's."""
+    from eagle3.train.sim_accept import BEST_FILE
+
+    return cfg.train.select_best != "sim_accept" or not (cfg.train_dir / BEST_FILE).is_file()
 
 
 def _with_config_context(cfg: RunConfig, args):

@@ -10,7 +10,9 @@ Keys (:data:`REQUIRED_KEYS`): ``format``, ``step``, ``epoch``, ``samples_in_epoc
 samples of the current epoch already consumed), ``model`` (trainable parameters only: the frozen
 embedding and the d2t/t2d buffers come from the verifier and the vocab map), ``optimizer``,
 ``scheduler``, ``rng`` (one entry per rank: torch/cuda/python/numpy states), ``drafter_args``,
-``config_fingerprint``, ``world_size``.
+``config_fingerprint``, ``world_size``. Optional (absent from older checkpoints, whose resume skips that check):
+``steps_in_epoch``, ``data_order``, ``init_from``, ``recipe`` (the values in use: :data:`KEPT_FIELDS` from the optimizer,
+not the config) and ``data_inputs`` (sha256 of the split and vocab map trained on); :func:`check_resume`.
 """
 
 from __future__ import annotations
@@ -116,7 +118,7 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
     return state
 
 
-def find_latest_checkpoint(train_dir: str | os.PathLike) -> Optional[tuple[Path, dict]]:
+def find_latest_checkpoint(train_dir: str | os.PathLike, fallback: bool = True) -> Optional[tuple[Path, dict]]:
     """The newest checkpoint that loads and validates, falling back to older ones with a warning.
 
     Every caller that needs "the newest checkpoint" goes through here (``04 --resume``: ``_Training.restore``;
@@ -124,12 +126,18 @@ def find_latest_checkpoint(train_dir: str | os.PathLike) -> Optional[tuple[Path,
     skipped with a warning naming it and why; a folder whose checkpoint files ALL fail is an error, never "no
     checkpoint": ``--resume`` would otherwise start again from step 0 and overwrite the run's export.
 
+    Args:
+        fallback: False = the newest file must load: when it does not but an older one does, a UserError names the
+            broken file and the older one's step (``--export-only`` is asked for the newest weights, not older
+            ones; ``--resume`` falls back, training goes on from the older step).
+
     Returns:
         ``(path, state)``, or None when the folder holds no checkpoint file (``step_*.pt``) at all.
 
     Raises:
         UserError: checkpoint files exist but none loads; one line naming the folder, the count, the newest
-            file and why it did not load.
+            file and why it did not load. With ``fallback=False``: the newest file does not load (one line: it, why,
+            the older step that loads, and the ways on).
     """
     found = list_checkpoints(train_dir)
     newest_error: Optional[UserError] = None
@@ -138,11 +146,17 @@ def find_latest_checkpoint(train_dir: str | os.PathLike) -> Optional[tuple[Path,
             state = load_checkpoint(path)
         except UserError as e:
             newest_error = newest_error or e
-            log.warning("skipping unusable checkpoint: %s (trying the next older one)", e)
+            if fallback:
+                log.warning("skipping unusable checkpoint: %s (trying the next older one)", e)
             continue
         if newest_error is not None:
+            step = int(state["step"])
+            if not fallback:
+                raise UserError(f"the newest checkpoint does not load: {newest_error}; the newest that loads is "
+                                f"{path.name} (step {step}): delete {found[-1][1].name} to use step {step}, or "
+                                f"04_train.py --resume to train on from it")
             log.warning("using %s (step %d), not the newest checkpoint file %s, which does not load", path.name,
-                        int(state["step"]), found[-1][1].name)
+                        step, found[-1][1].name)
         return path, state
     if found:
         raise UserError(f"{ckpt_dir(train_dir)}: none of its {len(found)} checkpoint file(s) loads; the newest: "
@@ -151,20 +165,29 @@ def find_latest_checkpoint(train_dir: str | os.PathLike) -> Optional[tuple[Path,
 
 
 def check_drafter_args(path: str | os.PathLike, saved: dict, current: dict) -> None:
-    """Refuse to resume a checkpoint whose drafter shape differs from the configured one.
+    """Refuse to resume (or export) a checkpoint whose drafter shape differs from the configured one.
 
     Args:
         saved: ``drafter_args`` stored in the checkpoint (``dataclasses.asdict(DrafterArgs)``).
         current: the drafter args built from the config now.
 
     Raises:
-        UserError: naming the checkpoint and the first differing field, e.g.
-            ``step_00000010.pt: drafter field 'hidden_size' is 64 in the checkpoint but 32 now``.
+        UserError: naming the checkpoint and every differing field, e.g.
+            ``step_00000010.pt: drafter field 'hidden_size' is 64 in the checkpoint but 32 in the config (...)``.
     """
+    problem = drafter_args_problem(saved, current)
+    if problem:
+        raise UserError(f"{path}: {problem}")
+
+
+def drafter_args_problem(saved: dict, current: dict) -> Optional[str]:
+    """What :func:`check_drafter_args` refuses, without the path (None when the shapes agree): one clause per
+    differing field, joined by ``; ``."""
     if "variant" in current:  # a checkpoint written before DrafterArgs.variant existed holds an eagle3 drafter
         saved = {"variant": "eagle3", **saved}
     # DrafterArgs.to_json leaves num_layers out when 1 (and checkpoints written before it existed have one layer)
     saved, current = {"num_layers": 1, **saved}, {"num_layers": 1, **current}
+    out = []
     for key in sorted(set(saved) | set(current)):
         a, b = saved.get(key, "<absent>"), current.get(key, "<absent>")
         if isinstance(a, float) or isinstance(b, float):
@@ -172,8 +195,9 @@ def check_drafter_args(path: str | os.PathLike, saved: dict, current: dict) -> N
         else:
             same = a == b
         if not same:
-            raise UserError(f"{path}: drafter field '{key}' is {a!r} in the checkpoint but {b!r} in the config "
-                            f"({drafter_field_source(key)}, or train into a new train.output_dir)")
+            out.append(f"drafter field '{key}' is {a!r} in the checkpoint but {b!r} in the config "
+                       f"({drafter_field_source(key)}, or train into a new train.output_dir)")
+    return "; ".join(out) or None
 
 
 def check_data_order(path: str | os.PathLike, saved: Optional[dict], current: dict) -> None:
@@ -198,23 +222,36 @@ def check_data_order(path: str | os.PathLike, saved: Optional[dict], current: di
             ``step_00000010.pt: written with train.batch_tokens=1024, train.batch_size=None but the config
             has train.batch_tokens=None, train.batch_size=1 ...``.
     """
+    problem = data_order_problem(saved, current)
+    if problem:
+        raise UserError(f"{path}: {problem}")
+
+
+def data_order_problem(saved: Optional[dict], current: dict) -> Optional[str]:
+    """What :func:`check_data_order` refuses, without the path (None: nothing to refuse)."""
     if saved is None:
-        return
+        return None
     keys = [k for k in sorted(set(saved) | set(current)) if saved.get(k, "<absent>") != current.get(k, "<absent>")]
-    if keys:
-        then = ", ".join(f"{k}={saved.get(k, '<absent>')}" for k in keys)
-        now = ", ".join(f"{k}={current.get(k, '<absent>')}" for k in keys)
-        raise UserError(f"{path}: written with {then} but the config has {now}; resume keeps the data order "
-                        f"only with the same batching (set them back, or train into a new train.output_dir)")
+    if not keys:
+        return None
+    then = ", ".join(f"{k}={saved.get(k, '<absent>')}" for k in keys)
+    now = ", ".join(f"{k}={current.get(k, '<absent>')}" for k in keys)
+    return (f"written with {then} but the config has {now}; resume keeps the data order only with the same seed "
+            f"and batching (set them back, or train into a new train.output_dir)")
 
 
 # Recipe fields that define the training loss: changed on --resume, the run would optimise (and log, validate,
 # select by) another objective from the checkpoint's step on, with the optimizer state of the old one, and its report
 # could name only one of them. That is a new run warm-started from the old weights: train.init_from, new output_dir.
 LOSS_FIELDS = ("train.ttt_length", "train.step_weight", "train.loss", "train.lk_eta")
+# Recipe fields whose CHECKPOINT value goes on after --resume (the optimizer state / lr schedule loaded from it hold
+# them); a checkpoint written after such a resume records the value in use (eagle3.train.trainer), not the config's.
+KEPT_FIELDS = {
+    "train.lr": "with its optimizer state and lr schedule",
+    "train.weight_decay": "with its optimizer state",
+}
+# Recipe fields whose new (config) value is used from the resumed step on.
 _RECIPE_NOTES = {
-    "train.lr": "the checkpoint's optimizer state and lr schedule are kept",
-    "train.weight_decay": "the checkpoint's optimizer state is kept, with its weight_decay",
     "train.warmup_ratio": "the lr schedule's warmup follows the new value",
     "train.epochs": "the lr schedule is re-stretched to the new horizon",
     "train.max_steps": "the lr schedule is re-stretched to the new horizon",
@@ -232,30 +269,120 @@ def check_recipe(path: str | os.PathLike, saved: Optional[dict], current: dict) 
     ``select_best`` scores before and after would measure different things, and the optimizer moments were
     accumulated for the old objective. A different objective from the same weights is a warm start
     (``train.init_from``) into a new ``train.output_dir``. Everything else is allowed, with one line per field
-    saying which value is used (e.g. ``train.lr`` keeps the checkpoint's: its optimizer state and schedule).
+    saying which value is used: :data:`KEPT_FIELDS` keep the checkpoint's, the rest take the config's.
 
     Args:
         saved: the checkpoint's ``recipe`` (None for checkpoints that predate it: nothing compared, returns []).
         current: the same dict built from the config now.
 
     Returns:
-        ``["train.lr 0.001 -> 0.05 (the checkpoint's optimizer state and lr schedule are kept)", ...]``, sorted.
+        Sorted lines, e.g. ``["train.lr: the config's 0.05 is not used; the checkpoint's 0.001 is kept with its
+        optimizer state and lr schedule", "train.grad_clip 1.0 -> 0.5 (the new value applies from here on)"]``.
 
     Raises:
         UserError: naming the checkpoint and every changed loss field with both values.
     """
+    problem, notes = recipe_changes(saved, current)
+    if problem:
+        raise UserError(f"{path}: {problem}")
+    return notes
+
+
+def recipe_changes(saved: Optional[dict], current: dict) -> tuple[Optional[str], list[str]]:
+    """:func:`check_recipe` without the path and without raising: ``(what is refused or None, the allowed changes)``."""
     if saved is None:
-        return []
+        return None, []
     changed = [k for k in sorted(set(saved) | set(current)) if saved.get(k, "<absent>") != current.get(k, "<absent>")]
     if "train.lk_eta" in changed and saved.get("train.loss") == current.get("train.loss") == "soft_ce":
         changed.remove("train.lk_eta")  # soft_ce does not use eta
     bad = [k for k in changed if k in LOSS_FIELDS]
+    problem = None
     if bad:
         what = ", ".join(f"{k} {saved.get(k, '<absent>')} -> {current.get(k, '<absent>')}" for k in bad)
-        raise UserError(f"{path}: --resume with another loss definition ({what}); set them back, or start a new run "
-                        f"from this one's export with train.init_from in a new train.output_dir")
-    return [f"{k} {saved.get(k, '<absent>')} -> {current.get(k, '<absent>')} ({_RECIPE_NOTES.get(k, 'the new value is used')})"
-            for k in changed]
+        problem = (f"--resume with another loss definition ({what}); set them back, or start a new run from this "
+                   f"one's export with train.init_from in a new train.output_dir")
+    notes = []
+    for k in (k for k in changed if k not in LOSS_FIELDS):
+        then, now = saved.get(k, "<absent>"), current.get(k, "<absent>")
+        if k in KEPT_FIELDS:
+            notes.append(f"{k}: the config's {now} is not used; the checkpoint's {then} is kept {KEPT_FIELDS[k]}")
+        else:
+            notes.append(f"{k} {then} -> {now} ({_RECIPE_NOTES.get(k, 'the new value is used')})")
+    return problem, notes
+
+
+# What a run trained on (checkpoint key ``data_inputs``): stage 03's split and draft vocab map, hashed by content.
+SPLIT_FILE, VOCAB_FILE = "split.json", "vocab_map.pt"
+
+
+def split_sha256(split: dict) -> str:
+    """sha256 (hex) of a split's content (``{"train": [ids], "val": [ids]}``, order kept; the file's formatting is
+    not part of it)."""
+    blob = json.dumps({"train": list(split["train"]), "val": list(split["val"])}, separators=(",", ":"))
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()
+
+
+def vocab_sha256(vocab: dict) -> str:
+    """sha256 (hex) of a draft vocab map's content: its ``d2t`` (int64) and ``t2d`` (bool) tensors, shapes included
+    (``torch.save`` bytes are not compared: they may differ between identical maps)."""
+    h = hashlib.sha256()
+    for key, dtype in (("d2t", torch.int64), ("t2d", torch.bool)):
+        t = vocab[key].detach().to("cpu", dtype).contiguous()
+        h.update(f"{key}{list(t.shape)}".encode())
+        h.update(t.numpy().tobytes())
+    return h.hexdigest()
+
+
+def data_inputs_problem(saved: Optional[dict], current: dict, data_dir: str | os.PathLike) -> Optional[str]:
+    """What a resumed checkpoint's recorded ``data_inputs`` (``{"split.json": sha256, "vocab_map.pt": sha256}``, see
+    :func:`split_sha256` / :func:`vocab_sha256`) refuses against the files in ``data_dir`` now; None when they agree.
+    Checkpoints from before the key (None), or without one of the entries, are not checked for it.
+
+    A different ``split.json`` (03 re-run with another ``data.seed`` / ``data.val_fraction`` / ``data.train_samples``
+    ...): samples the checkpoint trained on may now be validation samples, so val loss, ``sim_accept`` and
+    ``select_best`` would score on trained data. A different ``vocab_map.pt`` of the same size (another size is
+    already a differing drafter field): the checkpoint's lm_head rows would stand for other tokens.
+    """
+    if not isinstance(saved, dict):
+        return None
+    out = []
+    d = Path(data_dir)
+    if saved.get(SPLIT_FILE) not in (None, current.get(SPLIT_FILE)):
+        out.append(f"{d / SPLIT_FILE} is not the split this checkpoint was trained on: the validation split changed "
+                   f"since the checkpoint, so resuming would validate on trained samples; train a new run (a new "
+                   f"train.output_dir), or re-run 03_prepare_data.py with the old data settings")
+    if saved.get(VOCAB_FILE) not in (None, current.get(VOCAB_FILE)):
+        out.append(f"{d / VOCAB_FILE} is not the draft vocab map this checkpoint was trained with: its lm_head rows "
+                   f"would stand for other tokens; train a new run (a new train.output_dir), or re-run "
+                   f"03_prepare_data.py with the old data settings")
+    return "; ".join(out) or None
+
+
+def check_resume(path: str | os.PathLike, state: dict, current: dict, data_dir: str | os.PathLike) -> list[str]:
+    """Every check of a checkpoint against the run now, before anything of it is loaded (``04 --resume``): drafter
+    shape (:func:`check_drafter_args`), data order (:func:`check_data_order`), loss definition (:func:`check_recipe`)
+    and data inputs (:func:`data_inputs_problem`). All refusals are gathered into one line, so a resume with several
+    changed fields names every one of them.
+
+    Args:
+        state: the loaded checkpoint.
+        current: ``drafter_args`` / ``data_order`` / ``recipe`` / ``data_inputs`` as the trainer builds them now.
+        data_dir: stage 03's folder (named in the data-input messages).
+
+    Returns:
+        The allowed recipe changes (:func:`check_recipe`'s lines).
+
+    Raises:
+        UserError: one line, ``{path}: `` then every refusal, joined by ``; ``.
+    """
+    rec_problem, notes = recipe_changes(state.get("recipe"), current["recipe"])
+    problems = [drafter_args_problem(state["drafter_args"], current["drafter_args"]),
+                data_order_problem(state.get("data_order"), current["data_order"]), rec_problem,
+                data_inputs_problem(state.get("data_inputs"), current["data_inputs"], data_dir)]
+    problems = [p for p in problems if p]
+    if problems:
+        raise UserError(f"{path}: " + "; ".join(problems))
+    return notes
 
 
 def drafter_field_source(key: str) -> str:

@@ -693,6 +693,12 @@ def _recipe(cfg: RunConfig) -> dict:
     return out
 
 
+def _data_inputs(inputs: "_Inputs") -> dict:
+    """What a checkpoint records of the data it was trained on (key ``data_inputs``; compared on ``--resume`` by
+    :func:`eagle3.train.checkpoint.data_inputs_problem`): the content sha256 of 03's split and vocab map."""
+    return {ckpt.SPLIT_FILE: ckpt.split_sha256(inputs.split), ckpt.VOCAB_FILE: ckpt.vocab_sha256(inputs.vocab)}
+
+
 def _fingerprint(cfg: RunConfig, args) -> str:
     t = cfg.train
     keep = {k: getattr(t, k) for k in ("ttt_length", "step_weight", "lr", "weight_decay", "warmup_ratio", "epochs",
@@ -1156,22 +1162,58 @@ class _Training:
 
     # ---- resume ------------------------------------------------------------------------------
     def restore(self) -> None:
-        """Continue from the newest complete checkpoint: weights, optimizer, schedule, data position, RNG."""
-        t, d, o, drafter = self.t, self.d, self.opt, self.inputs.drafter
+        """Continue from the newest complete checkpoint: weights, optimizer, schedule, data position, RNG.
+
+        Every check comes before anything is loaded or logged about the schedule: the checkpoint against the run
+        (:func:`eagle3.train.checkpoint.check_resume`: all refused fields in one line), then the step horizon.
+
+        Raises:
+            UserError: a refused change (drafter shape, data order, loss definition, split or vocab map), a checkpoint
+                already past the run's end, or a model state that does not fit.
+        """
+        t, d, o = self.t, self.d, self.opt
         found = ckpt.find_latest_checkpoint(self.train_dir)
         if found is None:  # no checkpoint file at all (files that all fail to load: UserError)
             log.warning("--resume: no checkpoint in %s; starting from step 0", ckpt.ckpt_dir(self.train_dir))
             return
         path, state = found
-        ckpt.check_drafter_args(path, state["drafter_args"], dataclasses.asdict(self.inputs.args))
-        ckpt.check_data_order(path, state.get("data_order"), _data_order(self.cfg))
-        changes = ckpt.check_recipe(path, state.get("recipe"), _recipe(self.cfg))  # refuses a changed loss definition
+        changes = ckpt.check_resume(path, state, {
+            "drafter_args": dataclasses.asdict(self.inputs.args), "data_order": _data_order(self.cfg),
+            "recipe": _recipe(self.cfg), "data_inputs": _data_inputs(self.inputs)}, self.cfg.data_dir)
+        self.step, self.epoch = int(state["step"]), int(state["epoch"])
+        self.step_in_epoch = self.data.order.step_from_checkpoint(state)
+        self.total_steps = _horizon_after_resume(self.data.order, state, d, t, self.total_steps, self.data.horizon,
+                                                 o.scheduler)
+        if self.step > self.total_steps:  # nothing to train, and the end step would be behind the weights
+            raise UserError(f"{self.data.horizon_from}: the run ends after {self.total_steps} optimizer steps, but the "
+                            f"checkpoint resumed from ({path}) is at step {self.step} already; ask for more steps, or "
+                            f"export that checkpoint with --export-only")
         if changes:
             self.warnings.append(f"resumed from {path.name} with other training settings: {'; '.join(changes)}")
             log.warning("%s: %s", path, self.warnings[-1])
-        elif state["config_fingerprint"] != o.fingerprint:  # a checkpoint without 'recipe': fields unknown
+        elif state.get("recipe") is None and state["config_fingerprint"] != o.fingerprint:  # fields unknown
             log.warning("%s: training settings differ from the checkpoint's (fingerprint %s != %s)", path,
                         state["config_fingerprint"], o.fingerprint)
+        self._load_state(path, state)
+        rngs = state["rng"]
+        if len(rngs) == d.world:
+            ckpt.restore_rng(rngs[d.rank])
+        else:
+            log.warning("%s: saved with %d processes, now %d; RNG states reseeded", path, len(rngs), d.world)
+            torch.manual_seed(t.seed + 1000 * self.step + d.rank)
+        self.last_ckpt = path
+        if d.is_main:
+            log.info("resumed from %s (step %d, epoch %d, %d steps into the epoch)", path, self.step, self.epoch,
+                     self.step_in_epoch)
+
+    def _load_state(self, path: Path, state: dict) -> None:
+        """Load a checked checkpoint's weights, optimizer and scheduler (keeping this run's schedule horizon, set by
+        :meth:`restore`) and its warm-start record.
+
+        Raises:
+            UserError: the checkpoint's ``model`` misses trainable tensors or has unexpected ones.
+        """
+        o, drafter = self.opt, self.inputs.drafter
         missing, unexpected = drafter.load_state_dict(state["model"], strict=False)
         want = {n for n, p in drafter.named_parameters() if p.requires_grad}
         lost = sorted(want & set(missing))
@@ -1184,25 +1226,16 @@ class _Training:
             log.warning("%s: LR schedule %s in the checkpoint, now %s (max_steps/epochs changed); "
                         "continuing with the new one", path, o.scheduler.lr_lambdas[0].__dict__, horizon_now)
             o.scheduler.lr_lambdas[0].__dict__.update(horizon_now)
-        self.step, self.epoch = int(state["step"]), int(state["epoch"])
         self.inputs.init_from = state.get("init_from")  # the run's warm start, recorded by its first call
-        self.step_in_epoch = self.data.order.step_from_checkpoint(state)
-        self.total_steps = _horizon_after_resume(self.data.order, state, d, t, self.total_steps, self.data.horizon,
-                                                 o.scheduler)
-        if self.step > self.total_steps:  # nothing to train, and the end step would be behind the weights
-            raise UserError(f"{self.data.horizon_from}: the run ends after {self.total_steps} optimizer steps, but the "
-                            f"checkpoint resumed from ({path}) is at step {self.step} already; ask for more steps, or "
-                            f"export that checkpoint with --export-only")
-        rngs = state["rng"]
-        if len(rngs) == d.world:
-            ckpt.restore_rng(rngs[d.rank])
-        else:
-            log.warning("%s: saved with %d processes, now %d; RNG states reseeded", path, len(rngs), d.world)
-            torch.manual_seed(t.seed + 1000 * self.step + d.rank)
-        self.last_ckpt = path
-        if d.is_main:
-            log.info("resumed from %s (step %d, epoch %d, %d steps into the epoch)", path, self.step, self.epoch,
-                     self.step_in_epoch)
+
+    def recipe_in_use(self) -> dict:
+        """The recipe a checkpoint records (key ``recipe``): the config's, except the fields a resumed checkpoint's
+        optimizer state keeps (:data:`eagle3.train.checkpoint.KEPT_FIELDS`), which are the values in use; so a later
+        ``--resume`` with the run's original config warns about nothing."""
+        out = _recipe(self.cfg)
+        out["train.lr"] = float(self.opt.scheduler.base_lrs[0])
+        out["train.weight_decay"] = float(self.opt.optimizer.param_groups[0]["weight_decay"])
+        return out
 
     def save(self) -> Path:
         """Checkpoint at the current step (every rank's RNG gathered; rank 0 writes)."""
@@ -1222,7 +1255,7 @@ class _Training:
                 "scheduler": o.scheduler.state_dict(), "rng": rngs,
                 "drafter_args": self.inputs.args.to_json(), "config_fingerprint": o.fingerprint,
                 "world_size": d.world, "data_order": _data_order(self.cfg), "init_from": self.inputs.init_from,
-                "recipe": _recipe(self.cfg),
+                "recipe": self.recipe_in_use(), "data_inputs": _data_inputs(self.inputs),
             }, keep=self.t.keep_checkpoints)
         _barrier(d)
         return path

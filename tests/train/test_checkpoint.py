@@ -172,8 +172,10 @@ def test_all_checkpoints_corrupt_is_one_line_error_naming_the_newest(tmp_path, c
 
 
 def test_resume_with_changed_recipe_names_fields_and_reports_what_was_used(tmp_path, caplog):
-    """--resume with another train.lr: the checkpoint's optimizer keeps its lr; the warning names the field and
-    train_report.json's recipe records the lr actually used. A changed loss definition is refused."""
+    """--resume with another train.lr: the checkpoint's optimizer keeps its lr; the warning says the config's value is
+    NOT used and which one is; the checkpoints written after it record the lr in use (0.001), so a second resume with
+    the original config warns nothing (it used to warn "train.lr 0.05 -> 0.001", a value never used); train_report's
+    recipe records the lr actually used. A changed loss definition is refused."""
     from eagle3.train.trainer import run
 
     path = make_tiny_run(tmp_path, train={"epochs": 1, "lr": 1e-3})
@@ -183,27 +185,139 @@ def test_resume_with_changed_recipe_names_fields_and_reports_what_was_used(tmp_p
         with pytest.raises(UserError, match=rf"step_00000002.pt: --resume with another loss definition \({field}\)"):
             run(load_config(path, [over]), resume=True, device="cpu")
     with caplog.at_level(logging.WARNING, logger="eagle3.train.trainer"):
-        r = run(load_config(path, ["train.lr=0.05"]), resume=True, device="cpu")
-    note = "train.lr 0.001 -> 0.05 (the checkpoint's optimizer state and lr schedule are kept)"
-    assert note in caplog.text
-    rep = json.loads((load_config(path).train_dir / "train_report.json").read_text())
+        run(load_config(path, ["train.lr=0.05", "train.weight_decay=0.5"]), resume=True, stop_after=1, device="cpu")
+    note = ("train.lr: the config's 0.05 is not used; the checkpoint's 0.001 is kept with its optimizer state and lr "
+            "schedule")
+    assert note in caplog.text and "train.weight_decay: the config's 0.5 is not used; the checkpoint's 0.0 is kept" \
+        in caplog.text
+    train_dir = load_config(path).train_dir
+    recipe = ckpt.load_checkpoint(ckpt.ckpt_path(train_dir, 3))["recipe"]
+    assert recipe["train.lr"] == 0.001 and recipe["train.weight_decay"] == 0.0  # the values in use, not the config's
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="eagle3.train.trainer"):
+        r = run(load_config(path), resume=True, device="cpu")  # the original config: nothing changed
+    assert "training settings" not in caplog.text and "train.lr" not in caplog.text, caplog.text
+    rep = json.loads((train_dir / "train_report.json").read_text())
     assert rep["recipe"]["lr"] == 0.001 and r["recipe"]["lr"] == 0.001
-    assert any(note in w for w in rep["warnings"])
-    lrs = [json.loads(x)["lr"] for x in (load_config(path).train_dir / "metrics.jsonl").read_text().splitlines()
+    assert not any("other training settings" in w for w in rep["warnings"])
+    lrs = [json.loads(x)["lr"] for x in (train_dir / "metrics.jsonl").read_text().splitlines()
            if json.loads(x)["kind"] == "train"]
     assert max(lrs) <= 0.001  # the schedule of lr 0.001 went on
 
 
-def test_resume_past_the_requested_total_is_refused_before_writing(tmp_path):
+def test_check_recipe_says_which_value_is_used():
+    saved = {"train.lr": 0.001, "train.grad_clip": 1.0, "train.step_weight": 1.0}
+    notes = ckpt.check_recipe("c.pt", saved, {**saved, "train.lr": 0.05, "train.grad_clip": 0.5})
+    assert notes == ["train.grad_clip 1.0 -> 0.5 (the new value applies from here on)",
+                     "train.lr: the config's 0.05 is not used; the checkpoint's 0.001 is kept with its optimizer state "
+                     "and lr schedule"]
+
+
+def test_resume_refusal_names_every_changed_field_in_one_line(tmp_path):
+    """train.seed (data order) and train.step_weight (loss) changed together: the refusal used to name train.seed only
+    (the data-order check raised first); now one line names both, and a changed drafter field as well."""
+    from eagle3.train.trainer import run
+
+    path = make_tiny_run(tmp_path, train={"epochs": 1})
+    run(load_config(path), stop_after=1, device="cpu")
+    with pytest.raises(UserError) as e:
+        run(load_config(path, ["train.seed=5", "train.step_weight=0.5", "drafter.intermediate_size=48"]), resume=True,
+            device="cpu")
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(str(ckpt.ckpt_path(load_config(path).train_dir, 1)))
+    for part in ("drafter field 'intermediate_size' is 32 in the checkpoint but 48", "train.seed=0 but the config has "
+                 "train.seed=5", "another loss definition (train.step_weight 0.8 -> 0.5)"):
+        assert part in msg, msg
+
+
+def test_resume_after_03_resplit_is_refused_naming_split_json(tmp_path):
+    """03 re-run with another data.seed re-split the samples; --resume went on silently, validating on samples the
+    checkpoint had trained on. Now refused in one line naming the checkpoint and split.json; the same split written
+    again (other formatting) resumes; a checkpoint from before the key is not checked; a vocab map of the same size
+    with other tokens is refused too."""
+    from eagle3.data.vocab import load_vocab_map, save_vocab_map
+    from eagle3.train.trainer import run
+
+    path = make_tiny_run(tmp_path, train={"epochs": 2})
+    cfg = load_config(path)
+    run(cfg, stop_after=1, device="cpu")
+    split_path = cfg.data_dir / "split.json"
+    split = json.loads(split_path.read_text())
+    split_path.write_text(json.dumps(split, indent=2))  # same content, other bytes: allowed
+    assert run(cfg, resume=True, stop_after=1, device="cpu")["step"] == 2
+    moved = {"train": split["train"][:-1] + split["val"][:1], "val": split["train"][-1:] + split["val"][1:]}
+    split_path.write_text(json.dumps(moved))
+    before = {p: p.stat().st_mtime_ns for p in sorted(tmp_path.rglob("*")) if p.is_file()}
+    with pytest.raises(UserError) as e:
+        run(cfg, resume=True, device="cpu")
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"{ckpt.ckpt_path(cfg.train_dir, 2)}: {split_path} is not the split "
+                                              "this checkpoint was trained on: the validation split changed"), msg
+    assert "validate on trained samples" in msg
+    assert {p: p.stat().st_mtime_ns for p in sorted(tmp_path.rglob("*")) if p.is_file()} == before
+    split_path.write_text(json.dumps(split))
+    vm = load_vocab_map(cfg.data_dir / "vocab_map.pt")
+    target_ids = (vm["d2t"] + torch.arange(24)).tolist()  # [dV] every 2nd target id: 0, 2, ..., 46
+    assert target_ids[0] == 0
+    other = torch.tensor([1] + target_ids[1:])  # the same size, target id 1 instead of 0
+    t2d = torch.zeros(48, dtype=torch.bool)
+    t2d[other] = True
+    save_vocab_map(cfg.data_dir / "vocab_map.pt", other - torch.arange(24), t2d)
+    with pytest.raises(UserError, match=r"vocab_map.pt is not the draft vocab map this checkpoint was trained with"):
+        run(cfg, resume=True, device="cpu")
+    save_vocab_map(cfg.data_dir / "vocab_map.pt", vm["d2t"], vm["t2d"])
+    # a checkpoint from before the key: no check
+    p2 = ckpt.ckpt_path(cfg.train_dir, 2)
+    state = ckpt.load_checkpoint(p2)
+    del state["data_inputs"]
+    torch.save(state, p2)
+    split_path.write_text(json.dumps(moved))
+    assert run(cfg, resume=True, stop_after=1, device="cpu")["step"] == 3
+
+
+def test_resume_past_the_requested_total_is_refused_before_writing(tmp_path, caplog):
     """A checkpoint at step 6 resumed with max_steps 3 used to print "trained: 6/3", re-export and rewrite the
-    report; now one line naming --max-steps, and no file written."""
+    report; now one line naming --max-steps, and no file written; refused before the "LR schedule ... continuing with
+    the new one" line, which it used to log first."""
     from eagle3.train.trainer import run
 
     cfg = load_config(make_tiny_run(tmp_path, train={"epochs": 2}))
     run(cfg, stop_after=6, device="cpu")
     before = {p: p.stat().st_mtime_ns for p in sorted(tmp_path.rglob("*")) if p.is_file()}
-    with pytest.raises(UserError, match=r"^--max-steps 3: the run ends after 3 optimizer steps, but the checkpoint "
-                                        r"resumed from \(.*step_00000006.pt\) is at step 6 already"):
+    with caplog.at_level(logging.INFO, logger="eagle3.train.trainer"), \
+            pytest.raises(UserError, match=r"^--max-steps 3: the run ends after 3 optimizer steps, but the checkpoint "
+                                           r"resumed from \(.*step_00000006.pt\) is at step 6 already"):
         run(cfg, resume=True, max_steps=3, device="cpu")
+    assert "LR schedule" not in caplog.text and "continuing with the new one" not in caplog.text, caplog.text
     assert {p: p.stat().st_mtime_ns for p in sorted(tmp_path.rglob("*")) if p.is_file()} == before
     assert run(cfg, resume=True, max_steps=6, device="cpu")["step"] == 6  # at the total: the run's end, allowed
+
+
+def test_export_only_refuses_a_broken_newest_checkpoint_and_leaves_the_export(tmp_path):
+    """--export-only whose newest checkpoint does not load used to warn and replace the export with the older
+    checkpoint's weights (exit 0). With the weights from the checkpoint (select_best: last) it is now one line naming
+    the broken file and the older step, and the export is left byte-identical; with the broken file deleted, that
+    step is exported. (sim_accept with a best file exports the best weights whatever checkpoint loads:
+    tests/train/test_sim_accept.py::test_export_only_keeps_best_drafter_and_exports_it_after_a_checkpoint_fallback.)"""
+    from eagle3.export.from_checkpoint import export_for_run, export_from_checkpoint
+    from eagle3.train.trainer import run
+
+    cfg = load_config(make_tiny_run(tmp_path, train={"epochs": 1, "ckpt_every": 2, "keep_checkpoints": 2,
+                                                     "select_best": "last"}))
+    run(cfg, device="cpu", export=export_for_run)  # checkpoints 2, 4; export of step 4
+    p4 = ckpt.ckpt_path(cfg.train_dir, 4)
+    p4.write_bytes(p4.read_bytes()[:100])
+    before = {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()}
+    with pytest.raises(UserError) as e:
+        export_from_checkpoint(cfg)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"the newest checkpoint does not load: {p4}: truncated or corrupt"), msg
+    assert ("the newest that loads is step_00000002.pt (step 2): delete step_00000004.pt to use step 2, or "
+            "04_train.py --resume to train on from it") in msg
+    assert {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()} == before  # export untouched
+    p4.unlink()
+    out = export_from_checkpoint(cfg)
+    from safetensors.torch import load_file
+
+    ref = ckpt.load_checkpoint(ckpt.ckpt_path(cfg.train_dir, 2))["model"]["fc.weight"]
+    assert torch.equal(load_file(str(out / "model.safetensors"))["fc.weight"], ref.to(torch.bfloat16))
