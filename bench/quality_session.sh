@@ -298,7 +298,9 @@ train_until_deadline() {  # train_until_deadline NAME CMD...: CMD (04) in the ba
   rm -f "$W/status/${name}_04.pid"
   if [ "$rc" = 143 ] && [ -e "$W/deadline.hit" ]; then
     echo "== $name: stopped at the deadline; exporting its checkpoint"
-    "$@" --export-only; return $?
+    local a args=()  # the same command without --resume, which 04 refuses beside --export-only
+    for a in "$@"; do [ "$a" = --resume ] || args+=("$a"); done
+    "${args[@]}" --export-only; return $?
   fi
   return "$rc"
 }

@@ -164,3 +164,23 @@ def test_finish_is_the_deadline_now(tmp_path):
         fake.kill()
     assert (w / "deadline.hit").exists() and got.read_text() == "marked\n"
     assert "SIGTERM sent to the running trainings" in r.stdout
+
+
+def test_deadline_export_drops_resume(tmp_path):
+    """train_until_deadline: a 04 stopped at the deadline (exit 143, deadline marked) is exported with the same command
+    plus --export-only and without --resume, which 04 refuses beside --export-only (the chain passes --resume to
+    continue a retried run; the lease's deadline export would have failed)."""
+    w = tmp_path / "w"
+    (w / "status").mkdir(parents=True)
+    (w / "deadline.hit").touch()
+    calls = tmp_path / "calls"
+    fake = tmp_path / "fake04.sh"  # records its arguments; the training call "is stopped" (143), the export succeeds
+    fake.write_text(f'echo "$*" >> "{calls}"\ncase " $* " in *" --export-only "*) exit 0 ;; *) exit 143 ;; esac\n')
+    fn = subprocess.run(["sed", "-n", "/^train_until_deadline()/,/^}/p", str(ROOT / "bench" / "quality_session.sh")],
+                        capture_output=True, text=True, check=True).stdout
+    assert fn.startswith("train_until_deadline()")
+    r = subprocess.run(["bash", "-c", fn + f'\nW="{w}"; train_until_deadline deep bash "{fake}" --config c.yaml '
+                                            f'--set a=1 --resume --set b=2'], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert calls.read_text().splitlines() == ["--config c.yaml --set a=1 --resume --set b=2",
+                                              "--config c.yaml --set a=1 --set b=2 --export-only"]
