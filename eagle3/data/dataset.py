@@ -69,6 +69,7 @@ class ShardDataset(Dataset):
         max_length: keep the first ``max_length`` tokens of each sample (``None`` = all).
         expect: passed to :func:`eagle3.shards.format.load_sample` (hidden size, vocab size checks).
         split_name: used in error messages (``split.json: key 'train'``...).
+        split_file: the split file named in error messages (04 passes ``{data_dir}/split.json``).
         states: False = items without ``aux``/``last`` (online training over a hidden-state folder);
             token-only folders (``expect["tokens_only"]``) never have them.
 
@@ -77,13 +78,14 @@ class ShardDataset(Dataset):
     """
 
     def __init__(self, shards_dir: str | os.PathLike, indices: Sequence[int], max_length: Optional[int] = None,
-                 expect: Optional[dict] = None, split_name: str = "train", states: bool = True):
+                 expect: Optional[dict] = None, split_name: str = "train", states: bool = True,
+                 split_file: str | os.PathLike = "split.json"):
         if max_length is not None and max_length < 2:
             raise UserError(f"train: max_length must be >= 2, got {max_length}")
         found = dict(list_samples(shards_dir))
         missing = [i for i in indices if i not in found]
         if missing:
-            raise UserError(f"split.json: key '{split_name}': sample {missing[0]} has no shard in {shards_dir} "
+            raise UserError(f"{split_file}: key '{split_name}': sample {missing[0]} has no shard in {shards_dir} "
                             f"({len(missing)} missing)")
         self.paths = [found[i] for i in indices]
         self.indices = list(indices)

@@ -1040,9 +1040,11 @@ def _build_data(cfg: RunConfig, d: DistInfo, inputs: _Inputs, max_steps: Optiona
     expect = expect_from_data_config(inputs.data_config)
     max_len = int(inputs.data_config["max_length"])
     with_states = inputs.states.reads_shard_states
-    train_ds = ShardDataset(cfg.shards_dir, inputs.split["train"], max_len, expect, "train", states=with_states)
-    val_ds = ShardDataset(cfg.shards_dir, inputs.split["val"], max_len, expect, "val",
-                          states=with_states) if inputs.split["val"] else None
+    split_file = cfg.data_dir / "split.json"  # named in a missing-shard error
+    train_ds = ShardDataset(cfg.shards_dir, inputs.split["train"], max_len, expect, "train", states=with_states,
+                            split_file=split_file)
+    val_ds = ShardDataset(cfg.shards_dir, inputs.split["val"], max_len, expect, "val", states=with_states,
+                          split_file=split_file) if inputs.split["val"] else None
     order = _TrainData(cfg, train_ds, d)
     total_steps = order.total_steps
     horizon = max_steps if max_steps is not None else t.max_steps

@@ -429,7 +429,7 @@ def test_refused_run_leaves_the_train_folder_as_it_was(tmp_path):
 
     mark_validated(cfg.shards_dir, cfg.data_dir, {"num_samples": 9, "num_tokens": 0, "num_loss_tokens": 0,
                                                   "max_len": 16}, torch.zeros(40, dtype=torch.int64))
-    with pytest.raises(UserError, match="sample 3 has no shard"):
+    with pytest.raises(UserError, match=r"/data/split\.json: key 'train': sample 3 has no shard"):
         run(cfg, device="cpu")
     assert not cfg.train_dir.exists()
     with pytest.raises(UserError, match="drafter.hidden_size: 32 differs from the verifier hidden size 16"):
@@ -456,6 +456,6 @@ def test_refused_run_leaves_the_train_folder_as_it_was(tmp_path):
     (earlier.shards_dir / "rows_0-4" / "data_3.pt").unlink()
     mark_validated(earlier.shards_dir, earlier.data_dir, {"num_samples": 9, "num_tokens": 0, "num_loss_tokens": 0,
                                                           "max_len": 16}, torch.zeros(40, dtype=torch.int64))
-    with pytest.raises(UserError, match="sample 3 has no shard"):
+    with pytest.raises(UserError, match=r"/data/split\.json: key 'train': sample 3 has no shard"):
         run(earlier, resume=True, device="cpu")
     assert _tree(earlier.train_dir) == before
