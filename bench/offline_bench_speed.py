@@ -102,13 +102,13 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _row_subset(dataset: str, prompts: list, ids: list, n: int, pick: str) -> tuple[list, list[str]]:
+def _row_subset(label: str, everything: list, prompts: list, ids: list, n: int, pick: str) -> tuple[list, list[str]]:
     """The ``n`` prompts a batch size below the headline decodes (``pick`` over the headline's ``prompts`` / their
-    ``ids``), and the warning when they leave out categories of the whole set (``--pick``'s hint)."""
-    from eagle3.benchmark.eval_prompts import dataset_label, load_eval_prompts, pick_prompts, subset_warnings
+    ``ids``), and the warning when they leave out categories of the whole set ``everything`` (``--pick``'s hint)."""
+    from eagle3.benchmark.eval_prompts import pick_prompts, subset_warnings
 
     chosen = pick_prompts(list(zip(prompts, ids)), n, pick)
-    notes = subset_warnings(dataset_label(dataset), load_eval_prompts(dataset), [p for p, _ in chosen], pick, "--pick")
+    notes = subset_warnings(label, everything, [p for p, _ in chosen], pick, "--pick")
     for w in notes:
         log.warning("%s", w)
     return [i for _, i in chosen], notes
@@ -148,7 +148,7 @@ def main(argv=None) -> int:
     a.num_prompts = a.num_prompts or cfg.benchmark.num_prompts or 80
 
     from eagle3.prompts.chat import ChatOptions, end_of_turn_ids, prompt_ids
-    from eagle3.benchmark.eval_prompts import dataset_label, load_eval_subset
+    from eagle3.benchmark.eval_prompts import dataset_label, load_eval_prompts, pick_prompts, subset_warnings
     from eagle3.layers import check_aux_layers, default_aux_layers
     from eagle3.verifier import load_verifier, resolve_device, verifier_dims
 
@@ -175,7 +175,9 @@ def main(argv=None) -> int:
     tol = default_tie_tolerance(dtype) if tol is None else tol
     eos = sorted(end_of_turn_ids(tok))
     pick = a.pick or cfg.benchmark.prompt_pick
-    prompts, subset_notes = load_eval_subset(a.dataset, a.num_prompts, pick, pick_flag="--pick")
+    everything = load_eval_prompts(a.dataset)  # the whole set, read once: the subsets and their warnings
+    prompts = pick_prompts(everything, a.num_prompts, pick)
+    subset_notes = subset_warnings(dataset_label(a.dataset), everything, prompts, pick, "--pick")
     for w in subset_notes:
         log.warning("%s", w)
     chat = ChatOptions.from_config(cfg)
@@ -196,8 +198,8 @@ def main(argv=None) -> int:
     from eagle3.benchmark.static_decode import resolve_decoder
 
     for b in a.batch_sizes:
-        subset, row_notes = (ids, []) if b == headline else _row_subset(a.dataset, prompts, ids, max(
-            b, a.prompts_per_batch_size), pick)
+        subset, row_notes = (ids, []) if b == headline else _row_subset(
+            res["dataset"], everything, prompts, ids, max(b, a.prompts_per_batch_size), pick)
         warm_up(verifier, drafter, warm, aux, a.steps, eos, min(b, len(subset)))
         ran = []
         for dec in a.decoder or [cfg.benchmark.decoder]:

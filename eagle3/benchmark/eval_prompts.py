@@ -166,7 +166,8 @@ def pick_prompts(items: Sequence[T], num_prompts: Optional[int], pick: str = "fi
 def subset_warnings(label: str, everything: Sequence[EvalPrompt], chosen: Sequence[EvalPrompt], pick: str = "first",
                     pick_flag: str = "benchmark.prompt_pick:") -> list[str]:
     """One warning when ``chosen`` (a subset of ``everything``, picked by ``pick``) leaves out categories the set has,
-    with what would cover them: ``{pick_flag}: spread`` for a ``first`` subset, more prompts for a ``spread`` one.
+    with what would cover them: ``{pick_flag} spread`` for a ``first`` subset (the config key by default; a bench
+    script names its flag), more prompts for a ``spread`` one.
 
     Only sets whose rows carry a ``category`` (MT-bench) can be checked. Returns [] otherwise.
     """
@@ -182,11 +183,10 @@ def subset_warnings(label: str, everything: Sequence[EvalPrompt], chosen: Sequen
             f"categories ({covered}); tau and speedup are then not the set's ({fix})"]
 
 
-def load_eval_subset(name: str, num_prompts: Optional[int] = None, pick: str = "first",
-                     pick_flag: str = "benchmark.prompt_pick:") -> tuple[list[EvalPrompt], list[str]]:
+def load_eval_subset(name: str, num_prompts: Optional[int] = None,
+                     pick: str = "first") -> tuple[list[EvalPrompt], list[str]]:
     """Load an evaluation set (see :func:`load_eval_prompts`), pick ``num_prompts`` of it (:func:`pick_prompts`)
-    and say when the subset leaves categories out (:func:`subset_warnings`; ``pick_flag`` names the setting in its
-    hint, e.g. ``--pick`` for a bench script).
+    and say when the subset leaves categories out (:func:`subset_warnings`).
 
     Returns:
         (the chosen prompts in set order, warnings).
@@ -196,22 +196,20 @@ def load_eval_subset(name: str, num_prompts: Optional[int] = None, pick: str = "
     """
     everything = load_eval_prompts(name)
     chosen = pick_prompts(everything, num_prompts, pick)
-    return chosen, subset_warnings(dataset_label(name), everything, chosen, pick, pick_flag)
+    return chosen, subset_warnings(dataset_label(name), everything, chosen, pick)
 
 
-def load_eval_prompts(name: str, num_prompts: Optional[int] = None, pick: str = "first") -> list[EvalPrompt]:
+def load_eval_prompts(name: str, num_prompts: Optional[int] = None) -> list[EvalPrompt]:
     """Load an evaluation set by name (``mtbench``, ``humaneval``, ``gsm8k``) or prompt-file path.
 
     Args:
         name: a built-in set name or a JSONL path (see :func:`load_prompt_file`).
-        num_prompts: keep N prompts (all if None), picked by ``pick`` (:func:`pick_prompts`).
-        pick: ``first`` or ``spread``.
+        num_prompts: keep the first N prompts (all if None); :func:`load_eval_subset` picks otherwise.
 
     Raises:
-        UserError: shared data folder or file missing, malformed rows (file + line + key), bad ``num_prompts`` or
-            ``pick``.
+        UserError: shared data folder or file missing, malformed rows (file + line + key), ``num_prompts`` < 1.
     """
-    pick_prompts([], num_prompts, pick)  # checks the arguments before any file is read
+    pick_prompts([], num_prompts)  # checks num_prompts before any file is read
     if name == "humaneval":
         everything = _humaneval(None)
     elif name == "mtbench":
@@ -220,7 +218,7 @@ def load_eval_prompts(name: str, num_prompts: Optional[int] = None, pick: str = 
         everything = load_prompt_file(_shared_file("eval/gsm8k_test.jsonl"))
     else:
         everything = load_prompt_file(name)
-    return pick_prompts(everything, num_prompts, pick)
+    return pick_prompts(everything, num_prompts)
 
 
 def dataset_label(name: str) -> str:

@@ -614,15 +614,33 @@ def lossless_verdict(report: dict, tie_tolerance: float, strict: bool) -> Option
     return msg
 
 
+def load_sets(datasets: Sequence[str], num_prompts: Optional[int],
+              pick: str) -> tuple[list[tuple[str, list[EvalPrompt]]], list[str]]:
+    """Each dataset's ``num_prompts`` prompts picked by ``pick`` (:func:`eagle3.benchmark.eval_prompts.load_eval_subset`),
+    under a label unique within the run (:func:`eagle3.benchmark.eval_prompts.dataset_labels`).
+
+    Returns:
+        ``([(label, prompts), ...], subset warnings)``.
+
+    Raises:
+        UserError: a prompt set that cannot be loaded (file, line, key).
+    """
+    sets, notes = [], []
+    for name, label in zip(datasets, dataset_labels(datasets)):
+        chosen, more = load_eval_subset(name, num_prompts, pick)
+        sets.append((label, chosen))
+        notes += more
+    return sets, notes
+
+
 def run_offline(
     cfg: RunConfig,
     verifier,
     tokenizer,
     drafter,
     aux_layers: list[int],
-    datasets: Sequence[str],
+    sets: Sequence[tuple[str, list[EvalPrompt]]],
     steps: int,
-    num_prompts: Optional[int],
     max_new_tokens: int,
     strict: bool,
     drafter_name: str = "",
@@ -631,7 +649,8 @@ def run_offline(
     batch_size: Optional[int] = None,
     tie_tolerance: Optional[float] = None,
 ) -> dict:
-    """Benchmark loaded models on ``datasets``; write the reports; enforce losslessness.
+    """Benchmark loaded models on ``sets`` (``(label, prompts)`` of :func:`load_sets`); write the reports; enforce
+    losslessness.
 
     ``batch_size`` / ``tie_tolerance`` default to ``cfg.benchmark`` (tolerance None:
     :func:`default_tie_tolerance` of the verifier's dtype).
@@ -640,7 +659,7 @@ def run_offline(
         the report dict written to ``bench.json``.
 
     Raises:
-        UserError: a prompt set cannot be loaded, or (``strict``) speculative output differs from
+        UserError: (``strict``) speculative output differs from
             greedy by more than the tie tolerance (raised after the reports are written, naming
             dataset, prompt, token index and gap).
     """
@@ -653,12 +672,6 @@ def run_offline(
         tie_tolerance = cfg.benchmark.tie_tolerance
     if tie_tolerance is None:
         tie_tolerance = default_tie_tolerance(param.dtype)
-    sets: list[tuple[str, list[EvalPrompt]]] = []
-    subset_notes: list[str] = []
-    for n, label in zip(datasets, dataset_labels(datasets)):
-        chosen, notes = load_eval_subset(n, num_prompts, cfg.benchmark.prompt_pick)
-        sets.append((label, chosen))
-        subset_notes += notes
     largest = effective_batch_size(batch_size, max(len(p) for _, p in sets))
     report = {
         "verifier": cfg.verifier.display_name(),
@@ -672,7 +685,7 @@ def run_offline(
         "aux_layers": list(aux_layers),
         "eos_ids": eos,
         "prompt_pick": cfg.benchmark.prompt_pick,
-        "warnings": list(warnings) + subset_notes,
+        "warnings": list(warnings),
         "datasets": [],
     }
     chat = ChatOptions.from_config(cfg)
@@ -731,8 +744,7 @@ def run(
     drafter_dir = Path(drafter_dir) if drafter_dir else cfg.export_dir
     if not drafter_dir.is_dir():
         raise UserError(f"--drafter: folder '{drafter_dir}' not found (export a trained drafter first)")
-    for name in datasets:  # a bad set name or prompt file fails here, before the verifier loads (minutes at scale)
-        load_eval_subset(name, num_prompts, bc.prompt_pick)
+    sets, subset_notes = load_sets(datasets, num_prompts, bc.prompt_pick)  # a bad set fails before the verifier loads
     from eagle3.export.serving import preflight_export
 
     preflight_export(drafter_dir)  # a bad export fails before the verifier loads (minutes at Kimi scale); its
@@ -764,7 +776,7 @@ def run(
     drafter = _load_drafter(drafter_dir, verifier, device, dtype)
     warnings += check_drafter_vocab(cfg, drafter, drafter_dir, own_export=drafter_dir == cfg.export_dir)
     warnings += check_drafter_shape(cfg, drafter, drafter_dir, own_export=drafter_dir == cfg.export_dir)
-    run_offline(cfg, verifier, tokenizer, drafter, aux, datasets, steps, num_prompts, max_new_tokens,
-                strict=dtype == torch.float32, drafter_name=str(drafter_dir), warnings=warnings,
+    run_offline(cfg, verifier, tokenizer, drafter, aux, sets, steps, max_new_tokens,
+                strict=dtype == torch.float32, drafter_name=str(drafter_dir), warnings=warnings + subset_notes,
                 batch_size=batch_size, tie_tolerance=tie_tolerance)
     return 0
