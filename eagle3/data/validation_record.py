@@ -111,18 +111,10 @@ def load_matching_record(folders: list[Path], fingerprint: str, vocab_size: int)
     """
     for folder in folders:
         path = folder / VALIDATION_RECORD
-        if not path.is_file():
-            continue
-        try:
-            obj = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            log.warning("%s: unreadable validation record (%s); ignoring it, validating every shard, rewriting it",
-                        path, e)
-            continue
-        if not isinstance(obj, dict) or obj.get("format") != RECORD_FORMAT or obj.get("version") != RECORD_VERSION:
-            got = (obj.get("format"), obj.get("version")) if isinstance(obj, dict) else type(obj).__name__
-            log.warning("%s: not a version-%d validation record (format/version %s); ignoring it, "
-                        "validating every shard, rewriting it", path, RECORD_VERSION, got)
+        obj, problem = _read_record(path)
+        if problem:
+            log.warning("%s: %s; ignoring it, validating every shard, rewriting it", path, problem)
+        if obj is None:
             continue
         if obj.get("fingerprint") != fingerprint:
             log.info("%s: the shards changed since that validation; validating every shard", path)
@@ -213,13 +205,25 @@ def _write_first(folders: list[Path], record: dict) -> Optional[Path]:
     return written
 
 
-def _fingerprint_of(path: Path) -> Optional[str]:
-    """The ``fingerprint`` of the record at ``path``, or None (absent, unreadable, not a record)."""
+def _read_record(path: Path) -> tuple[Optional[dict], Optional[str]]:
+    """The record at ``path`` when it is one of this version: ``(record, None)``; else ``(None, why)`` for a file
+    that cannot be read or is not such a record, ``(None, None)`` when there is no file."""
+    if not path.is_file():
+        return None, None
     try:
         obj = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    return obj.get("fingerprint") if isinstance(obj, dict) and obj.get("format") == RECORD_FORMAT else None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return None, f"unreadable validation record ({e})"
+    if not isinstance(obj, dict) or obj.get("format") != RECORD_FORMAT or obj.get("version") != RECORD_VERSION:
+        got = (obj.get("format"), obj.get("version")) if isinstance(obj, dict) else type(obj).__name__
+        return None, f"not a version-{RECORD_VERSION} validation record (format/version {got})"
+    return obj, None
+
+
+def _fingerprint_of(path: Path) -> Optional[str]:
+    """The ``fingerprint`` of the record at ``path``, or None (absent, unreadable, not a record)."""
+    obj, _ = _read_record(path)
+    return None if obj is None else obj.get("fingerprint")
 
 
 def require_passed(shards: Path, data_dir: Path) -> Path:
@@ -245,11 +249,8 @@ def require_passed(shards: Path, data_dir: Path) -> Path:
     found, stale = None, None
     for folder in (shards, data_dir):
         path = folder / VALIDATION_RECORD
-        try:
-            obj = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-            obj = None
-        if not isinstance(obj, dict) or obj.get("format") != RECORD_FORMAT or obj.get("version") != RECORD_VERSION:
+        obj, _ = _read_record(path)
+        if obj is None:
             continue
         if obj.get("fingerprint") != fp:
             stale = stale or path
