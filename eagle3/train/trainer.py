@@ -1156,11 +1156,15 @@ class _Training:
     def recipe_used(self) -> dict:
         """The recipe of ``train_report.json``: the config's values, except those a resumed checkpoint's optimizer
         state overrides (``lr``: the scheduler's base lr; ``weight_decay``: the optimizer's), i.e. what training used."""
-        out = {k: getattr(self.t, k) for k in ("loss", "lk_eta", "lr", "weight_decay", "epochs", "batch_tokens",
-                                               "batch_size", "grad_accum", "warmup_ratio", "ttt_length", "select_best")}
-        out["lr"] = float(self.opt.scheduler.base_lrs[0])
-        out["weight_decay"] = float(self.opt.optimizer.param_groups[0]["weight_decay"])
-        return out
+        out = {k: getattr(self.t, k) for k in ("loss", "lk_eta", "epochs", "batch_tokens", "batch_size", "grad_accum",
+                                               "warmup_ratio", "ttt_length", "select_best")}
+        return {**out, **self._optimizer_values()}
+
+    def _optimizer_values(self) -> dict:
+        """``lr`` and ``weight_decay`` as the optimizer holds them: a resumed checkpoint's, not the config's
+        (:data:`eagle3.train.checkpoint.KEPT_FIELDS`)."""
+        return {"lr": float(self.opt.scheduler.base_lrs[0]),
+                "weight_decay": float(self.opt.optimizer.param_groups[0]["weight_decay"])}
 
     # ---- resume ------------------------------------------------------------------------------
     def restore(self) -> None:
@@ -1234,10 +1238,7 @@ class _Training:
         """The recipe a checkpoint records (key ``recipe``): the config's, except the fields a resumed checkpoint's
         optimizer state keeps (:data:`eagle3.train.checkpoint.KEPT_FIELDS`), which are the values in use; so a later
         ``--resume`` with the run's original config warns about nothing."""
-        out = _recipe(self.cfg)
-        out["train.lr"] = float(self.opt.scheduler.base_lrs[0])
-        out["train.weight_decay"] = float(self.opt.optimizer.param_groups[0]["weight_decay"])
-        return out
+        return {**_recipe(self.cfg), **{f"train.{k}": v for k, v in self._optimizer_values().items()}}
 
     def save(self) -> Path:
         """Checkpoint at the current step (every rank's RNG gathered; rank 0 writes)."""
@@ -1498,10 +1499,16 @@ def headline(result: dict, train_dir: Path, args=None) -> str:
         text += f", top-1 {' / '.join(f'{a:.3f}' for a in acc)} (TTT steps 0..{len(acc) - 1})"
     elif not val:
         text += "; no validation split (data.val_fraction)"
-    shape = [] if args is None else [
-        f"drafter: {args.variant}, {args.num_layers} decoder layer{'s' if args.num_layers > 1 else ''}, MLP "
-        f"{args.intermediate_size}, draft vocab {args.draft_vocab_size}"]
+    shape = [] if args is None else [f"drafter: {drafter_shape(args)}"]
     return "\n".join([text, *shape, f"report: {train_dir / 'train_report.md'}", f"export: {result['export_dir']}"])
+
+
+def drafter_shape(args, hidden: bool = False) -> str:
+    """``eagle3.1, 2 decoder layers, [hidden 576, ]MLP 6144, draft vocab 32000`` of a
+    :class:`eagle3.train.model.DrafterArgs` (04's closing lines and ``train_report.md``)."""
+    return (f"{args.variant}, {args.num_layers} decoder layer{'s' if args.num_layers > 1 else ''}, "
+            + (f"hidden {args.hidden_size}, " if hidden else "")
+            + f"MLP {args.intermediate_size}, draft vocab {args.draft_vocab_size}")
 
 
 def write_report(train_dir: Path, result: dict, args) -> None:
@@ -1516,8 +1523,7 @@ def write_report(train_dir: Path, result: dict, args) -> None:
     lines = ["# Training report", "", f"- optimizer steps: {result['step']} / {result['total_steps']}" + (
                  f" (ended at `--stop-at {result['stop_at']}` on the {result['total_steps']}-step lr schedule)"
                  if result.get("stop_at") and not result.get("stopped") else ""),
-             f"- drafter: {args.variant}, {args.num_layers} decoder layer{'s' if args.num_layers > 1 else ''}, hidden "
-             f"{args.hidden_size}, MLP {args.intermediate_size}, draft vocab {args.draft_vocab_size}",
+             f"- drafter: {drafter_shape(args, hidden=True)}",
              f"- checkpoint: `{result['checkpoint']}`", f"- export: `{result['export_dir']}`"]
     if result.get("stopped"):
         lines.append(f"- **stopped** by signal {result.get('signal')} at step {result['step']}: no final validation, "
