@@ -116,14 +116,11 @@ def _write_many(args) -> tuple[list[tuple[int, int, int]], torch.Tensor]:
 def _record_validated(shards: Path, data: Path, done: list[tuple[int, int, int]], freq: torch.Tensor) -> None:
     """Stage 03's passing validation record for the synthetic set (valid by construction; 04 trains only on a
     shard set with one: ``eagle3.data.validation_record.require_passed``). ``freq``: int64 ``[V]``."""
-    from eagle3.data.validation_record import shard_set_fingerprint, write_record
-    from eagle3.shards.format import DATA_CONFIG, list_samples
-    from eagle3.shards.manifest import MANIFEST
+    from eagle3.data.validation_record import fingerprint_now, write_record
 
     stats = {"num_samples": len(done), "num_tokens": sum(L for _, L, _ in done),
              "num_loss_tokens": sum(r for *_, r in done), "max_len": max(L for _, L, _ in done)}
-    fp = shard_set_fingerprint(shards, list_samples(shards), shards / MANIFEST, shards / DATA_CONFIG)
-    write_record([shards, data], fp, stats, freq)
+    write_record([shards, data], fingerprint_now(shards), stats, freq)
 
 
 def write_synthetic(root: Path, n: int, n_val: int, shape: dict, max_length: int, seed: int = 0) -> Path:
@@ -229,20 +226,15 @@ def carry_validation(src: Path, dst: Path, data_dir: Path) -> Path:
     Raises:
         UserError: ``src`` has no passing record of its current shards (run 03 on it first).
     """
-    from eagle3.data.validation_record import load_matching_record, require_passed, shard_set_fingerprint, write_record
-    from eagle3.shards.format import DATA_CONFIG, list_samples, read_data_config
-    from eagle3.shards.manifest import MANIFEST
+    from eagle3.data.validation_record import fingerprint_now, load_matching_record, require_passed, write_record
+    from eagle3.shards.format import read_data_config
 
     require_passed(src, data_dir)
-
-    def fingerprint(d: Path) -> str:
-        return shard_set_fingerprint(d, list_samples(d), d / MANIFEST, d / DATA_CONFIG)
-
-    hit = load_matching_record([src, data_dir], fingerprint(src), int(read_data_config(src)["vocab_size"]))
+    hit = load_matching_record([src, data_dir], fingerprint_now(src), int(read_data_config(src)["vocab_size"]))
     if hit is None:
         raise UserError(f"{src}: no usable validation record of 03 (see the warnings above); run 03_prepare_data.py")
     stats, freq = hit[0], hit[1]
-    return write_record([dst, data_dir], fingerprint(dst), stats, freq)
+    return write_record([dst, data_dir], fingerprint_now(dst), stats, freq)
 
 
 # ---------------------------------------------------------------------------------------------

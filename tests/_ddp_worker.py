@@ -44,12 +44,9 @@ def mark_validated(shards: Path, data: Path, stats: dict, freq: torch.Tensor) ->
     """Write 03's passing validation record for the shard set as it is now (what a passing 03 leaves; 04
     refuses a set without one). ``stats``: ``num_samples``, ``num_tokens``, ``num_loss_tokens``, ``max_len``;
     ``freq``: int64 ``[V]`` loss-token counts. Returns the record path."""
-    from eagle3.data.validation_record import shard_set_fingerprint, write_record
-    from eagle3.shards.format import DATA_CONFIG, list_samples
-    from eagle3.shards.manifest import MANIFEST
+    from eagle3.data.validation_record import fingerprint_now, write_record
 
-    fp = shard_set_fingerprint(shards, list_samples(shards), shards / MANIFEST, shards / DATA_CONFIG)
-    return write_record([shards, data], fp, stats, freq)
+    return write_record([shards, data], fingerprint_now(shards), stats, freq)
 
 
 def make_tiny_run(root: Path, n_train: int = 8, n_val: int = 2, lengths=(12, 9, 16, 7), hidden: int = 16,

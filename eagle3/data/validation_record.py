@@ -226,6 +226,16 @@ def _fingerprint_of(path: Path) -> Optional[str]:
     return None if obj is None else obj.get("fingerprint")
 
 
+def fingerprint_now(shards: Path) -> str:
+    """:func:`shard_set_fingerprint` of the shard set in ``shards`` as it is now (its samples listed, its
+    ``manifest.jsonl`` and ``data_config.json``; a stat per shard, no shard read)."""
+    from eagle3.shards.format import DATA_CONFIG, list_samples
+    from eagle3.shards.manifest import MANIFEST
+
+    shards = Path(shards)
+    return shard_set_fingerprint(shards, list_samples(shards), shards / MANIFEST, shards / DATA_CONFIG)
+
+
 def require_passed(shards: Path, data_dir: Path) -> Path:
     """Stage 04's input check: the shard set as it is now passed 03's last validation of it.
 
@@ -241,11 +251,8 @@ def require_passed(shards: Path, data_dir: Path) -> Path:
             validation matches the current shards (none written, or shards / manifest / data_config changed
             since: added, removed, re-extracted or ``touch``ed shards).
     """
-    from eagle3.shards.format import DATA_CONFIG, list_samples
-    from eagle3.shards.manifest import MANIFEST
-
     shards, data_dir = Path(shards), Path(data_dir)
-    fp = shard_set_fingerprint(shards, list_samples(shards), shards / MANIFEST, shards / DATA_CONFIG)
+    fp = fingerprint_now(shards)
     found, stale = None, None
     for folder in (shards, data_dir):
         path = folder / VALIDATION_RECORD
