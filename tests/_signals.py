@@ -23,3 +23,26 @@ def sigterm_when(cmd: list[str], ready: Callable[[], bool], *, env: dict, cwd, w
             proc.kill()
             proc.wait()
     return proc.returncode, err
+
+
+def lines_settled(path, n: int, settle_s: float = 0.05) -> Callable[[], bool]:
+    """A ``ready`` for :func:`sigterm_when`: ``path`` holds at least ``n`` complete lines and its line count has not
+    changed for ``settle_s`` seconds.
+
+    A stage appends a resume record all-or-nothing and rolls the append back if a signal lands before its fsync
+    returns (:func:`eagle3.io.append_bytes`), so a line seen the instant it is written may not survive the SIGTERM
+    the test sends; a count that has held for a while belongs to appends that finished (a CI flake of 2026-12-04:
+    2 lines seen, 1 kept)."""
+    state = {"count": -1, "since": 0.0}
+
+    def ready() -> bool:
+        try:
+            count = open(path, "rb").read().count(b"\n")
+        except FileNotFoundError:
+            count = 0
+        now = time.monotonic()
+        if count != state["count"]:
+            state.update(count=count, since=now)
+        return count >= n and now - state["since"] >= settle_s
+
+    return ready

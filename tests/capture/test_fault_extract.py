@@ -29,7 +29,7 @@ from eagle3.shards.format import list_samples, load_sample, read_data_config
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from _signals import sigterm_when  # noqa: E402
+from _signals import lines_settled, sigterm_when  # noqa: E402
 N_PROMPTS = 14
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
 
@@ -152,7 +152,7 @@ def test_sigterm_prints_the_resume_line_and_the_rerun_finishes(tmp_path, tiny_ll
     cfg = _config(tmp_path / "run", tiny_llama_dir)
     shards = tmp_path / "run" / "shards"
     manifest = shards / "manifest.jsonl"
-    rc, err = sigterm_when(_cmd(cfg), lambda: _manifest_lines(manifest) >= 2, env=_env(0.25), cwd=ROOT, wait_s=240)
+    rc, err = sigterm_when(_cmd(cfg), lines_settled(manifest, 2, settle_s=0.1), env=_env(0.25), cwd=ROOT, wait_s=240)
     kept = _manifest_lines(manifest)
     assert rc == 143, err[-3000:]
     assert 2 <= kept < N_PROMPTS and not (shards / "data_config.json").exists()

@@ -15,7 +15,7 @@ from eagle3.prompts.replicas import all_logs, assemble, log_path, merge_stats, s
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from _signals import sigterm_when  # noqa: E402
+from _signals import lines_settled, sigterm_when  # noqa: E402
 
 
 def _conv(cid, n_turns, tools=False):
@@ -129,7 +129,7 @@ extract: {{max_length: 256}}
     partial = out / "prompts.regen-partial.jsonl"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), TQDM_DISABLE="1")
     rc, err = sigterm_when([sys.executable, str(ROOT / "01_prepare_prompts.py"), "--config", str(cfg)], env=env,
-                           cwd=ROOT, ready=lambda: partial.exists() and partial.read_bytes().count(b"\n") >= 2)
+                           cwd=ROOT, ready=lines_settled(partial, 2))
     assert rc == 143, err[-3000:]  # SIGTERM once the settings line and a conversation are logged
     assert "Traceback" not in err, err[-3000:]
     logged = [json.loads(x) for x in partial.read_text().splitlines()[1:]]  # after the settings line
