@@ -41,6 +41,9 @@ Input: the config's ``prompts.source`` read, deduplicated and sampled as stage 0
    prefill forwards captured as CUDA graphs on then off (``prompts.regen_prefill_graphs``): as 5, with the prefill
    forwards, ms per forward, padded prefill tokens (bucket padding included), graphs captured and the host seconds
    of their capture (the first use of each bucket pays it, within the run's seconds).
+   Both A/Bs run *on* first; ``--ab-off-first`` swaps the order (recorded as ``order``). Each run's decode seconds
+   come with the seconds of its first steps per slot prefix (compile + capture): lease 2026-12-05's prefill-graphs
+   A/B spent 42.4 s in decode *on* (run first) against 12.5 s *off*, and the order could not be told from the setting.
 
 CPU smoke (tests/bench/test_regen_speed.py): ``--set verifier.path=<tiny> --num 6 --baseline-num 4``.
 """
@@ -301,25 +304,25 @@ def markdown(res: dict) -> str:
     ab = res.get("prefix_reuse_ab")
     if ab:
         lines += ["", f"Prefix reuse on / off, slots engine, {ab['conversations']} conversations:", "",
-                  "| prefix reuse | seconds | tokens/s | prefill s | decode s | prompt tokens prefilled | reused |",
-                  "|---|---:|---:|---:|---:|---:|---:|"]
-        for name in ("on", "off"):
+                  "| prefix reuse | seconds | tokens/s | prefill s | decode s (first steps) | prompt tokens prefilled | "
+                  "reused |", "|---|---:|---:|---:|---:|---:|---:|"]
+        for name in ab.get("order", ("on", "off")):
             r = ab[name]
             lines.append(f"| {name} | {r['seconds']:.1f} | {r['tokens_per_s']:.0f} | {r['prefill_s']:.2f} | "
-                         f"{r['decode_s']:.2f} | {r['prefill_tokens']} | {r['reused_tokens']} |")
+                         f"{r['decode_s']:.2f}{_first(r)} | {r['prefill_tokens']} | {r['reused_tokens']} |")
         lines += ["", ab_summary(ab)]
     pg = res.get("prefill_graphs_ab")
     if pg:
         lines += ["", f"Prefill graphs on / off (bucketed prefill forwards as CUDA graphs), slots engine, "
                   f"{pg['conversations']} conversations:", "",
-                  "| prefill graphs | seconds | tokens/s | prefill s | prefill forwards | ms / forward | decode s | "
-                  "prompt tokens prefilled / padded | graphs captured (capture s) |",
+                  "| prefill graphs | seconds | tokens/s | prefill s | prefill forwards | ms / forward | "
+                  "decode s (first steps) | prompt tokens prefilled / padded | graphs captured (capture s) |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for name in ("on", "off"):
+        for name in pg.get("order", ("on", "off")):
             r = pg[name]
             lines.append(f"| {name} | {r['seconds']:.1f} | {r['tokens_per_s']:.0f} | {r['prefill_s']:.2f} | "
                          f"{r['prefill_calls']} | {1000 * r['prefill_s'] / max(1, r['prefill_calls']):.1f} | "
-                         f"{r['decode_s']:.2f} | {r['prefill_tokens']} / {r['prefill_padded_tokens']} | "
+                         f"{r['decode_s']:.2f}{_first(r)} | {r['prefill_tokens']} / {r['prefill_padded_tokens']} | "
                          f"{r['prefill_graph_captures']} ({r['prefill_capture_s']:.2f}) |")
         lines += ["", ab_summary(pg)]
     b = res.get("bound")
@@ -371,38 +374,50 @@ def baselines(model, tok, cfg, convs, a, batch_size, max_new, opts_kw) -> dict:
     return {"conversations": len(sub), "runs": runs, "ratios": ratios, "equality": eq}
 
 
-def reuse_ab(model, tok, cfg, convs, batch_size: int, max_new: int, opts_kw: dict) -> dict:
+def _first(row: dict) -> str:
+    """`` (x.x)``: an A/B row's seconds of first decode steps per slot prefix, or nothing where not recorded."""
+    return f" ({row['first_step_s']:.1f})" if row.get("first_step_s") is not None else ""
+
+
+def reuse_ab(model, tok, cfg, convs, batch_size: int, max_new: int, opts_kw: dict, off_first: bool = False) -> dict:
     """The slots engine on ``convs`` twice, cross-turn prefix reuse on then off (``prompts.regen_prefix_reuse``),
     same process: seconds, tokens/s, device seconds of prefill and decode, prompt tokens prefilled and reused, the
     on/off ratios, and how many answers are identical (fp32: all; bf16: batch compositions differ, so near-ties may
     flip). Differences are counted as :func:`compare` counts them: for each conversation's first differing turn,
     the logit gap between the two runs' tokens at the first differing position, teacher-forced on the verifier
     (``near_ties``: gaps within ``tie_tolerance``; ``max_gap``; ``gaps``: the 20 largest)."""
-    return setting_ab(model, tok, cfg, convs, batch_size, max_new, opts_kw, "prefix_reuse")
+    return setting_ab(model, tok, cfg, convs, batch_size, max_new, opts_kw, "prefix_reuse", off_first)
 
 
-def prefill_graphs_ab(model, tok, cfg, convs, batch_size: int, max_new: int, opts_kw: dict) -> dict:
+def prefill_graphs_ab(model, tok, cfg, convs, batch_size: int, max_new: int, opts_kw: dict,
+                      off_first: bool = False) -> dict:
     """The slots engine on ``convs`` twice, bucketed prefill forwards captured as CUDA graphs on then off
     (``prompts.regen_prefill_graphs``), same process: as :func:`reuse_ab`, with the prefill forwards (``prefill_calls``),
     the prefill graphs captured and the host seconds their capture took (``prefill_graph_captures``,
     ``prefill_capture_s``; 0 on the CPU, where the bucketed forwards run eagerly), the padded prefill tokens
     (bucket padding included) and the forwards per bucket (``prefill_buckets``) of each run."""
-    return setting_ab(model, tok, cfg, convs, batch_size, max_new, opts_kw, "prefill_graphs")
+    return setting_ab(model, tok, cfg, convs, batch_size, max_new, opts_kw, "prefill_graphs", off_first)
 
 
-def setting_ab(model, tok, cfg, convs, batch_size: int, max_new: int, opts_kw: dict, option: str) -> dict:
+def setting_ab(model, tok, cfg, convs, batch_size: int, max_new: int, opts_kw: dict, option: str,
+               off_first: bool = False) -> dict:
     """The slots engine on ``convs`` with its keyword ``option`` (a speed setting: ``prefix_reuse``,
-    ``prefill_graphs``) True, then False; the runs' figures under ``on`` / ``off``, the on/off ratios and the answer
-    comparison (:func:`reuse_ab` describes them)."""
+    ``prefill_graphs``) True, then False (``off_first``: False, then True; the order is recorded as ``order``); the
+    runs' figures under ``on`` / ``off``, the on/off ratios and the answer comparison (:func:`reuse_ab` describes
+    them). Each run's ``first_step_s`` is the seconds of its decode steps that were the first at a slot prefix
+    (compile + CUDA graph capture, inside ``decode_s``): lease 2026-12-05's prefill-graphs A/B, *on* first, spent
+    42.4 s in decode against 12.5 s, and the order could not be told from the setting."""
     rows, outs = {}, {}
-    for name, on in (("on", True), ("off", False)):
+    order = (("off", False), ("on", True)) if off_first else (("on", True), ("off", False))
+    for name, on in order:
         kw = {**opts_kw, "slots": {**opts_kw["slots"], option: on}}
         outs[name], st = timed_run(model, tok, convs, "slots", cfg, batch_size, max_new, kw)
         es = st["engine_stats"]
         rows[name] = {"seconds": st["seconds"], "tokens_per_s": st["tokens_per_s"], "new_tokens": st["new_tokens"],
                       "prefill_s": es["prefill_s"], "decode_s": es["decode_s"], "prefill_calls": es["prefill_calls"],
                       "prefill_tokens": es["prefill_tokens"], "reused_tokens": es["reused_tokens"],
-                      "decode_steps": st["decode_steps"]}
+                      "decode_steps": st["decode_steps"],
+                      "first_step_s": sum((es.get("first_step_s") or {}).values()) if "first_step_s" in es else None}
         if option == "prefill_graphs":
             rows[name].update({k: es.get(k) for k in ("prefill_padded_tokens", "prefill_graph_captures",
                                                       "prefill_capture_s", "prefill_buckets")})
@@ -417,7 +432,8 @@ def setting_ab(model, tok, cfg, convs, batch_size: int, max_new: int, opts_kw: d
     eq = compare(model, tok, cfg, outs["on"], outs["off"], tie_tolerance(cfg, model))
     eq["answers_compared_to_first_difference"] = eq.pop("answers_compared")
     eq["identical_to_first_difference"] = eq.pop("identical")
-    return {"conversations": len(convs), **rows, **eq, "answers_compared": len(pairs),
+    return {"conversations": len(convs), "order": [name for name, _ in order], **rows, **eq,
+            "answers_compared": len(pairs),
             "identical": sum(a == b for a, b in pairs),
             "speed_ratio": rows["on"]["tokens_per_s"] / rows["off"]["tokens_per_s"],
             "prefill_s_ratio": rows["on"]["prefill_s"] / rows["off"]["prefill_s"] if rows["off"]["prefill_s"] else None}
@@ -443,6 +459,8 @@ def main(argv=None) -> int:
     p.add_argument("--prefill-graphs-ab", type=non_negative_int, default=0, metavar="N",
                    help="also run the slots engine on N conversations of the main input (spread) with bucketed prefill "
                         "forwards captured as CUDA graphs (prompts.regen_prefill_graphs) on, then off (0 = skip)")
+    p.add_argument("--ab-off-first", action="store_true",
+                   help="the A/B runs (--reuse-ab, --prefill-graphs-ab) run the setting off first, then on")
     p.add_argument("--copy-gib", type=float, default=4.0, help="size of the bandwidth probe copy")
     p.add_argument("--no-bound", action="store_true", help="skip the decode-step bound probe")
     p.add_argument("--json", type=Path, default=None)
@@ -478,10 +496,11 @@ def main(argv=None) -> int:
     if a.main_engine == "slots" and not a.no_bound:
         res["bound"] = bound(model, st, cfg, batch_size, max_new, bw)
     if a.reuse_ab:
-        res["prefix_reuse_ab"] = reuse_ab(model, tok, cfg, spread(main_convs, a.reuse_ab), batch_size, max_new, opts_kw)
+        res["prefix_reuse_ab"] = reuse_ab(model, tok, cfg, spread(main_convs, a.reuse_ab), batch_size, max_new, opts_kw,
+                                          a.ab_off_first)
     if a.prefill_graphs_ab:
         res["prefill_graphs_ab"] = prefill_graphs_ab(model, tok, cfg, spread(main_convs, a.prefill_graphs_ab),
-                                                     batch_size, max_new, opts_kw)
+                                                     batch_size, max_new, opts_kw, a.ab_off_first)
     if a.baseline_num:
         res["baseline"] = baselines(model, tok, cfg, convs, a, batch_size, max_new, opts_kw)
     return emit(a, res, markdown(res))

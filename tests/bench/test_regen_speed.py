@@ -153,3 +153,39 @@ def test_reuse_ab_counts_differences_by_logit_gap(tiny_llama_dir, monkeypatch):
                        "prefix_reuse_ab": ab})
     assert (f"1 of 4 answers identical; 1 of 2 first differences are near-ties (logit gap <= 0.5), max gap "
             f"{ab['max_gap']}.") in md
+
+
+def test_setting_ab_order_and_first_steps(tiny_llama_dir, monkeypatch):
+    """--ab-off-first runs the setting off, then on (recorded as ``order``, the table in that order); each run's
+    first decode steps per slot prefix (engine_stats first_step_s, summed over prefixes) are kept and shown."""
+    from eagle3.config import load_config
+    from eagle3.verifier import load_verifier
+
+    cfg = load_config(ROOT / "configs" / "tiny-llama.yaml", [f"verifier.path={tiny_llama_dir}"])
+    model, tok = load_verifier(cfg.verifier)
+    convs = [{"messages": [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "a", "tokens": [5, 6]}]}]
+    seen = []
+
+    def fake_run(model, tok, convs_, engine, cfg, batch_size, max_new, opts_kw):
+        on = opts_kw["slots"]["prefill_graphs"]
+        seen.append(on)
+        es = {"prefill_s": 0.5, "decode_s": 4.0 if on else 1.0, "prefill_calls": 2, "prefill_tokens": 40,
+              "reused_tokens": 0, "prefill_padded_tokens": 64 if on else 40, "prefill_graph_captures": 2 * on,
+              "prefill_capture_s": 0.25 * on, "prefill_buckets": {"2x32": 2} if on else {},
+              "first_step_s": {"1024": 2.5, "64": 0.5} if on else {"1024": 0.25}}
+        return convs, {"seconds": 5.0, "tokens_per_s": 2.0, "new_tokens": 10, "decode_steps": 5, "engine_stats": es}
+
+    monkeypatch.setattr(rsp, "timed_run", fake_run)
+    pg = rsp.prefill_graphs_ab(model, tok, cfg, convs, 2, 8, {"slots": {"prefill_graphs": False}}, off_first=True)
+    assert seen == [False, True] and pg["order"] == ["off", "on"]
+    assert pg["on"]["first_step_s"] == 3.0 and pg["off"]["first_step_s"] == 0.25
+    assert pg["identical"] == pg["answers_compared"] == 1
+    md = rsp.markdown({"main": {"conversations": 1, "engine": "slots", "answers": 1, "new_tokens": 10, "seconds": 1.0,
+                                "tokens_per_s": 10.0, "decode_steps": 5}, "verifier": "v", "dtype": "float32",
+                       "device": "cpu", "batch_size": 2, "max_new_tokens": 8, "max_context": 16, "bandwidth_gb_s": None,
+                       "prefill_graphs_ab": pg})
+    rows = [line for line in md.splitlines() if line.startswith("| off |") or line.startswith("| on |")]
+    assert rows[0].startswith("| off |") and "| 1.00 (0.2) |" in rows[0] and "| 4.00 (3.0) |" in rows[1]
+    seen.clear()
+    assert rsp.prefill_graphs_ab(model, tok, cfg, convs, 2, 8, {"slots": {}})["order"] == ["on", "off"]
+    assert seen == [True, False]
