@@ -34,7 +34,8 @@
 #   PACK_DRAFTER a recipe name: once it has exported, `pack` brings its export back as drafter.tar.gz.partNN (15 MiB
 #             parts; the SmolLM2 EAGLE 3.1 export is ~47 MB, bf16) instead of the prompts ($OUT takes 8 files and 64 MiB
 #             together), for INIT on a later lease (a fresh machine within the session: nothing outside git outlives
-#             the session)
+#             the session); at most 4 parts a call: a larger export (two layers, ~66 MB gzipped) needs one more
+#             `pack` on the warm machine, which sends the rest
 #   PACK_LARGE 1 = `wait` / `pack` bring the prompts (or PACK_DRAFTER's export) back before the driver is done; by
 #             default only the pack of a finished driver does: copying ~35-47 MB back makes the call return late, and
 #             a machine idle 30 s after a call is given back (lease 2026-12-04 lost two machines that way)
@@ -382,7 +383,7 @@ PYEOF
   local ex packed=0
   for ex in "$W/runs/${PACK_DRAFTER:-none}"/drafter-*/; do
     [ -n "${PACK_DRAFTER:-}" ] && [ -e "$ex/config.json" ] || continue
-    tar -czf "$W/drafter.tar.gz" -C "$ex" . && split -b 15M -d -a 2 "$W/drafter.tar.gz" "$OUT/drafter.tar.gz.part" && packed=1
+    send_drafter_parts "$ex" && packed=1
     break
   done
   if [ "$packed" = 0 ] && [ -z "${SEED:-}" ] && [ -e "$W/status/s01.done" ] && [ -e "$ROOT/prompts.jsonl" ]; then  # SEED: they are here already
@@ -392,6 +393,24 @@ PYEOF
     fi
   fi
   ls "$W/status"
+}
+
+send_drafter_parts() {  # send_drafter_parts EXPORT_DIR: the export as drafter.tar.gz.partNN (15 MiB each, split once
+  # into $W/drafter-parts), at most 4 not yet sent per call into $OUT (60 MiB: $OUT takes 64 MiB and 8 files a call).
+  # A two-layer 6,144-wide export (~86 MB, ~66 MB gzipped) takes two calls: `pack` again on the warm machine sends the
+  # rest; the parts of both calls together are INIT's / tar's input (cat drafter.tar.gz.part?? | tar -xz).
+  local d="$W/drafter-parts" p n=0 left=0
+  if [ ! -e "$d/split.done" ]; then
+    rm -rf "$d"; mkdir -p "$d"
+    tar -czf "$W/drafter.tar.gz" -C "$1" . && split -b 15M -d -a 2 "$W/drafter.tar.gz" "$d/drafter.tar.gz.part" \
+      && touch "$d/split.done" || return 1
+  fi
+  for p in "$d"/drafter.tar.gz.part??; do
+    [ -e "$p.sent" ] && continue
+    if [ "$n" -lt 4 ]; then cp "$p" "$OUT/" && touch "$p.sent" && n=$((n + 1)); else left=$((left + 1)); fi
+  done
+  if [ "$left" -gt 0 ]; then echo "== drafter: $n parts in \$OUT, $left more: run \`$0 pack\` again (warm machine)"
+  else echo "== drafter: $n parts in \$OUT, all sent ($(ls "$d"/drafter.tar.gz.part?? | wc -l) in all)"; fi
 }
 
 speed_bench() {  # SPEED05=NAME: 05's speedup at batch 1 (bench/offline_bench_speed.py) for recipe NAME, after every

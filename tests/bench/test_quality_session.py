@@ -184,3 +184,40 @@ def test_deadline_export_drops_resume(tmp_path):
     assert r.returncode == 0, r.stderr
     assert calls.read_text().splitlines() == ["--config c.yaml --set a=1 --resume --set b=2",
                                               "--config c.yaml --set a=1 --set b=2 --export-only"]
+
+
+@pytest.mark.slow
+def test_a_drafter_over_64_mib_comes_back_in_two_packs(tmp_path):
+    """PACK_DRAFTER: an export whose gzipped tarball is over the 4 parts of 15 MiB one call's $OUT can take (a
+    two-layer 6,144-wide SmolLM2 export is ~66 MB gzipped) comes back over two `pack` calls, each part once; the
+    parts of both calls rebuild the export byte for byte."""
+    w = tmp_path / "w"
+    _after_01(w)
+    (w / "status" / "ALL.done").touch()
+    ex = w / "runs" / "deep" / "drafter-sglang"
+    ex.mkdir(parents=True)
+    (ex / "config.json").write_text('{"architectures": ["LlamaForCausalLMEagle3"]}')
+    payload = os.urandom(64 * 2**20)  # incompressible: 5 parts of 15 MiB at most
+    (ex / "model.safetensors").write_bytes(payload)
+    outs, said = [], []
+    for k in range(3):
+        out = tmp_path / f"out{k}"
+        out.mkdir()
+        r = _driver("pack", {"W": str(w), "OUT": str(out), "PACK_DRAFTER": "deep"})
+        assert r.returncode == 0, r.stderr
+        outs.append(sorted(out.glob("drafter.tar.gz.part*")))
+        said.append(next(line for line in r.stdout.splitlines() if line.startswith("== drafter:")))
+    assert [len(o) for o in outs] == [4, 1, 0]
+    assert said[0].startswith("== drafter: 4 parts in $OUT, 1 more: run `") and said[0].endswith(" pack` again (warm machine)")
+    assert said[1] == "== drafter: 1 parts in $OUT, all sent (5 in all)"
+    names = [p.name for o in outs for p in o]
+    assert names == [f"drafter.tar.gz.part{i:02d}" for i in range(5)]  # each part once, in order
+    assert all(p.stat().st_size <= 15 * 2**20 for o in outs for p in o)
+    assert not list((tmp_path / "out0").glob("prompts.jsonl.gz.part*"))  # the drafter takes the place of the prompts
+    back = tmp_path / "back"
+    back.mkdir()
+    cat = subprocess.run(["bash", "-c", f"cat {' '.join(str(p) for o in outs for p in o)} | tar -xzf - -C {back}"],
+                         capture_output=True, text=True)
+    assert cat.returncode == 0, cat.stderr
+    assert (back / "model.safetensors").read_bytes() == payload
+    assert (back / "config.json").read_text() == (ex / "config.json").read_text()
