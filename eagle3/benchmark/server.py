@@ -48,7 +48,7 @@ from tqdm import tqdm
 
 from eagle3.benchmark.offline import json_safe, plot_acceptance, rates_from_hist
 from eagle3.errors import UserError
-from eagle3.io import json_error_detail
+from eagle3.io import json_error_detail, read_json
 
 log = logging.getLogger(__name__)
 
@@ -352,18 +352,48 @@ def run(cfg, urls: Sequence[str], datasets: Optional[Sequence[str]] = None, num_
     tok = load_tokenizer(cfg.verifier)
     for w in draft_folder_warnings(cfg, urls[0]):
         log.warning("%s", w)
-    for name, label in zip(datasets, dataset_labels(datasets)):
+    labels = dataset_labels(datasets)
+    for w in stale_server_reports(Path(cfg.bench_dir), labels):
+        log.warning("%s", w)
+    for name, label, out in zip(datasets, labels, report_dirs(Path(cfg.bench_dir), labels)):
         prompts, notes = load_eval_subset(name, num_prompts, cfg.benchmark.prompt_pick)
         for w in notes:
             log.warning("%s", w)
         ids = [(p.id, prompt_ids(tok, p.messages, ChatOptions.from_config(cfg))) for p in prompts]
-        out = Path(cfg.bench_dir) if len(datasets) == 1 else Path(cfg.bench_dir) / f"server-{label.replace('/', '_')}"
         report = run_server_bench(urls, ids, max_new_tokens, concurrency, label, timeout, out, extra={
             "prompt_pick": cfg.benchmark.prompt_pick, "prompt_ids": [i for i, _ in ids], "warnings": notes})
         s = report["servers"][0]
         log.info("%s: tau %s, %.1f output tok/s%s", label, f"{s['tau']:.2f}" if s.get("tau") else "n/a",
                  s["output_tokens_per_s"], f", speedup {report['speedup']:.2f}x" if "speedup" in report else "")
     return 0
+
+
+def report_dirs(bench_dir: Path, labels: Sequence[str]) -> list[Path]:
+    """Where :func:`run` writes each set's ``server_bench.json``: ``bench_dir`` for one set, else
+    ``bench_dir/server-{label}`` ("/" in a label as "_")."""
+    if len(labels) == 1:
+        return [bench_dir]
+    return [bench_dir / f"server-{label.replace('/', '_')}" for label in labels]
+
+
+def stale_server_reports(bench_dir: Path, labels: Sequence[str]) -> list[str]:
+    """Warnings for the server reports in ``bench_dir`` that a run on ``labels`` will not rewrite: a one-set run
+    writes ``bench_dir/server_bench.json`` and leaves earlier ``server-*/`` folders, a several-set run writes
+    ``server-{label}/`` and leaves an earlier top-level report (and other sets' folders). Each warning names the file
+    and its set, so a reader does not take an earlier run's figures for this one's."""
+    fresh = {d / "server_bench.json" for d in report_dirs(bench_dir, labels)}
+    found = [bench_dir / "server_bench.json", *sorted(bench_dir.glob("server-*/server_bench.json"))]
+    out = []
+    for f in found:
+        if f in fresh or not f.is_file():
+            continue
+        try:
+            name = read_json(f).get("dataset", "?")
+        except (UserError, AttributeError, ValueError, OSError):  # unreadable: still stale
+            name = "?"
+        out.append(f"{f}: a server report of an earlier run (set {name}), not rewritten by this one; this run writes "
+                   + ", ".join(str(p) for p in sorted(fresh)))
+    return out
 
 
 def draft_folder_warnings(cfg, url: str, timeout: float = 30.0) -> list[str]:

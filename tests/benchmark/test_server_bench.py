@@ -271,3 +271,29 @@ def test_cli_server_mode_from_the_config(tmp_path, tiny_llama_dir):
         for d in ("d1", "d2"):
             rep = json.loads((tmp_path / "out" / "bench" / f"server-{d}_two" / "server_bench.json").read_text())
             assert rep["dataset"] == f"{d}/two"
+
+
+def test_stale_server_reports_are_named(tmp_path):
+    """A one-set 05 --server run writes bench/server_bench.json and a several-set run bench/server-{set}/: the
+    reports an earlier run left in the other layout are not rewritten, so each is named in a warning with its set."""
+    from eagle3.benchmark.server import report_dirs, stale_server_reports
+
+    bench = tmp_path / "bench"
+    assert report_dirs(bench, ["mtbench"]) == [bench]
+    assert report_dirs(bench, ["mtbench", "d1/two"]) == [bench / "server-mtbench", bench / "server-d1_two"]
+    assert stale_server_reports(bench, ["mtbench"]) == []  # nothing there yet
+    for d, name in ((bench, "gsm8k"), (bench / "server-mtbench", "mtbench"), (bench / "server-humaneval", "humaneval")):
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "server_bench.json").write_text(json.dumps({"dataset": name}))
+    got = stale_server_reports(bench, ["mtbench", "gsm8k"])  # several sets: the top-level one and humaneval's are old
+    assert got == [f"{bench / 'server_bench.json'}: a server report of an earlier run (set gsm8k), not rewritten by "
+                   f"this one; this run writes {bench / 'server-gsm8k' / 'server_bench.json'}, "
+                   f"{bench / 'server-mtbench' / 'server_bench.json'}",
+                   f"{bench / 'server-humaneval' / 'server_bench.json'}: a server report of an earlier run (set "
+                   f"humaneval), not rewritten by this one; this run writes {bench / 'server-gsm8k' / 'server_bench.json'}, "
+                   f"{bench / 'server-mtbench' / 'server_bench.json'}"]
+    one = stale_server_reports(bench, ["gsm8k"])  # one set: the folders of both earlier sets are old
+    assert [w.split(":")[0] for w in one] == [str(bench / "server-humaneval" / "server_bench.json"),
+                                              str(bench / "server-mtbench" / "server_bench.json")]
+    (bench / "server-humaneval" / "server_bench.json").write_text("{not json")
+    assert "(set ?)" in stale_server_reports(bench, ["gsm8k"])[0]  # unreadable: still named
