@@ -286,8 +286,10 @@ class PromptsConfig(_Strict):
         "a scratch cache row), each shape captured once as a CUDA graph on CUDA and replayed after: an eager SmolLM2 "
         "prefill forward costs 35-48 ms of host dispatch (~1,700 ops) whatever it carries. On the CPU, or where "
         "capture fails (one warning), the same bucketed forwards run eagerly. Off by default: measured on the H200 "
-        "(bench/regen_speed.py --prefill-graphs-ab, 3,000 conversations, lease 2026-12-05) it gives 0.36x the "
-        "tokens/s (95 prefill forwards fell into 46 shapes, so nearly every forward paid a capture). Greedy answers are the same in float32 (tested). A speed "
+        "(bench/regen_speed.py --prefill-graphs-ab, 3,000 conversations, lease 2026-12-05) its prefill took 2.1x as "
+        "long (95 forwards fell into 46 bucket shapes, so nearly every forward paid a capture), and the run 0.36x "
+        "the tokens/s (that figure also holds a cold compile of the decode step, whose cache gains the scratch row). "
+        "Greedy answers are the same in float32 (tested). A speed "
         "setting: not in 01's settings fingerprint")
     max_context_tokens: Optional[int] = Field(
         None, ge=1, description="regeneration answers a turn only while its rendered prompt is shorter than this many "

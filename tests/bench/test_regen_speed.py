@@ -180,12 +180,15 @@ def test_setting_ab_order_and_first_steps(tiny_llama_dir, monkeypatch):
     assert seen == [False, True] and pg["order"] == ["off", "on"]
     assert pg["on"]["first_step_s"] == 3.0 and pg["off"]["first_step_s"] == 0.25
     assert pg["identical"] == pg["answers_compared"] == 1
+    assert pg["speed_ratio"] == 1.0  # same seconds and tokens in the fake runs
+    assert pg["steady_speed_ratio"] == pytest.approx((10 / (5.0 - 3.0)) / (10 / (5.0 - 0.25)))  # 2.375x
     md = rsp.markdown({"main": {"conversations": 1, "engine": "slots", "answers": 1, "new_tokens": 10, "seconds": 1.0,
                                 "tokens_per_s": 10.0, "decode_steps": 5}, "verifier": "v", "dtype": "float32",
                        "device": "cpu", "batch_size": 2, "max_new_tokens": 8, "max_context": 16, "bandwidth_gb_s": None,
                        "prefill_graphs_ab": pg})
     rows = [line for line in md.splitlines() if line.startswith("| off |") or line.startswith("| on |")]
     assert rows[0].startswith("| off |") and "| 1.00 (0.2) |" in rows[0] and "| 4.00 (3.0) |" in rows[1]
+    assert "on/off: tokens/s 1.000x (2.375x without each run's first decode steps)" in md
     seen.clear()
     assert rsp.prefill_graphs_ab(model, tok, cfg, convs, 2, 8, {"slots": {}})["order"] == ["on", "off"]
     assert seen == [True, False]
