@@ -45,6 +45,11 @@ Input: the config's ``prompts.source`` read, deduplicated and sampled as stage 0
    come with the seconds of its first steps per slot prefix (compile + capture): lease 2026-12-05's prefill-graphs
    A/B spent 42.4 s in decode *on* (run first) against 12.5 s *off*, and the order could not be told from the setting.
 
+7. Decode rows A/B (``--batch-ab ROWS``): after the main run, the main input again at ROWS decode rows, compared with
+   the main run as in 5 (tokens/s with and without first steps, answers, near-ties); out of memory at ROWS is
+   reported. The 1,024-row decode step was bound by its number of kernels (lease 2026-12-02c), so more rows a step
+   may raise tokens/s on the 17K config: ``--batch-ab 2048`` (~112 GiB of KV cache for SmolLM2 at 2,560 columns).
+
 CPU smoke (tests/bench/test_regen_speed.py): ``--set verifier.path=<tiny> --num 6 --baseline-num 4``.
 """
 
@@ -267,13 +272,14 @@ def _steady_ratio(on: dict, off: dict) -> Optional[float]:
     return (on["new_tokens"] / a) / (off["new_tokens"] / b) if a > 0 and b > 0 else None
 
 
-def ab_summary(ab: dict) -> str:
-    """The line under an on/off table (:func:`setting_ab`'s result): the tokens/s and prefill-seconds ratios and how
-    many answers were identical, with the near-ties among the first differences when they were checked."""
+def ab_summary(ab: dict, names: str = "on/off") -> str:
+    """The line under an A/B table (:func:`ab_compare`'s keys; ``names`` says which run is over which): the tokens/s
+    and prefill-seconds ratios and how many answers were identical, with the near-ties among the first differences
+    when they were checked."""
     ratio = f"{ab['prefill_s_ratio']:.3f}x" if ab["prefill_s_ratio"] is not None else "n/a"
     steady = (f" ({ab['steady_speed_ratio']:.3f}x without each run's first decode steps)"
               if ab.get("steady_speed_ratio") is not None else "")
-    return (f"on/off: tokens/s {ab['speed_ratio']:.3f}x{steady}, prefill seconds {ratio}; "
+    return (f"{names}: tokens/s {ab['speed_ratio']:.3f}x{steady}, prefill seconds {ratio}; "
             f"{ab['identical']} of {ab['answers_compared']} answers identical"
             + (f"; {ab['near_ties']} of {ab['differing_first_turns_checked']} first differences are near-ties "
                f"(logit gap <= {ab['tie_tolerance']}), max gap {ab['max_gap']}." if "near_ties" in ab else "."))
@@ -338,6 +344,21 @@ def markdown(res: dict) -> str:
                          f"{r['decode_s']:.2f}{_first(r)} | {r['prefill_tokens']} / {r['prefill_padded_tokens']} | "
                          f"{r['prefill_graph_captures']} ({r['prefill_capture_s']:.2f}) |")
         lines += ["", ab_summary(pg)]
+    ba = res.get("batch_ab")
+    if ba:
+        small, big = ba["sizes"]
+        lines += ["", f"Decode rows {big} against the main run's {small} (`--batch-ab {big}`), slots engine, the main "
+                  f"input ({ba['conversations']} conversations):", ""]
+        if "error" in ba:
+            lines.append(f"{big} rows: {ba['error']}")
+        else:
+            lines += ["| decode rows | seconds | tokens/s | decode steps | prefill s | decode s (first steps) |",
+                      "|---:|---:|---:|---:|---:|---:|"]
+            for size in (small, big):
+                r = ba["runs"][str(size)]
+                lines.append(f"| {size} | {r['seconds']:.1f} | {r['tokens_per_s']:.0f} | {r['decode_steps']} | "
+                             f"{r['prefill_s']:.2f} | {r['decode_s']:.2f}{_first(r)} |")
+            lines += ["", ab_summary(ba, f"{big}/{small} rows")]
     b = res.get("bound")
     if b:
         lines += ["", f"Bound: **{b['verdict']}** (decode step {b['step_ms_launch_floor']:.2f} ms at a 256-column "
@@ -426,11 +447,7 @@ def setting_ab(model, tok, cfg, convs, batch_size: int, max_new: int, opts_kw: d
         kw = {**opts_kw, "slots": {**opts_kw["slots"], option: on}}
         outs[name], st = timed_run(model, tok, convs, "slots", cfg, batch_size, max_new, kw)
         es = st["engine_stats"]
-        rows[name] = {"seconds": st["seconds"], "tokens_per_s": st["tokens_per_s"], "new_tokens": st["new_tokens"],
-                      "prefill_s": es["prefill_s"], "decode_s": es["decode_s"], "prefill_calls": es["prefill_calls"],
-                      "prefill_tokens": es["prefill_tokens"], "reused_tokens": es["reused_tokens"],
-                      "decode_steps": st["decode_steps"],
-                      "first_step_s": sum((es.get("first_step_s") or {}).values()) if "first_step_s" in es else None}
+        rows[name] = ab_row(st)
         if option == "prefill_graphs":
             rows[name].update({k: es.get(k) for k in ("prefill_padded_tokens", "prefill_graph_captures",
                                                       "prefill_capture_s", "prefill_buckets")})
@@ -438,19 +455,60 @@ def setting_ab(model, tok, cfg, convs, batch_size: int, max_new: int, opts_kw: d
               f"prefill forwards {es['prefill_calls']} in {es['prefill_s']:.2f} s, decode {es['decode_s']:.2f} s"
               + (f", {es.get('prefill_graph_captures')} prefill graphs captured in {es.get('prefill_capture_s', 0):.2f} s"
                  if option == "prefill_graphs" else ""), flush=True)
-    pairs = [(m.get("tokens"), n.get("tokens")) for c, d in zip(outs["on"], outs["off"])
+    return {"conversations": len(convs), "order": [name for name, _ in order], **rows,
+            **ab_compare(model, tok, cfg, outs["on"], outs["off"], rows["on"], rows["off"])}
+
+
+def ab_row(st: dict) -> dict:
+    """One A/B run's figures from :func:`timed_run`'s stats (slots engine): seconds, tokens/s, new tokens, prefill /
+    decode device seconds, prefill forwards and tokens, reused tokens, decode steps, and ``first_step_s``: the
+    seconds of its decode steps that were the first at a slot prefix (compile + CUDA graph capture, inside
+    ``decode_s``; None where the engine records none)."""
+    es = st["engine_stats"]
+    return {"seconds": st["seconds"], "tokens_per_s": st["tokens_per_s"], "new_tokens": st["new_tokens"],
+            "prefill_s": es["prefill_s"], "decode_s": es["decode_s"], "prefill_calls": es["prefill_calls"],
+            "prefill_tokens": es["prefill_tokens"], "reused_tokens": es["reused_tokens"],
+            "decode_steps": st["decode_steps"],
+            "first_step_s": sum((es.get("first_step_s") or {}).values()) if "first_step_s" in es else None}
+
+
+def ab_compare(model, tok, cfg, out_a: list, out_b: list, row_a: dict, row_b: dict) -> dict:
+    """Run A against run B on the same conversations: every answer pair (``answers_compared``, ``identical``), each
+    conversation's first differing turn with the logit gap at its first differing token (:func:`compare`; its own
+    counts stop at that turn, as later turns see different histories: kept under ``*_to_first_difference``), and
+    the A/B ratios of tokens/s (``speed_ratio``), of tokens/s without first steps (``steady_speed_ratio``) and of
+    prefill seconds (``prefill_s_ratio``)."""
+    pairs = [(m.get("tokens"), n.get("tokens")) for c, d in zip(out_a, out_b)
              for m, n in zip(c["messages"], d["messages"]) if "tokens" in m and "tokens" in n]
-    # each conversation's first differing turn: the logit gap at its first differing token (compare(); its own
-    # counts stop at that turn, as later turns see different histories: kept under *_to_first_difference)
-    eq = compare(model, tok, cfg, outs["on"], outs["off"], tie_tolerance(cfg, model))
+    eq = compare(model, tok, cfg, out_a, out_b, tie_tolerance(cfg, model))
     eq["answers_compared_to_first_difference"] = eq.pop("answers_compared")
     eq["identical_to_first_difference"] = eq.pop("identical")
-    return {"conversations": len(convs), "order": [name for name, _ in order], **rows, **eq,
-            "answers_compared": len(pairs),
-            "identical": sum(a == b for a, b in pairs),
-            "speed_ratio": rows["on"]["tokens_per_s"] / rows["off"]["tokens_per_s"],
-            "steady_speed_ratio": _steady_ratio(rows["on"], rows["off"]),
-            "prefill_s_ratio": rows["on"]["prefill_s"] / rows["off"]["prefill_s"] if rows["off"]["prefill_s"] else None}
+    return {**eq, "answers_compared": len(pairs), "identical": sum(a == b for a, b in pairs),
+            "speed_ratio": row_a["tokens_per_s"] / row_b["tokens_per_s"],
+            "steady_speed_ratio": _steady_ratio(row_a, row_b),
+            "prefill_s_ratio": row_a["prefill_s"] / row_b["prefill_s"] if row_b["prefill_s"] else None}
+
+
+def batch_ab(model, tok, cfg, convs, main_out: list, main_st: dict, batch_size: int, other: int, max_new: int,
+             opts_kw: dict) -> dict:
+    """The main input again at ``other`` decode rows (``prompts.gen_batch_size``), after the main run at
+    ``batch_size`` (slots engine, same process; each size compiles its own decode step, cold for a size the Inductor
+    cache has not seen). Lease 2026-12-02c found the 1,024-row step bound by its number of kernels, not its bytes, so
+    more rows a step may be more tokens a second, until the KV cache (rows x context x 2 x layers x KV width x 2
+    bytes: ~112 GiB for SmolLM2 at 2,048 rows x 2,560 columns) fills the GPU. Returns ``{"sizes": [batch_size,
+    other], "conversations", "runs": {str(size): ab_row}, ...}`` with :func:`ab_compare` of ``other`` against
+    ``batch_size``; an out-of-memory at ``other`` is a result (``error``), not a crash."""
+    import torch
+
+    res = {"sizes": [batch_size, other], "conversations": len(convs)}
+    try:
+        out, st = timed_run(model, tok, convs, "slots", cfg, other, max_new, opts_kw)
+    except torch.OutOfMemoryError as e:
+        torch.cuda.empty_cache()
+        return {**res, "error": f"OutOfMemoryError at {other} rows: {str(e).splitlines()[0][:300]}"}
+    rows = {str(batch_size): ab_row(main_st), str(other): ab_row(st)}
+    return {**res, "runs": rows,
+            **ab_compare(model, tok, cfg, out, main_out, rows[str(other)], rows[str(batch_size)])}
 
 
 def main(argv=None) -> int:
@@ -473,6 +531,9 @@ def main(argv=None) -> int:
     p.add_argument("--prefill-graphs-ab", type=non_negative_int, default=0, metavar="N",
                    help="also run the slots engine on N conversations of the main input (spread) with bucketed prefill "
                         "forwards captured as CUDA graphs (prompts.regen_prefill_graphs) on, then off (0 = skip)")
+    p.add_argument("--batch-ab", type=positive_int, default=None, metavar="ROWS",
+                   help="after the main run, the main input again at ROWS decode rows (prompts.gen_batch_size), "
+                        "compared with the main run (tokens/s, answers); out of memory is reported, not raised")
     p.add_argument("--ab-off-first", action="store_true",
                    help="the A/B runs (--reuse-ab, --prefill-graphs-ab) run the setting off first, then on")
     p.add_argument("--copy-gib", type=float, default=4.0, help="size of the bandwidth probe copy")
@@ -480,6 +541,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--md", type=Path, default=None)
     a = p.parse_args(argv)
+    if a.batch_ab and a.main_engine != "slots":
+        p.error("--batch-ab compares the slots engine at two batch sizes: use it with --main-engine slots")
     cfg = load_config(a.config, a.overrides)
 
     import torch
@@ -499,7 +562,7 @@ def main(argv=None) -> int:
     # warm-up (kernels, allocator) uncompiled: an 8-slot compile would be a cold compile no later run reuses
     warm_kw = {**opts_kw, "slots": {**opts_kw["slots"], "compile_step": False}}
     timed_run(model, tok, main_convs[:8], a.main_engine, cfg, 8, 8, warm_kw)
-    _, st = timed_run(model, tok, main_convs, a.main_engine, cfg, batch_size, max_new, opts_kw)
+    main_out, st = timed_run(model, tok, main_convs, a.main_engine, cfg, batch_size, max_new, opts_kw)
     res = {"verifier": cfg.verifier.display_name(), "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
            "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else str(dev),
            "torch": torch.__version__, "transformers": __import__("transformers").__version__,
@@ -509,6 +572,8 @@ def main(argv=None) -> int:
            "main": _row(st, a.main_engine, len(main_convs)), "roofline": roofline(st, weight_bytes, bw)}
     if a.main_engine == "slots" and not a.no_bound:
         res["bound"] = bound(model, st, cfg, batch_size, max_new, bw)
+    if a.batch_ab:
+        res["batch_ab"] = batch_ab(model, tok, cfg, main_convs, main_out, st, batch_size, a.batch_ab, max_new, opts_kw)
     if a.reuse_ab:
         res["prefix_reuse_ab"] = reuse_ab(model, tok, cfg, spread(main_convs, a.reuse_ab), batch_size, max_new, opts_kw,
                                           a.ab_off_first)

@@ -58,7 +58,7 @@ def test_bench_runs_tiny_on_cpu(tmp_path, tiny_llama_dir):
     assert rsp.main(["--config", str(ROOT / "configs" / "tiny-llama.yaml"), "--set", f"verifier.path={tiny_llama_dir}",
                      "--prompts", str(src), "--baseline-num", "4", "--hf-num", "2", "--batch-size", "3",
                      "--max-new-tokens", "5", "--set", "prompts.regen_check_every=2", "--reuse-ab", "6",
-                     "--prefill-graphs-ab", "5", "--json", str(out),
+                     "--prefill-graphs-ab", "5", "--batch-ab", "2", "--json", str(out),
                      "--md", str(tmp_path / "r.md")]) == 0
     res = json.loads(out.read_text())
     assert res["main"]["conversations"] == 6 and res["main"]["answers"] == sum(turns)
@@ -89,6 +89,14 @@ def test_bench_runs_tiny_on_cpu(tmp_path, tiny_llama_dir):
     assert on["prefill_tokens"] == off["prefill_tokens"] and on["prefill_padded_tokens"] >= off["prefill_padded_tokens"]
     md = (tmp_path / "r.md").read_text()
     assert "Prefill graphs on / off" in md and f"{pg['identical']} of {pg['answers_compared']} answers identical" in md
+    ba = res["batch_ab"]  # the main input again at 2 decode rows against the main run's 3
+    assert ba["sizes"] == [3, 2] and ba["conversations"] == 6 and "error" not in ba
+    assert ba["identical"] == ba["answers_compared"] == sum(turns)  # fp32: the batch size changes no token
+    assert ba["runs"]["3"]["new_tokens"] == res["main"]["new_tokens"] == ba["runs"]["2"]["new_tokens"]
+    assert ba["runs"]["3"]["seconds"] == res["main"]["seconds"]  # the main run is the 3-row arm, not run again
+    assert ba["runs"]["2"]["decode_steps"] > ba["runs"]["3"]["decode_steps"]  # fewer rows: more steps
+    assert ba["speed_ratio"] == ba["runs"]["2"]["tokens_per_s"] / ba["runs"]["3"]["tokens_per_s"]
+    assert "Decode rows 2 against the main run's 3" in md and "| 2 | " in md and "2/3 rows: tokens/s" in md
 
 
 def test_reuse_ab_counts_differences_by_logit_gap(tiny_llama_dir, monkeypatch):
@@ -192,3 +200,34 @@ def test_setting_ab_order_and_first_steps(tiny_llama_dir, monkeypatch):
     seen.clear()
     assert rsp.prefill_graphs_ab(model, tok, cfg, convs, 2, 8, {"slots": {}})["order"] == ["on", "off"]
     assert seen == [True, False]
+
+
+def test_batch_ab_reports_out_of_memory(tiny_llama_dir, monkeypatch):
+    """--batch-ab at a size the GPU cannot hold: the error is the result (one line), the bench goes on."""
+    import torch
+
+    from eagle3.config import load_config
+    from eagle3.verifier import load_verifier
+
+    cfg = load_config(ROOT / "configs" / "tiny-llama.yaml", [f"verifier.path={tiny_llama_dir}"])
+    model, tok = load_verifier(cfg.verifier)
+
+    def oom(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 120.00 GiB\nmore detail")
+
+    monkeypatch.setattr(rsp, "timed_run", oom)
+    ba = rsp.batch_ab(model, tok, cfg, [{}], [], {}, 1024, 2048, 8, {"slots": {}})
+    assert ba == {"sizes": [1024, 2048], "conversations": 1,
+                  "error": "OutOfMemoryError at 2048 rows: CUDA out of memory. Tried to allocate 120.00 GiB"}
+    md = rsp.markdown({"main": {"conversations": 1, "engine": "slots", "answers": 1, "new_tokens": 10, "seconds": 1.0,
+                                "tokens_per_s": 10.0, "decode_steps": 5}, "verifier": "v", "dtype": "float32",
+                       "device": "cpu", "batch_size": 1024, "max_new_tokens": 8, "max_context": 16,
+                       "bandwidth_gb_s": None, "batch_ab": ba})
+    assert "2048 rows: OutOfMemoryError at 2048 rows" in md
+
+
+def test_batch_ab_needs_the_slots_engine(tmp_path):
+    from eagle3.errors import UserError
+
+    with pytest.raises(UserError, match="--batch-ab compares the slots engine at two batch sizes"):
+        rsp.main(["--config", str(ROOT / "configs" / "tiny-llama.yaml"), "--main-engine", "static", "--batch-ab", "8"])
