@@ -500,12 +500,15 @@ def batch_ab(model, tok, cfg, convs, main_out: list, main_st: dict, batch_size: 
     ``batch_size``; an out-of-memory at ``other`` is a result (``error``), not a crash."""
     import torch
 
+    from eagle3.prompts.continuous import KVCacheTooLarge
+
     res = {"sizes": [batch_size, other], "conversations": len(convs)}
     try:
         out, st = timed_run(model, tok, convs, "slots", cfg, other, max_new, opts_kw)
-    except torch.OutOfMemoryError as e:
-        torch.cuda.empty_cache()
-        return {**res, "error": f"OutOfMemoryError at {other} rows: {str(e).splitlines()[0][:300]}"}
+    except (torch.OutOfMemoryError, KVCacheTooLarge) as e:  # the engine's own check, or the allocator's
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return {**res, "error": f"{type(e).__name__} at {other} rows: {str(e).splitlines()[0][:300]}"}
     rows = {str(batch_size): ab_row(main_st), str(other): ab_row(st)}
     return {**res, "runs": rows,
             **ab_compare(model, tok, cfg, out, main_out, rows[str(other)], rows[str(batch_size)])}

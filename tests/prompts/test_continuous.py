@@ -967,3 +967,21 @@ def test_prefill_graph_capture_failure_falls_back_to_eager(tiny, caplog):
     warns = [r for r in caplog.records if "prefill CUDA graph capture failed" in r.getMessage()]
     assert len(warns) == 1 and eng._prefill_capture is False
     assert eng.stats["prefill_graph_captures"] == 0 and eng.stats["prefill_calls"] >= 2
+
+
+def test_kv_cache_size_is_checked_before_allocation():
+    """SmolLM2-135M's slot KV cache (30 layers, 3 KV heads of 64, bf16) at 2,560 columns: 56.25 GiB at 1,024 rows and
+    112.5 GiB at 2,048; a cache over 90% of the free GPU memory is refused in one line naming the settings."""
+    from eagle3.errors import UserError
+    from eagle3.prompts.continuous import KVCacheTooLarge, check_kv_fits
+
+    gib = 2**30
+    assert check_kv_fits(1024, 2560, 30, 3, 64, 2, 139 * gib) == 2 * 30 * 1024 * 3 * 2560 * 64 * 2 == int(56.25 * gib)
+    assert check_kv_fits(2048, 2560, 30, 3, 64, 2, 139 * gib) == int(112.5 * gib)  # 112.5 <= 0.9 x 139 = 125.1
+    with pytest.raises(KVCacheTooLarge) as e:
+        check_kv_fits(2048, 2560, 30, 3, 64, 2, 120 * gib)  # 112.5 > 0.9 x 120 = 108
+    assert isinstance(e.value, UserError)
+    assert str(e.value) == ("prompts.gen_batch_size: the regeneration KV cache of 2048 rows x 2560 columns (30 layers, "
+                            "3 KV heads of 64) needs 112.5 GiB, more than 90% of the 120.0 GiB the GPU has free; lower "
+                            "prompts.gen_batch_size (rows) or prompts.max_context_tokens / prompts.max_new_tokens "
+                            "(columns)")
