@@ -51,6 +51,15 @@ def _numeric_leaves(annotation) -> tuple[bool, bool]:
 
 
 
+def _int_only(annotation) -> bool:
+    """True if ``annotation`` is ``int`` or ``Optional[int]`` (a Union with str, float, bool or a Literal is not)."""
+    import typing
+
+    if annotation is int:
+        return True
+    return typing.get_origin(annotation) is Union and set(typing.get_args(annotation)) == {int, type(None)}
+
+
 def _has_bool(value) -> bool:
     """True if ``value`` is a bool or a list/tuple holding one (YAML ``true``/``false``)."""
     if isinstance(value, bool):
@@ -91,6 +100,10 @@ class _Strict(BaseModel):
     string paths, so only booleans are refused, by one before-validator on every field whose type
     (inside Optional/list) is int or float and not bool.
 
+    An integer field (``int``, ``Optional[int]``) refuses a string (``max_steps: "2"``): lax mode would take it (an
+    element of a ``list[int]`` is still coerced). A float field still takes one, because PyYAML (YAML 1.1) reads an unquoted ``1e-3`` as the string
+    ``"1e-3"`` (its float syntax needs a dot: ``1.0e-3``), the usual way to write a learning rate.
+
     The other way round, lax mode turns ``1``, ``0``, ``"yes"``, ``"on"``, ``"true"`` (quoted strings)
     into a bool; a ``bool`` field here accepts only what the YAML loader made a boolean (``true`` /
     ``false``; PyYAML reads YAML 1.1, so unquoted ``yes``/``no``/``on``/``off`` are booleans before
@@ -117,6 +130,8 @@ class _Strict(BaseModel):
                                  f"on/off/yes/no as a boolean")
         elif v is not None and _plain_bool(cls.model_fields[info.field_name].annotation):
             raise ValueError("expected true or false (an unquoted YAML boolean)")
+        elif isinstance(v, str) and _int_only(cls.model_fields[info.field_name].annotation):
+            raise ValueError("expected an integer, not a string (quoted in the YAML?)")
         return v
 
 

@@ -149,6 +149,22 @@ def test_a_boolean_is_never_a_number(tmp_path, override, key):
     assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float) and cfg.train.compile is True
 
 
+@pytest.mark.parametrize("override,key", [('data.draft_vocab_size="32000"', "data.draft_vocab_size"),
+                                          ('train.max_steps="10"', "train.max_steps")])
+def test_a_quoted_integer_is_refused(tmp_path, override, key):
+    """An int / Optional[int] field refuses a string (lax mode took "32000"); a float field still takes one, as PyYAML
+    reads an unquoted 1e-3 as the string "1e-3"."""
+    with pytest.raises(UserError) as e:
+        load_config(_write(tmp_path, BASE), [override])
+    assert str(e.value).startswith(f"--set {override}: field '{key}': expected an integer, not a string "
+                                   "(quoted in the YAML?)")
+    f = _write(tmp_path, BASE + 'data:\n  draft_vocab_size: "64"\n')
+    with pytest.raises(UserError, match=rf"{f}:7: field 'data.draft_vocab_size': expected an integer, not a string"):
+        load_config(f)
+    cfg = load_config(_write(tmp_path, BASE + "train:\n  lr: 1e-3\n  max_steps: 10\n"))
+    assert cfg.train.lr == 0.001 and cfg.train.max_steps == 10
+
+
 def test_prepare_data_exits_2_on_a_boolean_vocab_size(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "03_prepare_data.py"), "--config", str(ROOT / "configs/tiny-llama.yaml"),
                         "--set", "data.draft_vocab_size=true"], capture_output=True, text=True, cwd=tmp_path, timeout=300)
