@@ -23,7 +23,9 @@ def main(argv=None) -> int:
     p = ArgumentParser(description=__doc__.splitlines()[0])
     add_config_args(p)
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
-    p.add_argument("--max-steps", type=positive_int, default=None, help="total optimizer steps (overrides train.max_steps)")
+    p.add_argument("--max-steps", type=positive_int, default=None,
+                   help="cap on the optimizer steps of train.epochs (overrides train.max_steps); it cannot go past "
+                        "them: raise train.epochs for a longer run")
     p.add_argument("--stop-at", type=positive_int, default=None, metavar="STEP",
                    help="end the run at this optimizer step, before the schedule's last: the lr follows the whole "
                         "schedule up to it, then final validation, export and report as for a finished run (reproduces "

@@ -447,7 +447,9 @@ class TrainConfig(_Strict):
     weight_decay: float = Field(0.0, ge=0)
     warmup_ratio: float = Field(0.02, ge=0, le=1)
     epochs: float = Field(1.0, gt=0)
-    max_steps: Optional[int] = Field(None, ge=1, description="stop after this many optimizer steps")
+    max_steps: Optional[int] = Field(
+        None, ge=1, description="cap on the optimizer steps of `epochs` (schedule horizon and end): a value above "
+        "them changes nothing (a warning says so); raise `epochs` for a longer run")
     batch_size: int = Field(1, ge=1, description="samples per process per micro-batch (ignored when batch_tokens is set)")
     batch_tokens: Optional[int] = Field(
         None, ge=1, description="token-budget micro-batches instead of batch_size: samples of similar length "

@@ -19,7 +19,8 @@ positions never attend to padding, and padded positions are never counted (loss 
 Order: :class:`ResumableSampler` is ``torch.utils.data.DistributedSampler`` (seeded shuffle per
 epoch via ``set_epoch``, rank r takes indices ``r, r+W, ...``) that can start part-way into an
 epoch, so a resumed run sees exactly the samples an uninterrupted run would have seen, also on
-another number of processes (each sample once per epoch).
+another number of processes (each sample at most once per epoch: the tail that does not fill
+a last optimizer step is left out, see ``eagle3.train.trainer._TrainData.left_out_note``).
 """
 
 from __future__ import annotations

@@ -563,7 +563,7 @@ class _TrainData:
 
     # A resumed epoch may have been started on another number of processes: it is then described by
     # its origin (epoch, steps done, global units consumed: samples, or batches of the token-budget
-    # plan), and the rest of its data is dealt out to the current ranks (each sample once per epoch).
+    # plan), and the rest of its data is dealt out to the current ranks (each sample at most once per epoch).
     _origin: Optional[tuple[int, int, int]] = None
 
     def _units_per_step(self) -> int:
@@ -633,6 +633,28 @@ class _TrainData:
                 left = max(0, want * self._units_per_step() - g0)
                 total += min(self.steps_in_epoch(e0), k0 + math.ceil(left / self._units_per_step()))
         return max(total, step)
+
+    def left_out_note(self, n_samples: int) -> Optional[str]:
+        """The log line naming the training samples an epoch leaves out (None when every sample is trained).
+
+        Fixed batches: each epoch trains ``steps x batch_size x grad_accum x processes`` samples of its
+        permutation (reshuffled per epoch), so the same count, but other samples, are left out every epoch.
+        Token budget: every sample is in a batch, but the batch count is cut to a multiple of ``processes x
+        grad_accum``; the samples of the cut batches differ per epoch, counted here for the first epoch."""
+        if self.token_budget:
+            kept = sum(len(b) for b in self.sampler.epoch_batches(0))
+            left = n_samples - kept
+            if left <= 0:
+                return None
+            return (f"train.batch_tokens: {left} of {n_samples} training samples are left out of the first epoch "
+                    f"(their batches do not fill a last optimizer step: processes x grad_accum = {self.world * self.accum} "
+                    f"batches); the count and which samples differ per epoch (the batches are re-planned)")
+        left = n_samples - self._steps * self.samples_per_step
+        if left <= 0:
+            return None
+        return (f"{left} of {n_samples} training samples per epoch do not fill a last optimizer step (batch_size x "
+                f"grad_accum x processes = {self.samples_per_step} samples) and are left out of that epoch; the order "
+                f"is reshuffled each epoch, so other samples are left out each time")
 
     def iterate(self, epoch: int, step_in_epoch: int):
         """Micro-batches of this rank from optimizer step ``step_in_epoch`` of ``epoch`` on."""
@@ -732,7 +754,8 @@ def run(cfg: RunConfig, resume: bool = False, max_steps: Optional[int] = None, s
         resume: continue from the newest complete checkpoint in ``{train_dir}/checkpoints``
             (starts fresh, with a warning, when there is none). Without ``resume`` an existing
             checkpoint folder is an error (so a finished run is never silently overwritten).
-        max_steps: overrides ``train.max_steps`` (total optimizer steps: schedule horizon and end).
+        max_steps: overrides ``train.max_steps``: a cap on the optimizer steps of ``train.epochs`` (schedule
+            horizon and end); a value above them is logged as a warning and changes nothing.
         stop_after: stop after this many optimizer steps *in this call*, with a checkpoint, without
             changing the schedule (time-sliced / preemptible jobs; tests).
         stop_at: end the run at this optimizer step, before the schedule's last (``04_train.py --stop-at``): the lr
@@ -1052,8 +1075,17 @@ def _build_data(cfg: RunConfig, d: DistInfo, inputs: _Inputs, max_steps: Optiona
         total_steps = min(total_steps, horizon)
     val_lengths = sample_lengths(cfg.shards_dir, val_ds, max_len) if (val_ds is not None and t.batch_tokens) else None
     horizon_from = f"train.epochs {t.epochs}"
+    given = f"--max-steps {max_steps}" if max_steps is not None else f"train.max_steps {t.max_steps}"
     if horizon is not None and horizon < order.total_steps:
-        horizon_from = f"--max-steps {max_steps}" if max_steps is not None else f"train.max_steps {t.max_steps}"
+        horizon_from = given
+    if d.is_main:
+        if horizon is not None and horizon > order.total_steps:
+            log.warning("%s is more than the %d optimizer steps of train.epochs %g; it only caps that schedule, so the "
+                        "run ends after %d steps (raise train.epochs for a longer run)", given, order.total_steps,
+                        t.epochs, order.total_steps)
+        note = order.left_out_note(len(train_ds))
+        if note:
+            log.info(note)
     if val_ds is None and t.select_best == "sim_accept" and d.is_main:
         log.warning(_no_val_selection(cfg))
     return _Data(train_ds, val_ds, order, total_steps, val_lengths, t.eval_every or order.steps_in_epoch(0), horizon,
@@ -1147,11 +1179,21 @@ class _Training:
             return
         if stop_at >= self.total_steps:
             raise UserError(f"--stop-at {stop_at}: the schedule has {self.total_steps} optimizer steps; a stop at or "
-                            f"after its end is the whole run (leave --stop-at out, or set train.max_steps)")
+                            f"after its end is the whole run (leave --stop-at out, or {self._longer_schedule()})")
         if stop_at < self.step:
             raise UserError(f"--stop-at {stop_at}: the checkpoint resumed from is at step {self.step}, past it "
                             f"(`--export-only` exports it)")
         self.stop_at = stop_at  # == self.step (a run stopped by a signal on its --stop-at step): no step, the end only
+
+    def _longer_schedule(self) -> str:
+        """How to get a longer lr schedule, for the --stop-at refusal: raise what sets its end (``train.epochs``, or a
+        ``--max-steps`` / ``train.max_steps`` cap below the epochs' steps; ``train.max_steps`` cannot go past them)."""
+        t, epochs_steps = self.t, self.data.order.total_steps
+        if self.data.horizon is not None and self.data.horizon < epochs_steps:
+            name = self.data.horizon_from.split(" ")[0]
+            return (f"raise {name} (up to the {epochs_steps} steps of train.epochs {t.epochs:g}; beyond that, raise "
+                    f"train.epochs too)")
+        return f"raise train.epochs (now {t.epochs:g}) for a longer schedule"
 
     def recipe_used(self) -> dict:
         """The recipe of ``train_report.json``: the config's values, except those a resumed checkpoint's optimizer
@@ -1209,8 +1251,15 @@ class _Training:
             torch.manual_seed(t.seed + 1000 * self.step + d.rank)
         self.last_ckpt = path
         if d.is_main:
-            log.info("resumed from %s (step %d, epoch %d, %d steps into the epoch)", path, self.step, self.epoch,
-                     self.step_in_epoch)
+            log.info("resumed from %s (%s)", path, self._position())
+
+    def _position(self) -> str:
+        """Where a resumed run stands, for its log line: ``step 2, at the end of epoch 1`` or ``step 3, epoch 2,
+        1 step into it`` (epochs counted from 0, as in ``metrics.jsonl``)."""
+        k = self.step_in_epoch
+        if k >= self.data.order.steps_in_epoch(self.epoch):
+            return f"step {self.step}, at the end of epoch {self.epoch}"
+        return f"step {self.step}, epoch {self.epoch}, {k} step{'' if k == 1 else 's'} into it"
 
     def _load_state(self, path: Path, state: dict) -> None:
         """Load a checked checkpoint's weights, optimizer and scheduler (keeping this run's schedule horizon, set by
@@ -1511,6 +1560,16 @@ def drafter_shape(args, hidden: bool = False) -> str:
             + f"MLP {args.intermediate_size}, draft vocab {args.draft_vocab_size}")
 
 
+def _export_line(result: dict) -> str:
+    """The ``- export:`` value of ``train_report.md``: the export folder, or a sentence why there is none."""
+    if result.get("export_dir"):
+        return f"`{result['export_dir']}`"
+    if result.get("stopped"):
+        return ("none (stopped before the end; `04_train.py --resume` goes on, `--export-only` exports the newest "
+                "checkpoint)")
+    return "none (no export was asked for)"
+
+
 def write_report(train_dir: Path, result: dict, args) -> None:
     """``train_report.json`` + ``train_report.md`` (final validation per TTT step) + ``loss.png`` (train/val loss).
     A run stopped by a signal gets one too (``stopped``, ``signal``, its step, no ``final_val``); the run that
@@ -1524,7 +1583,7 @@ def write_report(train_dir: Path, result: dict, args) -> None:
                  f" (ended at `--stop-at {result['stop_at']}` on the {result['total_steps']}-step lr schedule)"
                  if result.get("stop_at") and not result.get("stopped") else ""),
              f"- drafter: {drafter_shape(args, hidden=True)}",
-             f"- checkpoint: `{result['checkpoint']}`", f"- export: `{result['export_dir']}`"]
+             f"- checkpoint: `{result['checkpoint']}`", f"- export: {_export_line(result)}"]
     if result.get("stopped"):
         lines.append(f"- **stopped** by signal {result.get('signal')} at step {result['step']}: no final validation, "
                      "no export; `04_train.py --resume` goes on, `--export-only` exports this checkpoint")

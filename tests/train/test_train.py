@@ -320,7 +320,7 @@ def test_cli_stop_at_passes_through_and_its_errors_are_one_line(tmp_path):
                         "--set", "verifier.device=cpu"], capture_output=True, text=True)
     assert p.returncode == 2 and p.stderr.strip().splitlines()[-1] == (
         "error: --stop-at 4: the schedule has 4 optimizer steps; a stop at or after its end is the whole run (leave "
-        "--stop-at out, or set train.max_steps)")
+        "--stop-at out, or raise train.epochs (now 1) for a longer schedule)")
     assert not ckpt.list_checkpoints(load_config(cfg).train_dir)
     p = subprocess.run([sys.executable, str(root / "04_train.py"), "--config", str(cfg), "--stop-at", "0"],
                        capture_output=True, text=True)

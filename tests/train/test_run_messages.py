@@ -1,0 +1,119 @@
+"""Stage 04's messages about the step count and the data an epoch trains: --max-steps past the epochs' steps,
+the --stop-at refusal, samples left out of an epoch, a stopped run's report, the resume position."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _ddp_worker import make_tiny_run, single_thread  # noqa: E402,F401  (autouse fixture)
+
+from eagle3.config import load_config  # noqa: E402
+from eagle3.errors import UserError  # noqa: E402
+
+TRAINER = "eagle3.train.trainer"
+
+
+def test_max_steps_past_the_epochs_warns_and_left_out_samples_are_counted(tmp_path, caplog):
+    """7 samples, batch_size 4, 2 epochs: 1 step per epoch, 2 in all; --max-steps 10 trains those 2 and says so;
+    the 3 samples that do not fill a second batch are named as left out of each epoch."""
+    from eagle3.train.trainer import run
+
+    cfg = load_config(make_tiny_run(tmp_path, n_train=7, train={"epochs": 2, "batch_size": 4, "ckpt_every": 100}))
+    with caplog.at_level(logging.INFO, logger=TRAINER):
+        r = run(cfg, device="cpu", max_steps=10)
+    assert (r["step"], r["total_steps"]) == (2, 2)
+    warn = [x.getMessage() for x in caplog.records if x.levelno == logging.WARNING and x.name == TRAINER]
+    assert ("--max-steps 10 is more than the 2 optimizer steps of train.epochs 2; it only caps that schedule, so the "
+            "run ends after 2 steps (raise train.epochs for a longer run)") in warn
+    info = [x.getMessage() for x in caplog.records if x.levelno == logging.INFO and x.name == TRAINER]
+    assert [m for m in info if "left out" in m] == [
+        "3 of 7 training samples per epoch do not fill a last optimizer step (batch_size x grad_accum x processes = 4 "
+        "samples) and are left out of that epoch; the order is reshuffled each epoch, so other samples are left out "
+        "each time"]
+
+
+def test_no_warning_and_no_left_out_line_when_nothing_is_capped_or_left(tmp_path, caplog):
+    """8 samples, batch_size 2: nothing left out; train.max_steps 3 below the epoch's 4 steps: no warning."""
+    from eagle3.train.trainer import run
+
+    cfg = load_config(make_tiny_run(tmp_path, train={"epochs": 1, "batch_size": 2, "max_steps": 3, "ckpt_every": 100}))
+    with caplog.at_level(logging.INFO, logger=TRAINER):
+        r = run(cfg, device="cpu")
+    assert r["total_steps"] == 3
+    text = caplog.text
+    assert "only caps that schedule" not in text and "left out" not in text
+
+
+def test_token_budget_left_out_batches_are_counted(tmp_path, caplog):
+    """train.batch_tokens with grad_accum 2: an odd number of planned batches leaves the last one's samples out."""
+    from eagle3.data.batching import TokenBudgetBatchSampler
+    from eagle3.train.trainer import run
+
+    lengths = (12, 9, 16, 7)
+    cfg = load_config(make_tiny_run(tmp_path, n_train=9, lengths=lengths, train={
+        "epochs": 1, "batch_tokens": 40, "grad_accum": 2, "ckpt_every": 100}))
+    plan = TokenBudgetBatchSampler([lengths[i % 4] for i in range(9)], 40, grad_accum=2, seed=cfg.train.seed)
+    batches = plan.epoch_plan(0)
+    assert len(batches) % 2 == 1  # the case under test: one batch does not fill a last step
+    with caplog.at_level(logging.INFO, logger=TRAINER):
+        run(cfg, device="cpu", stop_after=1)
+    want = (f"train.batch_tokens: {len(batches[-1])} of 9 training samples are left out of the first epoch (their "
+            f"batches do not fill a last optimizer step: processes x grad_accum = 2 batches); the count and which "
+            f"samples differ per epoch (the batches are re-planned)")
+    assert want in [x.getMessage() for x in caplog.records]
+
+
+def test_stop_at_refusal_names_what_sets_the_schedule_end(tmp_path):
+    """--stop-at at the end: train.epochs when the epochs end the schedule (train.max_steps cannot help then),
+    --max-steps / train.max_steps when a cap below the epochs' steps ends it."""
+    from eagle3.train.trainer import run
+
+    cfg = load_config(make_tiny_run(tmp_path / "a", train={"epochs": 1, "batch_size": 2, "max_steps": 9}))  # 4 steps
+    with pytest.raises(UserError) as e:
+        run(cfg, device="cpu", stop_at=4)
+    assert str(e.value) == ("--stop-at 4: the schedule has 4 optimizer steps; a stop at or after its end is the whole "
+                            "run (leave --stop-at out, or raise train.epochs (now 1) for a longer schedule)")
+    with pytest.raises(UserError) as e:
+        run(cfg, device="cpu", stop_at=3, max_steps=3)
+    assert str(e.value).endswith("(leave --stop-at out, or raise --max-steps (up to the 4 steps of train.epochs 1; "
+                                 "beyond that, raise train.epochs too))")
+    capped = load_config(make_tiny_run(tmp_path / "b", train={"epochs": 1, "batch_size": 2, "max_steps": 2}))
+    with pytest.raises(UserError, match=r"--stop-at 2: the schedule has 2 optimizer steps; .*or raise "
+                                        r"train\.max_steps \(up to the 4 steps of train\.epochs 1;"):
+        run(capped, device="cpu", stop_at=2)
+
+
+def test_stopped_run_report_says_why_there_is_no_export(tmp_path):
+    """A run stopped before its end (signal; here stop_after) exports nothing: train_report.md says so in words."""
+    from eagle3.train.trainer import run
+
+    cfg = load_config(make_tiny_run(tmp_path, train={"epochs": 1, "batch_size": 2, "ckpt_every": 100}))
+    r = run(cfg, device="cpu", stop_after=1)
+    assert (r["stopped"], r["export_dir"]) == (True, None)
+    lines = (cfg.train_dir / "train_report.md").read_text().splitlines()
+    assert [x for x in lines if x.startswith("- export:")] == [
+        "- export: none (stopped before the end; `04_train.py --resume` goes on, `--export-only` exports the newest "
+        "checkpoint)"]
+
+
+@pytest.mark.parametrize("n_train,batch_size,epochs,stop_after,want", [
+    (7, 4, 3, 2, "step 2, at the end of epoch 1"),  # 1 step per epoch: step 2 completes epoch 1 (from 0)
+    (8, 2, 1, 1, "step 1, epoch 0, 1 step into it"),
+    (8, 2, 1, 2, "step 2, epoch 0, 2 steps into it"),
+])
+def test_resume_log_line_names_the_position(tmp_path, caplog, n_train, batch_size, epochs, stop_after, want):
+    from eagle3.train.trainer import run
+
+    cfg = load_config(make_tiny_run(tmp_path, n_train=n_train, train={
+        "epochs": epochs, "batch_size": batch_size, "ckpt_every": 100}))
+    run(cfg, device="cpu", stop_after=stop_after)
+    with caplog.at_level(logging.INFO, logger=TRAINER):
+        run(cfg, resume=True, device="cpu", stop_after=1)
+    lines = [x.getMessage() for x in caplog.records if x.getMessage().startswith("resumed from ")]
+    assert len(lines) == 1 and lines[0].endswith(f"({want})"), lines
