@@ -13,8 +13,9 @@ are listed in bench.json/bench.md instead (use --set verifier.dtype=float32 for 
 
 Server mode (--server URL [URL2], or benchmark.server_urls in the config): benchmark a running SGLang server
 started with --speculative-algorithm EAGLE3 (URL2 = same verifier without speculation, for the speedup) ->
-{bench_dir}/server_bench.json, server_bench.md, server_acceptance.png; the sets are --datasets, else the config's
-benchmark.datasets when it sets them, else mtbench.
+{bench_dir}/server_bench.json, server_bench.md, server_acceptance.png ({bench_dir}/server-<set>/ per set when
+several are given); the sets are --datasets, else the config's benchmark.datasets when it sets them, else mtbench.
+Each report written is printed as a `report: PATH` line.
 """
 
 from __future__ import annotations

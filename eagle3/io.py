@@ -432,8 +432,8 @@ def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            try:
-                yield lineno, json.loads(line)
+            try:  # the line ending dropped: an error at the line's end would otherwise land at column 1 of the next
+                yield lineno, json.loads(line.rstrip("\r\n"))
             except json.JSONDecodeError as e:
                 raise UserError(f"{path}:{lineno}: malformed JSON: {json_error_detail(e)}") from e
 

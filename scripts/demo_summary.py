@@ -14,7 +14,6 @@ by ``python scripts/demo_table.py outputs/<run_name>/demo_summary.json`` (never 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -28,10 +27,20 @@ SUMMARY_VERSION = 1
 
 
 def _read(path: Path) -> Optional[dict]:
-    """The JSON object in ``path``, or None when the file is missing (a stage that did not run)."""
+    """The JSON object in ``path``, or None when the file is missing (a stage that did not run).
+
+    Raises:
+        UserError: ``file:line: malformed JSON: ...``, or ``file: not a JSON object`` (one line, no traceback).
+    """
+    from eagle3.errors import UserError
+    from eagle3.io import read_json
+
     if not path.is_file():
         return None
-    return json.loads(path.read_text(encoding="utf-8"))
+    obj = read_json(path)
+    if not isinstance(obj, dict):
+        raise UserError(f"{path}: expected a JSON object, got a JSON {type(obj).__name__}")
+    return obj
 
 
 def _kilo(n: float) -> str:
@@ -178,6 +187,19 @@ def markdown_table(summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def check_ran(summary: dict, cfg) -> None:
+    """Raise a one-line :class:`UserError` when no stage left a report under ``cfg.root`` (a wrong
+    ``output_root`` / config, or a run not started): there is nothing to summarise, so nothing is written."""
+    from eagle3.errors import UserError
+
+    if any(s["headline"] != "not run" for s in summary["stages"]):
+        return
+    where = f"{cfg.root} (no such folder)" if not cfg.root.is_dir() else str(cfg.root)
+    raise UserError(f"output_root {where}: no stage outputs to summarise (looked for prompts_report.json, "
+                    f"shards/extract_report.json, data/data_report.json, train/train_report.json, bench/bench.json; "
+                    f"run the stages first or check --config / output_root)")
+
+
 def parse_seconds(items: list[str]) -> dict[str, float]:
     """``["01_prepare_prompts=306", ...]`` -> ``{"01_prepare_prompts": 306.0, ...}``; ValueError on a bad item."""
     out = {}
@@ -204,6 +226,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ValueError as e:
         p.error(str(e))
     summary = collect(cfg, secs, a.config)
+    check_ran(summary, cfg)
     out = cfg.root / SUMMARY_NAME
     atomic_write_json(out, summary)
     print(terminal_text(summary))

@@ -9,13 +9,15 @@ time: the figures that run printed at its end (scripts/demo_summary.py writes th
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
-from demo_summary import markdown_table  # noqa: E402 - scripts/ put on the path just above
+from eagle3.io import read_json  # noqa: E402 - the repository put on the path just above
+
+from demo_summary import SUMMARY_NAME, markdown_table  # noqa: E402 - scripts/ put on the path just above
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,8 +29,28 @@ def main(argv: list[str] | None = None) -> int:
     path = Path(args[0])
     if not path.is_file():
         raise UserError(f"{path}: not found (scripts/demo.sh writes it at the end of a run)")
-    sys.stdout.write(markdown_table(json.loads(path.read_text(encoding="utf-8"))))
+    sys.stdout.write(markdown_table(check_summary(read_json(path), path)))
     return 0
+
+
+def check_summary(summary: Any, path: Path) -> dict:
+    """``summary`` when it has what :func:`markdown_table` reads (``stages``: objects with ``stage``,
+    ``headline``, ``seconds``; ``stages_seconds``); else a one-line :class:`UserError` naming the file and field."""
+    from eagle3.errors import UserError
+
+    hint = f"{path}: not a demo summary ({{}}; scripts/demo_summary.py writes outputs/<run_name>/{SUMMARY_NAME})"
+    if not isinstance(summary, dict):
+        raise UserError(hint.format(f"a JSON {type(summary).__name__}, not an object"))
+    stages = summary.get("stages")
+    if not isinstance(stages, list) or not stages:
+        raise UserError(hint.format("no 'stages' list"))
+    for i, s in enumerate(stages):
+        missing = [k for k in ("stage", "headline", "seconds") if not isinstance(s, dict) or k not in s]
+        if missing:
+            raise UserError(hint.format(f"stages[{i}] has no '{missing[0]}'"))
+    if "stages_seconds" not in summary:
+        raise UserError(hint.format("no 'stages_seconds'"))
+    return summary
 
 
 if __name__ == "__main__":

@@ -188,6 +188,9 @@ def load_eval_subset(name: str, num_prompts: Optional[int] = None,
     """Load an evaluation set (see :func:`load_eval_prompts`), pick ``num_prompts`` of it (:func:`pick_prompts`)
     and say when the subset leaves categories out (:func:`subset_warnings`).
 
+    A ``num_prompts`` above the set's size benchmarks the whole set, with a warning naming the set and both counts
+    (MT-bench has 80: ``--num-prompts 100`` measures 80).
+
     Returns:
         (the chosen prompts in set order, warnings).
 
@@ -196,7 +199,12 @@ def load_eval_subset(name: str, num_prompts: Optional[int] = None,
     """
     everything = load_eval_prompts(name)
     chosen = pick_prompts(everything, num_prompts, pick)
-    return chosen, subset_warnings(dataset_label(name), everything, chosen, pick)
+    label = dataset_label(name)
+    notes = []
+    if num_prompts is not None and num_prompts > len(everything):
+        notes.append(f"{label}: {num_prompts} prompts asked (--num-prompts / benchmark.num_prompts) but the set has "
+                     f"{len(everything)}: all {len(everything)} benchmarked")
+    return chosen, notes + subset_warnings(label, everything, chosen, pick)
 
 
 def load_eval_prompts(name: str, num_prompts: Optional[int] = None) -> list[EvalPrompt]:

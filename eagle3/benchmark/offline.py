@@ -333,6 +333,8 @@ def render_markdown(report: dict) -> str:
         f"max_new_tokens {report['max_new_tokens']}, {report['device']} {report['dtype']}, "
         f"aux layers (HF hidden_states indices) {report['aux_layers']}",
         "",
+        *([f"prompts picked: {report['prompt_pick']} (benchmark.prompt_pick; ids per set in bench.json, "
+           f"datasets[].prompt_ids)", ""] if report.get("prompt_pick") else []),
         "| dataset | prompts | batch | tau | greedy tok/s | EAGLE-3 tok/s | speedup | drafter share | wall s | lossless |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
@@ -505,6 +507,25 @@ def export_folder_warnings(drafter_dir: Path, aux_layers: Sequence[int], verifie
 # ---------------------------------------------------------------------------------------------
 # stage 05
 # ---------------------------------------------------------------------------------------------
+def resolve_drafter_dir(cfg: RunConfig, drafter_dir: Optional[str | Path]) -> Path:
+    """The drafter folder stage 05 benchmarks: ``--drafter`` when given, else the config's ``export_dir``.
+
+    Raises:
+        UserError: the folder is missing; the message names where it came from (``--drafter`` or the config's
+            export dir), since a user who never passed ``--drafter`` would not know the default.
+    """
+    if drafter_dir:
+        path = Path(drafter_dir)
+        if not path.is_dir():
+            raise UserError(f"--drafter: folder '{path}' not found (export a trained drafter first)")
+        return path
+    path = Path(cfg.export_dir)
+    if not path.is_dir():
+        raise UserError(f"the exported drafter '{path}' (the config's export dir) not found: "
+                        f"run 04_train.py first or pass --drafter")
+    return path
+
+
 def _load_drafter(drafter_dir: Path, verifier, device, dtype):
     from eagle3.export.serving import load_exported
 
@@ -693,9 +714,9 @@ def run_offline(
     warm_up(verifier, drafter, warm, aux_layers, steps, eos, largest)
     for label, prompts in sets:
         ids = [(p.id, prompt_ids(tokenizer, p.messages, chat)) for p in prompts]
-        report["datasets"].append(bench_prompts(verifier, drafter, ids, aux_layers, steps, max_new_tokens, eos, label,
-                                                batch_size=batch_size, tie_tolerance=tie_tolerance,
-                                                decoder=cfg.benchmark.decoder))
+        row = bench_prompts(verifier, drafter, ids, aux_layers, steps, max_new_tokens, eos, label,
+                            batch_size=batch_size, tie_tolerance=tie_tolerance, decoder=cfg.benchmark.decoder)
+        report["datasets"].append({**row, "prompt_ids": [i for i, _ in ids]})  # which prompts prompt_pick chose
     msg = lossless_verdict(report, tie_tolerance, strict)
     out = Path(out_dir or cfg.bench_dir)
     write_reports(out, report)
@@ -741,9 +762,7 @@ def run(
     max_new_tokens = max_new_tokens or bc.max_new_tokens
     num_prompts = num_prompts or bc.num_prompts
     datasets = list(datasets or bc.datasets)
-    drafter_dir = Path(drafter_dir) if drafter_dir else cfg.export_dir
-    if not drafter_dir.is_dir():
-        raise UserError(f"--drafter: folder '{drafter_dir}' not found (export a trained drafter first)")
+    drafter_dir = resolve_drafter_dir(cfg, drafter_dir)
     sets, subset_notes = load_sets(datasets, num_prompts, bc.prompt_pick)  # a bad set fails before the verifier loads
     from eagle3.export.serving import preflight_export
 

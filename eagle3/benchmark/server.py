@@ -365,6 +365,7 @@ def run(cfg, urls: Sequence[str], datasets: Optional[Sequence[str]] = None, num_
         s = report["servers"][0]
         log.info("%s: tau %s, %.1f output tok/s%s", label, f"{s['tau']:.2f}" if s.get("tau") else "n/a",
                  s["output_tokens_per_s"], f", speedup {report['speedup']:.2f}x" if "speedup" in report else "")
+        print(f"report: {Path(out) / 'server_bench.md'}")  # as the offline benchmark's headline ends
     return 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import math
 
 import pytest
@@ -195,6 +196,10 @@ def test_mtbench_subsets_and_their_category_warning(monkeypatch):
     assert warn_first == ["mtbench: the 8 prompts benchmarked (of 80) cover 1 of 8 categories (writing); tau and "
                           "speedup are then not the set's (benchmark.prompt_pick: spread takes them evenly over the set)"]
     assert load_eval_subset("mtbench", None, "first")[1] == [] == load_eval_subset("gsm8k", 5, "first")[1]  # no categories
+    every, warn_all = load_eval_subset("mtbench", 100, "first")  # MT-bench has 80: all of them, and said so
+    assert len(every) == 80 and warn_all == ["mtbench: 100 prompts asked (--num-prompts / benchmark.num_prompts) but "
+                                             "the set has 80: all 80 benchmarked"]
+    assert load_eval_subset("mtbench", 80, "spread")[1] == []  # exactly the set's size: nothing to say
 
 
 def test_dataset_labels_are_unique_within_a_run():
@@ -355,6 +360,8 @@ def test_cli_prompt_pick_spread_and_first_subset_warning(run_setup, tmp_path):
         assert rc == 0
         rep = json.loads((out / "bench.json").read_text())
         assert rep["prompt_pick"] == pick and [p["id"] for p in rep["datasets"][0]["per_prompt"]] == ids
+        assert rep["datasets"][0]["prompt_ids"] == ids  # the picked prompts, in set order
+        assert f"\nprompts picked: {pick} (benchmark.prompt_pick; ids per set in bench.json" in (out / "bench.md").read_text()
         subset = [w for w in rep["warnings"] if "categories" in w]
         assert len(subset) == nwarn
     assert subset[0].startswith("cats: the 2 prompts benchmarked (of 6) cover 1 of 2 categories (a)")
@@ -405,6 +412,28 @@ def test_missing_drafter_folder_is_a_user_error(run_setup):
     root, cfg, _ = run_setup
     with pytest.raises(UserError, match="--drafter"):
         _cli().main(["--config", str(cfg), "--drafter", str(root / "nope")])
+    # no --drafter: the folder is the config's export dir, and the message says so rather than blaming --drafter
+    with pytest.raises(UserError) as e:
+        _cli().main(["--config", str(cfg)])
+    assert str(e.value) == (f"the exported drafter '{root / 'out' / 'drafter-sglang'}' (the config's export dir) "
+                            "not found: run 04_train.py first or pass --drafter")
+
+
+def test_cli_more_prompts_than_the_set_warns_and_records_the_ids(run_setup, caplog):
+    """--num-prompts 5 on a 3-prompt set benchmarks the 3 with a warning naming the set and both counts (log,
+    bench.json, bench.md); bench.json lists the prompt ids of each set."""
+    root, cfg, _ = run_setup
+    out = root / "out-many"
+    with caplog.at_level(logging.WARNING):
+        rc = _cli().main(["--config", str(cfg), "--drafter", str(root / "drafter"), "--num-prompts", "5", "--steps", "2",
+                          "--max-new-tokens", "4", "--set", f"benchmark.output_dir={out}"])
+    assert rc == 0
+    want = ("prompts: 5 prompts asked (--num-prompts / benchmark.num_prompts) but the set has 3: all 3 benchmarked")
+    rep = json.loads((out / "bench.json").read_text())
+    assert want in rep["warnings"] and want in caplog.messages
+    assert rep["datasets"][0]["prompt_ids"] == ["p0", "p1", "p2"] and rep["datasets"][0]["num_prompts"] == 3
+    md = (out / "bench.md").read_text()
+    assert f"**warning**: {want}" in md and "\nprompts picked: first (benchmark.prompt_pick;" in md
 
 
 def test_broken_drafter_fails_before_the_verifier_loads(run_setup, tmp_path, monkeypatch):
@@ -446,6 +475,9 @@ def test_render_markdown_table():
                          "mismatches": [{"id": "q7", "index": 5, "gap": 0.0625, "near_tie": True}],
                          "conditional": [0.5, float("nan")], "unconditional": [0.5, 0.0]}]}
     md = render_markdown(rep)
+    assert "prompts picked" not in md  # a report without prompt_pick (older bench.json) renders as before
+    md = render_markdown({**rep, "prompt_pick": "spread"})
+    assert "\n\nprompts picked: spread (benchmark.prompt_pick; ids per set in bench.json, datasets[].prompt_ids)\n\n" in md
     assert "| mtbench | 3 | 2 | 1.50 | 10.0 | 12.5 | 1.25x | 0.25 | 3.2 | yes (1 near-ties) |" in md
     assert "| mtbench | q7 | 5 | 0.0625 | yes |" in md and "tolerance 0.25" in md
     assert "| mtbench | 4 | 0.50 / 0.50 | n/a / 0.00 |" in md

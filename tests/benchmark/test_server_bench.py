@@ -297,3 +297,37 @@ def test_stale_server_reports_are_named(tmp_path):
                                               str(bench / "server-mtbench" / "server_bench.json")]
     (bench / "server-humaneval" / "server_bench.json").write_text("{not json")
     assert "(set ?)" in stale_server_reports(bench, ["gsm8k"])[0]  # unreadable: still named
+
+
+def test_cli_server_mode_prints_each_report_and_warns_on_too_few_prompts(tmp_path, tiny_llama_dir, capsys, caplog):
+    """05 --server prints a ``report:`` line per report written (bench/server-{set}/server_bench.md with several sets,
+    as offline prints bench.md), and --num-prompts above a set's size is warned about (log and server_bench.json)."""
+    import importlib.util
+    import logging
+
+    from conftest import ROOT
+
+    sets = []
+    for name, n in (("p", 2), ("q", 1)):
+        sets.append(tmp_path / f"{name}.jsonl")
+        sets[-1].write_text("".join(json.dumps({"id": f"{name}{i}", "prompt": f"Hello {i}"}) + "\n" for i in range(n)))
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"run_name: t\noutput_root: {tmp_path / 'out'}\nverifier: {{path: {tiny_llama_dir}}}\n"
+                   f"prompts: {{source: {sets[0]}}}\n")
+    spec = importlib.util.spec_from_file_location("bench_cli", ROOT / "05_benchmark.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    bench = tmp_path / "out" / "bench"
+    with _StandIn(speculative=True) as s, caplog.at_level(logging.WARNING):
+        assert cli.main(["--config", str(cfg), "--server", s.url, "--datasets", str(sets[0]), str(sets[1]),
+                         "--num-prompts", "2", "--max-new-tokens", "4"]) == 0
+        lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("report: ")]
+        assert lines == [f"report: {bench / 'server-p' / 'server_bench.md'}", f"report: {bench / 'server-q' / 'server_bench.md'}"]
+        want = "q: 2 prompts asked (--num-prompts / benchmark.num_prompts) but the set has 1: all 1 benchmarked"
+        assert caplog.messages.count(want) == 1  # p has exactly 2: nothing said
+        rep = json.loads((bench / "server-q" / "server_bench.json").read_text())
+        assert rep["warnings"] == [want] and rep["prompt_ids"] == ["q0"]
+        assert json.loads((bench / "server-p" / "server_bench.json").read_text())["warnings"] == []
+        assert cli.main(["--config", str(cfg), "--server", s.url, "--datasets", str(sets[1]), "--max-new-tokens", "4"]) == 0
+        out = capsys.readouterr().out.splitlines()
+        assert [ln for ln in out if ln.startswith("report: ")] == [f"report: {bench / 'server_bench.md'}"]

@@ -67,3 +67,26 @@ def test_malformed_jsonl_names_line_and_column(tmp_path):
     p.write_text('{"a": 1}\n{"a": "x\ty"}\n')  # a raw tab inside a string: column 9 of line 2 (1-based)
     with pytest.raises(UserError, match=r"bad\.jsonl:2: malformed JSON: Invalid control character at \(column 9\)$"):
         list(iter_jsonl(p))
+
+
+@pytest.mark.parametrize("ending", ["\n", "\r\n"])
+def test_jsonl_line_missing_its_closing_brace_names_the_column_at_its_end(tmp_path, ending):
+    """The fresh-user case: line 2 lacks its ``}``; the decoder stops at the line's end (column len + 1), not at
+    column 1 of the next line (the line ending used to be parsed with the line)."""
+    line2 = '{"id": "p2", "conversations": [{"role": "user", "content": "Write a function that adds two ints."}]'
+    assert len(line2) == 99
+    p = tmp_path / "bad.jsonl"
+    p.write_bytes(('{"id": "p1"}' + ending + line2 + ending + '{"id": "p3"}' + ending).encode())
+    with pytest.raises(UserError) as ei:
+        list(iter_jsonl(p))
+    assert str(ei.value) == f"{p}:2: malformed JSON: Expecting ',' delimiter (column 100)"
+
+
+def test_prompt_and_eval_readers_report_the_same_column(tmp_path):
+    """Every JSONL reader goes through iter_jsonl: stage 01's prompt files and 05's eval sets give the real column."""
+    from eagle3.prompts.readers import _iter_file
+
+    p = tmp_path / "bad.jsonl"
+    p.write_text('{"id": "p1"}\n{"id": "p2", "text": "abc"\n')
+    with pytest.raises(UserError, match=r"bad\.jsonl:2: malformed JSON: Expecting ',' delimiter \(column 27\)$"):
+        list(_iter_file(p))

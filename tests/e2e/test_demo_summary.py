@@ -145,3 +145,51 @@ def test_train_and_benchmark_headlines(tmp_path):
         "(10 prompts, cpu float32)", f"report: {tmp_path / 'bench' / 'bench.md'}"]
     one = dict(rep, datasets=[dict(rep["datasets"][0], num_prompts=1)])
     assert bench_headline(one, tmp_path / "bench").splitlines()[0].endswith("(1 prompt, cpu float32)")
+
+
+def _script(name: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / f"{name}.py"), *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_demo_table_on_a_wrong_file_is_one_line_naming_it(tmp_path):
+    """A stage report given instead of demo_summary.json, bad JSON, a stage without its headline: one line each."""
+    rep = tmp_path / "prompts_report.json"
+    rep.write_text(json.dumps({"counts": {"kept": 3}}))
+    r = _script("demo_table", str(rep))
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip() == (f"error: {rep}: not a demo summary (no 'stages' list; "
+                                "scripts/demo_summary.py writes outputs/<run_name>/demo_summary.json)")
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"stages":\n[\n')
+    r = _script("demo_table", str(bad))
+    assert r.returncode == 2 and r.stderr.strip() == f"error: {bad}:3: malformed JSON: Expecting value (column 1)"
+    part = tmp_path / "part.json"
+    part.write_text(json.dumps({"stages": [{"stage": "01_prepare_prompts", "seconds": 1}], "stages_seconds": 1}))
+    r = _script("demo_table", str(part))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().startswith(f"error: {part}: not a demo summary (stages[0] has no 'headline'")
+
+
+def test_demo_summary_with_no_stage_outputs_errors_and_writes_nothing(tmp_path):
+    root = tmp_path / "none"
+    r = _script("demo_summary", "--config", str(ROOT / "configs" / "tiny-llama.yaml"), "--set", f"output_root={root}",
+                "--set", "verifier.path=unused", "--seconds", "setup=1")
+    assert r.returncode == 2 and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1
+    assert r.stderr.startswith(f"error: output_root {root} (no such folder): no stage outputs to summarise")
+    assert not root.exists()
+    root.mkdir()  # an existing but empty folder: the same error, no demo_summary.json in it
+    r = _script("demo_summary", "--config", str(ROOT / "configs" / "tiny-llama.yaml"), "--set", f"output_root={root}",
+                "--set", "verifier.path=unused")
+    assert r.returncode == 2 and r.stderr.startswith(f"error: output_root {root}: no stage outputs to summarise")
+    assert list(root.iterdir()) == []
+
+
+def test_demo_summary_names_a_malformed_stage_report(tmp_path):
+    ds = _load("demo_summary")
+    from eagle3.errors import UserError
+
+    _fake_run(tmp_path)
+    (tmp_path / "data" / "data_report.json").write_text('{"draft_vocab_size": 8000 "coverage": 1}\n')
+    with pytest.raises(UserError, match=r"data_report\.json:1: malformed JSON: Expecting ',' delimiter \(column 27\)$"):
+        ds.collect(_cfg(tmp_path), {}, "")
