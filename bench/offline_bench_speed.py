@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle3.benchmark.offline import (  # noqa: E402
     TRAIN_META, _load_drafter, bench_prompts, check_drafter_shape, check_drafter_vocab, default_tie_tolerance,
-    effective_batch_size, json_safe, resolve_aux_layers, warm_up,
+    effective_batch_size, json_safe, resolve_aux_layers, resolve_drafter_dir, warm_up,
 )
 from eagle3.cli import ArgumentParser, run_main  # noqa: E402
 from eagle3.config import add_config_args, load_config  # noqa: E402
@@ -164,7 +164,7 @@ def main(argv=None) -> int:
         drafter_notes = []
         aux = cfg.extract.aux_layers or default_aux_layers(n_layers)
     else:
-        ddir = Path(a.drafter) if a.drafter else cfg.export_dir
+        ddir = resolve_drafter_dir(cfg, a.drafter)
         aux, _ = resolve_aux_layers(ddir, cfg.shards_dir, cfg.extract.aux_layers or default_aux_layers(n_layers))
         drafter, drafter_name = _load_drafter(ddir, verifier, device, dtype), str(ddir)
         # the config's drafter shape and vocab map, as 05 checks them (the run's own export refused, another warned)

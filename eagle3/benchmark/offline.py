@@ -529,8 +529,6 @@ def resolve_drafter_dir(cfg: RunConfig, drafter_dir: Optional[str | Path]) -> Pa
 def _load_drafter(drafter_dir: Path, verifier, device, dtype):
     from eagle3.export.serving import load_exported
 
-    if not Path(drafter_dir).is_dir():
-        raise UserError(f"--drafter: folder '{drafter_dir}' not found (run 04_train.py first or pass --drafter)")
     embed = verifier.get_input_embeddings().weight
     drafter = load_exported(drafter_dir, embed_weight=embed)
     return drafter.to(device=device, dtype=dtype).eval()

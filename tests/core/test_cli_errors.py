@@ -131,7 +131,7 @@ PER_SCRIPT = {
         (["--server", "http://h:port"], "argument --server: not a valid URL"),
         (["--set", "benchmark.server_urls=[ftp://x]"], "--set benchmark.server_urls=[ftp://x]: field 'benchmark.server_urls': expected http://host:port"),
         (["--drafter", "{root}/no-drafter"], "--drafter: folder '{root}/no-drafter' not found"),
-        ([], "--drafter: folder 'outputs/r/drafter-sglang' not found"),
+        ([], "the exported drafter 'outputs/r/drafter-sglang' (the config's export dir) not found: run 04_train.py first or pass --drafter"),
     ],
     "bench/offline_bench_speed.py": [
         (["--num-prompts", "0"], "--batch-sizes, --num-prompts"),
