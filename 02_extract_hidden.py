@@ -43,7 +43,7 @@ def main(argv=None) -> int:
 
     with resume_on_interrupt(lambda: interrupt_hint(cfg)):  # SIGTERM / Ctrl-C: one line, exit 143 / 130
         s = run(cfg, overwrite=a.overwrite, limit=a.limit, ignore_disk_check=a.ignore_disk_check)
-    if "samples" not in s:  # torchrun rank > 0: rank 0 reports for everyone
+    if "samples" not in s or s.get("up_to_date"):  # torchrun rank > 0: rank 0 reports; up to date: logged
         return 0
     for r in s.get("ranks", []):
         print(f"rank {r['rank']}: {r['written']} samples in {r['capture_s']} s, {r['samples_per_s']} samples/s, "

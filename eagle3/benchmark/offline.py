@@ -47,6 +47,7 @@ from eagle3.config import RunConfig
 from eagle3.errors import UserError
 from eagle3.benchmark.eval_prompts import EvalPrompt, dataset_labels, load_eval_subset
 from eagle3.io import atomic_write_bytes, atomic_write_json, atomic_write_text, read_json
+from eagle3.shards.format import check_extract_settings
 
 log = logging.getLogger(__name__)
 
@@ -766,6 +767,8 @@ def run(
 
     preflight_export(drafter_dir)  # a bad export fails before the verifier loads (minutes at Kimi scale); its
     # warnings are logged once, by load_exported below
+    if (cfg.shards_dir / DATA_CONFIG).is_file():  # a config whose extract settings differ from the shards' is refused
+        check_extract_settings(cfg.extract, read_json(cfg.shards_dir / DATA_CONFIG), cfg.shards_dir)
     device = resolve_device(cfg.verifier.device)
     vcfg = cfg.verifier
     if device.type == "cpu" and vcfg.dtype != "float32":

@@ -434,6 +434,53 @@ def _check_state(root: Path, fp: str, comp: dict, overwrite: bool) -> None:
     atomic_write_json(state_path, {"fingerprint": fp, "components": comp, "started_at": time.time()})
 
 
+def check_prompts_current(cfg: RunConfig) -> None:
+    """Refuse a ``prompts.jsonl`` that 01 made under other ``prompts:`` settings than ``cfg``'s
+    (:func:`eagle3.prompts.prepare_prompts.prompts_changes`; no ``prompts_report.json``: nothing to compare).
+
+    Raises:
+        UserError: one line naming ``prompts_report.json``, the changed settings and the fix (re-run 01).
+    """
+    from eagle3.prompts.prepare_prompts import prompts_changes
+
+    rep, changed = prompts_changes(cfg)
+    if changed:
+        raise UserError(f"{rep}: {cfg.prompts_path.name} was made with other prompts settings than this config's "
+                        f"(changed {'; '.join(changed)}); re-run 01_prepare_prompts.py with this config first")
+
+
+def finished_report(cfg: RunConfig, root: Path, limit: Optional[int]) -> Optional[dict]:
+    """``extract_report.json`` of a finished extraction of exactly this run, else None (the run goes on).
+
+    Finished: ``extract_state.json`` and ``data_config.json`` carry this config's fingerprint
+    (:func:`fingerprint`) and prompts SHA-256, the report counts the prompts this run reads (``--limit``),
+    ``manifest.jsonl`` holds ``data_config.json``'s ``num_samples`` rows (no torn line, no per-rank manifest
+    left) and every row's shard is at its place. Reads only; needs no verifier or tokenizer.
+    """
+    paths = [root / name for name in (STATE, DATA_CONFIG, REPORT_JSON, MANIFEST)]
+    if not all(p.is_file() for p in paths) or any(root.glob(RANK_MANIFEST_PREFIX + "*.jsonl")):
+        return None
+    try:
+        state, meta, report = (read_json(p) for p in paths[:3])
+        prompts_sha = file_sha256(cfg.prompts_path)
+        n_prompts = len(read_prompts(cfg.prompts_path, limit))
+    except (UserError, OSError):
+        return None  # let the normal run report the problem
+    if not all(isinstance(x, dict) for x in (state, meta, report)):
+        return None
+    fp, _ = fingerprint(cfg, prompts_sha)
+    if (state.get("fingerprint"), meta.get("config_fingerprint"), meta.get("prompts_sha256")) != (fp, fp, prompts_sha) \
+            or report.get("prompts") != n_prompts or report.get("samples") != meta.get("num_samples"):
+        return None
+    man = read_manifest(root / MANIFEST)
+    if man.dropped_tail or len(man.rows) != meta.get("num_samples"):
+        return None
+    rows_per_dir = cfg.extract.rows_per_dir
+    if not all(shard_path(root, idx, rows_per_dir).is_file() for idx in man.rows):
+        return None
+    return report
+
+
 def _iter_stage_files(root: Path):
     for entry in root.iterdir():
         if entry.name == STATE:
@@ -552,10 +599,12 @@ def run(cfg: RunConfig, *, overwrite: bool = False, limit: Optional[int] = None,
 
     Returns:
         summary dict (also written as ``extract_report.json`` / ``.md``): samples, tokens,
-        written/resumed counts, skipped counts, seconds, captured tokens/s.
+        written/resumed counts, skipped counts, seconds, captured tokens/s. A finished folder of the same
+        settings (:func:`finished_report`) is not touched: its ``extract_report.json`` with ``up_to_date: True``.
 
     Raises:
-        UserError: bad prompts file, fingerprint mismatch, unknown folder contents, bad aux layers.
+        UserError: bad prompts file, prompts made under other ``prompts:`` settings (:func:`check_prompts_current`),
+            fingerprint mismatch, unknown folder contents, bad aux layers.
         eagle3.capture.disk_plan.NotEnoughDisk: the run does not fit on the disk (nothing written; a shards
             folder this call created is removed again).
     """
@@ -965,9 +1014,16 @@ def write_token_samples(samples: list[Sample], batches: list[list[int]], done: d
 
 def _extract(cfg: RunConfig, root: Path, overwrite: bool, limit: Optional[int],
              backend: Optional[CaptureBackend], tokenizer, d: _Dist, ignore_disk_check: bool = False) -> dict:
-    """The stage in named steps: prepare (plan + tokenize + disk check), capture + write, gather
-    ranks, finalise."""
+    """The stage in named steps: check the prompts (:func:`check_prompts_current`), nothing to do
+    (:func:`finished_report`), prepare (plan + tokenize + disk check), capture + write, gather ranks, finalise."""
     t_start = time.perf_counter()
+    d.on_rank0(lambda: check_prompts_current(cfg))
+    finished = None if overwrite else d.on_rank0(lambda: finished_report(cfg, root, limit))
+    if finished is not None:  # every rank returns; the reports are left as they are
+        if d.rank == 0:
+            log.info("shards up to date: %s (%d samples, settings unchanged; use --overwrite to redo)", root,
+                     finished["samples"])
+        return {**(finished if d.rank == 0 else {"shards_dir": str(root)}), "up_to_date": True}
     p = _prepare(cfg, root, overwrite, limit, backend, tokenizer, d, ignore_disk_check)
     samples, done = p.samples, p.done
     n_resumed = len(done)

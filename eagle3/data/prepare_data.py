@@ -30,7 +30,8 @@ from eagle3.config import RunConfig
 from eagle3.errors import UserError
 from eagle3.io import atomic_save_png, atomic_torch_save, atomic_write_json, atomic_write_text
 from eagle3.shards.manifest import MANIFEST, read_manifest
-from eagle3.shards.format import DATA_CONFIG, expect_from_data_config, list_samples, load_sample, read_data_config
+from eagle3.shards.format import (DATA_CONFIG, check_extract_settings, expect_from_data_config, list_samples, load_sample,
+                                  read_data_config)
 from eagle3.data.validation_record import (format_time, load_matching_record, shard_set_fingerprint, write_failed_record,
                                            write_record)
 from eagle3.data.settings import REPORT_JSON, data_settings
@@ -310,17 +311,17 @@ def run(cfg: RunConfig, *, plot: bool = True, revalidate: bool = False) -> dict:
             (``03_prepare_data.py --revalidate``; see ``eagle3.data.validation_record``).
 
     Raises:
-        UserError: missing/invalid ``data_config.json``; verifier id differs from the config's
-            ``verifier.display_name()``; ``data.draft_vocab_size`` > target vocab; any invalid
-            shard (file + key); shard count/tokens differ from ``data_config.json``; no
-            loss-masked token; fewer than 1 training sample.
+        UserError: missing/invalid ``data_config.json``; ``extract.aux_layers``/``max_length`` differ from
+            it (``check_extract_settings``); verifier id differs from the config's ``verifier.display_name()``;
+            ``data.draft_vocab_size`` > target vocab; any invalid shard (file + key); shard count/tokens differ
+            from ``data_config.json``; no loss-masked token; fewer than 1 training sample.
 
     Returns:
         the report dict (also ``data_report.json``).
     """
     shards = cfg.shards_dir
-    meta = read_data_config(shards)
-    meta_path = shards / DATA_CONFIG
+    meta, meta_path = read_data_config(shards), shards / DATA_CONFIG
+    check_extract_settings(cfg.extract, meta, shards)
     want = cfg.verifier.display_name()
     if meta["verifier"] != want:
         raise UserError(f"{meta_path}: key 'verifier' is {meta['verifier']!r} but the config's verifier is {want!r} "

@@ -222,6 +222,8 @@ def run(cfg: RunConfig, source: Optional[str] = None, fmt: Optional[str] = None,
             raise UserError(f"prompts.server.urls: every conversation failed to regenerate "
                             f"({regen_stats.get('failed', 0)} failed; see the error lines above)")
     report = build_report(cfg, want, counts, kept_by_step, convs, regen_stats)
+    # settings the command line set (not the config): 02 does not compare them with its config (prompts_changes)
+    report["cli_overrides"] = [k for k, v in (("source", source), ("format", fmt), ("regenerate", regenerate)) if v is not None]
     write_outputs(cfg, convs, report, regen_stats)
     return 0
 
@@ -255,6 +257,54 @@ def up_to_date(out: Path, rep: Path, want: dict) -> bool:
     except (json.JSONDecodeError, AttributeError):
         old = None
     return old == want and not _had_failures(rep)
+
+
+# 01 settings that come from other sections than ``prompts:`` (a verifier used only to regenerate may differ
+# from the one 02 captures with) or from the command line only (``--limit``): not compared by prompts_changes
+_NOT_PROMPTS_SECTION = ("limit", "verifier", "verifier_dtype", "chat_template", "chat_template_kwargs", "reply_start",
+                        "think_tags", "max_context_tokens")
+_SOURCE_KEYS = ("source", "sources", "bytes", "sha256")
+_REGEN_KEYS = ("max_new_tokens", "regenerate_via", "temperature", "top_p", "model", "extra_body")
+
+
+def prompts_changes(cfg: RunConfig) -> tuple[Path, list[str]]:
+    """The ``prompts:`` settings of ``cfg`` that differ from the ones ``prompts.jsonl`` was made under.
+
+    Compares :func:`settings` of ``cfg`` with ``prompts_report.json``'s (``--limit`` taken from the report).
+    Not compared: settings of other sections (:data:`_NOT_PROMPTS_SECTION`), settings 01's command line set
+    (the report's ``cli_overrides``; a report written before they were recorded: source, format and
+    regenerate) and a source file's size/SHA-256 when the file is no longer there.
+
+    Returns:
+        ``(report path, ["key: old -> new", ...])``; the list is empty when nothing differs, or when there
+        is no report or no ``prompts.jsonl`` (a prompts file written by hand) or the report has no settings.
+    """
+    out, rep = cfg.prompts_path, report_path(cfg)
+    if not (out.is_file() and rep.is_file()):
+        return rep, []
+    try:
+        report = json.loads(rep.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return rep, []
+    old = report.get("settings") if isinstance(report, dict) else None
+    if not isinstance(old, dict):
+        return rep, []
+    old = dict(old)
+    want = settings(cfg, old.get("limit"))
+    skip = set(_NOT_PROMPTS_SECTION)
+    cli = report.get("cli_overrides", ["source", "format", "regenerate"])
+    for key in cli if isinstance(cli, list) else []:
+        skip.update(_SOURCE_KEYS if key == "source" else (key,))
+        if key == "regenerate" and old.get("regenerate") != want.get("regenerate"):
+            skip.update(_REGEN_KEYS)
+    if "sha256" not in want:  # the source file is gone (or never was one): compare its name only
+        old.pop("sha256", None), old.pop("bytes", None)
+    if isinstance(old.get("sources"), list) and isinstance(want.get("sources"), list):
+        old["sources"] = [{k: v for k, v in o.items() if k in w or k not in ("sha256", "bytes")}
+                          if isinstance(o, dict) else o for o, w in zip(old["sources"], want["sources"])] \
+            + old["sources"][len(want["sources"]):]
+    keys = sorted((set(old) | set(want)) - skip)
+    return rep, [f"{k}: {old.get(k, 'unset')!r} -> {want.get(k, 'unset')!r}" for k in keys if old.get(k) != want.get(k)]
 
 
 def select_conversations(cfg: RunConfig, limit: Optional[int]) -> tuple[list[dict], Counter, dict]:

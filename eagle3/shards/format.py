@@ -665,3 +665,35 @@ def bytes_per_token(hidden_size: int, num_states: int = NUM_HIDDEN_STATES, stora
     ``num_states * (H + 4 nb)`` (per-token scales, H = 7168 -> 28688)."""
     return (storage or Storage()).bytes_per_token(hidden_size, num_states)
 
+
+
+def check_extract_settings(extract: Any, meta: dict, root: str | os.PathLike) -> None:
+    """Refuse a config whose ``extract.aux_layers`` / ``extract.max_length`` differ from the shards'.
+
+    Stages 03, 04 and 05 read the shards' values from ``data_config.json`` (``meta``); a config that says
+    otherwise would silently be ignored. Only a key the config sets (pydantic ``model_fields_set`` of
+    ``extract``) is compared; ``aux_layers: null`` set explicitly means the EAGLE default ``[2, N//2, N-3]``
+    of the shards' ``num_layers``. Keys missing from ``meta`` are not compared.
+
+    Raises:
+        UserError: one line naming the key, both values, the shards folder and the fixes.
+    """
+    from eagle3.layers import default_aux_layers
+
+    set_keys = getattr(extract, "model_fields_set", set())
+    for key in ("aux_layers", "max_length"):
+        if key not in set_keys or meta.get(key) is None:
+            continue
+        want, have = getattr(extract, key), meta[key]
+        if key == "aux_layers":
+            if want is None:
+                try:
+                    want = default_aux_layers(int(meta["num_layers"]))
+                except (KeyError, TypeError, ValueError, UserError):
+                    continue  # no default to compare with
+            want, have = [int(i) for i in want], [int(i) for i in have]
+        elif int(want) == int(have):
+            continue
+        if want != have:
+            raise UserError(f"extract.{key} {want} but the shards in {root} were captured with {have}: "
+                            f"re-run 02 or set extract.{key} to the shards' value")

@@ -71,7 +71,7 @@ from eagle3.shards.fp8 import dequantize_batch, is_fp8
 from eagle3.io import (append_bytes, atomic_write_json, atomic_write_jsonl, atomic_write_text, disk_full_guard,
                        open_append)
 from eagle3.train.schedule import build_scheduler
-from eagle3.shards.format import expect_from_data_config, read_data_config
+from eagle3.shards.format import check_extract_settings, expect_from_data_config, read_data_config
 from eagle3.train.target_head import FILENAME as TARGET_HEAD_FILE
 from eagle3.train.target_head import TargetHead
 from eagle3.data.vocab import load_run_vocab_map
@@ -1003,6 +1003,7 @@ def _load_inputs(cfg: RunConfig, d: DistInfo, resume: bool, init: Optional[Calla
     from eagle3.train.online import check_hidden_states, state_source
 
     data_config = read_data_config(cfg.shards_dir)
+    check_extract_settings(cfg.extract, data_config, cfg.shards_dir)
     check_hidden_states(cfg, data_config)
     vocab = load_run_vocab_map(cfg, int(data_config["vocab_size"]))
     split = read_split(cfg.data_dir)

@@ -177,9 +177,9 @@ def test_fingerprint_mismatch_refused_then_overwrite(tmp_path, tiny_llama_dir, t
     assert str(e.value).endswith(f"{STATE}: the shards in {cfg2.shards_dir} were extracted with other settings: changed "
                                  f"extract.max_length: {load_config(path).extract.max_length} -> 40; re-run with "
                                  "--overwrite to delete them and start over")
-    # batch_tokens is not part of the fingerprint: resuming with a smaller budget is allowed
+    # batch_tokens is not part of the fingerprint: the finished folder is up to date with a smaller budget
     s = _run(load_config(path, ["extract.batch_tokens=40"]), tiny_backend, limit=3)
-    assert s["written"] == 0 and s["resumed"] == 3
+    assert s["up_to_date"] and s["written"] == 3 and s["resumed"] == 0
     s = _run(cfg2, tiny_backend, limit=3, overwrite=True)
     assert s["written"] == 3 and s["resumed"] == 0
     assert read_data_config(cfg2.shards_dir)["max_length"] == 40
@@ -303,3 +303,90 @@ def test_silent_corruption_caught_by_stage03_checksum(tmp_path, tiny_llama_dir, 
     load_sample(victim)  # still loads: the corruption is silent without the checksum
     with pytest.raises(UserError, match=r"data_3\.pt: contents changed since extraction"):
         prepare(cfg, plot=False)
+
+
+def _fail_load(*a, **k):
+    raise AssertionError("the verifier was loaded")
+
+
+@pytest.mark.parametrize("online", [False, True])
+def test_rerun_of_finished_shards_is_up_to_date(tmp_path, tiny_llama_dir, caplog, monkeypatch, online):
+    """A second run of a finished folder loads no verifier and leaves every report byte for byte."""
+    import eagle3.verifier as verifier
+
+    path = _config(tmp_path, tiny_llama_dir)
+    cfg = load_config(path, ["train.hidden_states=online"] if online else [])
+    first = run(cfg)
+    root = cfg.shards_dir
+    names = ["extract_report.json", "extract_report.md", "data_config.json", STATE, "manifest.jsonl"]
+    before = {n: (root / n).read_bytes() for n in names}
+    monkeypatch.setattr(verifier, "load_verifier", _fail_load)
+    monkeypatch.setattr(verifier, "load_tokenizer", _fail_load)
+    with caplog.at_level("INFO", logger="eagle3.capture.extract"):
+        again = run(cfg)
+    assert again["up_to_date"] and again["written"] == first["written"] == 6
+    assert again["capture_s"] == first["capture_s"] and again["disk_plan"] == first["disk_plan"]
+    assert {n: (root / n).read_bytes() for n in names} == before
+    assert f"shards up to date: {root} (6 samples, settings unchanged; use --overwrite to redo)" in caplog.messages
+
+
+def test_rerun_not_up_to_date_when_more_prompts_or_a_shard_gone(tmp_path, tiny_llama_dir, tiny_backend):
+    cfg = load_config(_config(tmp_path, tiny_llama_dir))
+    _run(cfg, tiny_backend, limit=3)
+    s = _run(cfg, tiny_backend)  # more prompts than the finished run: captures the rest
+    assert not s.get("up_to_date") and (s["written"], s["resumed"]) == (3, 3)
+    (cfg.shards_dir / "rows_0-2" / "data_1.pt").unlink()
+    s = _run(cfg, tiny_backend)
+    assert not s.get("up_to_date") and (s["written"], s["resumed"]) == (1, 5)
+    s = _run(cfg, tiny_backend, overwrite=True)  # --overwrite never takes the shortcut
+    assert not s.get("up_to_date") and (s["written"], s["resumed"]) == (6, 0)
+
+
+def test_cli_rerun_prints_nothing_but_the_up_to_date_line(tmp_path, tiny_llama_dir, capsys, caplog):
+    sys.path.insert(0, str(ROOT))
+    import importlib
+
+    cli = importlib.import_module("02_extract_hidden")
+    path = _config(tmp_path, tiny_llama_dir)
+    assert cli.main(["--config", str(path)]) == 0
+    assert "6 samples (6 written, 0 resumed)" in capsys.readouterr().out
+    with caplog.at_level("INFO", logger="eagle3.capture.extract"):
+        assert cli.main(["--config", str(path)]) == 0
+    assert capsys.readouterr().out == ""
+    assert any(m.startswith("shards up to date: ") for m in caplog.messages)
+
+
+def _prompts_report(cfg, **over) -> None:
+    """A ``prompts_report.json`` as 01 writes it for ``cfg`` (settings overridden by ``over``)."""
+    from eagle3.prompts.prepare_prompts import report_path, settings
+
+    report_path(cfg).write_text(json.dumps({"settings": {**settings(cfg, None), **over}, "cli_overrides": []}))
+
+
+def test_changed_prompts_settings_refused(tmp_path, tiny_llama_dir, tiny_backend):
+    path = _config(tmp_path, tiny_llama_dir)
+    cfg = load_config(path)
+    _prompts_report(cfg)
+    assert _run(cfg, tiny_backend, limit=2)["written"] == 2  # same settings: no refusal
+    cfg2 = load_config(path, ["prompts.sample_size=3", "prompts.seed=7"])
+    with pytest.raises(UserError) as e:
+        _run(cfg2, tiny_backend, limit=2)
+    assert str(e.value) == (f"{cfg.root / 'prompts_report.json'}: prompts.jsonl was made with other prompts settings "
+                            "than this config's (changed sample_size: None -> 3; seed: 0 -> 7); re-run "
+                            "01_prepare_prompts.py with this config first")
+    # the limit of 01's --limit and a verifier-section setting are not prompts: settings
+    _prompts_report(cfg, limit=5, verifier="other")
+    assert _run(cfg, tiny_backend, limit=2)["written"] == 2
+
+
+def test_prompts_settings_not_compared_without_report_or_for_cli_overrides(tmp_path, tiny_llama_dir, tiny_backend):
+    from eagle3.prompts.prepare_prompts import prompts_changes, report_path, settings
+
+    path = _config(tmp_path, tiny_llama_dir)
+    cfg = load_config(path, ["prompts.source=/tmp/ok.jsonl"])
+    assert prompts_changes(cfg) == (report_path(cfg), [])  # prompts.jsonl written by hand: no report
+    old = {**settings(load_config(path), None), "format": "sharegpt"}
+    report_path(cfg).write_text(json.dumps({"settings": old, "cli_overrides": ["source"]}))
+    assert prompts_changes(cfg)[1] == ["format: 'sharegpt' -> 'auto'"]  # 01 --source X: the source is not compared
+    report_path(cfg).write_text(json.dumps({"settings": old}))  # written before cli_overrides were recorded
+    assert prompts_changes(cfg)[1] == []

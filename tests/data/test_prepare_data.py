@@ -262,3 +262,28 @@ def test_token_only_validation_in_processes_matches_threads(tmp_path, monkeypatc
         torch.save(d, paths[bad][1])
     with pytest.raises(UserError, match=r"data_21\.pt: key 'loss_mask': values must be 0 or 1"):
         list(pd._validated_samples(paths, expect, dict.fromkeys(want, 0), {}, workers=2))
+
+
+@pytest.mark.parametrize("over, msg", [
+    (["extract.aux_layers=[2, 3, 4]"], "extract.aux_layers [2, 3, 4] but the shards in {s} were captured with [1, 3, 4]: "
+                                       "re-run 02 or set extract.aux_layers to the shards' value"),
+    (["extract.max_length=32"], "extract.max_length 32 but the shards in {s} were captured with 16: re-run 02 or set "
+                                "extract.max_length to the shards' value"),
+    (["extract.aux_layers=null"], "extract.aux_layers [2, 15, 27] but the shards in {s} were captured with [1, 3, 4]: "
+                                  "re-run 02 or set extract.aux_layers to the shards' value"),  # the default of 30 layers
+])
+def test_extract_settings_other_than_the_shards_refused(tmp_path, over, msg):
+    cfg = load_config(_cfg(tmp_path), over)
+    _make_shards(cfg.shards_dir, num_layers=30)
+    with pytest.raises(UserError) as e:
+        run(cfg)
+    assert str(e.value) == msg.format(s=cfg.shards_dir)
+    assert not cfg.data_dir.exists()  # nothing written
+
+
+def test_extract_settings_equal_to_the_shards_or_unset_accepted(tmp_path):
+    cfg = load_config(_cfg(tmp_path), ["extract.aux_layers=[1, 3, 4]", "extract.max_length=16"])
+    _make_shards(cfg.shards_dir)
+    assert run(cfg)["num_loss_tokens"] == 11
+    cfg = load_config(_cfg(tmp_path))  # unset: the default max_length 2048 is not compared
+    assert cfg.extract.max_length != 16 and run(cfg)["num_loss_tokens"] == 11

@@ -459,3 +459,23 @@ def test_refused_run_leaves_the_train_folder_as_it_was(tmp_path):
     with pytest.raises(UserError, match=r"/data/split\.json: key 'train': sample 3 has no shard"):
         run(earlier, resume=True, device="cpu")
     assert _tree(earlier.train_dir) == before
+
+
+def test_extract_settings_other_than_the_shards_refused_before_anything_is_written(tmp_path):
+    """04 refuses a config whose extract.aux_layers / max_length differ from data_config.json's (one line)."""
+    from eagle3.train.trainer import run
+
+    path = make_tiny_run(tmp_path, train={"epochs": 1})
+    cfg = load_config(path)
+    before = _tree(cfg.train_dir)
+    for over, msg in ((["extract.aux_layers=[1, 3, 4]"], "extract.aux_layers [1, 3, 4] but the shards in "
+                       f"{cfg.shards_dir} were captured with [2, 3, 4]: re-run 02 or set extract.aux_layers to the "
+                       "shards' value"),
+                      (["extract.max_length=64"], f"extract.max_length 64 but the shards in {cfg.shards_dir} were "
+                       "captured with 16: re-run 02 or set extract.max_length to the shards' value")):
+        with pytest.raises(UserError) as e:
+            run(load_config(path, over), device="cpu")
+        assert str(e.value) == msg
+        assert _tree(cfg.train_dir) == before
+    r = run(load_config(path, ["extract.aux_layers=[2, 3, 4]", "extract.max_length=16"]), stop_after=1, device="cpu")
+    assert r["step"] == 1
