@@ -209,10 +209,19 @@ def test_server_errors_are_user_errors(tmp_path):
         run_server_bench([], PROMPTS, 4)
 
 
-def test_cli_server_mode_sends_chat_rendered_prompts(tmp_path, tiny_llama_dir, smollm_tokenizer):
+def _bench_cli():
+    """05_benchmark.py loaded as a module (its main(argv) runs in-process)."""
     import importlib.util
 
     from conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("bench_cli", ROOT / "05_benchmark.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    return cli
+
+
+def test_cli_server_mode_sends_chat_rendered_prompts(tmp_path, tiny_llama_dir, smollm_tokenizer):
     from eagle3.prompts.chat import render
 
     prompts = tmp_path / "p.jsonl"
@@ -220,9 +229,7 @@ def test_cli_server_mode_sends_chat_rendered_prompts(tmp_path, tiny_llama_dir, s
     cfg = tmp_path / "run.yaml"
     cfg.write_text(f"run_name: t\noutput_root: {tmp_path / 'out'}\nverifier: {{path: {tiny_llama_dir}}}\n"
                    f"prompts: {{source: {prompts}}}\n")
-    spec = importlib.util.spec_from_file_location("bench_cli", ROOT / "05_benchmark.py")
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
+    cli = _bench_cli()
     with _StandIn(speculative=True) as s:
         rc = cli.main(["--config", str(cfg), "--server", s.url, "--datasets", str(prompts), "--max-new-tokens", "6"])
         sent = [r["input_ids"] for r in s.requests[1:]]
@@ -236,17 +243,13 @@ def test_cli_server_mode_sends_chat_rendered_prompts(tmp_path, tiny_llama_dir, s
 def test_cli_server_mode_from_the_config(tmp_path, tiny_llama_dir):
     """benchmark.server_urls alone puts 05 in server mode (configs/kimi-k2.5.yaml relies on it: it was ignored and 05
     ran the in-process benchmark), on the config's benchmark.datasets; --server overrides the config's URLs."""
-    import importlib.util
 
-    from conftest import ROOT
 
     sets = []
     for name in ("p", "q"):
         sets.append(tmp_path / f"{name}.jsonl")
         sets[-1].write_text(json.dumps({"id": "x", "prompt": f"Hello {name}"}) + "\n")
-    spec = importlib.util.spec_from_file_location("bench_cli", ROOT / "05_benchmark.py")
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
+    cli = _bench_cli()
     with _StandIn(speculative=True) as s, _StandIn(speculative=True) as other:
         cfg = tmp_path / "run.yaml"
         cfg.write_text(f"run_name: t\noutput_root: {tmp_path / 'out'}\nverifier: {{path: {tiny_llama_dir}}}\n"
@@ -302,10 +305,7 @@ def test_stale_server_reports_are_named(tmp_path):
 def test_cli_server_mode_prints_each_report_and_warns_on_too_few_prompts(tmp_path, tiny_llama_dir, capsys, caplog):
     """05 --server prints a ``report:`` line per report written (bench/server-{set}/server_bench.md with several sets,
     as offline prints bench.md), and --num-prompts above a set's size is warned about (log and server_bench.json)."""
-    import importlib.util
     import logging
-
-    from conftest import ROOT
 
     sets = []
     for name, n in (("p", 2), ("q", 1)):
@@ -314,9 +314,7 @@ def test_cli_server_mode_prints_each_report_and_warns_on_too_few_prompts(tmp_pat
     cfg = tmp_path / "run.yaml"
     cfg.write_text(f"run_name: t\noutput_root: {tmp_path / 'out'}\nverifier: {{path: {tiny_llama_dir}}}\n"
                    f"prompts: {{source: {sets[0]}}}\n")
-    spec = importlib.util.spec_from_file_location("bench_cli", ROOT / "05_benchmark.py")
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
+    cli = _bench_cli()
     bench = tmp_path / "out" / "bench"
     with _StandIn(speculative=True) as s, caplog.at_level(logging.WARNING):
         assert cli.main(["--config", str(cfg), "--server", s.url, "--datasets", str(sets[0]), str(sets[1]),
