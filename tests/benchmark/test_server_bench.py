@@ -243,8 +243,6 @@ def test_cli_server_mode_sends_chat_rendered_prompts(tmp_path, tiny_llama_dir, s
 def test_cli_server_mode_from_the_config(tmp_path, tiny_llama_dir):
     """benchmark.server_urls alone puts 05 in server mode (configs/kimi-k2.5.yaml relies on it: it was ignored and 05
     ran the in-process benchmark), on the config's benchmark.datasets; --server overrides the config's URLs."""
-
-
     sets = []
     for name in ("p", "q"):
         sets.append(tmp_path / f"{name}.jsonl")
