@@ -445,15 +445,23 @@ def check_prompts_current(cfg: RunConfig) -> None:
 
     rep, changed = prompts_changes(cfg)
     if changed:
+        try:  # settings 01 took from its command line: a re-run needs them again
+            cli = [k for k in read_json(rep).get("cli_overrides", []) if k in ("source", "format", "regenerate")]
+        except (UserError, AttributeError, TypeError):
+            cli = []
+        again = (f" (it was run with {', '.join('--' + k for k in cli)} on its command line: give "
+                 f"{'them' if len(cli) > 1 else 'it'} again, or put {'them' if len(cli) > 1 else 'it'} in the config)"
+                 if cli else "")
         raise UserError(f"{rep}: {cfg.prompts_path.name} was made with other prompts settings than this config's "
-                        f"(changed {'; '.join(changed)}); re-run 01_prepare_prompts.py with this config first")
+                        f"(changed {'; '.join(changed)}); re-run 01_prepare_prompts.py with this config first{again}")
 
 
 def finished_report(cfg: RunConfig, root: Path, limit: Optional[int]) -> Optional[dict]:
     """``extract_report.json`` of a finished extraction of exactly this run, else None (the run goes on).
 
     Finished: ``extract_state.json`` and ``data_config.json`` carry this config's fingerprint
-    (:func:`fingerprint`) and prompts SHA-256, the report counts the prompts this run reads (``--limit``),
+    (:func:`fingerprint`) and prompts SHA-256, the report counts at least the prompts this run reads (a ``--limit``
+    at or below the finished run's prompts is a prefix of them: nothing to do),
     ``manifest.jsonl`` holds ``data_config.json``'s ``num_samples`` rows (no torn line, no per-rank manifest
     left) and every row's shard is at its place. Reads only; needs no verifier or tokenizer.
     """
@@ -470,7 +478,8 @@ def finished_report(cfg: RunConfig, root: Path, limit: Optional[int]) -> Optiona
         return None
     fp, _ = fingerprint(cfg, prompts_sha)
     if (state.get("fingerprint"), meta.get("config_fingerprint"), meta.get("prompts_sha256")) != (fp, fp, prompts_sha) \
-            or report.get("prompts") != n_prompts or report.get("samples") != meta.get("num_samples"):
+            or not isinstance(report.get("prompts"), int) or n_prompts > report["prompts"] \
+            or report.get("samples") != meta.get("num_samples"):
         return None
     man = read_manifest(root / MANIFEST)
     if man.dropped_tail or len(man.rows) != meta.get("num_samples"):

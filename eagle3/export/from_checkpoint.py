@@ -54,7 +54,7 @@ def export_from_checkpoint(cfg: RunConfig, engine: str | None = None) -> Path:
             (:func:`eagle3.train.checkpoint.check_drafter_args`; ``max_position_embeddings`` may differ).
     """
     from eagle3.train.model import DrafterArgs
-    from eagle3.shards.format import read_data_config
+    from eagle3.shards.format import check_extract_settings, read_data_config
     from eagle3.train.target_head import TargetHead
     from eagle3.train.trainer import build_drafter_args, init_drafter
     from eagle3.data.vocab import load_run_vocab_map
@@ -66,6 +66,7 @@ def export_from_checkpoint(cfg: RunConfig, engine: str | None = None) -> Path:
         raise UserError(f"{ckpt.ckpt_dir(cfg.train_dir)}: no complete checkpoint to export (run 04_train.py first)")
     path, state = found
     data_config = read_data_config(cfg.shards_dir)
+    check_extract_settings(cfg.extract, data_config, cfg.shards_dir)  # as 04 training does
     vocab = load_run_vocab_map(cfg, int(data_config["vocab_size"]))
     args = DrafterArgs.from_json(state["drafter_args"], source=f"{path}: drafter_args")
     if args.draft_vocab_size != int(vocab["d2t"].shape[0]):

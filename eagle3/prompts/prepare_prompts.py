@@ -260,9 +260,11 @@ def up_to_date(out: Path, rep: Path, want: dict) -> bool:
 
 
 # 01 settings that come from other sections than ``prompts:`` (a verifier used only to regenerate may differ
-# from the one 02 captures with) or from the command line only (``--limit``): not compared by prompts_changes
+# from the one 02 captures with) or from the command line only (``--limit``): not compared by prompts_changes.
+# ``max_context_tokens`` is compared: it decides which conversations 01 keeps (``prompts.max_context_tokens``, or
+# ``extract.max_length`` when unset)
 _NOT_PROMPTS_SECTION = ("limit", "verifier", "verifier_dtype", "chat_template", "chat_template_kwargs", "reply_start",
-                        "think_tags", "max_context_tokens")
+                        "think_tags")
 _SOURCE_KEYS = ("source", "sources", "bytes", "sha256")
 _REGEN_KEYS = ("max_new_tokens", "regenerate_via", "temperature", "top_p", "model", "extra_body")
 

@@ -673,27 +673,37 @@ def check_extract_settings(extract: Any, meta: dict, root: str | os.PathLike) ->
     Stages 03, 04 and 05 read the shards' values from ``data_config.json`` (``meta``); a config that says
     otherwise would silently be ignored. Only a key the config sets (pydantic ``model_fields_set`` of
     ``extract``) is compared; ``aux_layers: null`` set explicitly means the EAGLE default ``[2, N//2, N-3]``
-    of the shards' ``num_layers``. Keys missing from ``meta`` are not compared.
+    of the shards' ``num_layers`` (named so in the message). Keys missing from ``meta`` are not compared.
 
     Raises:
-        UserError: one line naming the key, both values, the shards folder and the fixes.
+        UserError: one line naming every differing key, both values, the shards folder and the fixes.
     """
     from eagle3.layers import default_aux_layers
 
     set_keys = getattr(extract, "model_fields_set", set())
+    diffs = []
     for key in ("aux_layers", "max_length"):
         if key not in set_keys or meta.get(key) is None:
             continue
         want, have = getattr(extract, key), meta[key]
+        shown = want
         if key == "aux_layers":
             if want is None:
                 try:
                     want = default_aux_layers(int(meta["num_layers"]))
                 except (KeyError, TypeError, ValueError, UserError):
                     continue  # no default to compare with
+                shown = f"null (the EAGLE default {want})"
             want, have = [int(i) for i in want], [int(i) for i in have]
         elif int(want) == int(have):
             continue
         if want != have:
-            raise UserError(f"extract.{key} {want} but the shards in {root} were captured with {have}: "
-                            f"re-run 02 or set extract.{key} to the shards' value")
+            diffs.append((key, shown, have))
+    if len(diffs) == 1:
+        (k, s, h), = diffs
+        raise UserError(f"extract.{k} {s} but the shards in {root} were captured with {h}: re-run 02 or set "
+                        f"extract.{k} to the shards' value")
+    if diffs:
+        raise UserError("; ".join(f"extract.{k} {s}" for k, s, _ in diffs) + f" but the shards in {root} were captured "
+                        "with " + "; ".join(f"{k} {h}" for k, _, h in diffs) + ": re-run 02 or set "
+                        + " and ".join(f"extract.{k}" for k, _, _ in diffs) + " to the shards' values")

@@ -330,6 +330,23 @@ def test_rerun_of_finished_shards_is_up_to_date(tmp_path, tiny_llama_dir, caplog
     assert f"shards up to date: {root} (6 samples, settings unchanged; use --overwrite to redo)" in caplog.messages
 
 
+def test_a_smaller_limit_on_a_finished_set_is_up_to_date(tmp_path, tiny_llama_dir, monkeypatch):
+    """--limit at or below the finished run's prompts asks for a prefix of what is there: nothing to do, the reports
+    stay byte for byte (a fresh-user trial: `--limit 4` after a full run of 8 rewrote the report with 0 written)."""
+    import eagle3.verifier as verifier
+
+    cfg = load_config(_config(tmp_path, tiny_llama_dir))
+    run(cfg)
+    root = cfg.shards_dir
+    names = ["extract_report.json", "extract_report.md", "data_config.json", STATE, "manifest.jsonl"]
+    before = {n: (root / n).read_bytes() for n in names}
+    monkeypatch.setattr(verifier, "load_verifier", _fail_load)
+    monkeypatch.setattr(verifier, "load_tokenizer", _fail_load)
+    for limit in (2, 6, 50):  # below, equal to and above the 6 prompts there are
+        assert run(cfg, limit=limit)["up_to_date"]
+    assert {n: (root / n).read_bytes() for n in names} == before
+
+
 def test_rerun_not_up_to_date_when_more_prompts_or_a_shard_gone(tmp_path, tiny_llama_dir, tiny_backend):
     cfg = load_config(_config(tmp_path, tiny_llama_dir))
     _run(cfg, tiny_backend, limit=3)
@@ -377,6 +394,23 @@ def test_changed_prompts_settings_refused(tmp_path, tiny_llama_dir, tiny_backend
     # the limit of 01's --limit and a verifier-section setting are not prompts: settings
     _prompts_report(cfg, limit=5, verifier="other")
     assert _run(cfg, tiny_backend, limit=2)["written"] == 2
+    # a regenerating 01 keeps only conversations under its context cap: the cap is compared (prompts.max_context_tokens,
+    # else extract.max_length: 64 here)
+    from eagle3.prompts.prepare_prompts import prompts_changes, report_path, settings
+    regen = load_config(path, ["prompts.regenerate=true"])
+    report_path(cfg).write_text(json.dumps({"settings": settings(regen, None), "cli_overrides": []}))
+    assert prompts_changes(load_config(path, ["prompts.regenerate=true", "prompts.max_context_tokens=200"]))[1] == [
+        "max_context_tokens: 64 -> 200"]
+    assert prompts_changes(load_config(path, ["prompts.regenerate=true", "extract.max_length=128"]))[1] == [
+        "max_context_tokens: 64 -> 128"]
+    # settings 01 took from its command line are named, so a re-run gives them again
+    report_path(cfg).write_text(json.dumps({"settings": {**settings(cfg, None), "seed": 3},
+                                            "cli_overrides": ["source", "regenerate"]}))
+    with pytest.raises(UserError) as e:
+        _run(cfg, tiny_backend, limit=2)
+    assert str(e.value).endswith("(changed seed: 3 -> 0); re-run 01_prepare_prompts.py with this config first (it was "
+                                 "run with --source, --regenerate on its command line: give them again, or put them "
+                                 "in the config)")
 
 
 def test_prompts_settings_not_compared_without_report_or_for_cli_overrides(tmp_path, tiny_llama_dir, tiny_backend):

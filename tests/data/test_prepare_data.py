@@ -269,8 +269,11 @@ def test_token_only_validation_in_processes_matches_threads(tmp_path, monkeypatc
                                        "re-run 02 or set extract.aux_layers to the shards' value"),
     (["extract.max_length=32"], "extract.max_length 32 but the shards in {s} were captured with 16: re-run 02 or set "
                                 "extract.max_length to the shards' value"),
-    (["extract.aux_layers=null"], "extract.aux_layers [2, 15, 27] but the shards in {s} were captured with [1, 3, 4]: "
-                                  "re-run 02 or set extract.aux_layers to the shards' value"),  # the default of 30 layers
+    (["extract.aux_layers=null"], "extract.aux_layers null (the EAGLE default [2, 15, 27]) but the shards in {s} were "
+                                  "captured with [1, 3, 4]: re-run 02 or set extract.aux_layers to the shards' value"),
+    (["extract.aux_layers=[2, 3, 4]", "extract.max_length=32"],  # both named at once
+     "extract.aux_layers [2, 3, 4]; extract.max_length 32 but the shards in {s} were captured with aux_layers [1, 3, 4]; "
+     "max_length 16: re-run 02 or set extract.aux_layers and extract.max_length to the shards' values"),
 ])
 def test_extract_settings_other_than_the_shards_refused(tmp_path, over, msg):
     cfg = load_config(_cfg(tmp_path), over)

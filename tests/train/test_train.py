@@ -479,3 +479,9 @@ def test_extract_settings_other_than_the_shards_refused_before_anything_is_writt
         assert _tree(cfg.train_dir) == before
     r = run(load_config(path, ["extract.aux_layers=[2, 3, 4]", "extract.max_length=16"]), stop_after=1, device="cpu")
     assert r["step"] == 1
+    from eagle3.export.from_checkpoint import export_from_checkpoint  # 04 --export-only checks the same
+
+    with pytest.raises(UserError) as e:
+        export_from_checkpoint(load_config(path, ["extract.aux_layers=[1, 3, 4]"]))
+    assert str(e.value).startswith("extract.aux_layers [1, 3, 4] but the shards in ")
+    assert not load_config(path).export_dir.exists()
