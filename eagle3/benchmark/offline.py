@@ -789,7 +789,6 @@ def run(
     if serve_aux_layers is not None and list(serve_aux_layers) != list(aux):
         serve = check_aux_layers(serve_aux_layers, n_layers, field="--serve-aux-layers")
         msg = f"serving with aux layers {serve} although the drafter was trained on {aux} (--serve-aux-layers)"
-        log.warning(msg)
         warnings.append(msg)
         aux = serve
     dtype = next(verifier.parameters()).dtype

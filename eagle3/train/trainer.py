@@ -807,6 +807,7 @@ def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: O
             if resume:
                 run_.restore()
             run_.set_stop_at(stop_at)
+            run_.announce_resume()
         except BaseException:
             inputs.states.close()
             raise
@@ -1251,8 +1252,11 @@ class _Training:
             log.warning("%s: saved with %d processes, now %d; RNG states reseeded", path, len(rngs), d.world)
             torch.manual_seed(t.seed + 1000 * self.step + d.rank)
         self.last_ckpt = path
-        if d.is_main:
-            log.info("resumed from %s (%s)", path, self._position())
+
+    def announce_resume(self) -> None:
+        """Log where a resumed run stands (rank 0), once every setup check (``--stop-at`` included) has passed."""
+        if self.last_ckpt is not None and self.d.is_main:
+            log.info("resumed from %s (%s)", self.last_ckpt, self._position())
 
     def _position(self) -> str:
         """Where a resumed run stands, for its log line: ``step 2, at the end of epoch 1`` or ``step 3, epoch 2,

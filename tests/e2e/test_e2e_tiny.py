@@ -129,6 +129,7 @@ def test_tiny_pipeline_end_to_end(tiny_llama_dir, tmp_path):
     rep = json.loads((shifted / "bench.json").read_text())
     assert rep["aux_layers"] == [2, 4, 5]
     assert any("trained on [1, 3, 4]" in w for w in rep["warnings"])
+    assert r.stderr.count("although the drafter was trained on [1, 3, 4]") == 1, r.stderr[-3000:]  # logged once
 
 
 def _find_numbers(obj, key: str) -> list[float]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import sys
 from pathlib import Path
@@ -195,7 +196,7 @@ def test_resume_equals_uninterrupted(tmp_path):
     assert any((b.train_dir / "tb").iterdir())
 
 
-def test_stop_at_ends_a_finished_run_on_the_longer_schedule_and_resume_equals_uninterrupted(tmp_path):
+def test_stop_at_ends_a_finished_run_on_the_longer_schedule_and_resume_equals_uninterrupted(tmp_path, caplog):
     """04 --stop-at: steps 1..5 of an 8-step schedule with the same lr and loss as the whole run; the run ends as a
     finished one (final validation once at step 5, best export, report naming the stop), and --resume from its
     step-5 checkpoint ends with the uninterrupted run's weights."""
@@ -221,8 +222,11 @@ def test_stop_at_ends_a_finished_run_on_the_longer_schedule_and_resume_equals_un
     rep = json.loads((b.train_dir / "train_report.json").read_text())
     assert rep["stop_at"] == 5 and rep["sim_accept"]["exported_step"] in range(1, 6)
     assert "ended at `--stop-at 5` on the 8-step lr schedule" in (b.train_dir / "train_report.md").read_text()
-    with pytest.raises(UserError, match=r"--stop-at 4: the checkpoint resumed from is at step 5, past it"):
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="eagle3.train.trainer"), \
+            pytest.raises(UserError, match=r"--stop-at 4: the checkpoint resumed from is at step 5, past it"):
         run(b, resume=True, device="cpu", stop_at=4)
+    assert not [x for x in caplog.records if x.getMessage().startswith("resumed from ")]  # refused: no resume line
     rc = run(b, resume=True, device="cpu", export=export_for_run)
     assert (rc["step"], rc["stop_at"]) == (8, None) and val(b) == val(a) == list(range(1, 9))
     sa, sb = _final_model(a.train_dir), _final_model(b.train_dir)
