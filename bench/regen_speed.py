@@ -50,11 +50,17 @@ Input: the config's ``prompts.source`` read, deduplicated and sampled as stage 0
    reported. The 1,024-row decode step was bound by its number of kernels (lease 2026-12-02c), so more rows a step
    may raise tokens/s on the 17K config: ``--batch-ab 2048`` (~112 GiB of KV cache for SmolLM2 at 2,560 columns).
 
+8. Prefill probe (``--prefill-probe``): the eager prefill forward timed at fixed rows x width shapes, host dispatch
+   against completion, tokens/s and matmul TFLOP/s, beside the main run's own prefill rate: whether the 17K run's
+   prefill (15.7 s in 357 forwards, lease 2026-12-04) is bound by launches or by work, i.e. what a cheaper prefill
+   (packed, compiled, graphed) could save.
+
 CPU smoke (tests/bench/test_regen_speed.py): ``--set verifier.path=<tiny> --num 6 --baseline-num 4``.
 """
 
 from __future__ import annotations
 
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -220,6 +226,78 @@ def bound(model, st: dict, cfg, batch_size: int, max_new: int, bandwidth: float 
     return out
 
 
+PROBE_SHAPES = ((1, 128), (16, 512), (64, 512), (8, 2048), (32, 2048), (128, 512))
+
+
+def prefill_probe(model, shapes=PROBE_SHAPES, reps: int = 5, seed: int = 0) -> dict:
+    """Time the slot engine's eager prefill forward (``SlotEngine._prefill``, fresh prompts, no cached prefix) at
+    ``rows x width`` shapes of random prompt tokens: is stage 01's prefill bound by its launches or by its work?
+
+    Per shape, ``reps`` forwards after one warm-up, each after a sync: ``host_ms`` the call's own wall time (the
+    host's dispatch; on the CPU the whole forward), ``device_ms`` until a sync after it (the forward's completion).
+    A forward whose ``host_ms`` is most of its ``device_ms`` is launch-bound (the GPU waits for the host); one whose
+    ``device_ms`` grows with its tokens while ``host_ms`` stays flat is bound by its work.
+
+    Returns:
+        ``{"linear_params": N, "rows": [{"rows", "width", "tokens", "host_ms", "device_ms", "tokens_per_s",
+        "linear_tflops"}, ...]}``: medians over the reps; ``linear_tflops`` = 2 x ``linear_params`` (the decoder's
+        weights less the embeddings) x tokens/s / 1e12, the matmul work alone (attention excluded).
+    """
+    import torch
+
+    from eagle3.prompts.continuous import SlotEngine, _Waiting
+
+    dev = next(model.parameters()).device
+    emb = {id(p) for m in (model.get_input_embeddings(), model.get_output_embeddings()) for p in m.parameters()}
+    linear = sum(p.numel() for p in model.parameters() if id(p) not in emb)
+    g = torch.Generator().manual_seed(seed)
+    vocab = model.get_input_embeddings().weight.shape[0]
+    out = []
+    eng = SlotEngine(model, max(r for r, _ in shapes), max(w for _, w in shapes) + 2, 1, {-1}, width_classes=[],
+                     cuda_graphs=False, prefill_tokens=max(r * w for r, w in shapes))
+    try:
+        with torch.inference_mode():
+            for rows, width in shapes:
+                ids = torch.randint(0, vocab, (rows, width), generator=g).tolist()  # [P, W] random prompts
+                reqs = [_Waiting((), i, x) for i, x in enumerate(ids)]
+                host, device = [], []
+                for k in range(reps + 1):
+                    _sync(dev)
+                    t0 = time.perf_counter()
+                    eng._prefill(reqs, list(range(rows)), width)
+                    t1 = time.perf_counter()
+                    _sync(dev)
+                    if k:  # the first forward of a shape warms it up
+                        host.append(t1 - t0)
+                        device.append(time.perf_counter() - t0)
+                eng._timed.clear()
+                h, d = statistics.median(host), statistics.median(device)
+                out.append({"rows": rows, "width": width, "tokens": rows * width, "host_ms": 1000 * h,
+                            "device_ms": 1000 * d, "tokens_per_s": rows * width / d,
+                            "linear_tflops": 2 * linear * rows * width / d / 1e12})
+    finally:
+        eng.close()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return {"linear_params": linear, "rows": out}
+
+
+def probe_markdown(pp: dict, rf: dict) -> list[str]:
+    """Lines of the prefill probe's table, and the main run's own prefill rate beside it (``rf``: :func:`roofline`)."""
+    lines = ["", f"Prefill probe: the eager prefill forward at fixed shapes (random prompts; matmul work = 2 x "
+             f"{pp['linear_params'] / 1e6:.1f}M decoder weights a token):", "",
+             "| rows x width | tokens | host ms (dispatch) | device ms | host / device | tokens/s | matmul TFLOP/s |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in pp["rows"]:
+        lines.append(f"| {r['rows']} x {r['width']} | {r['tokens']} | {r['host_ms']:.1f} | {r['device_ms']:.1f} | "
+                     f"{r['host_ms'] / r['device_ms']:.2f} | {r['tokens_per_s']:.0f} | {r['linear_tflops']:.1f} |")
+    if rf.get("prefill_padded_tokens") and rf.get("prefill_s"):
+        lines += ["", f"The main run's prefill: {rf['prefill_padded_tokens']} padded tokens in {rf['prefill_s']:.1f} s "
+                  f"of {rf['prefill_calls']} forwards = {rf['prefill_padded_tokens'] / rf['prefill_s']:.0f} tokens/s, "
+                  f"{1000 * rf['prefill_s'] / max(1, rf['prefill_calls']):.1f} ms a forward."]
+    return lines
+
+
 def tie_tolerance(cfg, model) -> float:
     """The logit gap under which a differing token counts as a near-tie: ``benchmark.tie_tolerance``, by default
     the verifier dtype's (0.25 in bf16, as 05 counts them)."""
@@ -359,6 +437,8 @@ def markdown(res: dict) -> str:
                 lines.append(f"| {size} | {r['seconds']:.1f} | {r['tokens_per_s']:.0f} | {r['decode_steps']} | "
                              f"{r['prefill_s']:.2f} | {r['decode_s']:.2f}{_first(r)} |")
             lines += ["", ab_summary(ba, f"{big}/{small} rows")]
+    if res.get("prefill_probe"):
+        lines += probe_markdown(res["prefill_probe"], rf)
     b = res.get("bound")
     if b:
         lines += ["", f"Bound: **{b['verdict']}** (decode step {b['step_ms_launch_floor']:.2f} ms at a 256-column "
@@ -541,6 +621,8 @@ def main(argv=None) -> int:
                    help="the A/B runs (--reuse-ab, --prefill-graphs-ab) run the setting off first, then on")
     p.add_argument("--copy-gib", type=float, default=4.0, help="size of the bandwidth probe copy")
     p.add_argument("--no-bound", action="store_true", help="skip the decode-step bound probe")
+    p.add_argument("--prefill-probe", action="store_true",
+                   help="also time the eager prefill forward at fixed rows x width shapes (host dispatch vs device)")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--md", type=Path, default=None)
     a = p.parse_args(argv)
@@ -575,6 +657,8 @@ def main(argv=None) -> int:
            "main": _row(st, a.main_engine, len(main_convs)), "roofline": roofline(st, weight_bytes, bw)}
     if a.main_engine == "slots" and not a.no_bound:
         res["bound"] = bound(model, st, cfg, batch_size, max_new, bw)
+    if a.prefill_probe:
+        res["prefill_probe"] = prefill_probe(model)
     if a.batch_ab:
         res["batch_ab"] = batch_ab(model, tok, cfg, main_convs, main_out, st, batch_size, a.batch_ab, max_new, opts_kw)
     if a.reuse_ab:

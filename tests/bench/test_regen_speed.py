@@ -231,3 +231,24 @@ def test_batch_ab_needs_the_slots_engine(tmp_path):
 
     with pytest.raises(UserError, match="--batch-ab compares the slots engine at two batch sizes"):
         rsp.main(["--config", str(ROOT / "configs" / "tiny-llama.yaml"), "--main-engine", "static", "--batch-ab", "8"])
+
+
+def test_prefill_probe_counts_and_table(tiny_llama_dir):
+    """The probe's token counts and matmul weights by hand (every parameter but the embeddings), and its table with
+    the main run's own prefill rate (500 padded tokens in 0.5 s = 1000 tokens/s, 2 forwards = 250 ms each)."""
+    from eagle3.verifier import load_verifier
+    from eagle3.config import load_config
+
+    cfg = load_config(ROOT / "configs" / "tiny-llama.yaml", [f"verifier.path={tiny_llama_dir}"])
+    model, _ = load_verifier(cfg.verifier)
+    pp = rsp.prefill_probe(model, shapes=((1, 8), (3, 16)), reps=2)
+    want = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n and "lm_head" not in n)
+    assert pp["linear_params"] == want > 0
+    assert [(r["rows"], r["width"], r["tokens"]) for r in pp["rows"]] == [(1, 8, 8), (3, 16, 48)]
+    for r in pp["rows"]:
+        assert 0 < r["host_ms"] <= r["device_ms"]
+        assert r["tokens_per_s"] == pytest.approx(r["tokens"] / (r["device_ms"] / 1000))
+        assert r["linear_tflops"] == pytest.approx(2 * want * r["tokens_per_s"] / 1e12)
+    rf = {"prefill_padded_tokens": 500, "prefill_s": 0.5, "prefill_calls": 2}
+    text = "\n".join(rsp.probe_markdown(pp, rf))
+    assert "| 3 x 16 | 48 |" in text and "= 1000 tokens/s, 250.0 ms a forward" in text
