@@ -252,9 +252,7 @@ case "${1:-}" in
     wait
     touch "$W/status/ALL.done" ;;
   start)
-    setsid nohup bash "$0" run > "$W/run.log" 2>&1 < /dev/null &
-    echo $! > "$W/run.pid"
-    sleep 2; echo "started (pid $!), log $W/run.log" ;;
+    lease_start "$W" "$0" || exit 1 ;;
   derived)  # re-run the derived runs whose 04/05 did not finish (their 03 done), e.g. after an OOM
     derived_train ;;
   capture)  # only the capture benches (issue 9), in the foreground, then pack into $OUT

@@ -9,9 +9,15 @@ lease_save_settings() {  # lease_save_settings W VAR...: $W/driver.env, one line
   # prompts back although driver.env held SEED; an empty SEED in that call's environment is the one way found)
   local w=$1 v; shift
   mkdir -p "$w"
+  # (an `if`, not `[ ] && printf`: the loop's status is its last command's, and an unset last VAR made it 1, so the
+  # file was never renamed into place: lease 2026-12-05b's `pack` knew no PACK_DRAFTER and sent the prompts)
   for v in "$@"; do
-    [ -n "${!v:-}" ] && printf '[ -n "${%s:-}" ] || %s=%q\n' "$v" "$v" "${!v}"
+    if [ -n "${!v:-}" ]; then printf '[ -n "${%s:-}" ] || %s=%q\n' "$v" "$v" "${!v}"; fi
   done > "$w/driver.env.tmp" && mv "$w/driver.env.tmp" "$w/driver.env"
+}
+
+lease_driver_alive() {  # lease_driver_alive W: true while the driver `start` launched ($W/run.pid) still runs
+  [ -e "$1/run.pid" ] && kill -0 "$(cat "$1/run.pid")" 2>/dev/null
 }
 
 lease_load_settings() {  # lease_load_settings W: the settings `start` recorded; a variable already set (non-empty) wins
@@ -24,4 +30,19 @@ lease_large_ok() {  # lease_large_ok W: true when a pack may return large files 
   # returns late, and a machine idle 30 s after a call is given back with the run on it (lease 2026-12-04 lost
   # two machines right after such a wait)
   [ -e "$1/status/ALL.done" ] || [ "${PACK_LARGE:-0}" = 1 ]
+}
+
+lease_start() {  # lease_start W SCRIPT: launch `SCRIPT run` detached (its own session: `stop` ends the group), unless
+  # a driver is still running; a finished driver's ALL.done is removed first, so `wait` waits for the new one
+  # (lease 2026-12-05b: a second `start` while the first driver still ran its last phases; that one's ALL.done then
+  # ended the next `wait` at once, and both drivers ran their phases side by side)
+  local w=$1 script=$2
+  if lease_driver_alive "$w"; then
+    echo "error: a driver is still running (pid $(cat "$w/run.pid"), log $w/run.log): \`wait\` for it, or \`stop\` it first" >&2
+    return 1
+  fi
+  rm -f "$w/status/ALL.done"
+  setsid nohup bash "$script" run > "$w/run.log" 2>&1 < /dev/null &
+  echo $! > "$w/run.pid"
+  sleep 2; echo "started (pid $(cat "$w/run.pid")), log $w/run.log"
 }

@@ -5,7 +5,9 @@
 # steps, MT-bench at 7), then summarise. Every phase records $W/status/<phase>.{done,failed}, so a later
 # call continues where the previous one stopped (while the machine stays warm; a fresh machine starts over).
 #
-#   bash bench/quality_session.sh start       # after `. /tmp/gpu/env.sh`: launch `run` detached, return at once
+#   bash bench/quality_session.sh start       # after `. /tmp/gpu/env.sh`: check every recipe (bench/lease_preflight.py:
+#                                             # its config and INIT's shape), then launch `run` detached and return;
+#                                             # refused while a driver still runs (`wait` for it or `stop` it)
 #   bash bench/quality_session.sh wait 560    # wait up to 560 s, then pack $OUT/quality-results.tar.gz (resumable:
 #                                             # call `wait` again in the next device call while the run goes on)
 #   bash bench/quality_session.sh run         # everything in the foreground (what `start` launches)
@@ -267,6 +269,18 @@ init_drafter() {  # INIT: the folder train.init_from names (parts from an earlie
   echo "== warm start from $INIT_DIR"
 }
 
+preflight() {  # every recipe's config loaded with its --set list, and its warm start's shape checked
+  # (bench/lease_preflight.py: seconds, no GPU work), before the driver spends device time on 01-03 (lease 2026-12-05b:
+  # a one-layer INIT under a config that had become two-layer was refused by 04 six minutes in)
+  local spec name sets args=()
+  for spec in $RECIPES; do
+    name=${spec%%:*}; sets=${spec#*:}
+    rargs "$name" "${sets//@MAIN_STEPS@/1000}"
+    args+=(--recipe "$name" "${RA[@]}")
+  done
+  [ ${#args[@]} -eq 0 ] || "$PY" bench/lease_preflight.py --config "$CONFIG" "${args[@]}"
+}
+
 recipe_chain() {  # recipe_chain NAME SETS: 04, then 05 at 3 steps (every set) and at 7 steps (SETS7)
   local name=$1 r="$W/runs/$1"
   rargs "$1" "$2"
@@ -435,9 +449,9 @@ case "${1:-}" in
   run)
     [ -e "$W/t0" ] || date +%s > "$W/t0"  # TRAIN_END_S counts from here (a restarted driver keeps the first start)
     { init_drafter && { speed_regen; auto_nprompts; data_track && speed_online && recipes && speed_bench; }; } ; touch "$W/status/ALL.done" ;;
-  start)
-    setsid nohup bash "$0" run > "$W/run.log" 2>&1 < /dev/null &
-    echo $! > "$W/run.pid"; sleep 2; echo "started (pid $(cat "$W/run.pid")), log $W/run.log" ;;
+  start)  # the recipes checked first (seconds, no GPU work), then the driver detached
+    { init_drafter && preflight; } || exit 1
+    lease_start "$W" "$0" || exit 1 ;;
   wait)
     lim=${2:-560}; t0=$SECONDS
     while [ ! -e "$W/status/ALL.done" ] && (( SECONDS - t0 < lim )); do sleep 5; done

@@ -950,16 +950,62 @@ def check_init_from_shape(src: str, exported: dict, args) -> None:
         UserError: naming the first differing field, e.g. ``train.init_from: 'x/drafter-sglang' holds a drafter with
             num_layers 1, this run trains 2 (drafter.num_layers)``.
     """
+    _check_shape_fields(src, exported, {key: getattr(args, key) for key in _WARM_START_SHAPE})
+
+
+def _check_shape_fields(src: str, exported: dict, mine: dict) -> None:
+    """The first field of ``mine`` (shape field -> this run's value; None = not known yet) that differs from the
+    export's ``drafter_args`` (absent ``variant`` / ``num_layers``: the DrafterArgs defaults eagle3 / 1); UserError."""
     from eagle3.config import DrafterConfig
 
     have = {"variant": "eagle3", "num_layers": 1, **exported}
-    for key in _WARM_START_SHAPE:
-        if key not in have:  # not recorded: left to warm_start's tensor-by-tensor check
+    for key, b in mine.items():
+        if key not in have or b is None:  # not recorded (left to warm_start's tensor-by-tensor check) or not known
             continue
-        a, b = have[key], getattr(args, key)
+        a = have[key]
         if a != b:
             where = f"drafter.{key}" if key in DrafterConfig.model_fields else "from the verifier and its shards"
             raise UserError(f"train.init_from: '{src}' holds a drafter with {key} {a!r}, this run trains {b!r} ({where})")
+
+
+def check_init_from_config(cfg: RunConfig) -> bool:
+    """The part of the warm-start checks that needs neither the verifier nor the shards: ``train.init_from`` is an
+    export folder (``config.json`` + ``model.safetensors``) and the drafter shape fields the config itself fixes
+    (``drafter.*`` not null: ``variant``, ``num_layers``, ``intermediate_size``, ...) equal the export's recorded
+    ``drafter_args`` (``eagle3_train.json``). 04 checks the full shape (fields taken from the verifier included)
+    later, before its first write; a lease driver runs this at its start (``bench/lease_preflight.py``), minutes
+    before 04 would (lease 2026-12-05b: a one-layer export under a config that had become two-layer).
+
+    Returns:
+        whether a warm start is configured (``train.init_from`` set).
+
+    Raises:
+        UserError: the folder missing or not an export, or a differing field (as :func:`check_init_from_shape`).
+    """
+    src = cfg.train.init_from
+    if not src:
+        return False
+    _check_init_folder(src)
+    meta_path = Path(src) / "eagle3_train.json"  # the export's metadata (export.serving.META_FILE)
+    if meta_path.is_file():
+        from eagle3.io import read_json
+
+        meta = read_json(meta_path)
+        exported = meta.get("drafter_args") if isinstance(meta, dict) else None
+        if isinstance(exported, dict):
+            _check_shape_fields(src, exported, {k: getattr(cfg.drafter, k, None) for k in _WARM_START_SHAPE})
+    return True
+
+
+def _check_init_folder(src: str) -> None:
+    """``train.init_from`` names an exported drafter folder (``config.json`` + ``model.safetensors``), else UserError."""
+    path = Path(src)
+    if not path.is_dir():
+        raise UserError(f"train.init_from: folder '{src}' not found (an exported drafter folder: 04's drafter-sglang)")
+    for name in ("config.json", "model.safetensors"):
+        if not (path / name).is_file():
+            raise UserError(f"train.init_from: '{src}' is not an exported drafter folder (no {name}; 04 writes one "
+                            f"into {{output_root}}/drafter-sglang)")
 
 
 def _warm_start_planned(cfg: RunConfig, d: DistInfo, resume: bool, args=None) -> bool:
@@ -979,13 +1025,8 @@ def _warm_start_planned(cfg: RunConfig, d: DistInfo, resume: bool, args=None) ->
         if d.is_main:
             log.info("train.init_from (%s) not used: --resume continues from the run's checkpoint", src)
         return False
+    _check_init_folder(src)
     path = Path(src)
-    if not path.is_dir():
-        raise UserError(f"train.init_from: folder '{src}' not found (an exported drafter folder: 04's drafter-sglang)")
-    for name in ("config.json", "model.safetensors"):
-        if not (path / name).is_file():
-            raise UserError(f"train.init_from: '{src}' is not an exported drafter folder (no {name}; 04 writes one "
-                            f"into {{output_root}}/drafter-sglang)")
     if args is not None and (path / "eagle3_train.json").is_file():  # the export's metadata (export.serving.META_FILE)
         from eagle3.io import read_json
 

@@ -77,15 +77,11 @@ def test_pack_mid_run_leaves_the_large_files_behind(tmp_path):
 def test_settings_given_to_start_hold_for_wait(tmp_path):
     w, out, seed = tmp_path / "w", tmp_path / "out", tmp_path / "seed dir"
     seed.mkdir()
-    # INIT names no drafter: the detached run stops at once (before 01) and marks itself done
+    # INIT names no drafter: `start` refuses before it launches anything, its settings already recorded
     r = _driver("start", {"W": str(w), "SEED": str(seed), "INIT": str(tmp_path / "missing"),
                           "RECIPES": "ref:train.epochs=2 b:train.lr=3e-4"})
-    assert r.returncode == 0, r.stderr
-    deadline = time.monotonic() + 60
-    while not (w / "status" / "ALL.done").exists() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert (w / "status" / "ALL.done").exists()
-    assert "no exported drafter there" in (w / "run.log").read_text()
+    assert r.returncode == 1 and "no exported drafter there" in r.stdout, (r.stdout, r.stderr)
+    assert not (w / "run.pid").exists() and not (w / "run.log").exists()
     env_file = (w / "driver.env").read_text()
     assert "SEED=" in env_file and "RECIPES=" in env_file and "PACK_LARGE" not in env_file
 
@@ -221,3 +217,48 @@ def test_a_drafter_over_64_mib_comes_back_in_two_packs(tmp_path):
     assert cat.returncode == 0, cat.stderr
     assert (back / "model.safetensors").read_bytes() == payload
     assert (back / "config.json").read_text() == (ex / "config.json").read_text()
+
+
+def test_settings_file_written_when_the_last_setting_is_unset(tmp_path):
+    """driver.env is renamed into place whatever the last variable's state (lease 2026-12-05b: an unset last
+    variable, PYTHON, left only driver.env.tmp, and `pack` knew no PACK_DRAFTER)."""
+    w = tmp_path / "w"
+    probe = ('. bench/lease_lib.sh; A="x y"; unset B; lease_save_settings "$1" A B; unset A; '
+             'lease_load_settings "$1"; printf "%s" "$A"')
+    r = subprocess.run(["bash", "-c", probe, "x", str(w)], cwd=ROOT, capture_output=True, text=True,
+                       env={"PATH": os.environ["PATH"]})
+    assert r.returncode == 0 and r.stdout == "x y", (r.stdout, r.stderr)
+    assert sorted(p.name for p in w.iterdir()) == ["driver.env"]
+
+
+def test_start_refuses_while_a_driver_runs_and_clears_a_finished_ones_mark(tmp_path):
+    """`start` with a live driver (run.pid) is refused in one line, nothing launched; a finished driver's ALL.done
+    is removed before the new driver starts, so `wait` waits for the new one."""
+    w = tmp_path / "w"
+    (w / "status").mkdir(parents=True)
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        (w / "run.pid").write_text(f"{sleeper.pid}\n")
+        (w / "status" / "ALL.done").write_text("")
+        probe = '. bench/lease_lib.sh; lease_start "$1" /bin/false'
+        r = subprocess.run(["bash", "-c", probe, "x", str(w)], cwd=ROOT, capture_output=True, text=True)
+        assert r.returncode == 1 and r.stderr.strip() == (
+            f"error: a driver is still running (pid {sleeper.pid}, log {w}/run.log): `wait` for it, or `stop` it first")
+        assert (w / "status" / "ALL.done").exists() and not (w / "run.log").exists()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    script = tmp_path / "drv.sh"
+    script.write_text('[ "$1" = run ] && echo ran\n')
+    r = subprocess.run(["bash", "-c", '. bench/lease_lib.sh; lease_start "$1" "$2"', "x", str(w), str(script)],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.startswith("started (pid "), r.stderr
+    assert not (w / "status" / "ALL.done").exists() and (w / "run.log").read_text() == "ran\n"
+
+
+def test_preflight_refuses_a_recipe_before_the_driver_starts(tmp_path):
+    """`start` loads every recipe's config: a bad --set is refused in one line naming the recipe, nothing launched."""
+    w = tmp_path / "w"
+    r = _driver("start", {"W": str(w), "RECIPES": "ref: bad:train.epochs=0", "CONFIG": "configs/tiny-llama.yaml"})
+    assert r.returncode == 1 and not (w / "run.pid").exists(), (r.stdout, r.stderr)
+    assert r.stderr.strip().startswith("error: recipe bad: ") and "train.epochs" in r.stderr, r.stderr
