@@ -10,7 +10,8 @@ Warm start from an exported drafter (also one of other data): ``--set train.init
 SIGTERM/SIGINT finish the current optimizer step, write a checkpoint and exit 128 + the signal
 number (143 for SIGTERM, 130 for SIGINT, the shell's convention for a process ended by a signal), with
 no export: so `04_train.py && 05_benchmark.py` stops there, and a scheduler does not count the run as
-finished (a 0 would let 05 benchmark an older export left in the folder).
+finished (a 0 would let 05 benchmark an older export left in the folder). A signal during start-up (before the first
+optimizer step) stops at once: one line, no checkpoint, no train folder left that this call made.
 """
 
 from __future__ import annotations

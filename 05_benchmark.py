@@ -16,13 +16,14 @@ started with --speculative-algorithm EAGLE3 (URL2 = same verifier without specul
 {bench_dir}/server_bench.json, server_bench.md, server_acceptance.png ({bench_dir}/server-<set>/ per set when
 several are given); the sets are --datasets, else the config's benchmark.datasets when it sets them, else mtbench.
 Each report written is printed as a `report: PATH` line.
+SIGTERM / Ctrl-C end it with one line `interrupted by SIGTERM|SIGINT: ...` and exit 143 / 130.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from eagle3.cli import ArgumentParser, http_url, positive_float, positive_int, run_main
+from eagle3.cli import ArgumentParser, http_url, positive_float, positive_int, resume_on_interrupt, run_main
 from eagle3.config import add_config_args, load_config
 
 
@@ -56,15 +57,23 @@ def main(argv=None):
         mode = ("server mode (--server or benchmark.server_urls)" if urls else
                 "the offline benchmark (server mode needs --server or benchmark.server_urls)")
         p.error(f"{', '.join(other)}: not used in {mode}")
-    if urls:
-        from eagle3.benchmark import server as server_bench
+    with resume_on_interrupt(interrupt_hint):  # SIGTERM / Ctrl-C: one line, exit 143 / 130
+        if urls:
+            from eagle3.benchmark import server as server_bench
 
-        return server_bench.run(cfg, urls, a.datasets, a.num_prompts, a.max_new_tokens, a.concurrency or 1,
-                                a.timeout or 600.0)
-    from eagle3.benchmark import offline as benchmark
+            return server_bench.run(cfg, urls, a.datasets, a.num_prompts, a.max_new_tokens, a.concurrency or 1,
+                                    a.timeout or 600.0)
+        from eagle3.benchmark import offline as benchmark
 
-    return benchmark.run(cfg, a.drafter, a.datasets, a.steps, a.num_prompts, a.max_new_tokens, a.serve_aux_layers,
-                         a.batch_size, a.tie_tolerance)
+        return benchmark.run(cfg, a.drafter, a.datasets, a.steps, a.num_prompts, a.max_new_tokens,
+                             a.serve_aux_layers, a.batch_size, a.tie_tolerance)
+
+
+def interrupt_hint() -> str:
+    """What an interrupted 05 left: each report file is written whole or not at all (atomic writes; server mode
+    writes a set's reports once that set is measured), and there is no partial state to resume from."""
+    return ("no report is half-written (each file is written whole at the end of its measurement); re-run the same "
+            "command to benchmark again")
 
 
 if __name__ == "__main__":

@@ -162,7 +162,7 @@ def write_synthetic(root: Path, n: int, n_val: int, shape: dict, max_length: int
     TargetHead(embed=torch.randn(V, H, generator=g) * 0.05, lm_head=torch.randn(V, H, generator=g) * 0.05,
                norm_weight=torch.ones(H), norm_eps=1e-5).save(head_dir)
     cfg = {"run_name": "small-train-speed", "output_root": str(root),
-           "verifier": {"path": str(root / "no-verifier")}, "prompts": {"source": "unused.jsonl"},
+           "verifier": {"path": str(root / "no-verifier"), "name": "synthetic-smollm2"}, "prompts": {"source": "unused.jsonl"},
            "extract": {"max_length": max_length},
            "drafter": {"hidden_size": H, "num_attention_heads": shape["heads"], "num_key_value_heads": shape["kv_heads"],
                        "head_dim": shape["head_dim"], "intermediate_size": shape["intermediate"], "rms_norm_eps": 1e-5,

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from eagle3.errors import UserError
 
@@ -465,7 +465,10 @@ class TrainConfig(_Strict):
         "last", description="which weights are exported: the last step's, or those of the validation with the highest "
         "simulated acceptance length tau_sim = 1 + sum_m prod_{j<=m} alpha_j (alpha_j = held-out top-1 of TTT position j; "
         "TorchSpec/SpecForge simulated_acc_len + 1; eagle3/train/sim_accept.py). The curve is reported either way")
-    select_chain: Optional[int] = Field(None, ge=1, description="chain length k of tau_sim for select_best; default benchmark.steps")
+    select_chain: Optional[int] = Field(
+        None, ge=1, description="chain length k of tau_sim for select_best; default benchmark.steps, capped at "
+        "ttt_length (a warning says so). Set explicitly it must be <= ttt_length: tau_sim needs the acceptance of "
+        "every chained position and training measures only the ttt_length TTT positions")
     init_from: Optional[str] = Field(
         None, min_length=1, description="exported drafter folder (04's drafter-sglang / drafter-vllm, or a compatible EAGLE-3 export) "
         "whose weights start this run: a warm start with a fresh optimizer and schedule (SpecForge's / speculators' "
@@ -490,6 +493,17 @@ class TrainConfig(_Strict):
         "queue: the capture of batch k+1 overlaps training on batch k; each waits in host memory)")
     nproc_per_node: int = Field(1, ge=1, description="GPUs per node the run is planned for (torchrun --nproc_per_node); documentation")
     output_dir: Optional[str] = Field(None, description="default {output_root}/train")
+
+    @field_validator("select_chain")
+    @classmethod
+    def _chain_within_ttt(cls, v: Optional[int], info: ValidationInfo) -> Optional[int]:
+        """An explicit ``select_chain`` longer than ``ttt_length`` cannot be simulated (no ``alpha_j`` past K)."""
+        k = info.data.get("ttt_length")
+        if v is not None and k is not None and v > k:
+            raise ValueError(f"{v} is longer than train.ttt_length {k}: tau_sim({v}) needs the held-out acceptance of "
+                             f"{v} TTT positions and training measures {k}; set train.select_chain <= {k} or raise "
+                             f"train.ttt_length")
+        return v
 
 
 class ExportConfig(_Strict):

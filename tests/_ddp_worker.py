@@ -98,7 +98,7 @@ def make_tiny_run(root: Path, n_train: int = 8, n_val: int = 2, lengths=(12, 9, 
     cfg = {
         "run_name": "tiny",
         "output_root": str(root),
-        "verifier": {"path": str(root / "no-verifier-needed")},
+        "verifier": {"path": str(root / "no-verifier-needed"), "name": "synthetic"},  # the shards' (data_config)
         "prompts": {"source": "unused.jsonl"},
         "data": {"draft_vocab_size": draft_vocab},
         "drafter": {"hidden_size": hidden, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 4,

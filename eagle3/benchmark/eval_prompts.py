@@ -97,6 +97,10 @@ def _messages_from_row(row: dict, where: str) -> list[dict]:
 
 
 def _read_jsonl(path: Path) -> list[tuple[int, dict]]:
+    with open(path, "rb") as f:
+        head = f.read(4096).lstrip()
+    if head.startswith(b"["):  # a pretty-printed JSON array: its line 1 alone would read as "malformed JSON"
+        raise UserError(f"{path}: expected JSONL (one JSON object per line); this file is a JSON array")
     rows = []
     for lineno, row in iter_jsonl(path):
         if not isinstance(row, dict):

@@ -33,6 +33,7 @@ Outputs in ``cfg.bench_dir``: ``bench.json``, ``bench.md`` and ``acceptance.png`
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import math
@@ -485,6 +486,23 @@ def verifier_warnings(drafter_dir: Path, verifier_name: str) -> list[str]:
     return []
 
 
+@contextlib.contextmanager
+def verifier_named_first(mismatch: list[str]):
+    """Around 05's checks of the drafter against the loaded verifier: when ``mismatch`` (:func:`verifier_warnings`)
+    says the drafter was exported for another verifier, a UserError of the block (an aux layer out of range, an
+    embedding that does not fit) is re-raised with the mismatch first, the cause before its symptom.
+
+    Raises:
+        UserError: ``<mismatch> (verifier.name / verifier.path): <the original message>``.
+    """
+    try:
+        yield
+    except UserError as e:
+        if not mismatch:
+            raise
+        raise UserError(f"{mismatch[0]} (verifier.name / verifier.path): {e}") from e
+
+
 def export_folder_warnings(drafter_dir: Path, aux_layers: Sequence[int], verifier_architecture: str) -> list[str]:
     """Warnings when the exported folder's ``config.json`` makes its engine capture other verifier
     layers than ``aux_layers`` (the HF indices this benchmark feeds the drafter).
@@ -782,17 +800,19 @@ def run(
             fallback = default_aux_layers(n_layers)
         except UserError:  # too few layers for the default: the drafter's metadata must say
             fallback = None
-    aux, warnings = resolve_aux_layers(drafter_dir, cfg.shards_dir, fallback)
-    warnings += verifier_warnings(drafter_dir, cfg.verifier.display_name())
-    warnings += export_folder_warnings(drafter_dir, aux, verifier_dims(verifier.config)["architecture"])
-    aux = check_aux_layers(aux, n_layers, field=f"{drafter_dir / TRAIN_META}: aux_layers")
-    if serve_aux_layers is not None and list(serve_aux_layers) != list(aux):
-        serve = check_aux_layers(serve_aux_layers, n_layers, field="--serve-aux-layers")
-        msg = f"serving with aux layers {serve} although the drafter was trained on {aux} (--serve-aux-layers)"
-        warnings.append(msg)
-        aux = serve
-    dtype = next(verifier.parameters()).dtype
-    drafter = _load_drafter(drafter_dir, verifier, device, dtype)
+    mismatch = verifier_warnings(drafter_dir, cfg.verifier.display_name())
+    with verifier_named_first(mismatch):  # another verifier: say so rather than an aux-layer / shape symptom
+        aux, warnings = resolve_aux_layers(drafter_dir, cfg.shards_dir, fallback)
+        warnings += mismatch
+        warnings += export_folder_warnings(drafter_dir, aux, verifier_dims(verifier.config)["architecture"])
+        aux = check_aux_layers(aux, n_layers, field=f"{drafter_dir / TRAIN_META}: aux_layers")
+        if serve_aux_layers is not None and list(serve_aux_layers) != list(aux):
+            serve = check_aux_layers(serve_aux_layers, n_layers, field="--serve-aux-layers")
+            msg = f"serving with aux layers {serve} although the drafter was trained on {aux} (--serve-aux-layers)"
+            warnings.append(msg)
+            aux = serve
+        dtype = next(verifier.parameters()).dtype
+        drafter = _load_drafter(drafter_dir, verifier, device, dtype)
     warnings += check_drafter_vocab(cfg, drafter, drafter_dir, own_export=drafter_dir == cfg.export_dir)
     warnings += check_drafter_shape(cfg, drafter, drafter_dir, own_export=drafter_dir == cfg.export_dir)
     run_offline(cfg, verifier, tokenizer, drafter, aux, sets, steps, max_new_tokens,

@@ -30,7 +30,7 @@ from eagle3.config import RunConfig
 from eagle3.errors import UserError
 from eagle3.io import atomic_save_png, atomic_torch_save, atomic_write_json, atomic_write_text
 from eagle3.shards.manifest import MANIFEST, read_manifest
-from eagle3.shards.format import (DATA_CONFIG, check_extract_settings, expect_from_data_config, list_samples, load_sample,
+from eagle3.shards.format import (DATA_CONFIG, check_extract_settings, check_verifier, expect_from_data_config, list_samples, load_sample,
                                   read_data_config)
 from eagle3.data.validation_record import (format_time, load_matching_record, shard_set_fingerprint, write_failed_record,
                                            write_record)
@@ -321,11 +321,8 @@ def run(cfg: RunConfig, *, plot: bool = True, revalidate: bool = False) -> dict:
     """
     shards = cfg.shards_dir
     meta, meta_path = read_data_config(shards), shards / DATA_CONFIG
+    check_verifier(cfg.verifier, meta, shards)  # first: another verifier explains any other difference
     check_extract_settings(cfg.extract, meta, shards)
-    want = cfg.verifier.display_name()
-    if meta["verifier"] != want:
-        raise UserError(f"{meta_path}: key 'verifier' is {meta['verifier']!r} but the config's verifier is {want!r} "
-                        "(verifier.name / verifier.path); re-run 02 for this verifier")
     V = int(meta["vocab_size"])
     draft = cfg.data.draft_vocab_size
     if draft > V:

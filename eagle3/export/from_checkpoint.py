@@ -54,9 +54,9 @@ def export_from_checkpoint(cfg: RunConfig, engine: str | None = None) -> Path:
             (:func:`eagle3.train.checkpoint.check_drafter_args`; ``max_position_embeddings`` may differ).
     """
     from eagle3.train.model import DrafterArgs
-    from eagle3.shards.format import check_extract_settings, read_data_config
+    from eagle3.shards.format import check_extract_settings, check_verifier, read_data_config
     from eagle3.train.target_head import TargetHead
-    from eagle3.train.trainer import build_drafter_args, init_drafter
+    from eagle3.train.trainer import build_drafter_args, export_provenance, init_drafter
     from eagle3.data.vocab import load_run_vocab_map
 
     if engine is not None:
@@ -66,7 +66,8 @@ def export_from_checkpoint(cfg: RunConfig, engine: str | None = None) -> Path:
         raise UserError(f"{ckpt.ckpt_dir(cfg.train_dir)}: no complete checkpoint to export (run 04_train.py first)")
     path, state = found
     data_config = read_data_config(cfg.shards_dir)
-    check_extract_settings(cfg.extract, data_config, cfg.shards_dir)  # as 04 training does
+    check_verifier(cfg.verifier, data_config, cfg.shards_dir)  # as 04 training does
+    check_extract_settings(cfg.extract, data_config, cfg.shards_dir)
     vocab = load_run_vocab_map(cfg, int(data_config["vocab_size"]))
     args = DrafterArgs.from_json(state["drafter_args"], source=f"{path}: drafter_args")
     if args.draft_vocab_size != int(vocab["d2t"].shape[0]):
@@ -75,7 +76,7 @@ def export_from_checkpoint(cfg: RunConfig, engine: str | None = None) -> Path:
     # the config's drafter must be the checkpoint's (as --resume requires): an export silently of another shape than
     # the config asks for (drafter.num_layers / intermediate_size / variant changed since training) is refused;
     # max_position_embeddings alone may differ (only the exported config changes: _with_config_context)
-    want = dataclasses.asdict(build_drafter_args(cfg, data_config, vocab))
+    want = dataclasses.asdict(build_drafter_args(cfg, data_config, vocab, warn_context=False))  # export checks it
     saved = {k: v for k, v in state["drafter_args"].items() if k != "max_position_embeddings"}
     ckpt.check_drafter_args(path, saved, {k: v for k, v in want.items() if k != "max_position_embeddings"})
     args = _with_config_context(cfg, args)
@@ -86,15 +87,18 @@ def export_from_checkpoint(cfg: RunConfig, engine: str | None = None) -> Path:
     if unexpected or trainable & set(missing):
         key = sorted(unexpected or (trainable & set(missing)))[0]
         raise UserError(f"{path}: key 'model.{key}' {'unexpected' if unexpected else 'missing'}")
+    best = None
     if cfg.train.select_best == "sim_accept":  # the weights training exported: those of the best validation
         from eagle3.train.sim_accept import load_best_for_export
 
-        _step, warning = load_best_for_export(cfg.train_dir, drafter, int(state["step"]))
+        best, warning = load_best_for_export(cfg.train_dir, drafter, int(state["step"]))
         if warning:
             log.warning(warning)
     else:
         log.info("export: the weights of checkpoint %s (train.select_best: last)", path.name)
-    return export_for_run(cfg, drafter, data_config)
+    prov = export_provenance(cfg.train_dir, path, int(state["step"]), cfg.train.select_best,
+                             best if best is not None else int(state["step"]))
+    return export_for_run(cfg, drafter, data_config, provenance=prov)
 
 
 def _weights_from_checkpoint(cfg: RunConfig) -> bool:
@@ -163,10 +167,11 @@ def load_init_drafter(cfg: RunConfig, embed_weight, data_config: dict):
     return drafter
 
 
-def export_for_run(cfg: RunConfig, drafter, data_config: dict) -> Path:
+def export_for_run(cfg: RunConfig, drafter, data_config: dict, provenance: dict | None = None) -> Path:
     """Export ``drafter`` for ``cfg.export.engine`` into ``cfg.export_dir``, in ``export.dtype``
     (``auto`` = ``verifier.dtype``), with the verifier facts and HF aux layers of the shards'
-    ``data_config.json``.
+    ``data_config.json``; ``provenance`` (:func:`eagle3.train.trainer.export_provenance`) is recorded as
+    ``trained_from`` in ``eagle3_train.json``.
 
     Raises:
         UserError: see :func:`eagle3.export.serving.export_drafter`.
@@ -179,4 +184,4 @@ def export_for_run(cfg: RunConfig, drafter, data_config: dict) -> Path:
                      "context_length": verifier_context_length(cfg.verifier)}
     return export_drafter(drafter, cfg.export_dir, engine=cfg.export.engine,
                           aux_layers_hf=list(data_config["aux_layers"]), verifier_info=verifier_info,
-                          dtype=export_dtype(cfg.export.dtype, cfg.verifier.dtype))
+                          dtype=export_dtype(cfg.export.dtype, cfg.verifier.dtype), provenance=provenance)

@@ -49,7 +49,8 @@ and ``torch_dtype`` / ``dtype`` = the weights' dtype (bfloat16 unless asked othe
 float32 verifier, :func:`export_dtype`: SGLang 0.5.23 ``--dtype auto`` serves a float32 draft
 config as float16, ``_get_and_verify_dtype``).
 ``eagle3_train.json`` holds our metadata (HF aux layers, engine, engine ids, verifier, drafter
-args). Embedding weights are omitted unless ``include_embeddings``; both engines then use the
+args, and ``trained_from``: the provenance 04 passes, i.e. ``train_dir``, ``checkpoint``, ``step``,
+``select_best``, ``selected_step``; replacing an export whose ``train_dir`` differs logs a warning). Embedding weights are omitted unless ``include_embeddings``; both engines then use the
 verifier's, which requires equal hidden sizes (:func:`check_export_contract`). Folders are written
 to a temporary sibling and renamed into place.
 """
@@ -272,6 +273,7 @@ def export_drafter(
     include_embeddings: bool = False,
     num_speculative_tokens: int = 3,
     dtype: str | torch.dtype = DEFAULT_EXPORT_DTYPE,
+    provenance: Optional[dict] = None,
 ) -> Path:
     """Write ``drafter`` as a serving-engine folder (see the module docstring for both formats).
 
@@ -289,6 +291,10 @@ def export_drafter(
         dtype: floating weights are cast to this dtype (``torch.bfloat16`` by default, the
             verifier's dtype in production; a name from :data:`EXPORT_DTYPES` is accepted) and it
             is recorded as ``torch_dtype``/``dtype`` in ``config.json``.
+        provenance: where the weights come from (``train_dir``, ``checkpoint``, ``step``, ``select_best``,
+            ``selected_step``; :func:`eagle3.train.trainer.export_provenance`), recorded as ``trained_from`` in
+            ``eagle3_train.json`` only (``config.json``, which the engines read, is unchanged). Replacing an export
+            recorded from another ``train_dir`` logs a warning (the folder is still replaced).
 
     Returns:
         The folder path.
@@ -394,9 +400,12 @@ def export_drafter(
         "dtype": llama["torch_dtype"],
         "weights": WEIGHTS_FILE,
     }
+    if provenance is not None:
+        meta["trained_from"] = dict(provenance)
 
     out = Path(out_dir)
     _check_replaceable(out, engine)
+    _warn_other_run(out, provenance)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
     os.chmod(tmp, file_mode(directory=True))  # mkdtemp's 0o700 -> readable by a server running as another user
@@ -418,6 +427,23 @@ def export_drafter(
         raise
     return out
 
+
+
+def _warn_other_run(out: Path, provenance: Optional[dict]) -> None:
+    """Log a warning when ``out`` holds an export recorded from another training folder than ``provenance``'s: a
+    second run's default export folder is the first run's (``{output_root}/drafter-{engine}``), and replacing it is
+    kept (re-exporting is on purpose), but not silently. Nothing is said when either side records no ``train_dir``."""
+    meta_path = out / META_FILE
+    if provenance is None or not provenance.get("train_dir") or not meta_path.is_file():
+        return
+    try:
+        old = json.loads(meta_path.read_text()).get("trained_from") or {}
+    except (OSError, ValueError, AttributeError):
+        return
+    if old.get("train_dir") and old["train_dir"] != provenance["train_dir"]:
+        log.warning("%s: replacing the export of another training run (%s, step %s) with this one's (%s, step %s); "
+                    "set export.output_dir to keep both", out, old["train_dir"], old.get("selected_step", "?"),
+                    provenance["train_dir"], provenance.get("selected_step", "?"))
 
 
 def _check_replaceable(out: Path, engine: str) -> None:

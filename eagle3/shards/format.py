@@ -667,6 +667,30 @@ def bytes_per_token(hidden_size: int, num_states: int = NUM_HIDDEN_STATES, stora
 
 
 
+def check_verifier(verifier: Any, meta: dict, root: str | os.PathLike) -> None:
+    """Refuse a config whose verifier is not the one the shards were captured with (03, 04, 04 --export-only).
+
+    Checked before any shape: a config pointing at another verifier otherwise fails later on a symptom (a hidden
+    size, an aux layer out of range) that names a setting the user never changed.
+
+    Args:
+        verifier: the config's ``verifier`` section (its ``display_name()`` is what 02 records).
+        meta: the shards' ``data_config.json``.
+        root: the shards folder (or the file itself), for the message.
+
+    Raises:
+        UserError: ``<data_config.json>: key 'verifier' is 'a' but the config's verifier is 'b' (verifier.name /
+            verifier.path); re-run 02 for this verifier``.
+    """
+    path = Path(root)
+    if path.is_dir() or not path.name.endswith(".json"):
+        path = path / DATA_CONFIG
+    want = verifier.display_name()
+    if meta.get("verifier") != want:
+        raise UserError(f"{path}: key 'verifier' is {meta.get('verifier')!r} but the config's verifier is {want!r} "
+                        "(verifier.name / verifier.path); re-run 02 for this verifier")
+
+
 def check_extract_settings(extract: Any, meta: dict, root: str | os.PathLike) -> None:
     """Refuse a config whose ``extract.aux_layers`` / ``extract.max_length`` differ from the shards'.
 

@@ -16,7 +16,8 @@ DESIGN.md "Acceptance counts emitted tokens only"). Source: TorchSpec ``eagle3_t
 ``controller/eval.py``) and SpecForge ``specforge/eval/evaluator.py`` (``_simulated_acc_len``,
 token-weighted per-position accuracy, ``best_metric: eval/simulated_acc_len``); both sum over every
 TTT position and leave out the bonus token, so their figure is ``tau_sim(K) - 1``. Here the chain
-length is ``train.select_chain`` (default ``benchmark.steps``, the chain 05 measures). Bias:
+length is ``train.select_chain`` (default ``benchmark.steps``, the chain 05 measures), capped at ``train.ttt_length``
+(:func:`effective_chain`: no ``alpha_j`` exists past it). Bias:
 positions whose verifier argmax is outside the draft vocab are not counted (DESIGN.md "TTT
 indexing"), so with a small draft vocab ``alpha_j`` is slightly optimistic.
 
@@ -74,6 +75,25 @@ def simulated_tau(alpha: list[float], chain: int) -> float:
         run *= a
         tau += run
     return tau
+
+
+def effective_chain(select_chain: Optional[int], bench_steps: int, ttt_length: int) -> tuple[int, Optional[str]]:
+    """The chain ``k`` that ``tau_sim(k)`` really scores, and a warning when it is shorter than the one asked for.
+
+    ``k`` = ``train.select_chain``, else ``benchmark.steps``, capped at ``train.ttt_length``: validation measures
+    ``alpha_1..alpha_K`` only, so a longer chain would be scored as ``tau_sim(K)`` under another name. An explicit
+    ``select_chain`` above ``ttt_length`` is refused by the config; the default (``benchmark.steps``) is capped here.
+
+    Returns:
+        ``(k, warning)``; ``warning`` is None when nothing was capped.
+    """
+    want = int(select_chain or bench_steps)
+    if want <= ttt_length:
+        return want, None
+    src = "train.select_chain" if select_chain else "train.select_chain defaults to benchmark.steps"
+    return ttt_length, (f"simulated acceptance scored as tau_sim({ttt_length}), not tau_sim({want}): {src} = {want} "
+                        f"but training measures only train.ttt_length = {ttt_length} TTT positions (set "
+                        f"train.select_chain <= {ttt_length}, or raise train.ttt_length)")
 
 
 class BestTracker:

@@ -71,7 +71,7 @@ from eagle3.shards.fp8 import dequantize_batch, is_fp8
 from eagle3.io import (append_bytes, atomic_write_json, atomic_write_jsonl, atomic_write_text, disk_full_guard,
                        open_append)
 from eagle3.train.schedule import build_scheduler
-from eagle3.shards.format import check_extract_settings, expect_from_data_config, read_data_config
+from eagle3.shards.format import check_extract_settings, check_verifier, expect_from_data_config, read_data_config
 from eagle3.train.target_head import FILENAME as TARGET_HEAD_FILE
 from eagle3.train.target_head import TargetHead
 from eagle3.data.vocab import load_run_vocab_map
@@ -160,19 +160,24 @@ def _sum_ranks(values: list[float], d: DistInfo) -> list[float]:
 # ---------------------------------------------------------------------------------------------
 # model construction
 # ---------------------------------------------------------------------------------------------
-def build_drafter_args(cfg: RunConfig, data_config: dict, vocab: dict):
+def build_drafter_args(cfg: RunConfig, data_config: dict, vocab: dict, warn_context: bool = True):
     """``DrafterArgs`` from ``cfg.drafter``; ``null`` fields are copied from the verifier config.
 
     The verifier config is read (``eagle3.verifier.load_verifier_config``, no weights) only when
     some field is null; then :meth:`eagle3.train.model.DrafterArgs.from_hf_config` fills it from the
     text model config (nested ``text_config`` unwrapped), with ``head_dim`` = hidden / heads for
     MLA verifiers (Kimi/DeepSeek: :func:`eagle3.verifier.verifier_dims`). Vocab sizes come from
-    ``vocab_map.pt``; ``target_hidden_size`` from ``data_config.json``.
+    ``vocab_map.pt``; ``target_hidden_size`` from ``data_config.json``. ``warn_context``: warn when the draft's
+    context is below the verifier's (:func:`warn_short_context`; 04's start); ``--export-only`` passes False, since
+    the export's own check then says it once, as the error (SGLang) or the warning (vLLM).
 
     Raises:
         UserError: unreadable verifier config, or an invalid shape (field named by ``DrafterArgs``).
     """
     from eagle3.train.model import DrafterArgs
+
+    def checked(args):
+        return warn_short_context(cfg, args) if warn_context else args
 
     fields = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
               "rms_norm_eps", "rope_theta", "max_position_embeddings")
@@ -180,8 +185,7 @@ def build_drafter_args(cfg: RunConfig, data_config: dict, vocab: dict):
     fixed = dict(draft_vocab_size=int(vocab["draft_vocab_size"]), target_vocab_size=int(vocab["target_vocab_size"]),
                  target_hidden_size=int(data_config["hidden_size"]))
     if all(v is not None for v in given.values()):
-        return warn_short_context(cfg, DrafterArgs(**given, **fixed, variant=cfg.drafter.variant,
-                                                   num_layers=cfg.drafter.num_layers))
+        return checked(DrafterArgs(**given, **fixed, variant=cfg.drafter.variant, num_layers=cfg.drafter.num_layers))
     from eagle3.verifier import load_verifier_config, text_config, verifier_dims
 
     hf = load_verifier_config(cfg.verifier)
@@ -193,9 +197,9 @@ def build_drafter_args(cfg: RunConfig, data_config: dict, vocab: dict):
             over["head_dim"] = h // (over["num_attention_heads"] or dims["num_attention_heads"])
         else:
             over["head_dim"] = dims["head_dim"]
-    return warn_short_context(cfg, DrafterArgs.from_hf_config(text_config(hf), fixed["draft_vocab_size"], **over,
-                                      **{k: v for k, v in fixed.items() if k != "draft_vocab_size"},
-                                      variant=cfg.drafter.variant, num_layers=cfg.drafter.num_layers))
+    return checked(DrafterArgs.from_hf_config(text_config(hf), fixed["draft_vocab_size"], **over,
+                                              **{k: v for k, v in fixed.items() if k != "draft_vocab_size"},
+                                              variant=cfg.drafter.variant, num_layers=cfg.drafter.num_layers))
 
 
 def warn_short_context(cfg: RunConfig, args):
@@ -407,6 +411,27 @@ class StopFlag:
         for s, h in self._old.items():
             signal.signal(s, h)
         self._old = {}
+
+
+def stop_before_training(stop: Optional[StopFlag], d: DistInfo) -> None:
+    """Honour a signal that came before the first optimizer step of this call (04's start-up: data checks, verifier
+    head, drafter init, hidden-state source): stop now, with nothing trained and no checkpoint written, instead of
+    training a step first. Called between the setup steps and before the first step; every rank calls it at the same
+    points and they agree (:func:`_any_rank`).
+
+    Raises:
+        eagle3.cli.Terminated: a ``KeyboardInterrupt`` carrying the signal (``run_main`` prints ``interrupted by
+            SIGINT: <hint>`` and exits 128 + signal); inside the setup, :func:`_undo_on_refusal` removes what this
+            call created.
+    """
+    if stop is None or not _any_rank(stop.requested, d):
+        return
+    from eagle3.cli import Terminated
+
+    e = Terminated(stop.signum or signal.SIGTERM)
+    e.hint = ("stopped during start-up, before the first optimizer step: nothing trained, no checkpoint written; "
+              "re-run the same command")
+    raise e
 
 
 # ---------------------------------------------------------------------------------------------
@@ -764,8 +789,9 @@ def run(cfg: RunConfig, resume: bool = False, max_steps: Optional[int] = None, s
             from. Reproduces a run stopped early on a longer schedule (lease 2026-12-04e's drafter: step 6,000 of
             7,986). Raises UserError when it is not before ``total_steps`` or a resumed checkpoint is already there.
         device: ``"cpu"`` to force CPU.
-        export: called as ``export(cfg, drafter, data_config)`` on rank 0 when training finishes (not when
-            stopped early), before the report; returns the export folder. ``04_train.py`` passes
+        export: called as ``export(cfg, drafter, data_config, provenance=...)`` on rank 0 when training finishes
+            (not when stopped early), before the report (``provenance``: :func:`export_provenance`); returns the
+            export folder. ``04_train.py`` passes
             :func:`eagle3.export.from_checkpoint.export_for_run`; None = no export (stage 04 never imports
             the later export package).
         init: with ``train.init_from``, called as ``init(cfg, embed_weight [V, H], data_config)`` on every rank and
@@ -798,15 +824,18 @@ def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: O
          stop_after: Optional[int], export: Optional[Callable] = None, init: Optional[Callable] = None,
          stop_at: Optional[int] = None) -> dict:
     """The stage in named steps: inputs (+ folder check, warm start), data, optimisation, resume, loop, end.
-    A refusal before the loop (any UserError of the steps up to the resume) removes what this call created."""
+    A refusal before the loop (any UserError of the steps up to the resume), or a signal then
+    (:func:`stop_before_training`), removes what this call created."""
     with _undo_on_refusal(cfg.train_dir, d.is_main):
-        inputs = _load_inputs(cfg, d, resume, init)
+        inputs = _load_inputs(cfg, d, resume, init, stop)
         try:
             data = _build_data(cfg, d, inputs, max_steps)
+            stop_before_training(stop, d)
             run_ = _Training(cfg, d, inputs, data, _build_optimisation(cfg, d, inputs, data.total_steps))
             if resume:
                 run_.restore()
             run_.set_stop_at(stop_at)
+            stop_before_training(stop, d)  # a signal during start-up: no resume line, no step
             run_.announce_resume()
         except BaseException:
             inputs.states.close()
@@ -820,19 +849,20 @@ def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: O
 
 @contextlib.contextmanager
 def _undo_on_refusal(train_dir: Path, enabled: bool):
-    """Around 04's setup steps (inputs, data, optimisation, resume; nothing of the loop): on a UserError, remove what
+    """Around 04's setup steps (inputs, data, optimisation, resume; nothing of the loop): on a UserError (or a signal:
+    ``KeyboardInterrupt``, :func:`stop_before_training`), remove what
     this call created before the refusal, i.e. ``{train_dir}/target_head.safetensors`` when it was not there before
     and ``train_dir`` itself when this call made it and it is empty again. Files an earlier run made are kept.
     ``enabled``: rank 0 (the rank that writes).
 
     Raises:
-        the UserError, unchanged.
+        the UserError / KeyboardInterrupt, unchanged.
     """
     head = Path(train_dir) / TARGET_HEAD_FILE
     had_dir, had_head = Path(train_dir).exists(), head.exists()
     try:
         yield
-    except UserError:
+    except (UserError, KeyboardInterrupt):  # a refusal, or a signal before the first step (stop_before_training)
         if enabled:
             if not had_head:
                 head.unlink(missing_ok=True)
@@ -1037,14 +1067,16 @@ def _warm_start_planned(cfg: RunConfig, d: DistInfo, resume: bool, args=None) ->
     return True
 
 
-def _load_inputs(cfg: RunConfig, d: DistInfo, resume: bool, init: Optional[Callable] = None) -> _Inputs:
+def _load_inputs(cfg: RunConfig, d: DistInfo, resume: bool, init: Optional[Callable] = None,
+                 stop: Optional[StopFlag] = None) -> _Inputs:
     """Inputs step: ``data_config.json``, vocab map, split, drafter args (all read and checked before anything
     is written, so a bad input is the first error and leaves no empty train/ folder behind), the folder check,
     verifier head, drafter init, and the hidden-state source (shards, or the verifier / capture servers for
-    ``train.hidden_states: online``)."""
+    ``train.hidden_states: online``). A signal (``stop``) is honoured between these (:func:`stop_before_training`)."""
     from eagle3.train.online import check_hidden_states, state_source
 
     data_config = read_data_config(cfg.shards_dir)
+    check_verifier(cfg.verifier, data_config, cfg.shards_dir)  # first: another verifier explains the other differences
     check_extract_settings(cfg.extract, data_config, cfg.shards_dir)
     check_hidden_states(cfg, data_config)
     vocab = load_run_vocab_map(cfg, int(data_config["vocab_size"]))
@@ -1058,9 +1090,11 @@ def _load_inputs(cfg: RunConfig, d: DistInfo, resume: bool, init: Optional[Calla
                         f"the verifier's token embedding")
     warm = _warm_start_planned(cfg, d, resume, args)  # checked before the first write (the full check: after the head)
     _check_train_dir(cfg, d, resume)
+    stop_before_training(stop, d)
     head = prepare_target_head(cfg, data_config, d)  # the first write: target_head.safetensors (creates train_dir)
     if d.is_main:
         cfg.train_dir.mkdir(parents=True, exist_ok=True)
+    stop_before_training(stop, d)  # the head's extraction can take minutes (verifier weights)
     drafter = init_drafter(args, head, vocab, cfg.train.seed)
     if warm:
         if init is None:
@@ -1081,7 +1115,8 @@ def _load_inputs(cfg: RunConfig, d: DistInfo, resume: bool, init: Optional[Calla
         head_eps=float(head.norm_eps), d2t=vocab["d2t"].to(d.device), t2d=vocab["t2d"].to(d.device), states=None,
         init_from=cfg.train.init_from if warm else None)
     del head
-    inputs.states = state_source(cfg, data_config, d.device, feat_dtype)
+    stop_before_training(stop, d)
+    inputs.states = state_source(cfg, data_config, d.device, feat_dtype)  # online: loads the verifier
     return inputs
 
 
@@ -1416,12 +1451,16 @@ class _Training:
         """Optimizer steps until ``total_steps``, a stop signal or ``stop_after`` steps of this call."""
         from tqdm.auto import tqdm
 
-        from eagle3.train.sim_accept import BestTracker
+        from eagle3.train.sim_accept import BestTracker, effective_chain
 
         t = self.t
         self.metrics = _Metrics(self.train_dir, self.step, self.d.is_main, finished=self.step >= self.total_steps)
-        self.tracker = BestTracker(self.train_dir, t.select_chain or self.cfg.benchmark.steps, self.d.is_main,
-                                   start_step=self.step, keep_best=t.select_best == "sim_accept")
+        chain, capped = effective_chain(t.select_chain, self.cfg.benchmark.steps, t.ttt_length)
+        if capped and self.d.is_main:  # once per call, also in train_report's warnings
+            self.warnings.append(capped)
+            log.warning(capped)
+        self.tracker = BestTracker(self.train_dir, chain, self.d.is_main, start_step=self.step,
+                                   keep_best=t.select_best == "sim_accept")
         self.inputs.drafter.train()
         self.window = _Accum(self.t.ttt_length)
         self.tok_window = 0  # real (non-pad) tokens of this rank since the last log, from CPU lengths
@@ -1439,6 +1478,8 @@ class _Training:
                 for _ in range(self.step_in_epoch, order.steps_in_epoch(self.epoch)):
                     if self.step >= self.end_step:
                         break
+                    if self.steps_this_call == 0:  # a signal while the loop started (loaders, first batch)
+                        stop_before_training(stop, self.d)
                     grad_norm, lr_used = self.train_step(it)
                     if self.step % self.t.log_every == 0 or self.step == self.end_step:
                         self.log_step(grad_norm, lr_used)
@@ -1553,11 +1594,33 @@ class _Training:
                 log.warning(self.warnings[-1])
             self.tracker.plot()
             if export is not None:
-                result["export_dir"] = str(export(self.cfg, self.inputs.drafter, self.inputs.data_config))
+                prov = export_provenance(self.train_dir, self.last_ckpt, self.step, sel,
+                                         result["sim_accept"]["exported_step"] or self.step)
+                result["export_dir"] = str(export(self.cfg, self.inputs.drafter, self.inputs.data_config,
+                                                  provenance=prov))
             write_report(self.train_dir, result, self.inputs.args)
             print(headline(result, self.train_dir, self.inputs.args))
         _barrier(d)
         return result
+
+
+def export_provenance(train_dir: Path, checkpoint, step: int, select_best: str, selected_step: int) -> dict:
+    """Where an export's weights come from, recorded as ``trained_from`` in its ``eagle3_train.json`` (04 at the
+    end of training and ``--export-only``).
+
+    Args:
+        train_dir: the run's ``train.output_dir`` (recorded absolute).
+        checkpoint: the checkpoint file of the run's ``step`` (absolute; None when there is none).
+        step: the optimizer step the run (or the checkpoint) is at.
+        select_best: ``train.select_best``.
+        selected_step: the step whose weights are exported (the best validation's under ``sim_accept``, else ``step``).
+
+    Returns:
+        ``{train_dir, checkpoint, step, select_best, selected_step}``.
+    """
+    return {"train_dir": str(Path(train_dir).resolve()),
+            "checkpoint": str(Path(checkpoint).resolve()) if checkpoint else None,
+            "step": int(step), "select_best": select_best, "selected_step": int(selected_step)}
 
 
 def _close_iter(it) -> None:

@@ -482,3 +482,70 @@ def test_render_markdown_table():
     assert "| mtbench | q7 | 5 | 0.0625 | yes |" in md and "tolerance 0.25" in md
     assert "| mtbench | 4 | 0.50 / 0.50 | n/a / 0.00 |" in md
     assert "**warning**: w1" in md
+
+
+def test_json_array_prompt_file_is_named_as_such(tmp_path):
+    """A pretty-printed JSON array (e.g. ultrachat_ultra_eval.json) is not JSONL: said so, not 'malformed JSON'."""
+    arr = tmp_path / "eval.json"
+    arr.write_text(json.dumps([{"prompt": "a"}, {"prompt": "b"}], indent=4))
+    with pytest.raises(UserError) as e:
+        load_prompt_file(arr)
+    assert str(e.value) == f"{arr}: expected JSONL (one JSON object per line); this file is a JSON array"
+    arr.write_text("\n  " + json.dumps([{"prompt": "a"}]))  # leading blank lines too
+    with pytest.raises(UserError, match="this file is a JSON array"):
+        load_prompt_file(arr)
+
+
+def test_drafter_of_another_verifier_is_named_before_its_aux_layers(run_setup, tmp_path):
+    """A drafter exported for another verifier (30 layers, aux [2, 15, 27]) benchmarked with the tiny one: the
+    error names the verifier mismatch first, then the aux-layer symptom."""
+    from transformers import AutoConfig
+
+    from transformers import AutoModelForCausalLM
+
+    from eagle3.export.serving import export_drafter
+    from eagle3.train.model import DrafterArgs, Eagle3Drafter
+    from eagle3.verifier import verifier_dims
+
+    root, cfg, _ = run_setup
+
+    tiny = cfg.read_text().split("path: ")[1].split(",")[0]
+    hf = AutoConfig.from_pretrained(tiny)
+    v = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    d = Eagle3Drafter(DrafterArgs.from_hf_config(hf, draft_vocab_size=512), v.get_input_embeddings().weight)
+    info = {**verifier_dims(hf), "name": "org/bigger-model", "num_layers": 30}
+    other = export_drafter(d, tmp_path / "other", "sglang", [2, 15, 27], info)
+    with pytest.raises(UserError) as e:
+        _cli().main(["--config", str(cfg), "--drafter", str(other)])
+    msg = str(e.value)
+    assert msg.startswith(f"drafter {other / 'eagle3_train.json'} was exported for verifier 'org/bigger-model', "
+                          f"benchmarking it with '{tiny}' (verifier.name / verifier.path): "), msg
+    assert "aux_layers" in msg
+
+
+def test_sigterm_prints_one_line_and_exits_143(tmp_path):
+    """05 on SIGTERM: one stderr line and exit 143, as on SIGINT (130) and as 01 / 02 / 04; no traceback. The
+    benchmark itself is a stand-in that marks when it runs and waits (the signal lands inside 05's own work)."""
+    import os
+    import sys
+
+    from _signals import sigterm_when
+
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"run_name: r\noutput_root: {tmp_path / 'out'}\nverifier: {{path: {tmp_path / 'v'}}}\n"
+                   f"prompts: {{source: {tmp_path / 'p.jsonl'}}}\n")
+    mark = tmp_path / "running"
+    stub = ("import pathlib, runpy, sys, time\n"
+            "import eagle3.benchmark.offline as o\n"
+            f"def run(*a, **k):\n    pathlib.Path({str(mark)!r}).touch()\n    time.sleep(60)\n"
+            "o.run = run\n"
+            f"sys.argv = ['05_benchmark.py', '--config', {str(cfg)!r}]\n"
+            f"runpy.run_path({str(ROOT / '05_benchmark.py')!r}, run_name='__main__')\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
+    rc, err = sigterm_when([sys.executable, "-c", stub], mark.exists, env=env, cwd=tmp_path, wait_s=120)
+    assert rc == 143, err[-2000:]
+    assert "Traceback" not in err, err[-2000:]
+    assert err.strip().splitlines()[-1] == ("interrupted by SIGTERM: no report is half-written (each file is written "
+                                            "whole at the end of its measurement); re-run the same command to "
+                                            "benchmark again")
+    assert not (tmp_path / "out").exists()

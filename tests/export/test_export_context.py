@@ -38,6 +38,12 @@ def test_04_warns_sglang_export_refused_and_export_only_with_null_fixes_it(tmp_p
     start = [r.getMessage() for r in caplog.records if r.name == "eagle3.train.trainer"]
     assert any("drafter.max_position_embeddings: 64" in m and "SGLang export will be refused" in m for m in start)
     assert not cfg.export_dir.exists()
+    # --export-only for SGLang with the same short context: the text once, as the error (no WARNING first)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        with pytest.raises(UserError, match=r"drafter.max_position_embeddings: 64 gives the draft a context length"):
+            export_from_checkpoint(load_config(path, [f"verifier.path={vdir}"]))
+    assert not [r for r in caplog.records if "drafter.max_position_embeddings: 64" in r.getMessage()]
     out = export_from_checkpoint(load_config(path, [f"verifier.path={vdir}", "drafter.max_position_embeddings=null"]))
     assert json.loads((out / "config.json").read_text())["max_position_embeddings"] == 2048
     assert _sglang_starts(out, {"max_position_embeddings": 2048, "rope_scaling": None})

@@ -153,3 +153,56 @@ def test_interrupted_exit_code_and_message(capsys):
                            "continue with the same command plus --resume")
     # a DDP rank that stopped because another rank got the signal exits like that rank (SIGTERM)
     assert cli.interrupted_exit({**res, "signal": None}) == 143
+
+
+def _load_cli(script: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("cli_" + Path(script).stem, ROOT / script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("where", ["prepare_target_head", "init_drafter"])
+def test_ctrl_c_during_startup_stops_at_once_leaving_nothing(tmp_path, monkeypatch, capsys, where):
+    """Ctrl-C while 04 extracts the verifier head (or builds the drafter), before the first step: exit 130 with the
+    one-line message, no checkpoint, no train folder this call made; the same command without --resume then runs."""
+    from eagle3.cli import run_main
+    from eagle3.train import trainer
+    from eagle3.train.target_head import TargetHead
+
+    path = make_tiny_run(tmp_path, n_train=4, n_val=0, train={"epochs": 1, "batch_size": 2})
+    cfg = load_config(path)
+    head = TargetHead.load(cfg.train_dir)
+    fresh = where == "prepare_target_head"  # this call makes the train folder (else an earlier head is there)
+    if fresh:
+        (cfg.train_dir / "target_head.safetensors").unlink()
+        cfg.train_dir.rmdir()
+    real = getattr(trainer, where)
+
+    def interrupted(*a, **k):  # the real step, then Ctrl-C arrives while it runs
+        if where == "prepare_target_head":
+            head.save(cfg.train_dir)  # what the extraction writes
+            out = head
+        else:
+            out = real(*a, **k)
+        os.kill(os.getpid(), signal.SIGINT)
+        return out
+
+    monkeypatch.setattr(trainer, where, interrupted)
+    with pytest.raises(SystemExit) as e:
+        run_main(_load_cli("04_train.py").main, ["--config", str(path), "--set", "verifier.device=cpu"])
+    assert e.value.code == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "interrupted by SIGINT: stopped during start-up, before the first optimizer step: nothing trained, no "
+        "checkpoint written; re-run the same command")
+    if fresh:
+        assert not cfg.train_dir.exists()  # neither a checkpoint nor the head this call wrote
+        head.save(cfg.train_dir)
+    else:
+        assert sorted(p.name for p in cfg.train_dir.iterdir()) == ["target_head.safetensors"]  # kept, nothing added
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the StopFlag handler is gone
+    monkeypatch.setattr(trainer, where, real)
+    res = trainer.run(cfg, device="cpu", stop_after=1)  # not refused: no checkpoint was left behind
+    assert res["step"] == 1 and ckpt.list_checkpoints(cfg.train_dir)[-1][0] == 1

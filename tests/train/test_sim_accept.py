@@ -242,3 +242,29 @@ def test_sim_accept_without_anything_to_select_warns_naming_the_field(tmp_path, 
     assert "train.select_best: sim_accept, but" in caplog.text and "exporting the checkpoint's weights (step 4)" in caplog.text
     ref = ckpt.find_latest_checkpoint(last.train_dir)[1]["model"]
     assert torch.equal(load_file(str(out / "model.safetensors"))["fc.weight"], ref["fc.weight"].bfloat16())
+
+
+def test_chain_longer_than_ttt_is_capped_labelled_and_warned(tmp_path):
+    """benchmark.steps 3 (select_chain's default) over ttt_length 2: tau_sim(2) is what can be scored, and it is
+    labelled tau_sim(2) in sim_accept.json and the report, with one warning; an explicit select_chain 3 is refused."""
+    from eagle3.train.sim_accept import effective_chain
+
+    assert effective_chain(None, 3, 7) == (3, None) and effective_chain(5, 3, 7) == (5, None)
+    k, warning = effective_chain(None, 7, 3)
+    assert k == 3 and "tau_sim(3), not tau_sim(7)" in warning and "benchmark.steps" in warning
+    assert simulated_tau([0.5, 0.4], k) == pytest.approx(1 + 0.5 + 0.5 * 0.4)  # 1.7
+    path = make_tiny_run(tmp_path, n_train=4, n_val=2, train={"ttt_length": 2, "epochs": 1, "eval_every": 1})
+    with pytest.raises(UserError, match=r"field 'train.select_chain': 3 is longer than train.ttt_length 2"):
+        load_config(path, ["train.select_chain=3"])
+    cfg = load_config(path)
+    assert cfg.benchmark.steps == 3 and cfg.train.select_chain is None
+    run(cfg, device="cpu")
+    sa = json.loads((cfg.train_dir / CURVE_FILE).read_text())
+    assert sa["chain"] == 2
+    for row in sa["rows"]:
+        a1, a2 = row["alpha"]
+        assert row["tau_sim"] == pytest.approx(1 + a1 + a1 * a2)
+    rep = json.loads((cfg.train_dir / "train_report.json").read_text())
+    assert sum("tau_sim(2), not tau_sim(3)" in w for w in rep["warnings"]) == 1
+    md = (cfg.train_dir / "train_report.md").read_text()
+    assert "| tau_sim(2) |" in md and "tau_sim(3)" not in md.replace("not tau_sim(3)", "")

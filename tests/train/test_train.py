@@ -489,3 +489,22 @@ def test_extract_settings_other_than_the_shards_refused_before_anything_is_writt
         export_from_checkpoint(load_config(path, ["extract.aux_layers=[1, 3, 4]"]))
     assert str(e.value).startswith("extract.aux_layers [1, 3, 4] but the shards in ")
     assert not load_config(path).export_dir.exists()
+
+
+def test_another_verifier_than_the_shards_is_named_first(tmp_path):
+    """A config whose verifier is not the shards' (data_config.json) is refused with that, as 03 does, before the
+    drafter.hidden_size check it would otherwise trip over (hidden_size never set by the user); --export-only too."""
+    from eagle3.export.from_checkpoint import export_from_checkpoint
+    from eagle3.train.trainer import run
+
+    path = make_tiny_run(tmp_path, train={"epochs": 1})
+    cfg = load_config(path, ["verifier.name=org/other-model", "drafter.hidden_size=32", "drafter.head_dim=8"])
+    want = (f"{cfg.shards_dir / 'data_config.json'}: key 'verifier' is 'synthetic' but the config's verifier is "
+            f"'org/other-model' (verifier.name / verifier.path); re-run 02 for this verifier")
+    with pytest.raises(UserError) as e:
+        run(cfg, device="cpu")
+    assert str(e.value) == want and not (cfg.train_dir / "checkpoints").exists()
+    run(load_config(path), device="cpu", stop_after=1)  # a checkpoint of the right verifier
+    with pytest.raises(UserError) as e:
+        export_from_checkpoint(cfg)
+    assert str(e.value) == want

@@ -1,0 +1,59 @@
+"""An export records where its weights come from (``trained_from`` in ``eagle3_train.json``: train dir, checkpoint,
+step, select_best, selected step), leaves ``config.json`` (what SGLang / vLLM read) unchanged, and warns when it
+replaces the export of another training folder (still replacing it: re-exports are on purpose)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _ddp_worker import make_tiny_run, single_thread  # noqa: E402,F401  (autouse fixture)
+
+from eagle3.config import load_config  # noqa: E402
+from eagle3.export.from_checkpoint import export_for_run, export_from_checkpoint  # noqa: E402
+from eagle3.export.serving import load_exported  # noqa: E402
+from eagle3.train import checkpoint as ckpt  # noqa: E402
+from eagle3.train.trainer import run  # noqa: E402
+
+TRAIN = {"epochs": 1, "batch_size": 2, "eval_every": 1, "ckpt_every": 100}
+
+
+def _meta(folder: Path) -> dict:
+    return json.loads((folder / "eagle3_train.json").read_text())
+
+
+def test_export_records_provenance_and_warns_when_another_run_replaces_it(tmp_path, caplog):
+    a = load_config(make_tiny_run(tmp_path / "a", n_train=4, n_val=2, train={**TRAIN, "select_best": "sim_accept"}))
+    ra = run(a, device="cpu", export=export_for_run)
+    prov = _meta(a.export_dir)["trained_from"]
+    best = json.loads((a.train_dir / "sim_accept.json").read_text())["best"]["step"]
+    assert prov == {"train_dir": str(a.train_dir.resolve()), "checkpoint": str(Path(ra["checkpoint"]).resolve()),
+                    "step": 2, "select_best": "sim_accept", "selected_step": best}
+    assert ckpt.ckpt_path(a.train_dir, 2).resolve() == Path(prov["checkpoint"])
+    assert "trained_from" not in (a.export_dir / "config.json").read_text()  # the engines' file: unchanged
+    assert load_exported(a.export_dir, embed_weight=torch.zeros(48, 16)).args.variant == "eagle3"
+
+    # a second run (another train dir) exporting into the first run's folder: replaced, with a warning
+    b = load_config(make_tiny_run(tmp_path / "b", n_train=4, n_val=2, train=TRAIN),
+                    [f"export.output_dir={a.export_dir}"])
+    with caplog.at_level(logging.WARNING, logger="eagle3.export.serving"):
+        run(b, device="cpu", export=export_for_run)
+    warned = [r.getMessage() for r in caplog.records if "replacing the export of another training run" in r.getMessage()]
+    assert len(warned) == 1 and str(a.train_dir.resolve()) in warned[0] and str(b.train_dir.resolve()) in warned[0]
+    prov_b = _meta(a.export_dir)["trained_from"]
+    assert prov_b["train_dir"] == str(b.train_dir.resolve()) and prov_b["select_best"] == "last"
+    assert prov_b["selected_step"] == prov_b["step"] == 2
+
+    # --export-only of the same run into it again: no warning; the checkpoint it read is recorded
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="eagle3.export.serving"):
+        out = export_from_checkpoint(b)
+    assert not [r for r in caplog.records if "another training run" in r.getMessage()]
+    again = _meta(out)["trained_from"]
+    assert again == {**prov_b, "checkpoint": str(ckpt.ckpt_path(b.train_dir, 2).resolve())}
