@@ -272,7 +272,8 @@ init_drafter() {  # INIT: the folder train.init_from names (parts from an earlie
 preflight() {  # every recipe's config loaded with its --set list, and its warm start's shape checked
   # (bench/lease_preflight.py: seconds, no GPU work), before the driver spends device time on 01-03 (lease 2026-12-05b:
   # a one-layer INIT under a config that had become two-layer was refused by 04 six minutes in)
-  local spec name sets args=()
+  local spec name sets args=() NPROMPTS=$NPROMPTS  # (bash scoping: rargs below sees this NPROMPTS)
+  [ "$NPROMPTS" = auto ] && NPROMPTS=1000  # auto_nprompts sizes it at run time, from regen_speed's rate
   for spec in $RECIPES; do
     name=${spec%%:*}; sets=${spec#*:}
     rargs "$name" "${sets//@MAIN_STEPS@/1000}"

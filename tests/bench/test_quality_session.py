@@ -256,9 +256,12 @@ def test_start_refuses_while_a_driver_runs_and_clears_a_finished_ones_mark(tmp_p
     assert not (w / "status" / "ALL.done").exists() and (w / "run.log").read_text() == "ran\n"
 
 
-def test_preflight_refuses_a_recipe_before_the_driver_starts(tmp_path):
-    """`start` loads every recipe's config: a bad --set is refused in one line naming the recipe, nothing launched."""
+@pytest.mark.parametrize("nprompts", ["40", "auto"])
+def test_preflight_refuses_a_recipe_before_the_driver_starts(tmp_path, nprompts):
+    """`start` loads every recipe's config: a bad --set is refused in one line naming the recipe, nothing launched
+    (NPROMPTS=auto, sized at run time, passes the check: the first recipe is accepted)."""
     w = tmp_path / "w"
-    r = _driver("start", {"W": str(w), "RECIPES": "ref: bad:train.epochs=0", "CONFIG": "configs/tiny-llama.yaml"})
+    r = _driver("start", {"W": str(w), "RECIPES": "ref: bad:train.epochs=0", "CONFIG": "configs/tiny-llama.yaml",
+                          "NPROMPTS": nprompts})
     assert r.returncode == 1 and not (w / "run.pid").exists(), (r.stdout, r.stderr)
     assert r.stderr.strip().startswith("error: recipe bad: ") and "train.epochs" in r.stderr, r.stderr
