@@ -229,6 +229,27 @@ def bound(model, st: dict, cfg, batch_size: int, max_new: int, bandwidth: float 
 PROBE_SHAPES = ((1, 128), (16, 512), (64, 512), (8, 2048), (32, 2048), (128, 512))
 
 
+def sync_sites(fn) -> list[str]:
+    """The Python lines at which ``fn()`` ran a CUDA operation that synchronises the host with the device
+    (``torch.cuda.set_sync_debug_mode("warn")``: torch warns at each one, from the calling line), as sorted unique
+    ``file:line`` strings; ``[]`` without CUDA (the mode exists only there). The mode is restored afterwards."""
+    import warnings
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    prev = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(prev)
+    return sorted({f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)})
+
+
 def prefill_probe(model, shapes=PROBE_SHAPES, reps: int = 5, seed: int = 0) -> dict:
     """Time the slot engine's eager prefill forward (``SlotEngine._prefill``, fresh prompts, no cached prefix) at
     ``rows x width`` shapes of random prompt tokens: is stage 01's prefill bound by its launches or by its work?
@@ -240,8 +261,10 @@ def prefill_probe(model, shapes=PROBE_SHAPES, reps: int = 5, seed: int = 0) -> d
 
     Returns:
         ``{"linear_params": N, "rows": [{"rows", "width", "tokens", "host_ms", "device_ms", "tokens_per_s",
-        "linear_tflops"}, ...]}``: medians over the reps; ``linear_tflops`` = 2 x ``linear_params`` (the decoder's
-        weights less the embeddings) x tokens/s / 1e12, the matmul work alone (attention excluded).
+        "linear_tflops"}, ...], "sync_sites": [...]}``: medians over the reps; ``linear_tflops`` = 2 x
+        ``linear_params`` (the decoder's weights less the embeddings) x tokens/s / 1e12, the matmul work alone
+        (attention excluded); ``sync_sites``: where one more forward at the last shape synchronised the host
+        (:func:`sync_sites`; lease 2026-12-05b measured host time = device time at every shape, cause unknown).
     """
     import torch
 
@@ -275,11 +298,13 @@ def prefill_probe(model, shapes=PROBE_SHAPES, reps: int = 5, seed: int = 0) -> d
                 out.append({"rows": rows, "width": width, "tokens": rows * width, "host_ms": 1000 * h,
                             "device_ms": 1000 * d, "tokens_per_s": rows * width / d,
                             "linear_tflops": 2 * linear * rows * width / d / 1e12})
+            sites = sync_sites(lambda: eng._prefill(reqs, list(range(rows)), width))  # the last shape's inputs
+            eng._timed.clear()
     finally:
         eng.close()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-    return {"linear_params": linear, "rows": out}
+    return {"linear_params": linear, "rows": out, "sync_sites": sites}
 
 
 def probe_markdown(pp: dict, rf: dict) -> list[str]:
@@ -291,6 +316,9 @@ def probe_markdown(pp: dict, rf: dict) -> list[str]:
     for r in pp["rows"]:
         lines.append(f"| {r['rows']} x {r['width']} | {r['tokens']} | {r['host_ms']:.1f} | {r['device_ms']:.1f} | "
                      f"{r['host_ms'] / r['device_ms']:.2f} | {r['tokens_per_s']:.0f} | {r['linear_tflops']:.1f} |")
+    if pp.get("sync_sites"):
+        lines += ["", "Host syncs in one prefill forward (`torch.cuda.set_sync_debug_mode`): "
+                  + ", ".join(f"`{x}`" for x in pp["sync_sites"]) + "."]
     if rf.get("prefill_padded_tokens") and rf.get("prefill_s"):
         lines += ["", f"The main run's prefill: {rf['prefill_padded_tokens']} padded tokens in {rf['prefill_s']:.1f} s "
                   f"of {rf['prefill_calls']} forwards = {rf['prefill_padded_tokens'] / rf['prefill_s']:.0f} tokens/s, "

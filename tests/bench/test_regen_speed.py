@@ -252,3 +252,36 @@ def test_prefill_probe_counts_and_table(tiny_llama_dir):
     rf = {"prefill_padded_tokens": 500, "prefill_s": 0.5, "prefill_calls": 2}
     text = "\n".join(rsp.probe_markdown(pp, rf))
     assert "| 3 x 16 | 48 |" in text and "= 1000 tokens/s, 250.0 ms a forward" in text
+    assert pp["sync_sites"] == [] and "Host syncs" not in text  # the CPU has no sync debug mode
+    pp["sync_sites"] = ["a.py:3", "b.py:7"]
+    assert "Host syncs in one prefill forward (`torch.cuda.set_sync_debug_mode`): `a.py:3`, `b.py:7`." in \
+        "\n".join(rsp.probe_markdown(pp, rf))
+
+
+def test_sync_sites_restores_the_mode_and_is_empty_without_cuda(monkeypatch):
+    """Without CUDA nothing runs under the debug mode; with it (faked here), each synchronising warning's line is
+    kept once, other warnings are not, and the previous mode comes back even when ``fn`` raises."""
+    import warnings
+
+    import torch
+
+    assert rsp.sync_sites(lambda: None) == []
+    modes = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+
+    def fn():
+        warnings.warn_explicit("called a synchronizing CUDA operation", UserWarning, "x.py", 5)
+        warnings.warn_explicit("called a synchronizing CUDA operation", UserWarning, "x.py", 5)
+        warnings.warn_explicit("called a synchronizing CUDA operation", UserWarning, "a.py", 9)
+        warnings.warn_explicit("something else", UserWarning, "z.py", 1)
+
+    assert rsp.sync_sites(fn) == ["a.py:9", "x.py:5"] and modes == ["warn", 0]
+
+    def boom():
+        raise RuntimeError("x")
+
+    with pytest.raises(RuntimeError):
+        rsp.sync_sites(boom)
+    assert modes[-1] == 0
