@@ -30,8 +30,8 @@ from eagle3.config import RunConfig
 from eagle3.errors import UserError
 from eagle3.io import atomic_save_png, atomic_torch_save, atomic_write_json, atomic_write_text
 from eagle3.shards.manifest import MANIFEST, read_manifest
-from eagle3.shards.format import (DATA_CONFIG, check_extract_settings, check_verifier, expect_from_data_config, list_samples, load_sample,
-                                  read_data_config)
+from eagle3.shards.format import (DATA_CONFIG, check_extract_settings, check_verifier, expect_from_data_config,
+                                  list_samples, load_sample, read_data_config)
 from eagle3.data.validation_record import (format_time, load_matching_record, shard_set_fingerprint, write_failed_record,
                                            write_record)
 from eagle3.data.settings import REPORT_JSON, data_settings

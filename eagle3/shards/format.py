@@ -666,7 +666,6 @@ def bytes_per_token(hidden_size: int, num_states: int = NUM_HIDDEN_STATES, stora
     return (storage or Storage()).bytes_per_token(hidden_size, num_states)
 
 
-
 def check_verifier(verifier: Any, meta: dict, root: str | os.PathLike) -> None:
     """Refuse a config whose verifier is not the one the shards were captured with (03, 04, 04 --export-only).
 

@@ -1015,20 +1015,20 @@ def check_init_from_config(cfg: RunConfig) -> bool:
     src = cfg.train.init_from
     if not src:
         return False
-    _check_init_folder(src)
-    meta_path = Path(src) / "eagle3_train.json"  # the export's metadata (export.serving.META_FILE)
-    if meta_path.is_file():
-        from eagle3.io import read_json
-
-        meta = read_json(meta_path)
-        exported = meta.get("drafter_args") if isinstance(meta, dict) else None
-        if isinstance(exported, dict):
-            _check_shape_fields(src, exported, {k: getattr(cfg.drafter, k, None) for k in _WARM_START_SHAPE})
+    exported = _exported_drafter_args(src)
+    if exported is not None:
+        _check_shape_fields(src, exported, {k: getattr(cfg.drafter, k, None) for k in _WARM_START_SHAPE})
     return True
 
 
-def _check_init_folder(src: str) -> None:
-    """``train.init_from`` names an exported drafter folder (``config.json`` + ``model.safetensors``), else UserError."""
+def _exported_drafter_args(src: str) -> Optional[dict]:
+    """The ``drafter_args`` an export folder records (``eagle3_train.json``, export.serving.META_FILE), after checking
+    that ``src`` is an exported drafter folder (``config.json`` + ``model.safetensors``); None when the metadata is
+    absent or holds no ``drafter_args`` object (an export of another tool: left to the tensor-by-tensor check).
+
+    Raises:
+        UserError: the folder is missing or not an export; the metadata is not valid JSON.
+    """
     path = Path(src)
     if not path.is_dir():
         raise UserError(f"train.init_from: folder '{src}' not found (an exported drafter folder: 04's drafter-sglang)")
@@ -1036,6 +1036,13 @@ def _check_init_folder(src: str) -> None:
         if not (path / name).is_file():
             raise UserError(f"train.init_from: '{src}' is not an exported drafter folder (no {name}; 04 writes one "
                             f"into {{output_root}}/drafter-sglang)")
+    if not (path / "eagle3_train.json").is_file():
+        return None
+    from eagle3.io import read_json
+
+    meta = read_json(path / "eagle3_train.json")
+    exported = meta.get("drafter_args") if isinstance(meta, dict) else None
+    return exported if isinstance(exported, dict) else None
 
 
 def _warm_start_planned(cfg: RunConfig, d: DistInfo, resume: bool, args=None) -> bool:
@@ -1055,15 +1062,9 @@ def _warm_start_planned(cfg: RunConfig, d: DistInfo, resume: bool, args=None) ->
         if d.is_main:
             log.info("train.init_from (%s) not used: --resume continues from the run's checkpoint", src)
         return False
-    _check_init_folder(src)
-    path = Path(src)
-    if args is not None and (path / "eagle3_train.json").is_file():  # the export's metadata (export.serving.META_FILE)
-        from eagle3.io import read_json
-
-        meta = read_json(path / "eagle3_train.json")
-        exported = meta.get("drafter_args") if isinstance(meta, dict) else None
-        if isinstance(exported, dict):
-            check_init_from_shape(src, exported, args)
+    exported = _exported_drafter_args(src)
+    if args is not None and exported is not None:
+        check_init_from_shape(src, exported, args)
     return True
 
 
