@@ -306,6 +306,25 @@ class PromptsConfig(_Strict):
         "the tokens/s (that figure also holds a cold compile of the decode step, whose cache gains the scratch row). "
         "Greedy answers are the same in float32 (tested). A speed "
         "setting: not in 01's settings fingerprint")
+    regen_prefill_pack: bool = Field(
+        False, description="slots engine: each prefill forward feeds its prompts back to back as one sequence (no "
+        "padding between rows; the stream rounded up to a power of two, at most regen_prefill_tokens fed tokens "
+        "where a single prompt allows it), FlexAttention with a document mask keeping the rows apart (compiled on "
+        "CUDA, one compile per stream shape; eager on the CPU), each stream shape captured as a CUDA graph at its "
+        "second use (regen_cuda_graphs). Against the padded prefill's 1.91x padding and its ~22 ms of host dispatch a "
+        "forward (H200, lease 2026-12-05b). Off until measured on a GPU (bench/regen_speed.py --prefill-pack-ab). A "
+        "failed packed forward on CUDA logs one warning and the run goes on padded. Exclusive with "
+        "regen_prefill_graphs. Greedy answers are the same in float32 (tested). A speed setting: not in 01's "
+        "settings fingerprint")
+
+    @field_validator("regen_prefill_pack")
+    @classmethod
+    def _one_prefill_layout(cls, v, info: ValidationInfo):
+        """Packed and bucketed prefill are two layouts of the same forwards: at most one is on."""
+        if v and info.data.get("regen_prefill_graphs"):
+            raise ValueError("cannot be true together with prompts.regen_prefill_graphs (two prefill layouts: set "
+                             "one of them to false)")
+        return v
     max_context_tokens: Optional[int] = Field(
         None, ge=1, description="regeneration answers a turn only while its rendered prompt is shorter than this many "
         "tokens; later turns (and a conversation whose first prompt is already this long) are left out, because "

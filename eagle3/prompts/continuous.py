@@ -79,6 +79,9 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from eagle3.errors import UserError
+from eagle3.prompts.flex_compat import block_mask_from_kv_blocks, kv_blocks_params, raise_recompile_limit
+from eagle3.prompts.packed_prefill import (PackedBuffers, compiled_packed_flex, packed_flex, packed_layout,
+                                           packed_prefill_attention)
 from eagle3.sdpa import no_cudnn_sdpa
 
 log = logging.getLogger(__name__)
@@ -114,6 +117,8 @@ class SlotCache:
         kv_indices: decode, ``flex``: static block indices ``[S, 1, 1, L / block]`` int32 (``arange`` per row).
         prefill_cols, prefill_mask: prefill of rows at column offsets (cross-turn prefix reuse; None: every row from
             column 0, causal): :func:`offset_prefill_layout`.
+        packed: packed prefill mode (``prefill_pack``): the forward's
+            :class:`eagle3.prompts.packed_prefill.PackedRouting`; None otherwise.
     """
 
     k: list
@@ -127,6 +132,7 @@ class SlotCache:
     kv_blocks: Optional[torch.Tensor] = None  # decode, flex: blocks per row, int32 [n, 1, 1] (once per step, not per layer)
     prefill_cols: Optional[torch.Tensor] = None  # prefill at offsets: cache column of each query, int64 [P, Wp]
     prefill_mask: Optional[torch.Tensor] = None  # prefill at offsets: attended columns, bool [P, 1, Wp, Kw]
+    packed: Optional[object] = None  # packed prefill: eagle3.prompts.packed_prefill.PackedRouting (None otherwise)
 
 
 def kv_num_blocks(attn_len: torch.Tensor, block: int) -> torch.Tensor:
@@ -152,34 +158,12 @@ def decode_block_mask(attn_len: torch.Tensor, kv_indices: torch.Tensor, block: i
         ``mask_mod`` ``kv_idx <= attn_len[b]`` for the partial last block. Device ops only (no host sync), so
         it is built inside the captured step.
     """
-    from torch.nn.attention.flex_attention import BlockMask
-
     nb = kv_num_blocks(attn_len, block) if num_blocks is None else num_blocks  # [n, 1, 1]
 
     def mask_mod(b, h, q_idx, kv_idx):
         return kv_idx <= attn_len[b]
 
-    params, kw = _from_kv_blocks_params(), {}
-    if "seq_lengths" in params:
-        kw["seq_lengths"] = (q_len, kv_len)
-    if "compute_q_blocks" in params:
-        kw["compute_q_blocks"] = False  # the transposed (backward) index is not needed
-    bm = BlockMask.from_kv_blocks(nb, kv_indices, BLOCK_SIZE=block, mask_mod=mask_mod, **kw)
-    return bm if "seq_lengths" in params else bm._adjust(q_len, kv_len)  # older torch: lengths of whole blocks
-
-
-_FKB_PARAMS: Optional[frozenset] = None
-
-
-def _from_kv_blocks_params() -> frozenset:
-    global _FKB_PARAMS
-    if _FKB_PARAMS is None:
-        import inspect
-
-        from torch.nn.attention.flex_attention import BlockMask
-
-        _FKB_PARAMS = frozenset(inspect.signature(BlockMask.from_kv_blocks).parameters)
-    return _FKB_PARAMS
+    return block_mask_from_kv_blocks(nb, kv_indices, block, mask_mod, q_len, kv_len)
 
 
 def flex_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_len: torch.Tensor,
@@ -221,19 +205,10 @@ def compiled_flex_decode():
     recompile limit is raised to 64)."""
     global _COMPILED_FLEX
     if _COMPILED_FLEX is None:
-        _from_kv_blocks_params()  # inspect.signature runs here, eagerly: the traced function only reads the result
-        _raise_recompile_limit()
+        kv_blocks_params()  # inspect.signature runs here, eagerly: the traced function only reads the result
+        raise_recompile_limit()
         _COMPILED_FLEX = torch.compile(flex_decode, dynamic=False, fullgraph=True)
     return _COMPILED_FLEX
-
-
-def _raise_recompile_limit(limit: int = 64) -> None:
-    """Dynamo's per-function recompile limit to at least ``limit``: the engine's compiled functions recompile once per
-    slot prefix (static shapes)."""
-    cfg = torch._dynamo.config
-    for name in ("recompile_limit", "cache_size_limit"):
-        if hasattr(cfg, name):
-            setattr(cfg, name, max(getattr(cfg, name), limit))
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -345,7 +320,8 @@ def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
     """Attention of :class:`SlotEngine`, registered as ``AttentionInterface[ATTN_NAME]`` (same signature as
     transformers' ``sdpa_attention_forward``).
 
-    Prefill (``slot_cache.rows`` set): query ``[P, H, Wp, D]``, key/value ``[P, Hkv, Wp, D]`` of right-padded
+    Packed prefill (``slot_cache.packed`` set): query ``[1, H, Tq, D]`` of rows back to back
+    (:func:`eagle3.prompts.packed_prefill.packed_prefill_attention`). Prefill (``slot_cache.rows`` set): query ``[P, H, Wp, D]``, key/value ``[P, Hkv, Wp, D]`` of right-padded
     prompts; K/V are written to columns ``[0, Wp)`` of the rows' slots and the output is causal attention over
     the prompt itself (a real token never sees the padding after it). With ``slot_cache.prefill_mask`` set the rows
     are suffixes at column offsets (:func:`offset_prefill_attention`: written at ``offsets[r] + j``, attending the
@@ -359,6 +335,8 @@ def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
     if c is None:
         raise RuntimeError(f"attention '{ATTN_NAME}' needs the slot_cache keyword (only SlotEngine calls it)")
     kc, vc = c.k[module.layer_idx], c.v[module.layer_idx]
+    if c.packed is not None:  # packed prefill: rows back to back in one sequence (eagle3.prompts.packed_prefill)
+        return packed_prefill_attention(query, key, value, kc, vc, c.packed, scaling).transpose(1, 2), None
     b, h, q_len, d = query.shape
     hkv = key.shape[1]
     if c.rows is not None and c.prefill_mask is not None:  # prefill of suffixes after cached prefixes
@@ -690,6 +668,13 @@ class SlotEngine(Engine):
             at its first use, replayed after: an eager prefill forward is bound by host dispatch (SmolLM2: ~1,700
             ops, 35-48 ms whatever it carries). A failed capture logs one warning and the same bucketed forwards run
             eagerly (as always on the CPU). Greedy tokens are the same (fp32: equal).
+        prefill_pack: feed each prefill forward's prompts back to back as one sequence (no padding between rows, a
+            stream rounded up to a power of two; :mod:`eagle3.prompts.packed_prefill`), within ``prefill_tokens``
+            fed tokens (a single longer prompt alone); FlexAttention keeps the rows apart (compiled on CUDA, eager
+            on the CPU). On CUDA with ``cuda_graphs`` each stream shape ``(Tq, Tp)`` is captured as a CUDA graph at
+            its second use and replayed after (a shape seen once costs no capture). A failure of the compiled
+            attention or of a capture logs one warning and the engine goes on with padded prefill / eager packed
+            forwards. Exclusive with ``prefill_graphs``. Greedy tokens are the same (fp32: equal).
 
     Memory: ``2 * layers * slots * max_len * kv_heads * head_dim`` elements of the model dtype (``slots + 1`` rows with
     ``prefill_graphs``: the scratch row), plus ``slots x max_new_tokens`` int64 answer buffer; with prefill graphs
@@ -711,7 +696,9 @@ class SlotEngine(Engine):
     too narrow slot), ``prefill_graphs`` (the switch), ``prefill_graph_captures`` (prefill buckets captured as CUDA
     graphs), ``prefill_capture_s`` (host seconds of those captures, warm-up forward included; within ``prefill_s``'s
     span), ``prefill_buckets`` (prefill forwards per bucket, keys ``"PbxWb"`` on the causal path and ``"PbxWbxKwb"``
-    at offsets); with ``prefill_graphs``, ``prefill_padded_tokens`` counts the bucketed ``Pb x Wb``.
+    at offsets; packed forwards ``"q<Tq>"`` / ``"q<Tq>+p<Tp>"``); with ``prefill_graphs``, ``prefill_padded_tokens``
+    counts the bucketed ``Pb x Wb``, with ``prefill_pack`` the streams' ``Tq``; ``prefill_pack`` (the switch; False
+    after a failed packed forward on CUDA).
     """
 
     def __init__(self, model, slots: int, max_len: int, max_new_tokens: int, stop_ids: set[int],
@@ -719,7 +706,7 @@ class SlotEngine(Engine):
                  cuda_graphs: bool = True, attention: str = "auto", flex_block: int = 128, min_prefix: int = 8,
                  compile_step=False, compile_min_prefix: Optional[int] = None,
                  planned_answers: Optional[int] = None, prefix_reuse: bool = True, reuse_min_tokens: int = 16,
-                 refill_free: float = 1 / 32, prefill_graphs: bool = False):
+                 refill_free: float = 1 / 32, prefill_graphs: bool = False, prefill_pack: bool = False):
         if slots < 1 or max_new_tokens < 1 or check_every < 1 or max_len <= max_new_tokens:
             raise ValueError("SlotEngine: slots, max_new_tokens, check_every >= 1 and max_len > max_new_tokens")
         self.model, self.S, self.max_len, self.max_new = model, slots, max_len, max_new_tokens
@@ -732,12 +719,10 @@ class SlotEngine(Engine):
         if not 0 < refill_free <= 1:
             raise ValueError(f"SlotEngine: refill_free in (0, 1], not {refill_free!r}")
         self.refill_free = float(refill_free)
-        self.prefill_graphs = bool(prefill_graphs)
         p = next(model.parameters())
         self.dev, dtype = p.device, p.dtype
         self.use_graphs = cuda_graphs and self.dev.type == "cuda"
-        # bucketed prefill forwards captured as CUDA graphs (else, and after a failed capture, run eagerly)
-        self._prefill_capture = self.prefill_graphs and self.use_graphs
+        self._init_prefill_layout(prefill_graphs, prefill_pack, flex_block)
         cfg = model.config.get_text_config()
         n_layers, hkv = cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         h = cfg.num_attention_heads
@@ -775,6 +760,7 @@ class SlotEngine(Engine):
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # per slot prefix
         self._pool = None  # one memory pool shared by the prefix graphs (replayed one at a time)
         self._prefill_bufs: dict[tuple, _PrefillBuffers] = {}  # prefill_graphs: per bucket (Pb, Wb, Kwb)
+        self._packed_bufs: dict[tuple, PackedBuffers] = {}  # prefill_pack: per stream shape (Tq, Tp)
         self._prefill_pool = None  # one memory pool shared by the prefill graphs (replayed one at a time)
         # kv_tokens_needed: sum over decode steps of the live rows' attended columns (the roofline's KV reads);
         # kv_bytes_read: what the attention reads (flex: the blocks; sdpa_groups: every prefix slot up to its cap)
@@ -785,9 +771,25 @@ class SlotEngine(Engine):
                       "first_step_s": {}, "compile_decision": self.compile_decision,
                       "prefix_reuse": self.prefix_reuse, "reused_tokens": 0, "reuse_rows": 0, "reuse_full_prefills": 0,
                       "prefill_graphs": self.prefill_graphs, "prefill_graph_captures": 0, "prefill_capture_s": 0.0,
-                      "prefill_buckets": {}}
+                      "prefill_buckets": {}, "prefill_pack": self.prefill_pack}
         self._timed: list[tuple[str, object, object]] = []  # (stat, start, end): CUDA events read at the next sync
         self._swap = AttentionSwap(model).__enter__()
+
+    def _init_prefill_layout(self, prefill_graphs: bool, prefill_pack: bool, flex_block: int) -> None:
+        """The prefill layout switches (padded, bucketed ``prefill_graphs`` or packed ``prefill_pack``; ValueError for
+        both, or packing with a block size that is not a power of two), whether prefill forwards are captured, and
+        the packed path's attention function."""
+        self.prefill_graphs, self.prefill_pack = bool(prefill_graphs), bool(prefill_pack)
+        if self.prefill_graphs and self.prefill_pack:
+            raise ValueError("SlotEngine: prefill_graphs and prefill_pack are exclusive (choose one prefill layout)")
+        if self.prefill_pack and (flex_block < 1 or flex_block & (flex_block - 1)):
+            raise ValueError(f"SlotEngine: prefill_pack needs flex_block a power of two, not {flex_block}")
+        # bucketed / packed prefill forwards captured as CUDA graphs (else, and after a failed capture, run eagerly)
+        self._prefill_capture = (self.prefill_graphs or self.prefill_pack) and self.use_graphs
+        # packed prefill attention: compiled FlexAttention on CUDA (eager flex would build dense scores), eager on CPU
+        cuda = self.dev.type == "cuda"
+        self._packed_flex = (compiled_packed_flex() if cuda else packed_flex) if self.prefill_pack else None
+        self._pack_fallback = cuda  # a failed packed forward: warn and prefill padded (CPU: raise)
 
     def _init_slots(self, slots: int, max_len: int, max_new_tokens: int, stop_ids: set[int]) -> None:
         """The per-slot decode state on the device (``[S]`` tensors, the ``[S, T]`` answer buffer) and its host
@@ -825,8 +827,8 @@ class SlotEngine(Engine):
         if self.compile_decision["compile"]:
             import functools
 
-            _from_kv_blocks_params()
-            _raise_recompile_limit()
+            kv_blocks_params()
+            raise_recompile_limit()
             if self.flex is not None:  # traced inside the compiled step (no nested compile)
                 self.flex = functools.partial(flex_decode, block=self.block)
             self._compiled = torch.compile(self._step_eager, dynamic=False)
@@ -884,6 +886,7 @@ class SlotEngine(Engine):
             self._swap = None
         self.graphs.clear()
         self._prefill_bufs.clear()
+        self._packed_bufs.clear()
         self.cache.k.clear()
         self.cache.v.clear()
 
@@ -974,18 +977,20 @@ class SlotEngine(Engine):
         suffix = [len(w.ids) - o for w, _, o in placed]  # tokens each row feeds
         i = 0
         while i < len(placed):
-            j, width = i, 0
-            while j < len(placed) and self._fits(j - i + 1, max(width, suffix[j]), suffix[j]):
-                width = max(width, suffix[j])
+            j, width, total = i, 0, 0
+            while j < len(placed) and self._fits(j - i + 1, max(width, suffix[j]), suffix[j], total + suffix[j]):
+                width, total = max(width, suffix[j]), total + suffix[j]
                 j += 1
             self._prefill([w for w, _, _ in placed[i:j]], [s for _, s, _ in placed[i:j]], width,
                           [o for _, _, o in placed[i:j]])
             i = j
 
-    def _fits(self, rows: int, width: int, last: int) -> bool:
+    def _fits(self, rows: int, width: int, last: int, total: int) -> bool:
         """Whether a prefill forward of ``rows`` prompts padded to ``width`` tokens stays within ``prefill_tokens``
         (a single prompt of ``last`` tokens always fits); with ``prefill_graphs`` at its bucketed shape
-        (:func:`prefill_bucket`)."""
+        (:func:`prefill_bucket`); with ``prefill_pack`` its ``total`` fed tokens (the rows' suffixes back to back)."""
+        if self.prefill_pack:
+            return total <= max(self.prefill_tokens, last)
         if not self.prefill_graphs:
             return width * rows <= max(self.prefill_tokens, last)
         cols = self.cache.k[0].shape[2]
@@ -1003,6 +1008,8 @@ class SlotEngine(Engine):
         suffix. With ``prefill_graphs`` the forward runs at its bucketed shape (:meth:`_prefill_bucketed`)."""
         p = len(reqs)
         offsets = offsets if offsets is not None else [0] * p
+        if self.prefill_pack and self._prefill_packed(reqs, slots, offsets):
+            return
         if self.prefill_graphs:
             t0 = self._mark()
             rows, lens, tok = self._prefill_bucketed(reqs, slots, width, offsets)  # [P] each, on device
@@ -1118,28 +1125,85 @@ class SlotEngine(Engine):
         h = hid[torch.arange(pb, device=self.dev), last]  # [Pb, hidden] the last prompt token of each row
         buf.tok.copy_(self.model.get_output_embeddings()(h).argmax(-1))  # [Pb]
 
-    def _prefill_graph(self, buf: "_PrefillBuffers") -> None:
-        """Capture :meth:`_prefill_forward` over ``buf`` as a CUDA graph (warm-up on a side stream first, as torch
-        requires; the K/V the warm-up writes are rewritten identically by the replay that follows). All prefill
-        graphs share one memory pool (they replay one at a time, and each one's output is read before the next
-        replays). On a failure: one warning, and every prefill runs eagerly from then on (same shapes, same
-        tokens). Host seconds go to ``stats["prefill_capture_s"]``."""
+    def _prefill_graph(self, buf, fn=None) -> None:
+        """Capture ``fn`` (default :meth:`_prefill_forward` over ``buf``; a packed forward passes its own) as a CUDA
+        graph (warm-up on a side stream first, as torch requires; the K/V the warm-up writes are rewritten
+        identically by the replay that follows). All prefill graphs share one memory pool (they replay one at a
+        time, and each one's output is read before the next replays). On a failure: one warning, and every prefill
+        runs eagerly from then on (same shapes, same tokens). Host seconds go to ``stats["prefill_capture_s"]``."""
         t0 = time.perf_counter()
         try:
             if self._prefill_pool is None:
                 self._prefill_pool = torch.cuda.graph_pool_handle()
-            g = capture_graph(lambda: self._prefill_forward(buf), self._prefill_pool)
+            g = capture_graph(fn or (lambda: self._prefill_forward(buf)), self._prefill_pool)
         except Exception as e:  # noqa: BLE001 - any capture failure: prefill eagerly (same results)
             log.warning("prefill CUDA graph capture failed at bucket %s (%s: %s); prefill forwards run eagerly",
                         buf.key, type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
             self._prefill_capture = False
-            for b in self._prefill_bufs.values():
+            for b in [*self._prefill_bufs.values(), *self._packed_bufs.values()]:
                 b.graph = None
             return
         finally:
             self.stats["prefill_capture_s"] += time.perf_counter() - t0
         buf.graph = g
         self.stats["prefill_graph_captures"] += 1
+
+    # ------------------------------------------------------------------ packed prefill (prefill_pack)
+    def _prefill_packed(self, reqs: list[_Waiting], slots: list[int], offsets: list[int]) -> bool:
+        """One packed prefill forward (:mod:`eagle3.prompts.packed_prefill`): the rows' suffixes back to back in one
+        stream of the shape's static buffers, each row's first answer token to its slot. The shape's CUDA graph is
+        captured at its second use (``cuda_graphs`` on CUDA) and replayed after; else the forward runs eagerly.
+
+        Args:
+            reqs, slots, offsets: as :meth:`_prefill` (``offsets`` a list, 0 = from scratch).
+
+        Returns:
+            True when done; False when the packed forward failed on CUDA (the compiled attention or a replay): one
+            warning, the engine leaves the packed path for good and the caller prefills these rows padded.
+        """
+        lay = packed_layout([w.ids[o:] for w, o in zip(reqs, offsets)], offsets, slots, self.S,
+                            self.cache.k[0].shape[2], self.block)
+        key = (lay.q.shape[1], lay.prefix.shape[1])  # (Tq, Tp)
+        buf = self._packed_bufs.get(key)
+        if buf is None:
+            buf = self._packed_bufs[key] = PackedBuffers.like(lay, self.dev)
+        t0 = self._mark()
+        buf.fill(lay)
+        buf.uses += 1
+        try:
+            if self._prefill_capture and buf.graph is None and buf.uses >= 2:
+                self._prefill_graph(buf, lambda: self._packed_forward(buf))
+            buf.graph.replay() if buf.graph is not None else self._packed_forward(buf)
+        except Exception as e:  # noqa: BLE001 - on CUDA: leave the packed path (padded prefill gives the same tokens)
+            if not self._pack_fallback:
+                raise
+            log.warning("packed prefill failed at stream shape %s (%s: %s); prefill forwards go on padded", key,
+                        type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+            self.prefill_pack = self.stats["prefill_pack"] = False
+            self._packed_bufs.clear()
+            return False
+        p = len(reqs)
+        self._prefill_state(buf.rows[0, :p], buf.rows[2, :p], buf.tok[:p])  # [P] slots, prompt lengths, tokens
+        self._timed.append(("prefill_s", t0, self._mark()))
+        self._prefill_host(reqs, slots, offsets)
+        nb, name = self.stats["prefill_buckets"], f"q{key[0]}" + (f"+p{key[1]}" if key[1] else "")
+        nb[name] = nb.get(name, 0) + 1
+        self.stats["prefill_padded_tokens"] += key[0]
+        return True
+
+    def _packed_forward(self, buf: PackedBuffers) -> None:
+        """The forward of a packed prefill over ``buf``'s static tensors (device ops only, static shapes: what a
+        graph captures): K/V of every fed token written to its slot (padding to column ``L - 1`` of slot 0),
+        ``buf.tok`` [S] = the greedy token after each row's last prompt token (padding rows: unused)."""
+        c = self.cache
+        c.packed = buf.routing(self._packed_flex, self.block)
+        try:
+            hid = self.model.base_model(input_ids=buf.ids, position_ids=buf.q[1:2], slot_cache=c,
+                                        use_cache=False).last_hidden_state  # [1, Tq, hidden]
+        finally:
+            c.packed = None
+        h = hid[0, buf.rows[1]]  # [S, hidden] the last fed token of each row
+        buf.tok.copy_(self.model.get_output_embeddings()(h).argmax(-1))  # [S]
 
     def _pick_attention(self, attention: str, slots: int, h: int, hkv: int, d: int, dtype, cols: int):
         """The flex decode function, or None for sdpa_groups. On CUDA the compiled kernel is probed (compiled,

@@ -291,7 +291,7 @@ def make_engine(name: str, model, tokenizer, max_new_tokens: int, batch_size: in
     """A continuous-batching engine of :mod:`eagle3.prompts.continuous` by name (``slots`` or ``hf_continuous``).
 
     ``options``: the engine's keyword arguments (``SlotEngine``: check_every, prefill_tokens, width_classes,
-    cuda_graphs, attention, compile_step, prefix_reuse, refill_free, prefill_graphs). The slot cache holds prompts shorter than ``max_context`` (the context cap; None = the model's
+    cuda_graphs, attention, compile_step, prefix_reuse, refill_free, prefill_graphs, prefill_pack). The slot cache holds prompts shorter than ``max_context`` (the context cap; None = the model's
     ``max_position_embeddings`` less ``max_new_tokens``) plus ``max_new_tokens`` answer tokens. ``planned_answers``:
     the turns the run will submit (the slot engine's ``compile_step="auto"`` sizes the work with it).
     """
@@ -312,12 +312,12 @@ def engine_options(pc) -> Optional[dict]:
     """The continuous engine's keyword arguments from ``prompts`` (:class:`eagle3.config.PromptsConfig`);
     ``compile_step`` is ``prompts.regen_compile`` as set (``True``, ``False`` or ``"auto"``, which the engine decides),
     ``prefix_reuse`` ``prompts.regen_prefix_reuse``, ``refill_free`` ``prompts.regen_refill_free``, ``prefill_graphs``
-    ``prompts.regen_prefill_graphs``."""
+    ``prompts.regen_prefill_graphs``, ``prefill_pack`` ``prompts.regen_prefill_pack``."""
     if pc.regen_engine == "slots":
         return {"check_every": pc.regen_check_every, "prefill_tokens": pc.regen_prefill_tokens,
                 "cuda_graphs": pc.regen_cuda_graphs, "attention": pc.regen_attention, "compile_step": pc.regen_compile,
                 "prefix_reuse": pc.regen_prefix_reuse, "refill_free": pc.regen_refill_free,
-                "prefill_graphs": pc.regen_prefill_graphs}
+                "prefill_graphs": pc.regen_prefill_graphs, "prefill_pack": pc.regen_prefill_pack}
     if pc.regen_engine == "hf_continuous":
         return {"use_cuda_graph": pc.regen_cuda_graphs}
     return None

@@ -752,13 +752,14 @@ def test_common_prefix():
     assert common_prefix([], [1]) == 0 and common_prefix([9], [1]) == 0 and common_prefix([1, 2], [1, 2]) == 2
 
 
-def _prefill_snapshots(model, users, reuse: bool, max_new: int, prefill_graphs: bool = False) -> dict:
+def _prefill_snapshots(model, users, reuse: bool, max_new: int, prefill_graphs: bool = False,
+                       prefill_pack: bool = False) -> dict:
     """Run 2-turn conversations through a 3-slot engine; per (conversation, turn) the prompt and the K/V its prefill
     left in columns [0, len(prompt)) of its slot, every layer (``[layers, 2, Hkv, len, D]``)."""
     snaps, real = {}, SlotEngine._prefill
     eng = SlotEngine(model, 3, max_len=128, max_new_tokens=max_new, stop_ids={0}, check_every=2, cuda_graphs=False,
                      attention="flex", flex_block=16, prefix_reuse=reuse, reuse_min_tokens=1,
-                     prefill_graphs=prefill_graphs)
+                     prefill_graphs=prefill_graphs, prefill_pack=prefill_pack)
 
     def spy(self, reqs, slots, width, offsets=None):
         real(self, reqs, slots, width, offsets)

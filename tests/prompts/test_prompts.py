@@ -323,7 +323,8 @@ def test_report_records_the_regen_compile_decision(tmp_path, tiny_llama_dir, cap
         assert "prompts up to date" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("key,default", [("regen_prefix_reuse", True), ("regen_prefill_graphs", False)])
+@pytest.mark.parametrize("key,default", [("regen_prefix_reuse", True), ("regen_prefill_graphs", False),
+                                         ("regen_prefill_pack", False)])
 def test_speed_settings_are_not_in_the_settings_fingerprint(tmp_path, key, default):
     """prompts.regen_prefix_reuse and prompts.regen_prefill_graphs change speed, not answers (fp32: tested token for
     token): both values give 01 the same settings, so a finished prompts.jsonl and a resume log stay valid when they
@@ -364,6 +365,26 @@ def test_regen_prefill_graphs_reaches_the_engine_and_answers_do_not_change(tmp_p
     es = _speed_setting_rerun(f, cfg, "prompts.regen_prefill_graphs=true", capsys)
     assert es["prefill_graphs"] is True and es["prefill_graph_captures"] == 0
     assert sum(es["prefill_buckets"].values()) == es["prefill_calls"] >= 1
+
+
+def test_regen_prefill_pack_reaches_the_engine_and_answers_do_not_change(tmp_path, tiny_llama_dir, capsys):
+    """01 with prompts.regen_prefill_pack: true runs the slot engine's packed prefill (engine_stats: packed stream
+    shapes ``q<Tq>``, their tokens the padded count), finds prompts.jsonl up to date, and writes it byte for byte the
+    same when forced (fp32); with prompts.regen_prefill_graphs also true the config is refused in one line."""
+    from eagle3.errors import UserError
+
+    src = _jsonl(tmp_path / "c.jsonl", [{"messages": [U("Hi there"), A("x"), U("And then?"), A("y")]},
+                                        {"messages": [U("Count to three"), A("z")]},
+                                        {"messages": [U("Name a colour"), A("x"), U("Another one"), A("y")]}])
+    f = _tiny_regen_config(tmp_path, tiny_llama_dir, src, max_new_tokens=6)
+    cfg = load_config(f)
+    assert run(cfg) == 0
+    es = _speed_setting_rerun(f, cfg, "prompts.regen_prefill_pack=true", capsys)
+    assert es["prefill_pack"] is True and es["prefill_calls"] == sum(es["prefill_buckets"].values()) >= 1
+    assert all(k.startswith("q") for k in es["prefill_buckets"])
+    assert es["prefill_padded_tokens"] == sum(int(k[1:].split("+")[0]) * n for k, n in es["prefill_buckets"].items())
+    with pytest.raises(UserError, match="regen_prefill_pack.*cannot be true together with prompts.regen_prefill_graphs"):
+        load_config(f, ["prompts.regen_prefill_pack=true", "prompts.regen_prefill_graphs=true"])
 
 
 def test_report_counts_prefix_reuse_and_answers_do_not_change(tmp_path, tiny_llama_dir, capsys):

@@ -1,0 +1,294 @@
+"""Packed prefill for stage 01's slot engine (``prompts.regen_prefill_pack``): no padding between prompts.
+
+A right-padded prefill forward of ``P`` prompts feeds ``P x width`` tokens, the longest prompt's width for every
+row (on the H200's 17K run: 3.50M tokens fed for 1.83M real ones, 1.91x; lease 2026-12-05b), and each new
+``(rows, width)`` is a new shape. A packed forward feeds the prompts' tokens back to back as ONE sequence
+``[1, Tq]``, ``Tq`` the token count rounded up to a power of two (:func:`packed_bucket`; the tail is padding), and
+attention keeps the prompts apart with a document mask:
+
+* query token ``t`` of row ``r`` (its ``j``-th fed token, at RoPE position and cache column ``offsets[r] + j``)
+  attends the tokens of row ``r`` at columns ``<= offsets[r] + j``: its own fed tokens up to itself, and, for a
+  row continuing a cached prefix (cross-turn prefix reuse, :mod:`eagle3.prompts.continuous`), the ``offsets[r]``
+  cached columns of its slot, gathered from the KV cache into a prefix stream of ``Tp`` entries after the fed ones
+  (``Tp``: ``sum(offsets)`` rounded up the same way; 0 when no row has a prefix);
+* the K/V of every fed token are written into its slot at its column first (padding tokens into column ``L - 1``
+  of slot 0, a column no request ever writes or reads: a prompt and its answer fill at most ``max_len - 1``
+  columns, the answer's last token is never fed back, so the engine needs no scratch row and its decode cache keeps
+  its shape);
+* FlexAttention (compiled on CUDA, eager on the CPU) runs over ``[fed tokens | prefix stream]`` with a
+  ``BlockMask`` built from kv-block ranges computed on the host (:func:`packed_layout`): a query block reads the
+  fed-token blocks from its first row's start to itself and the prefix blocks of its rows, nothing else, so the
+  work is the block-diagonal part, not ``Tq x (Tq + Tp)``. Padding queries form a document of their own at column
+  0 (they attend each other: finite values, never read).
+
+The few ``(Tq, Tp)`` shapes are what a CUDA graph captures (the engine captures a shape at its second use, so a
+shape seen once costs no capture). Greedy tokens equal the padded forward's (float32, tests/prompts/test_packed_prefill.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from eagle3.prompts.flex_compat import block_mask_from_kv_blocks, kv_blocks_params, raise_recompile_limit
+
+
+def packed_bucket(n: int, block: int) -> int:
+    """Static length of a packed stream of ``n`` tokens: 0 for ``n == 0``, else the smallest power of two ``>= n``
+    and ``>= block`` (``block`` a power of two, so the length is a whole number of FlexAttention blocks). E.g.
+    ``packed_bucket(3000, 128) == 4096``, ``packed_bucket(5, 128) == 128``, ``packed_bucket(0, 128) == 0``.
+
+    Raises:
+        ValueError: ``n < 0`` or ``block`` not a positive power of two.
+    """
+    if n < 0 or block < 1 or block & (block - 1):
+        raise ValueError(f"packed_bucket: n >= 0 ({n}) and block a positive power of two ({block})")
+    return 0 if n == 0 else max(block, 1 << (n - 1).bit_length())
+
+
+@dataclass
+class PackedLayout:
+    """Host tensors of one packed prefill forward (:func:`packed_layout`); ``R`` rows, ``Tq`` fed-token positions,
+    ``Tp`` prefix-stream entries, ``nQ = Tq / block`` query blocks, ``nK = (Tq + Tp) / block`` kv blocks.
+
+    Attributes:
+        ids: int64 ``[1, Tq]`` token ids, rows back to back, padding 0.
+        q: int64 ``[4, Tq]``: document (row index; ``R`` for padding), RoPE position (= cache column of a real token;
+            0 for padding), slot the K/V are written to, column they are written to (padding: slot 0, column ``L - 1``).
+        kv: int64 ``[2, Tq + Tp]``: document and column of every key: the fed tokens as ``q`` rows 0-1, then the
+            prefix stream (row ``r``'s cached columns ``0 .. offsets[r] - 1``; padding: document -1, column 0).
+        prefix: int64 ``[2, Tp]``: slot and column each prefix-stream entry is gathered from (padding: slot 0,
+            column ``L - 1``).
+        rows: int64 ``[3, S]``: per row its slot, the index of its last fed token in the stream, its prompt length
+            (cached + fed); rows ``R .. S - 1`` padding (slot 0, index 0, length 0).
+        kv_num_blocks: int32 ``[1, 1, nQ]``; kv_indices: int32 ``[1, 1, nQ, nK]``: the kv blocks each query block
+            reads (``BlockMask.from_kv_blocks``).
+    """
+
+    ids: torch.Tensor
+    q: torch.Tensor
+    kv: torch.Tensor
+    prefix: torch.Tensor
+    rows: torch.Tensor
+    kv_num_blocks: torch.Tensor
+    kv_indices: torch.Tensor
+
+
+def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
+    """``[n] -> [n + 1]``: 0, x0, x0 + x1, ... (int64)."""
+    return torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(x, 0)])
+
+
+def packed_blocks(doc_q: torch.Tensor, starts: torch.Tensor, pstarts: torch.Tensor, tq: int, tp: int,
+                  block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kv blocks each query block of a packed forward reads.
+
+    Args:
+        doc_q: int64 ``[Tq]``, the row of each fed token, non-decreasing (padding: ``R``).
+        starts: int64 ``[R + 1]``, the first stream index of each row's fed tokens (``starts[R]``: the first padding
+            token, the fed-token count).
+        pstarts: int64 ``[R + 2]``, the first prefix-stream entry of each row, then the prefix total twice (the
+            padding document has an empty prefix range).
+        tq, tp: stream lengths (multiples of ``block``; ``tp`` may be 0).
+        block: FlexAttention block size.
+
+    Returns:
+        ``(kv_num_blocks int32 [1, 1, nQ], kv_indices int32 [1, 1, nQ, nK])``: query block ``i`` (tokens ``[i * block,
+        (i + 1) * block)``, rows ``d0 .. d1``) reads fed-token blocks ``starts[d0] // block .. i`` (its rows' fed
+        tokens up to itself; causality inside is the mask's) and prefix blocks covering stream positions ``[tq +
+        pstarts[d0], tq + pstarts[d1 + 1])``. Unused index slots are clamped into range (never read).
+    """
+    nq, nk = tq // block, (tq + tp) // block
+    i = torch.arange(nq)
+    d0, d1 = doc_q[i * block], doc_q[(i + 1) * block - 1]  # [nQ] first and last row of each query block
+    lo1 = starts[d0] // block
+    n1 = i + 1 - lo1  # [nQ] fed-token blocks: lo1 .. i
+    plo, phi = tq + pstarts[d0], tq + pstarts[d1 + 1]  # [nQ] prefix-stream range of rows d0 .. d1
+    lo2 = plo // block
+    n2 = torch.where(phi > plo, -(-phi // block) - lo2, torch.zeros_like(lo2))
+    j = torch.arange(nk)[None]  # [1, nK]
+    idx = torch.where(j < n1[:, None], lo1[:, None] + j, lo2[:, None] + j - n1[:, None]).clamp(0, nk - 1)
+    return (n1 + n2).to(torch.int32).view(1, 1, nq), idx.to(torch.int32).view(1, 1, nq, nk)
+
+
+def packed_layout(ids: Sequence[Sequence[int]], offsets: Sequence[int], slots: Sequence[int], n_slots: int,
+                  cols: int, block: int) -> PackedLayout:
+    """Host layout of one packed prefill forward (module docstring).
+
+    Args:
+        ids: per row, the prompt token ids fed (the suffix after its cached prefix; non-empty).
+        offsets: per row, the cached columns of its slot before the fed tokens (0: prefilled from scratch).
+        slots: per row, its slot (distinct, ``< n_slots``).
+        n_slots: the engine's slots ``S`` (the static size of ``rows``).
+        cols: cache columns per slot ``L`` (padding writes column ``L - 1``).
+        block: FlexAttention block size (a power of two).
+
+    Returns:
+        :class:`PackedLayout` with ``Tq = packed_bucket(sum of fed tokens, block)`` and ``Tp =
+        packed_bucket(sum(offsets), block)``.
+
+    Raises:
+        ValueError: rows of different counts, an empty row, more rows than slots, or a token past column ``L - 2``.
+    """
+    r = len(ids)
+    if not (r == len(offsets) == len(slots)) or not 1 <= r <= n_slots or any(len(x) == 0 for x in ids):
+        raise ValueError(f"packed_layout: {len(ids)} rows, {len(offsets)} offsets, {len(slots)} slots "
+                         f"(1..{n_slots} non-empty rows)")
+    fed = torch.tensor([len(x) for x in ids], dtype=torch.long)  # [R]
+    off = torch.tensor(list(offsets), dtype=torch.long)  # [R]
+    if int((off + fed).max()) > cols - 1:
+        raise ValueError(f"packed_layout: a prompt reaches column {int((off + fed).max()) - 1}; the cache keeps "
+                         f"column {cols - 1} free")
+    n, n_pre = int(fed.sum()), int(off.sum())
+    tq, tp = packed_bucket(n, block), packed_bucket(n_pre, block)
+    starts, pstarts = _exclusive_cumsum(fed), _exclusive_cumsum(off)  # [R + 1] each
+    row = torch.arange(r)
+    doc = torch.full((tq,), r, dtype=torch.long)
+    doc[:n] = torch.repeat_interleave(row, fed)
+    pos = torch.zeros(tq, dtype=torch.long)
+    pos[:n] = torch.arange(n) - starts[:-1].repeat_interleave(fed) + off.repeat_interleave(fed)
+    slot_t = torch.tensor(list(slots), dtype=torch.long)  # [R]
+    wslot = torch.zeros(tq, dtype=torch.long)
+    wslot[:n] = slot_t.repeat_interleave(fed)
+    wcol = torch.full((tq,), cols - 1, dtype=torch.long)
+    wcol[:n] = pos[:n]
+    pdoc = torch.full((tp,), -1, dtype=torch.long)
+    pcol = torch.zeros(tp, dtype=torch.long)
+    pslot = torch.zeros(tp, dtype=torch.long)
+    psrc = torch.full((tp,), cols - 1, dtype=torch.long)
+    if n_pre:
+        pdoc[:n_pre] = torch.repeat_interleave(row, off)
+        pcol[:n_pre] = torch.arange(n_pre) - pstarts[:-1].repeat_interleave(off)
+        pslot[:n_pre] = slot_t.repeat_interleave(off)
+        psrc[:n_pre] = pcol[:n_pre]
+    flat = torch.zeros(1, tq, dtype=torch.long)
+    flat[0, :n] = torch.tensor([t for x in ids for t in x], dtype=torch.long)
+    rows = torch.zeros(3, n_slots, dtype=torch.long)
+    rows[0, :r], rows[1, :r], rows[2, :r] = slot_t, starts[1:] - 1, off + fed
+    nb, idx = packed_blocks(doc, starts, torch.cat([pstarts, pstarts[-1:]]), tq, tp, block)
+    return PackedLayout(ids=flat, q=torch.stack([doc, pos, wslot, wcol]),
+                        kv=torch.stack([torch.cat([doc, pdoc]), torch.cat([pos, pcol])]),
+                        prefix=torch.stack([pslot, psrc]), rows=rows, kv_num_blocks=nb, kv_indices=idx)
+
+
+def packed_flex(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_meta: torch.Tensor,
+                kv_meta: torch.Tensor, kv_num_blocks: torch.Tensor, kv_indices: torch.Tensor, scale: Optional[float],
+                block: int) -> torch.Tensor:
+    """FlexAttention of a packed prefill: query ``t`` attends key ``k`` iff ``kv_meta[0, k] == q_meta[0, t]`` (same
+    row) and ``kv_meta[1, k] <= q_meta[1, t]`` (column at or before its own), over the blocks of
+    :func:`packed_blocks` (built here, device ops only, so a CUDA graph captures it).
+
+    Args:
+        query: ``[1, H, Tq, D]``; key, value: ``[1, Hkv, Tq + Tp, D]`` (grouped-query heads: ``H`` a multiple of ``Hkv``).
+        q_meta: int64 ``[>= 2, Tq]``, rows 0-1 of :attr:`PackedLayout.q` (document, column).
+        kv_meta: int64 ``[2, Tq + Tp]`` (:attr:`PackedLayout.kv`).
+        kv_num_blocks, kv_indices: :attr:`PackedLayout.kv_num_blocks` / ``kv_indices``.
+        scale: softmax scale (None: ``1 / sqrt(D)``).
+        block: block size of the layout.
+
+    Returns:
+        ``[1, H, Tq, D]`` in the query's dtype.
+    """
+    from torch.nn.attention.flex_attention import flex_attention
+
+    doc_q, col_q, doc_kv, col_kv = q_meta[0], q_meta[1], kv_meta[0], kv_meta[1]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (doc_kv[kv_idx] == doc_q[q_idx]) & (col_kv[kv_idx] <= col_q[q_idx])
+
+    bm = block_mask_from_kv_blocks(kv_num_blocks, kv_indices, block, mask_mod, query.shape[2], key.shape[2])
+    return flex_attention(query, key, value, block_mask=bm, scale=scale, enable_gqa=query.shape[1] != key.shape[1])
+
+
+_COMPILED: Optional[object] = None
+
+
+def compiled_packed_flex():
+    """:func:`packed_flex` under ``torch.compile`` (one per process), static shapes: one compile per stream shape
+    ``(Tq, Tp)`` (the recompile limit raised to 64), as the decode's flex kernel. Not dynamic: Inductor's CPU
+    FlexAttention template fails to build its dynamic-shape kernel (torch 2.13, ``cur_kvSplitSize8`` undeclared);
+    static kernels of both shapes there equal the eager result (tests/prompts/test_packed_prefill.py)."""
+    global _COMPILED
+    if _COMPILED is None:
+        kv_blocks_params()  # inspect.signature eagerly: the traced function only reads the result
+        raise_recompile_limit()
+        _COMPILED = torch.compile(packed_flex, dynamic=False, fullgraph=True)
+    return _COMPILED
+
+
+def packed_prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kc: torch.Tensor,
+                             vc: torch.Tensor, routing: "PackedRouting", scaling: Optional[float]) -> torch.Tensor:
+    """One layer's attention of a packed prefill forward.
+
+    Args:
+        query: ``[1, H, Tq, D]``; key, value: ``[1, Hkv, Tq, D]`` of the packed fed tokens.
+        kc, vc: the layer's cache ``[S, Hkv, L, D]``; the fed tokens' K/V are written at ``routing.q`` rows 2-3 (slot,
+            column) first, then the prefix stream is gathered from ``routing.prefix`` (slot, column).
+        routing: the forward's :class:`PackedRouting` (device views of the bucket's buffers).
+        scaling: softmax scale.
+
+    Returns:
+        ``[1, H, Tq, D]``.
+    """
+    kc[routing.q[2], :, routing.q[3]] = key[0].transpose(0, 1)  # [Tq, Hkv, D] at (slot, column) of each fed token
+    vc[routing.q[2], :, routing.q[3]] = value[0].transpose(0, 1)
+    if routing.prefix.shape[1]:
+        kp = kc[routing.prefix[0], :, routing.prefix[1]].transpose(0, 1)[None]  # [1, Hkv, Tp, D] cached prefixes
+        vp = vc[routing.prefix[0], :, routing.prefix[1]].transpose(0, 1)[None]
+        key, value = torch.cat([key, kp], 2), torch.cat([value, vp], 2)  # [1, Hkv, Tq + Tp, D]
+    return routing.flex(query, key, value, routing.q, routing.kv, routing.kv_num_blocks, routing.kv_indices,
+                        scaling, routing.block)
+
+
+@dataclass
+class PackedRouting:
+    """What :func:`packed_prefill_attention` reads during a packed forward (set on ``SlotCache.packed``): the device
+    tensors of :class:`PackedLayout` (``q``, ``kv``, ``prefix``, ``kv_num_blocks``, ``kv_indices``), the flex
+    function (:func:`packed_flex` or its compiled form) and the block size."""
+
+    q: torch.Tensor
+    kv: torch.Tensor
+    prefix: torch.Tensor
+    kv_num_blocks: torch.Tensor
+    kv_indices: torch.Tensor
+    flex: object
+    block: int
+
+
+@dataclass
+class PackedBuffers:
+    """Static device tensors of one packed shape ``key = (Tq, Tp)`` (filled by ``copy_`` before each forward; a CUDA
+    graph reads them), its first answer token per row out (``tok`` int64 ``[S]``), the graph once captured, and the
+    forwards run at this shape (``uses``: the engine captures at the second)."""
+
+    key: tuple
+    ids: torch.Tensor
+    q: torch.Tensor
+    kv: torch.Tensor
+    prefix: torch.Tensor
+    rows: torch.Tensor
+    kv_num_blocks: torch.Tensor
+    kv_indices: torch.Tensor
+    tok: torch.Tensor
+    graph: Optional[object] = None
+    uses: int = 0
+
+    @classmethod
+    def like(cls, lay: PackedLayout, dev) -> "PackedBuffers":
+        """Device buffers shaped as ``lay``."""
+        t = {f: torch.empty_like(getattr(lay, f), device=dev) for f in
+             ("ids", "q", "kv", "prefix", "rows", "kv_num_blocks", "kv_indices")}
+        return cls(key=(lay.q.shape[1], lay.prefix.shape[1]), tok=torch.zeros(lay.rows.shape[1], dtype=torch.long,
+                                                                              device=dev), **t)
+
+    def fill(self, lay: PackedLayout) -> None:
+        """Copy ``lay`` in (pinned, asynchronous on CUDA: no host sync)."""
+        cuda = self.ids.device.type == "cuda"
+        for f in ("ids", "q", "kv", "prefix", "rows", "kv_num_blocks", "kv_indices"):
+            src = getattr(lay, f)
+            getattr(self, f).copy_(src.pin_memory() if cuda else src, non_blocking=cuda)
+
+    def routing(self, flex, block: int) -> PackedRouting:
+        return PackedRouting(self.q, self.kv, self.prefix, self.kv_num_blocks, self.kv_indices, flex, block)
