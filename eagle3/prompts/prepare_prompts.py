@@ -281,16 +281,29 @@ def prompts_changes(cfg: RunConfig) -> tuple[Path, list[str]]:
         ``(report path, ["key: old -> new", ...])``; the list is empty when nothing differs, or when there
         is no report or no ``prompts.jsonl`` (a prompts file written by hand) or the report has no settings.
     """
+    rep, report = read_report(cfg)
+    return rep, report_changes(cfg, report)
+
+
+def read_report(cfg: RunConfig) -> tuple[Path, Optional[dict]]:
+    """``(prompts_report.json's path, its content)``; the content is None when there is no ``prompts.jsonl`` (a prompts
+    file written by hand), no report, or one that cannot be read or is not a JSON object (nothing to compare)."""
     out, rep = cfg.prompts_path, report_path(cfg)
     if not (out.is_file() and rep.is_file()):
-        return rep, []
+        return rep, None
     try:
         report = json.loads(rep.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
-        return rep, []
+        return rep, None
+    return rep, report if isinstance(report, dict) else None
+
+
+def report_changes(cfg: RunConfig, report: Optional[dict]) -> list[str]:
+    """:func:`prompts_changes` against an already read ``prompts_report.json`` content (:func:`read_report`):
+    ``["key: old -> new", ...]``, empty when nothing differs or ``report`` is None / has no settings."""
     old = report.get("settings") if isinstance(report, dict) else None
     if not isinstance(old, dict):
-        return rep, []
+        return []
     old = dict(old)
     want = settings(cfg, old.get("limit"))
     skip = set(_NOT_PROMPTS_SECTION)
@@ -306,7 +319,7 @@ def prompts_changes(cfg: RunConfig) -> tuple[Path, list[str]]:
                           if isinstance(o, dict) else o for o, w in zip(old["sources"], want["sources"])] \
             + old["sources"][len(want["sources"]):]
     keys = sorted((set(old) | set(want)) - skip)
-    return rep, [f"{k}: {old.get(k, 'unset')!r} -> {want.get(k, 'unset')!r}" for k in keys if old.get(k) != want.get(k)]
+    return [f"{k}: {old.get(k, 'unset')!r} -> {want.get(k, 'unset')!r}" for k in keys if old.get(k) != want.get(k)]
 
 
 def select_conversations(cfg: RunConfig, limit: Optional[int]) -> tuple[list[dict], Counter, dict]:
