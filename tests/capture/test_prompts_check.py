@@ -52,3 +52,34 @@ def test_refusal_reads_the_report_once(tmp_path, monkeypatch):
                             "seed: 3 -> 0); re-run 01_prepare_prompts.py with this config first (it was run with "
                             "--format on its command line: give it again, or put it in the config)")
     assert len(opened) == 1  # the comparison and the hint read the same content (it was read twice)
+
+
+def test_source_hash_reused_while_size_and_mtime_hold(tmp_path, monkeypatch):
+    """01 records the source's size, mtime_ns and sha256 (prompts_report.json ``source_stats``); 02's check reuses
+    the hash while size and mtime are those, and hashes the file again after a change."""
+    cfg, src = _cfg(tmp_path)
+    pp.run(cfg)  # 01 on a file source (no regeneration)
+    st = os.stat(src)
+    rep = json.loads(pp.report_path(cfg).read_text())
+    assert rep["source_stats"] == {str(src.resolve()): {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns,
+                                                        "sha256": rep["settings"]["sha256"]}}
+    hashed = []
+    real = pp.file_sha256
+    monkeypatch.setattr(pp, "file_sha256", lambda p: hashed.append(Path(p)) or real(p))
+    check_prompts_current(cfg)
+    assert hashed == []  # unchanged: the recorded hash is used
+    old_sha = rep["settings"]["sha256"]
+
+    text = src.read_text()
+    src.write_text(text.replace("hello", "howdy"))  # same size, other bytes
+    os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    with pytest.raises(UserError) as e:
+        check_prompts_current(cfg)
+    assert hashed == [src]  # hashed again: the content change is seen
+    assert f"changed sha256: {old_sha!r} -> {real(src)!r}" in str(e.value)
+
+    hashed.clear()
+    src.write_text(text)  # the original bytes back, a new mtime: hashed again, nothing to refuse
+    os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns + 2 * 10**9))
+    check_prompts_current(cfg)
+    assert hashed == [src]
