@@ -46,3 +46,16 @@ lease_start() {  # lease_start W SCRIPT: launch `SCRIPT run` detached (its own s
   echo $! > "$w/run.pid"
   sleep 2; echo "started (pid $(cat "$w/run.pid")), log $w/run.log"
 }
+
+lease_cached() {  # lease_cached FILE INPUTS CMD...: print the value kept in FILE when FILE.inputs holds INPUTS (one line:
+  # what the value was computed from), else run CMD, keep its output in FILE and INPUTS in FILE.inputs (each written
+  # whole, then renamed; the inputs last, so a driver killed between the two recomputes) and print it. A restarted
+  # driver so keeps a value whose inputs are unchanged and recomputes one whose inputs changed, with nothing to remove
+  # by hand (quality_session's $W/main_steps was kept whatever it had been computed from). CMD failing: status 1,
+  # FILE untouched
+  local f=$1 inputs=$2; shift 2
+  if [ -e "$f" ] && [ -e "$f.inputs" ] && [ "$(cat "$f.inputs")" = "$inputs" ]; then cat "$f"; return 0; fi
+  rm -f "$f.inputs"
+  "$@" > "$f.tmp" || { rm -f "$f.tmp"; return 1; }
+  mv "$f.tmp" "$f" && printf '%s\n' "$inputs" > "$f.inputs.tmp" && mv "$f.inputs.tmp" "$f.inputs" && cat "$f"
+}

@@ -65,6 +65,7 @@
 #             own prompts.regen_compile (default auto: the slots engine decides from the run's size)
 #   TRAIN_END_S seconds after the driver started at which the trainings get SIGTERM (instead of DEADLINE_S), and the
 #             main run's @MAIN_STEPS@ is sized (ONLINE_SPEED=0) to the time left then, less TRAIN_START_S (default 25)
+#             (once: a restarted driver with the same settings keeps that size, so a resumed run keeps its schedule)
 #   DEADLINE_S seconds after the recipes start at which every 04 still training gets SIGTERM: it finishes its
 #             step, checkpoints and exits 143; the chain then exports that checkpoint (04 --export-only: the best
 #             by sim_accept when select_best is set) and goes on to 05, so a lease's end is planned, not hit
@@ -81,7 +82,10 @@
 #   STEPS_FOR_S with SPEED=1: the optimizer steps one online training alone does in STEPS_FOR_S seconds at the
 #             measured online tokens/s (16,384-token batches hold ~15K real tokens), written to $W/main_steps;
 #             a recipe's value @MAIN_STEPS@ is replaced by it (e.g. big:train.max_steps=@MAIN_STEPS@), so the
-#             cosine schedule of a run sized to the lease ends where the run ends (default 1000 when unmeasured)
+#             cosine schedule of a run sized to the lease ends where the run ends (default 1000 when unmeasured).
+#             What it was computed from is in $W/main_steps.inputs: a restarted driver keeps the value while those
+#             inputs hold (SPEED, ONLINE_SPEED, the measured figure or ONLINE_TPS, STEPS_FOR_S, TRAIN_END_S,
+#             TRAIN_START_S, the first start) and computes it again when one changed (nothing to remove by hand)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 W=${W:-/tmp/quality-run}
@@ -181,29 +185,55 @@ speed_regen() {  # issue 22's figures on the idle GPU, before anything else runs
 
 speed_online() {  # issue 21's online/offline ratio on the regenerated data, alone on the GPU, before the recipes
   [ "${SPEED:-0}" = 1 ] || return 0
-  if [ "${ONLINE_SPEED:-1}" = 0 ]; then  # measured in an earlier lease: size the main run from ONLINE_TPS
+  if [ "${ONLINE_SPEED:-1}" != 0 ]; then  # ONLINE_SPEED=0: measured in an earlier lease, the main run sized from ONLINE_TPS
+    phase online_speed "$PY" bench/online_train_speed.py --config "$CONFIG" "${BASE[@]}" --prompts "$ROOT/prompts.jsonl" \
+        --limit "${ONLINE_LIMIT:-2000}" --steps "${ONLINE_STEPS:-100}" --workdir "$W/ots" \
+        --json "$W/speed/online_train_speed.json" --md "$W/speed/online_train_speed.md"
+    rm -rf "$W/ots"  # its offline shards (GBs) are not needed any more
+  fi
+  local kept=""
+  [ "$(cat "$W/main_steps.inputs" 2>/dev/null)" = "$(main_steps_inputs)" ] && [ -e "$W/main_steps" ] \
+    && kept=", kept: computed before from the same inputs"
+  echo "== main run steps: $(main_steps) ($(main_steps_inputs)$kept)"
+  return 0
+}
+
+main_steps_inputs() {  # what @MAIN_STEPS@ is computed from, one line ($W/main_steps.inputs): SPEED=1 with the measured
+  # online tokens/s (online_train_speed.json's checksum) or (ONLINE_SPEED=0) ONLINE_TPS and TRAIN_END_S's clock, and
+  # STEPS_FOR_S; "unmeasured" otherwise
+  if [ "${SPEED:-0}" != 1 ]; then echo unmeasured
+  elif [ "${ONLINE_SPEED:-1}" = 0 ]; then
+    echo "ONLINE_TPS=${ONLINE_TPS:-126626} STEPS_FOR_S=${STEPS_FOR_S:-0} TRAIN_END_S=${TRAIN_END_S:-}" \
+      "TRAIN_START_S=${TRAIN_START_S:-25} t0=$(cat "$W/t0" 2>/dev/null)"
+  else
+    echo "online_train_speed.json=$(cksum < "$W/speed/online_train_speed.json" 2>/dev/null) STEPS_FOR_S=${STEPS_FOR_S:-0}"
+  fi
+}
+
+main_steps_compute() {  # the main run's optimizer steps (prints them; at least 100): STEPS_FOR_S seconds (TRAIN_END_S:
+  # the seconds left to it now, less TRAIN_START_S of start-up) at the online tokens/s, 15,000 real tokens a step;
+  # 1000 when unmeasured (no SPEED=1, or no online figure)
+  [ "${SPEED:-0}" = 1 ] || { echo 1000; return 0; }
+  if [ "${ONLINE_SPEED:-1}" = 0 ]; then
     local for_s=${STEPS_FOR_S:-0}
-    if [ -n "${TRAIN_END_S:-}" ]; then  # the time left to the planned end (less TRAIN_START_S of start-up)
+    if [ -n "${TRAIN_END_S:-}" ]; then
       for_s=$(( TRAIN_END_S - $(date +%s) + $(cat "$W/t0") - ${TRAIN_START_S:-25} ))
-      echo "== $for_s s of training left to TRAIN_END_S=$TRAIN_END_S"
+      echo "== $for_s s of training left to TRAIN_END_S=$TRAIN_END_S" >&2
     fi
     local steps=$(( for_s * ${ONLINE_TPS:-126626} / 15000 ))
-    echo $(( steps > 100 ? steps : 100 )) > "$W/main_steps"
-    echo "== main run steps: $(cat "$W/main_steps") (ONLINE_TPS ${ONLINE_TPS:-126626} tokens/s)"
-    return 0
+    echo $(( steps > 100 ? steps : 100 )); return 0
   fi
-  phase online_speed "$PY" bench/online_train_speed.py --config "$CONFIG" "${BASE[@]}" --prompts "$ROOT/prompts.jsonl" \
-      --limit "${ONLINE_LIMIT:-2000}" --steps "${ONLINE_STEPS:-100}" --workdir "$W/ots" \
-      --json "$W/speed/online_train_speed.json" --md "$W/speed/online_train_speed.md"
-  rm -rf "$W/ots"  # its offline shards (GBs) are not needed any more
-  "$PY" - "$W/speed/online_train_speed.json" "${STEPS_FOR_S:-0}" > "$W/main_steps" <<'PYEOF' || echo 1000 > "$W/main_steps"
+  "$PY" - "$W/speed/online_train_speed.json" "${STEPS_FOR_S:-0}" <<'PYEOF' || echo 1000
 import json, sys
 out = json.load(open(sys.argv[1]))
 tps = next(r["tokens_per_s"] for r in out["results"] if r["mode"] == "online")
 print(max(100, int(float(sys.argv[2]) * tps / 15000)))
 PYEOF
-  echo "== main run steps: $(cat "$W/main_steps")"
-  return 0
+}
+
+main_steps() {  # the @MAIN_STEPS@ value: $W/main_steps, computed again only when its inputs changed (a restarted
+  # driver keeps it while they hold, so a resumed main run keeps its schedule; TRAIN_END_S does not resize it)
+  lease_cached "$W/main_steps" "$(main_steps_inputs)" main_steps_compute || echo 1000
 }
 
 auto_nprompts() {  # NPROMPTS=auto: size 01 to the lease from regen_speed's measured rate
@@ -345,7 +375,7 @@ recipes() {  # every recipe, SLOTS chains at a time (each chain retried once: an
   deadline_watch & local watch=$!
   for spec in $RECIPES; do
     name=${spec%%:*}; sets=${spec#*:}
-    sets=${sets//@MAIN_STEPS@/$(cat "$W/main_steps" 2>/dev/null || echo 1000)}
+    sets=${sets//@MAIN_STEPS@/$(main_steps)}
     while [ "$(jobs -rp | grep -vx "$watch" | wc -l)" -ge "$SLOTS" ]; do sleep 2; done
     { recipe_chain "$name" "$sets" || { [ -e "$W/deadline.hit" ] || { sleep 20; recipe_chain "$name" "$sets"; }; }; } &
   done
@@ -435,7 +465,7 @@ speed_bench() {  # SPEED05=NAME: 05's speedup at batch 1 (bench/offline_bench_sp
   [ -n "${SPEED05:-}" ] || return 0
   local spec sets=
   for spec in $RECIPES; do [ "${spec%%:*}" = "$SPEED05" ] && sets=${spec#*:}; done
-  rargs "$SPEED05" "${sets//@MAIN_STEPS@/$(cat "$W/main_steps" 2>/dev/null || echo 1000)}"
+  rargs "$SPEED05" "${sets//@MAIN_STEPS@/$(main_steps)}"
   local item set decs tag
   for item in ${SPEED05_SETS:-mtbench:batched}; do  # "set:decoder,decoder" -> one json per set (the first: the old name)
     set=${item%%:*}; decs=${item#*:}; [ "$decs" = "$item" ] && decs=batched

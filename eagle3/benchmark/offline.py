@@ -686,12 +686,15 @@ def run_offline(
     out_dir: Optional[Path] = None,
     batch_size: Optional[int] = None,
     tie_tolerance: Optional[float] = None,
+    logged: Sequence[str] = (),
 ) -> dict:
     """Benchmark loaded models on ``sets`` (``(label, prompts)`` of :func:`load_sets`); write the reports; enforce
     losslessness.
 
     ``batch_size`` / ``tie_tolerance`` default to ``cfg.benchmark`` (tolerance None:
-    :func:`default_tie_tolerance` of the verifier's dtype).
+    :func:`default_tie_tolerance` of the verifier's dtype). ``warnings`` are recorded in the report and logged at the
+    end; ``logged`` (the prompt-subset notes :func:`run` logs before the long work) are recorded after them, not
+    logged again.
 
     Returns:
         the report dict written to ``bench.json``.
@@ -723,7 +726,7 @@ def run_offline(
         "aux_layers": list(aux_layers),
         "eos_ids": eos,
         "prompt_pick": cfg.benchmark.prompt_pick,
-        "warnings": list(warnings),
+        "warnings": list(warnings) + list(logged),
         "datasets": [],
     }
     chat = ChatOptions.from_config(cfg)
@@ -737,8 +740,12 @@ def run_offline(
     msg = lossless_verdict(report, tie_tolerance, strict)
     out = Path(out_dir or cfg.bench_dir)
     write_reports(out, report)
+    said = list(logged)
     for w in report["warnings"]:
-        log.warning("%s", w)
+        if w in said:  # logged at the start already
+            said.remove(w)
+        else:
+            log.warning("%s", w)
     if msg and strict:
         raise UserError(f"{out / 'bench.json'}: lossless check failed: {msg}")
     print(headline(report, out))
@@ -781,6 +788,8 @@ def run(
     datasets = list(datasets or bc.datasets)
     drafter_dir = resolve_drafter_dir(cfg, drafter_dir)
     sets, subset_notes = load_sets(datasets, num_prompts, bc.prompt_pick)  # a bad set fails before the verifier loads
+    for w in subset_notes:  # (more prompts asked than a set has, categories left out) said before the long work
+        log.warning("%s", w)
     from eagle3.export.serving import preflight_export
 
     preflight_export(drafter_dir)  # a bad export fails before the verifier loads (minutes at Kimi scale); its
@@ -816,6 +825,6 @@ def run(
     warnings += check_drafter_vocab(cfg, drafter, drafter_dir, own_export=drafter_dir == cfg.export_dir)
     warnings += check_drafter_shape(cfg, drafter, drafter_dir, own_export=drafter_dir == cfg.export_dir)
     run_offline(cfg, verifier, tokenizer, drafter, aux, sets, steps, max_new_tokens,
-                strict=dtype == torch.float32, drafter_name=str(drafter_dir), warnings=warnings + subset_notes,
-                batch_size=batch_size, tie_tolerance=tie_tolerance)
+                strict=dtype == torch.float32, drafter_name=str(drafter_dir), warnings=warnings,
+                batch_size=batch_size, tie_tolerance=tie_tolerance, logged=subset_notes)
     return 0

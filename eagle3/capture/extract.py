@@ -436,19 +436,19 @@ def _check_state(root: Path, fp: str, comp: dict, overwrite: bool) -> None:
 
 def check_prompts_current(cfg: RunConfig) -> None:
     """Refuse a ``prompts.jsonl`` that 01 made under other ``prompts:`` settings than ``cfg``'s
-    (:func:`eagle3.prompts.prepare_prompts.prompts_changes`; no ``prompts_report.json``: nothing to compare).
+    (:func:`eagle3.prompts.prepare_prompts.report_changes`; no ``prompts_report.json``: nothing to compare).
+    The report is read once, for the comparison and the refusal's hint.
 
     Raises:
         UserError: one line naming ``prompts_report.json``, the changed settings and the fix (re-run 01).
     """
-    from eagle3.prompts.prepare_prompts import prompts_changes
+    from eagle3.prompts.prepare_prompts import read_report, report_changes
 
-    rep, changed = prompts_changes(cfg)
-    if changed:
-        try:  # settings 01 took from its command line: a re-run needs them again
-            cli = [k for k in read_json(rep).get("cli_overrides", []) if k in ("source", "format", "regenerate")]
-        except (UserError, AttributeError, TypeError):
-            cli = []
+    rep, report = read_report(cfg)
+    changed = report_changes(cfg, report)
+    if changed:  # (a report with changes is a dict) settings 01 took from its command line: a re-run needs them again
+        cli = report.get("cli_overrides", [])
+        cli = [k for k in cli if k in ("source", "format", "regenerate")] if isinstance(cli, list) else []
         again = (f" (it was run with {', '.join('--' + k for k in cli)} on its command line: give "
                  f"{'them' if len(cli) > 1 else 'it'} again, or put {'them' if len(cli) > 1 else 'it'} in the config)"
                  if cli else "")

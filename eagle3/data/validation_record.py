@@ -249,7 +249,8 @@ def require_passed(shards: Path, data_dir: Path) -> Path:
         UserError: one line naming the shards folder and record, saying to run 03: a record of this
             fingerprint says 03's last validation failed (its error quoted); or no record of a passing
             validation matches the current shards (none written, or shards / manifest / data_config changed
-            since: added, removed, re-extracted or ``touch``ed shards).
+            since: added, removed, re-extracted, replaced or ``touch``ed shards; a shard modified after the shards
+            folder's record was written is named: :func:`_refuse_changed_file`).
     """
     shards, data_dir = Path(shards), Path(data_dir)
     fp = fingerprint_now(shards)
@@ -269,11 +270,39 @@ def require_passed(shards: Path, data_dir: Path) -> Path:
     if found is not None:
         return found
     if stale is not None:
+        _refuse_changed_file(shards, stale)
         raise UserError(f"{shards}: the shards, manifest.jsonl or data_config.json changed since 03 last validated "
                         f"them, or the folder was moved or copied (the record holds its path, each shard's size and "
                         f"mtime: {stale}); run 03_prepare_data.py before training")
     raise UserError(f"{shards}: no record that 03 validated this shard set ({VALIDATION_RECORD} in {shards} or "
                     f"{data_dir}); run 03_prepare_data.py before training")
+
+
+def _refuse_changed_file(shards: Path, stale: Path) -> None:
+    """Name the file behind a stale record when its mtime says so: the first shard (idx order) whose ``st_mtime_ns``
+    is later than the time the shards folder's own record ``stale`` was written (its ``created_at``, unix seconds):
+    its mtime is then not the one 03's fingerprint holds. A stat per shard; only on 04's refusal path.
+
+    Returns None when no shard is newer (a removed or added shard, a changed manifest.jsonl / data_config.json (hashed,
+    not dated), a moved or copied folder, a file restored with an older mtime, or a record kept in the data folder:
+    :func:`require_passed`'s general message then says what may have changed).
+
+    Raises:
+        UserError: one line naming the shard, when 03 validated the set, how many other shards changed since, and
+            to run 03 again.
+    """
+    from eagle3.shards.format import list_samples
+
+    obj, _ = _read_record(stale)
+    created = obj.get("created_at") if obj is not None and stale.parent == shards else None
+    if not isinstance(created, (int, float)):
+        return None
+    newer = [p for _, p in list_samples(shards) if p.stat().st_mtime_ns > created * 1e9]
+    if newer:
+        more = f" (and {len(newer) - 1} more file{'s' if len(newer) > 2 else ''})" if len(newer) > 1 else ""
+        raise UserError(f"{newer[0]}: changed after 03 validated this shard set ({format_time(created)}){more}; "
+                        f"run 03_prepare_data.py again before training (record: {stale})")
+    return None
 
 
 def format_time(ts: float) -> str:

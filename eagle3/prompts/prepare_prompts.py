@@ -95,20 +95,45 @@ def report_path(cfg: RunConfig) -> Path:
     return cfg.prompts_path.parent / REPORT_NAME
 
 
-def _source_fingerprint(source: str) -> dict:
+SOURCE_STATS = "source_stats"  # prompts_report.json key: {resolved source path: {bytes, mtime_ns, sha256}}
+
+
+def _source_fingerprint(source: str, known: Optional[dict] = None, seen: Optional[dict] = None) -> dict:
+    """``{"source", "bytes", "sha256"}`` of a source file (``{"source"}`` for a named set or a missing file).
+
+    Args:
+        known: the report's :data:`SOURCE_STATS` (``{resolved path: {"bytes", "mtime_ns", "sha256"}}``): a recorded
+            hash is reused when the file's size (bytes) and ``st_mtime_ns`` (nanoseconds) equal the recorded ones,
+            else the file is hashed (all of it: slow for a large source).
+        seen: filled with this file's entry of :data:`SOURCE_STATS` (the size and mtime taken before hashing, so
+            a file written during the hash is hashed again next time).
+    """
     p = Path(source)
     if source.startswith("hf:") or source == "humaneval" or not p.is_file():
         return {"source": source}
-    return {"source": source, "bytes": p.stat().st_size, "sha256": file_sha256(p)}
+    st, key = p.stat(), str(p.resolve())
+    rec = known.get(key) if isinstance(known, dict) else None
+    if isinstance(rec, dict) and isinstance(rec.get("sha256"), str) \
+            and (rec.get("bytes"), rec.get("mtime_ns")) == (st.st_size, st.st_mtime_ns):
+        sha = rec["sha256"]
+    else:
+        sha = file_sha256(p)
+    if seen is not None:
+        seen[key] = {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha}
+    return {"source": source, "bytes": st.st_size, "sha256": sha}
 
 
-def settings(cfg: RunConfig, limit: Optional[int]) -> dict:
-    """The inputs that determine the outputs (stored in the report; equal settings = nothing to do)."""
+def settings(cfg: RunConfig, limit: Optional[int], known: Optional[dict] = None, seen: Optional[dict] = None) -> dict:
+    """The inputs that determine the outputs (stored in the report; equal settings = nothing to do).
+
+    ``known`` / ``seen``: a source file's recorded size, mtime and hash, reused / recorded
+    (:func:`_source_fingerprint`); the settings are the same either way.
+    """
     pc = cfg.prompts
     s = {"format": pc.format, "hf_split": pc.hf_split, "sample_size": pc.sample_size, "seed": pc.seed,
          "dedupe": pc.dedupe, "system_prompt": pc.system_prompt, "regenerate": pc.regenerate, "limit": limit,
-         **(_source_fingerprint(pc.source) if isinstance(pc.source, str)
-            else {"sources": [_source_fingerprint(x) for x in pc.source]})}
+         **(_source_fingerprint(pc.source, known, seen) if isinstance(pc.source, str)
+            else {"sources": [_source_fingerprint(x, known, seen) for x in pc.source]})}
     if pc.regenerate:
         s.update(max_new_tokens=pc.max_new_tokens, max_context_tokens=max_context_tokens(cfg),
                  verifier=cfg.verifier.display_name(),
@@ -205,7 +230,8 @@ def run(cfg: RunConfig, source: Optional[str] = None, fmt: Optional[str] = None,
     cfg = apply_overrides(cfg, source, fmt, regenerate, limit)
     pc = cfg.prompts
     out, rep = cfg.prompts_path, report_path(cfg)
-    want = settings(cfg, limit)
+    source_stats: dict = {}  # each source file's size, mtime and hash: 02 reuses the hash while they hold
+    want = settings(cfg, limit, seen=source_stats)
     if not force and up_to_date(out, rep, want):
         print(f"prompts up to date: {out} ({rep.name} settings unchanged; use --force to redo)")
         return 0
@@ -224,6 +250,7 @@ def run(cfg: RunConfig, source: Optional[str] = None, fmt: Optional[str] = None,
     report = build_report(cfg, want, counts, kept_by_step, convs, regen_stats)
     # settings the command line set (not the config): 02 does not compare them with its config (prompts_changes)
     report["cli_overrides"] = [k for k, v in (("source", source), ("format", fmt), ("regenerate", regenerate)) if v is not None]
+    report[SOURCE_STATS] = source_stats
     write_outputs(cfg, convs, report, regen_stats)
     return 0
 
@@ -281,18 +308,33 @@ def prompts_changes(cfg: RunConfig) -> tuple[Path, list[str]]:
         ``(report path, ["key: old -> new", ...])``; the list is empty when nothing differs, or when there
         is no report or no ``prompts.jsonl`` (a prompts file written by hand) or the report has no settings.
     """
+    rep, report = read_report(cfg)
+    return rep, report_changes(cfg, report)
+
+
+def read_report(cfg: RunConfig) -> tuple[Path, Optional[dict]]:
+    """``(prompts_report.json's path, its content)``; the content is None when there is no ``prompts.jsonl`` (a prompts
+    file written by hand), no report, or one that cannot be read or is not a JSON object (nothing to compare)."""
     out, rep = cfg.prompts_path, report_path(cfg)
     if not (out.is_file() and rep.is_file()):
-        return rep, []
+        return rep, None
     try:
         report = json.loads(rep.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
-        return rep, []
+        return rep, None
+    return rep, report if isinstance(report, dict) else None
+
+
+def report_changes(cfg: RunConfig, report: Optional[dict]) -> list[str]:
+    """:func:`prompts_changes` against an already read ``prompts_report.json`` content (:func:`read_report`):
+    ``["key: old -> new", ...]``, empty when nothing differs or ``report`` is None / has no settings. A source file
+    is hashed only when its size or mtime differs from the report's :data:`SOURCE_STATS` (else its hash is reused)."""
     old = report.get("settings") if isinstance(report, dict) else None
     if not isinstance(old, dict):
-        return rep, []
+        return []
     old = dict(old)
-    want = settings(cfg, old.get("limit"))
+    want = settings(cfg, old.get("limit"), known=report.get(SOURCE_STATS))  # only a change to detect: a recorded
+    # hash is reused while the source's size and mtime are unchanged
     skip = set(_NOT_PROMPTS_SECTION)
     cli = report.get("cli_overrides", ["source", "format", "regenerate"])
     for key in cli if isinstance(cli, list) else []:
@@ -306,7 +348,7 @@ def prompts_changes(cfg: RunConfig) -> tuple[Path, list[str]]:
                           if isinstance(o, dict) else o for o, w in zip(old["sources"], want["sources"])] \
             + old["sources"][len(want["sources"]):]
     keys = sorted((set(old) | set(want)) - skip)
-    return rep, [f"{k}: {old.get(k, 'unset')!r} -> {want.get(k, 'unset')!r}" for k in keys if old.get(k) != want.get(k)]
+    return [f"{k}: {old.get(k, 'unset')!r} -> {want.get(k, 'unset')!r}" for k in keys if old.get(k) != want.get(k)]
 
 
 def select_conversations(cfg: RunConfig, limit: Optional[int]) -> tuple[list[dict], Counter, dict]:

@@ -265,3 +265,66 @@ def test_preflight_refuses_a_recipe_before_the_driver_starts(tmp_path, nprompts)
                           "NPROMPTS": nprompts})
     assert r.returncode == 1 and not (w / "run.pid").exists(), (r.stdout, r.stderr)
     assert r.stderr.strip().startswith("error: recipe bad: ") and "train.epochs" in r.stderr, r.stderr
+
+
+def _functions(*names: str) -> str:
+    """The bash source of quality_session.sh's functions ``names`` (each from its ``name() {`` line to its ``}``)."""
+    out = []
+    for name in names:
+        fn = subprocess.run(["sed", "-n", f"/^{name}()/,/^}}/p", str(SCRIPT)], capture_output=True, text=True,
+                            check=True).stdout
+        assert fn.startswith(f"{name}()"), name
+        out.append(fn)
+    return "\n".join(out)
+
+
+def test_lease_cached_recomputes_only_when_its_inputs_change(tmp_path):
+    f = tmp_path / "v"
+    probe = ('. bench/lease_lib.sh; n=$(cat "$2" 2>/dev/null || echo 0); '
+             'lease_cached "$1" "$3" bash -c "echo computed; echo $((n + 1)) > $2"')
+    calls = tmp_path / "calls"
+
+    def cached(inputs: str) -> str:
+        r = subprocess.run(["bash", "-c", probe, "x", str(f), str(calls), inputs], cwd=ROOT, capture_output=True,
+                           text=True, env={"PATH": os.environ["PATH"]})
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    assert cached("a=1 b=2") == "computed\n" and calls.read_text() == "1\n"
+    assert (tmp_path / "v.inputs").read_text() == "a=1 b=2\n"
+    f.write_text("kept\n")
+    assert cached("a=1 b=2") == "kept\n" and calls.read_text() == "1\n"  # same inputs: the value kept, no call
+    assert cached("a=1 b=3") == "computed\n" and calls.read_text() == "2\n"  # an input changed: computed again
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["calls", "v", "v.inputs"]
+
+
+def test_restarted_driver_recomputes_main_steps_when_its_inputs_change(tmp_path):
+    """@MAIN_STEPS@ ($W/main_steps) is computed again when what it was computed from changed (STEPS_FOR_S, the
+    measured online tokens/s, SPEED), not only when the file is removed by hand, and kept while those hold."""
+    w = tmp_path / "w"
+    (w / "speed").mkdir(parents=True)
+    (w / "t0").write_text(f"{int(time.time())}\n")
+    src = _functions("main_steps_inputs", "main_steps_compute", "main_steps")
+
+    def steps(**env: str) -> int:
+        r = subprocess.run(["bash", "-c", f'. bench/lease_lib.sh\n{src}\nmain_steps'], cwd=ROOT, capture_output=True,
+                           text=True, timeout=60, env={"PATH": os.environ["PATH"], "W": str(w), "PY": sys.executable,
+                                                        **env})
+        assert r.returncode == 0, r.stderr
+        return int(r.stdout)
+
+    lease = {"SPEED": "1", "ONLINE_SPEED": "0", "ONLINE_TPS": "15000"}
+    assert steps(**lease, STEPS_FOR_S="300") == 300  # 300 s x 15,000 tokens/s / 15,000 tokens a step
+    (w / "main_steps").write_text("777\n")  # (a stand-in for a value the same inputs gave earlier)
+    assert steps(**lease, STEPS_FOR_S="300") == 777  # a restart with the same inputs keeps it
+    assert steps(**lease, STEPS_FOR_S="400") == 400  # another STEPS_FOR_S: computed again
+    # SPEED=1 with the measured online figure; a new measurement is another input
+    measured = {"SPEED": "1", "STEPS_FOR_S": "100"}
+    (w / "speed" / "online_train_speed.json").write_text(json.dumps({"results": [{"mode": "online",
+                                                                                  "tokens_per_s": 30000}]}))
+    assert steps(**measured) == 200
+    (w / "speed" / "online_train_speed.json").write_text(json.dumps({"results": [{"mode": "online",
+                                                                                  "tokens_per_s": 45000}]}))
+    assert steps(**measured) == 300
+    assert steps() == 1000  # a driver without SPEED=1: unmeasured, the default (it used to take the stale 300)
+    assert (w / "main_steps.inputs").read_text() == "unmeasured\n"

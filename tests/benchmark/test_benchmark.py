@@ -419,18 +419,28 @@ def test_missing_drafter_folder_is_a_user_error(run_setup):
                             "not found: run 04_train.py first or pass --drafter")
 
 
-def test_cli_more_prompts_than_the_set_warns_and_records_the_ids(run_setup, caplog):
+def test_cli_more_prompts_than_the_set_warns_and_records_the_ids(run_setup, caplog, monkeypatch):
     """--num-prompts 5 on a 3-prompt set benchmarks the 3 with a warning naming the set and both counts (log,
-    bench.json, bench.md); bench.json lists the prompt ids of each set."""
+    bench.json, bench.md); bench.json lists the prompt ids of each set. The warning is logged once, before the
+    verifier loads (it used to come only at the end of the run)."""
+    import eagle3.verifier
+
     root, cfg, _ = run_setup
     out = root / "out-many"
+    real, at_load = eagle3.verifier.load_verifier, []
+
+    def load_verifier(*a, **k):
+        at_load.extend(caplog.messages)
+        return real(*a, **k)
+
+    monkeypatch.setattr(eagle3.verifier, "load_verifier", load_verifier)
     with caplog.at_level(logging.WARNING):
         rc = _cli().main(["--config", str(cfg), "--drafter", str(root / "drafter"), "--num-prompts", "5", "--steps", "2",
                           "--max-new-tokens", "4", "--set", f"benchmark.output_dir={out}"])
     assert rc == 0
     want = ("prompts: 5 prompts asked (--num-prompts / benchmark.num_prompts) but the set has 3: all 3 benchmarked")
     rep = json.loads((out / "bench.json").read_text())
-    assert want in rep["warnings"] and want in caplog.messages
+    assert want in rep["warnings"] and caplog.messages.count(want) == 1 and want in at_load
     assert rep["datasets"][0]["prompt_ids"] == ["p0", "p1", "p2"] and rep["datasets"][0]["num_prompts"] == 3
     md = (out / "bench.md").read_text()
     assert f"**warning**: {want}" in md and "\nprompts picked: first (benchmark.prompt_pick;" in md

@@ -99,7 +99,8 @@ def test_04_refuses_without_a_matching_passing_record(tmp_path):
     cfg = load_config(path)
     assert require_passed(cfg.shards_dir, cfg.data_dir) == cfg.shards_dir / VALIDATION_RECORD
     shard = dict(list_samples(cfg.shards_dir))[3]
-    os.utime(shard, ns=(os.stat(shard).st_atime_ns, os.stat(shard).st_mtime_ns + 10**9))  # touched after 03
+    # an mtime set back (a copy restoring an older time): the fingerprint sees it, the file cannot be named by its mtime
+    os.utime(shard, ns=(os.stat(shard).st_atime_ns, os.stat(shard).st_mtime_ns - 10 * 10**9))
     with pytest.raises(UserError, match=r"shards: the shards, manifest.jsonl or data_config.json changed since 03 "
                                         r"last validated them, or the folder was moved or copied \(the record holds "
                                         r"its path, each shard's size and mtime: .*validation_record.json\); run "
@@ -107,6 +108,37 @@ def test_04_refuses_without_a_matching_passing_record(tmp_path):
         require_passed(cfg.shards_dir, cfg.data_dir)
     (cfg.shards_dir / VALIDATION_RECORD).unlink()
     with pytest.raises(UserError, match=r"no record that 03 validated this shard set .*; run 03_prepare_data.py"):
+        require_passed(cfg.shards_dir, cfg.data_dir)
+
+
+def test_04_refuses_a_shard_replaced_after_03_naming_it(tmp_path):
+    """A shard file replaced under the same name after 03's validation (same size, other bytes, a new inode and
+    mtime) is seen by 04's check of 03's fingerprint (a stat per shard: size + mtime_ns, no shard read): 04 refuses
+    before it writes anything, in one line naming the file and saying to run 03 again; 03 then validates afresh."""
+    from eagle3.train.trainer import run as train
+
+    path = make_tiny_run(tmp_path, train=TRAIN)
+    cfg = load_config(path)
+    rec = cfg.shards_dir / VALIDATION_RECORD
+    created = json.loads(rec.read_text())["created_at"]
+    shard = dict(list_samples(cfg.shards_dir))[6]
+    old, st = shard.read_bytes(), os.stat(shard)
+    new = shard.with_name("replacement.tmp")
+    a = len(old) // 2
+    new.write_bytes(old[:a] + bytes(b ^ 0x5A for b in old[a:a + 64]) + old[a + 64:])  # same size, other states
+    os.utime(new, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # replaced a second after the shard was written
+    os.replace(new, shard)
+    assert os.stat(shard).st_size == st.st_size and os.stat(shard).st_ino != st.st_ino
+    before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")}
+    with pytest.raises(UserError) as e:
+        train(cfg, device="cpu")
+    assert str(e.value) == (f"{shard}: changed after 03 validated this shard set ({vr.format_time(created)}); run "
+                            f"03_prepare_data.py again before training (record: {rec})")
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")} == before  # nothing written, no checkpoint
+    other = dict(list_samples(cfg.shards_dir))[2]  # a second shard touched: the first in idx order named, one counted
+    os.utime(other, ns=(os.stat(other).st_atime_ns, os.stat(other).st_mtime_ns + 10**9))
+    with pytest.raises(UserError, match=r"data_2\.pt: changed after 03 validated this shard set \(.*\) \(and 1 more "
+                                        r"file\); run 03_prepare_data.py again before training"):
         require_passed(cfg.shards_dir, cfg.data_dir)
 
 

@@ -1,0 +1,85 @@
+"""Stage 02's check that ``prompts.jsonl`` was made under the config's ``prompts:`` settings
+(``eagle3.capture.extract.check_prompts_current``): the report is read once, and the source file named by
+``prompts.source`` is hashed only when its size or mtime changed since 01 recorded its hash."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+import eagle3.prompts.prepare_prompts as pp
+from eagle3.capture.extract import check_prompts_current
+from eagle3.config import load_config
+from eagle3.errors import UserError
+
+
+def _cfg(tmp_path: Path, *sets: str):
+    src = tmp_path / "source.jsonl"
+    if not src.exists():
+        src.write_text(json.dumps({"id": "a", "messages": [{"role": "user", "content": "hi"},
+                                                            {"role": "assistant", "content": "hello"}]}) + "\n")
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"run_name": "t", "output_root": str(tmp_path / "out"),
+                                    "verifier": {"path": str(tmp_path / "verifier")},
+                                    "prompts": {"source": str(src), "format": "auto"}}))
+    cfg = load_config(path, list(sets))
+    cfg.prompts_path.parent.mkdir(parents=True, exist_ok=True)
+    cfg.prompts_path.write_text("{}\n")
+    return cfg, src
+
+
+def test_refusal_reads_the_report_once(tmp_path, monkeypatch):
+    cfg, _ = _cfg(tmp_path)
+    rep = pp.report_path(cfg)
+    rep.write_text(json.dumps({"settings": {**pp.settings(cfg, None), "seed": 3}, "cli_overrides": ["format"]}))
+    opened = []
+    real_open = io.open
+
+    def counting_open(file, *a, **k):
+        if isinstance(file, (str, os.PathLike)) and Path(file) == rep:
+            opened.append(file)
+        return real_open(file, *a, **k)
+
+    monkeypatch.setattr(io, "open", counting_open)
+    with pytest.raises(UserError) as e:
+        check_prompts_current(cfg)
+    assert str(e.value) == (f"{rep}: prompts.jsonl was made with other prompts settings than this config's (changed "
+                            "seed: 3 -> 0); re-run 01_prepare_prompts.py with this config first (it was run with "
+                            "--format on its command line: give it again, or put it in the config)")
+    assert len(opened) == 1  # the comparison and the hint read the same content (it was read twice)
+
+
+def test_source_hash_reused_while_size_and_mtime_hold(tmp_path, monkeypatch):
+    """01 records the source's size, mtime_ns and sha256 (prompts_report.json ``source_stats``); 02's check reuses
+    the hash while size and mtime are those, and hashes the file again after a change."""
+    cfg, src = _cfg(tmp_path)
+    pp.run(cfg)  # 01 on a file source (no regeneration)
+    st = os.stat(src)
+    rep = json.loads(pp.report_path(cfg).read_text())
+    assert rep["source_stats"] == {str(src.resolve()): {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns,
+                                                        "sha256": rep["settings"]["sha256"]}}
+    hashed = []
+    real = pp.file_sha256
+    monkeypatch.setattr(pp, "file_sha256", lambda p: hashed.append(Path(p)) or real(p))
+    check_prompts_current(cfg)
+    assert hashed == []  # unchanged: the recorded hash is used
+    old_sha = rep["settings"]["sha256"]
+
+    text = src.read_text()
+    src.write_text(text.replace("hello", "howdy"))  # same size, other bytes
+    os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    with pytest.raises(UserError) as e:
+        check_prompts_current(cfg)
+    assert hashed == [src]  # hashed again: the content change is seen
+    assert f"changed sha256: {old_sha!r} -> {real(src)!r}" in str(e.value)
+
+    hashed.clear()
+    src.write_text(text)  # the original bytes back, a new mtime: hashed again, nothing to refuse
+    os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns + 2 * 10**9))
+    check_prompts_current(cfg)
+    assert hashed == [src]
