@@ -50,6 +50,10 @@ Input: the config's ``prompts.source`` read, deduplicated and sampled as stage 0
    reported. The 1,024-row decode step was bound by its number of kernels (lease 2026-12-02c), so more rows a step
    may raise tokens/s on the 17K config: ``--batch-ab 2048`` (~112 GiB of KV cache for SmolLM2 at 2,560 columns).
 
+6b. Packed prefill A/B (``--prefill-pack-ab N``): as 6 with ``prompts.regen_prefill_pack`` on then off (off: the
+   padded forwards): each forward's prompts back to back in one power-of-two stream, no padding between rows, the
+   stream shapes captured as CUDA graphs at their second use (``eagle3/prompts/packed_prefill.py``).
+
 8. Prefill probe (``--prefill-probe``): the eager prefill forward timed at fixed rows x width shapes, host dispatch
    against completion, tokens/s and matmul TFLOP/s, beside the main run's own prefill rate: whether the 17K run's
    prefill (15.7 s in 357 forwards, lease 2026-12-04) is bound by launches or by work, i.e. what a cheaper prefill
@@ -436,20 +440,9 @@ def markdown(res: dict) -> str:
             lines.append(f"| {name} | {r['seconds']:.1f} | {r['tokens_per_s']:.0f} | {r['prefill_s']:.2f} | "
                          f"{r['decode_s']:.2f}{_first(r)} | {r['prefill_tokens']} | {r['reused_tokens']} |")
         lines += ["", ab_summary(ab)]
-    pg = res.get("prefill_graphs_ab")
-    if pg:
-        lines += ["", f"Prefill graphs on / off (bucketed prefill forwards as CUDA graphs), slots engine, "
-                  f"{pg['conversations']} conversations:", "",
-                  "| prefill graphs | seconds | tokens/s | prefill s | prefill forwards | ms / forward | "
-                  "decode s (first steps) | prompt tokens prefilled / padded | graphs captured (capture s) |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for name in pg.get("order", ("on", "off")):
-            r = pg[name]
-            lines.append(f"| {name} | {r['seconds']:.1f} | {r['tokens_per_s']:.0f} | {r['prefill_s']:.2f} | "
-                         f"{r['prefill_calls']} | {1000 * r['prefill_s'] / max(1, r['prefill_calls']):.1f} | "
-                         f"{r['decode_s']:.2f}{_first(r)} | {r['prefill_tokens']} / {r['prefill_padded_tokens']} | "
-                         f"{r['prefill_graph_captures']} ({r['prefill_capture_s']:.2f}) |")
-        lines += ["", ab_summary(pg)]
+    for key, (title, what) in PREFILL_ABS.items():
+        if res.get(key):
+            lines += prefill_ab_markdown(res[key], title, what)
     ba = res.get("batch_ab")
     if ba:
         small, big = ba["sizes"]
@@ -541,10 +534,45 @@ def prefill_graphs_ab(model, tok, cfg, convs, batch_size: int, max_new: int, opt
     return setting_ab(model, tok, cfg, convs, batch_size, max_new, opts_kw, "prefill_graphs", off_first)
 
 
+# the prefill-layout A/Bs: result key -> (table title, what the setting does)
+PREFILL_ABS = {"prefill_graphs_ab": ("Prefill graphs", "bucketed prefill forwards as CUDA graphs"),
+               "prefill_pack_ab": ("Packed prefill", "each forward's prompts back to back in one stream, FlexAttention "
+                                   "document mask, stream shapes captured as CUDA graphs at their second use")}
+PREFILL_FIELDS = ("prefill_padded_tokens", "prefill_graph_captures", "prefill_capture_s", "prefill_buckets")
+
+
+def prefill_ab_markdown(pg: dict, title: str, what: str) -> list[str]:
+    """Markdown lines of a prefill-layout A/B (:data:`PREFILL_ABS`): per run seconds, tokens/s, prefill seconds,
+    forwards, ms a forward, decode seconds (first steps), prompt tokens prefilled / padded (fed with padding), graphs
+    captured (capture seconds), then the answer comparison."""
+    lines = ["", f"{title} on / off ({what}), slots engine, {pg['conversations']} conversations:", "",
+             f"| {title.lower()} | seconds | tokens/s | prefill s | prefill forwards | ms / forward | "
+             "decode s (first steps) | prompt tokens prefilled / padded | graphs captured (capture s) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name in pg.get("order", ("on", "off")):
+        r = pg[name]
+        lines.append(f"| {name} | {r['seconds']:.1f} | {r['tokens_per_s']:.0f} | {r['prefill_s']:.2f} | "
+                     f"{r['prefill_calls']} | {1000 * r['prefill_s'] / max(1, r['prefill_calls']):.1f} | "
+                     f"{r['decode_s']:.2f}{_first(r)} | {r['prefill_tokens']} / {r['prefill_padded_tokens']} | "
+                     f"{r['prefill_graph_captures']} ({r['prefill_capture_s']:.2f}) |")
+    if pg.get("on", {}).get("prefill_pack") is False:
+        lines += ["", "The packed path failed in the *on* run and it went on padded (see its log)."]
+    return lines + ["", ab_summary(pg)]
+
+
+def prefill_pack_ab(model, tok, cfg, convs, batch_size: int, max_new: int, opts_kw: dict,
+                    off_first: bool = False) -> dict:
+    """The slots engine on ``convs`` twice, packed prefill on then off (``prompts.regen_prefill_pack``; off: the
+    padded forwards), same process: as :func:`prefill_graphs_ab`, and ``prefill_pack`` per run (False where the
+    packed path failed and the run went on padded). Both runs share the decode cache's shape (packing needs no
+    scratch row), so the compiled decode step of the first serves the second."""
+    return setting_ab(model, tok, cfg, convs, batch_size, max_new, opts_kw, "prefill_pack", off_first)
+
+
 def setting_ab(model, tok, cfg, convs, batch_size: int, max_new: int, opts_kw: dict, option: str,
                off_first: bool = False) -> dict:
     """The slots engine on ``convs`` with its keyword ``option`` (a speed setting: ``prefix_reuse``,
-    ``prefill_graphs``) True, then False (``off_first``: False, then True; the order is recorded as ``order``); the
+    ``prefill_graphs``, ``prefill_pack``) True, then False (``off_first``: False, then True; the order is recorded as ``order``); the
     runs' figures under ``on`` / ``off``, the on/off ratios and the answer comparison (:func:`reuse_ab` describes
     them). Each run's ``first_step_s`` is the seconds of its decode steps that were the first at a slot prefix
     (compile + CUDA graph capture, inside ``decode_s``): lease 2026-12-05's prefill-graphs A/B, *on* first, spent
@@ -556,13 +584,12 @@ def setting_ab(model, tok, cfg, convs, batch_size: int, max_new: int, opts_kw: d
         outs[name], st = timed_run(model, tok, convs, "slots", cfg, batch_size, max_new, kw)
         es = st["engine_stats"]
         rows[name] = ab_row(st)
-        if option == "prefill_graphs":
-            rows[name].update({k: es.get(k) for k in ("prefill_padded_tokens", "prefill_graph_captures",
-                                                      "prefill_capture_s", "prefill_buckets")})
+        if option in ("prefill_graphs", "prefill_pack"):
+            rows[name].update({k: es.get(k) for k in PREFILL_FIELDS + (option,)})
         print(f"{option} {name}: prompt tokens prefilled {es['prefill_tokens']}, reused {es['reused_tokens']}, "
               f"prefill forwards {es['prefill_calls']} in {es['prefill_s']:.2f} s, decode {es['decode_s']:.2f} s"
               + (f", {es.get('prefill_graph_captures')} prefill graphs captured in {es.get('prefill_capture_s', 0):.2f} s"
-                 if option == "prefill_graphs" else ""), flush=True)
+                 if option != "prefix_reuse" else ""), flush=True)
     return {"conversations": len(convs), "order": [name for name, _ in order], **rows,
             **ab_compare(model, tok, cfg, outs["on"], outs["off"], rows["on"], rows["off"])}
 
@@ -642,11 +669,15 @@ def main(argv=None) -> int:
     p.add_argument("--prefill-graphs-ab", type=non_negative_int, default=0, metavar="N",
                    help="also run the slots engine on N conversations of the main input (spread) with bucketed prefill "
                         "forwards captured as CUDA graphs (prompts.regen_prefill_graphs) on, then off (0 = skip)")
+    p.add_argument("--prefill-pack-ab", type=non_negative_int, default=0, metavar="N",
+                   help="also run the slots engine on N conversations of the main input (spread) with packed prefill "
+                        "(prompts.regen_prefill_pack) on, then off (0 = skip)")
     p.add_argument("--batch-ab", type=positive_int, default=None, metavar="ROWS",
                    help="after the main run, the main input again at ROWS decode rows (prompts.gen_batch_size), "
                         "compared with the main run (tokens/s, answers); out of memory is reported, not raised")
     p.add_argument("--ab-off-first", action="store_true",
-                   help="the A/B runs (--reuse-ab, --prefill-graphs-ab) run the setting off first, then on")
+                   help="the A/B runs (--reuse-ab, --prefill-graphs-ab, --prefill-pack-ab) run the setting off first, "
+                        "then on")
     p.add_argument("--copy-gib", type=float, default=4.0, help="size of the bandwidth probe copy")
     p.add_argument("--no-bound", action="store_true", help="skip the decode-step bound probe")
     p.add_argument("--prefill-probe", action="store_true",
@@ -695,6 +726,9 @@ def main(argv=None) -> int:
     if a.prefill_graphs_ab:
         res["prefill_graphs_ab"] = prefill_graphs_ab(model, tok, cfg, spread(main_convs, a.prefill_graphs_ab),
                                                      batch_size, max_new, opts_kw, a.ab_off_first)
+    if a.prefill_pack_ab:
+        res["prefill_pack_ab"] = prefill_pack_ab(model, tok, cfg, spread(main_convs, a.prefill_pack_ab),
+                                                 batch_size, max_new, opts_kw, a.ab_off_first)
     if a.baseline_num:
         res["baseline"] = baselines(model, tok, cfg, convs, a, batch_size, max_new, opts_kw)
     return emit(a, res, markdown(res))

@@ -58,7 +58,7 @@ def test_bench_runs_tiny_on_cpu(tmp_path, tiny_llama_dir):
     assert rsp.main(["--config", str(ROOT / "configs" / "tiny-llama.yaml"), "--set", f"verifier.path={tiny_llama_dir}",
                      "--prompts", str(src), "--baseline-num", "4", "--hf-num", "2", "--batch-size", "3",
                      "--max-new-tokens", "5", "--set", "prompts.regen_check_every=2", "--reuse-ab", "6",
-                     "--prefill-graphs-ab", "5", "--batch-ab", "2", "--json", str(out),
+                     "--prefill-graphs-ab", "5", "--prefill-pack-ab", "4", "--batch-ab", "2", "--json", str(out),
                      "--md", str(tmp_path / "r.md")]) == 0
     res = json.loads(out.read_text())
     assert res["main"]["conversations"] == 6 and res["main"]["answers"] == sum(turns)
@@ -89,6 +89,15 @@ def test_bench_runs_tiny_on_cpu(tmp_path, tiny_llama_dir):
     assert on["prefill_tokens"] == off["prefill_tokens"] and on["prefill_padded_tokens"] >= off["prefill_padded_tokens"]
     md = (tmp_path / "r.md").read_text()
     assert "Prefill graphs on / off" in md and f"{pg['identical']} of {pg['answers_compared']} answers identical" in md
+    pp = res["prefill_pack_ab"]  # 4 conversations with packed prefill (eager on the CPU) on and off
+    n4 = sum(rsp.spread(turns, 4))
+    assert pp["conversations"] == 4 and pp["identical"] == pp["answers_compared"] == n4  # fp32: same tokens
+    on, off = pp["on"], pp["off"]
+    assert on["prefill_pack"] is True and off["prefill_pack"] is False and on["prefill_graph_captures"] == 0
+    assert sum(on["prefill_buckets"].values()) == on["prefill_calls"] and all(k[0] == "q" for k in on["prefill_buckets"])
+    assert on["prefill_padded_tokens"] == sum(int(k[1:].split("+")[0]) * n for k, n in on["prefill_buckets"].items())
+    assert on["prefill_tokens"] == off["prefill_tokens"]
+    assert "Packed prefill on / off" in md and f"{pp['identical']} of {pp['answers_compared']} answers identical" in md
     ba = res["batch_ab"]  # the main input again at 2 decode rows against the main run's 3
     assert ba["sizes"] == [3, 2] and ba["conversations"] == 6 and "error" not in ba
     assert ba["identical"] == ba["answers_compared"] == sum(turns)  # fp32: the batch size changes no token
