@@ -538,7 +538,8 @@ def prefill_graphs_ab(model, tok, cfg, convs, batch_size: int, max_new: int, opt
 PREFILL_ABS = {"prefill_graphs_ab": ("Prefill graphs", "bucketed prefill forwards as CUDA graphs"),
                "prefill_pack_ab": ("Packed prefill", "each forward's prompts back to back in one stream, FlexAttention "
                                    "document mask, stream shapes captured as CUDA graphs at their second use")}
-PREFILL_FIELDS = ("prefill_padded_tokens", "prefill_graph_captures", "prefill_capture_s", "prefill_buckets")
+PREFILL_FIELDS = ("prefill_padded_tokens", "prefill_graph_captures", "prefill_capture_s", "prefill_buckets",
+                  "prefill_first_s")
 
 
 def prefill_ab_markdown(pg: dict, title: str, what: str) -> list[str]:
@@ -555,6 +556,10 @@ def prefill_ab_markdown(pg: dict, title: str, what: str) -> list[str]:
                      f"{r['prefill_calls']} | {1000 * r['prefill_s'] / max(1, r['prefill_calls']):.1f} | "
                      f"{r['decode_s']:.2f}{_first(r)} | {r['prefill_tokens']} / {r['prefill_padded_tokens']} | "
                      f"{r['prefill_graph_captures']} ({r['prefill_capture_s']:.2f}) |")
+    first = {name: sum((pg[name].get("prefill_first_s") or {}).values()) for name in pg.get("order", ("on", "off"))}
+    if any(first.values()):
+        lines += ["", "First forward at each packed shape (compile on CUDA; inside prefill s): " + ", ".join(
+            f"{name} {len(pg[name]['prefill_first_s'])} shapes in {v:.2f} s" for name, v in first.items() if v) + "."]
     if pg.get("on", {}).get("prefill_pack") is False:
         lines += ["", "The packed path failed in the *on* run and it went on padded (see its log)."]
     return lines + ["", ab_summary(pg)]

@@ -88,6 +88,9 @@ log = logging.getLogger(__name__)
 
 ATTN_NAME = "eagle3_slots"
 ATTENTIONS = ("auto", "flex", "sdpa_groups")  # SlotEngine(attention=...), prompts.regen_attention
+# Fed tokens per packed prefill forward off CUDA (eager FlexAttention builds the dense [H, Tq, Tq + Tp] scores of a
+# layer: SmolLM2's 9 heads at 2,048 + 4,096 positions, fp32, are ~0.3 GB), whatever prompts.regen_prefill_tokens says.
+PACK_EAGER_TOKENS = 2048
 
 
 def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -670,8 +673,8 @@ class SlotEngine(Engine):
             eagerly (as always on the CPU). Greedy tokens are the same (fp32: equal).
         prefill_pack: feed each prefill forward's prompts back to back as one sequence (no padding between rows, a
             stream rounded up to a power of two; :mod:`eagle3.prompts.packed_prefill`), within ``prefill_tokens``
-            fed tokens (a single longer prompt alone); FlexAttention keeps the rows apart (compiled on CUDA, eager
-            on the CPU). On CUDA with ``cuda_graphs`` each stream shape ``(Tq, Tp)`` is captured as a CUDA graph at
+            fed tokens (a single longer prompt alone; off CUDA at most ``PACK_EAGER_TOKENS``, as eager FlexAttention
+            builds dense scores); FlexAttention keeps the rows apart (compiled on CUDA, eager on the CPU). On CUDA with ``cuda_graphs`` each stream shape ``(Tq, Tp)`` is captured as a CUDA graph at
             its second use and replayed after (a shape seen once costs no capture). A failure of the compiled
             attention or of a capture logs one warning and the engine goes on with padded prefill / eager packed
             forwards. Exclusive with ``prefill_graphs``. Greedy tokens are the same (fp32: equal).
@@ -698,7 +701,8 @@ class SlotEngine(Engine):
     span), ``prefill_buckets`` (prefill forwards per bucket, keys ``"PbxWb"`` on the causal path and ``"PbxWbxKwb"``
     at offsets; packed forwards ``"q<Tq>"`` / ``"q<Tq>+p<Tp>"``); with ``prefill_graphs``, ``prefill_padded_tokens``
     counts the bucketed ``Pb x Wb``, with ``prefill_pack`` the streams' ``Tq``; ``prefill_pack`` (the switch; False
-    after a failed packed forward on CUDA).
+    after a failed packed forward on CUDA), ``prefill_first_s`` (host seconds of each packed shape's first forward,
+    between two syncs: on CUDA its attention's compile; keys as ``prefill_buckets``).
     """
 
     def __init__(self, model, slots: int, max_len: int, max_new_tokens: int, stop_ids: set[int],
@@ -771,7 +775,8 @@ class SlotEngine(Engine):
                       "first_step_s": {}, "compile_decision": self.compile_decision,
                       "prefix_reuse": self.prefix_reuse, "reused_tokens": 0, "reuse_rows": 0, "reuse_full_prefills": 0,
                       "prefill_graphs": self.prefill_graphs, "prefill_graph_captures": 0, "prefill_capture_s": 0.0,
-                      "prefill_buckets": {}, "prefill_pack": self.prefill_pack}
+                      "prefill_buckets": {}, "prefill_pack": self.prefill_pack,
+                      "prefill_first_s": {}}
         self._timed: list[tuple[str, object, object]] = []  # (stat, start, end): CUDA events read at the next sync
         self._swap = AttentionSwap(model).__enter__()
 
@@ -790,6 +795,8 @@ class SlotEngine(Engine):
         cuda = self.dev.type == "cuda"
         self._packed_flex = (compiled_packed_flex() if cuda else packed_flex) if self.prefill_pack else None
         self._pack_fallback = cuda  # a failed packed forward: warn and prefill padded (CPU: raise)
+        # eager flex (off CUDA) materialises [H, Tq, Tq + Tp] scores per layer: its streams are kept short there
+        self._pack_budget = self.prefill_tokens if cuda else min(self.prefill_tokens, PACK_EAGER_TOKENS)
 
     def _init_slots(self, slots: int, max_len: int, max_new_tokens: int, stop_ids: set[int]) -> None:
         """The per-slot decode state on the device (``[S]`` tensors, the ``[S, T]`` answer buffer) and its host
@@ -990,7 +997,7 @@ class SlotEngine(Engine):
         (a single prompt of ``last`` tokens always fits); with ``prefill_graphs`` at its bucketed shape
         (:func:`prefill_bucket`); with ``prefill_pack`` its ``total`` fed tokens (the rows' suffixes back to back)."""
         if self.prefill_pack:
-            return total <= max(self.prefill_tokens, last)
+            return total <= max(self._pack_budget, last)
         if not self.prefill_graphs:
             return width * rows <= max(self.prefill_tokens, last)
         cols = self.cache.k[0].shape[2]
@@ -1171,9 +1178,14 @@ class SlotEngine(Engine):
         buf.fill(lay)
         buf.uses += 1
         try:
-            if self._prefill_capture and buf.graph is None and buf.uses >= 2:
+            if buf.uses == 1:  # a new shape: its first forward (compile on CUDA) timed between two syncs
+                self._first_packed(buf)
+            elif self._prefill_capture and buf.graph is None:
                 self._prefill_graph(buf, lambda: self._packed_forward(buf))
-            buf.graph.replay() if buf.graph is not None else self._packed_forward(buf)
+            if buf.graph is not None:
+                buf.graph.replay()
+            elif buf.uses > 1:
+                self._packed_forward(buf)
         except Exception as e:  # noqa: BLE001 - on CUDA: leave the packed path (padded prefill gives the same tokens)
             if not self._pack_fallback:
                 raise
@@ -1190,6 +1202,19 @@ class SlotEngine(Engine):
         nb[name] = nb.get(name, 0) + 1
         self.stats["prefill_padded_tokens"] += key[0]
         return True
+
+    def _first_packed(self, buf: PackedBuffers) -> None:
+        """The first forward at a packed shape (on CUDA its attention's compile), its host seconds between two syncs
+        added to ``stats["prefill_first_s"]`` (keys ``"q<Tq>"`` / ``"q<Tq>+p<Tp>"``)."""
+        cuda = self.dev.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.dev)
+        t1 = time.perf_counter()
+        self._packed_forward(buf)
+        if cuda:
+            torch.cuda.synchronize(self.dev)
+        tq, tp = buf.key
+        self.stats["prefill_first_s"][f"q{tq}" + (f"+p{tp}" if tp else "")] = time.perf_counter() - t1
 
     def _packed_forward(self, buf: PackedBuffers) -> None:
         """The forward of a packed prefill over ``buf``'s static tensors (device ops only, static shapes: what a

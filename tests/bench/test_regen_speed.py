@@ -97,6 +97,8 @@ def test_bench_runs_tiny_on_cpu(tmp_path, tiny_llama_dir):
     assert sum(on["prefill_buckets"].values()) == on["prefill_calls"] and all(k[0] == "q" for k in on["prefill_buckets"])
     assert on["prefill_padded_tokens"] == sum(int(k[1:].split("+")[0]) * n for k, n in on["prefill_buckets"].items())
     assert on["prefill_tokens"] == off["prefill_tokens"]
+    assert set(on["prefill_first_s"]) == set(on["prefill_buckets"]) and off["prefill_first_s"] == {}
+    assert f"on {len(on['prefill_first_s'])} shapes in" in md
     assert "Packed prefill on / off" in md and f"{pp['identical']} of {pp['answers_compared']} answers identical" in md
     ba = res["batch_ab"]  # the main input again at 2 decode rows against the main run's 3
     assert ba["sizes"] == [3, 2] and ba["conversations"] == 6 and "error" not in ba

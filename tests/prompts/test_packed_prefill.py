@@ -173,6 +173,8 @@ def test_packed_prefill_equals_hf_greedy(tiny, attention, slots, check_every, pr
         assert tq == packed_bucket(n, 16) and doc[n:] == [r] * (tq - n) and doc[:n] == sorted(doc[:n])
         assert (n <= prefill_tokens or r == 1) and (tp > 0) <= reuse
     assert all(name.startswith("q") for name in st["prefill_buckets"])
+    assert set(st["prefill_first_s"]) == set(st["prefill_buckets"])  # each shape's first forward timed once
+    assert all(v > 0 for v in st["prefill_first_s"].values())
     assert any(tp for (_, tp), _, _ in seen) == reuse
 
 
@@ -248,8 +250,11 @@ def test_packed_prefill_failure_falls_back_to_padded(tiny, caplog):
     eng = SlotEngine(model, 4, max_len=64, max_new_tokens=max_new, stop_ids=stops, cuda_graphs=False, flex_block=16,
                      prefill_pack=True)
     eng._packed_flex = broken
-    with pytest.raises(RuntimeError, match="no kernel"):
-        _run(eng, prompts)
+    try:
+        with pytest.raises(RuntimeError, match="no kernel"):
+            _run(eng, prompts)
+    finally:
+        eng.close()  # the model's attention back to its own
 
 
 def test_packed_prefill_settings_refused(tiny):
@@ -281,3 +286,27 @@ def test_compiled_packed_flex_equals_eager():
         n = sum(fed)
         assert int(lay.kv_num_blocks.sum()) < lay.kv_indices.shape[2] * lay.kv_indices.shape[3]  # blocks skipped
         torch.testing.assert_close(outs[1][:, :, :n], outs[0][:, :, :n], rtol=1e-5, atol=1e-5)
+
+
+def test_packed_streams_are_capped_off_cuda(tiny, monkeypatch):
+    """Off CUDA (eager FlexAttention: dense scores) a packed forward feeds at most PACK_EAGER_TOKENS tokens whatever
+    prefill_tokens allows (a lone longer prompt excepted); answers stay HF greedy."""
+    import eagle3.prompts.continuous as cont
+
+    model, _ = tiny
+    monkeypatch.setattr(cont, "PACK_EAGER_TOKENS", 40)
+    prompts, stops, want = _greedy_case(model, 12, 6, seed=9)
+    fed = []
+    real = SlotEngine._prefill_host
+
+    def spy(self, reqs, slots, offsets):
+        fed.append([len(w.ids) - o for w, o in zip(reqs, offsets)])
+        return real(self, reqs, slots, offsets)
+
+    monkeypatch.setattr(SlotEngine, "_prefill_host", spy)
+    eng = SlotEngine(model, 12, max_len=64, max_new_tokens=6, stop_ids=stops, cuda_graphs=False, flex_block=16,
+                     prefill_tokens=65536, prefill_pack=True)
+    got = _run(eng, prompts)
+    assert [got[i] for i in range(len(prompts))] == want
+    assert len(fed) >= 3 and all(sum(f) <= 40 or len(f) == 1 for f in fed), fed
+    assert sum(map(sum, fed)) == sum(map(len, prompts))
