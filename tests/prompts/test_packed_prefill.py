@@ -310,3 +310,30 @@ def test_packed_streams_are_capped_off_cuda(tiny, monkeypatch):
     assert [got[i] for i in range(len(prompts))] == want
     assert len(fed) >= 3 and all(sum(f) <= 40 or len(f) == 1 for f in fed), fed
     assert sum(map(sum, fed)) == sum(map(len, prompts))
+
+
+def test_packed_prefill_on_smollm2_equals_hf_greedy():
+    """The real verifier (SmolLM2 GGUF, fp32) regenerating 3-turn chats through the slot engine with packed prefill and
+    cross-turn prefix reuse (2 rows for 3 conversations) gives batch-1 transformers greedy's conversations token for
+    token; later turns are packed after their cached prefixes (a prefix stream)."""
+    from conftest import SMOLLM_GGUF, smollm_dir
+
+    from eagle3.config import VerifierConfig
+    from eagle3.prompts.regenerate import regenerate
+    from eagle3.verifier import load_verifier
+
+    model, tok = load_verifier(VerifierConfig(path=str(smollm_dir()), gguf_file=SMOLLM_GGUF, dtype="float32"),
+                               device="cpu")
+    convs = [{"id": f"c{i}", "messages": [m for q in qs for m in ({"role": "user", "content": q},
+                                                                  {"role": "assistant", "content": "old"})]}
+             for i, qs in enumerate([("What is 2+2?", "And times 3?", "Say it in words."),
+                                     ("Name three colours.", "Which one is warm?"),
+                                     ("Write a haiku about the sea.", "Now one about rain.", "Which do you prefer?")])]
+    want = regenerate(model, tok, convs, max_new_tokens=12, batch_size=1, engine="static")
+    stats = {}
+    got = regenerate(model, tok, convs, max_new_tokens=12, batch_size=2, stats=stats, engine="slots",
+                     engine_options={"check_every": 2, "cuda_graphs": False, "attention": "flex", "prefix_reuse": True,
+                                     "prefill_pack": True})
+    assert got == want
+    es = stats["engine_stats"]
+    assert es["prefill_pack"] and es["reuse_rows"] == 5 and any("+p" in k for k in es["prefill_buckets"])
