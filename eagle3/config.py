@@ -310,7 +310,7 @@ class PromptsConfig(_Strict):
         False, description="slots engine: each prefill forward feeds its prompts back to back as one sequence (no "
         "padding between rows; the stream rounded up to a power of two, at most regen_prefill_tokens fed tokens "
         "where a single prompt allows it), FlexAttention with a document mask keeping the rows apart (compiled on "
-        "CUDA, one compile per stream shape; eager on the CPU), each stream shape captured as a CUDA graph at its "
+        "CUDA, automatic dynamic shapes, static ones if that fails; eager on the CPU, at most 2,048 fed tokens a forward), each stream shape captured as a CUDA graph at its "
         "second use (regen_cuda_graphs). Against the padded prefill's 1.91x padding and its ~22 ms of host dispatch a "
         "forward (H200, lease 2026-12-05b). Off until measured on a GPU (bench/regen_speed.py --prefill-pack-ab). A "
         "failed packed forward on CUDA logs one warning and the run goes on padded. Exclusive with "

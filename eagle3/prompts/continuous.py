@@ -793,7 +793,10 @@ class SlotEngine(Engine):
         self._prefill_capture = (self.prefill_graphs or self.prefill_pack) and self.use_graphs
         # packed prefill attention: compiled FlexAttention on CUDA (eager flex would build dense scores), eager on CPU
         cuda = self.dev.type == "cuda"
-        self._packed_flex = (compiled_packed_flex() if cuda else packed_flex) if self.prefill_pack else None
+        # on CUDA: automatic dynamic shapes first (two compiles), static shapes (one compile per shape) if that fails
+        self._packed_flexes = ([compiled_packed_flex(None), compiled_packed_flex(False)] if cuda else [packed_flex]
+                               ) if self.prefill_pack else []
+        self._packed_flex = self._packed_flexes.pop(0) if self._packed_flexes else None
         self._pack_fallback = cuda  # a failed packed forward: warn and prefill padded (CPU: raise)
         # eager flex (off CUDA) materialises [H, Tq, Tq + Tp] scores per layer: its streams are kept short there
         self._pack_budget = self.prefill_tokens if cuda else min(self.prefill_tokens, PACK_EAGER_TOKENS)
@@ -1189,6 +1192,13 @@ class SlotEngine(Engine):
         except Exception as e:  # noqa: BLE001 - on CUDA: leave the packed path (padded prefill gives the same tokens)
             if not self._pack_fallback:
                 raise
+            if self._packed_flexes:  # the next compile setting (static shapes); the forward rewrites the same K/V
+                log.warning("packed prefill attention failed at stream shape %s (%s: %s); retrying with static-shape "
+                            "compiles", key, type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+                self._packed_flex = self._packed_flexes.pop(0)
+                for b in self._packed_bufs.values():
+                    b.graph, b.uses = None, 0
+                return self._prefill_packed(reqs, slots, offsets)
             log.warning("packed prefill failed at stream shape %s (%s: %s); prefill forwards go on padded", key,
                         type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
             self.prefill_pack = self.stats["prefill_pack"] = False

@@ -202,20 +202,22 @@ def packed_flex(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_m
     return flex_attention(query, key, value, block_mask=bm, scale=scale, enable_gqa=query.shape[1] != key.shape[1])
 
 
-_COMPILED: Optional[object] = None
+_COMPILED: dict = {}
 
 
-def compiled_packed_flex():
-    """:func:`packed_flex` under ``torch.compile`` (one per process), static shapes: one compile per stream shape
-    ``(Tq, Tp)`` (the recompile limit raised to 64), as the decode's flex kernel. Not dynamic: Inductor's CPU
-    FlexAttention template fails to build its dynamic-shape kernel (torch 2.13, ``cur_kvSplitSize8`` undeclared);
-    static kernels of both shapes there equal the eager result (tests/prompts/test_packed_prefill.py)."""
-    global _COMPILED
-    if _COMPILED is None:
+def compiled_packed_flex(dynamic: Optional[bool] = False):
+    """:func:`packed_flex` under ``torch.compile`` (one per process and ``dynamic`` setting; the recompile limit raised
+    to 64). ``dynamic=False``: static shapes, one compile per stream shape ``(Tq, Tp)``, as the decode's flex kernel.
+    ``dynamic=None``: Dynamo's automatic dynamic shapes, the first shape static, the second recompiled with dynamic
+    lengths that later shapes reuse (two compiles in all, where a compile costs seconds on the GPU). The slot engine
+    tries ``None`` first on CUDA and goes to ``False`` if it fails: Inductor's CPU FlexAttention template cannot build
+    the dynamic kernel (torch 2.13, ``cur_kvSplitSize8`` undeclared); its static kernels equal the eager result
+    (tests/prompts/test_packed_prefill.py)."""
+    if dynamic not in _COMPILED:
         kv_blocks_params()  # inspect.signature eagerly: the traced function only reads the result
         raise_recompile_limit()
-        _COMPILED = torch.compile(packed_flex, dynamic=False, fullgraph=True)
-    return _COMPILED
+        _COMPILED[dynamic] = torch.compile(packed_flex, dynamic=dynamic, fullgraph=True)
+    return _COMPILED[dynamic]
 
 
 def packed_prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kc: torch.Tensor,

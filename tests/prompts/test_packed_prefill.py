@@ -247,6 +247,18 @@ def test_packed_prefill_failure_falls_back_to_padded(tiny, caplog):
     assert [got[i] for i in range(len(prompts))] == want
     warns = [r for r in caplog.records if "packed prefill failed" in r.getMessage()]
     assert len(warns) == 1 and eng.stats["prefill_pack"] is False and eng.stats["prefill_buckets"] == {}
+    # CUDA's order: the auto-dynamic compile first; when it fails, the static one (here: eager) takes over, still packed
+    caplog.clear()
+    eng = SlotEngine(model, 4, max_len=64, max_new_tokens=max_new, stop_ids=stops, check_every=2, cuda_graphs=False,
+                     flex_block=16, prefill_pack=True)
+    eng._packed_flex, eng._packed_flexes, eng._pack_fallback = broken, [packed_flex], True
+    with caplog.at_level("WARNING"):
+        got = _run(eng, prompts)
+    assert [got[i] for i in range(len(prompts))] == want
+    assert [r.getMessage()[:60] for r in caplog.records] == [
+        "packed prefill attention failed at stream shape (64, 0) (Run"]  # the first forward: 4 prompts, 33-64 tokens
+    assert "retrying with static-shape compiles" in caplog.records[0].getMessage()
+    assert eng.stats["prefill_pack"] is True and eng.stats["prefill_calls"] == sum(eng.stats["prefill_buckets"].values())
     eng = SlotEngine(model, 4, max_len=64, max_new_tokens=max_new, stop_ids=stops, cuda_graphs=False, flex_block=16,
                      prefill_pack=True)
     eng._packed_flex = broken
@@ -280,7 +292,7 @@ def test_compiled_packed_flex_equals_eager():
         q = torch.randn(1, h, tq, d, generator=g)
         k, v = torch.randn(1, hkv, tq, d, generator=g), torch.randn(1, hkv, tq, d, generator=g)
         outs = []
-        for fn in (packed_flex, compiled_packed_flex()):
+        for fn in (packed_flex, compiled_packed_flex(False)):
             r = PackedRouting(lay.q, lay.kv, lay.prefix, lay.kv_num_blocks, lay.kv_indices, fn, block)
             outs.append(packed_prefill_attention(q, k, v, kc.clone(), vc.clone(), r, None))
         n = sum(fed)
