@@ -5,13 +5,20 @@ answers with the verifier, and write ``{output_root}/prompts.jsonl`` + ``prompts
 Example::
 
     python 01_prepare_prompts.py --config configs/smollm2-135m.yaml --source ../shared/data/train/alpaca_subset_1000.json
+
+Self-instruct mode (``--self-instruct N --out FILE``): sample N user prompts from the verifier itself (its chat
+template up to a user message, continued; :mod:`eagle3.prompts.self_instruct`) into FILE, a messages-JSONL to list in
+``prompts.source``; nothing else runs::
+
+    python 01_prepare_prompts.py --config configs/smollm2-135m-127k.yaml --self-instruct 30000 \
+        --out data/self_instruct.jsonl --exclude ../shared/data/eval/mt_bench_question.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
 
-from eagle3.cli import ArgumentParser, positive_int, resume_on_interrupt, run_main
+from eagle3.cli import ArgumentParser, positive_float, positive_int, resume_on_interrupt, run_main
 from eagle3.config import add_config_args, load_config
 from eagle3.prompts.readers import FORMATS
 
@@ -27,8 +34,25 @@ def main(argv=None):
     p.add_argument("--limit", type=positive_int, help="keep only the first N conversations after sampling")
     p.add_argument("--force", action="store_true",
                    help="recompute even if the outputs are up to date (also discards a server regeneration's resume log)")
+    g = p.add_argument_group("self-instruct mode (sample user prompts from the verifier; nothing else runs)")
+    g.add_argument("--self-instruct", type=positive_int, metavar="N", help="sample N user prompts from the verifier")
+    g.add_argument("--out", help="the messages-JSONL they go to (list it in prompts.source)")
+    g.add_argument("--self-instruct-temperature", type=positive_float, default=1.0, help="sampling temperature")
+    g.add_argument("--self-instruct-top-p", type=positive_float, default=1.0, help="nucleus sampling share")
+    g.add_argument("--self-instruct-max-tokens", type=positive_int, default=128,
+                   help="token budget of a query; one not ended by then is dropped")
+    g.add_argument("--self-instruct-min-chars", type=int, default=16, help="shortest query kept (characters)")
+    g.add_argument("--exclude", action="append", default=[], metavar="FILE",
+                   help="leave out prompts equal to a first user message of FILE (e.g. an evaluation set; repeatable)")
     a = p.parse_args(argv)
+    if (a.self_instruct is None) != (a.out is None):
+        p.error("--self-instruct N and --out FILE go together")
     cfg = load_config(a.config, a.overrides)
+    if a.self_instruct is not None:
+        from eagle3.prompts import self_instruct
+
+        return self_instruct.run(cfg, a.self_instruct, a.out, a.self_instruct_temperature, a.self_instruct_top_p,
+                                 a.self_instruct_max_tokens, a.self_instruct_min_chars, a.exclude, force=a.force)
     import eagle3.prompts.prepare_prompts as stage
 
     with resume_on_interrupt(lambda: stage.interrupt_hint(cfg)):  # SIGTERM / Ctrl-C: one line, exit 143 / 130

@@ -1,0 +1,264 @@
+"""User prompts written by the verifier itself (Magpie-style self-instruct), a prompt source for stage 01.
+
+An instruction-tuned verifier, given only its chat template's text up to where a user message starts (the
+"pre-query template": system turn, then the user header), completes it with a plausible user message, and its
+end-of-turn token ends it: Magpie (Xu et al., 2024, arXiv 2406.08464) builds instruction data this way. For a
+drafter this yields prompts in the verifier's own user distribution: open-ended writing, advice, explanations and
+role-play, which the public pool lacks (`../shared/data/train-extra/SOURCES.md`: "little open-ended writing or long
+multi-turn chat") and where the SmolLM2 drafter accepts least (MT-bench writing 2.39, stem 2.41, humanities 2.55
+against extraction 3.20, lease 2026-12-04e).
+
+``01_prepare_prompts.py --self-instruct N --out FILE`` samples queries (``model.generate``, temperature / top-p
+sampling, seeded per batch), keeps those that ended on an end-of-turn token within the budget (a truncated query
+is dropped), are at least ``min_chars`` long, are new (01's dedupe key) and are not in the ``--exclude`` files
+(e.g. the evaluation sets), and writes them as a messages-JSONL (one user turn each) that ``prompts.source`` can list
+beside other files; 01 then answers them like any other prompt (``prompts.regenerate``). The settings and counts go
+to ``<FILE stem>_report.json``; a re-run with the same settings finds the file up to date.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from eagle3.errors import UserError
+from eagle3.io import atomic_write_json, atomic_write_text, read_json
+
+log = logging.getLogger(__name__)
+
+SENTINEL = "\x00EAGLE3_USER_QUERY\x00"
+SOURCE = "self_instruct"
+
+
+@dataclass(frozen=True)
+class SelfInstructSettings:
+    """What determines a self-instruct file (recorded in its report; equal settings = up to date).
+
+    Attributes:
+        num: queries to sample (before filtering; the file holds at most this many).
+        temperature, top_p: sampling (Magpie: 1.0 / 1.0).
+        max_query_tokens: token budget of one query; one that has not ended by then is dropped.
+        min_chars: shortest query kept (characters, after stripping).
+        batch_size: queries sampled per ``generate`` call.
+        seed: sampling seed (batch ``b`` seeds ``torch.manual_seed(seed * 1_000_003 + b)``).
+        prefix: the pre-query template text (:func:`pre_query_prefix`).
+        verifier: the verifier's display name and dtype.
+        exclude: files whose first user messages are left out (their paths).
+    """
+
+    num: int
+    temperature: float
+    top_p: float
+    max_query_tokens: int
+    min_chars: int
+    batch_size: int
+    seed: int
+    prefix: str
+    verifier: str
+    exclude: tuple = ()
+
+
+def pre_query_prefix(tokenizer, opts, system_prompt: Optional[str] = None) -> str:
+    """The chat template's text before a user message's content: what the verifier continues with a user query.
+
+    Renders ``[system?, user: <sentinel>]`` with the run's template options (01's rendering,
+    :func:`eagle3.prompts.chat.render_text`) and cuts at the sentinel, so a template's default system turn (SmolLM2:
+    "You are a helpful AI assistant named SmolLM, ...") is kept as the verifier sees it in regeneration.
+
+    Args:
+        tokenizer: the verifier's tokenizer (with a chat template).
+        opts: :class:`eagle3.prompts.chat.ChatOptions`.
+        system_prompt: ``prompts.system_prompt`` (None: the template's own default, if any).
+
+    Returns:
+        The prefix text, e.g. ``"<|im_start|>system\\n...<|im_end|>\\n<|im_start|>user\\n"`` for ChatML.
+
+    Raises:
+        UserError: the template drops or rewrites the user content (the sentinel is not in its output).
+    """
+    from eagle3.prompts.chat import render_text
+
+    msgs = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
+        {"role": "user", "content": SENTINEL}]
+    text = render_text(tokenizer, msgs, opts)
+    if SENTINEL not in text:
+        raise UserError("verifier.chat_template: the template does not render a user message's content as given, so "
+                        "it has no pre-query text to sample user prompts from (01 --self-instruct)")
+    return text[:text.index(SENTINEL)]
+
+
+def select_queries(texts: Sequence[str], ended: Sequence[bool], min_chars: int, seen: set) -> tuple[list[str], dict]:
+    """Filter sampled queries (in order): keep one that ``ended`` on an end-of-turn token, has at least ``min_chars``
+    characters after stripping and whose 01 dedupe key is not in ``seen`` (which it is added to).
+
+    Returns:
+        ``(kept, counts)``: the stripped queries, and ``{"truncated", "too_short", "duplicate", "kept"}`` counts
+        (each query counted once, in that order of checks).
+    """
+    from eagle3.prompts.readers import dedupe_key
+
+    kept, counts = [], {"truncated": 0, "too_short": 0, "duplicate": 0, "kept": 0}
+    for text, done in zip(texts, ended):
+        q = text.strip()
+        key = dedupe_key({"messages": [{"role": "user", "content": q}]})
+        why = ("truncated" if not done else "too_short" if len(q) < min_chars else "duplicate" if key in seen
+               else "kept")
+        counts[why] += 1
+        if why == "kept":
+            seen.add(key)
+            kept.append(q)
+    return kept, counts
+
+
+@torch.no_grad()
+def sample_queries(model, tokenizer, prefix_ids: list[int], n: int, stop_ids: set[int], temperature: float,
+                   top_p: float, max_tokens: int, seed: int) -> tuple[list[str], list[bool], int]:
+    """``n`` sampled continuations of ``prefix_ids`` (one ``model.generate`` call, seeded by ``seed``).
+
+    Args:
+        prefix_ids: the pre-query template's token ids.
+        stop_ids: token ids that end a user turn (the verifier's end-of-turn set).
+        temperature, top_p: sampling; max_tokens: new-token budget.
+
+    Returns:
+        ``(texts, ended, tokens)``: each query's text up to (excluding) its first stop token, whether one came
+        within ``max_tokens``, and the tokens sampled in all (each query up to and including its stop token).
+    """
+    dev = next(model.parameters()).device
+    ids = torch.tensor([prefix_ids] * n, device=dev)  # [n, P]
+    torch.manual_seed(seed)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=temperature,
+                         top_p=top_p, top_k=0, max_new_tokens=max_tokens, eos_token_id=sorted(stop_ids),
+                         pad_token_id=sorted(stop_ids)[0])[:, len(prefix_ids):].tolist()  # [n, <= max_tokens]
+    texts, ended, tokens = [], [], 0
+    for row in out:
+        cut = next((j for j, t in enumerate(row) if t in stop_ids), None)
+        texts.append(tokenizer.decode(row if cut is None else row[:cut], skip_special_tokens=True))
+        ended.append(cut is not None)
+        tokens += len(row) if cut is None else cut + 1
+    return texts, ended, tokens
+
+
+def report_path(out: Path) -> Path:
+    """``<out stem>_report.json`` beside ``out`` (``.jsonl`` / ``.jsonl.gz`` stripped)."""
+    name = out.name
+    for ext in (".gz", ".jsonl", ".json"):
+        name = name[:-len(ext)] if name.endswith(ext) else name
+    return out.with_name(f"{name}_report.json")
+
+
+def _excluded_keys(paths: Sequence[str]) -> set:
+    """01 dedupe keys of every conversation's first user message in ``paths`` (01's readers; errors name the file)."""
+    from eagle3.prompts.readers import dedupe_key, read_conversations
+
+    keys: set = set()
+    for p in paths:
+        keys |= {dedupe_key(c) for c in read_conversations(str(p), keep_prompt_only=True)}
+    return keys
+
+
+def run(cfg, num: int, out: Path, temperature: float = 1.0, top_p: float = 1.0, max_query_tokens: int = 128,
+        min_chars: int = 16, exclude: Sequence[str] = (), force: bool = False) -> int:
+    """01's self-instruct mode: sample ``num`` user queries from the verifier, filter them, write ``out``.
+
+    Steps: check the arguments and the output folder; the pre-query prefix; up-to-date check against
+    ``report_path(out)``; load the verifier; sample in batches of ``prompts.gen_batch_size`` (tqdm), filter
+    (:func:`select_queries`, ``exclude`` files' prompts pre-seeded as seen); write ``out`` (messages-JSONL, ids
+    ``self_instruct/<k>``) and the report atomically.
+
+    Returns:
+        0 (also when up to date).
+
+    Raises:
+        UserError: a bad argument (one line naming it), an unwritable output folder, more than one torchrun rank,
+            or an unusable chat template.
+    """
+    out = Path(out)
+    _check_args(num, temperature, top_p, max_query_tokens, min_chars, out)
+    from eagle3.prompts.chat import ChatOptions
+    from eagle3.verifier import load_tokenizer, stop_token_ids
+
+    tok = load_tokenizer(cfg.verifier)
+    prefix = pre_query_prefix(tok, ChatOptions.from_config(cfg), cfg.prompts.system_prompt)
+    st = SelfInstructSettings(num, float(temperature), float(top_p), max_query_tokens, min_chars,
+                              cfg.prompts.gen_batch_size, cfg.prompts.seed, prefix,
+                              f"{cfg.verifier.display_name()} ({cfg.verifier.dtype})", tuple(map(str, exclude)))
+    if not force and _up_to_date(out, st):
+        print(f"{out}: up to date (same self-instruct settings; --force to sample again)")
+        return 0
+    seen = _excluded_keys(exclude)
+    n_excluded_keys = len(seen)
+    from eagle3.verifier import load_verifier
+
+    model, _ = load_verifier(cfg.verifier)
+    queries, counts, secs, tokens = _sample_all(model, tok, st, stop_token_ids(tok), seen)
+    rows = [{"id": f"{SOURCE}/{k}", "source": SOURCE, "messages": [{"role": "user", "content": q}]}
+            for k, q in enumerate(queries)]
+    atomic_write_text(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    report = {"settings": asdict(st), "counts": counts, "excluded_prompts_known": n_excluded_keys,
+              "seconds": secs, "query_tokens": tokens, "tokens_per_s": tokens / secs if secs > 0 else None,
+              "file": str(out)}
+    atomic_write_json(report_path(out), report)
+    print(f"{out}: {counts['kept']} self-instruct prompts of {num} sampled ({counts['truncated']} unfinished within "
+          f"{max_query_tokens} tokens, {counts['too_short']} under {min_chars} characters, {counts['duplicate']} "
+          f"repeated or excluded) in {secs:.1f} s; list it in prompts.source")
+    return 0
+
+
+def _check_args(num: int, temperature: float, top_p: float, max_query_tokens: int, min_chars: int, out: Path) -> None:
+    """One-line errors for a bad argument or an output folder that does not exist."""
+    if num < 1:
+        raise UserError(f"--self-instruct: expected a positive number of queries, not {num}")
+    if not temperature > 0:
+        raise UserError(f"--self-instruct-temperature: expected > 0, not {temperature}")
+    if not 0 < top_p <= 1:
+        raise UserError(f"--self-instruct-top-p: expected in (0, 1], not {top_p}")
+    if max_query_tokens < 1 or min_chars < 0:
+        raise UserError("--self-instruct-max-tokens >= 1 and --self-instruct-min-chars >= 0")
+    if not out.parent.is_dir():
+        raise UserError(f"--out {out}: folder {out.parent} does not exist")
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        raise UserError("--self-instruct runs in one process (it takes seconds to minutes on one GPU); run it "
+                        "without torchrun")
+
+
+def _up_to_date(out: Path, st: SelfInstructSettings) -> bool:
+    """``out`` and its report exist and the report's settings equal ``st``."""
+    rp = report_path(out)
+    if not (out.is_file() and rp.is_file()):
+        return False
+    try:
+        rec = read_json(rp)
+    except UserError:
+        return False
+    return isinstance(rec, dict) and rec.get("settings") == json.loads(json.dumps(asdict(st)))
+
+
+def _sample_all(model, tok, st: SelfInstructSettings, stop_ids: set[int], seen: set):
+    """Sample ``st.num`` queries in batches (tqdm), filter as they come. Returns ``(queries, counts, seconds,
+    sampled tokens)``."""
+    from tqdm import tqdm
+
+    prefix_ids = tok(st.prefix, add_special_tokens=False)["input_ids"]
+    queries, counts, tokens = [], {"truncated": 0, "too_short": 0, "duplicate": 0, "kept": 0}, 0
+    t0 = time.perf_counter()
+    with tqdm(total=st.num, unit="query", desc="self-instruct") as bar:
+        for b, start in enumerate(range(0, st.num, st.batch_size)):
+            n = min(st.batch_size, st.num - start)
+            texts, ended, k = sample_queries(model, tok, prefix_ids, n, stop_ids, st.temperature, st.top_p,
+                                             st.max_query_tokens, st.seed * 1_000_003 + b)
+            tokens += k
+            kept, c = select_queries(texts, ended, st.min_chars, seen)
+            queries += kept
+            for k, v in c.items():
+                counts[k] += v
+            bar.update(n)
+    return queries, counts, time.perf_counter() - t0, tokens
