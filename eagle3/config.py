@@ -306,6 +306,13 @@ class PromptsConfig(_Strict):
         "the tokens/s (that figure also holds a cold compile of the decode step, whose cache gains the scratch row). "
         "Greedy answers are the same in float32 (tested). A speed "
         "setting: not in 01's settings fingerprint")
+    reuse_answers: Optional[str] = Field(
+        None, description="a prompts.jsonl[.gz] regenerated earlier (its prompts_report.json beside it) whose "
+        "answers 01 reuses: a conversation equal to one there without its assistant answers takes that "
+        "conversation, only the rest are regenerated (growing a data set, adding a source). Its report must record "
+        "the same regeneration settings (verifier, dtype, max_new_tokens, context cap, chat template, ...), else 01 "
+        "refuses in one line. Float32: the same prompts.jsonl as a full regeneration (tested). Not in 01's settings "
+        "fingerprint")
     regen_prefill_pack: bool = Field(
         False, description="slots engine: each prefill forward feeds its prompts back to back as one sequence (no "
         "padding between rows; the stream rounded up to a power of two, at most regen_prefill_tokens fed tokens "

@@ -200,6 +200,23 @@ def _regenerate(cfg: RunConfig, convs: list[dict], want: dict, stats: dict, forc
                                  settings=want, stats=stats, max_context=max_context_tokens(cfg))
 
 
+def _regenerate_reusing(cfg: RunConfig, convs: list[dict], want: dict, stats: dict,
+                        force: bool) -> tuple[Optional[list[dict]], Optional[dict]]:
+    """:func:`_regenerate`, with ``prompts.reuse_answers`` (:mod:`eagle3.prompts.reuse_answers`): the inputs an earlier
+    regeneration answered under the same settings take its conversations, only the rest are regenerated, the output
+    in input order. Returns ``(conversations or None on a torchrun rank > 0, {"file", "conversations"} or None)``."""
+    if not cfg.prompts.reuse_answers:
+        return _regenerate(cfg, convs, want, stats, force=force), None
+    from eagle3.prompts import reuse_answers
+
+    reused, todo = reuse_answers.split(convs, reuse_answers.load(cfg.prompts.reuse_answers, want))
+    info = {"file": str(cfg.prompts.reuse_answers), "conversations": len(convs) - len(todo)}
+    print(f"prompts.reuse_answers: {info['conversations']} of {len(convs)} conversations answered in "
+          f"{cfg.prompts.reuse_answers}; regenerating {len(todo)}")
+    done = _regenerate(cfg, todo, want, stats, force=force) if todo else []
+    return (None if done is None else reuse_answers.merge(convs, reused, done)), info
+
+
 def max_context_tokens(cfg: RunConfig) -> int:
     """Regeneration's context cap in tokens: ``prompts.max_context_tokens``, else ``extract.max_length``
     (02 cuts every sample there, so an answer that starts past it is never trained on)."""
@@ -238,16 +255,19 @@ def run(cfg: RunConfig, source: Optional[str] = None, fmt: Optional[str] = None,
 
     convs, counts, kept_by_step = select_conversations(cfg, limit)
     regen_stats: dict = {}
+    reused_info: Optional[dict] = None
     if pc.regenerate:
         if force:
             partial_path(cfg).unlink(missing_ok=True)
-        convs = _regenerate(cfg, convs, want, regen_stats, force=force)
+        convs, reused_info = _regenerate_reusing(cfg, convs, want, regen_stats, force)
         if convs is None:  # a torchrun rank > 0: its answers are in its resume log, rank 0 writes the outputs
             return 0
         if not convs:
             raise UserError(f"prompts.server.urls: every conversation failed to regenerate "
                             f"({regen_stats.get('failed', 0)} failed; see the error lines above)")
     report = build_report(cfg, want, counts, kept_by_step, convs, regen_stats)
+    if reused_info is not None:
+        report["reused_answers"] = reused_info
     # settings the command line set (not the config): 02 does not compare them with its config (prompts_changes)
     report["cli_overrides"] = [k for k, v in (("source", source), ("format", fmt), ("regenerate", regenerate)) if v is not None]
     report[SOURCE_STATS] = source_stats

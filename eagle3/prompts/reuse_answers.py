@@ -1,0 +1,119 @@
+"""Answers of an earlier regeneration reused by stage 01 (``prompts.reuse_answers``).
+
+Growing a regenerated data set (the data curve 17K -> 50K -> 100K, a new source such as ``01 --self-instruct``) used
+to mean regenerating every conversation again, since any change of ``prompts.source`` changes 01's settings. With
+``prompts.reuse_answers: <an earlier prompts.jsonl[.gz]>`` a conversation whose non-answer content equals one in
+that file takes that file's regenerated conversation as it is, and only the others are regenerated; the output
+order is 01's as always.
+
+Two conversations match when their messages are equal without the assistant answers (an assistant message with
+``tool_calls`` kept as its role and calls: the answer text is what regeneration replaces, and a prompt-only input
+gets its answer appended), and their ``tools`` are equal. The earlier file's
+``prompts_report.json`` (beside it) must record the same regeneration settings (:data:`REGEN_KEYS` of 01's
+settings: verifier, dtype, answer budget, context cap, chat template and its arguments, reply start, think tags,
+the endpoint sampling), else 01 refuses in one line naming the first differing key: its answers would not be what
+this run produces. A conversation the context cap shortened in the earlier file does not match its full input and
+is regenerated. In float32 the output equals a full regeneration (tested); in bf16 batch composition can change a
+near-tie, as between any two regenerations.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+from typing import Optional
+
+from eagle3.errors import UserError
+
+# 01 settings (eagle3.prompts.prepare_prompts.settings) that determine a regenerated answer
+REGEN_KEYS = ("regenerate", "max_new_tokens", "max_context_tokens", "verifier", "verifier_dtype", "chat_template",
+              "chat_template_kwargs", "reply_start", "regenerate_via", "temperature", "top_p", "model", "extra_body",
+              "think_tags")
+
+
+def conversation_key(conv: dict) -> str:
+    """The match key of a conversation: its messages without the assistant answers (an assistant message is left out,
+    or reduced to its ``role`` and ``tool_calls`` when it has any: regeneration replaces the text, reasoning and
+    token ids, and appends an answer to a prompt-only input), plus its ``tools``; canonical JSON."""
+    msgs = [({"role": "assistant", "tool_calls": m["tool_calls"]} if m.get("role") == "assistant" else
+             {k: v for k, v in m.items() if k != "tokens"}) for m in conv["messages"]
+            if m.get("role") != "assistant" or m.get("tool_calls")]
+    return json.dumps({"messages": msgs, "tools": conv.get("tools")}, sort_keys=True, ensure_ascii=False)
+
+
+def _read_rows(path: Path) -> list[dict]:
+    """The JSONL rows of ``path`` (``.gz`` read through gzip); UserError naming the file and line for a bad one."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    rows = []
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            for i, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise UserError(f"{path}:{i}: prompts.reuse_answers: not a JSON line ({e.msg})") from e
+                if not isinstance(row, dict) or not isinstance(row.get("messages"), list):
+                    raise UserError(f"{path}:{i}: prompts.reuse_answers: expected a conversation with 'messages'")
+                rows.append(row)
+    except (OSError, EOFError) as e:
+        raise UserError(f"{path}: prompts.reuse_answers: cannot read ({e})") from e
+    return rows
+
+
+def check_settings(report: dict, want: dict, report_file: Path) -> None:
+    """The earlier run's regeneration settings (``report["settings"]``) equal this run's (``want``) on every
+    :data:`REGEN_KEYS` key (a key absent from both is equal). UserError naming the first differing key."""
+    old = report.get("settings") if isinstance(report, dict) else None
+    if not isinstance(old, dict) or not old.get("regenerate"):
+        raise UserError(f"{report_file}: prompts.reuse_answers: that run did not regenerate its answers (settings "
+                        f"regenerate is not true)")
+    for k in REGEN_KEYS:
+        if old.get(k) != want.get(k):
+            raise UserError(f"{report_file}: prompts.reuse_answers: its answers were made with {k} = "
+                            f"{json.dumps(old.get(k))}, this run has {json.dumps(want.get(k))}; regenerate without "
+                            f"prompts.reuse_answers or match the setting")
+
+
+def load(path: str, want: dict) -> dict[str, dict]:
+    """The earlier regenerated conversations of ``path`` by :func:`conversation_key`, after checking its
+    ``prompts_report.json`` (beside it) against this run's settings ``want``.
+
+    Raises:
+        UserError: the file or its report is missing or unreadable, a line is bad, or the settings differ.
+    """
+    from eagle3.io import read_json
+
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"prompts.reuse_answers: {p}: no such file")
+    rep = p.parent / "prompts_report.json"
+    if not rep.is_file():
+        raise UserError(f"prompts.reuse_answers: {rep}: missing (the report 01 wrote beside {p.name} tells the "
+                        f"settings its answers were made under)")
+    check_settings(read_json(rep), want, rep)
+    return {conversation_key(r): r for r in _read_rows(p)}
+
+
+def split(convs: list[dict], earlier: dict[str, dict]) -> tuple[list[Optional[dict]], list[dict]]:
+    """``(reused, todo)``: per input position the earlier conversation that matches it (None: none does), and the
+    inputs to regenerate, in order."""
+    reused = [earlier.get(conversation_key(c)) for c in convs]
+    return reused, [c for c, r in zip(convs, reused) if r is None]
+
+
+def merge(convs: list[dict], reused: list[Optional[dict]], regenerated: list[dict]) -> list[dict]:
+    """The output in input order: each position's reused conversation, or its regenerated one. ``regenerated`` is
+    the regeneration's output for the ``todo`` inputs in their order, a failed one left out (endpoints): an input
+    whose id is not the next regenerated id is dropped, as a full regeneration drops it."""
+    out, it = [], iter(regenerated)
+    nxt = next(it, None)
+    for c, r in zip(convs, reused):
+        if r is not None:
+            out.append(r)
+        elif nxt is not None and nxt.get("id") == c.get("id"):
+            out.append(nxt)
+            nxt = next(it, None)
+    return out

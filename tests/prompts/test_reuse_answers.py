@@ -1,0 +1,108 @@
+"""prompts.reuse_answers (eagle3.prompts.reuse_answers): the match key and the merge by hand, and 01 growing a
+regenerated set: the same prompts.jsonl as a full regeneration (fp32), only the new conversations regenerated, and
+one-line refusals for other settings, a missing report or a bad line."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import shutil
+
+import pytest
+
+from eagle3.config import load_config
+from eagle3.errors import UserError
+from eagle3.prompts import reuse_answers as ra
+from eagle3.prompts.prepare_prompts import report_path, run
+
+from test_prompts import A, U, _jsonl
+
+
+def test_conversation_key_by_hand():
+    """A prompt-only input matches its regenerated output; multi-turn inputs match whatever their old answers were;
+    token ids and reasoning are ignored, tool calls and tools are not; another user turn is another key."""
+    k = ra.conversation_key
+    assert k({"messages": [U("Hi")]}) == k({"id": "x", "messages": [U("Hi"), {**A("Hello!"), "tokens": [1, 2]}]})
+    assert k({"messages": [U("Hi"), A("old"), U("More")]}) == k({"messages": [
+        U("Hi"), {**A("new"), "reasoning_content": "r"}, U("More"), A("x")]})
+    assert k({"messages": [U("Hi")]}) != k({"messages": [U("Hi "), A("x")]})
+    call = {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]}
+    tool = {"role": "tool", "content": "42", "tool_call_id": "c1"}
+    assert k({"messages": [U("Q"), call, tool]}) != k({"messages": [U("Q"), tool]})
+    assert k({"messages": [U("Q")], "tools": [{"name": "f"}]}) != k({"messages": [U("Q")]})
+
+
+def test_split_and_merge_by_hand():
+    """Reused positions keep the earlier conversation, the others take the regenerated ones in order; a failed
+    regeneration (missing from the output) is dropped, as a full regeneration drops it."""
+    convs = [{"id": i, "messages": [U(f"q{i}")]} for i in range(5)]
+    earlier = {ra.conversation_key(convs[1]): {"id": 1, "messages": [U("q1"), A("old1")]},
+               ra.conversation_key(convs[3]): {"id": 3, "messages": [U("q3"), A("old3")]}}
+    reused, todo = ra.split(convs, earlier)
+    assert [c["id"] for c in todo] == [0, 2, 4] and [r is not None for r in reused] == [False, True, False, True, False]
+    regenerated = [{"id": 0, "messages": [U("q0"), A("a0")]}, {"id": 4, "messages": [U("q4"), A("a4")]}]  # 2 failed
+    out = ra.merge(convs, reused, regenerated)
+    assert [(c["id"], c["messages"][1]["content"]) for c in out] == [(0, "a0"), (1, "old1"), (3, "old3"), (4, "a4")]
+
+
+def _config(tmp_path, tiny_llama_dir, sources, max_new=5, reuse=None, out="out"):
+    f = tmp_path / f"{out}.yaml"
+    f.write_text(f"run_name: t\noutput_root: {tmp_path / out}\n"
+                 f"verifier: {{path: {tiny_llama_dir}, dtype: float32, device: cpu}}\n"
+                 f"prompts: {{source: {json.dumps(sources)}, format: messages, regenerate: true, "
+                 f"max_new_tokens: {max_new}, gen_batch_size: 2, regen_cuda_graphs: false"
+                 + (f", reuse_answers: {reuse}" if reuse else "") + "}\nextract: {max_length: 256}\n")
+    return load_config(f)
+
+
+def test_01_grows_a_regenerated_set_reusing_its_answers(tmp_path, tiny_llama_dir, capsys):
+    """Sources A, then A + B: 01 with prompts.reuse_answers = A's (gzipped) prompts.jsonl regenerates only B's
+    conversations, and writes byte for byte the prompts.jsonl a full regeneration of A + B writes (fp32); the report
+    says how many were reused."""
+    a = _jsonl(tmp_path / "a.jsonl", [{"id": "a0", "messages": [U("Hi there"), A("x"), U("And then?"), A("y")]},
+                                      {"id": "a1", "messages": [U("Count to three")]},
+                                      {"id": "a2", "messages": [U("Name a colour"), A("red")]}])
+    b = _jsonl(tmp_path / "b.jsonl", [{"id": "b0", "messages": [U("Write a poem")]},
+                                      {"id": "b1", "messages": [U("Hello again"), A("q"), U("Something else"), A("z")]}])
+    cfg_a = _config(tmp_path, tiny_llama_dir, [a], out="first")
+    assert run(cfg_a) == 0
+    seed = tmp_path / "seed"
+    seed.mkdir()
+    with open(cfg_a.prompts_path, "rb") as src, gzip.open(seed / "prompts.jsonl.gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    shutil.copy(report_path(cfg_a), seed / "prompts_report.json")
+    full = _config(tmp_path, tiny_llama_dir, [a, b], out="full")
+    assert run(full) == 0
+    grown = _config(tmp_path, tiny_llama_dir, [a, b], reuse=seed / "prompts.jsonl.gz", out="grown")
+    capsys.readouterr()
+    assert run(grown) == 0
+    assert "3 of 5 conversations answered in" in capsys.readouterr().out
+    assert grown.prompts_path.read_bytes() == full.prompts_path.read_bytes()
+    rep = json.loads(report_path(grown).read_text())
+    assert rep["reused_answers"] == {"file": str(seed / "prompts.jsonl.gz"), "conversations": 3}
+    assert rep["regeneration"]["answers"] == 3 and rep["counts"]["regenerated"] == 5  # b0 (1 turn) + b1 (2 turns)
+    assert rep["settings"] == json.loads(report_path(full).read_text())["settings"]  # not in the fingerprint
+
+
+def test_reuse_refused_in_one_line(tmp_path, tiny_llama_dir):
+    """Answers made with another answer budget, a file without its report, a bad line: one line each, nothing written."""
+    a = _jsonl(tmp_path / "a.jsonl", [{"id": "a0", "messages": [U("Hi there")]}])
+    cfg_a = _config(tmp_path, tiny_llama_dir, [a], out="first")
+    assert run(cfg_a) == 0
+    other = _config(tmp_path, tiny_llama_dir, [a], max_new=6, reuse=cfg_a.prompts_path, out="other")
+    with pytest.raises(UserError) as e:
+        run(other)
+    assert str(e.value) == (f"{report_path(cfg_a)}: prompts.reuse_answers: its answers were made with max_new_tokens = "
+                            "5, this run has 6; regenerate without prompts.reuse_answers or match the setting")
+    assert not other.prompts_path.exists()
+    lone = tmp_path / "lone" / "p.jsonl"
+    lone.parent.mkdir()
+    shutil.copy(cfg_a.prompts_path, lone)
+    with pytest.raises(UserError, match=r"prompts_report.json: missing \(the report 01 wrote beside p.jsonl"):
+        run(_config(tmp_path, tiny_llama_dir, [a], reuse=lone, out="lone_run"))
+    shutil.copy(report_path(cfg_a), lone.parent / "prompts_report.json")
+    lone.write_text(lone.read_text() + "{not json\n")
+    with pytest.raises(UserError, match=r"p.jsonl:2: prompts.reuse_answers: not a JSON line"):
+        run(_config(tmp_path, tiny_llama_dir, [a], reuse=lone, out="bad_run"))
+    with pytest.raises(UserError, match="no such file"):
+        run(_config(tmp_path, tiny_llama_dir, [a], reuse=tmp_path / "nope.jsonl", out="nope_run"))
