@@ -324,9 +324,9 @@ def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
     transformers' ``sdpa_attention_forward``).
 
     Packed prefill (``slot_cache.packed`` set): query ``[1, H, Tq, D]`` of rows back to back
-    (:func:`eagle3.prompts.packed_prefill.packed_prefill_attention`). Prefill (``slot_cache.rows`` set): query ``[P, H, Wp, D]``, key/value ``[P, Hkv, Wp, D]`` of right-padded
-    prompts; K/V are written to columns ``[0, Wp)`` of the rows' slots and the output is causal attention over
-    the prompt itself (a real token never sees the padding after it). With ``slot_cache.prefill_mask`` set the rows
+    (:func:`eagle3.prompts.packed_prefill.packed_prefill_attention`). Prefill (``slot_cache.rows`` set): query
+    ``[P, H, Wp, D]``, key/value ``[P, Hkv, Wp, D]`` of right-padded prompts; K/V are written to columns ``[0, Wp)``
+    of the rows' slots and the output is causal attention over the prompt itself (a real token never sees the padding after it). With ``slot_cache.prefill_mask`` set the rows
     are suffixes at column offsets (:func:`offset_prefill_attention`: written at ``offsets[r] + j``, attending the
     slot's cached prefix and the suffix causally). Decode over the slot prefix ``[:n]``:
     query ``[n, H, 1, D]``, key/value ``[n, Hkv, 1, D]`` written at column ``lengths[s]`` of slot s, then either
@@ -674,10 +674,12 @@ class SlotEngine(Engine):
         prefill_pack: feed each prefill forward's prompts back to back as one sequence (no padding between rows, a
             stream rounded up to a power of two; :mod:`eagle3.prompts.packed_prefill`), within ``prefill_tokens``
             fed tokens (a single longer prompt alone; off CUDA at most ``PACK_EAGER_TOKENS``, as eager FlexAttention
-            builds dense scores); FlexAttention keeps the rows apart (compiled on CUDA, eager on the CPU). On CUDA with ``cuda_graphs`` each stream shape ``(Tq, Tp)`` is captured as a CUDA graph at
-            its second use and replayed after (a shape seen once costs no capture). A failure of the compiled
-            attention or of a capture logs one warning and the engine goes on with padded prefill / eager packed
-            forwards. Exclusive with ``prefill_graphs``. Greedy tokens are the same (fp32: equal).
+            builds dense scores); FlexAttention keeps the rows apart (compiled on CUDA: automatic dynamic shapes,
+            static ones after a failure; eager on the CPU). On CUDA with ``cuda_graphs`` each stream shape ``(Tq,
+            Tp)`` is captured as a CUDA graph at its second use and replayed after (a shape seen once costs no
+            capture). A failed capture logs one warning and packed forwards run eagerly; a failed packed forward on
+            CUDA logs one and the engine prefills padded from then on. Exclusive with ``prefill_graphs``. Greedy
+            tokens are the same (fp32: equal).
 
     Memory: ``2 * layers * slots * max_len * kv_heads * head_dim`` elements of the model dtype (``slots + 1`` rows with
     ``prefill_graphs``: the scratch row), plus ``slots x max_new_tokens`` int64 answer buffer; with prefill graphs
