@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections import Counter
 from pathlib import Path
 from typing import Optional
@@ -235,6 +236,9 @@ def run(cfg: RunConfig, source: Optional[str] = None, fmt: Optional[str] = None,
     if not force and up_to_date(out, rep, want):
         print(f"prompts up to date: {out} ({rep.name} settings unchanged; use --force to redo)")
         return 0
+    why = "--force" if force and out.is_file() else redo_reason(out, rep, want)
+    if why and os.environ.get("RANK", "0") in ("", "0"):  # say why before a (long) regeneration; once under torchrun
+        print(f"remaking {out} ({why})", flush=True)
 
     convs, counts, kept_by_step = select_conversations(cfg, limit)
     regen_stats: dict = {}
@@ -245,8 +249,7 @@ def run(cfg: RunConfig, source: Optional[str] = None, fmt: Optional[str] = None,
         if convs is None:  # a torchrun rank > 0: its answers are in its resume log, rank 0 writes the outputs
             return 0
         if not convs:
-            raise UserError(f"prompts.server.urls: every conversation failed to regenerate "
-                            f"({regen_stats.get('failed', 0)} failed; see the error lines above)")
+            raise nothing_regenerated(cfg, regen_stats)
     report = build_report(cfg, want, counts, kept_by_step, convs, regen_stats)
     # settings the command line set (not the config): 02 does not compare them with its config (prompts_changes)
     report["cli_overrides"] = [k for k, v in (("source", source), ("format", fmt), ("regenerate", regenerate)) if v is not None]
@@ -273,6 +276,54 @@ def apply_overrides(cfg: RunConfig, source: Optional[str], fmt: Optional[str], r
     if limit is not None and limit < 1:
         raise UserError(f"--limit: must be >= 1, got {limit}")
     return cfg
+
+
+def _brief(value, limit: int = 60) -> str:
+    """``repr(value)``, cut to ``limit`` characters (a source hash, a chat template) for one log line."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def redo_reason(out: Path, rep: Path, want: dict) -> Optional[str]:
+    """Why an existing ``prompts.jsonl`` is made again: the settings that differ from the ones in
+    ``prompts_report.json`` (``key: old -> new``, every key of :func:`settings`), a missing or unreadable report,
+    or regeneration failures last time. None when there is no ``prompts.jsonl`` yet (nothing is replaced) or it
+    is up to date."""
+    if not out.is_file():
+        return None
+    if not rep.is_file():
+        return f"no {rep.name} beside it"
+    try:
+        old = json.loads(rep.read_text(encoding="utf-8")).get("settings")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        old = None
+    if not isinstance(old, dict):
+        return f"{rep.name} has no readable settings"
+    changed = [f"{k}: {_brief(old.get(k, 'unset'))} -> {_brief(want.get(k, 'unset'))}"
+               for k in sorted(set(old) | set(want)) if old.get(k) != want.get(k)]
+    if changed:
+        return "settings changed: " + "; ".join(changed)
+    if _had_failures(rep):
+        return "conversations failed to regenerate last time: retrying them"
+    return None
+
+
+def nothing_regenerated(cfg: RunConfig, stats: dict) -> UserError:
+    """The error for a regeneration that answered no conversation, naming the cause: every conversation's first
+    prompt over the context cap (``dropped_over_context``), failed conversations (server path), or both. The
+    resume logs then hold no conversation (neither kind is logged): they are removed, so nothing is left behind."""
+    from eagle3.prompts.replicas import all_logs
+
+    for p in all_logs(partial_path(cfg).parent):
+        p.unlink(missing_ok=True)
+    dropped, failed = stats.get("dropped_over_context", 0), stats.get("failed", 0)
+    cap = (f"{dropped} conversations left out because their first prompt has >= {max_context_tokens(cfg)} tokens "
+           f"(prompts.max_context_tokens, else extract.max_length: raise it)")
+    if dropped and not failed:
+        return UserError(f"prompts.max_context_tokens: no conversation to regenerate: {cap}; nothing written")
+    where = "prompts.server.urls" if cfg.prompts.regenerate_via != "local" else "prompts.regenerate"
+    return UserError(f"{where}: every conversation failed to regenerate ({failed} failed; see the error lines above"
+                     + (f"; {cap}" if dropped else "") + "); nothing written")
 
 
 def up_to_date(out: Path, rep: Path, want: dict) -> bool:

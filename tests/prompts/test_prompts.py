@@ -435,3 +435,47 @@ def test_report_markdown_says_a_resumed_run_counts_only_its_own_answers():
     assert md.index("resumed from the log") < md.index("regeneration: new tokens | 1344")
     rep["regeneration"]["resumed"] = 0
     assert "resumed from the log" not in report_markdown(rep)
+
+
+def test_remaking_prompts_names_the_changed_settings(tmp_path, capsys):
+    """A re-run that replaces an existing prompts.jsonl says why, on one line, before it works: the settings that
+    changed (``key: old -> new``), or --force; a first run and an up-to-date run print no such line."""
+    src = _jsonl(tmp_path / "q.jsonl", [{"messages": [U(f"u{i}"), A(f"a{i}")]} for i in range(4)])
+    cfg = load_config(_config(tmp_path, src, sample_size=3, seed=5))
+    assert run(cfg) == 0 and not capsys.readouterr().out.startswith("remaking")  # nothing replaced
+    assert run(cfg) == 0 and capsys.readouterr().out.startswith("prompts up to date")  # nothing printed before
+    changed = load_config(_config(tmp_path, src, sample_size=2, seed=5))
+    assert run(changed) == 0
+    out = capsys.readouterr().out
+    assert f"remaking {changed.prompts_path} (settings changed: sample_size: 3 -> 2)" in out
+    assert run(changed, force=True) == 0
+    assert f"remaking {changed.prompts_path} (--force)" in capsys.readouterr().out
+
+
+def test_every_conversation_over_the_context_cap_names_the_cap_and_leaves_nothing(tmp_path, monkeypatch):
+    """Local regeneration that leaves every conversation out (first prompt over the context cap) stops with one
+    error naming prompts.max_context_tokens and the cap (not the server URLs of the endpoint path), and removes the
+    resume log it started (it holds no conversation): nothing is left behind."""
+    import eagle3.prompts.prepare_prompts as stage
+
+    src = _jsonl(tmp_path / "q.jsonl", [{"messages": [U("a long first prompt")]}])
+    cfgf = _config(tmp_path, src)
+    cfg = load_config(cfgf, ["prompts.regenerate=true", "prompts.max_context_tokens=10"])
+
+    def all_dropped(cfg, convs, want, stats, force=False):
+        stage.partial_path(cfg).parent.mkdir(parents=True, exist_ok=True)
+        stage.partial_path(cfg).write_text(json.dumps({"settings": want}) + "\n")  # the log's header only
+        stats.update(dropped_over_context=len(convs), answers=0)
+        return []
+
+    monkeypatch.setattr(stage, "_regenerate", all_dropped)
+    with pytest.raises(UserError) as e:
+        run(cfg)
+    msg = str(e.value)
+    assert msg.startswith("prompts.max_context_tokens: no conversation to regenerate: 1 conversations left out "
+                          "because their first prompt has >= 10 tokens") and "server" not in msg
+    assert not cfg.prompts_path.parent.exists() or not any(cfg.prompts_path.parent.iterdir())
+    # the endpoint path keeps naming the servers when conversations failed there
+    srv = load_config(cfgf, ["prompts.regenerate=true", "prompts.regenerate_via=openai"])
+    assert str(stage.nothing_regenerated(srv, {"failed": 3})).startswith(
+        "prompts.server.urls: every conversation failed to regenerate (3 failed")
