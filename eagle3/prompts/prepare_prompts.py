@@ -263,7 +263,8 @@ def apply_overrides(cfg: RunConfig, source: Optional[str], fmt: Optional[str], r
     """``cfg`` with the CLI's ``--source``/``--format``/``--regenerate`` applied and validated.
 
     Raises:
-        UserError: an override the ``prompts`` schema refuses (named ``prompts.<field>``), or ``limit < 1``.
+        UserError: an override the ``prompts`` schema refuses (named ``--<option> (prompts.<field>)``, with the
+            value), or ``limit < 1``.
     """
     upd = {k: v for k, v in (("source", source), ("format", fmt), ("regenerate", regenerate)) if v is not None}
     if upd:
@@ -271,7 +272,9 @@ def apply_overrides(cfg: RunConfig, source: Optional[str], fmt: Optional[str], r
             prompts_cfg = PromptsConfig.model_validate({**cfg.prompts.model_dump(), **upd})
         except ValidationError as e:
             err = e.errors()[0]
-            raise UserError(f"prompts.{'.'.join(map(str, err['loc']))}: {err['msg']}") from e
+            key = ".".join(map(str, err["loc"]))
+            raise UserError(f"--{key} (prompts.{key}): {err['msg'].removeprefix('Value error, ')} "
+                            f"(got {err.get('input')!r})") from e
         cfg = cfg.model_copy(update={"prompts": prompts_cfg})
     if limit is not None and limit < 1:
         raise UserError(f"--limit: must be >= 1, got {limit}")

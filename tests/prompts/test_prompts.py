@@ -479,3 +479,46 @@ def test_every_conversation_over_the_context_cap_names_the_cap_and_leaves_nothin
     srv = load_config(cfgf, ["prompts.regenerate=true", "prompts.regenerate_via=openai"])
     assert str(stage.nothing_regenerated(srv, {"failed": 3})).startswith(
         "prompts.server.urls: every conversation failed to regenerate (3 failed")
+
+
+def test_utf8_byte_order_mark_is_read(tmp_path):
+    """A prompts file saved with a UTF-8 byte-order mark (Windows editors; CRLF line ends too) reads like one without:
+    JSONL, JSON and gzipped JSONL (before: ``malformed JSON: Unexpected UTF-8 BOM``)."""
+    rows = [{"messages": [U("hi"), A("yo")]}, {"messages": [U("q2"), A("a2")]}]
+    jl = tmp_path / "bom.jsonl"
+    jl.write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(r) + "\r\n" for r in rows).encode())
+    js = tmp_path / "bom.json"
+    js.write_bytes(b"\xef\xbb\xbf" + json.dumps(rows).encode())
+    gz = tmp_path / "bom.jsonl.gz"
+    gz.write_bytes(gzip.compress(jl.read_bytes()))
+    for path in (jl, js, gz):
+        got = read_conversations(str(path))
+        assert [c["messages"] for c in got] == [r["messages"] for r in rows], path
+
+
+@pytest.mark.parametrize("content,err", [
+    (["a", "b"], r"q\.jsonl:1: field 'messages\[0\]\.content\[0\]' must be a content part .*got str$"),
+    ([{"type": "text", "text": 5}], r"q\.jsonl:1: field 'messages\[0\]\.content\[0\]\.text' must be a string, got int$"),
+])
+def test_content_parts_that_are_not_text_parts_are_named(tmp_path, content, err):
+    """Message content as a list must hold OpenAI content parts: a list of strings is refused naming file, line and
+    field (before: read as empty text, the conversation silently skipped), a non-string text too (before: a
+    traceback); text parts are joined and other parts dropped as before."""
+    bad = _jsonl(tmp_path / "q.jsonl", [{"messages": [{"role": "user", "content": content}, A("x")]}])
+    with pytest.raises(UserError, match=err):
+        read_conversations(bad)
+    ok = _jsonl(tmp_path / "ok.jsonl", [{"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "look "}, {"type": "image_url", "image_url": {"url": "u"}}, {"text": "here"}]}, A("x")]}])
+    assert read_conversations(ok)[0]["messages"][0] == U("look here")
+
+
+@pytest.mark.parametrize("value,msg", [("''", "empty: name a prompts file"), ("[]", "an empty list"),
+                                       ("[a.jsonl, ' ']", "empty: name a prompts file")])
+def test_empty_source_is_refused_in_the_config(tmp_path, value, msg):
+    """An empty prompts.source (string, list, or a blank list item) is refused as a config error naming the field
+    (before: ``error: .: a folder, not a prompts file`` or ``no usable conversation in '[]'``); --source '' too."""
+    cfgf = _config(tmp_path, "humaneval")
+    with pytest.raises(UserError, match=rf"^--set prompts\.source=.*: field 'prompts\.source': {msg}"):
+        load_config(cfgf, [f"prompts.source={value}"])
+    with pytest.raises(UserError, match=r"^--source \(prompts\.source\): empty: name a prompts file.* \(got ''\)$"):
+        run(load_config(cfgf), source="")
