@@ -428,6 +428,9 @@ def select_conversations(cfg: RunConfig, limit: Optional[int]) -> tuple[list[dic
     if pc.dedupe:
         convs, n_dup = dedupe(convs)
     n_before = len(convs)
+    if pc.sample_size is not None and 0 < n_before < pc.sample_size:  # asked for more than there are: say so
+        log.warning("prompts.sample_size %d: only %d conversations left after reading%s; keeping all %d",
+                    pc.sample_size, n_before, " and dedupe" if pc.dedupe else "", n_before)
     convs = sample(convs, pc.sample_size, pc.seed)
     n_sampled_out = n_before - len(convs)
     n_limited_out = 0

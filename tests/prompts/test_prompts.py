@@ -522,3 +522,17 @@ def test_empty_source_is_refused_in_the_config(tmp_path, value, msg):
         load_config(cfgf, [f"prompts.source={value}"])
     with pytest.raises(UserError, match=r"^--source \(prompts\.source\): empty: name a prompts file.* \(got ''\)$"):
         run(load_config(cfgf), source="")
+
+
+def test_sample_size_above_the_conversations_left_is_warned(tmp_path, caplog):
+    """prompts.sample_size larger than the conversations left after reading and dedupe keeps them all, with one
+    warning naming both numbers (before: silently, the report's sampled_out 0 the only trace)."""
+    src = _jsonl(tmp_path / "q.jsonl", [{"messages": [U(f"u{i % 3}"), A("a")]} for i in range(4)])  # 3 after dedupe
+    with caplog.at_level("WARNING", logger="eagle3.prompts.prepare_prompts"):
+        assert run(load_config(_config(tmp_path, src, sample_size=50))) == 0
+    assert [r.getMessage() for r in caplog.records] == [
+        "prompts.sample_size 50: only 3 conversations left after reading and dedupe; keeping all 3"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="eagle3.prompts.prepare_prompts"):
+        assert run(load_config(_config(tmp_path, src, sample_size=2))) == 0
+    assert not caplog.records
