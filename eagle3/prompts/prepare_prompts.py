@@ -281,7 +281,7 @@ def apply_overrides(cfg: RunConfig, source: Optional[str], fmt: Optional[str], r
     return cfg
 
 
-def _brief(value, limit: int = 60) -> str:
+def _brief(value, limit: int = 200) -> str:
     """``repr(value)``, cut to ``limit`` characters (a source hash, a chat template) for one log line."""
     text = repr(value)
     return text if len(text) <= limit else text[:limit - 3] + "..."
@@ -302,10 +302,13 @@ def redo_reason(out: Path, rep: Path, want: dict) -> Optional[str]:
         old = None
     if not isinstance(old, dict):
         return f"{rep.name} has no readable settings"
-    changed = [f"{k}: {_brief(old.get(k, 'unset'))} -> {_brief(want.get(k, 'unset'))}"
-               for k in sorted(set(old) | set(want)) if old.get(k) != want.get(k)]
-    if changed:
-        return "settings changed: " + "; ".join(changed)
+    keys = [k for k in sorted(set(old) | set(want)) if old.get(k) != want.get(k)]
+    if keys:
+        content = "sha256" in keys and "source" not in keys  # the same file name, other bytes
+        parts = [f"the content of {want.get('source')} changed"] if content else []
+        parts += [f"{k}: {_brief(old.get(k, 'unset'))} -> {_brief(want.get(k, 'unset'))}"
+                  for k in keys if k not in ("bytes", "sha256")]  # a file's size and hash follow its name
+        return "settings changed: " + "; ".join(parts)
     if _had_failures(rep):
         return "conversations failed to regenerate last time: retrying them"
     return None

@@ -450,6 +450,12 @@ def test_remaking_prompts_names_the_changed_settings(tmp_path, capsys):
     assert f"remaking {changed.prompts_path} (settings changed: sample_size: 3 -> 2)" in out
     assert run(changed, force=True) == 0
     assert f"remaking {changed.prompts_path} (--force)" in capsys.readouterr().out
+    other = _jsonl(tmp_path / "r.jsonl", [{"messages": [U(f"v{i}"), A(f"b{i}")]} for i in range(4)])
+    assert run(load_config(_config(tmp_path, other, sample_size=2, seed=5))) == 0  # another file: its name, no hash
+    assert f"(settings changed: source: {src!r} -> {other!r})" in capsys.readouterr().out
+    (tmp_path / "r.jsonl").write_text((tmp_path / "r.jsonl").read_text() + json.dumps({"messages": [U("w"), A("c")]}))
+    assert run(load_config(_config(tmp_path, other, sample_size=2, seed=5))) == 0  # the same file, edited
+    assert f"(settings changed: the content of {other} changed)" in capsys.readouterr().out
 
 
 def test_every_conversation_over_the_context_cap_names_the_cap_and_leaves_nothing(tmp_path, monkeypatch):
