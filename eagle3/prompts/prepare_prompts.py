@@ -159,19 +159,24 @@ def partial_path(cfg: RunConfig) -> Path:
     return cfg.prompts_path.parent / PARTIAL_NAME
 
 
-def interrupt_hint(cfg: RunConfig) -> str:
+def interrupt_hint(cfg: RunConfig, regenerate: Optional[bool] = None) -> str:
     """What an interrupted 01 kept and how to go on (the line after ``interrupted by SIGTERM:``): the number of
     distinct regenerated conversations in the resume logs (every rank's) and that the same command, without
-    ``--force`` (which discards them), resumes."""
+    ``--force`` (which discards them), resumes. ``regenerate``: the command line's ``--regenerate`` /
+    ``--no-regenerate`` (None: ``prompts.regenerate``); a run that does not regenerate keeps nothing (it writes
+    ``prompts.jsonl`` at the end), and is told so rather than about regenerated answers."""
     from eagle3.prompts.replicas import all_logs
     from eagle3.prompts.resume_log import PARTIAL_NAME, logged_positions
 
+    if not (cfg.prompts.regenerate if regenerate is None else regenerate):
+        return f"nothing written ({cfg.prompts_path.name} is written at the end); re-run the same command"
     logs = all_logs(cfg.prompts_path.parent)
     if not logs:
         return "no regenerated answer was kept yet; re-run the same command (without --force) to start again"
     n = len(logged_positions(logs))
     pattern = cfg.prompts_path.parent / PARTIAL_NAME.replace(".jsonl", "*.jsonl")
-    return f"{n} regenerated conversations kept in {pattern}; re-run the same command (without --force) to resume"
+    return (f"{n} regenerated conversation{'' if n == 1 else 's'} kept in {pattern}; "
+            "re-run the same command (without --force) to resume")
 
 
 def _regenerate(cfg: RunConfig, convs: list[dict], want: dict, stats: dict, force: bool = False) -> Optional[list[dict]]:

@@ -542,3 +542,22 @@ def test_sample_size_above_the_conversations_left_is_warned(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="eagle3.prompts.prepare_prompts"):
         assert run(load_config(_config(tmp_path, src, sample_size=2))) == 0
     assert not caplog.records
+
+
+def test_interrupt_hint_says_what_was_kept(tmp_path):
+    """The line after ``interrupted by SIGTERM:``: a run that does not regenerate (config, or --no-regenerate over a
+    config that does) kept nothing and says so, not "no regenerated answer was kept yet"; a regenerating run counts
+    the logged conversations, in the singular for one."""
+    from eagle3.prompts.prepare_prompts import interrupt_hint, partial_path
+
+    src = _jsonl(tmp_path / "q.jsonl", [{"messages": [U("u"), A("a")]}])
+    plain = load_config(_config(tmp_path, src))
+    regen = load_config(_config(tmp_path, src, regenerate=True))
+    nothing = "nothing written (prompts.jsonl is written at the end); re-run the same command"
+    assert interrupt_hint(plain) == nothing and interrupt_hint(regen, False) == nothing
+    assert interrupt_hint(regen).startswith("no regenerated answer was kept yet")
+    log = partial_path(regen)
+    log.parent.mkdir(parents=True)
+    log.write_text(json.dumps({"settings": {}}) + "\n" + json.dumps({"idx": 0, "id": "q-1", "messages": []}) + "\n")
+    assert interrupt_hint(plain, True) == (f"1 regenerated conversation kept in {log.parent / 'prompts.regen-partial*.jsonl'}; "
+                                           "re-run the same command (without --force) to resume")
