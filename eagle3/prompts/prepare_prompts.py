@@ -15,6 +15,7 @@ the stage does nothing and says so (``force=True`` recomputes).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -27,7 +28,7 @@ from pydantic import ValidationError
 from eagle3.prompts.chat import ChatOptions, end_of_turn_ids
 from eagle3.config import PromptsConfig, RunConfig
 from eagle3.errors import UserError
-from eagle3.io import atomic_write_json, atomic_write_jsonl, atomic_write_text, file_sha256
+from eagle3.io import atomic_write_json, atomic_write_jsonl, atomic_write_text, exclusive_lock, file_sha256
 from eagle3.prompts.readers import dedupe, read_conversations, sample
 
 log = logging.getLogger(__name__)
@@ -247,20 +248,47 @@ def run(cfg: RunConfig, source: Optional[str] = None, fmt: Optional[str] = None,
 
     convs, counts, kept_by_step = select_conversations(cfg, limit)
     regen_stats: dict = {}
-    if pc.regenerate:
-        if force:
-            partial_path(cfg).unlink(missing_ok=True)
-        convs = _regenerate(cfg, convs, want, regen_stats, force=force)
-        if convs is None:  # a torchrun rank > 0: its answers are in its resume log, rank 0 writes the outputs
-            return 0
-        if not convs:
-            raise nothing_regenerated(cfg, regen_stats)
-    report = build_report(cfg, want, counts, kept_by_step, convs, regen_stats)
-    # settings the command line set (not the config): 02 does not compare them with its config (prompts_changes)
-    report["cli_overrides"] = [k for k, v in (("source", source), ("format", fmt), ("regenerate", regenerate)) if v is not None]
-    report[SOURCE_STATS] = source_stats
-    write_outputs(cfg, convs, report, regen_stats)
+    with writer_lock(cfg):  # one 01 per output folder (its resume log, prompts.jsonl)
+        if pc.regenerate:
+            if force:
+                partial_path(cfg).unlink(missing_ok=True)
+            convs = _regenerate(cfg, convs, want, regen_stats, force=force)
+            if convs is None:  # a torchrun rank > 0: its answers are in its resume log, rank 0 writes the outputs
+                return 0
+            if not convs:
+                raise nothing_regenerated(cfg, regen_stats)
+        report = build_report(cfg, want, counts, kept_by_step, convs, regen_stats)
+        # settings the command line set (not the config): 02 does not compare them with its config (prompts_changes)
+        report["cli_overrides"] = [k for k, v in (("source", source), ("format", fmt), ("regenerate", regenerate))
+                                   if v is not None]
+        report[SOURCE_STATS] = source_stats
+        write_outputs(cfg, convs, report, regen_stats)
     return 0
+
+
+LOCK_NAME = ".prompts.lock"  # next to prompts.jsonl while a 01 writes there
+
+
+@contextlib.contextmanager
+def writer_lock(cfg: RunConfig):
+    """Hold ``{prompts folder}/.prompts.lock`` (:func:`eagle3.io.exclusive_lock`) for the block: a second 01 on the
+    same output folder stops at once with ``error: <folder>/.prompts.lock: another 01_prepare_prompts run is writing
+    to <folder>`` (before, both regenerated everything, appending to one resume log). Under torchrun only rank 0
+    takes it (the job's other ranks write their own logs there). A folder this call created is removed again when
+    the block fails and leaves it empty, so a refused run leaves nothing behind."""
+    if os.environ.get("RANK", "0") not in ("", "0"):
+        yield
+        return
+    folder = cfg.prompts_path.parent
+    created = not folder.exists()
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        with exclusive_lock(folder / LOCK_NAME, f"another 01_prepare_prompts run is writing to {folder}"):
+            yield
+    except BaseException:
+        if created and folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()
+        raise
 
 
 def apply_overrides(cfg: RunConfig, source: Optional[str], fmt: Optional[str], regenerate: Optional[bool],

@@ -561,3 +561,32 @@ def test_interrupt_hint_says_what_was_kept(tmp_path):
     log.write_text(json.dumps({"settings": {}}) + "\n" + json.dumps({"idx": 0, "id": "q-1", "messages": []}) + "\n")
     assert interrupt_hint(plain, True) == (f"1 regenerated conversation kept in {log.parent / 'prompts.regen-partial*.jsonl'}; "
                                            "re-run the same command (without --force) to resume")
+
+
+def test_a_second_01_on_the_same_folder_is_refused(tmp_path, monkeypatch):
+    """While a 01 writes to an output folder it holds ``.prompts.lock`` there: a second one stops at once with one
+    line naming the folder (before, both regenerated everything into one resume log), and the lock file is gone after
+    a run. A run that fails in a folder it created leaves no folder behind."""
+    import eagle3.prompts.prepare_prompts as stage
+    from eagle3.io import exclusive_lock
+
+    src = _jsonl(tmp_path / "q.jsonl", [{"messages": [U("u"), A("a")]}])
+    cfg = load_config(_config(tmp_path, src))
+    folder = cfg.prompts_path.parent
+    folder.mkdir(parents=True)
+    with exclusive_lock(folder / stage.LOCK_NAME, "held by the test"):
+        with pytest.raises(UserError, match=rf"^{folder / '.prompts.lock'}: another 01_prepare_prompts run is "
+                                            rf"writing to {folder}$"):
+            run(cfg)
+    assert not cfg.prompts_path.exists()
+    assert run(cfg) == 0 and cfg.prompts_path.is_file() and not (folder / stage.LOCK_NAME).exists()
+
+    fresh = load_config(_config(tmp_path, src, regenerate=True), [f"output_root={tmp_path / 'fresh'}"])
+
+    def fails(*a, **k):
+        raise UserError("verifier.path: not found")
+
+    monkeypatch.setattr(stage, "_regenerate", fails)
+    with pytest.raises(UserError, match="verifier.path"):
+        run(fresh)
+    assert not (tmp_path / "fresh").exists()
