@@ -55,7 +55,7 @@ def main(argv=None):
                                  a.self_instruct_max_tokens, a.self_instruct_min_chars, a.exclude, force=a.force)
     import eagle3.prompts.prepare_prompts as stage
 
-    with resume_on_interrupt(lambda: stage.interrupt_hint(cfg)):  # SIGTERM / Ctrl-C: one line, exit 143 / 130
+    with resume_on_interrupt(lambda: stage.interrupt_hint(cfg, a.regenerate)):  # SIGTERM / Ctrl-C: one line, exit 143 / 130
         return stage.run(cfg, source=a.source, fmt=a.fmt, regenerate=a.regenerate, limit=a.limit, force=a.force)
 
 

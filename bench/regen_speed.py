@@ -5,7 +5,9 @@ One process, one verifier load:
 1. HBM bandwidth, measured by a device-to-device copy of ``--copy-gib`` GiB (read + write bytes / time).
 2. The main run: ``--main-engine`` (default ``slots``) over ``--num`` conversations (all by default) through
    :func:`eagle3.prompts.regenerate.regenerate`, exactly as ``01_prepare_prompts.py --regenerate`` runs it
-   (context cap, chat options, batch size from the config). Generated tokens/s (answer tokens, stop tokens
+   (context cap, chat options, batch size from the config), after an unmeasured warm-up (kernels, allocator): the
+   first turn of the first ``min(8, batch size)`` conversations, at most 8 new tokens, uncompiled, printed as
+   ``warm-up (not measured): ...`` and in no result. Generated tokens/s (answer tokens, stop tokens
    excluded, as 01's report) and the ratio to the roofline: a decode step must read the weights once and
    every live row's KV cache up to its length, so ``roofline_s = (decode_steps * weight_bytes +
    kv_tokens_needed * kv_bytes_per_token) / bandwidth``; ratio = roofline_s / measured seconds (prefill,
@@ -130,9 +132,10 @@ def read_input(cfg, prompts: Path | None) -> list[dict]:
     return convs if prompts else sample(convs, pc.sample_size, pc.seed)
 
 
-def timed_run(model, tok, convs, engine: str, cfg, batch_size: int, max_new: int, opts_kw: dict) -> tuple[list, dict]:
+def timed_run(model, tok, convs, engine: str, cfg, batch_size: int, max_new: int, opts_kw: dict,
+              label: str | None = None) -> tuple[list, dict]:
     """One :func:`regenerate` call, synchronised around; returns (conversations, stats with ``seconds``,
-    ``tokens_per_s``)."""
+    ``tokens_per_s``). Prints one line, ``<label or engine>: N conversations, ...``."""
     from eagle3.prompts.chat import ChatOptions
     from eagle3.prompts.prepare_prompts import max_context_tokens
     from eagle3.prompts.regenerate import regenerate
@@ -151,9 +154,29 @@ def timed_run(model, tok, convs, engine: str, cfg, batch_size: int, max_new: int
         import torch
 
         torch.cuda.empty_cache()
-    print(f"{engine}: {len(convs)} conversations, {st['answers']} answers, {st['new_tokens']} tokens in "
+    print(f"{label or engine}: {len(convs)} conversations, {st['answers']} answers, {st['new_tokens']} tokens in "
           f"{st['seconds']:.1f} s ({st['tokens_per_s']:.0f} tokens/s)", flush=True)
     return out, st
+
+
+def first_turns(convs: list[dict]) -> list[dict]:
+    """Each conversation cut after its first user turn (a system message before it kept): one answer each."""
+    out = []
+    for c in convs:
+        k = next((i for i, m in enumerate(c["messages"]) if m["role"] == "user"), len(c["messages"]) - 1)
+        out.append({**c, "messages": c["messages"][:k + 1]})
+    return out
+
+
+def warm_up(model, tok, convs, engine: str, cfg, batch_size: int, max_new: int, opts_kw: dict) -> None:
+    """The unmeasured warm-up before the main run (kernels, allocator): the first turn of the first
+    ``min(8, batch_size)`` conversations at ``min(8, max_new)`` new tokens, uncompiled (an 8-slot compile would be a
+    cold compile no later run reuses). Kept within the run's own batch and answer sizes: on the 2-core CPU an
+    8-row, all-turns warm-up cost as long as a 4-conversation main run (61 s), and its line read like a result."""
+    warm_kw = {**opts_kw, "slots": {**opts_kw["slots"], "compile_step": False}}
+    rows = min(8, batch_size)
+    timed_run(model, tok, first_turns(convs[:rows]), engine, cfg, rows, min(8, max_new), warm_kw,
+              label="warm-up (not measured)")
 
 
 def roofline(st: dict, weight_bytes: int, bandwidth: float | None) -> dict:
@@ -708,9 +731,7 @@ def main(argv=None) -> int:
     opts_kw = {e: engine_options(cfg.prompts.model_copy(update={"regen_engine": e})) for e in ("slots", "hf_continuous")}
     bw = measure_bandwidth(dev, a.copy_gib)
     weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
-    # warm-up (kernels, allocator) uncompiled: an 8-slot compile would be a cold compile no later run reuses
-    warm_kw = {**opts_kw, "slots": {**opts_kw["slots"], "compile_step": False}}
-    timed_run(model, tok, main_convs[:8], a.main_engine, cfg, 8, 8, warm_kw)
+    warm_up(model, tok, main_convs, a.main_engine, cfg, batch_size, max_new, opts_kw)
     main_out, st = timed_run(model, tok, main_convs, a.main_engine, cfg, batch_size, max_new, opts_kw)
     res = {"verifier": cfg.verifier.display_name(), "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
            "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else str(dev),

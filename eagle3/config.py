@@ -236,6 +236,18 @@ class PromptsConfig(_Strict):
     )
     format: Literal["auto", "sharegpt", "messages", "alpaca", "questions", "humaneval", "hf"] = "auto"
     hf_split: str = "train"
+
+    @field_validator("source")
+    @classmethod
+    def _source(cls, v):
+        """A name, or a list of at least one, none of them blank: an empty string would read as the current folder
+        (``.: a folder, not a prompts file``) and an empty list as a source with no records."""
+        names = [v] if isinstance(v, str) else v
+        if not names:
+            raise ValueError("an empty list: name at least one prompts file or set")
+        if any(not n.strip() for n in names):
+            raise ValueError("empty: name a prompts file, 'humaneval' or 'hf:<dataset>'")
+        return v
     sample_size: Optional[int] = Field(None, ge=1, description="keep this many (after dedupe), sampled with `seed`")
     seed: int = 0
     dedupe: bool = True

@@ -419,7 +419,8 @@ def safe_torch_load(path: str | os.PathLike, map_location: str | torch.device = 
 
 
 def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
-    """Yield ``(line number, record)`` for each non-blank line of a JSONL file (``.gz`` read as gzip).
+    """Yield ``(line number, record)`` for each non-blank line of a JSONL file (``.gz`` read as gzip). A UTF-8
+    byte-order mark at the start (Windows editors write one) is skipped.
 
     Raises:
         UserError: ``file:line: malformed JSON: ...`` on the first bad line.
@@ -428,7 +429,7 @@ def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
 
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
+    with opener(path, "rt", encoding="utf-8-sig") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue

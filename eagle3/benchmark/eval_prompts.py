@@ -98,7 +98,7 @@ def _messages_from_row(row: dict, where: str) -> list[dict]:
 
 def _read_jsonl(path: Path) -> list[tuple[int, dict]]:
     with open(path, "rb") as f:
-        head = f.read(4096).lstrip()
+        head = f.read(4096).removeprefix(b"\xef\xbb\xbf").lstrip()  # a byte-order mark is skipped (iter_jsonl)
     if head.startswith(b"["):  # a pretty-printed JSON array: its line 1 alone would read as "malformed JSON"
         raise UserError(f"{path}: expected JSONL (one JSON object per line); this file is a JSON array")
     rows = []

@@ -15,8 +15,10 @@ the stage does nothing and says so (``force=True`` recomputes).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 from collections import Counter
 from pathlib import Path
 from typing import Optional
@@ -26,7 +28,7 @@ from pydantic import ValidationError
 from eagle3.prompts.chat import ChatOptions, end_of_turn_ids
 from eagle3.config import PromptsConfig, RunConfig
 from eagle3.errors import UserError
-from eagle3.io import atomic_write_json, atomic_write_jsonl, atomic_write_text, file_sha256
+from eagle3.io import atomic_write_json, atomic_write_jsonl, atomic_write_text, exclusive_lock, file_sha256
 from eagle3.prompts.readers import dedupe, read_conversations, sample
 
 log = logging.getLogger(__name__)
@@ -158,19 +160,24 @@ def partial_path(cfg: RunConfig) -> Path:
     return cfg.prompts_path.parent / PARTIAL_NAME
 
 
-def interrupt_hint(cfg: RunConfig) -> str:
+def interrupt_hint(cfg: RunConfig, regenerate: Optional[bool] = None) -> str:
     """What an interrupted 01 kept and how to go on (the line after ``interrupted by SIGTERM:``): the number of
     distinct regenerated conversations in the resume logs (every rank's) and that the same command, without
-    ``--force`` (which discards them), resumes."""
+    ``--force`` (which discards them), resumes. ``regenerate``: the command line's ``--regenerate`` /
+    ``--no-regenerate`` (None: ``prompts.regenerate``); a run that does not regenerate keeps nothing (it writes
+    ``prompts.jsonl`` at the end), and is told so rather than about regenerated answers."""
     from eagle3.prompts.replicas import all_logs
     from eagle3.prompts.resume_log import PARTIAL_NAME, logged_positions
 
+    if not (cfg.prompts.regenerate if regenerate is None else regenerate):
+        return f"nothing written ({cfg.prompts_path.name} is written at the end); re-run the same command"
     logs = all_logs(cfg.prompts_path.parent)
     if not logs:
         return "no regenerated answer was kept yet; re-run the same command (without --force) to start again"
     n = len(logged_positions(logs))
     pattern = cfg.prompts_path.parent / PARTIAL_NAME.replace(".jsonl", "*.jsonl")
-    return f"{n} regenerated conversations kept in {pattern}; re-run the same command (without --force) to resume"
+    return (f"{n} regenerated conversation{'' if n == 1 else 's'} kept in {pattern}; "
+            "re-run the same command (without --force) to resume")
 
 
 def _regenerate(cfg: RunConfig, convs: list[dict], want: dict, stats: dict, force: bool = False) -> Optional[list[dict]]:
@@ -252,27 +259,56 @@ def run(cfg: RunConfig, source: Optional[str] = None, fmt: Optional[str] = None,
     if not force and up_to_date(out, rep, want):
         print(f"prompts up to date: {out} ({rep.name} settings unchanged; use --force to redo)")
         return 0
+    why = "--force" if force and out.is_file() else redo_reason(out, rep, want)
+    if why and os.environ.get("RANK", "0") in ("", "0"):  # say why before a (long) regeneration; once under torchrun
+        print(f"remaking {out} ({why})", flush=True)
 
     convs, counts, kept_by_step = select_conversations(cfg, limit)
     regen_stats: dict = {}
     reused_info: Optional[dict] = None
-    if pc.regenerate:
-        if force:
-            partial_path(cfg).unlink(missing_ok=True)
-        convs, reused_info = _regenerate_reusing(cfg, convs, want, regen_stats, force)
-        if convs is None:  # a torchrun rank > 0: its answers are in its resume log, rank 0 writes the outputs
-            return 0
-        if not convs:
-            raise UserError(f"prompts.server.urls: every conversation failed to regenerate "
-                            f"({regen_stats.get('failed', 0)} failed; see the error lines above)")
-    report = build_report(cfg, want, counts, kept_by_step, convs, regen_stats)
-    if reused_info is not None:
-        report["reused_answers"] = reused_info
-    # settings the command line set (not the config): 02 does not compare them with its config (prompts_changes)
-    report["cli_overrides"] = [k for k, v in (("source", source), ("format", fmt), ("regenerate", regenerate)) if v is not None]
-    report[SOURCE_STATS] = source_stats
-    write_outputs(cfg, convs, report, regen_stats)
+    with writer_lock(cfg):  # one 01 per output folder (its resume log, prompts.jsonl)
+        if pc.regenerate:
+            if force:
+                partial_path(cfg).unlink(missing_ok=True)
+            convs, reused_info = _regenerate_reusing(cfg, convs, want, regen_stats, force)
+            if convs is None:  # a torchrun rank > 0: its answers are in its resume log, rank 0 writes the outputs
+                return 0
+            if not convs:
+                raise nothing_regenerated(cfg, regen_stats)
+        report = build_report(cfg, want, counts, kept_by_step, convs, regen_stats)
+        if reused_info is not None:
+            report["reused_answers"] = reused_info
+        # settings the command line set (not the config): 02 does not compare them with its config (prompts_changes)
+        report["cli_overrides"] = [k for k, v in (("source", source), ("format", fmt), ("regenerate", regenerate))
+                                   if v is not None]
+        report[SOURCE_STATS] = source_stats
+        write_outputs(cfg, convs, report, regen_stats)
     return 0
+
+
+LOCK_NAME = ".prompts.lock"  # next to prompts.jsonl while a 01 writes there
+
+
+@contextlib.contextmanager
+def writer_lock(cfg: RunConfig):
+    """Hold ``{prompts folder}/.prompts.lock`` (:func:`eagle3.io.exclusive_lock`) for the block: a second 01 on the
+    same output folder stops at once with ``error: <folder>/.prompts.lock: another 01_prepare_prompts run is writing
+    to <folder>`` (before, both regenerated everything, appending to one resume log). Under torchrun only rank 0
+    takes it (the job's other ranks write their own logs there). A folder this call created is removed again when
+    the block fails and leaves it empty, so a refused run leaves nothing behind."""
+    if os.environ.get("RANK", "0") not in ("", "0"):
+        yield
+        return
+    folder = cfg.prompts_path.parent
+    created = not folder.exists()
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        with exclusive_lock(folder / LOCK_NAME, f"another 01_prepare_prompts run is writing to {folder}"):
+            yield
+    except BaseException:
+        if created and folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()
+        raise
 
 
 def apply_overrides(cfg: RunConfig, source: Optional[str], fmt: Optional[str], regenerate: Optional[bool],
@@ -280,7 +316,8 @@ def apply_overrides(cfg: RunConfig, source: Optional[str], fmt: Optional[str], r
     """``cfg`` with the CLI's ``--source``/``--format``/``--regenerate`` applied and validated.
 
     Raises:
-        UserError: an override the ``prompts`` schema refuses (named ``prompts.<field>``), or ``limit < 1``.
+        UserError: an override the ``prompts`` schema refuses (named ``--<option> (prompts.<field>)``, with the
+            value), or ``limit < 1``.
     """
     upd = {k: v for k, v in (("source", source), ("format", fmt), ("regenerate", regenerate)) if v is not None}
     if upd:
@@ -288,11 +325,64 @@ def apply_overrides(cfg: RunConfig, source: Optional[str], fmt: Optional[str], r
             prompts_cfg = PromptsConfig.model_validate({**cfg.prompts.model_dump(), **upd})
         except ValidationError as e:
             err = e.errors()[0]
-            raise UserError(f"prompts.{'.'.join(map(str, err['loc']))}: {err['msg']}") from e
+            key = ".".join(map(str, err["loc"]))
+            raise UserError(f"--{key} (prompts.{key}): {err['msg'].removeprefix('Value error, ')} "
+                            f"(got {err.get('input')!r})") from e
         cfg = cfg.model_copy(update={"prompts": prompts_cfg})
     if limit is not None and limit < 1:
         raise UserError(f"--limit: must be >= 1, got {limit}")
     return cfg
+
+
+def _brief(value, limit: int = 200) -> str:
+    """``repr(value)``, cut to ``limit`` characters (a source hash, a chat template) for one log line."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def redo_reason(out: Path, rep: Path, want: dict) -> Optional[str]:
+    """Why an existing ``prompts.jsonl`` is made again: the settings that differ from the ones in
+    ``prompts_report.json`` (``key: old -> new``, every key of :func:`settings`), a missing or unreadable report,
+    or regeneration failures last time. None when there is no ``prompts.jsonl`` yet (nothing is replaced) or it
+    is up to date."""
+    if not out.is_file():
+        return None
+    if not rep.is_file():
+        return f"no {rep.name} beside it"
+    try:
+        old = json.loads(rep.read_text(encoding="utf-8")).get("settings")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        old = None
+    if not isinstance(old, dict):
+        return f"{rep.name} has no readable settings"
+    keys = [k for k in sorted(set(old) | set(want)) if old.get(k) != want.get(k)]
+    if keys:
+        content = "sha256" in keys and "source" not in keys  # the same file name, other bytes
+        parts = [f"the content of {want.get('source')} changed"] if content else []
+        parts += [f"{k}: {_brief(old.get(k, 'unset'))} -> {_brief(want.get(k, 'unset'))}"
+                  for k in keys if k not in ("bytes", "sha256")]  # a file's size and hash follow its name
+        return "settings changed: " + "; ".join(parts)
+    if _had_failures(rep):
+        return "conversations failed to regenerate last time: retrying them"
+    return None
+
+
+def nothing_regenerated(cfg: RunConfig, stats: dict) -> UserError:
+    """The error for a regeneration that answered no conversation, naming the cause: every conversation's first
+    prompt over the context cap (``dropped_over_context``), failed conversations (server path), or both. The
+    resume logs then hold no conversation (neither kind is logged): they are removed, so nothing is left behind."""
+    from eagle3.prompts.replicas import all_logs
+
+    for p in all_logs(partial_path(cfg).parent):
+        p.unlink(missing_ok=True)
+    dropped, failed = stats.get("dropped_over_context", 0), stats.get("failed", 0)
+    cap = (f"{dropped} conversations left out because their first prompt has >= {max_context_tokens(cfg)} tokens "
+           f"(prompts.max_context_tokens, else extract.max_length: raise it)")
+    if dropped and not failed:
+        return UserError(f"prompts.max_context_tokens: no conversation to regenerate: {cap}; nothing written")
+    where = "prompts.server.urls" if cfg.prompts.regenerate_via != "local" else "prompts.regenerate"
+    return UserError(f"{where}: every conversation failed to regenerate ({failed} failed; see the error lines above"
+                     + (f"; {cap}" if dropped else "") + "); nothing written")
 
 
 def up_to_date(out: Path, rep: Path, want: dict) -> bool:
@@ -394,6 +484,9 @@ def select_conversations(cfg: RunConfig, limit: Optional[int]) -> tuple[list[dic
     if pc.dedupe:
         convs, n_dup = dedupe(convs)
     n_before = len(convs)
+    if pc.sample_size is not None and 0 < n_before < pc.sample_size:  # asked for more than there are: say so
+        log.warning("prompts.sample_size %d: only %d conversations left after reading%s; keeping all %d",
+                    pc.sample_size, n_before, " and dedupe" if pc.dedupe else "", n_before)
     convs = sample(convs, pc.sample_size, pc.seed)
     n_sampled_out = n_before - len(convs)
     n_limited_out = 0

@@ -86,9 +86,10 @@ HUMANEVAL_INSTRUCTION = ("Complete the following Python function. Reply with the
 # raw records
 # ---------------------------------------------------------------------------------------------
 def _open_text(path: Path):
+    """The file as UTF-8 text (``.gz`` decompressed); a leading byte-order mark is skipped."""
     if path.suffix == ".gz":
-        return gzip.open(path, "rt", encoding="utf-8")
-    return open(path, encoding="utf-8")
+        return gzip.open(path, "rt", encoding="utf-8-sig")
+    return open(path, encoding="utf-8-sig")
 
 
 def _iter_file(path: Path) -> Iterator[tuple[str, dict]]:
@@ -169,12 +170,30 @@ def detect_format(rec: dict) -> Optional[str]:
 
 
 def _text(x: Any, where: str, field: str) -> str:
+    """A message's text: a string, None (""), or OpenAI content parts (the ``text`` parts joined, other parts such as
+    images dropped).
+
+    Raises:
+        UserError: ``where: field '<field>' ...`` for another type, a part that is not an object or a text part
+            whose ``text`` is not a string (before: a list of strings read as "" and the conversation was skipped
+            as empty content; a number in ``text`` was a traceback).
+    """
     if x is None:
         return ""
     if isinstance(x, str):
         return x
     if isinstance(x, list):  # OpenAI content parts
-        return "".join(p.get("text", "") for p in x if isinstance(p, dict) and p.get("type", "text") == "text")
+        out = []
+        for j, part in enumerate(x):
+            if not isinstance(part, dict):
+                raise UserError(f"{where}: field '{field}[{j}]' must be a content part "
+                                f'{{"type": "text", "text": ...}}, got {type(part).__name__}')
+            if part.get("type", "text") == "text":
+                text = part.get("text", "")
+                if not isinstance(text, str):
+                    raise UserError(f"{where}: field '{field}[{j}].text' must be a string, got {type(text).__name__}")
+                out.append(text)
+        return "".join(out)
     raise UserError(f"{where}: field '{field}' must be a string, got {type(x).__name__}")
 
 

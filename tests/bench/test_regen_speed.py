@@ -296,3 +296,24 @@ def test_sync_sites_restores_the_mode_and_is_empty_without_cuda(monkeypatch):
     with pytest.raises(RuntimeError):
         rsp.sync_sites(boom)
     assert modes[-1] == 0
+
+
+def test_warm_up_is_labelled_and_kept_within_the_run_sizes(tmp_path, tiny_llama_dir, capsys):
+    """The unmeasured warm-up before the main run prints ``warm-up (not measured): ...`` (before: a line like the
+    main run's, with other figures) and stays within the run's sizes: the first turn of min(8, --batch-size)
+    conversations at min(8, --max-new-tokens) new tokens (before: 8 rows, every turn, 8 tokens)."""
+    src = tmp_path / "convs.jsonl"
+    turns = [3, 2, 1, 2]
+    src.write_text("".join(json.dumps({"id": f"c{i}", "messages": [
+        m for t in range(n) for m in ({"role": "user", "content": f"Q{i}.{t}: name {t + 2} animals"},
+                                      {"role": "assistant", "content": "x"})]}) + "\n" for i, n in enumerate(turns)))
+    assert rsp.main(["--config", str(ROOT / "configs" / "tiny-llama.yaml"), "--set", f"verifier.path={tiny_llama_dir}",
+                     "--prompts", str(src), "--baseline-num", "0", "--batch-size", "2", "--max-new-tokens", "3",
+                     "--no-bound", "--json", str(tmp_path / "r.json")]) == 0
+    lines = [x for x in capsys.readouterr().out.splitlines() if " conversations, " in x]
+    assert lines[0].startswith("warm-up (not measured): 2 conversations, 2 answers, ")
+    assert int(lines[0].split(" answers, ")[1].split(" tokens")[0]) <= 2 * 3
+    assert lines[1].startswith(f"slots: 4 conversations, {sum(turns)} answers, ")
+    assert rsp.first_turns([{"id": "a", "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                                                     {"role": "assistant", "content": "x"}]}])[0]["messages"] == [
+        {"role": "system", "content": "s"}, {"role": "user", "content": "u"}]

@@ -559,3 +559,15 @@ def test_sigterm_prints_one_line_and_exits_143(tmp_path):
                                             "whole at the end of its measurement); re-run the same command to "
                                             "benchmark again")
     assert not (tmp_path / "out").exists()
+
+
+def test_prompt_file_with_a_byte_order_mark(tmp_path):
+    """A benchmark prompt file saved with a UTF-8 byte-order mark reads like one without, and a JSON array with one
+    is still named as an array (not ``malformed JSON`` at line 1)."""
+    f = tmp_path / "bom.jsonl"
+    f.write_bytes(b"\xef\xbb\xbf" + b'{"prompt": "one"}\r\n{"prompt": "two"}\r\n')
+    assert [p.messages[-1]["content"] for p in load_prompt_file(f)] == ["one", "two"]
+    arr = tmp_path / "arr.jsonl"
+    arr.write_bytes(b"\xef\xbb\xbf" + json.dumps([{"prompt": "one"}]).encode())
+    with pytest.raises(UserError, match="this file is a JSON array"):
+        load_prompt_file(arr)

@@ -435,3 +435,158 @@ def test_report_markdown_says_a_resumed_run_counts_only_its_own_answers():
     assert md.index("resumed from the log") < md.index("regeneration: new tokens | 1344")
     rep["regeneration"]["resumed"] = 0
     assert "resumed from the log" not in report_markdown(rep)
+
+
+def test_remaking_prompts_names_the_changed_settings(tmp_path, capsys):
+    """A re-run that replaces an existing prompts.jsonl says why, on one line, before it works: the settings that
+    changed (``key: old -> new``), or --force; a first run and an up-to-date run print no such line."""
+    src = _jsonl(tmp_path / "q.jsonl", [{"messages": [U(f"u{i}"), A(f"a{i}")]} for i in range(4)])
+    cfg = load_config(_config(tmp_path, src, sample_size=3, seed=5))
+    assert run(cfg) == 0 and not capsys.readouterr().out.startswith("remaking")  # nothing replaced
+    assert run(cfg) == 0 and capsys.readouterr().out.startswith("prompts up to date")  # nothing printed before
+    changed = load_config(_config(tmp_path, src, sample_size=2, seed=5))
+    assert run(changed) == 0
+    out = capsys.readouterr().out
+    assert f"remaking {changed.prompts_path} (settings changed: sample_size: 3 -> 2)" in out
+    assert run(changed, force=True) == 0
+    assert f"remaking {changed.prompts_path} (--force)" in capsys.readouterr().out
+    other = _jsonl(tmp_path / "r.jsonl", [{"messages": [U(f"v{i}"), A(f"b{i}")]} for i in range(4)])
+    assert run(load_config(_config(tmp_path, other, sample_size=2, seed=5))) == 0  # another file: its name, no hash
+    assert f"(settings changed: source: {src!r} -> {other!r})" in capsys.readouterr().out
+    (tmp_path / "r.jsonl").write_text((tmp_path / "r.jsonl").read_text() + json.dumps({"messages": [U("w"), A("c")]}))
+    assert run(load_config(_config(tmp_path, other, sample_size=2, seed=5))) == 0  # the same file, edited
+    assert f"(settings changed: the content of {other} changed)" in capsys.readouterr().out
+
+
+def test_every_conversation_over_the_context_cap_names_the_cap_and_leaves_nothing(tmp_path, monkeypatch):
+    """Local regeneration that leaves every conversation out (first prompt over the context cap) stops with one
+    error naming prompts.max_context_tokens and the cap (not the server URLs of the endpoint path), and removes the
+    resume log it started (it holds no conversation): nothing is left behind."""
+    import eagle3.prompts.prepare_prompts as stage
+
+    src = _jsonl(tmp_path / "q.jsonl", [{"messages": [U("a long first prompt")]}])
+    cfgf = _config(tmp_path, src)
+    cfg = load_config(cfgf, ["prompts.regenerate=true", "prompts.max_context_tokens=10"])
+
+    def all_dropped(cfg, convs, want, stats, force=False):
+        stage.partial_path(cfg).parent.mkdir(parents=True, exist_ok=True)
+        stage.partial_path(cfg).write_text(json.dumps({"settings": want}) + "\n")  # the log's header only
+        stats.update(dropped_over_context=len(convs), answers=0)
+        return []
+
+    monkeypatch.setattr(stage, "_regenerate", all_dropped)
+    with pytest.raises(UserError) as e:
+        run(cfg)
+    msg = str(e.value)
+    assert msg.startswith("prompts.max_context_tokens: no conversation to regenerate: 1 conversations left out "
+                          "because their first prompt has >= 10 tokens") and "server" not in msg
+    assert not cfg.prompts_path.parent.exists() or not any(cfg.prompts_path.parent.iterdir())
+    # the endpoint path keeps naming the servers when conversations failed there
+    srv = load_config(cfgf, ["prompts.regenerate=true", "prompts.regenerate_via=openai"])
+    assert str(stage.nothing_regenerated(srv, {"failed": 3})).startswith(
+        "prompts.server.urls: every conversation failed to regenerate (3 failed")
+
+
+def test_utf8_byte_order_mark_is_read(tmp_path):
+    """A prompts file saved with a UTF-8 byte-order mark (Windows editors; CRLF line ends too) reads like one without:
+    JSONL, JSON and gzipped JSONL (before: ``malformed JSON: Unexpected UTF-8 BOM``)."""
+    rows = [{"messages": [U("hi"), A("yo")]}, {"messages": [U("q2"), A("a2")]}]
+    jl = tmp_path / "bom.jsonl"
+    jl.write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(r) + "\r\n" for r in rows).encode())
+    js = tmp_path / "bom.json"
+    js.write_bytes(b"\xef\xbb\xbf" + json.dumps(rows).encode())
+    gz = tmp_path / "bom.jsonl.gz"
+    gz.write_bytes(gzip.compress(jl.read_bytes()))
+    for path in (jl, js, gz):
+        got = read_conversations(str(path))
+        assert [c["messages"] for c in got] == [r["messages"] for r in rows], path
+
+
+@pytest.mark.parametrize("content,err", [
+    (["a", "b"], r"q\.jsonl:1: field 'messages\[0\]\.content\[0\]' must be a content part .*got str$"),
+    ([{"type": "text", "text": 5}], r"q\.jsonl:1: field 'messages\[0\]\.content\[0\]\.text' must be a string, got int$"),
+])
+def test_content_parts_that_are_not_text_parts_are_named(tmp_path, content, err):
+    """Message content as a list must hold OpenAI content parts: a list of strings is refused naming file, line and
+    field (before: read as empty text, the conversation silently skipped), a non-string text too (before: a
+    traceback); text parts are joined and other parts dropped as before."""
+    bad = _jsonl(tmp_path / "q.jsonl", [{"messages": [{"role": "user", "content": content}, A("x")]}])
+    with pytest.raises(UserError, match=err):
+        read_conversations(bad)
+    ok = _jsonl(tmp_path / "ok.jsonl", [{"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "look "}, {"type": "image_url", "image_url": {"url": "u"}}, {"text": "here"}]}, A("x")]}])
+    assert read_conversations(ok)[0]["messages"][0] == U("look here")
+
+
+@pytest.mark.parametrize("value,msg", [("''", "empty: name a prompts file"), ("[]", "an empty list"),
+                                       ("[a.jsonl, ' ']", "empty: name a prompts file")])
+def test_empty_source_is_refused_in_the_config(tmp_path, value, msg):
+    """An empty prompts.source (string, list, or a blank list item) is refused as a config error naming the field
+    (before: ``error: .: a folder, not a prompts file`` or ``no usable conversation in '[]'``); --source '' too."""
+    cfgf = _config(tmp_path, "humaneval")
+    with pytest.raises(UserError, match=rf"^--set prompts\.source=.*: field 'prompts\.source': {msg}"):
+        load_config(cfgf, [f"prompts.source={value}"])
+    with pytest.raises(UserError, match=r"^--source \(prompts\.source\): empty: name a prompts file.* \(got ''\)$"):
+        run(load_config(cfgf), source="")
+
+
+def test_sample_size_above_the_conversations_left_is_warned(tmp_path, caplog):
+    """prompts.sample_size larger than the conversations left after reading and dedupe keeps them all, with one
+    warning naming both numbers (before: silently, the report's sampled_out 0 the only trace)."""
+    src = _jsonl(tmp_path / "q.jsonl", [{"messages": [U(f"u{i % 3}"), A("a")]} for i in range(4)])  # 3 after dedupe
+    with caplog.at_level("WARNING", logger="eagle3.prompts.prepare_prompts"):
+        assert run(load_config(_config(tmp_path, src, sample_size=50))) == 0
+    assert [r.getMessage() for r in caplog.records] == [
+        "prompts.sample_size 50: only 3 conversations left after reading and dedupe; keeping all 3"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="eagle3.prompts.prepare_prompts"):
+        assert run(load_config(_config(tmp_path, src, sample_size=2))) == 0
+    assert not caplog.records
+
+
+def test_interrupt_hint_says_what_was_kept(tmp_path):
+    """The line after ``interrupted by SIGTERM:``: a run that does not regenerate (config, or --no-regenerate over a
+    config that does) kept nothing and says so, not "no regenerated answer was kept yet"; a regenerating run counts
+    the logged conversations, in the singular for one."""
+    from eagle3.prompts.prepare_prompts import interrupt_hint, partial_path
+
+    src = _jsonl(tmp_path / "q.jsonl", [{"messages": [U("u"), A("a")]}])
+    plain = load_config(_config(tmp_path, src))
+    regen = load_config(_config(tmp_path, src, regenerate=True))
+    nothing = "nothing written (prompts.jsonl is written at the end); re-run the same command"
+    assert interrupt_hint(plain) == nothing and interrupt_hint(regen, False) == nothing
+    assert interrupt_hint(regen).startswith("no regenerated answer was kept yet")
+    log = partial_path(regen)
+    log.parent.mkdir(parents=True)
+    log.write_text(json.dumps({"settings": {}}) + "\n" + json.dumps({"idx": 0, "id": "q-1", "messages": []}) + "\n")
+    assert interrupt_hint(plain, True) == (f"1 regenerated conversation kept in {log.parent / 'prompts.regen-partial*.jsonl'}; "
+                                           "re-run the same command (without --force) to resume")
+
+
+def test_a_second_01_on_the_same_folder_is_refused(tmp_path, monkeypatch):
+    """While a 01 writes to an output folder it holds ``.prompts.lock`` there: a second one stops at once with one
+    line naming the folder (before, both regenerated everything into one resume log), and the lock file is gone after
+    a run. A run that fails in a folder it created leaves no folder behind."""
+    import eagle3.prompts.prepare_prompts as stage
+    from eagle3.io import exclusive_lock
+
+    src = _jsonl(tmp_path / "q.jsonl", [{"messages": [U("u"), A("a")]}])
+    cfg = load_config(_config(tmp_path, src))
+    folder = cfg.prompts_path.parent
+    folder.mkdir(parents=True)
+    with exclusive_lock(folder / stage.LOCK_NAME, "held by the test"):
+        with pytest.raises(UserError, match=rf"^{folder / '.prompts.lock'}: another 01_prepare_prompts run is "
+                                            rf"writing to {folder}$"):
+            run(cfg)
+    assert not cfg.prompts_path.exists()
+    assert run(cfg) == 0 and cfg.prompts_path.is_file() and not (folder / stage.LOCK_NAME).exists()
+
+    fresh = load_config(_config(tmp_path, src, regenerate=True), [f"output_root={tmp_path / 'fresh'}"])
+
+    def fails(*a, **k):
+        raise UserError("verifier.path: not found")
+
+    monkeypatch.setattr(stage, "_regenerate", fails)
+    with pytest.raises(UserError, match="verifier.path"):
+        run(fresh)
+    assert not (tmp_path / "fresh").exists()

@@ -136,7 +136,7 @@ extract: {{max_length: 256}}
     kept = len({r["idx"] for r in logged})  # distinct: an interrupted flush may log one twice
     assert 1 <= kept < 40 and not (out / "prompts.jsonl").exists()
     assert err.strip().splitlines()[-1] == (
-        f"interrupted by SIGTERM: {kept} regenerated conversations kept in {out / 'prompts.regen-partial*.jsonl'}; "
+        f"interrupted by SIGTERM: {kept} regenerated conversation{'' if kept == 1 else 's'} kept in {out / 'prompts.regen-partial*.jsonl'}; "
         "re-run the same command (without --force) to resume"), err[-3000:]
 
     again = _run01(cfg, 1)
