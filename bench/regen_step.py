@@ -106,16 +106,9 @@ def first_step_s(eng, prefix: int) -> float:
     """Wall seconds of the engine's first step over ``[:prefix]``: the compile (flex, or the whole step for
     ``compile_step``) and the CUDA-graph capture a run pays once per slot prefix; a flex failure raises
     (attention="flex")."""
-    import torch
+    from eagle3.prompts.continuous import synced_seconds
 
-    cuda = eng.dev.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize(eng.dev)
-    t = time.perf_counter()
-    eng._first_step(prefix)
-    if cuda:
-        torch.cuda.synchronize(eng.dev)
-    return time.perf_counter() - t
+    return synced_seconds(eng.dev, lambda: eng._first_step(prefix))
 
 
 def time_step(eng, prefix: int, reps: int) -> list[float]:

@@ -214,6 +214,19 @@ def compiled_flex_decode():
     return _COMPILED_FLEX
 
 
+def synced_seconds(dev: torch.device, fn) -> float:
+    """Host seconds of ``fn()`` between two device syncs (CUDA; elsewhere plain host seconds): a compile or a CUDA
+    graph capture timed whole, queued work included."""
+    cuda = dev.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(dev)
+    t0 = time.perf_counter()
+    fn()
+    if cuda:
+        torch.cuda.synchronize(dev)
+    return time.perf_counter() - t0
+
+
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """Length of the longest common prefix of two token-id sequences (ids compared one by one: a re-tokenised
     chat template may split the previous answer's last tokens differently, so nothing is assumed)."""
@@ -1207,7 +1220,7 @@ class SlotEngine(Engine):
             self._packed_bufs.clear()
             return False
         p = len(reqs)
-        self._prefill_state(buf.rows[0, :p], buf.rows[2, :p], buf.tok[:p])  # [P] slots, prompt lengths, tokens
+        self._prefill_state(buf.t.rows[0, :p], buf.t.rows[2, :p], buf.tok[:p])  # [P] slots, prompt lengths, tokens
         self._timed.append(("prefill_s", t0, self._mark()))
         self._prefill_host(reqs, slots, offsets)
         nb, name = self.stats["prefill_buckets"], f"q{key[0]}" + (f"+p{key[1]}" if key[1] else "")
@@ -1218,15 +1231,9 @@ class SlotEngine(Engine):
     def _first_packed(self, buf: PackedBuffers) -> None:
         """The first forward at a packed shape (on CUDA its attention's compile), its host seconds between two syncs
         added to ``stats["prefill_first_s"]`` (keys ``"q<Tq>"`` / ``"q<Tq>+p<Tp>"``)."""
-        cuda = self.dev.type == "cuda"
-        if cuda:
-            torch.cuda.synchronize(self.dev)
-        t1 = time.perf_counter()
-        self._packed_forward(buf)
-        if cuda:
-            torch.cuda.synchronize(self.dev)
         tq, tp = buf.key
-        self.stats["prefill_first_s"][f"q{tq}" + (f"+p{tp}" if tp else "")] = time.perf_counter() - t1
+        self.stats["prefill_first_s"][f"q{tq}" + (f"+p{tp}" if tp else "")] = synced_seconds(
+            self.dev, lambda: self._packed_forward(buf))
 
     def _packed_forward(self, buf: PackedBuffers) -> None:
         """The forward of a packed prefill over ``buf``'s static tensors (device ops only, static shapes: what a
@@ -1235,11 +1242,11 @@ class SlotEngine(Engine):
         c = self.cache
         c.packed = buf.routing(self._packed_flex, self.block)
         try:
-            hid = self.model.base_model(input_ids=buf.ids, position_ids=buf.q[1:2], slot_cache=c,
+            hid = self.model.base_model(input_ids=buf.t.ids, position_ids=buf.t.q[1:2], slot_cache=c,
                                         use_cache=False).last_hidden_state  # [1, Tq, hidden]
         finally:
             c.packed = None
-        h = hid[0, buf.rows[1]]  # [S, hidden] the last fed token of each row
+        h = hid[0, buf.t.rows[1]]  # [S, hidden] the last fed token of each row
         buf.tok.copy_(self.model.get_output_embeddings()(h).argmax(-1))  # [S]
 
     def _pick_attention(self, attention: str, slots: int, h: int, hkv: int, d: int, dtype, cols: int):
@@ -1373,15 +1380,18 @@ class SlotEngine(Engine):
         """The first step over prefix ``n`` (where flex compiles and is captured for that shape): a flex failure
         raises for ``attention="flex"``; for ``auto`` the engine logs it, switches to sdpa_groups and redoes the step.
         Its host seconds (compile + capture; one sync before and after) go to ``stats["first_step_s"][str(n)]``."""
-        cuda = self.dev.type == "cuda"
-        if cuda:
-            torch.cuda.synchronize(self.dev)
-        t0 = time.perf_counter()
+        fs = self.stats["first_step_s"]  # a prefix retried after a dropped path adds up
+        fs[str(n)] = fs.get(str(n), 0.0) + synced_seconds(self.dev, lambda: self._first_step_tries(n))
+        self._tried.add(n)
+
+    def _first_step_tries(self, n: int) -> None:
+        """:meth:`_first_step`'s step: retried uncompiled after a failed compile, then on sdpa_groups after a failed
+        flex (``auto``), the decode state restored before each retry; any other failure raises."""
         while True:
             state = [t.clone() for t in self._state()] if self.flex is not None or self._compiled_at(n) else None
             try:
                 self._graph_step(n) if self.use_graphs else self._step(n)
-                break
+                return
             except Exception as e:  # noqa: BLE001 - re-raised below unless the compiled step or flex can be dropped
                 if state is None:
                     raise
@@ -1391,11 +1401,6 @@ class SlotEngine(Engine):
                     self._drop_compile(n, e)  # then the step is retried uncompiled (a flex failure next drops flex)
                 else:
                     self._drop_flex(n, e)
-        if cuda:
-            torch.cuda.synchronize(self.dev)
-        fs = self.stats["first_step_s"]
-        fs[str(n)] = fs.get(str(n), 0.0) + time.perf_counter() - t0  # a prefix retried after a dropped path adds up
-        self._tried.add(n)
 
     def _drop_compile(self, n: int, e: Exception) -> None:
         """Leave the compiled step after a failure at prefix ``n``: one warning, then eager steps (and graphs)."""

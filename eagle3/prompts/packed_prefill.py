@@ -27,7 +27,7 @@ shape seen once costs no capture). Greedy tokens equal the padded forward's (flo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Optional, Sequence
 
 import torch
@@ -261,18 +261,13 @@ class PackedRouting:
 
 @dataclass
 class PackedBuffers:
-    """Static device tensors of one packed shape ``key = (Tq, Tp)`` (filled by ``copy_`` before each forward; a CUDA
-    graph reads them), its first answer token per row out (``tok`` int64 ``[S]``), the graph once captured, and the
-    forwards run at this shape (``uses``: the engine captures at the second)."""
+    """Static device tensors of one packed shape ``key = (Tq, Tp)``: ``t``, a :class:`PackedLayout` on the device
+    (filled by ``copy_`` before each forward; a CUDA graph reads them), its first answer token per row out (``tok``
+    int64 ``[S]``), the graph once captured, and the forwards run at this shape (``uses``: the engine captures at the
+    second)."""
 
     key: tuple
-    ids: torch.Tensor
-    q: torch.Tensor
-    kv: torch.Tensor
-    prefix: torch.Tensor
-    rows: torch.Tensor
-    kv_num_blocks: torch.Tensor
-    kv_indices: torch.Tensor
+    t: PackedLayout
     tok: torch.Tensor
     graph: Optional[object] = None
     uses: int = 0
@@ -280,17 +275,17 @@ class PackedBuffers:
     @classmethod
     def like(cls, lay: PackedLayout, dev) -> "PackedBuffers":
         """Device buffers shaped as ``lay``."""
-        t = {f: torch.empty_like(getattr(lay, f), device=dev) for f in
-             ("ids", "q", "kv", "prefix", "rows", "kv_num_blocks", "kv_indices")}
-        return cls(key=(lay.q.shape[1], lay.prefix.shape[1]), tok=torch.zeros(lay.rows.shape[1], dtype=torch.long,
-                                                                              device=dev), **t)
+        t = PackedLayout(**{f.name: torch.empty_like(getattr(lay, f.name), device=dev) for f in fields(PackedLayout)})
+        return cls(key=(lay.q.shape[1], lay.prefix.shape[1]), t=t,
+                   tok=torch.zeros(lay.rows.shape[1], dtype=torch.long, device=dev))
 
     def fill(self, lay: PackedLayout) -> None:
         """Copy ``lay`` in (pinned, asynchronous on CUDA: no host sync)."""
-        cuda = self.ids.device.type == "cuda"
-        for f in ("ids", "q", "kv", "prefix", "rows", "kv_num_blocks", "kv_indices"):
-            src = getattr(lay, f)
-            getattr(self, f).copy_(src.pin_memory() if cuda else src, non_blocking=cuda)
+        cuda = self.tok.device.type == "cuda"
+        for f in fields(PackedLayout):
+            src = getattr(lay, f.name)
+            getattr(self.t, f.name).copy_(src.pin_memory() if cuda else src, non_blocking=cuda)
 
     def routing(self, flex, block: int) -> PackedRouting:
-        return PackedRouting(self.q, self.kv, self.prefix, self.kv_num_blocks, self.kv_indices, flex, block)
+        t = self.t
+        return PackedRouting(t.q, t.kv, t.prefix, t.kv_num_blocks, t.kv_indices, flex, block)

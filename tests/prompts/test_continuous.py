@@ -348,10 +348,12 @@ def test_slot_engine_equals_hf_greedy_on_smollm2(smollm_fp32):
     assert got[("after", 0)] == hf_greedy(model, later[0], 16, stops)
 
 
-def test_prefix_reuse_on_smollm2_equals_hf_greedy(smollm_fp32):
+@pytest.mark.parametrize("pack", [False, True])
+def test_prefix_reuse_on_smollm2_equals_hf_greedy(smollm_fp32, pack):
     """The real verifier (SmolLM2 GGUF, fp32) regenerating 3-turn chats through the slot engine with cross-turn prefix
     reuse (2 rows for 3 conversations, flex decode) gives batch-1 transformers greedy's conversations token for token;
-    every later turn is prefilled after its cached prefix (the real ChatML re-rendering of the previous answer)."""
+    every later turn is prefilled after its cached prefix (the real ChatML re-rendering of the previous answer). With
+    packed prefill (``pack``) the later turns are packed after their cached prefixes (a prefix stream)."""
     model, tok = smollm_fp32
     convs = [{"id": f"c{i}", "messages": [m for q in qs for m in ({"role": "user", "content": q},
                                                                   {"role": "assistant", "content": "old"})]}
@@ -361,10 +363,12 @@ def test_prefix_reuse_on_smollm2_equals_hf_greedy(smollm_fp32):
     want = regenerate(model, tok, convs, max_new_tokens=12, batch_size=1, engine="static")
     stats = {}
     got = regenerate(model, tok, convs, max_new_tokens=12, batch_size=2, stats=stats, engine="slots",
-                     engine_options={"check_every": 2, "cuda_graphs": False, "attention": "flex", "prefix_reuse": True})
+                     engine_options={"check_every": 2, "cuda_graphs": False, "attention": "flex", "prefix_reuse": True,
+                                     "prefill_pack": pack})
     assert got == want
     es = stats["engine_stats"]
     assert es["reuse_rows"] == 5 and es["reuse_full_prefills"] == 0 and es["reused_tokens"] > es["prefill_tokens"]
+    assert es["prefill_pack"] is pack and any("+p" in k for k in es["prefill_buckets"]) is pack
 
 
 def test_compiled_flex_decode_equals_eager():
@@ -917,23 +921,29 @@ def test_bucketed_prefill_kv_equals_unbucketed(tiny):
             torch.testing.assert_close(got[k][1], want[k][1], rtol=1e-5, atol=1e-5)
 
 
+def _sentinel_engine(model, lens, **engine_kw):
+    """An 8-slot engine (64 columns, flex blocks of 16, ``engine_kw``) whose cache holds 0.5 everywhere, that cache's
+    copy, and one waiting request of random ids per length in ``lens`` (keys 0, 1, ...)."""
+    from eagle3.prompts.continuous import _Waiting
+
+    eng = SlotEngine(model, 8, max_len=64, max_new_tokens=4, stop_ids={0}, cuda_graphs=False, attention="flex",
+                     flex_block=16, **engine_kw)
+    for t in eng.cache.k + eng.cache.v:
+        t.fill_(0.5)
+    g = torch.Generator().manual_seed(5)
+    reqs = [_Waiting((i,), i, torch.randint(8, model.config.vocab_size, (n,), generator=g).tolist())
+            for i, n in enumerate(lens)]
+    return eng, [t.clone() for t in eng.cache.k + eng.cache.v], reqs
+
+
 @pytest.mark.parametrize("offsets", [None, [0, 12, 20]])
 def test_bucketed_prefill_writes_only_its_rows_and_the_scratch_row(tiny, offsets):
     """A bucketed prefill of 3 rows (bucket 4: one padded row) into slots 1, 4 and 6 of 8, every slot's cache set to a
     sentinel first: the other slots are untouched, the prefilled slots keep their cached prefix (columns [0, offset))
     and get new K/V over their prompt, and the padded row wrote the scratch row (slot 8) only."""
-    from eagle3.prompts.continuous import _Waiting
-
     model, _ = tiny
-    eng = SlotEngine(model, 8, max_len=64, max_new_tokens=4, stop_ids={0}, cuda_graphs=False, attention="flex",
-                     flex_block=16, prefill_graphs=True)
-    for t in eng.cache.k + eng.cache.v:
-        t.fill_(0.5)
-    before = [t.clone() for t in eng.cache.k + eng.cache.v]
-    g = torch.Generator().manual_seed(5)
     lens = [9, 25, 30]
-    reqs = [_Waiting((i,), i, torch.randint(8, model.config.vocab_size, (n,), generator=g).tolist())
-            for i, n in enumerate(lens)]
+    eng, before, reqs = _sentinel_engine(model, lens, prefill_graphs=True)
     offs = offsets or [0, 0, 0]
     slots = [1, 4, 6]
     with torch.inference_mode():

@@ -7,11 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle3.prompts.continuous import SlotEngine, _Waiting
+from eagle3.prompts.continuous import SlotEngine
 from eagle3.prompts.packed_prefill import (PackedRouting, packed_blocks, packed_bucket, packed_flex, packed_layout,
                                            packed_prefill_attention)
 
-from test_continuous import _greedy_case, _prefill_snapshots, _run, _run_turns, _stops, _user_turns, hf_greedy, tiny  # noqa: F401
+from test_continuous import (_greedy_case, _prefill_snapshots, _run, _run_turns, _sentinel_engine,  # noqa: F401
+                             _stops, _user_turns, hf_greedy, tiny)
 
 
 def test_packed_bucket_by_hand():
@@ -149,7 +150,7 @@ def test_packed_prefill_equals_hf_greedy(tiny, attention, slots, check_every, pr
     real = SlotEngine._packed_forward
 
     def fwd(self, buf):
-        seen.append((buf.key, buf.q[0].tolist(), buf.rows[2].tolist()))
+        seen.append((buf.key, buf.t.q[0].tolist(), buf.t.rows[2].tolist()))
         return real(self, buf)
 
     monkeypatch.setattr(SlotEngine, "_packed_forward", fwd)
@@ -198,15 +199,8 @@ def test_packed_prefill_writes_only_its_rows_and_column_l_minus_1(tiny):
     first: the other slots are untouched except column L - 1 of slot 0 (the padding's), the prefilled slots keep
     their cached prefix and get new K/V over their fed tokens only."""
     model, _ = tiny
-    eng = SlotEngine(model, 8, max_len=64, max_new_tokens=4, stop_ids={0}, cuda_graphs=False, attention="flex",
-                     flex_block=16, prefill_pack=True)
-    for t in eng.cache.k + eng.cache.v:
-        t.fill_(0.5)
-    before = [t.clone() for t in eng.cache.k + eng.cache.v]
-    g = torch.Generator().manual_seed(5)
     lens, offs, slots = [9, 25, 30], [0, 12, 20], [1, 4, 6]
-    reqs = [_Waiting((i,), i, torch.randint(8, model.config.vocab_size, (n,), generator=g).tolist())
-            for i, n in enumerate(lens)]
+    eng, before, reqs = _sentinel_engine(model, lens, prefill_pack=True)
     with torch.inference_mode():
         eng._prefill(reqs, slots, max(n - o for n, o in zip(lens, offs)), offs)
     # fed 9 + 13 + 10 = 32 -> a 32-token stream (no padding); prefix 12 + 20 = 32 entries -> 32
@@ -323,29 +317,3 @@ def test_packed_streams_are_capped_off_cuda(tiny, monkeypatch):
     assert len(fed) >= 3 and all(sum(f) <= 40 or len(f) == 1 for f in fed), fed
     assert sum(map(sum, fed)) == sum(map(len, prompts))
 
-
-def test_packed_prefill_on_smollm2_equals_hf_greedy():
-    """The real verifier (SmolLM2 GGUF, fp32) regenerating 3-turn chats through the slot engine with packed prefill and
-    cross-turn prefix reuse (2 rows for 3 conversations) gives batch-1 transformers greedy's conversations token for
-    token; later turns are packed after their cached prefixes (a prefix stream)."""
-    from conftest import SMOLLM_GGUF, smollm_dir
-
-    from eagle3.config import VerifierConfig
-    from eagle3.prompts.regenerate import regenerate
-    from eagle3.verifier import load_verifier
-
-    model, tok = load_verifier(VerifierConfig(path=str(smollm_dir()), gguf_file=SMOLLM_GGUF, dtype="float32"),
-                               device="cpu")
-    convs = [{"id": f"c{i}", "messages": [m for q in qs for m in ({"role": "user", "content": q},
-                                                                  {"role": "assistant", "content": "old"})]}
-             for i, qs in enumerate([("What is 2+2?", "And times 3?", "Say it in words."),
-                                     ("Name three colours.", "Which one is warm?"),
-                                     ("Write a haiku about the sea.", "Now one about rain.", "Which do you prefer?")])]
-    want = regenerate(model, tok, convs, max_new_tokens=12, batch_size=1, engine="static")
-    stats = {}
-    got = regenerate(model, tok, convs, max_new_tokens=12, batch_size=2, stats=stats, engine="slots",
-                     engine_options={"check_every": 2, "cuda_graphs": False, "attention": "flex", "prefix_reuse": True,
-                                     "prefill_pack": True})
-    assert got == want
-    es = stats["engine_stats"]
-    assert es["prefill_pack"] and es["reuse_rows"] == 5 and any("+p" in k for k in es["prefill_buckets"])
