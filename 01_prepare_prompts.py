@@ -45,18 +45,44 @@ def main(argv=None):
     g.add_argument("--exclude", action="append", default=[], metavar="FILE",
                    help="leave out prompts equal to a first user message of FILE (e.g. an evaluation set; repeatable)")
     a = p.parse_args(argv)
-    if (a.self_instruct is None) != (a.out is None):
-        p.error("--self-instruct N and --out FILE go together")
+    _check_mode(p, a)
     cfg = load_config(a.config, a.overrides)
     if a.self_instruct is not None:
         from eagle3.prompts import self_instruct
 
-        return self_instruct.run(cfg, a.self_instruct, a.out, a.self_instruct_temperature, a.self_instruct_top_p,
-                                 a.self_instruct_max_tokens, a.self_instruct_min_chars, a.exclude, force=a.force)
+        with resume_on_interrupt(lambda: f"nothing written ({a.out} is written at the end); re-run the same command"):
+            return self_instruct.run(cfg, a.self_instruct, a.out, a.self_instruct_temperature, a.self_instruct_top_p,
+                                     a.self_instruct_max_tokens, a.self_instruct_min_chars, a.exclude, force=a.force)
     import eagle3.prompts.prepare_prompts as stage
 
     with resume_on_interrupt(lambda: stage.interrupt_hint(cfg, a.regenerate)):  # SIGTERM / Ctrl-C: one line, exit 143 / 130
         return stage.run(cfg, source=a.source, fmt=a.fmt, regenerate=a.regenerate, limit=a.limit, force=a.force)
+
+
+# flags of one mode that the other would silently ignore (a user passing --exclude without --self-instruct would
+# believe the evaluation set left out): (dest, flag)
+_SELF_INSTRUCT_ONLY = (("exclude", "--exclude"), ("self_instruct_temperature", "--self-instruct-temperature"),
+                       ("self_instruct_top_p", "--self-instruct-top-p"),
+                       ("self_instruct_max_tokens", "--self-instruct-max-tokens"),
+                       ("self_instruct_min_chars", "--self-instruct-min-chars"))
+_PREPARE_ONLY = (("source", "--source"), ("fmt", "--format"), ("regenerate", "--[no-]regenerate"), ("limit", "--limit"))
+
+
+def _check_mode(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """One-line usage error (exit 2) for ``--self-instruct`` without ``--out`` (or the reverse), and for a flag of
+    the other mode given a value other than its default: the self-instruct flags without ``--self-instruct``, 01's
+    ``--source/--format/--[no-]regenerate/--limit`` with it (self-instruct runs nothing else)."""
+    if (a.self_instruct is None) != (a.out is None):
+        p.error("--self-instruct N and --out FILE go together")
+    if a.self_instruct is not None:
+        wrong = [f for d, f in _PREPARE_ONLY if getattr(a, d) is not None]
+        if wrong:
+            p.error(f"{wrong[0]} has no effect with --self-instruct (it only samples user prompts into --out); run 01 "
+                    f"without --self-instruct for that")
+    else:
+        wrong = [f for d, f in _SELF_INSTRUCT_ONLY if getattr(a, d) != p.get_default(d)]
+        if wrong:
+            p.error(f"{wrong[0]} applies only with --self-instruct N --out FILE")
 
 
 if __name__ == "__main__":

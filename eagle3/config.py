@@ -336,6 +336,15 @@ class PromptsConfig(_Strict):
         "regen_prefill_graphs. Greedy answers are the same in float32 (tested). A speed setting: not in 01's "
         "settings fingerprint")
 
+    @field_validator("reuse_answers")
+    @classmethod
+    def _reuse_needs_regenerate(cls, v, info: ValidationInfo):
+        """Reusing answers is part of regenerating them: without ``regenerate`` the setting would do nothing."""
+        if v and not info.data.get("regenerate"):
+            raise ValueError("reuses regenerated answers, but prompts.regenerate is false (nothing is regenerated, "
+                             "so the setting would do nothing): set prompts.regenerate: true, or remove it")
+        return v
+
     @field_validator("regen_prefill_pack")
     @classmethod
     def _one_prefill_layout(cls, v, info: ValidationInfo):

@@ -80,8 +80,8 @@ import torch
 
 from eagle3.errors import UserError
 from eagle3.prompts.flex_compat import block_mask_from_kv_blocks, kv_blocks_params, raise_recompile_limit
-from eagle3.prompts.packed_prefill import (PackedBuffers, compiled_packed_flex, packed_flex, packed_layout,
-                                           packed_prefill_attention)
+from eagle3.prompts.packed_prefill import (PackedBuffers, compiled_packed_flex, eager_packed_flex,
+                                           packed_layout, packed_prefill_attention)
 from eagle3.sdpa import no_cudnn_sdpa
 
 log = logging.getLogger(__name__)
@@ -809,7 +809,7 @@ class SlotEngine(Engine):
         # packed prefill attention: compiled FlexAttention on CUDA (eager flex would build dense scores), eager on CPU
         cuda = self.dev.type == "cuda"
         # on CUDA: automatic dynamic shapes first (two compiles), static shapes (one compile per shape) if that fails
-        self._packed_flexes = ([compiled_packed_flex(None), compiled_packed_flex(False)] if cuda else [packed_flex]
+        self._packed_flexes = ([compiled_packed_flex(None), compiled_packed_flex(False)] if cuda else [eager_packed_flex]
                                ) if self.prefill_pack else []
         self._packed_flex = self._packed_flexes.pop(0) if self._packed_flexes else None
         self._pack_fallback = cuda  # a failed packed forward: warn and prefill padded (CPU: raise)

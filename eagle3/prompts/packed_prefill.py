@@ -202,6 +202,17 @@ def packed_flex(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_m
     return flex_attention(query, key, value, block_mask=bm, scale=scale, enable_gqa=query.shape[1] != key.shape[1])
 
 
+def eager_packed_flex(*args, **kwargs) -> torch.Tensor:
+    """:func:`packed_flex` run eagerly (the CPU's packed prefill) without PyTorch's 15-line ``flex_attention called
+    without torch.compile()`` UserWarning: eager is this path's documented choice off CUDA (its streams are kept
+    short, ``continuous.PACK_EAGER_TOKENS``), so the warning only alarmed the user of every CPU run."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile", category=UserWarning)
+        return packed_flex(*args, **kwargs)
+
+
 _COMPILED: dict = {}
 
 

@@ -218,8 +218,9 @@ def _regenerate_reusing(cfg: RunConfig, convs: list[dict], want: dict, stats: di
 
     reused, todo = reuse_answers.split(convs, reuse_answers.load(cfg.prompts.reuse_answers, want))
     info = {"file": str(cfg.prompts.reuse_answers), "conversations": len(convs) - len(todo)}
-    print(f"prompts.reuse_answers: {info['conversations']} of {len(convs)} conversations answered in "
-          f"{cfg.prompts.reuse_answers}; regenerating {len(todo)}")
+    if os.environ.get("RANK", "0") in ("", "0"):  # once under torchrun
+        print(f"prompts.reuse_answers: {info['conversations']} of {len(convs)} conversations answered in "
+              f"{cfg.prompts.reuse_answers}; regenerating {len(todo)}")
     done = _regenerate(cfg, todo, want, stats, force=force) if todo else []
     return (None if done is None else reuse_answers.merge(convs, reused, done)), info
 
@@ -326,8 +327,8 @@ def apply_overrides(cfg: RunConfig, source: Optional[str], fmt: Optional[str], r
         except ValidationError as e:
             err = e.errors()[0]
             key = ".".join(map(str, err["loc"]))
-            raise UserError(f"--{key} (prompts.{key}): {err['msg'].removeprefix('Value error, ')} "
-                            f"(got {err.get('input')!r})") from e
+            name = f"--{key} (prompts.{key})" if key in upd else f"prompts.{key}"  # a config field the flag clashes with
+            raise UserError(f"{name}: {err['msg'].removeprefix('Value error, ')} (got {err.get('input')!r})") from e
         cfg = cfg.model_copy(update={"prompts": prompts_cfg})
     if limit is not None and limit < 1:
         raise UserError(f"--limit: must be >= 1, got {limit}")
@@ -545,6 +546,8 @@ def write_outputs(cfg: RunConfig, convs: list[dict], report: dict, regen_stats: 
         print(f"regeneration: {failed} conversation(s) failed (ids in {rep.name}); they are not in {out.name}. "
               f"Rerun the same command to retry only those.")
     c = report["counts"]
+    reused = report.get("reused_answers")  # regenerated counts them too: say how many came from the earlier file
+    reused_text = f", {reused['conversations']} of them reused from {reused['file']}" if reused else ""
     print(f"prompts: {out} ({c['kept']} conversations; read {c['read']}, skipped {sum(c['skipped'].values())}, "
-          f"deduped {c['deduped']}, regenerated {c['regenerated']})")
+          f"deduped {c['deduped']}, regenerated {c['regenerated']}{reused_text})")
     print(f"report:  {rep}")

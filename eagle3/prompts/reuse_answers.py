@@ -67,7 +67,9 @@ def check_settings(report: dict, want: dict, report_file: Path) -> None:
     """The earlier run's regeneration settings (``report["settings"]``) equal this run's (``want``) on every
     :data:`REGEN_KEYS` key (a key absent from both is equal). UserError naming the first differing key."""
     old = report.get("settings") if isinstance(report, dict) else None
-    if not isinstance(old, dict) or not old.get("regenerate"):
+    if not isinstance(old, dict):
+        raise UserError(f"{report_file}: prompts.reuse_answers: not a report of 01 (no 'settings' object)")
+    if not old.get("regenerate"):
         raise UserError(f"{report_file}: prompts.reuse_answers: that run did not regenerate its answers (settings "
                         f"regenerate is not true)")
     for k in REGEN_KEYS:
@@ -87,6 +89,8 @@ def load(path: str, want: dict) -> dict[str, dict]:
     from eagle3.io import read_json
 
     p = Path(path)
+    if p.is_dir():
+        raise UserError(f"prompts.reuse_answers: {p}: a folder; give the earlier prompts.jsonl[.gz] in it")
     if not p.is_file():
         raise UserError(f"prompts.reuse_answers: {p}: no such file")
     rep = p.parent / "prompts_report.json"
@@ -107,12 +111,15 @@ def split(convs: list[dict], earlier: dict[str, dict]) -> tuple[list[Optional[di
 def merge(convs: list[dict], reused: list[Optional[dict]], regenerated: list[dict]) -> list[dict]:
     """The output in input order: each position's reused conversation, or its regenerated one. ``regenerated`` is
     the regeneration's output for the ``todo`` inputs in their order, a failed one left out (endpoints): an input
-    whose id is not the next regenerated id is dropped, as a full regeneration drops it."""
+    whose id is not the next regenerated id is dropped, as a full regeneration drops it. A reused conversation takes
+    this run's id for its input (the earlier file's id may name another row: ids made from a file's line numbers
+    shift when a row is inserted, and the same prompt may come from another source file), as a full regeneration
+    would give it."""
     out, it = [], iter(regenerated)
     nxt = next(it, None)
     for c, r in zip(convs, reused):
         if r is not None:
-            out.append(r)
+            out.append({**r, "id": c["id"]} if "id" in c else r)
         elif nxt is not None and nxt.get("id") == c.get("id"):
             out.append(nxt)
             nxt = next(it, None)

@@ -28,7 +28,7 @@ from typing import Optional, Sequence
 import torch
 
 from eagle3.errors import UserError
-from eagle3.io import atomic_write_json, atomic_write_text, read_json
+from eagle3.io import atomic_write_bytes, atomic_write_json, atomic_write_text, read_json
 
 log = logging.getLogger(__name__)
 
@@ -176,9 +176,12 @@ def run(cfg, num: int, out: Path, temperature: float = 1.0, top_p: float = 1.0, 
         0 (also when up to date).
 
     Raises:
-        UserError: a bad argument (one line naming it), an unwritable output folder, more than one torchrun rank,
-            or an unusable chat template.
+        UserError: a bad argument (one line naming it), an unwritable output folder, an ``--out`` that is a folder
+            or named like 01's output, more than one torchrun rank, an unusable chat template, or no query kept
+            (nothing written then).
     """
+    if str(out).endswith("/"):
+        raise UserError(f"--out {out}: a folder; give the file to write, e.g. {Path(out) / 'self_instruct.jsonl'}")
     out = Path(out)
     _check_args(num, temperature, top_p, max_query_tokens, min_chars, out)
     from eagle3.prompts.chat import ChatOptions
@@ -198,9 +201,9 @@ def run(cfg, num: int, out: Path, temperature: float = 1.0, top_p: float = 1.0, 
 
     model, _ = load_verifier(cfg.verifier)
     queries, counts, secs, tokens = _sample_all(model, tok, st, stop_token_ids(tok), seen)
-    rows = [{"id": f"{SOURCE}/{k}", "source": SOURCE, "messages": [{"role": "user", "content": q}]}
-            for k, q in enumerate(queries)]
-    atomic_write_text(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    if not queries:
+        raise nothing_kept(num, counts, max_query_tokens, min_chars)
+    write_queries(out, queries)
     report = {"settings": asdict(st), "counts": counts, "excluded_prompts_known": n_excluded_keys,
               "seconds": secs, "query_tokens": tokens, "tokens_per_s": tokens / secs if secs > 0 else None,
               "file": str(out)}
@@ -211,8 +214,37 @@ def run(cfg, num: int, out: Path, temperature: float = 1.0, top_p: float = 1.0, 
     return 0
 
 
+def write_queries(out: Path, queries: Sequence[str]) -> None:
+    """``out`` atomically: one messages-JSONL row a query (id ``self_instruct/<k>``), gzip-compressed when ``out``
+    ends in ``.gz`` (01's readers open such a file through gzip; mtime 0, so equal queries give equal bytes)."""
+    import gzip
+
+    text = "".join(json.dumps({"id": f"{SOURCE}/{k}", "source": SOURCE, "messages": [{"role": "user", "content": q}]},
+                              ensure_ascii=False) + "\n" for k, q in enumerate(queries))
+    if out.suffix == ".gz":
+        atomic_write_bytes(out, gzip.compress(text.encode("utf-8"), mtime=0))
+    else:
+        atomic_write_text(out, text)
+
+
+def nothing_kept(num: int, counts: dict, max_query_tokens: int, min_chars: int) -> UserError:
+    """The one-line error for a run that kept no query (no file is written: an empty one would only fail in 01),
+    with the counts and what to change."""
+    hint = []
+    if counts["truncated"]:
+        hint.append(f"raise --self-instruct-max-tokens (now {max_query_tokens}) or use an instruction-tuned verifier")
+    if counts["too_short"]:
+        hint.append(f"lower --self-instruct-min-chars (now {min_chars})")
+    if counts["duplicate"]:
+        hint.append("set another prompts.seed (the same seed samples the same queries: a second file made with it "
+                    "repeats the first)")
+    return UserError(f"--self-instruct {num}: no query kept ({counts['truncated']} unfinished, {counts['too_short']} "
+                     f"too short, {counts['duplicate']} repeated or excluded), nothing written; " + "; ".join(hint))
+
+
 def _check_args(num: int, temperature: float, top_p: float, max_query_tokens: int, min_chars: int, out: Path) -> None:
-    """One-line errors for a bad argument or an output folder that does not exist."""
+    """One-line errors for a bad argument, an output folder that does not exist, an ``--out`` that is a folder, and
+    an ``--out`` whose report would take 01's own report name (``prompts.jsonl`` -> ``prompts_report.json``)."""
     if num < 1:
         raise UserError(f"--self-instruct: expected a positive number of queries, not {num}")
     if not temperature > 0:
@@ -223,6 +255,11 @@ def _check_args(num: int, temperature: float, top_p: float, max_query_tokens: in
         raise UserError("--self-instruct-max-tokens >= 1 and --self-instruct-min-chars >= 0")
     if not out.parent.is_dir():
         raise UserError(f"--out {out}: folder {out.parent} does not exist")
+    if out.is_dir():
+        raise UserError(f"--out {out}: a folder; give the file to write, e.g. {out / 'self_instruct.jsonl'}")
+    if report_path(out).name == "prompts_report.json":
+        raise UserError(f"--out {out}: its report would be {report_path(out)}, the name of 01's own report (which "
+                        f"prompts.reuse_answers and 02 read); choose another name, e.g. self_instruct.jsonl")
     import os
 
     if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:

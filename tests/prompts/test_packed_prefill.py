@@ -317,3 +317,31 @@ def test_packed_streams_are_capped_off_cuda(tiny, monkeypatch):
     assert len(fed) >= 3 and all(sum(f) <= 40 or len(f) == 1 for f in fed), fed
     assert sum(map(sum, fed)) == sum(map(len, prompts))
 
+
+
+def test_eager_packed_flex_is_quiet_and_equal(monkeypatch):
+    """The CPU's packed attention (eager_packed_flex, the engine's choice off CUDA) gives packed_flex's result without
+    PyTorch's 15-line "flex_attention called without torch.compile()" UserWarning (trial 2: printed by every CPU run
+    with prompts.regen_prefill_pack); packed_flex itself still warns (the check is not vacuous)."""
+    import warnings
+
+    import torch.nn.attention.flex_attention as fa
+
+    from eagle3.prompts.packed_prefill import eager_packed_flex
+
+    g = torch.Generator().manual_seed(3)
+    h, hkv, d, cols, s = 6, 2, 16, 64, 5
+    lay = packed_layout([[1] * n for n in (7, 3)], [0, 9], [3, 0], s, cols, 8)
+    tq = lay.q.shape[1]
+    q, k, v = (torch.randn(1, n, tq, d, generator=g) for n in (h, hkv, hkv))
+    outs, texts = [], []
+    for fn in (eager_packed_flex, packed_flex):
+        monkeypatch.setattr(fa, "_WARNINGS_SHOWN", set())  # torch warns once a process: as in a fresh run
+        r = PackedRouting(lay.q, lay.kv, lay.prefix, lay.kv_num_blocks, lay.kv_indices, fn, 8)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            outs.append(packed_prefill_attention(q, k, v, torch.zeros(s, hkv, cols, d), torch.zeros(s, hkv, cols, d),
+                                                 r, None))
+        texts.append([str(w.message) for w in caught if "without torch.compile" in str(w.message)])
+    assert texts[0] == [] and len(texts[1]) == 1
+    assert torch.equal(outs[0], outs[1])

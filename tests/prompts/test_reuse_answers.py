@@ -106,3 +106,75 @@ def test_reuse_refused_in_one_line(tmp_path, tiny_llama_dir):
         run(_config(tmp_path, tiny_llama_dir, [a], reuse=lone, out="bad_run"))
     with pytest.raises(UserError, match="no such file"):
         run(_config(tmp_path, tiny_llama_dir, [a], reuse=tmp_path / "nope.jsonl", out="nope_run"))
+
+
+def test_merge_gives_a_reused_conversation_this_runs_id():
+    """A reused conversation keeps its messages but takes the input's id (trial 2: the earlier file's id, so ids
+    made from line numbers repeated after a row was inserted)."""
+    convs = [{"id": "f-1", "messages": [U("new")]}, {"id": "f-2", "messages": [U("old q")]}]
+    earlier = {ra.conversation_key(convs[1]): {"id": "f-1", "messages": [U("old q"), A("old a")]}}
+    reused, todo = ra.split(convs, earlier)
+    out = ra.merge(convs, reused, [{"id": "f-1", "messages": [U("new"), A("a")]}])
+    assert out == [{"id": "f-1", "messages": [U("new"), A("a")]}, {"id": "f-2", "messages": [U("old q"), A("old a")]}]
+
+
+def test_reuse_after_a_row_is_inserted_equals_a_full_regeneration(tmp_path, tiny_llama_dir, capsys):
+    """A source without ids (ids from line numbers) gets a new first row: the grown run (reusing the first run's
+    answers) writes byte for byte the full regeneration's prompts.jsonl, ids unique (trial 2: two rows 'f-1'), and
+    its summary line says how many were reused."""
+    rows = [{"messages": [U("Hi there"), A("x"), U("And then?"), A("y")]}, {"messages": [U("Count to three")]}]
+    f = _jsonl(tmp_path / "f.jsonl", rows)
+    first = _config(tmp_path, tiny_llama_dir, [f], out="first")
+    assert run(first) == 0
+    _jsonl(tmp_path / "f.jsonl", [{"messages": [U("Name a colour")]}] + rows)
+    full = _config(tmp_path, tiny_llama_dir, [f], out="full")
+    assert run(full) == 0
+    grown = _config(tmp_path, tiny_llama_dir, [f], reuse=first.prompts_path, out="grown")
+    capsys.readouterr()
+    assert run(grown) == 0
+    assert "regenerated 3, 2 of them reused from " in capsys.readouterr().out
+    assert grown.prompts_path.read_bytes() == full.prompts_path.read_bytes()
+    assert [json.loads(r)["id"] for r in grown.prompts_path.read_text().splitlines()] == ["f-1", "f-2", "f-3"]
+
+
+def test_reuse_refused_for_a_folder_a_non_report_or_no_regeneration(tmp_path, tiny_llama_dir):
+    """Trial 2: a folder was 'no such file', a report that is no JSON object read as 'did not regenerate', and
+    prompts.reuse_answers with prompts.regenerate false (or --no-regenerate) was silently ignored. One line each."""
+    from eagle3.prompts.prepare_prompts import apply_overrides
+
+    a = _jsonl(tmp_path / "a.jsonl", [{"id": "a0", "messages": [U("Hi there")]}])
+    d = tmp_path / "seed"
+    d.mkdir()
+    with pytest.raises(UserError, match=r"^prompts.reuse_answers: .*seed: a folder; give the earlier prompts.jsonl"):
+        run(_config(tmp_path, tiny_llama_dir, [a], reuse=d, out="o1"))
+    (d / "prompts.jsonl").write_text(json.dumps({"id": "a0", "messages": [U("Hi there"), A("x")]}) + "\n")
+    (d / "prompts_report.json").write_text("[]\n")
+    with pytest.raises(UserError, match=r"prompts_report.json: prompts.reuse_answers: not a report of 01 \(no "):
+        run(_config(tmp_path, tiny_llama_dir, [a], reuse=d / "prompts.jsonl", out="o2"))
+    y = tmp_path / "c.yaml"
+    y.write_text(f"run_name: t\nverifier: {{path: {tiny_llama_dir}}}\nprompts:\n  source: {a}\n"
+                 f"  reuse_answers: {d / 'prompts.jsonl'}\n")
+    with pytest.raises(UserError) as e:
+        load_config(y)
+    assert str(e.value).startswith(f"{y}:5: field 'prompts.reuse_answers': reuses regenerated answers, but "
+                                   "prompts.regenerate is false")
+    cfg = _config(tmp_path, tiny_llama_dir, [a], reuse=d / "prompts.jsonl", out="o3")
+    with pytest.raises(UserError, match=r"^prompts.reuse_answers: reuses regenerated answers, but prompts.regenerate"):
+        apply_overrides(cfg, None, None, False, None)  # --no-regenerate
+    assert not any((tmp_path / o).exists() for o in ("o1", "o2", "o3"))
+
+
+def test_reuse_line_printed_once_under_torchrun(tmp_path, tiny_llama_dir, monkeypatch, capsys):
+    """Only rank 0 prints the 'N of M conversations answered' line (trial 2: every rank printed it)."""
+    from eagle3.prompts import prepare_prompts as pp
+
+    cfg = _config(tmp_path, tiny_llama_dir, [str(tmp_path / "a.jsonl")], reuse=tmp_path / "p.jsonl")
+    monkeypatch.setattr(ra, "load", lambda path, want: {})
+    monkeypatch.setattr(pp, "_regenerate", lambda *a, **k: None)  # a rank > 0's return
+    monkeypatch.setenv("RANK", "1")
+    assert pp._regenerate_reusing(cfg, [{"id": "x", "messages": [U("q")]}], {}, {}, False) == (
+        None, {"file": str(tmp_path / "p.jsonl"), "conversations": 0})
+    assert capsys.readouterr().out == ""
+    monkeypatch.setenv("RANK", "0")
+    pp._regenerate_reusing(cfg, [{"id": "x", "messages": [U("q")]}], {}, {}, False)
+    assert "0 of 1 conversations answered in" in capsys.readouterr().out

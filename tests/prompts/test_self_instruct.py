@@ -156,3 +156,85 @@ def test_smollm2_writes_user_prompts(tmp_path, monkeypatch):
     assert sum(rep["counts"].values()) == 8 and rep["counts"]["kept"] >= 3
     qs = [c["messages"][0]["content"] for c in read_conversations(str(out), keep_prompt_only=True)]
     assert len(qs) == rep["counts"]["kept"] and all(len(q) >= 16 and "<|im_" not in q for q in qs)
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--self-instruct", "5", "--out", "."], "--out .: a folder; give the file to write"),
+    (["--self-instruct", "5", "--out", "sub/"], "--out sub/: a folder; give the file to write"),
+    (["--self-instruct", "5", "--out", "prompts.jsonl"], "the name of 01's own report"),
+    (["--self-instruct", "5", "--out", "x.jsonl", "--source", "humaneval"], "--source has no effect with --self-instruct"),
+    (["--self-instruct", "5", "--out", "x.jsonl", "--no-regenerate"], "--[no-]regenerate has no effect"),
+    (["--self-instruct", "5", "--out", "x.jsonl", "--limit", "3"], "--limit has no effect with --self-instruct"),
+    (["--exclude", "eval.jsonl"], "--exclude applies only with --self-instruct N --out FILE"),
+    (["--self-instruct-max-tokens", "64", "--limit", "2"], "--self-instruct-max-tokens applies only with"),
+])
+def test_cli_refuses_misplaced_flags_before_sampling(tmp_path, tiny_llama_dir, monkeypatch, args, msg):
+    """Trial 2: an --out that is a folder failed only after sampling, naming a temporary file; --out prompts.jsonl
+    overwrote a 01 run's prompts_report.json; --exclude (or any self-instruct flag) without --self-instruct, and 01's
+    --source/--regenerate/--limit with it, were silently ignored. Now one line each, before the verifier loads."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(si, "sample_queries", lambda *a, **k: pytest.fail("sampled before refusing"))
+    with pytest.raises(UserError) as e:
+        _cli()(["--config", str(ROOT / "configs" / "tiny-llama.yaml"), "--set", f"verifier.path={tiny_llama_dir}",
+                *args])
+    assert msg in str(e.value) and "\n" not in str(e.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_cli_gz_out_is_gzip_and_01_reads_it(tmp_path, tiny_llama_dir, monkeypatch):
+    """--out F.jsonl.gz writes gzip (trial 2: plain text under a .gz name, which 01 then refused as 'Not a gzipped
+    file'); 01's reader reads it back; the report is F_report.json; the same queries give the same bytes."""
+    import gzip
+
+    fake, _ = _fake_sampler([(["Write a story about a dragon.", "Plan a trip to Rome for me."], [True, True])] * 2)
+    monkeypatch.setattr(si, "sample_queries", fake)
+    out = tmp_path / "si.jsonl.gz"
+    args = ["--config", str(ROOT / "configs" / "tiny-llama.yaml"), "--set", f"verifier.path={tiny_llama_dir}",
+            "--self-instruct", "2", "--out", str(out)]
+    assert _cli()(args) == 0
+    first = out.read_bytes()
+    assert first[:2] == b"\x1f\x8b"
+    assert [json.loads(line)["messages"][0]["content"] for line in gzip.decompress(first).decode().splitlines()] == [
+        "Write a story about a dragon.", "Plan a trip to Rome for me."]
+    assert len(read_conversations(str(out), keep_prompt_only=True)) == 2
+    assert (tmp_path / "si_report.json").is_file()
+    assert _cli()(args + ["--force"]) == 0 and out.read_bytes() == first
+
+
+def test_cli_no_query_kept_is_an_error_and_writes_nothing(tmp_path, tiny_llama_dir, monkeypatch):
+    """Every query unfinished or excluded: one line with the counts and what to change, no file (trial 2: an empty
+    file, exit 0 and "list it in prompts.source", which 01 then refused as 'no records')."""
+    fake, _ = _fake_sampler([(["An unfinished query that is long", "Write a story about a dragon."], [False, True])])
+    monkeypatch.setattr(si, "sample_queries", fake)
+    ex = tmp_path / "eval.jsonl"
+    ex.write_text(json.dumps({"messages": [{"role": "user", "content": "Write a story about a dragon."}]}) + "\n")
+    out = tmp_path / "si.jsonl"
+    with pytest.raises(UserError) as e:
+        _cli()(["--config", str(ROOT / "configs" / "tiny-llama.yaml"), "--set", f"verifier.path={tiny_llama_dir}",
+                "--self-instruct", "2", "--out", str(out), "--exclude", str(ex)])
+    assert str(e.value) == (
+        "--self-instruct 2: no query kept (1 unfinished, 0 too short, 1 repeated or excluded), nothing written; raise "
+        "--self-instruct-max-tokens (now 128) or use an instruction-tuned verifier; set another prompts.seed (the "
+        "same seed samples the same queries: a second file made with it repeats the first)")
+    assert not out.exists() and not (tmp_path / "si_report.json").exists()
+
+
+def test_cli_sigterm_says_nothing_was_written(tmp_path, tiny_llama_dir, monkeypatch):
+    """SIGTERM while sampling ends with run_main's one line and a hint, as 01's other mode (trial 2: the process died
+    silently); nothing is written."""
+    import os
+    import signal
+
+    from eagle3.cli import Terminated
+
+    def killed(*a, **k):
+        os.kill(os.getpid(), signal.SIGTERM)
+        pytest.fail("SIGTERM did not interrupt")
+
+    monkeypatch.setattr(si, "sample_queries", killed)
+    out = tmp_path / "si.jsonl"
+    with pytest.raises(Terminated) as e:
+        _cli()(["--config", str(ROOT / "configs" / "tiny-llama.yaml"), "--set", f"verifier.path={tiny_llama_dir}",
+                "--self-instruct", "2", "--out", str(out)])
+    assert e.value.hint == f"nothing written ({out} is written at the end); re-run the same command"
+    assert list(tmp_path.iterdir()) == []
