@@ -3,8 +3,8 @@
 Growing a regenerated data set (the data curve 17K -> 50K -> 100K, a new source such as ``01 --self-instruct``) used
 to mean regenerating every conversation again, since any change of ``prompts.source`` changes 01's settings. With
 ``prompts.reuse_answers: <an earlier prompts.jsonl[.gz]>`` a conversation whose non-answer content equals one in
-that file takes that file's regenerated conversation as it is, and only the others are regenerated; the output
-order is 01's as always.
+that file takes that file's regenerated conversation (with this run's id for it), and only the others are
+regenerated; the output order is 01's as always. It needs ``prompts.regenerate: true`` (a config error otherwise).
 
 Two conversations match when their messages are equal without the assistant answers (an assistant message with
 ``tool_calls`` kept as its role and calls: the answer text is what regeneration replaces, and a prompt-only input

@@ -28,7 +28,7 @@ from typing import Optional, Sequence
 import torch
 
 from eagle3.errors import UserError
-from eagle3.io import atomic_write_bytes, atomic_write_json, atomic_write_text, read_json
+from eagle3.io import atomic_write_bytes, atomic_write_json, atomic_write_text, file_sha256, read_json
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,7 @@ class SelfInstructSettings:
         prefix: the pre-query template text (:func:`pre_query_prefix`).
         verifier: the verifier's display name and dtype.
         exclude: files whose first user messages are left out (their paths).
+        exclude_sha256: those files' sha256 (None: missing), so an edited exclude file is not "up to date".
     """
 
     num: int
@@ -62,6 +63,7 @@ class SelfInstructSettings:
     prefix: str
     verifier: str
     exclude: tuple = ()
+    exclude_sha256: tuple = ()
 
 
 def pre_query_prefix(tokenizer, opts, system_prompt: Optional[str] = None) -> str:
@@ -191,7 +193,8 @@ def run(cfg, num: int, out: Path, temperature: float = 1.0, top_p: float = 1.0, 
     prefix = pre_query_prefix(tok, ChatOptions.from_config(cfg), cfg.prompts.system_prompt)
     st = SelfInstructSettings(num, float(temperature), float(top_p), max_query_tokens, min_chars,
                               cfg.prompts.gen_batch_size, cfg.prompts.seed, prefix,
-                              f"{cfg.verifier.display_name()} ({cfg.verifier.dtype})", tuple(map(str, exclude)))
+                              f"{cfg.verifier.display_name()} ({cfg.verifier.dtype})", tuple(map(str, exclude)),
+                              tuple(file_sha256(p) if Path(p).is_file() else None for p in exclude))
     if not force and _up_to_date(out, st):
         print(f"{out}: up to date (same self-instruct settings; --force to sample again)")
         return 0

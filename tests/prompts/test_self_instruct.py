@@ -94,7 +94,7 @@ def test_cli_writes_the_prompts_and_report_and_is_resumable(tmp_path, tiny_llama
     sets = ["--set", f"verifier.path={tiny_llama_dir}", "--set", "prompts.gen_batch_size=3"]
     batches = [(["Write a story about a dragon.", "Too short", "What is the capital of France?"], [True, True, True]),
                (["Plan a trip to Rome for me.", "An unfinished query"], [True, False])]
-    fake, calls = _fake_sampler(batches * 2)
+    fake, calls = _fake_sampler(batches * 3)
     monkeypatch.setattr(si, "sample_queries", fake)
     out = tmp_path / "si.jsonl"
     main = _cli()
@@ -120,6 +120,15 @@ def test_cli_writes_the_prompts_and_report_and_is_resumable(tmp_path, tiny_llama
     rep = json.loads((tmp_path / "si_report.json").read_text())
     assert rep["counts"]["duplicate"] == 1 and rep["excluded_prompts_known"] == 1
     assert rep["settings"]["exclude"] == [str(ex)]
+    assert main(["--config", str(cfg_path), *sets, "--self-instruct", "5", "--out", str(out), "--exclude",
+                 str(ex)]) == 0
+    assert len(calls) == 4  # up to date
+    ex.write_text(json.dumps({"messages": [{"role": "user", "content": "Plan a trip to Rome for me."}]}) + "\n")
+    assert main(["--config", str(cfg_path), *sets, "--self-instruct", "5", "--out", str(out), "--exclude",
+                 str(ex)]) == 0  # trial 2: an edited exclude file (same path) was "up to date"
+    assert len(calls) == 6
+    assert [c["messages"][0]["content"] for c in read_conversations(str(out), keep_prompt_only=True)] == [
+        "Write a story about a dragon.", "What is the capital of France?"]
 
 
 @pytest.mark.parametrize("args,env,msg", [
