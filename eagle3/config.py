@@ -323,7 +323,7 @@ class PromptsConfig(_Strict):
         "answers 01 reuses: a conversation equal to one there without its assistant answers takes that "
         "conversation, only the rest are regenerated (growing a data set, adding a source). Its report must record "
         "the same regeneration settings (verifier, dtype, max_new_tokens, context cap, chat template, ...), else 01 "
-        "refuses in one line. Float32: the same prompts.jsonl as a full regeneration (tested). Not in 01's settings "
+        "refuses in one line. Needs regenerate: true. Float32: the same prompts.jsonl as a full regeneration (tested). Not in 01's settings "
         "fingerprint")
     regen_prefill_pack: bool = Field(
         False, description="slots engine: each prefill forward feeds its prompts back to back as one sequence (no "
