@@ -70,12 +70,9 @@ def report_markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _had_failures(rep: Path) -> bool:
-    try:
-        reg = json.loads(rep.read_text(encoding="utf-8")).get("regeneration") or {}
-    except (json.JSONDecodeError, AttributeError, OSError):
-        return False
-    return bool(reg.get("failed"))
+def _had_failures(report: dict) -> bool:
+    """Whether the regeneration recorded in a read ``prompts_report.json`` (:func:`read_report`) had failures."""
+    return bool((report.get("regeneration") or {}).get("failed"))
 
 
 def read_counts_text(counts: Counter) -> str:
@@ -218,7 +215,7 @@ def _regenerate_reusing(cfg: RunConfig, convs: list[dict], want: dict, stats: di
 
     reused, todo = reuse_answers.split(convs, reuse_answers.load(cfg.prompts.reuse_answers, want))
     info = {"file": str(cfg.prompts.reuse_answers), "conversations": len(convs) - len(todo)}
-    if os.environ.get("RANK", "0") in ("", "0"):  # once under torchrun
+    if _rank0():  # once under torchrun
         print(f"prompts.reuse_answers: {info['conversations']} of {len(convs)} conversations answered in "
               f"{cfg.prompts.reuse_answers}; regenerating {len(todo)}")
     done = _regenerate(cfg, todo, want, stats, force=force) if todo else []
@@ -257,11 +254,12 @@ def run(cfg: RunConfig, source: Optional[str] = None, fmt: Optional[str] = None,
     out, rep = cfg.prompts_path, report_path(cfg)
     source_stats: dict = {}  # each source file's size, mtime and hash: 02 reuses the hash while they hold
     want = settings(cfg, limit, seen=source_stats)
-    if not force and up_to_date(out, rep, want):
+    _, report = read_report(cfg)  # once: the up-to-date check and the reason to remake read it
+    if not force and up_to_date(report, want):
         print(f"prompts up to date: {out} ({rep.name} settings unchanged; use --force to redo)")
         return 0
-    why = "--force" if force and out.is_file() else redo_reason(out, rep, want)
-    if why and os.environ.get("RANK", "0") in ("", "0"):  # say why before a (long) regeneration; once under torchrun
+    why = "--force" if force and out.is_file() else redo_reason(out, rep, report, want)
+    if why and _rank0():  # say why before a (long) regeneration; once under torchrun
         print(f"remaking {out} ({why})", flush=True)
 
     convs, counts, kept_by_step = select_conversations(cfg, limit)
@@ -297,7 +295,7 @@ def writer_lock(cfg: RunConfig):
     to <folder>`` (before, both regenerated everything, appending to one resume log). Under torchrun only rank 0
     takes it (the job's other ranks write their own logs there). A folder this call created is removed again when
     the block fails and leaves it empty, so a refused run leaves nothing behind."""
-    if os.environ.get("RANK", "0") not in ("", "0"):
+    if not _rank0():
         yield
         return
     folder = cfg.prompts_path.parent
@@ -341,19 +339,16 @@ def _brief(value, limit: int = 200) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
-def redo_reason(out: Path, rep: Path, want: dict) -> Optional[str]:
+def redo_reason(out: Path, rep: Path, report: Optional[dict], want: dict) -> Optional[str]:
     """Why an existing ``prompts.jsonl`` is made again: the settings that differ from the ones in
-    ``prompts_report.json`` (``key: old -> new``, every key of :func:`settings`), a missing or unreadable report,
-    or regeneration failures last time. None when there is no ``prompts.jsonl`` yet (nothing is replaced) or it
-    is up to date."""
+    ``prompts_report.json`` (``rep``, its content ``report`` as :func:`read_report` gives it; ``key: old -> new``,
+    every key of :func:`settings`), a missing or unreadable report, or regeneration failures last time. None when
+    there is no ``prompts.jsonl`` yet (nothing is replaced) or it is up to date."""
     if not out.is_file():
         return None
     if not rep.is_file():
         return f"no {rep.name} beside it"
-    try:
-        old = json.loads(rep.read_text(encoding="utf-8")).get("settings")
-    except (OSError, json.JSONDecodeError, AttributeError):
-        old = None
+    old = report.get("settings") if report is not None else None
     if not isinstance(old, dict):
         return f"{rep.name} has no readable settings"
     keys = [k for k in sorted(set(old) | set(want)) if old.get(k) != want.get(k)]
@@ -363,7 +358,7 @@ def redo_reason(out: Path, rep: Path, want: dict) -> Optional[str]:
         parts += [f"{k}: {_brief(old.get(k, 'unset'))} -> {_brief(want.get(k, 'unset'))}"
                   for k in keys if k not in ("bytes", "sha256")]  # a file's size and hash follow its name
         return "settings changed: " + "; ".join(parts)
-    if _had_failures(rep):
+    if _had_failures(report):
         return "conversations failed to regenerate last time: retrying them"
     return None
 
@@ -386,15 +381,10 @@ def nothing_regenerated(cfg: RunConfig, stats: dict) -> UserError:
                      + (f"; {cap}" if dropped else "") + "); nothing written")
 
 
-def up_to_date(out: Path, rep: Path, want: dict) -> bool:
-    """Both outputs exist, the report's settings equal ``want`` and no regeneration failed last time."""
-    if not (out.is_file() and rep.is_file()):
-        return False
-    try:
-        old = json.loads(rep.read_text(encoding="utf-8")).get("settings")
-    except (json.JSONDecodeError, AttributeError):
-        old = None
-    return old == want and not _had_failures(rep)
+def up_to_date(report: Optional[dict], want: dict) -> bool:
+    """Both outputs exist (``report``: :func:`read_report`'s content, None without ``prompts.jsonl`` or a readable
+    report), the report's settings equal ``want`` and no regeneration failed last time."""
+    return report is not None and report.get("settings") == want and not _had_failures(report)
 
 
 # 01 settings that come from other sections than ``prompts:`` (a verifier used only to regenerate may differ
@@ -421,6 +411,11 @@ def prompts_changes(cfg: RunConfig) -> tuple[Path, list[str]]:
     """
     rep, report = read_report(cfg)
     return rep, report_changes(cfg, report)
+
+
+def _rank0() -> bool:
+    """This process is the only one or torchrun's rank 0 (the one that prints and takes the writer lock)."""
+    return os.environ.get("RANK", "0") in ("", "0")
 
 
 def read_report(cfg: RunConfig) -> tuple[Path, Optional[dict]]:

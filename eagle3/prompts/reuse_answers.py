@@ -19,7 +19,6 @@ near-tie, as between any two regenerations.
 
 from __future__ import annotations
 
-import gzip
 import json
 from pathlib import Path
 from typing import Optional
@@ -43,24 +42,20 @@ def conversation_key(conv: dict) -> str:
 
 
 def _read_rows(path: Path) -> list[dict]:
-    """The JSONL rows of ``path`` (``.gz`` read through gzip); UserError naming the file and line for a bad one."""
-    opener = gzip.open if path.suffix == ".gz" else open
-    rows = []
+    """The conversations of ``path`` (:func:`eagle3.io.iter_jsonl`: ``.gz`` through gzip, a byte-order mark skipped);
+    UserError naming the file and line of a bad one, and the setting that named the file."""
+    from eagle3.io import iter_jsonl
+
     try:
-        with opener(path, "rt", encoding="utf-8") as f:
-            for i, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise UserError(f"{path}:{i}: prompts.reuse_answers: not a JSON line ({e.msg})") from e
-                if not isinstance(row, dict) or not isinstance(row.get("messages"), list):
-                    raise UserError(f"{path}:{i}: prompts.reuse_answers: expected a conversation with 'messages'")
-                rows.append(row)
+        lines = list(iter_jsonl(path))
+    except UserError as e:  # file:line: malformed JSON: ...
+        raise UserError(f"{e} (prompts.reuse_answers)") from e
     except (OSError, EOFError) as e:
         raise UserError(f"{path}: prompts.reuse_answers: cannot read ({e})") from e
-    return rows
+    for i, row in lines:
+        if not isinstance(row, dict) or not isinstance(row.get("messages"), list):
+            raise UserError(f"{path}:{i}: prompts.reuse_answers: expected a conversation with 'messages'")
+    return [row for _, row in lines]
 
 
 def check_settings(report: dict, want: dict, report_file: Path) -> None:

@@ -182,10 +182,9 @@ def run(cfg, num: int, out: Path, temperature: float = 1.0, top_p: float = 1.0, 
             or named like 01's output, more than one torchrun rank, an unusable chat template, or no query kept
             (nothing written then).
     """
-    if str(out).endswith("/"):
-        raise UserError(f"--out {out}: a folder; give the file to write, e.g. {Path(out) / 'self_instruct.jsonl'}")
+    folder = str(out).endswith("/")  # a folder named with its slash (Path drops it), existing or not
     out = Path(out)
-    _check_args(num, temperature, top_p, max_query_tokens, min_chars, out)
+    _check_args(num, temperature, top_p, max_query_tokens, min_chars, out, folder)
     from eagle3.prompts.chat import ChatOptions
     from eagle3.verifier import load_tokenizer, stop_token_ids
 
@@ -245,9 +244,11 @@ def nothing_kept(num: int, counts: dict, max_query_tokens: int, min_chars: int) 
                      f"too short, {counts['duplicate']} repeated or excluded), nothing written; " + "; ".join(hint))
 
 
-def _check_args(num: int, temperature: float, top_p: float, max_query_tokens: int, min_chars: int, out: Path) -> None:
-    """One-line errors for a bad argument, an output folder that does not exist, an ``--out`` that is a folder, and
-    an ``--out`` whose report would take 01's own report name (``prompts.jsonl`` -> ``prompts_report.json``)."""
+def _check_args(num: int, temperature: float, top_p: float, max_query_tokens: int, min_chars: int, out: Path,
+                folder: bool = False) -> None:
+    """One-line errors for a bad argument, an ``--out`` that is a folder (an existing one, or ``folder``: given with a
+    trailing slash), an output folder that does not exist, and an ``--out`` whose report would take 01's own report
+    name (``prompts.jsonl`` -> ``prompts_report.json``)."""
     if num < 1:
         raise UserError(f"--self-instruct: expected a positive number of queries, not {num}")
     if not temperature > 0:
@@ -256,10 +257,11 @@ def _check_args(num: int, temperature: float, top_p: float, max_query_tokens: in
         raise UserError(f"--self-instruct-top-p: expected in (0, 1], not {top_p}")
     if max_query_tokens < 1 or min_chars < 0:
         raise UserError("--self-instruct-max-tokens >= 1 and --self-instruct-min-chars >= 0")
+    if folder or out.is_dir():
+        raise UserError(f"--out {out}{'/' if folder else ''}: a folder; give the file to write, e.g. "
+                        f"{out / 'self_instruct.jsonl'}")
     if not out.parent.is_dir():
         raise UserError(f"--out {out}: folder {out.parent} does not exist")
-    if out.is_dir():
-        raise UserError(f"--out {out}: a folder; give the file to write, e.g. {out / 'self_instruct.jsonl'}")
     if report_path(out).name == "prompts_report.json":
         raise UserError(f"--out {out}: its report would be {report_path(out)}, the name of 01's own report (which "
                         f"prompts.reuse_answers and 02 read); choose another name, e.g. self_instruct.jsonl")
@@ -293,12 +295,12 @@ def _sample_all(model, tok, st: SelfInstructSettings, stop_ids: set[int], seen: 
     with tqdm(total=st.num, unit="query", desc="self-instruct") as bar:
         for b, start in enumerate(range(0, st.num, st.batch_size)):
             n = min(st.batch_size, st.num - start)
-            texts, ended, k = sample_queries(model, tok, prefix_ids, n, stop_ids, st.temperature, st.top_p,
-                                             st.max_query_tokens, st.seed * 1_000_003 + b)
-            tokens += k
+            texts, ended, sampled = sample_queries(model, tok, prefix_ids, n, stop_ids, st.temperature, st.top_p,
+                                                   st.max_query_tokens, st.seed * 1_000_003 + b)
+            tokens += sampled
             kept, c = select_queries(texts, ended, st.min_chars, seen)
             queries += kept
-            for k, v in c.items():
-                counts[k] += v
+            for why, v in c.items():
+                counts[why] += v
             bar.update(n)
     return queries, counts, time.perf_counter() - t0, tokens

@@ -102,7 +102,7 @@ def test_reuse_refused_in_one_line(tmp_path, tiny_llama_dir):
         run(_config(tmp_path, tiny_llama_dir, [a], reuse=lone, out="lone_run"))
     shutil.copy(report_path(cfg_a), lone.parent / "prompts_report.json")
     lone.write_text(lone.read_text() + "{not json\n")
-    with pytest.raises(UserError, match=r"p.jsonl:2: prompts.reuse_answers: not a JSON line"):
+    with pytest.raises(UserError, match=r"p.jsonl:2: malformed JSON: .*\(prompts.reuse_answers\)$"):
         run(_config(tmp_path, tiny_llama_dir, [a], reuse=lone, out="bad_run"))
     with pytest.raises(UserError, match="no such file"):
         run(_config(tmp_path, tiny_llama_dir, [a], reuse=tmp_path / "nope.jsonl", out="nope_run"))
