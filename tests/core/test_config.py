@@ -243,3 +243,15 @@ def test_regen_refill_free_is_a_share_of_the_slots(tmp_path, value):
     assert str(f) in str(e.value) and "field 'prompts.regen_refill_free'" in str(e.value) and "\n" not in str(e.value)
     assert load_config(_write(tmp_path, BASE + "  regen_refill_free: 0.125\n")).prompts.regen_refill_free == 0.125
     assert load_config(_write(tmp_path, BASE)).prompts.regen_refill_free == 1 / 32
+
+
+def test_one_url_string_is_a_list_of_one(tmp_path):
+    """prompts.server.urls / benchmark.server_urls written as one URL (as users write it for one server) are read
+    as a list of one, in the YAML and in --set; a bad single URL is still refused naming the field."""
+    cfg = load_config(_write(tmp_path, BASE + "benchmark:\n  server_urls: http://a:1\n"),
+                      ["prompts.server.urls=http://node1:30000"])
+    assert cfg.prompts.server.urls == ["http://node1:30000"] and cfg.benchmark.server_urls == ["http://a:1"]
+    cfg = load_config(_write(tmp_path, BASE), ["prompts.server.urls=[http://n1:1,http://n2:2]"])
+    assert cfg.prompts.server.urls == ["http://n1:1", "http://n2:2"]
+    with pytest.raises(UserError, match=r"field 'prompts.server.urls'.*expected http://host:port"):
+        load_config(_write(tmp_path, BASE), ["prompts.server.urls=node1:30000"])
