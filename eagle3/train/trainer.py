@@ -1082,8 +1082,9 @@ def _load_inputs(cfg: RunConfig, d: DistInfo, resume: bool, init: Optional[Calla
     check_hidden_states(cfg, data_config)
     vocab = load_run_vocab_map(cfg, int(data_config["vocab_size"]))
     split = read_split(cfg.data_dir)
-    require_passed(cfg.shards_dir, cfg.data_dir)  # 03's last validation of these shards passed, else UserError
-    require_current(cfg)  # 03's split and vocab map were made under the config's data: settings, else UserError
+    # 03's last validation of these shards passed, and its split and vocab map were made from them under the
+    # config's data: settings, else UserError
+    require_current(cfg, require_passed(cfg.shards_dir, cfg.data_dir))
     args = build_drafter_args(cfg, data_config, vocab)
     if args.hidden_size != int(data_config["hidden_size"]):  # init_drafter's check, before the head is extracted
         raise UserError(f"drafter.hidden_size: {args.hidden_size} differs from the verifier hidden size "
