@@ -1361,10 +1361,23 @@ class _Training:
         horizon_now = o.scheduler.lr_lambdas[0].__dict__.copy()  # this run's warmup/total steps
         o.scheduler.load_state_dict(state["scheduler"])
         if o.scheduler.lr_lambdas[0].__dict__ != horizon_now:
-            log.warning("%s: LR schedule %s in the checkpoint, now %s (max_steps/epochs changed); "
-                        "continuing with the new one", path, o.scheduler.lr_lambdas[0].__dict__, horizon_now)
+            log.warning("%s: LR schedule %s in the checkpoint, now %s (%s); continuing with the new one", path,
+                        o.scheduler.lr_lambdas[0].__dict__, horizon_now, self._horizon_reason(state))
             o.scheduler.lr_lambdas[0].__dict__.update(horizon_now)
         self.inputs.init_from = state.get("init_from")  # the run's warm start, recorded by its first call
+
+    def _horizon_reason(self, state: dict) -> str:
+        """Why a resumed run's lr schedule differs from its checkpoint's, for the warning: the schedule keys changed in
+        the config (``train.epochs`` / ``train.max_steps`` / ``--max-steps``, ``train.warmup_ratio``) and/or another
+        process count (the steps of ``train.epochs`` follow the new split). It said "max_steps/epochs changed" also when
+        only the process count had (fresh-user trial 2026-12-05d)."""
+        saved, now = state.get("recipe") or {}, _recipe(self.cfg)
+        keys = [k for k in ("train.epochs", "train.max_steps", "train.warmup_ratio") if k in saved and saved[k] != now[k]]
+        why = [f"{k} {saved[k]} -> {now[k]}" for k in keys]
+        then = state.get("world_size")
+        if then is not None and int(then) != self.d.world:
+            why.append(f"{then} processes then, {self.d.world} now: the steps of train.epochs follow the new split")
+        return "; ".join(why) or "--max-steps, train.max_steps or train.epochs changed"
 
     def recipe_in_use(self) -> dict:
         """The recipe a checkpoint records (key ``recipe``): the config's, except the fields a resumed checkpoint's
