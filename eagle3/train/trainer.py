@@ -1021,6 +1021,18 @@ def check_init_from_config(cfg: RunConfig) -> bool:
     return True
 
 
+def init_from_not_a_folder(path: Path) -> UserError:
+    """The error for a ``train.init_from`` that is no folder: missing, or a file (a checkpoint ``step_*.pt`` or a
+    ``model.safetensors`` given for its folder: it said "folder not found" of a file that exists, fresh-user trial
+    2026-12-05d)."""
+    if not path.exists():
+        return UserError(f"train.init_from: folder '{path}' not found (an exported drafter folder: 04's drafter-sglang)")
+    hint = (" (a checkpoint: export it with 04_train.py --export-only, or continue its run with --resume and its "
+            "train.output_dir)" if path.suffix == ".pt" else "")
+    return UserError(f"train.init_from: '{path}' is a file, not an exported drafter folder; give the folder "
+                     f"(04's drafter-sglang or drafter-vllm){hint}")
+
+
 def _exported_drafter_args(src: str) -> Optional[dict]:
     """The ``drafter_args`` an export folder records (``eagle3_train.json``, export.serving.META_FILE), after checking
     that ``src`` is an exported drafter folder (``config.json`` + ``model.safetensors``); None when the metadata is
@@ -1031,7 +1043,7 @@ def _exported_drafter_args(src: str) -> Optional[dict]:
     """
     path = Path(src)
     if not path.is_dir():
-        raise UserError(f"train.init_from: folder '{src}' not found (an exported drafter folder: 04's drafter-sglang)")
+        raise init_from_not_a_folder(path)
     for name in ("config.json", "model.safetensors"):
         if not (path / name).is_file():
             raise UserError(f"train.init_from: '{src}' is not an exported drafter folder (no {name}; 04 writes one "
