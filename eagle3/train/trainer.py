@@ -71,7 +71,8 @@ from eagle3.shards.fp8 import dequantize_batch, is_fp8
 from eagle3.io import (append_bytes, atomic_write_json, atomic_write_jsonl, atomic_write_text, disk_full_guard,
                        open_append)
 from eagle3.train.schedule import build_scheduler
-from eagle3.shards.format import check_extract_settings, check_verifier, expect_from_data_config, read_data_config
+from eagle3.shards.format import (check_extract_settings, check_verifier, check_verifier_dims, expect_from_data_config,
+                                  read_data_config)
 from eagle3.train.target_head import FILENAME as TARGET_HEAD_FILE
 from eagle3.train.target_head import TargetHead
 from eagle3.data.vocab import load_run_vocab_map
@@ -190,6 +191,7 @@ def build_drafter_args(cfg: RunConfig, data_config: dict, vocab: dict, warn_cont
 
     hf = load_verifier_config(cfg.verifier)
     dims = verifier_dims(hf)
+    check_verifier_dims(cfg.verifier, dims, data_config, cfg.shards_dir)  # before a symptom in a drafter field
     over = dict(given)
     if over["head_dim"] is None:
         if over["hidden_size"] is not None or over["num_attention_heads"] is not None:
