@@ -262,7 +262,29 @@ def _check_totals(shards: Path, meta: dict, stats: dict) -> None:
     for key in ("num_samples", "num_tokens", "num_loss_tokens"):
         if stats[key] != meta[key]:
             raise UserError(f"{meta_path}: key '{key}' is {meta[key]} but the shards hold {stats[key]} "
-                            "(shards added or removed after stage 02?)")
+                            + (_sample_set_change(shards) or "(shards added or removed after stage 02?)"))
+
+
+def _sample_set_change(shards: Path) -> Optional[str]:
+    """Which shards differ from ``manifest.jsonl`` and what to do, for :func:`_check_totals`'s error (None when the
+    files are the manifest's samples, or there is no manifest). A deleted shard said only `(shards added or removed
+    after stage 02?)` (fresh-user trial 2026-12-05d); 02 with the same command recaptures a missing one."""
+    man_path = shards / MANIFEST
+    if not man_path.is_file():
+        return None
+    rows, have = read_manifest(man_path).rows, dict(list_samples(shards))
+
+    def some(ids: list[int]) -> str:
+        return ", ".join(map(str, ids[:5])) + (f" and {len(ids) - 5} more" if len(ids) > 5 else "")
+
+    missing, extra = sorted(set(rows) - set(have)), sorted(set(have) - set(rows))
+    if missing:
+        return (f"({len(missing)} of the {len(rows)} shards in {MANIFEST} are missing: sample {some(missing)}); re-run "
+                f"02_extract_hidden.py with the same command (without --overwrite) to recapture them, then 03")
+    if extra:
+        return (f"({len(extra)} shard files not in {MANIFEST}: sample {some(extra)}, e.g. {have[extra[0]]}); remove "
+                f"them, or re-run 02_extract_hidden.py --overwrite")
+    return None
     if stats["num_loss_tokens"] == 0:
         raise UserError(f"{shards}: no loss-masked token in any shard (no assistant replies?)")
 
