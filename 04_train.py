@@ -59,14 +59,17 @@ def main(argv=None) -> int:
 
 
 def interrupted_exit(res: dict) -> int:
-    """One stderr line for a run stopped by a signal; returns ``128 + signal`` (SIGTERM when another
-    rank received it: every rank of a DDP run exits with the same code)."""
+    """One stderr line for a run stopped by a signal (rank 0 only: under torchrun every rank printed it, one copy a
+    rank); returns ``128 + signal`` (SIGTERM when another rank received it: every rank of a DDP run exits with the
+    same code)."""
+    import os
     import signal
     import sys
 
     signum = res.get("signal") or signal.SIGTERM
-    print(f"interrupted by {signal.Signals(signum).name} at step {res['step']}/{res['total_steps']}: checkpoint "
-          f"{res['checkpoint']}, nothing exported; continue with the same command plus --resume", file=sys.stderr)
+    if os.environ.get("RANK", "0") == "0":
+        print(f"interrupted by {signal.Signals(signum).name} at step {res['step']}/{res['total_steps']}: checkpoint "
+              f"{res['checkpoint']}, nothing exported; continue with the same command plus --resume", file=sys.stderr)
     return 128 + int(signum)
 
 

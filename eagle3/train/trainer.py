@@ -822,12 +822,54 @@ def run(cfg: RunConfig, resume: bool = False, max_steps: Optional[int] = None, s
             stop.restore()
 
 
+TRAIN_LOCK = ".train.lock"  # in train_dir while a 04 trains or exports there (one 04 per train folder)
+
+
+@contextlib.contextmanager
+def _train_lock(train_dir: Path, d: DistInfo):
+    """Hold ``{train_dir}/.train.lock`` (:func:`eagle3.io.exclusive_lock`, rank 0) for the whole of 04: a second 04 on
+    the same train folder (``--resume`` started while the first still ran) trained beside it, deleting its
+    in-flight checkpoint temp files, appending a second copy of every metrics row and writing the same export
+    (fresh-user trial 2026-12-05d); now it stops at once with one line on every rank. A folder this call created
+    is removed again when the block fails and leaves it empty (a refused run leaves nothing behind)."""
+    from eagle3.io import exclusive_lock
+
+    created = not train_dir.exists()
+    holder = f"another 04_train run is training in {train_dir}; wait for it to end (or stop it) before this one"
+    with contextlib.ExitStack() as stack:
+        failed = None
+        if d.is_main:
+            train_dir.mkdir(parents=True, exist_ok=True)
+            try:
+                stack.enter_context(exclusive_lock(train_dir / TRAIN_LOCK, holder))
+            except UserError as e:
+                failed = e
+        if _any_rank(failed is not None, d):
+            raise failed or UserError(f"{train_dir / TRAIN_LOCK}: {holder}")
+        try:
+            yield
+        except BaseException:
+            stack.close()  # the lock file goes first, then the folder this call made, if empty
+            if d.is_main and created:
+                with contextlib.suppress(OSError):
+                    train_dir.rmdir()
+            raise
+
+
 def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: Optional[int],
          stop_after: Optional[int], export: Optional[Callable] = None, init: Optional[Callable] = None,
          stop_at: Optional[int] = None) -> dict:
-    """The stage in named steps: inputs (+ folder check, warm start), data, optimisation, resume, loop, end.
-    A refusal before the loop (any UserError of the steps up to the resume), or a signal then
-    (:func:`stop_before_training`), removes what this call created."""
+    """The stage in named steps under 04's lock (:func:`_train_lock`): inputs (+ folder check, warm start), data,
+    optimisation, resume, loop, end. A refusal before the loop (any UserError of the steps up to the resume), or a
+    signal then (:func:`stop_before_training`), removes what this call created."""
+    with _train_lock(cfg.train_dir, d):
+        return _run_locked(cfg, d, stop, resume, max_steps, stop_after, export, init, stop_at)
+
+
+def _run_locked(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: Optional[int],
+                stop_after: Optional[int], export: Optional[Callable], init: Optional[Callable],
+                stop_at: Optional[int]) -> dict:
+    """:func:`_run`'s steps, with the lock held."""
     with _undo_on_refusal(cfg.train_dir, d.is_main):
         inputs = _load_inputs(cfg, d, resume, init, stop)
         try:
