@@ -545,8 +545,15 @@ def resolve_drafter_dir(cfg: RunConfig, drafter_dir: Optional[str | Path]) -> Pa
     """
     if drafter_dir:
         path = Path(drafter_dir)
+        if path.is_file():  # it said "folder not found" of a checkpoint that exists (fresh-user trial 2026-12-05d)
+            raise UserError(f"--drafter: '{path}' is a file, not an exported drafter folder; pass the folder 04 "
+                            f"exported (drafter-sglang), or export a checkpoint first with 04_train.py --export-only")
         if not path.is_dir():
             raise UserError(f"--drafter: folder '{path}' not found (export a trained drafter first)")
+        if not (path / "config.json").is_file() and (path / "checkpoints").is_dir():
+            raise UserError(f"--drafter: '{path}' is 04's train folder, not an exported drafter; pass the export "
+                            f"folder (drafter-sglang beside it, or export.output_dir), or write it with 04_train.py "
+                            f"--export-only")
         return path
     path = Path(cfg.export_dir)
     if not path.is_dir():
