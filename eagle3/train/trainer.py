@@ -830,11 +830,11 @@ def _train_lock(train_dir: Path, d: DistInfo):
     """Hold ``{train_dir}/.train.lock`` (:func:`eagle3.io.exclusive_lock`, rank 0) for the whole of 04: a second 04 on
     the same train folder (``--resume`` started while the first still ran) trained beside it, deleting its
     in-flight checkpoint temp files, appending a second copy of every metrics row and writing the same export
-    (fresh-user trial 2026-12-05d); now it stops at once with one line on every rank. A folder this call created
-    is removed again when the block fails and leaves it empty (a refused run leaves nothing behind)."""
+    (fresh-user trial 2026-12-05d); now it stops at once with one line on every rank. The folders this call created
+    are removed again when the block fails and leaves them empty (a refused run leaves nothing behind)."""
     from eagle3.io import exclusive_lock
 
-    created = not train_dir.exists()
+    created = [p for p in (train_dir, *train_dir.parents) if not p.exists()]  # deepest first
     holder = f"another 04_train run is training in {train_dir}; wait for it to end (or stop it) before this one"
     with contextlib.ExitStack() as stack:
         failed = None
@@ -849,10 +849,10 @@ def _train_lock(train_dir: Path, d: DistInfo):
         try:
             yield
         except BaseException:
-            stack.close()  # the lock file goes first, then the folder this call made, if empty
-            if d.is_main and created:
-                with contextlib.suppress(OSError):
-                    train_dir.rmdir()
+            stack.close()  # the lock file goes first, then the folders this call made, if empty
+            with contextlib.suppress(OSError):
+                for folder in created if d.is_main else ():
+                    folder.rmdir()
             raise
 
 
