@@ -49,7 +49,10 @@ def main(argv=None) -> int:
         print(f"exported: {export_from_checkpoint(cfg)}")
         return 0
     from eagle3.export.from_checkpoint import export_for_run, load_init_drafter
+    from eagle3.export.serving import check_export_destination
     from eagle3.train.trainer import run
+
+    check_export_destination(cfg.export_dir, cfg.export.engine)  # before training, not after it
 
     res = run(cfg, resume=a.resume, max_steps=a.max_steps, export=export_for_run, init=load_init_drafter,
               stop_at=a.stop_at)

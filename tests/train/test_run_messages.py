@@ -156,3 +156,31 @@ def test_a_verifier_path_to_another_model_is_named_not_a_drafter_field(tmp_path)
     assert w == (f"drafter {tmp_path / 'd' / 'eagle3_train.json'} was exported for verifier 'synthetic' of other "
                  f"dimensions than the model at verifier.path (num_layers 6 recorded, 30 at verifier.path; hidden_size 16 "
                  f"recorded, 64 at verifier.path)")
+
+
+def test_an_unusable_export_folder_is_refused_before_training(tmp_path):
+    """export.output_dir at a file, under a file, at a folder of other files or at the other engine's export was refused
+    only by the export at the END of training: the whole run, then exit 2 with no export and no report (fresh-user
+    trial 2026-12-05d). 04_train.py now checks it before anything is written."""
+    import json
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    path = make_tiny_run(tmp_path, train={"max_steps": 2})
+    (tmp_path / "notes.txt").write_text("x")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "a.txt").write_text("x")
+    (tmp_path / "vl").mkdir()
+    (tmp_path / "vl" / "eagle3_train.json").write_text(json.dumps({"engine": "vllm"}))
+    cases = {tmp_path / "notes.txt": "export.output_dir is a file, not a folder",
+             tmp_path / "notes.txt" / "x": f"export.output_dir is under {tmp_path / 'notes.txt'}, which is a file, not a "
+                                           f"folder",
+             tmp_path / "other": "export.output_dir holds files that are not an eagle3-train export; choose an empty "
+                                 "or new folder",
+             tmp_path / "vl": "holds the vllm export; exporting for sglang there would replace it (set "
+                              "export.output_dir to another folder, e.g. drafter-sglang)"}
+    for out, want in cases.items():
+        r = subprocess.run([sys.executable, str(root / "04_train.py"), "--config", str(path), "--set",
+                            f"export.output_dir={out}"], capture_output=True, text=True, cwd=root, timeout=300)
+        assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == f"error: {out}: {want}", r.stderr[-2000:]
+        assert not (tmp_path / "train" / "checkpoints").exists()
