@@ -859,19 +859,21 @@ def _train_lock(train_dir: Path, d: DistInfo):
 def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: Optional[int],
          stop_after: Optional[int], export: Optional[Callable] = None, init: Optional[Callable] = None,
          stop_at: Optional[int] = None) -> dict:
-    """The stage in named steps under 04's lock (:func:`_train_lock`): inputs (+ folder check, warm start), data,
-    optimisation, resume, loop, end. A refusal before the loop (any UserError of the steps up to the resume), or a
-    signal then (:func:`stop_before_training`), removes what this call created."""
-    with _train_lock(cfg.train_dir, d):
-        return _run_locked(cfg, d, stop, resume, max_steps, stop_after, export, init, stop_at)
+    """The stage in named steps: inputs (+ folder check, warm start), data, optimisation, resume, loop, end. 04's lock
+    (:func:`_train_lock`) is taken once the inputs are read and checked, before the first write, and held to the end.
+    A refusal before the loop (any UserError of the steps up to the resume), or a signal then
+    (:func:`stop_before_training`), removes what this call created."""
+    with contextlib.ExitStack() as held:
+        return _run_locked(cfg, d, stop, resume, max_steps, stop_after, export, init, stop_at,
+                           lock=lambda: held.enter_context(_train_lock(cfg.train_dir, d)))
 
 
 def _run_locked(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: Optional[int],
                 stop_after: Optional[int], export: Optional[Callable], init: Optional[Callable],
-                stop_at: Optional[int]) -> dict:
-    """:func:`_run`'s steps, with the lock held."""
+                stop_at: Optional[int], lock: Callable[[], None]) -> dict:
+    """:func:`_run`'s steps; ``lock()`` takes 04's lock (called by :func:`_load_inputs` before its first write)."""
     with _undo_on_refusal(cfg.train_dir, d.is_main):
-        inputs = _load_inputs(cfg, d, resume, init, stop)
+        inputs = _load_inputs(cfg, d, resume, init, stop, lock)
         try:
             data = _build_data(cfg, d, inputs, max_steps)
             stop_before_training(stop, d)
@@ -1125,7 +1127,7 @@ def _warm_start_planned(cfg: RunConfig, d: DistInfo, resume: bool, args=None) ->
 
 
 def _load_inputs(cfg: RunConfig, d: DistInfo, resume: bool, init: Optional[Callable] = None,
-                 stop: Optional[StopFlag] = None) -> _Inputs:
+                 stop: Optional[StopFlag] = None, lock: Optional[Callable[[], None]] = None) -> _Inputs:
     """Inputs step: ``data_config.json``, vocab map, split, drafter args (all read and checked before anything
     is written, so a bad input is the first error and leaves no empty train/ folder behind), the folder check,
     verifier head, drafter init, and the hidden-state source (shards, or the verifier / capture servers for
@@ -1147,6 +1149,8 @@ def _load_inputs(cfg: RunConfig, d: DistInfo, resume: bool, init: Optional[Calla
                         f"{data_config['hidden_size']} ({cfg.shards_dir / 'data_config.json'}); the drafter reuses "
                         f"the verifier's token embedding")
     warm = _warm_start_planned(cfg, d, resume, args)  # checked before the first write (the full check: after the head)
+    if lock is not None:
+        lock()  # 04's lock on train_dir (_train_lock), before the folder check deletes stale temp files
     _check_train_dir(cfg, d, resume)
     stop_before_training(stop, d)
     head = prepare_target_head(cfg, data_config, d)  # the first write: target_head.safetensors (creates train_dir)
