@@ -49,7 +49,10 @@ def main(argv=None) -> int:
         print(f"exported: {export_from_checkpoint(cfg)}")
         return 0
     from eagle3.export.from_checkpoint import export_for_run, load_init_drafter
+    from eagle3.export.serving import check_export_destination
     from eagle3.train.trainer import run
+
+    check_export_destination(cfg.export_dir, cfg.export.engine)  # before training, not after it
 
     res = run(cfg, resume=a.resume, max_steps=a.max_steps, export=export_for_run, init=load_init_drafter,
               stop_at=a.stop_at)
@@ -59,14 +62,17 @@ def main(argv=None) -> int:
 
 
 def interrupted_exit(res: dict) -> int:
-    """One stderr line for a run stopped by a signal; returns ``128 + signal`` (SIGTERM when another
-    rank received it: every rank of a DDP run exits with the same code)."""
+    """One stderr line for a run stopped by a signal (rank 0 only: under torchrun every rank printed it, one copy a
+    rank); returns ``128 + signal`` (SIGTERM when another rank received it: every rank of a DDP run exits with the
+    same code)."""
+    import os
     import signal
     import sys
 
     signum = res.get("signal") or signal.SIGTERM
-    print(f"interrupted by {signal.Signals(signum).name} at step {res['step']}/{res['total_steps']}: checkpoint "
-          f"{res['checkpoint']}, nothing exported; continue with the same command plus --resume", file=sys.stderr)
+    if os.environ.get("RANK", "0") == "0":
+        print(f"interrupted by {signal.Signals(signum).name} at step {res['step']}/{res['total_steps']}: checkpoint "
+              f"{res['checkpoint']}, nothing exported; continue with the same command plus --resume", file=sys.stderr)
     return 128 + int(signum)
 
 

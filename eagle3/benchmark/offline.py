@@ -474,15 +474,25 @@ def resolve_aux_layers(drafter_dir: Path, shards_dir: Optional[Path], fallback: 
     return [int(i) for i in aux], warnings
 
 
-def verifier_warnings(drafter_dir: Path, verifier_name: str) -> list[str]:
-    """A warning when the drafter's ``eagle3_train.json`` names another verifier than the run config."""
+def verifier_warnings(drafter_dir: Path, verifier_name: str, dims: Optional[dict] = None) -> list[str]:
+    """A warning when the drafter's ``eagle3_train.json`` names another verifier than the run config, or records
+    other dimensions than ``dims`` (the loaded verifier's, :func:`eagle3.verifier.verifier_dims`: a ``verifier.path``
+    pointed at another model under the same ``verifier.name``)."""
+    from eagle3.shards.format import verifier_dims_differ
+
     meta_path = Path(drafter_dir) / TRAIN_META
     if not meta_path.is_file():
         return []
     meta = read_json(meta_path)
-    rec = (meta.get("verifier") or {}).get("name") if isinstance(meta, dict) else None
-    if rec and rec != verifier_name:
-        return [f"drafter {meta_path} was exported for verifier '{rec}', benchmarking it with '{verifier_name}'"]
+    rec = (meta.get("verifier") or {}) if isinstance(meta, dict) else {}
+    rec = rec if isinstance(rec, dict) else {}
+    name = rec.get("name")
+    if name and name != verifier_name:
+        return [f"drafter {meta_path} was exported for verifier '{name}', benchmarking it with '{verifier_name}'"]
+    diff = verifier_dims_differ(dims or {}, rec)
+    if diff:
+        return [f"drafter {meta_path} was exported for verifier '{name or verifier_name}' of other dimensions than the "
+                f"model at verifier.path ({diff})"]
     return []
 
 
@@ -535,8 +545,15 @@ def resolve_drafter_dir(cfg: RunConfig, drafter_dir: Optional[str | Path]) -> Pa
     """
     if drafter_dir:
         path = Path(drafter_dir)
+        if path.is_file():  # it said "folder not found" of a checkpoint that exists (fresh-user trial 2026-12-05d)
+            raise UserError(f"--drafter: '{path}' is a file, not an exported drafter folder; pass the folder 04 "
+                            f"exported (drafter-sglang), or export a checkpoint first with 04_train.py --export-only")
         if not path.is_dir():
             raise UserError(f"--drafter: folder '{path}' not found (export a trained drafter first)")
+        if not (path / "config.json").is_file() and (path / "checkpoints").is_dir():
+            raise UserError(f"--drafter: '{path}' is 04's train folder, not an exported drafter; pass the export "
+                            f"folder (drafter-sglang beside it, or export.output_dir), or write it with 04_train.py "
+                            f"--export-only")
         return path
     path = Path(cfg.export_dir)
     if not path.is_dir():
@@ -809,7 +826,7 @@ def run(
             fallback = default_aux_layers(n_layers)
         except UserError:  # too few layers for the default: the drafter's metadata must say
             fallback = None
-    mismatch = verifier_warnings(drafter_dir, cfg.verifier.display_name())
+    mismatch = verifier_warnings(drafter_dir, cfg.verifier.display_name(), verifier_dims(verifier.config))
     with verifier_named_first(mismatch):  # another verifier: say so rather than an aux-layer / shape symptom
         aux, warnings = resolve_aux_layers(drafter_dir, cfg.shards_dir, fallback)
         warnings += mismatch

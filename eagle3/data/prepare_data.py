@@ -262,13 +262,35 @@ def _check_totals(shards: Path, meta: dict, stats: dict) -> None:
     for key in ("num_samples", "num_tokens", "num_loss_tokens"):
         if stats[key] != meta[key]:
             raise UserError(f"{meta_path}: key '{key}' is {meta[key]} but the shards hold {stats[key]} "
-                            "(shards added or removed after stage 02?)")
+                            + (_sample_set_change(shards) or "(shards added or removed after stage 02?)"))
+
+
+def _sample_set_change(shards: Path) -> Optional[str]:
+    """Which shards differ from ``manifest.jsonl`` and what to do, for :func:`_check_totals`'s error (None when the
+    files are the manifest's samples, or there is no manifest). A deleted shard said only `(shards added or removed
+    after stage 02?)` (fresh-user trial 2026-12-05d); 02 with the same command recaptures a missing one."""
+    man_path = shards / MANIFEST
+    if not man_path.is_file():
+        return None
+    rows, have = read_manifest(man_path).rows, dict(list_samples(shards))
+
+    def some(ids: list[int]) -> str:
+        return ", ".join(map(str, ids[:5])) + (f" and {len(ids) - 5} more" if len(ids) > 5 else "")
+
+    missing, extra = sorted(set(rows) - set(have)), sorted(set(have) - set(rows))
+    if missing:
+        return (f"({len(missing)} of the {len(rows)} shards in {MANIFEST} are missing: sample {some(missing)}); re-run "
+                f"02_extract_hidden.py with the same command (without --overwrite) to recapture them, then 03")
+    if extra:
+        return (f"({len(extra)} shard files not in {MANIFEST}: sample {some(extra)}, e.g. {have[extra[0]]}); remove "
+                f"them, or re-run 02_extract_hidden.py --overwrite")
+    return None
     if stats["num_loss_tokens"] == 0:
         raise UserError(f"{shards}: no loss-masked token in any shard (no assistant replies?)")
 
 
 def _shard_stats(cfg: RunConfig, meta: dict, paths: list[tuple[int, Path]], revalidate: bool
-                 ) -> tuple[dict, torch.Tensor, str]:
+                 ) -> tuple[dict, torch.Tensor, str, str]:
     """Stats and loss-token counts of the shard set: reused from a validation record whose fingerprint
     matches (``eagle3.data.validation_record``), else from a full validation, after which the record is
     written (shards folder if writable, else the data folder): a passing one, or, when the pass raises, a
@@ -279,7 +301,7 @@ def _shard_stats(cfg: RunConfig, meta: dict, paths: list[tuple[int, Path]], reva
         UserError: as :func:`_validate_all`; no folder accepts the passing record.
 
     Returns:
-        ``(stats, freq int64 [V], "full" | "reused")``.
+        ``(stats, freq int64 [V], "full" | "reused", the shard set's fingerprint)``.
     """
     shards = cfg.shards_dir
     folders = [shards, cfg.data_dir]
@@ -292,7 +314,7 @@ def _shard_stats(cfg: RunConfig, meta: dict, paths: list[tuple[int, Path]], reva
             _check_totals(shards, meta, stats)
             log.info("reusing the shard validation of %s (%s; shards, manifest.jsonl and data_config.json unchanged "
                      "since); --revalidate forces a full pass", format_time(created), path)
-            return stats, freq, "reused"
+            return stats, freq, "reused", fp
     try:
         stats, freq = _validate_all(shards, meta, paths)
     except UserError as e:  # the set is not valid: no record may keep saying it is (stage 04 reads it)
@@ -300,7 +322,7 @@ def _shard_stats(cfg: RunConfig, meta: dict, paths: list[tuple[int, Path]], reva
         raise
     where = write_record(folders, fp, stats, freq)
     log.info("validation record written to %s (a re-run on unchanged shards skips the hashing)", where)
-    return stats, freq, "full"
+    return stats, freq, "full", fp
 
 
 def run(cfg: RunConfig, *, plot: bool = True, revalidate: bool = False) -> dict:
@@ -331,7 +353,7 @@ def run(cfg: RunConfig, *, plot: bool = True, revalidate: bool = False) -> dict:
     paths = list_samples(shards)
     if not paths:
         raise UserError(f"{shards}: no shards found")
-    stats, freq, how = _shard_stats(cfg, meta, paths, revalidate)  # freq: [V]
+    stats, freq, how, fp = _shard_stats(cfg, meta, paths, revalidate)  # freq: [V]
     d2t, t2d = build_vocab_map(freq, draft)
     cov = coverage(freq, t2d)
     split = split_indices([i for i, _ in paths], cfg.data.val_fraction, cfg.data.seed)
@@ -372,6 +394,7 @@ def run(cfg: RunConfig, *, plot: bool = True, revalidate: bool = False) -> dict:
         "storage_dtype": meta.get("storage_dtype", "bfloat16"),  # fp8 shards were validated with their scales
         "validation": how,  # "full": every shard hashed + loaded now; "reused": a matching validation record
         "settings": data_settings(cfg),  # the data: fields these outputs were made under (04 checks them)
+        "shards_fingerprint": fp,  # the shard set they were made from (04 checks it: eagle3.data.settings)
     }
     atomic_write_json(out / REPORT_JSON, report)
     atomic_write_text(out / REPORT_MD, _markdown(report))

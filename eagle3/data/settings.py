@@ -10,6 +10,9 @@ run cannot train on a split that ignores its own config (the fresh-user trial of
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Optional
+
 from eagle3.config import RunConfig
 from eagle3.errors import UserError
 from eagle3.io import read_json
@@ -24,15 +27,19 @@ def data_settings(cfg: RunConfig) -> dict:
     return {k: getattr(cfg.data, k) for k in DATA_SETTINGS}
 
 
-def require_current(cfg: RunConfig) -> None:
-    """Stop when 03's outputs in ``cfg.data_dir`` were made under other ``data:`` settings than the config's.
+def require_current(cfg: RunConfig, record: Optional[Path] = None) -> None:
+    """Stop when 03's outputs in ``cfg.data_dir`` were made under other ``data:`` settings than the config's, or from
+    another shard set than ``cfg.shards_dir`` holds now.
 
-    Reads ``{data_dir}/data_report.json``'s ``settings``. A folder without the report (made by hand or by a test) or
-    a report from before the settings were recorded is not compared (nothing to compare with).
+    Reads ``{data_dir}/data_report.json``'s ``settings`` and ``shards_fingerprint`` (the shard set 03 read, as in its
+    validation record). ``record``: the passing validation record of the current shards (:func:`require_passed`), whose
+    fingerprint is the shards' now; without it the fingerprint is computed. A folder without the report (made by hand or
+    by a test) or a report from before a key was recorded is not compared on that key (nothing to compare with).
 
     Raises:
-        UserError: one line naming the data folder, every differing ``data.*`` field with both values, and 03; or an
-            unreadable report (file and line).
+        UserError: one line naming the data folder, every differing ``data.*`` field with both values, and 03; a data
+            folder made from other shards (both folders named; the ``extract.output_dir`` fault of the fresh-user trial
+            2026-12-05d); or an unreadable report (file and line).
     """
     path = cfg.data_dir / REPORT_JSON
     if not path.is_file():
@@ -46,3 +53,23 @@ def require_current(cfg: RunConfig) -> None:
     if diffs:
         raise UserError(f"{cfg.data_dir}: 03's vocab map and split were made under other data settings ("
                         + "; ".join(diffs) + f", {path.name}); run 03_prepare_data.py again")
+    _require_same_shards(cfg, report, path, record)
+
+
+def _require_same_shards(cfg: RunConfig, report: dict, path: Path, record: Optional[Path]) -> None:
+    """:func:`require_current`'s shard-set check: the report's ``shards_fingerprint`` is the current shards'."""
+    from eagle3.data.validation_record import _fingerprint_of, fingerprint_now
+
+    made_from = report.get("shards_fingerprint")
+    if made_from is None:
+        return
+    now = _fingerprint_of(record) if record is not None else None
+    if made_from == (now or fingerprint_now(cfg.shards_dir)):
+        return
+    there = Path(str(report.get("shards_dir", "")))
+    if there.resolve() != cfg.shards_dir.resolve():
+        raise UserError(f"{cfg.data_dir}: 03's vocab map and split were made from the shards in {there}, not from "
+                        f"{cfg.shards_dir} (extract.output_dir; {path.name}); run 03_prepare_data.py for these shards "
+                        f"(with a data.output_dir of their own to keep both)")
+    raise UserError(f"{cfg.data_dir}: 03's vocab map and split were made from an earlier shard set in {there} "
+                    f"(re-extracted or changed since; {path.name}); run 03_prepare_data.py again")

@@ -152,9 +152,11 @@ def load_init_drafter(cfg: RunConfig, embed_weight, data_config: dict):
     """
     from eagle3.export.serving import check_export_folder, load_exported
 
+    from eagle3.train.trainer import init_from_not_a_folder
+
     path = Path(cfg.train.init_from)
     if not path.is_dir():
-        raise UserError(f"train.init_from: folder '{path}' not found (an exported drafter folder: 04's drafter-sglang)")
+        raise init_from_not_a_folder(path)
     aux = [int(i) for i in data_config["aux_layers"]]
     try:
         got = check_export_folder(path)["aux_layers_hf"]

@@ -446,6 +446,24 @@ def _warn_other_run(out: Path, provenance: Optional[dict]) -> None:
                     provenance["train_dir"], provenance.get("selected_step", "?"))
 
 
+def check_export_destination(out: Path, engine: str) -> None:
+    """04's start-up check of where the export will go (``04_train.py`` calls it before training): the refusals of
+    :func:`_check_replaceable`, and a path under a file (it said ``<file>: File exists``). They came only after the
+    whole training, with no export and no report (fresh-user trial 2026-12-05d); the checkpoints stayed, for
+    ``--export-only``.
+
+    Raises:
+        UserError: as :func:`_check_replaceable`; or a parent of ``out`` that is a file.
+    """
+    out = Path(out)
+    for parent in out.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise UserError(f"{out}: export.output_dir is under {parent}, which is a file, not a folder")
+            break
+    _check_replaceable(out, engine)
+
+
 def _check_replaceable(out: Path, engine: str) -> None:
     """Refuse to replace a folder that is not an export of this project for the same engine.
 

@@ -690,6 +690,34 @@ def check_verifier(verifier: Any, meta: dict, root: str | os.PathLike) -> None:
                         "(verifier.name / verifier.path); re-run 02 for this verifier")
 
 
+VERIFIER_DIMS = ("num_layers", "hidden_size", "vocab_size")  # what data_config.json / eagle3_train.json record of it
+
+
+def verifier_dims_differ(dims: dict, recorded: dict) -> Optional[str]:
+    """``num_layers 6 recorded, 30 at verifier.path; ...`` for each of :data:`VERIFIER_DIMS` that the verifier the
+    config loads (``dims``: :func:`eagle3.verifier.verifier_dims`) has other than ``recorded`` (the shards'
+    ``data_config.json`` or an export's ``verifier`` block), or None. :func:`check_verifier` compares names only: a
+    config whose ``verifier.path`` was pointed at another model under the old ``verifier.name`` otherwise fails on a
+    drafter field the user never set (fresh-user trial 2026-12-05d)."""
+    diffs = [f"{k} {recorded[k]} recorded, {dims[k]} at verifier.path" for k in VERIFIER_DIMS
+             if recorded.get(k) is not None and dims.get(k) is not None and int(recorded[k]) != int(dims[k])]
+    return "; ".join(diffs) or None
+
+
+def check_verifier_dims(verifier: Any, dims: dict, meta: dict, root: str | os.PathLike) -> None:
+    """Refuse a verifier (loaded from ``verifier.path``) of other dimensions than the shards' (``meta``).
+
+    Raises:
+        UserError: ``verifier.path: '<path>' is another model than the shards in <root> were captured from ('<name>':
+            num_layers 6 recorded, 30 at verifier.path; ...); set verifier.path back, or re-run 02 for this model ...``.
+    """
+    diff = verifier_dims_differ(dims, meta)
+    if diff:
+        raise UserError(f"verifier.path: '{verifier.path}' is another model than the shards in {root} were captured "
+                        f"from ({meta.get('verifier')!r}, {DATA_CONFIG}: {diff}); set verifier.path back to that model, "
+                        f"or re-run 02 for this one (with a verifier.name of its own)")
+
+
 def check_extract_settings(extract: Any, meta: dict, root: str | os.PathLike) -> None:
     """Refuse a config whose ``extract.aux_layers`` / ``extract.max_length`` differ from the shards'.
 

@@ -71,7 +71,8 @@ from eagle3.shards.fp8 import dequantize_batch, is_fp8
 from eagle3.io import (append_bytes, atomic_write_json, atomic_write_jsonl, atomic_write_text, disk_full_guard,
                        open_append)
 from eagle3.train.schedule import build_scheduler
-from eagle3.shards.format import check_extract_settings, check_verifier, expect_from_data_config, read_data_config
+from eagle3.shards.format import (check_extract_settings, check_verifier, check_verifier_dims, expect_from_data_config,
+                                  read_data_config)
 from eagle3.train.target_head import FILENAME as TARGET_HEAD_FILE
 from eagle3.train.target_head import TargetHead
 from eagle3.data.vocab import load_run_vocab_map
@@ -190,6 +191,7 @@ def build_drafter_args(cfg: RunConfig, data_config: dict, vocab: dict, warn_cont
 
     hf = load_verifier_config(cfg.verifier)
     dims = verifier_dims(hf)
+    check_verifier_dims(cfg.verifier, dims, data_config, cfg.shards_dir)  # before a symptom in a drafter field
     over = dict(given)
     if over["head_dim"] is None:
         if over["hidden_size"] is not None or over["num_attention_heads"] is not None:
@@ -820,14 +822,58 @@ def run(cfg: RunConfig, resume: bool = False, max_steps: Optional[int] = None, s
             stop.restore()
 
 
+TRAIN_LOCK = ".train.lock"  # in train_dir while a 04 trains or exports there (one 04 per train folder)
+
+
+@contextlib.contextmanager
+def _train_lock(train_dir: Path, d: DistInfo):
+    """Hold ``{train_dir}/.train.lock`` (:func:`eagle3.io.exclusive_lock`, rank 0) for the whole of 04: a second 04 on
+    the same train folder (``--resume`` started while the first still ran) trained beside it, deleting its
+    in-flight checkpoint temp files, appending a second copy of every metrics row and writing the same export
+    (fresh-user trial 2026-12-05d); now it stops at once with one line on every rank. The folders this call created
+    are removed again when the block fails and leaves them empty (a refused run leaves nothing behind)."""
+    from eagle3.io import exclusive_lock
+
+    created = [p for p in (train_dir, *train_dir.parents) if not p.exists()]  # deepest first
+    holder = f"another 04_train run is training in {train_dir}; wait for it to end (or stop it) before this one"
+    with contextlib.ExitStack() as stack:
+        failed = None
+        if d.is_main:
+            train_dir.mkdir(parents=True, exist_ok=True)
+            try:
+                stack.enter_context(exclusive_lock(train_dir / TRAIN_LOCK, holder))
+            except UserError as e:
+                failed = e
+        if _any_rank(failed is not None, d):
+            raise failed or UserError(f"{train_dir / TRAIN_LOCK}: {holder}")
+        try:
+            yield
+        except BaseException:
+            stack.close()  # the lock file goes first, then the folders this call made, if empty
+            with contextlib.suppress(OSError):
+                for folder in created if d.is_main else ():
+                    folder.rmdir()
+            raise
+
+
 def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: Optional[int],
          stop_after: Optional[int], export: Optional[Callable] = None, init: Optional[Callable] = None,
          stop_at: Optional[int] = None) -> dict:
-    """The stage in named steps: inputs (+ folder check, warm start), data, optimisation, resume, loop, end.
+    """The stage in named steps: inputs (+ folder check, warm start), data, optimisation, resume, loop, end. 04's lock
+    (:func:`_train_lock`) is taken once the inputs are read and checked, before the first write, and held to the end.
     A refusal before the loop (any UserError of the steps up to the resume), or a signal then
     (:func:`stop_before_training`), removes what this call created."""
+    with contextlib.ExitStack() as held:
+        return _run_locked(cfg, d, stop, resume, max_steps, stop_after, export, init, stop_at,
+                           lock=lambda: held.enter_context(_train_lock(cfg.train_dir, d)))
+
+
+def _run_locked(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: Optional[int],
+                stop_after: Optional[int], export: Optional[Callable], init: Optional[Callable],
+                stop_at: Optional[int], lock: Callable[[], None]) -> dict:
+    """:func:`_run`'s steps; ``lock()`` takes 04's lock (called by :func:`_load_inputs` before its first write)."""
     with _undo_on_refusal(cfg.train_dir, d.is_main):
-        inputs = _load_inputs(cfg, d, resume, init, stop)
+        inputs = _load_inputs(cfg, d, resume, init, stop, lock)
         try:
             data = _build_data(cfg, d, inputs, max_steps)
             stop_before_training(stop, d)
@@ -1021,6 +1067,18 @@ def check_init_from_config(cfg: RunConfig) -> bool:
     return True
 
 
+def init_from_not_a_folder(path: Path) -> UserError:
+    """The error for a ``train.init_from`` that is no folder: missing, or a file (a checkpoint ``step_*.pt`` or a
+    ``model.safetensors`` given for its folder: it said "folder not found" of a file that exists, fresh-user trial
+    2026-12-05d)."""
+    if not path.exists():
+        return UserError(f"train.init_from: folder '{path}' not found (an exported drafter folder: 04's drafter-sglang)")
+    hint = (" (a checkpoint: export it with 04_train.py --export-only, or continue its run with --resume and its "
+            "train.output_dir)" if path.suffix == ".pt" else "")
+    return UserError(f"train.init_from: '{path}' is a file, not an exported drafter folder; give the folder "
+                     f"(04's drafter-sglang or drafter-vllm){hint}")
+
+
 def _exported_drafter_args(src: str) -> Optional[dict]:
     """The ``drafter_args`` an export folder records (``eagle3_train.json``, export.serving.META_FILE), after checking
     that ``src`` is an exported drafter folder (``config.json`` + ``model.safetensors``); None when the metadata is
@@ -1031,7 +1089,7 @@ def _exported_drafter_args(src: str) -> Optional[dict]:
     """
     path = Path(src)
     if not path.is_dir():
-        raise UserError(f"train.init_from: folder '{src}' not found (an exported drafter folder: 04's drafter-sglang)")
+        raise init_from_not_a_folder(path)
     for name in ("config.json", "model.safetensors"):
         if not (path / name).is_file():
             raise UserError(f"train.init_from: '{src}' is not an exported drafter folder (no {name}; 04 writes one "
@@ -1069,7 +1127,7 @@ def _warm_start_planned(cfg: RunConfig, d: DistInfo, resume: bool, args=None) ->
 
 
 def _load_inputs(cfg: RunConfig, d: DistInfo, resume: bool, init: Optional[Callable] = None,
-                 stop: Optional[StopFlag] = None) -> _Inputs:
+                 stop: Optional[StopFlag] = None, lock: Optional[Callable[[], None]] = None) -> _Inputs:
     """Inputs step: ``data_config.json``, vocab map, split, drafter args (all read and checked before anything
     is written, so a bad input is the first error and leaves no empty train/ folder behind), the folder check,
     verifier head, drafter init, and the hidden-state source (shards, or the verifier / capture servers for
@@ -1082,14 +1140,17 @@ def _load_inputs(cfg: RunConfig, d: DistInfo, resume: bool, init: Optional[Calla
     check_hidden_states(cfg, data_config)
     vocab = load_run_vocab_map(cfg, int(data_config["vocab_size"]))
     split = read_split(cfg.data_dir)
-    require_passed(cfg.shards_dir, cfg.data_dir)  # 03's last validation of these shards passed, else UserError
-    require_current(cfg)  # 03's split and vocab map were made under the config's data: settings, else UserError
+    # 03's last validation of these shards passed, and its split and vocab map were made from them under the
+    # config's data: settings, else UserError
+    require_current(cfg, require_passed(cfg.shards_dir, cfg.data_dir))
     args = build_drafter_args(cfg, data_config, vocab)
     if args.hidden_size != int(data_config["hidden_size"]):  # init_drafter's check, before the head is extracted
         raise UserError(f"drafter.hidden_size: {args.hidden_size} differs from the verifier hidden size "
                         f"{data_config['hidden_size']} ({cfg.shards_dir / 'data_config.json'}); the drafter reuses "
                         f"the verifier's token embedding")
     warm = _warm_start_planned(cfg, d, resume, args)  # checked before the first write (the full check: after the head)
+    if lock is not None:
+        lock()  # 04's lock on train_dir (_train_lock), before the folder check deletes stale temp files
     _check_train_dir(cfg, d, resume)
     stop_before_training(stop, d)
     head = prepare_target_head(cfg, data_config, d)  # the first write: target_head.safetensors (creates train_dir)
@@ -1360,10 +1421,23 @@ class _Training:
         horizon_now = o.scheduler.lr_lambdas[0].__dict__.copy()  # this run's warmup/total steps
         o.scheduler.load_state_dict(state["scheduler"])
         if o.scheduler.lr_lambdas[0].__dict__ != horizon_now:
-            log.warning("%s: LR schedule %s in the checkpoint, now %s (max_steps/epochs changed); "
-                        "continuing with the new one", path, o.scheduler.lr_lambdas[0].__dict__, horizon_now)
+            log.warning("%s: LR schedule %s in the checkpoint, now %s (%s); continuing with the new one", path,
+                        o.scheduler.lr_lambdas[0].__dict__, horizon_now, self._horizon_reason(state))
             o.scheduler.lr_lambdas[0].__dict__.update(horizon_now)
         self.inputs.init_from = state.get("init_from")  # the run's warm start, recorded by its first call
+
+    def _horizon_reason(self, state: dict) -> str:
+        """Why a resumed run's lr schedule differs from its checkpoint's, for the warning: the schedule keys changed in
+        the config (``train.epochs`` / ``train.max_steps`` / ``--max-steps``, ``train.warmup_ratio``) and/or another
+        process count (the steps of ``train.epochs`` follow the new split). It said "max_steps/epochs changed" also when
+        only the process count had (fresh-user trial 2026-12-05d)."""
+        saved, now = state.get("recipe") or {}, _recipe(self.cfg)
+        keys = [k for k in ("train.epochs", "train.max_steps", "train.warmup_ratio") if k in saved and saved[k] != now[k]]
+        why = [f"{k} {saved[k]} -> {now[k]}" for k in keys]
+        then = state.get("world_size")
+        if then is not None and int(then) != self.d.world:
+            why.append(f"{then} processes then, {self.d.world} now: the steps of train.epochs follow the new split")
+        return "; ".join(why) or "--max-steps, train.max_steps or train.epochs changed"
 
     def recipe_in_use(self) -> dict:
         """The recipe a checkpoint records (key ``recipe``): the config's, except the fields a resumed checkpoint's

@@ -283,6 +283,28 @@ def test_verifier_name_warning(tmp_path):
     assert verifier_warnings(tmp_path / "none", "x") == []
 
 
+def test_drafter_that_is_a_checkpoint_or_a_train_folder_is_named(tmp_path):
+    """`--drafter .../checkpoints/step_N.pt` said "folder '...step_N.pt' not found" of a file that exists, and
+    `--drafter .../train` said "train/config.json: file not found" (fresh-user trial 2026-12-05d); both now say what
+    was given and what to pass."""
+    from eagle3.benchmark.offline import resolve_drafter_dir
+
+    ck = tmp_path / "train" / "checkpoints" / "step_00000040.pt"
+    ck.parent.mkdir(parents=True)
+    ck.write_bytes(b"x")
+    with pytest.raises(UserError) as e:
+        resolve_drafter_dir(None, ck)
+    assert str(e.value) == (f"--drafter: '{ck}' is a file, not an exported drafter folder; pass the folder 04 exported "
+                            f"(drafter-sglang), or export a checkpoint first with 04_train.py --export-only")
+    with pytest.raises(UserError) as e:
+        resolve_drafter_dir(None, tmp_path / "train")
+    assert str(e.value) == (f"--drafter: '{tmp_path / 'train'}' is 04's train folder, not an exported drafter; pass the "
+                            f"export folder (drafter-sglang beside it, or export.output_dir), or write it with "
+                            f"04_train.py --export-only")
+    (tmp_path / "d").mkdir()
+    assert resolve_drafter_dir(None, tmp_path / "d") == tmp_path / "d"  # the export's own checks come later
+
+
 # ---------------------------------------------------------------------------------------------
 # stage 05 end to end on the tiny verifier
 # ---------------------------------------------------------------------------------------------

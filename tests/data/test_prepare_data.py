@@ -290,3 +290,38 @@ def test_extract_settings_equal_to_the_shards_or_unset_accepted(tmp_path):
     assert run(cfg)["num_loss_tokens"] == 11
     cfg = load_config(_cfg(tmp_path))  # unset: the default max_length 2048 is not compared
     assert cfg.extract.max_length != 16 and run(cfg)["num_loss_tokens"] == 11
+
+
+def test_a_deleted_or_stray_shard_is_named_with_the_fix(tmp_path):
+    """A shard deleted after 02 made 03 say only `key 'num_samples' is 10 but the shards hold 9 (shards added or
+    removed after stage 02?)` (fresh-user trial 2026-12-05d); now the missing samples are named with the fix (02's
+    same command recaptures them), and a shard file the manifest does not hold is named too."""
+    import shutil
+
+    from test_validation_gate import _as_02_wrote
+    from _ddp_worker import make_tiny_run
+    from eagle3.config import load_config
+    from eagle3.data import prepare_data
+    from eagle3.errors import UserError
+    from eagle3.shards.format import list_samples
+
+    path = make_tiny_run(tmp_path)
+    cfg = load_config(path, _as_02_wrote(tmp_path))
+    paths = dict(list_samples(cfg.shards_dir))
+    gone = paths[3].read_bytes()
+    paths[3].unlink()
+    with pytest.raises(UserError) as e:
+        prepare_data.run(cfg, plot=False)
+    assert str(e.value) == (f"{cfg.shards_dir / 'data_config.json'}: key 'num_samples' is 10 but the shards hold 9 (1 "
+                            f"of the 10 shards in manifest.jsonl are missing: sample 3); re-run 02_extract_hidden.py "
+                            f"with the same command (without --overwrite) to recapture them, then 03")
+    paths[3].write_bytes(gone)
+    stray = paths[4].parent / "data_40.pt"
+    shutil.copy(paths[4], stray)
+    with pytest.raises(UserError) as e:
+        prepare_data.run(cfg, plot=False)
+    assert str(e.value) == (f"{cfg.shards_dir / 'data_config.json'}: key 'num_samples' is 10 but the shards hold 11 (1 "
+                            f"shard files not in manifest.jsonl: sample 40, e.g. {stray}); remove them, or re-run "
+                            f"02_extract_hidden.py --overwrite")
+    stray.unlink()
+    assert prepare_data.run(cfg, plot=False)["num_samples"] == 10

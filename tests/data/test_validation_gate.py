@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -218,3 +219,34 @@ def test_04_refuses_a_split_made_under_other_data_settings(tmp_path):
     del old["settings"]
     (cfg.data_dir / "data_report.json").write_text(json.dumps(old))
     require_current(cfg)
+
+
+def test_04_refuses_a_split_made_from_other_shards(tmp_path):
+    """03's data folder is tied to the shard set it read (data_report.json 'shards_fingerprint'): 04 run with
+    extract.output_dir pointing at another run's shards but the data folder of the first (same sample count, so every
+    split index exists) trained silently on a vocab map and split of other data (fresh-user trial 2026-12-05d); now it
+    is one line naming both shard folders, and a data folder made from the shards as they were before a re-extraction
+    is refused as well."""
+    from eagle3.train.trainer import run as train
+
+    a_path, b_path = make_tiny_run(tmp_path / "a", train=TRAIN), make_tiny_run(tmp_path / "b", train=TRAIN, seed=1)
+    sets = _as_02_wrote(tmp_path / "a")
+    _as_02_wrote(tmp_path / "b")
+    a = load_config(a_path, sets)
+    prepare_data.run(a, plot=False)
+    prepare_data.run(load_config(b_path, sets), plot=False)  # B's shards pass 03 (their own record)
+    mixed = load_config(a_path, sets + [f"extract.output_dir={tmp_path / 'b' / 'shards'}"])
+    with pytest.raises(UserError) as e:
+        train(mixed, device="cpu")
+    assert str(e.value) == (f"{a.data_dir}: 03's vocab map and split were made from the shards in {a.shards_dir}, not "
+                            f"from {mixed.shards_dir} (extract.output_dir; data_report.json); run 03_prepare_data.py "
+                            f"for these shards (with a data.output_dir of their own to keep both)")
+    assert not a.train_dir.joinpath("checkpoints").exists()
+    # the same folder re-extracted (here: B's shards copied over A's) and validated by 03 into another data folder
+    shutil.rmtree(tmp_path / "a" / "shards")
+    shutil.copytree(tmp_path / "b" / "shards", tmp_path / "a" / "shards")
+    prepare_data.run(load_config(a_path, sets + [f"data.output_dir={tmp_path / 'other'}"]), plot=False)
+    with pytest.raises(UserError, match=r"made from an earlier shard set in .*re-extracted or changed since"):
+        train(a, device="cpu")
+    prepare_data.run(a, plot=False)  # 03 again: trains
+    assert train(a, device="cpu")["step"] >= 1

@@ -153,6 +153,22 @@ def test_interrupted_exit_code_and_message(capsys):
                            "continue with the same command plus --resume")
     # a DDP rank that stopped because another rank got the signal exits like that rank (SIGTERM)
     assert cli.interrupted_exit({**res, "signal": None}) == 143
+    capsys.readouterr()
+
+
+def test_interrupted_line_is_printed_once_under_torchrun(capsys, monkeypatch):
+    """Under torchrun every rank printed `interrupted by SIGINT at step ...`: 2 copies on 2 processes (fresh-user trial
+    2026-12-05d; README: one stderr line). Rank 0 prints it; every rank still exits 128 + signal."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_cli", Path(__file__).resolve().parents[2] / "04_train.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    res = {"step": 3, "total_steps": 10, "stopped": True, "signal": int(signal.SIGINT), "checkpoint": "ck/step_3"}
+    monkeypatch.setenv("RANK", "1")
+    assert cli.interrupted_exit(res) == 130 and capsys.readouterr().err == ""
+    monkeypatch.setenv("RANK", "0")
+    assert cli.interrupted_exit(res) == 130 and capsys.readouterr().err.startswith("interrupted by SIGINT at step 3/10")
 
 
 def _load_cli(script: str):
@@ -206,3 +222,35 @@ def test_ctrl_c_during_startup_stops_at_once_leaving_nothing(tmp_path, monkeypat
     monkeypatch.setattr(trainer, where, real)
     res = trainer.run(cfg, device="cpu", stop_after=1)  # not refused: no checkpoint was left behind
     assert res["step"] == 1 and ckpt.list_checkpoints(cfg.train_dir)[-1][0] == 1
+
+
+def test_a_second_04_on_the_same_train_folder_is_refused(tmp_path):
+    """A second 04 (`--resume` started while the first still ran) trained beside the first in one train folder:
+    it deleted the first's in-flight checkpoint temp files, appended a second copy of every metrics row and wrote the
+    same export (fresh-user trial 2026-12-05d). 04 now holds {train_dir}/.train.lock: the second stops at once with
+    one line, writes nothing, and leaves no folder it made; once the first is done, the lock file is gone."""
+    from eagle3.errors import UserError
+    from eagle3.io import exclusive_lock
+    from eagle3.train.trainer import run
+
+    TRAIN_LOCK = ".train.lock"
+
+    cfg = load_config(make_tiny_run(tmp_path, train={"epochs": 1, "batch_size": 2, "ckpt_every": 100}))
+    other = load_config(make_tiny_run(tmp_path), [f"train.output_dir={tmp_path / 'fresh'}"])
+    for c in (cfg, other):
+        c.train_dir.mkdir(parents=True, exist_ok=True)
+        before = sorted(p.name for p in c.train_dir.iterdir())
+        with exclusive_lock(c.train_dir / TRAIN_LOCK, "the first run"):
+            with pytest.raises(UserError) as e:
+                run(c, device="cpu", resume=True)
+            assert str(e.value) == (f"{c.train_dir / TRAIN_LOCK}: another 04_train run is training in {c.train_dir}; "
+                                    f"wait for it to end (or stop it) before this one")
+            assert sorted(p.name for p in c.train_dir.iterdir()) == sorted(before + [TRAIN_LOCK])
+    assert run(cfg, device="cpu")["step"] >= 1
+    assert not (cfg.train_dir / TRAIN_LOCK).exists()
+    (tmp_path / "fresh").rmdir()
+    refused = load_config(make_tiny_run(tmp_path), [f"train.output_dir={tmp_path / 'fresh2'}",
+                                                    f"data.output_dir={tmp_path / 'nodata'}"])
+    with pytest.raises(UserError, match="file not found"):  # a refusal leaves no lock file and no folder it made
+        run(refused, device="cpu")
+    assert not (tmp_path / "fresh2").exists()

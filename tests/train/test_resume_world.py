@@ -86,3 +86,28 @@ def test_resume_on_another_process_count_trains_each_sample_once(tmp_path, monke
     last = ckpt.load_checkpoint(ckpt.list_checkpoints(cfg.train_dir)[-1][1])
     assert (last["epoch"], last["samples_in_epoch"], last["world_size"]) == (0, len(seen), b)
     assert last["steps_in_epoch"] == first + left
+
+
+def test_resume_on_another_process_count_names_it_as_the_schedule_change(tmp_path, monkeypatch, caplog):
+    """The lr schedule's horizon follows the new process count on a resume; its warning said "(max_steps/epochs
+    changed)" when neither had (fresh-user trial 2026-12-05d): it now names the process counts, and a changed
+    train.epochs by its values."""
+    import logging
+
+    train = {"batch_size": 1, "grad_accum": 1, "epochs": 2, "ckpt_every": 1}
+    yaml = make_tiny_run(tmp_path / "run", n_train=N_TRAIN, n_val=2, lengths=LENGTHS, train=train)
+    _train(yaml, 2, tmp_path / "A", 2, False, monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="eagle3.train.trainer"):
+        _train(yaml, 1, tmp_path / "B", 3, True, monkeypatch)
+    lines = [r.getMessage() for r in caplog.records if "LR schedule" in r.getMessage()]
+    assert len(lines) == 1 and "max_steps/epochs" not in lines[0], lines
+    assert lines[0].endswith("(2 processes then, 1 now: the steps of train.epochs follow the new split); "
+                             "continuing with the new one"), lines[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="eagle3.train.trainer"):
+        run_cfg = load_config(yaml, ["train.epochs=3"])
+        from eagle3.train.trainer import run
+
+        run(run_cfg, resume=True, stop_after=4, device="cpu")
+    lines = [r.getMessage() for r in caplog.records if "LR schedule" in r.getMessage()]
+    assert len(lines) == 1 and "(train.epochs 2.0 -> 3.0); continuing" in lines[0], lines

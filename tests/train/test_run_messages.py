@@ -117,3 +117,70 @@ def test_resume_log_line_names_the_position(tmp_path, caplog, n_train, batch_siz
         run(cfg, resume=True, device="cpu", stop_after=1)
     lines = [x.getMessage() for x in caplog.records if x.getMessage().startswith("resumed from ")]
     assert len(lines) == 1 and lines[0].endswith(f"({want})"), lines
+
+
+def test_a_verifier_path_to_another_model_is_named_not_a_drafter_field(tmp_path):
+    """verifier.path pointed at another model under the shards' verifier.name (a copied config with only the path
+    edited): 04 and --export-only said `drafter.hidden_size: 576 differs from the verifier hidden size 64` / named
+    drafter fields the user never set (fresh-user trial 2026-12-05d); now one line names verifier.path, the shards'
+    verifier and each differing dimension. 05 says the same of an export (verifier_warnings)."""
+    from transformers import LlamaConfig
+
+    from eagle3.benchmark.offline import verifier_warnings
+    from eagle3.data.vocab import load_run_vocab_map
+    from eagle3.shards.format import read_data_config
+    from eagle3.train.trainer import build_drafter_args, run
+
+    path = make_tiny_run(tmp_path / "r")
+    null = [f"drafter.{k}=null" for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                                           "intermediate_size", "rms_norm_eps", "rope_theta", "max_position_embeddings")]
+    for name, layers, hidden in (("same", 6, 16), ("other", 30, 64)):
+        LlamaConfig(vocab_size=48, hidden_size=hidden, intermediate_size=32, num_hidden_layers=layers,
+                    num_attention_heads=4, num_key_value_heads=2).save_pretrained(tmp_path / name)
+    same = load_config(path, null + [f"verifier.path={tmp_path / 'same'}"])
+    dc = read_data_config(same.shards_dir)
+    assert build_drafter_args(same, dc, load_run_vocab_map(same, 48)).hidden_size == 16
+    other = load_config(path, null + [f"verifier.path={tmp_path / 'other'}"])
+    want = (f"verifier.path: '{tmp_path / 'other'}' is another model than the shards in {other.shards_dir} were "
+            f"captured from ('synthetic', data_config.json: num_layers 6 recorded, 30 at verifier.path; hidden_size 16 "
+            f"recorded, 64 at verifier.path); set verifier.path back to that model, or re-run 02 for this one (with a "
+            f"verifier.name of its own)")
+    with pytest.raises(UserError) as e:
+        run(other, device="cpu")
+    assert str(e.value) == want
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "eagle3_train.json").write_text('{"verifier": {"name": "synthetic", "num_layers": 6, '
+                                                      '"hidden_size": 16, "vocab_size": 48}}')
+    assert verifier_warnings(tmp_path / "d", "synthetic", {"num_layers": 6, "hidden_size": 16, "vocab_size": 48}) == []
+    (w,) = verifier_warnings(tmp_path / "d", "synthetic", {"num_layers": 30, "hidden_size": 64, "vocab_size": 48})
+    assert w == (f"drafter {tmp_path / 'd' / 'eagle3_train.json'} was exported for verifier 'synthetic' of other "
+                 f"dimensions than the model at verifier.path (num_layers 6 recorded, 30 at verifier.path; hidden_size 16 "
+                 f"recorded, 64 at verifier.path)")
+
+
+def test_an_unusable_export_folder_is_refused_before_training(tmp_path):
+    """export.output_dir at a file, under a file, at a folder of other files or at the other engine's export was refused
+    only by the export at the END of training: the whole run, then exit 2 with no export and no report (fresh-user
+    trial 2026-12-05d). 04_train.py now checks it before anything is written."""
+    import json
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    path = make_tiny_run(tmp_path, train={"max_steps": 2})
+    (tmp_path / "notes.txt").write_text("x")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "a.txt").write_text("x")
+    (tmp_path / "vl").mkdir()
+    (tmp_path / "vl" / "eagle3_train.json").write_text(json.dumps({"engine": "vllm"}))
+    cases = {tmp_path / "notes.txt": "export.output_dir is a file, not a folder",
+             tmp_path / "notes.txt" / "x": f"export.output_dir is under {tmp_path / 'notes.txt'}, which is a file, not a "
+                                           f"folder",
+             tmp_path / "other": "export.output_dir holds files that are not an eagle3-train export; choose an empty "
+                                 "or new folder",
+             tmp_path / "vl": "holds the vllm export; exporting for sglang there would replace it (set "
+                              "export.output_dir to another folder, e.g. drafter-sglang)"}
+    for out, want in cases.items():
+        r = subprocess.run([sys.executable, str(root / "04_train.py"), "--config", str(path), "--set",
+                            f"export.output_dir={out}"], capture_output=True, text=True, cwd=root, timeout=300)
+        assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == f"error: {out}: {want}", r.stderr[-2000:]
+        assert not (tmp_path / "train" / "checkpoints").exists()

@@ -349,7 +349,8 @@ def test_drafter_args_nulls_come_from_verifier_config(tmp_path):
     nulls = [f"drafter.{k}=null" for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                                             "rms_norm_eps", "rope_theta", "max_position_embeddings")]
     cfg = load_config(path, nulls + [f"verifier.path={tmp_path / 'verifier'}", "drafter.intermediate_size=24"])
-    args = build_drafter_args(cfg, read_data_config(cfg.shards_dir), load_vocab_map(cfg.data_dir / "vocab_map.pt"))
+    dc = dict(read_data_config(cfg.shards_dir), num_layers=1)  # the shards of this 1-layer verifier (04 checks it)
+    args = build_drafter_args(cfg, dc, load_vocab_map(cfg.data_dir / "vocab_map.pt"))
     # verifier: hidden 16, 2 heads, 1 KV head, eps 1e-5, rope 50000, 2048 positions (LlamaConfig default)
     assert (args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim) == (16, 2, 1, 8)
     assert args.intermediate_size == 24  # set in the config: wins over the verifier's 32

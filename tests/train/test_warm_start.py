@@ -137,6 +137,16 @@ def test_04_cli_passes_the_export_loader(tmp_path):
     assert r.returncode == 2 and lines[-1].endswith(f"train.init_from: folder '{tmp_path / 'gone'}' not found (an exported "
                                                     "drafter folder: 04's drafter-sglang)"), r.stderr[-2000:]
     assert not (tmp_path / "c" / "train" / "checkpoints").exists()  # nothing half-written
+    # a checkpoint file for the folder: it said "folder '...step_*.pt' not found" of a file that exists (trial 2026-12-05d)
+    pt = sorted((a.train_dir / "checkpoints").glob("step_*.pt"))[-1]
+    r = subprocess.run([sys.executable, str(root / "04_train.py"), "--config", str(yc), "--set",
+                        f"train.init_from={pt}"], capture_output=True, text=True, cwd=root)
+    lines = [x for x in r.stderr.splitlines() if x.strip() and "Warning" not in x]
+    assert r.returncode == 2 and lines[-1] == (
+        f"error: train.init_from: '{pt}' is a file, not an exported drafter folder; give the folder (04's drafter-sglang "
+        f"or drafter-vllm) (a checkpoint: export it with 04_train.py --export-only, or continue its run with --resume "
+        f"and its train.output_dir)"), r.stderr[-2000:]
+    assert not (tmp_path / "c" / "train" / "checkpoints").exists()
 
 
 def test_init_from_with_resume_bad_folders_and_empty(tmp_path):
