@@ -70,6 +70,18 @@ def _int_only(annotation) -> bool:
     return typing.get_origin(annotation) is Union and set(typing.get_args(annotation)) == {int, type(None)}
 
 
+def _str_list_only(annotation) -> bool:
+    """True if ``annotation`` is ``list[str]`` or ``Optional[list[str]]`` (a field that takes no single string)."""
+    import typing
+
+    if typing.get_origin(annotation) is Union:
+        rest = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(rest) != 1:
+            return False
+        annotation = rest[0]
+    return typing.get_origin(annotation) is list and typing.get_args(annotation) == (str,)
+
+
 def _has_bool(value) -> bool:
     """True if ``value`` is a bool or a list/tuple holding one (YAML ``true``/``false``)."""
     if isinstance(value, bool):
@@ -114,6 +126,9 @@ class _Strict(BaseModel):
     element of a ``list[int]`` is still coerced). A float field still takes one, because PyYAML (YAML 1.1) reads an unquoted ``1e-3`` as the string
     ``"1e-3"`` (its float syntax needs a dot: ``1.0e-3``), the usual way to write a learning rate.
 
+    A list-of-strings field (``benchmark.datasets``, ``data.exclude_id_prefixes``, ``prompts.server.urls``) takes one
+    string as a list of one (``--set benchmark.datasets=humaneval``).
+
     The other way round, lax mode turns ``1``, ``0``, ``"yes"``, ``"on"``, ``"true"`` (quoted strings)
     into a bool; a ``bool`` field here accepts only what the YAML loader made a boolean (``true`` /
     ``false``; PyYAML reads YAML 1.1, so unquoted ``yes``/``no``/``on``/``off`` are booleans before
@@ -142,6 +157,8 @@ class _Strict(BaseModel):
             raise ValueError("expected true or false (an unquoted YAML boolean)")
         elif isinstance(v, str) and _int_only(cls.model_fields[info.field_name].annotation):
             raise ValueError("expected an integer, not a string (quoted in the YAML?)")
+        elif isinstance(v, str) and _str_list_only(cls.model_fields[info.field_name].annotation):
+            return [v]  # one string where a list of strings goes: a list of one (datasets: humaneval)
         return v
 
 

@@ -255,3 +255,16 @@ def test_one_url_string_is_a_list_of_one(tmp_path):
     assert cfg.prompts.server.urls == ["http://n1:1", "http://n2:2"]
     with pytest.raises(UserError, match=r"field 'prompts.server.urls'.*expected http://host:port"):
         load_config(_write(tmp_path, BASE), ["prompts.server.urls=node1:30000"])
+
+
+def test_every_list_of_strings_field_takes_one_string(tmp_path):
+    """The kind of fault behind the one-URL case: every ``list[str]`` field (datasets, exclude_id_prefixes, URLs)
+    reads one string as a list of one, in the YAML and in --set; a list-of-ints field does not turn a string into a
+    list of it (aux_layers stays refused)."""
+    cfg = load_config(_write(tmp_path, BASE + "benchmark:\n  datasets: mtbench\n"),
+                      ["data.exclude_id_prefixes=nl2bash/"])
+    assert cfg.benchmark.datasets == ["mtbench"] and cfg.data.exclude_id_prefixes == ["nl2bash/"]
+    cfg = load_config(_write(tmp_path, BASE), ["benchmark.datasets=humaneval"])
+    assert cfg.benchmark.datasets == ["humaneval"]
+    with pytest.raises(UserError, match="field 'extract.aux_layers'"):
+        load_config(_write(tmp_path, BASE), ["extract.aux_layers=x"])
