@@ -206,6 +206,19 @@ def test_exclude_id_prefixes_drops_train_only(tmp_path):
     assert (cfg.data_dir / "vocab_map.pt").read_bytes() == vocab_full  # the draft vocab map is the whole set's
 
 
+def test_a_prefix_that_matches_nothing_is_warned_with_the_ids_prefixes(tmp_path, caplog):
+    """A typo in data.exclude_id_prefixes (wrong case) used to drop nothing in silence: now one warning names the
+    prefix and the id prefixes that exist; a prefix that matches stays quiet."""
+    cfg = load_config(_cfg(tmp_path), overrides=["data.exclude_id_prefixes=[Chat/, math/]"])
+    _make_shards(cfg.shards_dir)
+    _write_manifest(cfg.shards_dir, ["chat/1", "chat/2", "math/3", "chat/4", "math/5"])
+    with caplog.at_level("WARNING", logger="eagle3.data.prepare_data"):
+        rep = run(cfg)
+    warned = [r.getMessage() for r in caplog.records if "matches no training sample" in r.getMessage()]
+    assert len(warned) == 1 and "'Chat/'" in warned[0] and "chat/, math/" in warned[0]
+    assert rep["excluded_by_id_prefix"]["Chat/"] == 0 and rep["excluded_by_id_prefix"]["math/"] > 0
+
+
 def test_exclude_id_prefixes_errors(tmp_path):
     cfg = load_config(_cfg(tmp_path), overrides=["data.exclude_id_prefixes=[x]"])
     _make_shards(cfg.shards_dir)
