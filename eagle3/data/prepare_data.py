@@ -365,6 +365,9 @@ def run(cfg: RunConfig, *, plot: bool = True, revalidate: bool = False) -> dict:
         raise UserError(f"{shards}: not enough samples for a training split ({stats['num_samples']})")
     train_all = len(split["train"])
     split["train"], excluded = exclude_by_id(split["train"], shards, cfg.data.exclude_id_prefixes)
+    if cfg.data.train_samples is not None and cfg.data.train_samples > len(split["train"]):
+        log.warning("data.train_samples: %d asked, the training split holds %d (after the validation split and "
+                    "data.exclude_id_prefixes): all of them are used", cfg.data.train_samples, len(split["train"]))
     split["train"] = subset_train(split["train"], cfg.data.train_samples, cfg.data.seed)
 
     out = cfg.data_dir

@@ -180,6 +180,17 @@ def test_train_subset_nested_seeded_and_val_unchanged(tmp_path):
     assert rep["train_samples"] == 2 and rep["train_samples_available"] == full["train_samples"] > 2
 
 
+def test_train_samples_above_the_split_is_warned(tmp_path, caplog):
+    """data.train_samples larger than the training split used to take all of it in silence (a data-curve point
+    then equals the next one); now one warning gives both numbers."""
+    _make_shards(load_config(_cfg(tmp_path)).shards_dir)
+    with caplog.at_level("WARNING", logger="eagle3.data.prepare_data"):
+        rep = run(load_config(_cfg(tmp_path), overrides=["data.train_samples=99"]))
+    warned = [r.getMessage() for r in caplog.records if r.getMessage().startswith("data.train_samples")]
+    assert warned == [f"data.train_samples: 99 asked, the training split holds {rep['train_samples']} (after the "
+                      "validation split and data.exclude_id_prefixes): all of them are used"]
+
+
 def _write_manifest(shards: Path, ids: list[str]) -> None:
     lines = [json.dumps({"idx": i, "id": sid, "num_tokens": len(SAMPLES[i][0])}) for i, sid in enumerate(ids)]
     (shards / "manifest.jsonl").write_text("\n".join(lines) + "\n")
