@@ -43,16 +43,16 @@ def main(argv=None) -> int:
     cfg = load_config(a.config, a.overrides)
     if a.engine:
         cfg = cfg.model_copy(update={"export": cfg.export.model_copy(update={"engine": a.engine})})
+    from eagle3.export.serving import check_export_destination
+
+    check_export_destination(cfg.export_dir, cfg.export.engine)  # before training (not after it) or the export
     if a.export_only:
         from eagle3.export.from_checkpoint import export_from_checkpoint
 
         print(f"exported: {export_from_checkpoint(cfg)}")
         return 0
     from eagle3.export.from_checkpoint import export_for_run, load_init_drafter
-    from eagle3.export.serving import check_export_destination
     from eagle3.train.trainer import run
-
-    check_export_destination(cfg.export_dir, cfg.export.engine)  # before training, not after it
 
     res = run(cfg, resume=a.resume, max_steps=a.max_steps, export=export_for_run, init=load_init_drafter,
               stop_at=a.stop_at)

@@ -184,3 +184,8 @@ def test_an_unusable_export_folder_is_refused_before_training(tmp_path):
                             f"export.output_dir={out}"], capture_output=True, text=True, cwd=root, timeout=300)
         assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == f"error: {out}: {want}", r.stderr[-2000:]
         assert not (tmp_path / "train" / "checkpoints").exists()
+    # --export-only checks the same (under a file it said '<file>: File exists'), before reading any checkpoint
+    out, want = tmp_path / "notes.txt" / "x", cases[tmp_path / "notes.txt" / "x"]
+    r = subprocess.run([sys.executable, str(root / "04_train.py"), "--config", str(path), "--export-only", "--set",
+                        f"export.output_dir={out}"], capture_output=True, text=True, cwd=root, timeout=300)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == f"error: {out}: {want}", r.stderr[-2000:]
