@@ -12,6 +12,9 @@ template up to a user message, continued; :mod:`eagle3.prompts.self_instruct`) i
 
     python 01_prepare_prompts.py --config configs/smollm2-135m-127k.yaml --self-instruct 30000 \
         --out data/self_instruct.jsonl --exclude ../shared/data/eval/mt_bench_question.jsonl
+
+``prompts.self_instruct: {num: N, exclude: [...]}`` in the config does both in one normal run: the file is
+``{output_root}/self_instruct.jsonl``, its prompts come on top of the ``sample_size`` sampled sources.
 """
 
 from __future__ import annotations

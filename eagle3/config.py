@@ -255,6 +255,29 @@ class RegenServerConfig(_Strict):
         return _url_list(v)
 
 
+class SelfInstructConfig(_Strict):
+    """Stage 01: user prompts sampled from the verifier itself (``prompts.self_instruct``; the settings of
+    ``01 --self-instruct N --out FILE``, :mod:`eagle3.prompts.self_instruct`), added to the sampled sources."""
+
+    num: int = Field(ge=1, description="queries to sample (--self-instruct N); the unfinished, short, repeated and "
+                     "excluded ones are dropped, so the file holds at most this many")
+    exclude: list[str] = Field(default_factory=list, description="files whose prompts (first user messages) are left "
+                               "out, e.g. the evaluation sets (--exclude FILE, repeatable)")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature (--self-instruct-temperature)")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling share (--self-instruct-top-p)")
+    max_query_tokens: int = Field(128, ge=1, description="token budget of a query; one not ended by then is dropped "
+                                  "(--self-instruct-max-tokens)")
+    min_chars: int = Field(16, ge=0, description="shortest query kept, in characters (--self-instruct-min-chars)")
+
+    @field_validator("exclude")
+    @classmethod
+    def _exclude_named(cls, v):
+        """No blank entry (it would read as the current folder)."""
+        if any(not x.strip() for x in v):
+            raise ValueError("an empty entry: name an evaluation file (e.g. mt_bench_question.jsonl) or remove it")
+        return v
+
+
 class PromptsConfig(_Strict):
     """Stage 01: where conversations come from and whether the verifier rewrites the answers."""
 
@@ -379,6 +402,29 @@ class PromptsConfig(_Strict):
         if v and info.data.get("regen_prefill_graphs"):
             raise ValueError("cannot be true together with prompts.regen_prefill_graphs (two prefill layouts: set "
                              "one of them to false)")
+        return v
+    self_instruct: Optional[SelfInstructConfig] = Field(
+        None, description="also sample this many user prompts from the verifier itself (Magpie-style, as 01 "
+        "--self-instruct does) into {output_root}/self_instruct.jsonl (kept while its settings hold: "
+        "self_instruct_report.json) and add them AFTER sample_size sampled the sources (sample_size counts the "
+        "sources only; these come on top, deduplicated against them), ids self_instruct/<k>; needs regenerate: true "
+        "(they have no answer). null = off. In 01's settings fingerprint (settings and the file's sha256)")
+
+    @field_validator("self_instruct", mode="before")
+    @classmethod
+    def _self_instruct_mapping(cls, v):
+        """A mapping or null; anything else (``self_instruct: 8000``, ``true``) gets the shape to write, in one line."""
+        if v is None or isinstance(v, (dict, SelfInstructConfig)):
+            return v
+        raise ValueError("expected a mapping such as {num: 8000, exclude: [<eval file>]}, or null (off)")
+
+    @field_validator("self_instruct")
+    @classmethod
+    def _self_instruct_needs_regenerate(cls, v, info: ValidationInfo):
+        """A sampled user prompt has no answer: only a regenerating run can use it."""
+        if v is not None and not info.data.get("regenerate"):
+            raise ValueError("self-instruct prompts have no answer, but prompts.regenerate is false: set "
+                             "prompts.regenerate: true (the verifier answers them), or remove prompts.self_instruct")
         return v
     max_context_tokens: Optional[int] = Field(
         None, ge=1, description="regeneration answers a turn only while its rendered prompt is shorter than this many "
@@ -648,6 +694,11 @@ class RunConfig(_Strict):
     def prompts_path(self) -> Path:
         """Stage 01 output: JSONL ``{id, messages:[{role, content}]}``."""
         return self.root / "prompts.jsonl"
+
+    @property
+    def self_instruct_path(self) -> Path:
+        """Stage 01's self-instruct prompts (``prompts.self_instruct``): messages-JSONL beside ``prompts.jsonl``."""
+        return self.root / "self_instruct.jsonl"
 
     @property
     def shards_dir(self) -> Path:

@@ -1,16 +1,20 @@
-"""Stage 01 orchestration: read -> normalise -> dedupe -> sample -> (regenerate) -> prompts.jsonl.
+"""Stage 01 orchestration: read -> normalise -> dedupe -> sample -> (+ self-instruct prompts) -> (regenerate) ->
+prompts.jsonl.
 
 Outputs (both written atomically, so a failed or killed run leaves no half-written file):
 
 * ``cfg.prompts_path`` (``{output_root}/prompts.jsonl``): one ``{"id", "messages"}`` per line;
 * ``prompts_report.json`` next to it: the settings fingerprint and the counts
   (``read``, ``skipped`` by reason, ``dropped_leading_assistant``, ``deduped``, ``sampled_out``,
-  ``limited_out``, ``kept``, ``regenerated``, regeneration ``new_tokens``/``truncated``/``tokens_per_s``),
+  with ``prompts.self_instruct`` ``self_instruct`` / ``self_instruct_deduped`` (its prompts added on top of the
+  sampled sources / dropped as duplicates of them), ``limited_out``, ``kept``, ``regenerated``, regeneration
+  ``new_tokens``/``truncated``/``tokens_per_s``),
   and the same counts as a Markdown table in ``prompts_report.md``.
 
 Idempotent: every step is deterministic (seeded sampling, greedy decoding), and when both outputs
-exist with the same settings fingerprint (config fields, source file size + SHA-256, verifier)
-the stage does nothing and says so (``force=True`` recomputes).
+exist with the same settings fingerprint (config fields, source file size + SHA-256, verifier; with
+``prompts.self_instruct`` its settings and its file's size + SHA-256) the stage does nothing and says so
+(``force=True`` recomputes).
 """
 
 from __future__ import annotations
@@ -41,7 +45,8 @@ def report_markdown(report: dict) -> str:
     c = report["counts"]
     rows = [("read", c["read"])]
     rows += [(f"skipped: {k}", v) for k, v in c["skipped"].items()]
-    rows += [(k, c[k]) for k in ("dropped_leading_assistant", "normalised", "deduped", "sampled_out", "limited_out",
+    rows += [(k, c[k]) for k in ("dropped_leading_assistant", "normalised", "deduped", "sampled_out", "self_instruct",
+                                 "self_instruct_deduped", "limited_out",
                                  "kept", "regenerated", "inline_reasoning_split") if k in c]
     reg = report.get("regeneration")
     if reg:
@@ -147,6 +152,9 @@ def settings(cfg: RunConfig, limit: Optional[int], known: Optional[dict] = None,
                      model=pc.server.model, extra_body=pc.server.extra_body)
     if tuple(cfg.verifier.think_tags) != ("<think>", "</think>"):
         s["think_tags"] = list(cfg.verifier.think_tags)
+    if pc.self_instruct is not None:  # its settings, and its file (remade when its own report's settings change)
+        s["self_instruct"] = {**pc.self_instruct.model_dump(),
+                              "file": _source_fingerprint(str(cfg.self_instruct_path), known, seen)}
     return s
 
 
@@ -232,15 +240,16 @@ def run(cfg: RunConfig, source: Optional[str] = None, fmt: Optional[str] = None,
         limit: Optional[int] = None, force: bool = False) -> int:
     """Run stage 01 and print where the outputs are.
 
-    Steps: :func:`apply_overrides`, :func:`up_to_date` (nothing to do), :func:`select_conversations`
-    (read, normalise, dedupe, sample, limit), :func:`_regenerate` (when ``prompts.regenerate``),
-    :func:`build_report`, :func:`write_outputs`.
+    Steps: :func:`apply_overrides`; with ``prompts.self_instruct``, its file first (:func:`make_self_instruct`);
+    :func:`up_to_date` (nothing to do), :func:`select_conversations` (read, normalise, dedupe, sample, the
+    self-instruct prompts on top, limit), :func:`_regenerate` (when ``prompts.regenerate``), :func:`build_report`,
+    :func:`write_outputs`.
 
     Args:
         cfg: run config; ``cfg.prompts`` holds the settings.
         source, fmt, regenerate: override ``prompts.source``/``format``/``regenerate``.
         limit: keep only the first ``limit`` conversations after sampling (quick runs).
-        force: recompute even when the outputs are up to date.
+        force: recompute even when the outputs are up to date (the self-instruct file too).
 
     Returns:
         0 (the CLI exit status).
@@ -250,6 +259,44 @@ def run(cfg: RunConfig, source: Optional[str] = None, fmt: Optional[str] = None,
             write, or a verifier that cannot be loaded. No output is written in that case.
     """
     cfg = apply_overrides(cfg, source, fmt, regenerate, limit)
+    if cfg.prompts.self_instruct is None:
+        return _run(cfg, source, fmt, regenerate, limit, force)
+    from eagle3.process_group import process_group_scope
+    from eagle3.prompts.replicas import init_dist
+
+    d = init_dist()  # under torchrun: the replicas' gloo group, made here so the ranks can wait for rank 0's file
+    with process_group_scope(owned=d.initialized_here):  # regenerate_replicas uses it and leaves its teardown here
+        make_self_instruct(cfg, force, d)
+        return _run(cfg, source, fmt, regenerate, limit, force)
+
+
+def make_self_instruct(cfg: RunConfig, force: bool, d) -> Path:
+    """``prompts.self_instruct``'s file ``{output_root}/self_instruct.jsonl``, made or found up to date
+    (:func:`eagle3.prompts.self_instruct.make_from_config`, the code of ``01 --self-instruct``) by rank 0 under the
+    writer lock (:func:`writer_lock`: one 01 per output folder); the other torchrun ranks wait at a barrier.
+
+    Args:
+        d: :class:`eagle3.prompts.replicas.Dist` (a world of 1 without torchrun).
+
+    Returns:
+        The file's path.
+
+    Raises:
+        UserError: another 01 writes to the folder, or the self-instruct run's errors (no query kept, ...).
+    """
+    from eagle3.prompts.self_instruct import make_from_config
+
+    if d.rank == 0:
+        with writer_lock(cfg):
+            make_from_config(cfg, force)
+    d.barrier()  # every rank reads the file after rank 0 wrote it
+    return cfg.self_instruct_path
+
+
+def _run(cfg: RunConfig, source: Optional[str], fmt: Optional[str], regenerate: Optional[bool],
+         limit: Optional[int], force: bool) -> int:
+    """:func:`run` after the overrides (and the self-instruct file): up-to-date check, select, regenerate, write.
+    ``source``/``fmt``/``regenerate``: the command line's, recorded as the report's ``cli_overrides``."""
     pc = cfg.prompts
     out, rep = cfg.prompts_path, report_path(cfg)
     source_stats: dict = {}  # each source file's size, mtime and hash: 02 reuses the hash while they hold
@@ -355,12 +402,29 @@ def redo_reason(out: Path, rep: Path, report: Optional[dict], want: dict) -> Opt
     if keys:
         content = "sha256" in keys and "source" not in keys  # the same file name, other bytes
         parts = [f"the content of {want.get('source')} changed"] if content else []
-        parts += [f"{k}: {_brief(old.get(k, 'unset'))} -> {_brief(want.get(k, 'unset'))}"
-                  for k in keys if k not in ("bytes", "sha256")]  # a file's size and hash follow its name
+        for k in (k for k in keys if k not in ("bytes", "sha256")):  # a file's size and hash follow its name
+            o, w = old.get(k, "unset"), want.get(k, "unset")
+            parts += _sub_changes(k, o, w) if isinstance(o, dict) and isinstance(w, dict) else [
+                f"{k}: {_brief(o)} -> {_brief(w)}"]
         return "settings changed: " + "; ".join(parts)
     if _had_failures(report):
         return "conversations failed to regenerate last time: retrying them"
     return None
+
+
+def _sub_changes(key: str, old: dict, want: dict) -> list[str]:
+    """``key.sub: old -> new`` for each differing sub-key of a mapping setting (``self_instruct``); a file
+    fingerprint (``{"source", "bytes", "sha256"}``) whose name is unchanged reads ``the content of <file> changed``."""
+    out = []
+    for sub in sorted(set(old) | set(want)):
+        o, w = old.get(sub, "unset"), want.get(sub, "unset")
+        if o == w:
+            continue
+        if isinstance(o, dict) and isinstance(w, dict) and "source" in w and o.get("source") == w["source"]:
+            out.append(f"the content of {w['source']} changed")
+        else:
+            out.append(f"{key}.{sub}: {_brief(o)} -> {_brief(w)}")
+    return out
 
 
 def nothing_regenerated(cfg: RunConfig, stats: dict) -> UserError:
@@ -449,6 +513,9 @@ def report_changes(cfg: RunConfig, report: Optional[dict]) -> list[str]:
             skip.update(_REGEN_KEYS)
     if "sha256" not in want:  # the source file is gone (or never was one): compare its name only
         old.pop("sha256", None), old.pop("bytes", None)
+    si_old, si_want = old.get("self_instruct"), want.get("self_instruct")
+    if isinstance(si_old, dict) and isinstance(si_want, dict) and "sha256" not in si_want.get("file", {}):
+        old["self_instruct"] = {**si_old, "file": si_want["file"]}  # the self-instruct file is gone: its settings only
     if isinstance(old.get("sources"), list) and isinstance(want.get("sources"), list):
         old["sources"] = [{k: v for k, v in o.items() if k in w or k not in ("sha256", "bytes")}
                           if isinstance(o, dict) else o for o, w in zip(old["sources"], want["sources"])] \
@@ -484,17 +551,36 @@ def select_conversations(cfg: RunConfig, limit: Optional[int]) -> tuple[list[dic
         log.warning("prompts.sample_size %d: only %d conversations left after reading%s; keeping all %d",
                     pc.sample_size, n_before, " and dedupe" if pc.dedupe else "", n_before)
     convs = sample(convs, pc.sample_size, pc.seed)
-    n_sampled_out = n_before - len(convs)
-    n_limited_out = 0
-    if limit is not None and len(convs) > limit:
-        n_limited_out = len(convs) - limit
-        convs = convs[:limit]
     if not convs:
         hint = ("; prompt-only sources need prompts.regenerate: true (the verifier writes the answers)"
                 if counts.get("skipped_no_assistant") and not pc.regenerate else "")
         raise UserError(f"prompts.source: no usable conversation in '{pc.source}': {read_counts_text(counts)}{hint}")
-    steps = {"normalised": n_read_ok, "deduped": n_dup, "sampled_out": n_sampled_out, "limited_out": n_limited_out}
+    steps = {"normalised": n_read_ok, "deduped": n_dup, "sampled_out": n_before - len(convs)}
+    if pc.self_instruct is not None:  # on top of the sampled sources (sample_size counts the sources only)
+        convs, steps["self_instruct"], steps["self_instruct_deduped"] = add_self_instruct(cfg, convs)
+    steps["limited_out"] = 0
+    if limit is not None and len(convs) > limit:
+        steps["limited_out"] = len(convs) - limit
+        convs = convs[:limit]
     return convs, counts, steps
+
+
+def add_self_instruct(cfg: RunConfig, convs: list[dict]) -> tuple[list[dict], int, int]:
+    """``convs`` followed by the prompts of ``cfg.self_instruct_path`` (``prompts.self_instruct``'s file, read as 01
+    reads a source: prompt-only, ``prompts.system_prompt`` prepended), those whose dedupe key is already among
+    ``convs`` dropped when ``prompts.dedupe`` (the first conversation wins, as for the sources).
+
+    Returns:
+        ``(conversations, self-instruct prompts added, self-instruct prompts dropped as duplicates)``.
+
+    Raises:
+        UserError: the file is missing or unreadable (:func:`eagle3.prompts.readers.read_conversations`).
+    """
+    pc = cfg.prompts
+    extra = read_conversations(str(cfg.self_instruct_path), "messages", keep_prompt_only=True,
+                               system_prompt=pc.system_prompt, think_tags=tuple(cfg.verifier.think_tags))
+    out, n_dup = dedupe(convs + extra) if pc.dedupe else (convs + extra, 0)
+    return out, len(extra) - n_dup, n_dup
 
 
 def build_report(cfg: RunConfig, want: dict, counts: Counter, steps: dict, convs: list[dict], regen_stats: dict) -> dict:
@@ -506,7 +592,7 @@ def build_report(cfg: RunConfig, want: dict, counts: Counter, steps: dict, convs
             "read": counts["read"],
             "skipped": {k[len("skipped_"):]: v for k, v in sorted(counts.items()) if k.startswith("skipped_")},
             "dropped_leading_assistant": counts["dropped_leading_assistant"],
-            **steps,  # normalised, deduped, sampled_out, limited_out (this key order)
+            **steps,  # normalised, deduped, sampled_out, [self_instruct, self_instruct_deduped,] limited_out (this order)
             "kept": len(convs),
             "regenerated": len(convs) if pc.regenerate else 0,
             # assistant replies whose inline <think> block became reasoning_content

@@ -14,6 +14,11 @@ is dropped), are at least ``min_chars`` long, are new (01's dedupe key) and are 
 (e.g. the evaluation sets), and writes them as a messages-JSONL (one user turn each) that ``prompts.source`` can list
 beside other files; 01 then answers them like any other prompt (``prompts.regenerate``). The settings and counts go
 to ``<FILE stem>_report.json``; a re-run with the same settings finds the file up to date.
+
+``prompts.self_instruct: {num, exclude, temperature, top_p, max_query_tokens, min_chars}`` runs the same code
+(:func:`make`, through :func:`make_from_config`) inside a normal 01 run: the file is
+``{output_root}/self_instruct.jsonl`` and 01 adds its prompts to the sampled sources
+(:func:`eagle3.prompts.prepare_prompts.run`).
 """
 
 from __future__ import annotations
@@ -167,24 +172,52 @@ def _excluded_keys(paths: Sequence[str]) -> set:
 
 def run(cfg, num: int, out: Path, temperature: float = 1.0, top_p: float = 1.0, max_query_tokens: int = 128,
         min_chars: int = 16, exclude: Sequence[str] = (), force: bool = False) -> int:
-    """01's self-instruct mode: sample ``num`` user queries from the verifier, filter them, write ``out``.
-
-    Steps: check the arguments and the output folder; the pre-query prefix; up-to-date check against
-    ``report_path(out)``; load the verifier; sample in batches of ``prompts.gen_batch_size`` (tqdm), filter
-    (:func:`select_queries`, ``exclude`` files' prompts pre-seeded as seen); write ``out`` (messages-JSONL, ids
-    ``self_instruct/<k>``) and the report atomically.
+    """01's self-instruct mode (``--self-instruct N --out FILE``): check the arguments, then :func:`make` ``out``.
 
     Returns:
         0 (also when up to date).
 
     Raises:
-        UserError: a bad argument (one line naming it), an unwritable output folder, an ``--out`` that is a folder
-            or named like 01's output, more than one torchrun rank, an unusable chat template, or no query kept
-            (nothing written then).
+        UserError: a bad argument (one line naming its flag), an unwritable output folder, an ``--out`` that is a
+            folder or named like 01's output, more than one torchrun rank, or :func:`make`'s errors.
     """
     folder = str(out).endswith("/")  # a folder named with its slash (Path drops it), existing or not
     out = Path(out)
     _check_args(num, temperature, top_p, max_query_tokens, min_chars, out, folder)
+    make(cfg, out, num, temperature=temperature, top_p=top_p, max_query_tokens=max_query_tokens,
+         min_chars=min_chars, exclude=exclude, force=force)
+    return 0
+
+
+# how messages name the settings: the CLI mode's flags, or prompts.self_instruct's keys (make_from_config)
+CLI_NAMES = {"num": "--self-instruct {num}", "max_query_tokens": "--self-instruct-max-tokens",
+             "min_chars": "--self-instruct-min-chars", "then": "list it in prompts.source"}
+CONFIG_NAMES = {"num": "prompts.self_instruct.num {num}", "max_query_tokens": "prompts.self_instruct.max_query_tokens",
+                "min_chars": "prompts.self_instruct.min_chars", "then": "added to the sampled sources"}
+
+
+def make(cfg, out: Path, num: int, *, temperature: float = 1.0, top_p: float = 1.0, max_query_tokens: int = 128,
+         min_chars: int = 16, exclude: Sequence[str] = (), force: bool = False, names: Optional[dict] = None) -> bool:
+    """Sample ``num`` user queries from the verifier, filter them, write ``out`` (the CLI mode's and
+    ``prompts.self_instruct``'s one code path; the arguments are already checked).
+
+    Steps: the pre-query prefix; up-to-date check against ``report_path(out)`` (equal :class:`SelfInstructSettings`);
+    load the verifier; sample in batches of ``prompts.gen_batch_size`` (tqdm), filter (:func:`select_queries`,
+    ``exclude`` files' prompts pre-seeded as seen); write ``out`` (messages-JSONL, ids ``self_instruct/<k>``) and
+    the report atomically.
+
+    Args:
+        out: the file to write (its folder exists). num, temperature, top_p, max_query_tokens, min_chars, exclude:
+            :class:`SelfInstructSettings`. names: how messages name the settings (:data:`CLI_NAMES`, the default, or
+            :data:`CONFIG_NAMES`).
+
+    Returns:
+        True when it sampled and wrote ``out``, False when ``out`` was up to date (``force``: never).
+
+    Raises:
+        UserError: an unusable chat template, an unreadable exclude file, or no query kept (nothing written then).
+    """
+    names = names or CLI_NAMES
     from eagle3.prompts.chat import ChatOptions
     from eagle3.verifier import load_tokenizer, stop_token_ids
 
@@ -196,15 +229,16 @@ def run(cfg, num: int, out: Path, temperature: float = 1.0, top_p: float = 1.0, 
                               tuple(file_sha256(p) if Path(p).is_file() else None for p in exclude))
     if not force and _up_to_date(out, st):
         print(f"{out}: up to date (same self-instruct settings; --force to sample again)")
-        return 0
+        return False
     seen = _excluded_keys(exclude)
     n_excluded_keys = len(seen)
     from eagle3.verifier import load_verifier
 
     model, _ = load_verifier(cfg.verifier)
     queries, counts, secs, tokens = _sample_all(model, tok, st, stop_token_ids(tok), seen)
+    del model  # before 01 loads its own verifier to answer them (prompts.self_instruct)
     if not queries:
-        raise nothing_kept(num, counts, max_query_tokens, min_chars)
+        raise nothing_kept(num, counts, max_query_tokens, min_chars, names)
     write_queries(out, queries)
     report = {"settings": asdict(st), "counts": counts, "excluded_prompts_known": n_excluded_keys,
               "seconds": secs, "query_tokens": tokens, "tokens_per_s": tokens / secs if secs > 0 else None,
@@ -212,8 +246,24 @@ def run(cfg, num: int, out: Path, temperature: float = 1.0, top_p: float = 1.0, 
     atomic_write_json(report_path(out), report)
     print(f"{out}: {counts['kept']} self-instruct prompts of {num} sampled ({counts['truncated']} unfinished within "
           f"{max_query_tokens} tokens, {counts['too_short']} under {min_chars} characters, {counts['duplicate']} "
-          f"repeated or excluded) in {secs:.1f} s; list it in prompts.source")
-    return 0
+          f"repeated or excluded) in {secs:.1f} s; {names['then']}")
+    return True
+
+
+def make_from_config(cfg, force: bool = False) -> Path:
+    """``prompts.self_instruct``'s file, ``cfg.self_instruct_path`` (``{output_root}/self_instruct.jsonl``), made by
+    :func:`make` with its settings, or found up to date. One process: under torchrun 01 calls it on rank 0 only.
+
+    Returns:
+        The file's path (a messages-JSONL of one user turn a row, ids ``self_instruct/<k>``).
+
+    Raises:
+        UserError: :func:`make`'s, naming ``prompts.self_instruct.*``; the output folder must exist.
+    """
+    sc, out = cfg.prompts.self_instruct, cfg.self_instruct_path
+    make(cfg, out, sc.num, temperature=sc.temperature, top_p=sc.top_p, max_query_tokens=sc.max_query_tokens,
+         min_chars=sc.min_chars, exclude=sc.exclude, force=force, names=CONFIG_NAMES)
+    return out
 
 
 def write_queries(out: Path, queries: Sequence[str]) -> None:
@@ -229,19 +279,22 @@ def write_queries(out: Path, queries: Sequence[str]) -> None:
         atomic_write_text(out, text)
 
 
-def nothing_kept(num: int, counts: dict, max_query_tokens: int, min_chars: int) -> UserError:
+def nothing_kept(num: int, counts: dict, max_query_tokens: int, min_chars: int,
+                 names: Optional[dict] = None) -> UserError:
     """The one-line error for a run that kept no query (no file is written: an empty one would only fail in 01),
-    with the counts and what to change."""
+    with the counts and what to change (``names``: :data:`CLI_NAMES`, the default, or :data:`CONFIG_NAMES`)."""
+    names = names or CLI_NAMES
     hint = []
     if counts["truncated"]:
-        hint.append(f"raise --self-instruct-max-tokens (now {max_query_tokens}) or use an instruction-tuned verifier")
+        hint.append(f"raise {names['max_query_tokens']} (now {max_query_tokens}) or use an instruction-tuned verifier")
     if counts["too_short"]:
-        hint.append(f"lower --self-instruct-min-chars (now {min_chars})")
+        hint.append(f"lower {names['min_chars']} (now {min_chars})")
     if counts["duplicate"]:
         hint.append("set another prompts.seed (the same seed samples the same queries: a second file made with it "
                     "repeats the first)")
-    return UserError(f"--self-instruct {num}: no query kept ({counts['truncated']} unfinished, {counts['too_short']} "
-                     f"too short, {counts['duplicate']} repeated or excluded), nothing written; " + "; ".join(hint))
+    return UserError(f"{names['num'].format(num=num)}: no query kept ({counts['truncated']} unfinished, "
+                     f"{counts['too_short']} too short, {counts['duplicate']} repeated or excluded), nothing written; "
+                     + "; ".join(hint))
 
 
 def _check_args(num: int, temperature: float, top_p: float, max_query_tokens: int, min_chars: int, out: Path,

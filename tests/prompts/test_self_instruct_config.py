@@ -1,0 +1,226 @@
+"""``prompts.self_instruct``: one 01 run makes the self-instruct file (the code of ``01 --self-instruct``) and adds its
+prompts to the sampled sources. Validation, equality with the two-step manual flow, up-to-date / remake, refusal
+without regeneration, and 2 gloo ranks (tiny random Llama, fp32, CPU; the sampler faked as in test_self_instruct)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from eagle3.config import load_config
+from eagle3.errors import UserError
+from eagle3.prompts import self_instruct as si
+from eagle3.prompts.readers import read_conversations, sample
+from test_self_instruct import _cli
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# what the fake sampler "samples": batch b (prompts.seed 0: seed b) of n queries is POOL[3b : 3b + n]; item 1 repeats a
+# source prompt that sample_size keeps, item 4 one it leaves out, item 2 is under min_chars
+POOL = ["Write a story about a dragon.", "Source question 2: what is 2 plus 2?", "Too short",
+        "Plan a trip to Rome for me.", "Source question 3: what is 3 plus 3?", "Explain how rainbows form, simply."]
+
+
+def pool_sampler(calls: list):
+    """A stand-in for :func:`si.sample_queries` reading :data:`POOL` by batch (``seed`` = batch index); ``calls``
+    gets ``(n, seed)`` per call."""
+
+    def fake(model, tok, prefix_ids, n, stop_ids, temperature, top_p, max_tokens, seed):
+        calls.append((n, seed))
+        texts = POOL[3 * seed:3 * seed + n]
+        return texts, [True] * n, 5 * n
+
+    return fake
+
+
+def _source(tmp_path: Path) -> Path:
+    """10 answered one-turn conversations ``s0..s9`` (messages JSONL)."""
+    src = tmp_path / "src.jsonl"
+    src.write_text("".join(json.dumps({"id": f"s{i}", "messages": [
+        {"role": "user", "content": f"Source question {i}: what is {i} plus {i}?"},
+        {"role": "assistant", "content": "old"}]}) + "\n" for i in range(10)))
+    return src
+
+
+def _config(tmp_path: Path, tiny_llama_dir: Path, name: str, source, prompts_extra: str = "") -> Path:
+    cfg = tmp_path / f"{name}.yaml"
+    cfg.write_text(f"""run_name: {name}
+output_root: {tmp_path / name}
+verifier: {{path: {tiny_llama_dir}, dtype: float32, device: cpu}}
+prompts: {{source: {json.dumps(source)}, format: messages, regenerate: true, max_new_tokens: 6, gen_batch_size: 3,
+          regen_check_every: 2{prompts_extra}}}
+extract: {{max_length: 256}}
+""")
+    return cfg
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("value,msg", [
+    ("{num: 0}", "field 'prompts.self_instruct.num': Input should be greater than or equal to 1"),
+    ("{num: 5, top_p: 1.5}", "field 'prompts.self_instruct.top_p': Input should be less than or equal to 1"),
+    ("{num: 5, temperature: 0}", "field 'prompts.self_instruct.temperature': Input should be greater than 0"),
+    ("{num: 5, max_query_tokens: 0}", "field 'prompts.self_instruct.max_query_tokens'"),
+    ("{num: 5, min_chars: -1}", "field 'prompts.self_instruct.min_chars'"),
+    ("{num: 5, exclude: ['']}", "field 'prompts.self_instruct.exclude': an empty entry"),
+    ("{num: 5, max_tokens: 64}", "unknown config key 'prompts.self_instruct.max_tokens'"),
+    ("{exclude: [a.jsonl]}", "missing required config key 'prompts.self_instruct.num'"),
+    ("8000", "field 'prompts.self_instruct': expected a mapping such as {num: 8000"),
+    ("true", "field 'prompts.self_instruct': expected a mapping such as {num: 8000"),
+])
+def test_config_refuses_a_bad_value_in_one_line(tmp_path, value, msg):
+    f = tmp_path / "c.yaml"
+    f.write_text(f"run_name: x\nverifier: {{path: v}}\nprompts:\n  source: humaneval\n  regenerate: true\n"
+                 f"  self_instruct: {value}\n")
+    with pytest.raises(UserError) as e:
+        load_config(f)
+    assert msg in str(e.value) and "\n" not in str(e.value) and str(e.value).startswith(f"{f}:6: ")
+    f.write_text("run_name: x\nverifier: {path: v}\nprompts: {source: humaneval, regenerate: true, self_instruct: null}\n")
+    assert load_config(f).prompts.self_instruct is None  # null: off (the default)
+
+
+def test_one_run_equals_the_two_step_flow_and_reruns_are_up_to_date(tmp_path, tiny_llama_dir, monkeypatch, capsys):
+    """One 01 run with prompts.self_instruct {num: 5} over a 10-conversation source (sample_size 4): prompts.jsonl
+    holds the 4 sampled conversations, then the self-instruct prompts (ids self_instruct/<k>; the one repeating a
+    sampled source prompt dropped; the one repeating an unsampled one kept), every answer regenerated; equal to the
+    manual flow (01 --self-instruct 5 --out F; the sampled source; 01 over [it, F] without sample_size). The same
+    run again is up to date (nothing sampled); num 6 samples and regenerates again."""
+    calls: list = []
+    monkeypatch.setattr(si, "sample_queries", pool_sampler(calls))
+    src = _source(tmp_path)
+    one = _config(tmp_path, tiny_llama_dir, "one", str(src), ", sample_size: 4, self_instruct: {num: 5}")
+    main = _cli()
+    assert main(["--config", str(one)]) == 0
+    assert calls == [(3, 0), (2, 1)]
+    got = _rows(tmp_path / "one" / "prompts.jsonl")
+    sampled = [f"s{i}" for i in sample(list(range(10)), 4, 0)]
+    assert "s2" in sampled and "s3" not in sampled  # what POOL's repeats are about
+    assert [c["id"] for c in got] == sampled + ["self_instruct/0", "self_instruct/2", "self_instruct/3"]
+    assert [c["messages"][0]["content"] for c in got[4:]] == [POOL[0], POOL[3], POOL[4]]
+    assert all(len(c["messages"]) == 2 and c["messages"][1]["role"] == "assistant"
+               and c["messages"][1]["content"] != "old" for c in got)  # every answer the verifier's own
+    rep = json.loads((tmp_path / "one" / "prompts_report.json").read_text())
+    assert rep["counts"]["sampled_out"] == 6 and rep["counts"]["self_instruct"] == 3
+    assert rep["counts"]["self_instruct_deduped"] == 1 and rep["counts"]["kept"] == rep["counts"]["regenerated"] == 7
+    assert rep["settings"]["self_instruct"]["num"] == 5 and "sha256" in rep["settings"]["self_instruct"]["file"]
+    assert json.loads((tmp_path / "one" / "self_instruct_report.json").read_text())["counts"]["kept"] == 4
+
+    # the manual flow: the CLI mode, the sampled source on its own, 01 over both files
+    (tmp_path / "m").mkdir()
+    assert main(["--config", str(one), "--self-instruct", "5", "--out", str(tmp_path / "m" / "si.jsonl")]) == 0
+    assert (tmp_path / "m" / "si.jsonl").read_bytes() == (tmp_path / "one" / "self_instruct.jsonl").read_bytes()
+    seed = _config(tmp_path, tiny_llama_dir, "seed", str(src), ", sample_size: 4")
+    assert main(["--config", str(seed), "--no-regenerate"]) == 0
+    two = _config(tmp_path, tiny_llama_dir, "two", [str(tmp_path / "seed" / "prompts.jsonl"),
+                                                     str(tmp_path / "m" / "si.jsonl")])
+    assert main(["--config", str(two)]) == 0
+    assert _rows(tmp_path / "two" / "prompts.jsonl") == got
+    n_calls = len(calls)
+    capsys.readouterr()
+
+    assert main(["--config", str(one)]) == 0  # the same run: up to date, nothing sampled
+    out = capsys.readouterr().out
+    assert "self_instruct.jsonl: up to date" in out and "prompts up to date" in out and len(calls) == n_calls
+    from eagle3.prompts.prepare_prompts import prompts_changes
+
+    assert prompts_changes(load_config(one))[1] == []  # 02 sees the prompts as made with its config
+
+    six = one.read_text().replace("self_instruct: {num: 5}", "self_instruct: {num: 6}")
+    one.write_text(six)
+    assert prompts_changes(load_config(one))[1][0].startswith("self_instruct: {")  # 02 names the change
+    assert main(["--config", str(one)]) == 0
+    out = capsys.readouterr().out
+    assert len(calls) == n_calls + 2 and "remaking" in out and "self_instruct.num: 5 -> 6" in out
+    got6 = _rows(tmp_path / "one" / "prompts.jsonl")
+    assert [c["messages"][0]["content"] for c in got6[4:]] == [POOL[0], POOL[3], POOL[4], POOL[5]]
+    assert got6[:7] == got
+
+
+def test_limit_applies_after_the_self_instruct_prompts(tmp_path, tiny_llama_dir, monkeypatch):
+    """--limit keeps the first N of the sampled sources followed by the self-instruct prompts (a quick run stays
+    quick); the report counts what it cut."""
+    monkeypatch.setattr(si, "sample_queries", pool_sampler([]))
+    cfg = _config(tmp_path, tiny_llama_dir, "lim", str(_source(tmp_path)), ", sample_size: 2, self_instruct: {num: 5}")
+    assert _cli()(["--config", str(cfg), "--limit", "3"]) == 0
+    got = _rows(tmp_path / "lim" / "prompts.jsonl")
+    assert len(got) == 3 and got[2]["id"] == "self_instruct/0"
+    c = json.loads((tmp_path / "lim" / "prompts_report.json").read_text())["counts"]
+    assert (c["self_instruct"], c["limited_out"], c["kept"]) == (4, 3, 3)
+
+
+@pytest.mark.parametrize("how", ["config", "flag"])
+def test_without_regeneration_it_is_refused_in_one_line(tmp_path, tiny_llama_dir, monkeypatch, how):
+    """A self-instruct prompt has no answer: prompts.regenerate: false (or --no-regenerate) with prompts.self_instruct
+    is one line naming the field, before anything is sampled or written."""
+    monkeypatch.setattr(si, "sample_queries", lambda *a, **k: pytest.fail("sampled before refusing"))
+    cfg = _config(tmp_path, tiny_llama_dir, "noregen", str(_source(tmp_path)), ", self_instruct: {num: 5}")
+    args = ["--config", str(cfg)]
+    if how == "config":
+        args += ["--set", "prompts.regenerate=false"]
+    else:
+        args += ["--no-regenerate"]
+    with pytest.raises(UserError) as e:
+        _cli()(args)
+    msg = str(e.value)
+    assert "prompts.self_instruct" in msg and "prompts.regenerate is false" in msg and "\n" not in msg
+    assert not (tmp_path / "noregen").exists()
+
+
+def test_no_query_kept_names_the_config_keys(tmp_path, tiny_llama_dir, monkeypatch):
+    """The self-instruct run's error names prompts.self_instruct's keys (not the CLI flags); nothing is written."""
+    monkeypatch.setattr(si, "sample_queries", lambda model, tok, p, n, *a: (["An unfinished query"] * n, [False] * n, 1))
+    cfg = _config(tmp_path, tiny_llama_dir, "none", str(_source(tmp_path)), ", self_instruct: {num: 2}")
+    with pytest.raises(UserError) as e:
+        _cli()(["--config", str(cfg)])
+    assert str(e.value).startswith("prompts.self_instruct.num 2: no query kept (2 unfinished")
+    assert "raise prompts.self_instruct.max_query_tokens (now 128)" in str(e.value)
+    assert not (tmp_path / "none").exists()  # the folder 01 made for the file is removed again
+
+
+_WORKER = """import runpy, sys
+sys.path.insert(0, {tests!r}); sys.path.insert(0, {root!r})
+from eagle3.prompts import self_instruct as si
+from test_self_instruct_config import pool_sampler
+
+calls = []
+fake = pool_sampler(calls)
+
+def sampler(*a, **k):
+    import os
+    open({marks!r} + "/rank" + os.environ.get("RANK", "0"), "a").write("x")
+    return fake(*a, **k)
+
+si.sample_queries = sampler
+sys.argv = [{script!r}, *sys.argv[1:]]
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_write_the_one_process_file(tmp_path, tiny_llama_dir):
+    """torchrun, 2 ranks: rank 0 alone samples the self-instruct file, the other waits; prompts.jsonl equals the
+    one-process run's."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    worker = tmp_path / "worker.py"
+    worker.write_text(_WORKER.format(tests=str(ROOT / "tests" / "prompts"), root=str(ROOT), marks=str(marks),
+                                     script=str(ROOT / "01_prepare_prompts.py")))
+    src = _source(tmp_path)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    for name, launch in (("one", [sys.executable]), ("two", [sys.executable, "-m", "torch.distributed.run",
+                                                             "--standalone", "--nproc_per_node", "2"])):
+        cfg = _config(tmp_path, tiny_llama_dir, name, str(src), ", sample_size: 4, self_instruct: {num: 5}")
+        p = subprocess.run([*launch, str(worker), "--config", str(cfg)], env=env, capture_output=True, text=True,
+                           timeout=600, cwd=ROOT)
+        assert p.returncode == 0, p.stderr[-3000:]
+    assert sorted(x.name for x in marks.iterdir()) == ["rank0"]  # one process, then rank 0 of two; never rank 1
+    assert (tmp_path / "two" / "prompts.jsonl").read_text() == (tmp_path / "one" / "prompts.jsonl").read_text()
+    rep = json.loads((tmp_path / "two" / "prompts_report.json").read_text())
+    assert rep["regeneration"]["replicas"] == 2 and rep["counts"]["self_instruct"] == 3
