@@ -68,7 +68,10 @@ def split_indices(indices: list[int], val_fraction: float, seed: int) -> dict[st
 def subset_train(train: list[int], n: Optional[int], seed: int) -> list[int]:
     """``data.train_samples``: a seeded subset of ``n`` training ids (sorted), or all when ``n`` is None or
     not smaller. Subsets of one seed are nested (the first ``n`` of one seeded permutation), so the
-    points of a data-scaling curve add data rather than swap it."""
+    points of a data-scaling curve add data rather than swap it. ``n`` above ``len(train)`` is warned (all are used)."""
+    if n is not None and n > len(train):
+        log.warning("data.train_samples: %d asked, the training split holds %d (after the validation split and "
+                    "data.exclude_id_prefixes): all of them are used", n, len(train))
     if n is None or n >= len(train):
         return list(train)
     perm = sorted(train)
@@ -365,9 +368,6 @@ def run(cfg: RunConfig, *, plot: bool = True, revalidate: bool = False) -> dict:
         raise UserError(f"{shards}: not enough samples for a training split ({stats['num_samples']})")
     train_all = len(split["train"])
     split["train"], excluded = exclude_by_id(split["train"], shards, cfg.data.exclude_id_prefixes)
-    if cfg.data.train_samples is not None and cfg.data.train_samples > len(split["train"]):
-        log.warning("data.train_samples: %d asked, the training split holds %d (after the validation split and "
-                    "data.exclude_id_prefixes): all of them are used", cfg.data.train_samples, len(split["train"]))
     split["train"] = subset_train(split["train"], cfg.data.train_samples, cfg.data.seed)
 
     out = cfg.data_dir
