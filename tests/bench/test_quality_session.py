@@ -330,6 +330,24 @@ def test_restarted_driver_recomputes_main_steps_when_its_inputs_change(tmp_path)
     assert (w / "main_steps.inputs").read_text() == "unmeasured\n"
 
 
+def _self_instruct_driver(tmp_path, w, calls, steps: str, env: dict) -> subprocess.CompletedProcess:
+    """The driver's seed / self-instruct functions run as ``steps`` (bash) with ``env``, its $PY a fake 01 that records
+    its arguments in ``calls`` and writes ``--out`` + its report (self-instruct mode) or prompts.jsonl + report under
+    ``output_root`` (a normal run)."""
+    fake = tmp_path / "fakepy"
+    fake.write_text(f'#!/usr/bin/env bash\necho "$*" >> "{calls}"\nout=; root=\n'
+                    'while [ $# -gt 0 ]; do [ "$1" = --out ] && out=$2; case "$2" in output_root=*) root=${2#*=};; esac;'
+                    ' shift; done\n'
+                    'if [ -n "$out" ]; then echo \'{"id": "self_instruct/0"}\' > "$out"; echo "{}" > "${out%.jsonl}_report.json"\n'
+                    'else mkdir -p "$root"; echo \'{"id": "s0"}\' > "$root/prompts.jsonl"; echo \'{"r": 1}\' > "$root/prompts_report.json"; fi\n')
+    fake.chmod(0o755)
+    src = _functions("phase", "seed_prompts", "self_instruct_prompts", "self_instruct_base")
+    script = (f'{src}\nW="{w}"; ROOT="$W/data-run"; PY="{fake}"; CONFIG=c.yaml; NPROMPTS=4000\n'
+              f'BASE=(--set verifier.path=v); self_instruct_base\n{steps}')
+    return subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60,
+                          env={"PATH": os.environ["PATH"], **env})
+
+
 def test_self_instruct_adds_the_verifiers_prompts_to_the_seed(tmp_path):
     """SELF_INSTRUCT=N: the seed goes to $W/seed (a source of 01, not its output), 01 --self-instruct N writes
     $W/self_instruct.jsonl with every SI_EXCLUDE file excluded (once: a done phase is skipped), the file and its report
@@ -342,17 +360,9 @@ def test_self_instruct_adds_the_verifiers_prompts_to_the_seed(tmp_path):
     (seed / "prompts.jsonl.gz").write_bytes(gzip.compress(b'{"id": "c0", "messages": []}\n'))
     (seed / "prompts_report.json").write_text("{}")
     calls = tmp_path / "calls"
-    fake = tmp_path / "fakepy"  # the driver's $PY: records its arguments, writes --out and its report
-    fake.write_text(f'#!/usr/bin/env bash\necho "$*" >> "{calls}"\n'
-                    'while [ $# -gt 0 ]; do [ "$1" = --out ] && out=$2; shift; done\n'
-                    'echo \'{"id": "self_instruct/0"}\' > "$out"; echo "{}" > "${out%.jsonl}_report.json"\n')
-    fake.chmod(0o755)
-    src = _functions("phase", "seed_prompts", "self_instruct_prompts", "self_instruct_base")
-    script = (f'{src}\nW="{w}"; ROOT="$W/data-run"; PY="{fake}"; CONFIG=c.yaml; NPROMPTS=4000\n'
-              'BASE=(--set verifier.path=v); self_instruct_base\n'
-              'seed_prompts && self_instruct_prompts && self_instruct_prompts && printf "%s\\n" "${BASE[@]}" "N=$NPROMPTS"')
-    env = {"PATH": os.environ["PATH"], "SEED": str(seed), "SELF_INSTRUCT": "5", "SI_EXCLUDE": "e1.jsonl e2.jsonl"}
-    r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60, env=env)
+    r = _self_instruct_driver(tmp_path, w, calls, 'seed_prompts && self_instruct_prompts && self_instruct_prompts && '
+                              'printf "%s\\n" "${BASE[@]}" "N=$NPROMPTS"',
+                              {"SEED": str(seed), "SELF_INSTRUCT": "5", "SI_EXCLUDE": "e1.jsonl e2.jsonl"})
     assert r.returncode == 0, r.stdout + r.stderr
     assert (w / "seed" / "prompts.jsonl").read_text() == '{"id": "c0", "messages": []}\n'
     assert not (w / "data-run" / "prompts.jsonl").exists()
@@ -364,9 +374,8 @@ def test_self_instruct_adds_the_verifiers_prompts_to_the_seed(tmp_path):
     assert gzip.decompress((w / "speed" / "self_instruct.jsonl.gz").read_bytes()) == b'{"id": "self_instruct/0"}\n'
     assert (w / "speed" / "self_instruct_report.json").exists()
     assert r.stdout.splitlines()[-9:] == sets.split(" ") + ["N="]  # every stage's --set list; NPROMPTS dropped
-    r = subprocess.run(["bash", "-c", f'{src}\nW="{w}"; self_instruct_prompts'], capture_output=True, text=True,
-                       timeout=60, env={"PATH": os.environ["PATH"], "SELF_INSTRUCT": "5"})
-    assert r.returncode == 1 and "SELF_INSTRUCT needs SEED" in r.stdout
+    r = _self_instruct_driver(tmp_path, w, calls, "self_instruct_prompts", {"SELF_INSTRUCT": "5"})
+    assert r.returncode == 1 and "SELF_INSTRUCT needs SEED or SEED_NPROMPTS" in r.stdout
 
 
 def test_seed_nprompts_makes_the_seed_before_the_self_instruct_prompts(tmp_path):
@@ -377,19 +386,8 @@ def test_seed_nprompts_makes_the_seed_before_the_self_instruct_prompts(tmp_path)
     for d in ("status", "logs", "speed"):
         (w / d).mkdir(parents=True)
     calls = tmp_path / "calls"
-    fake = tmp_path / "fakepy"  # 01: writes prompts.jsonl + report under output_root, or --out for --self-instruct
-    fake.write_text(f'#!/usr/bin/env bash\necho "$*" >> "{calls}"\nout=; root=\n'
-                    'while [ $# -gt 0 ]; do [ "$1" = --out ] && out=$2; case "$2" in output_root=*) root=${2#*=};; esac;'
-                    ' shift; done\n'
-                    'if [ -n "$out" ]; then echo \'{"id": "self_instruct/0"}\' > "$out"; echo "{}" > "${out%.jsonl}_report.json"\n'
-                    'else mkdir -p "$root"; echo \'{"id": "s0"}\' > "$root/prompts.jsonl"; echo \'{"r": 1}\' > "$root/prompts_report.json"; fi\n')
-    fake.chmod(0o755)
-    src = _functions("phase", "seed_prompts", "self_instruct_prompts", "self_instruct_base")
-    script = (f'{src}\nW="{w}"; ROOT="$W/data-run"; PY="{fake}"; CONFIG=c.yaml; NPROMPTS=4000\n'
-              'BASE=(--set verifier.path=v); self_instruct_base\n'
-              'seed_prompts && self_instruct_prompts && SEED= && seed_prompts && echo "SEED=$SEED"')
-    env = {"PATH": os.environ["PATH"], "SEED_NPROMPTS": "7", "SELF_INSTRUCT": "5"}
-    r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60, env=env)
+    r = _self_instruct_driver(tmp_path, w, calls, 'seed_prompts && self_instruct_prompts && SEED= && seed_prompts && '
+                              'echo "SEED=$SEED"', {"SEED_NPROMPTS": "7", "SELF_INSTRUCT": "5"})
     assert r.returncode == 0, r.stdout + r.stderr
     lines = calls.read_text().splitlines()
     assert lines[0] == (f"01_prepare_prompts.py --config c.yaml --set verifier.path=v --set output_root={w}/seed-run "

@@ -206,12 +206,10 @@ def test_04_refuses_a_split_made_under_other_data_settings(tmp_path):
                                "train_samples": None, "exclude_id_prefixes": []}
     require_current(cfg)  # the config 03 ran under: nothing to say
     changed = load_config(path, sets + ["data.exclude_id_prefixes=[p1]", "data.seed=3"])
-    with pytest.raises(UserError) as e:
-        train(changed, device="cpu")
-    assert str(e.value) == (f"{cfg.data_dir}: 03's vocab map and split were made under other data settings (data.seed 0 "
-                            f"there, 3 in the config; data.exclude_id_prefixes [] there, ['p1'] in the config, "
-                            f"data_report.json); run 03_prepare_data.py again")
-    assert not cfg.train_dir.joinpath("checkpoints").exists()
+    assert _train_refused(changed) == (
+        f"{cfg.data_dir}: 03's vocab map and split were made under other data settings (data.seed 0 there, 3 in the "
+        f"config; data.exclude_id_prefixes [] there, ['p1'] in the config, data_report.json); run 03_prepare_data.py "
+        f"again")
     prepare_data.run(changed, plot=False)
     assert train(changed, device="cpu")["step"] >= 1
     # a report from before the settings were recorded is not compared
@@ -219,6 +217,16 @@ def test_04_refuses_a_split_made_under_other_data_settings(tmp_path):
     del old["settings"]
     (cfg.data_dir / "data_report.json").write_text(json.dumps(old))
     require_current(cfg)
+
+
+def _train_refused(cfg) -> str:
+    """04 on ``cfg`` refused before its first step: the one-line error (no checkpoint written)."""
+    from eagle3.train.trainer import run as train
+
+    with pytest.raises(UserError) as e:
+        train(cfg, device="cpu")
+    assert not cfg.train_dir.joinpath("checkpoints").exists()
+    return str(e.value)
 
 
 def test_04_refuses_a_split_made_from_other_shards(tmp_path):
@@ -236,12 +244,10 @@ def test_04_refuses_a_split_made_from_other_shards(tmp_path):
     prepare_data.run(a, plot=False)
     prepare_data.run(load_config(b_path, sets), plot=False)  # B's shards pass 03 (their own record)
     mixed = load_config(a_path, sets + [f"extract.output_dir={tmp_path / 'b' / 'shards'}"])
-    with pytest.raises(UserError) as e:
-        train(mixed, device="cpu")
-    assert str(e.value) == (f"{a.data_dir}: 03's vocab map and split were made from the shards in {a.shards_dir}, not "
-                            f"from {mixed.shards_dir} (extract.output_dir; data_report.json); run 03_prepare_data.py "
-                            f"for these shards (with a data.output_dir of their own to keep both)")
-    assert not a.train_dir.joinpath("checkpoints").exists()
+    assert _train_refused(mixed) == (
+        f"{a.data_dir}: 03's vocab map and split were made from the shards in {a.shards_dir}, not from "
+        f"{mixed.shards_dir} (extract.output_dir; data_report.json); run 03_prepare_data.py for these shards (with a "
+        f"data.output_dir of their own to keep both)")
     # the same folder re-extracted (here: B's shards copied over A's) and validated by 03 into another data folder
     shutil.rmtree(tmp_path / "a" / "shards")
     shutil.copytree(tmp_path / "b" / "shards", tmp_path / "a" / "shards")
