@@ -270,6 +270,8 @@ def _check_totals(shards: Path, meta: dict, stats: dict) -> None:
         if stats[key] != meta[key]:
             raise UserError(f"{meta_path}: key '{key}' is {meta[key]} but the shards hold {stats[key]} "
                             + (_sample_set_change(shards) or "(shards added or removed after stage 02?)"))
+    if stats["num_loss_tokens"] == 0:
+        raise UserError(f"{shards}: no loss-masked token in any shard (no assistant replies?)")
 
 
 def _sample_set_change(shards: Path) -> Optional[str]:
@@ -292,8 +294,6 @@ def _sample_set_change(shards: Path) -> Optional[str]:
         return (f"({len(extra)} shard files not in {MANIFEST}: sample {some(extra)}, e.g. {have[extra[0]]}); remove "
                 f"them, or re-run 02_extract_hidden.py --overwrite")
     return None
-    if stats["num_loss_tokens"] == 0:
-        raise UserError(f"{shards}: no loss-masked token in any shard (no assistant replies?)")
 
 
 def _shard_stats(cfg: RunConfig, meta: dict, paths: list[tuple[int, Path]], revalidate: bool

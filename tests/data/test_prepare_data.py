@@ -349,3 +349,12 @@ def test_a_deleted_or_stray_shard_is_named_with_the_fix(tmp_path):
                             f"02_extract_hidden.py --overwrite")
     stray.unlink()
     assert prepare_data.run(cfg, plot=False)["num_samples"] == 10
+
+
+def test_shards_without_a_loss_token_are_refused(tmp_path):
+    """A shard set with no loss-masked token (prompt-only conversations captured) is refused by 03 in one line; the
+    check had become unreachable code after a refactor of its neighbour (review, session 2026-12-05d)."""
+    cfg = load_config(_cfg(tmp_path))
+    _make_shards(cfg.shards_dir, samples=[(ids, [0] * len(mask)) for ids, mask in SAMPLES])
+    with pytest.raises(UserError, match=r"no loss-masked token in any shard \(no assistant replies\?\)"):
+        run(cfg)
