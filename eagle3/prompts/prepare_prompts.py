@@ -273,7 +273,8 @@ def run(cfg: RunConfig, source: Optional[str] = None, fmt: Optional[str] = None,
 def make_self_instruct(cfg: RunConfig, force: bool, d) -> Path:
     """``prompts.self_instruct``'s file ``{output_root}/self_instruct.jsonl``, made or found up to date
     (:func:`eagle3.prompts.self_instruct.make_from_config`, the code of ``01 --self-instruct``) by rank 0 under the
-    writer lock (:func:`writer_lock`: one 01 per output folder); the other torchrun ranks wait at a barrier.
+    writer lock (:func:`writer_lock`: one 01 per output folder); the other torchrun ranks wait at a gather that tells
+    them whether rank 0 made it (if not, each stops in one line repeating rank 0's error).
 
     Args:
         d: :class:`eagle3.prompts.replicas.Dist` (a world of 1 without torchrun).
@@ -282,14 +283,26 @@ def make_self_instruct(cfg: RunConfig, force: bool, d) -> Path:
         The file's path.
 
     Raises:
-        UserError: another 01 writes to the folder, or the self-instruct run's errors (no query kept, ...).
+        UserError: another 01 writes to the folder, or the self-instruct run's errors (no query kept, ...); on a
+            rank > 0: rank 0 failed.
     """
     from eagle3.prompts.self_instruct import make_from_config
 
+    failed = None
     if d.rank == 0:
-        with writer_lock(cfg):
-            make_from_config(cfg, force)
-    d.barrier()  # every rank reads the file after rank 0 wrote it
+        try:
+            with writer_lock(cfg):
+                make_from_config(cfg, force)
+        except Exception as e:  # noqa: BLE001 - told to the other ranks, then raised here
+            failed = str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}"
+            d.gather(failed)
+            raise
+    # every rank reads the file after rank 0 wrote it; the gather is that barrier and says whether rank 0 could: a
+    # peer left at a plain barrier by a rank 0 that stopped on an error died in a gloo "Connection closed" traceback
+    # (its error is repeated: torchrun may end rank 0 before it prints)
+    failed = d.gather(failed)[0] if d.world > 1 else None
+    if failed is not None:
+        raise UserError(f"rank {d.rank}: stopped, rank 0 could not make {cfg.self_instruct_path}: {failed}")
     return cfg.self_instruct_path
 
 

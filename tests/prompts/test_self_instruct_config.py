@@ -224,3 +224,20 @@ def test_two_gloo_ranks_write_the_one_process_file(tmp_path, tiny_llama_dir):
     assert (tmp_path / "two" / "prompts.jsonl").read_text() == (tmp_path / "one" / "prompts.jsonl").read_text()
     rep = json.loads((tmp_path / "two" / "prompts_report.json").read_text())
     assert rep["regeneration"]["replicas"] == 2 and rep["counts"]["self_instruct"] == 3
+
+
+def test_two_gloo_ranks_stop_in_one_line_when_rank_0_cannot_make_the_file(tmp_path, tiny_llama_dir):
+    """torchrun, 2 ranks, a missing exclude file: rank 0 stops on it; rank 1, waiting for the file, died in a gloo
+    'Connection closed by peer' traceback (trial si-2); it now stops in one line repeating rank 0's error."""
+    cfg = _config(tmp_path, tiny_llama_dir, "two", str(_source(tmp_path)),
+                  f", self_instruct: {{num: 5, exclude: [{tmp_path / 'no_such_eval.jsonl'}]}}")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        str(ROOT / "01_prepare_prompts.py"), "--config", str(cfg)], env=env, capture_output=True,
+                       text=True, timeout=300, cwd=ROOT)
+    assert p.returncode != 0
+    assert "[rank1]: Traceback" not in p.stderr and "Connection closed" not in p.stderr, p.stderr[-3000:]
+    line = next(x for x in p.stderr.splitlines() if x.startswith("error: rank 1: stopped"))
+    assert f"rank 0 could not make {tmp_path / 'two' / 'self_instruct.jsonl'}: " in line
+    assert "no_such_eval.jsonl" in line
+    assert not (tmp_path / "two" / "prompts.jsonl").exists()
