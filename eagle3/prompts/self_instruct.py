@@ -300,7 +300,8 @@ def nothing_kept(num: int, counts: dict, max_query_tokens: int, min_chars: int,
 def _check_args(num: int, temperature: float, top_p: float, max_query_tokens: int, min_chars: int, out: Path,
                 folder: bool = False) -> None:
     """One-line errors for a bad argument, an ``--out`` that is a folder (an existing one, or ``folder``: given with a
-    trailing slash), an output folder that does not exist, and an ``--out`` whose report would take 01's own report
+    trailing slash), an ``--out`` not named ``.jsonl`` / ``.jsonl.gz`` (01 would not read it as a messages-JSONL),
+    an output folder that does not exist, and an ``--out`` whose report would take 01's own report
     name (``prompts.jsonl`` -> ``prompts_report.json``)."""
     if num < 1:
         raise UserError(f"--self-instruct: expected a positive number of queries, not {num}")
@@ -313,6 +314,11 @@ def _check_args(num: int, temperature: float, top_p: float, max_query_tokens: in
     if folder or out.is_dir():
         raise UserError(f"--out {out}{'/' if folder else ''}: a folder; give the file to write, e.g. "
                         f"{out / 'self_instruct.jsonl'}")
+    if not out.name.endswith((".jsonl", ".jsonl.gz")):  # 01 reads a file by its name: .json would be one array,
+        # another ending is refused; both only after the sampling, and si.json shared si.jsonl's report name
+        stem = out.name.split(".")[0] or "self_instruct"
+        raise UserError(f"--out {out}: the file is a messages-JSONL, which prompts.source reads only under a name "
+                        f"ending in .jsonl or .jsonl.gz; name it e.g. {out.with_name(stem + '.jsonl')}")
     if not out.parent.is_dir():
         raise UserError(f"--out {out}: folder {out.parent} does not exist")
     if report_path(out).name == "prompts_report.json":
