@@ -241,3 +241,31 @@ def test_two_gloo_ranks_stop_in_one_line_when_rank_0_cannot_make_the_file(tmp_pa
     assert f"rank 0 could not make {tmp_path / 'two' / 'self_instruct.jsonl'}: " in line
     assert "no_such_eval.jsonl" in line
     assert not (tmp_path / "two" / "prompts.jsonl").exists()
+
+
+@pytest.mark.parametrize("how", ["config", "cli"])
+@pytest.mark.parametrize("make_file,reader_msg", [
+    (None, "prompts file not found"),
+    (lambda p: p.with_suffix(".txt").write_text("hello\n") and p.with_suffix(".txt"), "unsupported prompts file type"),
+    (lambda p: (p.write_text(json.dumps({"answer_id": 1, "choices": []}) + "\n"), p)[1], "unrecognised record"),
+])
+def test_an_unusable_exclude_file_is_named_as_the_exclude_setting(tmp_path, tiny_llama_dir, monkeypatch, how,
+                                                                   make_file, reader_msg):
+    """An exclude file that is missing, of another type or of no known format said only `<file>: prompts file not
+    found` (read as if about prompts.source, trial si-2); the error now starts with the setting or flag. Nothing is
+    sampled or written."""
+    monkeypatch.setattr(si, "sample_queries", lambda *a, **k: pytest.fail("sampled before refusing"))
+    ex = tmp_path / "eval.jsonl"
+    ex = make_file(ex) if make_file else ex
+    src = str(_source(tmp_path))
+    if how == "config":
+        cfg, args, name = _config(tmp_path, tiny_llama_dir, "r", src, f", self_instruct: {{num: 3, exclude: [{ex}]}}"), \
+            [], "prompts.self_instruct.exclude: "
+    else:
+        (tmp_path / "r").mkdir()
+        cfg, args, name = _config(tmp_path, tiny_llama_dir, "r", src), \
+            ["--self-instruct", "3", "--out", str(tmp_path / "r" / "si.jsonl"), "--exclude", str(ex)], "--exclude: "
+    with pytest.raises(UserError) as e:
+        _cli()(["--config", str(cfg), *args])
+    assert str(e.value).startswith(f"{name}{ex}") and reader_msg in str(e.value), str(e.value)
+    assert not any((tmp_path / "r").glob("*.jsonl"))
