@@ -533,8 +533,18 @@ def report_changes(cfg: RunConfig, report: Optional[dict]) -> list[str]:
         old["sources"] = [{k: v for k, v in o.items() if k in w or k not in ("sha256", "bytes")}
                           if isinstance(o, dict) else o for o, w in zip(old["sources"], want["sources"])] \
             + old["sources"][len(want["sources"]):]
-    keys = sorted((set(old) | set(want)) - skip)
-    return [f"{k}: {old.get(k, 'unset')!r} -> {want.get(k, 'unset')!r}" for k in keys if old.get(k) != want.get(k)]
+    changes = []
+    for k in sorted((set(old) | set(want)) - skip):
+        o, w = old.get(k, "unset"), want.get(k, "unset")
+        if o == w:
+            continue
+        if isinstance(o, dict) or isinstance(w, dict):  # self_instruct: the changed sub-keys, not both whole
+            # mappings with the file's sha256 (02's refusal was ~700 characters for self_instruct.num: 8 -> 9)
+            changes += _sub_changes(k, o, w) if isinstance(o, dict) and isinstance(w, dict) else [
+                f"{k}: {_brief(o, 120)} -> {_brief(w, 120)}"]
+        else:
+            changes.append(f"{k}: {o!r} -> {w!r}")
+    return changes
 
 
 def select_conversations(cfg: RunConfig, limit: Optional[int]) -> tuple[list[dict], Counter, dict]:
