@@ -293,6 +293,10 @@ def make_self_instruct(cfg: RunConfig, force: bool, d) -> Path:
         try:
             with writer_lock(cfg):
                 make_from_config(cfg, force)
+        except KeyboardInterrupt as e:  # interrupt_hint would speak of regenerated answers, none yet
+            e.hint = (f"self-instruct sampling stopped, nothing of it kept ({cfg.self_instruct_path} is written once "
+                      f"all prompts.self_instruct.num queries are sampled); re-run the same command to sample again")
+            raise
         except Exception as e:  # noqa: BLE001 - told to the other ranks, then raised here
             failed = str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}"
             d.gather(failed)

@@ -270,3 +270,25 @@ def test_an_unusable_exclude_file_is_named_as_the_exclude_setting(tmp_path, tiny
         _cli()(["--config", str(cfg), *args])
     assert str(e.value).startswith(f"{name}{ex}") and reader_msg in str(e.value), str(e.value)
     assert not any((tmp_path / "r").glob("*.jsonl"))
+
+
+def test_sigterm_while_sampling_says_the_sampling_kept_nothing(tmp_path, tiny_llama_dir, monkeypatch):
+    """SIGTERM during prompts.self_instruct's sampling said `no regenerated answer was kept yet; re-run the same
+    command (without --force) to start again` (trial si-2): about the regeneration, which had not started. The hint now
+    names the sampling and its file; nothing is written."""
+    import signal
+
+    from eagle3.cli import Terminated
+
+    def killed(*a, **k):
+        os.kill(os.getpid(), signal.SIGTERM)
+        pytest.fail("SIGTERM did not interrupt")
+
+    monkeypatch.setattr(si, "sample_queries", killed)
+    cfg = _config(tmp_path, tiny_llama_dir, "t", str(_source(tmp_path)), ", self_instruct: {num: 3}")
+    with pytest.raises(Terminated) as e:
+        _cli()(["--config", str(cfg)])
+    assert e.value.hint.startswith(f"self-instruct sampling stopped, nothing of it kept "
+                                   f"({tmp_path / 't' / 'self_instruct.jsonl'} is written once"), e.value.hint
+    assert "regenerated" not in e.value.hint
+    assert not any((tmp_path / "t").glob("*.jsonl"))
