@@ -320,7 +320,8 @@ def _run(cfg: RunConfig, source: Optional[str], fmt: Optional[str], regenerate: 
     want = settings(cfg, limit, seen=source_stats)
     _, report = read_report(cfg)  # once: the up-to-date check and the reason to remake read it
     if not force and up_to_date(report, want):
-        print(f"prompts up to date: {out} ({rep.name} settings unchanged; use --force to redo)")
+        if _rank0():  # once under torchrun, as the remaking line
+            print(f"prompts up to date: {out} ({rep.name} settings unchanged; use --force to redo)")
         return 0
     why = "--force" if force and out.is_file() else redo_reason(out, rep, report, want)
     if why and _rank0():  # say why before a (long) regeneration; once under torchrun

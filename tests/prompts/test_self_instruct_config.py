@@ -292,3 +292,17 @@ def test_sigterm_while_sampling_says_the_sampling_kept_nothing(tmp_path, tiny_ll
                                    f"({tmp_path / 't' / 'self_instruct.jsonl'} is written once"), e.value.hint
     assert "regenerated" not in e.value.hint
     assert not any((tmp_path / "t").glob("*.jsonl"))
+
+
+def test_up_to_date_is_printed_by_rank_0_only(tmp_path, tiny_llama_dir, monkeypatch, capsys):
+    """Under torchrun every rank printed `prompts up to date: ...` (twice with 2 ranks, trial si-2); rank 0 prints it,
+    as it prints `remaking`. (RANK=1 without WORLD_SIZE: this process plays rank 1 of an up-to-date run.)"""
+    cfg = _config(tmp_path, tiny_llama_dir, "u", str(_source(tmp_path)), ", sample_size: 2")
+    assert _cli()(["--config", str(cfg)]) == 0
+    capsys.readouterr()
+    monkeypatch.setenv("RANK", "1")
+    assert _cli()(["--config", str(cfg)]) == 0
+    assert "up to date" not in capsys.readouterr().out
+    monkeypatch.setenv("RANK", "0")
+    assert _cli()(["--config", str(cfg)]) == 0
+    assert "prompts up to date: " in capsys.readouterr().out
