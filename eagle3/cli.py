@@ -140,7 +140,8 @@ def resume_on_interrupt(hint: Callable[[], str]) -> Iterator[None]:
     While the block runs, SIGTERM raises :class:`Terminated` in the main thread (Python runs signal handlers
     only there; worker threads are never interrupted, they are closed by the cleanup paths that Ctrl-C's
     ``KeyboardInterrupt`` already takes). A ``KeyboardInterrupt`` leaving the block gets ``hint()`` (evaluated
-    then: what was kept, and that re-running the same command resumes) attached; :func:`run_main` prints
+    then: what was kept, and that re-running the same command resumes) attached, unless the interrupted step
+    attached its own; :func:`run_main` prints
     ``interrupted by SIGTERM: <hint>`` and exits ``128 + signal`` (143 / 130, as 04 does). A process forked
     inside the block (a tokenizer pool worker) that gets SIGTERM dies of it as before. Outside the main thread
     (a test calling ``main`` from a thread) no handler is installed.
@@ -160,7 +161,8 @@ def resume_on_interrupt(hint: Callable[[], str]) -> Iterator[None]:
         yield
     except KeyboardInterrupt as e:
         try:
-            e.hint = hint()
+            if getattr(e, "hint", None) is None:  # one the interrupted step attached knows better (01's sampling)
+                e.hint = hint()
         except Exception as err:  # noqa: BLE001 - the hint must never hide the interruption
             e.hint = f"re-run the same command to resume ({type(err).__name__} while counting what was kept: {err})"
         raise

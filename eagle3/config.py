@@ -727,8 +727,8 @@ def _format_validation_error(path: Path, err: ValidationError, overrides: Option
     the file and the line of the key (``run.yaml:14: ...``, from ``lines`` = :func:`_key_lines`).
 
     ``overrides`` maps key tuples (``("train", "lr")``) to the override text; an error whose location
-    is at or below an overridden key, or above it (an unknown section the override created), blames
-    the override instead of the file. An unknown key gets the closest valid key of its section
+    is at or below an overridden key, or above it (an unknown section the override created), or a missing key of a
+    section the file lacks and the override created, blames the override instead of the file. An unknown key gets the closest valid key of its section
     (``did you mean 'lr'?``, :func:`_did_you_mean`).
     """
     e = err.errors()[0]
@@ -738,6 +738,10 @@ def _format_validation_error(path: Path, err: ValidationError, overrides: Option
     for keys, text in (overrides or {}).items():
         n = min(len(keys), len(loc_t))
         if n and keys[:n] == loc_t[:n]:
+            where, by_override = f"--set {text}", True
+        elif (e["type"] == "missing" and len(loc_t) > 1 and keys[:len(loc_t) - 1] == loc_t[:-1]
+              and loc_t[:-1] not in (lines or {})):  # a section the override created lacks a sibling key
+            # (--set prompts.self_instruct.exclude=x on a config without prompts.self_instruct)
             where, by_override = f"--set {text}", True
     if not by_override and lines:
         # the key itself; for a missing key, the section that lacks it (none for a top-level key)

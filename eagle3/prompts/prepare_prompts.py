@@ -273,7 +273,8 @@ def run(cfg: RunConfig, source: Optional[str] = None, fmt: Optional[str] = None,
 def make_self_instruct(cfg: RunConfig, force: bool, d) -> Path:
     """``prompts.self_instruct``'s file ``{output_root}/self_instruct.jsonl``, made or found up to date
     (:func:`eagle3.prompts.self_instruct.make_from_config`, the code of ``01 --self-instruct``) by rank 0 under the
-    writer lock (:func:`writer_lock`: one 01 per output folder); the other torchrun ranks wait at a barrier.
+    writer lock (:func:`writer_lock`: one 01 per output folder); the other torchrun ranks wait at a gather that tells
+    them whether rank 0 made it (if not, each stops in one line repeating rank 0's error).
 
     Args:
         d: :class:`eagle3.prompts.replicas.Dist` (a world of 1 without torchrun).
@@ -282,14 +283,30 @@ def make_self_instruct(cfg: RunConfig, force: bool, d) -> Path:
         The file's path.
 
     Raises:
-        UserError: another 01 writes to the folder, or the self-instruct run's errors (no query kept, ...).
+        UserError: another 01 writes to the folder, or the self-instruct run's errors (no query kept, ...); on a
+            rank > 0: rank 0 failed.
     """
     from eagle3.prompts.self_instruct import make_from_config
 
+    failed = None
     if d.rank == 0:
-        with writer_lock(cfg):
-            make_from_config(cfg, force)
-    d.barrier()  # every rank reads the file after rank 0 wrote it
+        try:
+            with writer_lock(cfg):
+                make_from_config(cfg, force)
+        except KeyboardInterrupt as e:  # interrupt_hint would speak of regenerated answers, none yet
+            e.hint = (f"self-instruct sampling stopped, nothing of it kept ({cfg.self_instruct_path} is written once "
+                      f"all prompts.self_instruct.num queries are sampled); re-run the same command to sample again")
+            raise
+        except Exception as e:  # noqa: BLE001 - told to the other ranks, then raised here
+            failed = str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}"
+            d.gather(failed)
+            raise
+    # every rank reads the file after rank 0 wrote it; the gather is that barrier and says whether rank 0 could: a
+    # peer left at a plain barrier by a rank 0 that stopped on an error died in a gloo "Connection closed" traceback
+    # (its error is repeated: torchrun may end rank 0 before it prints)
+    failed = d.gather(failed)[0] if d.world > 1 else None
+    if failed is not None:
+        raise UserError(f"rank {d.rank}: stopped, rank 0 could not make {cfg.self_instruct_path}: {failed}")
     return cfg.self_instruct_path
 
 
@@ -303,7 +320,8 @@ def _run(cfg: RunConfig, source: Optional[str], fmt: Optional[str], regenerate: 
     want = settings(cfg, limit, seen=source_stats)
     _, report = read_report(cfg)  # once: the up-to-date check and the reason to remake read it
     if not force and up_to_date(report, want):
-        print(f"prompts up to date: {out} ({rep.name} settings unchanged; use --force to redo)")
+        if _rank0():  # once under torchrun, as the remaking line
+            print(f"prompts up to date: {out} ({rep.name} settings unchanged; use --force to redo)")
         return 0
     why = "--force" if force and out.is_file() else redo_reason(out, rep, report, want)
     if why and _rank0():  # say why before a (long) regeneration; once under torchrun
@@ -520,8 +538,18 @@ def report_changes(cfg: RunConfig, report: Optional[dict]) -> list[str]:
         old["sources"] = [{k: v for k, v in o.items() if k in w or k not in ("sha256", "bytes")}
                           if isinstance(o, dict) else o for o, w in zip(old["sources"], want["sources"])] \
             + old["sources"][len(want["sources"]):]
-    keys = sorted((set(old) | set(want)) - skip)
-    return [f"{k}: {old.get(k, 'unset')!r} -> {want.get(k, 'unset')!r}" for k in keys if old.get(k) != want.get(k)]
+    changes = []
+    for k in sorted((set(old) | set(want)) - skip):
+        o, w = old.get(k, "unset"), want.get(k, "unset")
+        if o == w:
+            continue
+        if isinstance(o, dict) or isinstance(w, dict):  # self_instruct: the changed sub-keys, not both whole
+            # mappings with the file's sha256 (02's refusal was ~700 characters for self_instruct.num: 8 -> 9)
+            changes += _sub_changes(k, o, w) if isinstance(o, dict) and isinstance(w, dict) else [
+                f"{k}: {_brief(o, 120)} -> {_brief(w, 120)}"]
+        else:
+            changes.append(f"{k}: {o!r} -> {w!r}")
+    return changes
 
 
 def select_conversations(cfg: RunConfig, limit: Optional[int]) -> tuple[list[dict], Counter, dict]:

@@ -160,13 +160,19 @@ def report_path(out: Path) -> Path:
     return out.with_name(f"{name}_report.json")
 
 
-def _excluded_keys(paths: Sequence[str]) -> set:
-    """01 dedupe keys of every conversation's first user message in ``paths`` (01's readers; errors name the file)."""
+def _excluded_keys(paths: Sequence[str], name: str = "--exclude") -> set:
+    """01 dedupe keys of every conversation's first user message in ``paths`` (01's readers). Errors name the
+    setting (``name``: the flag, or ``prompts.self_instruct.exclude``) before the file: a reader's own message
+    (``prompts file not found``) read as if about ``prompts.source``."""
     from eagle3.prompts.readers import dedupe_key, read_conversations
 
     keys: set = set()
     for p in paths:
-        keys |= {dedupe_key(c) for c in read_conversations(str(p), keep_prompt_only=True)}
+        try:
+            keys |= {dedupe_key(c) for c in read_conversations(str(p), keep_prompt_only=True)}
+        except UserError as e:
+            raise UserError(f"{name}: {e} (an exclude file: prompts to leave out, in a format prompts.source "
+                            f"reads)") from e
     return keys
 
 
@@ -191,8 +197,9 @@ def run(cfg, num: int, out: Path, temperature: float = 1.0, top_p: float = 1.0, 
 
 # how messages name the settings: the CLI mode's flags, or prompts.self_instruct's keys (make_from_config)
 CLI_NAMES = {"num": "--self-instruct {num}", "max_query_tokens": "--self-instruct-max-tokens",
-             "min_chars": "--self-instruct-min-chars", "then": "list it in prompts.source"}
+             "min_chars": "--self-instruct-min-chars", "exclude": "--exclude", "then": "list it in prompts.source"}
 CONFIG_NAMES = {"num": "prompts.self_instruct.num {num}", "max_query_tokens": "prompts.self_instruct.max_query_tokens",
+                "exclude": "prompts.self_instruct.exclude",
                 "min_chars": "prompts.self_instruct.min_chars", "then": "added to the sampled sources"}
 
 
@@ -230,7 +237,7 @@ def make(cfg, out: Path, num: int, *, temperature: float = 1.0, top_p: float = 1
     if not force and _up_to_date(out, st):
         print(f"{out}: up to date (same self-instruct settings; --force to sample again)")
         return False
-    seen = _excluded_keys(exclude)
+    seen = _excluded_keys(exclude, names["exclude"])
     n_excluded_keys = len(seen)
     from eagle3.verifier import load_verifier
 
@@ -300,7 +307,8 @@ def nothing_kept(num: int, counts: dict, max_query_tokens: int, min_chars: int,
 def _check_args(num: int, temperature: float, top_p: float, max_query_tokens: int, min_chars: int, out: Path,
                 folder: bool = False) -> None:
     """One-line errors for a bad argument, an ``--out`` that is a folder (an existing one, or ``folder``: given with a
-    trailing slash), an output folder that does not exist, and an ``--out`` whose report would take 01's own report
+    trailing slash), an ``--out`` not named ``.jsonl`` / ``.jsonl.gz`` (01 would not read it as a messages-JSONL),
+    an output folder that does not exist, and an ``--out`` whose report would take 01's own report
     name (``prompts.jsonl`` -> ``prompts_report.json``)."""
     if num < 1:
         raise UserError(f"--self-instruct: expected a positive number of queries, not {num}")
@@ -313,6 +321,11 @@ def _check_args(num: int, temperature: float, top_p: float, max_query_tokens: in
     if folder or out.is_dir():
         raise UserError(f"--out {out}{'/' if folder else ''}: a folder; give the file to write, e.g. "
                         f"{out / 'self_instruct.jsonl'}")
+    if not out.name.endswith((".jsonl", ".jsonl.gz")):  # 01 reads a file by its name: .json would be one array,
+        # another ending is refused; both only after the sampling, and si.json shared si.jsonl's report name
+        stem = out.name.split(".")[0] or "self_instruct"
+        raise UserError(f"--out {out}: the file is a messages-JSONL, which prompts.source reads only under a name "
+                        f"ending in .jsonl or .jsonl.gz; name it e.g. {out.with_name(stem + '.jsonl')}")
     if not out.parent.is_dir():
         raise UserError(f"--out {out}: folder {out.parent} does not exist")
     if report_path(out).name == "prompts_report.json":

@@ -93,6 +93,21 @@ def test_override_errors_name_the_override_with_the_closest_key(tmp_path):
     assert str(e.value) == "--set train.lrr=0.1: unknown config key 'train.lrr' (did you mean 'lr'?)"
 
 
+def test_a_section_an_override_created_blames_the_override_for_its_missing_key(tmp_path):
+    """``--set prompts.self_instruct.exclude=x`` on a config without ``prompts.self_instruct`` said
+    ``run.yaml:N: missing required config key 'prompts.self_instruct.num'``, N the file's ``prompts:`` line (trial si-2);
+    the override made the section, so the error names it. A section of the file still blames the file."""
+    f = _write(tmp_path, BASE + "  regenerate: true\n")  # BASE ends in its prompts: section
+    with pytest.raises(UserError) as e:
+        load_config(f, ["prompts.self_instruct.exclude=mt_bench.jsonl"])
+    assert str(e.value) == ("--set prompts.self_instruct.exclude=mt_bench.jsonl: missing required config key "
+                            "'prompts.self_instruct.num'")
+    f.write_text(f.read_text() + "  self_instruct:\n    min_chars: 3\n")
+    with pytest.raises(UserError) as e:
+        load_config(f, ["prompts.self_instruct.exclude=mt_bench.jsonl"])
+    assert str(e.value).startswith(f"{f}:") and "'prompts.self_instruct.num'" in str(e.value), str(e.value)
+
+
 def test_key_lines_follow_duplicates_as_safe_load_does():
     from eagle3.config import _key_lines
 

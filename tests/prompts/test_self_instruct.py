@@ -138,6 +138,10 @@ def test_cli_writes_the_prompts_and_report_and_is_resumable(tmp_path, tiny_llama
     (["--self-instruct", "5", "--out", "no/such/dir/x.jsonl"], {}, "folder no/such/dir does not exist"),
     (["--self-instruct", "5", "--out", "x.jsonl", "--self-instruct-top-p", "1.5"], {}, "expected in (0, 1]"),
     (["--self-instruct", "5", "--out", "x.jsonl"], {"WORLD_SIZE": "2"}, "without torchrun"),
+    # trial si-2: written after the sampling, then unreadable in prompts.source (.json: one JSON array; .txt refused)
+    (["--self-instruct", "5", "--out", "x.json"], {}, "ending in .jsonl or .jsonl.gz; name it e.g. x.jsonl"),
+    (["--self-instruct", "5", "--out", "x.txt"], {}, "ending in .jsonl or .jsonl.gz; name it e.g. x.jsonl"),
+    (["--self-instruct", "5", "--out", "x.json.gz"], {}, "ending in .jsonl or .jsonl.gz; name it e.g. x.jsonl"),
 ])
 def test_cli_refuses_bad_arguments_in_one_line(tmp_path, tiny_llama_dir, monkeypatch, args, env, msg):
     for k, v in env.items():

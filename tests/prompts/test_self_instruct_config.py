@@ -134,7 +134,8 @@ def test_one_run_equals_the_two_step_flow_and_reruns_are_up_to_date(tmp_path, ti
 
     six = one.read_text().replace("self_instruct: {num: 5}", "self_instruct: {num: 6}")
     one.write_text(six)
-    assert prompts_changes(load_config(one))[1][0].startswith("self_instruct: {")  # 02 names the change
+    # 02 names the changed key (trial si-2: both whole mappings, with the file's sha256, ~700 characters)
+    assert prompts_changes(load_config(one))[1] == ["self_instruct.num: 5 -> 6"]
     assert main(["--config", str(one)]) == 0
     out = capsys.readouterr().out
     assert len(calls) == n_calls + 2 and "remaking" in out and "self_instruct.num: 5 -> 6" in out
@@ -224,3 +225,84 @@ def test_two_gloo_ranks_write_the_one_process_file(tmp_path, tiny_llama_dir):
     assert (tmp_path / "two" / "prompts.jsonl").read_text() == (tmp_path / "one" / "prompts.jsonl").read_text()
     rep = json.loads((tmp_path / "two" / "prompts_report.json").read_text())
     assert rep["regeneration"]["replicas"] == 2 and rep["counts"]["self_instruct"] == 3
+
+
+def test_two_gloo_ranks_stop_in_one_line_when_rank_0_cannot_make_the_file(tmp_path, tiny_llama_dir):
+    """torchrun, 2 ranks, a missing exclude file: rank 0 stops on it; rank 1, waiting for the file, died in a gloo
+    'Connection closed by peer' traceback (trial si-2); it now stops in one line repeating rank 0's error."""
+    cfg = _config(tmp_path, tiny_llama_dir, "two", str(_source(tmp_path)),
+                  f", self_instruct: {{num: 5, exclude: [{tmp_path / 'no_such_eval.jsonl'}]}}")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        str(ROOT / "01_prepare_prompts.py"), "--config", str(cfg)], env=env, capture_output=True,
+                       text=True, timeout=300, cwd=ROOT)
+    assert p.returncode != 0
+    assert "[rank1]: Traceback" not in p.stderr and "Connection closed" not in p.stderr, p.stderr[-3000:]
+    line = next(x for x in p.stderr.splitlines() if x.startswith("error: rank 1: stopped"))
+    assert f"rank 0 could not make {tmp_path / 'two' / 'self_instruct.jsonl'}: " in line
+    assert "no_such_eval.jsonl" in line
+    assert not (tmp_path / "two" / "prompts.jsonl").exists()
+
+
+@pytest.mark.parametrize("how", ["config", "cli"])
+@pytest.mark.parametrize("make_file,reader_msg", [
+    (None, "prompts file not found"),
+    (lambda p: p.with_suffix(".txt").write_text("hello\n") and p.with_suffix(".txt"), "unsupported prompts file type"),
+    (lambda p: (p.write_text(json.dumps({"answer_id": 1, "choices": []}) + "\n"), p)[1], "unrecognised record"),
+])
+def test_an_unusable_exclude_file_is_named_as_the_exclude_setting(tmp_path, tiny_llama_dir, monkeypatch, how,
+                                                                   make_file, reader_msg):
+    """An exclude file that is missing, of another type or of no known format said only `<file>: prompts file not
+    found` (read as if about prompts.source, trial si-2); the error now starts with the setting or flag. Nothing is
+    sampled or written."""
+    monkeypatch.setattr(si, "sample_queries", lambda *a, **k: pytest.fail("sampled before refusing"))
+    ex = tmp_path / "eval.jsonl"
+    ex = make_file(ex) if make_file else ex
+    src = str(_source(tmp_path))
+    if how == "config":
+        cfg, args, name = _config(tmp_path, tiny_llama_dir, "r", src, f", self_instruct: {{num: 3, exclude: [{ex}]}}"), \
+            [], "prompts.self_instruct.exclude: "
+    else:
+        (tmp_path / "r").mkdir()
+        cfg, args, name = _config(tmp_path, tiny_llama_dir, "r", src), \
+            ["--self-instruct", "3", "--out", str(tmp_path / "r" / "si.jsonl"), "--exclude", str(ex)], "--exclude: "
+    with pytest.raises(UserError) as e:
+        _cli()(["--config", str(cfg), *args])
+    assert str(e.value).startswith(f"{name}{ex}") and reader_msg in str(e.value), str(e.value)
+    assert not any((tmp_path / "r").glob("*.jsonl"))
+
+
+def test_sigterm_while_sampling_says_the_sampling_kept_nothing(tmp_path, tiny_llama_dir, monkeypatch):
+    """SIGTERM during prompts.self_instruct's sampling said `no regenerated answer was kept yet; re-run the same
+    command (without --force) to start again` (trial si-2): about the regeneration, which had not started. The hint now
+    names the sampling and its file; nothing is written."""
+    import signal
+
+    from eagle3.cli import Terminated
+
+    def killed(*a, **k):
+        os.kill(os.getpid(), signal.SIGTERM)
+        pytest.fail("SIGTERM did not interrupt")
+
+    monkeypatch.setattr(si, "sample_queries", killed)
+    cfg = _config(tmp_path, tiny_llama_dir, "t", str(_source(tmp_path)), ", self_instruct: {num: 3}")
+    with pytest.raises(Terminated) as e:
+        _cli()(["--config", str(cfg)])
+    assert e.value.hint.startswith(f"self-instruct sampling stopped, nothing of it kept "
+                                   f"({tmp_path / 't' / 'self_instruct.jsonl'} is written once"), e.value.hint
+    assert "regenerated" not in e.value.hint
+    assert not any((tmp_path / "t").glob("*.jsonl"))
+
+
+def test_up_to_date_is_printed_by_rank_0_only(tmp_path, tiny_llama_dir, monkeypatch, capsys):
+    """Under torchrun every rank printed `prompts up to date: ...` (twice with 2 ranks, trial si-2); rank 0 prints it,
+    as it prints `remaking`. (RANK=1 without WORLD_SIZE: this process plays rank 1 of an up-to-date run.)"""
+    cfg = _config(tmp_path, tiny_llama_dir, "u", str(_source(tmp_path)), ", sample_size: 2")
+    assert _cli()(["--config", str(cfg)]) == 0
+    capsys.readouterr()
+    monkeypatch.setenv("RANK", "1")
+    assert _cli()(["--config", str(cfg)]) == 0
+    assert "up to date" not in capsys.readouterr().out
+    monkeypatch.setenv("RANK", "0")
+    assert _cli()(["--config", str(cfg)]) == 0
+    assert "prompts up to date: " in capsys.readouterr().out
