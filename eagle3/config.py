@@ -33,16 +33,6 @@ def check_http_url(url: str) -> str:
     return url
 
 
-def _url_list(v):
-    """A URL-list field's value: one URL string is a list of one (``urls: http://node1:30000`` as users write it for
-    one server); each entry checked by :func:`check_http_url`. Anything else is left to pydantic's list check."""
-    if isinstance(v, str):
-        v = [v]
-    if isinstance(v, list):
-        return [check_http_url(u) if isinstance(u, str) else u for u in v]
-    return v
-
-
 def _numeric_leaves(annotation) -> tuple[bool, bool]:
     """(has int/float, has bool) among the leaf types of ``annotation`` (through Optional/Union/list/dict)."""
     import typing
@@ -249,10 +239,10 @@ class RegenServerConfig(_Strict):
     give_up_after_s: float = Field(300.0, ge=0, description="stop the run (resumable) when every endpoint has been out of rotation this long")
     extra_body: dict = Field(default_factory=dict, description="extra fields merged into every request body (e.g. {top_k: 1}); for sglang into sampling_params")
 
-    @field_validator("urls", mode="before")
+    @field_validator("urls")
     @classmethod
     def _urls(cls, v):
-        return _url_list(v)
+        return [check_http_url(u) for u in v]  # one URL string was made a list of one (_Strict)
 
 
 class SelfInstructConfig(_Strict):
@@ -665,10 +655,10 @@ class BenchmarkConfig(_Strict):
     server_urls: list[str] = Field(default_factory=list, max_length=2, description="SGLang server(s) to benchmark instead of the in-process HF decoder: [spec] or [spec, baseline]; 05 runs in server mode when set (--server overrides)")
     output_dir: Optional[str] = Field(None, description="default {output_root}/bench")
 
-    @field_validator("server_urls", mode="before")
+    @field_validator("server_urls")
     @classmethod
     def _urls(cls, v):
-        return _url_list(v)
+        return [check_http_url(u) for u in v]  # one URL string was made a list of one (_Strict)
 
 
 class RunConfig(_Strict):

@@ -114,8 +114,9 @@ def exclude_by_id(train: list[int], shards: Path, prefixes: list[str]) -> tuple[
             dropped[hit] += 1
     if not kept:
         raise UserError(f"data.exclude_id_prefixes: {prefixes} drops all {len(train)} training samples of {shards}")
-    for p in (p for p, n in dropped.items() if n == 0):  # a typo (case, a missing '/') would otherwise be silent
-        stems = sorted({rows[i]["id"].split("/")[0] + "/" for i in train if "/" in rows[i]["id"]})
+    unmatched = [p for p, n in dropped.items() if n == 0]  # a typo (case, a missing '/') would otherwise be silent
+    stems = sorted({rows[i]["id"].split("/")[0] + "/" for i in train if "/" in rows[i]["id"]}) if unmatched else []
+    for p in unmatched:
         log.warning("data.exclude_id_prefixes: %r matches no training sample (ids are case-sensitive; their "
                     "prefixes here: %s)", p, ", ".join(stems[:12]) + (", ..." if len(stems) > 12 else "") or "none")
     return kept, dropped

@@ -398,10 +398,18 @@ def apply_overrides(cfg: RunConfig, source: Optional[str], fmt: Optional[str], r
     return cfg
 
 
-def _brief(value, limit: int = 200) -> str:
-    """``repr(value)``, cut to ``limit`` characters (a source hash, a chat template) for one log line."""
+def _brief(value, limit: Optional[int] = 200) -> str:
+    """``repr(value)``, cut to ``limit`` characters (a source hash, a chat template) for one log line (None: whole)."""
     text = repr(value)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if limit is None or len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _change_lines(key: str, old, want, limit: Optional[int] = 200) -> list[str]:
+    """``key: old -> new`` (each cut to ``limit``), or for two mappings (``self_instruct``) one line per changed
+    sub-key (:func:`_sub_changes`)."""
+    if isinstance(old, dict) and isinstance(want, dict):
+        return _sub_changes(key, old, want)
+    return [f"{key}: {_brief(old, limit)} -> {_brief(want, limit)}"]
 
 
 def redo_reason(out: Path, rep: Path, report: Optional[dict], want: dict) -> Optional[str]:
@@ -421,9 +429,7 @@ def redo_reason(out: Path, rep: Path, report: Optional[dict], want: dict) -> Opt
         content = "sha256" in keys and "source" not in keys  # the same file name, other bytes
         parts = [f"the content of {want.get('source')} changed"] if content else []
         for k in (k for k in keys if k not in ("bytes", "sha256")):  # a file's size and hash follow its name
-            o, w = old.get(k, "unset"), want.get(k, "unset")
-            parts += _sub_changes(k, o, w) if isinstance(o, dict) and isinstance(w, dict) else [
-                f"{k}: {_brief(o)} -> {_brief(w)}"]
+            parts += _change_lines(k, old.get(k, "unset"), want.get(k, "unset"))
         return "settings changed: " + "; ".join(parts)
     if _had_failures(report):
         return "conversations failed to regenerate last time: retrying them"
@@ -543,12 +549,9 @@ def report_changes(cfg: RunConfig, report: Optional[dict]) -> list[str]:
         o, w = old.get(k, "unset"), want.get(k, "unset")
         if o == w:
             continue
-        if isinstance(o, dict) or isinstance(w, dict):  # self_instruct: the changed sub-keys, not both whole
-            # mappings with the file's sha256 (02's refusal was ~700 characters for self_instruct.num: 8 -> 9)
-            changes += _sub_changes(k, o, w) if isinstance(o, dict) and isinstance(w, dict) else [
-                f"{k}: {_brief(o, 120)} -> {_brief(w, 120)}"]
-        else:
-            changes.append(f"{k}: {o!r} -> {w!r}")
+        # self_instruct: the changed sub-keys, not both whole mappings with the file's sha256 (02's refusal was ~700
+        # characters for self_instruct.num: 8 -> 9); a mapping against no mapping cut to 120 characters
+        changes += _change_lines(k, o, w, 120 if isinstance(o, dict) or isinstance(w, dict) else None)
     return changes
 
 
