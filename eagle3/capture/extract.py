@@ -436,14 +436,20 @@ def _check_state(root: Path, fp: str, comp: dict, overwrite: bool) -> None:
 
 def check_prompts_current(cfg: RunConfig) -> None:
     """Refuse a ``prompts.jsonl`` that 01 made under other ``prompts:`` settings than ``cfg``'s
-    (:func:`eagle3.prompts.prepare_prompts.report_changes`; no ``prompts_report.json``: nothing to compare).
+    (:func:`eagle3.prompts.prepare_prompts.report_changes`; no ``prompts_report.json``: nothing to compare), or one
+    that an unfinished ``01 --force`` was remaking (its marker :func:`eagle3.prompts.prepare_prompts.forced_path`).
     The report is read once, for the comparison and the refusal's hint.
 
     Raises:
-        UserError: one line naming ``prompts_report.json``, the changed settings and the fix (re-run 01).
+        UserError: one line naming ``prompts_report.json`` (or the marker), the changed settings and the fix (re-run
+            01).
     """
-    from eagle3.prompts.prepare_prompts import read_report, report_changes
+    from eagle3.prompts.prepare_prompts import forced_path, read_report, report_changes
 
+    forced = forced_path(cfg)
+    if forced.is_file():  # its report still matches, but 01 was told to remake it and did not finish
+        raise UserError(f"{forced}: a 01_prepare_prompts.py --force run did not finish, so {cfg.prompts_path} is the "
+                        f"one from before it; re-run 01 (the same command without --force resumes it) first")
     rep, report = read_report(cfg)
     changed = report_changes(cfg, report)
     if changed:  # (a report with changes is a dict) settings 01 took from its command line: a re-run needs them again

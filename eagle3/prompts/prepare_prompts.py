@@ -14,7 +14,10 @@ Outputs (both written atomically, so a failed or killed run leaves no half-writt
 Idempotent: every step is deterministic (seeded sampling, greedy decoding), and when both outputs
 exist with the same settings fingerprint (config fields, source file size + SHA-256, verifier; with
 ``prompts.self_instruct`` its settings and its file's size + SHA-256) the stage does nothing and says so
-(``force=True`` recomputes).
+(``force=True`` recomputes). A forced run first writes :data:`FORCED_NAME` beside ``prompts.jsonl`` and removes it
+only once the new outputs are written: while it is there the old outputs are not up to date (a forced run that was
+interrupted or crashed is redone, resuming its regeneration log, by the same command without ``--force``), and
+02 refuses the old ``prompts.jsonl``.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from eagle3.prompts.readers import dedupe, read_conversations, sample
 log = logging.getLogger(__name__)
 
 REPORT_NAME = "prompts_report.json"
+FORCED_NAME = "prompts.forced-run.json"  # beside prompts.jsonl from a --force run's start until its outputs are written
 
 
 def report_markdown(report: dict) -> str:
@@ -156,6 +160,24 @@ def settings(cfg: RunConfig, limit: Optional[int], known: Optional[dict] = None,
         s["self_instruct"] = {**pc.self_instruct.model_dump(),
                               "file": _source_fingerprint(str(cfg.self_instruct_path), known, seen)}
     return s
+
+
+def forced_path(cfg: RunConfig) -> Path:
+    """The marker of a ``--force`` run that has not finished (:data:`FORCED_NAME`, next to ``cfg.prompts_path``):
+    while it exists the outputs there are not up to date, whatever their report says."""
+    return cfg.prompts_path.parent / FORCED_NAME
+
+
+def mark_forced(cfg: RunConfig) -> None:
+    """Write :func:`forced_path` (atomically; rank 0, under the writer lock) before a ``--force`` run changes
+    anything, so that a forced run stopped half-way leaves its old outputs marked as not up to date. Nothing to
+    mark without a ``prompts.jsonl`` (no old output to take for current)."""
+    import time
+
+    if not cfg.prompts_path.is_file():
+        return
+    atomic_write_json(forced_path(cfg), {"started_at": time.time(), "outputs": str(cfg.prompts_path),
+                                         "note": "a 01_prepare_prompts.py --force run has not finished; re-run it"})
 
 
 def partial_path(cfg: RunConfig) -> Path:
@@ -292,6 +314,8 @@ def make_self_instruct(cfg: RunConfig, force: bool, d) -> Path:
     if d.rank == 0:
         try:
             with writer_lock(cfg):
+                if force:  # before the self-instruct file is sampled again: an interrupted run is redone
+                    mark_forced(cfg)
                 make_from_config(cfg, force)
         except KeyboardInterrupt as e:  # interrupt_hint would speak of regenerated answers, none yet
             e.hint = (f"self-instruct sampling stopped, nothing of it kept ({cfg.self_instruct_path} is written once "
@@ -319,11 +343,14 @@ def _run(cfg: RunConfig, source: Optional[str], fmt: Optional[str], regenerate: 
     source_stats: dict = {}  # each source file's size, mtime and hash: 02 reuses the hash while they hold
     want = settings(cfg, limit, seen=source_stats)
     _, report = read_report(cfg)  # once: the up-to-date check and the reason to remake read it
-    if not force and up_to_date(report, want):
+    forced = forced_path(cfg)
+    unfinished = forced.is_file()  # a --force run stopped before writing its outputs: the old ones are not current
+    if not force and not unfinished and up_to_date(report, want):
         if _rank0():  # once under torchrun, as the remaking line
             print(f"prompts up to date: {out} ({rep.name} settings unchanged; use --force to redo)")
         return 0
-    why = "--force" if force and out.is_file() else redo_reason(out, rep, report, want)
+    why = ("--force" if force else f"a --force run did not finish ({forced.name}): redoing it") \
+        if out.is_file() and (force or unfinished) else redo_reason(out, rep, report, want)
     if why and _rank0():  # say why before a (long) regeneration; once under torchrun
         print(f"remaking {out} ({why})", flush=True)
 
@@ -331,6 +358,8 @@ def _run(cfg: RunConfig, source: Optional[str], fmt: Optional[str], regenerate: 
     regen_stats: dict = {}
     reused_info: Optional[dict] = None
     with writer_lock(cfg):  # one 01 per output folder (its resume log, prompts.jsonl)
+        if force and _rank0():  # before anything changes: a run stopped from here on is redone by the next
+            mark_forced(cfg)
         if pc.regenerate:
             if force:
                 partial_path(cfg).unlink(missing_ok=True)
@@ -648,6 +677,7 @@ def write_outputs(cfg: RunConfig, convs: list[dict], report: dict, regen_stats: 
     atomic_write_jsonl(out, convs)
     atomic_write_json(rep, report)
     atomic_write_text(rep.with_suffix(".md"), report_markdown(report))
+    forced_path(cfg).unlink(missing_ok=True)  # a --force run (this one or an interrupted one) has finished
     failed = regen_stats.get("failed", 0)
     if pc.regenerate and not failed:
         from eagle3.prompts.replicas import all_logs

@@ -306,3 +306,28 @@ def test_up_to_date_is_printed_by_rank_0_only(tmp_path, tiny_llama_dir, monkeypa
     monkeypatch.setenv("RANK", "0")
     assert _cli()(["--config", str(cfg)]) == 0
     assert "prompts up to date: " in capsys.readouterr().out
+
+
+def test_a_forced_run_stopped_while_sampling_is_redone_without_force(tmp_path, tiny_llama_dir, monkeypatch, capsys):
+    """01 --force with prompts.self_instruct, stopped while it sampled the self-instruct prompts, left the old
+    self_instruct.jsonl, prompts.jsonl and their reports, which the same command without --force found up to date.
+    Now the rerun samples again and remakes prompts.jsonl (the forced run marked both as not current first)."""
+    calls: list = []
+    monkeypatch.setattr(si, "sample_queries", pool_sampler(calls))
+    cfg = _config(tmp_path, tiny_llama_dir, "f", str(_source(tmp_path)), ", sample_size: 2, self_instruct: {num: 3}")
+    assert _cli()(["--config", str(cfg)]) == 0 and len(calls) == 1
+
+    def killed(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(si, "sample_queries", killed)
+    with pytest.raises(KeyboardInterrupt):
+        _cli()(["--config", str(cfg), "--force"])
+    assert (tmp_path / "f" / "prompts.forced-run.json").is_file()
+    capsys.readouterr()
+    monkeypatch.setattr(si, "sample_queries", pool_sampler(calls))
+    assert _cli()(["--config", str(cfg)]) == 0
+    out = capsys.readouterr().out
+    assert len(calls) == 2 and "up to date" not in out
+    assert "(a --force run did not finish (prompts.forced-run.json): redoing it)" in out
+    assert not (tmp_path / "f" / "prompts.forced-run.json").exists()
