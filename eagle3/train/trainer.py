@@ -1642,7 +1642,10 @@ class _Training:
                   "tokens_per_s": (self.tok_total / self.t_total) if self.t_total > 0 else None,
                   "peak_gpu_mem_gib": _peak_gpu_mem_gib(d.device), "hidden_states": self.t.hidden_states,
                   "init_from": self.inputs.init_from,
-                  "recipe": self.recipe_used(), "warnings": self.warnings}
+                  "recipe": self.recipe_used(), "warnings": self.warnings,
+                  "val_samples": len(self.data.val_ds) if self.data.val_ds is not None else 0}
+        if not result["val_samples"]:  # said in the report and the closing lines, not an empty tau table
+            result["no_validation"] = no_validation_note(result["step"])
         if self.stopped:  # no final validation, no export; the report says where it stopped and how to go on
             self.metrics.close()
             if d.is_main:
@@ -1717,6 +1720,14 @@ def _peak_gpu_mem_gib(device: torch.device) -> Optional[float]:
     return torch.cuda.max_memory_allocated(device) / 2**30
 
 
+def no_validation_note(step: int) -> str:
+    """What a run without a validation split (``data.val_fraction: 0`` at stage 03) measures and exports: the
+    sentence of ``train_report.json``'s ``no_validation``, ``train_report.md`` and 04's closing lines."""
+    return (f"no validation split (data.val_fraction is 0: stage 03's split.json has no 'val' samples), so no "
+            f"validation loss, accuracy or simulated acceptance (tau); the export holds the last step's weights "
+            f"(step {step}); set data.val_fraction > 0 and re-run 03 and 04 to measure them")
+
+
 def headline(result: dict, train_dir: Path, args=None) -> str:
     """The lines stage 04 prints at its end: optimizer steps, final validation loss and top-1 accuracy per
     TTT step (``final_val``'s ``loss`` / ``acc_{i}``, as in ``train_report.md``), the drafter's shape (``args``:
@@ -1731,7 +1742,7 @@ def headline(result: dict, train_dir: Path, args=None) -> str:
     if acc:
         text += f", top-1 {' / '.join(f'{a:.3f}' for a in acc)} (TTT steps 0..{len(acc) - 1})"
     elif not val:
-        text += "; no validation split (data.val_fraction)"
+        text += "; " + (result.get("no_validation") or no_validation_note(result["step"]))
     shape = [] if args is None else [f"drafter: {drafter_shape(args)}"]
     return "\n".join([text, *shape, f"report: {train_dir / 'train_report.md'}", f"export: {result['export_dir']}"])
 
@@ -1781,7 +1792,9 @@ def write_report(train_dir: Path, result: dict, args) -> None:
     if acc_keys:
         lines += ["", "| TTT step | val top-1 acc |", "|---:|---:|"]
         lines += [f"| {k.split('_')[-1]} | {val[k]:.4f} |" for k in acc_keys]
-    if result.get("sim_accept"):
+    if result.get("no_validation"):  # instead of an empty simulated-acceptance table
+        lines += ["", f"Validation: {result['no_validation']}."]
+    elif result.get("sim_accept"):
         from eagle3.train.sim_accept import markdown_lines
 
         lines += ["", *markdown_lines(result["sim_accept"])]
