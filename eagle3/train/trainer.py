@@ -1662,24 +1662,55 @@ class _Training:
         result["final_val"] = final_val
         self.metrics.close()
         if d.is_main:
-            sel = self.t.select_best
-            result["sim_accept"] = dict(self.tracker.summary(), select_best=sel, exported_step=self.tracker.restore_best(
-                self.inputs.drafter) if sel == "sim_accept" else None)
-            if sel == "sim_accept" and result["sim_accept"]["exported_step"] is None:  # nothing was selected
-                self.warnings.append(_no_val_selection(self.cfg) if self.data.val_ds is None else
-                                     f"train.select_best: sim_accept found no best weights to restore; the last "
-                                     f"step's weights (step {self.step}) are exported instead")
-                log.warning(self.warnings[-1])
-            self.tracker.plot()
-            if export is not None:
-                prov = export_provenance(self.train_dir, self.last_ckpt, self.step, sel,
-                                         result["sim_accept"]["exported_step"] or self.step)
-                result["export_dir"] = str(export(self.cfg, self.inputs.drafter, self.inputs.data_config,
-                                                  provenance=prov))
+            try:
+                self._select_and_export(result, export)
+            except Exception as e:  # the training is done: its report is written anyway, saying why nothing was exported
+                raise self._export_failed(result, e) from e
             write_report(self.train_dir, result, self.inputs.args)
             print(headline(result, self.train_dir, self.inputs.args))
         _barrier(d)
         return result
+
+    def _select_and_export(self, result: dict, export: Optional[Callable]) -> None:
+        """Rank 0 after the final validation: the selected weights (``train.select_best``) into the drafter, the
+        simulated-acceptance curve's plot, and ``export`` (see :func:`run`) into ``result["export_dir"]``."""
+        sel = self.t.select_best
+        result["sim_accept"] = dict(self.tracker.summary(), select_best=sel, exported_step=self.tracker.restore_best(
+            self.inputs.drafter) if sel == "sim_accept" else None)
+        if sel == "sim_accept" and result["sim_accept"]["exported_step"] is None:  # nothing was selected
+            self.warnings.append(_no_val_selection(self.cfg) if self.data.val_ds is None else
+                                 f"train.select_best: sim_accept found no best weights to restore; the last "
+                                 f"step's weights (step {self.step}) are exported instead")
+            log.warning(self.warnings[-1])
+        self.tracker.plot()
+        if export is not None:
+            prov = export_provenance(self.train_dir, self.last_ckpt, self.step, sel,
+                                     result["sim_accept"]["exported_step"] or self.step)
+            result["export_dir"] = str(export(self.cfg, self.inputs.drafter, self.inputs.data_config,
+                                              provenance=prov))
+
+    def _export_failed(self, result: dict, e: Exception) -> Exception:
+        """After a finished training whose selection or export failed (e.g. the SGLang export refusing a
+        ``drafter.max_position_embeddings`` below the verifier's): ``train_report.{json,md}`` written anyway
+        (``export_error``: the reason and the fix), and the error to raise: a :class:`UserError` says in its one line
+        that the checkpoint and the report are kept and how to export (``--export-only``); another error is returned
+        as it is (a bug keeps its traceback)."""
+        why = str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}"
+        result["export_error"] = why
+        result.setdefault("sim_accept", dict(self.tracker.summary(), select_best=self.t.select_best,
+                                             exported_step=None))
+        try:
+            write_report(self.train_dir, result, self.inputs.args)
+        except Exception as w:  # noqa: BLE001 - the export's error is the one to tell
+            log.warning("train_report: could not be written after the failed export (%s)", w)
+            return e
+        if not isinstance(e, UserError):
+            return e
+        err = UserError(f"{why} [training finished: checkpoint {self.last_ckpt} kept, report "
+                        f"{self.train_dir / 'train_report.md'}; after the fix, 04_train.py --export-only exports it "
+                        f"without retraining]")
+        err.exit_code = e.exit_code
+        return err
 
 
 def export_provenance(train_dir: Path, checkpoint, step: int, select_best: str, selected_step: int) -> dict:
@@ -1759,6 +1790,9 @@ def _export_line(result: dict) -> str:
     """The ``- export:`` value of ``train_report.md``: the export folder, or a sentence why there is none."""
     if result.get("export_dir"):
         return f"`{result['export_dir']}`"
+    if result.get("export_error"):
+        return (f"**refused**: {result['export_error']}. Training finished and its checkpoint is kept: after the fix, "
+                f"`04_train.py --export-only` exports it without retraining")
     if result.get("stopped"):
         return ("none (stopped before the end; `04_train.py --resume` goes on, `--export-only` exports the newest "
                 "checkpoint)")
