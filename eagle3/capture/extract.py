@@ -462,6 +462,25 @@ def check_prompts_current(cfg: RunConfig) -> None:
                         f"(changed {'; '.join(changed)}); re-run 01_prepare_prompts.py with this config first{again}")
 
 
+def warn_limit_drops_self_instruct(cfg: RunConfig, limit: int) -> Optional[str]:
+    """Warn (one line; also returned) when ``--limit`` leaves out ``prompts.self_instruct`` prompts, which 01 puts
+    after the sampled sources: how many, from ``prompts_report.json``'s counts (``self_instruct`` added, less those
+    01's own ``--limit`` left out, at the end of ``kept``). None: nothing left out, or no such report."""
+    from eagle3.prompts.prepare_prompts import limit_drops_self_instruct, read_report
+
+    _, report = read_report(cfg)
+    c = report.get("counts") if isinstance(report, dict) else None
+    if not isinstance(c, dict) or not isinstance(c.get("self_instruct"), int) or not isinstance(c.get("kept"), int):
+        return None
+    n_si = c["self_instruct"] - min(c["self_instruct"], int(c.get("limited_out") or 0))  # those in prompts.jsonl
+    dropped = min(n_si, c["kept"] - limit)
+    if dropped <= 0:
+        return None
+    text = limit_drops_self_instruct("--limit", limit, n_si, dropped, c["kept"])
+    log.warning(text)
+    return text
+
+
 def finished_report(cfg: RunConfig, root: Path, limit: Optional[int]) -> Optional[dict]:
     """``extract_report.json`` of a finished extraction of exactly this run, else None (the run goes on).
 
@@ -1033,6 +1052,8 @@ def _extract(cfg: RunConfig, root: Path, overwrite: bool, limit: Optional[int],
     (:func:`finished_report`), prepare (plan + tokenize + disk check), capture + write, gather ranks, finalise."""
     t_start = time.perf_counter()
     d.on_rank0(lambda: check_prompts_current(cfg))
+    if limit is not None:
+        d.on_rank0(lambda: warn_limit_drops_self_instruct(cfg, limit))
     finished = None if overwrite else d.on_rank0(lambda: finished_report(cfg, root, limit))
     if finished is not None:  # every rank returns; the reports are left as they are
         if d.rank == 0:

@@ -7,7 +7,8 @@ Outputs (both written atomically, so a failed or killed run leaves no half-writt
 * ``prompts_report.json`` next to it: the settings fingerprint and the counts
   (``read``, ``skipped`` by reason, ``dropped_leading_assistant``, ``deduped``, ``sampled_out``,
   with ``prompts.self_instruct`` ``self_instruct`` / ``self_instruct_deduped`` (its prompts added on top of the
-  sampled sources / dropped as duplicates of them), ``limited_out``, ``kept``, ``regenerated``, regeneration
+  sampled sources / dropped as duplicates of them), ``limited_out`` (with ``prompts.self_instruct``:
+  ``self_instruct_limited_out``, those of its prompts ``--limit`` left out), ``kept``, ``regenerated``, regeneration
   ``new_tokens``/``truncated``/``tokens_per_s``),
   and the same counts as a Markdown table in ``prompts_report.md``.
 
@@ -50,7 +51,7 @@ def report_markdown(report: dict) -> str:
     rows = [("read", c["read"])]
     rows += [(f"skipped: {k}", v) for k, v in c["skipped"].items()]
     rows += [(k, c[k]) for k in ("dropped_leading_assistant", "normalised", "deduped", "sampled_out", "self_instruct",
-                                 "self_instruct_deduped", "limited_out",
+                                 "self_instruct_deduped", "limited_out", "self_instruct_limited_out",
                                  "kept", "regenerated", "inline_reasoning_split") if k in c]
     reg = report.get("regeneration")
     if reg:
@@ -622,7 +623,20 @@ def select_conversations(cfg: RunConfig, limit: Optional[int]) -> tuple[list[dic
     if limit is not None and len(convs) > limit:
         steps["limited_out"] = len(convs) - limit
         convs = convs[:limit]
+    if pc.self_instruct is not None:  # they come last: --limit cuts them first
+        steps["self_instruct_limited_out"] = dropped = min(steps["self_instruct"], steps["limited_out"])
+        if dropped and _rank0():
+            log.warning(limit_drops_self_instruct("--limit", limit, steps["self_instruct"], dropped,
+                                                  len(convs) + steps["limited_out"]))
     return convs, counts, steps
+
+
+def limit_drops_self_instruct(flag: str, limit: int, n_self_instruct: int, dropped: int, total: int) -> str:
+    """The one-line warning of a ``limit`` (``flag``: 01's or 02's ``--limit``) that leaves out ``dropped`` of the
+    ``n_self_instruct`` ``prompts.self_instruct`` prompts, which come after the sampled sources (``total``
+    conversations in all before the limit)."""
+    return (f"{flag} {limit}: leaves out {dropped} of the {n_self_instruct} prompts.self_instruct prompts (they come "
+            f"after the {total - n_self_instruct} sampled source conversations); {flag} {total} keeps them all")
 
 
 def add_self_instruct(cfg: RunConfig, convs: list[dict]) -> tuple[list[dict], int, int]:
@@ -652,7 +666,8 @@ def build_report(cfg: RunConfig, want: dict, counts: Counter, steps: dict, convs
             "read": counts["read"],
             "skipped": {k[len("skipped_"):]: v for k, v in sorted(counts.items()) if k.startswith("skipped_")},
             "dropped_leading_assistant": counts["dropped_leading_assistant"],
-            **steps,  # normalised, deduped, sampled_out, [self_instruct, self_instruct_deduped,] limited_out (this order)
+            **steps,  # normalised, deduped, sampled_out, [self_instruct, self_instruct_deduped,] limited_out,
+            # [self_instruct_limited_out] (this order)
             "kept": len(convs),
             "regenerated": len(convs) if pc.regenerate else 0,
             # assistant replies whose inline <think> block became reasoning_content
@@ -688,8 +703,11 @@ def write_outputs(cfg: RunConfig, convs: list[dict], report: dict, regen_stats: 
         print(f"regeneration: {failed} conversation(s) failed (ids in {rep.name}); they are not in {out.name}. "
               f"Rerun the same command to retry only those.")
     c = report["counts"]
+    si = report["settings"].get("self_instruct")
+    si_text = (f", self-instruct {si['num']} sampled / {c['self_instruct'] - c.get('self_instruct_limited_out', 0)} "
+               f"kept" if isinstance(si, dict) and "self_instruct" in c else "")
     reused = report.get("reused_answers")  # regenerated counts them too: say how many came from the earlier file
     reused_text = f", {reused['conversations']} of them reused from {reused['file']}" if reused else ""
     print(f"prompts: {out} ({c['kept']} conversations; read {c['read']}, skipped {sum(c['skipped'].values())}, "
-          f"deduped {c['deduped']}, regenerated {c['regenerated']}{reused_text})")
+          f"deduped {c['deduped']}, regenerated {c['regenerated']}{reused_text}{si_text})")
     print(f"report:  {rep}")
