@@ -1645,7 +1645,7 @@ class _Training:
                   "recipe": self.recipe_used(), "warnings": self.warnings,
                   "val_samples": len(self.data.val_ds) if self.data.val_ds is not None else 0}
         if not result["val_samples"]:  # said in the report and the closing lines, not an empty tau table
-            result["no_validation"] = no_validation_note(result["step"])
+            result["no_validation"] = no_validation_note(result["step"], stopped=self.stopped)
         if self.stopped:  # no final validation, no export; the report says where it stopped and how to go on
             self.metrics.close()
             if d.is_main:
@@ -1751,12 +1751,15 @@ def _peak_gpu_mem_gib(device: torch.device) -> Optional[float]:
     return torch.cuda.max_memory_allocated(device) / 2**30
 
 
-def no_validation_note(step: int) -> str:
+def no_validation_note(step: int, stopped: bool = False) -> str:
     """What a run without a validation split (``data.val_fraction: 0`` at stage 03) measures and exports: the
-    sentence of ``train_report.json``'s ``no_validation``, ``train_report.md`` and 04's closing lines."""
+    sentence of ``train_report.json``'s ``no_validation``, ``train_report.md`` and 04's closing lines (``stopped``:
+    a run stopped by a signal, exported later: by ``--resume`` at its end or by ``--export-only``)."""
+    what = ("an export (at the end of `--resume`, or `--export-only`) holds the last step's weights" if stopped
+            else f"the export holds the last step's weights (step {step})")
     return (f"no validation split (data.val_fraction is 0: stage 03's split.json has no 'val' samples), so no "
-            f"validation loss, accuracy or simulated acceptance (tau); the export holds the last step's weights "
-            f"(step {step}); set data.val_fraction > 0 and re-run 03 and 04 to measure them")
+            f"validation loss, accuracy or simulated acceptance (tau); {what}; set data.val_fraction > 0 and re-run "
+            f"03 and 04 to measure them")
 
 
 def headline(result: dict, train_dir: Path, args=None) -> str:

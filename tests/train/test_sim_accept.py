@@ -296,3 +296,16 @@ def test_no_validation_split_is_said_plainly_not_an_empty_tau_table(tmp_path, ca
     assert markdown_lines({"chain": 3, "rows": [], "select_best": "last", "stopped": True}) == [
         "Simulated acceptance length on the validation split, tau_sim(3): not measured (no validation ran before the "
         "run stopped; select_best: last; exported step: none yet; `--export-only` exports the checkpoint)."]
+
+
+def test_a_stopped_run_without_validation_split_says_so_without_an_exported_step(tmp_path):
+    """A run without a validation split stopped by stop_after (as by a signal) has no export yet: its report says
+    there is no validation split and that a later export holds the last step's weights, with no tau table."""
+    cfg = load_config(make_tiny_run(tmp_path, n_val=0, train={"epochs": 1}))
+    r = run(cfg, device="cpu", stop_after=1)
+    assert r["stopped"] and r["step"] == 1
+    md = (cfg.train_dir / "train_report.md").read_text()
+    assert ("Validation: no validation split (data.val_fraction is 0: stage 03's split.json has no 'val' samples), so "
+            "no validation loss, accuracy or simulated acceptance (tau); an export (at the end of `--resume`, or "
+            "`--export-only`) holds the last step's weights; set data.val_fraction > 0") in md
+    assert "tau_sim" not in md
