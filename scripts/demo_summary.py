@@ -104,6 +104,8 @@ def _train(cfg) -> tuple[dict, str, list[Path]]:
         text += f", val loss {fig['val_loss']:.3f}"
     if acc:
         text += f", val top-1 {' / '.join(f'{a:.2f}' for a in acc)} (TTT steps 0..{len(acc) - 1})"
+    if rep.get("no_validation"):
+        text += ", no validation split (data.val_fraction 0): last step exported"
     return fig, text, [rep_path.with_suffix(".md"), cfg.train_dir / "loss.png"]
 
 

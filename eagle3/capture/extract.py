@@ -436,14 +436,20 @@ def _check_state(root: Path, fp: str, comp: dict, overwrite: bool) -> None:
 
 def check_prompts_current(cfg: RunConfig) -> None:
     """Refuse a ``prompts.jsonl`` that 01 made under other ``prompts:`` settings than ``cfg``'s
-    (:func:`eagle3.prompts.prepare_prompts.report_changes`; no ``prompts_report.json``: nothing to compare).
+    (:func:`eagle3.prompts.prepare_prompts.report_changes`; no ``prompts_report.json``: nothing to compare), or one
+    that an unfinished ``01 --force`` was remaking (its marker :func:`eagle3.prompts.prepare_prompts.forced_path`).
     The report is read once, for the comparison and the refusal's hint.
 
     Raises:
-        UserError: one line naming ``prompts_report.json``, the changed settings and the fix (re-run 01).
+        UserError: one line naming ``prompts_report.json`` (or the marker), the changed settings and the fix (re-run
+            01).
     """
-    from eagle3.prompts.prepare_prompts import read_report, report_changes
+    from eagle3.prompts.prepare_prompts import forced_path, read_report, report_changes
 
+    forced = forced_path(cfg)
+    if forced.is_file():  # its report still matches, but 01 was told to remake it and did not finish
+        raise UserError(f"{forced}: a 01_prepare_prompts.py --force run did not finish, so {cfg.prompts_path} is the "
+                        f"one from before it; re-run 01 (the same command without --force resumes it) first")
     rep, report = read_report(cfg)
     changed = report_changes(cfg, report)
     if changed:  # (a report with changes is a dict) settings 01 took from its command line: a re-run needs them again
@@ -454,6 +460,25 @@ def check_prompts_current(cfg: RunConfig) -> None:
                  if cli else "")
         raise UserError(f"{rep}: {cfg.prompts_path.name} was made with other prompts settings than this config's "
                         f"(changed {'; '.join(changed)}); re-run 01_prepare_prompts.py with this config first{again}")
+
+
+def warn_limit_drops_self_instruct(cfg: RunConfig, limit: int) -> Optional[str]:
+    """Warn (one line; also returned) when ``--limit`` leaves out ``prompts.self_instruct`` prompts, which 01 puts
+    after the sampled sources: how many, from ``prompts_report.json``'s counts (``self_instruct`` added, less those
+    01's own ``--limit`` left out, at the end of ``kept``). None: nothing left out, or no such report."""
+    from eagle3.prompts.prepare_prompts import limit_drops_self_instruct, read_report
+
+    _, report = read_report(cfg)
+    c = report.get("counts") if isinstance(report, dict) else None
+    if not isinstance(c, dict) or not isinstance(c.get("self_instruct"), int) or not isinstance(c.get("kept"), int):
+        return None
+    n_si = c["self_instruct"] - min(c["self_instruct"], int(c.get("limited_out") or 0))  # those in prompts.jsonl
+    dropped = min(n_si, c["kept"] - limit)
+    if dropped <= 0:
+        return None
+    text = limit_drops_self_instruct("--limit", limit, n_si, dropped, c["kept"])
+    log.warning(text)
+    return text
 
 
 def finished_report(cfg: RunConfig, root: Path, limit: Optional[int]) -> Optional[dict]:
@@ -1027,6 +1052,8 @@ def _extract(cfg: RunConfig, root: Path, overwrite: bool, limit: Optional[int],
     (:func:`finished_report`), prepare (plan + tokenize + disk check), capture + write, gather ranks, finalise."""
     t_start = time.perf_counter()
     d.on_rank0(lambda: check_prompts_current(cfg))
+    if limit is not None:
+        d.on_rank0(lambda: warn_limit_drops_self_instruct(cfg, limit))
     finished = None if overwrite else d.on_rank0(lambda: finished_report(cfg, root, limit))
     if finished is not None:  # every rank returns; the reports are left as they are
         if d.rank == 0:

@@ -33,7 +33,7 @@ from eagle3.shards.manifest import MANIFEST, read_manifest
 from eagle3.shards.format import (DATA_CONFIG, check_extract_settings, check_verifier, expect_from_data_config,
                                   list_samples, load_sample, read_data_config)
 from eagle3.data.validation_record import (format_time, load_matching_record, shard_set_fingerprint, write_failed_record,
-                                           write_record)
+                                           write_record, write_unfinished_record)
 from eagle3.data.settings import REPORT_JSON, data_settings
 from eagle3.data.vocab import TOKEN_FREQ, VOCAB_MAP, build_vocab_map, count_token_freq, coverage, save_vocab_map
 
@@ -323,6 +323,8 @@ def _shard_stats(cfg: RunConfig, meta: dict, paths: list[tuple[int, Path]], reva
             log.info("reusing the shard validation of %s (%s; shards, manifest.jsonl and data_config.json unchanged "
                      "since); --revalidate forces a full pass", format_time(created), path)
             return stats, freq, "reused", fp
+    if revalidate:  # a forced pass stopped half-way must not leave the earlier passing record in force
+        write_unfinished_record(folders, fp)
     try:
         stats, freq = _validate_all(shards, meta, paths)
     except UserError as e:  # the set is not valid: no record may keep saying it is (stage 04 reads it)

@@ -17,6 +17,10 @@ training subset repeat it for nothing. After a successful full pass, 03 writes a
   shard whose size and mtime did not change keeps the fingerprint). Records written before ``status``
   existed have none and count as passed: 03 wrote a record only after a full pass succeeded.
 
+- ``status``: ``"unfinished"``: ``03 --revalidate`` writes it before its full pass (replacing the passing record of
+  the same fingerprint), so that a pass stopped half-way (Ctrl-C, SIGTERM, a crash) leaves no passing record behind:
+  the next 03 validates every shard again and 04 refuses the set meanwhile.
+
 A later 03 whose fingerprint matches a passing record exactly reuses stats and counts instead of hashing and
 loading; a failed record is never reused (the full pass runs again). Stage 04 trains only on a shard set
 with a passing record of its current fingerprint (:func:`require_passed`).
@@ -53,7 +57,7 @@ log = logging.getLogger(__name__)
 VALIDATION_RECORD = "validation_record.json"
 RECORD_FORMAT = "eagle3-03-validation"
 RECORD_VERSION = 1  # ``status`` was added without a bump: a record without it is a passing one (see above)
-PASSED, FAILED = "passed", "failed"
+PASSED, FAILED, UNFINISHED = "passed", "failed", "unfinished"  # unfinished: a --revalidate pass under way
 STAT_KEYS = ("num_samples", "num_tokens", "num_loss_tokens", "max_len")
 
 
@@ -119,6 +123,9 @@ def load_matching_record(folders: list[Path], fingerprint: str, vocab_size: int)
         if obj.get("fingerprint") != fingerprint:
             log.info("%s: the shards changed since that validation; validating every shard", path)
             continue
+        if obj.get("status") == UNFINISHED:
+            log.info("%s: an earlier 03_prepare_data.py --revalidate did not finish; validating every shard", path)
+            continue
         if obj.get("status", PASSED) != PASSED:
             log.info("%s: 03's last validation of these shards failed (%s); validating every shard", path,
                      obj.get("error"))
@@ -178,6 +185,20 @@ def write_failed_record(folders: list[Path], fingerprint: str, error: str) -> Op
         "status": FAILED,
         "error": error.splitlines()[0] if error else "error",
     }
+    return _write_first(folders, record)
+
+
+def write_unfinished_record(folders: list[Path], fingerprint: str) -> Optional[Path]:
+    """Record that a forced full validation (``03 --revalidate``) of the shard set ``fingerprint`` has started,
+    replacing any record of that fingerprint in ``folders`` (a passing one included): until the pass writes its
+    outcome, no 03 reuses an earlier validation and stage 04 refuses the set.
+
+    Returns:
+        the path written, or None (no folder accepted it; warned).
+    """
+    record = {"format": RECORD_FORMAT, "version": RECORD_VERSION, "created_at": time.time(),
+              "fingerprint": fingerprint, "status": UNFINISHED,
+              "error": "03_prepare_data.py --revalidate started a full validation that did not finish"}
     return _write_first(folders, record)
 
 
@@ -262,6 +283,9 @@ def require_passed(shards: Path, data_dir: Path) -> Path:
             continue
         if obj.get("fingerprint") != fp:
             stale = stale or path
+        elif obj.get("status") == UNFINISHED:
+            raise UserError(f"{shards}: 03_prepare_data.py --revalidate of this shard set did not finish (record: "
+                            f"{path}); run 03_prepare_data.py before training")
         elif obj.get("status", PASSED) != PASSED:
             raise UserError(f"{shards}: 03's last validation of this shard set failed ({obj.get('error')}); fix or "
                             f"re-extract the shard and run 03_prepare_data.py (record: {path})")

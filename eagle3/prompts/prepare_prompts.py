@@ -7,14 +7,18 @@ Outputs (both written atomically, so a failed or killed run leaves no half-writt
 * ``prompts_report.json`` next to it: the settings fingerprint and the counts
   (``read``, ``skipped`` by reason, ``dropped_leading_assistant``, ``deduped``, ``sampled_out``,
   with ``prompts.self_instruct`` ``self_instruct`` / ``self_instruct_deduped`` (its prompts added on top of the
-  sampled sources / dropped as duplicates of them), ``limited_out``, ``kept``, ``regenerated``, regeneration
+  sampled sources / dropped as duplicates of them), ``limited_out`` (with ``prompts.self_instruct``:
+  ``self_instruct_limited_out``, those of its prompts ``--limit`` left out), ``kept``, ``regenerated``, regeneration
   ``new_tokens``/``truncated``/``tokens_per_s``),
   and the same counts as a Markdown table in ``prompts_report.md``.
 
 Idempotent: every step is deterministic (seeded sampling, greedy decoding), and when both outputs
 exist with the same settings fingerprint (config fields, source file size + SHA-256, verifier; with
 ``prompts.self_instruct`` its settings and its file's size + SHA-256) the stage does nothing and says so
-(``force=True`` recomputes).
+(``force=True`` recomputes). A forced run first writes :data:`FORCED_NAME` beside ``prompts.jsonl`` and removes it
+only once the new outputs are written: while it is there the old outputs are not up to date (a forced run that was
+interrupted or crashed is redone, resuming its regeneration log, by the same command without ``--force``), and
+02 refuses the old ``prompts.jsonl``.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from eagle3.prompts.readers import dedupe, read_conversations, sample
 log = logging.getLogger(__name__)
 
 REPORT_NAME = "prompts_report.json"
+FORCED_NAME = "prompts.forced-run.json"  # beside prompts.jsonl from a --force run's start until its outputs are written
 
 
 def report_markdown(report: dict) -> str:
@@ -46,7 +51,7 @@ def report_markdown(report: dict) -> str:
     rows = [("read", c["read"])]
     rows += [(f"skipped: {k}", v) for k, v in c["skipped"].items()]
     rows += [(k, c[k]) for k in ("dropped_leading_assistant", "normalised", "deduped", "sampled_out", "self_instruct",
-                                 "self_instruct_deduped", "limited_out",
+                                 "self_instruct_deduped", "limited_out", "self_instruct_limited_out",
                                  "kept", "regenerated", "inline_reasoning_split") if k in c]
     reg = report.get("regeneration")
     if reg:
@@ -156,6 +161,24 @@ def settings(cfg: RunConfig, limit: Optional[int], known: Optional[dict] = None,
         s["self_instruct"] = {**pc.self_instruct.model_dump(),
                               "file": _source_fingerprint(str(cfg.self_instruct_path), known, seen)}
     return s
+
+
+def forced_path(cfg: RunConfig) -> Path:
+    """The marker of a ``--force`` run that has not finished (:data:`FORCED_NAME`, next to ``cfg.prompts_path``):
+    while it exists the outputs there are not up to date, whatever their report says."""
+    return cfg.prompts_path.parent / FORCED_NAME
+
+
+def mark_forced(cfg: RunConfig) -> None:
+    """Write :func:`forced_path` (atomically; rank 0, under the writer lock) before a ``--force`` run changes
+    anything, so that a forced run stopped half-way leaves its old outputs marked as not up to date. Nothing to
+    mark without a ``prompts.jsonl`` (no old output to take for current)."""
+    import time
+
+    if not cfg.prompts_path.is_file():
+        return
+    atomic_write_json(forced_path(cfg), {"started_at": time.time(), "outputs": str(cfg.prompts_path),
+                                         "note": "a 01_prepare_prompts.py --force run has not finished; re-run it"})
 
 
 def partial_path(cfg: RunConfig) -> Path:
@@ -292,6 +315,8 @@ def make_self_instruct(cfg: RunConfig, force: bool, d) -> Path:
     if d.rank == 0:
         try:
             with writer_lock(cfg):
+                if force:  # before the self-instruct file is sampled again: an interrupted run is redone
+                    mark_forced(cfg)
                 make_from_config(cfg, force)
         except KeyboardInterrupt as e:  # interrupt_hint would speak of regenerated answers, none yet
             e.hint = (f"self-instruct sampling stopped, nothing of it kept ({cfg.self_instruct_path} is written once "
@@ -319,11 +344,14 @@ def _run(cfg: RunConfig, source: Optional[str], fmt: Optional[str], regenerate: 
     source_stats: dict = {}  # each source file's size, mtime and hash: 02 reuses the hash while they hold
     want = settings(cfg, limit, seen=source_stats)
     _, report = read_report(cfg)  # once: the up-to-date check and the reason to remake read it
-    if not force and up_to_date(report, want):
+    forced = forced_path(cfg)
+    unfinished = forced.is_file()  # a --force run stopped before writing its outputs: the old ones are not current
+    if not force and not unfinished and up_to_date(report, want):
         if _rank0():  # once under torchrun, as the remaking line
             print(f"prompts up to date: {out} ({rep.name} settings unchanged; use --force to redo)")
         return 0
-    why = "--force" if force and out.is_file() else redo_reason(out, rep, report, want)
+    why = ("--force" if force else f"a --force run did not finish ({forced.name}): redoing it") \
+        if out.is_file() and (force or unfinished) else redo_reason(out, rep, report, want)
     if why and _rank0():  # say why before a (long) regeneration; once under torchrun
         print(f"remaking {out} ({why})", flush=True)
 
@@ -331,6 +359,8 @@ def _run(cfg: RunConfig, source: Optional[str], fmt: Optional[str], regenerate: 
     regen_stats: dict = {}
     reused_info: Optional[dict] = None
     with writer_lock(cfg):  # one 01 per output folder (its resume log, prompts.jsonl)
+        if force and _rank0():  # before anything changes: a run stopped from here on is redone by the next
+            mark_forced(cfg)
         if pc.regenerate:
             if force:
                 partial_path(cfg).unlink(missing_ok=True)
@@ -593,7 +623,20 @@ def select_conversations(cfg: RunConfig, limit: Optional[int]) -> tuple[list[dic
     if limit is not None and len(convs) > limit:
         steps["limited_out"] = len(convs) - limit
         convs = convs[:limit]
+    if pc.self_instruct is not None:  # they come last: --limit cuts them first
+        steps["self_instruct_limited_out"] = dropped = min(steps["self_instruct"], steps["limited_out"])
+        if dropped and _rank0():
+            log.warning(limit_drops_self_instruct("--limit", limit, steps["self_instruct"], dropped,
+                                                  len(convs) + steps["limited_out"]))
     return convs, counts, steps
+
+
+def limit_drops_self_instruct(flag: str, limit: int, n_self_instruct: int, dropped: int, total: int) -> str:
+    """The one-line warning of a ``limit`` (``flag``: 01's or 02's ``--limit``) that leaves out ``dropped`` of the
+    ``n_self_instruct`` ``prompts.self_instruct`` prompts, which come after the sampled sources (``total``
+    conversations in all before the limit)."""
+    return (f"{flag} {limit}: leaves out {dropped} of the {n_self_instruct} prompts.self_instruct prompts (they come "
+            f"after the {total - n_self_instruct} sampled source conversations); {flag} {total} keeps them all")
 
 
 def add_self_instruct(cfg: RunConfig, convs: list[dict]) -> tuple[list[dict], int, int]:
@@ -623,7 +666,8 @@ def build_report(cfg: RunConfig, want: dict, counts: Counter, steps: dict, convs
             "read": counts["read"],
             "skipped": {k[len("skipped_"):]: v for k, v in sorted(counts.items()) if k.startswith("skipped_")},
             "dropped_leading_assistant": counts["dropped_leading_assistant"],
-            **steps,  # normalised, deduped, sampled_out, [self_instruct, self_instruct_deduped,] limited_out (this order)
+            **steps,  # normalised, deduped, sampled_out, [self_instruct, self_instruct_deduped,] limited_out,
+            # [self_instruct_limited_out] (this order)
             "kept": len(convs),
             "regenerated": len(convs) if pc.regenerate else 0,
             # assistant replies whose inline <think> block became reasoning_content
@@ -648,6 +692,7 @@ def write_outputs(cfg: RunConfig, convs: list[dict], report: dict, regen_stats: 
     atomic_write_jsonl(out, convs)
     atomic_write_json(rep, report)
     atomic_write_text(rep.with_suffix(".md"), report_markdown(report))
+    forced_path(cfg).unlink(missing_ok=True)  # a --force run (this one or an interrupted one) has finished
     failed = regen_stats.get("failed", 0)
     if pc.regenerate and not failed:
         from eagle3.prompts.replicas import all_logs
@@ -658,8 +703,11 @@ def write_outputs(cfg: RunConfig, convs: list[dict], report: dict, regen_stats: 
         print(f"regeneration: {failed} conversation(s) failed (ids in {rep.name}); they are not in {out.name}. "
               f"Rerun the same command to retry only those.")
     c = report["counts"]
+    si = report["settings"].get("self_instruct")
+    si_text = (f", self-instruct {si['num']} sampled / {c['self_instruct'] - c.get('self_instruct_limited_out', 0)} "
+               f"kept" if isinstance(si, dict) and "self_instruct" in c else "")
     reused = report.get("reused_answers")  # regenerated counts them too: say how many came from the earlier file
     reused_text = f", {reused['conversations']} of them reused from {reused['file']}" if reused else ""
     print(f"prompts: {out} ({c['kept']} conversations; read {c['read']}, skipped {sum(c['skipped'].values())}, "
-          f"deduped {c['deduped']}, regenerated {c['regenerated']}{reused_text})")
+          f"deduped {c['deduped']}, regenerated {c['regenerated']}{reused_text}{si_text})")
     print(f"report:  {rep}")

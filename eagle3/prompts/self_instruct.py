@@ -237,6 +237,8 @@ def make(cfg, out: Path, num: int, *, temperature: float = 1.0, top_p: float = 1
     if not force and _up_to_date(out, st):
         print(f"{out}: up to date (same self-instruct settings; --force to sample again)")
         return False
+    if force:  # the old file is no longer up to date: a forced run stopped before writing it samples again
+        report_path(out).unlink(missing_ok=True)
     seen = _excluded_keys(exclude, names["exclude"])
     n_excluded_keys = len(seen)
     from eagle3.verifier import load_verifier

@@ -283,6 +283,9 @@ def markdown_lines(summary: dict) -> list[str]:
                 else "none yet; `--export-only` exports the checkpoint")
     else:
         what = "the last"
+    if not summary.get("rows"):  # stopped before the first validation: one line, not a table without rows
+        return [f"Simulated acceptance length on the validation split, tau_sim({k}): not measured (no validation ran "
+                f"before the run stopped; select_best: {sel}; exported step: {what})."]
     lines = [f"Simulated acceptance length on the validation split, tau_sim({k}) = 1 + sum_m prod_(j<=m) alpha_j "
              f"(select_best: {sel}; exported step: {what}):", "",
              f"| step | tau_sim({k}) | alpha_1 | alpha_2 | alpha_3 | val loss |", "|---:|---:|---:|---:|---:|---:|"]

@@ -1642,7 +1642,10 @@ class _Training:
                   "tokens_per_s": (self.tok_total / self.t_total) if self.t_total > 0 else None,
                   "peak_gpu_mem_gib": _peak_gpu_mem_gib(d.device), "hidden_states": self.t.hidden_states,
                   "init_from": self.inputs.init_from,
-                  "recipe": self.recipe_used(), "warnings": self.warnings}
+                  "recipe": self.recipe_used(), "warnings": self.warnings,
+                  "val_samples": len(self.data.val_ds) if self.data.val_ds is not None else 0}
+        if not result["val_samples"]:  # said in the report and the closing lines, not an empty tau table
+            result["no_validation"] = no_validation_note(result["step"], stopped=self.stopped)
         if self.stopped:  # no final validation, no export; the report says where it stopped and how to go on
             self.metrics.close()
             if d.is_main:
@@ -1659,24 +1662,55 @@ class _Training:
         result["final_val"] = final_val
         self.metrics.close()
         if d.is_main:
-            sel = self.t.select_best
-            result["sim_accept"] = dict(self.tracker.summary(), select_best=sel, exported_step=self.tracker.restore_best(
-                self.inputs.drafter) if sel == "sim_accept" else None)
-            if sel == "sim_accept" and result["sim_accept"]["exported_step"] is None:  # nothing was selected
-                self.warnings.append(_no_val_selection(self.cfg) if self.data.val_ds is None else
-                                     f"train.select_best: sim_accept found no best weights to restore; the last "
-                                     f"step's weights (step {self.step}) are exported instead")
-                log.warning(self.warnings[-1])
-            self.tracker.plot()
-            if export is not None:
-                prov = export_provenance(self.train_dir, self.last_ckpt, self.step, sel,
-                                         result["sim_accept"]["exported_step"] or self.step)
-                result["export_dir"] = str(export(self.cfg, self.inputs.drafter, self.inputs.data_config,
-                                                  provenance=prov))
+            try:
+                self._select_and_export(result, export)
+            except Exception as e:  # the training is done: its report is written anyway, saying why nothing was exported
+                raise self._export_failed(result, e) from e
             write_report(self.train_dir, result, self.inputs.args)
             print(headline(result, self.train_dir, self.inputs.args))
         _barrier(d)
         return result
+
+    def _select_and_export(self, result: dict, export: Optional[Callable]) -> None:
+        """Rank 0 after the final validation: the selected weights (``train.select_best``) into the drafter, the
+        simulated-acceptance curve's plot, and ``export`` (see :func:`run`) into ``result["export_dir"]``."""
+        sel = self.t.select_best
+        result["sim_accept"] = dict(self.tracker.summary(), select_best=sel, exported_step=self.tracker.restore_best(
+            self.inputs.drafter) if sel == "sim_accept" else None)
+        if sel == "sim_accept" and result["sim_accept"]["exported_step"] is None:  # nothing was selected
+            self.warnings.append(_no_val_selection(self.cfg) if self.data.val_ds is None else
+                                 f"train.select_best: sim_accept found no best weights to restore; the last "
+                                 f"step's weights (step {self.step}) are exported instead")
+            log.warning(self.warnings[-1])
+        self.tracker.plot()
+        if export is not None:
+            prov = export_provenance(self.train_dir, self.last_ckpt, self.step, sel,
+                                     result["sim_accept"]["exported_step"] or self.step)
+            result["export_dir"] = str(export(self.cfg, self.inputs.drafter, self.inputs.data_config,
+                                              provenance=prov))
+
+    def _export_failed(self, result: dict, e: Exception) -> Exception:
+        """After a finished training whose selection or export failed (e.g. the SGLang export refusing a
+        ``drafter.max_position_embeddings`` below the verifier's): ``train_report.{json,md}`` written anyway
+        (``export_error``: the reason and the fix), and the error to raise: a :class:`UserError` says in its one line
+        that the checkpoint and the report are kept and how to export (``--export-only``); another error is returned
+        as it is (a bug keeps its traceback)."""
+        why = str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}"
+        result["export_error"] = why
+        result.setdefault("sim_accept", dict(self.tracker.summary(), select_best=self.t.select_best,
+                                             exported_step=None))
+        try:
+            write_report(self.train_dir, result, self.inputs.args)
+        except Exception as w:  # noqa: BLE001 - the export's error is the one to tell
+            log.warning("train_report: could not be written after the failed export (%s)", w)
+            return e
+        if not isinstance(e, UserError):
+            return e
+        err = UserError(f"{why} [training finished: checkpoint {self.last_ckpt} kept, report "
+                        f"{self.train_dir / 'train_report.md'}; after the fix, 04_train.py --export-only exports it "
+                        f"without retraining]")
+        err.exit_code = e.exit_code
+        return err
 
 
 def export_provenance(train_dir: Path, checkpoint, step: int, select_best: str, selected_step: int) -> dict:
@@ -1717,6 +1751,17 @@ def _peak_gpu_mem_gib(device: torch.device) -> Optional[float]:
     return torch.cuda.max_memory_allocated(device) / 2**30
 
 
+def no_validation_note(step: int, stopped: bool = False) -> str:
+    """What a run without a validation split (``data.val_fraction: 0`` at stage 03) measures and exports: the
+    sentence of ``train_report.json``'s ``no_validation``, ``train_report.md`` and 04's closing lines (``stopped``:
+    a run stopped by a signal, exported later: by ``--resume`` at its end or by ``--export-only``)."""
+    what = ("an export (at the end of `--resume`, or `--export-only`) holds the last step's weights" if stopped
+            else f"the export holds the last step's weights (step {step})")
+    return (f"no validation split (data.val_fraction is 0: stage 03's split.json has no 'val' samples), so no "
+            f"validation loss, accuracy or simulated acceptance (tau); {what}; set data.val_fraction > 0 and re-run "
+            f"03 and 04 to measure them")
+
+
 def headline(result: dict, train_dir: Path, args=None) -> str:
     """The lines stage 04 prints at its end: optimizer steps, final validation loss and top-1 accuracy per
     TTT step (``final_val``'s ``loss`` / ``acc_{i}``, as in ``train_report.md``), the drafter's shape (``args``:
@@ -1731,7 +1776,7 @@ def headline(result: dict, train_dir: Path, args=None) -> str:
     if acc:
         text += f", top-1 {' / '.join(f'{a:.3f}' for a in acc)} (TTT steps 0..{len(acc) - 1})"
     elif not val:
-        text += "; no validation split (data.val_fraction)"
+        text += "; " + (result.get("no_validation") or no_validation_note(result["step"]))
     shape = [] if args is None else [f"drafter: {drafter_shape(args)}"]
     return "\n".join([text, *shape, f"report: {train_dir / 'train_report.md'}", f"export: {result['export_dir']}"])
 
@@ -1748,6 +1793,9 @@ def _export_line(result: dict) -> str:
     """The ``- export:`` value of ``train_report.md``: the export folder, or a sentence why there is none."""
     if result.get("export_dir"):
         return f"`{result['export_dir']}`"
+    if result.get("export_error"):
+        return (f"**refused**: {result['export_error']}. Training finished and its checkpoint is kept: after the fix, "
+                f"`04_train.py --export-only` exports it without retraining")
     if result.get("stopped"):
         return ("none (stopped before the end; `04_train.py --resume` goes on, `--export-only` exports the newest "
                 "checkpoint)")
@@ -1781,7 +1829,9 @@ def write_report(train_dir: Path, result: dict, args) -> None:
     if acc_keys:
         lines += ["", "| TTT step | val top-1 acc |", "|---:|---:|"]
         lines += [f"| {k.split('_')[-1]} | {val[k]:.4f} |" for k in acc_keys]
-    if result.get("sim_accept"):
+    if result.get("no_validation"):  # instead of an empty simulated-acceptance table
+        lines += ["", f"Validation: {result['no_validation']}."]
+    elif result.get("sim_accept"):
         from eagle3.train.sim_accept import markdown_lines
 
         lines += ["", *markdown_lines(result["sim_accept"])]

@@ -256,3 +256,31 @@ def test_04_refuses_a_split_made_from_other_shards(tmp_path):
         train(a, device="cpu")
     prepare_data.run(a, plot=False)  # 03 again: trains
     assert train(a, device="cpu")["step"] >= 1
+
+
+def test_an_interrupted_revalidate_leaves_no_passing_record(tmp_path, monkeypatch):
+    """``03 --revalidate`` stopped during its full pass (Ctrl-C / SIGTERM / a crash) left the earlier passing record,
+    so a plain 03 reused it ("reusing the shard validation") and 04 trained on a set whose forced re-check never
+    finished. The forced pass now records ``unfinished`` before it starts: a plain 03 validates every shard again,
+    04 refuses the set meanwhile in one line, and the finished pass records ``passed``."""
+    path = make_tiny_run(tmp_path, train=TRAIN)
+    cfg = load_config(path, _as_02_wrote(tmp_path))
+    assert prepare_data.run(cfg, plot=False)["validation"] == "full"
+    real = prepare_data._validate_all
+
+    def killed(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(prepare_data, "_validate_all", killed)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_data.run(cfg, plot=False, revalidate=True)
+    rec = json.loads((cfg.shards_dir / VALIDATION_RECORD).read_text())
+    assert rec["status"] == "unfinished" and "stats" not in rec
+    with pytest.raises(UserError) as e:
+        require_passed(cfg.shards_dir, cfg.data_dir)
+    assert str(e.value) == (f"{cfg.shards_dir}: 03_prepare_data.py --revalidate of this shard set did not finish "
+                            f"(record: {cfg.shards_dir / VALIDATION_RECORD}); run 03_prepare_data.py before training")
+    monkeypatch.setattr(prepare_data, "_validate_all", real)
+    assert prepare_data.run(cfg, plot=False)["validation"] == "full"  # not "reused"
+    assert json.loads((cfg.shards_dir / VALIDATION_RECORD).read_text())["status"] == "passed"
+    assert require_passed(cfg.shards_dir, cfg.data_dir) == cfg.shards_dir / VALIDATION_RECORD

@@ -136,7 +136,9 @@ def test_train_and_benchmark_headlines(tmp_path):
     assert train_headline(res, tmp_path, args).splitlines()[1] == \
         "drafter: eagle3.1, 2 decoder layers, MLP 6144, draft vocab 32000"
     assert train_headline(dict(res, final_val={}), tmp_path).splitlines()[0] == \
-        "trained: 74/74 optimizer steps; no validation split (data.val_fraction)"
+        ("trained: 74/74 optimizer steps; no validation split (data.val_fraction is 0: stage 03's split.json has no "
+         "'val' samples), so no validation loss, accuracy or simulated acceptance (tau); the export holds the last "
+         "step's weights (step 74); set data.val_fraction > 0 and re-run 03 and 04 to measure them")
     rep = {"device": "cpu", "dtype": "float32", "datasets": [
         {"dataset": "humaneval", "num_prompts": 10, "tau": 1.375, "greedy_tokens_per_s": 60.1, "spec_tokens_per_s": 41.5,
          "speedup": 0.6905, "mismatches": [{}], "failures": 0, "near_ties": 1}]}

@@ -56,3 +56,42 @@ def test_unreadable_verifier_config_checks_nothing(tmp_path):
 
     cfg = load_config(make_tiny_run(tmp_path / "run"))  # verifier folder does not exist
     assert verifier_context_length(cfg.verifier) is None
+
+
+def test_a_refused_export_after_training_still_writes_the_report(tmp_path):
+    """The SGLang export refusing after training (drafter.max_position_embeddings below the verifier's: kept as a
+    refusal) left no train_report.md/json: the finished run's validation, steps and the reason were only in the log.
+    The report is now written, saying the export was refused, why, and that --export-only exports the kept
+    checkpoint after the fix; 04 still exits 2 with one line that names the report; --export-only with the fix then
+    exports."""
+    import importlib.util
+
+    from transformers import LlamaConfig
+
+    from eagle3.export.from_checkpoint import export_from_checkpoint
+
+    vdir = tmp_path / "verifier"
+    LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+                vocab_size=48, max_position_embeddings=2048).save_pretrained(vdir)
+    path = make_tiny_run(tmp_path / "run", train={"epochs": 1, "max_steps": 2, "ckpt_every": 2})
+    cfg = load_config(path, [f"verifier.path={vdir}"])
+    spec = importlib.util.spec_from_file_location("train04", Path(__file__).resolve().parents[2] / "04_train.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    with pytest.raises(UserError) as e:
+        mod.main(["--config", str(path), "--set", f"verifier.path={vdir}"])
+    msg = str(e.value)
+    assert e.value.exit_code == 2 and "\n" not in msg
+    assert msg.startswith("drafter.max_position_embeddings: 64 gives the draft a context length of 64 tokens")
+    assert msg.endswith(f"[training finished: checkpoint {cfg.train_dir / 'checkpoints' / 'step_00000002.pt'} kept, "
+                        f"report {cfg.train_dir / 'train_report.md'}; after the fix, 04_train.py --export-only "
+                        f"exports it without retraining]"), msg
+    rep = json.loads((cfg.train_dir / "train_report.json").read_text())
+    assert rep["step"] == 2 and rep["export_dir"] is None and rep["final_val"]["loss"] > 0
+    assert rep["export_error"].startswith("drafter.max_position_embeddings: 64 gives the draft")
+    md = (cfg.train_dir / "train_report.md").read_text()
+    assert "- export: **refused**: drafter.max_position_embeddings: 64 gives the draft" in md
+    assert "after the fix, `04_train.py --export-only` exports it without retraining" in md
+    assert "final validation loss" in md and not cfg.export_dir.exists()
+    out = export_from_checkpoint(load_config(path, [f"verifier.path={vdir}", "drafter.max_position_embeddings=null"]))
+    assert json.loads((out / "config.json").read_text())["max_position_embeddings"] == 2048

@@ -592,3 +592,54 @@ def test_a_second_01_on_the_same_folder_is_refused(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="verifier.path"):
         run(fresh)
     assert not (tmp_path / "fresh").exists()
+
+
+def test_an_interrupted_forced_run_is_redone_without_force(tmp_path, monkeypatch, capsys):
+    """A --force run stopped half-way (Ctrl-C / SIGTERM / a crash while it regenerates) left the old prompts.jsonl
+    and its report, which the same command without --force then found "up to date". The forced run now writes
+    prompts.forced-run.json before it changes anything: the rerun remakes (resuming the forced run's regeneration
+    log, which it keeps), 02 refuses the old prompts.jsonl meanwhile, and the marker is gone once the outputs are
+    written (then up to date again)."""
+    import eagle3.prompts.prepare_prompts as stage
+    from eagle3.capture.extract import check_prompts_current
+
+    src = _jsonl(tmp_path / "q.jsonl", [{"messages": [U(f"u{i}")]} for i in range(3)])
+    cfg = load_config(_config(tmp_path, src, regenerate=True))
+    seen_logs = []
+
+    def answer(cfg, convs, want, stats, force=False):
+        seen_logs.append(stage.partial_path(cfg).read_text() if stage.partial_path(cfg).is_file() else None)
+        return [{**c, "messages": c["messages"] + [A("ok " + c["messages"][0]["content"])]} for c in convs]
+
+    def killed(cfg, convs, want, stats, force=False):
+        stage.partial_path(cfg).write_text(json.dumps({"settings": want}) + "\n")  # the forced run's first answers
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(stage, "_regenerate", answer)
+    assert run(cfg) == 0
+    old = cfg.prompts_path.read_bytes()
+    monkeypatch.setattr(stage, "_regenerate", killed)
+    with pytest.raises(KeyboardInterrupt):
+        run(cfg, force=True)
+    marker = cfg.prompts_path.parent / "prompts.forced-run.json"
+    assert marker.is_file() and cfg.prompts_path.read_bytes() == old
+    with pytest.raises(UserError, match=r"prompts\.forced-run\.json: a 01_prepare_prompts.py --force run did not "
+                                         r"finish"):
+        check_prompts_current(cfg)
+    capsys.readouterr()
+    monkeypatch.setattr(stage, "_regenerate", answer)
+    assert run(cfg) == 0
+    out = capsys.readouterr().out
+    assert "up to date" not in out
+    assert f"remaking {cfg.prompts_path} (a --force run did not finish (prompts.forced-run.json): redoing it)" in out
+    assert seen_logs[-1] is not None  # the forced run's regeneration log was kept for the rerun to resume
+    assert not marker.exists() and not stage.partial_path(cfg).exists()
+    check_prompts_current(cfg)  # current again
+    assert run(cfg) == 0 and capsys.readouterr().out.startswith("prompts up to date")
+    # a forced run on a folder without prompts.jsonl has nothing to mark
+    empty = load_config(_config(tmp_path, src, regenerate=True), [f"output_root={tmp_path / 'other'}"])
+    monkeypatch.setattr(stage, "_regenerate", killed)
+    (tmp_path / "other").mkdir()
+    with pytest.raises(KeyboardInterrupt):
+        run(empty, force=True)
+    assert not (tmp_path / "other" / "prompts.forced-run.json").exists()

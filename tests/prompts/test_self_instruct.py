@@ -251,3 +251,30 @@ def test_cli_sigterm_says_nothing_was_written(tmp_path, tiny_llama_dir, monkeypa
                 "--self-instruct", "2", "--out", str(out)])
     assert e.value.hint == f"nothing written ({out} is written at the end); re-run the same command"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_interrupted_forced_sampling_samples_again_without_force(tmp_path, tiny_llama_dir, monkeypatch, capsys):
+    """``--self-instruct N --out F --force`` stopped while sampling left F and its report, which the same command
+    without --force then found "up to date" (the old queries kept). The forced run now removes F's report before it
+    samples: the rerun samples again and writes F and its report."""
+    batches = [(["Write a story about a dragon.", "Plan a trip to Rome for me."], [True, True])]
+    fake, calls = _fake_sampler(batches * 3)
+    monkeypatch.setattr(si, "sample_queries", fake)
+    out = tmp_path / "si.jsonl"
+    args = ["--config", str(ROOT / "configs" / "tiny-llama.yaml"), "--set", f"verifier.path={tiny_llama_dir}",
+            "--self-instruct", "2", "--out", str(out)]
+    assert _cli()(args) == 0 and len(calls) == 1
+
+    def killed(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(si, "sample_queries", killed)
+    with pytest.raises(KeyboardInterrupt):
+        _cli()(args + ["--force"])
+    assert out.is_file() and not (tmp_path / "si_report.json").exists()
+    capsys.readouterr()
+    monkeypatch.setattr(si, "sample_queries", fake)
+    assert _cli()(args) == 0
+    assert len(calls) == 2 and "up to date" not in capsys.readouterr().out
+    assert (tmp_path / "si_report.json").is_file()
+    assert _cli()(args) == 0 and len(calls) == 2 and "up to date" in capsys.readouterr().out

@@ -306,3 +306,71 @@ def test_up_to_date_is_printed_by_rank_0_only(tmp_path, tiny_llama_dir, monkeypa
     monkeypatch.setenv("RANK", "0")
     assert _cli()(["--config", str(cfg)]) == 0
     assert "prompts up to date: " in capsys.readouterr().out
+
+
+def test_a_forced_run_stopped_while_sampling_is_redone_without_force(tmp_path, tiny_llama_dir, monkeypatch, capsys):
+    """01 --force with prompts.self_instruct, stopped while it sampled the self-instruct prompts, left the old
+    self_instruct.jsonl, prompts.jsonl and their reports, which the same command without --force found up to date.
+    Now the rerun samples again and remakes prompts.jsonl (the forced run marked both as not current first)."""
+    calls: list = []
+    monkeypatch.setattr(si, "sample_queries", pool_sampler(calls))
+    cfg = _config(tmp_path, tiny_llama_dir, "f", str(_source(tmp_path)), ", sample_size: 2, self_instruct: {num: 3}")
+    assert _cli()(["--config", str(cfg)]) == 0 and len(calls) == 1
+
+    def killed(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(si, "sample_queries", killed)
+    with pytest.raises(KeyboardInterrupt):
+        _cli()(["--config", str(cfg), "--force"])
+    assert (tmp_path / "f" / "prompts.forced-run.json").is_file()
+    capsys.readouterr()
+    monkeypatch.setattr(si, "sample_queries", pool_sampler(calls))
+    assert _cli()(["--config", str(cfg)]) == 0
+    out = capsys.readouterr().out
+    assert len(calls) == 2 and "up to date" not in out
+    assert "(a --force run did not finish (prompts.forced-run.json): redoing it)" in out
+    assert not (tmp_path / "f" / "prompts.forced-run.json").exists()
+
+
+def test_limit_that_drops_self_instruct_prompts_warns_and_the_summary_counts_them(tmp_path, tiny_llama_dir,
+                                                                                  monkeypatch, capsys, caplog):
+    """--limit applies after the self-instruct prompts (they come after the sampled sources), so a small one left
+    every one of them out without a word, and 01's closing `prompts: ...` line never mentioned them. Now one warning
+    line says how many --limit leaves out (01, and 02's --limit over that prompts.jsonl), the report counts them
+    (`self_instruct_limited_out`), and the closing line gives `self-instruct <num> sampled / <in prompts.jsonl> kept`."""
+    import logging
+
+    monkeypatch.setattr(si, "sample_queries", pool_sampler([]))
+    cfg = _config(tmp_path, tiny_llama_dir, "lim", str(_source(tmp_path)), ", sample_size: 2, self_instruct: {num: 5}")
+    with caplog.at_level(logging.WARNING, logger="eagle3.prompts.prepare_prompts"):
+        assert _cli()(["--config", str(cfg), "--limit", "2"]) == 0
+    assert [r.getMessage() for r in caplog.records if r.name == "eagle3.prompts.prepare_prompts"] == [
+        "--limit 2: leaves out 4 of the 4 prompts.self_instruct prompts (they come after the 2 sampled source "
+        "conversations); --limit 6 keeps them all"]
+    ids = [c["id"] for c in _rows(tmp_path / "lim" / "prompts.jsonl")]
+    assert len(ids) == 2 and not any(i.startswith("self_instruct/") for i in ids)
+    c = json.loads((tmp_path / "lim" / "prompts_report.json").read_text())["counts"]
+    assert (c["self_instruct"], c["limited_out"], c["self_instruct_limited_out"], c["kept"]) == (4, 4, 4, 2)
+    assert "self-instruct 5 sampled / 0 kept)" in capsys.readouterr().out
+    assert "| self_instruct_limited_out | 4 |" in (tmp_path / "lim" / "prompts_report.md").read_text()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="eagle3.prompts.prepare_prompts"):
+        assert _cli()(["--config", str(cfg), "--limit", "5"]) == 0  # one of them cut: still said
+    assert [r.getMessage() for r in caplog.records if r.name == "eagle3.prompts.prepare_prompts"] == [
+        "--limit 5: leaves out 1 of the 4 prompts.self_instruct prompts (they come after the 2 sampled source "
+        "conversations); --limit 6 keeps them all"]
+    assert "self-instruct 5 sampled / 3 kept)" in capsys.readouterr().out
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="eagle3.prompts.prepare_prompts"):
+        assert _cli()(["--config", str(cfg)]) == 0  # no limit: nothing said, all kept
+    assert not [r for r in caplog.records if r.name == "eagle3.prompts.prepare_prompts"]
+    assert "self-instruct 5 sampled / 4 kept)" in capsys.readouterr().out
+    # 02's --limit over this prompts.jsonl (2 sources, then 4 self-instruct prompts)
+    from eagle3.capture.extract import warn_limit_drops_self_instruct
+
+    loaded = load_config(cfg)
+    assert warn_limit_drops_self_instruct(loaded, 3) == (
+        "--limit 3: leaves out 3 of the 4 prompts.self_instruct prompts (they come after the 2 sampled source "
+        "conversations); --limit 6 keeps them all")
+    assert warn_limit_drops_self_instruct(loaded, 6) is None and warn_limit_drops_self_instruct(loaded, 2) is not None

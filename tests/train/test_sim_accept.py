@@ -268,3 +268,44 @@ def test_chain_longer_than_ttt_is_capped_labelled_and_warned(tmp_path):
     assert sum("tau_sim(2), not tau_sim(3)" in w for w in rep["warnings"]) == 1
     md = (cfg.train_dir / "train_report.md").read_text()
     assert "| tau_sim(2) |" in md and "tau_sim(3)" not in md.replace("not tau_sim(3)", "")
+
+
+def test_no_validation_split_is_said_plainly_not_an_empty_tau_table(tmp_path, capsys):
+    """data.val_fraction 0 (no 'val' samples in split.json): train_report.md had a simulated-acceptance heading over
+    an empty table. It now says in one line that there is no validation split (naming data.val_fraction) and that
+    the export holds the last step's weights; train_report.json records ``val_samples: 0`` and the same sentence, and
+    04's closing lines say it too. A run stopped before its first validation gets one line instead of the table."""
+    from eagle3.train.sim_accept import markdown_lines
+
+    cfg = load_config(make_tiny_run(tmp_path, n_val=0, train={"epochs": 1}))
+    r = run(cfg, device="cpu", export=export_for_run)
+    note = (f"no validation split (data.val_fraction is 0: stage 03's split.json has no 'val' samples), so no "
+            f"validation loss, accuracy or simulated acceptance (tau); the export holds the last step's weights "
+            f"(step {r['step']}); set data.val_fraction > 0 and re-run 03 and 04 to measure them")
+    assert r["step"] == 4
+    md = (cfg.train_dir / "train_report.md").read_text()
+    assert f"Validation: {note}." in md and "tau_sim" not in md and "|---:|" not in md
+    rep = json.loads((cfg.train_dir / "train_report.json").read_text())
+    assert rep["val_samples"] == 0 and rep["no_validation"] == note
+    assert f"trained: 4/4 optimizer steps; {note}" in capsys.readouterr().out
+    with_val = load_config(make_tiny_run(tmp_path / "v", train={"epochs": 1}))
+    run(with_val, device="cpu")
+    rep = json.loads((with_val.train_dir / "train_report.json").read_text())
+    assert rep["val_samples"] == 2 and "no_validation" not in rep
+    assert "| step | tau_sim(" in (with_val.train_dir / "train_report.md").read_text()
+    assert markdown_lines({"chain": 3, "rows": [], "select_best": "last", "stopped": True}) == [
+        "Simulated acceptance length on the validation split, tau_sim(3): not measured (no validation ran before the "
+        "run stopped; select_best: last; exported step: none yet; `--export-only` exports the checkpoint)."]
+
+
+def test_a_stopped_run_without_validation_split_says_so_without_an_exported_step(tmp_path):
+    """A run without a validation split stopped by stop_after (as by a signal) has no export yet: its report says
+    there is no validation split and that a later export holds the last step's weights, with no tau table."""
+    cfg = load_config(make_tiny_run(tmp_path, n_val=0, train={"epochs": 1}))
+    r = run(cfg, device="cpu", stop_after=1)
+    assert r["stopped"] and r["step"] == 1
+    md = (cfg.train_dir / "train_report.md").read_text()
+    assert ("Validation: no validation split (data.val_fraction is 0: stage 03's split.json has no 'val' samples), so "
+            "no validation loss, accuracy or simulated acceptance (tau); an export (at the end of `--resume`, or "
+            "`--export-only`) holds the last step's weights; set data.val_fraction > 0") in md
+    assert "tau_sim" not in md
