@@ -22,7 +22,9 @@ log = logging.getLogger(__name__)
 
 def export_from_checkpoint(cfg: RunConfig, engine: str | None = None) -> Path:
     """Build the drafter from the newest checkpoint and export it. Read-only with respect to training's outputs
-    (checkpoints, ``best_drafter.pt``, ``sim_accept.json``): only the export folder is written.
+    (checkpoints, ``best_drafter.pt``, ``sim_accept.json``): only the export folder is written, and the run's
+    ``train_report.{json,md}`` when it was written at this checkpoint's step (it then names the export:
+    :func:`eagle3.train.trainer.record_export_only`).
 
     Weights: ``train.select_best: last`` -> the checkpoint's. ``sim_accept`` -> ``best_drafter.pt``, the weights the
     finished training exported (:func:`eagle3.train.sim_accept.load_best_for_export`): a best file that does not load,
@@ -56,7 +58,7 @@ def export_from_checkpoint(cfg: RunConfig, engine: str | None = None) -> Path:
     from eagle3.train.model import DrafterArgs
     from eagle3.shards.format import check_extract_settings, check_verifier, read_data_config
     from eagle3.train.target_head import TargetHead
-    from eagle3.train.trainer import build_drafter_args, export_provenance, init_drafter
+    from eagle3.train.trainer import build_drafter_args, export_provenance, init_drafter, record_export_only
     from eagle3.data.vocab import load_run_vocab_map
 
     if engine is not None:
@@ -96,9 +98,11 @@ def export_from_checkpoint(cfg: RunConfig, engine: str | None = None) -> Path:
             log.warning(warning)
     else:
         log.info("export: the weights of checkpoint %s (train.select_best: last)", path.name)
-    prov = export_provenance(cfg.train_dir, path, int(state["step"]), cfg.train.select_best,
-                             best if best is not None else int(state["step"]))
-    return export_for_run(cfg, drafter, data_config, provenance=prov)
+    weights_step = best if best is not None else int(state["step"])
+    prov = export_provenance(cfg.train_dir, path, int(state["step"]), cfg.train.select_best, weights_step)
+    out = export_for_run(cfg, drafter, data_config, provenance=prov)
+    record_export_only(cfg.train_dir, out, path, int(state["step"]), weights_step, cfg.export.engine)
+    return out
 
 
 def _weights_from_checkpoint(cfg: RunConfig) -> bool:

@@ -69,7 +69,7 @@ from eagle3.errors import UserError
 from eagle3.process_group import init_process_group, process_group_scope
 from eagle3.shards.fp8 import dequantize_batch, is_fp8
 from eagle3.io import (append_bytes, atomic_write_json, atomic_write_jsonl, atomic_write_text, disk_full_guard,
-                       open_append)
+                       open_append, read_json)
 from eagle3.train.schedule import build_scheduler
 from eagle3.shards.format import (check_extract_settings, check_verifier, check_verifier_dims, expect_from_data_config,
                                   read_data_config)
@@ -1802,6 +1802,42 @@ def _export_line(result: dict) -> str:
     return "none (no export was asked for)"
 
 
+def record_export_only(train_dir: Path, export_dir: Path, checkpoint: Path, ckpt_step: int, weights_step: int,
+                       engine: str) -> bool:
+    """After ``04 --export-only``: ``train_report.{json,md}`` say what was exported (``export_dir``; ``export_only``:
+    the checkpoint, the step whose weights it holds (the checkpoint's ``ckpt_step`` or, under ``train.select_best:
+    sim_accept``, the best validation's), the engine; ``sim_accept.exported_step``), so a report written when the run
+    stopped (``export: none``) or when its export was refused (``export_error``) no longer contradicts the folder.
+    Nothing happens without a ``train_report.json`` written at ``ckpt_step`` (a report of an older step, an
+    unreadable one: a warning, the export stands).
+
+    Returns:
+        Whether the report was rewritten.
+    """
+    from eagle3.train.model import DrafterArgs
+
+    path = train_dir / "train_report.json"
+    if not path.is_file():
+        return False
+    try:
+        report = read_json(path)
+        args = DrafterArgs.from_json(report.pop("drafter_args"), source=f"{path}: drafter_args")
+    except (UserError, KeyError, TypeError, ValueError) as e:
+        log.warning("%s: not updated after --export-only (%s)", path, e)
+        return False
+    if report.get("step") != int(ckpt_step):
+        log.warning("%s: written at step %s, not at the exported checkpoint's step %d (%s): not updated", path,
+                    report.get("step"), ckpt_step, checkpoint)
+        return False
+    report.pop("export_error", None)
+    report["export_dir"] = str(export_dir)
+    report["export_only"] = {"checkpoint": str(checkpoint), "weights_step": int(weights_step), "engine": engine}
+    if isinstance(report.get("sim_accept"), dict):
+        report["sim_accept"]["exported_step"] = int(weights_step)
+    write_report(train_dir, report, args)
+    return True
+
+
 def write_report(train_dir: Path, result: dict, args) -> None:
     """``train_report.json`` + ``train_report.md`` (final validation per TTT step) + ``loss.png`` (train/val loss).
     A run stopped by a signal gets one too (``stopped``, ``signal``, its step, no ``final_val``); the run that
@@ -1817,8 +1853,13 @@ def write_report(train_dir: Path, result: dict, args) -> None:
              f"- drafter: {drafter_shape(args, hidden=True)}",
              f"- checkpoint: `{result['checkpoint']}`", f"- export: {_export_line(result)}"]
     if result.get("stopped"):
-        lines.append(f"- **stopped** by signal {result.get('signal')} at step {result['step']}: no final validation, "
-                     "no export; `04_train.py --resume` goes on, `--export-only` exports this checkpoint")
+        lines.append(f"- **stopped** by signal {result.get('signal')} at step {result['step']}: no final validation"
+                     + (", exported afterwards by `--export-only` (below)" if result.get("export_only") else
+                        ", no export; `04_train.py --resume` goes on, `--export-only` exports this checkpoint"))
+    if result.get("export_only"):
+        e = result["export_only"]
+        lines.append(f"- exported by `04_train.py --export-only` ({e['engine']}): the weights of step "
+                     f"{e['weights_step']} (checkpoint `{e['checkpoint']}`)")
     lines += [f"- **warning**: {w}" for w in result.get("warnings") or []]
     if result.get("tokens_per_s"):
         lines.append(f"- training throughput: {result['tokens_per_s']:.0f} tokens/s (all ranks)")

@@ -46,6 +46,9 @@ def test_04_warns_sglang_export_refused_and_export_only_with_null_fixes_it(tmp_p
     assert not [r for r in caplog.records if "drafter.max_position_embeddings: 64" in r.getMessage()]
     out = export_from_checkpoint(load_config(path, [f"verifier.path={vdir}", "drafter.max_position_embeddings=null"]))
     assert json.loads((out / "config.json").read_text())["max_position_embeddings"] == 2048
+    rep = json.loads((cfg.train_dir / "train_report.json").read_text())  # the report now says it was exported
+    assert rep["export_dir"] == str(out) and "export_error" not in rep and rep["export_only"]["weights_step"] == 2
+    assert f"- export: `{out}`" in (cfg.train_dir / "train_report.md").read_text()
     assert _sglang_starts(out, {"max_position_embeddings": 2048, "rope_scaling": None})
     vl = export_from_checkpoint(load_config(path, [f"verifier.path={vdir}"]), engine="vllm")  # vLLM: written, warned
     assert json.loads((vl / "config.json").read_text())["transformer_layer_config"]["max_position_embeddings"] == 64
@@ -95,3 +98,6 @@ def test_a_refused_export_after_training_still_writes_the_report(tmp_path):
     assert "final validation loss" in md and not cfg.export_dir.exists()
     out = export_from_checkpoint(load_config(path, [f"verifier.path={vdir}", "drafter.max_position_embeddings=null"]))
     assert json.loads((out / "config.json").read_text())["max_position_embeddings"] == 2048
+    rep = json.loads((cfg.train_dir / "train_report.json").read_text())  # the report now says it was exported
+    assert rep["export_dir"] == str(out) and "export_error" not in rep and rep["export_only"]["weights_step"] == 2
+    assert f"- export: `{out}`" in (cfg.train_dir / "train_report.md").read_text()

@@ -309,3 +309,37 @@ def test_a_stopped_run_without_validation_split_says_so_without_an_exported_step
             "no validation loss, accuracy or simulated acceptance (tau); an export (at the end of `--resume`, or "
             "`--export-only`) holds the last step's weights; set data.val_fraction > 0") in md
     assert "tau_sim" not in md
+
+
+def test_export_only_rewrites_the_report_of_the_stopped_run_it_exports(tmp_path, caplog):
+    """A run stopped by a signal and then exported by `04 --export-only` kept a train_report.md saying "export: none
+    ... `--export-only` exports step N" (lease 2026-12-05e: both A/B drafters, exported at step 1,000 of runs stopped
+    at 1,170 / 1,252). --export-only now records the export in train_report.{json,md}: the folder, the checkpoint and
+    the step whose weights it holds; a report written at another step is left alone with a warning."""
+    import logging
+
+    cfg = load_config(make_tiny_run(tmp_path, n_train=8, n_val=4, train={
+        "epochs": 3, "eval_every": 1, "ckpt_every": 1, "select_best": "sim_accept", "lr": 2e-3}))
+    r = run(cfg, device="cpu", stop_after=4)
+    assert r["stopped"] and r["step"] == 4
+    best_step = safe_torch_load(cfg.train_dir / BEST_FILE)["step"]
+    before = json.loads((cfg.train_dir / "train_report.json").read_text())
+    assert before["export_dir"] is None and before["sim_accept"]["exported_step"] is None
+    out = export_from_checkpoint(cfg)
+    rep = json.loads((cfg.train_dir / "train_report.json").read_text())
+    ck = str(cfg.train_dir / "checkpoints" / "step_00000004.pt")
+    assert rep["export_dir"] == str(out) and rep["step"] == 4 and rep["stopped"]
+    assert rep["export_only"] == {"checkpoint": ck, "weights_step": best_step, "engine": cfg.export.engine}
+    assert rep["sim_accept"]["exported_step"] == best_step and rep["drafter_args"] == before["drafter_args"]
+    md = (cfg.train_dir / "train_report.md").read_text()
+    assert f"- export: `{out}`" in md
+    assert "- **stopped** by signal None at step 4: no final validation, exported afterwards by `--export-only`" in md
+    assert (f"- exported by `04_train.py --export-only` ({cfg.export.engine}): the weights of step {best_step} "
+            f"(checkpoint `{ck}`)") in md
+    assert f"exported step: {best_step}):" in md and "none yet" not in md
+    # a report of another step (an older run's) is not rewritten
+    (cfg.train_dir / "train_report.json").write_text(json.dumps(dict(before, step=3)))
+    with caplog.at_level(logging.WARNING):
+        export_from_checkpoint(cfg)
+    assert "written at step 3, not at the exported checkpoint's step 4" in caplog.text
+    assert json.loads((cfg.train_dir / "train_report.json").read_text())["export_dir"] is None
