@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from eagle3.cli import ArgumentParser, run_main  # noqa: E402
 from eagle3.errors import UserError  # noqa: E402
-from eagle3.io import atomic_write_json, atomic_write_text  # noqa: E402
+from eagle3.io import write_json_and_markdown  # noqa: E402
 from small_train_speed import ISSUE_REFERENCE_S, ISSUE_RUN_TOKENS  # noqa: E402  (issue 9's run: 6.96M tokens, 320 s)
 
 CFG = "configs/smollm2-135m-full.yaml --set verifier.path=$EAGLE3_GGUF_DIR"
@@ -177,8 +177,7 @@ def main(argv=None) -> int:
         if not r.is_dir():
             raise UserError(f"{r}: not a folder")
     figs = collect(a.results)
-    atomic_write_json(a.out, figs)
-    atomic_write_text(a.out.with_suffix(".md"), markdown(figs))
+    write_json_and_markdown(a.out, figs, markdown(figs))
     print(markdown(figs), end="")
     return 0
 

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle3.cli import ArgumentParser, run_main  # noqa: E402
 from eagle3.errors import UserError  # noqa: E402
-from eagle3.io import atomic_save_png, atomic_write_json, atomic_write_text, read_json  # noqa: E402
+from eagle3.io import atomic_save_png, read_json, write_json_and_markdown  # noqa: E402
 
 SETS = ("mtbench", "humaneval", "gsm8k")
 
@@ -210,9 +210,8 @@ def main(argv=None) -> int:
     import shlex
 
     cmd = shlex.join(["python", "bench/quality_compare.py", *(sys.argv[1:] if argv is None else argv)])
-    atomic_write_json(a.out, {"title": a.title, "notes": a.note, "command": cmd, "rows": rows})
     md = markdown(rows, a.title) + "".join(f"\n{n}\n" for n in a.note)
-    atomic_write_text(a.out.with_suffix(".md"), md)
+    write_json_and_markdown(a.out, {"title": a.title, "notes": a.note, "command": cmd, "rows": rows}, md)
     if a.curve:
         plot_curve(rows, a.out.with_suffix(".png"))
     print(md, end="")

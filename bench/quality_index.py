@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from eagle3.cli import ArgumentParser, run_main  # noqa: E402
-from eagle3.io import atomic_write_json, atomic_write_text  # noqa: E402
+from eagle3.io import write_json_and_markdown  # noqa: E402
 from quality_compare import SETS, load_run  # noqa: E402
 
 GOALS = {3: {"mtbench": 2.8, "humaneval": 2.8, "gsm8k": 3.2}, 7: {"mtbench": 3.4}}  # issue 23
@@ -135,9 +135,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, required=True, help="JSON path; the Markdown table goes beside it (.md)")
     a = p.parse_args(argv)
     runs = collect(a.root.resolve(), a.repo.resolve())
-    atomic_write_json(a.out, {"goals": {str(k): v for k, v in GOALS.items()}, "runs": runs})
     md = markdown(runs)
-    atomic_write_text(a.out.with_suffix(".md"), md)
+    write_json_and_markdown(a.out, {"goals": {str(k): v for k, v in GOALS.items()}, "runs": runs}, md)
     print(md, end="")
     return 0
 

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle3.cli import ArgumentParser, run_main  # noqa: E402
 from eagle3.errors import UserError  # noqa: E402
-from eagle3.io import atomic_save_png, atomic_write_json, atomic_write_text, read_json  # noqa: E402
+from eagle3.io import atomic_save_png, read_json, write_json_and_markdown  # noqa: E402
 
 GOALS = {
     "10": {"3": {"mtbench": 2.5, "gsm8k": 3.0}, "7": {"mtbench": 3.0}},
@@ -264,9 +264,8 @@ def main(argv=None) -> int:
     q = collect(a.run, a.config, a.overrides, a.goals)
     q["source"] = str(a.run)
     q["speed_note"] = a.speed_note or None
-    atomic_write_json(a.out, q)
     md = markdown(q)
-    atomic_write_text(a.out.with_suffix(".md"), md)
+    write_json_and_markdown(a.out, q, md)
     plot(q, a.out.with_name(a.out.stem + "_positions.png"))
     print(md, end="")
     return 0

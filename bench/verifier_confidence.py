@@ -30,7 +30,7 @@ from tqdm import tqdm  # noqa: E402
 from eagle3.benchmark.eval_prompts import dataset_label, load_eval_prompts  # noqa: E402
 from eagle3.cli import ArgumentParser, run_main  # noqa: E402
 from eagle3.config import load_config  # noqa: E402
-from eagle3.io import atomic_write_json, atomic_write_text  # noqa: E402
+from eagle3.io import write_json_and_markdown  # noqa: E402
 from eagle3.prompts.chat import ChatOptions, end_of_turn_ids, prompt_ids  # noqa: E402
 
 
@@ -133,9 +133,8 @@ def main(argv=None) -> int:
         for i in tqdm(range(0, len(ids), a.batch_size), desc=f"confidence {dataset_label(name)}", unit="batch"):
             rows += greedy_confidence(model, ids[i:i + a.batch_size], max_new, eos)
         report["sets"][dataset_label(name)] = summarize(rows)
-    atomic_write_json(a.out, report)
     md = markdown(report)
-    atomic_write_text(a.out.with_suffix(".md"), md)
+    write_json_and_markdown(a.out, report, md)
     print(md, end="")
     return 0
 

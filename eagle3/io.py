@@ -450,6 +450,13 @@ def file_sha256(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
+def write_json_and_markdown(path: str | os.PathLike, obj: Any, markdown: str) -> None:
+    """A result as ``path`` (JSON, :func:`atomic_write_json`) and the same table for people beside it (``path`` with
+    the suffix ``.md``, :func:`atomic_write_text`): the bench scripts' JSON + Markdown pair."""
+    atomic_write_json(path, obj)
+    atomic_write_text(Path(path).with_suffix(".md"), markdown)
+
+
 def read_json(path: str | os.PathLike) -> Any:
     """Read a JSON file; raise :class:`UserError` naming the file and line on bad JSON."""
     path = Path(path)
