@@ -332,6 +332,33 @@ def test_sglang_splits_a_short_prompt_that_overflows_the_batch_chunk_budget():
     assert "self.rem_chunk_tokens -= compute_charge" in upd
 
 
+def _documented_launches() -> list[tuple[str, list[str]]]:
+    """Every ``sglang_capture_launcher.py`` command written in the docs and the launcher's docstring, as argv."""
+    import shlex
+
+    out = []
+    for path in (PATCHES / "README.md", ROOT / "docs" / "sglang.md", PATCHES / "sglang_capture_launcher.py"):
+        text = path.read_text().replace("\\\\\n", " ").replace("\\\n", " ")
+        for line in text.splitlines():
+            line = " ".join(line.split())
+            if "sglang_capture_launcher.py --capture-dir" in line:
+                argv = shlex.split(line.split("#")[0])
+                out.append((path.name, argv[argv.index(next(a for a in argv if a.endswith("sglang_capture_launcher.py"))) + 1:]))
+    return out
+
+
+def test_documented_launch_commands_pass_the_launcher_checks():
+    """The launch commands users copy (patches/README.md, docs/sglang.md, the launcher's usage) pass its own checks:
+    they said --chunked-prefill-size 8192, which SGLang splits requests under (trial 05e)."""
+    launches = _documented_launches()
+    assert {name for name, _ in launches} == {"README.md", "sglang.md", "sglang_capture_launcher.py"}
+    for name, argv in launches:
+        cap, ml, rest = launcher.split_args(argv)
+        assert cap == "/dev/shm/eagle3-capture", name
+        launcher.check_server_flags(rest, ml)
+        assert launcher._flag_value(rest, "--chunked-prefill-size") == "-1", name
+
+
 def test_launcher_cli_rejects_bad_flags_before_importing_sglang(tmp_path):
     r = subprocess.run([sys.executable, str(PATCHES / "sglang_capture_launcher.py"), "--capture-dir", str(tmp_path),
                         *[a for a in GOOD if a != "--enable-return-aux-hidden-states"]],
