@@ -95,3 +95,14 @@ def test_override_and_bad_value():
     assert cfg.extract.sglang_url == "http://10.0.0.2:30000" and cfg.train.max_steps == 10
     with pytest.raises(UserError, match="extract.aux_layers"):
         load_config(CFG, ["extract.aux_layers=[31, 3, 59]"])
+
+
+def test_benchmark_servers_are_on_two_nodes():
+    """EAGLE-3 server and baseline each fill an 8-GPU node with Kimi-K2.5 (~600 GB of weights): the config's two
+    benchmark URLs name two hosts, not one machine's two ports (fresh-user trial 2026-12-05e)."""
+    from urllib.parse import urlparse
+
+    urls = load_config(CFG).benchmark.server_urls
+    hosts = [urlparse(u).hostname for u in urls]
+    assert len(hosts) == 2 and hosts[0] != hosts[1], hosts
+    assert not {"127.0.0.1", "localhost"} & set(hosts)
