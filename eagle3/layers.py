@@ -116,3 +116,22 @@ def hf_layers_from_engine(ids: Sequence[int], engine: Engine, architecture: str)
     if is_deepseek_family(architecture):
         return [i + 1 for i in ids] if ids and ids[0] == 1 else ids
     return [i + 1 for i in ids]
+
+
+def check_servable(hf_layers: Sequence[int], engine: Engine, architecture: str, where: str) -> list[int]:
+    """The ``engine`` ids of ``hf_layers`` (:func:`engine_layer_ids`), checked where a run can still change course:
+    02 before it captures, 04 before it trains. The only list an engine cannot state is a DeepSeek-family one whose
+    first HF index is 1 under SGLang; found by the export, it cost the whole capture and training.
+
+    Args:
+        where: what holds the layers (``extract.aux_layers``, or the shards' ``data_config.json``), named first.
+
+    Raises:
+        UserError: one line naming ``where``, the layers, the architecture, ``export.engine`` and both ways out.
+    """
+    try:
+        return engine_layer_ids(hf_layers, engine, architecture)
+    except UserError as e:
+        raise UserError(f"{where}: export.engine {engine} cannot serve a drafter on these layers ({architecture}): {e}; "
+                        f"choose other extract.aux_layers (and capture again), or serve with vLLM (export.engine: vllm "
+                        f"takes HF indices as given)") from None

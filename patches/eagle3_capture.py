@@ -189,7 +189,7 @@ def store_prefill_capture(*, req: Any, logits_output: Any, start: int, extend_in
     if int(extend_input_len) != n_prompt:
         write_error(folder, rid, f"prefill covered {int(extend_input_len)} of {n_prompt} prompt tokens "
                     "(prefix-cache hit or chunked prefill): launch with --disable-radix-cache and "
-                    "--chunked-prefill-size >= the longest prompt")
+                    "--chunked-prefill-size -1")
         return end
     last = getattr(logits_output, "last_hidden_states", None)
     if last is None:

@@ -3,14 +3,15 @@
 
 Usage (see patches/README.md for the full, tested-flag command):
 
-    python patches/sglang_capture_launcher.py --capture-dir /dev/shm/eagle3-capture --max-length 4096 \\
+    python patches/sglang_capture_launcher.py --capture-dir /dev/shm/eagle3-capture \\
         --model-path /models/Kimi-K2.5 --trust-remote-code --tp-size 8 \\
         --enable-return-aux-hidden-states --speculative-algorithm EAGLE3 \\
         --return-aux-hidden-state-layer-ids 3 31 59 \\
-        --disable-radix-cache --chunked-prefill-size 8192 --disable-overlap-schedule
+        --disable-radix-cache --chunked-prefill-size -1 --disable-overlap-schedule
 
-Every argument except the launcher's own ``--capture-dir DIR`` and ``--max-length N`` (the run's
-``extract.max_length``; checked against ``--chunked-prefill-size``) goes to SGLang's own server entry point
+Every argument except the launcher's own ``--capture-dir DIR`` and optional ``--max-length N`` (the run's
+``extract.max_length``; accepted for older command lines, no longer needed: chunked prefill must be off whatever the
+prompt length, see :func:`check_server_flags`) goes to SGLang's own server entry point
 (``sglang.launch_server``: ``load_plugins(); prepare_server_args(argv); run_server(...)``).
 
 How the patch reaches the workers: SGLang sets the multiprocessing start method to ``spawn``
@@ -59,7 +60,8 @@ PATCH_TARGETS = (
 REQUIRED_FLAGS = {
     "--enable-return-aux-hidden-states": "capture aux states on the target without a draft model",
     "--disable-radix-cache": "a cached prefix is not recomputed, so its states would never be captured",
-    "--chunked-prefill-size": "must be -1 or >= the longest prompt: SGLang stores only the last chunk's states",
+    "--chunked-prefill-size": "must be -1 (chunked prefill off): SGLang stores only the last chunk's states, and it "
+                              "chunks any request that overflows a prefill batch's shared chunk budget",
 }
 #: Flags that break the one-request-one-prefill assumption.
 FORBIDDEN_FLAGS = {
@@ -138,12 +140,18 @@ def _flag_value(argv: list[str], flag: str) -> Optional[str]:
 def check_server_flags(argv: list[str], max_length: Optional[int] = None) -> None:
     """Check the SGLang argv for the flags the capture needs (README.md explains each).
 
+    ``--chunked-prefill-size`` must be -1 (chunked prefill off), whatever the prompt length: SGLang 0.5.23's
+    ``PrefillAdder`` (``srt/managers/schedule_policy.py`` ``_select_prefill_admission``) gives each prefill batch
+    ONE chunk budget of ``chunked_prefill_size`` tokens shared by its requests, and chunks the request that
+    overflows what is left (``chunk_fit_tokens > chunk_tokens_limit``). With several prompts in flight (a
+    ``/generate`` batch of ``extract.batch_tokens``) a prompt far shorter than the budget is split too, and a
+    split prompt's earlier chunks are never stored (the patch then writes ``<rid>.error.json``).
+
     Args:
-        max_length: the run's ``extract.max_length``; when given, ``--chunked-prefill-size`` must be
-            -1 or at least this.
+        max_length: the run's ``extract.max_length`` (accepted for older callers; the check no longer needs it).
 
     Raises:
-        LaunchError: a required flag is missing or a forbidden one is present.
+        LaunchError: a required flag is missing, a forbidden one is present, or chunked prefill is on.
     """
     present = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
     for flag, why in REQUIRED_FLAGS.items():
@@ -161,9 +169,10 @@ def check_server_flags(argv: list[str], max_length: Optional[int] = None) -> Non
         chunk_i = int(chunk)
     except (TypeError, ValueError):
         raise LaunchError(f"--chunked-prefill-size must be an integer, got {chunk!r}") from None
-    if max_length is not None and chunk_i != -1 and chunk_i < max_length:
-        raise LaunchError(f"--chunked-prefill-size {chunk_i} < max_length {max_length}: long prompts would be "
-                          "split into chunks and lose the states of all but the last chunk")
+    if chunk_i > 0:
+        raise LaunchError(f"--chunked-prefill-size {chunk_i}: use -1 (chunked prefill off). SGLang shares one chunk "
+                          f"budget of {chunk_i} tokens among the prompts of a prefill batch and splits the prompt that "
+                          "overflows it, however short; a split prompt's earlier chunks are never captured")
 
 
 # ---- the replacements ------------------------------------------------------------------------

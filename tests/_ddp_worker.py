@@ -51,13 +51,15 @@ def mark_validated(shards: Path, data: Path, stats: dict, freq: torch.Tensor) ->
 
 def make_tiny_run(root: Path, n_train: int = 8, n_val: int = 2, lengths=(12, 9, 16, 7), hidden: int = 16,
                   vocab: int = 48, draft_vocab: int = 24, equal_lengths: bool = False, seed: int = 0,
-                  train: dict | None = None, pre_norm: bool = False) -> Path:
+                  train: dict | None = None, pre_norm: bool = False, architecture: str = "LlamaForCausalLM",
+                  aux_layers: tuple = (2, 3, 4)) -> Path:
     """Write a tiny synthetic run under ``root`` and return its YAML path.
 
     Shards: ``n_train + n_val`` samples, lengths cycling through ``lengths`` (all ``lengths[0]`` when
     ``equal_lengths``), random bf16 hidden states ``[L, hidden]``, loss mask 1 after the first 2 tokens
     (all ones when ``equal_lengths``). Vocab map: draft ids = every ``vocab // draft_vocab``-th target id. Target head:
-    random ``[vocab, hidden]`` embedding/lm_head (untied) and norm weight.
+    random ``[vocab, hidden]`` embedding/lm_head (untied) and norm weight. ``architecture`` / ``aux_layers``: what
+    ``data_config.json`` says the (6-layer) verifier and its captured layers are.
     """
     g = torch.Generator().manual_seed(seed)
     shards = root / "shards"
@@ -75,8 +77,8 @@ def make_tiny_run(root: Path, n_train: int = 8, n_val: int = 2, lengths=(12, 9, 
         stats.update(num_tokens=stats["num_tokens"] + L, num_loss_tokens=stats["num_loss_tokens"] + int(mask.sum()),
                      max_len=max(stats["max_len"], L))
     write_data_config(shards, {
-        "format": FORMAT, "verifier": "synthetic", "architecture": "LlamaForCausalLM", "num_layers": 6,
-        "hidden_size": hidden, "vocab_size": vocab, "aux_layers": [2, 3, 4],
+        "format": FORMAT, "verifier": "synthetic", "architecture": architecture, "num_layers": 6,
+        "hidden_size": hidden, "vocab_size": vocab, "aux_layers": list(aux_layers),
         "layer_index_convention": LAYER_INDEX_CONVENTION, "last_hidden_state": "pre_norm" if pre_norm else "post_norm",
         "dtype": "bfloat16", "max_length": max(lengths), "rows_per_dir": 4, "chat_template_hash": None,
         "config_fingerprint": "x", "prompts_sha256": "x", "num_samples": n, "num_tokens": 0, "num_loss_tokens": 0,

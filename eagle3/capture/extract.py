@@ -86,7 +86,7 @@ from eagle3.config import RunConfig
 from eagle3.errors import UserError
 from eagle3.shards.checksum import DEFAULT_ALGO, file_checksum
 from eagle3.io import TMP_MARK, atomic_write_json, atomic_write_text, exclusive_lock, file_sha256, iter_jsonl, read_json, remove_stale_tmp
-from eagle3.layers import check_aux_layers, default_aux_layers
+from eagle3.layers import check_aux_layers, check_servable, default_aux_layers
 from eagle3.shards.manifest import MANIFEST, ManifestWriter, read_manifest, rewrite_manifest
 from eagle3.shards.fp8 import Storage, storage_from_config
 from eagle3.capture.shard_writer import ShardWriter
@@ -902,6 +902,7 @@ def _prepare(cfg: RunConfig, root: Path, overwrite: bool, limit: Optional[int],
     aux = _resolve_aux(list(backend.aux_layers), info["num_layers"])
     if cfg.extract.aux_layers is not None and aux != list(cfg.extract.aux_layers):
         raise ValueError(f"backend captures {aux} but extract.aux_layers is {cfg.extract.aux_layers}")
+    check_servable(aux, cfg.export.engine, str(info["architecture"]), "extract.aux_layers")  # before any capture
 
     samples, counts, skipped_ids = tokenize_prompts(tokenizer, prompts, cfg, prompts_path)
     expect = _expect(cfg, info)

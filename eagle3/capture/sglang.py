@@ -55,8 +55,8 @@ class SGLangCapture:
             between extraction and serving fails here instead of producing a useless drafter.
             None = accept the server's layers (set on the first :meth:`info`).
         timeout: seconds allowed for one ``/generate`` batch.
-        max_length: the run's ``extract.max_length``; when given, the server's
-            ``chunked_prefill_size`` must be -1 or at least this.
+        max_length: the run's ``extract.max_length`` (recorded; the server check does not depend on it: its
+            ``chunked_prefill_size`` must be -1 for any prompt length, see :meth:`info`).
         max_requests: prompts per ``/generate`` POST (a larger batch is split; None = one POST).
 
     Raises:
@@ -126,8 +126,10 @@ class SGLangCapture:
         """Verifier dims and conventions, from the server and the patch's ``capture_info.json``.
 
         Checks (each a UserError naming the endpoint, file or flag): SGLang version 0.5.23; radix
-        cache disabled; aux capture on; chunked prefill off or >= ``max_length``; the layers the
-        server captures equal ``aux_layers`` (the message gives the flag value that would fix it).
+        cache disabled; aux capture on; chunked prefill off (``chunked_prefill_size`` -1: SGLang 0.5.23 shares one
+        chunk budget among the prompts of a prefill batch and splits the prompt that overflows it, however short,
+        ``schedule_policy.py`` ``_select_prefill_admission``; a split prompt's earlier chunks are never captured);
+        the layers the server captures equal ``aux_layers`` (the message gives the flag value that would fix it).
         """
         if self._info is not None:
             return self._info
@@ -143,9 +145,10 @@ class SGLangCapture:
         if server.get("enable_return_aux_hidden_states") is False:
             raise UserError(f"{where}: relaunch with --enable-return-aux-hidden-states --speculative-algorithm EAGLE3")
         chunk = server.get("chunked_prefill_size")
-        if self.max_length is not None and isinstance(chunk, int) and chunk != -1 and 0 < chunk < self.max_length:
-            raise UserError(f"{where}: chunked_prefill_size {chunk} < extract.max_length {self.max_length}; "
-                            f"relaunch with --chunked-prefill-size {self.max_length} (or -1)")
+        if isinstance(chunk, int) and not isinstance(chunk, bool) and chunk > 0:
+            raise UserError(f"{where}: chunked_prefill_size {chunk}: relaunch with --chunked-prefill-size -1 (SGLang "
+                            f"shares one {chunk}-token chunk budget among the prompts of a prefill batch and splits the "
+                            "prompt that overflows it, however short; its earlier chunks would never be captured)")
         info_path = self.capture_dir / INFO_FILE
         if not info_path.is_file():
             raise UserError(f"{info_path}: not found; is the server running patches/sglang_capture_launcher.py "

@@ -177,7 +177,8 @@ def export_for_run(cfg: RunConfig, drafter, data_config: dict, provenance: dict 
     """Export ``drafter`` for ``cfg.export.engine`` into ``cfg.export_dir``, in ``export.dtype``
     (``auto`` = ``verifier.dtype``), with the verifier facts and HF aux layers of the shards'
     ``data_config.json``; ``provenance`` (:func:`eagle3.train.trainer.export_provenance`) is recorded as
-    ``trained_from`` in ``eagle3_train.json``.
+    ``trained_from`` in ``eagle3_train.json``. The vLLM folder's ``speculative_tokens`` (what ``vllm serve`` drafts
+    when ``--speculative-config`` names only the model) is ``benchmark.steps``, the chain the run benchmarks.
 
     Raises:
         UserError: see :func:`eagle3.export.serving.export_drafter`.
@@ -190,4 +191,5 @@ def export_for_run(cfg: RunConfig, drafter, data_config: dict, provenance: dict 
                      "context_length": verifier_context_length(cfg.verifier)}
     return export_drafter(drafter, cfg.export_dir, engine=cfg.export.engine,
                           aux_layers_hf=list(data_config["aux_layers"]), verifier_info=verifier_info,
+                          num_speculative_tokens=cfg.benchmark.steps,
                           dtype=export_dtype(cfg.export.dtype, cfg.verifier.dtype), provenance=provenance)

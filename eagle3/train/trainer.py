@@ -66,6 +66,7 @@ from eagle3.config import RunConfig
 from eagle3.data.batching import eval_batches, sample_lengths
 from eagle3.data.dataset import ResumableSampler, ShardDataset, collate, read_split
 from eagle3.errors import UserError
+from eagle3.layers import check_servable
 from eagle3.process_group import init_process_group, process_group_scope
 from eagle3.shards.fp8 import dequantize_batch, is_fp8
 from eagle3.io import (append_bytes, atomic_write_json, atomic_write_jsonl, atomic_write_text, disk_full_guard,
@@ -1137,6 +1138,8 @@ def _load_inputs(cfg: RunConfig, d: DistInfo, resume: bool, init: Optional[Calla
     data_config = read_data_config(cfg.shards_dir)
     check_verifier(cfg.verifier, data_config, cfg.shards_dir)  # first: another verifier explains the other differences
     check_extract_settings(cfg.extract, data_config, cfg.shards_dir)
+    check_servable(data_config["aux_layers"], cfg.export.engine, str(data_config["architecture"]),
+                   str(cfg.shards_dir / "data_config.json"))  # before training, not at the export after it
     check_hidden_states(cfg, data_config)
     vocab = load_run_vocab_map(cfg, int(data_config["vocab_size"]))
     split = read_split(cfg.data_dir)

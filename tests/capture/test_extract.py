@@ -424,3 +424,31 @@ def test_prompts_settings_not_compared_without_report_or_for_cli_overrides(tmp_p
     assert prompts_changes(cfg)[1] == ["format: 'sharegpt' -> 'auto'"]  # 01 --source X: the source is not compared
     report_path(cfg).write_text(json.dumps({"settings": old}))  # written before cli_overrides were recorded
     assert prompts_changes(cfg)[1] == []
+
+
+class _ReportsDeepseek:
+    """The tiny Llama backend, reporting a DeepSeek-family architecture (SGLang's rule for it is the one that
+    cannot state a first HF aux layer 1)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def info(self):
+        return {**self.inner.info(), "architecture": "DeepseekV3ForCausalLM"}
+
+
+def test_layers_the_export_engine_cannot_serve_refused_before_capture(tmp_path, tiny_backend):
+    """HF aux layers [1, 3, 4] of a DeepSeek-family verifier cannot be stated to SGLang (its DeepSeek rule adds +1
+    when the first id is 1): 02 refuses before capturing, naming export.engine (the export used to find out after
+    the capture and the training; trial 05e). For vLLM the same layers are captured."""
+    cap, tok = tiny_backend
+    cfg = load_config(_config(tmp_path / "s", Path("unused")))
+    with pytest.raises(UserError, match=r"extract.aux_layers: export.engine sglang cannot serve .*DeepseekV3ForCausalLM"):
+        run(cfg, backend=_ReportsDeepseek(cap), tokenizer=tok)
+    assert not list(cfg.shards_dir.rglob("*.pt"))
+    cfg_v = load_config(_config(tmp_path / "v", Path("unused")), ["export.engine=vllm"])
+    run(cfg_v, backend=_ReportsDeepseek(cap), tokenizer=tok)
+    assert read_data_config(cfg_v.shards_dir)["aux_layers"] == AUX

@@ -289,7 +289,7 @@ def test_configure_records_layers(sgl_real, tmp_path, monkeypatch):
 GOOD = ["--model-path", "/models/Kimi-K2.5", "--trust-remote-code", "--tp-size", "8",
         "--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3",
         "--return-aux-hidden-state-layer-ids", "3", "31", "59", "--disable-radix-cache",
-        "--chunked-prefill-size", "8192", "--disable-overlap-schedule"]
+        "--chunked-prefill-size", "-1", "--disable-overlap-schedule"]
 
 
 def test_split_and_check_flags():
@@ -300,13 +300,63 @@ def test_split_and_check_flags():
         launcher.split_args(GOOD)
     with pytest.raises(launcher.LaunchError, match="missing server flag --disable-radix-cache"):
         launcher.check_server_flags([a for a in GOOD if a != "--disable-radix-cache"])
-    with pytest.raises(launcher.LaunchError, match="--chunked-prefill-size 8192 < max_length 16384"):
-        launcher.check_server_flags(GOOD, 16384)
-    launcher.check_server_flags([*GOOD[:-3], "--chunked-prefill-size", "-1"], 16384)
+    launcher.check_server_flags(GOOD, 16384)
     with pytest.raises(launcher.LaunchError, match="--enable-dp-attention"):
         launcher.check_server_flags([*GOOD, "--enable-dp-attention"])
     with pytest.raises(launcher.LaunchError, match="--speculative-algorithm EAGLE3"):
         launcher.check_server_flags([a if a != "EAGLE3" else "DFLASH" for a in GOOD])
+
+
+def test_chunked_prefill_must_be_off_even_above_max_length():
+    """A positive --chunked-prefill-size is refused even when >= max_length: SGLang's chunk budget is per prefill
+    batch, so a short prompt that overflows what the batch's other prompts left is split (fresh-user trial 05e)."""
+    chunked = [*GOOD[:-3], "--chunked-prefill-size", "8192", "--disable-overlap-schedule"]
+    with pytest.raises(launcher.LaunchError, match=r"--chunked-prefill-size 8192: use -1 \(chunked prefill off\)"):
+        launcher.check_server_flags(chunked, 4096)
+    with pytest.raises(launcher.LaunchError, match="--chunked-prefill-size 8192: use -1"):
+        launcher.check_server_flags(chunked)
+    with pytest.raises(launcher.LaunchError, match="--chunked-prefill-size 65536: use -1"):
+        launcher.check_server_flags([*GOOD[:-3], "--chunked-prefill-size=65536"], 4096)
+    launcher.check_server_flags(GOOD, 4096)  # -1 passes
+
+
+@needs_sglang
+def test_sglang_splits_a_short_prompt_that_overflows_the_batch_chunk_budget():
+    """The SGLang 0.5.23 fact behind requiring -1: ``_select_prefill_admission`` compares each request with what is
+    LEFT of the batch's chunk budget (``chunk_limit = self.rem_chunk_tokens``) and marks it chunked when it does
+    not fit, and ``_update_prefill_budget`` debits every admitted request from that one budget."""
+    body = src.def_source(SGL / "srt/managers/schedule_policy.py", "PrefillAdder._select_prefill_admission")
+    assert "chunk_limit = self.rem_chunk_tokens" in body
+    assert "chunk_fit_tokens > chunk_tokens_limit" in body and "is_chunked = True" in body
+    upd = src.def_source(SGL / "srt/managers/schedule_policy.py", "PrefillAdder._update_prefill_budget")
+    assert "self.rem_chunk_tokens -= compute_charge" in upd
+
+
+def _documented_launches() -> list[tuple[str, list[str]]]:
+    """Every ``sglang_capture_launcher.py`` command written in the docs and the launcher's docstring, as argv."""
+    import shlex
+
+    out = []
+    for path in (PATCHES / "README.md", ROOT / "docs" / "sglang.md", PATCHES / "sglang_capture_launcher.py"):
+        text = path.read_text().replace("\\\\\n", " ").replace("\\\n", " ")
+        for line in text.splitlines():
+            line = " ".join(line.split())
+            if "sglang_capture_launcher.py --capture-dir" in line:
+                argv = shlex.split(line.split("#")[0])
+                out.append((path.name, argv[argv.index(next(a for a in argv if a.endswith("sglang_capture_launcher.py"))) + 1:]))
+    return out
+
+
+def test_documented_launch_commands_pass_the_launcher_checks():
+    """The launch commands users copy (patches/README.md, docs/sglang.md, the launcher's usage) pass its own checks:
+    they said --chunked-prefill-size 8192, which SGLang splits requests under (trial 05e)."""
+    launches = _documented_launches()
+    assert {name for name, _ in launches} == {"README.md", "sglang.md", "sglang_capture_launcher.py"}
+    for name, argv in launches:
+        cap, ml, rest = launcher.split_args(argv)
+        assert cap == "/dev/shm/eagle3-capture", name
+        launcher.check_server_flags(rest, ml)
+        assert launcher._flag_value(rest, "--chunked-prefill-size") == "-1", name
 
 
 def test_launcher_cli_rejects_bad_flags_before_importing_sglang(tmp_path):

@@ -95,3 +95,31 @@ def test_override_and_bad_value():
     assert cfg.extract.sglang_url == "http://10.0.0.2:30000" and cfg.train.max_steps == 10
     with pytest.raises(UserError, match="extract.aux_layers"):
         load_config(CFG, ["extract.aux_layers=[31, 3, 59]"])
+
+
+def test_benchmark_servers_are_on_two_nodes():
+    """EAGLE-3 server and baseline each fill an 8-GPU node with Kimi-K2.5 (~600 GB of weights): the config's two
+    benchmark URLs name two hosts, not one machine's two ports (fresh-user trial 2026-12-05e)."""
+    from urllib.parse import urlparse
+
+    urls = load_config(CFG).benchmark.server_urls
+    hosts = [urlparse(u).hostname for u in urls]
+    assert len(hosts) == 2 and hosts[0] != hosts[1], hosts
+    assert not {"127.0.0.1", "localhost"} & set(hosts)
+
+
+def test_serving_node_launch_commands_listen_beyond_localhost():
+    """Every plain SGLang launch in the README's production section and the Kimi config is reached from another host
+    (stage 01's serving nodes, the benchmark's two nodes): SGLang 0.5.23 listens on 127.0.0.1 unless --host says
+    otherwise, so each command states --host 0.0.0.0 (trial 2026-12-05e)."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Production: Kimi-K2.5 with SGLang"):readme.index("## Conventions")]
+    texts = {"README.md": section, CFG.name: CFG.read_text()}
+    found = 0
+    for name, text in texts.items():
+        flat = " ".join(text.replace("\\\n", " ").split())
+        for cmd in flat.split("python -m sglang.launch_server")[1:]:
+            cmd = cmd.split("`")[0].split("#")[0]
+            found += 1
+            assert "--host 0.0.0.0" in cmd, (name, cmd)
+    assert found == 4  # README: step 1, step 6 (EAGLE-3 + baseline); config: prompts.server.urls

@@ -151,3 +151,17 @@ def test_sglang_kimi_k25_delegates_to_deepseek():
     src = (root / "kimi_k25.py").read_text()
     assert "self.language_model = DeepseekV3ForCausalLM(" in src
     assert "class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):" in (root / "deepseek_v2.py").read_text()
+
+
+def test_check_servable_names_the_engine_and_both_ways_out():
+    """02 and 04 ask before capturing / training whether export.engine can state the aux layers (trial 05e: a
+    DeepSeek run at HF [1, ...] was refused only by the export, after the capture and the whole training)."""
+    from eagle3.layers import check_servable
+
+    with pytest.raises(UserError, match=r"^extract.aux_layers: export.engine sglang cannot serve a drafter on these "
+                                        r"layers \(DeepseekV3ForCausalLM\): .*HF index 1 cannot be the first.*"
+                                        r"export.engine: vllm"):
+        check_servable([1, 30, 58], "sglang", DSV3, "extract.aux_layers")
+    assert check_servable([1, 30, 58], "vllm", DSV3, "x") == [1, 30, 58]
+    assert check_servable([1, 30, 58], "sglang", "LlamaForCausalLM", "x") == [0, 29, 57]
+    assert check_servable([3, 31, 59], "sglang", KIMI, "x") == [3, 31, 59]

@@ -57,3 +57,37 @@ def test_export_records_provenance_and_warns_when_another_run_replaces_it(tmp_pa
     assert not [r for r in caplog.records if "another training run" in r.getMessage()]
     again = _meta(out)["trained_from"]
     assert again == {**prov_b, "checkpoint": str(ckpt.ckpt_path(b.train_dir, 2).resolve())}
+
+
+def test_vllm_export_drafts_the_benchmarked_chain(tmp_path):
+    """The vLLM folder's speculators_config says to draft benchmark.steps tokens (it said 3 whatever the run
+    benchmarked: `vllm serve` with only the model in --speculative-config drafted another chain; trial 05e)."""
+    cfg = load_config(make_tiny_run(tmp_path / "r", n_train=4, n_val=2, train=TRAIN),
+                      ["export.engine=vllm", "benchmark.steps=2"])
+    run(cfg, device="cpu", export=export_for_run)
+    sc = json.loads((cfg.export_dir / "config.json").read_text())["speculators_config"]
+    assert sc["proposal_methods"][0]["speculative_tokens"] == 2
+    # --export-only follows the config it is given
+    again = export_from_checkpoint(load_config(tmp_path / "r" / "run.yaml", ["export.engine=vllm", "benchmark.steps=3"]))
+    methods = json.loads((again / "config.json").read_text())["speculators_config"]["proposal_methods"]
+    assert methods[0]["speculative_tokens"] == 3
+
+
+def test_layers_sglang_cannot_serve_refused_before_training(tmp_path):
+    """Shards of a DeepSeek-family verifier at HF [1, 3, 4]: 04 for SGLang refuses at start (nothing trained, no
+    checkpoint), naming data_config.json and export.engine; it trained for the whole run and then had its export
+    refused, with a message promising that --export-only would do after a fix (trial 05e). For vLLM it trains."""
+    import pytest
+
+    from eagle3.errors import UserError
+
+    path = make_tiny_run(tmp_path / "r", n_train=4, n_val=2, train=TRAIN, architecture="DeepseekV3ForCausalLM",
+                         aux_layers=(1, 3, 4))
+    cfg = load_config(path)
+    with pytest.raises(UserError) as e:
+        run(cfg, device="cpu", export=export_for_run)
+    assert str(e.value).startswith(f"{cfg.shards_dir / 'data_config.json'}: export.engine sglang cannot serve")
+    assert not ckpt.ckpt_path(cfg.train_dir, 2).exists() and not cfg.export_dir.exists()
+    cfg_v = load_config(path, ["export.engine=vllm"])
+    run(cfg_v, device="cpu", export=export_for_run)
+    assert json.loads((cfg_v.export_dir / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
