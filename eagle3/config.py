@@ -901,7 +901,11 @@ def load_config(path: str | os.PathLike, overrides: Optional[list[str]] = None) 
         raise UserError(f"{path}: config file not found" + (" (it is a directory)" if path.is_dir() else ""))
     try:
         text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
+    except UnicodeDecodeError as e:  # run.yaml:3: not UTF-8 text: byte 0xe9 at column 14 ...
+        from eagle3.io import not_utf8_error
+
+        raise not_utf8_error(path, e) from e
+    except OSError as e:
         raise UserError(f"{path}: cannot read the config file ({e.__class__.__name__}: "
                         f"{getattr(e, 'strerror', None) or e})") from e
     try:

@@ -418,25 +418,57 @@ def safe_torch_load(path: str | os.PathLike, map_location: str | torch.device = 
         raise UserError(f"{path}: truncated or corrupt torch file: {first[:160]}") from e
 
 
+def not_utf8_error(path: str | os.PathLike, exc: UnicodeDecodeError) -> UserError:
+    """The one-line error for a text file that is not UTF-8: ``file:line: not UTF-8 text: byte 0xff at column 12
+    ...``, the line and the byte's column (1-based, in bytes) found by decoding the file's bytes again (``.gz``
+    decompressed; a leading byte-order mark skipped, as the readers skip it). The text readers stream, so the
+    exception alone knows only an offset into the buffer that failed, not the line (before: ``cannot read: 'utf-8'
+    codec can't decode byte 0xff in position 131``, or a traceback)."""
+    import gzip
+
+    path = Path(path)
+    try:
+        with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as f:
+            raw = f.read()
+    except (OSError, EOFError):
+        raw = b""
+    start = 3 if raw.startswith(b"\xef\xbb\xbf") else 0
+    try:
+        raw[start:].decode("utf-8")
+        pos = None
+    except UnicodeDecodeError as e:
+        pos = start + e.start
+    if pos is None:  # the bytes changed since, or the error came from elsewhere: the codec's own words
+        return UserError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}); save the file as UTF-8")
+    line = raw.count(b"\n", 0, pos) + 1
+    col = pos - raw.rfind(b"\n", 0, pos)
+    return UserError(f"{path}:{line}: not UTF-8 text: byte 0x{raw[pos]:02x} at column {col} (byte {pos} of the file); "
+                     "save the file as UTF-8")
+
+
 def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
     """Yield ``(line number, record)`` for each non-blank line of a JSONL file (``.gz`` read as gzip). A UTF-8
     byte-order mark at the start (Windows editors write one) is skipped.
 
     Raises:
-        UserError: ``file:line: malformed JSON: ...`` on the first bad line.
+        UserError: ``file:line: malformed JSON: ...`` on the first bad line; ``file:line: not UTF-8 text: ...``
+            (:func:`not_utf8_error`) on the first byte that is not UTF-8.
     """
     import gzip
 
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8-sig") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:  # the line ending dropped: an error at the line's end would otherwise land at column 1 of the next
-                yield lineno, json.loads(line.rstrip("\r\n"))
-            except json.JSONDecodeError as e:
-                raise UserError(f"{path}:{lineno}: malformed JSON: {json_error_detail(e)}") from e
+    try:
+        with opener(path, "rt", encoding="utf-8-sig") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:  # the line ending dropped: an error at the line's end would otherwise land at column 1 of the next
+                    yield lineno, json.loads(line.rstrip("\r\n"))
+                except json.JSONDecodeError as e:
+                    raise UserError(f"{path}:{lineno}: malformed JSON: {json_error_detail(e)}") from e
+    except UnicodeDecodeError as e:
+        raise not_utf8_error(path, e) from e
 
 
 def file_sha256(path: str | os.PathLike) -> str:
@@ -451,7 +483,8 @@ def file_sha256(path: str | os.PathLike) -> str:
 
 
 def read_json(path: str | os.PathLike) -> Any:
-    """Read a JSON file; raise :class:`UserError` naming the file and line on bad JSON."""
+    """Read a JSON file; raise :class:`UserError` naming the file and line on bad JSON or bytes that are not UTF-8
+    (:func:`not_utf8_error`)."""
     path = Path(path)
     if not path.is_file():
         raise file_not_found(path)
@@ -459,6 +492,8 @@ def read_json(path: str | os.PathLike) -> Any:
         return json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise UserError(f"{path}:{e.lineno}: malformed JSON: {json_error_detail(e)}") from e
+    except UnicodeDecodeError as e:
+        raise not_utf8_error(path, e) from e
 
 
 @contextlib.contextmanager

@@ -514,7 +514,7 @@ def read_report(cfg: RunConfig) -> tuple[Path, Optional[dict]]:
         return rep, None
     try:
         report = json.loads(rep.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
+    except (OSError, ValueError):  # malformed JSON, or bytes that are not UTF-8 (UnicodeDecodeError)
         return rep, None
     return rep, report if isinstance(report, dict) else None
 

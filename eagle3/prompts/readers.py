@@ -69,7 +69,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from eagle3.errors import UserError
-from eagle3.io import iter_jsonl, json_error_detail
+from eagle3.io import iter_jsonl, json_error_detail, not_utf8_error
 
 FORMATS = ("auto", "sharegpt", "messages", "alpaca", "questions", "humaneval", "hf")
 
@@ -117,7 +117,9 @@ def _iter_file(path: Path) -> Iterator[tuple[str, dict]]:
                 yield f"{path}:[{i}]", rec
         else:
             raise UserError(f"{path}: unsupported prompts file type (use .json, .jsonl, .json.gz or .jsonl.gz)")
-    except (OSError, EOFError, UnicodeDecodeError) as e:
+    except UnicodeDecodeError as e:  # file:line: not UTF-8 text: byte 0xff at column N
+        raise not_utf8_error(path, e) from e
+    except (OSError, EOFError) as e:
         raise UserError(f"{path}: cannot read: {e}") from e
 
 
