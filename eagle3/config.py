@@ -8,6 +8,7 @@ the verifier (e.g. the drafter's hidden size).
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
@@ -920,10 +921,30 @@ def load_config(path: str | os.PathLike, overrides: Optional[list[str]] = None) 
     if dup is not None:
         raise UserError(f"{path}:{dup[1]}: config key '{dup[0]}' given twice (first at line {dup[2]}); keep one")
     applied = apply_overrides(raw, list(overrides or []))
+    _refuse_lone_surrogate(raw, path, applied, text)
     try:
         return RunConfig.model_validate(raw)
     except ValidationError as e:
         raise UserError(_format_validation_error(path, e, applied, _key_lines(text))) from e
+
+
+def _refuse_lone_surrogate(raw: dict, path: Path, applied: dict, text: str) -> None:
+    """Refuse a config value holding a lone UTF-16 surrogate (a YAML ``"\\ud83d"`` escape, half of an emoji's pair):
+    it would reach ``prompts.jsonl`` (``system_prompt``) or a chat template and fail there with a traceback. The error
+    names the ``--set`` that gave it, else the file's line of the key."""
+    from eagle3.io import lone_surrogate_field
+
+    field = lone_surrogate_field(raw)
+    if field is None:
+        return
+    keys = tuple(re.findall(r"[^.\[\]]+", field))
+    where = next((f"--set {t}" for k, t in (applied or {}).items() if keys[: len(k)] == k), None)
+    if where is None:
+        lines = _key_lines(text)
+        line = next((lines[keys[:n]] for n in range(len(keys), 0, -1) if keys[:n] in lines), None)
+        where = f"{path}:{line}" if line is not None else str(path)
+    raise UserError(f"{where}: config key '{field}' holds an unpaired UTF-16 surrogate escape (half of a "
+                    "\\uD83D\\uDE00 pair), which is not text; remove it or complete the pair")
 
 
 def add_config_args(parser) -> None:

@@ -69,7 +69,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from eagle3.errors import UserError
-from eagle3.io import iter_jsonl, json_error_detail, not_utf8_error
+from eagle3.io import check_no_lone_surrogate, iter_jsonl, json_error_detail, not_utf8_error
 
 FORMATS = ("auto", "sharegpt", "messages", "alpaca", "questions", "humaneval", "hf")
 
@@ -105,15 +105,17 @@ def _iter_file(path: Path) -> Iterator[tuple[str, dict]]:
                 yield f"{path}:{lineno}", rec
         elif name.endswith(".json"):
             with _open_text(path) as f:
-                try:
-                    data = json.load(f)
-                except json.JSONDecodeError as e:
-                    raise UserError(f"{path}:{e.lineno}: malformed JSON: {json_error_detail(e)}") from e
+                text = f.read()
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{path}:{e.lineno}: malformed JSON: {json_error_detail(e)}") from e
             if isinstance(data, dict):
                 data = [data]
             if not isinstance(data, list):
                 raise UserError(f"{path}: expected a JSON array of records, got {type(data).__name__}")
             for i, rec in enumerate(data):
+                check_no_lone_surrogate(text, rec, f"{path}:[{i}]")  # one search of the text when it has no escape
                 yield f"{path}:[{i}]", rec
         else:
             raise UserError(f"{path}: unsupported prompts file type (use .json, .jsonl, .json.gz or .jsonl.gz)")

@@ -138,3 +138,43 @@ def test_bytes_that_are_not_utf8_name_the_file_line_and_column_in_every_json_rea
     cfg.prompts_path.write_bytes(good)
     (cfg.root / "prompts_report.json").write_bytes(b'{"settings": "\xff"}')
     assert read_report(cfg) == (cfg.root / "prompts_report.json", None)
+
+
+def test_a_lone_surrogate_escape_is_refused_naming_file_line_and_field_by_every_reader(tmp_path):
+    """Half of a surrogate pair (``\\ud83d`` without its ``\\ude00``: a cut emoji, common in ShareGPT dumps) parses
+    as JSON but is not text: 01 read it and died with a UnicodeEncodeError traceback writing prompts.jsonl (02 and
+    05 would have died in the tokenizer). Every reader now refuses it in one line naming the file, the line and the
+    field; a whole pair is one character and passes; a config value gives the key's line or the --set."""
+    from eagle3.benchmark.eval_prompts import load_prompt_file
+    from eagle3.capture.extract import read_prompts
+    from eagle3.config import load_config
+    from eagle3.prompts.readers import _iter_file
+
+    good = '{"id": "a", "messages": [{"role": "user", "content": "A \\ud83d\\ude00"}, {"role": "assistant", "content": "B"}]}'
+    bad = '{"id": "b", "messages": [{"role": "user", "content": "C"}, {"role": "assistant", "content": "cut \\uDE00"}]}'
+    p = tmp_path / "p.jsonl"
+    p.write_text(good + "\n" + bad + "\n")
+    want = (f"{p}:2: field 'messages[1].content' holds an unpaired UTF-16 surrogate escape (half of a \\uD83D\\uDE00 "
+            "pair, e.g. a cut emoji), which is not text: no UTF-8 file or tokenizer takes it; remove it or complete "
+            "the pair")
+    for reader in (iter_jsonl, _iter_file, read_prompts):
+        with pytest.raises(UserError) as ei:
+            list(reader(p))
+        assert str(ei.value) == want
+    q = tmp_path / "q.jsonl"
+    q.write_text(good + "\n" + '{"prompt": "x \\ud800 y"}\n')
+    with pytest.raises(UserError, match=r"q\.jsonl:2: field 'prompt' holds an unpaired UTF-16 surrogate"):
+        load_prompt_file(q)
+    p.write_text(good + "\n")  # a whole pair: one character
+    assert [r["messages"][0]["content"] for r in read_prompts(p)] == ["A \U0001f600"]
+    arr = tmp_path / "a.json"
+    arr.write_text('[{"instruction": "a", "input": "", "output": "b"},\n{"instruction": "c", "input": "\\udc00"}]')
+    with pytest.raises(UserError, match=r"a\.json:\[1\]: field 'input' holds an unpaired UTF-16 surrogate"):
+        list(_iter_file(arr))
+    yml = tmp_path / "run.yaml"
+    yml.write_text('run_name: r\nverifier: {path: /x}\nprompts:\n  source: p.jsonl\n  system_prompt: "hi \\ud83d"\n')
+    with pytest.raises(UserError, match=r"run\.yaml:5: config key 'prompts.system_prompt' holds an unpaired UTF-16"):
+        load_config(yml)
+    with pytest.raises(UserError) as ei:
+        load_config(yml, ['prompts.source="\\udc00"', 'prompts.system_prompt=hi'])
+    assert str(ei.value).startswith('--set prompts.source="\\udc00": config key \'prompts.source\' holds an unpaired')
