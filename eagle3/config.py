@@ -73,6 +73,47 @@ def _str_list_only(annotation) -> bool:
     return typing.get_origin(annotation) is list and typing.get_args(annotation) == (str,)
 
 
+def _str_or_str_list(annotation) -> bool:
+    """True if ``annotation`` is ``Union[str, list[str]]``, optionally Optional (``prompts.source``,
+    ``extract.sglang_url``, ``extract.capture_dir``)."""
+    import typing
+
+    if typing.get_origin(annotation) is not Union:
+        return False
+    rest = set(typing.get_args(annotation)) - {type(None)}
+    return rest == {str, list[str]}
+
+
+def _check_str_or_str_list(v, annotation) -> None:
+    """Refuse a value of a string-or-list-of-strings field that is neither, naming the bad item: pydantic reports
+    each branch of the Union apart and the first one, ``field 'prompts.source.str': Input should be a valid string
+    (got ['a.jsonl', 5])``, named a key that does not exist and hid that a list is fine."""
+    import typing
+
+    if v is None:
+        if type(None) not in typing.get_args(annotation):
+            raise ValueError("expected a string or a list of strings, not null")
+        return
+    if not isinstance(v, list):
+        raise ValueError(f"expected a string or a list of strings, not {_type_word(v)}")
+    bad = next((i for i, x in enumerate(v) if not isinstance(x, str)), None)
+    if bad is not None:
+        raise ValueError(f"item [{bad}] must be a string, not {_type_word(v[bad])}")
+
+
+def _type_word(v) -> str:
+    """A YAML user's word for the type of ``v`` (``a number``, ``a mapping``, ...)."""
+    if isinstance(v, bool):
+        return "a boolean"
+    if isinstance(v, (int, float)):
+        return "a number"
+    if isinstance(v, dict):
+        return "a mapping"
+    if isinstance(v, list):
+        return "a list"
+    return "null" if v is None else type(v).__name__
+
+
 def _has_bool(value) -> bool:
     """True if ``value`` is a bool or a list/tuple holding one (YAML ``true``/``false``)."""
     if isinstance(value, bool):
@@ -134,7 +175,9 @@ class _Strict(BaseModel):
     @field_validator("*", mode="before")
     @classmethod
     def _no_bool_as_number(cls, v, info):
-        if _has_bool(v):
+        if not isinstance(v, str) and _str_or_str_list(cls.model_fields[info.field_name].annotation):
+            _check_str_or_str_list(v, cls.model_fields[info.field_name].annotation)
+        elif _has_bool(v):
             num, boolean = _numeric_leaves(cls.model_fields[info.field_name].annotation)
             if num and not boolean:
                 raise ValueError("expected a number, not a boolean")
