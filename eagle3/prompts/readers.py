@@ -417,10 +417,14 @@ def read_conversations(source: str, fmt: str = "auto", *, hf_split: str = "train
         counts["read"] += 1
         if not isinstance(rec, dict):
             raise UserError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+        nulls = sorted(str(k) for k, v in rec.items() if v is None)
+        if nulls:  # a null key is an absent one: a HF dataset's column a row lacks, pandas' to_json of mixed rows
+            rec = {k: v for k, v in rec.items() if v is not None}
         rfmt = detect_format(rec) if fmt in ("auto", "hf") else fmt
         if rfmt is None:
             raise UserError(f"{where}: unrecognised record: none of the keys {', '.join(_RECOGNISED)} "
-                            f"(keys seen: {', '.join(sorted(map(str, rec))) or 'none'})")
+                            f"(keys seen: {', '.join(sorted(map(str, rec))) or 'none'}"
+                            + (f"; null: {', '.join(nulls)})" if nulls else ")"))
         msgs = normalise(_raw_messages(rec, rfmt, where), keep_prompt_only, system_prompt, counts, think_tags)
         if msgs is None:
             continue

@@ -165,6 +165,29 @@ def test_hf_source_needs_datasets_or_loads(tmp_path):
     assert [c["messages"] for c in got] == [[U("u"), A("a")]]
 
 
+def test_a_null_key_is_an_absent_key_in_hf_rows_jsonl_and_eval_sets(tmp_path):
+    """A HF dataset gives every row every column, null where the row has none, and pandas' ``to_json(lines=True)``
+    writes the same nulls: a row ``{"messages": null, "prompt": "..."}`` stopped 01 with ``hf:ds:[1]: field
+    'messages' must be a list`` (05: ``key 'messages' must be a non-empty list``); null keys now count as absent."""
+    datasets = pytest.importorskip("datasets")
+    from eagle3.benchmark.eval_prompts import load_prompt_file
+
+    rows = [{"id": "x1", "messages": [U("A"), A("B")], "prompt": None},
+            {"id": None, "messages": None, "prompt": "just a prompt"},
+            {"id": "x3", "messages": [U("C"), A("D")], "prompt": None}]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"))
+    f = _jsonl(tmp_path / "d.jsonl", rows)
+    # the null id gives the row its place: index 1 of the dataset, line 2 of the file
+    for source, rid in ((f"hf:{tmp_path / 'ds'}", "ds-1"), (str(f), "d-2")):
+        got = read_conversations(source, keep_prompt_only=True)
+        assert [(c["id"], c["messages"]) for c in got] == [
+            ("x1", [U("A"), A("B")]), (rid, [U("just a prompt")]), ("x3", [U("C"), A("D")])]
+    assert [p.messages for p in load_prompt_file(f)] == [[U("A")], [U("just a prompt")], [U("C")]]
+    g = _jsonl(tmp_path / "n.jsonl", [{"messages": None, "id": None}])
+    with pytest.raises(UserError, match=r"n\.jsonl:1: unrecognised record: .*\(keys seen: none; null: id, messages\)$"):
+        read_conversations(g)
+
+
 def test_dedupe_and_sample():
     convs = [{"id": str(i), "messages": [U(t), A("x")]} for i, t in
              enumerate(["Hello  world", "hello world", "Other", "HELLO\nWORLD ", "Third"])]
