@@ -452,8 +452,11 @@ def check_prompts_current(cfg: RunConfig) -> None:
         again = (f" (it was run with {', '.join('--' + k for k in cli)} on its command line: give "
                  f"{'them' if len(cli) > 1 else 'it'} again, or put {'them' if len(cli) > 1 else 'it'} in the config)"
                  if cli else "")
+        content = [c for c in changed if c.startswith("the content of ")]  # a source file edited since 01
+        keys = [c for c in changed if c not in content]
+        what = "; ".join(content + ([f"changed {'; '.join(keys)}"] if keys else []))
         raise UserError(f"{rep}: {cfg.prompts_path.name} was made with other prompts settings than this config's "
-                        f"(changed {'; '.join(changed)}); re-run 01_prepare_prompts.py with this config first{again}")
+                        f"({what}); re-run 01_prepare_prompts.py with this config first{again}")
 
 
 def finished_report(cfg: RunConfig, root: Path, limit: Optional[int]) -> Optional[dict]:
