@@ -253,14 +253,14 @@ def _raw_messages(rec: dict, fmt: str, where: str) -> list:
         return out
     if fmt == "alpaca":
         inp, outp = rec.get("input", ""), rec.get("output")
-        inst = rec.get("instances")
+        inst, pre = rec.get("instances"), ""  # pre: where input/output were read, for the error's field name
         if outp is None and isinstance(inst, list) and inst and isinstance(inst[0], dict):
-            inp, outp = inst[0].get("input", ""), inst[0].get("output")
+            inp, outp, pre = inst[0].get("input", ""), inst[0].get("output"), "instances[0]."
         user = _text(rec.get("instruction"), where, "instruction").strip()
-        inp = _text(inp, where, "input").strip()
+        inp = _text(inp, where, f"{pre}input").strip()
         if inp:
             user = f"{user}\n\n{inp}"
-        return [("user", user), ("assistant", _text(outp, where, "output"))]
+        return [("user", user), ("assistant", _text(outp, where, f"{pre}output"))]
     if fmt == "humaneval":
         return [("user", humaneval_message(_text(rec.get("prompt"), where, "prompt")))]
     if fmt == "questions":
@@ -268,7 +268,7 @@ def _raw_messages(rec: dict, fmt: str, where: str) -> list:
             turns = rec["turns"]
             if not isinstance(turns, list):
                 raise UserError(f"{where}: field 'turns' must be a list of strings")
-            return [("user", _text(t, where, "turns")) for t in turns]
+            return [("user", _text(t, where, f"turns[{i}]")) for i, t in enumerate(turns)]
         for key in ("prompt", "question", "instruction"):
             if key in rec:
                 return [("user", _text(rec[key], where, key))]

@@ -615,3 +615,18 @@ def test_a_second_01_on_the_same_folder_is_refused(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="verifier.path"):
         run(fresh)
     assert not (tmp_path / "fresh").exists()
+
+
+@pytest.mark.parametrize("row, field", [
+    ({"turns": ["first", 2]}, "turns[1]"),
+    ({"instruction": "a", "instances": [{"input": 3, "output": "b"}]}, "instances[0].input"),
+    ({"instruction": "a", "instances": [{"input": "x", "output": 5}]}, "instances[0].output"),
+    ({"instruction": "a", "input": 3, "output": "b"}, "input"),
+])
+def test_a_bad_list_item_is_named_with_its_index(tmp_path, row, field):
+    """A non-string item of MT-bench ``turns`` said ``field 'turns' must be a string`` (which item?), and a self-instruct
+    record's ``instances[0].input`` was called ``input``, a key the record does not have; the field path now says where."""
+    bad = _jsonl(tmp_path / "q.jsonl", [row])
+    with pytest.raises(UserError) as e:
+        read_conversations(bad, keep_prompt_only=True)
+    assert str(e.value).startswith(f"{bad}:1: field '{field}' must be a string, got ")
