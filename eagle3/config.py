@@ -710,6 +710,18 @@ class RunConfig(_Strict):
 
     run_name: str
     output_root: Optional[str] = Field(None, description="default outputs/{run_name}")
+
+    @field_validator("run_name")
+    @classmethod
+    def _run_name_is_a_folder_name(cls, v: str) -> str:
+        """The run's folder is ``outputs/<run_name>`` (unless ``output_root``): a blank name, ``.`` or a ``..`` part would
+        put the outputs in ``outputs/`` itself (every run's parent) or outside it (``..``: ``prompts.jsonl`` and
+        ``shards/`` in the current folder), so they are refused; sub-folders (``exp/v1``) are fine."""
+        parts = [p.strip() for p in v.replace("\\", "/").split("/")]
+        if ".." in parts or not [p for p in parts if p not in ("", ".")]:
+            raise ValueError("a folder name under outputs/ (sub-folders allowed), not blank, '.' or with a '..' part "
+                             "(set output_root for a folder elsewhere)")
+        return v
     verifier: VerifierConfig
     prompts: PromptsConfig
     extract: ExtractConfig = Field(default_factory=ExtractConfig)

@@ -310,3 +310,18 @@ def test_a_string_or_list_field_names_itself_and_the_bad_item(tmp_path, override
     assert str(e.value) == f"{f}:5: field 'prompts.source': item [1] must be a string, not a number (got ['a.jsonl', 5])"
     assert load_config(f, ["prompts.source=[a.jsonl, b.jsonl]", "extract.sglang_url=null"]).prompts.source == \
         ["a.jsonl", "b.jsonl"]
+
+
+@pytest.mark.parametrize("name", ["..", "../x", "a/../..", ".", "''", "' '", "a\\\\..\\\\.."])
+def test_a_run_name_that_is_not_a_folder_under_outputs_is_refused(tmp_path, name):
+    """The run's folder is ``outputs/<run_name>``: ``run_name: ..`` wrote ``prompts.jsonl`` and ``shards/`` into the
+    current folder (the repository, for a user running from there), and a blank name or ``.`` into ``outputs/``
+    itself; they are refused naming the key, sub-folders stay fine."""
+    with pytest.raises(UserError) as e:
+        load_config(_write(tmp_path, BASE), [f"run_name={name}"])
+    assert str(e.value).startswith(f"--set run_name={name}: field 'run_name': a folder name under outputs/ "
+                                   "(sub-folders allowed), not blank, '.' or with a '..' part (set output_root")
+    f = _write(tmp_path, BASE.replace("run_name: r", "run_name: .."))
+    with pytest.raises(UserError, match=r"run\.yaml:1: field 'run_name': a folder name under outputs/"):
+        load_config(f)
+    assert load_config(f, ["run_name=exp/v1.2"]).root == Path("outputs/exp/v1.2")
