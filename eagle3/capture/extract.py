@@ -234,7 +234,8 @@ def tokenize_prompts(tokenizer, prompts: list[dict], cfg: RunConfig, prompts_pat
 
     Raises:
         UserError: template-wide problems (no template, template ignores add_generation_prompt),
-            or every conversation failed to render (message prefixed with the first one's file:line);
+            or every conversation failed to render (message prefixed with the first one's file:line), or every
+            one was skipped (too long with ``too_long: skip``, no loss token: no sample at all);
             the conversation named is the first in file order, whatever the worker count.
     """
     from eagle3.prompts.chat import ChatOptions
@@ -261,6 +262,16 @@ def tokenize_prompts(tokenizer, prompts: list[dict], cfg: RunConfig, prompts_pat
             samples.append(Sample(len(samples), rec["id"] + s.suffix, list(s.input_ids), list(s.loss_mask)))
     if not samples and first_failure is not None and counts["skipped_render_failed"] == len(prompts):
         raise UserError(f"every conversation failed to render; the first: {first_failure}")
+    if not samples and prompts:  # too long (too_long: skip), no loss token, ...: an empty shard set that 02 called
+        # done (exit 0) and 03 then refused ("no shards found")
+        why = ", ".join(f"{k.removeprefix('skipped_').replace('_', ' ')}: {v}" for k, v in sorted(counts.items())
+                        if k.startswith("skipped_") and v)
+        hints = [h for k, h in (("skipped_too_long", "raise extract.max_length or set extract.too_long: truncate"),
+                                ("skipped_no_loss_tokens", "a conversation needs an assistant answer (01 with "
+                                                           "prompts.regenerate: true writes them)")) if counts[k]]
+        raise UserError(f"{prompts_path}: no sample to capture: every conversation was skipped ({why}; the first at "
+                        f"line {prompts[0]['line']}, conversation '{prompts[0]['id']}'); "
+                        + "".join(h + "; " for h in hints) + "nothing written")
     if counts["split_conversations"]:
         log.info("%d conversations split into %d samples (history rendered differently per turn)",
                  counts["split_conversations"], counts["split_samples"])

@@ -459,3 +459,23 @@ def test_a_token_id_past_the_verifiers_vocab_is_refused_before_the_capture(tmp_p
     cfg.prompts_path.write_text("\n".join(convs + [json.dumps(bad)]) + "\n")
     _run(cfg, tiny_backend)
     assert len(list(cfg.shards_dir.rglob("data_*.pt"))) == 3
+
+
+def test_every_conversation_skipped_is_refused_not_an_empty_finished_set(tmp_path, tiny_llama_dir, tiny_backend):
+    """Every conversation skipped (too long under ``too_long: skip``, or no assistant answer): 02 wrote an empty shard
+    set with its ``data_config.json`` (complete), printed ``0 samples ... None tok/s`` and exited 0, and 03 then said
+    ``no shards found``; it now stops with one line naming the prompts file, the reasons and what to change, and
+    leaves no shard folder."""
+    cfg = load_config(_config(tmp_path, tiny_llama_dir, max_length=8, too_long="skip"))
+    _write_prompts(cfg.prompts_path, CONVS[2:4])
+    with pytest.raises(UserError) as e:
+        _run(cfg, tiny_backend)
+    assert str(e.value) == (f"{cfg.prompts_path}: no sample to capture: every conversation was skipped (too long: 2; "
+                            "the first at line 1, conversation 'p2'); raise extract.max_length or set extract.too_long: "
+                            "truncate; nothing written")
+    assert not cfg.shards_dir.exists()
+    _write_prompts(cfg.prompts_path, [("q", [("user", "Hi")])])
+    with pytest.raises(UserError, match=r"every conversation was skipped \(no loss tokens: 1; the first at line 1, "
+                                        r"conversation 'q'\); a conversation needs an assistant answer"):
+        _run(cfg, tiny_backend)
+    assert not cfg.shards_dir.exists()
