@@ -1133,7 +1133,7 @@ def _gather_ranks(root: Path, samples: list[Sample], done: dict[int, dict], gath
             done[row["idx"]] = row
         ranks.append(g)
         log.info("rank %d: %d samples in %.1f s = %s samples/s (%s tok/s)", g["rank"], g["written"],
-                 g["capture_s"], g["samples_per_s"], g["tokens_per_s"])
+                 g["capture_s"], rate_text(g["samples_per_s"]), rate_text(g["tokens_per_s"]))
     missing = [s.idx for s in samples if s.idx not in done]
     if missing:
         raise RuntimeError(f"stage 02: samples {missing[:10]} were assigned to no rank (bug)")
@@ -1209,7 +1209,8 @@ def _finalise(cfg: RunConfig, root: Path, p: _Prepared, n_resumed: int, written:
         summary["world_size"] = d.world
         summary["samples_per_s"] = round(written / t_cap, 2) if t_cap > 0 and written else None
         summary["ranks"] = ranks
-        log.info("all %d ranks: %d samples in %.1f s = %s samples/s", d.world, written, t_cap, summary["samples_per_s"])
+        log.info("all %d ranks: %d samples in %.1f s = %s samples/s", d.world, written, t_cap,
+                 rate_text(summary["samples_per_s"]))
     atomic_write_json(root / REPORT_JSON, summary)
     atomic_write_text(root / REPORT_MD, _markdown(summary))
     return summary
@@ -1227,12 +1228,18 @@ def _rank_stats(rank: int, written: int, captured_tokens: int, capture_s: float)
     }
 
 
+def rate_text(value) -> str:
+    """A figure for the logs, ``extract_report.md`` and 02's summary lines: ``n/a`` where none was measured (a torchrun
+    rank dealt no batch, a resume that captured nothing), which printed as ``None tok/s``."""
+    return "n/a" if value is None else str(value)
+
+
 def _markdown(s: dict) -> str:
     lines = ["# Stage 02: hidden-state extraction", "", "| metric | value |", "|---|---:|"]
     for k in ("prompts", "samples", "split_conversations", "split_samples", "written", "resumed", "num_tokens",
               "num_loss_tokens", "truncated",
               "capture_s", "total_s", "captured_tokens_per_s", "disk_gb"):
-        lines.append(f"| {k} | {s[k]} |")
+        lines.append(f"| {k} | {rate_text(s[k])} |")
     for k, v in s["skipped"].items():
         lines.append(f"| {k} | {v} |")
     for reason, ids in s.get("skipped_ids", {}).items():

@@ -479,3 +479,30 @@ def test_every_conversation_skipped_is_refused_not_an_empty_finished_set(tmp_pat
                                         r"conversation 'q'\); a conversation needs an assistant answer"):
         _run(cfg, tiny_backend)
     assert not cfg.shards_dir.exists()
+
+
+def test_summary_says_n_a_where_no_rate_was_measured(tmp_path, tiny_llama_dir, capsys, monkeypatch):
+    """A torchrun rank dealt no batch (a small run on 2 ranks) printed ``rank 1: 0 samples in 0.001 s, None samples/s,
+    None tok/s``, and a resume that captured nothing ``None tok/s``; such rates read ``n/a``, measured ones unchanged."""
+    import importlib
+
+    import eagle3.capture.extract as ex
+
+    sys.path.insert(0, str(ROOT))
+    cli = importlib.import_module("02_extract_hidden")
+    summary = {"samples": 6, "written": 6, "resumed": 0, "num_tokens": 725, "captured_tokens_per_s": 388.5,
+               "shards_dir": "out/shards", "world_size": 2, "capture_s": 1.866, "samples_per_s": 3.22,
+               "ranks": [{"rank": 0, "written": 6, "capture_s": 1.866, "samples_per_s": 3.22, "tokens_per_s": 388.5},
+                         {"rank": 1, "written": 0, "capture_s": 0.001, "samples_per_s": None, "tokens_per_s": None}]}
+    monkeypatch.setattr(ex, "run", lambda cfg, **kw: summary)
+    assert cli.main(["--config", str(_config(tmp_path, tiny_llama_dir))]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[:2] == ["rank 0: 6 samples in 1.866 s, 3.22 samples/s, 388.5 tok/s",
+                       "rank 1: 0 samples in 0.001 s, n/a samples/s, n/a tok/s"]
+    summary.update(written=0, resumed=6, captured_tokens_per_s=None)
+    del summary["ranks"]
+    assert cli.main(["--config", str(_config(tmp_path, tiny_llama_dir))]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "6 samples (0 written, 6 resumed), 725 tokens, n/a tok/s -> out/shards"
+    assert "| captured_tokens_per_s | n/a |" in ex._markdown({**{k: 0 for k in (
+        "prompts", "samples", "split_conversations", "split_samples", "written", "resumed", "num_tokens",
+        "num_loss_tokens", "truncated", "capture_s", "total_s", "disk_gb")}, "captured_tokens_per_s": None, "skipped": {}})
