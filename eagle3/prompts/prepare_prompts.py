@@ -103,7 +103,8 @@ SOURCE_STATS = "source_stats"  # prompts_report.json key: {resolved source path:
 
 
 def _source_fingerprint(source: str, known: Optional[dict] = None, seen: Optional[dict] = None) -> dict:
-    """``{"source", "bytes", "sha256"}`` of a source file (``{"source"}`` for a named set or a missing file).
+    """``{"source", "bytes", "sha256"}`` of a source file or a local HF dataset folder (:func:`_hf_folder_fingerprint`;
+    ``{"source"}`` for a named set or a missing file).
 
     Args:
         known: the report's :data:`SOURCE_STATS` (``{resolved path: {"bytes", "mtime_ns", "sha256"}}``): a recorded
@@ -113,6 +114,8 @@ def _source_fingerprint(source: str, known: Optional[dict] = None, seen: Optiona
             a file written during the hash is hashed again next time).
     """
     p = Path(source)
+    if source.startswith("hf:") and Path(source[3:]).is_dir():
+        return _hf_folder_fingerprint(source, Path(source[3:]), known, seen)
     if source.startswith("hf:") or source == "humaneval" or not p.is_file():
         return {"source": source}
     st, key = p.stat(), str(p.resolve())
@@ -125,6 +128,24 @@ def _source_fingerprint(source: str, known: Optional[dict] = None, seen: Optiona
     if seen is not None:
         seen[key] = {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha}
     return {"source": source, "bytes": st.st_size, "sha256": sha}
+
+
+def _hf_folder_fingerprint(source: str, folder: Path, known: Optional[dict], seen: Optional[dict]) -> dict:
+    """``{"source", "bytes", "sha256"}`` of a local Hugging Face dataset folder (``hf:<path>``, ``save_to_disk`` or data
+    files): the sha256 over each file's path in the folder and its content hash (entries starting with ``.`` left
+    out), each file's hash reused while its size and mtime hold (``known`` / ``seen``, as for a source file). Before,
+    such a source was recorded by its name alone: a dataset saved there again left ``prompts.jsonl`` "up to date" and
+    02 accepted it."""
+    import hashlib
+
+    h, total = hashlib.sha256(), 0
+    files = sorted(f for f in folder.rglob("*")
+                   if f.is_file() and not any(part.startswith(".") for part in f.relative_to(folder).parts))
+    for f in files:
+        fp = _source_fingerprint(str(f), known, seen)
+        h.update(f"{f.relative_to(folder).as_posix()}\0{fp['sha256']}\n".encode())
+        total += fp["bytes"]
+    return {"source": source, "bytes": total, "sha256": h.hexdigest()}
 
 
 def settings(cfg: RunConfig, limit: Optional[int], known: Optional[dict] = None, seen: Optional[dict] = None) -> dict:

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import gzip
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections import Counter
@@ -630,3 +631,28 @@ def test_a_bad_list_item_is_named_with_its_index(tmp_path, row, field):
     with pytest.raises(UserError) as e:
         read_conversations(bad, keep_prompt_only=True)
     assert str(e.value).startswith(f"{bad}:1: field '{field}' must be a string, got ")
+
+
+def test_a_local_hf_dataset_saved_again_is_seen_as_changed(tmp_path, capsys):
+    """``prompts.source: hf:<folder>`` was fingerprinted by its name alone: the dataset saved there again with other
+    rows left ``prompts.jsonl`` "up to date" and 02 accepted it. The folder's files are hashed now (each reused while
+    its size and mtime hold), so 01 remakes and 02 refuses, naming the source."""
+    datasets = pytest.importorskip("datasets")
+    from eagle3.capture.extract import check_prompts_current
+
+    folder = tmp_path / "ds"
+    datasets.Dataset.from_list([{"messages": [U("u0"), A("a0")]}]).save_to_disk(str(folder))
+    cfg = load_config(_config(tmp_path, f"hf:{folder}"))
+    assert run(cfg) == 0
+    capsys.readouterr()
+    assert run(cfg) == 0 and capsys.readouterr().out.startswith("prompts up to date")
+    check_prompts_current(cfg)  # nothing changed: accepted
+    shutil.rmtree(folder)
+    datasets.Dataset.from_list([{"messages": [U("u0"), A("a0")]}, {"messages": [U("u1"), A("a1")]}]).save_to_disk(
+        str(folder))
+    with pytest.raises(UserError, match=rf"\(the content of hf:{folder} changed\); re-run 01_prepare_prompts.py"):
+        check_prompts_current(cfg)
+    assert run(cfg) == 0
+    assert f"remaking {cfg.prompts_path} (settings changed: the content of hf:{folder} changed)" in capsys.readouterr().out
+    assert [json.loads(line)["messages"][0]["content"] for line in cfg.prompts_path.read_text().splitlines()] == \
+        ["u0", "u1"]
