@@ -8,6 +8,7 @@ the verifier (e.g. the drafter's hidden size).
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
@@ -72,6 +73,47 @@ def _str_list_only(annotation) -> bool:
     return typing.get_origin(annotation) is list and typing.get_args(annotation) == (str,)
 
 
+def _str_or_str_list(annotation) -> bool:
+    """True if ``annotation`` is ``Union[str, list[str]]``, optionally Optional (``prompts.source``,
+    ``extract.sglang_url``, ``extract.capture_dir``)."""
+    import typing
+
+    if typing.get_origin(annotation) is not Union:
+        return False
+    rest = set(typing.get_args(annotation)) - {type(None)}
+    return rest == {str, list[str]}
+
+
+def _check_str_or_str_list(v, annotation) -> None:
+    """Refuse a value of a string-or-list-of-strings field that is neither, naming the bad item: pydantic reports
+    each branch of the Union apart and the first one, ``field 'prompts.source.str': Input should be a valid string
+    (got ['a.jsonl', 5])``, named a key that does not exist and hid that a list is fine."""
+    import typing
+
+    if v is None:
+        if type(None) not in typing.get_args(annotation):
+            raise ValueError("expected a string or a list of strings, not null")
+        return
+    if not isinstance(v, list):
+        raise ValueError(f"expected a string or a list of strings, not {_type_word(v)}")
+    bad = next((i for i, x in enumerate(v) if not isinstance(x, str)), None)
+    if bad is not None:
+        raise ValueError(f"item [{bad}] must be a string, not {_type_word(v[bad])}")
+
+
+def _type_word(v) -> str:
+    """A YAML user's word for the type of ``v`` (``a number``, ``a mapping``, ...)."""
+    if isinstance(v, bool):
+        return "a boolean"
+    if isinstance(v, (int, float)):
+        return "a number"
+    if isinstance(v, dict):
+        return "a mapping"
+    if isinstance(v, list):
+        return "a list"
+    return "null" if v is None else type(v).__name__
+
+
 def _has_bool(value) -> bool:
     """True if ``value`` is a bool or a list/tuple holding one (YAML ``true``/``false``)."""
     if isinstance(value, bool):
@@ -133,7 +175,9 @@ class _Strict(BaseModel):
     @field_validator("*", mode="before")
     @classmethod
     def _no_bool_as_number(cls, v, info):
-        if _has_bool(v):
+        if not isinstance(v, str) and _str_or_str_list(cls.model_fields[info.field_name].annotation):
+            _check_str_or_str_list(v, cls.model_fields[info.field_name].annotation)
+        elif _has_bool(v):
             num, boolean = _numeric_leaves(cls.model_fields[info.field_name].annotation)
             if num and not boolean:
                 raise ValueError("expected a number, not a boolean")
@@ -666,6 +710,18 @@ class RunConfig(_Strict):
 
     run_name: str
     output_root: Optional[str] = Field(None, description="default outputs/{run_name}")
+
+    @field_validator("run_name")
+    @classmethod
+    def _run_name_is_a_folder_name(cls, v: str) -> str:
+        """The run's folder is ``outputs/<run_name>`` (unless ``output_root``): a blank name, ``.`` or a ``..`` part would
+        put the outputs in ``outputs/`` itself (every run's parent) or outside it (``..``: ``prompts.jsonl`` and
+        ``shards/`` in the current folder), so they are refused; sub-folders (``exp/v1``) are fine."""
+        parts = [p.strip() for p in v.replace("\\", "/").split("/")]
+        if ".." in parts or not [p for p in parts if p not in ("", ".")]:
+            raise ValueError("a folder name under outputs/ (sub-folders allowed), not blank, '.' or with a '..' part "
+                             "(set output_root for a folder elsewhere)")
+        return v
     verifier: VerifierConfig
     prompts: PromptsConfig
     extract: ExtractConfig = Field(default_factory=ExtractConfig)
@@ -901,7 +957,11 @@ def load_config(path: str | os.PathLike, overrides: Optional[list[str]] = None) 
         raise UserError(f"{path}: config file not found" + (" (it is a directory)" if path.is_dir() else ""))
     try:
         text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
+    except UnicodeDecodeError as e:  # run.yaml:3: not UTF-8 text: byte 0xe9 at column 14 ...
+        from eagle3.io import not_utf8_error
+
+        raise not_utf8_error(path, e) from e
+    except OSError as e:
         raise UserError(f"{path}: cannot read the config file ({e.__class__.__name__}: "
                         f"{getattr(e, 'strerror', None) or e})") from e
     try:
@@ -916,10 +976,30 @@ def load_config(path: str | os.PathLike, overrides: Optional[list[str]] = None) 
     if dup is not None:
         raise UserError(f"{path}:{dup[1]}: config key '{dup[0]}' given twice (first at line {dup[2]}); keep one")
     applied = apply_overrides(raw, list(overrides or []))
+    _refuse_lone_surrogate(raw, path, applied, text)
     try:
         return RunConfig.model_validate(raw)
     except ValidationError as e:
         raise UserError(_format_validation_error(path, e, applied, _key_lines(text))) from e
+
+
+def _refuse_lone_surrogate(raw: dict, path: Path, applied: dict, text: str) -> None:
+    """Refuse a config value holding a lone UTF-16 surrogate (a YAML ``"\\ud83d"`` escape, half of an emoji's pair):
+    it would reach ``prompts.jsonl`` (``system_prompt``) or a chat template and fail there with a traceback. The error
+    names the ``--set`` that gave it, else the file's line of the key."""
+    from eagle3.io import lone_surrogate_field
+
+    field = lone_surrogate_field(raw)
+    if field is None:
+        return
+    keys = tuple(re.findall(r"[^.\[\]]+", field))
+    where = next((f"--set {t}" for k, t in (applied or {}).items() if keys[: len(k)] == k), None)
+    if where is None:
+        lines = _key_lines(text)
+        line = next((lines[keys[:n]] for n in range(len(keys), 0, -1) if keys[:n] in lines), None)
+        where = f"{path}:{line}" if line is not None else str(path)
+    raise UserError(f"{where}: config key '{field}' holds an unpaired UTF-16 surrogate escape (half of a "
+                    "\\uD83D\\uDE00 pair), which is not text; remove it or complete the pair")
 
 
 def add_config_args(parser) -> None:

@@ -19,11 +19,12 @@ import errno
 import json
 import os
 import pickle
+import re
 import shutil
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -418,25 +419,103 @@ def safe_torch_load(path: str | os.PathLike, map_location: str | torch.device = 
         raise UserError(f"{path}: truncated or corrupt torch file: {first[:160]}") from e
 
 
+def not_utf8_error(path: str | os.PathLike, exc: UnicodeDecodeError) -> UserError:
+    """The one-line error for a text file that is not UTF-8: ``file:line: not UTF-8 text: byte 0xff at column 12
+    ...``, the line and the byte's column (1-based, in bytes) found by decoding the file's bytes again (``.gz``
+    decompressed; a leading byte-order mark skipped, as the readers skip it). The text readers stream, so the
+    exception alone knows only an offset into the buffer that failed, not the line (before: ``cannot read: 'utf-8'
+    codec can't decode byte 0xff in position 131``, or a traceback)."""
+    import gzip
+
+    path = Path(path)
+    try:
+        with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as f:
+            raw = f.read()
+    except (OSError, EOFError):
+        raw = b""
+    start = 3 if raw.startswith(b"\xef\xbb\xbf") else 0
+    try:
+        raw[start:].decode("utf-8")
+        pos = None
+    except UnicodeDecodeError as e:
+        pos = start + e.start
+    if pos is None:  # the bytes changed since, or the error came from elsewhere: the codec's own words
+        return UserError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}); save the file as UTF-8")
+    line = raw.count(b"\n", 0, pos) + 1
+    col = pos - raw.rfind(b"\n", 0, pos)
+    return UserError(f"{path}:{line}: not UTF-8 text: byte 0x{raw[pos]:02x} at column {col} (byte {pos} of the file); "
+                     "save the file as UTF-8")
+
+
+# A JSON backslash-u escape of a UTF-16 surrogate (D800-DFFF): half of a pair is a lone surrogate after json.loads, which no
+# UTF-8 writer or tokenizer takes (ShareGPT dumps hold such cut emoji). A whole pair decodes to one character.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate_field(obj: Any, field: str = "") -> Optional[str]:
+    """The path (``messages[1].content``; ``<key>`` for a key itself) of the first string in ``obj`` holding a lone
+    UTF-16 surrogate, else None."""
+    if isinstance(obj, str):
+        return (field or "<value>") if _SURROGATE.search(obj) else None
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            sub = f"{field}.{k}" if field else str(k)
+            if isinstance(k, str) and _SURROGATE.search(k):
+                return sub
+            found = lone_surrogate_field(v, sub)
+            if found:
+                return found
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            found = lone_surrogate_field(v, f"{field}[{i}]")
+            if found:
+                return found
+    return None
+
+
+def check_no_lone_surrogate(text: str, record: Any, where: str) -> None:
+    """Refuse a record parsed from the JSON ``text`` that holds a lone surrogate (:func:`lone_surrogate_field`; the
+    text is searched for a surrogate escape first, so a record without one costs one regex search).
+
+    Raises:
+        UserError: ``<where>: field 'messages[0].content' holds an unpaired UTF-16 surrogate escape ...``.
+    """
+    if not _SURROGATE_ESCAPE.search(text):
+        return
+    field = lone_surrogate_field(record)
+    if field is not None:
+        raise UserError(f"{where}: field '{field}' holds an unpaired UTF-16 surrogate escape (half of a \\uD83D\\uDE00 "
+                        "pair, e.g. a cut emoji), which is not text: no UTF-8 file or tokenizer takes it; remove it or "
+                        "complete the pair")
+
+
 def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
     """Yield ``(line number, record)`` for each non-blank line of a JSONL file (``.gz`` read as gzip). A UTF-8
     byte-order mark at the start (Windows editors write one) is skipped.
 
     Raises:
-        UserError: ``file:line: malformed JSON: ...`` on the first bad line.
+        UserError: ``file:line: malformed JSON: ...`` on the first bad line; ``file:line: not UTF-8 text: ...``
+            (:func:`not_utf8_error`) on the first byte that is not UTF-8; ``file:line: field '...' holds an unpaired
+            UTF-16 surrogate escape ...`` (:func:`check_no_lone_surrogate`).
     """
     import gzip
 
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8-sig") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:  # the line ending dropped: an error at the line's end would otherwise land at column 1 of the next
-                yield lineno, json.loads(line.rstrip("\r\n"))
-            except json.JSONDecodeError as e:
-                raise UserError(f"{path}:{lineno}: malformed JSON: {json_error_detail(e)}") from e
+    try:
+        with opener(path, "rt", encoding="utf-8-sig") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:  # the line ending dropped: an error at the line's end would otherwise land at column 1 of the next
+                    rec = json.loads(line.rstrip("\r\n"))
+                except json.JSONDecodeError as e:
+                    raise UserError(f"{path}:{lineno}: malformed JSON: {json_error_detail(e)}") from e
+                check_no_lone_surrogate(line, rec, f"{path}:{lineno}")
+                yield lineno, rec
+    except UnicodeDecodeError as e:
+        raise not_utf8_error(path, e) from e
 
 
 def file_sha256(path: str | os.PathLike) -> str:
@@ -458,7 +537,8 @@ def write_json_and_markdown(path: str | os.PathLike, obj: Any, markdown: str) ->
 
 
 def read_json(path: str | os.PathLike) -> Any:
-    """Read a JSON file; raise :class:`UserError` naming the file and line on bad JSON."""
+    """Read a JSON file; raise :class:`UserError` naming the file and line on bad JSON or bytes that are not UTF-8
+    (:func:`not_utf8_error`)."""
     path = Path(path)
     if not path.is_file():
         raise file_not_found(path)
@@ -466,6 +546,8 @@ def read_json(path: str | os.PathLike) -> Any:
         return json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise UserError(f"{path}:{e.lineno}: malformed JSON: {json_error_detail(e)}") from e
+    except UnicodeDecodeError as e:
+        raise not_utf8_error(path, e) from e
 
 
 @contextlib.contextmanager

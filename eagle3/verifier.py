@@ -15,7 +15,6 @@ pipeline needs (:func:`verifier_dims`) is read from the text model.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import weakref
 from pathlib import Path
@@ -25,7 +24,7 @@ import torch
 
 from eagle3.config import VerifierConfig
 from eagle3.errors import UserError
-from eagle3.io import json_error_detail
+from eagle3.io import read_json
 
 log = logging.getLogger(__name__)
 
@@ -140,10 +139,7 @@ def config_eos_ids(vcfg: VerifierConfig) -> set[int]:
         f = path / name
         if not f.is_file():
             continue
-        try:
-            raw = json.loads(f.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise UserError(f"{f}:{e.lineno}: malformed JSON: {json_error_detail(e)}") from e
+        raw = read_json(f)  # file:line: malformed JSON / not UTF-8 text
         if not isinstance(raw, dict):
             continue
         out |= _eos_field(raw.get("eos_token_id"), f)
@@ -223,10 +219,7 @@ def load_verifier_config(vcfg: VerifierConfig):
         if vcfg.gguf_file:
             raise UserError(f"verifier.gguf_file: cannot read the config of '{path / vcfg.gguf_file}': {e}") from e
         cfg_file = path / "config.json"
-        try:
-            raw = json.loads(cfg_file.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as je:
-            raise UserError(f"{cfg_file}:{je.lineno}: malformed JSON: {json_error_detail(je)}") from je
+        raw = read_json(cfg_file)  # file:line: malformed JSON / not UTF-8 text
         log.warning("transformers cannot build the config of %s (%s); reading config.json as plain data", path,
                     str(e).splitlines()[0] if str(e) else type(e).__name__)
         return PretrainedConfig(**raw)

@@ -124,6 +124,7 @@ def load_prompt_file(path: str | os.PathLike, num_prompts: Optional[int] = None)
         raise UserError(f"{path}: prompt file not found (expected mtbench, humaneval, gsm8k or a JSONL path)")
     out = []
     for lineno, row in _read_jsonl(path):
+        row = {k: v for k, v in row.items() if v is not None}  # a null key is an absent one (pandas' to_json)
         msgs = _messages_from_row(row, f"{path}:{lineno}")
         pid = next((row[k] for k in ("id", "question_id", "task_id", "uid") if k in row), lineno)
         cat = row.get("category")

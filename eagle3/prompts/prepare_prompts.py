@@ -108,7 +108,8 @@ SOURCE_STATS = "source_stats"  # prompts_report.json key: {resolved source path:
 
 
 def _source_fingerprint(source: str, known: Optional[dict] = None, seen: Optional[dict] = None) -> dict:
-    """``{"source", "bytes", "sha256"}`` of a source file (``{"source"}`` for a named set or a missing file).
+    """``{"source", "bytes", "sha256"}`` of a source file or a local HF dataset folder (:func:`_hf_folder_fingerprint`;
+    ``{"source"}`` for a named set or a missing file).
 
     Args:
         known: the report's :data:`SOURCE_STATS` (``{resolved path: {"bytes", "mtime_ns", "sha256"}}``): a recorded
@@ -118,6 +119,8 @@ def _source_fingerprint(source: str, known: Optional[dict] = None, seen: Optiona
             a file written during the hash is hashed again next time).
     """
     p = Path(source)
+    if source.startswith("hf:") and Path(source[3:]).is_dir():
+        return _hf_folder_fingerprint(source, Path(source[3:]), known, seen)
     if source.startswith("hf:") or source == "humaneval" or not p.is_file():
         return {"source": source}
     st, key = p.stat(), str(p.resolve())
@@ -130,6 +133,24 @@ def _source_fingerprint(source: str, known: Optional[dict] = None, seen: Optiona
     if seen is not None:
         seen[key] = {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha}
     return {"source": source, "bytes": st.st_size, "sha256": sha}
+
+
+def _hf_folder_fingerprint(source: str, folder: Path, known: Optional[dict], seen: Optional[dict]) -> dict:
+    """``{"source", "bytes", "sha256"}`` of a local Hugging Face dataset folder (``hf:<path>``, ``save_to_disk`` or data
+    files): the sha256 over each file's path in the folder and its content hash (entries starting with ``.`` left
+    out), each file's hash reused while its size and mtime hold (``known`` / ``seen``, as for a source file). Before,
+    such a source was recorded by its name alone: a dataset saved there again left ``prompts.jsonl`` "up to date" and
+    02 accepted it."""
+    import hashlib
+
+    h, total = hashlib.sha256(), 0
+    files = sorted(f for f in folder.rglob("*")
+                   if f.is_file() and not any(part.startswith(".") for part in f.relative_to(folder).parts))
+    for f in files:
+        fp = _source_fingerprint(str(f), known, seen)
+        h.update(f"{f.relative_to(folder).as_posix()}\0{fp['sha256']}\n".encode())
+        total += fp["bytes"]
+    return {"source": source, "bytes": total, "sha256": h.hexdigest()}
 
 
 def settings(cfg: RunConfig, limit: Optional[int], known: Optional[dict] = None, seen: Optional[dict] = None) -> dict:
@@ -456,14 +477,37 @@ def redo_reason(out: Path, rep: Path, report: Optional[dict], want: dict) -> Opt
         return f"{rep.name} has no readable settings"
     keys = [k for k in sorted(set(old) | set(want)) if old.get(k) != want.get(k)]
     if keys:
-        content = "sha256" in keys and "source" not in keys  # the same file name, other bytes
-        parts = [f"the content of {want.get('source')} changed"] if content else []
-        for k in (k for k in keys if k not in ("bytes", "sha256")):  # a file's size and hash follow its name
+        parts = source_changes(old, want)  # a file's size and hash follow its name
+        for k in (k for k in keys if k not in _SOURCE_KEYS):
             parts += _change_lines(k, old.get(k, "unset"), want.get(k, "unset"))
         return "settings changed: " + "; ".join(parts)
     if _had_failures(report):
         return "conversations failed to regenerate last time: retrying them"
     return None
+
+
+def _source_files(fp: dict) -> list[dict]:
+    """The source fingerprints of a settings mapping: ``[{source, bytes?, sha256?}]`` of one ``source`` or the
+    ``sources`` list."""
+    if "sources" in fp and isinstance(fp["sources"], list):
+        return [x if isinstance(x, dict) else {"source": x} for x in fp["sources"]]
+    return [{k: fp[k] for k in ("source", "bytes", "sha256") if k in fp}] if "source" in fp else []
+
+
+def source_changes(old: dict, want: dict) -> list[str]:
+    """How the source files of two settings mappings differ, in the config's words: ``source: 'a.jsonl' -> 'b.jsonl'``
+    (a list when either names several) when the names differ, else ``the content of <file> changed`` for each file
+    whose size or sha256 differs; [] when they agree. Before, 01's ``remaking`` line and 02's refusal printed the
+    whole fingerprints (``bytes: 223 -> 311; sha256: '05e8...' -> 'e310...'``, about 600 characters for two files)."""
+    o, w = _source_files(old), _source_files(want)
+    if o == w:
+        return []
+    names_o, names_w = [x.get("source") for x in o], [x.get("source") for x in w]
+    if names_o != names_w:
+        def one(names):
+            return _brief(names[0] if len(names) == 1 else names if names else "unset")
+        return [f"source: {one(names_o)} -> {one(names_w)}"]
+    return [f"the content of {b.get('source')} changed" for a, b in zip(o, w) if a != b]
 
 
 def _sub_changes(key: str, old: dict, want: dict) -> list[str]:
@@ -544,7 +588,7 @@ def read_report(cfg: RunConfig) -> tuple[Path, Optional[dict]]:
         return rep, None
     try:
         report = json.loads(rep.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
+    except (OSError, ValueError):  # malformed JSON, or bytes that are not UTF-8 (UnicodeDecodeError)
         return rep, None
     return rep, report if isinstance(report, dict) else None
 
@@ -574,8 +618,8 @@ def report_changes(cfg: RunConfig, report: Optional[dict]) -> list[str]:
         old["sources"] = [{k: v for k, v in o.items() if k in w or k not in ("sha256", "bytes")}
                           if isinstance(o, dict) else o for o, w in zip(old["sources"], want["sources"])] \
             + old["sources"][len(want["sources"]):]
-    changes = []
-    for k in sorted((set(old) | set(want)) - skip):
+    changes = [] if skip & set(_SOURCE_KEYS) else source_changes(old, want)
+    for k in sorted((set(old) | set(want)) - skip - set(_SOURCE_KEYS)):
         o, w = old.get(k, "unset"), want.get(k, "unset")
         if o == w:
             continue

@@ -69,7 +69,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from eagle3.errors import UserError
-from eagle3.io import iter_jsonl, json_error_detail
+from eagle3.io import check_no_lone_surrogate, iter_jsonl, json_error_detail, not_utf8_error
 
 FORMATS = ("auto", "sharegpt", "messages", "alpaca", "questions", "humaneval", "hf")
 
@@ -105,19 +105,23 @@ def _iter_file(path: Path) -> Iterator[tuple[str, dict]]:
                 yield f"{path}:{lineno}", rec
         elif name.endswith(".json"):
             with _open_text(path) as f:
-                try:
-                    data = json.load(f)
-                except json.JSONDecodeError as e:
-                    raise UserError(f"{path}:{e.lineno}: malformed JSON: {json_error_detail(e)}") from e
+                text = f.read()
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{path}:{e.lineno}: malformed JSON: {json_error_detail(e)}") from e
             if isinstance(data, dict):
                 data = [data]
             if not isinstance(data, list):
                 raise UserError(f"{path}: expected a JSON array of records, got {type(data).__name__}")
             for i, rec in enumerate(data):
+                check_no_lone_surrogate(text, rec, f"{path}:[{i}]")  # one search of the text when it has no escape
                 yield f"{path}:[{i}]", rec
         else:
             raise UserError(f"{path}: unsupported prompts file type (use .json, .jsonl, .json.gz or .jsonl.gz)")
-    except (OSError, EOFError, UnicodeDecodeError) as e:
+    except UnicodeDecodeError as e:  # file:line: not UTF-8 text: byte 0xff at column N
+        raise not_utf8_error(path, e) from e
+    except (OSError, EOFError) as e:
         raise UserError(f"{path}: cannot read: {e}") from e
 
 
@@ -249,14 +253,14 @@ def _raw_messages(rec: dict, fmt: str, where: str) -> list:
         return out
     if fmt == "alpaca":
         inp, outp = rec.get("input", ""), rec.get("output")
-        inst = rec.get("instances")
+        inst, pre = rec.get("instances"), ""  # pre: where input/output were read, for the error's field name
         if outp is None and isinstance(inst, list) and inst and isinstance(inst[0], dict):
-            inp, outp = inst[0].get("input", ""), inst[0].get("output")
+            inp, outp, pre = inst[0].get("input", ""), inst[0].get("output"), "instances[0]."
         user = _text(rec.get("instruction"), where, "instruction").strip()
-        inp = _text(inp, where, "input").strip()
+        inp = _text(inp, where, f"{pre}input").strip()
         if inp:
             user = f"{user}\n\n{inp}"
-        return [("user", user), ("assistant", _text(outp, where, "output"))]
+        return [("user", user), ("assistant", _text(outp, where, f"{pre}output"))]
     if fmt == "humaneval":
         return [("user", humaneval_message(_text(rec.get("prompt"), where, "prompt")))]
     if fmt == "questions":
@@ -264,7 +268,7 @@ def _raw_messages(rec: dict, fmt: str, where: str) -> list:
             turns = rec["turns"]
             if not isinstance(turns, list):
                 raise UserError(f"{where}: field 'turns' must be a list of strings")
-            return [("user", _text(t, where, "turns")) for t in turns]
+            return [("user", _text(t, where, f"turns[{i}]")) for i, t in enumerate(turns)]
         for key in ("prompt", "question", "instruction"):
             if key in rec:
                 return [("user", _text(rec[key], where, key))]
@@ -413,10 +417,14 @@ def read_conversations(source: str, fmt: str = "auto", *, hf_split: str = "train
         counts["read"] += 1
         if not isinstance(rec, dict):
             raise UserError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+        nulls = sorted(str(k) for k, v in rec.items() if v is None)
+        if nulls:  # a null key is an absent one: a HF dataset's column a row lacks, pandas' to_json of mixed rows
+            rec = {k: v for k, v in rec.items() if v is not None}
         rfmt = detect_format(rec) if fmt in ("auto", "hf") else fmt
         if rfmt is None:
             raise UserError(f"{where}: unrecognised record: none of the keys {', '.join(_RECOGNISED)} "
-                            f"(keys seen: {', '.join(sorted(map(str, rec))) or 'none'})")
+                            f"(keys seen: {', '.join(sorted(map(str, rec))) or 'none'}"
+                            + (f"; null: {', '.join(nulls)})" if nulls else ")"))
         msgs = normalise(_raw_messages(rec, rfmt, where), keep_prompt_only, system_prompt, counts, think_tags)
         if msgs is None:
             continue

@@ -482,7 +482,7 @@ def _read_metrics(path: Path) -> list[dict]:
     if not path.is_file():
         return []
     rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():  # a torn multi-byte tail too
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError:

@@ -76,10 +76,42 @@ def test_source_hash_reused_while_size_and_mtime_hold(tmp_path, monkeypatch):
     with pytest.raises(UserError) as e:
         check_prompts_current(cfg)
     assert hashed == [src]  # hashed again: the content change is seen
-    assert f"changed sha256: {old_sha!r} -> {real(src)!r}" in str(e.value)
+    assert real(src) != old_sha and f"(the content of {src} changed); re-run" in str(e.value)
 
     hashed.clear()
     src.write_text(text)  # the original bytes back, a new mtime: hashed again, nothing to refuse
     os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns + 2 * 10**9))
     check_prompts_current(cfg)
     assert hashed == [src]
+
+
+def test_an_edited_source_file_is_named_not_its_fingerprints(tmp_path):
+    """A source file edited since 01 (or a changed list of them): 02's refusal said ``changed bytes: 223 -> 311; sha256:
+    '05e8...' -> 'e310...'`` and, for a list, printed both lists of fingerprints (about 600 characters); 01's
+    ``remaking`` line did the same for a list. Both now say which file changed, or how the names changed."""
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    for f, text in ((a, "hi"), (b, "yo")):
+        f.write_text(json.dumps({"messages": [{"role": "user", "content": text},
+                                              {"role": "assistant", "content": "ok"}]}) + "\n")
+    cfg, src = _cfg(tmp_path, f"prompts.source=[{a}, {b}]")
+    rep = pp.report_path(cfg)
+    rep.write_text(json.dumps({"settings": pp.settings(cfg, None), "cli_overrides": []}))
+    a.write_text(a.read_text() * 2)
+    want = pp.settings(cfg, None)
+    with pytest.raises(UserError) as e:
+        check_prompts_current(cfg)
+    assert str(e.value) == (f"{rep}: prompts.jsonl was made with other prompts settings than this config's (the content "
+                            f"of {a} changed); re-run 01_prepare_prompts.py with this config first")
+    report = json.loads(rep.read_text())
+    assert pp.redo_reason(cfg.prompts_path, rep, report, want) == f"settings changed: the content of {a} changed"
+    one, _ = _cfg(tmp_path, f"prompts.source={a}", "prompts.seed=4")
+    assert pp.redo_reason(cfg.prompts_path, rep, report, pp.settings(one, None)) == (
+        f"settings changed: source: {[str(a), str(b)]!r} -> {str(a)!r}; seed: 0 -> 4")
+    with pytest.raises(UserError, match=rf"\(changed source: \[.*\] -> '{a}'; seed: 0 -> 4\)"):
+        check_prompts_current(one)
+    # one source file: its content, then another seed beside it
+    rep.write_text(json.dumps({"settings": pp.settings(one, None), "cli_overrides": []}))
+    a.write_text(a.read_text() * 2)
+    with pytest.raises(UserError) as e:
+        check_prompts_current(_cfg(tmp_path, f"prompts.source={a}", "prompts.seed=5")[0])
+    assert f"(the content of {a} changed; changed seed: 4 -> 5); re-run" in str(e.value)

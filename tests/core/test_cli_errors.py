@@ -77,7 +77,7 @@ COMMON = [
     (["--config", "{missing}"], "{missing}: config file not found"),
     (["--config", "{dir}"], "{dir}: config file not found (it is a directory)"),
     (["--config", "{list}"], "{list}: the config must be a YAML mapping"),
-    (["--config", "{binary}"], "{binary}: cannot read the config file"),
+    (["--config", "{binary}"], "{binary}:1: not UTF-8 text: byte 0xff at column 11 (byte 10 of the file)"),
     ([], "the following arguments are required: --config"),
     (["--config", "{good}", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
 ]

@@ -283,3 +283,45 @@ def test_every_list_of_strings_field_takes_one_string(tmp_path):
     assert cfg.benchmark.datasets == ["humaneval"]
     with pytest.raises(UserError, match="field 'extract.aux_layers'"):
         load_config(_write(tmp_path, BASE), ["extract.aux_layers=x"])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("prompts.source=[a.jsonl, 5]",
+     "field 'prompts.source': item [1] must be a string, not a number (got ['a.jsonl', 5])"),
+    ("prompts.source=[a.jsonl, true]",
+     "field 'prompts.source': item [1] must be a string, not a boolean (got ['a.jsonl', True])"),
+    ("prompts.source=", "field 'prompts.source': expected a string or a list of strings, not null (got None)"),
+    ("prompts.source={a: 1}",
+     "field 'prompts.source': expected a string or a list of strings, not a mapping (got {'a': 1})"),
+    ("extract.sglang_url=[http://a:1, 5]",
+     "field 'extract.sglang_url': item [1] must be a string, not a number (got ['http://a:1', 5])"),
+    ("extract.capture_dir=7", "field 'extract.capture_dir': expected a string or a list of strings, not a number (got 7)"),
+])
+def test_a_string_or_list_field_names_itself_and_the_bad_item(tmp_path, override, message):
+    """A string-or-list-of-strings field given something else named pydantic's first Union branch, a key that does not
+    exist, and hid that a list is fine: ``field 'prompts.source.str': Input should be a valid string (got ['a.jsonl',
+    5])``. The field and the bad item are named; null stays fine where the field is optional."""
+    with pytest.raises(UserError) as e:
+        load_config(_write(tmp_path, BASE), [override])
+    assert str(e.value) == f"--set {override}: {message}"
+    f = _write(tmp_path, BASE.replace("source: humaneval", "source: [a.jsonl, 5]"))
+    with pytest.raises(UserError) as e:
+        load_config(f)
+    assert str(e.value) == f"{f}:5: field 'prompts.source': item [1] must be a string, not a number (got ['a.jsonl', 5])"
+    assert load_config(f, ["prompts.source=[a.jsonl, b.jsonl]", "extract.sglang_url=null"]).prompts.source == \
+        ["a.jsonl", "b.jsonl"]
+
+
+@pytest.mark.parametrize("name", ["..", "../x", "a/../..", ".", "''", "' '", "a\\\\..\\\\.."])
+def test_a_run_name_that_is_not_a_folder_under_outputs_is_refused(tmp_path, name):
+    """The run's folder is ``outputs/<run_name>``: ``run_name: ..`` wrote ``prompts.jsonl`` and ``shards/`` into the
+    current folder (the repository, for a user running from there), and a blank name or ``.`` into ``outputs/``
+    itself; they are refused naming the key, sub-folders stay fine."""
+    with pytest.raises(UserError) as e:
+        load_config(_write(tmp_path, BASE), [f"run_name={name}"])
+    assert str(e.value).startswith(f"--set run_name={name}: field 'run_name': a folder name under outputs/ "
+                                   "(sub-folders allowed), not blank, '.' or with a '..' part (set output_root")
+    f = _write(tmp_path, BASE.replace("run_name: r", "run_name: .."))
+    with pytest.raises(UserError, match=r"run\.yaml:1: field 'run_name': a folder name under outputs/"):
+        load_config(f)
+    assert load_config(f, ["run_name=exp/v1.2"]).root == Path("outputs/exp/v1.2")

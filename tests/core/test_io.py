@@ -90,3 +90,91 @@ def test_prompt_and_eval_readers_report_the_same_column(tmp_path):
     p.write_text('{"id": "p1"}\n{"id": "p2", "text": "abc"\n')
     with pytest.raises(UserError, match=r"bad\.jsonl:2: malformed JSON: Expecting ',' delimiter \(column 27\)$"):
         list(_iter_file(p))
+
+
+def test_bytes_that_are_not_utf8_name_the_file_line_and_column_in_every_json_reader(tmp_path):
+    """A byte that is not UTF-8 (a Latin-1 export, a torn copy) in a prompts file, a JSON array, a gzipped JSONL,
+    a JSON report or the run YAML: one line naming the file, its line and the byte's column (before: `cannot read:
+    'utf-8' codec can't decode byte 0xff in position 131` without a line, and a traceback from 02's prompts.jsonl,
+    05's eval sets, prompts.reuse_answers and 01/02's prompts_report.json)."""
+    import gzip
+
+    from eagle3.config import load_config
+    from eagle3.io import read_json
+    from eagle3.prompts.prepare_prompts import read_report
+    from eagle3.prompts.readers import _iter_file
+
+    good = b'{"messages": [{"role": "user", "content": "A"}, {"role": "assistant", "content": "B"}]}\n'
+    bad = b'{"messages": [{"role": "user", "content": "caf\xe9"}]}\n'
+    jl = tmp_path / "p.jsonl"
+    jl.write_bytes(b"\xef\xbb\xbf" + good + good + bad)  # a byte-order mark does not shift the column of line 3
+    want = f"{jl}:3: not UTF-8 text: byte 0xe9 at column 47 (byte {3 + 2 * len(good) + 46} of the file); " \
+           "save the file as UTF-8"
+    for reader in (iter_jsonl, _iter_file):
+        with pytest.raises(UserError) as ei:
+            list(reader(jl))
+        assert str(ei.value) == want
+    gz = tmp_path / "p.jsonl.gz"
+    gz.write_bytes(gzip.compress(good + bad))
+    with pytest.raises(UserError, match=r"p\.jsonl\.gz:2: not UTF-8 text: byte 0xe9 at column 47 "):
+        list(_iter_file(gz))
+    arr = tmp_path / "a.json"
+    arr.write_bytes(b'[{"instruction": "a", "input": "", "output": "b"},\n {"instruction": "\xff"}]')
+    with pytest.raises(UserError, match=r"a\.json:2: not UTF-8 text: byte 0xff at column 19 "):
+        list(_iter_file(arr))
+    rep = tmp_path / "r.json"
+    rep.write_bytes(b'{"settings":\n "\xff"}')
+    with pytest.raises(UserError, match=r"r\.json:2: not UTF-8 text: byte 0xff at column 3 "):
+        read_json(rep)
+    yml = tmp_path / "run.yaml"
+    yml.write_bytes(b"run_name: r\n# caf\xe9\n")
+    with pytest.raises(UserError, match=r"run\.yaml:2: not UTF-8 text: byte 0xe9 at column 6 "):
+        load_config(yml)
+    # 01's own report that is not UTF-8 is unreadable (nothing to compare: prompts.jsonl is remade), not a traceback
+    yml.write_text(f"run_name: r\noutput_root: {tmp_path / 'out'}\nverifier: {{path: /nonexistent}}\n"
+                   f"prompts: {{source: {jl}}}\n")
+    cfg = load_config(yml)
+    cfg.prompts_path.parent.mkdir(parents=True)
+    cfg.prompts_path.write_bytes(good)
+    (cfg.root / "prompts_report.json").write_bytes(b'{"settings": "\xff"}')
+    assert read_report(cfg) == (cfg.root / "prompts_report.json", None)
+
+
+def test_a_lone_surrogate_escape_is_refused_naming_file_line_and_field_by_every_reader(tmp_path):
+    """Half of a surrogate pair (``\\ud83d`` without its ``\\ude00``: a cut emoji, common in ShareGPT dumps) parses
+    as JSON but is not text: 01 read it and died with a UnicodeEncodeError traceback writing prompts.jsonl (02 and
+    05 would have died in the tokenizer). Every reader now refuses it in one line naming the file, the line and the
+    field; a whole pair is one character and passes; a config value gives the key's line or the --set."""
+    from eagle3.benchmark.eval_prompts import load_prompt_file
+    from eagle3.capture.extract import read_prompts
+    from eagle3.config import load_config
+    from eagle3.prompts.readers import _iter_file
+
+    good = '{"id": "a", "messages": [{"role": "user", "content": "A \\ud83d\\ude00"}, {"role": "assistant", "content": "B"}]}'
+    bad = '{"id": "b", "messages": [{"role": "user", "content": "C"}, {"role": "assistant", "content": "cut \\uDE00"}]}'
+    p = tmp_path / "p.jsonl"
+    p.write_text(good + "\n" + bad + "\n")
+    want = (f"{p}:2: field 'messages[1].content' holds an unpaired UTF-16 surrogate escape (half of a \\uD83D\\uDE00 "
+            "pair, e.g. a cut emoji), which is not text: no UTF-8 file or tokenizer takes it; remove it or complete "
+            "the pair")
+    for reader in (iter_jsonl, _iter_file, read_prompts):
+        with pytest.raises(UserError) as ei:
+            list(reader(p))
+        assert str(ei.value) == want
+    q = tmp_path / "q.jsonl"
+    q.write_text(good + "\n" + '{"prompt": "x \\ud800 y"}\n')
+    with pytest.raises(UserError, match=r"q\.jsonl:2: field 'prompt' holds an unpaired UTF-16 surrogate"):
+        load_prompt_file(q)
+    p.write_text(good + "\n")  # a whole pair: one character
+    assert [r["messages"][0]["content"] for r in read_prompts(p)] == ["A \U0001f600"]
+    arr = tmp_path / "a.json"
+    arr.write_text('[{"instruction": "a", "input": "", "output": "b"},\n{"instruction": "c", "input": "\\udc00"}]')
+    with pytest.raises(UserError, match=r"a\.json:\[1\]: field 'input' holds an unpaired UTF-16 surrogate"):
+        list(_iter_file(arr))
+    yml = tmp_path / "run.yaml"
+    yml.write_text('run_name: r\nverifier: {path: /x}\nprompts:\n  source: p.jsonl\n  system_prompt: "hi \\ud83d"\n')
+    with pytest.raises(UserError, match=r"run\.yaml:5: config key 'prompts.system_prompt' holds an unpaired UTF-16"):
+        load_config(yml)
+    with pytest.raises(UserError) as ei:
+        load_config(yml, ['prompts.source="\\udc00"', 'prompts.system_prompt=hi'])
+    assert str(ei.value).startswith('--set prompts.source="\\udc00": config key \'prompts.source\' holds an unpaired')

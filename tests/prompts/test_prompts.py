@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import gzip
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections import Counter
@@ -163,6 +164,29 @@ def test_hf_source_needs_datasets_or_loads(tmp_path):
     f = _jsonl(tmp_path / "d.jsonl", [{"messages": [U("u"), A("a")]}])
     got = read_conversations(f"hf:{tmp_path}", "hf")
     assert [c["messages"] for c in got] == [[U("u"), A("a")]]
+
+
+def test_a_null_key_is_an_absent_key_in_hf_rows_jsonl_and_eval_sets(tmp_path):
+    """A HF dataset gives every row every column, null where the row has none, and pandas' ``to_json(lines=True)``
+    writes the same nulls: a row ``{"messages": null, "prompt": "..."}`` stopped 01 with ``hf:ds:[1]: field
+    'messages' must be a list`` (05: ``key 'messages' must be a non-empty list``); null keys now count as absent."""
+    datasets = pytest.importorskip("datasets")
+    from eagle3.benchmark.eval_prompts import load_prompt_file
+
+    rows = [{"id": "x1", "messages": [U("A"), A("B")], "prompt": None},
+            {"id": None, "messages": None, "prompt": "just a prompt"},
+            {"id": "x3", "messages": [U("C"), A("D")], "prompt": None}]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"))
+    f = _jsonl(tmp_path / "d.jsonl", rows)
+    # the null id gives the row its place: index 1 of the dataset, line 2 of the file
+    for source, rid in ((f"hf:{tmp_path / 'ds'}", "ds-1"), (str(f), "d-2")):
+        got = read_conversations(source, keep_prompt_only=True)
+        assert [(c["id"], c["messages"]) for c in got] == [
+            ("x1", [U("A"), A("B")]), (rid, [U("just a prompt")]), ("x3", [U("C"), A("D")])]
+    assert [p.messages for p in load_prompt_file(f)] == [[U("A")], [U("just a prompt")], [U("C")]]
+    g = _jsonl(tmp_path / "n.jsonl", [{"messages": None, "id": None}])
+    with pytest.raises(UserError, match=r"n\.jsonl:1: unrecognised record: .*\(keys seen: none; null: id, messages\)$"):
+        read_conversations(g)
 
 
 def test_dedupe_and_sample():
@@ -643,3 +667,43 @@ def test_an_interrupted_forced_run_is_redone_without_force(tmp_path, monkeypatch
     with pytest.raises(KeyboardInterrupt):
         run(empty, force=True)
     assert not (tmp_path / "other" / "prompts.forced-run.json").exists()
+
+
+@pytest.mark.parametrize("row, field", [
+    ({"turns": ["first", 2]}, "turns[1]"),
+    ({"instruction": "a", "instances": [{"input": 3, "output": "b"}]}, "instances[0].input"),
+    ({"instruction": "a", "instances": [{"input": "x", "output": 5}]}, "instances[0].output"),
+    ({"instruction": "a", "input": 3, "output": "b"}, "input"),
+])
+def test_a_bad_list_item_is_named_with_its_index(tmp_path, row, field):
+    """A non-string item of MT-bench ``turns`` said ``field 'turns' must be a string`` (which item?), and a self-instruct
+    record's ``instances[0].input`` was called ``input``, a key the record does not have; the field path now says where."""
+    bad = _jsonl(tmp_path / "q.jsonl", [row])
+    with pytest.raises(UserError) as e:
+        read_conversations(bad, keep_prompt_only=True)
+    assert str(e.value).startswith(f"{bad}:1: field '{field}' must be a string, got ")
+
+
+def test_a_local_hf_dataset_saved_again_is_seen_as_changed(tmp_path, capsys):
+    """``prompts.source: hf:<folder>`` was fingerprinted by its name alone: the dataset saved there again with other
+    rows left ``prompts.jsonl`` "up to date" and 02 accepted it. The folder's files are hashed now (each reused while
+    its size and mtime hold), so 01 remakes and 02 refuses, naming the source."""
+    datasets = pytest.importorskip("datasets")
+    from eagle3.capture.extract import check_prompts_current
+
+    folder = tmp_path / "ds"
+    datasets.Dataset.from_list([{"messages": [U("u0"), A("a0")]}]).save_to_disk(str(folder))
+    cfg = load_config(_config(tmp_path, f"hf:{folder}"))
+    assert run(cfg) == 0
+    capsys.readouterr()
+    assert run(cfg) == 0 and capsys.readouterr().out.startswith("prompts up to date")
+    check_prompts_current(cfg)  # nothing changed: accepted
+    shutil.rmtree(folder)
+    datasets.Dataset.from_list([{"messages": [U("u0"), A("a0")]}, {"messages": [U("u1"), A("a1")]}]).save_to_disk(
+        str(folder))
+    with pytest.raises(UserError, match=rf"\(the content of hf:{folder} changed\); re-run 01_prepare_prompts.py"):
+        check_prompts_current(cfg)
+    assert run(cfg) == 0
+    assert f"remaking {cfg.prompts_path} (settings changed: the content of hf:{folder} changed)" in capsys.readouterr().out
+    assert [json.loads(line)["messages"][0]["content"] for line in cfg.prompts_path.read_text().splitlines()] == \
+        ["u0", "u1"]
