@@ -554,12 +554,35 @@ def resolve_drafter_dir(cfg: RunConfig, drafter_dir: Optional[str | Path]) -> Pa
             raise UserError(f"--drafter: '{path}' is 04's train folder, not an exported drafter; pass the export "
                             f"folder (drafter-sglang beside it, or export.output_dir), or write it with 04_train.py "
                             f"--export-only")
+        _require_export_config(path, f"--drafter: '{path}'")
         return path
     path = Path(cfg.export_dir)
     if not path.is_dir():
         raise UserError(f"the exported drafter '{path}' (the config's export dir) not found: "
                         f"run 04_train.py first or pass --drafter")
+    _require_export_config(path, f"the config's export dir '{path}'")
     return path
+
+
+def _require_export_config(path: Path, what: str) -> None:
+    """Refuse a folder without the ``config.json`` every export holds, naming it and what it holds instead.
+
+    Before, the shards, data or output-root folder given to ``--drafter`` stopped 05 with a bare
+    ``<folder>/config.json: file not found`` (fresh-user trial 2026-12-05e); an output root that holds an
+    export is pointed at it.
+
+    Raises:
+        UserError: ``<what> is not an exported drafter folder (no config.json) ...``.
+    """
+    if (path / "config.json").is_file():
+        return
+    inside = sorted(p.name for p in path.iterdir() if p.is_dir() and (p / "config.json").is_file()
+                    and (p / "eagle3_train.json").is_file())
+    hint = (f"it holds the export{'s' if len(inside) > 1 else ''} {', '.join(inside)}: pass "
+            f"{' or '.join(str(path / n) for n in inside)}" if inside else
+            "pass the folder 04 exported (drafter-sglang, or export.output_dir), or write it with "
+            "04_train.py --export-only")
+    raise UserError(f"{what} is not an exported drafter folder (no config.json); {hint}")
 
 
 def _load_drafter(drafter_dir: Path, verifier, device, dtype):

@@ -302,7 +302,37 @@ def test_drafter_that_is_a_checkpoint_or_a_train_folder_is_named(tmp_path):
                             f"export folder (drafter-sglang beside it, or export.output_dir), or write it with "
                             f"04_train.py --export-only")
     (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "config.json").write_text("{}")
     assert resolve_drafter_dir(None, tmp_path / "d") == tmp_path / "d"  # the export's own checks come later
+
+
+def test_drafter_folder_without_config_json_is_named_with_the_exports_inside(tmp_path):
+    """`--drafter out/shards` (or out/data, or the output root) stopped 05 with a bare `<folder>/config.json: file
+    not found` (fresh-user trial 2026-12-05e); any folder without config.json is now named, and an output root that
+    holds exports points at them. The config's own export dir gets the same check."""
+    from types import SimpleNamespace
+
+    from eagle3.benchmark.offline import resolve_drafter_dir
+
+    (tmp_path / "shards").mkdir()
+    with pytest.raises(UserError) as e:
+        resolve_drafter_dir(None, tmp_path / "shards")
+    assert str(e.value) == (f"--drafter: '{tmp_path / 'shards'}' is not an exported drafter folder (no config.json); "
+                            f"pass the folder 04 exported (drafter-sglang, or export.output_dir), or write it with "
+                            f"04_train.py --export-only")
+    for eng in ("drafter-sglang", "drafter-vllm"):
+        (tmp_path / eng).mkdir()
+        (tmp_path / eng / "config.json").write_text("{}")
+        (tmp_path / eng / "eagle3_train.json").write_text("{}")
+    with pytest.raises(UserError) as e:
+        resolve_drafter_dir(None, tmp_path)
+    assert str(e.value) == (f"--drafter: '{tmp_path}' is not an exported drafter folder (no config.json); it holds "
+                            f"the exports drafter-sglang, drafter-vllm: pass {tmp_path / 'drafter-sglang'} or "
+                            f"{tmp_path / 'drafter-vllm'}")
+    with pytest.raises(UserError) as e:
+        resolve_drafter_dir(SimpleNamespace(export_dir=str(tmp_path / "shards")), None)
+    assert str(e.value).startswith(f"the config's export dir '{tmp_path / 'shards'}' is not an exported drafter folder")
+    assert resolve_drafter_dir(None, tmp_path / "drafter-vllm") == tmp_path / "drafter-vllm"
 
 
 # ---------------------------------------------------------------------------------------------
