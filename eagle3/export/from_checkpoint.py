@@ -101,7 +101,8 @@ def export_from_checkpoint(cfg: RunConfig, engine: str | None = None) -> Path:
     weights_step = best if best is not None else int(state["step"])
     prov = export_provenance(cfg.train_dir, path, int(state["step"]), cfg.train.select_best, weights_step)
     out = export_for_run(cfg, drafter, data_config, provenance=prov)
-    record_export_only(cfg.train_dir, out, path, int(state["step"]), weights_step, cfg.export.engine)
+    record_export_only(cfg.train_dir, out, path, int(state["step"]), weights_step, cfg.export.engine,
+                       cfg.train.select_best)
     return out
 
 

@@ -1806,13 +1806,16 @@ def _export_line(result: dict) -> str:
 
 
 def record_export_only(train_dir: Path, export_dir: Path, checkpoint: Path, ckpt_step: int, weights_step: int,
-                       engine: str) -> bool:
+                       engine: str, select_best: Optional[str] = None) -> bool:
     """After ``04 --export-only``: ``train_report.{json,md}`` say what was exported (``export_dir``; ``export_only``:
     the checkpoint, the step whose weights it holds (the checkpoint's ``ckpt_step`` or, under ``train.select_best:
     sim_accept``, the best validation's), the engine; ``sim_accept.exported_step``), so a report written when the run
     stopped (``export: none``) or when its export was refused (``export_error``) no longer contradicts the folder.
     Nothing happens without a ``train_report.json`` written at ``ckpt_step`` (a report of an older step, an
-    unreadable one: a warning, the export stands).
+    unreadable one: a warning, the export stands). An export of this train folder already recorded in another folder
+    (the finished run's ``drafter-sglang`` before ``--export-only --engine vllm``) stays listed in ``other_exports``
+    while that folder holds it; ``select_best`` (this export's, when given) replaces the training run's in
+    ``sim_accept``, whose ``exported_step`` is now this export's.
 
     Returns:
         Whether the report was rewritten.
@@ -1833,12 +1836,32 @@ def record_export_only(train_dir: Path, export_dir: Path, checkpoint: Path, ckpt
                     report.get("step"), ckpt_step, checkpoint)
         return False
     report.pop("export_error", None)
+    earlier = [o.get("export_dir") for o in report.get("other_exports") or [] if isinstance(o, dict)]
+    others = [_export_record(Path(d), train_dir) for d in dict.fromkeys(earlier + [report.get("export_dir")]) if d
+              and Path(d).resolve() != Path(export_dir).resolve()]
+    report["other_exports"] = [o for o in others if o is not None]
     report["export_dir"] = str(export_dir)
     report["export_only"] = {"checkpoint": str(checkpoint), "weights_step": int(weights_step), "engine": engine}
     if isinstance(report.get("sim_accept"), dict):
         report["sim_accept"]["exported_step"] = int(weights_step)
+        if select_best:
+            report["sim_accept"]["select_best"] = select_best
     write_report(train_dir, report, args)
     return True
+
+
+def _export_record(folder: Path, train_dir: Path) -> Optional[dict]:
+    """``{export_dir, engine, weights_step, select_best}`` of an export of ``train_dir`` still in ``folder`` (from its
+    ``eagle3_train.json``), or None: no such folder, an unreadable record, or an export of another train folder."""
+    try:
+        info = read_json(folder / "eagle3_train.json")
+        src = info.get("trained_from") or {}
+        if Path(src["train_dir"]).resolve() != Path(train_dir).resolve():
+            return None
+        return {"export_dir": str(folder), "engine": info["engine"], "weights_step": src.get("selected_step"),
+                "select_best": src.get("select_best")}
+    except (UserError, OSError, KeyError, TypeError, AttributeError):
+        return None
 
 
 def write_report(train_dir: Path, result: dict, args) -> None:
@@ -1863,6 +1886,8 @@ def write_report(train_dir: Path, result: dict, args) -> None:
         e = result["export_only"]
         lines.append(f"- exported by `04_train.py --export-only` ({e['engine']}): the weights of step "
                      f"{e['weights_step']} (checkpoint `{e['checkpoint']}`)")
+    lines += [f"- also exported: `{o['export_dir']}` ({o['engine']}, the weights of step {o['weights_step']}, "
+              f"select_best: {o['select_best']})" for o in result.get("other_exports") or []]
     lines += [f"- **warning**: {w}" for w in result.get("warnings") or []]
     if result.get("tokens_per_s"):
         lines.append(f"- training throughput: {result['tokens_per_s']:.0f} tokens/s (all ranks)")

@@ -6,6 +6,7 @@ EAGLE-3.1 drafter end to end."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -343,3 +344,33 @@ def test_export_only_rewrites_the_report_of_the_stopped_run_it_exports(tmp_path,
         export_from_checkpoint(cfg)
     assert "written at step 3, not at the exported checkpoint's step 4" in caplog.text
     assert json.loads((cfg.train_dir / "train_report.json").read_text())["export_dir"] is None
+
+
+def test_export_only_for_the_other_engine_keeps_the_first_export_in_the_report(tmp_path):
+    """A finished run (export drafter-sglang) then `04 --export-only --engine vllm --set train.select_best=last`: the
+    report said only `export: drafter-vllm`, forgetting the SGLang export still there, and its tau table kept the
+    training's `select_best: sim_accept` beside the step `last` exported (fresh-user trial 2026-12-05e). Both exports
+    are now listed, each with its step and select_best, and the table says what this export selected."""
+    run_yaml = make_tiny_run(tmp_path, n_train=8, n_val=4, train={
+        "epochs": 3, "eval_every": 1, "ckpt_every": 1, "select_best": "sim_accept", "lr": 2e-3})
+    cfg = load_config(run_yaml)
+    r = run(cfg, device="cpu", export=export_for_run)
+    first = json.loads((cfg.train_dir / "train_report.json").read_text())
+    sg = Path(first["export_dir"])
+    best = first["sim_accept"]["exported_step"]
+    assert sg.is_dir() and not r.get("stopped")
+    cfg2 = load_config(run_yaml, ["export.engine=vllm", "train.select_best=last"])
+    out = export_from_checkpoint(cfg2)
+    assert out != sg
+    rep = json.loads((cfg.train_dir / "train_report.json").read_text())
+    assert rep["export_dir"] == str(out) and rep["export_only"]["engine"] == "vllm"
+    assert rep["other_exports"] == [{"export_dir": str(sg), "engine": cfg.export.engine, "weights_step": best,
+                                     "select_best": "sim_accept"}]
+    assert rep["sim_accept"]["select_best"] == "last" and rep["sim_accept"]["exported_step"] == r["step"]
+    md = (cfg.train_dir / "train_report.md").read_text()
+    assert f"- also exported: `{sg}` ({cfg.export.engine}, the weights of step {best}, select_best: sim_accept)" in md
+    assert f"(select_best: last; exported step: {r['step']}):" in md
+    # exporting for SGLang again lists the vLLM folder instead, never the folder itself
+    export_from_checkpoint(cfg)
+    rep = json.loads((cfg.train_dir / "train_report.json").read_text())
+    assert rep["export_dir"] == str(sg) and [o["export_dir"] for o in rep["other_exports"]] == [str(out)]
