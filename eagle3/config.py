@@ -912,7 +912,8 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict[tuple[str, ...], st
 
     Raises:
         UserError: ``--set <override>: ...`` for a missing ``=``, an empty key part, a value that is
-            not valid YAML, or a key below a field that is not a section.
+            not valid YAML, or a key below a field that is not a section (naming the earlier override that
+            made it a value, e.g. ``--set train=1`` before ``--set train.lr=...``).
     """
     applied: dict[tuple[str, ...], str] = {}
     for ov in overrides:
@@ -934,7 +935,9 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict[tuple[str, ...], st
                 node[p] = {}
             node = node[p]
             if not isinstance(node, dict):
-                raise UserError(f"--set {text}: '{'.'.join(parts[: i + 1])}' is a value, not a section")
+                prefix = parts[: i + 1]
+                by = f" (set by --set {applied[prefix]})" if prefix in applied else ""
+                raise UserError(f"--set {text}: '{'.'.join(prefix)}' is a value{by}, not a section")
         node[parts[-1]] = value
         applied[parts] = text
     return applied

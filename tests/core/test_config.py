@@ -325,3 +325,16 @@ def test_a_run_name_that_is_not_a_folder_under_outputs_is_refused(tmp_path, name
     with pytest.raises(UserError, match=r"run\.yaml:1: field 'run_name': a folder name under outputs/"):
         load_config(f)
     assert load_config(f, ["run_name=exp/v1.2"]).root == Path("outputs/exp/v1.2")
+
+
+def test_a_later_set_below_an_earlier_set_value_names_the_earlier_override():
+    """`--set train=1 --set train.output_dir=x` blamed the second override alone ("'train' is a value, not a
+    section"), though the user never wrote train as a value there (fresh-user trial 2026-12-05e); the line now names
+    the override that made it one. A value from the file is still reported as before."""
+    cfg = ROOT / "configs" / "tiny-llama.yaml"
+    with pytest.raises(UserError) as e:
+        load_config(cfg, ["train=1", "train.output_dir=/tmp/x"])
+    assert str(e.value) == "--set train.output_dir=/tmp/x: 'train' is a value (set by --set train=1), not a section"
+    with pytest.raises(UserError) as e:
+        load_config(cfg, ["run_name.x=1"])
+    assert str(e.value) == "--set run_name.x=1: 'run_name' is a value, not a section"
