@@ -6,11 +6,12 @@
 Writes {data_dir}/token_freq.pt, vocab_map.pt, split.json, data_report.json/.md, coverage.png, and a
 validation record (validation_record.json in the shards folder if writable, else in data_dir) that lets a
 re-run on unchanged shards skip hashing and loading them (--revalidate forces the full pass).
+SIGTERM / Ctrl-C end it with one line `interrupted by SIGTERM|SIGINT: ...` (what was left, how to go on), exit 143 / 130.
 """
 
 from __future__ import annotations
 
-from eagle3.cli import ArgumentParser, run_main
+from eagle3.cli import ArgumentParser, resume_on_interrupt, run_main
 from eagle3.config import add_config_args, load_config
 
 
@@ -23,9 +24,10 @@ def main(argv=None) -> int:
                         "(unchanged sizes/mtimes, manifest, data_config); catches bit rot after the first validation")
     a = p.parse_args(argv)
     cfg = load_config(a.config, a.overrides)
-    from eagle3.data.prepare_data import run
+    from eagle3.data.prepare_data import interrupt_hint, run
 
-    r = run(cfg, plot=not a.no_plot, revalidate=a.revalidate)
+    with resume_on_interrupt(lambda: interrupt_hint(cfg)):  # SIGTERM / Ctrl-C: one line, exit 143 / 130
+        r = run(cfg, plot=not a.no_plot, revalidate=a.revalidate)
     print(f"{r['num_samples']} samples ({r['train_samples']} train / {r['val_samples']} val), draft vocab "
           f"{r['draft_vocab_size']}/{r['target_vocab_size']} covers {r['coverage']:.2%} of loss tokens -> {cfg.data_dir}")
     return 0

@@ -284,3 +284,31 @@ def test_an_interrupted_revalidate_leaves_no_passing_record(tmp_path, monkeypatc
     assert prepare_data.run(cfg, plot=False)["validation"] == "full"  # not "reused"
     assert json.loads((cfg.shards_dir / VALIDATION_RECORD).read_text())["status"] == "passed"
     assert require_passed(cfg.shards_dir, cfg.data_dir) == cfg.shards_dir / VALIDATION_RECORD
+
+
+def test_an_interrupted_03_says_what_it_left_and_how_to_go_on(tmp_path, monkeypatch, capsys):
+    """Ctrl-C during `03 --revalidate` printed a bare `interrupted by SIGINT` (fresh-user trial 2026-12-05e): nothing
+    said the record was now `unfinished` and that 04 would refuse the set. 03 now ends like 01, 02 and 05: one line
+    saying what was left and how to go on, exit 130."""
+    import runpy
+
+    from eagle3.cli import run_main
+
+    path = make_tiny_run(tmp_path, train=TRAIN)
+    sets = _as_02_wrote(tmp_path)
+    cfg = load_config(path, sets)
+    prepare_data.run(cfg, plot=False)
+
+    def killed(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(prepare_data, "_validate_all", killed)
+    main = runpy.run_path(str(ROOT / "03_prepare_data.py"))["main"]
+    argv = ["--config", str(path), *[x for s in sets for x in ("--set", s)], "--no-plot", "--revalidate"]
+    with pytest.raises(SystemExit) as e:
+        run_main(main, argv)
+    assert e.value.code == 130
+    rec = cfg.shards_dir / VALIDATION_RECORD
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"interrupted by SIGINT: the --revalidate pass did not finish: {rec} says unfinished, so 04_train.py refuses "
+        f"the shard set; re-run 03_prepare_data.py (it validates every shard)")
