@@ -880,8 +880,9 @@ def _run_locked(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_s
             stop_before_training(stop, d)
             run_ = _Training(cfg, d, inputs, data, _build_optimisation(cfg, d, inputs, data.total_steps))
             if resume:
-                run_.restore()
-            run_.set_stop_at(stop_at)
+                run_.restore(stop_at)
+            else:
+                run_.set_stop_at(stop_at)
             stop_before_training(stop, d)  # a signal during start-up: no resume line, no step
             run_.announce_resume()
         except BaseException:
@@ -1311,7 +1312,8 @@ class _Training:
         return self.total_steps if self.stop_at is None else self.stop_at
 
     def set_stop_at(self, stop_at: Optional[int]) -> None:
-        """Check and set ``--stop-at`` (after :meth:`restore`, which may change ``total_steps``).
+        """Check and set ``--stop-at`` (from :meth:`restore` when resuming, once ``total_steps`` is known and before
+        anything is loaded or logged about the schedule).
 
         Raises:
             UserError: ``stop_at`` not before the schedule's last step, or before the resumed checkpoint's step (at it:
@@ -1352,19 +1354,21 @@ class _Training:
                 "weight_decay": float(self.opt.optimizer.param_groups[0]["weight_decay"])}
 
     # ---- resume ------------------------------------------------------------------------------
-    def restore(self) -> None:
+    def restore(self, stop_at: Optional[int] = None) -> None:
         """Continue from the newest complete checkpoint: weights, optimizer, schedule, data position, RNG.
 
         Every check comes before anything is loaded or logged about the schedule: the checkpoint against the run
-        (:func:`eagle3.train.checkpoint.check_resume`: all refused fields in one line), then the step horizon.
+        (:func:`eagle3.train.checkpoint.check_resume`: all refused fields in one line), then the step horizon, then
+        ``stop_at`` (:meth:`set_stop_at`; it was checked after the schedule warning, fresh-user trial 2026-12-05e).
 
         Raises:
             UserError: a refused change (drafter shape, data order, loss definition, split or vocab map), a checkpoint
-                already past the run's end, or a model state that does not fit.
+                already past the run's end, a refused ``stop_at``, or a model state that does not fit.
         """
         t, d, o = self.t, self.d, self.opt
         found = ckpt.find_latest_checkpoint(self.train_dir)
         if found is None:  # no checkpoint file at all (files that all fail to load: UserError)
+            self.set_stop_at(stop_at)
             log.warning("--resume: no checkpoint in %s; starting from step 0", ckpt.ckpt_dir(self.train_dir))
             return
         path, state = found
@@ -1379,6 +1383,7 @@ class _Training:
             raise UserError(f"{self.data.horizon_from}: the run ends after {self.total_steps} optimizer steps, but the "
                             f"checkpoint resumed from ({path}) is at step {self.step} already; ask for more steps, or "
                             f"export that checkpoint with --export-only")
+        self.set_stop_at(stop_at)
         if changes:
             self.warnings.append(f"resumed from {path.name} with other training settings: {'; '.join(changes)}")
             log.warning("%s: %s", path, self.warnings[-1])

@@ -189,3 +189,20 @@ def test_an_unusable_export_folder_is_refused_before_training(tmp_path):
     r = subprocess.run([sys.executable, str(root / "04_train.py"), "--config", str(path), "--export-only", "--set",
                         f"export.output_dir={out}"], capture_output=True, text=True, cwd=root, timeout=300)
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == f"error: {out}: {want}", r.stderr[-2000:]
+
+
+def test_a_refused_stop_at_on_resume_logs_nothing_about_the_schedule_first(tmp_path, caplog):
+    """`04 --resume --stop-at 22 --max-steps 21` over a checkpoint of a longer schedule logged `LR schedule ... in the
+    checkpoint, now ...; continuing with the new one` and then refused the --stop-at (fresh-user trial 2026-12-05e):
+    the check ran after the checkpoint was loaded. It now comes with the other resume checks, before anything is
+    loaded or logged about the schedule, as the --max-steps refusal does."""
+    from eagle3.train.trainer import run
+
+    cfg = load_config(make_tiny_run(tmp_path, train={"epochs": 4, "batch_size": 2, "ckpt_every": 1}))  # 16 steps
+    assert run(cfg, device="cpu", stop_after=3)["step"] == 3
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=TRAINER), pytest.raises(UserError) as e:
+        run(cfg, device="cpu", resume=True, max_steps=6, stop_at=7)
+    assert str(e.value).startswith("--stop-at 7: the schedule has 6 optimizer steps; a stop at or after its end")
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert "resumed from" not in caplog.text
