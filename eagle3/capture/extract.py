@@ -406,7 +406,8 @@ def wipe_shards_dir(root: Path) -> int:
 def changed_settings(old: dict, new: dict) -> list[str]:
     """What differs between two :func:`fingerprint` component dicts, one entry per config key:
     ``extract.max_length: 2048 -> 4096``, ``verifier.dtype: 'bfloat16' -> 'float32'``, ``the prompts
-    file (prompts.jsonl: sha256 1a2b3c4d -> 5e6f7a8b)``. A key left out of one side (a rendering field at its
+    file (prompts.jsonl: sha256 1a2b3c4d -> 5e6f7a8b)``, ``train.hidden_states: 'offline' -> 'online'`` (token-only
+    samples, component ``samples``). A key left out of one side (a rendering field at its
     default, see :func:`fingerprint`) shows as ``default``; an old state file without components gives []."""
     def flat(comp: dict) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -427,6 +428,8 @@ def changed_settings(old: dict, new: dict) -> list[str]:
         a.setdefault("extract.storage_dtype", "bfloat16")
     if "storage" in old and "storage" not in new:
         b.setdefault("extract.storage_dtype", "bfloat16")
+    for side in (a, b):  # token-only samples: the key the user set (it read "samples: default -> 'tokens'")
+        side["train.hidden_states"] = "online" if side.pop("samples", None) == "tokens" else "offline"
     out = []
     for key in sorted(set(a) | set(b)):
         va, vb = a.get(key, "default"), b.get(key, "default")

@@ -166,6 +166,10 @@ def test_changed_settings_name_each_changed_key():
         "extract.storage_dtype: 'bfloat16' -> 'float8_e4m3fn'", "the prompts file (sha256 1a2b3c4d -> 5e6f7a8b)",
         "verifier.dtype: 'bfloat16' -> 'float32'", "verifier.reply_start: default -> '<|im_start|>assistant\\n'"]
     assert changed_settings({}, new) == [] and changed_settings(new, new) == []
+    # token-only samples (train.hidden_states: online) over offline shards named "samples: default -> 'tokens'"
+    # (fresh-user trial 2026-12-05e): the config key the user set
+    assert changed_settings(old, dict(old, samples="tokens")) == ["train.hidden_states: 'offline' -> 'online'"]
+    assert changed_settings(dict(old, samples="tokens"), old) == ["train.hidden_states: 'online' -> 'offline'"]
 
 
 def test_fingerprint_mismatch_refused_then_overwrite(tmp_path, tiny_llama_dir, tiny_backend):
