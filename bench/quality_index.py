@@ -57,9 +57,9 @@ def is_comparison(obj: dict) -> bool:
                                                             for r in rows))
 
 
-def _drafter(folder: Path) -> Optional[str]:
-    """``eagle3.1, 2 layers, MLP 6144`` from ``train_report.json``'s ``drafter_args`` beside a 05 file, or None."""
-    args = (_read(folder / "train_report.json") or {}).get("drafter_args")
+def _drafter(train: dict) -> Optional[str]:
+    """``eagle3.1, 2 layers, MLP 6144`` from a ``train_report.json``'s ``drafter_args``, or None."""
+    args = train.get("drafter_args")
     if not isinstance(args, dict):
         return None
     layers = int(args.get("num_layers", 1))  # (DrafterArgs; absent before the field existed: one layer)
@@ -74,7 +74,7 @@ def bench_row(path: Path, repo: Path) -> dict:
     return {"file": str(path.relative_to(repo)), "names": [], "steps": r["steps"], "dtype": r["dtype"],
             "tau": {k: round(v, 2) for k, v in r["tau"].items()}, "optimizer_steps": r["optimizer_steps"],
             "weights_step": r["weights_step"], "stopped": bool(train.get("stopped")),
-            "train_samples": r["train_samples"], "drafter": _drafter(path.parent), "from": "05 file"}
+            "train_samples": r["train_samples"], "drafter": _drafter(train), "from": "05 file"}
 
 
 def comparison_row(row: dict, table: Path, repo: Path) -> dict:

@@ -577,7 +577,7 @@ def _require_export_config(path: Path, what: str) -> None:
     if (path / "config.json").is_file():
         return
     inside = sorted(p.name for p in path.iterdir() if p.is_dir() and (p / "config.json").is_file()
-                    and (p / "eagle3_train.json").is_file())
+                    and (p / TRAIN_META).is_file())
     hint = (f"it holds the export{'s' if len(inside) > 1 else ''} {', '.join(inside)}: pass "
             f"{' or '.join(str(path / n) for n in inside)}" if inside else
             "pass the folder 04 exported (drafter-sglang, or export.output_dir), or write it with "
