@@ -433,18 +433,11 @@ def interrupt_hint(cfg: RunConfig) -> str:
     """What an interrupted 03 left and how to go on (the line after ``interrupted by SIGINT:``): a ``--revalidate``
     pass stopped half-way leaves the shard set's validation record ``unfinished`` (04 refuses the set until 03
     runs again); otherwise each output is written whole, and the same command makes them again."""
-    import json
+    from eagle3.data.validation_record import unfinished_record
 
-    from eagle3.data.validation_record import UNFINISHED, VALIDATION_RECORD
-
-    for folder in (cfg.shards_dir, cfg.data_dir):
-        try:
-            status = json.loads((Path(folder) / VALIDATION_RECORD).read_text()).get("status")
-        except (OSError, ValueError, AttributeError):
-            continue
-        if status == UNFINISHED:
-            return (f"the --revalidate pass did not finish: {Path(folder) / VALIDATION_RECORD} says unfinished, so "
-                    f"04_train.py refuses the shard set; re-run 03_prepare_data.py (it validates every shard)")
-        break
+    record = unfinished_record([cfg.shards_dir, cfg.data_dir])
+    if record is not None:
+        return (f"the --revalidate pass did not finish: {record} says unfinished, so 04_train.py refuses the shard "
+                f"set; re-run 03_prepare_data.py (it validates every shard)")
     return (f"nothing is half-written in {cfg.data_dir} (each file is written whole; an earlier run's stay until "
             f"replaced); re-run the same command")

@@ -58,12 +58,12 @@ def require_current(cfg: RunConfig, record: Optional[Path] = None) -> None:
 
 def _require_same_shards(cfg: RunConfig, report: dict, path: Path, record: Optional[Path]) -> None:
     """:func:`require_current`'s shard-set check: the report's ``shards_fingerprint`` is the current shards'."""
-    from eagle3.data.validation_record import _fingerprint_of, fingerprint_now
+    from eagle3.data.validation_record import fingerprint_now, record_fingerprint
 
     made_from = report.get("shards_fingerprint")
     if made_from is None:
         return
-    now = _fingerprint_of(record) if record is not None else None
+    now = record_fingerprint(record) if record is not None else None
     if made_from == (now or fingerprint_now(cfg.shards_dir)):
         return
     there = Path(str(report.get("shards_dir", "")))

@@ -218,7 +218,7 @@ def _write_first(folders: list[Path], record: dict) -> Optional[Path]:
                         str(e).splitlines()[0] if str(e) else type(e).__name__)
     for folder in folders:
         path = folder / VALIDATION_RECORD
-        if written is not None and path != written and _fingerprint_of(path) == record["fingerprint"]:
+        if written is not None and path != written and record_fingerprint(path) == record["fingerprint"]:
             try:
                 path.unlink()
             except OSError as e:
@@ -241,10 +241,22 @@ def _read_record(path: Path) -> tuple[Optional[dict], Optional[str]]:
     return obj, None
 
 
-def _fingerprint_of(path: Path) -> Optional[str]:
+def record_fingerprint(path: Path) -> Optional[str]:
     """The ``fingerprint`` of the record at ``path``, or None (absent, unreadable, not a record)."""
     obj, _ = _read_record(path)
     return None if obj is None else obj.get("fingerprint")
+
+
+def unfinished_record(folders: list[Path]) -> Optional[Path]:
+    """The validation record that an interrupted ``03 --revalidate`` left ``unfinished``
+    (:func:`write_unfinished_record`), or None: the first folder of ``folders`` holding a readable record decides
+    (03's own order: the shards folder, then the data folder)."""
+    for folder in folders:
+        path = Path(folder) / VALIDATION_RECORD
+        obj, _ = _read_record(path)
+        if obj is not None:
+            return path if obj.get("status") == UNFINISHED else None
+    return None
 
 
 def fingerprint_now(shards: Path) -> str:
