@@ -48,7 +48,7 @@
 #             prompts are regenerated); every stage gets prompts.source=[$W/seed/prompts.jsonl,$W/self_instruct.jsonl]
 #             and no prompts.sample_size (NPROMPTS is ignored). The prompts file and its report come back in the
 #             results tarball (speed/self_instruct.jsonl.gz).
-#   SEED_NPROMPTS M (SELF_INSTRUCT without SEED): the seed is made here first, phase seed01: 01 on CONFIG with
+#   SEED_NPROMPTS M (SELF_INSTRUCT without SEED; refused otherwise): the seed is made here first, phase seed01: 01 on CONFIG with
 #             prompts.sample_size=M into $W/seed-run (the regenerated conversations of a later `pack` are then seed +
 #             self-instruct, a SEED for the next lease)
 #   RUN_SETS  extra --set for every stage (e.g. "train.hidden_states=online" once online training exists)
@@ -351,7 +351,20 @@ preflight() {  # every recipe's config loaded with its --set list, and its warm 
     rargs "$name" "${sets//@MAIN_STEPS@/1000}"
     args+=(--recipe "$name" "${RA[@]}")
   done
+  # 05's own --set list (BENCH_SETS) too: lease 2026-12-05f's BENCH_SETS=mtbench (meant as the sets to score) failed
+  # every 05 after a 6-minute training ("--set mtbench: expected section.key=value")
+  [ ${#B5[@]} -eq 0 ] || args+=(--recipe "05 (BENCH_SETS)" "${B5[@]}")
   [ ${#args[@]} -eq 0 ] || "$PY" bench/lease_preflight.py --config "$CONFIG" "${args[@]}"
+}
+
+check_settings() {  # settings that would be ignored: one line, exit 1, before anything runs. Lease 2026-12-05f's plan
+  # set SEED_NPROMPTS=100000 without SELF_INSTRUCT, meaning the data set's size: the driver trained on NPROMPTS'
+  # default 4,000 conversations instead
+  if [ "${SEED_NPROMPTS:-0}" != 0 ] && { [ "${SELF_INSTRUCT:-0}" -le 0 ] || [ -n "${SEED:-}" ]; }; then
+    echo "error: SEED_NPROMPTS=$SEED_NPROMPTS is read only with SELF_INSTRUCT > 0 and no SEED (it sizes the seed the" \
+      "self-instruct prompts add to); for the data set's size set NPROMPTS=$SEED_NPROMPTS" >&2
+    return 1
+  fi
 }
 
 recipe_chain() {  # recipe_chain NAME SETS: 04, then 05 at 3 steps (every set) and at 7 steps (SETS7)
@@ -523,7 +536,7 @@ case "${1:-}" in
     [ -e "$W/t0" ] || date +%s > "$W/t0"  # TRAIN_END_S counts from here (a restarted driver keeps the first start)
     { init_drafter && { speed_regen; auto_nprompts; data_track && speed_online && recipes && speed_bench; }; } ; touch "$W/status/ALL.done" ;;
   start)  # the recipes checked first (seconds, no GPU work), then the driver detached
-    { init_drafter && preflight; } || exit 1
+    { check_settings && init_drafter && preflight; } || exit 1
     lease_start "$W" "$0" || exit 1 ;;
   wait)
     lim=${2:-560}; t0=$SECONDS

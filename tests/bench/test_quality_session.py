@@ -396,3 +396,27 @@ def test_seed_nprompts_makes_the_seed_before_the_self_instruct_prompts(tmp_path)
     assert (w / "seed" / "prompts.jsonl").read_text() == '{"id": "s0"}\n'
     assert (w / "seed" / "prompts_report.json").read_text() == '{"r": 1}\n'
     assert r.stdout.splitlines()[-1] == f"SEED={w}/seed-run"
+
+
+@pytest.mark.parametrize("extra", [{}, {"SELF_INSTRUCT": "10", "SEED": "/nonexistent-seed"}])
+def test_start_refuses_seed_nprompts_it_would_ignore(tmp_path, extra):
+    """Lease 2026-12-05f: SEED_NPROMPTS=100000 without SELF_INSTRUCT (meant as the data set's size) was ignored and the
+    driver trained on NPROMPTS' default 4,000 conversations; `start` now refuses it in one line naming NPROMPTS."""
+    w = tmp_path / "w"
+    r = _driver("start", {"W": str(w), "RECIPES": "ref:", "CONFIG": "configs/tiny-llama.yaml",
+                          "SEED_NPROMPTS": "100000", **extra})
+    assert r.returncode == 1 and not (w / "run.pid").exists(), (r.stdout, r.stderr)
+    assert r.stderr.strip() == (
+        "error: SEED_NPROMPTS=100000 is read only with SELF_INSTRUCT > 0 and no SEED (it sizes the seed the "
+        "self-instruct prompts add to); for the data set's size set NPROMPTS=100000"), r.stderr
+
+
+def test_preflight_checks_the_benchmarks_set_list(tmp_path):
+    """Lease 2026-12-05f: BENCH_SETS=mtbench (not a section.key=value) failed every 05 after its training; `start`
+    checks 05's --set list with the recipes'."""
+    w = tmp_path / "w"
+    r = _driver("start", {"W": str(w), "RECIPES": "ref:", "CONFIG": "configs/tiny-llama.yaml",
+                          "BENCH_SETS": "mtbench"})
+    assert r.returncode == 1 and not (w / "run.pid").exists(), (r.stdout, r.stderr)
+    assert r.stdout.splitlines()[-1] == "preflight ref: ok", r.stdout
+    assert r.stderr.strip().startswith("error: recipe 05 (BENCH_SETS): ") and "mtbench" in r.stderr, r.stderr
