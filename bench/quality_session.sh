@@ -425,14 +425,33 @@ end_trainings() {  # the deadline, now: mark it passed, then SIGTERM every 04 ru
   echo "== deadline: SIGTERM sent to the running trainings $(date +%T)"
 }
 
-recipes() {  # every recipe, SLOTS chains at a time (each chain retried once: an OOM on the shared GPU usually fits later)
+retry_wait() {  # retry_wait NAME: before a failed chain's one retry. Out of memory on the shared GPU: until no other
+  # recipe's 04 runs (lease 2026-12-05f: on an H100's 80 GB the 65,536-token run, 57 GiB at its peak, and ref failed
+  # again 20 s later beside the third training, then had to be rerun by hand); any other failure: 20 s
+  if grep -qs 'OutOfMemoryError' "$W/logs/${1}_04.log"; then
+    echo "== $1: out of memory; its retry waits until no other training runs"
+    while other_trainings "$1" && [ ! -e "$W/deadline.hit" ]; do sleep "${RETRY_POLL_S:-5}"; done
+  else
+    sleep 20
+  fi
+}
+
+other_trainings() {  # other_trainings NAME: true while a recipe other than NAME has a 04 running
+  local f
+  for f in "$W"/status/*_04.pid; do
+    [ -e "$f" ] && [ "$f" != "$W/status/${1}_04.pid" ] && kill -0 "$(cat "$f")" 2>/dev/null && return 0
+  done
+  return 1
+}
+
+recipes() {  # every recipe, SLOTS chains at a time (each chain retried once: retry_wait)
   local spec name sets
   deadline_watch & local watch=$!
   for spec in $RECIPES; do
     name=${spec%%:*}; sets=${spec#*:}
     sets=${sets//@MAIN_STEPS@/$(main_steps)}
     while [ "$(jobs -rp | grep -vx "$watch" | wc -l)" -ge "$SLOTS" ]; do sleep 2; done
-    { recipe_chain "$name" "$sets" || { [ -e "$W/deadline.hit" ] || { sleep 20; recipe_chain "$name" "$sets"; }; }; } &
+    { recipe_chain "$name" "$sets" || { [ -e "$W/deadline.hit" ] || { retry_wait "$name"; recipe_chain "$name" "$sets"; }; }; } &
   done
   while [ "$(jobs -rp | grep -vx "$watch" | wc -l)" -gt 0 ]; do sleep 2; done
   kill "$watch" 2>/dev/null || true  # the watcher has exited once the deadline passed: not a failure of the recipes

@@ -420,3 +420,26 @@ def test_preflight_checks_the_benchmarks_set_list(tmp_path):
     assert r.returncode == 1 and not (w / "run.pid").exists(), (r.stdout, r.stderr)
     assert r.stdout.splitlines()[-1] == "preflight ref: ok", r.stdout
     assert r.stderr.strip().startswith("error: recipe 05 (BENCH_SETS): ") and "mtbench" in r.stderr, r.stderr
+
+
+def test_out_of_memory_retry_waits_for_the_other_trainings(tmp_path):
+    """Lease 2026-12-05f (H100): two chains that ran out of memory beside a third training retried 20 s later, beside
+    it again, and failed again. The retry of an out-of-memory 04 now starts once no other recipe's 04 runs (its own
+    pid file does not count)."""
+    w = tmp_path / "w"
+    (w / "status").mkdir(parents=True)
+    (w / "logs").mkdir()
+    (w / "logs" / "big_04.log").write_text("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 6.73 GiB.\n")
+    script = _functions("retry_wait", "other_trainings") + """
+sleep 1.5 & other=$!
+echo "$other" > "$W/status/ref_04.pid"
+sleep 30 & own=$!
+echo "$own" > "$W/status/big_04.pid"
+retry_wait big
+if kill -0 "$other" 2>/dev/null; then echo "retried while ref trains"; else echo "retried after ref"; fi
+kill "$own"
+"""
+    r = subprocess.run(["bash", "-c", script], env={**os.environ, "W": str(w), "RETRY_POLL_S": "0.2"},
+                       capture_output=True, text=True, timeout=60)
+    assert r.stdout.splitlines() == ["== big: out of memory; its retry waits until no other training runs",
+                                     "retried after ref"], (r.stdout, r.stderr)
