@@ -990,7 +990,7 @@ def _refuse_lone_surrogate(raw: dict, path: Path, applied: dict, text: str) -> N
     """Refuse a config value holding a lone UTF-16 surrogate (a YAML ``"\\ud83d"`` escape, half of an emoji's pair):
     it would reach ``prompts.jsonl`` (``system_prompt``) or a chat template and fail there with a traceback. The error
     names the ``--set`` that gave it, else the file's line of the key."""
-    from eagle3.io import lone_surrogate_field
+    from eagle3.io import lone_surrogate_error, lone_surrogate_field
 
     field = lone_surrogate_field(raw)
     if field is None:
@@ -1001,8 +1001,7 @@ def _refuse_lone_surrogate(raw: dict, path: Path, applied: dict, text: str) -> N
         lines = _key_lines(text)
         line = next((lines[keys[:n]] for n in range(len(keys), 0, -1) if keys[:n] in lines), None)
         where = f"{path}:{line}" if line is not None else str(path)
-    raise UserError(f"{where}: config key '{field}' holds an unpaired UTF-16 surrogate escape (half of a "
-                    "\\uD83D\\uDE00 pair), which is not text; remove it or complete the pair")
+    raise lone_surrogate_error(where, field)
 
 
 def add_config_args(parser) -> None:

@@ -485,9 +485,15 @@ def check_no_lone_surrogate(text: str, record: Any, where: str) -> None:
         return
     field = lone_surrogate_field(record)
     if field is not None:
-        raise UserError(f"{where}: field '{field}' holds an unpaired UTF-16 surrogate escape (half of a \\uD83D\\uDE00 "
-                        "pair, e.g. a cut emoji), which is not text: no UTF-8 file or tokenizer takes it; remove it or "
-                        "complete the pair")
+        raise lone_surrogate_error(where, field)
+
+
+def lone_surrogate_error(where: str, field: str) -> UserError:
+    """The one wording of a lone-surrogate refusal, for every reader and the config: ``<where>: field '<field>' holds an
+    unpaired UTF-16 surrogate escape ...`` (``where``: ``file:line``, or the ``--set`` that gave it)."""
+    return UserError(f"{where}: field '{field}' holds an unpaired UTF-16 surrogate escape (half of a \\uD83D\\uDE00 "
+                     "pair, e.g. a cut emoji), which is not text: no UTF-8 file or tokenizer takes it; remove it or "
+                     "complete the pair")
 
 
 def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
