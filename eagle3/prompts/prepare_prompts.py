@@ -34,7 +34,7 @@ from typing import Optional
 from pydantic import ValidationError
 
 from eagle3.prompts.chat import ChatOptions, end_of_turn_ids
-from eagle3.config import PromptsConfig, RunConfig
+from eagle3.config import PromptsConfig, RunConfig, at_item, field_path
 from eagle3.errors import UserError
 from eagle3.io import atomic_write_json, atomic_write_jsonl, atomic_write_text, exclusive_lock, file_sha256
 from eagle3.prompts.readers import dedupe, read_conversations, sample
@@ -439,9 +439,10 @@ def apply_overrides(cfg: RunConfig, source: Optional[str], fmt: Optional[str], r
         try:
             prompts_cfg = PromptsConfig.model_validate({**cfg.prompts.model_dump(), **upd})
         except ValidationError as e:
-            err = e.errors()[0]
-            key = ".".join(map(str, err["loc"]))
-            name = f"--{key} (prompts.{key})" if key in upd else f"prompts.{key}"  # a config field the flag clashes with
+            err = at_item(e.errors()[0], upd)
+            key = field_path(err["loc"])
+            flag = str(err["loc"][0]) if err["loc"] else ""
+            name = f"--{flag} (prompts.{key})" if flag in upd else f"prompts.{key}"  # a config field the flag clashes with
             raise UserError(f"{name}: {err['msg'].removeprefix('Value error, ')} (got {err.get('input')!r})") from e
         cfg = cfg.model_copy(update={"prompts": prompts_cfg})
     if limit is not None and limit < 1:

@@ -544,13 +544,14 @@ def test_content_parts_that_are_not_text_parts_are_named(tmp_path, content, err)
     assert read_conversations(ok)[0]["messages"][0] == U("look here")
 
 
-@pytest.mark.parametrize("value,msg", [("''", "empty: name a prompts file"), ("[]", "an empty list"),
-                                       ("[a.jsonl, ' ']", "empty: name a prompts file")])
+@pytest.mark.parametrize("value,msg", [("''", "'prompts\\.source': empty: name a prompts file"),
+                                       ("[]", "'prompts\\.source': an empty list"),
+                                       ("[a.jsonl, ' ']", "'prompts\\.source\\[1\\]': empty: name a prompts file")])
 def test_empty_source_is_refused_in_the_config(tmp_path, value, msg):
     """An empty prompts.source (string, list, or a blank list item) is refused as a config error naming the field
     (before: ``error: .: a folder, not a prompts file`` or ``no usable conversation in '[]'``); --source '' too."""
     cfgf = _config(tmp_path, "humaneval")
-    with pytest.raises(UserError, match=rf"^--set prompts\.source=.*: field 'prompts\.source': {msg}"):
+    with pytest.raises(UserError, match=rf"^--set prompts\.source=.*: field {msg}"):
         load_config(cfgf, [f"prompts.source={value}"])
     with pytest.raises(UserError, match=r"^--source \(prompts\.source\): empty: name a prompts file.* \(got ''\)$"):
         run(load_config(cfgf), source="")

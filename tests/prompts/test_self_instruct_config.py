@@ -69,7 +69,7 @@ def _rows(path: Path) -> list[dict]:
     ("{num: 5, temperature: 0}", "field 'prompts.self_instruct.temperature': Input should be greater than 0"),
     ("{num: 5, max_query_tokens: 0}", "field 'prompts.self_instruct.max_query_tokens'"),
     ("{num: 5, min_chars: -1}", "field 'prompts.self_instruct.min_chars'"),
-    ("{num: 5, exclude: ['']}", "field 'prompts.self_instruct.exclude': an empty entry"),
+    ("{num: 5, exclude: ['']}", "field 'prompts.self_instruct.exclude[0]': an empty entry"),
     ("{num: 5, max_tokens: 64}", "unknown config key 'prompts.self_instruct.max_tokens'"),
     ("{exclude: [a.jsonl]}", "missing required config key 'prompts.self_instruct.num'"),
     ("8000", "field 'prompts.self_instruct': expected a mapping such as {num: 8000"),
