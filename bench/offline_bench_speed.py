@@ -148,9 +148,12 @@ def main(argv=None) -> int:
     a.num_prompts = a.num_prompts or cfg.benchmark.num_prompts or 80
 
     from eagle3.prompts.chat import ChatOptions, end_of_turn_ids, prompt_ids
-    from eagle3.benchmark.eval_prompts import dataset_label, load_eval_prompts, pick_prompts, subset_warnings
+    from eagle3.benchmark.eval_prompts import (check_dataset_names, dataset_label, load_eval_prompts, pick_prompts,
+                                               subset_warnings)
     from eagle3.layers import check_aux_layers, default_aux_layers
     from eagle3.verifier import load_verifier, resolve_device, verifier_dims
+
+    check_dataset_names([a.dataset], "--dataset", indexed=False)  # before the verifier loads
 
     device = resolve_device(cfg.verifier.device)
     vcfg = cfg.verifier

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from eagle3.benchmark.eval_prompts import dataset_label, load_eval_prompts  # noqa: E402
+from eagle3.benchmark.eval_prompts import check_dataset_names, dataset_label, load_eval_prompts  # noqa: E402
 from eagle3.cli import ArgumentParser, run_main  # noqa: E402
 from eagle3.config import load_config  # noqa: E402
 from eagle3.io import write_json_and_markdown  # noqa: E402
@@ -117,6 +117,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, required=True, help="JSON path; the Markdown table goes beside it (.md)")
     a = p.parse_args(argv)
     cfg = load_config(a.config, a.set)
+    check_dataset_names(a.datasets, "--datasets", indexed=False)  # before the verifier loads
     from eagle3.verifier import load_verifier, resolve_device
 
     model, tok = load_verifier(cfg.verifier, resolve_device(cfg.verifier.device))

@@ -188,6 +188,30 @@ def subset_warnings(label: str, everything: Sequence[EvalPrompt], chosen: Sequen
             f"categories ({covered}); tau and speedup are then not the set's ({fix})"]
 
 
+PROMPT_FILE_SUFFIXES = (".jsonl", ".json", ".gz")
+
+
+def check_dataset_names(names: Sequence[str], field: str, indexed: bool = True) -> None:
+    """Refuse, before anything loads, a dataset that is neither a built-in set (:data:`BUILTIN`) nor a prompt file,
+    naming where it was given: ``field[i]`` for a config list (``benchmark.datasets[0]: unknown dataset 'mine'
+    (known: ...)``), ``field`` alone for a flag (``indexed=False``: ``--datasets``). A name that looks like a path
+    (a ``/`` or a prompt-file suffix) is reported as a missing file, a folder as a folder.
+
+    Raises:
+        UserError: the first such name.
+    """
+    for i, name in enumerate(names):
+        path = Path(name)
+        if name in BUILTIN or path.is_file():
+            continue
+        where = f"{field}[{i}]" if indexed else field
+        if path.is_dir():
+            raise UserError(f"{where}: '{name}' is a folder, not a JSONL prompt file")
+        if "/" in name or name.endswith(PROMPT_FILE_SUFFIXES):
+            raise UserError(f"{where}: prompt file '{name}' not found")
+        raise UserError(f"{where}: unknown dataset '{name}' (known: {', '.join(BUILTIN)}, or a JSONL prompt file)")
+
+
 def load_eval_subset(name: str, num_prompts: Optional[int] = None,
                      pick: str = "first") -> tuple[list[EvalPrompt], list[str]]:
     """Load an evaluation set (see :func:`load_eval_prompts`), pick ``num_prompts`` of it (:func:`pick_prompts`)
