@@ -27,6 +27,7 @@ from typing import Optional, Sequence, TypeVar
 
 from eagle3.errors import UserError
 from eagle3.io import iter_jsonl
+from eagle3.prompts.readers import with_record_system
 
 BUILTIN = ("mtbench", "humaneval", "gsm8k")
 PICKS = ("first", "spread")
@@ -113,7 +114,8 @@ def load_prompt_file(path: str | os.PathLike, num_prompts: Optional[int] = None)
     """Load prompts from a JSONL file, one object per line.
 
     Accepted keys, first match wins: ``messages`` (chat list; kept up to and including the first
-    user turn), ``turns`` (MT-bench style; first turn), ``prompt``, ``question``, ``instruction``.
+    user turn), ``turns`` (MT-bench style; first turn), ``prompt``, ``question``, ``instruction``; a top-level
+    ``system`` string is the system message (:func:`eagle3.prompts.readers.with_record_system`, as 01 reads it).
     The id is ``id``/``question_id``/``task_id``/``uid`` if present, else the line number.
 
     Raises:
@@ -125,7 +127,7 @@ def load_prompt_file(path: str | os.PathLike, num_prompts: Optional[int] = None)
     out = []
     for lineno, row in _read_jsonl(path):
         row = {k: v for k, v in row.items() if v is not None}  # a null key is an absent one (pandas' to_json)
-        msgs = _messages_from_row(row, f"{path}:{lineno}")
+        msgs = with_record_system(_messages_from_row(row, f"{path}:{lineno}"), row, f"{path}:{lineno}")
         pid = next((row[k] for k in ("id", "question_id", "task_id", "uid") if k in row), lineno)
         cat = row.get("category")
         out.append(EvalPrompt(id=str(pid), messages=msgs, category=cat if isinstance(cat, str) else None))

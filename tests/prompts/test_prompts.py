@@ -708,3 +708,34 @@ def test_a_local_hf_dataset_saved_again_is_seen_as_changed(tmp_path, capsys):
     assert f"remaking {cfg.prompts_path} (settings changed: the content of hf:{folder} changed)" in capsys.readouterr().out
     assert [json.loads(line)["messages"][0]["content"] for line in cfg.prompts_path.read_text().splitlines()] == \
         ["u0", "u1"]
+
+
+def test_a_top_level_system_field_is_the_system_turn(tmp_path):
+    """LLaMA-Factory's ShareGPT and Alpaca records carry the system prompt in a top-level ``system`` field; the readers
+    dropped it without a word (the conversation trained and regenerated without its system prompt). It is now the
+    conversation's system turn, as a ``system`` message inside it is: blank means none (``prompts.system_prompt`` then
+    applies), equal to the conversation's own system turn is that turn, two different ones are refused; 05's prompt
+    files read it the same way."""
+    from eagle3.benchmark.eval_prompts import load_prompt_file
+
+    S = {"role": "system", "content": "Be terse."}
+    src = _jsonl(tmp_path / "lf.jsonl", [
+        {"conversations": [{"from": "human", "value": "q0"}, {"from": "gpt", "value": "a0"}], "system": "Be terse."},
+        {"instruction": "q1", "input": "", "output": "a1", "system": " Be terse. "},
+        {"conversations": [{"from": "human", "value": "q2"}, {"from": "gpt", "value": "a2"}], "system": ""},
+        {"messages": [S, U("q3"), A("a3")], "system": "Be terse."},
+    ])
+    got = [c["messages"] for c in read_conversations(str(src), system_prompt="Default.")]
+    assert got == [[S, U("q0"), A("a0")], [S, U("q1"), A("a1")],
+                   [{"role": "system", "content": "Default."}, U("q2"), A("a2")], [S, U("q3"), A("a3")]]
+    bad = _jsonl(tmp_path / "two.jsonl", [{"conversations": [{"from": "system", "value": "One."},
+                                                             {"from": "human", "value": "q"}], "system": "Two."}])
+    with pytest.raises(UserError) as e:
+        read_conversations(str(bad), keep_prompt_only=True)
+    assert str(e.value) == (f"{bad}:1: field 'system' and conversations[0] are two different system prompts; "
+                            "keep one")
+    num = _jsonl(tmp_path / "num.jsonl", [{"conversations": [{"from": "human", "value": "q"}], "system": 3}])
+    with pytest.raises(UserError, match=r"num\.jsonl:1: field 'system' must be a string, got int"):
+        read_conversations(str(num), keep_prompt_only=True)
+    evalset = _jsonl(tmp_path / "eval.jsonl", [{"id": "e", "prompt": "q", "system": "Be terse."}])
+    assert load_prompt_file(evalset)[0].messages == [S, U("q")]
