@@ -496,6 +496,16 @@ def dedupe(conversations: list[dict]) -> tuple[list[dict], int]:
     return kept, len(conversations) - len(kept)
 
 
+def short_pool_warning(option: str, asked: Optional[int], have: int, what: str = "conversations") -> Optional[str]:
+    """The one-line warning of an option that samples ``asked`` items from a pool of only ``have`` (all are kept):
+    ``prompts.sample_size 50: only 3 conversations left after reading and dedupe; keeping all 3`` (``what`` says what
+    the pool holds); None when the pool is large enough, ``asked`` is None, or the pool is empty (an error elsewhere).
+    Every sampling option (01's ``prompts.sample_size``, the bench scripts' ``--num`` / ``-n``) warns with it."""
+    if asked is None or not 0 < have < asked:
+        return None
+    return f"{option} {asked}: only {have} {what}; keeping all {have}"
+
+
 def sample(conversations: list[dict], n: Optional[int], seed: int) -> list[dict]:
     """``n`` conversations drawn without replacement with ``random.Random(seed)``, in source order.
 

@@ -341,8 +341,8 @@ def test_a_later_set_below_an_earlier_set_value_names_the_earlier_override():
 
 
 @pytest.mark.parametrize("extra, message", [
-    ("benchmark:\n  datasets:\n    - humaneval\n    - 3\n", "run.yaml:9: field 'benchmark.datasets[1]': Input should be a "
-     "valid string (got 3)"),
+    ("benchmark:\n  datasets:\n    - humaneval\n    - 3\n",
+     "run.yaml:9: field 'benchmark.datasets[1]': Input should be a valid string (got 3)"),
     ("benchmark:\n  server_urls: [http://a:1, ftp://b]\n",
      "run.yaml:7: field 'benchmark.server_urls[1]': expected http://host:port, got 'ftp://b'"),
     ("data:\n  exclude_id_prefixes:\n    - a/\n    - [b]\n", "run.yaml:9: field 'data.exclude_id_prefixes[1]': Input "

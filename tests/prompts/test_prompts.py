@@ -571,6 +571,22 @@ def test_sample_size_above_the_conversations_left_is_warned(tmp_path, caplog):
     assert not caplog.records
 
 
+def test_the_sample_size_warning_is_printed_by_rank_0_only(tmp_path, caplog, monkeypatch):
+    """Under torchrun every rank reads and samples the sources, and each printed the sample_size warning (the same
+    line once per rank); only rank 0 says it now, as 01's other lines."""
+    from eagle3.prompts.prepare_prompts import select_conversations
+
+    src = _jsonl(tmp_path / "q.jsonl", [{"messages": [U(f"u{i}"), A("a")]} for i in range(3)])
+    cfg = load_config(_config(tmp_path, src, sample_size=50))
+    for rank, want in (("1", []), ("0", ["prompts.sample_size 50: only 3 conversations left after reading and dedupe; "
+                                         "keeping all 3"])):
+        monkeypatch.setenv("RANK", rank)
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            assert len(select_conversations(cfg, None)[0]) == 3
+        assert [r.getMessage() for r in caplog.records] == want
+
+
 def test_interrupt_hint_says_what_was_kept(tmp_path):
     """The line after ``interrupted by SIGTERM:``: a run that does not regenerate (config, or --no-regenerate over a
     config that does) kept nothing and says so, not "no regenerated answer was kept yet"; a regenerating run counts
