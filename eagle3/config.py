@@ -763,6 +763,16 @@ class RunConfig(_Strict):
     benchmark: BenchmarkConfig = Field(default_factory=BenchmarkConfig)
 
     # ---- derived paths -------------------------------------------------------------------
+    def output_field(self, folder: str) -> str:
+        """The config field that places the output folder ``folder`` (``prompts`` = the run folder, ``shards``,
+        ``data``, ``train``, ``export``, ``bench``): the stage's own ``output_dir`` when set, else ``output_root``
+        (``output_root (default outputs/<run_name>)`` when that is unset), for errors about the folder."""
+        section = {"prompts": None, "shards": self.extract, "data": self.data, "train": self.train,
+                   "export": self.export, "bench": self.benchmark}[folder]
+        if section is not None and section.output_dir:
+            return {"shards": "extract", "bench": "benchmark"}.get(folder, folder) + ".output_dir"
+        return "output_root" if self.output_root else f"output_root (default outputs/{self.run_name})"
+
     @property
     def root(self) -> Path:
         return Path(self.output_root or f"outputs/{self.run_name}")

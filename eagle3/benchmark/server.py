@@ -48,7 +48,7 @@ from tqdm import tqdm
 
 from eagle3.benchmark.offline import json_safe, plot_acceptance, rates_from_hist
 from eagle3.errors import UserError
-from eagle3.io import json_error_detail, read_json
+from eagle3.io import json_error_detail, probe_dirs, read_json
 
 log = logging.getLogger(__name__)
 
@@ -352,6 +352,7 @@ def run(cfg, urls: Sequence[str], datasets: Optional[Sequence[str]] = None, num_
     else:  # else MT-bench
         datasets = ["mtbench"]
     datasets = list(datasets)
+    probe_dirs(Path(cfg.bench_dir), cfg.output_field("bench"))  # the reports come after the measurement
     max_new_tokens = max_new_tokens or cfg.benchmark.max_new_tokens
     num_prompts = num_prompts or cfg.benchmark.num_prompts
     tok = load_tokenizer(cfg.verifier)

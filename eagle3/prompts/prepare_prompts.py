@@ -36,7 +36,8 @@ from pydantic import ValidationError
 from eagle3.prompts.chat import ChatOptions, end_of_turn_ids
 from eagle3.config import PromptsConfig, RunConfig, at_item, field_path
 from eagle3.errors import UserError
-from eagle3.io import atomic_write_json, atomic_write_jsonl, atomic_write_text, exclusive_lock, file_sha256
+from eagle3.io import (atomic_write_json, atomic_write_jsonl, atomic_write_text, exclusive_lock, file_sha256,
+                       make_dirs)
 from eagle3.prompts.readers import dedupe, read_conversations, sample, short_pool_warning
 
 log = logging.getLogger(__name__)
@@ -416,7 +417,7 @@ def writer_lock(cfg: RunConfig):
         return
     folder = cfg.prompts_path.parent
     created = not folder.exists()
-    folder.mkdir(parents=True, exist_ok=True)
+    make_dirs(folder, cfg.output_field("prompts"))
     try:
         with exclusive_lock(folder / LOCK_NAME, f"another 01_prepare_prompts run is writing to {folder}"):
             yield
