@@ -101,3 +101,13 @@ def test_convert_shards_names_dst(tmp_path):
     make_tiny_run(tmp_path)
     err = _error(convert, tmp_path / "shards", f"{PROC}/fp8", Storage(dtype="float8_e4m3fn"))
     assert err == f"--dst: cannot create the output folder {PROC}/fp8: {NO}"
+
+
+def test_a_bench_script_names_its_output_flag(tmp_path):
+    """The bench scripts that make a folder from a flag (``--out``, ``--workdir``, ``--profile``) name the flag."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    import collect_session
+
+    (tmp_path / "res").mkdir()
+    assert _error(collect_session.main, [str(tmp_path), "--out", f"{PROC}/s"]) == (
+        f"--out: cannot create the output folder {PROC}/s: {NO}")
