@@ -231,11 +231,18 @@ def load_eval_subset(name: str, num_prompts: Optional[int] = None,
     everything = load_eval_prompts(name)
     chosen = pick_prompts(everything, num_prompts, pick)
     label = dataset_label(name)
-    notes = []
-    if num_prompts is not None and num_prompts > len(everything):
-        notes.append(f"{label}: {num_prompts} prompts asked (--num-prompts / benchmark.num_prompts) but the set has "
-                     f"{len(everything)}: all {len(everything)} benchmarked")
-    return chosen, notes + subset_warnings(label, everything, chosen, pick)
+    short = too_few_note(label, num_prompts, len(everything))
+    return chosen, ([short] if short else []) + subset_warnings(label, everything, chosen, pick)
+
+
+def too_few_note(label: str, asked: Optional[int], have: int, flags: str = "--num-prompts / benchmark.num_prompts",
+                 verb: str = "benchmarked") -> Optional[str]:
+    """The warning of a prompt count above the set's size (the whole set is used), naming the set, the option and
+    both counts: ``mtbench: 100 prompts asked (--num-prompts / benchmark.num_prompts) but the set has 80: all 80
+    benchmarked``; None when the set is large enough or nothing was asked."""
+    if asked is None or asked <= have:
+        return None
+    return f"{label}: {asked} prompts asked ({flags}) but the set has {have}: all {have} {verb}"
 
 
 def load_eval_prompts(name: str, num_prompts: Optional[int] = None) -> list[EvalPrompt]:
