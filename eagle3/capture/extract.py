@@ -85,8 +85,8 @@ from eagle3.capture.multi import prefetching
 from eagle3.config import RunConfig
 from eagle3.errors import UserError
 from eagle3.shards.checksum import DEFAULT_ALGO, file_checksum
-from eagle3.io import (TMP_MARK, atomic_write_json, atomic_write_text, exclusive_lock, file_sha256, iter_jsonl, make_dirs,
-                       read_json, remove_stale_tmp)
+from eagle3.io import (TMP_MARK, atomic_write_json, atomic_write_text, exclusive_lock, file_sha256, iter_jsonl,
+                       make_dirs, read_json, remove_stale_tmp)
 from eagle3.layers import check_aux_layers, check_servable, default_aux_layers
 from eagle3.shards.manifest import MANIFEST, ManifestWriter, read_manifest, rewrite_manifest
 from eagle3.shards.fp8 import Storage, storage_from_config

@@ -31,7 +31,8 @@ def test_offline_bench_speed_tiny(tmp_path, tiny_llama_dir):
     assert rc == 0
     res = json.loads(out.read_text())
     # --num-prompts above the set's 3: all 3, with a warning (was silent)
-    assert "p: 5 prompts asked (--num-prompts / benchmark.num_prompts) but the set has 3: all 3 measured" in res["warnings"]
+    assert ("p: 5 prompts asked (--num-prompts / benchmark.num_prompts) but the set has 3: all 3 measured"
+            in res["warnings"])
     assert res["dtype"] == "float32" and res["headline_batch_size"] == 3 and res["aux_layers"] == [1, 3, 4]
     b1, b3 = res["rows"]
     assert (b1["batch_size"], b1["num_prompts"], b3["batch_size"], b3["num_prompts"]) == (1, 2, 3, 3)
