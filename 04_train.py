@@ -45,7 +45,8 @@ def main(argv=None) -> int:
         cfg = cfg.model_copy(update={"export": cfg.export.model_copy(update={"engine": a.engine})})
     from eagle3.export.serving import check_export_destination
 
-    check_export_destination(cfg.export_dir, cfg.export.engine)  # before training (not after it) or the export
+    # before training (not after it) or the export
+    check_export_destination(cfg.export_dir, cfg.export.engine, cfg.output_field("export"))
     if a.export_only:
         from eagle3.export.from_checkpoint import export_from_checkpoint
 

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle3.cli import ArgumentParser, run_main  # noqa: E402
 from eagle3.errors import UserError  # noqa: E402
-from eagle3.io import atomic_write_json  # noqa: E402
+from eagle3.io import atomic_write_json, make_dirs  # noqa: E402
 
 
 def split_bench(bench: dict) -> tuple[dict, dict]:
@@ -64,7 +64,7 @@ def collect(session: Path, out: Path) -> dict:
     res = session / "res"
     if not res.is_dir():
         raise UserError(f"{res}: not found (extract the session's results.tar.gz into {session} first)")
-    out.mkdir(parents=True, exist_ok=True)
+    make_dirs(out, "--out")
     real = res / "real"
     for d in sorted(real.glob("bench*")):
         if (d / "bench.json").is_file():

@@ -27,6 +27,7 @@ prompts of ``../shared/data/train``) and whose first user turn is at most ``--ma
 from __future__ import annotations
 
 import json
+import logging
 import random
 import re
 import sys
@@ -39,7 +40,9 @@ from eagle3.config import load_config  # noqa: E402
 from eagle3.data.prepare_data import split_indices  # noqa: E402
 from eagle3.errors import UserError  # noqa: E402
 from eagle3.io import atomic_write_json, atomic_write_text, iter_jsonl  # noqa: E402
-from eagle3.prompts.readers import dedupe_key, first_user_message, read_conversations  # noqa: E402
+from eagle3.prompts.readers import dedupe_key, first_user_message, read_conversations, short_pool_warning  # noqa: E402
+
+log = logging.getLogger(__name__)
 
 SHAREGPT_ID = r"^[A-Za-z0-9]{7}_\d+$"
 
@@ -73,11 +76,16 @@ def split_seen_heldout(prompts: Path, manifest: Path, val_fraction: float, seed:
     return train, held
 
 
-def draw(convs: list[dict], pattern: str, max_chars: int, n: int, seed: int) -> list[str]:
+def draw(convs: list[dict], pattern: str, max_chars: int, n: int, seed: int, label: str = "") -> list[str]:
     """First user turns of the conversations whose id matches ``pattern`` and whose first user turn is at most
-    ``max_chars`` long: ``n`` of them drawn with ``random.Random(seed)`` (all, in order, when fewer)."""
+    ``max_chars`` long: ``n`` of them drawn with ``random.Random(seed)`` (all, in order, when fewer: one warning line
+    names ``-n``, the set ``label`` and both counts)."""
     rx = re.compile(pattern)
     pool = [u for c in convs if rx.search(str(c.get("id", ""))) and 0 < len(u := first_user_message(c)) <= max_chars]
+    short = short_pool_warning("-n", n, len(pool), f"prompts in the {label + ' ' if label else ''}pool (id pattern, "
+                               f"--max-chars {max_chars})")
+    if short:
+        log.warning("%s", short)
     return pool if len(pool) <= n else random.Random(seed).sample(pool, n)
 
 
@@ -114,7 +122,7 @@ def main(argv=None) -> int:
     cfg = load_config(a.config, a.set)
     train, held = split_seen_heldout(a.prompts, a.manifest, cfg.data.val_fraction, cfg.data.seed)
     unseen = unseen_conversations(cfg, train + held)
-    sets = {name: draw(convs, a.id_pattern, a.max_chars, a.n, a.seed)
+    sets = {name: draw(convs, a.id_pattern, a.max_chars, a.n, a.seed, name)
             for name, convs in (("seen", train), ("heldout", held), ("unseen", unseen))}
     for name, prompts in sets.items():
         atomic_write_text(a.out / f"chat_{name}.jsonl", "".join(

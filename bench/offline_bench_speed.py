@@ -145,12 +145,16 @@ def main(argv=None) -> int:
         p.error("--batch-sizes, --num-prompts, --prompts-per-batch-size, --max-new-tokens and --steps must be >= 1")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cfg = load_config(a.config, a.overrides)
-    a.num_prompts = a.num_prompts or cfg.benchmark.num_prompts or 80
+    asked = a.num_prompts or cfg.benchmark.num_prompts  # None: the default 80, not warned about on a smaller set
+    a.num_prompts = asked or 80
 
     from eagle3.prompts.chat import ChatOptions, end_of_turn_ids, prompt_ids
-    from eagle3.benchmark.eval_prompts import dataset_label, load_eval_prompts, pick_prompts, subset_warnings
+    from eagle3.benchmark.eval_prompts import (check_dataset_names, dataset_label, load_eval_prompts, pick_prompts,
+                                               subset_warnings, too_few_note)
     from eagle3.layers import check_aux_layers, default_aux_layers
     from eagle3.verifier import load_verifier, resolve_device, verifier_dims
+
+    check_dataset_names([a.dataset], "--dataset", indexed=False)  # before the verifier loads
 
     device = resolve_device(cfg.verifier.device)
     vcfg = cfg.verifier
@@ -178,6 +182,8 @@ def main(argv=None) -> int:
     everything = load_eval_prompts(a.dataset)  # the whole set, read once: the subsets and their warnings
     prompts = pick_prompts(everything, a.num_prompts, pick)
     subset_notes = subset_warnings(dataset_label(a.dataset), everything, prompts, pick, "--pick")
+    short = too_few_note(dataset_label(a.dataset), asked, len(everything), verb="measured")
+    subset_notes = ([short] if short else []) + subset_notes
     for w in subset_notes:
         log.warning("%s", w)
     chat = ChatOptions.from_config(cfg)

@@ -48,7 +48,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle3.cli import ArgumentParser, positive_int, run_main  # noqa: E402
-from eagle3.io import atomic_write_json, atomic_write_text  # noqa: E402
+from eagle3.io import atomic_write_json, atomic_write_text, make_dirs  # noqa: E402
 
 MODES = ("offline", "online")
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma".split()
@@ -244,7 +244,7 @@ def main(argv=None) -> int:
     p.add_argument("--md", type=Path)
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    a.workdir.mkdir(parents=True, exist_ok=True)
+    make_dirs(a.workdir, "--workdir")
     config, prompts = (write_tiny(a.workdir) if a.tiny else (a.config, a.prompts))
     if config is None:
         p.error("--config is required (or --tiny)")

@@ -32,7 +32,7 @@ import quality_summary as qs  # noqa: E402
 
 from eagle3.cli import ArgumentParser, run_main  # noqa: E402
 from eagle3.errors import UserError  # noqa: E402
-from eagle3.io import atomic_write_json, atomic_write_text  # noqa: E402
+from eagle3.io import atomic_write_json, atomic_write_text, make_dirs  # noqa: E402
 
 
 def _recipe_diff(recipe: Optional[dict], ref: Optional[dict], variant: str, ref_variant: str) -> str:
@@ -61,7 +61,7 @@ def summarise(runs_dir: Path, ref: str, out: Path, config: str = "") -> dict:
         q = qs.collect(p, config, goals="23")
         q["source"] = str(p)
         quality[p.name] = q
-        (out / p.name).mkdir(parents=True, exist_ok=True)
+        make_dirs(out / p.name, "--out")
         atomic_write_json(out / p.name / "quality.json", q)
         atomic_write_text(out / p.name / "quality.md", qs.markdown(q))
     loaded = {p.name: qc.load_run(f"{p.name}={p / 'bench-steps3.json'}") for p in runs}
@@ -92,7 +92,7 @@ def summarise(runs_dir: Path, ref: str, out: Path, config: str = "") -> dict:
     head = max(full, key=lambda n: (mean_tau(n), n == ref))
     hq = dict(quality[head], headline_run=head,
               headline_rule="highest mean tau at 3 steps among the runs benchmarked on every set")
-    (out / "headline").mkdir(parents=True, exist_ok=True)
+    make_dirs(out / "headline", "--out")
     atomic_write_json(out / "headline" / "quality.json", hq)
     atomic_write_text(out / "headline" / "quality.md", qs.markdown(hq))
     qs.plot(hq, out / "headline" / "quality_positions.png")

@@ -66,6 +66,7 @@ CPU smoke (tests/bench/test_regen_speed.py): ``--set verifier.path=<tiny> --num 
 
 from __future__ import annotations
 
+import logging
 import statistics
 import sys
 import time
@@ -78,6 +79,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from eagle3.cli import non_negative_int, positive_int, run_main  # noqa: E402
 from eagle3.config import load_config  # noqa: E402
+from eagle3.prompts.readers import short_pool_warning  # noqa: E402
+
+log = logging.getLogger(__name__)
 
 
 def spread(records: list, num: int) -> list:
@@ -129,7 +133,13 @@ def read_input(cfg, prompts: Path | None) -> list[dict]:
                                     system_prompt=pc.system_prompt, think_tags=tuple(cfg.verifier.think_tags))
     if pc.dedupe:
         convs, _ = dedupe(convs)
-    return convs if prompts else sample(convs, pc.sample_size, pc.seed)
+    if prompts:
+        return convs
+    short = short_pool_warning("prompts.sample_size", pc.sample_size, len(convs),
+                               "conversations left after reading" + (" and dedupe" if pc.dedupe else ""))
+    if short:  # as 01 says it
+        log.warning("%s", short)
+    return sample(convs, pc.sample_size, pc.seed)
 
 
 def timed_run(model, tok, convs, engine: str, cfg, batch_size: int, max_new: int, opts_kw: dict,
@@ -726,6 +736,9 @@ def main(argv=None) -> int:
     batch_size, max_new = a.batch_size or cfg.prompts.gen_batch_size, a.max_new_tokens or cfg.prompts.max_new_tokens
     convs = read_input(cfg, a.prompts)
     main_convs = spread(convs, a.num) if a.num else convs
+    short = short_pool_warning("--num", a.num, len(convs), "conversations in the input")
+    if short:
+        log.warning("%s", short)
     model, tok = load_verifier(cfg.verifier)
     dev = next(model.parameters()).device
     opts_kw = {e: engine_options(cfg.prompts.model_copy(update={"regen_engine": e})) for e in ("slots", "hf_continuous")}

@@ -69,7 +69,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle3.cli import ArgumentParser, positive_int, run_main  # noqa: E402
 from eagle3.errors import UserError  # noqa: E402
-from eagle3.io import atomic_write_json  # noqa: E402
+from eagle3.io import atomic_write_json, make_dirs  # noqa: E402
 
 ISSUE_RUN_TOKENS = 4 * 1.74e6  # issue 9: 4 epochs over 1.74M tokens
 ISSUE_OURS_S, ISSUE_REFERENCE_S = 498.0, 320.0
@@ -436,7 +436,7 @@ def main(argv=None) -> int:
     steps = {k: int(v) for k, v in (x.split("=") for x in a.steps.split(","))}
     modes = a.modes.split(",")
     steps = {m: steps.get(m, steps.get(bf16_mode(m), 100)) for m in modes}  # '+fp8': its bf16 mode's steps
-    a.workdir.mkdir(parents=True, exist_ok=True)
+    make_dirs(a.workdir, "--workdir")
     head_dir = None
     if a.config is None:
         shape = TINY if a.tiny else SMOL
@@ -461,7 +461,7 @@ def main(argv=None) -> int:
     if a.profile:
         from torch.profiler import ProfilerActivity, profile
 
-        a.profile.mkdir(parents=True, exist_ok=True)
+        make_dirs(a.profile, "--profile")
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
         for m in modes:
             with profile(activities=acts) as prof:

@@ -18,6 +18,7 @@ with ``p1 < 0.5`` and with margin < 1 nat (near-ties a drafter must break like t
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -27,11 +28,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from eagle3.benchmark.eval_prompts import dataset_label, load_eval_prompts  # noqa: E402
+from eagle3.benchmark.eval_prompts import (check_dataset_names, dataset_label, load_eval_prompts,  # noqa: E402
+                                           pick_prompts, too_few_note)
 from eagle3.cli import ArgumentParser, run_main  # noqa: E402
 from eagle3.config import load_config  # noqa: E402
 from eagle3.io import write_json_and_markdown  # noqa: E402
 from eagle3.prompts.chat import ChatOptions, end_of_turn_ids, prompt_ids  # noqa: E402
+
+log = logging.getLogger(__name__)
 
 
 def step_confidence(scores: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -117,6 +121,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, required=True, help="JSON path; the Markdown table goes beside it (.md)")
     a = p.parse_args(argv)
     cfg = load_config(a.config, a.set)
+    check_dataset_names(a.datasets, "--datasets", indexed=False)  # before the verifier loads
     from eagle3.verifier import load_verifier, resolve_device
 
     model, tok = load_verifier(cfg.verifier, resolve_device(cfg.verifier.device))
@@ -127,7 +132,11 @@ def main(argv=None) -> int:
     report = {"config": a.config, "overrides": a.set, "max_new_tokens": max_new, "dtype": str(model.dtype),
               "device": str(next(model.parameters()).device), "sets": {}}
     for name in a.datasets:
-        prompts = load_eval_prompts(name, a.num_prompts)
+        everything = load_eval_prompts(name)
+        prompts = pick_prompts(everything, a.num_prompts)  # the first N
+        short = too_few_note(dataset_label(name), a.num_prompts, len(everything), "--num-prompts", "measured")
+        if short:
+            log.warning("%s", short)
         ids = [prompt_ids(tok, q.messages, chat) for q in prompts]
         rows = []
         for i in tqdm(range(0, len(ids), a.batch_size), desc=f"confidence {dataset_label(name)}", unit="batch"):

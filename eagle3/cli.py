@@ -94,32 +94,64 @@ def run_main(main: Callable[[list[str] | None], int | None], argv: list[str] | N
     line, exit 2). Any other exception propagates with its traceback (a bug, not bad input). Ctrl-C
     (``KeyboardInterrupt``), and SIGTERM inside :func:`resume_on_interrupt`, print one line ``interrupted by
     SIGINT|SIGTERM[: <hint>]`` and exit ``128 + signal`` (130 / 143).
+
+    Under torchrun (``WORLD_SIZE > 1``) the error line is printed once for the job, by the first rank that stops with
+    one (:func:`eagle3.process_group.first_to_report`); every rank still exits 2. A rank torchrun then stops with
+    SIGTERM exits 143 without an ``interrupted by`` line.
     """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         rc = main(argv)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        if _first_to_report():  # under torchrun: one rank prints it, every rank exits 2
+            print(f"error: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
     except Exception as e:  # noqa: BLE001 - only disk-full and path errors are turned into one-liners
         from eagle3.io import disk_full_error, is_disk_full
 
         bad_path = path_error(e)
         if bad_path is not None:
-            print(f"error: {bad_path}", file=sys.stderr)
+            if _first_to_report():
+                print(f"error: {bad_path}", file=sys.stderr)
             sys.exit(bad_path.exit_code)
         if not is_disk_full(e):
             raise
         # A writer outside eagle3.io (a library's own file) ran out of space: still one line + exit 2.
         err = disk_full_error(getattr(e, "filename", None) or "output", e)
-        print(f"error: {err}", file=sys.stderr)
+        if _first_to_report():
+            print(f"error: {err}", file=sys.stderr)
         sys.exit(err.exit_code)
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM inside resume_on_interrupt (Terminated)
         signum = getattr(e, "signum", signal.SIGINT)
         hint = getattr(e, "hint", None)
-        print(f"interrupted by {signal.Signals(signum).name}" + (f": {hint}" if hint else ""), file=sys.stderr)
+        if not (signum == signal.SIGTERM and _another_rank_reported()):  # torchrun stopping the job after its error
+            print(f"interrupted by {signal.Signals(signum).name}" + (f": {hint}" if hint else ""), file=sys.stderr)
         sys.exit(128 + int(signum))
     sys.exit(int(rc or 0))
+
+
+def _several_ranks() -> bool:
+    """This process is one of several torchrun ranks (``WORLD_SIZE > 1``); torch is imported only then."""
+    return os.environ.get("WORLD_SIZE", "1") not in ("", "0", "1")
+
+
+def _first_to_report() -> bool:
+    """Print the error here? One process: yes; torchrun ranks: the first to stop with one
+    (:func:`eagle3.process_group.first_to_report`)."""
+    if not _several_ranks():
+        return True
+    from eagle3.process_group import first_to_report
+
+    return first_to_report()
+
+
+def _another_rank_reported() -> bool:
+    """A torchrun rank already printed the job's error (:func:`eagle3.process_group.another_rank_reported`)."""
+    if not _several_ranks():
+        return False
+    from eagle3.process_group import another_rank_reported
+
+    return another_rank_reported()
 
 
 class Terminated(KeyboardInterrupt):

@@ -18,6 +18,28 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from eagle3.errors import UserError
 
 
+class ItemError(ValueError):
+    """A validator's refusal of one item of a list field: the error names the item (``field 'benchmark.server_urls[1]':
+    ...``, with the item's own YAML line and value), not the whole list (:func:`_format_validation_error`)."""
+
+    def __init__(self, index: int, item, message: str):
+        super().__init__(message)
+        self.index, self.item = index, item
+
+
+def check_items(values: list, check) -> list:
+    """``[check(v) for v in values]``, a ``ValueError`` of item ``i`` re-raised as :class:`ItemError` naming it."""
+    out = []
+    for i, v in enumerate(values):
+        try:
+            out.append(check(v))
+        except ItemError:
+            raise
+        except ValueError as e:
+            raise ItemError(i, v, str(e)) from None
+    return out
+
+
 def check_http_url(url: str) -> str:
     """``url`` if it is an absolute ``http://`` or ``https://`` URL with a host (a server base URL such
     as ``http://127.0.0.1:30000``); else ``ValueError`` with a one-line reason (pydantic and argparse
@@ -98,7 +120,7 @@ def _check_str_or_str_list(v, annotation) -> None:
         raise ValueError(f"expected a string or a list of strings, not {_type_word(v)}")
     bad = next((i for i, x in enumerate(v) if not isinstance(x, str)), None)
     if bad is not None:
-        raise ValueError(f"item [{bad}] must be a string, not {_type_word(v[bad])}")
+        raise ItemError(bad, v[bad], f"must be a string, not {_type_word(v[bad])}")
 
 
 def _type_word(v) -> str:
@@ -286,7 +308,7 @@ class RegenServerConfig(_Strict):
     @field_validator("urls")
     @classmethod
     def _urls(cls, v):
-        return [check_http_url(u) for u in v]  # one URL string was made a list of one (_Strict)
+        return check_items(v, check_http_url)  # one URL string was made a list of one (_Strict)
 
 
 class SelfInstructConfig(_Strict):
@@ -307,9 +329,12 @@ class SelfInstructConfig(_Strict):
     @classmethod
     def _exclude_named(cls, v):
         """No blank entry (it would read as the current folder)."""
-        if any(not x.strip() for x in v):
-            raise ValueError("an empty entry: name an evaluation file (e.g. mt_bench_question.jsonl) or remove it")
-        return v
+        def named(x: str) -> str:
+            if not x.strip():
+                raise ValueError("an empty entry: name an evaluation file (e.g. mt_bench_question.jsonl) or remove it")
+            return x
+
+        return check_items(v, named)
 
 
 class PromptsConfig(_Strict):
@@ -329,9 +354,14 @@ class PromptsConfig(_Strict):
         names = [v] if isinstance(v, str) else v
         if not names:
             raise ValueError("an empty list: name at least one prompts file or set")
-        if any(not n.strip() for n in names):
-            raise ValueError("empty: name a prompts file, 'humaneval' or 'hf:<dataset>'")
-        return v
+        def named(n: str) -> str:
+            if not n.strip():
+                raise ValueError("empty: name a prompts file, 'humaneval' or 'hf:<dataset>'")
+            return n
+
+        if isinstance(v, str):
+            return named(v)
+        return check_items(v, named)
     sample_size: Optional[int] = Field(None, ge=1, description="keep this many (after dedupe), sampled with `seed`")
     seed: int = 0
     dedupe: bool = True
@@ -520,7 +550,7 @@ class ExtractConfig(_Strict):
         if isinstance(v, list):
             if not v:
                 raise ValueError("an empty list; give one URL or several")
-            return [check_http_url(u) for u in v]
+            return check_items(v, check_http_url)
         return None if v is None else check_http_url(v)
     storage_dtype: Literal["bfloat16", "float8_e4m3fn"] = Field(
         "bfloat16", description="hidden states on disk: bfloat16 = speculators-v1 (readable by other tools); "
@@ -535,8 +565,9 @@ class ExtractConfig(_Strict):
         if v is not None:
             if len(v) != 3:
                 raise ValueError("EAGLE-3 takes exactly 3 aux layers")
-            if any(i < 1 for i in v):
-                raise ValueError("aux layer indices are HF hidden_states indices and must be >= 1")
+            bad = next((k for k, i in enumerate(v) if i < 1), None)
+            if bad is not None:
+                raise ItemError(bad, v[bad], "aux layer indices are HF hidden_states indices and must be >= 1")
             if sorted(set(v)) != list(v):
                 raise ValueError("aux layers must be strictly increasing")
         return v
@@ -702,7 +733,7 @@ class BenchmarkConfig(_Strict):
     @field_validator("server_urls")
     @classmethod
     def _urls(cls, v):
-        return [check_http_url(u) for u in v]  # one URL string was made a list of one (_Strict)
+        return check_items(v, check_http_url)  # one URL string was made a list of one (_Strict)
 
 
 class RunConfig(_Strict):
@@ -732,6 +763,16 @@ class RunConfig(_Strict):
     benchmark: BenchmarkConfig = Field(default_factory=BenchmarkConfig)
 
     # ---- derived paths -------------------------------------------------------------------
+    def output_field(self, folder: str) -> str:
+        """The config field that places the output folder ``folder`` (``prompts`` = the run folder, ``shards``,
+        ``data``, ``train``, ``export``, ``bench``): the stage's own ``output_dir`` when set, else ``output_root``
+        (``output_root (default outputs/<run_name>)`` when that is unset), for errors about the folder."""
+        section = {"prompts": None, "shards": self.extract, "data": self.data, "train": self.train,
+                   "export": self.export, "bench": self.benchmark}[folder]
+        if section is not None and section.output_dir:
+            return {"shards": "extract", "bench": "benchmark"}.get(folder, folder) + ".output_dir"
+        return "output_root" if self.output_root else f"output_root (default outputs/{self.run_name})"
+
     @property
     def root(self) -> Path:
         return Path(self.output_root or f"outputs/{self.run_name}")
@@ -767,8 +808,18 @@ class RunConfig(_Strict):
         return Path(self.benchmark.output_dir) if self.benchmark.output_dir else self.root / "bench"
 
 
+def field_path(loc) -> str:
+    """The name of a config field (or a record's field) at ``loc``, a pydantic error location or a key path: keys
+    joined by ``.``, list items as ``[i]`` (``benchmark.datasets[0]``, ``prompts.self_instruct.exclude[1]``), the form
+    :func:`eagle3.io.lone_surrogate_field` and the prompt readers use."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
 def _format_validation_error(path: Path, err: ValidationError, overrides: Optional[dict] = None,
-                             lines: Optional[dict] = None) -> str:
+                             lines: Optional[dict] = None, raw: Optional[dict] = None) -> str:
     """One line for the first pydantic error, naming the ``--set`` override when one set that key, else
     the file and the line of the key (``run.yaml:14: ...``, from ``lines`` = :func:`_key_lines`).
 
@@ -777,9 +828,9 @@ def _format_validation_error(path: Path, err: ValidationError, overrides: Option
     section the file lacks and the override created, blames the override instead of the file. An unknown key gets the closest valid key of its section
     (``did you mean 'lr'?``, :func:`_did_you_mean`).
     """
-    e = err.errors()[0]
+    e = at_item(err.errors()[0], raw)
     loc_t = tuple(str(x) for x in e["loc"])
-    loc = ".".join(loc_t)
+    loc = field_path(e["loc"])
     where, by_override = str(path), False
     for keys, text in (overrides or {}).items():
         n = min(len(keys), len(loc_t))
@@ -799,7 +850,30 @@ def _format_validation_error(path: Path, err: ValidationError, overrides: Option
     if e["type"] == "missing":
         return f"{where}: missing required config key '{loc}'"
     msg = e["msg"].removeprefix("Value error, ") if e["type"] == "value_error" else e["msg"]  # our validators' own words
-    return f"{where}: field '{loc}': {msg} (got {_short(e.get('input'))})"
+    got = "" if msg.endswith(repr(e.get("input"))) else f" (got {_short(e.get('input'))})"  # the message shows it
+    return f"{where}: field '{loc}': {msg}{got}"
+
+
+def at_item(e: dict, raw) -> dict:
+    """The pydantic error ``e`` moved to the list item an :class:`ItemError` names (its ``loc`` + ``[i]``, its
+    ``input`` the item), when the value at ``loc`` in ``raw`` (the mapping that was validated) is a list: one string
+    a list field read as a list of one keeps the field's name."""
+    item = (e.get("ctx") or {}).get("error")
+    if isinstance(item, ItemError) and isinstance(_value_at(raw, e["loc"]), list):
+        return {**e, "loc": (*e["loc"], item.index), "input": item.item}
+    return e
+
+
+def _value_at(raw, loc):
+    """The value at ``loc`` (keys and list indices) in the parsed YAML ``raw``, or None where there is none."""
+    for part in loc:
+        if isinstance(raw, dict) and part in raw:
+            raw = raw[part]
+        elif isinstance(raw, list) and isinstance(part, int) and 0 <= part < len(raw):
+            raw = raw[part]
+        else:
+            return None
+    return raw
 
 
 def _section_model(loc: tuple[str, ...]) -> Optional[type[BaseModel]]:
@@ -876,11 +950,11 @@ def _duplicate_key(text: str) -> Optional[tuple[str, int, int]]:
             for k, v in node.value:
                 if isinstance(k, yaml.ScalarNode):
                     if k.value in seen:
-                        return ".".join(prefix + (str(k.value),)), k.start_mark.line + 1, seen[k.value]
+                        return field_path(prefix + (str(k.value),)), k.start_mark.line + 1, seen[k.value]
                     seen[k.value] = k.start_mark.line + 1
                     stack.append((v, prefix + (str(k.value),)))
         elif isinstance(node, yaml.SequenceNode):
-            stack.extend((v, prefix + (str(i),)) for i, v in enumerate(node.value))
+            stack.extend((v, prefix + (i,)) for i, v in enumerate(node.value))
     return None
 
 
@@ -983,14 +1057,14 @@ def load_config(path: str | os.PathLike, overrides: Optional[list[str]] = None) 
     try:
         return RunConfig.model_validate(raw)
     except ValidationError as e:
-        raise UserError(_format_validation_error(path, e, applied, _key_lines(text))) from e
+        raise UserError(_format_validation_error(path, e, applied, _key_lines(text), raw)) from e
 
 
 def _refuse_lone_surrogate(raw: dict, path: Path, applied: dict, text: str) -> None:
     """Refuse a config value holding a lone UTF-16 surrogate (a YAML ``"\\ud83d"`` escape, half of an emoji's pair):
     it would reach ``prompts.jsonl`` (``system_prompt``) or a chat template and fail there with a traceback. The error
     names the ``--set`` that gave it, else the file's line of the key."""
-    from eagle3.io import lone_surrogate_field
+    from eagle3.io import lone_surrogate_error, lone_surrogate_field
 
     field = lone_surrogate_field(raw)
     if field is None:
@@ -1001,8 +1075,7 @@ def _refuse_lone_surrogate(raw: dict, path: Path, applied: dict, text: str) -> N
         lines = _key_lines(text)
         line = next((lines[keys[:n]] for n in range(len(keys), 0, -1) if keys[:n] in lines), None)
         where = f"{path}:{line}" if line is not None else str(path)
-    raise UserError(f"{where}: config key '{field}' holds an unpaired UTF-16 surrogate escape (half of a "
-                    "\\uD83D\\uDE00 pair), which is not text; remove it or complete the pair")
+    raise lone_surrogate_error(where, field)
 
 
 def add_config_args(parser) -> None:

@@ -110,6 +110,48 @@ def disk_full_guard(path: str | os.PathLike, needed: int | None = None) -> Itera
         raise
 
 
+def make_dirs(path: str | os.PathLike, field: Optional[str] = None) -> list[Path]:
+    """Create the folder ``path`` and its missing parents (``mkdir -p``); returns the folders made, deepest first.
+
+    Every stage makes its output folders through here, so a folder that cannot be made (a file in the way, no
+    permission, a read-only file system, ``/proc``) stops the run with one line naming the config field that put it
+    there, before anything is written.
+
+    Args:
+        field: the config field or flag behind ``path`` (``output_root``, ``train.output_dir``, ``--dst``), from
+            :meth:`eagle3.config.RunConfig.output_field`; None: a writer's own parent folder (the path alone).
+
+    Raises:
+        UserError: ``<field>: cannot create the output folder <path>: <why>`` (``why``: ``<p> is a file, not a
+            folder`` when a file is in the way, else the OS's reason); without ``field`` ``<path>: cannot create the
+            folder: <why>``; disk full: :func:`disk_full_error`.
+    """
+    path = Path(path)
+    missing = [p for p in (path, *path.parents) if not p.exists()]
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        if is_disk_full(e):
+            raise disk_full_error(path, e) from e
+        blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+        why = f"{blocker} is a file, not a folder" if blocker is not None else (e.strerror or str(e))
+        raise UserError(f"{field}: cannot create the output folder {path}: {why}" if field else
+                        f"{path}: cannot create the folder: {why}") from e
+    return missing
+
+
+def probe_dirs(path: str | os.PathLike, field: Optional[str] = None) -> None:
+    """Check at a stage's start that :func:`make_dirs` can make ``path`` (its first write may come minutes later):
+    make it, then remove again the folders this call made (nothing left behind).
+
+    Raises:
+        UserError: as :func:`make_dirs`.
+    """
+    for p in make_dirs(path, field):
+        with contextlib.suppress(OSError):
+            p.rmdir()  # only when still empty
+
+
 def _write_all(f, data: bytes) -> None:
     """Hand ``data`` to the OS through the file object ``f`` (binary).
 
@@ -171,7 +213,7 @@ def atomic_path(path: str | os.PathLike, needed: int | None = None, tmp_prefix: 
     """
     path = Path(path)
     with disk_full_guard(path, needed):
-        path.parent.mkdir(parents=True, exist_ok=True)
+        make_dirs(path.parent)
         fd, tmp = tempfile.mkstemp(prefix=(tmp_prefix or path.name) + TMP_MARK, dir=path.parent)
         os.close(fd)
         tmp = Path(tmp)
@@ -227,7 +269,7 @@ def open_append(path: str | os.PathLike):
     """
     path = Path(path)
     with disk_full_guard(path):
-        path.parent.mkdir(parents=True, exist_ok=True)
+        make_dirs(path.parent)
         return open(path, "ab", buffering=0)
 
 
@@ -485,9 +527,15 @@ def check_no_lone_surrogate(text: str, record: Any, where: str) -> None:
         return
     field = lone_surrogate_field(record)
     if field is not None:
-        raise UserError(f"{where}: field '{field}' holds an unpaired UTF-16 surrogate escape (half of a \\uD83D\\uDE00 "
-                        "pair, e.g. a cut emoji), which is not text: no UTF-8 file or tokenizer takes it; remove it or "
-                        "complete the pair")
+        raise lone_surrogate_error(where, field)
+
+
+def lone_surrogate_error(where: str, field: str) -> UserError:
+    """The one wording of a lone-surrogate refusal, for every reader and the config: ``<where>: field '<field>' holds an
+    unpaired UTF-16 surrogate escape ...`` (``where``: ``file:line``, or the ``--set`` that gave it)."""
+    return UserError(f"{where}: field '{field}' holds an unpaired UTF-16 surrogate escape (half of a \\uD83D\\uDE00 "
+                     "pair, e.g. a cut emoji), which is not text: no UTF-8 file or tokenizer takes it; remove it or "
+                     "complete the pair")
 
 
 def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:

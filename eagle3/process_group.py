@@ -29,7 +29,9 @@ teardown when the block finishes, the teardown without a barrier when an excepti
 from __future__ import annotations
 
 import contextlib
+import datetime
 import gc
+import os
 from typing import Any, Iterator, Optional
 
 import torch.distributed as dist
@@ -68,6 +70,69 @@ def close_process_group(group: Optional[Any] = None, *, barrier: bool = True) ->
     finally:
         dist.destroy_process_group()
         gc.collect()
+
+
+# Where the ranks of a torchrun job agree on who prints a user error (see first_to_report); one key per restart.
+REPORT_KEY = "eagle3/user_error_reported/{restart}"
+
+
+def _agent_store(timeout_s: float):
+    """A client of the TCPStore that torchrun's agent hosts for the job (``TORCHELASTIC_USE_AGENT_STORE=True``, the
+    default of ``torchrun`` / ``--standalone``: ``MASTER_ADDR:MASTER_PORT`` is the agent's store, alive while any rank
+    runs and whether or not this rank made a process group), or None (another launcher, or not reachable)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    try:
+        return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                             timeout=datetime.timedelta(seconds=timeout_s))
+    except Exception:  # noqa: BLE001 - no store: the caller falls back to printing
+        return None
+
+
+def _world() -> int:
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1") or 1)
+    except ValueError:
+        return 1
+
+
+def _reports(add: int, timeout_s: float) -> Optional[int]:
+    """The job's count of ranks that reported a user error after adding ``add`` to it (None: no store)."""
+    store = _agent_store(timeout_s)
+    if store is None:
+        return None
+    try:
+        return int(store.add(REPORT_KEY.format(restart=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), add))
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def first_to_report(timeout_s: float = 10.0) -> bool:
+    """Whether this process prints the user error (``UserError``) it stops with.
+
+    One process: yes. Under torchrun (``WORLD_SIZE > 1``) the same bad config or file is met by every rank, and
+    each printed the same line (N lines for N ranks); now only the first rank to stop with a user error prints it,
+    whichever rank that is: the ranks claim one counter in torchrun's agent store (:func:`_agent_store`), and the
+    one that finds it at 0 prints. Not rank 0 always: when only some ranks meet an error (a shard only rank 1
+    reads), rank 0 may never raise one, and its line would be lost. The other ranks print nothing and every rank
+    still exits 2 (:func:`eagle3.cli.run_main`), so torchrun reports the job as failed. Without the agent's store (a
+    launcher other than torchrun setting ``RANK``/``WORLD_SIZE``, or the store unreachable) every rank prints, as
+    before: an error is never hidden.
+    """
+    if _world() <= 1:
+        return True
+    n = _reports(1, timeout_s)
+    return n is None or n == 1
+
+
+def another_rank_reported(timeout_s: float = 10.0) -> bool:
+    """Under torchrun: a rank already printed a user error (:func:`first_to_report`). torchrun then stops the other
+    ranks with SIGTERM, and each printed ``interrupted by SIGTERM: ...`` under the error, though nobody interrupted
+    anything; :func:`eagle3.cli.run_main` keeps those ranks quiet (exit 143 still)."""
+    if _world() <= 1:
+        return False
+    n = _reports(0, timeout_s)
+    return bool(n)
 
 
 @contextlib.contextmanager

@@ -27,6 +27,7 @@ from typing import Optional, Sequence, TypeVar
 
 from eagle3.errors import UserError
 from eagle3.io import iter_jsonl
+from eagle3.prompts.readers import with_record_system
 
 BUILTIN = ("mtbench", "humaneval", "gsm8k")
 PICKS = ("first", "spread")
@@ -113,7 +114,8 @@ def load_prompt_file(path: str | os.PathLike, num_prompts: Optional[int] = None)
     """Load prompts from a JSONL file, one object per line.
 
     Accepted keys, first match wins: ``messages`` (chat list; kept up to and including the first
-    user turn), ``turns`` (MT-bench style; first turn), ``prompt``, ``question``, ``instruction``.
+    user turn), ``turns`` (MT-bench style; first turn), ``prompt``, ``question``, ``instruction``; a top-level
+    ``system`` string is the system message (:func:`eagle3.prompts.readers.with_record_system`, as 01 reads it).
     The id is ``id``/``question_id``/``task_id``/``uid`` if present, else the line number.
 
     Raises:
@@ -125,7 +127,7 @@ def load_prompt_file(path: str | os.PathLike, num_prompts: Optional[int] = None)
     out = []
     for lineno, row in _read_jsonl(path):
         row = {k: v for k, v in row.items() if v is not None}  # a null key is an absent one (pandas' to_json)
-        msgs = _messages_from_row(row, f"{path}:{lineno}")
+        msgs = with_record_system(_messages_from_row(row, f"{path}:{lineno}"), row, f"{path}:{lineno}")
         pid = next((row[k] for k in ("id", "question_id", "task_id", "uid") if k in row), lineno)
         cat = row.get("category")
         out.append(EvalPrompt(id=str(pid), messages=msgs, category=cat if isinstance(cat, str) else None))
@@ -188,6 +190,30 @@ def subset_warnings(label: str, everything: Sequence[EvalPrompt], chosen: Sequen
             f"categories ({covered}); tau and speedup are then not the set's ({fix})"]
 
 
+PROMPT_FILE_SUFFIXES = (".jsonl", ".json", ".gz")
+
+
+def check_dataset_names(names: Sequence[str], field: str, indexed: bool = True) -> None:
+    """Refuse, before anything loads, a dataset that is neither a built-in set (:data:`BUILTIN`) nor a prompt file,
+    naming where it was given: ``field[i]`` for a config list (``benchmark.datasets[0]: unknown dataset 'mine'
+    (known: ...)``), ``field`` alone for a flag (``indexed=False``: ``--datasets``). A name that looks like a path
+    (a ``/`` or a prompt-file suffix) is reported as a missing file, a folder as a folder.
+
+    Raises:
+        UserError: the first such name.
+    """
+    for i, name in enumerate(names):
+        path = Path(name)
+        if name in BUILTIN or path.is_file():
+            continue
+        where = f"{field}[{i}]" if indexed else field
+        if path.is_dir():
+            raise UserError(f"{where}: '{name}' is a folder, not a JSONL prompt file")
+        if "/" in name or name.endswith(PROMPT_FILE_SUFFIXES):
+            raise UserError(f"{where}: prompt file '{name}' not found")
+        raise UserError(f"{where}: unknown dataset '{name}' (known: {', '.join(BUILTIN)}, or a JSONL prompt file)")
+
+
 def load_eval_subset(name: str, num_prompts: Optional[int] = None,
                      pick: str = "first") -> tuple[list[EvalPrompt], list[str]]:
     """Load an evaluation set (see :func:`load_eval_prompts`), pick ``num_prompts`` of it (:func:`pick_prompts`)
@@ -205,11 +231,18 @@ def load_eval_subset(name: str, num_prompts: Optional[int] = None,
     everything = load_eval_prompts(name)
     chosen = pick_prompts(everything, num_prompts, pick)
     label = dataset_label(name)
-    notes = []
-    if num_prompts is not None and num_prompts > len(everything):
-        notes.append(f"{label}: {num_prompts} prompts asked (--num-prompts / benchmark.num_prompts) but the set has "
-                     f"{len(everything)}: all {len(everything)} benchmarked")
-    return chosen, notes + subset_warnings(label, everything, chosen, pick)
+    short = too_few_note(label, num_prompts, len(everything))
+    return chosen, ([short] if short else []) + subset_warnings(label, everything, chosen, pick)
+
+
+def too_few_note(label: str, asked: Optional[int], have: int, flags: str = "--num-prompts / benchmark.num_prompts",
+                 verb: str = "benchmarked") -> Optional[str]:
+    """The warning of a prompt count above the set's size (the whole set is used), naming the set, the option and
+    both counts: ``mtbench: 100 prompts asked (--num-prompts / benchmark.num_prompts) but the set has 80: all 80
+    benchmarked``; None when the set is large enough or nothing was asked."""
+    if asked is None or asked <= have:
+        return None
+    return f"{label}: {asked} prompts asked ({flags}) but the set has {have}: all {have} {verb}"
 
 
 def load_eval_prompts(name: str, num_prompts: Optional[int] = None) -> list[EvalPrompt]:

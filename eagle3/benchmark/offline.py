@@ -46,8 +46,8 @@ from tqdm import tqdm
 
 from eagle3.config import RunConfig
 from eagle3.errors import UserError
-from eagle3.benchmark.eval_prompts import EvalPrompt, dataset_labels, load_eval_subset
-from eagle3.io import atomic_write_bytes, atomic_write_json, atomic_write_text, read_json
+from eagle3.benchmark.eval_prompts import EvalPrompt, check_dataset_names, dataset_labels, load_eval_subset
+from eagle3.io import atomic_write_bytes, atomic_write_json, atomic_write_text, probe_dirs, read_json
 from eagle3.shards.format import check_extract_settings
 
 log = logging.getLogger(__name__)
@@ -825,7 +825,9 @@ def run(
     steps = steps or bc.steps
     max_new_tokens = max_new_tokens or bc.max_new_tokens
     num_prompts = num_prompts or bc.num_prompts
+    check_dataset_names(datasets or bc.datasets, "--datasets" if datasets else "benchmark.datasets", not datasets)
     datasets = list(datasets or bc.datasets)
+    probe_dirs(cfg.bench_dir, cfg.output_field("bench"))  # the reports come at the end: a bad folder fails now
     drafter_dir = resolve_drafter_dir(cfg, drafter_dir)
     sets, subset_notes = load_sets(datasets, num_prompts, bc.prompt_pick)  # a bad set fails before the verifier loads
     for w in subset_notes:  # (more prompts asked than a set has, categories left out) said before the long work

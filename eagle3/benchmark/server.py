@@ -48,7 +48,7 @@ from tqdm import tqdm
 
 from eagle3.benchmark.offline import json_safe, plot_acceptance, rates_from_hist
 from eagle3.errors import UserError
-from eagle3.io import json_error_detail, read_json
+from eagle3.io import json_error_detail, probe_dirs, read_json
 
 log = logging.getLogger(__name__)
 
@@ -341,12 +341,18 @@ def run(cfg, urls: Sequence[str], datasets: Optional[Sequence[str]] = None, num_
         UserError: tokenizer, prompt set or server problems (see :func:`run_server_bench`).
     """
     from eagle3.prompts.chat import ChatOptions, prompt_ids
-    from eagle3.benchmark.eval_prompts import dataset_labels, load_eval_subset
+    from eagle3.benchmark.eval_prompts import check_dataset_names, dataset_labels, load_eval_subset
     from eagle3.verifier import load_tokenizer
 
-    if not datasets:  # the config's sets when it names them (configs/kimi-k2.5.yaml), else MT-bench
-        datasets = cfg.benchmark.datasets if "datasets" in cfg.benchmark.model_fields_set else ["mtbench"]
+    if datasets:
+        check_dataset_names(datasets, "--datasets", indexed=False)
+    elif "datasets" in cfg.benchmark.model_fields_set:  # the config's sets when it names them (configs/kimi-k2.5.yaml)
+        datasets = cfg.benchmark.datasets
+        check_dataset_names(datasets, "benchmark.datasets")
+    else:  # else MT-bench
+        datasets = ["mtbench"]
     datasets = list(datasets)
+    probe_dirs(Path(cfg.bench_dir), cfg.output_field("bench"))  # the reports come after the measurement
     max_new_tokens = max_new_tokens or cfg.benchmark.max_new_tokens
     num_prompts = num_prompts or cfg.benchmark.num_prompts
     tok = load_tokenizer(cfg.verifier)

@@ -85,7 +85,8 @@ from eagle3.capture.multi import prefetching
 from eagle3.config import RunConfig
 from eagle3.errors import UserError
 from eagle3.shards.checksum import DEFAULT_ALGO, file_checksum
-from eagle3.io import TMP_MARK, atomic_write_json, atomic_write_text, exclusive_lock, file_sha256, iter_jsonl, read_json, remove_stale_tmp
+from eagle3.io import (TMP_MARK, atomic_write_json, atomic_write_text, exclusive_lock, file_sha256, iter_jsonl,
+                       make_dirs, read_json, remove_stale_tmp)
 from eagle3.layers import check_aux_layers, check_servable, default_aux_layers
 from eagle3.shards.manifest import MANIFEST, ManifestWriter, read_manifest, rewrite_manifest
 from eagle3.shards.fp8 import Storage, storage_from_config
@@ -727,7 +728,7 @@ def _remove_fresh_folder(created: list[Path]) -> None:
 def _run(cfg: RunConfig, root: Path, overwrite: bool, limit: Optional[int], backend: Optional[CaptureBackend],
          tokenizer, d: "_Dist", ignore_disk_check: bool) -> dict:
     if d.world == 1:
-        root.mkdir(parents=True, exist_ok=True)
+        make_dirs(root, cfg.output_field("shards"))
         with _exclusive(root):
             return _extract(cfg, root, overwrite, limit, backend, tokenizer, d, ignore_disk_check)
     if cfg.extract.backend != "hf" and backend is None:
@@ -736,7 +737,7 @@ def _run(cfg: RunConfig, root: Path, overwrite: bool, limit: Optional[int], back
     cfg = _rank_config(cfg, d)
     with contextlib.ExitStack() as stack:
         def lock() -> None:
-            root.mkdir(parents=True, exist_ok=True)
+            make_dirs(root, cfg.output_field("shards"))
             stack.enter_context(_exclusive(root))  # rank 0 only; released when run() returns
 
         d.on_rank0(lock)

@@ -28,7 +28,7 @@ from tqdm import tqdm
 from eagle3.shards.checksum import row_checksum
 from eagle3.config import RunConfig
 from eagle3.errors import UserError
-from eagle3.io import atomic_save_png, atomic_torch_save, atomic_write_json, atomic_write_text
+from eagle3.io import atomic_save_png, atomic_torch_save, atomic_write_json, atomic_write_text, make_dirs, probe_dirs
 from eagle3.shards.manifest import MANIFEST, read_manifest
 from eagle3.shards.format import (DATA_CONFIG, check_extract_settings, check_verifier, expect_from_data_config,
                                   list_samples, load_sample, read_data_config)
@@ -363,6 +363,7 @@ def run(cfg: RunConfig, *, plot: bool = True, revalidate: bool = False) -> dict:
     paths = list_samples(shards)
     if not paths:
         raise UserError(f"{shards}: no shards found")
+    probe_dirs(cfg.data_dir, cfg.output_field("data"))  # before the validation pass (minutes), not after it
     stats, freq, how, fp = _shard_stats(cfg, meta, paths, revalidate)  # freq: [V]
     d2t, t2d = build_vocab_map(freq, draft)
     cov = coverage(freq, t2d)
@@ -374,7 +375,7 @@ def run(cfg: RunConfig, *, plot: bool = True, revalidate: bool = False) -> dict:
     split["train"] = subset_train(split["train"], cfg.data.train_samples, cfg.data.seed)
 
     out = cfg.data_dir
-    out.mkdir(parents=True, exist_ok=True)
+    make_dirs(out, cfg.output_field("data"))
     atomic_torch_save(freq, out / TOKEN_FREQ)
     save_vocab_map(out / VOCAB_MAP, d2t, t2d)
     atomic_write_json(out / SPLIT, split)

@@ -68,7 +68,7 @@ from typing import Optional
 import torch
 
 from eagle3.errors import UserError
-from eagle3.io import atomic_write_json, disk_full_guard, file_mode, read_json
+from eagle3.io import atomic_write_json, disk_full_guard, file_mode, make_dirs, probe_dirs, read_json
 from eagle3.layers import check_aux_layers, engine_layer_ids, hf_layers_from_engine, is_deepseek_family
 from eagle3.train.draft_config import DEFAULT_EXPORT_DTYPE, check_context_length, llama_config
 from eagle3.train.model import VARIANTS, DrafterArgs, Eagle3Drafter
@@ -406,7 +406,7 @@ def export_drafter(
     out = Path(out_dir)
     _check_replaceable(out, engine)
     _warn_other_run(out, provenance)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(out.parent)
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
     os.chmod(tmp, file_mode(directory=True))  # mkdtemp's 0o700 -> readable by a server running as another user
     try:
@@ -446,21 +446,25 @@ def _warn_other_run(out: Path, provenance: Optional[dict]) -> None:
                     provenance["train_dir"], provenance.get("selected_step", "?"))
 
 
-def check_export_destination(out: Path, engine: str) -> None:
+def check_export_destination(out: Path, engine: str, field: str = "export.output_dir") -> None:
     """04's start-up check of where the export will go (``04_train.py`` calls it before training): the refusals of
     :func:`_check_replaceable`, and a path under a file (it said ``<file>: File exists``). They came only after the
     whole training, with no export and no report (fresh-user trial 2026-12-05d); the checkpoints stayed, for
     ``--export-only``.
 
+    ``field``: the config field that puts ``out`` there (``RunConfig.output_field("export")``), for the messages.
+
     Raises:
-        UserError: as :func:`_check_replaceable`; or a parent of ``out`` that is a file.
+        UserError: as :func:`_check_replaceable`; a parent of ``out`` that is a file; or a folder above ``out`` that
+            cannot be made (:func:`eagle3.io.probe_dirs`: ``<field>: cannot create the output folder ...``).
     """
     out = Path(out)
     for parent in out.parents:
         if parent.exists():
             if not parent.is_dir():
-                raise UserError(f"{out}: export.output_dir is under {parent}, which is a file, not a folder")
+                raise UserError(f"{out}: {field} is under {parent}, which is a file, not a folder")
             break
+    probe_dirs(out.parent, field)  # the export is made beside it and renamed
     _check_replaceable(out, engine)
 
 

@@ -34,10 +34,11 @@ from typing import Optional
 from pydantic import ValidationError
 
 from eagle3.prompts.chat import ChatOptions, end_of_turn_ids
-from eagle3.config import PromptsConfig, RunConfig
+from eagle3.config import PromptsConfig, RunConfig, at_item, field_path
 from eagle3.errors import UserError
-from eagle3.io import atomic_write_json, atomic_write_jsonl, atomic_write_text, exclusive_lock, file_sha256
-from eagle3.prompts.readers import dedupe, read_conversations, sample
+from eagle3.io import (atomic_write_json, atomic_write_jsonl, atomic_write_text, exclusive_lock, file_sha256,
+                       make_dirs)
+from eagle3.prompts.readers import dedupe, read_conversations, sample, short_pool_warning
 
 log = logging.getLogger(__name__)
 
@@ -416,7 +417,7 @@ def writer_lock(cfg: RunConfig):
         return
     folder = cfg.prompts_path.parent
     created = not folder.exists()
-    folder.mkdir(parents=True, exist_ok=True)
+    make_dirs(folder, cfg.output_field("prompts"))
     try:
         with exclusive_lock(folder / LOCK_NAME, f"another 01_prepare_prompts run is writing to {folder}"):
             yield
@@ -439,9 +440,11 @@ def apply_overrides(cfg: RunConfig, source: Optional[str], fmt: Optional[str], r
         try:
             prompts_cfg = PromptsConfig.model_validate({**cfg.prompts.model_dump(), **upd})
         except ValidationError as e:
-            err = e.errors()[0]
-            key = ".".join(map(str, err["loc"]))
-            name = f"--{key} (prompts.{key})" if key in upd else f"prompts.{key}"  # a config field the flag clashes with
+            err = at_item(e.errors()[0], upd)
+            key = field_path(err["loc"])
+            flag = str(err["loc"][0]) if err["loc"] else ""
+            # the flag's own value, else a config field the flag clashes with
+            name = f"--{flag} (prompts.{key})" if flag in upd else f"prompts.{key}"
             raise UserError(f"{name}: {err['msg'].removeprefix('Value error, ')} (got {err.get('input')!r})") from e
         cfg = cfg.model_copy(update={"prompts": prompts_cfg})
     if limit is not None and limit < 1:
@@ -652,9 +655,10 @@ def select_conversations(cfg: RunConfig, limit: Optional[int]) -> tuple[list[dic
     if pc.dedupe:
         convs, n_dup = dedupe(convs)
     n_before = len(convs)
-    if pc.sample_size is not None and 0 < n_before < pc.sample_size:  # asked for more than there are: say so
-        log.warning("prompts.sample_size %d: only %d conversations left after reading%s; keeping all %d",
-                    pc.sample_size, n_before, " and dedupe" if pc.dedupe else "", n_before)
+    short = short_pool_warning("prompts.sample_size", pc.sample_size, n_before,
+                               "conversations left after reading" + (" and dedupe" if pc.dedupe else ""))
+    if short and _rank0():  # asked for more than there are: say so (once under torchrun)
+        log.warning("%s", short)
     convs = sample(convs, pc.sample_size, pc.seed)
     if not convs:
         hint = ("; prompt-only sources need prompts.regenerate: true (the verifier writes the answers)"

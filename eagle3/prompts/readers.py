@@ -34,7 +34,8 @@ or one record), or ``hf:<dataset name or local path>`` (Hugging Face ``datasets`
 Normalisation policies (each skip is counted under ``skipped_<reason>`` in the ``counts`` Counter):
 
 * roles are mapped to system/user/assistant; content is stripped of surrounding whitespace;
-* a system message is allowed only first; ``system_prompt`` is prepended when there is none;
+* a system message is allowed only first; a record's top-level ``system`` field (LLaMA-Factory's ShareGPT and
+  Alpaca records) is that first system message (blank: none); ``system_prompt`` is prepended when there is none;
 * leading assistant turns (ShareGPT "split" continuation chunks start with ``gpt``) are dropped
   (counted as ``dropped_leading_assistant``, the conversation is kept);
 * an assistant reply starting with an inline think block (``<think>...</think>``) and no
@@ -276,6 +277,30 @@ def _raw_messages(rec: dict, fmt: str, where: str) -> list:
                     f"(keys seen: {', '.join(sorted(map(str, rec))) or 'none'})")
 
 
+def with_record_system(raw: list, rec: dict, where: str) -> list:
+    """``raw`` (``[(role, content)]`` or message dicts) with the record's top-level ``system`` field (LLaMA-Factory's
+    ShareGPT and Alpaca records: ``{"conversations": [...], "system": "..."}``) as its first, system, message: the
+    same place a system message inside the conversation takes. A blank ``system`` (their datasets write ``""`` for
+    none) adds nothing; one equal to the conversation's own first system message is that message.
+
+    Raises:
+        UserError: ``system`` is not a string, or the conversation opens with a system message of other text
+            (``<where>: field 'system' and conversations[0] are two different system prompts; keep one``).
+    """
+    if "system" not in rec:
+        return raw
+    text = _text(rec["system"], where, "system")
+    if not text.strip():
+        return raw
+    first = _as_message(raw[0]) if raw else None
+    if first is not None and first["role"] == "system":
+        if first["content"].strip() == text.strip():
+            return raw
+        inner = "conversations[0]" if "conversations" in rec else "messages[0]"
+        raise UserError(f"{where}: field 'system' and {inner} are two different system prompts; keep one")
+    return [{"role": "system", "content": text}, *raw]
+
+
 def _as_message(x) -> dict:
     if isinstance(x, dict):
         return dict(x)
@@ -425,7 +450,8 @@ def read_conversations(source: str, fmt: str = "auto", *, hf_split: str = "train
             raise UserError(f"{where}: unrecognised record: none of the keys {', '.join(_RECOGNISED)} "
                             f"(keys seen: {', '.join(sorted(map(str, rec))) or 'none'}"
                             + (f"; null: {', '.join(nulls)})" if nulls else ")"))
-        msgs = normalise(_raw_messages(rec, rfmt, where), keep_prompt_only, system_prompt, counts, think_tags)
+        raw = with_record_system(_raw_messages(rec, rfmt, where), rec, where)
+        msgs = normalise(raw, keep_prompt_only, system_prompt, counts, think_tags)
         if msgs is None:
             continue
         rid = next((str(rec[k]) for k in _ID_KEYS if rec.get(k) not in (None, "")), None)
@@ -468,6 +494,16 @@ def dedupe(conversations: list[dict]) -> tuple[list[dict], int]:
         seen.add(k)
         kept.append(c)
     return kept, len(conversations) - len(kept)
+
+
+def short_pool_warning(option: str, asked: Optional[int], have: int, what: str = "conversations") -> Optional[str]:
+    """The one-line warning of an option that samples ``asked`` items from a pool of only ``have`` (all are kept):
+    ``prompts.sample_size 50: only 3 conversations left after reading and dedupe; keeping all 3`` (``what`` says what
+    the pool holds); None when the pool is large enough, ``asked`` is None, or the pool is empty (an error elsewhere).
+    Every sampling option (01's ``prompts.sample_size``, the bench scripts' ``--num`` / ``-n``) warns with it."""
+    if asked is None or not 0 < have < asked:
+        return None
+    return f"{option} {asked}: only {have} {what}; keeping all {have}"
 
 
 def sample(conversations: list[dict], n: Optional[int], seed: int) -> list[dict]:

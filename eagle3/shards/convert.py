@@ -36,7 +36,7 @@ from tqdm import tqdm
 from eagle3.errors import UserError
 from eagle3.shards.fp8 import Storage
 from eagle3.shards.checksum import DEFAULT_ALGO, file_checksum, new_hasher, row_checksum
-from eagle3.io import atomic_write_json, exclusive_lock, read_json, remove_stale_tmp
+from eagle3.io import atomic_write_json, exclusive_lock, make_dirs, read_json, remove_stale_tmp
 from eagle3.shards.manifest import MANIFEST, ManifestWriter, read_manifest
 from eagle3.shards.format import (
     DATA_CONFIG,
@@ -122,7 +122,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, storage: Storage, *,
         storage.num_blocks(H)
     except ValueError as e:
         raise UserError(f"--block-size: {e}") from e
-    dst.mkdir(parents=True, exist_ok=True)
+    make_dirs(dst, "--dst")
     with _exclusive(dst):
         return _convert(src, dst, meta, storage, overwrite, workers, limit)
 

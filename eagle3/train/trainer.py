@@ -70,7 +70,7 @@ from eagle3.layers import check_servable
 from eagle3.process_group import init_process_group, process_group_scope
 from eagle3.shards.fp8 import dequantize_batch, is_fp8
 from eagle3.io import (append_bytes, atomic_write_json, atomic_write_jsonl, atomic_write_text, disk_full_guard,
-                       open_append, read_json)
+                       make_dirs, open_append, read_json)
 from eagle3.train.schedule import build_scheduler
 from eagle3.shards.format import (check_extract_settings, check_verifier, check_verifier_dims, expect_from_data_config,
                                   read_data_config)
@@ -827,7 +827,7 @@ TRAIN_LOCK = ".train.lock"  # in train_dir while a 04 trains or exports there (o
 
 
 @contextlib.contextmanager
-def _train_lock(train_dir: Path, d: DistInfo):
+def _train_lock(train_dir: Path, d: DistInfo, field: str = "train.output_dir"):
     """Hold ``{train_dir}/.train.lock`` (:func:`eagle3.io.exclusive_lock`, rank 0) for the whole of 04: a second 04 on
     the same train folder (``--resume`` started while the first still ran) trained beside it, deleting its
     in-flight checkpoint temp files, appending a second copy of every metrics row and writing the same export
@@ -840,8 +840,8 @@ def _train_lock(train_dir: Path, d: DistInfo):
     with contextlib.ExitStack() as stack:
         failed = None
         if d.is_main:
-            train_dir.mkdir(parents=True, exist_ok=True)
             try:
+                make_dirs(train_dir, field)
                 stack.enter_context(exclusive_lock(train_dir / TRAIN_LOCK, holder))
             except UserError as e:
                 failed = e
@@ -866,7 +866,7 @@ def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: O
     (:func:`stop_before_training`), removes what this call created."""
     with contextlib.ExitStack() as held:
         return _run_locked(cfg, d, stop, resume, max_steps, stop_after, export, init, stop_at,
-                           lock=lambda: held.enter_context(_train_lock(cfg.train_dir, d)))
+                           lock=lambda: held.enter_context(_train_lock(cfg.train_dir, d, cfg.output_field("train"))))
 
 
 def _run_locked(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: Optional[int],
@@ -1159,7 +1159,7 @@ def _load_inputs(cfg: RunConfig, d: DistInfo, resume: bool, init: Optional[Calla
     stop_before_training(stop, d)
     head = prepare_target_head(cfg, data_config, d)  # the first write: target_head.safetensors (creates train_dir)
     if d.is_main:
-        cfg.train_dir.mkdir(parents=True, exist_ok=True)
+        make_dirs(cfg.train_dir, cfg.output_field("train"))
     stop_before_training(stop, d)  # the head's extraction can take minutes (verifier weights)
     drafter = init_drafter(args, head, vocab, cfg.train.seed)
     if warm:

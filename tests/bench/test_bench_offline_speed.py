@@ -25,11 +25,14 @@ def test_offline_bench_speed_tiny(tmp_path, tiny_llama_dir):
     cfg.write_text(f"run_name: t\noutput_root: {tmp_path / 'out'}\nverifier: {{path: {tiny_llama_dir}, device: cpu}}\n"
                    f"prompts: {{source: {prompts}}}\nextract: {{aux_layers: [1, 3, 4]}}\n")
     out = tmp_path / "speed.json"
-    rc = _script().main(["--config", str(cfg), "--random-drafter", "--dataset", str(prompts), "--num-prompts", "3",
+    rc = _script().main(["--config", str(cfg), "--random-drafter", "--dataset", str(prompts), "--num-prompts", "5",
                          "--prompts-per-batch-size", "2", "--max-new-tokens", "6", "--batch-sizes", "1", "3",
                          "--json", str(out)])
     assert rc == 0
     res = json.loads(out.read_text())
+    # --num-prompts above the set's 3: all 3, with a warning (was silent)
+    assert ("p: 5 prompts asked (--num-prompts / benchmark.num_prompts) but the set has 3: all 3 measured"
+            in res["warnings"])
     assert res["dtype"] == "float32" and res["headline_batch_size"] == 3 and res["aux_layers"] == [1, 3, 4]
     b1, b3 = res["rows"]
     assert (b1["batch_size"], b1["num_prompts"], b3["batch_size"], b3["num_prompts"]) == (1, 2, 3, 3)

@@ -75,3 +75,14 @@ def test_bad_manifest_row_is_one_line(tmp_path):
                         "--out", str(t / "sets")], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 2 and r.stderr.strip() == f"error: {t / 'manifest.jsonl'}:2: expected a manifest row with 'idx' and 'id'"
     assert not (t / "sets").exists()
+
+
+def test_n_above_the_pool_is_warned(caplog):
+    """``-n`` above a set's pool kept them all without a word (the set silently smaller than asked); one warning now
+    names the option, the set and both counts."""
+    convs = [_conv(f"aaaaaaa_{i}", f"question {i}") for i in range(3)]
+    with caplog.at_level("WARNING"):
+        assert len(fps.draw(convs, fps.SHAREGPT_ID, 40, 10, 0, "heldout")) == 3
+        assert len(fps.draw(convs, fps.SHAREGPT_ID, 40, 2, 0, "seen")) == 2
+    assert [r.getMessage() for r in caplog.records] == [
+        "-n 10: only 3 prompts in the heldout pool (id pattern, --max-chars 40); keeping all 3"]

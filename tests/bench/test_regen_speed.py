@@ -317,3 +317,18 @@ def test_warm_up_is_labelled_and_kept_within_the_run_sizes(tmp_path, tiny_llama_
     assert rsp.first_turns([{"id": "a", "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
                                                      {"role": "assistant", "content": "x"}]}])[0]["messages"] == [
         {"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+
+
+def test_a_sample_size_above_the_pool_is_warned_as_01_warns(tmp_path, caplog):
+    """bench/regen_speed.py samples the config's sources with prompts.sample_size as 01 does, but a sample_size above
+    the conversations there are was silent (01 warned); it now warns with 01's line (readers.short_pool_warning)."""
+    from eagle3.config import load_config
+
+    src = tmp_path / "q.jsonl"
+    src.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"u{i}"}]}) + "\n" for i in range(3)))
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"run_name: t\nverifier: {{path: {tmp_path}}}\nprompts: {{source: {src}, sample_size: 7}}\n")
+    with caplog.at_level("WARNING"):
+        assert len(rsp.read_input(load_config(cfg), None)) == 3
+    assert [r.getMessage() for r in caplog.records] == [
+        "prompts.sample_size 7: only 3 conversations left after reading and dedupe; keeping all 3"]

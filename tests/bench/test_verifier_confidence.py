@@ -62,9 +62,11 @@ def test_cli_writes_json_and_table(tmp_path, tiny_llama_dir):
     cfg.write_text(f"run_name: t\nverifier: {{path: {tiny_llama_dir}, dtype: float32, device: cpu}}\n"
                    f"prompts: {{source: {prompts}}}\n")
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "verifier_confidence.py"), "--config", str(cfg),
-                        "--datasets", str(prompts), "--max-new-tokens", "4", "--batch-size", "2",
+                        "--datasets", str(prompts), "--max-new-tokens", "4", "--batch-size", "2", "--num-prompts", "5",
                         "--out", str(tmp_path / "c.json")], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
+    # more prompts asked than the set has: all of them, with one warning (was silent)
+    assert "p: 5 prompts asked (--num-prompts) but the set has 3: all 3 measured" in r.stderr, r.stderr[-2000:]
     rep = json.loads((tmp_path / "c.json").read_text())
     (name, s), = rep["sets"].items()
     assert s["prompts"] == 3 and 3 <= s["answer_tokens"] <= 12 and 0 < s["mean_p1"] <= 1

@@ -524,8 +524,34 @@ def test_broken_drafter_fails_before_the_verifier_loads(run_setup, tmp_path, mon
     with pytest.raises(UserError, match=r"config\.json"):
         _cli().main(["--config", str(cfg), "--drafter", str(bad)])
     # a prompt set that cannot load (a misspelt name is taken as a file path) is refused before the verifier too
-    with pytest.raises(UserError, match=r"HumanEval: prompt file not found \(expected mtbench, humaneval, gsm8k"):
+    with pytest.raises(UserError, match=r"^--datasets: unknown dataset 'HumanEval' \(known: mtbench, humaneval, gsm8k"):
         _cli().main(["--config", str(cfg), "--drafter", str(root / "drafter"), "--datasets", "HumanEval"])
+
+
+@pytest.mark.parametrize("server", [False, True])
+def test_an_unknown_dataset_names_the_config_field_or_the_flag(tmp_path, monkeypatch, server):
+    """``benchmark.datasets: mine`` stopped with ``mine: prompt file not found (expected mtbench, ...)``, naming neither
+    the field nor the list item; 05 (offline and server mode) now names where the name was given, before anything
+    loads: the config's item, else the flag."""
+    import eagle3.verifier
+
+    def nothing_loads(*a, **k):
+        raise AssertionError("loaded before the dataset names were checked")
+
+    monkeypatch.setattr(eagle3.verifier, "load_verifier", nothing_loads)
+    monkeypatch.setattr(eagle3.verifier, "load_tokenizer", nothing_loads)
+    (tmp_path / "p.jsonl").write_text('{"prompt": "hi"}\n')
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"run_name: t\noutput_root: {tmp_path / 'out'}\nverifier: {{path: {tmp_path}}}\n"
+                   f"prompts: {{source: humaneval}}\nbenchmark: {{datasets: [{tmp_path / 'p.jsonl'}, mine]}}\n")
+    mode = ["--server", "http://127.0.0.1:9"] if server else ["--drafter", str(tmp_path)]
+    with pytest.raises(UserError) as e:
+        _cli().main(["--config", str(cfg), *mode])
+    assert str(e.value) == ("benchmark.datasets[1]: unknown dataset 'mine' (known: mtbench, humaneval, gsm8k, or a "
+                            "JSONL prompt file)")
+    with pytest.raises(UserError) as e:
+        _cli().main(["--config", str(cfg), *mode, "--datasets", "mtbench", str(tmp_path / "gone.jsonl")])
+    assert str(e.value) == f"--datasets: prompt file '{tmp_path / 'gone.jsonl'}' not found"
 
 
 def test_render_markdown_table():

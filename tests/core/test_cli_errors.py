@@ -94,14 +94,16 @@ PER_SCRIPT = {
         (["--source", "{root}/bad-turns.jsonl"], "prompts.source: no usable conversation in '{root}/bad-turns.jsonl': "
                                                  "read 3 records, skipped 3 (empty content: 2, no assistant: 1); "
                                                  "prompt-only sources need prompts.regenerate: true"),
-        (["--set", "prompts.server.urls=[node1:30000]"], "--set prompts.server.urls=[node1:30000]: field 'prompts.server.urls'"),
+        (["--set", "prompts.server.urls=[node1:30000]"],
+         "--set prompts.server.urls=[node1:30000]: field 'prompts.server.urls[0]'"),
     ],
     "02_extract_hidden.py": [
         (["--limit", "-3"], "argument --limit: must be >= 1, got -3"),
         (["--backend", "vllm"], "argument --backend: invalid choice: 'vllm'"),
         (["--server", "localhost:30000"], "argument --server: expected http://host:port, got 'localhost:30000'"),
         (["--set", "extract.sglang_url=127.0.0.1"], "--set extract.sglang_url=127.0.0.1: field 'extract.sglang_url'"),
-        (["--set", "output_root={good}/under-a-file"], "{good}/under-a-file/shards: Not a directory"),
+        (["--set", "output_root={good}/under-a-file"], "output_root: cannot create the output folder "
+                                                         "{good}/under-a-file/shards: {good} is a file, not a folder"),
         ([], "outputs/r/prompts.jsonl: prompts file not found"),
     ],
     "03_prepare_data.py": [
@@ -129,7 +131,8 @@ PER_SCRIPT = {
         (["--tie-tolerance", "-0.5"], "argument --tie-tolerance: must be >= 0, got -0.5"),
         (["--server", "notaurl"], "argument --server: expected http://host:port, got 'notaurl'"),
         (["--server", "http://h:port"], "argument --server: not a valid URL"),
-        (["--set", "benchmark.server_urls=[ftp://x]"], "--set benchmark.server_urls=[ftp://x]: field 'benchmark.server_urls': expected http://host:port"),
+        (["--set", "benchmark.server_urls=[ftp://x]"],
+         "--set benchmark.server_urls=[ftp://x]: field 'benchmark.server_urls[0]': expected http://host:port"),
         (["--drafter", "{root}/no-drafter"], "--drafter: folder '{root}/no-drafter' not found"),
         ([], "the exported drafter 'outputs/r/drafter-sglang' (the config's export dir) not found: run 04_train.py first or pass --drafter"),
     ],

@@ -69,7 +69,7 @@ def test_bad_fields_name_file_and_field(tmp_path, extra, message):
     (BASE + "train:\n  zzz_nothing_alike: 1\n", "run.yaml:7: unknown config key 'train.zzz_nothing_alike'"),
     # wrong values: the line of the key, also inside a list
     (BASE + "\n\ntrain:\n  epochs: many\n", "run.yaml:9: field 'train.epochs'"),
-    (BASE + "extract:\n  aux_layers:\n    - 2\n    - x\n    - 27\n", "run.yaml:9: field 'extract.aux_layers.1'"),
+    (BASE + "extract:\n  aux_layers:\n    - 2\n    - x\n    - 27\n", "run.yaml:9: field 'extract.aux_layers[1]'"),
     # a missing key: the section lacking it; none for a top-level key
     ("run_name: r\nverifier:\n  name: x\nprompts:\n  source: y\n", "run.yaml:2: missing required config key 'verifier.path'"),
     ("run_name: r\nprompts:\n  source: y\n", "run.yaml: missing required config key 'verifier'"),
@@ -77,7 +77,7 @@ def test_bad_fields_name_file_and_field(tmp_path, extra, message):
     (BASE + "benchmark:\n  num_prompts: 10\n  steps: 3\n  num_prompts: 2\n",
      "run.yaml:9: config key 'benchmark.num_prompts' given twice (first at line 7); keep one"),
     (BASE + "train:\n  lr: 0.1\ntrain:\n  epochs: 2\n", "run.yaml:8: config key 'train' given twice (first at line 6)"),
-    (BASE + "prompts2:\n  - {a: 1, a: 2}\n", "run.yaml:7: config key 'prompts2.0.a' given twice (first at line 7)"),
+    (BASE + "prompts2:\n  - {a: 1, a: 2}\n", "run.yaml:7: config key 'prompts2[0].a' given twice (first at line 7)"),
 ])
 def test_file_errors_give_the_line_and_the_closest_key(tmp_path, text, message):
     f = _write(tmp_path, text)
@@ -287,14 +287,14 @@ def test_every_list_of_strings_field_takes_one_string(tmp_path):
 
 @pytest.mark.parametrize("override, message", [
     ("prompts.source=[a.jsonl, 5]",
-     "field 'prompts.source': item [1] must be a string, not a number (got ['a.jsonl', 5])"),
+     "field 'prompts.source[1]': must be a string, not a number (got 5)"),
     ("prompts.source=[a.jsonl, true]",
-     "field 'prompts.source': item [1] must be a string, not a boolean (got ['a.jsonl', True])"),
+     "field 'prompts.source[1]': must be a string, not a boolean (got True)"),
     ("prompts.source=", "field 'prompts.source': expected a string or a list of strings, not null (got None)"),
     ("prompts.source={a: 1}",
      "field 'prompts.source': expected a string or a list of strings, not a mapping (got {'a': 1})"),
     ("extract.sglang_url=[http://a:1, 5]",
-     "field 'extract.sglang_url': item [1] must be a string, not a number (got ['http://a:1', 5])"),
+     "field 'extract.sglang_url[1]': must be a string, not a number (got 5)"),
     ("extract.capture_dir=7", "field 'extract.capture_dir': expected a string or a list of strings, not a number (got 7)"),
 ])
 def test_a_string_or_list_field_names_itself_and_the_bad_item(tmp_path, override, message):
@@ -307,7 +307,7 @@ def test_a_string_or_list_field_names_itself_and_the_bad_item(tmp_path, override
     f = _write(tmp_path, BASE.replace("source: humaneval", "source: [a.jsonl, 5]"))
     with pytest.raises(UserError) as e:
         load_config(f)
-    assert str(e.value) == f"{f}:5: field 'prompts.source': item [1] must be a string, not a number (got ['a.jsonl', 5])"
+    assert str(e.value) == f"{f}:5: field 'prompts.source[1]': must be a string, not a number (got 5)"
     assert load_config(f, ["prompts.source=[a.jsonl, b.jsonl]", "extract.sglang_url=null"]).prompts.source == \
         ["a.jsonl", "b.jsonl"]
 
@@ -338,3 +338,37 @@ def test_a_later_set_below_an_earlier_set_value_names_the_earlier_override():
     with pytest.raises(UserError) as e:
         load_config(cfg, ["run_name.x=1"])
     assert str(e.value) == "--set run_name.x=1: 'run_name' is a value, not a section"
+
+
+@pytest.mark.parametrize("extra, message", [
+    ("benchmark:\n  datasets:\n    - humaneval\n    - 3\n",
+     "run.yaml:9: field 'benchmark.datasets[1]': Input should be a valid string (got 3)"),
+    ("benchmark:\n  server_urls: [http://a:1, ftp://b]\n",
+     "run.yaml:7: field 'benchmark.server_urls[1]': expected http://host:port, got 'ftp://b'"),
+    ("data:\n  exclude_id_prefixes:\n    - a/\n    - [b]\n", "run.yaml:9: field 'data.exclude_id_prefixes[1]': Input "
+     "should be a valid string (got ['b'])"),
+    ("extract:\n  aux_layers:\n    - 2\n    - 0\n    - 5\n", "run.yaml:9: field 'extract.aux_layers[1]': aux layer "
+     "indices are HF hidden_states indices and must be >= 1 (got 0)"),
+    ("extract:\n  sglang_url:\n    - http://a:1\n    - x\n", "run.yaml:9: field 'extract.sglang_url[1]': expected "
+     "http://host:port, got 'x'"),
+])
+def test_a_list_item_is_named_field_index_in_brackets(tmp_path, extra, message):
+    """Errors about one item of a list read ``field.0`` (pydantic's location joined by dots: ``extract.aux_layers.1``)
+    or named the whole list (``field 'benchmark.server_urls': expected http://host:port, got 'ftp://b' (got [...])``);
+    the item is now ``field[i]``, as the prompt readers and the lone-surrogate check write it, with its own line and
+    value."""
+    f = _write(tmp_path, BASE + extra)
+    with pytest.raises(UserError) as e:
+        load_config(f)
+    assert str(e.value) == f"{tmp_path}/{message}"
+
+
+def test_a_prompts_flag_clash_names_the_list_item(tmp_path, monkeypatch):
+    """01's ``--source`` applied over the config: a bad item is ``prompts.source[1]``, not ``prompts.source.1``."""
+    from eagle3.prompts.prepare_prompts import apply_overrides
+
+    cfg = load_config(_write(tmp_path, BASE))
+    with pytest.raises(UserError) as e:
+        apply_overrides(cfg, ["a.jsonl", " "], None, None, None)
+    assert str(e.value) == ("--source (prompts.source[1]): empty: name a prompts file, 'humaneval' or 'hf:<dataset>' "
+                            "(got ' ')")

@@ -173,8 +173,28 @@ def test_a_lone_surrogate_escape_is_refused_naming_file_line_and_field_by_every_
         list(_iter_file(arr))
     yml = tmp_path / "run.yaml"
     yml.write_text('run_name: r\nverifier: {path: /x}\nprompts:\n  source: p.jsonl\n  system_prompt: "hi \\ud83d"\n')
-    with pytest.raises(UserError, match=r"run\.yaml:5: config key 'prompts.system_prompt' holds an unpaired UTF-16"):
+    with pytest.raises(UserError, match=r"run\.yaml:5: field 'prompts.system_prompt' holds an unpaired UTF-16"):
         load_config(yml)
     with pytest.raises(UserError) as ei:
         load_config(yml, ['prompts.source="\\udc00"', 'prompts.system_prompt=hi'])
-    assert str(ei.value).startswith('--set prompts.source="\\udc00": config key \'prompts.source\' holds an unpaired')
+    assert str(ei.value).startswith('--set prompts.source="\\udc00": field \'prompts.source\' holds an unpaired')
+
+
+def test_the_lone_surrogate_refusal_reads_the_same_for_a_file_and_the_config(tmp_path):
+    """The refusal was worded twice (a file: ``field '...' ... e.g. a cut emoji), which is not text: no UTF-8 file
+    or tokenizer takes it``; the config: ``config key '...' ... pair), which is not text``): one wording now, from
+    :func:`eagle3.io.lone_surrogate_error`, whatever names the place."""
+    from eagle3.config import load_config
+
+    tail = ("holds an unpaired UTF-16 surrogate escape (half of a \\uD83D\\uDE00 pair, e.g. a cut emoji), which is not "
+            "text: no UTF-8 file or tokenizer takes it; remove it or complete the pair")
+    p = tmp_path / "p.jsonl"
+    p.write_text('{"prompt": "x \\ud800 y"}\n')
+    with pytest.raises(UserError) as ei:
+        list(iter_jsonl(p))
+    assert str(ei.value) == f"{p}:1: field 'prompt' {tail}"
+    yml = tmp_path / "run.yaml"
+    yml.write_text('run_name: r\nverifier: {path: /x}\nprompts:\n  source: [p.jsonl, "a \\ud83d"]\n')
+    with pytest.raises(UserError) as ei:
+        load_config(yml)
+    assert str(ei.value) == f"{yml}:4: field 'prompts.source[1]' {tail}"

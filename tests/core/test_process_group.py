@@ -148,3 +148,61 @@ def test_no_gloo_thread_outlives_close_on_two_ranks(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     left = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)}
     assert left == {0: [], 1: []}, f"gloo threads still running after close_process_group: {left}"
+
+
+ONE_ERROR = textwrap.dedent("""
+    import sys
+    from eagle3.cli import Terminated, run_main
+    from eagle3.errors import UserError
+
+    def main(argv):
+        if sys.argv[1] == "sigterm":
+            raise Terminated()
+        raise UserError(f"run.yaml:3: field 'train.lr': {sys.argv[1]}")
+
+    run_main(main)
+""")
+
+
+def _rank(script: Path, what: str, rank: int, port: int, agent_store: bool = True) -> tuple[int, str]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank),
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_RESTART_COUNT="0")
+    env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    if agent_store:
+        env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+    p = subprocess.run([sys.executable, str(script), what], env=env, capture_output=True, text=True, timeout=120)
+    return p.returncode, p.stderr
+
+
+def test_a_user_error_is_printed_by_the_first_rank_only(tmp_path):
+    """Under torchrun every rank met the same bad config and printed the same ``error:`` line (N ranks, N lines). The
+    ranks now claim one counter in torchrun's agent store (a TCPStore this test hosts, as the agent does): the first
+    rank to stop prints, whichever it is (rank 1 here: rank 0 may never meet an error only rank 1 meets), the
+    others print nothing, every rank exits 2; a rank torchrun then stops with SIGTERM does not add an
+    ``interrupted by SIGTERM`` line. Without the agent's store every rank prints (nothing is hidden)."""
+    script = tmp_path / "worker.py"
+    script.write_text(ONE_ERROR)
+    agent = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    line = "error: run.yaml:3: field 'train.lr': bad\n"
+    assert _rank(script, "bad", 1, agent.port) == (2, line)
+    assert _rank(script, "bad", 0, agent.port) == (2, "")
+    assert _rank(script, "other", 0, agent.port) == (2, "")  # a different error after the first: still one line
+    assert _rank(script, "sigterm", 0, agent.port) == (143, "")
+    assert _rank(script, "bad", 0, agent.port, agent_store=False) == (2, line)
+    assert _rank(script, "bad", 1, agent.port, agent_store=False) == (2, line)
+
+
+@pytest.mark.slow
+def test_a_bad_config_under_torchrun_prints_one_error_line(tmp_path):
+    """The real thing: 04 under ``torchrun --nproc_per_node 2`` with a bad ``--set``: one ``error:`` line (was two),
+    and torchrun reports the job failed."""
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"run_name: t\noutput_root: {tmp_path}\nverifier: {{path: {tmp_path}}}\nprompts: {{source: x}}\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(ROOT / "04_train.py"), "--config", str(cfg), "--set", "train.lr=x"]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    errors = [ln for ln in (p.stdout + p.stderr).splitlines() if ln.startswith("error: ")]
+    assert p.returncode != 0
+    assert errors == ["error: --set train.lr=x: field 'train.lr': Input should be a valid number, unable to parse "
+                      "string as a number (got 'x')"], p.stderr[-3000:]

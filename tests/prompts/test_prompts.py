@@ -544,13 +544,14 @@ def test_content_parts_that_are_not_text_parts_are_named(tmp_path, content, err)
     assert read_conversations(ok)[0]["messages"][0] == U("look here")
 
 
-@pytest.mark.parametrize("value,msg", [("''", "empty: name a prompts file"), ("[]", "an empty list"),
-                                       ("[a.jsonl, ' ']", "empty: name a prompts file")])
+@pytest.mark.parametrize("value,msg", [("''", "'prompts\\.source': empty: name a prompts file"),
+                                       ("[]", "'prompts\\.source': an empty list"),
+                                       ("[a.jsonl, ' ']", "'prompts\\.source\\[1\\]': empty: name a prompts file")])
 def test_empty_source_is_refused_in_the_config(tmp_path, value, msg):
     """An empty prompts.source (string, list, or a blank list item) is refused as a config error naming the field
     (before: ``error: .: a folder, not a prompts file`` or ``no usable conversation in '[]'``); --source '' too."""
     cfgf = _config(tmp_path, "humaneval")
-    with pytest.raises(UserError, match=rf"^--set prompts\.source=.*: field 'prompts\.source': {msg}"):
+    with pytest.raises(UserError, match=rf"^--set prompts\.source=.*: field {msg}"):
         load_config(cfgf, [f"prompts.source={value}"])
     with pytest.raises(UserError, match=r"^--source \(prompts\.source\): empty: name a prompts file.* \(got ''\)$"):
         run(load_config(cfgf), source="")
@@ -568,6 +569,22 @@ def test_sample_size_above_the_conversations_left_is_warned(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="eagle3.prompts.prepare_prompts"):
         assert run(load_config(_config(tmp_path, src, sample_size=2))) == 0
     assert not caplog.records
+
+
+def test_the_sample_size_warning_is_printed_by_rank_0_only(tmp_path, caplog, monkeypatch):
+    """Under torchrun every rank reads and samples the sources, and each printed the sample_size warning (the same
+    line once per rank); only rank 0 says it now, as 01's other lines."""
+    from eagle3.prompts.prepare_prompts import select_conversations
+
+    src = _jsonl(tmp_path / "q.jsonl", [{"messages": [U(f"u{i}"), A("a")]} for i in range(3)])
+    cfg = load_config(_config(tmp_path, src, sample_size=50))
+    for rank, want in (("1", []), ("0", ["prompts.sample_size 50: only 3 conversations left after reading and dedupe; "
+                                         "keeping all 3"])):
+        monkeypatch.setenv("RANK", rank)
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            assert len(select_conversations(cfg, None)[0]) == 3
+        assert [r.getMessage() for r in caplog.records] == want
 
 
 def test_interrupt_hint_says_what_was_kept(tmp_path):
@@ -707,3 +724,34 @@ def test_a_local_hf_dataset_saved_again_is_seen_as_changed(tmp_path, capsys):
     assert f"remaking {cfg.prompts_path} (settings changed: the content of hf:{folder} changed)" in capsys.readouterr().out
     assert [json.loads(line)["messages"][0]["content"] for line in cfg.prompts_path.read_text().splitlines()] == \
         ["u0", "u1"]
+
+
+def test_a_top_level_system_field_is_the_system_turn(tmp_path):
+    """LLaMA-Factory's ShareGPT and Alpaca records carry the system prompt in a top-level ``system`` field; the readers
+    dropped it without a word (the conversation trained and regenerated without its system prompt). It is now the
+    conversation's system turn, as a ``system`` message inside it is: blank means none (``prompts.system_prompt`` then
+    applies), equal to the conversation's own system turn is that turn, two different ones are refused; 05's prompt
+    files read it the same way."""
+    from eagle3.benchmark.eval_prompts import load_prompt_file
+
+    S = {"role": "system", "content": "Be terse."}
+    src = _jsonl(tmp_path / "lf.jsonl", [
+        {"conversations": [{"from": "human", "value": "q0"}, {"from": "gpt", "value": "a0"}], "system": "Be terse."},
+        {"instruction": "q1", "input": "", "output": "a1", "system": " Be terse. "},
+        {"conversations": [{"from": "human", "value": "q2"}, {"from": "gpt", "value": "a2"}], "system": ""},
+        {"messages": [S, U("q3"), A("a3")], "system": "Be terse."},
+    ])
+    got = [c["messages"] for c in read_conversations(str(src), system_prompt="Default.")]
+    assert got == [[S, U("q0"), A("a0")], [S, U("q1"), A("a1")],
+                   [{"role": "system", "content": "Default."}, U("q2"), A("a2")], [S, U("q3"), A("a3")]]
+    bad = _jsonl(tmp_path / "two.jsonl", [{"conversations": [{"from": "system", "value": "One."},
+                                                             {"from": "human", "value": "q"}], "system": "Two."}])
+    with pytest.raises(UserError) as e:
+        read_conversations(str(bad), keep_prompt_only=True)
+    assert str(e.value) == (f"{bad}:1: field 'system' and conversations[0] are two different system prompts; "
+                            "keep one")
+    num = _jsonl(tmp_path / "num.jsonl", [{"conversations": [{"from": "human", "value": "q"}], "system": 3}])
+    with pytest.raises(UserError, match=r"num\.jsonl:1: field 'system' must be a string, got int"):
+        read_conversations(str(num), keep_prompt_only=True)
+    evalset = _jsonl(tmp_path / "eval.jsonl", [{"id": "e", "prompt": "q", "system": "Be terse."}])
+    assert load_prompt_file(evalset)[0].messages == [S, U("q")]
