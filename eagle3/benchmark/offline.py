@@ -49,10 +49,11 @@ from eagle3.errors import UserError
 from eagle3.benchmark.eval_prompts import EvalPrompt, check_dataset_names, dataset_labels, load_eval_subset
 from eagle3.io import atomic_write_bytes, atomic_write_json, atomic_write_text, probe_dirs, read_json
 from eagle3.shards.format import check_extract_settings
+from eagle3.train.draft_config import EXPORT_META_FILE
 
 log = logging.getLogger(__name__)
 
-TRAIN_META = "eagle3_train.json"
+TRAIN_META = EXPORT_META_FILE
 DATA_CONFIG = "data_config.json"
 
 

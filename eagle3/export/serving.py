@@ -70,13 +70,13 @@ import torch
 from eagle3.errors import UserError
 from eagle3.io import atomic_write_json, disk_full_guard, file_mode, make_dirs, probe_dirs, read_json
 from eagle3.layers import check_aux_layers, engine_layer_ids, hf_layers_from_engine, is_deepseek_family
-from eagle3.train.draft_config import DEFAULT_EXPORT_DTYPE, check_context_length, llama_config
+from eagle3.train.draft_config import DEFAULT_EXPORT_DTYPE, EXPORT_META_FILE, check_context_length, llama_config
 from eagle3.train.model import VARIANTS, DrafterArgs, Eagle3Drafter
 from eagle3.data.vocab import check_vocab_map
 
 log = logging.getLogger(__name__)
 
-META_FILE = "eagle3_train.json"
+META_FILE = EXPORT_META_FILE
 WEIGHTS_FILE = "model.safetensors"
 LAYER_KEYS = (
     "self_attn.q_proj.weight",

@@ -18,6 +18,10 @@ from eagle3.train.model import DrafterArgs
 log = logging.getLogger(__name__)
 
 DEFAULT_EXPORT_DTYPE = torch.bfloat16
+#: An export folder's own metadata file (HF aux layers, engine ids, verifier, drafter_args, trained_from): written by
+#: :mod:`eagle3.export.serving`, read back by 04 (``train.init_from``, the export record) and 05. Here, in stage 04,
+#: so that 04 reads it without importing the later export package.
+EXPORT_META_FILE = "eagle3_train.json"
 
 
 def llama_config(a: DrafterArgs, dtype: torch.dtype) -> dict:

@@ -62,6 +62,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from eagle3.train import checkpoint as ckpt
+from eagle3.train.draft_config import EXPORT_META_FILE
 from eagle3.config import RunConfig
 from eagle3.data.batching import eval_batches, sample_lengths
 from eagle3.data.dataset import ResumableSampler, ShardDataset, collate, read_split
@@ -1082,7 +1083,7 @@ def init_from_not_a_folder(path: Path) -> UserError:
 
 
 def _exported_drafter_args(src: str) -> Optional[dict]:
-    """The ``drafter_args`` an export folder records (``eagle3_train.json``, export.serving.META_FILE), after checking
+    """The ``drafter_args`` an export folder records (``eagle3_train.json``: EXPORT_META_FILE), after checking
     that ``src`` is an exported drafter folder (``config.json`` + ``model.safetensors``); None when the metadata is
     absent or holds no ``drafter_args`` object (an export of another tool: left to the tensor-by-tensor check).
 
@@ -1096,11 +1097,11 @@ def _exported_drafter_args(src: str) -> Optional[dict]:
         if not (path / name).is_file():
             raise UserError(f"train.init_from: '{src}' is not an exported drafter folder (no {name}; 04 writes one "
                             f"into {{output_root}}/drafter-sglang)")
-    if not (path / "eagle3_train.json").is_file():
+    if not (path / EXPORT_META_FILE).is_file():
         return None
     from eagle3.io import read_json
 
-    meta = read_json(path / "eagle3_train.json")
+    meta = read_json(path / EXPORT_META_FILE)
     exported = meta.get("drafter_args") if isinstance(meta, dict) else None
     return exported if isinstance(exported, dict) else None
 
@@ -1859,7 +1860,7 @@ def _export_record(folder: Path, train_dir: Path) -> Optional[dict]:
     """``{export_dir, engine, weights_step, select_best}`` of an export of ``train_dir`` still in ``folder`` (from its
     ``eagle3_train.json``), or None: no such folder, an unreadable record, or an export of another train folder."""
     try:
-        info = read_json(folder / "eagle3_train.json")
+        info = read_json(folder / EXPORT_META_FILE)
         src = info.get("trained_from") or {}
         if Path(src["train_dir"]).resolve() != Path(train_dir).resolve():
             return None
