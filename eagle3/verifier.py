@@ -47,6 +47,43 @@ def _check_files(vcfg: VerifierConfig) -> Path:
     return path
 
 
+WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt", ".pth")
+_FINGERPRINT_CHUNK = 1 << 20  # bytes read from the middle of each weight file
+
+
+def weights_fingerprint(vcfg: VerifierConfig) -> Optional[str]:
+    """A content fingerprint of the verifier's weight files, recorded by 02 in ``data_config.json``
+    (``verifier_weights``) and compared by 03/04 (:func:`eagle3.shards.format.check_verifier`): the model the shards
+    were captured from, whatever ``verifier.name`` says or where its folder now lives (a moved or copied folder keeps
+    it; another model of the same shapes, e.g. base vs instruct, has other bytes).
+
+    sha256 over each weight file (the ``verifier.gguf_file``, else every ``*.safetensors`` / ``*.gguf`` / ``*.bin`` /
+    ``*.pt`` / ``*.pth`` directly in the folder, by name): its name, its size and 1 MiB from its middle (tensor data,
+    past the header that two models of one architecture share). Reads at most 1 MiB a file.
+
+    Returns:
+        ``sha256:<hex>``, or None when the folder holds no weight file (nothing to compare).
+    """
+    import hashlib
+
+    folder = vcfg.resolved_path()
+    if vcfg.gguf_file:
+        files = [folder / vcfg.gguf_file]
+    else:
+        files = sorted(p for p in folder.glob("*") if p.suffix in WEIGHT_SUFFIXES) if folder.is_dir() else []
+    files = [f for f in files if f.is_file()]
+    if not files:
+        return None
+    h = hashlib.sha256()
+    for f in files:
+        size = f.stat().st_size
+        h.update(f"{f.name}\0{size}\0".encode())
+        with open(f, "rb") as fh:
+            fh.seek(max(0, size // 2 - _FINGERPRINT_CHUNK // 2))
+            h.update(fh.read(_FINGERPRINT_CHUNK))
+    return "sha256:" + h.hexdigest()
+
+
 def _hf_kwargs(vcfg: VerifierConfig) -> dict:
     """Keyword arguments shared by every ``from_pretrained`` call.
 

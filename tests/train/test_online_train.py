@@ -143,6 +143,46 @@ def test_offline_training_refuses_token_only_samples(prepared, tiny_llama_dir, t
         run(cfg, device="cpu")
 
 
+@pytest.mark.parametrize("kind", ["offline", "online"])
+def test_verifier_path_to_other_weights_under_the_same_name_is_refused(prepared, tiny_llama_dir, tmp_path, kind):
+    """verifier.path pointed at another model of the same shapes under the shards' verifier.name: 04 offline trained
+    without an error against the other model's lm_head (val top-1 0.000, exit 0) and online against the other model's
+    states (fresh-user trial 2026-12-05f). 02 now records the weight files' fingerprint and 03/04 refuse other weights
+    in one line; a moved copy of the same model passes."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from eagle3.data import prepare_data
+    from eagle3.errors import UserError
+    from eagle3.shards.format import check_verifier, read_data_config
+    from eagle3.train.trainer import run
+    from eagle3.verifier import weights_fingerprint
+
+    src = prepared[kind]["cfg"]
+    meta = read_data_config(src.shards_dir)
+    assert meta["verifier_weights"] == weights_fingerprint(src.verifier) and meta["verifier_weights"].startswith("sha256:")
+    moved, other = tmp_path / "moved", tmp_path / "other"
+    shutil.copytree(tiny_llama_dir, moved)
+    shutil.copytree(tiny_llama_dir, other)
+    w = load_file(other / "model.safetensors")
+    save_file({k: (v + 0.01 if v.is_floating_point() else v) for k, v in w.items()}, other / "model.safetensors",
+              metadata={"format": "pt"})
+    _p, cfg = _train_cfg(prepared, kind, moved, kind == "online", tmp_path / "a")
+    check_verifier(cfg.verifier, meta, cfg.shards_dir)  # the same bytes elsewhere: the same model
+    _p, cfg = _train_cfg(prepared, kind, other, kind == "online", tmp_path / "b")
+    want = (f"verifier.path: '{other}' holds other weights than the model the shards in {cfg.shards_dir} were captured "
+            f"from (data_config.json: key 'verifier_weights'; the name 'tiny-llama' is the same): its lm_head would "
+            f"score another model's hidden states; set verifier.path back to that model, or re-run 02 for this one "
+            f"(with a verifier.name of its own)")
+    with pytest.raises(UserError) as e:
+        run(cfg, device="cpu")
+    assert str(e.value) == want and not cfg.train_dir.exists()
+    with pytest.raises(UserError) as e:
+        prepare_data.run(cfg, plot=False)
+    assert str(e.value) == want
+
+
 def test_online_equals_offline_bitwise(prepared, tiny_llama_dir, tmp_path):
     from eagle3.train.trainer import run
 
