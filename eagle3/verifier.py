@@ -47,7 +47,6 @@ def _check_files(vcfg: VerifierConfig) -> Path:
     return path
 
 
-WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt", ".pth")
 _FINGERPRINT_CHUNK = 1 << 20  # bytes read from the middle of each weight file
 
 
@@ -57,9 +56,10 @@ def weights_fingerprint(vcfg: VerifierConfig) -> Optional[str]:
     were captured from, whatever ``verifier.name`` says or where its folder now lives (a moved or copied folder keeps
     it; another model of the same shapes, e.g. base vs instruct, has other bytes).
 
-    sha256 over each weight file (the ``verifier.gguf_file``, else every ``*.safetensors`` / ``*.gguf`` / ``*.bin`` /
-    ``*.pt`` / ``*.pth`` directly in the folder, by name): its name, its size and 1 MiB from its middle (tensor data,
-    past the header that two models of one architecture share). Reads at most 1 MiB a file.
+    sha256 over each weight file transformers loads (the ``verifier.gguf_file``, else every ``*.safetensors`` directly
+    in the folder, else every ``pytorch_model*.bin``; by name, so ``training_args.bin`` and the like do not count):
+    its name, its size and 1 MiB from its middle (tensor data, past the header that two models of one architecture
+    share). Reads at most 1 MiB a file.
 
     Returns:
         ``sha256:<hex>``, or None when the folder holds no weight file (nothing to compare).
@@ -69,8 +69,10 @@ def weights_fingerprint(vcfg: VerifierConfig) -> Optional[str]:
     folder = vcfg.resolved_path()
     if vcfg.gguf_file:
         files = [folder / vcfg.gguf_file]
+    elif folder.is_dir():  # the files transformers loads: safetensors, else pytorch_model*.bin (not training_args.bin)
+        files = sorted(folder.glob("*.safetensors")) or sorted(folder.glob("pytorch_model*.bin"))
     else:
-        files = sorted(p for p in folder.glob("*") if p.suffix in WEIGHT_SUFFIXES) if folder.is_dir() else []
+        files = []
     files = [f for f in files if f.is_file()]
     if not files:
         return None
