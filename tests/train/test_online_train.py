@@ -183,6 +183,26 @@ def test_verifier_path_to_other_weights_under_the_same_name_is_refused(prepared,
     assert str(e.value) == want
 
 
+def test_online_from_servers_without_urls_is_refused_before_the_head_is_extracted(prepared, tiny_llama_dir,
+                                                                                 tmp_path, caplog):
+    """train.hidden_states: online with extract.backend: sglang and no extract.sglang_url: the one-line refusal came
+    after 04 had extracted the verifier's embedding / lm_head / norm (minutes for Kimi-K2.5's 2 x 2.3 GB; fresh-user
+    trial 2026-12-05f); it now comes with the other config checks, before anything is read or written."""
+    import logging
+
+    from eagle3.errors import UserError
+    from eagle3.train.trainer import run
+
+    _p, cfg = _train_cfg(prepared, "online", tiny_llama_dir, True, tmp_path)
+    cfg = cfg.model_copy(update={"extract": cfg.extract.model_copy(update={"backend": "sglang"})})
+    with caplog.at_level(logging.INFO, logger="eagle3.train.trainer"), pytest.raises(UserError) as e:
+        run(cfg, device="cpu")
+    assert str(e.value) == ("extract.sglang_url / extract.capture_dir: required for train.hidden_states: online with "
+                            "extract.backend: sglang (the capture servers 04 trains from)")
+    assert not [r for r in caplog.records if "extracting the verifier's embedding" in r.getMessage()]
+    assert not cfg.train_dir.exists()
+
+
 def test_online_equals_offline_bitwise(prepared, tiny_llama_dir, tmp_path):
     from eagle3.train.trainer import run
 
