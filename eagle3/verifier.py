@@ -104,14 +104,26 @@ def resolve_device(device: Optional[Union[str, torch.device]]) -> torch.device:
     """``None``/``"auto"`` -> ``cuda`` if available else ``cpu``; anything else -> ``torch.device(device)``.
 
     Raises:
-        UserError: an unparsable device string.
+        UserError: an unparsable device string, or a CUDA device this machine does not have (``cuda`` without CUDA,
+            ``cuda:3`` with 2 GPUs): the model's ``.to()`` failed with a traceback (``AssertionError: Torch not
+            compiled with CUDA enabled``) after the verifier had been read (fresh-user trial 2026-12-05f).
     """
     if device is None or str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        return torch.device(device)
+        dev = torch.device(device)
     except (RuntimeError, TypeError) as e:
         raise UserError(f"verifier.device: invalid device '{device}'") from e
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(f"verifier.device: '{device}', but CUDA is not available on this machine "
+                            f"(torch {torch.__version__}, torch.cuda.is_available() is False); set verifier.device: "
+                            f"auto (cuda when there is one, else cpu) or cpu")
+        n = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= n:
+            raise UserError(f"verifier.device: '{device}', but this machine has {n} CUDA device{'s' if n != 1 else ''} "
+                            f"(cuda:0..cuda:{n - 1}); set verifier.device: auto or one of them")
+    return dev
 
 
 # ---------------------------------------------------------------------------------------------
