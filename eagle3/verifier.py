@@ -62,11 +62,14 @@ def weights_fingerprint(vcfg: VerifierConfig) -> Optional[str]:
     share). Reads at most 1 MiB a file.
 
     Returns:
-        ``sha256:<hex>``, or None when the folder holds no weight file (nothing to compare).
+        ``sha256:<hex>``, or None when the folder holds no weight file or is not on this machine (nothing to compare).
     """
     import hashlib
 
-    folder = vcfg.resolved_path()
+    try:
+        folder = vcfg.resolved_path()
+    except UserError:  # a package: path whose package is not installed here (03 needs no verifier files)
+        return None
     if vcfg.gguf_file:
         files = [folder / vcfg.gguf_file]
     elif folder.is_dir():  # the files transformers loads: safetensors, else pytorch_model*.bin (not training_args.bin)

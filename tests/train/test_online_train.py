@@ -170,6 +170,8 @@ def test_verifier_path_to_other_weights_under_the_same_name_is_refused(prepared,
               metadata={"format": "pt"})
     _p, cfg = _train_cfg(prepared, kind, moved, kind == "online", tmp_path / "a")
     check_verifier(cfg.verifier, meta, cfg.shards_dir)  # the same bytes elsewhere: the same model
+    for absent in (tmp_path / "nowhere", "package:no_such_package_here"):  # nothing to compare on this machine
+        assert weights_fingerprint(cfg.verifier.model_copy(update={"path": str(absent)})) is None
     _p, cfg = _train_cfg(prepared, kind, other, kind == "online", tmp_path / "b")
     want = (f"verifier.path: '{other}' holds other weights than the model the shards in {cfg.shards_dir} were captured "
             f"from (data_config.json: key 'verifier_weights'; the name 'tiny-llama' is the same): its lm_head would "
