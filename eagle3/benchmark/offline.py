@@ -564,6 +564,12 @@ def resolve_drafter_dir(cfg: RunConfig, drafter_dir: Optional[str | Path]) -> Pa
         return path
     path = Path(cfg.export_dir)
     if not path.is_dir():
+        other = "vllm" if cfg.export.engine == "sglang" else "sglang"
+        have = cfg.root / f"drafter-{other}"
+        if cfg.export.output_dir is None and (have / "config.json").is_file():  # trained, exported for the other one
+            raise UserError(f"the exported drafter '{path}' (the config's export dir, export.engine: "
+                            f"{cfg.export.engine}) not found, but {have} is there: 04_train.py --export-only "
+                            f"--engine {cfg.export.engine} writes it from the same checkpoint (or pass --drafter)")
         raise UserError(f"the exported drafter '{path}' (the config's export dir) not found: "
                         f"run 04_train.py first or pass --drafter")
     _require_export_config(path, f"the config's export dir '{path}'")
