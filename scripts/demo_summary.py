@@ -106,7 +106,8 @@ def _train(cfg) -> tuple[dict, str, list[Path]]:
     if acc:
         text += f", val top-1 {' / '.join(f'{a:.2f}' for a in acc)} (TTT steps 0..{len(acc) - 1})"
     if exported is not None and exported != fig["steps"]:  # train.select_best: sim_accept picked an earlier step
-        text += f"; exported: step {exported}'s weights (best simulated acceptance; the figures above are the last step's)"
+        text += (f"; exported: step {exported}'s weights (best simulated acceptance; the figures above are the last "
+                 f"step's)")
     if rep.get("no_validation"):
         text += ", no validation split (data.val_fraction 0): last step exported"
     return fig, text, [rep_path.with_suffix(".md"), cfg.train_dir / "loss.png"]

@@ -1173,8 +1173,9 @@ def _gather_ranks(root: Path, samples: list[Sample], done: dict[int, dict], gath
 
 
 def _weights_record(cfg: RunConfig) -> dict:
-    """``{"verifier_weights": fingerprint}`` of the verifier's weight files (:func:`eagle3.verifier.weights_fingerprint`),
-    or ``{}`` when its folder holds none: 03 and 04 compare it (:func:`eagle3.shards.format.check_verifier`), so a
+    """``{"verifier_weights": fingerprint}`` of the verifier's weight files
+    (:func:`eagle3.verifier.weights_fingerprint`), or ``{}`` when its folder holds none: 03 and 04 compare it
+    (:func:`eagle3.shards.format.check_verifier`), so a
     ``verifier.path`` pointed at another model under the same ``verifier.name`` is refused, not trained against."""
     from eagle3.verifier import weights_fingerprint
 

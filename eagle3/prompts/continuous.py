@@ -776,10 +776,11 @@ class SlotEngine(Engine):
         # prefill_graphs: one scratch row after the slots, where a bucketed prefill's padded rows write (decode runs over
         # slot prefixes [:n], n <= slots, so it never reads it)
         rows = slots + int(self.prefill_graphs)
-        free = torch.cuda.mem_get_info(self.dev)[0] if self.dev.type == "cuda" else host_available_bytes()
+        on_gpu = self.dev.type == "cuda"
+        free = torch.cuda.mem_get_info(self.dev)[0] if on_gpu else host_available_bytes()
         if free is not None:
             check_kv_fits(rows, cols, n_layers, hkv, d, torch.empty((), dtype=dtype).element_size(), free,
-                          "the GPU has free" if self.dev.type == "cuda" else "this machine has available (MemAvailable)")
+                          "the GPU has free" if on_gpu else "this machine has available (MemAvailable)")
         self.cache = SlotCache(k=[torch.zeros(rows, hkv, cols, d, dtype=dtype, device=self.dev) for _ in range(n_layers)],
                                v=[torch.zeros(rows, hkv, cols, d, dtype=dtype, device=self.dev) for _ in range(n_layers)])
         if self.flex is not None:

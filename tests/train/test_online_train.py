@@ -161,7 +161,8 @@ def test_verifier_path_to_other_weights_under_the_same_name_is_refused(prepared,
 
     src = prepared[kind]["cfg"]
     meta = read_data_config(src.shards_dir)
-    assert meta["verifier_weights"] == weights_fingerprint(src.verifier) and meta["verifier_weights"].startswith("sha256:")
+    assert meta["verifier_weights"] == weights_fingerprint(src.verifier)
+    assert meta["verifier_weights"].startswith("sha256:")
     moved, other = tmp_path / "moved", tmp_path / "other"
     shutil.copytree(tiny_llama_dir, moved)
     shutil.copytree(tiny_llama_dir, other)

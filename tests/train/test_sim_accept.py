@@ -157,9 +157,11 @@ def test_closing_lines_and_report_name_the_exported_step_when_it_is_not_the_last
             f"best validation, tau_sim(3) {best['tau_sim']:.4f} against {last['tau_sim']:.4f} at step {r['step']}; "
             f"its validation loss {best['loss']:.4f}, top-1 {' / '.join(f'{a:.3f}' for a in best['alpha'])})")
     lines = capsys.readouterr().out.splitlines()
-    assert lines[-5].startswith(f"trained: {r['step']}/") and lines[-4] == want and lines[-1] == f"export: {cfg.export_dir}"
+    assert lines[-5].startswith(f"trained: {r['step']}/") and lines[-4] == want
+    assert lines[-1] == f"export: {cfg.export_dir}"
     assert f"- {want}" in (cfg.train_dir / "train_report.md").read_text().splitlines()
-    spec = importlib.util.spec_from_file_location("demo_summary", Path(__file__).parents[2] / "scripts" / "demo_summary.py")
+    script = Path(__file__).parents[2] / "scripts" / "demo_summary.py"
+    spec = importlib.util.spec_from_file_location("demo_summary", script)
     ds = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ds)
     fig, text, _ = ds._train(cfg)
