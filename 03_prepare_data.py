@@ -11,7 +11,7 @@ SIGTERM / Ctrl-C end it with one line `interrupted by SIGTERM|SIGINT: ...` (what
 
 from __future__ import annotations
 
-from eagle3.cli import ArgumentParser, resume_on_interrupt, run_main
+from eagle3.cli import ArgumentParser, refuse_torchrun, resume_on_interrupt, run_main
 from eagle3.config import add_config_args, load_config
 
 
@@ -23,6 +23,7 @@ def main(argv=None) -> int:
                    help="hash and load every shard even when an earlier 03's validation record matches the shards "
                         "(unchanged sizes/mtimes, manifest, data_config); catches bit rot after the first validation")
     a = p.parse_args(argv)
+    refuse_torchrun("03_prepare_data.py", "it writes one vocab map, split and validation record for every rank of 04")
     cfg = load_config(a.config, a.overrides)
     from eagle3.data.prepare_data import interrupt_hint, run
 

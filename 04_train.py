@@ -16,7 +16,7 @@ optimizer step) stops at once: one line, no checkpoint, no train folder left tha
 
 from __future__ import annotations
 
-from eagle3.cli import ArgumentParser, positive_int, run_main
+from eagle3.cli import ArgumentParser, positive_int, refuse_torchrun, run_main
 from eagle3.config import add_config_args, load_config
 
 
@@ -40,6 +40,7 @@ def main(argv=None) -> int:
         if given:
             p.error(f"--export-only exports the newest checkpoint without training; it cannot be combined with "
                     f"{', '.join(given)}")
+        refuse_torchrun("04_train.py --export-only", "it writes one export folder; every rank would write it")
     cfg = load_config(a.config, a.overrides)
     if a.engine:
         cfg = cfg.model_copy(update={"export": cfg.export.model_copy(update={"engine": a.engine})})

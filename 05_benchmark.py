@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import argparse
 
-from eagle3.cli import ArgumentParser, http_url, positive_float, positive_int, resume_on_interrupt, run_main
+from eagle3.cli import (ArgumentParser, http_url, positive_float, positive_int, refuse_torchrun, resume_on_interrupt,
+                        run_main)
 from eagle3.config import add_config_args, load_config
 
 
@@ -44,6 +45,8 @@ def main(argv=None):
     p.add_argument("--concurrency", type=positive_int, help="requests in flight per server (server mode; default 1)")
     p.add_argument("--timeout", type=positive_float, help="seconds per HTTP request (server mode; default 600)")
     a = p.parse_args(argv)
+    refuse_torchrun("05_benchmark.py", "copies would decode side by side, each measuring the others' load as its "
+                                       "tokens/s, and write the same report")
     cfg = load_config(a.config, a.overrides)
     if a.tie_tolerance is not None and not a.tie_tolerance >= 0:
         p.error(f"argument --tie-tolerance: must be >= 0, got {a.tie_tolerance}")

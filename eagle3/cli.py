@@ -86,6 +86,27 @@ def path_error(exc: BaseException) -> Optional[UserError]:
     return None
 
 
+def refuse_torchrun(what: str, why: str) -> None:
+    """Refuse a one-process stage started by ``torchrun --nproc_per_node N`` (``WORLD_SIZE`` > 1): every rank would run
+    the whole stage, N copies writing the same files (03's vocab map and split, an export folder) or, in 05, decoding
+    side by side and measuring each other's load as tokens/s (fresh-user trial 2026-12-05f: `torchrun
+    --nproc_per_node 2 05_benchmark.py` printed two reports). 01, 02 and 04 share the work over the ranks; these do not.
+
+    Args:
+        what: the command, e.g. ``05_benchmark.py`` or ``04_train.py --export-only``.
+        why: what makes it one process (the parenthesis of the message).
+
+    Raises:
+        UserError: ``<what> runs in one process (<why>); run it without torchrun (WORLD_SIZE=N)``.
+    """
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    except ValueError:
+        return  # not torchrun's value; the stages that use the process group name it
+    if world > 1:
+        raise UserError(f"{what} runs in one process ({why}); run it without torchrun (WORLD_SIZE={world})")
+
+
 def run_main(main: Callable[[list[str] | None], int | None], argv: list[str] | None = None) -> None:
     """Run a stage's ``main``; turn :class:`UserError` into ``error: ...`` on stderr and exit 2.
 

@@ -47,6 +47,48 @@ def _check_files(vcfg: VerifierConfig) -> Path:
     return path
 
 
+_FINGERPRINT_CHUNK = 1 << 20  # bytes read from the middle of each weight file
+
+
+def weights_fingerprint(vcfg: VerifierConfig) -> Optional[str]:
+    """A content fingerprint of the verifier's weight files, recorded by 02 in ``data_config.json``
+    (``verifier_weights``) and compared by 03/04 (:func:`eagle3.shards.format.check_verifier`): the model the shards
+    were captured from, whatever ``verifier.name`` says or where its folder now lives (a moved or copied folder keeps
+    it; another model of the same shapes, e.g. base vs instruct, has other bytes).
+
+    sha256 over each weight file transformers loads (the ``verifier.gguf_file``, else every ``*.safetensors`` directly
+    in the folder, else every ``pytorch_model*.bin``; by name, so ``training_args.bin`` and the like do not count):
+    its name, its size and 1 MiB from its middle (tensor data, past the header that two models of one architecture
+    share). Reads at most 1 MiB a file.
+
+    Returns:
+        ``sha256:<hex>``, or None when the folder holds no weight file or is not on this machine (nothing to compare).
+    """
+    import hashlib
+
+    try:
+        folder = vcfg.resolved_path()
+    except UserError:  # a package: path whose package is not installed here (03 needs no verifier files)
+        return None
+    if vcfg.gguf_file:
+        files = [folder / vcfg.gguf_file]
+    elif folder.is_dir():  # the files transformers loads: safetensors, else pytorch_model*.bin (not training_args.bin)
+        files = sorted(folder.glob("*.safetensors")) or sorted(folder.glob("pytorch_model*.bin"))
+    else:
+        files = []
+    files = [f for f in files if f.is_file()]
+    if not files:
+        return None
+    h = hashlib.sha256()
+    for f in files:
+        size = f.stat().st_size
+        h.update(f"{f.name}\0{size}\0".encode())
+        with open(f, "rb") as fh:
+            fh.seek(max(0, size // 2 - _FINGERPRINT_CHUNK // 2))
+            h.update(fh.read(_FINGERPRINT_CHUNK))
+    return "sha256:" + h.hexdigest()
+
+
 def _hf_kwargs(vcfg: VerifierConfig) -> dict:
     """Keyword arguments shared by every ``from_pretrained`` call.
 
@@ -65,14 +107,26 @@ def resolve_device(device: Optional[Union[str, torch.device]]) -> torch.device:
     """``None``/``"auto"`` -> ``cuda`` if available else ``cpu``; anything else -> ``torch.device(device)``.
 
     Raises:
-        UserError: an unparsable device string.
+        UserError: an unparsable device string, or a CUDA device this machine does not have (``cuda`` without CUDA,
+            ``cuda:3`` with 2 GPUs): the model's ``.to()`` failed with a traceback (``AssertionError: Torch not
+            compiled with CUDA enabled``) after the verifier had been read (fresh-user trial 2026-12-05f).
     """
     if device is None or str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        return torch.device(device)
+        dev = torch.device(device)
     except (RuntimeError, TypeError) as e:
         raise UserError(f"verifier.device: invalid device '{device}'") from e
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(f"verifier.device: '{device}', but CUDA is not available on this machine "
+                            f"(torch {torch.__version__}, torch.cuda.is_available() is False); set verifier.device: "
+                            f"auto (cuda when there is one, else cpu) or cpu")
+        n = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= n:
+            raise UserError(f"verifier.device: '{device}', but this machine has {n} CUDA device{'s' if n != 1 else ''} "
+                            f"(cuda:0..cuda:{n - 1}); set verifier.device: auto or one of them")
+    return dev
 
 
 # ---------------------------------------------------------------------------------------------

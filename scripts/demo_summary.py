@@ -97,13 +97,17 @@ def _train(cfg) -> tuple[dict, str, list[Path]]:
     rep = _read(rep_path) or {}
     val = rep.get("final_val") or {}
     acc = [val[k] for k in sorted((k for k in val if k.startswith("acc_")), key=lambda k: int(k.split("_")[-1]))]
+    exported = (rep.get("sim_accept") or {}).get("exported_step")
     fig = {"steps": rep.get("step"), "val_loss": val.get("loss"), "val_top1": acc or None,
-           "export_dir": rep.get("export_dir")}
+           "export_dir": rep.get("export_dir"), "exported_step": exported}
     text = f"{fig['steps']} steps"
     if fig["val_loss"] is not None:
         text += f", val loss {fig['val_loss']:.3f}"
     if acc:
         text += f", val top-1 {' / '.join(f'{a:.2f}' for a in acc)} (TTT steps 0..{len(acc) - 1})"
+    if exported is not None and exported != fig["steps"]:  # train.select_best: sim_accept picked an earlier step
+        text += (f"; exported: step {exported}'s weights (best simulated acceptance; the figures above are the last "
+                 f"step's)")
     if rep.get("no_validation"):
         text += ", no validation split (data.val_fraction 0): last step exported"
     return fig, text, [rep_path.with_suffix(".md"), cfg.train_dir / "loss.png"]

@@ -475,10 +475,12 @@ def resolve_aux_layers(drafter_dir: Path, shards_dir: Optional[Path], fallback: 
     return [int(i) for i in aux], warnings
 
 
-def verifier_warnings(drafter_dir: Path, verifier_name: str, dims: Optional[dict] = None) -> list[str]:
+def verifier_warnings(drafter_dir: Path, verifier_name: str, dims: Optional[dict] = None,
+                      weights: Optional[str] = None) -> list[str]:
     """A warning when the drafter's ``eagle3_train.json`` names another verifier than the run config, or records
     other dimensions than ``dims`` (the loaded verifier's, :func:`eagle3.verifier.verifier_dims`: a ``verifier.path``
-    pointed at another model under the same ``verifier.name``)."""
+    pointed at another model under the same ``verifier.name``), or another weights fingerprint than ``weights``
+    (:func:`eagle3.verifier.weights_fingerprint` of ``verifier.path``; exports of shards 02 fingerprinted)."""
     from eagle3.shards.format import verifier_dims_differ
 
     meta_path = Path(drafter_dir) / TRAIN_META
@@ -494,6 +496,10 @@ def verifier_warnings(drafter_dir: Path, verifier_name: str, dims: Optional[dict
     if diff:
         return [f"drafter {meta_path} was exported for verifier '{name or verifier_name}' of other dimensions than the "
                 f"model at verifier.path ({diff})"]
+    if rec.get("weights") and weights and rec["weights"] != weights:
+        return [f"drafter {meta_path} was exported for verifier '{name or verifier_name}' with other weights than the "
+                f"model at verifier.path (key 'verifier.weights': {rec['weights'][:19]}... recorded, {weights[:19]}... "
+                f"at verifier.path): tau measures the drafter against another model"]
     return []
 
 
@@ -559,6 +565,12 @@ def resolve_drafter_dir(cfg: RunConfig, drafter_dir: Optional[str | Path]) -> Pa
         return path
     path = Path(cfg.export_dir)
     if not path.is_dir():
+        other = "vllm" if cfg.export.engine == "sglang" else "sglang"
+        have = cfg.root / f"drafter-{other}"
+        if cfg.export.output_dir is None and (have / "config.json").is_file():  # trained, exported for the other one
+            raise UserError(f"the exported drafter '{path}' (the config's export dir, export.engine: "
+                            f"{cfg.export.engine}) not found, but {have} is there: 04_train.py --export-only "
+                            f"--engine {cfg.export.engine} writes it from the same checkpoint (or pass --drafter)")
         raise UserError(f"the exported drafter '{path}' (the config's export dir) not found: "
                         f"run 04_train.py first or pass --drafter")
     _require_export_config(path, f"the config's export dir '{path}'")
@@ -820,7 +832,7 @@ def run(
         UserError: missing drafter folder or metadata, unloadable verifier, bad prompts, lossless failure.
     """
     from eagle3.layers import check_aux_layers, default_aux_layers
-    from eagle3.verifier import load_verifier, resolve_device, verifier_dims
+    from eagle3.verifier import load_verifier, resolve_device, verifier_dims, weights_fingerprint
 
     bc = cfg.benchmark
     steps = steps or bc.steps
@@ -852,7 +864,8 @@ def run(
             fallback = default_aux_layers(n_layers)
         except UserError:  # too few layers for the default: the drafter's metadata must say
             fallback = None
-    mismatch = verifier_warnings(drafter_dir, cfg.verifier.display_name(), verifier_dims(verifier.config))
+    mismatch = verifier_warnings(drafter_dir, cfg.verifier.display_name(), verifier_dims(verifier.config),
+                                 weights_fingerprint(cfg.verifier))
     with verifier_named_first(mismatch):  # another verifier: say so rather than an aux-layer / shape symptom
         aux, warnings = resolve_aux_layers(drafter_dir, cfg.shards_dir, fallback)
         warnings += mismatch

@@ -1173,6 +1173,17 @@ def _gather_ranks(root: Path, samples: list[Sample], done: dict[int, dict], gath
     return sum(g["written"] for g in ranks), max(g["capture_s"] for g in ranks)  # wall time of the parallel capture
 
 
+def _weights_record(cfg: RunConfig) -> dict:
+    """``{"verifier_weights": fingerprint}`` of the verifier's weight files
+    (:func:`eagle3.verifier.weights_fingerprint`), or ``{}`` when its folder holds none: 03 and 04 compare it
+    (:func:`eagle3.shards.format.check_verifier`), so a
+    ``verifier.path`` pointed at another model under the same ``verifier.name`` is refused, not trained against."""
+    from eagle3.verifier import weights_fingerprint
+
+    fp = weights_fingerprint(cfg.verifier)
+    return {"verifier_weights": fp} if fp else {}
+
+
 def _finalise(cfg: RunConfig, root: Path, p: _Prepared, n_resumed: int, written: int, t_cap: float,
               captured_tok: int, t_start: float, d: _Dist, ranks: list[dict]) -> dict:
     """Finalise step: ``data_config.json`` (written last: marks the extraction complete) and the report."""
@@ -1212,6 +1223,7 @@ def _finalise(cfg: RunConfig, root: Path, p: _Prepared, n_resumed: int, written:
         "chat_template_kwargs": dict(cfg.verifier.chat_template_kwargs),
         "loss_on_reasoning": cfg.extract.loss_on_reasoning,
         **({"verifier_dtype": cfg.verifier.dtype} if cfg.extract.backend == "hf" else {}),  # named in 03's NaN/Inf errors
+        **_weights_record(cfg),  # which model's weights: 03/04 refuse another one under the same verifier.name
         "stop_token_ids": sorted(end_of_turn_ids(p.tokenizer)),  # the loss mask's turn end (eagle3.verifier.stop_token_ids)
         "split": {"conversations": int(counts["split_conversations"]), "samples": int(counts["split_samples"])},
         "skipped_ids": p.skipped_ids,

@@ -189,7 +189,8 @@ def export_for_run(cfg: RunConfig, drafter, data_config: dict, provenance: dict 
 
     verifier_info = {"name": data_config["verifier"],
                      **{k: data_config[k] for k in ("architecture", "num_layers", "hidden_size", "vocab_size")},
-                     "context_length": verifier_context_length(cfg.verifier)}
+                     "context_length": verifier_context_length(cfg.verifier),
+                     "weights": data_config.get("verifier_weights")}  # 05 warns when verifier.path holds others
     return export_drafter(drafter, cfg.export_dir, engine=cfg.export.engine,
                           aux_layers_hf=list(data_config["aux_layers"]), verifier_info=verifier_info,
                           num_speculative_tokens=cfg.benchmark.steps,

@@ -393,7 +393,8 @@ def export_drafter(
         "aux_layers_hf": aux,
         "engine_layer_ids": ids,
         "layer_id_convention": block["layer_id_convention"],
-        "verifier": {f: verifier_info[f] for f in VERIFIER_FIELDS},
+        "verifier": {**{f: verifier_info[f] for f in VERIFIER_FIELDS},  # + the weights' fingerprint 02 recorded
+                     **({"weights": verifier_info["weights"]} if verifier_info.get("weights") else {})},
         "drafter_args": a.to_json(),
         "include_embeddings": bool(include_embeddings),
         "variant": a.variant,

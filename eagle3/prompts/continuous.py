@@ -614,12 +614,13 @@ KV_FREE_SHARE = 0.9  # of the free GPU memory the KV cache may take; the rest: l
 
 
 def check_kv_fits(rows: int, cols: int, n_layers: int, kv_heads: int, head_dim: int, elem_bytes: int,
-                  free_bytes: int) -> int:
+                  free_bytes: int, where: str = "the GPU has free") -> int:
     """Bytes of a slot KV cache (K and V, ``n_layers`` x ``[rows, kv_heads, cols, head_dim]`` each, ``elem_bytes`` a
     value); raises :class:`KVCacheTooLarge` when they exceed :data:`KV_FREE_SHARE` of ``free_bytes`` (the GPU's free
-    memory, ``torch.cuda.mem_get_info``), naming the settings that size it, instead of a CUDA out-of-memory traceback
-    at the allocation. SmolLM2-135M (30 layers, 3 KV heads of 64, bf16) at 1,024 rows x 2,560 columns: 56.2 GiB;
-    at 2,048 rows: 112.5 GiB.
+    memory, ``torch.cuda.mem_get_info``, or on the CPU the host's available memory: ``where`` says which), naming the
+    settings that size it, instead of a CUDA out-of-memory traceback at the allocation (on the CPU: the kernel's OOM
+    killer, a bare ``Killed`` and no line at all: fresh-user trial 2026-12-05f). SmolLM2-135M (30 layers, 3 KV heads
+    of 64, bf16) at 1,024 rows x 2,560 columns: 56.2 GiB; at 2,048 rows: 112.5 GiB.
 
     Raises:
         KVCacheTooLarge: the cache would not fit (a :class:`eagle3.errors.UserError`: one line, exit 2 in 01).
@@ -630,9 +631,22 @@ def check_kv_fits(rows: int, cols: int, n_layers: int, kv_heads: int, head_dim: 
         raise KVCacheTooLarge(
             f"prompts.gen_batch_size: the regeneration KV cache of {rows} rows x {cols} columns ({n_layers} layers, "
             f"{kv_heads} KV heads of {head_dim}) needs {need / gib:.1f} GiB, more than {KV_FREE_SHARE:.0%} of the "
-            f"{free_bytes / gib:.1f} GiB the GPU has free; lower prompts.gen_batch_size (rows) or "
+            f"{free_bytes / gib:.1f} GiB {where}; lower prompts.gen_batch_size (rows) or "
             f"prompts.max_context_tokens / prompts.max_new_tokens (columns)")
     return need
+
+
+def host_available_bytes() -> Optional[int]:
+    """The host memory available to a new allocation (``MemAvailable`` of ``/proc/meminfo``), or None where it is not
+    known (not Linux): the slot cache on the CPU is checked against it as against the GPU's free memory."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 class SlotEngine(Engine):
@@ -762,9 +776,11 @@ class SlotEngine(Engine):
         # prefill_graphs: one scratch row after the slots, where a bucketed prefill's padded rows write (decode runs over
         # slot prefixes [:n], n <= slots, so it never reads it)
         rows = slots + int(self.prefill_graphs)
-        if self.dev.type == "cuda":
-            check_kv_fits(rows, cols, n_layers, hkv, d, torch.empty((), dtype=dtype).element_size(),
-                          torch.cuda.mem_get_info(self.dev)[0])
+        on_gpu = self.dev.type == "cuda"
+        free = torch.cuda.mem_get_info(self.dev)[0] if on_gpu else host_available_bytes()
+        if free is not None:
+            check_kv_fits(rows, cols, n_layers, hkv, d, torch.empty((), dtype=dtype).element_size(), free,
+                          "the GPU has free" if on_gpu else "this machine has available (MemAvailable)")
         self.cache = SlotCache(k=[torch.zeros(rows, hkv, cols, d, dtype=dtype, device=self.dev) for _ in range(n_layers)],
                                v=[torch.zeros(rows, hkv, cols, d, dtype=dtype, device=self.dev) for _ in range(n_layers)])
         if self.flex is not None:

@@ -391,6 +391,8 @@ def _run(cfg: RunConfig, source: Optional[str], fmt: Optional[str], regenerate: 
                 return 0
             if not convs:
                 raise nothing_regenerated(cfg, regen_stats)
+        elif not _rank0():  # nothing to share out without regeneration: rank 0 writes the outputs (each rank wrote
+            return 0       # and printed them, fresh-user trial 2026-12-05f)
         report = build_report(cfg, want, counts, kept_by_step, convs, regen_stats)
         if reused_info is not None:
             report["reused_answers"] = reused_info

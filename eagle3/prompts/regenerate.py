@@ -368,7 +368,7 @@ def regenerate(model, tokenizer, conversations: list[dict], max_new_tokens: int,
         tokenizer: its tokenizer (chat template used to render prompts).
         conversations: normalised ``{id, messages}`` (prompt-only ones included: each user turn is answered).
         max_new_tokens: answer budget per turn; an answer that hits it is kept (``stats["truncated"]``).
-        batch_size: decode rows (continuous engines) or prompts per ``generate`` call (static).
+        batch_size: decode rows (continuous engines; at most the conversations) or prompts per ``generate`` call.
         chat_template: Jinja template overriding the tokenizer's (ignored when ``opts`` is given).
         opts: rendering options; prompts are :func:`eagle3.prompts.chat.generation_prompt` (what a server renders).
         max_context: context cap in tokens (``prompts.max_context_tokens``, default ``extract.max_length``): a
@@ -425,8 +425,8 @@ def regenerate(model, tokenizer, conversations: list[dict], max_new_tokens: int,
             _decode_static(run, model, max_new_tokens, batch_size, schedule, bar)
         elif run.ready:
             planned = sum(run.remaining(i) for i in run.ready)  # turns still to answer (prompts.regen_compile: auto)
-            eng = make_engine(engine, model, tokenizer, max_new_tokens, batch_size, max_context, engine_options,
-                              planned_answers=planned)
+            eng = make_engine(engine, model, tokenizer, max_new_tokens, min(batch_size, len(run.ready)), max_context,
+                              engine_options, planned_answers=planned)  # rows: one turn per conversation in flight
             stack.callback(eng.close)
             _decode_continuous(run, eng, bar)
     run.st.update(seconds=time.perf_counter() - t0, dropped_over_context=len(run.dropped), engine=engine)

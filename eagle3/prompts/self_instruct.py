@@ -333,11 +333,9 @@ def _check_args(num: int, temperature: float, top_p: float, max_query_tokens: in
     if report_path(out).name == "prompts_report.json":
         raise UserError(f"--out {out}: its report would be {report_path(out)}, the name of 01's own report (which "
                         f"prompts.reuse_answers and 02 read); choose another name, e.g. self_instruct.jsonl")
-    import os
+    from eagle3.cli import refuse_torchrun
 
-    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
-        raise UserError("--self-instruct runs in one process (it takes seconds to minutes on one GPU); run it "
-                        "without torchrun")
+    refuse_torchrun("--self-instruct", "it takes seconds to minutes on one GPU")
 
 
 def _up_to_date(out: Path, st: SelfInstructSettings) -> bool:

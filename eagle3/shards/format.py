@@ -670,7 +670,10 @@ def check_verifier(verifier: Any, meta: dict, root: str | os.PathLike) -> None:
     """Refuse a config whose verifier is not the one the shards were captured with (03, 04, 04 --export-only).
 
     Checked before any shape: a config pointing at another verifier otherwise fails later on a symptom (a hidden
-    size, an aux layer out of range) that names a setting the user never changed.
+    size, an aux layer out of range) that names a setting the user never changed. Then, when 02 recorded it, the
+    content fingerprint of the weight files (``verifier_weights``, :func:`eagle3.verifier.weights_fingerprint`): a
+    ``verifier.path`` pointed at another model of the same shapes under the old ``verifier.name`` trained without
+    an error, against the other model's lm_head (fresh-user trial 2026-12-05f: val top-1 0.000, exit 0).
 
     Args:
         verifier: the config's ``verifier`` section (its ``display_name()`` is what 02 records).
@@ -688,6 +691,17 @@ def check_verifier(verifier: Any, meta: dict, root: str | os.PathLike) -> None:
     if meta.get("verifier") != want:
         raise UserError(f"{path}: key 'verifier' is {meta.get('verifier')!r} but the config's verifier is {want!r} "
                         "(verifier.name / verifier.path); re-run 02 for this verifier")
+    recorded = meta.get("verifier_weights")
+    if recorded and hasattr(verifier, "resolved_path"):  # absent from shard sets of before 2026-12-05f: not compared
+        from eagle3.verifier import weights_fingerprint
+
+        now = weights_fingerprint(verifier)
+        if now is not None and now != recorded:
+            raise UserError(f"verifier.path: '{verifier.path}' holds other weights than the model the shards in "
+                            f"{path.parent} were captured from ({path.name}: key 'verifier_weights'; the name "
+                            f"{want!r} is the same): its lm_head would score another model's hidden states; set "
+                            f"verifier.path back to that model, or re-run 02 for this one (with a verifier.name of "
+                            f"its own)")
 
 
 VERIFIER_DIMS = ("num_layers", "hidden_size", "vocab_size")  # what data_config.json / eagle3_train.json record of it

@@ -262,9 +262,7 @@ class ServerStates(ShardStates):
             from eagle3.capture.multi import sglang_backend
 
             ex = cfg.extract
-            if not ex.sglang_url or not ex.capture_dir:
-                raise UserError("extract.sglang_url / extract.capture_dir: required for train.hidden_states: online "
-                                "with extract.backend: sglang (the capture servers 04 trains from)")
+            _require_servers(cfg)
             backend = sglang_backend(ex.sglang_url, ex.capture_dir, list(data_config["aux_layers"]),
                                      timeout=ex.sglang_timeout_s, max_length=ex.max_length,
                                      max_requests=ex.requests_per_batch, per_server=ex.batches_in_flight_per_server,
@@ -276,17 +274,28 @@ class ServerStates(ShardStates):
         return CapturedBatches(batches, self.backend, self.hidden_size, self.depth, self.pin)
 
 
+def _require_servers(cfg) -> None:
+    """Online with ``extract.backend: sglang`` needs the capture servers' URLs and capture folders."""
+    ex = cfg.extract
+    if cfg.train.hidden_states == "online" and ex.backend == "sglang" and (not ex.sglang_url or not ex.capture_dir):
+        raise UserError("extract.sglang_url / extract.capture_dir: required for train.hidden_states: online "
+                        "with extract.backend: sglang (the capture servers 04 trains from)")
+
+
 def check_hidden_states(cfg, data_config: dict) -> None:
-    """Refuse offline training on token-only samples (before 04 writes anything).
+    """Refuse offline training on token-only samples, and online training from capture servers the config does not
+    name, before 04 writes or reads anything heavy (the servers were checked only after the verifier head's
+    extraction, minutes for Kimi-K2.5: fresh-user trial 2026-12-05f).
 
     Raises:
-        UserError: naming ``data_config.json``'s ``format`` and the two fixes.
+        UserError: naming ``data_config.json``'s ``format`` and the two fixes, or the missing server keys.
     """
     from eagle3.shards.format import is_token_only
 
     if cfg.train.hidden_states == "offline" and is_token_only(data_config):
         raise UserError(f"{cfg.shards_dir / DATA_CONFIG}: key 'format' is {data_config['format']!r} (token-only "
                         "samples, no hidden states); set train.hidden_states: online, or re-run 02 with offline")
+    _require_servers(cfg)
 
 
 def state_source(cfg, data_config: dict, device: torch.device, feat_dtype: torch.dtype):

@@ -1786,8 +1786,33 @@ def headline(result: dict, train_dir: Path, args=None) -> str:
         text += f", top-1 {' / '.join(f'{a:.3f}' for a in acc)} (TTT steps 0..{len(acc) - 1})"
     elif not val:
         text += "; " + (result.get("no_validation") or no_validation_note(result["step"]))
+    picked = selected_weights_line(result)
     shape = [] if args is None else [f"drafter: {drafter_shape(args)}"]
-    return "\n".join([text, *shape, f"report: {train_dir / 'train_report.md'}", f"export: {result['export_dir']}"])
+    return "\n".join([text, *([picked] if picked else []), *shape, f"report: {train_dir / 'train_report.md'}",
+                      f"export: {result['export_dir']}"])
+
+
+def selected_weights_line(result: dict) -> Optional[str]:
+    """``exported: the weights of step 5, ...`` when ``train.select_best: sim_accept`` exported another step's weights
+    than the last one, whose figures the ``final validation`` line gives (04's closing lines, ``train_report.md``);
+    None otherwise. The headline said only the last step's loss and top-1 above ``export: <folder>``, though the
+    folder held an earlier step's weights (fresh-user trial 2026-12-05f)."""
+    sa = result.get("sim_accept") or {}
+    step, best = sa.get("exported_step"), sa.get("best") or {}
+    if step is None or int(step) == int(result["step"]):
+        return None
+    k = sa.get("chain")
+    last = next((r for r in sa.get("rows") or [] if r.get("step") == result["step"]), None)
+    text = f"exported: the weights of step {step}, not the last step's (train.select_best: {sa.get('select_best')}"
+    if best.get("step") == step:
+        text += f": the best validation, tau_sim({k}) {best['tau_sim']:.4f}"
+        if last is not None:
+            text += f" against {last['tau_sim']:.4f} at step {result['step']}"
+        if isinstance(best.get("loss"), (int, float)):
+            text += f"; its validation loss {best['loss']:.4f}"
+        if best.get("alpha"):
+            text += f", top-1 {' / '.join(f'{a:.3f}' for a in best['alpha'])}"
+    return text + ")"
 
 
 def drafter_shape(args, hidden: bool = False) -> str:
@@ -1884,6 +1909,9 @@ def write_report(train_dir: Path, result: dict, args) -> None:
                  if result.get("stop_at") and not result.get("stopped") else ""),
              f"- drafter: {drafter_shape(args, hidden=True)}",
              f"- checkpoint: `{result['checkpoint']}`", f"- export: {_export_line(result)}"]
+    picked = selected_weights_line(result) if result.get("export_dir") else None
+    if picked:
+        lines.append(f"- {picked}")
     if result.get("stopped"):
         lines.append(f"- **stopped** by signal {result.get('signal')} at step {result['step']}: no final validation"
                      + (", exported afterwards by `--export-only` (below)" if result.get("export_only") else

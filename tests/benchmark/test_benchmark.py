@@ -6,6 +6,7 @@ import importlib.util
 import json
 import logging
 import math
+import shutil
 
 import pytest
 import torch
@@ -469,6 +470,17 @@ def test_missing_drafter_folder_is_a_user_error(run_setup):
         _cli().main(["--config", str(cfg)])
     assert str(e.value) == (f"the exported drafter '{root / 'out' / 'drafter-sglang'}' (the config's export dir) "
                             "not found: run 04_train.py first or pass --drafter")
+    # export.engine: vllm after a run that exported for SGLang: the fix is --export-only, not another 04 run
+    # (fresh-user trial 2026-12-05f)
+    (root / "out" / "drafter-sglang").mkdir(parents=True)
+    (root / "out" / "drafter-sglang" / "config.json").write_text("{}")
+    with pytest.raises(UserError) as e:
+        _cli().main(["--config", str(cfg), "--set", "export.engine=vllm"])
+    assert str(e.value) == (f"the exported drafter '{root / 'out' / 'drafter-vllm'}' (the config's export dir, "
+                            f"export.engine: vllm) not found, but {root / 'out' / 'drafter-sglang'} is there: "
+                            f"04_train.py --export-only --engine vllm writes it from the same checkpoint (or pass "
+                            f"--drafter)")
+    shutil.rmtree(root / "out" / "drafter-sglang")
 
 
 def test_cli_more_prompts_than_the_set_warns_and_records_the_ids(run_setup, caplog, monkeypatch):

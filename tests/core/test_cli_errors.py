@@ -212,3 +212,27 @@ def test_written_by_names_the_files_as_the_stages_define_them():
         safe_torch_load("/nope/data/vocab_map.pt")
     with pytest.raises(Exception, match=r"^/nope/data/split.json: file not found \(03_prepare_data.py writes it"):
         read_json("/nope/data/split.json")
+
+
+@pytest.mark.parametrize("script, argv, want", [
+    ("03_prepare_data.py", [], "03_prepare_data.py runs in one process (it writes one vocab map, split and validation "
+                               "record for every rank of 04); run it without torchrun (WORLD_SIZE=2)"),
+    ("05_benchmark.py", [], "05_benchmark.py runs in one process (copies would decode side by side, each measuring the "
+                            "others' load as its tokens/s, and write the same report); run it without torchrun "
+                            "(WORLD_SIZE=2)"),
+    ("04_train.py", ["--export-only"], "04_train.py --export-only runs in one process (it writes one export folder; "
+                                       "every rank would write it); run it without torchrun (WORLD_SIZE=2)"),
+    ("01_prepare_prompts.py", ["--self-instruct", "3", "--out", "{root}/si.jsonl"],
+     "--self-instruct runs in one process (it takes seconds to minutes on one GPU); run it without torchrun "
+     "(WORLD_SIZE=2)"),
+])
+def test_one_process_stages_refuse_torchrun_in_one_line(files, capsys, monkeypatch, script, argv, want):
+    """`torchrun --nproc_per_node 2 05_benchmark.py` ran the whole benchmark on every rank (two reports, each rank's
+    tokens/s measured beside the other's decoding), and 03 and `04 --export-only` wrote the same files from every
+    rank (fresh-user trial 2026-12-05f); like `01 --self-instruct`, they now stop at once with one line."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as e:
+        run_main(_load_main(script), ["--config", files["good"], *[_fill(a, files) for a in argv]])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.strip().splitlines() == [f"error: {want}"], err
+    assert not (files["root"] / "outputs").exists()

@@ -177,6 +177,28 @@ def test_resolve_device():
         resolve_device("warp-drive")
 
 
+def test_a_cuda_device_this_machine_lacks_is_one_line_not_a_traceback(tiny_llama_dir, monkeypatch, capsys):
+    """verifier.device: cuda on a machine without CUDA (a GPU config run on a CPU box): 02 read the verifier and then
+    died in model.to() with `AssertionError: Torch not compiled with CUDA enabled` (fresh-user trial 2026-12-05f);
+    `cuda:3` on a 2-GPU machine gave `invalid device ordinal`. Every stage resolves the device here: one line."""
+    from eagle3.config import VerifierConfig
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UserError) as e:
+        load_verifier(VerifierConfig(path=str(tiny_llama_dir), dtype="float32", device="cuda"))
+    assert str(e.value) == (f"verifier.device: 'cuda', but CUDA is not available on this machine (torch "
+                            f"{torch.__version__}, torch.cuda.is_available() is False); set verifier.device: auto "
+                            f"(cuda when there is one, else cpu) or cpu")
+    assert resolve_device("auto") == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(UserError) as e:
+        resolve_device("cuda:3")
+    assert str(e.value) == ("verifier.device: 'cuda:3', but this machine has 2 CUDA devices (cuda:0..cuda:1); set "
+                            "verifier.device: auto or one of them")
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)
+
+
 class _Records(logging.Handler):
     def __init__(self):
         super().__init__(logging.DEBUG)

@@ -588,6 +588,30 @@ def test_regenerate_gives_the_engine_its_answers_and_records_the_decision(tiny):
                  "max_new_tokens": 6, "slots": 2, "reason": d["reason"]} and "not CUDA" in d["reason"]
 
 
+def test_slot_rows_are_capped_at_the_conversations_and_checked_against_host_memory(tiny, monkeypatch):
+    """configs/smollm2-135m-full.yaml (prompts.gen_batch_size 1024) with `01 --limit 6` on a 23 GB CPU machine was
+    killed by the kernel (a bare `Killed`): the slot engine preallocated 1,024 rows of KV cache (49 GB) for 6
+    conversations, and its memory check ran on CUDA only (fresh-user trial 2026-12-05f). A conversation has one turn
+    in flight at a time, so the rows are now at most the conversations; on the CPU the cache is checked against the
+    host's available memory, as against the GPU's free memory."""
+    import eagle3.prompts.continuous as C
+
+    model, tok = tiny
+    want = regenerate(model, tok, CONVS, max_new_tokens=6, batch_size=2, engine="slots",
+                      engine_options={"check_every": 2, "cuda_graphs": False})
+    stats = {}
+    got = regenerate(model, tok, CONVS, max_new_tokens=6, batch_size=1024, stats=stats, engine="slots",
+                     engine_options={"check_every": 2, "cuda_graphs": False, "compile_step": "auto"})
+    assert got == want and stats["engine_stats"]["compile_decision"]["slots"] == len(CONVS) == 5
+    monkeypatch.setattr(C, "host_available_bytes", lambda: 2**30)
+    with pytest.raises(C.KVCacheTooLarge) as e:  # 1,024 rows x 2,048 columns of the tiny verifier: 6 GiB
+        SlotEngine(model, 1024, 2048, 6, {0}, cuda_graphs=False, attention="sdpa_groups")
+    assert str(e.value) == ("prompts.gen_batch_size: the regeneration KV cache of 1024 rows x 2048 columns (6 layers, "
+                            "2 KV heads of 16) needs 3.0 GiB, more than 90% of the 1.0 GiB this machine has available "
+                            "(MemAvailable); lower prompts.gen_batch_size (rows) or prompts.max_context_tokens / "
+                            "prompts.max_new_tokens (columns)")
+
+
 # ---------------------------------------------------------------- cross-turn prefix reuse (prompts.regen_prefix_reuse)
 
 END = 7  # the token a "template" puts after an answer (as <|im_end|>); the stop ids are others

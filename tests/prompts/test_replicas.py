@@ -81,6 +81,20 @@ def test_two_gloo_ranks_write_the_one_process_file(tmp_path, tiny_llama_dir):
     assert rep["resumed"] == 2 and rep["answers"] == 13 - 3 - 4
 
 
+def test_two_ranks_without_regeneration_write_once(tmp_path, tiny_llama_dir):
+    """`torchrun --nproc_per_node 2 01_prepare_prompts.py` with prompts.regenerate: false: both ranks wrote
+    prompts.jsonl and its report and printed the closing lines twice (fresh-user trial 2026-12-05f). Nothing is
+    shared out without regeneration: rank 0 writes and prints, once; the file is the one-process run's."""
+    one, two = _setup(tmp_path, tiny_llama_dir, "one"), _setup(tmp_path, tiny_llama_dir, "two")
+    for p in (one, two):
+        p.write_text(p.read_text().replace("regenerate: true", "regenerate: false"))
+    _run01(one, 1)
+    out = _run01(two, 2).stdout.splitlines()
+    assert (tmp_path / "two" / "prompts.jsonl").read_text() == (tmp_path / "one" / "prompts.jsonl").read_text()
+    assert [x for x in out if x.startswith("prompts: ")] == [
+        f"prompts: {tmp_path / 'two' / 'prompts.jsonl'} (7 conversations; read 7, skipped 0, deduped 0, regenerated 0)"]
+
+
 def test_share_deals_multi_turn_conversations_round_robin():
     convs = [_conv(str(i), n) for i, n in enumerate([1, 3, 1, 2, 4, 1])]
     # by user turns: 4 (4), 1 (3), 3 (2), then 0, 2, 5 (1 each, by position); dealt 4, 1, 3, 0, 2, 5

@@ -143,6 +143,85 @@ def test_offline_training_refuses_token_only_samples(prepared, tiny_llama_dir, t
         run(cfg, device="cpu")
 
 
+@pytest.mark.parametrize("kind", ["offline", "online"])
+def test_verifier_path_to_other_weights_under_the_same_name_is_refused(prepared, tiny_llama_dir, tmp_path, kind):
+    """verifier.path pointed at another model of the same shapes under the shards' verifier.name: 04 offline trained
+    without an error against the other model's lm_head (val top-1 0.000, exit 0) and online against the other model's
+    states (fresh-user trial 2026-12-05f). 02 now records the weight files' fingerprint and 03/04 refuse other weights
+    in one line; a moved copy of the same model passes."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from eagle3.data import prepare_data
+    from eagle3.errors import UserError
+    from eagle3.shards.format import check_verifier, read_data_config
+    from eagle3.train.trainer import run
+    from eagle3.verifier import weights_fingerprint
+
+    src = prepared[kind]["cfg"]
+    meta = read_data_config(src.shards_dir)
+    assert meta["verifier_weights"] == weights_fingerprint(src.verifier)
+    assert meta["verifier_weights"].startswith("sha256:")
+    moved, other = tmp_path / "moved", tmp_path / "other"
+    shutil.copytree(tiny_llama_dir, moved)
+    shutil.copytree(tiny_llama_dir, other)
+    w = load_file(other / "model.safetensors")
+    save_file({k: (v + 0.01 if v.is_floating_point() else v) for k, v in w.items()}, other / "model.safetensors",
+              metadata={"format": "pt"})
+    _p, cfg = _train_cfg(prepared, kind, moved, kind == "online", tmp_path / "a")
+    check_verifier(cfg.verifier, meta, cfg.shards_dir)  # the same bytes elsewhere: the same model
+    for absent in (tmp_path / "nowhere", "package:no_such_package_here"):  # nothing to compare on this machine
+        assert weights_fingerprint(cfg.verifier.model_copy(update={"path": str(absent)})) is None
+    _p, cfg = _train_cfg(prepared, kind, other, kind == "online", tmp_path / "b")
+    want = (f"verifier.path: '{other}' holds other weights than the model the shards in {cfg.shards_dir} were captured "
+            f"from (data_config.json: key 'verifier_weights'; the name 'tiny-llama' is the same): its lm_head would "
+            f"score another model's hidden states; set verifier.path back to that model, or re-run 02 for this one "
+            f"(with a verifier.name of its own)")
+    with pytest.raises(UserError) as e:
+        run(cfg, device="cpu")
+    assert str(e.value) == want and not cfg.train_dir.exists()
+    with pytest.raises(UserError) as e:
+        prepare_data.run(cfg, plot=False)
+    assert str(e.value) == want
+    # the export records the fingerprint; 05 warns when verifier.path holds other weights (as for another name)
+    from eagle3.benchmark.offline import verifier_warnings
+    from eagle3.export.from_checkpoint import export_for_run
+    from eagle3.verifier import load_verifier_config, verifier_dims
+
+    _p, cfg = _train_cfg(prepared, kind, moved, kind == "online", tmp_path / "c", max_steps=1)
+    run(cfg, device="cpu", export=export_for_run)
+    rec = json.loads((cfg.export_dir / "eagle3_train.json").read_text())["verifier"]
+    assert rec["weights"] == meta["verifier_weights"]
+    dims = verifier_dims(load_verifier_config(cfg.verifier))
+    assert verifier_warnings(cfg.export_dir, "tiny-llama", dims, weights_fingerprint(cfg.verifier)) == []
+    other_fp = weights_fingerprint(cfg.verifier.model_copy(update={"path": str(other)}))
+    assert verifier_warnings(cfg.export_dir, "tiny-llama", dims, other_fp) == [
+        f"drafter {cfg.export_dir / 'eagle3_train.json'} was exported for verifier 'tiny-llama' with other weights "
+        f"than the model at verifier.path (key 'verifier.weights': {meta['verifier_weights'][:19]}... recorded, "
+        f"{other_fp[:19]}... at verifier.path): tau measures the drafter against another model"]
+
+
+def test_online_from_servers_without_urls_is_refused_before_the_head_is_extracted(prepared, tiny_llama_dir,
+                                                                                 tmp_path, caplog):
+    """train.hidden_states: online with extract.backend: sglang and no extract.sglang_url: the one-line refusal came
+    after 04 had extracted the verifier's embedding / lm_head / norm (minutes for Kimi-K2.5's 2 x 2.3 GB; fresh-user
+    trial 2026-12-05f); it now comes with the other config checks, before anything is read or written."""
+    import logging
+
+    from eagle3.errors import UserError
+    from eagle3.train.trainer import run
+
+    _p, cfg = _train_cfg(prepared, "online", tiny_llama_dir, True, tmp_path)
+    cfg = cfg.model_copy(update={"extract": cfg.extract.model_copy(update={"backend": "sglang"})})
+    with caplog.at_level(logging.INFO, logger="eagle3.train.trainer"), pytest.raises(UserError) as e:
+        run(cfg, device="cpu")
+    assert str(e.value) == ("extract.sglang_url / extract.capture_dir: required for train.hidden_states: online with "
+                            "extract.backend: sglang (the capture servers 04 trains from)")
+    assert not [r for r in caplog.records if "extracting the verifier's embedding" in r.getMessage()]
+    assert not cfg.train_dir.exists()
+
+
 def test_online_equals_offline_bitwise(prepared, tiny_llama_dir, tmp_path):
     from eagle3.train.trainer import run
 

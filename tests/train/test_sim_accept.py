@@ -140,6 +140,39 @@ def test_training_exports_the_selected_weights_and_reports_the_curve(tmp_path, s
     assert d.args.variant == "eagle3"
 
 
+def test_closing_lines_and_report_name_the_exported_step_when_it_is_not_the_last(tmp_path, capsys):
+    """select_best: sim_accept exporting an earlier step's weights: 04's closing lines gave only the last step's
+    validation loss and top-1 above `export: <folder>`, and the demo summary the same, though the folder held the
+    best validation's weights (fresh-user trial 2026-12-05f). A line now names the exported step and its figures."""
+    import importlib.util
+
+    path = make_tiny_run(tmp_path, n_train=8, n_val=4, train={"epochs": 3, "eval_every": 1, "ckpt_every": 100,
+                                                              "select_best": "sim_accept", "lr": 5e-2})
+    cfg = load_config(path)
+    r = run(cfg, device="cpu", export=export_for_run)
+    sa = r["sim_accept"]
+    best, last = sa["best"], [row for row in sa["rows"] if row["step"] == r["step"]][0]
+    assert sa["exported_step"] == best["step"] != r["step"]  # (this seed's best is early)
+    want = (f"exported: the weights of step {best['step']}, not the last step's (train.select_best: sim_accept: the "
+            f"best validation, tau_sim(3) {best['tau_sim']:.4f} against {last['tau_sim']:.4f} at step {r['step']}; "
+            f"its validation loss {best['loss']:.4f}, top-1 {' / '.join(f'{a:.3f}' for a in best['alpha'])})")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-5].startswith(f"trained: {r['step']}/") and lines[-4] == want
+    assert lines[-1] == f"export: {cfg.export_dir}"
+    assert f"- {want}" in (cfg.train_dir / "train_report.md").read_text().splitlines()
+    script = Path(__file__).parents[2] / "scripts" / "demo_summary.py"
+    spec = importlib.util.spec_from_file_location("demo_summary", script)
+    ds = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ds)
+    fig, text, _ = ds._train(cfg)
+    assert fig["exported_step"] == best["step"] and text.endswith(
+        f"; exported: step {best['step']}'s weights (best simulated acceptance; the figures above are the last step's)")
+    cfg_last = load_config(make_tiny_run(tmp_path / "last", n_train=8, n_val=4, train={
+        "epochs": 3, "eval_every": 1, "ckpt_every": 100, "select_best": "last", "lr": 5e-2}))
+    run(cfg_last, device="cpu", export=export_for_run)
+    assert not [x for x in capsys.readouterr().out.splitlines() if x.startswith("exported:")]
+
+
 def test_eagle31_trains_resumes_and_exports(tmp_path):
     """drafter.variant: eagle3.1 end to end on CPU: train, stop, resume (same result as uninterrupted), export."""
     sets = ["drafter.variant=eagle3.1", "train.loss=lk_hybrid"]
