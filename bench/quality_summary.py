@@ -201,7 +201,10 @@ def markdown(q: dict) -> str:
               "| position | " + " | ".join(["held-out train", *sets]) + " |", "|---:|" + "---:|" * (len(sets) + 1)]
     for i in range(int(k0)):
         v = q["val_top1_per_position"][i] if i < len(q["val_top1_per_position"]) else None
-        row = [f"{v:.2f}" if v is not None else "-"] + [f"{q['per_position'][k0][s]['conditional'][i]:.2f}" for s in sets]
+        # a set scored at another chain length only (e.g. MT-bench at 7 steps, not at 3): "-" in this table
+        at_k0 = q["per_position"][k0]
+        row = [f"{v:.2f}" if v is not None else "-"] + [f"{at_k0[s]['conditional'][i]:.2f}" if s in at_k0 else "-"
+                                                        for s in sets]
         lines.append(f"| {i + 1} | " + " | ".join(row) + " |")
     cat = q.get("tau_by_category_steps3")
     if cat:
