@@ -80,7 +80,9 @@
 #   DEADLINE_S seconds after the recipes start at which every 04 still training gets SIGTERM: it finishes its
 #             step, checkpoints and exits 143; the chain then exports that checkpoint (04 --export-only: the best
 #             by sim_accept when select_best is set) and goes on to 05, so a lease's end is planned, not hit
-#             (default: none). The run's train_report says how many steps it reached.
+#             (default: none). The run's train_report says how many steps it reached. A 04 that would start after
+#             the deadline (a chain queued behind SLOTS, a retry) does not train: its checkpoint, if any, is exported
+#             and scored. A restarted driver whose deadline is still ahead clears an earlier driver's mark.
 #   ONLINE_SPEED 0 = skip bench/online_train_speed.py (measured in an earlier lease); @MAIN_STEPS@ then comes from
 #             ONLINE_TPS (default 126626, lease 2026-12-02b's online tokens/s) and STEPS_FOR_S
 #   REGEN_MIN NPROMPTS=auto takes at least this many conversations (default 1000), e.g. more than the disk holds
@@ -393,14 +395,24 @@ recipe_chain() {  # recipe_chain NAME SETS: 04, then 05 at 3 steps (every set) a
 train_until_deadline() {  # train_until_deadline NAME CMD...: CMD (04) in the background, SIGTERM at $W/deadline;
   # exit 143 there (checkpointed) -> export that checkpoint with 04 --export-only and succeed
   local name=$1; shift
+  local a args=()  # the same command without --resume, which 04 refuses beside --export-only
+  for a in "$@"; do [ "$a" = --resume ] || args+=("$a"); done
+  # A 04 that would start after the deadline (a chain queued behind SLOTS, or the retry of a failed one) is not
+  # started: the watcher signals only the 04s running when it fires, so such a training ran its whole schedule past
+  # the deadline (dry run: SLOTS=1, the second recipe's 04 started 19 s after the deadline and trained all its steps).
+  # Its checkpoint, if an earlier try left one, is exported and scored; without one the chain fails
+  if [ -e "$W/deadline.hit" ]; then
+    echo "== $name: the deadline has passed; not training, exporting its checkpoint if it has one"
+    "${args[@]}" --export-only; return $?
+  fi
   "$@" & local pid=$!
   echo "$pid" > "$W/status/${name}_04.pid"
+  # the deadline marked while this 04 started (after end_trainings read the pid files): signalled here
+  [ -e "$W/deadline.hit" ] && kill -TERM "$pid" 2>/dev/null
   wait "$pid"; local rc=$?
   rm -f "$W/status/${name}_04.pid"
   if [ "$rc" = 143 ] && [ -e "$W/deadline.hit" ]; then
     echo "== $name: stopped at the deadline; exporting its checkpoint"
-    local a args=()  # the same command without --resume, which 04 refuses beside --export-only
-    for a in "$@"; do [ "$a" = --resume ] || args+=("$a"); done
     "${args[@]}" --export-only; return $?
   fi
   return "$rc"
@@ -408,11 +420,17 @@ train_until_deadline() {  # train_until_deadline NAME CMD...: CMD (04) in the ba
 
 deadline_watch() {  # SIGTERM every 04 still running DEADLINE_S seconds after the recipes started (TRAIN_END_S: that
   # many seconds after the driver started, however long the phases before took)
-  local wait_s=${DEADLINE_S:-}
-  [ -n "${TRAIN_END_S:-}" ] && wait_s=$(( TRAIN_END_S - $(date +%s) + $(cat "$W/t0") ))
+  local wait_s
+  wait_s=$(deadline_left)
   [ -n "$wait_s" ] || return 0
   (( wait_s > 0 )) && sleep "$wait_s"
   end_trainings
+}
+
+deadline_left() {  # seconds to the deadline from now (DEADLINE_S: from now, the recipes' start; TRAIN_END_S: from the
+  # driver's first start), empty when none is set
+  if [ -n "${TRAIN_END_S:-}" ]; then echo $(( TRAIN_END_S - $(date +%s) + $(cat "$W/t0") ))
+  elif [ -n "${DEADLINE_S:-}" ]; then echo "$DEADLINE_S"; fi
 }
 
 end_trainings() {  # the deadline, now: mark it passed, then SIGTERM every 04 running. Each checkpoints and exits 143;
@@ -445,7 +463,11 @@ other_trainings() {  # other_trainings NAME: true while a recipe other than NAME
 }
 
 recipes() {  # every recipe, SLOTS chains at a time (each chain retried once: retry_wait)
-  local spec name sets
+  local spec name sets left
+  # a mark left by an earlier driver whose deadline has not come for this one (restarted with a later TRAIN_END_S,
+  # or after `finish` with none): gone, or every 04 would only export its checkpoint (train_until_deadline)
+  left=$(deadline_left)
+  { [ -z "$left" ] || (( left > 0 )); } && rm -f "$W/deadline.hit"
   deadline_watch & local watch=$!
   for spec in $RECIPES; do
     name=${spec%%:*}; sets=${spec#*:}

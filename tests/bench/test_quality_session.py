@@ -168,10 +168,12 @@ def test_deadline_export_drops_resume(tmp_path):
     continue a retried run; the lease's deadline export would have failed)."""
     w = tmp_path / "w"
     (w / "status").mkdir(parents=True)
-    (w / "deadline.hit").touch()
     calls = tmp_path / "calls"
-    fake = tmp_path / "fake04.sh"  # records its arguments; the training call "is stopped" (143), the export succeeds
-    fake.write_text(f'echo "$*" >> "{calls}"\ncase " $* " in *" --export-only "*) exit 0 ;; *) exit 143 ;; esac\n')
+    # records its arguments; the training call "is stopped at the deadline" (the mark made while it trains, exit
+    # 143), the export succeeds
+    fake = tmp_path / "fake04.sh"
+    fake.write_text(f'echo "$*" >> "{calls}"\ncase " $* " in *" --export-only "*) exit 0 ;; '
+                    f'*) touch "{w}/deadline.hit"; exit 143 ;; esac\n')
     fn = subprocess.run(["sed", "-n", "/^train_until_deadline()/,/^}/p", str(ROOT / "bench" / "quality_session.sh")],
                         capture_output=True, text=True, check=True).stdout
     assert fn.startswith("train_until_deadline()")
@@ -180,6 +182,35 @@ def test_deadline_export_drops_resume(tmp_path):
     assert r.returncode == 0, r.stderr
     assert calls.read_text().splitlines() == ["--config c.yaml --set a=1 --resume --set b=2",
                                               "--config c.yaml --set a=1 --set b=2 --export-only"]
+
+
+def test_no_training_starts_after_the_deadline(tmp_path):
+    """The deadline watcher signals the 04s running when it fires; a 04 that would start later (a chain queued behind
+    SLOTS, or the retry of a failed chain) trained its whole schedule past the deadline (CPU dry run, SLOTS=1:
+    `== b_04: start` 19 s after `== deadline: SIGTERM sent`, then all 900 steps). train_until_deadline now runs only
+    the export of its checkpoint; a restarted driver whose deadline is still ahead removes an earlier driver's mark."""
+    w = tmp_path / "w"
+    (w / "status").mkdir(parents=True)
+    (w / "deadline.hit").touch()
+    calls = tmp_path / "calls"
+    fake = tmp_path / "fake04.sh"
+    fake.write_text(f'echo "$*" >> "{calls}"\ncase " $* " in *" --export-only "*) exit 0 ;; *) sleep 5 ;; esac\n')
+    src = _functions("train_until_deadline")
+    r = subprocess.run(["bash", "-c", src + f'\nW="{w}"; train_until_deadline late bash "{fake}" --config c.yaml --resume'],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == ["== late: the deadline has passed; not training, exporting its checkpoint if it has one"]
+    assert calls.read_text().splitlines() == ["--config c.yaml --export-only"]
+    assert not (w / "status" / "late_04.pid").exists()
+    # deadline_left: TRAIN_END_S counts from the driver's first start ($W/t0), DEADLINE_S from now, neither: none
+    (w / "t0").write_text(f"{int(time.time()) - 100}\n")
+    src = _functions("deadline_left")
+    left = {}
+    for env in ({"TRAIN_END_S": "1000"}, {"TRAIN_END_S": "50"}, {"DEADLINE_S": "30"}, {}):
+        r = subprocess.run(["bash", "-c", src + "\ndeadline_left"], capture_output=True, text=True, timeout=60,
+                           env={"PATH": os.environ["PATH"], "W": str(w), **env})
+        left[next(iter(env.values()), "")] = r.stdout.strip()
+    assert left["30"] == "30" and left[""] == "" and 898 <= int(left["1000"]) <= 900 and -52 <= int(left["50"]) <= -50
 
 
 @pytest.mark.slow
