@@ -50,7 +50,7 @@ cd "$(dirname "$0")/.."
 W=${W:-/tmp/gpu-run}
 . bench/lease_lib.sh  # settings given to `start` alone hold for wait / stop / capture ($W/driver.env)
 case "${1:-}" in
-  start) lease_save_settings "$W" CONFIG RUN_SETS CURVE SPEED SEED FP8 ABL SHIFT SUB BENCH_SETS TAIL SLOTS OVERLAP \
+  start) lease_start_settings "$W" CONFIG RUN_SETS CURVE SPEED SEED FP8 ABL SHIFT SUB BENCH_SETS TAIL SLOTS OVERLAP \
            BENCH_SPEED TAIL_FIRST PACK_LARGE PYTHON ;;
   wait|stop|capture|derived) lease_load_settings "$W" ;;
 esac

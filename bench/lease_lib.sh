@@ -16,6 +16,25 @@ lease_save_settings() {  # lease_save_settings W VAR...: $W/driver.env, one line
   done > "$w/driver.env.tmp" && mv "$w/driver.env.tmp" "$w/driver.env"
 }
 
+lease_start_settings() {  # lease_start_settings W VAR...: `start`'s settings. Those recorded by an earlier `start` in
+  # $W/driver.env that this call leaves unset or empty are kept (exported, so the driver `start` launches reads them;
+  # named in one line), then the whole set is recorded again. A restart (`stop`, then `start` in a later device
+  # call, which sources no plan) otherwise wrote a driver.env of nothing and ran the defaults on the same $W: another
+  # CONFIG and RECIPES beside the phases already done (dry run 2026-12-05f: `ref_04: already done`, then v31 / lk /
+  # ep16 training on the plan's data). A different plan: another W, or the settings changed given in that call
+  local w=$1 v kept=(); shift
+  if [ -e "$w/driver.env" ]; then
+    local -A had=()
+    for v in "$@"; do [ -n "${!v:-}" ] && had[$v]=1; done
+    . "$w/driver.env"
+    for v in "$@"; do
+      if [ -z "${had[$v]:-}" ] && [ -n "${!v:-}" ]; then export "${v?}"; kept+=("$v"); fi
+    done
+    [ ${#kept[@]} -eq 0 ] || echo "== settings of the earlier start kept (from $w/driver.env): ${kept[*]}"
+  fi
+  lease_save_settings "$w" "$@"
+}
+
 lease_driver_alive() {  # lease_driver_alive W: true while the driver `start` launched ($W/run.pid) still runs
   [ -e "$1/run.pid" ] && kill -0 "$(cat "$1/run.pid")" 2>/dev/null
 }

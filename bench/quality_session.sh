@@ -41,7 +41,8 @@
 #   PACK_LARGE 1 = `wait` / `pack` bring the prompts (or PACK_DRAFTER's export) back before the driver is done; by
 #             default only the pack of a finished driver does: copying ~35-47 MB back makes the call return late, and
 #             a machine idle 30 s after a call is given back (lease 2026-12-04 lost two machines that way)
-#   Settings given to `start` alone hold for the later verbs too ($W/driver.env).
+#   Settings given to `start` alone hold for the later verbs too ($W/driver.env), and for a restart: a later `start`
+#             on the same W keeps those it is not given again (named in one line; a new plan: another W).
 #   SELF_INSTRUCT N > 0 (needs SEED or SEED_NPROMPTS): the data set is SEED's regenerated conversations + N user prompts the verifier
 #             writes itself (01 --self-instruct into $W/self_instruct.jsonl, minus the SI_EXCLUDE files' prompts;
 #             SI_ARGS extra flags), answered by 01 with prompts.reuse_answers = SEED's copy in $W/seed (only the new
@@ -109,7 +110,7 @@ SETTINGS=(CONFIG VERIFIER NPROMPTS SEED INIT PACK_DRAFTER PACK_LARGE PARTS_MAX R
   ONLINE_TPS ONLINE_LIMIT ONLINE_STEPS STEPS_FOR_S SPEED05 SPEED05_SETS SPEED05_PROMPTS SPEED05_PICK SELF_INSTRUCT
   SI_EXCLUDE SI_ARGS SEED_NPROMPTS REGEN_SPEED_MAX_S PYTHON)
 case "${1:-}" in
-  start) lease_save_settings "$W" "${SETTINGS[@]}" ;;
+  start) lease_start_settings "$W" "${SETTINGS[@]}" ;;
   wait|pack|stop|finish) lease_load_settings "$W" ;;
 esac
 CONFIG=${CONFIG:-configs/smollm2-135m-full.yaml}

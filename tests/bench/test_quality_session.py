@@ -250,6 +250,32 @@ def test_a_drafter_over_64_mib_comes_back_in_two_packs(tmp_path):
     assert (back / "config.json").read_text() == (ex / "config.json").read_text()
 
 
+def test_a_restart_keeps_the_settings_of_the_first_start(tmp_path):
+    """`stop`, then `start` in a later device call (no plan sourced): the settings the first `start` recorded are kept
+    (and reach the launched driver), those given again win; a restart wrote an empty driver.env and ran the defaults
+    (another CONFIG and RECIPES) on the phases already done (dry run 2026-12-05f: `ref_04: already done`, then
+    v31 / lk / ep16 training on the plan's data)."""
+    w = tmp_path / "w"
+    first = {"W": str(w), "INIT": str(tmp_path / "missing"), "RECIPES": "mine:train.lr=2e-3", "NPROMPTS": "8"}
+    r = _driver("start", first)
+    assert r.returncode == 1 and "no exported drafter there" in r.stdout, (r.stdout, r.stderr)
+    # the restart: nothing but W (PYTHON=false: had the settings been lost, the defaults' preflight fails, no launch)
+    r = _driver("start", {"W": str(w), "PYTHON": "false"})
+    assert r.returncode == 1 and not (w / "run.pid").exists(), (r.stdout, r.stderr)
+    assert r.stdout.splitlines()[0] == (f"== settings of the earlier start kept (from {w}/driver.env): "
+                                        "NPROMPTS INIT RECIPES")
+    assert r.stdout.splitlines()[1] == f"== INIT={tmp_path}/missing: no exported drafter there (config.json + " \
+        "model.safetensors, or drafter.tar.gz.partNN)"
+    env_file = (w / "driver.env").read_text()
+    assert "RECIPES=mine:train.lr=2e-3" in env_file and "PYTHON=false" in env_file
+    # kept values are exported (the driver `start` launches reads its environment); a value given again wins
+    probe = ('. bench/lease_lib.sh; lease_start_settings "$1" NPROMPTS RECIPES >/dev/null; '
+             'bash -c \'printf "%s|%s" "$NPROMPTS" "$RECIPES"\'')
+    got = subprocess.run(["bash", "-c", probe, "x", str(w)], cwd=ROOT, capture_output=True, text=True,
+                         env={"PATH": os.environ["PATH"], "NPROMPTS": "16"})
+    assert got.returncode == 0 and got.stdout == "16|mine:train.lr=2e-3", (got.stdout, got.stderr)
+
+
 def test_settings_file_written_when_the_last_setting_is_unset(tmp_path):
     """driver.env is renamed into place whatever the last variable's state (lease 2026-12-05b: an unset last
     variable, PYTHON, left only driver.env.tmp, and `pack` knew no PACK_DRAFTER)."""
