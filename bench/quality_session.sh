@@ -368,6 +368,18 @@ check_settings() {  # settings that would be ignored: one line, exit 1, before a
       "self-instruct prompts add to); for the data set's size set NPROMPTS=$SEED_NPROMPTS" >&2
     return 1
   fi
+  # a setting naming recipes: a name that is no recipe was ignored in silence (lease-next.env's BENCH_FULL named
+  # b64k, a run the plan had dropped, and not warm10: warm10 got 05 on MT-bench at 3 steps only, no 7-step run)
+  local v n names=" " spec
+  for spec in $RECIPES; do names+="${spec%%:*} "; done
+  for v in BENCH_FULL SPEED05 PACK_DRAFTER; do
+    for n in ${!v:-}; do
+      if [[ "$names" != *" $n "* ]]; then
+        echo "error: $v names $n, which is no recipe of RECIPES (${names:1:${#names}-2}): it would be ignored" >&2
+        return 1
+      fi
+    done
+  done
 }
 
 recipe_chain() {  # recipe_chain NAME SETS: 04, then 05 at 3 steps (every set) and at 7 steps (SETS7)

@@ -500,3 +500,26 @@ kill "$own"
                        capture_output=True, text=True, timeout=60)
     assert r.stdout.splitlines() == ["== big: out of memory; its retry waits until no other training runs",
                                      "retried after ref"], (r.stdout, r.stderr)
+
+
+@pytest.mark.parametrize("setting", ["BENCH_FULL", "SPEED05", "PACK_DRAFTER"])
+def test_start_refuses_a_setting_naming_no_recipe(tmp_path, setting):
+    """BENCH_FULL / SPEED05 / PACK_DRAFTER name recipes; a name that is none was ignored in silence (lease-next.env's
+    BENCH_FULL named b64k, dropped from its RECIPES, and not warm10, which then got 05 on MT-bench at 3 steps only)."""
+    w = tmp_path / "w"
+    value = "ref b64k" if setting == "BENCH_FULL" else "b64k"
+    r = _driver("start", {"W": str(w), "RECIPES": "ref: lr2e-3:train.lr=2e-3", "CONFIG": "configs/tiny-llama.yaml",
+                          setting: value, "PYTHON": "false"})  # (false: a start that passed would launch nothing)
+    assert r.returncode == 1 and not (w / "run.pid").exists(), (r.stdout, r.stderr)
+    assert r.stderr.strip() == f"error: {setting} names b64k, which is no recipe of RECIPES (ref lr2e-3): it would be ignored"
+
+
+def test_the_next_leases_plan_passes_the_settings_check():
+    """bench/plans/lease-next.env as the lease sources it (set -a): check_settings accepts it, every recipe of its
+    RECIPES gets the full benchmark (its comments: 05 on the three sets at 3 steps and MT-bench at 7 for each run)."""
+    script = (f'set -a; . bench/plans/lease-next.env; set +a\n{_functions("check_settings")}\ncheck_settings && '
+              'for spec in $RECIPES; do n=${spec%%:*}; [[ " $BENCH_FULL " == *" $n "* ]] && echo "$n full"; done')
+    r = subprocess.run(["bash", "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                       env={"PATH": os.environ["PATH"]})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == ["ref full", "lr2e-3 full", "warm10 full"]
