@@ -117,7 +117,10 @@ def markdown(table: dict) -> str:
         sim = f"{r['sim_accept_best']:.2f} ({r['sim_accept_best_step']})" if r.get("sim_accept_best") else "-"
         t7 = r["tau_steps7"].get("mtbench")
         name = r["name"] + (" (ref)" if r["reference"] else "")
-        lines.append(f"| {name} | {r['change']} | {r['optimizer_steps'] or '-'} | {v} | {sim} | " + " | ".join(cells)
+        steps = str(r["optimizer_steps"] or "-")  # (as quality_compare's table: the scored weights' step when earlier)
+        if r.get("weights_step") is not None and r["weights_step"] != r["optimizer_steps"]:
+            steps += f" (weights of step {r['weights_step']})"
+        lines.append(f"| {name} | {r['change']} | {steps} | {v} | {sim} | " + " | ".join(cells)
                      + f" | {'-' if t7 is None else f'{t7:.2f}'} |")
     lines += ["", "tau: 05, chain, T=0, fp32 verifier; (delta vs ref [95% paired bootstrap over prompts]: prompt noise "
               "only, not training noise); tau_sim: 04's validation split (eagle3/train/sim_accept.py)."]
