@@ -35,9 +35,22 @@ from eagle3.errors import UserError  # noqa: E402
 from eagle3.io import atomic_write_json, atomic_write_text, make_dirs  # noqa: E402
 
 
-def _recipe_diff(recipe: Optional[dict], ref: Optional[dict], variant: str, ref_variant: str) -> str:
-    """``key=value`` of what a run changed against the reference (``-`` for none)."""
-    out = [f"drafter.variant={variant}"] if variant != ref_variant else []
+def _drafter_args(run: Path) -> dict:
+    """The drafter's fields of ``run/train_report.json`` (``drafter_args``; absent ``num_layers`` / ``variant``: their
+    defaults, 1 and eagle3, as :class:`DrafterArgs` leaves them out), ``{}`` without a report."""
+    path = run / "train_report.json"
+    args = (qs._read(path, required=False) or {}).get("drafter_args") or {}
+    return {**args, "num_layers": args.get("num_layers", 1), "variant": args.get("variant", "eagle3")} if args else {}
+
+
+def _recipe_diff(recipe: Optional[dict], ref: Optional[dict], drafter: dict, ref_drafter: dict) -> str:
+    """``key=value`` of what a run changed against the reference (``-`` for none): its variant first, every other
+    drafter field (the MLP width, the layers, the draft vocabulary: a recipe of ``drafter.intermediate_size=6144`` was
+    labelled ``-``, the table's only column of what a run is), then the training recipe."""
+    out = [f"drafter.variant={drafter.get('variant')}"] if drafter.get("variant") != ref_drafter.get("variant") else []
+    if drafter and ref_drafter:
+        out += [f"drafter.{k}={drafter.get(k)}" for k in sorted(set(drafter) | set(ref_drafter))
+                if k != "variant" and drafter.get(k) != ref_drafter.get(k)]
     for k, v in sorted((recipe or {}).items()):
         if (ref or {}).get(k) != v:
             out.append(f"train.{k}={v}")
@@ -67,6 +80,7 @@ def summarise(runs_dir: Path, ref: str, out: Path, config: str = "") -> dict:
     loaded = {p.name: qc.load_run(f"{p.name}={p / 'bench-steps3.json'}") for p in runs}
     rows = qc.compare(loaded[ref], [loaded[n] for n in names if n != ref])
     rq = quality[ref]
+    drafters = {p.name: _drafter_args(p) for p in runs}
     for row in rows:
         q = quality[row["name"]]
         best = (q.get("sim_accept") or {}).get("best") or {}
@@ -75,7 +89,7 @@ def summarise(runs_dir: Path, ref: str, out: Path, config: str = "") -> dict:
             row["optimizer_steps"] = q["sim_accept"]["curve"][-1][0]  # the last validation (>= steps - eval_every)
         row.update(variant=q["variant"], loss=q["loss"], num_train_prompts=q["num_train_prompts"],
                    change=("(no train_report: stopped at the deadline; see the run's command)" if no_report else
-                           _recipe_diff(q.get("recipe"), rq.get("recipe"), q["variant"], rq["variant"])),
+                           _recipe_diff(q.get("recipe"), rq.get("recipe"), drafters[row["name"]], drafters[ref])),
                    tau_steps7=q["tau"].get("7", {}), sim_accept_best=best.get("tau_sim"),
                    sim_accept_best_step=best.get("step"),
                    exported_step=(q.get("sim_accept") or {}).get("exported_step"))

@@ -107,3 +107,20 @@ def test_a_finished_run_whose_best_came_early_shows_the_scored_weights(tmp_path)
     (runs / "early" / "train_report.json").write_text(json.dumps(rep))
     qr.summarise(runs, "ref", tmp_path / "out2")
     assert "| early | train.lr=0.002 | 100 | 0.600 | 2.20 (100) |" in (tmp_path / "out2" / "recipes.md").read_text()
+
+
+def test_a_drafter_shape_change_is_named(tmp_path):
+    """The change column named only drafter.variant of the drafter's fields: a recipe widening the MLP or adding a
+    layer (leases 04d / 04e) was labelled `-`, as if it were the reference."""
+    runs = tmp_path / "runs"
+    for name, args in (("ref", {"variant": "eagle3.1", "intermediate_size": 1536}),
+                       ("wide", {"variant": "eagle3.1", "intermediate_size": 6144}),
+                       ("deep", {"variant": "eagle3.1", "intermediate_size": 1536, "num_layers": 2}),
+                       ("v30", {"intermediate_size": 1536})):
+        _run(runs, name, 2.0, 2.5, {"1": [20, 10], "2": [20, 10]})
+        rep = json.loads((runs / name / "train_report.json").read_text())
+        rep["drafter_args"] = {"hidden_size": 576, **args}
+        (runs / name / "train_report.json").write_text(json.dumps(rep))
+    rows = {r["name"]: r["change"] for r in qr.summarise(runs, "ref", tmp_path / "out")["rows"]}
+    assert rows == {"ref": "-", "wide": "drafter.intermediate_size=6144", "deep": "drafter.num_layers=2",
+                    "v30": "drafter.variant=eagle3"}
