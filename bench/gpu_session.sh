@@ -260,8 +260,7 @@ case "${1:-}" in
   stop)  # setsid made the run a process-group leader: end the group (the run and every stage it started)
     [ -e "$W/run.pid" ] && kill -- "-$(cat "$W/run.pid")" 2>/dev/null; sleep 1; echo "stopped"; ls "$W/status" ;;
   wait)
-    lim=${2:-540}; t0=$SECONDS
-    while [ ! -e "$W/status/ALL.done" ] && (( SECONDS - t0 < lim )); do sleep 5; done
+    lease_wait "$W" "${2:-540}"
     tail -30 "$W/run.log"; df -h "$W" /dev/shm 2>/dev/null | tail -2
     for f in "$W"/res/*.log; do echo "-- $(basename "$f"): $(tr '\r' '\n' < "$f" | grep -v '^\s*$' | tail -1 | cut -c1-200)"; done
     pack ;;

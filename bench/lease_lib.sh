@@ -44,6 +44,20 @@ lease_load_settings() {  # lease_load_settings W: the settings `start` recorded;
   return 0
 }
 
+lease_wait() {  # lease_wait W SECONDS: until the driver is done ($W/status/ALL.done), SECONDS have passed, or the driver
+  # `start` launched is gone without finishing (stopped, killed, or dead of an error: `wait 560` slept all its 560 s
+  # of device time on a driver that no longer ran; one line says so, then the caller packs what is there)
+  local w=$1 lim=$2 t0=$SECONDS
+  while [ ! -e "$w/status/ALL.done" ] && (( SECONDS - t0 < lim )); do
+    if ! lease_driver_alive "$w"; then
+      [ -e "$w/status/ALL.done" ] && break
+      echo "== the driver is not running and did not finish (no $w/status/ALL.done; see $w/run.log): packing what is there"
+      break
+    fi
+    sleep "${LEASE_POLL_S:-5}"
+  done
+}
+
 lease_large_ok() {  # lease_large_ok W: true when a pack may return large files (regenerated prompts, a drafter):
   # once the driver is done ($W/status/ALL.done) or with PACK_LARGE=1. A mid-run `wait` that copies ~35 MB back
   # returns late, and a machine idle 30 s after a call is given back with the run on it (lease 2026-12-04 lost

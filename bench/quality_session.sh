@@ -593,8 +593,7 @@ case "${1:-}" in
     { check_settings && init_drafter && preflight; } || exit 1
     lease_start "$W" "$0" || exit 1 ;;
   wait)
-    lim=${2:-560}; t0=$SECONDS
-    while [ ! -e "$W/status/ALL.done" ] && (( SECONDS - t0 < lim )); do sleep 5; done
+    lease_wait "$W" "${2:-560}"
     tail -25 "$W/run.log" 2>/dev/null
     pack ;;
   pack) pack ;;

@@ -523,3 +523,25 @@ def test_the_next_leases_plan_passes_the_settings_check():
                        env={"PATH": os.environ["PATH"]})
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines() == ["ref full", "lr2e-3 full", "warm10 full"]
+
+
+@pytest.mark.parametrize("script", ["quality_session.sh", "gpu_session.sh"])
+def test_wait_returns_when_the_driver_is_gone(tmp_path, script):
+    """`wait N` waited for ALL.done only: a driver that died (stopped, killed, an error) without it cost the whole N
+    seconds of device time. It now returns once the driver `start` launched is gone, says so in one line, and packs."""
+    w, out = tmp_path / "w", tmp_path / "out"
+    (w / "status").mkdir(parents=True)
+    out.mkdir()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (w / "run.pid").write_text(f"{dead.pid}\n")
+    (w / "run.log").write_text("== ref_04: start 10:00:00\n")
+    t0 = time.monotonic()
+    r = subprocess.run(["bash", str(ROOT / "bench" / script), "wait", "120"], capture_output=True, text=True, timeout=200,
+                       env={"PATH": os.environ["PATH"], "PYTHON": sys.executable, "W": str(w), "OUT": str(out)})
+    assert r.returncode == 0, r.stderr
+    assert time.monotonic() - t0 < 60
+    assert r.stdout.splitlines()[0] == (f"== the driver is not running and did not finish (no {w}/status/ALL.done; "
+                                        f"see {w}/run.log): packing what is there")
+    assert sorted(p.name for p in out.iterdir()) == ["quality-results.tar.gz" if script == "quality_session.sh"
+                                                     else "results.tar.gz"]
