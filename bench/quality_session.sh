@@ -458,8 +458,10 @@ end_trainings() {  # the deadline, now: mark it passed, then SIGTERM every 04 ru
 
 retry_wait() {  # retry_wait NAME: before a failed chain's one retry. Out of memory on the shared GPU: until no other
   # recipe's 04 runs (lease 2026-12-05f: on an H100's 80 GB the 65,536-token run, 57 GiB at its peak, and ref failed
-  # again 20 s later beside the third training, then had to be rerun by hand); any other failure: 20 s
-  if grep -qs 'OutOfMemoryError' "$W/logs/${1}_04.log"; then
+  # again 20 s later beside the third training, then had to be rerun by hand); any other failure: 20 s. Any phase of
+  # the chain: an fp32 05 beside the trainings runs out too (2026-12-01: one 05 held 29 GB), and its retry 20 s later
+  # met the same trainings
+  if grep -qs 'OutOfMemoryError' "$W/logs/${1}_04.log" "$W/logs/${1}_05s3.log" "$W/logs/${1}_05s7.log"; then
     echo "== $1: out of memory; its retry waits until no other training runs"
     while other_trainings "$1" && [ ! -e "$W/deadline.hit" ]; do sleep "${RETRY_POLL_S:-5}"; done
   else

@@ -479,14 +479,15 @@ def test_preflight_checks_the_benchmarks_set_list(tmp_path):
     assert r.stderr.strip().startswith("error: recipe 05 (BENCH_SETS): ") and "mtbench" in r.stderr, r.stderr
 
 
-def test_out_of_memory_retry_waits_for_the_other_trainings(tmp_path):
+@pytest.mark.parametrize("phase", ["04", "05s3", "05s7"])
+def test_out_of_memory_retry_waits_for_the_other_trainings(tmp_path, phase):
     """Lease 2026-12-05f (H100): two chains that ran out of memory beside a third training retried 20 s later, beside
     it again, and failed again. The retry of an out-of-memory 04 now starts once no other recipe's 04 runs (its own
-    pid file does not count)."""
+    pid file does not count); so does that of a chain whose 05 ran out of memory (only its 04's log was read)."""
     w = tmp_path / "w"
     (w / "status").mkdir(parents=True)
     (w / "logs").mkdir()
-    (w / "logs" / "big_04.log").write_text("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 6.73 GiB.\n")
+    (w / "logs" / f"big_{phase}.log").write_text("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 6.73 GiB.\n")
     script = _functions("retry_wait", "other_trainings") + """
 sleep 1.5 & other=$!
 echo "$other" > "$W/status/ref_04.pid"
