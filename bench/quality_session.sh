@@ -478,11 +478,7 @@ other_trainings() {  # other_trainings NAME: true while a recipe other than NAME
 }
 
 recipes() {  # every recipe, SLOTS chains at a time (each chain retried once: retry_wait)
-  local spec name sets left
-  # a mark left by an earlier driver whose deadline has not come for this one (restarted with a later TRAIN_END_S,
-  # or after `finish` with none): gone, or every 04 would only export its checkpoint (train_until_deadline)
-  left=$(deadline_left)
-  { [ -z "$left" ] || (( left > 0 )); } && rm -f "$W/deadline.hit"
+  local spec name sets
   deadline_watch & local watch=$!
   for spec in $RECIPES; do
     name=${spec%%:*}; sets=${spec#*:}
@@ -590,6 +586,10 @@ speed_bench() {  # SPEED05=NAME: 05's speedup at batch 1 (bench/offline_bench_sp
 case "${1:-}" in
   run)
     [ -e "$W/t0" ] || date +%s > "$W/t0"  # TRAIN_END_S counts from here (a restarted driver keeps the first start)
+    # a deadline mark of an earlier driver whose deadline has not come for this one (restarted with a later
+    # TRAIN_END_S, or after `finish` with none) goes, or every 04 would only export its checkpoint (train_until_deadline);
+    # here, not when the recipes start: a `finish` during this driver's 01-03 holds
+    left=$(deadline_left); { [ -z "$left" ] || (( left > 0 )); } && rm -f "$W/deadline.hit"
     { init_drafter && { speed_regen; auto_nprompts; data_track && speed_online && recipes && speed_bench; }; } ; touch "$W/status/ALL.done" ;;
   start)  # the recipes checked first (seconds, no GPU work), then the driver detached
     { check_settings && init_drafter && preflight; } || exit 1
