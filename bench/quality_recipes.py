@@ -7,7 +7,8 @@ flat layout :mod:`bench.quality_summary` reads (``bench-steps3.json`` [+ ``per_p
 (``--out DIR``):
 
 - ``DIR/<run>/quality.json`` + ``.md``: :func:`bench.quality_summary.collect` of each run (issue 23's goals;
-  keys ``variant``, ``loss``, ``num_train_prompts``, ``recipe``, ``sim_accept`` beside the former ones);
+  keys ``variant``, ``loss``, ``num_train_prompts``, ``recipe``, ``sim_accept`` beside the former ones;
+  ``overrides``: the run's ``overrides.txt``, the driver's ``--set`` list, one a line, when there is one);
 - ``DIR/recipes.json`` + ``.md``: one row per run, the reference first: its recipe (what differs from the
   reference), tau per set at 3 steps with the delta against the reference and its 95% paired bootstrap
   interval over prompts (:func:`bench.quality_compare.paired_bootstrap`), MT-bench at 7 steps, held-out
@@ -72,6 +73,8 @@ def summarise(runs_dir: Path, ref: str, out: Path, config: str = "") -> dict:
     quality = {}
     for p in runs:
         q = qs.collect(p, config, goals="23")
+        if (p / "overrides.txt").is_file():  # the lease driver's --set list of the run (quality_session.sh)
+            q["overrides"] = [x for x in (p / "overrides.txt").read_text().splitlines() if x]
         q["source"] = str(p)
         quality[p.name] = q
         make_dirs(out / p.name, "--out")

@@ -386,6 +386,9 @@ recipe_chain() {  # recipe_chain NAME SETS: 04, then 05 at 3 steps (every set) a
   local name=$1 r="$W/runs/$1"
   rargs "$1" "$2"
   mkdir -p "$r"; echo "$DDIR" > "$r/data_dir"
+  # the run's whole --set list, one a line: `pack` brings it back and quality_recipes records it as the run's
+  # overrides (each quality.json, the headline's included, said "overrides": [] of a drafter trained with a dozen)
+  local o; for o in "${RA[@]}"; do [ "$o" = --set ] || printf '%s\n' "$o"; done > "$r/overrides.txt"
   if [ -n "$DKEY" ] && ! ( flock 9; phase "data-${DKEY}_03" "$PY" 03_prepare_data.py --config "$CONFIG" "${RA[@]}" --no-plot ) \
       9> "$W/status/data-$DKEY.lock"; then
     return 1
@@ -496,7 +499,7 @@ pack() {  # per-run flat folders (quality_summary's layout), the summaries, one 
   for r in "$W"/runs/*/; do
     [ -d "$r" ] || continue
     name=$(basename "$r"); mkdir -p "$res/runs/$name"
-    for f in train/train_report.json train/train_report.md train/sim_accept.json train/sim_accept.png; do
+    for f in overrides.txt train/train_report.json train/train_report.md train/sim_accept.json train/sim_accept.png; do
       [ -e "$r/$f" ] && cp "$r/$f" "$res/runs/$name/"
     done
     local dr="$ROOT/data/data_report.json"

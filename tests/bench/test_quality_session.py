@@ -546,3 +546,43 @@ def test_wait_returns_when_the_driver_is_gone(tmp_path, script):
                                         f"see {w}/run.log): packing what is there")
     assert sorted(p.name for p in out.iterdir()) == ["quality-results.tar.gz" if script == "quality_session.sh"
                                                      else "results.tar.gz"]
+
+
+def test_each_run_records_its_set_list_and_the_summary_reports_it(tmp_path):
+    """Every run's quality.json (the headline's too, what bench/results/quality.json should hold) said "overrides": []
+    of drafters trained with a dozen --set values (the plan's drafter.num_layers=1, max_steps, lr, ...): the pack held
+    no record of them. recipe_chain writes the run's whole --set list to runs/NAME/overrides.txt (a comma inside
+    brackets kept), `pack` brings it back, quality_recipes records it."""
+    w = tmp_path / "w"
+    for d in ("status", "logs"):
+        (w / d).mkdir(parents=True)
+    fake = tmp_path / "fakepy"
+    fake.write_text("#!/usr/bin/env bash\nexit 0\n")
+    fake.chmod(0o755)
+    src = _functions("phase", "rargs", "recipe_chain", "train_until_deadline")
+    script = (f'{src}\nW="{w}"; ROOT="$W/data-run"; PY="{fake}"; CONFIG=c.yaml; NPROMPTS=8; SETS7=; B5=(); '
+              'BASE=(--set verifier.path=v --set train.hidden_states=online); CM=(train.eval_every=50)\n'
+              'recipe_chain lr "train.lr=2e-3,data.exclude_id_prefixes=[a/,b/]"')
+    r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60, env={"PATH": os.environ["PATH"]})
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = (w / "runs" / "lr" / "overrides.txt").read_text().splitlines()
+    data = (w / "runs" / "lr" / "data_dir").read_text().strip()
+    assert lines == ["verifier.path=v", "train.hidden_states=online", f"output_root={w}/runs/lr",
+                     f"extract.output_dir={w}/data-run/shards", f"data.output_dir={data}", "prompts.sample_size=8",
+                     "train.eval_every=50", "train.lr=2e-3", "data.exclude_id_prefixes=[a/,b/]"]
+    r = _driver("pack", {"W": str(w)})
+    assert r.returncode == 0, r.stderr
+    assert (w / "res" / "runs" / "lr" / "overrides.txt").read_text().splitlines() == lines
+    # quality_recipes: the list into the run's quality.json
+    sys.path.insert(0, str(ROOT / "bench"))
+    import quality_recipes as qr
+    runs = tmp_path / "runs"
+    for name in ("ref", "lr"):
+        (runs / name).mkdir(parents=True)
+        ds = {"dataset": "mtbench", "num_prompts": 1, "tau": 2.0, "conditional": [0.5] * 3, "unconditional": [0.5] * 3,
+              "batch_size": 1, "speedup": 1.0, "drafter_share": 0.1, "wall_seconds": 1.0, "failures": 0, "near_ties": 0}
+        (runs / name / "bench-steps3.json").write_text(json.dumps({"steps": 3, "datasets": [ds]}))
+    (runs / "lr" / "overrides.txt").write_text("\n".join(lines) + "\n")
+    qr.summarise(runs, "ref", tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "lr" / "quality.json").read_text())["overrides"] == lines
+    assert json.loads((tmp_path / "out" / "ref" / "quality.json").read_text())["overrides"] == []
