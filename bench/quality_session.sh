@@ -380,6 +380,20 @@ check_settings() {  # settings that would be ignored: one line, exit 1, before a
       fi
     done
   done
+  # 05's evaluation sets (--datasets, --dataset): a name 05 does not know failed only after the training, as
+  # BENCH_SETS=mtbench did (lease 2026-12-05f); a built-in set or a prompt file
+  local item
+  for v in SETS7 BENCH_ABL SPEED05_SETS; do
+    for item in ${!v:-}; do
+      n=${item%%:*}
+      case "$n" in mtbench|humaneval|gsm8k) ;; *)
+        if [ ! -f "$n" ]; then
+          echo "error: $v names the evaluation set $n: neither mtbench, humaneval, gsm8k nor a prompt file" >&2
+          return 1
+        fi ;;
+      esac
+    done
+  done
 }
 
 recipe_chain() {  # recipe_chain NAME SETS: 04, then 05 at 3 steps (every set) and at 7 steps (SETS7)

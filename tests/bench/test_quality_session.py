@@ -586,3 +586,21 @@ def test_each_run_records_its_set_list_and_the_summary_reports_it(tmp_path):
     qr.summarise(runs, "ref", tmp_path / "out")
     assert json.loads((tmp_path / "out" / "lr" / "quality.json").read_text())["overrides"] == lines
     assert json.loads((tmp_path / "out" / "ref" / "quality.json").read_text())["overrides"] == []
+
+
+@pytest.mark.parametrize("setting,value", [("SETS7", "mtbench mt-bench"), ("BENCH_ABL", "mt-bench"),
+                                           ("SPEED05_SETS", "mtbench:batched mt-bench:static")])
+def test_start_refuses_an_evaluation_set_05_does_not_know(tmp_path, setting, value):
+    """SETS7 / BENCH_ABL / SPEED05_SETS name 05's evaluation sets; a typo failed only in 05, after the training (as
+    BENCH_SETS=mtbench did in lease 2026-12-05f). `start` refuses it in one line; a prompt file passes."""
+    w = tmp_path / "w"
+    env = {"W": str(w), "RECIPES": "ref:", "CONFIG": "configs/tiny-llama.yaml", "PYTHON": "false", setting: value}
+    r = _driver("start", env)
+    assert r.returncode == 1 and not (w / "run.pid").exists(), (r.stdout, r.stderr)
+    assert r.stderr.strip() == (f"error: {setting} names the evaluation set mt-bench: neither mtbench, humaneval, "
+                                "gsm8k nor a prompt file")
+    prompts = tmp_path / "mine.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "hi"}\n')
+    r = _driver("start", {**env, setting: value.replace("mt-bench", str(prompts))})
+    # past the check, to the preflight (PYTHON=false: it fails there in silence, nothing launched)
+    assert r.returncode == 1 and r.stderr == "" and not (w / "run.pid").exists(), (r.stdout, r.stderr)
