@@ -540,6 +540,9 @@ PYEOF
   fi
   cat "$res/summary.txt"
   cp "$W/run.log" "$res/" 2>/dev/null
+  # the settings the driver ran with (those given at the lease's call, e.g. TRAIN_END_S=<left - 450>, are in no
+  # committed file: the session's README was filled from the plan's defaults)
+  cp "$W/driver.env" "$res/" 2>/dev/null
   nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv > "$res/nvidia-smi.txt" 2>/dev/null
   [ -n "${OUT:-}" ] || { ls "$W/status"; return 0; }
   tar -czf "$OUT/quality-results.tar.gz" -C "$W" res status logs speed 2>/dev/null

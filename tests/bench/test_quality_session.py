@@ -604,3 +604,20 @@ def test_start_refuses_an_evaluation_set_05_does_not_know(tmp_path, setting, val
     r = _driver("start", {**env, setting: value.replace("mt-bench", str(prompts))})
     # past the check, to the preflight (PYTHON=false: it fails there in silence, nothing launched)
     assert r.returncode == 1 and r.stderr == "" and not (w / "run.pid").exists(), (r.stdout, r.stderr)
+
+
+def test_the_results_tarball_holds_the_drivers_settings(tmp_path):
+    """The settings a lease's driver ran with (TRAIN_END_S and the others given at the call) came back in no file: the
+    tarball now holds $W/driver.env as res/driver.env."""
+    import tarfile
+
+    w, out = tmp_path / "w", tmp_path / "out"
+    r = _driver("start", {"W": str(w), "INIT": str(tmp_path / "missing"), "TRAIN_END_S": "1234", "RECIPES": "ref:"})
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    _after_01(w)
+    out.mkdir()
+    r = _driver("pack", {"W": str(w), "OUT": str(out)})
+    assert r.returncode == 0, r.stderr
+    with tarfile.open(out / "quality-results.tar.gz") as t:
+        got = t.extractfile("res/driver.env").read().decode()
+    assert got == (w / "driver.env").read_text() and '[ -n "${TRAIN_END_S:-}" ] || TRAIN_END_S=1234\n' in got
