@@ -368,6 +368,22 @@ check_settings() {  # settings that would be ignored: one line, exit 1, before a
       "self-instruct prompts add to); for the data set's size set NPROMPTS=$SEED_NPROMPTS" >&2
     return 1
   fi
+  # settings read only with SPEED=1 and its benches: without them NPROMPTS=auto fell back to 20,000 conversations
+  # (no regen_speed.json to size it from) and REGEN_COMPILE=auto to the config's own regen_compile (no regen_step)
+  if [ "$NPROMPTS" = auto ] && { [ "${SPEED:-0}" != 1 ] || [ "${REGEN_SPEED:-1}" != 1 ]; }; then
+    echo "error: NPROMPTS=auto sizes 01 from bench/regen_speed.py's rate: it needs SPEED=1 and REGEN_SPEED=1" \
+      "(SPEED=${SPEED:-0} REGEN_SPEED=${REGEN_SPEED:-1}); else set NPROMPTS to a number" >&2
+    return 1
+  fi
+  case "${REGEN_COMPILE:-0}" in
+    0|1) ;;
+    auto) if [ "${SPEED:-0}" != 1 ] || [ "${REGEN_STEP:-1}" != 1 ]; then
+        echo "error: REGEN_COMPILE=auto decides from bench/regen_step.py: it needs SPEED=1 and REGEN_STEP=1" \
+          "(SPEED=${SPEED:-0} REGEN_STEP=${REGEN_STEP:-1}); else set REGEN_COMPILE to 0 or 1" >&2
+        return 1
+      fi ;;
+    *) echo "error: REGEN_COMPILE=$REGEN_COMPILE: expected 0, 1 or auto" >&2; return 1 ;;
+  esac
   # a setting naming recipes: a name that is no recipe was ignored in silence (lease-next.env's BENCH_FULL named
   # b64k, a run the plan had dropped, and not warm10: warm10 got 05 on MT-bench at 3 steps only, no 7-step run)
   local v n names=" " spec

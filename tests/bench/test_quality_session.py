@@ -319,7 +319,7 @@ def test_preflight_refuses_a_recipe_before_the_driver_starts(tmp_path, nprompts)
     (NPROMPTS=auto, sized at run time, passes the check: the first recipe is accepted)."""
     w = tmp_path / "w"
     r = _driver("start", {"W": str(w), "RECIPES": "ref: bad:train.epochs=0", "CONFIG": "configs/tiny-llama.yaml",
-                          "NPROMPTS": nprompts})
+                          "NPROMPTS": nprompts, "SPEED": "1" if nprompts == "auto" else "0"})  # (auto: regen_speed)
     assert r.returncode == 1 and not (w / "run.pid").exists(), (r.stdout, r.stderr)
     assert r.stderr.strip().startswith("error: recipe bad: ") and "train.epochs" in r.stderr, r.stderr
 
@@ -621,3 +621,22 @@ def test_the_results_tarball_holds_the_drivers_settings(tmp_path):
     with tarfile.open(out / "quality-results.tar.gz") as t:
         got = t.extractfile("res/driver.env").read().decode()
     assert got == (w / "driver.env").read_text() and '[ -n "${TRAIN_END_S:-}" ] || TRAIN_END_S=1234\n' in got
+
+
+@pytest.mark.parametrize("env,line", [
+    ({"NPROMPTS": "auto"}, "error: NPROMPTS=auto sizes 01 from bench/regen_speed.py's rate: it needs SPEED=1 and "
+     "REGEN_SPEED=1 (SPEED=0 REGEN_SPEED=1); else set NPROMPTS to a number"),
+    ({"NPROMPTS": "auto", "SPEED": "1", "REGEN_SPEED": "0"}, "error: NPROMPTS=auto sizes 01 from "
+     "bench/regen_speed.py's rate: it needs SPEED=1 and REGEN_SPEED=1 (SPEED=1 REGEN_SPEED=0); else set NPROMPTS to "
+     "a number"),
+    ({"REGEN_COMPILE": "auto", "SPEED": "1", "REGEN_STEP": "0"}, "error: REGEN_COMPILE=auto decides from "
+     "bench/regen_step.py: it needs SPEED=1 and REGEN_STEP=1 (SPEED=1 REGEN_STEP=0); else set REGEN_COMPILE to 0 or 1"),
+    ({"REGEN_COMPILE": "true"}, "error: REGEN_COMPILE=true: expected 0, 1 or auto")])
+def test_start_refuses_settings_their_benches_would_not_feed(tmp_path, env, line):
+    """NPROMPTS=auto without regen_speed (SPEED=0 or REGEN_SPEED=0) fell back to 20,000 conversations; REGEN_COMPILE=auto
+    without regen_step (SPEED=0 or REGEN_STEP=0) to the config's own regen_compile, and REGEN_COMPILE=true (not 1)
+    did nothing: each in silence. `start` refuses them in one line."""
+    w = tmp_path / "w"
+    r = _driver("start", {"W": str(w), "RECIPES": "ref:", "CONFIG": "configs/tiny-llama.yaml", "PYTHON": "false", **env})
+    assert r.returncode == 1 and not (w / "run.pid").exists(), (r.stdout, r.stderr)
+    assert r.stderr.strip() == line
