@@ -36,8 +36,9 @@
 #   PACK_DRAFTER a recipe name: once it has exported, `pack` brings its export back as drafter.tar.gz.partNN (15 MiB
 #             parts; the SmolLM2 EAGLE 3.1 export is ~47 MB, bf16) instead of the prompts ($OUT takes 8 files and 64 MiB
 #             together), for INIT on a later lease (a fresh machine within the session: nothing outside git outlives
-#             the session); at most 4 parts a call: a larger export (two layers, ~66 MB gzipped) needs one more
-#             `pack` on the warm machine, which sends the rest
+#             the session); at most 4 parts a call, within what $OUT still takes beside the results tarball: a larger
+#             export (two layers, ~66 MB gzipped) needs one more `pack` on the warm machine, which sends the rest.
+#             The prompts come back whole (every part and their report) or not at all, also within that room
 #   PACK_LARGE 1 = `wait` / `pack` bring the prompts (or PACK_DRAFTER's export) back before the driver is done; by
 #             default only the pack of a finished driver does: copying ~35-47 MB back makes the call return late, and
 #             a machine idle 30 s after a call is given back (lease 2026-12-04 lost two machines that way)
@@ -576,11 +577,26 @@ PYEOF
   done
   if [ "$packed" = 0 ] && [ -z "${SEED:-}" ] && [ -e "$W/status/s01.done" ] && [ -e "$ROOT/prompts.jsonl" ]; then  # SEED: they are here already
     [ -e "$W/prompts.jsonl.gz" ] || { gzip -c "$ROOT/prompts.jsonl" > "$W/prompts.gz.tmp" && mv "$W/prompts.gz.tmp" "$W/prompts.jsonl.gz"; }
-    if [ "$(stat -c %s "$W/prompts.jsonl.gz")" -le $(( ${PARTS_MAX:-5} * 15728640 )) ]; then
+    # all the parts and the report, or none (a SEED needs every part): within what $OUT still takes beside the
+    # results tarball (5 parts of 15 MiB passed the PARTS_MAX test at up to 75 MiB, over $OUT's 64 MiB together)
+    local size parts
+    size=$(stat -c %s "$W/prompts.jsonl.gz"); parts=$(( (size + 15728639) / 15728640 )); out_room
+    if [ "$size" -le $(( ${PARTS_MAX:-5} * 15728640 )) ] \
+        && [ $(( size + $(stat -c %s "$ROOT/prompts_report.json") )) -le "$ROOM_BYTES" ] && [ $(( parts + 1 )) -le "$ROOM_FILES" ]; then
       split -b 15M -d -a 2 "$W/prompts.jsonl.gz" "$OUT/prompts.jsonl.gz.part"; cp "$ROOT/prompts_report.json" "$OUT/"
+    else
+      echo "== prompts: $size bytes gzipped ($parts parts) do not fit \$OUT beside the results ($ROOM_BYTES bytes," \
+        "$ROOM_FILES files left): left behind"
     fi
   fi
   ls "$W/status"
+}
+
+out_room() {  # ROOM_BYTES / ROOM_FILES: what $OUT still takes this call (OUT_MAX_BYTES, default 64 MiB, and
+  # OUT_MAX_FILES, default 8, the device machine's limits on the files coming back, less what is in it now)
+  local f used=0 n=0
+  for f in "$OUT"/*; do [ -f "$f" ] && { used=$(( used + $(stat -c %s "$f") )); n=$(( n + 1 )); }; done
+  ROOM_BYTES=$(( ${OUT_MAX_BYTES:-67108864} - used )); ROOM_FILES=$(( ${OUT_MAX_FILES:-8} - n ))
 }
 
 send_drafter_parts() {  # send_drafter_parts EXPORT_DIR: the export as drafter.tar.gz.partNN (15 MiB each, split once
@@ -595,7 +611,12 @@ send_drafter_parts() {  # send_drafter_parts EXPORT_DIR: the export as drafter.t
   fi
   for p in "$d"/drafter.tar.gz.part??; do
     [ -e "$p.sent" ] && continue
-    if [ "$n" -lt 4 ]; then cp "$p" "$OUT/" && touch "$p.sent" && n=$((n + 1)); else left=$((left + 1)); fi
+    out_room  # (4 parts of 15 MiB beside a results tarball over 4 MiB were over $OUT's 64 MiB together)
+    if [ "$n" -lt 4 ] && [ "$(stat -c %s "$p")" -le "$ROOM_BYTES" ] && [ "$ROOM_FILES" -ge 1 ]; then
+      cp "$p" "$OUT/" && touch "$p.sent" && n=$((n + 1))
+    else
+      left=$((left + 1))
+    fi
   done
   if [ "$left" -gt 0 ]; then echo "== drafter: $n parts in \$OUT, $left more: run \`$0 pack\` again (warm machine)"
   else echo "== drafter: $n parts in \$OUT, all sent ($(ls "$d"/drafter.tar.gz.part?? | wc -l) in all)"; fi

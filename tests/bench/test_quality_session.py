@@ -640,3 +640,32 @@ def test_start_refuses_settings_their_benches_would_not_feed(tmp_path, env, line
     r = _driver("start", {"W": str(w), "RECIPES": "ref:", "CONFIG": "configs/tiny-llama.yaml", "PYTHON": "false", **env})
     assert r.returncode == 1 and not (w / "run.pid").exists(), (r.stdout, r.stderr)
     assert r.stderr.strip() == line
+
+
+@pytest.mark.parametrize("limit", [{"OUT_MAX_FILES": "2"}, {"OUT_MAX_BYTES": str(2**20)}])
+def test_prompts_come_back_whole_or_not_at_all_within_out(tmp_path, limit):
+    """$OUT takes 8 files and 64 MiB together, the results tarball included; the prompt parts were sent when under
+    PARTS_MAX x 15 MiB (75 MiB by default), so parts over the total could be left out by the machine and the seed
+    come back incomplete. They are now sent only when all of them and their report fit beside the tarball (here the
+    limits are lowered: 2 files, or 1 MiB beside ~1.6 MiB of prompts)."""
+    w, out = tmp_path / "w", tmp_path / "out"
+    _after_01(w)
+    (w / "status" / "ALL.done").touch()
+    if "OUT_MAX_BYTES" in limit:  # ~1.6 MiB gzipped (random hex answers)
+        rows = [{"id": f"c{i}", "messages": [{"role": "user", "content": "q"},
+                                              {"role": "assistant", "content": os.urandom(3000).hex()}]}
+                for i in range(520)]
+        (w / "data-run" / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in rows))
+    out.mkdir()
+    r = _driver("pack", {"W": str(w), "OUT": str(out), **limit})
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["quality-results.tar.gz"]
+    size = (w / "prompts.jsonl.gz").stat().st_size
+    line = next(x for x in r.stdout.splitlines() if x.startswith("== prompts:"))
+    assert line.startswith(f"== prompts: {size} bytes gzipped (1 parts) do not fit $OUT beside the results (")
+    assert line.endswith(" files left): left behind")
+    out2 = tmp_path / "out2"  # the default limits: they come back
+    out2.mkdir()
+    r = _driver("pack", {"W": str(w), "OUT": str(out2)})
+    assert sorted(p.name for p in out2.iterdir()) == ["prompts.jsonl.gz.part00", "prompts_report.json",
+                                                       "quality-results.tar.gz"]
