@@ -11,8 +11,11 @@ lease_save_settings() {  # lease_save_settings W VAR...: $W/driver.env, one line
   mkdir -p "$w"
   # (an `if`, not `[ ] && printf`: the loop's status is its last command's, and an unset last VAR made it 1, so the
   # file was never renamed into place: lease 2026-12-05b's `pack` knew no PACK_DRAFTER and sent the prompts)
+  # A VAR set but empty is recorded too (`VAR=''`): several settings mean something when empty (SETS7: no 7-step
+  # run, BENCH_SETS: no --set for 05, NPROMPTS: every conversation, COMMON), and a later verb or a restart that found
+  # nothing recorded took the default instead (BENCH_SETS= then gave the restarted chains an fp32 05 beside bf16 ones)
   for v in "$@"; do
-    if [ -n "${!v:-}" ]; then printf '[ -n "${%s:-}" ] || %s=%q\n' "$v" "$v" "${!v}"; fi
+    if [ -n "${!v+x}" ]; then printf '[ -n "${%s:-}" ] || %s=%q\n' "$v" "$v" "${!v}"; fi
   done > "$w/driver.env.tmp" && mv "$w/driver.env.tmp" "$w/driver.env"
 }
 
@@ -27,8 +30,10 @@ lease_start_settings() {  # lease_start_settings W VAR...: `start`'s settings. T
     local -A had=()
     for v in "$@"; do [ -n "${!v:-}" ] && had[$v]=1; done
     . "$w/driver.env"
-    for v in "$@"; do
-      if [ -z "${had[$v]:-}" ] && [ -n "${!v:-}" ]; then export "${v?}"; kept+=("$v"); fi
+    for v in "$@"; do  # (a value recorded empty: kept as set and empty, `VAR=` in the line)
+      if [ -z "${had[$v]:-}" ] && [ -n "${!v+x}" ]; then
+        export "${v?}"; if [ -n "${!v}" ]; then kept+=("$v"); else kept+=("$v="); fi
+      fi
     done
     [ ${#kept[@]} -eq 0 ] || echo "== settings of the earlier start kept (from $w/driver.env): ${kept[*]}"
   fi

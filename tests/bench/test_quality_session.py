@@ -669,3 +669,23 @@ def test_prompts_come_back_whole_or_not_at_all_within_out(tmp_path, limit):
     r = _driver("pack", {"W": str(w), "OUT": str(out2)})
     assert sorted(p.name for p in out2.iterdir()) == ["prompts.jsonl.gz.part00", "prompts_report.json",
                                                        "quality-results.tar.gz"]
+
+
+def test_a_setting_given_empty_holds_for_the_later_verbs_and_a_restart(tmp_path):
+    """SETS7= (no 7-step run), BENCH_SETS= (no --set for 05), NPROMPTS= (every conversation) mean something empty;
+    driver.env recorded only non-empty values, so a restart (or a later verb) took the defaults instead: 7-step runs
+    the plan did not budget, an fp32 05 for the restarted chains beside the others' bf16. They are recorded empty."""
+    w = tmp_path / "w"
+    r = _driver("start", {"W": str(w), "INIT": str(tmp_path / "missing"), "RECIPES": "ref:", "SETS7": "",
+                          "BENCH_SETS": "", "NPROMPTS": ""})
+    assert r.returncode == 1 and "no exported drafter there" in r.stdout, (r.stdout, r.stderr)
+    env_file = (w / "driver.env").read_text()
+    assert "[ -n \"${SETS7:-}\" ] || SETS7=''\n" in env_file and "BENCH_SETS=''" in env_file
+    r = _driver("start", {"W": str(w), "PYTHON": "false"})  # the restart: nothing given
+    assert r.stdout.splitlines()[0] == (f"== settings of the earlier start kept (from {w}/driver.env): NPROMPTS= "
+                                        "INIT RECIPES BENCH_SETS= SETS7=")
+    probe = ('. bench/lease_lib.sh; lease_start_settings "$1" SETS7 BENCH_SETS >/dev/null; '
+             'bash -c \'printf "%s|%s" "${SETS7-unset}" "${BENCH_SETS-unset}"\'')
+    got = subprocess.run(["bash", "-c", probe, "x", str(w)], cwd=ROOT, capture_output=True, text=True,
+                         env={"PATH": os.environ["PATH"]})
+    assert got.returncode == 0 and got.stdout == "|", (got.stdout, got.stderr)  # set and empty in the driver
