@@ -49,14 +49,15 @@ lease_load_settings() {  # lease_load_settings W: the settings `start` recorded;
   return 0
 }
 
-lease_wait() {  # lease_wait W SECONDS: until the driver is done ($W/status/ALL.done), SECONDS have passed, or the driver
-  # `start` launched is gone without finishing (stopped, killed, or dead of an error: `wait 560` slept all its 560 s
+lease_wait() {  # lease_wait W SECONDS: until the driver is done ($W/status/ALL.done), SECONDS have passed, or the
+  # driver `start` launched is gone without finishing (stopped, killed, or dead of an error: `wait 560` slept all its 560 s
   # of device time on a driver that no longer ran; one line says so, then the caller packs what is there)
   local w=$1 lim=$2 t0=$SECONDS
   while [ ! -e "$w/status/ALL.done" ] && (( SECONDS - t0 < lim )); do
     if ! lease_driver_alive "$w"; then
       [ -e "$w/status/ALL.done" ] && break
-      echo "== the driver is not running and did not finish (no $w/status/ALL.done; see $w/run.log): packing what is there"
+      echo "== the driver is not running and did not finish (no $w/status/ALL.done; see $w/run.log):" \
+        "packing what is there"
       break
     fi
     sleep "${LEASE_POLL_S:-5}"

@@ -91,9 +91,10 @@ def scored_weights(train: dict, sim: dict) -> tuple[list[float], Optional[int]]:
 
     ``train``: a ``train_report.json``; ``sim``: its ``sim_accept`` summary (or 04's ``sim_accept.json``). Under
     ``train.select_best: sim_accept`` 04 exports the best validation's weights, at the end of a finished run as after a
-    stop (04 --export-only): when that step is not the last one, the final validation (``final_val``) describes other
-    weights than the export, and the best validation's ``alpha`` is the scored drafter's top-1 (a finished run whose best
-    came early was reported with the last step's top-1 and optimizer steps beside the tau of the earlier weights).
+    stop (04 --export-only): when that step is not the last one, the final validation (``final_val``) describes
+    other weights than the export, and the best validation's ``alpha`` is the scored drafter's top-1 (a finished run
+    whose best came early was reported with the last step's top-1 and optimizer steps beside the tau of the earlier
+    weights).
     Otherwise ``final_val``'s ``acc_i`` and None.
     """
     val = train.get("final_val") or {}

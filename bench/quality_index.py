@@ -11,8 +11,8 @@ Two kinds of file are read, found by their shape, anywhere under ``--root``:
   comparison's names are added to it).
 
 Files git ignores (a lease's ``runs/`` folders, kept out of git) are not read: every figure comes from a file a
-clone has. Rows are keyed by the 05 file (``path`` of a comparison row resolved against the repository root), so a run that
-several comparisons name appears once, with every name it was given. Nothing is typed in by hand: each figure is
+clone has. Rows are keyed by the 05 file (``path`` of a comparison row resolved against the repository root), so a
+run that several comparisons name appears once, with every name it was given. Nothing is typed in by hand: each figure is
 read from a committed file, and the row says which.
 
     python bench/quality_index.py --out bench/results/quality_runs.json   # + quality_runs.md

@@ -582,7 +582,8 @@ PYEOF
     local size parts
     size=$(stat -c %s "$W/prompts.jsonl.gz"); parts=$(( (size + 15728639) / 15728640 )); out_room
     if [ "$size" -le $(( ${PARTS_MAX:-5} * 15728640 )) ] \
-        && [ $(( size + $(stat -c %s "$ROOT/prompts_report.json") )) -le "$ROOM_BYTES" ] && [ $(( parts + 1 )) -le "$ROOM_FILES" ]; then
+        && [ $(( size + $(stat -c %s "$ROOT/prompts_report.json") )) -le "$ROOM_BYTES" ] \
+        && [ $(( parts + 1 )) -le "$ROOM_FILES" ]; then
       split -b 15M -d -a 2 "$W/prompts.jsonl.gz" "$OUT/prompts.jsonl.gz.part"; cp "$ROOT/prompts_report.json" "$OUT/"
     else
       echo "== prompts: $size bytes gzipped ($parts parts) do not fit \$OUT beside the results ($ROOM_BYTES bytes," \
@@ -644,8 +645,8 @@ case "${1:-}" in
   run)
     [ -e "$W/t0" ] || date +%s > "$W/t0"  # TRAIN_END_S counts from here (a restarted driver keeps the first start)
     # a deadline mark of an earlier driver whose deadline has not come for this one (restarted with a later
-    # TRAIN_END_S, or after `finish` with none) goes, or every 04 would only export its checkpoint (train_until_deadline);
-    # here, not when the recipes start: a `finish` during this driver's 01-03 holds
+    # TRAIN_END_S, or after `finish` with none) goes, or every 04 would only export its checkpoint
+    # (train_until_deadline); here, not when the recipes start: a `finish` during this driver's 01-03 holds
     left=$(deadline_left); { [ -z "$left" ] || (( left > 0 )); } && rm -f "$W/deadline.hit"
     { init_drafter && { speed_regen; auto_nprompts; data_track && speed_online && recipes && speed_bench; }; } ; touch "$W/status/ALL.done" ;;
   start)  # the recipes checked first (seconds, no GPU work), then the driver detached
