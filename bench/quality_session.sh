@@ -369,6 +369,17 @@ check_settings() {  # settings that would be ignored: one line, exit 1, before a
       "self-instruct prompts add to); for the data set's size set NPROMPTS=$SEED_NPROMPTS" >&2
     return 1
   fi
+  # TRAIN_END_S counts from the first start ($W/t0, kept by a restart): a later start whose deadline has passed would
+  # train nothing (every 04 after the deadline only exports its checkpoint; before, such a driver's trainings were
+  # never stopped: lease 2026-12-05f's call-5 start of a fourth recipe on the same W)
+  if [ -n "${TRAIN_END_S:-}" ] && [ -e "$W/t0" ]; then
+    local gone=$(( $(date +%s) - $(cat "$W/t0") ))
+    if [ "$TRAIN_END_S" -le "$gone" ]; then
+      echo "error: TRAIN_END_S=$TRAIN_END_S has passed: it counts from this W's first start ($W/t0), $gone s ago;" \
+        "give a later one (e.g. TRAIN_END_S=$(( gone + 600 )) for 600 s more) or start the clock again (rm $W/t0)" >&2
+      return 1
+    fi
+  fi
   # settings read only with SPEED=1 and its benches: without them NPROMPTS=auto fell back to 20,000 conversations
   # (no regen_speed.json to size it from) and REGEN_COMPILE=auto to the config's own regen_compile (no regen_step)
   if [ "$NPROMPTS" = auto ] && { [ "${SPEED:-0}" != 1 ] || [ "${REGEN_SPEED:-1}" != 1 ]; }; then

@@ -689,3 +689,20 @@ def test_a_setting_given_empty_holds_for_the_later_verbs_and_a_restart(tmp_path)
     got = subprocess.run(["bash", "-c", probe, "x", str(w)], cwd=ROOT, capture_output=True, text=True,
                          env={"PATH": os.environ["PATH"]})
     assert got.returncode == 0 and got.stdout == "|", (got.stdout, got.stderr)  # set and empty in the driver
+
+
+def test_start_refuses_a_train_end_that_has_passed(tmp_path):
+    """TRAIN_END_S counts from the W's first start ($W/t0, kept by a restart). A later start on the same W whose
+    deadline had passed (lease 2026-12-05f's call 5: a fourth recipe, TRAIN_END_S from call 4 long past) would have
+    every 04 only export a checkpoint it does not have; `start` refuses it in one line saying how to go on."""
+    w = tmp_path / "w"
+    (w / "status").mkdir(parents=True)
+    (w / "t0").write_text(f"{int(time.time()) - 2000}\n")
+    env = {"W": str(w), "RECIPES": "ref:", "CONFIG": "configs/tiny-llama.yaml", "PYTHON": "false"}
+    r = _driver("start", {**env, "TRAIN_END_S": "1500"})
+    assert r.returncode == 1 and not (w / "run.pid").exists(), (r.stdout, r.stderr)
+    err = r.stderr.strip()
+    assert err.startswith(f"error: TRAIN_END_S=1500 has passed: it counts from this W's first start ({w}/t0), 20"), err
+    assert err.endswith(f" s more) or start the clock again (rm {w}/t0)"), err
+    r = _driver("start", {**env, "TRAIN_END_S": "3000"})  # still ahead: past the check (to the preflight)
+    assert r.returncode == 1 and r.stderr == "", r.stderr
