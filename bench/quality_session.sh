@@ -78,7 +78,8 @@
 #             own prompts.regen_compile (default auto: the slots engine decides from the run's size)
 #   TRAIN_END_S seconds after the driver started at which the trainings get SIGTERM (instead of DEADLINE_S), and the
 #             main run's @MAIN_STEPS@ is sized (ONLINE_SPEED=0) to the time left then, less TRAIN_START_S (default 25)
-#             (once: a restarted driver with the same settings keeps that size, so a resumed run keeps its schedule)
+#             (once: a restarted driver with the same settings keeps that size, so a resumed run keeps its schedule);
+#             `start` refuses one that has passed (a later driver on the same W: give a later one, or rm $W/t0)
 #   DEADLINE_S seconds after the recipes start at which every 04 still training gets SIGTERM: it finishes its
 #             step, checkpoints and exits 143; the chain then exports that checkpoint (04 --export-only: the best
 #             by sim_accept when select_best is set) and goes on to 05, so a lease's end is planned, not hit
