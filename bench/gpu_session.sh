@@ -50,7 +50,7 @@ cd "$(dirname "$0")/.."
 W=${W:-/tmp/gpu-run}
 . bench/lease_lib.sh  # settings given to `start` alone hold for wait / stop / capture ($W/driver.env)
 case "${1:-}" in
-  start) lease_save_settings "$W" CONFIG RUN_SETS CURVE SPEED SEED FP8 ABL SHIFT SUB BENCH_SETS TAIL SLOTS OVERLAP \
+  start) lease_start_settings "$W" CONFIG RUN_SETS CURVE SPEED SEED FP8 ABL SHIFT SUB BENCH_SETS TAIL SLOTS OVERLAP \
            BENCH_SPEED TAIL_FIRST PACK_LARGE PYTHON ;;
   wait|stop|capture|derived) lease_load_settings "$W" ;;
 esac
@@ -260,8 +260,7 @@ case "${1:-}" in
   stop)  # setsid made the run a process-group leader: end the group (the run and every stage it started)
     [ -e "$W/run.pid" ] && kill -- "-$(cat "$W/run.pid")" 2>/dev/null; sleep 1; echo "stopped"; ls "$W/status" ;;
   wait)
-    lim=${2:-540}; t0=$SECONDS
-    while [ ! -e "$W/status/ALL.done" ] && (( SECONDS - t0 < lim )); do sleep 5; done
+    lease_wait "$W" "${2:-540}"
     tail -30 "$W/run.log"; df -h "$W" /dev/shm 2>/dev/null | tail -2
     for f in "$W"/res/*.log; do echo "-- $(basename "$f"): $(tr '\r' '\n' < "$f" | grep -v '^\s*$' | tail -1 | cut -c1-200)"; done
     pack ;;

@@ -11,9 +11,33 @@ lease_save_settings() {  # lease_save_settings W VAR...: $W/driver.env, one line
   mkdir -p "$w"
   # (an `if`, not `[ ] && printf`: the loop's status is its last command's, and an unset last VAR made it 1, so the
   # file was never renamed into place: lease 2026-12-05b's `pack` knew no PACK_DRAFTER and sent the prompts)
+  # A VAR set but empty is recorded too (`VAR=''`): several settings mean something when empty (SETS7: no 7-step
+  # run, BENCH_SETS: no --set for 05, NPROMPTS: every conversation, COMMON), and a later verb or a restart that found
+  # nothing recorded took the default instead (BENCH_SETS= then gave the restarted chains an fp32 05 beside bf16 ones)
   for v in "$@"; do
-    if [ -n "${!v:-}" ]; then printf '[ -n "${%s:-}" ] || %s=%q\n' "$v" "$v" "${!v}"; fi
+    if [ -n "${!v+x}" ]; then printf '[ -n "${%s:-}" ] || %s=%q\n' "$v" "$v" "${!v}"; fi
   done > "$w/driver.env.tmp" && mv "$w/driver.env.tmp" "$w/driver.env"
+}
+
+lease_start_settings() {  # lease_start_settings W VAR...: `start`'s settings. Those recorded by an earlier `start` in
+  # $W/driver.env that this call leaves unset or empty are kept (exported, so the driver `start` launches reads them;
+  # named in one line), then the whole set is recorded again. A restart (`stop`, then `start` in a later device
+  # call, which sources no plan) otherwise wrote a driver.env of nothing and ran the defaults on the same $W: another
+  # CONFIG and RECIPES beside the phases already done (dry run 2026-12-05f: `ref_04: already done`, then v31 / lk /
+  # ep16 training on the plan's data). A different plan: another W, or the settings changed given in that call
+  local w=$1 v kept=(); shift
+  if [ -e "$w/driver.env" ]; then
+    local -A had=()
+    for v in "$@"; do [ -n "${!v:-}" ] && had[$v]=1; done
+    . "$w/driver.env"
+    for v in "$@"; do  # (a value recorded empty: kept as set and empty, `VAR=` in the line)
+      if [ -z "${had[$v]:-}" ] && [ -n "${!v+x}" ]; then
+        export "${v?}"; if [ -n "${!v}" ]; then kept+=("$v"); else kept+=("$v="); fi
+      fi
+    done
+    [ ${#kept[@]} -eq 0 ] || echo "== settings of the earlier start kept (from $w/driver.env): ${kept[*]}"
+  fi
+  lease_save_settings "$w" "$@"
 }
 
 lease_driver_alive() {  # lease_driver_alive W: true while the driver `start` launched ($W/run.pid) still runs
@@ -23,6 +47,21 @@ lease_driver_alive() {  # lease_driver_alive W: true while the driver `start` la
 lease_load_settings() {  # lease_load_settings W: the settings `start` recorded; a variable already set (non-empty) wins
   [ -e "$1/driver.env" ] && . "$1/driver.env"
   return 0
+}
+
+lease_wait() {  # lease_wait W SECONDS: until the driver is done ($W/status/ALL.done), SECONDS have passed, or the
+  # driver `start` launched is gone without finishing (stopped, killed, or dead of an error: `wait 560` slept all its 560 s
+  # of device time on a driver that no longer ran; one line says so, then the caller packs what is there)
+  local w=$1 lim=$2 t0=$SECONDS
+  while [ ! -e "$w/status/ALL.done" ] && (( SECONDS - t0 < lim )); do
+    if ! lease_driver_alive "$w"; then
+      [ -e "$w/status/ALL.done" ] && break
+      echo "== the driver is not running and did not finish (no $w/status/ALL.done; see $w/run.log):" \
+        "packing what is there"
+      break
+    fi
+    sleep "${LEASE_POLL_S:-5}"
+  done
 }
 
 lease_large_ok() {  # lease_large_ok W: true when a pack may return large files (regenerated prompts, a drafter):

@@ -67,14 +67,7 @@ def load_run(spec: str) -> dict:
     pp = _json(folder / (f"per_prompt_{tag}.json" if tag else "per_prompt.json"), required=False) or {}
     train = _json(folder / "train_report.json", required=False) or {}
     data = _json(folder / "data_report.json", required=False) or {}
-    val = train.get("final_val") or {}
-    top1 = [round(val[f"acc_{i}"], 4) for i in range(64) if f"acc_{i}" in val]
-    sim = train.get("sim_accept") or {}
-    best = sim.get("best") or {}
-    weights_step = None
-    if not top1 and best.get("alpha") and sim.get("select_best") == "sim_accept":
-        # stopped before the final validation: 04 --export-only exported the best validation's weights
-        top1, weights_step = [round(a, 4) for a in best["alpha"]], best.get("step")
+    top1, weights_step = scored_weights(train, train.get("sim_accept") or {})
     return {
         "name": name,
         "path": str(path),
@@ -91,6 +84,28 @@ def load_run(spec: str) -> dict:
         "draft_vocab_size": data.get("draft_vocab_size"),
         "vocab_coverage": data.get("coverage"),
     }
+
+
+def scored_weights(train: dict, sim: dict) -> tuple[list[float], Optional[int]]:
+    """The held-out top-1 per TTT position of the weights 05 scored, and their step when they are not the last step's.
+
+    ``train``: a ``train_report.json``; ``sim``: its ``sim_accept`` summary (or 04's ``sim_accept.json``). Under
+    ``train.select_best: sim_accept`` 04 exports the best validation's weights, at the end of a finished run as after a
+    stop (04 --export-only): when that step is not the last one, the final validation (``final_val``) describes
+    other weights than the export, and the best validation's ``alpha`` is the scored drafter's top-1 (a finished run
+    whose best came early was reported with the last step's top-1 and optimizer steps beside the tau of the earlier
+    weights).
+    Otherwise ``final_val``'s ``acc_i`` and None.
+    """
+    val = train.get("final_val") or {}
+    top1 = [round(val[f"acc_{i}"], 4) for i in range(64) if f"acc_{i}" in val]
+    best = sim.get("best") or {}
+    if sim.get("select_best") != "sim_accept" or not best.get("alpha"):
+        return top1, None
+    step = sim.get("exported_step") if sim.get("exported_step") is not None else best.get("step")
+    if top1 and (step is None or step == train.get("step")):
+        return top1, None
+    return [round(a, 4) for a in best["alpha"]], best.get("step")
 
 
 def paired_bootstrap(a: dict, b: dict, draws: int = 2000, seed: int = 0) -> Optional[dict]:

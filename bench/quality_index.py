@@ -10,8 +10,9 @@ Two kinds of file are read, found by their shape, anywhere under ``--root``:
   the values the table recorded, unless its ``path`` is a 05 file found above (then that file's row wins, and the
   comparison's names are added to it).
 
-Rows are keyed by the 05 file (``path`` of a comparison row resolved against the repository root), so a run that
-several comparisons name appears once, with every name it was given. Nothing is typed in by hand: each figure is
+Files git ignores (a lease's ``runs/`` folders, kept out of git) are not read: every figure comes from a file a
+clone has. Rows are keyed by the 05 file (``path`` of a comparison row resolved against the repository root), so a
+run that several comparisons name appears once, with every name it was given. Nothing is typed in by hand: each figure is
 read from a committed file, and the row says which.
 
     python bench/quality_index.py --out bench/results/quality_runs.json   # + quality_runs.md
@@ -86,9 +87,29 @@ def comparison_row(row: dict, table: Path, repo: Path) -> dict:
             "from": f"comparison {table.relative_to(repo)}"}
 
 
+def git_ignored(paths: list[Path], repo: Path) -> set[Path]:
+    """The ``paths`` git ignores in ``repo`` (``git check-ignore``), never committed; none outside a git work tree."""
+    import subprocess
+
+    if not paths:
+        return set()
+    try:
+        r = subprocess.run(["git", "-C", str(repo), "check-ignore", "--stdin", "-z"], capture_output=True, text=True,
+                           input="\0".join(str(p) for p in paths), timeout=120)
+    except (OSError, subprocess.SubprocessError):
+        return set()
+    if r.returncode not in (0, 1):  # 128: not a git work tree
+        return set()
+    return {Path(x) if Path(x).is_absolute() else repo / x for x in r.stdout.split("\0") if x}
+
+
 def collect(root: Path, repo: Path) -> list[dict]:
-    """Every run under ``root`` (module docstring), sorted by chain steps then file."""
-    found = {p: obj for p in sorted(root.rglob("*.json")) if (obj := _read(p)) is not None}
+    """Every run under ``root`` (module docstring), sorted by chain steps then file. Files git ignores are not read
+    (a lease's ``runs/`` folders, unpacked beside its committed comparison: the index listed their 05 files as its
+    source, "05 file", and figures no clone has, so the committed table came out otherwise from a clean checkout)."""
+    paths = sorted(root.rglob("*.json"))
+    ignored = git_ignored(paths, repo)
+    found = {p: obj for p in paths if p not in ignored and (obj := _read(p)) is not None}
     runs = {str(p.relative_to(repo)): bench_row(p, repo) for p, obj in found.items() if is_bench(obj)}
     for table, obj in found.items():
         if not is_comparison(obj):

@@ -7,7 +7,8 @@ flat layout :mod:`bench.quality_summary` reads (``bench-steps3.json`` [+ ``per_p
 (``--out DIR``):
 
 - ``DIR/<run>/quality.json`` + ``.md``: :func:`bench.quality_summary.collect` of each run (issue 23's goals;
-  keys ``variant``, ``loss``, ``num_train_prompts``, ``recipe``, ``sim_accept`` beside the former ones);
+  keys ``variant``, ``loss``, ``num_train_prompts``, ``recipe``, ``sim_accept`` beside the former ones;
+  ``overrides``: the run's ``overrides.txt``, the driver's ``--set`` list, one a line, when there is one);
 - ``DIR/recipes.json`` + ``.md``: one row per run, the reference first: its recipe (what differs from the
   reference), tau per set at 3 steps with the delta against the reference and its 95% paired bootstrap
   interval over prompts (:func:`bench.quality_compare.paired_bootstrap`), MT-bench at 7 steps, held-out
@@ -35,9 +36,22 @@ from eagle3.errors import UserError  # noqa: E402
 from eagle3.io import atomic_write_json, atomic_write_text, make_dirs  # noqa: E402
 
 
-def _recipe_diff(recipe: Optional[dict], ref: Optional[dict], variant: str, ref_variant: str) -> str:
-    """``key=value`` of what a run changed against the reference (``-`` for none)."""
-    out = [f"drafter.variant={variant}"] if variant != ref_variant else []
+def _drafter_args(run: Path) -> dict:
+    """The drafter's fields of ``run/train_report.json`` (``drafter_args``; absent ``num_layers`` / ``variant``: their
+    defaults, 1 and eagle3, as :class:`DrafterArgs` leaves them out), ``{}`` without a report."""
+    path = run / "train_report.json"
+    args = (qs._read(path, required=False) or {}).get("drafter_args") or {}
+    return {**args, "num_layers": args.get("num_layers", 1), "variant": args.get("variant", "eagle3")} if args else {}
+
+
+def _recipe_diff(recipe: Optional[dict], ref: Optional[dict], drafter: dict, ref_drafter: dict) -> str:
+    """``key=value`` of what a run changed against the reference (``-`` for none): its variant first, every other
+    drafter field (the MLP width, the layers, the draft vocabulary: a recipe of ``drafter.intermediate_size=6144`` was
+    labelled ``-``, the table's only column of what a run is), then the training recipe."""
+    out = [f"drafter.variant={drafter.get('variant')}"] if drafter.get("variant") != ref_drafter.get("variant") else []
+    if drafter and ref_drafter:
+        out += [f"drafter.{k}={drafter.get(k)}" for k in sorted(set(drafter) | set(ref_drafter))
+                if k != "variant" and drafter.get(k) != ref_drafter.get(k)]
     for k, v in sorted((recipe or {}).items()):
         if (ref or {}).get(k) != v:
             out.append(f"train.{k}={v}")
@@ -59,6 +73,8 @@ def summarise(runs_dir: Path, ref: str, out: Path, config: str = "") -> dict:
     quality = {}
     for p in runs:
         q = qs.collect(p, config, goals="23")
+        if (p / "overrides.txt").is_file():  # the lease driver's --set list of the run (quality_session.sh)
+            q["overrides"] = [x for x in (p / "overrides.txt").read_text().splitlines() if x]
         q["source"] = str(p)
         quality[p.name] = q
         make_dirs(out / p.name, "--out")
@@ -67,6 +83,7 @@ def summarise(runs_dir: Path, ref: str, out: Path, config: str = "") -> dict:
     loaded = {p.name: qc.load_run(f"{p.name}={p / 'bench-steps3.json'}") for p in runs}
     rows = qc.compare(loaded[ref], [loaded[n] for n in names if n != ref])
     rq = quality[ref]
+    drafters = {p.name: _drafter_args(p) for p in runs}
     for row in rows:
         q = quality[row["name"]]
         best = (q.get("sim_accept") or {}).get("best") or {}
@@ -75,7 +92,7 @@ def summarise(runs_dir: Path, ref: str, out: Path, config: str = "") -> dict:
             row["optimizer_steps"] = q["sim_accept"]["curve"][-1][0]  # the last validation (>= steps - eval_every)
         row.update(variant=q["variant"], loss=q["loss"], num_train_prompts=q["num_train_prompts"],
                    change=("(no train_report: stopped at the deadline; see the run's command)" if no_report else
-                           _recipe_diff(q.get("recipe"), rq.get("recipe"), q["variant"], rq["variant"])),
+                           _recipe_diff(q.get("recipe"), rq.get("recipe"), drafters[row["name"]], drafters[ref])),
                    tau_steps7=q["tau"].get("7", {}), sim_accept_best=best.get("tau_sim"),
                    sim_accept_best_step=best.get("step"),
                    exported_step=(q.get("sim_accept") or {}).get("exported_step"))
@@ -117,7 +134,10 @@ def markdown(table: dict) -> str:
         sim = f"{r['sim_accept_best']:.2f} ({r['sim_accept_best_step']})" if r.get("sim_accept_best") else "-"
         t7 = r["tau_steps7"].get("mtbench")
         name = r["name"] + (" (ref)" if r["reference"] else "")
-        lines.append(f"| {name} | {r['change']} | {r['optimizer_steps'] or '-'} | {v} | {sim} | " + " | ".join(cells)
+        steps = str(r["optimizer_steps"] or "-")  # (as quality_compare's table: the scored weights' step when earlier)
+        if r.get("weights_step") is not None and r["weights_step"] != r["optimizer_steps"]:
+            steps += f" (weights of step {r['weights_step']})"
+        lines.append(f"| {name} | {r['change']} | {steps} | {v} | {sim} | " + " | ".join(cells)
                      + f" | {'-' if t7 is None else f'{t7:.2f}'} |")
     lines += ["", "tau: 05, chain, T=0, fp32 verifier; (delta vs ref [95% paired bootstrap over prompts]: prompt noise "
               "only, not training noise); tau_sim: 04's validation split (eagle3/train/sim_accept.py)."]

@@ -36,12 +36,14 @@
 #   PACK_DRAFTER a recipe name: once it has exported, `pack` brings its export back as drafter.tar.gz.partNN (15 MiB
 #             parts; the SmolLM2 EAGLE 3.1 export is ~47 MB, bf16) instead of the prompts ($OUT takes 8 files and 64 MiB
 #             together), for INIT on a later lease (a fresh machine within the session: nothing outside git outlives
-#             the session); at most 4 parts a call: a larger export (two layers, ~66 MB gzipped) needs one more
-#             `pack` on the warm machine, which sends the rest
+#             the session); at most 4 parts a call, within what $OUT still takes beside the results tarball: a larger
+#             export (two layers, ~66 MB gzipped) needs one more `pack` on the warm machine, which sends the rest.
+#             The prompts come back whole (every part and their report) or not at all, also within that room
 #   PACK_LARGE 1 = `wait` / `pack` bring the prompts (or PACK_DRAFTER's export) back before the driver is done; by
 #             default only the pack of a finished driver does: copying ~35-47 MB back makes the call return late, and
 #             a machine idle 30 s after a call is given back (lease 2026-12-04 lost two machines that way)
-#   Settings given to `start` alone hold for the later verbs too ($W/driver.env).
+#   Settings given to `start` alone hold for the later verbs too ($W/driver.env), and for a restart: a later `start`
+#             on the same W keeps those it is not given again (named in one line; a new plan: another W).
 #   SELF_INSTRUCT N > 0 (needs SEED or SEED_NPROMPTS): the data set is SEED's regenerated conversations + N user prompts the verifier
 #             writes itself (01 --self-instruct into $W/self_instruct.jsonl, minus the SI_EXCLUDE files' prompts;
 #             SI_ARGS extra flags), answered by 01 with prompts.reuse_answers = SEED's copy in $W/seed (only the new
@@ -76,11 +78,14 @@
 #             own prompts.regen_compile (default auto: the slots engine decides from the run's size)
 #   TRAIN_END_S seconds after the driver started at which the trainings get SIGTERM (instead of DEADLINE_S), and the
 #             main run's @MAIN_STEPS@ is sized (ONLINE_SPEED=0) to the time left then, less TRAIN_START_S (default 25)
-#             (once: a restarted driver with the same settings keeps that size, so a resumed run keeps its schedule)
+#             (once: a restarted driver with the same settings keeps that size, so a resumed run keeps its schedule);
+#             `start` refuses one that has passed (a later driver on the same W: give a later one, or rm $W/t0)
 #   DEADLINE_S seconds after the recipes start at which every 04 still training gets SIGTERM: it finishes its
 #             step, checkpoints and exits 143; the chain then exports that checkpoint (04 --export-only: the best
 #             by sim_accept when select_best is set) and goes on to 05, so a lease's end is planned, not hit
-#             (default: none). The run's train_report says how many steps it reached.
+#             (default: none). The run's train_report says how many steps it reached. A 04 that would start after
+#             the deadline (a chain queued behind SLOTS, a retry) does not train: its checkpoint, if any, is exported
+#             and scored. A restarted driver whose deadline is still ahead clears an earlier driver's mark.
 #   ONLINE_SPEED 0 = skip bench/online_train_speed.py (measured in an earlier lease); @MAIN_STEPS@ then comes from
 #             ONLINE_TPS (default 126626, lease 2026-12-02b's online tokens/s) and STEPS_FOR_S
 #   REGEN_MIN NPROMPTS=auto takes at least this many conversations (default 1000), e.g. more than the disk holds
@@ -107,7 +112,7 @@ SETTINGS=(CONFIG VERIFIER NPROMPTS SEED INIT PACK_DRAFTER PACK_LARGE PARTS_MAX R
   ONLINE_TPS ONLINE_LIMIT ONLINE_STEPS STEPS_FOR_S SPEED05 SPEED05_SETS SPEED05_PROMPTS SPEED05_PICK SELF_INSTRUCT
   SI_EXCLUDE SI_ARGS SEED_NPROMPTS REGEN_SPEED_MAX_S PYTHON)
 case "${1:-}" in
-  start) lease_save_settings "$W" "${SETTINGS[@]}" ;;
+  start) lease_start_settings "$W" "${SETTINGS[@]}" ;;
   wait|pack|stop|finish) lease_load_settings "$W" ;;
 esac
 CONFIG=${CONFIG:-configs/smollm2-135m-full.yaml}
@@ -365,12 +370,68 @@ check_settings() {  # settings that would be ignored: one line, exit 1, before a
       "self-instruct prompts add to); for the data set's size set NPROMPTS=$SEED_NPROMPTS" >&2
     return 1
   fi
+  # TRAIN_END_S counts from the first start ($W/t0, kept by a restart): a later start whose deadline has passed would
+  # train nothing (every 04 after the deadline only exports its checkpoint; before, such a driver's trainings were
+  # never stopped: lease 2026-12-05f's call-5 start of a fourth recipe on the same W)
+  if [ -n "${TRAIN_END_S:-}" ] && [ -e "$W/t0" ]; then
+    local gone=$(( $(date +%s) - $(cat "$W/t0") ))
+    if [ "$TRAIN_END_S" -le "$gone" ]; then
+      echo "error: TRAIN_END_S=$TRAIN_END_S has passed: it counts from this W's first start ($W/t0), $gone s ago;" \
+        "give a later one (e.g. TRAIN_END_S=$(( gone + 600 )) for 600 s more) or start the clock again (rm $W/t0)" >&2
+      return 1
+    fi
+  fi
+  # settings read only with SPEED=1 and its benches: without them NPROMPTS=auto fell back to 20,000 conversations
+  # (no regen_speed.json to size it from) and REGEN_COMPILE=auto to the config's own regen_compile (no regen_step)
+  if [ "$NPROMPTS" = auto ] && { [ "${SPEED:-0}" != 1 ] || [ "${REGEN_SPEED:-1}" != 1 ]; }; then
+    echo "error: NPROMPTS=auto sizes 01 from bench/regen_speed.py's rate: it needs SPEED=1 and REGEN_SPEED=1" \
+      "(SPEED=${SPEED:-0} REGEN_SPEED=${REGEN_SPEED:-1}); else set NPROMPTS to a number" >&2
+    return 1
+  fi
+  case "${REGEN_COMPILE:-0}" in
+    0|1) ;;
+    auto) if [ "${SPEED:-0}" != 1 ] || [ "${REGEN_STEP:-1}" != 1 ]; then
+        echo "error: REGEN_COMPILE=auto decides from bench/regen_step.py: it needs SPEED=1 and REGEN_STEP=1" \
+          "(SPEED=${SPEED:-0} REGEN_STEP=${REGEN_STEP:-1}); else set REGEN_COMPILE to 0 or 1" >&2
+        return 1
+      fi ;;
+    *) echo "error: REGEN_COMPILE=$REGEN_COMPILE: expected 0, 1 or auto" >&2; return 1 ;;
+  esac
+  # a setting naming recipes: a name that is no recipe was ignored in silence (lease-next.env's BENCH_FULL named
+  # b64k, a run the plan had dropped, and not warm10: warm10 got 05 on MT-bench at 3 steps only, no 7-step run)
+  local v n names=" " spec
+  for spec in $RECIPES; do names+="${spec%%:*} "; done
+  for v in BENCH_FULL SPEED05 PACK_DRAFTER; do
+    for n in ${!v:-}; do
+      if [[ "$names" != *" $n "* ]]; then
+        echo "error: $v names $n, which is no recipe of RECIPES (${names:1:${#names}-2}): it would be ignored" >&2
+        return 1
+      fi
+    done
+  done
+  # 05's evaluation sets (--datasets, --dataset): a name 05 does not know failed only after the training, as
+  # BENCH_SETS=mtbench did (lease 2026-12-05f); a built-in set or a prompt file
+  local item
+  for v in SETS7 BENCH_ABL SPEED05_SETS; do
+    for item in ${!v:-}; do
+      n=${item%%:*}
+      case "$n" in mtbench|humaneval|gsm8k) ;; *)
+        if [ ! -f "$n" ]; then
+          echo "error: $v names the evaluation set $n: neither mtbench, humaneval, gsm8k nor a prompt file" >&2
+          return 1
+        fi ;;
+      esac
+    done
+  done
 }
 
 recipe_chain() {  # recipe_chain NAME SETS: 04, then 05 at 3 steps (every set) and at 7 steps (SETS7)
   local name=$1 r="$W/runs/$1"
   rargs "$1" "$2"
   mkdir -p "$r"; echo "$DDIR" > "$r/data_dir"
+  # the run's whole --set list, one a line: `pack` brings it back and quality_recipes records it as the run's
+  # overrides (each quality.json, the headline's included, said "overrides": [] of a drafter trained with a dozen)
+  local o; for o in "${RA[@]}"; do [ "$o" = --set ] || printf '%s\n' "$o"; done > "$r/overrides.txt"
   if [ -n "$DKEY" ] && ! ( flock 9; phase "data-${DKEY}_03" "$PY" 03_prepare_data.py --config "$CONFIG" "${RA[@]}" --no-plot ) \
       9> "$W/status/data-$DKEY.lock"; then
     return 1
@@ -393,14 +454,24 @@ recipe_chain() {  # recipe_chain NAME SETS: 04, then 05 at 3 steps (every set) a
 train_until_deadline() {  # train_until_deadline NAME CMD...: CMD (04) in the background, SIGTERM at $W/deadline;
   # exit 143 there (checkpointed) -> export that checkpoint with 04 --export-only and succeed
   local name=$1; shift
+  local a args=()  # the same command without --resume, which 04 refuses beside --export-only
+  for a in "$@"; do [ "$a" = --resume ] || args+=("$a"); done
+  # A 04 that would start after the deadline (a chain queued behind SLOTS, or the retry of a failed one) is not
+  # started: the watcher signals only the 04s running when it fires, so such a training ran its whole schedule past
+  # the deadline (dry run: SLOTS=1, the second recipe's 04 started 19 s after the deadline and trained all its steps).
+  # Its checkpoint, if an earlier try left one, is exported and scored; without one the chain fails
+  if [ -e "$W/deadline.hit" ]; then
+    echo "== $name: the deadline has passed; not training, exporting its checkpoint if it has one"
+    "${args[@]}" --export-only; return $?
+  fi
   "$@" & local pid=$!
   echo "$pid" > "$W/status/${name}_04.pid"
+  # the deadline marked while this 04 started (after end_trainings read the pid files): signalled here
+  [ -e "$W/deadline.hit" ] && kill -TERM "$pid" 2>/dev/null
   wait "$pid"; local rc=$?
   rm -f "$W/status/${name}_04.pid"
   if [ "$rc" = 143 ] && [ -e "$W/deadline.hit" ]; then
     echo "== $name: stopped at the deadline; exporting its checkpoint"
-    local a args=()  # the same command without --resume, which 04 refuses beside --export-only
-    for a in "$@"; do [ "$a" = --resume ] || args+=("$a"); done
     "${args[@]}" --export-only; return $?
   fi
   return "$rc"
@@ -408,11 +479,17 @@ train_until_deadline() {  # train_until_deadline NAME CMD...: CMD (04) in the ba
 
 deadline_watch() {  # SIGTERM every 04 still running DEADLINE_S seconds after the recipes started (TRAIN_END_S: that
   # many seconds after the driver started, however long the phases before took)
-  local wait_s=${DEADLINE_S:-}
-  [ -n "${TRAIN_END_S:-}" ] && wait_s=$(( TRAIN_END_S - $(date +%s) + $(cat "$W/t0") ))
+  local wait_s
+  wait_s=$(deadline_left)
   [ -n "$wait_s" ] || return 0
   (( wait_s > 0 )) && sleep "$wait_s"
   end_trainings
+}
+
+deadline_left() {  # seconds to the deadline from now (DEADLINE_S: from now, the recipes' start; TRAIN_END_S: from the
+  # driver's first start), empty when none is set
+  if [ -n "${TRAIN_END_S:-}" ]; then echo $(( TRAIN_END_S - $(date +%s) + $(cat "$W/t0") ))
+  elif [ -n "${DEADLINE_S:-}" ]; then echo "$DEADLINE_S"; fi
 }
 
 end_trainings() {  # the deadline, now: mark it passed, then SIGTERM every 04 running. Each checkpoints and exits 143;
@@ -427,8 +504,10 @@ end_trainings() {  # the deadline, now: mark it passed, then SIGTERM every 04 ru
 
 retry_wait() {  # retry_wait NAME: before a failed chain's one retry. Out of memory on the shared GPU: until no other
   # recipe's 04 runs (lease 2026-12-05f: on an H100's 80 GB the 65,536-token run, 57 GiB at its peak, and ref failed
-  # again 20 s later beside the third training, then had to be rerun by hand); any other failure: 20 s
-  if grep -qs 'OutOfMemoryError' "$W/logs/${1}_04.log"; then
+  # again 20 s later beside the third training, then had to be rerun by hand); any other failure: 20 s. Any phase of
+  # the chain: an fp32 05 beside the trainings runs out too (2026-12-01: one 05 held 29 GB), and its retry 20 s later
+  # met the same trainings
+  if grep -qs 'OutOfMemoryError' "$W/logs/${1}_04.log" "$W/logs/${1}_05s3.log" "$W/logs/${1}_05s7.log"; then
     echo "== $1: out of memory; its retry waits until no other training runs"
     while other_trainings "$1" && [ ! -e "$W/deadline.hit" ]; do sleep "${RETRY_POLL_S:-5}"; done
   else
@@ -463,7 +542,7 @@ pack() {  # per-run flat folders (quality_summary's layout), the summaries, one 
   for r in "$W"/runs/*/; do
     [ -d "$r" ] || continue
     name=$(basename "$r"); mkdir -p "$res/runs/$name"
-    for f in train/train_report.json train/train_report.md train/sim_accept.json train/sim_accept.png; do
+    for f in overrides.txt train/train_report.json train/train_report.md train/sim_accept.json train/sim_accept.png; do
       [ -e "$r/$f" ] && cp "$r/$f" "$res/runs/$name/"
     done
     local dr="$ROOT/data/data_report.json"
@@ -490,6 +569,9 @@ PYEOF
   fi
   cat "$res/summary.txt"
   cp "$W/run.log" "$res/" 2>/dev/null
+  # the settings the driver ran with (those given at the lease's call, e.g. TRAIN_END_S=<left - 450>, are in no
+  # committed file: the session's README was filled from the plan's defaults)
+  cp "$W/driver.env" "$res/" 2>/dev/null
   nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv > "$res/nvidia-smi.txt" 2>/dev/null
   [ -n "${OUT:-}" ] || { ls "$W/status"; return 0; }
   tar -czf "$OUT/quality-results.tar.gz" -C "$W" res status logs speed 2>/dev/null
@@ -507,11 +589,27 @@ PYEOF
   done
   if [ "$packed" = 0 ] && [ -z "${SEED:-}" ] && [ -e "$W/status/s01.done" ] && [ -e "$ROOT/prompts.jsonl" ]; then  # SEED: they are here already
     [ -e "$W/prompts.jsonl.gz" ] || { gzip -c "$ROOT/prompts.jsonl" > "$W/prompts.gz.tmp" && mv "$W/prompts.gz.tmp" "$W/prompts.jsonl.gz"; }
-    if [ "$(stat -c %s "$W/prompts.jsonl.gz")" -le $(( ${PARTS_MAX:-5} * 15728640 )) ]; then
+    # all the parts and the report, or none (a SEED needs every part): within what $OUT still takes beside the
+    # results tarball (5 parts of 15 MiB passed the PARTS_MAX test at up to 75 MiB, over $OUT's 64 MiB together)
+    local size parts
+    size=$(stat -c %s "$W/prompts.jsonl.gz"); parts=$(( (size + 15728639) / 15728640 )); out_room
+    if [ "$size" -le $(( ${PARTS_MAX:-5} * 15728640 )) ] \
+        && [ $(( size + $(stat -c %s "$ROOT/prompts_report.json") )) -le "$ROOM_BYTES" ] \
+        && [ $(( parts + 1 )) -le "$ROOM_FILES" ]; then
       split -b 15M -d -a 2 "$W/prompts.jsonl.gz" "$OUT/prompts.jsonl.gz.part"; cp "$ROOT/prompts_report.json" "$OUT/"
+    else
+      echo "== prompts: $size bytes gzipped ($parts parts) do not fit \$OUT beside the results ($ROOM_BYTES bytes," \
+        "$ROOM_FILES files left): left behind"
     fi
   fi
   ls "$W/status"
+}
+
+out_room() {  # ROOM_BYTES / ROOM_FILES: what $OUT still takes this call (OUT_MAX_BYTES, default 64 MiB, and
+  # OUT_MAX_FILES, default 8, the device machine's limits on the files coming back, less what is in it now)
+  local f used=0 n=0
+  for f in "$OUT"/*; do [ -f "$f" ] && { used=$(( used + $(stat -c %s "$f") )); n=$(( n + 1 )); }; done
+  ROOM_BYTES=$(( ${OUT_MAX_BYTES:-67108864} - used )); ROOM_FILES=$(( ${OUT_MAX_FILES:-8} - n ))
 }
 
 send_drafter_parts() {  # send_drafter_parts EXPORT_DIR: the export as drafter.tar.gz.partNN (15 MiB each, split once
@@ -526,7 +624,12 @@ send_drafter_parts() {  # send_drafter_parts EXPORT_DIR: the export as drafter.t
   fi
   for p in "$d"/drafter.tar.gz.part??; do
     [ -e "$p.sent" ] && continue
-    if [ "$n" -lt 4 ]; then cp "$p" "$OUT/" && touch "$p.sent" && n=$((n + 1)); else left=$((left + 1)); fi
+    out_room  # (4 parts of 15 MiB beside a results tarball over 4 MiB were over $OUT's 64 MiB together)
+    if [ "$n" -lt 4 ] && [ "$(stat -c %s "$p")" -le "$ROOM_BYTES" ] && [ "$ROOM_FILES" -ge 1 ]; then
+      cp "$p" "$OUT/" && touch "$p.sent" && n=$((n + 1))
+    else
+      left=$((left + 1))
+    fi
   done
   if [ "$left" -gt 0 ]; then echo "== drafter: $n parts in \$OUT, $left more: run \`$0 pack\` again (warm machine)"
   else echo "== drafter: $n parts in \$OUT, all sent ($(ls "$d"/drafter.tar.gz.part?? | wc -l) in all)"; fi
@@ -553,13 +656,16 @@ speed_bench() {  # SPEED05=NAME: 05's speedup at batch 1 (bench/offline_bench_sp
 case "${1:-}" in
   run)
     [ -e "$W/t0" ] || date +%s > "$W/t0"  # TRAIN_END_S counts from here (a restarted driver keeps the first start)
+    # a deadline mark of an earlier driver whose deadline has not come for this one (restarted with a later
+    # TRAIN_END_S, or after `finish` with none) goes, or every 04 would only export its checkpoint
+    # (train_until_deadline); here, not when the recipes start: a `finish` during this driver's 01-03 holds
+    left=$(deadline_left); { [ -z "$left" ] || (( left > 0 )); } && rm -f "$W/deadline.hit"
     { init_drafter && { speed_regen; auto_nprompts; data_track && speed_online && recipes && speed_bench; }; } ; touch "$W/status/ALL.done" ;;
   start)  # the recipes checked first (seconds, no GPU work), then the driver detached
     { check_settings && init_drafter && preflight; } || exit 1
     lease_start "$W" "$0" || exit 1 ;;
   wait)
-    lim=${2:-560}; t0=$SECONDS
-    while [ ! -e "$W/status/ALL.done" ] && (( SECONDS - t0 < lim )); do sleep 5; done
+    lease_wait "$W" "${2:-560}"
     tail -25 "$W/run.log" 2>/dev/null
     pack ;;
   pack) pack ;;

@@ -32,6 +32,9 @@ from pathlib import Path
 from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import quality_compare as qc  # noqa: E402
 
 from eagle3.cli import ArgumentParser, run_main  # noqa: E402
 from eagle3.errors import UserError  # noqa: E402
@@ -79,8 +82,6 @@ def collect(run: Path, config: str, overrides: str = "", goals: str = "10") -> d
             speed[k][name] = {"batch_size": ds["batch_size"], "speedup": round(ds["speedup"], 4),
                               "drafter_share": round(ds["drafter_share"], 4), "wall_s": round(ds["wall_seconds"], 2),
                               "mismatches_beyond_tolerance": ds["failures"], "near_ties": ds["near_ties"]}
-    val = train.get("final_val") or {}
-    val_acc = [round(val[f"acc_{i}"], 4) for i in range(64) if f"acc_{i}" in val]
     goal = {k: {s: {"goal": g, "tau": tau.get(k, {}).get(s), "met": (tau.get(k, {}).get(s) or 0) >= g}
                 for s, g in sets.items()} for k, sets in GOALS[goals].items()}
     pp = _read(run / "per_prompt_steps3.json", required=False)
@@ -103,12 +104,10 @@ def collect(run: Path, config: str, overrides: str = "", goals: str = "10") -> d
     # a run stopped at a lease's deadline (SIGTERM, then 04 --export-only) has no train_report; its validation curve
     # is still in 04's sim_accept.json
     sim = train.get("sim_accept") or _read(run / "sim_accept.json", required=False) or {}
-    exported_step = sim.get("exported_step")
-    if not val_acc and (sim.get("best") or {}).get("alpha") and sim.get("select_best") == "sim_accept":
-        # stopped before its final validation (no final_val): 04 --export-only exports the best validation's weights,
-        # so that validation's top-1 per position is the held-out figure of the drafter 05 scored
-        val_acc = [round(a, 4) for a in sim["best"]["alpha"]]
-        exported_step = sim["best"].get("step")
+    # the held-out top-1 of the weights 05 scored: the best validation's under select_best sim_accept when those are
+    # not the last step's (stopped at a deadline, or a finished run whose best came earlier), else final_val's
+    val_acc, weights_step = qc.scored_weights(train, sim)
+    exported_step = sim.get("exported_step") if weights_step is None else weights_step
     dargs = train.get("drafter_args") or {}
     return {
         "tau": tau,
@@ -201,7 +200,10 @@ def markdown(q: dict) -> str:
               "| position | " + " | ".join(["held-out train", *sets]) + " |", "|---:|" + "---:|" * (len(sets) + 1)]
     for i in range(int(k0)):
         v = q["val_top1_per_position"][i] if i < len(q["val_top1_per_position"]) else None
-        row = [f"{v:.2f}" if v is not None else "-"] + [f"{q['per_position'][k0][s]['conditional'][i]:.2f}" for s in sets]
+        # a set scored at another chain length only (e.g. MT-bench at 7 steps, not at 3): "-" in this table
+        at_k0 = q["per_position"][k0]
+        row = [f"{v:.2f}" if v is not None else "-"] + [f"{at_k0[s]['conditional'][i]:.2f}" if s in at_k0 else "-"
+                                                        for s in sets]
         lines.append(f"| {i + 1} | " + " | ".join(row) + " |")
     cat = q.get("tau_by_category_steps3")
     if cat:

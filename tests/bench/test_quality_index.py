@@ -64,3 +64,27 @@ def test_cli_writes_json_and_markdown(tmp_path):
     obj = json.loads(out.read_text())
     assert obj["goals"] == {"3": {"mtbench": 2.8, "humaneval": 2.8, "gsm8k": 3.2}, "7": {"mtbench": 3.4}}
     assert len(obj["runs"]) == 3 and out.with_suffix(".md").read_text() == qi.markdown(obj["runs"])
+
+
+def test_files_git_ignores_are_not_read(tmp_path):
+    """A lease's runs/ folders are kept out of git (.gitignore: runs/) but lie beside its committed comparison in the
+    working tree that made the index: their 05 files were listed as the rows' source ("05 file", with the drafter of
+    their train_report), figures no clone has; regenerated from a clean checkout, the committed table came out
+    otherwise. Ignored files are not read: the comparison's row is the run's."""
+    import subprocess
+
+    repo = tmp_path / "repo"
+    lease = repo / "bench" / "results" / "lease-b"
+    _write(lease / "runs" / "ref" / "bench-steps3.json", {"steps": 3, "dtype": "float32", "datasets": [
+        {"dataset": "mtbench", "tau": 2.07}]})
+    _write(lease / "runs" / "ref" / "train_report.json", {"step": 912, "drafter_args": {"variant": "eagle3.1"}})
+    _write(lease / "recipe_ab_steps3.json", {"rows": [
+        {"name": "ref", "path": "bench/results/lease-b/runs/ref/bench-steps3.json", "tau": {"mtbench": 2.07},
+         "steps": 3, "dtype": "float32", "optimizer_steps": 912, "variant": "eagle3.1"}]})
+    (repo / ".gitignore").write_text("runs/\n")
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    rows = qi.collect(repo / "bench" / "results", repo)
+    assert [(r["file"], r["names"], r["from"]) for r in rows] == [
+        ("bench/results/lease-b/runs/ref/bench-steps3.json", ["ref"],
+         "comparison bench/results/lease-b/recipe_ab_steps3.json")]
+    assert rows[0]["drafter"] == "eagle3.1" and rows[0]["tau"] == {"mtbench": 2.07}

@@ -83,3 +83,44 @@ def test_headline_only_among_full_benchmarks_and_deadline_runs(tmp_path):
     rows = {r["name"]: r for r in table["rows"]}
     assert rows["full"]["optimizer_steps"] == 600 and rows["full"]["sim_accept_best"] == 2.1
     assert rows["full"]["change"].startswith("(no train_report")
+
+
+def test_a_finished_run_whose_best_came_early_shows_the_scored_weights(tmp_path):
+    """select_best sim_accept: a finished run whose best validation came before its last step exports (and 05 scores)
+    that validation's weights; the table gave the last step's held-out top-1 (final_val) and step count beside the tau
+    of the earlier weights (CPU dry run: `| b | train.lr=0.002 | 900 | ...`, weights of step 20). It now says the
+    weights' step and their top-1, as quality_compare's table does for a run stopped at a deadline."""
+    runs = tmp_path / "runs"
+    _run(runs, "ref", 2.0, 2.5, {"1": [20, 10], "2": [20, 10]})
+    _run(runs, "early", 1.9, 2.4, {"1": [19, 10], "2": [19, 10]}, lr=2e-3)
+    rep = json.loads((runs / "early" / "train_report.json").read_text())
+    rep["sim_accept"]["best"]["alpha"] = [0.7, 0.5, 0.3]
+    (runs / "early" / "train_report.json").write_text(json.dumps(rep))
+    qr.summarise(runs, "ref", tmp_path / "out")
+    md = (tmp_path / "out" / "recipes.md").read_text()
+    assert "| early | train.lr=0.002 | 100 (weights of step 80) | 0.700 | 2.20 (80) | 1.90 (" in md
+    assert "| ref (ref) | - | 100 | 0.600 | 2.20 (80) | 2.00 |" in md  # no alpha recorded: final_val, as before
+    q = json.loads((tmp_path / "out" / "early" / "quality.json").read_text())
+    assert q["val_top1_per_position"] == [0.7, 0.5, 0.3] and q["sim_accept"]["exported_step"] == 80
+    # the best at the last step: final_val's figures, no weights note
+    rep["sim_accept"].update(exported_step=100, best={"step": 100, "tau_sim": 2.2, "alpha": [0.7, 0.5, 0.3]})
+    (runs / "early" / "train_report.json").write_text(json.dumps(rep))
+    qr.summarise(runs, "ref", tmp_path / "out2")
+    assert "| early | train.lr=0.002 | 100 | 0.600 | 2.20 (100) |" in (tmp_path / "out2" / "recipes.md").read_text()
+
+
+def test_a_drafter_shape_change_is_named(tmp_path):
+    """The change column named only drafter.variant of the drafter's fields: a recipe widening the MLP or adding a
+    layer (leases 04d / 04e) was labelled `-`, as if it were the reference."""
+    runs = tmp_path / "runs"
+    for name, args in (("ref", {"variant": "eagle3.1", "intermediate_size": 1536}),
+                       ("wide", {"variant": "eagle3.1", "intermediate_size": 6144}),
+                       ("deep", {"variant": "eagle3.1", "intermediate_size": 1536, "num_layers": 2}),
+                       ("v30", {"intermediate_size": 1536})):
+        _run(runs, name, 2.0, 2.5, {"1": [20, 10], "2": [20, 10]})
+        rep = json.loads((runs / name / "train_report.json").read_text())
+        rep["drafter_args"] = {"hidden_size": 576, **args}
+        (runs / name / "train_report.json").write_text(json.dumps(rep))
+    rows = {r["name"]: r["change"] for r in qr.summarise(runs, "ref", tmp_path / "out")["rows"]}
+    assert rows == {"ref": "-", "wide": "drafter.intermediate_size=6144", "deep": "drafter.num_layers=2",
+                    "v30": "drafter.variant=eagle3"}

@@ -168,10 +168,12 @@ def test_deadline_export_drops_resume(tmp_path):
     continue a retried run; the lease's deadline export would have failed)."""
     w = tmp_path / "w"
     (w / "status").mkdir(parents=True)
-    (w / "deadline.hit").touch()
     calls = tmp_path / "calls"
-    fake = tmp_path / "fake04.sh"  # records its arguments; the training call "is stopped" (143), the export succeeds
-    fake.write_text(f'echo "$*" >> "{calls}"\ncase " $* " in *" --export-only "*) exit 0 ;; *) exit 143 ;; esac\n')
+    # records its arguments; the training call "is stopped at the deadline" (the mark made while it trains, exit
+    # 143), the export succeeds
+    fake = tmp_path / "fake04.sh"
+    fake.write_text(f'echo "$*" >> "{calls}"\ncase " $* " in *" --export-only "*) exit 0 ;; '
+                    f'*) touch "{w}/deadline.hit"; exit 143 ;; esac\n')
     fn = subprocess.run(["sed", "-n", "/^train_until_deadline()/,/^}/p", str(ROOT / "bench" / "quality_session.sh")],
                         capture_output=True, text=True, check=True).stdout
     assert fn.startswith("train_until_deadline()")
@@ -180,6 +182,35 @@ def test_deadline_export_drops_resume(tmp_path):
     assert r.returncode == 0, r.stderr
     assert calls.read_text().splitlines() == ["--config c.yaml --set a=1 --resume --set b=2",
                                               "--config c.yaml --set a=1 --set b=2 --export-only"]
+
+
+def test_no_training_starts_after_the_deadline(tmp_path):
+    """The deadline watcher signals the 04s running when it fires; a 04 that would start later (a chain queued behind
+    SLOTS, or the retry of a failed chain) trained its whole schedule past the deadline (CPU dry run, SLOTS=1:
+    `== b_04: start` 19 s after `== deadline: SIGTERM sent`, then all 900 steps). train_until_deadline now runs only
+    the export of its checkpoint; a restarted driver whose deadline is still ahead removes an earlier driver's mark."""
+    w = tmp_path / "w"
+    (w / "status").mkdir(parents=True)
+    (w / "deadline.hit").touch()
+    calls = tmp_path / "calls"
+    fake = tmp_path / "fake04.sh"
+    fake.write_text(f'echo "$*" >> "{calls}"\ncase " $* " in *" --export-only "*) exit 0 ;; *) sleep 5 ;; esac\n')
+    src = _functions("train_until_deadline")
+    r = subprocess.run(["bash", "-c", src + f'\nW="{w}"; train_until_deadline late bash "{fake}" --config c.yaml --resume'],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == ["== late: the deadline has passed; not training, exporting its checkpoint if it has one"]
+    assert calls.read_text().splitlines() == ["--config c.yaml --export-only"]
+    assert not (w / "status" / "late_04.pid").exists()
+    # deadline_left: TRAIN_END_S counts from the driver's first start ($W/t0), DEADLINE_S from now, neither: none
+    (w / "t0").write_text(f"{int(time.time()) - 100}\n")
+    src = _functions("deadline_left")
+    left = {}
+    for env in ({"TRAIN_END_S": "1000"}, {"TRAIN_END_S": "50"}, {"DEADLINE_S": "30"}, {}):
+        r = subprocess.run(["bash", "-c", src + "\ndeadline_left"], capture_output=True, text=True, timeout=60,
+                           env={"PATH": os.environ["PATH"], "W": str(w), **env})
+        left[next(iter(env.values()), "")] = r.stdout.strip()
+    assert left["30"] == "30" and left[""] == "" and 898 <= int(left["1000"]) <= 900 and -52 <= int(left["50"]) <= -50
 
 
 @pytest.mark.slow
@@ -217,6 +248,32 @@ def test_a_drafter_over_64_mib_comes_back_in_two_packs(tmp_path):
     assert cat.returncode == 0, cat.stderr
     assert (back / "model.safetensors").read_bytes() == payload
     assert (back / "config.json").read_text() == (ex / "config.json").read_text()
+
+
+def test_a_restart_keeps_the_settings_of_the_first_start(tmp_path):
+    """`stop`, then `start` in a later device call (no plan sourced): the settings the first `start` recorded are kept
+    (and reach the launched driver), those given again win; a restart wrote an empty driver.env and ran the defaults
+    (another CONFIG and RECIPES) on the phases already done (dry run 2026-12-05f: `ref_04: already done`, then
+    v31 / lk / ep16 training on the plan's data)."""
+    w = tmp_path / "w"
+    first = {"W": str(w), "INIT": str(tmp_path / "missing"), "RECIPES": "mine:train.lr=2e-3", "NPROMPTS": "8"}
+    r = _driver("start", first)
+    assert r.returncode == 1 and "no exported drafter there" in r.stdout, (r.stdout, r.stderr)
+    # the restart: nothing but W (PYTHON=false: had the settings been lost, the defaults' preflight fails, no launch)
+    r = _driver("start", {"W": str(w), "PYTHON": "false"})
+    assert r.returncode == 1 and not (w / "run.pid").exists(), (r.stdout, r.stderr)
+    assert r.stdout.splitlines()[0] == (f"== settings of the earlier start kept (from {w}/driver.env): "
+                                        "NPROMPTS INIT RECIPES")
+    assert r.stdout.splitlines()[1] == f"== INIT={tmp_path}/missing: no exported drafter there (config.json + " \
+        "model.safetensors, or drafter.tar.gz.partNN)"
+    env_file = (w / "driver.env").read_text()
+    assert "RECIPES=mine:train.lr=2e-3" in env_file and "PYTHON=false" in env_file
+    # kept values are exported (the driver `start` launches reads its environment); a value given again wins
+    probe = ('. bench/lease_lib.sh; lease_start_settings "$1" NPROMPTS RECIPES >/dev/null; '
+             'bash -c \'printf "%s|%s" "$NPROMPTS" "$RECIPES"\'')
+    got = subprocess.run(["bash", "-c", probe, "x", str(w)], cwd=ROOT, capture_output=True, text=True,
+                         env={"PATH": os.environ["PATH"], "NPROMPTS": "16"})
+    assert got.returncode == 0 and got.stdout == "16|mine:train.lr=2e-3", (got.stdout, got.stderr)
 
 
 def test_settings_file_written_when_the_last_setting_is_unset(tmp_path):
@@ -262,7 +319,7 @@ def test_preflight_refuses_a_recipe_before_the_driver_starts(tmp_path, nprompts)
     (NPROMPTS=auto, sized at run time, passes the check: the first recipe is accepted)."""
     w = tmp_path / "w"
     r = _driver("start", {"W": str(w), "RECIPES": "ref: bad:train.epochs=0", "CONFIG": "configs/tiny-llama.yaml",
-                          "NPROMPTS": nprompts})
+                          "NPROMPTS": nprompts, "SPEED": "1" if nprompts == "auto" else "0"})  # (auto: regen_speed)
     assert r.returncode == 1 and not (w / "run.pid").exists(), (r.stdout, r.stderr)
     assert r.stderr.strip().startswith("error: recipe bad: ") and "train.epochs" in r.stderr, r.stderr
 
@@ -422,14 +479,15 @@ def test_preflight_checks_the_benchmarks_set_list(tmp_path):
     assert r.stderr.strip().startswith("error: recipe 05 (BENCH_SETS): ") and "mtbench" in r.stderr, r.stderr
 
 
-def test_out_of_memory_retry_waits_for_the_other_trainings(tmp_path):
+@pytest.mark.parametrize("phase", ["04", "05s3", "05s7"])
+def test_out_of_memory_retry_waits_for_the_other_trainings(tmp_path, phase):
     """Lease 2026-12-05f (H100): two chains that ran out of memory beside a third training retried 20 s later, beside
     it again, and failed again. The retry of an out-of-memory 04 now starts once no other recipe's 04 runs (its own
-    pid file does not count)."""
+    pid file does not count); so does that of a chain whose 05 ran out of memory (only its 04's log was read)."""
     w = tmp_path / "w"
     (w / "status").mkdir(parents=True)
     (w / "logs").mkdir()
-    (w / "logs" / "big_04.log").write_text("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 6.73 GiB.\n")
+    (w / "logs" / f"big_{phase}.log").write_text("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 6.73 GiB.\n")
     script = _functions("retry_wait", "other_trainings") + """
 sleep 1.5 & other=$!
 echo "$other" > "$W/status/ref_04.pid"
@@ -443,3 +501,208 @@ kill "$own"
                        capture_output=True, text=True, timeout=60)
     assert r.stdout.splitlines() == ["== big: out of memory; its retry waits until no other training runs",
                                      "retried after ref"], (r.stdout, r.stderr)
+
+
+@pytest.mark.parametrize("setting", ["BENCH_FULL", "SPEED05", "PACK_DRAFTER"])
+def test_start_refuses_a_setting_naming_no_recipe(tmp_path, setting):
+    """BENCH_FULL / SPEED05 / PACK_DRAFTER name recipes; a name that is none was ignored in silence (lease-next.env's
+    BENCH_FULL named b64k, dropped from its RECIPES, and not warm10, which then got 05 on MT-bench at 3 steps only)."""
+    w = tmp_path / "w"
+    value = "ref b64k" if setting == "BENCH_FULL" else "b64k"
+    r = _driver("start", {"W": str(w), "RECIPES": "ref: lr2e-3:train.lr=2e-3", "CONFIG": "configs/tiny-llama.yaml",
+                          setting: value, "PYTHON": "false"})  # (false: a start that passed would launch nothing)
+    assert r.returncode == 1 and not (w / "run.pid").exists(), (r.stdout, r.stderr)
+    assert r.stderr.strip() == f"error: {setting} names b64k, which is no recipe of RECIPES (ref lr2e-3): it would be ignored"
+
+
+def test_the_next_leases_plan_passes_the_settings_check():
+    """bench/plans/lease-next.env as the lease sources it (set -a): check_settings accepts it, every recipe of its
+    RECIPES gets the full benchmark (its comments: 05 on the three sets at 3 steps and MT-bench at 7 for each run)."""
+    script = (f'set -a; . bench/plans/lease-next.env; set +a\n{_functions("check_settings")}\ncheck_settings && '
+              'for spec in $RECIPES; do n=${spec%%:*}; [[ " $BENCH_FULL " == *" $n "* ]] && echo "$n full"; done')
+    r = subprocess.run(["bash", "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                       env={"PATH": os.environ["PATH"]})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == ["ref full", "lr2e-3 full", "warm10 full"]
+
+
+@pytest.mark.parametrize("script", ["quality_session.sh", "gpu_session.sh"])
+def test_wait_returns_when_the_driver_is_gone(tmp_path, script):
+    """`wait N` waited for ALL.done only: a driver that died (stopped, killed, an error) without it cost the whole N
+    seconds of device time. It now returns once the driver `start` launched is gone, says so in one line, and packs."""
+    w, out = tmp_path / "w", tmp_path / "out"
+    (w / "status").mkdir(parents=True)
+    out.mkdir()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (w / "run.pid").write_text(f"{dead.pid}\n")
+    (w / "run.log").write_text("== ref_04: start 10:00:00\n")
+    t0 = time.monotonic()
+    r = subprocess.run(["bash", str(ROOT / "bench" / script), "wait", "120"], capture_output=True, text=True, timeout=200,
+                       env={"PATH": os.environ["PATH"], "PYTHON": sys.executable, "W": str(w), "OUT": str(out)})
+    assert r.returncode == 0, r.stderr
+    assert time.monotonic() - t0 < 60
+    assert r.stdout.splitlines()[0] == (f"== the driver is not running and did not finish (no {w}/status/ALL.done; "
+                                        f"see {w}/run.log): packing what is there")
+    assert sorted(p.name for p in out.iterdir()) == ["quality-results.tar.gz" if script == "quality_session.sh"
+                                                     else "results.tar.gz"]
+
+
+def test_each_run_records_its_set_list_and_the_summary_reports_it(tmp_path):
+    """Every run's quality.json (the headline's too, what bench/results/quality.json should hold) said "overrides": []
+    of drafters trained with a dozen --set values (the plan's drafter.num_layers=1, max_steps, lr, ...): the pack held
+    no record of them. recipe_chain writes the run's whole --set list to runs/NAME/overrides.txt (a comma inside
+    brackets kept), `pack` brings it back, quality_recipes records it."""
+    w = tmp_path / "w"
+    for d in ("status", "logs"):
+        (w / d).mkdir(parents=True)
+    fake = tmp_path / "fakepy"
+    fake.write_text("#!/usr/bin/env bash\nexit 0\n")
+    fake.chmod(0o755)
+    src = _functions("phase", "rargs", "recipe_chain", "train_until_deadline")
+    script = (f'{src}\nW="{w}"; ROOT="$W/data-run"; PY="{fake}"; CONFIG=c.yaml; NPROMPTS=8; SETS7=; B5=(); '
+              'BASE=(--set verifier.path=v --set train.hidden_states=online); CM=(train.eval_every=50)\n'
+              'recipe_chain lr "train.lr=2e-3,data.exclude_id_prefixes=[a/,b/]"')
+    r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60, env={"PATH": os.environ["PATH"]})
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = (w / "runs" / "lr" / "overrides.txt").read_text().splitlines()
+    data = (w / "runs" / "lr" / "data_dir").read_text().strip()
+    assert lines == ["verifier.path=v", "train.hidden_states=online", f"output_root={w}/runs/lr",
+                     f"extract.output_dir={w}/data-run/shards", f"data.output_dir={data}", "prompts.sample_size=8",
+                     "train.eval_every=50", "train.lr=2e-3", "data.exclude_id_prefixes=[a/,b/]"]
+    r = _driver("pack", {"W": str(w)})
+    assert r.returncode == 0, r.stderr
+    assert (w / "res" / "runs" / "lr" / "overrides.txt").read_text().splitlines() == lines
+    # quality_recipes: the list into the run's quality.json
+    sys.path.insert(0, str(ROOT / "bench"))
+    import quality_recipes as qr
+    runs = tmp_path / "runs"
+    for name in ("ref", "lr"):
+        (runs / name).mkdir(parents=True)
+        ds = {"dataset": "mtbench", "num_prompts": 1, "tau": 2.0, "conditional": [0.5] * 3, "unconditional": [0.5] * 3,
+              "batch_size": 1, "speedup": 1.0, "drafter_share": 0.1, "wall_seconds": 1.0, "failures": 0, "near_ties": 0}
+        (runs / name / "bench-steps3.json").write_text(json.dumps({"steps": 3, "datasets": [ds]}))
+    (runs / "lr" / "overrides.txt").write_text("\n".join(lines) + "\n")
+    qr.summarise(runs, "ref", tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "lr" / "quality.json").read_text())["overrides"] == lines
+    assert json.loads((tmp_path / "out" / "ref" / "quality.json").read_text())["overrides"] == []
+
+
+@pytest.mark.parametrize("setting,value", [("SETS7", "mtbench mt-bench"), ("BENCH_ABL", "mt-bench"),
+                                           ("SPEED05_SETS", "mtbench:batched mt-bench:static")])
+def test_start_refuses_an_evaluation_set_05_does_not_know(tmp_path, setting, value):
+    """SETS7 / BENCH_ABL / SPEED05_SETS name 05's evaluation sets; a typo failed only in 05, after the training (as
+    BENCH_SETS=mtbench did in lease 2026-12-05f). `start` refuses it in one line; a prompt file passes."""
+    w = tmp_path / "w"
+    env = {"W": str(w), "RECIPES": "ref:", "CONFIG": "configs/tiny-llama.yaml", "PYTHON": "false", setting: value}
+    r = _driver("start", env)
+    assert r.returncode == 1 and not (w / "run.pid").exists(), (r.stdout, r.stderr)
+    assert r.stderr.strip() == (f"error: {setting} names the evaluation set mt-bench: neither mtbench, humaneval, "
+                                "gsm8k nor a prompt file")
+    prompts = tmp_path / "mine.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "hi"}\n')
+    r = _driver("start", {**env, setting: value.replace("mt-bench", str(prompts))})
+    # past the check, to the preflight (PYTHON=false: it fails there in silence, nothing launched)
+    assert r.returncode == 1 and r.stderr == "" and not (w / "run.pid").exists(), (r.stdout, r.stderr)
+
+
+def test_the_results_tarball_holds_the_drivers_settings(tmp_path):
+    """The settings a lease's driver ran with (TRAIN_END_S and the others given at the call) came back in no file: the
+    tarball now holds $W/driver.env as res/driver.env."""
+    import tarfile
+
+    w, out = tmp_path / "w", tmp_path / "out"
+    r = _driver("start", {"W": str(w), "INIT": str(tmp_path / "missing"), "TRAIN_END_S": "1234", "RECIPES": "ref:"})
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    _after_01(w)
+    out.mkdir()
+    r = _driver("pack", {"W": str(w), "OUT": str(out)})
+    assert r.returncode == 0, r.stderr
+    with tarfile.open(out / "quality-results.tar.gz") as t:
+        got = t.extractfile("res/driver.env").read().decode()
+    assert got == (w / "driver.env").read_text() and '[ -n "${TRAIN_END_S:-}" ] || TRAIN_END_S=1234\n' in got
+
+
+@pytest.mark.parametrize("env,line", [
+    ({"NPROMPTS": "auto"}, "error: NPROMPTS=auto sizes 01 from bench/regen_speed.py's rate: it needs SPEED=1 and "
+     "REGEN_SPEED=1 (SPEED=0 REGEN_SPEED=1); else set NPROMPTS to a number"),
+    ({"NPROMPTS": "auto", "SPEED": "1", "REGEN_SPEED": "0"}, "error: NPROMPTS=auto sizes 01 from "
+     "bench/regen_speed.py's rate: it needs SPEED=1 and REGEN_SPEED=1 (SPEED=1 REGEN_SPEED=0); else set NPROMPTS to "
+     "a number"),
+    ({"REGEN_COMPILE": "auto", "SPEED": "1", "REGEN_STEP": "0"}, "error: REGEN_COMPILE=auto decides from "
+     "bench/regen_step.py: it needs SPEED=1 and REGEN_STEP=1 (SPEED=1 REGEN_STEP=0); else set REGEN_COMPILE to 0 or 1"),
+    ({"REGEN_COMPILE": "true"}, "error: REGEN_COMPILE=true: expected 0, 1 or auto")])
+def test_start_refuses_settings_their_benches_would_not_feed(tmp_path, env, line):
+    """NPROMPTS=auto without regen_speed (SPEED=0 or REGEN_SPEED=0) fell back to 20,000 conversations; REGEN_COMPILE=auto
+    without regen_step (SPEED=0 or REGEN_STEP=0) to the config's own regen_compile, and REGEN_COMPILE=true (not 1)
+    did nothing: each in silence. `start` refuses them in one line."""
+    w = tmp_path / "w"
+    r = _driver("start", {"W": str(w), "RECIPES": "ref:", "CONFIG": "configs/tiny-llama.yaml", "PYTHON": "false", **env})
+    assert r.returncode == 1 and not (w / "run.pid").exists(), (r.stdout, r.stderr)
+    assert r.stderr.strip() == line
+
+
+@pytest.mark.parametrize("limit", [{"OUT_MAX_FILES": "2"}, {"OUT_MAX_BYTES": str(2**20)}])
+def test_prompts_come_back_whole_or_not_at_all_within_out(tmp_path, limit):
+    """$OUT takes 8 files and 64 MiB together, the results tarball included; the prompt parts were sent when under
+    PARTS_MAX x 15 MiB (75 MiB by default), so parts over the total could be left out by the machine and the seed
+    come back incomplete. They are now sent only when all of them and their report fit beside the tarball (here the
+    limits are lowered: 2 files, or 1 MiB beside ~1.6 MiB of prompts)."""
+    w, out = tmp_path / "w", tmp_path / "out"
+    _after_01(w)
+    (w / "status" / "ALL.done").touch()
+    if "OUT_MAX_BYTES" in limit:  # ~1.6 MiB gzipped (random hex answers)
+        rows = [{"id": f"c{i}", "messages": [{"role": "user", "content": "q"},
+                                              {"role": "assistant", "content": os.urandom(3000).hex()}]}
+                for i in range(520)]
+        (w / "data-run" / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in rows))
+    out.mkdir()
+    r = _driver("pack", {"W": str(w), "OUT": str(out), **limit})
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["quality-results.tar.gz"]
+    size = (w / "prompts.jsonl.gz").stat().st_size
+    line = next(x for x in r.stdout.splitlines() if x.startswith("== prompts:"))
+    assert line.startswith(f"== prompts: {size} bytes gzipped (1 parts) do not fit $OUT beside the results (")
+    assert line.endswith(" files left): left behind")
+    out2 = tmp_path / "out2"  # the default limits: they come back
+    out2.mkdir()
+    r = _driver("pack", {"W": str(w), "OUT": str(out2)})
+    assert sorted(p.name for p in out2.iterdir()) == ["prompts.jsonl.gz.part00", "prompts_report.json",
+                                                       "quality-results.tar.gz"]
+
+
+def test_a_setting_given_empty_holds_for_the_later_verbs_and_a_restart(tmp_path):
+    """SETS7= (no 7-step run), BENCH_SETS= (no --set for 05), NPROMPTS= (every conversation) mean something empty;
+    driver.env recorded only non-empty values, so a restart (or a later verb) took the defaults instead: 7-step runs
+    the plan did not budget, an fp32 05 for the restarted chains beside the others' bf16. They are recorded empty."""
+    w = tmp_path / "w"
+    r = _driver("start", {"W": str(w), "INIT": str(tmp_path / "missing"), "RECIPES": "ref:", "SETS7": "",
+                          "BENCH_SETS": "", "NPROMPTS": ""})
+    assert r.returncode == 1 and "no exported drafter there" in r.stdout, (r.stdout, r.stderr)
+    env_file = (w / "driver.env").read_text()
+    assert "[ -n \"${SETS7:-}\" ] || SETS7=''\n" in env_file and "BENCH_SETS=''" in env_file
+    r = _driver("start", {"W": str(w), "PYTHON": "false"})  # the restart: nothing given
+    assert r.stdout.splitlines()[0] == (f"== settings of the earlier start kept (from {w}/driver.env): NPROMPTS= "
+                                        "INIT RECIPES BENCH_SETS= SETS7=")
+    probe = ('. bench/lease_lib.sh; lease_start_settings "$1" SETS7 BENCH_SETS >/dev/null; '
+             'bash -c \'printf "%s|%s" "${SETS7-unset}" "${BENCH_SETS-unset}"\'')
+    got = subprocess.run(["bash", "-c", probe, "x", str(w)], cwd=ROOT, capture_output=True, text=True,
+                         env={"PATH": os.environ["PATH"]})
+    assert got.returncode == 0 and got.stdout == "|", (got.stdout, got.stderr)  # set and empty in the driver
+
+
+def test_start_refuses_a_train_end_that_has_passed(tmp_path):
+    """TRAIN_END_S counts from the W's first start ($W/t0, kept by a restart). A later start on the same W whose
+    deadline had passed (lease 2026-12-05f's call 5: a fourth recipe, TRAIN_END_S from call 4 long past) would have
+    every 04 only export a checkpoint it does not have; `start` refuses it in one line saying how to go on."""
+    w = tmp_path / "w"
+    (w / "status").mkdir(parents=True)
+    (w / "t0").write_text(f"{int(time.time()) - 2000}\n")
+    env = {"W": str(w), "RECIPES": "ref:", "CONFIG": "configs/tiny-llama.yaml", "PYTHON": "false"}
+    r = _driver("start", {**env, "TRAIN_END_S": "1500"})
+    assert r.returncode == 1 and not (w / "run.pid").exists(), (r.stdout, r.stderr)
+    err = r.stderr.strip()
+    assert err.startswith(f"error: TRAIN_END_S=1500 has passed: it counts from this W's first start ({w}/t0), 20"), err
+    assert err.endswith(f" s more) or start the clock again (rm {w}/t0)"), err
+    r = _driver("start", {**env, "TRAIN_END_S": "3000"})  # still ahead: past the check (to the preflight)
+    assert r.returncode == 1 and r.stderr == "", r.stderr

@@ -139,3 +139,16 @@ def test_batch_speed_names_how_its_prompts_were_picked(tmp_path):
                                                       "rows": [row]}))
     q = qs.collect(run, "c", "")
     assert (q["speed_by_batch"]["prompt_pick"], q["speed_by_batch"]["warnings"]) == ("first", [])
+
+
+def test_a_set_scored_at_one_chain_length_only(tmp_path):
+    """A set benchmarked at 7 steps but not at 3 (05 on the config's sets at 3 steps, SETS7=mtbench at 7: a CPU
+    dry run of the lease driver on configs/tiny-llama.yaml, whose only set is humaneval) is "-" in the 3-step
+    per-position table; the summary raised KeyError: 'mtbench', and the lease's whole recipe table was lost."""
+    (tmp_path / "bench-steps3.json").write_text(json.dumps({"datasets": [_ds("humaneval", 3, 3.75, [0.9, 0.8, 0.7])]}))
+    (tmp_path / "bench-steps7.json").write_text(json.dumps({"datasets": [_ds("mtbench", 3, 7.5, [0.95] * 7)]}))
+    (tmp_path / "train_report.json").write_text(json.dumps({"final_val": {"acc_0": 1.0, "acc_1": 0.5, "acc_2": 0.25}}))
+    md = qs.markdown(qs.collect(tmp_path, "c", "", goals="23"))
+    assert "| position | held-out train | humaneval | mtbench |" in md
+    assert "| 1 | 1.00 | 0.90 | - |" in md and "| 3 | 0.25 | 0.70 | - |" in md
+    assert "| 3 | 3.75 (goal 2.8) | - |" in md and "| 7 | - | 7.50 (goal 3.4) |" in md
