@@ -8,7 +8,8 @@ Outputs (both written atomically, so a failed or killed run leaves no half-writt
   (``read``, ``skipped`` by reason, ``dropped_leading_assistant``, ``deduped``, ``sampled_out``,
   with ``prompts.self_instruct`` ``self_instruct`` / ``self_instruct_deduped`` (its prompts added on top of the
   sampled sources / dropped as duplicates of them), ``limited_out`` (with ``prompts.self_instruct``:
-  ``self_instruct_limited_out``, those of its prompts ``--limit`` left out), ``kept``, ``regenerated``, regeneration
+  ``self_instruct_limited_out``, those of its prompts ``--limit`` left out), with ``prompts.regenerate``
+  ``dropped_over_context`` (and ``failed`` through endpoints), ``kept``, ``regenerated``, regeneration
   ``new_tokens``/``truncated``/``tokens_per_s``),
   and the same counts as a Markdown table in ``prompts_report.md``.
 
@@ -50,9 +51,10 @@ def report_markdown(report: dict) -> str:
     c = report["counts"]
     rows = [("read", c["read"])]
     rows += [(f"skipped: {k}", v) for k, v in c["skipped"].items()]
-    rows += [(k, c[k]) for k in ("dropped_leading_assistant", "normalised", "deduped", "sampled_out", "self_instruct",
-                                 "self_instruct_deduped", "limited_out", "self_instruct_limited_out",
-                                 "kept", "regenerated", "inline_reasoning_split") if k in c]
+    rows += [(_COUNT_LABELS.get(k, k), c[k])
+             for k in ("dropped_leading_assistant", "normalised", "deduped", "sampled_out", "self_instruct",
+                       "self_instruct_deduped", "limited_out", "self_instruct_limited_out", "dropped_over_context",
+                       "failed", "kept", "regenerated", "inline_reasoning_split") if k in c]
     reg = report.get("regeneration")
     if reg:
         if "via" in reg:
@@ -70,6 +72,10 @@ def report_markdown(report: dict) -> str:
             reused, fed = sum(e["reused_tokens"] for e in es), sum(e["prefill_tokens"] for e in es)
             rows += [("regeneration: prompt tokens prefilled / reused from the previous turn",
                       f"{fed} / {reused} ({100.0 * reused / max(1, reused + fed):.1f}% reused)")]
+        if reg.get("turns_over_context"):
+            rows += [("regeneration: user turns not answered (context cap)", reg["turns_over_context"])]
+        if reg.get("kept_with_tools"):
+            rows += [("regeneration: conversations with tool results kept as they are", reg["kept_with_tools"])]
         rows += [("regeneration: new tokens", reg["new_tokens"]), ("regeneration: truncated answers", reg["truncated"]),
                  ("regeneration: seconds", f"{reg['seconds']:.1f}"),
                  ("regeneration: tokens/s", f"{reg['tokens_per_s']:.1f}" if reg["tokens_per_s"] else "n/a")]
@@ -78,6 +84,11 @@ def report_markdown(report: dict) -> str:
     lines = ["# Stage 01: prompts", "", f"source: `{src}`", "", "| item | value |", "|---|---:|"]
     lines += [f"| {k} | {v} |" for k, v in rows]
     return "\n".join(lines) + "\n"
+
+
+# Markdown labels of counts whose key alone would not say what they count
+_COUNT_LABELS = {"dropped_over_context": "dropped_over_context (first prompt at the context cap)",
+                 "failed": "failed (regeneration)", "regenerated": "regenerated (conversations)"}
 
 
 def _had_failures(report: dict) -> bool:
@@ -712,8 +723,11 @@ def build_report(cfg: RunConfig, want: dict, counts: Counter, steps: dict, convs
             "dropped_leading_assistant": counts["dropped_leading_assistant"],
             **steps,  # normalised, deduped, sampled_out, [self_instruct, self_instruct_deduped,] limited_out,
             # [self_instruct_limited_out] (this order)
+            **(left_out_by_regeneration(regen_stats) if pc.regenerate else {}),
             "kept": len(convs),
-            "regenerated": len(convs) if pc.regenerate else 0,
+            # answered by the verifier (this run, an earlier one's resume log or prompts.reuse_answers); conversations
+            # with tool results are kept as they are, not regenerated
+            "regenerated": len(convs) - regen_stats.get("kept_with_tools", 0) if pc.regenerate else 0,
             # assistant replies whose inline <think> block became reasoning_content
             **({"inline_reasoning_split": counts["inline_reasoning_split"]} if counts["inline_reasoning_split"] else {}),
         },
@@ -727,6 +741,18 @@ def build_report(cfg: RunConfig, want: dict, counts: Counter, steps: dict, convs
                 "max_new_tokens": pc.max_new_tokens, "temperature": pc.temperature, "top_p": pc.top_p,
                 "chat_template_kwargs": dict(cfg.verifier.chat_template_kwargs), "extra_body": pc.server.extra_body}
     return report
+
+
+def left_out_by_regeneration(regen_stats: dict) -> dict:
+    """The conversations the regeneration left out, so that the report's counts add up (``kept`` = ``normalised`` -
+    ``deduped`` - ``sampled_out`` [+ ``self_instruct`` - ``self_instruct_deduped``] - ``limited_out`` - these):
+    ``dropped_over_context`` (first prompt at or over the context cap) and, through endpoints, ``failed``. Before,
+    they were only in ``regeneration``: the counts, the Markdown table and the closing line said 12 read, none
+    skipped, deduplicated or limited out, and 10 kept."""
+    out = {"dropped_over_context": regen_stats.get("dropped_over_context", 0)}
+    if "failed" in regen_stats:
+        out["failed"] = regen_stats["failed"]
+    return out
 
 
 def write_outputs(cfg: RunConfig, convs: list[dict], report: dict, regen_stats: dict) -> None:
@@ -752,6 +778,8 @@ def write_outputs(cfg: RunConfig, convs: list[dict], report: dict, regen_stats: 
                f"kept" if isinstance(si, dict) and "self_instruct" in c else "")
     reused = report.get("reused_answers")  # regenerated counts them too: say how many came from the earlier file
     reused_text = f", {reused['conversations']} of them reused from {reused['file']}" if reused else ""
+    dropped = c.get("dropped_over_context", 0)
+    cap_text = f", {dropped} left out by the context cap (prompts.max_context_tokens)" if dropped else ""
     print(f"prompts: {out} ({c['kept']} conversations; read {c['read']}, skipped {sum(c['skipped'].values())}, "
-          f"deduped {c['deduped']}, regenerated {c['regenerated']}{reused_text}{si_text})")
+          f"deduped {c['deduped']}{cap_text}, regenerated {c['regenerated']}{reused_text}{si_text})")
     print(f"report:  {rep}")

@@ -707,3 +707,48 @@ def test_a_local_hf_dataset_saved_again_is_seen_as_changed(tmp_path, capsys):
     assert f"remaking {cfg.prompts_path} (settings changed: the content of hf:{folder} changed)" in capsys.readouterr().out
     assert [json.loads(line)["messages"][0]["content"] for line in cfg.prompts_path.read_text().splitlines()] == \
         ["u0", "u1"]
+
+
+def test_report_counts_add_up_when_the_context_cap_leaves_conversations_out(tmp_path, tiny_llama_dir, capsys):
+    """A conversation whose first prompt reaches the context cap is left out by the regeneration: the report's counts
+    say so (``dropped_over_context``) and add up to ``kept``; the Markdown table and the closing line say it too, with
+    the user turns the cap left unanswered. Before, the counts read 4 read, nothing skipped, deduplicated or limited
+    out, and 3 kept, the missing one only under ``regeneration``."""
+    long = " ".join(f"word{i}" for i in range(150))
+    src = _jsonl(tmp_path / "c.jsonl", [{"messages": [U("Hi there"), A("x"), U(long), A("y")]},
+                                        {"messages": [U(long), A("z")]},
+                                        {"messages": [U("Count to three"), A("z")]},
+                                        {"messages": [U("Name a colour"), A("x")]}])
+    f = _tiny_regen_config(tmp_path, tiny_llama_dir, src, max_new_tokens=3)
+    cfg = load_config(f, ["prompts.max_context_tokens=120"])
+    assert run(cfg) == 0
+    rep = json.loads(report_path(cfg).read_text())
+    c = rep["counts"]
+    assert c["read"] == 4 and c["dropped_over_context"] == 1 and c["kept"] == 3 and c["regenerated"] == 3
+    assert c["normalised"] - c["deduped"] - c["sampled_out"] - c["limited_out"] - c["dropped_over_context"] == c["kept"]
+    assert rep["regeneration"]["turns_over_context"] == 2  # the long first prompt, and the first conversation's 2nd turn
+    md = report_path(cfg).with_suffix(".md").read_text()
+    assert "| dropped_over_context (first prompt at the context cap) | 1 |" in md
+    assert "| regeneration: user turns not answered (context cap) | 2 |" in md
+    out = capsys.readouterr().out
+    assert "(3 conversations; read 4, skipped 0, deduped 0, 1 left out by the context cap (prompts.max_context_tokens), " \
+           "regenerated 3)" in out
+
+
+def test_a_conversation_with_tool_results_is_kept_but_not_counted_as_regenerated(tmp_path, tiny_llama_dir, capsys):
+    """In-process regeneration keeps a conversation with tool results as it is (no tool runs here): the report counts
+    it as kept, not as regenerated, and the Markdown table says how many were kept so (before: ``regenerated 2`` for
+    one answered conversation)."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    src = _jsonl(tmp_path / "c.jsonl", [
+        {"messages": [U("Use the tool"), {"role": "assistant", "content": "", "tool_calls": [call]},
+                      {"role": "tool", "tool_call_id": "c1", "content": "42"}, A("It is 42")]},
+        {"messages": [U("Count to three"), A("z")]}])
+    cfg = load_config(_tiny_regen_config(tmp_path, tiny_llama_dir, src, max_new_tokens=3))
+    assert run(cfg) == 0
+    rep = json.loads(report_path(cfg).read_text())
+    assert rep["counts"]["kept"] == 2 and rep["counts"]["regenerated"] == 1
+    assert rep["regeneration"]["kept_with_tools"] == 1
+    assert "| regeneration: conversations with tool results kept as they are | 1 |" in \
+        report_path(cfg).with_suffix(".md").read_text()
+    assert "(2 conversations; read 2, skipped 0, deduped 0, regenerated 1)" in capsys.readouterr().out
