@@ -271,7 +271,9 @@ class RegenServerConfig(_Strict):
     """Stage 01 regeneration through serving endpoints (``prompts.regenerate_via: sglang|openai``)."""
 
     urls: list[str] = Field(default_factory=list, description="server base URLs, one per serving node (e.g. http://node1:30000); load is spread over them")
-    model: Optional[str] = Field(None, description="'model' field of OpenAI requests; default: verifier.name, else the server's only model")
+    model: Optional[str] = Field(None, description="'model' field of OpenAI requests (regenerate_via: openai); null: no "
+                                 "'model' field is sent, and SGLang / vLLM answer with the model they serve (a hosted "
+                                 "API needs it; vLLM names its model by --served-model-name, else the --model path)")
     api_key_env: Optional[str] = Field(None, description="name of an environment variable holding a bearer token (hosted endpoints); never the key itself")
     requests_per_endpoint: int = Field(8, ge=1, description="requests in flight per endpoint")
     timeout_s: float = Field(600.0, gt=0, description="seconds allowed for one request (a whole answer)")
