@@ -281,7 +281,8 @@ def _regenerate_reusing(cfg: RunConfig, convs: list[dict], want: dict, stats: di
     if _rank0():  # once under torchrun
         print(f"prompts.reuse_answers: {info['conversations']} of {len(convs)} conversations answered in "
               f"{cfg.prompts.reuse_answers}; regenerating {len(todo)}")
-    done = _regenerate(cfg, todo, want, stats, force=force) if todo else []
+    # nothing left to regenerate: rank 0 writes the outputs, a torchrun rank > 0 returns None as after a regeneration
+    done = _regenerate(cfg, todo, want, stats, force=force) if todo else ([] if _rank0() else None)
     return (None if done is None else reuse_answers.merge(convs, reused, done)), info
 
 
@@ -387,6 +388,10 @@ def _run(cfg: RunConfig, source: Optional[str], fmt: Optional[str], regenerate: 
     if why and _rank0():  # say why before a (long) regeneration; once under torchrun
         print(f"remaking {out} ({why})", flush=True)
 
+    if not _rank0() and not (pc.regenerate and pc.regenerate_via == "local"):
+        # under torchrun only the in-process regeneration shares work over the ranks; without it (endpoints, or no
+        # regeneration) rank 0 does everything: before, every rank sent every request and wrote prompts.jsonl
+        return 0
     convs, counts, kept_by_step = select_conversations(cfg, limit)
     regen_stats: dict = {}
     reused_info: Optional[dict] = None
