@@ -40,7 +40,8 @@ Normalisation policies (each skip is counted under ``skipped_<reason>`` in the `
 * an assistant reply starting with an inline think block (``<think>...</think>``) and no
   ``reasoning_content`` is split into both (``inline_reasoning_split``);
 * empty content -> skipped (``skipped_empty_content``), except an assistant turn that only calls
-  tools or only reasoned; unknown role -> ``skipped_unknown_role``;
+  tools or only reasoned, and with ``keep_prompt_only`` (regeneration replaces every answer) an empty
+  assistant answer in a conversation without tool calls; unknown role -> ``skipped_unknown_role``;
   no user turn at all -> ``skipped_no_user``; no message at all -> ``skipped_empty_conversation``;
   roles that do not alternate user/assistant -> ``skipped_non_alternating`` (``tool`` results may
   follow an assistant turn with ``tool_calls`` and precede the next assistant turn; trailing
@@ -345,8 +346,12 @@ def normalise(raw: list, keep_prompt_only: bool, system_prompt: Optional[str], c
                 counts["inline_reasoning_split"] += 1
         if m.get("reasoning_content") is not None:
             m["reasoning_content"] = m["reasoning_content"].strip()
-    # an assistant turn may have no text when it only calls tools or only reasoned
-    if any(not m["content"] and not (m["role"] == "assistant" and (m.get("tool_calls") or m.get("reasoning_content")))
+    # an assistant turn may have no text when it only calls tools or only reasoned; with keep_prompt_only (stage 01
+    # regenerates every answer) an empty answer is replaced like any other, unless the conversation holds tool results
+    # (kept as it is): before, 1,021 prompts of the train-extra pool with an empty reference answer were skipped
+    regenerated = keep_prompt_only and not any(m["role"] == "tool" or m.get("tool_calls") for m in msgs)
+    if any(not m["content"] and not (m["role"] == "assistant" and (m.get("tool_calls") or m.get("reasoning_content")
+                                                                   or regenerated))
            for m in msgs) or (system is not None and not system):
         counts["skipped_empty_content"] += 1
         return None

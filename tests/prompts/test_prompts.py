@@ -752,3 +752,33 @@ def test_a_conversation_with_tool_results_is_kept_but_not_counted_as_regenerated
     assert "| regeneration: conversations with tool results kept as they are | 1 |" in \
         report_path(cfg).with_suffix(".md").read_text()
     assert "(2 conversations; read 2, skipped 0, deduped 0, regenerated 1)" in capsys.readouterr().out
+
+
+def test_an_empty_reference_answer_keeps_its_prompt_when_answers_are_regenerated(tmp_path):
+    """With regeneration (keep_prompt_only) every assistant answer is replaced, so an empty reference answer does not
+    make the conversation unusable: it is kept (and skipped as empty content without regeneration, as before); a
+    conversation with tool calls, which 01 keeps as it is, is still skipped for an empty answer. Before, 1,021 prompts
+    of the train-extra pool (t0 rows with empty targets, lmsys / HH-RLHF turns) were skipped in the 127K config."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    rows = [{"id": "t0", "messages": [U("What is this question asking for?"), A("")]},
+            {"id": "mt", "messages": [U("first"), A("one"), U("second"), A("  ")]},
+            {"id": "tool", "messages": [U("use it"), {"role": "assistant", "content": "", "tool_calls": [call]},
+                                        {"role": "tool", "tool_call_id": "c1", "content": "42"}, A("")]},
+            {"id": "nouser", "messages": [U(" "), A("x")]}]
+    src = _jsonl(tmp_path / "e.jsonl", rows)
+    counts = Counter()
+    got = read_conversations(src, keep_prompt_only=True, counts=counts)
+    assert [c["id"] for c in got] == ["t0", "mt"] and counts["skipped_empty_content"] == 2
+    assert [m["role"] for m in got[1]["messages"]] == ["user", "assistant", "user", "assistant"]
+    counts = Counter()
+    assert read_conversations(src, counts=counts) == [] and counts["skipped_empty_content"] == 4
+
+
+@needs_shared_data
+def test_the_127k_pool_keeps_every_prompt_with_a_user_turn_when_regenerating():
+    """configs/smollm2-135m-127k.yaml's comment: 109,986 of the pool's 109,987 rows have a user turn and 01 reads them
+    all with regenerate: true (one row's only user message is empty)."""
+    counts = Counter()
+    got = read_conversations(str(SHARED_DATA / "train-extra" / "train_extra_pool.jsonl.gz"), keep_prompt_only=True,
+                             counts=counts)
+    assert counts["read"] == 109_987 and len(got) == 109_986 and counts["skipped_empty_content"] == 1
