@@ -291,6 +291,9 @@ class RegenServerConfig(_Strict):
         return [check_http_url(u) for u in v]  # one URL string was made a list of one (_Strict)
 
 
+SELF_INSTRUCT_BATCH = 1024  # self-instruct queries per generate call (the gen_batch_size of the measured GPU runs)
+
+
 class SelfInstructConfig(_Strict):
     """Stage 01: user prompts sampled from the verifier itself (``prompts.self_instruct``; the settings of
     ``01 --self-instruct N --out FILE``, :mod:`eagle3.prompts.self_instruct`), added to the sampled sources."""
@@ -304,6 +307,10 @@ class SelfInstructConfig(_Strict):
     max_query_tokens: int = Field(128, ge=1, description="token budget of a query; one not ended by then is dropped "
                                   "(--self-instruct-max-tokens)")
     min_chars: int = Field(16, ge=0, description="shortest query kept, in characters (--self-instruct-min-chars)")
+    batch_size: int = Field(SELF_INSTRUCT_BATCH, ge=1, description="queries sampled per generate call "
+                            "(--self-instruct-batch-size); the sampling is seeded per batch, so another value samples "
+                            "another file. Its own setting, not prompts.gen_batch_size: tuning the regeneration's decode "
+                            "rows used to sample a new file and remake prompts.jsonl")
 
     @field_validator("exclude")
     @classmethod

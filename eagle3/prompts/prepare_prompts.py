@@ -190,7 +190,8 @@ def settings(cfg: RunConfig, limit: Optional[int], known: Optional[dict] = None,
     if tuple(cfg.verifier.think_tags) != ("<think>", "</think>"):
         s["think_tags"] = list(cfg.verifier.think_tags)
     if pc.self_instruct is not None:  # its settings, and its file (remade when its own report's settings change)
-        s["self_instruct"] = {**pc.self_instruct.model_dump(),
+        # batch_size is left out: the file's sha256 covers it, and reports made before it was a key stay up to date
+        s["self_instruct"] = {**pc.self_instruct.model_dump(exclude={"batch_size"}),
                               "file": _source_fingerprint(str(cfg.self_instruct_path), known, seen)}
     return s
 
