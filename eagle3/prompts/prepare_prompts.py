@@ -38,7 +38,7 @@ from eagle3.prompts.chat import ChatOptions, end_of_turn_ids
 from eagle3.config import PromptsConfig, RunConfig
 from eagle3.errors import UserError
 from eagle3.io import atomic_write_json, atomic_write_jsonl, atomic_write_text, exclusive_lock, file_sha256
-from eagle3.prompts.readers import dedupe, read_conversations, sample
+from eagle3.prompts.readers import dedupe, read_conversations, sample, unique_ids
 
 log = logging.getLogger(__name__)
 
@@ -664,6 +664,7 @@ def select_conversations(cfg: RunConfig, limit: Optional[int]) -> tuple[list[dic
         convs += read_conversations(src, pc.format, hf_split=pc.hf_split, keep_prompt_only=pc.regenerate,
                                     system_prompt=pc.system_prompt, counts=counts,
                                     think_tags=tuple(cfg.verifier.think_tags))
+    convs = unique_ids(convs)  # ids repeated across the sources get #2, #3, as within one file
     n_read_ok = len(convs)
     n_dup = 0
     if pc.dedupe:
@@ -715,7 +716,7 @@ def add_self_instruct(cfg: RunConfig, convs: list[dict]) -> tuple[list[dict], in
     extra = read_conversations(str(cfg.self_instruct_path), "messages", keep_prompt_only=True,
                                system_prompt=pc.system_prompt, think_tags=tuple(cfg.verifier.think_tags))
     out, n_dup = dedupe(convs + extra) if pc.dedupe else (convs + extra, 0)
-    return out, len(extra) - n_dup, n_dup
+    return unique_ids(out), len(extra) - n_dup, n_dup
 
 
 def build_report(cfg: RunConfig, want: dict, counts: Counter, steps: dict, convs: list[dict], regen_stats: dict) -> dict:

@@ -56,7 +56,7 @@ Normalisation policies (each skip is counted under ``skipped_<reason>`` in the `
 
 Ids are stable: the record's ``id``/``question_id``/``uid``/``task_id``, else
 ``<file stem>-<line>`` (JSONL, 1-based line) or ``<file stem>-<index>`` (JSON array, 0-based);
-a repeated id gets ``#2``, ``#3``... appended.
+a repeated id gets ``#2``, ``#3``... appended (across several sources too: :func:`unique_ids`).
 """
 
 from __future__ import annotations
@@ -443,6 +443,26 @@ def read_conversations(source: str, fmt: str = "auto", *, hf_split: str = "train
         if tools is not None and not isinstance(tools, list):
             raise UserError(f"{where}: field 'tools' must be a list of tool declarations")
         out.append({"id": rid, "messages": msgs, **({"tools": tools} if tools else {})})
+    return out
+
+
+def unique_ids(conversations: list[dict]) -> list[dict]:
+    """``conversations`` (in order) with every repeated ``id`` made unique as :func:`read_conversations` does within
+    one file: the second ``x`` becomes ``x#2`` (the next free ``#k``), the first keeps its id. For several sources
+    read into one list: ShareGPT exports share ids across files (7 among the 127K config's three ShareGPT files, 4 of
+    them surviving dedupe), and ``prompts.jsonl`` holds one conversation per id (``prompts.reuse_answers`` places
+    regenerated conversations by id)."""
+    seen: set[str] = set()
+    out = []
+    for c in conversations:
+        cid = c["id"]
+        if cid in seen:
+            k = 2
+            while f"{cid}#{k}" in seen:
+                k += 1
+            c = {**c, "id": f"{cid}#{k}"}
+        seen.add(c["id"])
+        out.append(c)
     return out
 
 

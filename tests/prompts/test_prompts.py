@@ -782,3 +782,32 @@ def test_the_127k_pool_keeps_every_prompt_with_a_user_turn_when_regenerating():
     got = read_conversations(str(SHARED_DATA / "train-extra" / "train_extra_pool.jsonl.gz"), keep_prompt_only=True,
                              counts=counts)
     assert counts["read"] == 109_987 and len(got) == 109_986 and counts["skipped_empty_content"] == 1
+
+
+def test_ids_repeated_across_sources_are_made_unique(tmp_path):
+    """Several sources read into one prompts.jsonl: an id repeated across files gets ``#2``, ``#3`` as within one file
+    (the first keeps it). Before, the 127K config's three ShareGPT files gave 4 ids twice in prompts.jsonl (e.g.
+    GTmiE68_49: different first prompts, so dedupe kept both)."""
+    from eagle3.prompts.prepare_prompts import select_conversations
+
+    a = _jsonl(tmp_path / "a.jsonl", [{"id": "x", "messages": [U("one"), A("1")]},
+                                      {"id": "x", "messages": [U("two"), A("2")]}])
+    b = _jsonl(tmp_path / "b.jsonl", [{"id": "x", "messages": [U("three"), A("3")]},
+                                      {"id": "y", "messages": [U("one"), A("1")]}])  # deduped: a's first prompt
+    cfg = load_config(_config(tmp_path, a), [f"prompts.source=[{a}, {b}]"])
+    convs, _, steps = select_conversations(cfg, None)
+    assert [(c["id"], c["messages"][0]["content"]) for c in convs] == [("x", "one"), ("x#2", "two"), ("x#3", "three")]
+    assert steps["deduped"] == 1
+
+
+@needs_shared_data
+def test_the_127k_sharegpt_sources_give_unique_ids():
+    from eagle3.prompts.readers import unique_ids
+
+    convs = []
+    for f in ("sharegpt_v3_sample_multiturn.jsonl", "sharegpt_v3_filtered_1000_first_turn.json",
+              "sharegpt_sg90k_part1_first_turn_sampled_2978.json"):
+        convs += read_conversations(str(SHARED_DATA / "train" / f), keep_prompt_only=True)
+    assert len({c["id"] for c in convs}) == len(convs) - 7
+    ids = [c["id"] for c in unique_ids(convs)]
+    assert len(set(ids)) == len(convs) and "GTmiE68_49#2" in ids
