@@ -316,15 +316,25 @@ def run(cfg: RunConfig, source: Optional[str] = None, fmt: Optional[str] = None,
             write, or a verifier that cannot be loaded. No output is written in that case.
     """
     cfg = apply_overrides(cfg, source, fmt, regenerate, limit)
+    if not _replicated(cfg) and not _rank0():
+        return 0  # under torchrun only the in-process regeneration has work for every rank: rank 0 does the rest
     if cfg.prompts.self_instruct is None:
         return _run(cfg, source, fmt, regenerate, limit, force)
     from eagle3.process_group import process_group_scope
-    from eagle3.prompts.replicas import init_dist
+    from eagle3.prompts.replicas import Dist, init_dist
 
-    d = init_dist()  # under torchrun: the replicas' gloo group, made here so the ranks can wait for rank 0's file
+    # under torchrun with the replicas: their gloo group, made here so the ranks can wait for rank 0's file; without
+    # them rank 0 works alone (no group: a peer that returned would not join, or would wait at its teardown barrier)
+    d = init_dist() if _replicated(cfg) else Dist()
     with process_group_scope(owned=d.initialized_here):  # regenerate_replicas uses it and leaves its teardown here
         make_self_instruct(cfg, force, d)
         return _run(cfg, source, fmt, regenerate, limit, force)
+
+
+def _replicated(cfg: RunConfig) -> bool:
+    """Whether the run's work is shared over torchrun ranks: only the in-process regeneration (one verifier replica
+    per rank); endpoints, or no regeneration, run on rank 0 alone."""
+    return cfg.prompts.regenerate and cfg.prompts.regenerate_via == "local"
 
 
 def make_self_instruct(cfg: RunConfig, force: bool, d) -> Path:
@@ -389,7 +399,7 @@ def _run(cfg: RunConfig, source: Optional[str], fmt: Optional[str], regenerate: 
     if why and _rank0():  # say why before a (long) regeneration; once under torchrun
         print(f"remaking {out} ({why})", flush=True)
 
-    if not _rank0() and not (pc.regenerate and pc.regenerate_via == "local"):
+    if not _rank0() and not _replicated(cfg):
         # under torchrun only the in-process regeneration shares work over the ranks; without it (endpoints, or no
         # regeneration) rank 0 does everything: before, every rank sent every request and wrote prompts.jsonl
         return 0

@@ -400,3 +400,37 @@ def test_the_regeneration_batch_size_leaves_the_self_instruct_file_and_prompts_u
     # its own batch size samples another file (batches of 2: seeds 0, 1, 2)
     assert main(["--config", str(one), "--set", "prompts.self_instruct.batch_size=2"]) == 0
     assert calls[2:] == [(2, 0), (2, 1), (1, 2)]
+
+
+def test_torchrun_ranks_through_endpoints_make_no_process_group(tmp_path, tiny_llama_dir, monkeypatch):
+    """``prompts.self_instruct`` with endpoint regeneration under torchrun (the env of rank 0 / rank 1 of 2, no
+    rendezvous address): only the in-process regeneration shares work over ranks, so rank 1 returns at once and rank 0
+    samples the file and regenerates alone, with no process group. Before, both ranks made a gloo group for the
+    self-instruct file (here: no MASTER_ADDR, an error), and rank 1, its part done, waited at the group's teardown
+    barrier for the whole endpoint regeneration (a 3-hour timeout)."""
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(ROOT / "tests" / "prompts"))
+    from standin_server import FakeBackend, StandInServer
+    from transformers import AutoTokenizer
+
+    calls: list = []
+    monkeypatch.setattr(si, "sample_queries", pool_sampler(calls))
+    for k in ("MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    cfg = _config(tmp_path, tiny_llama_dir, "srv", str(_source(tmp_path)), ", sample_size: 2, self_instruct: {num: 5}")
+    main = _cli()
+    with StandInServer(FakeBackend(tok.eos_token_id), tok) as srv:
+        sets = ["--set", "prompts.regenerate_via=openai", "--set", f"prompts.server.urls=[{srv.url}]"]
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("RANK", "1")
+        monkeypatch.setenv("LOCAL_RANK", "1")
+        assert main(["--config", str(cfg), *sets]) == 0
+        assert calls == [] and srv.requests == [] and not (tmp_path / "srv").exists()
+        monkeypatch.setenv("RANK", "0")
+        monkeypatch.setenv("LOCAL_RANK", "0")
+        assert main(["--config", str(cfg), *sets]) == 0
+        assert not dist.is_initialized()
+    rows = _rows(tmp_path / "srv" / "prompts.jsonl")
+    assert len(rows) == 2 + 4 and calls == [(3, 0), (2, 1)] and len(srv.requests) == 6  # one turn each
