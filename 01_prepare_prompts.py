@@ -36,7 +36,8 @@ def main(argv=None):
                         "through serving endpoints with prompts.regenerate_via: sglang|openai)")
     p.add_argument("--limit", type=positive_int, help="keep only the first N conversations after sampling")
     p.add_argument("--force", action="store_true",
-                   help="recompute even if the outputs are up to date (also discards a server regeneration's resume log)")
+                   help="recompute even if the outputs are up to date (also discards the regeneration's resume logs, "
+                        "in-process or through endpoints: the answers an interrupted run kept are redone)")
     g = p.add_argument_group("self-instruct mode (sample user prompts from the verifier; nothing else runs)")
     g.add_argument("--self-instruct", type=positive_int, metavar="N", help="sample N user prompts from the verifier")
     g.add_argument("--out", help="the messages-JSONL they go to (list it in prompts.source)")

@@ -811,3 +811,17 @@ def test_the_127k_sharegpt_sources_give_unique_ids():
     assert len({c["id"] for c in convs}) == len(convs) - 7
     ids = [c["id"] for c in unique_ids(convs)]
     assert len(set(ids)) == len(convs) and "GTmiE68_49#2" in ids
+
+
+def test_force_help_says_it_discards_every_resume_log(capsys):
+    """``01 --help``: --force discards the resume logs of the in-process regeneration too (every rank's), not only a
+    server regeneration's, as the help said."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("prepare01", ROOT / "01_prepare_prompts.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    with pytest.raises(SystemExit):
+        mod.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "discards the regeneration's resume logs, in-process or through endpoints" in text
