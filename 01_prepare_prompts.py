@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 
 from eagle3.cli import ArgumentParser, positive_float, positive_int, resume_on_interrupt, run_main
-from eagle3.config import add_config_args, load_config
+from eagle3.config import SELF_INSTRUCT_BATCH, add_config_args, load_config
 from eagle3.prompts.readers import FORMATS
 
 
@@ -36,7 +36,8 @@ def main(argv=None):
                         "through serving endpoints with prompts.regenerate_via: sglang|openai)")
     p.add_argument("--limit", type=positive_int, help="keep only the first N conversations after sampling")
     p.add_argument("--force", action="store_true",
-                   help="recompute even if the outputs are up to date (also discards a server regeneration's resume log)")
+                   help="recompute even if the outputs are up to date (also discards the regeneration's resume logs, "
+                        "in-process or through endpoints: the answers an interrupted run kept are redone)")
     g = p.add_argument_group("self-instruct mode (sample user prompts from the verifier; nothing else runs)")
     g.add_argument("--self-instruct", type=positive_int, metavar="N", help="sample N user prompts from the verifier")
     g.add_argument("--out", help="the messages-JSONL they go to (list it in prompts.source)")
@@ -45,6 +46,8 @@ def main(argv=None):
     g.add_argument("--self-instruct-max-tokens", type=positive_int, default=128,
                    help="token budget of a query; one not ended by then is dropped")
     g.add_argument("--self-instruct-min-chars", type=int, default=16, help="shortest query kept (characters)")
+    g.add_argument("--self-instruct-batch-size", type=positive_int, default=SELF_INSTRUCT_BATCH,
+                   help="queries per generate call (seeded per batch: another value samples another file)")
     g.add_argument("--exclude", action="append", default=[], metavar="FILE",
                    help="leave out prompts equal to a first user message of FILE (e.g. an evaluation set; repeatable)")
     a = p.parse_args(argv)
@@ -55,7 +58,8 @@ def main(argv=None):
 
         with resume_on_interrupt(lambda: f"nothing written ({a.out} is written at the end); re-run the same command"):
             return self_instruct.run(cfg, a.self_instruct, a.out, a.self_instruct_temperature, a.self_instruct_top_p,
-                                     a.self_instruct_max_tokens, a.self_instruct_min_chars, a.exclude, force=a.force)
+                                     a.self_instruct_max_tokens, a.self_instruct_min_chars, a.exclude, force=a.force,
+                                     batch_size=a.self_instruct_batch_size)
     import eagle3.prompts.prepare_prompts as stage
 
     with resume_on_interrupt(lambda: stage.interrupt_hint(cfg, a.regenerate)):  # SIGTERM / Ctrl-C: one line, exit 143 / 130
@@ -67,7 +71,8 @@ def main(argv=None):
 _SELF_INSTRUCT_ONLY = (("exclude", "--exclude"), ("self_instruct_temperature", "--self-instruct-temperature"),
                        ("self_instruct_top_p", "--self-instruct-top-p"),
                        ("self_instruct_max_tokens", "--self-instruct-max-tokens"),
-                       ("self_instruct_min_chars", "--self-instruct-min-chars"))
+                       ("self_instruct_min_chars", "--self-instruct-min-chars"),
+                       ("self_instruct_batch_size", "--self-instruct-batch-size"))
 _PREPARE_ONLY = (("source", "--source"), ("fmt", "--format"), ("regenerate", "--[no-]regenerate"), ("limit", "--limit"))
 
 

@@ -123,7 +123,7 @@ def measure_bandwidth(dev, gib: float) -> float | None:
 
 def read_input(cfg, prompts: Path | None) -> list[dict]:
     """The conversations stage 01 would regenerate (config sources, deduped, sampled) or a file's."""
-    from eagle3.prompts.readers import dedupe, read_conversations, sample
+    from eagle3.prompts.readers import dedupe, read_conversations, sample, unique_ids
 
     pc = cfg.prompts
     sources = [str(prompts)] if prompts else ([pc.source] if isinstance(pc.source, str) else list(pc.source))
@@ -131,6 +131,7 @@ def read_input(cfg, prompts: Path | None) -> list[dict]:
     for src in sources:
         convs += read_conversations(src, "auto" if prompts else pc.format, hf_split=pc.hf_split, keep_prompt_only=True,
                                     system_prompt=pc.system_prompt, think_tags=tuple(cfg.verifier.think_tags))
+    convs = unique_ids(convs)  # as 01 (eagle3.prompts.prepare_prompts.select_conversations)
     if pc.dedupe:
         convs, _ = dedupe(convs)
     if prompts:

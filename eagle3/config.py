@@ -293,7 +293,9 @@ class RegenServerConfig(_Strict):
     """Stage 01 regeneration through serving endpoints (``prompts.regenerate_via: sglang|openai``)."""
 
     urls: list[str] = Field(default_factory=list, description="server base URLs, one per serving node (e.g. http://node1:30000); load is spread over them")
-    model: Optional[str] = Field(None, description="'model' field of OpenAI requests; default: verifier.name, else the server's only model")
+    model: Optional[str] = Field(None, description="'model' field of OpenAI requests (regenerate_via: openai); null: no "
+                                 "'model' field is sent, and SGLang / vLLM answer with the model they serve (a hosted "
+                                 "API needs it; vLLM names its model by --served-model-name, else the --model path)")
     api_key_env: Optional[str] = Field(None, description="name of an environment variable holding a bearer token (hosted endpoints); never the key itself")
     requests_per_endpoint: int = Field(8, ge=1, description="requests in flight per endpoint")
     timeout_s: float = Field(600.0, gt=0, description="seconds allowed for one request (a whole answer)")
@@ -311,6 +313,9 @@ class RegenServerConfig(_Strict):
         return check_items(v, check_http_url)  # one URL string was made a list of one (_Strict)
 
 
+SELF_INSTRUCT_BATCH = 1024  # self-instruct queries per generate call (the gen_batch_size of the measured GPU runs)
+
+
 class SelfInstructConfig(_Strict):
     """Stage 01: user prompts sampled from the verifier itself (``prompts.self_instruct``; the settings of
     ``01 --self-instruct N --out FILE``, :mod:`eagle3.prompts.self_instruct`), added to the sampled sources."""
@@ -324,6 +329,10 @@ class SelfInstructConfig(_Strict):
     max_query_tokens: int = Field(128, ge=1, description="token budget of a query; one not ended by then is dropped "
                                   "(--self-instruct-max-tokens)")
     min_chars: int = Field(16, ge=0, description="shortest query kept, in characters (--self-instruct-min-chars)")
+    batch_size: int = Field(SELF_INSTRUCT_BATCH, ge=1, description="queries sampled per generate call "
+                            "(--self-instruct-batch-size); the sampling is seeded per batch, so another value samples "
+                            "another file. Its own setting, not prompts.gen_batch_size: tuning the regeneration's decode "
+                            "rows used to sample a new file and remake prompts.jsonl")
 
     @field_validator("exclude")
     @classmethod

@@ -55,7 +55,9 @@ def _prompts(cfg) -> tuple[dict, str, list[Path]]:
     rep = _read(rep_path) or {}
     c = rep.get("counts", {})
     reg = rep.get("regeneration") or {}
-    fig = {"prompts": c.get("kept"), "regenerated": c.get("regenerated"),
+    # answers: the turns the verifier answered in this run (a multi-turn conversation has several); a report without
+    # the figure: the regenerated conversations (one answer each in the demo's HumanEval)
+    fig = {"prompts": c.get("kept"), "regenerated": reg.get("answers", c.get("regenerated")),
            "new_tokens": reg.get("new_tokens"), "generated_tokens_per_s": reg.get("tokens_per_s")}
     text = f"{fig['prompts']} prompts"
     if fig["regenerated"]:

@@ -8,7 +8,8 @@ Outputs (both written atomically, so a failed or killed run leaves no half-writt
   (``read``, ``skipped`` by reason, ``dropped_leading_assistant``, ``deduped``, ``sampled_out``,
   with ``prompts.self_instruct`` ``self_instruct`` / ``self_instruct_deduped`` (its prompts added on top of the
   sampled sources / dropped as duplicates of them), ``limited_out`` (with ``prompts.self_instruct``:
-  ``self_instruct_limited_out``, those of its prompts ``--limit`` left out), ``kept``, ``regenerated``, regeneration
+  ``self_instruct_limited_out``, those of its prompts ``--limit`` left out), with ``prompts.regenerate``
+  ``dropped_over_context`` (and ``failed`` through endpoints), ``kept``, ``regenerated``, regeneration
   ``new_tokens``/``truncated``/``tokens_per_s``),
   and the same counts as a Markdown table in ``prompts_report.md``.
 
@@ -38,7 +39,7 @@ from eagle3.config import PromptsConfig, RunConfig, at_item, field_path
 from eagle3.errors import UserError
 from eagle3.io import (atomic_write_json, atomic_write_jsonl, atomic_write_text, exclusive_lock, file_sha256,
                        make_dirs)
-from eagle3.prompts.readers import dedupe, read_conversations, sample, short_pool_warning
+from eagle3.prompts.readers import dedupe, read_conversations, sample, short_pool_warning, unique_ids
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +52,10 @@ def report_markdown(report: dict) -> str:
     c = report["counts"]
     rows = [("read", c["read"])]
     rows += [(f"skipped: {k}", v) for k, v in c["skipped"].items()]
-    rows += [(k, c[k]) for k in ("dropped_leading_assistant", "normalised", "deduped", "sampled_out", "self_instruct",
-                                 "self_instruct_deduped", "limited_out", "self_instruct_limited_out",
-                                 "kept", "regenerated", "inline_reasoning_split") if k in c]
+    rows += [(_COUNT_LABELS.get(k, k), c[k])
+             for k in ("dropped_leading_assistant", "normalised", "deduped", "sampled_out", "self_instruct",
+                       "self_instruct_deduped", "limited_out", "self_instruct_limited_out", "dropped_over_context",
+                       "failed", "kept", "regenerated", "inline_reasoning_split") if k in c]
     reg = report.get("regeneration")
     if reg:
         if "via" in reg:
@@ -71,6 +73,10 @@ def report_markdown(report: dict) -> str:
             reused, fed = sum(e["reused_tokens"] for e in es), sum(e["prefill_tokens"] for e in es)
             rows += [("regeneration: prompt tokens prefilled / reused from the previous turn",
                       f"{fed} / {reused} ({100.0 * reused / max(1, reused + fed):.1f}% reused)")]
+        if reg.get("turns_over_context"):
+            rows += [("regeneration: user turns not answered (context cap)", reg["turns_over_context"])]
+        if reg.get("kept_with_tools"):
+            rows += [("regeneration: conversations with tool results kept as they are", reg["kept_with_tools"])]
         rows += [("regeneration: new tokens", reg["new_tokens"]), ("regeneration: truncated answers", reg["truncated"]),
                  ("regeneration: seconds", f"{reg['seconds']:.1f}"),
                  ("regeneration: tokens/s", f"{reg['tokens_per_s']:.1f}" if reg["tokens_per_s"] else "n/a")]
@@ -79,6 +85,11 @@ def report_markdown(report: dict) -> str:
     lines = ["# Stage 01: prompts", "", f"source: `{src}`", "", "| item | value |", "|---|---:|"]
     lines += [f"| {k} | {v} |" for k, v in rows]
     return "\n".join(lines) + "\n"
+
+
+# Markdown labels of counts whose key alone would not say what they count
+_COUNT_LABELS = {"dropped_over_context": "dropped_over_context (first prompt at the context cap)",
+                 "failed": "failed (regeneration)", "regenerated": "regenerated (conversations)"}
 
 
 def _had_failures(report: dict) -> bool:
@@ -180,7 +191,8 @@ def settings(cfg: RunConfig, limit: Optional[int], known: Optional[dict] = None,
     if tuple(cfg.verifier.think_tags) != ("<think>", "</think>"):
         s["think_tags"] = list(cfg.verifier.think_tags)
     if pc.self_instruct is not None:  # its settings, and its file (remade when its own report's settings change)
-        s["self_instruct"] = {**pc.self_instruct.model_dump(),
+        # batch_size is left out: the file's sha256 covers it, and reports made before it was a key stay up to date
+        s["self_instruct"] = {**pc.self_instruct.model_dump(exclude={"batch_size"}),
                               "file": _source_fingerprint(str(cfg.self_instruct_path), known, seen)}
     return s
 
@@ -271,7 +283,8 @@ def _regenerate_reusing(cfg: RunConfig, convs: list[dict], want: dict, stats: di
     if _rank0():  # once under torchrun
         print(f"prompts.reuse_answers: {info['conversations']} of {len(convs)} conversations answered in "
               f"{cfg.prompts.reuse_answers}; regenerating {len(todo)}")
-    done = _regenerate(cfg, todo, want, stats, force=force) if todo else []
+    # nothing left to regenerate: rank 0 writes the outputs, a torchrun rank > 0 returns None as after a regeneration
+    done = _regenerate(cfg, todo, want, stats, force=force) if todo else ([] if _rank0() else None)
     return (None if done is None else reuse_answers.merge(convs, reused, done)), info
 
 
@@ -304,15 +317,25 @@ def run(cfg: RunConfig, source: Optional[str] = None, fmt: Optional[str] = None,
             write, or a verifier that cannot be loaded. No output is written in that case.
     """
     cfg = apply_overrides(cfg, source, fmt, regenerate, limit)
+    if not _replicated(cfg) and not _rank0():
+        return 0  # under torchrun only the in-process regeneration has work for every rank: rank 0 does the rest
     if cfg.prompts.self_instruct is None:
         return _run(cfg, source, fmt, regenerate, limit, force)
     from eagle3.process_group import process_group_scope
-    from eagle3.prompts.replicas import init_dist
+    from eagle3.prompts.replicas import Dist, init_dist
 
-    d = init_dist()  # under torchrun: the replicas' gloo group, made here so the ranks can wait for rank 0's file
+    # under torchrun with the replicas: their gloo group, made here so the ranks can wait for rank 0's file; without
+    # them rank 0 works alone (no group: a peer that returned would not join, or would wait at its teardown barrier)
+    d = init_dist() if _replicated(cfg) else Dist()
     with process_group_scope(owned=d.initialized_here):  # regenerate_replicas uses it and leaves its teardown here
         make_self_instruct(cfg, force, d)
         return _run(cfg, source, fmt, regenerate, limit, force)
+
+
+def _replicated(cfg: RunConfig) -> bool:
+    """Whether the run's work is shared over torchrun ranks: only the in-process regeneration (one verifier replica
+    per rank); endpoints, or no regeneration, run on rank 0 alone."""
+    return cfg.prompts.regenerate and cfg.prompts.regenerate_via == "local"
 
 
 def make_self_instruct(cfg: RunConfig, force: bool, d) -> Path:
@@ -377,6 +400,10 @@ def _run(cfg: RunConfig, source: Optional[str], fmt: Optional[str], regenerate: 
     if why and _rank0():  # say why before a (long) regeneration; once under torchrun
         print(f"remaking {out} ({why})", flush=True)
 
+    if not _rank0() and not _replicated(cfg):
+        # under torchrun only the in-process regeneration shares work over the ranks; without it (endpoints, or no
+        # regeneration) rank 0 does everything: before, every rank sent every request and wrote prompts.jsonl
+        return 0
     convs, counts, kept_by_step = select_conversations(cfg, limit)
     regen_stats: dict = {}
     reused_info: Optional[dict] = None
@@ -652,6 +679,7 @@ def select_conversations(cfg: RunConfig, limit: Optional[int]) -> tuple[list[dic
         convs += read_conversations(src, pc.format, hf_split=pc.hf_split, keep_prompt_only=pc.regenerate,
                                     system_prompt=pc.system_prompt, counts=counts,
                                     think_tags=tuple(cfg.verifier.think_tags))
+    convs = unique_ids(convs)  # ids repeated across the sources get #2, #3, as within one file
     n_read_ok = len(convs)
     n_dup = 0
     if pc.dedupe:
@@ -704,7 +732,7 @@ def add_self_instruct(cfg: RunConfig, convs: list[dict]) -> tuple[list[dict], in
     extra = read_conversations(str(cfg.self_instruct_path), "messages", keep_prompt_only=True,
                                system_prompt=pc.system_prompt, think_tags=tuple(cfg.verifier.think_tags))
     out, n_dup = dedupe(convs + extra) if pc.dedupe else (convs + extra, 0)
-    return out, len(extra) - n_dup, n_dup
+    return unique_ids(out), len(extra) - n_dup, n_dup
 
 
 def build_report(cfg: RunConfig, want: dict, counts: Counter, steps: dict, convs: list[dict], regen_stats: dict) -> dict:
@@ -718,8 +746,11 @@ def build_report(cfg: RunConfig, want: dict, counts: Counter, steps: dict, convs
             "dropped_leading_assistant": counts["dropped_leading_assistant"],
             **steps,  # normalised, deduped, sampled_out, [self_instruct, self_instruct_deduped,] limited_out,
             # [self_instruct_limited_out] (this order)
+            **(left_out_by_regeneration(regen_stats) if pc.regenerate else {}),
             "kept": len(convs),
-            "regenerated": len(convs) if pc.regenerate else 0,
+            # answered by the verifier (this run, an earlier one's resume log or prompts.reuse_answers); conversations
+            # with tool results are kept as they are, not regenerated
+            "regenerated": len(convs) - regen_stats.get("kept_with_tools", 0) if pc.regenerate else 0,
             # assistant replies whose inline <think> block became reasoning_content
             **({"inline_reasoning_split": counts["inline_reasoning_split"]} if counts["inline_reasoning_split"] else {}),
         },
@@ -733,6 +764,18 @@ def build_report(cfg: RunConfig, want: dict, counts: Counter, steps: dict, convs
                 "max_new_tokens": pc.max_new_tokens, "temperature": pc.temperature, "top_p": pc.top_p,
                 "chat_template_kwargs": dict(cfg.verifier.chat_template_kwargs), "extra_body": pc.server.extra_body}
     return report
+
+
+def left_out_by_regeneration(regen_stats: dict) -> dict:
+    """The conversations the regeneration left out, so that the report's counts add up (``kept`` = ``normalised`` -
+    ``deduped`` - ``sampled_out`` [+ ``self_instruct`` - ``self_instruct_deduped``] - ``limited_out`` - these):
+    ``dropped_over_context`` (first prompt at or over the context cap) and, through endpoints, ``failed``. Before,
+    they were only in ``regeneration``: the counts, the Markdown table and the closing line said 12 read, none
+    skipped, deduplicated or limited out, and 10 kept."""
+    out = {"dropped_over_context": regen_stats.get("dropped_over_context", 0)}
+    if "failed" in regen_stats:
+        out["failed"] = regen_stats["failed"]
+    return out
 
 
 def write_outputs(cfg: RunConfig, convs: list[dict], report: dict, regen_stats: dict) -> None:
@@ -758,6 +801,8 @@ def write_outputs(cfg: RunConfig, convs: list[dict], report: dict, regen_stats: 
                f"kept" if isinstance(si, dict) and "self_instruct" in c else "")
     reused = report.get("reused_answers")  # regenerated counts them too: say how many came from the earlier file
     reused_text = f", {reused['conversations']} of them reused from {reused['file']}" if reused else ""
+    dropped = c.get("dropped_over_context", 0)
+    cap_text = f", {dropped} left out by the context cap (prompts.max_context_tokens)" if dropped else ""
     print(f"prompts: {out} ({c['kept']} conversations; read {c['read']}, skipped {sum(c['skipped'].values())}, "
-          f"deduped {c['deduped']}, regenerated {c['regenerated']}{reused_text}{si_text})")
+          f"deduped {c['deduped']}{cap_text}, regenerated {c['regenerated']}{reused_text}{si_text})")
     print(f"report:  {rep}")

@@ -41,7 +41,8 @@ Normalisation policies (each skip is counted under ``skipped_<reason>`` in the `
 * an assistant reply starting with an inline think block (``<think>...</think>``) and no
   ``reasoning_content`` is split into both (``inline_reasoning_split``);
 * empty content -> skipped (``skipped_empty_content``), except an assistant turn that only calls
-  tools or only reasoned; unknown role -> ``skipped_unknown_role``;
+  tools or only reasoned, and with ``keep_prompt_only`` (regeneration replaces every answer) an empty
+  assistant answer in a conversation without tool calls; unknown role -> ``skipped_unknown_role``;
   no user turn at all -> ``skipped_no_user``; no message at all -> ``skipped_empty_conversation``;
   roles that do not alternate user/assistant -> ``skipped_non_alternating`` (``tool`` results may
   follow an assistant turn with ``tool_calls`` and precede the next assistant turn; trailing
@@ -56,7 +57,7 @@ Normalisation policies (each skip is counted under ``skipped_<reason>`` in the `
 
 Ids are stable: the record's ``id``/``question_id``/``uid``/``task_id``, else
 ``<file stem>-<line>`` (JSONL, 1-based line) or ``<file stem>-<index>`` (JSON array, 0-based);
-a repeated id gets ``#2``, ``#3``... appended.
+a repeated id gets ``#2``, ``#3``... appended (across several sources too: :func:`unique_ids`).
 """
 
 from __future__ import annotations
@@ -370,8 +371,12 @@ def normalise(raw: list, keep_prompt_only: bool, system_prompt: Optional[str], c
                 counts["inline_reasoning_split"] += 1
         if m.get("reasoning_content") is not None:
             m["reasoning_content"] = m["reasoning_content"].strip()
-    # an assistant turn may have no text when it only calls tools or only reasoned
-    if any(not m["content"] and not (m["role"] == "assistant" and (m.get("tool_calls") or m.get("reasoning_content")))
+    # an assistant turn may have no text when it only calls tools or only reasoned; with keep_prompt_only (stage 01
+    # regenerates every answer) an empty answer is replaced like any other, unless the conversation holds tool results
+    # (kept as it is): before, 1,021 prompts of the train-extra pool with an empty reference answer were skipped
+    regenerated = keep_prompt_only and not any(m["role"] == "tool" or m.get("tool_calls") for m in msgs)
+    if any(not m["content"] and not (m["role"] == "assistant" and (m.get("tool_calls") or m.get("reasoning_content")
+                                                                   or regenerated))
            for m in msgs) or (system is not None and not system):
         counts["skipped_empty_content"] += 1
         return None
@@ -464,6 +469,26 @@ def read_conversations(source: str, fmt: str = "auto", *, hf_split: str = "train
         if tools is not None and not isinstance(tools, list):
             raise UserError(f"{where}: field 'tools' must be a list of tool declarations")
         out.append({"id": rid, "messages": msgs, **({"tools": tools} if tools else {})})
+    return out
+
+
+def unique_ids(conversations: list[dict]) -> list[dict]:
+    """``conversations`` (in order) with every repeated ``id`` made unique as :func:`read_conversations` does within
+    one file: the second ``x`` becomes ``x#2`` (the next free ``#k``), the first keeps its id. For several sources
+    read into one list: ShareGPT exports share ids across files (7 among the 127K config's three ShareGPT files, 4 of
+    them surviving dedupe), and ``prompts.jsonl`` holds one conversation per id (``prompts.reuse_answers`` places
+    regenerated conversations by id)."""
+    seen: set[str] = set()
+    out = []
+    for c in conversations:
+        cid = c["id"]
+        if cid in seen:
+            k = 2
+            while f"{cid}#{k}" in seen:
+                k += 1
+            c = {**c, "id": f"{cid}#{k}"}
+        seen.add(c["id"])
+        out.append(c)
     return out
 
 

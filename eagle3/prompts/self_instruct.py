@@ -15,7 +15,7 @@ is dropped), are at least ``min_chars`` long, are new (01's dedupe key) and are 
 beside other files; 01 then answers them like any other prompt (``prompts.regenerate``). The settings and counts go
 to ``<FILE stem>_report.json``; a re-run with the same settings finds the file up to date.
 
-``prompts.self_instruct: {num, exclude, temperature, top_p, max_query_tokens, min_chars}`` runs the same code
+``prompts.self_instruct: {num, exclude, temperature, top_p, max_query_tokens, min_chars, batch_size}`` runs the same code
 (:func:`make`, through :func:`make_from_config`) inside a normal 01 run: the file is
 ``{output_root}/self_instruct.jsonl`` and 01 adds its prompts to the sampled sources
 (:func:`eagle3.prompts.prepare_prompts.run`).
@@ -32,6 +32,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from eagle3.config import SELF_INSTRUCT_BATCH
 from eagle3.errors import UserError
 from eagle3.io import atomic_write_bytes, atomic_write_json, atomic_write_text, file_sha256, read_json
 
@@ -177,7 +178,7 @@ def _excluded_keys(paths: Sequence[str], name: str = "--exclude") -> set:
 
 
 def run(cfg, num: int, out: Path, temperature: float = 1.0, top_p: float = 1.0, max_query_tokens: int = 128,
-        min_chars: int = 16, exclude: Sequence[str] = (), force: bool = False) -> int:
+        min_chars: int = 16, exclude: Sequence[str] = (), force: bool = False, batch_size: int = SELF_INSTRUCT_BATCH) -> int:
     """01's self-instruct mode (``--self-instruct N --out FILE``): check the arguments, then :func:`make` ``out``.
 
     Returns:
@@ -191,7 +192,7 @@ def run(cfg, num: int, out: Path, temperature: float = 1.0, top_p: float = 1.0, 
     out = Path(out)
     _check_args(num, temperature, top_p, max_query_tokens, min_chars, out, folder)
     make(cfg, out, num, temperature=temperature, top_p=top_p, max_query_tokens=max_query_tokens,
-         min_chars=min_chars, exclude=exclude, force=force)
+         min_chars=min_chars, exclude=exclude, force=force, batch_size=batch_size)
     return 0
 
 
@@ -204,12 +205,13 @@ CONFIG_NAMES = {"num": "prompts.self_instruct.num {num}", "max_query_tokens": "p
 
 
 def make(cfg, out: Path, num: int, *, temperature: float = 1.0, top_p: float = 1.0, max_query_tokens: int = 128,
-         min_chars: int = 16, exclude: Sequence[str] = (), force: bool = False, names: Optional[dict] = None) -> bool:
+         min_chars: int = 16, exclude: Sequence[str] = (), force: bool = False, names: Optional[dict] = None,
+         batch_size: int = SELF_INSTRUCT_BATCH) -> bool:
     """Sample ``num`` user queries from the verifier, filter them, write ``out`` (the CLI mode's and
     ``prompts.self_instruct``'s one code path; the arguments are already checked).
 
     Steps: the pre-query prefix; up-to-date check against ``report_path(out)`` (equal :class:`SelfInstructSettings`);
-    load the verifier; sample in batches of ``prompts.gen_batch_size`` (tqdm), filter (:func:`select_queries`,
+    load the verifier; sample in batches of ``batch_size`` (tqdm; its own setting, not ``prompts.gen_batch_size``), filter (:func:`select_queries`,
     ``exclude`` files' prompts pre-seeded as seen); write ``out`` (messages-JSONL, ids ``self_instruct/<k>``) and
     the report atomically.
 
@@ -231,7 +233,7 @@ def make(cfg, out: Path, num: int, *, temperature: float = 1.0, top_p: float = 1
     tok = load_tokenizer(cfg.verifier)
     prefix = pre_query_prefix(tok, ChatOptions.from_config(cfg), cfg.prompts.system_prompt)
     st = SelfInstructSettings(num, float(temperature), float(top_p), max_query_tokens, min_chars,
-                              cfg.prompts.gen_batch_size, cfg.prompts.seed, prefix,
+                              batch_size, cfg.prompts.seed, prefix,
                               f"{cfg.verifier.display_name()} ({cfg.verifier.dtype})", tuple(map(str, exclude)),
                               tuple(file_sha256(p) if Path(p).is_file() else None for p in exclude))
     if not force and _up_to_date(out, st):
@@ -271,7 +273,7 @@ def make_from_config(cfg, force: bool = False) -> Path:
     """
     sc, out = cfg.prompts.self_instruct, cfg.self_instruct_path
     make(cfg, out, sc.num, temperature=sc.temperature, top_p=sc.top_p, max_query_tokens=sc.max_query_tokens,
-         min_chars=sc.min_chars, exclude=sc.exclude, force=force, names=CONFIG_NAMES)
+         min_chars=sc.min_chars, exclude=sc.exclude, force=force, names=CONFIG_NAMES, batch_size=sc.batch_size)
     return out
 
 

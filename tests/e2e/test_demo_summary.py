@@ -195,3 +195,13 @@ def test_demo_summary_names_a_malformed_stage_report(tmp_path):
     (tmp_path / "data" / "data_report.json").write_text('{"draft_vocab_size": 8000 "coverage": 1}\n')
     with pytest.raises(UserError, match=r"data_report\.json:1: malformed JSON: Expecting ',' delimiter \(column 27\)$"):
         ds.collect(_cfg(tmp_path), {}, "")
+
+
+def test_the_01_headline_counts_answers_not_conversations(tmp_path):
+    """'N answers regenerated' is the answers (turns) the verifier wrote, which multi-turn conversations outnumber:
+    6 ShareGPT conversations of the 127K config took 26 answers (before, the headline said '6 answers regenerated')."""
+    ds = _load("demo_summary")
+    _write(tmp_path / "prompts_report.json", {"counts": {"kept": 6, "regenerated": 6},
+                                              "regeneration": {"answers": 26, "new_tokens": 208, "tokens_per_s": 4.7}})
+    fig, text, _ = ds._prompts(_cfg(tmp_path))
+    assert text == "6 prompts, 26 answers regenerated (208 new tokens, 5 tok/s)" and fig["regenerated"] == 26

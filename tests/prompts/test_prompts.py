@@ -755,3 +755,121 @@ def test_a_top_level_system_field_is_the_system_turn(tmp_path):
         read_conversations(str(num), keep_prompt_only=True)
     evalset = _jsonl(tmp_path / "eval.jsonl", [{"id": "e", "prompt": "q", "system": "Be terse."}])
     assert load_prompt_file(evalset)[0].messages == [S, U("q")]
+
+
+def test_report_counts_add_up_when_the_context_cap_leaves_conversations_out(tmp_path, tiny_llama_dir, capsys):
+    """A conversation whose first prompt reaches the context cap is left out by the regeneration: the report's counts
+    say so (``dropped_over_context``) and add up to ``kept``; the Markdown table and the closing line say it too, with
+    the user turns the cap left unanswered. Before, the counts read 4 read, nothing skipped, deduplicated or limited
+    out, and 3 kept, the missing one only under ``regeneration``."""
+    long = " ".join(f"word{i}" for i in range(150))
+    src = _jsonl(tmp_path / "c.jsonl", [{"messages": [U("Hi there"), A("x"), U(long), A("y")]},
+                                        {"messages": [U(long), A("z")]},
+                                        {"messages": [U("Count to three"), A("z")]},
+                                        {"messages": [U("Name a colour"), A("x")]}])
+    f = _tiny_regen_config(tmp_path, tiny_llama_dir, src, max_new_tokens=3)
+    cfg = load_config(f, ["prompts.max_context_tokens=120"])
+    assert run(cfg) == 0
+    rep = json.loads(report_path(cfg).read_text())
+    c = rep["counts"]
+    assert c["read"] == 4 and c["dropped_over_context"] == 1 and c["kept"] == 3 and c["regenerated"] == 3
+    assert c["normalised"] - c["deduped"] - c["sampled_out"] - c["limited_out"] - c["dropped_over_context"] == c["kept"]
+    assert rep["regeneration"]["turns_over_context"] == 2  # the long first prompt, and the first conversation's 2nd turn
+    md = report_path(cfg).with_suffix(".md").read_text()
+    assert "| dropped_over_context (first prompt at the context cap) | 1 |" in md
+    assert "| regeneration: user turns not answered (context cap) | 2 |" in md
+    out = capsys.readouterr().out
+    assert "(3 conversations; read 4, skipped 0, deduped 0, 1 left out by the context cap (prompts.max_context_tokens), " \
+           "regenerated 3)" in out
+
+
+def test_a_conversation_with_tool_results_is_kept_but_not_counted_as_regenerated(tmp_path, tiny_llama_dir, capsys):
+    """In-process regeneration keeps a conversation with tool results as it is (no tool runs here): the report counts
+    it as kept, not as regenerated, and the Markdown table says how many were kept so (before: ``regenerated 2`` for
+    one answered conversation)."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    src = _jsonl(tmp_path / "c.jsonl", [
+        {"messages": [U("Use the tool"), {"role": "assistant", "content": "", "tool_calls": [call]},
+                      {"role": "tool", "tool_call_id": "c1", "content": "42"}, A("It is 42")]},
+        {"messages": [U("Count to three"), A("z")]}])
+    cfg = load_config(_tiny_regen_config(tmp_path, tiny_llama_dir, src, max_new_tokens=3))
+    assert run(cfg) == 0
+    rep = json.loads(report_path(cfg).read_text())
+    assert rep["counts"]["kept"] == 2 and rep["counts"]["regenerated"] == 1
+    assert rep["regeneration"]["kept_with_tools"] == 1
+    assert "| regeneration: conversations with tool results kept as they are | 1 |" in \
+        report_path(cfg).with_suffix(".md").read_text()
+    assert "(2 conversations; read 2, skipped 0, deduped 0, regenerated 1)" in capsys.readouterr().out
+
+
+def test_an_empty_reference_answer_keeps_its_prompt_when_answers_are_regenerated(tmp_path):
+    """With regeneration (keep_prompt_only) every assistant answer is replaced, so an empty reference answer does not
+    make the conversation unusable: it is kept (and skipped as empty content without regeneration, as before); a
+    conversation with tool calls, which 01 keeps as it is, is still skipped for an empty answer. Before, 1,021 prompts
+    of the train-extra pool (t0 rows with empty targets, lmsys / HH-RLHF turns) were skipped in the 127K config."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    rows = [{"id": "t0", "messages": [U("What is this question asking for?"), A("")]},
+            {"id": "mt", "messages": [U("first"), A("one"), U("second"), A("  ")]},
+            {"id": "tool", "messages": [U("use it"), {"role": "assistant", "content": "", "tool_calls": [call]},
+                                        {"role": "tool", "tool_call_id": "c1", "content": "42"}, A("")]},
+            {"id": "nouser", "messages": [U(" "), A("x")]}]
+    src = _jsonl(tmp_path / "e.jsonl", rows)
+    counts = Counter()
+    got = read_conversations(src, keep_prompt_only=True, counts=counts)
+    assert [c["id"] for c in got] == ["t0", "mt"] and counts["skipped_empty_content"] == 2
+    assert [m["role"] for m in got[1]["messages"]] == ["user", "assistant", "user", "assistant"]
+    counts = Counter()
+    assert read_conversations(src, counts=counts) == [] and counts["skipped_empty_content"] == 4
+
+
+@needs_shared_data
+def test_the_127k_pool_keeps_every_prompt_with_a_user_turn_when_regenerating():
+    """configs/smollm2-135m-127k.yaml's comment: 109,986 of the pool's 109,987 rows have a user turn and 01 reads them
+    all with regenerate: true (one row's only user message is empty)."""
+    counts = Counter()
+    got = read_conversations(str(SHARED_DATA / "train-extra" / "train_extra_pool.jsonl.gz"), keep_prompt_only=True,
+                             counts=counts)
+    assert counts["read"] == 109_987 and len(got) == 109_986 and counts["skipped_empty_content"] == 1
+
+
+def test_ids_repeated_across_sources_are_made_unique(tmp_path):
+    """Several sources read into one prompts.jsonl: an id repeated across files gets ``#2``, ``#3`` as within one file
+    (the first keeps it). Before, the 127K config's three ShareGPT files gave 4 ids twice in prompts.jsonl (e.g.
+    GTmiE68_49: different first prompts, so dedupe kept both)."""
+    from eagle3.prompts.prepare_prompts import select_conversations
+
+    a = _jsonl(tmp_path / "a.jsonl", [{"id": "x", "messages": [U("one"), A("1")]},
+                                      {"id": "x", "messages": [U("two"), A("2")]}])
+    b = _jsonl(tmp_path / "b.jsonl", [{"id": "x", "messages": [U("three"), A("3")]},
+                                      {"id": "y", "messages": [U("one"), A("1")]}])  # deduped: a's first prompt
+    cfg = load_config(_config(tmp_path, a), [f"prompts.source=[{a}, {b}]"])
+    convs, _, steps = select_conversations(cfg, None)
+    assert [(c["id"], c["messages"][0]["content"]) for c in convs] == [("x", "one"), ("x#2", "two"), ("x#3", "three")]
+    assert steps["deduped"] == 1
+
+
+@needs_shared_data
+def test_the_127k_sharegpt_sources_give_unique_ids():
+    from eagle3.prompts.readers import unique_ids
+
+    convs = []
+    for f in ("sharegpt_v3_sample_multiturn.jsonl", "sharegpt_v3_filtered_1000_first_turn.json",
+              "sharegpt_sg90k_part1_first_turn_sampled_2978.json"):
+        convs += read_conversations(str(SHARED_DATA / "train" / f), keep_prompt_only=True)
+    assert len({c["id"] for c in convs}) == len(convs) - 7
+    ids = [c["id"] for c in unique_ids(convs)]
+    assert len(set(ids)) == len(convs) and "GTmiE68_49#2" in ids
+
+
+def test_force_help_says_it_discards_every_resume_log(capsys):
+    """``01 --help``: --force discards the resume logs of the in-process regeneration too (every rank's), not only a
+    server regeneration's, as the help said."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("prepare01", ROOT / "01_prepare_prompts.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    with pytest.raises(SystemExit):
+        mod.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "discards the regeneration's resume logs, in-process or through endpoints" in text

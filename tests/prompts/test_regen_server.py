@@ -516,3 +516,19 @@ def test_context_cap_matches_the_uncapped_run_cut_by_hand(smollm_tokenizer, tmp_
     assert got == want
     assert st["dropped_over_context"] == 1 and st["failed"] == 0
     assert st["turns_over_context"] == 1 + 2  # 'long' (1 turn) + q0's and q3's second turns
+
+
+def test_openai_model_null_sends_no_model_field_as_the_schema_says(smollm_tokenizer, tmp_path):
+    """``prompts.server.model: null`` sends no 'model' field (the server answers with the model it serves), as its
+    schema description now says; before, the description promised 'default: verifier.name', a name vLLM would refuse
+    (it serves the --model path unless --served-model-name is given)."""
+    tok = smollm_tokenizer
+    desc = RegenServerConfig.model_fields["model"].description
+    assert "verifier.name" not in desc and "no 'model' field is sent" in desc
+    pc = _pc("openai", [])
+    assert pc.server.model is None
+    with StandInServer(FakeBackend(tok.eos_token_id), tok) as srv:
+        pc.server.urls = [srv.url]
+        regenerate_via_server(CONVS[:1], tok, pc, ChatOptions(), partial_path=tmp_path / "p.jsonl", settings=SETTINGS)
+        body = srv.requests[0][1]
+    assert "model" not in body and body["max_tokens"] == pc.max_new_tokens

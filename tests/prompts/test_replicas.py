@@ -158,3 +158,26 @@ extract: {{max_length: 256}}
     rep = json.loads((out / "prompts_report.json").read_text())["regeneration"]
     assert rep["resumed"] == kept
     assert f"resuming: {kept} of 40 conversations already regenerated (resume log), {40 - kept} to go" in again.stderr
+
+
+@pytest.mark.slow
+def test_two_ranks_through_endpoints_or_without_regeneration_do_the_work_once(tmp_path, tiny_llama_dir):
+    """``torchrun --nproc_per_node 2 01`` with ``prompts.regenerate_via: openai`` (or no regeneration): only the
+    in-process regeneration shares work over ranks, so rank 0 does it all and the other rank returns at once. Before,
+    every rank sent every request (the stand-in server got each turn twice), appended to the same resume log and wrote
+    prompts.jsonl, printing the closing lines once per rank."""
+    sys.path.insert(0, str(ROOT / "tests" / "prompts"))
+    from standin_server import FakeBackend, StandInServer
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    cfg = _setup(tmp_path, tiny_llama_dir, "srv")
+    with StandInServer(FakeBackend(tok.eos_token_id), tok) as srv:
+        p = _run01(cfg, 2, "--set", "prompts.regenerate_via=openai", "--set", f"prompts.server.urls=[{srv.url}]")
+        n_requests = len(srv.requests)
+    assert n_requests == 13  # one per user turn of the 7 conversations (1 + 3 + 1 + 2 + 4 + 1 + 1)
+    assert p.stdout.count("prompts: ") == 1 and len((tmp_path / "srv" / "prompts.jsonl").read_text().splitlines()) == 7
+    rep = json.loads((tmp_path / "srv" / "prompts_report.json").read_text())
+    assert rep["regeneration"]["answers"] == 13 and rep["counts"]["regenerated"] == 7
+    p = _run01(_setup(tmp_path, tiny_llama_dir, "plain"), 2, "--no-regenerate")
+    assert p.stdout.count("prompts: ") == 1 and len((tmp_path / "plain" / "prompts.jsonl").read_text().splitlines()) == 7

@@ -91,7 +91,7 @@ def test_cli_writes_the_prompts_and_report_and_is_resumable(tmp_path, tiny_llama
     reads back; the report has the settings and counts (their sum: 5); the same command again is up to date; an
     --exclude file's prompt is left out (a changed setting: sampled again)."""
     cfg_path = ROOT / "configs" / "tiny-llama.yaml"
-    sets = ["--set", f"verifier.path={tiny_llama_dir}", "--set", "prompts.gen_batch_size=3"]
+    sets = ["--set", f"verifier.path={tiny_llama_dir}", "--self-instruct-batch-size", "3"]
     batches = [(["Write a story about a dragon.", "Too short", "What is the capital of France?"], [True, True, True]),
                (["Plan a trip to Rome for me.", "An unfinished query"], [True, False])]
     fake, calls = _fake_sampler(batches * 3)

@@ -49,6 +49,8 @@ def _source(tmp_path: Path) -> Path:
 
 def _config(tmp_path: Path, tiny_llama_dir: Path, name: str, source, prompts_extra: str = "") -> Path:
     cfg = tmp_path / f"{name}.yaml"
+    # the fake sampler's batches of 3 (prompts.self_instruct.batch_size; gen_batch_size 3 is the regeneration's own)
+    prompts_extra = prompts_extra.replace("self_instruct: {num:", "self_instruct: {batch_size: 3, num:")
     cfg.write_text(f"""run_name: {name}
 output_root: {tmp_path / name}
 verifier: {{path: {tiny_llama_dir}, dtype: float32, device: cpu}}
@@ -114,7 +116,8 @@ def test_one_run_equals_the_two_step_flow_and_reruns_are_up_to_date(tmp_path, ti
 
     # the manual flow: the CLI mode, the sampled source on its own, 01 over both files
     (tmp_path / "m").mkdir()
-    assert main(["--config", str(one), "--self-instruct", "5", "--out", str(tmp_path / "m" / "si.jsonl")]) == 0
+    assert main(["--config", str(one), "--self-instruct", "5", "--self-instruct-batch-size", "3", "--out",
+                 str(tmp_path / "m" / "si.jsonl")]) == 0
     assert (tmp_path / "m" / "si.jsonl").read_bytes() == (tmp_path / "one" / "self_instruct.jsonl").read_bytes()
     seed = _config(tmp_path, tiny_llama_dir, "seed", str(src), ", sample_size: 4")
     assert main(["--config", str(seed), "--no-regenerate"]) == 0
@@ -132,7 +135,7 @@ def test_one_run_equals_the_two_step_flow_and_reruns_are_up_to_date(tmp_path, ti
 
     assert prompts_changes(load_config(one))[1] == []  # 02 sees the prompts as made with its config
 
-    six = one.read_text().replace("self_instruct: {num: 5}", "self_instruct: {num: 6}")
+    six = one.read_text().replace("num: 5}", "num: 6}")
     one.write_text(six)
     # 02 names the changed key (trial si-2: both whole mappings, with the file's sha256, ~700 characters)
     assert prompts_changes(load_config(one))[1] == ["self_instruct.num: 5 -> 6"]
@@ -377,3 +380,60 @@ def test_limit_that_drops_self_instruct_prompts_warns_and_the_summary_counts_the
         "--limit 3: leaves out 3 of the 4 prompts.self_instruct prompts (they come after the 2 sampled source "
         "conversations); --limit 6 keeps them all")
     assert warn_limit_drops_self_instruct(loaded, 6) is None and warn_limit_drops_self_instruct(loaded, 2) is not None
+
+
+def test_the_regeneration_batch_size_leaves_the_self_instruct_file_and_prompts_up_to_date(tmp_path, tiny_llama_dir,
+                                                                                       monkeypatch, capsys):
+    """The self-instruct sampling is seeded per batch, so its batch size makes the file; it is its own setting
+    (prompts.self_instruct.batch_size, --self-instruct-batch-size), not prompts.gen_batch_size: tuning the
+    regeneration's decode rows for another GPU leaves self_instruct.jsonl and prompts.jsonl up to date (before: the
+    file was sampled again in batches of the new gen_batch_size, other queries, and every answer regenerated)."""
+    calls: list = []
+    monkeypatch.setattr(si, "sample_queries", pool_sampler(calls))
+    one = _config(tmp_path, tiny_llama_dir, "one", str(_source(tmp_path)), ", sample_size: 4, self_instruct: {num: 5}")
+    main = _cli()
+    assert main(["--config", str(one)]) == 0 and calls == [(3, 0), (2, 1)]
+    before = (tmp_path / "one" / "prompts.jsonl").read_bytes()
+    capsys.readouterr()
+    assert main(["--config", str(one), "--set", "prompts.gen_batch_size=2"]) == 0
+    out = capsys.readouterr().out
+    assert len(calls) == 2 and "self_instruct.jsonl: up to date" in out and "prompts up to date" in out
+    assert (tmp_path / "one" / "prompts.jsonl").read_bytes() == before
+    assert json.loads((tmp_path / "one" / "self_instruct_report.json").read_text())["settings"]["batch_size"] == 3
+    # its own batch size samples another file (batches of 2: seeds 0, 1, 2)
+    assert main(["--config", str(one), "--set", "prompts.self_instruct.batch_size=2"]) == 0
+    assert calls[2:] == [(2, 0), (2, 1), (1, 2)]
+
+
+def test_torchrun_ranks_through_endpoints_make_no_process_group(tmp_path, tiny_llama_dir, monkeypatch):
+    """``prompts.self_instruct`` with endpoint regeneration under torchrun (the env of rank 0 / rank 1 of 2, no
+    rendezvous address): only the in-process regeneration shares work over ranks, so rank 1 returns at once and rank 0
+    samples the file and regenerates alone, with no process group. Before, both ranks made a gloo group for the
+    self-instruct file (here: no MASTER_ADDR, an error), and rank 1, its part done, waited at the group's teardown
+    barrier for the whole endpoint regeneration (a 3-hour timeout)."""
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(ROOT / "tests" / "prompts"))
+    from standin_server import FakeBackend, StandInServer
+    from transformers import AutoTokenizer
+
+    calls: list = []
+    monkeypatch.setattr(si, "sample_queries", pool_sampler(calls))
+    for k in ("MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    cfg = _config(tmp_path, tiny_llama_dir, "srv", str(_source(tmp_path)), ", sample_size: 2, self_instruct: {num: 5}")
+    main = _cli()
+    with StandInServer(FakeBackend(tok.eos_token_id), tok) as srv:
+        sets = ["--set", "prompts.regenerate_via=openai", "--set", f"prompts.server.urls=[{srv.url}]"]
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("RANK", "1")
+        monkeypatch.setenv("LOCAL_RANK", "1")
+        assert main(["--config", str(cfg), *sets]) == 0
+        assert calls == [] and srv.requests == [] and not (tmp_path / "srv").exists()
+        monkeypatch.setenv("RANK", "0")
+        monkeypatch.setenv("LOCAL_RANK", "0")
+        assert main(["--config", str(cfg), *sets]) == 0
+        assert not dist.is_initialized()
+    rows = _rows(tmp_path / "srv" / "prompts.jsonl")
+    assert len(rows) == 2 + 4 and calls == [(3, 0), (2, 1)] and len(srv.requests) == 6  # one turn each
