@@ -9,6 +9,7 @@ time: the figures that run printed at its end (scripts/demo_summary.py writes th
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,10 +24,12 @@ from demo_summary import SUMMARY_NAME, markdown_table  # noqa: E402 - scripts/ p
 def main(argv: list[str] | None = None) -> int:
     from eagle3.errors import UserError
 
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        raise UserError("usage: python scripts/demo_table.py outputs/<run_name>/demo_summary.json")
-    path = Path(args[0])
+    ap = argparse.ArgumentParser(
+        prog="demo_table.py",
+        description="Print README's demo table (Markdown) from a demo run's summary, which scripts/demo.sh "
+        f"(scripts/demo_summary.py) writes at the end of a run as outputs/<run_name>/{SUMMARY_NAME}.")
+    ap.add_argument("summary", help=f"the demo's summary JSON, e.g. outputs/smollm2-135m/{SUMMARY_NAME}")
+    path = Path(ap.parse_args(sys.argv[1:] if argv is None else argv).summary)
     if not path.is_file():
         raise UserError(f"{path}: not found (scripts/demo.sh writes it at the end of a run)")
     sys.stdout.write(markdown_table(check_summary(read_json(path), path)))

@@ -205,3 +205,12 @@ def test_the_01_headline_counts_answers_not_conversations(tmp_path):
                                               "regeneration": {"answers": 26, "new_tokens": 208, "tokens_per_s": 4.7}})
     fig, text, _ = ds._prompts(_cfg(tmp_path))
     assert text == "6 prompts, 26 answers regenerated (208 new tokens, 5 tok/s)" and fig["regenerated"] == 26
+
+
+def test_demo_table_help_prints_usage_not_a_missing_file():
+    """`demo_table.py --help` was read as the summary's path ('error: --help: not found'); it prints the usage."""
+    r = _script("demo_table", "--help")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("usage: demo_table.py") and "demo_summary.json" in r.stdout
+    r = _script("demo_table")
+    assert r.returncode == 2 and "required: summary" in r.stderr
