@@ -4,4 +4,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
-exec python -m pytest -q -ra tests "$@"
+# no "tests" here: pytest.ini's testpaths = tests is the default when no path is given, so
+# `bash scripts/test.sh tests/train` runs that folder only (a path given here too ran the whole suite)
+exec python -m pytest -q -ra "$@"
