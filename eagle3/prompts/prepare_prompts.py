@@ -492,7 +492,12 @@ def _change_lines(key: str, old, want, limit: Optional[int] = 200) -> list[str]:
     sub-key (:func:`_sub_changes`)."""
     if isinstance(old, dict) and isinstance(want, dict):
         return _sub_changes(key, old, want)
-    return [f"{key}: {_brief(old, limit)} -> {_brief(want, limit)}"]
+    return [f"{_SETTING_LABELS.get(key, key)}: {_brief(old, limit)} -> {_brief(want, limit)}"]
+
+
+# settings keys that are no config key of their own: named with where they come from, so a user who changed
+# extract.max_length (not prompts.max_context_tokens, which a config rarely sets) finds the edit in the message
+_SETTING_LABELS = {"max_context_tokens": "max_context_tokens (prompts.max_context_tokens, else extract.max_length)"}
 
 
 def redo_reason(out: Path, rep: Path, report: Optional[dict], want: dict) -> Optional[str]:

@@ -404,9 +404,14 @@ def test_changed_prompts_settings_refused(tmp_path, tiny_llama_dir, tiny_backend
     regen = load_config(path, ["prompts.regenerate=true"])
     report_path(cfg).write_text(json.dumps({"settings": settings(regen, None), "cli_overrides": []}))
     assert prompts_changes(load_config(path, ["prompts.regenerate=true", "prompts.max_context_tokens=200"]))[1] == [
-        "max_context_tokens: 64 -> 200"]
+        "max_context_tokens (prompts.max_context_tokens, else extract.max_length): 64 -> 200"]
     assert prompts_changes(load_config(path, ["prompts.regenerate=true", "extract.max_length=128"]))[1] == [
-        "max_context_tokens: 64 -> 128"]
+        "max_context_tokens (prompts.max_context_tokens, else extract.max_length): 64 -> 128"]
+    # 02's refusal after an edit of extract.max_length names that key, not only the settings' max_context_tokens
+    with pytest.raises(UserError) as e:
+        _run(load_config(path, ["prompts.regenerate=true", "extract.max_length=128"]), tiny_backend, limit=2)
+    assert "(changed max_context_tokens (prompts.max_context_tokens, else extract.max_length): 64 -> 128); re-run " \
+        "01_prepare_prompts.py" in str(e.value)
     # settings 01 took from its command line are named, so a re-run gives them again
     report_path(cfg).write_text(json.dumps({"settings": {**settings(cfg, None), "seed": 3},
                                             "cli_overrides": ["source", "regenerate"]}))
