@@ -442,7 +442,6 @@ def read_conversations(source: str, fmt: str = "auto", *, hf_split: str = "train
         it = _iter_file(path)
         stem = path.name.split(".")[0]
     out: list[dict] = []
-    seen_ids: Counter = Counter()
     for where, rec in it:
         counts["read"] += 1
         if not isinstance(rec, dict):
@@ -462,14 +461,11 @@ def read_conversations(source: str, fmt: str = "auto", *, hf_split: str = "train
         rid = next((str(rec[k]) for k in _ID_KEYS if rec.get(k) not in (None, "")), None)
         if rid is None:
             rid = f"{stem}-{where.rsplit(':', 1)[1].strip('[]')}"
-        seen_ids[rid] += 1
-        if seen_ids[rid] > 1:
-            rid = f"{rid}#{seen_ids[rid]}"
         tools = rec.get("tools") if rfmt == "messages" else None
         if tools is not None and not isinstance(tools, list):
             raise UserError(f"{where}: field 'tools' must be a list of tool declarations")
         out.append({"id": rid, "messages": msgs, **({"tools": tools} if tools else {})})
-    return out
+    return unique_ids(out)  # a repeated id: #2, #3, ...
 
 
 def unique_ids(conversations: list[dict]) -> list[dict]:
