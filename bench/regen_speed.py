@@ -122,25 +122,19 @@ def measure_bandwidth(dev, gib: float) -> float | None:
 
 
 def read_input(cfg, prompts: Path | None) -> list[dict]:
-    """The conversations stage 01 would regenerate (config sources, deduped, sampled) or a file's."""
-    from eagle3.prompts.readers import dedupe, read_conversations, sample, unique_ids
+    """The conversations stage 01 would regenerate (:func:`eagle3.prompts.prepare_prompts.select_conversations` on the
+    config's sources, as answered by the verifier: prompt-only records kept, no self-instruct prompts) or a file's
+    (``--prompts``: read and deduped, not sampled)."""
+    from eagle3.prompts.prepare_prompts import select_conversations
+    from eagle3.prompts.readers import dedupe, read_conversations
 
     pc = cfg.prompts
-    sources = [str(prompts)] if prompts else ([pc.source] if isinstance(pc.source, str) else list(pc.source))
-    convs = []
-    for src in sources:
-        convs += read_conversations(src, "auto" if prompts else pc.format, hf_split=pc.hf_split, keep_prompt_only=True,
-                                    system_prompt=pc.system_prompt, think_tags=tuple(cfg.verifier.think_tags))
-    convs = unique_ids(convs)  # as 01 (eagle3.prompts.prepare_prompts.select_conversations)
-    if pc.dedupe:
-        convs, _ = dedupe(convs)
     if prompts:
-        return convs
-    short = short_pool_warning("prompts.sample_size", pc.sample_size, len(convs),
-                               "conversations left after reading" + (" and dedupe" if pc.dedupe else ""))
-    if short:  # as 01 says it
-        log.warning("%s", short)
-    return sample(convs, pc.sample_size, pc.seed)
+        convs = read_conversations(str(prompts), "auto", hf_split=pc.hf_split, keep_prompt_only=True,
+                                   system_prompt=pc.system_prompt, think_tags=tuple(cfg.verifier.think_tags))
+        return dedupe(convs)[0] if pc.dedupe else convs
+    bench_prompts = pc.model_copy(update={"regenerate": True, "self_instruct": None})
+    return select_conversations(cfg.model_copy(update={"prompts": bench_prompts}), None)[0]
 
 
 def timed_run(model, tok, convs, engine: str, cfg, batch_size: int, max_new: int, opts_kw: dict,
