@@ -637,16 +637,15 @@ def check_kv_fits(rows: int, cols: int, n_layers: int, kv_heads: int, head_dim: 
 
 
 def host_available_bytes() -> Optional[int]:
-    """The host memory available to a new allocation (``MemAvailable`` of ``/proc/meminfo``), or None where it is not
-    known (not Linux): the slot cache on the CPU is checked against it as against the GPU's free memory."""
+    """The host memory available to a new allocation (``psutil.virtual_memory().available``: Linux's ``MemAvailable``),
+    or None where psutil cannot tell: the slot cache on the CPU is checked against it as against the GPU's free
+    memory."""
+    import psutil
+
     try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024  # kB
-    except (OSError, ValueError, IndexError):
+        return int(psutil.virtual_memory().available)
+    except (OSError, RuntimeError, AttributeError):
         return None
-    return None
 
 
 class SlotEngine(Engine):
