@@ -86,6 +86,15 @@ def path_error(exc: BaseException) -> Optional[UserError]:
     return None
 
 
+def env_world_size() -> int:
+    """``WORLD_SIZE`` as torchrun sets it for each rank; 1 when it is unset, empty or not an integer (no torch import:
+    :func:`run_main` asks it on every error)."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1") or 1)
+    except ValueError:
+        return 1
+
+
 def refuse_torchrun(what: str, why: str) -> None:
     """Refuse a one-process stage started by ``torchrun --nproc_per_node N`` (``WORLD_SIZE`` > 1): every rank would run
     the whole stage, N copies writing the same files (03's vocab map and split, an export folder) or, in 05, decoding
@@ -99,10 +108,7 @@ def refuse_torchrun(what: str, why: str) -> None:
     Raises:
         UserError: ``<what> runs in one process (<why>); run it without torchrun (WORLD_SIZE=N)``.
     """
-    try:
-        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    except ValueError:
-        return  # not torchrun's value; the stages that use the process group name it
+    world = env_world_size()  # (not an integer: not torchrun's value; the stages that use the process group name it)
     if world > 1:
         raise UserError(f"{what} runs in one process ({why}); run it without torchrun (WORLD_SIZE={world})")
 
@@ -153,7 +159,7 @@ def run_main(main: Callable[[list[str] | None], int | None], argv: list[str] | N
 
 def _several_ranks() -> bool:
     """This process is one of several torchrun ranks (``WORLD_SIZE > 1``); torch is imported only then."""
-    return os.environ.get("WORLD_SIZE", "1") not in ("", "0", "1")
+    return env_world_size() > 1
 
 
 def _first_to_report() -> bool:
