@@ -1628,9 +1628,9 @@ class _Training:
         t_pause = time.perf_counter()
         if self.step % self.data.eval_every == 0 and self.step != self.end_step:  # the end step: finish() validates
             val = self.validate()
-            if val:
-                self.metrics.write({"kind": "val", "step": self.step, "epoch": self.epoch, **val})
+            if val:  # the best weights on disk before the row is logged: a logged validation is never lost
                 self.tracker.update(self.step, self.epoch, val, self.inputs.drafter)
+                self.metrics.write({"kind": "val", "step": self.step, "epoch": self.epoch, **val})
         want_stop = stop.requested or (stop_after is not None and self.steps_this_call >= stop_after)
         self.stopped = _any_rank(want_stop, d)
         if self.step % t.ckpt_every == 0 or self.stopped or self.step == self.end_step:
@@ -1666,8 +1666,8 @@ class _Training:
         final_val = self.validate()
         self._check_states()
         if final_val:
-            self.metrics.write({"kind": "val", "step": self.step, "epoch": self.epoch, **final_val})
             self.tracker.update(self.step, self.epoch, final_val, self.inputs.drafter)
+            self.metrics.write({"kind": "val", "step": self.step, "epoch": self.epoch, **final_val})
         result["final_val"] = final_val
         self.metrics.close()
         if d.is_main:
