@@ -873,27 +873,67 @@ def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: O
 def _run_locked(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: Optional[int],
                 stop_after: Optional[int], export: Optional[Callable], init: Optional[Callable],
                 stop_at: Optional[int], lock: Callable[[], None]) -> dict:
-    """:func:`_run`'s steps; ``lock()`` takes 04's lock (called by :func:`_load_inputs` before its first write)."""
-    with _undo_on_refusal(cfg.train_dir, d.is_main):
-        inputs = _load_inputs(cfg, d, resume, init, stop, lock)
+    """:func:`_run`'s steps; ``lock()`` takes 04's lock (called by :func:`_load_inputs` before its first write). Every
+    warning logged meanwhile (rank 0) is listed in ``train_report.json`` ``warnings`` (:func:`_collect_warnings`)."""
+    with _collect_warnings(d.is_main) as warned:
+        with _undo_on_refusal(cfg.train_dir, d.is_main):
+            inputs = _load_inputs(cfg, d, resume, init, stop, lock)
+            try:
+                data = _build_data(cfg, d, inputs, max_steps)
+                stop_before_training(stop, d)
+                run_ = _Training(cfg, d, inputs, data, _build_optimisation(cfg, d, inputs, data.total_steps), warned)
+                if resume:
+                    run_.restore(stop_at)
+                else:
+                    run_.set_stop_at(stop_at)
+                stop_before_training(stop, d)  # a signal during start-up: no resume line, no step
+                run_.announce_resume()
+            except BaseException:
+                inputs.states.close()
+                raise
         try:
-            data = _build_data(cfg, d, inputs, max_steps)
-            stop_before_training(stop, d)
-            run_ = _Training(cfg, d, inputs, data, _build_optimisation(cfg, d, inputs, data.total_steps))
-            if resume:
-                run_.restore(stop_at)
-            else:
-                run_.set_stop_at(stop_at)
-            stop_before_training(stop, d)  # a signal during start-up: no resume line, no step
-            run_.announce_resume()
-        except BaseException:
+            run_.loop(stop, stop_after)
+            return run_.finish(stop, export)
+        finally:
             inputs.states.close()
-            raise
+
+
+class _WarningLines(logging.Handler):
+    """A logging handler that lists the messages of WARNING records and above, each text once (in ``lines``)."""
+
+    def __init__(self, lines: list[str]):
+        super().__init__(level=logging.WARNING)
+        self.lines = lines
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            msg = record.getMessage()  # formatted now: a logged dict changed later keeps the text that was shown
+        except Exception:  # noqa: BLE001 - a bad log call must not stop training
+            return
+        if msg not in self.lines:
+            self.lines.append(msg)
+
+
+@contextlib.contextmanager
+def _collect_warnings(enabled: bool):
+    """Within the block, every warning logged by an ``eagle3`` logger (the trainer's, the checkpoint loader's, the
+    schedule's on a resume, ...) is appended to the yielded list, once per text: ``train_report.json``'s
+    ``warnings``. Before, only the few a call site also appended there were listed, so a resume's warnings (an unusable
+    newest checkpoint skipped, the lr schedule re-stretched, RNG states reseeded) were in the log only.
+
+    Args:
+        enabled: collect (rank 0, which writes the report); else the list stays empty.
+    """
+    lines: list[str] = []
+    handler = _WarningLines(lines) if enabled else None
+    target = logging.getLogger("eagle3")
+    if handler is not None:
+        target.addHandler(handler)
     try:
-        run_.loop(stop, stop_after)
-        return run_.finish(stop, export)
+        yield lines
     finally:
-        inputs.states.close()
+        if handler is not None:
+            target.removeHandler(handler)
 
 
 @contextlib.contextmanager
@@ -1293,7 +1333,8 @@ class _Training:
     :meth:`after_step` (the hooks that run between optimizer steps: validation, checkpoint, stop),
     :meth:`validate`, :meth:`save`, :meth:`finish`)."""
 
-    def __init__(self, cfg: RunConfig, d: DistInfo, inputs: _Inputs, data: _Data, opt: _Optimisation):
+    def __init__(self, cfg: RunConfig, d: DistInfo, inputs: _Inputs, data: _Data, opt: _Optimisation,
+                 warnings: Optional[list[str]] = None):
         self.cfg, self.t, self.d = cfg, cfg.train, d
         self.inputs, self.data, self.opt = inputs, data, opt
         self.train_dir = cfg.train_dir
@@ -1304,7 +1345,9 @@ class _Training:
         self.stopped = False
         self.metrics: Optional[_Metrics] = None
         self.tracker = None  # eagle3.train.sim_accept.BestTracker, started with the loop
-        self.warnings: list[str] = []  # one-line warnings of this call, also in train_report (key 'warnings')
+        # one-line warnings of this call (train_report's key 'warnings'): filled by _collect_warnings, which lists
+        # every warning logged
+        self.warnings: list[str] = [] if warnings is None else warnings
         self.tok_total, self.t_total = 0.0, 0.0
 
     @property
@@ -1385,9 +1428,8 @@ class _Training:
                             f"checkpoint resumed from ({path}) is at step {self.step} already; ask for more steps, or "
                             f"export that checkpoint with --export-only")
         self.set_stop_at(stop_at)
-        if changes:
-            self.warnings.append(f"resumed from {path.name} with other training settings: {'; '.join(changes)}")
-            log.warning("%s: %s", path, self.warnings[-1])
+        if changes:  # (in train_report's warnings too, as every warning: _collect_warnings)
+            log.warning("%s: resumed from %s with other training settings: %s", path, path.name, "; ".join(changes))
         elif state.get("recipe") is None and state["config_fingerprint"] != o.fingerprint:  # fields unknown
             log.warning("%s: training settings differ from the checkpoint's (fingerprint %s != %s)", path,
                         state["config_fingerprint"], o.fingerprint)
@@ -1540,8 +1582,7 @@ class _Training:
         t = self.t
         self.metrics = _Metrics(self.train_dir, self.step, self.d.is_main, finished=self.step >= self.total_steps)
         chain, capped = effective_chain(t.select_chain, self.cfg.benchmark.steps, t.ttt_length)
-        if capped and self.d.is_main:  # once per call, also in train_report's warnings
-            self.warnings.append(capped)
+        if capped and self.d.is_main:  # once per call, also in train_report's warnings (_collect_warnings)
             log.warning(capped)
         self.tracker = BestTracker(self.train_dir, chain, self.d.is_main, start_step=self.step,
                                    keep_best=t.select_best == "sim_accept")
@@ -1687,10 +1728,9 @@ class _Training:
         result["sim_accept"] = dict(self.tracker.summary(), select_best=sel, exported_step=self.tracker.restore_best(
             self.inputs.drafter) if sel == "sim_accept" else None)
         if sel == "sim_accept" and result["sim_accept"]["exported_step"] is None:  # nothing was selected
-            self.warnings.append(_no_val_selection(self.cfg) if self.data.val_ds is None else
-                                 f"train.select_best: sim_accept found no best weights to restore; the last "
-                                 f"step's weights (step {self.step}) are exported instead")
-            log.warning(self.warnings[-1])
+            log.warning(_no_val_selection(self.cfg) if self.data.val_ds is None else
+                        f"train.select_best: sim_accept found no best weights to restore; the last step's weights "
+                        f"(step {self.step}) are exported instead")
         self.tracker.plot()
         if export is not None:
             prov = export_provenance(self.train_dir, self.last_ckpt, self.step, sel,
