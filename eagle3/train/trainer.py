@@ -25,7 +25,7 @@ One call of :func:`run` does, on every process (single process, or ``torchrun`` 
    step except at log steps (every ``log_every``), where loss, per-TTT-step accuracy, LR, grad
    norm and tokens/s go to TensorBoard (``{train_dir}/tb``), ``{train_dir}/metrics.jsonl`` and the
    tqdm bar (rank 0).
-6. Validation on the ``val`` split every ``eval_every`` steps (default once per epoch) and at the end:
+6. Validation on the ``val`` split every ``eval_every`` steps (default at each epoch's end) and at the end:
    each sample once (rank r takes samples r, r+W, ...), loss and accuracy token-weighted over all of them.
 7. Checkpoints (:mod:`eagle3.train.checkpoint`) every ``ckpt_every`` steps, on SIGTERM/SIGINT (the current
    step finishes first, then :func:`run` returns with ``stopped``; 04's CLI exits 128 + signal) and at the end; ``resume=True``
@@ -573,10 +573,11 @@ class _TrainData:
         kw = _loader_kwargs(t, d.device, d.world)
         self.token_budget = t.batch_tokens is not None
         if self.token_budget:
-            from eagle3.data.batching import TokenBudgetBatchSampler, sample_lengths
+            from eagle3.data import batching
 
-            lengths = sample_lengths(cfg.shards_dir, train_ds, train_ds.max_length)
-            self.sampler = TokenBudgetBatchSampler(lengths, t.batch_tokens, d.world, d.rank, t.grad_accum, t.seed)
+            lengths = batching.sample_lengths(cfg.shards_dir, train_ds, train_ds.max_length)
+            self.sampler = batching.TokenBudgetBatchSampler(lengths, t.batch_tokens, d.world, d.rank, t.grad_accum,
+                                                            t.seed, window=batching.DEFAULT_WINDOW)
             self.loader = DataLoader(train_ds, batch_sampler=self.sampler, **kw)
             self.total_steps = self.sampler.total_steps(t.epochs)
         else:
@@ -1236,7 +1237,7 @@ class _Data:
     order: "_TrainData"
     total_steps: int
     val_lengths: Optional[list[int]]
-    eval_every: int
+    eval_every: Optional[int]  # train.eval_every; None = at the end of each epoch (:meth:`_Training.eval_due`)
     horizon: Optional[int]  # max_steps / train.max_steps (None = the epochs decide)
     horizon_from: str = "train.epochs"  # what sets total_steps, for messages: "--max-steps N" / "train.max_steps N"
 
@@ -1273,7 +1274,7 @@ def _build_data(cfg: RunConfig, d: DistInfo, inputs: _Inputs, max_steps: Optiona
             log.info(note)
     if val_ds is None and t.select_best == "sim_accept" and d.is_main:
         log.warning(_no_val_selection(cfg))
-    return _Data(train_ds, val_ds, order, total_steps, val_lengths, t.eval_every or order.steps_in_epoch(0), horizon,
+    return _Data(train_ds, val_ds, order, total_steps, val_lengths, t.eval_every, horizon,
                  horizon_from)
 
 
@@ -1667,7 +1668,7 @@ class _Training:
         the stop decision (all ranks agree), checkpoints. Returns True when the run stops here."""
         t, d = self.t, self.d
         t_pause = time.perf_counter()
-        if self.step % self.data.eval_every == 0 and self.step != self.end_step:  # the end step: finish() validates
+        if self.eval_due() and self.step != self.end_step:  # the end step: finish() validates
             val = self.validate()
             if val:  # the best weights on disk before the row is logged: a logged validation is never lost
                 self.tracker.update(self.step, self.epoch, val, self.inputs.drafter)
@@ -1681,6 +1682,16 @@ class _Training:
             why = f"signal {stop.signum}" if stop.signum else f"stop_after={stop_after}"
             log.info("stopped at step %d (%s); checkpoint %s", self.step, why, self.last_ckpt)
         return self.stopped
+
+    def eval_due(self) -> bool:
+        """Validate after this optimizer step? Every ``train.eval_every`` steps when it is set; else at the end of each
+        epoch: its last step, counted by the epoch's own step count. That count varies with ``train.batch_tokens``
+        (each epoch's batches are re-planned: 640, 639, 639, 640 steps for 6,000 samples of 5-400 tokens at 2,048),
+        and with a resume on another process count; the default used to be the first epoch's step count, so
+        validations drifted off the epoch ends (steps 640, 1,280, 1,920 against epoch ends 640, 1,279, 1,918)."""
+        if self.data.eval_every is not None:
+            return self.step % self.data.eval_every == 0
+        return self.step_in_epoch >= self.data.order.steps_in_epoch(self.epoch)
 
     # ---- end -----------------------------------------------------------------------------------
     def finish(self, stop: StopFlag, export: Optional[Callable] = None) -> dict:
