@@ -1176,7 +1176,7 @@ def _load_inputs(cfg: RunConfig, d: DistInfo, resume: bool, init: Optional[Calla
     is written, so a bad input is the first error and leaves no empty train/ folder behind), the folder check,
     verifier head, drafter init, and the hidden-state source (shards, or the verifier / capture servers for
     ``train.hidden_states: online``). A signal (``stop``) is honoured between these (:func:`stop_before_training`)."""
-    from eagle3.train.online import check_hidden_states, state_source
+    from eagle3.train.online import check_hidden_states, state_source, unused_shard_states_note
 
     data_config = read_data_config(cfg.shards_dir)
     check_verifier(cfg.verifier, data_config, cfg.shards_dir)  # first: another verifier explains the other differences
@@ -1224,6 +1224,9 @@ def _load_inputs(cfg: RunConfig, d: DistInfo, resume: bool, init: Optional[Calla
         init_from=cfg.train.init_from if warm else None)
     del head
     stop_before_training(stop, d)
+    unused = unused_shard_states_note(cfg, data_config)  # online over shards with states: said, not silent
+    if unused and d.is_main:
+        log.info(unused)
     inputs.states = state_source(cfg, data_config, d.device, feat_dtype)  # online: loads the verifier
     return inputs
 
