@@ -1277,8 +1277,7 @@ def _build_data(cfg: RunConfig, d: DistInfo, inputs: _Inputs, max_steps: Optiona
             log.info(note)
     if val_ds is None and t.select_best == "sim_accept" and d.is_main:
         log.warning(_no_val_selection(cfg))
-    return _Data(train_ds, val_ds, order, total_steps, val_lengths, t.eval_every, horizon,
-                 horizon_from)
+    return _Data(train_ds, val_ds, order, total_steps, val_lengths, t.eval_every, horizon, horizon_from)
 
 
 def _no_val_selection(cfg: RunConfig) -> str:
