@@ -133,6 +133,8 @@ class BestTracker:
             log.warning("%s: curve scored with chain %s, now %d; rescored", path, old.get("chain"), self.chain)
         self.rows = [self._score(r) for r in old["rows"] if int(r["step"]) <= start_step]
         best = old.get("best")
+        if self.keep_best and best_path.is_file():  # written first: newer than the curve after a kill between the two
+            best = _best_file_row(best_path, best)
         # sim_accept: the best validation stays while its weights are on disk, also one taken after the checkpoint
         # resumed from (a hard kill between a validation and the next checkpoint): a resumed run that is not
         # bit-deterministic may validate that step worse, and its weights are real weights of this training.
@@ -176,8 +178,8 @@ class BestTracker:
         if is_best:
             if self.keep_best:
                 state = {n: p.detach().to("cpu").clone() for n, p in drafter.named_parameters() if p.requires_grad}
-                atomic_torch_save({"step": int(step), "tau_sim": row["tau_sim"], "chain": self.chain, "model": state},
-                                  self.dir / BEST_FILE)
+                atomic_torch_save({"step": int(step), "tau_sim": row["tau_sim"], "chain": self.chain, "row": row,
+                                   "model": state}, self.dir / BEST_FILE)
             self.best = dict(row)
         atomic_write_json(self.dir / CURVE_FILE, self.summary())
         return is_best
@@ -218,6 +220,26 @@ class BestTracker:
         ax.legend()
         fig.tight_layout()
         atomic_save_png(fig, self.dir / PLOT_FILE)
+
+
+def _best_file_row(path: Path, curve_best: Optional[dict]) -> Optional[dict]:
+    """The best row to resume with when ``best_drafter.pt`` exists: the curve's (``curve_best``), unless the file holds
+    another step's weights (a kill between :meth:`BestTracker.update`'s two writes: the file, written first, is the
+    newer best) and records its row (key ``row``); read memory-mapped, so the tensors are not loaded. A file that does
+    not read keeps the curve's row (the export then names the file in its error).
+    """
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # noqa: BLE001 - restore_best / the export report an unusable file in one line
+        return curve_best
+    row = state.get("row") if isinstance(state, dict) else None
+    if not isinstance(row, dict) or "step" not in row or "alpha" not in row:
+        return curve_best  # written before the file recorded its row
+    if curve_best is not None and int(curve_best["step"]) == int(row["step"]):
+        return curve_best
+    log.info("%s: holds the weights of step %s, newer than the best %s names; taking that step as the best", path,
+             row["step"], CURVE_FILE)
+    return dict(row)
 
 
 def _load_best_into(path: Path, drafter: nn.Module, fix: str) -> int:

@@ -144,6 +144,23 @@ def test_a_resume_after_a_hard_kill_keeps_the_best_validation_of_the_killed_run(
     assert "Best: step 3 before the resume" in (cfg.train_dir / "train_report.md").read_text()
 
 
+def test_a_kill_between_the_best_file_and_the_curve_resumes_with_the_file_s_best(tmp_path):
+    """update() writes best_drafter.pt, then sim_accept.json: a kill between the two left the file with step 20's
+    weights and the curve naming step 10 as the best, and a resume reported step 10 while exporting step 20's
+    weights (--export-only refused the mismatch). The file records its row, and a resume takes it."""
+    m = _Tiny()
+    tr = BestTracker(tmp_path, chain=3, enabled=True, keep_best=True)
+    tr.update(10, 0, _val(0.5, 0.5, 0.5), m)
+    curve = (tmp_path / CURVE_FILE).read_text()
+    with torch.no_grad():
+        m.w.fill_(4.0)
+    tr.update(20, 1, _val(0.9, 0.9, 0.9), m)
+    (tmp_path / CURVE_FILE).write_text(curve)  # the kill: the curve of before the step-20 validation
+    r = BestTracker(tmp_path, chain=3, enabled=True, start_step=15, keep_best=True)
+    assert r.best["step"] == 20 and r.best["tau_sim"] == pytest.approx(3.439) and r.best["before_resume"] is True
+    assert r.restore_best(m) == 20 and r.summary()["best"]["alpha"] == [0.9, 0.9, 0.9]
+
+
 def _trainable(d) -> dict:
     return {n: p.detach().clone() for n, p in d.named_parameters() if p.requires_grad}
 
