@@ -124,7 +124,9 @@ def run_main(main: Callable[[list[str] | None], int | None], argv: list[str] | N
 
     Under torchrun (``WORLD_SIZE > 1``) the error line is printed once for the job, by the first rank that stops with
     one (:func:`eagle3.process_group.first_to_report`); every rank still exits 2. A rank torchrun then stops with
-    SIGTERM exits 143 without an ``interrupted by`` line.
+    SIGTERM exits 143 without an ``interrupted by`` line. A Ctrl-C (or a SIGTERM to every rank) prints its
+    ``interrupted by`` line once for the job too, from the first rank that stops on it
+    (:func:`eagle3.process_group.first_to_report_interrupt`); every rank exits ``128 + signal``.
     """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -151,7 +153,8 @@ def run_main(main: Callable[[list[str] | None], int | None], argv: list[str] | N
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM inside resume_on_interrupt (Terminated)
         signum = getattr(e, "signum", signal.SIGINT)
         hint = getattr(e, "hint", None)
-        if not (signum == signal.SIGTERM and _another_rank_reported()):  # torchrun stopping the job after its error
+        quiet = signum == signal.SIGTERM and _another_rank_reported()  # torchrun stopping the job after its error
+        if not quiet and _first_to_report_interrupt():  # under torchrun: one line for the job (a Ctrl-C hits all)
             print(f"interrupted by {signal.Signals(signum).name}" + (f": {hint}" if hint else ""), file=sys.stderr)
         sys.exit(128 + int(signum))
     sys.exit(int(rc or 0))
@@ -170,6 +173,16 @@ def _first_to_report() -> bool:
     from eagle3.process_group import first_to_report
 
     return first_to_report()
+
+
+def _first_to_report_interrupt() -> bool:
+    """Print the ``interrupted by`` line here? One process: yes; torchrun ranks: the first to stop on the signal
+    (:func:`eagle3.process_group.first_to_report_interrupt`)."""
+    if not _several_ranks():
+        return True
+    from eagle3.process_group import first_to_report_interrupt
+
+    return first_to_report_interrupt()
 
 
 def _another_rank_reported() -> bool:

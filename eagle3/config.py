@@ -654,7 +654,9 @@ class TrainConfig(_Strict):
     grad_clip: float = Field(0.5, gt=0)
     seed: int = 0
     log_every: int = Field(10, ge=1)
-    eval_every: Optional[int] = Field(None, ge=1, description="validate every N optimizer steps (and at the end); default: once per epoch")
+    eval_every: Optional[int] = Field(
+        None, ge=1, description="validate every N optimizer steps (and at the end); default: at the end of each epoch "
+        "(its last optimizer step, whatever the epoch's step count: with batch_tokens it varies from epoch to epoch)")
     select_best: Literal["last", "sim_accept"] = Field(
         "last", description="which weights are exported: the last step's, or those of the validation with the highest "
         "simulated acceptance length tau_sim = 1 + sum_m prod_{j<=m} alpha_j (alpha_j = held-out top-1 of TTT position j; "

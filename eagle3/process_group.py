@@ -74,6 +74,8 @@ def close_process_group(group: Optional[Any] = None, *, barrier: bool = True) ->
 
 # Where the ranks of a torchrun job agree on who prints a user error (see first_to_report); one key per restart.
 REPORT_KEY = "eagle3/user_error_reported/{restart}"
+# ... and on who prints the ``interrupted by SIGINT|SIGTERM`` line of a Ctrl-C (see first_to_report_interrupt).
+INTERRUPT_KEY = "eagle3/interrupt_reported/{restart}"
 
 
 def _agent_store(timeout_s: float):
@@ -96,13 +98,14 @@ def _world() -> int:
         return 1
 
 
-def _reports(add: int, timeout_s: float) -> Optional[int]:
-    """The job's count of ranks that reported a user error after adding ``add`` to it (None: no store)."""
+def _reports(add: int, timeout_s: float, key: str = REPORT_KEY) -> Optional[int]:
+    """The job's count of ranks that reported a user error (``key``: :data:`REPORT_KEY`; :data:`INTERRUPT_KEY`: an
+    interruption) after adding ``add`` to it (None: no store)."""
     store = _agent_store(timeout_s)
     if store is None:
         return None
     try:
-        return int(store.add(REPORT_KEY.format(restart=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), add))
+        return int(store.add(key.format(restart=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), add))
     except Exception:  # noqa: BLE001
         return None
 
@@ -122,6 +125,21 @@ def first_to_report(timeout_s: float = 10.0) -> bool:
     if _world() <= 1:
         return True
     n = _reports(1, timeout_s)
+    return n is None or n == 1
+
+
+def first_to_report_interrupt(timeout_s: float = 10.0) -> bool:
+    """Whether this process prints the ``interrupted by SIGINT|SIGTERM: ...`` line of :func:`eagle3.cli.run_main`.
+
+    One process: yes. Under torchrun a Ctrl-C reaches every rank (the terminal signals the whole foreground process
+    group), and each printed the same line, one copy a rank; now the first rank to stop on it prints, the others
+    print nothing, through the same counter in torchrun's agent store as :func:`first_to_report` (its own key,
+    :data:`INTERRUPT_KEY`, so a user error met at the same time is still printed once). Without the agent's store
+    every rank prints, as before.
+    """
+    if _world() <= 1:
+        return True
+    n = _reports(1, timeout_s, INTERRUPT_KEY)
     return n is None or n == 1
 
 

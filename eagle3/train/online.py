@@ -298,6 +298,22 @@ def check_hidden_states(cfg, data_config: dict) -> None:
     _require_servers(cfg)
 
 
+def unused_shard_states_note(cfg, data_config: dict) -> Optional[str]:
+    """The info line of online training over shards that hold the verifier's hidden states (02 ran offline), else
+    None. Those states are not read: ``online`` asks for the verifier's states of each micro-batch (a user comparing
+    online with offline on the same shards, or measuring online speed, gets what was asked for), and training from
+    the shards is ``train.hidden_states: offline``, one key away; the line says so instead of recomputing silently.
+    """
+    from eagle3.shards.format import is_token_only
+
+    if cfg.train.hidden_states != "online" or is_token_only(data_config):
+        return None
+    return (f"train.hidden_states: online: {cfg.shards_dir} holds the verifier's hidden states too (format "
+            f"{data_config.get('format')!r}, 02 ran offline); they are not read: online computes each micro-batch's "
+            f"states with the verifier (extract.backend {cfg.extract.backend}), as asked; set train.hidden_states: "
+            f"offline to train from the shards without running the verifier")
+
+
 def state_source(cfg, data_config: dict, device: torch.device, feat_dtype: torch.dtype):
     """The hidden-state source of ``cfg.train.hidden_states`` (see the module docstring).
 

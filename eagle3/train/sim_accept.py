@@ -24,8 +24,10 @@ indexing"), so with a small draft vocab ``alpha_j`` is slightly optimistic.
 :class:`BestTracker` keeps the curve (``{train_dir}/sim_accept.json``: one row per validation) and
 the weights of the best validation so far (``{train_dir}/best_drafter.pt``: the trainable tensors,
 written atomically); the run exports those weights when ``select_best`` is ``sim_accept``. A resumed
-run drops the rows after its checkpoint's step (they are recomputed), and the saved best too when it
-was taken after that step.
+run drops the rows after its checkpoint's step (they are recomputed) but keeps the saved best even when
+it was taken after that step (a hard kill between a validation and the next checkpoint): that row is
+marked ``before_resume: true`` and stays the best until a validation of the resumed run beats it, so the
+export is never worse than a validation the killed run had already scored.
 """
 
 from __future__ import annotations
@@ -131,13 +133,22 @@ class BestTracker:
             log.warning("%s: curve scored with chain %s, now %d; rescored", path, old.get("chain"), self.chain)
         self.rows = [self._score(r) for r in old["rows"] if int(r["step"]) <= start_step]
         best = old.get("best")
-        if best is not None and int(best["step"]) <= start_step and (best_path.is_file() or not self.keep_best):
+        if self.keep_best and best_path.is_file():  # written first: newer than the curve after a kill between the two
+            best = _best_file_row(best_path, best)
+        # sim_accept: the best validation stays while its weights are on disk, also one taken after the checkpoint
+        # resumed from (a hard kill between a validation and the next checkpoint): a resumed run that is not
+        # bit-deterministic may validate that step worse, and its weights are real weights of this training.
+        keep = best is not None and (best_path.is_file() if self.keep_best else int(best["step"]) <= start_step)
+        if keep:
             self.best = self._score(dict(best))
+            if int(best["step"]) > start_step:
+                self.best["before_resume"] = True
+                log.info("%s: the best validation so far, step %d (tau_sim(%d) %.4f), came after the checkpoint "
+                         "resumed from (step %d); its weights stay in %s until a validation of this run beats it",
+                         path, int(best["step"]), self.chain, self.best["tau_sim"], start_step, BEST_FILE)
         else:
             best_path.unlink(missing_ok=True)
-            self.best = None
-        if self.best is None and not self.keep_best and self.rows:
-            self.best = max(self.rows, key=lambda r: r["tau_sim"])
+            self.best = max(self.rows, key=lambda r: r["tau_sim"]) if (self.rows and not self.keep_best) else None
 
     def _score(self, row: dict) -> dict:
         row = dict(row)
@@ -148,7 +159,8 @@ class BestTracker:
         """Record the validation at ``step``; save ``drafter``'s trainable tensors when it is the best so far.
 
         Returns:
-            True when this validation is the new best (strictly higher ``tau_sim``; ties keep the earlier one).
+            True when this validation is the new best (strictly higher ``tau_sim``; ties keep the earlier one, except
+            that the same step measured again replaces a best kept from before a resume, ``before_resume``).
         """
         alpha = position_acceptance(val)
         if not self.enabled or not alpha:
@@ -158,12 +170,16 @@ class BestTracker:
         row["tau_sim_all"] = {str(k): round(simulated_tau(alpha, k), 6) for k in sorted({1, 3, 7, len(alpha)})
                               if k <= len(alpha)}
         self.rows = [r for r in self.rows if r["step"] != row["step"]] + [row]
-        is_best = self.best is None or row["tau_sim"] > self.best["tau_sim"]
+        old = self.best
+        # a best kept from before a resume is replaced by the same step's validation measured again at least as high
+        # (a deterministic rerun): the weights are then this run's
+        is_best = old is None or row["tau_sim"] > old["tau_sim"] or (
+            bool(old.get("before_resume")) and old["step"] == row["step"] and row["tau_sim"] >= old["tau_sim"])
         if is_best:
             if self.keep_best:
                 state = {n: p.detach().to("cpu").clone() for n, p in drafter.named_parameters() if p.requires_grad}
-                atomic_torch_save({"step": int(step), "tau_sim": row["tau_sim"], "chain": self.chain, "model": state},
-                                  self.dir / BEST_FILE)
+                atomic_torch_save({"step": int(step), "tau_sim": row["tau_sim"], "chain": self.chain, "row": row,
+                                   "model": state}, self.dir / BEST_FILE)
             self.best = dict(row)
         atomic_write_json(self.dir / CURVE_FILE, self.summary())
         return is_best
@@ -204,6 +220,26 @@ class BestTracker:
         ax.legend()
         fig.tight_layout()
         atomic_save_png(fig, self.dir / PLOT_FILE)
+
+
+def _best_file_row(path: Path, curve_best: Optional[dict]) -> Optional[dict]:
+    """The best row to resume with when ``best_drafter.pt`` exists: the curve's (``curve_best``), unless the file holds
+    another step's weights (a kill between :meth:`BestTracker.update`'s two writes: the file, written first, is the
+    newer best) and records its row (key ``row``); read memory-mapped, so the tensors are not loaded. A file that does
+    not read keeps the curve's row (the export then names the file in its error).
+    """
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # noqa: BLE001 - restore_best / the export report an unusable file in one line
+        return curve_best
+    row = state.get("row") if isinstance(state, dict) else None
+    if not isinstance(row, dict) or "step" not in row or "alpha" not in row:
+        return curve_best  # written before the file recorded its row
+    if curve_best is not None and int(curve_best["step"]) == int(row["step"]):
+        return curve_best
+    log.info("%s: holds the weights of step %s, newer than the best %s names; taking that step as the best", path,
+             row["step"], CURVE_FILE)
+    return dict(row)
 
 
 def _load_best_into(path: Path, drafter: nn.Module, fix: str) -> int:
@@ -291,7 +327,11 @@ def markdown_lines(summary: dict) -> list[str]:
              f"| step | tau_sim({k}) | alpha_1 | alpha_2 | alpha_3 | val loss |", "|---:|---:|---:|---:|---:|---:|"]
     for r in sorted(summary.get("rows") or [], key=lambda r: r["step"]):
         a = list(r["alpha"]) + [float("nan")] * 3
-        mark = " (best)" if best and r["step"] == best.get("step") else ""
+        mark = " (best)" if best and r["step"] == best.get("step") and not best.get("before_resume") else ""
         loss = f"{r['loss']:.4f}" if isinstance(r.get("loss"), (int, float)) else "-"
         lines.append(f"| {r['step']}{mark} | {r['tau_sim']:.4f} | {a[0]:.4f} | {a[1]:.4f} | {a[2]:.4f} | {loss} |")
+    if best.get("before_resume"):
+        lines += ["", f"Best: step {best['step']} before the resume (tau_sim({k}) {best['tau_sim']:.4f}, validated after "
+                  f"the checkpoint the run was resumed from, before it stopped; its weights are in {BEST_FILE} and no "
+                  f"validation since scored higher)."]
     return lines

@@ -25,7 +25,7 @@ One call of :func:`run` does, on every process (single process, or ``torchrun`` 
    step except at log steps (every ``log_every``), where loss, per-TTT-step accuracy, LR, grad
    norm and tokens/s go to TensorBoard (``{train_dir}/tb``), ``{train_dir}/metrics.jsonl`` and the
    tqdm bar (rank 0).
-6. Validation on the ``val`` split every ``eval_every`` steps (default once per epoch) and at the end:
+6. Validation on the ``val`` split every ``eval_every`` steps (default at each epoch's end) and at the end:
    each sample once (rank r takes samples r, r+W, ...), loss and accuracy token-weighted over all of them.
 7. Checkpoints (:mod:`eagle3.train.checkpoint`) every ``ckpt_every`` steps, on SIGTERM/SIGINT (the current
    step finishes first, then :func:`run` returns with ``stopped``; 04's CLI exits 128 + signal) and at the end; ``resume=True``
@@ -573,10 +573,11 @@ class _TrainData:
         kw = _loader_kwargs(t, d.device, d.world)
         self.token_budget = t.batch_tokens is not None
         if self.token_budget:
-            from eagle3.data.batching import TokenBudgetBatchSampler, sample_lengths
+            from eagle3.data import batching
 
-            lengths = sample_lengths(cfg.shards_dir, train_ds, train_ds.max_length)
-            self.sampler = TokenBudgetBatchSampler(lengths, t.batch_tokens, d.world, d.rank, t.grad_accum, t.seed)
+            lengths = batching.sample_lengths(cfg.shards_dir, train_ds, train_ds.max_length)
+            self.sampler = batching.TokenBudgetBatchSampler(lengths, t.batch_tokens, d.world, d.rank, t.grad_accum,
+                                                            t.seed, window=batching.DEFAULT_WINDOW)
             self.loader = DataLoader(train_ds, batch_sampler=self.sampler, **kw)
             self.total_steps = self.sampler.total_steps(t.epochs)
         else:
@@ -873,27 +874,67 @@ def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: O
 def _run_locked(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: Optional[int],
                 stop_after: Optional[int], export: Optional[Callable], init: Optional[Callable],
                 stop_at: Optional[int], lock: Callable[[], None]) -> dict:
-    """:func:`_run`'s steps; ``lock()`` takes 04's lock (called by :func:`_load_inputs` before its first write)."""
-    with _undo_on_refusal(cfg.train_dir, d.is_main):
-        inputs = _load_inputs(cfg, d, resume, init, stop, lock)
+    """:func:`_run`'s steps; ``lock()`` takes 04's lock (called by :func:`_load_inputs` before its first write). Every
+    warning logged meanwhile (rank 0) is listed in ``train_report.json`` ``warnings`` (:func:`_collect_warnings`)."""
+    with _collect_warnings(d.is_main) as warned:
+        with _undo_on_refusal(cfg.train_dir, d.is_main):
+            inputs = _load_inputs(cfg, d, resume, init, stop, lock)
+            try:
+                data = _build_data(cfg, d, inputs, max_steps)
+                stop_before_training(stop, d)
+                run_ = _Training(cfg, d, inputs, data, _build_optimisation(cfg, d, inputs, data.total_steps), warned)
+                if resume:
+                    run_.restore(stop_at)
+                else:
+                    run_.set_stop_at(stop_at)
+                stop_before_training(stop, d)  # a signal during start-up: no resume line, no step
+                run_.announce_resume()
+            except BaseException:
+                inputs.states.close()
+                raise
         try:
-            data = _build_data(cfg, d, inputs, max_steps)
-            stop_before_training(stop, d)
-            run_ = _Training(cfg, d, inputs, data, _build_optimisation(cfg, d, inputs, data.total_steps))
-            if resume:
-                run_.restore(stop_at)
-            else:
-                run_.set_stop_at(stop_at)
-            stop_before_training(stop, d)  # a signal during start-up: no resume line, no step
-            run_.announce_resume()
-        except BaseException:
+            run_.loop(stop, stop_after)
+            return run_.finish(stop, export)
+        finally:
             inputs.states.close()
-            raise
+
+
+class _WarningLines(logging.Handler):
+    """A logging handler that lists the messages of WARNING records and above, each text once (in ``lines``)."""
+
+    def __init__(self, lines: list[str]):
+        super().__init__(level=logging.WARNING)
+        self.lines = lines
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            msg = record.getMessage()  # formatted now: a logged dict changed later keeps the text that was shown
+        except Exception:  # noqa: BLE001 - a bad log call must not stop training
+            return
+        if msg not in self.lines:
+            self.lines.append(msg)
+
+
+@contextlib.contextmanager
+def _collect_warnings(enabled: bool):
+    """Within the block, every warning logged by an ``eagle3`` logger (the trainer's, the checkpoint loader's, the
+    schedule's on a resume, ...) is appended to the yielded list, once per text: ``train_report.json``'s
+    ``warnings``. Before, only the few a call site also appended there were listed, so a resume's warnings (an unusable
+    newest checkpoint skipped, the lr schedule re-stretched, RNG states reseeded) were in the log only.
+
+    Args:
+        enabled: collect (rank 0, which writes the report); else the list stays empty.
+    """
+    lines: list[str] = []
+    handler = _WarningLines(lines) if enabled else None
+    target = logging.getLogger("eagle3")
+    if handler is not None:
+        target.addHandler(handler)
     try:
-        run_.loop(stop, stop_after)
-        return run_.finish(stop, export)
+        yield lines
     finally:
-        inputs.states.close()
+        if handler is not None:
+            target.removeHandler(handler)
 
 
 @contextlib.contextmanager
@@ -1135,7 +1176,7 @@ def _load_inputs(cfg: RunConfig, d: DistInfo, resume: bool, init: Optional[Calla
     is written, so a bad input is the first error and leaves no empty train/ folder behind), the folder check,
     verifier head, drafter init, and the hidden-state source (shards, or the verifier / capture servers for
     ``train.hidden_states: online``). A signal (``stop``) is honoured between these (:func:`stop_before_training`)."""
-    from eagle3.train.online import check_hidden_states, state_source
+    from eagle3.train.online import check_hidden_states, state_source, unused_shard_states_note
 
     data_config = read_data_config(cfg.shards_dir)
     check_verifier(cfg.verifier, data_config, cfg.shards_dir)  # first: another verifier explains the other differences
@@ -1183,6 +1224,9 @@ def _load_inputs(cfg: RunConfig, d: DistInfo, resume: bool, init: Optional[Calla
         init_from=cfg.train.init_from if warm else None)
     del head
     stop_before_training(stop, d)
+    unused = unused_shard_states_note(cfg, data_config)  # online over shards with states: said, not silent
+    if unused and d.is_main:
+        log.info(unused)
     inputs.states = state_source(cfg, data_config, d.device, feat_dtype)  # online: loads the verifier
     return inputs
 
@@ -1196,7 +1240,7 @@ class _Data:
     order: "_TrainData"
     total_steps: int
     val_lengths: Optional[list[int]]
-    eval_every: int
+    eval_every: Optional[int]  # train.eval_every; None = at the end of each epoch (:meth:`_Training.eval_due`)
     horizon: Optional[int]  # max_steps / train.max_steps (None = the epochs decide)
     horizon_from: str = "train.epochs"  # what sets total_steps, for messages: "--max-steps N" / "train.max_steps N"
 
@@ -1233,8 +1277,7 @@ def _build_data(cfg: RunConfig, d: DistInfo, inputs: _Inputs, max_steps: Optiona
             log.info(note)
     if val_ds is None and t.select_best == "sim_accept" and d.is_main:
         log.warning(_no_val_selection(cfg))
-    return _Data(train_ds, val_ds, order, total_steps, val_lengths, t.eval_every or order.steps_in_epoch(0), horizon,
-                 horizon_from)
+    return _Data(train_ds, val_ds, order, total_steps, val_lengths, t.eval_every, horizon, horizon_from)
 
 
 def _no_val_selection(cfg: RunConfig) -> str:
@@ -1293,7 +1336,8 @@ class _Training:
     :meth:`after_step` (the hooks that run between optimizer steps: validation, checkpoint, stop),
     :meth:`validate`, :meth:`save`, :meth:`finish`)."""
 
-    def __init__(self, cfg: RunConfig, d: DistInfo, inputs: _Inputs, data: _Data, opt: _Optimisation):
+    def __init__(self, cfg: RunConfig, d: DistInfo, inputs: _Inputs, data: _Data, opt: _Optimisation,
+                 warnings: Optional[list[str]] = None):
         self.cfg, self.t, self.d = cfg, cfg.train, d
         self.inputs, self.data, self.opt = inputs, data, opt
         self.train_dir = cfg.train_dir
@@ -1304,7 +1348,9 @@ class _Training:
         self.stopped = False
         self.metrics: Optional[_Metrics] = None
         self.tracker = None  # eagle3.train.sim_accept.BestTracker, started with the loop
-        self.warnings: list[str] = []  # one-line warnings of this call, also in train_report (key 'warnings')
+        # one-line warnings of this call (train_report's key 'warnings'): filled by _collect_warnings, which lists
+        # every warning logged
+        self.warnings: list[str] = [] if warnings is None else warnings
         self.tok_total, self.t_total = 0.0, 0.0
 
     @property
@@ -1385,9 +1431,8 @@ class _Training:
                             f"checkpoint resumed from ({path}) is at step {self.step} already; ask for more steps, or "
                             f"export that checkpoint with --export-only")
         self.set_stop_at(stop_at)
-        if changes:
-            self.warnings.append(f"resumed from {path.name} with other training settings: {'; '.join(changes)}")
-            log.warning("%s: %s", path, self.warnings[-1])
+        if changes:  # (in train_report's warnings too, as every warning: _collect_warnings)
+            log.warning("%s: resumed from %s with other training settings: %s", path, path.name, "; ".join(changes))
         elif state.get("recipe") is None and state["config_fingerprint"] != o.fingerprint:  # fields unknown
             log.warning("%s: training settings differ from the checkpoint's (fingerprint %s != %s)", path,
                         state["config_fingerprint"], o.fingerprint)
@@ -1540,8 +1585,7 @@ class _Training:
         t = self.t
         self.metrics = _Metrics(self.train_dir, self.step, self.d.is_main, finished=self.step >= self.total_steps)
         chain, capped = effective_chain(t.select_chain, self.cfg.benchmark.steps, t.ttt_length)
-        if capped and self.d.is_main:  # once per call, also in train_report's warnings
-            self.warnings.append(capped)
+        if capped and self.d.is_main:  # once per call, also in train_report's warnings (_collect_warnings)
             log.warning(capped)
         self.tracker = BestTracker(self.train_dir, chain, self.d.is_main, start_step=self.step,
                                    keep_best=t.select_best == "sim_accept")
@@ -1626,11 +1670,11 @@ class _Training:
         the stop decision (all ranks agree), checkpoints. Returns True when the run stops here."""
         t, d = self.t, self.d
         t_pause = time.perf_counter()
-        if self.step % self.data.eval_every == 0 and self.step != self.end_step:  # the end step: finish() validates
+        if self.eval_due() and self.step != self.end_step:  # the end step: finish() validates
             val = self.validate()
-            if val:
-                self.metrics.write({"kind": "val", "step": self.step, "epoch": self.epoch, **val})
+            if val:  # the best weights on disk before the row is logged: a logged validation is never lost
                 self.tracker.update(self.step, self.epoch, val, self.inputs.drafter)
+                self.metrics.write({"kind": "val", "step": self.step, "epoch": self.epoch, **val})
         want_stop = stop.requested or (stop_after is not None and self.steps_this_call >= stop_after)
         self.stopped = _any_rank(want_stop, d)
         if self.step % t.ckpt_every == 0 or self.stopped or self.step == self.end_step:
@@ -1640,6 +1684,16 @@ class _Training:
             why = f"signal {stop.signum}" if stop.signum else f"stop_after={stop_after}"
             log.info("stopped at step %d (%s); checkpoint %s", self.step, why, self.last_ckpt)
         return self.stopped
+
+    def eval_due(self) -> bool:
+        """Validate after this optimizer step? Every ``train.eval_every`` steps when it is set; else at the end of each
+        epoch: its last step, counted by the epoch's own step count. That count varies with ``train.batch_tokens``
+        (each epoch's batches are re-planned: 640, 639, 639, 640 steps for 6,000 samples of 5-400 tokens at 2,048),
+        and with a resume on another process count; the default used to be the first epoch's step count, so
+        validations drifted off the epoch ends (steps 640, 1,280, 1,920 against epoch ends 640, 1,279, 1,918)."""
+        if self.data.eval_every is not None:
+            return self.step % self.data.eval_every == 0
+        return self.step_in_epoch >= self.data.order.steps_in_epoch(self.epoch)
 
     # ---- end -----------------------------------------------------------------------------------
     def finish(self, stop: StopFlag, export: Optional[Callable] = None) -> dict:
@@ -1666,8 +1720,8 @@ class _Training:
         final_val = self.validate()
         self._check_states()
         if final_val:
-            self.metrics.write({"kind": "val", "step": self.step, "epoch": self.epoch, **final_val})
             self.tracker.update(self.step, self.epoch, final_val, self.inputs.drafter)
+            self.metrics.write({"kind": "val", "step": self.step, "epoch": self.epoch, **final_val})
         result["final_val"] = final_val
         self.metrics.close()
         if d.is_main:
@@ -1687,10 +1741,9 @@ class _Training:
         result["sim_accept"] = dict(self.tracker.summary(), select_best=sel, exported_step=self.tracker.restore_best(
             self.inputs.drafter) if sel == "sim_accept" else None)
         if sel == "sim_accept" and result["sim_accept"]["exported_step"] is None:  # nothing was selected
-            self.warnings.append(_no_val_selection(self.cfg) if self.data.val_ds is None else
-                                 f"train.select_best: sim_accept found no best weights to restore; the last "
-                                 f"step's weights (step {self.step}) are exported instead")
-            log.warning(self.warnings[-1])
+            log.warning(_no_val_selection(self.cfg) if self.data.val_ds is None else
+                        f"train.select_best: sim_accept found no best weights to restore; the last step's weights "
+                        f"(step {self.step}) are exported instead")
         self.tracker.plot()
         if export is not None:
             prov = export_provenance(self.train_dir, self.last_ckpt, self.step, sel,

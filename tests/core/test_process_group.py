@@ -206,3 +206,73 @@ def test_a_bad_config_under_torchrun_prints_one_error_line(tmp_path):
     assert p.returncode != 0
     assert errors == ["error: --set train.lr=x: field 'train.lr': Input should be a valid number, unable to parse "
                       "string as a number (got 'x')"], p.stderr[-3000:]
+
+
+INTERRUPTED = textwrap.dedent("""
+    import sys
+    from eagle3.cli import resume_on_interrupt, run_main
+
+    def main(argv):
+        with resume_on_interrupt(lambda: "3 finished shards kept; re-run the same command to resume"):
+            raise KeyboardInterrupt  # Ctrl-C
+    run_main(main)
+""")
+
+
+def test_a_ctrl_c_is_reported_by_the_first_rank_only(tmp_path):
+    """A Ctrl-C under torchrun reaches every rank (the terminal signals the whole foreground process group), and each
+    printed ``interrupted by SIGINT: ...``, one copy a rank. The ranks now claim a counter in torchrun's agent store
+    (a TCPStore this test hosts, as the agent does), as for a user error but under its own key: the first rank to stop
+    prints, the others print nothing, every rank exits 130; a user error met afterwards is still printed once. Without
+    the agent's store every rank prints (nothing is hidden)."""
+    script = tmp_path / "worker.py"
+    script.write_text(INTERRUPTED)
+    errors = tmp_path / "errors.py"
+    errors.write_text(ONE_ERROR)
+    agent = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    line = "interrupted by SIGINT: 3 finished shards kept; re-run the same command to resume\n"
+    assert _rank(script, "x", 1, agent.port) == (130, line)
+    assert _rank(script, "x", 0, agent.port) == (130, "")
+    assert _rank(errors, "bad", 0, agent.port) == (2, "error: run.yaml:3: field 'train.lr': bad\n")
+    assert _rank(script, "x", 0, agent.port, agent_store=False) == (130, line)
+    assert _rank(script, "x", 1, agent.port, agent_store=False) == (130, line)
+
+
+SLEEPER = textwrap.dedent("""
+    import os, sys, time
+    from eagle3.cli import resume_on_interrupt, run_main
+
+    def main(argv):
+        with resume_on_interrupt(lambda: "re-run the same command to resume"):
+            open(os.path.join(sys.argv[1], "ready" + os.environ["RANK"]), "w").close()
+            time.sleep(120)
+    run_main(main)
+""")
+
+
+@pytest.mark.slow
+def test_ctrl_c_under_torchrun_prints_one_interrupted_line(tmp_path):
+    """The real thing: ``torchrun --nproc_per_node 2`` and a Ctrl-C (SIGINT to the whole process group, as a terminal
+    sends it) once both ranks run: one ``interrupted by SIGINT`` line (was two)."""
+    import signal
+    import time
+
+    script = tmp_path / "worker.py"
+    script.write_text(SLEEPER)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
+           str(tmp_path)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # its own process group: the test's Ctrl-C goes to it alone
+    try:
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / f"ready{r}").exists() for r in (0, 1)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    lines = [ln for ln in out.splitlines() if "interrupted by" in ln]
+    assert lines == ["interrupted by SIGINT: re-run the same command to resume"], out[-3000:]

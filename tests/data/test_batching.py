@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -218,6 +219,25 @@ def test_train_token_budget_resume_matches_uninterrupted(tmp_path):
     b = ckpt.load_checkpoint(ckpt.list_checkpoints(cfg.train_dir)[-1][1])["model"]
     for k in a:
         torch.testing.assert_close(b[k], a[k], atol=0, rtol=0, msg=k)
+
+
+def test_default_validation_with_token_budgets_is_at_each_epoch_end(tmp_path, monkeypatch):
+    """train.batch_tokens re-plans each epoch's batches, so epochs differ in steps (7, 8, 8 here, with sorting windows
+    of 4 samples; 640, 639, 639, 640 for 6,000 real samples). Without train.eval_every, 04 validated every
+    `steps of epoch 0` steps (7, 14, 21), drifting off the epoch ends; now it validates at each epoch's last step."""
+    from eagle3.data import batching
+    from eagle3.train.trainer import run
+
+    monkeypatch.setattr(batching, "DEFAULT_WINDOW", 4)
+    train = {"epochs": 3, "batch_tokens": 30, "ckpt_every": 100, "log_every": 1, "eval_every": None}
+    cfg = load_config(make_tiny_run(tmp_path, n_train=12, n_val=2, train=train))
+    lengths = [(12, 9, 16, 7)[i % 4] for i in range(12)]  # make_tiny_run's training samples
+    per_epoch = [TokenBudgetBatchSampler(lengths, 30, seed=0, window=4).steps_in_epoch(e) for e in range(3)]
+    assert per_epoch == [7, 8, 8]  # (the test needs epochs of different lengths)
+    r = run(cfg, device="cpu")
+    rows = [json.loads(x) for x in (cfg.train_dir / "metrics.jsonl").read_text().splitlines()]
+    val = [(v["step"], v["epoch"]) for v in rows if v["kind"] == "val"]
+    assert r["step"] == 23 and val == [(7, 0), (15, 1), (23, 2)]
 
 
 def test_all_finite_fast_path_agrees_with_isfinite():

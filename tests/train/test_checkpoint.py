@@ -205,6 +205,32 @@ def test_resume_with_changed_recipe_names_fields_and_reports_what_was_used(tmp_p
     assert max(lrs) <= 0.001  # the schedule of lr 0.001 went on
 
 
+def test_warnings_logged_during_a_resume_are_listed_in_the_report(tmp_path, caplog):
+    """A resume's warnings were in the log only: train_report.json's `warnings` listed the few a call site appended
+    there (the changed-settings line), not the skipped unusable newest checkpoint, the older one used instead, or the
+    re-stretched lr schedule. Now every warning logged during the call is listed, each text once."""
+    from eagle3.train.trainer import run
+
+    path = make_tiny_run(tmp_path, train={"epochs": 2, "ckpt_every": 1, "keep_checkpoints": 5})
+    run(load_config(path), stop_after=3, device="cpu")
+    cfg = load_config(path, ["train.epochs=3", "train.lr=0.05"])
+    ckpt.ckpt_path(cfg.train_dir, 3).write_bytes(b"broken")  # the newest checkpoint does not load
+    with caplog.at_level(logging.WARNING):
+        run(cfg, resume=True, device="cpu")
+    logged = [r for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("eagle3")]
+    rep = json.loads((cfg.train_dir / "train_report.json").read_text())["warnings"]
+    assert len(logged) == len(rep) == 4 and all(w in caplog.text for w in rep), rep  # (caplog.text: as logged then)
+    assert rep[0].startswith("skipping unusable checkpoint: ") and "step_00000003.pt" in rep[0]
+    assert rep[1] == "using step_00000002.pt (step 2), not the newest checkpoint file step_00000003.pt, which does not load"
+    assert rep[2].endswith("step_00000002.pt: resumed from step_00000002.pt with other training settings: train.epochs "
+                           "2.0 -> 3.0 (the lr schedule is re-stretched to the new horizon); train.lr: the config's "
+                           "0.05 is not used; the checkpoint's 0.01 is kept with its optimizer state and lr schedule")
+    assert "LR schedule {'warmup_steps': 2, 'total_steps': 8} in the checkpoint, now {'warmup_steps': 3, " \
+           "'total_steps': 12} (train.epochs 2.0 -> 3.0)" in rep[3]
+    md = (cfg.train_dir / "train_report.md").read_text()
+    assert "- **warning**: using step_00000002.pt (step 2), not the newest checkpoint file" in md
+
+
 def test_check_recipe_says_which_value_is_used():
     saved = {"train.lr": 0.001, "train.grad_clip": 1.0, "train.step_weight": 1.0}
     notes = ckpt.check_recipe("c.pt", saved, {**saved, "train.lr": 0.05, "train.grad_clip": 0.5})

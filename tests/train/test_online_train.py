@@ -222,6 +222,29 @@ def test_online_from_servers_without_urls_is_refused_before_the_head_is_extracte
     assert not cfg.train_dir.exists()
 
 
+def test_online_over_shards_with_states_says_they_are_not_read(prepared, tiny_llama_dir, tmp_path, caplog):
+    """train.hidden_states: online over shards 02 wrote offline (hidden states inside) recomputed every state with the
+    verifier without a word. One info line now says the shards' states are not read, why, and the key that reads them;
+    over token-only samples there is nothing to say."""
+    import logging
+
+    from eagle3.train.trainer import run
+
+    _p, on = _train_cfg(prepared, "offline", tiny_llama_dir, True, tmp_path / "full", max_steps=1)
+    with caplog.at_level(logging.INFO, logger="eagle3.train"):
+        assert run(on, device="cpu")["hidden_states"] == "online"
+    lines = [r.getMessage() for r in caplog.records if "they are not read" in r.getMessage()]
+    assert lines == [f"train.hidden_states: online: {on.shards_dir} holds the verifier's hidden states too (format "
+                     f"'speculators-v1', 02 ran offline); they are not read: online computes each micro-batch's states "
+                     f"with the verifier (extract.backend hf), as asked; set train.hidden_states: offline to train "
+                     f"from the shards without running the verifier"]
+    caplog.clear()
+    _p, tok = _train_cfg(prepared, "online", tiny_llama_dir, True, tmp_path / "tokens", max_steps=1)
+    with caplog.at_level(logging.INFO, logger="eagle3.train"):
+        run(tok, device="cpu")
+    assert "they are not read" not in caplog.text
+
+
 def test_online_equals_offline_bitwise(prepared, tiny_llama_dir, tmp_path):
     from eagle3.train.trainer import run
 

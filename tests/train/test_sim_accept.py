@@ -20,7 +20,8 @@ from eagle3.export.from_checkpoint import export_for_run, export_from_checkpoint
 from eagle3.export.serving import load_exported
 from eagle3.io import safe_torch_load
 from eagle3.train import checkpoint as ckpt
-from eagle3.train.sim_accept import BEST_FILE, CURVE_FILE, PLOT_FILE, BestTracker, position_acceptance, simulated_tau
+from eagle3.train.sim_accept import (BEST_FILE, CURVE_FILE, PLOT_FILE, BestTracker, markdown_lines, position_acceptance,
+                                     simulated_tau)
 from eagle3.train.trainer import run
 
 
@@ -78,22 +79,86 @@ def test_tracker_keeps_best_weights_and_restores_them(tmp_path):
     assert (tmp_path / PLOT_FILE).stat().st_size > 1000
 
 
-def test_tracker_resume_drops_later_rows_and_a_later_best(tmp_path):
+def test_tracker_resume_drops_later_rows_but_keeps_a_later_best_with_its_weights(tmp_path):
     m = _Tiny()
     tr = BestTracker(tmp_path, chain=3, enabled=True, keep_best=True)
     tr.update(10, 0, _val(0.5, 0.5, 0.5), m)
-    tr.update(20, 1, _val(0.9, 0.9, 0.9), m)  # best, at step 20
+    with torch.no_grad():
+        m.w.fill_(7.0)
+    tr.update(20, 1, _val(0.9, 0.9, 0.9), m)  # best, at step 20 (tau 3.439)
     # resumed from the step-20 checkpoint: everything kept
     r20 = BestTracker(tmp_path, chain=3, enabled=True, start_step=20, keep_best=True)
-    assert [r["step"] for r in r20.rows] == [10, 20] and r20.best["step"] == 20
-    # resumed from step 15: the step-20 row and the step-20 best are gone (their weights are not this run's)
+    assert [r["step"] for r in r20.rows] == [10, 20] and r20.best["step"] == 20 and "before_resume" not in r20.best
+    # resumed from step 15 (killed after the step-20 validation, before its checkpoint): the step-20 row is redone,
+    # but the step-20 best stays with its weights until the resumed run beats it
     r15 = BestTracker(tmp_path, chain=3, enabled=True, start_step=15, keep_best=True)
-    assert [r["step"] for r in r15.rows] == [10] and r15.best is None and not (tmp_path / BEST_FILE).exists()
-    assert r15.restore_best(m) is None
-    assert r15.update(20, 1, _val(0.1, 0.1, 0.1), m)  # the first validation after the resume is the best again
+    assert [r["step"] for r in r15.rows] == [10] and r15.best["step"] == 20 and r15.best["before_resume"] is True
+    assert r15.best["tau_sim"] == pytest.approx(1 + 0.9 + 0.81 + 0.729)
+    with torch.no_grad():
+        m.w.fill_(1.0)
+    assert not r15.update(20, 1, _val(0.8, 0.8, 0.8), m)  # the rerun validated step 20 worse: the old best stays
+    assert r15.restore_best(m) == 20 and torch.equal(m.w.detach(), torch.full((3,), 7.0))
+    assert "Best: step 20 before the resume (tau_sim(3) 3.4390" in "\n".join(markdown_lines(r15.summary()))
+    with torch.no_grad():
+        m.w.fill_(1.0)
+    assert r15.update(20, 1, _val(0.9, 0.9, 0.9), m)  # measured again as high: this run's weights replace it
+    assert "before_resume" not in r15.best and json.loads((tmp_path / CURVE_FILE).read_text())["best"]["step"] == 20
+    assert r15.restore_best(m) == 20 and torch.equal(m.w.detach(), torch.full((3,), 1.0))
+    # select_best: last keeps no weights: a best after the checkpoint is dropped with its row
+    last = BestTracker(tmp_path, chain=3, enabled=True, start_step=15, keep_best=False)
+    assert [r["step"] for r in last.rows] == [10] and last.best["step"] == 10
     # a fresh run (step 0) starts the curve anew
     fresh = BestTracker(tmp_path, chain=3, enabled=True, start_step=0, keep_best=True)
-    assert fresh.rows == [] and not (tmp_path / CURVE_FILE).exists()
+    assert fresh.rows == [] and not (tmp_path / CURVE_FILE).exists() and not (tmp_path / BEST_FILE).exists()
+
+
+def test_a_resume_after_a_hard_kill_keeps_the_best_validation_of_the_killed_run(tmp_path, monkeypatch):
+    """SIGKILL after the step-3 validation (the best so far) and before the step-4 checkpoint: the resumed run starts
+    at step 2, and a rerun that is not bit-deterministic may validate step 3 worse. Before, the resume dropped the
+    step-3 best (and best_drafter.pt), so the export held a later, worse validation's weights than the killed run had
+    reported; now the step-3 score, step and weights are kept until a validation beats them."""
+    from eagle3.train.trainer import _Training
+
+    cfg = load_config(make_tiny_run(tmp_path, n_train=8, n_val=4, train={
+        "epochs": 3, "eval_every": 1, "ckpt_every": 2, "keep_checkpoints": 100, "select_best": "sim_accept",
+        "lr": 5e-2}))
+    run(cfg, stop_after=3, device="cpu")  # validates steps 1..3, checkpoints at 2 and 3
+    before = json.loads((cfg.train_dir / CURVE_FILE).read_text())["best"]
+    weights = safe_torch_load(cfg.train_dir / BEST_FILE)["model"]
+    assert before["step"] == 3  # (this seed's best of steps 1..3, and of the whole run: the test needs it)
+    (ckpt.ckpt_dir(cfg.train_dir) / "step_00000003.pt").unlink()  # the kill: no checkpoint after the validation
+    real = _Training.validate
+
+    def rerun_validates_step_3_worse(self):  # a non-deterministic rerun (e.g. other GPU kernels) scoring lower
+        val = real(self)
+        return {k: (v * 0.5 if k.startswith("acc_") else v) for k, v in val.items()} if self.step == 3 else val
+
+    monkeypatch.setattr(_Training, "validate", rerun_validates_step_3_worse)
+    r = run(cfg, resume=True, device="cpu", export=export_for_run)
+    sa = r["sim_accept"]
+    assert max(row["tau_sim"] for row in sa["rows"]) < before["tau_sim"]  # the resumed run never reaches it
+    assert sa["best"]["step"] == sa["exported_step"] == 3 and sa["best"]["before_resume"] is True
+    assert sa["best"]["tau_sim"] == pytest.approx(before["tau_sim"])
+    exported = load_file(str(cfg.export_dir / "model.safetensors"))
+    assert torch.equal(exported["fc.weight"], weights["fc.weight"].bfloat16())
+    assert "Best: step 3 before the resume" in (cfg.train_dir / "train_report.md").read_text()
+
+
+def test_a_kill_between_the_best_file_and_the_curve_resumes_with_the_file_s_best(tmp_path):
+    """update() writes best_drafter.pt, then sim_accept.json: a kill between the two left the file with step 20's
+    weights and the curve naming step 10 as the best, and a resume reported step 10 while exporting step 20's
+    weights (--export-only refused the mismatch). The file records its row, and a resume takes it."""
+    m = _Tiny()
+    tr = BestTracker(tmp_path, chain=3, enabled=True, keep_best=True)
+    tr.update(10, 0, _val(0.5, 0.5, 0.5), m)
+    curve = (tmp_path / CURVE_FILE).read_text()
+    with torch.no_grad():
+        m.w.fill_(4.0)
+    tr.update(20, 1, _val(0.9, 0.9, 0.9), m)
+    (tmp_path / CURVE_FILE).write_text(curve)  # the kill: the curve of before the step-20 validation
+    r = BestTracker(tmp_path, chain=3, enabled=True, start_step=15, keep_best=True)
+    assert r.best["step"] == 20 and r.best["tau_sim"] == pytest.approx(3.439) and r.best["before_resume"] is True
+    assert r.restore_best(m) == 20 and r.summary()["best"]["alpha"] == [0.9, 0.9, 0.9]
 
 
 def _trainable(d) -> dict:
