@@ -1178,10 +1178,9 @@ def _weights_record(cfg: RunConfig) -> dict:
     (:func:`eagle3.verifier.weights_fingerprint`), or ``{}`` when its folder holds none: 03 and 04 compare it
     (:func:`eagle3.shards.format.check_verifier`), so a
     ``verifier.path`` pointed at another model under the same ``verifier.name`` is refused, not trained against."""
-    from eagle3.verifier import weights_fingerprint
+    from eagle3.verifier import weights_record
 
-    fp = weights_fingerprint(cfg.verifier)
-    return {"verifier_weights": fp} if fp else {}
+    return weights_record(cfg.verifier)
 
 
 def _finalise(cfg: RunConfig, root: Path, p: _Prepared, n_resumed: int, written: int, t_cap: float,

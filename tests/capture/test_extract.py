@@ -393,7 +393,7 @@ def test_changed_prompts_settings_refused(tmp_path, tiny_llama_dir, tiny_backend
     with pytest.raises(UserError) as e:
         _run(cfg2, tiny_backend, limit=2)
     assert str(e.value) == (f"{cfg.root / 'prompts_report.json'}: prompts.jsonl was made with other prompts settings "
-                            "than this config's (changed sample_size: None -> 3; seed: 0 -> 7); re-run "
+                            "than this config's (changed sample_size: None -> 3); re-run "
                             "01_prepare_prompts.py with this config first")
     # the limit of 01's --limit and a verifier-section setting are not prompts: settings
     _prompts_report(cfg, limit=5, verifier="other")
@@ -413,11 +413,11 @@ def test_changed_prompts_settings_refused(tmp_path, tiny_llama_dir, tiny_backend
     assert "(changed max_context_tokens (prompts.max_context_tokens, else extract.max_length): 64 -> 128); re-run " \
         "01_prepare_prompts.py" in str(e.value)
     # settings 01 took from its command line are named, so a re-run gives them again
-    report_path(cfg).write_text(json.dumps({"settings": {**settings(cfg, None), "seed": 3},
+    report_path(cfg).write_text(json.dumps({"settings": {**settings(cfg, None), "dedupe": False},
                                             "cli_overrides": ["source", "regenerate"]}))
     with pytest.raises(UserError) as e:
         _run(cfg, tiny_backend, limit=2)
-    assert str(e.value).endswith("(changed seed: 3 -> 0); re-run 01_prepare_prompts.py with this config first (it was "
+    assert str(e.value).endswith("(changed dedupe: False -> True); re-run 01_prepare_prompts.py with this config first (it was "
                                  "run with --source, --regenerate on its command line: give them again, or put them "
                                  "in the config)")
 
