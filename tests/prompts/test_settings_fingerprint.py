@@ -6,32 +6,14 @@ when greedy, the local dtype of a server regeneration) does not count, and repor
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
-import torch
 
 from eagle3.config import load_config
 from eagle3.errors import UserError
 from eagle3.prompts.prepare_prompts import report_path, run, settings
 
 from test_prompts import A, U, _jsonl
-
-
-@pytest.fixture(scope="module")
-def other_weights_dir(tmp_path_factory, tiny_llama_dir):
-    """The tiny Llama's folder with other random weights of the same shapes (config and tokenizer copied)."""
-    from transformers import LlamaForCausalLM
-
-    out = tmp_path_factory.mktemp("tiny-llama-other")
-    shutil.copytree(tiny_llama_dir, out, dirs_exist_ok=True)
-    model = LlamaForCausalLM.from_pretrained(tiny_llama_dir)
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.5)
-    model.save_pretrained(out)
-    return out
 
 
 def _regen_config(tmp_path, verifier_dir, src, out="out", extra=""):
