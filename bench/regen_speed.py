@@ -252,7 +252,9 @@ def step_ms(model, slots: int, width: int, max_new: int, graphs: bool, reps: int
 
 
 def bound(model, st: dict, cfg, batch_size: int, max_new: int, bandwidth: float | None) -> dict:
-    """Launch floor (column bound of one width_step) vs a full-cache step vs the measured step."""
+    """Launch floor (column bound of one width_step) vs a full-cache step vs the measured step. ``verdict``:
+    ``launch-bound`` when the floor is at least 0.6 of the measured step, else ``memory-bound`` where a bandwidth is
+    known (bytes/s; its share of a full-cache step is given), or ``not launch-bound (memory bandwidth unknown)``."""
     from eagle3.prompts.prepare_prompts import max_context_tokens
 
     es = st.get("engine_stats") or {}
@@ -265,7 +267,8 @@ def bound(model, st: dict, cfg, batch_size: int, max_new: int, bandwidth: float 
     full_bytes = batch_size * max_len * es.get("kv_bytes_per_token", 0)
     out = {"step_ms_launch_floor": small, "step_ms_full_cache": full, "step_ms_measured": measured,
            "floor_share_of_measured": small / measured,
-           "verdict": "launch-bound" if small >= 0.6 * measured else "memory-bound"}
+           "verdict": "launch-bound" if small >= 0.6 * measured
+           else "memory-bound" if bandwidth else "not launch-bound (memory bandwidth unknown)"}
     if bandwidth and full_bytes:
         out["full_cache_step_bandwidth_share"] = full_bytes / (full / 1000) / bandwidth
     return out

@@ -66,6 +66,20 @@ def test_markdown_says_the_roofline_is_unknown_without_a_bandwidth():
     assert "context cap 16; HBM bandwidth 4335 GB/s (device copy)." in md and "| ratio to roofline |" in md
 
 
+def test_bound_is_not_called_memory_bound_without_a_bandwidth(tmp_path, monkeypatch):
+    """A step far above its launch floor was called memory-bound on the CPU, where no bandwidth was measured to
+    compare its bytes with: it is 'not launch-bound (memory bandwidth unknown)' there, memory-bound with one."""
+    from eagle3.config import load_config
+
+    monkeypatch.setattr(rsp, "step_ms", lambda model, slots, width, *a, **k: 1.0 if width == 256 else 2.0)
+    f = tmp_path / "c.yaml"
+    f.write_text("run_name: t\nverifier: {path: x}\nprompts: {source: humaneval}\n")
+    st = {"seconds": 1.0, "decode_steps": 100, "engine_stats": {"kv_bytes_per_token": 4}}  # 10 ms a step
+    assert rsp.bound(None, st, load_config(f), 4, 8, None)["verdict"] == "not launch-bound (memory bandwidth unknown)"
+    b = rsp.bound(None, st, load_config(f), 4, 8, 1e12)
+    assert b["verdict"] == "memory-bound" and b["full_cache_step_bandwidth_share"] > 0
+
+
 def test_bench_runs_tiny_on_cpu(tmp_path, tiny_llama_dir):
     src = tmp_path / "convs.jsonl"
     turns = [1, 3, 1, 2, 1, 1]
@@ -88,7 +102,9 @@ def test_bench_runs_tiny_on_cpu(tmp_path, tiny_llama_dir):
     eq = res["baseline"]["equality"]
     assert eq["answers_compared"] == sum(sub) and eq["identical"] == sum(sub)  # fp32: same tokens
     assert res["roofline"] is None and res["bandwidth_gb_s"] is None  # no roofline on CPU: null, not 0 or {}
-    assert res["bound"]["verdict"] in ("launch-bound", "memory-bound") and res["bound"]["step_ms_measured"] > 0
+    # no bandwidth on CPU: not called memory-bound (nothing compared the bytes read with a bandwidth)
+    assert res["bound"]["verdict"] in ("launch-bound", "not launch-bound (memory bandwidth unknown)")
+    assert res["bound"]["step_ms_measured"] > 0 and "full_cache_step_bandwidth_share" not in res["bound"]
     assert "| main | slots | 6 |" in (tmp_path / "r.md").read_text()
     ab = res["prefix_reuse_ab"]  # the same 6 conversations with prefix reuse on and off
     assert ab["conversations"] == 6 and ab["identical"] == ab["answers_compared"] == sum(turns)  # fp32: same tokens
