@@ -14,8 +14,9 @@ Outputs (both written atomically, so a failed or killed run leaves no half-writt
   and the same counts as a Markdown table in ``prompts_report.md``.
 
 Idempotent: every step is deterministic (seeded sampling, greedy decoding), and when both outputs
-exist with the same settings fingerprint (config fields, source file size + SHA-256, verifier; with
-``prompts.self_instruct`` its settings and its file's size + SHA-256) the stage does nothing and says so
+exist with the same settings fingerprint (:func:`settings`: the config fields that change the output, source file
+size + SHA-256, the verifier and, regenerating in-process, its weights' fingerprint; with ``prompts.self_instruct``
+its settings and its file's size + SHA-256) the stage does nothing and says so
 (``force=True`` recomputes). A forced run first writes :data:`FORCED_NAME` beside ``prompts.jsonl`` and removes it
 only once the new outputs are written: while it is there the old outputs are not up to date (a forced run that was
 interrupted or crashed is redone, resuming its regeneration log, by the same command without ``--force``), and
