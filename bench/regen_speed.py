@@ -2,7 +2,9 @@
 
 One process, one verifier load:
 
-1. HBM bandwidth, measured by a device-to-device copy of ``--copy-gib`` GiB (read + write bytes / time).
+1. HBM bandwidth, measured by a device-to-device copy of ``--copy-gib`` GiB (read + write bytes / time); CUDA only:
+   elsewhere (CPU) ``bandwidth_gb_s`` and ``roofline`` are null in the JSON and the table says the roofline is
+   unknown there.
 2. The main run: ``--main-engine`` (default ``slots``) over ``--num`` conversations (all by default) through
    :func:`eagle3.prompts.regenerate.regenerate`, exactly as ``01_prepare_prompts.py --regenerate`` runs it
    (context cap, chat options, batch size from the config), after an unmeasured warm-up (kernels, allocator): the
@@ -184,11 +186,22 @@ def warm_up(model, tok, convs, engine: str, cfg, batch_size: int, max_new: int, 
               label="warm-up (not measured)")
 
 
-def roofline(st: dict, weight_bytes: int, bandwidth: float | None) -> dict:
-    """The main run's roofline figures (needs the slot engine's ``engine_stats`` and a bandwidth)."""
+def bandwidth_text(bandwidth_gb_s: float | None, device: str) -> str:
+    """The bandwidth clause of a table's title: ``HBM bandwidth 4335 GB/s (device copy)``, or, without a measured
+    bandwidth (:func:`measure_bandwidth` is None off CUDA), that it and so the roofline are unknown on ``device``
+    (it read ``HBM bandwidth 0 GB/s`` on the CPU)."""
+    if not bandwidth_gb_s:
+        return (f"memory bandwidth unknown on {device} (measured by a device copy on CUDA only), so no roofline: "
+                f"not applicable")
+    return f"HBM bandwidth {bandwidth_gb_s:.0f} GB/s (device copy)"
+
+
+def roofline(st: dict, weight_bytes: int, bandwidth: float | None) -> dict | None:
+    """The main run's roofline figures (needs the slot engine's ``engine_stats`` and a bandwidth in bytes/s), or None
+    (JSON null) without them: no bandwidth known on the device (CPU), or an engine that does not count its KV."""
     es = st.get("engine_stats") or {}
     if not bandwidth or "kv_tokens_needed" not in es:
-        return {}
+        return None
     kv = es["kv_tokens_needed"] * es["kv_bytes_per_token"]
     need = st["decode_steps"] * weight_bytes + kv
     return {"bytes_needed": need, "kv_bytes_needed": kv, "kv_bytes_read": es["kv_bytes_read"],
@@ -239,7 +252,9 @@ def step_ms(model, slots: int, width: int, max_new: int, graphs: bool, reps: int
 
 
 def bound(model, st: dict, cfg, batch_size: int, max_new: int, bandwidth: float | None) -> dict:
-    """Launch floor (column bound of one width_step) vs a full-cache step vs the measured step."""
+    """Launch floor (column bound of one width_step) vs a full-cache step vs the measured step. ``verdict``:
+    ``launch-bound`` when the floor is at least 0.6 of the measured step, else ``memory-bound`` where a bandwidth is
+    known (bytes/s; its share of a full-cache step is given), or ``not launch-bound (memory bandwidth unknown)``."""
     from eagle3.prompts.prepare_prompts import max_context_tokens
 
     es = st.get("engine_stats") or {}
@@ -252,7 +267,8 @@ def bound(model, st: dict, cfg, batch_size: int, max_new: int, bandwidth: float 
     full_bytes = batch_size * max_len * es.get("kv_bytes_per_token", 0)
     out = {"step_ms_launch_floor": small, "step_ms_full_cache": full, "step_ms_measured": measured,
            "floor_share_of_measured": small / measured,
-           "verdict": "launch-bound" if small >= 0.6 * measured else "memory-bound"}
+           "verdict": "launch-bound" if small >= 0.6 * measured
+           else "memory-bound" if bandwidth else "not launch-bound (memory bandwidth unknown)"}
     if bandwidth and full_bytes:
         out["full_cache_step_bandwidth_share"] = full_bytes / (full / 1000) / bandwidth
     return out
@@ -428,7 +444,7 @@ def markdown(res: dict) -> str:
     m, rf = res["main"], res.get("roofline") or {}
     lines = [f"Stage 01 regeneration, {res['verifier']} ({res['dtype']}) on {res['device']}: {m['conversations']} "
              f"conversations, batch {res['batch_size']}, max_new_tokens {res['max_new_tokens']}, context cap "
-             f"{res['max_context']}; HBM bandwidth {res['bandwidth_gb_s'] or 0:.0f} GB/s (device copy).", "",
+             f"{res['max_context']}; {bandwidth_text(res['bandwidth_gb_s'], res['device'])}.", "",
              "| run | engine | conversations | answers | tokens | seconds | tokens/s | decode steps |",
              "|---|---|---:|---:|---:|---:|---:|---:|"]
     rows = [("main", m)] + [(f"subset {k}", v) for k, v in res.get("baseline", {}).get("runs", {}).items()]

@@ -188,10 +188,12 @@ def profile(eng, attention: str, slots: int, max_len: int, res: dict, key: str =
 
 
 def markdown(res: dict) -> str:
-    """The step table and the profile as Markdown."""
+    """The step table and the profile as Markdown (roofline columns ``-`` where no bandwidth is known: CPU)."""
+    from regen_speed import bandwidth_text
+
     lines = [f"Decode step of the slot engine, {res['verifier']} ({res['dtype']}) on {res['device']}: {res['slots']} slots, "
              f"{res['max_len']} columns, weights {res['weight_bytes'] / 1e6:.1f} MB, KV {res['kv_bytes_per_token']} B/token; "
-             f"bandwidth {res['bandwidth_gb_s'] or 0:.0f} GB/s (device copy); median of {res['reps']} steps.", "",
+             f"{bandwidth_text(res['bandwidth_gb_s'], res['device'])}; median of {res['reps']} steps.", "",
              "| attention | setting | live | prefix | mean length | ms / step | roofline ms | ratio | KV read / needed | "
              "first step s |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in res["rows"]:

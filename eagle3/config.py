@@ -372,7 +372,8 @@ class PromptsConfig(_Strict):
             return named(v)
         return check_items(v, named)
     sample_size: Optional[int] = Field(None, ge=1, description="keep this many (after dedupe), sampled with `seed`")
-    seed: int = 0
+    seed: int = Field(0, description="seed of the sample_size sampling and of the self-instruct sampling; in 01's "
+                      "settings fingerprint only with sample_size (without sampling it changes nothing)")
     dedupe: bool = True
     system_prompt: Optional[str] = None
     regenerate: bool = Field(False, description="replace assistant turns with the verifier's own greedy answers")

@@ -89,6 +89,17 @@ def weights_fingerprint(vcfg: VerifierConfig) -> Optional[str]:
     return "sha256:" + h.hexdigest()
 
 
+WEIGHTS_KEY = "verifier_weights"  # the key of weights_fingerprint in data_config.json and 01's settings
+
+
+def weights_record(vcfg: VerifierConfig) -> dict:
+    """``{"verifier_weights": fingerprint}`` (:func:`weights_fingerprint`) for a record that names the model it was made
+    with (02's ``data_config.json``, 01's settings when it regenerates in-process, a self-instruct file's report), or
+    ``{}`` when the folder holds no weight file (nothing to compare)."""
+    fp = weights_fingerprint(vcfg)
+    return {WEIGHTS_KEY: fp} if fp else {}
+
+
 def _hf_kwargs(vcfg: VerifierConfig) -> dict:
     """Keyword arguments shared by every ``from_pretrained`` call.
 

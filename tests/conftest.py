@@ -63,6 +63,25 @@ def tiny_llama_dir(tmp_path_factory, smollm_tokenizer) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def other_weights_dir(tmp_path_factory, tiny_llama_dir) -> Path:
+    """:func:`tiny_llama_dir` with other random weights of the same shapes (config and tokenizer copied): another
+    model that a ``verifier.path`` can point at under the same ``verifier.name``."""
+    import shutil
+
+    from transformers import LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("tiny-llama-other")
+    shutil.copytree(tiny_llama_dir, out, dirs_exist_ok=True)
+    model = LlamaForCausalLM.from_pretrained(tiny_llama_dir)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.5)
+    model.save_pretrained(out)
+    return out
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _one_intra_op_thread():
     """Tiny tensors run fastest on one intra-op thread: two spinning OpenMP threads per process

@@ -453,7 +453,20 @@ def _short_value(v: Any, limit: int = 60) -> str:
     return t if len(t) <= limit else t[: limit - 3] + "..."
 
 
-def _check_state(root: Path, fp: str, comp: dict, overwrite: bool) -> None:
+def _check_state(root: Path, fp: str, comp: dict, overwrite: bool, weights: dict) -> None:
+    """Refuse to resume into ``root`` under other settings, then record this run's in ``extract_state.json``.
+
+    Args:
+        fp, comp: :func:`fingerprint` of this run.
+        weights: ``{"verifier_weights": ...}`` of the verifier (:func:`eagle3.verifier.weights_record`; ``{}``: none):
+            recorded beside the fingerprint (outside its hash, so folders of before keep theirs) and compared with
+            the one recorded there (the state's, else ``data_config.json``'s): weights replaced at the same
+            ``verifier.path`` would mix two models' states in one set.
+
+    Raises:
+        UserError: ``<extract_state.json>: the shards in <root> were extracted with other settings: changed ...;
+            re-run with --overwrite ...``, or shards without a state file.
+    """
     state_path = root / STATE
     has_data = root.is_dir() and any(True for _ in _iter_stage_files(root))
     if overwrite:
@@ -462,9 +475,13 @@ def _check_state(root: Path, fp: str, comp: dict, overwrite: bool) -> None:
             log.info("--overwrite: removed %d files from %s", n, root)
     elif state_path.is_file() and has_data:
         old = read_json(state_path)
+        changed = []
         if not isinstance(old, dict) or old.get("fingerprint") != fp:
             old_comp = old.get("components", {}) if isinstance(old, dict) else {}
             changed = changed_settings(old_comp, comp) or ["the settings fingerprint"]
+        elif (moved := _weights_changed(root, old, weights)):
+            changed = [f"the weights at verifier.path (verifier_weights: {moved})"]
+        if changed:
             raise UserError(
                 f"{state_path}: the shards in {root} were extracted with other settings: changed "
                 f"{'; '.join(changed)}; re-run with --overwrite to delete them and start over"
@@ -473,7 +490,22 @@ def _check_state(root: Path, fp: str, comp: dict, overwrite: bool) -> None:
         raise UserError(
             f"{root}: holds shards but no {STATE} (unknown provenance); re-run with --overwrite to delete them"
         )
-    atomic_write_json(state_path, {"fingerprint": fp, "components": comp, "started_at": time.time()})
+    atomic_write_json(state_path, {"fingerprint": fp, "components": comp, **weights, "started_at": time.time()})
+
+
+def _weights_changed(root: Path, state: dict, weights: dict) -> Optional[str]:
+    """``'<recorded> -> <now>'`` when the verifier weights recorded for ``root`` (``extract_state.json``'s
+    ``verifier_weights``, else ``data_config.json``'s) differ from ``weights`` (:func:`eagle3.verifier.weights_record`
+    of this run); None when they agree or either side has none (nothing to compare, as 03/04 do)."""
+    now = weights.get("verifier_weights")
+    was = state.get("verifier_weights")
+    if was is None and (root / DATA_CONFIG).is_file():
+        try:
+            meta = read_json(root / DATA_CONFIG)
+        except UserError:
+            meta = None
+        was = meta.get("verifier_weights") if isinstance(meta, dict) else None
+    return f"{was} -> {now}" if was and now and was != now else None
 
 
 def check_prompts_current(cfg: RunConfig) -> None:
@@ -533,7 +565,9 @@ def finished_report(cfg: RunConfig, root: Path, limit: Optional[int]) -> Optiona
     (:func:`fingerprint`) and prompts SHA-256, the report counts at least the prompts this run reads (a ``--limit``
     at or below the finished run's prompts is a prefix of them: nothing to do),
     ``manifest.jsonl`` holds ``data_config.json``'s ``num_samples`` rows (no torn line, no per-rank manifest
-    left) and every row's shard is at its place. Reads only; needs no verifier or tokenizer.
+    left), every row's shard is at its place, and ``data_config.json``'s ``verifier_weights`` (when recorded) are the
+    weights at ``verifier.path`` now (:func:`_weights_changed`; reads 1 MiB a weight file). Reads only; needs no
+    verifier model or tokenizer.
     """
     paths = [root / name for name in (STATE, DATA_CONFIG, REPORT_JSON, MANIFEST)]
     if not all(p.is_file() for p in paths) or any(root.glob(RANK_MANIFEST_PREFIX + "*.jsonl")):
@@ -551,6 +585,8 @@ def finished_report(cfg: RunConfig, root: Path, limit: Optional[int]) -> Optiona
             or not isinstance(report.get("prompts"), int) or n_prompts > report["prompts"] \
             or report.get("samples") != meta.get("num_samples"):
         return None
+    if _weights_changed(root, {"verifier_weights": meta.get("verifier_weights")}, _weights_record(cfg)):
+        return None  # other weights at the same verifier.path: the run goes on and refuses the folder in one line
     man = read_manifest(root / MANIFEST)
     if man.dropped_tail or len(man.rows) != meta.get("num_samples"):
         return None
@@ -928,7 +964,7 @@ def _prepare(cfg: RunConfig, root: Path, overwrite: bool, limit: Optional[int],
     freed = d.on_rank0(lambda: wipe_frees_bytes(root)) if overwrite else 0
 
     def prepare_folder() -> None:
-        _check_state(root, fp, comp, overwrite)
+        _check_state(root, fp, comp, overwrite, _weights_record(cfg))
         stale = remove_stale_tmp(root)
         if stale:
             log.info("removed %d unfinished temporary files from an interrupted run", len(stale))
@@ -1178,10 +1214,9 @@ def _weights_record(cfg: RunConfig) -> dict:
     (:func:`eagle3.verifier.weights_fingerprint`), or ``{}`` when its folder holds none: 03 and 04 compare it
     (:func:`eagle3.shards.format.check_verifier`), so a
     ``verifier.path`` pointed at another model under the same ``verifier.name`` is refused, not trained against."""
-    from eagle3.verifier import weights_fingerprint
+    from eagle3.verifier import weights_record
 
-    fp = weights_fingerprint(cfg.verifier)
-    return {"verifier_weights": fp} if fp else {}
+    return weights_record(cfg.verifier)
 
 
 def _finalise(cfg: RunConfig, root: Path, p: _Prepared, n_resumed: int, written: int, t_cap: float,

@@ -14,8 +14,9 @@ Outputs (both written atomically, so a failed or killed run leaves no half-writt
   and the same counts as a Markdown table in ``prompts_report.md``.
 
 Idempotent: every step is deterministic (seeded sampling, greedy decoding), and when both outputs
-exist with the same settings fingerprint (config fields, source file size + SHA-256, verifier; with
-``prompts.self_instruct`` its settings and its file's size + SHA-256) the stage does nothing and says so
+exist with the same settings fingerprint (:func:`settings`: the config fields that change the output, source file
+size + SHA-256, the verifier and, regenerating in-process, its weights' fingerprint; with ``prompts.self_instruct``
+its settings and its file's size + SHA-256) the stage does nothing and says so
 (``force=True`` recomputes). A forced run first writes :data:`FORCED_NAME` beside ``prompts.jsonl`` and removes it
 only once the new outputs are written: while it is there the old outputs are not up to date (a forced run that was
 interrupted or crashed is redone, resuming its regeneration log, by the same command without ``--force``), and
@@ -40,6 +41,7 @@ from eagle3.errors import UserError
 from eagle3.io import (atomic_write_json, atomic_write_jsonl, atomic_write_text, exclusive_lock, file_sha256,
                        make_dirs)
 from eagle3.prompts.readers import dedupe, read_conversations, sample, short_pool_warning, unique_ids
+from eagle3.prompts.resume_log import comparable_settings
 
 log = logging.getLogger(__name__)
 
@@ -170,24 +172,40 @@ def settings(cfg: RunConfig, limit: Optional[int], known: Optional[dict] = None,
 
     ``known`` / ``seen``: a source file's recorded size, mtime and hash, reused / recorded
     (:func:`_source_fingerprint`); the settings are the same either way.
+
+    Only settings that change the output count (``eagle3.prompts.resume_log.CONDITIONAL_KEYS``): ``seed`` with
+    ``prompts.sample_size`` (nothing else is random), ``hf_split`` with an ``hf:`` source, ``top_p`` with a server
+    ``temperature`` above 0, ``verifier_dtype`` with the in-process regeneration, which also records the verifier's
+    weights (``verifier_weights``, :func:`eagle3.verifier.weights_fingerprint`, when its folder holds weight files):
+    ``verifier.path`` pointed at other weights under the same ``verifier.name`` remakes the answers.
     """
+    from eagle3.verifier import weights_record
+
     pc = cfg.prompts
-    s = {"format": pc.format, "hf_split": pc.hf_split, "sample_size": pc.sample_size, "seed": pc.seed,
-         "dedupe": pc.dedupe, "system_prompt": pc.system_prompt, "regenerate": pc.regenerate, "limit": limit,
+    sources = [pc.source] if isinstance(pc.source, str) else list(pc.source)
+    s = {"format": pc.format, "sample_size": pc.sample_size, "dedupe": pc.dedupe, "system_prompt": pc.system_prompt,
+         "regenerate": pc.regenerate, "limit": limit,
          **(_source_fingerprint(pc.source, known, seen) if isinstance(pc.source, str)
             else {"sources": [_source_fingerprint(x, known, seen) for x in pc.source]})}
+    if pc.sample_size is not None:  # the sample's seed; without sampling it picks nothing
+        s["seed"] = pc.seed
+    if any(x.startswith("hf:") for x in sources):  # the split read from a Hugging Face dataset
+        s["hf_split"] = pc.hf_split
     if pc.regenerate:
         s.update(max_new_tokens=pc.max_new_tokens, max_context_tokens=max_context_tokens(cfg),
-                 verifier=cfg.verifier.display_name(),
-                 verifier_dtype=cfg.verifier.dtype, chat_template=cfg.verifier.chat_template)
+                 verifier=cfg.verifier.display_name(), chat_template=cfg.verifier.chat_template)
+        if pc.regenerate_via == "local":  # the weights and dtype that answer (endpoints answer with their own model)
+            s.update(verifier_dtype=cfg.verifier.dtype, **weights_record(cfg.verifier))
         # template arguments and reply start shape the prompts the verifier answers (recorded only when set,
         # so reports written before these settings existed stay up to date)
         for key in ("chat_template_kwargs", "reply_start"):
             if getattr(cfg.verifier, key):
                 s[key] = getattr(cfg.verifier, key)
         if pc.regenerate_via != "local":  # endpoints, concurrency and timeouts may change between runs
-            s.update(regenerate_via=pc.regenerate_via, temperature=pc.temperature, top_p=pc.top_p,
-                     model=pc.server.model, extra_body=pc.server.extra_body)
+            s.update(regenerate_via=pc.regenerate_via, temperature=pc.temperature, model=pc.server.model,
+                     extra_body=pc.server.extra_body)
+            if pc.temperature > 0:  # greedy (temperature 0) takes the top token whatever top_p is
+                s["top_p"] = pc.top_p
     if tuple(cfg.verifier.think_tags) != ("<think>", "</think>"):
         s["think_tags"] = list(cfg.verifier.think_tags)
     if pc.self_instruct is not None:  # its settings, and its file (remade when its own report's settings change)
@@ -497,7 +515,8 @@ def _change_lines(key: str, old, want, limit: Optional[int] = 200) -> list[str]:
 
 # settings keys that are no config key of their own: named with where they come from, so a user who changed
 # extract.max_length (not prompts.max_context_tokens, which a config rarely sets) finds the edit in the message
-_SETTING_LABELS = {"max_context_tokens": "max_context_tokens (prompts.max_context_tokens, else extract.max_length)"}
+_SETTING_LABELS = {"max_context_tokens": "max_context_tokens (prompts.max_context_tokens, else extract.max_length)",
+                   "verifier_weights": "verifier_weights (the weight files at verifier.path)"}
 
 
 def redo_reason(out: Path, rep: Path, report: Optional[dict], want: dict) -> Optional[str]:
@@ -512,6 +531,7 @@ def redo_reason(out: Path, rep: Path, report: Optional[dict], want: dict) -> Opt
     old = report.get("settings") if report is not None else None
     if not isinstance(old, dict):
         return f"{rep.name} has no readable settings"
+    old = comparable_settings(old, want)
     keys = [k for k in sorted(set(old) | set(want)) if old.get(k) != want.get(k)]
     if keys:
         parts = source_changes(old, want)  # a file's size and hash follow its name
@@ -583,15 +603,16 @@ def nothing_regenerated(cfg: RunConfig, stats: dict) -> UserError:
 def up_to_date(report: Optional[dict], want: dict) -> bool:
     """Both outputs exist (``report``: :func:`read_report`'s content, None without ``prompts.jsonl`` or a readable
     report), the report's settings equal ``want`` and no regeneration failed last time."""
-    return report is not None and report.get("settings") == want and not _had_failures(report)
+    old = report.get("settings") if isinstance(report, dict) else None
+    return isinstance(old, dict) and comparable_settings(old, want) == want and not _had_failures(report)
 
 
 # 01 settings that come from other sections than ``prompts:`` (a verifier used only to regenerate may differ
 # from the one 02 captures with) or from the command line only (``--limit``): not compared by prompts_changes.
 # ``max_context_tokens`` is compared: it decides which conversations 01 keeps (``prompts.max_context_tokens``, or
 # ``extract.max_length`` when unset)
-_NOT_PROMPTS_SECTION = ("limit", "verifier", "verifier_dtype", "chat_template", "chat_template_kwargs", "reply_start",
-                        "think_tags")
+_NOT_PROMPTS_SECTION = ("limit", "verifier", "verifier_dtype", "verifier_weights", "chat_template", "chat_template_kwargs",
+                        "reply_start", "think_tags")
 _SOURCE_KEYS = ("source", "sources", "bytes", "sha256")
 _REGEN_KEYS = ("max_new_tokens", "regenerate_via", "temperature", "top_p", "model", "extra_body")
 
@@ -637,9 +658,9 @@ def report_changes(cfg: RunConfig, report: Optional[dict]) -> list[str]:
     old = report.get("settings") if isinstance(report, dict) else None
     if not isinstance(old, dict):
         return []
-    old = dict(old)
     want = settings(cfg, old.get("limit"), known=report.get(SOURCE_STATS))  # only a change to detect: a recorded
     # hash is reused while the source's size and mtime are unchanged
+    old = comparable_settings(old, want)
     skip = set(_NOT_PROMPTS_SECTION)
     cli = report.get("cli_overrides", ["source", "format", "regenerate"])
     for key in cli if isinstance(cli, list) else []:

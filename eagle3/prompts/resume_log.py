@@ -22,6 +22,35 @@ log = logging.getLogger(__name__)
 
 PARTIAL_NAME = "prompts.regen-partial.jsonl"
 
+# 01 settings (eagle3.prompts.prepare_prompts.settings) recorded only where they change the output: ``seed`` with
+# ``sample_size``, ``hf_split`` with an ``hf:`` source, ``top_p`` with a sampling temperature, ``verifier_dtype`` with
+# the in-process regeneration. Reports and logs written before recorded them always.
+CONDITIONAL_KEYS = ("seed", "hf_split", "top_p", "verifier_dtype")
+
+
+def comparable_settings(old: dict, want: dict) -> dict:
+    """``old`` (01 settings recorded in a report or a resume log) made comparable with ``want`` (this run's).
+
+    A :data:`CONDITIONAL_KEYS` key recorded on one side only follows the other side: it counts under one side's
+    settings only, and the setting that decides whether it counts (``sample_size``, the sources, ``temperature``,
+    ``regenerate_via``) is compared itself, so a change is named by that setting (``sample_size: None -> 3``, not also
+    ``seed: unset -> 0``), and a report written before these keys were conditional (``seed: 0`` without sampling)
+    stays up to date. ``verifier_weights`` counts only when both record it (a report of before it was recorded, or a
+    verifier folder without weight files now: nothing to compare, as 03/04 do with ``data_config.json``).
+
+    Returns:
+        A new dict; equal to ``want`` exactly when the settings agree.
+    """
+    from eagle3.verifier import WEIGHTS_KEY  # here: the endpoint path imports this module without torch
+
+    out = {k: v for k, v in old.items() if not (k in CONDITIONAL_KEYS and k not in want)}
+    out.update({k: want[k] for k in CONDITIONAL_KEYS if k in want and k not in old})
+    if WEIGHTS_KEY not in out or WEIGHTS_KEY not in want:
+        out.pop(WEIGHTS_KEY, None)
+        if WEIGHTS_KEY in want:
+            out[WEIGHTS_KEY] = want[WEIGHTS_KEY]
+    return out
+
 
 class ResumeLog:
     """Append-only log of finished conversations that makes server regeneration resumable.
@@ -57,6 +86,7 @@ class ResumeLog:
         for j, (n, row, _) in enumerate(rows):
             if j == 0:  # the header
                 old = row.get("settings")
+                old = comparable_settings(old, self.settings) if isinstance(old, dict) else old
                 if old != self.settings:
                     diff = sorted(k for k in set(old or {}) | set(self.settings)
                                   if (old or {}).get(k) != self.settings.get(k))

@@ -10,7 +10,7 @@ Two conversations match when their messages are equal without the assistant answ
 ``tool_calls`` kept as its role and calls: the answer text is what regeneration replaces, and a prompt-only input
 gets its answer appended), and their ``tools`` are equal. The earlier file's
 ``prompts_report.json`` (beside it) must record the same regeneration settings (:data:`REGEN_KEYS` of 01's
-settings: verifier, dtype, answer budget, context cap, chat template and its arguments, reply start, think tags,
+settings: verifier, dtype and weights (``verifier_weights``, in-process), answer budget, context cap, chat template and its arguments, reply start, think tags,
 the endpoint sampling), else 01 refuses in one line naming the first differing key: its answers would not be what
 this run produces. A conversation the context cap shortened in the earlier file does not match its full input and
 is regenerated. In float32 the output equals a full regeneration (tested); in bf16 batch composition can change a
@@ -24,11 +24,12 @@ from pathlib import Path
 from typing import Optional
 
 from eagle3.errors import UserError
+from eagle3.prompts.resume_log import comparable_settings
 
 # 01 settings (eagle3.prompts.prepare_prompts.settings) that determine a regenerated answer
-REGEN_KEYS = ("regenerate", "max_new_tokens", "max_context_tokens", "verifier", "verifier_dtype", "chat_template",
-              "chat_template_kwargs", "reply_start", "regenerate_via", "temperature", "top_p", "model", "extra_body",
-              "think_tags")
+REGEN_KEYS = ("regenerate", "max_new_tokens", "max_context_tokens", "verifier", "verifier_dtype", "verifier_weights",
+              "chat_template", "chat_template_kwargs", "reply_start", "regenerate_via", "temperature", "top_p", "model",
+              "extra_body", "think_tags")
 
 
 def conversation_key(conv: dict) -> str:
@@ -60,14 +61,22 @@ def _read_rows(path: Path) -> list[dict]:
 
 def check_settings(report: dict, want: dict, report_file: Path) -> None:
     """The earlier run's regeneration settings (``report["settings"]``) equal this run's (``want``) on every
-    :data:`REGEN_KEYS` key (a key absent from both is equal). UserError naming the first differing key."""
+    :data:`REGEN_KEYS` key (a key absent from both is equal; the earlier settings taken as
+    :func:`eagle3.prompts.resume_log.comparable_settings` gives them: ``verifier_weights`` compared when both record it).
+    UserError naming the first differing key."""
     old = report.get("settings") if isinstance(report, dict) else None
     if not isinstance(old, dict):
         raise UserError(f"{report_file}: prompts.reuse_answers: not a report of 01 (no 'settings' object)")
     if not old.get("regenerate"):
         raise UserError(f"{report_file}: prompts.reuse_answers: that run did not regenerate its answers (settings "
                         f"regenerate is not true)")
+    old = comparable_settings(old, want)
     for k in REGEN_KEYS:
+        if k == "verifier_weights" and old.get(k) != want.get(k):
+            raise UserError(f"{report_file}: prompts.reuse_answers: its answers were made by other weights than this "
+                            f"run's verifier.path holds (settings key verifier_weights: {old.get(k)} -> {want.get(k)}; "
+                            f"the verifier's name is the same); regenerate without prompts.reuse_answers or set "
+                            f"verifier.path back")
         if old.get(k) != want.get(k):
             raise UserError(f"{report_file}: prompts.reuse_answers: its answers were made with {k} = "
                             f"{json.dumps(old.get(k))}, this run has {json.dumps(want.get(k))}; regenerate without "

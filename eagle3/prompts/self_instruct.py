@@ -57,6 +57,9 @@ class SelfInstructSettings:
         verifier: the verifier's display name and dtype.
         exclude: files whose first user messages are left out (their paths).
         exclude_sha256: those files' sha256 (None: missing), so an edited exclude file is not "up to date".
+        verifier_weights: :func:`eagle3.verifier.weights_fingerprint` of the verifier that samples (None: its folder
+            holds no weight file), so ``verifier.path`` pointed at other weights under the same name samples again; a
+            report without it (written before it was recorded) is not compared on it.
     """
 
     num: int
@@ -70,6 +73,7 @@ class SelfInstructSettings:
     verifier: str
     exclude: tuple = ()
     exclude_sha256: tuple = ()
+    verifier_weights: Optional[str] = None
 
 
 def pre_query_prefix(tokenizer, opts, system_prompt: Optional[str] = None) -> str:
@@ -228,14 +232,15 @@ def make(cfg, out: Path, num: int, *, temperature: float = 1.0, top_p: float = 1
     """
     names = names or CLI_NAMES
     from eagle3.prompts.chat import ChatOptions
-    from eagle3.verifier import load_tokenizer, stop_token_ids
+    from eagle3.verifier import load_tokenizer, stop_token_ids, weights_fingerprint
 
     tok = load_tokenizer(cfg.verifier)
     prefix = pre_query_prefix(tok, ChatOptions.from_config(cfg), cfg.prompts.system_prompt)
     st = SelfInstructSettings(num, float(temperature), float(top_p), max_query_tokens, min_chars,
                               batch_size, cfg.prompts.seed, prefix,
                               f"{cfg.verifier.display_name()} ({cfg.verifier.dtype})", tuple(map(str, exclude)),
-                              tuple(file_sha256(p) if Path(p).is_file() else None for p in exclude))
+                              tuple(file_sha256(p) if Path(p).is_file() else None for p in exclude),
+                              weights_fingerprint(cfg.verifier))
     if not force and _up_to_date(out, st):
         print(f"{out}: up to date (same self-instruct settings; --force to sample again)")
         return False
@@ -341,7 +346,8 @@ def _check_args(num: int, temperature: float, top_p: float, max_query_tokens: in
 
 
 def _up_to_date(out: Path, st: SelfInstructSettings) -> bool:
-    """``out`` and its report exist and the report's settings equal ``st``."""
+    """``out`` and its report exist and the report's settings equal ``st`` (``verifier_weights`` compared when both
+    the report and ``st`` hold one, as 03/04 compare 02's record)."""
     rp = report_path(out)
     if not (out.is_file() and rp.is_file()):
         return False
@@ -349,7 +355,10 @@ def _up_to_date(out: Path, st: SelfInstructSettings) -> bool:
         rec = read_json(rp)
     except UserError:
         return False
-    return isinstance(rec, dict) and rec.get("settings") == json.loads(json.dumps(asdict(st)))
+    want, got = json.loads(json.dumps(asdict(st))), rec.get("settings") if isinstance(rec, dict) else None
+    if isinstance(got, dict) and ("verifier_weights" not in got or want["verifier_weights"] is None):
+        got = {**got, "verifier_weights": want["verifier_weights"]}  # recorded before it was, or no weights: not compared
+    return got == want
 
 
 def _sample_all(model, tok, st: SelfInstructSettings, stop_ids: set[int], seen: set):

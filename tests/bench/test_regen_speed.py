@@ -26,7 +26,7 @@ def test_roofline_by_hand():
     # (10 steps x 100 weight bytes + 1000 tokens x 4 bytes) / 1000 B/s = 5 s of roofline in 2 s measured
     assert r["bytes_needed"] == 5000 and r["roofline_s"] == 5.0 and r["ratio_to_roofline"] == 2.5
     assert r["kv_read_over_needed"] == 2.0 and r["ms_per_decode_step"] == 200.0
-    assert rsp.roofline(st, 100, None) == {}
+    assert rsp.roofline(st, 100, None) is None  # JSON null: no bandwidth known (CPU), not a roofline of 0
     st["engine_stats"].update(decode_s=1.25, prefill_s=0.5)
     r = rsp.roofline(st, weight_bytes=100, bandwidth=1000.0)
     res = {"main": {"conversations": 1, "engine": "slots", "answers": 1, "new_tokens": 10, "seconds": 2.0,
@@ -46,6 +46,38 @@ def test_roofline_by_hand():
     st["engine_stats"].update(reused_tokens=150, prefix_reuse=True)
     res["roofline"] = rsp.roofline(st, weight_bytes=100, bandwidth=1000.0)
     assert "(prefix reuse on) | 400 / 150 |" in rsp.markdown(res)
+
+
+def test_markdown_says_the_roofline_is_unknown_without_a_bandwidth():
+    """On the CPU (no device copy, bandwidth None) the title read "HBM bandwidth 0 GB/s (device copy)": it now says the
+    bandwidth and the roofline are unknown there, and no roofline table is printed; with a bandwidth, its GB/s."""
+    st = {"decode_steps": 10, "seconds": 2.0,
+          "engine_stats": {"kv_tokens_needed": 1000, "kv_bytes_per_token": 4, "kv_bytes_read": 8000}}
+    res = {"main": {"conversations": 1, "engine": "slots", "answers": 1, "new_tokens": 10, "seconds": 2.0,
+                    "tokens_per_s": 5.0, "decode_steps": 10}, "roofline": rsp.roofline(st, 100, None), "verifier": "v",
+           "dtype": "float32", "device": "cpu", "batch_size": 4, "max_new_tokens": 8, "max_context": 16,
+           "bandwidth_gb_s": None}
+    md = rsp.markdown(res)
+    assert "context cap 16; memory bandwidth unknown on cpu (measured by a device copy on CUDA only), so no " \
+        "roofline: not applicable." in md
+    assert "GB/s" not in md and "ratio to roofline" not in md
+    res.update(bandwidth_gb_s=4335.2, roofline=rsp.roofline(st, 100, 4335.2e9))
+    md = rsp.markdown(res)
+    assert "context cap 16; HBM bandwidth 4335 GB/s (device copy)." in md and "| ratio to roofline |" in md
+
+
+def test_bound_is_not_called_memory_bound_without_a_bandwidth(tmp_path, monkeypatch):
+    """A step far above its launch floor was called memory-bound on the CPU, where no bandwidth was measured to
+    compare its bytes with: it is 'not launch-bound (memory bandwidth unknown)' there, memory-bound with one."""
+    from eagle3.config import load_config
+
+    monkeypatch.setattr(rsp, "step_ms", lambda model, slots, width, *a, **k: 1.0 if width == 256 else 2.0)
+    f = tmp_path / "c.yaml"
+    f.write_text("run_name: t\nverifier: {path: x}\nprompts: {source: humaneval}\n")
+    st = {"seconds": 1.0, "decode_steps": 100, "engine_stats": {"kv_bytes_per_token": 4}}  # 10 ms a step
+    assert rsp.bound(None, st, load_config(f), 4, 8, None)["verdict"] == "not launch-bound (memory bandwidth unknown)"
+    b = rsp.bound(None, st, load_config(f), 4, 8, 1e12)
+    assert b["verdict"] == "memory-bound" and b["full_cache_step_bandwidth_share"] > 0
 
 
 def test_bench_runs_tiny_on_cpu(tmp_path, tiny_llama_dir):
@@ -69,8 +101,10 @@ def test_bench_runs_tiny_on_cpu(tmp_path, tiny_llama_dir):
     assert res["baseline"]["ratios"]["slots/static"] == runs["slots"]["tokens_per_s"] / runs["static"]["tokens_per_s"]
     eq = res["baseline"]["equality"]
     assert eq["answers_compared"] == sum(sub) and eq["identical"] == sum(sub)  # fp32: same tokens
-    assert res["roofline"] == {} and res["bandwidth_gb_s"] is None  # no roofline on CPU
-    assert res["bound"]["verdict"] in ("launch-bound", "memory-bound") and res["bound"]["step_ms_measured"] > 0
+    assert res["roofline"] is None and res["bandwidth_gb_s"] is None  # no roofline on CPU: null, not 0 or {}
+    # no bandwidth on CPU: not called memory-bound (nothing compared the bytes read with a bandwidth)
+    assert res["bound"]["verdict"] in ("launch-bound", "not launch-bound (memory bandwidth unknown)")
+    assert res["bound"]["step_ms_measured"] > 0 and "full_cache_step_bandwidth_share" not in res["bound"]
     assert "| main | slots | 6 |" in (tmp_path / "r.md").read_text()
     ab = res["prefix_reuse_ab"]  # the same 6 conversations with prefix reuse on and off
     assert ab["conversations"] == 6 and ab["identical"] == ab["answers_compared"] == sum(turns)  # fp32: same tokens

@@ -28,9 +28,11 @@ def test_regen_step_tiny_on_cpu(tmp_path):
     bpt = res["kv_bytes_per_token"]
     assert bpt == 2 * 2 * 2 * 16 * 4  # 2 (K, V) x 2 layers x 2 KV heads x head_dim 16 x fp32
     for (att, name), r in rows.items():
-        assert r["ms_median"] > 0 and r["roofline_ms"] is None  # no bandwidth probe on CPU
+        assert r["ms_median"] > 0 and r["roofline_ms"] is None and r["ratio_to_roofline"] is None  # no bandwidth
         assert r["kv_bytes_needed"] <= r["kv_bytes_read"]
         assert r["bytes_needed"] == res["weight_bytes"] + r["kv_bytes_needed"]
+    assert res["bandwidth_gb_s"] is None  # on CPU: null, and the table says so (it read "bandwidth 0 GB/s")
+    assert "memory bandwidth unknown on cpu" in md.read_text() and "GB/s" not in md.read_text()
     # sdpa_groups (one full-cache group) reads every prefix row's 256 columns
     assert rows[("sdpa_groups", "bulk")]["kv_bytes_read"] == 16 * 256 * bpt
     assert rows[("sdpa_groups", "tail, small prefix")]["kv_bytes_read"] == 8 * 256 * bpt

@@ -351,6 +351,40 @@ def test_a_smaller_limit_on_a_finished_set_is_up_to_date(tmp_path, tiny_llama_di
     assert {n: (root / n).read_bytes() for n in names} == before
 
 
+def test_weights_replaced_at_the_same_path_are_not_up_to_date(tmp_path, tiny_llama_dir, other_weights_dir):
+    """Other weights saved over the verifier's folder (same verifier.path and name): 02 said "shards up to date" while
+    03/04 refused the set for those weights and said to re-run 02; a half-done set would have resumed, mixing two
+    models' states. Now 02 refuses the folder in one line naming the weights and --overwrite, which redoes it under
+    the new weights."""
+    import shutil
+
+    vdir = tmp_path / "verifier"
+    shutil.copytree(tiny_llama_dir, vdir)
+    cfg = load_config(_config(tmp_path, vdir))
+    run(cfg, limit=3)
+    root = cfg.shards_dir
+    first = json.loads((root / "data_config.json").read_text())["verifier_weights"]
+    assert json.loads((root / STATE).read_text())["verifier_weights"] == first
+    assert run(cfg, limit=3)["up_to_date"]  # same weights: nothing to do
+    for f in other_weights_dir.glob("*.safetensors"):
+        shutil.copy(f, vdir / f.name)
+    from eagle3.verifier import weights_fingerprint
+
+    now = weights_fingerprint(cfg.verifier)
+    state = json.loads((root / STATE).read_text())
+    del state["verifier_weights"]  # a state file of before: data_config.json's record is compared
+    (root / STATE).write_text(json.dumps(state))
+    for limit in (3, None):  # the finished set, and more prompts (a resume)
+        with pytest.raises(UserError) as e:
+            run(cfg, limit=limit)
+        assert str(e.value) == (f"{root / STATE}: the shards in {root} were extracted with other settings: changed the "
+                                f"weights at verifier.path (verifier_weights: {first} -> {now}); re-run with "
+                                f"--overwrite to delete them and start over")
+    s = run(cfg, overwrite=True)
+    assert (s["written"], s["resumed"]) == (6, 0)
+    assert json.loads((root / "data_config.json").read_text())["verifier_weights"] == now
+
+
 def test_rerun_not_up_to_date_when_more_prompts_or_a_shard_gone(tmp_path, tiny_llama_dir, tiny_backend):
     cfg = load_config(_config(tmp_path, tiny_llama_dir))
     _run(cfg, tiny_backend, limit=3)
@@ -393,7 +427,7 @@ def test_changed_prompts_settings_refused(tmp_path, tiny_llama_dir, tiny_backend
     with pytest.raises(UserError) as e:
         _run(cfg2, tiny_backend, limit=2)
     assert str(e.value) == (f"{cfg.root / 'prompts_report.json'}: prompts.jsonl was made with other prompts settings "
-                            "than this config's (changed sample_size: None -> 3; seed: 0 -> 7); re-run "
+                            "than this config's (changed sample_size: None -> 3); re-run "
                             "01_prepare_prompts.py with this config first")
     # the limit of 01's --limit and a verifier-section setting are not prompts: settings
     _prompts_report(cfg, limit=5, verifier="other")
@@ -413,11 +447,11 @@ def test_changed_prompts_settings_refused(tmp_path, tiny_llama_dir, tiny_backend
     assert "(changed max_context_tokens (prompts.max_context_tokens, else extract.max_length): 64 -> 128); re-run " \
         "01_prepare_prompts.py" in str(e.value)
     # settings 01 took from its command line are named, so a re-run gives them again
-    report_path(cfg).write_text(json.dumps({"settings": {**settings(cfg, None), "seed": 3},
+    report_path(cfg).write_text(json.dumps({"settings": {**settings(cfg, None), "dedupe": False},
                                             "cli_overrides": ["source", "regenerate"]}))
     with pytest.raises(UserError) as e:
         _run(cfg, tiny_backend, limit=2)
-    assert str(e.value).endswith("(changed seed: 3 -> 0); re-run 01_prepare_prompts.py with this config first (it was "
+    assert str(e.value).endswith("(changed dedupe: False -> True); re-run 01_prepare_prompts.py with this config first (it was "
                                  "run with --source, --regenerate on its command line: give them again, or put them "
                                  "in the config)")
 

@@ -36,7 +36,7 @@ def _cfg(tmp_path: Path, *sets: str):
 def test_refusal_reads_the_report_once(tmp_path, monkeypatch):
     cfg, _ = _cfg(tmp_path)
     rep = pp.report_path(cfg)
-    rep.write_text(json.dumps({"settings": {**pp.settings(cfg, None), "seed": 3}, "cli_overrides": ["format"]}))
+    rep.write_text(json.dumps({"settings": {**pp.settings(cfg, None), "dedupe": False}, "cli_overrides": ["format"]}))
     opened = []
     real_open = io.open
 
@@ -49,7 +49,7 @@ def test_refusal_reads_the_report_once(tmp_path, monkeypatch):
     with pytest.raises(UserError) as e:
         check_prompts_current(cfg)
     assert str(e.value) == (f"{rep}: prompts.jsonl was made with other prompts settings than this config's (changed "
-                            "seed: 3 -> 0); re-run 01_prepare_prompts.py with this config first (it was run with "
+                            "dedupe: False -> True); re-run 01_prepare_prompts.py with this config first (it was run with "
                             "--format on its command line: give it again, or put it in the config)")
     assert len(opened) == 1  # the comparison and the hint read the same content (it was read twice)
 
@@ -104,14 +104,14 @@ def test_an_edited_source_file_is_named_not_its_fingerprints(tmp_path):
                             f"of {a} changed); re-run 01_prepare_prompts.py with this config first")
     report = json.loads(rep.read_text())
     assert pp.redo_reason(cfg.prompts_path, rep, report, want) == f"settings changed: the content of {a} changed"
-    one, _ = _cfg(tmp_path, f"prompts.source={a}", "prompts.seed=4")
+    one, _ = _cfg(tmp_path, f"prompts.source={a}", "prompts.sample_size=4", "prompts.seed=4")
     assert pp.redo_reason(cfg.prompts_path, rep, report, pp.settings(one, None)) == (
-        f"settings changed: source: {[str(a), str(b)]!r} -> {str(a)!r}; seed: 0 -> 4")
-    with pytest.raises(UserError, match=rf"\(changed source: \[.*\] -> '{a}'; seed: 0 -> 4\)"):
+        f"settings changed: source: {[str(a), str(b)]!r} -> {str(a)!r}; sample_size: None -> 4")
+    with pytest.raises(UserError, match=rf"\(changed source: \[.*\] -> '{a}'; sample_size: None -> 4\)"):
         check_prompts_current(one)
     # one source file: its content, then another seed beside it
     rep.write_text(json.dumps({"settings": pp.settings(one, None), "cli_overrides": []}))
     a.write_text(a.read_text() * 2)
     with pytest.raises(UserError) as e:
-        check_prompts_current(_cfg(tmp_path, f"prompts.source={a}", "prompts.seed=5")[0])
+        check_prompts_current(_cfg(tmp_path, f"prompts.source={a}", "prompts.sample_size=4", "prompts.seed=5")[0])
     assert f"(the content of {a} changed; changed seed: 4 -> 5); re-run" in str(e.value)
