@@ -141,15 +141,38 @@ def make_dirs(path: str | os.PathLike, field: Optional[str] = None) -> list[Path
 
 
 def probe_dirs(path: str | os.PathLike, field: Optional[str] = None) -> None:
-    """Check at a stage's start that :func:`make_dirs` can make ``path`` (its first write may come minutes later):
-    make it, then remove again the folders this call made (nothing left behind).
+    """Check at a stage's start that :func:`make_dirs` can make ``path`` and that a file can be created in it (its
+    first write may come minutes later): make it, create and remove an empty temporary file there, then remove again
+    the folders this call made (nothing left behind). An existing folder on a read-only file system or without write
+    permission used to pass, and 03 / 05 failed only at their end, after the validation pass or the benchmark.
 
     Raises:
-        UserError: as :func:`make_dirs`.
+        UserError: as :func:`make_dirs`; a folder that takes no file: ``<field>: cannot write to the output folder
+            <path>: <why>`` (without ``field``: ``<path>: cannot write to the folder: <why>``).
     """
-    for p in make_dirs(path, field):
-        with contextlib.suppress(OSError):
-            p.rmdir()  # only when still empty
+    made = make_dirs(path, field)
+    try:
+        _probe_write(Path(path), field)
+    finally:
+        for p in made:
+            with contextlib.suppress(OSError):
+                p.rmdir()  # only when still empty
+
+
+def _probe_write(path: Path, field: Optional[str]) -> None:
+    """Create and remove an empty file in the folder ``path`` (:func:`probe_dirs`); its name carries ``TMP_MARK``,
+    so a run killed in between leaves a file :func:`remove_stale_tmp` recognises."""
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".write-probe" + TMP_MARK, dir=path)
+    except OSError as e:
+        if is_disk_full(e):
+            raise disk_full_error(path, e) from e
+        why = e.strerror or str(e)
+        raise UserError(f"{field}: cannot write to the output folder {path}: {why}" if field else
+                        f"{path}: cannot write to the folder: {why}") from e
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        os.unlink(tmp)
 
 
 def _write_all(f, data: bytes) -> None:

@@ -71,7 +71,7 @@ from eagle3.layers import check_servable
 from eagle3.process_group import init_process_group, process_group_scope
 from eagle3.shards.fp8 import dequantize_batch, is_fp8
 from eagle3.io import (append_bytes, atomic_write_json, atomic_write_jsonl, atomic_write_text, disk_full_guard,
-                       make_dirs, open_append, read_json)
+                       make_dirs, open_append, probe_dirs, read_json)
 from eagle3.train.schedule import build_scheduler
 from eagle3.shards.format import (check_extract_settings, check_verifier, check_verifier_dims, expect_from_data_config,
                                   read_data_config)
@@ -1843,7 +1843,8 @@ def record_export_only(train_dir: Path, export_dir: Path, checkpoint: Path, ckpt
     sim_accept``, the best validation's), the engine; ``sim_accept.exported_step``), so a report written when the run
     stopped (``export: none``) or when its export was refused (``export_error``) no longer contradicts the folder.
     Nothing happens without a ``train_report.json`` written at ``ckpt_step`` (a report of an older step, an
-    unreadable one: a warning, the export stands). An export of this train folder already recorded in another folder
+    unreadable one, a train folder that takes no file (read-only storage): a warning, the export stands). An
+    export of this train folder already recorded in another folder
     (the finished run's ``drafter-sglang`` before ``--export-only --engine vllm``) stays listed in ``other_exports``
     while that folder holds it; ``select_best`` (this export's, when given) replaces the training run's in
     ``sim_accept``, whose ``exported_step`` is now this export's.
@@ -1873,6 +1874,11 @@ def record_export_only(train_dir: Path, export_dir: Path, checkpoint: Path, ckpt
     report["other_exports"] = [o for o in others if o is not None]
     report["export_dir"] = str(export_dir)
     report["export_only"] = {"checkpoint": str(checkpoint), "weights_step": int(weights_step), "engine": engine}
+    try:  # a train folder on read-only storage (a colleague's checkpoints): the export stands, as for an old report
+        probe_dirs(train_dir)
+    except UserError as e:
+        log.warning("%s: not updated after --export-only (%s); the export in %s stands", path, e, export_dir)
+        return False
     if isinstance(report.get("sim_accept"), dict):
         report["sim_accept"]["exported_step"] = int(weights_step)
         if select_best:
