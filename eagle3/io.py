@@ -24,7 +24,7 @@ import shutil
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
@@ -282,6 +282,27 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     with atomic_path(path, needed=len(data)) as tmp:
         with open(tmp, "wb") as f:
             _write_all(f, data)
+
+
+def atomic_write_files(files: Sequence[tuple[str | os.PathLike, bytes]],
+                       remove: Sequence[str | os.PathLike] = ()) -> None:
+    """Write several files as one set, all or nothing: each goes to its temporary name (:func:`atomic_path`), and
+    only once every one is written are they renamed, then the stale files ``remove`` names deleted (a plot an earlier
+    run left that this set has none of). A report set written file by file (``bench.json``, then ``bench.md``, then
+    ``acceptance.png``) left the new JSON beside the earlier run's plot when the disk filled at the plot.
+
+    Raises:
+        UserError: disk full / quota exceeded on any of them (every temporary file removed, no file replaced; the
+            message names the file that did not fit).
+    """
+    with contextlib.ExitStack() as stack:
+        for path, data in files:
+            tmp = stack.enter_context(atomic_path(path, needed=len(data)))
+            with open(tmp, "wb") as f:
+                _write_all(f, data)
+    for path in remove:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def open_append(path: str | os.PathLike):

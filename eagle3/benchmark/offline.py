@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import logging
 import math
 import time
@@ -47,7 +48,7 @@ from tqdm import tqdm
 from eagle3.config import RunConfig
 from eagle3.errors import UserError
 from eagle3.benchmark.eval_prompts import EvalPrompt, check_dataset_names, dataset_labels, load_eval_subset
-from eagle3.io import atomic_write_bytes, atomic_write_json, atomic_write_text, probe_dirs, read_json
+from eagle3.io import atomic_write_files, probe_dirs, read_json
 from eagle3.shards.format import check_extract_settings
 from eagle3.train.draft_config import EXPORT_META_FILE
 
@@ -422,13 +423,20 @@ def plot_acceptance(datasets: Sequence[dict], steps: int, title: str = "") -> by
 
 
 def write_reports(out_dir: str | Path, report: dict, stem: str = "bench", plot_name: str = "acceptance.png") -> list[Path]:
-    """Atomically write ``{stem}.json``, ``{stem}.md`` and the acceptance plot into ``out_dir``."""
+    """Write ``{stem}.json``, ``{stem}.md`` and the acceptance plot into ``out_dir`` as one set
+    (:func:`eagle3.io.atomic_write_files`: a full disk leaves the earlier run's three files, never a mix)."""
     out = Path(out_dir)
     paths = [out / f"{stem}.json", out / f"{stem}.md", out / plot_name]
-    atomic_write_json(paths[0], json_safe(report))
-    atomic_write_text(paths[1], render_markdown(report))
-    atomic_write_bytes(paths[2], plot_acceptance(report["datasets"], report["steps"], str(report.get("verifier", ""))))
+    png = plot_acceptance(report["datasets"], report["steps"], str(report.get("verifier", "")))
+    atomic_write_files(list(zip(paths, report_bytes(report) + [png])))
     return paths
+
+
+def report_bytes(report: dict) -> list[bytes]:
+    """``[JSON, Markdown]`` of a benchmark report as the files hold them (UTF-8; the JSON indented, one trailing
+    newline, as :func:`eagle3.io.atomic_write_json` writes it)."""
+    text = json.dumps(json_safe(report), indent=2, ensure_ascii=False) + "\n"
+    return [text.encode("utf-8"), render_markdown(report).encode("utf-8")]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ the shard set exactly (``eagle3.data.validation_record``; written to ``{shards_d
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 from typing import Optional
@@ -28,14 +29,15 @@ from tqdm import tqdm
 from eagle3.shards.checksum import row_checksum
 from eagle3.config import RunConfig
 from eagle3.errors import UserError
-from eagle3.io import atomic_save_png, atomic_torch_save, atomic_write_json, atomic_write_text, make_dirs, probe_dirs
+from eagle3.io import atomic_write_files, make_dirs, probe_dirs
 from eagle3.shards.manifest import MANIFEST, read_manifest
 from eagle3.shards.format import (DATA_CONFIG, check_extract_settings, check_verifier, expect_from_data_config,
                                   list_samples, load_sample, read_data_config)
 from eagle3.data.validation_record import (format_time, load_matching_record, shard_set_fingerprint, write_failed_record,
                                            write_record, write_unfinished_record)
 from eagle3.data.settings import REPORT_JSON, data_settings
-from eagle3.data.vocab import TOKEN_FREQ, VOCAB_MAP, build_vocab_map, count_token_freq, coverage, save_vocab_map
+from eagle3.data.vocab import (TOKEN_FREQ, VOCAB_MAP, build_vocab_map, count_token_freq, coverage,
+                               vocab_map_record)
 
 log = logging.getLogger(__name__)
 
@@ -224,7 +226,10 @@ def _samples_threaded(paths: list[tuple[int, Path]], expect: dict, checksums: di
                 f.cancel()
 
 
-def _plot_coverage(path: Path, freq: torch.Tensor, draft_v: int, cov: float) -> None:
+def _coverage_png(freq: torch.Tensor, draft_v: int, cov: float) -> bytes:
+    """``coverage.png``: the coverage of loss-masked tokens by the top-k target ids against k, ``draft_v`` marked."""
+    import io
+
     import matplotlib
 
     matplotlib.use("Agg")
@@ -241,7 +246,34 @@ def _plot_coverage(path: Path, freq: torch.Tensor, draft_v: int, cov: float) -> 
     ax.legend(loc="lower right")
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
-    atomic_save_png(fig, path, dpi=100)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def _torch_bytes(obj) -> bytes:
+    """``torch.save(obj)``'s bytes (what :func:`eagle3.io.atomic_torch_save` writes)."""
+    import io
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _write_outputs(out: Path, freq: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor, split: dict, report: dict,
+                   cov: float, plot: bool) -> None:
+    """03's outputs in ``out`` as one set (:func:`eagle3.io.atomic_write_files`): written one by one, a full disk at
+    the report or the plot left the new vocab map and split beside the earlier run's report (whose ``settings`` 04
+    checks) or plot; now a failure replaces none of them. Without ``plot`` an earlier ``coverage.png`` is removed."""
+    files = [(out / TOKEN_FREQ, _torch_bytes(freq)),
+             (out / VOCAB_MAP, _torch_bytes(vocab_map_record(d2t, t2d, str(out / VOCAB_MAP)))),
+             (out / SPLIT, (json.dumps(split, indent=2, ensure_ascii=False) + "\n").encode("utf-8")),
+             (out / REPORT_JSON, (json.dumps(report, indent=2, ensure_ascii=False) + "\n").encode("utf-8")),
+             (out / REPORT_MD, _markdown(report).encode("utf-8"))]
+    if plot:
+        files.append((out / PLOT, _coverage_png(freq, int(d2t.numel()), cov)))
+    atomic_write_files(files, remove=() if plot else (out / PLOT,))
 
 
 def _validate_all(shards: Path, meta: dict, paths: list[tuple[int, Path]]) -> tuple[dict, torch.Tensor]:
@@ -376,9 +408,6 @@ def run(cfg: RunConfig, *, plot: bool = True, revalidate: bool = False) -> dict:
 
     out = cfg.data_dir
     make_dirs(out, cfg.output_field("data"))
-    atomic_torch_save(freq, out / TOKEN_FREQ)
-    save_vocab_map(out / VOCAB_MAP, d2t, t2d)
-    atomic_write_json(out / SPLIT, split)
     report = {
         "shards_dir": str(shards),
         "verifier": meta["verifier"],
@@ -407,10 +436,7 @@ def run(cfg: RunConfig, *, plot: bool = True, revalidate: bool = False) -> dict:
         "settings": data_settings(cfg),  # the data: fields these outputs were made under (04 checks them)
         "shards_fingerprint": fp,  # the shard set they were made from (04 checks it: eagle3.data.settings)
     }
-    atomic_write_json(out / REPORT_JSON, report)
-    atomic_write_text(out / REPORT_MD, _markdown(report))
-    if plot:
-        _plot_coverage(out / PLOT, freq, int(d2t.numel()), cov)
+    _write_outputs(out, freq, d2t, t2d, split, report, cov, plot)
     log.info("draft vocab %d/%d covers %.2f%% of %d loss tokens; %d train / %d val",
              d2t.numel(), V, 100 * cov, stats["num_loss_tokens"], len(split["train"]), len(split["val"]))
     return report

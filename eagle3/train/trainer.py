@@ -1902,12 +1902,23 @@ def _export_record(folder: Path, train_dir: Path) -> Optional[dict]:
 
 
 def write_report(train_dir: Path, result: dict, args) -> None:
-    """``train_report.json`` + ``train_report.md`` (final validation per TTT step) + ``loss.png`` (train/val loss).
-    A run stopped by a signal gets one too (``stopped``, ``signal``, its step, no ``final_val``); the run that
-    resumes it rewrites it."""
-    rows = _read_metrics(train_dir / "metrics.jsonl")
+    """``train_report.json`` + ``train_report.md`` (final validation per TTT step) + ``loss.png`` (train/val loss),
+    as one set (:func:`eagle3.io.atomic_write_files`: a full disk replaces none of them; written one by one, it left
+    the new JSON beside the earlier Markdown). A run stopped by a signal gets one too (``stopped``, ``signal``, its
+    step, no ``final_val``); the run that resumes it rewrites it."""
+    from eagle3.io import atomic_write_files
+
     report = dict(result, drafter_args=args.to_json())
-    atomic_write_json(train_dir / "train_report.json", report)
+    files = [(train_dir / "train_report.json", (json.dumps(report, indent=2, ensure_ascii=False) + "\n").encode()),
+             (train_dir / "train_report.md", _report_markdown(result, args).encode("utf-8"))]
+    png = _loss_png(_read_metrics(train_dir / "metrics.jsonl"))
+    if png is not None:
+        files.append((train_dir / "loss.png", png))
+    atomic_write_files(files)
+
+
+def _report_markdown(result: dict, args) -> str:
+    """``train_report.md`` of :func:`write_report`."""
     val = result.get("final_val") or {}
     acc_keys = sorted((k for k in val if k.startswith("acc_")), key=lambda k: int(k.split("_")[-1]))
     lines = ["# Training report", "", f"- optimizer steps: {result['step']} / {result['total_steps']}" + (
@@ -1944,23 +1955,32 @@ def write_report(train_dir: Path, result: dict, args) -> None:
         from eagle3.train.sim_accept import markdown_lines
 
         lines += ["", *markdown_lines(result["sim_accept"])]
-    atomic_write_text(train_dir / "train_report.md", "\n".join(lines) + "\n")
+    return "\n".join(lines) + "\n"
+
+
+def _loss_png(rows: list[dict]) -> Optional[bytes]:
+    """``loss.png`` of :func:`write_report`: train and val loss per optimizer step from ``metrics.jsonl``'s ``rows``
+    (None without a train loss)."""
+    import io
+
     tr = [(r["step"], r["loss"]) for r in rows if r.get("kind") == "train" and "loss" in r]
     va = [(r["step"], r["loss"]) for r in rows if r.get("kind") == "val" and "loss" in r]
-    if tr:
-        import matplotlib
+    if not tr:
+        return None
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(6, 4))
-        ax.plot(*zip(*tr), label="train")
-        if va:
-            ax.plot(*zip(*va), "o-", label="val")
-        ax.set_xlabel("optimizer step")
-        ax.set_ylabel("TTT loss")
-        ax.legend()
-        fig.tight_layout()
-        from eagle3.io import atomic_save_png
-
-        atomic_save_png(fig, train_dir / "loss.png")
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(*zip(*tr), label="train")
+    if va:
+        ax.plot(*zip(*va), "o-", label="val")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("TTT loss")
+    ax.legend()
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()

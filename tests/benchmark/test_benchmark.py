@@ -584,6 +584,45 @@ def test_render_markdown_table():
     assert "**warning**: w1" in md
 
 
+def _md_report(tau: float) -> dict:
+    return {"verifier": "v", "drafter": "d", "steps": 2, "max_new_tokens": 8, "device": "cpu", "dtype": "float32",
+            "aux_layers": [2, 15, 27], "warnings": [],
+            "datasets": [{"dataset": "mtbench", "num_prompts": 3, "batch_size": 2, "tau": tau, "greedy_tokens_per_s": 10.0,
+                          "spec_tokens_per_s": 12.5, "speedup": 1.25, "drafter_share": 0.25, "wall_seconds": 3.21,
+                          "tie_tolerance": 0.25, "verify_steps": 4, "near_ties": 0, "failures": 0, "mismatches": [],
+                          "conditional": [0.5, 0.5], "unconditional": [0.5, 0.25]}]}
+
+
+def test_reports_on_a_full_disk_keep_the_earlier_set_whole(tmp_path, monkeypatch):
+    """05 wrote bench.json, then bench.md, then acceptance.png, each atomically: a disk that filled at the plot left
+    the new run's JSON and Markdown beside the earlier run's plot (or none), exit 2 (trial 2026-12-05g, a 12 KiB
+    tmpfs). The three are now one set: a full disk leaves the earlier run's three files as they were."""
+    import errno
+    import os
+
+    import eagle3.io as eio
+    from eagle3.benchmark.offline import write_reports
+
+    paths = write_reports(tmp_path, _md_report(1.5))
+    before = [p.read_bytes() for p in paths]
+    real = eio._write_all
+
+    def full_at_the_plot(f, data):
+        if bytes(data[:4]) == b"\x89PNG":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(f, data)
+
+    monkeypatch.setattr(eio, "_write_all", full_at_the_plot)
+    with pytest.raises(UserError) as e:
+        write_reports(tmp_path, _md_report(2.75))
+    assert str(e.value).startswith(f"{tmp_path / 'acceptance.png'}: disk full (No space left on device)")
+    assert [p.read_bytes() for p in paths] == before  # tau 1.5 everywhere, not 2.75 beside the old plot
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["acceptance.png", "bench.json", "bench.md"]  # no temp file
+    monkeypatch.setattr(eio, "_write_all", real)
+    write_reports(tmp_path, _md_report(2.75))
+    assert json.loads(paths[0].read_text())["datasets"][0]["tau"] == 2.75 and "| 2.75 |" in paths[1].read_text()
+
+
 def test_json_array_prompt_file_is_named_as_such(tmp_path):
     """A pretty-printed JSON array (e.g. ultrachat_ultra_eval.json) is not JSONL: said so, not 'malformed JSON'."""
     arr = tmp_path / "eval.json"
