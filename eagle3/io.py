@@ -689,6 +689,30 @@ def exclusive_lock(lock_path: str | os.PathLike, holder: str) -> Iterator[None]:
         f.close()
 
 
+@contextlib.contextmanager
+def output_folder_lock(folder: str | os.PathLike, lock_name: str, holder: str,
+                       field: Optional[str] = None) -> Iterator[None]:
+    """One writer per output folder for the block: make ``folder`` (:func:`probe_dirs`' checks: it can be made and
+    takes a file), then hold ``folder/lock_name`` (:func:`exclusive_lock`; a second run stops at once with
+    ``<folder>/<lock_name>: <holder>``). When the block fails, the folders this call made are removed again if
+    empty (a refused run leaves nothing behind).
+
+    Raises:
+        UserError: as :func:`make_dirs` / :func:`probe_dirs`; another process holds the lock.
+    """
+    folder = Path(folder)
+    made = make_dirs(folder, field)
+    try:
+        _probe_write(folder, field)
+        with exclusive_lock(folder / lock_name, holder):
+            yield
+    except BaseException:
+        for p in made:  # deepest first; the lock file is gone already
+            with contextlib.suppress(OSError):
+                p.rmdir()
+        raise
+
+
 def remove_stale_tmp(root: str | os.PathLike) -> list[Path]:
     """Delete leftover ``*.tmp-*`` files of interrupted atomic writes under ``root`` (recursive).
 

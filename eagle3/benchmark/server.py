@@ -46,7 +46,7 @@ from typing import Optional, Sequence
 
 from tqdm import tqdm
 
-from eagle3.benchmark.offline import json_safe, plot_acceptance, rates_from_hist
+from eagle3.benchmark.offline import holds_bench_lock, json_safe, plot_acceptance, rates_from_hist
 from eagle3.errors import UserError
 from eagle3.io import json_error_detail, probe_dirs, read_json
 
@@ -335,6 +335,7 @@ def _write_server_reports(out: Path, report: dict, url: str) -> None:
     atomic_write_files(files, remove=() if spec["speculative"] else (png,))
 
 
+@holds_bench_lock
 def run(cfg, urls: Sequence[str], datasets: Optional[Sequence[str]] = None, num_prompts: Optional[int] = None,
         max_new_tokens: Optional[int] = None, concurrency: int = 1, timeout: float = 600.0) -> int:
     """Stage 05 ``--server`` mode: render the prompts with the verifier's tokenizer and benchmark the server(s).

@@ -191,3 +191,33 @@ def test_export_only_from_a_read_only_train_folder_exports_and_leaves_the_report
     assert (f"train_report.json: not updated after --export-only ({cfg.train_dir}: cannot write to the folder: "
             f"Read-only file system); the export in {out} stands") in res.stderr
     assert (cfg.train_dir / "train_report.json").read_bytes() == before
+
+
+# ---- one 03 per data folder, one 05 per bench folder ----------------------------------------------------------
+@pytest.mark.parametrize("stage", ["03", "05", "05 --server"])
+def test_a_second_run_on_the_same_output_folder_stops_at_once(tmp_path, stage):
+    """Two 05 runs on one bench folder (`--datasets humaneval` and `--datasets mt3.json` side by side) both exited 0,
+    each measuring under the other's load, and the last one's reports replaced the first one's (trial 2026-12-05g);
+    two 03 runs of a draft-vocab sweep wrote over each other the same way. Each now holds a lock on its folder: the
+    second one stops with one line, before it reads anything; a refused run leaves no folder it made."""
+    from eagle3.benchmark import offline, server as server_bench
+    from eagle3.data import prepare_data
+    from eagle3.io import exclusive_lock
+
+    cfg = load_config(make_tiny_run(tmp_path))
+    folder, lock, call, words = {
+        "03": (cfg.data_dir, ".data.lock", lambda: prepare_data.run(cfg, plot=False),
+               f"another 03_prepare_data run is writing to {cfg.data_dir}; wait for it, or set data.output_dir for a "
+               "second data folder"),
+        "05": (cfg.bench_dir, ".bench.lock", lambda: offline.run(cfg), None),
+        "05 --server": (cfg.bench_dir, ".bench.lock", lambda: server_bench.run(cfg, ["http://127.0.0.1:9"]), None),
+    }[stage]
+    words = words or (f"another 05_benchmark run is benchmarking into {cfg.bench_dir} (its reports would replace "
+                      "this one's, and two runs side by side measure each other's load); wait for it, or set "
+                      "benchmark.output_dir")
+    folder.mkdir(parents=True, exist_ok=True)
+    with exclusive_lock(folder / lock, "the first run"):
+        assert _error(call) == f"{folder / lock}: {words}"
+    if stage != "03":  # 05 without an export is refused after taking the lock: the folder it made is gone again
+        folder.rmdir()
+        assert "not found" in _error(call) and not folder.exists()
