@@ -33,7 +33,8 @@ def main(argv=None) -> int:
                         "schedule up to it, then final validation, export and report as for a finished run (reproduces "
                         "a run stopped early on a longer schedule; --resume continues it)")
     p.add_argument("--export-only", action="store_true",
-                   help="no training: export the newest checkpoint (e.g. for the other engine with --engine)")
+                   help="no training: export the trained weights (the newest checkpoint's; with train.select_best: "
+                        "sim_accept the best validation's, best_drafter.pt), e.g. for the other engine with --engine")
     p.add_argument("--engine", choices=["sglang", "vllm"], help="override export.engine")
     a = p.parse_args(argv)
     if a.export_only:  # no training: the training flags would be ignored silently

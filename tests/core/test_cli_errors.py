@@ -236,3 +236,26 @@ def test_one_process_stages_refuse_torchrun_in_one_line(files, capsys, monkeypat
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.strip().splitlines() == [f"error: {want}"], err
     assert not (files["root"] / "outputs").exists()
+
+
+@pytest.mark.parametrize("script, says", [
+    ("04_train.py", "--export-only no training: export the trained weights (the newest checkpoint's; with "
+                    "train.select_best: sim_accept the best validation's, best_drafter.pt)"),
+    ("05_benchmark.py", "--drafter DRAFTER exported drafter folder (default: export.output_dir, else "
+                        "{output_root}/drafter-{export.engine})"),
+    ("03_prepare_data.py", "--no-plot skip coverage.png (an earlier run's is removed: it would show another draft "
+                           "vocab)"),
+])
+def test_help_of_03_04_05_says_what_the_flag_does(script, says, capsys):
+    """`04 --help` said --export-only exports "the newest checkpoint", but under train.select_best: sim_accept it
+    exports best_drafter.pt's weights; `05 --help` named the default drafter folder `cfg.export_dir`, a name found in
+    no config (trial 2026-12-05g)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(script[:-3].replace("_", ""), ROOT / script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--help"])
+    assert e.value.code == 0
+    assert says in " ".join(capsys.readouterr().out.split())
