@@ -72,7 +72,7 @@ def export_from_checkpoint(cfg: RunConfig, engine: str | None = None) -> Path:
     check_extract_settings(cfg.extract, data_config, cfg.shards_dir)
     vocab = load_run_vocab_map(cfg, int(data_config["vocab_size"]))
     args = DrafterArgs.from_json(state["drafter_args"], source=f"{path}: drafter_args")
-    _require_trained_vocab(path, state, vocab, cfg)
+    _require_trained_inputs(path, state, vocab, data_config, cfg)
     if args.draft_vocab_size != int(vocab["d2t"].shape[0]):
         raise UserError(f"{path}: drafter_args.draft_vocab_size {args.draft_vocab_size} differs from "
                         f"{cfg.data_dir / 'vocab_map.pt'} ({int(vocab['d2t'].shape[0])})")
@@ -107,22 +107,25 @@ def export_from_checkpoint(cfg: RunConfig, engine: str | None = None) -> Path:
     return out
 
 
-def _require_trained_vocab(path: Path, state: dict, vocab: dict, cfg: RunConfig) -> None:
-    """Refuse to export a checkpoint with another draft vocab map than it was trained with (its ``data_inputs``
-    records the map's content hash, :func:`eagle3.train.checkpoint.vocab_sha256`): 03 re-run since on other shards
-    (more prompts) gives a map of the same size whose ids differ, and the export would write that ``d2t`` beside
-    lm_head rows trained for the old one, a drafter whose every draft token maps to another token (``--resume``
-    already refused it; ``--export-only`` exported it, trial 2026-12-05g). A checkpoint without the record passes.
+def _require_trained_inputs(path: Path, state: dict, vocab: dict, data_config: dict, cfg: RunConfig) -> None:
+    """Refuse to export a checkpoint with another draft vocab map or other aux layers than it was trained with (its
+    ``data_inputs`` records the map's content hash, :func:`eagle3.train.checkpoint.vocab_sha256`, and the shards' aux
+    layers). The export takes both from the run's files now: after 03 re-ran on other shards (a map of the same size
+    with other ids) it wrote that ``d2t`` beside lm_head rows trained for the old one, and from another run's or a
+    re-extracted shard set it named other aux layers than the weights were trained on (``--export-only`` exported
+    both, exit 0, trial 2026-12-05g). The split is not compared: it does not change the weights. A checkpoint
+    without a record passes.
 
     Raises:
-        UserError: ``{checkpoint}: {data_dir}/vocab_map.pt is not the draft vocab map this checkpoint was trained
-            with ...`` (:func:`eagle3.train.checkpoint.data_inputs_problem`).
+        UserError: ``{checkpoint}: ...`` naming each difference (:func:`eagle3.train.checkpoint.data_inputs_problem`).
     """
     saved = state.get("data_inputs")
     if not isinstance(saved, dict):
         return
-    problem = ckpt.data_inputs_problem({ckpt.VOCAB_FILE: saved.get(ckpt.VOCAB_FILE)},
-                                       {ckpt.VOCAB_FILE: ckpt.vocab_sha256(vocab)}, cfg.data_dir)
+    keys = (ckpt.VOCAB_FILE, ckpt.AUX_LAYERS)
+    problem = ckpt.data_inputs_problem({k: saved.get(k) for k in keys},
+                                       {ckpt.VOCAB_FILE: ckpt.vocab_sha256(vocab),
+                                        ckpt.AUX_LAYERS: list(data_config["aux_layers"])}, cfg.data_dir)
     if problem:
         raise UserError(f"{path}: {problem}")
 

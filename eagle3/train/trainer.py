@@ -746,8 +746,10 @@ def _recipe(cfg: RunConfig) -> dict:
 
 def _data_inputs(inputs: "_Inputs") -> dict:
     """What a checkpoint records of the data it was trained on (key ``data_inputs``; compared on ``--resume`` by
-    :func:`eagle3.train.checkpoint.data_inputs_problem`): the content sha256 of 03's split and vocab map."""
-    return {ckpt.SPLIT_FILE: ckpt.split_sha256(inputs.split), ckpt.VOCAB_FILE: ckpt.vocab_sha256(inputs.vocab)}
+    :func:`eagle3.train.checkpoint.data_inputs_problem`): the content sha256 of 03's split and vocab map, and the
+    aux layers of the shards' ``data_config.json``."""
+    return {ckpt.SPLIT_FILE: ckpt.split_sha256(inputs.split), ckpt.VOCAB_FILE: ckpt.vocab_sha256(inputs.vocab),
+            ckpt.AUX_LAYERS: [int(i) for i in inputs.data_config["aux_layers"]]}
 
 
 def _fingerprint(cfg: RunConfig, args) -> str:
