@@ -477,10 +477,20 @@ WRITTEN_BY = {
 
 def file_not_found(path: str | os.PathLike) -> UserError:
     """``<path>: file not found``, plus ``(02_extract_hidden.py writes it: run that stage first)`` when
-    ``path`` is a file a stage writes (:data:`WRITTEN_BY`, by file name)."""
+    ``path`` is a file a stage writes (:data:`WRITTEN_BY`, by file name), and for a relative path the folder it was
+    looked for from (:func:`relative_hint`)."""
     path = Path(path)
     stage = WRITTEN_BY.get(path.name)
-    return UserError(f"{path}: file not found" + (f" ({stage} writes it: run that stage first)" if stage else ""))
+    notes = ([f"{stage} writes it: run that stage first"] if stage else []) + ([relative_hint(path)] if
+                                                                               relative_hint(path) else [])
+    return UserError(f"{path}: file not found" + (f" ({'; '.join(notes)})" if notes else ""))
+
+
+def relative_hint(path: str | os.PathLike) -> str:
+    """``relative paths are read from the current folder, /x`` for a relative ``path``, else ``''``: a config's
+    relative ``output_root`` run from another folder than the earlier stages were said only ``file not found (02 ...
+    writes it: run that stage first)``, of a stage that had run (trial 2026-12-05g)."""
+    return "" if Path(path).is_absolute() else f"relative paths are read from the current folder, {Path.cwd()}"
 
 
 def safe_torch_load(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> Any:

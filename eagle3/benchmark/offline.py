@@ -48,7 +48,7 @@ from tqdm import tqdm
 from eagle3.config import RunConfig
 from eagle3.errors import UserError
 from eagle3.benchmark.eval_prompts import EvalPrompt, check_dataset_names, dataset_labels, load_eval_subset
-from eagle3.io import atomic_write_files, probe_dirs, read_json
+from eagle3.io import atomic_write_files, probe_dirs, read_json, relative_hint
 from eagle3.shards.format import check_extract_settings
 from eagle3.train.draft_config import EXPORT_META_FILE
 
@@ -564,7 +564,8 @@ def resolve_drafter_dir(cfg: RunConfig, drafter_dir: Optional[str | Path]) -> Pa
             raise UserError(f"--drafter: '{path}' is a file, not an exported drafter folder; pass the folder 04 "
                             f"exported (drafter-sglang), or export a checkpoint first with 04_train.py --export-only")
         if not path.is_dir():
-            raise UserError(f"--drafter: folder '{path}' not found (export a trained drafter first)")
+            raise UserError(f"--drafter: folder '{path}' not found (export a trained drafter first"
+                            + (f"; {relative_hint(path)})" if relative_hint(path) else ")"))
         if not (path / "config.json").is_file() and (path / "checkpoints").is_dir():
             raise UserError(f"--drafter: '{path}' is 04's train folder, not an exported drafter; pass the export "
                             f"folder (drafter-sglang beside it, or export.output_dir), or write it with 04_train.py "
@@ -580,7 +581,8 @@ def resolve_drafter_dir(cfg: RunConfig, drafter_dir: Optional[str | Path]) -> Pa
                             f"{cfg.export.engine}) not found, but {have} is there: 04_train.py --export-only "
                             f"--engine {cfg.export.engine} writes it from the same checkpoint (or pass --drafter)")
         raise UserError(f"the exported drafter '{path}' (the config's export dir) not found: "
-                        f"run 04_train.py first or pass --drafter")
+                        f"run 04_train.py first or pass --drafter" + (f" ({relative_hint(path)})" if
+                                                                       relative_hint(path) else ""))
     _require_export_config(path, f"the config's export dir '{path}'")
     return path
 

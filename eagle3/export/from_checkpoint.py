@@ -16,6 +16,7 @@ from pathlib import Path
 from eagle3.train import checkpoint as ckpt
 from eagle3.config import RunConfig
 from eagle3.errors import UserError
+from eagle3.io import relative_hint
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,9 @@ def export_from_checkpoint(cfg: RunConfig, engine: str | None = None) -> Path:
         cfg = cfg.model_copy(update={"export": cfg.export.model_copy(update={"engine": engine})})
     found = ckpt.find_latest_checkpoint(cfg.train_dir, fallback=not _weights_from_checkpoint(cfg))
     if found is None:
-        raise UserError(f"{ckpt.ckpt_dir(cfg.train_dir)}: no complete checkpoint to export (run 04_train.py first)")
+        where = ckpt.ckpt_dir(cfg.train_dir)
+        raise UserError(f"{where}: no complete checkpoint to export (run 04_train.py first"
+                        + (f"; {relative_hint(where)})" if relative_hint(where) else ")"))
     path, state = found
     data_config = read_data_config(cfg.shards_dir)
     check_verifier(cfg.verifier, data_config, cfg.shards_dir)  # as 04 training does
