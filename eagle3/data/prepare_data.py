@@ -1,7 +1,8 @@
 """Stage 03: validate the shards, count token frequencies, build the draft vocab, split train/val.
 
 Inputs: ``{shards_dir}`` (stage 02: shards + ``data_config.json``). Outputs in ``{data_dir}``
-(written as one set, :func:`_write_outputs`: a failure replaces none of them; the stage is deterministic, so re-running it rewrites identical files):
+(written as one set, :func:`_write_outputs`: a failure replaces none of them; the stage is deterministic, so
+re-running it rewrites identical files):
 
 - ``token_freq.pt``: int64 ``[target_V]`` counts of target ids at loss-masked positions;
 - ``vocab_map.pt``: ``d2t`` int64 ``[draft_V]``, ``t2d`` bool ``[target_V]``, sizes (``eagle3.data.vocab``);
