@@ -734,6 +734,32 @@ def load_sets(datasets: Sequence[str], num_prompts: Optional[int],
     return sets, notes
 
 
+def check_context(sets: Sequence[tuple[str, list[tuple[str, list[int]]]]], max_new_tokens: int, steps: int,
+                  verifier_config) -> None:
+    """Refuse a prompt whose decode would run past the verifier's context (``max_position_embeddings``): its tokens
+    plus ``max_new_tokens`` plus the ``steps`` drafts of the last verify step. Such a prompt was benchmarked without a
+    word (a 2,500-token prompt file line on a 2,048-position verifier, trial 2026-12-05g): positions the verifier was
+    never trained at, whose greedy output and tau mean nothing, and which a server refuses.
+
+    Args:
+        sets: ``[(label, [(prompt id, prompt token ids), ...]), ...]``.
+
+    Raises:
+        UserError: the first such prompt: set, id, its tokens, the limit and what to change.
+    """
+    limit = getattr(verifier_config, "max_position_embeddings", None)
+    if not limit:
+        return
+    for label, ids in sets:
+        for pid, toks in ids:
+            if len(toks) + max_new_tokens + steps > limit:
+                fix = ("leave the prompt out" if len(toks) + 1 + steps > limit else
+                       "lower --max-new-tokens (benchmark.max_new_tokens) or leave the prompt out")
+                raise UserError(
+                    f"dataset {label}, prompt {pid}: {len(toks)} prompt tokens + {max_new_tokens} new tokens + {steps} "
+                    f"drafts exceed the verifier's context of {limit} positions (max_position_embeddings); {fix}")
+
+
 def run_offline(
     cfg: RunConfig,
     verifier,
@@ -793,10 +819,11 @@ def run_offline(
         "datasets": [],
     }
     chat = ChatOptions.from_config(cfg)
+    tokenized = [(label, [(p.id, prompt_ids(tokenizer, p.messages, chat)) for p in prompts]) for label, prompts in sets]
+    check_context(tokenized, max_new_tokens, steps, verifier.config)  # before any set is decoded
     warm = prompt_ids(tokenizer, [{"role": "user", "content": "Hi"}], chat)
     warm_up(verifier, drafter, warm, aux_layers, steps, eos, largest)
-    for label, prompts in sets:
-        ids = [(p.id, prompt_ids(tokenizer, p.messages, chat)) for p in prompts]
+    for label, ids in tokenized:
         row = bench_prompts(verifier, drafter, ids, aux_layers, steps, max_new_tokens, eos, label,
                             batch_size=batch_size, tie_tolerance=tie_tolerance, decoder=cfg.benchmark.decoder)
         report["datasets"].append({**row, "prompt_ids": [i for i, _ in ids]})  # which prompts prompt_pick chose

@@ -700,3 +700,36 @@ def test_prompt_file_with_a_byte_order_mark(tmp_path):
     arr.write_bytes(b"\xef\xbb\xbf" + json.dumps([{"prompt": "one"}]).encode())
     with pytest.raises(UserError, match="this file is a JSON array"):
         load_prompt_file(arr)
+
+
+def test_a_prompt_past_the_verifier_context_is_refused_before_decoding():
+    """A prompt-file line of 2,531 tokens on a 2,048-position verifier was benchmarked without a word (tau 1.00,
+    lossless yes; trial 2026-12-05g): positions past the verifier's context. Now one line naming the set, the prompt,
+    the counts and the fix, before any set is decoded; a prompt that fits passes."""
+    from types import SimpleNamespace
+
+    from eagle3.benchmark.offline import check_context
+
+    conf = SimpleNamespace(max_position_embeddings=64)
+    check_context([("a", [("p0", [1] * 45)])], 16, 3, conf)  # 45 + 16 + 3 = 64: fits
+    with pytest.raises(UserError) as e:
+        check_context([("a", [("p0", [1] * 45)]), ("long", [("q1", [1] * 10), ("q2", [1] * 46)])], 16, 3, conf)
+    assert str(e.value) == ("dataset long, prompt q2: 46 prompt tokens + 16 new tokens + 3 drafts exceed the verifier's "
+                            "context of 64 positions (max_position_embeddings); lower --max-new-tokens "
+                            "(benchmark.max_new_tokens) or leave the prompt out")
+    with pytest.raises(UserError, match=r"prompt q3: 70 prompt tokens .*max_position_embeddings\); leave the prompt out$"):
+        check_context([("long", [("q3", [1] * 70)])], 16, 3, conf)
+    check_context([("a", [("p0", [1] * 500)])], 16, 3, SimpleNamespace())  # no recorded context: not checked
+
+
+def test_offline_run_refuses_a_prompt_past_the_context(run_setup, tmp_path):
+    """The check is on the path 05 takes: a prompt file with one over-long line stops the run, no report written."""
+    import json as _json
+
+    root, cfg, _ = run_setup
+    f = tmp_path / "long.jsonl"
+    f.write_text(_json.dumps({"prompt": "word " * 2500}) + "\n")
+    with pytest.raises(UserError, match=r"^dataset long, prompt 1: \d+ prompt tokens \+ \d+ new tokens"):
+        _cli().main(["--config", str(cfg), "--drafter", str(root / "drafter"), "--datasets", str(f),
+                     "--set", f"benchmark.output_dir={tmp_path / 'b'}"])
+    assert not (tmp_path / "b" / "bench.json").exists()
