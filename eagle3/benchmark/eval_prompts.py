@@ -268,8 +268,12 @@ def load_eval_prompts(name: str, num_prompts: Optional[int] = None) -> list[Eval
 
 
 def dataset_label(name: str) -> str:
-    """Short label of a dataset for tables and plots (the file stem for prompt files)."""
-    return name if name in BUILTIN else Path(name).stem
+    """Short label of a dataset for tables and plots (the file stem for prompt files; a gzip file's without its
+    ``.gz`` and the suffix before it: ``mt.jsonl.gz`` -> ``mt``, not ``mt.jsonl``)."""
+    if name in BUILTIN:
+        return name
+    path = Path(name)
+    return Path(path.stem).stem if path.suffix == ".gz" else path.stem
 
 
 def dataset_labels(names: Sequence[str]) -> list[str]:

@@ -208,6 +208,10 @@ def test_dataset_labels_are_unique_within_a_run():
 
     assert dataset_labels(["mtbench", "x/two.jsonl", "y/two.jsonl", "y/one.jsonl"]) == ["mtbench", "x/two", "y/two", "one"]
     assert dataset_labels(["gsm8k", "gsm8k", "a/p.jsonl", "a/p.jsonl"]) == ["gsm8k", "gsm8k#2", "a/p", "a/p#2"]
+    # a gzip prompt file is labelled by its stem too: 'mt.jsonl.gz' was 'mt.jsonl' (folder server-mt.jsonl; trial
+    # 2026-12-05g); the same set plain and gzipped in one run get their folder in front, then a count
+    assert dataset_labels(["d/mt.jsonl.gz", "e/q.json"]) == ["mt", "q"]
+    assert dataset_labels(["d/mt.jsonl.gz", "d/mt.jsonl"]) == ["d/mt", "d/mt#2"]
 
 
 def test_shared_data_default_is_beside_the_repo(monkeypatch):
