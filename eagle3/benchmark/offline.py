@@ -327,6 +327,12 @@ def json_safe(obj):
     return obj
 
 
+def md_cell(value) -> str:
+    """``value`` as one Markdown table cell: ``|`` escaped and line breaks made spaces (a prompt file named ``my|set``
+    or a prompt id with a ``|`` split its row into extra columns; trial 2026-12-05g)."""
+    return " ".join(str(value).splitlines()).replace("|", "\\|")
+
+
 def render_markdown(report: dict) -> str:
     """The Markdown tables of ``bench.md`` from a ``bench.json`` report dict."""
     steps = report["steps"]
@@ -344,7 +350,7 @@ def render_markdown(report: dict) -> str:
     ]
     for d in report["datasets"]:
         lines.append(
-            f"| {d['dataset']} | {d['num_prompts']} | {d.get('batch_size', 1)} | {_f(d['tau'])} | "
+            f"| {md_cell(d['dataset'])} | {d['num_prompts']} | {d.get('batch_size', 1)} | {_f(d['tau'])} | "
             f"{_f(d['greedy_tokens_per_s'], 1)} | {_f(d['spec_tokens_per_s'], 1)} | {_f(d['speedup'])}x | "
             f"{_f(d.get('drafter_share'))} | {_f(d.get('wall_seconds'), 1)} | {_lossless_cell(d)} |"
         )
@@ -358,14 +364,14 @@ def render_markdown(report: dict) -> str:
     ]
     for d in report["datasets"]:
         cells = " | ".join(f"{_f(c)} / {_f(u)}" for c, u in zip(d["conditional"], d["unconditional"]))
-        lines.append(f"| {d['dataset']} | {d['verify_steps']} | {cells} |")
+        lines.append(f"| {md_cell(d['dataset'])} | {d['verify_steps']} | {cells} |")
     mism = [(d["dataset"], m) for d in report["datasets"] for m in d["mismatches"]]
     if mism:
         lines += ["", f"Differences from greedy (first differing token per prompt; gap = verify top-1 logit minus "
                       f"the logit of greedy's token; near-tie tolerance {report['datasets'][0].get('tie_tolerance')}):", "",
                   "| dataset | prompt | token index | logit gap | near-tie |", "|---|---|---:|---:|---|"]
         for name, m in mism:
-            lines.append(f"| {name} | {m['id']} | {m['index']} | {_f(m.get('gap'), 4)} | {'yes' if m.get('near_tie') else 'no'} |")
+            lines.append(f"| {md_cell(name)} | {md_cell(m['id'])} | {m['index']} | {_f(m.get('gap'), 4)} | {'yes' if m.get('near_tie') else 'no'} |")
     for w in report.get("warnings", []):
         lines += ["", f"**warning**: {w}"]
     return "\n".join(lines) + "\n"

@@ -597,6 +597,21 @@ def _md_report(tau: float) -> dict:
                           "conditional": [0.5, 0.5], "unconditional": [0.5, 0.25]}]}
 
 
+def test_a_pipe_in_a_set_label_or_prompt_id_stays_in_its_cell():
+    """A prompt file named `my|set.jsonl` gave bench.md the row `| my|set | 3 | ...`, one column too many, and so did
+    a prompt id with a `|` in the differences table (trial 2026-12-05g); both are escaped now."""
+    rep = _md_report(1.5)
+    rep["datasets"][0].update(dataset="my|set", mismatches=[{"id": "q|7", "index": 5, "gap": 0.5, "near_tie": False}])
+    md = render_markdown(rep)
+    assert "| my\\|set | 3 | 2 | 1.50 | 10.0 | 12.5 | 1.25x | 0.25 | 3.2 |" in md
+    assert "| my\\|set | 4 | 0.50 / 0.50 | 0.50 / 0.25 |" in md
+    assert "| my\\|set | q\\|7 | 5 | 0.5000 | no |" in md
+    lines = md.splitlines()
+    head = next(line for line in lines if line.startswith("| dataset | prompts |"))
+    row = next(line for line in lines if line.startswith("| my"))
+    assert row.replace("\\|", "").count("|") == head.count("|") == 11  # as many cells as the header
+
+
 def test_reports_on_a_full_disk_keep_the_earlier_set_whole(tmp_path, monkeypatch):
     """05 wrote bench.json, then bench.md, then acceptance.png, each atomically: a disk that filled at the plot left
     the new run's JSON and Markdown beside the earlier run's plot (or none), exit 2 (trial 2026-12-05g, a 12 KiB
