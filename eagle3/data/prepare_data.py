@@ -482,5 +482,5 @@ def interrupt_hint(cfg: RunConfig) -> str:
     if record is not None:
         return (f"the --revalidate pass did not finish: {record} says unfinished, so 04_train.py refuses the shard "
                 f"set; re-run 03_prepare_data.py (it validates every shard)")
-    return (f"nothing is half-written in {cfg.data_dir} (each file is written whole; an earlier run's stay until "
-            f"replaced); re-run the same command")
+    return (f"nothing is half-written in {cfg.data_dir} (its files are replaced together or not at all: an earlier "
+            f"run's stay as they were); re-run the same command")
