@@ -642,6 +642,25 @@ def test_reports_on_a_full_disk_keep_the_earlier_set_whole(tmp_path, monkeypatch
     assert json.loads(paths[0].read_text())["datasets"][0]["tau"] == 2.75 and "| 2.75 |" in paths[1].read_text()
 
 
+def test_repeated_prompt_ids_of_a_file_are_made_unique(tmp_path, caplog):
+    """Two prompt files concatenated (both numbering from 1) gave two prompts the id '1' in bench.json's prompt_ids and
+    per_prompt rows and in bench.md's differences (trial 2026-12-05g). The repeats become '1#2', '1#3' as 01 does,
+    with one warning; the first keeps its id, ids that do not repeat are unchanged."""
+    f = tmp_path / "two.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"question_id": 1, "turns": ["a"]}, {"question_id": 2, "turns": ["b"]}, {"question_id": 1, "turns": ["c"]},
+        {"question_id": 1, "turns": ["d"]}, {"turns": ["e"]}]))
+    with caplog.at_level(logging.WARNING, logger="eagle3.benchmark.eval_prompts"):
+        got = load_prompt_file(f)
+    assert [(p.id, p.messages[0]["content"]) for p in got] == [("1", "a"), ("2", "b"), ("1#2", "c"), ("1#3", "d"),
+                                                                ("5", "e")]
+    assert f"{f}: 2 prompt ids repeat an earlier line's (e.g. '1'), so they were made unique ('1#2')" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="eagle3.benchmark.eval_prompts"):
+        assert [p.id for p in load_prompt_file(f, num_prompts=2)] == ["1", "2"]
+    assert "repeat" not in caplog.text
+
+
 def test_json_array_prompt_file_is_named_as_such(tmp_path):
     """A pretty-printed JSON array (e.g. ultrachat_ultra_eval.json) is not JSONL: said so, not 'malformed JSON'."""
     arr = tmp_path / "eval.json"
