@@ -18,7 +18,8 @@ from eagle3.config import add_config_args, load_config
 def main(argv=None) -> int:
     p = ArgumentParser(description=__doc__.splitlines()[0])
     add_config_args(p)
-    p.add_argument("--no-plot", action="store_true", help="skip coverage.png")
+    p.add_argument("--no-plot", action="store_true",
+                   help="skip coverage.png (an earlier run's is removed: it would show another draft vocab)")
     p.add_argument("--revalidate", action="store_true",
                    help="hash and load every shard even when an earlier 03's validation record matches the shards "
                         "(unchanged sizes/mtimes, manifest, data_config); catches bit rot after the first validation")

@@ -11,12 +11,13 @@ SIGTERM/SIGINT finish the current optimizer step, write a checkpoint and exit 12
 number (143 for SIGTERM, 130 for SIGINT, the shell's convention for a process ended by a signal), with
 no export: so `04_train.py && 05_benchmark.py` stops there, and a scheduler does not count the run as
 finished (a 0 would let 05 benchmark an older export left in the folder). A signal during start-up (before the first
-optimizer step) stops at once: one line, no checkpoint, no train folder left that this call made.
+optimizer step) stops at once: one line, no checkpoint, no train folder left that this call made. With
+``--export-only`` they stop the export: one line, exit 143 / 130, the export folder as it was, no temporary folder.
 """
 
 from __future__ import annotations
 
-from eagle3.cli import ArgumentParser, positive_int, refuse_torchrun, run_main
+from eagle3.cli import ArgumentParser, positive_int, refuse_torchrun, resume_on_interrupt, run_main
 from eagle3.config import add_config_args, load_config
 
 
@@ -32,7 +33,8 @@ def main(argv=None) -> int:
                         "schedule up to it, then final validation, export and report as for a finished run (reproduces "
                         "a run stopped early on a longer schedule; --resume continues it)")
     p.add_argument("--export-only", action="store_true",
-                   help="no training: export the newest checkpoint (e.g. for the other engine with --engine)")
+                   help="no training: export the trained weights (the newest checkpoint's; with train.select_best: "
+                        "sim_accept the best validation's, best_drafter.pt), e.g. for the other engine with --engine")
     p.add_argument("--engine", choices=["sglang", "vllm"], help="override export.engine")
     a = p.parse_args(argv)
     if a.export_only:  # no training: the training flags would be ignored silently
@@ -51,7 +53,9 @@ def main(argv=None) -> int:
     if a.export_only:
         from eagle3.export.from_checkpoint import export_from_checkpoint
 
-        print(f"exported: {export_from_checkpoint(cfg)}")
+        with resume_on_interrupt(lambda: export_interrupt_hint(cfg)):  # SIGTERM / Ctrl-C: one line, exit 143 / 130
+            out = export_from_checkpoint(cfg)
+        print(f"exported: {out}")
         return 0
     from eagle3.export.from_checkpoint import export_for_run, load_init_drafter
     from eagle3.train.trainer import run
@@ -61,6 +65,13 @@ def main(argv=None) -> int:
     if res["stopped"]:
         return interrupted_exit(res)
     return 0
+
+
+def export_interrupt_hint(cfg) -> str:
+    """What an interrupted ``--export-only`` left (the line after ``interrupted by SIGTERM:``): the export is written
+    in a temporary folder beside ``export_dir`` (removed on the signal) and renamed over it only once whole."""
+    return (f"nothing is half-written: {cfg.export_dir} is replaced only by a whole export (its temporary folder was "
+            f"removed), and the checkpoints are only read; re-run the same command to export")
 
 
 def interrupted_exit(res: dict) -> int:

@@ -31,7 +31,8 @@ from eagle3.config import add_config_args, load_config
 def main(argv=None):
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(p)
-    p.add_argument("--drafter", help="exported drafter folder (default: cfg.export_dir)")
+    p.add_argument("--drafter", help="exported drafter folder (default: export.output_dir, else "
+                                     "{output_root}/drafter-{export.engine})")
     p.add_argument("--datasets", nargs="+", help="mtbench, humaneval, gsm8k or JSONL prompt files (default: benchmark.datasets; in server mode mtbench when the config sets none)")
     p.add_argument("--steps", type=positive_int, help="chain draft length k (default: benchmark.steps)")
     p.add_argument("--num-prompts", type=positive_int, help="N prompts of each dataset, picked by benchmark.prompt_pick (default: benchmark.num_prompts)")

@@ -906,14 +906,30 @@ def _section_model(loc: tuple[str, ...]) -> Optional[type[BaseModel]]:
 
 def _did_you_mean(loc: tuple[str, ...]) -> str:
     """`` (did you mean 'lr'?)`` for the unknown key ``loc[-1]`` among its section's keys (difflib's
-    closest match, ratio >= 0.6), else ``''``."""
+    closest match, ratio >= 0.6), else ``''``. A key of another section (``train.draft_vocab_size``,
+    ``benchmark.engine``, ``draft_vocab_size`` at the top) names where it belongs instead (:func:`_other_sections`):
+    ``(did you mean 'data.draft_vocab_size'?)``."""
     import difflib
 
     model = _section_model(loc[:-1])
     if model is None:
         return ""
+    elsewhere = _other_sections(loc)
+    if elsewhere:
+        return " (did you mean " + " or ".join(f"'{k}'" for k in elsewhere) + "?)"
     close = difflib.get_close_matches(loc[-1], list(model.model_fields), n=1, cutoff=0.6)
     return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _other_sections(loc: tuple[str, ...]) -> list[str]:
+    """``section.key`` for each top-level section of :class:`RunConfig` other than ``loc``'s that has the key
+    ``loc[-1]`` (a field moved between sections: ``train.draft_vocab_size`` -> ``['data.draft_vocab_size']``)."""
+    out = []
+    for name in RunConfig.model_fields:
+        section = _section_model((name,))
+        if section is not None and (name,) != loc[:-1] and loc[-1] in section.model_fields:
+            out.append(f"{name}.{loc[-1]}")
+    return out
 
 
 def _key_lines(text: str) -> dict[tuple[str, ...], int]:

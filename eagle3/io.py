@@ -24,7 +24,7 @@ import shutil
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
@@ -141,15 +141,38 @@ def make_dirs(path: str | os.PathLike, field: Optional[str] = None) -> list[Path
 
 
 def probe_dirs(path: str | os.PathLike, field: Optional[str] = None) -> None:
-    """Check at a stage's start that :func:`make_dirs` can make ``path`` (its first write may come minutes later):
-    make it, then remove again the folders this call made (nothing left behind).
+    """Check at a stage's start that :func:`make_dirs` can make ``path`` and that a file can be created in it (its
+    first write may come minutes later): make it, create and remove an empty temporary file there, then remove again
+    the folders this call made (nothing left behind). An existing folder on a read-only file system or without write
+    permission used to pass, and 03 / 05 failed only at their end, after the validation pass or the benchmark.
 
     Raises:
-        UserError: as :func:`make_dirs`.
+        UserError: as :func:`make_dirs`; a folder that takes no file: ``<field>: cannot write to the output folder
+            <path>: <why>`` (without ``field``: ``<path>: cannot write to the folder: <why>``).
     """
-    for p in make_dirs(path, field):
-        with contextlib.suppress(OSError):
-            p.rmdir()  # only when still empty
+    made = make_dirs(path, field)
+    try:
+        _probe_write(Path(path), field)
+    finally:
+        for p in made:
+            with contextlib.suppress(OSError):
+                p.rmdir()  # only when still empty
+
+
+def _probe_write(path: Path, field: Optional[str]) -> None:
+    """Create and remove an empty file in the folder ``path`` (:func:`probe_dirs`); its name carries ``TMP_MARK``,
+    so a run killed in between leaves a file :func:`remove_stale_tmp` recognises."""
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".write-probe" + TMP_MARK, dir=path)
+    except OSError as e:
+        if is_disk_full(e):
+            raise disk_full_error(path, e) from e
+        why = e.strerror or str(e)
+        raise UserError(f"{field}: cannot write to the output folder {path}: {why}" if field else
+                        f"{path}: cannot write to the folder: {why}") from e
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        os.unlink(tmp)
 
 
 def _write_all(f, data: bytes) -> None:
@@ -259,6 +282,27 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     with atomic_path(path, needed=len(data)) as tmp:
         with open(tmp, "wb") as f:
             _write_all(f, data)
+
+
+def atomic_write_files(files: Sequence[tuple[str | os.PathLike, bytes]],
+                       remove: Sequence[str | os.PathLike] = ()) -> None:
+    """Write several files as one set, all or nothing: each goes to its temporary name (:func:`atomic_path`), and
+    only once every one is written are they renamed, then the stale files ``remove`` names deleted (a plot an earlier
+    run left that this set has none of). A report set written file by file (``bench.json``, then ``bench.md``, then
+    ``acceptance.png``) left the new JSON beside the earlier run's plot when the disk filled at the plot.
+
+    Raises:
+        UserError: disk full / quota exceeded on any of them (every temporary file removed, no file replaced; the
+            message names the file that did not fit).
+    """
+    with contextlib.ExitStack() as stack:
+        for path, data in files:
+            tmp = stack.enter_context(atomic_path(path, needed=len(data)))
+            with open(tmp, "wb") as f:
+                _write_all(f, data)
+    for path in remove:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def open_append(path: str | os.PathLike):
@@ -433,10 +477,20 @@ WRITTEN_BY = {
 
 def file_not_found(path: str | os.PathLike) -> UserError:
     """``<path>: file not found``, plus ``(02_extract_hidden.py writes it: run that stage first)`` when
-    ``path`` is a file a stage writes (:data:`WRITTEN_BY`, by file name)."""
+    ``path`` is a file a stage writes (:data:`WRITTEN_BY`, by file name), and for a relative path the folder it was
+    looked for from (:func:`relative_hint`)."""
     path = Path(path)
     stage = WRITTEN_BY.get(path.name)
-    return UserError(f"{path}: file not found" + (f" ({stage} writes it: run that stage first)" if stage else ""))
+    notes = ([f"{stage} writes it: run that stage first"] if stage else []) + ([relative_hint(path)] if
+                                                                               relative_hint(path) else [])
+    return UserError(f"{path}: file not found" + (f" ({'; '.join(notes)})" if notes else ""))
+
+
+def relative_hint(path: str | os.PathLike) -> str:
+    """``relative paths are read from the current folder, /x`` for a relative ``path``, else ``''``: a config's
+    relative ``output_root`` run from another folder than the earlier stages were said only ``file not found (02 ...
+    writes it: run that stage first)``, of a stage that had run (trial 2026-12-05g)."""
+    return "" if Path(path).is_absolute() else f"relative paths are read from the current folder, {Path.cwd()}"
 
 
 def safe_torch_load(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> Any:
@@ -643,6 +697,30 @@ def exclusive_lock(lock_path: str | os.PathLike, holder: str) -> Iterator[None]:
         with contextlib.suppress(FileNotFoundError):
             lock_path.unlink()  # still holding the lock (see above)
         f.close()
+
+
+@contextlib.contextmanager
+def output_folder_lock(folder: str | os.PathLike, lock_name: str, holder: str,
+                       field: Optional[str] = None) -> Iterator[None]:
+    """One writer per output folder for the block: make ``folder`` (:func:`probe_dirs`' checks: it can be made and
+    takes a file), then hold ``folder/lock_name`` (:func:`exclusive_lock`; a second run stops at once with
+    ``<folder>/<lock_name>: <holder>``). When the block fails, the folders this call made are removed again if
+    empty (a refused run leaves nothing behind).
+
+    Raises:
+        UserError: as :func:`make_dirs` / :func:`probe_dirs`; another process holds the lock.
+    """
+    folder = Path(folder)
+    made = make_dirs(folder, field)
+    try:
+        _probe_write(folder, field)
+        with exclusive_lock(folder / lock_name, holder):
+            yield
+    except BaseException:
+        for p in made:  # deepest first; the lock file is gone already
+            with contextlib.suppress(OSError):
+                p.rmdir()
+        raise
 
 
 def remove_stale_tmp(root: str | os.PathLike) -> list[Path]:

@@ -20,6 +20,7 @@ The shared data folder is ``$EAGLE3_SHARED_DATA`` if set, else ``<repo root>/../
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +28,9 @@ from typing import Optional, Sequence, TypeVar
 
 from eagle3.errors import UserError
 from eagle3.io import iter_jsonl
-from eagle3.prompts.readers import with_record_system
+from eagle3.prompts.readers import unique_ids, with_record_system
+
+log = logging.getLogger(__name__)
 
 BUILTIN = ("mtbench", "humaneval", "gsm8k")
 PICKS = ("first", "spread")
@@ -116,7 +119,8 @@ def load_prompt_file(path: str | os.PathLike, num_prompts: Optional[int] = None)
     Accepted keys, first match wins: ``messages`` (chat list; kept up to and including the first
     user turn), ``turns`` (MT-bench style; first turn), ``prompt``, ``question``, ``instruction``; a top-level
     ``system`` string is the system message (:func:`eagle3.prompts.readers.with_record_system`, as 01 reads it).
-    The id is ``id``/``question_id``/``task_id``/``uid`` if present, else the line number.
+    The id is ``id``/``question_id``/``task_id``/``uid`` if present, else the line number; a repeated one is made
+    unique (``7#2``, :func:`_unique_prompt_ids`).
 
     Raises:
         UserError: missing file, malformed JSON (with line), or a row without a usable prompt (line + key).
@@ -135,7 +139,23 @@ def load_prompt_file(path: str | os.PathLike, num_prompts: Optional[int] = None)
             break
     if not out:
         raise UserError(f"{path}: no prompts in file")
+    _unique_prompt_ids(out, path)
     return out
+
+
+def _unique_prompt_ids(prompts: list[EvalPrompt], path: Path) -> None:
+    """Make repeated ids of one prompt file unique in place, as 01 does (:func:`eagle3.prompts.readers.unique_ids`:
+    the second ``7`` becomes ``7#2``), with one warning. Two files concatenated (both numbering from 1) gave
+    ``bench.json`` ``prompt_ids`` and ``per_prompt`` rows, and ``bench.md``'s differences, that named two prompts alike
+    (trial 2026-12-05g)."""
+    ids = [c["id"] for c in unique_ids([{"id": p.id} for p in prompts])]
+    renamed = [(p.id, new) for p, new in zip(prompts, ids) if p.id != new]
+    if not renamed:
+        return
+    log.warning("%s: %d prompt ids repeat an earlier line's (e.g. %r), so they were made unique (%r); ids per set are "
+                "in bench.json, datasets[].prompt_ids", path, len(renamed), renamed[0][0], renamed[0][1])
+    for p, new in zip(prompts, ids):
+        p.id = new
 
 
 def _humaneval(num_prompts: Optional[int]) -> list[EvalPrompt]:
@@ -268,8 +288,12 @@ def load_eval_prompts(name: str, num_prompts: Optional[int] = None) -> list[Eval
 
 
 def dataset_label(name: str) -> str:
-    """Short label of a dataset for tables and plots (the file stem for prompt files)."""
-    return name if name in BUILTIN else Path(name).stem
+    """Short label of a dataset for tables and plots (the file stem for prompt files; a gzip file's without its
+    ``.gz`` and the suffix before it: ``mt.jsonl.gz`` -> ``mt``, not ``mt.jsonl``)."""
+    if name in BUILTIN:
+        return name
+    path = Path(name)
+    return Path(path.stem).stem if path.suffix == ".gz" else path.stem
 
 
 def dataset_labels(names: Sequence[str]) -> list[str]:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import logging
 import math
 import time
@@ -47,7 +48,7 @@ from tqdm import tqdm
 from eagle3.config import RunConfig
 from eagle3.errors import UserError
 from eagle3.benchmark.eval_prompts import EvalPrompt, check_dataset_names, dataset_labels, load_eval_subset
-from eagle3.io import atomic_write_bytes, atomic_write_json, atomic_write_text, probe_dirs, read_json
+from eagle3.io import atomic_write_files, probe_dirs, read_json, relative_hint
 from eagle3.shards.format import check_extract_settings
 from eagle3.train.draft_config import EXPORT_META_FILE
 
@@ -326,6 +327,12 @@ def json_safe(obj):
     return obj
 
 
+def md_cell(value) -> str:
+    """``value`` as one Markdown table cell: ``|`` escaped and line breaks made spaces (a prompt file named ``my|set``
+    or a prompt id with a ``|`` split its row into extra columns; trial 2026-12-05g)."""
+    return " ".join(str(value).splitlines()).replace("|", "\\|")
+
+
 def render_markdown(report: dict) -> str:
     """The Markdown tables of ``bench.md`` from a ``bench.json`` report dict."""
     steps = report["steps"]
@@ -343,7 +350,7 @@ def render_markdown(report: dict) -> str:
     ]
     for d in report["datasets"]:
         lines.append(
-            f"| {d['dataset']} | {d['num_prompts']} | {d.get('batch_size', 1)} | {_f(d['tau'])} | "
+            f"| {md_cell(d['dataset'])} | {d['num_prompts']} | {d.get('batch_size', 1)} | {_f(d['tau'])} | "
             f"{_f(d['greedy_tokens_per_s'], 1)} | {_f(d['spec_tokens_per_s'], 1)} | {_f(d['speedup'])}x | "
             f"{_f(d.get('drafter_share'))} | {_f(d.get('wall_seconds'), 1)} | {_lossless_cell(d)} |"
         )
@@ -357,14 +364,14 @@ def render_markdown(report: dict) -> str:
     ]
     for d in report["datasets"]:
         cells = " | ".join(f"{_f(c)} / {_f(u)}" for c, u in zip(d["conditional"], d["unconditional"]))
-        lines.append(f"| {d['dataset']} | {d['verify_steps']} | {cells} |")
+        lines.append(f"| {md_cell(d['dataset'])} | {d['verify_steps']} | {cells} |")
     mism = [(d["dataset"], m) for d in report["datasets"] for m in d["mismatches"]]
     if mism:
         lines += ["", f"Differences from greedy (first differing token per prompt; gap = verify top-1 logit minus "
                       f"the logit of greedy's token; near-tie tolerance {report['datasets'][0].get('tie_tolerance')}):", "",
                   "| dataset | prompt | token index | logit gap | near-tie |", "|---|---|---:|---:|---|"]
         for name, m in mism:
-            lines.append(f"| {name} | {m['id']} | {m['index']} | {_f(m.get('gap'), 4)} | {'yes' if m.get('near_tie') else 'no'} |")
+            lines.append(f"| {md_cell(name)} | {md_cell(m['id'])} | {m['index']} | {_f(m.get('gap'), 4)} | {'yes' if m.get('near_tie') else 'no'} |")
     for w in report.get("warnings", []):
         lines += ["", f"**warning**: {w}"]
     return "\n".join(lines) + "\n"
@@ -422,13 +429,20 @@ def plot_acceptance(datasets: Sequence[dict], steps: int, title: str = "") -> by
 
 
 def write_reports(out_dir: str | Path, report: dict, stem: str = "bench", plot_name: str = "acceptance.png") -> list[Path]:
-    """Atomically write ``{stem}.json``, ``{stem}.md`` and the acceptance plot into ``out_dir``."""
+    """Write ``{stem}.json``, ``{stem}.md`` and the acceptance plot into ``out_dir`` as one set
+    (:func:`eagle3.io.atomic_write_files`: a full disk leaves the earlier run's three files, never a mix)."""
     out = Path(out_dir)
     paths = [out / f"{stem}.json", out / f"{stem}.md", out / plot_name]
-    atomic_write_json(paths[0], json_safe(report))
-    atomic_write_text(paths[1], render_markdown(report))
-    atomic_write_bytes(paths[2], plot_acceptance(report["datasets"], report["steps"], str(report.get("verifier", ""))))
+    png = plot_acceptance(report["datasets"], report["steps"], str(report.get("verifier", "")))
+    atomic_write_files(list(zip(paths, report_bytes(report) + [png])))
     return paths
+
+
+def report_bytes(report: dict) -> list[bytes]:
+    """``[JSON, Markdown]`` of a benchmark report as the files hold them (UTF-8; the JSON indented, one trailing
+    newline, as :func:`eagle3.io.atomic_write_json` writes it)."""
+    text = json.dumps(json_safe(report), indent=2, ensure_ascii=False) + "\n"
+    return [text.encode("utf-8"), render_markdown(report).encode("utf-8")]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -556,7 +570,8 @@ def resolve_drafter_dir(cfg: RunConfig, drafter_dir: Optional[str | Path]) -> Pa
             raise UserError(f"--drafter: '{path}' is a file, not an exported drafter folder; pass the folder 04 "
                             f"exported (drafter-sglang), or export a checkpoint first with 04_train.py --export-only")
         if not path.is_dir():
-            raise UserError(f"--drafter: folder '{path}' not found (export a trained drafter first)")
+            raise UserError(f"--drafter: folder '{path}' not found (export a trained drafter first"
+                            + (f"; {relative_hint(path)})" if relative_hint(path) else ")"))
         if not (path / "config.json").is_file() and (path / "checkpoints").is_dir():
             raise UserError(f"--drafter: '{path}' is 04's train folder, not an exported drafter; pass the export "
                             f"folder (drafter-sglang beside it, or export.output_dir), or write it with 04_train.py "
@@ -572,7 +587,8 @@ def resolve_drafter_dir(cfg: RunConfig, drafter_dir: Optional[str | Path]) -> Pa
                             f"{cfg.export.engine}) not found, but {have} is there: 04_train.py --export-only "
                             f"--engine {cfg.export.engine} writes it from the same checkpoint (or pass --drafter)")
         raise UserError(f"the exported drafter '{path}' (the config's export dir) not found: "
-                        f"run 04_train.py first or pass --drafter")
+                        f"run 04_train.py first or pass --drafter" + (f" ({relative_hint(path)})" if
+                                                                       relative_hint(path) else ""))
     _require_export_config(path, f"the config's export dir '{path}'")
     return path
 
@@ -724,6 +740,32 @@ def load_sets(datasets: Sequence[str], num_prompts: Optional[int],
     return sets, notes
 
 
+def check_context(sets: Sequence[tuple[str, list[tuple[str, list[int]]]]], max_new_tokens: int, steps: int,
+                  verifier_config) -> None:
+    """Refuse a prompt whose decode would run past the verifier's context (``max_position_embeddings``): its tokens
+    plus ``max_new_tokens`` plus the ``steps`` drafts of the last verify step. Such a prompt was benchmarked without a
+    word (a 2,500-token prompt file line on a 2,048-position verifier, trial 2026-12-05g): positions the verifier was
+    never trained at, whose greedy output and tau mean nothing, and which a server refuses.
+
+    Args:
+        sets: ``[(label, [(prompt id, prompt token ids), ...]), ...]``.
+
+    Raises:
+        UserError: the first such prompt: set, id, its tokens, the limit and what to change.
+    """
+    limit = getattr(verifier_config, "max_position_embeddings", None)
+    if not limit:
+        return
+    for label, ids in sets:
+        for pid, toks in ids:
+            if len(toks) + max_new_tokens + steps > limit:
+                fix = ("leave the prompt out" if len(toks) + 1 + steps > limit else
+                       "lower --max-new-tokens (benchmark.max_new_tokens) or leave the prompt out")
+                raise UserError(
+                    f"dataset {label}, prompt {pid}: {len(toks)} prompt tokens + {max_new_tokens} new tokens + {steps} "
+                    f"drafts exceed the verifier's context of {limit} positions (max_position_embeddings); {fix}")
+
+
 def run_offline(
     cfg: RunConfig,
     verifier,
@@ -783,10 +825,11 @@ def run_offline(
         "datasets": [],
     }
     chat = ChatOptions.from_config(cfg)
+    tokenized = [(label, [(p.id, prompt_ids(tokenizer, p.messages, chat)) for p in prompts]) for label, prompts in sets]
+    check_context(tokenized, max_new_tokens, steps, verifier.config)  # before any set is decoded
     warm = prompt_ids(tokenizer, [{"role": "user", "content": "Hi"}], chat)
     warm_up(verifier, drafter, warm, aux_layers, steps, eos, largest)
-    for label, prompts in sets:
-        ids = [(p.id, prompt_ids(tokenizer, p.messages, chat)) for p in prompts]
+    for label, ids in tokenized:
         row = bench_prompts(verifier, drafter, ids, aux_layers, steps, max_new_tokens, eos, label,
                             batch_size=batch_size, tie_tolerance=tie_tolerance, decoder=cfg.benchmark.decoder)
         report["datasets"].append({**row, "prompt_ids": [i for i, _ in ids]})  # which prompts prompt_pick chose
@@ -805,6 +848,30 @@ def run_offline(
     return report
 
 
+BENCH_LOCK = ".bench.lock"  # in bench_dir while a 05 benchmarks into it (one 05 per bench folder)
+
+
+def holds_bench_lock(fn):
+    """Run the stage-05 entry point ``fn(cfg, ...)`` holding ``{bench_dir}/.bench.lock``
+    (:func:`eagle3.io.output_folder_lock`, made and checked first): a second 05 on the same folder (``--datasets
+    mtbench`` and ``--datasets gsm8k`` started side by side) measured its tokens/s under the first one's load and then
+    replaced its reports, both exiting 0 (trial 2026-12-05g); now it stops at once with one line."""
+    import functools
+
+    from eagle3.io import output_folder_lock
+
+    @functools.wraps(fn)
+    def locked(cfg, *args, **kwargs):
+        holder = (f"another 05_benchmark run is benchmarking into {cfg.bench_dir} (its reports would replace this "
+                  f"one's, and two runs side by side measure each other's load); wait for it, or set "
+                  f"benchmark.output_dir")
+        with output_folder_lock(cfg.bench_dir, BENCH_LOCK, holder, cfg.output_field("bench")):
+            return fn(cfg, *args, **kwargs)
+
+    return locked
+
+
+@holds_bench_lock
 def run(
     cfg: RunConfig,
     drafter_dir: Optional[str] = None,

@@ -46,7 +46,7 @@ from typing import Optional, Sequence
 
 from tqdm import tqdm
 
-from eagle3.benchmark.offline import json_safe, plot_acceptance, rates_from_hist
+from eagle3.benchmark.offline import holds_bench_lock, json_safe, plot_acceptance, rates_from_hist
 from eagle3.errors import UserError
 from eagle3.io import json_error_detail, probe_dirs, read_json
 
@@ -300,8 +300,6 @@ def run_server_bench(urls: Sequence[str], prompts_ids: Sequence[tuple[str, list[
     Raises:
         UserError: no URL or more than two, no prompts, server errors.
     """
-    from eagle3.io import atomic_write_bytes, atomic_write_json, atomic_write_text
-
     if not 1 <= len(urls) <= 2:
         raise UserError(f"--server / benchmark.server_urls: expected 1 or 2 URLs (speculative, then baseline), got {len(urls)}")
     if not prompts_ids:
@@ -316,16 +314,28 @@ def run_server_bench(urls: Sequence[str], prompts_ids: Sequence[tuple[str, list[
         report["speedup"] = a["output_tokens_per_s"] / b["output_tokens_per_s"] if b["output_tokens_per_s"] else float("nan")
         report["identical_outputs"] = sum(x["output_ids"] == y["output_ids"] for x, y in zip(a["per_request"], b["per_request"]))
     if out_dir is not None:
-        out = Path(out_dir)
-        atomic_write_json(out / "server_bench.json", json_safe(report))
-        atomic_write_text(out / "server_bench.md", render_markdown(report))
-        if servers[0]["speculative"]:
-            d = {"dataset": dataset, "tau": servers[0]["tau"], "conditional": servers[0]["conditional"],
-                 "unconditional": servers[0]["unconditional"]}
-            atomic_write_bytes(out / "server_acceptance.png", plot_acceptance([d], servers[0]["steps"], urls[0]))
+        _write_server_reports(Path(out_dir), report, urls[0])
     return report
 
 
+def _write_server_reports(out: Path, report: dict, url: str) -> None:
+    """``server_bench.{json,md}`` and, for a speculative server, ``server_acceptance.png``, as one set
+    (:func:`eagle3.io.atomic_write_files`): a full disk leaves the earlier run's files, and a plot an earlier run left
+    is removed when this one has none (a server without EAGLE-3 statistics)."""
+    from eagle3.io import atomic_write_files
+
+    spec = report["servers"][0]
+    files = [(out / "server_bench.json", (json.dumps(json_safe(report), indent=2, ensure_ascii=False) + "\n").encode()),
+             (out / "server_bench.md", render_markdown(report).encode("utf-8"))]
+    png = out / "server_acceptance.png"
+    if spec["speculative"]:
+        d = {"dataset": report["dataset"], "tau": spec["tau"], "conditional": spec["conditional"],
+             "unconditional": spec["unconditional"]}
+        files.append((png, plot_acceptance([d], spec["steps"], url)))
+    atomic_write_files(files, remove=() if spec["speculative"] else (png,))
+
+
+@holds_bench_lock
 def run(cfg, urls: Sequence[str], datasets: Optional[Sequence[str]] = None, num_prompts: Optional[int] = None,
         max_new_tokens: Optional[int] = None, concurrency: int = 1, timeout: float = 600.0) -> int:
     """Stage 05 ``--server`` mode: render the prompts with the verifier's tokenizer and benchmark the server(s).

@@ -86,7 +86,7 @@ from eagle3.config import RunConfig
 from eagle3.errors import UserError
 from eagle3.shards.checksum import DEFAULT_ALGO, file_checksum
 from eagle3.io import (TMP_MARK, atomic_write_json, atomic_write_text, exclusive_lock, file_sha256, iter_jsonl,
-                       make_dirs, read_json, remove_stale_tmp)
+                       make_dirs, read_json, relative_hint, remove_stale_tmp)
 from eagle3.layers import check_aux_layers, check_servable, default_aux_layers
 from eagle3.shards.manifest import MANIFEST, ManifestWriter, read_manifest, rewrite_manifest
 from eagle3.shards.fp8 import Storage, storage_from_config
@@ -147,7 +147,8 @@ def read_prompts(path: str | os.PathLike, limit: Optional[int] = None) -> list[d
     """
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"{path}: prompts file not found (run 01_prepare_prompts.py first)")
+        raise UserError(f"{path}: prompts file not found (run 01_prepare_prompts.py first"
+                        + (f"; {relative_hint(path)})" if relative_hint(path) else ")"))
     out: list[dict] = []
     for n, rec in iter_jsonl(path):
         if limit is not None and len(out) >= limit:

@@ -1,7 +1,8 @@
 """Stage 03: validate the shards, count token frequencies, build the draft vocab, split train/val.
 
 Inputs: ``{shards_dir}`` (stage 02: shards + ``data_config.json``). Outputs in ``{data_dir}``
-(each written atomically; the stage is deterministic, so re-running it rewrites identical files):
+(written as one set, :func:`_write_outputs`: a failure replaces none of them; the stage is deterministic, so
+re-running it rewrites identical files):
 
 - ``token_freq.pt``: int64 ``[target_V]`` counts of target ids at loss-masked positions;
 - ``vocab_map.pt``: ``d2t`` int64 ``[draft_V]``, ``t2d`` bool ``[target_V]``, sizes (``eagle3.data.vocab``);
@@ -17,6 +18,7 @@ the shard set exactly (``eagle3.data.validation_record``; written to ``{shards_d
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 from typing import Optional
@@ -28,14 +30,15 @@ from tqdm import tqdm
 from eagle3.shards.checksum import row_checksum
 from eagle3.config import RunConfig
 from eagle3.errors import UserError
-from eagle3.io import atomic_save_png, atomic_torch_save, atomic_write_json, atomic_write_text, make_dirs, probe_dirs
+from eagle3.io import atomic_write_files, make_dirs, probe_dirs
 from eagle3.shards.manifest import MANIFEST, read_manifest
 from eagle3.shards.format import (DATA_CONFIG, check_extract_settings, check_verifier, expect_from_data_config,
                                   list_samples, load_sample, read_data_config)
 from eagle3.data.validation_record import (format_time, load_matching_record, shard_set_fingerprint, write_failed_record,
                                            write_record, write_unfinished_record)
 from eagle3.data.settings import REPORT_JSON, data_settings
-from eagle3.data.vocab import TOKEN_FREQ, VOCAB_MAP, build_vocab_map, count_token_freq, coverage, save_vocab_map
+from eagle3.data.vocab import (TOKEN_FREQ, VOCAB_MAP, build_vocab_map, count_token_freq, coverage,
+                               vocab_map_record)
 
 log = logging.getLogger(__name__)
 
@@ -224,7 +227,10 @@ def _samples_threaded(paths: list[tuple[int, Path]], expect: dict, checksums: di
                 f.cancel()
 
 
-def _plot_coverage(path: Path, freq: torch.Tensor, draft_v: int, cov: float) -> None:
+def _coverage_png(freq: torch.Tensor, draft_v: int, cov: float) -> bytes:
+    """``coverage.png``: the coverage of loss-masked tokens by the top-k target ids against k, ``draft_v`` marked."""
+    import io
+
     import matplotlib
 
     matplotlib.use("Agg")
@@ -241,7 +247,34 @@ def _plot_coverage(path: Path, freq: torch.Tensor, draft_v: int, cov: float) -> 
     ax.legend(loc="lower right")
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
-    atomic_save_png(fig, path, dpi=100)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def _torch_bytes(obj) -> bytes:
+    """``torch.save(obj)``'s bytes (what :func:`eagle3.io.atomic_torch_save` writes)."""
+    import io
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _write_outputs(out: Path, freq: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor, split: dict, report: dict,
+                   cov: float, plot: bool) -> None:
+    """03's outputs in ``out`` as one set (:func:`eagle3.io.atomic_write_files`): written one by one, a full disk at
+    the report or the plot left the new vocab map and split beside the earlier run's report (whose ``settings`` 04
+    checks) or plot; now a failure replaces none of them. Without ``plot`` an earlier ``coverage.png`` is removed."""
+    files = [(out / TOKEN_FREQ, _torch_bytes(freq)),
+             (out / VOCAB_MAP, _torch_bytes(vocab_map_record(d2t, t2d, str(out / VOCAB_MAP)))),
+             (out / SPLIT, (json.dumps(split, indent=2, ensure_ascii=False) + "\n").encode("utf-8")),
+             (out / REPORT_JSON, (json.dumps(report, indent=2, ensure_ascii=False) + "\n").encode("utf-8")),
+             (out / REPORT_MD, _markdown(report).encode("utf-8"))]
+    if plot:
+        files.append((out / PLOT, _coverage_png(freq, int(d2t.numel()), cov)))
+    atomic_write_files(files, remove=() if plot else (out / PLOT,))
 
 
 def _validate_all(shards: Path, meta: dict, paths: list[tuple[int, Path]]) -> tuple[dict, torch.Tensor]:
@@ -335,8 +368,23 @@ def _shard_stats(cfg: RunConfig, meta: dict, paths: list[tuple[int, Path]], reva
     return stats, freq, "full", fp
 
 
+DATA_LOCK = ".data.lock"  # in data_dir while a 03 writes there (one 03 per data folder)
+
+
 def run(cfg: RunConfig, *, plot: bool = True, revalidate: bool = False) -> dict:
-    """Run stage 03.
+    """Stage 03 holding ``{data_dir}/.data.lock`` (:func:`eagle3.io.output_folder_lock`): a second 03 on the same data
+    folder (a draft-vocab sweep started side by side) stops at once with one line instead of writing its vocab map,
+    split and report over the first one's (trial 2026-12-05g). See :func:`prepare`."""
+    from eagle3.io import output_folder_lock
+
+    holder = (f"another 03_prepare_data run is writing to {cfg.data_dir}; wait for it, or set data.output_dir for a "
+              f"second data folder")
+    with output_folder_lock(cfg.data_dir, DATA_LOCK, holder, cfg.output_field("data")):
+        return prepare(cfg, plot=plot, revalidate=revalidate)
+
+
+def prepare(cfg: RunConfig, *, plot: bool = True, revalidate: bool = False) -> dict:
+    """Run stage 03 (:func:`run` holds the data folder's lock around it).
 
     Args:
         revalidate: hash and load every shard even when a validation record matches the shard set
@@ -376,9 +424,6 @@ def run(cfg: RunConfig, *, plot: bool = True, revalidate: bool = False) -> dict:
 
     out = cfg.data_dir
     make_dirs(out, cfg.output_field("data"))
-    atomic_torch_save(freq, out / TOKEN_FREQ)
-    save_vocab_map(out / VOCAB_MAP, d2t, t2d)
-    atomic_write_json(out / SPLIT, split)
     report = {
         "shards_dir": str(shards),
         "verifier": meta["verifier"],
@@ -407,10 +452,7 @@ def run(cfg: RunConfig, *, plot: bool = True, revalidate: bool = False) -> dict:
         "settings": data_settings(cfg),  # the data: fields these outputs were made under (04 checks them)
         "shards_fingerprint": fp,  # the shard set they were made from (04 checks it: eagle3.data.settings)
     }
-    atomic_write_json(out / REPORT_JSON, report)
-    atomic_write_text(out / REPORT_MD, _markdown(report))
-    if plot:
-        _plot_coverage(out / PLOT, freq, int(d2t.numel()), cov)
+    _write_outputs(out, freq, d2t, t2d, split, report, cov, plot)
     log.info("draft vocab %d/%d covers %.2f%% of %d loss tokens; %d train / %d val",
              d2t.numel(), V, 100 * cov, stats["num_loss_tokens"], len(split["train"]), len(split["val"]))
     return report
@@ -440,5 +482,5 @@ def interrupt_hint(cfg: RunConfig) -> str:
     if record is not None:
         return (f"the --revalidate pass did not finish: {record} says unfinished, so 04_train.py refuses the shard "
                 f"set; re-run 03_prepare_data.py (it validates every shard)")
-    return (f"nothing is half-written in {cfg.data_dir} (each file is written whole; an earlier run's stay until "
-            f"replaced); re-run the same command")
+    return (f"nothing is half-written in {cfg.data_dir} (its files are replaced together or not at all: an earlier "
+            f"run's stay as they were); re-run the same command")

@@ -132,13 +132,16 @@ def save_vocab_map(path: str | os.PathLike, d2t: torch.Tensor, t2d: torch.Tensor
         UserError: the map fails :func:`check_vocab_map` (nothing is written).
     """
     path = Path(path)
-    check_vocab_map(d2t.to(torch.int64), t2d.to(torch.bool), str(path))
-    atomic_torch_save(
-        {"d2t": d2t.to(torch.int64).clone(), "t2d": t2d.to(torch.bool).clone(),
-         "target_vocab_size": int(t2d.numel()), "draft_vocab_size": int(d2t.numel())},
-        path,
-    )
+    atomic_torch_save(vocab_map_record(d2t, t2d, str(path)), path)
     return path
+
+
+def vocab_map_record(d2t: torch.Tensor, t2d: torch.Tensor, where: str) -> dict:
+    """What ``vocab_map.pt`` holds: ``d2t`` int64 ``[draft_V]``, ``t2d`` bool ``[target_V]`` and both sizes, after
+    :func:`check_vocab_map` (``where`` names the file in its error)."""
+    check_vocab_map(d2t.to(torch.int64), t2d.to(torch.bool), where)
+    return {"d2t": d2t.to(torch.int64).clone(), "t2d": t2d.to(torch.bool).clone(),
+            "target_vocab_size": int(t2d.numel()), "draft_vocab_size": int(d2t.numel())}
 
 
 DRAFT_KEY = "data.draft_vocab_size"

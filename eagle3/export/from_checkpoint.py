@@ -16,6 +16,7 @@ from pathlib import Path
 from eagle3.train import checkpoint as ckpt
 from eagle3.config import RunConfig
 from eagle3.errors import UserError
+from eagle3.io import relative_hint
 
 log = logging.getLogger(__name__)
 
@@ -65,13 +66,16 @@ def export_from_checkpoint(cfg: RunConfig, engine: str | None = None) -> Path:
         cfg = cfg.model_copy(update={"export": cfg.export.model_copy(update={"engine": engine})})
     found = ckpt.find_latest_checkpoint(cfg.train_dir, fallback=not _weights_from_checkpoint(cfg))
     if found is None:
-        raise UserError(f"{ckpt.ckpt_dir(cfg.train_dir)}: no complete checkpoint to export (run 04_train.py first)")
+        where = ckpt.ckpt_dir(cfg.train_dir)
+        raise UserError(f"{where}: no complete checkpoint to export (run 04_train.py first"
+                        + (f"; {relative_hint(where)})" if relative_hint(where) else ")"))
     path, state = found
     data_config = read_data_config(cfg.shards_dir)
     check_verifier(cfg.verifier, data_config, cfg.shards_dir)  # as 04 training does
     check_extract_settings(cfg.extract, data_config, cfg.shards_dir)
     vocab = load_run_vocab_map(cfg, int(data_config["vocab_size"]))
     args = DrafterArgs.from_json(state["drafter_args"], source=f"{path}: drafter_args")
+    _require_trained_inputs(path, state, vocab, data_config, cfg)
     if args.draft_vocab_size != int(vocab["d2t"].shape[0]):
         raise UserError(f"{path}: drafter_args.draft_vocab_size {args.draft_vocab_size} differs from "
                         f"{cfg.data_dir / 'vocab_map.pt'} ({int(vocab['d2t'].shape[0])})")
@@ -104,6 +108,29 @@ def export_from_checkpoint(cfg: RunConfig, engine: str | None = None) -> Path:
     record_export_only(cfg.train_dir, out, path, int(state["step"]), weights_step, cfg.export.engine,
                        cfg.train.select_best)
     return out
+
+
+def _require_trained_inputs(path: Path, state: dict, vocab: dict, data_config: dict, cfg: RunConfig) -> None:
+    """Refuse to export a checkpoint with another draft vocab map or other aux layers than it was trained with (its
+    ``data_inputs`` records the map's content hash, :func:`eagle3.train.checkpoint.vocab_sha256`, and the shards' aux
+    layers). The export takes both from the run's files now: after 03 re-ran on other shards (a map of the same size
+    with other ids) it wrote that ``d2t`` beside lm_head rows trained for the old one, and from another run's or a
+    re-extracted shard set it named other aux layers than the weights were trained on (``--export-only`` exported
+    both, exit 0, trial 2026-12-05g). The split is not compared: it does not change the weights. A checkpoint
+    without a record passes.
+
+    Raises:
+        UserError: ``{checkpoint}: ...`` naming each difference (:func:`eagle3.train.checkpoint.data_inputs_problem`).
+    """
+    saved = state.get("data_inputs")
+    if not isinstance(saved, dict):
+        return
+    keys = (ckpt.VOCAB_FILE, ckpt.AUX_LAYERS)
+    problem = ckpt.data_inputs_problem({k: saved.get(k) for k in keys},
+                                       {ckpt.VOCAB_FILE: ckpt.vocab_sha256(vocab),
+                                        ckpt.AUX_LAYERS: list(data_config["aux_layers"])}, cfg.data_dir)
+    if problem:
+        raise UserError(f"{path}: {problem}")
 
 
 def _weights_from_checkpoint(cfg: RunConfig) -> bool:

@@ -311,8 +311,9 @@ def recipe_changes(saved: Optional[dict], current: dict) -> tuple[Optional[str],
     return problem, notes
 
 
-# What a run trained on (checkpoint key ``data_inputs``): stage 03's split and draft vocab map, hashed by content.
-SPLIT_FILE, VOCAB_FILE = "split.json", "vocab_map.pt"
+# What a run trained on (checkpoint key ``data_inputs``): stage 03's split and draft vocab map, hashed by content, and
+# the aux layers (HF hidden_states indices) of the shards' data_config.json, whose states the drafter was fed.
+SPLIT_FILE, VOCAB_FILE, AUX_LAYERS = "split.json", "vocab_map.pt", "aux_layers"
 
 
 def split_sha256(split: dict) -> str:
@@ -334,14 +335,17 @@ def vocab_sha256(vocab: dict) -> str:
 
 
 def data_inputs_problem(saved: Optional[dict], current: dict, data_dir: str | os.PathLike) -> Optional[str]:
-    """What a resumed checkpoint's recorded ``data_inputs`` (``{"split.json": sha256, "vocab_map.pt": sha256}``, see
-    :func:`split_sha256` / :func:`vocab_sha256`) refuses against the files in ``data_dir`` now; None when they agree.
-    Checkpoints from before the key (None), or without one of the entries, are not checked for it.
+    """What a resumed checkpoint's recorded ``data_inputs`` (``{"split.json": sha256, "vocab_map.pt": sha256,
+    "aux_layers": [HF indices]}``, see :func:`split_sha256` / :func:`vocab_sha256`) refuses against the files in
+    ``data_dir`` and the shards now; None when they agree. Checkpoints from before the key (None), or without one of
+    the entries, are not checked for it.
 
     A different ``split.json`` (03 re-run with another ``data.seed`` / ``data.val_fraction`` / ``data.train_samples``
     ...): samples the checkpoint trained on may now be validation samples, so val loss, ``sim_accept`` and
     ``select_best`` would score on trained data. A different ``vocab_map.pt`` of the same size (another size is
-    already a differing drafter field): the checkpoint's lm_head rows would stand for other tokens.
+    already a differing drafter field): the checkpoint's lm_head rows would stand for other tokens. Other
+    ``aux_layers`` (02 re-run with another ``extract.aux_layers``, or another run's ``extract.output_dir``): the drafter's
+    fc layer would read other layers' states.
     """
     if not isinstance(saved, dict):
         return None
@@ -355,6 +359,11 @@ def data_inputs_problem(saved: Optional[dict], current: dict, data_dir: str | os
         out.append(f"{d / VOCAB_FILE} is not the draft vocab map this checkpoint was trained with: its lm_head rows "
                    f"would stand for other tokens; train a new run (a new train.output_dir), or re-run "
                    f"03_prepare_data.py with the old data settings")
+    then, now = saved.get(AUX_LAYERS), current.get(AUX_LAYERS)
+    if then is not None and now is not None and list(then) != list(now):
+        out.append(f"the shards' aux layers {list(now)} (data_config.json) are not the {list(then)} this checkpoint "
+                   f"was trained on: the drafter would be fed (and its export would name) other layers' states; use "
+                   f"the shards it was trained on (extract.output_dir), or train a new run (a new train.output_dir)")
     return "; ".join(out) or None
 
 

@@ -71,7 +71,7 @@ from eagle3.layers import check_servable
 from eagle3.process_group import init_process_group, process_group_scope
 from eagle3.shards.fp8 import dequantize_batch, is_fp8
 from eagle3.io import (append_bytes, atomic_write_json, atomic_write_jsonl, atomic_write_text, disk_full_guard,
-                       make_dirs, open_append, read_json)
+                       make_dirs, open_append, probe_dirs, read_json)
 from eagle3.train.schedule import build_scheduler
 from eagle3.shards.format import (check_extract_settings, check_verifier, check_verifier_dims, expect_from_data_config,
                                   read_data_config)
@@ -747,8 +747,10 @@ def _recipe(cfg: RunConfig) -> dict:
 
 def _data_inputs(inputs: "_Inputs") -> dict:
     """What a checkpoint records of the data it was trained on (key ``data_inputs``; compared on ``--resume`` by
-    :func:`eagle3.train.checkpoint.data_inputs_problem`): the content sha256 of 03's split and vocab map."""
-    return {ckpt.SPLIT_FILE: ckpt.split_sha256(inputs.split), ckpt.VOCAB_FILE: ckpt.vocab_sha256(inputs.vocab)}
+    :func:`eagle3.train.checkpoint.data_inputs_problem`): the content sha256 of 03's split and vocab map, and the
+    aux layers of the shards' ``data_config.json``."""
+    return {ckpt.SPLIT_FILE: ckpt.split_sha256(inputs.split), ckpt.VOCAB_FILE: ckpt.vocab_sha256(inputs.vocab),
+            ckpt.AUX_LAYERS: [int(i) for i in inputs.data_config["aux_layers"]]}
 
 
 def _fingerprint(cfg: RunConfig, args) -> str:
@@ -1896,7 +1898,8 @@ def record_export_only(train_dir: Path, export_dir: Path, checkpoint: Path, ckpt
     sim_accept``, the best validation's), the engine; ``sim_accept.exported_step``), so a report written when the run
     stopped (``export: none``) or when its export was refused (``export_error``) no longer contradicts the folder.
     Nothing happens without a ``train_report.json`` written at ``ckpt_step`` (a report of an older step, an
-    unreadable one: a warning, the export stands). An export of this train folder already recorded in another folder
+    unreadable one, a train folder that takes no file (read-only storage): a warning, the export stands). An
+    export of this train folder already recorded in another folder
     (the finished run's ``drafter-sglang`` before ``--export-only --engine vllm``) stays listed in ``other_exports``
     while that folder holds it; ``select_best`` (this export's, when given) replaces the training run's in
     ``sim_accept``, whose ``exported_step`` is now this export's.
@@ -1926,6 +1929,11 @@ def record_export_only(train_dir: Path, export_dir: Path, checkpoint: Path, ckpt
     report["other_exports"] = [o for o in others if o is not None]
     report["export_dir"] = str(export_dir)
     report["export_only"] = {"checkpoint": str(checkpoint), "weights_step": int(weights_step), "engine": engine}
+    try:  # a train folder on read-only storage (a colleague's checkpoints): the export stands, as for an old report
+        probe_dirs(train_dir)
+    except UserError as e:
+        log.warning("%s: not updated after --export-only (%s); the export in %s stands", path, e, export_dir)
+        return False
     if isinstance(report.get("sim_accept"), dict):
         report["sim_accept"]["exported_step"] = int(weights_step)
         if select_best:
@@ -1949,12 +1957,23 @@ def _export_record(folder: Path, train_dir: Path) -> Optional[dict]:
 
 
 def write_report(train_dir: Path, result: dict, args) -> None:
-    """``train_report.json`` + ``train_report.md`` (final validation per TTT step) + ``loss.png`` (train/val loss).
-    A run stopped by a signal gets one too (``stopped``, ``signal``, its step, no ``final_val``); the run that
-    resumes it rewrites it."""
-    rows = _read_metrics(train_dir / "metrics.jsonl")
+    """``train_report.json`` + ``train_report.md`` (final validation per TTT step) + ``loss.png`` (train/val loss),
+    as one set (:func:`eagle3.io.atomic_write_files`: a full disk replaces none of them; written one by one, it left
+    the new JSON beside the earlier Markdown). A run stopped by a signal gets one too (``stopped``, ``signal``, its
+    step, no ``final_val``); the run that resumes it rewrites it."""
+    from eagle3.io import atomic_write_files
+
     report = dict(result, drafter_args=args.to_json())
-    atomic_write_json(train_dir / "train_report.json", report)
+    files = [(train_dir / "train_report.json", (json.dumps(report, indent=2, ensure_ascii=False) + "\n").encode()),
+             (train_dir / "train_report.md", _report_markdown(result, args).encode("utf-8"))]
+    png = _loss_png(_read_metrics(train_dir / "metrics.jsonl"))
+    if png is not None:
+        files.append((train_dir / "loss.png", png))
+    atomic_write_files(files)
+
+
+def _report_markdown(result: dict, args) -> str:
+    """``train_report.md`` of :func:`write_report`."""
     val = result.get("final_val") or {}
     acc_keys = sorted((k for k in val if k.startswith("acc_")), key=lambda k: int(k.split("_")[-1]))
     lines = ["# Training report", "", f"- optimizer steps: {result['step']} / {result['total_steps']}" + (
@@ -1991,23 +2010,32 @@ def write_report(train_dir: Path, result: dict, args) -> None:
         from eagle3.train.sim_accept import markdown_lines
 
         lines += ["", *markdown_lines(result["sim_accept"])]
-    atomic_write_text(train_dir / "train_report.md", "\n".join(lines) + "\n")
+    return "\n".join(lines) + "\n"
+
+
+def _loss_png(rows: list[dict]) -> Optional[bytes]:
+    """``loss.png`` of :func:`write_report`: train and val loss per optimizer step from ``metrics.jsonl``'s ``rows``
+    (None without a train loss)."""
+    import io
+
     tr = [(r["step"], r["loss"]) for r in rows if r.get("kind") == "train" and "loss" in r]
     va = [(r["step"], r["loss"]) for r in rows if r.get("kind") == "val" and "loss" in r]
-    if tr:
-        import matplotlib
+    if not tr:
+        return None
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(6, 4))
-        ax.plot(*zip(*tr), label="train")
-        if va:
-            ax.plot(*zip(*va), "o-", label="val")
-        ax.set_xlabel("optimizer step")
-        ax.set_ylabel("TTT loss")
-        ax.legend()
-        fig.tight_layout()
-        from eagle3.io import atomic_save_png
-
-        atomic_save_png(fig, train_dir / "loss.png")
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(*zip(*tr), label="train")
+    if va:
+        ax.plot(*zip(*va), "o-", label="val")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("TTT loss")
+    ax.legend()
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()

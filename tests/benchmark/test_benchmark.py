@@ -208,6 +208,10 @@ def test_dataset_labels_are_unique_within_a_run():
 
     assert dataset_labels(["mtbench", "x/two.jsonl", "y/two.jsonl", "y/one.jsonl"]) == ["mtbench", "x/two", "y/two", "one"]
     assert dataset_labels(["gsm8k", "gsm8k", "a/p.jsonl", "a/p.jsonl"]) == ["gsm8k", "gsm8k#2", "a/p", "a/p#2"]
+    # a gzip prompt file is labelled by its stem too: 'mt.jsonl.gz' was 'mt.jsonl' (folder server-mt.jsonl; trial
+    # 2026-12-05g); the same set plain and gzipped in one run get their folder in front, then a count
+    assert dataset_labels(["d/mt.jsonl.gz", "e/q.json"]) == ["mt", "q"]
+    assert dataset_labels(["d/mt.jsonl.gz", "d/mt.jsonl"]) == ["d/mt", "d/mt#2"]
 
 
 def test_shared_data_default_is_beside_the_repo(monkeypatch):
@@ -584,6 +588,79 @@ def test_render_markdown_table():
     assert "**warning**: w1" in md
 
 
+def _md_report(tau: float) -> dict:
+    return {"verifier": "v", "drafter": "d", "steps": 2, "max_new_tokens": 8, "device": "cpu", "dtype": "float32",
+            "aux_layers": [2, 15, 27], "warnings": [],
+            "datasets": [{"dataset": "mtbench", "num_prompts": 3, "batch_size": 2, "tau": tau, "greedy_tokens_per_s": 10.0,
+                          "spec_tokens_per_s": 12.5, "speedup": 1.25, "drafter_share": 0.25, "wall_seconds": 3.21,
+                          "tie_tolerance": 0.25, "verify_steps": 4, "near_ties": 0, "failures": 0, "mismatches": [],
+                          "conditional": [0.5, 0.5], "unconditional": [0.5, 0.25]}]}
+
+
+def test_a_pipe_in_a_set_label_or_prompt_id_stays_in_its_cell():
+    """A prompt file named `my|set.jsonl` gave bench.md the row `| my|set | 3 | ...`, one column too many, and so did
+    a prompt id with a `|` in the differences table (trial 2026-12-05g); both are escaped now."""
+    rep = _md_report(1.5)
+    rep["datasets"][0].update(dataset="my|set", mismatches=[{"id": "q|7", "index": 5, "gap": 0.5, "near_tie": False}])
+    md = render_markdown(rep)
+    assert "| my\\|set | 3 | 2 | 1.50 | 10.0 | 12.5 | 1.25x | 0.25 | 3.2 |" in md
+    assert "| my\\|set | 4 | 0.50 / 0.50 | 0.50 / 0.25 |" in md
+    assert "| my\\|set | q\\|7 | 5 | 0.5000 | no |" in md
+    lines = md.splitlines()
+    head = next(line for line in lines if line.startswith("| dataset | prompts |"))
+    row = next(line for line in lines if line.startswith("| my"))
+    assert row.replace("\\|", "").count("|") == head.count("|") == 11  # as many cells as the header
+
+
+def test_reports_on_a_full_disk_keep_the_earlier_set_whole(tmp_path, monkeypatch):
+    """05 wrote bench.json, then bench.md, then acceptance.png, each atomically: a disk that filled at the plot left
+    the new run's JSON and Markdown beside the earlier run's plot (or none), exit 2 (trial 2026-12-05g, a 12 KiB
+    tmpfs). The three are now one set: a full disk leaves the earlier run's three files as they were."""
+    import errno
+    import os
+
+    import eagle3.io as eio
+    from eagle3.benchmark.offline import write_reports
+
+    paths = write_reports(tmp_path, _md_report(1.5))
+    before = [p.read_bytes() for p in paths]
+    real = eio._write_all
+
+    def full_at_the_plot(f, data):
+        if bytes(data[:4]) == b"\x89PNG":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(f, data)
+
+    monkeypatch.setattr(eio, "_write_all", full_at_the_plot)
+    with pytest.raises(UserError) as e:
+        write_reports(tmp_path, _md_report(2.75))
+    assert str(e.value).startswith(f"{tmp_path / 'acceptance.png'}: disk full (No space left on device)")
+    assert [p.read_bytes() for p in paths] == before  # tau 1.5 everywhere, not 2.75 beside the old plot
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["acceptance.png", "bench.json", "bench.md"]  # no temp file
+    monkeypatch.setattr(eio, "_write_all", real)
+    write_reports(tmp_path, _md_report(2.75))
+    assert json.loads(paths[0].read_text())["datasets"][0]["tau"] == 2.75 and "| 2.75 |" in paths[1].read_text()
+
+
+def test_repeated_prompt_ids_of_a_file_are_made_unique(tmp_path, caplog):
+    """Two prompt files concatenated (both numbering from 1) gave two prompts the id '1' in bench.json's prompt_ids and
+    per_prompt rows and in bench.md's differences (trial 2026-12-05g). The repeats become '1#2', '1#3' as 01 does,
+    with one warning; the first keeps its id, ids that do not repeat are unchanged."""
+    f = tmp_path / "two.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"question_id": 1, "turns": ["a"]}, {"question_id": 2, "turns": ["b"]}, {"question_id": 1, "turns": ["c"]},
+        {"question_id": 1, "turns": ["d"]}, {"turns": ["e"]}]))
+    with caplog.at_level(logging.WARNING, logger="eagle3.benchmark.eval_prompts"):
+        got = load_prompt_file(f)
+    assert [(p.id, p.messages[0]["content"]) for p in got] == [("1", "a"), ("2", "b"), ("1#2", "c"), ("1#3", "d"),
+                                                                ("5", "e")]
+    assert f"{f}: 2 prompt ids repeat an earlier line's (e.g. '1'), so they were made unique ('1#2')" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="eagle3.benchmark.eval_prompts"):
+        assert [p.id for p in load_prompt_file(f, num_prompts=2)] == ["1", "2"]
+    assert "repeat" not in caplog.text
+
+
 def test_json_array_prompt_file_is_named_as_such(tmp_path):
     """A pretty-printed JSON array (e.g. ultrachat_ultra_eval.json) is not JSONL: said so, not 'malformed JSON'."""
     arr = tmp_path / "eval.json"
@@ -661,3 +738,36 @@ def test_prompt_file_with_a_byte_order_mark(tmp_path):
     arr.write_bytes(b"\xef\xbb\xbf" + json.dumps([{"prompt": "one"}]).encode())
     with pytest.raises(UserError, match="this file is a JSON array"):
         load_prompt_file(arr)
+
+
+def test_a_prompt_past_the_verifier_context_is_refused_before_decoding():
+    """A prompt-file line of 2,531 tokens on a 2,048-position verifier was benchmarked without a word (tau 1.00,
+    lossless yes; trial 2026-12-05g): positions past the verifier's context. Now one line naming the set, the prompt,
+    the counts and the fix, before any set is decoded; a prompt that fits passes."""
+    from types import SimpleNamespace
+
+    from eagle3.benchmark.offline import check_context
+
+    conf = SimpleNamespace(max_position_embeddings=64)
+    check_context([("a", [("p0", [1] * 45)])], 16, 3, conf)  # 45 + 16 + 3 = 64: fits
+    with pytest.raises(UserError) as e:
+        check_context([("a", [("p0", [1] * 45)]), ("long", [("q1", [1] * 10), ("q2", [1] * 46)])], 16, 3, conf)
+    assert str(e.value) == ("dataset long, prompt q2: 46 prompt tokens + 16 new tokens + 3 drafts exceed the verifier's "
+                            "context of 64 positions (max_position_embeddings); lower --max-new-tokens "
+                            "(benchmark.max_new_tokens) or leave the prompt out")
+    with pytest.raises(UserError, match=r"prompt q3: 70 prompt tokens .*max_position_embeddings\); leave the prompt out$"):
+        check_context([("long", [("q3", [1] * 70)])], 16, 3, conf)
+    check_context([("a", [("p0", [1] * 500)])], 16, 3, SimpleNamespace())  # no recorded context: not checked
+
+
+def test_offline_run_refuses_a_prompt_past_the_context(run_setup, tmp_path):
+    """The check is on the path 05 takes: a prompt file with one over-long line stops the run, no report written."""
+    import json as _json
+
+    root, cfg, _ = run_setup
+    f = tmp_path / "long.jsonl"
+    f.write_text(_json.dumps({"prompt": "word " * 2500}) + "\n")
+    with pytest.raises(UserError, match=r"^dataset long, prompt 1: \d+ prompt tokens \+ \d+ new tokens"):
+        _cli().main(["--config", str(cfg), "--drafter", str(root / "drafter"), "--datasets", str(f),
+                     "--set", f"benchmark.output_dir={tmp_path / 'b'}"])
+    assert not (tmp_path / "b" / "bench.json").exists()

@@ -193,6 +193,20 @@ def test_two_servers_speedup_and_reports(tmp_path):
     assert (tmp_path / "server_acceptance.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_a_plain_server_run_removes_the_plot_of_an_earlier_run(tmp_path):
+    """server_bench.{json,md} and server_acceptance.png are written as one set: a run against a server without
+    EAGLE-3 statistics writes no plot, and the plot an earlier speculative run left (its tau) is removed rather than
+    kept beside the new report (trial 2026-12-05g)."""
+    with _StandIn(speculative=True) as spec:
+        run_server_bench([spec.url], PROMPTS, 8, dataset="mtbench", out_dir=tmp_path, progress=False)
+    assert (tmp_path / "server_acceptance.png").is_file()
+    with _StandIn(speculative=False) as base:
+        rep = run_server_bench([base.url], PROMPTS, 8, dataset="mtbench", out_dir=tmp_path, progress=False)
+    assert not rep["servers"][0]["speculative"]
+    assert json.loads((tmp_path / "server_bench.json").read_text())["servers"][0]["url"] == base.url
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["server_bench.json", "server_bench.md"]
+
+
 def test_server_errors_are_user_errors(tmp_path):
     with _StandIn(speculative=True, fail=True) as s:
         with pytest.raises(UserError, match=r"HTTP 400: .*bad request body"):

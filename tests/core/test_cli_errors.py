@@ -107,13 +107,15 @@ PER_SCRIPT = {
         ([], "outputs/r/prompts.jsonl: prompts file not found"),
     ],
     "03_prepare_data.py": [
-        ([], "outputs/r/shards/data_config.json: file not found (02_extract_hidden.py writes it: run that stage first)"),
+        ([], "outputs/r/shards/data_config.json: file not found (02_extract_hidden.py writes it: run that stage first; "
+             "relative paths are read from the current folder, "),
         (["--set", "extract.output_dir={root}/nope"], "{root}/nope"),
     ],
     "04_train.py": [
         (["--max-steps", "0"], "argument --max-steps: must be >= 1, got 0"),
         (["--engine", "trt"], "argument --engine: invalid choice: 'trt'"),
-        ([], "outputs/r/shards/data_config.json: file not found (02_extract_hidden.py writes it: run that stage first)"),
+        ([], "outputs/r/shards/data_config.json: file not found (02_extract_hidden.py writes it: run that stage first; "
+             "relative paths are read from the current folder, "),
         (["--export-only"], "outputs/r/train"),
     ],
     "05_benchmark.py": [
@@ -195,6 +197,36 @@ def test_script_entry_point_jinja_override_exits_2(tmp_path, script):
         "--set \"verifier.chat_template='...'\""]
 
 
+def test_a_relative_path_not_found_names_the_current_folder(tmp_path, monkeypatch):
+    """A config with a relative output_root run from another folder than the earlier stages: 03 said `out/shards/
+    data_config.json: file not found (02_extract_hidden.py writes it: run that stage first)` of a stage that had run
+    (trial 2026-12-05g). A relative path not found now names the folder it was read from; an absolute one is as
+    before."""
+    from eagle3.benchmark.offline import resolve_drafter_dir
+    from eagle3.config import load_config
+    from eagle3.errors import UserError
+    from eagle3.io import file_not_found
+
+    monkeypatch.chdir(tmp_path)
+    assert str(file_not_found("out/shards/data_config.json")) == (
+        "out/shards/data_config.json: file not found (02_extract_hidden.py writes it: run that stage first; relative "
+        f"paths are read from the current folder, {tmp_path})")
+    assert str(file_not_found("notes.txt")) == (
+        f"notes.txt: file not found (relative paths are read from the current folder, {tmp_path})")
+    assert str(file_not_found("/x/other.json")) == "/x/other.json: file not found"
+    (tmp_path / "run.yaml").write_text("run_name: r\noutput_root: out\nverifier: {path: v}\nprompts: {source: s}\n")
+    cfg = load_config(tmp_path / "run.yaml")
+    with pytest.raises(UserError) as e:
+        resolve_drafter_dir(cfg, None)
+    assert str(e.value) == ("the exported drafter 'out/drafter-sglang' (the config's export dir) not found: run "
+                            f"04_train.py first or pass --drafter (relative paths are read from the current folder, "
+                            f"{tmp_path})")
+    with pytest.raises(UserError) as e:
+        resolve_drafter_dir(cfg, "out/x")
+    assert str(e.value) == ("--drafter: folder 'out/x' not found (export a trained drafter first; relative paths are "
+                            f"read from the current folder, {tmp_path})")
+
+
 def test_written_by_names_the_files_as_the_stages_define_them():
     """The "run that stage first" table uses the stages' own file names, and a missing one says which stage."""
     from eagle3.io import WRITTEN_BY, file_not_found, read_json, safe_torch_load
@@ -236,3 +268,26 @@ def test_one_process_stages_refuse_torchrun_in_one_line(files, capsys, monkeypat
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.strip().splitlines() == [f"error: {want}"], err
     assert not (files["root"] / "outputs").exists()
+
+
+@pytest.mark.parametrize("script, says", [
+    ("04_train.py", "--export-only no training: export the trained weights (the newest checkpoint's; with "
+                    "train.select_best: sim_accept the best validation's, best_drafter.pt)"),
+    ("05_benchmark.py", "--drafter DRAFTER exported drafter folder (default: export.output_dir, else "
+                        "{output_root}/drafter-{export.engine})"),
+    ("03_prepare_data.py", "--no-plot skip coverage.png (an earlier run's is removed: it would show another draft "
+                           "vocab)"),
+])
+def test_help_of_03_04_05_says_what_the_flag_does(script, says, capsys):
+    """`04 --help` said --export-only exports "the newest checkpoint", but under train.select_best: sim_accept it
+    exports best_drafter.pt's weights; `05 --help` named the default drafter folder `cfg.export_dir`, a name found in
+    no config (trial 2026-12-05g)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(script[:-3].replace("_", ""), ROOT / script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--help"])
+    assert e.value.code == 0
+    assert says in " ".join(capsys.readouterr().out.split())

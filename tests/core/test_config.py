@@ -93,6 +93,26 @@ def test_override_errors_name_the_override_with_the_closest_key(tmp_path):
     assert str(e.value) == "--set train.lrr=0.1: unknown config key 'train.lrr' (did you mean 'lr'?)"
 
 
+@pytest.mark.parametrize("text, overrides, message", [
+    (BASE + "train:\n  epochs: 2\n  draft_vocab_size: 512\n", [],
+     "{f}:8: unknown config key 'train.draft_vocab_size' (did you mean 'data.draft_vocab_size'?)"),
+    (BASE + "benchmark:\n  engine: vllm\n", [], "{f}:7: unknown config key 'benchmark.engine' (did you mean "
+     "'export.engine'?)"),
+    (BASE + "draft_vocab_size: 512\n", [], "{f}:6: unknown config key 'draft_vocab_size' (did you mean "
+     "'data.draft_vocab_size'?)"),
+    (BASE, ["benchmark.seed=1"], "--set benchmark.seed=1: unknown config key 'benchmark.seed' (did you mean "
+     "'prompts.seed' or 'data.seed' or 'train.seed'?)"),
+])
+def test_a_key_of_another_section_names_the_section_it_belongs_to(tmp_path, text, overrides, message):
+    """A field moved between sections (``data.draft_vocab_size`` written under ``train:``, ``export.engine`` under
+    ``benchmark:``) said only ``unknown config key 'train.draft_vocab_size'`` (trial 2026-12-05g): a user who knows
+    the key exists had to search the schema for its section. The keys of the other sections are now named."""
+    f = _write(tmp_path, text)
+    with pytest.raises(UserError) as e:
+        load_config(f, overrides)
+    assert str(e.value) == message.format(f=f)
+
+
 def test_a_section_an_override_created_blames_the_override_for_its_missing_key(tmp_path):
     """``--set prompts.self_instruct.exclude=x`` on a config without ``prompts.self_instruct`` said
     ``run.yaml:N: missing required config key 'prompts.self_instruct.num'``, N the file's ``prompts:`` line (trial si-2);

@@ -11,6 +11,7 @@ namespace; skipped where that is not allowed).
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 import shutil
@@ -377,3 +378,29 @@ def test_train_export_and_metrics_disk_full(tmp_path, monkeypatch):
     with pytest.raises(UserError, match=r"metrics\.jsonl: disk full"):
         run(cfg2, device="cpu")
     assert (cfg2.train_dir / "metrics.jsonl").read_bytes() == b""
+
+
+def test_train_report_disk_full_keeps_the_earlier_report_whole(tmp_path, monkeypatch):
+    """train_report.json, train_report.md and loss.png were written one by one: a disk that filled at the Markdown
+    or the plot left the new JSON beside the earlier run's Markdown (trial 2026-12-05g). They are one set now: the
+    failed write replaces none of them, and the next one writes all three."""
+    from _ddp_worker import make_tiny_run
+
+    from eagle3.config import load_config
+    from eagle3.train.model import DrafterArgs
+    from eagle3.train.trainer import run, write_report
+
+    cfg = load_config(make_tiny_run(tmp_path, n_train=4, train={"epochs": 1, "batch_size": 2}))
+    run(cfg, device="cpu")
+    names = ("train_report.json", "train_report.md", "loss.png")
+    before = {n: (cfg.train_dir / n).read_bytes() for n in names}
+    result = json.loads(before["train_report.json"])
+    args = DrafterArgs.from_json(result.pop("drafter_args"))
+    monkeypatch.setattr(eio, "_write_all", DiskBudget(0, match=r"train_report\.md"))
+    with pytest.raises(UserError, match=r"train_report\.md: disk full \(No space left on device\)"):
+        write_report(cfg.train_dir, dict(result, warnings=["rewritten"]), args)
+    assert {n: (cfg.train_dir / n).read_bytes() for n in names} == before and _tmp_files(cfg.train_dir) == []
+    monkeypatch.undo()
+    write_report(cfg.train_dir, dict(result, warnings=["rewritten"]), args)
+    assert json.loads((cfg.train_dir / "train_report.json").read_text())["warnings"] == ["rewritten"]
+    assert "- **warning**: rewritten" in (cfg.train_dir / "train_report.md").read_text()

@@ -85,6 +85,39 @@ def test_prepare_data_hand_computed(tmp_path):
     assert not list(out.glob("*.tmp-*"))
 
 
+def test_a_full_disk_at_the_report_keeps_the_earlier_outputs_whole(tmp_path, monkeypatch):
+    """03 wrote token_freq.pt, vocab_map.pt, split.json, then the report and the plot, each atomically: a disk that
+    filled at data_report.json left the new draft-size vocab map and split beside the earlier run's report (trial
+    2026-12-05g). They are now one set: the failed run replaces none of them; --no-plot removes an earlier plot."""
+    import errno
+    import os
+
+    import eagle3.io as eio
+
+    cfg = load_config(_cfg(tmp_path))
+    _make_shards(cfg.shards_dir)
+    run(cfg)
+    out = cfg.data_dir
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    real = eio._write_all
+
+    def full_at_the_report(f, data):
+        if "data_report.json" in str(getattr(f, "name", "")):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(f, data)
+
+    monkeypatch.setattr(eio, "_write_all", full_at_the_report)
+    with pytest.raises(UserError, match=r"data_report\.json: disk full \(No space left on device\)"):
+        run(load_config(_cfg(tmp_path, draft_vocab_size=3, seed=5)))
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # no file replaced, no temp file left
+    assert load_vocab_map(out / "vocab_map.pt")["d2t"].numel() == 4
+    monkeypatch.setattr(eio, "_write_all", real)
+    r = run(load_config(_cfg(tmp_path, draft_vocab_size=3, seed=5)), plot=False)
+    assert load_vocab_map(out / "vocab_map.pt")["d2t"].numel() == 3 == r["draft_vocab_size"]
+    assert sorted(p.name for p in out.iterdir()) == ["data_report.json", "data_report.md", "split.json",
+                                                     "token_freq.pt", "vocab_map.pt"]  # the 4-id plot is gone
+
+
 def test_identity_map_when_draft_equals_target(tmp_path):
     cfg = load_config(_cfg(tmp_path, draft_vocab_size=V))
     _make_shards(cfg.shards_dir)

@@ -130,6 +130,37 @@ def test_export_only_refuses_draft_size_other_than_the_data(tmp_path):
         export_from_checkpoint(load_config(path, ["data.draft_vocab_size=32"]))
 
 
+def test_export_only_refuses_a_vocab_map_of_the_same_size_it_was_not_trained_with(tmp_path):
+    """03 re-run on other shards gives a map of the same size with other ids: `04 --resume` refused it, but `04
+    --export-only` exported the checkpoint with the new d2t beside lm_head rows trained for the old one (trial
+    2026-12-05g): every draft token served as another token. Now refused before anything is written; with the map
+    it was trained with it exports that map."""
+    from eagle3.data.vocab import load_vocab_map, save_vocab_map
+    from eagle3.export.from_checkpoint import export_from_checkpoint
+    from eagle3.train.trainer import run
+
+    path = make_tiny_run(tmp_path, draft_vocab=24, train={"epochs": 1})
+    cfg = load_config(path)
+    run(cfg, stop_after=1, max_steps=2, device="cpu")
+    vm_path = cfg.data_dir / "vocab_map.pt"
+    trained = load_vocab_map(vm_path)
+    t2d = trained["t2d"].clone()
+    ids = t2d.nonzero().flatten()
+    t2d[ids[-1]] = False  # the last draft token becomes another, unused target id: same size, other map
+    t2d[next(i for i in range(t2d.numel()) if not trained["t2d"][i])] = True
+    other = t2d.nonzero().flatten()
+    save_vocab_map(vm_path, other - torch.arange(other.numel()), t2d)
+    with pytest.raises(UserError) as e:
+        export_from_checkpoint(cfg)
+    assert str(e.value) == (f"{ckpt.ckpt_path(cfg.train_dir, 1)}: {vm_path} is not the draft vocab map this checkpoint "
+                            "was trained with: its lm_head rows would stand for other tokens; train a new run (a new "
+                            "train.output_dir), or re-run 03_prepare_data.py with the old data settings")
+    assert not cfg.export_dir.exists()
+    save_vocab_map(vm_path, trained["d2t"], trained["t2d"])
+    out = export_from_checkpoint(cfg)
+    assert torch.equal(load_file(out / "model.safetensors")["d2t"], trained["d2t"])
+
+
 @pytest.mark.parametrize("key,named", [("draft_vocab_size", "data.draft_vocab_size"),
                                        ("target_hidden_size", "verifier.path"),
                                        ("hidden_size", "drafter.hidden_size")])

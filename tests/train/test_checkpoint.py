@@ -301,6 +301,42 @@ def test_resume_after_03_resplit_is_refused_naming_split_json(tmp_path):
     assert run(cfg, resume=True, stop_after=1, device="cpu")["step"] == 3
 
 
+def test_export_only_and_resume_refuse_shards_of_other_aux_layers(tmp_path):
+    """A checkpoint trained on the states of aux layers [2, 3, 4], exported with `04 --export-only` from a config
+    whose shards (another run's extract.output_dir, or 02 re-run with another extract.aux_layers) hold [1, 3, 4] and
+    the same vocab map: the export named layers [1, 3, 4], exit 0, so an engine would feed the drafter states it was
+    not trained on (trial 2026-12-05g). Checkpoints now record the shards' aux layers (`data_inputs.aux_layers`);
+    --export-only and --resume refuse other ones in one line; a checkpoint without the record is not checked."""
+    from safetensors.torch import load_file
+
+    from eagle3.export.from_checkpoint import export_from_checkpoint
+    from eagle3.train.trainer import run
+
+    a = load_config(make_tiny_run(tmp_path / "a", train={"epochs": 2}))
+    run(a, stop_after=2, device="cpu")
+    assert ckpt.load_checkpoint(ckpt.ckpt_path(a.train_dir, 2))["data_inputs"]["aux_layers"] == [2, 3, 4]
+    b_yaml = make_tiny_run(tmp_path / "b", train={"epochs": 2}, aux_layers=(1, 3, 4))  # same shards, other layers
+    b = load_config(b_yaml, [f"train.output_dir={a.train_dir}", f"export.output_dir={tmp_path / 'exp'}"])
+    want = (f"{ckpt.ckpt_path(a.train_dir, 2)}: the shards' aux layers [1, 3, 4] (data_config.json) are not the "
+            f"[2, 3, 4] this checkpoint was trained on: the drafter would be fed (and its export would name) other "
+            f"layers' states; use the shards it was trained on (extract.output_dir), or train a new run (a new "
+            f"train.output_dir)")
+    with pytest.raises(UserError) as e:
+        export_from_checkpoint(b)
+    assert str(e.value) == want and not (tmp_path / "exp").exists()
+    with pytest.raises(UserError) as e:
+        run(b, resume=True, device="cpu")
+    assert want.split(": ", 1)[1] in str(e.value)
+    out = export_from_checkpoint(a)  # its own shards: exported, naming its layers
+    assert json.loads((out / "eagle3_train.json").read_text())["aux_layers_hf"] == [2, 3, 4]
+    assert "d2t" in load_file(out / "model.safetensors")
+    p2 = ckpt.ckpt_path(a.train_dir, 2)  # a checkpoint from before the record: not checked
+    state = ckpt.load_checkpoint(p2)
+    del state["data_inputs"]["aux_layers"]
+    torch.save(state, p2)
+    assert export_from_checkpoint(b) == tmp_path / "exp"
+
+
 def test_resume_past_the_requested_total_is_refused_before_writing(tmp_path, caplog):
     """A checkpoint at step 6 resumed with max_steps 3 used to print "trained: 6/3", re-export and rewrite the
     report; now one line naming --max-steps, and no file written; refused before the "LR schedule ... continuing with

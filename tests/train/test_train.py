@@ -409,6 +409,39 @@ def test_cli_export_only_refuses_training_flags(tmp_path, flags, named):
     assert not (tmp_path / "drafter-sglang").exists()
 
 
+def test_sigterm_during_export_only_is_one_line_and_leaves_no_temporary_folder(tmp_path):
+    """`04 --export-only` ran without a signal handler: SIGTERM while the weights were written (seconds at Kimi scale,
+    1.97 GB) killed it silently, leaving `drafter-sglang.tmp-*` with the partial weights beside the export (trial
+    2026-12-05g). Now one line `interrupted by SIGTERM: ...`, exit 143, the earlier export as it was, no temporary
+    folder."""
+    import os
+
+    from _signals import sigterm_when
+
+    from eagle3.train.trainer import run
+
+    run_yaml = make_tiny_run(tmp_path, train={"epochs": 1})
+    cfg = load_config(run_yaml)
+    run(cfg, device="cpu", export=export_for_run)
+    before = (cfg.export_dir / "model.safetensors").read_bytes()
+    marker = tmp_path / "weights-written"
+    root = Path(__file__).resolve().parents[2]
+    code = ("import sys, time, runpy\nimport safetensors.torch as st\nsave = st.save_file\n"
+            "def slow(*a, **k):\n    save(*a, **k)\n"
+            f"    open({str(marker)!r}, 'w').close()\n    time.sleep(60)\n"
+            "st.save_file = slow\n"
+            f"sys.argv = ['04_train.py', '--config', {str(run_yaml)!r}, '--export-only', '--set', 'export.dtype=float32']\n"
+            f"runpy.run_path({str(root / '04_train.py')!r}, run_name='__main__')\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root))
+    rc, err = sigterm_when([sys.executable, "-c", code], marker.exists, env=env, cwd=tmp_path, wait_s=120)
+    assert rc == 143, err[-2000:]
+    assert err.strip().splitlines()[-1] == (
+        f"interrupted by SIGTERM: nothing is half-written: {cfg.export_dir} is replaced only by a whole export (its "
+        "temporary folder was removed), and the checkpoints are only read; re-run the same command to export")
+    assert sorted(p.name for p in cfg.export_dir.parent.iterdir() if p.name.startswith("drafter")) == ["drafter-sglang"]
+    assert (cfg.export_dir / "model.safetensors").read_bytes() == before
+
+
 def _tree(folder: Path) -> dict:
     return {str(p.relative_to(folder)): p.stat().st_mtime_ns for p in sorted(folder.rglob("*"))} if folder.exists() else {}
 
