@@ -409,3 +409,49 @@ def test_commented_out_settings_in_the_configs_are_valid(tmp_path):
                 raise AssertionError(f"{fn}:{line}: the commented-out setting does not load: {e}") from None
             n += 1
     assert n >= 8
+
+
+def test_design_orchestration_list_is_the_layout_tests():
+    """DESIGN.md names the modules held to "no function over 80 lines"; tests/test_layout.py's ORCHESTRATION is the
+    list that is checked."""
+    from test_layout import ORCHESTRATION
+
+    m = re.search(r"Orchestration modules \(([^)]*?):\s*`ORCHESTRATION`", (ROOT / "DESIGN.md").read_text())
+    assert m, "DESIGN.md's orchestration sentence moved: update this test"
+    named = {n.strip().strip("`") for n in m.group(1).replace("\n", " ").split(",")}
+    checked = {Path(p).stem if Path(p).parent.name != "benchmark" else f"benchmark/{Path(p).stem}" for p in ORCHESTRATION}
+    assert named == checked, f"DESIGN.md names {sorted(named - checked)} not checked, misses {sorted(checked - named)}"
+
+
+def section_names() -> set[str]:
+    """Headings of README.md, DESIGN.md and docs/*.md, and the bold names (``- **Exports**:``) of their bullets."""
+    names = set()
+    for fn in DOCS:
+        for line in (ROOT / fn).read_text().splitlines():
+            if line.startswith("#"):
+                names.add(line.lstrip("#").strip())
+            names.update(m.rstrip(".:") for m in re.findall(r"^\s*- \*\*([^*]+)\*\*", line))
+    return names
+
+
+def test_every_quoted_section_exists():
+    """``docs/results.md "Lease 2026-12-04e"``, ``DESIGN.md "Online training: the Kimi arithmetic"``, Conventions,
+    "Exports": a quoted capitalised name in the docs or YAML comments is a heading (or bold bullet) that exists."""
+    names = section_names()
+    quoted = [(fn, i, m) for fn, i, line in doc_lines([d for d in DOCS if d != "docs/results.md"] + CONFIGS)
+              for m in re.findall(r'"([A-Z][^"]{3,80})"', line)]
+    assert len(quoted) >= 30
+    bad = [f"{fn}:{i}: {q!r}" for fn, i, q in quoted if not any(q in n for n in names)]
+    assert not bad, "quoted section names that no heading has:\n" + "\n".join(bad)
+
+
+def test_every_script_the_docs_name_has_a_working_help():
+    """Each stage script, convert_shards.py and each bench/ or scripts/ Python script README.md, DESIGN.md or
+    docs/sglang.md names answers ``--help`` (exit 0, a usage line and its --config or other flags)."""
+    text = "\n".join((ROOT / f).read_text() for f in ("README.md", "DESIGN.md", "docs/sglang.md"))
+    named = sorted(set(re.findall(r"(?<![\w/])((?:bench|scripts)/\w+\.py|0[1-5]_\w+\.py|convert_shards\.py)", text)))
+    assert len(named) >= 10, named
+    missing = [s for s in named if not (ROOT / s).is_file()]
+    assert not missing, f"scripts the docs name that do not exist: {missing}"
+    for s in named:
+        assert help_flags(s), f"{s} --help lists no flags"
