@@ -19,6 +19,7 @@ import re
 import subprocess
 import sys
 import typing
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -245,16 +246,20 @@ def script_flag_uses():
                 yield fn, i, script, m.group(0)
 
 
+@pytest.mark.slow  # ~25 s on the 2-core machine: a --help of each of ~15 scripts
 def test_every_flag_given_to_a_script_is_in_its_help():
     uses = list(script_flag_uses())
     scripts = {s for _, _, s, _ in uses}
     assert {"01_prepare_prompts.py", "02_extract_hidden.py", "04_train.py", "05_benchmark.py"} <= scripts
     missing = sorted({f"{fn}:{i}: {s}" for fn, i, s, _ in uses if s.endswith("(no such script)")})
     assert not missing, "commands in the docs that run a script this repository does not have:\n" + "\n".join(missing)
+    with ThreadPoolExecutor(2) as ex:  # each --help is a Python start-up + imports: two at a time
+        list(ex.map(help_flags, sorted(scripts)))
     bad = [f"{fn}:{i}: {s} {f}" for fn, i, s, f in uses if f not in help_flags(s)]
     assert not bad, "flags the docs give a script that its --help does not list:\n" + "\n".join(bad)
 
 
+@pytest.mark.slow  # the same --help runs when it runs alone
 def test_every_other_flag_the_docs_name_exists_somewhere():
     scripts = ["01_prepare_prompts.py", "02_extract_hidden.py", "03_prepare_data.py", "04_train.py",
                "05_benchmark.py", "convert_shards.py"]
