@@ -460,3 +460,42 @@ def test_every_script_the_docs_name_has_a_working_help():
     assert not missing, f"scripts the docs name that do not exist: {missing}"
     for s in named:
         assert help_flags(s), f"{s} --help lists no flags"
+
+
+STATED_RE = re.compile(r"`((?:" + "|".join(SECTIONS) + r")\.[a-z_.]+):\s*([^`{\[]+)`")
+
+
+def stated_values():
+    """``(file, line, key, value)`` for each ``key: value`` code span (``prompts.gen_schedule: pool|rounds`` gives two);
+    placeholders (``N``) left out."""
+    for fn, i, line in doc_lines(DOCS + CONFIGS):
+        for m in STATED_RE.finditer(line):
+            for v in m.group(2).replace("\\|", "|").split("|"):
+                v = v.strip()
+                if v and not re.fullmatch(r"[A-Z]", v):
+                    yield fn, i, m.group(1), v
+
+
+def test_every_value_the_docs_give_a_key_is_accepted(tmp_path):
+    """`train.loss: lk_hybrid`, `extract.storage_dtype: float8_e4m3fn`, `prompts.gen_schedule: pool|rounds`, ...: each
+    value the docs write for a key passes the config's own validation (a renamed option fails here)."""
+    from eagle3.config import load_config
+
+    stated = list(stated_values())
+    assert len(stated) >= 40
+    bad = []
+    for fn, i, key, value in stated:
+        try:
+            load_config(ROOT / "configs" / "tiny-llama.yaml", [f"{key}={value}"])
+        except Exception as e:  # noqa: BLE001 - the message is the finding
+            bad.append(f"{fn}:{i}: `{key}: {value}`: {e}")
+    assert not bad, "\n".join(bad)
+
+
+def test_value_check_refuses_a_wrong_value():
+    from eagle3.config import load_config
+    from eagle3.errors import UserError
+
+    with pytest.raises(UserError):
+        load_config(ROOT / "configs" / "tiny-llama.yaml", ["train.loss=kl"])
+    assert ("README.md", "prompts.gen_schedule", "rounds") in {(f, k, v) for f, _, k, v in stated_values()}
