@@ -161,6 +161,46 @@ def test_a_kill_between_the_best_file_and_the_curve_resumes_with_the_file_s_best
     assert r.restore_best(m) == 20 and r.summary()["best"]["alpha"] == [0.9, 0.9, 0.9]
 
 
+def test_export_only_after_a_kill_between_the_best_file_and_the_curve_exports_the_file_s_best(tmp_path):
+    """The same kill, then ``04 --export-only`` instead of a resume: it refused (``holds the weights of step 20, but
+    sim_accept.json names step 10 as the best``) though the file records its validation and a resume takes it; it now
+    exports the file's weights, as the resumed run would."""
+    from eagle3.train.sim_accept import load_best_for_export
+
+    m = _Tiny()
+    tr = BestTracker(tmp_path, chain=3, enabled=True, keep_best=True)
+    tr.update(10, 0, _val(0.5, 0.5, 0.5), m)
+    curve = (tmp_path / CURVE_FILE).read_text()
+    with torch.no_grad():
+        m.w.fill_(4.0)
+    tr.update(20, 1, _val(0.9, 0.9, 0.9), m)
+    (tmp_path / CURVE_FILE).write_text(curve)  # the kill: the curve still names step 10
+    out = _Tiny()
+    assert load_best_for_export(tmp_path, out, ckpt_step=15) == (20, None)
+    assert torch.equal(out.w.detach(), torch.full((3,), 4.0))
+    assert json.loads((tmp_path / CURVE_FILE).read_text())["best"]["step"] == 10  # --export-only changes nothing
+
+
+def test_a_kill_between_the_first_best_file_and_the_first_curve_keeps_that_best(tmp_path):
+    """A kill after the first validation's best_drafter.pt, before sim_accept.json existed: the resume deleted the file
+    (no curve: taken for a fresh start), so that validation's weights were lost; it now keeps them as the best."""
+    m = _Tiny()
+    with torch.no_grad():
+        m.w.fill_(5.0)
+    BestTracker(tmp_path, chain=3, enabled=True, keep_best=True).update(10, 0, _val(0.8, 0.5, 0.5), m)
+    (tmp_path / CURVE_FILE).unlink()  # the kill: the curve of the first validation was never written
+    r = BestTracker(tmp_path, chain=3, enabled=True, start_step=6, keep_best=True)
+    assert r.rows == [] and r.best["step"] == 10 and r.best["before_resume"] is True
+    assert r.best["tau_sim"] == pytest.approx(1 + 0.8 + 0.4 + 0.2)
+    with torch.no_grad():
+        m.w.fill_(0.0)
+    assert r.restore_best(m) == 10 and torch.equal(m.w.detach(), torch.full((3,), 5.0))
+    assert not r.update(8, 0, _val(0.5, 0.5, 0.5), m)  # a lower validation of the resumed run keeps it
+    # a fresh start (step 0) still removes it
+    BestTracker(tmp_path, chain=3, enabled=True, start_step=0, keep_best=True)
+    assert not (tmp_path / BEST_FILE).exists()
+
+
 def _trainable(d) -> dict:
     return {n: p.detach().clone() for n, p in d.named_parameters() if p.requires_grad}
 
