@@ -181,3 +181,25 @@ def test_self_instruct_file_of_other_weights_is_sampled_again(tmp_path, tiny_lla
     del rep["settings"]["verifier_weights"]
     (tmp_path / "si_report.json").write_text(json.dumps(rep))
     assert si.make(moved, out, 2) is False and len(calls) == 2  # a report of before: not compared on the weights
+
+
+def test_self_instruct_report_without_weight_files_is_not_compared_on_them(tmp_path, tiny_llama_dir, monkeypatch):
+    """A self-instruct report recorded ``verifier_weights: null`` when the verifier's folder held no weight file (a hub
+    id, loaded from the cache); the same model given as a folder then sampled every query again (null != the folder's
+    fingerprint), though 01's settings, 02 and 03/04 compare the weights only when both sides record them."""
+    from eagle3.prompts import self_instruct as si
+
+    calls = []
+
+    def fake(model, tok, prefix_ids, n, stop_ids, temperature, top_p, max_tokens, seed):
+        calls.append(n)
+        return [f"Tell me about topic number {len(calls)}, please."] * n, [True] * n, 5 * n
+
+    monkeypatch.setattr(si, "sample_queries", fake)
+    out = tmp_path / "si.jsonl"
+    cfg = _regen_config(tmp_path, tiny_llama_dir, "unused.jsonl")
+    assert si.make(cfg, out, 2) is True and len(calls) == 1
+    rep = json.loads((tmp_path / "si_report.json").read_text())
+    rep["settings"]["verifier_weights"] = None  # sampled where no weight file was found
+    (tmp_path / "si_report.json").write_text(json.dumps(rep))
+    assert si.make(cfg, out, 2) is False and len(calls) == 1  # up to date: nothing sampled again
