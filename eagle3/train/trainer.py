@@ -1277,7 +1277,18 @@ def _build_data(cfg: RunConfig, d: DistInfo, inputs: _Inputs, max_steps: Optiona
             log.info(note)
     if val_ds is None and t.select_best == "sim_accept" and d.is_main:
         log.warning(_no_val_selection(cfg))
+    elif (t.select_best == "sim_accept" and val_ds is not None and t.eval_every is not None
+          and t.eval_every >= total_steps and d.is_main):
+        log.warning(_no_periodic_validation(t.eval_every, total_steps))
     return _Data(train_ds, val_ds, order, total_steps, val_lengths, t.eval_every, horizon, horizon_from)
+
+
+def _no_periodic_validation(eval_every: int, total_steps: int) -> str:
+    """The warning of ``train.select_best: sim_accept`` with a ``train.eval_every`` not below the run's optimizer
+    steps: the final validation is the only one, so nothing is selected (the run used to say nothing)."""
+    return (f"train.eval_every {eval_every} is not below the run's {total_steps} optimizer steps: only the final "
+            f"validation runs and train.select_best: sim_accept has only that one to select from, so the last step's "
+            f"weights are exported (lower train.eval_every, or leave it unset to validate at each epoch's end)")
 
 
 def _no_val_selection(cfg: RunConfig) -> str:

@@ -383,6 +383,23 @@ def test_sim_accept_without_anything_to_select_warns_naming_the_field(tmp_path, 
     assert torch.equal(load_file(str(out / "model.safetensors"))["fc.weight"], ref["fc.weight"].bfloat16())
 
 
+def test_eval_every_not_below_the_run_warns_that_only_the_last_step_can_be_selected(tmp_path):
+    """train.eval_every 100 on a 6-step run with select_best: sim_accept: only the final validation ran and the last
+    step was exported without a word (the selection had one candidate); now a warning says so (report included)."""
+    cfg = load_config(make_tiny_run(tmp_path, n_train=6, n_val=2, train={
+        "epochs": 2, "eval_every": 100, "select_best": "sim_accept"}))
+    r = run(cfg, device="cpu")
+    assert r["total_steps"] == 6 and [row["step"] for row in r["sim_accept"]["rows"]] == [6]
+    want = ("train.eval_every 100 is not below the run's 6 optimizer steps: only the final validation runs and "
+            "train.select_best: sim_accept has only that one to select from")
+    assert [w for w in r["warnings"] if w.startswith(want)]
+    assert json.loads((cfg.train_dir / "train_report.json").read_text())["warnings"] == r["warnings"]
+    # an eval_every below the run's steps says nothing, nor one above it under select_best: last (no selection)
+    for name, train in (("b", {"eval_every": 5, "select_best": "sim_accept"}), ("c", {"eval_every": 100})):
+        quiet = load_config(make_tiny_run(tmp_path / name, n_train=6, n_val=2, train={"epochs": 2, **train}))
+        assert not [w for w in run(quiet, device="cpu")["warnings"] if "train.eval_every" in w]
+
+
 def test_chain_longer_than_ttt_is_capped_labelled_and_warned(tmp_path):
     """benchmark.steps 3 (select_chain's default) over ttt_length 2: tau_sim(2) is what can be scored, and it is
     labelled tau_sim(2) in sim_accept.json and the report, with one warning; an explicit select_chain 3 is refused."""
