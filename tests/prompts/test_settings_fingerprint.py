@@ -115,6 +115,21 @@ def test_the_same_settings_count_where_they_change_the_output(tmp_path, base, ch
     assert key in a and a[key] != b[key]
 
 
+def test_seed_counts_with_self_instruct_without_sample_size(tmp_path):
+    """prompts.seed also seeds prompts.self_instruct's sampling: with self_instruct and no sample_size it was left out
+    of the fingerprint, so 02's prompts check let a prompts.jsonl made under another seed pass ("up to date") where it
+    refused it before, though 01 would sample other self-instruct prompts."""
+    from eagle3.prompts.prepare_prompts import report_changes
+
+    f = tmp_path / "c.yaml"
+    f.write_text(f"run_name: t\noutput_root: {tmp_path / 'out'}\nverifier: {{path: x}}\n"
+                 "prompts: {source: a.jsonl, regenerate: true, regenerate_via: sglang, self_instruct: {num: 4}}\n")
+    made = settings(load_config(f), None)
+    assert made["seed"] == 0
+    assert report_changes(load_config(f, ["prompts.seed=7"]), {"settings": made}) == ["seed: 0 -> 7"]
+    assert report_changes(load_config(f), {"settings": made}) == []
+
+
 def test_seed_without_sampling_leaves_prompts_up_to_date(tmp_path, capsys):
     """prompts.seed changed without prompts.sample_size: nothing to do (it remade prompts.jsonl); a report written
     before the seed was conditional (``seed: 0`` recorded without sampling, ``hf_split`` for a file) stays up to date;
