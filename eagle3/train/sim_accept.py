@@ -107,10 +107,14 @@ class BestTracker:
         enabled: write files (rank 0 only; other ranks track nothing).
         start_step: the step training (re)starts from; rows after it are dropped.
         keep_best: save the best weights (``train.select_best: sim_accept``); else only the curve.
+        end_step: the step this run ends at (``--stop-at``, ``--max-steps``); a best kept from before the resume that
+            lies past it is dropped (the run's export never holds weights of a step after its end). None: no limit.
     """
 
-    def __init__(self, train_dir: Path, chain: int, enabled: bool, start_step: int = 0, keep_best: bool = False):
+    def __init__(self, train_dir: Path, chain: int, enabled: bool, start_step: int = 0, keep_best: bool = False,
+                 end_step: Optional[int] = None):
         self.dir = Path(train_dir)
+        self.end_step = end_step
         self.chain = int(chain)
         self.enabled = enabled
         self.keep_best = keep_best
@@ -140,6 +144,10 @@ class BestTracker:
         # resumed from (a hard kill between a validation and the next checkpoint): a resumed run that is not
         # bit-deterministic may validate that step worse, and its weights are real weights of this training.
         keep = best is not None and (best_path.is_file() if self.keep_best else int(best["step"]) <= start_step)
+        if keep and self.end_step is not None and int(best["step"]) > self.end_step:  # --stop-at / --max-steps lowered
+            log.info("%s: the best validation so far, step %d, comes after this run's end (step %d): not kept; "
+                     "the best is taken from this run's validations", path, int(best["step"]), self.end_step)
+            keep = False
         if keep:
             self.best = self._score(dict(best))
             if int(best["step"]) > start_step:

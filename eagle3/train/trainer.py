@@ -1598,8 +1598,10 @@ class _Training:
         chain, capped = effective_chain(t.select_chain, self.cfg.benchmark.steps, t.ttt_length)
         if capped and self.d.is_main:  # once per call, also in train_report's warnings (_collect_warnings)
             log.warning(capped)
+        # an end set in steps (--stop-at, a step cap): a best kept from before the resume past it is dropped
+        end = self.end_step if (self.stop_at is not None or self.data.horizon is not None) else None
         self.tracker = BestTracker(self.train_dir, chain, self.d.is_main, start_step=self.step,
-                                   keep_best=t.select_best == "sim_accept")
+                                   keep_best=t.select_best == "sim_accept", end_step=end)
         self.inputs.drafter.train()
         self.window = _Accum(self.t.ttt_length)
         self.tok_window = 0  # real (non-pad) tokens of this rank since the last log, from CPU lengths

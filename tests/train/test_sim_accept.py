@@ -144,6 +144,25 @@ def test_a_resume_after_a_hard_kill_keeps_the_best_validation_of_the_killed_run(
     assert "Best: step 3 before the resume" in (cfg.train_dir / "train_report.md").read_text()
 
 
+def test_a_resume_ending_before_the_kept_best_does_not_export_it(tmp_path):
+    """Killed after the step-3 validation (the best) with the step-2 checkpoint the newest, then resumed with --stop-at
+    2: the run ended at step 2 ("trained: 2/12 optimizer steps (--stop-at 2 ...)") but exported the killed run's
+    step-3 weights, a step after its end. A best kept from before the resume that lies past the run's end is now
+    dropped."""
+    cfg = load_config(make_tiny_run(tmp_path, n_train=8, n_val=4, train={
+        "epochs": 3, "eval_every": 1, "ckpt_every": 2, "keep_checkpoints": 100, "select_best": "sim_accept",
+        "lr": 5e-2}))
+    run(cfg, stop_after=3, device="cpu")
+    assert json.loads((cfg.train_dir / CURVE_FILE).read_text())["best"]["step"] == 3
+    (ckpt.ckpt_dir(cfg.train_dir) / "step_00000003.pt").unlink()  # the kill: no checkpoint after the validation
+    at2 = safe_torch_load(ckpt.ckpt_dir(cfg.train_dir) / "step_00000002.pt")["model"]
+    r = run(cfg, resume=True, device="cpu", export=export_for_run, stop_at=2)
+    assert r["step"] == 2 and r["sim_accept"]["exported_step"] == 2 and r["sim_accept"]["best"]["step"] == 2
+    exported = load_file(str(cfg.export_dir / "model.safetensors"))
+    assert torch.equal(exported["fc.weight"], at2["fc.weight"].bfloat16())
+    assert safe_torch_load(cfg.train_dir / BEST_FILE)["step"] == 2
+
+
 def test_a_kill_between_the_best_file_and_the_curve_resumes_with_the_file_s_best(tmp_path):
     """update() writes best_drafter.pt, then sim_accept.json: a kill between the two left the file with step 20's
     weights and the curve naming step 10 as the best, and a resume reported step 10 while exporting step 20's
