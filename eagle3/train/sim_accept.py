@@ -126,8 +126,9 @@ class BestTracker:
     def _load(self, start_step: int) -> None:
         path = self.dir / CURVE_FILE
         best_path = self.dir / BEST_FILE
-        first = self.keep_best and best_path.is_file() and not path.is_file()  # a kill between the first validation's
-        if start_step == 0 or not (path.is_file() or first):  # best file and its curve: the file's row is the best
+        # a best file without a curve (sim_accept): a kill between the first validation's two writes, its row the best
+        first = self.keep_best and best_path.is_file() and not path.is_file()
+        if start_step == 0 or not (path.is_file() or first):
             for p in (path, best_path):
                 p.unlink(missing_ok=True)
             return
