@@ -78,12 +78,21 @@ def _bench_set(d: dict, dataset: str = "mtbench", n: int = 80, new: int = 256, s
     return None
 
 
+HEADLINE_BATCH_TOKENS = 16384  # the training figures' batches (their command sets train.batch_tokens=16384)
+
+
 def _train_tps(d: dict) -> Optional[float]:
+    """04's tokens/s from a ``train_report.json`` trained with the headline's 16,384-token batches (a report without
+    ``recipe``, written before it was recorded, counts). The session's own 04 runs the config's batches, 4,096 since
+    configs/smollm2-135m-full.yaml took them (lease 2026-12-05g): smaller batches, another figure, not this one."""
+    recipe = d.get("recipe") if isinstance(d.get("recipe"), dict) else {}
+    if recipe.get("batch_tokens", HEADLINE_BATCH_TOKENS) != HEADLINE_BATCH_TOKENS:
+        return None
     return d.get("tokens_per_s")
 
 
 def _train_vs_reference(d: dict) -> Optional[float]:
-    t = d.get("tokens_per_s")
+    t = _train_tps(d)
     return None if not t else ISSUE_RUN_TOKENS / t / ISSUE_REFERENCE_S
 
 

@@ -177,21 +177,34 @@ def _first_to_report() -> bool:
 
 def _first_to_report_interrupt() -> bool:
     """Print the ``interrupted by`` line here? One process: yes; torchrun ranks: the first to stop on the signal
-    (:func:`eagle3.process_group.first_to_report_interrupt`)."""
+    (:func:`eagle3.process_group.first_to_report_interrupt`), or rank 0 when the agent's store cannot be asked
+    (:func:`_process_group`)."""
     if not _several_ranks():
         return True
-    from eagle3.process_group import first_to_report_interrupt
-
-    return first_to_report_interrupt()
+    pg = _process_group()
+    return pg.first_to_report_interrupt() if pg is not None else os.environ.get("RANK", "0") == "0"
 
 
 def _another_rank_reported() -> bool:
     """A torchrun rank already printed the job's error (:func:`eagle3.process_group.another_rank_reported`)."""
     if not _several_ranks():
         return False
-    from eagle3.process_group import another_rank_reported
+    pg = _process_group()
+    return pg.another_rank_reported() if pg is not None else False
 
-    return another_rank_reported()
+
+def _process_group():
+    """:mod:`eagle3.process_group` for the interrupt path, or None when it cannot be imported: a Ctrl-C in a stage's
+    first seconds lands inside ``import torch``, whose half-registered operators then make every new import of it
+    fail (``RuntimeError: Only a single TORCH_LIBRARY can be used to register the namespace prims``), and each rank
+    printed that traceback instead of the ``interrupted by`` line (exit 1, not 130)."""
+    if "torch" not in sys.modules and any(m.startswith("torch.") for m in sys.modules):  # torch's import was cut
+        return None
+    try:
+        import eagle3.process_group as pg
+    except Exception:  # noqa: BLE001 - any failed import: no store to ask, the interrupt is still reported
+        return None
+    return pg
 
 
 class Terminated(KeyboardInterrupt):

@@ -373,7 +373,7 @@ class PromptsConfig(_Strict):
         return check_items(v, named)
     sample_size: Optional[int] = Field(None, ge=1, description="keep this many (after dedupe), sampled with `seed`")
     seed: int = Field(0, description="seed of the sample_size sampling and of the self-instruct sampling; in 01's "
-                      "settings fingerprint only with sample_size (without sampling it changes nothing)")
+                      "settings fingerprint only with sample_size or self_instruct (without either it changes nothing)")
     dedupe: bool = True
     system_prompt: Optional[str] = None
     regenerate: bool = Field(False, description="replace assistant turns with the verifier's own greedy answers")

@@ -174,7 +174,7 @@ def settings(cfg: RunConfig, limit: Optional[int], known: Optional[dict] = None,
     (:func:`_source_fingerprint`); the settings are the same either way.
 
     Only settings that change the output count (``eagle3.prompts.resume_log.CONDITIONAL_KEYS``): ``seed`` with
-    ``prompts.sample_size`` (nothing else is random), ``hf_split`` with an ``hf:`` source, ``top_p`` with a server
+    ``prompts.sample_size`` or ``prompts.self_instruct`` (it seeds both samplings; nothing else is random), ``hf_split`` with an ``hf:`` source, ``top_p`` with a server
     ``temperature`` above 0, ``verifier_dtype`` with the in-process regeneration, which also records the verifier's
     weights (``verifier_weights``, :func:`eagle3.verifier.weights_fingerprint`, when its folder holds weight files):
     ``verifier.path`` pointed at other weights under the same ``verifier.name`` remakes the answers.
@@ -187,8 +187,8 @@ def settings(cfg: RunConfig, limit: Optional[int], known: Optional[dict] = None,
          "regenerate": pc.regenerate, "limit": limit,
          **(_source_fingerprint(pc.source, known, seen) if isinstance(pc.source, str)
             else {"sources": [_source_fingerprint(x, known, seen) for x in pc.source]})}
-    if pc.sample_size is not None:  # the sample's seed; without sampling it picks nothing
-        s["seed"] = pc.seed
+    if pc.sample_size is not None or pc.self_instruct is not None:  # the sample's and the self-instruct sampling's
+        s["seed"] = pc.seed  # seed; without either it picks nothing
     if any(x.startswith("hf:") for x in sources):  # the split read from a Hugging Face dataset
         s["hf_split"] = pc.hf_split
     if pc.regenerate:

@@ -347,7 +347,7 @@ def _check_args(num: int, temperature: float, top_p: float, max_query_tokens: in
 
 def _up_to_date(out: Path, st: SelfInstructSettings) -> bool:
     """``out`` and its report exist and the report's settings equal ``st`` (``verifier_weights`` compared when both
-    the report and ``st`` hold one, as 03/04 compare 02's record)."""
+    the report and ``st`` hold one, not None, as 03/04 and 02 compare 02's record)."""
     rp = report_path(out)
     if not (out.is_file() and rp.is_file()):
         return False
@@ -356,8 +356,9 @@ def _up_to_date(out: Path, st: SelfInstructSettings) -> bool:
     except UserError:
         return False
     want, got = json.loads(json.dumps(asdict(st))), rec.get("settings") if isinstance(rec, dict) else None
-    if isinstance(got, dict) and ("verifier_weights" not in got or want["verifier_weights"] is None):
-        got = {**got, "verifier_weights": want["verifier_weights"]}  # recorded before it was, or no weights: not compared
+    if isinstance(got, dict) and (got.get("verifier_weights") is None or want["verifier_weights"] is None):
+        # recorded before it was, or no weight file on either side (a hub id's cache, a folder of it now): not compared
+        got = {**got, "verifier_weights": want["verifier_weights"]}
     return got == want
 
 

@@ -29,7 +29,7 @@ from typing import Any, Optional
 import torch
 
 from eagle3.errors import UserError
-from eagle3.io import atomic_torch_save, safe_torch_load
+from eagle3.io import TMP_MARK, atomic_torch_save, safe_torch_load
 from eagle3.io import remove_stale_tmp as _remove_tmp
 
 log = logging.getLogger(__name__)
@@ -64,8 +64,17 @@ def list_checkpoints(train_dir: str | os.PathLike) -> list[tuple[int, Path]]:
 
 
 def remove_stale_tmp(train_dir: str | os.PathLike) -> int:
-    """Delete temp files of interrupted checkpoint writes. Call on rank 0 before training. Returns the count."""
-    return len(_remove_tmp(ckpt_dir(train_dir)))
+    """Delete temp files of interrupted writes: checkpoints (``checkpoints/``) and the files 04 writes directly in
+    ``train_dir`` (``best_drafter.pt``, ``sim_accept.json``, ``train_report.json``, ...: a hard kill during one left
+    a ``<name>.tmp-*`` file, as large as the drafter for the best weights, that no later run removed; not recursive
+    there). Call on rank 0 under 04's lock, before training. Returns the count."""
+    n = len(_remove_tmp(ckpt_dir(train_dir)))
+    root = Path(train_dir)
+    for p in (root.glob(f"*{TMP_MARK}*") if root.is_dir() else ()):
+        if p.is_file():
+            p.unlink(missing_ok=True)
+            n += 1
+    return n
 
 
 def save_checkpoint(train_dir: str | os.PathLike, state: dict, keep: int) -> Path:

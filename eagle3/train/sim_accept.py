@@ -107,10 +107,14 @@ class BestTracker:
         enabled: write files (rank 0 only; other ranks track nothing).
         start_step: the step training (re)starts from; rows after it are dropped.
         keep_best: save the best weights (``train.select_best: sim_accept``); else only the curve.
+        end_step: the step this run ends at (``--stop-at``, ``--max-steps``); a best kept from before the resume that
+            lies past it is dropped (the run's export never holds weights of a step after its end). None: no limit.
     """
 
-    def __init__(self, train_dir: Path, chain: int, enabled: bool, start_step: int = 0, keep_best: bool = False):
+    def __init__(self, train_dir: Path, chain: int, enabled: bool, start_step: int = 0, keep_best: bool = False,
+                 end_step: Optional[int] = None):
         self.dir = Path(train_dir)
+        self.end_step = end_step
         self.chain = int(chain)
         self.enabled = enabled
         self.keep_best = keep_best
@@ -122,11 +126,13 @@ class BestTracker:
     def _load(self, start_step: int) -> None:
         path = self.dir / CURVE_FILE
         best_path = self.dir / BEST_FILE
-        if start_step == 0 or not path.is_file():
+        # a best file without a curve (sim_accept): a kill between the first validation's two writes, its row the best
+        first = self.keep_best and best_path.is_file() and not path.is_file()
+        if start_step == 0 or not (path.is_file() or first):
             for p in (path, best_path):
                 p.unlink(missing_ok=True)
             return
-        old = read_json(path)
+        old = read_json(path) if path.is_file() else {"rows": []}
         if not isinstance(old, dict) or not isinstance(old.get("rows"), list):
             raise UserError(f"{path}: key 'rows' missing (delete the file to start the curve again)")
         if int(old.get("chain", self.chain)) != self.chain:
@@ -139,6 +145,10 @@ class BestTracker:
         # resumed from (a hard kill between a validation and the next checkpoint): a resumed run that is not
         # bit-deterministic may validate that step worse, and its weights are real weights of this training.
         keep = best is not None and (best_path.is_file() if self.keep_best else int(best["step"]) <= start_step)
+        if keep and self.end_step is not None and int(best["step"]) > self.end_step:  # --stop-at / --max-steps lowered
+            log.info("%s: the best validation so far, step %d, comes after this run's end (step %d): not kept; "
+                     "the best is taken from this run's validations", path, int(best["step"]), self.end_step)
+            keep = False
         if keep:
             self.best = self._score(dict(best))
             if int(best["step"]) > start_step:
@@ -237,8 +247,8 @@ def _best_file_row(path: Path, curve_best: Optional[dict]) -> Optional[dict]:
         return curve_best  # written before the file recorded its row
     if curve_best is not None and int(curve_best["step"]) == int(row["step"]):
         return curve_best
-    log.info("%s: holds the weights of step %s, newer than the best %s names; taking that step as the best", path,
-             row["step"], CURVE_FILE)
+    named = f"the best {CURVE_FILE} names" if curve_best is not None else f"{CURVE_FILE}, which was not written"
+    log.info("%s: holds the weights of step %s, newer than %s; taking that step as the best", path, row["step"], named)
     return dict(row)
 
 
@@ -274,7 +284,9 @@ def load_best_for_export(train_dir: Path, drafter: nn.Module, ckpt_step: int) ->
     A careful user re-exporting a run (e.g. for the other engine) expects the same weights as the training's own
     export, whatever checkpoint supplied the drafter's shape, and never a silent switch to other weights. So:
     ``best_drafter.pt`` present -> its tensors are loaded into ``drafter``; it must load, fit, and be the step
-    ``sim_accept.json`` names as the best (else a one-line UserError: nothing is exported). Absent (the run was
+    ``sim_accept.json`` names as the best, or record its own row (key ``row``: a run killed between the file and the
+    curve, which a resume takes as the best, :func:`_best_file_row`), else a one-line UserError: nothing is exported.
+    Absent (the run was
     trained with ``select_best: last``, had no validation split, or never validated) -> ``drafter`` keeps the
     checkpoint's weights and a warning line says so.
 
@@ -298,6 +310,8 @@ def load_best_for_export(train_dir: Path, drafter: nn.Module, ckpt_step: int) ->
     step = _load_best_into(path, drafter, fix)
     summary = read_json(curve) if curve.is_file() else None
     best = summary.get("best") if isinstance(summary, dict) else None
+    if isinstance(best, dict):  # a kill between the file and the curve: the file's own row is the newer best
+        best = _best_file_row(path, best)
     if isinstance(best, dict) and int(best.get("step", -1)) != step:
         raise UserError(f"{path}: holds the weights of step {step}, but {curve} names step {best.get('step')} as the "
                         f"best; {fix}")

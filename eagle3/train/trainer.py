@@ -1279,7 +1279,18 @@ def _build_data(cfg: RunConfig, d: DistInfo, inputs: _Inputs, max_steps: Optiona
             log.info(note)
     if val_ds is None and t.select_best == "sim_accept" and d.is_main:
         log.warning(_no_val_selection(cfg))
+    elif (t.select_best == "sim_accept" and val_ds is not None and t.eval_every is not None
+          and t.eval_every >= total_steps and d.is_main):
+        log.warning(_no_periodic_validation(t.eval_every, total_steps))
     return _Data(train_ds, val_ds, order, total_steps, val_lengths, t.eval_every, horizon, horizon_from)
+
+
+def _no_periodic_validation(eval_every: int, total_steps: int) -> str:
+    """The warning of ``train.select_best: sim_accept`` with a ``train.eval_every`` not below the run's optimizer
+    steps: the final validation is the only one, so nothing is selected (the run used to say nothing)."""
+    return (f"train.eval_every {eval_every} is not below the run's {total_steps} optimizer steps: only the final "
+            f"validation runs and train.select_best: sim_accept has only that one to select from, so the last step's "
+            f"weights are exported (lower train.eval_every, or leave it unset to validate at each epoch's end)")
 
 
 def _no_val_selection(cfg: RunConfig) -> str:
@@ -1589,8 +1600,10 @@ class _Training:
         chain, capped = effective_chain(t.select_chain, self.cfg.benchmark.steps, t.ttt_length)
         if capped and self.d.is_main:  # once per call, also in train_report's warnings (_collect_warnings)
             log.warning(capped)
+        # an end set in steps (--stop-at, a step cap): a best kept from before the resume past it is dropped
+        end = self.end_step if (self.stop_at is not None or self.data.horizon is not None) else None
         self.tracker = BestTracker(self.train_dir, chain, self.d.is_main, start_step=self.step,
-                                   keep_best=t.select_best == "sim_accept")
+                                   keep_best=t.select_best == "sim_accept", end_step=end)
         self.inputs.drafter.train()
         self.window = _Accum(self.t.ttt_length)
         self.tok_window = 0  # real (non-pad) tokens of this rank since the last log, from CPU lengths

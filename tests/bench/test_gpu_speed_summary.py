@@ -56,6 +56,19 @@ def test_fallbacks_from_stage_reports(tmp_path):
     assert gss.collect(tmp_path)["bench_80x256_s"]["command"].startswith("python3 bench/offline_bench_speed.py")
 
 
+def test_train_fallback_counts_only_the_headline_batches(tmp_path):
+    """configs/smollm2-135m-full.yaml trains with 4,096-token batches since lease 2026-12-05g, so a GPU session's own
+    04 report (the fallback) held tokens/s at 4,096-token batches, shown as the figure whose command sets
+    train.batch_tokens=16384 (a lower throughput read as a regression). Only a report of 16,384-token batches counts."""
+    rep = {"tokens_per_s": 120000.0, "recipe": {"batch_tokens": 4096, "lr": 1e-3}}
+    (tmp_path / "train_report.json").write_text(json.dumps(rep))
+    figs = gss.collect(tmp_path)
+    assert figs["small_train_tokens_per_s"]["value"] is None
+    assert figs["small_train_wall_vs_reference"]["value"] is None
+    (tmp_path / "train_report.json").write_text(json.dumps({**rep, "recipe": {"batch_tokens": 16384}}))
+    assert gss.collect(tmp_path)["small_train_tokens_per_s"]["value"] == 120000.0
+
+
 def test_several_folders_newest_first_and_capture_disk_fallback(tmp_path):
     new, old = tmp_path / "new", tmp_path / "old"
     new.mkdir()

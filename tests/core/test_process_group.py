@@ -238,6 +238,34 @@ def test_a_ctrl_c_is_reported_by_the_first_rank_only(tmp_path):
     assert _rank(script, "x", 1, agent.port, agent_store=False) == (130, line)
 
 
+INTERRUPTED_IN_TORCH_IMPORT = textwrap.dedent("""
+    import signal, sys, time
+    from eagle3.cli import run_main
+
+    def ctrl_c(signum, frame):
+        raise KeyboardInterrupt
+
+    def main(argv):
+        signal.signal(signal.SIGALRM, ctrl_c)
+        signal.setitimer(signal.ITIMER_REAL, 0.05)  # a Ctrl-C 50 ms into torch's import (it takes ~1 s)
+        import torch  # noqa: F401
+        time.sleep(5)  # (a machine importing it faster: the Ctrl-C lands here)
+    run_main(main)
+""")
+
+
+def test_a_ctrl_c_during_torch_s_import_prints_the_interrupted_line_not_a_traceback(tmp_path):
+    """A Ctrl-C in a stage's first second under torchrun lands inside ``import torch``; the interrupt path then
+    imported torch again to ask the agent's store, which fails on the half-registered operators: each rank printed a
+    ``RuntimeError: Only a single TORCH_LIBRARY ...`` traceback and exited 1. Now rank 0 prints the line (the store
+    cannot be asked), the other ranks nothing, and every rank exits 130."""
+    script = tmp_path / "worker.py"
+    script.write_text(INTERRUPTED_IN_TORCH_IMPORT)
+    agent = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    assert _rank(script, "x", 1, agent.port) == (130, "")
+    assert _rank(script, "x", 0, agent.port) == (130, "interrupted by SIGINT\n")
+
+
 SLEEPER = textwrap.dedent("""
     import os, sys, time
     from eagle3.cli import resume_on_interrupt, run_main

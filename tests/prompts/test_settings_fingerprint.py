@@ -115,6 +115,21 @@ def test_the_same_settings_count_where_they_change_the_output(tmp_path, base, ch
     assert key in a and a[key] != b[key]
 
 
+def test_seed_counts_with_self_instruct_without_sample_size(tmp_path):
+    """prompts.seed also seeds prompts.self_instruct's sampling: with self_instruct and no sample_size it was left out
+    of the fingerprint, so 02's prompts check let a prompts.jsonl made under another seed pass ("up to date") where it
+    refused it before, though 01 would sample other self-instruct prompts."""
+    from eagle3.prompts.prepare_prompts import report_changes
+
+    f = tmp_path / "c.yaml"
+    f.write_text(f"run_name: t\noutput_root: {tmp_path / 'out'}\nverifier: {{path: x}}\n"
+                 "prompts: {source: a.jsonl, regenerate: true, regenerate_via: sglang, self_instruct: {num: 4}}\n")
+    made = settings(load_config(f), None)
+    assert made["seed"] == 0
+    assert report_changes(load_config(f, ["prompts.seed=7"]), {"settings": made}) == ["seed: 0 -> 7"]
+    assert report_changes(load_config(f), {"settings": made}) == []
+
+
 def test_seed_without_sampling_leaves_prompts_up_to_date(tmp_path, capsys):
     """prompts.seed changed without prompts.sample_size: nothing to do (it remade prompts.jsonl); a report written
     before the seed was conditional (``seed: 0`` recorded without sampling, ``hf_split`` for a file) stays up to date;
@@ -181,3 +196,25 @@ def test_self_instruct_file_of_other_weights_is_sampled_again(tmp_path, tiny_lla
     del rep["settings"]["verifier_weights"]
     (tmp_path / "si_report.json").write_text(json.dumps(rep))
     assert si.make(moved, out, 2) is False and len(calls) == 2  # a report of before: not compared on the weights
+
+
+def test_self_instruct_report_without_weight_files_is_not_compared_on_them(tmp_path, tiny_llama_dir, monkeypatch):
+    """A self-instruct report recorded ``verifier_weights: null`` when the verifier's folder held no weight file (a hub
+    id, loaded from the cache); the same model given as a folder then sampled every query again (null != the folder's
+    fingerprint), though 01's settings, 02 and 03/04 compare the weights only when both sides record them."""
+    from eagle3.prompts import self_instruct as si
+
+    calls = []
+
+    def fake(model, tok, prefix_ids, n, stop_ids, temperature, top_p, max_tokens, seed):
+        calls.append(n)
+        return [f"Tell me about topic number {len(calls)}, please."] * n, [True] * n, 5 * n
+
+    monkeypatch.setattr(si, "sample_queries", fake)
+    out = tmp_path / "si.jsonl"
+    cfg = _regen_config(tmp_path, tiny_llama_dir, "unused.jsonl")
+    assert si.make(cfg, out, 2) is True and len(calls) == 1
+    rep = json.loads((tmp_path / "si_report.json").read_text())
+    rep["settings"]["verifier_weights"] = None  # sampled where no weight file was found
+    (tmp_path / "si_report.json").write_text(json.dumps(rep))
+    assert si.make(cfg, out, 2) is False and len(calls) == 1  # up to date: nothing sampled again

@@ -104,6 +104,25 @@ def test_resume_with_different_drafter_shape_is_user_error(tmp_path):
         run(load_config(path, ["drafter.intermediate_size=48"]), resume=True, device="cpu")
 
 
+def test_a_resume_removes_half_written_files_of_the_train_folder(tmp_path):
+    """A hard kill while 04 wrote best_drafter.pt (or sim_accept.json, train_report.json) left its temp file in the
+    train folder, as large as the drafter's weights for the best file, and no later run removed it: only the
+    checkpoints folder was cleaned. The resume now removes them there too (not in other folders)."""
+    from eagle3.train.trainer import run
+
+    cfg = load_config(make_tiny_run(tmp_path, train={"epochs": 1, "ckpt_every": 1, "select_best": "sim_accept"}))
+    run(cfg, stop_after=2, device="cpu")
+    stale = [cfg.train_dir / "best_drafter.pt.tmp-k1ll3d", cfg.train_dir / "sim_accept.json.tmp-abc"]
+    for p in stale:
+        p.write_bytes(b"PK\x03\x04 half")
+    elsewhere = cfg.train_dir / "tb" / "keep.tmp-x"  # not 04's temp name in the train folder itself: left alone
+    elsewhere.parent.mkdir(exist_ok=True)
+    elsewhere.write_bytes(b"x")
+    run(cfg, resume=True, stop_after=1, device="cpu")
+    assert [p.name for p in stale if p.exists()] == [] and elsewhere.exists()
+    assert ckpt.remove_stale_tmp(cfg.train_dir) == 0
+
+
 def test_resume_ignores_half_written_and_corrupt_newest(tmp_path):
     from eagle3.train.trainer import run
 

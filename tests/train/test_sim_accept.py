@@ -144,6 +144,25 @@ def test_a_resume_after_a_hard_kill_keeps_the_best_validation_of_the_killed_run(
     assert "Best: step 3 before the resume" in (cfg.train_dir / "train_report.md").read_text()
 
 
+def test_a_resume_ending_before_the_kept_best_does_not_export_it(tmp_path):
+    """Killed after the step-3 validation (the best) with the step-2 checkpoint the newest, then resumed with --stop-at
+    2: the run ended at step 2 ("trained: 2/12 optimizer steps (--stop-at 2 ...)") but exported the killed run's
+    step-3 weights, a step after its end. A best kept from before the resume that lies past the run's end is now
+    dropped."""
+    cfg = load_config(make_tiny_run(tmp_path, n_train=8, n_val=4, train={
+        "epochs": 3, "eval_every": 1, "ckpt_every": 2, "keep_checkpoints": 100, "select_best": "sim_accept",
+        "lr": 5e-2}))
+    run(cfg, stop_after=3, device="cpu")
+    assert json.loads((cfg.train_dir / CURVE_FILE).read_text())["best"]["step"] == 3
+    (ckpt.ckpt_dir(cfg.train_dir) / "step_00000003.pt").unlink()  # the kill: no checkpoint after the validation
+    at2 = safe_torch_load(ckpt.ckpt_dir(cfg.train_dir) / "step_00000002.pt")["model"]
+    r = run(cfg, resume=True, device="cpu", export=export_for_run, stop_at=2)
+    assert r["step"] == 2 and r["sim_accept"]["exported_step"] == 2 and r["sim_accept"]["best"]["step"] == 2
+    exported = load_file(str(cfg.export_dir / "model.safetensors"))
+    assert torch.equal(exported["fc.weight"], at2["fc.weight"].bfloat16())
+    assert safe_torch_load(cfg.train_dir / BEST_FILE)["step"] == 2
+
+
 def test_a_kill_between_the_best_file_and_the_curve_resumes_with_the_file_s_best(tmp_path):
     """update() writes best_drafter.pt, then sim_accept.json: a kill between the two left the file with step 20's
     weights and the curve naming step 10 as the best, and a resume reported step 10 while exporting step 20's
@@ -159,6 +178,46 @@ def test_a_kill_between_the_best_file_and_the_curve_resumes_with_the_file_s_best
     r = BestTracker(tmp_path, chain=3, enabled=True, start_step=15, keep_best=True)
     assert r.best["step"] == 20 and r.best["tau_sim"] == pytest.approx(3.439) and r.best["before_resume"] is True
     assert r.restore_best(m) == 20 and r.summary()["best"]["alpha"] == [0.9, 0.9, 0.9]
+
+
+def test_export_only_after_a_kill_between_the_best_file_and_the_curve_exports_the_file_s_best(tmp_path):
+    """The same kill, then ``04 --export-only`` instead of a resume: it refused (``holds the weights of step 20, but
+    sim_accept.json names step 10 as the best``) though the file records its validation and a resume takes it; it now
+    exports the file's weights, as the resumed run would."""
+    from eagle3.train.sim_accept import load_best_for_export
+
+    m = _Tiny()
+    tr = BestTracker(tmp_path, chain=3, enabled=True, keep_best=True)
+    tr.update(10, 0, _val(0.5, 0.5, 0.5), m)
+    curve = (tmp_path / CURVE_FILE).read_text()
+    with torch.no_grad():
+        m.w.fill_(4.0)
+    tr.update(20, 1, _val(0.9, 0.9, 0.9), m)
+    (tmp_path / CURVE_FILE).write_text(curve)  # the kill: the curve still names step 10
+    out = _Tiny()
+    assert load_best_for_export(tmp_path, out, ckpt_step=15) == (20, None)
+    assert torch.equal(out.w.detach(), torch.full((3,), 4.0))
+    assert json.loads((tmp_path / CURVE_FILE).read_text())["best"]["step"] == 10  # --export-only changes nothing
+
+
+def test_a_kill_between_the_first_best_file_and_the_first_curve_keeps_that_best(tmp_path):
+    """A kill after the first validation's best_drafter.pt, before sim_accept.json existed: the resume deleted the file
+    (no curve: taken for a fresh start), so that validation's weights were lost; it now keeps them as the best."""
+    m = _Tiny()
+    with torch.no_grad():
+        m.w.fill_(5.0)
+    BestTracker(tmp_path, chain=3, enabled=True, keep_best=True).update(10, 0, _val(0.8, 0.5, 0.5), m)
+    (tmp_path / CURVE_FILE).unlink()  # the kill: the curve of the first validation was never written
+    r = BestTracker(tmp_path, chain=3, enabled=True, start_step=6, keep_best=True)
+    assert r.rows == [] and r.best["step"] == 10 and r.best["before_resume"] is True
+    assert r.best["tau_sim"] == pytest.approx(1 + 0.8 + 0.4 + 0.2)
+    with torch.no_grad():
+        m.w.fill_(0.0)
+    assert r.restore_best(m) == 10 and torch.equal(m.w.detach(), torch.full((3,), 5.0))
+    assert not r.update(8, 0, _val(0.5, 0.5, 0.5), m)  # a lower validation of the resumed run keeps it
+    # a fresh start (step 0) still removes it
+    BestTracker(tmp_path, chain=3, enabled=True, start_step=0, keep_best=True)
+    assert not (tmp_path / BEST_FILE).exists()
 
 
 def _trainable(d) -> dict:
@@ -341,6 +400,23 @@ def test_sim_accept_without_anything_to_select_warns_naming_the_field(tmp_path, 
     assert "train.select_best: sim_accept, but" in caplog.text and "exporting the checkpoint's weights (step 4)" in caplog.text
     ref = ckpt.find_latest_checkpoint(last.train_dir)[1]["model"]
     assert torch.equal(load_file(str(out / "model.safetensors"))["fc.weight"], ref["fc.weight"].bfloat16())
+
+
+def test_eval_every_not_below_the_run_warns_that_only_the_last_step_can_be_selected(tmp_path):
+    """train.eval_every 100 on a 6-step run with select_best: sim_accept: only the final validation ran and the last
+    step was exported without a word (the selection had one candidate); now a warning says so (report included)."""
+    cfg = load_config(make_tiny_run(tmp_path, n_train=6, n_val=2, train={
+        "epochs": 2, "eval_every": 100, "select_best": "sim_accept"}))
+    r = run(cfg, device="cpu")
+    assert r["total_steps"] == 6 and [row["step"] for row in r["sim_accept"]["rows"]] == [6]
+    want = ("train.eval_every 100 is not below the run's 6 optimizer steps: only the final validation runs and "
+            "train.select_best: sim_accept has only that one to select from")
+    assert [w for w in r["warnings"] if w.startswith(want)]
+    assert json.loads((cfg.train_dir / "train_report.json").read_text())["warnings"] == r["warnings"]
+    # an eval_every below the run's steps says nothing, nor one above it under select_best: last (no selection)
+    for name, train in (("b", {"eval_every": 5, "select_best": "sim_accept"}), ("c", {"eval_every": 100})):
+        quiet = load_config(make_tiny_run(tmp_path / name, n_train=6, n_val=2, train={"epochs": 2, **train}))
+        assert not [w for w in run(quiet, device="cpu")["warnings"] if "train.eval_every" in w]
 
 
 def test_chain_longer_than_ttt_is_capped_labelled_and_warned(tmp_path):
