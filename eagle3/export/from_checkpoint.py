@@ -111,9 +111,9 @@ def export_from_checkpoint(cfg: RunConfig, engine: str | None = None) -> Path:
 
 
 def _require_trained_inputs(path: Path, state: dict, vocab: dict, data_config: dict, cfg: RunConfig) -> None:
-    """Refuse to export a checkpoint with another draft vocab map or other aux layers than it was trained with (its
-    ``data_inputs`` records the map's content hash, :func:`eagle3.train.checkpoint.vocab_sha256`, and the shards' aux
-    layers). The export takes both from the run's files now: after 03 re-ran on other shards (a map of the same size
+    """Refuse to export a checkpoint with another draft vocab map, other aux layers or shards of another verifier's
+    weights than it was trained with (its ``data_inputs`` records the map's content hash,
+    :func:`eagle3.train.checkpoint.vocab_sha256`, the shards' aux layers and ``verifier_weights``). The export takes both from the run's files now: after 03 re-ran on other shards (a map of the same size
     with other ids) it wrote that ``d2t`` beside lm_head rows trained for the old one, and from another run's or a
     re-extracted shard set it named other aux layers than the weights were trained on (``--export-only`` exported
     both, exit 0, trial 2026-12-05g). The split is not compared: it does not change the weights. A checkpoint
@@ -125,10 +125,11 @@ def _require_trained_inputs(path: Path, state: dict, vocab: dict, data_config: d
     saved = state.get("data_inputs")
     if not isinstance(saved, dict):
         return
-    keys = (ckpt.VOCAB_FILE, ckpt.AUX_LAYERS)
+    keys = (ckpt.VOCAB_FILE, ckpt.AUX_LAYERS, ckpt.VERIFIER_WEIGHTS)
     problem = ckpt.data_inputs_problem({k: saved.get(k) for k in keys},
                                        {ckpt.VOCAB_FILE: ckpt.vocab_sha256(vocab),
-                                        ckpt.AUX_LAYERS: list(data_config["aux_layers"])}, cfg.data_dir)
+                                        ckpt.AUX_LAYERS: list(data_config["aux_layers"]),
+                                        ckpt.VERIFIER_WEIGHTS: data_config.get(ckpt.VERIFIER_WEIGHTS)}, cfg.data_dir)
     if problem:
         raise UserError(f"{path}: {problem}")
 

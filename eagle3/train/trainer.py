@@ -748,9 +748,11 @@ def _recipe(cfg: RunConfig) -> dict:
 def _data_inputs(inputs: "_Inputs") -> dict:
     """What a checkpoint records of the data it was trained on (key ``data_inputs``; compared on ``--resume`` by
     :func:`eagle3.train.checkpoint.data_inputs_problem`): the content sha256 of 03's split and vocab map, and the
-    aux layers of the shards' ``data_config.json``."""
+    aux layers and verifier weights fingerprint (``verifier_weights``; None when 02 recorded none) of the shards'
+    ``data_config.json``."""
     return {ckpt.SPLIT_FILE: ckpt.split_sha256(inputs.split), ckpt.VOCAB_FILE: ckpt.vocab_sha256(inputs.vocab),
-            ckpt.AUX_LAYERS: [int(i) for i in inputs.data_config["aux_layers"]]}
+            ckpt.AUX_LAYERS: [int(i) for i in inputs.data_config["aux_layers"]],
+            ckpt.VERIFIER_WEIGHTS: inputs.data_config.get(ckpt.VERIFIER_WEIGHTS)}
 
 
 def _fingerprint(cfg: RunConfig, args) -> str:
