@@ -517,6 +517,29 @@ def verifier_warnings(drafter_dir: Path, verifier_name: str, dims: Optional[dict
     return []
 
 
+def ttt_length_warning(drafter_dir: Path, steps: int, steps_field: str) -> Optional[str]:
+    """One warning line when 05 drafts more tokens a step (``steps``, from ``steps_field``: ``--steps`` or
+    ``benchmark.steps``) than the drafter was trained for: its ``eagle3_train.json`` key ``ttt_length``
+    (``train.ttt_length``). Draft positions past it were never trained, so their acceptance (and tau) says little about
+    the drafter. None when ``steps`` is within it, or the export records no ``ttt_length`` (an export of before the
+    key, or none of this project's). A malformed metadata file is left to the checks that read it.
+    """
+    meta_path = Path(drafter_dir) / TRAIN_META
+    if not meta_path.is_file():
+        return None
+    try:
+        meta = read_json(meta_path)
+    except UserError:
+        return None
+    k = meta.get("ttt_length") if isinstance(meta, dict) else None
+    if not isinstance(k, int) or isinstance(k, bool) or steps <= k:
+        return None
+    return (f"{steps_field} {steps} drafts more tokens a step than the drafter was trained for: {meta_path} records "
+            f"ttt_length {k} (train.ttt_length); positions {k + 1}..{steps} were never trained, so their acceptance "
+            f"is low and tau understates a {k}-step chain: benchmark with {steps_field} {k}, or train with "
+            f"train.ttt_length {steps}")
+
+
 @contextlib.contextmanager
 def verifier_named_first(mismatch: list[str]):
     """Around 05's checks of the drafter against the loaded verifier: when ``mismatch`` (:func:`verifier_warnings`)
@@ -902,6 +925,7 @@ def run(
     from eagle3.verifier import load_verifier, resolve_device, verifier_dims, weights_fingerprint
 
     bc = cfg.benchmark
+    steps_given = steps is not None
     steps = steps or bc.steps
     max_new_tokens = max_new_tokens or bc.max_new_tokens
     num_prompts = num_prompts or bc.num_prompts
@@ -916,6 +940,10 @@ def run(
 
     preflight_export(drafter_dir)  # a bad export fails before the verifier loads (minutes at Kimi scale); its
     # warnings are logged once, by load_exported below
+    too_long = ttt_length_warning(drafter_dir, steps, "--steps" if steps_given else "benchmark.steps")
+    if too_long:  # said now, before the verifier loads, and recorded in bench.json
+        log.warning("%s", too_long)
+        subset_notes.append(too_long)
     if (cfg.shards_dir / DATA_CONFIG).is_file():  # a config whose extract settings differ from the shards' is refused
         check_extract_settings(cfg.extract, read_json(cfg.shards_dir / DATA_CONFIG), cfg.shards_dir)
     device = resolve_device(cfg.verifier.device)

@@ -104,7 +104,9 @@ def export_from_checkpoint(cfg: RunConfig, engine: str | None = None) -> Path:
         log.info("export: the weights of checkpoint %s (train.select_best: last)", path.name)
     weights_step = best if best is not None else int(state["step"])
     prov = export_provenance(cfg.train_dir, path, int(state["step"]), cfg.train.select_best, weights_step)
-    out = export_for_run(cfg, drafter, data_config, provenance=prov)
+    # the TTT steps the checkpoint trained (--resume refuses another train.ttt_length), else the config's
+    ttt = (state.get("recipe") or {}).get("train.ttt_length") or cfg.train.ttt_length
+    out = export_for_run(cfg, drafter, data_config, provenance=prov, ttt_length=int(ttt))
     record_export_only(cfg.train_dir, out, path, int(state["step"]), weights_step, cfg.export.engine,
                        cfg.train.select_best)
     return out
@@ -202,12 +204,15 @@ def load_init_drafter(cfg: RunConfig, embed_weight, data_config: dict):
     return drafter
 
 
-def export_for_run(cfg: RunConfig, drafter, data_config: dict, provenance: dict | None = None) -> Path:
+def export_for_run(cfg: RunConfig, drafter, data_config: dict, provenance: dict | None = None,
+                   ttt_length: int | None = None) -> Path:
     """Export ``drafter`` for ``cfg.export.engine`` into ``cfg.export_dir``, in ``export.dtype``
     (``auto`` = ``verifier.dtype``), with the verifier facts and HF aux layers of the shards'
     ``data_config.json``; ``provenance`` (:func:`eagle3.train.trainer.export_provenance`) is recorded as
     ``trained_from`` in ``eagle3_train.json``. The vLLM folder's ``speculative_tokens`` (what ``vllm serve`` drafts
     when ``--speculative-config`` names only the model) is ``benchmark.steps``, the chain the run benchmarks.
+    ``ttt_length`` (default ``train.ttt_length``; ``--export-only`` passes the checkpoint's) is recorded in
+    ``eagle3_train.json``: the draft positions the drafter was trained for, which 05 compares with its ``--steps``.
 
     Raises:
         UserError: see :func:`eagle3.export.serving.export_drafter`.
@@ -222,4 +227,5 @@ def export_for_run(cfg: RunConfig, drafter, data_config: dict, provenance: dict 
     return export_drafter(drafter, cfg.export_dir, engine=cfg.export.engine,
                           aux_layers_hf=list(data_config["aux_layers"]), verifier_info=verifier_info,
                           num_speculative_tokens=cfg.benchmark.steps,
-                          dtype=export_dtype(cfg.export.dtype, cfg.verifier.dtype), provenance=provenance)
+                          dtype=export_dtype(cfg.export.dtype, cfg.verifier.dtype), provenance=provenance,
+                          ttt_length=cfg.train.ttt_length if ttt_length is None else ttt_length)

@@ -274,6 +274,7 @@ def export_drafter(
     num_speculative_tokens: int = 3,
     dtype: str | torch.dtype = DEFAULT_EXPORT_DTYPE,
     provenance: Optional[dict] = None,
+    ttt_length: Optional[int] = None,
 ) -> Path:
     """Write ``drafter`` as a serving-engine folder (see the module docstring for both formats).
 
@@ -295,6 +296,8 @@ def export_drafter(
             ``selected_step``; :func:`eagle3.train.trainer.export_provenance`), recorded as ``trained_from`` in
             ``eagle3_train.json`` only (``config.json``, which the engines read, is unchanged). Replacing an export
             recorded from another ``train_dir`` logs a warning (the folder is still replaced).
+        ttt_length: the TTT steps (draft positions) the drafter was trained for (``train.ttt_length``), recorded as
+            ``ttt_length`` in ``eagle3_train.json`` (05 warns when it drafts more; None: not recorded).
 
     Returns:
         The folder path.
@@ -401,6 +404,8 @@ def export_drafter(
         "dtype": llama["torch_dtype"],
         "weights": WEIGHTS_FILE,
     }
+    if ttt_length is not None:
+        meta["ttt_length"] = int(ttt_length)
     if provenance is not None:
         meta["trained_from"] = dict(provenance)
 

@@ -91,3 +91,15 @@ def test_layers_sglang_cannot_serve_refused_before_training(tmp_path):
     cfg_v = load_config(path, ["export.engine=vllm"])
     run(cfg_v, device="cpu", export=export_for_run)
     assert json.loads((cfg_v.export_dir / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+
+
+def test_export_records_the_ttt_length_it_was_trained_for(tmp_path):
+    """05 could not tell how many draft positions an export was trained for (trial 2026-12-05g): `eagle3_train.json`
+    now records `ttt_length`, train.ttt_length at the end of training, and the checkpoint's under `--export-only`
+    (whatever the config says now: --resume refuses another one, so the checkpoint's is the trained one)."""
+    cfg = load_config(make_tiny_run(tmp_path, n_train=4, n_val=2, train=TRAIN))  # train.ttt_length 3
+    run(cfg, device="cpu", export=export_for_run)
+    assert _meta(cfg.export_dir)["ttt_length"] == 3
+    other = load_config(make_tiny_run(tmp_path, n_train=4, n_val=2, train=TRAIN),
+                        ["train.ttt_length=5", f"export.output_dir={tmp_path / 'again'}"])
+    assert _meta(export_from_checkpoint(other))["ttt_length"] == 3
