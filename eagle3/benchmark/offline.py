@@ -540,6 +540,14 @@ def ttt_length_warning(drafter_dir: Path, steps: int, steps_field: str) -> Optio
             f"train.ttt_length {steps}")
 
 
+def _logged(warning: Optional[str]) -> list[str]:
+    """``[warning]`` after logging it (05 says it at once and records it in ``bench.json``), ``[]`` for None."""
+    if warning is None:
+        return []
+    log.warning("%s", warning)
+    return [warning]
+
+
 @contextlib.contextmanager
 def verifier_named_first(mismatch: list[str]):
     """Around 05's checks of the drafter against the loaded verifier: when ``mismatch`` (:func:`verifier_warnings`)
@@ -925,8 +933,7 @@ def run(
     from eagle3.verifier import load_verifier, resolve_device, verifier_dims, weights_fingerprint
 
     bc = cfg.benchmark
-    steps_given = steps is not None
-    steps = steps or bc.steps
+    steps, steps_field = (steps, "--steps") if steps else (bc.steps, "benchmark.steps")
     max_new_tokens = max_new_tokens or bc.max_new_tokens
     num_prompts = num_prompts or bc.num_prompts
     check_dataset_names(datasets or bc.datasets, "--datasets" if datasets else "benchmark.datasets", not datasets)
@@ -940,10 +947,7 @@ def run(
 
     preflight_export(drafter_dir)  # a bad export fails before the verifier loads (minutes at Kimi scale); its
     # warnings are logged once, by load_exported below
-    too_long = ttt_length_warning(drafter_dir, steps, "--steps" if steps_given else "benchmark.steps")
-    if too_long:  # said now, before the verifier loads, and recorded in bench.json
-        log.warning("%s", too_long)
-        subset_notes.append(too_long)
+    subset_notes += _logged(ttt_length_warning(drafter_dir, steps, steps_field))  # before the verifier loads
     if (cfg.shards_dir / DATA_CONFIG).is_file():  # a config whose extract settings differ from the shards' is refused
         check_extract_settings(cfg.extract, read_json(cfg.shards_dir / DATA_CONFIG), cfg.shards_dir)
     device = resolve_device(cfg.verifier.device)
