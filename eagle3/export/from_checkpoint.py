@@ -22,6 +22,27 @@ log = logging.getLogger(__name__)
 
 
 def export_from_checkpoint(cfg: RunConfig, engine: str | None = None) -> Path:
+    """``04 --export-only``: :func:`_export_from_checkpoint` holding 04's lock on the train folder
+    (``{train_dir}/.train.lock``, :data:`eagle3.train.trainer.TRAIN_LOCK`), as training does. Two ``--export-only``
+    runs of one train folder (``--engine sglang`` and a second started before the first ended, into the same export
+    folder) raced on the final rename of the export folder (trial 2026-12-05g), and an ``--export-only`` beside a
+    training 04 read checkpoints that training prunes; the second one now stops at once with one line. A train
+    folder that does not exist takes no lock (the export then stops with "no complete checkpoint to export").
+
+    Raises:
+        UserError: ``<train_dir>/.train.lock: another 04_train run is training or exporting in <train_dir>; ...``;
+            and everything :func:`_export_from_checkpoint` raises.
+    """
+    from eagle3.io import exclusive_lock
+    from eagle3.train.trainer import TRAIN_LOCK, train_lock_holder
+
+    if not cfg.train_dir.is_dir():
+        return _export_from_checkpoint(cfg, engine)
+    with exclusive_lock(cfg.train_dir / TRAIN_LOCK, train_lock_holder(cfg.train_dir)):
+        return _export_from_checkpoint(cfg, engine)
+
+
+def _export_from_checkpoint(cfg: RunConfig, engine: str | None = None) -> Path:
     """Build the drafter from the newest checkpoint and export it. Read-only with respect to training's outputs
     (checkpoints, ``best_drafter.pt``, ``sim_accept.json``): only the export folder is written, and the run's
     ``train_report.{json,md}`` when it was written at this checkpoint's step (it then names the export:

@@ -832,6 +832,12 @@ def run(cfg: RunConfig, resume: bool = False, max_steps: Optional[int] = None, s
 TRAIN_LOCK = ".train.lock"  # in train_dir while a 04 trains or exports there (one 04 per train folder)
 
 
+def train_lock_holder(train_dir: Path) -> str:
+    """What a second 04 is told when ``{train_dir}/.train.lock`` is held (training and ``--export-only`` both hold
+    it): the text after ``<lock>: `` in its one-line error."""
+    return f"another 04_train run is training or exporting in {train_dir}; wait for it to end (or stop it) before this one"
+
+
 @contextlib.contextmanager
 def _train_lock(train_dir: Path, d: DistInfo, field: str = "train.output_dir"):
     """Hold ``{train_dir}/.train.lock`` (:func:`eagle3.io.exclusive_lock`, rank 0) for the whole of 04: a second 04 on
@@ -842,7 +848,7 @@ def _train_lock(train_dir: Path, d: DistInfo, field: str = "train.output_dir"):
     from eagle3.io import exclusive_lock
 
     created = [p for p in (train_dir, *train_dir.parents) if not p.exists()]  # deepest first
-    holder = f"another 04_train run is training in {train_dir}; wait for it to end (or stop it) before this one"
+    holder = train_lock_holder(train_dir)
     with contextlib.ExitStack() as stack:
         failed = None
         if d.is_main:
