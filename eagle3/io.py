@@ -699,6 +699,28 @@ def exclusive_lock(lock_path: str | os.PathLike, holder: str) -> Iterator[None]:
         f.close()
 
 
+def lock_held(lock_path: str | os.PathLike) -> bool:
+    """Whether a running process holds the :func:`exclusive_lock` on ``lock_path`` now, for a reader that must not
+    read what that process is writing (03 over 02's shards). The staleness rule is :func:`exclusive_lock`'s: the lock
+    is the ``flock``, not the file, and the OS releases it when its process ends, even on SIGKILL; so a lock file a
+    dead process left behind is not held (False), nor is a missing or unreadable one. The probe takes a shared lock
+    for an instant and releases it; nothing is created or removed.
+    """
+    import fcntl
+
+    try:
+        f = open(lock_path, "rb")
+    except OSError:  # absent (no writer), or not readable: nothing to go by
+        return False
+    with f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+        return False
+
+
 @contextlib.contextmanager
 def output_folder_lock(folder: str | os.PathLike, lock_name: str, holder: str,
                        field: Optional[str] = None) -> Iterator[None]:
