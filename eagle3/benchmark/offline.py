@@ -880,23 +880,26 @@ def run_offline(
 
 
 BENCH_LOCK = ".bench.lock"  # in bench_dir while a 05 benchmarks into it (one 05 per bench folder)
+#: 05's disk-full advice (:func:`eagle3.io.rerun_hint`): a benchmark keeps no partial state to resume from.
+REDO_HINT = "re-run the same command (05 does not resume: it benchmarks every set again)"
 
 
 def holds_bench_lock(fn):
     """Run the stage-05 entry point ``fn(cfg, ...)`` holding ``{bench_dir}/.bench.lock``
     (:func:`eagle3.io.output_folder_lock`, made and checked first): a second 05 on the same folder (``--datasets
     mtbench`` and ``--datasets gsm8k`` started side by side) measured its tokens/s under the first one's load and then
-    replaced its reports, both exiting 0 (trial 2026-12-05g); now it stops at once with one line."""
+    replaced its reports, both exiting 0 (trial 2026-12-05g); now it stops at once with one line. A full disk meanwhile
+    says to re-run (:data:`REDO_HINT`), not to resume."""
     import functools
 
-    from eagle3.io import output_folder_lock
+    from eagle3.io import output_folder_lock, rerun_hint
 
     @functools.wraps(fn)
     def locked(cfg, *args, **kwargs):
         holder = (f"another 05_benchmark run is benchmarking into {cfg.bench_dir} (its reports would replace this "
                   f"one's, and two runs side by side measure each other's load); wait for it, or set "
                   f"benchmark.output_dir")
-        with output_folder_lock(cfg.bench_dir, BENCH_LOCK, holder, cfg.output_field("bench")):
+        with rerun_hint(REDO_HINT), output_folder_lock(cfg.bench_dir, BENCH_LOCK, holder, cfg.output_field("bench")):
             return fn(cfg, *args, **kwargs)
 
     return locked

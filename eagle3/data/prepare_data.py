@@ -369,17 +369,19 @@ def _shard_stats(cfg: RunConfig, meta: dict, paths: list[tuple[int, Path]], reva
 
 
 DATA_LOCK = ".data.lock"  # in data_dir while a 03 writes there (one 03 per data folder)
+#: 03's disk-full advice (:func:`eagle3.io.rerun_hint`): a stopped 03 keeps nothing to resume from.
+REDO_HINT = "re-run the same command (03 does not resume: it starts over)"
 
 
 def run(cfg: RunConfig, *, plot: bool = True, revalidate: bool = False) -> dict:
     """Stage 03 holding ``{data_dir}/.data.lock`` (:func:`eagle3.io.output_folder_lock`): a second 03 on the same data
     folder (a draft-vocab sweep started side by side) stops at once with one line instead of writing its vocab map,
     split and report over the first one's (trial 2026-12-05g). See :func:`prepare`."""
-    from eagle3.io import output_folder_lock
+    from eagle3.io import output_folder_lock, rerun_hint
 
     holder = (f"another 03_prepare_data run is writing to {cfg.data_dir}; wait for it, or set data.output_dir for a "
               f"second data folder")
-    with output_folder_lock(cfg.data_dir, DATA_LOCK, holder, cfg.output_field("data")):
+    with rerun_hint(REDO_HINT), output_folder_lock(cfg.data_dir, DATA_LOCK, holder, cfg.output_field("data")):
         return prepare(cfg, plot=plot, revalidate=revalidate)
 
 

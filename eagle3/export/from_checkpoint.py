@@ -9,7 +9,9 @@ layers in the HF convention; :func:`eagle3.layers.engine_layer_ids` converts the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import logging
 from pathlib import Path
 
@@ -20,6 +22,9 @@ from eagle3.io import relative_hint
 
 log = logging.getLogger(__name__)
 
+#: ``--export-only``'s disk-full advice (:func:`eagle3.io.rerun_hint`).
+REDO_HINT = "re-run the same command (--export-only does not resume: it exports the checkpoint again)"
+
 
 def export_from_checkpoint(cfg: RunConfig, engine: str | None = None) -> Path:
     """``04 --export-only``: :func:`_export_from_checkpoint` holding 04's lock on the train folder
@@ -27,18 +32,27 @@ def export_from_checkpoint(cfg: RunConfig, engine: str | None = None) -> Path:
     runs of one train folder (``--engine sglang`` and a second started before the first ended, into the same export
     folder) raced on the final rename of the export folder (trial 2026-12-05g), and an ``--export-only`` beside a
     training 04 read checkpoints that training prunes; the second one now stops at once with one line. A train
-    folder that does not exist takes no lock (the export then stops with "no complete checkpoint to export").
+    folder that does not exist takes no lock (the export then stops with "no complete checkpoint to export"), nor one
+    where the lock file cannot be made (read-only checkpoints: no 04 can be writing there). A full
+    disk says to re-run (:data:`REDO_HINT`): an export starts over, nothing of a stopped one is kept.
 
     Raises:
         UserError: ``<train_dir>/.train.lock: another 04_train run is training or exporting in <train_dir>; ...``;
             and everything :func:`_export_from_checkpoint` raises.
     """
-    from eagle3.io import exclusive_lock
+    from eagle3.io import exclusive_lock, rerun_hint
     from eagle3.train.trainer import TRAIN_LOCK, train_lock_holder
 
-    if not cfg.train_dir.is_dir():
-        return _export_from_checkpoint(cfg, engine)
-    with exclusive_lock(cfg.train_dir / TRAIN_LOCK, train_lock_holder(cfg.train_dir)):
+    with contextlib.ExitStack() as held:
+        held.enter_context(rerun_hint(REDO_HINT))
+        if cfg.train_dir.is_dir():
+            try:
+                held.enter_context(exclusive_lock(cfg.train_dir / TRAIN_LOCK, train_lock_holder(cfg.train_dir)))
+            except OSError as e:  # read-only checkpoints (exported from, the report left as it is): no 04 writes there
+                if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+                    raise
+                log.info("%s: not locked (%s); the export folder's lock still holds", cfg.train_dir / TRAIN_LOCK,
+                         e.strerror)
         return _export_from_checkpoint(cfg, engine)
 
 

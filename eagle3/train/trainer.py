@@ -815,21 +815,25 @@ def run(cfg: RunConfig, resume: bool = False, max_steps: Optional[int] = None, s
 
     Raises:
         UserError: bad inputs (missing/corrupt data files, shape mismatches, resume of a different
-            drafter shape, existing checkpoints without ``resume``).
+            drafter shape, existing checkpoints without ``resume``); a full disk (its line ends with
+            :data:`REDO_HINT`: re-run with ``--resume``).
     """
     d = init_distributed(device)
     stop = StopFlag()
+    from eagle3.io import rerun_hint
     from eagle3.sdpa import no_cudnn_sdpa
 
     with process_group_scope(d.ctrl_group, owned=d.initialized_here):  # barrier only when _run finished
-        try:
-            with no_cudnn_sdpa():  # batch shapes change every step: no per-shape cuDNN plans (~40 ms each)
+        try:  # no per-shape cuDNN plans (~40 ms each): batch shapes change every step
+            with no_cudnn_sdpa(), rerun_hint(REDO_HINT):
                 return _run(cfg, d, stop, resume, max_steps, stop_after, export, init, stop_at)
         finally:
             stop.restore()
 
 
 TRAIN_LOCK = ".train.lock"  # in train_dir while a 04 trains or exports there (one 04 per train folder)
+#: 04's disk-full advice (:func:`eagle3.io.rerun_hint`): the same command without --resume refuses the checkpoints.
+REDO_HINT = "re-run the same command with --resume (04 continues from the newest checkpoint)"
 
 
 def train_lock_holder(train_dir: Path) -> str:

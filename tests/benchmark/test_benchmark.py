@@ -466,6 +466,33 @@ def test_more_steps_than_the_drafter_was_trained_for_warns_once(run_setup, tmp_p
     assert [r.getMessage() for r in caplog.records].count(want) == 1
 
 
+def test_a_full_disk_in_05_says_it_starts_over(run_setup, tmp_path, monkeypatch):
+    """05's disk-full line said "re-run the same command to resume", but nothing of a benchmark resumes: a re-run
+    measures every set again (trial 2026-12-05g). It now says so."""
+    import errno
+    import os
+
+    import eagle3.io as eio
+
+    root, cfg, _ = run_setup
+    real = eio._write_all
+
+    def full_at_the_report(f, data):
+        if "bench.json" in str(getattr(f, "name", "")):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(f, data)
+
+    monkeypatch.setattr(eio, "_write_all", full_at_the_report)
+    out = tmp_path / "b"
+    with pytest.raises(UserError) as e:
+        _cli().main(["--config", str(cfg), "--drafter", str(root / "drafter"), "--num-prompts", "1", "--steps", "2",
+                     "--max-new-tokens", "4", "--set", f"benchmark.output_dir={out}"])
+    msg = str(e.value)
+    assert msg.startswith(f"{out / 'bench.json'}: disk full (No space left on device)") and "\n" not in msg
+    assert msg.endswith("free space or move the output folder, then re-run the same command (05 does not resume: it "
+                        "benchmarks every set again)")
+
+
 def test_lossless_failure_raises_after_writing_report(run_setup, monkeypatch):
     import eagle3.benchmark.offline as B
 

@@ -424,3 +424,41 @@ def test_03_stops_while_02_is_writing_the_shards_and_not_for_a_dead_ones_lock(tm
     assert lock.exists()  # what a killed 02 leaves: a file nobody holds
     report = run(cfg, plot=False)
     assert report["num_samples"] == len(SAMPLES) and (cfg.shards_dir / RECORD).is_file()
+
+
+def test_a_full_disk_in_03_says_it_starts_over(tmp_path, monkeypatch):
+    """03's disk-full line said "re-run the same command to resume", but a re-run of 03 starts over (trial
+    2026-12-05g). It now says so; also for a disk-full OSError no writer of eagle3.io turned into a line (a library
+    writing its own file): one line, the same wording."""
+    import errno
+    import os
+
+    import eagle3.data.prepare_data as prepare_data
+    import eagle3.io as eio
+
+    cfg = load_config(_cfg(tmp_path))
+    _make_shards(cfg.shards_dir)
+    real = eio._write_all
+
+    def full_at_the_vocab_map(f, data):
+        if "vocab_map" in str(getattr(f, "name", "")):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(f, data)
+
+    monkeypatch.setattr(eio, "_write_all", full_at_the_vocab_map)
+    with pytest.raises(UserError) as e:
+        run(cfg, plot=False)
+    msg = str(e.value)
+    assert msg.startswith(f"{cfg.data_dir / 'vocab_map.pt'}: disk full (No space left on device)") and "\n" not in msg
+    assert msg.endswith("free space or move the output folder, then re-run the same command (03 does not resume: it "
+                        "starts over)")
+    monkeypatch.undo()
+
+    def stray(*a, **k):  # a library's own writer on a full disk, inside 03
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(cfg.data_dir / "coverage.png"))
+
+    monkeypatch.setattr(prepare_data, "prepare", stray)
+    with pytest.raises(UserError) as e:
+        run(cfg, plot=False)
+    assert str(e.value).startswith(f"{cfg.data_dir / 'coverage.png'}: disk full (No space left on device)")
+    assert str(e.value).endswith("(03 does not resume: it starts over)")
