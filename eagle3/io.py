@@ -6,9 +6,10 @@ old file, the new file, or an ignorable ``*.tmp-*`` file, never a truncated outp
 
 A full disk (``ENOSPC``) or an exhausted quota (``EDQUOT``) during any of these writes removes the
 temporary file and raises :class:`~eagle3.errors.UserError` with one line: the path, the bytes the
-write needed (when known) and the bytes free on that filesystem (``shutil.disk_usage``). The CLIs
-turn it into ``error: ...`` and exit code 2; re-running the same command after freeing space
-resumes (every stage treats a missing output as "not done yet"). Append-only logs
+write needed (when known), the bytes free on that filesystem (``shutil.disk_usage``) and what to do
+after freeing space, worded per stage (:func:`rerun_hint`): 01 and 02 resume when re-run, 04 with
+``--resume``, while 03, 05 and ``04 --export-only`` start over. The CLIs turn it into ``error: ...``
+and exit code 2. Append-only logs
 (:func:`append_bytes`) roll a failed append back to the previous end of file.
 """
 
@@ -75,11 +76,43 @@ def free_bytes(path: str | os.PathLike) -> tuple[int, Path]:
     return int(shutil.disk_usage(p).free), p
 
 
+#: What a disk-full line tells to do after freeing space (:func:`rerun_hint` sets it per stage). The default is the
+#: resuming stages' (01, 02): their re-run continues where the full disk stopped them.
+RESUME_HINT = "re-run the same command to resume"
+_rerun_hint = RESUME_HINT
+
+
+@contextlib.contextmanager
+def rerun_hint(text: str) -> Iterator[None]:
+    """Word the disk-full line (:func:`disk_full_error`) of a stage that does not resume by re-running the same
+    command: ``... free space or move the output folder, then {text}`` for the block (03 and 05 start over, 04 resumes
+    with ``--resume``); "re-run the same command to resume" sent a 03 / 05 user looking for a resume that does not
+    happen (trial 2026-12-05g). A disk-full error the block raises that no writer here turned into one line (a
+    library's own file) gets the same wording before it leaves the block. Restores the earlier wording at the end.
+
+    Raises:
+        UserError: :func:`disk_full_error` for a disk-full exception of the block; other exceptions pass unchanged.
+    """
+    global _rerun_hint
+    before, _rerun_hint = _rerun_hint, text
+    try:
+        yield
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - re-raised unless it is a disk-full error
+        if is_disk_full(e):
+            raise disk_full_error(getattr(e, "filename", None) or "output", e) from e
+        raise
+    finally:
+        _rerun_hint = before
+
+
 def disk_full_error(path: str | os.PathLike, exc: BaseException, needed: int | None = None) -> "UserError":
     """The one-line :class:`UserError` for a write to ``path`` that failed with ``exc`` (disk full).
 
     Message: ``{path}: disk full (No space left on device) writing {needed}; {free} free on the
-    filesystem of {folder}; free space or move the output, then re-run the same command to resume``.
+    filesystem of {folder}; free space or move the output folder, then {what to do}``, the last part worded by the
+    running stage (:func:`rerun_hint`; default ``re-run the same command to resume``).
     """
     err = getattr(exc, "errno", None)
     reason = os.strerror(err) if err in DISK_FULL_ERRNOS else "No space left on device or quota exceeded"
@@ -90,7 +123,7 @@ def disk_full_error(path: str | os.PathLike, exc: BaseException, needed: int | N
         free_s = "free space unknown"
     need_s = f" writing {format_bytes(needed)}" if needed is not None else ""
     return UserError(f"{path}: disk full ({reason}){need_s}; {free_s}; free space or move the output folder, "
-                     "then re-run the same command to resume")
+                     f"then {_rerun_hint}")
 
 
 @contextlib.contextmanager
@@ -697,6 +730,28 @@ def exclusive_lock(lock_path: str | os.PathLike, holder: str) -> Iterator[None]:
         with contextlib.suppress(FileNotFoundError):
             lock_path.unlink()  # still holding the lock (see above)
         f.close()
+
+
+def lock_held(lock_path: str | os.PathLike) -> bool:
+    """Whether a running process holds the :func:`exclusive_lock` on ``lock_path`` now, for a reader that must not
+    read what that process is writing (03 over 02's shards). The staleness rule is :func:`exclusive_lock`'s: the lock
+    is the ``flock``, not the file, and the OS releases it when its process ends, even on SIGKILL; so a lock file a
+    dead process left behind is not held (False), nor is a missing or unreadable one. The probe takes a shared lock
+    for an instant and releases it; nothing is created or removed.
+    """
+    import fcntl
+
+    try:
+        f = open(lock_path, "rb")
+    except OSError:  # absent (no writer), or not readable: nothing to go by
+        return False
+    with f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+        return False
 
 
 @contextlib.contextmanager

@@ -52,14 +52,15 @@ def mark_validated(shards: Path, data: Path, stats: dict, freq: torch.Tensor) ->
 def make_tiny_run(root: Path, n_train: int = 8, n_val: int = 2, lengths=(12, 9, 16, 7), hidden: int = 16,
                   vocab: int = 48, draft_vocab: int = 24, equal_lengths: bool = False, seed: int = 0,
                   train: dict | None = None, pre_norm: bool = False, architecture: str = "LlamaForCausalLM",
-                  aux_layers: tuple = (2, 3, 4)) -> Path:
+                  aux_layers: tuple = (2, 3, 4), verifier_weights: str | None = None) -> Path:
     """Write a tiny synthetic run under ``root`` and return its YAML path.
 
     Shards: ``n_train + n_val`` samples, lengths cycling through ``lengths`` (all ``lengths[0]`` when
     ``equal_lengths``), random bf16 hidden states ``[L, hidden]``, loss mask 1 after the first 2 tokens
     (all ones when ``equal_lengths``). Vocab map: draft ids = every ``vocab // draft_vocab``-th target id. Target head:
     random ``[vocab, hidden]`` embedding/lm_head (untied) and norm weight. ``architecture`` / ``aux_layers``: what
-    ``data_config.json`` says the (6-layer) verifier and its captured layers are.
+    ``data_config.json`` says the (6-layer) verifier and its captured layers are; ``verifier_weights``: the weights
+    fingerprint it records (None: no key, as 02 writes for a folder without weight files).
     """
     g = torch.Generator().manual_seed(seed)
     shards = root / "shards"
@@ -83,6 +84,7 @@ def make_tiny_run(root: Path, n_train: int = 8, n_val: int = 2, lengths=(12, 9, 
         "dtype": "bfloat16", "max_length": max(lengths), "rows_per_dir": 4, "chat_template_hash": None,
         "config_fingerprint": "x", "prompts_sha256": "x", "num_samples": n, "num_tokens": 0, "num_loss_tokens": 0,
         "bytes_per_token": 8 * hidden, "skipped": {},
+        **({"verifier_weights": verifier_weights} if verifier_weights else {}),
     })
     data.mkdir(parents=True, exist_ok=True)
     mark_validated(shards, data, stats, freq)

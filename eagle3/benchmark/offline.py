@@ -517,6 +517,37 @@ def verifier_warnings(drafter_dir: Path, verifier_name: str, dims: Optional[dict
     return []
 
 
+def ttt_length_warning(drafter_dir: Path, steps: int, steps_field: str) -> Optional[str]:
+    """One warning line when 05 drafts more tokens a step (``steps``, from ``steps_field``: ``--steps`` or
+    ``benchmark.steps``) than the drafter was trained for: its ``eagle3_train.json`` key ``ttt_length``
+    (``train.ttt_length``). Draft positions past it were never trained, so their acceptance (and tau) says little about
+    the drafter. None when ``steps`` is within it, or the export records no ``ttt_length`` (an export of before the
+    key, or none of this project's). A malformed metadata file is left to the checks that read it.
+    """
+    meta_path = Path(drafter_dir) / TRAIN_META
+    if not meta_path.is_file():
+        return None
+    try:
+        meta = read_json(meta_path)
+    except UserError:
+        return None
+    k = meta.get("ttt_length") if isinstance(meta, dict) else None
+    if not isinstance(k, int) or isinstance(k, bool) or steps <= k:
+        return None
+    return (f"{steps_field} {steps} drafts more tokens a step than the drafter was trained for: {meta_path} records "
+            f"ttt_length {k} (train.ttt_length); positions {k + 1}..{steps} were never trained, so their acceptance "
+            f"is low and tau understates a {k}-step chain: benchmark with {steps_field} {k}, or train with "
+            f"train.ttt_length {steps}")
+
+
+def _logged(warning: Optional[str]) -> list[str]:
+    """``[warning]`` after logging it (05 says it at once and records it in ``bench.json``), ``[]`` for None."""
+    if warning is None:
+        return []
+    log.warning("%s", warning)
+    return [warning]
+
+
 @contextlib.contextmanager
 def verifier_named_first(mismatch: list[str]):
     """Around 05's checks of the drafter against the loaded verifier: when ``mismatch`` (:func:`verifier_warnings`)
@@ -849,23 +880,26 @@ def run_offline(
 
 
 BENCH_LOCK = ".bench.lock"  # in bench_dir while a 05 benchmarks into it (one 05 per bench folder)
+#: 05's disk-full advice (:func:`eagle3.io.rerun_hint`): a benchmark keeps no partial state to resume from.
+REDO_HINT = "re-run the same command (05 does not resume: it benchmarks every set again)"
 
 
 def holds_bench_lock(fn):
     """Run the stage-05 entry point ``fn(cfg, ...)`` holding ``{bench_dir}/.bench.lock``
     (:func:`eagle3.io.output_folder_lock`, made and checked first): a second 05 on the same folder (``--datasets
     mtbench`` and ``--datasets gsm8k`` started side by side) measured its tokens/s under the first one's load and then
-    replaced its reports, both exiting 0 (trial 2026-12-05g); now it stops at once with one line."""
+    replaced its reports, both exiting 0 (trial 2026-12-05g); now it stops at once with one line. A full disk meanwhile
+    says to re-run (:data:`REDO_HINT`), not to resume."""
     import functools
 
-    from eagle3.io import output_folder_lock
+    from eagle3.io import output_folder_lock, rerun_hint
 
     @functools.wraps(fn)
     def locked(cfg, *args, **kwargs):
         holder = (f"another 05_benchmark run is benchmarking into {cfg.bench_dir} (its reports would replace this "
                   f"one's, and two runs side by side measure each other's load); wait for it, or set "
                   f"benchmark.output_dir")
-        with output_folder_lock(cfg.bench_dir, BENCH_LOCK, holder, cfg.output_field("bench")):
+        with rerun_hint(REDO_HINT), output_folder_lock(cfg.bench_dir, BENCH_LOCK, holder, cfg.output_field("bench")):
             return fn(cfg, *args, **kwargs)
 
     return locked
@@ -902,7 +936,7 @@ def run(
     from eagle3.verifier import load_verifier, resolve_device, verifier_dims, weights_fingerprint
 
     bc = cfg.benchmark
-    steps = steps or bc.steps
+    steps, steps_field = (steps, "--steps") if steps else (bc.steps, "benchmark.steps")
     max_new_tokens = max_new_tokens or bc.max_new_tokens
     num_prompts = num_prompts or bc.num_prompts
     check_dataset_names(datasets or bc.datasets, "--datasets" if datasets else "benchmark.datasets", not datasets)
@@ -916,6 +950,7 @@ def run(
 
     preflight_export(drafter_dir)  # a bad export fails before the verifier loads (minutes at Kimi scale); its
     # warnings are logged once, by load_exported below
+    subset_notes += _logged(ttt_length_warning(drafter_dir, steps, steps_field))  # before the verifier loads
     if (cfg.shards_dir / DATA_CONFIG).is_file():  # a config whose extract settings differ from the shards' is refused
         check_extract_settings(cfg.extract, read_json(cfg.shards_dir / DATA_CONFIG), cfg.shards_dir)
     device = resolve_device(cfg.verifier.device)

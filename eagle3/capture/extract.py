@@ -94,6 +94,7 @@ from eagle3.capture.shard_writer import ShardWriter
 from eagle3.shards import format as shard_format  # TOKEN_PROCESS_MIN read at call time (tests lower it)
 from eagle3.shards.format import (
     DATA_CONFIG,
+    EXTRACT_LOCK,
     LAYER_INDEX_CONVENTION,
     TOKEN_BYTES_PER_TOKEN,
     bytes_per_token,
@@ -110,7 +111,7 @@ from eagle3.shards.format import (
 log = logging.getLogger(__name__)
 
 STATE = "extract_state.json"
-LOCK = ".extract.lock"
+LOCK = EXTRACT_LOCK  # shards/.extract.lock (03 checks it: eagle3.data.prepare_data)
 REPORT_JSON = "extract_report.json"
 REPORT_MD = "extract_report.md"
 SLEEP_ENV = "EAGLE3_EXTRACT_SLEEP_PER_BATCH"

@@ -30,10 +30,10 @@ from tqdm import tqdm
 from eagle3.shards.checksum import row_checksum
 from eagle3.config import RunConfig
 from eagle3.errors import UserError
-from eagle3.io import atomic_write_files, make_dirs, probe_dirs
+from eagle3.io import atomic_write_files, lock_held, make_dirs, probe_dirs
 from eagle3.shards.manifest import MANIFEST, read_manifest
-from eagle3.shards.format import (DATA_CONFIG, check_extract_settings, check_verifier, expect_from_data_config,
-                                  list_samples, load_sample, read_data_config)
+from eagle3.shards.format import (DATA_CONFIG, EXTRACT_LOCK, check_extract_settings, check_verifier,
+                                  expect_from_data_config, list_samples, load_sample, read_data_config)
 from eagle3.data.validation_record import (format_time, load_matching_record, shard_set_fingerprint, write_failed_record,
                                            write_record, write_unfinished_record)
 from eagle3.data.settings import REPORT_JSON, data_settings
@@ -369,18 +369,35 @@ def _shard_stats(cfg: RunConfig, meta: dict, paths: list[tuple[int, Path]], reva
 
 
 DATA_LOCK = ".data.lock"  # in data_dir while a 03 writes there (one 03 per data folder)
+#: 03's disk-full advice (:func:`eagle3.io.rerun_hint`): a stopped 03 keeps nothing to resume from.
+REDO_HINT = "re-run the same command (03 does not resume: it starts over)"
 
 
 def run(cfg: RunConfig, *, plot: bool = True, revalidate: bool = False) -> dict:
     """Stage 03 holding ``{data_dir}/.data.lock`` (:func:`eagle3.io.output_folder_lock`): a second 03 on the same data
     folder (a draft-vocab sweep started side by side) stops at once with one line instead of writing its vocab map,
     split and report over the first one's (trial 2026-12-05g). See :func:`prepare`."""
-    from eagle3.io import output_folder_lock
+    from eagle3.io import output_folder_lock, rerun_hint
 
     holder = (f"another 03_prepare_data run is writing to {cfg.data_dir}; wait for it, or set data.output_dir for a "
               f"second data folder")
-    with output_folder_lock(cfg.data_dir, DATA_LOCK, holder, cfg.output_field("data")):
+    with rerun_hint(REDO_HINT), output_folder_lock(cfg.data_dir, DATA_LOCK, holder, cfg.output_field("data")):
         return prepare(cfg, plot=plot, revalidate=revalidate)
+
+
+def check_not_being_extracted(shards: Path) -> None:
+    """Stop 03 while 02 is still writing ``shards`` (it holds ``{shards}/.extract.lock``, :data:`EXTRACT_LOCK`): 03
+    validated the half-written set and recorded a failed validation of it (trial 2026-12-05g). A lock file left by a
+    02 that died is not held (:func:`eagle3.io.lock_held`: the OS released its ``flock``) and does not stop 03.
+
+    Raises:
+        UserError: ``<shards>/.extract.lock: 02_extract_hidden is still writing the shards in <shards> ...``.
+    """
+    lock = Path(shards) / EXTRACT_LOCK
+    if lock_held(lock):
+        raise UserError(f"{lock}: 02_extract_hidden is still writing the shards in {shards} (it holds this lock); "
+                        f"wait for it to end, then run 03_prepare_data.py (a half-written shard set would fail "
+                        f"validation)")
 
 
 def prepare(cfg: RunConfig, *, plot: bool = True, revalidate: bool = False) -> dict:
@@ -400,6 +417,7 @@ def prepare(cfg: RunConfig, *, plot: bool = True, revalidate: bool = False) -> d
         the report dict (also ``data_report.json``).
     """
     shards = cfg.shards_dir
+    check_not_being_extracted(shards)
     meta, meta_path = read_data_config(shards), shards / DATA_CONFIG
     check_verifier(cfg.verifier, meta, shards)  # first: another verifier explains any other difference
     check_extract_settings(cfg.extract, meta, shards)

@@ -9,7 +9,9 @@ layers in the HF convention; :func:`eagle3.layers.engine_layer_ids` converts the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import logging
 from pathlib import Path
 
@@ -20,8 +22,41 @@ from eagle3.io import relative_hint
 
 log = logging.getLogger(__name__)
 
+#: ``--export-only``'s disk-full advice (:func:`eagle3.io.rerun_hint`).
+REDO_HINT = "re-run the same command (--export-only does not resume: it exports the checkpoint again)"
+
 
 def export_from_checkpoint(cfg: RunConfig, engine: str | None = None) -> Path:
+    """``04 --export-only``: :func:`_export_from_checkpoint` holding 04's lock on the train folder
+    (``{train_dir}/.train.lock``, :data:`eagle3.train.trainer.TRAIN_LOCK`), as training does. Two ``--export-only``
+    runs of one train folder (``--engine sglang`` and a second started before the first ended, into the same export
+    folder) raced on the final rename of the export folder (trial 2026-12-05g), and an ``--export-only`` beside a
+    training 04 read checkpoints that training prunes; the second one now stops at once with one line. A train
+    folder that does not exist takes no lock (the export then stops with "no complete checkpoint to export"), nor one
+    where the lock file cannot be made (read-only checkpoints: no 04 can be writing there). A full
+    disk says to re-run (:data:`REDO_HINT`): an export starts over, nothing of a stopped one is kept.
+
+    Raises:
+        UserError: ``<train_dir>/.train.lock: another 04_train run is training or exporting in <train_dir>; ...``;
+            and everything :func:`_export_from_checkpoint` raises.
+    """
+    from eagle3.io import exclusive_lock, rerun_hint
+    from eagle3.train.trainer import TRAIN_LOCK, train_lock_holder
+
+    with contextlib.ExitStack() as held:
+        held.enter_context(rerun_hint(REDO_HINT))
+        if cfg.train_dir.is_dir():
+            try:
+                held.enter_context(exclusive_lock(cfg.train_dir / TRAIN_LOCK, train_lock_holder(cfg.train_dir)))
+            except OSError as e:  # read-only checkpoints (exported from, the report left as it is): no 04 writes there
+                if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+                    raise
+                log.info("%s: not locked (%s); the export folder's lock still holds", cfg.train_dir / TRAIN_LOCK,
+                         e.strerror)
+        return _export_from_checkpoint(cfg, engine)
+
+
+def _export_from_checkpoint(cfg: RunConfig, engine: str | None = None) -> Path:
     """Build the drafter from the newest checkpoint and export it. Read-only with respect to training's outputs
     (checkpoints, ``best_drafter.pt``, ``sim_accept.json``): only the export folder is written, and the run's
     ``train_report.{json,md}`` when it was written at this checkpoint's step (it then names the export:
@@ -104,16 +139,18 @@ def export_from_checkpoint(cfg: RunConfig, engine: str | None = None) -> Path:
         log.info("export: the weights of checkpoint %s (train.select_best: last)", path.name)
     weights_step = best if best is not None else int(state["step"])
     prov = export_provenance(cfg.train_dir, path, int(state["step"]), cfg.train.select_best, weights_step)
-    out = export_for_run(cfg, drafter, data_config, provenance=prov)
+    # the TTT steps the checkpoint trained (--resume refuses another train.ttt_length), else the config's
+    ttt = (state.get("recipe") or {}).get("train.ttt_length") or cfg.train.ttt_length
+    out = export_for_run(cfg, drafter, data_config, provenance=prov, ttt_length=int(ttt))
     record_export_only(cfg.train_dir, out, path, int(state["step"]), weights_step, cfg.export.engine,
                        cfg.train.select_best)
     return out
 
 
 def _require_trained_inputs(path: Path, state: dict, vocab: dict, data_config: dict, cfg: RunConfig) -> None:
-    """Refuse to export a checkpoint with another draft vocab map or other aux layers than it was trained with (its
-    ``data_inputs`` records the map's content hash, :func:`eagle3.train.checkpoint.vocab_sha256`, and the shards' aux
-    layers). The export takes both from the run's files now: after 03 re-ran on other shards (a map of the same size
+    """Refuse to export a checkpoint with another draft vocab map, other aux layers or shards of another verifier's
+    weights than it was trained with (its ``data_inputs`` records the map's content hash,
+    :func:`eagle3.train.checkpoint.vocab_sha256`, the shards' aux layers and ``verifier_weights``). The export takes both from the run's files now: after 03 re-ran on other shards (a map of the same size
     with other ids) it wrote that ``d2t`` beside lm_head rows trained for the old one, and from another run's or a
     re-extracted shard set it named other aux layers than the weights were trained on (``--export-only`` exported
     both, exit 0, trial 2026-12-05g). The split is not compared: it does not change the weights. A checkpoint
@@ -125,10 +162,11 @@ def _require_trained_inputs(path: Path, state: dict, vocab: dict, data_config: d
     saved = state.get("data_inputs")
     if not isinstance(saved, dict):
         return
-    keys = (ckpt.VOCAB_FILE, ckpt.AUX_LAYERS)
+    keys = (ckpt.VOCAB_FILE, ckpt.AUX_LAYERS, ckpt.VERIFIER_WEIGHTS)
     problem = ckpt.data_inputs_problem({k: saved.get(k) for k in keys},
                                        {ckpt.VOCAB_FILE: ckpt.vocab_sha256(vocab),
-                                        ckpt.AUX_LAYERS: list(data_config["aux_layers"])}, cfg.data_dir)
+                                        ckpt.AUX_LAYERS: list(data_config["aux_layers"]),
+                                        ckpt.VERIFIER_WEIGHTS: data_config.get(ckpt.VERIFIER_WEIGHTS)}, cfg.data_dir)
     if problem:
         raise UserError(f"{path}: {problem}")
 
@@ -201,12 +239,15 @@ def load_init_drafter(cfg: RunConfig, embed_weight, data_config: dict):
     return drafter
 
 
-def export_for_run(cfg: RunConfig, drafter, data_config: dict, provenance: dict | None = None) -> Path:
+def export_for_run(cfg: RunConfig, drafter, data_config: dict, provenance: dict | None = None,
+                   ttt_length: int | None = None) -> Path:
     """Export ``drafter`` for ``cfg.export.engine`` into ``cfg.export_dir``, in ``export.dtype``
     (``auto`` = ``verifier.dtype``), with the verifier facts and HF aux layers of the shards'
     ``data_config.json``; ``provenance`` (:func:`eagle3.train.trainer.export_provenance`) is recorded as
     ``trained_from`` in ``eagle3_train.json``. The vLLM folder's ``speculative_tokens`` (what ``vllm serve`` drafts
     when ``--speculative-config`` names only the model) is ``benchmark.steps``, the chain the run benchmarks.
+    ``ttt_length`` (default ``train.ttt_length``; ``--export-only`` passes the checkpoint's) is recorded in
+    ``eagle3_train.json``: the draft positions the drafter was trained for, which 05 compares with its ``--steps``.
 
     Raises:
         UserError: see :func:`eagle3.export.serving.export_drafter`.
@@ -221,4 +262,5 @@ def export_for_run(cfg: RunConfig, drafter, data_config: dict, provenance: dict 
     return export_drafter(drafter, cfg.export_dir, engine=cfg.export.engine,
                           aux_layers_hf=list(data_config["aux_layers"]), verifier_info=verifier_info,
                           num_speculative_tokens=cfg.benchmark.steps,
-                          dtype=export_dtype(cfg.export.dtype, cfg.verifier.dtype), provenance=provenance)
+                          dtype=export_dtype(cfg.export.dtype, cfg.verifier.dtype), provenance=provenance,
+                          ttt_length=cfg.train.ttt_length if ttt_length is None else ttt_length)

@@ -68,7 +68,7 @@ from typing import Optional
 import torch
 
 from eagle3.errors import UserError
-from eagle3.io import atomic_write_json, disk_full_guard, file_mode, make_dirs, probe_dirs, read_json
+from eagle3.io import atomic_write_json, disk_full_guard, exclusive_lock, file_mode, make_dirs, probe_dirs, read_json
 from eagle3.layers import check_aux_layers, engine_layer_ids, hf_layers_from_engine, is_deepseek_family
 from eagle3.train.draft_config import DEFAULT_EXPORT_DTYPE, EXPORT_META_FILE, check_context_length, llama_config
 from eagle3.train.model import VARIANTS, DrafterArgs, Eagle3Drafter
@@ -274,6 +274,7 @@ def export_drafter(
     num_speculative_tokens: int = 3,
     dtype: str | torch.dtype = DEFAULT_EXPORT_DTYPE,
     provenance: Optional[dict] = None,
+    ttt_length: Optional[int] = None,
 ) -> Path:
     """Write ``drafter`` as a serving-engine folder (see the module docstring for both formats).
 
@@ -295,6 +296,8 @@ def export_drafter(
             ``selected_step``; :func:`eagle3.train.trainer.export_provenance`), recorded as ``trained_from`` in
             ``eagle3_train.json`` only (``config.json``, which the engines read, is unchanged). Replacing an export
             recorded from another ``train_dir`` logs a warning (the folder is still replaced).
+        ttt_length: the TTT steps (draft positions) the drafter was trained for (``train.ttt_length``), recorded as
+            ``ttt_length`` in ``eagle3_train.json`` (05 warns when it drafts more; None: not recorded).
 
     Returns:
         The folder path.
@@ -305,8 +308,6 @@ def export_drafter(
             for the verifier, a broken shape contract (:func:`check_export_contract`), a draft
             context SGLang refuses (:func:`check_context_length`), or a required tensor missing.
     """
-    from safetensors.torch import save_file
-
     if engine not in ("sglang", "vllm"):
         raise UserError(f"export.engine: unknown engine '{engine}' (expected sglang or vllm)")
     check_engine_serves(engine, drafter.args.variant)
@@ -401,33 +402,62 @@ def export_drafter(
         "dtype": llama["torch_dtype"],
         "weights": WEIGHTS_FILE,
     }
+    if ttt_length is not None:
+        meta["ttt_length"] = int(ttt_length)
     if provenance is not None:
         meta["trained_from"] = dict(provenance)
 
-    out = Path(out_dir)
-    _check_replaceable(out, engine)
-    _warn_other_run(out, provenance)
-    make_dirs(out.parent)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
-    os.chmod(tmp, file_mode(directory=True))  # mkdtemp's 0o700 -> readable by a server running as another user
-    try:
-        with disk_full_guard(out / WEIGHTS_FILE, sum(t.numel() * t.element_size() for t in tensors.values())):
-            save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-        os.chmod(tmp / WEIGHTS_FILE, file_mode())  # safetensors writes 0o600 whatever the umask
-        atomic_write_json(tmp / "config.json", config)
-        atomic_write_json(tmp / META_FILE, meta)
-        old = None
-        if out.exists():
-            old = out.parent / f"{out.name}.old-{os.getpid()}"
-            os.replace(out, old)
-        os.replace(tmp, out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+    return _write_export_folder(Path(out_dir), engine, tensors, config, meta, provenance)
 
+
+
+EXPORT_LOCK_SUFFIX = ".lock"  # ``.{export folder name}.lock`` beside the export folder while an export writes it
+
+
+def export_lock_path(out: Path) -> Path:
+    """The lock file of the export folder ``out``: ``{out.parent}/.{out.name}.lock``. Beside the folder, not in it: the
+    folder itself is renamed away and replaced, so a lock file inside it would not be one file for two writers."""
+    return out.parent / f".{out.name}{EXPORT_LOCK_SUFFIX}"
+
+
+def _write_export_folder(out: Path, engine: str, tensors: dict, config: dict, meta: dict,
+                         provenance: Optional[dict]) -> Path:
+    """:func:`export_drafter`'s write: the files into a temporary folder beside ``out``, then renamed over it, holding
+    :func:`export_lock_path` (:func:`eagle3.io.exclusive_lock`) from the replace check to the rename. Two exports into
+    one folder (two ``04 --export-only`` of different train folders, or one beside a finishing training) raced on
+    the final rename (trial 2026-12-05g); the second one now stops at once with one line, the first one's export whole.
+
+    Raises:
+        UserError: ``<lock>: another 04_train run is exporting to <out>; ...``; :func:`_check_replaceable`'s refusals;
+            disk full (the temporary folder removed, ``out`` untouched).
+    """
+    from safetensors.torch import save_file  # at call time: tests replace it to fill the disk
+
+    make_dirs(out.parent)
+    holder = (f"another 04_train run is exporting to {out}; wait for it to end, or set export.output_dir for a "
+              f"second export folder")
+    with exclusive_lock(export_lock_path(out), holder):
+        _check_replaceable(out, engine)
+        _warn_other_run(out, provenance)
+        tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
+        os.chmod(tmp, file_mode(directory=True))  # mkdtemp's 0o700 -> readable by a server running as another user
+        try:
+            with disk_full_guard(out / WEIGHTS_FILE, sum(t.numel() * t.element_size() for t in tensors.values())):
+                save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+            os.chmod(tmp / WEIGHTS_FILE, file_mode())  # safetensors writes 0o600 whatever the umask
+            atomic_write_json(tmp / "config.json", config)
+            atomic_write_json(tmp / META_FILE, meta)
+            old = None
+            if out.exists():
+                old = out.parent / f"{out.name}.old-{os.getpid()}"
+                os.replace(out, old)
+            os.replace(tmp, out)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return out
 
 
 def _warn_other_run(out: Path, provenance: Optional[dict]) -> None:

@@ -55,6 +55,8 @@ TOKEN_PROCESS_MIN = 2048
 TOKEN_SHARD_KEYS = ("input_ids", "loss_mask")
 TOKEN_BYTES_PER_TOKEN = 16  # int64 input_ids + int64 loss_mask
 DATA_CONFIG = "data_config.json"
+#: 02's lock file in the shards folder, held (``flock``) while 02 writes there; 03 stops while it is held.
+EXTRACT_LOCK = ".extract.lock"
 SHARD_KEYS = ("input_ids", "hidden_states", "loss_mask")
 NUM_HIDDEN_STATES = 4  # three aux states + last
 LAYER_INDEX_CONVENTION = (

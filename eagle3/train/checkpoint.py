@@ -321,8 +321,11 @@ def recipe_changes(saved: Optional[dict], current: dict) -> tuple[Optional[str],
 
 
 # What a run trained on (checkpoint key ``data_inputs``): stage 03's split and draft vocab map, hashed by content, and
-# the aux layers (HF hidden_states indices) of the shards' data_config.json, whose states the drafter was fed.
+# the aux layers (HF hidden_states indices) of the shards' data_config.json, whose states the drafter was fed, and the
+# fingerprint of the verifier's weight files those states came from (data_config.json ``verifier_weights``,
+# :func:`eagle3.verifier.weights_fingerprint`; None when 02 recorded none).
 SPLIT_FILE, VOCAB_FILE, AUX_LAYERS = "split.json", "vocab_map.pt", "aux_layers"
+VERIFIER_WEIGHTS = "verifier_weights"
 
 
 def split_sha256(split: dict) -> str:
@@ -354,7 +357,10 @@ def data_inputs_problem(saved: Optional[dict], current: dict, data_dir: str | os
     ``select_best`` would score on trained data. A different ``vocab_map.pt`` of the same size (another size is
     already a differing drafter field): the checkpoint's lm_head rows would stand for other tokens. Other
     ``aux_layers`` (02 re-run with another ``extract.aux_layers``, or another run's ``extract.output_dir``): the drafter's
-    fc layer would read other layers' states.
+    fc layer would read other layers' states. Other ``verifier_weights`` (shards of another verifier of the same
+    shapes, e.g. base vs instruct): the drafter was trained on another model's states and would be served beside a
+    verifier whose proposals it never learned. A fingerprint missing on either side (a checkpoint from before the
+    record, shards of a verifier folder 02 found no weight file in) is not compared.
     """
     if not isinstance(saved, dict):
         return None
@@ -373,6 +379,12 @@ def data_inputs_problem(saved: Optional[dict], current: dict, data_dir: str | os
         out.append(f"the shards' aux layers {list(now)} (data_config.json) are not the {list(then)} this checkpoint "
                    f"was trained on: the drafter would be fed (and its export would name) other layers' states; use "
                    f"the shards it was trained on (extract.output_dir), or train a new run (a new train.output_dir)")
+    then, now = saved.get(VERIFIER_WEIGHTS), current.get(VERIFIER_WEIGHTS)
+    if then is not None and now is not None and then != now:
+        out.append(f"the shards' verifier weights {str(now)[:19]}... (data_config.json verifier_weights) are not the "
+                   f"{str(then)[:19]}... this checkpoint was trained on: the shards were captured from another "
+                   f"verifier of the same shapes; use the shards it was trained on (extract.output_dir), or train a "
+                   f"new run (a new train.output_dir)")
     return "; ".join(out) or None
 
 

@@ -748,9 +748,11 @@ def _recipe(cfg: RunConfig) -> dict:
 def _data_inputs(inputs: "_Inputs") -> dict:
     """What a checkpoint records of the data it was trained on (key ``data_inputs``; compared on ``--resume`` by
     :func:`eagle3.train.checkpoint.data_inputs_problem`): the content sha256 of 03's split and vocab map, and the
-    aux layers of the shards' ``data_config.json``."""
+    aux layers and verifier weights fingerprint (``verifier_weights``; None when 02 recorded none) of the shards'
+    ``data_config.json``."""
     return {ckpt.SPLIT_FILE: ckpt.split_sha256(inputs.split), ckpt.VOCAB_FILE: ckpt.vocab_sha256(inputs.vocab),
-            ckpt.AUX_LAYERS: [int(i) for i in inputs.data_config["aux_layers"]]}
+            ckpt.AUX_LAYERS: [int(i) for i in inputs.data_config["aux_layers"]],
+            ckpt.VERIFIER_WEIGHTS: inputs.data_config.get(ckpt.VERIFIER_WEIGHTS)}
 
 
 def _fingerprint(cfg: RunConfig, args) -> str:
@@ -813,21 +815,31 @@ def run(cfg: RunConfig, resume: bool = False, max_steps: Optional[int] = None, s
 
     Raises:
         UserError: bad inputs (missing/corrupt data files, shape mismatches, resume of a different
-            drafter shape, existing checkpoints without ``resume``).
+            drafter shape, existing checkpoints without ``resume``); a full disk (its line ends with
+            :data:`REDO_HINT`: re-run with ``--resume``).
     """
     d = init_distributed(device)
     stop = StopFlag()
+    from eagle3.io import rerun_hint
     from eagle3.sdpa import no_cudnn_sdpa
 
     with process_group_scope(d.ctrl_group, owned=d.initialized_here):  # barrier only when _run finished
-        try:
-            with no_cudnn_sdpa():  # batch shapes change every step: no per-shape cuDNN plans (~40 ms each)
+        try:  # no per-shape cuDNN plans (~40 ms each): batch shapes change every step
+            with no_cudnn_sdpa(), rerun_hint(REDO_HINT):
                 return _run(cfg, d, stop, resume, max_steps, stop_after, export, init, stop_at)
         finally:
             stop.restore()
 
 
 TRAIN_LOCK = ".train.lock"  # in train_dir while a 04 trains or exports there (one 04 per train folder)
+#: 04's disk-full advice (:func:`eagle3.io.rerun_hint`): the same command without --resume refuses the checkpoints.
+REDO_HINT = "re-run the same command with --resume (04 continues from the newest checkpoint)"
+
+
+def train_lock_holder(train_dir: Path) -> str:
+    """What a second 04 is told when ``{train_dir}/.train.lock`` is held (training and ``--export-only`` both hold
+    it): the text after ``<lock>: `` in its one-line error."""
+    return f"another 04_train run is training or exporting in {train_dir}; wait for it to end (or stop it) before this one"
 
 
 @contextlib.contextmanager
@@ -840,7 +852,7 @@ def _train_lock(train_dir: Path, d: DistInfo, field: str = "train.output_dir"):
     from eagle3.io import exclusive_lock
 
     created = [p for p in (train_dir, *train_dir.parents) if not p.exists()]  # deepest first
-    holder = f"another 04_train run is training in {train_dir}; wait for it to end (or stop it) before this one"
+    holder = train_lock_holder(train_dir)
     with contextlib.ExitStack() as stack:
         failed = None
         if d.is_main:

@@ -437,6 +437,62 @@ def test_cli_records_the_effective_batch_size(run_setup):
     assert "| prompts | 2 | 2 |" in (out / "bench.md").read_text()
 
 
+def test_more_steps_than_the_drafter_was_trained_for_warns_once(run_setup, tmp_path, caplog):
+    """`05 --steps 3` on a drafter trained with train.ttt_length 2 scored positions it never trained, without a word
+    (trial 2026-12-05g). The export records `ttt_length` now, and 05 warns in one line naming both values and the
+    file, in the log (before the verifier loads) and in bench.json; within it, or for an export without the key, no
+    warning."""
+    from eagle3.benchmark.offline import ttt_length_warning
+
+    root, cfg, _ = run_setup
+    drafter = tmp_path / "drafter"
+    shutil.copytree(root / "drafter", drafter)
+    meta_path = drafter / "eagle3_train.json"
+    meta = json.loads(meta_path.read_text())
+    assert "ttt_length" not in meta and ttt_length_warning(drafter, 9, "--steps") is None  # an older export
+    meta_path.write_text(json.dumps({**meta, "ttt_length": 2}))
+    assert ttt_length_warning(drafter, 2, "--steps") is None
+    want = (f"--steps 3 drafts more tokens a step than the drafter was trained for: {meta_path} records ttt_length 2 "
+            f"(train.ttt_length); positions 3..3 were never trained, so their acceptance is low and tau understates a "
+            f"2-step chain: benchmark with --steps 2, or train with train.ttt_length 3")
+    assert ttt_length_warning(drafter, 3, "--steps") == want
+    assert ttt_length_warning(drafter, 4, "benchmark.steps").startswith("benchmark.steps 4 drafts more tokens")
+    out = tmp_path / "b"
+    with caplog.at_level(logging.WARNING):
+        rc = _cli().main(["--config", str(cfg), "--drafter", str(drafter), "--num-prompts", "1", "--steps", "3",
+                          "--max-new-tokens", "4", "--set", f"benchmark.output_dir={out}"])
+    assert rc == 0
+    assert want in json.loads((out / "bench.json").read_text())["warnings"]
+    assert [r.getMessage() for r in caplog.records].count(want) == 1
+
+
+def test_a_full_disk_in_05_says_it_starts_over(run_setup, tmp_path, monkeypatch):
+    """05's disk-full line said "re-run the same command to resume", but nothing of a benchmark resumes: a re-run
+    measures every set again (trial 2026-12-05g). It now says so."""
+    import errno
+    import os
+
+    import eagle3.io as eio
+
+    root, cfg, _ = run_setup
+    real = eio._write_all
+
+    def full_at_the_report(f, data):
+        if "bench.json" in str(getattr(f, "name", "")):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(f, data)
+
+    monkeypatch.setattr(eio, "_write_all", full_at_the_report)
+    out = tmp_path / "b"
+    with pytest.raises(UserError) as e:
+        _cli().main(["--config", str(cfg), "--drafter", str(root / "drafter"), "--num-prompts", "1", "--steps", "2",
+                     "--max-new-tokens", "4", "--set", f"benchmark.output_dir={out}"])
+    msg = str(e.value)
+    assert msg.startswith(f"{out / 'bench.json'}: disk full (No space left on device)") and "\n" not in msg
+    assert msg.endswith("free space or move the output folder, then re-run the same command (05 does not resume: it "
+                        "benchmarks every set again)")
+
+
 def test_lossless_failure_raises_after_writing_report(run_setup, monkeypatch):
     import eagle3.benchmark.offline as B
 

@@ -404,3 +404,41 @@ def test_train_report_disk_full_keeps_the_earlier_report_whole(tmp_path, monkeyp
     write_report(cfg.train_dir, dict(result, warnings=["rewritten"]), args)
     assert json.loads((cfg.train_dir / "train_report.json").read_text())["warnings"] == ["rewritten"]
     assert "- **warning**: rewritten" in (cfg.train_dir / "train_report.md").read_text()
+
+
+def test_the_disk_full_line_says_resume_only_where_a_rerun_resumes(tmp_path, monkeypatch):
+    """Every disk-full line ended "re-run the same command to resume", also in 03 and 05, where a re-run starts over
+    (trial 2026-12-05g), and in 04, whose same command without --resume refuses the checkpoints. The advice is now
+    worded per stage: 01 / 02 (and a writer outside any stage) resume; 04 training says --resume; 04 --export-only
+    says it starts over (03, 05: tests/data/test_prepare_data.py::test_a_full_disk_in_03_says_it_starts_over,
+    tests/benchmark/test_benchmark.py::test_a_full_disk_in_05_says_it_starts_over)."""
+    from _ddp_worker import make_tiny_run
+
+    from eagle3.config import load_config
+    from eagle3.export.from_checkpoint import export_for_run, export_from_checkpoint
+    from eagle3.train.trainer import run
+
+    def line(call) -> str:
+        with pytest.raises(UserError) as e:
+            call()
+        assert "\n" not in str(e.value)
+        return str(e.value)
+
+    cfg = load_config(make_tiny_run(tmp_path, n_train=4, train={"epochs": 1, "batch_size": 2, "ckpt_every": 100}))
+    monkeypatch.setattr(eio, "_write_all", DiskBudget(0, match=r"step_\d+\.pt"))
+    assert line(lambda: run(cfg, device="cpu", export=export_for_run)).endswith(
+        "free space or move the output folder, then re-run the same command with --resume (04 continues from the "
+        "newest checkpoint)")
+    monkeypatch.undo()
+    run(cfg, resume=True, device="cpu", export=export_for_run)  # what the line says: it finishes
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    def full_save(tensors, path, metadata=None):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_save)
+    assert line(lambda: export_from_checkpoint(cfg)).endswith(
+        "then re-run the same command (--export-only does not resume: it exports the checkpoint again)")
+    assert str(eio.disk_full_error(tmp_path / "x", OSError(errno.ENOSPC, "full"))).endswith(
+        "then re-run the same command to resume")  # outside 03/04/05: the resuming stages' (01, 02) wording

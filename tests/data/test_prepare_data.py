@@ -391,3 +391,74 @@ def test_shards_without_a_loss_token_are_refused(tmp_path):
     _make_shards(cfg.shards_dir, samples=[(ids, [0] * len(mask)) for ids, mask in SAMPLES])
     with pytest.raises(UserError, match=r"no loss-masked token in any shard \(no assistant replies\?\)"):
         run(cfg)
+
+
+def test_03_stops_while_02_is_writing_the_shards_and_not_for_a_dead_ones_lock(tmp_path):
+    """03 did not look at 02's lock: run while 02 was still writing, it validated the half-written set and recorded a
+    failed validation (trial 2026-12-05g). Now, while another process holds `shards/.extract.lock`, 03 stops with one
+    line naming the lock and 02, writing nothing (no validation record, no data folder); the lock file a killed 02
+    left (its flock released by the OS) does not stop it."""
+    import signal
+    import subprocess
+
+    from eagle3.data.validation_record import VALIDATION_RECORD as RECORD
+
+    cfg = load_config(_cfg(tmp_path))
+    _make_shards(cfg.shards_dir)
+    lock = cfg.shards_dir / ".extract.lock"
+    holder = subprocess.Popen(  # a 02 in flight: another process holding the flock
+        [sys.executable, "-c", f"import fcntl, sys, time\nf = open({str(lock)!r}, 'a+')\n"
+                               f"fcntl.flock(f, fcntl.LOCK_EX)\nprint('locked', flush=True)\ntime.sleep(600)"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(UserError) as e:
+            run(cfg, plot=False)
+        assert str(e.value) == (f"{lock}: 02_extract_hidden is still writing the shards in {cfg.shards_dir} (it holds "
+                                f"this lock); wait for it to end, then run 03_prepare_data.py (a half-written shard set "
+                                f"would fail validation)")
+        assert not (cfg.shards_dir / RECORD).exists() and not cfg.data_dir.exists()
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    assert lock.exists()  # what a killed 02 leaves: a file nobody holds
+    report = run(cfg, plot=False)
+    assert report["num_samples"] == len(SAMPLES) and (cfg.shards_dir / RECORD).is_file()
+
+
+def test_a_full_disk_in_03_says_it_starts_over(tmp_path, monkeypatch):
+    """03's disk-full line said "re-run the same command to resume", but a re-run of 03 starts over (trial
+    2026-12-05g). It now says so; also for a disk-full OSError no writer of eagle3.io turned into a line (a library
+    writing its own file): one line, the same wording."""
+    import errno
+    import os
+
+    import eagle3.data.prepare_data as prepare_data
+    import eagle3.io as eio
+
+    cfg = load_config(_cfg(tmp_path))
+    _make_shards(cfg.shards_dir)
+    real = eio._write_all
+
+    def full_at_the_vocab_map(f, data):
+        if "vocab_map" in str(getattr(f, "name", "")):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(f, data)
+
+    monkeypatch.setattr(eio, "_write_all", full_at_the_vocab_map)
+    with pytest.raises(UserError) as e:
+        run(cfg, plot=False)
+    msg = str(e.value)
+    assert msg.startswith(f"{cfg.data_dir / 'vocab_map.pt'}: disk full (No space left on device)") and "\n" not in msg
+    assert msg.endswith("free space or move the output folder, then re-run the same command (03 does not resume: it "
+                        "starts over)")
+    monkeypatch.undo()
+
+    def stray(*a, **k):  # a library's own writer on a full disk, inside 03
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(cfg.data_dir / "coverage.png"))
+
+    monkeypatch.setattr(prepare_data, "prepare", stray)
+    with pytest.raises(UserError) as e:
+        run(cfg, plot=False)
+    assert str(e.value).startswith(f"{cfg.data_dir / 'coverage.png'}: disk full (No space left on device)")
+    assert str(e.value).endswith("(03 does not resume: it starts over)")

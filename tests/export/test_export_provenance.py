@@ -9,6 +9,7 @@ import logging
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -91,3 +92,50 @@ def test_layers_sglang_cannot_serve_refused_before_training(tmp_path):
     cfg_v = load_config(path, ["export.engine=vllm"])
     run(cfg_v, device="cpu", export=export_for_run)
     assert json.loads((cfg_v.export_dir / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+
+
+def test_export_records_the_ttt_length_it_was_trained_for(tmp_path):
+    """05 could not tell how many draft positions an export was trained for (trial 2026-12-05g): `eagle3_train.json`
+    now records `ttt_length`, train.ttt_length at the end of training, and the checkpoint's under `--export-only`
+    (whatever the config says now: --resume refuses another one, so the checkpoint's is the trained one)."""
+    cfg = load_config(make_tiny_run(tmp_path, n_train=4, n_val=2, train=TRAIN))  # train.ttt_length 3
+    run(cfg, device="cpu", export=export_for_run)
+    assert _meta(cfg.export_dir)["ttt_length"] == 3
+    other = load_config(make_tiny_run(tmp_path, n_train=4, n_val=2, train=TRAIN),
+                        ["train.ttt_length=5", f"export.output_dir={tmp_path / 'again'}"])
+    assert _meta(export_from_checkpoint(other))["ttt_length"] == 3
+
+
+def test_a_second_export_only_on_the_same_train_or_export_folder_stops_at_once(tmp_path):
+    """`04 --export-only` took no lock: two of them into one export folder (trial 2026-12-05g) raced on the final
+    rename of the folder. It now holds 04's own `{train_dir}/.train.lock` (one 04 per train folder, training or
+    exporting), and every export holds `.{export folder}.lock` beside its folder (two train folders exporting into
+    one). A second one stops at once with one line naming the lock; the export already there stays as it was, no
+    temporary folder is left, and once the first is done the lock files are gone."""
+    from eagle3.errors import UserError
+    from eagle3.export.serving import export_lock_path
+    from eagle3.io import exclusive_lock
+
+    cfg = load_config(make_tiny_run(tmp_path / "a", n_train=4, n_val=2, train=TRAIN))
+    run(cfg, device="cpu", export=export_for_run)
+    before = {p.name: p.read_bytes() for p in cfg.export_dir.iterdir()}
+    lock = cfg.train_dir / ".train.lock"
+    with exclusive_lock(lock, "the first --export-only"):
+        with pytest.raises(UserError) as e:
+            export_from_checkpoint(cfg)
+    assert str(e.value) == (f"{lock}: another 04_train run is training or exporting in {cfg.train_dir}; wait for it "
+                            f"to end (or stop it) before this one")
+    other = load_config(make_tiny_run(tmp_path / "b", n_train=4, n_val=2, train=TRAIN),
+                        [f"export.output_dir={cfg.export_dir}"])  # another train folder, the same export folder
+    run(other, device="cpu")
+    elock = export_lock_path(cfg.export_dir)
+    assert elock == cfg.export_dir.parent / ".drafter-sglang.lock"
+    with exclusive_lock(elock, "the first export"):
+        with pytest.raises(UserError) as e:
+            export_from_checkpoint(other)
+    assert str(e.value) == (f"{elock}: another 04_train run is exporting to {cfg.export_dir}; wait for it to end, or "
+                            f"set export.output_dir for a second export folder")
+    assert {p.name: p.read_bytes() for p in cfg.export_dir.iterdir()} == before  # the first one's export, whole
+    assert not list(cfg.export_dir.parent.glob("*.tmp-*")) and not lock.exists() and not elock.exists()
+    assert export_from_checkpoint(other) == cfg.export_dir  # the locks released: it exports
+    assert not lock.exists() and not elock.exists() and not (other.train_dir / ".train.lock").exists()

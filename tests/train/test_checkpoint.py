@@ -356,6 +356,41 @@ def test_export_only_and_resume_refuse_shards_of_other_aux_layers(tmp_path):
     assert export_from_checkpoint(b) == tmp_path / "exp"
 
 
+def test_export_only_and_resume_refuse_shards_of_another_verifiers_weights(tmp_path):
+    """A checkpoint trained on shards of one verifier, exported or resumed with the shards of another verifier of the
+    same shapes (base vs instruct: same dims, same vocab map size) went through (trial 2026-12-05g): nothing in the
+    checkpoint named the weights its states came from. Checkpoints now record data_config.json's `verifier_weights`
+    in `data_inputs`; --export-only and --resume refuse another fingerprint in one line; a checkpoint without the
+    record is not checked."""
+    from eagle3.export.from_checkpoint import export_from_checkpoint
+    from eagle3.train.trainer import run
+
+    wa, wb = "sha256:" + "a" * 64, "sha256:" + "b" * 64
+    a = load_config(make_tiny_run(tmp_path / "a", train={"epochs": 2}, verifier_weights=wa))
+    run(a, stop_after=2, device="cpu")
+    p2 = ckpt.ckpt_path(a.train_dir, 2)
+    assert ckpt.load_checkpoint(p2)["data_inputs"]["verifier_weights"] == wa
+    b_yaml = make_tiny_run(tmp_path / "b", train={"epochs": 2}, verifier_weights=wb)  # same shapes, other weights
+    b = load_config(b_yaml, [f"train.output_dir={a.train_dir}", f"export.output_dir={tmp_path / 'exp'}"])
+    want = (f"{p2}: the shards' verifier weights {wb[:19]}... (data_config.json verifier_weights) are not the "
+            f"{wa[:19]}... this checkpoint was trained on: the shards were captured from another verifier of the same "
+            f"shapes; use the shards it was trained on (extract.output_dir), or train a new run (a new "
+            f"train.output_dir)")
+    with pytest.raises(UserError) as e:
+        export_from_checkpoint(b)
+    assert str(e.value) == want and not (tmp_path / "exp").exists()
+    before = sorted(p.name for p in ckpt.ckpt_dir(a.train_dir).iterdir())
+    with pytest.raises(UserError) as e:
+        run(b, resume=True, device="cpu")
+    assert want.split(": ", 1)[1] in str(e.value) and "\n" not in str(e.value)
+    assert sorted(p.name for p in ckpt.ckpt_dir(a.train_dir).iterdir()) == before
+    assert export_from_checkpoint(a).is_dir()  # its own shards: exported
+    state = ckpt.load_checkpoint(p2)  # a checkpoint from before the record: not checked
+    del state["data_inputs"]["verifier_weights"]
+    torch.save(state, p2)
+    assert export_from_checkpoint(b) == tmp_path / "exp"
+
+
 def test_resume_past_the_requested_total_is_refused_before_writing(tmp_path, caplog):
     """A checkpoint at step 6 resumed with max_steps 3 used to print "trained: 6/3", re-export and rewrite the
     report; now one line naming --max-steps, and no file written; refused before the "LR schedule ... continuing with

@@ -243,7 +243,8 @@ def test_a_second_04_on_the_same_train_folder_is_refused(tmp_path):
         with exclusive_lock(c.train_dir / TRAIN_LOCK, "the first run"):
             with pytest.raises(UserError) as e:
                 run(c, device="cpu", resume=True)
-            assert str(e.value) == (f"{c.train_dir / TRAIN_LOCK}: another 04_train run is training in {c.train_dir}; "
+            assert str(e.value) == (f"{c.train_dir / TRAIN_LOCK}: another 04_train run is training or exporting in "
+                                    f"{c.train_dir}; "
                                     f"wait for it to end (or stop it) before this one")
             assert sorted(p.name for p in c.train_dir.iterdir()) == sorted(before + [TRAIN_LOCK])
     assert run(cfg, device="cpu")["step"] >= 1
