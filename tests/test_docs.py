@@ -34,7 +34,8 @@ CONFIGS = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "configs").glob
 SECTIONS = ("verifier", "prompts", "extract", "data", "drafter", "train", "export", "benchmark")
 FILE_EXTS = {"py", "json", "jsonl", "md", "pt", "png", "gz", "lock", "yaml", "sh", "env", "safetensors", "txt"}
 #: doc text naming keys that do not exist on purpose: (file, key) -> why
-WRONG_ON_PURPOSE = {("README.md", "train.lrr"): "the example of the unknown-key error message"}
+WRONG_ON_PURPOSE = {("README.md", "train.lrr"): "the example of the unknown-key error message",
+                    ("README.md", "train.draft_vocab_size"): "the example of the key-in-another-section error message"}
 #: flags of tools outside this repository that the docs quote (SGLang, vLLM, pip, torchrun)
 EXTERNAL_FLAGS = {
     "--model-path", "--tp-size", "--trust-remote-code", "--host", "--port", "--speculative-algorithm",
