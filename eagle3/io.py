@@ -96,13 +96,8 @@ def rerun_hint(text: str) -> Iterator[None]:
     global _rerun_hint
     before, _rerun_hint = _rerun_hint, text
     try:
-        yield
-    except UserError:
-        raise
-    except Exception as e:  # noqa: BLE001 - re-raised unless it is a disk-full error
-        if is_disk_full(e):
-            raise disk_full_error(getattr(e, "filename", None) or "output", e) from e
-        raise
+        with disk_full_guard(None):
+            yield
     finally:
         _rerun_hint = before
 
@@ -127,8 +122,9 @@ def disk_full_error(path: str | os.PathLike, exc: BaseException, needed: int | N
 
 
 @contextlib.contextmanager
-def disk_full_guard(path: str | os.PathLike, needed: int | None = None) -> Iterator[None]:
-    """Turn a disk-full error (:func:`is_disk_full`) raised inside the block into :func:`disk_full_error`.
+def disk_full_guard(path: Optional[str | os.PathLike], needed: int | None = None) -> Iterator[None]:
+    """Turn a disk-full error (:func:`is_disk_full`) raised inside the block into :func:`disk_full_error` for
+    ``path`` (None: the file the error names, else ``output``).
 
     Other exceptions pass through unchanged. Cleaning up partial output is the block's job (the
     atomic writers below do it before the error reaches this guard).
@@ -139,7 +135,8 @@ def disk_full_guard(path: str | os.PathLike, needed: int | None = None) -> Itera
         raise
     except Exception as e:  # noqa: BLE001 - re-raised unless it is a disk-full error
         if is_disk_full(e):
-            raise disk_full_error(path, e, needed) from e
+            where = path if path is not None else (getattr(e, "filename", None) or "output")
+            raise disk_full_error(where, e, needed) from e
         raise
 
 
