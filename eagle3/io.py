@@ -369,6 +369,37 @@ def append_bytes(f, data: bytes, path: str | os.PathLike | None = None, fsync: b
             raise
 
 
+def cut_torn_tail(path: str | os.PathLike, block: int = 1 << 16) -> int:
+    """Cut an append-only log of lines (``metrics.jsonl``) back to its last complete line: the rollback
+    :func:`append_bytes` does for a failed append, for one a kill cut before it could roll back. The bytes after the
+    last newline are that torn line; the next append would join it, and neither row would parse. The file is scanned
+    back ``block`` bytes at a time and cut through :func:`open_append`'s handle; a file that does not exist is left
+    alone (nothing is created).
+
+    Returns:
+        The bytes cut (0: the file ends with a complete line, is empty, or does not exist).
+    """
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    with open(path, "rb") as r:
+        size = end = os.fstat(r.fileno()).st_size
+        while end > 0:  # back to the last newline, a block at a time (the log may be large)
+            start = max(0, end - block)
+            r.seek(start)
+            cut = r.read(end - start).rfind(b"\n")
+            if cut >= 0:
+                end = start + cut + 1
+                break
+            end = start
+    if end == size:
+        return 0
+    with open_append(path) as f:
+        os.ftruncate(f.fileno(), end)
+        os.fsync(f.fileno())
+    return size - end
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Write UTF-8 ``text`` to ``path`` atomically."""
     atomic_write_bytes(path, text.encode("utf-8"))

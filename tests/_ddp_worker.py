@@ -130,6 +130,10 @@ def main(argv=None) -> int:
     p.add_argument("--stop-after", type=int, default=None)
     p.add_argument("--record", default=None, help="append the shard id of every training sample loaded to RECORD.<rank>")
     a = p.parse_args(argv)
+    import logging
+
+    # warnings on stderr, each line naming its rank (tests count which ranks said what)
+    logging.basicConfig(level=logging.WARNING, format=f"rank{os.environ.get('RANK', '0')} %(levelname)s %(message)s")
     if a.record:
         record_loads(Path(f"{a.record}.{os.environ.get('RANK', '0')}"))
     run(load_config(a.config, a.overrides), resume=a.resume, stop_after=a.stop_after, device="cpu", export=export_for_run)

@@ -517,12 +517,14 @@ def verifier_warnings(drafter_dir: Path, verifier_name: str, dims: Optional[dict
     return []
 
 
-def ttt_length_warning(drafter_dir: Path, steps: int, steps_field: str) -> Optional[str]:
+def ttt_length_warning(drafter_dir: Path, steps: int, steps_field: str, fix: Optional[str] = None) -> Optional[str]:
     """One warning line when 05 drafts more tokens a step (``steps``, from ``steps_field``: ``--steps`` or
-    ``benchmark.steps``) than the drafter was trained for: its ``eagle3_train.json`` key ``ttt_length``
-    (``train.ttt_length``). Draft positions past it were never trained, so their acceptance (and tau) says little about
-    the drafter. None when ``steps`` is within it, or the export records no ``ttt_length`` (an export of before the
-    key, or none of this project's). A malformed metadata file is left to the checks that read it.
+    ``benchmark.steps``; ``05 --server``: the server's ``speculative_num_steps``) than the drafter was trained for: its
+    ``eagle3_train.json`` key ``ttt_length`` (``train.ttt_length``). Draft positions past it were never trained, so
+    their acceptance (and tau) says little about the drafter. None when ``steps`` is within it, or the export records
+    no ``ttt_length`` (an export of before the key, or none of this project's). A malformed metadata file is left to
+    the checks that read it. ``fix``: how to draft fewer, ``{k}`` = the ``ttt_length`` (default ``benchmark with
+    {field} {k}``, ``{field}`` = ``steps_field``).
     """
     meta_path = Path(drafter_dir) / TRAIN_META
     if not meta_path.is_file():
@@ -534,10 +536,10 @@ def ttt_length_warning(drafter_dir: Path, steps: int, steps_field: str) -> Optio
     k = meta.get("ttt_length") if isinstance(meta, dict) else None
     if not isinstance(k, int) or isinstance(k, bool) or steps <= k:
         return None
+    fix = (fix or "benchmark with {field} {k}").format(field=steps_field, k=k)
     return (f"{steps_field} {steps} drafts more tokens a step than the drafter was trained for: {meta_path} records "
             f"ttt_length {k} (train.ttt_length); positions {k + 1}..{steps} were never trained, so their acceptance "
-            f"is low and tau understates a {k}-step chain: benchmark with {steps_field} {k}, or train with "
-            f"train.ttt_length {steps}")
+            f"is low and tau understates a {k}-step chain: {fix}, or train with train.ttt_length {steps}")
 
 
 def _logged(warning: Optional[str]) -> list[str]:

@@ -366,7 +366,8 @@ def run(cfg, urls: Sequence[str], datasets: Optional[Sequence[str]] = None, num_
     max_new_tokens = max_new_tokens or cfg.benchmark.max_new_tokens
     num_prompts = num_prompts or cfg.benchmark.num_prompts
     tok = load_tokenizer(cfg.verifier)
-    for w in draft_folder_warnings(cfg, urls[0]):
+    folder_notes = draft_folder_warnings(cfg, urls[0])  # also in each report's warnings
+    for w in folder_notes:
         log.warning("%s", w)
     labels = dataset_labels(datasets)
     for w in stale_server_reports(Path(cfg.bench_dir), labels):
@@ -377,7 +378,8 @@ def run(cfg, urls: Sequence[str], datasets: Optional[Sequence[str]] = None, num_
             log.warning("%s", w)
         ids = [(p.id, prompt_ids(tok, p.messages, ChatOptions.from_config(cfg))) for p in prompts]
         report = run_server_bench(urls, ids, max_new_tokens, concurrency, label, timeout, out, extra={
-            "prompt_pick": cfg.benchmark.prompt_pick, "prompt_ids": [i for i, _ in ids], "warnings": notes})
+            "prompt_pick": cfg.benchmark.prompt_pick, "prompt_ids": [i for i, _ in ids],
+            "warnings": folder_notes + notes})
         s = report["servers"][0]
         log.info("%s: tau %s, %.1f output tok/s%s", label, f"{s['tau']:.2f}" if s.get("tau") else "n/a",
                  s["output_tokens_per_s"], f", speedup {report['speedup']:.2f}x" if "speedup" in report else "")
@@ -421,20 +423,34 @@ def draft_folder_warnings(cfg, url: str, timeout: float = 30.0) -> list[str]:
     would read its HF-index layer ids with its own +1 rule) and warns when the layers SGLang
     captures differ from the HF layers of the run's shards (``data_config.json``).
 
+    Also warns when the server drafts more tokens a step (``speculative_num_steps`` in its ``server_info``, its
+    ``--speculative-num-steps``) than the folder's ``eagle3_train.json`` says the drafter was trained for
+    (``ttt_length``; :func:`eagle3.benchmark.offline.ttt_length_warning`), as the offline benchmark does.
+
     Returns:
         warnings (empty when the server or folder cannot be inspected).
 
     Raises:
         UserError: the folder is for the other engine or its layer ids contradict its metadata.
     """
+    from eagle3.benchmark.offline import ttt_length_warning
     from eagle3.export.serving import check_export_folder
     from eagle3.shards.format import DATA_CONFIG, read_data_config
 
-    path = server_info(url, timeout).get("speculative_draft_model_path")
-    if not path or not (Path(path) / "config.json").is_file():
+    info = server_info(url, timeout)
+    path, steps = info.get("speculative_draft_model_path"), info.get("speculative_num_steps")
+    if not path or not Path(path).is_dir():
         return []
+    out = []
+    if isinstance(steps, int) and not isinstance(steps, bool):
+        field = f"the server's speculative_num_steps (--speculative-num-steps, {url}/server_info)"
+        out += [w for w in [ttt_length_warning(Path(path), steps, field, fix="restart the server with "
+                                               "--speculative-num-steps {k}")] if w]
+    if not (Path(path) / "config.json").is_file():
+        return out
     shards_aux = arch = None
     if (Path(cfg.shards_dir) / DATA_CONFIG).is_file():
         dc = read_data_config(cfg.shards_dir)
         shards_aux, arch = dc.get("aux_layers"), dc.get("architecture")
-    return check_export_folder(path, serving_engine="sglang", shards_aux_hf=shards_aux, verifier_architecture=arch)["warnings"]
+    return out + check_export_folder(path, serving_engine="sglang", shards_aux_hf=shards_aux,
+                                     verifier_architecture=arch)["warnings"]

@@ -4,7 +4,9 @@
 ``export.engine``; this writes the other format (or the same again) without retraining, from the
 newest complete checkpoint in ``{train_dir}/checkpoints``, the verifier head saved at
 ``{train_dir}/target_head.safetensors``, the vocab map of stage 03 and the shards' metadata (aux
-layers in the HF convention; :func:`eagle3.layers.engine_layer_ids` converts them per engine).
+layers in the HF convention; :func:`eagle3.layers.engine_layer_ids` converts them per engine): the shards'
+``data_config.json``, or when the shards were deleted the checkpoint's record of it (:func:`shards_data_config`), so a
+train folder and ``data/`` export without the shards.
 """
 
 from __future__ import annotations
@@ -87,12 +89,11 @@ def _export_from_checkpoint(cfg: RunConfig, engine: str | None = None) -> Path:
     Raises:
         UserError: no checkpoint, or checkpoint files none of which loads, or (weights from the checkpoint) a newest
             checkpoint file that does not load; an unusable ``best_drafter.pt`` (above);
-            missing target head / vocab map / data_config, a
+            missing target head / vocab map, no data_config.json and no record of it (:func:`shards_data_config`), a
             checkpoint whose drafter shape disagrees with the vocab map, or with the config's ``drafter.*``
             (:func:`eagle3.train.checkpoint.check_drafter_args`; ``max_position_embeddings`` may differ).
     """
     from eagle3.train.model import DrafterArgs
-    from eagle3.shards.format import check_extract_settings, check_verifier, read_data_config
     from eagle3.train.target_head import TargetHead
     from eagle3.train.trainer import build_drafter_args, export_provenance, init_drafter, record_export_only
     from eagle3.data.vocab import load_run_vocab_map
@@ -105,9 +106,7 @@ def _export_from_checkpoint(cfg: RunConfig, engine: str | None = None) -> Path:
         raise UserError(f"{where}: no complete checkpoint to export (run 04_train.py first"
                         + (f"; {relative_hint(where)})" if relative_hint(where) else ")"))
     path, state = found
-    data_config = read_data_config(cfg.shards_dir)
-    check_verifier(cfg.verifier, data_config, cfg.shards_dir)  # as 04 training does
-    check_extract_settings(cfg.extract, data_config, cfg.shards_dir)
+    data_config = shards_data_config(cfg, path, state)
     vocab = load_run_vocab_map(cfg, int(data_config["vocab_size"]))
     args = DrafterArgs.from_json(state["drafter_args"], source=f"{path}: drafter_args")
     _require_trained_inputs(path, state, vocab, data_config, cfg)
@@ -140,11 +139,76 @@ def _export_from_checkpoint(cfg: RunConfig, engine: str | None = None) -> Path:
     weights_step = best if best is not None else int(state["step"])
     prov = export_provenance(cfg.train_dir, path, int(state["step"]), cfg.train.select_best, weights_step)
     # the TTT steps the checkpoint trained (--resume refuses another train.ttt_length), else the config's
-    ttt = (state.get("recipe") or {}).get("train.ttt_length") or cfg.train.ttt_length
-    out = export_for_run(cfg, drafter, data_config, provenance=prov, ttt_length=int(ttt))
+    ttt = (state.get("recipe") or {}).get("train.ttt_length")
+    ttt_from = f"train.ttt_length of {path.name}" if ttt else "train.ttt_length"
+    out = export_for_run(cfg, drafter, data_config, provenance=prov, ttt_length=int(ttt or cfg.train.ttt_length),
+                         ttt_from=ttt_from)
     record_export_only(cfg.train_dir, out, path, int(state["step"]), weights_step, cfg.export.engine,
                        cfg.train.select_best)
     return out
+
+
+def shards_data_config(cfg: RunConfig, path: Path, state: dict) -> dict:
+    """What the export reads of the shards' ``data_config.json`` (aux layers, verifier id, dims, weights fingerprint),
+    checked against the config as 04 training checks it.
+
+    With ``{shards_dir}/data_config.json`` present: that file (:func:`eagle3.shards.format.read_data_config`), the
+    config's verifier and ``extract`` settings checked against it, and (by the caller) the checkpoint's ``data_inputs``
+    (aux layers, vocab map, verifier weights). Without it (users delete the shards after training to free terabytes):
+    the checkpoint's record of it (key ``data_config``, :func:`eagle3.train.checkpoint.data_config_record`), the
+    config checked against that. A checkpoint of before the record needs the file: one line says which file and that
+    the shard files themselves are not read.
+
+    Raises:
+        UserError: ``<shards>/data_config.json: file not found, and <checkpoint> has no record of it ...``; the checks'
+            errors (:func:`eagle3.shards.format.check_verifier`, :func:`_check_recorded_verifier`,
+            :func:`eagle3.shards.format.check_extract_settings`).
+    """
+    from eagle3.shards.format import DATA_CONFIG, check_extract_settings, check_verifier, read_data_config
+
+    file = cfg.shards_dir / DATA_CONFIG
+    record = state.get(ckpt.DATA_CONFIG_RECORD)
+    if file.is_file() or not isinstance(record, dict):
+        if not file.is_file():
+            raise UserError(f"{file}: file not found, and {path} has no record of it (checkpoint key "
+                            f"'{ckpt.DATA_CONFIG_RECORD}': written by 04 since 2026-12-05g, this checkpoint is older), "
+                            f"so --export-only needs the shards' {DATA_CONFIG} for their aux layers, verifier and dims: "
+                            f"put that one file back at {file} (the shard files are not read), or re-run "
+                            f"02_extract_hidden.py" + (f"; {relative_hint(file)}" if relative_hint(file) else ""))
+        data_config = read_data_config(cfg.shards_dir)
+        check_verifier(cfg.verifier, data_config, cfg.shards_dir)  # as 04 training does
+        check_extract_settings(cfg.extract, data_config, cfg.shards_dir)
+        return data_config
+    log.info("export: %s not found; the shards' aux layers %s, verifier %r and dims from %s (key '%s', recorded at "
+             "training)", file, record.get("aux_layers"), record.get("verifier"), path.name, ckpt.DATA_CONFIG_RECORD)
+    _check_recorded_verifier(cfg, record, path)
+    check_extract_settings(cfg.extract, record, f"{cfg.shards_dir} (recorded in {path})")
+    return dict(record)
+
+
+def _check_recorded_verifier(cfg: RunConfig, record: dict, path: Path) -> None:
+    """:func:`eagle3.shards.format.check_verifier` against a checkpoint's ``data_config`` record (the shards are gone):
+    the config's verifier must be the one the shards were captured from, by name and, when both are known, by the
+    fingerprint of its weight files (``verifier_weights``: the exported ``config.json`` names that verifier).
+
+    Raises:
+        UserError: ``<checkpoint>: key 'data_config.verifier' is 'a' but the config's verifier is 'b' ...``, or
+            ``verifier.path: '<path>' holds other weights than the model <checkpoint> was trained on ...``.
+    """
+    from eagle3.verifier import weights_fingerprint
+
+    want = cfg.verifier.display_name()
+    if record.get("verifier") != want:
+        raise UserError(f"{path}: key '{ckpt.DATA_CONFIG_RECORD}.verifier' is {record.get('verifier')!r} (the shards it "
+                        f"was trained on) but the config's verifier is {want!r} (verifier.name / verifier.path); set "
+                        f"the verifier this checkpoint was trained on")
+    recorded = record.get(ckpt.VERIFIER_WEIGHTS)
+    now = weights_fingerprint(cfg.verifier) if recorded else None
+    if now is not None and now != recorded:
+        raise UserError(f"verifier.path: '{cfg.verifier.path}' holds other weights than the model {path} was trained "
+                        f"on (key '{ckpt.DATA_CONFIG_RECORD}.{ckpt.VERIFIER_WEIGHTS}' {str(recorded)[:19]}..., "
+                        f"{str(now)[:19]}... at verifier.path; the name {want!r} is the same); set verifier.path back "
+                        f"to that model")
 
 
 def _require_trained_inputs(path: Path, state: dict, vocab: dict, data_config: dict, cfg: RunConfig) -> None:
@@ -240,7 +304,7 @@ def load_init_drafter(cfg: RunConfig, embed_weight, data_config: dict):
 
 
 def export_for_run(cfg: RunConfig, drafter, data_config: dict, provenance: dict | None = None,
-                   ttt_length: int | None = None) -> Path:
+                   ttt_length: int | None = None, ttt_from: str = "train.ttt_length") -> Path:
     """Export ``drafter`` for ``cfg.export.engine`` into ``cfg.export_dir``, in ``export.dtype``
     (``auto`` = ``verifier.dtype``), with the verifier facts and HF aux layers of the shards'
     ``data_config.json``; ``provenance`` (:func:`eagle3.train.trainer.export_provenance`) is recorded as
@@ -248,6 +312,8 @@ def export_for_run(cfg: RunConfig, drafter, data_config: dict, provenance: dict 
     when ``--speculative-config`` names only the model) is ``benchmark.steps``, the chain the run benchmarks.
     ``ttt_length`` (default ``train.ttt_length``; ``--export-only`` passes the checkpoint's) is recorded in
     ``eagle3_train.json``: the draft positions the drafter was trained for, which 05 compares with its ``--steps``.
+    A vLLM ``speculative_tokens`` above it is warned about in one line (:func:`speculative_tokens_warning`; ``ttt_from``
+    says where ``ttt_length`` came from).
 
     Raises:
         UserError: see :func:`eagle3.export.serving.export_drafter`.
@@ -259,8 +325,28 @@ def export_for_run(cfg: RunConfig, drafter, data_config: dict, provenance: dict 
                      **{k: data_config[k] for k in ("architecture", "num_layers", "hidden_size", "vocab_size")},
                      "context_length": verifier_context_length(cfg.verifier),
                      "weights": data_config.get("verifier_weights")}  # 05 warns when verifier.path holds others
+    ttt_length = cfg.train.ttt_length if ttt_length is None else int(ttt_length)
+    warning = speculative_tokens_warning(cfg, ttt_length, ttt_from)
+    if warning:
+        log.warning("%s", warning)
     return export_drafter(drafter, cfg.export_dir, engine=cfg.export.engine,
                           aux_layers_hf=list(data_config["aux_layers"]), verifier_info=verifier_info,
                           num_speculative_tokens=cfg.benchmark.steps,
                           dtype=export_dtype(cfg.export.dtype, cfg.verifier.dtype), provenance=provenance,
-                          ttt_length=cfg.train.ttt_length if ttt_length is None else ttt_length)
+                          ttt_length=ttt_length)
+
+
+def speculative_tokens_warning(cfg: RunConfig, ttt_length: int, ttt_from: str = "train.ttt_length") -> str | None:
+    """One warning line when a vLLM export's ``speculative_tokens`` (``benchmark.steps``: what ``vllm serve`` drafts
+    when ``--speculative-config`` names only the model) is above the ``ttt_length`` the drafter was trained for
+    (``ttt_from``: ``train.ttt_length``, or the checkpoint's for ``--export-only``): vLLM would draft positions never
+    trained, at low acceptance, without a word (05 offline warns since 2026-12-05g, the export did not). None for
+    SGLang (its draft length is the server's ``--speculative-num-steps``) or within ``ttt_length``."""
+    steps = int(cfg.benchmark.steps)
+    if cfg.export.engine != "vllm" or steps <= int(ttt_length):
+        return None
+    return (f"export: speculative_tokens {steps} (benchmark.steps) in {cfg.export_dir / 'config.json'} is more than "
+            f"the ttt_length {ttt_length} ({ttt_from}) the drafter was trained for: vLLM drafts positions "
+            f"{int(ttt_length) + 1}..{steps}, never trained, at low acceptance; export with benchmark.steps "
+            f"{ttt_length} (04_train.py --export-only --engine vllm --set benchmark.steps={ttt_length}), or train with "
+            f"train.ttt_length {steps}")

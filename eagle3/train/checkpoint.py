@@ -12,7 +12,8 @@ embedding and the d2t/t2d buffers come from the verifier and the vocab map), ``o
 ``scheduler``, ``rng`` (one entry per rank: torch/cuda/python/numpy states), ``drafter_args``,
 ``config_fingerprint``, ``world_size``. Optional (absent from older checkpoints, whose resume skips that check):
 ``steps_in_epoch``, ``data_order``, ``init_from``, ``recipe`` (the values in use: :data:`KEPT_FIELDS` from the optimizer,
-not the config) and ``data_inputs`` (sha256 of the split and vocab map trained on); :func:`check_resume`.
+not the config), ``data_inputs`` (sha256 of the split and vocab map trained on; :func:`check_resume`) and
+``data_config`` (what ``--export-only`` reads of the shards' data_config.json: :func:`data_config_record`).
 """
 
 from __future__ import annotations
@@ -127,7 +128,8 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
     return state
 
 
-def find_latest_checkpoint(train_dir: str | os.PathLike, fallback: bool = True) -> Optional[tuple[Path, dict]]:
+def find_latest_checkpoint(train_dir: str | os.PathLike, fallback: bool = True,
+                           warn: bool = True) -> Optional[tuple[Path, dict]]:
     """The newest checkpoint that loads and validates, falling back to older ones with a warning.
 
     Every caller that needs "the newest checkpoint" goes through here (``04 --resume``: ``_Training.restore``;
@@ -139,6 +141,8 @@ def find_latest_checkpoint(train_dir: str | os.PathLike, fallback: bool = True) 
         fallback: False = the newest file must load: when it does not but an older one does, a UserError names the
             broken file and the older one's step (``--export-only`` is asked for the newest weights, not older
             ones; ``--resume`` falls back, training goes on from the older step).
+        warn: log the skipped files (False: the other torchrun ranks of a ``--resume``, which load the same files;
+            rank 0 says it once).
 
     Returns:
         ``(path, state)``, or None when the folder holds no checkpoint file (``step_*.pt``) at all.
@@ -155,7 +159,7 @@ def find_latest_checkpoint(train_dir: str | os.PathLike, fallback: bool = True) 
             state = load_checkpoint(path)
         except UserError as e:
             newest_error = newest_error or e
-            if fallback:
+            if fallback and warn:
                 log.warning("skipping unusable checkpoint: %s (trying the next older one)", e)
             continue
         if newest_error is not None:
@@ -164,8 +168,9 @@ def find_latest_checkpoint(train_dir: str | os.PathLike, fallback: bool = True) 
                 raise UserError(f"the newest checkpoint does not load: {newest_error}; the newest that loads is "
                                 f"{path.name} (step {step}): delete {found[-1][1].name} to use step {step}, or "
                                 f"04_train.py --resume to train on from it")
-            log.warning("using %s (step %d), not the newest checkpoint file %s, which does not load", path.name,
-                        step, found[-1][1].name)
+            if warn:
+                log.warning("using %s (step %d), not the newest checkpoint file %s, which does not load", path.name,
+                            step, found[-1][1].name)
         return path, state
     if found:
         raise UserError(f"{ckpt_dir(train_dir)}: none of its {len(found)} checkpoint file(s) loads; the newest: "
@@ -326,6 +331,20 @@ def recipe_changes(saved: Optional[dict], current: dict) -> tuple[Optional[str],
 # :func:`eagle3.verifier.weights_fingerprint`; None when 02 recorded none).
 SPLIT_FILE, VOCAB_FILE, AUX_LAYERS = "split.json", "vocab_map.pt", "aux_layers"
 VERIFIER_WEIGHTS = "verifier_weights"
+
+# What ``04 --export-only`` reads of the shards' data_config.json (checkpoint key ``data_config``): the verifier's id,
+# architecture, dims and weights fingerprint, the aux layers (HF indices) and their conventions, and ``max_length``
+# (compared with a config's ``extract.max_length``). Recorded by every checkpoint since 2026-12-05g, so that a train
+# folder exports after its shards (terabytes) are deleted; older checkpoints export only beside the shards' file.
+DATA_CONFIG_RECORD = "data_config"
+DATA_CONFIG_RECORD_KEYS = ("verifier", "architecture", "num_layers", "hidden_size", "vocab_size", "aux_layers",
+                           "layer_index_convention", "last_hidden_state", "max_length", VERIFIER_WEIGHTS)
+
+
+def data_config_record(meta: dict) -> dict:
+    """The checkpoint's ``data_config`` record (:data:`DATA_CONFIG_RECORD_KEYS`) of a shard set's ``data_config.json``
+    ``meta``: the keys it has (``verifier_weights`` is absent from shard sets of before 2026-12-05f)."""
+    return {k: meta[k] for k in DATA_CONFIG_RECORD_KEYS if k in meta}
 
 
 def split_sha256(split: dict) -> str:

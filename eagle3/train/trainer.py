@@ -70,8 +70,8 @@ from eagle3.errors import UserError
 from eagle3.layers import check_servable
 from eagle3.process_group import init_process_group, process_group_scope
 from eagle3.shards.fp8 import dequantize_batch, is_fp8
-from eagle3.io import (append_bytes, atomic_write_json, atomic_write_jsonl, atomic_write_text, disk_full_guard,
-                       make_dirs, open_append, probe_dirs, read_json)
+from eagle3.io import (append_bytes, atomic_write_json, atomic_write_jsonl, atomic_write_text, cut_torn_tail,
+                       disk_full_guard, make_dirs, open_append, probe_dirs, read_json)
 from eagle3.train.schedule import build_scheduler
 from eagle3.shards.format import (check_extract_settings, check_verifier, check_verifier_dims, expect_from_data_config,
                                   read_data_config)
@@ -446,12 +446,16 @@ class _Metrics:
 
     def __init__(self, train_dir: Path, start_step: int, enabled: bool, finished: bool = False):
         """Rows of steps after ``start_step`` (written before a kill, redone now) are dropped; so is the
-        final validation row when the run had already ``finished`` (it is recomputed)."""
+        final validation row when the run had already ``finished`` (it is recomputed). A torn last line (a kill
+        mid-append) is cut first (:func:`eagle3.io.cut_torn_tail`): the next row would join it, both lost."""
         self.enabled = enabled
         self.path = train_dir / "metrics.jsonl"
         self.tb = None
         if not enabled:
             return
+        torn = cut_torn_tail(self.path)  # else the next row would join the torn one: both lost (trial 2026-12-05g)
+        if torn:
+            log.warning("%s: cut a torn last line (%d bytes a kill left mid-write) before appending", self.path, torn)
         rows = _read_metrics(self.path)
         kept = [r for r in rows if r.get("step", 0) < start_step or (
             r.get("step", 0) == start_step and not (finished and r.get("kind") == "val"))]
@@ -569,7 +573,7 @@ class _TrainData:
 
     def __init__(self, cfg: RunConfig, train_ds: ShardDataset, d: DistInfo):
         t = cfg.train
-        self.world, self.accum = d.world, t.grad_accum
+        self.world, self.accum, self.is_main = d.world, t.grad_accum, d.is_main  # is_main: says the resume once
         kw = _loader_kwargs(t, d.device, d.world)
         self.token_budget = t.batch_tokens is not None
         if self.token_budget:
@@ -640,7 +644,7 @@ class _TrainData:
             g = k * self._units_per_step()
             samples = self.samples_before(epoch, k) if self.token_budget else g
         self._origin = (epoch, k, g)
-        if int(state.get("world_size", self.world)) != self.world:
+        if int(state.get("world_size", self.world)) != self.world and self.is_main:
             log.info("checkpoint written on %s processes, now %d: epoch %d resumes after its first %d samples, "
                      "the rest dealt out to %d ranks", state.get("world_size"), self.world, epoch, samples, self.world)
         return k
@@ -711,7 +715,7 @@ def _horizon_after_resume(data: _TrainData, state: dict, d: DistInfo, t, total_s
     new = data.resumed_total_steps(t.epochs, int(state["step"]))
     if horizon is not None:
         new = min(new, horizon)
-    if new != total_steps:
+    if new != total_steps and d.is_main:
         log.info("resumed on %d processes (checkpoint: %s): %d optimizer steps in all", d.world,
                  state.get("world_size"), new)
         scheduler.lr_lambdas[0].__dict__.update(WarmupCosine(warmup_steps_for(new, t.warmup_ratio), new).__dict__)
@@ -1438,10 +1442,11 @@ class _Training:
                 already past the run's end, a refused ``stop_at``, or a model state that does not fit.
         """
         t, d, o = self.t, self.d, self.opt
-        found = ckpt.find_latest_checkpoint(self.train_dir)
+        found = ckpt.find_latest_checkpoint(self.train_dir, warn=d.is_main)  # every rank loads it; rank 0 says so
         if found is None:  # no checkpoint file at all (files that all fail to load: UserError)
             self.set_stop_at(stop_at)
-            log.warning("--resume: no checkpoint in %s; starting from step 0", ckpt.ckpt_dir(self.train_dir))
+            if d.is_main:
+                log.warning("--resume: no checkpoint in %s; starting from step 0", ckpt.ckpt_dir(self.train_dir))
             return
         path, state = found
         changes = ckpt.check_resume(path, state, {
@@ -1456,9 +1461,9 @@ class _Training:
                             f"checkpoint resumed from ({path}) is at step {self.step} already; ask for more steps, or "
                             f"export that checkpoint with --export-only")
         self.set_stop_at(stop_at)
-        if changes:  # (in train_report's warnings too, as every warning: _collect_warnings)
+        if changes and d.is_main:  # (in train_report's warnings too, as every warning: _collect_warnings; rank 0's)
             log.warning("%s: resumed from %s with other training settings: %s", path, path.name, "; ".join(changes))
-        elif state.get("recipe") is None and state["config_fingerprint"] != o.fingerprint:  # fields unknown
+        elif d.is_main and state.get("recipe") is None and state["config_fingerprint"] != o.fingerprint:  # unknown
             log.warning("%s: training settings differ from the checkpoint's (fingerprint %s != %s)", path,
                         state["config_fingerprint"], o.fingerprint)
         self._load_state(path, state)
@@ -1466,7 +1471,8 @@ class _Training:
         if len(rngs) == d.world:
             ckpt.restore_rng(rngs[d.rank])
         else:
-            log.warning("%s: saved with %d processes, now %d; RNG states reseeded", path, len(rngs), d.world)
+            if d.is_main:
+                log.warning("%s: saved with %d processes, now %d; RNG states reseeded", path, len(rngs), d.world)
             torch.manual_seed(t.seed + 1000 * self.step + d.rank)
         self.last_ckpt = path
 
@@ -1500,8 +1506,9 @@ class _Training:
         horizon_now = o.scheduler.lr_lambdas[0].__dict__.copy()  # this run's warmup/total steps
         o.scheduler.load_state_dict(state["scheduler"])
         if o.scheduler.lr_lambdas[0].__dict__ != horizon_now:
-            log.warning("%s: LR schedule %s in the checkpoint, now %s (%s); continuing with the new one", path,
-                        o.scheduler.lr_lambdas[0].__dict__, horizon_now, self._horizon_reason(state))
+            if self.d.is_main:  # every rank re-stretches it; rank 0 says so once
+                log.warning("%s: LR schedule %s in the checkpoint, now %s (%s); continuing with the new one", path,
+                            o.scheduler.lr_lambdas[0].__dict__, horizon_now, self._horizon_reason(state))
             o.scheduler.lr_lambdas[0].__dict__.update(horizon_now)
         self.inputs.init_from = state.get("init_from")  # the run's warm start, recorded by its first call
 
@@ -1543,6 +1550,7 @@ class _Training:
                 "drafter_args": self.inputs.args.to_json(), "config_fingerprint": o.fingerprint,
                 "world_size": d.world, "data_order": _data_order(self.cfg), "init_from": self.inputs.init_from,
                 "recipe": self.recipe_in_use(), "data_inputs": _data_inputs(self.inputs),
+                ckpt.DATA_CONFIG_RECORD: ckpt.data_config_record(self.inputs.data_config),  # --export-only sans shards
             }, keep=self.t.keep_checkpoints)
         _barrier(d)
         return path

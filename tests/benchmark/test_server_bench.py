@@ -59,7 +59,8 @@ def _answer(input_ids: list[int], max_new: int, speculative: bool, oracle: bool 
 
 
 class _StandIn:
-    def __init__(self, speculative: bool, fail: bool = False, oracle: bool = False):
+    def __init__(self, speculative: bool, fail: bool = False, oracle: bool = False, draft: str | None = None):
+        """``draft``: the ``speculative_draft_model_path`` its ``/server_info`` names (absent: None)."""
         self.requests: list[dict] = []
         outer = self
 
@@ -80,6 +81,8 @@ class _StandIn:
                     info = {"model_path": "tiny", "speculative_algorithm": "EAGLE3" if speculative else None,
                             "speculative_num_steps": STEPS if speculative else None, "speculative_eagle_topk": 1,
                             "speculative_num_draft_tokens": STEPS + 1, "unrelated": 1}
+                    if draft is not None:
+                        info["speculative_draft_model_path"] = draft
                     self._send(200, info)
                 else:
                     self._send(404, {"detail": "Not Found"})
@@ -341,3 +344,38 @@ def test_cli_server_mode_prints_each_report_and_warns_on_too_few_prompts(tmp_pat
         assert cli.main(["--config", str(cfg), "--server", s.url, "--datasets", str(sets[1]), "--max-new-tokens", "4"]) == 0
         out = capsys.readouterr().out.splitlines()
         assert [ln for ln in out if ln.startswith("report: ")] == [f"report: {bench / 'server_bench.md'}"]
+
+
+def test_cli_server_mode_warns_when_the_server_drafts_past_the_trained_ttt_length(tmp_path, tiny_llama_dir, caplog):
+    """05 --server against a server drafting 3 tokens a step (--speculative-num-steps 3) with a drafter trained for 2
+    (its eagle3_train.json ttt_length) said nothing, where 05 offline warns: one line now names both values and where
+    each comes from, in the log and in server_bench.json; a drafter trained for 3 is not warned about."""
+    import logging
+
+    draft = tmp_path / "drafter"
+    draft.mkdir()
+    (draft / "eagle3_train.json").write_text(json.dumps({"ttt_length": 2}))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "x", "prompt": "Hello"}) + "\n")
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"run_name: t\noutput_root: {tmp_path / 'out'}\nverifier: {{path: {tiny_llama_dir}}}\n"
+                   f"prompts: {{source: {prompts}}}\n")
+    cli = _bench_cli()
+    report = tmp_path / "out" / "bench" / "server_bench.json"
+    with _StandIn(speculative=True, draft=str(draft)) as s, caplog.at_level(logging.WARNING):
+        assert cli.main(["--config", str(cfg), "--server", s.url, "--datasets", str(prompts),
+                         "--max-new-tokens", "4"]) == 0
+        field = f"the server's speculative_num_steps (--speculative-num-steps, {s.url}/server_info)"
+    want = (f"{field} 3 drafts more tokens a step than the drafter was trained for: {draft / 'eagle3_train.json'} "
+            f"records ttt_length 2 (train.ttt_length); positions 3..3 were never trained, so their acceptance is low "
+            f"and tau understates a 2-step chain: restart the server with --speculative-num-steps 2, or train with "
+            f"train.ttt_length 3")
+    assert caplog.messages.count(want) == 1
+    assert json.loads(report.read_text())["warnings"] == [want]
+    (draft / "eagle3_train.json").write_text(json.dumps({"ttt_length": 3}))
+    caplog.clear()
+    with _StandIn(speculative=True, draft=str(draft)) as s, caplog.at_level(logging.WARNING):
+        assert cli.main(["--config", str(cfg), "--server", s.url, "--datasets", str(prompts),
+                         "--max-new-tokens", "4"]) == 0
+    assert not [m for m in caplog.messages if "drafts more tokens" in m]
+    assert json.loads(report.read_text())["warnings"] == []

@@ -111,3 +111,26 @@ def test_resume_on_another_process_count_names_it_as_the_schedule_change(tmp_pat
         run(run_cfg, resume=True, stop_after=4, device="cpu")
     lines = [r.getMessage() for r in caplog.records if "LR schedule" in r.getMessage()]
     assert len(lines) == 1 and "(train.epochs 2.0 -> 3.0); continuing" in lines[0], lines
+
+
+@pytest.mark.slow
+def test_resume_warnings_under_torchrun_are_logged_by_rank_0_only(tmp_path, monkeypatch):
+    """A resume on 2 gloo processes of a 1-process checkpoint, with a changed setting and a broken newest checkpoint
+    file: each of its warnings (the skipped file, the older one used, the changed settings, RNG reseeded, the lr
+    schedule re-stretched) was logged by every rank; now once, by rank 0 (whose warnings train_report collects)."""
+    train = {"batch_size": 1, "grad_accum": 1, "epochs": 2, "ckpt_every": 1}
+    yaml = make_tiny_run(tmp_path / "run", n_train=N_TRAIN, n_val=2, lengths=LENGTHS, train=train)
+    _train(yaml, 1, tmp_path / "A", 2, False, monkeypatch)
+    cfg = load_config(yaml)
+    ckpt.ckpt_path(cfg.train_dir, 3).write_bytes(b"PK\x03\x04 torn")  # an unusable newest file
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(HERE / "_ddp_worker.py"), "--config", str(yaml), "--set", "train.grad_clip=0.25", "--resume",
+           "--stop-after", "1"]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = [ln for ln in p.stderr.splitlines() if " WARNING " in ln]
+    for marker in ("skipping unusable checkpoint", "using step_00000002.pt (step 2), not the newest checkpoint file",
+                   "with other training settings: train.grad_clip 0.5 -> 0.25", "RNG states reseeded", "LR schedule"):
+        said = [ln.split(" ", 1)[0] for ln in lines if marker in ln]
+        assert said == ["rank0"], (marker, lines)

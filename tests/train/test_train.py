@@ -196,6 +196,37 @@ def test_resume_equals_uninterrupted(tmp_path):
     assert any((b.train_dir / "tb").iterdir())
 
 
+def test_a_torn_last_metrics_line_is_cut_on_resume(tmp_path, caplog):
+    """A kill while 04 appended a row to metrics.jsonl leaves a torn last line; the resume appended its first row to
+    it, so neither parsed and that step's row was lost for good (trial 2026-12-05g). The resume now cuts the file back
+    to its last complete line first (one warning): every line parses and every step's row is there once."""
+    from eagle3.train.trainer import run
+
+    cfg = load_config(make_tiny_run(tmp_path / "r", train={"epochs": 1, "batch_size": 2, "ckpt_every": 2}))
+    run(cfg, stop_after=2, device="cpu")
+    metrics = cfg.train_dir / "metrics.jsonl"
+    whole = metrics.read_bytes()
+    torn = b'{"kind": "train", "step": 3, "loss": 1.2'  # the step-3 row a kill cut (step 3 was not checkpointed)
+    with open(metrics, "ab") as f:
+        f.write(torn)
+    with caplog.at_level(logging.WARNING, logger="eagle3.train.trainer"):
+        run(cfg, resume=True, device="cpu")
+    lines = metrics.read_bytes().splitlines()
+    assert metrics.read_bytes().startswith(whole)  # the complete rows before the kill: kept as they were
+    rows = [json.loads(ln) for ln in lines]  # every line parses
+    assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2, 3, 4]
+    assert [m for m in caplog.messages if "torn" in m] == [
+        f"{metrics}: cut a torn last line ({len(torn)} bytes a kill left mid-write) before appending"]
+    from eagle3.io import cut_torn_tail
+
+    log = tmp_path / "log.jsonl"
+    log.write_bytes(b'{"a": 1}\n{"b": 2}\n{"c": 3')
+    assert cut_torn_tail(log, block=4) == 7 and log.read_bytes() == b'{"a": 1}\n{"b": 2}\n'  # scanned back in blocks
+    assert cut_torn_tail(log) == 0 and cut_torn_tail(tmp_path / "absent.jsonl") == 0
+    log.write_bytes(b'{"a"')
+    assert cut_torn_tail(log, block=3) == 4 and log.read_bytes() == b""
+
+
 def test_stop_at_ends_a_finished_run_on_the_longer_schedule_and_resume_equals_uninterrupted(tmp_path, caplog):
     """04 --stop-at: steps 1..5 of an 8-step schedule with the same lr and loss as the whole run; the run ends as a
     finished one (final validation once at step 5, best export, report naming the stop), and --resume from its
