@@ -298,7 +298,8 @@ def init_drafter(args, head: TargetHead, vocab: dict, seed: int):
 
     if head.embed.shape[1] != args.hidden_size:
         raise UserError(f"drafter.hidden_size: {args.hidden_size} differs from the verifier hidden size "
-                        f"{head.embed.shape[1]}; the drafter reuses the verifier's token embedding")
+                        f"{head.embed.shape[1]}; the drafter reuses the verifier's token embedding: set "
+                        f"drafter.hidden_size: {head.embed.shape[1]} (or null, the verifier's)")
     torch.manual_seed(seed)
     drafter = Eagle3Drafter(args).float()
     drafter.load_embeddings(head.embed.float())  # [V, H], frozen
@@ -1232,7 +1233,8 @@ def _load_inputs(cfg: RunConfig, d: DistInfo, resume: bool, init: Optional[Calla
     if args.hidden_size != int(data_config["hidden_size"]):  # init_drafter's check, before the head is extracted
         raise UserError(f"drafter.hidden_size: {args.hidden_size} differs from the verifier hidden size "
                         f"{data_config['hidden_size']} ({cfg.shards_dir / 'data_config.json'}); the drafter reuses "
-                        f"the verifier's token embedding")
+                        f"the verifier's token embedding: set drafter.hidden_size: {data_config['hidden_size']} (or "
+                        f"null, the verifier's)")
     warm = _warm_start_planned(cfg, d, resume, args)  # checked before the first write (the full check: after the head)
     if lock is not None:
         lock()  # 04's lock on train_dir (_train_lock), before the folder check deletes stale temp files
