@@ -1037,8 +1037,8 @@ def tiny_mla():
     return DeepseekV3ForCausalLM(cfg).eval()
 
 
-@pytest.mark.parametrize("attention", ["sdpa_groups", "flex"])
-def test_slot_engine_on_an_mla_verifier_equals_hf_greedy(tiny_mla, attention):
+@pytest.mark.parametrize("attention,pack", [("sdpa_groups", False), ("flex", False), ("flex", True)])
+def test_slot_engine_on_an_mla_verifier_equals_hf_greedy(tiny_mla, attention, pack):
     """01's default engine on Kimi's architecture: the K cache is 24 wide and the V cache 16 (kv_head_dims), and the
     answers, next turns reusing their prefix included, equal plain transformers greedy (fp32). Before the fix the
     cache took the config's head_dim (8) for both and the first prefill raised a shape-mismatch traceback."""
@@ -1052,7 +1052,7 @@ def test_slot_engine_on_an_mla_verifier_equals_hf_greedy(tiny_mla, attention):
     want = [hf_greedy(model, p, max_new, stops) for p in prompts]
     later = {1: prompts[1] + want[1][0] + prompts[4][:3]}  # a next turn: its prefix is reused from the slot
     eng = SlotEngine(model, 3, max_len=64, max_new_tokens=max_new, stop_ids=stops, check_every=2, width_classes=[],
-                     cuda_graphs=False, attention=attention, flex_block=16, reuse_min_tokens=4)
+                     cuda_graphs=False, attention=attention, flex_block=16, reuse_min_tokens=4, prefill_pack=pack)
     assert (eng.cache.k[0].shape[-1], eng.cache.v[0].shape[-1]) == (24, 16)
     assert eng.kv_bytes_per_token == 4 * 4 * (24 + 16) * 4  # layers x KV heads x (key + value width) x fp32
     got = _run(eng, prompts, later)
