@@ -773,7 +773,7 @@ class SlotEngine(Engine):
         h = cfg.num_attention_heads
         d, dv = kv_head_dims(cfg)  # MLA: keys and values of different widths
         self.block, self.attention_mode, self._tried = flex_block, attention, set()  # _tried: prefixes stepped once
-        self.flex = self._pick_attention(attention, slots, h, hkv, (d, dv), dtype, -(-max_len // flex_block) * flex_block)
+        self.flex = self._pick_attention(attention, slots, h, hkv, d, dtype, -(-max_len // flex_block) * flex_block, dv)
         self._flex_alone = self.flex  # the flex call to go back to if the compiled step is dropped
         self._compile_min = slots if compile_min_prefix is None else max(1, int(compile_min_prefix))
         self._setup_compile(compile_step, planned_answers)
@@ -1277,7 +1277,8 @@ class SlotEngine(Engine):
         h = hid[0, buf.t.rows[1]]  # [S, hidden] the last fed token of each row
         buf.tok.copy_(self.model.get_output_embeddings()(h).argmax(-1))  # [S]
 
-    def _pick_attention(self, attention: str, slots: int, h: int, hkv: int, d: tuple[int, int], dtype, cols: int):
+    def _pick_attention(self, attention: str, slots: int, h: int, hkv: int, d: int, dtype, cols: int,
+                        dv: Optional[int] = None):
         """The flex decode function, or None for sdpa_groups. On CUDA the compiled kernel is probed (compiled,
         run and, with ``cuda_graphs``, captured in a throwaway graph at the full slot count): ``flex`` raises on a
         failure, ``auto`` logs one line and takes sdpa_groups. On CPU ``flex`` is eager FlexAttention (it
@@ -1297,7 +1298,7 @@ class SlotEngine(Engine):
             return fn(q, k, v, attn_len, kv_indices, scale, self.block, num_blocks)
 
         try:
-            self._probe_flex(call, slots, h, hkv, d, dtype, cols)
+            self._probe_flex(call, slots, h, hkv, d, dtype, cols, dv)
         except Exception as e:  # noqa: BLE001 - any compile/capture failure: the SDPA path gives the same tokens
             if attention == "flex":
                 raise RuntimeError(f"SlotEngine: FlexAttention decode failed on {self.dev} "
@@ -1307,10 +1308,12 @@ class SlotEngine(Engine):
             return None
         return call
 
-    def _probe_flex(self, call, slots: int, h: int, hkv: int, d: tuple[int, int], dtype, cols: int) -> None:
-        """Compile and run the flex decode at ``[slots, h, 1, d]`` (``d``: key and value widths, :func:`kv_head_dims`) against a ``cols``-column cache (and capture it
+    def _probe_flex(self, call, slots: int, h: int, hkv: int, d: int, dtype, cols: int,
+                    dv: Optional[int] = None) -> None:
+        """Compile and run the flex decode at ``[slots, h, 1, d]`` (values ``dv`` wide, default ``d``: MLA's differ,
+        :func:`kv_head_dims`) against a ``cols``-column cache (and capture it
         in a CUDA graph when graphs are on); raises on any failure or a wrong result."""
-        nb, (d, dv) = cols // self.block, d
+        nb, dv = cols // self.block, d if dv is None else dv
         # K/V and block indices made as the cache is (the constructor's grad mode), the rest as a step makes them
         # (inference mode), so the compiled graph's guards match the engine's calls
         g = torch.Generator(device=self.dev).manual_seed(0)

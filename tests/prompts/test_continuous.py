@@ -1055,6 +1055,8 @@ def test_slot_engine_on_an_mla_verifier_equals_hf_greedy(tiny_mla, attention, pa
                      cuda_graphs=False, attention=attention, flex_block=16, reuse_min_tokens=4, prefill_pack=pack)
     assert (eng.cache.k[0].shape[-1], eng.cache.v[0].shape[-1]) == (24, 16)
     assert eng.kv_bytes_per_token == 4 * 4 * (24 + 16) * 4  # layers x KV heads x (key + value width) x fp32
+    if attention == "flex":  # the start-up probe (CUDA) at MLA's widths: keys 24, values 16
+        eng._probe_flex(eng.flex, 3, 4, 4, 24, torch.float32, 64, dv=16)
     got = _run(eng, prompts, later)
     assert [got[i] for i in range(len(prompts))] == want
     assert got[("after", 1)] == hf_greedy(model, later[1], max_new, stops)
