@@ -318,16 +318,18 @@ def main(argv=None) -> int:
     dev = next(model.parameters()).device
     from regen_speed import measure_bandwidth
 
+    from eagle3.prompts.continuous import kv_head_dims
+
     bw = measure_bandwidth(dev, 2.0)
     cfgt = model.config.get_text_config()
     hkv = getattr(cfgt, "num_key_value_heads", None) or cfgt.num_attention_heads
-    d = getattr(cfgt, "head_dim", None) or cfgt.hidden_size // cfgt.num_attention_heads
+    dk, dv = kv_head_dims(cfgt)  # MLA: keys and values of different widths
     res = {"verifier": name, "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
            "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else str(dev),
            "torch": torch.__version__, "transformers": __import__("transformers").__version__,
            "slots": slots, "max_len": max_len, "max_new_tokens": max_new, "reps": a.reps,
            "weight_bytes": sum(t.numel() * t.element_size() for t in model.parameters()),
-           "kv_bytes_per_token": 2 * cfgt.num_hidden_layers * hkv * d * next(model.parameters()).element_size(),
+           "kv_bytes_per_token": cfgt.num_hidden_layers * hkv * (dk + dv) * next(model.parameters()).element_size(),
            "bandwidth_gb_s": bw / 1e9 if bw else None, "rows": []}
     paths = list(a.attention or PATHS) + ([COMPILED] if a.compile else [])
     prefer = "flex" if "flex" in paths else paths[0]  # the profiled path (the other one if it fails to build)

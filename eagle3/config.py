@@ -688,7 +688,9 @@ class TrainConfig(_Strict):
     online_prefetch: int = Field(
         2, ge=1, description="online with extract.backend sglang: micro-batches captured ahead of training (a bounded "
         "queue: the capture of batch k+1 overlaps training on batch k; each waits in host memory)")
-    nproc_per_node: int = Field(1, ge=1, description="GPUs per node the run is planned for (torchrun --nproc_per_node); documentation")
+    nproc_per_node: int = Field(1, ge=1, description="processes 04 is planned for (torchrun --nproc_per_node N; the global "
+                                "batch is batch_size x grad_accum x N): when the config sets it, 04 warns in one line if "
+                                "it runs in another number of processes (a plain `python 04_train.py` is one)")
     output_dir: Optional[str] = Field(None, description="default {output_root}/train")
 
     @field_validator("select_chain")

@@ -196,8 +196,8 @@ def flex_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, att
     hkv = key.shape[1]
     q = query.reshape(n, hkv, h // hkv, d)  # [n, Hkv, G, D]
     bm = decode_block_mask(attn_len, kv_indices, block, key.shape[2], num_blocks, q_len=h // hkv)
-    out = flex_attention(q, key, value, block_mask=bm, scale=scale)  # [n, Hkv, G, D]
-    return out.reshape(n, h, 1, d)
+    out = flex_attention(q, key, value, block_mask=bm, scale=scale)  # [n, Hkv, G, Dv]
+    return out.reshape(n, h, 1, value.shape[-1])  # Dv = D except MLA (kv_head_dims)
 
 
 _COMPILED_FLEX = None
@@ -377,7 +377,7 @@ def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
         outs.append(torch.nn.functional.scaled_dot_product_attention(
             q[s0:s1], kc[s0:s1, :, :w], vc[s0:s1, :, :w], attn_mask=mask, scale=scaling))  # [S_g, Hkv, G, D]
     out = outs[0] if len(outs) == 1 else torch.cat(outs)  # [n, Hkv, G, D]
-    return out.reshape(b, 1, h, d), None
+    return out.reshape(b, 1, h, vc.shape[-1]), None  # value width: D except MLA (kv_head_dims)
 
 
 def prefix_sizes(slots: int, min_prefix: int = 8) -> list[int]:
@@ -613,10 +613,22 @@ class KVCacheTooLarge(UserError):
 KV_FREE_SHARE = 0.9  # of the free GPU memory the KV cache may take; the rest: logits [rows, V], activations, graphs
 
 
+def kv_head_dims(cfg) -> tuple[int, int]:
+    """Per-head widths ``(key, value)`` of the K/V tensors a verifier's attention modules hand to the attention
+    function. Standard attention: ``head_dim`` (else ``hidden_size // heads``) for both. MLA (DeepSeek-V3, Kimi-K2.5:
+    ``kv_lora_rank`` set) expands its latent into keys of ``qk_nope_head_dim + qk_rope_head_dim`` and values of
+    ``v_head_dim`` (Kimi: 192 and 128), while its config's ``head_dim`` is the rope part alone (64)."""
+    if getattr(cfg, "kv_lora_rank", None) is not None and getattr(cfg, "qk_rope_head_dim", None) is not None:
+        dk = int(cfg.qk_nope_head_dim) + int(cfg.qk_rope_head_dim)
+        return dk, int(getattr(cfg, "v_head_dim", None) or dk)
+    d = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    return d, d
+
+
 def check_kv_fits(rows: int, cols: int, n_layers: int, kv_heads: int, head_dim: int, elem_bytes: int,
-                  free_bytes: int, where: str = "the GPU has free") -> int:
-    """Bytes of a slot KV cache (K and V, ``n_layers`` x ``[rows, kv_heads, cols, head_dim]`` each, ``elem_bytes`` a
-    value); raises :class:`KVCacheTooLarge` when they exceed :data:`KV_FREE_SHARE` of ``free_bytes`` (the GPU's free
+                  free_bytes: int, where: str = "the GPU has free", v_head_dim: Optional[int] = None) -> int:
+    """Bytes of a slot KV cache (K and V, ``n_layers`` x ``[rows, kv_heads, cols, head_dim]`` each (V ``v_head_dim``
+    wide when given: MLA), ``elem_bytes`` a value); raises :class:`KVCacheTooLarge` when they exceed :data:`KV_FREE_SHARE` of ``free_bytes`` (the GPU's free
     memory, ``torch.cuda.mem_get_info``, or on the CPU the host's available memory: ``where`` says which), naming the
     settings that size it, instead of a CUDA out-of-memory traceback at the allocation (on the CPU: the kernel's OOM
     killer, a bare ``Killed`` and no line at all: fresh-user trial 2026-12-05f). SmolLM2-135M (30 layers, 3 KV heads
@@ -625,12 +637,13 @@ def check_kv_fits(rows: int, cols: int, n_layers: int, kv_heads: int, head_dim: 
     Raises:
         KVCacheTooLarge: the cache would not fit (a :class:`eagle3.errors.UserError`: one line, exit 2 in 01).
     """
-    need = 2 * n_layers * rows * kv_heads * cols * head_dim * elem_bytes
+    dv = head_dim if v_head_dim is None else v_head_dim
+    need = n_layers * rows * kv_heads * cols * (head_dim + dv) * elem_bytes
     if need > KV_FREE_SHARE * free_bytes:
         gib = 2**30
         raise KVCacheTooLarge(
             f"prompts.gen_batch_size: the regeneration KV cache of {rows} rows x {cols} columns ({n_layers} layers, "
-            f"{kv_heads} KV heads of {head_dim}) needs {need / gib:.1f} GiB, more than {KV_FREE_SHARE:.0%} of the "
+            f"{kv_heads} KV heads of {head_dim if dv == head_dim else f'{head_dim}/{dv}'}) needs {need / gib:.1f} GiB, more than {KV_FREE_SHARE:.0%} of the "
             f"{free_bytes / gib:.1f} GiB {where}; lower prompts.gen_batch_size (rows) or "
             f"prompts.max_context_tokens / prompts.max_new_tokens (columns)")
     return need
@@ -758,9 +771,9 @@ class SlotEngine(Engine):
         cfg = model.config.get_text_config()
         n_layers, hkv = cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         h = cfg.num_attention_heads
-        d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        d, dv = kv_head_dims(cfg)  # MLA: keys and values of different widths
         self.block, self.attention_mode, self._tried = flex_block, attention, set()  # _tried: prefixes stepped once
-        self.flex = self._pick_attention(attention, slots, h, hkv, d, dtype, -(-max_len // flex_block) * flex_block)
+        self.flex = self._pick_attention(attention, slots, h, hkv, d, dtype, -(-max_len // flex_block) * flex_block, dv)
         self._flex_alone = self.flex  # the flex call to go back to if the compiled step is dropped
         self._compile_min = slots if compile_min_prefix is None else max(1, int(compile_min_prefix))
         self._setup_compile(compile_step, planned_answers)
@@ -779,9 +792,9 @@ class SlotEngine(Engine):
         free = torch.cuda.mem_get_info(self.dev)[0] if on_gpu else host_available_bytes()
         if free is not None:
             check_kv_fits(rows, cols, n_layers, hkv, d, torch.empty((), dtype=dtype).element_size(), free,
-                          "the GPU has free" if on_gpu else "this machine has available (MemAvailable)")
+                          "the GPU has free" if on_gpu else "this machine has available (MemAvailable)", v_head_dim=dv)
         self.cache = SlotCache(k=[torch.zeros(rows, hkv, cols, d, dtype=dtype, device=self.dev) for _ in range(n_layers)],
-                               v=[torch.zeros(rows, hkv, cols, d, dtype=dtype, device=self.dev) for _ in range(n_layers)])
+                               v=[torch.zeros(rows, hkv, cols, dv, dtype=dtype, device=self.dev) for _ in range(n_layers)])
         if self.flex is not None:
             self.cache.flex = self.flex
             nb = cols // flex_block
@@ -789,7 +802,7 @@ class SlotEngine(Engine):
                 slots, 1, 1, nb).contiguous()  # [S, 1, 1, L / block]
         self.prefixes = prefix_sizes(slots, min_prefix)
         self.kv_cols = torch.zeros((), dtype=torch.long, device=self.dev)  # flex: KV columns read by the steps so far
-        self.kv_bytes_per_token = 2 * n_layers * hkv * d * p.element_size()
+        self.kv_bytes_per_token = n_layers * hkv * (d + dv) * p.element_size()
         self._init_slots(slots, max_len, max_new_tokens, stop_ids)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # per slot prefix
         self._pool = None  # one memory pool shared by the prefix graphs (replayed one at a time)
@@ -1264,7 +1277,8 @@ class SlotEngine(Engine):
         h = hid[0, buf.t.rows[1]]  # [S, hidden] the last fed token of each row
         buf.tok.copy_(self.model.get_output_embeddings()(h).argmax(-1))  # [S]
 
-    def _pick_attention(self, attention: str, slots: int, h: int, hkv: int, d: int, dtype, cols: int):
+    def _pick_attention(self, attention: str, slots: int, h: int, hkv: int, d: int, dtype, cols: int,
+                        dv: Optional[int] = None):
         """The flex decode function, or None for sdpa_groups. On CUDA the compiled kernel is probed (compiled,
         run and, with ``cuda_graphs``, captured in a throwaway graph at the full slot count): ``flex`` raises on a
         failure, ``auto`` logs one line and takes sdpa_groups. On CPU ``flex`` is eager FlexAttention (it
@@ -1284,7 +1298,7 @@ class SlotEngine(Engine):
             return fn(q, k, v, attn_len, kv_indices, scale, self.block, num_blocks)
 
         try:
-            self._probe_flex(call, slots, h, hkv, d, dtype, cols)
+            self._probe_flex(call, slots, h, hkv, d, dtype, cols, dv)
         except Exception as e:  # noqa: BLE001 - any compile/capture failure: the SDPA path gives the same tokens
             if attention == "flex":
                 raise RuntimeError(f"SlotEngine: FlexAttention decode failed on {self.dev} "
@@ -1294,15 +1308,17 @@ class SlotEngine(Engine):
             return None
         return call
 
-    def _probe_flex(self, call, slots: int, h: int, hkv: int, d: int, dtype, cols: int) -> None:
-        """Compile and run the flex decode at ``[slots, h, 1, d]`` against a ``cols``-column cache (and capture it
+    def _probe_flex(self, call, slots: int, h: int, hkv: int, d: int, dtype, cols: int,
+                    dv: Optional[int] = None) -> None:
+        """Compile and run the flex decode at ``[slots, h, 1, d]`` (values ``dv`` wide, default ``d``: MLA's differ,
+        :func:`kv_head_dims`) against a ``cols``-column cache (and capture it
         in a CUDA graph when graphs are on); raises on any failure or a wrong result."""
-        nb = cols // self.block
+        nb, dv = cols // self.block, d if dv is None else dv
         # K/V and block indices made as the cache is (the constructor's grad mode), the rest as a step makes them
         # (inference mode), so the compiled graph's guards match the engine's calls
         g = torch.Generator(device=self.dev).manual_seed(0)
         k = torch.randn(slots, hkv, cols, d, generator=g, device=self.dev, dtype=dtype)  # [S, Hkv, L, D]
-        v = torch.randn(slots, hkv, cols, d, generator=g, device=self.dev, dtype=dtype)
+        v = torch.randn(slots, hkv, cols, dv, generator=g, device=self.dev, dtype=dtype)
         idx = torch.arange(nb, dtype=torch.int32, device=self.dev).expand(slots, 1, 1, nb).contiguous()
         with torch.inference_mode():
             q = torch.randn(slots, h, 1, d, generator=g, device=self.dev, dtype=dtype)  # [S, H, 1, D]

@@ -223,6 +223,30 @@ def warn_short_context(cfg: RunConfig, args):
     return args
 
 
+def warn_world_size(cfg: RunConfig, d: DistInfo) -> Optional[str]:
+    """Warn (rank 0) when the config plans ``train.nproc_per_node`` processes and 04 runs in another number: a plain
+    ``python 04_train.py --config configs/kimi-k2.5.yaml`` trained on one GPU with an eighth of the planned global
+    batch, without a word (rehearsal 2026-12-05g). Only a value the config sets is compared (the default 1 is not a
+    plan), and a resume on fewer GPUs stays possible: this is a warning, not a refusal.
+
+    Returns:
+        The warning's text, or None.
+    """
+    want = cfg.train.nproc_per_node
+    if "nproc_per_node" not in cfg.train.model_fields_set or want == d.world:
+        return None
+    t = cfg.train
+    batch = (f"{t.batch_size} x {t.grad_accum} x {d.world} = {t.batch_size * t.grad_accum * d.world} samples per "
+             f"optimizer step instead of {t.batch_size * t.grad_accum * want}" if t.batch_tokens is None else
+             f"{d.world}/{want} of the planned tokens per optimizer step")
+    msg = (f"train.nproc_per_node: the config plans {want} processes but 04 runs in {d.world} (WORLD_SIZE): "
+           f"{batch}; start it with `torchrun --nproc_per_node {want} 04_train.py ...`, or set "
+           f"train.nproc_per_node: {d.world} if this is intended")
+    if d.is_main:
+        log.warning("%s", msg)
+    return msg
+
+
 def prepare_target_head(cfg: RunConfig, data_config: dict, d: DistInfo) -> TargetHead:
     """Load ``{train_dir}/target_head.safetensors``; rank 0 extracts it from the verifier first if missing.
 
@@ -274,7 +298,8 @@ def init_drafter(args, head: TargetHead, vocab: dict, seed: int):
 
     if head.embed.shape[1] != args.hidden_size:
         raise UserError(f"drafter.hidden_size: {args.hidden_size} differs from the verifier hidden size "
-                        f"{head.embed.shape[1]}; the drafter reuses the verifier's token embedding")
+                        f"{head.embed.shape[1]}; the drafter reuses the verifier's token embedding: set "
+                        f"drafter.hidden_size: {head.embed.shape[1]} (or null, the verifier's)")
     torch.manual_seed(seed)
     drafter = Eagle3Drafter(args).float()
     drafter.load_embeddings(head.embed.float())  # [V, H], frozen
@@ -895,6 +920,7 @@ def _run_locked(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_s
     """:func:`_run`'s steps; ``lock()`` takes 04's lock (called by :func:`_load_inputs` before its first write). Every
     warning logged meanwhile (rank 0) is listed in ``train_report.json`` ``warnings`` (:func:`_collect_warnings`)."""
     with _collect_warnings(d.is_main) as warned:
+        warn_world_size(cfg, d)
         with _undo_on_refusal(cfg.train_dir, d.is_main):
             inputs = _load_inputs(cfg, d, resume, init, stop, lock)
             try:
@@ -1211,7 +1237,8 @@ def _load_inputs(cfg: RunConfig, d: DistInfo, resume: bool, init: Optional[Calla
     if args.hidden_size != int(data_config["hidden_size"]):  # init_drafter's check, before the head is extracted
         raise UserError(f"drafter.hidden_size: {args.hidden_size} differs from the verifier hidden size "
                         f"{data_config['hidden_size']} ({cfg.shards_dir / 'data_config.json'}); the drafter reuses "
-                        f"the verifier's token embedding")
+                        f"the verifier's token embedding: set drafter.hidden_size: {data_config['hidden_size']} (or "
+                        f"null, the verifier's)")
     warm = _warm_start_planned(cfg, d, resume, args)  # checked before the first write (the full check: after the head)
     if lock is not None:
         lock()  # 04's lock on train_dir (_train_lock), before the folder check deletes stale temp files

@@ -1020,3 +1020,53 @@ def test_kv_cache_size_is_checked_before_allocation():
                             "3 KV heads of 64) needs 112.5 GiB, more than 90% of the 120.0 GiB the GPU has free; lower "
                             "prompts.gen_batch_size (rows) or prompts.max_context_tokens / prompts.max_new_tokens "
                             "(columns)")
+
+
+@pytest.fixture(scope="module")
+def tiny_mla():
+    """A random MLA + MoE DeepseekV3 verifier (Kimi-K2.5's architecture): keys 16 + 8 = 24 wide, values 16, and a
+    config ``head_dim`` of 8 (the rope part alone)."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = DeepseekV3Config(vocab_size=96, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                           num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+                           num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1,
+                           q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                           max_position_embeddings=256)
+    return DeepseekV3ForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("attention,pack", [("sdpa_groups", False), ("flex", False), ("flex", True)])
+def test_slot_engine_on_an_mla_verifier_equals_hf_greedy(tiny_mla, attention, pack):
+    """01's default engine on Kimi's architecture: the K cache is 24 wide and the V cache 16 (kv_head_dims), and the
+    answers, next turns reusing their prefix included, equal plain transformers greedy (fp32). Before the fix the
+    cache took the config's head_dim (8) for both and the first prefill raised a shape-mismatch traceback."""
+    from eagle3.prompts.continuous import kv_head_dims
+
+    model = tiny_mla
+    assert kv_head_dims(model.config) == (24, 16)
+    max_new = 10
+    prompts = _prompts(7, model.config.vocab_size, seed=5)
+    stops = _stops(model, prompts, max_new)
+    want = [hf_greedy(model, p, max_new, stops) for p in prompts]
+    later = {1: prompts[1] + want[1][0] + prompts[4][:3]}  # a next turn: its prefix is reused from the slot
+    eng = SlotEngine(model, 3, max_len=64, max_new_tokens=max_new, stop_ids=stops, check_every=2, width_classes=[],
+                     cuda_graphs=False, attention=attention, flex_block=16, reuse_min_tokens=4, prefill_pack=pack)
+    assert (eng.cache.k[0].shape[-1], eng.cache.v[0].shape[-1]) == (24, 16)
+    assert eng.kv_bytes_per_token == 4 * 4 * (24 + 16) * 4  # layers x KV heads x (key + value width) x fp32
+    if attention == "flex":  # the start-up probe (CUDA) at MLA's widths: keys 24, values 16
+        eng._probe_flex(eng.flex, 3, 4, 4, 24, torch.float32, 64, dv=16)
+    got = _run(eng, prompts, later)
+    assert [got[i] for i in range(len(prompts))] == want
+    assert got[("after", 1)] == hf_greedy(model, later[1], max_new, stops)
+
+
+def test_kv_cache_check_counts_mla_value_width():
+    """K and V of different widths (MLA) are summed, not the key width twice: Kimi-K2.5 (61 layers, 64 heads, keys
+    192, values 128, bf16) at 16 rows x 4,096 columns needs 61 x 16 x 64 x 4096 x (192 + 128) x 2 bytes = 152.5 GiB."""
+    from eagle3.prompts.continuous import check_kv_fits
+
+    gib = 2**30
+    assert check_kv_fits(16, 4096, 61, 64, 192, 2, 1000 * gib, v_head_dim=128) == 61 * 16 * 64 * 4096 * 320 * 2
+    assert check_kv_fits(16, 4096, 61, 64, 192, 2, 1000 * gib, v_head_dim=128) == int(152.5 * gib)

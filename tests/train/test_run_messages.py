@@ -206,3 +206,30 @@ def test_a_refused_stop_at_on_resume_logs_nothing_about_the_schedule_first(tmp_p
     assert str(e.value).startswith("--stop-at 7: the schedule has 6 optimizer steps; a stop at or after its end")
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
     assert "resumed from" not in caplog.text
+
+
+def test_04_warns_when_it_runs_in_another_number_of_processes_than_the_config_plans(tmp_path):
+    """configs/kimi-k2.5.yaml plans `train.nproc_per_node: 8`, but the key was documentation only: a plain
+    `python 04_train.py` trained in one process with an eighth of the planned global batch, without a word. Now the
+    run's warnings (log and train_report.json) name the key, both batches and the torchrun command; a run in the
+    planned number of processes, or a config that leaves the key at its default, gets none."""
+    import json
+
+    import torch
+
+    from eagle3.train.trainer import DistInfo, run, warn_world_size
+
+    path = make_tiny_run(tmp_path, train={"epochs": 1, "nproc_per_node": 8, "batch_size": 2, "grad_accum": 2})
+    cfg = load_config(path)
+    run(cfg, device="cpu")
+    rep = json.loads((cfg.train_dir / "train_report.json").read_text())["warnings"]
+    want = ("train.nproc_per_node: the config plans 8 processes but 04 runs in 1 (WORLD_SIZE): 2 x 2 x 1 = 4 samples "
+            "per optimizer step instead of 32; start it with `torchrun --nproc_per_node 8 04_train.py ...`, or set "
+            "train.nproc_per_node: 1 if this is intended")
+    assert want in rep
+    two = DistInfo(rank=1, world=2, local_rank=1, device=torch.device("cpu"))
+    assert warn_world_size(load_config(path, ["train.nproc_per_node=2"]), two) is None  # as planned
+    unset = make_tiny_run(tmp_path / "unset", train={"epochs": 1})
+    assert warn_world_size(load_config(unset), two) is None  # the default 1 is no plan
+    tok = load_config(path, ["train.batch_tokens=64"])
+    assert "1/8 of the planned tokens per optimizer step" in warn_world_size(tok, DistInfo(0, 1, 0, torch.device("cpu")))

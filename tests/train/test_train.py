@@ -501,7 +501,10 @@ def test_refused_run_leaves_the_train_folder_as_it_was(tmp_path):
     with pytest.raises(UserError, match=r"/data/split\.json: key 'train': sample 3 has no shard"):
         run(cfg, device="cpu")
     assert not cfg.train_dir.exists()
-    with pytest.raises(UserError, match="drafter.hidden_size: 32 differs from the verifier hidden size 16"):
+    # the line says what to set (it only said why: rehearsal 2026-12-05g)
+    with pytest.raises(UserError, match=r"drafter.hidden_size: 32 differs from the verifier hidden size 16 \(.*"
+                                        r"data_config\.json\); the drafter reuses the verifier's token embedding: set "
+                                        r"drafter.hidden_size: 16 \(or null, the verifier's\)$"):
         run(load_config(path, [f"verifier.path={tmp_path / 'verifier'}", "drafter.hidden_size=32", "drafter.head_dim=8"]),
             device="cpu")
     assert not cfg.train_dir.exists()
