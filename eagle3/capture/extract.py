@@ -138,7 +138,8 @@ def read_prompts(path: str | os.PathLike, limit: Optional[int] = None) -> list[d
 
     A message is ``{role: system|user|assistant|tool, content: str}`` plus, optionally,
     ``reasoning_content: str``, ``tool_calls: list`` (assistant), ``tool_call_id``/``name`` (tool)
-    and ``tokens: [int]`` (assistant, the ids the verifier generated); see DESIGN.md "Prompts file".
+    ``tokens: [int]`` (assistant, the ids the verifier generated) and ``truncated: bool`` (assistant, cut at
+    ``prompts.max_new_tokens``: no loss on the template's end-of-turn token); see DESIGN.md "Prompts file".
 
     Args:
         limit: keep only the first ``limit`` records.
@@ -164,7 +165,8 @@ def read_prompts(path: str | os.PathLike, limit: Optional[int] = None) -> list[d
         for k, m in enumerate(msgs):
             if not isinstance(m, dict) or m.get("role") not in _ROLES or not isinstance(m.get("content"), str):
                 raise UserError(f"{path}:{n}: key 'messages[{k}]' must be {{role: {'|'.join(_ROLES)}, content: str}}")
-            for key, typ in (("reasoning_content", str), ("tool_calls", list), ("tool_call_id", str), ("tokens", list)):
+            for key, typ in (("reasoning_content", str), ("tool_calls", list), ("tool_call_id", str), ("tokens", list),
+                             ("truncated", bool)):
                 if m.get(key) is not None and not isinstance(m[key], typ):
                     raise UserError(f"{path}:{n}: key 'messages[{k}].{key}' must be a {typ.__name__}")
             _check_token_list(m.get("tokens"), f"{path}:{n}: key 'messages[{k}].tokens")

@@ -33,8 +33,12 @@ End-of-turn policy: the mask covers the reply and the end-of-turn token(s) the t
 after it (ChatML/Kimi ``<|im_end|>``), because the verifier emits them; template text after the
 LAST end-of-turn token of the turn (ChatML's ``"\\n"``) gets mask 0 (generation stops at the
 end-of-turn token; SpecForge masks it out too). A reply without any end-of-turn token is masked
-whole. Tokens of the reasoning (from the reply start up to and including ``</think>``) get mask 0
-when ``loss_on_reasoning`` is off. Never masked: system, user and tool-result text, tool
+whole. A reply 01 cut at ``prompts.max_new_tokens`` (``truncated: true`` on the message; a message without
+the key counts as finished, as before) is masked up to its last generated token: the end-of-turn token
+the template appends, and the template text after it, get 0 (the verifier never emitted them; SpecForge and
+speculators train on generated tokens only); the next turn's context still holds them, as served.
+Tokens of the reasoning (from the reply start up to and including ``</think>``) get mask 0 when
+``loss_on_reasoning`` is off. Never masked: system, user and tool-result text, tool
 declarations, and the assistant header / generation prompt.
 
 Template self-check (:func:`check_template`, once per template): rendering with and without
@@ -154,11 +158,15 @@ def end_of_turn_ids(tokenizer) -> set[int]:
     return stop_token_ids(tokenizer)
 
 
+_PIPELINE_KEYS = ("tokens", "truncated")  # 01's own message fields, never passed to a template
+
+
 def _template_messages(messages: list[dict]) -> list[dict]:
-    """``messages`` without the pipeline's own ``tokens`` field: a server never passes it to the
-    template either, and transformers walks every id of it on each rendering (a third of 02's
+    """``messages`` without the pipeline's own ``tokens`` and ``truncated`` fields: a server never passes them
+    to the template either, and transformers walks every id of ``tokens`` on each rendering (a third of 02's
     tokenization time on regenerated data)."""
-    return [{k: v for k, v in m.items() if k != "tokens"} if "tokens" in m else m for m in messages]
+    return [{k: v for k, v in m.items() if k not in _PIPELINE_KEYS} if any(k in m for k in _PIPELINE_KEYS) else m
+            for m in messages]
 
 
 def _tokenize(tokenizer, text: str) -> list[int]:
@@ -381,7 +389,8 @@ def _find_sub(seq: list[int], sub: list[int]) -> int:
 
 
 def _reply_ids(tokenizer, turn: _Turn, opts: ChatOptions, stops: set[int]) -> tuple[list[int], list[int]]:
-    """``(ids, mask)`` of one reply segment (mask per the module's end-of-turn/reasoning policy)."""
+    """``(ids, mask)`` of one reply segment (mask per the module's end-of-turn/reasoning policy; a message with
+    ``truncated: true`` is masked up to its generated tokens, the template's end-of-turn and later text get 0)."""
     reply, m = turn.reply, turn.message
     n_r_chars = _reasoning_chars(turn.head, reply, opts)
     toks = m.get("tokens")
@@ -404,7 +413,10 @@ def _reply_ids(tokenizer, turn: _Turn, opts: ChatOptions, stops: set[int]) -> tu
         first = _tokenize(tokenizer, reply[:n_r_chars])
         ids = first + _tokenize(tokenizer, reply[n_r_chars:])
         n_r = len(first)
-    end = next((j + 1 for j in range(len(ids) - 1, -1, -1) if ids[j] in stops), len(ids))
+    if m.get("truncated") is True:  # cut at max_new_tokens: the verifier never emitted the end-of-turn token
+        end = len(gen) if toks is not None else next((j for j, t in enumerate(ids) if t in stops), len(ids))
+    else:
+        end = next((j + 1 for j in range(len(ids) - 1, -1, -1) if ids[j] in stops), len(ids))
     mask = [1] * end + [0] * (len(ids) - end)
     if not opts.loss_on_reasoning:
         mask[:n_r] = [0] * min(n_r, len(mask))

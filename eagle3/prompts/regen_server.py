@@ -83,6 +83,8 @@ class Answer:
             m["tool_calls"] = self.tool_calls
         if self.tokens is not None:
             m["tokens"] = self.tokens
+        if self.truncated:  # 02 leaves the template's end-of-turn token out of this answer's loss
+            m["truncated"] = True
         return m
 
 

@@ -244,6 +244,8 @@ class _Run:
                                           head.rstrip().endswith(self.opts.think_tags[0]))
         if reasoning is not None:
             msg.update(content=text, reasoning_content=reasoning)
+        if not stopped:  # cut at max_new_tokens: 02 leaves the template's end-of-turn token out of the loss
+            msg["truncated"] = True
         self.state[i][0].append(msg)
         self.done[i] += 1
         self.st["new_tokens"] += len(ans)

@@ -253,6 +253,10 @@ def test_bad_prompts_file(tmp_path):
     p.write_text("\n  \n")  # blank lines only (an empty prompts.jsonl): refused, not 0 shards and a done capture
     with pytest.raises(UserError, match="prompts.jsonl: no conversations in the prompts file"):
         read_prompts(p)
+    p.write_text('{"id": "a", "messages": [{"role": "user", "content": "x"}, '
+                 '{"role": "assistant", "content": "y", "truncated": "yes"}]}\n')  # 01 writes true, never a string
+    with pytest.raises(UserError, match=r"prompts.jsonl:1: key 'messages\[1\].truncated' must be a bool"):
+        read_prompts(p)
 
 
 def test_cli_exit_code_on_bad_input(tmp_path, tiny_llama_dir, capsys):

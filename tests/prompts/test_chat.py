@@ -165,3 +165,33 @@ def test_regenerated_reply_tokens_are_used_verbatim(smollm_tokenizer):
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
     assert ids == head + gen + [im_end] + nl
     assert mask == [0] * len(head) + [1] * 25 + [0]
+
+
+@pytest.mark.parametrize("with_tokens", [True, False])
+def test_truncated_answer_has_no_loss_on_the_appended_end_of_turn(smollm_tokenizer, with_tokens):
+    """An answer 01 cut at ``prompts.max_new_tokens`` (``truncated: true``) gets the template's ``<|im_end|>``
+    appended by the rendering, but the verifier never emitted it: mask 0 there (and on the "\\n" after it), the
+    generated tokens keep mask 1, and the next turn follows as before. The same conversation with the answer
+    finished (no key, as in files from before it) keeps the end-of-turn token in the loss. With ``tokens`` (local
+    or SGLang regeneration) and without (OpenAI endpoint, text only)."""
+    tok = smollm_tokenizer
+    msgs = [dict(m) for m in TWO_TURNS]
+    if with_tokens:
+        msgs[2]["tokens"], msgs[4]["tokens"] = [19556, 17], [36]  # "Hello", "!" / "4", as the verifier generated
+    finished_ids, finished_mask = tokenize_conversation(tok, msgs, max_length=512)
+    assert finished_ids == [t for t, _, _ in SMOL_EXPECTED] and finished_mask == [m for _, _, m in SMOL_EXPECTED]
+    msgs[2]["truncated"] = True
+    ids, mask = tokenize_conversation(tok, msgs, max_length=512)
+    # token for token: the same ids; the first reply's <|im_end|> (position 20) leaves the loss, nothing else moves
+    expected = [(t, s, 0 if i == 20 else m) for i, (t, s, m) in enumerate(SMOL_EXPECTED)]
+    assert SMOL_EXPECTED[20][:2] == (2, "<|im_end|>") and SMOL_EXPECTED[18][1:] == ("Hello", 1)
+    assert ids == [t for t, _, _ in expected]
+    assert mask == [m for _, _, m in expected]
+    assert mask[18:22] == [1, 1, 0, 0] and mask[-3:] == [1, 1, 0]  # "Hello" "!" <|im_end|> "\n"; "4" <|im_end|> "\n"
+    # both answers cut: only their generated tokens are loss tokens
+    msgs[4]["truncated"] = True
+    ids, mask = tokenize_conversation(tok, msgs, max_length=512)
+    assert ids == [t for t, _, _ in SMOL_EXPECTED]
+    assert [s for (_, s, _), m in zip(SMOL_EXPECTED, mask) if m] == ["Hello", "!", "4"]
+    # the key is 01's own: the template never sees it (the rendering is the same with and without it)
+    assert render(tok, msgs) == render(tok, TWO_TURNS)

@@ -123,8 +123,9 @@ def test_sglang_parse_strips_matched_stop_and_checks_shape(smollm_tokenizer, tmp
     a = proto.parse({"output_ids": ids + [eot], "meta_info": {"finish_reason": {"type": "stop", "matched": eot},
                                                                "prompt_tokens": 7}}, 7)
     assert (a.tokens, a.content, a.truncated, a.new_tokens) == (ids, "Paris is nice.", False, len(ids))
+    assert "truncated" not in a.message()  # a finished answer: no key (02 reads its absence as finished)
     a = proto.parse({"output_ids": ids, "meta_info": {"finish_reason": {"type": "length", "length": 4}}}, 7)
-    assert a.tokens == ids and a.truncated
+    assert a.tokens == ids and a.truncated and a.message()["truncated"] is True
     for bad in ({"text": "x"}, {"output_ids": [1], "meta_info": {"finish_reason": {"type": "abort", "message": "oom"}}},
                 {"output_ids": [1], "meta_info": {"finish_reason": None, "prompt_tokens": 9}}):
         with pytest.raises(ValueError):

@@ -54,7 +54,8 @@ def _reference_regenerate(model, tok, conv, max_new):
         text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
         prompt = tok(text, add_special_tokens=False)["input_ids"]
         ans = _reference_greedy(model, prompt, max_new, stops)
-        msgs.append({"role": "assistant", "content": tok.decode(ans, skip_special_tokens=True), "tokens": ans})
+        msgs.append({"role": "assistant", "content": tok.decode(ans, skip_special_tokens=True), "tokens": ans,
+                     **({"truncated": True} if len(ans) == max_new else {})})  # no stop token within the budget
     return {"id": conv["id"], "messages": msgs}
 
 
@@ -80,6 +81,8 @@ def test_batched_equals_unbatched_greedy(tiny):
         ["user", "assistant"], ["system", "user", "assistant"],
         ["user", "assistant", "user", "assistant"], ["user", "assistant", "user", "assistant"]]
     assert got[0]["messages"][1]["content"] != "old answer"
+    answers = [m for c in got for m in c["messages"] if m["role"] == "assistant"]
+    assert stats["truncated"] == sum(m.get("truncated", False) for m in answers) > 0  # recorded per answer
     assert stats["answers"] == 6
     assert 0 <= stats["new_tokens"] <= 6 * MAX_NEW
 
