@@ -675,20 +675,25 @@ def check_drafter_vocab(cfg, drafter, drafter_dir: Path, own_export: bool) -> li
 
     warnings: list[str] = []
     got, want = int(drafter.args.draft_vocab_size), int(cfg.data.draft_vocab_size)
-    problem = None
+    problem, fix = None, None
+    # a plain re-run of 04 into the same train folder is refused (its checkpoints hold the old vocab): name the ways
+    # that work (fresh-user trial 2026-12-05g)
+    new_run = "or train a drafter for it with 04_train.py into a new train.output_dir"
     if got != want:
         problem = (f"{drafter_dir}: drafter has draft_vocab_size {got} but the config's data.draft_vocab_size is "
                    f"{want}")
+        fix = f"set data.draft_vocab_size back to {got}, {new_run}"
     else:
         vm_path = cfg.data_dir / VOCAB_MAP
         if vm_path.is_file():
             vm = load_vocab_map(vm_path, target_vocab_size=int(drafter.args.target_vocab_size))
             if not torch.equal(vm["d2t"].to(drafter.d2t.device), drafter.d2t):
                 problem = f"{drafter_dir}: drafter's d2t differs from {vm_path} (export from an older stage-03 run?)"
+                fix = f"re-run 03_prepare_data.py with the data settings the drafter was trained under, {new_run}"
     if problem is None:
         return warnings
     if own_export:
-        raise UserError(problem + " (re-run 04_train.py, or pass --drafter to benchmark another drafter)")
+        raise UserError(f"{problem} ({fix}, or pass --drafter to benchmark another drafter)")
     log.warning(problem)
     warnings.append(problem)
     return warnings
@@ -716,7 +721,9 @@ def check_drafter_shape(cfg, drafter, drafter_dir: Path, own_export: bool) -> li
         return []
     problem = f"{drafter_dir}: the drafter has " + "; ".join(diffs)
     if own_export:
-        raise UserError(problem + " (re-run 04_train.py, or pass --drafter to benchmark another drafter)")
+        raise UserError(problem + " (set those drafter fields back to the trained values, or train a drafter of this "
+                        "shape with 04_train.py into a new train.output_dir, or pass --drafter to benchmark another "
+                        "drafter)")
     log.warning(problem)
     return [problem]
 

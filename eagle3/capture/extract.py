@@ -469,7 +469,8 @@ def _check_state(root: Path, fp: str, comp: dict, overwrite: bool, weights: dict
 
     Raises:
         UserError: ``<extract_state.json>: the shards in <root> were extracted with other settings: changed ...;
-            re-run with --overwrite ...``, or shards without a state file.
+            re-run with --overwrite ..., or set extract.output_dir to another folder ...``, or shards without a
+            state file.
     """
     state_path = root / STATE
     has_data = root.is_dir() and any(True for _ in _iter_stage_files(root))
@@ -488,11 +489,13 @@ def _check_state(root: Path, fp: str, comp: dict, overwrite: bool, weights: dict
         if changed:
             raise UserError(
                 f"{state_path}: the shards in {root} were extracted with other settings: changed "
-                f"{'; '.join(changed)}; re-run with --overwrite to delete them and start over"
+                f"{'; '.join(changed)}; re-run with --overwrite to delete them and start over, or set extract.output_dir "
+                f"to another folder to keep them (another run may read them)"
             )
     elif has_data:
         raise UserError(
-            f"{root}: holds shards but no {STATE} (unknown provenance); re-run with --overwrite to delete them"
+            f"{root}: holds shards but no {STATE} (unknown provenance); re-run with --overwrite to delete them, or set "
+            "extract.output_dir to another folder to keep them"
         )
     atomic_write_json(state_path, {"fingerprint": fp, "components": comp, **weights, "started_at": time.time()})
 

@@ -151,7 +151,8 @@ def test_offline_bench_speed_checks_the_drafter_shape_and_takes_num_prompts_from
     mod = _script()
     with pytest.raises(UserError, match=r"drafter-sglang: the drafter has variant 'eagle3' but the config's "
                                         r"drafter.variant is 'eagle3.1'; num_layers 1 but the config's drafter.num_layers "
-                                        r"is 2 \(re-run 04_train.py"):
+                                        r"is 2 \(set those drafter fields back to the trained values, or train a drafter "
+                                        r"of this shape with 04_train.py into a new train.output_dir"):
         mod.main(args)
     other = tmp_path / "other"
     (tmp_path / "out" / "drafter-sglang").rename(other)

@@ -23,8 +23,13 @@ def _cfg(tmp_path, draft_vocab_size):
 def test_own_export_with_other_draft_vocab_size_refused(tmp_path):
     drafter = make_drafter(make_verifier(), TARGETS)
     cfg = _cfg(tmp_path, 64)
-    with pytest.raises(UserError, match=r"draft_vocab_size 32 but the config's data.draft_vocab_size is 64"):
+    with pytest.raises(UserError) as e:
         check_drafter_vocab(cfg, drafter, cfg.export_dir, own_export=True)
+    # the fix named is one that works: a plain 04 re-run into the same train folder is refused (fresh-user trial)
+    assert str(e.value) == (f"{cfg.export_dir}: drafter has draft_vocab_size 32 but the config's "
+                            "data.draft_vocab_size is 64 (set data.draft_vocab_size back to 32, or train a drafter for "
+                            "it with 04_train.py into a new train.output_dir, or pass --drafter to benchmark another "
+                            "drafter)")
     # a drafter from elsewhere (--drafter): warned, not refused
     (w,) = check_drafter_vocab(cfg, drafter, tmp_path / "other", own_export=False)
     assert "data.draft_vocab_size is 64" in w
@@ -43,8 +48,11 @@ def test_own_export_stale_against_vocab_map_refused(tmp_path):
     t2d2 = torch.zeros(256, dtype=torch.bool)
     t2d2[other] = True
     save_vocab_map(cfg.data_dir / "vocab_map.pt", other - torch.arange(32), t2d2)
-    with pytest.raises(UserError, match=r"d2t differs from .*vocab_map.pt"):
+    with pytest.raises(UserError, match=r"d2t differs from .*vocab_map.pt") as e:
         check_drafter_vocab(cfg, drafter, cfg.export_dir, own_export=True)
+    assert str(e.value).endswith("(re-run 03_prepare_data.py with the data settings the drafter was trained under, "
+                                 "or train a drafter for it with 04_train.py into a new train.output_dir, or pass "
+                                 "--drafter to benchmark another drafter)")
 
 
 def test_drafter_shape_against_the_config(tmp_path):
@@ -65,7 +73,8 @@ def test_drafter_shape_against_the_config(tmp_path):
     assert check_drafter_shape(cfg(), drafter, cfg().export_dir, own_export=True) == []
     deep = cfg("drafter.num_layers=2")
     with pytest.raises(UserError, match=r"the drafter has num_layers 1 but the config's drafter.num_layers is 2 "
-                                        r"\(re-run 04_train.py"):
+                                        r"\(set those drafter fields back to the trained values, or train a drafter of "
+                                        r"this shape with 04_train.py into a new train.output_dir, or pass --drafter"):
         check_drafter_shape(deep, drafter, deep.export_dir, own_export=True)
     (w,) = check_drafter_shape(cfg(f"drafter.intermediate_size={a.intermediate_size + 8}"), drafter, tmp_path / "other",
                                own_export=False)

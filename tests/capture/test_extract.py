@@ -180,7 +180,13 @@ def test_fingerprint_mismatch_refused_then_overwrite(tmp_path, tiny_llama_dir, t
         _run(cfg2, tiny_backend, limit=3)
     assert str(e.value).endswith(f"{STATE}: the shards in {cfg2.shards_dir} were extracted with other settings: changed "
                                  f"extract.max_length: {load_config(path).extract.max_length} -> 40; re-run with "
-                                 "--overwrite to delete them and start over")
+                                 "--overwrite to delete them and start over, or set extract.output_dir to another folder "
+                                 "to keep them (another run may read them)")
+    # the way out that keeps the shards (fresh-user trial 2026-12-05g: a second run sharing the first's shards
+    # through extract.output_dir was told only to delete them): a new folder starts its own set
+    s = _run(load_config(path, ["extract.max_length=40", f"extract.output_dir={tmp_path / 'other'}"]), tiny_backend,
+             limit=3)
+    assert (s["written"], s["resumed"]) == (3, 0) and len(list(cfg2.shards_dir.rglob("data_*.pt"))) == 3
     # batch_tokens is not part of the fingerprint: the finished folder is up to date with a smaller budget
     s = _run(load_config(path, ["extract.batch_tokens=40"]), tiny_backend, limit=3)
     assert s["up_to_date"] and s["written"] == 3 and s["resumed"] == 0
@@ -383,7 +389,8 @@ def test_weights_replaced_at_the_same_path_are_not_up_to_date(tmp_path, tiny_lla
             run(cfg, limit=limit)
         assert str(e.value) == (f"{root / STATE}: the shards in {root} were extracted with other settings: changed the "
                                 f"weights at verifier.path (verifier_weights: {first} -> {now}); re-run with "
-                                f"--overwrite to delete them and start over")
+                                f"--overwrite to delete them and start over, or set extract.output_dir to another folder "
+                                f"to keep them (another run may read them)")
     s = run(cfg, overwrite=True)
     assert (s["written"], s["resumed"]) == (6, 0)
     assert json.loads((root / "data_config.json").read_text())["verifier_weights"] == now
