@@ -33,9 +33,6 @@ DOCS = ["README.md", "DESIGN.md", *sorted(p.relative_to(ROOT).as_posix() for p i
 CONFIGS = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "configs").glob("*.yaml"))
 SECTIONS = ("verifier", "prompts", "extract", "data", "drafter", "train", "export", "benchmark")
 FILE_EXTS = {"py", "json", "jsonl", "md", "pt", "png", "gz", "lock", "yaml", "sh", "env", "safetensors", "txt"}
-#: doc text naming keys that do not exist on purpose: (file, key) -> why
-WRONG_ON_PURPOSE = {("README.md", "train.lrr"): "the example of the unknown-key error message",
-                    ("README.md", "train.draft_vocab_size"): "the example of the key-in-another-section error message"}
 #: flags of tools outside this repository that the docs quote (SGLang, vLLM, pip, torchrun)
 EXTERNAL_FLAGS = {
     "--model-path", "--tp-size", "--trust-remote-code", "--host", "--port", "--speculative-algorithm",
@@ -135,19 +132,13 @@ def test_every_config_key_the_docs_name_exists():
     found, bad = 0, []
     for fn, i, key in named_keys():
         last = key.rsplit(".", 1)[-1]
-        if last in FILE_EXTS or (fn, key) in WRONG_ON_PURPOSE:
+        if last in FILE_EXTS:
             continue
         found += 1
         if not config_key_exists(key) and not module_attr_exists(key):
             bad.append(f"{fn}:{i}: {key}")
     assert found > 300, found  # the docs name hundreds: a regex that finds none must not pass
     assert not bad, "keys named in the docs that eagle3/config.py (RunConfig) does not have:\n" + "\n".join(bad)
-
-
-def test_wrong_on_purpose_keys_are_still_wrong_and_named():
-    for (fn, key), why in WRONG_ON_PURPOSE.items():
-        assert not config_key_exists(key), why
-        assert key in (ROOT / fn).read_text(), f"{fn} no longer names {key}: drop it from WRONG_ON_PURPOSE"
 
 
 def test_key_check_catches_a_wrong_key():

@@ -167,6 +167,18 @@ def test_a_report_without_the_weights_fingerprint_stays_up_to_date(tmp_path, tin
     assert run(cfg) == 0 and "prompts up to date" in capsys.readouterr().out
 
 
+def _fake_sampler(si, monkeypatch) -> list:
+    """Replace self-instruct's sampling with a fake that logs each call's query count (the returned list)."""
+    calls = []
+
+    def fake(model, tok, prefix_ids, n, stop_ids, temperature, top_p, max_tokens, seed):
+        calls.append(n)
+        return [f"Tell me about topic number {len(calls)}, please."] * n, [True] * n, 5 * n
+
+    monkeypatch.setattr(si, "sample_queries", fake)
+    return calls
+
+
 def test_self_instruct_file_of_other_weights_is_sampled_again(tmp_path, tiny_llama_dir, other_weights_dir, monkeypatch,
                                                               capsys):
     """01 --self-instruct's file (and prompts.self_instruct's) is sampled from the verifier: with verifier.path on
@@ -175,13 +187,7 @@ def test_self_instruct_file_of_other_weights_is_sampled_again(tmp_path, tiny_lla
     from eagle3.prompts import self_instruct as si
     from eagle3.verifier import weights_fingerprint
 
-    calls = []
-
-    def fake(model, tok, prefix_ids, n, stop_ids, temperature, top_p, max_tokens, seed):
-        calls.append(n)
-        return [f"Tell me about topic number {len(calls)}, please."] * n, [True] * n, 5 * n
-
-    monkeypatch.setattr(si, "sample_queries", fake)
+    calls = _fake_sampler(si, monkeypatch)
     out = tmp_path / "si.jsonl"
     cfg = _regen_config(tmp_path, tiny_llama_dir, "unused.jsonl")
     assert si.make(cfg, out, 2) is True
@@ -204,13 +210,7 @@ def test_self_instruct_report_without_weight_files_is_not_compared_on_them(tmp_p
     fingerprint), though 01's settings, 02 and 03/04 compare the weights only when both sides record them."""
     from eagle3.prompts import self_instruct as si
 
-    calls = []
-
-    def fake(model, tok, prefix_ids, n, stop_ids, temperature, top_p, max_tokens, seed):
-        calls.append(n)
-        return [f"Tell me about topic number {len(calls)}, please."] * n, [True] * n, 5 * n
-
-    monkeypatch.setattr(si, "sample_queries", fake)
+    calls = _fake_sampler(si, monkeypatch)
     out = tmp_path / "si.jsonl"
     cfg = _regen_config(tmp_path, tiny_llama_dir, "unused.jsonl")
     assert si.make(cfg, out, 2) is True and len(calls) == 1

@@ -163,10 +163,9 @@ def test_a_resume_ending_before_the_kept_best_does_not_export_it(tmp_path):
     assert safe_torch_load(cfg.train_dir / BEST_FILE)["step"] == 2
 
 
-def test_a_kill_between_the_best_file_and_the_curve_resumes_with_the_file_s_best(tmp_path):
-    """update() writes best_drafter.pt, then sim_accept.json: a kill between the two left the file with step 20's
-    weights and the curve naming step 10 as the best, and a resume reported step 10 while exporting step 20's
-    weights (--export-only refused the mismatch). The file records its row, and a resume takes it."""
+def _kill_between_best_file_and_curve(tmp_path) -> "_Tiny":
+    """Validations at steps 10 (tau_sim low) and 20 (high, weights filled with 4.0), then the kill between
+    best_drafter.pt and sim_accept.json: the file holds step 20's weights, the curve of before names step 10."""
     m = _Tiny()
     tr = BestTracker(tmp_path, chain=3, enabled=True, keep_best=True)
     tr.update(10, 0, _val(0.5, 0.5, 0.5), m)
@@ -174,7 +173,15 @@ def test_a_kill_between_the_best_file_and_the_curve_resumes_with_the_file_s_best
     with torch.no_grad():
         m.w.fill_(4.0)
     tr.update(20, 1, _val(0.9, 0.9, 0.9), m)
-    (tmp_path / CURVE_FILE).write_text(curve)  # the kill: the curve of before the step-20 validation
+    (tmp_path / CURVE_FILE).write_text(curve)  # the kill
+    return m
+
+
+def test_a_kill_between_the_best_file_and_the_curve_resumes_with_the_file_s_best(tmp_path):
+    """update() writes best_drafter.pt, then sim_accept.json: a kill between the two left the file with step 20's
+    weights and the curve naming step 10 as the best, and a resume reported step 10 while exporting step 20's
+    weights (--export-only refused the mismatch). The file records its row, and a resume takes it."""
+    m = _kill_between_best_file_and_curve(tmp_path)
     r = BestTracker(tmp_path, chain=3, enabled=True, start_step=15, keep_best=True)
     assert r.best["step"] == 20 and r.best["tau_sim"] == pytest.approx(3.439) and r.best["before_resume"] is True
     assert r.restore_best(m) == 20 and r.summary()["best"]["alpha"] == [0.9, 0.9, 0.9]
@@ -186,14 +193,7 @@ def test_export_only_after_a_kill_between_the_best_file_and_the_curve_exports_th
     exports the file's weights, as the resumed run would."""
     from eagle3.train.sim_accept import load_best_for_export
 
-    m = _Tiny()
-    tr = BestTracker(tmp_path, chain=3, enabled=True, keep_best=True)
-    tr.update(10, 0, _val(0.5, 0.5, 0.5), m)
-    curve = (tmp_path / CURVE_FILE).read_text()
-    with torch.no_grad():
-        m.w.fill_(4.0)
-    tr.update(20, 1, _val(0.9, 0.9, 0.9), m)
-    (tmp_path / CURVE_FILE).write_text(curve)  # the kill: the curve still names step 10
+    _kill_between_best_file_and_curve(tmp_path)
     out = _Tiny()
     assert load_best_for_export(tmp_path, out, ckpt_step=15) == (20, None)
     assert torch.equal(out.w.detach(), torch.full((3,), 4.0))
