@@ -281,7 +281,7 @@ def test_every_other_flag_the_docs_name_exists_somewhere():
     assert all(f'"{f}"' in launcher for f in LAUNCHER_FLAGS), "a launcher flag is gone: update LAUNCHER_FLAGS and the docs"
     known = set().union(*(help_flags(s) for s in scripts)) | EXTERNAL_FLAGS | LAUNCHER_FLAGS
     bad = []
-    for fn, i, line in doc_lines(["README.md", "DESIGN.md", "docs/sglang.md", "patches/README.md"] + CONFIGS):
+    for fn, i, line in doc_lines(["README.md", "DESIGN.md", "docs/sglang.md", "docs/stages.md", "patches/README.md"] + CONFIGS):
         for f in re.findall(r"(?<![\w-])(--[a-z][a-z0-9_-]*)", line):
             if f not in known and not (f.endswith("-") and any(k.startswith(f) for k in known)):
                 bad.append(f"{fn}:{i}: {f}")
@@ -466,7 +466,7 @@ def test_every_quoted_section_exists():
 def test_every_script_the_docs_name_has_a_working_help():
     """Each stage script, convert_shards.py and each bench/ or scripts/ Python script README.md, DESIGN.md or
     docs/sglang.md names answers ``--help`` (exit 0, a usage line and its --config or other flags)."""
-    text = "\n".join((ROOT / f).read_text() for f in ("README.md", "DESIGN.md", "docs/sglang.md"))
+    text = "\n".join((ROOT / f).read_text() for f in ("README.md", "DESIGN.md", "docs/sglang.md", "docs/stages.md"))
     named = sorted(set(re.findall(r"(?<![\w/])((?:bench|scripts)/\w+\.py|0[1-5]_\w+\.py|convert_shards\.py)", text)))
     assert len(named) >= 10, named
     missing = [s for s in named if not (ROOT / s).is_file()]
@@ -511,4 +511,4 @@ def test_value_check_refuses_a_wrong_value():
 
     with pytest.raises(UserError):
         load_config(ROOT / "configs" / "tiny-llama.yaml", ["train.loss=kl"])
-    assert ("README.md", "prompts.gen_schedule", "rounds") in {(f, k, v) for f, _, k, v in stated_values()}
+    assert ("docs/stages.md", "prompts.gen_schedule", "rounds") in {(f, k, v) for f, _, k, v in stated_values()}
