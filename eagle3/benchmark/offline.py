@@ -390,6 +390,52 @@ def headline(report: dict, out_dir: str | Path) -> str:
     return "\n".join(lines)
 
 
+#: relative slack of :func:`speedup_warning`: the bound speedup <= tau holds per verify step; timing noise, the
+#: prefill (in both tokens/s, outside tau) and batched rows ending at different steps move a measured ratio a few
+#: percent around it
+SPEEDUP_SLACK = 0.05
+
+
+def speedup_warning(label: str, speedup: Optional[float], tau: Optional[float], baseline: str = "greedy decoding",
+                    slack: float = SPEEDUP_SLACK) -> Optional[str]:
+    """One warning line when a measured speedup exceeds what the acceptance length allows (None otherwise).
+
+    Chain speculative decoding emits ``tau`` tokens per verify step on average, and a verify step costs one verifier
+    forward over ``k + 1`` tokens (never cheaper than greedy's one-token forward on the same hardware) plus ``k``
+    drafter forwards; greedy spends one forward per token. So ``speedup = t_greedy / t_spec <= tau * c(1) / (c(k+1)
+    + k c_draft) <= tau``: the walltime improvement factor of Leviathan et al. 2023 (arXiv 2211.17192, section 3),
+    ``(1 - a^(k+1)) / ((1 - a)(k c + 1))``, whose numerator over ``1 - a`` is the expected tokens per step (tau) and
+    whose denominator is >= 1. A measured ratio above ``tau x (1 + slack)`` (e.g. 1.4x at tau 1.02: the drafter
+    saved nothing) means the baseline was slowed (CPU contention, another process, clocks) or, for two servers, ran on
+    other hardware; it is not the drafter's speedup.
+
+    Args:
+        label: the set, named first in the line.
+        speedup: tokens/s with the drafter / tokens/s of the baseline (NaN / None: nothing said).
+        tau: the acceptance length measured in the same run (NaN / None / <= 0: nothing said).
+        baseline: what the speedup is measured against, for the line.
+        slack: the relative tolerance (default :data:`SPEEDUP_SLACK`).
+
+    Returns:
+        the line, or None when ``speedup <= tau * (1 + slack)`` or a value is missing.
+    """
+    if speedup is None or tau is None or not (math.isfinite(speedup) and math.isfinite(tau)) or tau <= 0:
+        return None
+    if speedup <= tau * (1 + slack):
+        return None
+    return (f"{label}: speedup {speedup:.2f}x is above tau {tau:.2f}, which chain speculative decoding cannot "
+            f"exceed on the same hardware (each verify step emits tau tokens on average for one verifier forward over "
+            f"k+1 tokens, no cheaper than {baseline}'s one-token forward, plus the drafts; Leviathan et al. 2023, "
+            f"arXiv 2211.17192): the baseline was slowed (CPU contention, another process) or ran on other hardware, "
+            f"so this speedup is not the drafter's; measure again on an otherwise idle machine")
+
+
+def speedup_warnings(datasets: Sequence[dict]) -> list[str]:
+    """:func:`speedup_warning` of each offline ``bench.json`` dataset row (keys ``dataset``, ``speedup``, ``tau``)."""
+    lines = (speedup_warning(str(d.get("dataset")), d.get("speedup"), d.get("tau")) for d in datasets)
+    return [w for w in lines if w]
+
+
 def _lossless_cell(d: dict) -> str:
     """``yes``, ``yes (n near-ties)`` or ``NO (n prompts)`` for one dataset row."""
     fails = d.get("failures", len(d["mismatches"]))
@@ -873,6 +919,7 @@ def run_offline(
         row = bench_prompts(verifier, drafter, ids, aux_layers, steps, max_new_tokens, eos, label,
                             batch_size=batch_size, tie_tolerance=tie_tolerance, decoder=cfg.benchmark.decoder)
         report["datasets"].append({**row, "prompt_ids": [i for i, _ in ids]})  # which prompts prompt_pick chose
+    report["warnings"] += speedup_warnings(report["datasets"])  # a ratio above tau: the baseline was slowed
     msg = lossless_verdict(report, tie_tolerance, strict)
     out = Path(out_dir or cfg.bench_dir)
     write_reports(out, report)

@@ -46,7 +46,7 @@ from typing import Optional, Sequence
 
 from tqdm import tqdm
 
-from eagle3.benchmark.offline import holds_bench_lock, json_safe, plot_acceptance, rates_from_hist
+from eagle3.benchmark.offline import holds_bench_lock, json_safe, plot_acceptance, rates_from_hist, speedup_warning
 from eagle3.errors import UserError
 from eagle3.io import json_error_detail, probe_dirs, read_json
 
@@ -295,7 +295,8 @@ def run_server_bench(urls: Sequence[str], prompts_ids: Sequence[tuple[str, list[
     Returns:
         the report: ``servers`` (list of :func:`bench_server` results) and, with two URLs,
         ``speedup`` (tokens/s of server 1 / server 2) and ``identical_outputs`` (prompts whose
-        ``output_ids`` agree).
+        ``output_ids`` agree); a speedup above tau (:func:`eagle3.benchmark.offline.speedup_warning`) adds a line to
+        ``warnings`` (logged too).
 
     Raises:
         UserError: no URL or more than two, no prompts, server errors.
@@ -313,6 +314,10 @@ def run_server_bench(urls: Sequence[str], prompts_ids: Sequence[tuple[str, list[
         a, b = servers
         report["speedup"] = a["output_tokens_per_s"] / b["output_tokens_per_s"] if b["output_tokens_per_s"] else float("nan")
         report["identical_outputs"] = sum(x["output_ids"] == y["output_ids"] for x, y in zip(a["per_request"], b["per_request"]))
+        above = speedup_warning(dataset, report["speedup"], a.get("tau"), baseline="the baseline server")
+        if above:  # a ratio tau cannot give: the baseline server was slowed or runs on other hardware
+            log.warning("%s", above)
+            report["warnings"] = [*report.get("warnings", []), above]
     if out_dir is not None:
         _write_server_reports(Path(out_dir), report, urls[0])
     return report

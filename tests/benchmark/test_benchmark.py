@@ -644,6 +644,45 @@ def test_render_markdown_table():
     assert "**warning**: w1" in md
 
 
+def test_a_speedup_above_tau_is_flagged_on_hand_made_numbers():
+    """Chain speculative decoding cannot beat tau on the same hardware (each verify step emits tau tokens for one
+    forward over k+1 tokens plus the drafts), so 1.40x at tau 1.02 means the baseline was slowed; 05 said nothing."""
+    from eagle3.benchmark.offline import speedup_warning, speedup_warnings
+
+    want = ("mtbench: speedup 1.40x is above tau 1.02, which chain speculative decoding cannot exceed on the same "
+            "hardware (each verify step emits tau tokens on average for one verifier forward over k+1 tokens, no "
+            "cheaper than greedy decoding's one-token forward, plus the drafts; Leviathan et al. 2023, arXiv "
+            "2211.17192): the baseline was slowed (CPU contention, another process) or ran on other hardware, so this "
+            "speedup is not the drafter's; measure again on an otherwise idle machine")
+    assert speedup_warning("mtbench", 1.40, 1.02) == want
+    assert speedup_warning("mtbench", 1.07, 1.02) is None  # within 5% of tau: timing noise
+    assert speedup_warning("mtbench", 2.52, 2.40) is None and speedup_warning("mtbench", 2.53, 2.40) is not None
+    assert speedup_warning("mtbench", 0.52, 1.37) is None  # the demo's CPU figure
+    assert speedup_warning("mtbench", float("nan"), 1.0) is None and speedup_warning("mtbench", 2.0, None) is None
+    rows = [{"dataset": "mtbench", "speedup": 1.40, "tau": 1.02}, {"dataset": "gsm8k", "speedup": 1.9, "tau": 2.8}]
+    assert speedup_warnings(rows) == [want]
+
+
+def test_cli_flags_a_speedup_above_tau_in_bench_json_and_md(run_setup, tmp_path, monkeypatch, caplog):
+    """05 offline with a measured speedup of 1.40x at tau 1.02 (hand-made over a real run's row): one warning line,
+    logged once, in bench.json's warnings and bench.md."""
+    import logging
+
+    from eagle3.benchmark import offline
+
+    root, cfg, _ = run_setup
+    real = offline.bench_prompts
+    monkeypatch.setattr(offline, "bench_prompts", lambda *a, **k: {**real(*a, **k), "tau": 1.02, "speedup": 1.40})
+    out = tmp_path / "bench"
+    with caplog.at_level(logging.WARNING):
+        assert _cli().main(["--config", str(cfg), "--drafter", str(root / "drafter"), "--num-prompts", "1",
+                            "--steps", "2", "--set", f"benchmark.output_dir={out}"]) == 0
+    want = offline.speedup_warning("prompts", 1.40, 1.02)
+    assert want and json.loads((out / "bench.json").read_text())["warnings"][-1] == want
+    assert f"**warning**: {want}" in (out / "bench.md").read_text()
+    assert caplog.messages.count(want) == 1
+
+
 def _md_report(tau: float) -> dict:
     return {"verifier": "v", "drafter": "d", "steps": 2, "max_new_tokens": 8, "device": "cpu", "dtype": "float32",
             "aux_layers": [2, 15, 27], "warnings": [],

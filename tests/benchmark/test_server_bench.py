@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -59,8 +60,10 @@ def _answer(input_ids: list[int], max_new: int, speculative: bool, oracle: bool 
 
 
 class _StandIn:
-    def __init__(self, speculative: bool, fail: bool = False, oracle: bool = False, draft: str | None = None):
-        """``draft``: the ``speculative_draft_model_path`` its ``/server_info`` names (absent: None)."""
+    def __init__(self, speculative: bool, fail: bool = False, oracle: bool = False, draft: str | None = None,
+                 delay: float = 0.0):
+        """``draft``: the ``speculative_draft_model_path`` its ``/server_info`` names (absent: None); ``delay``:
+        seconds each ``/generate`` answer waits (a slowed server)."""
         self.requests: list[dict] = []
         outer = self
 
@@ -94,6 +97,7 @@ class _StandIn:
                     self._send(400, {"error": {"message": "bad request body", "type": "invalid_request_error"}})
                     return
                 sp = req["sampling_params"]
+                time.sleep(delay)
                 self._send(200, _answer(req["input_ids"], sp["max_new_tokens"], speculative, oracle))
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
@@ -194,6 +198,27 @@ def test_two_servers_speedup_and_reports(tmp_path):
     assert "prompts picked: first" in md and "Warning: mtbench: the 3 prompts ... (x)" in md
     assert saved["prompt_pick"] == "first"
     assert (tmp_path / "server_acceptance.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_speedup_above_tau_against_a_slowed_baseline_server_is_flagged(tmp_path, caplog):
+    """A baseline server slowed by 0.2 s a request gives a speedup far above the speculative server's tau, which chain
+    speculative decoding cannot reach on the same hardware: one warning line, logged, in server_bench.json/.md."""
+    import logging
+
+    from eagle3.benchmark.offline import speedup_warning
+
+    with _StandIn(speculative=True) as spec, _StandIn(speculative=False, delay=0.2) as base, \
+            caplog.at_level(logging.WARNING):
+        rep = run_server_bench([spec.url, base.url], PROMPTS, 8, dataset="mtbench", out_dir=tmp_path, progress=False,
+                               extra={"warnings": ["w0"]})
+    tau = rep["servers"][0]["tau"]
+    assert rep["speedup"] > 1.05 * tau  # 3 x 0.2 s against a few ms
+    want = speedup_warning("mtbench", rep["speedup"], tau, baseline="the baseline server")
+    assert want.startswith(f"mtbench: speedup {rep['speedup']:.2f}x is above tau {tau:.2f}, which chain speculative")
+    assert "no cheaper than the baseline server's one-token forward" in want
+    assert rep["warnings"] == ["w0", want] and caplog.messages.count(want) == 1
+    assert json.loads((tmp_path / "server_bench.json").read_text())["warnings"] == ["w0", want]
+    assert f"Warning: {want}" in (tmp_path / "server_bench.md").read_text()
 
 
 def test_a_plain_server_run_removes_the_plot_of_an_earlier_run(tmp_path):
