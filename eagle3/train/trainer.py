@@ -774,14 +774,21 @@ def _recipe(cfg: RunConfig) -> dict:
     return out
 
 
-def _data_inputs(inputs: "_Inputs") -> dict:
+def _data_inputs(split: dict, vocab: dict, data_config: dict) -> dict:
     """What a checkpoint records of the data it was trained on (key ``data_inputs``; compared on ``--resume`` by
-    :func:`eagle3.train.checkpoint.data_inputs_problem`): the content sha256 of 03's split and vocab map, and the
-    aux layers and verifier weights fingerprint (``verifier_weights``; None when 02 recorded none) of the shards'
-    ``data_config.json``."""
-    return {ckpt.SPLIT_FILE: ckpt.split_sha256(inputs.split), ckpt.VOCAB_FILE: ckpt.vocab_sha256(inputs.vocab),
-            ckpt.AUX_LAYERS: [int(i) for i in inputs.data_config["aux_layers"]],
-            ckpt.VERIFIER_WEIGHTS: inputs.data_config.get(ckpt.VERIFIER_WEIGHTS)}
+    :func:`eagle3.train.checkpoint.data_inputs_problem`): the content sha256 of 03's ``split`` and ``vocab`` map, and
+    the aux layers and verifier weights fingerprint (``verifier_weights``; None when 02 recorded none) of the shards'
+    ``data_config``."""
+    return {ckpt.SPLIT_FILE: ckpt.split_sha256(split), ckpt.VOCAB_FILE: ckpt.vocab_sha256(vocab),
+            ckpt.AUX_LAYERS: [int(i) for i in data_config["aux_layers"]],
+            ckpt.VERIFIER_WEIGHTS: data_config.get(ckpt.VERIFIER_WEIGHTS)}
+
+
+def _resume_current(cfg: RunConfig, args, split: dict, vocab: dict, data_config: dict) -> dict:
+    """The run now, as :func:`eagle3.train.checkpoint.check_resume` compares it with a checkpoint: ``drafter_args``,
+    ``data_order``, ``recipe``, ``data_inputs``."""
+    return {"drafter_args": dataclasses.asdict(args), "data_order": _data_order(cfg), "recipe": _recipe(cfg),
+            "data_inputs": _data_inputs(split, vocab, data_config)}
 
 
 def _fingerprint(cfg: RunConfig, args) -> str:
@@ -1006,16 +1013,45 @@ def _undo_on_refusal(train_dir: Path, enabled: bool):
         raise
 
 
-def _check_train_dir(cfg: RunConfig, d: DistInfo, resume: bool) -> None:
+def _check_train_dir(cfg: RunConfig, d: DistInfo, resume: bool, current: Optional[Callable[[], dict]] = None) -> None:
     """Folder step (after the inputs are read, before anything is written): refuse existing checkpoints without
-    ``resume``; drop stale temp files of an interrupted run."""
+    ``resume`` (:func:`without_resume_refusal`: the advice depends on whether ``--resume`` would take them, judged
+    against ``current()``, :func:`_resume_current`, called only then); drop stale temp files of an interrupted run.
+
+    Raises:
+        UserError: checkpoints in the folder and no ``resume``.
+    """
     train_dir = cfg.train_dir
-    existing = ckpt.list_checkpoints(train_dir)
-    if existing and not resume:
-        raise UserError(f"{ckpt.ckpt_dir(train_dir)}: holds checkpoints (newest step {existing[-1][0]}); "
-                        f"pass --resume to continue, or set train.output_dir to a new folder")
+    if ckpt.list_checkpoints(train_dir) and not resume:
+        raise UserError(without_resume_refusal(cfg, current() if current is not None else None))
     if d.is_main and train_dir.is_dir():
         ckpt.remove_stale_tmp(train_dir)
+
+
+def without_resume_refusal(cfg: RunConfig, current: Optional[dict]) -> str:
+    """The one line refusing a 04 without ``--resume`` in a train folder that holds checkpoints. It advised
+    ``pass --resume`` also when that resume would be refused (other drafter shape, batching, loss, split, vocab map,
+    aux layers or verifier weights than the checkpoint's; files none of which loads), so the advice cost one more
+    refused run. The resume's checks (:func:`eagle3.train.checkpoint.find_latest_checkpoint` and
+    :func:`eagle3.train.checkpoint.check_resume` against ``current``, :func:`_resume_current`; None: not judged) now
+    run first: when they pass, ``pass --resume to continue`` (naming the step a resume takes when the newest file does
+    not load); when they fail, why, and what 04 offers instead (a new ``train.output_dir``, or deleting the checkpoints
+    folder: 04 has no ``--overwrite``). The step horizon (a checkpoint past the run's end) is checked by the resume
+    itself, later.
+    """
+    where = ckpt.ckpt_dir(cfg.train_dir)
+    existing = ckpt.list_checkpoints(cfg.train_dir)
+    head = f"{where}: holds checkpoints (newest step {existing[-1][0]})"
+    if current is None:
+        return f"{head}; pass --resume to continue, or set train.output_dir to a new folder"
+    try:
+        path, state = ckpt.find_latest_checkpoint(cfg.train_dir, warn=False)
+        ckpt.check_resume(path, state, current, cfg.data_dir)
+    except UserError as e:
+        return (f"{head}, and --resume would refuse them: {e}; so train into a new folder (--set "
+                f"train.output_dir=...), or delete {where} to start this one over (04 has no --overwrite)")
+    older = "" if int(state["step"]) == existing[-1][0] else f" from step {state['step']}, the newest that loads"
+    return f"{head}; pass --resume to continue{older}, or set train.output_dir to a new folder"
 
 
 @dataclass
@@ -1242,7 +1278,7 @@ def _load_inputs(cfg: RunConfig, d: DistInfo, resume: bool, init: Optional[Calla
     warm = _warm_start_planned(cfg, d, resume, args)  # checked before the first write (the full check: after the head)
     if lock is not None:
         lock()  # 04's lock on train_dir (_train_lock), before the folder check deletes stale temp files
-    _check_train_dir(cfg, d, resume)
+    _check_train_dir(cfg, d, resume, lambda: _resume_current(cfg, args, split, vocab, data_config))
     stop_before_training(stop, d)
     head = prepare_target_head(cfg, data_config, d)  # the first write: target_head.safetensors (creates train_dir)
     if d.is_main:
@@ -1476,9 +1512,9 @@ class _Training:
                 log.warning("--resume: no checkpoint in %s; starting from step 0", ckpt.ckpt_dir(self.train_dir))
             return
         path, state = found
-        changes = ckpt.check_resume(path, state, {
-            "drafter_args": dataclasses.asdict(self.inputs.args), "data_order": _data_order(self.cfg),
-            "recipe": _recipe(self.cfg), "data_inputs": _data_inputs(self.inputs)}, self.cfg.data_dir)
+        i = self.inputs
+        changes = ckpt.check_resume(path, state, _resume_current(self.cfg, i.args, i.split, i.vocab, i.data_config),
+                                    self.cfg.data_dir)
         self.step, self.epoch = int(state["step"]), int(state["epoch"])
         self.step_in_epoch = self.data.order.step_from_checkpoint(state)
         self.total_steps = _horizon_after_resume(self.data.order, state, d, t, self.total_steps, self.data.horizon,
@@ -1576,7 +1612,7 @@ class _Training:
                 "scheduler": o.scheduler.state_dict(), "rng": rngs,
                 "drafter_args": self.inputs.args.to_json(), "config_fingerprint": o.fingerprint,
                 "world_size": d.world, "data_order": _data_order(self.cfg), "init_from": self.inputs.init_from,
-                "recipe": self.recipe_in_use(), "data_inputs": _data_inputs(self.inputs),
+                "recipe": self.recipe_in_use(), "data_inputs": _data_inputs(self.inputs.split, self.inputs.vocab, self.inputs.data_config),
                 ckpt.DATA_CONFIG_RECORD: ckpt.data_config_record(self.inputs.data_config),  # --export-only sans shards
             }, keep=self.t.keep_checkpoints)
         _barrier(d)
