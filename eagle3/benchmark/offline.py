@@ -807,6 +807,14 @@ def lossless_verdict(report: dict, tie_tolerance: float, strict: bool) -> Option
     return msg
 
 
+def check_measurement(report: dict, tie_tolerance: float, strict: bool) -> Optional[str]:
+    """The checks of a measured ``bench.json`` report, in ``report["warnings"]``: a speedup above tau
+    (:func:`speedup_warnings`: the baseline was slowed), then losslessness (:func:`lossless_verdict`, whose failure
+    line is returned; None when every token matched greedy or only near-ties differ)."""
+    report["warnings"] += speedup_warnings(report["datasets"])
+    return lossless_verdict(report, tie_tolerance, strict)
+
+
 def load_sets(datasets: Sequence[str], num_prompts: Optional[int],
               pick: str) -> tuple[list[tuple[str, list[EvalPrompt]]], list[str]]:
     """Each dataset's ``num_prompts`` prompts picked by ``pick`` (:func:`eagle3.benchmark.eval_prompts.load_eval_subset`),
@@ -919,8 +927,7 @@ def run_offline(
         row = bench_prompts(verifier, drafter, ids, aux_layers, steps, max_new_tokens, eos, label,
                             batch_size=batch_size, tie_tolerance=tie_tolerance, decoder=cfg.benchmark.decoder)
         report["datasets"].append({**row, "prompt_ids": [i for i, _ in ids]})  # which prompts prompt_pick chose
-    report["warnings"] += speedup_warnings(report["datasets"])  # a ratio above tau: the baseline was slowed
-    msg = lossless_verdict(report, tie_tolerance, strict)
+    msg = check_measurement(report, tie_tolerance, strict)
     out = Path(out_dir or cfg.bench_dir)
     write_reports(out, report)
     said = list(logged)

@@ -54,7 +54,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -1444,6 +1444,9 @@ class _Training:
         # every warning logged
         self.warnings: list[str] = [] if warnings is None else warnings
         self.tok_total, self.t_total = 0.0, 0.0
+        # the run's earlier calls (a resumed checkpoint's ``segments``), and the step this call started at
+        self.earlier_segments: list[dict] = []
+        self.segment_start = 0
 
     @property
     def end_step(self) -> int:
@@ -1538,6 +1541,10 @@ class _Training:
                 log.warning("%s: saved with %d processes, now %d; RNG states reseeded", path, len(rngs), d.world)
             torch.manual_seed(t.seed + 1000 * self.step + d.rank)
         self.last_ckpt = path
+        self.earlier_segments, self.segment_start = earlier_segments(state), self.step
+        switch = state_source_switch(path, self.earlier_segments, self.current_segment())
+        if switch and d.is_main:
+            log.warning("%s", switch)
 
     def announce_resume(self) -> None:
         """Log where a resumed run stands (rank 0), once every setup check (``--stop-at`` included) has passed."""
@@ -1594,6 +1601,17 @@ class _Training:
         ``--resume`` with the run's original config warns about nothing."""
         return {**_recipe(self.cfg), **{f"train.{k}": v for k, v in self._optimizer_values().items()}}
 
+    def current_segment(self) -> dict:
+        """This call's part of the run (:func:`segment_record`): from the step it started at to the current step."""
+        return segment_record(self.segment_start, self.step, self.t.hidden_states, self.cfg.extract.backend,
+                              self.d.world, (self.tok_total / self.t_total) if self.t_total > 0 else None,
+                              _peak_gpu_mem_gib(self.d.device), self.warnings)
+
+    def segments(self) -> list[dict]:
+        """The run's parts, one per 04 call that trained (a resumed checkpoint's earlier ones, then this call's; parts
+        without a step left out): checkpoint and ``train_report.json`` key ``segments``."""
+        return [g for g in [*self.earlier_segments, self.current_segment()] if g["end_step"] > g["start_step"]]
+
     def save(self) -> Path:
         """Checkpoint at the current step (every rank's RNG gathered; rank 0 writes)."""
         d, o = self.d, self.opt
@@ -1613,6 +1631,7 @@ class _Training:
                 "drafter_args": self.inputs.args.to_json(), "config_fingerprint": o.fingerprint,
                 "world_size": d.world, "data_order": _data_order(self.cfg), "init_from": self.inputs.init_from,
                 "recipe": self.recipe_in_use(), "data_inputs": _data_inputs(self.inputs.split, self.inputs.vocab, self.inputs.data_config),
+                "segments": self.segments(),
                 ckpt.DATA_CONFIG_RECORD: ckpt.data_config_record(self.inputs.data_config),  # --export-only sans shards
             }, keep=self.t.keep_checkpoints)
         _barrier(d)
@@ -1802,7 +1821,7 @@ class _Training:
                   "checkpoint": str(self.last_ckpt) if self.last_ckpt else None, "export_dir": None, "final_val": {},
                   "tokens_per_s": (self.tok_total / self.t_total) if self.t_total > 0 else None,
                   "peak_gpu_mem_gib": _peak_gpu_mem_gib(d.device), "hidden_states": self.t.hidden_states,
-                  "init_from": self.inputs.init_from,
+                  "init_from": self.inputs.init_from, "segments": self.segments(),
                   "recipe": self.recipe_used(), "warnings": self.warnings,
                   "val_samples": len(self.data.val_ds) if self.data.val_ds is not None else 0}
         if not result["val_samples"]:  # said in the report and the closing lines, not an empty tau table
@@ -1871,6 +1890,53 @@ class _Training:
                         f"without retraining]")
         err.exit_code = e.exit_code
         return err
+
+
+def segment_record(start: int, end: int, hidden_states: Optional[str], backend: Optional[str], world_size: int,
+                   tokens_per_s: Optional[float], peak_gpu_mem_gib: Optional[float] = None,
+                   warnings: Sequence[str] = ()) -> dict:
+    """One part of a run (the optimizer steps one 04 call trained): ``{start_step, end_step, hidden_states,
+    extract_backend (online: where the states came from, hf or sglang; offline: None), world_size, tokens_per_s,
+    peak_gpu_mem_gib, warnings (the call's warning lines)}``. A resumed run used to report only its last call's
+    ``hidden_states``, throughput and warnings."""
+    return {"start_step": int(start), "end_step": int(end), "hidden_states": hidden_states,
+            "extract_backend": backend if hidden_states == "online" else None, "world_size": int(world_size),
+            "tokens_per_s": tokens_per_s, "peak_gpu_mem_gib": peak_gpu_mem_gib, "warnings": list(warnings)}
+
+
+def earlier_segments(state: dict) -> list[dict]:
+    """The ``segments`` a checkpoint records (:func:`segment_record`), each ending at the checkpoint's step at the
+    latest; a checkpoint from before the key gives one part, steps 0 to its step, whose ``hidden_states`` is None
+    (not recorded)."""
+    step = int(state["step"])
+    segs = state.get("segments")
+    if not isinstance(segs, list):
+        return [segment_record(0, step, None, None, int(state.get("world_size", 1)), None)] if step > 0 else []
+    out = []
+    for g in segs:
+        if isinstance(g, dict) and int(g.get("start_step", step)) < step:
+            out.append({**g, "end_step": min(int(g["end_step"]), step)})
+    return out
+
+
+def state_source_switch(path: Path, earlier: list[dict], now: dict) -> Optional[str]:
+    """The warning of a resume that takes its hidden states from another source than the checkpoint's last part
+    (``train.hidden_states`` offline <-> online, or online's ``extract.backend``), None when it is the same or
+    unrecorded. Both sources give the verifier's states, the same up to the shards' storage rounding (bf16 / fp8) and
+    the capture's dtype, so the resume is allowed; the report lists each part (``segments``)."""
+    if not earlier or earlier[-1].get("hidden_states") is None:
+        return None
+    last = earlier[-1]
+
+    def name(g: dict) -> str:
+        return g["hidden_states"] + (f" (extract.backend {g['extract_backend']})" if g.get("extract_backend") else "")
+
+    if name(last) == name(now):
+        return None
+    return (f"{path}: steps {last['start_step']}-{last['end_step']} were trained with train.hidden_states "
+            f"{name(last)}, this call trains with {name(now)} from step {now['start_step']}; the states are the same "
+            f"verifier's up to the shards' storage rounding (bf16 / fp8) and the capture dtype; train_report.json "
+            f"'segments' lists each part")
 
 
 def export_provenance(train_dir: Path, checkpoint, step: int, select_best: str, selected_step: int) -> dict:
@@ -2091,8 +2157,15 @@ def _report_markdown(result: dict, args) -> str:
     lines += [f"- also exported: `{o['export_dir']}` ({o['engine']}, the weights of step {o['weights_step']}, "
               f"select_best: {o['select_best']})" for o in result.get("other_exports") or []]
     lines += [f"- **warning**: {w}" for w in result.get("warnings") or []]
+    segs = result.get("segments") or []
+    if len(segs) > 1:  # a resumed run: each part's state source, processes and throughput, earlier calls' warnings
+        lines.append("- trained in parts: " + "; ".join(_segment_text(g) for g in segs))
+        lines += [f"- **warning** (steps {g['start_step']}-{g['end_step']}): {w}" for g in segs[:-1]
+                  for w in g.get("warnings") or []]
     if result.get("tokens_per_s"):
-        lines.append(f"- training throughput: {result['tokens_per_s']:.0f} tokens/s (all ranks)")
+        lines.append(f"- training throughput: {result['tokens_per_s']:.0f} tokens/s (all ranks"
+                     + (f"; this call's, steps {segs[-1]['start_step']}-{segs[-1]['end_step']})" if len(segs) > 1
+                        else ")"))
     if result.get("peak_gpu_mem_gib") is not None:
         lines.append(f"- peak GPU memory (tensors, rank 0): {result['peak_gpu_mem_gib']:.1f} GiB")
     if "loss" in val:
@@ -2107,6 +2180,16 @@ def _report_markdown(result: dict, args) -> str:
 
         lines += ["", *markdown_lines(result["sim_accept"])]
     return "\n".join(lines) + "\n"
+
+
+def _segment_text(g: dict) -> str:
+    """One part of ``segments`` for ``train_report.md``: ``steps 0-40 offline, 1 process, 1234 tokens/s``."""
+    how = g.get("hidden_states") or "hidden states not recorded"
+    if g.get("extract_backend"):
+        how += f" ({g['extract_backend']})"
+    n = g.get("world_size")
+    tps = f", {g['tokens_per_s']:.0f} tokens/s" if g.get("tokens_per_s") else ""
+    return f"steps {g['start_step']}-{g['end_step']} {how}, {n} process{'' if n == 1 else 'es'}{tps}"
 
 
 def _loss_png(rows: list[dict]) -> Optional[bytes]:
