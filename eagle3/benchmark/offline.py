@@ -659,17 +659,38 @@ def resolve_drafter_dir(cfg: RunConfig, drafter_dir: Optional[str | Path]) -> Pa
         return path
     path = Path(cfg.export_dir)
     if not path.is_dir():
-        other = "vllm" if cfg.export.engine == "sglang" else "sglang"
-        have = cfg.root / f"drafter-{other}"
-        if cfg.export.output_dir is None and (have / "config.json").is_file():  # trained, exported for the other one
-            raise UserError(f"the exported drafter '{path}' (the config's export dir, export.engine: "
-                            f"{cfg.export.engine}) not found, but {have} is there: 04_train.py --export-only "
-                            f"--engine {cfg.export.engine} writes it from the same checkpoint (or pass --drafter)")
-        raise UserError(f"the exported drafter '{path}' (the config's export dir) not found: "
-                        f"run 04_train.py first or pass --drafter" + (f" ({relative_hint(path)})" if
-                                                                       relative_hint(path) else ""))
+        raise UserError(missing_export_advice(cfg, path))
     _require_export_config(path, f"the config's export dir '{path}'")
     return path
+
+
+def missing_export_advice(cfg: RunConfig, path: Path) -> str:
+    """The line refusing a missing config export dir (``path``), with advice that works for the train folder as it is:
+    ``run 04_train.py first`` was given also when ``train.output_dir`` held checkpoints (a stopped run, a refused
+    export), where a plain 04 is refused (``holds checkpoints``), and ``--export-only --engine ...`` also when no
+    checkpoint was left to export from. The checkpoints are listed first: with some, ``--export-only`` (the newest,
+    or for the other engine's existing export, the same checkpoint) or ``--resume``; without, train (or pass
+    ``--drafter``)."""
+    from eagle3.train.checkpoint import ckpt_dir, list_checkpoints
+
+    found = list_checkpoints(cfg.train_dir)
+    other = "vllm" if cfg.export.engine == "sglang" else "sglang"
+    have = cfg.root / f"drafter-{other}"
+    if cfg.export.output_dir is None and (have / "config.json").is_file():  # trained, exported for the other one
+        head = (f"the exported drafter '{path}' (the config's export dir, export.engine: {cfg.export.engine}) not "
+                f"found, but {have} is there")
+        if found:
+            return (f"{head}: 04_train.py --export-only --engine {cfg.export.engine} writes it from the same "
+                    f"checkpoint (or pass --drafter)")
+        return (f"{head}; {ckpt_dir(cfg.train_dir)} holds no checkpoint to export it from (04_train.py --export-only "
+                f"needs one): benchmark {have} with --set export.engine={other}, or train again for {cfg.export.engine}")
+    head = f"the exported drafter '{path}' (the config's export dir) not found"
+    if found:
+        return (f"{head}, but {ckpt_dir(cfg.train_dir)} holds checkpoints (newest step {found[-1][0]}): "
+                f"04_train.py --export-only exports it, 04_train.py --resume trains on to the run's end and exports "
+                f"(or pass --drafter)")
+    return f"{head}: run 04_train.py first or pass --drafter" + (f" ({relative_hint(path)})" if relative_hint(path)
+                                                                 else "")
 
 
 def _require_export_config(path: Path, what: str) -> None:

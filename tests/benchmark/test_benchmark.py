@@ -534,13 +534,32 @@ def test_missing_drafter_folder_is_a_user_error(run_setup):
     # (fresh-user trial 2026-12-05f)
     (root / "out" / "drafter-sglang").mkdir(parents=True)
     (root / "out" / "drafter-sglang" / "config.json").write_text("{}")
+    ckpts = root / "out" / "train" / "checkpoints"
+    ckpts.mkdir(parents=True)
+    (ckpts / "step_00000074.pt").write_bytes(b"")  # listed by name (04's checkpoints are not read here)
     with pytest.raises(UserError) as e:
         _cli().main(["--config", str(cfg), "--set", "export.engine=vllm"])
     assert str(e.value) == (f"the exported drafter '{root / 'out' / 'drafter-vllm'}' (the config's export dir, "
                             f"export.engine: vllm) not found, but {root / 'out' / 'drafter-sglang'} is there: "
                             f"04_train.py --export-only --engine vllm writes it from the same checkpoint (or pass "
                             f"--drafter)")
+    # ... but only with a checkpoint to export from; without one that advice would be refused by 04
+    (ckpts / "step_00000074.pt").unlink()
+    with pytest.raises(UserError) as e:
+        _cli().main(["--config", str(cfg), "--set", "export.engine=vllm"])
+    assert str(e.value) == (f"the exported drafter '{root / 'out' / 'drafter-vllm'}' (the config's export dir, "
+                            f"export.engine: vllm) not found, but {root / 'out' / 'drafter-sglang'} is there; {ckpts} "
+                            f"holds no checkpoint to export it from (04_train.py --export-only needs one): benchmark "
+                            f"{root / 'out' / 'drafter-sglang'} with --set export.engine=sglang, or train again for vllm")
     shutil.rmtree(root / "out" / "drafter-sglang")
+    # a train folder with checkpoints but no export (a stopped run): 'run 04_train.py first' would be refused there
+    (ckpts / "step_00000040.pt").write_bytes(b"")
+    with pytest.raises(UserError) as e:
+        _cli().main(["--config", str(cfg)])
+    assert str(e.value) == (f"the exported drafter '{root / 'out' / 'drafter-sglang'}' (the config's export dir) not "
+                            f"found, but {ckpts} holds checkpoints (newest step 40): 04_train.py --export-only exports "
+                            f"it, 04_train.py --resume trains on to the run's end and exports (or pass --drafter)")
+    shutil.rmtree(root / "out" / "train")
 
 
 def test_cli_more_prompts_than_the_set_warns_and_records_the_ids(run_setup, caplog, monkeypatch):
