@@ -174,15 +174,27 @@ def test_server_bench_checks_the_servers_draft_folder(tmp_path, monkeypatch):
     path = {}
     monkeypatch.setattr(server_bench, "server_info", lambda url, timeout=30.0: {"speculative_draft_model_path": str(path["p"])})
     path["p"] = good
-    assert server_bench.draft_folder_warnings(cfg, "http://x") == []
+    w, rec = server_bench.draft_folder_warnings(cfg, "http://x")
+    assert w == [] and rec["readable"] is True and rec["not_checked"] == []
     path["p"] = off
-    w = server_bench.draft_folder_warnings(cfg, "http://x")
+    w, _rec = server_bench.draft_folder_warnings(cfg, "http://x")
     assert len(w) == 1 and "HF layers [1, 3, 4]" in w[0] and "[2, 3, 4]" in w[0]
     path["p"] = vl
     with pytest.raises(UserError, match="this folder is for vllm, but sglang serves it"):
         server_bench.draft_folder_warnings(cfg, "http://x")
+    # not readable here (the server on another host): not checked, and said so (it used to return [] silently)
     path["p"] = tmp_path / "not-here"
-    assert server_bench.draft_folder_warnings(SimpleNamespace(shards_dir=tmp_path), "http://x") == []
+    w, rec = server_bench.draft_folder_warnings(SimpleNamespace(shards_dir=tmp_path), "http://x")
+    assert len(w) == 1 and w[0].startswith(f"the server's draft folder {tmp_path / 'not-here'} (http://x/server_info "
+                                           f"speculative_draft_model_path) is not readable on this machine")
+    assert rec == {"url": "http://x", "path": str(tmp_path / "not-here"), "speculative_num_steps": None,
+                   "readable": False, "not_checked": w}
+    # readable, but without the shards' data_config.json: checked against the folder's own record only (recorded)
+    path["p"] = good
+    w, rec = server_bench.draft_folder_warnings(SimpleNamespace(shards_dir=tmp_path), "http://x")
+    assert w == [] and rec["not_checked"] == [f"{tmp_path / 'data_config.json'} not found: the layers SGLang "
+                                              f"captures were checked against the folder's own record only, not "
+                                              f"against the shards'"]
 
 
 def test_kimi_drafter_export_size_bf16_vs_fp32():
