@@ -160,6 +160,34 @@ def test_benchmark_warns_when_folder_layers_differ(tmp_path):
     assert len(w) == 1 and "sglang would capture HF layers [2, 15, 27]" in w[0]
 
 
+def test_the_other_engines_folder_refusal_gives_a_way_that_works_here(tmp_path):
+    """A vLLM folder behind SGLang was refused with `04_train.py --export-only --engine sglang`, also on a host
+    without the run's checkpoints (05 --server on the benchmarking host), where that command is refused. The folder's
+    trained_from.train_dir decides now: the same run's sglang export beside it, else --export-only when that folder
+    holds checkpoints here, else that it needs them."""
+    train = tmp_path / "run" / "train"
+    prov = {"train_dir": str(train), "checkpoint": None, "step": 4, "select_best": "last", "selected_step": 4}
+    vl = export_drafter(drafter(), tmp_path / "run" / "drafter-vllm", "vllm", [2, 15, 27], LLAMA30, provenance=prov)
+    head = (f"{vl / 'config.json'}: this folder is for vllm, but sglang serves it; sglang reads its layer ids [2, 15, 27] "
+            f"in another convention (one layer off for Llama verifiers). Use the sglang export: ")
+    with pytest.raises(UserError) as e:
+        check_export_folder(vl, serving_engine="sglang")
+    assert str(e.value) == head + (f"04_train.py --export-only --engine sglang needs the run's checkpoints, and "
+                                   f"{train / 'checkpoints'} (trained_from in {vl / 'eagle3_train.json'}) holds none "
+                                   f"on this machine: run it where they are")
+    (train / "checkpoints").mkdir(parents=True)
+    (train / "checkpoints" / "step_00000004.pt").write_bytes(b"")
+    with pytest.raises(UserError) as e:
+        check_export_folder(vl, serving_engine="sglang")
+    assert str(e.value) == head + (f"04_train.py --export-only --engine sglang writes it from {train / 'checkpoints'} "
+                                   f"(with the run's config)")
+    sg = export_drafter(drafter(), tmp_path / "run" / "drafter-sglang", "sglang", [2, 15, 27], LLAMA30,
+                        provenance=prov)
+    with pytest.raises(UserError) as e:
+        check_export_folder(vl, serving_engine="sglang")
+    assert str(e.value) == head + f"{sg} (the same run's, beside this one)"
+
+
 def test_server_bench_checks_the_servers_draft_folder(tmp_path, monkeypatch):
     from _ddp_worker import make_tiny_run
 
