@@ -404,10 +404,10 @@ def speedup_warning(label: str, speedup: Optional[float], tau: Optional[float], 
     forward over ``k + 1`` tokens (never cheaper than greedy's one-token forward on the same hardware) plus ``k``
     drafter forwards; greedy spends one forward per token. So ``speedup = t_greedy / t_spec <= tau * c(1) / (c(k+1)
     + k c_draft) <= tau``: the walltime improvement factor of Leviathan et al. 2023 (arXiv 2211.17192, section 3),
-    ``(1 - a^(k+1)) / ((1 - a)(k c + 1))``, whose numerator over ``1 - a`` is the expected tokens per step (tau) and
-    whose denominator is >= 1. A measured ratio above ``tau x (1 + slack)`` (e.g. 1.4x at tau 1.02: the drafter
-    saved nothing) means the baseline was slowed (CPU contention, another process, clocks) or, for two servers, ran on
-    other hardware; it is not the drafter's speedup.
+    ``(1 - a^(k+1)) / ((1 - a)(k c + 1))``, where ``(1 - a^(k+1)) / (1 - a)`` is the expected tokens per step (tau)
+    and ``k c + 1 >= 1`` a step's cost in one-token verifier forwards. A measured ratio above ``tau x (1 + slack)``
+    (e.g. 1.4x at tau 1.02: the drafter saved nothing) means the baseline was slowed (CPU contention, another
+    process, clocks) or, for two servers, ran on other hardware; it is not the drafter's speedup.
 
     Args:
         label: the set, named first in the line.

@@ -347,7 +347,9 @@ def run(cfg, urls: Sequence[str], datasets: Optional[Sequence[str]] = None, num_
 
     One report per dataset (default: the config's ``benchmark.datasets`` when it sets them, else ``mtbench``):
     ``server_bench.json``/``.md`` in ``cfg.bench_dir``
-    (in ``{bench_dir}/server-{label}/`` when several datasets are given; :func:`dataset_labels`, "/" as "_").
+    (in ``{bench_dir}/server-{label}/`` when several datasets are given; :func:`dataset_labels`, "/" as "_"). Each
+    records ``draft_folder`` (:func:`draft_folder_warnings`: the server's draft folder, whether it could be read here
+    and what was not checked) and ``warnings`` (that check's, the prompt subset's, a speedup above tau).
 
     Returns:
         0 on success.
