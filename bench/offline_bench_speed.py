@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle3.benchmark.offline import (  # noqa: E402
     TRAIN_META, _load_drafter, bench_prompts, check_drafter_shape, check_drafter_vocab, default_tie_tolerance,
-    effective_batch_size, json_safe, resolve_aux_layers, resolve_drafter_dir, warm_up,
+    effective_batch_size, json_safe, resolve_aux_layers, resolve_drafter_dir, speedup_warning, warm_up,
 )
 from eagle3.cli import ArgumentParser, run_main  # noqa: E402
 from eagle3.config import add_config_args, load_config  # noqa: E402
@@ -230,6 +230,11 @@ def main(argv=None) -> int:
                          time.perf_counter() - t0, d["greedy_tokens_per_s"], d["spec_tokens_per_s"], d["speedup"],
                          d["tau"], d["drafter_share"], d["near_ties"], d["failures"])
                 row = _row(d)
+                above = speedup_warning(f"{res['dataset']} batch {d['batch_size']} ({mode} decoder)", d["speedup"],
+                                        d["tau"])  # a ratio tau cannot give: the greedy baseline was slowed
+                if above:
+                    log.warning("%s", above)
+                    row_notes = [*row_notes, above]
             row.update(prompt_ids=[i for i, _ in subset], warnings=row_notes)
             res["rows"].append(row)
             if a.json:  # after every row: a run cut short keeps what it measured

@@ -390,6 +390,52 @@ def headline(report: dict, out_dir: str | Path) -> str:
     return "\n".join(lines)
 
 
+#: relative slack of :func:`speedup_warning`: the bound speedup <= tau holds per verify step; timing noise, the
+#: prefill (in both tokens/s, outside tau) and batched rows ending at different steps move a measured ratio a few
+#: percent around it
+SPEEDUP_SLACK = 0.05
+
+
+def speedup_warning(label: str, speedup: Optional[float], tau: Optional[float], baseline: str = "greedy decoding",
+                    slack: float = SPEEDUP_SLACK) -> Optional[str]:
+    """One warning line when a measured speedup exceeds what the acceptance length allows (None otherwise).
+
+    Chain speculative decoding emits ``tau`` tokens per verify step on average, and a verify step costs one verifier
+    forward over ``k + 1`` tokens (never cheaper than greedy's one-token forward on the same hardware) plus ``k``
+    drafter forwards; greedy spends one forward per token. So ``speedup = t_greedy / t_spec <= tau * c(1) / (c(k+1)
+    + k c_draft) <= tau``: the walltime improvement factor of Leviathan et al. 2023 (arXiv 2211.17192, section 3),
+    ``(1 - a^(k+1)) / ((1 - a)(k c + 1))``, where ``(1 - a^(k+1)) / (1 - a)`` is the expected tokens per step (tau)
+    and ``k c + 1 >= 1`` a step's cost in one-token verifier forwards. A measured ratio above ``tau x (1 + slack)``
+    (e.g. 1.4x at tau 1.02: the drafter saved nothing) means the baseline was slowed (CPU contention, another
+    process, clocks) or, for two servers, ran on other hardware; it is not the drafter's speedup.
+
+    Args:
+        label: the set, named first in the line.
+        speedup: tokens/s with the drafter / tokens/s of the baseline (NaN / None: nothing said).
+        tau: the acceptance length measured in the same run (NaN / None / <= 0: nothing said).
+        baseline: what the speedup is measured against, for the line.
+        slack: the relative tolerance (default :data:`SPEEDUP_SLACK`).
+
+    Returns:
+        the line, or None when ``speedup <= tau * (1 + slack)`` or a value is missing.
+    """
+    if speedup is None or tau is None or not (math.isfinite(speedup) and math.isfinite(tau)) or tau <= 0:
+        return None
+    if speedup <= tau * (1 + slack):
+        return None
+    return (f"{label}: speedup {speedup:.2f}x is above tau {tau:.2f}, which chain speculative decoding cannot "
+            f"exceed on the same hardware (each verify step emits tau tokens on average for one verifier forward over "
+            f"k+1 tokens, no cheaper than {baseline}'s one-token forward, plus the drafts; Leviathan et al. 2023, "
+            f"arXiv 2211.17192): the baseline was slowed (CPU contention, another process) or ran on other hardware, "
+            f"so this speedup is not the drafter's; measure again on an otherwise idle machine")
+
+
+def speedup_warnings(datasets: Sequence[dict]) -> list[str]:
+    """:func:`speedup_warning` of each offline ``bench.json`` dataset row (keys ``dataset``, ``speedup``, ``tau``)."""
+    lines = (speedup_warning(str(d.get("dataset")), d.get("speedup"), d.get("tau")) for d in datasets)
+    return [w for w in lines if w]
+
+
 def _lossless_cell(d: dict) -> str:
     """``yes``, ``yes (n near-ties)`` or ``NO (n prompts)`` for one dataset row."""
     fails = d.get("failures", len(d["mismatches"]))
@@ -613,17 +659,38 @@ def resolve_drafter_dir(cfg: RunConfig, drafter_dir: Optional[str | Path]) -> Pa
         return path
     path = Path(cfg.export_dir)
     if not path.is_dir():
-        other = "vllm" if cfg.export.engine == "sglang" else "sglang"
-        have = cfg.root / f"drafter-{other}"
-        if cfg.export.output_dir is None and (have / "config.json").is_file():  # trained, exported for the other one
-            raise UserError(f"the exported drafter '{path}' (the config's export dir, export.engine: "
-                            f"{cfg.export.engine}) not found, but {have} is there: 04_train.py --export-only "
-                            f"--engine {cfg.export.engine} writes it from the same checkpoint (or pass --drafter)")
-        raise UserError(f"the exported drafter '{path}' (the config's export dir) not found: "
-                        f"run 04_train.py first or pass --drafter" + (f" ({relative_hint(path)})" if
-                                                                       relative_hint(path) else ""))
+        raise UserError(missing_export_advice(cfg, path))
     _require_export_config(path, f"the config's export dir '{path}'")
     return path
+
+
+def missing_export_advice(cfg: RunConfig, path: Path) -> str:
+    """The line refusing a missing config export dir (``path``), with advice that works for the train folder as it is:
+    ``run 04_train.py first`` was given also when ``train.output_dir`` held checkpoints (a stopped run, a refused
+    export), where a plain 04 is refused (``holds checkpoints``), and ``--export-only --engine ...`` also when no
+    checkpoint was left to export from. The checkpoints are listed first: with some, ``--export-only`` (the newest,
+    or for the other engine's existing export, the same checkpoint) or ``--resume``; without, train (or pass
+    ``--drafter``)."""
+    from eagle3.train.checkpoint import ckpt_dir, list_checkpoints
+
+    found = list_checkpoints(cfg.train_dir)
+    other = "vllm" if cfg.export.engine == "sglang" else "sglang"
+    have = cfg.root / f"drafter-{other}"
+    if cfg.export.output_dir is None and (have / "config.json").is_file():  # trained, exported for the other one
+        head = (f"the exported drafter '{path}' (the config's export dir, export.engine: {cfg.export.engine}) not "
+                f"found, but {have} is there")
+        if found:
+            return (f"{head}: 04_train.py --export-only --engine {cfg.export.engine} writes it from the same "
+                    f"checkpoint (or pass --drafter)")
+        return (f"{head}; {ckpt_dir(cfg.train_dir)} holds no checkpoint to export it from (04_train.py --export-only "
+                f"needs one): benchmark {have} with --set export.engine={other}, or train again for {cfg.export.engine}")
+    head = f"the exported drafter '{path}' (the config's export dir) not found"
+    if found:
+        return (f"{head}, but {ckpt_dir(cfg.train_dir)} holds checkpoints (newest step {found[-1][0]}): "
+                f"04_train.py --export-only exports it, 04_train.py --resume trains on to the run's end and exports "
+                f"(or pass --drafter)")
+    return f"{head}: run 04_train.py first or pass --drafter" + (f" ({relative_hint(path)})" if relative_hint(path)
+                                                                 else "")
 
 
 def _require_export_config(path: Path, what: str) -> None:
@@ -761,6 +828,14 @@ def lossless_verdict(report: dict, tie_tolerance: float, strict: bool) -> Option
     return msg
 
 
+def check_measurement(report: dict, tie_tolerance: float, strict: bool) -> Optional[str]:
+    """The checks of a measured ``bench.json`` report, in ``report["warnings"]``: a speedup above tau
+    (:func:`speedup_warnings`: the baseline was slowed), then losslessness (:func:`lossless_verdict`, whose failure
+    line is returned; None when every token matched greedy or only near-ties differ)."""
+    report["warnings"] += speedup_warnings(report["datasets"])
+    return lossless_verdict(report, tie_tolerance, strict)
+
+
 def load_sets(datasets: Sequence[str], num_prompts: Optional[int],
               pick: str) -> tuple[list[tuple[str, list[EvalPrompt]]], list[str]]:
     """Each dataset's ``num_prompts`` prompts picked by ``pick`` (:func:`eagle3.benchmark.eval_prompts.load_eval_subset`),
@@ -873,7 +948,7 @@ def run_offline(
         row = bench_prompts(verifier, drafter, ids, aux_layers, steps, max_new_tokens, eos, label,
                             batch_size=batch_size, tie_tolerance=tie_tolerance, decoder=cfg.benchmark.decoder)
         report["datasets"].append({**row, "prompt_ids": [i for i, _ in ids]})  # which prompts prompt_pick chose
-    msg = lossless_verdict(report, tie_tolerance, strict)
+    msg = check_measurement(report, tie_tolerance, strict)
     out = Path(out_dir or cfg.bench_dir)
     write_reports(out, report)
     said = list(logged)

@@ -46,7 +46,7 @@ from typing import Optional, Sequence
 
 from tqdm import tqdm
 
-from eagle3.benchmark.offline import holds_bench_lock, json_safe, plot_acceptance, rates_from_hist
+from eagle3.benchmark.offline import holds_bench_lock, json_safe, plot_acceptance, rates_from_hist, speedup_warning
 from eagle3.errors import UserError
 from eagle3.io import json_error_detail, probe_dirs, read_json
 
@@ -295,7 +295,8 @@ def run_server_bench(urls: Sequence[str], prompts_ids: Sequence[tuple[str, list[
     Returns:
         the report: ``servers`` (list of :func:`bench_server` results) and, with two URLs,
         ``speedup`` (tokens/s of server 1 / server 2) and ``identical_outputs`` (prompts whose
-        ``output_ids`` agree).
+        ``output_ids`` agree); a speedup above tau (:func:`eagle3.benchmark.offline.speedup_warning`) adds a line to
+        ``warnings`` (logged too).
 
     Raises:
         UserError: no URL or more than two, no prompts, server errors.
@@ -313,6 +314,10 @@ def run_server_bench(urls: Sequence[str], prompts_ids: Sequence[tuple[str, list[
         a, b = servers
         report["speedup"] = a["output_tokens_per_s"] / b["output_tokens_per_s"] if b["output_tokens_per_s"] else float("nan")
         report["identical_outputs"] = sum(x["output_ids"] == y["output_ids"] for x, y in zip(a["per_request"], b["per_request"]))
+        above = speedup_warning(dataset, report["speedup"], a.get("tau"), baseline="the baseline server")
+        if above:  # a ratio tau cannot give: the baseline server was slowed or runs on other hardware
+            log.warning("%s", above)
+            report["warnings"] = [*report.get("warnings", []), above]
     if out_dir is not None:
         _write_server_reports(Path(out_dir), report, urls[0])
     return report
@@ -342,7 +347,9 @@ def run(cfg, urls: Sequence[str], datasets: Optional[Sequence[str]] = None, num_
 
     One report per dataset (default: the config's ``benchmark.datasets`` when it sets them, else ``mtbench``):
     ``server_bench.json``/``.md`` in ``cfg.bench_dir``
-    (in ``{bench_dir}/server-{label}/`` when several datasets are given; :func:`dataset_labels`, "/" as "_").
+    (in ``{bench_dir}/server-{label}/`` when several datasets are given; :func:`dataset_labels`, "/" as "_"). Each
+    records ``draft_folder`` (:func:`draft_folder_warnings`: the server's draft folder, whether it could be read here
+    and what was not checked) and ``warnings`` (that check's, the prompt subset's, a speedup above tau).
 
     Returns:
         0 on success.
@@ -366,9 +373,12 @@ def run(cfg, urls: Sequence[str], datasets: Optional[Sequence[str]] = None, num_
     max_new_tokens = max_new_tokens or cfg.benchmark.max_new_tokens
     num_prompts = num_prompts or cfg.benchmark.num_prompts
     tok = load_tokenizer(cfg.verifier)
-    folder_notes = draft_folder_warnings(cfg, urls[0])  # also in each report's warnings
+    folder_notes, folder = draft_folder_warnings(cfg, urls[0])  # also in each report's warnings
     for w in folder_notes:
         log.warning("%s", w)
+    for w in folder["not_checked"]:
+        if w not in folder_notes:  # a missing file in a readable folder: said, recorded, not a warning
+            log.info("%s", w)
     labels = dataset_labels(datasets)
     for w in stale_server_reports(Path(cfg.bench_dir), labels):
         log.warning("%s", w)
@@ -379,7 +389,7 @@ def run(cfg, urls: Sequence[str], datasets: Optional[Sequence[str]] = None, num_
         ids = [(p.id, prompt_ids(tok, p.messages, ChatOptions.from_config(cfg))) for p in prompts]
         report = run_server_bench(urls, ids, max_new_tokens, concurrency, label, timeout, out, extra={
             "prompt_pick": cfg.benchmark.prompt_pick, "prompt_ids": [i for i, _ in ids],
-            "warnings": folder_notes + notes})
+            "warnings": folder_notes + notes, "draft_folder": folder})
         s = report["servers"][0]
         log.info("%s: tau %s, %.1f output tok/s%s", label, f"{s['tau']:.2f}" if s.get("tau") else "n/a",
                  s["output_tokens_per_s"], f", speedup {report['speedup']:.2f}x" if "speedup" in report else "")
@@ -415,42 +425,96 @@ def stale_server_reports(bench_dir: Path, labels: Sequence[str]) -> list[str]:
     return out
 
 
-def draft_folder_warnings(cfg, url: str, timeout: float = 30.0) -> list[str]:
-    """Check the draft folder an SGLang server was started with, when it is readable here.
+def draft_folder_warnings(cfg, url: str, timeout: float = 30.0) -> tuple[list[str], dict]:
+    """Check the draft folder an SGLang server was started with, when it is readable here; say so when it is not.
 
     ``GET {url}/server_info`` names ``speculative_draft_model_path``; if that folder exists on this
     machine, :func:`eagle3.export.serving.check_export_folder` refuses a folder exported for vLLM (SGLang
     would read its HF-index layer ids with its own +1 rule) and warns when the layers SGLang
-    captures differ from the HF layers of the run's shards (``data_config.json``).
+    captures differ from the HF layers of the run's shards (``data_config.json``). It also warns when the server
+    drafts more tokens a step (``speculative_num_steps`` in its ``server_info``, its ``--speculative-num-steps``) than
+    the folder's ``eagle3_train.json`` says the drafter was trained for (``ttt_length``;
+    :func:`eagle3.benchmark.offline.ttt_length_warning`), as the offline benchmark does.
 
-    Also warns when the server drafts more tokens a step (``speculative_num_steps`` in its ``server_info``, its
-    ``--speculative-num-steps``) than the folder's ``eagle3_train.json`` says the drafter was trained for
-    (``ttt_length``; :func:`eagle3.benchmark.offline.ttt_length_warning`), as the offline benchmark does.
+    The server may run on another host, so the folder may not be readable here (or ``/server_info`` may not answer,
+    or name no folder): then none of these checks runs, and one warning line says which were not made and how to
+    make them (run 05 where the folder is readable, or compare by hand). Checks that could not run for want of a
+    file (the folder's ``eagle3_train.json`` / ``config.json``, the shards' ``data_config.json``) are listed in the
+    record's ``not_checked``.
 
     Returns:
-        warnings (empty when the server or folder cannot be inspected).
+        ``(warnings, record)``: the warning lines, and ``record`` = ``{"url", "path"`` (the folder the server names,
+        or None)``, "speculative_num_steps"`` (or None)``, "readable"`` (the folder was read here)``, "not_checked"``:
+        [what was not checked and why]``}`` (``server_bench.json`` key ``draft_folder``).
 
     Raises:
         UserError: the folder is for the other engine or its layer ids contradict its metadata.
     """
-    from eagle3.benchmark.offline import ttt_length_warning
+    from eagle3.benchmark.offline import TRAIN_META, ttt_length_warning
     from eagle3.export.serving import check_export_folder
     from eagle3.shards.format import DATA_CONFIG, read_data_config
 
     info = server_info(url, timeout)
     path, steps = info.get("speculative_draft_model_path"), info.get("speculative_num_steps")
-    if not path or not Path(path).is_dir():
-        return []
+    steps = steps if isinstance(steps, int) and not isinstance(steps, bool) else None
+    rec = {"url": url, "path": path, "speculative_num_steps": steps, "readable": False, "not_checked": []}
+    unread = _unreadable_draft_folder(url, info, path, steps)
+    if unread is not None:
+        if unread:
+            rec["not_checked"].append(unread)
+        return [unread] if unread else [], rec
+    rec["readable"] = True
     out = []
-    if isinstance(steps, int) and not isinstance(steps, bool):
+    if steps is not None:
         field = f"the server's speculative_num_steps (--speculative-num-steps, {url}/server_info)"
         out += [w for w in [ttt_length_warning(Path(path), steps, field, fix="restart the server with "
                                                "--speculative-num-steps {k}")] if w]
+        if _recorded_ttt_length(Path(path) / TRAIN_META) is None:
+            rec["not_checked"].append(f"{Path(path) / TRAIN_META} records no ttt_length: the server's "
+                                      f"--speculative-num-steps {steps} was not checked against the trained length")
     if not (Path(path) / "config.json").is_file():
-        return out
+        rec["not_checked"].append(f"{Path(path) / 'config.json'} not found: the folder's engine and aux layers were "
+                                  f"not checked")
+        return out, rec
     shards_aux = arch = None
     if (Path(cfg.shards_dir) / DATA_CONFIG).is_file():
         dc = read_data_config(cfg.shards_dir)
         shards_aux, arch = dc.get("aux_layers"), dc.get("architecture")
-    return out + check_export_folder(path, serving_engine="sglang", shards_aux_hf=shards_aux,
-                                     verifier_architecture=arch)["warnings"]
+    else:
+        rec["not_checked"].append(f"{Path(cfg.shards_dir) / DATA_CONFIG} not found: the layers SGLang captures were "
+                                  f"checked against the folder's own record only, not against the shards'")
+    out += check_export_folder(path, serving_engine="sglang", shards_aux_hf=shards_aux,
+                               verifier_architecture=arch)["warnings"]
+    return out, rec
+
+
+def _unreadable_draft_folder(url: str, info: dict, path, steps: Optional[int]) -> Optional[str]:
+    """For :func:`draft_folder_warnings`: None when the server's draft folder is readable here; ``""`` for a server
+    that says it does not speculate (``run_server_bench`` warns about that); else the warning line naming what was not
+    checked and how to check it."""
+    if not info:
+        why = f"{url}/server_info did not answer (not SGLang, or an older one), so the server's draft folder is unknown"
+    elif not path:
+        if info.get("speculative_algorithm") in (None, "", "NONE"):
+            return ""
+        why = f"{url}/server_info names no speculative_draft_model_path"
+    elif not Path(path).is_dir():
+        why = (f"the server's draft folder {path} ({url}/server_info speculative_draft_model_path) is not readable on "
+               f"this machine (the server runs elsewhere, or it is a hub id)")
+    else:
+        return None
+    k = f" {steps}" if steps is not None else ""
+    return (f"{why}: 05 did not check it against the server (its eagle3_train.json ttt_length against "
+            f"--speculative-num-steps{k}, its config.json's engine (sglang) and aux layers against the shards'); run 05 "
+            f"where that folder is readable (e.g. on shared storage), or check there that its eagle3_train.json has "
+            f"engine sglang and ttt_length >= the server's --speculative-num-steps")
+
+
+def _recorded_ttt_length(meta_path: Path) -> Optional[int]:
+    """``ttt_length`` of an export's ``eagle3_train.json`` (None: no file, unreadable, or no integer key)."""
+    try:
+        meta = read_json(meta_path) if meta_path.is_file() else None
+    except UserError:
+        return None
+    k = meta.get("ttt_length") if isinstance(meta, dict) else None
+    return k if isinstance(k, int) and not isinstance(k, bool) else None

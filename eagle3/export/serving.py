@@ -627,6 +627,36 @@ def _config_layer_ids(cfg: dict, engine: str, path: Path) -> Optional[list[int]]
     return list(ids)
 
 
+def reexport_hint(root: Path, engine: str) -> str:
+    """How to get the ``engine`` export of the run that exported ``root`` (the text after ``Use the <engine> export: ``
+    in :func:`check_export_folder`'s refusal). ``04_train.py --export-only --engine <engine>`` was advised also where
+    it cannot work: it reads the run's checkpoints, which the host serving or benchmarking the folder may not have. The
+    folder's ``eagle3_train.json`` ``trained_from.train_dir`` says where they were: an export of that run for
+    ``engine`` beside ``root`` is named first; else ``--export-only`` when that folder holds checkpoints here; else
+    that it needs them (run it where they are)."""
+    from eagle3.train.checkpoint import ckpt_dir, list_checkpoints
+
+    cmd = f"04_train.py --export-only --engine {engine}"
+    try:
+        src = (read_json(root / META_FILE).get("trained_from") or {}).get("train_dir")
+    except (UserError, AttributeError, OSError):
+        src = None
+    sib = root.parent / f"drafter-{engine}"
+    if src and sib != root and (sib / "config.json").is_file():
+        try:
+            sib_src = (read_json(sib / META_FILE).get("trained_from") or {}).get("train_dir")
+        except (UserError, AttributeError, OSError):
+            sib_src = None
+        if sib_src == src:
+            return f"{sib} (the same run's, beside this one)"
+    if not src:
+        return cmd
+    if list_checkpoints(src):
+        return f"{cmd} writes it from {ckpt_dir(src)} (with the run's config)"
+    return (f"{cmd} needs the run's checkpoints, and {ckpt_dir(src)} (trained_from in {root / META_FILE}) holds none on "
+            f"this machine: run it where they are")
+
+
 def _recorded_block(cfg: dict, root: Path) -> Optional[dict]:
     """Our ``eagle3_train`` block of ``config.json``, else the same facts from ``eagle3_train.json``."""
     block = cfg.get(CONFIG_BLOCK)
@@ -689,7 +719,7 @@ def check_export_folder(
     if serving_engine is not None and serving_engine != engine:
         raise UserError(f"{cfg_path}: this folder is for {engine}, but {serving_engine} serves it; {serving_engine} reads "
                         f"its layer ids {ids} in another convention (one layer off for Llama verifiers). Use the "
-                        f"{serving_engine} export: 04_train.py --export-only --engine {serving_engine}")
+                        f"{serving_engine} export: {reexport_hint(root, serving_engine)}")
     aux_hf = None
     arch = (block or {}).get("verifier_architecture") or verifier_architecture
     if block is not None:

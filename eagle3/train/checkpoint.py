@@ -13,7 +13,9 @@ embedding and the d2t/t2d buffers come from the verifier and the vocab map), ``o
 ``config_fingerprint``, ``world_size``. Optional (absent from older checkpoints, whose resume skips that check):
 ``steps_in_epoch``, ``data_order``, ``init_from``, ``recipe`` (the values in use: :data:`KEPT_FIELDS` from the optimizer,
 not the config), ``data_inputs`` (sha256 of the split and vocab map trained on; :func:`check_resume`) and
-``data_config`` (what ``--export-only`` reads of the shards' data_config.json: :func:`data_config_record`).
+``data_config`` (what ``--export-only`` reads of the shards' data_config.json: :func:`data_config_record`) and
+``segments`` (one part per 04 call that trained: steps, state source, processes, tokens/s;
+:func:`eagle3.train.trainer.segment_record`).
 """
 
 from __future__ import annotations
@@ -314,7 +316,8 @@ def recipe_changes(saved: Optional[dict], current: dict) -> tuple[Optional[str],
     if bad:
         what = ", ".join(f"{k} {saved.get(k, '<absent>')} -> {current.get(k, '<absent>')}" for k in bad)
         problem = (f"--resume with another loss definition ({what}); set them back, or start a new run from this "
-                   f"one's export with train.init_from in a new train.output_dir")
+                   f"one's export with train.init_from in a new train.output_dir (a run stopped before its end has "
+                   f"none yet: 04_train.py --export-only writes it from the checkpoint)")
     notes = []
     for k in (k for k in changed if k not in LOSS_FIELDS):
         then, now = saved.get(k, "<absent>"), current.get(k, "<absent>")

@@ -54,7 +54,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -774,14 +774,21 @@ def _recipe(cfg: RunConfig) -> dict:
     return out
 
 
-def _data_inputs(inputs: "_Inputs") -> dict:
+def _data_inputs(split: dict, vocab: dict, data_config: dict) -> dict:
     """What a checkpoint records of the data it was trained on (key ``data_inputs``; compared on ``--resume`` by
-    :func:`eagle3.train.checkpoint.data_inputs_problem`): the content sha256 of 03's split and vocab map, and the
-    aux layers and verifier weights fingerprint (``verifier_weights``; None when 02 recorded none) of the shards'
-    ``data_config.json``."""
-    return {ckpt.SPLIT_FILE: ckpt.split_sha256(inputs.split), ckpt.VOCAB_FILE: ckpt.vocab_sha256(inputs.vocab),
-            ckpt.AUX_LAYERS: [int(i) for i in inputs.data_config["aux_layers"]],
-            ckpt.VERIFIER_WEIGHTS: inputs.data_config.get(ckpt.VERIFIER_WEIGHTS)}
+    :func:`eagle3.train.checkpoint.data_inputs_problem`): the content sha256 of 03's ``split`` and ``vocab`` map, and
+    the aux layers and verifier weights fingerprint (``verifier_weights``; None when 02 recorded none) of the shards'
+    ``data_config``."""
+    return {ckpt.SPLIT_FILE: ckpt.split_sha256(split), ckpt.VOCAB_FILE: ckpt.vocab_sha256(vocab),
+            ckpt.AUX_LAYERS: [int(i) for i in data_config["aux_layers"]],
+            ckpt.VERIFIER_WEIGHTS: data_config.get(ckpt.VERIFIER_WEIGHTS)}
+
+
+def _resume_current(cfg: RunConfig, args, split: dict, vocab: dict, data_config: dict) -> dict:
+    """The run now, as :func:`eagle3.train.checkpoint.check_resume` compares it with a checkpoint: ``drafter_args``,
+    ``data_order``, ``recipe``, ``data_inputs``."""
+    return {"drafter_args": dataclasses.asdict(args), "data_order": _data_order(cfg), "recipe": _recipe(cfg),
+            "data_inputs": _data_inputs(split, vocab, data_config)}
 
 
 def _fingerprint(cfg: RunConfig, args) -> str:
@@ -1006,16 +1013,45 @@ def _undo_on_refusal(train_dir: Path, enabled: bool):
         raise
 
 
-def _check_train_dir(cfg: RunConfig, d: DistInfo, resume: bool) -> None:
+def _check_train_dir(cfg: RunConfig, d: DistInfo, resume: bool, current: Optional[Callable[[], dict]] = None) -> None:
     """Folder step (after the inputs are read, before anything is written): refuse existing checkpoints without
-    ``resume``; drop stale temp files of an interrupted run."""
+    ``resume`` (:func:`without_resume_refusal`: the advice depends on whether ``--resume`` would take them, judged
+    against ``current()``, :func:`_resume_current`, called only then); drop stale temp files of an interrupted run.
+
+    Raises:
+        UserError: checkpoints in the folder and no ``resume``.
+    """
     train_dir = cfg.train_dir
-    existing = ckpt.list_checkpoints(train_dir)
-    if existing and not resume:
-        raise UserError(f"{ckpt.ckpt_dir(train_dir)}: holds checkpoints (newest step {existing[-1][0]}); "
-                        f"pass --resume to continue, or set train.output_dir to a new folder")
+    if ckpt.list_checkpoints(train_dir) and not resume:
+        raise UserError(without_resume_refusal(cfg, current() if current is not None else None))
     if d.is_main and train_dir.is_dir():
         ckpt.remove_stale_tmp(train_dir)
+
+
+def without_resume_refusal(cfg: RunConfig, current: Optional[dict]) -> str:
+    """The one line refusing a 04 without ``--resume`` in a train folder that holds checkpoints. It advised
+    ``pass --resume`` also when that resume would be refused (other drafter shape, batching, loss, split, vocab map,
+    aux layers or verifier weights than the checkpoint's; files none of which loads), so the advice cost one more
+    refused run. The resume's checks (:func:`eagle3.train.checkpoint.find_latest_checkpoint` and
+    :func:`eagle3.train.checkpoint.check_resume` against ``current``, :func:`_resume_current`; None: not judged) now
+    run first: when they pass, ``pass --resume to continue`` (naming the step a resume takes when the newest file does
+    not load); when they fail, why, and what 04 offers instead (a new ``train.output_dir``, or deleting the checkpoints
+    folder: 04 has no ``--overwrite``). The step horizon (a checkpoint past the run's end) is checked by the resume
+    itself, later.
+    """
+    where = ckpt.ckpt_dir(cfg.train_dir)
+    existing = ckpt.list_checkpoints(cfg.train_dir)
+    head = f"{where}: holds checkpoints (newest step {existing[-1][0]})"
+    if current is None:
+        return f"{head}; pass --resume to continue, or set train.output_dir to a new folder"
+    try:
+        path, state = ckpt.find_latest_checkpoint(cfg.train_dir, warn=False)
+        ckpt.check_resume(path, state, current, cfg.data_dir)
+    except UserError as e:
+        return (f"{head}, and --resume would refuse them: {e}; so train into a new folder (--set "
+                f"train.output_dir=...), or delete {where} to start this one over (04 has no --overwrite)")
+    older = "" if int(state["step"]) == existing[-1][0] else f" from step {state['step']}, the newest that loads"
+    return f"{head}; pass --resume to continue{older}, or set train.output_dir to a new folder"
 
 
 @dataclass
@@ -1242,7 +1278,7 @@ def _load_inputs(cfg: RunConfig, d: DistInfo, resume: bool, init: Optional[Calla
     warm = _warm_start_planned(cfg, d, resume, args)  # checked before the first write (the full check: after the head)
     if lock is not None:
         lock()  # 04's lock on train_dir (_train_lock), before the folder check deletes stale temp files
-    _check_train_dir(cfg, d, resume)
+    _check_train_dir(cfg, d, resume, lambda: _resume_current(cfg, args, split, vocab, data_config))
     stop_before_training(stop, d)
     head = prepare_target_head(cfg, data_config, d)  # the first write: target_head.safetensors (creates train_dir)
     if d.is_main:
@@ -1408,6 +1444,9 @@ class _Training:
         # every warning logged
         self.warnings: list[str] = [] if warnings is None else warnings
         self.tok_total, self.t_total = 0.0, 0.0
+        # the run's earlier calls (a resumed checkpoint's ``segments``), and the step this call started at
+        self.earlier_segments: list[dict] = []
+        self.segment_start = 0
 
     @property
     def end_step(self) -> int:
@@ -1476,9 +1515,9 @@ class _Training:
                 log.warning("--resume: no checkpoint in %s; starting from step 0", ckpt.ckpt_dir(self.train_dir))
             return
         path, state = found
-        changes = ckpt.check_resume(path, state, {
-            "drafter_args": dataclasses.asdict(self.inputs.args), "data_order": _data_order(self.cfg),
-            "recipe": _recipe(self.cfg), "data_inputs": _data_inputs(self.inputs)}, self.cfg.data_dir)
+        i = self.inputs
+        changes = ckpt.check_resume(path, state, _resume_current(self.cfg, i.args, i.split, i.vocab, i.data_config),
+                                    self.cfg.data_dir)
         self.step, self.epoch = int(state["step"]), int(state["epoch"])
         self.step_in_epoch = self.data.order.step_from_checkpoint(state)
         self.total_steps = _horizon_after_resume(self.data.order, state, d, t, self.total_steps, self.data.horizon,
@@ -1502,6 +1541,10 @@ class _Training:
                 log.warning("%s: saved with %d processes, now %d; RNG states reseeded", path, len(rngs), d.world)
             torch.manual_seed(t.seed + 1000 * self.step + d.rank)
         self.last_ckpt = path
+        self.earlier_segments, self.segment_start = earlier_segments(state), self.step
+        switch = state_source_switch(path, self.earlier_segments, self.current_segment())
+        if switch and d.is_main:
+            log.warning("%s", switch)
 
     def announce_resume(self) -> None:
         """Log where a resumed run stands (rank 0), once every setup check (``--stop-at`` included) has passed."""
@@ -1558,6 +1601,17 @@ class _Training:
         ``--resume`` with the run's original config warns about nothing."""
         return {**_recipe(self.cfg), **{f"train.{k}": v for k, v in self._optimizer_values().items()}}
 
+    def current_segment(self) -> dict:
+        """This call's part of the run (:func:`segment_record`): from the step it started at to the current step."""
+        return segment_record(self.segment_start, self.step, self.t.hidden_states, self.cfg.extract.backend,
+                              self.d.world, (self.tok_total / self.t_total) if self.t_total > 0 else None,
+                              _peak_gpu_mem_gib(self.d.device), self.warnings)
+
+    def segments(self) -> list[dict]:
+        """The run's parts, one per 04 call that trained (a resumed checkpoint's earlier ones, then this call's; parts
+        without a step left out): checkpoint and ``train_report.json`` key ``segments``."""
+        return [g for g in [*self.earlier_segments, self.current_segment()] if g["end_step"] > g["start_step"]]
+
     def save(self) -> Path:
         """Checkpoint at the current step (every rank's RNG gathered; rank 0 writes)."""
         d, o = self.d, self.opt
@@ -1576,7 +1630,8 @@ class _Training:
                 "scheduler": o.scheduler.state_dict(), "rng": rngs,
                 "drafter_args": self.inputs.args.to_json(), "config_fingerprint": o.fingerprint,
                 "world_size": d.world, "data_order": _data_order(self.cfg), "init_from": self.inputs.init_from,
-                "recipe": self.recipe_in_use(), "data_inputs": _data_inputs(self.inputs),
+                "recipe": self.recipe_in_use(), "data_inputs": _data_inputs(self.inputs.split, self.inputs.vocab, self.inputs.data_config),
+                "segments": self.segments(),
                 ckpt.DATA_CONFIG_RECORD: ckpt.data_config_record(self.inputs.data_config),  # --export-only sans shards
             }, keep=self.t.keep_checkpoints)
         _barrier(d)
@@ -1766,7 +1821,7 @@ class _Training:
                   "checkpoint": str(self.last_ckpt) if self.last_ckpt else None, "export_dir": None, "final_val": {},
                   "tokens_per_s": (self.tok_total / self.t_total) if self.t_total > 0 else None,
                   "peak_gpu_mem_gib": _peak_gpu_mem_gib(d.device), "hidden_states": self.t.hidden_states,
-                  "init_from": self.inputs.init_from,
+                  "init_from": self.inputs.init_from, "segments": self.segments(),
                   "recipe": self.recipe_used(), "warnings": self.warnings,
                   "val_samples": len(self.data.val_ds) if self.data.val_ds is not None else 0}
         if not result["val_samples"]:  # said in the report and the closing lines, not an empty tau table
@@ -1835,6 +1890,53 @@ class _Training:
                         f"without retraining]")
         err.exit_code = e.exit_code
         return err
+
+
+def segment_record(start: int, end: int, hidden_states: Optional[str], backend: Optional[str], world_size: int,
+                   tokens_per_s: Optional[float], peak_gpu_mem_gib: Optional[float] = None,
+                   warnings: Sequence[str] = ()) -> dict:
+    """One part of a run (the optimizer steps one 04 call trained): ``{start_step, end_step, hidden_states,
+    extract_backend (online: where the states came from, hf or sglang; offline: None), world_size, tokens_per_s,
+    peak_gpu_mem_gib, warnings (the call's warning lines)}``. A resumed run used to report only its last call's
+    ``hidden_states``, throughput and warnings."""
+    return {"start_step": int(start), "end_step": int(end), "hidden_states": hidden_states,
+            "extract_backend": backend if hidden_states == "online" else None, "world_size": int(world_size),
+            "tokens_per_s": tokens_per_s, "peak_gpu_mem_gib": peak_gpu_mem_gib, "warnings": list(warnings)}
+
+
+def earlier_segments(state: dict) -> list[dict]:
+    """The ``segments`` a checkpoint records (:func:`segment_record`), each ending at the checkpoint's step at the
+    latest; a checkpoint from before the key gives one part, steps 0 to its step, whose ``hidden_states`` is None
+    (not recorded)."""
+    step = int(state["step"])
+    segs = state.get("segments")
+    if not isinstance(segs, list):
+        return [segment_record(0, step, None, None, int(state.get("world_size", 1)), None)] if step > 0 else []
+    out = []
+    for g in segs:
+        if isinstance(g, dict) and int(g.get("start_step", step)) < step:
+            out.append({**g, "end_step": min(int(g["end_step"]), step)})
+    return out
+
+
+def state_source_switch(path: Path, earlier: list[dict], now: dict) -> Optional[str]:
+    """The warning of a resume that takes its hidden states from another source than the checkpoint's last part
+    (``train.hidden_states`` offline <-> online, or online's ``extract.backend``), None when it is the same or
+    unrecorded. Both sources give the verifier's states, the same up to the shards' storage rounding (bf16 / fp8) and
+    the capture's dtype, so the resume is allowed; the report lists each part (``segments``)."""
+    if not earlier or earlier[-1].get("hidden_states") is None:
+        return None
+    last = earlier[-1]
+
+    def name(g: dict) -> str:
+        return g["hidden_states"] + (f" (extract.backend {g['extract_backend']})" if g.get("extract_backend") else "")
+
+    if name(last) == name(now):
+        return None
+    return (f"{path}: steps {last['start_step']}-{last['end_step']} were trained with train.hidden_states "
+            f"{name(last)}, this call trains with {name(now)} from step {now['start_step']}; the states are the same "
+            f"verifier's up to the shards' storage rounding (bf16 / fp8) and the capture dtype; train_report.json "
+            f"'segments' lists each part")
 
 
 def export_provenance(train_dir: Path, checkpoint, step: int, select_best: str, selected_step: int) -> dict:
@@ -2055,8 +2157,15 @@ def _report_markdown(result: dict, args) -> str:
     lines += [f"- also exported: `{o['export_dir']}` ({o['engine']}, the weights of step {o['weights_step']}, "
               f"select_best: {o['select_best']})" for o in result.get("other_exports") or []]
     lines += [f"- **warning**: {w}" for w in result.get("warnings") or []]
+    segs = result.get("segments") or []
+    if len(segs) > 1:  # a resumed run: each part's state source, processes and throughput, earlier calls' warnings
+        lines.append("- trained in parts: " + "; ".join(_segment_text(g) for g in segs))
+        lines += [f"- **warning** (steps {g['start_step']}-{g['end_step']}): {w}" for g in segs[:-1]
+                  for w in g.get("warnings") or []]
     if result.get("tokens_per_s"):
-        lines.append(f"- training throughput: {result['tokens_per_s']:.0f} tokens/s (all ranks)")
+        lines.append(f"- training throughput: {result['tokens_per_s']:.0f} tokens/s (all ranks"
+                     + (f"; this call's, steps {segs[-1]['start_step']}-{segs[-1]['end_step']})" if len(segs) > 1
+                        else ")"))
     if result.get("peak_gpu_mem_gib") is not None:
         lines.append(f"- peak GPU memory (tensors, rank 0): {result['peak_gpu_mem_gib']:.1f} GiB")
     if "loss" in val:
@@ -2071,6 +2180,16 @@ def _report_markdown(result: dict, args) -> str:
 
         lines += ["", *markdown_lines(result["sim_accept"])]
     return "\n".join(lines) + "\n"
+
+
+def _segment_text(g: dict) -> str:
+    """One part of ``segments`` for ``train_report.md``: ``steps 0-40 offline, 1 process, 1234 tokens/s``."""
+    how = g.get("hidden_states") or "hidden states not recorded"
+    if g.get("extract_backend"):
+        how += f" ({g['extract_backend']})"
+    n = g.get("world_size")
+    tps = f", {g['tokens_per_s']:.0f} tokens/s" if g.get("tokens_per_s") else ""
+    return f"steps {g['start_step']}-{g['end_step']} {how}, {n} process{'' if n == 1 else 'es'}{tps}"
 
 
 def _loss_png(rows: list[dict]) -> Optional[bytes]:

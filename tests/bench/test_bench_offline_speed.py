@@ -161,3 +161,30 @@ def test_offline_bench_speed_checks_the_drafter_shape_and_takes_num_prompts_from
     res = json.loads(out.read_text())
     assert res["num_prompts"] == 2 and res["prompt_ids"] == ["q0", "q1"]
     assert len(res["warnings"]) == 1 and "num_layers 1 but the config's drafter.num_layers is 2" in res["warnings"][0]
+
+
+def test_offline_bench_speed_flags_a_speedup_above_tau(tmp_path, tiny_llama_dir, monkeypatch):
+    """A row whose speedup (1.40x, hand-made) exceeds its tau (1.02) carries the warning line of 05's check (the greedy
+    baseline was slowed), logged and in the row's warnings; a row within tau none."""
+    from eagle3.benchmark.offline import speedup_warning
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"q{i}", "prompt": t}) + "\n" for i, t in enumerate(["Hi", "2+2?"])))
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"run_name: t\noutput_root: {tmp_path / 'out'}\nverifier: {{path: {tiny_llama_dir}, device: cpu}}\n"
+                   f"prompts: {{source: {prompts}}}\nextract: {{aux_layers: [1, 3, 4]}}\n")
+    mod = _script()
+    real = mod.bench_prompts
+
+    def made(*args, **kw):
+        d = real(*args, **kw)
+        return {**d, "tau": 1.02, "speedup": 1.40 if d["batch_size"] == 1 else 0.9}
+
+    monkeypatch.setattr(mod, "bench_prompts", made)
+    out = tmp_path / "speed.json"
+    assert mod.main(["--config", str(cfg), "--random-drafter", "--dataset", str(prompts), "--num-prompts", "2",
+                     "--max-new-tokens", "4", "--batch-sizes", "1", "2", "--headline-batch-size", "1",
+                     "--decoder", "batched", "--json", str(out)]) == 0
+    one, two = json.loads(out.read_text())["rows"]
+    assert one["warnings"] == [speedup_warning("p batch 1 (batched decoder)", 1.40, 1.02)]
+    assert two["warnings"] == []

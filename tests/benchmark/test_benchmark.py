@@ -534,13 +534,32 @@ def test_missing_drafter_folder_is_a_user_error(run_setup):
     # (fresh-user trial 2026-12-05f)
     (root / "out" / "drafter-sglang").mkdir(parents=True)
     (root / "out" / "drafter-sglang" / "config.json").write_text("{}")
+    ckpts = root / "out" / "train" / "checkpoints"
+    ckpts.mkdir(parents=True)
+    (ckpts / "step_00000074.pt").write_bytes(b"")  # listed by name (04's checkpoints are not read here)
     with pytest.raises(UserError) as e:
         _cli().main(["--config", str(cfg), "--set", "export.engine=vllm"])
     assert str(e.value) == (f"the exported drafter '{root / 'out' / 'drafter-vllm'}' (the config's export dir, "
                             f"export.engine: vllm) not found, but {root / 'out' / 'drafter-sglang'} is there: "
                             f"04_train.py --export-only --engine vllm writes it from the same checkpoint (or pass "
                             f"--drafter)")
+    # ... but only with a checkpoint to export from; without one that advice would be refused by 04
+    (ckpts / "step_00000074.pt").unlink()
+    with pytest.raises(UserError) as e:
+        _cli().main(["--config", str(cfg), "--set", "export.engine=vllm"])
+    assert str(e.value) == (f"the exported drafter '{root / 'out' / 'drafter-vllm'}' (the config's export dir, "
+                            f"export.engine: vllm) not found, but {root / 'out' / 'drafter-sglang'} is there; {ckpts} "
+                            f"holds no checkpoint to export it from (04_train.py --export-only needs one): benchmark "
+                            f"{root / 'out' / 'drafter-sglang'} with --set export.engine=sglang, or train again for vllm")
     shutil.rmtree(root / "out" / "drafter-sglang")
+    # a train folder with checkpoints but no export (a stopped run): 'run 04_train.py first' would be refused there
+    (ckpts / "step_00000040.pt").write_bytes(b"")
+    with pytest.raises(UserError) as e:
+        _cli().main(["--config", str(cfg)])
+    assert str(e.value) == (f"the exported drafter '{root / 'out' / 'drafter-sglang'}' (the config's export dir) not "
+                            f"found, but {ckpts} holds checkpoints (newest step 40): 04_train.py --export-only exports "
+                            f"it, 04_train.py --resume trains on to the run's end and exports (or pass --drafter)")
+    shutil.rmtree(root / "out" / "train")
 
 
 def test_cli_more_prompts_than_the_set_warns_and_records_the_ids(run_setup, caplog, monkeypatch):
@@ -642,6 +661,45 @@ def test_render_markdown_table():
     assert "| mtbench | q7 | 5 | 0.0625 | yes |" in md and "tolerance 0.25" in md
     assert "| mtbench | 4 | 0.50 / 0.50 | n/a / 0.00 |" in md
     assert "**warning**: w1" in md
+
+
+def test_a_speedup_above_tau_is_flagged_on_hand_made_numbers():
+    """Chain speculative decoding cannot beat tau on the same hardware (each verify step emits tau tokens for one
+    forward over k+1 tokens plus the drafts), so 1.40x at tau 1.02 means the baseline was slowed; 05 said nothing."""
+    from eagle3.benchmark.offline import speedup_warning, speedup_warnings
+
+    want = ("mtbench: speedup 1.40x is above tau 1.02, which chain speculative decoding cannot exceed on the same "
+            "hardware (each verify step emits tau tokens on average for one verifier forward over k+1 tokens, no "
+            "cheaper than greedy decoding's one-token forward, plus the drafts; Leviathan et al. 2023, arXiv "
+            "2211.17192): the baseline was slowed (CPU contention, another process) or ran on other hardware, so this "
+            "speedup is not the drafter's; measure again on an otherwise idle machine")
+    assert speedup_warning("mtbench", 1.40, 1.02) == want
+    assert speedup_warning("mtbench", 1.07, 1.02) is None  # within 5% of tau: timing noise
+    assert speedup_warning("mtbench", 2.52, 2.40) is None and speedup_warning("mtbench", 2.53, 2.40) is not None
+    assert speedup_warning("mtbench", 0.52, 1.37) is None  # the demo's CPU figure
+    assert speedup_warning("mtbench", float("nan"), 1.0) is None and speedup_warning("mtbench", 2.0, None) is None
+    rows = [{"dataset": "mtbench", "speedup": 1.40, "tau": 1.02}, {"dataset": "gsm8k", "speedup": 1.9, "tau": 2.8}]
+    assert speedup_warnings(rows) == [want]
+
+
+def test_cli_flags_a_speedup_above_tau_in_bench_json_and_md(run_setup, tmp_path, monkeypatch, caplog):
+    """05 offline with a measured speedup of 1.40x at tau 1.02 (hand-made over a real run's row): one warning line,
+    logged once, in bench.json's warnings and bench.md."""
+    import logging
+
+    from eagle3.benchmark import offline
+
+    root, cfg, _ = run_setup
+    real = offline.bench_prompts
+    monkeypatch.setattr(offline, "bench_prompts", lambda *a, **k: {**real(*a, **k), "tau": 1.02, "speedup": 1.40})
+    out = tmp_path / "bench"
+    with caplog.at_level(logging.WARNING):
+        assert _cli().main(["--config", str(cfg), "--drafter", str(root / "drafter"), "--num-prompts", "1",
+                            "--steps", "2", "--set", f"benchmark.output_dir={out}"]) == 0
+    want = offline.speedup_warning("prompts", 1.40, 1.02)
+    assert want and json.loads((out / "bench.json").read_text())["warnings"][-1] == want
+    assert f"**warning**: {want}" in (out / "bench.md").read_text()
+    assert caplog.messages.count(want) == 1
 
 
 def _md_report(tau: float) -> dict:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -59,8 +60,10 @@ def _answer(input_ids: list[int], max_new: int, speculative: bool, oracle: bool 
 
 
 class _StandIn:
-    def __init__(self, speculative: bool, fail: bool = False, oracle: bool = False, draft: str | None = None):
-        """``draft``: the ``speculative_draft_model_path`` its ``/server_info`` names (absent: None)."""
+    def __init__(self, speculative: bool, fail: bool = False, oracle: bool = False, draft: str | None = None,
+                 delay: float = 0.0):
+        """``draft``: the ``speculative_draft_model_path`` its ``/server_info`` names (absent: None); ``delay``:
+        seconds each ``/generate`` answer waits (a slowed server)."""
         self.requests: list[dict] = []
         outer = self
 
@@ -94,6 +97,7 @@ class _StandIn:
                     self._send(400, {"error": {"message": "bad request body", "type": "invalid_request_error"}})
                     return
                 sp = req["sampling_params"]
+                time.sleep(delay)
                 self._send(200, _answer(req["input_ids"], sp["max_new_tokens"], speculative, oracle))
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
@@ -196,6 +200,27 @@ def test_two_servers_speedup_and_reports(tmp_path):
     assert (tmp_path / "server_acceptance.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_a_speedup_above_tau_against_a_slowed_baseline_server_is_flagged(tmp_path, caplog):
+    """A baseline server slowed by 0.2 s a request gives a speedup far above the speculative server's tau, which chain
+    speculative decoding cannot reach on the same hardware: one warning line, logged, in server_bench.json/.md."""
+    import logging
+
+    from eagle3.benchmark.offline import speedup_warning
+
+    with _StandIn(speculative=True) as spec, _StandIn(speculative=False, delay=0.2) as base, \
+            caplog.at_level(logging.WARNING):
+        rep = run_server_bench([spec.url, base.url], PROMPTS, 8, dataset="mtbench", out_dir=tmp_path, progress=False,
+                               extra={"warnings": ["w0"]})
+    tau = rep["servers"][0]["tau"]
+    assert rep["speedup"] > 1.05 * tau  # 3 x 0.2 s against a few ms
+    want = speedup_warning("mtbench", rep["speedup"], tau, baseline="the baseline server")
+    assert want.startswith(f"mtbench: speedup {rep['speedup']:.2f}x is above tau {tau:.2f}, which chain speculative")
+    assert "no cheaper than the baseline server's one-token forward" in want
+    assert rep["warnings"] == ["w0", want] and caplog.messages.count(want) == 1
+    assert json.loads((tmp_path / "server_bench.json").read_text())["warnings"] == ["w0", want]
+    assert f"Warning: {want}" in (tmp_path / "server_bench.md").read_text()
+
+
 def test_a_plain_server_run_removes_the_plot_of_an_earlier_run(tmp_path):
     """server_bench.{json,md} and server_acceptance.png are written as one set: a run against a server without
     EAGLE-3 statistics writes no plot, and the plot an earlier speculative run left (its tau) is removed rather than
@@ -257,6 +282,15 @@ def test_cli_server_mode_sends_chat_rendered_prompts(tmp_path, tiny_llama_dir, s
     assert rep["dataset"] == "p" and rep["servers"][0]["completion_tokens"] == 12
 
 
+def _draft_dir(tmp_path, ttt_length: int = STEPS) -> str:
+    """A readable draft folder for a speculative stand-in (SGLang's /server_info always names its
+    speculative_draft_model_path): ``eagle3_train.json`` with ``ttt_length``."""
+    draft = tmp_path / "drafter"
+    draft.mkdir(exist_ok=True)
+    (draft / "eagle3_train.json").write_text(json.dumps({"ttt_length": ttt_length}))
+    return str(draft)
+
+
 def test_cli_server_mode_from_the_config(tmp_path, tiny_llama_dir):
     """benchmark.server_urls alone puts 05 in server mode (configs/kimi-k2.5.yaml relies on it: it was ignored and 05
     ran the in-process benchmark), on the config's benchmark.datasets; --server overrides the config's URLs."""
@@ -265,7 +299,8 @@ def test_cli_server_mode_from_the_config(tmp_path, tiny_llama_dir):
         sets.append(tmp_path / f"{name}.jsonl")
         sets[-1].write_text(json.dumps({"id": "x", "prompt": f"Hello {name}"}) + "\n")
     cli = _bench_cli()
-    with _StandIn(speculative=True) as s, _StandIn(speculative=True) as other:
+    with _StandIn(speculative=True, draft=_draft_dir(tmp_path)) as s, \
+            _StandIn(speculative=True, draft=_draft_dir(tmp_path)) as other:
         cfg = tmp_path / "run.yaml"
         cfg.write_text(f"run_name: t\noutput_root: {tmp_path / 'out'}\nverifier: {{path: {tiny_llama_dir}}}\n"
                        f"prompts: {{source: {sets[0]}}}\n"
@@ -331,7 +366,7 @@ def test_cli_server_mode_prints_each_report_and_warns_on_too_few_prompts(tmp_pat
                    f"prompts: {{source: {sets[0]}}}\n")
     cli = _bench_cli()
     bench = tmp_path / "out" / "bench"
-    with _StandIn(speculative=True) as s, caplog.at_level(logging.WARNING):
+    with _StandIn(speculative=True, draft=_draft_dir(tmp_path)) as s, caplog.at_level(logging.WARNING):
         assert cli.main(["--config", str(cfg), "--server", s.url, "--datasets", str(sets[0]), str(sets[1]),
                          "--num-prompts", "2", "--max-new-tokens", "4"]) == 0
         lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("report: ")]
@@ -379,3 +414,49 @@ def test_cli_server_mode_warns_when_the_server_drafts_past_the_trained_ttt_lengt
                          "--max-new-tokens", "4"]) == 0
     assert not [m for m in caplog.messages if "drafts more tokens" in m]
     assert json.loads(report.read_text())["warnings"] == []
+
+
+def test_cli_server_mode_says_when_the_draft_folder_cannot_be_read(tmp_path, tiny_llama_dir, caplog):
+    """05 --server checked the drafter's ttt_length (and the folder's engine and aux layers) against the server only
+    when the folder its /server_info names was readable here, and skipped them without a word otherwise (a server on
+    another host). One warning line now says what was not checked and how to check it, in the log and in
+    server_bench.json (``warnings``, and ``draft_folder`` with ``readable: false``); a server that names no folder
+    gets the same line, a readable folder none, with what its missing files left unchecked in ``not_checked``."""
+    import logging
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "x", "prompt": "Hello"}) + "\n")
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"run_name: t\noutput_root: {tmp_path / 'out'}\nverifier: {{path: {tiny_llama_dir}}}\n"
+                   f"prompts: {{source: {prompts}}}\n")
+    cli = _bench_cli()
+    report = tmp_path / "out" / "bench" / "server_bench.json"
+    gone = "/nodes/node1/drafter-sglang"
+    tail = (f": 05 did not check it against the server (its eagle3_train.json ttt_length against "
+            f"--speculative-num-steps {STEPS}, its config.json's engine (sglang) and aux layers against the shards'); "
+            f"run 05 where that folder is readable (e.g. on shared storage), or check there that its eagle3_train.json "
+            f"has engine sglang and ttt_length >= the server's --speculative-num-steps")
+    for draft in (gone, None):
+        caplog.clear()
+        with _StandIn(speculative=True, draft=draft) as s, caplog.at_level(logging.WARNING):
+            assert cli.main(["--config", str(cfg), "--server", s.url, "--datasets", str(prompts),
+                             "--max-new-tokens", "4"]) == 0
+            want = (f"the server's draft folder {gone} ({s.url}/server_info speculative_draft_model_path) is not "
+                    f"readable on this machine (the server runs elsewhere, or it is a hub id)" if draft else
+                    f"{s.url}/server_info names no speculative_draft_model_path") + tail
+            url = s.url
+        assert caplog.messages.count(want) == 1
+        rep = json.loads(report.read_text())
+        assert rep["warnings"] == [want]
+        assert rep["draft_folder"] == {"url": url, "path": draft, "speculative_num_steps": STEPS, "readable": False,
+                                       "not_checked": [want]}
+    caplog.clear()
+    with _StandIn(speculative=True, draft=_draft_dir(tmp_path)) as s, caplog.at_level(logging.INFO):
+        assert cli.main(["--config", str(cfg), "--server", s.url, "--datasets", str(prompts),
+                         "--max-new-tokens", "4"]) == 0
+    rep = json.loads(report.read_text())
+    assert rep["warnings"] == [] and rep["draft_folder"]["readable"] is True
+    assert rep["draft_folder"]["not_checked"] == [
+        f"{tmp_path / 'drafter' / 'config.json'} not found: the folder's engine and aux layers were not checked"]
+    assert rep["draft_folder"]["not_checked"][0] in caplog.messages  # said (info), not a warning
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "did not check" in r.getMessage()]

@@ -160,6 +160,34 @@ def test_benchmark_warns_when_folder_layers_differ(tmp_path):
     assert len(w) == 1 and "sglang would capture HF layers [2, 15, 27]" in w[0]
 
 
+def test_the_other_engines_folder_refusal_gives_a_way_that_works_here(tmp_path):
+    """A vLLM folder behind SGLang was refused with `04_train.py --export-only --engine sglang`, also on a host
+    without the run's checkpoints (05 --server on the benchmarking host), where that command is refused. The folder's
+    trained_from.train_dir decides now: the same run's sglang export beside it, else --export-only when that folder
+    holds checkpoints here, else that it needs them."""
+    train = tmp_path / "run" / "train"
+    prov = {"train_dir": str(train), "checkpoint": None, "step": 4, "select_best": "last", "selected_step": 4}
+    vl = export_drafter(drafter(), tmp_path / "run" / "drafter-vllm", "vllm", [2, 15, 27], LLAMA30, provenance=prov)
+    head = (f"{vl / 'config.json'}: this folder is for vllm, but sglang serves it; sglang reads its layer ids [2, 15, 27] "
+            f"in another convention (one layer off for Llama verifiers). Use the sglang export: ")
+    with pytest.raises(UserError) as e:
+        check_export_folder(vl, serving_engine="sglang")
+    assert str(e.value) == head + (f"04_train.py --export-only --engine sglang needs the run's checkpoints, and "
+                                   f"{train / 'checkpoints'} (trained_from in {vl / 'eagle3_train.json'}) holds none "
+                                   f"on this machine: run it where they are")
+    (train / "checkpoints").mkdir(parents=True)
+    (train / "checkpoints" / "step_00000004.pt").write_bytes(b"")
+    with pytest.raises(UserError) as e:
+        check_export_folder(vl, serving_engine="sglang")
+    assert str(e.value) == head + (f"04_train.py --export-only --engine sglang writes it from {train / 'checkpoints'} "
+                                   f"(with the run's config)")
+    sg = export_drafter(drafter(), tmp_path / "run" / "drafter-sglang", "sglang", [2, 15, 27], LLAMA30,
+                        provenance=prov)
+    with pytest.raises(UserError) as e:
+        check_export_folder(vl, serving_engine="sglang")
+    assert str(e.value) == head + f"{sg} (the same run's, beside this one)"
+
+
 def test_server_bench_checks_the_servers_draft_folder(tmp_path, monkeypatch):
     from _ddp_worker import make_tiny_run
 
@@ -174,15 +202,27 @@ def test_server_bench_checks_the_servers_draft_folder(tmp_path, monkeypatch):
     path = {}
     monkeypatch.setattr(server_bench, "server_info", lambda url, timeout=30.0: {"speculative_draft_model_path": str(path["p"])})
     path["p"] = good
-    assert server_bench.draft_folder_warnings(cfg, "http://x") == []
+    w, rec = server_bench.draft_folder_warnings(cfg, "http://x")
+    assert w == [] and rec["readable"] is True and rec["not_checked"] == []
     path["p"] = off
-    w = server_bench.draft_folder_warnings(cfg, "http://x")
+    w, _rec = server_bench.draft_folder_warnings(cfg, "http://x")
     assert len(w) == 1 and "HF layers [1, 3, 4]" in w[0] and "[2, 3, 4]" in w[0]
     path["p"] = vl
     with pytest.raises(UserError, match="this folder is for vllm, but sglang serves it"):
         server_bench.draft_folder_warnings(cfg, "http://x")
+    # not readable here (the server on another host): not checked, and said so (it used to return [] silently)
     path["p"] = tmp_path / "not-here"
-    assert server_bench.draft_folder_warnings(SimpleNamespace(shards_dir=tmp_path), "http://x") == []
+    w, rec = server_bench.draft_folder_warnings(SimpleNamespace(shards_dir=tmp_path), "http://x")
+    assert len(w) == 1 and w[0].startswith(f"the server's draft folder {tmp_path / 'not-here'} (http://x/server_info "
+                                           f"speculative_draft_model_path) is not readable on this machine")
+    assert rec == {"url": "http://x", "path": str(tmp_path / "not-here"), "speculative_num_steps": None,
+                   "readable": False, "not_checked": w}
+    # readable, but without the shards' data_config.json: checked against the folder's own record only (recorded)
+    path["p"] = good
+    w, rec = server_bench.draft_folder_warnings(SimpleNamespace(shards_dir=tmp_path), "http://x")
+    assert w == [] and rec["not_checked"] == [f"{tmp_path / 'data_config.json'} not found: the layers SGLang "
+                                              f"captures were checked against the folder's own record only, not "
+                                              f"against the shards'"]
 
 
 def test_kimi_drafter_export_size_bf16_vs_fp32():

@@ -190,6 +190,16 @@ def test_all_checkpoints_corrupt_is_one_line_error_naming_the_newest(tmp_path, c
     assert not (tmp_path / "drafter-vllm").exists()
 
 
+def test_a_loss_change_refusal_says_how_to_get_the_export_it_advises():
+    """The refusal of a changed loss definition advised a warm start from "this one's export", which a run stopped
+    before its end (the usual --resume) does not have: it now says that --export-only writes it from the checkpoint."""
+    problem, notes = ckpt.recipe_changes({"train.ttt_length": 3}, {"train.ttt_length": 2})
+    assert notes == [] and problem == (
+        "--resume with another loss definition (train.ttt_length 3 -> 2); set them back, or start a new run from this "
+        "one's export with train.init_from in a new train.output_dir (a run stopped before its end has none yet: "
+        "04_train.py --export-only writes it from the checkpoint)")
+
+
 def test_resume_with_changed_recipe_names_fields_and_reports_what_was_used(tmp_path, caplog):
     """--resume with another train.lr: the checkpoint's optimizer keeps its lr; the warning says the config's value is
     NOT used and which one is; the checkpoints written after it record the lr in use (0.001), so a second resume with

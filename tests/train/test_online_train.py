@@ -404,3 +404,70 @@ def test_online_nonfinite_verifier_states_stop_the_run(prepared, tiny_llama_dir,
         run(cfg, device="cpu")
     assert [s for s, _ in ckpt.list_checkpoints(cfg.train_dir)] == [1]
     assert [r["step"] for r in _rows(cfg.train_dir)] == [1]
+
+
+def test_a_run_resumed_in_the_other_mode_reports_each_part(prepared, tiny_llama_dir, tmp_path, caplog):
+    """A checkpoint trained offline and resumed online (train.hidden_states) reported only the last mode in
+    train_report.json. Each 04 call's part is recorded now (checkpoint and report key ``segments``: steps, state source,
+    processes, tokens/s), train_report.md lists them, and the switch is warned about in one line (logged and in the
+    report's warnings); a resume in the same mode warns about nothing."""
+    import logging
+
+    from eagle3.train.trainer import run
+
+    _p, off = _train_cfg(prepared, "offline", tiny_llama_dir, False, tmp_path / "run", max_steps=100)
+    _p, on = _train_cfg(prepared, "offline", tiny_llama_dir, True, tmp_path / "run", max_steps=100)
+    assert off.train_dir == on.train_dir
+    assert run(off, stop_after=3, device="cpu")["step"] == 3
+    first = json.loads((off.train_dir / "train_report.json").read_text())["warnings"]
+    assert [w for w in first if w.startswith("train.max_steps 100 is more than the 8 optimizer steps")]
+    with caplog.at_level(logging.WARNING):
+        res = run(on, resume=True, device="cpu")
+    assert res["step"] == 8 and res["hidden_states"] == "online"
+    want = (f"{ckpt.ckpt_path(on.train_dir, 3)}: steps 0-3 were trained with train.hidden_states offline, this call "
+            f"trains with online (extract.backend hf) from step 3; the states are the same verifier's up to the shards' "
+            f"storage rounding (bf16 / fp8) and the capture dtype; train_report.json 'segments' lists each part")
+    assert caplog.messages.count(want) == 1
+    rep = json.loads((on.train_dir / "train_report.json").read_text())
+    assert want in rep["warnings"]
+    segs = rep["segments"]
+    assert [(g["start_step"], g["end_step"], g["hidden_states"], g["extract_backend"], g["world_size"]) for g in segs] \
+        == [(0, 3, "offline", None, 1), (3, 8, "online", "hf", 1)]
+    assert all(g["tokens_per_s"] > 0 for g in segs)
+    assert segs[0]["warnings"] == first and want in segs[1]["warnings"]  # each call's own warning lines
+    assert _final(on.train_dir)["segments"] == segs  # the last checkpoint carries the history on
+    md = (on.train_dir / "train_report.md").read_text()
+    assert (f"- trained in parts: steps 0-3 offline, 1 process, {segs[0]['tokens_per_s']:.0f} tokens/s; steps 3-8 "
+            f"online (hf), 1 process, {segs[1]['tokens_per_s']:.0f} tokens/s\n") in md
+    assert "tokens/s (all ranks; this call's, steps 3-8)" in md
+    assert all(f"- **warning** (steps 0-3): {w}\n" in md for w in first)  # the first call's: its report alone had them
+    # a fresh run in one call: one part, nothing said about parts
+    _p, one = _train_cfg(prepared, "offline", tiny_llama_dir, False, tmp_path / "one", max_steps=2)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        r1 = run(one, stop_after=1, device="cpu")
+        r2 = run(one, resume=True, device="cpu")
+    assert (r1["step"], r2["step"]) == (1, 2) and "train.hidden_states" not in caplog.text
+    rep = json.loads((one.train_dir / "train_report.json").read_text())
+    assert [(g["start_step"], g["end_step"], g["hidden_states"]) for g in rep["segments"]] == [(0, 1, "offline"),
+                                                                                               (1, 2, "offline")]
+
+
+def test_segments_of_a_checkpoint_from_before_the_record():
+    """A checkpoint without ``segments`` (before 2026-12-05h) is one part, steps 0 to its step, mode not recorded (no
+    switch is claimed); recorded parts are cut at the checkpoint's step."""
+    from eagle3.train.trainer import earlier_segments, segment_record, state_source_switch
+
+    old = earlier_segments({"step": 40, "world_size": 8})
+    assert old == [segment_record(0, 40, None, None, 8, None)] and old[0]["hidden_states"] is None
+    assert old[0]["warnings"] == []
+    now = segment_record(40, 40, "online", "sglang", 8, None)
+    assert state_source_switch(Path("c.pt"), old, now) is None
+    rec = [segment_record(0, 20, "offline", "hf", 1, 10.0), segment_record(20, 50, "online", "sglang", 1, 5.0)]
+    assert rec[0]["extract_backend"] is None  # offline: no backend recorded
+    got = earlier_segments({"step": 40, "world_size": 1, "segments": rec})
+    assert [(g["start_step"], g["end_step"]) for g in got] == [(0, 20), (20, 40)]
+    assert state_source_switch(Path("c.pt"), got, segment_record(40, 40, "online", "sglang", 1, None)) is None
+    assert state_source_switch(Path("c.pt"), got, segment_record(40, 40, "online", "hf", 1, None)).startswith(
+        "c.pt: steps 20-40 were trained with train.hidden_states online (extract.backend sglang), this call trains with "
+        "online (extract.backend hf) from step 40")

@@ -333,6 +333,45 @@ def test_existing_checkpoints_without_resume_is_user_error(tmp_path):
     assert not (tmp_path / "t2").exists()
 
 
+def test_without_resume_the_advice_says_whether_a_resume_would_be_taken(tmp_path):
+    """04 without --resume in a folder with checkpoints advised `pass --resume` also when that resume would be refused
+    (here: another train.seed, a data-order change, and another train.step_weight, a loss change), costing one more
+    refused run. The resume's checks now run first: the refusal names why and what 04 offers instead (a new
+    train.output_dir, or deleting the checkpoints: 04 has no --overwrite); with the checkpoint's settings it still
+    says `pass --resume` (from the newest step that loads when the newest file does not)."""
+    from eagle3.train import checkpoint as ckpt
+    from eagle3.train.trainer import run
+
+    cfg = load_config(make_tiny_run(tmp_path, train={"epochs": 1, "ckpt_every": 1, "keep_checkpoints": 5}))
+    run(cfg, stop_after=2, max_steps=3, device="cpu")
+    where = ckpt.ckpt_dir(cfg.train_dir)
+    before = sorted(p.name for p in cfg.train_dir.rglob("*"))
+    t = cfg.train.model_copy(update={"seed": cfg.train.seed + 1, "step_weight": 0.5})
+    changed = cfg.model_copy(update={"train": t})
+    with pytest.raises(UserError) as e:
+        run(changed, device="cpu")
+    msg = str(e.value)
+    assert msg.startswith(f"{where}: holds checkpoints (newest step 2), and --resume would refuse them: "
+                          f"{ckpt.ckpt_path(cfg.train_dir, 2)}: ")
+    assert "train.seed=1" in msg and "train.step_weight 0.8 -> 0.5" in msg and "pass --resume" not in msg
+    assert msg.endswith(f"; so train into a new folder (--set train.output_dir=...), or delete {where} to start this "
+                        f"one over (04 has no --overwrite)")
+    assert "\n" not in msg
+    with pytest.raises(UserError) as r:  # the advice is right: --resume is refused for the same reasons
+        run(changed, resume=True, device="cpu")
+    assert "train.seed=1" in str(r.value) and "train.step_weight 0.8 -> 0.5" in str(r.value)
+    assert sorted(p.name for p in cfg.train_dir.rglob("*")) == before  # nothing written by either
+    with pytest.raises(UserError) as ok:
+        run(cfg, device="cpu")
+    assert str(ok.value) == f"{where}: holds checkpoints (newest step 2); pass --resume to continue, or set " \
+                            f"train.output_dir to a new folder"
+    ckpt.ckpt_path(cfg.train_dir, 2).write_bytes(b"torn")  # the newest does not load: a resume takes step 1
+    with pytest.raises(UserError) as ok:
+        run(cfg, device="cpu")
+    assert str(ok.value) == f"{where}: holds checkpoints (newest step 2); pass --resume to continue from step 1, " \
+                            f"the newest that loads, or set train.output_dir to a new folder"
+
+
 def test_cli_bad_config_exits_2(tmp_path):
     import subprocess
 
