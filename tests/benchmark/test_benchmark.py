@@ -388,7 +388,9 @@ def test_cli_writes_lossless_reports(run_setup):
     bench = root / "out" / "bench"
     rep = json.loads((bench / "bench.json").read_text())
     assert rep["steps"] == 2 and rep["aux_layers"] == [2, 3, 4] and rep["dtype"] == "float32"
-    assert len(rep["warnings"]) == 1 and "exported for verifier 'tiny'" in rep["warnings"][0]  # config names the path
+    timing = [w for w in rep["warnings"] if "is above tau" in w]  # the speedup check reads wall clocks: not pinned here
+    warns = [w for w in rep["warnings"] if w not in timing]
+    assert len(warns) == 1 and "exported for verifier 'tiny'" in warns[0]  # config names the path
     (d,) = rep["datasets"]
     assert d["dataset"] == "prompts" and d["num_prompts"] == 2 and d["mismatches"] == []
     assert d["spec_tokens"] == d["greedy_tokens"] == sum(p["greedy_tokens"] for p in d["per_prompt"])
