@@ -504,6 +504,8 @@ def _weights_changed(root: Path, state: dict, weights: dict) -> Optional[str]:
     """``'<recorded> -> <now>'`` when the verifier weights recorded for ``root`` (``extract_state.json``'s
     ``verifier_weights``, else ``data_config.json``'s) differ from ``weights`` (:func:`eagle3.verifier.weights_record`
     of this run); None when they agree or either side has none (nothing to compare, as 03/04 do)."""
+    from eagle3.verifier import weights_differ
+
     now = weights.get("verifier_weights")
     was = state.get("verifier_weights")
     if was is None and (root / DATA_CONFIG).is_file():
@@ -512,7 +514,7 @@ def _weights_changed(root: Path, state: dict, weights: dict) -> Optional[str]:
         except UserError:
             meta = None
         was = meta.get("verifier_weights") if isinstance(meta, dict) else None
-    return f"{was} -> {now}" if was and now and was != now else None
+    return f"{was} -> {now}" if weights_differ(was, now) else None
 
 
 def check_prompts_current(cfg: RunConfig) -> None:

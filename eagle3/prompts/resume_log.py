@@ -41,11 +41,11 @@ def comparable_settings(old: dict, want: dict) -> dict:
     Returns:
         A new dict; equal to ``want`` exactly when the settings agree.
     """
-    from eagle3.verifier import WEIGHTS_KEY  # here: the endpoint path imports this module without torch
+    from eagle3.verifier import WEIGHTS_KEY, weights_differ  # here: the endpoint path imports this module without torch
 
     out = {k: v for k, v in old.items() if not (k in CONDITIONAL_KEYS and k not in want)}
     out.update({k: want[k] for k in CONDITIONAL_KEYS if k in want and k not in old})
-    if WEIGHTS_KEY not in out or WEIGHTS_KEY not in want:
+    if not weights_differ(out.get(WEIGHTS_KEY), want.get(WEIGHTS_KEY)):  # equal, or a side without one: want's
         out.pop(WEIGHTS_KEY, None)
         if WEIGHTS_KEY in want:
             out[WEIGHTS_KEY] = want[WEIGHTS_KEY]
