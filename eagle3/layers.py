@@ -44,7 +44,7 @@ def default_aux_layers(num_layers: int) -> list[int]:
     """EAGLE-3's default aux layers ``[2, N//2, N-3]`` as HF indices (61 -> [2,30,58], 30 -> [2,15,27]).
 
     Raises:
-        UserError: the verifier has fewer than 6 layers (the three would not be distinct).
+        UserError: the verifier has fewer than 7 layers (the three would not be distinct: 6 gives [2, 3, 3]).
     """
     if num_layers < 7:
         raise UserError(

@@ -92,6 +92,24 @@ def weights_fingerprint(vcfg: VerifierConfig) -> Optional[str]:
 WEIGHTS_KEY = "verifier_weights"  # the key of weights_fingerprint in data_config.json and 01's settings
 
 
+def weights_differ(recorded: Optional[str], now: Optional[str]) -> bool:
+    """THE rule for comparing two verifier-weights fingerprints (:func:`weights_fingerprint`, key ``verifier_weights``),
+    used by every check that compares one (02's shards folder, 03/04's ``check_verifier``, 04's checkpoint
+    ``data_inputs``, ``--export-only``'s checkpoint record, 01's settings and resume log, the self-instruct report): a
+    mismatch only when BOTH sides record one and they are not equal. A side without one (None or empty: a record
+    written before the fingerprint existed, or a verifier folder without weight files, e.g. a hub id's cache) is
+    nothing to compare: no mismatch. Each caller words its own refusal.
+
+    Args:
+        recorded: the fingerprint a record holds (``str``, or None when it holds none).
+        now: the other side's (``str`` or None).
+
+    Returns:
+        True when both are set and differ.
+    """
+    return bool(recorded) and bool(now) and recorded != now
+
+
 def weights_record(vcfg: VerifierConfig) -> dict:
     """``{"verifier_weights": fingerprint}`` (:func:`weights_fingerprint`) for a record that names the model it was made
     with (02's ``data_config.json``, 01's settings when it regenerates in-process, a self-instruct file's report), or

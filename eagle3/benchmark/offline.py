@@ -542,6 +542,7 @@ def verifier_warnings(drafter_dir: Path, verifier_name: str, dims: Optional[dict
     pointed at another model under the same ``verifier.name``), or another weights fingerprint than ``weights``
     (:func:`eagle3.verifier.weights_fingerprint` of ``verifier.path``; exports of shards 02 fingerprinted)."""
     from eagle3.shards.format import verifier_dims_differ
+    from eagle3.verifier import weights_differ
 
     meta_path = Path(drafter_dir) / TRAIN_META
     if not meta_path.is_file():
@@ -556,7 +557,7 @@ def verifier_warnings(drafter_dir: Path, verifier_name: str, dims: Optional[dict
     if diff:
         return [f"drafter {meta_path} was exported for verifier '{name or verifier_name}' of other dimensions than the "
                 f"model at verifier.path ({diff})"]
-    if rec.get("weights") and weights and rec["weights"] != weights:
+    if weights_differ(rec.get("weights"), weights):
         return [f"drafter {meta_path} was exported for verifier '{name or verifier_name}' with other weights than the "
                 f"model at verifier.path (key 'verifier.weights': {rec['weights'][:19]}... recorded, {weights[:19]}... "
                 f"at verifier.path): tau measures the drafter against another model"]

@@ -400,6 +400,26 @@ def check_not_being_extracted(shards: Path) -> None:
                         f"validation)")
 
 
+def check_shards_unchanged(shards: Path, fingerprint: str, out: Path) -> None:
+    """Before 03 writes its outputs: the shard set is still the one it read (``fingerprint``, taken before the
+    validation pass: :func:`eagle3.data.validation_record.fingerprint_now`) and no 02 holds its lock now. 03 checked
+    02's lock only at its start, so a 02 started on the same shards folder during 03's pass (minutes on a large set)
+    was not noticed and 03 published a vocab map and split of a set 02 was changing.
+
+    Raises:
+        UserError: one line, ``<shards>/.extract.lock: 02_extract_hidden is still writing ...`` (a 02 runs now), or
+            ``<shards>: the shard set changed while 03_prepare_data read it ...`` (a 02 ran, or shards were added,
+            removed or rewritten); nothing is written to ``out``.
+    """
+    from eagle3.data.validation_record import fingerprint_now
+
+    check_not_being_extracted(shards)
+    if fingerprint_now(shards) != fingerprint:
+        raise UserError(f"{shards}: the shard set changed while 03_prepare_data read it (shards, {MANIFEST} or "
+                        f"{DATA_CONFIG} written since it started: a 02_extract_hidden run there?); nothing written to "
+                        f"{out}; run 03_prepare_data.py again once 02 has finished")
+
+
 def prepare(cfg: RunConfig, *, plot: bool = True, revalidate: bool = False) -> dict:
     """Run stage 03 (:func:`run` holds the data folder's lock around it).
 
@@ -411,7 +431,9 @@ def prepare(cfg: RunConfig, *, plot: bool = True, revalidate: bool = False) -> d
         UserError: missing/invalid ``data_config.json``; ``extract.aux_layers``/``max_length`` differ from
             it (``check_extract_settings``); verifier id differs from the config's ``verifier.display_name()``;
             ``data.draft_vocab_size`` > target vocab; any invalid shard (file + key); shard count/tokens differ
-            from ``data_config.json``; no loss-masked token; fewer than 1 training sample.
+            from ``data_config.json``; no loss-masked token; fewer than 1 training sample; a 02 writing the shards
+            at the start or before the outputs are written, or a shard set changed meanwhile
+            (:func:`check_shards_unchanged`: nothing written).
 
     Returns:
         the report dict (also ``data_report.json``).
@@ -440,6 +462,7 @@ def prepare(cfg: RunConfig, *, plot: bool = True, revalidate: bool = False) -> d
     split["train"], excluded = exclude_by_id(split["train"], shards, cfg.data.exclude_id_prefixes)
     split["train"] = subset_train(split["train"], cfg.data.train_samples, cfg.data.seed)
 
+    check_shards_unchanged(shards, fp, cfg.data_dir)  # a 02 started meanwhile: publish nothing
     out = cfg.data_dir
     make_dirs(out, cfg.output_field("data"))
     report = {

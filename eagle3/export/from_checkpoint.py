@@ -195,7 +195,7 @@ def _check_recorded_verifier(cfg: RunConfig, record: dict, path: Path) -> None:
         UserError: ``<checkpoint>: key 'data_config.verifier' is 'a' but the config's verifier is 'b' ...``, or
             ``verifier.path: '<path>' holds other weights than the model <checkpoint> was trained on ...``.
     """
-    from eagle3.verifier import weights_fingerprint
+    from eagle3.verifier import weights_differ, weights_fingerprint
 
     want = cfg.verifier.display_name()
     if record.get("verifier") != want:
@@ -203,8 +203,8 @@ def _check_recorded_verifier(cfg: RunConfig, record: dict, path: Path) -> None:
                         f"was trained on) but the config's verifier is {want!r} (verifier.name / verifier.path); set "
                         f"the verifier this checkpoint was trained on")
     recorded = record.get(ckpt.VERIFIER_WEIGHTS)
-    now = weights_fingerprint(cfg.verifier) if recorded else None
-    if now is not None and now != recorded:
+    now = weights_fingerprint(cfg.verifier) if recorded else None  # nothing recorded: nothing to hash
+    if weights_differ(recorded, now):
         raise UserError(f"verifier.path: '{cfg.verifier.path}' holds other weights than the model {path} was trained "
                         f"on (key '{ckpt.DATA_CONFIG_RECORD}.{ckpt.VERIFIER_WEIGHTS}' {str(recorded)[:19]}..., "
                         f"{str(now)[:19]}... at verifier.path; the name {want!r} is the same); set verifier.path back "

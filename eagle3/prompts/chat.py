@@ -37,6 +37,10 @@ whole. A reply 01 cut at ``prompts.max_new_tokens`` (``truncated: true`` on the 
 the key counts as finished, as before) is masked up to its last generated token: the end-of-turn token
 the template appends, and the template text after it, get 0 (the verifier never emitted them; SpecForge and
 speculators train on generated tokens only); the next turn's context still holds them, as served.
+Likewise a reply that the verifier stopped on another stop id than the template's end-of-turn token
+(``stop_token: <id>`` on the message, e.g. SmolLM2's ``<|endoftext|>`` against the template's ``<|im_end|>``; a
+message without the key counts as stopped on the template's token, as before): the template's token is not what
+the verifier emitted there, so it and the text after it get 0.
 Tokens of the reasoning (from the reply start up to and including ``</think>``) get mask 0 when
 ``loss_on_reasoning`` is off. Never masked: system, user and tool-result text, tool
 declarations, and the assistant header / generation prompt.
@@ -158,11 +162,27 @@ def end_of_turn_ids(tokenizer) -> set[int]:
     return stop_token_ids(tokenizer)
 
 
-_PIPELINE_KEYS = ("tokens", "truncated")  # 01's own message fields, never passed to a template
+# 01's own message fields, never passed to a template (:data:`ANSWER_FIELDS` minus the template's own keys)
+_PIPELINE_KEYS = ("tokens", "truncated", "stop_token")
+
+# What 01 records on each regenerated assistant message beside its text, recorded as ``answer_fields`` in
+# ``prompts_report.json`` and in the resume log's header: a file or log without it (or with fewer fields) was written
+# before 01 recorded them all, and its answers lack them (a cut answer, or one stopped on another stop id than the
+# template's end-of-turn, is then trained on the template's end-of-turn token as if the verifier had emitted it).
+ANSWER_FIELDS = ("tokens", "truncated", "stop_token")
+
+
+def answer_ending(stop: Optional[int]) -> dict:
+    """The fields 01 writes on a regenerated assistant message about how it ended, the same in every engine and in
+    the endpoint path: ``{"stop_token": <id>}`` for an answer the verifier ended on stop id ``stop`` (stage 02
+    leaves the template's end-of-turn token out of the loss when it is another id, e.g. ``<|endoftext|>`` against
+    ``<|im_end|>``), ``{"truncated": True}`` for one cut at ``max_new_tokens`` (``stop`` None: no end-of-turn
+    token was emitted, 02 leaves the template's out of the loss)."""
+    return {"truncated": True} if stop is None else {"stop_token": int(stop)}
 
 
 def _template_messages(messages: list[dict]) -> list[dict]:
-    """``messages`` without the pipeline's own ``tokens`` and ``truncated`` fields: a server never passes them
+    """``messages`` without the pipeline's own ``tokens``, ``truncated`` and ``stop_token`` fields: a server never passes them
     to the template either, and transformers walks every id of ``tokens`` on each rendering (a third of 02's
     tokenization time on regenerated data)."""
     return [{k: v for k, v in m.items() if k not in _PIPELINE_KEYS} if any(k in m for k in _PIPELINE_KEYS) else m
@@ -390,7 +410,8 @@ def _find_sub(seq: list[int], sub: list[int]) -> int:
 
 def _reply_ids(tokenizer, turn: _Turn, opts: ChatOptions, stops: set[int]) -> tuple[list[int], list[int]]:
     """``(ids, mask)`` of one reply segment (mask per the module's end-of-turn/reasoning policy; a message with
-    ``truncated: true`` is masked up to its generated tokens, the template's end-of-turn and later text get 0)."""
+    ``truncated: true``, or with a ``stop_token`` other than the template's end-of-turn token, is masked up to its
+    generated tokens: the template's end-of-turn and later text get 0)."""
     reply, m = turn.reply, turn.message
     n_r_chars = _reasoning_chars(turn.head, reply, opts)
     toks = m.get("tokens")
@@ -413,14 +434,28 @@ def _reply_ids(tokenizer, turn: _Turn, opts: ChatOptions, stops: set[int]) -> tu
         first = _tokenize(tokenizer, reply[:n_r_chars])
         ids = first + _tokenize(tokenizer, reply[n_r_chars:])
         n_r = len(first)
-    if m.get("truncated") is True:  # cut at max_new_tokens: the verifier never emitted the end-of-turn token
-        end = len(gen) if toks is not None else next((j for j, t in enumerate(ids) if t in stops), len(ids))
+    first_eot = next((j for j in range(len(gen) if toks is not None else 0, len(ids)) if ids[j] in stops), None)
+    if m.get("truncated") is True or not stopped_on_template_eot(m, ids[first_eot] if first_eot is not None else None):
+        # cut at max_new_tokens, or stopped on another stop id: the verifier never emitted the template's end-of-turn
+        end = len(gen) if toks is not None else (first_eot if first_eot is not None else len(ids))
     else:
         end = next((j + 1 for j in range(len(ids) - 1, -1, -1) if ids[j] in stops), len(ids))
     mask = [1] * end + [0] * (len(ids) - end)
     if not opts.loss_on_reasoning:
         mask[:n_r] = [0] * min(n_r, len(mask))
     return ids, mask
+
+
+def stopped_on_template_eot(message: Mapping[str, Any], template_eot: Optional[int]) -> bool:
+    """Whether an assistant ``message`` ended on the end-of-turn token id ``template_eot`` that the chat template
+    appends after it (None: the template appends none).
+
+    True when the message records no ``stop_token`` (01 before it recorded one, a text-only endpoint, a hand-made
+    file: counted as stopped there, as before), when the template appends none, or when the recorded id equals it.
+    False when the verifier stopped on another stop id (e.g. ``<|endoftext|>`` where the template writes
+    ``<|im_end|>``): the template's token is not what the verifier emitted, so it gets no loss."""
+    stop = message.get("stop_token")
+    return stop is None or template_eot is None or int(stop) == int(template_eot)
 
 
 @dataclass

@@ -2,11 +2,11 @@
 
 Both engines share one contract (:class:`Engine`): :meth:`Engine.submit` queues a prompt (token ids)
 under a key with a priority (and, optionally, ``retain`` / ``parent`` for cross-turn prefix reuse: hints the
-slot engine uses and :class:`HFContinuousEngine` ignores), :meth:`Engine.results` decodes and yields ``(key, answer_ids, stopped)``
+slot engine uses and :class:`HFContinuousEngine` ignores), :meth:`Engine.results` decodes and yields ``(key, answer_ids, stop)``
 as answers finish; the caller may submit more prompts while iterating (stage 01 submits turn k+1 of a
 conversation when turn k's answer arrives), and the iteration ends when nothing is queued or running.
-Answers are greedy: the new tokens up to (excluding) the first stop token, ``stopped`` False when the
-``max_new_tokens`` budget ran out first, as :func:`eagle3.prompts.regenerate.generate_greedy` returns them.
+Answers are greedy: the new tokens up to (excluding) the first stop token, ``stop`` that token's id (``int``), None
+when the ``max_new_tokens`` budget ran out first, as :func:`eagle3.prompts.regenerate.generate_greedy` returns them.
 
 * :class:`SlotEngine` (``prompts.regen_engine: slots``): a fixed number of decode slots over a
   preallocated KV cache ``[slots, kv_heads, max_len, head_dim]`` per layer. A finished row's slot is
@@ -599,7 +599,7 @@ class Engine:
     def submit(self, key, ids: Sequence[int], priority: tuple = (), parent=None, retain: bool = False) -> None:
         raise NotImplementedError
 
-    def results(self) -> Iterator[tuple[object, list[int], bool]]:
+    def results(self) -> Iterator[tuple[object, list[int], Optional[int]]]:
         raise NotImplementedError
 
     def close(self) -> None:
@@ -910,7 +910,7 @@ class SlotEngine(Engine):
         else:
             heapq.heappush(self.waiting, w)
 
-    def results(self) -> Iterator[tuple[object, list[int], bool]]:
+    def results(self) -> Iterator[tuple[object, list[int], Optional[int]]]:
         """Decode until nothing is waiting or live; yields answers as they are harvested.
 
         The next window's decode steps are launched before the previous window's answers are yielded, so
@@ -1501,7 +1501,7 @@ class SlotEngine(Engine):
             self.stats[key] += (b - a) if isinstance(a, float) else a.elapsed_time(b) / 1000.0
         self._timed.clear()
 
-    def _harvest(self) -> list[tuple[object, list[int], bool]]:
+    def _harvest(self) -> list[tuple[object, list[int], Optional[int]]]:
         """One host sync: finished slots' answers come back and the slots are freed."""
         flags = torch.cat([torch.stack([self.done.long(), self.stopped.long(), self.n_gen]).flatten(),
                            self.kv_cols.view(1)]).cpu()  # [3 S + 1]
@@ -1517,7 +1517,8 @@ class SlotEngine(Engine):
         for s, row in zip(fin, rows):
             steps = n_gen[s] - 1  # decode steps after the prefill's token; step j attends prompt + j columns
             self.stats["kv_tokens_needed"] += steps * self.host_len[s] + steps * (steps + 1) // 2
-            out.append((self.key[s], row[:n_gen[s] - int(bool(stopped[s]))], bool(stopped[s])))
+            stop = row[n_gen[s] - 1] if stopped[s] else None  # the stop token is the last generated one
+            out.append((self.key[s], row[:n_gen[s] - int(bool(stopped[s]))], stop))
             if self.retain[s]:  # K/V of the prompt and of every answer token but the last (fed back, never computed)
                 if self.key[s] in self.retained:  # the key's earlier retained slot was never claimed: free it
                     self.hold[self.retained[self.key[s]]] = None
@@ -1572,7 +1573,7 @@ class HFContinuousEngine(Engine):
         self.keys[rid] = key
         self.mgr.add_request(list(ids), request_id=rid, max_new_tokens=self.max_new, eos_token_id=sorted(self.stop_ids))
 
-    def results(self) -> Iterator[tuple[object, list[int], bool]]:
+    def results(self) -> Iterator[tuple[object, list[int], Optional[int]]]:
         while self.keys:
             r = self.mgr.get_result(timeout=1.0)
             if r is None:
@@ -1584,7 +1585,7 @@ class HFContinuousEngine(Engine):
             key = self.keys.pop(r.request_id)
             toks = list(r.generated_tokens)
             stopped = bool(toks) and toks[-1] in self.stop_ids
-            yield key, toks[:-1] if stopped else toks, stopped
+            yield key, toks[:-1] if stopped else toks, (toks[-1] if stopped else None)
         self.stats["decode_steps"] = int(getattr(self.mgr, "current_batch", 0))
 
     def close(self) -> None:

@@ -11,7 +11,9 @@ trains on are produced by the serving stack itself (``prompts.regenerate_via``):
   "temperature", "top_p", "stop_token_ids", ...}}``. The response is ``{"text", "output_ids",
   "meta_info": {"finish_reason": {"type": "stop", "matched": id} | {"type": "length", ...} |
   {"type": "abort", ...}, "prompt_tokens", "completion_tokens", ...}}``; ``output_ids`` include
-  the matched stop token (``Req.output_ids_through_stop``), which is cut off here. The remaining ids
+  the matched stop token (``Req.output_ids_through_stop``), which is cut off here and recorded as the message's
+  ``stop_token`` (as the local engines record it: 02 leaves the template's end-of-turn token out of the loss when
+  the answer stopped on another id); ``finish_reason`` ``length`` is recorded as ``truncated: true``. The remaining ids
   are stored as the assistant message's ``tokens`` (stage 02 uses them verbatim) and decoded for
   ``content``, split at ``verifier.think_tags`` into ``reasoning_content`` + ``content`` exactly like
   the local path (:mod:`eagle3.prompts.regenerate`). ``meta_info.prompt_tokens`` must equal the number of
@@ -22,7 +24,9 @@ trains on are produced by the serving stack itself (``prompts.regenerate_via``):
   as SGLang and vLLM take them) and the record's ``tools``. Text comes back:
   ``choices[0].message.content``, ``tool_calls`` when the model called a tool, and, where the server
   splits reasoning, ``reasoning_content`` (SGLang, vLLM < 0.10) or ``reasoning`` (newer vLLM),
-  stored as the message's ``reasoning_content``. No ``tokens``: stage 02 tokenizes the text.
+  stored as the message's ``reasoning_content``. No ``tokens``: stage 02 tokenizes the text. ``stop_token`` is
+  recorded when the choice names the stop id (SGLang ``matched_stop``, vLLM ``stop_reason``), else not (02 then
+  counts the answer as stopped on the template's end-of-turn token); ``length`` is recorded as ``truncated: true``.
 
 Multi-turn conversations are answered turn by turn like the local path: turn k's prompt holds the
 user turns 0..k and the regenerated answers 0..k-1. Conversations holding tool results are kept as
@@ -52,7 +56,7 @@ from typing import Callable, Optional
 
 from tqdm import tqdm
 
-from eagle3.prompts.chat import ChatOptions, end_of_turn_ids, generation_prompt, split_reasoning
+from eagle3.prompts.chat import ChatOptions, answer_ending, end_of_turn_ids, generation_prompt, split_reasoning
 from eagle3.config import PromptsConfig
 from eagle3.prompts.endpoints import EndpointPool, RequestFailed, RetryPolicy
 from eagle3.errors import UserError
@@ -74,6 +78,7 @@ class Answer:
     new_tokens: int
     truncated: bool  # hit max_new_tokens
     tool_calls: Optional[list] = None  # OpenAI tool calls the model made (openai protocol)
+    stop_token: Optional[int] = None  # the stop id the answer ended on, when the server says (None: cut or unknown)
 
     def message(self) -> dict:
         m: dict = {"role": "assistant", "content": self.content}
@@ -84,8 +89,15 @@ class Answer:
         if self.tokens is not None:
             m["tokens"] = self.tokens
         if self.truncated:  # 02 leaves the template's end-of-turn token out of this answer's loss
-            m["truncated"] = True
+            m.update(answer_ending(None))
+        elif self.stop_token is not None:  # as the local engines record it (02: no loss on another end-of-turn)
+            m.update(answer_ending(self.stop_token))
         return m
+
+
+def _token_id(value) -> Optional[int]:
+    """``value`` when it is a token id (an ``int`` >= 0, not a bool), else None (a stop string, absent)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
 class SGLangGenerate:
@@ -132,8 +144,11 @@ class SGLangGenerate:
                              "or a chat template applied server-side?)")
         ids = [int(t) for t in resp["output_ids"]]
         matched = fin.get("matched") if isinstance(fin, dict) else None
+        stop = None
         if kind == "stop" and ids and (ids[-1] == matched or ids[-1] in self.stop_ids):
-            ids = ids[:-1]  # output_ids end with the matched stop token; the template writes it back
+            stop, ids = ids[-1], ids[:-1]  # output_ids end with the matched stop token; the template writes it back
+        elif kind == "stop" and _token_id(matched) is not None:
+            stop = matched  # a server that trims the stop token from output_ids still names it
         # as eagle3.prompts.regenerate does: think tags may be special tokens, so split the text with specials kept
         text = self.tok.decode(ids, skip_special_tokens=True)
         tags = tuple(self.opts.think_tags)
@@ -141,7 +156,7 @@ class SGLangGenerate:
                                             head.rstrip().endswith(tags[0]))
         if reasoning is not None:
             text = answer
-        return Answer(text, ids, reasoning, len(ids), truncated=kind == "length")
+        return Answer(text, ids, reasoning, len(ids), truncated=kind == "length", stop_token=stop)
 
 
 class OpenAIChat:
@@ -195,6 +210,10 @@ class OpenAIChat:
         if not isinstance(n, int):
             n = len(self.tok((reasoning or "") + content, add_special_tokens=False)["input_ids"])
         ans = Answer(content, None, reasoning, n, truncated=choice.get("finish_reason") == "length")
+        if choice.get("finish_reason") == "stop":  # the stop id, where the server names it (SGLang ``matched_stop``,
+            # vLLM ``stop_reason``; a stop string or vLLM's None for the tokenizer's EOS: not recorded)
+            ans.stop_token = next((_token_id(choice.get(k)) for k in ("matched_stop", "stop_reason")
+                                   if _token_id(choice.get(k)) is not None), None)
         if msg.get("tool_calls"):
             ans.tool_calls = msg["tool_calls"]
         return ans

@@ -36,7 +36,7 @@ import torch
 from tqdm import tqdm
 
 from eagle3.sdpa import no_cudnn_sdpa
-from eagle3.prompts.chat import ChatOptions, end_of_turn_ids, generation_prompt, split_reasoning
+from eagle3.prompts.chat import ChatOptions, answer_ending, end_of_turn_ids, generation_prompt, split_reasoning
 from eagle3.prompts.resume_log import ResumeLog
 from eagle3.verifier import stop_token_ids  # THE verifier's stop set (one call site per engine below)
 
@@ -104,7 +104,7 @@ def answer_steps(n_tokens: int, stopped: bool, max_new_tokens: int) -> int:
 @torch.inference_mode()
 @no_cudnn_sdpa()  # the KV cache grows every step: no per-shape cuDNN plans (see eagle3.sdpa)
 def generate_greedy(model, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
-                    pad_id: int) -> list[tuple[list[int], bool]]:
+                    pad_id: int) -> list[tuple[list[int], Optional[int]]]:
     """Greedy-decode a batch of token-id prompts with left padding.
 
     Args:
@@ -115,8 +115,8 @@ def generate_greedy(model, prompts: list[list[int]], max_new_tokens: int, stop_i
         pad_id: id written in the padded positions (masked out by the attention mask).
 
     Returns:
-        per prompt ``(answer_ids, stopped)``: the new tokens up to (excluding) the first stop token,
-        and whether a stop token was produced (False = truncated at ``max_new_tokens``).
+        per prompt ``(answer_ids, stop)``: the new tokens up to (excluding) the first stop token, and that stop
+        token's id (``int``; None = truncated at ``max_new_tokens``, no stop token produced).
     """
     from transformers import GenerationConfig
 
@@ -134,7 +134,7 @@ def generate_greedy(model, prompts: list[list[int]], max_new_tokens: int, stop_i
     results = []
     for row in new:
         cut = next((j for j, t in enumerate(row) if t in stop_ids), None)
-        results.append((row[:cut] if cut is not None else row, cut is not None))
+        results.append((row[:cut], row[cut]) if cut is not None else (row, None))
     return results
 
 
@@ -232,8 +232,9 @@ class _Run:
         self.ready[i] = (ids, head)
         return True
 
-    def answer(self, i: int, ans: list[int], stopped: bool, bar) -> bool:
-        """Store conversation i's answer to its ready turn; render the next turn. Returns whether one is ready."""
+    def answer(self, i: int, ans: list[int], stop: Optional[int], bar) -> bool:
+        """Store conversation i's answer to its ready turn (``stop``: the stop id it ended on, None = cut at
+        ``max_new_tokens``); render the next turn. Returns whether one is ready."""
         head = self.ready.pop(i)[1]
         tok = self.tok
         # ``tokens``: the ids the verifier actually produced. Decoding to text and re-tokenizing is not always
@@ -244,12 +245,11 @@ class _Run:
                                           head.rstrip().endswith(self.opts.think_tags[0]))
         if reasoning is not None:
             msg.update(content=text, reasoning_content=reasoning)
-        if not stopped:  # cut at max_new_tokens: 02 leaves the template's end-of-turn token out of the loss
-            msg["truncated"] = True
+        msg.update(answer_ending(stop))
         self.state[i][0].append(msg)
         self.done[i] += 1
         self.st["new_tokens"] += len(ans)
-        self.st["truncated"] += int(not stopped)
+        self.st["truncated"] += int(stop is None)
         self.st["answers"] += 1
         bar.update(1)
         if self.done[i] < len(self.state[i][1]):
@@ -282,9 +282,9 @@ def _decode_static(run: _Run, model, max_new_tokens: int, batch_size: int, sched
             chunk = [pool[j] for j in pick]
         answers = generate_greedy(model, [run.ready[i][0] for i in chunk], max_new_tokens, stop_ids, pad_id)
         run.st["batches"] += 1
-        run.st["decode_steps"] += max(answer_steps(len(ans), stopped, max_new_tokens) for ans, stopped in answers)
-        for i, (ans, stopped) in zip(chunk, answers):
-            run.answer(i, ans, stopped, bar)
+        run.st["decode_steps"] += max(answer_steps(len(ans), stop is not None, max_new_tokens) for ans, stop in answers)
+        for i, (ans, stop) in zip(chunk, answers):
+            run.answer(i, ans, stop, bar)
         run.flush_log()
 
 
@@ -339,8 +339,8 @@ def _decode_continuous(run: _Run, engine, bar) -> None:
         submit(i)
     last_flush = time.monotonic()
     try:
-        for i, ans, stopped in engine.results():
-            if run.answer(i, ans, stopped, bar):
+        for i, ans, stop in engine.results():
+            if run.answer(i, ans, stop, bar):
                 submit(i, parent=True)
             if run.pending_log and (len(run.pending_log) >= 256 or time.monotonic() - last_flush > 1.0):
                 run.flush_log()  # at most ~1 s of finished conversations is lost to a kill
@@ -378,7 +378,7 @@ def regenerate(model, tokenizer, conversations: list[dict], max_new_tokens: int,
             (02 cuts samples at ``extract.max_length``: never trained on). A conversation whose FIRST prompt
             reaches the cap is left out of the result. None = no cap.
         stats: optional dict filled with ``answers``, ``new_tokens`` (answer tokens, stop token
-            excluded), ``truncated``, ``seconds`` (wall time of generation), ``kept_with_tools``
+            excluded), ``truncated`` (answers cut at ``max_new_tokens``), ``seconds`` (wall time of generation), ``kept_with_tools``
             (conversations with tool calls, returned unchanged: their tool results answer the
             original calls, which cannot be re-run here), ``turns_over_context`` (user turns left
             unanswered by ``max_context``), ``dropped_over_context`` (conversations left out),
@@ -404,8 +404,8 @@ def regenerate(model, tokenizer, conversations: list[dict], max_new_tokens: int,
         system message, then alternating user / regenerated assistant turns. Answer text = the decoded answer
         tokens, end-of-turn token stripped; a think block is split into ``reasoning_content`` and ``content``
         as a server's reasoning parser does (:func:`eagle3.prompts.chat.split_reasoning`); each regenerated
-        assistant message carries ``tokens``, the generated ids, which
-        :func:`eagle3.prompts.chat.tokenize_conversation` uses verbatim. Deterministic.
+        assistant message carries ``tokens``, the generated ids (used verbatim by 02), and how it ended
+        (:func:`eagle3.prompts.chat.answer_ending`: ``stop_token``, or ``truncated: true``). Deterministic.
     """
     if batch_size < 1 or max_new_tokens < 1:
         raise ValueError("batch_size and max_new_tokens must be >= 1")

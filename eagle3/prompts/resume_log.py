@@ -16,6 +16,7 @@ from pathlib import Path
 
 from eagle3.errors import UserError
 from eagle3.io import atomic_write_text
+from eagle3.prompts.chat import ANSWER_FIELDS
 from eagle3.shards.manifest import read_append_log
 
 log = logging.getLogger(__name__)
@@ -41,21 +42,34 @@ def comparable_settings(old: dict, want: dict) -> dict:
     Returns:
         A new dict; equal to ``want`` exactly when the settings agree.
     """
-    from eagle3.verifier import WEIGHTS_KEY  # here: the endpoint path imports this module without torch
+    from eagle3.verifier import WEIGHTS_KEY, weights_differ  # here: the endpoint path imports this module without torch
 
     out = {k: v for k, v in old.items() if not (k in CONDITIONAL_KEYS and k not in want)}
     out.update({k: want[k] for k in CONDITIONAL_KEYS if k in want and k not in old})
-    if WEIGHTS_KEY not in out or WEIGHTS_KEY not in want:
+    if not weights_differ(out.get(WEIGHTS_KEY), want.get(WEIGHTS_KEY)):  # equal, or a side without one: want's
         out.pop(WEIGHTS_KEY, None)
         if WEIGHTS_KEY in want:
             out[WEIGHTS_KEY] = want[WEIGHTS_KEY]
     return out
 
 
+def _check_answer_fields(path: Path, header: dict) -> None:
+    """Refuse a resume log whose header records other answer fields than this 01 writes (none: a log of a 01 from
+    before ``stop_token`` was recorded): its answers and this run's would end up in one ``prompts.jsonl``, some
+    without the stop id."""
+    fields = header.get("answer_fields")
+    if fields != list(ANSWER_FIELDS):
+        have = ", ".join(fields) if isinstance(fields, list) else "none recorded"
+        raise UserError(f"{path}: its regenerated answers were written by an older 01 that recorded other answer "
+                        f"fields ({have}; this one records {', '.join(ANSWER_FIELDS)}); pass --force to discard it "
+                        "and start over")
+
+
 class ResumeLog:
     """Append-only log of finished conversations that makes server regeneration resumable.
 
-    Line 1: ``{"settings": {...}}`` (the stage-01 settings fingerprint); then one
+    Line 1: ``{"settings": {...}, "answer_fields": [...]}`` (the stage-01 settings fingerprint, and the fields each
+    answer records: :data:`eagle3.prompts.chat.ANSWER_FIELDS`); then one
     ``{"idx": int, "id": str, "messages": [...], "tools"?: [...]}`` per finished conversation (``idx`` = position in
     the input list), each flushed and fsynced before :meth:`append` returns. A kill can leave a
     last line cut mid-write; :meth:`load` drops it (and rewrites the file without it, atomically).
@@ -76,7 +90,9 @@ class ResumeLog:
 
         Raises:
             UserError: the log was started with other settings or other input (names the file and
-                the differing key / line), or a line other than the last is malformed.
+                the differing key / line), by a 01 that recorded fewer answer fields (its answers would lack
+                ``stop_token``: mixed with this run's, 02 would mask them differently), or a line other than the
+                last is malformed.
         """
         if not self.path.is_file():
             return {}
@@ -93,6 +109,7 @@ class ResumeLog:
                     raise UserError(f"{self.path}: a regeneration was started here with other settings "
                                     f"({', '.join(diff) or 'header'} differ); rerun with those settings to resume, "
                                     "or pass --force to discard it and start over")
+                _check_answer_fields(self.path, row)
                 continue
             idx, cid = row.get("idx"), row.get("id")
             if not isinstance(idx, int) or not 0 <= idx < len(conversations) or cid != conversations[idx]["id"] \
@@ -110,7 +127,8 @@ class ResumeLog:
     def open(self) -> None:
         """Open for appending; a new log gets its settings line first (written atomically)."""
         if not self.path.is_file():
-            atomic_write_text(self.path, json.dumps({"settings": self.settings}, ensure_ascii=False) + "\n")
+            atomic_write_text(self.path, json.dumps({"settings": self.settings, "answer_fields": list(ANSWER_FIELDS)},
+                                                    ensure_ascii=False) + "\n")
         self._f = open(self.path, "a", encoding="utf-8")
 
     def append(self, idx: int, conv: dict) -> None:

@@ -355,9 +355,11 @@ def _up_to_date(out: Path, st: SelfInstructSettings) -> bool:
         rec = read_json(rp)
     except UserError:
         return False
+    from eagle3.verifier import weights_differ
+
     want, got = json.loads(json.dumps(asdict(st))), rec.get("settings") if isinstance(rec, dict) else None
-    if isinstance(got, dict) and (got.get("verifier_weights") is None or want["verifier_weights"] is None):
-        # recorded before it was, or no weight file on either side (a hub id's cache, a folder of it now): not compared
+    if isinstance(got, dict) and not weights_differ(got.get("verifier_weights"), want["verifier_weights"]):
+        # equal, recorded before it was, or no weight file on either side (a hub id's cache, a folder of it now)
         got = {**got, "verifier_weights": want["verifier_weights"]}
     return got == want
 

@@ -695,10 +695,10 @@ def check_verifier(verifier: Any, meta: dict, root: str | os.PathLike) -> None:
                         "(verifier.name / verifier.path); re-run 02 for this verifier")
     recorded = meta.get("verifier_weights")
     if recorded and hasattr(verifier, "resolved_path"):  # absent from shard sets of before 2026-12-05f: not compared
-        from eagle3.verifier import weights_fingerprint
+        from eagle3.verifier import weights_differ, weights_fingerprint
 
         now = weights_fingerprint(verifier)
-        if now is not None and now != recorded:
+        if weights_differ(recorded, now):
             raise UserError(f"verifier.path: '{verifier.path}' holds other weights than the model the shards in "
                             f"{path.parent} were captured from ({path.name}: key 'verifier_weights'; the name "
                             f"{want!r} is the same): its lm_head would score another model's hidden states; set "

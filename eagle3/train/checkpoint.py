@@ -401,8 +401,10 @@ def data_inputs_problem(saved: Optional[dict], current: dict, data_dir: str | os
         out.append(f"the shards' aux layers {list(now)} (data_config.json) are not the {list(then)} this checkpoint "
                    f"was trained on: the drafter would be fed (and its export would name) other layers' states; use "
                    f"the shards it was trained on (extract.output_dir), or train a new run (a new train.output_dir)")
+    from eagle3.verifier import weights_differ
+
     then, now = saved.get(VERIFIER_WEIGHTS), current.get(VERIFIER_WEIGHTS)
-    if then is not None and now is not None and then != now:
+    if weights_differ(then, now):
         out.append(f"the shards' verifier weights {str(now)[:19]}... (data_config.json verifier_weights) are not the "
                    f"{str(then)[:19]}... this checkpoint was trained on: the shards were captured from another "
                    f"verifier of the same shapes; use the shards it was trained on (extract.output_dir), or train a "

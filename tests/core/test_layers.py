@@ -44,6 +44,18 @@ def test_default_layers():
         default_aux_layers(6)  # would be [2, 3, 3]
 
 
+
+def test_default_aux_layers_docstring_states_the_boundary_the_code_uses():
+    """The docstring said "fewer than 6" layers are refused while the code needs 7 (6 gives [2, 3, 3]): the number it
+    names is now the smallest layer count that works, and one less is refused."""
+    import re
+
+    n = int(re.search(r"fewer than (\d+) layers", default_aux_layers.__doc__).group(1))
+    assert n == 7 and default_aux_layers(n) == check_aux_layers(default_aux_layers(n), n) == [2, 3, 4]
+    with pytest.raises(UserError, match=f"verifier has {n - 1} layers; .* need at least {n} "):
+        default_aux_layers(n - 1)
+
+
 def test_check_aux_layers():
     assert check_aux_layers([3, 31, 59], 61) == [3, 31, 59]
     assert check_aux_layers([1, 2, 60], 61) == [1, 2, 60]

@@ -237,3 +237,17 @@ def test_smollm2_gguf_in_bf16_loads_without_the_float32_note():
         logger.removeHandler(seen)
     assert next(model.parameters()).dtype == torch.bfloat16 or model.dtype == torch.bfloat16
     assert not [m for m in seen.messages if "fastest in float32" in m], seen.messages
+
+
+def test_weights_differ_is_the_one_fingerprint_rule():
+    """The verifier-weights comparison every stage makes (02's shards folder, 03/04's check_verifier, 04's checkpoint
+    data_inputs, --export-only's record, 01's settings and resume log, the self-instruct report, 05's export check),
+    written once: a mismatch only when both sides record a fingerprint and they differ; a side without one (a record
+    of before the fingerprint, a folder without weight files) is not compared."""
+    from eagle3.verifier import weights_differ
+
+    a, b = "sha256:" + "a" * 64, "sha256:" + "b" * 64
+    assert weights_differ(a, b) and weights_differ(b, a)  # both recorded, different: mismatch
+    assert not weights_differ(a, a)  # equal: ok
+    for missing in (None, ""):  # one side (or both) without one: no mismatch
+        assert not weights_differ(a, missing) and not weights_differ(missing, a) and not weights_differ(missing, None)

@@ -426,6 +426,51 @@ def test_03_stops_while_02_is_writing_the_shards_and_not_for_a_dead_ones_lock(tm
     assert report["num_samples"] == len(SAMPLES) and (cfg.shards_dir / RECORD).is_file()
 
 
+@pytest.mark.parametrize("meanwhile", ["02 holds its lock", "02 rewrote a shard"])
+def test_03_rechecks_02_before_writing_its_outputs(tmp_path, monkeypatch, meanwhile):
+    """03 looked at 02's lock only at its start: a 02 started on the same shards folder during 03's validation pass
+    was not noticed, and 03 published a vocab map and split of a set 02 was changing. Before writing, 03 now checks the
+    lock again and that the shard set is the one it read: one line, nothing in the data folder; a re-run on the
+    finished set passes."""
+    import fcntl
+    import os
+
+    import eagle3.data.prepare_data as prepare_data
+
+    cfg = load_config(_cfg(tmp_path))
+    _make_shards(cfg.shards_dir)
+    lock = cfg.shards_dir / ".extract.lock"
+    real, held = prepare_data._validate_all, []
+
+    def a_02_starts_meanwhile(shards, meta, paths):
+        out = real(shards, meta, paths)
+        if meanwhile == "02 holds its lock":  # another open file: its flock conflicts with 03's probe
+            f = open(lock, "a+")
+            fcntl.flock(f, fcntl.LOCK_EX)
+            held.append(f)
+        else:  # a 02 that ran and finished while 03 validated: a shard written again
+            path = paths[0][1]
+            path.write_bytes(path.read_bytes())
+            os.utime(path, ns=(1, 1))
+        return out
+
+    monkeypatch.setattr(prepare_data, "_validate_all", a_02_starts_meanwhile)
+    with pytest.raises(UserError) as e:
+        run(cfg, plot=False)
+    if held:
+        assert str(e.value).startswith(f"{lock}: 02_extract_hidden is still writing the shards in {cfg.shards_dir} ")
+        held[0].close()
+    else:
+        assert str(e.value) == (f"{cfg.shards_dir}: the shard set changed while 03_prepare_data read it (shards, "
+                                f"manifest.jsonl or data_config.json written since it started: a 02_extract_hidden run "
+                                f"there?); nothing written to {cfg.data_dir}; run 03_prepare_data.py again once 02 has "
+                                f"finished")
+    assert not any(cfg.data_dir.glob("*.pt")) and not (cfg.data_dir / "split.json").exists()
+    monkeypatch.setattr(prepare_data, "_validate_all", real)
+    assert run(cfg, plot=False)["num_samples"] == len(SAMPLES)
+    assert (cfg.data_dir / "vocab_map.pt").is_file()
+
+
 def test_a_full_disk_in_03_says_it_starts_over(tmp_path, monkeypatch):
     """03's disk-full line said "re-run the same command to resume", but a re-run of 03 starts over (trial
     2026-12-05g). It now says so; also for a disk-full OSError no writer of eagle3.io turned into a line (a library

@@ -33,19 +33,9 @@ class ModelBackend:
         pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
         with self.lock:
             ((ans, stopped),) = generate_greedy(self.model, [ids], max_new, stop_ids, pad)
-        if stopped:  # SGLang keeps the matched stop token at the end of output_ids
-            nxt = self._stop_token(ids + ans, stop_ids)
-            return ans + [nxt], "stop"
+        if stopped is not None:  # SGLang keeps the matched stop token at the end of output_ids
+            return ans + [stopped], "stop"
         return ans, "length"
-
-    def _stop_token(self, seq: list[int], stop_ids: set[int]) -> int:
-        import torch
-
-        with self.lock, torch.inference_mode():
-            logits = self.model(torch.tensor([seq]), logits_to_keep=1).logits  # [1, 1, V]
-        t = int(logits[0, -1].argmax())
-        assert t in stop_ids
-        return t
 
     def reasoning(self, ids: list[int]) -> Optional[str]:
         return None
@@ -175,5 +165,7 @@ class StandInServer:
                                                 "function": {"name": name, "arguments": '{"q": 1}'}}])
             kind = "tool_calls"
         return {"id": "chatcmpl-x", "object": "chat.completion", "model": body.get("model", "standin"),
-                "choices": [{"index": 0, "message": msg, "finish_reason": kind}],
+                # SGLang names the stop id it matched (``matched_stop``), as its OpenAI server does
+                "choices": [{"index": 0, "message": msg, "finish_reason": kind,
+                             **({"matched_stop": out[-1]} if kind == "stop" else {})}],
                 "usage": {"prompt_tokens": len(ids), "completion_tokens": len(out), "total_tokens": len(ids) + len(out)}}

@@ -195,3 +195,25 @@ def test_truncated_answer_has_no_loss_on_the_appended_end_of_turn(smollm_tokeniz
     assert [s for (_, s, _), m in zip(SMOL_EXPECTED, mask) if m] == ["Hello", "!", "4"]
     # the key is 01's own: the template never sees it (the rendering is the same with and without it)
     assert render(tok, msgs) == render(tok, TWO_TURNS)
+
+
+@pytest.mark.parametrize("with_tokens", [True, False])
+def test_answer_stopped_on_another_stop_id_has_no_loss_on_the_template_end_of_turn(smollm_tokenizer, with_tokens):
+    """An answer the verifier stopped on ``<|endoftext|>`` (id 0, in SmolLM2's stop set) is rendered with the
+    template's ``<|im_end|>`` (id 2) after it, which the verifier did not emit there: ``stop_token: 0`` takes it (and
+    the "\n" after it) out of the loss, as ``truncated: true`` does; ``stop_token: 2`` (the template's own) and no
+    key (files from before it) keep it in. The ids never change and the next turn follows as before."""
+    tok = smollm_tokenizer
+    assert {0, 2} <= end_of_turn_ids(tok) and tok.convert_ids_to_tokens([0, 2]) == ["<|endoftext|>", "<|im_end|>"]
+    msgs = [dict(m) for m in TWO_TURNS]
+    if with_tokens:
+        msgs[2]["tokens"], msgs[4]["tokens"] = [19556, 17], [36]
+    want_ids = [t for t, _, _ in SMOL_EXPECTED]
+    msgs[2]["stop_token"] = 2  # stopped on the template's own end-of-turn: as a message without the key
+    assert tokenize_conversation(tok, msgs, max_length=512) == (want_ids, [m for _, _, m in SMOL_EXPECTED])
+    msgs[2]["stop_token"] = 0  # stopped on <|endoftext|>: position 20 (<|im_end|>) leaves the loss, nothing else moves
+    ids, mask = tokenize_conversation(tok, msgs, max_length=512)
+    assert ids == want_ids
+    assert mask == [0 if i == 20 else m for i, (_, _, m) in enumerate(SMOL_EXPECTED)]
+    assert mask[18:22] == [1, 1, 0, 0] and mask[-3:] == [1, 1, 0]
+    assert render(tok, msgs) == render(tok, TWO_TURNS)  # the key is 01's own: never passed to the template

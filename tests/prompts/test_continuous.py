@@ -25,14 +25,14 @@ def tiny(tiny_llama_dir):
 
 
 @torch.no_grad()
-def hf_greedy(model, prompt: list[int], max_new: int, stops: set[int]) -> tuple[list[int], bool]:
-    """Plain transformers greedy decoding of one prompt (no padding, DynamicCache): (answer, stopped)."""
+def hf_greedy(model, prompt: list[int], max_new: int, stops: set[int]) -> tuple[list[int], int | None]:
+    """Plain transformers greedy decoding of one prompt (no padding, DynamicCache): (answer, stop id or None)."""
     out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                          max_new_tokens=max_new, do_sample=False, num_beams=1, eos_token_id=sorted(stops),
                          pad_token_id=sorted(stops)[0])
     row = out[0, len(prompt):].tolist()
     cut = next((j for j, t in enumerate(row) if t in stops), None)
-    return (row[:cut], True) if cut is not None else (row, False)
+    return (row[:cut], row[cut]) if cut is not None else (row, None)
 
 
 def _prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -79,7 +79,7 @@ def test_slot_engine_equals_hf_greedy(tiny, slots, check_every, prefill_tokens, 
     prompts = _prompts(11, model.config.vocab_size)
     stops = _stops(model, prompts, max_new)
     want = [hf_greedy(model, p, max_new, stops) for p in prompts]
-    assert any(s for _, s in want) and not all(s for _, s in want)  # both endings occur
+    assert any(s is not None for _, s in want) and not all(s is not None for _, s in want)  # both endings occur
     later = {2: prompts[0] + want[2][0], 5: prompts[7][:3]}  # prompts submitted while decoding
     eng = SlotEngine(model, slots, max_len=64, max_new_tokens=max_new, stop_ids=stops, check_every=check_every,
                      prefill_tokens=prefill_tokens, width_classes=classes, cuda_graphs=False)
@@ -151,7 +151,7 @@ def test_flex_kv_bytes_read_by_hand(tiny):
                      attention="flex", flex_block=block)
     got = _run(eng, [prompt])
     assert got[0] == hf_greedy(model, prompt, max_new, {0})
-    steps = len(got[0][0]) + int(got[0][1]) - 1  # decode steps after the prefill's token
+    steps = len(got[0][0]) + int(got[0][1] is not None) - 1  # decode steps after the prefill's token
     assert eng.stats["decode_steps"] == steps and eng.stats["prefix_steps"] == {"1": steps}
     blocks = sum((p + j) // block + 1 for j in range(steps))
     assert eng.stats["kv_bytes_read"] == blocks * block * eng.stats["kv_bytes_per_token"]
@@ -338,7 +338,7 @@ def test_slot_engine_equals_hf_greedy_on_smollm2(smollm_fp32):
                       attention="sdpa_groups", min_prefix=1)
     got = _run(sdpa, prompts)
     assert [got[i] for i in range(4)] == want
-    assert any(s for _, s in want)  # at least one answer ends on the end-of-turn token
+    assert any(s is not None for _, s in want)  # at least one answer ends on the end-of-turn token
     assert set(sdpa.stats["prefix_steps"]) <= {"1", "2"}  # width groups under the prefix logic
     eng = SlotEngine(model, 3, max_len=128, max_new_tokens=16, stop_ids=stops, check_every=2, cuda_graphs=False,
                      attention="flex", flex_block=32, min_prefix=1)
@@ -664,7 +664,7 @@ def _expected_offset(prompt, ans, stopped, rewritten, min_tokens):
     """Cached columns a successor keeps, by hand: its parent's prompt + answer, less the last generated token when the
     answer ran out of budget (a stop token is never part of the answer, so a stopped answer is cached whole), less
     two more when the boundary was re-tokenised; 0 under the threshold."""
-    off = len(prompt) + len(ans) - (0 if stopped and not rewritten else 1 if not rewritten else 2)
+    off = len(prompt) + len(ans) - (0 if stopped is not None and not rewritten else 1 if not rewritten else 2)
     return off if off >= min_tokens else 0
 
 
@@ -696,10 +696,10 @@ def test_prefix_reuse_equals_hf_greedy(tiny, attention, slots, check_every, pref
     assert len(got) == 18
     for (c, k), (prompt, ans, stopped) in got.items():
         assert (ans, stopped) == hf_greedy(model, prompt, max_new, stops), (c, k)
-    assert any(s for _, _, s in got.values()) and not all(s for _, _, s in got.values())  # both endings occur
+    assert any(s is not None for _, _, s in got.values()) and not all(s is not None for _, _, s in got.values())
     want_off = {(c, k): _expected_offset(*got[(c, k - 1)], c in {1, 4} and len(got[(c, k - 1)][1]) >= 3, 4)
                 for c, k in got if k}
-    kinds = {(c in {1, 4} and len(got[(c, k - 1)][1]) >= 3, got[(c, k - 1)][2]) for c, k in want_off}
+    kinds = {(c in {1, 4} and len(got[(c, k - 1)][1]) >= 3, got[(c, k - 1)][2] is not None) for c, k in want_off}
     assert {(False, True), (False, False)} <= kinds and any(r for r, _ in kinds)  # stopped, truncated, re-tokenised
     total = sum(len(p) for p, _, _ in got.values())
     assert eng.stats["reused_tokens"] == sum(want_off.values()) > 0

@@ -124,8 +124,12 @@ def test_sglang_parse_strips_matched_stop_and_checks_shape(smollm_tokenizer, tmp
                                                                "prompt_tokens": 7}}, 7)
     assert (a.tokens, a.content, a.truncated, a.new_tokens) == (ids, "Paris is nice.", False, len(ids))
     assert "truncated" not in a.message()  # a finished answer: no key (02 reads its absence as finished)
+    assert a.message()["stop_token"] == eot  # the id it stopped on, as the local engines record it
+    eos = smollm_tokenizer.convert_tokens_to_ids("<|endoftext|>")  # another stop id of the set: recorded as such
+    a = proto.parse({"output_ids": ids + [eos], "meta_info": {"finish_reason": {"type": "stop", "matched": eos}}}, 7)
+    assert a.tokens == ids and a.message()["stop_token"] == eos
     a = proto.parse({"output_ids": ids, "meta_info": {"finish_reason": {"type": "length", "length": 4}}}, 7)
-    assert a.tokens == ids and a.truncated and a.message()["truncated"] is True
+    assert a.tokens == ids and a.truncated and a.message()["truncated"] is True and "stop_token" not in a.message()
     for bad in ({"text": "x"}, {"output_ids": [1], "meta_info": {"finish_reason": {"type": "abort", "message": "oom"}}},
                 {"output_ids": [1], "meta_info": {"finish_reason": None, "prompt_tokens": 9}}):
         with pytest.raises(ValueError):

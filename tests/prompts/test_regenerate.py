@@ -97,8 +97,8 @@ def test_generate_greedy_stops_and_strips_stop_token(tiny):
     for (ans, stopped), ref in zip(got, free):
         cut = ref.index(stop) if stop in ref else None
         assert ans == (ref[:cut] if cut is not None else ref)
-        assert stopped == (cut is not None)
-    assert got[0][1] and len(got[0][0]) == free[0].index(stop)
+        assert stopped == (stop if cut is not None else None)  # the stop id it ended on, None when cut
+    assert got[0][1] == stop and len(got[0][0]) == free[0].index(stop)
 
 
 def test_bad_arguments(tiny):
@@ -217,7 +217,7 @@ def test_pooled_turns_of_any_round_equal_reference(tiny, monkeypatch):
     assert stats["answers"] == 10
     assert stats["batches"] == len(batches) == 5
     assert all(n == 2 for n, _ in batches)
-    assert stats["decode_steps"] == sum(max(answer_steps(len(a), s, MAX_NEW) for a, s in out) for _, out in batches)
+    assert stats["decode_steps"] == sum(max(answer_steps(len(a), s is not None, MAX_NEW) for a, s in out) for _, out in batches)
     assert 5 <= stats["decode_steps"] <= 5 * MAX_NEW
     # the former round plan (bench baseline): same answers, 2 + 1 + 1 + 1 + 1 batches
     batches.clear()
@@ -254,7 +254,7 @@ def test_resume_after_a_kill_equals_the_uninterrupted_run(tiny, tmp_path, monkey
         regenerate(model, tok, convs, max_new_tokens=MAX_NEW, batch_size=2, journal=ResumeLog(path, {"s": 1}),
                    engine="static")
     rows = [json.loads(x) for x in path.read_text().splitlines()]
-    assert rows[0] == {"settings": {"s": 1}}
+    assert rows[0] == {"settings": {"s": 1}, "answer_fields": ["tokens", "truncated", "stop_token"]}
     logged = {r["id"]: r for r in rows[1:]}
     # batches 1-3 answered every first turn and turns 2-3 of the longer ones: "one", "single" finished
     assert set(logged) == {"one", "single"}
@@ -272,3 +272,11 @@ def test_resume_after_a_kill_equals_the_uninterrupted_run(tiny, tmp_path, monkey
     with pytest.raises(UserError, match=r"prompts\.regen-partial\.jsonl: a regeneration was started here with "
                                          r"other settings \(s differ\)"):
         regenerate(model, tok, convs, max_new_tokens=MAX_NEW, batch_size=2, journal=ResumeLog(path, {"s": 2}))
+    # a log of a 01 from before stop_token was recorded: its answers would lack it, so it is refused in one line
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join([json.dumps({"settings": {"s": 1}})] + lines[1:]) + "\n")
+    with pytest.raises(UserError) as e:
+        regenerate(model, tok, convs, max_new_tokens=MAX_NEW, batch_size=2, journal=ResumeLog(path, {"s": 1}))
+    assert str(e.value) == (f"{path}: its regenerated answers were written by an older 01 that recorded other answer "
+                            "fields (none recorded; this one records tokens, truncated, stop_token); pass --force to "
+                            "discard it and start over")

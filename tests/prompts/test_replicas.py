@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from eagle3.prompts.chat import ANSWER_FIELDS
 from eagle3.prompts.replicas import all_logs, assemble, log_path, merge_stats, share
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -73,7 +74,8 @@ def test_two_gloo_ranks_write_the_one_process_file(tmp_path, tiny_llama_dir):
     settings = json.loads((tmp_path / "one" / "prompts_report.json").read_text())["settings"]
     rows = [json.loads(x) for x in a.splitlines()]
     (tmp_path / "three").mkdir()
-    log_path(tmp_path / "three", 1).write_text(json.dumps({"settings": settings}) + "\n" + "".join(
+    log_path(tmp_path / "three", 1).write_text(json.dumps({"settings": settings, "answer_fields": list(ANSWER_FIELDS)})
+                                               + "\n" + "".join(
         json.dumps({"idx": i, **rows[i]}) + "\n" for i in (1, 4)))
     _run01(three, 1)
     assert (tmp_path / "three" / "prompts.jsonl").read_text() == a

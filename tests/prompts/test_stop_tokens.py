@@ -95,6 +95,72 @@ def test_loss_mask_turn_end_uses_the_same_stop_set(verifier_with_extra_stop):
     assert s.input_ids[:n] == v.prompt and s.input_ids[n:n + len(ans)] == ans
     assert s.loss_mask[:n] == [0] * n and all(s.loss_mask[n:n + len(ans)])
     assert s.input_ids[n + len(ans)] in end_of_turn_ids(tok) and s.loss_mask[n + len(ans)] == 1
+    # as 01 now records it: the answer stopped at X, not at the template's <|im_end|>, which leaves the loss
+    msgs[-1]["stop_token"] = v.x
+    s = conversation_samples(tok, msgs, 512).samples[0]
+    assert s.input_ids[n + len(ans)] == tok.convert_tokens_to_ids("<|im_end|>") != v.x
+    assert all(s.loss_mask[n:n + len(ans)]) and s.loss_mask[n + len(ans):] == [0] * (len(s.loss_mask) - n - len(ans))
+
+
+def _answer_by(engine: str, v) -> dict:
+    """The regenerated assistant message of MSG by one of 01's paths on the verifier that stops at X."""
+    vcfg = VerifierConfig(path=str(v.path), dtype="float32")
+    if engine == "sglang":  # the endpoint path: a stand-in SGLang server decoding greedily with the same model
+        from standin_server import ModelBackend, StandInServer
+
+        from eagle3.config import RegenServerConfig
+        from eagle3.prompts.regen_server import regenerate_via_server
+
+        model, tok = load_verifier(vcfg, device="cpu")
+        with StandInServer(ModelBackend(model, tok), tok) as srv:
+            pc = PromptsConfig(source="x", regenerate=True, regenerate_via="sglang", max_new_tokens=MAX_NEW,
+                               server=RegenServerConfig(urls=[srv.url]))
+            import tempfile
+
+            with tempfile.TemporaryDirectory() as d:
+                out = regenerate_via_server([{"id": "c0", "messages": MSG}], load_tokenizer(vcfg), pc, ChatOptions(),
+                                            partial_path=f"{d}/p.jsonl", settings={"v": 1})
+        return out[0]["messages"][-1]
+    from eagle3.prompts.regenerate import regenerate
+
+    model, tok = load_verifier(vcfg, device="cpu")
+    return regenerate(model, tok, [{"id": "c0", "messages": MSG}], MAX_NEW, 2, engine=engine)[0]["messages"][-1]
+
+
+@pytest.mark.parametrize("engine", ["static", "slots", "hf_continuous", "sglang"])
+def test_every_path_records_the_stop_id_and_02_leaves_the_template_end_of_turn_out(verifier_with_extra_stop, engine):
+    """Every regeneration path (the three in-process engines, the SGLang endpoint) writes ``stop_token: X`` on an
+    answer the verifier ended on X (a generation_config stop id, not the template's ``<|im_end|>``), and 02 gives
+    the ``<|im_end|>`` the template appends there no loss: the drafter is not taught a token the verifier did not
+    emit. Before, the message held only ``tokens`` and 02 trained on ``<|im_end|>``."""
+    from eagle3.prompts.chat import conversation_samples
+
+    v = verifier_with_extra_stop
+    m = _answer_by(engine, v)
+    assert m["tokens"] == v.answer[:v.k] and m["stop_token"] == v.x and "truncated" not in m
+    tok = load_tokenizer(VerifierConfig(path=str(v.path)))
+    s = conversation_samples(tok, MSG + [m], 512).samples[0]
+    n, k = len(v.prompt), v.k
+    assert s.input_ids[n:n + k] == v.answer[:k] and s.input_ids[n + k] == tok.convert_tokens_to_ids("<|im_end|>")
+    assert s.loss_mask[:n] == [0] * n and s.loss_mask[n:n + k] == [1] * k and not any(s.loss_mask[n + k:])
+
+
+def test_openai_answer_records_the_stop_id_the_server_names(smollm_tokenizer):
+    """OpenAI chat completions carry no token ids; the stop id is recorded when the choice names it (SGLang
+    ``matched_stop``, vLLM ``stop_reason``), not for a stop string or vLLM's None (the tokenizer's EOS)."""
+    from eagle3.prompts.regen_server import OpenAIChat
+
+    proto = OpenAIChat(smollm_tokenizer, PromptsConfig(source="x.jsonl"), ChatOptions())
+
+    def parse(**choice):
+        return proto.parse({"choices": [{"message": {"content": "Red."}, **choice}]}).message()
+
+    assert parse(finish_reason="stop", matched_stop=0)["stop_token"] == 0
+    assert parse(finish_reason="stop", stop_reason=2)["stop_token"] == 2
+    assert "stop_token" not in parse(finish_reason="stop", stop_reason=None)
+    assert "stop_token" not in parse(finish_reason="stop", matched_stop="</s>")
+    cut = parse(finish_reason="length", matched_stop=None)
+    assert cut["truncated"] is True and "stop_token" not in cut
 
 
 def test_eom_id_and_config_eos_lists():
