@@ -288,6 +288,48 @@ def test_verifier_name_warning(tmp_path):
     assert verifier_warnings(tmp_path / "none", "x") == []
 
 
+def test_checks_without_metadata_are_said_not_skipped(tmp_path):
+    """05's checks of the drafter against the verifier, the shards and the trained chain were skipped without a word
+    when one side lacked the metadata (a drafter not exported by eagle3-train has no eagle3_train.json; shards
+    deleted after training). Each such gap is now one line naming what was not checked and how to check it; with the
+    metadata there, no line."""
+    from types import SimpleNamespace
+
+    from eagle3.benchmark.offline import shards_unchecked, ttt_length_unchecked, verifier_unchecked
+    from eagle3.config import ExtractConfig
+
+    d, meta = tmp_path / "drafter", tmp_path / "drafter" / "eagle3_train.json"
+    d.mkdir()
+    assert ttt_length_unchecked(d, 3, "benchmark.steps") == (
+        f"{meta} not found (a drafter not exported by eagle3-train): 05 did not check benchmark.steps 3 against the "
+        f"draft positions the drafter was trained for; check that its training's TTT length (train.ttt_length, "
+        f"SpecForge --ttt-length) is at least 3")
+    assert verifier_unchecked(d, "org/m", "sha256:ab") == (
+        f"{meta} not found (a drafter not exported by eagle3-train): 05 did not check that the drafter was trained for "
+        f"the verifier 'org/m' (name, dimensions, weights; only the embedding and vocab shapes are checked at load); "
+        f"check which verifier its training used")
+    meta.write_text(json.dumps({"ttt_length": 7, "aux_layers_hf": [2, 3, 4], "verifier": {"name": "org/m"}}))
+    assert ttt_length_unchecked(d, 3, "benchmark.steps") is None
+    assert verifier_unchecked(d, "org/m", "sha256:ab").startswith(
+        f"{meta} records no verifier.weights (an export of shards captured before weight fingerprints): 05 did not "
+        f"check that the drafter was trained on the weights at verifier.path, only the name 'org/m' and dimensions")
+    meta.write_text(json.dumps({"verifier": {"name": "org/m", "weights": "sha256:ab"}}))
+    assert verifier_unchecked(d, "org/m", "sha256:ab") is None
+    assert verifier_unchecked(d, "org/m", None).startswith("verifier.path holds no weight file on this machine: ")
+    assert ttt_length_unchecked(d, 3, "--steps").startswith(f"{meta} records no ttt_length: 05 did not check --steps 3")
+    # the shards' data_config.json gone: the config's extract settings it sets (and the drafter's aux layers) unchecked
+    shards = tmp_path / "shards"
+    cfg = SimpleNamespace(shards_dir=shards, extract=ExtractConfig(max_length=512))
+    assert shards_unchecked(cfg, d) == (
+        f"{shards / 'data_config.json'} not found: 05 did not check the config's extract.max_length against the layers "
+        f"and length the shards were captured with; check them against the data_config.json of the shards the drafter "
+        f"was trained on")
+    assert shards_unchecked(SimpleNamespace(shards_dir=shards, extract=ExtractConfig()), d) is None  # nothing to check
+    shards.mkdir()
+    (shards / "data_config.json").write_text("{}")
+    assert shards_unchecked(cfg, d) is None
+
+
 def test_drafter_that_is_a_checkpoint_or_a_train_folder_is_named(tmp_path):
     """`--drafter .../checkpoints/step_N.pt` said "folder '...step_N.pt' not found" of a file that exists, and
     `--drafter .../train` said "train/config.json: file not found" (fresh-user trial 2026-12-05d); both now say what
@@ -389,8 +431,21 @@ def test_cli_writes_lossless_reports(run_setup):
     rep = json.loads((bench / "bench.json").read_text())
     assert rep["steps"] == 2 and rep["aux_layers"] == [2, 3, 4] and rep["dtype"] == "float32"
     timing = [w for w in rep["warnings"] if "is above tau" in w]  # the speedup check reads wall clocks: not pinned here
-    warns = [w for w in rep["warnings"] if w not in timing]
+    warns = [w for w in rep["warnings"] if w not in timing and w not in rep["not_checked"]]
     assert len(warns) == 1 and "exported for verifier 'tiny'" in warns[0]  # config names the path
+    # a drafter without ttt_length, benchmarked without its run's shards and data: the checks 05 could not make are
+    # each said in one warning line and listed in not_checked (they were skipped without a word)
+    meta, out = root / "drafter" / "eagle3_train.json", root / "out"
+    assert rep["not_checked"] == [
+        f"{meta} records no ttt_length: 05 did not check --steps 2 against the draft positions the drafter was trained "
+        f"for; check that its training's TTT length (train.ttt_length, SpecForge --ttt-length) is at least 2",
+        f"{out / 'shards' / 'data_config.json'} not found: 05 did not check the drafter's aux layers ({meta}) against "
+        f"the layers and length the shards were captured with; check them against the data_config.json of the shards "
+        f"the drafter was trained on",
+        f"{out / 'data' / 'vocab_map.pt'} not found: 05 did not check {root / 'drafter' / 'model.safetensors'} d2t (its "
+        f"draft vocabulary) against the run's stage-03 vocab map, only its size against data.draft_vocab_size; run 03 "
+        f"for this config, or compare d2t with the vocab_map.pt of the data it was trained on"]
+    assert all(rep["warnings"].count(w) == 1 for w in rep["not_checked"])
     (d,) = rep["datasets"]
     assert d["dataset"] == "prompts" and d["num_prompts"] == 2 and d["mismatches"] == []
     assert d["spec_tokens"] == d["greedy_tokens"] == sum(p["greedy_tokens"] for p in d["per_prompt"])

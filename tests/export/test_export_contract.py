@@ -217,12 +217,14 @@ def test_server_bench_checks_the_servers_draft_folder(tmp_path, monkeypatch):
                                            f"speculative_draft_model_path) is not readable on this machine")
     assert rec == {"url": "http://x", "path": str(tmp_path / "not-here"), "speculative_num_steps": None,
                    "readable": False, "not_checked": w}
-    # readable, but without the shards' data_config.json: checked against the folder's own record only (recorded)
+    # readable, but without the shards' data_config.json: checked against the folder's own record only (said in one
+    # warning line, as offline 05 says it, and recorded)
     path["p"] = good
     w, rec = server_bench.draft_folder_warnings(SimpleNamespace(shards_dir=tmp_path), "http://x")
-    assert w == [] and rec["not_checked"] == [f"{tmp_path / 'data_config.json'} not found: the layers SGLang "
-                                              f"captures were checked against the folder's own record only, not "
-                                              f"against the shards'"]
+    assert w == rec["not_checked"] == [f"{tmp_path / 'data_config.json'} not found: 05 checked the layers SGLang "
+                                       f"captures against the folder's own record only, not against the shards'; "
+                                       f"compare its eagle3_train.json aux_layers_hf with the shards' "
+                                       f"data_config.json aux_layers"]
 
 
 def test_kimi_drafter_export_size_bf16_vs_fp32():
