@@ -622,13 +622,13 @@ def shards_unchecked(cfg: RunConfig, drafter_dir: Path) -> Optional[str]:
     """The line saying which of 05's checks against the shards' ``data_config.json`` could not be made because the
     file is gone (shards deleted after training, or a drafter benchmarked without its run's shards): the config's
     ``extract.aux_layers`` / ``extract.max_length`` (:func:`eagle3.shards.format.check_extract_settings`, only keys
-    the config sets) and the drafter's recorded aux layers (:func:`resolve_aux_layers`). None when the file exists or
-    neither check would have compared anything."""
+    the config sets), the drafter's recorded aux layers (:func:`resolve_aux_layers`) and the chat template
+    (:func:`template_check`). None when the file exists."""
     dc = Path(cfg.shards_dir) / DATA_CONFIG
     if dc.is_file():
         return None
-    what = [f"the config's extract.{k}" for k in ("aux_layers", "max_length")
-            if k in getattr(cfg.extract, "model_fields_set", set())]
+    what = ["the chat template"] + [f"the config's extract.{k}" for k in ("aux_layers", "max_length")
+                                    if k in getattr(cfg.extract, "model_fields_set", set())]
     meta_path = Path(drafter_dir) / TRAIN_META
     try:
         has_aux = meta_path.is_file() and _aux_from_meta(read_json(meta_path), meta_path) is not None
@@ -636,10 +636,8 @@ def shards_unchecked(cfg: RunConfig, drafter_dir: Path) -> Optional[str]:
         has_aux = False  # resolve_aux_layers refuses it
     if has_aux:
         what.append(f"the drafter's aux layers ({meta_path})")
-    if not what:
-        return None
-    return (f"{dc} not found: 05 did not check {' or '.join(what)} against the layers and length the shards were "
-            f"captured with; check them against the data_config.json of the shards the drafter was trained on")
+    return (f"{dc} not found: 05 did not check {', '.join(what)} against the template, layers and length the shards "
+            f"were made with; check them against the data_config.json of the shards the drafter was trained on")
 
 
 def verifier_unchecked(drafter_dir: Path, verifier_name: str, weights: Optional[str]) -> Optional[str]:
@@ -677,6 +675,39 @@ def vocab_map_unchecked(cfg: RunConfig, drafter_dir: Path) -> Optional[str]:
     return (f"{vm} not found: 05 did not check {Path(drafter_dir) / 'model.safetensors'} d2t (its draft vocabulary) "
             f"against the run's stage-03 vocab map, only its size against data.draft_vocab_size; run 03 for this "
             f"config, or compare d2t with the vocab_map.pt of the data it was trained on")
+
+
+def template_check(cfg: RunConfig, tokenizer, say_missing: bool = False) -> tuple[Optional[str], Optional[str]]:
+    """The chat template 05 renders the prompts with (``verifier.chat_template``, else ``verifier.path``'s tokenizer's)
+    against the one the shards were rendered with (``data_config.json`` ``chat_template_hash``, written by 02 and
+    compared nowhere before): a drafter trained on conversations rendered otherwise is scored on prompts it never saw
+    in that form, and its tau understates it.
+
+    Returns:
+        ``(warning, not_checked)``: the line for another template, or the line saying the check could not be made (the
+        shards record no hash); both None when the hashes agree, the template is unusable (05's rendering says so), or
+        the shards' ``data_config.json`` is gone (offline :func:`shards_unchecked` says that; ``say_missing``, for
+        ``--server``: the not-checked line names the missing file).
+    """
+    from eagle3.prompts.chat import ChatOptions, chat_template_hash, template_name
+
+    dc = Path(cfg.shards_dir) / DATA_CONFIG
+    try:
+        rec = read_json(dc).get("chat_template_hash") if dc.is_file() else False
+        now = chat_template_hash(tokenizer, cfg.verifier.chat_template)
+    except (UserError, AttributeError):
+        return None, None
+    if (rec is False and not say_missing) or rec == now:
+        return None, None
+    used = template_name(tokenizer, ChatOptions.from_config(cfg))
+    if not isinstance(rec, str) or not rec:
+        return None, (f"{dc} {'not found' if rec is False else 'records no chat_template_hash'}: 05 did not check that "
+                      f"the prompts it renders with {used} are in the template the drafter's data was rendered with; "
+                      f"check verifier.chat_template against the template the shards were made with")
+    return (f"{dc}: the shards were rendered with chat template sha256 {rec[:12]} (chat_template_hash) but 05 renders "
+            f"the prompts with {used}: the drafter was trained on conversations rendered otherwise, so tau "
+            f"understates it; set verifier.chat_template back to the shards' template, or re-run 02-04 with this "
+            f"one"), None
 
 
 def _logged(warning: Optional[str]) -> list[str]:
@@ -1156,23 +1187,29 @@ def run(
         drafter = _load_drafter(drafter_dir, verifier, device, dtype)
     warnings += check_drafter_vocab(cfg, drafter, drafter_dir, own_export=drafter_dir == cfg.export_dir)
     warnings += check_drafter_shape(cfg, drafter, drafter_dir, own_export=drafter_dir == cfg.export_dir)
-    late = _unchecked_after_load(cfg, drafter_dir, mismatch)  # logged with the warnings, at the end
+    late, unchecked = _after_load(cfg, drafter_dir, mismatch, tokenizer)  # logged with the warnings, at the end
     run_offline(cfg, verifier, tokenizer, drafter, aux, sets, steps, max_new_tokens, strict=dtype == torch.float32,
                 drafter_name=str(drafter_dir), warnings=warnings + late, batch_size=batch_size,
-                tie_tolerance=tie_tolerance, logged=subset_notes, not_checked=not_checked + late)
+                tie_tolerance=tie_tolerance, logged=subset_notes, not_checked=not_checked + unchecked)
     return 0
 
 
-def _unchecked_after_load(cfg: RunConfig, drafter_dir: Path, mismatch: list[str]) -> list[str]:
-    """The lines saying which of 05's checks after the verifier loads could not be made: the drafter's verifier
-    record (:func:`verifier_unchecked`; not when ``mismatch`` already names another verifier) and its ``d2t``
-    against the run's vocab map (:func:`vocab_map_unchecked`). Not logged here."""
+def _after_load(cfg: RunConfig, drafter_dir: Path, mismatch: list[str], tokenizer) -> tuple[list[str], list[str]]:
+    """05's checks once the verifier's tokenizer is loaded: the chat template against the shards'
+    (:func:`template_check`), and which checks could not be made: the drafter's verifier record
+    (:func:`verifier_unchecked`; not when ``mismatch`` already names another verifier), its ``d2t`` against the run's
+    vocab map (:func:`vocab_map_unchecked`), the template. Not logged here.
+
+    Returns:
+        ``(lines, not_checked)``: every warning line, and those of them that say a check was not made.
+    """
     from eagle3.verifier import weights_fingerprint
 
     name = cfg.verifier.display_name()
-    lines = [None if mismatch else verifier_unchecked(drafter_dir, name, weights_fingerprint(cfg.verifier)),
-             vocab_map_unchecked(cfg, drafter_dir)]
-    return [w for w in lines if w]
+    other_template, template_unchecked = template_check(cfg, tokenizer)
+    unchecked = [w for w in (None if mismatch else verifier_unchecked(drafter_dir, name, weights_fingerprint(
+        cfg.verifier)), vocab_map_unchecked(cfg, drafter_dir), template_unchecked) if w]
+    return [other_template] * bool(other_template) + unchecked, unchecked
 
 
 def _check_before_load(cfg: RunConfig, drafter_dir: Path, steps: int, steps_field: str) -> tuple[list[str], list[str]]:

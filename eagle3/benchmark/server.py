@@ -46,7 +46,8 @@ from typing import Optional, Sequence
 
 from tqdm import tqdm
 
-from eagle3.benchmark.offline import holds_bench_lock, json_safe, plot_acceptance, rates_from_hist, speedup_warning
+from eagle3.benchmark.offline import (holds_bench_lock, json_safe, plot_acceptance, rates_from_hist, speedup_warning,
+                                     template_check)
 from eagle3.errors import UserError
 from eagle3.io import json_error_detail, probe_dirs, read_json
 
@@ -350,7 +351,9 @@ def run(cfg, urls: Sequence[str], datasets: Optional[Sequence[str]] = None, num_
     (in ``{bench_dir}/server-{label}/`` when several datasets are given; :func:`dataset_labels`, "/" as "_"). Each
     records ``draft_folder`` (:func:`draft_folder_warnings`: the server's draft folder, whether it could be read here
     and what was not checked), ``served_model`` (:func:`served_model_warnings`: each server's ``model_path`` against
-    ``verifier.path``) and ``warnings`` (those checks', the prompt subset's, a speedup above tau).
+    ``verifier.path``), ``warnings`` (those checks', the chat template's against the shards'
+    (:func:`eagle3.benchmark.offline.template_check`), the prompt subset's, a speedup above tau) and ``not_checked``
+    (every line of those saying a check could not be made, as offline ``bench.json``).
 
     Returns:
         0 on success.
@@ -376,7 +379,10 @@ def run(cfg, urls: Sequence[str], datasets: Optional[Sequence[str]] = None, num_
     tok = load_tokenizer(cfg.verifier)
     folder_notes, folder = draft_folder_warnings(cfg, urls[0])  # also in each report's warnings
     model_notes, served = served_model_warnings(cfg, urls)
-    folder_notes += model_notes
+    other_template, template_unchecked = template_check(cfg, tok, say_missing=True)
+    folder_notes += model_notes + [w for w in (other_template, template_unchecked) if w]
+    unchecked = folder["not_checked"] + [w for r in served for w in r["not_checked"]] + [template_unchecked] * bool(
+        template_unchecked)
     for w in folder_notes:
         log.warning("%s", w)
     labels = dataset_labels(datasets)
@@ -389,7 +395,7 @@ def run(cfg, urls: Sequence[str], datasets: Optional[Sequence[str]] = None, num_
         ids = [(p.id, prompt_ids(tok, p.messages, ChatOptions.from_config(cfg))) for p in prompts]
         report = run_server_bench(urls, ids, max_new_tokens, concurrency, label, timeout, out, extra={
             "prompt_pick": cfg.benchmark.prompt_pick, "prompt_ids": [i for i, _ in ids],
-            "warnings": folder_notes + notes, "draft_folder": folder, "served_model": served})
+            "warnings": folder_notes + notes, "not_checked": unchecked, "draft_folder": folder, "served_model": served})
         s = report["servers"][0]
         log.info("%s: tau %s, %.1f output tok/s%s", label, f"{s['tau']:.2f}" if s.get("tau") else "n/a",
                  s["output_tokens_per_s"], f", speedup {report['speedup']:.2f}x" if "speedup" in report else "")

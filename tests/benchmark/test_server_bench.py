@@ -290,9 +290,11 @@ def test_cli_server_mode_sends_chat_rendered_prompts(tmp_path, tiny_llama_dir, s
 
 
 def _unchecked(rep: dict) -> list[str]:
-    """The lines of a 05 --server report saying which checks were not made (``draft_folder`` and ``served_model``
-    ``not_checked``), each also one of its ``warnings``."""
-    return rep["draft_folder"]["not_checked"] + [w for r in rep["served_model"] for w in r["not_checked"]]
+    """The lines of a 05 --server report saying which checks were not made (``not_checked``: those of ``draft_folder``
+    and ``served_model``, then the chat template's), each also one of its ``warnings``."""
+    parts = rep["draft_folder"]["not_checked"] + [w for r in rep["served_model"] for w in r["not_checked"]]
+    assert rep["not_checked"][:len(parts)] == parts and len(rep["not_checked"]) <= len(parts) + 1
+    return rep["not_checked"]
 
 
 def _draft_dir(tmp_path, ttt_length: int = STEPS) -> str:
@@ -437,8 +439,11 @@ def test_cli_server_mode_says_when_the_draft_folder_cannot_be_read(tmp_path, tin
     when the folder its /server_info names was readable here, and skipped them without a word otherwise (a server on
     another host). One warning line now says what was not checked and how to check it, in the log and in
     server_bench.json (``warnings``, and ``draft_folder`` with ``readable: false``); a server that names no folder
-    gets the same line, a readable folder none, with what its missing files left unchecked in ``not_checked``."""
+    gets the same line, a readable folder none, with what its missing files left unchecked in ``not_checked``. Without
+    the run's shards the chat template is not checked either: one more line."""
     import logging
+
+    from transformers import AutoTokenizer
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"id": "x", "prompt": "Hello"}) + "\n")
@@ -448,6 +453,13 @@ def test_cli_server_mode_says_when_the_draft_folder_cannot_be_read(tmp_path, tin
     cli = _bench_cli()
     report = tmp_path / "out" / "bench" / "server_bench.json"
     gone = "/nodes/node1/drafter-sglang"
+    from eagle3.prompts.chat import chat_template_hash
+
+    tpl = (f"{tmp_path / 'out' / 'shards' / 'data_config.json'} not found: 05 did not check that the prompts it renders "
+           f"with the chat template of tokenizer '{tiny_llama_dir}', sha256 "
+           f"{chat_template_hash(AutoTokenizer.from_pretrained(tiny_llama_dir))[:12]} are in the template the "
+           f"drafter's data was rendered with; check verifier.chat_template against the template the shards were made "
+           f"with")
     tail = (f": 05 did not check it against the server (its eagle3_train.json ttt_length against "
             f"--speculative-num-steps {STEPS}, its config.json's engine (sglang) and aux layers against the shards'); "
             f"run 05 where that folder is readable (e.g. on shared storage), or check there that its eagle3_train.json "
@@ -463,7 +475,7 @@ def test_cli_server_mode_says_when_the_draft_folder_cannot_be_read(tmp_path, tin
             url = s.url
         assert caplog.messages.count(want) == 1
         rep = json.loads(report.read_text())
-        assert rep["warnings"] == [want]
+        assert rep["warnings"] == [want, tpl] == rep["not_checked"]  # tpl: no shards here, so no template check
         assert rep["draft_folder"] == {"url": url, "path": draft, "speculative_num_steps": STEPS, "readable": False,
                                        "not_checked": [want]}
     caplog.clear()
@@ -475,7 +487,7 @@ def test_cli_server_mode_says_when_the_draft_folder_cannot_be_read(tmp_path, tin
     assert rep["draft_folder"]["readable"] is True
     want = [f"{tmp_path / 'drafter' / 'config.json'} not found: 05 did not check the folder's engine and aux layers; "
             f"check that the server loads a folder with one"]
-    assert rep["draft_folder"]["not_checked"] == want and rep["warnings"] == want  # a warning now, as offline
+    assert rep["draft_folder"]["not_checked"] == want and rep["warnings"] == want + [tpl]  # a warning now, as offline
     assert caplog.messages.count(want[0]) == 1
 
 
