@@ -519,17 +519,20 @@ def _unreadable_draft_folder(url: str, info: dict, path, steps: Optional[int]) -
 
 def served_model_path(url: str, timeout: float = 30.0) -> tuple[Optional[str], Optional[str]]:
     """The model an SGLang server serves: ``(model_path, endpoint)`` from ``GET {url}/server_info`` (its
-    ``--model-path``), else ``GET {url}/get_model_info``; ``(None, None)`` when neither names one (not SGLang, an
-    older one, or the endpoints are closed)."""
+    ``--model-path``), else ``GET {url}/model_info`` (SGLang 0.5.x), else ``/get_model_info`` (older);
+    ``(None, None)`` when none names one (not SGLang, or the endpoints are closed)."""
     mp = server_info(url, timeout).get("model_path")
     if isinstance(mp, str) and mp:
         return mp, "/server_info"
-    try:
-        mi = _http(url.rstrip("/") + "/get_model_info", timeout=timeout)
-    except UserError:
-        return None, None
-    mp = mi.get("model_path") if isinstance(mi, dict) else None
-    return (mp, "/get_model_info") if isinstance(mp, str) and mp else (None, None)
+    for endpoint in ("/model_info", "/get_model_info"):
+        try:
+            mi = _http(url.rstrip("/") + endpoint, timeout=timeout)
+        except UserError:
+            continue
+        mp = mi.get("model_path") if isinstance(mi, dict) else None
+        if isinstance(mp, str) and mp:
+            return mp, endpoint
+    return None, None
 
 
 def _verifier_where(vcfg) -> tuple[Optional[Path], str]:
@@ -601,8 +604,8 @@ def served_model_warnings(cfg, urls: Sequence[str], timeout: float = 30.0) -> tu
                "not_checked": []}
         if served is None:
             rec["not_checked"].append(
-                f"{url}: neither /server_info nor /get_model_info names the served model_path (not SGLang, or an "
-                f"older one): 05 did not check that the server runs the configured verifier; {tail}: check that the "
+                f"{url}: none of /server_info, /model_info, /get_model_info names the served model_path (not "
+                f"SGLang?): 05 did not check that the server runs the configured verifier; {tail}: check that the "
                 f"server was started with --model-path {where}")
         else:
             rec["match"], detail = compare_served_model(cfg.verifier, served)

@@ -64,7 +64,7 @@ class _StandIn:
                  delay: float = 0.0, model: str | None = "tiny", has_info: bool = True):
         """``draft``: the ``speculative_draft_model_path`` its ``/server_info`` names (absent: None); ``delay``:
         seconds each ``/generate`` answer waits (a slowed server); ``model``: its ``--model-path``, named by
-        ``/server_info`` and ``/get_model_info`` as SGLang 0.5.23 does (None: neither names one); ``has_info`` False: no
+        ``/server_info`` and ``/model_info`` as SGLang 0.5.23 does (None: neither names one); ``has_info`` False: no
         ``/server_info`` (404), as an older server."""
         self.requests: list[dict] = []
         outer = self
@@ -82,9 +82,9 @@ class _StandIn:
                 self.wfile.write(body)
 
             def do_GET(self):
-                if self.path == "/get_model_info" and model is not None:  # SGLang 0.5.23 http_server.get_model_info
+                if self.path == "/model_info" and model is not None:  # SGLang 0.5.23 (/get_model_info before 0.5)
                     self._send(200, {"model_path": model, "tokenizer_path": model, "is_generation": True,
-                                     "preferred_sampling_params": None, "weight_version": "default"})
+                                     "architectures": ["LlamaForCausalLM"]})
                 elif self.path == "/server_info" and has_info:
                     info = {"speculative_algorithm": "EAGLE3" if speculative else None,
                             "speculative_num_steps": STEPS if speculative else None, "speculative_eagle_topk": 1,
@@ -494,7 +494,7 @@ def test_cli_server_mode_says_when_the_draft_folder_cannot_be_read(tmp_path, tin
 def test_served_model_is_compared_with_the_configured_verifier(tmp_path, tiny_llama_dir, other_weights_dir):
     """05 --server renders the prompts with verifier.path's tokenizer and chat template but never compared the
     server's model_path with it: a server of another model gave a tau of nothing, without a word. Now each server's
-    model_path (/server_info, else /get_model_info) is compared: the same folder or a copy of its weights passes;
+    model_path (/server_info, else /model_info) is compared: the same folder or a copy of its weights passes;
     other weights are warned about; a name that cannot be confirmed, or no model_path at all, is said in one line
     (not_checked) naming what to check."""
     import shutil
@@ -512,7 +512,7 @@ def test_served_model_is_compared_with_the_configured_verifier(tmp_path, tiny_ll
         with _StandIn(speculative=True, model=model, has_info=has_info) as s:
             w, (rec,) = served_model_warnings(cfg, [s.url])
         assert w == [] and rec == {"url": s.url, "model_path": model, "verifier": str(tiny_llama_dir), "match": match,
-                                   "endpoint": "/server_info" if has_info else "/get_model_info", "not_checked": []}
+                                   "endpoint": "/server_info" if has_info else "/model_info", "not_checked": []}
     with _StandIn(speculative=True, model=str(other_weights_dir)) as s, _StandIn(speculative=False, model=None) as b:
         w, (rec, base) = served_model_warnings(cfg, [s.url, b.url])
     assert w[0] == (f"{s.url}/server_info model_path {other_weights_dir} is not the configured verifier: its weight "
@@ -522,8 +522,8 @@ def test_served_model_is_compared_with_the_configured_verifier(tmp_path, tiny_ll
     assert rec["match"] == "differs" and rec["not_checked"] == []
     assert base == {"url": b.url, "model_path": None, "endpoint": None, "verifier": str(tiny_llama_dir), "match": None,
                     "not_checked": [w[1]]} and len(w) == 2
-    assert w[1] == (f"{b.url}: neither /server_info nor /get_model_info names the served model_path (not SGLang, or an "
-                    f"older one): 05 did not check that the server runs the configured verifier; {tail}: check that "
+    assert w[1] == (f"{b.url}: none of /server_info, /model_info, /get_model_info names the served model_path (not "
+                    f"SGLang?): 05 did not check that the server runs the configured verifier; {tail}: check that "
                     f"the server was started with --model-path {tiny_llama_dir}")
     with _StandIn(speculative=True, model="moonshotai/Kimi-K2.5") as s:
         w, (rec,) = served_model_warnings(cfg, [s.url])
