@@ -176,7 +176,9 @@ def shards_data_config(cfg: RunConfig, path: Path, state: dict) -> dict:
                             f"put that one file back at {file} (the shard files are not read), or re-run "
                             f"02_extract_hidden.py" + (f"; {relative_hint(file)}" if relative_hint(file) else ""))
         data_config = read_data_config(cfg.shards_dir)
-        check_verifier(cfg.verifier, data_config, cfg.shards_dir)  # as 04 training does
+        unchecked = check_verifier(cfg.verifier, data_config, cfg.shards_dir)  # as 04 training does
+        if unchecked:
+            log.warning("%s", unchecked)
         check_extract_settings(cfg.extract, data_config, cfg.shards_dir)
         return data_config
     log.info("export: %s not found; the shards' aux layers %s, verifier %r and dims from %s (key '%s', recorded at "

@@ -1259,7 +1259,9 @@ def _load_inputs(cfg: RunConfig, d: DistInfo, resume: bool, init: Optional[Calla
     from eagle3.train.online import check_hidden_states, state_source, unused_shard_states_note
 
     data_config = read_data_config(cfg.shards_dir)
-    check_verifier(cfg.verifier, data_config, cfg.shards_dir)  # first: another verifier explains the other differences
+    unchecked = check_verifier(cfg.verifier, data_config, cfg.shards_dir)  # first: another verifier explains the rest
+    if unchecked and d.is_main:  # weights not comparable (shards without a fingerprint): train_report's warnings too
+        log.warning("%s", unchecked)
     check_extract_settings(cfg.extract, data_config, cfg.shards_dir)
     check_servable(data_config["aux_layers"], cfg.export.engine, str(data_config["architecture"]),
                    str(cfg.shards_dir / "data_config.json"))  # before training, not at the export after it
