@@ -1518,8 +1518,9 @@ class _Training:
             return
         path, state = found
         i = self.inputs
-        changes = ckpt.check_resume(path, state, _resume_current(self.cfg, i.args, i.split, i.vocab, i.data_config),
-                                    self.cfg.data_dir)
+        current = _resume_current(self.cfg, i.args, i.split, i.vocab, i.data_config)
+        changes = ckpt.check_resume(path, state, current, self.cfg.data_dir)
+        unchecked = ckpt.data_inputs_unchecked(path, state.get("data_inputs"), current["data_inputs"], "--resume")
         self.step, self.epoch = int(state["step"]), int(state["epoch"])
         self.step_in_epoch = self.data.order.step_from_checkpoint(state)
         self.total_steps = _horizon_after_resume(self.data.order, state, d, t, self.total_steps, self.data.horizon,
@@ -1534,6 +1535,8 @@ class _Training:
         elif d.is_main and state.get("recipe") is None and state["config_fingerprint"] != o.fingerprint:  # unknown
             log.warning("%s: training settings differ from the checkpoint's (fingerprint %s != %s)", path,
                         state["config_fingerprint"], o.fingerprint)
+        if unchecked and d.is_main:  # (train_report's warnings too)
+            log.warning("%s", unchecked)
         self._load_state(path, state)
         rngs = state["rng"]
         if len(rngs) == d.world:
