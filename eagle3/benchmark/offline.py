@@ -640,11 +640,13 @@ def shards_unchecked(cfg: RunConfig, drafter_dir: Path) -> Optional[str]:
             f"were made with; check them against the data_config.json of the shards the drafter was trained on")
 
 
-def verifier_unchecked(drafter_dir: Path, verifier_name: str, weights: Optional[str]) -> Optional[str]:
+def verifier_unchecked(drafter_dir: Path, verifier_name: str, weights: Optional[str],
+                       dims_checked: bool = True) -> Optional[str]:
     """The line saying which part of :func:`verifier_warnings` could not be made: the drafter's ``eagle3_train.json``
     is missing or names no verifier (its name, dimensions and weights not compared), or one side has no weights
     fingerprint (``verifier.weights``: an export of shards captured before fingerprints; ``weights`` None: no weight
-    file at ``verifier.path`` here). None when every comparison was made."""
+    file at ``verifier.path`` here). None when every comparison was made. ``dims_checked`` False (``--server``, which
+    loads no verifier): the line does not claim the dimensions were compared."""
     meta_path = Path(drafter_dir) / TRAIN_META
     try:
         meta = read_json(meta_path) if meta_path.is_file() else None
@@ -653,15 +655,16 @@ def verifier_unchecked(drafter_dir: Path, verifier_name: str, weights: Optional[
     rec = meta.get("verifier") if isinstance(meta, dict) else None
     if not isinstance(rec, dict) or not rec.get("name"):
         why = "names no verifier" if meta_path.is_file() else "not found (a drafter not exported by eagle3-train)"
+        at_load = "; only the embedding and vocab shapes are checked at load" if dims_checked else ""
         return (f"{meta_path} {why}: 05 did not check that the drafter was trained for the verifier '{verifier_name}' "
-                f"(name, dimensions, weights; only the embedding and vocab shapes are checked at load); check which "
-                f"verifier its training used")
+                f"(name, dimensions, weights{at_load}); check which verifier its training used")
     if rec.get("weights") and weights:
         return None
     side = (f"{meta_path} records no verifier.weights (an export of shards captured before weight fingerprints)"
             if not rec.get("weights") else "verifier.path holds no weight file on this machine")
     return (f"{side}: 05 did not check that the drafter was trained on the weights at verifier.path, only the name "
-            f"'{rec['name']}' and dimensions; check that verifier.path is the model its shards were captured from")
+            f"'{rec['name']}'{' and dimensions' if dims_checked else ''}; check that verifier.path is the model its "
+            f"shards were captured from")
 
 
 def vocab_map_unchecked(cfg: RunConfig, drafter_dir: Path) -> Optional[str]:

@@ -470,7 +470,7 @@ def draft_folder_warnings(cfg, url: str, timeout: float = 30.0) -> tuple[list[st
             rec["not_checked"].append(unread)
         return [unread] if unread else [], rec
     rec["readable"] = True
-    out = []
+    out = _drafter_verifier_lines(cfg, Path(path), rec)
     if steps is not None:
         field = f"the server's speculative_num_steps (--speculative-num-steps, {url}/server_info)"
         out += [w for w in [ttt_length_warning(Path(path), steps, field, fix="restart the server with "
@@ -492,6 +492,25 @@ def draft_folder_warnings(cfg, url: str, timeout: float = 30.0) -> tuple[list[st
     out += check_export_folder(path, serving_engine="sglang", shards_aux_hf=shards_aux,
                                verifier_architecture=arch)["warnings"]
     return out + rec["not_checked"], rec
+
+
+def _drafter_verifier_lines(cfg, folder: Path, rec: dict) -> list[str]:
+    """For :func:`draft_folder_warnings`: the readable draft folder's recorded verifier against the configured one, as
+    offline 05 checks it (:func:`eagle3.benchmark.offline.verifier_warnings`: name, weights fingerprint; the
+    dimensions need the loaded verifier, which ``--server`` does not load). Before, ``--server`` never compared them.
+    A check that cannot be made (:func:`eagle3.benchmark.offline.verifier_unchecked`) goes to ``rec["not_checked"]``.
+
+    Returns:
+        the mismatch line (or none).
+    """
+    from eagle3.benchmark.offline import verifier_unchecked, verifier_warnings
+    from eagle3.verifier import weights_fingerprint
+
+    name, fp = cfg.verifier.display_name(), weights_fingerprint(cfg.verifier)
+    mismatch = verifier_warnings(folder, name, None, fp)
+    unchecked = None if mismatch else verifier_unchecked(folder, name, fp, dims_checked=False)
+    rec["not_checked"] += [unchecked] if unchecked else []
+    return mismatch
 
 
 def _unreadable_draft_folder(url: str, info: dict, path, steps: Optional[int]) -> Optional[str]:

@@ -485,10 +485,13 @@ def test_cli_server_mode_says_when_the_draft_folder_cannot_be_read(tmp_path, tin
                          "--max-new-tokens", "4"]) == 0
     rep = json.loads(report.read_text())
     assert rep["draft_folder"]["readable"] is True
-    want = [f"{tmp_path / 'drafter' / 'config.json'} not found: 05 did not check the folder's engine and aux layers; "
+    want = [f"{tmp_path / 'drafter' / 'eagle3_train.json'} names no verifier: 05 did not check that the drafter was "
+            f"trained for the verifier '{tiny_llama_dir}' (name, dimensions, weights); check which verifier its "
+            f"training used",
+            f"{tmp_path / 'drafter' / 'config.json'} not found: 05 did not check the folder's engine and aux layers; "
             f"check that the server loads a folder with one"]
     assert rep["draft_folder"]["not_checked"] == want and rep["warnings"] == want + [tpl]  # a warning now, as offline
-    assert caplog.messages.count(want[0]) == 1
+    assert caplog.messages.count(want[0]) == caplog.messages.count(want[1]) == 1
 
 
 def test_served_model_is_compared_with_the_configured_verifier(tmp_path, tiny_llama_dir, other_weights_dir):
