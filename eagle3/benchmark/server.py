@@ -477,6 +477,11 @@ def draft_folder_warnings(cfg, url: str, timeout: float = 30.0) -> tuple[list[st
                                                "--speculative-num-steps {k}")] if w]
         unchecked = ttt_length_unchecked(Path(path), steps, "the server's --speculative-num-steps")
         rec["not_checked"] += [unchecked] if unchecked else []
+    else:
+        rec["not_checked"].append(f"{url}/server_info names no integer speculative_num_steps: 05 did not check the "
+                                  f"drafter's trained ttt_length ({Path(path) / 'eagle3_train.json'}) against the "
+                                  f"draft tokens the server drafts a step; check that its --speculative-num-steps is "
+                                  f"at most that ttt_length")
     if not (Path(path) / "config.json").is_file():
         rec["not_checked"].append(f"{Path(path) / 'config.json'} not found: 05 did not check the folder's engine and "
                                   f"aux layers; check that the server loads a folder with one")

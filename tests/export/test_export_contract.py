@@ -197,12 +197,15 @@ def test_server_bench_checks_the_servers_draft_folder(tmp_path, monkeypatch):
     cfg = load_config(make_tiny_run(tmp_path / "run"))  # shards: Llama, 6 layers, HF aux [2, 3, 4]
     # the run's own exports: its verifier's name and weights fingerprint (verifier.path holds no weight file here)
     six = {**LLAMA30, "num_layers": 6, "name": "synthetic", "weights": "sha256:" + "c" * 64}
-    good = export_drafter(drafter(), tmp_path / "sg", "sglang", [2, 3, 4], six)
-    off = export_drafter(drafter(), tmp_path / "off", "sglang", [1, 3, 4], six)
-    vl = export_drafter(drafter(), tmp_path / "vl", "vllm", [2, 3, 4], six)
-    other = export_drafter(drafter(), tmp_path / "other", "sglang", [2, 3, 4], {**six, "name": "tiny/llama-30"})
-    path = {}
-    monkeypatch.setattr(server_bench, "server_info", lambda url, timeout=30.0: {"speculative_draft_model_path": str(path["p"])})
+    good = export_drafter(drafter(), tmp_path / "sg", "sglang", [2, 3, 4], six, ttt_length=7)
+    off = export_drafter(drafter(), tmp_path / "off", "sglang", [1, 3, 4], six, ttt_length=7)
+    vl = export_drafter(drafter(), tmp_path / "vl", "vllm", [2, 3, 4], six, ttt_length=7)
+    other = export_drafter(drafter(), tmp_path / "other", "sglang", [2, 3, 4], {**six, "name": "tiny/llama-30"},
+                           ttt_length=7)
+    path = {"steps": 3}  # SGLang's /server_info names the draft folder and --speculative-num-steps
+    monkeypatch.setattr(server_bench, "server_info", lambda url, timeout=30.0: {
+        "speculative_draft_model_path": str(path["p"]),
+        **({"speculative_num_steps": path["steps"]} if path["steps"] is not None else {})})
     path["p"] = good
     w, rec = server_bench.draft_folder_warnings(cfg, "http://x")
     no_weights = (f"verifier.path holds no weight file on this machine: 05 did not check that the drafter was trained on "
@@ -212,6 +215,14 @@ def test_server_bench_checks_the_servers_draft_folder(tmp_path, monkeypatch):
     path["p"] = off
     w, _rec = server_bench.draft_folder_warnings(cfg, "http://x")
     assert len(w) == 2 and w[1] == no_weights and "HF layers [1, 3, 4]" in w[0] and "[2, 3, 4]" in w[0]
+    # a server_info without speculative_num_steps: the trained ttt_length was not compared, and that is said
+    path["p"], path["steps"] = good, None
+    w, rec = server_bench.draft_folder_warnings(cfg, "http://x")
+    assert w == rec["not_checked"] == [no_weights, (
+        f"http://x/server_info names no integer speculative_num_steps: 05 did not check the drafter's trained "
+        f"ttt_length ({good / 'eagle3_train.json'}) against the draft tokens the server drafts a step; check that its "
+        f"--speculative-num-steps is at most that ttt_length")]
+    path["steps"] = 3
     # a drafter exported for another verifier: said, as offline 05 says it (--server never compared them)
     path["p"] = other
     w, rec = server_bench.draft_folder_warnings(cfg, "http://x")
@@ -225,7 +236,7 @@ def test_server_bench_checks_the_servers_draft_folder(tmp_path, monkeypatch):
     w, rec = server_bench.draft_folder_warnings(SimpleNamespace(shards_dir=tmp_path, verifier=cfg.verifier), "http://x")
     assert len(w) == 1 and w[0].startswith(f"the server's draft folder {tmp_path / 'not-here'} (http://x/server_info "
                                            f"speculative_draft_model_path) is not readable on this machine")
-    assert rec == {"url": "http://x", "path": str(tmp_path / "not-here"), "speculative_num_steps": None,
+    assert rec == {"url": "http://x", "path": str(tmp_path / "not-here"), "speculative_num_steps": 3,
                    "readable": False, "not_checked": w}
     # readable, but without the shards' data_config.json: checked against the folder's own record only (said in one
     # warning line, as offline 05 says it, and recorded)
