@@ -589,6 +589,131 @@ def ttt_length_warning(drafter_dir: Path, steps: int, steps_field: str, fix: Opt
             f"is low and tau understates a {k}-step chain: {fix}, or train with train.ttt_length {steps}")
 
 
+def recorded_ttt_length(meta_path: Path) -> Optional[int]:
+    """``ttt_length`` of an export's ``eagle3_train.json`` (None: no file, unreadable, or no integer key)."""
+    try:
+        meta = read_json(meta_path) if meta_path.is_file() else None
+    except UserError:
+        return None
+    k = meta.get("ttt_length") if isinstance(meta, dict) else None
+    return k if isinstance(k, int) and not isinstance(k, bool) else None
+
+
+def ttt_length_unchecked(drafter_dir: Path, steps: int, steps_field: str) -> Optional[str]:
+    """The line saying :func:`ttt_length_warning` could not be made: the drafter's ``eagle3_train.json`` is missing
+    (a drafter not exported by this project) or records no integer ``ttt_length`` (an export of before the key).
+    None when it records one. Before, 05 said nothing and a chain longer than the trained one went unnoticed.
+
+    Args:
+        drafter_dir: the exported folder.
+        steps: the draft tokens a step 05 (or the server) drafts.
+        steps_field: where ``steps`` came from (``--steps``, ``benchmark.steps``, the server's
+            ``--speculative-num-steps``).
+    """
+    meta_path = Path(drafter_dir) / TRAIN_META
+    if recorded_ttt_length(meta_path) is not None:
+        return None
+    why = "records no ttt_length" if meta_path.is_file() else "not found (a drafter not exported by eagle3-train)"
+    return (f"{meta_path} {why}: 05 did not check {steps_field} {steps} against the draft positions the drafter was "
+            f"trained for; check that its training's TTT length (train.ttt_length, SpecForge --ttt-length) is at "
+            f"least {steps}")
+
+
+def shards_unchecked(cfg: RunConfig, drafter_dir: Path) -> Optional[str]:
+    """The line saying which of 05's checks against the shards' ``data_config.json`` could not be made because the
+    file is gone (shards deleted after training, or a drafter benchmarked without its run's shards): the config's
+    ``extract.aux_layers`` / ``extract.max_length`` (:func:`eagle3.shards.format.check_extract_settings`, only keys
+    the config sets), the drafter's recorded aux layers (:func:`resolve_aux_layers`) and the chat template
+    (:func:`template_check`). None when the file exists."""
+    dc = Path(cfg.shards_dir) / DATA_CONFIG
+    if dc.is_file():
+        return None
+    what = ["the chat template"] + [f"the config's extract.{k}" for k in ("aux_layers", "max_length")
+                                    if k in getattr(cfg.extract, "model_fields_set", set())]
+    meta_path = Path(drafter_dir) / TRAIN_META
+    try:
+        has_aux = meta_path.is_file() and _aux_from_meta(read_json(meta_path), meta_path) is not None
+    except UserError:
+        has_aux = False  # resolve_aux_layers refuses it
+    if has_aux:
+        what.append(f"the drafter's aux layers ({meta_path})")
+    return (f"{dc} not found: 05 did not check {', '.join(what)} against the template, layers and length the shards "
+            f"were made with; check them against the data_config.json of the shards the drafter was trained on")
+
+
+def verifier_unchecked(drafter_dir: Path, verifier_name: str, weights: Optional[str],
+                       dims_checked: bool = True) -> Optional[str]:
+    """The line saying which part of :func:`verifier_warnings` could not be made: the drafter's ``eagle3_train.json``
+    is missing or names no verifier (its name, dimensions and weights not compared), or one side has no weights
+    fingerprint (``verifier.weights``: an export of shards captured before fingerprints; ``weights`` None: no weight
+    file at ``verifier.path`` here). None when every comparison was made. ``dims_checked`` False (``--server``, which
+    loads no verifier): the line does not claim the dimensions were compared."""
+    meta_path = Path(drafter_dir) / TRAIN_META
+    try:
+        meta = read_json(meta_path) if meta_path.is_file() else None
+    except UserError:
+        meta = None  # verifier_warnings refuses it
+    rec = meta.get("verifier") if isinstance(meta, dict) else None
+    if not isinstance(rec, dict) or not rec.get("name"):
+        why = "names no verifier" if meta_path.is_file() else "not found (a drafter not exported by eagle3-train)"
+        at_load = "; only the embedding and vocab shapes are checked at load" if dims_checked else ""
+        return (f"{meta_path} {why}: 05 did not check that the drafter was trained for the verifier '{verifier_name}' "
+                f"(name, dimensions, weights{at_load}); check which verifier its training used")
+    if rec.get("weights") and weights:
+        return None
+    side = (f"{meta_path} records no verifier.weights (an export of shards captured before weight fingerprints)"
+            if not rec.get("weights") else "verifier.path holds no weight file on this machine")
+    return (f"{side}: 05 did not check that the drafter was trained on the weights at verifier.path, only the name "
+            f"'{rec['name']}'{' and dimensions' if dims_checked else ''}; check that verifier.path is the model its "
+            f"shards were captured from")
+
+
+def vocab_map_unchecked(cfg: RunConfig, drafter_dir: Path) -> Optional[str]:
+    """The line saying :func:`check_drafter_vocab` compared only the draft vocab size: the run's stage-03
+    ``vocab_map.pt`` is not there, so the drafter's ``d2t`` was not compared with it. None when it exists."""
+    from eagle3.data.vocab import VOCAB_MAP
+
+    vm = Path(cfg.data_dir) / VOCAB_MAP
+    if vm.is_file():
+        return None
+    return (f"{vm} not found: 05 did not check {Path(drafter_dir) / 'model.safetensors'} d2t (its draft vocabulary) "
+            f"against the run's stage-03 vocab map, only its size against data.draft_vocab_size; run 03 for this "
+            f"config, or compare d2t with the vocab_map.pt of the data it was trained on")
+
+
+def template_check(cfg: RunConfig, tokenizer, say_missing: bool = False) -> tuple[Optional[str], Optional[str]]:
+    """The chat template 05 renders the prompts with (``verifier.chat_template``, else ``verifier.path``'s tokenizer's)
+    against the one the shards were rendered with (``data_config.json`` ``chat_template_hash``, written by 02 and
+    compared nowhere before): a drafter trained on conversations rendered otherwise is scored on prompts it never saw
+    in that form, and its tau understates it.
+
+    Returns:
+        ``(warning, not_checked)``: the line for another template, or the line saying the check could not be made (the
+        shards record no hash); both None when the hashes agree, the template is unusable (05's rendering says so), or
+        the shards' ``data_config.json`` is gone (offline :func:`shards_unchecked` says that; ``say_missing``, for
+        ``--server``: the not-checked line names the missing file).
+    """
+    from eagle3.prompts.chat import ChatOptions, chat_template_hash, template_name
+
+    dc = Path(cfg.shards_dir) / DATA_CONFIG
+    try:
+        rec = read_json(dc).get("chat_template_hash") if dc.is_file() else False
+        now = chat_template_hash(tokenizer, cfg.verifier.chat_template)
+    except (UserError, AttributeError):
+        return None, None
+    if (rec is False and not say_missing) or rec == now:
+        return None, None
+    used = template_name(tokenizer, ChatOptions.from_config(cfg))
+    if not isinstance(rec, str) or not rec:
+        return None, (f"{dc} {'not found' if rec is False else 'records no chat_template_hash'}: 05 did not check that "
+                      f"the prompts it renders with {used} are in the template the drafter's data was rendered with; "
+                      f"check verifier.chat_template against the template the shards were made with")
+    return (f"{dc}: the shards were rendered with chat template sha256 {rec[:12]} (chat_template_hash) but 05 renders "
+            f"the prompts with {used}: the drafter was trained on conversations rendered otherwise, so tau "
+            f"understates it; set verifier.chat_template back to the shards' template, or re-run 02-04 with this "
+            f"one"), None
+
+
 def _logged(warning: Optional[str]) -> list[str]:
     """``[warning]`` after logging it (05 says it at once and records it in ``bench.json``), ``[]`` for None."""
     if warning is None:
@@ -898,6 +1023,7 @@ def run_offline(
     batch_size: Optional[int] = None,
     tie_tolerance: Optional[float] = None,
     logged: Sequence[str] = (),
+    not_checked: Sequence[str] = (),
 ) -> dict:
     """Benchmark loaded models on ``sets`` (``(label, prompts)`` of :func:`load_sets`); write the reports; enforce
     losslessness.
@@ -905,10 +1031,8 @@ def run_offline(
     ``batch_size`` / ``tie_tolerance`` default to ``cfg.benchmark`` (tolerance None:
     :func:`default_tie_tolerance` of the verifier's dtype). ``warnings`` are recorded in the report and logged at the
     end; ``logged`` (the prompt-subset notes :func:`run` logs before the long work) are recorded after them, not
-    logged again.
-
-    Returns:
-        the report dict written to ``bench.json``.
+    logged again. ``not_checked`` (some of those lines: checks not made for want of metadata) also as ``not_checked``.
+    Returns the report dict written to ``bench.json``.
 
     Raises:
         UserError: (``strict``) speculative output differs from
@@ -938,6 +1062,7 @@ def run_offline(
         "eos_ids": eos,
         "prompt_pick": cfg.benchmark.prompt_pick,
         "warnings": list(warnings) + list(logged),
+        "not_checked": list(not_checked),
         "datasets": [],
     }
     chat = ChatOptions.from_config(cfg)
@@ -1035,9 +1160,8 @@ def run(
 
     preflight_export(drafter_dir)  # a bad export fails before the verifier loads (minutes at Kimi scale); its
     # warnings are logged once, by load_exported below
-    subset_notes += _logged(ttt_length_warning(drafter_dir, steps, steps_field))  # before the verifier loads
-    if (cfg.shards_dir / DATA_CONFIG).is_file():  # a config whose extract settings differ from the shards' is refused
-        check_extract_settings(cfg.extract, read_json(cfg.shards_dir / DATA_CONFIG), cfg.shards_dir)
+    notes, not_checked = _check_before_load(cfg, drafter_dir, steps, steps_field)  # each logged
+    subset_notes += notes
     device = resolve_device(cfg.verifier.device)
     vcfg = cfg.verifier
     if device.type == "cpu" and vcfg.dtype != "float32":
@@ -1067,7 +1191,47 @@ def run(
         drafter = _load_drafter(drafter_dir, verifier, device, dtype)
     warnings += check_drafter_vocab(cfg, drafter, drafter_dir, own_export=drafter_dir == cfg.export_dir)
     warnings += check_drafter_shape(cfg, drafter, drafter_dir, own_export=drafter_dir == cfg.export_dir)
-    run_offline(cfg, verifier, tokenizer, drafter, aux, sets, steps, max_new_tokens,
-                strict=dtype == torch.float32, drafter_name=str(drafter_dir), warnings=warnings,
-                batch_size=batch_size, tie_tolerance=tie_tolerance, logged=subset_notes)
+    late, unchecked = _after_load(cfg, drafter_dir, mismatch, tokenizer)  # logged with the warnings, at the end
+    run_offline(cfg, verifier, tokenizer, drafter, aux, sets, steps, max_new_tokens, strict=dtype == torch.float32,
+                drafter_name=str(drafter_dir), warnings=warnings + late, batch_size=batch_size,
+                tie_tolerance=tie_tolerance, logged=subset_notes, not_checked=not_checked + unchecked)
     return 0
+
+
+def _after_load(cfg: RunConfig, drafter_dir: Path, mismatch: list[str], tokenizer) -> tuple[list[str], list[str]]:
+    """05's checks once the verifier's tokenizer is loaded: the chat template against the shards'
+    (:func:`template_check`), and which checks could not be made: the drafter's verifier record
+    (:func:`verifier_unchecked`; not when ``mismatch`` already names another verifier), its ``d2t`` against the run's
+    vocab map (:func:`vocab_map_unchecked`), the template. Not logged here.
+
+    Returns:
+        ``(lines, not_checked)``: every warning line, and those of them that say a check was not made.
+    """
+    from eagle3.verifier import weights_fingerprint
+
+    name = cfg.verifier.display_name()
+    other_template, template_unchecked = template_check(cfg, tokenizer)
+    unchecked = [w for w in (None if mismatch else verifier_unchecked(drafter_dir, name, weights_fingerprint(
+        cfg.verifier)), vocab_map_unchecked(cfg, drafter_dir), template_unchecked) if w]
+    return [other_template] * bool(other_template) + unchecked, unchecked
+
+
+def _check_before_load(cfg: RunConfig, drafter_dir: Path, steps: int, steps_field: str) -> tuple[list[str], list[str]]:
+    """05's checks of the drafter's and the shards' metadata that need no verifier, run before it loads: a config
+    whose ``extract`` settings differ from the shards' ``data_config.json`` is refused
+    (:func:`eagle3.shards.format.check_extract_settings`); ``steps`` past the trained ``ttt_length`` is warned about
+    (:func:`ttt_length_warning`).
+
+    Returns:
+        ``(lines, not_checked)``: every warning line (each logged here), and those of them that say which checks could
+        not be made for want of metadata (:func:`ttt_length_unchecked`, :func:`shards_unchecked`).
+
+    Raises:
+        UserError: the config's extract settings differ from the shards'.
+    """
+    if (cfg.shards_dir / DATA_CONFIG).is_file():  # a config whose extract settings differ from the shards' is refused
+        check_extract_settings(cfg.extract, read_json(cfg.shards_dir / DATA_CONFIG), cfg.shards_dir)
+    lines = [ttt_length_unchecked(drafter_dir, steps, steps_field), shards_unchecked(cfg, drafter_dir)]
+    not_checked = [w for w in lines if w]
+    return _logged(ttt_length_warning(drafter_dir, steps, steps_field)) + [w for w in not_checked if _logged(w)], \
+        not_checked

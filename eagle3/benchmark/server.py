@@ -46,7 +46,8 @@ from typing import Optional, Sequence
 
 from tqdm import tqdm
 
-from eagle3.benchmark.offline import holds_bench_lock, json_safe, plot_acceptance, rates_from_hist, speedup_warning
+from eagle3.benchmark.offline import (holds_bench_lock, json_safe, plot_acceptance, rates_from_hist, speedup_warning,
+                                     template_check)
 from eagle3.errors import UserError
 from eagle3.io import json_error_detail, probe_dirs, read_json
 
@@ -349,7 +350,10 @@ def run(cfg, urls: Sequence[str], datasets: Optional[Sequence[str]] = None, num_
     ``server_bench.json``/``.md`` in ``cfg.bench_dir``
     (in ``{bench_dir}/server-{label}/`` when several datasets are given; :func:`dataset_labels`, "/" as "_"). Each
     records ``draft_folder`` (:func:`draft_folder_warnings`: the server's draft folder, whether it could be read here
-    and what was not checked) and ``warnings`` (that check's, the prompt subset's, a speedup above tau).
+    and what was not checked), ``served_model`` (:func:`served_model_warnings`: each server's ``model_path`` against
+    ``verifier.path``), ``warnings`` (those checks', the chat template's against the shards'
+    (:func:`eagle3.benchmark.offline.template_check`), the prompt subset's, a speedup above tau) and ``not_checked``
+    (every line of those saying a check could not be made, as offline ``bench.json``).
 
     Returns:
         0 on success.
@@ -374,11 +378,13 @@ def run(cfg, urls: Sequence[str], datasets: Optional[Sequence[str]] = None, num_
     num_prompts = num_prompts or cfg.benchmark.num_prompts
     tok = load_tokenizer(cfg.verifier)
     folder_notes, folder = draft_folder_warnings(cfg, urls[0])  # also in each report's warnings
+    model_notes, served = served_model_warnings(cfg, urls)
+    other_template, template_unchecked = template_check(cfg, tok, say_missing=True)
+    folder_notes += model_notes + [w for w in (other_template, template_unchecked) if w]
+    unchecked = folder["not_checked"] + [w for r in served for w in r["not_checked"]] + [template_unchecked] * bool(
+        template_unchecked)
     for w in folder_notes:
         log.warning("%s", w)
-    for w in folder["not_checked"]:
-        if w not in folder_notes:  # a missing file in a readable folder: said, recorded, not a warning
-            log.info("%s", w)
     labels = dataset_labels(datasets)
     for w in stale_server_reports(Path(cfg.bench_dir), labels):
         log.warning("%s", w)
@@ -389,7 +395,7 @@ def run(cfg, urls: Sequence[str], datasets: Optional[Sequence[str]] = None, num_
         ids = [(p.id, prompt_ids(tok, p.messages, ChatOptions.from_config(cfg))) for p in prompts]
         report = run_server_bench(urls, ids, max_new_tokens, concurrency, label, timeout, out, extra={
             "prompt_pick": cfg.benchmark.prompt_pick, "prompt_ids": [i for i, _ in ids],
-            "warnings": folder_notes + notes, "draft_folder": folder})
+            "warnings": folder_notes + notes, "not_checked": unchecked, "draft_folder": folder, "served_model": served})
         s = report["servers"][0]
         log.info("%s: tau %s, %.1f output tok/s%s", label, f"{s['tau']:.2f}" if s.get("tau") else "n/a",
                  s["output_tokens_per_s"], f", speedup {report['speedup']:.2f}x" if "speedup" in report else "")
@@ -439,8 +445,8 @@ def draft_folder_warnings(cfg, url: str, timeout: float = 30.0) -> tuple[list[st
     The server may run on another host, so the folder may not be readable here (or ``/server_info`` may not answer,
     or name no folder): then none of these checks runs, and one warning line says which were not made and how to
     make them (run 05 where the folder is readable, or compare by hand). Checks that could not run for want of a
-    file (the folder's ``eagle3_train.json`` / ``config.json``, the shards' ``data_config.json``) are listed in the
-    record's ``not_checked``.
+    file (the folder's ``eagle3_train.json`` ``ttt_length`` / ``config.json``, the shards' ``data_config.json``) are
+    each said in one warning line, also listed in the record's ``not_checked``.
 
     Returns:
         ``(warnings, record)``: the warning lines, and ``record`` = ``{"url", "path"`` (the folder the server names,
@@ -450,7 +456,7 @@ def draft_folder_warnings(cfg, url: str, timeout: float = 30.0) -> tuple[list[st
     Raises:
         UserError: the folder is for the other engine or its layer ids contradict its metadata.
     """
-    from eagle3.benchmark.offline import TRAIN_META, ttt_length_warning
+    from eagle3.benchmark.offline import ttt_length_unchecked, ttt_length_warning
     from eagle3.export.serving import check_export_folder
     from eagle3.shards.format import DATA_CONFIG, read_data_config
 
@@ -464,28 +470,52 @@ def draft_folder_warnings(cfg, url: str, timeout: float = 30.0) -> tuple[list[st
             rec["not_checked"].append(unread)
         return [unread] if unread else [], rec
     rec["readable"] = True
-    out = []
+    out = _drafter_verifier_lines(cfg, Path(path), rec)
     if steps is not None:
         field = f"the server's speculative_num_steps (--speculative-num-steps, {url}/server_info)"
         out += [w for w in [ttt_length_warning(Path(path), steps, field, fix="restart the server with "
                                                "--speculative-num-steps {k}")] if w]
-        if _recorded_ttt_length(Path(path) / TRAIN_META) is None:
-            rec["not_checked"].append(f"{Path(path) / TRAIN_META} records no ttt_length: the server's "
-                                      f"--speculative-num-steps {steps} was not checked against the trained length")
+        unchecked = ttt_length_unchecked(Path(path), steps, "the server's --speculative-num-steps")
+        rec["not_checked"] += [unchecked] if unchecked else []
+    else:
+        rec["not_checked"].append(f"{url}/server_info names no integer speculative_num_steps: 05 did not check the "
+                                  f"drafter's trained ttt_length ({Path(path) / 'eagle3_train.json'}) against the "
+                                  f"draft tokens the server drafts a step; check that its --speculative-num-steps is "
+                                  f"at most that ttt_length")
     if not (Path(path) / "config.json").is_file():
-        rec["not_checked"].append(f"{Path(path) / 'config.json'} not found: the folder's engine and aux layers were "
-                                  f"not checked")
-        return out, rec
+        rec["not_checked"].append(f"{Path(path) / 'config.json'} not found: 05 did not check the folder's engine and "
+                                  f"aux layers; check that the server loads a folder with one")
+        return out + rec["not_checked"], rec
     shards_aux = arch = None
     if (Path(cfg.shards_dir) / DATA_CONFIG).is_file():
         dc = read_data_config(cfg.shards_dir)
         shards_aux, arch = dc.get("aux_layers"), dc.get("architecture")
     else:
-        rec["not_checked"].append(f"{Path(cfg.shards_dir) / DATA_CONFIG} not found: the layers SGLang captures were "
-                                  f"checked against the folder's own record only, not against the shards'")
+        rec["not_checked"].append(f"{Path(cfg.shards_dir) / DATA_CONFIG} not found: 05 checked the layers SGLang "
+                                  f"captures against the folder's own record only, not against the shards'; compare "
+                                  f"its eagle3_train.json aux_layers_hf with the shards' data_config.json aux_layers")
     out += check_export_folder(path, serving_engine="sglang", shards_aux_hf=shards_aux,
                                verifier_architecture=arch)["warnings"]
-    return out, rec
+    return out + rec["not_checked"], rec
+
+
+def _drafter_verifier_lines(cfg, folder: Path, rec: dict) -> list[str]:
+    """For :func:`draft_folder_warnings`: the readable draft folder's recorded verifier against the configured one, as
+    offline 05 checks it (:func:`eagle3.benchmark.offline.verifier_warnings`: name, weights fingerprint; the
+    dimensions need the loaded verifier, which ``--server`` does not load). Before, ``--server`` never compared them.
+    A check that cannot be made (:func:`eagle3.benchmark.offline.verifier_unchecked`) goes to ``rec["not_checked"]``.
+
+    Returns:
+        the mismatch line (or none).
+    """
+    from eagle3.benchmark.offline import verifier_unchecked, verifier_warnings
+    from eagle3.verifier import weights_fingerprint
+
+    name, fp = cfg.verifier.display_name(), weights_fingerprint(cfg.verifier)
+    mismatch = verifier_warnings(folder, name, None, fp)
+    unchecked = None if mismatch else verifier_unchecked(folder, name, fp, dims_checked=False)
+    rec["not_checked"] += [unchecked] if unchecked else []
+    return mismatch
 
 
 def _unreadable_draft_folder(url: str, info: dict, path, steps: Optional[int]) -> Optional[str]:
@@ -510,11 +540,108 @@ def _unreadable_draft_folder(url: str, info: dict, path, steps: Optional[int]) -
             f"engine sglang and ttt_length >= the server's --speculative-num-steps")
 
 
-def _recorded_ttt_length(meta_path: Path) -> Optional[int]:
-    """``ttt_length`` of an export's ``eagle3_train.json`` (None: no file, unreadable, or no integer key)."""
+
+def served_model_path(url: str, timeout: float = 30.0) -> tuple[Optional[str], Optional[str]]:
+    """The model an SGLang server serves: ``(model_path, endpoint)`` from ``GET {url}/server_info`` (its
+    ``--model-path``), else ``GET {url}/model_info`` (SGLang 0.5.x), else ``/get_model_info`` (older);
+    ``(None, None)`` when none names one (not SGLang, or the endpoints are closed)."""
+    mp = server_info(url, timeout).get("model_path")
+    if isinstance(mp, str) and mp:
+        return mp, "/server_info"
+    for endpoint in ("/model_info", "/get_model_info"):
+        try:
+            mi = _http(url.rstrip("/") + endpoint, timeout=timeout)
+        except UserError:
+            continue
+        mp = mi.get("model_path") if isinstance(mi, dict) else None
+        if isinstance(mp, str) and mp:
+            return mp, endpoint
+    return None, None
+
+
+def _verifier_where(vcfg) -> tuple[Optional[Path], str]:
+    """The configured verifier's weights on this machine (its folder, or its GGUF file) and how to name it."""
     try:
-        meta = read_json(meta_path) if meta_path.is_file() else None
-    except UserError:
-        return None
-    k = meta.get("ttt_length") if isinstance(meta, dict) else None
-    return k if isinstance(k, int) and not isinstance(k, bool) else None
+        folder = vcfg.resolved_path()
+    except UserError:  # a package: path whose package is not installed here
+        return None, vcfg.path
+    where = folder / vcfg.gguf_file if vcfg.gguf_file else folder
+    return where, str(where)
+
+
+def compare_served_model(vcfg, served: str) -> tuple[Optional[str], str]:
+    """Whether ``served`` (a server's ``model_path``: a local path or a hub id) is the configured verifier ``vcfg``.
+
+    Readable here: the same folder/file (``"same folder"``), else the same weights fingerprint
+    (:func:`eagle3.verifier.weights_fingerprint`; a copy: ``"same weights"``) or other weights (``"differs"``).
+    Otherwise (another host, a hub id, no weight file to fingerprint) only names can be compared: the last path
+    component of ``served`` against ``verifier.path``'s, its ``gguf_file`` and ``verifier.name``'s, case-insensitive
+    (``"same name"``; None when they differ: it may still be the same model under another name).
+
+    Returns:
+        ``(verdict, detail)``: ``"same folder"`` | ``"same weights"`` | ``"same name"`` | ``"differs"`` | None, and
+        what the verdict rests on (for the warning line).
+    """
+    from eagle3.verifier import weights_fingerprint
+
+    mine, _ = _verifier_where(vcfg)
+    sp = Path(served)
+    if mine is not None and sp.exists():
+        if sp.resolve() == mine.resolve():
+            return "same folder", "the same path"
+        folder, gguf = (sp.parent, sp.name) if sp.is_file() else (sp, None)
+        theirs = weights_fingerprint(vcfg.model_copy(update={"path": str(folder), "gguf_file": gguf}))
+        ours = weights_fingerprint(vcfg)
+        if theirs and ours:
+            return ("same weights", "a copy of its weight files") if theirs == ours else (
+                "differs", "its weight files are not those at verifier.path (verifier_weights fingerprints differ)")
+    names = {n.lower() for n in (mine.name if mine is not None else None, vcfg.gguf_file,
+                                 Path(vcfg.name).name if vcfg.name else None) if n}
+    name = sp.name.lower() or served.lower()
+    if name in names:
+        return "same name", f"the same name {sp.name!r}"
+    where = ("its weights could not be fingerprinted here" if sp.exists() else "it is not readable on this machine")
+    return None, f"{where} and its name {sp.name!r} is not verifier.path's ({', '.join(sorted(names))})"
+
+
+def served_model_warnings(cfg, urls: Sequence[str], timeout: float = 30.0) -> tuple[list[str], list[dict]]:
+    """Check that each server runs the configured verifier (05 renders the prompts with ``verifier.path``'s tokenizer
+    and chat template, so a server of another model gets the wrong tokens and its tau says nothing of the drafter).
+
+    Before, 05 never compared the server's ``model_path`` with the config. Now each URL's ``model_path``
+    (:func:`served_model_path`) is compared by :func:`compare_served_model`: other weights give one warning line; a
+    ``model_path`` that cannot be confirmed (unreadable here and named otherwise) or that no endpoint names gives one
+    line saying the check was not made and how to make it. Warnings only: a name says little for certain.
+
+    Returns:
+        ``(warnings, records)``: one record per URL, ``{"url", "model_path"`` (or None)``, "endpoint"`` (where it was
+        read, or None)``, "verifier"`` (the config's ``display_name()``)``, "match"`` (the verdict, or None)``,
+        "not_checked": [line]}`` (``server_bench.json`` key ``served_model``).
+    """
+    out, recs = [], []
+    _, where = _verifier_where(cfg.verifier)
+    name = cfg.verifier.display_name()
+    tail = f"05 renders the prompts with the tokenizer and chat template of verifier '{name}' ({where})"
+    for url in urls:
+        served, endpoint = served_model_path(url, timeout)
+        rec = {"url": url, "model_path": served, "endpoint": endpoint, "verifier": name, "match": None,
+               "not_checked": []}
+        if served is None:
+            rec["not_checked"].append(
+                f"{url}: none of /server_info, /model_info, /get_model_info names the served model_path (not "
+                f"SGLang?): 05 did not check that the server runs the configured verifier; {tail}: check that the "
+                f"server was started with --model-path {where}")
+        else:
+            rec["match"], detail = compare_served_model(cfg.verifier, served)
+            if rec["match"] == "differs":
+                out.append(f"{url}{endpoint} model_path {served} is not the configured verifier: {detail}; {tail}, so "
+                           f"tau measures a server of another model: benchmark a server started with --model-path "
+                           f"{where}, or set verifier.path to the served model")
+            elif rec["match"] is None:
+                rec["not_checked"].append(
+                    f"{url}{endpoint} model_path {served}: {detail}, so 05 could not "
+                    f"check that the server runs the configured verifier; {tail}: check that the server's "
+                    f"--model-path holds the model at {where}")
+        out += rec["not_checked"]
+        recs.append(rec)
+    return out, recs

@@ -175,7 +175,7 @@ class SGLangCapture:
             "hidden_size": int(cap["hidden_size"]),
             "vocab_size": int(cap["vocab_size"]),
             "architecture": arch,
-            "last_hidden_state": cap.get("last_hidden_state", "post_norm"),
+            "last_hidden_state": _last_hidden_state(cap, info_path),
         }
         return self._info
 
@@ -258,6 +258,11 @@ class SGLangCapture:
         layers = obj.get("layers") or []
         if layers and [int(i) for i in layers] != self.aux_layers:
             raise UserError(f"{path}: captured layers {layers}, extract.aux_layers is {self.aux_layers}")
+        conv = obj.get("last_hidden_state")
+        if conv is not None and self._info is not None and conv != self._info["last_hidden_state"]:
+            raise UserError(f"{path}: last_hidden_state {conv!r}, but {self.capture_dir / INFO_FILE} says "
+                            f"{self._info['last_hidden_state']!r} (recorded in data_config.json); the server's patch "
+                            f"changed under the run: restart it with the same patches/ version and re-run 02")
         states = obj["hidden_states"]
         if len(states) != NUM_CAPTURED:
             raise UserError(f"{path}: {len(states)} hidden-state tensors, expected {NUM_CAPTURED} (3 aux + last)")
@@ -266,3 +271,23 @@ class SGLangCapture:
                 raise UserError(f"{path}: hidden_states[{k}] is {tuple(t.shape)} {t.dtype}, "
                                 f"expected ({L}, {H}) torch.bfloat16")
         return [t.to("cpu") for t in states]  # 4 x [L, H] bf16
+
+
+def _last_hidden_state(cap: dict, info_path: Path) -> str:
+    """The last-hidden-state convention ``capture_info.json`` records (``post_norm`` | ``pre_norm``). A file without the
+    key (a capture patch of before it) is taken as ``post_norm`` (the patch stores SGLang's ``last_hidden_states``,
+    after the final norm), as before, but now with one warning line: that default was silent, and 04 applies the
+    final norm (or not) by it.
+
+    Raises:
+        UserError: a value other than ``post_norm`` / ``pre_norm``.
+    """
+    conv = cap.get("last_hidden_state")
+    if conv is None:
+        log.warning("%s: no last_hidden_state recorded (a capture patch of before the key?): taking post_norm, the "
+                    "state SGLang's last_hidden_states holds after the final norm, unchecked; run the server with this "
+                    "checkout's patches/sglang_capture_launcher.py, which records it", info_path)
+        return "post_norm"
+    if conv not in ("post_norm", "pre_norm"):
+        raise UserError(f"{info_path}: key 'last_hidden_state' is {conv!r}, expected post_norm or pre_norm")
+    return conv

@@ -441,7 +441,9 @@ def prepare(cfg: RunConfig, *, plot: bool = True, revalidate: bool = False) -> d
     shards = cfg.shards_dir
     check_not_being_extracted(shards)
     meta, meta_path = read_data_config(shards), shards / DATA_CONFIG
-    check_verifier(cfg.verifier, meta, shards)  # first: another verifier explains any other difference
+    unchecked = check_verifier(cfg.verifier, meta, shards)  # first: another verifier explains any other difference
+    if unchecked:  # weights not comparable (shards without a fingerprint): said
+        log.warning("%s", unchecked)
     check_extract_settings(cfg.extract, meta, shards)
     V = int(meta["vocab_size"])
     draft = cfg.data.draft_vocab_size

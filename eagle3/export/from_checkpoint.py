@@ -176,7 +176,9 @@ def shards_data_config(cfg: RunConfig, path: Path, state: dict) -> dict:
                             f"put that one file back at {file} (the shard files are not read), or re-run "
                             f"02_extract_hidden.py" + (f"; {relative_hint(file)}" if relative_hint(file) else ""))
         data_config = read_data_config(cfg.shards_dir)
-        check_verifier(cfg.verifier, data_config, cfg.shards_dir)  # as 04 training does
+        unchecked = check_verifier(cfg.verifier, data_config, cfg.shards_dir)  # as 04 training does
+        if unchecked:
+            log.warning("%s", unchecked)
         check_extract_settings(cfg.extract, data_config, cfg.shards_dir)
         return data_config
     log.info("export: %s not found; the shards' aux layers %s, verifier %r and dims from %s (key '%s', recorded at "
@@ -218,19 +220,21 @@ def _require_trained_inputs(path: Path, state: dict, vocab: dict, data_config: d
     with other ids) it wrote that ``d2t`` beside lm_head rows trained for the old one, and from another run's or a
     re-extracted shard set it named other aux layers than the weights were trained on (``--export-only`` exported
     both, exit 0, trial 2026-12-05g). The split is not compared: it does not change the weights. A checkpoint
-    without a record passes.
+    without a record (or an entry of it) passes with one warning line (:func:`eagle3.train.checkpoint.data_inputs_unchecked`).
 
     Raises:
         UserError: ``{checkpoint}: ...`` naming each difference (:func:`eagle3.train.checkpoint.data_inputs_problem`).
     """
     saved = state.get("data_inputs")
+    keys = (ckpt.VOCAB_FILE, ckpt.AUX_LAYERS, ckpt.VERIFIER_WEIGHTS)
+    current = {ckpt.VOCAB_FILE: ckpt.vocab_sha256(vocab), ckpt.AUX_LAYERS: list(data_config["aux_layers"]),
+               ckpt.VERIFIER_WEIGHTS: data_config.get(ckpt.VERIFIER_WEIGHTS)}
+    unchecked = ckpt.data_inputs_unchecked(path, saved, current, "--export-only", keys)
+    if unchecked:  # said, not silent
+        log.warning("%s", unchecked)
     if not isinstance(saved, dict):
         return
-    keys = (ckpt.VOCAB_FILE, ckpt.AUX_LAYERS, ckpt.VERIFIER_WEIGHTS)
-    problem = ckpt.data_inputs_problem({k: saved.get(k) for k in keys},
-                                       {ckpt.VOCAB_FILE: ckpt.vocab_sha256(vocab),
-                                        ckpt.AUX_LAYERS: list(data_config["aux_layers"]),
-                                        ckpt.VERIFIER_WEIGHTS: data_config.get(ckpt.VERIFIER_WEIGHTS)}, cfg.data_dir)
+    problem = ckpt.data_inputs_problem({k: saved.get(k) for k in keys}, current, cfg.data_dir)
     if problem:
         raise UserError(f"{path}: {problem}")
 

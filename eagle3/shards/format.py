@@ -668,7 +668,7 @@ def bytes_per_token(hidden_size: int, num_states: int = NUM_HIDDEN_STATES, stora
     return (storage or Storage()).bytes_per_token(hidden_size, num_states)
 
 
-def check_verifier(verifier: Any, meta: dict, root: str | os.PathLike) -> None:
+def check_verifier(verifier: Any, meta: dict, root: str | os.PathLike) -> Optional[str]:
     """Refuse a config whose verifier is not the one the shards were captured with (03, 04, 04 --export-only).
 
     Checked before any shape: a config pointing at another verifier otherwise fails later on a symptom (a hidden
@@ -682,6 +682,12 @@ def check_verifier(verifier: Any, meta: dict, root: str | os.PathLike) -> None:
         meta: the shards' ``data_config.json``.
         root: the shards folder (or the file itself), for the message.
 
+    Returns:
+        None when the weights were compared, or there is nothing here to compare (``verifier.path`` holds no weight
+        file on this machine; ``verifier`` is no config section); else (the shards record no ``verifier_weights``:
+        captured before 2026-12-05f) the one warning line saying they were not compared and how to check by hand:
+        that skip was silent. The caller logs it (rank 0).
+
     Raises:
         UserError: ``<data_config.json>: key 'verifier' is 'a' but the config's verifier is 'b' (verifier.name /
             verifier.path); re-run 02 for this verifier``.
@@ -694,16 +700,26 @@ def check_verifier(verifier: Any, meta: dict, root: str | os.PathLike) -> None:
         raise UserError(f"{path}: key 'verifier' is {meta.get('verifier')!r} but the config's verifier is {want!r} "
                         "(verifier.name / verifier.path); re-run 02 for this verifier")
     recorded = meta.get("verifier_weights")
-    if recorded and hasattr(verifier, "resolved_path"):  # absent from shard sets of before 2026-12-05f: not compared
-        from eagle3.verifier import weights_differ, weights_fingerprint
+    if not hasattr(verifier, "resolved_path"):
+        return None
+    from eagle3.verifier import weights_differ, weights_fingerprint
 
-        now = weights_fingerprint(verifier)
-        if weights_differ(recorded, now):
-            raise UserError(f"verifier.path: '{verifier.path}' holds other weights than the model the shards in "
-                            f"{path.parent} were captured from ({path.name}: key 'verifier_weights'; the name "
-                            f"{want!r} is the same): its lm_head would score another model's hidden states; set "
-                            f"verifier.path back to that model, or re-run 02 for this one (with a verifier.name of "
-                            f"its own)")
+    now = weights_fingerprint(verifier)
+    if now is None:  # the verifier's files are not on this machine (03 needs none): nothing here to compare
+        return None
+    if not recorded:  # shard sets of before 2026-12-05f: the weights here cannot be compared (said, not silent)
+        return (f"{path}: records no verifier_weights (shards captured before 2026-12-05f): the weights at "
+                f"verifier.path '{verifier.path}' were not checked against the model the shards were captured from, "
+                f"only the name {want!r}; a verifier.path pointed at another model of the same shapes would train "
+                f"against its lm_head without an error: check that it is the model 02 captured from, or re-run 02 to "
+                f"record its fingerprint")
+    if weights_differ(recorded, now):
+        raise UserError(f"verifier.path: '{verifier.path}' holds other weights than the model the shards in "
+                        f"{path.parent} were captured from ({path.name}: key 'verifier_weights'; the name "
+                        f"{want!r} is the same): its lm_head would score another model's hidden states; set "
+                        f"verifier.path back to that model, or re-run 02 for this one (with a verifier.name of "
+                        f"its own)")
+    return None
 
 
 VERIFIER_DIMS = ("num_layers", "hidden_size", "vocab_size")  # what data_config.json / eagle3_train.json record of it

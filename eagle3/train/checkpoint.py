@@ -27,7 +27,7 @@ import os
 import random
 import re
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -410,6 +410,40 @@ def data_inputs_problem(saved: Optional[dict], current: dict, data_dir: str | os
                    f"verifier of the same shapes; use the shards it was trained on (extract.output_dir), or train a "
                    f"new run (a new train.output_dir)")
     return "; ".join(out) or None
+
+
+_INPUT_NAMES = {SPLIT_FILE: "split.json (the validation split)", VOCAB_FILE: "vocab_map.pt (the draft vocab)",
+                AUX_LAYERS: "the shards' aux layers", VERIFIER_WEIGHTS: "the shards' verifier weights"}
+
+
+def data_inputs_unchecked(path: str | os.PathLike, saved: Optional[dict], current: dict, what: str,
+                          keys: Sequence[str] = (SPLIT_FILE, VOCAB_FILE, AUX_LAYERS, VERIFIER_WEIGHTS)) -> Optional[str]:
+    """The one warning line saying which of :func:`data_inputs_problem`'s comparisons (``keys``) could not be made, or
+    None: a checkpoint without ``data_inputs`` (from before the record) or without an entry, or a weights
+    fingerprint on one side only. Both sides without one (shards captured before fingerprints, which
+    :func:`eagle3.shards.format.check_verifier` already says) is not repeated. Those skips were silent.
+
+    Args:
+        path: the checkpoint, named in the line.
+        saved: its ``data_inputs`` (None when absent).
+        current: the same entries as the run has them now.
+        what: the stage (``--resume``, ``--export-only``).
+    """
+    saved = saved if isinstance(saved, dict) else {}
+    gaps = [k for k in keys if k != VERIFIER_WEIGHTS and saved.get(k) is None]
+    if VERIFIER_WEIGHTS in keys and (saved.get(VERIFIER_WEIGHTS) is None) != (current.get(VERIFIER_WEIGHTS) is None):
+        gaps.append(VERIFIER_WEIGHTS)
+    if not gaps:
+        return None
+    absent = [f"data_inputs.{k}" for k in gaps if saved.get(k) is None]
+    if not saved:
+        why = "records no data_inputs (a checkpoint of before the record)"
+    elif absent:
+        why = "records no " + ", ".join(absent)
+    else:
+        why = f"records data_inputs.{VERIFIER_WEIGHTS} but the shards' data_config.json has none"
+    return (f"{path}: {why}: {what} did not check {', '.join(_INPUT_NAMES[k] for k in gaps)} against what it was "
+            f"trained on; check that 02 and 03 were not re-run with other settings since that checkpoint")
 
 
 def check_resume(path: str | os.PathLike, state: dict, current: dict, data_dir: str | os.PathLike) -> list[str]:

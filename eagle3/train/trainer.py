@@ -1259,7 +1259,9 @@ def _load_inputs(cfg: RunConfig, d: DistInfo, resume: bool, init: Optional[Calla
     from eagle3.train.online import check_hidden_states, state_source, unused_shard_states_note
 
     data_config = read_data_config(cfg.shards_dir)
-    check_verifier(cfg.verifier, data_config, cfg.shards_dir)  # first: another verifier explains the other differences
+    unchecked = check_verifier(cfg.verifier, data_config, cfg.shards_dir)  # first: another verifier explains the rest
+    if unchecked and d.is_main:  # weights not comparable (shards without a fingerprint): train_report's warnings too
+        log.warning("%s", unchecked)
     check_extract_settings(cfg.extract, data_config, cfg.shards_dir)
     check_servable(data_config["aux_layers"], cfg.export.engine, str(data_config["architecture"]),
                    str(cfg.shards_dir / "data_config.json"))  # before training, not at the export after it
@@ -1516,8 +1518,9 @@ class _Training:
             return
         path, state = found
         i = self.inputs
-        changes = ckpt.check_resume(path, state, _resume_current(self.cfg, i.args, i.split, i.vocab, i.data_config),
-                                    self.cfg.data_dir)
+        current = _resume_current(self.cfg, i.args, i.split, i.vocab, i.data_config)
+        changes = ckpt.check_resume(path, state, current, self.cfg.data_dir)
+        unchecked = ckpt.data_inputs_unchecked(path, state.get("data_inputs"), current["data_inputs"], "--resume")
         self.step, self.epoch = int(state["step"]), int(state["epoch"])
         self.step_in_epoch = self.data.order.step_from_checkpoint(state)
         self.total_steps = _horizon_after_resume(self.data.order, state, d, t, self.total_steps, self.data.horizon,
@@ -1532,6 +1535,8 @@ class _Training:
         elif d.is_main and state.get("recipe") is None and state["config_fingerprint"] != o.fingerprint:  # unknown
             log.warning("%s: training settings differ from the checkpoint's (fingerprint %s != %s)", path,
                         state["config_fingerprint"], o.fingerprint)
+        if unchecked and d.is_main:  # (train_report's warnings too)
+            log.warning("%s", unchecked)
         self._load_state(path, state)
         rngs = state["rng"]
         if len(rngs) == d.world:

@@ -288,6 +288,80 @@ def test_verifier_name_warning(tmp_path):
     assert verifier_warnings(tmp_path / "none", "x") == []
 
 
+def test_checks_without_metadata_are_said_not_skipped(tmp_path):
+    """05's checks of the drafter against the verifier, the shards and the trained chain were skipped without a word
+    when one side lacked the metadata (a drafter not exported by eagle3-train has no eagle3_train.json; shards
+    deleted after training). Each such gap is now one line naming what was not checked and how to check it; with the
+    metadata there, no line."""
+    from types import SimpleNamespace
+
+    from eagle3.benchmark.offline import shards_unchecked, ttt_length_unchecked, verifier_unchecked
+    from eagle3.config import ExtractConfig
+
+    d, meta = tmp_path / "drafter", tmp_path / "drafter" / "eagle3_train.json"
+    d.mkdir()
+    assert ttt_length_unchecked(d, 3, "benchmark.steps") == (
+        f"{meta} not found (a drafter not exported by eagle3-train): 05 did not check benchmark.steps 3 against the "
+        f"draft positions the drafter was trained for; check that its training's TTT length (train.ttt_length, "
+        f"SpecForge --ttt-length) is at least 3")
+    assert verifier_unchecked(d, "org/m", "sha256:ab") == (
+        f"{meta} not found (a drafter not exported by eagle3-train): 05 did not check that the drafter was trained for "
+        f"the verifier 'org/m' (name, dimensions, weights; only the embedding and vocab shapes are checked at load); "
+        f"check which verifier its training used")
+    meta.write_text(json.dumps({"ttt_length": 7, "aux_layers_hf": [2, 3, 4], "verifier": {"name": "org/m"}}))
+    assert ttt_length_unchecked(d, 3, "benchmark.steps") is None
+    assert verifier_unchecked(d, "org/m", "sha256:ab").startswith(
+        f"{meta} records no verifier.weights (an export of shards captured before weight fingerprints): 05 did not "
+        f"check that the drafter was trained on the weights at verifier.path, only the name 'org/m' and dimensions")
+    meta.write_text(json.dumps({"verifier": {"name": "org/m", "weights": "sha256:ab"}}))
+    assert verifier_unchecked(d, "org/m", "sha256:ab") is None
+    assert verifier_unchecked(d, "org/m", None).startswith("verifier.path holds no weight file on this machine: ")
+    assert ttt_length_unchecked(d, 3, "--steps").startswith(f"{meta} records no ttt_length: 05 did not check --steps 3")
+    # the shards' data_config.json gone: the template, the config's extract settings it sets (and the drafter's aux
+    # layers) unchecked
+    shards = tmp_path / "shards"
+    cfg = SimpleNamespace(shards_dir=shards, extract=ExtractConfig(max_length=512))
+    assert shards_unchecked(cfg, d) == (
+        f"{shards / 'data_config.json'} not found: 05 did not check the chat template, the config's extract.max_length "
+        f"against the template, layers and length the shards were made with; check them against the data_config.json "
+        f"of the shards the drafter was trained on")
+    shards.mkdir()
+    (shards / "data_config.json").write_text("{}")
+    assert shards_unchecked(cfg, d) is None
+
+
+def test_chat_template_is_compared_with_the_shards(tmp_path, smollm_tokenizer):
+    """02 records the shards' chat_template_hash in data_config.json, but nothing compared it: 05 rendered its prompts
+    with whatever template the config now names. Another template is one warning line; shards recording none, one
+    line saying the check was not made; the same template, nothing."""
+    from types import SimpleNamespace
+
+    from eagle3.benchmark.offline import template_check
+    from eagle3.config import ExtractConfig, VerifierConfig
+    from eagle3.prompts.chat import chat_template_hash
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    dc = shards / "data_config.json"
+    other = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    cfg = SimpleNamespace(shards_dir=shards, extract=ExtractConfig(), verifier=VerifierConfig(path=str(tmp_path)))
+    assert template_check(cfg, smollm_tokenizer) == (None, None)  # no data_config.json: shards_unchecked says it
+    dc.write_text(json.dumps({"chat_template_hash": chat_template_hash(smollm_tokenizer)}))
+    assert template_check(cfg, smollm_tokenizer) == (None, None)
+    cfg.verifier = VerifierConfig(path=str(tmp_path), chat_template=other)
+    w, unchecked = template_check(cfg, smollm_tokenizer)
+    assert unchecked is None and w == (
+        f"{dc}: the shards were rendered with chat template sha256 {chat_template_hash(smollm_tokenizer)[:12]} "
+        f"(chat_template_hash) but 05 renders the prompts with verifier.chat_template (from the config), sha256 "
+        f"{chat_template_hash(smollm_tokenizer, other)[:12]}: the drafter was trained on conversations rendered "
+        f"otherwise, so tau understates it; set verifier.chat_template back to the shards' template, or re-run 02-04 "
+        f"with this one")
+    dc.write_text(json.dumps({"chat_template_hash": None}))
+    w, unchecked = template_check(cfg, smollm_tokenizer)
+    assert w is None and unchecked.startswith(f"{dc} records no chat_template_hash: 05 did not check that the prompts "
+                                              f"it renders with verifier.chat_template (from the config)")
+
+
 def test_drafter_that_is_a_checkpoint_or_a_train_folder_is_named(tmp_path):
     """`--drafter .../checkpoints/step_N.pt` said "folder '...step_N.pt' not found" of a file that exists, and
     `--drafter .../train` said "train/config.json: file not found" (fresh-user trial 2026-12-05d); both now say what
@@ -389,8 +463,21 @@ def test_cli_writes_lossless_reports(run_setup):
     rep = json.loads((bench / "bench.json").read_text())
     assert rep["steps"] == 2 and rep["aux_layers"] == [2, 3, 4] and rep["dtype"] == "float32"
     timing = [w for w in rep["warnings"] if "is above tau" in w]  # the speedup check reads wall clocks: not pinned here
-    warns = [w for w in rep["warnings"] if w not in timing]
+    warns = [w for w in rep["warnings"] if w not in timing and w not in rep["not_checked"]]
     assert len(warns) == 1 and "exported for verifier 'tiny'" in warns[0]  # config names the path
+    # a drafter without ttt_length, benchmarked without its run's shards and data: the checks 05 could not make are
+    # each said in one warning line and listed in not_checked (they were skipped without a word)
+    meta, out = root / "drafter" / "eagle3_train.json", root / "out"
+    assert rep["not_checked"] == [
+        f"{meta} records no ttt_length: 05 did not check --steps 2 against the draft positions the drafter was trained "
+        f"for; check that its training's TTT length (train.ttt_length, SpecForge --ttt-length) is at least 2",
+        f"{out / 'shards' / 'data_config.json'} not found: 05 did not check the chat template, the drafter's aux "
+        f"layers ({meta}) against the template, layers and length the shards were made with; check them against the "
+        f"data_config.json of the shards the drafter was trained on",
+        f"{out / 'data' / 'vocab_map.pt'} not found: 05 did not check {root / 'drafter' / 'model.safetensors'} d2t (its "
+        f"draft vocabulary) against the run's stage-03 vocab map, only its size against data.draft_vocab_size; run 03 "
+        f"for this config, or compare d2t with the vocab_map.pt of the data it was trained on"]
+    assert all(rep["warnings"].count(w) == 1 for w in rep["not_checked"])
     (d,) = rep["datasets"]
     assert d["dataset"] == "prompts" and d["num_prompts"] == 2 and d["mismatches"] == []
     assert d["spec_tokens"] == d["greedy_tokens"] == sum(p["greedy_tokens"] for p in d["per_prompt"])

@@ -61,9 +61,11 @@ def _answer(input_ids: list[int], max_new: int, speculative: bool, oracle: bool 
 
 class _StandIn:
     def __init__(self, speculative: bool, fail: bool = False, oracle: bool = False, draft: str | None = None,
-                 delay: float = 0.0):
+                 delay: float = 0.0, model: str | None = "tiny", has_info: bool = True):
         """``draft``: the ``speculative_draft_model_path`` its ``/server_info`` names (absent: None); ``delay``:
-        seconds each ``/generate`` answer waits (a slowed server)."""
+        seconds each ``/generate`` answer waits (a slowed server); ``model``: its ``--model-path``, named by
+        ``/server_info`` and ``/model_info`` as SGLang 0.5.23 does (None: neither names one); ``has_info`` False: no
+        ``/server_info`` (404), as an older server."""
         self.requests: list[dict] = []
         outer = self
 
@@ -80,10 +82,15 @@ class _StandIn:
                 self.wfile.write(body)
 
             def do_GET(self):
-                if self.path == "/server_info":
-                    info = {"model_path": "tiny", "speculative_algorithm": "EAGLE3" if speculative else None,
+                if self.path == "/model_info" and model is not None:  # SGLang 0.5.23 (/get_model_info before 0.5)
+                    self._send(200, {"model_path": model, "tokenizer_path": model, "is_generation": True,
+                                     "architectures": ["LlamaForCausalLM"]})
+                elif self.path == "/server_info" and has_info:
+                    info = {"speculative_algorithm": "EAGLE3" if speculative else None,
                             "speculative_num_steps": STEPS if speculative else None, "speculative_eagle_topk": 1,
                             "speculative_num_draft_tokens": STEPS + 1, "unrelated": 1}
+                    if model is not None:
+                        info["model_path"] = model
                     if draft is not None:
                         info["speculative_draft_model_path"] = draft
                     self._send(200, info)
@@ -272,7 +279,7 @@ def test_cli_server_mode_sends_chat_rendered_prompts(tmp_path, tiny_llama_dir, s
     cfg.write_text(f"run_name: t\noutput_root: {tmp_path / 'out'}\nverifier: {{path: {tiny_llama_dir}}}\n"
                    f"prompts: {{source: {prompts}}}\n")
     cli = _bench_cli()
-    with _StandIn(speculative=True) as s:
+    with _StandIn(speculative=True, model=str(tiny_llama_dir)) as s:
         rc = cli.main(["--config", str(cfg), "--server", s.url, "--datasets", str(prompts), "--max-new-tokens", "6"])
         sent = [r["input_ids"] for r in s.requests[1:]]
     assert rc == 0
@@ -280,6 +287,14 @@ def test_cli_server_mode_sends_chat_rendered_prompts(tmp_path, tiny_llama_dir, s
     assert sent == want
     rep = json.loads((tmp_path / "out" / "bench" / "server_bench.json").read_text())
     assert rep["dataset"] == "p" and rep["servers"][0]["completion_tokens"] == 12
+
+
+def _unchecked(rep: dict) -> list[str]:
+    """The lines of a 05 --server report saying which checks were not made (``not_checked``: those of ``draft_folder``
+    and ``served_model``, then the chat template's), each also one of its ``warnings``."""
+    parts = rep["draft_folder"]["not_checked"] + [w for r in rep["served_model"] for w in r["not_checked"]]
+    assert rep["not_checked"][:len(parts)] == parts and len(rep["not_checked"]) <= len(parts) + 1
+    return rep["not_checked"]
 
 
 def _draft_dir(tmp_path, ttt_length: int = STEPS) -> str:
@@ -299,8 +314,8 @@ def test_cli_server_mode_from_the_config(tmp_path, tiny_llama_dir):
         sets.append(tmp_path / f"{name}.jsonl")
         sets[-1].write_text(json.dumps({"id": "x", "prompt": f"Hello {name}"}) + "\n")
     cli = _bench_cli()
-    with _StandIn(speculative=True, draft=_draft_dir(tmp_path)) as s, \
-            _StandIn(speculative=True, draft=_draft_dir(tmp_path)) as other:
+    with _StandIn(speculative=True, model=str(tiny_llama_dir), draft=_draft_dir(tmp_path)) as s, \
+            _StandIn(speculative=True, model=str(tiny_llama_dir), draft=_draft_dir(tmp_path)) as other:
         cfg = tmp_path / "run.yaml"
         cfg.write_text(f"run_name: t\noutput_root: {tmp_path / 'out'}\nverifier: {{path: {tiny_llama_dir}}}\n"
                        f"prompts: {{source: {sets[0]}}}\n"
@@ -310,7 +325,7 @@ def test_cli_server_mode_from_the_config(tmp_path, tiny_llama_dir):
         for name in ("p", "q"):
             rep = json.loads((tmp_path / "out" / "bench" / f"server-{name}" / "server_bench.json").read_text())
             assert rep["dataset"] == name and rep["servers"][0]["url"] == s.url
-            assert (rep["prompt_pick"], rep["prompt_ids"], rep["warnings"]) == ("first", ["x"], [])
+            assert (rep["prompt_pick"], rep["prompt_ids"], rep["warnings"]) == ("first", ["x"], _unchecked(rep))
         assert cli.main(["--config", str(cfg), "--server", other.url, "--datasets", str(sets[1])]) == 0
         assert len([r for r in other.requests if "input_ids" in r]) == 2
         assert len([r for r in s.requests if "input_ids" in r]) == 4  # the config's server not asked again
@@ -366,7 +381,7 @@ def test_cli_server_mode_prints_each_report_and_warns_on_too_few_prompts(tmp_pat
                    f"prompts: {{source: {sets[0]}}}\n")
     cli = _bench_cli()
     bench = tmp_path / "out" / "bench"
-    with _StandIn(speculative=True, draft=_draft_dir(tmp_path)) as s, caplog.at_level(logging.WARNING):
+    with _StandIn(speculative=True, model=str(tiny_llama_dir), draft=_draft_dir(tmp_path)) as s, caplog.at_level(logging.WARNING):
         assert cli.main(["--config", str(cfg), "--server", s.url, "--datasets", str(sets[0]), str(sets[1]),
                          "--num-prompts", "2", "--max-new-tokens", "4"]) == 0
         lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("report: ")]
@@ -374,8 +389,9 @@ def test_cli_server_mode_prints_each_report_and_warns_on_too_few_prompts(tmp_pat
         want = "q: 2 prompts asked (--num-prompts / benchmark.num_prompts) but the set has 1: all 1 benchmarked"
         assert caplog.messages.count(want) == 1  # p has exactly 2: nothing said
         rep = json.loads((bench / "server-q" / "server_bench.json").read_text())
-        assert rep["warnings"] == [want] and rep["prompt_ids"] == ["q0"]
-        assert json.loads((bench / "server-p" / "server_bench.json").read_text())["warnings"] == []
+        assert rep["warnings"] == _unchecked(rep) + [want] and rep["prompt_ids"] == ["q0"]
+        rep = json.loads((bench / "server-p" / "server_bench.json").read_text())
+        assert rep["warnings"] == _unchecked(rep)
         assert cli.main(["--config", str(cfg), "--server", s.url, "--datasets", str(sets[1]), "--max-new-tokens", "4"]) == 0
         out = capsys.readouterr().out.splitlines()
         assert [ln for ln in out if ln.startswith("report: ")] == [f"report: {bench / 'server_bench.md'}"]
@@ -397,7 +413,7 @@ def test_cli_server_mode_warns_when_the_server_drafts_past_the_trained_ttt_lengt
                    f"prompts: {{source: {prompts}}}\n")
     cli = _bench_cli()
     report = tmp_path / "out" / "bench" / "server_bench.json"
-    with _StandIn(speculative=True, draft=str(draft)) as s, caplog.at_level(logging.WARNING):
+    with _StandIn(speculative=True, model=str(tiny_llama_dir), draft=str(draft)) as s, caplog.at_level(logging.WARNING):
         assert cli.main(["--config", str(cfg), "--server", s.url, "--datasets", str(prompts),
                          "--max-new-tokens", "4"]) == 0
         field = f"the server's speculative_num_steps (--speculative-num-steps, {s.url}/server_info)"
@@ -406,14 +422,16 @@ def test_cli_server_mode_warns_when_the_server_drafts_past_the_trained_ttt_lengt
             f"and tau understates a 2-step chain: restart the server with --speculative-num-steps 2, or train with "
             f"train.ttt_length 3")
     assert caplog.messages.count(want) == 1
-    assert json.loads(report.read_text())["warnings"] == [want]
+    rep = json.loads(report.read_text())
+    assert rep["warnings"] == [want] + _unchecked(rep)
     (draft / "eagle3_train.json").write_text(json.dumps({"ttt_length": 3}))
     caplog.clear()
-    with _StandIn(speculative=True, draft=str(draft)) as s, caplog.at_level(logging.WARNING):
+    with _StandIn(speculative=True, model=str(tiny_llama_dir), draft=str(draft)) as s, caplog.at_level(logging.WARNING):
         assert cli.main(["--config", str(cfg), "--server", s.url, "--datasets", str(prompts),
                          "--max-new-tokens", "4"]) == 0
     assert not [m for m in caplog.messages if "drafts more tokens" in m]
-    assert json.loads(report.read_text())["warnings"] == []
+    rep = json.loads(report.read_text())
+    assert rep["warnings"] == _unchecked(rep)
 
 
 def test_cli_server_mode_says_when_the_draft_folder_cannot_be_read(tmp_path, tiny_llama_dir, caplog):
@@ -421,8 +439,11 @@ def test_cli_server_mode_says_when_the_draft_folder_cannot_be_read(tmp_path, tin
     when the folder its /server_info names was readable here, and skipped them without a word otherwise (a server on
     another host). One warning line now says what was not checked and how to check it, in the log and in
     server_bench.json (``warnings``, and ``draft_folder`` with ``readable: false``); a server that names no folder
-    gets the same line, a readable folder none, with what its missing files left unchecked in ``not_checked``."""
+    gets the same line, a readable folder none, with what its missing files left unchecked in ``not_checked``. Without
+    the run's shards the chat template is not checked either: one more line."""
     import logging
+
+    from transformers import AutoTokenizer
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"id": "x", "prompt": "Hello"}) + "\n")
@@ -432,13 +453,20 @@ def test_cli_server_mode_says_when_the_draft_folder_cannot_be_read(tmp_path, tin
     cli = _bench_cli()
     report = tmp_path / "out" / "bench" / "server_bench.json"
     gone = "/nodes/node1/drafter-sglang"
+    from eagle3.prompts.chat import chat_template_hash
+
+    tpl = (f"{tmp_path / 'out' / 'shards' / 'data_config.json'} not found: 05 did not check that the prompts it renders "
+           f"with the chat template of tokenizer '{tiny_llama_dir}', sha256 "
+           f"{chat_template_hash(AutoTokenizer.from_pretrained(tiny_llama_dir))[:12]} are in the template the "
+           f"drafter's data was rendered with; check verifier.chat_template against the template the shards were made "
+           f"with")
     tail = (f": 05 did not check it against the server (its eagle3_train.json ttt_length against "
             f"--speculative-num-steps {STEPS}, its config.json's engine (sglang) and aux layers against the shards'); "
             f"run 05 where that folder is readable (e.g. on shared storage), or check there that its eagle3_train.json "
             f"has engine sglang and ttt_length >= the server's --speculative-num-steps")
     for draft in (gone, None):
         caplog.clear()
-        with _StandIn(speculative=True, draft=draft) as s, caplog.at_level(logging.WARNING):
+        with _StandIn(speculative=True, model=str(tiny_llama_dir), draft=draft) as s, caplog.at_level(logging.WARNING):
             assert cli.main(["--config", str(cfg), "--server", s.url, "--datasets", str(prompts),
                              "--max-new-tokens", "4"]) == 0
             want = (f"the server's draft folder {gone} ({s.url}/server_info speculative_draft_model_path) is not "
@@ -447,16 +475,85 @@ def test_cli_server_mode_says_when_the_draft_folder_cannot_be_read(tmp_path, tin
             url = s.url
         assert caplog.messages.count(want) == 1
         rep = json.loads(report.read_text())
-        assert rep["warnings"] == [want]
+        assert rep["warnings"] == [want, tpl] == rep["not_checked"]  # tpl: no shards here, so no template check
         assert rep["draft_folder"] == {"url": url, "path": draft, "speculative_num_steps": STEPS, "readable": False,
                                        "not_checked": [want]}
     caplog.clear()
-    with _StandIn(speculative=True, draft=_draft_dir(tmp_path)) as s, caplog.at_level(logging.INFO):
+    with _StandIn(speculative=True, model=str(tiny_llama_dir), draft=_draft_dir(tmp_path)) as s, \
+            caplog.at_level(logging.WARNING):
         assert cli.main(["--config", str(cfg), "--server", s.url, "--datasets", str(prompts),
                          "--max-new-tokens", "4"]) == 0
     rep = json.loads(report.read_text())
-    assert rep["warnings"] == [] and rep["draft_folder"]["readable"] is True
-    assert rep["draft_folder"]["not_checked"] == [
-        f"{tmp_path / 'drafter' / 'config.json'} not found: the folder's engine and aux layers were not checked"]
-    assert rep["draft_folder"]["not_checked"][0] in caplog.messages  # said (info), not a warning
-    assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "did not check" in r.getMessage()]
+    assert rep["draft_folder"]["readable"] is True
+    want = [f"{tmp_path / 'drafter' / 'eagle3_train.json'} names no verifier: 05 did not check that the drafter was "
+            f"trained for the verifier '{tiny_llama_dir}' (name, dimensions, weights); check which verifier its "
+            f"training used",
+            f"{tmp_path / 'drafter' / 'config.json'} not found: 05 did not check the folder's engine and aux layers; "
+            f"check that the server loads a folder with one"]
+    assert rep["draft_folder"]["not_checked"] == want and rep["warnings"] == want + [tpl]  # a warning now, as offline
+    assert caplog.messages.count(want[0]) == caplog.messages.count(want[1]) == 1
+
+
+def test_served_model_is_compared_with_the_configured_verifier(tmp_path, tiny_llama_dir, other_weights_dir):
+    """05 --server renders the prompts with verifier.path's tokenizer and chat template but never compared the
+    server's model_path with it: a server of another model gave a tau of nothing, without a word. Now each server's
+    model_path (/server_info, else /model_info) is compared: the same folder or a copy of its weights passes;
+    other weights are warned about; a name that cannot be confirmed, or no model_path at all, is said in one line
+    (not_checked) naming what to check."""
+    import shutil
+
+    from eagle3.benchmark.server import served_model_warnings
+    from eagle3.config import VerifierConfig
+
+    cfg = type("Cfg", (), {"verifier": VerifierConfig(path=str(tiny_llama_dir))})()
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_llama_dir, copy)
+    tail = (f"05 renders the prompts with the tokenizer and chat template of verifier '{tiny_llama_dir}' "
+            f"({tiny_llama_dir})")
+    for model, has_info, match in ((str(tiny_llama_dir), True, "same folder"), (str(copy), True, "same weights"),
+                                   (f"org/{tiny_llama_dir.name}", False, "same name")):
+        with _StandIn(speculative=True, model=model, has_info=has_info) as s:
+            w, (rec,) = served_model_warnings(cfg, [s.url])
+        assert w == [] and rec == {"url": s.url, "model_path": model, "verifier": str(tiny_llama_dir), "match": match,
+                                   "endpoint": "/server_info" if has_info else "/model_info", "not_checked": []}
+    with _StandIn(speculative=True, model=str(other_weights_dir)) as s, _StandIn(speculative=False, model=None) as b:
+        w, (rec, base) = served_model_warnings(cfg, [s.url, b.url])
+    assert w[0] == (f"{s.url}/server_info model_path {other_weights_dir} is not the configured verifier: its weight "
+                    f"files are not those at verifier.path (verifier_weights fingerprints differ); {tail}, so tau "
+                    f"measures a server of another model: benchmark a server started with --model-path "
+                    f"{tiny_llama_dir}, or set verifier.path to the served model")
+    assert rec["match"] == "differs" and rec["not_checked"] == []
+    assert base == {"url": b.url, "model_path": None, "endpoint": None, "verifier": str(tiny_llama_dir), "match": None,
+                    "not_checked": [w[1]]} and len(w) == 2
+    assert w[1] == (f"{b.url}: none of /server_info, /model_info, /get_model_info names the served model_path (not "
+                    f"SGLang?): 05 did not check that the server runs the configured verifier; {tail}: check that "
+                    f"the server was started with --model-path {tiny_llama_dir}")
+    with _StandIn(speculative=True, model="moonshotai/Kimi-K2.5") as s:
+        w, (rec,) = served_model_warnings(cfg, [s.url])
+    assert rec["match"] is None and rec["not_checked"] == w == [
+        f"{s.url}/server_info model_path moonshotai/Kimi-K2.5: it is not readable on this machine and its name "
+        f"'Kimi-K2.5' is not verifier.path's ({tiny_llama_dir.name.lower()}), so 05 could not check that the server "
+        f"runs the configured verifier; {tail}: check that the server's --model-path holds the model at "
+        f"{tiny_llama_dir}"]
+
+
+def test_cli_server_mode_warns_when_the_server_runs_another_model(tmp_path, tiny_llama_dir, other_weights_dir, caplog):
+    """The served-model check end to end: 05 --server against a server started with another model's weights logs one
+    warning line and records it in server_bench.json (``warnings``, ``served_model``); the run still completes."""
+    import logging
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "x", "prompt": "Hello"}) + "\n")
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"run_name: t\noutput_root: {tmp_path / 'out'}\nverifier: {{path: {tiny_llama_dir}}}\n"
+                   f"prompts: {{source: {prompts}}}\n")
+    with _StandIn(speculative=True, model=str(other_weights_dir), draft=_draft_dir(tmp_path)) as s, \
+            caplog.at_level(logging.WARNING):
+        assert _bench_cli().main(["--config", str(cfg), "--server", s.url, "--datasets", str(prompts),
+                                  "--max-new-tokens", "4"]) == 0
+    rep = json.loads((tmp_path / "out" / "bench" / "server_bench.json").read_text())
+    (w,) = [w for w in rep["warnings"] if "is not the configured verifier" in w]
+    assert w.startswith(f"{s.url}/server_info model_path {other_weights_dir} is not the configured verifier")
+    assert caplog.messages.count(w) == 1
+    assert rep["served_model"] == [{"url": s.url, "model_path": str(other_weights_dir), "endpoint": "/server_info",
+                                    "verifier": str(tiny_llama_dir), "match": "differs", "not_checked": []}]

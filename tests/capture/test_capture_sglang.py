@@ -253,3 +253,30 @@ def test_unreachable_and_missing_info(tmp_path, server):
     other.mkdir()
     with pytest.raises(UserError, match="capture_info.json: not found"):
         SGLangCapture(url=server.url, capture_dir=other, aux_layers=[3, 31, 59]).info()
+
+
+def test_the_last_hidden_state_convention_is_not_assumed_silently(server, caplog):
+    """capture_info.json without last_hidden_state (a patch of before the key) was taken as post_norm without a word,
+    and each capture file's own record of it was never compared: 04 applies the final norm (or not) by it. Now the
+    default is one warning line, and a capture file whose convention differs from capture_info.json's is refused."""
+    import json
+    import logging
+
+    info = server.capture_dir / ec.INFO_FILE
+    cap = json.loads(info.read_text())
+    assert cap["last_hidden_state"] == "post_norm"  # what the patch writes
+    info.write_text(json.dumps({k: v for k, v in cap.items() if k != "last_hidden_state"}))
+    with caplog.at_level(logging.WARNING, logger="eagle3.capture.sglang"):
+        assert _backend(server).info()["last_hidden_state"] == "post_norm"
+    assert caplog.messages == [
+        f"{info}: no last_hidden_state recorded (a capture patch of before the key?): taking post_norm, the state "
+        f"SGLang's last_hidden_states holds after the final norm, unchecked; run the server with this checkout's "
+        f"patches/sglang_capture_launcher.py, which records it"]
+    info.write_text(json.dumps({**cap, "last_hidden_state": "pre_norm"}))  # the files say post_norm
+    be = _backend(server)
+    assert be.info()["last_hidden_state"] == "pre_norm"
+    with pytest.raises(UserError, match=r"last_hidden_state 'post_norm', but .*capture_info.json says 'pre_norm'"):
+        be.capture([[5, 6, 7]])
+    info.write_text(json.dumps({**cap, "last_hidden_state": "final"}))
+    with pytest.raises(UserError, match=r"capture_info.json: key 'last_hidden_state' is 'final', expected post_norm"):
+        _backend(server).info()

@@ -141,6 +141,31 @@ def test_verifier_mismatch_refused(tmp_path):
         run(cfg)
 
 
+def test_shards_without_a_weights_fingerprint_are_said_not_silently_passed(tmp_path, tiny_llama_dir, caplog):
+    """Shards captured before 02 recorded ``verifier_weights`` were checked by name only, without a word, also when
+    verifier.path holds weight files that could be compared: another model of the same shapes under the old name
+    trained against its lm_head. 03 (and 04, 04 --export-only, through the same check) now says so in one warning
+    line; with the fingerprint recorded, or no weight file on this machine (03 needs none), nothing is said."""
+    import logging
+
+    from eagle3.shards.format import check_verifier
+    from eagle3.verifier import weights_fingerprint
+
+    cfg = load_config(_cfg(tmp_path), [f"verifier.path={tiny_llama_dir}"])
+    _make_shards(cfg.shards_dir)
+    dc = cfg.shards_dir / "data_config.json"
+    want = (f"{dc}: records no verifier_weights (shards captured before 2026-12-05f): the weights at verifier.path "
+            f"'{tiny_llama_dir}' were not checked against the model the shards were captured from, only the name "
+            f"'tiny'; a verifier.path pointed at another model of the same shapes would train against its lm_head "
+            f"without an error: check that it is the model 02 captured from, or re-run 02 to record its fingerprint")
+    with caplog.at_level(logging.WARNING, logger="eagle3.data.prepare_data"):
+        run(cfg)
+    assert caplog.messages.count(want) == 1
+    meta = json.loads(dc.read_text())
+    assert check_verifier(cfg.verifier, {**meta, "verifier_weights": weights_fingerprint(cfg.verifier)}, dc) is None
+    assert check_verifier(load_config(_cfg(tmp_path)).verifier, meta, dc) is None  # /nowhere: nothing to compare
+
+
 def test_bad_shard_named_and_nothing_written(tmp_path):
     cfg = load_config(_cfg(tmp_path))
     _make_shards(cfg.shards_dir)

@@ -195,34 +195,57 @@ def test_server_bench_checks_the_servers_draft_folder(tmp_path, monkeypatch):
     from eagle3.config import load_config
 
     cfg = load_config(make_tiny_run(tmp_path / "run"))  # shards: Llama, 6 layers, HF aux [2, 3, 4]
-    six = {**LLAMA30, "num_layers": 6}
-    good = export_drafter(drafter(), tmp_path / "sg", "sglang", [2, 3, 4], six)
-    off = export_drafter(drafter(), tmp_path / "off", "sglang", [1, 3, 4], six)
-    vl = export_drafter(drafter(), tmp_path / "vl", "vllm", [2, 3, 4], six)
-    path = {}
-    monkeypatch.setattr(server_bench, "server_info", lambda url, timeout=30.0: {"speculative_draft_model_path": str(path["p"])})
+    # the run's own exports: its verifier's name and weights fingerprint (verifier.path holds no weight file here)
+    six = {**LLAMA30, "num_layers": 6, "name": "synthetic", "weights": "sha256:" + "c" * 64}
+    good = export_drafter(drafter(), tmp_path / "sg", "sglang", [2, 3, 4], six, ttt_length=7)
+    off = export_drafter(drafter(), tmp_path / "off", "sglang", [1, 3, 4], six, ttt_length=7)
+    vl = export_drafter(drafter(), tmp_path / "vl", "vllm", [2, 3, 4], six, ttt_length=7)
+    other = export_drafter(drafter(), tmp_path / "other", "sglang", [2, 3, 4], {**six, "name": "tiny/llama-30"},
+                           ttt_length=7)
+    path = {"steps": 3}  # SGLang's /server_info names the draft folder and --speculative-num-steps
+    monkeypatch.setattr(server_bench, "server_info", lambda url, timeout=30.0: {
+        "speculative_draft_model_path": str(path["p"]),
+        **({"speculative_num_steps": path["steps"]} if path["steps"] is not None else {})})
     path["p"] = good
     w, rec = server_bench.draft_folder_warnings(cfg, "http://x")
-    assert w == [] and rec["readable"] is True and rec["not_checked"] == []
+    no_weights = (f"verifier.path holds no weight file on this machine: 05 did not check that the drafter was trained on "
+                  f"the weights at verifier.path, only the name 'synthetic'; check that verifier.path is the model its "
+                  f"shards were captured from")
+    assert w == rec["not_checked"] == [no_weights] and rec["readable"] is True
     path["p"] = off
     w, _rec = server_bench.draft_folder_warnings(cfg, "http://x")
-    assert len(w) == 1 and "HF layers [1, 3, 4]" in w[0] and "[2, 3, 4]" in w[0]
+    assert len(w) == 2 and w[1] == no_weights and "HF layers [1, 3, 4]" in w[0] and "[2, 3, 4]" in w[0]
+    # a server_info without speculative_num_steps: the trained ttt_length was not compared, and that is said
+    path["p"], path["steps"] = good, None
+    w, rec = server_bench.draft_folder_warnings(cfg, "http://x")
+    assert w == rec["not_checked"] == [no_weights, (
+        f"http://x/server_info names no integer speculative_num_steps: 05 did not check the drafter's trained "
+        f"ttt_length ({good / 'eagle3_train.json'}) against the draft tokens the server drafts a step; check that its "
+        f"--speculative-num-steps is at most that ttt_length")]
+    path["steps"] = 3
+    # a drafter exported for another verifier: said, as offline 05 says it (--server never compared them)
+    path["p"] = other
+    w, rec = server_bench.draft_folder_warnings(cfg, "http://x")
+    assert w == [f"drafter {other / 'eagle3_train.json'} was exported for verifier 'tiny/llama-30', benchmarking it "
+                 f"with 'synthetic'"] and rec["not_checked"] == []
     path["p"] = vl
     with pytest.raises(UserError, match="this folder is for vllm, but sglang serves it"):
         server_bench.draft_folder_warnings(cfg, "http://x")
     # not readable here (the server on another host): not checked, and said so (it used to return [] silently)
     path["p"] = tmp_path / "not-here"
-    w, rec = server_bench.draft_folder_warnings(SimpleNamespace(shards_dir=tmp_path), "http://x")
+    w, rec = server_bench.draft_folder_warnings(SimpleNamespace(shards_dir=tmp_path, verifier=cfg.verifier), "http://x")
     assert len(w) == 1 and w[0].startswith(f"the server's draft folder {tmp_path / 'not-here'} (http://x/server_info "
                                            f"speculative_draft_model_path) is not readable on this machine")
-    assert rec == {"url": "http://x", "path": str(tmp_path / "not-here"), "speculative_num_steps": None,
+    assert rec == {"url": "http://x", "path": str(tmp_path / "not-here"), "speculative_num_steps": 3,
                    "readable": False, "not_checked": w}
-    # readable, but without the shards' data_config.json: checked against the folder's own record only (recorded)
+    # readable, but without the shards' data_config.json: checked against the folder's own record only (said in one
+    # warning line, as offline 05 says it, and recorded)
     path["p"] = good
-    w, rec = server_bench.draft_folder_warnings(SimpleNamespace(shards_dir=tmp_path), "http://x")
-    assert w == [] and rec["not_checked"] == [f"{tmp_path / 'data_config.json'} not found: the layers SGLang "
-                                              f"captures were checked against the folder's own record only, not "
-                                              f"against the shards'"]
+    w, rec = server_bench.draft_folder_warnings(SimpleNamespace(shards_dir=tmp_path, verifier=cfg.verifier), "http://x")
+    assert w == rec["not_checked"] == [no_weights, f"{tmp_path / 'data_config.json'} not found: 05 checked the layers SGLang "
+                                       f"captures against the folder's own record only, not against the shards'; "
+                                       f"compare its eagle3_train.json aux_layers_hf with the shards' "
+                                       f"data_config.json aux_layers"]
 
 
 def test_kimi_drafter_export_size_bf16_vs_fp32():

@@ -401,6 +401,46 @@ def test_export_only_and_resume_refuse_shards_of_another_verifiers_weights(tmp_p
     assert export_from_checkpoint(b) == tmp_path / "exp"
 
 
+def test_inputs_a_checkpoint_did_not_record_are_said_at_resume_and_export(tmp_path, caplog):
+    """--resume and --export-only compared the checkpoint's data_inputs (split, vocab map, aux layers, verifier
+    weights) with the run's only where both sides had them: a checkpoint of before the record, or shards that gained a
+    weights fingerprint since, passed without a word. One warning line now names what was not compared (in
+    train_report.json's warnings on a resume); both sides without a fingerprint is check_verifier's to say."""
+    from eagle3.export.from_checkpoint import export_from_checkpoint
+    from eagle3.train.trainer import run
+
+    cfg = load_config(make_tiny_run(tmp_path / "a", train={"epochs": 2, "ckpt_every": 1}))
+    run(cfg, stop_after=2, device="cpu")
+    p2 = ckpt.ckpt_path(cfg.train_dir, 2)
+    state = ckpt.load_checkpoint(p2)
+    assert state["data_inputs"]["verifier_weights"] is None  # shards without one: nothing said (both sides)
+    assert ckpt.data_inputs_unchecked(p2, state["data_inputs"], {"verifier_weights": None}, "--resume") is None
+    del state["data_inputs"]
+    torch.save(state, p2)
+    for p in ckpt.list_checkpoints(cfg.train_dir):  # only step 2 left: the one without the record
+        if p[1] != p2:
+            p[1].unlink()
+    with caplog.at_level(logging.WARNING):
+        export_from_checkpoint(cfg)
+    want = (f"{p2}: records no data_inputs (a checkpoint of before the record): --export-only did not check "
+            f"vocab_map.pt (the draft vocab), the shards' aux layers against what it was trained on; check that 02 and "
+            f"03 were not re-run with other settings since that checkpoint")
+    assert caplog.messages.count(want) == 1
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        run(cfg, resume=True, device="cpu", stop_after=3)
+    want = (f"{p2}: records no data_inputs (a checkpoint of before the record): --resume did not check split.json "
+            f"(the validation split), vocab_map.pt (the draft vocab), the shards' aux layers against what it was "
+            f"trained on; check that 02 and 03 were not re-run with other settings since that checkpoint")
+    assert caplog.messages.count(want) == 1
+    assert want in json.loads((cfg.train_dir / "train_report.json").read_text())["warnings"]
+    assert ckpt.data_inputs_unchecked(p2, {"vocab_map.pt": "x", "aux_layers": [2, 3, 4], "split.json": "y",
+                                           "verifier_weights": "sha256:a"}, {"verifier_weights": None}, "--resume") == (
+        f"{p2}: records data_inputs.verifier_weights but the shards' data_config.json has none: --resume did not check "
+        f"the shards' verifier weights against what it was trained on; check that 02 and 03 were not re-run with "
+        f"other settings since that checkpoint")
+
+
 def test_resume_past_the_requested_total_is_refused_before_writing(tmp_path, caplog):
     """A checkpoint at step 6 resumed with max_steps 3 used to print "trained: 6/3", re-export and rewrite the
     report; now one line naming --max-steps, and no file written; refused before the "LR schedule ... continuing with
