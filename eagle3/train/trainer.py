@@ -2088,7 +2088,7 @@ def _loss_png(rows: list[dict]) -> Optional[bytes]:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(*zip(*tr), label="train")
+    ax.plot(*zip(*tr), "-" if len(tr) > 1 else "o", label="train")  # one row (a run shorter than log_every): a dot
     if va:
         ax.plot(*zip(*va), "o-", label="val")
     ax.set_xlabel("optimizer step")
