@@ -1946,9 +1946,21 @@ def _export_line(result: dict) -> str:
         return (f"**refused**: {result['export_error']}. Training finished and its checkpoint is kept: after the fix, "
                 f"`04_train.py --export-only` exports it without retraining")
     if result.get("stopped"):
-        return ("none (stopped before the end; `04_train.py --resume` goes on, `--export-only` exports the newest "
-                "checkpoint)")
+        what = _export_only_what(result, "the newest checkpoint")
+        return f"none (stopped before the end; `04_train.py --resume` goes on, `--export-only` exports {what})"
     return "none (no export was asked for)"
+
+
+def _export_only_what(result: dict, checkpoint: str) -> str:
+    """What ``04 --export-only`` exports of a stopped run: with ``train.select_best: sim_accept`` and a best validation,
+    its weights (``best_drafter.pt``), as the tau_sim table's heading says; else ``checkpoint`` (its wording)."""
+    from eagle3.train.sim_accept import BEST_FILE
+
+    sim = result.get("sim_accept") or {}
+    best = sim.get("best") or {}
+    if sim.get("select_best") == "sim_accept" and best.get("step") is not None:
+        return f"step {best['step']}, the best validation's weights ({BEST_FILE})"
+    return checkpoint
 
 
 def record_export_only(train_dir: Path, export_dir: Path, checkpoint: Path, ckpt_step: int, weights_step: int,
@@ -2047,7 +2059,8 @@ def _report_markdown(result: dict, args) -> str:
     if result.get("stopped"):
         lines.append(f"- **stopped** by signal {result.get('signal')} at step {result['step']}: no final validation"
                      + (", exported afterwards by `--export-only` (below)" if result.get("export_only") else
-                        ", no export; `04_train.py --resume` goes on, `--export-only` exports this checkpoint"))
+                        ", no export; `04_train.py --resume` goes on, `--export-only` exports "
+                        + _export_only_what(result, "this checkpoint")))
     if result.get("export_only"):
         e = result["export_only"]
         lines.append(f"- exported by `04_train.py --export-only` ({e['engine']}): the weights of step "
