@@ -212,7 +212,9 @@ class _Strict(BaseModel):
         elif v is not None and _plain_bool(cls.model_fields[info.field_name].annotation):
             raise ValueError("expected true or false (an unquoted YAML boolean)")
         elif isinstance(v, str) and _int_only(cls.model_fields[info.field_name].annotation):
-            raise ValueError("expected an integer, not a string (quoted in the YAML?)")
+            quoted = re.fullmatch(r"\s*[-+]?\d+\s*", v)  # "32000": a number in quotes; 'ten', '8,000', '10k': not one
+            raise ValueError("expected an integer, not a string " + ("(quoted in the YAML?)" if quoted else
+                                                                     "(digits only: no separators, units or words)"))
         elif isinstance(v, str) and _str_list_only(cls.model_fields[info.field_name].annotation):
             return [v]  # one string where a list of strings goes: a list of one (datasets: humaneval)
         return v

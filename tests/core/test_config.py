@@ -392,3 +392,14 @@ def test_a_prompts_flag_clash_names_the_list_item(tmp_path, monkeypatch):
         apply_overrides(cfg, ["a.jsonl", " "], None, None, None)
     assert str(e.value) == ("--source (prompts.source[1]): empty: name a prompts file, 'humaneval' or 'hf:<dataset>' "
                             "(got ' ')")
+
+
+@pytest.mark.parametrize("value", ["ten", "8,000", "10k"])
+def test_an_integer_written_as_words_is_not_called_quoted(tmp_path, value):
+    """`sample_size: ten` / `draft_vocab_size: 8,000` (unquoted) were refused with `(quoted in the YAML?)`, a hint that
+    sends the user looking for quotes that are not there (fresh-user trial 2026-12-05h)."""
+    f = _write(tmp_path, BASE + f"data:\n  draft_vocab_size: {value}\n")
+    with pytest.raises(UserError) as e:
+        load_config(f)
+    assert str(e.value) == (f"{f}:7: field 'data.draft_vocab_size': expected an integer, not a string (digits only: "
+                            f"no separators, units or words) (got '{value}')")
