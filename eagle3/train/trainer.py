@@ -1308,7 +1308,7 @@ def _build_data(cfg: RunConfig, d: DistInfo, inputs: _Inputs, max_steps: Optiona
     if horizon is not None:
         total_steps = min(total_steps, horizon)
     val_lengths = sample_lengths(cfg.shards_dir, val_ds, max_len) if (val_ds is not None and t.batch_tokens) else None
-    horizon_from = f"train.epochs {t.epochs}"
+    horizon_from = f"train.epochs {t.epochs:g}"
     given = f"--max-steps {max_steps}" if max_steps is not None else f"train.max_steps {t.max_steps}"
     if horizon is not None and horizon < order.total_steps:
         horizon_from = given
