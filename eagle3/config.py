@@ -918,6 +918,9 @@ def _did_you_mean(loc: tuple[str, ...]) -> str:
     model = _section_model(loc[:-1])
     if model is None:
         return ""
+    if loc == ("output_dir",):  # the run's folder: five sections have an output_dir, none of which is meant
+        return (" (did you mean 'output_root', the run's folder? a stage's own folder is its section's output_dir, "
+                "e.g. 'train.output_dir')")
     elsewhere = _other_sections(loc)
     if elsewhere:
         return " (did you mean " + " or ".join(f"'{k}'" for k in elsewhere) + "?)"

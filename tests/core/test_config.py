@@ -403,3 +403,14 @@ def test_an_integer_written_as_words_is_not_called_quoted(tmp_path, value):
         load_config(f)
     assert str(e.value) == (f"{f}:7: field 'data.draft_vocab_size': expected an integer, not a string (digits only: "
                             f"no separators, units or words) (got '{value}')")
+
+
+def test_a_top_level_output_dir_suggests_output_root(tmp_path):
+    """`output_dir: outputs/x` at the top of a run YAML (the run's folder) was answered `did you mean
+    'extract.output_dir' or 'data.output_dir' or 'train.output_dir' or 'export.output_dir' or 'benchmark.output_dir'?`,
+    five stage folders and not the key meant, `output_root` (fresh-user trial 2026-12-05h)."""
+    f = _write(tmp_path, BASE + "output_dir: outputs/x\n")
+    with pytest.raises(UserError) as e:
+        load_config(f)
+    assert str(e.value) == (f"{f}:6: unknown config key 'output_dir' (did you mean 'output_root', the run's folder? a "
+                            f"stage's own folder is its section's output_dir, e.g. 'train.output_dir')")
