@@ -999,7 +999,8 @@ def _undo_on_refusal(train_dir: Path, enabled: bool):
     except (UserError, KeyboardInterrupt):  # a refusal, or a signal before the first step (stop_before_training)
         if enabled:
             if not had_head:
-                head.unlink(missing_ok=True)
+                with contextlib.suppress(OSError):  # train_dir a file (the refusal says so): nothing to remove
+                    head.unlink(missing_ok=True)
             if not had_dir:
                 with contextlib.suppress(OSError):  # not empty: something else is in it, keep it
                     Path(train_dir).rmdir()

@@ -251,3 +251,19 @@ def test_stopped_sim_accept_run_report_says_export_only_exports_the_best(tmp_pat
             "the best validation's weights (best_drafter.pt))") in text
     assert "`--export-only` exports step 2, the best validation's weights (best_drafter.pt)\n" in text
     assert "exports this checkpoint" not in text and "exports the newest checkpoint" not in text
+
+
+def test_a_train_output_dir_that_is_a_file_is_named_not_hidden_by_the_cleanup(tmp_path):
+    """`train.output_dir` pointing at a file: the refusal (`train.output_dir: cannot create the output folder ...`) was
+    replaced by the refusal cleanup's own `NotADirectoryError` on `<file>/target_head.safetensors`, which 04 printed
+    as `README.md/target_head.safetensors: Not a directory` (fresh-user trial 2026-12-05h)."""
+    from eagle3.train.trainer import run
+
+    cfg = load_config(make_tiny_run(tmp_path, train={"epochs": 1, "batch_size": 2}))
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a folder\n")
+    cfg.train.output_dir = str(notes)
+    with pytest.raises(UserError) as e:
+        run(cfg, device="cpu")
+    assert str(e.value) == f"train.output_dir: cannot create the output folder {notes}: {notes} is a file, not a folder"
+    assert notes.read_text() == "not a folder\n"
