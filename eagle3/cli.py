@@ -154,6 +154,8 @@ def run_main(main: Callable[[list[str] | None], int | None], argv: list[str] | N
         signum = getattr(e, "signum", signal.SIGINT)
         hint = getattr(e, "hint", None)
         quiet = signum == signal.SIGTERM and _another_rank_reported()  # torchrun stopping the job after its error
+        if logging.getLogger("torch").level == logging.NOTSET:  # a signal inside `import torch`, before its logging
+            logging.getLogger("torch").setLevel(logging.WARNING)  # was set: its atexit INFO lines followed ours
         if not quiet and _first_to_report_interrupt():  # under torchrun: one line for the job (a Ctrl-C hits all)
             print(f"interrupted by {signal.Signals(signum).name}" + (f": {hint}" if hint else ""), file=sys.stderr)
         sys.exit(128 + int(signum))

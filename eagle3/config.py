@@ -212,7 +212,9 @@ class _Strict(BaseModel):
         elif v is not None and _plain_bool(cls.model_fields[info.field_name].annotation):
             raise ValueError("expected true or false (an unquoted YAML boolean)")
         elif isinstance(v, str) and _int_only(cls.model_fields[info.field_name].annotation):
-            raise ValueError("expected an integer, not a string (quoted in the YAML?)")
+            quoted = re.fullmatch(r"\s*[-+]?\d+\s*", v)  # "32000": a number in quotes; 'ten', '8,000', '10k': not one
+            raise ValueError("expected an integer, not a string " + ("(quoted in the YAML?)" if quoted else
+                                                                     "(digits only: no separators, units or words)"))
         elif isinstance(v, str) and _str_list_only(cls.model_fields[info.field_name].annotation):
             return [v]  # one string where a list of strings goes: a list of one (datasets: humaneval)
         return v
@@ -916,6 +918,9 @@ def _did_you_mean(loc: tuple[str, ...]) -> str:
     model = _section_model(loc[:-1])
     if model is None:
         return ""
+    if loc == ("output_dir",):  # the run's folder: five sections have an output_dir, none of which is meant
+        return (" (did you mean 'output_root', the run's folder? a stage's own folder is its section's output_dir, "
+                "e.g. 'train.output_dir')")
     elsewhere = _other_sections(loc)
     if elsewhere:
         return " (did you mean " + " or ".join(f"'{k}'" for k in elsewhere) + "?)"

@@ -398,6 +398,18 @@ def make_self_instruct(cfg: RunConfig, force: bool, d) -> Path:
     return cfg.self_instruct_path
 
 
+def _require_source_files(cfg: RunConfig) -> None:
+    """One line for a ``prompts.source`` file that does not exist (named sets and ``hf:`` sources aside), before 01
+    says it remakes ``prompts.jsonl`` (the earlier file is kept)."""
+    from eagle3.io import relative_hint
+
+    src = cfg.prompts.source
+    for x in [src] if isinstance(src, str) else list(src):
+        if x != "humaneval" and not x.startswith("hf:") and not Path(x).exists():
+            hint = relative_hint(x)
+            raise UserError(f"{x}: prompts file not found (prompts.source{'; ' + hint if hint else ''})")
+
+
 def _run(cfg: RunConfig, source: Optional[str], fmt: Optional[str], regenerate: Optional[bool],
          limit: Optional[int], force: bool) -> int:
     """:func:`run` after the overrides (and the self-instruct file): up-to-date check, select, regenerate, write.
@@ -416,6 +428,7 @@ def _run(cfg: RunConfig, source: Optional[str], fmt: Optional[str], regenerate: 
             if older:
                 log.warning("%s", older)
         return 0
+    _require_source_files(cfg)  # before the remaking line: it said `remaking ...` and then the file was missing
     why = ("--force" if force else f"a --force run did not finish ({forced.name}): redoing it") \
         if out.is_file() and (force or unfinished) else redo_reason(out, rep, report, want)
     if why and _rank0():  # say why before a (long) regeneration; once under torchrun

@@ -338,12 +338,13 @@ def markdown_lines(summary: dict) -> list[str]:
                 f"before the run stopped; select_best: {sel}; exported step: {what})."]
     lines = [f"Simulated acceptance length on the validation split, tau_sim({k}) = 1 + sum_m prod_(j<=m) alpha_j "
              f"(select_best: {sel}; exported step: {what}):", "",
-             f"| step | tau_sim({k}) | alpha_1 | alpha_2 | alpha_3 | val loss |", "|---:|---:|---:|---:|---:|---:|"]
-    for r in sorted(summary.get("rows") or [], key=lambda r: r["step"]):
-        a = list(r["alpha"]) + [float("nan")] * 3
+             f"| step | tau_sim({k}) | " + "".join(f"alpha_{j} | " for j in range(1, k + 1)) + "val loss |",
+             "|---:|---:|" + "---:|" * (k + 1)]
+    for r in sorted(summary.get("rows") or [], key=lambda r: r["step"]):  # alpha_1..alpha_k: the ones tau_sim(k) uses
+        a = "".join(f"{x:.4f} | " for x in list(r["alpha"])[:k]) + "- | " * max(0, k - len(r["alpha"]))
         mark = " (best)" if best and r["step"] == best.get("step") and not best.get("before_resume") else ""
         loss = f"{r['loss']:.4f}" if isinstance(r.get("loss"), (int, float)) else "-"
-        lines.append(f"| {r['step']}{mark} | {r['tau_sim']:.4f} | {a[0]:.4f} | {a[1]:.4f} | {a[2]:.4f} | {loss} |")
+        lines.append(f"| {r['step']}{mark} | {r['tau_sim']:.4f} | {a}{loss} |")
     if best.get("before_resume"):
         lines += ["", f"Best: step {best['step']} before the resume (tau_sim({k}) {best['tau_sim']:.4f}, validated after "
                   f"the checkpoint the run was resumed from, before it stopped; its weights are in {BEST_FILE} and no "

@@ -1006,7 +1006,8 @@ def _undo_on_refusal(train_dir: Path, enabled: bool):
     except (UserError, KeyboardInterrupt):  # a refusal, or a signal before the first step (stop_before_training)
         if enabled:
             if not had_head:
-                head.unlink(missing_ok=True)
+                with contextlib.suppress(OSError):  # train_dir a file (the refusal says so): nothing to remove
+                    head.unlink(missing_ok=True)
             if not had_dir:
                 with contextlib.suppress(OSError):  # not empty: something else is in it, keep it
                     Path(train_dir).rmdir()
@@ -1346,7 +1347,7 @@ def _build_data(cfg: RunConfig, d: DistInfo, inputs: _Inputs, max_steps: Optiona
     if horizon is not None:
         total_steps = min(total_steps, horizon)
     val_lengths = sample_lengths(cfg.shards_dir, val_ds, max_len) if (val_ds is not None and t.batch_tokens) else None
-    horizon_from = f"train.epochs {t.epochs}"
+    horizon_from = f"train.epochs {t.epochs:g}"
     given = f"--max-steps {max_steps}" if max_steps is not None else f"train.max_steps {t.max_steps}"
     if horizon is not None and horizon < order.total_steps:
         horizon_from = given
@@ -2053,9 +2054,21 @@ def _export_line(result: dict) -> str:
         return (f"**refused**: {result['export_error']}. Training finished and its checkpoint is kept: after the fix, "
                 f"`04_train.py --export-only` exports it without retraining")
     if result.get("stopped"):
-        return ("none (stopped before the end; `04_train.py --resume` goes on, `--export-only` exports the newest "
-                "checkpoint)")
+        what = _export_only_what(result, "the newest checkpoint")
+        return f"none (stopped before the end; `04_train.py --resume` goes on, `--export-only` exports {what})"
     return "none (no export was asked for)"
+
+
+def _export_only_what(result: dict, checkpoint: str) -> str:
+    """What ``04 --export-only`` exports of a stopped run: with ``train.select_best: sim_accept`` and a best validation,
+    its weights (``best_drafter.pt``), as the tau_sim table's heading says; else ``checkpoint`` (its wording)."""
+    from eagle3.train.sim_accept import BEST_FILE
+
+    sim = result.get("sim_accept") or {}
+    best = sim.get("best") or {}
+    if sim.get("select_best") == "sim_accept" and best.get("step") is not None:
+        return f"step {best['step']}, the best validation's weights ({BEST_FILE})"
+    return checkpoint
 
 
 def record_export_only(train_dir: Path, export_dir: Path, checkpoint: Path, ckpt_step: int, weights_step: int,
@@ -2154,7 +2167,8 @@ def _report_markdown(result: dict, args) -> str:
     if result.get("stopped"):
         lines.append(f"- **stopped** by signal {result.get('signal')} at step {result['step']}: no final validation"
                      + (", exported afterwards by `--export-only` (below)" if result.get("export_only") else
-                        ", no export; `04_train.py --resume` goes on, `--export-only` exports this checkpoint"))
+                        ", no export; `04_train.py --resume` goes on, `--export-only` exports "
+                        + _export_only_what(result, "this checkpoint")))
     if result.get("export_only"):
         e = result["export_only"]
         lines.append(f"- exported by `04_train.py --export-only` ({e['engine']}): the weights of step "
@@ -2212,7 +2226,7 @@ def _loss_png(rows: list[dict]) -> Optional[bytes]:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(*zip(*tr), label="train")
+    ax.plot(*zip(*tr), "-" if len(tr) > 1 else "o", label="train")  # one row (a run shorter than log_every): a dot
     if va:
         ax.plot(*zip(*va), "o-", label="val")
     ax.set_xlabel("optimizer step")

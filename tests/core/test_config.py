@@ -392,3 +392,25 @@ def test_a_prompts_flag_clash_names_the_list_item(tmp_path, monkeypatch):
         apply_overrides(cfg, ["a.jsonl", " "], None, None, None)
     assert str(e.value) == ("--source (prompts.source[1]): empty: name a prompts file, 'humaneval' or 'hf:<dataset>' "
                             "(got ' ')")
+
+
+@pytest.mark.parametrize("value", ["ten", "8,000", "10k"])
+def test_an_integer_written_as_words_is_not_called_quoted(tmp_path, value):
+    """`sample_size: ten` / `draft_vocab_size: 8,000` (unquoted) were refused with `(quoted in the YAML?)`, a hint that
+    sends the user looking for quotes that are not there (fresh-user trial 2026-12-05h)."""
+    f = _write(tmp_path, BASE + f"data:\n  draft_vocab_size: {value}\n")
+    with pytest.raises(UserError) as e:
+        load_config(f)
+    assert str(e.value) == (f"{f}:7: field 'data.draft_vocab_size': expected an integer, not a string (digits only: "
+                            f"no separators, units or words) (got '{value}')")
+
+
+def test_a_top_level_output_dir_suggests_output_root(tmp_path):
+    """`output_dir: outputs/x` at the top of a run YAML (the run's folder) was answered `did you mean
+    'extract.output_dir' or 'data.output_dir' or 'train.output_dir' or 'export.output_dir' or 'benchmark.output_dir'?`,
+    five stage folders and not the key meant, `output_root` (fresh-user trial 2026-12-05h)."""
+    f = _write(tmp_path, BASE + "output_dir: outputs/x\n")
+    with pytest.raises(UserError) as e:
+        load_config(f)
+    assert str(e.value) == (f"{f}:6: unknown config key 'output_dir' (did you mean 'output_root', the run's folder? a "
+                            f"stage's own folder is its section's output_dir, e.g. 'train.output_dir')")

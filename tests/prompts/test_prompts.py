@@ -916,3 +916,19 @@ def test_up_to_date_answers_of_an_older_01_get_one_warning_line(tmp_path, monkey
     assert "answer_fields" not in json.loads(report_path(plain).read_text())
     caplog.clear()
     assert run(plain) == 0 and not [r for r in caplog.records if r.levelno >= logging.WARNING]
+def test_a_missing_source_is_refused_before_the_remaking_line(tmp_path, capsys, monkeypatch):
+    """A re-run whose prompts.source names a missing file printed `remaking <prompts.jsonl> (settings changed: source:
+    ...)` and then `<file>: prompts file not found`, as if the old file were being replaced (fresh-user trial
+    2026-12-05h); now the one error line comes first, names the setting, and the earlier prompts.jsonl stays."""
+    src = _jsonl(tmp_path / "q.jsonl", [{"messages": [U(f"u{i}"), A(f"a{i}")]} for i in range(4)])
+    cfg = load_config(_config(tmp_path, src, sample_size=3, seed=5))
+    assert run(cfg) == 0
+    before = cfg.prompts_path.read_bytes()
+    capsys.readouterr()
+    monkeypatch.chdir(tmp_path)
+    for missing, where in ((str(tmp_path / "nope.jsonl"), ""), ("nope.jsonl", f"; relative paths are read from the "
+                                                                                f"current folder, {tmp_path}")):
+        with pytest.raises(UserError) as e:
+            run(load_config(_config(tmp_path, missing, sample_size=3, seed=5)))
+        assert str(e.value) == f"{missing}: prompts file not found (prompts.source{where})"
+        assert "remaking" not in capsys.readouterr().out and cfg.prompts_path.read_bytes() == before

@@ -457,6 +457,9 @@ def test_resume_past_the_requested_total_is_refused_before_writing(tmp_path, cap
     assert "LR schedule" not in caplog.text and "continuing with the new one" not in caplog.text, caplog.text
     assert {p: p.stat().st_mtime_ns for p in sorted(tmp_path.rglob("*")) if p.is_file()} == before
     assert run(cfg, resume=True, max_steps=6, device="cpu")["step"] == 6  # at the total: the run's end, allowed
+    cfg.train.epochs = 1  # the config's `epochs: 1`, read as the float 1.0: was named `train.epochs 1.0`
+    with pytest.raises(UserError, match=r"^train\.epochs 1: the run ends after \d optimizer steps, but the checkpoint"):
+        run(cfg, resume=True, device="cpu")
 
 
 def test_export_only_refuses_a_broken_newest_checkpoint_and_leaves_the_export(tmp_path):

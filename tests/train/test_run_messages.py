@@ -233,3 +233,37 @@ def test_04_warns_when_it_runs_in_another_number_of_processes_than_the_config_pl
     assert warn_world_size(load_config(unset), two) is None  # the default 1 is no plan
     tok = load_config(path, ["train.batch_tokens=64"])
     assert "1/8 of the planned tokens per optimizer step" in warn_world_size(tok, DistInfo(0, 1, 0, torch.device("cpu")))
+
+
+def test_stopped_sim_accept_run_report_says_export_only_exports_the_best(tmp_path):
+    """A `train.select_best: sim_accept` run stopped after its best validation: train_report.md said `--export-only
+    exports the newest checkpoint` / `exports this checkpoint` (step 3) beside the tau_sim heading's `--export-only
+    exports step 2, the best`, and --export-only exports best_drafter.pt (fresh-user trial 2026-12-05h)."""
+    from eagle3.train.trainer import run
+
+    cfg = load_config(make_tiny_run(tmp_path, train={"epochs": 2, "batch_size": 2, "ckpt_every": 100, "eval_every": 2,
+                                                     "select_best": "sim_accept"}))
+    r = run(cfg, device="cpu", stop_after=3)
+    best = r["sim_accept"]["best"]["step"]
+    assert (r["stopped"], r["step"], best) == (True, 3, 2)
+    text = (cfg.train_dir / "train_report.md").read_text()
+    assert ("- export: none (stopped before the end; `04_train.py --resume` goes on, `--export-only` exports step 2, "
+            "the best validation's weights (best_drafter.pt))") in text
+    assert "`--export-only` exports step 2, the best validation's weights (best_drafter.pt)\n" in text
+    assert "exports this checkpoint" not in text and "exports the newest checkpoint" not in text
+
+
+def test_a_train_output_dir_that_is_a_file_is_named_not_hidden_by_the_cleanup(tmp_path):
+    """`train.output_dir` pointing at a file: the refusal (`train.output_dir: cannot create the output folder ...`) was
+    replaced by the refusal cleanup's own `NotADirectoryError` on `<file>/target_head.safetensors`, which 04 printed
+    as `README.md/target_head.safetensors: Not a directory` (fresh-user trial 2026-12-05h)."""
+    from eagle3.train.trainer import run
+
+    cfg = load_config(make_tiny_run(tmp_path, train={"epochs": 1, "batch_size": 2}))
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a folder\n")
+    cfg.train.output_dir = str(notes)
+    with pytest.raises(UserError) as e:
+        run(cfg, device="cpu")
+    assert str(e.value) == f"train.output_dir: cannot create the output folder {notes}: {notes} is a file, not a folder"
+    assert notes.read_text() == "not a folder\n"

@@ -548,3 +548,21 @@ def test_export_only_for_the_other_engine_keeps_the_first_export_in_the_report(t
     export_from_checkpoint(cfg)
     rep = json.loads((cfg.train_dir / "train_report.json").read_text())
     assert rep["export_dir"] == str(sg) and [o["export_dir"] for o in rep["other_exports"]] == [str(out)]
+
+
+def test_report_table_has_one_alpha_column_per_chain_position():
+    """train_report.md's tau_sim table always had columns alpha_1..alpha_3: a `ttt_length: 2` run showed an
+    `alpha_3` of `nan`, and a chain of 7 hid alpha_4..alpha_7 that its tau_sim(7) is computed from."""
+    from eagle3.train.sim_accept import markdown_lines
+
+    two = [{"step": 8, "alpha": [0.049, 0.014], "tau_sim": 1.0497, "loss": 12.1}]
+    text = "\n".join(markdown_lines({"chain": 2, "rows": two, "best": two[0], "select_best": "sim_accept",
+                                     "exported_step": 8}))
+    assert "| step | tau_sim(2) | alpha_1 | alpha_2 | val loss |\n|---:|---:|---:|---:|---:|" in text
+    assert "| 8 (best) | 1.0497 | 0.0490 | 0.0140 | 12.1000 |" in text and "nan" not in text
+    seven = [{"step": 40, "alpha": [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3], "tau_sim": 3.3, "loss": 4.0}]
+    text = "\n".join(markdown_lines({"chain": 7, "rows": seven, "best": seven[0], "select_best": "last"}))
+    assert "| alpha_7 | val loss |" in text and "| 40 (best) | 3.3000 | 0.9000 | 0.8000 | 0.7000 | 0.6000 | 0.5000 | " \
+        "0.4000 | 0.3000 | 4.0000 |" in text
+    short = [{"step": 5, "alpha": [0.5], "tau_sim": 1.5, "loss": 1.0}]  # fewer positions than the chain: a dash
+    assert "| 5 | 1.5000 | 0.5000 | - | 1.0000 |" in "\n".join(markdown_lines({"chain": 2, "rows": short}))

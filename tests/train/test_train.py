@@ -615,3 +615,26 @@ def test_another_verifier_than_the_shards_is_named_first(tmp_path):
     with pytest.raises(UserError) as e:
         export_from_checkpoint(cfg)
     assert str(e.value) == want
+
+
+def test_loss_png_draws_a_single_train_row(monkeypatch):
+    """A run shorter than `train.log_every` logs one train row (its last step): loss.png drew it as a line of one
+    point, invisible, so the plot showed a `train` legend entry and no train loss (8 steps, log_every 10)."""
+    import matplotlib.pyplot as plt
+
+    from eagle3.train.trainer import _loss_png
+
+    axes = []
+    real = plt.subplots
+
+    def spy(*a, **k):
+        fig, ax = real(*a, **k)
+        axes.append(ax)
+        return fig, ax
+
+    monkeypatch.setattr(plt, "subplots", spy)
+    rows = [{"kind": "val", "step": s, "loss": 30.0 - s} for s in (2, 4, 6, 8)] + [{"kind": "train", "step": 8,
+                                                                                      "loss": 17.1}]
+    assert _loss_png(rows)
+    train = [ln for ln in axes[0].lines if ln.get_label() == "train"][0]
+    assert list(train.get_xdata()) == [8] and train.get_marker() not in ("None", "", None)
