@@ -740,9 +740,10 @@ def _horizon_after_resume(data: _TrainData, state: dict, d: DistInfo, t, total_s
     new = data.resumed_total_steps(t.epochs, int(state["step"]))
     if horizon is not None:
         new = min(new, horizon)
-    if new != total_steps and d.is_main:
-        log.info("resumed on %d processes (checkpoint: %s): %d optimizer steps in all", d.world,
-                 state.get("world_size"), new)
+    if new != total_steps:  # every rank re-stretches it (DDP replicas step with one lr); rank 0 says so
+        if d.is_main:
+            log.info("resumed on %d processes (checkpoint: %s): %d optimizer steps in all", d.world,
+                     state.get("world_size"), new)
         scheduler.lr_lambdas[0].__dict__.update(WarmupCosine(warmup_steps_for(new, t.warmup_ratio), new).__dict__)
     return new
 

@@ -134,3 +134,23 @@ def test_resume_warnings_under_torchrun_are_logged_by_rank_0_only(tmp_path, monk
                    "with other training settings: train.grad_clip 0.5 -> 0.25", "RNG states reseeded", "LR schedule"):
         said = [ln.split(" ", 1)[0] for ln in lines if marker in ln]
         assert said == ["rank0"], (marker, lines)
+
+
+@pytest.mark.slow
+def test_resume_on_more_processes_steps_every_rank_with_the_same_lr(tmp_path, monkeypatch):
+    """A 1-process checkpoint resumed on 2 gloo processes: the new process count gives the run another step horizon
+    (11 steps, against 10 for a fresh 2-process run), and the lr schedule was re-stretched to it on rank 0 only (the
+    update sat under the rank-0 log line), so rank 1 stepped with the fresh run's lr and the DDP replicas drifted
+    apart. Every rank now steps with the same lr, the re-stretched schedule's."""
+    train = {"batch_size": 1, "grad_accum": 1, "epochs": 2, "ckpt_every": 1, "warmup_ratio": 0.25}
+    yaml = make_tiny_run(tmp_path / "run", n_train=N_TRAIN, n_val=2, lengths=LENGTHS, train=train)
+    _train(yaml, 1, tmp_path / "A", 3, False, monkeypatch)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(HERE / "_ddp_worker.py"), "--config", str(yaml), "--resume", "--record-lr", str(tmp_path / "lr")]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    lrs = [(tmp_path / f"lr.{r}").read_text().split() for r in (0, 1)]
+    assert len(lrs[0]) == 11 - 3 and lrs[0] == lrs[1], lrs
+    report = __import__("json").loads((load_config(yaml).train_dir / "train_report.json").read_text())
+    assert report["step"] == report["total_steps"] == 11
