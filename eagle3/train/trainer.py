@@ -1479,7 +1479,8 @@ class _Training:
         path, state = found
         changes = ckpt.check_resume(path, state, {
             "drafter_args": dataclasses.asdict(self.inputs.args), "data_order": _data_order(self.cfg),
-            "recipe": _recipe(self.cfg), "data_inputs": _data_inputs(self.inputs)}, self.cfg.data_dir)
+            "recipe": _recipe(self.cfg), "data_inputs": _data_inputs(self.inputs), "world_size": d.world},
+            self.cfg.data_dir)
         self.step, self.epoch = int(state["step"]), int(state["epoch"])
         self.step_in_epoch = self.data.order.step_from_checkpoint(state)
         self.total_steps = _horizon_after_resume(self.data.order, state, d, t, self.total_steps, self.data.horizon,
