@@ -181,3 +181,41 @@ def test_two_ranks_through_endpoints_or_without_regeneration_do_the_work_once(tm
     assert rep["regeneration"]["answers"] == 13 and rep["counts"]["regenerated"] == 7
     p = _run01(_setup(tmp_path, tiny_llama_dir, "plain"), 2, "--no-regenerate")
     assert p.stdout.count("prompts: ") == 1 and len((tmp_path / "plain" / "prompts.jsonl").read_text().splitlines()) == 7
+
+
+RANK1_ARGS = """
+import os, runpy, sys
+script, *args = sys.argv[1:]
+if os.environ.get("RANK") == "1":
+    args += os.environ["RANK1_EXTRA"].split()
+sys.argv = [script, *args]
+runpy.run_path(script, run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_ranks_that_read_other_settings_stop_at_once_in_one_line(tmp_path, tiny_llama_dir):
+    """Every rank reads the config and the source files itself; on a node with another copy, rank 1 read other ones
+    (here through extra ``--set`` arguments for rank 1 alone). With prompts.jsonl up to date for rank 0's settings,
+    rank 0 returned and rank 1 waited for it in the process group's set-up (3 hours; deaf to SIGTERM); with other
+    source content, every answer was regenerated before the merge refused rank 1's log. The ranks now compare their
+    settings first: one line naming rank 1 and the differing keys, every rank exits 2, prompts.jsonl unchanged."""
+    cfg = _setup(tmp_path, tiny_llama_dir, "one")
+    _run01(cfg, 1)
+    before = (tmp_path / "one" / "prompts.jsonl").read_bytes()
+    other = tmp_path / "other.jsonl"
+    other.write_text((tmp_path / "convs.jsonl").read_text().replace("how many legs", "how many arms"))
+    wrap = tmp_path / "rank1_args.py"
+    wrap.write_text(RANK1_ARGS)
+    for extra, keys in (("--set prompts.max_new_tokens=5", "max_new_tokens"),
+                        (f"--set prompts.source={other}", "sha256, source")):
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), RANK1_EXTRA=extra)
+        p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                            str(wrap), str(ROOT / "01_prepare_prompts.py"), "--config", str(cfg)],
+                           env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+        errors = [ln for ln in (p.stdout + p.stderr).splitlines() if ln.startswith("error: ")]
+        assert p.returncode != 0 and "exitcode  : 2" in p.stderr, p.stderr[-3000:]
+        assert errors == [f"error: {tmp_path / 'one' / 'prompts.jsonl'}: torchrun rank 1 read other 01 settings or "
+                          f"prompts.source files than rank 0 (differing: {keys}); every rank must read the same config "
+                          f"and source files (a node with another copy of them?)"], p.stderr[-3000:]
+        assert (tmp_path / "one" / "prompts.jsonl").read_bytes() == before and all_logs(tmp_path / "one") == []
