@@ -91,6 +91,12 @@ def _agent_store(timeout_s: float):
         return None
 
 
+def is_rank0() -> bool:
+    """This process is the only one or torchrun's rank 0 (``RANK`` unset, empty or 0): the one that says what every
+    rank does alike (a verifier replica's norm probe, its load line), so the job's log has it once."""
+    return os.environ.get("RANK", "0") in ("", "0")
+
+
 def _world() -> int:
     try:
         return int(os.environ.get("WORLD_SIZE", "1") or 1)
