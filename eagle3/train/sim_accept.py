@@ -336,14 +336,18 @@ def markdown_lines(summary: dict) -> list[str]:
     if not summary.get("rows"):  # stopped before the first validation: one line, not a table without rows
         return [f"Simulated acceptance length on the validation split, tau_sim({k}): not measured (no validation ran "
                 f"before the run stopped; select_best: {sel}; exported step: {what})."]
+    # the first (up to) 3 positions: a run with train.ttt_length 2 has no alpha_3 (its column read nan)
+    n = min(3, max(len(r["alpha"]) for r in summary["rows"]))
     lines = [f"Simulated acceptance length on the validation split, tau_sim({k}) = 1 + sum_m prod_(j<=m) alpha_j "
              f"(select_best: {sel}; exported step: {what}):", "",
-             f"| step | tau_sim({k}) | alpha_1 | alpha_2 | alpha_3 | val loss |", "|---:|---:|---:|---:|---:|---:|"]
+             f"| step | tau_sim({k}) | " + "".join(f"alpha_{j + 1} | " for j in range(n)) + "val loss |",
+             "|---:|---:|" + "---:|" * n + "---:|"]
     for r in sorted(summary.get("rows") or [], key=lambda r: r["step"]):
-        a = list(r["alpha"]) + [float("nan")] * 3
+        a = list(r["alpha"]) + [float("nan")] * n
         mark = " (best)" if best and r["step"] == best.get("step") and not best.get("before_resume") else ""
         loss = f"{r['loss']:.4f}" if isinstance(r.get("loss"), (int, float)) else "-"
-        lines.append(f"| {r['step']}{mark} | {r['tau_sim']:.4f} | {a[0]:.4f} | {a[1]:.4f} | {a[2]:.4f} | {loss} |")
+        lines.append(f"| {r['step']}{mark} | {r['tau_sim']:.4f} | " + "".join(f"{x:.4f} | " for x in a[:n]) +
+                     f"{loss} |")
     if best.get("before_resume"):
         lines += ["", f"Best: step {best['step']} before the resume (tau_sim({k}) {best['tau_sim']:.4f}, validated after "
                   f"the checkpoint the run was resumed from, before it stopped; its weights are in {BEST_FILE} and no "
