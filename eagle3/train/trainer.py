@@ -138,6 +138,41 @@ def init_distributed(device: Optional[str] = None) -> DistInfo:
     return info
 
 
+def _dotted(tree: dict, prefix: str = "") -> dict:
+    """A nested config dump as ``{"train.lr": 0.001, ...}``."""
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict) and v:
+            out.update(_dotted(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _ranks_agree(cfg: RunConfig, d: DistInfo, args: dict) -> None:
+    """Every torchrun rank must train under rank 0's config and command line. Each rank reads them itself; one with
+    another ``train.lr`` (a node with another copy of the YAML) stepped its DDP replica with its own lr, the replicas
+    drifting apart without a word, and one with another ``train.batch_size`` aborted rank 0 (SIGABRT) with no
+    message. The ranks now compare the whole config and the stage's flags first.
+
+    Raises:
+        UserError: on every rank, naming the first rank that differs from rank 0 and the differing keys.
+    """
+    if not d.distributed:
+        return
+    mine = {**_dotted(cfg.model_dump(mode="json")), **args}
+    everyone: list = [None] * d.world
+    dist.all_gather_object(everyone, mine, group=d.ctrl_group)
+    first = everyone[0]
+    for r, theirs in enumerate(everyone):
+        keys = sorted(k for k in set(theirs) | set(first) if theirs.get(k, "<absent>") != first.get(k, "<absent>"))
+        if keys:
+            shown = ", ".join(f"{k}: {first.get(k, '<absent>')!r} on rank 0, {theirs.get(k, '<absent>')!r} on rank {r}"
+                              for k in keys[:4]) + (f" (and {len(keys) - 4} more)" if len(keys) > 4 else "")
+            raise UserError(f"torchrun rank {r} runs 04 with another config or command line than rank 0 ({shown}); "
+                            f"every rank must read the same YAML, --set overrides and flags (a node with another copy?)")
+
+
 def _barrier(d: DistInfo) -> None:
     if d.distributed:
         dist.barrier(group=d.ctrl_group)
@@ -856,6 +891,8 @@ def run(cfg: RunConfig, resume: bool = False, max_steps: Optional[int] = None, s
     with process_group_scope(d.ctrl_group, owned=d.initialized_here):  # barrier only when _run finished
         try:  # no per-shape cuDNN plans (~40 ms each): batch shapes change every step
             with no_cudnn_sdpa(), rerun_hint(REDO_HINT):
+                _ranks_agree(cfg, d, {"--resume": resume, "--max-steps": max_steps, "--stop-at": stop_at,
+                                      "stop_after": stop_after})
                 return _run(cfg, d, stop, resume, max_steps, stop_after, export, init, stop_at)
         finally:
             stop.restore()
