@@ -219,3 +219,20 @@ def test_ranks_that_read_other_settings_stop_at_once_in_one_line(tmp_path, tiny_
                           f"prompts.source files than rank 0 (differing: {keys}); every rank must read the same config "
                           f"and source files (a node with another copy of them?)"], p.stderr[-3000:]
         assert (tmp_path / "one" / "prompts.jsonl").read_bytes() == before and all_logs(tmp_path / "one") == []
+
+
+@pytest.mark.slow
+def test_each_replica_names_its_rank_in_its_bar_and_lines(tmp_path, tiny_llama_dir):
+    """``torchrun --nproc_per_node 2 01`` showed two `regenerate` bars and two `regeneration prompts: ...` lines (and
+    two `prompts.regen_compile: ...` lines) with other figures and no rank: one line said twice, it seemed. Each now
+    names its replica (`rank r/2`), as 02's `capture rank r/2` bars do; one process is unchanged."""
+    cfg = _setup(tmp_path, tiny_llama_dir, "two")
+    out = _run01(cfg, 2).stderr.replace("\r", "\n").splitlines()
+    for r in (0, 1):
+        assert any(ln.startswith(f"regenerate rank {r}/2: ") for ln in out), out[-20:]
+        assert len([ln for ln in out if f"INFO eagle3.prompts.regenerate: rank {r}/2: regeneration prompts: " in ln]) == 1
+        assert len([ln for ln in out if f"INFO eagle3.prompts.continuous: rank {r}/2: prompts.regen_compile: " in ln]) == 1
+    assert not [ln for ln in out if "INFO eagle3.prompts.regenerate: regeneration prompts: " in ln]
+    one = _setup(tmp_path, tiny_llama_dir, "one")
+    out1 = _run01(one, 1).stderr.replace("\r", "\n").splitlines()
+    assert any(ln.startswith("regenerate: ") for ln in out1) and not any(" rank " in ln for ln in out1 if "regenerat" in ln)
