@@ -137,6 +137,10 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, format=f"rank{os.environ.get('RANK', '0')} %(levelname)s %(message)s")
     if a.record:
         record_loads(Path(f"{a.record}.{os.environ.get('RANK', '0')}"))
+    if os.environ.get("HIDE_CHECKPOINTS_FROM_RANK") == os.environ.get("RANK", "0"):  # a node without the train folder
+        from eagle3.train import checkpoint as ckpt
+
+        ckpt.find_latest_checkpoint = lambda *args, **kwargs: None
     if a.record_lr:
         record_lrs(Path(f"{a.record_lr}.{os.environ.get('RANK', '0')}"))
     run(load_config(a.config, a.overrides), resume=a.resume, stop_after=a.stop_after, device="cpu", export=export_for_run)

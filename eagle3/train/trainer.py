@@ -173,6 +173,26 @@ def _ranks_agree(cfg: RunConfig, d: DistInfo, args: dict) -> None:
                             f"every rank must read the same YAML, --set overrides and flags (a node with another copy?)")
 
 
+def _same_checkpoint(train_dir: Path, found: Optional[tuple], d: DistInfo) -> None:
+    """Every torchrun rank must resume from rank 0's checkpoint. Each rank looks for it itself; a rank that saw no
+    checkpoint (a node-local ``train.output_dir``) or another newest one started from another step than rank 0, and
+    the DDP replicas trained on from different weights and data positions.
+
+    Raises:
+        UserError: on every rank, naming the first rank whose checkpoint differs from rank 0's.
+    """
+    if not d.distributed:
+        return
+    mine = None if found is None else (found[0].name, int(found[1]["step"]))
+    everyone: list = [None] * d.world
+    dist.all_gather_object(everyone, mine, group=d.ctrl_group)
+    say = lambda w: "no checkpoint" if w is None else f"{w[0]} (step {w[1]})"  # noqa: E731
+    for r, theirs in enumerate(everyone):
+        if theirs != everyone[0]:
+            raise UserError(f"{ckpt.ckpt_dir(train_dir)}: --resume: torchrun rank {r} found {say(theirs)}, rank 0 "
+                            f"{say(everyone[0])}; every rank must see the same train.output_dir (a node-local folder?)")
+
+
 def _barrier(d: DistInfo) -> None:
     if d.distributed:
         dist.barrier(group=d.ctrl_group)
@@ -1508,6 +1528,7 @@ class _Training:
         """
         t, d, o = self.t, self.d, self.opt
         found = ckpt.find_latest_checkpoint(self.train_dir, warn=d.is_main)  # every rank loads it; rank 0 says so
+        _same_checkpoint(self.train_dir, found, d)
         if found is None:  # no checkpoint file at all (files that all fail to load: UserError)
             self.set_stop_at(stop_at)
             if d.is_main:

@@ -194,3 +194,24 @@ def test_resume_on_fewer_processes_keeps_the_global_batch_with_grad_accum(tmp_pa
         "checkpoint's"), said
     report = __import__("json").loads((load_config(other).train_dir / "train_report.json").read_text())
     assert any("global batch 2 -> 1" in w for w in report["warnings"])
+
+
+@pytest.mark.slow
+def test_resume_where_a_rank_sees_no_checkpoint_is_refused(tmp_path, monkeypatch):
+    """Each rank looks for the newest checkpoint itself; a rank that saw none (a node-local train.output_dir; here rank
+    1's lookup is made to find nothing) started from step 0 while rank 0 resumed at step 3, the DDP replicas training
+    on from different weights and data positions. Every rank now compares what it found first: one UserError naming
+    rank 1, nothing trained."""
+    train = {"batch_size": 1, "grad_accum": 1, "epochs": 2, "ckpt_every": 1}
+    yaml = make_tiny_run(tmp_path / "run", n_train=N_TRAIN, n_val=2, lengths=LENGTHS, train=train)
+    _train(yaml, 2, tmp_path / "A", 3, False, monkeypatch)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent), HIDE_CHECKPOINTS_FROM_RANK="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(HERE / "_ddp_worker.py"), "--config", str(yaml), "--resume"]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    train_dir = load_config(yaml).train_dir
+    assert p.returncode != 0
+    assert (f"UserError: {ckpt.ckpt_dir(train_dir)}: --resume: torchrun rank 1 found no checkpoint, rank 0 "
+            f"step_00000003.pt (step 3); every rank must see the same train.output_dir (a node-local folder?)") \
+        in p.stderr, p.stderr[-3000:]
+    assert sorted(x.name for x in ckpt.ckpt_dir(train_dir).iterdir()) == ["step_00000002.pt", "step_00000003.pt"]
