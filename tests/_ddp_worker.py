@@ -141,6 +141,11 @@ def main(argv=None) -> int:
         from eagle3.train import checkpoint as ckpt
 
         ckpt.find_latest_checkpoint = lambda *args, **kwargs: None
+    if os.environ.get("SPLIT_DIR_FOR_RANK_1") and os.environ.get("RANK") == "1":  # a node with another data copy
+        from eagle3.train import trainer
+
+        real = trainer.read_split
+        trainer.read_split = lambda data_dir: real(os.environ["SPLIT_DIR_FOR_RANK_1"])  # a folder with a split.json
     if a.record_lr:
         record_lrs(Path(f"{a.record_lr}.{os.environ.get('RANK', '0')}"))
     run(load_config(a.config, a.overrides), resume=a.resume, stop_after=a.stop_after, device="cpu", export=export_for_run)

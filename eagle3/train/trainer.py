@@ -173,6 +173,26 @@ def _ranks_agree(cfg: RunConfig, d: DistInfo, args: dict) -> None:
                             f"every rank must read the same YAML, --set overrides and flags (a node with another copy?)")
 
 
+def _same_data(cfg: RunConfig, inputs: "_Inputs", d: DistInfo) -> None:
+    """Every torchrun rank must train on rank 0's data: 03's split and vocab map (content sha256), the shards' aux
+    layers and verifier weights (:func:`_data_inputs`). Each rank reads them itself; a rank on a node with another
+    copy of the data folder trained other samples (or targets) without a word.
+
+    Raises:
+        UserError: on every rank, naming the first rank whose data differs from rank 0's and the differing inputs.
+    """
+    if not d.distributed:
+        return
+    everyone: list = [None] * d.world
+    dist.all_gather_object(everyone, _data_inputs(inputs), group=d.ctrl_group)
+    for r, theirs in enumerate(everyone):
+        keys = sorted(k for k in set(theirs) | set(everyone[0]) if theirs.get(k) != everyone[0].get(k))
+        if keys:
+            raise UserError(f"{cfg.data_dir}: torchrun rank {r} read other data than rank 0 (differing: "
+                            f"{', '.join(keys)}); every rank must read the same data folder and shards (a node with "
+                            f"another copy?)")
+
+
 def _same_checkpoint(train_dir: Path, found: Optional[tuple], d: DistInfo) -> None:
     """Every torchrun rank must resume from rank 0's checkpoint. Each rank looks for it itself; a rank that saw no
     checkpoint (a node-local ``train.output_dir``) or another newest one started from another step than rank 0, and
@@ -982,6 +1002,7 @@ def _run_locked(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_s
         with _undo_on_refusal(cfg.train_dir, d.is_main):
             inputs = _load_inputs(cfg, d, resume, init, stop, lock)
             try:
+                _same_data(cfg, inputs, d)
                 data = _build_data(cfg, d, inputs, max_steps)
                 stop_before_training(stop, d)
                 run_ = _Training(cfg, d, inputs, data, _build_optimisation(cfg, d, inputs, data.total_steps), warned)

@@ -99,3 +99,26 @@ def test_a_rank_with_another_config_is_refused_in_one_line(tmp_path, extra, said
     assert errors == [f"error: torchrun rank 1 runs 04 with another config or command line than rank 0 ({said}); "
                       f"every rank must read the same YAML, --set overrides and flags (a node with another copy?)"]
     assert "[rank0]" not in out and not (tmp_path / "run" / "train" / "checkpoints").exists(), out[-3000:]
+
+
+@pytest.mark.slow
+def test_a_rank_with_another_split_is_refused(tmp_path):
+    """Each rank reads 03's split.json (and vocab map) itself; rank 1 on a node with another copy of the data folder
+    (here its split is read from another folder) trained other samples than the one-process order says, without a
+    word. Every rank now compares the data inputs' sha256 first: one UserError naming rank 1 and split.json."""
+    import json
+
+    yaml = make_tiny_run(tmp_path / "run")
+    other = tmp_path / "other-data"
+    other.mkdir()
+    split = json.loads((tmp_path / "run" / "data" / "split.json").read_text())
+    (other / "split.json").write_text(json.dumps({"train": split["train"][::-1], "val": split["val"]}))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent), SPLIT_DIR_FOR_RANK_1=str(other))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(HERE / "_ddp_worker.py"), "--config", str(yaml)]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0
+    assert (f"UserError: {tmp_path / 'run' / 'data'}: torchrun rank 1 read other data than rank 0 (differing: "
+            f"split.json); every rank must read the same data folder and shards (a node with another copy?)") \
+        in p.stderr, p.stderr[-3000:]
+    assert not (tmp_path / "run" / "train" / "checkpoints").exists()
