@@ -353,11 +353,10 @@ def _decode_continuous(run: _Run, engine, bar) -> None:
     if "reused_tokens" in es:
         prompt = es["reused_tokens"] + es["prefill_tokens"]
         log.info("%sregeneration prompts: %d tokens, %d prefilled, %d reused from the previous turn's KV (%.1f%%; "
-                 "prompts.regen_prefix_reuse: %s)", rank_tag(suffix=": "), prompt, es["prefill_tokens"], es["reused_tokens"],
-                 100.0 * es["reused_tokens"] / max(1, prompt), str(es["prefix_reuse"]).lower())
+                 "prompts.regen_prefix_reuse: %s)", rank_tag(suffix=": "), prompt, es["prefill_tokens"],
+                 es["reused_tokens"], 100.0 * es["reused_tokens"] / max(1, prompt), str(es["prefix_reuse"]).lower())
     run.st["batches"] += engine.stats.get("prefill_calls", 0)
     run.st["decode_steps"] += engine.stats.get("decode_steps", 0)
-
 
 
 def regenerate(model, tokenizer, conversations: list[dict], max_new_tokens: int, batch_size: int,
