@@ -931,8 +931,6 @@ def run(cfg: RunConfig, resume: bool = False, max_steps: Optional[int] = None, s
     with process_group_scope(d.ctrl_group, owned=d.initialized_here):  # barrier only when _run finished
         try:  # no per-shape cuDNN plans (~40 ms each): batch shapes change every step
             with no_cudnn_sdpa(), rerun_hint(REDO_HINT):
-                _ranks_agree(cfg, d, {"--resume": resume, "--max-steps": max_steps, "--stop-at": stop_at,
-                                      "stop_after": stop_after})
                 return _run(cfg, d, stop, resume, max_steps, stop_after, export, init, stop_at)
         finally:
             stop.restore()
@@ -986,7 +984,10 @@ def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: O
     """The stage in named steps: inputs (+ folder check, warm start), data, optimisation, resume, loop, end. 04's lock
     (:func:`_train_lock`) is taken once the inputs are read and checked, before the first write, and held to the end.
     A refusal before the loop (any UserError of the steps up to the resume), or a signal then
-    (:func:`stop_before_training`), removes what this call created."""
+    (:func:`stop_before_training`), removes what this call created. First of all the torchrun ranks compare their
+    config and flags (:func:`_ranks_agree`)."""
+    _ranks_agree(cfg, d, {"--resume": resume, "--max-steps": max_steps, "--stop-at": stop_at,
+                          "stop_after": stop_after})
     with contextlib.ExitStack() as held:
         return _run_locked(cfg, d, stop, resume, max_steps, stop_after, export, init, stop_at,
                            lock=lambda: held.enter_context(_train_lock(cfg.train_dir, d, cfg.output_field("train"))))

@@ -334,11 +334,15 @@ def test_a_collective_broken_by_the_rank_that_reported_ends_quietly(tmp_path):
     assert _rank(script, "x", 0, agent.port) == (2, "")
 
 
-RANK1_ARGS = textwrap.dedent("""
+RANK1_SHARDS = textwrap.dedent("""
     import os, runpy, sys
+    from pathlib import Path
     script, *args = sys.argv[1:]
-    if os.environ.get("RANK") == "1":
-        args += os.environ["RANK1_EXTRA"].split()
+    if os.environ.get("RANK") == "1":  # this rank's node has no shards folder where rank 0's has it
+        from eagle3.train import trainer
+
+        real = trainer.read_data_config
+        trainer.read_data_config = lambda shards_dir, *a, **k: real(Path(os.environ["RANK1_SHARDS"]), *a, **k)
     sys.argv = [script, *args]
     runpy.run_path(script, run_name="__main__")
 """)
@@ -347,7 +351,7 @@ RANK1_ARGS = textwrap.dedent("""
 @pytest.mark.slow
 def test_a_shards_folder_only_rank_0_reads_gives_one_error_line_and_no_traceback(tmp_path):
     """The real thing: ``torchrun --nproc_per_node 2 04_train.py`` where rank 1 cannot read the shards folder (a node
-    without the shared disk: here rank 1's ``extract.output_dir`` points elsewhere). Rank 1 stops with one line;
+    without the shared disk: here rank 1 reads its shards' data_config.json from elsewhere). Rank 1 stops with one line;
     rank 0, waiting in the start-up check for it, printed a ``RuntimeError: ... Connection closed by peer`` traceback
     too. Now the job prints the one line, and every rank exits 2."""
     sys.path.insert(0, str(ROOT / "tests"))
@@ -355,9 +359,8 @@ def test_a_shards_folder_only_rank_0_reads_gives_one_error_line_and_no_traceback
 
     yaml = make_tiny_run(tmp_path / "run")
     wrap = tmp_path / "rank1_args.py"
-    wrap.write_text(RANK1_ARGS)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
-               RANK1_EXTRA=f"--set extract.output_dir={tmp_path / 'elsewhere'}")
+    wrap.write_text(RANK1_SHARDS)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), RANK1_SHARDS=str(tmp_path / "elsewhere"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(wrap),
            str(ROOT / "04_train.py"), "--config", str(yaml)]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
