@@ -124,7 +124,8 @@ def run_main(main: Callable[[list[str] | None], int | None], argv: list[str] | N
 
     Under torchrun (``WORLD_SIZE > 1``) the error line is printed once for the job, by the first rank that stops with
     one (:func:`eagle3.process_group.first_to_report`); every rank still exits 2. A rank torchrun then stops with
-    SIGTERM exits 143 without an ``interrupted by`` line. A Ctrl-C (or a SIGTERM to every rank) prints its
+    SIGTERM exits 143 without an ``interrupted by`` line; a rank whose collective fails because that rank's process
+    is gone (:func:`_peer_gone`) exits 2 without a traceback. A Ctrl-C (or a SIGTERM to every rank) prints its
     ``interrupted by`` line once for the job too, from the first rank that stops on it
     (:func:`eagle3.process_group.first_to_report_interrupt`); every rank exits ``128 + signal``.
     """
@@ -143,6 +144,8 @@ def run_main(main: Callable[[list[str] | None], int | None], argv: list[str] | N
             if _first_to_report():
                 print(f"error: {bad_path}", file=sys.stderr)
             sys.exit(bad_path.exit_code)
+        if _peer_gone(e) and _another_rank_reported():  # a rank stopped on bad input: its line is the job's
+            sys.exit(2)
         if not is_disk_full(e):
             raise
         # A writer outside eagle3.io (a library's own file) ran out of space: still one line + exit 2.
@@ -160,6 +163,24 @@ def run_main(main: Callable[[list[str] | None], int | None], argv: list[str] | N
             print(f"interrupted by {signal.Signals(signum).name}" + (f": {hint}" if hint else ""), file=sys.stderr)
         sys.exit(128 + int(signum))
     sys.exit(int(rc or 0))
+
+
+# What a collective raises when a peer rank's process is gone (gloo over TCP, NCCL, torch's DistError family).
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted",
+              "ProcessGroupNCCL", "ProcessGroupGloo")
+
+
+def _peer_gone(e: BaseException) -> bool:
+    """``e`` is a collective failing because another rank's process ended (torchrun ranks only; torch is imported by
+    then). A rank that stopped on bad input exits at once, and a peer blocked in a collective with it (04's
+    ``_any_rank`` start-up checks: rank 1 could not read a shards folder rank 0 reads) met ``RuntimeError: [...gloo...]
+    Connection closed by peer`` before torchrun's SIGTERM, and printed its traceback under the job's one error line."""
+    if not _several_ranks():
+        return False
+    dist_error = getattr(sys.modules.get("torch.distributed"), "DistError", None)
+    if dist_error is not None and isinstance(e, dist_error):
+        return True
+    return isinstance(e, RuntimeError) and any(m in str(e) for m in _PEER_GONE)
 
 
 def _several_ranks() -> bool:

@@ -91,6 +91,23 @@ def _agent_store(timeout_s: float):
         return None
 
 
+def is_rank0() -> bool:
+    """This process is the only one or torchrun's rank 0 (``RANK`` unset, empty or 0): the one that says what every
+    rank does alike (a verifier replica's norm probe, its load line), so the job's log has it once."""
+    return os.environ.get("RANK", "0") in ("", "0")
+
+
+def rank_tag(prefix: str = "", suffix: str = "") -> str:
+    """``rank r/W`` (with ``prefix``/``suffix``) under torchrun (``WORLD_SIZE`` > 1), else "": each replica's progress
+    bar and per-replica log lines name their rank (two unlabelled `regenerate` bars and two `regeneration prompts:`
+    lines of other figures read as one line said twice; 02's bars say `capture rank r/W`)."""
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    except ValueError:
+        world = 1
+    return f"{prefix}rank {os.environ.get('RANK', '0')}/{world}{suffix}" if world > 1 else ""
+
+
 def _world() -> int:
     try:
         return int(os.environ.get("WORLD_SIZE", "1") or 1)

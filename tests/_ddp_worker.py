@@ -129,6 +129,7 @@ def main(argv=None) -> int:
     p.add_argument("--resume", action="store_true")
     p.add_argument("--stop-after", type=int, default=None)
     p.add_argument("--record", default=None, help="append the shard id of every training sample loaded to RECORD.<rank>")
+    p.add_argument("--record-lr", default=None, help="append the lr of every optimizer step to RECORD_LR.<rank>")
     a = p.parse_args(argv)
     import logging
 
@@ -136,8 +137,31 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, format=f"rank{os.environ.get('RANK', '0')} %(levelname)s %(message)s")
     if a.record:
         record_loads(Path(f"{a.record}.{os.environ.get('RANK', '0')}"))
+    if os.environ.get("HIDE_CHECKPOINTS_FROM_RANK") == os.environ.get("RANK", "0"):  # a node without the train folder
+        from eagle3.train import checkpoint as ckpt
+
+        ckpt.find_latest_checkpoint = lambda *args, **kwargs: None
+    if os.environ.get("SPLIT_DIR_FOR_RANK_1") and os.environ.get("RANK") == "1":  # a node with another data copy
+        from eagle3.train import trainer
+
+        real = trainer.read_split
+        trainer.read_split = lambda data_dir: real(os.environ["SPLIT_DIR_FOR_RANK_1"])  # a folder with a split.json
+    if a.record_lr:
+        record_lrs(Path(f"{a.record_lr}.{os.environ.get('RANK', '0')}"))
     run(load_config(a.config, a.overrides), resume=a.resume, stop_after=a.stop_after, device="cpu", export=export_for_run)
     return 0
+
+
+def record_lrs(path: Path) -> None:
+    """Append the learning rate of every optimizer step (``param_groups[0]["lr"]``, ``repr``) to ``path``, one per
+    line: what each rank stepped with (DDP keeps ranks equal only when every rank steps with the same lr)."""
+    def hook(optimizer, args, kwargs):
+        with open(path, "a") as f:
+            f.write(f"{optimizer.param_groups[0]['lr']!r}\n")
+
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    register_optimizer_step_pre_hook(hook)
 
 
 def record_loads(path: Path) -> None:

@@ -1145,12 +1145,47 @@ def write_token_samples(samples: list[Sample], batches: list[list[int]], done: d
     return rows
 
 
+def _flat(comp: dict) -> dict:
+    """A fingerprint's components one level flat (``extract.max_length``), for naming the ones that differ."""
+    return {f"{k}.{k2}" if isinstance(v, dict) else k: v2 for k, v in comp.items()
+            for k2, v2 in (v.items() if isinstance(v, dict) else [(None, v)])}
+
+
+def _ranks_agree(cfg: RunConfig, d: _Dist) -> None:
+    """Every torchrun rank must capture under rank 0's settings and prompts. Each rank reads the config and
+    ``prompts.jsonl`` itself; one that read other ones (a node with another copy) tokenized another sample set, and
+    rank 0 stopped in a ``RuntimeError: stage 02: samples [...] were assigned to no rank (bug)`` traceback after the
+    capture, the per-rank manifests left behind. The ranks now compare their fingerprint components first.
+
+    Raises:
+        UserError: on every rank, naming the first rank that differs from rank 0 and the differing components.
+    """
+    if d.world == 1:
+        return
+    try:
+        mine: Any = _flat(fingerprint(cfg, file_sha256(cfg.prompts_path))[1])
+    except (UserError, OSError) as e:
+        mine = f"cannot read {cfg.prompts_path}: {e}"
+    everyone = d.all_gather(mine)
+    for r, theirs in enumerate(everyone):
+        if theirs == everyone[0]:
+            continue
+        if isinstance(theirs, str) or isinstance(everyone[0], str):
+            what = theirs if isinstance(theirs, str) else f"rank 0: {everyone[0]}"
+        else:
+            what = "differing: " + ", ".join(sorted(k for k in set(theirs) | set(everyone[0])
+                                                    if theirs.get(k) != everyone[0].get(k)))
+        raise UserError(f"{cfg.shards_dir}: torchrun rank {r} read other 02 settings or prompts than rank 0 ({what}); "
+                        f"every rank must read the same config and {cfg.prompts_path} (a node with another copy?)")
+
+
 def _extract(cfg: RunConfig, root: Path, overwrite: bool, limit: Optional[int],
              backend: Optional[CaptureBackend], tokenizer, d: _Dist, ignore_disk_check: bool = False) -> dict:
     """The stage in named steps: check the prompts (:func:`check_prompts_current`), nothing to do
     (:func:`finished_report`), prepare (plan + tokenize + disk check), capture + write, gather ranks, finalise."""
     t_start = time.perf_counter()
     d.on_rank0(lambda: check_prompts_current(cfg))
+    _ranks_agree(cfg, d)
     if limit is not None:
         d.on_rank0(lambda: warn_limit_drops_self_instruct(cfg, limit))
     finished = None if overwrite else d.on_rank0(lambda: finished_report(cfg, root, limit))

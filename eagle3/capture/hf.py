@@ -43,6 +43,7 @@ from eagle3.sdpa import no_cudnn_sdpa
 from eagle3.capture.base import BackendInfo, LastHiddenState
 from eagle3.shards.fp8 import Storage
 from eagle3.errors import UserError
+from eagle3.process_group import is_rank0
 from eagle3.shards.format import NONFINITE_FIX, StoredStates, encode_batch
 from eagle3.verifier import text_config
 
@@ -347,7 +348,8 @@ class HFCapture:
         """
         if self._last is None:
             self._last = self._detect_last_norm()
-            log.info("verifier hidden_states[-1] is %s", self._last)
+            if is_rank0():  # every torchrun rank probes its replica alike (02, online 04): said once
+                log.info("verifier hidden_states[-1] is %s", self._last)
         return self._last
 
     @torch.inference_mode()

@@ -875,7 +875,9 @@ class SlotEngine(Engine):
                                                  "flex" if self.flex is not None else "sdpa_groups",
                                                  planned_answers, self.max_new, self.S)
         if compile_step == "auto":
-            log.info("prompts.regen_compile: %s (%s)", "compiling the decode step"
+            from eagle3.process_group import rank_tag
+
+            log.info("%sprompts.regen_compile: %s (%s)", rank_tag(suffix=": "), "compiling the decode step"
                      if self.compile_decision["compile"] else "decode step not compiled", self.compile_decision["reason"])
         if self.compile_decision["compile"]:
             import functools

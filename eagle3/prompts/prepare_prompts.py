@@ -337,17 +337,46 @@ def run(cfg: RunConfig, source: Optional[str] = None, fmt: Optional[str] = None,
     cfg = apply_overrides(cfg, source, fmt, regenerate, limit)
     if not _replicated(cfg) and not _rank0():
         return 0  # under torchrun only the in-process regeneration has work for every rank: rank 0 does the rest
-    if cfg.prompts.self_instruct is None:
-        return _run(cfg, source, fmt, regenerate, limit, force)
     from eagle3.process_group import process_group_scope
     from eagle3.prompts.replicas import Dist, init_dist
 
-    # under torchrun with the replicas: their gloo group, made here so the ranks can wait for rank 0's file; without
-    # them rank 0 works alone (no group: a peer that returned would not join, or would wait at its teardown barrier)
+    # under torchrun with the replicas: their gloo group, made here so the ranks can agree on the up-to-date check
+    # (:func:`ranks_agree`) and wait for rank 0's self-instruct file; without them rank 0 works alone (no group: a
+    # peer that returned would not join, or would wait at its teardown barrier)
     d = init_dist() if _replicated(cfg) else Dist()
     with process_group_scope(owned=d.initialized_here):  # regenerate_replicas uses it and leaves its teardown here
-        make_self_instruct(cfg, force, d)
-        return _run(cfg, source, fmt, regenerate, limit, force)
+        if cfg.prompts.self_instruct is not None:
+            make_self_instruct(cfg, force, d)
+        return _run(cfg, source, fmt, regenerate, limit, force, d)
+
+
+def ranks_agree(cfg: RunConfig, d, want: dict, fresh: bool) -> bool:
+    """The torchrun ranks' one up-to-date decision (``fresh``), once every rank is known to want the same settings.
+
+    Each rank reads the config and the ``prompts.source`` files itself; a rank that read other ones (a node with
+    another copy of a file) regenerated its share for other input, refused only at the merge, after the whole
+    regeneration; and a rank 0 that found ``prompts.jsonl`` up to date returned while a rank that did not waited for
+    it in the process group's set-up (3 hours, deaf to SIGTERM). The ranks now compare their settings (the source
+    files' sha256 among them) and decisions first.
+
+    Raises:
+        UserError: on every rank, naming the first rank whose settings (or decision) differ from rank 0's.
+    """
+    if d.world <= 1:
+        return fresh
+    everyone = d.gather((json.dumps(want, sort_keys=True, default=str), fresh))
+    for r, (w, f) in enumerate(everyone):
+        if w != everyone[0][0]:
+            mine, theirs = json.loads(w), json.loads(everyone[0][0])
+            keys = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+            raise UserError(f"{cfg.prompts_path}: torchrun rank {r} read other 01 settings or prompts.source files "
+                            f"than rank 0 (differing: {', '.join(keys)}); every rank must read the same config and "
+                            f"source files (a node with another copy of them?)")
+        if f != everyone[0][1]:
+            raise UserError(f"{cfg.prompts_path}: torchrun rank {r} found {cfg.prompts_path.name} "
+                            f"{'up to date' if f else 'out of date'}, rank 0 did not; every rank must see the same "
+                            f"output folder (a node-local output_root?)")
+    return fresh
 
 
 def _replicated(cfg: RunConfig) -> bool:
@@ -411,7 +440,7 @@ def _require_source_files(cfg: RunConfig) -> None:
 
 
 def _run(cfg: RunConfig, source: Optional[str], fmt: Optional[str], regenerate: Optional[bool],
-         limit: Optional[int], force: bool) -> int:
+         limit: Optional[int], force: bool, d) -> int:
     """:func:`run` after the overrides (and the self-instruct file): up-to-date check, select, regenerate, write.
     ``source``/``fmt``/``regenerate``: the command line's, recorded as the report's ``cli_overrides``."""
     pc = cfg.prompts
@@ -421,7 +450,7 @@ def _run(cfg: RunConfig, source: Optional[str], fmt: Optional[str], regenerate: 
     _, report = read_report(cfg)  # once: the up-to-date check and the reason to remake read it
     forced = forced_path(cfg)
     unfinished = forced.is_file()  # a --force run stopped before writing its outputs: the old ones are not current
-    if not force and not unfinished and up_to_date(report, want):
+    if ranks_agree(cfg, d, want, not force and not unfinished and up_to_date(report, want)):
         if _rank0():  # once under torchrun, as the remaking line
             print(f"prompts up to date: {out} ({rep.name} settings unchanged; use --force to redo)")
             older = older_answers_warning(out, report)

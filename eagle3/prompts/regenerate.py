@@ -35,6 +35,7 @@ from typing import Optional, Sequence
 import torch
 from tqdm import tqdm
 
+from eagle3.process_group import rank_tag
 from eagle3.sdpa import no_cudnn_sdpa
 from eagle3.prompts.chat import ChatOptions, answer_ending, end_of_turn_ids, generation_prompt, split_reasoning
 from eagle3.prompts.resume_log import ResumeLog
@@ -351,9 +352,9 @@ def _decode_continuous(run: _Run, engine, bar) -> None:
     es = engine.stats
     if "reused_tokens" in es:
         prompt = es["reused_tokens"] + es["prefill_tokens"]
-        log.info("regeneration prompts: %d tokens, %d prefilled, %d reused from the previous turn's KV (%.1f%%; "
-                 "prompts.regen_prefix_reuse: %s)", prompt, es["prefill_tokens"], es["reused_tokens"],
-                 100.0 * es["reused_tokens"] / max(1, prompt), str(es["prefix_reuse"]).lower())
+        log.info("%sregeneration prompts: %d tokens, %d prefilled, %d reused from the previous turn's KV (%.1f%%; "
+                 "prompts.regen_prefix_reuse: %s)", rank_tag(suffix=": "), prompt, es["prefill_tokens"],
+                 es["reused_tokens"], 100.0 * es["reused_tokens"] / max(1, prompt), str(es["prefix_reuse"]).lower())
     run.st["batches"] += engine.stats.get("prefill_calls", 0)
     run.st["decode_steps"] += engine.stats.get("decode_steps", 0)
 
@@ -420,7 +421,7 @@ def regenerate(model, tokenizer, conversations: list[dict], max_new_tokens: int,
         if journal is not None:
             journal.open()
             stack.callback(journal.close)
-        bar = stack.enter_context(tqdm(total=run.total, desc="regenerate", unit="answer"))
+        bar = stack.enter_context(tqdm(total=run.total, desc=f"regenerate{rank_tag(' ')}", unit="answer"))
         run.make_ready_many([i for i, (_, users) in enumerate(run.state) if users], bar)
         run.flush_log()
         if engine == "static":

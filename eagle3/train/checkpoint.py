@@ -243,17 +243,66 @@ def check_data_order(path: str | os.PathLike, saved: Optional[dict], current: di
         raise UserError(f"{path}: {problem}")
 
 
-def data_order_problem(saved: Optional[dict], current: dict) -> Optional[str]:
-    """What :func:`check_data_order` refuses, without the path (None: nothing to refuse)."""
+SPLIT_KEYS = ("train.batch_size", "train.grad_accum")  # how a step is split: free while the global batch is kept
+
+
+def global_batch(order: dict, world: int) -> int:
+    """Units per optimizer step of a ``data_order``: global samples (fixed-size batches) or batches of the token-budget
+    plan (``train.batch_tokens``): ``batch_size x grad_accum x processes`` or ``grad_accum x processes``."""
+    per = 1 if order.get("train.batch_tokens") is not None else int(order["train.batch_size"])
+    return per * int(order["train.grad_accum"]) * int(world)
+
+
+def _split_text(order: dict, world: int) -> str:
+    if order.get("train.batch_tokens") is not None:
+        return f"{order['train.grad_accum']} x {world}"
+    return f"{order['train.batch_size']} x {order['train.grad_accum']} x {world}"
+
+
+def global_batch_change(saved: Optional[dict], current: dict, worlds: Optional[tuple]) -> Optional[str]:
+    """The resume note when the global batch changes (another process count with the same split), or None.
+
+    ``worlds``: the checkpoint's and this run's process counts (None: unknown, no note). Names both splits and the
+    ``train.grad_accum`` that keeps the checkpoint's global batch, when one does."""
+    if saved is None or worlds is None or worlds[0] is None or data_order_problem(saved, current, worlds):
+        return None
+    then, now = global_batch(saved, worlds[0]), global_batch(current, worlds[1])
+    if then == now:
+        return None
+    budget = current.get("train.batch_tokens") is not None
+    unit = "token-budget batches" if budget else "samples"
+    what = "train.grad_accum x processes" if budget else "train.batch_size x train.grad_accum x processes"
+    per = global_batch({**current, "train.grad_accum": 1}, worlds[1])
+    keep = f"; --set train.grad_accum={then // per} keeps the checkpoint's" if then % per == 0 else ""
+    return (f"global batch {then} -> {now} {unit} per optimizer step ({what}: {_split_text(saved, worlds[0])} then, "
+            f"{_split_text(current, worlds[1])} now){keep}")
+
+
+def data_order_problem(saved: Optional[dict], current: dict, worlds: Optional[tuple] = None) -> Optional[str]:
+    """What :func:`check_data_order` refuses, without the path (None: nothing to refuse).
+
+    ``worlds``: the checkpoint's and this run's process counts, when known. ``train.batch_size`` / ``train.grad_accum``
+    may then change where the global batch (:func:`global_batch`) stays the checkpoint's: a step consumes the next
+    global batch of the epoch's order whatever its split (``samples_in_epoch`` locates it), and the loss does not
+    depend on the split (DESIGN.md "Loss normalisation"), so 8 ranks resumed on 4 with twice the ``grad_accum``
+    continue the same run."""
     if saved is None:
         return None
     keys = [k for k in sorted(set(saved) | set(current)) if saved.get(k, "<absent>") != current.get(k, "<absent>")]
+    known = worlds is not None and worlds[0] is not None and all(k in saved for k in SPLIT_KEYS)
+    if known and not set(keys) - set(SPLIT_KEYS) and global_batch(saved, worlds[0]) == global_batch(current, worlds[1]):
+        return None
     if not keys:
         return None
     then = ", ".join(f"{k}={saved.get(k, '<absent>')}" for k in keys)
     now = ", ".join(f"{k}={current.get(k, '<absent>')}" for k in keys)
+    split = ""
+    if known and not set(keys) - set(SPLIT_KEYS):
+        split = (f" (train.batch_size and train.grad_accum may change only where they keep the global batch of "
+                 f"{global_batch(saved, worlds[0])}: {_split_text(saved, worlds[0])} then, "
+                 f"{_split_text(current, worlds[1])} now)")
     return (f"written with {then} but the config has {now}; resume keeps the data order only with the same seed "
-            f"and batching (set them back, or train into a new train.output_dir)")
+            f"and batching{split} (set them back, or train into a new train.output_dir)")
 
 
 # Recipe fields that define the training loss: changed on --resume, the run would optimise (and log, validate,
@@ -464,13 +513,15 @@ def check_resume(path: str | os.PathLike, state: dict, current: dict, data_dir: 
         UserError: one line, ``{path}: `` then every refusal, joined by ``; ``.
     """
     rec_problem, notes = recipe_changes(state.get("recipe"), current["recipe"])
+    worlds = (state.get("world_size"), current["world_size"]) if "world_size" in current else None
     problems = [drafter_args_problem(state["drafter_args"], current["drafter_args"]),
-                data_order_problem(state.get("data_order"), current["data_order"]), rec_problem,
+                data_order_problem(state.get("data_order"), current["data_order"], worlds), rec_problem,
                 data_inputs_problem(state.get("data_inputs"), current["data_inputs"], data_dir)]
     problems = [p for p in problems if p]
     if problems:
         raise UserError(f"{path}: " + "; ".join(problems))
-    return notes
+    change = global_batch_change(state.get("data_order"), current["data_order"], worlds)
+    return notes + ([change] if change else [])
 
 
 def drafter_field_source(key: str) -> str:

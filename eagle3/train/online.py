@@ -39,6 +39,7 @@ from typing import Iterator, Optional
 import torch
 
 from eagle3.errors import UserError
+from eagle3.process_group import is_rank0
 from eagle3.shards.format import DATA_CONFIG
 
 log = logging.getLogger(__name__)
@@ -123,7 +124,8 @@ class VerifierStates:
         pad = tok.pad_token_id if tok.pad_token_id is not None else 0
         capture = HFCapture(model, list(data_config["aux_layers"]), pad_id=pad)
         check_conventions(capture.info(), capture.aux_layers, data_config, f"the verifier {cfg.verifier.display_name()!r}")
-        log.info("online hidden states: %s on %s (%s)", cfg.verifier.display_name(), device, cfg.verifier.dtype)
+        if is_rank0():  # every torchrun rank loads its replica: said once (each rank's device is its LOCAL_RANK's)
+            log.info("online hidden states: %s on %s (%s)", cfg.verifier.display_name(), device, cfg.verifier.dtype)
         return cls(capture, feat_dtype, cfg.verifier.dtype)
 
     def wrap(self, batches: Iterator[dict]) -> Iterator[dict]:

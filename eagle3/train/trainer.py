@@ -138,6 +138,81 @@ def init_distributed(device: Optional[str] = None) -> DistInfo:
     return info
 
 
+def _dotted(tree: dict, prefix: str = "") -> dict:
+    """A nested config dump as ``{"train.lr": 0.001, ...}``."""
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict) and v:
+            out.update(_dotted(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _ranks_agree(cfg: RunConfig, d: DistInfo, args: dict) -> None:
+    """Every torchrun rank must train under rank 0's config and command line. Each rank reads them itself; one with
+    another ``train.lr`` (a node with another copy of the YAML) stepped its DDP replica with its own lr, the replicas
+    drifting apart without a word, and one with another ``train.batch_size`` aborted rank 0 (SIGABRT) with no
+    message. The ranks now compare the whole config and the stage's flags first.
+
+    Raises:
+        UserError: on every rank, naming the first rank that differs from rank 0 and the differing keys.
+    """
+    if not d.distributed:
+        return
+    mine = {**_dotted(cfg.model_dump(mode="json")), **args}
+    everyone: list = [None] * d.world
+    dist.all_gather_object(everyone, mine, group=d.ctrl_group)
+    first = everyone[0]
+    for r, theirs in enumerate(everyone):
+        keys = sorted(k for k in set(theirs) | set(first) if theirs.get(k, "<absent>") != first.get(k, "<absent>"))
+        if keys:
+            shown = ", ".join(f"{k}: {first.get(k, '<absent>')!r} on rank 0, {theirs.get(k, '<absent>')!r} on rank {r}"
+                              for k in keys[:4]) + (f" (and {len(keys) - 4} more)" if len(keys) > 4 else "")
+            raise UserError(f"torchrun rank {r} runs 04 with another config or command line than rank 0 ({shown}); "
+                            f"every rank must read the same YAML, --set overrides and flags (a node with another copy?)")
+
+
+def _same_data(cfg: RunConfig, inputs: "_Inputs", d: DistInfo) -> None:
+    """Every torchrun rank must train on rank 0's data: 03's split and vocab map (content sha256), the shards' aux
+    layers and verifier weights (:func:`_data_inputs`). Each rank reads them itself; a rank on a node with another
+    copy of the data folder trained other samples (or targets) without a word.
+
+    Raises:
+        UserError: on every rank, naming the first rank whose data differs from rank 0's and the differing inputs.
+    """
+    if not d.distributed:
+        return
+    everyone: list = [None] * d.world
+    dist.all_gather_object(everyone, _data_inputs(inputs.split, inputs.vocab, inputs.data_config), group=d.ctrl_group)
+    for r, theirs in enumerate(everyone):
+        keys = sorted(k for k in set(theirs) | set(everyone[0]) if theirs.get(k) != everyone[0].get(k))
+        if keys:
+            raise UserError(f"{cfg.data_dir}: torchrun rank {r} read other data than rank 0 (differing: "
+                            f"{', '.join(keys)}); every rank must read the same data folder and shards (a node with "
+                            f"another copy?)")
+
+
+def _same_checkpoint(train_dir: Path, found: Optional[tuple], d: DistInfo) -> None:
+    """Every torchrun rank must resume from rank 0's checkpoint. Each rank looks for it itself; a rank that saw no
+    checkpoint (a node-local ``train.output_dir``) or another newest one started from another step than rank 0, and
+    the DDP replicas trained on from different weights and data positions.
+
+    Raises:
+        UserError: on every rank, naming the first rank whose checkpoint differs from rank 0's.
+    """
+    if not d.distributed:
+        return
+    mine = None if found is None else (found[0].name, int(found[1]["step"]))
+    everyone: list = [None] * d.world
+    dist.all_gather_object(everyone, mine, group=d.ctrl_group)
+    say = lambda w: "no checkpoint" if w is None else f"{w[0]} (step {w[1]})"  # noqa: E731
+    for r, theirs in enumerate(everyone):
+        if theirs != everyone[0]:
+            raise UserError(f"{ckpt.ckpt_dir(train_dir)}: --resume: torchrun rank {r} found {say(theirs)}, rank 0 "
+                            f"{say(everyone[0])}; every rank must see the same train.output_dir (a node-local folder?)")
+
+
 def _barrier(d: DistInfo) -> None:
     if d.distributed:
         dist.barrier(group=d.ctrl_group)
@@ -740,9 +815,10 @@ def _horizon_after_resume(data: _TrainData, state: dict, d: DistInfo, t, total_s
     new = data.resumed_total_steps(t.epochs, int(state["step"]))
     if horizon is not None:
         new = min(new, horizon)
-    if new != total_steps and d.is_main:
-        log.info("resumed on %d processes (checkpoint: %s): %d optimizer steps in all", d.world,
-                 state.get("world_size"), new)
+    if new != total_steps:  # every rank re-stretches it (DDP replicas step with one lr); rank 0 says so
+        if d.is_main:
+            log.info("resumed on %d processes (checkpoint: %s): %d optimizer steps in all", d.world,
+                     state.get("world_size"), new)
         scheduler.lr_lambdas[0].__dict__.update(WarmupCosine(warmup_steps_for(new, t.warmup_ratio), new).__dict__)
     return new
 
@@ -915,7 +991,10 @@ def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: O
     """The stage in named steps: inputs (+ folder check, warm start), data, optimisation, resume, loop, end. 04's lock
     (:func:`_train_lock`) is taken once the inputs are read and checked, before the first write, and held to the end.
     A refusal before the loop (any UserError of the steps up to the resume), or a signal then
-    (:func:`stop_before_training`), removes what this call created."""
+    (:func:`stop_before_training`), removes what this call created. First of all the torchrun ranks compare their
+    config and flags (:func:`_ranks_agree`)."""
+    _ranks_agree(cfg, d, {"--resume": resume, "--max-steps": max_steps, "--stop-at": stop_at,
+                          "stop_after": stop_after})
     with contextlib.ExitStack() as held:
         return _run_locked(cfg, d, stop, resume, max_steps, stop_after, export, init, stop_at,
                            lock=lambda: held.enter_context(_train_lock(cfg.train_dir, d, cfg.output_field("train"))))
@@ -931,6 +1010,7 @@ def _run_locked(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_s
         with _undo_on_refusal(cfg.train_dir, d.is_main):
             inputs = _load_inputs(cfg, d, resume, init, stop, lock)
             try:
+                _same_data(cfg, inputs, d)
                 data = _build_data(cfg, d, inputs, max_steps)
                 stop_before_training(stop, d)
                 run_ = _Training(cfg, d, inputs, data, _build_optimisation(cfg, d, inputs, data.total_steps), warned)
@@ -1512,6 +1592,7 @@ class _Training:
         """
         t, d, o = self.t, self.d, self.opt
         found = ckpt.find_latest_checkpoint(self.train_dir, warn=d.is_main)  # every rank loads it; rank 0 says so
+        _same_checkpoint(self.train_dir, found, d)
         if found is None:  # no checkpoint file at all (files that all fail to load: UserError)
             self.set_stop_at(stop_at)
             if d.is_main:
@@ -1519,7 +1600,7 @@ class _Training:
             return
         path, state = found
         i = self.inputs
-        current = _resume_current(self.cfg, i.args, i.split, i.vocab, i.data_config)
+        current = {**_resume_current(self.cfg, i.args, i.split, i.vocab, i.data_config), "world_size": d.world}
         changes = ckpt.check_resume(path, state, current, self.cfg.data_dir)
         unchecked = ckpt.data_inputs_unchecked(path, state.get("data_inputs"), current["data_inputs"], "--resume")
         self.step, self.epoch = int(state["step"]), int(state["epoch"])

@@ -195,3 +195,35 @@ def test_second_job_refused_by_folder_lock(tmp_path, tiny_llama_dir):
     assert r.returncode != 0
     assert r.stderr.count("another 02_extract_hidden run is writing") == 1  # one line for the job (was one a rank)
     assert not (root / "extract_state.json").exists() and not list(root.rglob("*.pt"))
+
+
+RANK1_ARGS = """
+import os, runpy, sys
+script, *args = sys.argv[1:]
+if os.environ.get("RANK") == "1":
+    args += os.environ["RANK1_EXTRA"].split()
+sys.argv = [script, *args]
+runpy.run_path(script, run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_a_rank_with_other_settings_is_refused_before_capture(tmp_path, tiny_llama_dir):
+    """Each rank reads the config and prompts.jsonl itself; rank 1 with another ``extract.max_length`` (a node with
+    another copy of the config; here extra ``--set`` arguments for rank 1 alone) tokenized other samples, and rank 0
+    stopped after the capture in a `RuntimeError: stage 02: samples [...] were assigned to no rank (bug)` traceback,
+    the per-rank manifests left behind. Now one line names rank 1 and the setting, before anything is written."""
+    cfg = _config(tmp_path / "a", tiny_llama_dir)
+    wrap = tmp_path / "rank1_args.py"
+    wrap.write_text(RANK1_ARGS)
+    env = dict(_env(), RANK1_EXTRA="--set extract.max_length=40")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(wrap),
+           *_torchrun(cfg)[5:]]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    out = p.stdout + p.stderr
+    errors = [ln for ln in out.splitlines() if ln.startswith("error: ")]
+    assert p.returncode != 0 and "exitcode  : 2" in out
+    assert errors == [f"error: {tmp_path / 'a' / 'shards'}: torchrun rank 1 read other 02 settings or prompts than "
+                      f"rank 0 (differing: extract.max_length); every rank must read the same config and "
+                      f"{tmp_path / 'a' / 'prompts.jsonl'} (a node with another copy?)"], out[-3000:]
+    assert "[rank0]" not in out and "[rank1]" not in out and not (tmp_path / "a" / "shards").exists(), out[-3000:]

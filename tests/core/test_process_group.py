@@ -304,3 +304,70 @@ def test_ctrl_c_under_torchrun_prints_one_interrupted_line(tmp_path):
             proc.wait()
     lines = [ln for ln in out.splitlines() if "interrupted by" in ln]
     assert lines == ["interrupted by SIGINT: re-run the same command to resume"], out[-3000:]
+
+
+PEER_GONE = textwrap.dedent("""
+    import sys
+    import torch.distributed  # noqa: F401  (a rank in a collective has it imported)
+    from eagle3.cli import run_main
+
+    def main(argv):
+        raise RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed "
+                           "by peer [127.0.0.1]:22452. This is typically caused by a remote worker crashing.")
+    run_main(main)
+""")
+
+
+def test_a_collective_broken_by_the_rank_that_reported_ends_quietly(tmp_path):
+    """A rank that stopped on bad input exits at once; a peer blocked in a collective with it met gloo's ``Connection
+    closed by peer`` before torchrun's SIGTERM and printed that traceback under the job's one ``error:`` line. Once a
+    rank has reported the job's error, such a rank now exits 2 silently; with no report the traceback stays (a real
+    failure is never hidden)."""
+    script = tmp_path / "worker.py"
+    script.write_text(PEER_GONE)
+    agent = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    rc, err = _rank(script, "x", 0, agent.port)
+    assert rc == 1 and "Connection closed by peer" in err  # nobody reported: a failure of its own
+    errors = tmp_path / "errors.py"
+    errors.write_text(ONE_ERROR)
+    assert _rank(errors, "bad", 1, agent.port) == (2, "error: run.yaml:3: field 'train.lr': bad\n")
+    assert _rank(script, "x", 0, agent.port) == (2, "")
+
+
+RANK1_SHARDS = textwrap.dedent("""
+    import os, runpy, sys
+    from pathlib import Path
+    script, *args = sys.argv[1:]
+    if os.environ.get("RANK") == "1":  # this rank's node has no shards folder where rank 0's has it
+        from eagle3.train import trainer
+
+        real = trainer.read_data_config
+        trainer.read_data_config = lambda shards_dir, *a, **k: real(Path(os.environ["RANK1_SHARDS"]), *a, **k)
+    sys.argv = [script, *args]
+    runpy.run_path(script, run_name="__main__")
+""")
+
+
+@pytest.mark.slow
+def test_a_shards_folder_only_rank_0_reads_gives_one_error_line_and_no_traceback(tmp_path):
+    """The real thing: ``torchrun --nproc_per_node 2 04_train.py`` where rank 1 cannot read the shards folder (a node
+    without the shared disk: here rank 1 reads its shards' data_config.json from elsewhere). Rank 1 stops with one line;
+    rank 0, waiting in the start-up check for it, printed a ``RuntimeError: ... Connection closed by peer`` traceback
+    too. Now the job prints the one line, and every rank exits 2."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from _ddp_worker import make_tiny_run
+
+    yaml = make_tiny_run(tmp_path / "run")
+    wrap = tmp_path / "rank1_args.py"
+    wrap.write_text(RANK1_SHARDS)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), RANK1_SHARDS=str(tmp_path / "elsewhere"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(wrap),
+           str(ROOT / "04_train.py"), "--config", str(yaml)]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    out = p.stdout + p.stderr
+    errors = [ln for ln in out.splitlines() if ln.startswith("error: ")]
+    assert p.returncode != 0
+    assert errors == [f"error: {tmp_path / 'elsewhere' / 'data_config.json'}: file not found (02_extract_hidden.py "
+                      f"writes it: run that stage first)"], out[-3000:]
+    assert "[rank0]" not in out and "Connection closed" not in out, out[-3000:]
+    assert not (tmp_path / "run" / "train" / "checkpoints").exists()

@@ -916,6 +916,8 @@ def test_up_to_date_answers_of_an_older_01_get_one_warning_line(tmp_path, monkey
     assert "answer_fields" not in json.loads(report_path(plain).read_text())
     caplog.clear()
     assert run(plain) == 0 and not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
 def test_a_missing_source_is_refused_before_the_remaking_line(tmp_path, capsys, monkeypatch):
     """A re-run whose prompts.source names a missing file printed `remaking <prompts.jsonl> (settings changed: source:
     ...)` and then `<file>: prompts file not found`, as if the old file were being replaced (fresh-user trial

@@ -183,3 +183,58 @@ def test_two_ranks_through_endpoints_or_without_regeneration_do_the_work_once(tm
     assert rep["regeneration"]["answers"] == 13 and rep["counts"]["regenerated"] == 7
     p = _run01(_setup(tmp_path, tiny_llama_dir, "plain"), 2, "--no-regenerate")
     assert p.stdout.count("prompts: ") == 1 and len((tmp_path / "plain" / "prompts.jsonl").read_text().splitlines()) == 7
+
+
+RANK1_ARGS = """
+import os, runpy, sys
+script, *args = sys.argv[1:]
+if os.environ.get("RANK") == "1":
+    args += os.environ["RANK1_EXTRA"].split()
+sys.argv = [script, *args]
+runpy.run_path(script, run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_ranks_that_read_other_settings_stop_at_once_in_one_line(tmp_path, tiny_llama_dir):
+    """Every rank reads the config and the source files itself; on a node with another copy, rank 1 read other ones
+    (here through extra ``--set`` arguments for rank 1 alone). With prompts.jsonl up to date for rank 0's settings,
+    rank 0 returned and rank 1 waited for it in the process group's set-up (3 hours; deaf to SIGTERM); with other
+    source content, every answer was regenerated before the merge refused rank 1's log. The ranks now compare their
+    settings first: one line naming rank 1 and the differing keys, every rank exits 2, prompts.jsonl unchanged."""
+    cfg = _setup(tmp_path, tiny_llama_dir, "one")
+    _run01(cfg, 1)
+    before = (tmp_path / "one" / "prompts.jsonl").read_bytes()
+    other = tmp_path / "other.jsonl"
+    other.write_text((tmp_path / "convs.jsonl").read_text().replace("how many legs", "how many arms"))
+    wrap = tmp_path / "rank1_args.py"
+    wrap.write_text(RANK1_ARGS)
+    for extra, keys in (("--set prompts.max_new_tokens=5", "max_new_tokens"),
+                        (f"--set prompts.source={other}", "sha256, source")):
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), RANK1_EXTRA=extra)
+        p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                            str(wrap), str(ROOT / "01_prepare_prompts.py"), "--config", str(cfg)],
+                           env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+        errors = [ln for ln in (p.stdout + p.stderr).splitlines() if ln.startswith("error: ")]
+        assert p.returncode != 0 and "exitcode  : 2" in p.stderr, p.stderr[-3000:]
+        assert errors == [f"error: {tmp_path / 'one' / 'prompts.jsonl'}: torchrun rank 1 read other 01 settings or "
+                          f"prompts.source files than rank 0 (differing: {keys}); every rank must read the same config "
+                          f"and source files (a node with another copy of them?)"], p.stderr[-3000:]
+        assert (tmp_path / "one" / "prompts.jsonl").read_bytes() == before and all_logs(tmp_path / "one") == []
+
+
+@pytest.mark.slow
+def test_each_replica_names_its_rank_in_its_bar_and_lines(tmp_path, tiny_llama_dir):
+    """``torchrun --nproc_per_node 2 01`` showed two `regenerate` bars and two `regeneration prompts: ...` lines (and
+    two `prompts.regen_compile: ...` lines) with other figures and no rank: one line said twice, it seemed. Each now
+    names its replica (`rank r/2`), as 02's `capture rank r/2` bars do; one process is unchanged."""
+    cfg = _setup(tmp_path, tiny_llama_dir, "two")
+    out = _run01(cfg, 2).stderr.replace("\r", "\n").splitlines()
+    for r in (0, 1):
+        assert any(ln.startswith(f"regenerate rank {r}/2: ") for ln in out), out[-20:]
+        assert len([ln for ln in out if f"INFO eagle3.prompts.regenerate: rank {r}/2: regeneration prompts: " in ln]) == 1
+        assert len([ln for ln in out if f"INFO eagle3.prompts.continuous: rank {r}/2: prompts.regen_compile: " in ln]) == 1
+    assert not [ln for ln in out if "INFO eagle3.prompts.regenerate: regeneration prompts: " in ln]
+    one = _setup(tmp_path, tiny_llama_dir, "one")
+    out1 = _run01(one, 1).stderr.replace("\r", "\n").splitlines()
+    assert any(ln.startswith("regenerate: ") for ln in out1) and not any(" rank " in ln for ln in out1 if "regenerat" in ln)

@@ -490,3 +490,24 @@ def test_export_only_refuses_a_broken_newest_checkpoint_and_leaves_the_export(tm
 
     ref = ckpt.load_checkpoint(ckpt.ckpt_path(cfg.train_dir, 2))["model"]["fc.weight"]
     assert torch.equal(load_file(str(out / "model.safetensors"))["fc.weight"], ref.to(torch.bfloat16))
+
+
+def test_data_order_lets_the_split_change_only_with_the_global_batch():
+    """batch_size / grad_accum may change on a resume where batch_size x grad_accum x processes stays the checkpoint's
+    (8 ranks resumed on 4 with twice the grad_accum); otherwise the refusal names the global batch."""
+    saved = {"train.seed": 0, "train.batch_tokens": None, "train.batch_size": 2, "train.grad_accum": 1}
+    assert ckpt.data_order_problem(saved, {**saved, "train.grad_accum": 2}, (8, 4)) is None
+    assert ckpt.data_order_problem(saved, {**saved, "train.batch_size": 1, "train.grad_accum": 4}, (8, 4)) is None
+    assert ckpt.global_batch_change(saved, {**saved, "train.grad_accum": 2}, (8, 4)) is None
+    msg = ckpt.data_order_problem(saved, {**saved, "train.grad_accum": 3}, (8, 4))
+    assert msg.startswith("written with train.grad_accum=1 but the config has train.grad_accum=3; resume keeps the "
+                          "data order only with the same seed and batching (train.batch_size and train.grad_accum may "
+                          "change only where they keep the global batch of 16: 2 x 1 x 8 then, 2 x 3 x 4 now)"), msg
+    assert ckpt.global_batch_change(saved, saved, (8, 4)) == (
+        "global batch 16 -> 8 samples per optimizer step (train.batch_size x train.grad_accum x processes: 2 x 1 x 8 "
+        "then, 2 x 1 x 4 now); --set train.grad_accum=2 keeps the checkpoint's")
+    budget = {**saved, "train.batch_tokens": 4096, "train.batch_size": None}
+    assert ckpt.data_order_problem(budget, {**budget, "train.grad_accum": 2}, (2, 1)) is None
+    assert ckpt.global_batch_change(budget, budget, (2, 1)).startswith(
+        "global batch 2 -> 1 token-budget batches per optimizer step (train.grad_accum x processes: 1 x 2 then, 1 x 1 now)")
+    assert ckpt.data_order_problem(saved, {**saved, "train.grad_accum": 2}) is not None  # process counts unknown

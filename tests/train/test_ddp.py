@@ -64,3 +64,61 @@ def test_two_gloo_ranks_match_one_process(tmp_path):
     d0 = init_drafter(build_drafter_args(init, read_data_config(init.shards_dir), vocab),
                       TargetHead.load(init.train_dir), vocab, seed=0)
     assert (d0.fc.weight - s1["model"]["fc.weight"]).abs().max() > 1e-3
+
+
+RANK1_ARGS = """
+import os, runpy, sys
+script, *args = sys.argv[1:]
+if os.environ.get("RANK") == "1":
+    args += os.environ["RANK1_EXTRA"].split()
+sys.argv = [script, *args]
+runpy.run_path(script, run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra,said", [
+    ("--set train.lr=0.02", "train.lr: 0.01 on rank 0, 0.02 on rank 1"),
+    ("--set train.batch_size=1", "train.batch_size: 2 on rank 0, 1 on rank 1"),
+    ("--resume", "--resume: False on rank 0, True on rank 1")], ids=["lr", "batch_size", "resume"])
+def test_a_rank_with_another_config_is_refused_in_one_line(tmp_path, extra, said):
+    """Each rank reads the YAML and the command line itself; rank 1 with another one (a node with another copy; here
+    extra arguments for rank 1 alone): another train.lr trained to the end, its DDP replica stepping with its own lr
+    and drifting from rank 0's without a word; another train.batch_size aborted rank 0 (SIGABRT) with no message.
+    Now every rank compares first: one line naming rank 1 and the key, every rank exits 2, no train folder."""
+    yaml = make_tiny_run(tmp_path / "run")
+    wrap = tmp_path / "rank1_args.py"
+    wrap.write_text(RANK1_ARGS)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent), RANK1_EXTRA=extra)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(wrap),
+           str(HERE.parent / "04_train.py"), "--config", str(yaml)]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    out = p.stdout + p.stderr
+    errors = [ln for ln in out.splitlines() if ln.startswith("error: ")]
+    assert p.returncode != 0 and "exitcode  : 2" in out, out[-3000:]
+    assert errors == [f"error: torchrun rank 1 runs 04 with another config or command line than rank 0 ({said}); "
+                      f"every rank must read the same YAML, --set overrides and flags (a node with another copy?)"]
+    assert "[rank0]" not in out and not (tmp_path / "run" / "train" / "checkpoints").exists(), out[-3000:]
+
+
+@pytest.mark.slow
+def test_a_rank_with_another_split_is_refused(tmp_path):
+    """Each rank reads 03's split.json (and vocab map) itself; rank 1 on a node with another copy of the data folder
+    (here its split is read from another folder) trained other samples than the one-process order says, without a
+    word. Every rank now compares the data inputs' sha256 first: one UserError naming rank 1 and split.json."""
+    import json
+
+    yaml = make_tiny_run(tmp_path / "run")
+    other = tmp_path / "other-data"
+    other.mkdir()
+    split = json.loads((tmp_path / "run" / "data" / "split.json").read_text())
+    (other / "split.json").write_text(json.dumps({"train": split["train"][::-1], "val": split["val"]}))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent), SPLIT_DIR_FOR_RANK_1=str(other))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(HERE / "_ddp_worker.py"), "--config", str(yaml)]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0
+    assert (f"UserError: {tmp_path / 'run' / 'data'}: torchrun rank 1 read other data than rank 0 (differing: "
+            f"split.json); every rank must read the same data folder and shards (a node with another copy?)") \
+        in p.stderr, p.stderr[-3000:]
+    assert not (tmp_path / "run" / "train" / "checkpoints").exists()

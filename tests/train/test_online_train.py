@@ -471,3 +471,17 @@ def test_segments_of_a_checkpoint_from_before_the_record():
     assert state_source_switch(Path("c.pt"), got, segment_record(40, 40, "online", "hf", 1, None)).startswith(
         "c.pt: steps 20-40 were trained with train.hidden_states online (extract.backend sglang), this call trains with "
         "online (extract.backend hf) from step 40")
+@pytest.mark.slow
+def test_online_under_torchrun_says_each_replica_line_once(prepared, tiny_llama_dir, tmp_path):
+    """``torchrun --nproc_per_node 2 04_train.py`` with ``train.hidden_states: online``: every rank loads its verifier
+    replica and probes its last hidden state, and each logged `online hidden states: ...` and `verifier
+    hidden_states[-1] is post_norm`, two copies of each in the job's log. Rank 0 now says them, once."""
+    two_yaml, two = _train_cfg(prepared, "online", tiny_llama_dir, True, tmp_path / "two", batch_size=1, grad_accum=2)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(ROOT / "04_train.py"), "--config", str(two_yaml)]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = (p.stdout + p.stderr).splitlines()
+    for marker in ("INFO eagle3.train.online: online hidden states: ", "verifier hidden_states[-1] is post_norm"):
+        assert len([ln for ln in out if marker in ln]) == 1, (marker, p.stderr[-3000:])

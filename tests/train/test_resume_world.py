@@ -134,3 +134,84 @@ def test_resume_warnings_under_torchrun_are_logged_by_rank_0_only(tmp_path, monk
                    "with other training settings: train.grad_clip 0.5 -> 0.25", "RNG states reseeded", "LR schedule"):
         said = [ln.split(" ", 1)[0] for ln in lines if marker in ln]
         assert said == ["rank0"], (marker, lines)
+
+
+@pytest.mark.slow
+def test_resume_on_more_processes_steps_every_rank_with_the_same_lr(tmp_path, monkeypatch):
+    """A 1-process checkpoint resumed on 2 gloo processes: the new process count gives the run another step horizon
+    (11 steps, against 10 for a fresh 2-process run), and the lr schedule was re-stretched to it on rank 0 only (the
+    update sat under the rank-0 log line), so rank 1 stepped with the fresh run's lr and the DDP replicas drifted
+    apart. Every rank now steps with the same lr, the re-stretched schedule's."""
+    train = {"batch_size": 1, "grad_accum": 1, "epochs": 2, "ckpt_every": 1, "warmup_ratio": 0.25}
+    yaml = make_tiny_run(tmp_path / "run", n_train=N_TRAIN, n_val=2, lengths=LENGTHS, train=train)
+    _train(yaml, 1, tmp_path / "A", 3, False, monkeypatch)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(HERE / "_ddp_worker.py"), "--config", str(yaml), "--resume", "--record-lr", str(tmp_path / "lr")]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    lrs = [(tmp_path / f"lr.{r}").read_text().split() for r in (0, 1)]
+    assert len(lrs[0]) == 11 - 3 and lrs[0] == lrs[1], lrs
+    report = __import__("json").loads((load_config(yaml).train_dir / "train_report.json").read_text())
+    assert report["step"] == report["total_steps"] == 11
+
+
+@pytest.mark.slow
+def test_resume_on_fewer_processes_keeps_the_global_batch_with_grad_accum(tmp_path, monkeypatch, caplog):
+    """2 gloo ranks x batch 1 stopped at step 3, resumed on 1 process: keeping the global batch (2) needs
+    train.grad_accum=2, which was refused (`written with train.grad_accum=1 ...`), so the only resume allowed halved
+    the global batch, with no word of it. grad_accum (and batch_size) may now change where they keep the global
+    batch: the resumed run ends with the weights of an uninterrupted run of that global batch. A resume that does
+    change it names it, and the grad_accum that keeps it."""
+    import logging
+
+    from eagle3.train.trainer import run
+
+    train = {"batch_size": 1, "grad_accum": 1, "epochs": 2, "ckpt_every": 1}
+    yaml = make_tiny_run(tmp_path / "run", n_train=N_TRAIN, n_val=2, lengths=LENGTHS, train=train)
+    ref_yaml = make_tiny_run(tmp_path / "ref", n_train=N_TRAIN, n_val=2, lengths=LENGTHS, train=train)
+    ref = run(load_config(ref_yaml, ["train.grad_accum=2"]), device="cpu")  # uninterrupted, global batch 2
+    _train(yaml, 2, tmp_path / "A", 3, False, monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="eagle3.train.trainer"):
+        got = run(load_config(yaml, ["train.grad_accum=2"]), resume=True, device="cpu")
+    assert not [r for r in caplog.records if "global batch" in r.getMessage()]
+    assert got["step"] == ref["step"] == 10
+    a = ckpt.load_checkpoint(ckpt.ckpt_path(load_config(ref_yaml).train_dir, 10))["model"]
+    b = ckpt.load_checkpoint(ckpt.ckpt_path(load_config(yaml).train_dir, 10))["model"]
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5, msg=k)
+    assert abs(got["final_val"]["loss"] - ref["final_val"]["loss"]) < 1e-4
+
+    other = make_tiny_run(tmp_path / "other", n_train=N_TRAIN, n_val=2, lengths=LENGTHS, train=train)
+    _train(other, 2, tmp_path / "B", 3, False, monkeypatch)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="eagle3.train.trainer"):
+        run(load_config(other), resume=True, stop_after=1, device="cpu")
+    said = [r.getMessage() for r in caplog.records if "global batch" in r.getMessage()]
+    assert len(said) == 1 and said[0].endswith(
+        "with other training settings: global batch 2 -> 1 samples per optimizer step (train.batch_size x "
+        "train.grad_accum x processes: 1 x 1 x 2 then, 1 x 1 x 1 now); --set train.grad_accum=2 keeps the "
+        "checkpoint's"), said
+    report = __import__("json").loads((load_config(other).train_dir / "train_report.json").read_text())
+    assert any("global batch 2 -> 1" in w for w in report["warnings"])
+
+
+@pytest.mark.slow
+def test_resume_where_a_rank_sees_no_checkpoint_is_refused(tmp_path, monkeypatch):
+    """Each rank looks for the newest checkpoint itself; a rank that saw none (a node-local train.output_dir; here rank
+    1's lookup is made to find nothing) started from step 0 while rank 0 resumed at step 3, the DDP replicas training
+    on from different weights and data positions. Every rank now compares what it found first: one UserError naming
+    rank 1, nothing trained."""
+    train = {"batch_size": 1, "grad_accum": 1, "epochs": 2, "ckpt_every": 1}
+    yaml = make_tiny_run(tmp_path / "run", n_train=N_TRAIN, n_val=2, lengths=LENGTHS, train=train)
+    _train(yaml, 2, tmp_path / "A", 3, False, monkeypatch)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent), HIDE_CHECKPOINTS_FROM_RANK="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(HERE / "_ddp_worker.py"), "--config", str(yaml), "--resume"]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    train_dir = load_config(yaml).train_dir
+    assert p.returncode != 0
+    assert (f"UserError: {ckpt.ckpt_dir(train_dir)}: --resume: torchrun rank 1 found no checkpoint, rank 0 "
+            f"step_00000003.pt (step 3); every rank must see the same train.output_dir (a node-local folder?)") \
+        in p.stderr, p.stderr[-3000:]
+    assert sorted(x.name for x in ckpt.ckpt_dir(train_dir).iterdir()) == ["step_00000002.pt", "step_00000003.pt"]

@@ -566,3 +566,19 @@ def test_report_table_has_one_alpha_column_per_chain_position():
         "0.4000 | 0.3000 | 4.0000 |" in text
     short = [{"step": 5, "alpha": [0.5], "tau_sim": 1.5, "loss": 1.0}]  # fewer positions than the chain: a dash
     assert "| 5 | 1.5000 | 0.5000 | - | 1.0000 |" in "\n".join(markdown_lines({"chain": 2, "rows": short}))
+
+
+def test_markdown_has_an_alpha_column_per_trained_position_only():
+    """A run with train.ttt_length 2 (two TTT positions) printed an alpha_3 column of nan in train_report.md (trial
+    2026-12-05h: `| 6 (best) | 3.0000 | 1.0000 | 1.0000 | nan | 11.1618 |`); the table now has the positions the
+    run trained, up to 3."""
+    from eagle3.train.sim_accept import markdown_lines
+
+    row = {"step": 6, "epoch": 0, "alpha": [0.75, 0.5], "loss": 11.5, "tau_sim": 2.125}
+    lines = markdown_lines({"chain": 2, "rows": [row], "best": row, "select_best": "last", "exported_step": None})
+    assert lines[2:] == ["| step | tau_sim(2) | alpha_1 | alpha_2 | val loss |", "|---:|---:|---:|---:|---:|",
+                         "| 6 (best) | 2.1250 | 0.7500 | 0.5000 | 11.5000 |"]
+    row7 = dict(row, alpha=[0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3], tau_sim=3.0)
+    lines = markdown_lines({"chain": 3, "rows": [row7], "best": row7, "select_best": "last", "exported_step": None})
+    assert lines[2] == "| step | tau_sim(3) | alpha_1 | alpha_2 | alpha_3 | val loss |"
+    assert lines[4] == "| 6 (best) | 3.0000 | 0.9000 | 0.8000 | 0.7000 | 11.5000 |"
