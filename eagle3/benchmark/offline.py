@@ -50,7 +50,7 @@ from eagle3.errors import UserError
 from eagle3.benchmark.eval_prompts import EvalPrompt, check_dataset_names, dataset_labels, load_eval_subset
 from eagle3.io import atomic_write_files, probe_dirs, read_json, relative_hint
 from eagle3.shards.format import check_extract_settings
-from eagle3.train.draft_config import EXPORT_META_FILE
+from eagle3.train.draft_config import EXPORT_META_FILE, untrained_positions
 
 log = logging.getLogger(__name__)
 
@@ -585,8 +585,8 @@ def ttt_length_warning(drafter_dir: Path, steps: int, steps_field: str, fix: Opt
         return None
     fix = (fix or "benchmark with {field} {k}").format(field=steps_field, k=k)
     return (f"{steps_field} {steps} drafts more tokens a step than the drafter was trained for: {meta_path} records "
-            f"ttt_length {k} (train.ttt_length); positions {k + 1}..{steps} were never trained, so their acceptance "
-            f"is low and tau understates a {k}-step chain: {fix}, or train with train.ttt_length {steps}")
+            f"ttt_length {k} (train.ttt_length); {untrained_positions(k, steps, verb=True)} never trained, so the "
+            f"acceptance there is low and tau understates a {k}-step chain: {fix}, or train with train.ttt_length {steps}")
 
 
 def recorded_ttt_length(meta_path: Path) -> Optional[int]:

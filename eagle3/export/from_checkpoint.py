@@ -18,6 +18,7 @@ import logging
 from pathlib import Path
 
 from eagle3.train import checkpoint as ckpt
+from eagle3.train.draft_config import untrained_positions
 from eagle3.config import RunConfig
 from eagle3.errors import UserError
 from eagle3.io import relative_hint
@@ -350,7 +351,7 @@ def speculative_tokens_warning(cfg: RunConfig, ttt_length: int, ttt_from: str = 
     if cfg.export.engine != "vllm" or steps <= int(ttt_length):
         return None
     return (f"export: speculative_tokens {steps} (benchmark.steps) in {cfg.export_dir / 'config.json'} is more than "
-            f"the ttt_length {ttt_length} ({ttt_from}) the drafter was trained for: vLLM drafts positions "
-            f"{int(ttt_length) + 1}..{steps}, never trained, at low acceptance; export with benchmark.steps "
+            f"the ttt_length {ttt_length} ({ttt_from}) the drafter was trained for: vLLM drafts "
+            f"{untrained_positions(ttt_length, steps)}, never trained, at low acceptance; export with benchmark.steps "
             f"{ttt_length} (04_train.py --export-only --engine vllm --set benchmark.steps={ttt_length}), or train with "
             f"train.ttt_length {steps}")

@@ -353,6 +353,16 @@ def check_recipe(path: str | os.PathLike, saved: Optional[dict], current: dict) 
     return notes
 
 
+WHOLE_NUMBER_FIELDS = ("train.epochs",)
+"""Recipe fields read as floats that a YAML writes as whole numbers (``epochs: 2``): named without ``.0``."""
+
+
+def as_written(key: str, v: Any) -> Any:
+    """Recipe field ``key``'s value ``v`` as the YAML writes it: a whole float of :data:`WHOLE_NUMBER_FIELDS`
+    (``epochs: 2``, read as 2.0) without its ``.0``; anything else as it is."""
+    return int(v) if key in WHOLE_NUMBER_FIELDS and isinstance(v, float) and v.is_integer() else v
+
+
 def recipe_changes(saved: Optional[dict], current: dict) -> tuple[Optional[str], list[str]]:
     """:func:`check_recipe` without the path and without raising: ``(what is refused or None, the allowed changes)``."""
     if saved is None:
@@ -363,13 +373,14 @@ def recipe_changes(saved: Optional[dict], current: dict) -> tuple[Optional[str],
     bad = [k for k in changed if k in LOSS_FIELDS]
     problem = None
     if bad:
-        what = ", ".join(f"{k} {saved.get(k, '<absent>')} -> {current.get(k, '<absent>')}" for k in bad)
+        what = ", ".join(f"{k} {as_written(k, saved.get(k, '<absent>'))} -> "
+                         f"{as_written(k, current.get(k, '<absent>'))}" for k in bad)
         problem = (f"--resume with another loss definition ({what}); set them back, or start a new run from this "
                    f"one's export with train.init_from in a new train.output_dir (a run stopped before its end has "
                    f"none yet: 04_train.py --export-only writes it from the checkpoint)")
     notes = []
     for k in (k for k in changed if k not in LOSS_FIELDS):
-        then, now = saved.get(k, "<absent>"), current.get(k, "<absent>")
+        then, now = as_written(k, saved.get(k, "<absent>")), as_written(k, current.get(k, "<absent>"))
         if k in KEPT_FIELDS:
             notes.append(f"{k}: the config's {now} is not used; the checkpoint's {then} is kept {KEPT_FIELDS[k]}")
         else:

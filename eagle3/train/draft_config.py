@@ -24,6 +24,17 @@ DEFAULT_EXPORT_DTYPE = torch.bfloat16
 EXPORT_META_FILE = "eagle3_train.json"
 
 
+def untrained_positions(ttt_length: int, steps: int, verb: bool = False) -> str:
+    """``position 3`` / ``positions 3..5`` (with ``verb``: ``position 3 was`` / ``positions 3..5 were``): the draft
+    positions past ``ttt_length`` (the TTT steps the drafter trained, ``train.ttt_length``) that a chain of ``steps``
+    drafts, for the warnings of 05 and the vLLM export (positions counted from 1, as in the per-position
+    acceptance). Needs ``steps > ttt_length``."""
+    first = int(ttt_length) + 1
+    if first == int(steps):
+        return f"position {first}" + (" was" if verb else "")
+    return f"positions {first}..{int(steps)}" + (" were" if verb else "")
+
+
 def llama_config(a: DrafterArgs, dtype: torch.dtype) -> dict:
     """LlamaConfig fields of the drafter (``num_hidden_layers`` = ``num_layers``; ``vocab_size`` = verifier vocab, for
     embeddings)."""

@@ -1676,7 +1676,7 @@ class _Training:
         only the process count had (fresh-user trial 2026-12-05d)."""
         saved, now = state.get("recipe") or {}, _recipe(self.cfg)
         keys = [k for k in ("train.epochs", "train.max_steps", "train.warmup_ratio") if k in saved and saved[k] != now[k]]
-        why = [f"{k} {saved[k]} -> {now[k]}" for k in keys]
+        why = [f"{k} {ckpt.as_written(k, saved[k])} -> {ckpt.as_written(k, now[k])}" for k in keys]
         then = state.get("world_size")
         if then is not None and int(then) != self.d.world:
             why.append(f"{then} processes then, {self.d.world} now: the steps of train.epochs follow the new split")

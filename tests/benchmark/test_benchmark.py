@@ -542,7 +542,7 @@ def test_more_steps_than_the_drafter_was_trained_for_warns_once(run_setup, tmp_p
     meta_path.write_text(json.dumps({**meta, "ttt_length": 2}))
     assert ttt_length_warning(drafter, 2, "--steps") is None
     want = (f"--steps 3 drafts more tokens a step than the drafter was trained for: {meta_path} records ttt_length 2 "
-            f"(train.ttt_length); positions 3..3 were never trained, so their acceptance is low and tau understates a "
+            f"(train.ttt_length); position 3 was never trained, so the acceptance there is low and tau understates a "
             f"2-step chain: benchmark with --steps 2, or train with train.ttt_length 3")
     assert ttt_length_warning(drafter, 3, "--steps") == want
     assert ttt_length_warning(drafter, 4, "benchmark.steps").startswith("benchmark.steps 4 drafts more tokens")

@@ -418,7 +418,7 @@ def test_cli_server_mode_warns_when_the_server_drafts_past_the_trained_ttt_lengt
                          "--max-new-tokens", "4"]) == 0
         field = f"the server's speculative_num_steps (--speculative-num-steps, {s.url}/server_info)"
     want = (f"{field} 3 drafts more tokens a step than the drafter was trained for: {draft / 'eagle3_train.json'} "
-            f"records ttt_length 2 (train.ttt_length); positions 3..3 were never trained, so their acceptance is low "
+            f"records ttt_length 2 (train.ttt_length); position 3 was never trained, so the acceptance there is low "
             f"and tau understates a 2-step chain: restart the server with --speculative-num-steps 2, or train with "
             f"train.ttt_length 3")
     assert caplog.messages.count(want) == 1

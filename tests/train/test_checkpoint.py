@@ -252,10 +252,10 @@ def test_warnings_logged_during_a_resume_are_listed_in_the_report(tmp_path, capl
     assert rep[0].startswith("skipping unusable checkpoint: ") and "step_00000003.pt" in rep[0]
     assert rep[1] == "using step_00000002.pt (step 2), not the newest checkpoint file step_00000003.pt, which does not load"
     assert rep[2].endswith("step_00000002.pt: resumed from step_00000002.pt with other training settings: train.epochs "
-                           "2.0 -> 3.0 (the lr schedule is re-stretched to the new horizon); train.lr: the config's "
+                           "2 -> 3 (the lr schedule is re-stretched to the new horizon); train.lr: the config's "
                            "0.05 is not used; the checkpoint's 0.01 is kept with its optimizer state and lr schedule")
     assert "LR schedule {'warmup_steps': 2, 'total_steps': 8} in the checkpoint, now {'warmup_steps': 3, " \
-           "'total_steps': 12} (train.epochs 2.0 -> 3.0)" in rep[3]
+           "'total_steps': 12} (train.epochs 2 -> 3)" in rep[3]
     md = (cfg.train_dir / "train_report.md").read_text()
     assert "- **warning**: using step_00000002.pt (step 2), not the newest checkpoint file" in md
 

@@ -110,7 +110,7 @@ def test_resume_on_another_process_count_names_it_as_the_schedule_change(tmp_pat
 
         run(run_cfg, resume=True, stop_after=4, device="cpu")
     lines = [r.getMessage() for r in caplog.records if "LR schedule" in r.getMessage()]
-    assert len(lines) == 1 and "(train.epochs 2.0 -> 3.0); continuing" in lines[0], lines
+    assert len(lines) == 1 and "(train.epochs 2 -> 3); continuing" in lines[0], lines
 
 
 @pytest.mark.slow
