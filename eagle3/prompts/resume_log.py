@@ -59,7 +59,7 @@ def _check_answer_fields(path: Path, header: dict) -> None:
     without the stop id."""
     fields = header.get("answer_fields")
     if fields != list(ANSWER_FIELDS):
-        have = ", ".join(fields) if isinstance(fields, list) else "none recorded"
+        have = ", ".join(map(str, fields)) if isinstance(fields, list) else "none recorded"  # hand-edited: any items
         raise UserError(f"{path}: its regenerated answers were written by an older 01 that recorded other answer "
                         f"fields ({have}; this one records {', '.join(ANSWER_FIELDS)}); pass --force to discard it "
                         "and start over")

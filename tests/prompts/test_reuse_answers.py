@@ -178,3 +178,21 @@ def test_reuse_line_printed_once_under_torchrun(tmp_path, tiny_llama_dir, monkey
     monkeypatch.setenv("RANK", "0")
     pp._regenerate_reusing(cfg, [{"id": "x", "messages": [U("q")]}], {}, {}, False)
     assert "0 of 1 conversations answered in" in capsys.readouterr().out
+
+
+def test_hand_edited_answer_fields_of_other_types_are_refused_in_one_line(tmp_path):
+    """``answer_fields`` edited by hand to hold non-strings (``[1, null]``) in a resume log's header or in the
+    reuse_answers report: one line naming the file and the fields, not a ``TypeError`` from joining them."""
+    from eagle3.prompts.resume_log import ResumeLog
+
+    log_file = tmp_path / "prompts.regen-partial.jsonl"
+    log_file.write_text(json.dumps({"settings": {"s": 1}, "answer_fields": [1, None]}) + "\n")
+    with pytest.raises(UserError) as e:
+        ResumeLog(log_file, {"s": 1}).load([{"id": "a", "messages": []}])
+    assert str(e.value) == (f"{log_file}: its regenerated answers were written by an older 01 that recorded other "
+                            "answer fields (1, None; this one records tokens, truncated, stop_token); pass --force to "
+                            "discard it and start over")
+    report = tmp_path / "prompts_report.json"
+    with pytest.raises(UserError, match=r"prompts_report\.json: prompts\.reuse_answers: its answers were regenerated "
+                                        r"by an older 01 that recorded other answer fields \(1, None; this one"):
+        ra.check_settings({"settings": {"regenerate": True}, "answer_fields": [1, None]}, {}, report)
