@@ -528,6 +528,8 @@ def _unreadable_draft_folder(url: str, info: dict, path, steps: Optional[int]) -
         if info.get("speculative_algorithm") in (None, "", "NONE"):
             return ""
         why = f"{url}/server_info names no speculative_draft_model_path"
+    elif not isinstance(path, str):  # a proxy's or hand-made server_info: Path() raised TypeError
+        why = f"{url}/server_info speculative_draft_model_path is {path!r}, not a folder path"
     elif not Path(path).is_dir():
         why = (f"the server's draft folder {path} ({url}/server_info speculative_draft_model_path) is not readable on "
                f"this machine (the server runs elsewhere, or it is a hub id)")

@@ -557,3 +557,19 @@ def test_cli_server_mode_warns_when_the_server_runs_another_model(tmp_path, tiny
     assert caplog.messages.count(w) == 1
     assert rep["served_model"] == [{"url": s.url, "model_path": str(other_weights_dir), "endpoint": "/server_info",
                                     "verifier": str(tiny_llama_dir), "match": "differs", "not_checked": []}]
+
+
+def test_server_info_naming_a_draft_folder_that_is_not_a_string_is_said():
+    """A ``/server_info`` whose ``speculative_draft_model_path`` is not a string (``5``, ``["a"]``: a proxy in front
+    of SGLang, a hand-made stand-in) stopped 05 --server in ``TypeError: expected str, bytes or os.PathLike object``;
+    it is now the draft-folder line saying the folder was not checked, with the value as found."""
+    from eagle3.benchmark.server import draft_folder_warnings
+
+    for bad in (5, ["a"]):
+        with _StandIn(speculative=True, draft=bad) as s:
+            lines, rec = draft_folder_warnings(None, s.url)
+        assert lines == rec["not_checked"] and len(lines) == 1
+        assert lines[0].startswith(f"{s.url}/server_info speculative_draft_model_path is {bad!r}, not a folder path: "
+                                   f"05 did not check it against the server (its eagle3_train.json ttt_length against "
+                                   f"--speculative-num-steps {STEPS}, ")
+        assert rec["readable"] is False and rec["path"] == bad
