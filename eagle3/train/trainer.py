@@ -1361,7 +1361,9 @@ def _load_inputs(cfg: RunConfig, d: DistInfo, resume: bool, init: Optional[Calla
     warm = _warm_start_planned(cfg, d, resume, args)  # checked before the first write (the full check: after the head)
     if lock is not None:
         lock()  # 04's lock on train_dir (_train_lock), before the folder check deletes stale temp files
-    _check_train_dir(cfg, d, resume, lambda: _resume_current(cfg, args, split, vocab, data_config))
+    # with this run's process count, as the resume compares it (a split keeping the global batch is taken)
+    _check_train_dir(cfg, d, resume, lambda: {**_resume_current(cfg, args, split, vocab, data_config),
+                                              "world_size": d.world})
     stop_before_training(stop, d)
     head = prepare_target_head(cfg, data_config, d)  # the first write: target_head.safetensors (creates train_dir)
     if d.is_main:

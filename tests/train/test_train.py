@@ -372,6 +372,28 @@ def test_without_resume_the_advice_says_whether_a_resume_would_be_taken(tmp_path
                             f"the newest that loads, or set train.output_dir to a new folder"
 
 
+
+def test_without_resume_the_advice_takes_a_split_that_keeps_the_global_batch(tmp_path):
+    """A checkpoint of 2 processes x batch 1 x grad_accum 1 (global batch 2), 04 now on 1 process with
+    train.grad_accum=2: --resume takes it (the global batch is kept), but 04 without --resume said `--resume would
+    refuse them: ... batching`: the advice judged the checkpoint without this run's process count. It now passes it,
+    as the resume does: `pass --resume to continue`."""
+    from eagle3.train.trainer import run
+
+    cfg = load_config(make_tiny_run(tmp_path, train={"epochs": 1, "ckpt_every": 1, "batch_size": 1,
+                                                      "grad_accum": 2}))
+    run(cfg, stop_after=2, max_steps=3, device="cpu")
+    path = ckpt.ckpt_path(cfg.train_dir, 2)
+    state = torch.load(path, weights_only=True)  # as 2 processes of grad_accum 1 wrote it
+    state["world_size"] = 2
+    state["data_order"]["train.grad_accum"] = 1
+    torch.save(state, path)
+    where = ckpt.ckpt_dir(cfg.train_dir)
+    with pytest.raises(UserError) as ok:
+        run(cfg, device="cpu")
+    assert str(ok.value) == f"{where}: holds checkpoints (newest step 2); pass --resume to continue, or set " \
+                            f"train.output_dir to a new folder"
+
 def test_cli_bad_config_exits_2(tmp_path):
     import subprocess
 
