@@ -670,15 +670,28 @@ def verifier_unchecked(drafter_dir: Path, verifier_name: str, weights: Optional[
 
 def vocab_map_unchecked(cfg: RunConfig, drafter_dir: Path) -> Optional[str]:
     """The line saying :func:`check_drafter_vocab` compared only the draft vocab size: the run's stage-03
-    ``vocab_map.pt`` is not there, so the drafter's ``d2t`` was not compared with it. None when it exists."""
+    ``vocab_map.pt`` is not there, so the drafter's ``d2t`` was not compared with it. None when it exists, or when
+    the drafter's ``config.json`` records a full vocab (``draft_vocab_size`` = ``vocab_size``: its ``d2t`` is the
+    identity, absent from a vLLM folder, so there is nothing but the size to compare)."""
     from eagle3.data.vocab import VOCAB_MAP
 
     vm = Path(cfg.data_dir) / VOCAB_MAP
-    if vm.is_file():
+    if vm.is_file() or _full_vocab_export(Path(drafter_dir)):
         return None
     return (f"{vm} not found: 05 did not check {Path(drafter_dir) / 'model.safetensors'} d2t (its draft vocabulary) "
             f"against the run's stage-03 vocab map, only its size against data.draft_vocab_size; run 03 for this "
             f"config, or compare d2t with the vocab_map.pt of the data it was trained on")
+
+
+def _full_vocab_export(drafter_dir: Path) -> bool:
+    """Whether the export's ``config.json`` records ``draft_vocab_size`` equal to ``vocab_size`` (False when it is
+    missing, unreadable, or either is not an integer)."""
+    try:
+        c = read_json(drafter_dir / "config.json") if (drafter_dir / "config.json").is_file() else None
+    except UserError:
+        return False
+    d, v = (c.get("draft_vocab_size"), c.get("vocab_size")) if isinstance(c, dict) else (None, None)
+    return isinstance(d, int) and not isinstance(d, bool) and d == v
 
 
 def template_check(cfg: RunConfig, tokenizer, say_missing: bool = False) -> tuple[Optional[str], Optional[str]]:

@@ -974,3 +974,23 @@ def test_offline_run_refuses_a_prompt_past_the_context(run_setup, tmp_path):
         _cli().main(["--config", str(cfg), "--drafter", str(root / "drafter"), "--datasets", str(f),
                      "--set", f"benchmark.output_dir={tmp_path / 'b'}"])
     assert not (tmp_path / "b" / "bench.json").exists()
+
+
+def test_full_vocab_drafter_without_the_runs_vocab_map_is_not_said_unchecked(tmp_path):
+    """A full-vocab drafter (``config.json`` draft_vocab_size = vocab_size) has the identity as its draft vocabulary (a
+    vLLM folder carries no d2t): without the run's ``vocab_map.pt`` 05 said it `did not check .../model.safetensors
+    d2t` against it, a not_checked line of a check with nothing to compare. Only a reduced vocab gets the line."""
+    from eagle3.benchmark.offline import vocab_map_unchecked
+
+    from eagle3.config import load_config
+
+    (tmp_path / "run.yaml").write_text(f"run_name: t\noutput_root: {tmp_path / 'out'}\n"
+                                       f"verifier: {{path: {tmp_path}}}\nprompts: {{source: humaneval}}\n")
+    cfg = load_config(tmp_path / "run.yaml")
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    (drafter / "config.json").write_text(json.dumps({"draft_vocab_size": 49152, "vocab_size": 49152}))
+    assert vocab_map_unchecked(cfg, drafter) is None
+    (drafter / "config.json").write_text(json.dumps({"draft_vocab_size": 32000, "vocab_size": 49152}))
+    assert vocab_map_unchecked(cfg, drafter).startswith(
+        f"{cfg.data_dir / 'vocab_map.pt'} not found: 05 did not check {drafter / 'model.safetensors'} d2t")
