@@ -559,7 +559,7 @@ def verifier_warnings(drafter_dir: Path, verifier_name: str, dims: Optional[dict
                 f"model at verifier.path ({diff})"]
     if weights_differ(rec.get("weights"), weights):
         return [f"drafter {meta_path} was exported for verifier '{name or verifier_name}' with other weights than the "
-                f"model at verifier.path (key 'verifier.weights': {rec['weights'][:19]}... recorded, {weights[:19]}... "
+                f"model at verifier.path (key 'verifier.weights': {str(rec['weights'])[:19]}... recorded, {weights[:19]}... "
                 f"at verifier.path): tau measures the drafter against another model"]
     return []
 

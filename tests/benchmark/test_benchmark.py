@@ -994,3 +994,15 @@ def test_full_vocab_drafter_without_the_runs_vocab_map_is_not_said_unchecked(tmp
     (drafter / "config.json").write_text(json.dumps({"draft_vocab_size": 32000, "vocab_size": 49152}))
     assert vocab_map_unchecked(cfg, drafter).startswith(
         f"{cfg.data_dir / 'vocab_map.pt'} not found: 05 did not check {drafter / 'model.safetensors'} d2t")
+
+
+def test_export_recording_verifier_weights_of_another_type_gets_the_weights_line(tmp_path):
+    """An ``eagle3_train.json`` whose ``verifier.weights`` was edited to a number stopped 05 in ``TypeError:
+    'int' object is not subscriptable`` while wording the other-weights warning; it is now that warning."""
+    from eagle3.benchmark.offline import verifier_warnings
+
+    (tmp_path / "eagle3_train.json").write_text(json.dumps({"verifier": {"name": "tiny", "weights": 123}}))
+    (w,) = verifier_warnings(tmp_path, "tiny", None, "sha256:" + "ab" * 32)
+    assert w == (f"drafter {tmp_path / 'eagle3_train.json'} was exported for verifier 'tiny' with other weights than "
+                 f"the model at verifier.path (key 'verifier.weights': 123... recorded, sha256:abababababab... at "
+                 f"verifier.path): tau measures the drafter against another model")
