@@ -181,7 +181,9 @@ def bench_server(url: str, prompts_ids: Sequence[tuple[str, list[int]]], max_new
         "speculative": verify > 0,
     }
     if verify > 0:
-        steps = int(info.get("speculative_num_steps") or max(1, len(hist) - 1))
+        steps = info.get("speculative_num_steps")  # an integer >= 1, else (absent, odd) the histogram's length
+        if not (isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1):
+            steps = max(1, len(hist) - 1)
         accept_lengths = t["accept_lengths"]
         res.update({
             "steps": steps, "verify_steps": verify, "tau": t["verify_tokens"] / verify,

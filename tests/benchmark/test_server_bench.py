@@ -61,11 +61,11 @@ def _answer(input_ids: list[int], max_new: int, speculative: bool, oracle: bool 
 
 class _StandIn:
     def __init__(self, speculative: bool, fail: bool = False, oracle: bool = False, draft: str | None = None,
-                 delay: float = 0.0, model: str | None = "tiny", has_info: bool = True):
+                 delay: float = 0.0, model: str | None = "tiny", has_info: bool = True, info_steps=STEPS):
         """``draft``: the ``speculative_draft_model_path`` its ``/server_info`` names (absent: None); ``delay``:
         seconds each ``/generate`` answer waits (a slowed server); ``model``: its ``--model-path``, named by
         ``/server_info`` and ``/model_info`` as SGLang 0.5.23 does (None: neither names one); ``has_info`` False: no
-        ``/server_info`` (404), as an older server."""
+        ``/server_info`` (404), as an older server; ``info_steps``: its ``speculative_num_steps`` when speculative."""
         self.requests: list[dict] = []
         outer = self
 
@@ -87,7 +87,7 @@ class _StandIn:
                                      "architectures": ["LlamaForCausalLM"]})
                 elif self.path == "/server_info" and has_info:
                     info = {"speculative_algorithm": "EAGLE3" if speculative else None,
-                            "speculative_num_steps": STEPS if speculative else None, "speculative_eagle_topk": 1,
+                            "speculative_num_steps": info_steps if speculative else None, "speculative_eagle_topk": 1,
                             "speculative_num_draft_tokens": STEPS + 1, "unrelated": 1}
                     if model is not None:
                         info["model_path"] = model
@@ -573,3 +573,13 @@ def test_server_info_naming_a_draft_folder_that_is_not_a_string_is_said():
                                    f"05 did not check it against the server (its eagle3_train.json ttt_length against "
                                    f"--speculative-num-steps {STEPS}, ")
         assert rec["readable"] is False and rec["path"] == bad
+
+
+def test_server_info_speculative_num_steps_that_is_not_an_integer_falls_back_to_the_histogram():
+    """A ``/server_info`` whose ``speculative_num_steps`` is not an integer (``"three"``, ``true``, ``0``) stopped 05
+    --server in ``ValueError: invalid literal for int()`` after the whole measurement (or took ``true`` as 1 draft
+    step); the steps now come from the drafts histogram, as for a server that names none."""
+    for odd in ("three", True, 0):
+        with _StandIn(speculative=True, info_steps=odd) as s:
+            res = bench_server(s.url, PROMPTS, 10, concurrency=1, progress=False)
+        assert res["steps"] == STEPS and len(res["conditional"]) == STEPS, odd
