@@ -172,6 +172,14 @@ _PIPELINE_KEYS = ("tokens", "truncated", "stop_token")
 ANSWER_FIELDS = ("tokens", "truncated", "stop_token")
 
 
+def common_answer_fields(*recorded: Any) -> list[str]:
+    """The :data:`ANSWER_FIELDS` that every one of ``recorded`` lists (each an ``answer_fields`` value of a report or a
+    resume-log header: a list of names; anything else, e.g. absent from an older 01's file, lists none), in
+    :data:`ANSWER_FIELDS` order. What a ``prompts.jsonl`` holding answers of all of them records, so that 01's
+    up-to-date check still names the fields its older answers lack."""
+    return [f for f in ANSWER_FIELDS if all(isinstance(r, list) and f in r for r in recorded)]
+
+
 def answer_ending(stop: Optional[int]) -> dict:
     """The fields 01 writes on a regenerated assistant message about how it ended, the same in every engine and in
     the endpoint path: ``{"stop_token": <id>}`` for an answer the verifier ended on stop id ``stop`` (stage 02

@@ -31,11 +31,11 @@ import logging
 import os
 from collections import Counter
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from pydantic import ValidationError
 
-from eagle3.prompts.chat import ANSWER_FIELDS, ChatOptions, end_of_turn_ids
+from eagle3.prompts.chat import ANSWER_FIELDS, ChatOptions, common_answer_fields, end_of_turn_ids
 from eagle3.config import PromptsConfig, RunConfig, at_item, field_path
 from eagle3.errors import UserError
 from eagle3.io import (atomic_write_json, atomic_write_jsonl, atomic_write_text, exclusive_lock, file_sha256,
@@ -292,12 +292,22 @@ def _regenerate_reusing(cfg: RunConfig, convs: list[dict], want: dict, stats: di
     """:func:`_regenerate`, with ``prompts.reuse_answers`` (:mod:`eagle3.prompts.reuse_answers`): the inputs an earlier
     regeneration answered under the same settings take its conversations, only the rest are regenerated, the output
     in input order. Returns ``(conversations or None on a torchrun rank > 0, {"file", "conversations"} or None)``."""
+    from eagle3.prompts.replicas import all_logs
+    from eagle3.prompts.resume_log import logged_answer_fields
+
+    # the answer fields of what is resumed or reused (an older 01's answers lack stop_token): the report records
+    # only the fields every answer of prompts.jsonl has (eagle3.prompts.chat.common_answer_fields)
+    recorded = [] if force else [logged_answer_fields(all_logs(partial_path(cfg).parent))]
     if not cfg.prompts.reuse_answers:
+        stats["answer_fields"] = common_answer_fields(list(ANSWER_FIELDS), *recorded)
         return _regenerate(cfg, convs, want, stats, force=force), None
     from eagle3.prompts import reuse_answers
 
     reused, todo = reuse_answers.split(convs, reuse_answers.load(cfg.prompts.reuse_answers, want))
     info = {"file": str(cfg.prompts.reuse_answers), "conversations": len(convs) - len(todo)}
+    if info["conversations"]:
+        recorded.append(reuse_answers.recorded_fields(cfg.prompts.reuse_answers))
+    stats["answer_fields"] = common_answer_fields(list(ANSWER_FIELDS), *recorded)
     if _rank0():  # once under torchrun
         print(f"prompts.reuse_answers: {info['conversations']} of {len(convs)} conversations answered in "
               f"{cfg.prompts.reuse_answers}; regenerating {len(todo)}")
@@ -483,7 +493,8 @@ def _run(cfg: RunConfig, source: Optional[str], fmt: Optional[str], regenerate: 
                 raise nothing_regenerated(cfg, regen_stats)
         elif not _rank0():  # nothing to share out without regeneration: rank 0 writes the outputs (each rank wrote
             return 0       # and printed them, fresh-user trial 2026-12-05f)
-        report = build_report(cfg, want, counts, kept_by_step, convs, regen_stats)
+        answer_fields = regen_stats.pop("answer_fields", list(ANSWER_FIELDS))  # what every answer records
+        report = build_report(cfg, want, counts, kept_by_step, convs, regen_stats, answer_fields)
         if reused_info is not None:
             report["reused_answers"] = reused_info
         # settings the command line set (not the config): 02 does not compare them with its config (prompts_changes)
@@ -806,7 +817,8 @@ def add_self_instruct(cfg: RunConfig, convs: list[dict]) -> tuple[list[dict], in
     return unique_ids(out), len(extra) - n_dup, n_dup
 
 
-def build_report(cfg: RunConfig, want: dict, counts: Counter, steps: dict, convs: list[dict], regen_stats: dict) -> dict:
+def build_report(cfg: RunConfig, want: dict, counts: Counter, steps: dict, convs: list[dict], regen_stats: dict,
+                 answer_fields: Sequence[str] = ANSWER_FIELDS) -> dict:
     """``prompts_report.json``'s content: the settings, the counts of every step and the regeneration figures."""
     pc = cfg.prompts
     report = {
@@ -826,8 +838,8 @@ def build_report(cfg: RunConfig, want: dict, counts: Counter, steps: dict, convs
             **({"inline_reasoning_split": counts["inline_reasoning_split"]} if counts["inline_reasoning_split"] else {}),
         },
     }
-    if pc.regenerate:  # what each answer records (an up-to-date check names a file written without them)
-        report["answer_fields"] = list(ANSWER_FIELDS)
+    if pc.regenerate:  # what every answer records (an up-to-date check names a file written without them)
+        report["answer_fields"] = list(answer_fields)
     if regen_stats:
         secs = regen_stats["seconds"]
         report["regeneration"] = {**regen_stats, "via": pc.regenerate_via,

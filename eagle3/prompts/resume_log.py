@@ -16,7 +16,7 @@ from pathlib import Path
 
 from eagle3.errors import UserError
 from eagle3.io import atomic_write_text
-from eagle3.prompts.chat import ANSWER_FIELDS
+from eagle3.prompts.chat import ANSWER_FIELDS, common_answer_fields
 from eagle3.shards.manifest import read_append_log
 
 log = logging.getLogger(__name__)
@@ -53,16 +53,36 @@ def comparable_settings(old: dict, want: dict) -> dict:
     return out
 
 
-def _check_answer_fields(path: Path, header: dict) -> None:
-    """Refuse a resume log whose header records other answer fields than this 01 writes (none: a log of a 01 from
-    before ``stop_token`` was recorded): its answers and this run's would end up in one ``prompts.jsonl``, some
-    without the stop id."""
-    fields = header.get("answer_fields")
-    if fields != list(ANSWER_FIELDS):
-        have = ", ".join(map(str, fields)) if isinstance(fields, list) else "none recorded"  # hand-edited: any items
-        raise UserError(f"{path}: its regenerated answers were written by an older 01 that recorded other answer "
-                        f"fields ({have}; this one records {', '.join(ANSWER_FIELDS)}); pass --force to discard it "
-                        "and start over")
+def older_fields_warning(path: Path, fields: Any, what: str) -> Optional[str]:
+    """One warning line when ``fields`` (the ``answer_fields`` a resume log's header or a reused report records;
+    absent before 2026-12-05h) lacks some of :data:`eagle3.prompts.chat.ANSWER_FIELDS`, else None. Its answers are
+    kept as they are (an answer without ``stop_token`` counts as stopped on the template's end-of-turn token, as before
+    the field): refusing them would throw away hours of regeneration for a field that matters only for answers a
+    verifier ends on another stop id; ``prompts_report.json`` then records the fields every answer has
+    (:func:`eagle3.prompts.chat.common_answer_fields`), so 01's up-to-date check keeps naming them."""
+    missing = [f for f in ANSWER_FIELDS if not (isinstance(fields, list) and f in fields)]
+    if not missing:
+        return None
+    have = ", ".join(map(str, fields)) if isinstance(fields, list) else "none recorded"  # hand-edited: any items
+    return (f"{path}: {what} an older 01 wrote without {' / '.join(missing)} on each answer (answer_fields: {have}); "
+            f"they are kept as they are (02 counts an answer without stop_token as stopped on the template's "
+            f"end-of-turn token) and prompts_report.json records only the fields every answer has; pass --force to "
+            f"regenerate them all")
+
+
+def logged_answer_fields(paths: list[Path]) -> list[str]:
+    """:func:`eagle3.prompts.chat.common_answer_fields` of the resume logs ``paths`` (each header's ``answer_fields``;
+    no log: all of :data:`eagle3.prompts.chat.ANSWER_FIELDS`). A header that does not read counts as none (its log is
+    refused later, by :meth:`ResumeLog.load`)."""
+    headers = []
+    for p in paths:
+        try:
+            with open(p, encoding="utf-8") as f:
+                row = json.loads(f.readline())
+        except (OSError, ValueError):
+            row = None
+        headers.append(row.get("answer_fields") if isinstance(row, dict) else None)
+    return common_answer_fields(*headers) if headers else list(ANSWER_FIELDS)
 
 
 class ResumeLog:
@@ -90,9 +110,8 @@ class ResumeLog:
 
         Raises:
             UserError: the log was started with other settings or other input (names the file and
-                the differing key / line), by a 01 that recorded fewer answer fields (its answers would lack
-                ``stop_token``: mixed with this run's, 02 would mask them differently), or a line other than the
-                last is malformed.
+                the differing key / line), or a line other than the last is malformed. A log of a 01 that recorded
+                fewer answer fields is resumed with one warning (:func:`older_fields_warning`).
         """
         if not self.path.is_file():
             return {}
@@ -109,7 +128,9 @@ class ResumeLog:
                     raise UserError(f"{self.path}: a regeneration was started here with other settings "
                                     f"({', '.join(diff) or 'header'} differ); rerun with those settings to resume, "
                                     "or pass --force to discard it and start over")
-                _check_answer_fields(self.path, row)
+                warning = older_fields_warning(self.path, row.get("answer_fields"), "resuming answers")
+                if warning:
+                    log.warning(warning)
                 continue
             idx, cid = row.get("idx"), row.get("id")
             if not isinstance(idx, int) or not 0 <= idx < len(conversations) or cid != conversations[idx]["id"] \

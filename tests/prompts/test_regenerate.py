@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -230,7 +231,7 @@ def test_pooled_turns_of_any_round_equal_reference(tiny, monkeypatch):
         regenerate(model, tok, convs, max_new_tokens=MAX_NEW, batch_size=2, schedule="fifo")
 
 
-def test_resume_after_a_kill_equals_the_uninterrupted_run(tiny, tmp_path, monkeypatch):
+def test_resume_after_a_kill_equals_the_uninterrupted_run(tiny, tmp_path, monkeypatch, caplog):
     """In-process regeneration with a resume log: a run killed in its 4th batch keeps the conversations
     finished before it; the rerun answers only the rest, and the result equals the uninterrupted run."""
     from eagle3.errors import UserError
@@ -272,11 +273,19 @@ def test_resume_after_a_kill_equals_the_uninterrupted_run(tiny, tmp_path, monkey
     with pytest.raises(UserError, match=r"prompts\.regen-partial\.jsonl: a regeneration was started here with "
                                          r"other settings \(s differ\)"):
         regenerate(model, tok, convs, max_new_tokens=MAX_NEW, batch_size=2, journal=ResumeLog(path, {"s": 2}))
-    # a log of a 01 from before stop_token was recorded: its answers would lack it, so it is refused in one line
+    # a log of a 01 from before stop_token was recorded: resumed as it is, with one warning line (refusing it threw
+    # away hours of regeneration); logged_answer_fields gives the fields the report may then claim: none
+    from eagle3.prompts.resume_log import logged_answer_fields
+
     lines = path.read_text().splitlines()
     path.write_text("\n".join([json.dumps({"settings": {"s": 1}})] + lines[1:]) + "\n")
-    with pytest.raises(UserError) as e:
-        regenerate(model, tok, convs, max_new_tokens=MAX_NEW, batch_size=2, journal=ResumeLog(path, {"s": 1}))
-    assert str(e.value) == (f"{path}: its regenerated answers were written by an older 01 that recorded other answer "
-                            "fields (none recorded; this one records tokens, truncated, stop_token); pass --force to "
-                            "discard it and start over")
+    assert logged_answer_fields([path]) == []
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        got = regenerate(model, tok, convs, max_new_tokens=MAX_NEW, batch_size=2, journal=ResumeLog(path, {"s": 1}))
+    assert got == want
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == [
+        f"{path}: resuming answers an older 01 wrote without tokens / truncated / stop_token on each answer "
+        "(answer_fields: none recorded); they are kept as they are (02 counts an answer without stop_token as stopped "
+        "on the template's end-of-turn token) and prompts_report.json records only the fields every answer has; pass "
+        "--force to regenerate them all"]

@@ -180,19 +180,37 @@ def test_reuse_line_printed_once_under_torchrun(tmp_path, tiny_llama_dir, monkey
     assert "0 of 1 conversations answered in" in capsys.readouterr().out
 
 
-def test_hand_edited_answer_fields_of_other_types_are_refused_in_one_line(tmp_path):
-    """``answer_fields`` edited by hand to hold non-strings (``[1, null]``) in a resume log's header or in the
-    reuse_answers report: one line naming the file and the fields, not a ``TypeError`` from joining them."""
-    from eagle3.prompts.resume_log import ResumeLog
+def test_answer_fields_of_an_older_or_hand_edited_01_are_said_in_one_line(tmp_path, caplog):
+    """A resume log or reused report whose ``answer_fields`` lack ``stop_token`` (an older 01), or hold non-strings
+    (``[1, null]``, edited by hand): one warning line naming the file and the fields (it was a ``TypeError`` from
+    joining them, then a refusal that threw away the regeneration), the answers kept; the fields every answer has
+    (:func:`common_answer_fields`) are what the new report records."""
+    import logging
+
+    from eagle3.prompts.chat import common_answer_fields
+    from eagle3.prompts.resume_log import ResumeLog, logged_answer_fields
 
     log_file = tmp_path / "prompts.regen-partial.jsonl"
     log_file.write_text(json.dumps({"settings": {"s": 1}, "answer_fields": [1, None]}) + "\n")
-    with pytest.raises(UserError) as e:
-        ResumeLog(log_file, {"s": 1}).load([{"id": "a", "messages": []}])
-    assert str(e.value) == (f"{log_file}: its regenerated answers were written by an older 01 that recorded other "
-                            "answer fields (1, None; this one records tokens, truncated, stop_token); pass --force to "
-                            "discard it and start over")
+    with caplog.at_level(logging.WARNING):
+        assert ResumeLog(log_file, {"s": 1}).load([{"id": "a", "messages": []}]) == {}
+    assert caplog.messages == [
+        f"{log_file}: resuming answers an older 01 wrote without tokens / truncated / stop_token on each answer "
+        "(answer_fields: 1, None); they are kept as they are (02 counts an answer without stop_token as stopped on the "
+        "template's end-of-turn token) and prompts_report.json records only the fields every answer has; pass --force "
+        "to regenerate them all"]
     report = tmp_path / "prompts_report.json"
-    with pytest.raises(UserError, match=r"prompts_report\.json: prompts\.reuse_answers: its answers were regenerated "
-                                        r"by an older 01 that recorded other answer fields \(1, None; this one"):
-        ra.check_settings({"settings": {"regenerate": True}, "answer_fields": [1, None]}, {}, report)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        ra.check_settings({"settings": {"regenerate": True}, "answer_fields": ["tokens", "truncated"]}, {"regenerate": True},
+                          report)
+    assert caplog.messages == [
+        f"{report}: prompts.reuse_answers: reusing answers an older 01 wrote without stop_token on each answer "
+        "(answer_fields: tokens, truncated); they are kept as they are (02 counts an answer without stop_token as "
+        "stopped on the template's end-of-turn token) and prompts_report.json records only the fields every answer "
+        "has; pass --force to regenerate them all"]
+    # what the report then records: the fields common to this run's answers and the resumed / reused ones
+    assert logged_answer_fields([log_file]) == []
+    assert common_answer_fields(["tokens", "truncated", "stop_token"], ["tokens", "truncated"]) == ["tokens", "truncated"]
+    assert common_answer_fields(["tokens", "truncated", "stop_token"], None) == []
+    assert common_answer_fields(["tokens", "truncated", "stop_token"]) == ["tokens", "truncated", "stop_token"]
