@@ -628,7 +628,7 @@ def shards_unchecked(cfg: RunConfig, drafter_dir: Path) -> Optional[str]:
     dc = Path(cfg.shards_dir) / DATA_CONFIG
     if dc.is_file():
         return None
-    what = ["the chat template"] + [f"the config's extract.{k}" for k in ("aux_layers", "max_length")
+    what = ["the chat template (and verifier.chat_template_kwargs)"] + [f"the config's extract.{k}" for k in ("aux_layers", "max_length")
                                     if k in getattr(cfg.extract, "model_fields_set", set())]
     meta_path = Path(drafter_dir) / TRAIN_META
     try:
@@ -712,6 +712,38 @@ def template_check(cfg: RunConfig, tokenizer, say_missing: bool = False) -> tupl
             f"the prompts with {used}: the drafter was trained on conversations rendered otherwise, so tau "
             f"understates it; set verifier.chat_template back to the shards' template, or re-run 02-04 with this "
             f"one"), None
+
+
+def template_kwargs_check(cfg: RunConfig) -> tuple[Optional[str], Optional[str]]:
+    """The ``verifier.chat_template_kwargs`` 05 renders the prompts with (e.g. ``{thinking: false}``) against those
+    the shards were rendered with (``data_config.json`` ``chat_template_kwargs``, written by 02 and compared nowhere
+    before): the same template hash renders a thinking-mode conversation otherwise than a plain one, so a drafter
+    trained on one is scored on prompts it never saw in that form (:func:`template_check` compares only the template).
+
+    Returns:
+        ``(warning, not_checked)``: the line for other kwargs, or the line saying the check could not be made (the
+        shards record none); both None when they agree or the shards' ``data_config.json`` is gone or unreadable
+        (:func:`shards_unchecked` / :func:`template_check` say that).
+    """
+    dc = Path(cfg.shards_dir) / DATA_CONFIG
+    now = dict(cfg.verifier.chat_template_kwargs)
+    try:
+        meta = read_json(dc) if dc.is_file() else None
+    except UserError:
+        return None, None
+    if not isinstance(meta, dict):
+        return None, None
+    rec = meta.get("chat_template_kwargs")
+    if not isinstance(rec, dict):
+        return None, (f"{dc} records no chat_template_kwargs: 05 did not check that the verifier.chat_template_kwargs "
+                      f"it renders the prompts with ({now}) are those the drafter's data was rendered with (e.g. "
+                      f"thinking on or off); check them against the settings the shards were made with")
+    if json.dumps(rec, sort_keys=True, default=str) == json.dumps(now, sort_keys=True, default=str):
+        return None, None
+    return (f"{dc}: the shards were rendered with chat_template_kwargs {rec} but 05 renders the prompts with "
+            f"verifier.chat_template_kwargs {now}: the drafter was trained on conversations rendered otherwise (e.g. "
+            f"thinking on or off), so tau understates it; set verifier.chat_template_kwargs back to the shards' value, "
+            f"or re-run 02-04 with this one"), None
 
 
 def _logged(warning: Optional[str]) -> list[str]:
@@ -1222,8 +1254,8 @@ def load_checked_drafter(cfg: RunConfig, drafter_dir: Path, verifier, tokenizer,
 
 
 def _after_load(cfg: RunConfig, drafter_dir: Path, mismatch: list[str], tokenizer) -> tuple[list[str], list[str]]:
-    """05's checks once the verifier's tokenizer is loaded: the chat template against the shards'
-    (:func:`template_check`), and which checks could not be made: the drafter's verifier record
+    """05's checks once the verifier's tokenizer is loaded: the chat template and its kwargs against the shards'
+    (:func:`template_check`, :func:`template_kwargs_check`), and which checks could not be made: the drafter's verifier record
     (:func:`verifier_unchecked`; not when ``mismatch`` already names another verifier), its ``d2t`` against the run's
     vocab map (:func:`vocab_map_unchecked`), the template. Not logged here.
 
@@ -1234,9 +1266,10 @@ def _after_load(cfg: RunConfig, drafter_dir: Path, mismatch: list[str], tokenize
 
     name = cfg.verifier.display_name()
     other_template, template_unchecked = template_check(cfg, tokenizer)
+    other_kwargs, kwargs_unchecked = template_kwargs_check(cfg)
     unchecked = [w for w in (None if mismatch else verifier_unchecked(drafter_dir, name, weights_fingerprint(
-        cfg.verifier)), vocab_map_unchecked(cfg, drafter_dir), template_unchecked) if w]
-    return [other_template] * bool(other_template) + unchecked, unchecked
+        cfg.verifier)), vocab_map_unchecked(cfg, drafter_dir), template_unchecked, kwargs_unchecked) if w]
+    return [w for w in (other_template, other_kwargs) if w] + unchecked, unchecked
 
 
 def check_before_load(cfg: RunConfig, drafter_dir: Path, steps: int, steps_field: str) -> tuple[list[str], list[str]]:

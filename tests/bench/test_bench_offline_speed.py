@@ -229,5 +229,5 @@ def test_offline_bench_speed_reports_the_checks_05_makes(tmp_path, tiny_llama_di
             in res["warnings"])
     assert [w.split(":")[0].rsplit("/", 1)[-1] for w in res["not_checked"]] == [
         "eagle3_train.json records no ttt_length", "vocab_map.pt not found", "data_config.json records no "
-        "chat_template_hash"]  # the verifier record is there (tiny), so that one was checked
+        "chat_template_hash", "data_config.json records no chat_template_kwargs"]  # the verifier record is there (tiny), so that one was checked
     assert all(w in res["warnings"] for w in res["not_checked"])
