@@ -42,8 +42,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle3.benchmark.offline import (  # noqa: E402
-    TRAIN_META, _load_drafter, bench_prompts, check_drafter_shape, check_drafter_vocab, default_tie_tolerance,
-    effective_batch_size, json_safe, resolve_aux_layers, resolve_drafter_dir, speedup_warning, warm_up,
+    TRAIN_META, bench_prompts, check_before_load, default_tie_tolerance, effective_batch_size, json_safe,
+    load_checked_drafter, resolve_drafter_dir, speedup_warning, warm_up,
 )
 from eagle3.cli import ArgumentParser, run_main  # noqa: E402
 from eagle3.config import add_config_args, load_config  # noqa: E402
@@ -155,6 +155,9 @@ def main(argv=None) -> int:
     from eagle3.verifier import load_verifier, resolve_device, verifier_dims
 
     check_dataset_names([a.dataset], "--dataset", indexed=False)  # before the verifier loads
+    ddir = None if a.random_drafter else resolve_drafter_dir(cfg, a.drafter)
+    # 05's checks of the drafter's and the shards' metadata (each logged), then those that need the verifier
+    drafter_notes, not_checked = ([], []) if ddir is None else check_before_load(cfg, ddir, a.steps, "--steps")
 
     device = resolve_device(cfg.verifier.device)
     vcfg = cfg.verifier
@@ -163,17 +166,15 @@ def main(argv=None) -> int:
     verifier, tok = load_verifier(vcfg, device)
     dtype = next(verifier.parameters()).dtype
     n_layers = verifier_dims(verifier.config)["num_layers"]
-    if a.random_drafter:
+    if ddir is None:
         drafter, drafter_name = _random_drafter(verifier, device, dtype, cfg.drafter), "random (untrained)"
-        drafter_notes = []
         aux = cfg.extract.aux_layers or default_aux_layers(n_layers)
-    else:
-        ddir = resolve_drafter_dir(cfg, a.drafter)
-        aux, _ = resolve_aux_layers(ddir, cfg.shards_dir, cfg.extract.aux_layers or default_aux_layers(n_layers))
-        drafter, drafter_name = _load_drafter(ddir, verifier, device, dtype), str(ddir)
-        # the config's drafter shape and vocab map, as 05 checks them (the run's own export refused, another warned)
-        drafter_notes = (check_drafter_vocab(cfg, drafter, ddir, own_export=ddir == cfg.export_dir)
-                         + check_drafter_shape(cfg, drafter, ddir, own_export=ddir == cfg.export_dir))
+    else:  # as 05 loads it: aux layers against the shards', the recorded verifier, vocab map, shape, chat template
+        drafter, aux, late, unchecked = load_checked_drafter(cfg, ddir, verifier, tok, device)
+        for w in late:
+            log.warning("%s", w)
+        drafter_notes, not_checked = drafter_notes + late, not_checked + unchecked
+        drafter_name = str(ddir)
     aux = check_aux_layers(aux, n_layers, field=f"{TRAIN_META}: aux_layers")
     tol = a.tie_tolerance if a.tie_tolerance is not None else cfg.benchmark.tie_tolerance
     tol = default_tie_tolerance(dtype) if tol is None else tol
@@ -198,6 +199,7 @@ def main(argv=None) -> int:
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "tie_tolerance": tol, "headline_batch_size": headline,
         "prompt_pick": pick, "prompt_ids": [i for i, _ in ids], "warnings": drafter_notes + subset_notes,
+        "not_checked": not_checked,
         "command": " ".join([Path(sys.argv[0]).name] + (sys.argv[1:] if argv is None else list(argv))), "rows": [],
     }
     warm = ids[0][1]

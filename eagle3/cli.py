@@ -200,12 +200,46 @@ def _first_to_report() -> bool:
 
 def _first_to_report_interrupt() -> bool:
     """Print the ``interrupted by`` line here? One process: yes; torchrun ranks: the first to stop on the signal
-    (:func:`eagle3.process_group.first_to_report_interrupt`), or rank 0 when the agent's store cannot be asked
-    (:func:`_process_group`)."""
+    (:func:`eagle3.process_group.first_to_report_interrupt`); a rank whose ``import torch`` the signal cut asks the
+    agent's store from a child interpreter (:func:`_claim_interrupt_in_child`), and rank 0 prints when that fails."""
     if not _several_ranks():
         return True
     pg = _process_group()
-    return pg.first_to_report_interrupt() if pg is not None else os.environ.get("RANK", "0") == "0"
+    if pg is not None:
+        return pg.first_to_report_interrupt()
+    claimed = _claim_interrupt_in_child()
+    return claimed if claimed is not None else os.environ.get("RANK", "0") == "0"
+
+
+# A fresh interpreter claims the interrupt counter for a rank whose own ``import torch`` was cut (_process_group).
+_CLAIM_INTERRUPT = ("import sys\nfrom eagle3.process_group import first_to_report_interrupt\n"
+                    "sys.stdout.write('claimed' if first_to_report_interrupt() else 'taken')\n")
+
+
+def _claim_interrupt_in_child(timeout_s: float = 60.0) -> Optional[bool]:
+    """Claim the job's ``interrupted by`` counter (:func:`eagle3.process_group.first_to_report_interrupt`) from a
+    child interpreter, for a rank whose ``import torch`` a Ctrl-C cut (it cannot import torch again). That rank fell
+    back to "rank 0 prints" while the other rank, interrupted after its import, claimed the counter and printed too:
+    two lines for one Ctrl-C (``timeout -s INT 3 torchrun --nproc_per_node 2 04_train.py``). Returns None when the
+    child gives no answer (then rank 0 prints, as before). SIGTERM is ignored meanwhile: torchrun stops the ranks
+    still running after the first one exits, and this rank's line may be the job's only one."""
+    import subprocess
+    from pathlib import Path
+
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    main = threading.current_thread() is threading.main_thread()
+    old = signal.signal(signal.SIGTERM, signal.SIG_IGN) if main else None
+    try:
+        out = subprocess.run([sys.executable, "-c", _CLAIM_INTERRUPT], env=env, capture_output=True, text=True,
+                             timeout=timeout_s, stdin=subprocess.DEVNULL).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if old is None else old)
+    return {"claimed": True, "taken": False}.get(out)
 
 
 def _another_rank_reported() -> bool:

@@ -40,7 +40,7 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from tqdm import tqdm
@@ -628,7 +628,7 @@ def shards_unchecked(cfg: RunConfig, drafter_dir: Path) -> Optional[str]:
     dc = Path(cfg.shards_dir) / DATA_CONFIG
     if dc.is_file():
         return None
-    what = ["the chat template"] + [f"the config's extract.{k}" for k in ("aux_layers", "max_length")
+    what = ["the chat template (and verifier.chat_template_kwargs)"] + [f"the config's extract.{k}" for k in ("aux_layers", "max_length")
                                     if k in getattr(cfg.extract, "model_fields_set", set())]
     meta_path = Path(drafter_dir) / TRAIN_META
     try:
@@ -725,6 +725,38 @@ def template_check(cfg: RunConfig, tokenizer, say_missing: bool = False) -> tupl
             f"the prompts with {used}: the drafter was trained on conversations rendered otherwise, so tau "
             f"understates it; set verifier.chat_template back to the shards' template, or re-run 02-04 with this "
             f"one"), None
+
+
+def template_kwargs_check(cfg: RunConfig) -> tuple[Optional[str], Optional[str]]:
+    """The ``verifier.chat_template_kwargs`` 05 renders the prompts with (e.g. ``{thinking: false}``) against those
+    the shards were rendered with (``data_config.json`` ``chat_template_kwargs``, written by 02 and compared nowhere
+    before): the same template hash renders a thinking-mode conversation otherwise than a plain one, so a drafter
+    trained on one is scored on prompts it never saw in that form (:func:`template_check` compares only the template).
+
+    Returns:
+        ``(warning, not_checked)``: the line for other kwargs, or the line saying the check could not be made (the
+        shards record none); both None when they agree or the shards' ``data_config.json`` is gone or unreadable
+        (:func:`shards_unchecked` / :func:`template_check` say that).
+    """
+    dc = Path(cfg.shards_dir) / DATA_CONFIG
+    now = dict(cfg.verifier.chat_template_kwargs)
+    try:
+        meta = read_json(dc) if dc.is_file() else None
+    except UserError:
+        return None, None
+    if not isinstance(meta, dict):
+        return None, None
+    rec = meta.get("chat_template_kwargs")
+    if not isinstance(rec, dict):
+        return None, (f"{dc} records no chat_template_kwargs: 05 did not check that the verifier.chat_template_kwargs "
+                      f"it renders the prompts with ({now}) are those the drafter's data was rendered with (e.g. "
+                      f"thinking on or off); check them against the settings the shards were made with")
+    if json.dumps(rec, sort_keys=True, default=str) == json.dumps(now, sort_keys=True, default=str):
+        return None, None
+    return (f"{dc}: the shards were rendered with chat_template_kwargs {rec} but 05 renders the prompts with "
+            f"verifier.chat_template_kwargs {now}: the drafter was trained on conversations rendered otherwise (e.g. "
+            f"thinking on or off), so tau understates it; set verifier.chat_template_kwargs back to the shards' value, "
+            f"or re-run 02-04 with this one"), None
 
 
 def _logged(warning: Optional[str]) -> list[str]:
@@ -1155,8 +1187,7 @@ def run(
     Raises:
         UserError: missing drafter folder or metadata, unloadable verifier, bad prompts, lossless failure.
     """
-    from eagle3.layers import check_aux_layers, default_aux_layers
-    from eagle3.verifier import load_verifier, resolve_device, verifier_dims, weights_fingerprint
+    from eagle3.verifier import load_verifier, resolve_device
 
     bc = cfg.benchmark
     steps, steps_field = (steps, "--steps") if steps else (bc.steps, "benchmark.steps")
@@ -1173,7 +1204,7 @@ def run(
 
     preflight_export(drafter_dir)  # a bad export fails before the verifier loads (minutes at Kimi scale); its
     # warnings are logged once, by load_exported below
-    notes, not_checked = _check_before_load(cfg, drafter_dir, steps, steps_field)  # each logged
+    notes, not_checked = check_before_load(cfg, drafter_dir, steps, steps_field)  # each logged
     subset_notes += notes
     device = resolve_device(cfg.verifier.device)
     vcfg = cfg.verifier
@@ -1181,39 +1212,63 @@ def run(
         log.info("CPU run: using float32 instead of %s so that the lossless check is exact", vcfg.dtype)
         vcfg = vcfg.model_copy(update={"dtype": "float32"})
     verifier, tokenizer = load_verifier(vcfg, device)
-    n_layers = verifier_dims(verifier.config)["num_layers"]
-    fallback = cfg.extract.aux_layers
-    if fallback is None:
-        try:
-            fallback = default_aux_layers(n_layers)
-        except UserError:  # too few layers for the default: the drafter's metadata must say
-            fallback = None
-    mismatch = verifier_warnings(drafter_dir, cfg.verifier.display_name(), verifier_dims(verifier.config),
-                                 weights_fingerprint(cfg.verifier))
-    with verifier_named_first(mismatch):  # another verifier: say so rather than an aux-layer / shape symptom
-        aux, warnings = resolve_aux_layers(drafter_dir, cfg.shards_dir, fallback)
-        warnings += mismatch
-        warnings += export_folder_warnings(drafter_dir, aux, verifier_dims(verifier.config)["architecture"])
-        aux = check_aux_layers(aux, n_layers, field=f"{drafter_dir / TRAIN_META}: aux_layers")
-        if serve_aux_layers is not None and list(serve_aux_layers) != list(aux):
-            serve = check_aux_layers(serve_aux_layers, n_layers, field="--serve-aux-layers")
-            msg = f"serving with aux layers {serve} although the drafter was trained on {aux} (--serve-aux-layers)"
-            warnings.append(msg)
-            aux = serve
-        dtype = next(verifier.parameters()).dtype
-        drafter = _load_drafter(drafter_dir, verifier, device, dtype)
-    warnings += check_drafter_vocab(cfg, drafter, drafter_dir, own_export=drafter_dir == cfg.export_dir)
-    warnings += check_drafter_shape(cfg, drafter, drafter_dir, own_export=drafter_dir == cfg.export_dir)
-    late, unchecked = _after_load(cfg, drafter_dir, mismatch, tokenizer)  # logged with the warnings, at the end
+    drafter, aux, warnings, unchecked = load_checked_drafter(cfg, drafter_dir, verifier, tokenizer, device,
+                                                             serve_aux_layers)
+    dtype = next(verifier.parameters()).dtype
     run_offline(cfg, verifier, tokenizer, drafter, aux, sets, steps, max_new_tokens, strict=dtype == torch.float32,
-                drafter_name=str(drafter_dir), warnings=warnings + late, batch_size=batch_size,
+                drafter_name=str(drafter_dir), warnings=warnings, batch_size=batch_size,
                 tie_tolerance=tie_tolerance, logged=subset_notes, not_checked=not_checked + unchecked)
     return 0
 
 
+def load_checked_drafter(cfg: RunConfig, drafter_dir: Path, verifier, tokenizer, device,
+                         serve_aux_layers: Optional[Sequence[int]] = None) -> tuple[Any, list[int], list[str], list[str]]:
+    """Load the exported drafter beside a loaded verifier with every check 05 makes once the verifier is there: the
+    drafter's recorded verifier (:func:`verifier_warnings`), its aux layers against the shards'
+    (:func:`resolve_aux_layers`), the export folder's engine block (:func:`export_folder_warnings`), its vocab map and
+    shape against the config's (:func:`check_drafter_vocab`, :func:`check_drafter_shape`), and :func:`_after_load`'s
+    (chat template, what could not be checked). Shared by :func:`run` and ``bench/offline_bench_speed.py``, which
+    dropped the aux-layer warning and said nothing of the checks it could not make. Not logged here.
+
+    Returns:
+        ``(drafter, aux_layers, warnings, not_checked)``: ``warnings`` holds every line, ``not_checked`` those of them
+        that say a check was not made for want of metadata.
+
+    Raises:
+        UserError: an aux layer past the verifier's layers, a bad ``serve_aux_layers``, a drafter that does not load
+            or contradicts the run's own vocab map or shape.
+    """
+    from eagle3.layers import check_aux_layers, default_aux_layers
+    from eagle3.verifier import verifier_dims, weights_fingerprint
+
+    dims = verifier_dims(verifier.config)
+    fallback = cfg.extract.aux_layers
+    if fallback is None:
+        try:
+            fallback = default_aux_layers(dims["num_layers"])
+        except UserError:  # too few layers for the default: the drafter's metadata must say
+            fallback = None
+    mismatch = verifier_warnings(drafter_dir, cfg.verifier.display_name(), dims, weights_fingerprint(cfg.verifier))
+    with verifier_named_first(mismatch):  # another verifier: say so rather than an aux-layer / shape symptom
+        aux, warnings = resolve_aux_layers(drafter_dir, cfg.shards_dir, fallback)
+        warnings += mismatch
+        warnings += export_folder_warnings(drafter_dir, aux, dims["architecture"])
+        aux = check_aux_layers(aux, dims["num_layers"], field=f"{drafter_dir / TRAIN_META}: aux_layers")
+        if serve_aux_layers is not None and list(serve_aux_layers) != list(aux):
+            serve = check_aux_layers(serve_aux_layers, dims["num_layers"], field="--serve-aux-layers")
+            warnings.append(f"serving with aux layers {serve} although the drafter was trained on {aux} "
+                            "(--serve-aux-layers)")
+            aux = serve
+        drafter = _load_drafter(drafter_dir, verifier, device, next(verifier.parameters()).dtype)
+    warnings += check_drafter_vocab(cfg, drafter, drafter_dir, own_export=drafter_dir == cfg.export_dir)
+    warnings += check_drafter_shape(cfg, drafter, drafter_dir, own_export=drafter_dir == cfg.export_dir)
+    late, unchecked = _after_load(cfg, drafter_dir, mismatch, tokenizer)
+    return drafter, aux, warnings + late, unchecked
+
+
 def _after_load(cfg: RunConfig, drafter_dir: Path, mismatch: list[str], tokenizer) -> tuple[list[str], list[str]]:
-    """05's checks once the verifier's tokenizer is loaded: the chat template against the shards'
-    (:func:`template_check`), and which checks could not be made: the drafter's verifier record
+    """05's checks once the verifier's tokenizer is loaded: the chat template and its kwargs against the shards'
+    (:func:`template_check`, :func:`template_kwargs_check`), and which checks could not be made: the drafter's verifier record
     (:func:`verifier_unchecked`; not when ``mismatch`` already names another verifier), its ``d2t`` against the run's
     vocab map (:func:`vocab_map_unchecked`), the template. Not logged here.
 
@@ -1224,12 +1279,13 @@ def _after_load(cfg: RunConfig, drafter_dir: Path, mismatch: list[str], tokenize
 
     name = cfg.verifier.display_name()
     other_template, template_unchecked = template_check(cfg, tokenizer)
+    other_kwargs, kwargs_unchecked = template_kwargs_check(cfg)
     unchecked = [w for w in (None if mismatch else verifier_unchecked(drafter_dir, name, weights_fingerprint(
-        cfg.verifier)), vocab_map_unchecked(cfg, drafter_dir), template_unchecked) if w]
-    return [other_template] * bool(other_template) + unchecked, unchecked
+        cfg.verifier)), vocab_map_unchecked(cfg, drafter_dir), template_unchecked, kwargs_unchecked) if w]
+    return [w for w in (other_template, other_kwargs) if w] + unchecked, unchecked
 
 
-def _check_before_load(cfg: RunConfig, drafter_dir: Path, steps: int, steps_field: str) -> tuple[list[str], list[str]]:
+def check_before_load(cfg: RunConfig, drafter_dir: Path, steps: int, steps_field: str) -> tuple[list[str], list[str]]:
     """05's checks of the drafter's and the shards' metadata that need no verifier, run before it loads: a config
     whose ``extract`` settings differ from the shards' ``data_config.json`` is refused
     (:func:`eagle3.shards.format.check_extract_settings`); ``steps`` past the trained ``ttt_length`` is warned about

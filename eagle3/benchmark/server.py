@@ -47,7 +47,7 @@ from typing import Optional, Sequence
 from tqdm import tqdm
 
 from eagle3.benchmark.offline import (holds_bench_lock, json_safe, plot_acceptance, rates_from_hist, speedup_warning,
-                                     template_check)
+                                     template_check, template_kwargs_check)
 from eagle3.errors import UserError
 from eagle3.io import json_error_detail, probe_dirs, read_json
 
@@ -382,9 +382,10 @@ def run(cfg, urls: Sequence[str], datasets: Optional[Sequence[str]] = None, num_
     folder_notes, folder = draft_folder_warnings(cfg, urls[0])  # also in each report's warnings
     model_notes, served = served_model_warnings(cfg, urls)
     other_template, template_unchecked = template_check(cfg, tok, say_missing=True)
-    folder_notes += model_notes + [w for w in (other_template, template_unchecked) if w]
-    unchecked = folder["not_checked"] + [w for r in served for w in r["not_checked"]] + [template_unchecked] * bool(
-        template_unchecked)
+    other_kwargs, kwargs_unchecked = template_kwargs_check(cfg)
+    folder_notes += model_notes + [w for w in (other_template, template_unchecked, other_kwargs, kwargs_unchecked) if w]
+    unchecked = folder["not_checked"] + [w for r in served for w in r["not_checked"]] + [
+        w for w in (template_unchecked, kwargs_unchecked) if w]
     for w in folder_notes:
         log.warning("%s", w)
     labels = dataset_labels(datasets)

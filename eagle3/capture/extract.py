@@ -499,6 +499,9 @@ def _check_state(root: Path, fp: str, comp: dict, overwrite: bool, weights: dict
                 f"{'; '.join(changed)}; re-run with --overwrite to delete them and start over, or set extract.output_dir "
                 f"to another folder to keep them (another run may read them)"
             )
+        unchecked = _weights_unchecked(root, old, weights)
+        if unchecked:  # resumed with the weights not compared: said, not silent
+            log.warning("%s", unchecked)
     elif has_data:
         raise UserError(
             f"{root}: holds shards but no {STATE} (unknown provenance); re-run with --overwrite to delete them, or set "
@@ -522,6 +525,44 @@ def _weights_changed(root: Path, state: dict, weights: dict) -> Optional[str]:
             meta = None
         was = meta.get("verifier_weights") if isinstance(meta, dict) else None
     return f"{was} -> {now}" if weights_differ(was, now) else None
+
+
+def _read_state(root: Path) -> Optional[dict]:
+    """``extract_state.json`` of ``root``, or None when it does not read as a JSON object."""
+    try:
+        state = read_json(root / STATE)
+    except UserError:
+        return None
+    return state if isinstance(state, dict) else None
+
+
+def _weights_unchecked(root: Path, state: Any, weights: dict) -> Optional[str]:
+    """The one warning line saying that the verifier weights of the shards in ``root`` were not compared with this
+    run's (:func:`_weights_changed`) because only one side has a fingerprint: the folder's record (``state``:
+    ``extract_state.json``, else ``data_config.json``) has none (shards of a 02 from before 2026-12-05f) or the
+    folder at ``verifier.path`` holds no weight file here (``weights`` ``{}``); None when both or neither have one
+    (neither: :func:`eagle3.shards.format.check_verifier` says so at 03/04). 02 resumed into such a folder, or found
+    it up to date, without a word."""
+    now = weights.get("verifier_weights")
+    was = state.get("verifier_weights") if isinstance(state, dict) else None
+    where = root / STATE
+    if was is None and (root / DATA_CONFIG).is_file():
+        try:
+            meta = read_json(root / DATA_CONFIG)
+        except UserError:
+            meta = None
+        was = meta.get("verifier_weights") if isinstance(meta, dict) else None
+        where = root / DATA_CONFIG if was is not None else where
+    if bool(was) == bool(now):
+        return None
+    if not was:
+        why = (f"{where}: records no verifier_weights (shards extracted by a 02 of before 2026-12-05f): 02 did not "
+               f"check the weights at verifier.path against the model the shards in {root} were captured from")
+    else:
+        why = (f"{where}: records verifier_weights {str(was)[:19]}... but verifier.path holds no weight file here: "
+               f"02 did not check that it is the model the shards in {root} were captured from")
+    return (why + "; check that it is, or re-run with --overwrite to capture every shard from this one (a set from "
+            "two models trains against one's lm_head)")
 
 
 def check_prompts_current(cfg: RunConfig) -> None:
@@ -1193,6 +1234,9 @@ def _extract(cfg: RunConfig, root: Path, overwrite: bool, limit: Optional[int],
         if d.rank == 0:
             log.info("shards up to date: %s (%d samples, settings unchanged; use --overwrite to redo)", root,
                      finished["samples"])
+            unchecked = _weights_unchecked(root, _read_state(root), _weights_record(cfg))
+            if unchecked:
+                log.warning("%s", unchecked)
         return {**(finished if d.rank == 0 else {"shards_dir": str(root)}), "up_to_date": True}
     p = _prepare(cfg, root, overwrite, limit, backend, tokenizer, d, ignore_disk_check)
     samples, done = p.samples, p.done

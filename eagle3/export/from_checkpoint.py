@@ -192,7 +192,9 @@ def shards_data_config(cfg: RunConfig, path: Path, state: dict) -> dict:
 def _check_recorded_verifier(cfg: RunConfig, record: dict, path: Path) -> None:
     """:func:`eagle3.shards.format.check_verifier` against a checkpoint's ``data_config`` record (the shards are gone):
     the config's verifier must be the one the shards were captured from, by name and, when both are known, by the
-    fingerprint of its weight files (``verifier_weights``: the exported ``config.json`` names that verifier).
+    fingerprint of its weight files (``verifier_weights``: the exported ``config.json`` names that verifier). A
+    record without one (before 2026-12-05f) beside weight files at ``verifier.path`` is one warning line saying the
+    weights were not compared (that skip was silent); no weight file here is nothing to compare (as 03/04).
 
     Raises:
         UserError: ``<checkpoint>: key 'data_config.verifier' is 'a' but the config's verifier is 'b' ...``, or
@@ -206,7 +208,12 @@ def _check_recorded_verifier(cfg: RunConfig, record: dict, path: Path) -> None:
                         f"was trained on) but the config's verifier is {want!r} (verifier.name / verifier.path); set "
                         f"the verifier this checkpoint was trained on")
     recorded = record.get(ckpt.VERIFIER_WEIGHTS)
-    now = weights_fingerprint(cfg.verifier) if recorded else None  # nothing recorded: nothing to hash
+    now = weights_fingerprint(cfg.verifier)  # (1 MiB a weight file)
+    if now and not recorded:  # not compared: said (was silent); no weight file here: nothing to compare, as 03/04
+        log.warning("%s", f"{path}: key '{ckpt.DATA_CONFIG_RECORD}' records no {ckpt.VERIFIER_WEIGHTS} (shards "
+                    f"captured before 2026-12-05f): --export-only did not check the weights at verifier.path "
+                    f"'{cfg.verifier.path}' against the model the checkpoint was trained on, only the name {want!r}; "
+                    f"check that verifier.path is that model (the export's config.json names it)")
     if weights_differ(recorded, now):
         raise UserError(f"verifier.path: '{cfg.verifier.path}' holds other weights than the model {path} was trained "
                         f"on (key '{ckpt.DATA_CONFIG_RECORD}.{ckpt.VERIFIER_WEIGHTS}' {str(recorded)[:19]}..., "

@@ -160,7 +160,9 @@ def test_offline_bench_speed_checks_the_drafter_shape_and_takes_num_prompts_from
     assert mod.main(args + ["--drafter", str(other), "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     assert res["num_prompts"] == 2 and res["prompt_ids"] == ["q0", "q1"]
-    assert len(res["warnings"]) == 1 and "num_layers 1 but the config's drafter.num_layers is 2" in res["warnings"][0]
+    other_verifier, shape = [w for w in res["warnings"] if w not in res["not_checked"]]  # as 05 warns
+    assert "num_layers 1 but the config's drafter.num_layers is 2" in shape
+    assert other_verifier.startswith(f"drafter {other / 'eagle3_train.json'} was exported for verifier 'tiny'")
 
 
 def test_offline_bench_speed_flags_a_speedup_above_tau(tmp_path, tiny_llama_dir, monkeypatch):
@@ -188,3 +190,44 @@ def test_offline_bench_speed_flags_a_speedup_above_tau(tmp_path, tiny_llama_dir,
     one, two = json.loads(out.read_text())["rows"]
     assert one["warnings"] == [speedup_warning("p batch 1 (batched decoder)", 1.40, 1.02)]
     assert two["warnings"] == []
+
+
+def test_offline_bench_speed_reports_the_checks_05_makes(tmp_path, tiny_llama_dir):
+    """The speed script dropped 05's aux-layer mismatch warning (`aux, _ = resolve_aux_layers(...)`) and made none of
+    05's `not_checked` lines: a drafter trained on other layers than the shards' was timed without a word. It now
+    loads the drafter through 05's `load_checked_drafter` (and `check_before_load`): the same warnings and
+    `not_checked` lines, in its JSON and its log."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from eagle3.export.serving import export_drafter
+    from eagle3.train.model import DrafterArgs, Eagle3Drafter
+    from eagle3.verifier import verifier_dims
+
+    hf = AutoConfig.from_pretrained(tiny_llama_dir)
+    v = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    torch.manual_seed(0)
+    d = Eagle3Drafter(DrafterArgs.from_hf_config(hf, draft_vocab_size=512), v.get_input_embeddings().weight)
+    drafter = tmp_path / "other"
+    export_drafter(d, drafter, "sglang", [2, 3, 4], {"name": "tiny", **verifier_dims(hf)})
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"Say {i}."}) + "\n" for i in range(2)))
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    (shards / "data_config.json").write_text(json.dumps({"aux_layers": [1, 3, 4]}))
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"run_name: t\noutput_root: {tmp_path / 'out'}\nverifier: {{path: {tiny_llama_dir}, device: cpu}}\n"
+                   f"prompts: {{source: {prompts}}}\ndata: {{draft_vocab_size: 512}}\n"
+                   f"extract: {{output_dir: {shards}}}\n")
+    out = tmp_path / "s.json"
+    assert _script().main(["--config", str(cfg), "--dataset", str(prompts), "--max-new-tokens", "3", "--batch-sizes",
+                           "1", "--drafter", str(drafter), "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["aux_layers"] == [2, 3, 4]
+    assert (f"aux layers differ: drafter {drafter / 'eagle3_train.json'} records [2, 3, 4] but shards "
+            f"{shards / 'data_config.json'} record [1, 3, 4] (HF hidden_states indices); using the drafter's"
+            in res["warnings"])
+    assert [w.split(":")[0].rsplit("/", 1)[-1] for w in res["not_checked"]] == [
+        "eagle3_train.json records no ttt_length", "vocab_map.pt not found", "data_config.json records no "
+        "chat_template_hash", "data_config.json records no chat_template_kwargs"]  # the verifier record is there (tiny), so that one was checked
+    assert all(w in res["warnings"] for w in res["not_checked"])

@@ -322,7 +322,8 @@ def test_checks_without_metadata_are_said_not_skipped(tmp_path):
     shards = tmp_path / "shards"
     cfg = SimpleNamespace(shards_dir=shards, extract=ExtractConfig(max_length=512))
     assert shards_unchecked(cfg, d) == (
-        f"{shards / 'data_config.json'} not found: 05 did not check the chat template, the config's extract.max_length "
+        f"{shards / 'data_config.json'} not found: 05 did not check the chat template (and "
+        f"verifier.chat_template_kwargs), the config's extract.max_length "
         f"against the template, layers and length the shards were made with; check them against the data_config.json "
         f"of the shards the drafter was trained on")
     shards.mkdir()
@@ -471,7 +472,8 @@ def test_cli_writes_lossless_reports(run_setup):
     assert rep["not_checked"] == [
         f"{meta} records no ttt_length: 05 did not check --steps 2 against the draft positions the drafter was trained "
         f"for; check that its training's TTT length (train.ttt_length, SpecForge --ttt-length) is at least 2",
-        f"{out / 'shards' / 'data_config.json'} not found: 05 did not check the chat template, the drafter's aux "
+        f"{out / 'shards' / 'data_config.json'} not found: 05 did not check the chat template (and "
+        f"verifier.chat_template_kwargs), the drafter's aux "
         f"layers ({meta}) against the template, layers and length the shards were made with; check them against the "
         f"data_config.json of the shards the drafter was trained on",
         f"{out / 'data' / 'vocab_map.pt'} not found: 05 did not check {root / 'drafter' / 'model.safetensors'} d2t (its "
@@ -1006,3 +1008,34 @@ def test_export_recording_verifier_weights_of_another_type_gets_the_weights_line
     assert w == (f"drafter {tmp_path / 'eagle3_train.json'} was exported for verifier 'tiny' with other weights than "
                  f"the model at verifier.path (key 'verifier.weights': 123... recorded, sha256:abababababab... at "
                  f"verifier.path): tau measures the drafter against another model")
+
+
+def test_chat_template_kwargs_other_than_the_shards_are_warned_about(tmp_path):
+    """02 records the verifier.chat_template_kwargs it rendered the shards with (thinking on/off), but 05 compared only
+    the template's hash: a drafter trained with thinking off was scored on prompts rendered with thinking on without a
+    word. Other kwargs are now one warning line; shards recording none, one line saying the check was not made; the
+    same kwargs (in any key order), or no data_config.json (shards_unchecked says it), nothing."""
+    from types import SimpleNamespace
+
+    from eagle3.benchmark.offline import template_kwargs_check
+    from eagle3.config import VerifierConfig
+
+    shards = tmp_path / "shards"
+    dc = shards / "data_config.json"
+    cfg = SimpleNamespace(shards_dir=shards, verifier=VerifierConfig(path=str(tmp_path), chat_template_kwargs={
+        "thinking": True, "effort": "low"}))
+    assert template_kwargs_check(cfg) == (None, None)
+    shards.mkdir()
+    dc.write_text(json.dumps({"chat_template_kwargs": {"effort": "low", "thinking": True}}))
+    assert template_kwargs_check(cfg) == (None, None)
+    dc.write_text(json.dumps({"chat_template_kwargs": {"thinking": False, "effort": "low"}}))
+    assert template_kwargs_check(cfg) == (
+        f"{dc}: the shards were rendered with chat_template_kwargs {{'thinking': False, 'effort': 'low'}} but 05 renders "
+        f"the prompts with verifier.chat_template_kwargs {{'thinking': True, 'effort': 'low'}}: the drafter was trained "
+        f"on conversations rendered otherwise (e.g. thinking on or off), so tau understates it; set "
+        f"verifier.chat_template_kwargs back to the shards' value, or re-run 02-04 with this one", None)
+    dc.write_text(json.dumps({"chat_template_hash": None}))
+    assert template_kwargs_check(cfg) == (None, (
+        f"{dc} records no chat_template_kwargs: 05 did not check that the verifier.chat_template_kwargs it renders the "
+        f"prompts with ({{'thinking': True, 'effort': 'low'}}) are those the drafter's data was rendered with (e.g. "
+        f"thinking on or off); check them against the settings the shards were made with"))

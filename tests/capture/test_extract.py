@@ -601,3 +601,33 @@ def test_summary_says_n_a_where_no_rate_was_measured(tmp_path, tiny_llama_dir, c
     assert "| captured_tokens_per_s | n/a |" in ex._markdown({**{k: 0 for k in (
         "prompts", "samples", "split_conversations", "split_samples", "written", "resumed", "num_tokens",
         "num_loss_tokens", "truncated", "capture_s", "total_s", "disk_gb")}, "captured_tokens_per_s": None, "skipped": {}})
+
+
+def test_a_shards_folder_without_a_weights_fingerprint_is_said_on_resume_and_up_to_date(tmp_path, tiny_llama_dir,
+                                                                                         caplog):
+    """02 compares the verifier weights a shards folder records with those at verifier.path; a folder of a 02 from
+    before the fingerprint (none in extract_state.json nor data_config.json) was found up to date, or resumed into,
+    without a word that the weights were not compared. One warning line now says so, each time."""
+    import shutil
+
+    vdir = tmp_path / "verifier"
+    shutil.copytree(tiny_llama_dir, vdir)
+    cfg = load_config(_config(tmp_path, vdir))
+    run(cfg, limit=3)
+    root = cfg.shards_dir
+    for name in (STATE, "data_config.json"):  # an old folder: no fingerprint anywhere
+        rec = json.loads((root / name).read_text())
+        del rec["verifier_weights"]
+        (root / name).write_text(json.dumps(rec))
+    want = (f"{root / STATE}: records no verifier_weights (shards extracted by a 02 of before 2026-12-05f): 02 did not "
+            f"check the weights at verifier.path against the model the shards in {root} were captured from; check "
+            f"that it is, or re-run with --overwrite to capture every shard from this one (a set from two models "
+            f"trains against one's lm_head)")
+    with caplog.at_level("WARNING", logger="eagle3.capture.extract"):
+        assert run(cfg, limit=3)["up_to_date"]
+    assert [m for m in caplog.messages if "verifier_weights" in m] == [want]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="eagle3.capture.extract"):
+        s = run(cfg)  # more prompts: a resume
+    assert (s["written"], s["resumed"]) == (3, 3)
+    assert [m for m in caplog.messages if "verifier_weights" in m] == [want]

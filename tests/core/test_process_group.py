@@ -257,13 +257,31 @@ INTERRUPTED_IN_TORCH_IMPORT = textwrap.dedent("""
 def test_a_ctrl_c_during_torch_s_import_prints_the_interrupted_line_not_a_traceback(tmp_path):
     """A Ctrl-C in a stage's first second under torchrun lands inside ``import torch``; the interrupt path then
     imported torch again to ask the agent's store, which fails on the half-registered operators: each rank printed a
-    ``RuntimeError: Only a single TORCH_LIBRARY ...`` traceback and exited 1. Now rank 0 prints the line (the store
-    cannot be asked), the other ranks nothing, and every rank exits 130."""
+    ``RuntimeError: Only a single TORCH_LIBRARY ...`` traceback and exited 1. Every rank now exits 130 with the line
+    printed once for the job (below)."""
     script = tmp_path / "worker.py"
     script.write_text(INTERRUPTED_IN_TORCH_IMPORT)
     agent = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    assert _rank(script, "x", 1, agent.port) == (130, "")
-    assert _rank(script, "x", 0, agent.port) == (130, "interrupted by SIGINT\n")
+    assert _rank(script, "x", 1, agent.port) == (130, "interrupted by SIGINT\n")
+    assert _rank(script, "x", 0, agent.port) == (130, "")
+
+
+def test_a_rank_cut_in_torch_s_import_and_one_past_it_print_one_line(tmp_path):
+    """``timeout -s INT 3 torchrun --nproc_per_node 2 04_train.py ...`` printed ``interrupted by SIGINT`` twice: rank
+    0 was cut inside ``import torch`` and, unable to import it again to ask the agent's store, printed as "rank 0";
+    rank 1, past its import, claimed the store's counter and printed too. The cut rank now claims the same counter
+    from a child interpreter: whichever rank claims it first prints, the other nothing (both orders here)."""
+    cut = tmp_path / "cut.py"
+    cut.write_text(INTERRUPTED_IN_TORCH_IMPORT)
+    past = tmp_path / "past.py"
+    past.write_text(INTERRUPTED)
+    line = "interrupted by SIGINT: 3 finished shards kept; re-run the same command to resume\n"
+    agent = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    assert _rank(past, "x", 1, agent.port) == (130, line)
+    assert _rank(cut, "x", 0, agent.port) == (130, "")  # was "interrupted by SIGINT": the second line
+    agent = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # a new job
+    assert _rank(cut, "x", 0, agent.port) == (130, "interrupted by SIGINT\n")
+    assert _rank(past, "x", 1, agent.port) == (130, "")
 
 
 SLEEPER = textwrap.dedent("""

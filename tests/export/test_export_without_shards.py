@@ -126,3 +126,28 @@ def test_vllm_export_warns_when_speculative_tokens_pass_the_trained_ttt_length(t
     assert [m for m in caplog.messages if "speculative_tokens" in m] == [
         f"export: speculative_tokens 5 (benchmark.steps) in {conf} is more than the ttt_length 3 (train.ttt_length of "
         f"{name}) {tail}"]
+
+
+def test_export_only_without_the_shards_says_when_the_record_has_no_weights_fingerprint(tmp_path, caplog):
+    """A checkpoint whose data_config record has no verifier_weights (shards captured before 2026-12-05f) skipped the
+    weights comparison in silence when --export-only ran without the shards, beside a verifier.path with weight files
+    that could be any model of that name. One warning line now says so (as 03/04's check_verifier says it of the
+    shards' data_config.json); no weight file at verifier.path is nothing to compare (no line), as before."""
+    cfg = load_config(make_tiny_run(tmp_path / "r", n_train=4, n_val=2, train=TRAIN))
+    run(cfg, device="cpu", export=export_for_run)
+    path = ckpt.list_checkpoints(cfg.train_dir)[-1][1]
+    assert "verifier_weights" not in ckpt.load_checkpoint(path)["data_config"]
+    shutil.rmtree(cfg.shards_dir)
+    with caplog.at_level(logging.WARNING, logger="eagle3.export.from_checkpoint"):
+        export_from_checkpoint(cfg)
+    assert not [m for m in caplog.messages if "verifier_weights" in m]  # no weight file here: nothing to compare
+    weights = Path(cfg.verifier.path)
+    weights.mkdir()
+    (weights / "model.safetensors").write_bytes(b"\0" * 4096)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="eagle3.export.from_checkpoint"):
+        assert export_from_checkpoint(cfg).is_dir()
+    assert [m for m in caplog.messages if "verifier_weights" in m] == [
+        f"{path}: key 'data_config' records no verifier_weights (shards captured before 2026-12-05f): --export-only did "
+        f"not check the weights at verifier.path '{cfg.verifier.path}' against the model the checkpoint was trained "
+        f"on, only the name 'synthetic'; check that verifier.path is that model (the export's config.json names it)"]
