@@ -517,14 +517,24 @@ def _weights_changed(root: Path, state: dict, weights: dict) -> Optional[str]:
     from eagle3.verifier import weights_differ
 
     now = weights.get("verifier_weights")
-    was = state.get("verifier_weights")
+    was, _ = _recorded_weights(root, state)
+    return f"{was} -> {now}" if weights_differ(was, now) else None
+
+
+def _recorded_weights(root: Path, state: Any) -> tuple[Optional[str], Path]:
+    """``(fingerprint, file)``: the verifier weights the shards folder ``root`` records, from ``state``
+    (``extract_state.json``'s content) else from ``data_config.json`` (None when neither records one or the file does
+    not read; ``file``: where it was read, ``extract_state.json`` when nowhere)."""
+    was = state.get("verifier_weights") if isinstance(state, dict) else None
     if was is None and (root / DATA_CONFIG).is_file():
         try:
             meta = read_json(root / DATA_CONFIG)
         except UserError:
             meta = None
         was = meta.get("verifier_weights") if isinstance(meta, dict) else None
-    return f"{was} -> {now}" if weights_differ(was, now) else None
+        if was is not None:
+            return was, root / DATA_CONFIG
+    return was, root / STATE
 
 
 def _read_state(root: Path) -> Optional[dict]:
@@ -544,15 +554,7 @@ def _weights_unchecked(root: Path, state: Any, weights: dict) -> Optional[str]:
     (neither: :func:`eagle3.shards.format.check_verifier` says so at 03/04). 02 resumed into such a folder, or found
     it up to date, without a word."""
     now = weights.get("verifier_weights")
-    was = state.get("verifier_weights") if isinstance(state, dict) else None
-    where = root / STATE
-    if was is None and (root / DATA_CONFIG).is_file():
-        try:
-            meta = read_json(root / DATA_CONFIG)
-        except UserError:
-            meta = None
-        was = meta.get("verifier_weights") if isinstance(meta, dict) else None
-        where = root / DATA_CONFIG if was is not None else where
+    was, where = _recorded_weights(root, state)
     if bool(was) == bool(now):
         return None
     if not was:

@@ -197,14 +197,7 @@ def test_second_job_refused_by_folder_lock(tmp_path, tiny_llama_dir):
     assert not (root / "extract_state.json").exists() and not list(root.rglob("*.pt"))
 
 
-RANK1_ARGS = """
-import os, runpy, sys
-script, *args = sys.argv[1:]
-if os.environ.get("RANK") == "1":
-    args += os.environ["RANK1_EXTRA"].split()
-sys.argv = [script, *args]
-runpy.run_path(script, run_name="__main__")
-"""
+RANK1_ARGS = Path(__file__).resolve().parents[1] / "_rank1_args.py"  # extra arguments on rank 1 alone
 
 
 @pytest.mark.slow
@@ -214,8 +207,7 @@ def test_a_rank_with_other_settings_is_refused_before_capture(tmp_path, tiny_lla
     stopped after the capture in a `RuntimeError: stage 02: samples [...] were assigned to no rank (bug)` traceback,
     the per-rank manifests left behind. Now one line names rank 1 and the setting, before anything is written."""
     cfg = _config(tmp_path / "a", tiny_llama_dir)
-    wrap = tmp_path / "rank1_args.py"
-    wrap.write_text(RANK1_ARGS)
+    wrap = RANK1_ARGS
     env = dict(_env(), RANK1_EXTRA="--set extract.max_length=40")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(wrap),
            *_torchrun(cfg)[5:]]

@@ -185,14 +185,7 @@ def test_two_ranks_through_endpoints_or_without_regeneration_do_the_work_once(tm
     assert p.stdout.count("prompts: ") == 1 and len((tmp_path / "plain" / "prompts.jsonl").read_text().splitlines()) == 7
 
 
-RANK1_ARGS = """
-import os, runpy, sys
-script, *args = sys.argv[1:]
-if os.environ.get("RANK") == "1":
-    args += os.environ["RANK1_EXTRA"].split()
-sys.argv = [script, *args]
-runpy.run_path(script, run_name="__main__")
-"""
+RANK1_ARGS = Path(__file__).resolve().parents[1] / "_rank1_args.py"  # extra arguments on rank 1 alone
 
 
 @pytest.mark.slow
@@ -207,8 +200,7 @@ def test_ranks_that_read_other_settings_stop_at_once_in_one_line(tmp_path, tiny_
     before = (tmp_path / "one" / "prompts.jsonl").read_bytes()
     other = tmp_path / "other.jsonl"
     other.write_text((tmp_path / "convs.jsonl").read_text().replace("how many legs", "how many arms"))
-    wrap = tmp_path / "rank1_args.py"
-    wrap.write_text(RANK1_ARGS)
+    wrap = RANK1_ARGS
     for extra, keys in (("--set prompts.max_new_tokens=5", "max_new_tokens"),
                         (f"--set prompts.source={other}", "sha256, source")):
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), RANK1_EXTRA=extra)

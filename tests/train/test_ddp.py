@@ -66,14 +66,7 @@ def test_two_gloo_ranks_match_one_process(tmp_path):
     assert (d0.fc.weight - s1["model"]["fc.weight"]).abs().max() > 1e-3
 
 
-RANK1_ARGS = """
-import os, runpy, sys
-script, *args = sys.argv[1:]
-if os.environ.get("RANK") == "1":
-    args += os.environ["RANK1_EXTRA"].split()
-sys.argv = [script, *args]
-runpy.run_path(script, run_name="__main__")
-"""
+RANK1_ARGS = Path(__file__).resolve().parents[1] / "_rank1_args.py"  # extra arguments on rank 1 alone
 
 
 @pytest.mark.slow
@@ -87,8 +80,7 @@ def test_a_rank_with_another_config_is_refused_in_one_line(tmp_path, extra, said
     and drifting from rank 0's without a word; another train.batch_size aborted rank 0 (SIGABRT) with no message.
     Now every rank compares first: one line naming rank 1 and the key, every rank exits 2, no train folder."""
     yaml = make_tiny_run(tmp_path / "run")
-    wrap = tmp_path / "rank1_args.py"
-    wrap.write_text(RANK1_ARGS)
+    wrap = RANK1_ARGS
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent), RANK1_EXTRA=extra)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(wrap),
            str(HERE.parent / "04_train.py"), "--config", str(yaml)]
