@@ -574,14 +574,8 @@ def ttt_length_warning(drafter_dir: Path, steps: int, steps_field: str, fix: Opt
     {field} {k}``, ``{field}`` = ``steps_field``).
     """
     meta_path = Path(drafter_dir) / TRAIN_META
-    if not meta_path.is_file():
-        return None
-    try:
-        meta = read_json(meta_path)
-    except UserError:
-        return None
-    k = meta.get("ttt_length") if isinstance(meta, dict) else None
-    if not isinstance(k, int) or isinstance(k, bool) or steps <= k:
+    k = recorded_ttt_length(meta_path)
+    if k is None or steps <= k:
         return None
     fix = (fix or "benchmark with {field} {k}").format(field=steps_field, k=k)
     return (f"{steps_field} {steps} drafts more tokens a step than the drafter was trained for: {meta_path} records "

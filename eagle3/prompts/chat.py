@@ -162,14 +162,13 @@ def end_of_turn_ids(tokenizer) -> set[int]:
     return stop_token_ids(tokenizer)
 
 
-# 01's own message fields, never passed to a template (:data:`ANSWER_FIELDS` minus the template's own keys)
-_PIPELINE_KEYS = ("tokens", "truncated", "stop_token")
-
 # What 01 records on each regenerated assistant message beside its text, recorded as ``answer_fields`` in
 # ``prompts_report.json`` and in the resume log's header: a file or log without it (or with fewer fields) was written
 # before 01 recorded them all, and its answers lack them (a cut answer, or one stopped on another stop id than the
 # template's end-of-turn, is then trained on the template's end-of-turn token as if the verifier had emitted it).
 ANSWER_FIELDS = ("tokens", "truncated", "stop_token")
+
+_PIPELINE_KEYS = ANSWER_FIELDS  # 01's own message fields: never passed to a template
 
 
 def common_answer_fields(*recorded: Any) -> list[str]:
