@@ -22,15 +22,37 @@ from eagle3.io import format_bytes
 def main(argv=None) -> int:
     p = ArgumentParser(description=__doc__.splitlines()[0])
     add_config_args(p)
-    p.add_argument("--backend", choices=["hf", "sglang"], default=None, help="overrides extract.backend")
-    p.add_argument("--server", nargs="+", type=http_url, default=None, metavar="URL",
-                   help="SGLang server URL(s), one per node (overrides extract.sglang_url)")
-    p.add_argument("--capture-dir", nargs="+", default=None, metavar="DIR",
-                   help="each server's capture folder as this host sees it, in --server order (overrides extract.capture_dir)")
-    p.add_argument("--overwrite", action="store_true", help="delete existing shards in the output folder and start over")
-    p.add_argument("--limit", type=positive_int, default=None, metavar="N", help="only the first N prompts")
-    p.add_argument("--ignore-disk-check", action="store_true",
-                   help="capture even when the disk plan says the shards will not fit (extract.disk_margin)")
+    p.add_argument(
+        "--backend", choices=["hf", "sglang"], default=None, help="overrides extract.backend"
+    )
+    p.add_argument(
+        "--server",
+        nargs="+",
+        type=http_url,
+        default=None,
+        metavar="URL",
+        help="SGLang server URL(s), one per node (overrides extract.sglang_url)",
+    )
+    p.add_argument(
+        "--capture-dir",
+        nargs="+",
+        default=None,
+        metavar="DIR",
+        help="each server's capture folder as this host sees it, in --server order (overrides extract.capture_dir)",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="delete existing shards in the output folder and start over",
+    )
+    p.add_argument(
+        "--limit", type=positive_int, default=None, metavar="N", help="only the first N prompts"
+    )
+    p.add_argument(
+        "--ignore-disk-check",
+        action="store_true",
+        help="capture even when the disk plan says the shards will not fit (extract.disk_margin)",
+    )
     a = p.parse_args(argv)
     cfg = load_config(a.config, a.overrides)
     if a.backend:
@@ -39,27 +61,42 @@ def main(argv=None) -> int:
         cfg.extract.sglang_url = a.server[0] if len(a.server) == 1 else a.server
     if a.capture_dir:
         cfg.extract.capture_dir = a.capture_dir[0] if len(a.capture_dir) == 1 else a.capture_dir
-    from eagle3.capture.extract import interrupt_hint, rate_text as _rate, run
+    from eagle3.capture.extract import interrupt_hint, run
+    from eagle3.capture.extract import rate_text as _rate
 
-    with resume_on_interrupt(lambda: interrupt_hint(cfg)):  # SIGTERM / Ctrl-C: one line, exit 143 / 130
+    with resume_on_interrupt(
+        lambda: interrupt_hint(cfg)
+    ):  # SIGTERM / Ctrl-C: one line, exit 143 / 130
         s = run(cfg, overwrite=a.overwrite, limit=a.limit, ignore_disk_check=a.ignore_disk_check)
-    if "samples" not in s or s.get("up_to_date"):  # torchrun rank > 0: rank 0 reports; up to date: logged
+    if "samples" not in s or s.get(
+        "up_to_date"
+    ):  # torchrun rank > 0: rank 0 reports; up to date: logged
         return 0
     for r in s.get("ranks", []):
-        print(f"rank {r['rank']}: {r['written']} samples in {r['capture_s']} s, {_rate(r['samples_per_s'])} samples/s, "
-              f"{_rate(r['tokens_per_s'])} tok/s")
+        print(
+            f"rank {r['rank']}: {r['written']} samples in {r['capture_s']} s, {_rate(r['samples_per_s'])} samples/s, "
+            f"{_rate(r['tokens_per_s'])} tok/s"
+        )
     if "ranks" in s:
-        print(f"total ({s['world_size']} ranks): {s['written']} samples in {s['capture_s']} s, "
-              f"{_rate(s['samples_per_s'])} samples/s")
+        print(
+            f"total ({s['world_size']} ranks): {s['written']} samples in {s['capture_s']} s, "
+            f"{_rate(s['samples_per_s'])} samples/s"
+        )
     if s.get("disk_plan"):
         dp = s["disk_plan"]
-        print(f"disk plan: {dp['samples']} samples, {dp['tokens']} tokens -> {format_bytes(dp['bytes'])} estimated "
-              f"({format_bytes(dp['free_bytes'])} were free on {dp['path']})")
+        print(
+            f"disk plan: {dp['samples']} samples, {dp['tokens']} tokens -> {format_bytes(dp['bytes'])} estimated "
+            f"({format_bytes(dp['free_bytes'])} were free on {dp['path']})"
+        )
     for sv in s.get("servers", []):
-        print(f"server {sv['url']}: {sv['batches']} batches, {sv['failed_attempts']} failed attempts, "
-              f"out of rotation {sv['taken_out_of_rotation']} times")
-    print(f"{s['samples']} samples ({s['written']} written, {s['resumed']} resumed), {s['num_tokens']} tokens, "
-          f"{_rate(s['captured_tokens_per_s'])} tok/s -> {s['shards_dir']}")
+        print(
+            f"server {sv['url']}: {sv['batches']} batches, {sv['failed_attempts']} failed attempts, "
+            f"out of rotation {sv['taken_out_of_rotation']} times"
+        )
+    print(
+        f"{s['samples']} samples ({s['written']} written, {s['resumed']} resumed), {s['num_tokens']} tokens, "
+        f"{_rate(s['captured_tokens_per_s'])} tok/s -> {s['shards_dir']}"
+    )
     return 0
 
 

@@ -18,20 +18,33 @@ from eagle3.config import add_config_args, load_config
 def main(argv=None) -> int:
     p = ArgumentParser(description=__doc__.splitlines()[0])
     add_config_args(p)
-    p.add_argument("--no-plot", action="store_true",
-                   help="skip coverage.png (an earlier run's is removed: it would show another draft vocab)")
-    p.add_argument("--revalidate", action="store_true",
-                   help="hash and load every shard even when an earlier 03's validation record matches the shards "
-                        "(unchanged sizes/mtimes, manifest, data_config); catches bit rot after the first validation")
+    p.add_argument(
+        "--no-plot",
+        action="store_true",
+        help="skip coverage.png (an earlier run's is removed: it would show another draft vocab)",
+    )
+    p.add_argument(
+        "--revalidate",
+        action="store_true",
+        help="hash and load every shard even when an earlier 03's validation record matches the shards "
+        "(unchanged sizes/mtimes, manifest, data_config); catches bit rot after the first validation",
+    )
     a = p.parse_args(argv)
-    refuse_torchrun("03_prepare_data.py", "it writes one vocab map, split and validation record for every rank of 04")
+    refuse_torchrun(
+        "03_prepare_data.py",
+        "it writes one vocab map, split and validation record for every rank of 04",
+    )
     cfg = load_config(a.config, a.overrides)
     from eagle3.data.prepare_data import interrupt_hint, run
 
-    with resume_on_interrupt(lambda: interrupt_hint(cfg)):  # SIGTERM / Ctrl-C: one line, exit 143 / 130
+    with resume_on_interrupt(
+        lambda: interrupt_hint(cfg)
+    ):  # SIGTERM / Ctrl-C: one line, exit 143 / 130
         r = run(cfg, plot=not a.no_plot, revalidate=a.revalidate)
-    print(f"{r['num_samples']} samples ({r['train_samples']} train / {r['val_samples']} val), draft vocab "
-          f"{r['draft_vocab_size']}/{r['target_vocab_size']} covers {r['coverage']:.2%} of loss tokens -> {cfg.data_dir}")
+    print(
+        f"{r['num_samples']} samples ({r['train_samples']} train / {r['val_samples']} val), draft vocab "
+        f"{r['draft_vocab_size']}/{r['target_vocab_size']} covers {r['coverage']:.2%} of loss tokens -> {cfg.data_dir}"
+    )
     return 0
 
 

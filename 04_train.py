@@ -24,25 +24,51 @@ from eagle3.config import add_config_args, load_config
 def main(argv=None) -> int:
     p = ArgumentParser(description=__doc__.splitlines()[0])
     add_config_args(p)
-    p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
-    p.add_argument("--max-steps", type=positive_int, default=None,
-                   help="cap on the optimizer steps of train.epochs (overrides train.max_steps); it cannot go past "
-                        "them: raise train.epochs for a longer run")
-    p.add_argument("--stop-at", type=positive_int, default=None, metavar="STEP",
-                   help="end the run at this optimizer step, before the schedule's last: the lr follows the whole "
-                        "schedule up to it, then final validation, export and report as for a finished run (reproduces "
-                        "a run stopped early on a longer schedule; --resume continues it)")
-    p.add_argument("--export-only", action="store_true",
-                   help="no training: export the trained weights (the newest checkpoint's; with train.select_best: "
-                        "sim_accept the best validation's, best_drafter.pt), e.g. for the other engine with --engine")
+    p.add_argument(
+        "--resume", action="store_true", help="continue from the newest complete checkpoint"
+    )
+    p.add_argument(
+        "--max-steps",
+        type=positive_int,
+        default=None,
+        help="cap on the optimizer steps of train.epochs (overrides train.max_steps); it cannot go past "
+        "them: raise train.epochs for a longer run",
+    )
+    p.add_argument(
+        "--stop-at",
+        type=positive_int,
+        default=None,
+        metavar="STEP",
+        help="end the run at this optimizer step, before the schedule's last: the lr follows the whole "
+        "schedule up to it, then final validation, export and report as for a finished run (reproduces "
+        "a run stopped early on a longer schedule; --resume continues it)",
+    )
+    p.add_argument(
+        "--export-only",
+        action="store_true",
+        help="no training: export the trained weights (the newest checkpoint's; with train.select_best: "
+        "sim_accept the best validation's, best_drafter.pt), e.g. for the other engine with --engine",
+    )
     p.add_argument("--engine", choices=["sglang", "vllm"], help="override export.engine")
     a = p.parse_args(argv)
     if a.export_only:  # no training: the training flags would be ignored silently
-        given = [f for f, v in (("--resume", a.resume), ("--max-steps", a.max_steps), ("--stop-at", a.stop_at)) if v]
+        given = [
+            f
+            for f, v in (
+                ("--resume", a.resume),
+                ("--max-steps", a.max_steps),
+                ("--stop-at", a.stop_at),
+            )
+            if v
+        ]
         if given:
-            p.error(f"--export-only exports the newest checkpoint without training; it cannot be combined with "
-                    f"{', '.join(given)}")
-        refuse_torchrun("04_train.py --export-only", "it writes one export folder; every rank would write it")
+            p.error(
+                f"--export-only exports the newest checkpoint without training; it cannot be combined with "
+                f"{', '.join(given)}"
+            )
+        refuse_torchrun(
+            "04_train.py --export-only", "it writes one export folder; every rank would write it"
+        )
     cfg = load_config(a.config, a.overrides)
     if a.engine:
         cfg = cfg.model_copy(update={"export": cfg.export.model_copy(update={"engine": a.engine})})
@@ -53,15 +79,23 @@ def main(argv=None) -> int:
     if a.export_only:
         from eagle3.export.from_checkpoint import export_from_checkpoint
 
-        with resume_on_interrupt(lambda: export_interrupt_hint(cfg)):  # SIGTERM / Ctrl-C: one line, exit 143 / 130
+        with resume_on_interrupt(
+            lambda: export_interrupt_hint(cfg)
+        ):  # SIGTERM / Ctrl-C: one line, exit 143 / 130
             out = export_from_checkpoint(cfg)
         print(f"exported: {out}")
         return 0
     from eagle3.export.from_checkpoint import export_for_run, load_init_drafter
     from eagle3.train.trainer import run
 
-    res = run(cfg, resume=a.resume, max_steps=a.max_steps, export=export_for_run, init=load_init_drafter,
-              stop_at=a.stop_at)
+    res = run(
+        cfg,
+        resume=a.resume,
+        max_steps=a.max_steps,
+        export=export_for_run,
+        init=load_init_drafter,
+        stop_at=a.stop_at,
+    )
     if res["stopped"]:
         return interrupted_exit(res)
     return 0
@@ -70,8 +104,10 @@ def main(argv=None) -> int:
 def export_interrupt_hint(cfg) -> str:
     """What an interrupted ``--export-only`` left (the line after ``interrupted by SIGTERM:``): the export is written
     in a temporary folder beside ``export_dir`` (removed on the signal) and renamed over it only once whole."""
-    return (f"nothing is half-written: {cfg.export_dir} is replaced only by a whole export (its temporary folder was "
-            f"removed), and the checkpoints are only read; re-run the same command to export")
+    return (
+        f"nothing is half-written: {cfg.export_dir} is replaced only by a whole export (its temporary folder was "
+        f"removed), and the checkpoints are only read; re-run the same command to export"
+    )
 
 
 def interrupted_exit(res: dict) -> int:
@@ -84,8 +120,11 @@ def interrupted_exit(res: dict) -> int:
 
     signum = res.get("signal") or signal.SIGTERM
     if os.environ.get("RANK", "0") == "0":
-        print(f"interrupted by {signal.Signals(signum).name} at step {res['step']}/{res['total_steps']}: checkpoint "
-              f"{res['checkpoint']}, nothing exported; continue with the same command plus --resume", file=sys.stderr)
+        print(
+            f"interrupted by {signal.Signals(signum).name} at step {res['step']}/{res['total_steps']}: checkpoint "
+            f"{res['checkpoint']}, nothing exported; continue with the same command plus --resume",
+            file=sys.stderr,
+        )
     return 128 + int(signum)
 
 

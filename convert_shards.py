@@ -21,24 +21,53 @@ from eagle3.errors import UserError
 
 
 def main(argv=None) -> int:
-    p = ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p = ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
     p.add_argument("--config", help="run YAML: default source folder and target storage")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config field (repeatable), e.g. extract.storage_dtype=float8_e4m3fn")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field (repeatable), e.g. extract.storage_dtype=float8_e4m3fn",
+    )
     p.add_argument("--src", help="source shard folder (default: the config's shards folder)")
-    p.add_argument("--dst", required=True, help="destination folder (created; must differ from --src)")
-    p.add_argument("--to", choices=["bfloat16", "float8_e4m3fn"], help="target storage dtype (default: the config's "
-                   "extract.storage_dtype)")
-    p.add_argument("--scale", choices=["per_token", "per_block"], help="fp8 scale scheme (default: config or per_token)")
-    p.add_argument("--block-size", type=positive_int, help="fp8 per_block: columns per scale (default: config or 128)")
-    p.add_argument("--workers", type=positive_int, default=None, help="shards converted concurrently (default min(8, cores))")
-    p.add_argument("--overwrite", action="store_true", help="delete a different earlier conversion in --dst")
+    p.add_argument(
+        "--dst", required=True, help="destination folder (created; must differ from --src)"
+    )
+    p.add_argument(
+        "--to",
+        choices=["bfloat16", "float8_e4m3fn"],
+        help="target storage dtype (default: the config's extract.storage_dtype)",
+    )
+    p.add_argument(
+        "--scale",
+        choices=["per_token", "per_block"],
+        help="fp8 scale scheme (default: config or per_token)",
+    )
+    p.add_argument(
+        "--block-size",
+        type=positive_int,
+        help="fp8 per_block: columns per scale (default: config or 128)",
+    )
+    p.add_argument(
+        "--workers",
+        type=positive_int,
+        default=None,
+        help="shards converted concurrently (default min(8, cores))",
+    )
+    p.add_argument(
+        "--overwrite", action="store_true", help="delete a different earlier conversion in --dst"
+    )
     p.add_argument("--json", help="also write the summary as JSON here")
     a = p.parse_args(argv)
 
-    from eagle3.shards.fp8 import Storage
     from eagle3.shards.convert import convert
+    from eagle3.shards.fp8 import Storage
 
     src, to, scale, block = a.src, a.to, a.scale, a.block_size
     if a.config:
@@ -57,7 +86,11 @@ def main(argv=None) -> int:
     scale = scale or "per_token"
     block = block if block is not None else 128
     try:
-        storage = Storage() if to == "bfloat16" else Storage(to, scale, block if scale == "per_block" else None)
+        storage = (
+            Storage()
+            if to == "bfloat16"
+            else Storage(to, scale, block if scale == "per_block" else None)
+        )
     except ValueError as e:
         raise UserError(f"--block-size: {e}") from e
     summary = convert(src, a.dst, storage, overwrite=a.overwrite, workers=a.workers)

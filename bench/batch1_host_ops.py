@@ -61,6 +61,7 @@ def _labelled(dec):
 
     def undo():
         dec._PhaseTimer.start, dec._PhaseTimer.stop, dec._forward = start, stop, fwd
+
     return undo
 
 
@@ -85,7 +86,9 @@ def top_level_ops(events) -> list[tuple[str, list[str]]]:
     return out
 
 
-def count(model, drafter, prompt: list[int], aux: list[int], steps: int, max_new: int, top: int = 12) -> dict:
+def count(
+    model, drafter, prompt: list[int], aux: list[int], steps: int, max_new: int, top: int = 12
+) -> dict:
     """Profile one greedy and one EAGLE-3 decode of ``prompt`` (batch 1); the per-token / per-round op counts.
 
     Returns:
@@ -101,17 +104,25 @@ def count(model, drafter, prompt: list[int], aux: list[int], steps: int, max_new
     undo = _labelled(dec)
     try:
         with torch.inference_mode():
-            dec.greedy_generate_batch(model, [prompt], 2)  # warm both paths (lazy inits are not per-token costs)
-            dec.speculative_generate_batch(model, drafter, [prompt], aux, steps=steps, max_new_tokens=2)
+            dec.greedy_generate_batch(
+                model, [prompt], 2
+            )  # warm both paths (lazy inits are not per-token costs)
+            dec.speculative_generate_batch(
+                model, drafter, [prompt], aux, steps=steps, max_new_tokens=2
+            )
             with profile(activities=[ProfilerActivity.CPU]) as pg:
-                g = dec.greedy_generate_batch(model, [prompt], max_new)
+                dec.greedy_generate_batch(model, [prompt], max_new)
             with profile(activities=[ProfilerActivity.CPU]) as ps:
-                s = dec.speculative_generate_batch(model, drafter, [prompt], aux, steps=steps, max_new_tokens=max_new)
+                s = dec.speculative_generate_batch(
+                    model, drafter, [prompt], aux, steps=steps, max_new_tokens=max_new
+                )
     finally:
         undo()
     gops, sops = top_level_ops(pg.events()), top_level_ops(ps.events())
     n_fwd = sum(1 for e in pg.events() if e.name == "PH_fwd")
-    tok = (len(gops) - _first_forward_ops(pg.events())) / max(1, n_fwd - 1)  # decode forwards + the loop's own ops
+    tok = (len(gops) - _first_forward_ops(pg.events())) / max(
+        1, n_fwd - 1
+    )  # decode forwards + the loop's own ops
     phase = Counter()
     verify_fwd = Counter()
     for n, r in sops:
@@ -134,32 +145,55 @@ def count(model, drafter, prompt: list[int], aux: list[int], steps: int, max_new
         if abs(a - b) >= 0.5:
             diffs.append([n, round(a, 1), round(b, 1)])
     diffs.sort(key=lambda r: -abs(r[2] - r[1]))
-    return {"greedy": {"forwards": n_fwd, "ops": len(gops), "ops_per_token": tok},
-            "eagle3": {"rounds": s.rounds, "ops": len(sops), "per_round": per_round, "ops_per_round": ops_round,
-                       "prefill_and_loop_ops": phase["prefill and loop"]},
-            "ratio_round_to_token": ops_round / tok if tok else None, "verify_vs_greedy_forward": diffs[:top]}
+    return {
+        "greedy": {"forwards": n_fwd, "ops": len(gops), "ops_per_token": tok},
+        "eagle3": {
+            "rounds": s.rounds,
+            "ops": len(sops),
+            "per_round": per_round,
+            "ops_per_round": ops_round,
+            "prefill_and_loop_ops": phase["prefill and loop"],
+        },
+        "ratio_round_to_token": ops_round / tok if tok else None,
+        "verify_vs_greedy_forward": diffs[:top],
+    }
 
 
 def _first_forward_ops(events) -> int:
     """Top-level ops inside the first ``PH_fwd`` range (the prefill)."""
     first = min((e for e in events if e.name == "PH_fwd"), key=lambda e: e.time_range.start)
-    return sum(1 for e in events if e.cpu_parent is not None and e.cpu_parent.id == first.id
-               and not e.name.startswith("PH_"))
+    return sum(
+        1
+        for e in events
+        if e.cpu_parent is not None and e.cpu_parent.id == first.id and not e.name.startswith("PH_")
+    )
 
 
 def markdown(res: dict) -> str:
     g, s = res["greedy"], res["eagle3"]
     d = res.get("drafter")
-    shape = (f", a random {d['variant']} drafter of {d['num_layers']} layer{'s' if d['num_layers'] > 1 else ''} "
-             f"(MLP {d['intermediate_size']})" if d else "")
-    lines = [f"Host-dispatched ops at batch 1, {res['verifier']}{shape}, chain of {res['steps']}, {res['max_new_tokens']} "
-             f"new tokens (top-level ops: those no other op dispatched).", "",
-             "| what | ops |", "|---|---:|",
-             f"| greedy: per token (decode forward + loop) | {g['ops_per_token']:.0f} |"]
+    shape = (
+        f", a random {d['variant']} drafter of {d['num_layers']} layer{'s' if d['num_layers'] > 1 else ''} "
+        f"(MLP {d['intermediate_size']})"
+        if d
+        else ""
+    )
+    lines = [
+        f"Host-dispatched ops at batch 1, {res['verifier']}{shape}, chain of {res['steps']}, {res['max_new_tokens']} "
+        f"new tokens (top-level ops: those no other op dispatched).",
+        "",
+        "| what | ops |",
+        "|---|---:|",
+        f"| greedy: per token (decode forward + loop) | {g['ops_per_token']:.0f} |",
+    ]
     lines += [f"| EAGLE-3 round: {k} | {s['per_round'][k]:.0f} |" for k in PHASES]
-    lines += [f"| EAGLE-3 round: all | {s['ops_per_round']:.0f} |",
-              f"| **round / greedy token** | **{res['ratio_round_to_token']:.2f}** |", "",
-              "Host-bound batch-1 speedup ~ tau / (round / greedy token).", ""]
+    lines += [
+        f"| EAGLE-3 round: all | {s['ops_per_round']:.0f} |",
+        f"| **round / greedy token** | **{res['ratio_round_to_token']:.2f}** |",
+        "",
+        "Host-bound batch-1 speedup ~ tau / (round / greedy token).",
+        "",
+    ]
     if res["verify_vs_greedy_forward"]:
         lines += ["| op | per greedy forward | per verify forward |", "|---|---:|---:|"]
         lines += [f"| `{n}` | {a} | {b} |" for n, a, b in res["verify_vs_greedy_forward"]]
@@ -171,8 +205,14 @@ def main(argv=None) -> int:
 
     p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", "-c", help="run YAML (its verifier; not needed with --tiny)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    p.add_argument("--tiny", action="store_true", help="a random 2-layer Llama instead of the config's verifier")
+    p.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE"
+    )
+    p.add_argument(
+        "--tiny",
+        action="store_true",
+        help="a random 2-layer Llama instead of the config's verifier",
+    )
     p.add_argument("--max-new-tokens", type=positive_int, default=24)
     p.add_argument("--steps", type=positive_int, default=3)
     p.add_argument("--top", type=positive_int, default=12)
@@ -180,7 +220,6 @@ def main(argv=None) -> int:
     p.add_argument("--md")
     a = p.parse_args(argv)
     import torch
-
     from offline_bench_speed import _random_drafter
 
     torch.manual_seed(0)
@@ -201,13 +240,26 @@ def main(argv=None) -> int:
         model, tok = load_verifier(vcfg, torch.device("cpu"))
         name = cfg.verifier.name or cfg.verifier.path
         prompt = tok("Write a short poem about the sea.")["input_ids"]
-        aux = cfg.extract.aux_layers or default_aux_layers(verifier_dims(model.config)["num_layers"])
+        aux = cfg.extract.aux_layers or default_aux_layers(
+            verifier_dims(model.config)["num_layers"]
+        )
     model.eval()
-    drafter = _random_drafter(model, torch.device("cpu"), torch.float32, None if a.tiny else cfg.drafter)
-    shape = {"num_layers": drafter.args.num_layers, "variant": drafter.args.variant,
-             "intermediate_size": drafter.args.intermediate_size}
-    res = {"verifier": name, "drafter": shape, "steps": a.steps, "max_new_tokens": a.max_new_tokens, "aux_layers": list(aux),
-           **count(model, drafter, prompt, list(aux), a.steps, a.max_new_tokens, a.top)}
+    drafter = _random_drafter(
+        model, torch.device("cpu"), torch.float32, None if a.tiny else cfg.drafter
+    )
+    shape = {
+        "num_layers": drafter.args.num_layers,
+        "variant": drafter.args.variant,
+        "intermediate_size": drafter.args.intermediate_size,
+    }
+    res = {
+        "verifier": name,
+        "drafter": shape,
+        "steps": a.steps,
+        "max_new_tokens": a.max_new_tokens,
+        "aux_layers": list(aux),
+        **count(model, drafter, prompt, list(aux), a.steps, a.max_new_tokens, a.top),
+    }
     md = markdown(res)
     print(md)
     for path, write, obj in ((a.json, atomic_write_json, res), (a.md, atomic_write_text, md)):

@@ -39,9 +39,16 @@ def split_bench(bench: dict) -> tuple[dict, dict]:
     = number of rounds; a set's tau is ``sum(emitted) / sum(steps)`` over its prompts.
     """
     slim = dict(bench)
-    slim["datasets"] = [{k: v for k, v in ds.items() if k != "per_prompt"} for ds in bench["datasets"]]
-    pp = {ds["dataset"]: {str(r["id"]): [int(sum(r["accept_lengths"])), len(r["accept_lengths"])]
-                          for r in ds.get("per_prompt", [])} for ds in bench["datasets"]}
+    slim["datasets"] = [
+        {k: v for k, v in ds.items() if k != "per_prompt"} for ds in bench["datasets"]
+    ]
+    pp = {
+        ds["dataset"]: {
+            str(r["id"]): [int(sum(r["accept_lengths"])), len(r["accept_lengths"])]
+            for r in ds.get("per_prompt", [])
+        }
+        for ds in bench["datasets"]
+    }
     return slim, {"steps": bench.get("steps"), "per_prompt": pp}
 
 
@@ -63,16 +70,23 @@ def collect(session: Path, out: Path) -> dict:
     """
     res = session / "res"
     if not res.is_dir():
-        raise UserError(f"{res}: not found (extract the session's results.tar.gz into {session} first)")
+        raise UserError(
+            f"{res}: not found (extract the session's results.tar.gz into {session} first)"
+        )
     make_dirs(out, "--out")
     real = res / "real"
     for d in sorted(real.glob("bench*")):
         if (d / "bench.json").is_file():
             tag = d.name.replace("bench-", "")
-            _copy_bench(d / "bench.json", out / f"bench-{tag}.json",
-                        out / (f"per_prompt_{tag}.json"))
-    for sub, name in (("train", "train_report.json"), ("data", "data_report.json"), ("shards", "data_config.json"),
-                      ("real", "prompts_report.json")):
+            _copy_bench(
+                d / "bench.json", out / f"bench-{tag}.json", out / (f"per_prompt_{tag}.json")
+            )
+    for sub, name in (
+        ("train", "train_report.json"),
+        ("data", "data_report.json"),
+        ("shards", "data_config.json"),
+        ("real", "prompts_report.json"),
+    ):
         f = real / sub / name if sub != "real" else real / name
         if f.is_file():
             shutil.copyfile(f, out / name)
@@ -93,8 +107,13 @@ def collect(session: Path, out: Path) -> dict:
         if f.suffix in (".done", ".failed"):
             text = f.read_text().strip()
             phases.setdefault(f.stem, []).append({"status": f.suffix[1:], "record": text})
-    atomic_write_json(out / "phases.json", {"what": "bench/gpu_session.sh phases: wall seconds (and rc when failed)",
-                                           "phases": phases})
+    atomic_write_json(
+        out / "phases.json",
+        {
+            "what": "bench/gpu_session.sh phases: wall seconds (and rc when failed)",
+            "phases": phases,
+        },
+    )
     return phases
 
 
@@ -104,8 +123,10 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args(argv)
     phases = collect(a.session, a.out)
-    print(f"{a.out}: {sum(1 for v in phases.values() if any(x['status'] == 'done' for x in v))} phases done, "
-          f"{sum(1 for v in phases.values() if all(x['status'] == 'failed' for x in v))} failed")
+    print(
+        f"{a.out}: {sum(1 for v in phases.values() if any(x['status'] == 'done' for x in v))} phases done, "
+        f"{sum(1 for v in phases.values() if all(x['status'] == 'failed' for x in v))} failed"
+    )
     return 0
 
 

@@ -75,14 +75,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from eagle3.capture.extract import Sample, _start_capture, capture_and_write, default_write_threads  # noqa: E402
 from eagle3.capture.hf import HFCapture  # noqa: E402
-from eagle3.shards.checksum import ALGOS, DEFAULT_ALGO  # noqa: E402
 from eagle3.cli import ArgumentParser, non_negative_int, positive_int, run_main  # noqa: E402
 from eagle3.config import add_config_args, load_config  # noqa: E402
-from eagle3.capture.extract import Sample, _start_capture, capture_and_write, default_write_threads  # noqa: E402
-from eagle3.shards.fp8 import storage_from_config  # noqa: E402
 from eagle3.io import atomic_write_bytes, atomic_write_json  # noqa: E402
 from eagle3.layers import default_aux_layers  # noqa: E402
+from eagle3.shards.checksum import ALGOS, DEFAULT_ALGO  # noqa: E402
+from eagle3.shards.fp8 import storage_from_config  # noqa: E402
 from eagle3.verifier import load_verifier, verifier_dims  # noqa: E402
 
 
@@ -153,12 +153,15 @@ def write_files(out_dir, n_files: int, nbytes: int, threads: int) -> None:
         list(ex.map(lambda i: atomic_write_bytes(root / f"{i}.pt", buf), range(n_files)))
 
 
-def device_encoding_check(cap: HFCapture, batch: list[list[int]], storage, n: int = 4) -> Optional[bool]:
+def device_encoding_check(
+    cap: HFCapture, batch: list[list[int]], storage, n: int = 4
+) -> Optional[bool]:
     """Whether the shards of the first ``n`` samples of ``batch`` encoded on the capture device
     (:func:`eagle3.shards.format.encode_batch`, what stage 02 writes) are byte-identical to the writer's
     CPU path on the plain bf16 capture of the same batch (None on an older tree without it)."""
     try:
         from eagle3.shards.format import shard_object
+
         stored = cap.capture_async(batch, storage=storage).stored()
     except (ImportError, TypeError, AttributeError):
         return None
@@ -166,10 +169,14 @@ def device_encoding_check(cap: HFCapture, batch: list[list[int]], storage, n: in
 
     def enc(ids, states) -> bytes:
         buf = io.BytesIO()
-        torch.save(shard_object(ids, states, [1] * len(ids), storage if storage.is_fp8 else None), buf)
+        torch.save(
+            shard_object(ids, states, [1] * len(ids), storage if storage.is_fp8 else None), buf
+        )
         return buf.getvalue()
 
-    return all(enc(batch[i], stored[i]) == enc(batch[i], plain[i]) for i in range(min(n, len(batch))))
+    return all(
+        enc(batch[i], stored[i]) == enc(batch[i], plain[i]) for i in range(min(n, len(batch)))
+    )
 
 
 def hidden_states_check(cap: HFCapture, batch: list[list[int]]) -> dict:
@@ -182,8 +189,10 @@ def hidden_states_check(cap: HFCapture, batch: list[list[int]]) -> dict:
 
     model = cap.model
     out_d = {}
-    cases = {"unpadded": batch,
-             "padded": [s if i % 2 == 0 else s[: max(1, len(s) // 2)] for i, s in enumerate(batch)]}
+    cases = {
+        "unpadded": batch,
+        "padded": [s if i % 2 == 0 else s[: max(1, len(s) // 2)] for i, s in enumerate(batch)],
+    }
     for name, b in cases.items():
         got = cap.capture(b)
         B, Lmax = len(b), max(len(s) for s in b)
@@ -193,8 +202,13 @@ def hidden_states_check(cap: HFCapture, batch: list[list[int]]) -> dict:
             ids[i, : len(s)] = torch.tensor(s)
             att[i, : len(s)] = 1
         with torch.inference_mode(), no_cudnn_sdpa():
-            out = model(input_ids=ids.to(cap.device), attention_mask=att.to(cap.device), use_cache=False,
-                        output_hidden_states=True, logits_to_keep=1)
+            out = model(
+                input_ids=ids.to(cap.device),
+                attention_mask=att.to(cap.device),
+                use_cache=False,
+                output_hidden_states=True,
+                logits_to_keep=1,
+            )
         ref = [out.hidden_states[j] for j in cap.aux_layers + [-1]]  # 4 x [B, Lmax, H]
         equal, diff = True, 0.0
         for i, s in enumerate(b):
@@ -212,9 +226,11 @@ def path_save_check(out_dir) -> bool:
     from eagle3.io import atomic_torch_save
 
     g = torch.Generator().manual_seed(1)
-    obj = {"input_ids": torch.arange(33), "hidden_states": [torch.randn((33, 16), generator=g).to(torch.bfloat16)
-                                                            for _ in range(4)],
-           "loss_mask": torch.ones(33, dtype=torch.int64)}
+    obj = {
+        "input_ids": torch.arange(33),
+        "hidden_states": [torch.randn((33, 16), generator=g).to(torch.bfloat16) for _ in range(4)],
+        "loss_mask": torch.ones(33, dtype=torch.int64),
+    }
     buf = io.BytesIO()
     torch.save(obj, buf)
     root = Path(tempfile.mkdtemp(prefix="path-save-check-", dir=out_dir))
@@ -227,8 +243,8 @@ def path_save_check(out_dir) -> bool:
 
 def writer_bench(a, cfg) -> dict:
     """``--writer-only``: the shard writer's GB/s (list path, stored path) vs the plain-write ceiling."""
-    from eagle3.shards.manifest import ManifestWriter
     from eagle3.capture.shard_writer import ShardWriter
+    from eagle3.shards.manifest import ManifestWriter
 
     try:
         from eagle3.shards.format import StoredStates, encode_batch
@@ -236,10 +252,19 @@ def writer_bench(a, cfg) -> dict:
         StoredStates = encode_batch = None
     B, L, K, H = a.batch, a.seq, a.batches, a.hidden
     storage = storage_from_config(cfg.extract)
-    threads = a.write_threads if a.write_threads is not None else (
-        cfg.extract.write_threads if cfg.extract.write_threads is not None else default_write_threads())
+    threads = (
+        a.write_threads
+        if a.write_threads is not None
+        else (
+            cfg.extract.write_threads
+            if cfg.extract.write_threads is not None
+            else default_write_threads()
+        )
+    )
     g = torch.Generator().manual_seed(a.seed)
-    packs = [torch.randn((4, B * L, H), generator=g).to(torch.bfloat16) for _ in range(K)]  # K x [4, T, H]
+    packs = [
+        torch.randn((4, B * L, H), generator=g).to(torch.bfloat16) for _ in range(K)
+    ]  # K x [4, T, H]
     ids, mask = list(range(L)), [1] * L
     fp8 = storage if storage.is_fp8 else None
     encoded: list = []
@@ -253,25 +278,50 @@ def writer_bench(a, cfg) -> dict:
 
     def per_sample(k: int, stored: bool):
         if not stored:
-            return [[packs[k][j, b * L:(b + 1) * L] for j in range(4)] for b in range(B)]
+            return [[packs[k][j, b * L : (b + 1) * L] for j in range(4)] for b in range(B)]
         v, sc, fin = encoded[k]
-        return [StoredStates([v[j, b * L:(b + 1) * L] for j in range(4)],
-                             None if sc is None else [sc[j, b * L:(b + 1) * L] for j in range(4)],
-                             source_finite=fin) for b in range(B)]
+        return [
+            StoredStates(
+                [v[j, b * L : (b + 1) * L] for j in range(4)],
+                None if sc is None else [sc[j, b * L : (b + 1) * L] for j in range(4)],
+                source_finite=fin,
+            )
+            for b in range(B)
+        ]
 
-    def writer(stored: bool, checksum: str = a.checksums[0], zip_crc: bool = True, via_path: Optional[bool] = None):
+    def writer(
+        stored: bool,
+        checksum: str = a.checksums[0],
+        zip_crc: bool = True,
+        via_path: Optional[bool] = None,
+    ):
         def fn() -> None:
             root = scratch("writer-bench-", a.out_dir)
-            with zip_crc32(zip_crc), writer_settings(via_path), ManifestWriter(root / "manifest.jsonl") as man, ShardWriter(
-                    root, 2000, man, threads=threads, max_pending_tokens=2 * B * L, storage=fp8,
-                    checksum=checksum) as w:
+            with (
+                zip_crc32(zip_crc),
+                writer_settings(via_path),
+                ManifestWriter(root / "manifest.jsonl") as man,
+                ShardWriter(
+                    root,
+                    2000,
+                    man,
+                    threads=threads,
+                    max_pending_tokens=2 * B * L,
+                    storage=fp8,
+                    checksum=checksum,
+                ) as w,
+            ):
                 for k in range(K):
                     for b, st in enumerate(per_sample(k, stored)):
                         w.submit(k * B + b, f"s{k * B + b}", ids, st, mask)
+
         return fn
 
     bpt = storage.bytes_per_token(H)
-    fns = {"writer_list": writer(False), "disk": lambda: write_files(a.out_dir, K * B, L * bpt, max(threads, 1))}
+    fns = {
+        "writer_list": writer(False),
+        "disk": lambda: write_files(a.out_dir, K * B, L * bpt, max(threads, 1)),
+    }
     if encode_batch is not None:
         fns["writer_stored"] = writer(True)
         for algo in a.checksums[1:]:
@@ -295,20 +345,37 @@ def writer_bench(a, cfg) -> dict:
     import eagle3.capture.shard_writer as sw
     import eagle3.shards.format as sh
 
-    res = {"mode": "writer_only", "storage_dtype": storage.dtype, "checksum": a.checksums[0],
-           "save_via_path": sh.SAVE_VIA_PATH, "switch_interval_s": sw.SWITCH_INTERVAL_S, "hidden": H, "batch": B, "seq": L, "batches": K,
-           "repeats": a.repeats, "write_threads": threads, "cpu_count": os.cpu_count(), "torch": torch.__version__,
-           "out_dir": str(a.out_dir or tempfile.gettempdir()), "bytes_per_token": bpt,
-           **{f"{k}_gb_per_s": v for k, v in gbs.items()},
-           **{f"{k}_tokens_per_s": round(n / v, 1) for k, v in med.items()},
-           **{f"{k}_vs_disk_ratio": round(med["disk"] / med[k], 3) for k in med if k != "disk"},
-           **({"encode_s_cpu": round(encode_s, 3)} if encode_batch is not None else {}),
-           "seconds": {k: [round(x, 3) for x in v] for k, v in times.items()}}
-    print("| storage | threads | tokens | list path GB/s | stored path GB/s | plain-write ceiling GB/s | "
-          "list / ceiling | stored / ceiling |")
+    res = {
+        "mode": "writer_only",
+        "storage_dtype": storage.dtype,
+        "checksum": a.checksums[0],
+        "save_via_path": sh.SAVE_VIA_PATH,
+        "switch_interval_s": sw.SWITCH_INTERVAL_S,
+        "hidden": H,
+        "batch": B,
+        "seq": L,
+        "batches": K,
+        "repeats": a.repeats,
+        "write_threads": threads,
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "out_dir": str(a.out_dir or tempfile.gettempdir()),
+        "bytes_per_token": bpt,
+        **{f"{k}_gb_per_s": v for k, v in gbs.items()},
+        **{f"{k}_tokens_per_s": round(n / v, 1) for k, v in med.items()},
+        **{f"{k}_vs_disk_ratio": round(med["disk"] / med[k], 3) for k in med if k != "disk"},
+        **({"encode_s_cpu": round(encode_s, 3)} if encode_batch is not None else {}),
+        "seconds": {k: [round(x, 3) for x in v] for k, v in times.items()},
+    }
+    print(
+        "| storage | threads | tokens | list path GB/s | stored path GB/s | plain-write ceiling GB/s | "
+        "list / ceiling | stored / ceiling |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    print(f"| {storage.dtype} | {threads} | {n} | {gbs['writer_list']} | {gbs.get('writer_stored', '-')} | "
-          f"{gbs['disk']} | {res['writer_list_vs_disk_ratio']} | {res.get('writer_stored_vs_disk_ratio', '-')} |")
+    print(
+        f"| {storage.dtype} | {threads} | {n} | {gbs['writer_list']} | {gbs.get('writer_stored', '-')} | "
+        f"{gbs['disk']} | {res['writer_list_vs_disk_ratio']} | {res.get('writer_stored_vs_disk_ratio', '-')} |"
+    )
     for k in (k for k in fns if k.startswith("writer_stored_")):
         print(f"| {k} | {gbs[k]} GB/s | {res[f'{k}_vs_disk_ratio']} of the ceiling |")
     print(json.dumps(res))
@@ -325,29 +392,80 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=positive_int, default=512)
     p.add_argument("--batches", type=positive_int, default=6, help="batches per timed run")
     p.add_argument("--repeats", type=positive_int, default=2)
-    p.add_argument("--write-threads", type=non_negative_int, default=None,
-                   help="default: extract.write_threads or the auto count; 0 = serial")
-    p.add_argument("--out-dir", type=Path, default=None, help="where the temporary shard folders go (default: $TMPDIR)")
-    p.add_argument("--no-serial", dest="serial", action="store_false", help="skip the serial (no overlap) timing")
-    p.add_argument("--no-disk", dest="disk", action="store_false", help="skip the plain-write disk ceiling timing")
+    p.add_argument(
+        "--write-threads",
+        type=non_negative_int,
+        default=None,
+        help="default: extract.write_threads or the auto count; 0 = serial",
+    )
+    p.add_argument(
+        "--out-dir",
+        type=Path,
+        default=None,
+        help="where the temporary shard folders go (default: $TMPDIR)",
+    )
+    p.add_argument(
+        "--no-serial",
+        dest="serial",
+        action="store_false",
+        help="skip the serial (no overlap) timing",
+    )
+    p.add_argument(
+        "--no-disk",
+        dest="disk",
+        action="store_false",
+        help="skip the plain-write disk ceiling timing",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="also write the result here")
-    p.add_argument("--writer-only", action="store_true",
-                   help="no model: time the shard writer alone (list vs stored path) against the plain-write ceiling")
-    p.add_argument("--hidden", type=positive_int, default=576, help="--writer-only: hidden size H (SmolLM2-135M: 576)")
-    p.add_argument("--checksums", nargs="+", choices=ALGOS, default=[DEFAULT_ALGO],
-                   help="shard checksum(s): the first is the headline, the others timed in the same run")
-    p.add_argument("--threads-variants", type=positive_int, nargs="*", default=[],
-                   help="also time the headline pipeline with these writer thread counts (pipeline_t<N>)")
-    p.add_argument("--stream-save", action="store_true",
-                   help="also time the headline with shards streamed through a Python file object (the writer before)")
-    p.add_argument("--switch-interval-variants", type=float, nargs="*", default=[],
-                   help="also time the headline with these GIL switch intervals (s) while the writers run")
-    p.add_argument("--profile", action="store_true",
-                   help="after the timings, run the headline pipeline once more under bench/stack_sampler.py "
-                        "(every thread's stack every 5 ms): where the main thread and the writer threads sit")
-    p.add_argument("--zip-crc-off", action="store_true",
-                   help="also time the headline with torch.save's zip CRC32 off (what the CRC costs)")
+    p.add_argument(
+        "--writer-only",
+        action="store_true",
+        help="no model: time the shard writer alone (list vs stored path) against the plain-write ceiling",
+    )
+    p.add_argument(
+        "--hidden",
+        type=positive_int,
+        default=576,
+        help="--writer-only: hidden size H (SmolLM2-135M: 576)",
+    )
+    p.add_argument(
+        "--checksums",
+        nargs="+",
+        choices=ALGOS,
+        default=[DEFAULT_ALGO],
+        help="shard checksum(s): the first is the headline, the others timed in the same run",
+    )
+    p.add_argument(
+        "--threads-variants",
+        type=positive_int,
+        nargs="*",
+        default=[],
+        help="also time the headline pipeline with these writer thread counts (pipeline_t<N>)",
+    )
+    p.add_argument(
+        "--stream-save",
+        action="store_true",
+        help="also time the headline with shards streamed through a Python file object (the writer before)",
+    )
+    p.add_argument(
+        "--switch-interval-variants",
+        type=float,
+        nargs="*",
+        default=[],
+        help="also time the headline with these GIL switch intervals (s) while the writers run",
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="after the timings, run the headline pipeline once more under bench/stack_sampler.py "
+        "(every thread's stack every 5 ms): where the main thread and the writer threads sit",
+    )
+    p.add_argument(
+        "--zip-crc-off",
+        action="store_true",
+        help="also time the headline with torch.save's zip CRC32 off (what the CRC costs)",
+    )
     a = p.parse_args(argv)
     cfg = load_config(a.config, a.overrides)
     if a.writer_only:
@@ -367,8 +485,15 @@ def main(argv=None) -> int:
     cap = HFCapture(model, aux, batch_tokens=B * L)
     samples = [Sample(i, f"s{i}", ids[i // B, i % B].tolist(), [1] * L) for i in range(K * B)]
     batches = [list(range(k * B, (k + 1) * B)) for k in range(K)]
-    threads = a.write_threads if a.write_threads is not None else (
-        cfg.extract.write_threads if cfg.extract.write_threads is not None else default_write_threads())
+    threads = (
+        a.write_threads
+        if a.write_threads is not None
+        else (
+            cfg.extract.write_threads
+            if cfg.extract.write_threads is not None
+            else default_write_threads()
+        )
+    )
     H = dims["hidden_size"]
     storage = storage_from_config(cfg.extract)
     bytes_per_token = storage.bytes_per_token(H)
@@ -391,21 +516,43 @@ def main(argv=None) -> int:
             prev = handle
         prev.states()
 
-    def pipeline(n_threads: int, checksum: str = a.checksums[0], zip_crc: bool = True,
-                 via_path: Optional[bool] = None, switch: Optional[float] = None):
+    def pipeline(
+        n_threads: int,
+        checksum: str = a.checksums[0],
+        zip_crc: bool = True,
+        via_path: Optional[bool] = None,
+        switch: Optional[float] = None,
+    ):
         def fn() -> None:
             root = scratch("extract-bench-", a.out_dir)
             with zip_crc32(zip_crc), writer_settings(via_path, switch):
-                rows = capture_and_write(cap, samples, batches, {}, H, root, 2000, root / "manifest.jsonl",
-                                         write_threads=n_threads, max_pending_tokens=2 * B * L,
-                                         storage=storage if storage.is_fp8 else None, checksum=checksum)
+                rows = capture_and_write(
+                    cap,
+                    samples,
+                    batches,
+                    {},
+                    H,
+                    root,
+                    2000,
+                    root / "manifest.jsonl",
+                    write_threads=n_threads,
+                    max_pending_tokens=2 * B * L,
+                    storage=storage if storage.is_fp8 else None,
+                    checksum=checksum,
+                )
             assert len(rows) == K * B
+
         return fn
 
     def disk() -> None:
         write_files(a.out_dir, K * B, L * bytes_per_token, max(threads, 1))
 
-    fns = {"bare": bare, "pipeline": pipeline(threads), "capture": capture_only, "capture_copy": capture_copy}
+    fns = {
+        "bare": bare,
+        "pipeline": pipeline(threads),
+        "capture": capture_only,
+        "capture_copy": capture_copy,
+    }
     for algo in a.checksums[1:]:
         fns[f"pipeline_{algo}"] = pipeline(threads, algo)
     if a.zip_crc_off:
@@ -480,28 +627,45 @@ def main(argv=None) -> int:
         "save_via_path": sh.SAVE_VIA_PATH,
         "switch_interval_s": sw.SWITCH_INTERVAL_S,
         **{f"{k}_tokens_per_s": tps[k] for k in fns if k.startswith("pipeline_")},
-        **{f"capture_vs_bare_ratio_{k[len('pipeline_'):]}": round(med["bare"] / med[k], 3)
-           for k in fns if k.startswith("pipeline_")},
+        **{
+            f"capture_vs_bare_ratio_{k[len('pipeline_') :]}": round(med["bare"] / med[k], 3)
+            for k in fns
+            if k.startswith("pipeline_")
+        },
         "storage_dtype": storage.dtype,
         "shard_write_gb_per_s": round(n * bytes_per_token / med["pipeline"] / 1e9, 3),
         "bytes_per_token": bytes_per_token,
-        **({"disk_write_gb_per_s": round(n * bytes_per_token / med["disk"] / 1e9, 3),
-            "disk_bound_tokens_per_s": tps["disk"],
-            "pipeline_vs_disk_ratio": round(med["disk"] / med["pipeline"], 3)} if "disk" in med else {}),
+        **(
+            {
+                "disk_write_gb_per_s": round(n * bytes_per_token / med["disk"] / 1e9, 3),
+                "disk_bound_tokens_per_s": tps["disk"],
+                "pipeline_vs_disk_ratio": round(med["disk"] / med["pipeline"], 3),
+            }
+            if "disk" in med
+            else {}
+        ),
         "seconds": {k: [round(x, 3) for x in v] for k, v in times.items()},
         # shards encoded on the device (NaN/Inf flag; fp8 quantisation) == the CPU path's bytes
-        "device_encoding_bytes_equal": device_encoding_check(cap, [samples[i].input_ids for i in batches[0]], storage),
-        "hidden_states_vs_hf": (hs_check := hidden_states_check(cap, [samples[i].input_ids for i in batches[0][:4]])),
+        "device_encoding_bytes_equal": device_encoding_check(
+            cap, [samples[i].input_ids for i in batches[0]], storage
+        ),
+        "hidden_states_vs_hf": (
+            hs_check := hidden_states_check(cap, [samples[i].input_ids for i in batches[0][:4]])
+        ),
         "hidden_states_equal_hf": all(c["equal"] for c in hs_check.values()),
         "path_save_bytes_equal": path_save_check(a.out_dir),
         **({"profile": profile} if profile is not None else {}),
     }
-    print("| verifier | device | storage | batch x seq x batches | bare tok/s | pipeline tok/s (capture + copy + write) | "
-          "serial tok/s | capture only tok/s | capture + copy tok/s | disk ceiling tok/s | pipeline / bare |")
+    print(
+        "| verifier | device | storage | batch x seq x batches | bare tok/s | pipeline tok/s (capture + copy + write) | "
+        "serial tok/s | capture only tok/s | capture + copy tok/s | disk ceiling tok/s | pipeline / bare |"
+    )
     print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
-    print(f"| {res['verifier']} | {res['device']} {res['dtype']} | {storage.dtype} | {B} x {L} x {K} | {tps['bare']} | "
-          f"{tps['pipeline']} | {tps.get('serial', '-')} | {tps['capture']} | {tps['capture_copy']} | {tps.get('disk', '-')} | "
-          f"{res['capture_vs_bare_ratio']} |")
+    print(
+        f"| {res['verifier']} | {res['device']} {res['dtype']} | {storage.dtype} | {B} x {L} x {K} | {tps['bare']} | "
+        f"{tps['pipeline']} | {tps.get('serial', '-')} | {tps['capture']} | {tps['capture_copy']} | {tps.get('disk', '-')} | "
+        f"{res['capture_vs_bare_ratio']} |"
+    )
     for k in (k for k in fns if k.startswith("pipeline_")):
         print(f"| {k} | {tps[k]} tok/s | {round(med['bare'] / med[k], 3)} of bare |")
     print(json.dumps(res))

@@ -40,14 +40,21 @@ from eagle3.config import load_config  # noqa: E402
 from eagle3.data.prepare_data import split_indices  # noqa: E402
 from eagle3.errors import UserError  # noqa: E402
 from eagle3.io import atomic_write_json, atomic_write_text, iter_jsonl  # noqa: E402
-from eagle3.prompts.readers import dedupe_key, first_user_message, read_conversations, short_pool_warning  # noqa: E402
+from eagle3.prompts.readers import (  # noqa: E402
+    dedupe_key,
+    first_user_message,
+    read_conversations,
+    short_pool_warning,
+)
 
 log = logging.getLogger(__name__)
 
 SHAREGPT_ID = r"^[A-Za-z0-9]{7}_\d+$"
 
 
-def split_seen_heldout(prompts: Path, manifest: Path, val_fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
+def split_seen_heldout(
+    prompts: Path, manifest: Path, val_fraction: float, seed: int
+) -> tuple[list[dict], list[dict]]:
     """The run's conversations (01's ``prompts.jsonl``) in 03's training and validation splits.
 
     Args:
@@ -76,14 +83,24 @@ def split_seen_heldout(prompts: Path, manifest: Path, val_fraction: float, seed:
     return train, held
 
 
-def draw(convs: list[dict], pattern: str, max_chars: int, n: int, seed: int, label: str = "") -> list[str]:
+def draw(
+    convs: list[dict], pattern: str, max_chars: int, n: int, seed: int, label: str = ""
+) -> list[str]:
     """First user turns of the conversations whose id matches ``pattern`` and whose first user turn is at most
     ``max_chars`` long: ``n`` of them drawn with ``random.Random(seed)`` (all, in order, when fewer: one warning line
     names ``-n``, the set ``label`` and both counts)."""
     rx = re.compile(pattern)
-    pool = [u for c in convs if rx.search(str(c.get("id", ""))) and 0 < len(u := first_user_message(c)) <= max_chars]
-    short = short_pool_warning("-n", n, len(pool), f"prompts in the {label + ' ' if label else ''}pool (id pattern, "
-                               f"--max-chars {max_chars})")
+    pool = [
+        u
+        for c in convs
+        if rx.search(str(c.get("id", ""))) and 0 < len(u := first_user_message(c)) <= max_chars
+    ]
+    short = short_pool_warning(
+        "-n",
+        n,
+        len(pool),
+        f"prompts in the {label + ' ' if label else ''}pool (id pattern, --max-chars {max_chars})",
+    )
     if short:
         log.warning("%s", short)
     return pool if len(pool) <= n else random.Random(seed).sample(pool, n)
@@ -101,37 +118,83 @@ def unseen_conversations(cfg, used: list[dict]) -> list[dict]:
     keys = {dedupe_key(c) for c in used}
     out = []
     for src in [pc.source] if isinstance(pc.source, str) else list(pc.source):
-        out += [c for c in read_conversations(src, pc.format, hf_split=pc.hf_split, keep_prompt_only=True,
-                                              system_prompt=pc.system_prompt, think_tags=tuple(cfg.verifier.think_tags))
-                if dedupe_key(c) not in keys]
+        out += [
+            c
+            for c in read_conversations(
+                src,
+                pc.format,
+                hf_split=pc.hf_split,
+                keep_prompt_only=True,
+                system_prompt=pc.system_prompt,
+                think_tags=tuple(cfg.verifier.think_tags),
+            )
+            if dedupe_key(c) not in keys
+        ]
     return out
 
 
 def main(argv=None) -> int:
     p = ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", required=True, help="the run's config (prompts.source, data.val_fraction, data.seed)")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="the run's overrides")
+    p.add_argument(
+        "--config",
+        required=True,
+        help="the run's config (prompts.source, data.val_fraction, data.seed)",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="the run's overrides",
+    )
     p.add_argument("--prompts", type=Path, required=True, help="01's prompts.jsonl of the run")
-    p.add_argument("--manifest", type=Path, required=True, help="02's shards/manifest.jsonl of the run")
-    p.add_argument("--id-pattern", default=SHAREGPT_ID, help="regex the conversation ids must match (default: ShareGPT's)")
-    p.add_argument("--max-chars", type=int, default=1500, help="longest first user turn drawn, in characters")
+    p.add_argument(
+        "--manifest", type=Path, required=True, help="02's shards/manifest.jsonl of the run"
+    )
+    p.add_argument(
+        "--id-pattern",
+        default=SHAREGPT_ID,
+        help="regex the conversation ids must match (default: ShareGPT's)",
+    )
+    p.add_argument(
+        "--max-chars", type=int, default=1500, help="longest first user turn drawn, in characters"
+    )
     p.add_argument("-n", type=int, default=40, help="prompts per set")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, required=True, help="folder for chat_{seen,heldout,unseen}.jsonl + fit_sets.json")
+    p.add_argument(
+        "--out",
+        type=Path,
+        required=True,
+        help="folder for chat_{seen,heldout,unseen}.jsonl + fit_sets.json",
+    )
     a = p.parse_args(argv)
     cfg = load_config(a.config, a.set)
     train, held = split_seen_heldout(a.prompts, a.manifest, cfg.data.val_fraction, cfg.data.seed)
     unseen = unseen_conversations(cfg, train + held)
-    sets = {name: draw(convs, a.id_pattern, a.max_chars, a.n, a.seed, name)
-            for name, convs in (("seen", train), ("heldout", held), ("unseen", unseen))}
+    sets = {
+        name: draw(convs, a.id_pattern, a.max_chars, a.n, a.seed, name)
+        for name, convs in (("seen", train), ("heldout", held), ("unseen", unseen))
+    }
     for name, prompts in sets.items():
-        atomic_write_text(a.out / f"chat_{name}.jsonl", "".join(
-            json.dumps({"id": f"{name}-{i}", "messages": [{"role": "user", "content": u}]}) + "\n"
-            for i, u in enumerate(prompts)))
-    summary = {"config": a.config, "overrides": a.set, "id_pattern": a.id_pattern, "max_chars": a.max_chars,
-               "seed": a.seed, "val_fraction": cfg.data.val_fraction, "split_seed": cfg.data.seed,
-               "conversations": {"train": len(train), "val": len(held), "unseen": len(unseen)},
-               "drawn": {k: len(v) for k, v in sets.items()}}
+        atomic_write_text(
+            a.out / f"chat_{name}.jsonl",
+            "".join(
+                json.dumps({"id": f"{name}-{i}", "messages": [{"role": "user", "content": u}]})
+                + "\n"
+                for i, u in enumerate(prompts)
+            ),
+        )
+    summary = {
+        "config": a.config,
+        "overrides": a.set,
+        "id_pattern": a.id_pattern,
+        "max_chars": a.max_chars,
+        "seed": a.seed,
+        "val_fraction": cfg.data.val_fraction,
+        "split_seed": cfg.data.seed,
+        "conversations": {"train": len(train), "val": len(held), "unseen": len(unseen)},
+        "drawn": {k: len(v) for k, v in sets.items()},
+    }
     atomic_write_json(a.out / "fit_sets.json", summary)
     print(json.dumps(summary["drawn"]), "->", a.out)
     return 0

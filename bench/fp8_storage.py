@@ -27,7 +27,6 @@ Runs in a few minutes on a 2-core CPU at the defaults (12 samples of up to 512 t
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import tempfile
@@ -39,9 +38,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from eagle3.shards.fp8 import Storage, dequantize, quantize  # noqa: E402
 from eagle3.io import atomic_write_json  # noqa: E402
 from eagle3.shards.format import hidden_states_bf16, list_samples, load_sample, write_sample  # noqa: E402
+from eagle3.shards.fp8 import Storage, dequantize, quantize  # noqa: E402
 
 TENSORS = ("aux1", "aux2", "aux3", "last")
 KIMI_H = 7168
@@ -54,10 +53,10 @@ def capture_samples(config: str, n: int, max_length: int, source: Path):
     """``n`` real conversations through the verifier: list of (input_ids [L], loss_mask [L], 4 x bf16 [L, H]),
     plus the head (lm_head [V, H], norm weight or None, eps)."""
     from eagle3.capture.hf import HFCapture
-    from eagle3.prompts.chat import tokenize_conversation
     from eagle3.config import load_config
     from eagle3.errors import UserError
     from eagle3.layers import default_aux_layers
+    from eagle3.prompts.chat import tokenize_conversation
     from eagle3.prompts.readers import read_conversations
     from eagle3.train.target_head import TargetHead
     from eagle3.verifier import load_verifier
@@ -87,8 +86,13 @@ def capture_samples(config: str, n: int, max_length: int, source: Path):
         print(f"captured {len(out)}/{n} ({len(ids)} tokens)", file=sys.stderr, flush=True)
     head = TargetHead.from_model(model, cap.last_hidden_state())
     norm = None if head.last_is_post_norm else head.norm_weight.float()
-    return out, head.lm_head.float(), norm, float(head.norm_eps), {"verifier": cfg.verifier.display_name(),
-                                                                    "last_hidden_state": cap.last_hidden_state()}
+    return (
+        out,
+        head.lm_head.float(),
+        norm,
+        float(head.norm_eps),
+        {"verifier": cfg.verifier.display_name(), "last_hidden_state": cap.last_hidden_state()},
+    )
 
 
 def read_shards(folder: Path, n: int, config: str | None):
@@ -110,8 +114,13 @@ def read_shards(folder: Path, n: int, config: str | None):
     meta = read_data_config(folder)
     head = TargetHead.from_model(model, meta["last_hidden_state"])
     norm = None if head.last_is_post_norm else head.norm_weight.float()
-    return samples, head.lm_head.float(), norm, float(head.norm_eps), {"shards": str(folder),
-                                                                         "verifier": meta["verifier"]}
+    return (
+        samples,
+        head.lm_head.float(),
+        norm,
+        float(head.norm_eps),
+        {"shards": str(folder), "verifier": meta["verifier"]},
+    )
 
 
 def _logp(last: torch.Tensor, lm_head: torch.Tensor, norm, eps: float) -> torch.Tensor:
@@ -170,15 +179,25 @@ def evaluate(samples, storage: Storage, lm_head, norm, eps: float, tmp: Path) ->
             n_mask += int(used.sum())
     file_bytes = sum(p.stat().st_size for p in folder.rglob("data_*.pt"))
     row = {
-        "storage": storage.dtype if not storage.is_fp8 else f"fp8 {storage.scale}"
-        + (f" {storage.block_size}" if storage.block_size else ""),
+        "storage": storage.dtype
+        if not storage.is_fp8
+        else f"fp8 {storage.scale}" + (f" {storage.block_size}" if storage.block_size else ""),
         "format_bytes_per_token": storage.bytes_per_token(H),
         "file_bytes_per_token": round(file_bytes / tokens, 1),
-        "rel_rms": {name: float((err_num[k] / err_den[k]).sqrt()) for k, name in enumerate(TENSORS)},
+        "rel_rms": {
+            name: float((err_num[k] / err_den[k]).sqrt()) for k, name in enumerate(TENSORS)
+        },
     }
     if lm_head is not None:
-        row.update({"kl_mean": kl_sum / n_pos, "kl_max": kl_max, "top1_agree": agree / n_pos,
-                    "kl_mean_loss_pos": kl_mask_sum / max(1, n_mask), "top1_agree_loss_pos": agree_mask / max(1, n_mask)})
+        row.update(
+            {
+                "kl_mean": kl_sum / n_pos,
+                "kl_max": kl_max,
+                "top1_agree": agree / n_pos,
+                "kl_mean_loss_pos": kl_mask_sum / max(1, n_mask),
+                "top1_agree_loss_pos": agree_mask / max(1, n_mask),
+            }
+        )
     if storage.is_fp8:
         row["quantize_tok_per_s"] = round(tokens / q_s)
         row["dequantize_tok_per_s"] = round(tokens / dq_s)
@@ -194,59 +213,102 @@ def kimi_figures(schemes: list[Storage]) -> list[dict]:
             b = st.bytes_per_token(KIMI_H)
         except ValueError:
             continue
-        out.append({"storage": "bfloat16" if not st.is_fp8 else f"fp8 {st.scale}" + (f" {st.block_size}" if st.block_size else ""),
-                    "bytes_per_token": b, "ratio": round(b / base, 4),
-                    "tb_per_million_samples_avg_1730": round(b * KIMI_AVG_TOKENS * 1e6 / 1e12, 1),
-                    "tb_per_million_samples_max_4096": round(b * KIMI_MAX_LENGTH * 1e6 / 1e12, 1)})
+        out.append(
+            {
+                "storage": "bfloat16"
+                if not st.is_fp8
+                else f"fp8 {st.scale}" + (f" {st.block_size}" if st.block_size else ""),
+                "bytes_per_token": b,
+                "ratio": round(b / base, 4),
+                "tb_per_million_samples_avg_1730": round(b * KIMI_AVG_TOKENS * 1e6 / 1e12, 1),
+                "tb_per_million_samples_max_4096": round(b * KIMI_MAX_LENGTH * 1e6 / 1e12, 1),
+            }
+        )
     return out
 
 
 def markdown(rep: dict) -> str:
     has_kl = "kl_mean" in rep["rows"][0]
-    lines = [f"fp8 shard storage on {rep['source']} ({rep['samples']} samples, {rep['tokens']} tokens, H = {rep['hidden_size']})", "",
-             "| storage | bytes/token (format) | ratio | bytes/token (files) | ratio | rel RMS aux1 | aux2 | aux3 | last |"
-             + (" KL mean (nats) | KL mean, loss pos | KL max | top-1 agree | top-1 agree, loss pos |" if has_kl else ""),
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|---:|---:|---:|" if has_kl else "")]
+    lines = [
+        f"fp8 shard storage on {rep['source']} ({rep['samples']} samples, {rep['tokens']} tokens, H = {rep['hidden_size']})",
+        "",
+        "| storage | bytes/token (format) | ratio | bytes/token (files) | ratio | rel RMS aux1 | aux2 | aux3 | last |"
+        + (
+            " KL mean (nats) | KL mean, loss pos | KL max | top-1 agree | top-1 agree, loss pos |"
+            if has_kl
+            else ""
+        ),
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+        + ("---:|---:|---:|---:|---:|" if has_kl else ""),
+    ]
     b0, f0 = rep["rows"][0]["format_bytes_per_token"], rep["rows"][0]["file_bytes_per_token"]
     for r in rep["rows"]:
         e = r["rel_rms"]
-        line = (f"| {r['storage']} | {r['format_bytes_per_token']} | {r['format_bytes_per_token'] / b0:.4f} | "
-                f"{r['file_bytes_per_token']} | {r['file_bytes_per_token'] / f0:.4f} | "
-                + " | ".join(f"{e[t]:.4f}" for t in TENSORS) + " |")
+        line = (
+            f"| {r['storage']} | {r['format_bytes_per_token']} | {r['format_bytes_per_token'] / b0:.4f} | "
+            f"{r['file_bytes_per_token']} | {r['file_bytes_per_token'] / f0:.4f} | "
+            + " | ".join(f"{e[t]:.4f}" for t in TENSORS)
+            + " |"
+        )
         if has_kl:
-            line += (f" {r['kl_mean']:.2e} | {r['kl_mean_loss_pos']:.2e} | {r['kl_max']:.2e} | {r['top1_agree']:.4f} | "
-                     f"{r['top1_agree_loss_pos']:.4f} |")
+            line += (
+                f" {r['kl_mean']:.2e} | {r['kl_mean_loss_pos']:.2e} | {r['kl_max']:.2e} | {r['top1_agree']:.4f} | "
+                f"{r['top1_agree_loss_pos']:.4f} |"
+            )
         lines.append(line)
-    lines += ["", "Kimi-K2.5 (H = 7168, 4 tensors per token):", "",
-              "| storage | bytes/token | ratio | TB per 1M samples (avg 1730 tok) | TB per 1M samples (max_length 4096) |",
-              "|---|---:|---:|---:|---:|"]
+    lines += [
+        "",
+        "Kimi-K2.5 (H = 7168, 4 tensors per token):",
+        "",
+        "| storage | bytes/token | ratio | TB per 1M samples (avg 1730 tok) | TB per 1M samples (max_length 4096) |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for k in rep["kimi"]:
-        lines.append(f"| {k['storage']} | {k['bytes_per_token']} | {k['ratio']} | {k['tb_per_million_samples_avg_1730']} | "
-                     f"{k['tb_per_million_samples_max_4096']} |")
+        lines.append(
+            f"| {k['storage']} | {k['bytes_per_token']} | {k['ratio']} | {k['tb_per_million_samples_avg_1730']} | "
+            f"{k['tb_per_million_samples_max_4096']} |"
+        )
     u = rep["last_state_used_fraction"]
-    lines += ["", f"Item 5: the loss reads the last hidden state at {u:.1%} of positions (loss_mask[t+1] == 1); storing it "
-              f"only there would save {(1 - u) / 4:.1%} of the hidden-state bytes (1 of 4 tensors)."]
+    lines += [
+        "",
+        f"Item 5: the loss reads the last hidden state at {u:.1%} of positions (loss_mask[t+1] == 1); storing it "
+        f"only there would save {(1 - u) / 4:.1%} of the hidden-state bytes (1 of 4 tensors).",
+    ]
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", default=str(ROOT / "configs" / "smollm2-135m.yaml"), help="verifier (and lm_head) source")
+    p.add_argument(
+        "--config",
+        default=str(ROOT / "configs" / "smollm2-135m.yaml"),
+        help="verifier (and lm_head) source",
+    )
     p.add_argument("--shards", help="measure an existing stage-02 folder instead of capturing")
-    p.add_argument("--source", default=str(DEFAULT_SOURCE), help="conversations to capture (01-style file)")
+    p.add_argument(
+        "--source", default=str(DEFAULT_SOURCE), help="conversations to capture (01-style file)"
+    )
     p.add_argument("--samples", type=int, default=12)
     p.add_argument("--max-length", type=int, default=512)
-    p.add_argument("--blocks", default="32,64,192", help="per_block block sizes to measure (must divide H)")
+    p.add_argument(
+        "--blocks", default="32,64,192", help="per_block block sizes to measure (must divide H)"
+    )
     p.add_argument("--json", help="write the report as JSON here")
     a = p.parse_args(argv)
     torch.manual_seed(0)
     if a.shards:
         samples, lm_head, norm, eps, src = read_shards(Path(a.shards), a.samples, a.config)
     else:
-        samples, lm_head, norm, eps, src = capture_samples(a.config, a.samples, a.max_length, Path(a.source))
+        samples, lm_head, norm, eps, src = capture_samples(
+            a.config, a.samples, a.max_length, Path(a.source)
+        )
     H = samples[0][2][0].shape[1]
     schemes = [Storage(), Storage("float8_e4m3fn", "per_token")]
-    schemes += [Storage("float8_e4m3fn", "per_block", int(b)) for b in a.blocks.split(",") if b and H % int(b) == 0]
+    schemes += [
+        Storage("float8_e4m3fn", "per_block", int(b))
+        for b in a.blocks.split(",")
+        if b and H % int(b) == 0
+    ]
     with tempfile.TemporaryDirectory() as tmp:
         rows = []
         for st in schemes:
@@ -254,11 +316,22 @@ def main(argv=None) -> int:
             print(f"evaluated {rows[-1]['storage']}", file=sys.stderr, flush=True)
     tokens = sum(s[0].numel() for s in samples)
     used = sum(int(s[1][1:].sum()) for s in samples)
-    kimi = [Storage(), Storage("float8_e4m3fn", "per_token"), Storage("float8_e4m3fn", "per_block", 128)]
-    rep = {"source": src.get("shards") or f"{src.get('verifier')} on {Path(a.source).name}", **src,
-           "samples": len(samples), "tokens": tokens, "hidden_size": H, "rows": rows,
-           "kimi": kimi_figures(kimi), "last_state_used_fraction": used / tokens,
-           "loss_token_fraction": sum(int(s[1].sum()) for s in samples) / tokens}
+    kimi = [
+        Storage(),
+        Storage("float8_e4m3fn", "per_token"),
+        Storage("float8_e4m3fn", "per_block", 128),
+    ]
+    rep = {
+        "source": src.get("shards") or f"{src.get('verifier')} on {Path(a.source).name}",
+        **src,
+        "samples": len(samples),
+        "tokens": tokens,
+        "hidden_size": H,
+        "rows": rows,
+        "kimi": kimi_figures(kimi),
+        "last_state_used_fraction": used / tokens,
+        "loss_token_fraction": sum(int(s[1].sum()) for s in samples) / tokens,
+    }
     print(markdown(rep))
     if a.json:
         atomic_write_json(a.json, rep)

@@ -36,10 +36,11 @@ from typing import Any, Callable, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from small_train_speed import ISSUE_REFERENCE_S, ISSUE_RUN_TOKENS  # noqa: E402  (issue 9's run: 6.96M tokens, 320 s)
+
 from eagle3.cli import ArgumentParser, run_main  # noqa: E402
 from eagle3.errors import UserError  # noqa: E402
 from eagle3.io import write_json_and_markdown  # noqa: E402
-from small_train_speed import ISSUE_REFERENCE_S, ISSUE_RUN_TOKENS  # noqa: E402  (issue 9's run: 6.96M tokens, 320 s)
 
 CFG = "configs/smollm2-135m-full.yaml --set verifier.path=$EAGLE3_GGUF_DIR"
 
@@ -66,9 +67,9 @@ def _kimi(d: dict, key: str) -> Optional[float]:
     return r.get(key)
 
 
-
-
-def _bench_set(d: dict, dataset: str = "mtbench", n: int = 80, new: int = 256, steps: int = 3) -> Optional[float]:
+def _bench_set(
+    d: dict, dataset: str = "mtbench", n: int = 80, new: int = 256, steps: int = 3
+) -> Optional[float]:
     """Wall seconds of one dataset in a 05 ``bench.json`` when it is the ``n x new``, ``steps``-step set."""
     if d.get("max_new_tokens") != new or d.get("steps") != steps:
         return None
@@ -78,7 +79,9 @@ def _bench_set(d: dict, dataset: str = "mtbench", n: int = 80, new: int = 256, s
     return None
 
 
-HEADLINE_BATCH_TOKENS = 16384  # the training figures' batches (their command sets train.batch_tokens=16384)
+HEADLINE_BATCH_TOKENS = (
+    16384  # the training figures' batches (their command sets train.batch_tokens=16384)
+)
 
 
 def _train_tps(d: dict) -> Optional[float]:
@@ -98,44 +101,93 @@ def _train_vs_reference(d: dict) -> Optional[float]:
 
 # key -> (file, extractor, baseline, command); later entries of FALLBACKS are tried when the first yields nothing
 FIGURES: dict[str, tuple[str, Callable[[dict], Any], str, str]] = {
-    "tokenize_conv_per_s": ("tokenize.json", lambda d: _first(d, "tokenize_conv_per_s", "conv_per_s"),
-                            "1 worker in the same run",
-                            f"python3 bench/tokenize_throughput.py --config {CFG} --json tokenize.json"),
-    "capture_vs_bare_ratio": ("capture.json", lambda d: _first(d, "capture_vs_bare_ratio", "ratio"),
-                              "bare verifier forward at the same batch (64 x 2048)",
-                              f"python3 bench/extract_throughput.py --config {CFG} --device cuda --batch 64 --seq 2048 --json capture.json"),
-    "small_train_tokens_per_s": ("small_train.json", lambda d: d.get("small_train_tokens_per_s"),
-                                 "legacy batch-8 loop in the same run",
-                                 "python3 bench/small_train_speed.py --json small_train.json"),
-    "small_train_wall_vs_reference": ("small_train.json", lambda d: d.get("small_train_wall_vs_reference"),
-                                      "published trainer, 320 s for the issue's 6.96M-token run",
-                                      "python3 bench/small_train_speed.py --json small_train.json"),
-    "bench_80x256_s": ("bench_speed.json", _bench_wall, "batched greedy in the same run",
-                       f"python3 bench/offline_bench_speed.py --config {CFG} --batch-sizes 1 8 32 --json bench_speed.json"),
-    "kimi_step_ms": ("kimi_step.json", lambda d: _kimi(d, "step_ms"), "matmul ceiling measured in the same run",
-                     "python3 bench/train_throughput.py --kv-heads 64 --compile --no-checkpoint-logits --json kimi_step.json"),
-    "kimi_mfu": ("kimi_step.json", lambda d: _kimi(d, "mfu"), "matmul ceiling measured in the same run",
-                 "python3 bench/train_throughput.py --kv-heads 64 --compile --no-checkpoint-logits --json kimi_step.json"),
+    "tokenize_conv_per_s": (
+        "tokenize.json",
+        lambda d: _first(d, "tokenize_conv_per_s", "conv_per_s"),
+        "1 worker in the same run",
+        f"python3 bench/tokenize_throughput.py --config {CFG} --json tokenize.json",
+    ),
+    "capture_vs_bare_ratio": (
+        "capture.json",
+        lambda d: _first(d, "capture_vs_bare_ratio", "ratio"),
+        "bare verifier forward at the same batch (64 x 2048)",
+        f"python3 bench/extract_throughput.py --config {CFG} --device cuda --batch 64 --seq 2048 --json capture.json",
+    ),
+    "small_train_tokens_per_s": (
+        "small_train.json",
+        lambda d: d.get("small_train_tokens_per_s"),
+        "legacy batch-8 loop in the same run",
+        "python3 bench/small_train_speed.py --json small_train.json",
+    ),
+    "small_train_wall_vs_reference": (
+        "small_train.json",
+        lambda d: d.get("small_train_wall_vs_reference"),
+        "published trainer, 320 s for the issue's 6.96M-token run",
+        "python3 bench/small_train_speed.py --json small_train.json",
+    ),
+    "bench_80x256_s": (
+        "bench_speed.json",
+        _bench_wall,
+        "batched greedy in the same run",
+        f"python3 bench/offline_bench_speed.py --config {CFG} --batch-sizes 1 8 32 --json bench_speed.json",
+    ),
+    "kimi_step_ms": (
+        "kimi_step.json",
+        lambda d: _kimi(d, "step_ms"),
+        "matmul ceiling measured in the same run",
+        "python3 bench/train_throughput.py --kv-heads 64 --compile --no-checkpoint-logits --json kimi_step.json",
+    ),
+    "kimi_mfu": (
+        "kimi_step.json",
+        lambda d: _kimi(d, "mfu"),
+        "matmul ceiling measured in the same run",
+        "python3 bench/train_throughput.py --kv-heads 64 --compile --no-checkpoint-logits --json kimi_step.json",
+    ),
 }
 
 
 FALLBACKS: dict[str, list[tuple[str, Callable[[dict], Any], str, str]]] = {
-    "small_train_tokens_per_s": [("train_report.json", _train_tps, "04 on real shards (train.batch_tokens), all steps",
-                                  f"python3 04_train.py --config {CFG} --set train.batch_tokens=16384")],
-    "small_train_wall_vs_reference": [("train_report.json", _train_vs_reference,
-                                       "published trainer, 320 s for the issue's 6.96M-token run (projected at the measured tokens/s)",
-                                       f"python3 04_train.py --config {CFG} --set train.batch_tokens=16384")],
-    "capture_vs_bare_ratio": [("capture_shm.json", lambda d: d.get("capture_vs_bare_ratio"),
-                               "bare verifier forward at the same batch (64 x 2048, 12 batches); shards to RAM (/dev/shm), "
-                               "so the storage does not bind (the run's disk: capture_disk.json beside it)",
-                               f"python3 bench/extract_throughput.py --config {CFG} --device cuda --batch 64 --seq 2048 "
-                               "--batches 12 --repeats 3 --no-serial --out-dir /dev/shm --json capture_shm.json"),
-                              ("capture_disk.json", lambda d: d.get("capture_vs_bare_ratio"),
-                               "bare verifier forward at the same batch (64 x 2048); shards to the run's disk",
-                               f"python3 bench/extract_throughput.py --config {CFG} --device cuda --batch 64 --seq 2048 "
-                               "--no-serial --out-dir RUN_DIR --json capture_disk.json")],
-    "bench_80x256_s": [("bench-steps3.json", _bench_set, "batched greedy in the same run (inside the wall)",
-                        f"python3 05_benchmark.py --config {CFG} --set benchmark.max_new_tokens=256 --steps 3")],
+    "small_train_tokens_per_s": [
+        (
+            "train_report.json",
+            _train_tps,
+            "04 on real shards (train.batch_tokens), all steps",
+            f"python3 04_train.py --config {CFG} --set train.batch_tokens=16384",
+        )
+    ],
+    "small_train_wall_vs_reference": [
+        (
+            "train_report.json",
+            _train_vs_reference,
+            "published trainer, 320 s for the issue's 6.96M-token run (projected at the measured tokens/s)",
+            f"python3 04_train.py --config {CFG} --set train.batch_tokens=16384",
+        )
+    ],
+    "capture_vs_bare_ratio": [
+        (
+            "capture_shm.json",
+            lambda d: d.get("capture_vs_bare_ratio"),
+            "bare verifier forward at the same batch (64 x 2048, 12 batches); shards to RAM (/dev/shm), "
+            "so the storage does not bind (the run's disk: capture_disk.json beside it)",
+            f"python3 bench/extract_throughput.py --config {CFG} --device cuda --batch 64 --seq 2048 "
+            "--batches 12 --repeats 3 --no-serial --out-dir /dev/shm --json capture_shm.json",
+        ),
+        (
+            "capture_disk.json",
+            lambda d: d.get("capture_vs_bare_ratio"),
+            "bare verifier forward at the same batch (64 x 2048); shards to the run's disk",
+            f"python3 bench/extract_throughput.py --config {CFG} --device cuda --batch 64 --seq 2048 "
+            "--no-serial --out-dir RUN_DIR --json capture_disk.json",
+        ),
+    ],
+    "bench_80x256_s": [
+        (
+            "bench-steps3.json",
+            _bench_set,
+            "batched greedy in the same run (inside the wall)",
+            f"python3 05_benchmark.py --config {CFG} --set benchmark.max_new_tokens=256 --steps 3",
+        )
+    ],
 }
 
 
@@ -150,7 +202,9 @@ def collect(results: Path | list[Path]) -> dict:
     results = dirs[0]
     out = {}
     for key, first in FIGURES.items():
-        for folder, (name, get, baseline, cmd) in [(d, c) for d in dirs for c in [first, *FALLBACKS.get(key, [])]]:
+        for folder, (name, get, baseline, cmd) in [
+            (d, c) for d in dirs for c in [first, *FALLBACKS.get(key, [])]
+        ]:
             f = folder / name
             value = None
             if f.is_file():
@@ -158,13 +212,22 @@ def collect(results: Path | list[Path]) -> dict:
                     value = get(json.loads(f.read_text()))
                 except json.JSONDecodeError as e:
                     raise UserError(f"{f}: line {e.lineno}: not valid JSON ({e.msg})") from None
-            out[key] = {"value": value, "measured": value is not None, "baseline": baseline,
-                        "source": str(f) if f.is_file() else None, "command": cmd}
+            out[key] = {
+                "value": value,
+                "measured": value is not None,
+                "baseline": baseline,
+                "source": str(f) if f.is_file() else None,
+                "command": cmd,
+            }
             if value is not None:
                 break
         if out[key]["value"] is None:  # unmeasured: name the primary source and command
             name, _, baseline, cmd = first
-            out[key].update(baseline=baseline, command=cmd, source=str(results / name) if (results / name).is_file() else None)
+            out[key].update(
+                baseline=baseline,
+                command=cmd,
+                source=str(results / name) if (results / name).is_file() else None,
+            )
     return out
 
 
@@ -172,14 +235,23 @@ def markdown(figs: dict) -> str:
     """The figures as a Markdown table (unmeasured ones say so)."""
     lines = ["| figure | value | baseline | command |", "|---|---:|---|---|"]
     for k, v in figs.items():
-        val = "not measured" if v["value"] is None else (f"{v['value']:.4g}" if isinstance(v["value"], float) else v["value"])
+        val = (
+            "not measured"
+            if v["value"] is None
+            else (f"{v['value']:.4g}" if isinstance(v["value"], float) else v["value"])
+        )
         lines.append(f"| `{k}` | {val} | {v['baseline']} | `{v['command']}` |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
     p = ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("results", type=Path, nargs="+", help="folders holding the bench scripts' JSON files (newest first)")
+    p.add_argument(
+        "results",
+        type=Path,
+        nargs="+",
+        help="folders holding the bench scripts' JSON files (newest first)",
+    )
     p.add_argument("--out", type=Path, default=Path("bench/results/gpu_speed.json"))
     a = p.parse_args(argv)
     for r in a.results:

@@ -68,7 +68,9 @@ def check_recipes(config: str, recipes: list[tuple[str, list[str]]]) -> list[str
             warm = check_init_from_config(cfg)
         except UserError as e:
             raise UserError(f"recipe {name}: {e}") from None
-        lines.append(f"preflight {name}: ok" + (f", warm start from {cfg.train.init_from}" if warm else ""))
+        lines.append(
+            f"preflight {name}: ok" + (f", warm start from {cfg.train.init_from}" if warm else "")
+        )
     return lines
 
 
@@ -78,7 +80,9 @@ def main(argv=None) -> int:
     p.add_argument("--recipe", action=_Recipe, dest="recipes", default=[], metavar="NAME")
     p.add_argument("--set", action=_RecipeSet, dest="recipes", metavar="SECTION.KEY=VALUE")
     a = p.parse_args(argv)
-    for recipe in a.recipes:  # one line as each passes: the refused one is the first without its line
+    for (
+        recipe
+    ) in a.recipes:  # one line as each passes: the refused one is the first without its line
         print(check_recipes(a.config, [recipe])[0], flush=True)
     return 0
 

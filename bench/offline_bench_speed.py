@@ -42,8 +42,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle3.benchmark.offline import (  # noqa: E402
-    TRAIN_META, bench_prompts, check_before_load, default_tie_tolerance, effective_batch_size, json_safe,
-    load_checked_drafter, resolve_drafter_dir, speedup_warning, warm_up,
+    TRAIN_META,
+    bench_prompts,
+    check_before_load,
+    default_tie_tolerance,
+    effective_batch_size,
+    json_safe,
+    load_checked_drafter,
+    resolve_drafter_dir,
+    speedup_warning,
+    warm_up,
 )
 from eagle3.cli import ArgumentParser, run_main  # noqa: E402
 from eagle3.config import add_config_args, load_config  # noqa: E402
@@ -61,10 +69,21 @@ def _random_drafter(verifier, device, dtype, drafter_cfg=None):
     0.15 to 0.21)."""
     from eagle3.train.model import DrafterArgs, Eagle3Drafter
 
-    cfg = verifier.config.get_text_config() if hasattr(verifier.config, "get_text_config") else verifier.config
+    cfg = (
+        verifier.config.get_text_config()
+        if hasattr(verifier.config, "get_text_config")
+        else verifier.config
+    )
     # every drafter.* field that is set (variant and num_layers always are); null ones come from the verifier
-    over = {} if drafter_cfg is None else {f: getattr(drafter_cfg, f) for f in type(drafter_cfg).model_fields
-                                            if getattr(drafter_cfg, f) is not None}
+    over = (
+        {}
+        if drafter_cfg is None
+        else {
+            f: getattr(drafter_cfg, f)
+            for f in type(drafter_cfg).model_fields
+            if getattr(drafter_cfg, f) is not None
+        }
+    )
     args = DrafterArgs.from_hf_config(cfg, draft_vocab_size=min(32000, int(cfg.vocab_size)), **over)
     torch.manual_seed(0)
     d = Eagle3Drafter(args, verifier.get_input_embeddings().weight.detach().float().cpu())
@@ -74,10 +93,32 @@ def _random_drafter(verifier, device, dtype, drafter_cfg=None):
 def _row(d: dict) -> dict:
     """One row of the sweep from a :func:`~eagle3.benchmark.offline.bench_prompts` result; ``batch_size`` is the
     effective one (``min(--batch-sizes entry, prompts)``)."""
-    keys = ("num_prompts", "wall_seconds", "greedy_tokens", "greedy_seconds", "greedy_tokens_per_s", "spec_tokens",
-            "spec_seconds", "spec_tokens_per_s", "speedup", "tau", "verify_steps", "conditional", "unconditional",
-            "accepted_hist", "draft_seconds", "verify_seconds", "drafter_share", "rounds", "near_ties", "failures",
-            "mismatches", "tie_tolerance", "decoder", "warm_up_seconds")
+    keys = (
+        "num_prompts",
+        "wall_seconds",
+        "greedy_tokens",
+        "greedy_seconds",
+        "greedy_tokens_per_s",
+        "spec_tokens",
+        "spec_seconds",
+        "spec_tokens_per_s",
+        "speedup",
+        "tau",
+        "verify_steps",
+        "conditional",
+        "unconditional",
+        "accepted_hist",
+        "draft_seconds",
+        "verify_seconds",
+        "drafter_share",
+        "rounds",
+        "near_ties",
+        "failures",
+        "mismatches",
+        "tie_tolerance",
+        "decoder",
+        "warm_up_seconds",
+    )
     return {"batch_size": d["batch_size"], **{k: d[k] for k in keys}}
 
 
@@ -85,24 +126,37 @@ def markdown(res: dict) -> str:
     def f(x, nd=2):
         return "n/a" if x is None or x != x else f"{x:.{nd}f}"
 
-    lines = [f"# Offline benchmark speed: {res['verifier']} on {res['device_name']} ({res['dtype']})", "",
-             f"{res['dataset']}, {res['max_new_tokens']} new tokens, chain of {res['steps']}, drafter `{res['drafter']}`", "",
-             "| batch | decoder | prompts | wall s | greedy tok/s | EAGLE-3 tok/s | speedup | tau | drafter share | near-ties | failures |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"# Offline benchmark speed: {res['verifier']} on {res['device_name']} ({res['dtype']})",
+        "",
+        f"{res['dataset']}, {res['max_new_tokens']} new tokens, chain of {res['steps']}, drafter `{res['drafter']}`",
+        "",
+        "| batch | decoder | prompts | wall s | greedy tok/s | EAGLE-3 tok/s | speedup | tau | drafter share | near-ties | failures |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in res["rows"]:
         if "error" in r:
-            lines.append(f"| {r['batch_size']} | {r['decoder']} | {r['num_prompts']} | failed: {r['error'][:120]} |"
-                         + " |" * 7)
+            lines.append(
+                f"| {r['batch_size']} | {r['decoder']} | {r['num_prompts']} | failed: {r['error'][:120]} |"
+                + " |" * 7
+            )
             continue
-        lines.append(f"| {r['batch_size']} | {r.get('decoder', 'batched')} | {r['num_prompts']} | {f(r['wall_seconds'], 1)} | {f(r['greedy_tokens_per_s'], 1)} | "
-                     f"{f(r['spec_tokens_per_s'], 1)} | {f(r['speedup'])}x | {f(r['tau'])} | {f(r['drafter_share'])} | "
-                     f"{r['near_ties']} | {r['failures']} |")
-    lines += ["", f"bench_{res['num_prompts']}x{res['max_new_tokens']}_s (batch {res['headline_batch_size']}): "
-                  f"**{f(res['bench_set_s'], 1)} s**"]
+        lines.append(
+            f"| {r['batch_size']} | {r.get('decoder', 'batched')} | {r['num_prompts']} | {f(r['wall_seconds'], 1)} | {f(r['greedy_tokens_per_s'], 1)} | "
+            f"{f(r['spec_tokens_per_s'], 1)} | {f(r['speedup'])}x | {f(r['tau'])} | {f(r['drafter_share'])} | "
+            f"{r['near_ties']} | {r['failures']} |"
+        )
+    lines += [
+        "",
+        f"bench_{res['num_prompts']}x{res['max_new_tokens']}_s (batch {res['headline_batch_size']}): "
+        f"**{f(res['bench_set_s'], 1)} s**",
+    ]
     return "\n".join(lines) + "\n"
 
 
-def _row_subset(label: str, everything: list, prompts: list, ids: list, n: int, pick: str) -> tuple[list, list[str]]:
+def _row_subset(
+    label: str, everything: list, prompts: list, ids: list, n: int, pick: str
+) -> tuple[list, list[str]]:
     """The ``n`` prompts a batch size below the headline decodes (``pick`` over the headline's ``prompts`` / their
     ``ids``), and the warning when they leave out categories of the whole set ``everything`` (``--pick``'s hint)."""
     from eagle3.benchmark.eval_prompts import pick_prompts, subset_warnings
@@ -118,46 +172,93 @@ def main(argv=None) -> int:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(p)
     p.add_argument("--drafter", help="exported drafter folder (default: cfg.export_dir)")
-    p.add_argument("--random-drafter", action="store_true", help="untrained drafter: machinery speed only")
-    p.add_argument("--dataset", default="mtbench", help="mtbench, humaneval, gsm8k or a JSONL prompt file")
-    p.add_argument("--num-prompts", type=int, help="prompts of the set (default: benchmark.num_prompts, else 80)")
-    p.add_argument("--prompts-per-batch-size", type=int, default=8,
-                   help="batch sizes other than the headline decode max(batch, this) prompts, picked by --pick")
-    p.add_argument("--pick", choices=["first", "spread"],
-                   help="which prompts a subset holds: 'spread' = evenly over the set (MT-bench: every category), "
-                        "'first' = the first N (default: benchmark.prompt_pick)")
+    p.add_argument(
+        "--random-drafter", action="store_true", help="untrained drafter: machinery speed only"
+    )
+    p.add_argument(
+        "--dataset", default="mtbench", help="mtbench, humaneval, gsm8k or a JSONL prompt file"
+    )
+    p.add_argument(
+        "--num-prompts",
+        type=int,
+        help="prompts of the set (default: benchmark.num_prompts, else 80)",
+    )
+    p.add_argument(
+        "--prompts-per-batch-size",
+        type=int,
+        default=8,
+        help="batch sizes other than the headline decode max(batch, this) prompts, picked by --pick",
+    )
+    p.add_argument(
+        "--pick",
+        choices=["first", "spread"],
+        help="which prompts a subset holds: 'spread' = evenly over the set (MT-bench: every category), "
+        "'first' = the first N (default: benchmark.prompt_pick)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 80])
-    p.add_argument("--headline-batch-size", type=int, help="batch size of the 'whole set' figure (default: benchmark.batch_size if listed, else the largest)")
-    p.add_argument("--tie-tolerance", type=float, help="near-tie tolerance in logits (default: benchmark.tie_tolerance or the dtype's)")
-    p.add_argument("--decoder", nargs="+", choices=["auto", "batched", "static"],
-                   help="benchmark.decoder, one row per batch size and decoder (default: the config's); 'static' = batch-1 "
-                        "static caches + CUDA graphs (batch sizes > 1 skip it); e.g. --batch-sizes 1 --decoder static batched")
+    p.add_argument(
+        "--headline-batch-size",
+        type=int,
+        help="batch size of the 'whole set' figure (default: benchmark.batch_size if listed, else the largest)",
+    )
+    p.add_argument(
+        "--tie-tolerance",
+        type=float,
+        help="near-tie tolerance in logits (default: benchmark.tie_tolerance or the dtype's)",
+    )
+    p.add_argument(
+        "--decoder",
+        nargs="+",
+        choices=["auto", "batched", "static"],
+        help="benchmark.decoder, one row per batch size and decoder (default: the config's); 'static' = batch-1 "
+        "static caches + CUDA graphs (batch sizes > 1 skip it); e.g. --batch-sizes 1 --decoder static batched",
+    )
     p.add_argument("--json", help="write the results here")
     a = p.parse_args(argv)
     if a.json and Path(a.json).is_dir():  # found before minutes of measuring, not at the write
         p.error(f"--json {a.json}: is a folder; give a file path")
     if a.headline_batch_size is not None and a.headline_batch_size < 1:
         p.error("--headline-batch-size must be >= 1")
-    if min(a.batch_sizes) < 1 or min(1 if a.num_prompts is None else a.num_prompts, a.max_new_tokens, a.steps,
-                                     a.prompts_per_batch_size) < 1:
-        p.error("--batch-sizes, --num-prompts, --prompts-per-batch-size, --max-new-tokens and --steps must be >= 1")
+    if (
+        min(a.batch_sizes) < 1
+        or min(
+            1 if a.num_prompts is None else a.num_prompts,
+            a.max_new_tokens,
+            a.steps,
+            a.prompts_per_batch_size,
+        )
+        < 1
+    ):
+        p.error(
+            "--batch-sizes, --num-prompts, --prompts-per-batch-size, --max-new-tokens and --steps must be >= 1"
+        )
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cfg = load_config(a.config, a.overrides)
-    asked = a.num_prompts or cfg.benchmark.num_prompts  # None: the default 80, not warned about on a smaller set
+    asked = (
+        a.num_prompts or cfg.benchmark.num_prompts
+    )  # None: the default 80, not warned about on a smaller set
     a.num_prompts = asked or 80
 
-    from eagle3.prompts.chat import ChatOptions, end_of_turn_ids, prompt_ids
-    from eagle3.benchmark.eval_prompts import (check_dataset_names, dataset_label, load_eval_prompts, pick_prompts,
-                                               subset_warnings, too_few_note)
+    from eagle3.benchmark.eval_prompts import (
+        check_dataset_names,
+        dataset_label,
+        load_eval_prompts,
+        pick_prompts,
+        subset_warnings,
+        too_few_note,
+    )
     from eagle3.layers import check_aux_layers, default_aux_layers
+    from eagle3.prompts.chat import ChatOptions, end_of_turn_ids, prompt_ids
     from eagle3.verifier import load_verifier, resolve_device, verifier_dims
 
     check_dataset_names([a.dataset], "--dataset", indexed=False)  # before the verifier loads
     ddir = None if a.random_drafter else resolve_drafter_dir(cfg, a.drafter)
     # 05's checks of the drafter's and the shards' metadata (each logged), then those that need the verifier
-    drafter_notes, not_checked = ([], []) if ddir is None else check_before_load(cfg, ddir, a.steps, "--steps")
+    drafter_notes, not_checked = (
+        ([], []) if ddir is None else check_before_load(cfg, ddir, a.steps, "--steps")
+    )
 
     device = resolve_device(cfg.verifier.device)
     vcfg = cfg.verifier
@@ -167,7 +268,10 @@ def main(argv=None) -> int:
     dtype = next(verifier.parameters()).dtype
     n_layers = verifier_dims(verifier.config)["num_layers"]
     if ddir is None:
-        drafter, drafter_name = _random_drafter(verifier, device, dtype, cfg.drafter), "random (untrained)"
+        drafter, drafter_name = (
+            _random_drafter(verifier, device, dtype, cfg.drafter),
+            "random (untrained)",
+        )
         aux = cfg.extract.aux_layers or default_aux_layers(n_layers)
     else:  # as 05 loads it: aux layers against the shards', the recorded verifier, vocab map, shape, chat template
         drafter, aux, late, unchecked = load_checked_drafter(cfg, ddir, verifier, tok, device)
@@ -180,7 +284,9 @@ def main(argv=None) -> int:
     tol = default_tie_tolerance(dtype) if tol is None else tol
     eos = sorted(end_of_turn_ids(tok))
     pick = a.pick or cfg.benchmark.prompt_pick
-    everything = load_eval_prompts(a.dataset)  # the whole set, read once: the subsets and their warnings
+    everything = load_eval_prompts(
+        a.dataset
+    )  # the whole set, read once: the subsets and their warnings
     prompts = pick_prompts(everything, a.num_prompts, pick)
     subset_notes = subset_warnings(dataset_label(a.dataset), everything, prompts, pick, "--pick")
     short = too_few_note(dataset_label(a.dataset), asked, len(everything), verb="measured")
@@ -189,25 +295,49 @@ def main(argv=None) -> int:
         log.warning("%s", w)
     chat = ChatOptions.from_config(cfg)
     ids = [(q.id, prompt_ids(tok, q.messages, chat)) for q in prompts]
-    headline = a.headline_batch_size or (cfg.benchmark.batch_size if cfg.benchmark.batch_size in a.batch_sizes else max(a.batch_sizes))
+    headline = a.headline_batch_size or (
+        cfg.benchmark.batch_size
+        if cfg.benchmark.batch_size in a.batch_sizes
+        else max(a.batch_sizes)
+    )
     if headline not in a.batch_sizes:
-        raise UserError(f"--headline-batch-size {headline} is not one of --batch-sizes {a.batch_sizes}")
+        raise UserError(
+            f"--headline-batch-size {headline} is not one of --batch-sizes {a.batch_sizes}"
+        )
     res = {
-        "verifier": cfg.verifier.display_name(), "drafter": drafter_name, "dataset": dataset_label(a.dataset),
-        "num_prompts": len(ids), "max_new_tokens": a.max_new_tokens, "steps": a.steps, "aux_layers": list(aux),
-        "dtype": str(dtype).replace("torch.", ""), "device": str(device),
+        "verifier": cfg.verifier.display_name(),
+        "drafter": drafter_name,
+        "dataset": dataset_label(a.dataset),
+        "num_prompts": len(ids),
+        "max_new_tokens": a.max_new_tokens,
+        "steps": a.steps,
+        "aux_layers": list(aux),
+        "dtype": str(dtype).replace("torch.", ""),
+        "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__, "tie_tolerance": tol, "headline_batch_size": headline,
-        "prompt_pick": pick, "prompt_ids": [i for i, _ in ids], "warnings": drafter_notes + subset_notes,
+        "torch": torch.__version__,
+        "tie_tolerance": tol,
+        "headline_batch_size": headline,
+        "prompt_pick": pick,
+        "prompt_ids": [i for i, _ in ids],
+        "warnings": drafter_notes + subset_notes,
         "not_checked": not_checked,
-        "command": " ".join([Path(sys.argv[0]).name] + (sys.argv[1:] if argv is None else list(argv))), "rows": [],
+        "command": " ".join(
+            [Path(sys.argv[0]).name] + (sys.argv[1:] if argv is None else list(argv))
+        ),
+        "rows": [],
     }
     warm = ids[0][1]
     from eagle3.benchmark.static_decode import resolve_decoder
 
     for b in a.batch_sizes:
-        subset, row_notes = (ids, []) if b == headline else _row_subset(
-            res["dataset"], everything, prompts, ids, max(b, a.prompts_per_batch_size), pick)
+        subset, row_notes = (
+            (ids, [])
+            if b == headline
+            else _row_subset(
+                res["dataset"], everything, prompts, ids, max(b, a.prompts_per_batch_size), pick
+            )
+        )
         warm_up(verifier, drafter, warm, aux, a.steps, eos, min(b, len(subset)))
         ran = []
         for dec in a.decoder or [cfg.benchmark.decoder]:
@@ -219,21 +349,53 @@ def main(argv=None) -> int:
             ran.append(mode)
             t0 = time.perf_counter()
             try:
-                d = bench_prompts(verifier, drafter, subset, aux, a.steps, a.max_new_tokens, eos, res["dataset"],
-                                  batch_size=b, tie_tolerance=tol, decoder=mode)
-            except (RuntimeError, ValueError) as e:  # one decoder failing (e.g. on a new device) keeps the others' rows
+                d = bench_prompts(
+                    verifier,
+                    drafter,
+                    subset,
+                    aux,
+                    a.steps,
+                    a.max_new_tokens,
+                    eos,
+                    res["dataset"],
+                    batch_size=b,
+                    tie_tolerance=tol,
+                    decoder=mode,
+                )
+            except (
+                RuntimeError,
+                ValueError,
+            ) as e:  # one decoder failing (e.g. on a new device) keeps the others' rows
                 eff = effective_batch_size(b, len(subset))
                 log.error("batch %d (%s decoder) failed: %s: %s", eff, mode, type(e).__name__, e)
-                row = {"batch_size": eff, "decoder": mode, "num_prompts": len(subset), "error": f"{type(e).__name__}: {e}"}
+                row = {
+                    "batch_size": eff,
+                    "decoder": mode,
+                    "num_prompts": len(subset),
+                    "error": f"{type(e).__name__}: {e}",
+                }
             else:
-                log.info("batch %d (%s decoder): %d prompts in %.1f s (greedy %.1f tok/s, EAGLE-3 %.1f tok/s, speedup "
-                         "%.2fx, tau %.2f, drafter share %.2f, near-ties %d, failures %d)", d["batch_size"], mode,
-                         len(subset),
-                         time.perf_counter() - t0, d["greedy_tokens_per_s"], d["spec_tokens_per_s"], d["speedup"],
-                         d["tau"], d["drafter_share"], d["near_ties"], d["failures"])
+                log.info(
+                    "batch %d (%s decoder): %d prompts in %.1f s (greedy %.1f tok/s, EAGLE-3 %.1f tok/s, speedup "
+                    "%.2fx, tau %.2f, drafter share %.2f, near-ties %d, failures %d)",
+                    d["batch_size"],
+                    mode,
+                    len(subset),
+                    time.perf_counter() - t0,
+                    d["greedy_tokens_per_s"],
+                    d["spec_tokens_per_s"],
+                    d["speedup"],
+                    d["tau"],
+                    d["drafter_share"],
+                    d["near_ties"],
+                    d["failures"],
+                )
                 row = _row(d)
-                above = speedup_warning(f"{res['dataset']} batch {d['batch_size']} ({mode} decoder)", d["speedup"],
-                                        d["tau"])  # a ratio tau cannot give: the greedy baseline was slowed
+                above = speedup_warning(
+                    f"{res['dataset']} batch {d['batch_size']} ({mode} decoder)",
+                    d["speedup"],
+                    d["tau"],
+                )  # a ratio tau cannot give: the greedy baseline was slowed
                 if above:
                     log.warning("%s", above)
                     row_notes = [*row_notes, above]
@@ -243,7 +405,9 @@ def main(argv=None) -> int:
                 atomic_write_json(a.json, json_safe(res))
     head_b = effective_batch_size(headline, len(ids))
     head = next((r for r in res["rows"] if r["batch_size"] == head_b and "error" not in r), None)
-    res["bench_set_s"] = head["wall_seconds"] if head is not None and head["num_prompts"] == len(ids) else None
+    res["bench_set_s"] = (
+        head["wall_seconds"] if head is not None and head["num_prompts"] == len(ids) else None
+    )
     res[f"bench_{len(ids)}x{a.max_new_tokens}_s"] = res["bench_set_s"]
     print(markdown(res))
     print(json.dumps(json_safe({k: v for k, v in res.items() if k != "rows"}), indent=1))

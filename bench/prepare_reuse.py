@@ -26,11 +26,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle3.config import add_config_args, load_config  # noqa: E402
-from eagle3.io import atomic_write_json  # noqa: E402
-from eagle3.shards.manifest import MANIFEST  # noqa: E402
 from eagle3.data.prepare_data import run  # noqa: E402
-from eagle3.shards.format import DATA_CONFIG, list_samples  # noqa: E402
 from eagle3.data.validation_record import shard_set_fingerprint  # noqa: E402
+from eagle3.io import atomic_write_json  # noqa: E402
+from eagle3.shards.format import DATA_CONFIG, list_samples  # noqa: E402
+from eagle3.shards.manifest import MANIFEST  # noqa: E402
 
 COMPARED = ("token_freq.pt", "vocab_map.pt", "split.json")
 
@@ -53,7 +53,10 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="prepare_reuse-") as tmp:
         full_s, rep_full = _timed_run(cfg, Path(tmp) / "full", revalidate=True)
         reused_s, rep_reused = _timed_run(cfg, Path(tmp) / "reused", revalidate=False)
-        identical = all((Path(tmp) / "full" / n).read_bytes() == (Path(tmp) / "reused" / n).read_bytes() for n in COMPARED)
+        identical = all(
+            (Path(tmp) / "full" / n).read_bytes() == (Path(tmp) / "reused" / n).read_bytes()
+            for n in COMPARED
+        )
     t0 = time.perf_counter()
     shard_set_fingerprint(shards, paths, shards / MANIFEST, shards / DATA_CONFIG)
     fp_s = time.perf_counter() - t0
@@ -71,8 +74,10 @@ def main(argv=None) -> int:
     }
     print("| shards | GB | 03 full s | 03 reused s | speedup | fingerprint s | outputs identical |")
     print("|---:|---:|---:|---:|---:|---:|---|")
-    print(f"| {res['shards']} | {res['shard_bytes'] / 1e9:.2f} | {res['full_s']} | {res['reused_s']} | "
-          f"{res['speedup']}x | {res['fingerprint_s']} | {identical} |")
+    print(
+        f"| {res['shards']} | {res['shard_bytes'] / 1e9:.2f} | {res['full_s']} | {res['reused_s']} | "
+        f"{res['speedup']}x | {res['fingerprint_s']} | {identical} |"
+    )
     print(json.dumps(res))
     if a.json:
         atomic_write_json(a.json, res)

@@ -63,8 +63,11 @@ def load_run(spec: str) -> dict:
     else:
         raise UserError(f"{path}: not found (run {name!r})")
     bench = _json(bench_path, required=False)
-    tag = bench_path.stem[len("bench"):].lstrip("-")
-    pp = _json(folder / (f"per_prompt_{tag}.json" if tag else "per_prompt.json"), required=False) or {}
+    tag = bench_path.stem[len("bench") :].lstrip("-")
+    pp = (
+        _json(folder / (f"per_prompt_{tag}.json" if tag else "per_prompt.json"), required=False)
+        or {}
+    )
     train = _json(folder / "train_report.json", required=False) or {}
     data = _json(folder / "data_report.json", required=False) or {}
     top1, weights_step = scored_weights(train, train.get("sim_accept") or {})
@@ -124,27 +127,52 @@ def paired_bootstrap(a: dict, b: dict, draws: int = 2000, seed: int = 0) -> Opti
     eb, nb = [b[i][0] for i in ids], [b[i][1] for i in ids]
 
     def delta(idx) -> float:
-        return sum(eb[i] for i in idx) / sum(nb[i] for i in idx) - sum(ea[i] for i in idx) / sum(na[i] for i in idx)
+        return sum(eb[i] for i in idx) / sum(nb[i] for i in idx) - sum(ea[i] for i in idx) / sum(
+            na[i] for i in idx
+        )
 
     rng = random.Random(seed)
     n = len(ids)
     ds = sorted(delta([rng.randrange(n) for _ in range(n)]) for _ in range(draws))
-    return {"delta": round(delta(range(n)), 4), "lo": round(ds[int(0.025 * draws)], 4),
-            "hi": round(ds[int(0.975 * draws) - 1], 4), "prompts": n}
+    return {
+        "delta": round(delta(range(n)), 4),
+        "lo": round(ds[int(0.025 * draws)], 4),
+        "hi": round(ds[int(0.975 * draws) - 1], 4),
+        "prompts": n,
+    }
 
 
 def compare(ref: dict, runs: list[dict]) -> list[dict]:
     """One row per run (reference first): tau per set, deltas vs the reference with intervals, top-1."""
     rows = []
     for r in [ref, *runs]:
-        row = {k: r[k] for k in ("name", "path", "tau", "steps", "dtype", "val_top1", "optimizer_steps",
-                                 "weights_step", "train_tokens_per_s", "train_samples", "val_samples", "draft_vocab_size",
-                                 "vocab_coverage")}
+        row = {
+            k: r[k]
+            for k in (
+                "name",
+                "path",
+                "tau",
+                "steps",
+                "dtype",
+                "val_top1",
+                "optimizer_steps",
+                "weights_step",
+                "train_tokens_per_s",
+                "train_samples",
+                "val_samples",
+                "draft_vocab_size",
+                "vocab_coverage",
+            )
+        }
         row["reference"] = r is ref
         if r is not ref:
-            row["delta_vs_ref"] = {s: d for s in SETS
-                                   if s in r["per_prompt"] and s in ref["per_prompt"]
-                                   and (d := paired_bootstrap(ref["per_prompt"][s], r["per_prompt"][s])) is not None}
+            row["delta_vs_ref"] = {
+                s: d
+                for s in SETS
+                if s in r["per_prompt"]
+                and s in ref["per_prompt"]
+                and (d := paired_bootstrap(ref["per_prompt"][s], r["per_prompt"][s])) is not None
+            }
         rows.append(row)
     return rows
 
@@ -156,30 +184,46 @@ def val_split_note(rows: list[dict]) -> str:
     known = {v for v in sizes.values() if v is not None}
     if len(known) == 1 and None not in sizes.values():
         return f"{known.pop()} samples in every run"
-    return "; ".join(f"{n}: {'no data_report.json' if v is None else f'{v} samples'}" for n, v in sizes.items())
+    return "; ".join(
+        f"{n}: {'no data_report.json' if v is None else f'{v} samples'}" for n, v in sizes.items()
+    )
 
 
 def markdown(rows: list[dict], title: str) -> str:
     """Table: run, training samples, steps, held-out top-1 at position 1, tau per set with delta [CI]."""
     sets = [s for s in SETS if any(s in r["tau"] for r in rows)]
-    lines = [f"{title}", "", "| run | train samples | optimizer steps | held-out top-1 (pos 1) | "
-             + " | ".join(f"tau {s}" for s in sets) + " |", "|---|---:|---:|---:|" + "---:|" * len(sets)]
+    lines = [
+        f"{title}",
+        "",
+        "| run | train samples | optimizer steps | held-out top-1 (pos 1) | "
+        + " | ".join(f"tau {s}" for s in sets)
+        + " |",
+        "|---|---:|---:|---:|" + "---:|" * len(sets),
+    ]
     for r in rows:
         cells = []
         for s in sets:
             t = r["tau"].get(s)
             d = (r.get("delta_vs_ref") or {}).get(s)
-            cells.append("not measured" if t is None else
-                         f"{t:.2f}" + (f" ({d['delta']:+.2f} [{d['lo']:+.2f}, {d['hi']:+.2f}])" if d else ""))
+            cells.append(
+                "not measured"
+                if t is None
+                else f"{t:.2f}"
+                + (f" ({d['delta']:+.2f} [{d['lo']:+.2f}, {d['hi']:+.2f}])" if d else "")
+            )
         v = f"{r['val_top1'][0]:.3f}" if r["val_top1"] else "-"
         name = r["name"] + (" (ref)" if r["reference"] else "")
         steps = str(r["optimizer_steps"] or "-")
         if r.get("weights_step") is not None and r["weights_step"] != r["optimizer_steps"]:
             steps += f" (weights of step {r['weights_step']})"
-        lines.append(f"| {name} | {r['train_samples'] or '-'} | {steps} | {v} | "
-                     + " | ".join(cells) + " |")
-    lines += ["", "tau: 05, chain, T=0; (delta vs ref [95% paired bootstrap over prompts]); held-out top-1: 04's "
-              f"validation split ({val_split_note(rows)})."]
+        lines.append(
+            f"| {name} | {r['train_samples'] or '-'} | {steps} | {v} | " + " | ".join(cells) + " |"
+        )
+    lines += [
+        "",
+        "tau: 05, chain, T=0; (delta vs ref [95% paired bootstrap over prompts]); held-out top-1: 04's "
+        f"validation split ({val_split_note(rows)}).",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -215,18 +259,35 @@ def plot_curve(rows: list[dict], path: Path) -> None:
 def main(argv=None) -> int:
     p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ref", required=True, help="NAME=PATH of the reference run")
-    p.add_argument("--run", action="append", default=[], help="NAME=PATH of a compared run (repeatable)")
+    p.add_argument(
+        "--run", action="append", default=[], help="NAME=PATH of a compared run (repeatable)"
+    )
     p.add_argument("--title", default="Runs compared with the reference")
-    p.add_argument("--note", action="append", default=[], help="a line recorded in the JSON and printed under the table")
-    p.add_argument("--curve", action="store_true", help="also write <out>.png: tau and top-1 against training samples")
-    p.add_argument("--out", type=Path, required=True, help="JSON path; the Markdown table goes beside it (.md)")
+    p.add_argument(
+        "--note",
+        action="append",
+        default=[],
+        help="a line recorded in the JSON and printed under the table",
+    )
+    p.add_argument(
+        "--curve",
+        action="store_true",
+        help="also write <out>.png: tau and top-1 against training samples",
+    )
+    p.add_argument(
+        "--out", type=Path, required=True, help="JSON path; the Markdown table goes beside it (.md)"
+    )
     a = p.parse_args(argv)
     rows = compare(load_run(a.ref), [load_run(s) for s in a.run])
     import shlex
 
-    cmd = shlex.join(["python", "bench/quality_compare.py", *(sys.argv[1:] if argv is None else argv)])
+    cmd = shlex.join(
+        ["python", "bench/quality_compare.py", *(sys.argv[1:] if argv is None else argv)]
+    )
     md = markdown(rows, a.title) + "".join(f"\n{n}\n" for n in a.note)
-    write_json_and_markdown(a.out, {"title": a.title, "notes": a.note, "command": cmd, "rows": rows}, md)
+    write_json_and_markdown(
+        a.out, {"title": a.title, "notes": a.note, "command": cmd, "rows": rows}, md
+    )
     if a.curve:
         plot_curve(rows, a.out.with_suffix(".png"))
     print(md, end="")

@@ -28,9 +28,10 @@ from typing import Optional
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from quality_compare import SETS, load_run  # noqa: E402
+
 from eagle3.cli import ArgumentParser, run_main  # noqa: E402
 from eagle3.io import write_json_and_markdown  # noqa: E402
-from quality_compare import SETS, load_run  # noqa: E402
 
 GOALS = {3: {"mtbench": 2.8, "humaneval": 2.8, "gsm8k": 3.2}, 7: {"mtbench": 3.4}}  # issue 23
 
@@ -47,15 +48,22 @@ def _read(path: Path) -> Optional[dict]:
 def is_bench(obj: dict) -> bool:
     """A 05 result: a ``datasets`` list of ``{"dataset", "tau"}`` entries and the chain's ``steps``."""
     ds = obj.get("datasets")
-    return (isinstance(ds, list) and bool(ds) and all(isinstance(d, dict) and "tau" in d and "dataset" in d
-                                                          for d in ds) and isinstance(obj.get("steps"), int))
+    return (
+        isinstance(ds, list)
+        and bool(ds)
+        and all(isinstance(d, dict) and "tau" in d and "dataset" in d for d in ds)
+        and isinstance(obj.get("steps"), int)
+    )
 
 
 def is_comparison(obj: dict) -> bool:
     """A ``bench/quality_compare.py`` table: ``rows`` of ``{"name", "path", "tau"}``."""
     rows = obj.get("rows")
-    return (isinstance(rows, list) and bool(rows) and all(isinstance(r, dict) and {"name", "path", "tau"} <= set(r)
-                                                            for r in rows))
+    return (
+        isinstance(rows, list)
+        and bool(rows)
+        and all(isinstance(r, dict) and {"name", "path", "tau"} <= set(r) for r in rows)
+    )
 
 
 def _drafter(train: dict) -> Optional[str]:
@@ -63,28 +71,49 @@ def _drafter(train: dict) -> Optional[str]:
     args = train.get("drafter_args")
     if not isinstance(args, dict):
         return None
-    layers = int(args.get("num_layers", 1))  # (DrafterArgs; absent before the field existed: one layer)
-    return (f"{args.get('variant', 'eagle3')}, {layers} layer{'s' if layers > 1 else ''}, "
-            f"MLP {args.get('intermediate_size')}")
+    layers = int(
+        args.get("num_layers", 1)
+    )  # (DrafterArgs; absent before the field existed: one layer)
+    return (
+        f"{args.get('variant', 'eagle3')}, {layers} layer{'s' if layers > 1 else ''}, "
+        f"MLP {args.get('intermediate_size')}"
+    )
 
 
 def bench_row(path: Path, repo: Path) -> dict:
     """One run from its 05 file (tau per set, chain steps, dtype) and the reports beside it."""
     r = load_run(f"run={path}")
     train = _read(path.parent / "train_report.json") or {}
-    return {"file": str(path.relative_to(repo)), "names": [], "steps": r["steps"], "dtype": r["dtype"],
-            "tau": {k: round(v, 2) for k, v in r["tau"].items()}, "optimizer_steps": r["optimizer_steps"],
-            "weights_step": r["weights_step"], "stopped": bool(train.get("stopped")),
-            "train_samples": r["train_samples"], "drafter": _drafter(train), "from": "05 file"}
+    return {
+        "file": str(path.relative_to(repo)),
+        "names": [],
+        "steps": r["steps"],
+        "dtype": r["dtype"],
+        "tau": {k: round(v, 2) for k, v in r["tau"].items()},
+        "optimizer_steps": r["optimizer_steps"],
+        "weights_step": r["weights_step"],
+        "stopped": bool(train.get("stopped")),
+        "train_samples": r["train_samples"],
+        "drafter": _drafter(train),
+        "from": "05 file",
+    }
 
 
 def comparison_row(row: dict, table: Path, repo: Path) -> dict:
     """A run known only from a comparison table's row (its 05 file is not in git)."""
-    return {"file": row["path"], "names": [row["name"]], "steps": row.get("steps"), "dtype": row.get("dtype"),
-            "tau": {k: round(v, 2) for k, v in (row.get("tau") or {}).items()},
-            "optimizer_steps": row.get("optimizer_steps"), "weights_step": row.get("weights_step"), "stopped": None,
-            "train_samples": row.get("train_samples"), "drafter": row.get("variant"),
-            "from": f"comparison {table.relative_to(repo)}"}
+    return {
+        "file": row["path"],
+        "names": [row["name"]],
+        "steps": row.get("steps"),
+        "dtype": row.get("dtype"),
+        "tau": {k: round(v, 2) for k, v in (row.get("tau") or {}).items()},
+        "optimizer_steps": row.get("optimizer_steps"),
+        "weights_step": row.get("weights_step"),
+        "stopped": None,
+        "train_samples": row.get("train_samples"),
+        "drafter": row.get("variant"),
+        "from": f"comparison {table.relative_to(repo)}",
+    }
 
 
 def git_ignored(paths: list[Path], repo: Path) -> set[Path]:
@@ -94,8 +123,13 @@ def git_ignored(paths: list[Path], repo: Path) -> set[Path]:
     if not paths:
         return set()
     try:
-        r = subprocess.run(["git", "-C", str(repo), "check-ignore", "--stdin", "-z"], capture_output=True, text=True,
-                           input="\0".join(str(p) for p in paths), timeout=120)
+        r = subprocess.run(
+            ["git", "-C", str(repo), "check-ignore", "--stdin", "-z"],
+            capture_output=True,
+            text=True,
+            input="\0".join(str(p) for p in paths),
+            timeout=120,
+        )
     except (OSError, subprocess.SubprocessError):
         return set()
     if r.returncode not in (0, 1):  # 128: not a git work tree
@@ -110,12 +144,18 @@ def collect(root: Path, repo: Path) -> list[dict]:
     paths = sorted(root.rglob("*.json"))
     ignored = git_ignored(paths, repo)
     found = {p: obj for p in paths if p not in ignored and (obj := _read(p)) is not None}
-    runs = {str(p.relative_to(repo)): bench_row(p, repo) for p, obj in found.items() if is_bench(obj)}
+    runs = {
+        str(p.relative_to(repo)): bench_row(p, repo) for p, obj in found.items() if is_bench(obj)
+    }
     for table, obj in found.items():
         if not is_comparison(obj):
             continue
         for row in obj["rows"]:
-            key = str(Path(row["path"]) / "bench.json") if (repo / row["path"]).is_dir() else row["path"]
+            key = (
+                str(Path(row["path"]) / "bench.json")
+                if (repo / row["path"]).is_dir()
+                else row["path"]
+            )
             if key not in runs:
                 runs[key] = comparison_row(row, table, repo)
             elif row["name"] not in runs[key]["names"]:
@@ -133,31 +173,52 @@ def _cell(r: dict, s: str) -> str:
 
 def markdown(runs: list[dict]) -> str:
     """The table: one row per run; a tau at or above issue 23's goal in bold."""
-    lines = ["Every drafter run in `bench/results` (`python bench/quality_index.py`): tau per set, chain of `steps` "
-             "draft tokens, T=0 (a run without a 05 result: `-`); bold: at or above issue 23's goal (3 steps: "
-             "MT-bench 2.8, HumanEval 2.8, GSM8K 3.2; 7 steps: MT-bench 3.4).", "",
-             "| file | names in comparisons | steps | dtype | MT-bench | HumanEval | GSM8K | other sets | optimizer "
-             "steps | train samples | drafter |", "|---|---|---:|---|---:|---:|---:|---|---:|---:|---|"]
+    lines = [
+        "Every drafter run in `bench/results` (`python bench/quality_index.py`): tau per set, chain of `steps` "
+        "draft tokens, T=0 (a run without a 05 result: `-`); bold: at or above issue 23's goal (3 steps: "
+        "MT-bench 2.8, HumanEval 2.8, GSM8K 3.2; 7 steps: MT-bench 3.4).",
+        "",
+        "| file | names in comparisons | steps | dtype | MT-bench | HumanEval | GSM8K | other sets | optimizer "
+        "steps | train samples | drafter |",
+        "|---|---|---:|---|---:|---:|---:|---|---:|---:|---|",
+    ]
     for r in runs:
-        other = ", ".join(f"{k} {v:.2f}" for k, v in sorted(r["tau"].items()) if k not in SETS) or "-"
+        other = (
+            ", ".join(f"{k} {v:.2f}" for k, v in sorted(r["tau"].items()) if k not in SETS) or "-"
+        )
         opt = r["optimizer_steps"]
-        opt = "-" if opt is None else f"{opt}" + (f" (weights of {r['weights_step']})" if r["weights_step"] else "")
-        lines.append(f"| `{r['file']}` | {'; '.join(r['names']) or '-'} | {r['steps'] or '-'} | {r['dtype'] or '-'} | "
-                     + " | ".join(_cell(r, s) for s in SETS)
-                     + f" | {other} | {opt} | {r['train_samples'] or '-'} | {r['drafter'] or '-'} |")
+        opt = (
+            "-"
+            if opt is None
+            else f"{opt}" + (f" (weights of {r['weights_step']})" if r["weights_step"] else "")
+        )
+        lines.append(
+            f"| `{r['file']}` | {'; '.join(r['names']) or '-'} | {r['steps'] or '-'} | {r['dtype'] or '-'} | "
+            + " | ".join(_cell(r, s) for s in SETS)
+            + f" | {other} | {opt} | {r['train_samples'] or '-'} | {r['drafter'] or '-'} |"
+        )
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
     p = ArgumentParser(description=__doc__.splitlines()[0])
     repo = Path(__file__).resolve().parents[1]
-    p.add_argument("--root", type=Path, default=repo / "bench" / "results", help="folder searched (recursively)")
+    p.add_argument(
+        "--root",
+        type=Path,
+        default=repo / "bench" / "results",
+        help="folder searched (recursively)",
+    )
     p.add_argument("--repo", type=Path, default=repo, help="paths are written relative to it")
-    p.add_argument("--out", type=Path, required=True, help="JSON path; the Markdown table goes beside it (.md)")
+    p.add_argument(
+        "--out", type=Path, required=True, help="JSON path; the Markdown table goes beside it (.md)"
+    )
     a = p.parse_args(argv)
     runs = collect(a.root.resolve(), a.repo.resolve())
     md = markdown(runs)
-    write_json_and_markdown(a.out, {"goals": {str(k): v for k, v in GOALS.items()}, "runs": runs}, md)
+    write_json_and_markdown(
+        a.out, {"goals": {str(k): v for k, v in GOALS.items()}, "runs": runs}, md
+    )
     print(md, end="")
     return 0
 

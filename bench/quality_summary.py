@@ -77,27 +77,62 @@ def collect(run: Path, config: str, overrides: str = "", goals: str = "10") -> d
             name = ds["dataset"]
             tau[k][name] = round(ds["tau"], 4)
             nprompts[name] = ds["num_prompts"]
-            per_pos[k][name] = {"conditional": [round(x, 4) for x in ds["conditional"]],
-                                "unconditional": [round(x, 4) for x in ds["unconditional"]]}
-            speed[k][name] = {"batch_size": ds["batch_size"], "speedup": round(ds["speedup"], 4),
-                              "drafter_share": round(ds["drafter_share"], 4), "wall_s": round(ds["wall_seconds"], 2),
-                              "mismatches_beyond_tolerance": ds["failures"], "near_ties": ds["near_ties"]}
-    goal = {k: {s: {"goal": g, "tau": tau.get(k, {}).get(s), "met": (tau.get(k, {}).get(s) or 0) >= g}
-                for s, g in sets.items()} for k, sets in GOALS[goals].items()}
+            per_pos[k][name] = {
+                "conditional": [round(x, 4) for x in ds["conditional"]],
+                "unconditional": [round(x, 4) for x in ds["unconditional"]],
+            }
+            speed[k][name] = {
+                "batch_size": ds["batch_size"],
+                "speedup": round(ds["speedup"], 4),
+                "drafter_share": round(ds["drafter_share"], 4),
+                "wall_s": round(ds["wall_seconds"], 2),
+                "mismatches_beyond_tolerance": ds["failures"],
+                "near_ties": ds["near_ties"],
+            }
+    goal = {
+        k: {
+            s: {"goal": g, "tau": tau.get(k, {}).get(s), "met": (tau.get(k, {}).get(s) or 0) >= g}
+            for s, g in sets.items()
+        }
+        for k, sets in GOALS[goals].items()
+    }
     pp = _read(run / "per_prompt_steps3.json", required=False)
     if pp is None and "3" in benches and all("per_prompt" in ds for ds in benches["3"]["datasets"]):
-        pp = {"per_prompt": {ds["dataset"]: {str(r["id"]): [sum(r["accept_lengths"]), len(r["accept_lengths"])]
-                                             for r in ds["per_prompt"]} for ds in benches["3"]["datasets"]}}
+        pp = {
+            "per_prompt": {
+                ds["dataset"]: {
+                    str(r["id"]): [sum(r["accept_lengths"]), len(r["accept_lengths"])]
+                    for r in ds["per_prompt"]
+                }
+                for ds in benches["3"]["datasets"]
+            }
+        }
     by_category = _by_category(pp)
     bs = _read(run / "bench_speed.json", required=False)
-    speed_by_batch = None if bs is None else {
-        "dataset": bs.get("dataset"), "steps": bs.get("steps"), "dtype": bs.get("dtype"),
-        "prompt_pick": bs.get("prompt_pick", "first"), "prompt_ids": bs.get("prompt_ids"),  # older files: the first N
-        "warnings": bs.get("warnings", []),
-        "rows": [{"batch_size": r["batch_size"], "num_prompts": r["num_prompts"],
-                  "greedy_tokens_per_s": round(r["greedy_tokens_per_s"], 1),
-                  "eagle3_tokens_per_s": round(r["spec_tokens_per_s"], 1), "speedup": round(r["speedup"], 4),
-                  "tau": round(r["tau"], 4), "drafter_share": round(r["drafter_share"], 4)} for r in bs["rows"]]}
+    speed_by_batch = (
+        None
+        if bs is None
+        else {
+            "dataset": bs.get("dataset"),
+            "steps": bs.get("steps"),
+            "dtype": bs.get("dtype"),
+            "prompt_pick": bs.get("prompt_pick", "first"),
+            "prompt_ids": bs.get("prompt_ids"),  # older files: the first N
+            "warnings": bs.get("warnings", []),
+            "rows": [
+                {
+                    "batch_size": r["batch_size"],
+                    "num_prompts": r["num_prompts"],
+                    "greedy_tokens_per_s": round(r["greedy_tokens_per_s"], 1),
+                    "eagle3_tokens_per_s": round(r["spec_tokens_per_s"], 1),
+                    "speedup": round(r["speedup"], 4),
+                    "tau": round(r["tau"], 4),
+                    "drafter_share": round(r["drafter_share"], 4),
+                }
+                for r in bs["rows"]
+            ],
+        }
+    )
     first = next(iter(benches.values()))
     regen = prompts.get("regeneration") or {}
     recipe = train.get("recipe") or {}
@@ -114,14 +149,24 @@ def collect(run: Path, config: str, overrides: str = "", goals: str = "10") -> d
         "num_prompts": nprompts,
         "variant": dargs.get("variant", "eagle3") if train else None,
         # the drafter's size (drafter.intermediate_size, drafter.num_layers: absent = 1 layer, as DrafterArgs.to_json)
-        "drafter": {"intermediate_size": dargs.get("intermediate_size"), "num_layers": dargs.get("num_layers", 1)}
-        if train else None,
+        "drafter": {
+            "intermediate_size": dargs.get("intermediate_size"),
+            "num_layers": dargs.get("num_layers", 1),
+        }
+        if train
+        else None,
         "loss": recipe.get("loss", "soft_ce") if train else None,
         "num_train_prompts": (prompts.get("counts") or {}).get("kept"),
         "recipe": recipe or None,
-        "sim_accept": {"chain": sim.get("chain"), "select_best": sim.get("select_best"),
-                       "exported_step": exported_step, "best": sim.get("best"),
-                       "curve": [[r["step"], round(r["tau_sim"], 4)] for r in sim.get("rows") or []]} if sim else None,
+        "sim_accept": {
+            "chain": sim.get("chain"),
+            "select_best": sim.get("select_best"),
+            "exported_step": exported_step,
+            "best": sim.get("best"),
+            "curve": [[r["step"], round(r["tau_sim"], 4)] for r in sim.get("rows") or []],
+        }
+        if sim
+        else None,
         "loss_tokens": data.get("num_loss_tokens"),
         "tokens": data.get("num_tokens"),
         "train_samples": data.get("train_samples"),
@@ -130,14 +175,21 @@ def collect(run: Path, config: str, overrides: str = "", goals: str = "10") -> d
         "answers_truncated": regen.get("truncated"),
         "config": config,
         "overrides": overrides.split() if overrides else [],
-        "evaluator": {"dtype": first.get("dtype"), "device": first.get("device"), "max_new_tokens": first.get("max_new_tokens"),
-                      "tie_tolerance": first.get("tie_tolerance"), "how": "05_benchmark.py, in-process HF verifier, chain drafting, T=0"},
+        "evaluator": {
+            "dtype": first.get("dtype"),
+            "device": first.get("device"),
+            "max_new_tokens": first.get("max_new_tokens"),
+            "tie_tolerance": first.get("tie_tolerance"),
+            "how": "05_benchmark.py, in-process HF verifier, chain drafting, T=0",
+        },
         "goal": goal,
         "goal_met": all(v["met"] for sets in goal.values() for v in sets.values()),
         "per_position": per_pos,
         "val_top1_per_position": val_acc,
-        "train_eval_gap_pos1": {s: (round(val_acc[0] - p["conditional"][0], 4) if val_acc else None)
-                                for s, p in per_pos[min(per_pos, key=int)].items()},
+        "train_eval_gap_pos1": {
+            s: (round(val_acc[0] - p["conditional"][0], 4) if val_acc else None)
+            for s, p in per_pos[min(per_pos, key=int)].items()
+        },
         "speed": speed,
         "speed_by_batch": speed_by_batch,
         "tau_by_category_steps3": by_category,
@@ -167,8 +219,11 @@ def _by_category(pp: Optional[dict]) -> Optional[dict]:
 
         try:
             qfile = shared_data_dir() / "eval" / "mt_bench_question.jsonl"
-            cats = {str(json.loads(line)["question_id"]): json.loads(line)["category"]
-                    for line in qfile.read_text().splitlines() if line.strip()}
+            cats = {
+                str(json.loads(line)["question_id"]): json.loads(line)["category"]
+                for line in qfile.read_text().splitlines()
+                if line.strip()
+            }
         except (OSError, UserError):
             cats = {}
         mt: dict[str, list[int]] = {}
@@ -178,15 +233,19 @@ def _by_category(pp: Optional[dict]) -> Optional[dict]:
                 c[0] += e
                 c[1] += n
         if mt:
-            out["mtbench"] = {c: {"tau": round(e / n, 4), "verify_steps": n} for c, (e, n) in sorted(mt.items())}
+            out["mtbench"] = {
+                c: {"tau": round(e / n, 4), "verify_steps": n} for c, (e, n) in sorted(mt.items())
+            }
     return out
 
 
 def markdown(q: dict) -> str:
     """Tau table (chain lengths x sets, with the goal), per-position acceptance vs held-out top-1, speedups."""
     sets = list(q["num_prompts"])
-    lines = ["| steps | " + " | ".join(f"{s} ({q['num_prompts'][s]})" for s in sets) + " |",
-             "|---:|" + "---:|" * len(sets)]
+    lines = [
+        "| steps | " + " | ".join(f"{s} ({q['num_prompts'][s]})" for s in sets) + " |",
+        "|---:|" + "---:|" * len(sets),
+    ]
     for k in sorted(q["tau"], key=int):
         cells = []
         for s in sets:
@@ -195,37 +254,66 @@ def markdown(q: dict) -> str:
             cells.append("-" if t is None else f"{t:.2f}" + (f" (goal {g['goal']})" if g else ""))
         lines.append(f"| {k} | " + " | ".join(cells) + " |")
     k0 = min(q["per_position"], key=int)
-    lines += ["", f"Top-1 per draft position: held-out training data (04 validation) vs conditional acceptance "
-              f"on each set ({k0} steps):", "",
-              "| position | " + " | ".join(["held-out train", *sets]) + " |", "|---:|" + "---:|" * (len(sets) + 1)]
+    lines += [
+        "",
+        f"Top-1 per draft position: held-out training data (04 validation) vs conditional acceptance "
+        f"on each set ({k0} steps):",
+        "",
+        "| position | " + " | ".join(["held-out train", *sets]) + " |",
+        "|---:|" + "---:|" * (len(sets) + 1),
+    ]
     for i in range(int(k0)):
         v = q["val_top1_per_position"][i] if i < len(q["val_top1_per_position"]) else None
         # a set scored at another chain length only (e.g. MT-bench at 7 steps, not at 3): "-" in this table
         at_k0 = q["per_position"][k0]
-        row = [f"{v:.2f}" if v is not None else "-"] + [f"{at_k0[s]['conditional'][i]:.2f}" if s in at_k0 else "-"
-                                                        for s in sets]
+        row = [f"{v:.2f}" if v is not None else "-"] + [
+            f"{at_k0[s]['conditional'][i]:.2f}" if s in at_k0 else "-" for s in sets
+        ]
         lines.append(f"| {i + 1} | " + " | ".join(row) + " |")
     cat = q.get("tau_by_category_steps3")
     if cat:
-        lines += ["", "Tau by prompt category (3 steps): " + ", ".join(f"{k} {v:.2f}" for k, v in cat["by_kind"].items())]
+        lines += [
+            "",
+            "Tau by prompt category (3 steps): "
+            + ", ".join(f"{k} {v:.2f}" for k, v in cat["by_kind"].items()),
+        ]
         if cat.get("mtbench"):
             lines += ["", "| MT-bench category | tau | verify steps |", "|---|---:|---:|"]
-            lines += [f"| {c} | {v['tau']:.2f} | {v['verify_steps']} |" for c, v in cat["mtbench"].items()]
+            lines += [
+                f"| {c} | {v['tau']:.2f} | {v['verify_steps']} |" for c, v in cat["mtbench"].items()
+            ]
     sb = q.get("speed_by_batch")
     if sb:
-        lines += ["", f"Speedup by batch size ({sb['dataset']}, {sb['steps']} steps, {sb['dtype']}, prompts picked "
-                  f"{sb.get('prompt_pick', 'first')}, bench/offline_bench_speed.py alone on the GPU):", ""]
-        lines += [f"Warning: {w}" for w in sb.get("warnings") or []] + ([""] if sb.get("warnings") else [])
-        lines += ["| batch | prompts | greedy tok/s | EAGLE-3 tok/s | speedup | tau | drafter share |",
-                  "|---:|---:|---:|---:|---:|---:|---:|"]
-        lines += [f"| {r['batch_size']} | {r['num_prompts']} | {r['greedy_tokens_per_s']:.0f} | {r['eagle3_tokens_per_s']:.0f} | "
-                  f"{r['speedup']:.2f}x | {r['tau']:.2f} | {r['drafter_share']:.2f} |" for r in sb["rows"]]
+        lines += [
+            "",
+            f"Speedup by batch size ({sb['dataset']}, {sb['steps']} steps, {sb['dtype']}, prompts picked "
+            f"{sb.get('prompt_pick', 'first')}, bench/offline_bench_speed.py alone on the GPU):",
+            "",
+        ]
+        lines += [f"Warning: {w}" for w in sb.get("warnings") or []] + (
+            [""] if sb.get("warnings") else []
+        )
+        lines += [
+            "| batch | prompts | greedy tok/s | EAGLE-3 tok/s | speedup | tau | drafter share |",
+            "|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        lines += [
+            f"| {r['batch_size']} | {r['num_prompts']} | {r['greedy_tokens_per_s']:.0f} | {r['eagle3_tokens_per_s']:.0f} | "
+            f"{r['speedup']:.2f}x | {r['tau']:.2f} | {r['drafter_share']:.2f} |"
+            for r in sb["rows"]
+        ]
     if q.get("speed_note"):
         lines += ["", q["speed_note"]]
-    lines += ["", "| steps | set | batch | speedup vs batched greedy | drafter share | wall s |", "|---:|---|---:|---:|---:|---:|"]
+    lines += [
+        "",
+        "| steps | set | batch | speedup vs batched greedy | drafter share | wall s |",
+        "|---:|---|---:|---:|---:|---:|",
+    ]
     for k in sorted(q["speed"], key=int):
         for s, v in q["speed"][k].items():
-            lines.append(f"| {k} | {s} | {v['batch_size']} | {v['speedup']:.2f}x | {v['drafter_share']:.2f} | {v['wall_s']} |")
+            lines.append(
+                f"| {k} | {s} | {v['batch_size']} | {v['speedup']:.2f}x | {v['drafter_share']:.2f} | {v['wall_s']} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -242,7 +330,12 @@ def plot(q: dict, path: Path) -> None:
     if val:
         ax.plot(range(1, len(val) + 1), val, "k--o", label="held-out training data (top-1)")
     for s, p in q["per_position"][k].items():
-        ax.plot(range(1, len(p["conditional"]) + 1), p["conditional"], "-o", label=f"{s} (conditional acceptance)")
+        ax.plot(
+            range(1, len(p["conditional"]) + 1),
+            p["conditional"],
+            "-o",
+            label=f"{s} (conditional acceptance)",
+        )
     ax.set_xlabel("draft position")
     ax.set_ylabel("P(accepted | previous accepted)")
     ax.set_ylim(0, 1)
@@ -254,12 +347,29 @@ def plot(q: dict, path: Path) -> None:
 
 def main(argv=None) -> int:
     p = ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("run", type=Path, help="folder with bench-steps<K>.json, train_report.json, data_report.json, prompts_report.json")
-    p.add_argument("--config", default="configs/smollm2-135m-full.yaml", help="the run's config (recorded)")
-    p.add_argument("--overrides", default="", help="the run's --set overrides, space-separated (recorded)")
+    p.add_argument(
+        "run",
+        type=Path,
+        help="folder with bench-steps<K>.json, train_report.json, data_report.json, prompts_report.json",
+    )
+    p.add_argument(
+        "--config", default="configs/smollm2-135m-full.yaml", help="the run's config (recorded)"
+    )
+    p.add_argument(
+        "--overrides", default="", help="the run's --set overrides, space-separated (recorded)"
+    )
     p.add_argument("--out", type=Path, default=Path("bench/results/quality.json"))
-    p.add_argument("--goals", choices=sorted(GOALS), default="10", help="whose goals the table shows: issue 10's or issue 23's")
-    p.add_argument("--speed-note", default="", help="a line printed above the per-set speedups (e.g. that the GPU was shared)")
+    p.add_argument(
+        "--goals",
+        choices=sorted(GOALS),
+        default="10",
+        help="whose goals the table shows: issue 10's or issue 23's",
+    )
+    p.add_argument(
+        "--speed-note",
+        default="",
+        help="a line printed above the per-set speedups (e.g. that the GPU was shared)",
+    )
     a = p.parse_args(argv)
     if not a.run.is_dir():
         raise UserError(f"{a.run}: not a folder")

@@ -74,8 +74,12 @@ def plan_rounds(convs: list[list[Turn]], batch_size: int) -> list[list[tuple[int
     each round's prompts sorted by (length, conversation) and cut into ``batch_size`` chunks."""
     batches = []
     for k in range(max((len(t) for t in convs), default=0)):
-        todo = sorted((i for i, t in enumerate(convs) if len(t) > k), key=lambda i: (convs[i][k][0], i))
-        batches += [[(i, k) for i in todo[b:b + batch_size]] for b in range(0, len(todo), batch_size)]
+        todo = sorted(
+            (i for i, t in enumerate(convs) if len(t) > k), key=lambda i: (convs[i][k][0], i)
+        )
+        batches += [
+            [(i, k) for i in todo[b : b + batch_size]] for b in range(0, len(todo), batch_size)
+        ]
     return batches
 
 
@@ -86,7 +90,9 @@ def plan_pooled(convs: list[list[Turn]], batch_size: int) -> list[list[tuple[int
     batches = []
     while nxt:
         pool = sorted(nxt)
-        pick = pick_batch([convs[i][nxt[i]][0] for i in pool], [len(convs[i]) - nxt[i] for i in pool], batch_size)
+        pick = pick_batch(
+            [convs[i][nxt[i]][0] for i in pool], [len(convs[i]) - nxt[i] for i in pool], batch_size
+        )
         batch = [(pool[j], nxt[pool[j]]) for j in pick]
         for i, k in batch:
             if k + 1 < len(convs[i]):
@@ -97,7 +103,9 @@ def plan_pooled(convs: list[list[Turn]], batch_size: int) -> list[list[tuple[int
     return batches
 
 
-def plan_figures(convs: list[list[Turn]], batches: list[list[tuple[int, int]]], max_new_tokens: int) -> dict:
+def plan_figures(
+    convs: list[list[Turn]], batches: list[list[tuple[int, int]]], max_new_tokens: int
+) -> dict:
     """``batches``, ``answers``, ``decode_steps`` (sum over batches of the longest answer's
     :func:`eagle3.prompts.regenerate.answer_steps`), ``prefill_tokens`` (prompt ids) and
     ``padded_prefill_tokens`` (rows x widest prompt, summed over batches)."""
@@ -108,8 +116,13 @@ def plan_figures(convs: list[list[Turn]], batches: list[list[tuple[int, int]]], 
         padded += len(turns) * max(p for p, _ in turns)
         real += sum(p for p, _ in turns)
         rows += len(turns)
-    return {"batches": len(batches), "answers": rows, "decode_steps": steps, "prefill_tokens": real,
-            "padded_prefill_tokens": padded}
+    return {
+        "batches": len(batches),
+        "answers": rows,
+        "decode_steps": steps,
+        "prefill_tokens": real,
+        "padded_prefill_tokens": padded,
+    }
 
 
 def prefix_reuse(convs: list[list[Turn]]) -> dict:
@@ -121,9 +134,16 @@ def prefix_reuse(convs: list[list[Turn]]) -> dict:
     ``reusable_tokens`` (those cached prefixes) and their ratio ``reusable_share``.
     """
     total = sum(p for turns in convs for p, _ in turns)
-    reusable = sum(min(turns[k][0], turns[k - 1][0] + turns[k - 1][1]) for turns in convs for k in range(1, len(turns)))
-    return {"prefill_tokens": total, "reusable_tokens": reusable,
-            "reusable_share": round(reusable / total, 4) if total else 0.0}
+    reusable = sum(
+        min(turns[k][0], turns[k - 1][0] + turns[k - 1][1])
+        for turns in convs
+        for k in range(1, len(turns))
+    )
+    return {
+        "prefill_tokens": total,
+        "reusable_tokens": reusable,
+        "reusable_share": round(reusable / total, 4) if total else 0.0,
+    }
 
 
 def compare(convs: list[list[Turn]], batch_size: int, max_new_tokens: int) -> dict:
@@ -132,36 +152,62 @@ def compare(convs: list[list[Turn]], batch_size: int, max_new_tokens: int) -> di
     old = plan_figures(convs, plan_rounds(convs, batch_size), max_new_tokens)
     new = plan_figures(convs, plan_pooled(convs, batch_size), max_new_tokens)
     answers = sum(len(t) for t in convs)
-    ratio = {k: (new[k] / old[k] if old[k] else None) for k in ("batches", "decode_steps", "padded_prefill_tokens")}
-    return {"rounds": old, "pooled": new, "ratio_pooled_over_rounds": ratio,
-            "longest_conversation_turns": max((len(t) for t in convs), default=0),
-            "min_batches": max(max((len(t) for t in convs), default=0), math.ceil(answers / batch_size))}
+    ratio = {
+        k: (new[k] / old[k] if old[k] else None)
+        for k in ("batches", "decode_steps", "padded_prefill_tokens")
+    }
+    return {
+        "rounds": old,
+        "pooled": new,
+        "ratio_pooled_over_rounds": ratio,
+        "longest_conversation_turns": max((len(t) for t in convs), default=0),
+        "min_batches": max(
+            max((len(t) for t in convs), default=0), math.ceil(answers / batch_size)
+        ),
+    }
 
 
 def markdown(res: dict) -> str:
     """A Markdown table of both plans and the ratio."""
     r = res["ratio_pooled_over_rounds"]
-    lines = [f"Stage 01 regeneration schedule, replayed without a model: {res['conversations']} conversations, "
-             f"{res['answers']} answers (longest conversation {res['longest_conversation_turns']} turns), "
-             f"batch size {res['batch_size']}, max_new_tokens {res['max_new_tokens']}, "
-             f"context cap {res['max_context']}. Source: `{res['source']}`.", "",
-             "| plan | batches | decode steps | padded prefill tokens | prefill padding |",
-             "|---|---:|---:|---:|---:|"]
+    lines = [
+        f"Stage 01 regeneration schedule, replayed without a model: {res['conversations']} conversations, "
+        f"{res['answers']} answers (longest conversation {res['longest_conversation_turns']} turns), "
+        f"batch size {res['batch_size']}, max_new_tokens {res['max_new_tokens']}, "
+        f"context cap {res['max_context']}. Source: `{res['source']}`.",
+        "",
+        "| plan | batches | decode steps | padded prefill tokens | prefill padding |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for name in ("rounds", "pooled"):
         f = res[name]
-        pad = 1 - f["prefill_tokens"] / f["padded_prefill_tokens"] if f["padded_prefill_tokens"] else 0.0
-        lines.append(f"| {name} | {f['batches']} | {f['decode_steps']} | {f['padded_prefill_tokens']} | {pad:.1%} |")
+        pad = (
+            1 - f["prefill_tokens"] / f["padded_prefill_tokens"]
+            if f["padded_prefill_tokens"]
+            else 0.0
+        )
+        lines.append(
+            f"| {name} | {f['batches']} | {f['decode_steps']} | {f['padded_prefill_tokens']} | {pad:.1%} |"
+        )
     fmt = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
-    lines.append(f"| pooled / rounds | {fmt(r['batches'])} | {fmt(r['decode_steps'])} | "
-                 f"{fmt(r['padded_prefill_tokens'])} | |")
-    lines += ["", f"Lower bound on pooled batches: {res['min_batches']} (longest conversation, or answers / batch size). "
-              "Decode steps = sum over batches of the longest answer (tokens + stop, at most max_new_tokens): "
-              "the GPU-time figure of a launch-bound decoder."]
+    lines.append(
+        f"| pooled / rounds | {fmt(r['batches'])} | {fmt(r['decode_steps'])} | "
+        f"{fmt(r['padded_prefill_tokens'])} | |"
+    )
+    lines += [
+        "",
+        f"Lower bound on pooled batches: {res['min_batches']} (longest conversation, or answers / batch size). "
+        "Decode steps = sum over batches of the longest answer (tokens + stop, at most max_new_tokens): "
+        "the GPU-time figure of a launch-bound decoder.",
+    ]
     if "prefix_reuse" in res:
         pr = res["prefix_reuse"]
-        lines += ["", f"Prefix reuse across turns: {pr['reusable_tokens']} of {pr['prefill_tokens']} prompt tokens "
-                  f"({pr['reusable_share']:.1%}) are the previous turn's prompt + answer, which a KV-cache prefix reuse "
-                  "would not prefill again."]
+        lines += [
+            "",
+            f"Prefix reuse across turns: {pr['reusable_tokens']} of {pr['prefill_tokens']} prompt tokens "
+            f"({pr['reusable_share']:.1%}) are the previous turn's prompt + answer, which a KV-cache prefix reuse "
+            "would not prefill again.",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -169,14 +215,28 @@ def regen_args(prompts_help: str) -> ArgumentParser:
     """The flags this script and ``bench/regen_speed.py`` share: config, overrides, prompts file, batch
     size, answer budget and the JSON / Markdown outputs."""
     p = ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", "-c", default=str(ROOT / "configs" / "smollm2-135m-full.yaml"),
-                   help="run YAML: the verifier, its chat options, the default batch size, max_new_tokens and "
-                        "context cap (default: configs/smollm2-135m-full.yaml)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override a config field (value parsed as YAML); repeatable")
+    p.add_argument(
+        "--config",
+        "-c",
+        default=str(ROOT / "configs" / "smollm2-135m-full.yaml"),
+        help="run YAML: the verifier, its chat options, the default batch size, max_new_tokens and "
+        "context cap (default: configs/smollm2-135m-full.yaml)",
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override a config field (value parsed as YAML); repeatable",
+    )
     p.add_argument("--prompts", type=Path, required=True, help=prompts_help)
-    p.add_argument("--batch-size", type=positive_int, default=None, help="default: prompts.gen_batch_size")
-    p.add_argument("--max-new-tokens", type=positive_int, default=None, help="default: prompts.max_new_tokens")
+    p.add_argument(
+        "--batch-size", type=positive_int, default=None, help="default: prompts.gen_batch_size"
+    )
+    p.add_argument(
+        "--max-new-tokens", type=positive_int, default=None, help="default: prompts.max_new_tokens"
+    )
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
     p.add_argument("--md", type=Path, default=None, help="write the Markdown table here")
     return p
@@ -194,16 +254,22 @@ def emit(a, res: dict, md: str) -> int:
 
 def main(argv=None) -> int:
     p = regen_args("a regenerated 01 prompts.jsonl[.gz]")
-    p.add_argument("--max-context", type=non_negative_int, default=None,
-                   help="context cap in tokens, 0 = none (default: prompts.max_context_tokens or extract.max_length)")
-    p.add_argument("--limit", type=positive_int, default=None, help="only the first N conversations")
+    p.add_argument(
+        "--max-context",
+        type=non_negative_int,
+        default=None,
+        help="context cap in tokens, 0 = none (default: prompts.max_context_tokens or extract.max_length)",
+    )
+    p.add_argument(
+        "--limit", type=positive_int, default=None, help="only the first N conversations"
+    )
     a = p.parse_args(argv)
     cfg = load_config(a.config, a.overrides)
 
     from tqdm import tqdm
 
-    from eagle3.prompts.chat import ChatOptions
     from eagle3.capture.extract import read_prompts
+    from eagle3.prompts.chat import ChatOptions
     from eagle3.prompts.prepare_prompts import max_context_tokens
     from eagle3.verifier import load_tokenizer
 
@@ -221,13 +287,23 @@ def main(argv=None) -> int:
             passthrough += 1
         elif turns:
             convs.append(turns)
-    res = {"source": str(a.prompts), "verifier": cfg.verifier.display_name(), "records": len(records),
-           "conversations": len(convs), "not_regenerated": passthrough,
-           "answers": sum(len(t) for t in convs),
-           "answers_recorded": sum(sum(m["role"] == "assistant" for m in r["messages"]) for r in records),
-           "batch_size": batch_size, "max_new_tokens": max_new, "max_context": cap,
-           "prompt_lengths_s": round(time.perf_counter() - t0, 1),
-           "prefix_reuse": prefix_reuse(convs), **compare(convs, batch_size, max_new)}
+    res = {
+        "source": str(a.prompts),
+        "verifier": cfg.verifier.display_name(),
+        "records": len(records),
+        "conversations": len(convs),
+        "not_regenerated": passthrough,
+        "answers": sum(len(t) for t in convs),
+        "answers_recorded": sum(
+            sum(m["role"] == "assistant" for m in r["messages"]) for r in records
+        ),
+        "batch_size": batch_size,
+        "max_new_tokens": max_new,
+        "max_context": cap,
+        "prompt_lengths_s": round(time.perf_counter() - t0, 1),
+        "prefix_reuse": prefix_reuse(convs),
+        **compare(convs, batch_size, max_new),
+    }
     return emit(a, res, markdown(res))
 
 

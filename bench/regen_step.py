@@ -48,7 +48,10 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from eagle3.cli import positive_int, run_main  # noqa: E402
 
-PATHS = ("sdpa_groups", "flex")  # the cheap one first: flex's compiles must not starve it of the time budget
+PATHS = (
+    "sdpa_groups",
+    "flex",
+)  # the cheap one first: flex's compiles must not starve it of the time budget
 COMPILED = "flex+compile"  # --compile: flex with the whole decode step compiled (SlotEngine(compile_step=True))
 
 
@@ -58,8 +61,15 @@ def tiny_model():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    cfg = LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
     return LlamaForCausalLM(cfg).eval()
 
 
@@ -70,10 +80,17 @@ def settings(slots: int, max_len: int, min_prefix: int) -> list[dict]:
     lo, hi = (100, 700) if max_len >= 800 else (max_len // 10, max_len // 2)
     few = min(8, slots)
     small = choose_prefix(prefix_sizes(slots, min_prefix), range(few))
-    return [{"setting": "bulk", "live": slots, "prefix": slots, "lengths": (lo, hi)},
-            {"setting": "long", "live": slots, "prefix": slots, "lengths": (max_len // 2, max_len - 64)},
-            {"setting": "tail, full step", "live": few, "prefix": slots, "lengths": (lo, hi)},
-            {"setting": "tail, small prefix", "live": few, "prefix": small, "lengths": (lo, hi)}]
+    return [
+        {"setting": "bulk", "live": slots, "prefix": slots, "lengths": (lo, hi)},
+        {
+            "setting": "long",
+            "live": slots,
+            "prefix": slots,
+            "lengths": (max_len // 2, max_len - 64),
+        },
+        {"setting": "tail, full step", "live": few, "prefix": slots, "lengths": (lo, hi)},
+        {"setting": "tail, small prefix", "live": few, "prefix": small, "lengths": (lo, hi)},
+    ]
 
 
 def set_state(eng, live: int, lengths: list[int]) -> None:
@@ -119,7 +136,10 @@ def time_step(eng, prefix: int, reps: int) -> list[float]:
     if eng.dev.type == "cuda":
         step = eng._graph_step if eng.use_graphs else eng._step
         torch.cuda.synchronize(eng.dev)
-        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+        ev = [
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            for _ in range(reps)
+        ]
         for a, b in ev:
             a.record()
             step(prefix)
@@ -153,11 +173,17 @@ def kernel_rows(events, cuda: bool, rows: int = 10) -> list[dict]:
                 return getattr(e, name)
         return 0.0
 
-    evs = [e for e in events if dev_us(e) > 0 and (not cuda or getattr(e, "device_type", None) != DeviceType.CPU)]
+    evs = [
+        e
+        for e in events
+        if dev_us(e) > 0 and (not cuda or getattr(e, "device_type", None) != DeviceType.CPU)
+    ]
     total = sum(dev_us(e) for e in evs) or 1.0
     evs.sort(key=dev_us, reverse=True)
-    return [{"kernel": e.key[:90], "calls": e.count, "us": dev_us(e), "share": dev_us(e) / total} for e in evs[:rows]] + [
-        {"kernel": "(all)", "calls": sum(e.count for e in evs), "us": total, "share": 1.0}]
+    return [
+        {"kernel": e.key[:90], "calls": e.count, "us": dev_us(e), "share": dev_us(e) / total}
+        for e in evs[:rows]
+    ] + [{"kernel": "(all)", "calls": sum(e.count for e in evs), "us": total, "share": 1.0}]
 
 
 def profile_step(eng, prefix: int, rows: int = 10) -> list[dict]:
@@ -180,7 +206,12 @@ def profile(eng, attention: str, slots: int, max_len: int, res: dict, key: str =
     ``flex+compile``) with every slot live at ~400 columns (errors recorded)."""
     try:
         set_state(eng, slots, [min(400, max_len - 8)] * slots)
-        res[key] = {"attention": attention, "setting": "bulk", "prefix": slots, "kernels": profile_step(eng, slots)}
+        res[key] = {
+            "attention": attention,
+            "setting": "bulk",
+            "prefix": slots,
+            "kernels": profile_step(eng, slots),
+        }
         res.pop("profile_error", None)
     except Exception as e:  # noqa: BLE001 - a failed profile is reported; the table stands
         res["profile_error"] = f"{type(e).__name__}: {e}"[:500]
@@ -191,54 +222,97 @@ def markdown(res: dict) -> str:
     """The step table and the profile as Markdown (roofline columns ``-`` where no bandwidth is known: CPU)."""
     from regen_speed import bandwidth_text
 
-    lines = [f"Decode step of the slot engine, {res['verifier']} ({res['dtype']}) on {res['device']}: {res['slots']} slots, "
-             f"{res['max_len']} columns, weights {res['weight_bytes'] / 1e6:.1f} MB, KV {res['kv_bytes_per_token']} B/token; "
-             f"{bandwidth_text(res['bandwidth_gb_s'], res['device'])}; median of {res['reps']} steps.", "",
-             "| attention | setting | live | prefix | mean length | ms / step | roofline ms | ratio | KV read / needed | "
-             "first step s |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"Decode step of the slot engine, {res['verifier']} ({res['dtype']}) on {res['device']}: {res['slots']} slots, "
+        f"{res['max_len']} columns, weights {res['weight_bytes'] / 1e6:.1f} MB, KV {res['kv_bytes_per_token']} B/token; "
+        f"{bandwidth_text(res['bandwidth_gb_s'], res['device'])}; median of {res['reps']} steps.",
+        "",
+        "| attention | setting | live | prefix | mean length | ms / step | roofline ms | ratio | KV read / needed | "
+        "first step s |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in res["rows"]:
         if "error" in r:
-            lines.append(f"| {r['attention']} | {r['setting']} | {r.get('live', '')} | {r.get('prefix', '')} | | "
-                         f"failed: {r['error'][:80]} | | | | |")
+            lines.append(
+                f"| {r['attention']} | {r['setting']} | {r.get('live', '')} | {r.get('prefix', '')} | | "
+                f"failed: {r['error'][:80]} | | | | |"
+            )
             continue
         rf = f"{r['roofline_ms']:.3f}" if r.get("roofline_ms") is not None else "-"
         ratio = f"{r['ratio_to_roofline']:.3f}" if r.get("ratio_to_roofline") is not None else "-"
-        att = r["attention"] + (" (compile dropped)" if r.get("compile_dropped") else
-                                " (eager: prefix < compile_min_prefix)" if r["attention"] == COMPILED
-                                and r.get("compiled") is False else "")
-        lines.append(f"| {att} | {r['setting']} | {r['live']} | {r['prefix']} | {r['mean_length']:.0f} | "
-                     f"{r['ms_median']:.3f} | {rf} | {ratio} | {r['kv_read_over_needed']:.2f} | "
-                     f"{r.get('first_step_s', 0.0):.1f} |")
+        att = r["attention"] + (
+            " (compile dropped)"
+            if r.get("compile_dropped")
+            else " (eager: prefix < compile_min_prefix)"
+            if r["attention"] == COMPILED and r.get("compiled") is False
+            else ""
+        )
+        lines.append(
+            f"| {att} | {r['setting']} | {r['live']} | {r['prefix']} | {r['mean_length']:.0f} | "
+            f"{r['ms_median']:.3f} | {rf} | {ratio} | {r['kv_read_over_needed']:.2f} | "
+            f"{r.get('first_step_s', 0.0):.1f} |"
+        )
     for key, how in (("profile", "eager"), ("profile_compiled", "compiled")):
         if not res.get(key):
             continue
         p = res[key]
-        lines += ["", f"Top kernels of one {how} `{p['setting']}` step ({p['attention']}, prefix {p['prefix']}; "
-                  f"{'device' if res['device'] != 'cpu' else 'CPU'} time):", "",
-                  "| kernel | calls | us | share |", "|---|---:|---:|---:|"]
+        lines += [
+            "",
+            f"Top kernels of one {how} `{p['setting']}` step ({p['attention']}, prefix {p['prefix']}; "
+            f"{'device' if res['device'] != 'cpu' else 'CPU'} time):",
+            "",
+            "| kernel | calls | us | share |",
+            "|---|---:|---:|---:|",
+        ]
         for k in p["kernels"]:
             lines.append(f"| `{k['kernel']}` | {k['calls']} | {k['us']:.0f} | {k['share']:.2f} |")
     return "\n".join(lines) + "\n"
 
 
-def run_path(model, attention: str, a, slots: int, max_len: int, max_new: int, res: dict, t0: float,
-             stops: set[int]) -> object:
+def run_path(
+    model,
+    attention: str,
+    a,
+    slots: int,
+    max_len: int,
+    max_new: int,
+    res: dict,
+    t0: float,
+    stops: set[int],
+) -> object:
     """All settings of one attention path into ``res['rows']``; returns the engine (None if it failed to build)."""
     import torch
 
     from eagle3.prompts.continuous import SlotEngine
 
     try:
-        eng = SlotEngine(model, slots, max_len, max_new, stops, attention=attention.split("+")[0],
-                         cuda_graphs=not a.no_graphs, width_classes=[], min_prefix=a.min_prefix,
-                         compile_step=attention.endswith("+compile"))
+        eng = SlotEngine(
+            model,
+            slots,
+            max_len,
+            max_new,
+            stops,
+            attention=attention.split("+")[0],
+            cuda_graphs=not a.no_graphs,
+            width_classes=[],
+            min_prefix=a.min_prefix,
+            compile_step=attention.endswith("+compile"),
+        )
         eng._partition()  # nothing waiting: one group of every slot over the full cache
     except Exception as e:  # noqa: BLE001 - a failed path is a result; the other goes on
-        res["rows"].append({"attention": attention, "setting": "(engine)", "error": f"{type(e).__name__}: {e}"[:500]})
+        res["rows"].append(
+            {
+                "attention": attention,
+                "setting": "(engine)",
+                "error": f"{type(e).__name__}: {e}"[:500],
+            }
+        )
         print(f"{attention}: engine failed: {type(e).__name__}: {e}", flush=True)
         return None
     for st in settings(slots, max_len, a.min_prefix):
-        rng = random.Random(f"{st['live']}-{st['lengths']}")  # equal lengths in both paths and both tail settings
+        rng = random.Random(
+            f"{st['live']}-{st['lengths']}"
+        )  # equal lengths in both paths and both tail settings
         row = {"attention": attention, **st, "lengths": list(st["lengths"])}
         if time.perf_counter() - t0 > a.budget_s:
             row["error"] = f"skipped: {a.budget_s:.0f} s budget spent"
@@ -258,13 +332,24 @@ def run_path(model, attention: str, a, slots: int, max_len: int, max_new: int, r
             bw = res["bandwidth_gb_s"]
             med = statistics.median(ms)
             # compiled: this row's steps ran the compiled step (False below compile_min_prefix, as in 01, or dropped)
-            row.update(first_step_s=first, compiled=eng._compiled_at(st["prefix"]),
-                       compile_dropped=attention == COMPILED and eng._compiled is None,
-                       mean_length=sum(lengths) / len(lengths), ms_median=med, ms_min=min(ms),
-                       kv_bytes_needed=kv_need, kv_bytes_read=read, kv_read_over_needed=read / kv_need,
-                       bytes_needed=need, roofline_ms=1000 * need / (bw * 1e9) if bw else None)
+            row.update(
+                first_step_s=first,
+                compiled=eng._compiled_at(st["prefix"]),
+                compile_dropped=attention == COMPILED and eng._compiled is None,
+                mean_length=sum(lengths) / len(lengths),
+                ms_median=med,
+                ms_min=min(ms),
+                kv_bytes_needed=kv_need,
+                kv_bytes_read=read,
+                kv_read_over_needed=read / kv_need,
+                bytes_needed=need,
+                roofline_ms=1000 * need / (bw * 1e9) if bw else None,
+            )
             row["ratio_to_roofline"] = row["roofline_ms"] / med if bw else None
-            print(f"{attention} / {st['setting']}: {med:.3f} ms/step (live {st['live']}, prefix {st['prefix']})", flush=True)
+            print(
+                f"{attention} / {st['setting']}: {med:.3f} ms/step (live {st['live']}, prefix {st['prefix']})",
+                flush=True,
+            )
         except Exception as e:  # noqa: BLE001
             row["error"] = f"{type(e).__name__}: {e}"[:500]
             print(f"{attention} / {st['setting']} failed: {row['error']}", flush=True)
@@ -276,21 +361,43 @@ def run_path(model, attention: str, a, slots: int, max_len: int, max_new: int, r
 
 
 def main(argv=None) -> int:
-    from eagle3.cli import ArgumentParser
     from regen_schedule import emit
+
+    from eagle3.cli import ArgumentParser
 
     p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", "-c", default=str(ROOT / "configs" / "smollm2-135m-full.yaml"))
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    p.add_argument("--tiny", action="store_true", help="a random 2-layer Llama on CPU, 16 slots, 256 columns (smoke test)")
-    p.add_argument("--attention", action="append", choices=PATHS, default=None, help="paths to time (default: both)")
+    p.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE"
+    )
+    p.add_argument(
+        "--tiny",
+        action="store_true",
+        help="a random 2-layer Llama on CPU, 16 slots, 256 columns (smoke test)",
+    )
+    p.add_argument(
+        "--attention",
+        action="append",
+        choices=PATHS,
+        default=None,
+        help="paths to time (default: both)",
+    )
     p.add_argument("--reps", type=positive_int, default=30, help="timed steps per setting (median)")
     p.add_argument("--min-prefix", type=positive_int, default=8)
     p.add_argument("--no-graphs", action="store_true", help="time eager steps on CUDA too")
-    p.add_argument("--compile", action="store_true", help=f"also time '{COMPILED}': the whole decode step compiled "
-                   "(prompts.regen_compile; compiled at the full prefix only, as 01)")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help=f"also time '{COMPILED}': the whole decode step compiled "
+        "(prompts.regen_compile; compiled at the full prefix only, as 01)",
+    )
     p.add_argument("--no-profile", action="store_true")
-    p.add_argument("--budget-s", type=float, default=75.0, help="settings left after this many seconds are skipped")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=75.0,
+        help="settings left after this many seconds are skipped",
+    )
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--md", type=Path, default=None)
     a = p.parse_args(argv)
@@ -324,15 +431,28 @@ def main(argv=None) -> int:
     cfgt = model.config.get_text_config()
     hkv = getattr(cfgt, "num_key_value_heads", None) or cfgt.num_attention_heads
     dk, dv = kv_head_dims(cfgt)  # MLA: keys and values of different widths
-    res = {"verifier": name, "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
-           "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else str(dev),
-           "torch": torch.__version__, "transformers": __import__("transformers").__version__,
-           "slots": slots, "max_len": max_len, "max_new_tokens": max_new, "reps": a.reps,
-           "weight_bytes": sum(t.numel() * t.element_size() for t in model.parameters()),
-           "kv_bytes_per_token": cfgt.num_hidden_layers * hkv * (dk + dv) * next(model.parameters()).element_size(),
-           "bandwidth_gb_s": bw / 1e9 if bw else None, "rows": []}
+    res = {
+        "verifier": name,
+        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else str(dev),
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "slots": slots,
+        "max_len": max_len,
+        "max_new_tokens": max_new,
+        "reps": a.reps,
+        "weight_bytes": sum(t.numel() * t.element_size() for t in model.parameters()),
+        "kv_bytes_per_token": cfgt.num_hidden_layers
+        * hkv
+        * (dk + dv)
+        * next(model.parameters()).element_size(),
+        "bandwidth_gb_s": bw / 1e9 if bw else None,
+        "rows": [],
+    }
     paths = list(a.attention or PATHS) + ([COMPILED] if a.compile else [])
-    prefer = "flex" if "flex" in paths else paths[0]  # the profiled path (the other one if it fails to build)
+    prefer = (
+        "flex" if "flex" in paths else paths[0]
+    )  # the profiled path (the other one if it fails to build)
     ran = []
     with torch.inference_mode():
         for att in paths:
@@ -348,10 +468,20 @@ def main(argv=None) -> int:
             del eng
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
-        if not a.no_profile and "profile" not in res and ran:  # the preferred path failed: profile one that ran
+        if (
+            not a.no_profile and "profile" not in res and ran
+        ):  # the preferred path failed: profile one that ran
             from eagle3.prompts.continuous import SlotEngine
 
-            eng = SlotEngine(model, slots, max_len, max_new, stops, attention=ran[0].split("+")[0], width_classes=[])
+            eng = SlotEngine(
+                model,
+                slots,
+                max_len,
+                max_new,
+                stops,
+                attention=ran[0].split("+")[0],
+                width_classes=[],
+            )
             eng._partition()
             profile(eng, ran[0], slots, max_len, res)
             eng.close()

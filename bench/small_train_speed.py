@@ -73,10 +73,26 @@ from eagle3.io import atomic_write_json, make_dirs  # noqa: E402
 
 ISSUE_RUN_TOKENS = 4 * 1.74e6  # issue 9: 4 epochs over 1.74M tokens
 ISSUE_OURS_S, ISSUE_REFERENCE_S = 498.0, 320.0
-SMOL = {"hidden": 576, "vocab": 49152, "draft_vocab": 32000, "heads": 9, "kv_heads": 3, "head_dim": 64,
-        "intermediate": 1536, "ttt": 7}
-TINY = {"hidden": 32, "vocab": 256, "draft_vocab": 64, "heads": 4, "kv_heads": 2, "head_dim": 8,
-        "intermediate": 48, "ttt": 3}
+SMOL = {
+    "hidden": 576,
+    "vocab": 49152,
+    "draft_vocab": 32000,
+    "heads": 9,
+    "kv_heads": 3,
+    "head_dim": 64,
+    "intermediate": 1536,
+    "ttt": 7,
+}
+TINY = {
+    "hidden": 32,
+    "vocab": 256,
+    "draft_vocab": 64,
+    "heads": 4,
+    "kv_heads": 2,
+    "head_dim": 8,
+    "intermediate": 48,
+    "ttt": 3,
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -85,7 +101,9 @@ TINY = {"hidden": 32, "vocab": 256, "draft_vocab": 64, "heads": 4, "kv_heads": 2
 def synthetic_lengths(n: int, max_length: int, seed: int) -> list[tuple[int, int]]:
     """``(prompt, reply)`` token counts: prompt ~ exp(N(ln 60, 1)) clipped to [4, max_length - 16], reply ~ U[16, 256]."""
     g = torch.Generator().manual_seed(seed)
-    prompt = torch.exp(torch.randn(n, generator=g) + math.log(60)).clamp(4, max_length - 16).long()  # [n]
+    prompt = (
+        torch.exp(torch.randn(n, generator=g) + math.log(60)).clamp(4, max_length - 16).long()
+    )  # [n]
     reply = torch.randint(16, 257, (n,), generator=g)  # [n]
     return [(int(p), int(min(r, max_length - p))) for p, r in zip(prompt, reply)]
 
@@ -103,7 +121,9 @@ def _write_many(args) -> tuple[list[tuple[int, int, int]], torch.Tensor]:
         g = torch.Generator().manual_seed(1000 + idx)
         L = prompt + reply
         ids = torch.randint(0, vocab, (L,), generator=g)  # [L]
-        mask = torch.cat([torch.zeros(prompt, dtype=torch.long), torch.ones(reply, dtype=torch.long)])  # [L]
+        mask = torch.cat(
+            [torch.zeros(prompt, dtype=torch.long), torch.ones(reply, dtype=torch.long)]
+        )  # [L]
         hs = [torch.randn(L, hidden, generator=g).bfloat16() for _ in range(4)]  # 4 x [L, H]
         path = shard_path(root, idx, 2000)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -113,24 +133,32 @@ def _write_many(args) -> tuple[list[tuple[int, int, int]], torch.Tensor]:
     return out, freq
 
 
-def _record_validated(shards: Path, data: Path, done: list[tuple[int, int, int]], freq: torch.Tensor) -> None:
+def _record_validated(
+    shards: Path, data: Path, done: list[tuple[int, int, int]], freq: torch.Tensor
+) -> None:
     """Stage 03's passing validation record for the synthetic set (valid by construction; 04 trains only on a
     shard set with one: ``eagle3.data.validation_record.require_passed``). ``freq``: int64 ``[V]``."""
     from eagle3.data.validation_record import fingerprint_now, write_record
 
-    stats = {"num_samples": len(done), "num_tokens": sum(L for _, L, _ in done),
-             "num_loss_tokens": sum(r for *_, r in done), "max_len": max(L for _, L, _ in done)}
+    stats = {
+        "num_samples": len(done),
+        "num_tokens": sum(L for _, L, _ in done),
+        "num_loss_tokens": sum(r for *_, r in done),
+        "max_len": max(L for _, L, _ in done),
+    }
     write_record([shards, data], fingerprint_now(shards), stats, freq)
 
 
-def write_synthetic(root: Path, n: int, n_val: int, shape: dict, max_length: int, seed: int = 0) -> Path:
+def write_synthetic(
+    root: Path, n: int, n_val: int, shape: dict, max_length: int, seed: int = 0
+) -> Path:
     """Shards + manifest + data_config + vocab map + split + target head + run YAML under ``root``; returns the YAML."""
     import yaml
 
-    from eagle3.shards.manifest import MANIFEST
-    from eagle3.shards.format import FORMAT, LAYER_INDEX_CONVENTION, write_data_config
-    from eagle3.train.target_head import TargetHead
     from eagle3.data.vocab import save_vocab_map
+    from eagle3.shards.format import FORMAT, LAYER_INDEX_CONVENTION, write_data_config
+    from eagle3.shards.manifest import MANIFEST
+    from eagle3.train.target_head import TargetHead
 
     shards, data = root / "shards", root / "data"
     H, V, dV = shape["hidden"], shape["vocab"], shape["draft_vocab"]
@@ -138,17 +166,41 @@ def write_synthetic(root: Path, n: int, n_val: int, shape: dict, max_length: int
     workers = max(1, min(16, (os.cpu_count() or 2)))
     todo = [(i, p, r) for i, (p, r) in enumerate(lens)]
     with ProcessPoolExecutor(workers) as ex:
-        parts = list(ex.map(_write_many, [(shards, todo[k::workers], H, V) for k in range(workers)]))
+        parts = list(
+            ex.map(_write_many, [(shards, todo[k::workers], H, V) for k in range(workers)])
+        )
     done = sorted(x for part, _ in parts for x in part)
-    (shards / MANIFEST).write_text("".join(json.dumps({"idx": i, "id": f"s{i}", "num_tokens": L,
-                                                       "num_loss_tokens": r}) + "\n" for i, L, r in done))
-    write_data_config(shards, {
-        "format": FORMAT, "verifier": "synthetic-smollm2", "architecture": "LlamaForCausalLM", "num_layers": 30,
-        "hidden_size": H, "vocab_size": V, "aux_layers": [2, 15, 27], "layer_index_convention": LAYER_INDEX_CONVENTION,
-        "last_hidden_state": "post_norm", "dtype": "bfloat16", "max_length": max_length, "rows_per_dir": 2000,
-        "chat_template_hash": None, "config_fingerprint": "x", "prompts_sha256": "x", "num_samples": n + n_val,
-        "num_tokens": sum(L for _, L, _ in done), "num_loss_tokens": sum(r for *_, r in done),
-        "bytes_per_token": 8 * H, "skipped": {}})
+    (shards / MANIFEST).write_text(
+        "".join(
+            json.dumps({"idx": i, "id": f"s{i}", "num_tokens": L, "num_loss_tokens": r}) + "\n"
+            for i, L, r in done
+        )
+    )
+    write_data_config(
+        shards,
+        {
+            "format": FORMAT,
+            "verifier": "synthetic-smollm2",
+            "architecture": "LlamaForCausalLM",
+            "num_layers": 30,
+            "hidden_size": H,
+            "vocab_size": V,
+            "aux_layers": [2, 15, 27],
+            "layer_index_convention": LAYER_INDEX_CONVENTION,
+            "last_hidden_state": "post_norm",
+            "dtype": "bfloat16",
+            "max_length": max_length,
+            "rows_per_dir": 2000,
+            "chat_template_hash": None,
+            "config_fingerprint": "x",
+            "prompts_sha256": "x",
+            "num_samples": n + n_val,
+            "num_tokens": sum(L for _, L, _ in done),
+            "num_loss_tokens": sum(r for *_, r in done),
+            "bytes_per_token": 8 * H,
+            "skipped": {},
+        },
+    )
     _record_validated(shards, data, done, sum(f for _, f in parts))
     g = torch.Generator().manual_seed(seed)
     data.mkdir(parents=True, exist_ok=True)
@@ -156,18 +208,36 @@ def write_synthetic(root: Path, n: int, n_val: int, shape: dict, max_length: int
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[ids] = True
     save_vocab_map(data / "vocab_map.pt", ids - torch.arange(dV), t2d)
-    (data / "split.json").write_text(json.dumps({"train": list(range(n)), "val": list(range(n, n + n_val))}))
+    (data / "split.json").write_text(
+        json.dumps({"train": list(range(n)), "val": list(range(n, n + n_val))})
+    )
     head_dir = root / "head"
     head_dir.mkdir(parents=True, exist_ok=True)
-    TargetHead(embed=torch.randn(V, H, generator=g) * 0.05, lm_head=torch.randn(V, H, generator=g) * 0.05,
-               norm_weight=torch.ones(H), norm_eps=1e-5).save(head_dir)
-    cfg = {"run_name": "small-train-speed", "output_root": str(root),
-           "verifier": {"path": str(root / "no-verifier"), "name": "synthetic-smollm2"}, "prompts": {"source": "unused.jsonl"},
-           "extract": {"max_length": max_length},
-           "drafter": {"hidden_size": H, "num_attention_heads": shape["heads"], "num_key_value_heads": shape["kv_heads"],
-                       "head_dim": shape["head_dim"], "intermediate_size": shape["intermediate"], "rms_norm_eps": 1e-5,
-                       "rope_theta": 100000.0, "max_position_embeddings": 8192},
-           "data": {"draft_vocab_size": dV}, "train": {"ttt_length": shape["ttt"], "lr": 1e-3}}
+    TargetHead(
+        embed=torch.randn(V, H, generator=g) * 0.05,
+        lm_head=torch.randn(V, H, generator=g) * 0.05,
+        norm_weight=torch.ones(H),
+        norm_eps=1e-5,
+    ).save(head_dir)
+    cfg = {
+        "run_name": "small-train-speed",
+        "output_root": str(root),
+        "verifier": {"path": str(root / "no-verifier"), "name": "synthetic-smollm2"},
+        "prompts": {"source": "unused.jsonl"},
+        "extract": {"max_length": max_length},
+        "drafter": {
+            "hidden_size": H,
+            "num_attention_heads": shape["heads"],
+            "num_key_value_heads": shape["kv_heads"],
+            "head_dim": shape["head_dim"],
+            "intermediate_size": shape["intermediate"],
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 100000.0,
+            "max_position_embeddings": 8192,
+        },
+        "data": {"draft_vocab_size": dV},
+        "train": {"ttt_length": shape["ttt"], "lr": 1e-3},
+    }
     path = root / "run.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -208,13 +278,15 @@ def make_fp8_shards(src: Path, dst: Path, overwrite: bool) -> dict:
         UserError: ``src`` is already fp8 (nothing to compare against), or the converter's errors
             (a different conversion in ``dst`` without ``overwrite``, corrupt source, disk full).
     """
-    from eagle3.shards.fp8 import Storage
     from eagle3.shards.convert import convert
     from eagle3.shards.format import read_data_config
+    from eagle3.shards.fp8 import Storage
 
     if Storage.from_meta(read_data_config(src)).is_fp8:
-        raise UserError(f"{src / 'data_config.json'}: storage_dtype is already float8_e4m3fn; '+{FP8}' modes need "
-                        "bf16 shards to compare against")
+        raise UserError(
+            f"{src / 'data_config.json'}: storage_dtype is already float8_e4m3fn; '+{FP8}' modes need "
+            "bf16 shards to compare against"
+        )
     return convert(src, dst, Storage("float8_e4m3fn"), overwrite=overwrite)
 
 
@@ -226,13 +298,22 @@ def carry_validation(src: Path, dst: Path, data_dir: Path) -> Path:
     Raises:
         UserError: ``src`` has no passing record of its current shards (run 03 on it first).
     """
-    from eagle3.data.validation_record import fingerprint_now, load_matching_record, require_passed, write_record
+    from eagle3.data.validation_record import (
+        fingerprint_now,
+        load_matching_record,
+        require_passed,
+        write_record,
+    )
     from eagle3.shards.format import read_data_config
 
     require_passed(src, data_dir)
-    hit = load_matching_record([src, data_dir], fingerprint_now(src), int(read_data_config(src)["vocab_size"]))
+    hit = load_matching_record(
+        [src, data_dir], fingerprint_now(src), int(read_data_config(src)["vocab_size"])
+    )
     if hit is None:
-        raise UserError(f"{src}: no usable validation record of 03 (see the warnings above); run 03_prepare_data.py")
+        raise UserError(
+            f"{src}: no usable validation record of 03 (see the warnings above); run 03_prepare_data.py"
+        )
     stats, freq = hit[0], hit[1]
     return write_record([dst, data_dir], fingerprint_now(dst), stats, freq)
 
@@ -257,8 +338,12 @@ def loader_rate(cfg, batches: int) -> dict:
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     meta = read_data_config(cfg.shards_dir)
-    ds = ShardDataset(cfg.shards_dir, read_split(cfg.data_dir)["train"], int(meta["max_length"]),
-                      expect_from_data_config(meta))
+    ds = ShardDataset(
+        cfg.shards_dir,
+        read_split(cfg.data_dir)["train"],
+        int(meta["max_length"]),
+        expect_from_data_config(meta),
+    )
     t0 = time.perf_counter()
     n = min(100, len(ds))
     for i in range(n):
@@ -269,20 +354,37 @@ def loader_rate(cfg, batches: int) -> dict:
     next(it)
     t0, toks, got, feat = time.perf_counter(), 0, 0, None
     for b in it:
-        feat = feat or str(b["aux"].dtype).removeprefix("torch.")  # what crosses to the device (fp8 shards: 1 byte)
+        feat = feat or str(b["aux"].dtype).removeprefix(
+            "torch."
+        )  # what crosses to the device (fp8 shards: 1 byte)
         toks += int(b["lengths"].sum())
         got += 1
         if got >= batches:
             break
     secs = time.perf_counter() - t0
     it = None
-    return {"loader_tokens_per_s": toks / secs, "loader_batches": got, "sample_load_ms": per_sample_ms,
-            "num_workers": data.loader.num_workers, "loader_feature_dtype": feat,
-            "storage_dtype": meta.get("storage_dtype", "bfloat16")}
+    return {
+        "loader_tokens_per_s": toks / secs,
+        "loader_batches": got,
+        "sample_load_ms": per_sample_ms,
+        "num_workers": data.loader.num_workers,
+        "loader_feature_dtype": feat,
+        "storage_dtype": meta.get("storage_dtype", "bfloat16"),
+    }
 
 
-def run_mode(mode: str, config: Path, overrides: list[str], workdir: Path, steps: int, batch_tokens: int,
-             log_every: int, device: str | None, head_dir: Path | None, fp8_dir: Path | None = None) -> dict:
+def run_mode(
+    mode: str,
+    config: Path,
+    overrides: list[str],
+    workdir: Path,
+    steps: int,
+    batch_tokens: int,
+    log_every: int,
+    device: str | None,
+    head_dir: Path | None,
+    fp8_dir: Path | None = None,
+) -> dict:
     """Train ``steps`` optimizer steps in ``mode``; returns throughput figures from its metrics.jsonl.
 
     A ``+fp8`` mode reads its shards from ``fp8_dir`` (:func:`make_fp8_shards`); everything else is the config's.
@@ -290,8 +392,8 @@ def run_mode(mode: str, config: Path, overrides: list[str], workdir: Path, steps
     import shutil
 
     import eagle3.train.trainer as train_mod
-    from eagle3.export.from_checkpoint import export_for_run
     from eagle3.config import load_config
+    from eagle3.export.from_checkpoint import export_for_run
 
     out = workdir / f"train-{mode.replace('+', '-')}"
     shutil.rmtree(out, ignore_errors=True)
@@ -299,9 +401,14 @@ def run_mode(mode: str, config: Path, overrides: list[str], workdir: Path, steps
     if head_dir is not None:
         shutil.copy(head_dir / "target_head.safetensors", out / "target_head.safetensors")
     base_mode, *flags = mode.split("+")
-    ov = list(overrides) + [f"train.output_dir={out}", f"export.output_dir={workdir / ('export-' + mode.replace('+', '-'))}",
-                            f"train.log_every={log_every}", "train.ckpt_every=1000000000",
-                            "train.eval_every=1000000000", "train.epochs=1000"]
+    ov = list(overrides) + [
+        f"train.output_dir={out}",
+        f"export.output_dir={workdir / ('export-' + mode.replace('+', '-'))}",
+        f"train.log_every={log_every}",
+        "train.ckpt_every=1000000000",
+        "train.eval_every=1000000000",
+        "train.epochs=1000",
+    ]
     if base_mode == "tokens":
         ov += [f"train.batch_tokens={batch_tokens}"]
     else:
@@ -325,7 +432,9 @@ def run_mode(mode: str, config: Path, overrides: list[str], workdir: Path, steps
     saved = train_mod.collate, attn_mod.no_cudnn_sdpa
     if base_mode == "legacy8":
         train_mod.collate = _legacy_collate
-        attn_mod.no_cudnn_sdpa = contextlib.nullcontext  # keep torch's default SDPA choice (cuDNN on Hopper)
+        attn_mod.no_cudnn_sdpa = (
+            contextlib.nullcontext
+        )  # keep torch's default SDPA choice (cuDNN on Hopper)
     t0 = time.perf_counter()
     try:
         res = train_mod.run(cfg, max_steps=steps, device=device, export=export_for_run)
@@ -341,12 +450,21 @@ def run_mode(mode: str, config: Path, overrides: list[str], workdir: Path, steps
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    return {"mode": mode, "steps": res["step"], "tokens_per_s": tps, "steady_tokens": toks, "steady_s": secs,
-            "step_ms": 1e3 * secs / max(1, sum(log_every for _ in steady)), "run_wall_s": wall,
-            "tokens_per_step": toks / max(1, log_every * len(steady)), "peak_mem_gib": peak,
-            "first_loss": rows[0].get("loss") if rows else None, "final_loss": rows[-1].get("loss") if rows else None,
-            **lr,
-            "issue_run_projected_s": ISSUE_RUN_TOKENS / tps if tps == tps and tps > 0 else None}
+    return {
+        "mode": mode,
+        "steps": res["step"],
+        "tokens_per_s": tps,
+        "steady_tokens": toks,
+        "steady_s": secs,
+        "step_ms": 1e3 * secs / max(1, sum(log_every for _ in steady)),
+        "run_wall_s": wall,
+        "tokens_per_step": toks / max(1, log_every * len(steady)),
+        "peak_mem_gib": peak,
+        "first_loss": rows[0].get("loss") if rows else None,
+        "final_loss": rows[-1].get("loss") if rows else None,
+        **lr,
+        "issue_run_projected_s": ISSUE_RUN_TOKENS / tps if tps == tps and tps > 0 else None,
+    }
 
 
 def median_of_rounds(runs: list[dict]) -> dict:
@@ -372,34 +490,61 @@ def fp8_comparison(out: dict, results: list[dict], by: dict, fp8_summary: dict |
     loss) to the fp8 row, the first pair's figures to ``out``; returns Markdown lines (none without pairs)."""
     if fp8_summary is not None:
         out["fp8_convert"] = fp8_summary
-    pairs = [(by[bf16_mode(r["mode"])], r) for r in results
-             if FP8 in mode_flags(r["mode"]) and bf16_mode(r["mode"]) in by]
+    pairs = [
+        (by[bf16_mode(r["mode"])], r)
+        for r in results
+        if FP8 in mode_flags(r["mode"]) and bf16_mode(r["mode"]) in by
+    ]
     if not pairs:
         return []
-    lines = ["", "| storage | mode | tokens/s | loader tokens/s | loader ships | step-1 loss | fp8 / bf16 tokens/s "
-             "| fp8 / bf16 loader |", "|---|---|---:|---:|---|---:|---:|---:|"]
+    lines = [
+        "",
+        "| storage | mode | tokens/s | loader tokens/s | loader ships | step-1 loss | fp8 / bf16 tokens/s "
+        "| fp8 / bf16 loader |",
+        "|---|---|---:|---:|---|---:|---:|---:|",
+    ]
 
     def row(r: dict, ratio: str = "", loader_ratio: str = "") -> str:
         loss = "" if r["first_loss"] is None else f"{r['first_loss']:.5f}"
-        return (f"| {r['storage_dtype']} | {r['mode']} | {r['tokens_per_s']:.0f} | {r['loader_tokens_per_s']:.0f} "
-                f"| {r['loader_feature_dtype']} | {loss} | {ratio} | {loader_ratio} |")
+        return (
+            f"| {r['storage_dtype']} | {r['mode']} | {r['tokens_per_s']:.0f} | {r['loader_tokens_per_s']:.0f} "
+            f"| {r['loader_feature_dtype']} | {loss} | {ratio} | {loader_ratio} |"
+        )
 
     for b, f in pairs:
         f["fp8_vs_bf16_tokens_per_s"] = f["tokens_per_s"] / b["tokens_per_s"]
         f["fp8_vs_bf16_loader_tokens_per_s"] = f["loader_tokens_per_s"] / b["loader_tokens_per_s"]
-        if "rounds" in f and "rounds" in b:  # paired: the two runs of one round saw the same machine load
-            f["fp8_vs_bf16_tokens_per_s_rounds"] = [x["tokens_per_s"] / y["tokens_per_s"]
-                                                    for x, y in zip(f["rounds"], b["rounds"])]
-        f["first_loss_rel_diff"] = (abs(f["first_loss"] - b["first_loss"]) / abs(b["first_loss"])
-                                    if f["first_loss"] is not None and b["first_loss"] else None)
-        lines += [row(b), row(f, f"{f['fp8_vs_bf16_tokens_per_s']:.3f}x", f"{f['fp8_vs_bf16_loader_tokens_per_s']:.3f}x")]
+        if (
+            "rounds" in f and "rounds" in b
+        ):  # paired: the two runs of one round saw the same machine load
+            f["fp8_vs_bf16_tokens_per_s_rounds"] = [
+                x["tokens_per_s"] / y["tokens_per_s"] for x, y in zip(f["rounds"], b["rounds"])
+            ]
+        f["first_loss_rel_diff"] = (
+            abs(f["first_loss"] - b["first_loss"]) / abs(b["first_loss"])
+            if f["first_loss"] is not None and b["first_loss"]
+            else None
+        )
+        lines += [
+            row(b),
+            row(
+                f,
+                f"{f['fp8_vs_bf16_tokens_per_s']:.3f}x",
+                f"{f['fp8_vs_bf16_loader_tokens_per_s']:.3f}x",
+            ),
+        ]
     b, f = pairs[0]
-    out.update({"fp8_vs_bf16_tokens_per_s": f["fp8_vs_bf16_tokens_per_s"],
-                "fp8_vs_bf16_loader_tokens_per_s": f["fp8_vs_bf16_loader_tokens_per_s"],
-                "fp8_tokens_per_s": f["tokens_per_s"], "bf16_tokens_per_s": b["tokens_per_s"],
-                "fp8_loader_tokens_per_s": f["loader_tokens_per_s"],
-                "bf16_loader_tokens_per_s": b["loader_tokens_per_s"],
-                "fp8_first_loss_rel_diff": f["first_loss_rel_diff"]})
+    out.update(
+        {
+            "fp8_vs_bf16_tokens_per_s": f["fp8_vs_bf16_tokens_per_s"],
+            "fp8_vs_bf16_loader_tokens_per_s": f["fp8_vs_bf16_loader_tokens_per_s"],
+            "fp8_tokens_per_s": f["tokens_per_s"],
+            "bf16_tokens_per_s": b["tokens_per_s"],
+            "fp8_loader_tokens_per_s": f["loader_tokens_per_s"],
+            "bf16_loader_tokens_per_s": b["loader_tokens_per_s"],
+            "fp8_first_loss_rel_diff": f["first_loss_rel_diff"],
+        }
+    )
     if "fp8_vs_bf16_tokens_per_s_rounds" in f:
         out["fp8_vs_bf16_tokens_per_s_rounds"] = f["fp8_vs_bf16_tokens_per_s_rounds"]
     return lines
@@ -407,35 +552,69 @@ def fp8_comparison(out: dict, results: list[dict], by: dict, fp8_summary: dict |
 
 def main(argv=None) -> int:
     p = ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--config", type=Path, help="a prepared run (stages 02-03 done): real shards instead of synthetic")
-    p.add_argument("--set", dest="overrides", action="append", default=[], help="override for --config (repeatable)")
-    p.add_argument("--workdir", type=Path, default=Path("/dev/shm/small_train_speed" if Path("/dev/shm").is_dir()
-                                                          else "/tmp/small_train_speed"),
-                   help="synthetic shards and train outputs (default: RAM disk /dev/shm)")
+    p.add_argument(
+        "--config",
+        type=Path,
+        help="a prepared run (stages 02-03 done): real shards instead of synthetic",
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        help="override for --config (repeatable)",
+    )
+    p.add_argument(
+        "--workdir",
+        type=Path,
+        default=Path(
+            "/dev/shm/small_train_speed" if Path("/dev/shm").is_dir() else "/tmp/small_train_speed"
+        ),
+        help="synthetic shards and train outputs (default: RAM disk /dev/shm)",
+    )
     p.add_argument("--samples", type=int, default=2000, help="synthetic training samples")
     p.add_argument("--max-length", type=int, default=1024)
     p.add_argument("--modes", default="legacy8,fixed8,tokens")
-    p.add_argument("--steps", default="legacy8=120,fixed8=120,tokens=150", help="optimizer steps per mode")
+    p.add_argument(
+        "--steps", default="legacy8=120,fixed8=120,tokens=150", help="optimizer steps per mode"
+    )
     p.add_argument("--batch-tokens", type=int, default=16384)
     p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--fp8-shards", type=Path, help="'+fp8' modes: folder of the fp8 copy of the shards (default "
-                   "WORKDIR/shards-fp8); converted from the bf16 shards unless it already holds that conversion")
-    p.add_argument("--rounds", type=positive_int, default=1, help="run the modes this many times, order reversed "
-                   "every other round (A B, B A, ...); each mode reports the median over rounds (a shared machine)")
+    p.add_argument(
+        "--fp8-shards",
+        type=Path,
+        help="'+fp8' modes: folder of the fp8 copy of the shards (default "
+        "WORKDIR/shards-fp8); converted from the bf16 shards unless it already holds that conversion",
+    )
+    p.add_argument(
+        "--rounds",
+        type=positive_int,
+        default=1,
+        help="run the modes this many times, order reversed "
+        "every other round (A B, B A, ...); each mode reports the median over rounds (a shared machine)",
+    )
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke run)")
     p.add_argument("--device", default=None, help="'cpu' forces CPU")
     p.add_argument("--json", type=Path)
-    p.add_argument("--profile", type=Path, help="also write torch.profiler tables (top ops by CPU and device time) "
-                   "of 12 steps of each mode to this folder")
+    p.add_argument(
+        "--profile",
+        type=Path,
+        help="also write torch.profiler tables (top ops by CPU and device time) "
+        "of 12 steps of each mode to this folder",
+    )
     a = p.parse_args(argv)
-    if a.config is not None:  # bad --config / --set: one error line before any work (eagle3.cli contract)
+    if (
+        a.config is not None
+    ):  # bad --config / --set: one error line before any work (eagle3.cli contract)
         from eagle3.config import load_config
 
         load_config(a.config, a.overrides)
     logging.basicConfig(level=logging.WARNING)
     steps = {k: int(v) for k, v in (x.split("=") for x in a.steps.split(","))}
     modes = a.modes.split(",")
-    steps = {m: steps.get(m, steps.get(bf16_mode(m), 100)) for m in modes}  # '+fp8': its bf16 mode's steps
+    steps = {
+        m: steps.get(m, steps.get(bf16_mode(m), 100)) for m in modes
+    }  # '+fp8': its bf16 mode's steps
     make_dirs(a.workdir, "--workdir")
     head_dir = None
     if a.config is None:
@@ -443,7 +622,9 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         config = write_synthetic(a.workdir / "data", a.samples, 16, shape, a.max_length)
         head_dir = a.workdir / "data" / "head"
-        print(f"synthetic shards: {a.samples} samples in {time.perf_counter() - t0:.1f} s", flush=True)
+        print(
+            f"synthetic shards: {a.samples} samples in {time.perf_counter() - t0:.1f} s", flush=True
+        )
     else:
         config = a.config
     fp8_dir, fp8_summary = None, None
@@ -453,54 +634,107 @@ def main(argv=None) -> int:
         fp8_dir = a.fp8_shards or a.workdir / "shards-fp8"
         # synthetic shards are rewritten by every run: redo their conversion; a real run's is resumed/reused
         src_cfg = load_config(config, a.overrides)
-        fp8_summary = make_fp8_shards(src_cfg.shards_dir, fp8_dir, overwrite=a.config is None and a.fp8_shards is None)
+        fp8_summary = make_fp8_shards(
+            src_cfg.shards_dir, fp8_dir, overwrite=a.config is None and a.fp8_shards is None
+        )
         carry_validation(src_cfg.shards_dir, fp8_dir, src_cfg.data_dir)
-        print(f"fp8 shards: {fp8_dir} ({fp8_summary['converted']} converted, {fp8_summary['resumed']} reused, "
-              f"file bytes x{fp8_summary.get('ratio')}, {fp8_summary['seconds']} s)", flush=True)
+        print(
+            f"fp8 shards: {fp8_dir} ({fp8_summary['converted']} converted, {fp8_summary['resumed']} reused, "
+            f"file bytes x{fp8_summary.get('ratio')}, {fp8_summary['seconds']} s)",
+            flush=True,
+        )
     results = []
     if a.profile:
         from torch.profiler import ProfilerActivity, profile
 
         make_dirs(a.profile, "--profile")
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        acts = [ProfilerActivity.CPU] + (
+            [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
+        )
         for m in modes:
             with profile(activities=acts) as prof:
-                run_mode(m, config, a.overrides, a.workdir, 12, a.batch_tokens, 4, a.device, head_dir, fp8_dir)
+                run_mode(
+                    m,
+                    config,
+                    a.overrides,
+                    a.workdir,
+                    12,
+                    a.batch_tokens,
+                    4,
+                    a.device,
+                    head_dir,
+                    fp8_dir,
+                )
             ka = prof.key_averages()
             dev_key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-            text = (ka.table(sort_by=dev_key, row_limit=30) + "\n\n" + ka.table(sort_by="cpu_time_total", row_limit=30))
+            text = (
+                ka.table(sort_by=dev_key, row_limit=30)
+                + "\n\n"
+                + ka.table(sort_by="cpu_time_total", row_limit=30)
+            )
             (a.profile / f"profile_{m}.txt").write_text(text)
             print(f"profile of {m}: {a.profile / f'profile_{m}.txt'}", flush=True)
     runs = []
     for k in range(a.rounds):
-        for m in (modes if k % 2 == 0 else modes[::-1]):  # ABBA...: drift of a shared machine hits both alike
-            r = run_mode(m, config, a.overrides, a.workdir, steps[m], a.batch_tokens, a.log_every, a.device,
-                         head_dir, fp8_dir)
+        for m in (
+            modes if k % 2 == 0 else modes[::-1]
+        ):  # ABBA...: drift of a shared machine hits both alike
+            r = run_mode(
+                m,
+                config,
+                a.overrides,
+                a.workdir,
+                steps[m],
+                a.batch_tokens,
+                a.log_every,
+                a.device,
+                head_dir,
+                fp8_dir,
+            )
             runs.append({**r, "round": k} if a.rounds > 1 else r)
             print(json.dumps(runs[-1]), flush=True)
-            if head_dir is None:  # real data: the first run extracted the verifier head; the others reuse a copy
+            if (
+                head_dir is None
+            ):  # real data: the first run extracted the verifier head; the others reuse a copy
                 import shutil
 
                 head_dir = a.workdir / "head"
                 head_dir.mkdir(exist_ok=True)
-                shutil.copy(a.workdir / f"train-{m.replace('+', '-')}" / "target_head.safetensors", head_dir)
+                shutil.copy(
+                    a.workdir / f"train-{m.replace('+', '-')}" / "target_head.safetensors", head_dir
+                )
     results = [median_of_rounds([r for r in runs if r["mode"] == m]) for m in modes]
     by = {r["mode"]: r for r in results}
     base = by.get("legacy8") or results[0]
-    out = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() and a.device != "cpu" else "cpu",
-           "torch": torch.__version__, "data": str(a.config) if a.config else f"synthetic x{a.samples}",
-           "batch_tokens": a.batch_tokens, "rounds": a.rounds, "results": results}
+    out = {
+        "device": torch.cuda.get_device_name(0)
+        if torch.cuda.is_available() and a.device != "cpu"
+        else "cpu",
+        "torch": torch.__version__,
+        "data": str(a.config) if a.config else f"synthetic x{a.samples}",
+        "batch_tokens": a.batch_tokens,
+        "rounds": a.rounds,
+        "results": results,
+    }
     for r in results:
         r["speedup_vs_" + base["mode"]] = r["tokens_per_s"] / base["tokens_per_s"]
     if "tokens" in by:
         out["small_train_tokens_per_s"] = by["tokens"]["tokens_per_s"]
-        out["small_train_wall_vs_reference"] = by["tokens"]["issue_run_projected_s"] / ISSUE_REFERENCE_S
-    lines = ["| mode | tokens/s | step ms | tokens/step | vs " + base["mode"] + " | issue run (6.96M tokens) s |",
-             "|---|---:|---:|---:|---:|---:|"]
+        out["small_train_wall_vs_reference"] = (
+            by["tokens"]["issue_run_projected_s"] / ISSUE_REFERENCE_S
+        )
+    lines = [
+        "| mode | tokens/s | step ms | tokens/step | vs "
+        + base["mode"]
+        + " | issue run (6.96M tokens) s |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for r in results:
-        lines.append(f"| {r['mode']} | {r['tokens_per_s']:.0f} | {r['step_ms']:.1f} | {r['tokens_per_step']:.0f} | "
-                     f"{r['speedup_vs_' + base['mode']]:.2f}x | {r['issue_run_projected_s'] or float('nan'):.0f} |")
-    lines.append(f"(issue 9: ours 498 s, published trainer 320 s)")
+        lines.append(
+            f"| {r['mode']} | {r['tokens_per_s']:.0f} | {r['step_ms']:.1f} | {r['tokens_per_step']:.0f} | "
+            f"{r['speedup_vs_' + base['mode']]:.2f}x | {r['issue_run_projected_s'] or float('nan'):.0f} |"
+        )
+    lines.append("(issue 9: ours 498 s, published trainer 320 s)")
     lines += fp8_comparison(out, results, by, fp8_summary)
     print("\n".join(lines))
     out["table_md"] = "\n".join(lines)

@@ -62,13 +62,21 @@ class StackSampler:
                 group = _group(names.get(ident, "?"), ident, main)
                 parts, f = [], frame
                 while f is not None and len(parts) < self.depth:
-                    parts.append(f"{os.path.basename(f.f_code.co_filename)}:{f.f_code.co_name}:{f.f_lineno}")
+                    parts.append(
+                        f"{os.path.basename(f.f_code.co_filename)}:{f.f_code.co_name}:{f.f_lineno}"
+                    )
                     f = f.f_back
                 self.stacks[group][" < ".join(parts)] += 1
                 self.samples[group] += 1
 
     def table(self, top: int = 10) -> dict:
         """``{group: {"samples": n, "top": [[stack, share of the group's samples], ...]}}``, largest first."""
-        return {g: {"samples": self.samples[g],
-                    "top": [[s, round(c / self.samples[g], 3)] for s, c in self.stacks[g].most_common(top)]}
-                for g in sorted(self.stacks)}
+        return {
+            g: {
+                "samples": self.samples[g],
+                "top": [
+                    [s, round(c / self.samples[g], 3)] for s, c in self.stacks[g].most_common(top)
+                ],
+            }
+            for g in sorted(self.stacks)
+        }

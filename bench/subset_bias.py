@@ -61,49 +61,82 @@ def projection(speed: dict, per_prompt: dict) -> dict:
     """
     name, pick = speed.get("dataset"), speed.get("prompt_pick", "first")
     if name not in per_prompt["per_prompt"]:
-        raise UserError(f"speed JSON of set {name!r}: the per-prompt file has only {sorted(per_prompt['per_prompt'])}")
-    row = next((r for r in speed.get("rows", []) if r.get("batch_size") == 1 and "error" not in r), None)
+        raise UserError(
+            f"speed JSON of set {name!r}: the per-prompt file has only {sorted(per_prompt['per_prompt'])}"
+        )
+    row = next(
+        (r for r in speed.get("rows", []) if r.get("batch_size") == 1 and "error" not in r), None
+    )
     if row is None:
         raise UserError(f"speed JSON of set {name!r}: no successful batch-1 row")
     rows = list(per_prompt["per_prompt"][name].values())
     sub, whole = tau(pick_prompts(rows, row["num_prompts"], pick)), tau(rows)
-    return {"dataset": name, "num_prompts": row["num_prompts"], "prompt_pick": pick, "decoder": row.get("decoder"),
-            "measured_speedup": round(row["speedup"], 4), "measured_tau": round(row["tau"], 4),
-            "subset_tau_fp32": round(sub, 4), "set_tau_fp32": round(whole, 4),
-            "projected_speedup": round(row["speedup"] * whole / sub, 4)}
+    return {
+        "dataset": name,
+        "num_prompts": row["num_prompts"],
+        "prompt_pick": pick,
+        "decoder": row.get("decoder"),
+        "measured_speedup": round(row["speedup"], 4),
+        "measured_tau": round(row["tau"], 4),
+        "subset_tau_fp32": round(sub, 4),
+        "set_tau_fp32": round(whole, 4),
+        "projected_speedup": round(row["speedup"] * whole / sub, 4),
+    }
 
 
 def markdown(res: dict) -> str:
     nums = res["nums"]
     head = " | ".join(f"first {n} | spread {n}" for n in nums)
-    lines = [f"| run | set | prompts | whole set | {head} |", "|---|---|---:|---:|" + "---:|" * (2 * len(nums))]
+    lines = [
+        f"| run | set | prompts | whole set | {head} |",
+        "|---|---|---:|---:|" + "---:|" * (2 * len(nums)),
+    ]
     for run, sets in res["taus"].items():
         for name, t in sets.items():
             cells = " | ".join(f"{t[f'first_{n}']:.2f} | {t[f'spread_{n}']:.2f}" for n in nums)
             lines.append(f"| {run} | {name} | {t['n']} | {t['all']:.2f} | {cells} |")
     if res["projections"]:
-        lines += ["", "Batch-1 speedup measured on a subset, projected to the whole set (tau ratio, not a measurement):",
-                  "", "| run | set | subset | measured speedup (tau) | subset tau, 05 fp32 | set tau, 05 fp32 | projected |",
-                  "|---|---|---|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            "Batch-1 speedup measured on a subset, projected to the whole set (tau ratio, not a measurement):",
+            "",
+            "| run | set | subset | measured speedup (tau) | subset tau, 05 fp32 | set tau, 05 fp32 | projected |",
+            "|---|---|---|---:|---:|---:|---:|",
+        ]
         for run, p in res["projections"]:
-            lines.append(f"| {run} | {p['dataset']} | {p['prompt_pick']} {p['num_prompts']} | {p['measured_speedup']:.2f}x "
-                         f"({p['measured_tau']:.2f}) | {p['subset_tau_fp32']:.2f} | {p['set_tau_fp32']:.2f} | "
-                         f"{p['projected_speedup']:.2f}x |")
+            lines.append(
+                f"| {run} | {p['dataset']} | {p['prompt_pick']} {p['num_prompts']} | {p['measured_speedup']:.2f}x "
+                f"({p['measured_tau']:.2f}) | {p['subset_tau_fp32']:.2f} | {p['set_tau_fp32']:.2f} | "
+                f"{p['projected_speedup']:.2f}x |"
+            )
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
     p = ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--run", action="append", required=True, help="NAME=per_prompt_steps3.json (repeatable)")
-    p.add_argument("--speed", action="append", default=[], help="NAME=batch-1 speed JSON of run NAME (repeatable)")
-    p.add_argument("--num", type=int, nargs="+", default=[8, 16], help="subset sizes (default 8 16)")
+    p.add_argument(
+        "--run", action="append", required=True, help="NAME=per_prompt_steps3.json (repeatable)"
+    )
+    p.add_argument(
+        "--speed",
+        action="append",
+        default=[],
+        help="NAME=batch-1 speed JSON of run NAME (repeatable)",
+    )
+    p.add_argument(
+        "--num", type=int, nargs="+", default=[8, 16], help="subset sizes (default 8 16)"
+    )
     p.add_argument("--out", help="write JSON here and the Markdown table beside it (.md)")
     a = p.parse_args(argv)
     if min(a.num) < 1:
         p.error("--num values must be >= 1")
     runs = dict(_spec(s, "--run") for s in a.run)
     pp = {name: read_json(path) for name, path in runs.items()}
-    res = {"nums": a.num, "taus": {name: subset_taus(d, a.num) for name, d in pp.items()}, "projections": []}
+    res = {
+        "nums": a.num,
+        "taus": {name: subset_taus(d, a.num) for name, d in pp.items()},
+        "projections": [],
+    }
     for s in a.speed:
         name, path = _spec(s, "--speed")
         if name not in pp:

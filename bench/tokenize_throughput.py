@@ -34,7 +34,9 @@ from eagle3.io import atomic_write_json  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def build_conversations(cfg, tokenizer, num: int, regenerated: bool, max_new_tokens: int) -> list[dict]:
+def build_conversations(
+    cfg, tokenizer, num: int, regenerated: bool, max_new_tokens: int
+) -> list[dict]:
     """``num`` prompt records ``{id, messages, line}`` from the config's prompt sources (cycled).
 
     With ``regenerated``, each assistant reply becomes ``decode(ids[:max_new_tokens])`` with
@@ -59,9 +61,14 @@ def build_conversations(cfg, tokenizer, num: int, regenerated: bool, max_new_tok
         for m in conv["messages"]:
             m = {"role": m["role"], "content": m["content"]}
             if regenerated and m["role"] == "assistant":
-                ids = tokenizer(m["content"], add_special_tokens=False)["input_ids"][:max_new_tokens]
-                m = {"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True),
-                     "tokens": [int(t) for t in ids]}
+                ids = tokenizer(m["content"], add_special_tokens=False)["input_ids"][
+                    :max_new_tokens
+                ]
+                m = {
+                    "role": "assistant",
+                    "content": tokenizer.decode(ids, skip_special_tokens=True),
+                    "tokens": [int(t) for t in ids],
+                }
             msgs.append(m)
         out.append({"id": f"{conv['id']}#{i}", "messages": msgs, "line": i + 1})
     return out
@@ -76,14 +83,35 @@ def read_prompts_file(path: Path, num: int | None) -> list[dict]:
 def main(argv=None) -> int:
     p = ArgumentParser(description=__doc__.splitlines()[0])
     add_config_args(p)
-    p.add_argument("--prompts", type=Path, default=None, help="a real prompts.jsonl (01 output) instead of the mix")
+    p.add_argument(
+        "--prompts",
+        type=Path,
+        default=None,
+        help="a real prompts.jsonl (01 output) instead of the mix",
+    )
     p.add_argument("--num", type=positive_int, default=4000, help="conversations")
-    p.add_argument("--no-regenerated", dest="regenerated", action="store_false",
-                   help="keep the dataset answers as plain text (no recorded token ids)")
-    p.add_argument("--max-new-tokens", type=positive_int, default=256, help="reply length of the simulated regeneration")
-    p.add_argument("--workers", type=positive_int, nargs="+", default=None,
-                   help="worker counts to time (default: 1 and the auto count for this machine)")
-    p.add_argument("--repeats", type=positive_int, default=1, help="best of this many runs per worker count")
+    p.add_argument(
+        "--no-regenerated",
+        dest="regenerated",
+        action="store_false",
+        help="keep the dataset answers as plain text (no recorded token ids)",
+    )
+    p.add_argument(
+        "--max-new-tokens",
+        type=positive_int,
+        default=256,
+        help="reply length of the simulated regeneration",
+    )
+    p.add_argument(
+        "--workers",
+        type=positive_int,
+        nargs="+",
+        default=None,
+        help="worker counts to time (default: 1 and the auto count for this machine)",
+    )
+    p.add_argument(
+        "--repeats", type=positive_int, default=1, help="best of this many runs per worker count"
+    )
     p.add_argument("--json", type=Path, default=None, help="also write the result here")
     a = p.parse_args(argv)
     cfg = load_config(a.config, a.overrides)
@@ -118,16 +146,29 @@ def main(argv=None) -> int:
         if ref is None:
             ref = got
         identical = got == ref
-        runs.append({"workers": w, "seconds": round(best, 3), "conv_per_s": round(len(prompts) / best, 1),
-                     "identical_to_first": identical})
-        print(f"workers={w}: {len(prompts)} conversations in {best:.2f} s = {len(prompts) / best:.1f} conv/s"
-              f"{'' if identical else '  MISMATCH vs the first run'}", flush=True)
+        runs.append(
+            {
+                "workers": w,
+                "seconds": round(best, 3),
+                "conv_per_s": round(len(prompts) / best, 1),
+                "identical_to_first": identical,
+            }
+        )
+        print(
+            f"workers={w}: {len(prompts)} conversations in {best:.2f} s = {len(prompts) / best:.1f} conv/s"
+            f"{'' if identical else '  MISMATCH vs the first run'}",
+            flush=True,
+        )
     n_tok = sum(len(s[2]) for s in ref[0])
     res = {
         "verifier": cfg.verifier.display_name(),
         "conversations": len(prompts),
-        "source": str(a.prompts) if a.prompts else "config prompt sources" + (" (regenerated)" if a.regenerated else ""),
-        "multi_turn": sum(1 for r in prompts if sum(m["role"] == "assistant" for m in r["messages"]) > 1),
+        "source": str(a.prompts)
+        if a.prompts
+        else "config prompt sources" + (" (regenerated)" if a.regenerated else ""),
+        "multi_turn": sum(
+            1 for r in prompts if sum(m["role"] == "assistant" for m in r["messages"]) > 1
+        ),
         "with_tokens": sum(1 for r in prompts if any("tokens" in m for m in r["messages"])),
         "samples": len(ref[0]),
         "tokens": n_tok,
@@ -144,7 +185,9 @@ def main(argv=None) -> int:
     print("| workers | seconds | conversations/s | identical |")
     print("|---:|---:|---:|---|")
     for r in runs:
-        print(f"| {r['workers']} | {r['seconds']} | {r['conv_per_s']} | {r['identical_to_first']} |")
+        print(
+            f"| {r['workers']} | {r['seconds']} | {r['conv_per_s']} | {r['identical_to_first']} |"
+        )
     print(f"ratio {workers[-1]} vs {workers[0]} workers: {res['ratio_vs_first']}x")
     print(json.dumps(res))
     if a.json:

@@ -127,7 +127,14 @@ from eagle3.io import atomic_write_json  # noqa: E402
 from eagle3.process_group import process_group_scope  # noqa: E402
 from eagle3.train.model import DrafterArgs, Eagle3Drafter  # noqa: E402
 from eagle3.train.schedule import build_scheduler  # noqa: E402
-from eagle3.train.trainer import TARGET_CHUNK, DistInfo, TTTObjective, _autocast_dtype, backward_step, init_distributed  # noqa: E402
+from eagle3.train.trainer import (  # noqa: E402
+    TARGET_CHUNK,
+    DistInfo,
+    TTTObjective,
+    _autocast_dtype,
+    backward_step,
+    init_distributed,
+)
 from eagle3.train.ttt import compute_targets  # noqa: E402
 
 GIB = 1024**3
@@ -156,11 +163,31 @@ class Shape:
 
 
 # Kimi-K2.5 drafter (configs/kimi-k2.5.yaml): one Llama layer on a 7168-wide residual stream.
-REFERENCE = Shape(hidden=7168, heads=64, kv_heads=64, head_dim=128, intermediate=18432, draft_vocab=32000,
-                  target_vocab=163840, target_hidden=7168, seq=4096, ttt=7)
+REFERENCE = Shape(
+    hidden=7168,
+    heads=64,
+    kv_heads=64,
+    head_dim=128,
+    intermediate=18432,
+    draft_vocab=32000,
+    target_vocab=163840,
+    target_hidden=7168,
+    seq=4096,
+    ttt=7,
+)
 # A CPU smoke shape with the same structure (GQA allowed: heads 8).
-TINY = Shape(hidden=64, heads=8, kv_heads=8, head_dim=8, intermediate=128, draft_vocab=96,
-             target_vocab=320, target_hidden=48, seq=48, ttt=3)
+TINY = Shape(
+    hidden=64,
+    heads=8,
+    kv_heads=8,
+    head_dim=8,
+    intermediate=128,
+    draft_vocab=96,
+    target_vocab=320,
+    target_hidden=48,
+    seq=48,
+    ttt=3,
+)
 
 
 def train_step_flops(s: Shape) -> dict[str, int]:
@@ -178,8 +205,15 @@ def train_step_flops(s: Shape) -> dict[str, int]:
     causal = 3 * K * (4 * L * L // 2 * nh * hd)  # L*L even for every L: 4*L*L/2 = 2*L*L
     diag = 3 * sum(4 * L * i * nh * hd for i in range(K))
     target = 2 * Ht * s.target_vocab * L
-    return {"matmul_params_per_ttt_step": p_step, "fc_params": p_fc, "dense": dense, "attention_causal": causal,
-            "attention_diagonal": diag, "target_head": target, "total": dense + causal + diag + target}
+    return {
+        "matmul_params_per_ttt_step": p_step,
+        "fc_params": p_fc,
+        "dense": dense,
+        "attention_causal": causal,
+        "attention_diagonal": diag,
+        "target_head": target,
+        "total": dense + causal + diag + target,
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,7 +224,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure_matmul_ceiling(device: torch.device, n: int, dtype: torch.dtype, warmup: int = 3, iters: int = 10) -> dict:
+def measure_matmul_ceiling(
+    device: torch.device, n: int, dtype: torch.dtype, warmup: int = 3, iters: int = 10
+) -> dict:
     """Measured dense matmul rate: ``[n, n] @ [n, n]`` in ``dtype``, mean of ``iters`` after ``warmup``.
 
     Returns:
@@ -216,8 +252,12 @@ def measure_matmul_ceiling(device: torch.device, n: int, dtype: torch.dtype, war
             c = a @ b  # [n, n]
         mean_s = (time.perf_counter() - t0) / iters
     del a, b, c
-    return {"n": n, "dtype": str(dtype).replace("torch.", ""), "mean_ms": mean_s * 1e3,
-            "tflops": 2 * n**3 / mean_s / 1e12}
+    return {
+        "n": n,
+        "dtype": str(dtype).replace("torch.", ""),
+        "mean_ms": mean_s * 1e3,
+        "tflops": 2 * n**3 / mean_s / 1e12,
+    }
 
 
 def _reset_peak(device: torch.device) -> None:
@@ -243,9 +283,16 @@ def _free(device: torch.device) -> None:
 # ---------------------------------------------------------------------------------------------
 # one configuration
 # ---------------------------------------------------------------------------------------------
-def build_step(s: Shape, device: torch.device, compile_objective: bool, checkpoint_logits: Optional[bool],
-               total_steps: int, seed: int = 0, ddp: Optional[DistInfo] = None, batch_seed: Optional[int] = None,
-               ) -> tuple[Callable[[], torch.Tensor], dict, Callable[[], list[float]]]:
+def build_step(
+    s: Shape,
+    device: torch.device,
+    compile_objective: bool,
+    checkpoint_logits: Optional[bool],
+    total_steps: int,
+    seed: int = 0,
+    ddp: Optional[DistInfo] = None,
+    batch_seed: Optional[int] = None,
+) -> tuple[Callable[[], torch.Tensor], dict, Callable[[], list[float]]]:
     """Build the drafter, optimizer, scheduler, verifier head and random batch; return ``(step, info, checksum)``.
 
     ``step()`` runs one full optimizer step (targets, forward, backward, clip, AdamW, LR step) and
@@ -262,25 +309,44 @@ def build_step(s: Shape, device: torch.device, compile_objective: bool, checkpoi
             the ``seed`` stream after the head (the single-process default).
     """
     tc = TrainConfig()
-    amp = _autocast_dtype(SimpleNamespace(train=tc), device)  # bf16 on GPU, None on CPU (as train.py)
+    amp = _autocast_dtype(
+        SimpleNamespace(train=tc), device
+    )  # bf16 on GPU, None on CPU (as train.py)
     feat_dtype = torch.bfloat16 if amp is not None else torch.float32
-    ckpt_logits = (device.type == "cuda") if checkpoint_logits is None else checkpoint_logits  # train.py: GPU only
-    args = DrafterArgs(hidden_size=s.hidden, num_attention_heads=s.heads, num_key_value_heads=s.kv_heads,
-                       head_dim=s.head_dim, intermediate_size=s.intermediate, rms_norm_eps=1e-6, rope_theta=50000.0,
-                       max_position_embeddings=max(s.seq + s.ttt, 4096), draft_vocab_size=s.draft_vocab,
-                       target_vocab_size=s.target_vocab, target_hidden_size=s.target_hidden)
+    ckpt_logits = (
+        (device.type == "cuda") if checkpoint_logits is None else checkpoint_logits
+    )  # train.py: GPU only
+    args = DrafterArgs(
+        hidden_size=s.hidden,
+        num_attention_heads=s.heads,
+        num_key_value_heads=s.kv_heads,
+        head_dim=s.head_dim,
+        intermediate_size=s.intermediate,
+        rms_norm_eps=1e-6,
+        rope_theta=50000.0,
+        max_position_embeddings=max(s.seq + s.ttt, 4096),
+        draft_vocab_size=s.draft_vocab,
+        target_vocab_size=s.target_vocab,
+        target_hidden_size=s.target_hidden,
+    )
     torch.manual_seed(seed)
     g = torch.Generator(device="cpu").manual_seed(seed)
-    with torch.device(device):  # allocate (and N(0, 0.02)-initialise) the float32 master weights on the device
+    with torch.device(
+        device
+    ):  # allocate (and N(0, 0.02)-initialise) the float32 master weights on the device
         drafter = Eagle3Drafter(args)
-    draft_ids = torch.randperm(s.target_vocab, generator=g)[: s.draft_vocab].sort().values  # [draft_V] verifier ids
+    draft_ids = (
+        torch.randperm(s.target_vocab, generator=g)[: s.draft_vocab].sort().values
+    )  # [draft_V] verifier ids
     d2t = draft_ids - torch.arange(s.draft_vocab)  # [draft_V] int64 offsets
     t2d = torch.zeros(s.target_vocab, dtype=torch.bool)  # [V]
     t2d[draft_ids] = True
     drafter.set_vocab_map(d2t.to(device), t2d.to(device))
     drafter.train()
     d2t_dev, t2d_dev = d2t.to(device), t2d.to(device)
-    head_lm = (torch.randn(s.target_vocab, s.target_hidden, generator=g) * 0.02).to(device, feat_dtype)  # [V, Ht]
+    head_lm = (torch.randn(s.target_vocab, s.target_hidden, generator=g) * 0.02).to(
+        device, feat_dtype
+    )  # [V, Ht]
 
     L = s.seq
     gb = g if batch_seed is None else torch.Generator(device="cpu").manual_seed(batch_seed)
@@ -299,8 +365,9 @@ def build_step(s: Shape, device: torch.device, compile_objective: bool, checkpoi
     if compile_objective:
         model = torch.compile(model)
     params = [p for p in drafter.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay,
-                                  fused=device.type == "cuda")  # as train.py
+    optimizer = torch.optim.AdamW(
+        params, lr=tc.lr, weight_decay=tc.weight_decay, fused=device.type == "cuda"
+    )  # as train.py
     scheduler = build_scheduler(optimizer, total_steps, tc.warmup_ratio)
 
     dinfo = ddp if wrapped else DistInfo(rank=0, world=1, local_rank=0, device=device)
@@ -309,14 +376,17 @@ def build_step(s: Shape, device: torch.device, compile_objective: bool, checkpoi
 
     def step() -> torch.Tensor:
         with torch.no_grad():
-            tg = compute_targets(last, head_lm, d2t_dev, t2d_dev, norm_weight=None,
-                                 chunk=TARGET_CHUNK)  # [1, L, dV] f32, [1, L] bool, [1, L] int64
+            tg = compute_targets(
+                last, head_lm, d2t_dev, t2d_dev, norm_weight=None, chunk=TARGET_CHUNK
+            )  # [1, L, dV] f32, [1, L] bool, [1, L] int64
         (stats,) = backward_step(model, [batch], [tg], s.ttt, dinfo, amp)  # dict of [K]
         torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
-        return (weights * stats["loss"]).sum()  # this rank's TTT loss (per-step token means), no host sync
+        return (
+            weights * stats["loss"]
+        ).sum()  # this rank's TTT loss (per-step token means), no host sync
 
     def checksum() -> list[float]:
         tot = torch.zeros((), dtype=torch.float64, device=device)
@@ -329,11 +399,18 @@ def build_step(s: Shape, device: torch.device, compile_objective: bool, checkpoi
                     sq += c.square().sum()
         return [float(tot), float(sq)]
 
-    info = {"autocast": None if amp is None else str(amp).replace("torch.", ""), "checkpoint_logits": ckpt_logits,
-            "compile": compile_objective, "trainable_params": sum(p.numel() for p in params),
-            "frozen_params": sum(p.numel() for p in drafter.parameters() if not p.requires_grad),
-            "lr": tc.lr, "weight_decay": tc.weight_decay, "grad_clip": tc.grad_clip, "step_weight": tc.step_weight,
-            "ddp_wrapped": wrapped}
+    info = {
+        "autocast": None if amp is None else str(amp).replace("torch.", ""),
+        "checkpoint_logits": ckpt_logits,
+        "compile": compile_objective,
+        "trainable_params": sum(p.numel() for p in params),
+        "frozen_params": sum(p.numel() for p in drafter.parameters() if not p.requires_grad),
+        "lr": tc.lr,
+        "weight_decay": tc.weight_decay,
+        "grad_clip": tc.grad_clip,
+        "step_weight": tc.step_weight,
+        "ddp_wrapped": wrapped,
+    }
     return step, info, checksum
 
 
@@ -343,9 +420,17 @@ def _barrier(d: Optional[DistInfo]) -> None:
         dist.barrier(group=d.ctrl_group)
 
 
-def run_config(s: Shape, device: torch.device, warmup: int, steps: int, compile_objective: bool,
-               checkpoint_logits: Optional[bool], ceiling_tflops: float, ddp: Optional[DistInfo] = None,
-               baseline: Optional[dict] = None) -> dict:
+def run_config(
+    s: Shape,
+    device: torch.device,
+    warmup: int,
+    steps: int,
+    compile_objective: bool,
+    checkpoint_logits: Optional[bool],
+    ceiling_tflops: float,
+    ddp: Optional[DistInfo] = None,
+    baseline: Optional[dict] = None,
+) -> dict:
     """Build, warm up (the first warm-up step includes compilation), time ``steps`` steps; one result row.
 
     Row fields: the shape, ``step_ms`` (median; CUDA events on GPU, ``perf_counter`` on CPU),
@@ -363,8 +448,15 @@ def run_config(s: Shape, device: torch.device, warmup: int, steps: int, compile_
     _free(device)
     _reset_peak(device)
     t0 = time.perf_counter()
-    step, info, checksum = build_step(s, device, compile_objective, checkpoint_logits, total_steps=warmup + steps,
-                                      ddp=ddp, batch_seed=None if ddp is None else 1 + ddp.rank)
+    step, info, checksum = build_step(
+        s,
+        device,
+        compile_objective,
+        checkpoint_logits,
+        total_steps=warmup + steps,
+        ddp=ddp,
+        batch_seed=None if ddp is None else 1 + ddp.rank,
+    )
     _sync(device)
     build_s = time.perf_counter() - t0
 
@@ -382,7 +474,10 @@ def run_config(s: Shape, device: torch.device, warmup: int, steps: int, compile_
     _barrier(ddp)  # all ranks start the timed window together (device already synced)
     t_wall = time.perf_counter()
     if device.type == "cuda":
-        evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
+        evs = [
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            for _ in range(steps)
+        ]
         for a, b in evs:
             a.record()
             loss = step()
@@ -400,32 +495,60 @@ def run_config(s: Shape, device: torch.device, warmup: int, steps: int, compile_
     peak = _peak_gib(device)
     flops = train_step_flops(s)
     achieved = flops["total"] / med / 1e12
-    row = {**asdict(s), "device": str(device), **info, "build_s": build_s, "warmup": warmup, "steps": steps,
-           "step_ms": med * 1e3, "step_ms_all": [t * 1e3 for t in times], "tokens_per_s": s.seq / med,
-           "first_step_s": first_s,
-           "compile_s": (first_s - med) if (compile_objective and first_s is not None) else None,
-           "peak_mem_gib": peak, "peak_mem_gib_incl_warmup": max(peak, peak_warm),
-           "flops": flops, "tflops_achieved": achieved, "mfu": achieved / ceiling_tflops,
-           "loss": float(loss) if loss is not None else None, "oom": False, "timed_wall_s": wall_s}
+    row = {
+        **asdict(s),
+        "device": str(device),
+        **info,
+        "build_s": build_s,
+        "warmup": warmup,
+        "steps": steps,
+        "step_ms": med * 1e3,
+        "step_ms_all": [t * 1e3 for t in times],
+        "tokens_per_s": s.seq / med,
+        "first_step_s": first_s,
+        "compile_s": (first_s - med) if (compile_objective and first_s is not None) else None,
+        "peak_mem_gib": peak,
+        "peak_mem_gib_incl_warmup": max(peak, peak_warm),
+        "flops": flops,
+        "tflops_achieved": achieved,
+        "mfu": achieved / ceiling_tflops,
+        "loss": float(loss) if loss is not None else None,
+        "oom": False,
+        "timed_wall_s": wall_s,
+    }
     if ddp is not None:
-        mine = {"rank": ddp.rank, "local_rank": ddp.local_rank, "device": str(device),
-                "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.machine(),
-                "tokens_per_s": row["tokens_per_s"], "step_ms": row["step_ms"], "step_ms_all": row["step_ms_all"],
-                "timed_wall_s": wall_s, "peak_mem_gib": peak, "mfu": row["mfu"], "loss": row["loss"],
-                "param_checksum": checksum()}
+        mine = {
+            "rank": ddp.rank,
+            "local_rank": ddp.local_rank,
+            "device": str(device),
+            "device_name": torch.cuda.get_device_name(device)
+            if device.type == "cuda"
+            else platform.machine(),
+            "tokens_per_s": row["tokens_per_s"],
+            "step_ms": row["step_ms"],
+            "step_ms_all": row["step_ms_all"],
+            "timed_wall_s": wall_s,
+            "peak_mem_gib": peak,
+            "mfu": row["mfu"],
+            "loss": row["loss"],
+            "param_checksum": checksum(),
+        }
         ranks = [mine]
         if ddp.distributed:
             ranks = [None] * ddp.world
             dist.all_gather_object(ranks, mine, group=ddp.ctrl_group)
-        row["ddp"] = ddp_summary(ranks, s.seq, steps, baseline,
-                                 backend=dist.get_backend() if ddp.distributed else None)
+        row["ddp"] = ddp_summary(
+            ranks, s.seq, steps, baseline, backend=dist.get_backend() if ddp.distributed else None
+        )
     return row
 
 
 GOAL_EFFICIENCY = 0.9  # the issue's target: per-GPU rate >= 90% of the 1-GPU rate
 
 
-def ddp_summary(ranks: list[dict], seq: int, steps: int, baseline: Optional[dict], backend: Optional[str]) -> dict:
+def ddp_summary(
+    ranks: list[dict], seq: int, steps: int, baseline: Optional[dict], backend: Optional[str]
+) -> dict:
     """Combine the gathered per-rank results of one configuration (formulas in the module docstring).
 
     Args:
@@ -445,15 +568,28 @@ def ddp_summary(ranks: list[dict], seq: int, steps: int, baseline: Optional[dict
     world = len(ranks)
     rates = [float(r["tokens_per_s"]) for r in ranks]  # tokens/s per rank
     wall = max(float(r["timed_wall_s"]) for r in ranks)  # s
-    out = {"world_size": world, "backend": backend, "per_rank": ranks,
-           "per_gpu_tokens_per_s": sum(rates) / world, "min_rank_tokens_per_s": min(rates),
-           "max_rank_tokens_per_s": max(rates), "total_tokens_per_s": sum(rates), "timed_wall_s": wall,
-           "total_tokens_per_s_wall": world * seq * steps / wall,
-           "params_identical_across_ranks": all(r["param_checksum"] == ranks[0]["param_checksum"] for r in ranks)}
+    out = {
+        "world_size": world,
+        "backend": backend,
+        "per_rank": ranks,
+        "per_gpu_tokens_per_s": sum(rates) / world,
+        "min_rank_tokens_per_s": min(rates),
+        "max_rank_tokens_per_s": max(rates),
+        "total_tokens_per_s": sum(rates),
+        "timed_wall_s": wall,
+        "total_tokens_per_s_wall": world * seq * steps / wall,
+        "params_identical_across_ranks": all(
+            r["param_checksum"] == ranks[0]["param_checksum"] for r in ranks
+        ),
+    }
     if baseline is not None:
         base = float(baseline["tokens_per_s"])
-        out["baseline"] = {"source": baseline.get("source"), "tokens_per_s": base, "step_ms": baseline.get("step_ms"),
-                           "device": baseline.get("device")}
+        out["baseline"] = {
+            "source": baseline.get("source"),
+            "tokens_per_s": base,
+            "step_ms": baseline.get("step_ms"),
+            "device": baseline.get("device"),
+        }
         out["scaling_efficiency"] = out["per_gpu_tokens_per_s"] / base
         out["scaling_efficiency_wall"] = out["total_tokens_per_s_wall"] / world / base
         out["goal_efficiency"] = GOAL_EFFICIENCY
@@ -475,11 +611,18 @@ def find_baseline_row(baseline: dict, want: dict, source: str) -> dict:
     Raises:
         ValueError: not a throughput result, a multi-process result, or no matching non-OOM row.
     """
-    if not isinstance(baseline, dict) or baseline.get("mode") != "throughput" or not isinstance(
-            baseline.get("runs"), list):
-        raise ValueError(f"{source}: not a throughput result of bench/train_throughput.py (key 'mode'/'runs')")
+    if (
+        not isinstance(baseline, dict)
+        or baseline.get("mode") != "throughput"
+        or not isinstance(baseline.get("runs"), list)
+    ):
+        raise ValueError(
+            f"{source}: not a throughput result of bench/train_throughput.py (key 'mode'/'runs')"
+        )
     if int(baseline.get("world_size", 1)) != 1:
-        raise ValueError(f"{source}: key 'world_size' is {baseline['world_size']}; the baseline must be a 1-GPU run")
+        raise ValueError(
+            f"{source}: key 'world_size' is {baseline['world_size']}; the baseline must be a 1-GPU run"
+        )
     have = []
     for r in baseline["runs"]:
         if not isinstance(r, dict) or r.get("oom", True):
@@ -508,8 +651,14 @@ def run_guarded(s: Shape, device: torch.device, **kw) -> dict:
         if kw.get("compile_objective"):
             torch._dynamo.reset()
     _free(device)
-    return {**asdict(s), "device": str(device), "oom": True, "error": err,
-            "peak_mem_gib": _peak_gib(device), "flops": train_step_flops(s)}
+    return {
+        **asdict(s),
+        "device": str(device),
+        "oom": True,
+        "error": err,
+        "peak_mem_gib": _peak_gib(device),
+        "flops": train_step_flops(s),
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -530,46 +679,97 @@ def markdown(result: dict) -> str:
         "",
     ]
     search = result["mode"] == "max_seq_search"
-    head = ["seq", "kv heads", "ttt", "compile", "ckpt logits", "step ms", "tokens/s", "peak GiB", "FLOPs/step",
-            "TFLOP/s", "MFU"]
+    head = [
+        "seq",
+        "kv heads",
+        "ttt",
+        "compile",
+        "ckpt logits",
+        "step ms",
+        "tokens/s",
+        "peak GiB",
+        "FLOPs/step",
+        "TFLOP/s",
+        "MFU",
+    ]
     if search:
         head += [f"fits {result['mem_budget_gib']:g} GiB"]
     else:
         head += ["compile s"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
     for r in result["runs"]:
-        cells = [str(r["seq"]), str(r["kv_heads"]), str(r["ttt"]), str(r.get("compile", "-")),
-                 str(r.get("checkpoint_logits", "-")),
-                 "OOM" if r["oom"] else _fmt(r["step_ms"], ".1f"), "-" if r["oom"] else _fmt(r["tokens_per_s"], ".0f"),
-                 _fmt(r["peak_mem_gib"], ".2f"), f"{r['flops']['total']:.4e}",
-                 "-" if r["oom"] else _fmt(r["tflops_achieved"], ".4g"), "-" if r["oom"] else _fmt(r["mfu"], ".3f")]
+        cells = [
+            str(r["seq"]),
+            str(r["kv_heads"]),
+            str(r["ttt"]),
+            str(r.get("compile", "-")),
+            str(r.get("checkpoint_logits", "-")),
+            "OOM" if r["oom"] else _fmt(r["step_ms"], ".1f"),
+            "-" if r["oom"] else _fmt(r["tokens_per_s"], ".0f"),
+            _fmt(r["peak_mem_gib"], ".2f"),
+            f"{r['flops']['total']:.4e}",
+            "-" if r["oom"] else _fmt(r["tflops_achieved"], ".4g"),
+            "-" if r["oom"] else _fmt(r["mfu"], ".3f"),
+        ]
         cells += [str(r["fits"])] if search else [_fmt(r.get("compile_s"), ".1f")]
         lines.append("| " + " | ".join(cells) + " |")
     ddp_rows = [r for r in result["runs"] if r.get("ddp")]
     if ddp_rows:
-        lines += ["", f"DDP: {result.get('world_size')} processes, backend {ddp_rows[0]['ddp']['backend']}; "
-                  "step ms / tokens/s above are rank 0's; efficiency = per-GPU tokens/s / 1-GPU tokens/s "
-                  f"(goal >= {GOAL_EFFICIENCY:g})", ""]
-        head = ["world", "seq", "kv heads", "compile", "per-GPU tok/s", "min rank tok/s", "total tok/s",
-                "total tok/s (wall)", "1-GPU tok/s", "efficiency", "eff. (wall)", "params in sync"]
+        lines += [
+            "",
+            f"DDP: {result.get('world_size')} processes, backend {ddp_rows[0]['ddp']['backend']}; "
+            "step ms / tokens/s above are rank 0's; efficiency = per-GPU tokens/s / 1-GPU tokens/s "
+            f"(goal >= {GOAL_EFFICIENCY:g})",
+            "",
+        ]
+        head = [
+            "world",
+            "seq",
+            "kv heads",
+            "compile",
+            "per-GPU tok/s",
+            "min rank tok/s",
+            "total tok/s",
+            "total tok/s (wall)",
+            "1-GPU tok/s",
+            "efficiency",
+            "eff. (wall)",
+            "params in sync",
+        ]
         lines += ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
         for r in ddp_rows:
             q = r["ddp"]
             base = q.get("baseline", {}).get("tokens_per_s")
-            lines.append("| " + " | ".join([
-                str(q["world_size"]), str(r["seq"]), str(r["kv_heads"]), str(r["compile"]),
-                _fmt(q["per_gpu_tokens_per_s"], ".0f"), _fmt(q["min_rank_tokens_per_s"], ".0f"),
-                _fmt(q["total_tokens_per_s"], ".0f"), _fmt(q["total_tokens_per_s_wall"], ".0f"), _fmt(base, ".0f"),
-                _fmt(q.get("scaling_efficiency"), ".3f"), _fmt(q.get("scaling_efficiency_wall"), ".3f"),
-                str(q["params_identical_across_ranks"])]) + " |")
+            lines.append(
+                "| "
+                + " | ".join(
+                    [
+                        str(q["world_size"]),
+                        str(r["seq"]),
+                        str(r["kv_heads"]),
+                        str(r["compile"]),
+                        _fmt(q["per_gpu_tokens_per_s"], ".0f"),
+                        _fmt(q["min_rank_tokens_per_s"], ".0f"),
+                        _fmt(q["total_tokens_per_s"], ".0f"),
+                        _fmt(q["total_tokens_per_s_wall"], ".0f"),
+                        _fmt(base, ".0f"),
+                        _fmt(q.get("scaling_efficiency"), ".3f"),
+                        _fmt(q.get("scaling_efficiency_wall"), ".3f"),
+                        str(q["params_identical_across_ranks"]),
+                    ]
+                )
+                + " |"
+            )
     return "\n".join(lines)
 
 
 def _nvls_off() -> None:
     """Keep NVLink multicast off for NCCL / symmetric memory / NVSHMEM (before any process group)."""
     if os.environ.get("NCCL_NVLS_ENABLE", "0") != "0":
-        print(f"NCCL_NVLS_ENABLE={os.environ['NCCL_NVLS_ENABLE']} overridden to 0 (no NVLink multicast)",
-              file=sys.stderr)
+        print(
+            f"NCCL_NVLS_ENABLE={os.environ['NCCL_NVLS_ENABLE']} overridden to 0 (no NVLink multicast)",
+            file=sys.stderr,
+        )
     os.environ["NCCL_NVLS_ENABLE"] = "0"
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
@@ -577,33 +777,75 @@ def _nvls_off() -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--seq", type=int, default=None, help="tokens per sample (default 4096; --tiny 48)")
-    p.add_argument("--kv-heads", type=int, nargs="+", default=None,
-                   help="one or more KV-head counts, one run each (default: 64 = the reference's MHA shape; --tiny 8)")
+    p.add_argument(
+        "--seq", type=int, default=None, help="tokens per sample (default 4096; --tiny 48)"
+    )
+    p.add_argument(
+        "--kv-heads",
+        type=int,
+        nargs="+",
+        default=None,
+        help="one or more KV-head counts, one run each (default: 64 = the reference's MHA shape; --tiny 8)",
+    )
     p.add_argument("--ttt", type=int, default=None, help="TTT steps (default 7; --tiny 3)")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 5; --tiny 2)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 2; --tiny 1)")
-    p.add_argument("--compile", action="store_true", help="torch.compile the TTTObjective (compile time reported)")
-    p.add_argument("--checkpoint-logits", action=argparse.BooleanOptionalAction, default=None,
-                   help="recompute the per-step logits in backward (default: as train.py, on for CUDA only)")
+    p.add_argument(
+        "--warmup", type=int, default=None, help="untimed steps first (default 2; --tiny 1)"
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the TTTObjective (compile time reported)",
+    )
+    p.add_argument(
+        "--checkpoint-logits",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="recompute the per-step logits in backward (default: as train.py, on for CUDA only)",
+    )
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default cuda if available)")
     p.add_argument("--tiny", action="store_true", help="a tiny shape for a CPU smoke run")
-    p.add_argument("--ceiling-n", type=int, default=None, help="matmul size of the ceiling (default 8192 GPU, 512 CPU)")
-    p.add_argument("--max-seq-search", action="store_true", help="try --search-seqs against --mem-budget-gib")
-    p.add_argument("--search-seqs", type=int, nargs="+", default=None, help="lengths to try (default 8192; --tiny 96)")
-    p.add_argument("--mem-budget-gib", type=float, default=96.0, help="budget for --max-seq-search (GiB)")
+    p.add_argument(
+        "--ceiling-n",
+        type=int,
+        default=None,
+        help="matmul size of the ceiling (default 8192 GPU, 512 CPU)",
+    )
+    p.add_argument(
+        "--max-seq-search", action="store_true", help="try --search-seqs against --mem-budget-gib"
+    )
+    p.add_argument(
+        "--search-seqs",
+        type=int,
+        nargs="+",
+        default=None,
+        help="lengths to try (default 8192; --tiny 96)",
+    )
+    p.add_argument(
+        "--mem-budget-gib", type=float, default=96.0, help="budget for --max-seq-search (GiB)"
+    )
     p.add_argument("--json", type=Path, default=None, help="also write the result here")
-    p.add_argument("--baseline-json", type=Path, default=None,
-                   help="under torchrun: a 1-GPU --json result at the same settings; adds the scaling efficiency")
+    p.add_argument(
+        "--baseline-json",
+        type=Path,
+        default=None,
+        help="under torchrun: a 1-GPU --json result at the same settings; adds the scaling efficiency",
+    )
     a = p.parse_args(argv)
 
-    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ  # torchrun (or equivalent) environment
+    launched = (
+        "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    )  # torchrun (or equivalent) environment
     ddp_info: Optional[DistInfo] = None
     if launched:
         if a.max_seq_search:
-            p.error("--max-seq-search is single-process only (an OOM on one rank would hang the others)")
+            p.error(
+                "--max-seq-search is single-process only (an OOM on one rank would hang the others)"
+            )
         if a.device not in (None, "cpu", "cuda"):
-            p.error(f"--device {a.device}: under torchrun each rank uses cuda:LOCAL_RANK; pass cuda or cpu")
+            p.error(
+                f"--device {a.device}: under torchrun each rank uses cuda:LOCAL_RANK; pass cuda or cpu"
+            )
         if a.device == "cuda" and not torch.cuda.is_available():
             p.error("--device cuda: CUDA is not available")
     elif a.baseline_json is not None:
@@ -617,7 +859,9 @@ def main(argv=None) -> int:
 
     if launched:
         _nvls_off()
-        ddp_info = init_distributed("cpu" if a.device == "cpu" else None)  # NCCL on cuda:LOCAL_RANK, else gloo
+        ddp_info = init_distributed(
+            "cpu" if a.device == "cpu" else None
+        )  # NCCL on cuda:LOCAL_RANK, else gloo
         device = ddp_info.device
     else:
         device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -626,12 +870,19 @@ def main(argv=None) -> int:
                 device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(device)
     owned = ddp_info is not None and ddp_info.initialized_here
-    with process_group_scope(ddp_info.ctrl_group if owned else None, owned=owned):  # barrier on success only
+    with process_group_scope(
+        ddp_info.ctrl_group if owned else None, owned=owned
+    ):  # barrier on success only
         return _main(p, a, device, ddp_info, baseline)
 
 
-def _main(p: argparse.ArgumentParser, a: argparse.Namespace, device: torch.device, ddp_info: Optional[DistInfo],
-          baseline: Optional[dict]) -> int:
+def _main(
+    p: argparse.ArgumentParser,
+    a: argparse.Namespace,
+    device: torch.device,
+    ddp_info: Optional[DistInfo],
+    baseline: Optional[dict],
+) -> int:
     """The benchmark after argument parsing and (under torchrun) process-group start; rank 0 reports."""
     main_rank = ddp_info is None or ddp_info.is_main
     base = TINY if a.tiny else REFERENCE
@@ -648,7 +899,9 @@ def _main(p: argparse.ArgumentParser, a: argparse.Namespace, device: torch.devic
     else:
         seqs = [base.seq]
     if steps < 1 or warmup < 1:
-        p.error("--steps and --warmup must be >= 1 (the first warm-up step creates the AdamW state)")
+        p.error(
+            "--steps and --warmup must be >= 1 (the first warm-up step creates the AdamW state)"
+        )
 
     # ceiling in the dtype the step's matmuls run in: bf16 under autocast (GPU), float32 on CPU
     amp = _autocast_dtype(SimpleNamespace(train=TrainConfig()), device)
@@ -658,22 +911,35 @@ def _main(p: argparse.ArgumentParser, a: argparse.Namespace, device: torch.devic
         ckpt = (device.type == "cuda") if a.checkpoint_logits is None else a.checkpoint_logits
         for kvh in kv_list:
             s = replace(base, kv_heads=kvh)
-            want = {**asdict(s), "compile": a.compile, "checkpoint_logits": ckpt,
-                    "autocast": None if amp is None else str(amp).replace("torch.", "")}
+            want = {
+                **asdict(s),
+                "compile": a.compile,
+                "checkpoint_logits": ckpt,
+                "autocast": None if amp is None else str(amp).replace("torch.", ""),
+            }
             try:
                 base_rows[kvh] = find_baseline_row(baseline, want, str(a.baseline_json))
             except ValueError as e:
                 p.error(f"--baseline-json: {e}")
-    ceiling = measure_matmul_ceiling(device, a.ceiling_n or (8192 if device.type == "cuda" else 512), ceil_dtype)
+    ceiling = measure_matmul_ceiling(
+        device, a.ceiling_n or (8192 if device.type == "cuda" else 512), ceil_dtype
+    )
     _free(device)
 
     runs = []
     for seq in seqs:
         for kvh in kv_list:
             s = replace(base, seq=seq, kv_heads=kvh)
-            kw = dict(warmup=warmup, steps=steps, compile_objective=a.compile, checkpoint_logits=a.checkpoint_logits,
-                      ceiling_tflops=ceiling["tflops"])
-            if ddp_info is not None:  # no OOM guard: a rank that survived an OOM would hang in the all-reduce
+            kw = dict(
+                warmup=warmup,
+                steps=steps,
+                compile_objective=a.compile,
+                checkpoint_logits=a.checkpoint_logits,
+                ceiling_tflops=ceiling["tflops"],
+            )
+            if (
+                ddp_info is not None
+            ):  # no OOM guard: a rank that survived an OOM would hang in the all-reduce
                 row = run_config(s, device, ddp=ddp_info, baseline=base_rows.get(kvh), **kw)
             else:
                 row = run_guarded(s, device, **kw)
@@ -682,31 +948,63 @@ def _main(p: argparse.ArgumentParser, a: argparse.Namespace, device: torch.devic
             runs.append(row)
             if not main_rank:
                 continue
-            print(f"seq {seq} kv_heads {kvh}: " + ("OOM" if row["oom"] else
-                  f"{row['step_ms']:.1f} ms/step, {row['tokens_per_s']:.0f} tok/s, peak {row['peak_mem_gib']:.2f} GiB, "
-                  f"MFU {row['mfu']:.3f}") + ("" if "ddp" not in row else
-                  f"; {row['ddp']['world_size']} ranks: {row['ddp']['per_gpu_tokens_per_s']:.0f} tok/s per GPU, "
-                  f"efficiency {_fmt(row['ddp'].get('scaling_efficiency'), '.3f')}"), file=sys.stderr, flush=True)
+            print(
+                f"seq {seq} kv_heads {kvh}: "
+                + (
+                    "OOM"
+                    if row["oom"]
+                    else f"{row['step_ms']:.1f} ms/step, {row['tokens_per_s']:.0f} tok/s, peak {row['peak_mem_gib']:.2f} GiB, "
+                    f"MFU {row['mfu']:.3f}"
+                )
+                + (
+                    ""
+                    if "ddp" not in row
+                    else f"; {row['ddp']['world_size']} ranks: {row['ddp']['per_gpu_tokens_per_s']:.0f} tok/s per GPU, "
+                    f"efficiency {_fmt(row['ddp'].get('scaling_efficiency'), '.3f')}"
+                ),
+                file=sys.stderr,
+                flush=True,
+            )
 
     if not main_rank:
         return 0
-    env = {"torch": torch.__version__, "python": platform.python_version(), "device_name":
-           torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine(),
-           "cpu_threads": torch.get_num_threads()}
+    env = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device_name": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else platform.processor() or platform.machine(),
+        "cpu_threads": torch.get_num_threads(),
+    }
     try:
         import transformers
 
         env["transformers"] = transformers.__version__
     except ImportError:
         env["transformers"] = None
-    env.update({k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
-                                                "NVSHMEM_DISABLE_NVLS")})
-    result = {"mode": "max_seq_search" if a.max_seq_search else "throughput", "tiny": a.tiny, "env": env,
-              "world_size": 1 if ddp_info is None else ddp_info.world, "torchrun": ddp_info is not None,
-              "baseline_json": None if a.baseline_json is None else str(a.baseline_json),
-              "ceiling": ceiling, "reference_flops": train_step_flops(REFERENCE),
-              "reference_flops_kv8": train_step_flops(replace(REFERENCE, kv_heads=8)),
-              "mem_budget_gib": a.mem_budget_gib if a.max_seq_search else None, "runs": runs}
+    env.update(
+        {
+            k: os.environ.get(k)
+            for k in (
+                "NCCL_NVLS_ENABLE",
+                "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+                "NVSHMEM_DISABLE_NVLS",
+            )
+        }
+    )
+    result = {
+        "mode": "max_seq_search" if a.max_seq_search else "throughput",
+        "tiny": a.tiny,
+        "env": env,
+        "world_size": 1 if ddp_info is None else ddp_info.world,
+        "torchrun": ddp_info is not None,
+        "baseline_json": None if a.baseline_json is None else str(a.baseline_json),
+        "ceiling": ceiling,
+        "reference_flops": train_step_flops(REFERENCE),
+        "reference_flops_kv8": train_step_flops(replace(REFERENCE, kv_heads=8)),
+        "mem_budget_gib": a.mem_budget_gib if a.max_seq_search else None,
+        "runs": runs,
+    }
     print(markdown(result))
     print(json.dumps(result, indent=2))
     if a.json is not None:

@@ -28,8 +28,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from eagle3.benchmark.eval_prompts import (check_dataset_names, dataset_label, load_eval_prompts,  # noqa: E402
-                                           pick_prompts, too_few_note)
+from eagle3.benchmark.eval_prompts import (  # noqa: E402
+    check_dataset_names,
+    dataset_label,
+    load_eval_prompts,
+    pick_prompts,
+    too_few_note,
+)
 from eagle3.cli import ArgumentParser, run_main  # noqa: E402
 from eagle3.config import load_config  # noqa: E402
 from eagle3.io import write_json_and_markdown  # noqa: E402
@@ -50,12 +55,17 @@ def step_confidence(scores: torch.Tensor) -> dict[str, torch.Tensor]:
     """
     logp = torch.log_softmax(scores.float(), dim=-1)  # [B, V]
     top2 = logp.topk(2, dim=-1).values  # [B, 2]
-    return {"p1": top2[:, 0].exp(), "margin": top2[:, 0] - top2[:, 1],
-            "entropy": -(logp.exp() * logp).sum(-1)}
+    return {
+        "p1": top2[:, 0].exp(),
+        "margin": top2[:, 0] - top2[:, 1],
+        "entropy": -(logp.exp() * logp).sum(-1),
+    }
 
 
 @torch.no_grad()
-def greedy_confidence(model, batch: Sequence[list[int]], max_new_tokens: int, eos: set[int]) -> list[dict]:
+def greedy_confidence(
+    model, batch: Sequence[list[int]], max_new_tokens: int, eos: set[int]
+) -> list[dict]:
     """Greedy answers of one batch (05's own batched greedy decoder) and the confidence of every answer token.
 
     The answers come from :func:`eagle3.benchmark.decode.greedy_generate_batch` (what 05's baseline emits); then one
@@ -80,10 +90,17 @@ def greedy_confidence(model, batch: Sequence[list[int]], max_new_tokens: int, eo
     rows = []
     for prompt, ans in zip(batch, answers):
         seq = torch.tensor([list(prompt) + list(ans)], dtype=torch.long, device=dev)  # [1, P + A]
-        logits = model(input_ids=seq).logits[0, len(prompt) - 1:seq.shape[1] - 1]  # [A, V]: row j chose answer j
+        logits = model(input_ids=seq).logits[
+            0, len(prompt) - 1 : seq.shape[1] - 1
+        ]  # [A, V]: row j chose answer j
         conf = step_confidence(logits)
-        rows.append({"tokens": list(ans), **{k: v.tolist() for k, v in conf.items()},
-                     "argmax_differs": int((logits.argmax(-1).cpu() != torch.tensor(ans)).sum())})
+        rows.append(
+            {
+                "tokens": list(ans),
+                **{k: v.tolist() for k, v in conf.items()},
+                "argmax_differs": int((logits.argmax(-1).cpu() != torch.tensor(ans)).sum()),
+            }
+        )
     return rows
 
 
@@ -93,20 +110,28 @@ def summarize(rows: list[dict]) -> dict:
     margin = [x for r in rows for x in r["margin"]]
     ent = [x for r in rows for x in r["entropy"]]
     n = len(p1)
-    return {"prompts": len(rows), "answer_tokens": n, "argmax_differs": sum(r["argmax_differs"] for r in rows),
-            "mean_p1": round(sum(p1) / n, 4) if n else None,
-            "share_p1_below_0.5": round(sum(x < 0.5 for x in p1) / n, 4) if n else None,
-            "share_margin_below_1nat": round(sum(x < 1.0 for x in margin) / n, 4) if n else None,
-            "mean_entropy_nats": round(sum(ent) / n, 4) if n else None}
+    return {
+        "prompts": len(rows),
+        "answer_tokens": n,
+        "argmax_differs": sum(r["argmax_differs"] for r in rows),
+        "mean_p1": round(sum(p1) / n, 4) if n else None,
+        "share_p1_below_0.5": round(sum(x < 0.5 for x in p1) / n, 4) if n else None,
+        "share_margin_below_1nat": round(sum(x < 1.0 for x in margin) / n, 4) if n else None,
+        "mean_entropy_nats": round(sum(ent) / n, 4) if n else None,
+    }
 
 
 def markdown(report: dict) -> str:
     """One row per set."""
-    lines = ["| set | prompts | answer tokens | mean p1 | p1 < 0.5 | margin < 1 nat | entropy (nats) |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| set | prompts | answer tokens | mean p1 | p1 < 0.5 | margin < 1 nat | entropy (nats) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for name, s in report["sets"].items():
-        lines.append(f"| {name} | {s['prompts']} | {s['answer_tokens']} | {s['mean_p1']:.3f} | "
-                     f"{s['share_p1_below_0.5']:.3f} | {s['share_margin_below_1nat']:.3f} | {s['mean_entropy_nats']:.3f} |")
+        lines.append(
+            f"| {name} | {s['prompts']} | {s['answer_tokens']} | {s['mean_p1']:.3f} | "
+            f"{s['share_p1_below_0.5']:.3f} | {s['share_margin_below_1nat']:.3f} | {s['mean_entropy_nats']:.3f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -114,11 +139,22 @@ def main(argv=None) -> int:
     p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True)
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    p.add_argument("--datasets", nargs="+", required=True, help="mtbench, humaneval, gsm8k or messages JSONL files")
-    p.add_argument("--num-prompts", type=int, default=None, help="first N prompts of each set (default: all)")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="default: benchmark.max_new_tokens")
+    p.add_argument(
+        "--datasets",
+        nargs="+",
+        required=True,
+        help="mtbench, humaneval, gsm8k or messages JSONL files",
+    )
+    p.add_argument(
+        "--num-prompts", type=int, default=None, help="first N prompts of each set (default: all)"
+    )
+    p.add_argument(
+        "--max-new-tokens", type=int, default=None, help="default: benchmark.max_new_tokens"
+    )
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--out", type=Path, required=True, help="JSON path; the Markdown table goes beside it (.md)")
+    p.add_argument(
+        "--out", type=Path, required=True, help="JSON path; the Markdown table goes beside it (.md)"
+    )
     a = p.parse_args(argv)
     cfg = load_config(a.config, a.set)
     check_dataset_names(a.datasets, "--datasets", indexed=False)  # before the verifier loads
@@ -129,18 +165,28 @@ def main(argv=None) -> int:
     eos = end_of_turn_ids(tok)
     chat = ChatOptions.from_config(cfg)
     max_new = a.max_new_tokens or cfg.benchmark.max_new_tokens
-    report = {"config": a.config, "overrides": a.set, "max_new_tokens": max_new, "dtype": str(model.dtype),
-              "device": str(next(model.parameters()).device), "sets": {}}
+    report = {
+        "config": a.config,
+        "overrides": a.set,
+        "max_new_tokens": max_new,
+        "dtype": str(model.dtype),
+        "device": str(next(model.parameters()).device),
+        "sets": {},
+    }
     for name in a.datasets:
         everything = load_eval_prompts(name)
         prompts = pick_prompts(everything, a.num_prompts)  # the first N
-        short = too_few_note(dataset_label(name), a.num_prompts, len(everything), "--num-prompts", "measured")
+        short = too_few_note(
+            dataset_label(name), a.num_prompts, len(everything), "--num-prompts", "measured"
+        )
         if short:
             log.warning("%s", short)
         ids = [prompt_ids(tok, q.messages, chat) for q in prompts]
         rows = []
-        for i in tqdm(range(0, len(ids), a.batch_size), desc=f"confidence {dataset_label(name)}", unit="batch"):
-            rows += greedy_confidence(model, ids[i:i + a.batch_size], max_new, eos)
+        for i in tqdm(
+            range(0, len(ids), a.batch_size), desc=f"confidence {dataset_label(name)}", unit="batch"
+        ):
+            rows += greedy_confidence(model, ids[i : i + a.batch_size], max_new, eos)
         report["sets"][dataset_label(name)] = summarize(rows)
     md = markdown(report)
     write_json_and_markdown(a.out, report, md)

@@ -20,11 +20,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eagle3.io import atomic_write_json  # noqa: E402
 from eagle3.data.vocab import build_vocab_map, count_token_freq, coverage  # noqa: E402
+from eagle3.io import atomic_write_json  # noqa: E402
 
 
-def synthetic_samples(vocab: int, masked_tokens: int, sample_len: int, mask_frac: float, zipf_s: float, seed: int):
+def synthetic_samples(
+    vocab: int, masked_tokens: int, sample_len: int, mask_frac: float, zipf_s: float, seed: int
+):
     """Zipf(s) ids over a random permutation of the vocab, cut into ``sample_len`` samples.
 
     Returns a list of ``{"input_ids": int64 [L], "loss_mask": int64 [L]}`` whose masks sum to
@@ -39,8 +41,10 @@ def synthetic_samples(vocab: int, masked_tokens: int, sample_len: int, mask_frac
     u = torch.rand(total, generator=g, dtype=torch.float64)  # [T]
     ids = perm[torch.searchsorted(cdf, u).clamp_(max=vocab - 1)]  # [T]
     mask = (torch.rand(total, generator=g) < mask_frac).to(torch.int64)  # [T]
-    return [{"input_ids": ids[i:i + sample_len], "loss_mask": mask[i:i + sample_len]}
-            for i in range(0, total, sample_len)]
+    return [
+        {"input_ids": ids[i : i + sample_len], "loss_mask": mask[i : i + sample_len]}
+        for i in range(0, total, sample_len)
+    ]
 
 
 def main(argv=None) -> int:
@@ -83,8 +87,10 @@ def main(argv=None) -> int:
     }
     print("| target V | draft V | masked tokens | count s | map s | total s | coverage |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
-    print(f"| {a.vocab} | {res['draft_vocab_size']} | {res['loss_masked_tokens']} | {res['count_s']} | "
-          f"{res['build_map_s']} | {res['total_s']} | {res['coverage']:.4f} |")
+    print(
+        f"| {a.vocab} | {res['draft_vocab_size']} | {res['loss_masked_tokens']} | {res['count_s']} | "
+        f"{res['build_map_s']} | {res['total_s']} | {res['coverage']:.4f} |"
+    )
     print(json.dumps(res))
     if a.json:
         atomic_write_json(a.json, res)

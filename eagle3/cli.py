@@ -74,15 +74,27 @@ def http_url(text: str) -> str:
 
 # OS errors that say a user-given path is unusable (permissions, read-only, a file where a folder
 # must be...), never a bug in the code: reported as ``error: <path>: <reason>``.
-PATH_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EISDIR, errno.EEXIST,
-                         errno.ENAMETOOLONG, errno.ELOOP})
+PATH_ERRNOS = frozenset(
+    {
+        errno.EACCES,
+        errno.EPERM,
+        errno.EROFS,
+        errno.ENOTDIR,
+        errno.EISDIR,
+        errno.EEXIST,
+        errno.ENAMETOOLONG,
+        errno.ELOOP,
+    }
+)
 
 
 def path_error(exc: BaseException) -> Optional[UserError]:
     """The one-line :class:`UserError` for an ``OSError`` on a named path with one of
     :data:`PATH_ERRNOS` (e.g. ``output_root`` under a regular file, or an unwritable folder); else None."""
     if isinstance(exc, OSError) and exc.errno in PATH_ERRNOS and exc.filename is not None:
-        return UserError(f"{exc.filename}: {exc.strerror or exc} (check the paths in the config and flags)")
+        return UserError(
+            f"{exc.filename}: {exc.strerror or exc} (check the paths in the config and flags)"
+        )
     return None
 
 
@@ -108,9 +120,13 @@ def refuse_torchrun(what: str, why: str) -> None:
     Raises:
         UserError: ``<what> runs in one process (<why>); run it without torchrun (WORLD_SIZE=N)``.
     """
-    world = env_world_size()  # (not an integer: not torchrun's value; the stages that use the process group name it)
+    world = (
+        env_world_size()
+    )  # (not an integer: not torchrun's value; the stages that use the process group name it)
     if world > 1:
-        raise UserError(f"{what} runs in one process ({why}); run it without torchrun (WORLD_SIZE={world})")
+        raise UserError(
+            f"{what} runs in one process ({why}); run it without torchrun (WORLD_SIZE={world})"
+        )
 
 
 def run_main(main: Callable[[list[str] | None], int | None], argv: list[str] | None = None) -> None:
@@ -129,7 +145,9 @@ def run_main(main: Callable[[list[str] | None], int | None], argv: list[str] | N
     ``interrupted by`` line once for the job too, from the first rank that stops on it
     (:func:`eagle3.process_group.first_to_report_interrupt`); every rank exits ``128 + signal``.
     """
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         rc = main(argv)
     except UserError as e:
@@ -144,7 +162,9 @@ def run_main(main: Callable[[list[str] | None], int | None], argv: list[str] | N
             if _first_to_report():
                 print(f"error: {bad_path}", file=sys.stderr)
             sys.exit(bad_path.exit_code)
-        if _peer_gone(e) and _another_rank_reported():  # a rank stopped on bad input: its line is the job's
+        if (
+            _peer_gone(e) and _another_rank_reported()
+        ):  # a rank stopped on bad input: its line is the job's
             sys.exit(2)
         if not is_disk_full(e):
             raise
@@ -156,18 +176,35 @@ def run_main(main: Callable[[list[str] | None], int | None], argv: list[str] | N
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM inside resume_on_interrupt (Terminated)
         signum = getattr(e, "signum", signal.SIGINT)
         hint = getattr(e, "hint", None)
-        quiet = signum == signal.SIGTERM and _another_rank_reported()  # torchrun stopping the job after its error
-        if logging.getLogger("torch").level == logging.NOTSET:  # a signal inside `import torch`, before its logging
-            logging.getLogger("torch").setLevel(logging.WARNING)  # was set: its atexit INFO lines followed ours
-        if not quiet and _first_to_report_interrupt():  # under torchrun: one line for the job (a Ctrl-C hits all)
-            print(f"interrupted by {signal.Signals(signum).name}" + (f": {hint}" if hint else ""), file=sys.stderr)
+        quiet = (
+            signum == signal.SIGTERM and _another_rank_reported()
+        )  # torchrun stopping the job after its error
+        if (
+            logging.getLogger("torch").level == logging.NOTSET
+        ):  # a signal inside `import torch`, before its logging
+            logging.getLogger("torch").setLevel(
+                logging.WARNING
+            )  # was set: its atexit INFO lines followed ours
+        if (
+            not quiet and _first_to_report_interrupt()
+        ):  # under torchrun: one line for the job (a Ctrl-C hits all)
+            print(
+                f"interrupted by {signal.Signals(signum).name}" + (f": {hint}" if hint else ""),
+                file=sys.stderr,
+            )
         sys.exit(128 + int(signum))
     sys.exit(int(rc or 0))
 
 
 # What a collective raises when a peer rank's process is gone (gloo over TCP, NCCL, torch's DistError family).
-_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted",
-              "ProcessGroupNCCL", "ProcessGroupGloo")
+_PEER_GONE = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "NCCL communicator was aborted",
+    "ProcessGroupNCCL",
+    "ProcessGroupGloo",
+)
 
 
 def _peer_gone(e: BaseException) -> bool:
@@ -212,8 +249,10 @@ def _first_to_report_interrupt() -> bool:
 
 
 # A fresh interpreter claims the interrupt counter for a rank whose own ``import torch`` was cut (_process_group).
-_CLAIM_INTERRUPT = ("import sys\nfrom eagle3.process_group import first_to_report_interrupt\n"
-                    "sys.stdout.write('claimed' if first_to_report_interrupt() else 'taken')\n")
+_CLAIM_INTERRUPT = (
+    "import sys\nfrom eagle3.process_group import first_to_report_interrupt\n"
+    "sys.stdout.write('claimed' if first_to_report_interrupt() else 'taken')\n"
+)
 
 
 def _claim_interrupt_in_child(timeout_s: float = 60.0) -> Optional[bool]:
@@ -232,8 +271,14 @@ def _claim_interrupt_in_child(timeout_s: float = 60.0) -> Optional[bool]:
     main = threading.current_thread() is threading.main_thread()
     old = signal.signal(signal.SIGTERM, signal.SIG_IGN) if main else None
     try:
-        out = subprocess.run([sys.executable, "-c", _CLAIM_INTERRUPT], env=env, capture_output=True, text=True,
-                             timeout=timeout_s, stdin=subprocess.DEVNULL).stdout.strip()
+        out = subprocess.run(
+            [sys.executable, "-c", _CLAIM_INTERRUPT],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            stdin=subprocess.DEVNULL,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
     finally:
@@ -255,7 +300,9 @@ def _process_group():
     first seconds lands inside ``import torch``, whose half-registered operators then make every new import of it
     fail (``RuntimeError: Only a single TORCH_LIBRARY can be used to register the namespace prims``), and each rank
     printed that traceback instead of the ``interrupted by`` line (exit 1, not 130)."""
-    if "torch" not in sys.modules and any(m.startswith("torch.") for m in sys.modules):  # torch's import was cut
+    if "torch" not in sys.modules and any(
+        m.startswith("torch.") for m in sys.modules
+    ):  # torch's import was cut
         return None
     try:
         import eagle3.process_group as pg
@@ -303,7 +350,9 @@ def resume_on_interrupt(hint: Callable[[], str]) -> Iterator[None]:
         yield
     except KeyboardInterrupt as e:
         try:
-            if getattr(e, "hint", None) is None:  # one the interrupted step attached knows better (01's sampling)
+            if (
+                getattr(e, "hint", None) is None
+            ):  # one the interrupted step attached knows better (01's sampling)
                 e.hint = hint()
         except Exception as err:  # noqa: BLE001 - the hint must never hide the interruption
             e.hint = f"re-run the same command to resume ({type(err).__name__} while counting what was kept: {err})"

@@ -38,8 +38,14 @@ DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 # "Error while serializing: I/O error: No space left on device (os error 28)" (measured on a full
 # tmpfs, safetensors 0.7). torch.save straight into a file on a full disk raises an errno-less
 # RuntimeError ("unexpected pos"), which is why eagle3.io serialises to memory and writes the bytes.
-_DISK_FULL_TEXT = ("No space left on device", "Disk quota exceeded", "StorageFull", "QuotaExceeded",
-                   f"(os error {errno.ENOSPC})", f"(os error {errno.EDQUOT})")
+_DISK_FULL_TEXT = (
+    "No space left on device",
+    "Disk quota exceeded",
+    "StorageFull",
+    "QuotaExceeded",
+    f"(os error {errno.ENOSPC})",
+    f"(os error {errno.EDQUOT})",
+)
 
 
 def is_disk_full(exc: BaseException) -> bool:
@@ -102,7 +108,9 @@ def rerun_hint(text: str) -> Iterator[None]:
         _rerun_hint = before
 
 
-def disk_full_error(path: str | os.PathLike, exc: BaseException, needed: int | None = None) -> "UserError":
+def disk_full_error(
+    path: str | os.PathLike, exc: BaseException, needed: int | None = None
+) -> "UserError":
     """The one-line :class:`UserError` for a write to ``path`` that failed with ``exc`` (disk full).
 
     Message: ``{path}: disk full (No space left on device) writing {needed}; {free} free on the
@@ -110,15 +118,19 @@ def disk_full_error(path: str | os.PathLike, exc: BaseException, needed: int | N
     running stage (:func:`rerun_hint`; default ``re-run the same command to resume``).
     """
     err = getattr(exc, "errno", None)
-    reason = os.strerror(err) if err in DISK_FULL_ERRNOS else "No space left on device or quota exceeded"
+    reason = (
+        os.strerror(err) if err in DISK_FULL_ERRNOS else "No space left on device or quota exceeded"
+    )
     try:
         free, where = free_bytes(path)
         free_s = f"{format_bytes(free)} free on the filesystem of {where}"
     except OSError:
         free_s = "free space unknown"
     need_s = f" writing {format_bytes(needed)}" if needed is not None else ""
-    return UserError(f"{path}: disk full ({reason}){need_s}; {free_s}; free space or move the output folder, "
-                     f"then {_rerun_hint}")
+    return UserError(
+        f"{path}: disk full ({reason}){need_s}; {free_s}; free space or move the output folder, "
+        f"then {_rerun_hint}"
+    )
 
 
 @contextlib.contextmanager
@@ -164,9 +176,14 @@ def make_dirs(path: str | os.PathLike, field: Optional[str] = None) -> list[Path
         if is_disk_full(e):
             raise disk_full_error(path, e) from e
         blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
-        why = f"{blocker} is a file, not a folder" if blocker is not None else (e.strerror or str(e))
-        raise UserError(f"{field}: cannot create the output folder {path}: {why}" if field else
-                        f"{path}: cannot create the folder: {why}") from e
+        why = (
+            f"{blocker} is a file, not a folder" if blocker is not None else (e.strerror or str(e))
+        )
+        raise UserError(
+            f"{field}: cannot create the output folder {path}: {why}"
+            if field
+            else f"{path}: cannot create the folder: {why}"
+        ) from e
     return missing
 
 
@@ -198,8 +215,11 @@ def _probe_write(path: Path, field: Optional[str]) -> None:
         if is_disk_full(e):
             raise disk_full_error(path, e) from e
         why = e.strerror or str(e)
-        raise UserError(f"{field}: cannot write to the output folder {path}: {why}" if field else
-                        f"{path}: cannot write to the folder: {why}") from e
+        raise UserError(
+            f"{field}: cannot write to the output folder {path}: {why}"
+            if field
+            else f"{path}: cannot write to the folder: {why}"
+        ) from e
     os.close(fd)
     with contextlib.suppress(OSError):
         os.unlink(tmp)
@@ -250,7 +270,9 @@ def _umask() -> int:
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | os.PathLike, needed: int | None = None, tmp_prefix: str | None = None) -> Iterator[Path]:
+def atomic_path(
+    path: str | os.PathLike, needed: int | None = None, tmp_prefix: str | None = None
+) -> Iterator[Path]:
     """Yield a temporary path next to ``path``; on success fsync and rename it to ``path``. The file gets the
     permissions ``open()`` would give under the umask (:func:`file_mode`), not ``mkstemp``'s owner-only ``0o600``.
 
@@ -314,8 +336,9 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
             _write_all(f, data)
 
 
-def atomic_write_files(files: Sequence[tuple[str | os.PathLike, bytes]],
-                       remove: Sequence[str | os.PathLike] = ()) -> None:
+def atomic_write_files(
+    files: Sequence[tuple[str | os.PathLike, bytes]], remove: Sequence[str | os.PathLike] = ()
+) -> None:
     """Write several files as one set, all or nothing: each goes to its temporary name (:func:`atomic_path`), and
     only once every one is written are they renamed, then the stale files ``remove`` names deleted (a plot an earlier
     run left that this set has none of). A report set written file by file (``bench.json``, then ``bench.md``, then
@@ -475,7 +498,9 @@ def _hash_file(f, hasher, block: int = 1 << 22) -> None:
         hasher.update(view[:n])
 
 
-def atomic_torch_save(obj: Any, path: str | os.PathLike, hasher=None, via_path: bool = False) -> None:
+def atomic_torch_save(
+    obj: Any, path: str | os.PathLike, hasher=None, via_path: bool = False
+) -> None:
     """``torch.save`` to ``path`` atomically (temp name in the same folder, fsync, rename).
 
     The bytes are those of ``torch.save(obj, io.BytesIO())`` either way. ``hasher`` (e.g.
@@ -542,8 +567,9 @@ def file_not_found(path: str | os.PathLike) -> UserError:
     looked for from (:func:`relative_hint`)."""
     path = Path(path)
     stage = WRITTEN_BY.get(path.name)
-    notes = ([f"{stage} writes it: run that stage first"] if stage else []) + ([relative_hint(path)] if
-                                                                               relative_hint(path) else [])
+    notes = ([f"{stage} writes it: run that stage first"] if stage else []) + (
+        [relative_hint(path)] if relative_hint(path) else []
+    )
     return UserError(f"{path}: file not found" + (f" ({'; '.join(notes)})" if notes else ""))
 
 
@@ -551,7 +577,11 @@ def relative_hint(path: str | os.PathLike) -> str:
     """``relative paths are read from the current folder, /x`` for a relative ``path``, else ``''``: a config's
     relative ``output_root`` run from another folder than the earlier stages were said only ``file not found (02 ...
     writes it: run that stage first)``, of a stage that had run (trial 2026-12-05g)."""
-    return "" if Path(path).is_absolute() else f"relative paths are read from the current folder, {Path.cwd()}"
+    return (
+        ""
+        if Path(path).is_absolute()
+        else f"relative paths are read from the current folder, {Path.cwd()}"
+    )
 
 
 def safe_torch_load(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> Any:
@@ -565,12 +595,16 @@ def safe_torch_load(path: str | os.PathLike, map_location: str | torch.device = 
     if not path.is_file():
         raise file_not_found(path)
     if not zipfile.is_zipfile(path):  # torch.save writes a zip archive since torch 1.6
-        raise UserError(f"{path}: truncated or corrupt torch file (not a complete zip archive, or not a torch file at all)")
+        raise UserError(
+            f"{path}: truncated or corrupt torch file (not a complete zip archive, or not a torch file at all)"
+        )
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"{path}: refused by the weights-only loader (unsafe or foreign pickle): {first}") from e
+        raise UserError(
+            f"{path}: refused by the weights-only loader (unsafe or foreign pickle): {first}"
+        ) from e
     except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"{path}: truncated or corrupt torch file: {first[:160]}") from e
@@ -596,12 +630,18 @@ def not_utf8_error(path: str | os.PathLike, exc: UnicodeDecodeError) -> UserErro
         pos = None
     except UnicodeDecodeError as e:
         pos = start + e.start
-    if pos is None:  # the bytes changed since, or the error came from elsewhere: the codec's own words
-        return UserError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}); save the file as UTF-8")
+    if (
+        pos is None
+    ):  # the bytes changed since, or the error came from elsewhere: the codec's own words
+        return UserError(
+            f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}); save the file as UTF-8"
+        )
     line = raw.count(b"\n", 0, pos) + 1
     col = pos - raw.rfind(b"\n", 0, pos)
-    return UserError(f"{path}:{line}: not UTF-8 text: byte 0x{raw[pos]:02x} at column {col} (byte {pos} of the file); "
-                     "save the file as UTF-8")
+    return UserError(
+        f"{path}:{line}: not UTF-8 text: byte 0x{raw[pos]:02x} at column {col} (byte {pos} of the file); "
+        "save the file as UTF-8"
+    )
 
 
 # A JSON backslash-u escape of a UTF-16 surrogate (D800-DFFF): half of a pair is a lone surrogate after json.loads, which no
@@ -648,9 +688,11 @@ def check_no_lone_surrogate(text: str, record: Any, where: str) -> None:
 def lone_surrogate_error(where: str, field: str) -> UserError:
     """The one wording of a lone-surrogate refusal, for every reader and the config: ``<where>: field '<field>' holds an
     unpaired UTF-16 surrogate escape ...`` (``where``: ``file:line``, or the ``--set`` that gave it)."""
-    return UserError(f"{where}: field '{field}' holds an unpaired UTF-16 surrogate escape (half of a \\uD83D\\uDE00 "
-                     "pair, e.g. a cut emoji), which is not text: no UTF-8 file or tokenizer takes it; remove it or "
-                     "complete the pair")
+    return UserError(
+        f"{where}: field '{field}' holds an unpaired UTF-16 surrogate escape (half of a \\uD83D\\uDE00 "
+        "pair, e.g. a cut emoji), which is not text: no UTF-8 file or tokenizer takes it; remove it or "
+        "complete the pair"
+    )
 
 
 def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
@@ -674,7 +716,9 @@ def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
                 try:  # the line ending dropped: an error at the line's end would otherwise land at column 1 of the next
                     rec = json.loads(line.rstrip("\r\n"))
                 except json.JSONDecodeError as e:
-                    raise UserError(f"{path}:{lineno}: malformed JSON: {json_error_detail(e)}") from e
+                    raise UserError(
+                        f"{path}:{lineno}: malformed JSON: {json_error_detail(e)}"
+                    ) from e
                 check_no_lone_surrogate(line, rec, f"{path}:{lineno}")
                 yield lineno, rec
     except UnicodeDecodeError as e:
@@ -783,8 +827,9 @@ def lock_held(lock_path: str | os.PathLike) -> bool:
 
 
 @contextlib.contextmanager
-def output_folder_lock(folder: str | os.PathLike, lock_name: str, holder: str,
-                       field: Optional[str] = None) -> Iterator[None]:
+def output_folder_lock(
+    folder: str | os.PathLike, lock_name: str, holder: str, field: Optional[str] = None
+) -> Iterator[None]:
     """One writer per output folder for the block: make ``folder`` (:func:`probe_dirs`' checks: it can be made and
     takes a file), then hold ``folder/lock_name`` (:func:`exclusive_lock`; a second run stops at once with
     ``<folder>/<lock_name>: <holder>``). When the block fails, the folders this call made are removed again if

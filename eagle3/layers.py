@@ -54,7 +54,9 @@ def default_aux_layers(num_layers: int) -> list[int]:
     return [2, num_layers // 2, num_layers - 3]
 
 
-def check_aux_layers(layers: Sequence[int], num_layers: int, field: str = "extract.aux_layers") -> list[int]:
+def check_aux_layers(
+    layers: Sequence[int], num_layers: int, field: str = "extract.aux_layers"
+) -> list[int]:
     """Validate HF-index aux layers against an N-layer verifier: three, increasing, each in 1..N-1.
 
     Raises:
@@ -102,7 +104,9 @@ def engine_layer_ids(hf_layers: Sequence[int], engine: Engine, architecture: str
         return hf_layers
     ids = [i - 1 for i in hf_layers]
     if min(ids) < 0:
-        raise UserError(f"aux layers {hf_layers}: HF index 0 (embeddings) cannot be captured by SGLang")
+        raise UserError(
+            f"aux layers {hf_layers}: HF index 0 (embeddings) cannot be captured by SGLang"
+        )
     return ids
 
 
@@ -118,7 +122,9 @@ def hf_layers_from_engine(ids: Sequence[int], engine: Engine, architecture: str)
     return [i + 1 for i in ids]
 
 
-def check_servable(hf_layers: Sequence[int], engine: Engine, architecture: str, where: str) -> list[int]:
+def check_servable(
+    hf_layers: Sequence[int], engine: Engine, architecture: str, where: str
+) -> list[int]:
     """The ``engine`` ids of ``hf_layers`` (:func:`engine_layer_ids`), checked where a run can still change course:
     02 before it captures, 04 before it trains. The only list an engine cannot state is a DeepSeek-family one whose
     first HF index is 1 under SGLang; found by the export, it cost the whole capture and training.
@@ -132,6 +138,8 @@ def check_servable(hf_layers: Sequence[int], engine: Engine, architecture: str, 
     try:
         return engine_layer_ids(hf_layers, engine, architecture)
     except UserError as e:
-        raise UserError(f"{where}: export.engine {engine} cannot serve a drafter on these layers ({architecture}): {e}; "
-                        f"choose other extract.aux_layers (and capture again), or serve with vLLM (export.engine: vllm "
-                        f"takes HF indices as given)") from None
+        raise UserError(
+            f"{where}: export.engine {engine} cannot serve a drafter on these layers ({architecture}): {e}; "
+            f"choose other extract.aux_layers (and capture again), or serve with vLLM (export.engine: vllm "
+            f"takes HF indices as given)"
+        ) from None

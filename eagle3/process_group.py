@@ -85,8 +85,12 @@ def _agent_store(timeout_s: float):
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     try:
-        return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                             timeout=datetime.timedelta(seconds=timeout_s))
+        return dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
     except Exception:  # noqa: BLE001 - no store: the caller falls back to printing
         return None
 
@@ -122,7 +126,9 @@ def _reports(add: int, timeout_s: float, key: str = REPORT_KEY) -> Optional[int]
     if store is None:
         return None
     try:
-        return int(store.add(key.format(restart=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), add))
+        return int(
+            store.add(key.format(restart=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), add)
+        )
     except Exception:  # noqa: BLE001
         return None
 

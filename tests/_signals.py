@@ -6,12 +6,21 @@ import time
 from typing import Callable
 
 
-def sigterm_when(cmd: list[str], ready: Callable[[], bool], *, env: dict, cwd, wait_s: float = 300,
-                 exit_s: float = 60) -> tuple[int, str]:
+def sigterm_when(
+    cmd: list[str],
+    ready: Callable[[], bool],
+    *,
+    env: dict,
+    cwd,
+    wait_s: float = 300,
+    exit_s: float = 60,
+) -> tuple[int, str]:
     """Run ``cmd``; when ``ready()`` holds (polled every 10 ms; or the process ended, or ``wait_s`` passed) send it
     SIGTERM and wait up to ``exit_s`` for it to exit. Returns ``(returncode, stderr)``; a process still alive after
     that is killed (the test then fails on its return code)."""
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     try:
         deadline = time.monotonic() + wait_s
         while proc.poll() is None and time.monotonic() < deadline and not ready():

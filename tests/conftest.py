@@ -13,13 +13,19 @@ ROOT = Path(__file__).resolve().parents[1]
 # Tests live in tests/<stage>/ (issue 24) and share helpers by module name (``from test_extract import _config``,
 # ``from _ddp_worker import make_tiny_run``): every test folder is on sys.path, so basenames must be unique
 # across folders (tests/test_layout.py checks it) and each file is imported once, under its basename.
-for _d in sorted(p for p in Path(__file__).resolve().parent.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))):
+for _d in sorted(
+    p
+    for p in Path(__file__).resolve().parent.iterdir()
+    if p.is_dir() and not p.name.startswith((".", "_"))
+):
     if str(_d) not in sys.path:
         sys.path.insert(0, str(_d))
 # The public prompt sets (ShareGPT, MT-bench, GSM8K...) beside the checkout, never copied into it.
 SHARED_DATA = Path(os.environ.get("EAGLE3_SHARED_DATA", ROOT.parent / "shared" / "data"))
 needs_shared_data = pytest.mark.skipif(
-    not SHARED_DATA.is_dir(), reason=f"shared prompt data not found at {SHARED_DATA} (set EAGLE3_SHARED_DATA)")
+    not SHARED_DATA.is_dir(),
+    reason=f"shared prompt data not found at {SHARED_DATA} (set EAGLE3_SHARED_DATA)",
+)
 SMOLLM_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 

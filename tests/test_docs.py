@@ -28,19 +28,57 @@ from pydantic import BaseModel
 from eagle3.config import RunConfig
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ["README.md", "DESIGN.md", *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md")),
-        "patches/README.md"]
+DOCS = [
+    "README.md",
+    "DESIGN.md",
+    *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md")),
+    "patches/README.md",
+]
 CONFIGS = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "configs").glob("*.yaml"))
 SECTIONS = ("verifier", "prompts", "extract", "data", "drafter", "train", "export", "benchmark")
-FILE_EXTS = {"py", "json", "jsonl", "md", "pt", "png", "gz", "lock", "yaml", "sh", "env", "safetensors", "txt"}
+FILE_EXTS = {
+    "py",
+    "json",
+    "jsonl",
+    "md",
+    "pt",
+    "png",
+    "gz",
+    "lock",
+    "yaml",
+    "sh",
+    "env",
+    "safetensors",
+    "txt",
+}
 #: flags of tools outside this repository that the docs quote (SGLang, vLLM, pip, torchrun)
 EXTERNAL_FLAGS = {
-    "--model-path", "--tp-size", "--trust-remote-code", "--host", "--port", "--speculative-algorithm",
-    "--speculative-draft-model-path", "--speculative-num-steps", "--speculative-eagle-topk",
-    "--speculative-num-draft-tokens", "--speculative-config", "--tensor-parallel-size", "--served-model-name",
-    "--chunked-prefill-size", "--disable-radix-cache", "--disable-overlap-schedule", "--enable-dp-attention",
-    "--enable-two-batch-overlap", "--enable-return-aux-hidden-states", "--return-aux-hidden-state-layer-ids",
-    "--return-hidden-states-mode", "--max-prefill-tokens", "--pp-size", "--dtype", "--no-deps", "--nproc_per_node",
+    "--model-path",
+    "--tp-size",
+    "--trust-remote-code",
+    "--host",
+    "--port",
+    "--speculative-algorithm",
+    "--speculative-draft-model-path",
+    "--speculative-num-steps",
+    "--speculative-eagle-topk",
+    "--speculative-num-draft-tokens",
+    "--speculative-config",
+    "--tensor-parallel-size",
+    "--served-model-name",
+    "--chunked-prefill-size",
+    "--disable-radix-cache",
+    "--disable-overlap-schedule",
+    "--enable-dp-attention",
+    "--enable-two-batch-overlap",
+    "--enable-return-aux-hidden-states",
+    "--return-aux-hidden-state-layer-ids",
+    "--return-hidden-states-mode",
+    "--max-prefill-tokens",
+    "--pp-size",
+    "--dtype",
+    "--no-deps",
+    "--nproc_per_node",
     "--flag",
 }
 #: the SGLang capture launcher's own flags (it has no argparse --help: the rest of its command line goes to SGLang)
@@ -86,15 +124,23 @@ def module_attr_exists(dotted: str) -> bool:
     """``extract.capture_and_write`` / ``data.dataset.collate``: a function, class or name of an eagle3 module."""
     parts = dotted.split(".")
     for k in range(len(parts) - 1, 0, -1):
-        mods = glob.glob(str(ROOT / "eagle3" / "**" / ("/".join(parts[:k]) + ".py")), recursive=True)
+        mods = glob.glob(
+            str(ROOT / "eagle3" / "**" / ("/".join(parts[:k]) + ".py")), recursive=True
+        )
         for m in mods:
             name = parts[k]
-            if re.search(rf"^\s*(?:def|class)\s+{re.escape(name)}\b|^{re.escape(name)}\s*[:=]", Path(m).read_text(), re.M):
+            if re.search(
+                rf"^\s*(?:def|class)\s+{re.escape(name)}\b|^{re.escape(name)}\s*[:=]",
+                Path(m).read_text(),
+                re.M,
+            ):
                 return True
     return False
 
 
-KEY_RE = re.compile(r"(?<![\w./-])(" + "|".join(SECTIONS) + r")\.([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)(?![\w-])")
+KEY_RE = re.compile(
+    r"(?<![\w./-])(" + "|".join(SECTIONS) + r")\.([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)(?![\w-])"
+)
 
 
 #: a quoted example of the unknown-key error (``unknown config key 'train.lrr'``): the key in it is wrong on purpose
@@ -106,8 +152,10 @@ def named_keys():
         if fn.endswith(".yaml"):
             if "#" not in line:
                 continue
-            line = line[line.index("#"):]  # the comment only
-        line = UNKNOWN_KEY_QUOTE_RE.sub("unknown config key ''", line)  # checked by the test below instead
+            line = line[line.index("#") :]  # the comment only
+        line = UNKNOWN_KEY_QUOTE_RE.sub(
+            "unknown config key ''", line
+        )  # checked by the test below instead
         for m in KEY_RE.finditer(line):
             yield fn, i, f"{m.group(1)}.{m.group(2)}"
 
@@ -124,7 +172,9 @@ def test_keys_quoted_as_unknown_are_unknown():
     ``unknown config key 'train.draft_vocab_size'`` example failed the key check above, so ``bash scripts/test.sh``
     failed on a fresh clone)."""
     quoted = list(unknown_key_quotes())
-    assert ("train.lrr", "train.draft_vocab_size") == tuple(k for fn, _, k in quoted if fn == "README.md")[:2]
+    assert ("train.lrr", "train.draft_vocab_size") == tuple(
+        k for fn, _, k in quoted if fn == "README.md"
+    )[:2]
     assert not [f"{fn}:{i}: {k}" for fn, i, k in quoted if config_key_exists(k)]
 
 
@@ -138,13 +188,21 @@ def test_every_config_key_the_docs_name_exists():
         if not config_key_exists(key) and not module_attr_exists(key):
             bad.append(f"{fn}:{i}: {key}")
     assert found > 300, found  # the docs name hundreds: a regex that finds none must not pass
-    assert not bad, "keys named in the docs that eagle3/config.py (RunConfig) does not have:\n" + "\n".join(bad)
+    assert not bad, (
+        "keys named in the docs that eagle3/config.py (RunConfig) does not have:\n" + "\n".join(bad)
+    )
 
 
 def test_key_check_catches_a_wrong_key():
-    assert config_key_exists("prompts.self_instruct.batch_size") and config_key_exists("train.select_chain")
-    assert not config_key_exists("prompts.self_instruct.batch") and not config_key_exists("train.select_best_chain")
-    assert module_attr_exists("extract.capture_and_write") and not module_attr_exists("extract.capture_and_writ")
+    assert config_key_exists("prompts.self_instruct.batch_size") and config_key_exists(
+        "train.select_chain"
+    )
+    assert not config_key_exists("prompts.self_instruct.batch") and not config_key_exists(
+        "train.select_best_chain"
+    )
+    assert module_attr_exists("extract.capture_and_write") and not module_attr_exists(
+        "extract.capture_and_writ"
+    )
 
 
 def design_module_map() -> set[str]:
@@ -167,27 +225,43 @@ def design_module_map() -> set[str]:
 
 def test_design_module_map_lists_every_module():
     listed = design_module_map()
-    actual = {p.relative_to(ROOT).as_posix() for p in (ROOT / "eagle3").rglob("*.py") if p.name != "__init__.py"}
+    actual = {
+        p.relative_to(ROOT).as_posix()
+        for p in (ROOT / "eagle3").rglob("*.py")
+        if p.name != "__init__.py"
+    }
     assert len(listed) > 50
-    assert not actual - listed, f"modules missing from DESIGN.md's module map: {sorted(actual - listed)}"
-    assert not listed - actual, f"DESIGN.md's module map lists modules that do not exist: {sorted(listed - actual)}"
+    assert not actual - listed, (
+        f"modules missing from DESIGN.md's module map: {sorted(actual - listed)}"
+    )
+    assert not listed - actual, (
+        f"DESIGN.md's module map lists modules that do not exist: {sorted(listed - actual)}"
+    )
 
 
 def expand_braces(s: str) -> list[str]:
     m = re.search(r"\{([^{}]*)\}", s)
     if not m:
         return [s]
-    return [x for alt in m.group(1).split(",") for x in expand_braces(s[:m.start()] + alt + s[m.end():])]
+    return [
+        x
+        for alt in m.group(1).split(",")
+        for x in expand_braces(s[: m.start()] + alt + s[m.end() :])
+    ]
 
 
-PATH_RE = re.compile(r"(?<![\w/.-])((?:eagle3|tests|bench|scripts|patches|configs|docs)/[\w.*{},/-]*[\w*}/])")
+PATH_RE = re.compile(
+    r"(?<![\w/.-])((?:eagle3|tests|bench|scripts|patches|configs|docs)/[\w.*{},/-]*[\w*}/])"
+)
 
 
 def cited_paths():
     for fn, i, line in doc_lines(DOCS + CONFIGS):
         for m in PATH_RE.finditer(line):
             p = m.group(1)
-            if p.startswith("bench/") and not re.match(r"bench/(results|plans)/|bench/[\w.-]+\.(py|sh)$", p):
+            if p.startswith("bench/") and not re.match(
+                r"bench/(results|plans)/|bench/[\w.-]+\.(py|sh)$", p
+            ):
                 continue  # bench/bench.json etc.: stage 05's output folder, not the repository's bench/
             for q in expand_braces(p):
                 yield fn, i, q.rstrip("/")
@@ -202,8 +276,13 @@ def test_every_cited_repository_path_exists():
 
 @functools.lru_cache(maxsize=None)
 def help_flags(script: str) -> frozenset[str]:
-    r = subprocess.run([sys.executable, str(ROOT / script), "--help"], capture_output=True, text=True, cwd=ROOT,
-                       timeout=300)
+    r = subprocess.run(
+        [sys.executable, str(ROOT / script), "--help"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert r.returncode == 0, f"{script} --help: exit {r.returncode}\n{r.stderr[-2000:]}"
     return frozenset(re.findall(r"(?<![\w-])(--[a-z][a-z0-9_-]*)", r.stdout))
 
@@ -263,9 +342,17 @@ def script_flag_uses():
 def test_every_flag_given_to_a_script_is_in_its_help():
     uses = list(script_flag_uses())
     scripts = {s for _, _, s, _ in uses}
-    assert {"01_prepare_prompts.py", "02_extract_hidden.py", "04_train.py", "05_benchmark.py"} <= scripts
+    assert {
+        "01_prepare_prompts.py",
+        "02_extract_hidden.py",
+        "04_train.py",
+        "05_benchmark.py",
+    } <= scripts
     missing = sorted({f"{fn}:{i}: {s}" for fn, i, s, _ in uses if s.endswith("(no such script)")})
-    assert not missing, "commands in the docs that run a script this repository does not have:\n" + "\n".join(missing)
+    assert not missing, (
+        "commands in the docs that run a script this repository does not have:\n"
+        + "\n".join(missing)
+    )
     with ThreadPoolExecutor(2) as ex:  # each --help is a Python start-up + imports: two at a time
         list(ex.map(help_flags, sorted(scripts)))
     bad = [f"{fn}:{i}: {s} {f}" for fn, i, s, f in uses if f not in help_flags(s)]
@@ -274,27 +361,49 @@ def test_every_flag_given_to_a_script_is_in_its_help():
 
 @pytest.mark.slow  # the same --help runs when it runs alone
 def test_every_other_flag_the_docs_name_exists_somewhere():
-    scripts = ["01_prepare_prompts.py", "02_extract_hidden.py", "03_prepare_data.py", "04_train.py",
-               "05_benchmark.py", "convert_shards.py"]
-    scripts += sorted({s for _, _, s, _ in script_flag_uses() if not s.endswith("(no such script)")})
+    scripts = [
+        "01_prepare_prompts.py",
+        "02_extract_hidden.py",
+        "03_prepare_data.py",
+        "04_train.py",
+        "05_benchmark.py",
+        "convert_shards.py",
+    ]
+    scripts += sorted(
+        {s for _, _, s, _ in script_flag_uses() if not s.endswith("(no such script)")}
+    )
     launcher = (ROOT / LAUNCHER).read_text()
-    assert all(f'"{f}"' in launcher for f in LAUNCHER_FLAGS), "a launcher flag is gone: update LAUNCHER_FLAGS and the docs"
+    assert all(f'"{f}"' in launcher for f in LAUNCHER_FLAGS), (
+        "a launcher flag is gone: update LAUNCHER_FLAGS and the docs"
+    )
     known = set().union(*(help_flags(s) for s in scripts)) | EXTERNAL_FLAGS | LAUNCHER_FLAGS
     bad = []
-    for fn, i, line in doc_lines(["README.md", "DESIGN.md", "docs/sglang.md", "docs/stages.md", "patches/README.md"] + CONFIGS):
+    for fn, i, line in doc_lines(
+        ["README.md", "DESIGN.md", "docs/sglang.md", "docs/stages.md", "patches/README.md"]
+        + CONFIGS
+    ):
         for f in re.findall(r"(?<![\w-])(--[a-z][a-z0-9_-]*)", line):
             if f not in known and not (f.endswith("-") and any(k.startswith(f) for k in known)):
                 bad.append(f"{fn}:{i}: {f}")
-    assert not bad, "flags named in the docs that no script of this repository (nor a known tool) has:\n" + "\n".join(bad)
+    assert not bad, (
+        "flags named in the docs that no script of this repository (nor a known tool) has:\n"
+        + "\n".join(bad)
+    )
 
 
-@pytest.mark.parametrize("script", ["01_prepare_prompts.py", "03_prepare_data.py", "04_train.py", "05_benchmark.py"])
+@pytest.mark.parametrize(
+    "script", ["01_prepare_prompts.py", "03_prepare_data.py", "04_train.py", "05_benchmark.py"]
+)
 def test_help_flags_reads_real_flags(script):
     flags = help_flags(script)
     assert "--config" in flags and "--set" in flags and "--no-such-flag" not in flags
 
 
-DEFAULT_RE = re.compile(r"`((?:" + "|".join(SECTIONS) + r")\.[a-z_.]+)(?::\s*([^`]+))?`\s?[(,]\s*default(:?)\s*(`[^`]+`|[^,;)]+)?")
+DEFAULT_RE = re.compile(
+    r"`((?:"
+    + "|".join(SECTIONS)
+    + r")\.[a-z_.]+)(?::\s*([^`]+))?`\s?[(,]\s*default(:?)\s*(`[^`]+`|[^,;)]+)?"
+)
 
 
 def documented_defaults():
@@ -303,7 +412,12 @@ def documented_defaults():
         for m in DEFAULT_RE.finditer(line):
             key, inline, colon, value = m.groups()
             if inline and (colon or not value):
-                yield fn, i, key, inline.strip()  # `prompts.regen_engine: slots`, default: ... = slots
+                yield (
+                    fn,
+                    i,
+                    key,
+                    inline.strip(),
+                )  # `prompts.regen_engine: slots`, default: ... = slots
             elif value and not inline:
                 yield fn, i, key, value.strip().strip("`")
 
@@ -343,7 +457,11 @@ def parse_stated(value: str):
     if word in ("true", "false"):
         return word == "true"
     try:
-        return float(word) if re.fullmatch(r"[\d.e+-]+", word) else (word if word.isidentifier() else None)
+        return (
+            float(word)
+            if re.fullmatch(r"[\d.e+-]+", word)
+            else (word if word.isidentifier() else None)
+        )
     except ValueError:
         return None
 
@@ -351,35 +469,63 @@ def parse_stated(value: str):
 def default_matches(key: str, value: str) -> bool:
     want, got = parse_stated(value), default_of(key)
     if want is None:
-        return got is None  # "default: benchmark.steps" = a null field resolved from another setting
+        return (
+            got is None
+        )  # "default: benchmark.steps" = a null field resolved from another setting
     if isinstance(want, str) and want not in literal_options(key) and not isinstance(got, str):
         return got is None  # prose ("the verifier's", "once per epoch") for a null field
     if isinstance(want, (bool, str)):
         return got == want
-    return not isinstance(got, bool) and isinstance(got, (int, float)) and abs(got - want) <= 1e-9 * max(1, abs(want))
+    return (
+        not isinstance(got, bool)
+        and isinstance(got, (int, float))
+        and abs(got - want) <= 1e-9 * max(1, abs(want))
+    )
 
 
 def test_every_default_the_docs_state_is_the_config_default():
     stated = list(documented_defaults())
     assert len(stated) >= 10, stated
-    bad = [f"{fn}:{i}: {key}: the docs say default {value!r}, eagle3/config.py has {default_of(key)!r}"
-           for fn, i, key, value in stated if not default_matches(key, value)]
+    bad = [
+        f"{fn}:{i}: {key}: the docs say default {value!r}, eagle3/config.py has {default_of(key)!r}"
+        for fn, i, key, value in stated
+        if not default_matches(key, value)
+    ]
     assert not bad, "\n".join(bad)
 
 
 def test_default_check_reads_real_values():
-    assert parse_stated("1/32") == 1 / 32 and parse_stated("1 GB") == 1e9 and parse_stated("true") is True
-    assert default_of("prompts.regen_refill_free") == 1 / 32 and default_of("train.select_chain") is None
+    assert (
+        parse_stated("1/32") == 1 / 32
+        and parse_stated("1 GB") == 1e9
+        and parse_stated("true") is True
+    )
+    assert (
+        default_of("prompts.regen_refill_free") == 1 / 32
+        and default_of("train.select_chain") is None
+    )
     assert literal_options("prompts.regen_engine") == {"slots", "hf_continuous", "static"}
-    for key, value in [("train.eval_every", "once per epoch"), ("drafter.intermediate_size", "the verifier's"),
-                       ("train.select_chain", "benchmark.steps"), ("prompts.regen_engine", "slots"),
-                       ("prompts.regen_refill_free", "1/32"), ("extract.disk_margin_bytes", "1 GB"),
-                       ("export.dtype", "auto"), ("prompts.regen_prefill_pack", "false until measured")]:
+    for key, value in [
+        ("train.eval_every", "once per epoch"),
+        ("drafter.intermediate_size", "the verifier's"),
+        ("train.select_chain", "benchmark.steps"),
+        ("prompts.regen_engine", "slots"),
+        ("prompts.regen_refill_free", "1/32"),
+        ("extract.disk_margin_bytes", "1 GB"),
+        ("export.dtype", "auto"),
+        ("prompts.regen_prefill_pack", "false until measured"),
+    ]:
         assert default_matches(key, value), (key, value)
-    for key, value in [("prompts.regen_engine", "static"), ("prompts.regen_refill_free", "1/16"),
-                       ("extract.disk_margin_bytes", "2 GB"), ("prompts.regen_prefill_pack", "true"),
-                       ("export.dtype", "bfloat16"), ("extract.batches_in_flight_per_server", "4"),
-                       ("train.lr", "once per epoch"), ("train.select_chain", "3")]:
+    for key, value in [
+        ("prompts.regen_engine", "static"),
+        ("prompts.regen_refill_free", "1/16"),
+        ("extract.disk_margin_bytes", "2 GB"),
+        ("prompts.regen_prefill_pack", "true"),
+        ("export.dtype", "bfloat16"),
+        ("extract.batches_in_flight_per_server", "4"),
+        ("train.lr", "once per epoch"),
+        ("train.select_chain", "3"),
+    ]:
         assert not default_matches(key, value), (key, value)
 
 
@@ -406,8 +552,11 @@ def uncommented_variants(text: str):
                 block.append(j)
             else:
                 break
-        out = [re.sub(rf"^{indent}# ", indent, ln, count=1) if k in block else ln
-               for k, ln in enumerate(lines) if k in block or not re.match(rf"^{indent}{key}:", ln)]
+        out = [
+            re.sub(rf"^{indent}# ", indent, ln, count=1) if k in block else ln
+            for k, ln in enumerate(lines)
+            if k in block or not re.match(rf"^{indent}{key}:", ln)
+        ]
         yield i + 1, "\n".join(out) + "\n"
 
 
@@ -424,7 +573,9 @@ def test_commented_out_settings_in_the_configs_are_valid(tmp_path):
             try:
                 load_config(f)
             except Exception as e:  # noqa: BLE001 - the message is the finding
-                raise AssertionError(f"{fn}:{line}: the commented-out setting does not load: {e}") from None
+                raise AssertionError(
+                    f"{fn}:{line}: the commented-out setting does not load: {e}"
+                ) from None
             n += 1
     assert n >= 8
 
@@ -434,11 +585,18 @@ def test_design_orchestration_list_is_the_layout_tests():
     list that is checked."""
     from test_layout import ORCHESTRATION
 
-    m = re.search(r"Orchestration modules \(([^)]*?):\s*`ORCHESTRATION`", (ROOT / "DESIGN.md").read_text())
+    m = re.search(
+        r"Orchestration modules \(([^)]*?):\s*`ORCHESTRATION`", (ROOT / "DESIGN.md").read_text()
+    )
     assert m, "DESIGN.md's orchestration sentence moved: update this test"
     named = {n.strip().strip("`") for n in m.group(1).replace("\n", " ").split(",")}
-    checked = {Path(p).stem if Path(p).parent.name != "benchmark" else f"benchmark/{Path(p).stem}" for p in ORCHESTRATION}
-    assert named == checked, f"DESIGN.md names {sorted(named - checked)} not checked, misses {sorted(checked - named)}"
+    checked = {
+        Path(p).stem if Path(p).parent.name != "benchmark" else f"benchmark/{Path(p).stem}"
+        for p in ORCHESTRATION
+    }
+    assert named == checked, (
+        f"DESIGN.md names {sorted(named - checked)} not checked, misses {sorted(checked - named)}"
+    )
 
 
 def section_names() -> set[str]:
@@ -456,8 +614,11 @@ def test_every_quoted_section_exists():
     """``docs/results.md "Lease 2026-12-04e"``, ``DESIGN.md "Online training: the Kimi arithmetic"``, Conventions,
     "Exports": a quoted capitalised name in the docs or YAML comments is a heading (or bold bullet) that exists."""
     names = section_names()
-    quoted = [(fn, i, m) for fn, i, line in doc_lines([d for d in DOCS if d != "docs/results.md"] + CONFIGS)
-              for m in re.findall(r'"([A-Z][^"]{3,80})"', line)]
+    quoted = [
+        (fn, i, m)
+        for fn, i, line in doc_lines([d for d in DOCS if d != "docs/results.md"] + CONFIGS)
+        for m in re.findall(r'"([A-Z][^"]{3,80})"', line)
+    ]
     assert len(quoted) >= 30
     bad = [f"{fn}:{i}: {q!r}" for fn, i, q in quoted if not any(q in n for n in names)]
     assert not bad, "quoted section names that no heading has:\n" + "\n".join(bad)
@@ -466,8 +627,17 @@ def test_every_quoted_section_exists():
 def test_every_script_the_docs_name_has_a_working_help():
     """Each stage script, convert_shards.py and each bench/ or scripts/ Python script README.md, DESIGN.md or
     docs/sglang.md names answers ``--help`` (exit 0, a usage line and its --config or other flags)."""
-    text = "\n".join((ROOT / f).read_text() for f in ("README.md", "DESIGN.md", "docs/sglang.md", "docs/stages.md"))
-    named = sorted(set(re.findall(r"(?<![\w/])((?:bench|scripts)/\w+\.py|0[1-5]_\w+\.py|convert_shards\.py)", text)))
+    text = "\n".join(
+        (ROOT / f).read_text()
+        for f in ("README.md", "DESIGN.md", "docs/sglang.md", "docs/stages.md")
+    )
+    named = sorted(
+        set(
+            re.findall(
+                r"(?<![\w/])((?:bench|scripts)/\w+\.py|0[1-5]_\w+\.py|convert_shards\.py)", text
+            )
+        )
+    )
     assert len(named) >= 10, named
     missing = [s for s in named if not (ROOT / s).is_file()]
     assert not missing, f"scripts the docs name that do not exist: {missing}"
@@ -511,4 +681,6 @@ def test_value_check_refuses_a_wrong_value():
 
     with pytest.raises(UserError):
         load_config(ROOT / "configs" / "tiny-llama.yaml", ["train.loss=kl"])
-    assert ("docs/stages.md", "prompts.gen_schedule", "rounds") in {(f, k, v) for f, _, k, v in stated_values()}
+    assert ("docs/stages.md", "prompts.gen_schedule", "rounds") in {
+        (f, k, v) for f, _, k, v in stated_values()
+    }

@@ -14,15 +14,26 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _test_sh_pytest_args() -> list[str]:
-    line = next(ln for ln in (ROOT / "scripts" / "test.sh").read_text().splitlines() if ln.startswith("exec "))
+    line = next(
+        ln
+        for ln in (ROOT / "scripts" / "test.sh").read_text().splitlines()
+        if ln.startswith("exec ")
+    )
     m = re.fullmatch(r'exec python -m pytest (.*) "\$@"', line.strip())
     assert m, line
-    return [a for a in shlex.split(m.group(1)) if a != "-q"]  # _collected's own -q gives the one-line count
+    return [
+        a for a in shlex.split(m.group(1)) if a != "-q"
+    ]  # _collected's own -q gives the one-line count
 
 
 def _collected(*args: str) -> int:
-    r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     last = r.stdout.strip().splitlines()[-1]
     m = re.match(r"(\d+) tests? collected", last)

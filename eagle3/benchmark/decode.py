@@ -56,8 +56,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from eagle3.sdpa import no_cudnn_sdpa
 from eagle3.errors import UserError
+from eagle3.sdpa import no_cudnn_sdpa
 from eagle3.train.model import DrafterCache
 
 
@@ -224,8 +224,8 @@ def _left_pad(prompts: list[list[int]], device: torch.device):
     ids = torch.zeros(B, P, dtype=torch.long)  # [B, P]
     mask = torch.zeros(B, P, dtype=torch.bool)  # [B, P]
     for r, p in enumerate(prompts):
-        ids[r, P - len(p):] = torch.tensor(p, dtype=torch.long)
-        mask[r, P - len(p):] = True
+        ids[r, P - len(p) :] = torch.tensor(p, dtype=torch.long)
+        mask[r, P - len(p) :] = True
     pos = (mask.long().cumsum(1) - 1).clamp(min=0)  # [B, P] rotary positions, 0 on pads
     lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)  # [B]
     return ids.to(device), mask.to(device), pos.to(device), lengths.to(device)
@@ -238,8 +238,14 @@ def _forward(verifier, ids, mask, pos, cache, hidden: bool, last_only: bool = Fa
     kw = _cache_kwargs(verifier, cache)
     if last_only and "logits_to_keep" in _forward_params(verifier):
         kw["logits_to_keep"] = 1
-    return verifier(input_ids=ids, attention_mask=mask.long(), position_ids=pos, use_cache=True,
-                    output_hidden_states=hidden, **kw)
+    return verifier(
+        input_ids=ids,
+        attention_mask=mask.long(),
+        position_ids=pos,
+        use_cache=True,
+        output_hidden_states=hidden,
+        **kw,
+    )
 
 
 def _cut(row: Sequence[int], eos: set[int], max_new_tokens: int) -> list[int]:
@@ -309,8 +315,13 @@ def _check_common(max_new_tokens: int, steps: Optional[int] = None) -> None:
 # ---------------------------------------------------------------------------------------------
 @torch.inference_mode()
 @no_cudnn_sdpa()  # the KV caches grow every step: no per-shape cuDNN plans (eagle3.sdpa)
-def greedy_generate_batch(verifier: torch.nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                          eos_ids: Sequence[int] = (), check_every: int = 8) -> BatchGreedy:
+def greedy_generate_batch(
+    verifier: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    eos_ids: Sequence[int] = (),
+    check_every: int = 8,
+) -> BatchGreedy:
     """Plain batched greedy decoding (the benchmark baseline), same cache machinery as the verify.
 
     Args:
@@ -358,7 +369,6 @@ def greedy_generate_batch(verifier: torch.nn.Module, prompts: Sequence[Sequence[
     return BatchGreedy([_cut(r, eos, max_new_tokens) for r in all_tok.tolist()], seconds, forwards)
 
 
-
 def _one_prompt(input_ids) -> list[int]:
     """One prompt as ``list[int]`` from ``[n]`` or ``[1, n]`` ids (list or LongTensor).
 
@@ -368,13 +378,18 @@ def _one_prompt(input_ids) -> list[int]:
     ids = torch.as_tensor(input_ids, dtype=torch.long)
     if ids.dim() == 2:
         if ids.shape[0] != 1:
-            raise UserError(f"input_ids: expected one prompt ([n] or [1, n]), got shape {list(ids.shape)}")
+            raise UserError(
+                f"input_ids: expected one prompt ([n] or [1, n]), got shape {list(ids.shape)}"
+            )
         ids = ids[0]  # [n]
     if ids.numel() == 0:
         raise UserError("input_ids: the prompt is empty")
     return ids.tolist()
 
-def greedy_generate(verifier: torch.nn.Module, input_ids, max_new_tokens: int, eos_ids: Sequence[int] = ()) -> tuple[list[int], float]:
+
+def greedy_generate(
+    verifier: torch.nn.Module, input_ids, max_new_tokens: int, eos_ids: Sequence[int] = ()
+) -> tuple[list[int], float]:
     """One prompt through :func:`greedy_generate_batch`: ``(tokens, seconds)``.
 
     Raises:
@@ -387,12 +402,16 @@ def greedy_generate(verifier: torch.nn.Module, input_ids, max_new_tokens: int, e
 # ---------------------------------------------------------------------------------------------
 # speculative decoding
 # ---------------------------------------------------------------------------------------------
-def _reference_tensor(reference: Optional[Sequence[Sequence[int]]], B: int, width: int, device) -> Optional[torch.Tensor]:
+def _reference_tensor(
+    reference: Optional[Sequence[Sequence[int]]], B: int, width: int, device
+) -> Optional[torch.Tensor]:
     """Reference tokens ``[B, width]`` padded with -1 (no token there), or None."""
     if reference is None:
         return None
     if len(reference) != B:
-        raise UserError(f"reference: expected {B} token lists (one per prompt), got {len(reference)}")
+        raise UserError(
+            f"reference: expected {B} token lists (one per prompt), got {len(reference)}"
+        )
     ref = torch.full((B, width), -1, dtype=torch.long)
     for r, toks in enumerate(reference):
         toks = list(toks)[:width]
@@ -463,7 +482,9 @@ def speculative_generate_batch(
     _check_common(max_new_tokens, steps)
     aux_layers = [int(i) for i in aux_layers]
     if len(aux_layers) != 3:
-        raise UserError(f"aux_layers: EAGLE-3 needs exactly 3 HF hidden_states indices, got {aux_layers}")
+        raise UserError(
+            f"aux_layers: EAGLE-3 needs exactly 3 HF hidden_states indices, got {aux_layers}"
+        )
     rows = _check_prompts(prompts)
     B, k = len(rows), steps
     device = _device(verifier)
@@ -479,7 +500,9 @@ def speculative_generate_batch(
     out = _forward(verifier, ids, vmask, pos, None, hidden=True, last_only=True)
     n_hidden = len(out.hidden_states)
     if max(aux_layers) >= n_hidden - 1 or min(aux_layers) < 1:
-        raise UserError(f"aux_layers: {aux_layers} outside 1..{n_hidden - 2} for this {n_hidden - 1}-layer verifier")
+        raise UserError(
+            f"aux_layers: {aux_layers} outside 1..{n_hidden - 2} for this {n_hidden - 1}-layer verifier"
+        )
     cache = _returned_cache(out)
     plogits = out.logits[:, -1:]  # [B, 1, V]
     last = plogits[:, 0].argmax(-1)  # [B] x_n: the first new token, not yet in the verifier cache
@@ -487,17 +510,28 @@ def speculative_generate_batch(
     mm_idx = torch.full((B,), -1, dtype=torch.long, device=device)
     mm_gap = torch.zeros(B, dtype=torch.float32, device=device)
     if ref is not None:
-        mm_idx, mm_gap = _first_mismatch_update(plogits, last[:, None], ref, torch.zeros(B, 1, dtype=torch.long, device=device),
-                                                torch.ones(B, 1, dtype=torch.bool, device=device), mm_idx, mm_gap)
+        mm_idx, mm_gap = _first_mismatch_update(
+            plogits,
+            last[:, None],
+            ref,
+            torch.zeros(B, 1, dtype=torch.long, device=device),
+            torch.ones(B, 1, dtype=torch.bool, device=device),
+            mm_idx,
+            mm_gap,
+        )
     width = max_new_tokens + k + 2
-    out_tok = torch.full((B, width), -1, dtype=torch.long, device=device)  # [B, W]; column W-1 = discard
+    out_tok = torch.full(
+        (B, width), -1, dtype=torch.long, device=device
+    )  # [B, W]; column W-1 = discard
     out_tok[:, 0] = last
     e = torch.ones(B, dtype=torch.long, device=device)  # [B] tokens emitted so far
     done = torch.isin(last, eos_t) | (e >= max_new_tokens)  # [B]
     # step-0 input of the prompt positions t: token x_{t+1} (the next prompt token, or the first new one)
     d_ids = torch.cat([ids[:, 1:], last[:, None]], dim=1)  # [B, P]
     d_aux, d_pos, d_valid = _aux(out.hidden_states, aux_layers), pos, vmask
-    d_last = torch.full((B,), ids.shape[1] - 1, dtype=torch.long, device=device)  # slot of each row's last verified position
+    d_last = torch.full(
+        (B,), ids.shape[1] - 1, dtype=torch.long, device=device
+    )  # slot of each row's last verified position
     dcache = DrafterCache()
     accepted_rounds: list[torch.Tensor] = []
     rounds = 0
@@ -511,7 +545,9 @@ def speculative_generate_batch(
         # ---------------- draft ----------------
         timer.start("draft")
         h = drafter.decode(d_ids, drafter.project(d_aux), d_pos, dcache, valid=d_valid)  # [B, T, H]
-        h_prev = h.gather(1, d_last[:, None, None].expand(B, 1, h.shape[-1]))  # [B, 1, H] output at t
+        h_prev = h.gather(
+            1, d_last[:, None, None].expand(B, 1, h.shape[-1])
+        )  # [B, 1, H] output at t
         t = n - 1  # [B] last verified position (x_{t+1} = last)
         drafts = []
         for i in range(k):
@@ -519,7 +555,9 @@ def speculative_generate_batch(
             tok = drafter.draft_to_target(d)  # [B] verifier ids = d + d2t[d]
             drafts.append(tok)
             if i + 1 < k:
-                h_prev = drafter.decode(tok[:, None], h_prev, (t + i + 1)[:, None], dcache)  # [B, 1, H]
+                h_prev = drafter.decode(
+                    tok[:, None], h_prev, (t + i + 1)[:, None], dcache
+                )  # [B, 1, H]
         if k > 1:
             dcache.crop(dcache.length - (k - 1))  # keep step-0 keys of verified positions only
         D = torch.stack(drafts, dim=1)  # [B, k]
@@ -529,32 +567,48 @@ def speculative_generate_batch(
         timer.start("verify")
         vin = torch.cat([last[:, None], D], dim=1)  # [B, k+1]
         vpos = n[:, None] + jj  # [B, k+1]
-        vmask = torch.cat([vmask, ones_k1], dim=1)  # [B, S+k+1] every new slot real during this forward
+        vmask = torch.cat(
+            [vmask, ones_k1], dim=1
+        )  # [B, S+k+1] every new slot real during this forward
         out = _forward(verifier, vin, vmask, vpos, cache, hidden=True)
         cache = _returned_cache(out)
         logits = out.logits  # [B, k+1, V]
         pred = logits.argmax(-1)  # [B, k+1]
         a = accepted_prefix(D, pred)  # [B]
         keep = jj[None] <= a[:, None]  # [B, k+1] x_{t+1} and the accepted drafts stay
-        vmask[:, -(k + 1):] = keep  # rejected slots become holes
+        vmask[:, -(k + 1) :] = keep  # rejected slots become holes
         live = ~done  # [B]
         emit_idx = e[:, None] + jj  # [B, k+1] output indices of pred[:, j]
         write = keep & live[:, None] & (emit_idx < max_new_tokens)  # [B, k+1]
         if ref is not None:
-            mm_idx, mm_gap = _first_mismatch_update(logits, pred, ref, emit_idx, write, mm_idx, mm_gap)
-        out_tok.scatter_(1, torch.where(write, emit_idx, torch.full_like(emit_idx, width - 1)), pred)
+            mm_idx, mm_gap = _first_mismatch_update(
+                logits, pred, ref, emit_idx, write, mm_idx, mm_gap
+            )
+        out_tok.scatter_(
+            1, torch.where(write, emit_idx, torch.full_like(emit_idx, width - 1)), pred
+        )
         e = torch.where(live, e + a + 1, e)
         done = done | (torch.isin(pred, eos_t) & write).any(1) | (e >= max_new_tokens)
         last = pred.gather(1, a[:, None]).squeeze(1)  # [B] bonus token
         n = n + a + 1
         accepted_rounds.append(a)
         # the kept positions' step-0 inputs for the next round: token pred[j] = x_{t'+1} at t' = vpos[j]
-        d_ids, d_aux, d_pos, d_valid, d_last = pred, _aux(out.hidden_states, aux_layers), vpos, keep, a
+        d_ids, d_aux, d_pos, d_valid, d_last = (
+            pred,
+            _aux(out.hidden_states, aux_layers),
+            vpos,
+            keep,
+            a,
+        )
         timer.stop("verify")
         rounds += 1
 
     tokens = out_tok[:, :max_new_tokens].cpu()
-    acc = (torch.stack(accepted_rounds, dim=1) if accepted_rounds else torch.zeros(B, 0, dtype=torch.long)).cpu()  # [B, R]
+    acc = (
+        torch.stack(accepted_rounds, dim=1)
+        if accepted_rounds
+        else torch.zeros(B, 0, dtype=torch.long)
+    ).cpu()  # [B, R]
     mm_i, mm_g = mm_idx.cpu().tolist(), mm_gap.cpu().tolist()
     _sync(device)
     seconds = time.perf_counter() - t_start
@@ -562,21 +616,36 @@ def speculative_generate_batch(
     for r in range(B):
         toks = _cut([x for x in tokens[r].tolist() if x >= 0], eos, max_new_tokens)
         lens = emitted_lengths(acc[r].tolist(), len(toks))
-        res = SpecResult(tokens=toks, accept_lengths=lens, accepted=[[j < L - 1 for j in range(k)] for L in lens])
+        res = SpecResult(
+            tokens=toks, accept_lengths=lens, accepted=[[j < L - 1 for j in range(k)] for L in lens]
+        )
         if ref is not None and mm_i[r] >= 0 and mm_i[r] < len(toks):
             res.mismatch, res.gap = mm_i[r], mm_g[r]
         results.append(res)
     return BatchSpec(results, seconds, timer.seconds("draft"), timer.seconds("verify"), rounds)
 
 
-def speculative_generate(verifier: torch.nn.Module, drafter: torch.nn.Module, input_ids, aux_layers: Sequence[int],
-                         steps: int = 3, max_new_tokens: int = 256, eos_ids: Sequence[int] = ()) -> SpecResult:
+def speculative_generate(
+    verifier: torch.nn.Module,
+    drafter: torch.nn.Module,
+    input_ids,
+    aux_layers: Sequence[int],
+    steps: int = 3,
+    max_new_tokens: int = 256,
+    eos_ids: Sequence[int] = (),
+) -> SpecResult:
     """One prompt through :func:`speculative_generate_batch`; the batch timings are copied into the result.
 
     Raises:
         UserError: see :func:`speculative_generate_batch`; a batched ``input_ids``.
     """
-    res = speculative_generate_batch(verifier, drafter, [_one_prompt(input_ids)], aux_layers, steps, max_new_tokens, eos_ids)
+    res = speculative_generate_batch(
+        verifier, drafter, [_one_prompt(input_ids)], aux_layers, steps, max_new_tokens, eos_ids
+    )
     row = res.rows[0]
-    row.seconds, row.draft_seconds, row.verify_seconds = res.seconds, res.draft_seconds, res.verify_seconds
+    row.seconds, row.draft_seconds, row.verify_seconds = (
+        res.seconds,
+        res.draft_seconds,
+        res.verify_seconds,
+    )
     return row

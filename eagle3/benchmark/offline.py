@@ -45,9 +45,14 @@ from typing import Any, Optional, Sequence
 import torch
 from tqdm import tqdm
 
+from eagle3.benchmark.eval_prompts import (
+    EvalPrompt,
+    check_dataset_names,
+    dataset_labels,
+    load_eval_subset,
+)
 from eagle3.config import RunConfig
 from eagle3.errors import UserError
-from eagle3.benchmark.eval_prompts import EvalPrompt, check_dataset_names, dataset_labels, load_eval_subset
 from eagle3.io import atomic_write_files, probe_dirs, read_json, relative_hint
 from eagle3.shards.format import check_extract_settings
 from eagle3.train.draft_config import EXPORT_META_FILE, untrained_positions
@@ -103,12 +108,16 @@ def acceptance_stats(accepted: Sequence[Sequence[bool]], steps: int) -> dict:
     hist = [0] * (steps + 1)
     for flags in accepted:
         if len(flags) != steps:
-            raise ValueError(f"acceptance_stats: expected {steps} flags per verify step, got {len(flags)}")
+            raise ValueError(
+                f"acceptance_stats: expected {steps} flags per verify step, got {len(flags)}"
+            )
         a = 0
         while a < steps and flags[a]:
             a += 1
         if any(flags[a:]):
-            raise ValueError(f"acceptance_stats: flags {list(flags)} are not a prefix of accepted positions")
+            raise ValueError(
+                f"acceptance_stats: flags {list(flags)} are not a prefix of accepted positions"
+            )
         hist[a] += 1
     n = len(accepted)
     return {
@@ -199,15 +208,29 @@ def bench_prompts(
     tally = _BenchTally(len(prompts_ids))
     static, warm_s = None, 0.0
     if mode == "static":
-        static, warm_s = _open_static(verifier, drafter, [p for _, p in prompts_ids], aux_layers, steps, max_new_tokens,
-                                      eos_ids)
+        static, warm_s = _open_static(
+            verifier,
+            drafter,
+            [p for _, p in prompts_ids],
+            aux_layers,
+            steps,
+            max_new_tokens,
+            eos_ids,
+        )
     t_wall = time.perf_counter()
-    bar = tqdm(total=len(prompts_ids), desc=f"bench {label} (batch {effective}, {mode})", unit="prompt", disable=not progress)
+    bar = tqdm(
+        total=len(prompts_ids),
+        desc=f"bench {label} (batch {effective}, {mode})",
+        unit="prompt",
+        disable=not progress,
+    )
     try:
         for b0 in range(0, len(order), batch_size):
             idx = order[b0 : b0 + batch_size]
             ids = [prompts_ids[i][1] for i in idx]
-            g, s = _decode_batch(static, verifier, drafter, ids, aux_layers, steps, max_new_tokens, eos_ids)
+            g, s = _decode_batch(
+                static, verifier, drafter, ids, aux_layers, steps, max_new_tokens, eos_ids
+            )
             tally.add_batch(idx, prompts_ids, g, s, tie_tolerance)
             bar.update(len(idx))
     finally:
@@ -228,7 +251,16 @@ def effective_batch_size(batch_size: int, num_prompts: int) -> int:
     return max(1, min(batch_size, num_prompts))
 
 
-def _decode_batch(static, verifier, drafter, ids: list[list[int]], aux_layers, steps: int, max_new_tokens: int, eos_ids):
+def _decode_batch(
+    static,
+    verifier,
+    drafter,
+    ids: list[list[int]],
+    aux_layers,
+    steps: int,
+    max_new_tokens: int,
+    eos_ids,
+):
     """Greedy then speculative decoding of one batch (greedy's tokens as the reference): through ``static`` (a
     :class:`~eagle3.benchmark.static_decode.StaticDecoder`, batch 1) when given, else the batched decoders."""
     from eagle3.benchmark.decode import greedy_generate_batch, speculative_generate_batch
@@ -237,17 +269,34 @@ def _decode_batch(static, verifier, drafter, ids: list[list[int]], aux_layers, s
         g = static.greedy(ids[0])
         return g, static.speculative(ids[0], reference=g.tokens[0])
     g = greedy_generate_batch(verifier, ids, max_new_tokens, eos_ids)
-    return g, speculative_generate_batch(verifier, drafter, ids, aux_layers, steps, max_new_tokens, eos_ids, reference=g.tokens)
+    return g, speculative_generate_batch(
+        verifier, drafter, ids, aux_layers, steps, max_new_tokens, eos_ids, reference=g.tokens
+    )
 
 
-def _open_static(verifier, drafter, prompts: Sequence[list[int]], aux_layers, steps: int, max_new_tokens: int, eos_ids):
+def _open_static(
+    verifier,
+    drafter,
+    prompts: Sequence[list[int]],
+    aux_layers,
+    steps: int,
+    max_new_tokens: int,
+    eos_ids,
+):
     """A :class:`~eagle3.benchmark.static_decode.StaticDecoder` sized for ``prompts``, its graphs captured by an untimed
     warm-up on the longest one: ``(decoder, warm-up seconds)``."""
     from eagle3.benchmark.static_decode import StaticDecoder, capacity_for
 
     t0 = time.perf_counter()
-    dec = StaticDecoder(verifier, capacity_for(prompts, max_new_tokens, steps), max_new_tokens, eos_ids, drafter=drafter,
-                        aux_layers=aux_layers, steps=steps)
+    dec = StaticDecoder(
+        verifier,
+        capacity_for(prompts, max_new_tokens, steps),
+        max_new_tokens,
+        eos_ids,
+        drafter=drafter,
+        aux_layers=aux_layers,
+        steps=steps,
+    )
     dec.warm_up(max(prompts, key=len))
     return dec, time.perf_counter() - t0
 
@@ -275,19 +324,38 @@ class _BenchTally:
             diff = first_mismatch(g_tokens, res.tokens)
             if diff is not None:
                 gap = res.gap if res.mismatch == diff else None
-                self.mismatches.append({"id": pid, "index": diff, "gap": gap,
-                                        "near_tie": gap is not None and gap <= tie_tolerance})
+                self.mismatches.append(
+                    {
+                        "id": pid,
+                        "index": diff,
+                        "gap": gap,
+                        "near_tie": gap is not None and gap <= tie_tolerance,
+                    }
+                )
             self.accepted.extend(res.accepted)
             self.g_tok += len(g_tokens)
             self.s_tok += len(res.tokens)
             self.per_prompt[i] = {
-                "id": pid, "prompt_tokens": len(prompts_ids[i][1]), "greedy_tokens": len(g_tokens),
-                "spec_tokens": len(res.tokens), "accept_lengths": res.accept_lengths, "lossless": diff is None,
+                "id": pid,
+                "prompt_tokens": len(prompts_ids[i][1]),
+                "greedy_tokens": len(g_tokens),
+                "spec_tokens": len(res.tokens),
+                "accept_lengths": res.accept_lengths,
+                "lossless": diff is None,
             }
 
-    def summary(self, label: str, batch_size: int, steps: int, wall: float, tie_tolerance: float) -> dict:
+    def summary(
+        self, label: str, batch_size: int, steps: int, wall: float, tie_tolerance: float
+    ) -> dict:
         """The result dict of :func:`bench_prompts` (see there)."""
-        g_tok, g_sec, s_tok, s_sec, d_sec, v_sec = self.g_tok, self.g_sec, self.s_tok, self.s_sec, self.d_sec, self.v_sec
+        g_tok, g_sec, s_tok, s_sec, d_sec, v_sec = (
+            self.g_tok,
+            self.g_sec,
+            self.s_tok,
+            self.s_sec,
+            self.d_sec,
+            self.v_sec,
+        )
         stats = acceptance_stats(self.accepted, steps)
         g_tps = g_tok / g_sec if g_sec > 0 else float("nan")
         s_tps = s_tok / s_sec if s_sec > 0 else float("nan")
@@ -297,14 +365,22 @@ class _BenchTally:
             "num_prompts": len(self.per_prompt),
             "batch_size": batch_size,
             **stats,
-            "greedy_tokens": int(g_tok), "greedy_seconds": g_sec, "greedy_tokens_per_s": g_tps,
-            "spec_tokens": int(s_tok), "spec_seconds": s_sec, "spec_tokens_per_s": s_tps,
+            "greedy_tokens": int(g_tok),
+            "greedy_seconds": g_sec,
+            "greedy_tokens_per_s": g_tps,
+            "spec_tokens": int(s_tok),
+            "spec_seconds": s_sec,
+            "spec_tokens_per_s": s_tps,
             "speedup": s_tps / g_tps if g_sec > 0 and s_sec > 0 else float("nan"),
-            "draft_seconds": d_sec, "verify_seconds": v_sec,
+            "draft_seconds": d_sec,
+            "verify_seconds": v_sec,
             "drafter_share": d_sec / (d_sec + v_sec) if d_sec + v_sec > 0 else float("nan"),
-            "rounds": self.rounds, "wall_seconds": wall,
+            "rounds": self.rounds,
+            "wall_seconds": wall,
             "tie_tolerance": tie_tolerance,
-            "mismatches": self.mismatches, "near_ties": near, "failures": len(self.mismatches) - near,
+            "mismatches": self.mismatches,
+            "near_ties": near,
+            "failures": len(self.mismatches) - near,
             "per_prompt": self.per_prompt,
         }
 
@@ -343,8 +419,15 @@ def render_markdown(report: dict) -> str:
         f"max_new_tokens {report['max_new_tokens']}, {report['device']} {report['dtype']}, "
         f"aux layers (HF hidden_states indices) {report['aux_layers']}",
         "",
-        *([f"prompts picked: {report['prompt_pick']} (benchmark.prompt_pick; ids per set in bench.json, "
-           f"datasets[].prompt_ids)", ""] if report.get("prompt_pick") else []),
+        *(
+            [
+                f"prompts picked: {report['prompt_pick']} (benchmark.prompt_pick; ids per set in bench.json, "
+                f"datasets[].prompt_ids)",
+                "",
+            ]
+            if report.get("prompt_pick")
+            else []
+        ),
         "| dataset | prompts | batch | tau | greedy tok/s | EAGLE-3 tok/s | speedup | drafter share | wall s | lossless |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
@@ -363,15 +446,24 @@ def render_markdown(report: dict) -> str:
         "|---|---:|" + "---:|" * steps,
     ]
     for d in report["datasets"]:
-        cells = " | ".join(f"{_f(c)} / {_f(u)}" for c, u in zip(d["conditional"], d["unconditional"]))
+        cells = " | ".join(
+            f"{_f(c)} / {_f(u)}" for c, u in zip(d["conditional"], d["unconditional"])
+        )
         lines.append(f"| {md_cell(d['dataset'])} | {d['verify_steps']} | {cells} |")
     mism = [(d["dataset"], m) for d in report["datasets"] for m in d["mismatches"]]
     if mism:
-        lines += ["", f"Differences from greedy (first differing token per prompt; gap = verify top-1 logit minus "
-                      f"the logit of greedy's token; near-tie tolerance {report['datasets'][0].get('tie_tolerance')}):", "",
-                  "| dataset | prompt | token index | logit gap | near-tie |", "|---|---|---:|---:|---|"]
+        lines += [
+            "",
+            f"Differences from greedy (first differing token per prompt; gap = verify top-1 logit minus "
+            f"the logit of greedy's token; near-tie tolerance {report['datasets'][0].get('tie_tolerance')}):",
+            "",
+            "| dataset | prompt | token index | logit gap | near-tie |",
+            "|---|---|---:|---:|---|",
+        ]
         for name, m in mism:
-            lines.append(f"| {md_cell(name)} | {md_cell(m['id'])} | {m['index']} | {_f(m.get('gap'), 4)} | {'yes' if m.get('near_tie') else 'no'} |")
+            lines.append(
+                f"| {md_cell(name)} | {md_cell(m['id'])} | {m['index']} | {_f(m.get('gap'), 4)} | {'yes' if m.get('near_tie') else 'no'} |"
+            )
     for w in report.get("warnings", []):
         lines += ["", f"**warning**: {w}"]
     return "\n".join(lines) + "\n"
@@ -382,10 +474,12 @@ def headline(report: dict, out_dir: str | Path) -> str:
     measured in this run), the speedup and the lossless verdict (as in ``bench.md``), then the report path."""
     lines = []
     for d in report["datasets"]:
-        lines.append(f"{d['dataset']}: tau {_f(d['tau'])}, greedy {_f(d['greedy_tokens_per_s'], 1)} tok/s vs "
-                     f"EAGLE-3 {_f(d['spec_tokens_per_s'], 1)} tok/s = {_f(d['speedup'])}x, "
-                     f"lossless {_lossless_cell(d)} ({d['num_prompts']} prompt{'s' if d['num_prompts'] != 1 else ''}, "
-                     f"{report['device']} {report['dtype']})")
+        lines.append(
+            f"{d['dataset']}: tau {_f(d['tau'])}, greedy {_f(d['greedy_tokens_per_s'], 1)} tok/s vs "
+            f"EAGLE-3 {_f(d['spec_tokens_per_s'], 1)} tok/s = {_f(d['speedup'])}x, "
+            f"lossless {_lossless_cell(d)} ({d['num_prompts']} prompt{'s' if d['num_prompts'] != 1 else ''}, "
+            f"{report['device']} {report['dtype']})"
+        )
     lines.append(f"report: {Path(out_dir) / 'bench.md'}")
     return "\n".join(lines)
 
@@ -396,8 +490,13 @@ def headline(report: dict, out_dir: str | Path) -> str:
 SPEEDUP_SLACK = 0.05
 
 
-def speedup_warning(label: str, speedup: Optional[float], tau: Optional[float], baseline: str = "greedy decoding",
-                    slack: float = SPEEDUP_SLACK) -> Optional[str]:
+def speedup_warning(
+    label: str,
+    speedup: Optional[float],
+    tau: Optional[float],
+    baseline: str = "greedy decoding",
+    slack: float = SPEEDUP_SLACK,
+) -> Optional[str]:
     """One warning line when a measured speedup exceeds what the acceptance length allows (None otherwise).
 
     Chain speculative decoding emits ``tau`` tokens per verify step on average, and a verify step costs one verifier
@@ -419,20 +518,29 @@ def speedup_warning(label: str, speedup: Optional[float], tau: Optional[float], 
     Returns:
         the line, or None when ``speedup <= tau * (1 + slack)`` or a value is missing.
     """
-    if speedup is None or tau is None or not (math.isfinite(speedup) and math.isfinite(tau)) or tau <= 0:
+    if (
+        speedup is None
+        or tau is None
+        or not (math.isfinite(speedup) and math.isfinite(tau))
+        or tau <= 0
+    ):
         return None
     if speedup <= tau * (1 + slack):
         return None
-    return (f"{label}: speedup {speedup:.2f}x is above tau {tau:.2f}, which chain speculative decoding cannot "
-            f"exceed on the same hardware (each verify step emits tau tokens on average for one verifier forward over "
-            f"k+1 tokens, no cheaper than {baseline}'s one-token forward, plus the drafts; Leviathan et al. 2023, "
-            f"arXiv 2211.17192): the baseline was slowed (CPU contention, another process) or ran on other hardware, "
-            f"so this speedup is not the drafter's; measure again on an otherwise idle machine")
+    return (
+        f"{label}: speedup {speedup:.2f}x is above tau {tau:.2f}, which chain speculative decoding cannot "
+        f"exceed on the same hardware (each verify step emits tau tokens on average for one verifier forward over "
+        f"k+1 tokens, no cheaper than {baseline}'s one-token forward, plus the drafts; Leviathan et al. 2023, "
+        f"arXiv 2211.17192): the baseline was slowed (CPU contention, another process) or ran on other hardware, "
+        f"so this speedup is not the drafter's; measure again on an otherwise idle machine"
+    )
 
 
 def speedup_warnings(datasets: Sequence[dict]) -> list[str]:
     """:func:`speedup_warning` of each offline ``bench.json`` dataset row (keys ``dataset``, ``speedup``, ``tau``)."""
-    lines = (speedup_warning(str(d.get("dataset")), d.get("speedup"), d.get("tau")) for d in datasets)
+    lines = (
+        speedup_warning(str(d.get("dataset")), d.get("speedup"), d.get("tau")) for d in datasets
+    )
     return [w for w in lines if w]
 
 
@@ -454,7 +562,10 @@ def plot_acceptance(datasets: Sequence[dict], steps: int, title: str = "") -> by
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
     width = 0.8 / max(1, len(datasets))
-    for ax, key, name in ((axes[0], "conditional", "conditional"), (axes[1], "unconditional", "unconditional")):
+    for ax, key, name in (
+        (axes[0], "conditional", "conditional"),
+        (axes[1], "unconditional", "unconditional"),
+    ):
         for j, d in enumerate(datasets):
             xs = [k + 1 + (j - (len(datasets) - 1) / 2) * width for k in range(steps)]
             vals = [0.0 if v is None or v != v else v for v in d[key]]
@@ -474,7 +585,9 @@ def plot_acceptance(datasets: Sequence[dict], steps: int, title: str = "") -> by
     return buf.getvalue()
 
 
-def write_reports(out_dir: str | Path, report: dict, stem: str = "bench", plot_name: str = "acceptance.png") -> list[Path]:
+def write_reports(
+    out_dir: str | Path, report: dict, stem: str = "bench", plot_name: str = "acceptance.png"
+) -> list[Path]:
     """Write ``{stem}.json``, ``{stem}.md`` and the acceptance plot into ``out_dir`` as one set
     (:func:`eagle3.io.atomic_write_files`: a full disk leaves the earlier run's three files, never a mix)."""
     out = Path(out_dir)
@@ -500,13 +613,19 @@ def _aux_from_meta(meta: dict, path: Path) -> Optional[list[int]]:
     for key in ("aux_layers_hf", "aux_layers"):
         if key in meta:
             val = meta[key]
-            if not isinstance(val, list) or len(val) != 3 or not all(isinstance(i, int) for i in val):
+            if (
+                not isinstance(val, list)
+                or len(val) != 3
+                or not all(isinstance(i, int) for i in val)
+            ):
                 raise UserError(f"{path}: key '{key}' must be a list of 3 integers, got {val!r}")
             return val
     return None
 
 
-def resolve_aux_layers(drafter_dir: Path, shards_dir: Optional[Path], fallback: Optional[list[int]]) -> tuple[list[int], list[str]]:
+def resolve_aux_layers(
+    drafter_dir: Path, shards_dir: Optional[Path], fallback: Optional[list[int]]
+) -> tuple[list[int], list[str]]:
     """The aux layers (HF indices) to feed the drafter, and warnings.
 
     Priority: the drafter's ``eagle3_train.json`` (``aux_layers_hf``/``aux_layers``), then the shards'
@@ -531,12 +650,18 @@ def resolve_aux_layers(drafter_dir: Path, shards_dir: Optional[Path], fallback: 
         )
     aux = drafter_aux or data_aux or fallback
     if aux is None:
-        raise UserError(f"{meta_path}: no aux layers recorded (and no data_config.json / extract.aux_layers)")
+        raise UserError(
+            f"{meta_path}: no aux layers recorded (and no data_config.json / extract.aux_layers)"
+        )
     return [int(i) for i in aux], warnings
 
 
-def verifier_warnings(drafter_dir: Path, verifier_name: str, dims: Optional[dict] = None,
-                      weights: Optional[str] = None) -> list[str]:
+def verifier_warnings(
+    drafter_dir: Path,
+    verifier_name: str,
+    dims: Optional[dict] = None,
+    weights: Optional[str] = None,
+) -> list[str]:
     """A warning when the drafter's ``eagle3_train.json`` names another verifier than the run config, or records
     other dimensions than ``dims`` (the loaded verifier's, :func:`eagle3.verifier.verifier_dims`: a ``verifier.path``
     pointed at another model under the same ``verifier.name``), or another weights fingerprint than ``weights``
@@ -552,19 +677,27 @@ def verifier_warnings(drafter_dir: Path, verifier_name: str, dims: Optional[dict
     rec = rec if isinstance(rec, dict) else {}
     name = rec.get("name")
     if name and name != verifier_name:
-        return [f"drafter {meta_path} was exported for verifier '{name}', benchmarking it with '{verifier_name}'"]
+        return [
+            f"drafter {meta_path} was exported for verifier '{name}', benchmarking it with '{verifier_name}'"
+        ]
     diff = verifier_dims_differ(dims or {}, rec)
     if diff:
-        return [f"drafter {meta_path} was exported for verifier '{name or verifier_name}' of other dimensions than the "
-                f"model at verifier.path ({diff})"]
+        return [
+            f"drafter {meta_path} was exported for verifier '{name or verifier_name}' of other dimensions than the "
+            f"model at verifier.path ({diff})"
+        ]
     if weights_differ(rec.get("weights"), weights):
-        return [f"drafter {meta_path} was exported for verifier '{name or verifier_name}' with other weights than the "
-                f"model at verifier.path (key 'verifier.weights': {str(rec['weights'])[:19]}... recorded, {weights[:19]}... "
-                f"at verifier.path): tau measures the drafter against another model"]
+        return [
+            f"drafter {meta_path} was exported for verifier '{name or verifier_name}' with other weights than the "
+            f"model at verifier.path (key 'verifier.weights': {str(rec['weights'])[:19]}... recorded, {weights[:19]}... "
+            f"at verifier.path): tau measures the drafter against another model"
+        ]
     return []
 
 
-def ttt_length_warning(drafter_dir: Path, steps: int, steps_field: str, fix: Optional[str] = None) -> Optional[str]:
+def ttt_length_warning(
+    drafter_dir: Path, steps: int, steps_field: str, fix: Optional[str] = None
+) -> Optional[str]:
     """One warning line when 05 drafts more tokens a step (``steps``, from ``steps_field``: ``--steps`` or
     ``benchmark.steps``; ``05 --server``: the server's ``speculative_num_steps``) than the drafter was trained for: its
     ``eagle3_train.json`` key ``ttt_length`` (``train.ttt_length``). Draft positions past it were never trained, so
@@ -578,9 +711,11 @@ def ttt_length_warning(drafter_dir: Path, steps: int, steps_field: str, fix: Opt
     if k is None or steps <= k:
         return None
     fix = (fix or "benchmark with {field} {k}").format(field=steps_field, k=k)
-    return (f"{steps_field} {steps} drafts more tokens a step than the drafter was trained for: {meta_path} records "
-            f"ttt_length {k} (train.ttt_length); {untrained_positions(k, steps, verb=True)} never trained, so the "
-            f"acceptance there is low and tau understates a {k}-step chain: {fix}, or train with train.ttt_length {steps}")
+    return (
+        f"{steps_field} {steps} drafts more tokens a step than the drafter was trained for: {meta_path} records "
+        f"ttt_length {k} (train.ttt_length); {untrained_positions(k, steps, verb=True)} never trained, so the "
+        f"acceptance there is low and tau understates a {k}-step chain: {fix}, or train with train.ttt_length {steps}"
+    )
 
 
 def recorded_ttt_length(meta_path: Path) -> Optional[int]:
@@ -607,10 +742,16 @@ def ttt_length_unchecked(drafter_dir: Path, steps: int, steps_field: str) -> Opt
     meta_path = Path(drafter_dir) / TRAIN_META
     if recorded_ttt_length(meta_path) is not None:
         return None
-    why = "records no ttt_length" if meta_path.is_file() else "not found (a drafter not exported by eagle3-train)"
-    return (f"{meta_path} {why}: 05 did not check {steps_field} {steps} against the draft positions the drafter was "
-            f"trained for; check that its training's TTT length (train.ttt_length, SpecForge --ttt-length) is at "
-            f"least {steps}")
+    why = (
+        "records no ttt_length"
+        if meta_path.is_file()
+        else "not found (a drafter not exported by eagle3-train)"
+    )
+    return (
+        f"{meta_path} {why}: 05 did not check {steps_field} {steps} against the draft positions the drafter was "
+        f"trained for; check that its training's TTT length (train.ttt_length, SpecForge --ttt-length) is at "
+        f"least {steps}"
+    )
 
 
 def shards_unchecked(cfg: RunConfig, drafter_dir: Path) -> Optional[str]:
@@ -622,21 +763,29 @@ def shards_unchecked(cfg: RunConfig, drafter_dir: Path) -> Optional[str]:
     dc = Path(cfg.shards_dir) / DATA_CONFIG
     if dc.is_file():
         return None
-    what = ["the chat template (and verifier.chat_template_kwargs)"] + [f"the config's extract.{k}" for k in ("aux_layers", "max_length")
-                                    if k in getattr(cfg.extract, "model_fields_set", set())]
+    what = ["the chat template (and verifier.chat_template_kwargs)"] + [
+        f"the config's extract.{k}"
+        for k in ("aux_layers", "max_length")
+        if k in getattr(cfg.extract, "model_fields_set", set())
+    ]
     meta_path = Path(drafter_dir) / TRAIN_META
     try:
-        has_aux = meta_path.is_file() and _aux_from_meta(read_json(meta_path), meta_path) is not None
+        has_aux = (
+            meta_path.is_file() and _aux_from_meta(read_json(meta_path), meta_path) is not None
+        )
     except UserError:
         has_aux = False  # resolve_aux_layers refuses it
     if has_aux:
         what.append(f"the drafter's aux layers ({meta_path})")
-    return (f"{dc} not found: 05 did not check {', '.join(what)} against the template, layers and length the shards "
-            f"were made with; check them against the data_config.json of the shards the drafter was trained on")
+    return (
+        f"{dc} not found: 05 did not check {', '.join(what)} against the template, layers and length the shards "
+        f"were made with; check them against the data_config.json of the shards the drafter was trained on"
+    )
 
 
-def verifier_unchecked(drafter_dir: Path, verifier_name: str, weights: Optional[str],
-                       dims_checked: bool = True) -> Optional[str]:
+def verifier_unchecked(
+    drafter_dir: Path, verifier_name: str, weights: Optional[str], dims_checked: bool = True
+) -> Optional[str]:
     """The line saying which part of :func:`verifier_warnings` could not be made: the drafter's ``eagle3_train.json``
     is missing or names no verifier (its name, dimensions and weights not compared), or one side has no weights
     fingerprint (``verifier.weights``: an export of shards captured before fingerprints; ``weights`` None: no weight
@@ -649,17 +798,30 @@ def verifier_unchecked(drafter_dir: Path, verifier_name: str, weights: Optional[
         meta = None  # verifier_warnings refuses it
     rec = meta.get("verifier") if isinstance(meta, dict) else None
     if not isinstance(rec, dict) or not rec.get("name"):
-        why = "names no verifier" if meta_path.is_file() else "not found (a drafter not exported by eagle3-train)"
-        at_load = "; only the embedding and vocab shapes are checked at load" if dims_checked else ""
-        return (f"{meta_path} {why}: 05 did not check that the drafter was trained for the verifier '{verifier_name}' "
-                f"(name, dimensions, weights{at_load}); check which verifier its training used")
+        why = (
+            "names no verifier"
+            if meta_path.is_file()
+            else "not found (a drafter not exported by eagle3-train)"
+        )
+        at_load = (
+            "; only the embedding and vocab shapes are checked at load" if dims_checked else ""
+        )
+        return (
+            f"{meta_path} {why}: 05 did not check that the drafter was trained for the verifier '{verifier_name}' "
+            f"(name, dimensions, weights{at_load}); check which verifier its training used"
+        )
     if rec.get("weights") and weights:
         return None
-    side = (f"{meta_path} records no verifier.weights (an export of shards captured before weight fingerprints)"
-            if not rec.get("weights") else "verifier.path holds no weight file on this machine")
-    return (f"{side}: 05 did not check that the drafter was trained on the weights at verifier.path, only the name "
-            f"'{rec['name']}'{' and dimensions' if dims_checked else ''}; check that verifier.path is the model its "
-            f"shards were captured from")
+    side = (
+        f"{meta_path} records no verifier.weights (an export of shards captured before weight fingerprints)"
+        if not rec.get("weights")
+        else "verifier.path holds no weight file on this machine"
+    )
+    return (
+        f"{side}: 05 did not check that the drafter was trained on the weights at verifier.path, only the name "
+        f"'{rec['name']}'{' and dimensions' if dims_checked else ''}; check that verifier.path is the model its "
+        f"shards were captured from"
+    )
 
 
 def vocab_map_unchecked(cfg: RunConfig, drafter_dir: Path) -> Optional[str]:
@@ -672,23 +834,31 @@ def vocab_map_unchecked(cfg: RunConfig, drafter_dir: Path) -> Optional[str]:
     vm = Path(cfg.data_dir) / VOCAB_MAP
     if vm.is_file() or _full_vocab_export(Path(drafter_dir)):
         return None
-    return (f"{vm} not found: 05 did not check {Path(drafter_dir) / 'model.safetensors'} d2t (its draft vocabulary) "
-            f"against the run's stage-03 vocab map, only its size against data.draft_vocab_size; run 03 for this "
-            f"config, or compare d2t with the vocab_map.pt of the data it was trained on")
+    return (
+        f"{vm} not found: 05 did not check {Path(drafter_dir) / 'model.safetensors'} d2t (its draft vocabulary) "
+        f"against the run's stage-03 vocab map, only its size against data.draft_vocab_size; run 03 for this "
+        f"config, or compare d2t with the vocab_map.pt of the data it was trained on"
+    )
 
 
 def _full_vocab_export(drafter_dir: Path) -> bool:
     """Whether the export's ``config.json`` records ``draft_vocab_size`` equal to ``vocab_size`` (False when it is
     missing, unreadable, or either is not an integer)."""
     try:
-        c = read_json(drafter_dir / "config.json") if (drafter_dir / "config.json").is_file() else None
+        c = (
+            read_json(drafter_dir / "config.json")
+            if (drafter_dir / "config.json").is_file()
+            else None
+        )
     except UserError:
         return False
     d, v = (c.get("draft_vocab_size"), c.get("vocab_size")) if isinstance(c, dict) else (None, None)
     return isinstance(d, int) and not isinstance(d, bool) and d == v
 
 
-def template_check(cfg: RunConfig, tokenizer, say_missing: bool = False) -> tuple[Optional[str], Optional[str]]:
+def template_check(
+    cfg: RunConfig, tokenizer, say_missing: bool = False
+) -> tuple[Optional[str], Optional[str]]:
     """The chat template 05 renders the prompts with (``verifier.chat_template``, else ``verifier.path``'s tokenizer's)
     against the one the shards were rendered with (``data_config.json`` ``chat_template_hash``, written by 02 and
     compared nowhere before): a drafter trained on conversations rendered otherwise is scored on prompts it never saw
@@ -712,13 +882,17 @@ def template_check(cfg: RunConfig, tokenizer, say_missing: bool = False) -> tupl
         return None, None
     used = template_name(tokenizer, ChatOptions.from_config(cfg))
     if not isinstance(rec, str) or not rec:
-        return None, (f"{dc} {'not found' if rec is False else 'records no chat_template_hash'}: 05 did not check that "
-                      f"the prompts it renders with {used} are in the template the drafter's data was rendered with; "
-                      f"check verifier.chat_template against the template the shards were made with")
-    return (f"{dc}: the shards were rendered with chat template sha256 {rec[:12]} (chat_template_hash) but 05 renders "
-            f"the prompts with {used}: the drafter was trained on conversations rendered otherwise, so tau "
-            f"understates it; set verifier.chat_template back to the shards' template, or re-run 02-04 with this "
-            f"one"), None
+        return None, (
+            f"{dc} {'not found' if rec is False else 'records no chat_template_hash'}: 05 did not check that "
+            f"the prompts it renders with {used} are in the template the drafter's data was rendered with; "
+            f"check verifier.chat_template against the template the shards were made with"
+        )
+    return (
+        f"{dc}: the shards were rendered with chat template sha256 {rec[:12]} (chat_template_hash) but 05 renders "
+        f"the prompts with {used}: the drafter was trained on conversations rendered otherwise, so tau "
+        f"understates it; set verifier.chat_template back to the shards' template, or re-run 02-04 with this "
+        f"one"
+    ), None
 
 
 def template_kwargs_check(cfg: RunConfig) -> tuple[Optional[str], Optional[str]]:
@@ -742,15 +916,19 @@ def template_kwargs_check(cfg: RunConfig) -> tuple[Optional[str], Optional[str]]
         return None, None
     rec = meta.get("chat_template_kwargs")
     if not isinstance(rec, dict):
-        return None, (f"{dc} records no chat_template_kwargs: 05 did not check that the verifier.chat_template_kwargs "
-                      f"it renders the prompts with ({now}) are those the drafter's data was rendered with (e.g. "
-                      f"thinking on or off); check them against the settings the shards were made with")
+        return None, (
+            f"{dc} records no chat_template_kwargs: 05 did not check that the verifier.chat_template_kwargs "
+            f"it renders the prompts with ({now}) are those the drafter's data was rendered with (e.g. "
+            f"thinking on or off); check them against the settings the shards were made with"
+        )
     if json.dumps(rec, sort_keys=True, default=str) == json.dumps(now, sort_keys=True, default=str):
         return None, None
-    return (f"{dc}: the shards were rendered with chat_template_kwargs {rec} but 05 renders the prompts with "
-            f"verifier.chat_template_kwargs {now}: the drafter was trained on conversations rendered otherwise (e.g. "
-            f"thinking on or off), so tau understates it; set verifier.chat_template_kwargs back to the shards' value, "
-            f"or re-run 02-04 with this one"), None
+    return (
+        f"{dc}: the shards were rendered with chat_template_kwargs {rec} but 05 renders the prompts with "
+        f"verifier.chat_template_kwargs {now}: the drafter was trained on conversations rendered otherwise (e.g. "
+        f"thinking on or off), so tau understates it; set verifier.chat_template_kwargs back to the shards' value, "
+        f"or re-run 02-04 with this one"
+    ), None
 
 
 def _logged(warning: Optional[str]) -> list[str]:
@@ -778,7 +956,9 @@ def verifier_named_first(mismatch: list[str]):
         raise UserError(f"{mismatch[0]} (verifier.name / verifier.path): {e}") from e
 
 
-def export_folder_warnings(drafter_dir: Path, aux_layers: Sequence[int], verifier_architecture: str) -> list[str]:
+def export_folder_warnings(
+    drafter_dir: Path, aux_layers: Sequence[int], verifier_architecture: str
+) -> list[str]:
     """Warnings when the exported folder's ``config.json`` makes its engine capture other verifier
     layers than ``aux_layers`` (the HF indices this benchmark feeds the drafter).
 
@@ -793,8 +973,10 @@ def export_folder_warnings(drafter_dir: Path, aux_layers: Sequence[int], verifie
     info = check_export_folder(drafter_dir, verifier_architecture=verifier_architecture)
     out = list(info["warnings"])
     if info["aux_layers_hf"] is not None and list(info["aux_layers_hf"]) != list(aux_layers):
-        out.append(f"{Path(drafter_dir) / 'config.json'}: {info['engine']} would capture HF layers {info['aux_layers_hf']} "
-                   f"(ids {info['engine_layer_ids']}), this benchmark feeds HF layers {list(aux_layers)}")
+        out.append(
+            f"{Path(drafter_dir) / 'config.json'}: {info['engine']} would capture HF layers {info['aux_layers_hf']} "
+            f"(ids {info['engine_layer_ids']}), this benchmark feeds HF layers {list(aux_layers)}"
+        )
     return out
 
 
@@ -810,16 +992,24 @@ def resolve_drafter_dir(cfg: RunConfig, drafter_dir: Optional[str | Path]) -> Pa
     """
     if drafter_dir:
         path = Path(drafter_dir)
-        if path.is_file():  # it said "folder not found" of a checkpoint that exists (fresh-user trial 2026-12-05d)
-            raise UserError(f"--drafter: '{path}' is a file, not an exported drafter folder; pass the folder 04 "
-                            f"exported (drafter-sglang), or export a checkpoint first with 04_train.py --export-only")
+        if (
+            path.is_file()
+        ):  # it said "folder not found" of a checkpoint that exists (fresh-user trial 2026-12-05d)
+            raise UserError(
+                f"--drafter: '{path}' is a file, not an exported drafter folder; pass the folder 04 "
+                f"exported (drafter-sglang), or export a checkpoint first with 04_train.py --export-only"
+            )
         if not path.is_dir():
-            raise UserError(f"--drafter: folder '{path}' not found (export a trained drafter first"
-                            + (f"; {relative_hint(path)})" if relative_hint(path) else ")"))
+            raise UserError(
+                f"--drafter: folder '{path}' not found (export a trained drafter first"
+                + (f"; {relative_hint(path)})" if relative_hint(path) else ")")
+            )
         if not (path / "config.json").is_file() and (path / "checkpoints").is_dir():
-            raise UserError(f"--drafter: '{path}' is 04's train folder, not an exported drafter; pass the export "
-                            f"folder (drafter-sglang beside it, or export.output_dir), or write it with 04_train.py "
-                            f"--export-only")
+            raise UserError(
+                f"--drafter: '{path}' is 04's train folder, not an exported drafter; pass the export "
+                f"folder (drafter-sglang beside it, or export.output_dir), or write it with 04_train.py "
+                f"--export-only"
+            )
         _require_export_config(path, f"--drafter: '{path}'")
         return path
     path = Path(cfg.export_dir)
@@ -841,21 +1031,32 @@ def missing_export_advice(cfg: RunConfig, path: Path) -> str:
     found = list_checkpoints(cfg.train_dir)
     other = "vllm" if cfg.export.engine == "sglang" else "sglang"
     have = cfg.root / f"drafter-{other}"
-    if cfg.export.output_dir is None and (have / "config.json").is_file():  # trained, exported for the other one
-        head = (f"the exported drafter '{path}' (the config's export dir, export.engine: {cfg.export.engine}) not "
-                f"found, but {have} is there")
+    if (
+        cfg.export.output_dir is None and (have / "config.json").is_file()
+    ):  # trained, exported for the other one
+        head = (
+            f"the exported drafter '{path}' (the config's export dir, export.engine: {cfg.export.engine}) not "
+            f"found, but {have} is there"
+        )
         if found:
-            return (f"{head}: 04_train.py --export-only --engine {cfg.export.engine} writes it from the same "
-                    f"checkpoint (or pass --drafter)")
-        return (f"{head}; {ckpt_dir(cfg.train_dir)} holds no checkpoint to export it from (04_train.py --export-only "
-                f"needs one): benchmark {have} with --set export.engine={other}, or train again for {cfg.export.engine}")
+            return (
+                f"{head}: 04_train.py --export-only --engine {cfg.export.engine} writes it from the same "
+                f"checkpoint (or pass --drafter)"
+            )
+        return (
+            f"{head}; {ckpt_dir(cfg.train_dir)} holds no checkpoint to export it from (04_train.py --export-only "
+            f"needs one): benchmark {have} with --set export.engine={other}, or train again for {cfg.export.engine}"
+        )
     head = f"the exported drafter '{path}' (the config's export dir) not found"
     if found:
-        return (f"{head}, but {ckpt_dir(cfg.train_dir)} holds checkpoints (newest step {found[-1][0]}): "
-                f"04_train.py --export-only exports it, 04_train.py --resume trains on to the run's end and exports "
-                f"(or pass --drafter)")
-    return f"{head}: run 04_train.py first or pass --drafter" + (f" ({relative_hint(path)})" if relative_hint(path)
-                                                                 else "")
+        return (
+            f"{head}, but {ckpt_dir(cfg.train_dir)} holds checkpoints (newest step {found[-1][0]}): "
+            f"04_train.py --export-only exports it, 04_train.py --resume trains on to the run's end and exports "
+            f"(or pass --drafter)"
+        )
+    return f"{head}: run 04_train.py first or pass --drafter" + (
+        f" ({relative_hint(path)})" if relative_hint(path) else ""
+    )
 
 
 def _require_export_config(path: Path, what: str) -> None:
@@ -870,12 +1071,18 @@ def _require_export_config(path: Path, what: str) -> None:
     """
     if (path / "config.json").is_file():
         return
-    inside = sorted(p.name for p in path.iterdir() if p.is_dir() and (p / "config.json").is_file()
-                    and (p / TRAIN_META).is_file())
-    hint = (f"it holds the export{'s' if len(inside) > 1 else ''} {', '.join(inside)}: pass "
-            f"{' or '.join(str(path / n) for n in inside)}" if inside else
-            "pass the folder 04 exported (drafter-sglang, or export.output_dir), or write it with "
-            "04_train.py --export-only")
+    inside = sorted(
+        p.name
+        for p in path.iterdir()
+        if p.is_dir() and (p / "config.json").is_file() and (p / TRAIN_META).is_file()
+    )
+    hint = (
+        f"it holds the export{'s' if len(inside) > 1 else ''} {', '.join(inside)}: pass "
+        f"{' or '.join(str(path / n) for n in inside)}"
+        if inside
+        else "pass the folder 04 exported (drafter-sglang, or export.output_dir), or write it with "
+        "04_train.py --export-only"
+    )
     raise UserError(f"{what} is not an exported drafter folder (no config.json); {hint}")
 
 
@@ -885,7 +1092,6 @@ def _load_drafter(drafter_dir: Path, verifier, device, dtype):
     embed = verifier.get_input_embeddings().weight
     drafter = load_exported(drafter_dir, embed_weight=embed)
     return drafter.to(device=device, dtype=dtype).eval()
-
 
 
 def check_drafter_vocab(cfg, drafter, drafter_dir: Path, own_export: bool) -> list[str]:
@@ -912,8 +1118,10 @@ def check_drafter_vocab(cfg, drafter, drafter_dir: Path, own_export: bool) -> li
     # that work (fresh-user trial 2026-12-05g)
     new_run = "or train a drafter for it with 04_train.py into a new train.output_dir"
     if got != want:
-        problem = (f"{drafter_dir}: drafter has draft_vocab_size {got} but the config's data.draft_vocab_size is "
-                   f"{want}")
+        problem = (
+            f"{drafter_dir}: drafter has draft_vocab_size {got} but the config's data.draft_vocab_size is "
+            f"{want}"
+        )
         fix = f"set data.draft_vocab_size back to {got}, {new_run}"
     else:
         vm_path = cfg.data_dir / VOCAB_MAP
@@ -930,6 +1138,7 @@ def check_drafter_vocab(cfg, drafter, drafter_dir: Path, own_export: bool) -> li
     warnings.append(problem)
     return warnings
 
+
 def check_drafter_shape(cfg, drafter, drafter_dir: Path, own_export: bool) -> list[str]:
     """The benchmarked drafter's shape against the config's ``drafter:`` section (its non-null fields, ``variant``
     and ``num_layers``; ``max_position_embeddings`` excepted: a re-export may change it alone).
@@ -945,23 +1154,39 @@ def check_drafter_shape(cfg, drafter, drafter_dir: Path, own_export: bool) -> li
     Raises:
         UserError: the run's own export differs from the config, naming every differing field.
     """
-    want = {k: getattr(cfg.drafter, k) for k in type(cfg.drafter).model_fields if k != "max_position_embeddings"}
-    diffs = [f"{key} {getattr(drafter.args, key)!r} but the config's drafter.{key} is {value!r}"
-             for key, value in want.items()  # None: copied from the verifier at training, nothing to compare
-             if value is not None and getattr(drafter.args, key) != value]
+    want = {
+        k: getattr(cfg.drafter, k)
+        for k in type(cfg.drafter).model_fields
+        if k != "max_position_embeddings"
+    }
+    diffs = [
+        f"{key} {getattr(drafter.args, key)!r} but the config's drafter.{key} is {value!r}"
+        for key, value in want.items()  # None: copied from the verifier at training, nothing to compare
+        if value is not None and getattr(drafter.args, key) != value
+    ]
     if not diffs:
         return []
     problem = f"{drafter_dir}: the drafter has " + "; ".join(diffs)
     if own_export:
-        raise UserError(problem + " (set those drafter fields back to the trained values, or train a drafter of this "
-                        "shape with 04_train.py into a new train.output_dir, or pass --drafter to benchmark another "
-                        "drafter)")
+        raise UserError(
+            problem
+            + " (set those drafter fields back to the trained values, or train a drafter of this "
+            "shape with 04_train.py into a new train.output_dir, or pass --drafter to benchmark another "
+            "drafter)"
+        )
     log.warning(problem)
     return [problem]
 
 
-def warm_up(verifier, drafter, prompt: list[int], aux_layers: Sequence[int], steps: int, eos: Sequence[int],
-            batch_size: int) -> None:
+def warm_up(
+    verifier,
+    drafter,
+    prompt: list[int],
+    aux_layers: Sequence[int],
+    steps: int,
+    eos: Sequence[int],
+    batch_size: int,
+) -> None:
     """Untimed runs of both decoders at ``batch_size`` (allocator, kernels and their heuristics)."""
     from eagle3.benchmark.decode import greedy_generate_batch, speculative_generate_batch
 
@@ -977,19 +1202,32 @@ def lossless_verdict(report: dict, tie_tolerance: float, strict: bool) -> Option
     The line names the count and the first failing prompt (dataset, id, token index, logit gap); without
     ``strict`` its warning adds the reduced-precision hint.
     """
-    bad = [(d["dataset"], m) for d in report["datasets"] for m in d["mismatches"] if not m["near_tie"]]
+    bad = [
+        (d["dataset"], m) for d in report["datasets"] for m in d["mismatches"] if not m["near_tie"]
+    ]
     near = sum(d["near_ties"] for d in report["datasets"])
     if near:
-        report["warnings"].append(f"{near} prompts differ from greedy at a near-tie (logit gap <= {tie_tolerance}); "
-                                  "listed in mismatches")
+        report["warnings"].append(
+            f"{near} prompts differ from greedy at a near-tie (logit gap <= {tie_tolerance}); "
+            "listed in mismatches"
+        )
     if not bad:
         return None
     gap = bad[0][1]["gap"]
-    msg = (f"speculative output differs from greedy beyond the tie tolerance {tie_tolerance} on {len(bad)} prompts "
-           f"(first: dataset {bad[0][0]}, prompt {bad[0][1]['id']}, token {bad[0][1]['index']}, logit gap "
-           f"{'unknown' if gap is None else f'{gap:.4g}'})")
-    report["warnings"].append(msg + ("" if strict else "; reduced precision: raise benchmark.tie_tolerance only if "
-                                                         "the gaps are rounding-sized"))
+    msg = (
+        f"speculative output differs from greedy beyond the tie tolerance {tie_tolerance} on {len(bad)} prompts "
+        f"(first: dataset {bad[0][0]}, prompt {bad[0][1]['id']}, token {bad[0][1]['index']}, logit gap "
+        f"{'unknown' if gap is None else f'{gap:.4g}'})"
+    )
+    report["warnings"].append(
+        msg
+        + (
+            ""
+            if strict
+            else "; reduced precision: raise benchmark.tie_tolerance only if "
+            "the gaps are rounding-sized"
+        )
+    )
     return msg
 
 
@@ -1001,8 +1239,9 @@ def check_measurement(report: dict, tie_tolerance: float, strict: bool) -> Optio
     return lossless_verdict(report, tie_tolerance, strict)
 
 
-def load_sets(datasets: Sequence[str], num_prompts: Optional[int],
-              pick: str) -> tuple[list[tuple[str, list[EvalPrompt]]], list[str]]:
+def load_sets(
+    datasets: Sequence[str], num_prompts: Optional[int], pick: str
+) -> tuple[list[tuple[str, list[EvalPrompt]]], list[str]]:
     """Each dataset's ``num_prompts`` prompts picked by ``pick`` (:func:`eagle3.benchmark.eval_prompts.load_eval_subset`),
     under a label unique within the run (:func:`eagle3.benchmark.eval_prompts.dataset_labels`).
 
@@ -1020,8 +1259,12 @@ def load_sets(datasets: Sequence[str], num_prompts: Optional[int],
     return sets, notes
 
 
-def check_context(sets: Sequence[tuple[str, list[tuple[str, list[int]]]]], max_new_tokens: int, steps: int,
-                  verifier_config) -> None:
+def check_context(
+    sets: Sequence[tuple[str, list[tuple[str, list[int]]]]],
+    max_new_tokens: int,
+    steps: int,
+    verifier_config,
+) -> None:
     """Refuse a prompt whose decode would run past the verifier's context (``max_position_embeddings``): its tokens
     plus ``max_new_tokens`` plus the ``steps`` drafts of the last verify step. Such a prompt was benchmarked without a
     word (a 2,500-token prompt file line on a 2,048-position verifier, trial 2026-12-05g): positions the verifier was
@@ -1039,11 +1282,15 @@ def check_context(sets: Sequence[tuple[str, list[tuple[str, list[int]]]]], max_n
     for label, ids in sets:
         for pid, toks in ids:
             if len(toks) + max_new_tokens + steps > limit:
-                fix = ("leave the prompt out" if len(toks) + 1 + steps > limit else
-                       "lower --max-new-tokens (benchmark.max_new_tokens) or leave the prompt out")
+                fix = (
+                    "leave the prompt out"
+                    if len(toks) + 1 + steps > limit
+                    else "lower --max-new-tokens (benchmark.max_new_tokens) or leave the prompt out"
+                )
                 raise UserError(
                     f"dataset {label}, prompt {pid}: {len(toks)} prompt tokens + {max_new_tokens} new tokens + {steps} "
-                    f"drafts exceed the verifier's context of {limit} positions (max_position_embeddings); {fix}")
+                    f"drafts exceed the verifier's context of {limit} positions (max_position_embeddings); {fix}"
+                )
 
 
 def run_offline(
@@ -1105,14 +1352,30 @@ def run_offline(
         "datasets": [],
     }
     chat = ChatOptions.from_config(cfg)
-    tokenized = [(label, [(p.id, prompt_ids(tokenizer, p.messages, chat)) for p in prompts]) for label, prompts in sets]
+    tokenized = [
+        (label, [(p.id, prompt_ids(tokenizer, p.messages, chat)) for p in prompts])
+        for label, prompts in sets
+    ]
     check_context(tokenized, max_new_tokens, steps, verifier.config)  # before any set is decoded
     warm = prompt_ids(tokenizer, [{"role": "user", "content": "Hi"}], chat)
     warm_up(verifier, drafter, warm, aux_layers, steps, eos, largest)
     for label, ids in tokenized:
-        row = bench_prompts(verifier, drafter, ids, aux_layers, steps, max_new_tokens, eos, label,
-                            batch_size=batch_size, tie_tolerance=tie_tolerance, decoder=cfg.benchmark.decoder)
-        report["datasets"].append({**row, "prompt_ids": [i for i, _ in ids]})  # which prompts prompt_pick chose
+        row = bench_prompts(
+            verifier,
+            drafter,
+            ids,
+            aux_layers,
+            steps,
+            max_new_tokens,
+            eos,
+            label,
+            batch_size=batch_size,
+            tie_tolerance=tie_tolerance,
+            decoder=cfg.benchmark.decoder,
+        )
+        report["datasets"].append(
+            {**row, "prompt_ids": [i for i, _ in ids]}
+        )  # which prompts prompt_pick chose
     msg = check_measurement(report, tie_tolerance, strict)
     out = Path(out_dir or cfg.bench_dir)
     write_reports(out, report)
@@ -1145,10 +1408,15 @@ def holds_bench_lock(fn):
 
     @functools.wraps(fn)
     def locked(cfg, *args, **kwargs):
-        holder = (f"another 05_benchmark run is benchmarking into {cfg.bench_dir} (its reports would replace this "
-                  f"one's, and two runs side by side measure each other's load); wait for it, or set "
-                  f"benchmark.output_dir")
-        with rerun_hint(REDO_HINT), output_folder_lock(cfg.bench_dir, BENCH_LOCK, holder, cfg.output_field("bench")):
+        holder = (
+            f"another 05_benchmark run is benchmarking into {cfg.bench_dir} (its reports would replace this "
+            f"one's, and two runs side by side measure each other's load); wait for it, or set "
+            f"benchmark.output_dir"
+        )
+        with (
+            rerun_hint(REDO_HINT),
+            output_folder_lock(cfg.bench_dir, BENCH_LOCK, holder, cfg.output_field("bench")),
+        ):
             return fn(cfg, *args, **kwargs)
 
     return locked
@@ -1187,36 +1455,69 @@ def run(
     steps, steps_field = (steps, "--steps") if steps else (bc.steps, "benchmark.steps")
     max_new_tokens = max_new_tokens or bc.max_new_tokens
     num_prompts = num_prompts or bc.num_prompts
-    check_dataset_names(datasets or bc.datasets, "--datasets" if datasets else "benchmark.datasets", not datasets)
+    check_dataset_names(
+        datasets or bc.datasets, "--datasets" if datasets else "benchmark.datasets", not datasets
+    )
     datasets = list(datasets or bc.datasets)
-    probe_dirs(cfg.bench_dir, cfg.output_field("bench"))  # the reports come at the end: a bad folder fails now
+    probe_dirs(
+        cfg.bench_dir, cfg.output_field("bench")
+    )  # the reports come at the end: a bad folder fails now
     drafter_dir = resolve_drafter_dir(cfg, drafter_dir)
-    sets, subset_notes = load_sets(datasets, num_prompts, bc.prompt_pick)  # a bad set fails before the verifier loads
-    for w in subset_notes:  # (more prompts asked than a set has, categories left out) said before the long work
+    sets, subset_notes = load_sets(
+        datasets, num_prompts, bc.prompt_pick
+    )  # a bad set fails before the verifier loads
+    for w in (
+        subset_notes
+    ):  # (more prompts asked than a set has, categories left out) said before the long work
         log.warning("%s", w)
     from eagle3.export.serving import preflight_export
 
-    preflight_export(drafter_dir)  # a bad export fails before the verifier loads (minutes at Kimi scale); its
+    preflight_export(
+        drafter_dir
+    )  # a bad export fails before the verifier loads (minutes at Kimi scale); its
     # warnings are logged once, by load_exported below
     notes, not_checked = check_before_load(cfg, drafter_dir, steps, steps_field)  # each logged
     subset_notes += notes
     device = resolve_device(cfg.verifier.device)
     vcfg = cfg.verifier
     if device.type == "cpu" and vcfg.dtype != "float32":
-        log.info("CPU run: using float32 instead of %s so that the lossless check is exact", vcfg.dtype)
+        log.info(
+            "CPU run: using float32 instead of %s so that the lossless check is exact", vcfg.dtype
+        )
         vcfg = vcfg.model_copy(update={"dtype": "float32"})
     verifier, tokenizer = load_verifier(vcfg, device)
-    drafter, aux, warnings, unchecked = load_checked_drafter(cfg, drafter_dir, verifier, tokenizer, device,
-                                                             serve_aux_layers)
+    drafter, aux, warnings, unchecked = load_checked_drafter(
+        cfg, drafter_dir, verifier, tokenizer, device, serve_aux_layers
+    )
     dtype = next(verifier.parameters()).dtype
-    run_offline(cfg, verifier, tokenizer, drafter, aux, sets, steps, max_new_tokens, strict=dtype == torch.float32,
-                drafter_name=str(drafter_dir), warnings=warnings, batch_size=batch_size,
-                tie_tolerance=tie_tolerance, logged=subset_notes, not_checked=not_checked + unchecked)
+    run_offline(
+        cfg,
+        verifier,
+        tokenizer,
+        drafter,
+        aux,
+        sets,
+        steps,
+        max_new_tokens,
+        strict=dtype == torch.float32,
+        drafter_name=str(drafter_dir),
+        warnings=warnings,
+        batch_size=batch_size,
+        tie_tolerance=tie_tolerance,
+        logged=subset_notes,
+        not_checked=not_checked + unchecked,
+    )
     return 0
 
 
-def load_checked_drafter(cfg: RunConfig, drafter_dir: Path, verifier, tokenizer, device,
-                         serve_aux_layers: Optional[Sequence[int]] = None) -> tuple[Any, list[int], list[str], list[str]]:
+def load_checked_drafter(
+    cfg: RunConfig,
+    drafter_dir: Path,
+    verifier,
+    tokenizer,
+    device,
+    serve_aux_layers: Optional[Sequence[int]] = None,
+) -> tuple[Any, list[int], list[str], list[str]]:
     """Load the exported drafter beside a loaded verifier with every check 05 makes once the verifier is there: the
     drafter's recorded verifier (:func:`verifier_warnings`), its aux layers against the shards'
     (:func:`resolve_aux_layers`), the export folder's engine block (:func:`export_folder_warnings`), its vocab map and
@@ -1242,25 +1543,41 @@ def load_checked_drafter(cfg: RunConfig, drafter_dir: Path, verifier, tokenizer,
             fallback = default_aux_layers(dims["num_layers"])
         except UserError:  # too few layers for the default: the drafter's metadata must say
             fallback = None
-    mismatch = verifier_warnings(drafter_dir, cfg.verifier.display_name(), dims, weights_fingerprint(cfg.verifier))
-    with verifier_named_first(mismatch):  # another verifier: say so rather than an aux-layer / shape symptom
+    mismatch = verifier_warnings(
+        drafter_dir, cfg.verifier.display_name(), dims, weights_fingerprint(cfg.verifier)
+    )
+    with verifier_named_first(
+        mismatch
+    ):  # another verifier: say so rather than an aux-layer / shape symptom
         aux, warnings = resolve_aux_layers(drafter_dir, cfg.shards_dir, fallback)
         warnings += mismatch
         warnings += export_folder_warnings(drafter_dir, aux, dims["architecture"])
-        aux = check_aux_layers(aux, dims["num_layers"], field=f"{drafter_dir / TRAIN_META}: aux_layers")
+        aux = check_aux_layers(
+            aux, dims["num_layers"], field=f"{drafter_dir / TRAIN_META}: aux_layers"
+        )
         if serve_aux_layers is not None and list(serve_aux_layers) != list(aux):
-            serve = check_aux_layers(serve_aux_layers, dims["num_layers"], field="--serve-aux-layers")
-            warnings.append(f"serving with aux layers {serve} although the drafter was trained on {aux} "
-                            "(--serve-aux-layers)")
+            serve = check_aux_layers(
+                serve_aux_layers, dims["num_layers"], field="--serve-aux-layers"
+            )
+            warnings.append(
+                f"serving with aux layers {serve} although the drafter was trained on {aux} "
+                "(--serve-aux-layers)"
+            )
             aux = serve
         drafter = _load_drafter(drafter_dir, verifier, device, next(verifier.parameters()).dtype)
-    warnings += check_drafter_vocab(cfg, drafter, drafter_dir, own_export=drafter_dir == cfg.export_dir)
-    warnings += check_drafter_shape(cfg, drafter, drafter_dir, own_export=drafter_dir == cfg.export_dir)
+    warnings += check_drafter_vocab(
+        cfg, drafter, drafter_dir, own_export=drafter_dir == cfg.export_dir
+    )
+    warnings += check_drafter_shape(
+        cfg, drafter, drafter_dir, own_export=drafter_dir == cfg.export_dir
+    )
     late, unchecked = _after_load(cfg, drafter_dir, mismatch, tokenizer)
     return drafter, aux, warnings + late, unchecked
 
 
-def _after_load(cfg: RunConfig, drafter_dir: Path, mismatch: list[str], tokenizer) -> tuple[list[str], list[str]]:
+def _after_load(
+    cfg: RunConfig, drafter_dir: Path, mismatch: list[str], tokenizer
+) -> tuple[list[str], list[str]]:
     """05's checks once the verifier's tokenizer is loaded: the chat template and its kwargs against the shards'
     (:func:`template_check`, :func:`template_kwargs_check`), and which checks could not be made: the drafter's verifier record
     (:func:`verifier_unchecked`; not when ``mismatch`` already names another verifier), its ``d2t`` against the run's
@@ -1274,12 +1591,24 @@ def _after_load(cfg: RunConfig, drafter_dir: Path, mismatch: list[str], tokenize
     name = cfg.verifier.display_name()
     other_template, template_unchecked = template_check(cfg, tokenizer)
     other_kwargs, kwargs_unchecked = template_kwargs_check(cfg)
-    unchecked = [w for w in (None if mismatch else verifier_unchecked(drafter_dir, name, weights_fingerprint(
-        cfg.verifier)), vocab_map_unchecked(cfg, drafter_dir), template_unchecked, kwargs_unchecked) if w]
+    unchecked = [
+        w
+        for w in (
+            None
+            if mismatch
+            else verifier_unchecked(drafter_dir, name, weights_fingerprint(cfg.verifier)),
+            vocab_map_unchecked(cfg, drafter_dir),
+            template_unchecked,
+            kwargs_unchecked,
+        )
+        if w
+    ]
     return [w for w in (other_template, other_kwargs) if w] + unchecked, unchecked
 
 
-def check_before_load(cfg: RunConfig, drafter_dir: Path, steps: int, steps_field: str) -> tuple[list[str], list[str]]:
+def check_before_load(
+    cfg: RunConfig, drafter_dir: Path, steps: int, steps_field: str
+) -> tuple[list[str], list[str]]:
     """05's checks of the drafter's and the shards' metadata that need no verifier, run before it loads: a config
     whose ``extract`` settings differ from the shards' ``data_config.json`` is refused
     (:func:`eagle3.shards.format.check_extract_settings`); ``steps`` past the trained ``ttt_length`` is warned about
@@ -1292,9 +1621,15 @@ def check_before_load(cfg: RunConfig, drafter_dir: Path, steps: int, steps_field
     Raises:
         UserError: the config's extract settings differ from the shards'.
     """
-    if (cfg.shards_dir / DATA_CONFIG).is_file():  # a config whose extract settings differ from the shards' is refused
+    if (
+        cfg.shards_dir / DATA_CONFIG
+    ).is_file():  # a config whose extract settings differ from the shards' is refused
         check_extract_settings(cfg.extract, read_json(cfg.shards_dir / DATA_CONFIG), cfg.shards_dir)
-    lines = [ttt_length_unchecked(drafter_dir, steps, steps_field), shards_unchecked(cfg, drafter_dir)]
+    lines = [
+        ttt_length_unchecked(drafter_dir, steps, steps_field),
+        shards_unchecked(cfg, drafter_dir),
+    ]
     not_checked = [w for w in lines if w]
-    return _logged(ttt_length_warning(drafter_dir, steps, steps_field)) + [w for w in not_checked if _logged(w)], \
-        not_checked
+    return _logged(ttt_length_warning(drafter_dir, steps, steps_field)) + [
+        w for w in not_checked if _logged(w)
+    ], not_checked

@@ -46,17 +46,38 @@ from typing import Optional, Sequence
 
 from tqdm import tqdm
 
-from eagle3.benchmark.offline import (holds_bench_lock, json_safe, plot_acceptance, rates_from_hist, speedup_warning,
-                                     template_check, template_kwargs_check)
+from eagle3.benchmark.offline import (
+    holds_bench_lock,
+    json_safe,
+    plot_acceptance,
+    rates_from_hist,
+    speedup_warning,
+    template_check,
+    template_kwargs_check,
+)
 from eagle3.errors import UserError
 from eagle3.io import json_error_detail, probe_dirs, read_json
 
 log = logging.getLogger(__name__)
 
-SPEC_KEYS = ("spec_verify_ct", "spec_accept_length", "spec_accept_rate", "spec_num_correct_drafts",
-             "spec_num_proposed_drafts", "spec_correct_drafts_histogram")
-INFO_KEYS = ("model_path", "speculative_algorithm", "speculative_draft_model_path", "speculative_num_steps",
-             "speculative_eagle_topk", "speculative_num_draft_tokens", "dtype", "tp_size")
+SPEC_KEYS = (
+    "spec_verify_ct",
+    "spec_accept_length",
+    "spec_accept_rate",
+    "spec_num_correct_drafts",
+    "spec_num_proposed_drafts",
+    "spec_correct_drafts_histogram",
+)
+INFO_KEYS = (
+    "model_path",
+    "speculative_algorithm",
+    "speculative_draft_model_path",
+    "speculative_num_steps",
+    "speculative_eagle_topk",
+    "speculative_num_draft_tokens",
+    "dtype",
+    "tp_size",
+)
 
 
 def _http(url: str, payload: Optional[dict] = None, timeout: float = 600.0) -> dict:
@@ -66,8 +87,12 @@ def _http(url: str, payload: Optional[dict] = None, timeout: float = 600.0) -> d
         UserError: connection failure, HTTP error status (with the body's first 200 chars), non-JSON body.
     """
     data = None if payload is None else json.dumps(payload).encode("utf-8")
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"},
-                                 method="GET" if data is None else "POST")
+    req = urllib.request.Request(
+        url,
+        data=data,
+        headers={"Content-Type": "application/json"},
+        method="GET" if data is None else "POST",
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             body = r.read()
@@ -97,7 +122,10 @@ def generate(url: str, input_ids: list[int], max_new_tokens: int, timeout: float
     Raises:
         UserError: transport errors (see :func:`_http`) or a response without ``meta_info.completion_tokens``.
     """
-    payload = {"input_ids": list(input_ids), "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens}}
+    payload = {
+        "input_ids": list(input_ids),
+        "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens},
+    }
     t0 = time.perf_counter()
     out = _http(url.rstrip("/") + "/generate", payload, timeout)
     seconds = time.perf_counter() - t0
@@ -105,11 +133,20 @@ def generate(url: str, input_ids: list[int], max_new_tokens: int, timeout: float
         out = out[0] if out else {}
     meta = out.get("meta_info") if isinstance(out, dict) else None
     if not isinstance(meta, dict) or not isinstance(meta.get("completion_tokens"), int):
-        raise UserError(f"server {url}: /generate response has no meta_info.completion_tokens (is this SGLang?)")
-    return {"output_ids": out.get("output_ids"), "text": out.get("text"), "meta_info": meta, "seconds": seconds}
+        raise UserError(
+            f"server {url}: /generate response has no meta_info.completion_tokens (is this SGLang?)"
+        )
+    return {
+        "output_ids": out.get("output_ids"),
+        "text": out.get("text"),
+        "meta_info": meta,
+        "seconds": seconds,
+    }
 
 
-def emitted_histogram(hist: Sequence[int], completion_tokens: int, verify_ct: int) -> tuple[list[int], str]:
+def emitted_histogram(
+    hist: Sequence[int], completion_tokens: int, verify_ct: int
+) -> tuple[list[int], str]:
     """One request's accepted-drafts histogram restricted to the tokens it emitted.
 
     SGLang records each verify step's accepted drafts before the cut at EOS / ``max_new_tokens``,
@@ -146,8 +183,15 @@ def emitted_histogram(hist: Sequence[int], completion_tokens: int, verify_ct: in
     return h, "exact" if len(cands) == 1 else "ambiguous"
 
 
-def bench_server(url: str, prompts_ids: Sequence[tuple[str, list[int]]], max_new_tokens: int,
-                 concurrency: int = 1, timeout: float = 600.0, label: str = "", progress: bool = True) -> dict:
+def bench_server(
+    url: str,
+    prompts_ids: Sequence[tuple[str, list[int]]],
+    max_new_tokens: int,
+    concurrency: int = 1,
+    timeout: float = 600.0,
+    label: str = "",
+    progress: bool = True,
+) -> dict:
     """Send every prompt to one server (``concurrency`` in flight) after one untimed warm-up request.
 
     Returns:
@@ -167,42 +211,76 @@ def bench_server(url: str, prompts_ids: Sequence[tuple[str, list[int]]], max_new
         raise UserError(f"--concurrency: must be >= 1, got {concurrency}")
     info = server_info(url)
     generate(url, prompts_ids[0][1], min(8, max_new_tokens), timeout)  # warm-up
-    results, wall = _send_all(url, prompts_ids, max_new_tokens, concurrency, timeout, label, progress)
+    results, wall = _send_all(
+        url, prompts_ids, max_new_tokens, concurrency, timeout, label, progress
+    )
     t = _tally_requests(prompts_ids, results)
     tokens, verify, hist, per_req = t["tokens"], t["verify"], t["hist"], t["per_req"]
     if t["trims"]["inconsistent"]:
-        log.warning("%s: %d requests report a draft histogram that does not match completion_tokens - 1; "
-                    "used as reported", url, t["trims"]["inconsistent"])
+        log.warning(
+            "%s: %d requests report a draft histogram that does not match completion_tokens - 1; "
+            "used as reported",
+            url,
+            t["trims"]["inconsistent"],
+        )
     res = {
-        "url": url, "dataset": label, "server_info": info, "num_prompts": len(prompts_ids), "concurrency": concurrency,
-        "completion_tokens": tokens, "wall_seconds": wall,
+        "url": url,
+        "dataset": label,
+        "server_info": info,
+        "num_prompts": len(prompts_ids),
+        "concurrency": concurrency,
+        "completion_tokens": tokens,
+        "wall_seconds": wall,
         "output_tokens_per_s": tokens / wall if wall > 0 else float("nan"),
-        "mean_request_tokens_per_s": sum(p["completion_tokens"] / p["seconds"] for p in per_req if p["seconds"] > 0) / len(per_req),
+        "mean_request_tokens_per_s": sum(
+            p["completion_tokens"] / p["seconds"] for p in per_req if p["seconds"] > 0
+        )
+        / len(per_req),
         "speculative": verify > 0,
     }
     if verify > 0:
-        steps = info.get("speculative_num_steps")  # an integer >= 1, else (absent, odd) the histogram's length
+        steps = info.get(
+            "speculative_num_steps"
+        )  # an integer >= 1, else (absent, odd) the histogram's length
         if not (isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1):
             steps = max(1, len(hist) - 1)
         accept_lengths = t["accept_lengths"]
-        res.update({
-            "steps": steps, "verify_steps": verify, "tau": t["verify_tokens"] / verify,
-            "sglang_accept_length": tokens / verify,
-            "mean_spec_accept_length": sum(accept_lengths) / len(accept_lengths) if accept_lengths else float("nan"),
-            "accepted_hist": hist, "reported_accepted_hist": t["raw_hist"], "histogram_trims": t["trims"],
-            **rates_from_hist(hist, steps),
-        })
+        res.update(
+            {
+                "steps": steps,
+                "verify_steps": verify,
+                "tau": t["verify_tokens"] / verify,
+                "sglang_accept_length": tokens / verify,
+                "mean_spec_accept_length": sum(accept_lengths) / len(accept_lengths)
+                if accept_lengths
+                else float("nan"),
+                "accepted_hist": hist,
+                "reported_accepted_hist": t["raw_hist"],
+                "histogram_trims": t["trims"],
+                **rates_from_hist(hist, steps),
+            }
+        )
     res["per_request"] = per_req
     return res
 
 
-def _send_all(url: str, prompts_ids: Sequence[tuple[str, list[int]]], max_new_tokens: int, concurrency: int,
-              timeout: float, label: str, progress: bool) -> tuple[list[dict], float]:
+def _send_all(
+    url: str,
+    prompts_ids: Sequence[tuple[str, list[int]]],
+    max_new_tokens: int,
+    concurrency: int,
+    timeout: float,
+    label: str,
+    progress: bool,
+) -> tuple[list[dict], float]:
     """Every prompt through :func:`generate`, ``concurrency`` in flight; ``(responses in prompt order, wall seconds)``."""
     results: list[Optional[dict]] = [None] * len(prompts_ids)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        futs = {pool.submit(generate, url, ids, max_new_tokens, timeout): i for i, (_, ids) in enumerate(prompts_ids)}
+        futs = {
+            pool.submit(generate, url, ids, max_new_tokens, timeout): i
+            for i, (_, ids) in enumerate(prompts_ids)
+        }
         bar = tqdm(total=len(futs), desc=f"server {label or url}", unit="req", disable=not progress)
         for fut, i in futs.items():
             results[i] = fut.result()
@@ -233,8 +311,13 @@ def _tally_requests(prompts_ids: Sequence[tuple[str, list[int]]], results: list[
     for (pid, ids), r in zip(prompts_ids, results):
         m = r["meta_info"]
         tokens += m["completion_tokens"]
-        row = {"id": pid, "prompt_tokens": len(ids), "completion_tokens": m["completion_tokens"], "seconds": r["seconds"],
-               "output_ids": r["output_ids"]}
+        row = {
+            "id": pid,
+            "prompt_tokens": len(ids),
+            "completion_tokens": m["completion_tokens"],
+            "seconds": r["seconds"],
+            "output_ids": r["output_ids"],
+        }
         row.update({k: m[k] for k in SPEC_KEYS if k in m})
         vct = int(m.get("spec_verify_ct") or 0)
         if vct > 0:
@@ -250,45 +333,78 @@ def _tally_requests(prompts_ids: Sequence[tuple[str, list[int]]], results: list[
             add(raw_hist, raw)
             add(hist, emitted)
         per_req.append(row)
-    return {"per_req": per_req, "tokens": tokens, "verify": verify, "verify_tokens": verify_tokens,
-            "accept_lengths": accept_lengths, "hist": hist, "raw_hist": raw_hist, "trims": trims}
+    return {
+        "per_req": per_req,
+        "tokens": tokens,
+        "verify": verify,
+        "verify_tokens": verify_tokens,
+        "accept_lengths": accept_lengths,
+        "hist": hist,
+        "raw_hist": raw_hist,
+        "trims": trims,
+    }
 
 
 def render_markdown(report: dict) -> str:
     """Markdown table of a server benchmark report (``server_bench.json``)."""
+
     def f(x, nd=2):
         return "n/a" if x is None or x != x else f"{x:.{nd}f}"
 
-    lines = [f"# SGLang server benchmark ({report['dataset']}, {report['num_prompts']} prompts, temperature 0, "
-             f"max_new_tokens {report['max_new_tokens']}, concurrency {report['concurrency']})", "",
-             "tau: tokens emitted by verify steps / verify steps (the last step of a request counted up to "
-             "the cut at EOS / max_new_tokens); SGLang's spec_accept_length also counts the prefill token.", ""]
+    lines = [
+        f"# SGLang server benchmark ({report['dataset']}, {report['num_prompts']} prompts, temperature 0, "
+        f"max_new_tokens {report['max_new_tokens']}, concurrency {report['concurrency']})",
+        "",
+        "tau: tokens emitted by verify steps / verify steps (the last step of a request counted up to "
+        "the cut at EOS / max_new_tokens); SGLang's spec_accept_length also counts the prefill token.",
+        "",
+    ]
     if report.get("prompt_pick"):
         lines += [f"prompts picked: {report['prompt_pick']}", ""]
-    lines += [f"Warning: {w}" for w in report.get("warnings") or []] + ([""] if report.get("warnings") else [])
-    lines += ["| server | speculative | tau | SGLang accept length | output tok/s | mean request tok/s | completion tokens | wall s |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"Warning: {w}" for w in report.get("warnings") or []] + (
+        [""] if report.get("warnings") else []
+    )
+    lines += [
+        "| server | speculative | tau | SGLang accept length | output tok/s | mean request tok/s | completion tokens | wall s |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for s in report["servers"]:
-        lines.append(f"| {s['url']} | {'yes' if s['speculative'] else 'no'} | {f(s.get('tau'))} | "
-                     f"{f(s.get('sglang_accept_length'))} | "
-                     f"{f(s['output_tokens_per_s'], 1)} | {f(s['mean_request_tokens_per_s'], 1)} | "
-                     f"{s['completion_tokens']} | {f(s['wall_seconds'], 1)} |")
+        lines.append(
+            f"| {s['url']} | {'yes' if s['speculative'] else 'no'} | {f(s.get('tau'))} | "
+            f"{f(s.get('sglang_accept_length'))} | "
+            f"{f(s['output_tokens_per_s'], 1)} | {f(s['mean_request_tokens_per_s'], 1)} | "
+            f"{s['completion_tokens']} | {f(s['wall_seconds'], 1)} |"
+        )
     spec = report["servers"][0]
     if spec.get("speculative"):
         steps = spec["steps"]
-        lines += ["", "| draft position | " + " | ".join(str(k + 1) for k in range(steps)) + " |",
-                  "|---|" + "---:|" * steps,
-                  "| conditional | " + " | ".join(f(x) for x in spec["conditional"]) + " |",
-                  "| unconditional | " + " | ".join(f(x) for x in spec["unconditional"]) + " |"]
+        lines += [
+            "",
+            "| draft position | " + " | ".join(str(k + 1) for k in range(steps)) + " |",
+            "|---|" + "---:|" * steps,
+            "| conditional | " + " | ".join(f(x) for x in spec["conditional"]) + " |",
+            "| unconditional | " + " | ".join(f(x) for x in spec["unconditional"]) + " |",
+        ]
     if "speedup" in report:
-        lines += ["", f"speedup (server 1 vs server 2 tokens/s): **{f(report['speedup'])}x**; "
-                      f"identical outputs: {report['identical_outputs']}/{report['num_prompts']}"]
+        lines += [
+            "",
+            f"speedup (server 1 vs server 2 tokens/s): **{f(report['speedup'])}x**; "
+            f"identical outputs: {report['identical_outputs']}/{report['num_prompts']}",
+        ]
     return "\n".join(lines) + "\n"
 
 
-def run_server_bench(urls: Sequence[str], prompts_ids: Sequence[tuple[str, list[int]]], max_new_tokens: int,
-                     concurrency: int = 1, dataset: str = "mtbench", timeout: float = 600.0,
-                     out_dir: Optional[str | Path] = None, progress: bool = True, extra: Optional[dict] = None) -> dict:
+def run_server_bench(
+    urls: Sequence[str],
+    prompts_ids: Sequence[tuple[str, list[int]]],
+    max_new_tokens: int,
+    concurrency: int = 1,
+    dataset: str = "mtbench",
+    timeout: float = 600.0,
+    out_dir: Optional[str | Path] = None,
+    progress: bool = True,
+    extra: Optional[dict] = None,
+) -> dict:
     """Benchmark one speculative server (``urls[0]``) and optionally a baseline server (``urls[1]``).
 
     Writes ``server_bench.json``, ``server_bench.md`` and (when speculative) ``server_acceptance.png``
@@ -305,20 +421,46 @@ def run_server_bench(urls: Sequence[str], prompts_ids: Sequence[tuple[str, list[
         UserError: no URL or more than two, no prompts, server errors.
     """
     if not 1 <= len(urls) <= 2:
-        raise UserError(f"--server / benchmark.server_urls: expected 1 or 2 URLs (speculative, then baseline), got {len(urls)}")
+        raise UserError(
+            f"--server / benchmark.server_urls: expected 1 or 2 URLs (speculative, then baseline), got {len(urls)}"
+        )
     if not prompts_ids:
         raise UserError(f"dataset {dataset}: no prompts")
-    servers = [bench_server(u, prompts_ids, max_new_tokens, concurrency, timeout, f"{dataset} @ {u}", progress) for u in urls]
-    report = {"dataset": dataset, "num_prompts": len(prompts_ids), "max_new_tokens": max_new_tokens,
-              "concurrency": concurrency, **(extra or {}), "servers": servers}
+    servers = [
+        bench_server(
+            u, prompts_ids, max_new_tokens, concurrency, timeout, f"{dataset} @ {u}", progress
+        )
+        for u in urls
+    ]
+    report = {
+        "dataset": dataset,
+        "num_prompts": len(prompts_ids),
+        "max_new_tokens": max_new_tokens,
+        "concurrency": concurrency,
+        **(extra or {}),
+        "servers": servers,
+    }
     if not servers[0]["speculative"]:
-        log.warning("server %s reported no spec_verify_ct: was it started with --speculative-algorithm EAGLE3?", urls[0])
+        log.warning(
+            "server %s reported no spec_verify_ct: was it started with --speculative-algorithm EAGLE3?",
+            urls[0],
+        )
     if len(servers) == 2:
         a, b = servers
-        report["speedup"] = a["output_tokens_per_s"] / b["output_tokens_per_s"] if b["output_tokens_per_s"] else float("nan")
-        report["identical_outputs"] = sum(x["output_ids"] == y["output_ids"] for x, y in zip(a["per_request"], b["per_request"]))
-        above = speedup_warning(dataset, report["speedup"], a.get("tau"), baseline="the baseline server")
-        if above:  # a ratio tau cannot give: the baseline server was slowed or runs on other hardware
+        report["speedup"] = (
+            a["output_tokens_per_s"] / b["output_tokens_per_s"]
+            if b["output_tokens_per_s"]
+            else float("nan")
+        )
+        report["identical_outputs"] = sum(
+            x["output_ids"] == y["output_ids"] for x, y in zip(a["per_request"], b["per_request"])
+        )
+        above = speedup_warning(
+            dataset, report["speedup"], a.get("tau"), baseline="the baseline server"
+        )
+        if (
+            above
+        ):  # a ratio tau cannot give: the baseline server was slowed or runs on other hardware
             log.warning("%s", above)
             report["warnings"] = [*report.get("warnings", []), above]
     if out_dir is not None:
@@ -333,19 +475,35 @@ def _write_server_reports(out: Path, report: dict, url: str) -> None:
     from eagle3.io import atomic_write_files
 
     spec = report["servers"][0]
-    files = [(out / "server_bench.json", (json.dumps(json_safe(report), indent=2, ensure_ascii=False) + "\n").encode()),
-             (out / "server_bench.md", render_markdown(report).encode("utf-8"))]
+    files = [
+        (
+            out / "server_bench.json",
+            (json.dumps(json_safe(report), indent=2, ensure_ascii=False) + "\n").encode(),
+        ),
+        (out / "server_bench.md", render_markdown(report).encode("utf-8")),
+    ]
     png = out / "server_acceptance.png"
     if spec["speculative"]:
-        d = {"dataset": report["dataset"], "tau": spec["tau"], "conditional": spec["conditional"],
-             "unconditional": spec["unconditional"]}
+        d = {
+            "dataset": report["dataset"],
+            "tau": spec["tau"],
+            "conditional": spec["conditional"],
+            "unconditional": spec["unconditional"],
+        }
         files.append((png, plot_acceptance([d], spec["steps"], url)))
     atomic_write_files(files, remove=() if spec["speculative"] else (png,))
 
 
 @holds_bench_lock
-def run(cfg, urls: Sequence[str], datasets: Optional[Sequence[str]] = None, num_prompts: Optional[int] = None,
-        max_new_tokens: Optional[int] = None, concurrency: int = 1, timeout: float = 600.0) -> int:
+def run(
+    cfg,
+    urls: Sequence[str],
+    datasets: Optional[Sequence[str]] = None,
+    num_prompts: Optional[int] = None,
+    max_new_tokens: Optional[int] = None,
+    concurrency: int = 1,
+    timeout: float = 600.0,
+) -> int:
     """Stage 05 ``--server`` mode: render the prompts with the verifier's tokenizer and benchmark the server(s).
 
     One report per dataset (default: the config's ``benchmark.datasets`` when it sets them, else ``mtbench``):
@@ -363,19 +521,23 @@ def run(cfg, urls: Sequence[str], datasets: Optional[Sequence[str]] = None, num_
     Raises:
         UserError: tokenizer, prompt set or server problems (see :func:`run_server_bench`).
     """
-    from eagle3.prompts.chat import ChatOptions, prompt_ids
     from eagle3.benchmark.eval_prompts import check_dataset_names, dataset_labels, load_eval_subset
+    from eagle3.prompts.chat import ChatOptions, prompt_ids
     from eagle3.verifier import load_tokenizer
 
     if datasets:
         check_dataset_names(datasets, "--datasets", indexed=False)
-    elif "datasets" in cfg.benchmark.model_fields_set:  # the config's sets when it names them (configs/kimi-k2.5.yaml)
+    elif (
+        "datasets" in cfg.benchmark.model_fields_set
+    ):  # the config's sets when it names them (configs/kimi-k2.5.yaml)
         datasets = cfg.benchmark.datasets
         check_dataset_names(datasets, "benchmark.datasets")
     else:  # else MT-bench
         datasets = ["mtbench"]
     datasets = list(datasets)
-    probe_dirs(Path(cfg.bench_dir), cfg.output_field("bench"))  # the reports come after the measurement
+    probe_dirs(
+        Path(cfg.bench_dir), cfg.output_field("bench")
+    )  # the reports come after the measurement
     max_new_tokens = max_new_tokens or cfg.benchmark.max_new_tokens
     num_prompts = num_prompts or cfg.benchmark.num_prompts
     tok = load_tokenizer(cfg.verifier)
@@ -383,9 +545,14 @@ def run(cfg, urls: Sequence[str], datasets: Optional[Sequence[str]] = None, num_
     model_notes, served = served_model_warnings(cfg, urls)
     other_template, template_unchecked = template_check(cfg, tok, say_missing=True)
     other_kwargs, kwargs_unchecked = template_kwargs_check(cfg)
-    folder_notes += model_notes + [w for w in (other_template, template_unchecked, other_kwargs, kwargs_unchecked) if w]
-    unchecked = folder["not_checked"] + [w for r in served for w in r["not_checked"]] + [
-        w for w in (template_unchecked, kwargs_unchecked) if w]
+    folder_notes += model_notes + [
+        w for w in (other_template, template_unchecked, other_kwargs, kwargs_unchecked) if w
+    ]
+    unchecked = (
+        folder["not_checked"]
+        + [w for r in served for w in r["not_checked"]]
+        + [w for w in (template_unchecked, kwargs_unchecked) if w]
+    )
     for w in folder_notes:
         log.warning("%s", w)
     labels = dataset_labels(datasets)
@@ -396,13 +563,34 @@ def run(cfg, urls: Sequence[str], datasets: Optional[Sequence[str]] = None, num_
         for w in notes:
             log.warning("%s", w)
         ids = [(p.id, prompt_ids(tok, p.messages, ChatOptions.from_config(cfg))) for p in prompts]
-        report = run_server_bench(urls, ids, max_new_tokens, concurrency, label, timeout, out, extra={
-            "prompt_pick": cfg.benchmark.prompt_pick, "prompt_ids": [i for i, _ in ids],
-            "warnings": folder_notes + notes, "not_checked": unchecked, "draft_folder": folder, "served_model": served})
+        report = run_server_bench(
+            urls,
+            ids,
+            max_new_tokens,
+            concurrency,
+            label,
+            timeout,
+            out,
+            extra={
+                "prompt_pick": cfg.benchmark.prompt_pick,
+                "prompt_ids": [i for i, _ in ids],
+                "warnings": folder_notes + notes,
+                "not_checked": unchecked,
+                "draft_folder": folder,
+                "served_model": served,
+            },
+        )
         s = report["servers"][0]
-        log.info("%s: tau %s, %.1f output tok/s%s", label, f"{s['tau']:.2f}" if s.get("tau") else "n/a",
-                 s["output_tokens_per_s"], f", speedup {report['speedup']:.2f}x" if "speedup" in report else "")
-        print(f"report: {Path(out) / 'server_bench.md'}")  # as the offline benchmark's headline ends
+        log.info(
+            "%s: tau %s, %.1f output tok/s%s",
+            label,
+            f"{s['tau']:.2f}" if s.get("tau") else "n/a",
+            s["output_tokens_per_s"],
+            f", speedup {report['speedup']:.2f}x" if "speedup" in report else "",
+        )
+        print(
+            f"report: {Path(out) / 'server_bench.md'}"
+        )  # as the offline benchmark's headline ends
     return 0
 
 
@@ -429,8 +617,10 @@ def stale_server_reports(bench_dir: Path, labels: Sequence[str]) -> list[str]:
             name = read_json(f).get("dataset", "?")
         except (UserError, AttributeError, ValueError, OSError):  # unreadable: still stale
             name = "?"
-        out.append(f"{f}: a server report of an earlier run (set {name}), not rewritten by this one; this run writes "
-                   + ", ".join(str(p) for p in sorted(fresh)))
+        out.append(
+            f"{f}: a server report of an earlier run (set {name}), not rewritten by this one; this run writes "
+            + ", ".join(str(p) for p in sorted(fresh))
+        )
     return out
 
 
@@ -466,7 +656,13 @@ def draft_folder_warnings(cfg, url: str, timeout: float = 30.0) -> tuple[list[st
     info = server_info(url, timeout)
     path, steps = info.get("speculative_draft_model_path"), info.get("speculative_num_steps")
     steps = steps if isinstance(steps, int) and not isinstance(steps, bool) else None
-    rec = {"url": url, "path": path, "speculative_num_steps": steps, "readable": False, "not_checked": []}
+    rec = {
+        "url": url,
+        "path": path,
+        "speculative_num_steps": steps,
+        "readable": False,
+        "not_checked": [],
+    }
     unread = _unreadable_draft_folder(url, info, path, steps)
     if unread is not None:
         if unread:
@@ -476,29 +672,46 @@ def draft_folder_warnings(cfg, url: str, timeout: float = 30.0) -> tuple[list[st
     out = _drafter_verifier_lines(cfg, Path(path), rec)
     if steps is not None:
         field = f"the server's speculative_num_steps (--speculative-num-steps, {url}/server_info)"
-        out += [w for w in [ttt_length_warning(Path(path), steps, field, fix="restart the server with "
-                                               "--speculative-num-steps {k}")] if w]
+        out += [
+            w
+            for w in [
+                ttt_length_warning(
+                    Path(path),
+                    steps,
+                    field,
+                    fix="restart the server with --speculative-num-steps {k}",
+                )
+            ]
+            if w
+        ]
         unchecked = ttt_length_unchecked(Path(path), steps, "the server's --speculative-num-steps")
         rec["not_checked"] += [unchecked] if unchecked else []
     else:
-        rec["not_checked"].append(f"{url}/server_info names no integer speculative_num_steps: 05 did not check the "
-                                  f"drafter's trained ttt_length ({Path(path) / 'eagle3_train.json'}) against the "
-                                  f"draft tokens the server drafts a step; check that its --speculative-num-steps is "
-                                  f"at most that ttt_length")
+        rec["not_checked"].append(
+            f"{url}/server_info names no integer speculative_num_steps: 05 did not check the "
+            f"drafter's trained ttt_length ({Path(path) / 'eagle3_train.json'}) against the "
+            f"draft tokens the server drafts a step; check that its --speculative-num-steps is "
+            f"at most that ttt_length"
+        )
     if not (Path(path) / "config.json").is_file():
-        rec["not_checked"].append(f"{Path(path) / 'config.json'} not found: 05 did not check the folder's engine and "
-                                  f"aux layers; check that the server loads a folder with one")
+        rec["not_checked"].append(
+            f"{Path(path) / 'config.json'} not found: 05 did not check the folder's engine and "
+            f"aux layers; check that the server loads a folder with one"
+        )
         return out + rec["not_checked"], rec
     shards_aux = arch = None
     if (Path(cfg.shards_dir) / DATA_CONFIG).is_file():
         dc = read_data_config(cfg.shards_dir)
         shards_aux, arch = dc.get("aux_layers"), dc.get("architecture")
     else:
-        rec["not_checked"].append(f"{Path(cfg.shards_dir) / DATA_CONFIG} not found: 05 checked the layers SGLang "
-                                  f"captures against the folder's own record only, not against the shards'; compare "
-                                  f"its eagle3_train.json aux_layers_hf with the shards' data_config.json aux_layers")
-    out += check_export_folder(path, serving_engine="sglang", shards_aux_hf=shards_aux,
-                               verifier_architecture=arch)["warnings"]
+        rec["not_checked"].append(
+            f"{Path(cfg.shards_dir) / DATA_CONFIG} not found: 05 checked the layers SGLang "
+            f"captures against the folder's own record only, not against the shards'; compare "
+            f"its eagle3_train.json aux_layers_hf with the shards' data_config.json aux_layers"
+        )
+    out += check_export_folder(
+        path, serving_engine="sglang", shards_aux_hf=shards_aux, verifier_architecture=arch
+    )["warnings"]
     return out + rec["not_checked"], rec
 
 
@@ -534,16 +747,19 @@ def _unreadable_draft_folder(url: str, info: dict, path, steps: Optional[int]) -
     elif not isinstance(path, str):  # a proxy's or hand-made server_info: Path() raised TypeError
         why = f"{url}/server_info speculative_draft_model_path is {path!r}, not a folder path"
     elif not Path(path).is_dir():
-        why = (f"the server's draft folder {path} ({url}/server_info speculative_draft_model_path) is not readable on "
-               f"this machine (the server runs elsewhere, or it is a hub id)")
+        why = (
+            f"the server's draft folder {path} ({url}/server_info speculative_draft_model_path) is not readable on "
+            f"this machine (the server runs elsewhere, or it is a hub id)"
+        )
     else:
         return None
     k = f" {steps}" if steps is not None else ""
-    return (f"{why}: 05 did not check it against the server (its eagle3_train.json ttt_length against "
-            f"--speculative-num-steps{k}, its config.json's engine (sglang) and aux layers against the shards'); run 05 "
-            f"where that folder is readable (e.g. on shared storage), or check there that its eagle3_train.json has "
-            f"engine sglang and ttt_length >= the server's --speculative-num-steps")
-
+    return (
+        f"{why}: 05 did not check it against the server (its eagle3_train.json ttt_length against "
+        f"--speculative-num-steps{k}, its config.json's engine (sglang) and aux layers against the shards'); run 05 "
+        f"where that folder is readable (e.g. on shared storage), or check there that its eagle3_train.json has "
+        f"engine sglang and ttt_length >= the server's --speculative-num-steps"
+    )
 
 
 def served_model_path(url: str, timeout: float = 30.0) -> tuple[Optional[str], Optional[str]]:
@@ -595,21 +811,45 @@ def compare_served_model(vcfg, served: str) -> tuple[Optional[str], str]:
         if sp.resolve() == mine.resolve():
             return "same folder", "the same path"
         folder, gguf = (sp.parent, sp.name) if sp.is_file() else (sp, None)
-        theirs = weights_fingerprint(vcfg.model_copy(update={"path": str(folder), "gguf_file": gguf}))
+        theirs = weights_fingerprint(
+            vcfg.model_copy(update={"path": str(folder), "gguf_file": gguf})
+        )
         ours = weights_fingerprint(vcfg)
         if theirs and ours:
-            return ("same weights", "a copy of its weight files") if theirs == ours else (
-                "differs", "its weight files are not those at verifier.path (verifier_weights fingerprints differ)")
-    names = {n.lower() for n in (mine.name if mine is not None else None, vcfg.gguf_file,
-                                 Path(vcfg.name).name if vcfg.name else None) if n}
+            return (
+                ("same weights", "a copy of its weight files")
+                if theirs == ours
+                else (
+                    "differs",
+                    "its weight files are not those at verifier.path (verifier_weights fingerprints differ)",
+                )
+            )
+    names = {
+        n.lower()
+        for n in (
+            mine.name if mine is not None else None,
+            vcfg.gguf_file,
+            Path(vcfg.name).name if vcfg.name else None,
+        )
+        if n
+    }
     name = sp.name.lower() or served.lower()
     if name in names:
         return "same name", f"the same name {sp.name!r}"
-    where = ("its weights could not be fingerprinted here" if sp.exists() else "it is not readable on this machine")
-    return None, f"{where} and its name {sp.name!r} is not verifier.path's ({', '.join(sorted(names))})"
+    where = (
+        "its weights could not be fingerprinted here"
+        if sp.exists()
+        else "it is not readable on this machine"
+    )
+    return (
+        None,
+        f"{where} and its name {sp.name!r} is not verifier.path's ({', '.join(sorted(names))})",
+    )
 
 
-def served_model_warnings(cfg, urls: Sequence[str], timeout: float = 30.0) -> tuple[list[str], list[dict]]:
+def served_model_warnings(
+    cfg, urls: Sequence[str], timeout: float = 30.0
+) -> tuple[list[str], list[dict]]:
     """Check that each server runs the configured verifier (05 renders the prompts with ``verifier.path``'s tokenizer
     and chat template, so a server of another model gets the wrong tokens and its tau says nothing of the drafter).
 
@@ -629,24 +869,34 @@ def served_model_warnings(cfg, urls: Sequence[str], timeout: float = 30.0) -> tu
     tail = f"05 renders the prompts with the tokenizer and chat template of verifier '{name}' ({where})"
     for url in urls:
         served, endpoint = served_model_path(url, timeout)
-        rec = {"url": url, "model_path": served, "endpoint": endpoint, "verifier": name, "match": None,
-               "not_checked": []}
+        rec = {
+            "url": url,
+            "model_path": served,
+            "endpoint": endpoint,
+            "verifier": name,
+            "match": None,
+            "not_checked": [],
+        }
         if served is None:
             rec["not_checked"].append(
                 f"{url}: none of /server_info, /model_info, /get_model_info names the served model_path (not "
                 f"SGLang?): 05 did not check that the server runs the configured verifier; {tail}: check that the "
-                f"server was started with --model-path {where}")
+                f"server was started with --model-path {where}"
+            )
         else:
             rec["match"], detail = compare_served_model(cfg.verifier, served)
             if rec["match"] == "differs":
-                out.append(f"{url}{endpoint} model_path {served} is not the configured verifier: {detail}; {tail}, so "
-                           f"tau measures a server of another model: benchmark a server started with --model-path "
-                           f"{where}, or set verifier.path to the served model")
+                out.append(
+                    f"{url}{endpoint} model_path {served} is not the configured verifier: {detail}; {tail}, so "
+                    f"tau measures a server of another model: benchmark a server started with --model-path "
+                    f"{where}, or set verifier.path to the served model"
+                )
             elif rec["match"] is None:
                 rec["not_checked"].append(
                     f"{url}{endpoint} model_path {served}: {detail}, so 05 could not "
                     f"check that the server runs the configured verifier; {tail}: check that the server's "
-                    f"--model-path holds the model at {where}")
+                    f"--model-path holds the model at {where}"
+                )
         out += rec["not_checked"]
         recs.append(rec)
     return out, recs

@@ -39,8 +39,19 @@ from typing import Optional, Sequence
 import torch
 
 from eagle3.benchmark.decode import (
-    BatchGreedy, BatchSpec, SpecResult, _PhaseTimer, _aux, _check_common, _check_prompts, _cut, _first_mismatch_update,
-    _forward_params, _sync, accepted_prefix, emitted_lengths,
+    BatchGreedy,
+    BatchSpec,
+    SpecResult,
+    _aux,
+    _check_common,
+    _check_prompts,
+    _cut,
+    _first_mismatch_update,
+    _forward_params,
+    _PhaseTimer,
+    _sync,
+    accepted_prefix,
+    emitted_lengths,
 )
 from eagle3.errors import UserError
 from eagle3.prompts.continuous import AttentionSwap
@@ -67,13 +78,23 @@ def resolve_decoder(decoder: str, batch_size: int, device: torch.device) -> str:
     if decoder == "auto":
         return "static" if batch_size == 1 and device.type == "cuda" else "batched"
     if decoder == "static" and batch_size != 1:
-        raise UserError(f"benchmark.decoder: 'static' decodes one prompt at a time; benchmark.batch_size is {batch_size}")
+        raise UserError(
+            f"benchmark.decoder: 'static' decodes one prompt at a time; benchmark.batch_size is {batch_size}"
+        )
     return decoder
 
 
-def static_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
-                     dropout: float = 0.0, scaling: Optional[float] = None, static_kv: Optional[StaticKVCache] = None,
-                     **kwargs):
+def static_attention(
+    module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask,
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    static_kv: Optional[StaticKVCache] = None,
+    **kwargs,
+):
     """Attention of :class:`StaticDecoder`, registered as ``AttentionInterface["eagle3_static"]`` (the signature of
     transformers' ``sdpa_attention_forward``).
 
@@ -86,7 +107,9 @@ def static_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
     """
     c = static_kv
     if c is None:
-        raise RuntimeError(f"attention '{ATTN_NAME}' needs the static_kv keyword (only StaticDecoder calls it)")
+        raise RuntimeError(
+            f"attention '{ATTN_NAME}' needs the static_kv keyword (only StaticDecoder calls it)"
+        )
     kc, vc = c.write(module.layer_idx, key, value, c.pos)  # [1, Hkv, C, Dk], [1, Hkv, C, Dv]
     out = _sdpa(query, kc, vc, scaling, attn_mask=c.attn_mask)  # [1, H, T, Dv]
     return out.transpose(1, 2), None
@@ -111,19 +134,37 @@ class StaticDecoder:
         UserError: bad ``steps``/``max_new_tokens``/``aux_layers``.
     """
 
-    def __init__(self, verifier, capacity: int, max_new_tokens: int, eos_ids: Sequence[int] = (), drafter=None,
-                 aux_layers: Sequence[int] = (), steps: int = 3, cuda_graphs: bool = True, check_every: int = 4):
+    def __init__(
+        self,
+        verifier,
+        capacity: int,
+        max_new_tokens: int,
+        eos_ids: Sequence[int] = (),
+        drafter=None,
+        aux_layers: Sequence[int] = (),
+        steps: int = 3,
+        cuda_graphs: bool = True,
+        check_every: int = 4,
+    ):
         _check_common(max_new_tokens, steps)
         if drafter is not None and len(list(aux_layers)) != 3:
-            raise UserError(f"aux_layers: EAGLE-3 needs exactly 3 HF hidden_states indices, got {list(aux_layers)}")
+            raise UserError(
+                f"aux_layers: EAGLE-3 needs exactly 3 HF hidden_states indices, got {list(aux_layers)}"
+            )
         self.verifier, self.drafter, self.k, self.max_new = verifier, drafter, steps, max_new_tokens
         self.aux_layers, self.check_every = [int(i) for i in aux_layers], check_every
         self.dev = next(verifier.parameters()).device
         self.use_graphs = cuda_graphs and self.dev.type == "cuda"
         self.capacity = int(capacity)
-        cfg = verifier.config.get_text_config() if hasattr(verifier.config, "get_text_config") else verifier.config
+        cfg = (
+            verifier.config.get_text_config()
+            if hasattr(verifier.config, "get_text_config")
+            else verifier.config
+        )
         self.kv = StaticKVCache(self.capacity, cfg.num_hidden_layers, self.dev)
-        self.dkv = StaticKVCache(self.capacity, getattr(getattr(drafter, "args", None), "num_layers", 1), self.dev)
+        self.dkv = StaticKVCache(
+            self.capacity, getattr(getattr(drafter, "args", None), "num_layers", 1), self.dev
+        )
         z = dict(dtype=torch.long, device=self.dev)
         k = steps
         self.eos = {int(e) for e in eos_ids}
@@ -138,15 +179,23 @@ class StaticDecoder:
         self.ref = torch.full((1, max_new_tokens), -1, **z)  # [1, T] reference tokens (-1 = none)
         self.mm_idx = torch.full((1,), -1, **z)  # [1]
         self.mm_gap = torch.zeros(1, dtype=torch.float32, device=self.dev)  # [1]
-        self.acc = torch.full((max_new_tokens + check_every + 2,), -1, **z)  # [R] accepted drafts per round
+        self.acc = torch.full(
+            (max_new_tokens + check_every + 2,), -1, **z
+        )  # [R] accepted drafts per round
         self.r = torch.zeros(1, **z)  # [1] round counter
         self.drafts = torch.zeros(1, k, **z)  # [1, k] hand-off draft -> verify
         self.pred = torch.zeros(1, k + 1, **z)  # [1, k+1] hand-off verify -> chunk: verifier argmax
         self.vpos = torch.zeros(1, k + 1, **z)  # [1, k+1] verified positions
         self.a = torch.zeros(1, **z)  # [1] accepted drafts of the last verify
-        self.aux: Optional[torch.Tensor] = None  # [1, k+1, 3Ht] aux states of the verified positions (first prefill)
-        self.h_prev: Optional[torch.Tensor] = None  # [1, 1, H] step output that drafts the next token
-        self.live = torch.zeros(1, dtype=torch.bool, device=self.dev)  # [1] live flag of the last verify
+        self.aux: Optional[torch.Tensor] = (
+            None  # [1, k+1, 3Ht] aux states of the verified positions (first prefill)
+        )
+        self.h_prev: Optional[torch.Tensor] = (
+            None  # [1, 1, H] step output that drafts the next token
+        )
+        self.live = torch.zeros(
+            1, dtype=torch.bool, device=self.dev
+        )  # [1] live flag of the last verify
         self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
         self.graph_error: Optional[str] = None  # why capture failed (then every phase runs eagerly)
         self._pool = None
@@ -154,12 +203,20 @@ class StaticDecoder:
         self._swap = AttentionSwap(verifier, ATTN_NAME, static_attention).__enter__()
 
     # ------------------------------------------------------------------ pieces
-    def _vforward(self, ids: torch.Tensor, pos: torch.Tensor, hidden: bool, last_only: bool = False):
+    def _vforward(
+        self, ids: torch.Tensor, pos: torch.Tensor, hidden: bool, last_only: bool = False
+    ):
         """Verifier forward of ``ids [1, T]`` at positions ``pos [1, T]`` through the static cache."""
         self.kv.set_forward(pos[0])
         kw = {"logits_to_keep": 1} if last_only and self._logits_to_keep else {}
-        return self.verifier(input_ids=ids, position_ids=pos, use_cache=False, output_hidden_states=hidden,
-                             static_kv=self.kv, **kw)
+        return self.verifier(
+            input_ids=ids,
+            position_ids=pos,
+            use_cache=False,
+            output_hidden_states=hidden,
+            static_kv=self.kv,
+            **kw,
+        )
 
     def _prompt_inputs(self, row: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The prefill's ``input_ids`` and ``position_ids``, both ``[1, P]`` int64 on the decoder's device."""
@@ -169,7 +226,9 @@ class StaticDecoder:
     def _check_len(self, prompt: list[int]) -> None:
         need = len(prompt) + self.max_new + 2 * self.k + 2
         if need > self.capacity:
-            raise ValueError(f"StaticDecoder: a prompt of {len(prompt)} tokens needs {need} cache columns, capacity {self.capacity}")
+            raise ValueError(
+                f"StaticDecoder: a prompt of {len(prompt)} tokens needs {need} cache columns, capacity {self.capacity}"
+            )
 
     def _reset(self, first: torch.Tensor, P: int, reference: Optional[Sequence[int]]) -> None:
         """State after the prefill: ``first`` ``[1]`` the prefill's token, ``P`` prompt positions cached."""
@@ -191,10 +250,14 @@ class StaticDecoder:
 
     def _greedy_step(self) -> None:
         """One greedy token (graph body): the verifier on ``last`` at position ``n``."""
-        logits = self._vforward(self.last[:, None], self.n[:, None], hidden=False).logits  # [1, 1, V]
+        logits = self._vforward(
+            self.last[:, None], self.n[:, None], hidden=False
+        ).logits  # [1, 1, V]
         tok = logits[:, -1].argmax(-1)  # [1]
         live = ~self.done  # [1]
-        idx = torch.where(live & (self.e < self.max_new), self.e, torch.full_like(self.e, self.width - 1))  # [1]
+        idx = torch.where(
+            live & (self.e < self.max_new), self.e, torch.full_like(self.e, self.width - 1)
+        )  # [1]
         self.out_tok.scatter_(1, idx[:, None], tok[:, None])
         self.e.add_(live.long())
         self.done.copy_(self.done | torch.isin(tok, self.eos_t) | (self.e >= self.max_new))
@@ -206,14 +269,16 @@ class StaticDecoder:
         d, h = self.drafter, self.h_prev
         t = self.n - 1  # [1] last verified position
         for i in range(self.k):
-            tok = d.draft_to_target(d.compute_logits(h)[:, -1].argmax(-1))  # [1] verifier ids = draft + d2t[draft]
+            tok = d.draft_to_target(
+                d.compute_logits(h)[:, -1].argmax(-1)
+            )  # [1] verifier ids = draft + d2t[draft]
             self.drafts[:, i] = tok
             if i + 1 < self.k:
                 h = d.decode_static(tok[:, None], h, (t + i + 1)[:, None], self.dkv)  # [1, 1, H]
 
     def _verify(self) -> None:
         """The verifier on ``[last, d_1..d_k]`` (graph body): acceptance, emission, the hand-off to :meth:`_chunk`."""
-        k, D = self.k, self.drafts
+        D = self.drafts
         vin = torch.cat([self.last[:, None], D], dim=1)  # [1, k+1]
         vpos = self.n[:, None] + self.jj  # [1, k+1]
         out = self._vforward(vin, vpos, hidden=True)
@@ -224,14 +289,20 @@ class StaticDecoder:
         live = ~self.done  # [1]
         emit_idx = self.e[:, None] + self.jj  # [1, k+1]
         write = keep & live[:, None] & (emit_idx < self.max_new)  # [1, k+1]
-        mi, mg = _first_mismatch_update(logits, pred, self.ref, emit_idx, write, self.mm_idx, self.mm_gap)
+        mi, mg = _first_mismatch_update(
+            logits, pred, self.ref, emit_idx, write, self.mm_idx, self.mm_gap
+        )
         self.mm_idx.copy_(mi)
         self.mm_gap.copy_(mg)
-        self.out_tok.scatter_(1, torch.where(write, emit_idx, torch.full_like(emit_idx, self.width - 1)), pred)
+        self.out_tok.scatter_(
+            1, torch.where(write, emit_idx, torch.full_like(emit_idx, self.width - 1)), pred
+        )
         self.acc.scatter_(0, self.r.clamp(max=self.acc.shape[0] - 1), a)
         self.r.add_(1)
         self.e.copy_(torch.where(live, self.e + a + 1, self.e))
-        self.done.copy_(self.done | (torch.isin(pred, self.eos_t) & write).any(1) | (self.e >= self.max_new))
+        self.done.copy_(
+            self.done | (torch.isin(pred, self.eos_t) & write).any(1) | (self.e >= self.max_new)
+        )
         self.last.copy_(torch.where(live, pred.gather(1, a[:, None]).squeeze(1), self.last))
         self.n.copy_(torch.where(live, self.n + a + 1, self.n))
         self.pred.copy_(pred)
@@ -261,9 +332,14 @@ class StaticDecoder:
             except Exception as e:  # noqa: BLE001 - any capture failure: the same functions eagerly (same results)
                 for t, v in zip(self._state(), state):
                     t.copy_(v)
-                self.graph_error = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-                log.warning("StaticDecoder: CUDA graph capture of '%s' failed (%s); decoding without graphs", name,
-                            self.graph_error)
+                self.graph_error = (
+                    f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                )
+                log.warning(
+                    "StaticDecoder: CUDA graph capture of '%s' failed (%s); decoding without graphs",
+                    name,
+                    self.graph_error,
+                )
                 self.use_graphs = False
                 self.graphs.clear()
                 fn()
@@ -292,8 +368,22 @@ class StaticDecoder:
         return g
 
     def _state(self) -> list:
-        ts = [self.n, self.last, self.e, self.done, self.out_tok, self.mm_idx, self.mm_gap, self.acc, self.r,
-              self.drafts, self.pred, self.vpos, self.a, self.live]
+        ts = [
+            self.n,
+            self.last,
+            self.e,
+            self.done,
+            self.out_tok,
+            self.mm_idx,
+            self.mm_gap,
+            self.acc,
+            self.r,
+            self.drafts,
+            self.pred,
+            self.vpos,
+            self.a,
+            self.live,
+        ]
         return ts + [t for t in (self.aux, self.h_prev) if t is not None]
 
     # ------------------------------------------------------------------ contract
@@ -311,7 +401,9 @@ class StaticDecoder:
             t0 = time.perf_counter()
             P = len(row)
             ids, pos = self._prompt_inputs(row)  # [1, P], [1, P]
-            first = self._vforward(ids, pos, hidden=False, last_only=True).logits[:, -1].argmax(-1)  # [1]
+            first = (
+                self._vforward(ids, pos, hidden=False, last_only=True).logits[:, -1].argmax(-1)
+            )  # [1]
             self._reset(first, P, None)
             forwards = 1
             for step in range(1, self.max_new):
@@ -322,10 +414,14 @@ class StaticDecoder:
             toks = self.out_tok[0, : self.max_new].cpu().tolist()
             _sync(self.dev)
             seconds = time.perf_counter() - t0
-        return BatchGreedy([_cut([t for t in toks if t >= 0], self.eos, self.max_new)], seconds, forwards)
+        return BatchGreedy(
+            [_cut([t for t in toks if t >= 0], self.eos, self.max_new)], seconds, forwards
+        )
 
     @torch.inference_mode()
-    def speculative(self, prompt: Sequence[int], reference: Optional[Sequence[int]] = None) -> BatchSpec:
+    def speculative(
+        self, prompt: Sequence[int], reference: Optional[Sequence[int]] = None
+    ) -> BatchSpec:
         """EAGLE-3 chain decoding of one prompt; result as :func:`eagle3.benchmark.decode.speculative_generate_batch`'s
         (``reference``: greedy's tokens, for the first mismatch and its logit gap).
 
@@ -347,20 +443,31 @@ class StaticDecoder:
             out = self._vforward(ids, pos, hidden=True, last_only=True)
             n_hidden = len(out.hidden_states)
             if max(self.aux_layers) >= n_hidden - 1 or min(self.aux_layers) < 1:
-                raise UserError(f"aux_layers: {self.aux_layers} outside 1..{n_hidden - 2} for this {n_hidden - 1}-layer verifier")
+                raise UserError(
+                    f"aux_layers: {self.aux_layers} outside 1..{n_hidden - 2} for this {n_hidden - 1}-layer verifier"
+                )
             plogits = out.logits[:, -1:]  # [1, 1, V]
             first = plogits[:, 0].argmax(-1)  # [1]
             self._reset(first, P, reference)
             zero = torch.zeros(1, 1, dtype=torch.long, device=self.dev)
-            mi, mg = _first_mismatch_update(plogits, first[:, None], self.ref, zero, torch.ones_like(zero, dtype=torch.bool),
-                                            self.mm_idx, self.mm_gap)
+            mi, mg = _first_mismatch_update(
+                plogits,
+                first[:, None],
+                self.ref,
+                zero,
+                torch.ones_like(zero, dtype=torch.bool),
+                self.mm_idx,
+                self.mm_gap,
+            )
             self.mm_idx.copy_(mi)
             self.mm_gap.copy_(mg)
             aux = _aux(out.hidden_states, self.aux_layers)  # [1, P, 3Ht]
             if self.aux is None:
                 self.aux = aux.new_zeros(1, k + 1, aux.shape[-1])
             timer.start("draft")
-            d_ids = torch.cat([ids[:, 1:], first[:, None]], dim=1)  # [1, P] step 0 at t takes x_{t+1}
+            d_ids = torch.cat(
+                [ids[:, 1:], first[:, None]], dim=1
+            )  # [1, P] step 0 at t takes x_{t+1}
             h = d.decode_static(d_ids, d.project(aux), pos, self.dkv)  # [1, P, H]
             if self.h_prev is None:
                 self.h_prev = h[:, -1:].clone()
@@ -388,7 +495,9 @@ class StaticDecoder:
             seconds = time.perf_counter() - t0
         toks = _cut([x for x in toks if x >= 0], self.eos, self.max_new)
         lens = emitted_lengths(acc, len(toks))
-        res = SpecResult(tokens=toks, accept_lengths=lens, accepted=[[j < L - 1 for j in range(k)] for L in lens])
+        res = SpecResult(
+            tokens=toks, accept_lengths=lens, accepted=[[j < L - 1 for j in range(k)] for L in lens]
+        )
         if reference is not None and 0 <= mm_i < len(toks):
             res.mismatch, res.gap = mm_i, mm_g
         return BatchSpec([res], seconds, timer.seconds("draft"), timer.seconds("verify"), rounds)

@@ -61,7 +61,9 @@ def check_captured(sample_ids: list[int], states, hidden_size: int, where: str) 
     tensors = list(stored) if stored is not None else states
     dtypes = (torch.bfloat16, torch.float8_e4m3fn) if stored is not None else (torch.bfloat16,)
     if len(tensors) != NUM_CAPTURED:
-        raise RuntimeError(f"{where}: capture backend returned {len(tensors)} tensors, expected {NUM_CAPTURED}")
+        raise RuntimeError(
+            f"{where}: capture backend returned {len(tensors)} tensors, expected {NUM_CAPTURED}"
+        )
     for k, t in enumerate(tensors):
         if tuple(t.shape) != (L, hidden_size) or t.dtype not in dtypes or t.device.type != "cpu":
             raise RuntimeError(

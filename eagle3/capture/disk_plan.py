@@ -31,16 +31,18 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from eagle3.shards.checksum import DEFAULT_ALGO, HEX_LEN
 from eagle3.errors import UserError
 from eagle3.io import format_bytes, free_bytes
+from eagle3.shards.checksum import DEFAULT_ALGO, HEX_LEN
 
 log = logging.getLogger(__name__)
 
 # Multiples of 64: every tensor's byte count (L x any element size, e.g. fp8's per-token fp32 scales) is then a
 # multiple of torch.save's 64-byte alignment, so the fit carries no padding (probing at L = 8, 16 was 2% low for fp8).
 PROBE_LENGTHS = (64, 128)
-FIXED_METADATA_BYTES = 16 * 1024  # data_config.json, reports, extract_state.json, lock, without the id lists
+FIXED_METADATA_BYTES = (
+    16 * 1024
+)  # data_config.json, reports, extract_state.json, lock, without the id lists
 
 
 #: ``encode(input_ids, hidden_states, loss_mask) -> dict``: the object a shard file holds
@@ -59,7 +61,9 @@ class DiskPlan:
     path: str  # the folder whose filesystem was measured
     samples: int  # samples still to write
     tokens: int  # their tokens
-    hidden_bytes_per_token: int  # hidden-state bytes per token of the storage dtype (bf16: 4 x H x 2)
+    hidden_bytes_per_token: (
+        int  # hidden-state bytes per token of the storage dtype (bf16: 4 x H x 2)
+    )
     file_bytes_per_token: float  # measured slope of one shard file (hidden states + ids + mask)
     file_overhead_bytes: float  # measured torch.save bytes per file
     shard_bytes: int  # the shard files' sizes
@@ -72,22 +76,31 @@ class DiskPlan:
     free_bytes: int  # free on the filesystem, plus freed_by_overwrite
     fits: bool
     checked: bool  # False under --ignore-disk-check
-    freed_by_overwrite: int = 0  # old shards --overwrite deletes once the plan fits (counted in free_bytes)
+    freed_by_overwrite: int = (
+        0  # old shards --overwrite deletes once the plan fits (counted in free_bytes)
+    )
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     def describe(self) -> str:
         """One human-readable line: samples, tokens, estimate, margin, free space."""
-        return (f"disk plan: {self.samples} samples, {self.tokens} tokens x {self.file_bytes_per_token:.0f} B/token "
-                f"(+{self.file_overhead_bytes:.0f} B per file) = {format_bytes(self.bytes)} "
-                f"({format_bytes(self.allocated_bytes)} in {self.block_size}-byte blocks) + margin "
-                f"{format_bytes(self.margin_bytes)}; {format_bytes(self.free_bytes)} free on {self.path}"
-                + (f" (counting {format_bytes(self.freed_by_overwrite)} of old shards that --overwrite deletes)"
-                   if self.freed_by_overwrite else ""))
+        return (
+            f"disk plan: {self.samples} samples, {self.tokens} tokens x {self.file_bytes_per_token:.0f} B/token "
+            f"(+{self.file_overhead_bytes:.0f} B per file) = {format_bytes(self.bytes)} "
+            f"({format_bytes(self.allocated_bytes)} in {self.block_size}-byte blocks) + margin "
+            f"{format_bytes(self.margin_bytes)}; {format_bytes(self.free_bytes)} free on {self.path}"
+            + (
+                f" (counting {format_bytes(self.freed_by_overwrite)} of old shards that --overwrite deletes)"
+                if self.freed_by_overwrite
+                else ""
+            )
+        )
 
 
-def shard_size_model(hidden_size: int, encode: ShardEncodeFn, num_states: int = 4) -> tuple[float, float]:
+def shard_size_model(
+    hidden_size: int, encode: ShardEncodeFn, num_states: int = 4
+) -> tuple[float, float]:
     """``(overhead bytes per file, bytes per token)`` of shards encoded by ``encode``, measured.
 
     Serialises (``torch.save`` into memory, as :func:`eagle3.io.atomic_torch_save` does before it
@@ -96,7 +109,9 @@ def shard_size_model(hidden_size: int, encode: ShardEncodeFn, num_states: int = 
     """
     sizes = []
     for L in PROBE_LENGTHS:
-        states = [torch.ones(L, hidden_size, dtype=torch.bfloat16) for _ in range(num_states)]  # [L, H]
+        states = [
+            torch.ones(L, hidden_size, dtype=torch.bfloat16) for _ in range(num_states)
+        ]  # [L, H]
         buf = io.BytesIO()
         torch.save(encode([0] * L, states, [0] * L), buf)
         sizes.append(buf.tell())
@@ -119,10 +134,21 @@ def block_size_of(folder: str | os.PathLike) -> int:
         return 4096
 
 
-def plan_disk(root: str | os.PathLike, pending: Sequence[tuple[str, int]], *, hidden_size: int,
-              hidden_bytes_per_token: int, rows_per_dir: int, pending_idx: Sequence[int], encode: ShardEncodeFn,
-              margin: float, margin_bytes: int, skipped_ids: Optional[dict] = None,
-              free: Optional[tuple[int, Path]] = None, freed_by_overwrite: int = 0) -> DiskPlan:
+def plan_disk(
+    root: str | os.PathLike,
+    pending: Sequence[tuple[str, int]],
+    *,
+    hidden_size: int,
+    hidden_bytes_per_token: int,
+    rows_per_dir: int,
+    pending_idx: Sequence[int],
+    encode: ShardEncodeFn,
+    margin: float,
+    margin_bytes: int,
+    skipped_ids: Optional[dict] = None,
+    free: Optional[tuple[int, Path]] = None,
+    freed_by_overwrite: int = 0,
+) -> DiskPlan:
     """The disk plan of writing the ``pending`` samples (``(id, num_tokens)`` each) under ``root``.
 
     Args:
@@ -150,20 +176,52 @@ def plan_disk(root: str | os.PathLike, pending: Sequence[tuple[str, int]], *, hi
         shard_bytes += int(round(size))
         allocated += _round_up(size, block)
     # manifest rows as ManifestWriter writes them (checksum included)
-    man = sum(len(json.dumps({"idx": i, "id": sid, "num_tokens": n, "num_loss_tokens": n,
-                              DEFAULT_ALGO: "0" * HEX_LEN[DEFAULT_ALGO]}))
-              + 1 for i, (sid, n) in zip(pending_idx, pending))
+    man = sum(
+        len(
+            json.dumps(
+                {
+                    "idx": i,
+                    "id": sid,
+                    "num_tokens": n,
+                    "num_loss_tokens": n,
+                    DEFAULT_ALGO: "0" * HEX_LEN[DEFAULT_ALGO],
+                }
+            )
+        )
+        + 1
+        for i, (sid, n) in zip(pending_idx, pending)
+    )
     ids_json = len(json.dumps(skipped_ids or {}))
-    metadata = man + FIXED_METADATA_BYTES + 2 * ids_json  # the id lists go into data_config.json and the report
+    metadata = (
+        man + FIXED_METADATA_BYTES + 2 * ids_json
+    )  # the id lists go into data_config.json and the report
     new_dirs = {i // rows_per_dir for i in pending_idx}
-    allocated += _round_up(man, block) + _round_up(FIXED_METADATA_BYTES + 2 * ids_json, block) + len(new_dirs) * block
+    allocated += (
+        _round_up(man, block)
+        + _round_up(FIXED_METADATA_BYTES + 2 * ids_json, block)
+        + len(new_dirs) * block
+    )
     margin_b = max(int(margin * allocated), int(margin_bytes))
     needed = allocated + margin_b
-    return DiskPlan(path=str(where), samples=len(pending), tokens=tokens, hidden_bytes_per_token=int(hidden_bytes_per_token),
-                    file_bytes_per_token=per_token, file_overhead_bytes=overhead, shard_bytes=shard_bytes,
-                    metadata_bytes=metadata, bytes=shard_bytes + metadata, block_size=block, allocated_bytes=allocated,
-                    margin_bytes=margin_b, needed_bytes=needed, free_bytes=int(free_b), fits=free_b >= needed,
-                    checked=True, freed_by_overwrite=int(freed_by_overwrite))
+    return DiskPlan(
+        path=str(where),
+        samples=len(pending),
+        tokens=tokens,
+        hidden_bytes_per_token=int(hidden_bytes_per_token),
+        file_bytes_per_token=per_token,
+        file_overhead_bytes=overhead,
+        shard_bytes=shard_bytes,
+        metadata_bytes=metadata,
+        bytes=shard_bytes + metadata,
+        block_size=block,
+        allocated_bytes=allocated,
+        margin_bytes=margin_b,
+        needed_bytes=needed,
+        free_bytes=int(free_b),
+        fits=free_b >= needed,
+        checked=True,
+        freed_by_overwrite=int(freed_by_overwrite),
+    )
 
 
 def check_disk(plan: DiskPlan, ignore: bool) -> DiskPlan:
@@ -179,13 +237,22 @@ def check_disk(plan: DiskPlan, ignore: bool) -> DiskPlan:
     if plan.fits:
         return plan
     if ignore:
-        log.warning("--ignore-disk-check: %s needed, only %s free on %s; the run may stop on a full disk",
-                    format_bytes(plan.needed_bytes), format_bytes(plan.free_bytes), plan.path)
+        log.warning(
+            "--ignore-disk-check: %s needed, only %s free on %s; the run may stop on a full disk",
+            format_bytes(plan.needed_bytes),
+            format_bytes(plan.free_bytes),
+            plan.path,
+        )
         return plan
     raise NotEnoughDisk(
         f"{plan.path}: not enough disk space for stage 02: needs {format_bytes(plan.needed_bytes)} "
         f"({plan.samples} samples, {plan.tokens} tokens, {format_bytes(plan.allocated_bytes)} + margin "
         f"{format_bytes(plan.margin_bytes)}), {format_bytes(plan.free_bytes)} free"
-        + (f" counting {format_bytes(plan.freed_by_overwrite)} of old shards that --overwrite would delete "
-           "(nothing was deleted)" if plan.freed_by_overwrite else "")
-        + "; free space, set extract.output_dir to a larger filesystem, or pass --ignore-disk-check")
+        + (
+            f" counting {format_bytes(plan.freed_by_overwrite)} of old shards that --overwrite would delete "
+            "(nothing was deleted)"
+            if plan.freed_by_overwrite
+            else ""
+        )
+        + "; free space, set extract.output_dir to a larger filesystem, or pass --ignore-disk-check"
+    )

@@ -82,31 +82,43 @@ from tqdm import tqdm
 from eagle3.capture.base import CaptureBackend, check_captured
 from eagle3.capture.hf import plan_batches
 from eagle3.capture.multi import prefetching
+from eagle3.capture.shard_writer import ShardWriter
 from eagle3.config import RunConfig
 from eagle3.errors import UserError
-from eagle3.shards.checksum import DEFAULT_ALGO, file_checksum
-from eagle3.io import (TMP_MARK, atomic_write_json, atomic_write_text, exclusive_lock, file_sha256, iter_jsonl,
-                       make_dirs, read_json, relative_hint, remove_stale_tmp)
+from eagle3.io import (
+    TMP_MARK,
+    atomic_write_json,
+    atomic_write_text,
+    exclusive_lock,
+    file_sha256,
+    iter_jsonl,
+    make_dirs,
+    read_json,
+    relative_hint,
+    remove_stale_tmp,
+)
 from eagle3.layers import check_aux_layers, check_servable, default_aux_layers
-from eagle3.shards.manifest import MANIFEST, ManifestWriter, read_manifest, rewrite_manifest
-from eagle3.shards.fp8 import Storage, storage_from_config
-from eagle3.capture.shard_writer import ShardWriter
-from eagle3.shards import format as shard_format  # TOKEN_PROCESS_MIN read at call time (tests lower it)
+from eagle3.shards import (
+    format as shard_format,  # TOKEN_PROCESS_MIN read at call time (tests lower it)
+)
+from eagle3.shards.checksum import DEFAULT_ALGO, file_checksum
 from eagle3.shards.format import (
     DATA_CONFIG,
     EXTRACT_LOCK,
     LAYER_INDEX_CONVENTION,
     TOKEN_BYTES_PER_TOKEN,
+    NonFiniteStates,
     bytes_per_token,
     list_samples,
     load_sample,
-    NonFiniteStates,
     shard_object,
     shard_path,
     storage_meta,
     tokens_meta,
     write_data_config,
 )
+from eagle3.shards.fp8 import Storage, storage_from_config
+from eagle3.shards.manifest import MANIFEST, ManifestWriter, read_manifest, rewrite_manifest
 
 log = logging.getLogger(__name__)
 
@@ -151,8 +163,10 @@ def read_prompts(path: str | os.PathLike, limit: Optional[int] = None) -> list[d
     """
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"{path}: prompts file not found (run 01_prepare_prompts.py first"
-                        + (f"; {relative_hint(path)})" if relative_hint(path) else ")"))
+        raise UserError(
+            f"{path}: prompts file not found (run 01_prepare_prompts.py first"
+            + (f"; {relative_hint(path)})" if relative_hint(path) else ")")
+        )
     out: list[dict] = []
     for n, rec in iter_jsonl(path):
         if limit is not None and len(out) >= limit:
@@ -165,22 +179,39 @@ def read_prompts(path: str | os.PathLike, limit: Optional[int] = None) -> list[d
         if not isinstance(msgs, list) or not msgs:
             raise UserError(f"{path}:{n}: key 'messages' missing or not a non-empty list")
         for k, m in enumerate(msgs):
-            if not isinstance(m, dict) or m.get("role") not in _ROLES or not isinstance(m.get("content"), str):
-                raise UserError(f"{path}:{n}: key 'messages[{k}]' must be {{role: {'|'.join(_ROLES)}, content: str}}")
-            for key, typ in (("reasoning_content", str), ("tool_calls", list), ("tool_call_id", str), ("tokens", list),
-                             ("truncated", bool)):
+            if (
+                not isinstance(m, dict)
+                or m.get("role") not in _ROLES
+                or not isinstance(m.get("content"), str)
+            ):
+                raise UserError(
+                    f"{path}:{n}: key 'messages[{k}]' must be {{role: {'|'.join(_ROLES)}, content: str}}"
+                )
+            for key, typ in (
+                ("reasoning_content", str),
+                ("tool_calls", list),
+                ("tool_call_id", str),
+                ("tokens", list),
+                ("truncated", bool),
+            ):
                 if m.get(key) is not None and not isinstance(m[key], typ):
-                    raise UserError(f"{path}:{n}: key 'messages[{k}].{key}' must be a {typ.__name__}")
+                    raise UserError(
+                        f"{path}:{n}: key 'messages[{k}].{key}' must be a {typ.__name__}"
+                    )
             _check_token_list(m.get("tokens"), f"{path}:{n}: key 'messages[{k}].tokens")
             if m.get("stop_token") is not None:
                 _check_token_list([m["stop_token"]], f"{path}:{n}: key 'messages[{k}].stop_token")
         tools = rec.get("tools")
         if tools is not None and not isinstance(tools, list):
             raise UserError(f"{path}:{n}: key 'tools' must be a list of tool declarations")
-        out.append({"id": rec["id"], "messages": msgs, "line": n, **({"tools": tools} if tools else {})})
+        out.append(
+            {"id": rec["id"], "messages": msgs, "line": n, **({"tools": tools} if tools else {})}
+        )
     if not out:
-        raise UserError(f"{path}: no conversations in the prompts file (empty or blank lines only; re-run "
-                        "01_prepare_prompts.py)")
+        raise UserError(
+            f"{path}: no conversations in the prompts file (empty or blank lines only; re-run "
+            "01_prepare_prompts.py)"
+        )
     return out
 
 
@@ -204,13 +235,22 @@ def check_token_ids(prompts: list[dict], vocab_size: int, path: Path) -> None:
     """
     for rec in prompts:
         for k, m in enumerate(rec["messages"]):
-            bad = next(((f"tokens[{i}]", t) for i, t in enumerate(m.get("tokens") or ()) if t >= vocab_size), None)
+            bad = next(
+                (
+                    (f"tokens[{i}]", t)
+                    for i, t in enumerate(m.get("tokens") or ())
+                    if t >= vocab_size
+                ),
+                None,
+            )
             if bad is None and m.get("stop_token") is not None and m["stop_token"] >= vocab_size:
                 bad = ("stop_token", m["stop_token"])
             if bad is not None:
-                raise UserError(f"{path}:{rec['line']}: key 'messages[{k}].{bad[0]}' = {bad[1]} is not a token "
-                                f"id of this verifier (vocab {vocab_size}): were the answers generated by another one? "
-                                "Re-run 01_prepare_prompts.py with this verifier")
+                raise UserError(
+                    f"{path}:{rec['line']}: key 'messages[{k}].{bad[0]}' = {bad[1]} is not a token "
+                    f"id of this verifier (vocab {vocab_size}): were the answers generated by another one? "
+                    "Re-run 01_prepare_prompts.py with this verifier"
+                )
 
 
 MAX_SKIPPED_IDS = 1000  # ids of skipped conversations kept per reason in data_config / the report
@@ -223,13 +263,16 @@ def _tokenize_one(tokenizer, rec: dict, *, max_length: int, opts, too_long: str,
     from eagle3.prompts.chat import conversation_samples
 
     try:
-        return conversation_samples(tokenizer, rec["messages"], max_length, opts, too_long, rec.get("tools"))
+        return conversation_samples(
+            tokenizer, rec["messages"], max_length, opts, too_long, rec.get("tools")
+        )
     except UserError as e:
         raise UserError(f"{where}:{rec['line']}: {e}") from e
 
 
-def tokenize_prompts(tokenizer, prompts: list[dict], cfg: RunConfig, prompts_path: Path
-                     ) -> tuple[list[Sample], Counter, dict[str, list[str]]]:
+def tokenize_prompts(
+    tokenizer, prompts: list[dict], cfg: RunConfig, prompts_path: Path
+) -> tuple[list[Sample], Counter, dict[str, list[str]]]:
     """Turn every conversation into training samples with :func:`eagle3.prompts.chat.conversation_samples`.
 
     A conversation gives one sample (id = its id) or, when the template's history changes as turns
@@ -250,43 +293,80 @@ def tokenize_prompts(tokenizer, prompts: list[dict], cfg: RunConfig, prompts_pat
             one was skipped (too long with ``too_long: skip``, no loss token: no sample at all);
             the conversation named is the first in file order, whatever the worker count.
     """
-    from eagle3.prompts.chat import ChatOptions
     from eagle3.capture.tokenize_pool import map_records
+    from eagle3.prompts.chat import ChatOptions
 
     ex = cfg.extract
-    one = functools.partial(_tokenize_one, max_length=ex.max_length, opts=ChatOptions.from_config(cfg),
-                            too_long=ex.too_long, where=str(prompts_path))
+    one = functools.partial(
+        _tokenize_one,
+        max_length=ex.max_length,
+        opts=ChatOptions.from_config(cfg),
+        too_long=ex.too_long,
+        where=str(prompts_path),
+    )
     samples: list[Sample] = []
     counts: Counter = Counter()
     skipped: dict[str, list[str]] = {}
     first_failure = None
-    for rec, res in zip(prompts, map_records(one, tokenizer, prompts, workers=ex.tokenize_workers, desc="tokenize")):
+    for rec, res in zip(
+        prompts, map_records(one, tokenizer, prompts, workers=ex.tokenize_workers, desc="tokenize")
+    ):
         counts.update(res.counts)
         if res.skip_reason is not None:
-            ids = skipped.setdefault(res.skip_reason.split(":", 1)[0] if res.skip_reason.startswith("render_failed")
-                                     else res.skip_reason, [])
+            ids = skipped.setdefault(
+                res.skip_reason.split(":", 1)[0]
+                if res.skip_reason.startswith("render_failed")
+                else res.skip_reason,
+                [],
+            )
             if len(ids) < MAX_SKIPPED_IDS:
                 ids.append(rec["id"])
             if first_failure is None:
                 first_failure = f"{prompts_path}:{rec['line']}: conversation '{rec['id']}' skipped: {res.skip_reason}"
                 log.warning("%s", first_failure)
         for s in res.samples:
-            samples.append(Sample(len(samples), rec["id"] + s.suffix, list(s.input_ids), list(s.loss_mask)))
-    if not samples and first_failure is not None and counts["skipped_render_failed"] == len(prompts):
+            samples.append(
+                Sample(len(samples), rec["id"] + s.suffix, list(s.input_ids), list(s.loss_mask))
+            )
+    if (
+        not samples
+        and first_failure is not None
+        and counts["skipped_render_failed"] == len(prompts)
+    ):
         raise UserError(f"every conversation failed to render; the first: {first_failure}")
-    if not samples and prompts:  # too long (too_long: skip), no loss token, ...: an empty shard set that 02 called
+    if (
+        not samples and prompts
+    ):  # too long (too_long: skip), no loss token, ...: an empty shard set that 02 called
         # done (exit 0) and 03 then refused ("no shards found")
-        why = ", ".join(f"{k.removeprefix('skipped_').replace('_', ' ')}: {v}" for k, v in sorted(counts.items())
-                        if k.startswith("skipped_") and v)
-        hints = [h for k, h in (("skipped_too_long", "raise extract.max_length or set extract.too_long: truncate"),
-                                ("skipped_no_loss_tokens", "a conversation needs an assistant answer (01 with "
-                                                           "prompts.regenerate: true writes them)")) if counts[k]]
-        raise UserError(f"{prompts_path}: no sample to capture: every conversation was skipped ({why}; the first at "
-                        f"line {prompts[0]['line']}, conversation '{prompts[0]['id']}'); "
-                        + "".join(h + "; " for h in hints) + "nothing written")
+        why = ", ".join(
+            f"{k.removeprefix('skipped_').replace('_', ' ')}: {v}"
+            for k, v in sorted(counts.items())
+            if k.startswith("skipped_") and v
+        )
+        hints = [
+            h
+            for k, h in (
+                ("skipped_too_long", "raise extract.max_length or set extract.too_long: truncate"),
+                (
+                    "skipped_no_loss_tokens",
+                    "a conversation needs an assistant answer (01 with "
+                    "prompts.regenerate: true writes them)",
+                ),
+            )
+            if counts[k]
+        ]
+        raise UserError(
+            f"{prompts_path}: no sample to capture: every conversation was skipped ({why}; the first at "
+            f"line {prompts[0]['line']}, conversation '{prompts[0]['id']}'); "
+            + "".join(h + "; " for h in hints)
+            + "nothing written"
+        )
     if counts["split_conversations"]:
-        log.info("%d conversations split into %d samples (history rendered differently per turn)",
-                 counts["split_conversations"], counts["split_samples"])
+        log.info(
+            "%d conversations split into %d samples (history rendered differently per turn)",
+            counts["split_conversations"],
+            counts["split_samples"],
+        )
     return samples, counts, skipped
 
 
@@ -309,9 +389,22 @@ def fingerprint(cfg: RunConfig, prompts_sha256: str) -> tuple[str, dict]:
     # Rendering fields added later are left out while at their defaults, so folders extracted
     # before they existed still resume.
     ver = cfg.verifier.model_dump(exclude={"device"}, mode="json")
-    ext = cfg.extract.model_dump(include={"backend", "aux_layers", "max_length", "too_long", "rows_per_dir",
-                                          "loss_on_reasoning"}, mode="json")
-    for key, default in (("chat_template_kwargs", {}), ("reply_start", None), ("think_tags", ["<think>", "</think>"])):
+    ext = cfg.extract.model_dump(
+        include={
+            "backend",
+            "aux_layers",
+            "max_length",
+            "too_long",
+            "rows_per_dir",
+            "loss_on_reasoning",
+        },
+        mode="json",
+    )
+    for key, default in (
+        ("chat_template_kwargs", {}),
+        ("reply_start", None),
+        ("think_tags", ["<think>", "</think>"]),
+    ):
         if ver.get(key) == default:
             del ver[key]
     if ext.get("loss_on_reasoning") is True:
@@ -325,7 +418,9 @@ def fingerprint(cfg: RunConfig, prompts_sha256: str) -> tuple[str, dict]:
     storage = storage_from_config(cfg.extract)
     if token_only(cfg):
         comp["samples"] = "tokens"
-    elif storage.is_fp8:  # only when set, so bf16 folders of earlier versions keep their fingerprint
+    elif (
+        storage.is_fp8
+    ):  # only when set, so bf16 folders of earlier versions keep their fingerprint
         comp["storage"] = storage.to_meta()
     blob = json.dumps(comp, sort_keys=True, separators=(",", ":")).encode("utf-8")
     return hashlib.sha256(blob).hexdigest(), comp
@@ -348,7 +443,7 @@ def rank_manifest_name(rank: int) -> str:
 
 def _is_rank_manifest(name: str) -> bool:
     """True for ``manifest.rank{r}.jsonl`` names (``r`` a non-negative integer)."""
-    mid = name[len(RANK_MANIFEST_PREFIX):-len(".jsonl")]
+    mid = name[len(RANK_MANIFEST_PREFIX) : -len(".jsonl")]
     return name.startswith(RANK_MANIFEST_PREFIX) and name.endswith(".jsonl") and mid.isdigit()
 
 
@@ -363,7 +458,11 @@ def merge_rank_manifests(root: Path) -> int:
     Raises:
         UserError: a rank manifest is corrupt other than in its last line.
     """
-    parts = sorted(p for p in root.iterdir() if p.is_file() and _is_rank_manifest(p.name)) if root.is_dir() else []
+    parts = (
+        sorted(p for p in root.iterdir() if p.is_file() and _is_rank_manifest(p.name))
+        if root.is_dir()
+        else []
+    )
     if not parts:
         return 0
     rows = dict(read_manifest(root / MANIFEST).rows)
@@ -421,14 +520,27 @@ def changed_settings(old: dict, new: dict) -> list[str]:
     file (prompts.jsonl: sha256 1a2b3c4d -> 5e6f7a8b)``, ``train.hidden_states: 'offline' -> 'online'`` (token-only
     samples, component ``samples``). A key left out of one side (a rendering field at its
     default, see :func:`fingerprint`) shows as ``default``; an old state file without components gives []."""
+
     def flat(comp: dict) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for k, v in comp.items():
             if k in ("verifier", "extract") and isinstance(v, dict):
                 out.update({f"{k}.{kk}": vv for kk, vv in v.items()})
-            elif k == "storage" and isinstance(v, dict):  # Storage.to_meta() names -> the extract config keys
-                names = {"storage_dtype": "storage_dtype", "scale_scheme": "fp8_scale", "scale_block_size": "fp8_block_size"}
-                out.update({f"extract.{names[kk]}": vv for kk, vv in v.items() if kk in names and vv is not None})
+            elif k == "storage" and isinstance(
+                v, dict
+            ):  # Storage.to_meta() names -> the extract config keys
+                names = {
+                    "storage_dtype": "storage_dtype",
+                    "scale_scheme": "fp8_scale",
+                    "scale_block_size": "fp8_block_size",
+                }
+                out.update(
+                    {
+                        f"extract.{names[kk]}": vv
+                        for kk, vv in v.items()
+                        if kk in names and vv is not None
+                    }
+                )
             else:
                 out[k] = v
         return out
@@ -440,8 +552,13 @@ def changed_settings(old: dict, new: dict) -> list[str]:
         a.setdefault("extract.storage_dtype", "bfloat16")
     if "storage" in old and "storage" not in new:
         b.setdefault("extract.storage_dtype", "bfloat16")
-    for side in (a, b):  # token-only samples: the key the user set (it read "samples: default -> 'tokens'")
-        side["train.hidden_states"] = "online" if side.pop("samples", None) == "tokens" else "offline"
+    for side in (
+        a,
+        b,
+    ):  # token-only samples: the key the user set (it read "samples: default -> 'tokens'")
+        side["train.hidden_states"] = (
+            "online" if side.pop("samples", None) == "tokens" else "offline"
+        )
     out = []
     for key in sorted(set(a) | set(b)):
         va, vb = a.get(key, "default"), b.get(key, "default")
@@ -491,7 +608,7 @@ def _check_state(root: Path, fp: str, comp: dict, overwrite: bool, weights: dict
         if not isinstance(old, dict) or old.get("fingerprint") != fp:
             old_comp = old.get("components", {}) if isinstance(old, dict) else {}
             changed = changed_settings(old_comp, comp) or ["the settings fingerprint"]
-        elif (moved := _weights_changed(root, old, weights)):
+        elif moved := _weights_changed(root, old, weights):
             changed = [f"the weights at verifier.path (verifier_weights: {moved})"]
         if changed:
             raise UserError(
@@ -507,7 +624,9 @@ def _check_state(root: Path, fp: str, comp: dict, overwrite: bool, weights: dict
             f"{root}: holds shards but no {STATE} (unknown provenance); re-run with --overwrite to delete them, or set "
             "extract.output_dir to another folder to keep them"
         )
-    atomic_write_json(state_path, {"fingerprint": fp, "components": comp, **weights, "started_at": time.time()})
+    atomic_write_json(
+        state_path, {"fingerprint": fp, "components": comp, **weights, "started_at": time.time()}
+    )
 
 
 def _weights_changed(root: Path, state: dict, weights: dict) -> Optional[str]:
@@ -558,13 +677,20 @@ def _weights_unchecked(root: Path, state: Any, weights: dict) -> Optional[str]:
     if bool(was) == bool(now):
         return None
     if not was:
-        why = (f"{where}: records no verifier_weights (shards extracted by a 02 of before 2026-12-05f): 02 did not "
-               f"check the weights at verifier.path against the model the shards in {root} were captured from")
+        why = (
+            f"{where}: records no verifier_weights (shards extracted by a 02 of before 2026-12-05f): 02 did not "
+            f"check the weights at verifier.path against the model the shards in {root} were captured from"
+        )
     else:
-        why = (f"{where}: records verifier_weights {str(was)[:19]}... but verifier.path holds no weight file here: "
-               f"02 did not check that it is the model the shards in {root} were captured from")
-    return (why + "; check that it is, or re-run with --overwrite to capture every shard from this one (a set from "
-            "two models trains against one's lm_head)")
+        why = (
+            f"{where}: records verifier_weights {str(was)[:19]}... but verifier.path holds no weight file here: "
+            f"02 did not check that it is the model the shards in {root} were captured from"
+        )
+    return (
+        why
+        + "; check that it is, or re-run with --overwrite to capture every shard from this one (a set from "
+        "two models trains against one's lm_head)"
+    )
 
 
 def check_prompts_current(cfg: RunConfig) -> None:
@@ -580,22 +706,37 @@ def check_prompts_current(cfg: RunConfig) -> None:
     from eagle3.prompts.prepare_prompts import forced_path, read_report, report_changes
 
     forced = forced_path(cfg)
-    if forced.is_file():  # its report still matches, but 01 was told to remake it and did not finish
-        raise UserError(f"{forced}: a 01_prepare_prompts.py --force run did not finish, so {cfg.prompts_path} is the "
-                        f"one from before it; re-run 01 (the same command without --force resumes it) first")
+    if (
+        forced.is_file()
+    ):  # its report still matches, but 01 was told to remake it and did not finish
+        raise UserError(
+            f"{forced}: a 01_prepare_prompts.py --force run did not finish, so {cfg.prompts_path} is the "
+            f"one from before it; re-run 01 (the same command without --force resumes it) first"
+        )
     rep, report = read_report(cfg)
     changed = report_changes(cfg, report)
     if changed:  # (a report with changes is a dict) settings 01 took from its command line: a re-run needs them again
         cli = report.get("cli_overrides", [])
-        cli = [k for k in cli if k in ("source", "format", "regenerate")] if isinstance(cli, list) else []
-        again = (f" (it was run with {', '.join('--' + k for k in cli)} on its command line: give "
-                 f"{'them' if len(cli) > 1 else 'it'} again, or put {'them' if len(cli) > 1 else 'it'} in the config)"
-                 if cli else "")
-        content = [c for c in changed if c.startswith("the content of ")]  # a source file edited since 01
+        cli = (
+            [k for k in cli if k in ("source", "format", "regenerate")]
+            if isinstance(cli, list)
+            else []
+        )
+        again = (
+            f" (it was run with {', '.join('--' + k for k in cli)} on its command line: give "
+            f"{'them' if len(cli) > 1 else 'it'} again, or put {'them' if len(cli) > 1 else 'it'} in the config)"
+            if cli
+            else ""
+        )
+        content = [
+            c for c in changed if c.startswith("the content of ")
+        ]  # a source file edited since 01
         keys = [c for c in changed if c not in content]
         what = "; ".join(content + ([f"changed {'; '.join(keys)}"] if keys else []))
-        raise UserError(f"{rep}: {cfg.prompts_path.name} was made with other prompts settings than this config's "
-                        f"({what}); re-run 01_prepare_prompts.py with this config first{again}")
+        raise UserError(
+            f"{rep}: {cfg.prompts_path.name} was made with other prompts settings than this config's "
+            f"({what}); re-run 01_prepare_prompts.py with this config first{again}"
+        )
 
 
 def warn_limit_drops_self_instruct(cfg: RunConfig, limit: int) -> Optional[str]:
@@ -606,9 +747,15 @@ def warn_limit_drops_self_instruct(cfg: RunConfig, limit: int) -> Optional[str]:
 
     _, report = read_report(cfg)
     c = report.get("counts") if isinstance(report, dict) else None
-    if not isinstance(c, dict) or not isinstance(c.get("self_instruct"), int) or not isinstance(c.get("kept"), int):
+    if (
+        not isinstance(c, dict)
+        or not isinstance(c.get("self_instruct"), int)
+        or not isinstance(c.get("kept"), int)
+    ):
         return None
-    n_si = c["self_instruct"] - min(c["self_instruct"], int(c.get("limited_out") or 0))  # those in prompts.jsonl
+    n_si = c["self_instruct"] - min(
+        c["self_instruct"], int(c.get("limited_out") or 0)
+    )  # those in prompts.jsonl
     dropped = min(n_si, c["kept"] - limit)
     if dropped <= 0:
         return None
@@ -640,11 +787,17 @@ def finished_report(cfg: RunConfig, root: Path, limit: Optional[int]) -> Optiona
     if not all(isinstance(x, dict) for x in (state, meta, report)):
         return None
     fp, _ = fingerprint(cfg, prompts_sha)
-    if (state.get("fingerprint"), meta.get("config_fingerprint"), meta.get("prompts_sha256")) != (fp, fp, prompts_sha) \
-            or not isinstance(report.get("prompts"), int) or n_prompts > report["prompts"] \
-            or report.get("samples") != meta.get("num_samples"):
+    if (
+        (state.get("fingerprint"), meta.get("config_fingerprint"), meta.get("prompts_sha256"))
+        != (fp, fp, prompts_sha)
+        or not isinstance(report.get("prompts"), int)
+        or n_prompts > report["prompts"]
+        or report.get("samples") != meta.get("num_samples")
+    ):
         return None
-    if _weights_changed(root, {"verifier_weights": meta.get("verifier_weights")}, _weights_record(cfg)):
+    if _weights_changed(
+        root, {"verifier_weights": meta.get("verifier_weights")}, _weights_record(cfg)
+    ):
         return None  # other weights at the same verifier.path: the run goes on and refuses the folder in one line
     man = read_manifest(root / MANIFEST)
     if man.dropped_tail or len(man.rows) != meta.get("num_samples"):
@@ -659,12 +812,15 @@ def _iter_stage_files(root: Path):
     for entry in root.iterdir():
         if entry.name == STATE:
             continue
-        if (entry.is_dir() and entry.name.startswith("rows_")) or (entry.is_file() and _is_stage_file(entry)):
+        if (entry.is_dir() and entry.name.startswith("rows_")) or (
+            entry.is_file() and _is_stage_file(entry)
+        ):
             yield entry
 
 
-def _resume_state(root: Path, samples: list[Sample], rows_per_dir: int, expect: dict,
-                  writer_path: Path) -> dict[int, dict]:
+def _resume_state(
+    root: Path, samples: list[Sample], rows_per_dir: int, expect: dict, writer_path: Path
+) -> dict[int, dict]:
     """Finished idx -> manifest row, after reconciling ``manifest.jsonl`` with the shard files."""
     man = read_manifest(writer_path)
     on_disk = {idx: p for idx, p in list_samples(root)} if root.is_dir() else {}
@@ -675,8 +831,10 @@ def _resume_state(root: Path, samples: list[Sample], rows_per_dir: int, expect: 
         if idx in on_disk:
             s = by_idx.get(idx)
             if s is not None and row["id"] != s.id:
-                raise UserError(f"{writer_path}: sample {idx} is recorded as prompt '{row['id']}' but the prompts "
-                                f"file gives '{s.id}'; re-run with --overwrite")
+                raise UserError(
+                    f"{writer_path}: sample {idx} is recorded as prompt '{row['id']}' but the prompts "
+                    f"file gives '{s.id}'; re-run with --overwrite"
+                )
             done[idx] = row
         else:
             changed = True  # shard deleted: redo it
@@ -687,12 +845,20 @@ def _resume_state(root: Path, samples: list[Sample], rows_per_dir: int, expect: 
             continue  # a shard outside this run's samples (e.g. an earlier run without --limit): keep
         try:
             got = load_sample(on_disk[idx], expect=expect)
-            ok = got["input_ids"].tolist() == s.input_ids and got["loss_mask"].tolist() == s.loss_mask
+            ok = (
+                got["input_ids"].tolist() == s.input_ids
+                and got["loss_mask"].tolist() == s.loss_mask
+            )
         except UserError:
             ok = False
         if ok:
-            done[idx] = {"idx": idx, "id": s.id, "num_tokens": len(s.input_ids), "num_loss_tokens": sum(s.loss_mask),
-                         DEFAULT_ALGO: file_checksum(on_disk[idx], DEFAULT_ALGO)}
+            done[idx] = {
+                "idx": idx,
+                "id": s.id,
+                "num_tokens": len(s.input_ids),
+                "num_loss_tokens": sum(s.loss_mask),
+                DEFAULT_ALGO: file_checksum(on_disk[idx], DEFAULT_ALGO),
+            }
             changed = True
         else:
             log.warning("%s: does not match its prompt; rewriting it", on_disk[idx])
@@ -702,8 +868,10 @@ def _resume_state(root: Path, samples: list[Sample], rows_per_dir: int, expect: 
     # The shard path depends on rows_per_dir; a row whose file is elsewhere is a foreign layout.
     for idx in done:
         if idx in by_idx and on_disk[idx] != shard_path(root, idx, rows_per_dir):
-            raise UserError(f"{on_disk[idx]}: sample {idx} is not at {shard_path(root, idx, rows_per_dir)}; "
-                            "re-run with --overwrite")
+            raise UserError(
+                f"{on_disk[idx]}: sample {idx} is not at {shard_path(root, idx, rows_per_dir)}; "
+                "re-run with --overwrite"
+            )
     return done
 
 
@@ -733,34 +901,57 @@ def make_backend(cfg: RunConfig, aux_layers: Optional[list[int]] = None):
         pad = tok.pad_token_id if tok.pad_token_id is not None else 0
         return HFCapture(model, layers, batch_tokens=ex.batch_tokens, pad_id=pad), tok
     if not ex.sglang_url:
-        raise UserError("extract.sglang_url: required for backend sglang (or pass --server URL [URL ...])")
+        raise UserError(
+            "extract.sglang_url: required for backend sglang (or pass --server URL [URL ...])"
+        )
     if not ex.capture_dir:
-        raise UserError("extract.capture_dir: required for backend sglang (where the patched server writes tensors)")
+        raise UserError(
+            "extract.capture_dir: required for backend sglang (where the patched server writes tensors)"
+        )
     try:
         from eagle3.capture.multi import sglang_backend
     except ImportError as e:
-        raise UserError(f"extract.backend: the sglang capture backend is not available ({e})") from e
+        raise UserError(
+            f"extract.backend: the sglang capture backend is not available ({e})"
+        ) from e
     tok = load_tokenizer(cfg.verifier)
     n = verifier_dims(load_verifier_config(cfg.verifier))["num_layers"]
     layers = _resolve_aux(ex.aux_layers if aux_layers is None else aux_layers, n)
     # one URL: SGLangCapture; several (one per node): MultiServerCapture over them
-    return sglang_backend(ex.sglang_url, ex.capture_dir, layers, timeout=ex.sglang_timeout_s, max_length=ex.max_length,
-                          max_requests=ex.requests_per_batch, per_server=ex.batches_in_flight_per_server,
-                          max_failures=ex.server_max_failures), tok
+    return sglang_backend(
+        ex.sglang_url,
+        ex.capture_dir,
+        layers,
+        timeout=ex.sglang_timeout_s,
+        max_length=ex.max_length,
+        max_requests=ex.requests_per_batch,
+        per_server=ex.batches_in_flight_per_server,
+        max_failures=ex.server_max_failures,
+    ), tok
 
 
 def _resolve_aux(layers: Optional[list[int]], num_layers: int) -> list[int]:
     if layers is None:
-        return check_aux_layers(default_aux_layers(num_layers), num_layers,
-                                field="extract.aux_layers (default [2, N//2, N-3])")
+        return check_aux_layers(
+            default_aux_layers(num_layers),
+            num_layers,
+            field="extract.aux_layers (default [2, N//2, N-3])",
+        )
     return check_aux_layers(layers, num_layers, field="extract.aux_layers")
 
 
 # ---------------------------------------------------------------------------------------------
 # the stage
 # ---------------------------------------------------------------------------------------------
-def run(cfg: RunConfig, *, overwrite: bool = False, limit: Optional[int] = None,
-        backend: Optional[CaptureBackend] = None, tokenizer=None, ignore_disk_check: bool = False) -> dict:
+def run(
+    cfg: RunConfig,
+    *,
+    overwrite: bool = False,
+    limit: Optional[int] = None,
+    backend: Optional[CaptureBackend] = None,
+    tokenizer=None,
+    ignore_disk_check: bool = False,
+) -> dict:
     """Run stage 02 (resumable). See the module docstring for the crash-safety design.
 
     Args:
@@ -787,8 +978,12 @@ def run(cfg: RunConfig, *, overwrite: bool = False, limit: Optional[int] = None,
 
     root = cfg.shards_dir
     d = _init_dist()
-    created = [p for p in (root, *root.parents) if not p.exists()]  # folders this call may create, deepest first
-    with process_group_scope(d.group, owned=d.initialized_here):  # barrier on success only: peers may be stuck
+    created = [
+        p for p in (root, *root.parents) if not p.exists()
+    ]  # folders this call may create, deepest first
+    with process_group_scope(
+        d.group, owned=d.initialized_here
+    ):  # barrier on success only: peers may be stuck
         try:
             return _run(cfg, root, overwrite, limit, backend, tokenizer, d, ignore_disk_check)
         except (NotEnoughDisk, UserError):
@@ -803,7 +998,10 @@ def interrupt_hint(cfg: RunConfig) -> str:
     :func:`eagle3.shards.manifest.read_manifest`, a torn last line not counted) and that the same command, without
     ``--overwrite`` (which deletes them), resumes."""
     root = cfg.shards_dir
-    n = sum(len(read_manifest(p).rows) for p in [root / MANIFEST, *root.glob(RANK_MANIFEST_PREFIX + "*.jsonl")])
+    n = sum(
+        len(read_manifest(p).rows)
+        for p in [root / MANIFEST, *root.glob(RANK_MANIFEST_PREFIX + "*.jsonl")]
+    )
     return f"{n} finished shards kept in {root}; re-run the same command (without --overwrite) to resume"
 
 
@@ -820,17 +1018,28 @@ def _remove_fresh_folder(created: list[Path]) -> None:
             folder.rmdir()  # only when empty
 
 
-def _run(cfg: RunConfig, root: Path, overwrite: bool, limit: Optional[int], backend: Optional[CaptureBackend],
-         tokenizer, d: "_Dist", ignore_disk_check: bool) -> dict:
+def _run(
+    cfg: RunConfig,
+    root: Path,
+    overwrite: bool,
+    limit: Optional[int],
+    backend: Optional[CaptureBackend],
+    tokenizer,
+    d: "_Dist",
+    ignore_disk_check: bool,
+) -> dict:
     if d.world == 1:
         make_dirs(root, cfg.output_field("shards"))
         with _exclusive(root):
             return _extract(cfg, root, overwrite, limit, backend, tokenizer, d, ignore_disk_check)
     if cfg.extract.backend != "hf" and backend is None:
-        raise UserError(f"extract.backend: torchrun (WORLD_SIZE={d.world}) is supported for the hf backend only, "
-                        f"got '{cfg.extract.backend}'; run the sglang backend as one process")
+        raise UserError(
+            f"extract.backend: torchrun (WORLD_SIZE={d.world}) is supported for the hf backend only, "
+            f"got '{cfg.extract.backend}'; run the sglang backend as one process"
+        )
     cfg = _rank_config(cfg, d)
     with contextlib.ExitStack() as stack:
+
         def lock() -> None:
             make_dirs(root, cfg.output_field("shards"))
             stack.enter_context(_exclusive(root))  # rank 0 only; released when run() returns
@@ -887,8 +1096,10 @@ class _Dist:
                 res = fn()
             except BaseException as e:  # noqa: BLE001 - forwarded to the other ranks, then re-raised
                 exc = e
-                err = ("user" if isinstance(e, UserError) else "bug", str(e) if isinstance(e, UserError)
-                       else f"{type(e).__name__}: {e}")
+                err = (
+                    "user" if isinstance(e, UserError) else "bug",
+                    str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}",
+                )
         res, err = self.broadcast((res, err))
         if exc is not None:
             raise exc
@@ -921,7 +1132,11 @@ def _init_dist() -> _Dist:
     if not dist.is_initialized():
         init_process_group(backend="gloo", timeout=DIST_TIMEOUT)
         here = True
-    group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo", timeout=DIST_TIMEOUT)
+    group = (
+        dist.group.WORLD
+        if dist.get_backend() == "gloo"
+        else dist.new_group(backend="gloo", timeout=DIST_TIMEOUT)
+    )
     return _Dist(rank=rank, world=world, local_rank=local_rank, group=group, initialized_here=here)
 
 
@@ -949,8 +1164,16 @@ def _exclusive(root: Path):
     return exclusive_lock(root / LOCK, f"another 02_extract_hidden run is writing to {root}")
 
 
-def _check_disk(cfg: RunConfig, root: Path, samples: list[Sample], done: dict[int, dict], info: dict,
-                skipped_ids: dict, ignore: bool, freed_by_overwrite: int = 0) -> dict:
+def _check_disk(
+    cfg: RunConfig,
+    root: Path,
+    samples: list[Sample],
+    done: dict[int, dict],
+    info: dict,
+    skipped_ids: dict,
+    ignore: bool,
+    freed_by_overwrite: int = 0,
+) -> dict:
     """Disk-plan step (rank 0, before any capture): :func:`eagle3.capture.disk_plan.plan_disk` of the samples
     not in ``done``; returns the plan as a dict (recorded in ``extract_report.json``/``.md``; not in
     data_config.json, whose content depends only on the data).
@@ -964,17 +1187,26 @@ def _check_disk(cfg: RunConfig, root: Path, samples: list[Sample], done: dict[in
     from eagle3.capture.disk_plan import check_disk, plan_disk
 
     todo = [s for s in samples if s.idx not in done]
-    storage = storage_from_config(cfg.extract)  # fp8: the plan measures fp8 shards (values + scales)
+    storage = storage_from_config(
+        cfg.extract
+    )  # fp8: the plan measures fp8 shards (values + scales)
     encode = functools.partial(shard_object, storage=storage)
     hidden_bpt = bytes_per_token(info["hidden_size"], storage=storage)
     if token_only(cfg):  # the plan measures token-only shards: ids + mask, no hidden states
         encode, hidden_bpt = _token_encode, 0
-    plan = plan_disk(root, [(s.id, len(s.input_ids)) for s in todo], hidden_size=info["hidden_size"],
-                     hidden_bytes_per_token=hidden_bpt,
-                     rows_per_dir=cfg.extract.rows_per_dir, pending_idx=[s.idx for s in todo],
-                     encode=encode, margin=cfg.extract.disk_margin,
-                     margin_bytes=cfg.extract.disk_margin_bytes, skipped_ids=skipped_ids,
-                     freed_by_overwrite=freed_by_overwrite)
+    plan = plan_disk(
+        root,
+        [(s.id, len(s.input_ids)) for s in todo],
+        hidden_size=info["hidden_size"],
+        hidden_bytes_per_token=hidden_bpt,
+        rows_per_dir=cfg.extract.rows_per_dir,
+        pending_idx=[s.idx for s in todo],
+        encode=encode,
+        margin=cfg.extract.disk_margin,
+        margin_bytes=cfg.extract.disk_margin_bytes,
+        skipped_ids=skipped_ids,
+        freed_by_overwrite=freed_by_overwrite,
+    )
     return check_disk(plan, ignore).to_dict()
 
 
@@ -987,8 +1219,12 @@ def _expect(cfg: RunConfig, info: dict) -> dict:
     """What every shard of this run must hold (:func:`eagle3.shards.load_sample`'s ``expect``)."""
     if token_only(cfg):
         return {"vocab_size": info["vocab_size"], "tokens_only": True}
-    return {"hidden_size": info["hidden_size"], "num_hidden_states": 4, "vocab_size": info["vocab_size"],
-            "storage_dtype": storage_from_config(cfg.extract).dtype}
+    return {
+        "hidden_size": info["hidden_size"],
+        "num_hidden_states": 4,
+        "vocab_size": info["vocab_size"],
+        "storage_dtype": storage_from_config(cfg.extract).dtype,
+    }
 
 
 @dataclass
@@ -1009,8 +1245,16 @@ class _Prepared:
     disk: dict
 
 
-def _prepare(cfg: RunConfig, root: Path, overwrite: bool, limit: Optional[int],
-             backend: Optional[CaptureBackend], tokenizer, d: _Dist, ignore_disk_check: bool) -> _Prepared:
+def _prepare(
+    cfg: RunConfig,
+    root: Path,
+    overwrite: bool,
+    limit: Optional[int],
+    backend: Optional[CaptureBackend],
+    tokenizer,
+    d: _Dist,
+    ignore_disk_check: bool,
+) -> _Prepared:
     """Plan + tokenize steps: read prompts, check/prepare the folder (rank 0), build the backend,
     tokenize (:func:`tokenize_prompts`), reconcile the manifest with the shards and check the disk
     plan (rank 0, :func:`_check_disk`)."""
@@ -1041,8 +1285,12 @@ def _prepare(cfg: RunConfig, root: Path, overwrite: bool, limit: Optional[int],
     info = backend.info()
     aux = _resolve_aux(list(backend.aux_layers), info["num_layers"])
     if cfg.extract.aux_layers is not None and aux != list(cfg.extract.aux_layers):
-        raise ValueError(f"backend captures {aux} but extract.aux_layers is {cfg.extract.aux_layers}")
-    check_servable(aux, cfg.export.engine, str(info["architecture"]), "extract.aux_layers")  # before any capture
+        raise ValueError(
+            f"backend captures {aux} but extract.aux_layers is {cfg.extract.aux_layers}"
+        )
+    check_servable(
+        aux, cfg.export.engine, str(info["architecture"]), "extract.aux_layers"
+    )  # before any capture
 
     check_token_ids(prompts, int(info["vocab_size"]), prompts_path)
     samples, counts, skipped_ids = tokenize_prompts(tokenizer, prompts, cfg, prompts_path)
@@ -1055,16 +1303,37 @@ def _prepare(cfg: RunConfig, root: Path, overwrite: bool, limit: Optional[int],
         return done
 
     if overwrite:  # plan first (nothing will be resumed), delete only when it fits
-        disk = d.on_rank0(lambda: _check_disk(cfg, root, samples, {}, info, skipped_ids, ignore_disk_check, freed))
+        disk = d.on_rank0(
+            lambda: _check_disk(cfg, root, samples, {}, info, skipped_ids, ignore_disk_check, freed)
+        )
         d.on_rank0(prepare_folder)
         done = d.on_rank0(reconcile)
     else:
         done = d.on_rank0(reconcile)
-        disk = d.on_rank0(lambda: _check_disk(cfg, root, samples, done, info, skipped_ids, ignore_disk_check))
+        disk = d.on_rank0(
+            lambda: _check_disk(cfg, root, samples, done, info, skipped_ids, ignore_disk_check)
+        )
     if d.rank == 0:
-        log.info("%d samples (%d already done), %d skipped", len(samples), len(done),
-                 counts["skipped_too_long"] + counts["skipped_no_loss_tokens"])
-    return _Prepared(prompts, prompts_sha, fp, backend, tokenizer, info, aux, samples, counts, skipped_ids, done, disk)
+        log.info(
+            "%d samples (%d already done), %d skipped",
+            len(samples),
+            len(done),
+            counts["skipped_too_long"] + counts["skipped_no_loss_tokens"],
+        )
+    return _Prepared(
+        prompts,
+        prompts_sha,
+        fp,
+        backend,
+        tokenizer,
+        info,
+        aux,
+        samples,
+        counts,
+        skipped_ids,
+        done,
+        disk,
+    )
 
 
 def default_write_threads() -> int:
@@ -1075,7 +1344,9 @@ def default_write_threads() -> int:
     return max(1, min(8, default_workers()))
 
 
-def _start_capture(backend: CaptureBackend, batch: list[list[int]], storage: Optional[Storage] = None):
+def _start_capture(
+    backend: CaptureBackend, batch: list[list[int]], storage: Optional[Storage] = None
+):
     """Launch ``batch``'s capture; the handle's ``states()`` waits for it and returns per sample what
     the shard writer takes: :class:`eagle3.shards.format.StoredStates` from a backend whose
     ``capture_async`` accepts ``storage`` (HF: NaN/Inf check and fp8 quantisation done on the
@@ -1091,10 +1362,22 @@ def _start_capture(backend: CaptureBackend, batch: list[list[int]], storage: Opt
     return SimpleNamespace(states=lambda: states)
 
 
-def capture_and_write(backend: CaptureBackend, samples: list[Sample], batches: list[list[int]], done: dict[int, dict],
-                      hidden_size: int, root: Path, rows_per_dir: int, manifest_path: Path, *, write_threads: int,
-                      max_pending_tokens: int, on_commit: Optional[Callable[[dict], None]] = None,
-                      storage: Optional[Storage] = None, checksum: str = DEFAULT_ALGO) -> list[dict]:
+def capture_and_write(
+    backend: CaptureBackend,
+    samples: list[Sample],
+    batches: list[list[int]],
+    done: dict[int, dict],
+    hidden_size: int,
+    root: Path,
+    rows_per_dir: int,
+    manifest_path: Path,
+    *,
+    write_threads: int,
+    max_pending_tokens: int,
+    on_commit: Optional[Callable[[dict], None]] = None,
+    storage: Optional[Storage] = None,
+    checksum: str = DEFAULT_ALGO,
+) -> list[dict]:
     """Capture + write steps: capture each batch of ``samples`` positions, write the shards of the
     samples not in ``done``, log them in ``manifest_path``; returns the new manifest rows (in order).
 
@@ -1133,10 +1416,19 @@ def capture_and_write(backend: CaptureBackend, samples: list[Sample], batches: l
             check_captured(s.input_ids, st, hidden_size, f"sample {s.idx} ('{s.id}')")
             writer.submit(s.idx, s.id, s.input_ids, st, s.loss_mask)
 
-    with ManifestWriter(manifest_path) as man, ShardWriter(root, rows_per_dir, man, threads=write_threads,
-                                                           max_pending_tokens=max_pending_tokens,
-                                                           on_commit=committed, storage=storage,
-                                                           checksum=checksum) as writer:
+    with (
+        ManifestWriter(manifest_path) as man,
+        ShardWriter(
+            root,
+            rows_per_dir,
+            man,
+            threads=write_threads,
+            max_pending_tokens=max_pending_tokens,
+            on_commit=committed,
+            storage=storage,
+            checksum=checksum,
+        ) as writer,
+    ):
         prev = None
         for group in batches:
             # Capture the whole planned batch (even finished members) so padded shapes match an
@@ -1153,9 +1445,19 @@ def capture_and_write(backend: CaptureBackend, samples: list[Sample], batches: l
     return rows
 
 
-def write_token_samples(samples: list[Sample], batches: list[list[int]], done: dict[int, dict], root: Path,
-                        rows_per_dir: int, manifest_path: Path, *, write_threads: int, max_pending_tokens: int,
-                        on_commit: Optional[Callable[[dict], None]] = None, checksum: str = DEFAULT_ALGO) -> list[dict]:
+def write_token_samples(
+    samples: list[Sample],
+    batches: list[list[int]],
+    done: dict[int, dict],
+    root: Path,
+    rows_per_dir: int,
+    manifest_path: Path,
+    *,
+    write_threads: int,
+    max_pending_tokens: int,
+    on_commit: Optional[Callable[[dict], None]] = None,
+    checksum: str = DEFAULT_ALGO,
+) -> list[dict]:
     """The write step of token-only samples (``train.hidden_states: online``): the pending samples of
     ``batches`` (positions into ``samples``), in batch order, as ``{input_ids, loss_mask}`` shards
     through the same :class:`eagle3.shard_writer.ShardWriter` (atomic files, checksums, manifest rows in
@@ -1176,10 +1478,19 @@ def write_token_samples(samples: list[Sample], batches: list[list[int]], done: d
 
     n_todo = sum(samples[i].idx not in done for group in batches for i in group)
     procs = write_threads > 1 and n_todo >= shard_format.TOKEN_PROCESS_MIN
-    with ManifestWriter(manifest_path) as man, ShardWriter(root, rows_per_dir, man, threads=write_threads,
-                                                           max_pending_tokens=max_pending_tokens,
-                                                           on_commit=committed, checksum=checksum,
-                                                           processes=procs) as writer:
+    with (
+        ManifestWriter(manifest_path) as man,
+        ShardWriter(
+            root,
+            rows_per_dir,
+            man,
+            threads=write_threads,
+            max_pending_tokens=max_pending_tokens,
+            on_commit=committed,
+            checksum=checksum,
+            processes=procs,
+        ) as writer,
+    ):
         for group in batches:
             for i in group:
                 s = samples[i]
@@ -1190,8 +1501,11 @@ def write_token_samples(samples: list[Sample], batches: list[list[int]], done: d
 
 def _flat(comp: dict) -> dict:
     """A fingerprint's components one level flat (``extract.max_length``), for naming the ones that differ."""
-    return {f"{k}.{k2}" if isinstance(v, dict) else k: v2 for k, v in comp.items()
-            for k2, v2 in (v.items() if isinstance(v, dict) else [(None, v)])}
+    return {
+        f"{k}.{k2}" if isinstance(v, dict) else k: v2
+        for k, v in comp.items()
+        for k2, v2 in (v.items() if isinstance(v, dict) else [(None, v)])
+    }
 
 
 def _ranks_agree(cfg: RunConfig, d: _Dist) -> None:
@@ -1216,14 +1530,27 @@ def _ranks_agree(cfg: RunConfig, d: _Dist) -> None:
         if isinstance(theirs, str) or isinstance(everyone[0], str):
             what = theirs if isinstance(theirs, str) else f"rank 0: {everyone[0]}"
         else:
-            what = "differing: " + ", ".join(sorted(k for k in set(theirs) | set(everyone[0])
-                                                    if theirs.get(k) != everyone[0].get(k)))
-        raise UserError(f"{cfg.shards_dir}: torchrun rank {r} read other 02 settings or prompts than rank 0 ({what}); "
-                        f"every rank must read the same config and {cfg.prompts_path} (a node with another copy?)")
+            what = "differing: " + ", ".join(
+                sorted(
+                    k for k in set(theirs) | set(everyone[0]) if theirs.get(k) != everyone[0].get(k)
+                )
+            )
+        raise UserError(
+            f"{cfg.shards_dir}: torchrun rank {r} read other 02 settings or prompts than rank 0 ({what}); "
+            f"every rank must read the same config and {cfg.prompts_path} (a node with another copy?)"
+        )
 
 
-def _extract(cfg: RunConfig, root: Path, overwrite: bool, limit: Optional[int],
-             backend: Optional[CaptureBackend], tokenizer, d: _Dist, ignore_disk_check: bool = False) -> dict:
+def _extract(
+    cfg: RunConfig,
+    root: Path,
+    overwrite: bool,
+    limit: Optional[int],
+    backend: Optional[CaptureBackend],
+    tokenizer,
+    d: _Dist,
+    ignore_disk_check: bool = False,
+) -> dict:
     """The stage in named steps: check the prompts (:func:`check_prompts_current`), nothing to do
     (:func:`finished_report`), prepare (plan + tokenize + disk check), capture + write, gather ranks, finalise."""
     t_start = time.perf_counter()
@@ -1234,8 +1561,11 @@ def _extract(cfg: RunConfig, root: Path, overwrite: bool, limit: Optional[int],
     finished = None if overwrite else d.on_rank0(lambda: finished_report(cfg, root, limit))
     if finished is not None:  # every rank returns; the reports are left as they are
         if d.rank == 0:
-            log.info("shards up to date: %s (%d samples, settings unchanged; use --overwrite to redo)", root,
-                     finished["samples"])
+            log.info(
+                "shards up to date: %s (%d samples, settings unchanged; use --overwrite to redo)",
+                root,
+                finished["samples"],
+            )
             unchecked = _weights_unchecked(root, _read_state(root), _weights_record(cfg))
             if unchecked:
                 log.warning("%s", unchecked)
@@ -1247,7 +1577,7 @@ def _extract(cfg: RunConfig, root: Path, overwrite: bool, limit: Optional[int],
     # Batches with a pending sample, in plan order; rank r takes every world-th one. The batches
     # themselves come from the global plan, so padding (and every tensor) matches one process.
     todo = [g for g in plan if any(samples[i].idx not in done for i in g)]
-    mine = todo[d.rank::d.world]
+    mine = todo[d.rank :: d.world]
     total_tok = sum(len(s.input_ids) for s in samples)
     done_tok = sum(len(s.input_ids) for s in samples if s.idx in done)
     my_tok = sum(len(samples[i].input_ids) for g in mine for i in g if samples[i].idx not in done)
@@ -1258,23 +1588,54 @@ def _extract(cfg: RunConfig, root: Path, overwrite: bool, limit: Optional[int],
     t_cap = time.perf_counter()
     # several SGLang servers: the batch plan is announced so batches are captured ahead, in parallel
     ahead = [] if token_only(cfg) else [[samples[i].input_ids for i in g] for g in mine]
-    with prefetching(p.backend, ahead), \
-            tqdm(total=shown_done + my_tok, initial=shown_done, unit="tok", unit_scale=True, desc=desc,
-                 mininterval=1.0, position=d.rank) as bar:
+    with (
+        prefetching(p.backend, ahead),
+        tqdm(
+            total=shown_done + my_tok,
+            initial=shown_done,
+            unit="tok",
+            unit_scale=True,
+            desc=desc,
+            mininterval=1.0,
+            position=d.rank,
+        ) as bar,
+    ):
         wt = default_write_threads() if threads is None else threads
         if token_only(cfg):
-            my_rows = write_token_samples(samples, mine, done, root, cfg.extract.rows_per_dir, my_man,
-                                          write_threads=wt, max_pending_tokens=2 * cfg.extract.batch_tokens,
-                                          on_commit=lambda row: bar.update(row["num_tokens"]))
+            my_rows = write_token_samples(
+                samples,
+                mine,
+                done,
+                root,
+                cfg.extract.rows_per_dir,
+                my_man,
+                write_threads=wt,
+                max_pending_tokens=2 * cfg.extract.batch_tokens,
+                on_commit=lambda row: bar.update(row["num_tokens"]),
+            )
         else:
             try:
-                my_rows = capture_and_write(p.backend, samples, mine, done, p.info["hidden_size"], root,
-                                            cfg.extract.rows_per_dir, my_man, write_threads=wt,
-                                            max_pending_tokens=2 * cfg.extract.batch_tokens,
-                                            on_commit=lambda row: bar.update(row["num_tokens"]),
-                                            storage=storage_from_config(cfg.extract))
-            except NonFiniteStates as e:  # name the layer and the dtype the verifier ran in (one error line)
-                raise e.explained(aux_layers=p.aux, dtype=cfg.verifier.dtype if cfg.extract.backend == "hf" else None) from None
+                my_rows = capture_and_write(
+                    p.backend,
+                    samples,
+                    mine,
+                    done,
+                    p.info["hidden_size"],
+                    root,
+                    cfg.extract.rows_per_dir,
+                    my_man,
+                    write_threads=wt,
+                    max_pending_tokens=2 * cfg.extract.batch_tokens,
+                    on_commit=lambda row: bar.update(row["num_tokens"]),
+                    storage=storage_from_config(cfg.extract),
+                )
+            except (
+                NonFiniteStates
+            ) as e:  # name the layer and the dtype the verifier ran in (one error line)
+                raise e.explained(
+                    aux_layers=p.aux,
+                    dtype=cfg.verifier.dtype if cfg.extract.backend == "hf" else None,
+                ) from None
     written = len(my_rows)
     t_cap = time.perf_counter() - t_cap
     captured_tok = total_tok - done_tok
@@ -1289,21 +1650,34 @@ def _extract(cfg: RunConfig, root: Path, overwrite: bool, limit: Optional[int],
     return _finalise(cfg, root, p, n_resumed, written, t_cap, captured_tok, t_start, d, ranks)
 
 
-def _gather_ranks(root: Path, samples: list[Sample], done: dict[int, dict], gathered: list[dict],
-                  ranks: list[dict]) -> tuple[int, float]:
+def _gather_ranks(
+    root: Path,
+    samples: list[Sample],
+    done: dict[int, dict],
+    gathered: list[dict],
+    ranks: list[dict],
+) -> tuple[int, float]:
     """Rank 0, multi-process: fold every rank's rows into ``done``, merge the rank manifests;
     returns ``(written, capture wall seconds)`` over all ranks."""
     for g in gathered:
         for row in g.pop("rows"):
             done[row["idx"]] = row
         ranks.append(g)
-        log.info("rank %d: %d samples in %.1f s = %s samples/s (%s tok/s)", g["rank"], g["written"],
-                 g["capture_s"], rate_text(g["samples_per_s"]), rate_text(g["tokens_per_s"]))
+        log.info(
+            "rank %d: %d samples in %.1f s = %s samples/s (%s tok/s)",
+            g["rank"],
+            g["written"],
+            g["capture_s"],
+            rate_text(g["samples_per_s"]),
+            rate_text(g["tokens_per_s"]),
+        )
     missing = [s.idx for s in samples if s.idx not in done]
     if missing:
         raise RuntimeError(f"stage 02: samples {missing[:10]} were assigned to no rank (bug)")
     merge_rank_manifests(root)
-    return sum(g["written"] for g in ranks), max(g["capture_s"] for g in ranks)  # wall time of the parallel capture
+    return sum(g["written"] for g in ranks), max(
+        g["capture_s"] for g in ranks
+    )  # wall time of the parallel capture
 
 
 def _weights_record(cfg: RunConfig) -> dict:
@@ -1316,8 +1690,18 @@ def _weights_record(cfg: RunConfig) -> dict:
     return weights_record(cfg.verifier)
 
 
-def _finalise(cfg: RunConfig, root: Path, p: _Prepared, n_resumed: int, written: int, t_cap: float,
-              captured_tok: int, t_start: float, d: _Dist, ranks: list[dict]) -> dict:
+def _finalise(
+    cfg: RunConfig,
+    root: Path,
+    p: _Prepared,
+    n_resumed: int,
+    written: int,
+    t_cap: float,
+    captured_tok: int,
+    t_start: float,
+    d: _Dist,
+    ranks: list[dict],
+) -> dict:
     """Finalise step: ``data_config.json`` (written last: marks the extraction complete) and the report."""
     done, info, counts = p.done, p.info, p.counts
     rows = [done[k] for k in sorted(done)]
@@ -1345,7 +1729,11 @@ def _finalise(cfg: RunConfig, root: Path, p: _Prepared, n_resumed: int, written:
         "prompts_sha256": p.prompts_sha,
         "prompts_file": str(cfg.prompts_path),
         "backend": cfg.extract.backend,
-        **({"sglang_tp_size": cfg.extract.sglang_tp_size} if cfg.extract.backend == "sglang" else {}),
+        **(
+            {"sglang_tp_size": cfg.extract.sglang_tp_size}
+            if cfg.extract.backend == "sglang"
+            else {}
+        ),
         "num_samples": len(rows),
         "num_tokens": num_tokens,
         "num_loss_tokens": num_loss,
@@ -1354,10 +1742,19 @@ def _finalise(cfg: RunConfig, root: Path, p: _Prepared, n_resumed: int, written:
         "truncated": int(counts["truncated"]),
         "chat_template_kwargs": dict(cfg.verifier.chat_template_kwargs),
         "loss_on_reasoning": cfg.extract.loss_on_reasoning,
-        **({"verifier_dtype": cfg.verifier.dtype} if cfg.extract.backend == "hf" else {}),  # named in 03's NaN/Inf errors
-        **_weights_record(cfg),  # which model's weights: 03/04 refuse another one under the same verifier.name
-        "stop_token_ids": sorted(end_of_turn_ids(p.tokenizer)),  # the loss mask's turn end (eagle3.verifier.stop_token_ids)
-        "split": {"conversations": int(counts["split_conversations"]), "samples": int(counts["split_samples"])},
+        **(
+            {"verifier_dtype": cfg.verifier.dtype} if cfg.extract.backend == "hf" else {}
+        ),  # named in 03's NaN/Inf errors
+        **_weights_record(
+            cfg
+        ),  # which model's weights: 03/04 refuse another one under the same verifier.name
+        "stop_token_ids": sorted(
+            end_of_turn_ids(p.tokenizer)
+        ),  # the loss mask's turn end (eagle3.verifier.stop_token_ids)
+        "split": {
+            "conversations": int(counts["split_conversations"]),
+            "samples": int(counts["split_samples"]),
+        },
         "skipped_ids": p.skipped_ids,
     }
     write_data_config(root, meta)
@@ -1376,8 +1773,12 @@ def _finalise(cfg: RunConfig, root: Path, p: _Prepared, n_resumed: int, written:
         "skipped_ids": p.skipped_ids,
         "capture_s": round(t_cap, 3),
         "total_s": round(time.perf_counter() - t_start, 3),
-        "captured_tokens_per_s": round(captured_tok / t_cap, 1) if t_cap > 0 and captured_tok else None,
-        "disk_gb": round(num_tokens * (TOKEN_BYTES_PER_TOKEN if tokens else meta["bytes_per_token"]) / 1e9, 4),
+        "captured_tokens_per_s": round(captured_tok / t_cap, 1)
+        if t_cap > 0 and captured_tok
+        else None,
+        "disk_gb": round(
+            num_tokens * (TOKEN_BYTES_PER_TOKEN if tokens else meta["bytes_per_token"]) / 1e9, 4
+        ),
         "disk_plan": p.disk,
         **({"servers": p.backend.server_summary()} if hasattr(p.backend, "server_summary") else {}),
     }
@@ -1385,8 +1786,13 @@ def _finalise(cfg: RunConfig, root: Path, p: _Prepared, n_resumed: int, written:
         summary["world_size"] = d.world
         summary["samples_per_s"] = round(written / t_cap, 2) if t_cap > 0 and written else None
         summary["ranks"] = ranks
-        log.info("all %d ranks: %d samples in %.1f s = %s samples/s", d.world, written, t_cap,
-                 rate_text(summary["samples_per_s"]))
+        log.info(
+            "all %d ranks: %d samples in %.1f s = %s samples/s",
+            d.world,
+            written,
+            t_cap,
+            rate_text(summary["samples_per_s"]),
+        )
     atomic_write_json(root / REPORT_JSON, summary)
     atomic_write_text(root / REPORT_MD, _markdown(summary))
     return summary
@@ -1400,7 +1806,9 @@ def _rank_stats(rank: int, written: int, captured_tokens: int, capture_s: float)
         "captured_tokens": captured_tokens,
         "capture_s": round(capture_s, 3),
         "samples_per_s": round(written / capture_s, 2) if capture_s > 0 and written else None,
-        "tokens_per_s": round(captured_tokens / capture_s, 1) if capture_s > 0 and captured_tokens else None,
+        "tokens_per_s": round(captured_tokens / capture_s, 1)
+        if capture_s > 0 and captured_tokens
+        else None,
     }
 
 
@@ -1412,14 +1820,28 @@ def rate_text(value) -> str:
 
 def _markdown(s: dict) -> str:
     lines = ["# Stage 02: hidden-state extraction", "", "| metric | value |", "|---|---:|"]
-    for k in ("prompts", "samples", "split_conversations", "split_samples", "written", "resumed", "num_tokens",
-              "num_loss_tokens", "truncated",
-              "capture_s", "total_s", "captured_tokens_per_s", "disk_gb"):
+    for k in (
+        "prompts",
+        "samples",
+        "split_conversations",
+        "split_samples",
+        "written",
+        "resumed",
+        "num_tokens",
+        "num_loss_tokens",
+        "truncated",
+        "capture_s",
+        "total_s",
+        "captured_tokens_per_s",
+        "disk_gb",
+    ):
         lines.append(f"| {k} | {rate_text(s[k])} |")
     for k, v in s["skipped"].items():
         lines.append(f"| {k} | {v} |")
     for reason, ids in s.get("skipped_ids", {}).items():
-        lines.append(f"| skipped ({reason}) | {', '.join(ids[:20])}{' ...' if len(ids) > 20 else ''} |")
+        lines.append(
+            f"| skipped ({reason}) | {', '.join(ids[:20])}{' ...' if len(ids) > 20 else ''} |"
+        )
     if s.get("disk_plan"):
         from eagle3.capture.disk_plan import DiskPlan
 

@@ -39,12 +39,12 @@ from typing import Optional, Sequence
 
 import torch
 
-from eagle3.sdpa import no_cudnn_sdpa
 from eagle3.capture.base import BackendInfo, LastHiddenState
-from eagle3.shards.fp8 import Storage
 from eagle3.errors import UserError
 from eagle3.process_group import is_rank0
+from eagle3.sdpa import no_cudnn_sdpa
 from eagle3.shards.format import NONFINITE_FIX, StoredStates, encode_batch
+from eagle3.shards.fp8 import Storage
 from eagle3.verifier import text_config
 
 log = logging.getLogger(__name__)
@@ -101,12 +101,16 @@ class HFCapture:
         pad_id: id written into padded positions (never attended to, never returned).
     """
 
-    def __init__(self, model, aux_layers: Sequence[int], batch_tokens: int = 16384, pad_id: int = 0):
+    def __init__(
+        self, model, aux_layers: Sequence[int], batch_tokens: int = 16384, pad_id: int = 0
+    ):
         self.model = model
         self.aux_layers = [int(i) for i in aux_layers]
         self.batch_tokens = int(batch_tokens)
         self.pad_id = int(pad_id)
-        tc = text_config(model.config)  # multimodal wrappers (Kimi-K2.5): the language model's config
+        tc = text_config(
+            model.config
+        )  # multimodal wrappers (Kimi-K2.5): the language model's config
         self.num_layers = int(tc.num_hidden_layers)
         self.hidden_size = int(tc.hidden_size)
         self.vocab_size = int(getattr(tc, "vocab_size", None) or model.config.vocab_size)
@@ -143,7 +147,9 @@ class HFCapture:
         """
         return self.capture_async(batch).result(own_storage=True)
 
-    def capture_async(self, batch: list[list[int]], storage: Optional[Storage] = None) -> "PendingCapture":
+    def capture_async(
+        self, batch: list[list[int]], storage: Optional[Storage] = None
+    ) -> "PendingCapture":
         """Launch the prefill of ``batch`` and the device -> host copy of its states; return at once.
 
         On CUDA the returned handle's :meth:`PendingCapture.result` blocks only until the one
@@ -163,13 +169,17 @@ class HFCapture:
         """
         if any(len(s) == 0 for s in batch):
             raise ValueError("HFCapture.capture: empty sample")
-        parts = [(group, self._forward([batch[i] for i in group], storage))
-                 for group in plan_batches([len(s) for s in batch], self.batch_tokens)]
+        parts = [
+            (group, self._forward([batch[i] for i in group], storage))
+            for group in plan_batches([len(s) for s in batch], self.batch_tokens)
+        ]
         return PendingCapture(len(batch), parts)
 
     @torch.no_grad()
     @no_cudnn_sdpa()  # padded lengths change per batch: no per-shape cuDNN plans (~40 ms/call on H200)
-    def prefill_states(self, ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
+    def prefill_states(
+        self, ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None
+    ) -> list[torch.Tensor]:
         """The capture's 4 states of a padded batch, left on the device: online training (stage 04,
         :mod:`eagle3.train.online`) trains on them without a host round trip.
 
@@ -229,8 +239,11 @@ class HFCapture:
         except (AttributeError, NotImplementedError):
             return None
         layers = getattr(decoder, "layers", None)
-        if not isinstance(decoder, torch.nn.Module) or not isinstance(layers, torch.nn.ModuleList) \
-                or len(layers) != self.num_layers:
+        if (
+            not isinstance(decoder, torch.nn.Module)
+            or not isinstance(layers, torch.nn.ModuleList)
+            or len(layers) != self.num_layers
+        ):
             return None
         return decoder, layers
 
@@ -241,7 +254,10 @@ class HFCapture:
 
         def pre_hook(i):
             def fn(_mod, args, kwargs):
-                got[i] = args[0] if args else kwargs["hidden_states"]  # [B, Lmax, H] residual entering layer i
+                got[i] = (
+                    args[0] if args else kwargs["hidden_states"]
+                )  # [B, Lmax, H] residual entering layer i
+
             return fn
 
         def out_hook(_mod, _args, out):
@@ -250,7 +266,9 @@ class HFCapture:
 
         with contextlib.ExitStack() as stack:
             for i in self.aux_layers:
-                stack.enter_context(layers[i].register_forward_pre_hook(pre_hook(i), with_kwargs=True))
+                stack.enter_context(
+                    layers[i].register_forward_pre_hook(pre_hook(i), with_kwargs=True)
+                )
             stack.enter_context(decoder.register_forward_hook(out_hook))
             self.model(input_ids=ids, attention_mask=att, use_cache=False, **self._keep_kw)
         return [got[i] for i in self.aux_layers + [-1]]
@@ -261,7 +279,9 @@ class HFCapture:
         hs = out.hidden_states  # (N+1) x [B, Lmax, H]
         if hs is None or len(hs) != self.num_layers + 1:
             n = None if hs is None else len(hs)
-            raise RuntimeError(f"verifier returned {n} hidden states, expected num_hidden_layers + 1 = {self.num_layers + 1}")
+            raise RuntimeError(
+                f"verifier returned {n} hidden states, expected num_hidden_layers + 1 = {self.num_layers + 1}"
+            )
         return [hs[i] for i in self.aux_layers + [-1]]
 
     def _check_hooks(self) -> bool:
@@ -274,13 +294,22 @@ class HFCapture:
         try:
             hooked = self._states_hooked(ids, att)
         except (KeyError, IndexError, TypeError) as e:
-            log.info("capture hooks unavailable (%s: %s); using output_hidden_states", type(e).__name__, e)
+            log.info(
+                "capture hooks unavailable (%s: %s); using output_hidden_states",
+                type(e).__name__,
+                e,
+            )
             return False
         full = self._states_all(ids, att)
         # exact equality with NaN == NaN: an overflowing verifier is reported by the writer, not blamed on the hooks
-        ok = all(a.shape == b.shape and torch.allclose(a, b, rtol=0, atol=0, equal_nan=True) for a, b in zip(hooked, full))
+        ok = all(
+            a.shape == b.shape and torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)
+            for a, b in zip(hooked, full)
+        )
         if not ok:
-            log.warning("decoder hooks do not reproduce output_hidden_states on this model; using output_hidden_states")
+            log.warning(
+                "decoder hooks do not reproduce output_hidden_states on this model; using output_hidden_states"
+            )
         return ok
 
     @torch.inference_mode()
@@ -289,7 +318,9 @@ class HFCapture:
         if self._hooks_ok is None:
             self._hooks_ok = self._check_hooks()
         ids, att = self._pad(batch)  # [B, Lmax] right-padded; att None when nothing is padded
-        picks = (self._states_hooked if self._hooks_ok else self._states_all)(ids, att)  # 4 x [B, Lmax, H]
+        picks = (self._states_hooked if self._hooks_ok else self._states_all)(
+            ids, att
+        )  # 4 x [B, Lmax, H]
         B, Lmax = ids.shape
         lengths = [len(s) for s in batch]
         H = picks[0].shape[-1]
@@ -300,7 +331,9 @@ class HFCapture:
         if T != B * Lmax:
             # Real (unpadded) rows of the flattened batch, sample by sample: built on the host, copied
             # from pinned memory without a sync (the forward just launched keeps running meanwhile).
-            keep = (torch.arange(Lmax).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)).reshape(-1)  # [B*Lmax]
+            keep = (torch.arange(Lmax).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)).reshape(
+                -1
+            )  # [B*Lmax]
             rows = keep.nonzero().squeeze(1)  # [T]
             if dev.type == "cuda":
                 rows = rows.pin_memory().to(dev, non_blocking=True)
@@ -312,9 +345,13 @@ class HFCapture:
                 pack[k].copy_(flat)  # [T, H]
             else:
                 torch.index_select(flat, 0, rows, out=pack[k])  # [T, H] real rows only
-        dev_t = [pack]  # what goes to the host: bf16 states, or fp8 values + scales, + the finite flag
+        dev_t = [
+            pack
+        ]  # what goes to the host: bf16 states, or fp8 values + scales, + the finite flag
         if storage is not None:
-            values, scales, finite = encode_batch(pack, storage)  # no sync: checked on the host later
+            values, scales, finite = encode_batch(
+                pack, storage
+            )  # no sync: checked on the host later
             dev_t = [values] + ([scales] if scales is not None else []) + [finite.reshape(1)]
         if dev.type != "cuda":
             return _Part(lengths, None, *self._unpack(dev_t, storage))
@@ -348,14 +385,20 @@ class HFCapture:
         """
         if self._last is None:
             self._last = self._detect_last_norm()
-            if is_rank0():  # every torchrun rank probes its replica alike (02, online 04): said once
+            if (
+                is_rank0()
+            ):  # every torchrun rank probes its replica alike (02, online 04): said once
                 log.info("verifier hidden_states[-1] is %s", self._last)
         return self._last
 
     @torch.inference_mode()
     def _detect_last_norm(self) -> LastHiddenState:
         n = min(8, self.vocab_size)
-        ids = (torch.arange(n, dtype=torch.long) * 7919 % self.vocab_size).unsqueeze(0).to(self.device)  # [1, n]
+        ids = (
+            (torch.arange(n, dtype=torch.long) * 7919 % self.vocab_size)
+            .unsqueeze(0)
+            .to(self.device)
+        )  # [1, n]
         out = self.model(input_ids=ids, attention_mask=torch.ones_like(ids), **self._fwd_kw)
         check_probe_finite(out.hidden_states, out.logits, self.model)
         last = out.hidden_states[-1]  # [1, n, H]
@@ -373,7 +416,9 @@ class HFCapture:
             return "post_norm"
         norm = self._final_norm()
         if norm is None:
-            log.warning("lm_head(hidden_states[-1]) != logits and no final norm found; recording pre_norm")
+            log.warning(
+                "lm_head(hidden_states[-1]) != logits and no final norm found; recording pre_norm"
+            )
             return "pre_norm"
         if close(norm(last)):
             return "pre_norm"
@@ -414,10 +459,16 @@ def check_probe_finite(hidden_states: Sequence[torch.Tensor], logits: torch.Tens
     if bad is None and bool(torch.isfinite(logits).all()):
         return
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
-    where = ("the logits" if bad is None else f"HF hidden_states[{bad}]"
-             + (" (the last hidden state)" if bad == len(hidden_states) - 1 else ""))
-    raise UserError(f"verifier probe forward (8 tokens, before any sample): {where} has NaN/Inf with verifier.dtype "
-                    f"{dtype}; {NONFINITE_FIX}")
+    where = (
+        "the logits"
+        if bad is None
+        else f"HF hidden_states[{bad}]"
+        + (" (the last hidden state)" if bad == len(hidden_states) - 1 else "")
+    )
+    raise UserError(
+        f"verifier probe forward (8 tokens, before any sample): {where} has NaN/Inf with verifier.dtype "
+        f"{dtype}; {NONFINITE_FIX}"
+    )
 
 
 class _Part:
@@ -429,7 +480,13 @@ class _Part:
     __slots__ = ("host", "lengths", "event", "scales", "finite")
 
     def __init__(self, lengths: list[int], event, host: torch.Tensor, scales=None, finite=None):
-        self.host, self.lengths, self.event, self.scales, self.finite = host, lengths, event, scales, finite
+        self.host, self.lengths, self.event, self.scales, self.finite = (
+            host,
+            lengths,
+            event,
+            scales,
+            finite,
+        )
 
 
 class PendingCapture:
@@ -464,7 +521,9 @@ class PendingCapture:
         out: list = [None] * self._n
         for group, part in self._parts:
             if part.scales is not None:
-                raise RuntimeError("PendingCapture.result: states were quantised to fp8 on the device; use stored()")
+                raise RuntimeError(
+                    "PendingCapture.result: states were quantised to fp8 on the device; use stored()"
+                )
             for i, views in zip(group, _split(part.host, part.lengths)):
                 out[i] = [v.clone() for v in views] if own_storage else views
         return out
@@ -480,9 +539,15 @@ class PendingCapture:
         out: list = [None] * self._n
         for group, part in self._parts:
             if part.finite is None:
-                raise RuntimeError("PendingCapture.stored: capture_async was called without a storage")
+                raise RuntimeError(
+                    "PendingCapture.stored: capture_async was called without a storage"
+                )
             finite = bool(part.finite.item())
-            scales = _split(part.scales, part.lengths) if part.scales is not None else [None] * len(group)
+            scales = (
+                _split(part.scales, part.lengths)
+                if part.scales is not None
+                else [None] * len(group)
+            )
             for i, views, sc in zip(group, _split(part.host, part.lengths), scales):
                 out[i] = StoredStates(views, sc, source_finite=finite and sc is None)
         return out
@@ -492,6 +557,6 @@ def _split(buf: torch.Tensor, lengths: list[int]) -> list[list[torch.Tensor]]:
     """Per sample, the views ``buf[k, off:off + L]`` for every k (``buf`` ``[n, T, C]``, samples back to back)."""
     out, off = [], 0
     for L in lengths:
-        out.append([buf[k, off:off + L] for k in range(buf.shape[0])])  # n x [L, C]
+        out.append([buf[k, off : off + L] for k in range(buf.shape[0])])  # n x [L, C]
         off += L
     return out

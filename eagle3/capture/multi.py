@@ -41,8 +41,8 @@ import torch
 
 from eagle3.capture.base import BackendInfo
 from eagle3.capture.sglang import SGLangCapture
-from eagle3.prompts.endpoints import AllEndpointsDown, EndpointPool
 from eagle3.errors import UserError
+from eagle3.prompts.endpoints import AllEndpointsDown, EndpointPool
 
 log = logging.getLogger(__name__)
 
@@ -63,26 +63,41 @@ class MultiServerCapture:
         UserError: fewer than one server, or duplicate URLs.
     """
 
-    def __init__(self, servers: Sequence[SGLangCapture], per_server: int = 2, max_failures: int = 3,
-                 backoff_s: float = 1.0):
+    def __init__(
+        self,
+        servers: Sequence[SGLangCapture],
+        per_server: int = 2,
+        max_failures: int = 3,
+        backoff_s: float = 1.0,
+    ):
         if not servers:
             raise UserError(f"{WHAT}: at least one server is needed")
         self.servers = list(servers)
         self._by_url = {s.url: s for s in self.servers}
         # out of rotation for good (no revival): a node that failed max_failures batches in a row is
         # down or broken for this run; give_up_after_s=0: every server out = stop at once
-        self.pool = EndpointPool([s.url for s in self.servers], per_endpoint=per_server, dead_after=max_failures,
-                                 revive_after_s=float("inf"), give_up_after_s=0.0, what=WHAT)
+        self.pool = EndpointPool(
+            [s.url for s in self.servers],
+            per_endpoint=per_server,
+            dead_after=max_failures,
+            revive_after_s=float("inf"),
+            give_up_after_s=0.0,
+            what=WHAT,
+        )
         self.max_failures = int(max_failures)
         self.backoff_s = float(backoff_s)
         self.aux_layers = self.servers[0].aux_layers
         self._last_error: dict[str, str] = {}
         self._batches_done = collections.Counter()
         self._lock = threading.Lock()
-        self._executor = ThreadPoolExecutor(max_workers=self.pool.capacity, thread_name_prefix="sglang-capture")
+        self._executor = ThreadPoolExecutor(
+            max_workers=self.pool.capacity, thread_name_prefix="sglang-capture"
+        )
         self._ahead: collections.deque[tuple[list[list[int]], Future]] = collections.deque()
         self._upcoming: Optional[Iterator[list[list[int]]]] = None
-        self._generation = 0  # bumped by cancel(): look-ahead captures of an older schedule stop retrying
+        self._generation = (
+            0  # bumped by cancel(): look-ahead captures of an older schedule stop retrying
+        )
 
     # ---- contract ----------------------------------------------------------------------------
     def info(self) -> BackendInfo:
@@ -99,9 +114,11 @@ class MultiServerCapture:
                 s.aux_layers = list(self.aux_layers)
             got = s.info()
             if got != first or s.aux_layers != self.aux_layers:
-                raise UserError(f"{WHAT} {s.url}: serves {dict(got, aux_layers=s.aux_layers)} but {self.servers[0].url} "
-                                f"serves {dict(first, aux_layers=self.aux_layers)}; every capture server must run "
-                                "the same verifier with the same flags")
+                raise UserError(
+                    f"{WHAT} {s.url}: serves {dict(got, aux_layers=s.aux_layers)} but {self.servers[0].url} "
+                    f"serves {dict(first, aux_layers=self.aux_layers)}; every capture server must run "
+                    "the same verifier with the same flags"
+                )
         return first
 
     def capture(self, batch: list[list[int]]) -> list[list[torch.Tensor]]:
@@ -118,7 +135,9 @@ class MultiServerCapture:
             return self._capture_anywhere(batch)
         ids, fut = self._ahead.popleft()
         if ids != batch:
-            raise RuntimeError("MultiServerCapture.capture: batches must be asked for in the scheduled order")
+            raise RuntimeError(
+                "MultiServerCapture.capture: batches must be asked for in the scheduled order"
+            )
         self._fill()
         return fut.result()
 
@@ -143,10 +162,14 @@ class MultiServerCapture:
             if nxt is None:
                 self._upcoming = None
                 return
-            self._ahead.append((nxt, self._executor.submit(self._capture_anywhere, nxt, self._generation)))
+            self._ahead.append(
+                (nxt, self._executor.submit(self._capture_anywhere, nxt, self._generation))
+            )
 
     # ---- one batch, retried across servers ----------------------------------------------------
-    def _capture_anywhere(self, batch: list[list[int]], generation: Optional[int] = None) -> list[list[torch.Tensor]]:
+    def _capture_anywhere(
+        self, batch: list[list[int]], generation: Optional[int] = None
+    ) -> list[list[torch.Tensor]]:
         """Capture ``batch`` on some live server, retrying on others; ``generation``: the schedule a
         look-ahead capture belongs to (once cancelled, it makes no further attempt)."""
         max_attempts = self.max_failures * len(self.servers)
@@ -167,10 +190,17 @@ class MultiServerCapture:
                 if self._all_out():
                     raise UserError(self._all_down_message()) from e
                 if attempt == max_attempts:
-                    raise UserError(f"{WHAT}: a batch of {len(batch)} samples failed {attempt} times; the last "
-                                    f"error: {e}") from e
-                log.warning("capture batch failed on %s (attempt %d/%d), retrying on another server: %s",
-                            ep.url, attempt, max_attempts, e)
+                    raise UserError(
+                        f"{WHAT}: a batch of {len(batch)} samples failed {attempt} times; the last "
+                        f"error: {e}"
+                    ) from e
+                log.warning(
+                    "capture batch failed on %s (attempt %d/%d), retrying on another server: %s",
+                    ep.url,
+                    attempt,
+                    max_attempts,
+                    e,
+                )
                 last = ep
                 time.sleep(min(30.0, self.backoff_s * attempt))
                 continue
@@ -186,10 +216,14 @@ class MultiServerCapture:
 
     def _all_down_message(self) -> str:
         with self._lock:
-            errs = "; ".join(f"{u}: {self._last_error.get(u, 'no error recorded')}" for u in self._by_url)
-        return (f"{WHAT}: every capture server failed {self.max_failures} batches in a row and is out of rotation "
-                f"({errs}); the shards written so far are kept: fix or replace the servers, then re-run the same "
-                "command to resume")
+            errs = "; ".join(
+                f"{u}: {self._last_error.get(u, 'no error recorded')}" for u in self._by_url
+            )
+        return (
+            f"{WHAT}: every capture server failed {self.max_failures} batches in a row and is out of rotation "
+            f"({errs}); the shards written so far are kept: fix or replace the servers, then re-run the same "
+            "command to resume"
+        )
 
     def server_summary(self) -> list[dict]:
         """Per server: URL, batches captured, requests, failed attempts, times taken out of rotation."""
@@ -214,9 +248,17 @@ def prefetching(backend, batches: Sequence[list[list[int]]]):
         backend.cancel()
 
 
-def sglang_backend(urls: str | Sequence[str], capture_dirs: str | Sequence[str], aux_layers: Optional[list[int]], *,
-                   timeout: float, max_length: Optional[int], max_requests: Optional[int], per_server: int = 2,
-                   max_failures: int = 3):
+def sglang_backend(
+    urls: str | Sequence[str],
+    capture_dirs: str | Sequence[str],
+    aux_layers: Optional[list[int]],
+    *,
+    timeout: float,
+    max_length: Optional[int],
+    max_requests: Optional[int],
+    per_server: int = 2,
+    max_failures: int = 3,
+):
     """The SGLang capture backend for one server URL (an :class:`SGLangCapture`) or several (a
     :class:`MultiServerCapture`; ``capture_dirs`` then gives one folder per URL, in the same order).
 
@@ -229,15 +271,28 @@ def sglang_backend(urls: str | Sequence[str], capture_dirs: str | Sequence[str],
     if not urls:
         raise UserError(f"{WHAT}: required for backend sglang (or pass --server URL [URL ...])")
     if len(dirs) != len(urls):
-        raise UserError(f"extract.capture_dir: {len(urls)} servers in {WHAT} need {len(urls)} capture folders (a list, "
-                        f"one per server, in the same order; each server's --capture-dir as this host sees it), "
-                        f"got {len(dirs)}")
-    if len({u.rstrip('/') for u in urls}) != len(urls):
+        raise UserError(
+            f"extract.capture_dir: {len(urls)} servers in {WHAT} need {len(urls)} capture folders (a list, "
+            f"one per server, in the same order; each server's --capture-dir as this host sees it), "
+            f"got {len(dirs)}"
+        )
+    if len({u.rstrip("/") for u in urls}) != len(urls):
         raise UserError(f"{WHAT}: duplicate URL in {urls}")
     if len({str(d) for d in dirs}) != len(dirs):
-        raise UserError(f"extract.capture_dir: duplicate folder in {dirs}; each server needs its own capture folder")
-    servers = [SGLangCapture(url=u, capture_dir=d, aux_layers=aux_layers, timeout=timeout, max_length=max_length,
-                             max_requests=max_requests) for u, d in zip(urls, dirs)]
+        raise UserError(
+            f"extract.capture_dir: duplicate folder in {dirs}; each server needs its own capture folder"
+        )
+    servers = [
+        SGLangCapture(
+            url=u,
+            capture_dir=d,
+            aux_layers=aux_layers,
+            timeout=timeout,
+            max_length=max_length,
+            max_requests=max_requests,
+        )
+        for u, d in zip(urls, dirs)
+    ]
     if len(servers) == 1:
         return servers[0]
     return MultiServerCapture(servers, per_server=per_server, max_failures=max_failures)

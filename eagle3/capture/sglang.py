@@ -63,15 +63,23 @@ class SGLangCapture:
         UserError: ``capture_dir`` is not a folder.
     """
 
-    def __init__(self, url: str, capture_dir: str | os.PathLike, aux_layers: Optional[Sequence[int]],
-                 timeout: float = 600.0,
-                 max_length: Optional[int] = None, max_requests: Optional[int] = None):
+    def __init__(
+        self,
+        url: str,
+        capture_dir: str | os.PathLike,
+        aux_layers: Optional[Sequence[int]],
+        timeout: float = 600.0,
+        max_length: Optional[int] = None,
+        max_requests: Optional[int] = None,
+    ):
         if not url:
             raise UserError("extract.sglang_url: required for extract.backend: sglang")
         self.url = url.rstrip("/")
         self.capture_dir = Path(capture_dir)
         if not self.capture_dir.is_dir():
-            raise UserError(f"extract.capture_dir: {self.capture_dir} is not a folder (the server's --capture-dir)")
+            raise UserError(
+                f"extract.capture_dir: {self.capture_dir} is not a folder (the server's --capture-dir)"
+            )
         self.aux_layers = [int(i) for i in aux_layers] if aux_layers is not None else None
         self.timeout = float(timeout)
         self.max_length = max_length
@@ -79,7 +87,9 @@ class SGLangCapture:
         self._info: Optional[BackendInfo] = None
         self._prefix = uuid.uuid4().hex[:12]
         self._count = 0
-        self._rid_lock = threading.Lock()  # capture() may run on several threads (eagle3.capture.multi)
+        self._rid_lock = (
+            threading.Lock()
+        )  # capture() may run on several threads (eagle3.capture.multi)
 
     # ---- HTTP ----------------------------------------------------------------------------
     def _request(self, path: str, payload: Optional[dict] = None) -> Any:
@@ -89,23 +99,37 @@ class SGLangCapture:
             UserError: connection refused/timeout, HTTP error status, or a non-JSON body.
         """
         data = json.dumps(payload).encode("utf-8") if payload is not None else None
-        req = urllib.request.Request(self.url + path, data=data, method="POST" if data is not None else "GET",
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            self.url + path,
+            data=data,
+            method="POST" if data is not None else "GET",
+            headers={"Content-Type": "application/json"},
+        )
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as resp:
                 body = resp.read()
         except urllib.error.HTTPError as e:
             detail = e.read().decode("utf-8", "replace").strip().splitlines()
-            raise UserError(f"extract.sglang_url {self.url}{path}: HTTP {e.code}: {detail[0][:300] if detail else e.reason}") from e
+            raise UserError(
+                f"extract.sglang_url {self.url}{path}: HTTP {e.code}: {detail[0][:300] if detail else e.reason}"
+            ) from e
         except (urllib.error.URLError, TimeoutError, OSError) as e:
-            raise UserError(f"extract.sglang_url {self.url}{path}: server not reachable: {getattr(e, 'reason', e)}") from e
-        except http.client.HTTPException as e:  # IncompleteRead, BadStatusLine: the server died mid-answer
-            raise UserError(f"extract.sglang_url {self.url}{path}: connection broken mid-response: "
-                            f"{type(e).__name__}: {e}") from e
+            raise UserError(
+                f"extract.sglang_url {self.url}{path}: server not reachable: {getattr(e, 'reason', e)}"
+            ) from e
+        except (
+            http.client.HTTPException
+        ) as e:  # IncompleteRead, BadStatusLine: the server died mid-answer
+            raise UserError(
+                f"extract.sglang_url {self.url}{path}: connection broken mid-response: "
+                f"{type(e).__name__}: {e}"
+            ) from e
         try:
             return json.loads(body)
         except json.JSONDecodeError as e:
-            raise UserError(f"extract.sglang_url {self.url}{path}: response is not JSON: {body[:120]!r}") from e
+            raise UserError(
+                f"extract.sglang_url {self.url}{path}: response is not JSON: {body[:120]!r}"
+            ) from e
 
     def _get_first(self, *paths: str) -> dict:
         """GET the first endpoint that exists (``/model_info`` replaced ``/get_model_info`` in 0.5.x)."""
@@ -138,21 +162,31 @@ class SGLangCapture:
         where = f"extract.sglang_url {self.url}/server_info"
         version = server.get("version")
         if version is not None and version != SUPPORTED_VERSION:
-            raise UserError(f"{where}: SGLang {version}; the capture patch is for {SUPPORTED_VERSION}")
+            raise UserError(
+                f"{where}: SGLang {version}; the capture patch is for {SUPPORTED_VERSION}"
+            )
         if server.get("disable_radix_cache") is False:
-            raise UserError(f"{where}: radix cache is on; relaunch with --disable-radix-cache "
-                            "(cached prefixes are not recomputed, so their states are never captured)")
+            raise UserError(
+                f"{where}: radix cache is on; relaunch with --disable-radix-cache "
+                "(cached prefixes are not recomputed, so their states are never captured)"
+            )
         if server.get("enable_return_aux_hidden_states") is False:
-            raise UserError(f"{where}: relaunch with --enable-return-aux-hidden-states --speculative-algorithm EAGLE3")
+            raise UserError(
+                f"{where}: relaunch with --enable-return-aux-hidden-states --speculative-algorithm EAGLE3"
+            )
         chunk = server.get("chunked_prefill_size")
         if isinstance(chunk, int) and not isinstance(chunk, bool) and chunk > 0:
-            raise UserError(f"{where}: chunked_prefill_size {chunk}: relaunch with --chunked-prefill-size -1 (SGLang "
-                            f"shares one {chunk}-token chunk budget among the prompts of a prefill batch and splits the "
-                            "prompt that overflows it, however short; its earlier chunks would never be captured)")
+            raise UserError(
+                f"{where}: chunked_prefill_size {chunk}: relaunch with --chunked-prefill-size -1 (SGLang "
+                f"shares one {chunk}-token chunk budget among the prompts of a prefill batch and splits the "
+                "prompt that overflows it, however short; its earlier chunks would never be captured)"
+            )
         info_path = self.capture_dir / INFO_FILE
         if not info_path.is_file():
-            raise UserError(f"{info_path}: not found; is the server running patches/sglang_capture_launcher.py "
-                            "with this --capture-dir, on this host?")
+            raise UserError(
+                f"{info_path}: not found; is the server running patches/sglang_capture_launcher.py "
+                "with this --capture-dir, on this host?"
+            )
         cap = read_json(info_path)
         for key in ("layers_to_capture", "num_hidden_layers", "hidden_size", "vocab_size"):
             if cap.get(key) is None:
@@ -168,8 +202,10 @@ class SGLangCapture:
                 hint = f"relaunch with --return-aux-hidden-state-layer-ids {fix}"
             except UserError as e:
                 hint = str(e)
-            raise UserError(f"{info_path}: the server captures HF layers {layers} but extract.aux_layers is "
-                            f"{self.aux_layers} ({arch}); {hint}")
+            raise UserError(
+                f"{info_path}: the server captures HF layers {layers} but extract.aux_layers is "
+                f"{self.aux_layers} ({arch}); {hint}"
+            )
         self._info = {
             "num_layers": int(cap["num_hidden_layers"]),
             "hidden_size": int(cap["hidden_size"]),
@@ -192,7 +228,7 @@ class SGLangCapture:
         step = self.max_requests or len(batch)
         out: list[list[torch.Tensor]] = []
         for s in range(0, len(batch), step):
-            out.extend(self._capture_chunk(batch[s:s + step]))
+            out.extend(self._capture_chunk(batch[s : s + step]))
         return out
 
     def _new_rids(self, n: int) -> list[str]:
@@ -215,8 +251,10 @@ class SGLangCapture:
             if isinstance(resp, dict):
                 resp = [resp]
             if not isinstance(resp, list) or len(resp) != len(batch):
-                raise UserError(f"extract.sglang_url {self.url}/generate: expected {len(batch)} results, "
-                                f"got {len(resp) if isinstance(resp, list) else type(resp).__name__}")
+                raise UserError(
+                    f"extract.sglang_url {self.url}/generate: expected {len(batch)} results, "
+                    f"got {len(resp) if isinstance(resp, list) else type(resp).__name__}"
+                )
             by_rid = {}
             for r in resp:
                 meta = r.get("meta_info", {}) if isinstance(r, dict) else {}
@@ -227,49 +265,71 @@ class SGLangCapture:
                 for suffix in (SAMPLE_SUFFIX, ERROR_SUFFIX):
                     (self.capture_dir / f"{rid}{suffix}").unlink(missing_ok=True)
 
-    def _read_one(self, rid: str, ids: list[int], meta: Optional[dict], H: int) -> list[torch.Tensor]:
+    def _read_one(
+        self, rid: str, ids: list[int], meta: Optional[dict], H: int
+    ) -> list[torch.Tensor]:
         where = f"extract.sglang_url {self.url}/generate rid {rid}"
         if meta is None:
             raise UserError(f"{where}: no result for this request id in the response")
         L = len(ids)
         if meta.get("prompt_tokens") != L:
-            raise UserError(f"{where}: server counted {meta.get('prompt_tokens')} prompt tokens, {L} were sent")
+            raise UserError(
+                f"{where}: server counted {meta.get('prompt_tokens')} prompt tokens, {L} were sent"
+            )
         if meta.get("cached_tokens", 0):
-            raise UserError(f"{where}: {meta['cached_tokens']} prompt tokens came from the prefix cache; "
-                            "relaunch the server with --disable-radix-cache")
+            raise UserError(
+                f"{where}: {meta['cached_tokens']} prompt tokens came from the prefix cache; "
+                "relaunch the server with --disable-radix-cache"
+            )
         if meta.get("hidden_states"):
-            raise UserError(f"{where}: the response carries hidden-state floats: the server is not running the "
-                            "capture patch (patches/sglang_capture_launcher.py --capture-dir ...)")
+            raise UserError(
+                f"{where}: the response carries hidden-state floats: the server is not running the "
+                "capture patch (patches/sglang_capture_launcher.py --capture-dir ...)"
+            )
         err = self.capture_dir / f"{rid}{ERROR_SUFFIX}"
         if err.is_file():
             raise UserError(f"{err}: {read_json(err).get('error', 'capture failed')}")
         path = self.capture_dir / f"{rid}{SAMPLE_SUFFIX}"
         if not path.is_file():
-            raise UserError(f"{path}: not written by the server (wrong --capture-dir, another host, or the patch "
-                            "is not active)")
+            raise UserError(
+                f"{path}: not written by the server (wrong --capture-dir, another host, or the patch "
+                "is not active)"
+            )
         obj = safe_torch_load(path)
         if not isinstance(obj, dict) or "hidden_states" not in obj or "input_ids" not in obj:
-            raise UserError(f"{path}: not a capture file (keys 'input_ids', 'hidden_states' expected)")
+            raise UserError(
+                f"{path}: not a capture file (keys 'input_ids', 'hidden_states' expected)"
+            )
         got_ids = obj["input_ids"]  # [L] int64
         if got_ids.tolist() != list(ids):
-            raise UserError(f"{path}: the server prefilled different token ids than were sent "
-                            f"({got_ids.numel()} ids, first mismatch at position "
-                            f"{next((i for i, (a, b) in enumerate(zip(got_ids.tolist(), ids)) if a != b), min(L, got_ids.numel()))})")
+            raise UserError(
+                f"{path}: the server prefilled different token ids than were sent "
+                f"({got_ids.numel()} ids, first mismatch at position "
+                f"{next((i for i, (a, b) in enumerate(zip(got_ids.tolist(), ids)) if a != b), min(L, got_ids.numel()))})"
+            )
         layers = obj.get("layers") or []
         if layers and [int(i) for i in layers] != self.aux_layers:
-            raise UserError(f"{path}: captured layers {layers}, extract.aux_layers is {self.aux_layers}")
+            raise UserError(
+                f"{path}: captured layers {layers}, extract.aux_layers is {self.aux_layers}"
+            )
         conv = obj.get("last_hidden_state")
         if conv is not None and self._info is not None and conv != self._info["last_hidden_state"]:
-            raise UserError(f"{path}: last_hidden_state {conv!r}, but {self.capture_dir / INFO_FILE} says "
-                            f"{self._info['last_hidden_state']!r} (recorded in data_config.json); the server's patch "
-                            f"changed under the run: restart it with the same patches/ version and re-run 02")
+            raise UserError(
+                f"{path}: last_hidden_state {conv!r}, but {self.capture_dir / INFO_FILE} says "
+                f"{self._info['last_hidden_state']!r} (recorded in data_config.json); the server's patch "
+                f"changed under the run: restart it with the same patches/ version and re-run 02"
+            )
         states = obj["hidden_states"]
         if len(states) != NUM_CAPTURED:
-            raise UserError(f"{path}: {len(states)} hidden-state tensors, expected {NUM_CAPTURED} (3 aux + last)")
+            raise UserError(
+                f"{path}: {len(states)} hidden-state tensors, expected {NUM_CAPTURED} (3 aux + last)"
+            )
         for k, t in enumerate(states):
             if tuple(t.shape) != (L, H) or t.dtype != torch.bfloat16:
-                raise UserError(f"{path}: hidden_states[{k}] is {tuple(t.shape)} {t.dtype}, "
-                                f"expected ({L}, {H}) torch.bfloat16")
+                raise UserError(
+                    f"{path}: hidden_states[{k}] is {tuple(t.shape)} {t.dtype}, "
+                    f"expected ({L}, {H}) torch.bfloat16"
+                )
         return [t.to("cpu") for t in states]  # 4 x [L, H] bf16
 
 
@@ -284,10 +344,15 @@ def _last_hidden_state(cap: dict, info_path: Path) -> str:
     """
     conv = cap.get("last_hidden_state")
     if conv is None:
-        log.warning("%s: no last_hidden_state recorded (a capture patch of before the key?): taking post_norm, the "
-                    "state SGLang's last_hidden_states holds after the final norm, unchecked; run the server with this "
-                    "checkout's patches/sglang_capture_launcher.py, which records it", info_path)
+        log.warning(
+            "%s: no last_hidden_state recorded (a capture patch of before the key?): taking post_norm, the "
+            "state SGLang's last_hidden_states holds after the final norm, unchecked; run the server with this "
+            "checkout's patches/sglang_capture_launcher.py, which records it",
+            info_path,
+        )
         return "post_norm"
     if conv not in ("post_norm", "pre_norm"):
-        raise UserError(f"{info_path}: key 'last_hidden_state' is {conv!r}, expected post_norm or pre_norm")
+        raise UserError(
+            f"{info_path}: key 'last_hidden_state' is {conv!r}, expected post_norm or pre_norm"
+        )
     return conv

@@ -31,8 +31,8 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from eagle3.shards.checksum import DEFAULT_ALGO, new_hasher
-from eagle3.shards.manifest import ManifestWriter
 from eagle3.shards.format import NonFiniteStates, write_sample
+from eagle3.shards.manifest import ManifestWriter
 
 #: GIL switch interval (seconds) while writer threads run; None leaves Python's setting alone.
 SWITCH_INTERVAL_S: Optional[float] = 0.0005
@@ -40,8 +40,16 @@ SWITCH_INTERVAL_S: Optional[float] = 0.0005
 GROUP_SIZE = 64
 
 
-def _write_one(root: Path, idx: int, rows_per_dir: int, input_ids: list[int], states: Sequence[torch.Tensor],
-               loss_mask: list[int], storage=None, checksum: str = DEFAULT_ALGO) -> str:
+def _write_one(
+    root: Path,
+    idx: int,
+    rows_per_dir: int,
+    input_ids: list[int],
+    states: Sequence[torch.Tensor],
+    loss_mask: list[int],
+    storage=None,
+    checksum: str = DEFAULT_ALGO,
+) -> str:
     # checksum of the shard's bytes as they are written (no read-back): stage 03 detects later
     # silent corruption with it
     h = new_hasher(checksum)
@@ -49,11 +57,15 @@ def _write_one(root: Path, idx: int, rows_per_dir: int, input_ids: list[int], st
     return h.hexdigest()
 
 
-def _write_group(root: Path, rows_per_dir: int, items: list[tuple[int, list[int], list[int]]],
-                 checksum: str) -> list[str]:
+def _write_group(
+    root: Path, rows_per_dir: int, items: list[tuple[int, list[int], list[int]]], checksum: str
+) -> list[str]:
     """A worker process's task (token-only samples, ``ShardWriter(processes=True)``): ``_write_one`` of each
     ``(idx, input_ids, loss_mask)`` in order; returns their digests."""
-    return [_write_one(root, idx, rows_per_dir, ids, None, mask, None, checksum) for idx, ids, mask in items]
+    return [
+        _write_one(root, idx, rows_per_dir, ids, None, mask, None, checksum)
+        for idx, ids, mask in items
+    ]
 
 
 class _GroupItem:
@@ -94,9 +106,18 @@ class ShardWriter:
             Files, digests and manifest rows are those of the thread path.
     """
 
-    def __init__(self, root: Path, rows_per_dir: int, manifest: ManifestWriter, threads: int = 0,
-                 max_pending_tokens: int = 1 << 18, on_commit: Optional[Callable[[dict], None]] = None,
-                 storage=None, checksum: str = DEFAULT_ALGO, processes: bool = False):
+    def __init__(
+        self,
+        root: Path,
+        rows_per_dir: int,
+        manifest: ManifestWriter,
+        threads: int = 0,
+        max_pending_tokens: int = 1 << 18,
+        on_commit: Optional[Callable[[dict], None]] = None,
+        storage=None,
+        checksum: str = DEFAULT_ALGO,
+        processes: bool = False,
+    ):
         self.root = Path(root)
         self.rows_per_dir = int(rows_per_dir)
         self.manifest = manifest
@@ -108,14 +129,22 @@ class ShardWriter:
         self.checksum = checksum
         self.processes = bool(processes) and self.threads > 0
         if self.processes and storage is not None:
-            raise ValueError("ShardWriter: processes=True writes token-only samples only (no storage)")
-        self._group: list[tuple[dict, tuple[int, list[int], list[int]]]] = []  # processes: samples not yet sent
+            raise ValueError(
+                "ShardWriter: processes=True writes token-only samples only (no storage)"
+            )
+        self._group: list[
+            tuple[dict, tuple[int, list[int], list[int]]]
+        ] = []  # processes: samples not yet sent
         if self.processes:
             from eagle3.capture.tokenize_pool import process_context
 
             self._pool = ProcessPoolExecutor(self.threads, mp_context=process_context())
         else:
-            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="shard-writer") if self.threads > 0 else None
+            self._pool = (
+                ThreadPoolExecutor(self.threads, thread_name_prefix="shard-writer")
+                if self.threads > 0
+                else None
+            )
         self._old_switch: Optional[float] = None
         if self._pool is not None and not self.processes and SWITCH_INTERVAL_S is not None:
             self._old_switch = sys.getswitchinterval()
@@ -123,34 +152,63 @@ class ShardWriter:
         self._pending: collections.deque[tuple[dict, Future]] = collections.deque()
         self._pending_tokens = 0
 
-    def submit(self, idx: int, sample_id: str, input_ids: list[int], states: Sequence[torch.Tensor],
-               loss_mask: list[int]) -> None:
+    def submit(
+        self,
+        idx: int,
+        sample_id: str,
+        input_ids: list[int],
+        states: Sequence[torch.Tensor],
+        loss_mask: list[int],
+    ) -> None:
         """Queue sample ``idx`` (prompt ``sample_id``) for writing; ``states`` = 4 bf16 CPU ``[L, H]``.
 
         Raises:
             the error of an earlier write (e.g. ``OSError`` on a full disk), before queueing more.
         """
-        meta = {"idx": int(idx), "id": str(sample_id), "num_tokens": len(input_ids),
-                "num_loss_tokens": sum(loss_mask)}
+        meta = {
+            "idx": int(idx),
+            "id": str(sample_id),
+            "num_tokens": len(input_ids),
+            "num_loss_tokens": sum(loss_mask),
+        }
         if self._pool is None:
             try:
-                digest = _write_one(self.root, idx, self.rows_per_dir, input_ids, states, loss_mask, self.storage,
-                                    self.checksum)
+                digest = _write_one(
+                    self.root,
+                    idx,
+                    self.rows_per_dir,
+                    input_ids,
+                    states,
+                    loss_mask,
+                    self.storage,
+                    self.checksum,
+                )
             except NonFiniteStates as e:
                 raise e.explained(sample_id=meta["id"]) from None
             self._append([(meta, digest)])
             return
         if self.processes:
             if states is not None:
-                raise ValueError("ShardWriter(processes=True): token-only samples only (states must be None)")
+                raise ValueError(
+                    "ShardWriter(processes=True): token-only samples only (states must be None)"
+                )
             self._group.append((meta, (int(idx), list(input_ids), list(loss_mask))))
             if len(self._group) >= GROUP_SIZE:
                 self._send_group()
             return
         L = len(input_ids)
         self._make_room(L)
-        fut = self._pool.submit(_write_one, self.root, idx, self.rows_per_dir, input_ids, states, loss_mask,
-                                self.storage, self.checksum)
+        fut = self._pool.submit(
+            _write_one,
+            self.root,
+            idx,
+            self.rows_per_dir,
+            input_ids,
+            states,
+            loss_mask,
+            self.storage,
+            self.checksum,
+        )
         self._pending.append((meta, fut))
         self._pending_tokens += L
 
@@ -158,7 +216,9 @@ class ShardWriter:
         """Commit what is done, then wait while ``L`` more tokens would pass ``max_pending_tokens``."""
         self.commit_ready()
         while self._pending and self._pending_tokens + L > self.max_pending_tokens:
-            self._pending[0][1].exception()  # wait for the oldest write; commit_ready raises its error
+            self._pending[0][
+                1
+            ].exception()  # wait for the oldest write; commit_ready raises its error
             self.commit_ready()
 
     def _send_group(self) -> None:
@@ -168,7 +228,9 @@ class ShardWriter:
             return
         L = sum(meta["num_tokens"] for meta, _ in group)
         self._make_room(L)
-        fut = self._pool.submit(_write_group, self.root, self.rows_per_dir, [item for _, item in group], self.checksum)
+        fut = self._pool.submit(
+            _write_group, self.root, self.rows_per_dir, [item for _, item in group], self.checksum
+        )
         for k, (meta, _) in enumerate(group):
             self._pending.append((meta, _GroupItem(fut, k)))
         self._pending_tokens += L
@@ -209,7 +271,9 @@ class ShardWriter:
         """Wait for every queued write and append all rows (raises the first write error)."""
         self._send_group()
         while self._pending:
-            self._pending[0][1].exception()  # wait without raising here; commit_ready raises in order
+            self._pending[0][
+                1
+            ].exception()  # wait without raising here; commit_ready raises in order
             self.commit_ready()
 
     def close(self, wait_commit: bool = True) -> None:

@@ -87,9 +87,16 @@ def process_context():
     return mp.get_context("fork" if "fork" in methods else "spawn")
 
 
-def map_records(fn: Callable[[Any, Any], Any], tokenizer: Any, records: Sequence[Any], *,
-                workers: Optional[int] = None, chunk_size: Optional[int] = None,
-                desc: str = "tokenize", unit: str = "conv") -> list:
+def map_records(
+    fn: Callable[[Any, Any], Any],
+    tokenizer: Any,
+    records: Sequence[Any],
+    *,
+    workers: Optional[int] = None,
+    chunk_size: Optional[int] = None,
+    desc: str = "tokenize",
+    unit: str = "conv",
+) -> list:
     """``[fn(tokenizer, r) for r in records]``, computed by ``workers`` processes.
 
     Args:
@@ -118,11 +125,22 @@ def map_records(fn: Callable[[Any, Any], Any], tokenizer: Any, records: Sequence
                 bar.update(1)
             return out
         cs = chunk_size or max(1, min(256, -(-n // (w * 8))))
-        chunks = [records[i:i + cs] for i in range(0, n, cs)]
-        log.info("%s: %d records in %d worker processes (%d chunks of <= %d)", desc, n, w, len(chunks), cs)
+        chunks = [records[i : i + cs] for i in range(0, n, cs)]
+        log.info(
+            "%s: %d records in %d worker processes (%d chunks of <= %d)",
+            desc,
+            n,
+            w,
+            len(chunks),
+            cs,
+        )
         out = []
-        with ProcessPoolExecutor(max_workers=w, mp_context=process_context(), initializer=_init_worker,
-                                 initargs=(fn, tokenizer)) as pool:
+        with ProcessPoolExecutor(
+            max_workers=w,
+            mp_context=process_context(),
+            initializer=_init_worker,
+            initargs=(fn, tokenizer),
+        ) as pool:
             futures = [pool.submit(_run_chunk, c) for c in chunks]
             try:
                 for fut, c in zip(futures, chunks):

@@ -44,7 +44,9 @@ from eagle3.errors import UserError
 
 log = logging.getLogger(__name__)
 
-DEFAULT_WINDOW = 2048  # samples sorted together: large enough for near-zero padding, small enough to stay random
+DEFAULT_WINDOW = (
+    2048  # samples sorted together: large enough for near-zero padding, small enough to stay random
+)
 
 
 def sample_lengths(shards_dir: str | os.PathLike, dataset, max_length: Optional[int]) -> list[int]:
@@ -59,8 +61,8 @@ def sample_lengths(shards_dir: str | os.PathLike, dataset, max_length: Optional[
     Raises:
         UserError: the manifest is corrupt (see :func:`eagle3.shards.manifest.read_manifest`) or a shard is unreadable.
     """
-    from eagle3.shards.manifest import MANIFEST, read_manifest
     from eagle3.shards.format import load_sample
+    from eagle3.shards.manifest import MANIFEST, read_manifest
 
     rows = read_manifest(Path(shards_dir) / MANIFEST).rows
     out, loaded = [], 0
@@ -73,7 +75,10 @@ def sample_lengths(shards_dir: str | os.PathLike, dataset, max_length: Optional[
             loaded += 1
         out.append(n if max_length is None else min(n, max_length))
     if loaded:
-        log.info("token-budget batching: read the length of %d samples from their shards (no manifest row)", loaded)
+        log.info(
+            "token-budget batching: read the length of %d samples from their shards (no manifest row)",
+            loaded,
+        )
     return out
 
 
@@ -94,13 +99,26 @@ class TokenBudgetBatchSampler:
         UserError: ``batch_tokens`` < 1, or fewer batches than one optimizer step needs.
     """
 
-    def __init__(self, lengths: Sequence[int], batch_tokens: int, num_replicas: int = 1, rank: int = 0,
-                 grad_accum: int = 1, seed: int = 0, window: int = DEFAULT_WINDOW, shuffle: bool = True):
+    def __init__(
+        self,
+        lengths: Sequence[int],
+        batch_tokens: int,
+        num_replicas: int = 1,
+        rank: int = 0,
+        grad_accum: int = 1,
+        seed: int = 0,
+        window: int = DEFAULT_WINDOW,
+        shuffle: bool = True,
+    ):
         if batch_tokens < 1:
             raise UserError(f"train.batch_tokens must be >= 1, got {batch_tokens}")
         self.lengths = [int(n) for n in lengths]
         self.batch_tokens = int(batch_tokens)
-        self.num_replicas, self.rank, self.grad_accum = int(num_replicas), int(rank), int(grad_accum)
+        self.num_replicas, self.rank, self.grad_accum = (
+            int(num_replicas),
+            int(rank),
+            int(grad_accum),
+        )
         self.seed, self.window, self.shuffle = int(seed), int(window), shuffle
         self.epoch = 0
         self.start_batch = 0
@@ -124,7 +142,9 @@ class TokenBudgetBatchSampler:
         win = self.window if self.window > 0 else max(N, 1)
         batches: list[list[int]] = []
         for w in range(0, N, win):
-            chunk = sorted(order[w : w + win], key=lambda i: self.lengths[i])  # stable: ties keep the shuffle
+            chunk = sorted(
+                order[w : w + win], key=lambda i: self.lengths[i]
+            )  # stable: ties keep the shuffle
             cur: list[int] = []
             for i in chunk:  # ascending, so lengths[i] is the new max of the open batch
                 if cur and (len(cur) + 1) * self.lengths[i] > self.batch_tokens:
@@ -152,12 +172,16 @@ class TokenBudgetBatchSampler:
             total += len(b)
         if total == samples:
             return len(self.epoch_plan(epoch))
-        raise UserError(f"checkpoint: key 'samples_in_epoch' {samples} is not a batch boundary of epoch {epoch}'s "
-                        f"token-budget plan (train.batch_tokens {self.batch_tokens}): the shards or split changed")
+        raise UserError(
+            f"checkpoint: key 'samples_in_epoch' {samples} is not a batch boundary of epoch {epoch}'s "
+            f"token-budget plan (train.batch_tokens {self.batch_tokens}): the shards or split changed"
+        )
 
     def steps_after(self, epoch: int, start_batch: int) -> int:
         """Optimizer steps of ``epoch`` left after its first ``start_batch`` global batches, on this process count."""
-        return max(0, len(self.epoch_plan(epoch)) - start_batch) // (self.num_replicas * self.grad_accum)
+        return max(0, len(self.epoch_plan(epoch)) - start_batch) // (
+            self.num_replicas * self.grad_accum
+        )
 
     def steps_in_epoch(self, epoch: int) -> int:
         """Optimizer steps of ``epoch`` (the same on every rank)."""
@@ -170,9 +194,11 @@ class TokenBudgetBatchSampler:
             UserError: the first epoch has no optimizer step.
         """
         if self.steps_in_epoch(0) < 1:
-            raise UserError(f"train.batch_tokens: {len(self.lengths)} samples make {len(self.epoch_batches(0))} "
-                            f"batches of {self.batch_tokens} tokens, fewer than one optimizer step needs "
-                            f"(grad_accum {self.grad_accum} x {self.num_replicas} processes)")
+            raise UserError(
+                f"train.batch_tokens: {len(self.lengths)} samples make {len(self.epoch_batches(0))} "
+                f"batches of {self.batch_tokens} tokens, fewer than one optimizer step needs "
+                f"(grad_accum {self.grad_accum} x {self.num_replicas} processes)"
+            )
         full = int(math.floor(epochs))
         total = sum(self.steps_in_epoch(e) for e in range(full))
         frac = epochs - full
@@ -211,7 +237,9 @@ class TokenBudgetBatchSampler:
         return self.steps_after(self.epoch, self.start_batch) * self.grad_accum
 
 
-def eval_batches(lengths: Sequence[int], batch_tokens: int, num_replicas: int = 1, rank: int = 0) -> list[list[int]]:
+def eval_batches(
+    lengths: Sequence[int], batch_tokens: int, num_replicas: int = 1, rank: int = 0
+) -> list[list[int]]:
     """Validation batches of one rank: rank ``r`` takes samples ``r, r+W, ...`` (every sample once over the
     ranks, and every rank has samples when there are at least ``W``), sorted by length and cut by the token
     budget; batch counts may differ across ranks (validation has no collective inside the loop)."""

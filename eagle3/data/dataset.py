@@ -55,7 +55,9 @@ def read_split(data_dir: str | os.PathLike) -> dict[str, list[int]]:
     out = {}
     for key in ("train", "val"):
         v = split.get(key)
-        if not isinstance(v, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in v):
+        if not isinstance(v, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in v
+        ):
             raise UserError(f"{path}: key '{key}' must be a list of integer sample ids")
         out[key] = v
     return out
@@ -78,16 +80,25 @@ class ShardDataset(Dataset):
         UserError: an id of the split has no shard file.
     """
 
-    def __init__(self, shards_dir: str | os.PathLike, indices: Sequence[int], max_length: Optional[int] = None,
-                 expect: Optional[dict] = None, split_name: str = "train", states: bool = True,
-                 split_file: str | os.PathLike = "split.json"):
+    def __init__(
+        self,
+        shards_dir: str | os.PathLike,
+        indices: Sequence[int],
+        max_length: Optional[int] = None,
+        expect: Optional[dict] = None,
+        split_name: str = "train",
+        states: bool = True,
+        split_file: str | os.PathLike = "split.json",
+    ):
         if max_length is not None and max_length < 2:
             raise UserError(f"train: max_length must be >= 2, got {max_length}")
         found = dict(list_samples(shards_dir))
         missing = [i for i in indices if i not in found]
         if missing:
-            raise UserError(f"{split_file}: key '{split_name}': sample {missing[0]} has no shard in {shards_dir} "
-                            f"({len(missing)} missing)")
+            raise UserError(
+                f"{split_file}: key '{split_name}': sample {missing[0]} has no shard in {shards_dir} "
+                f"({len(missing)} missing)"
+            )
         self.paths = [found[i] for i in indices]
         self.indices = list(indices)
         self.max_length = max_length
@@ -99,17 +110,28 @@ class ShardDataset(Dataset):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         s = load_sample(self.paths[i], expect=self.expect)
-        n = s["input_ids"].numel() if self.max_length is None else min(self.max_length, s["input_ids"].numel())
+        n = (
+            s["input_ids"].numel()
+            if self.max_length is None
+            else min(self.max_length, s["input_ids"].numel())
+        )
         if not self.states:
-            return {"input_ids": s["input_ids"][:n], "loss_mask": s["loss_mask"][:n]}  # [L] int64 each
+            return {
+                "input_ids": s["input_ids"][:n],
+                "loss_mask": s["loss_mask"][:n],
+            }  # [L] int64 each
         hs = s["hidden_states"]
         item = {
             "input_ids": s["input_ids"][:n],  # [L] int64
-            "aux": torch.cat([h[:n] for h in hs[:3]], dim=-1),  # [L, 3Ht] bf16 (fp8 shards: float8_e4m3fn)
+            "aux": torch.cat(
+                [h[:n] for h in hs[:3]], dim=-1
+            ),  # [L, 3Ht] bf16 (fp8 shards: float8_e4m3fn)
             "last": hs[3][:n],  # [L, Ht] bf16 (fp8 shards: float8_e4m3fn)
             "loss_mask": s["loss_mask"][:n],  # [L] int64
         }
-        if "hidden_scales" in s:  # fp8 shards: scales travel along, dequantised on the device (eagle3.shards.fp8)
+        if (
+            "hidden_scales" in s
+        ):  # fp8 shards: scales travel along, dequantised on the device (eagle3.shards.fp8)
             sc = s["hidden_scales"]
             item["aux_scale"] = torch.cat([x[:n] for x in sc[:3]], dim=-1)  # [L, 3nb] fp32
             item["last_scale"] = sc[3][:n]  # [L, nb] fp32
@@ -151,10 +173,21 @@ def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     mask = torch.zeros((B, Lmax), dtype=torch.int64)  # [B, Lmax]
     attn = torch.zeros((B, Lmax), dtype=torch.int64)  # [B, Lmax]
     has_states = "aux" in ref
-    aux = torch.zeros((B, Lmax, ref["aux"].shape[-1]), dtype=ref["aux"].dtype) if has_states else None  # [B, Lmax, 3Ht]
-    last = torch.zeros((B, Lmax, ref["last"].shape[-1]), dtype=ref["last"].dtype) if has_states else None  # [B, Lmax, Ht]
-    scales = {k: torch.zeros((B, Lmax, ref[k].shape[-1]), dtype=ref[k].dtype)  # [B, Lmax, nb] (fp8 shards)
-              for k in ("aux_scale", "last_scale") if k in ref}
+    aux = (
+        torch.zeros((B, Lmax, ref["aux"].shape[-1]), dtype=ref["aux"].dtype) if has_states else None
+    )  # [B, Lmax, 3Ht]
+    last = (
+        torch.zeros((B, Lmax, ref["last"].shape[-1]), dtype=ref["last"].dtype)
+        if has_states
+        else None
+    )  # [B, Lmax, Ht]
+    scales = {
+        k: torch.zeros(
+            (B, Lmax, ref[k].shape[-1]), dtype=ref[k].dtype
+        )  # [B, Lmax, nb] (fp8 shards)
+        for k in ("aux_scale", "last_scale")
+        if k in ref
+    }
     for b, it in enumerate(items):
         n = int(lengths[b])
         ids[b, :n] = it["input_ids"]
@@ -165,8 +198,14 @@ def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
             last[b, :n] = it["last"]
         for k, v in scales.items():
             v[b, :n] = it[k]
-    out = {"input_ids": ids, "loss_mask": mask, "attention_mask": attn, "lengths": lengths,
-           "loss_pos": loss_positions(mask), **scales}
+    out = {
+        "input_ids": ids,
+        "loss_mask": mask,
+        "attention_mask": attn,
+        "lengths": lengths,
+        "loss_pos": loss_positions(mask),
+        **scales,
+    }
     if has_states:
         out.update(aux=aux, last=last)
     return out
@@ -189,8 +228,22 @@ class ResumableSampler(DistributedSampler):
     With ``start = 0`` the order is exactly ``DistributedSampler(drop_last=True)``'s.
     """
 
-    def __init__(self, dataset: Dataset, num_replicas: int = 1, rank: int = 0, shuffle: bool = True, seed: int = 0):
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=True)
+    def __init__(
+        self,
+        dataset: Dataset,
+        num_replicas: int = 1,
+        rank: int = 0,
+        shuffle: bool = True,
+        seed: int = 0,
+    ):
+        super().__init__(
+            dataset,
+            num_replicas=num_replicas,
+            rank=rank,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=True,
+        )
         self.start = 0
 
     def set_start(self, global_start: int) -> None:
@@ -211,9 +264,9 @@ class ResumableSampler(DistributedSampler):
         return torch.randperm(len(self.dataset), generator=g).tolist()
 
     def __iter__(self) -> Iterator[int]:
-        rest = self.epoch_order()[self.start:]
+        rest = self.epoch_order()[self.start :]
         per_rank = len(rest) // self.num_replicas
-        return iter(rest[self.rank::self.num_replicas][:per_rank])
+        return iter(rest[self.rank :: self.num_replicas][:per_rank])
 
     def __len__(self) -> int:
         return max(0, len(self.dataset) - self.start) // self.num_replicas

@@ -48,11 +48,17 @@ def require_current(cfg: RunConfig, record: Optional[Path] = None) -> None:
     saved = report.get("settings") if isinstance(report, dict) else None
     if not isinstance(saved, dict):
         return
-    diffs = [f"data.{k} {saved[k]!r} there, {v!r} in the config" for k, v in data_settings(cfg).items()
-             if k in saved and saved[k] != v]
+    diffs = [
+        f"data.{k} {saved[k]!r} there, {v!r} in the config"
+        for k, v in data_settings(cfg).items()
+        if k in saved and saved[k] != v
+    ]
     if diffs:
-        raise UserError(f"{cfg.data_dir}: 03's vocab map and split were made under other data settings ("
-                        + "; ".join(diffs) + f", {path.name}); run 03_prepare_data.py again")
+        raise UserError(
+            f"{cfg.data_dir}: 03's vocab map and split were made under other data settings ("
+            + "; ".join(diffs)
+            + f", {path.name}); run 03_prepare_data.py again"
+        )
     _require_same_shards(cfg, report, path, record)
 
 
@@ -68,8 +74,12 @@ def _require_same_shards(cfg: RunConfig, report: dict, path: Path, record: Optio
         return
     there = Path(str(report.get("shards_dir", "")))
     if there.resolve() != cfg.shards_dir.resolve():
-        raise UserError(f"{cfg.data_dir}: 03's vocab map and split were made from the shards in {there}, not from "
-                        f"{cfg.shards_dir} (extract.output_dir; {path.name}); run 03_prepare_data.py for these shards "
-                        f"(with a data.output_dir of their own to keep both)")
-    raise UserError(f"{cfg.data_dir}: 03's vocab map and split were made from an earlier shard set in {there} "
-                    f"(re-extracted or changed since; {path.name}); run 03_prepare_data.py again")
+        raise UserError(
+            f"{cfg.data_dir}: 03's vocab map and split were made from the shards in {there}, not from "
+            f"{cfg.shards_dir} (extract.output_dir; {path.name}); run 03_prepare_data.py for these shards "
+            f"(with a data.output_dir of their own to keep both)"
+        )
+    raise UserError(
+        f"{cfg.data_dir}: 03's vocab map and split were made from an earlier shard set in {there} "
+        f"(re-extracted or changed since; {path.name}); run 03_prepare_data.py again"
+    )

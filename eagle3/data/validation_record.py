@@ -56,12 +56,20 @@ log = logging.getLogger(__name__)
 
 VALIDATION_RECORD = "validation_record.json"
 RECORD_FORMAT = "eagle3-03-validation"
-RECORD_VERSION = 1  # ``status`` was added without a bump: a record without it is a passing one (see above)
-PASSED, FAILED, UNFINISHED = "passed", "failed", "unfinished"  # unfinished: a --revalidate pass under way
+RECORD_VERSION = (
+    1  # ``status`` was added without a bump: a record without it is a passing one (see above)
+)
+PASSED, FAILED, UNFINISHED = (
+    "passed",
+    "failed",
+    "unfinished",
+)  # unfinished: a --revalidate pass under way
 STAT_KEYS = ("num_samples", "num_tokens", "num_loss_tokens", "max_len")
 
 
-def shard_set_fingerprint(shards: Path, paths: list[tuple[int, Path]], manifest: Path, data_config: Path) -> str:
+def shard_set_fingerprint(
+    shards: Path, paths: list[tuple[int, Path]], manifest: Path, data_config: Path
+) -> str:
     """Hex sha256 identifying the shard set as 03 sees it (cheap: a stat per shard, no shard read).
 
     Covers the resolved ``shards`` path (a copied folder is validated again), the sha256 of
@@ -91,20 +99,30 @@ def _parse(obj, vocab_size: int) -> tuple[dict, torch.Tensor, float]:
     if not isinstance(obj, dict):
         raise ValueError("not a JSON object")
     stats = obj.get("stats")
-    if not isinstance(stats, dict) or any(type(stats.get(k)) is not int or stats[k] < 0 for k in STAT_KEYS):
+    if not isinstance(stats, dict) or any(
+        type(stats.get(k)) is not int or stats[k] < 0 for k in STAT_KEYS
+    ):
         raise ValueError(f"key 'stats' must hold non-negative integers {', '.join(STAT_KEYS)}")
     freq = obj.get("token_freq")
-    if not isinstance(freq, list) or len(freq) != vocab_size or any(type(x) is not int or x < 0 for x in freq):
+    if (
+        not isinstance(freq, list)
+        or len(freq) != vocab_size
+        or any(type(x) is not int or x < 0 for x in freq)
+    ):
         raise ValueError(f"key 'token_freq' must be a list of {vocab_size} non-negative integers")
     if sum(freq) != stats["num_loss_tokens"]:
-        raise ValueError(f"key 'token_freq' sums to {sum(freq)}, key 'stats' says {stats['num_loss_tokens']} loss tokens")
+        raise ValueError(
+            f"key 'token_freq' sums to {sum(freq)}, key 'stats' says {stats['num_loss_tokens']} loss tokens"
+        )
     created = obj.get("created_at")
     if not isinstance(created, (int, float)):
         raise ValueError("key 'created_at' must be a number")
     return {k: stats[k] for k in STAT_KEYS}, torch.tensor(freq, dtype=torch.int64), float(created)
 
 
-def load_matching_record(folders: list[Path], fingerprint: str, vocab_size: int) -> Optional[tuple[dict, torch.Tensor, float, Path]]:
+def load_matching_record(
+    folders: list[Path], fingerprint: str, vocab_size: int
+) -> Optional[tuple[dict, torch.Tensor, float, Path]]:
     """The first record in ``folders`` whose fingerprint equals ``fingerprint``.
 
     Returns:
@@ -124,16 +142,26 @@ def load_matching_record(folders: list[Path], fingerprint: str, vocab_size: int)
             log.info("%s: the shards changed since that validation; validating every shard", path)
             continue
         if obj.get("status") == UNFINISHED:
-            log.info("%s: an earlier 03_prepare_data.py --revalidate did not finish; validating every shard", path)
+            log.info(
+                "%s: an earlier 03_prepare_data.py --revalidate did not finish; validating every shard",
+                path,
+            )
             continue
         if obj.get("status", PASSED) != PASSED:
-            log.info("%s: 03's last validation of these shards failed (%s); validating every shard", path,
-                     obj.get("error"))
+            log.info(
+                "%s: 03's last validation of these shards failed (%s); validating every shard",
+                path,
+                obj.get("error"),
+            )
             continue
         try:
             stats, freq, created = _parse(obj, vocab_size)
         except ValueError as e:
-            log.warning("%s: corrupt validation record (%s); ignoring it, validating every shard, rewriting it", path, e)
+            log.warning(
+                "%s: corrupt validation record (%s); ignoring it, validating every shard, rewriting it",
+                path,
+                e,
+            )
             continue
         return stats, freq, created, path
     return None
@@ -163,9 +191,11 @@ def write_record(folders: list[Path], fingerprint: str, stats: dict, freq: torch
     }
     path = _write_first(folders, record)
     if path is None:
-        raise UserError(f"{folders[0] / VALIDATION_RECORD}: cannot write the validation record here nor in "
-                        f"{folders[-1]} (see the warnings above); 04_train.py needs it: free space or fix "
-                        "permissions and re-run 03_prepare_data.py")
+        raise UserError(
+            f"{folders[0] / VALIDATION_RECORD}: cannot write the validation record here nor in "
+            f"{folders[-1]} (see the warnings above); 04_train.py needs it: free space or fix "
+            "permissions and re-run 03_prepare_data.py"
+        )
     return path
 
 
@@ -196,9 +226,14 @@ def write_unfinished_record(folders: list[Path], fingerprint: str) -> Optional[P
     Returns:
         the path written, or None (no folder accepted it; warned).
     """
-    record = {"format": RECORD_FORMAT, "version": RECORD_VERSION, "created_at": time.time(),
-              "fingerprint": fingerprint, "status": UNFINISHED,
-              "error": "03_prepare_data.py --revalidate started a full validation that did not finish"}
+    record = {
+        "format": RECORD_FORMAT,
+        "version": RECORD_VERSION,
+        "created_at": time.time(),
+        "fingerprint": fingerprint,
+        "status": UNFINISHED,
+        "error": "03_prepare_data.py --revalidate started a full validation that did not finish",
+    }
     return _write_first(folders, record)
 
 
@@ -214,15 +249,26 @@ def _write_first(folders: list[Path], record: dict) -> Optional[Path]:
             written = path
             break
         except (OSError, UserError) as e:
-            log.warning("%s: cannot write the validation record (%s)", path,
-                        str(e).splitlines()[0] if str(e) else type(e).__name__)
+            log.warning(
+                "%s: cannot write the validation record (%s)",
+                path,
+                str(e).splitlines()[0] if str(e) else type(e).__name__,
+            )
     for folder in folders:
         path = folder / VALIDATION_RECORD
-        if written is not None and path != written and record_fingerprint(path) == record["fingerprint"]:
+        if (
+            written is not None
+            and path != written
+            and record_fingerprint(path) == record["fingerprint"]
+        ):
             try:
                 path.unlink()
             except OSError as e:
-                log.warning("%s: cannot remove this older validation record of the same shards (%s)", path, e)
+                log.warning(
+                    "%s: cannot remove this older validation record of the same shards (%s)",
+                    path,
+                    e,
+                )
     return written
 
 
@@ -235,8 +281,14 @@ def _read_record(path: Path) -> tuple[Optional[dict], Optional[str]]:
         obj = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         return None, f"unreadable validation record ({e})"
-    if not isinstance(obj, dict) or obj.get("format") != RECORD_FORMAT or obj.get("version") != RECORD_VERSION:
-        got = (obj.get("format"), obj.get("version")) if isinstance(obj, dict) else type(obj).__name__
+    if (
+        not isinstance(obj, dict)
+        or obj.get("format") != RECORD_FORMAT
+        or obj.get("version") != RECORD_VERSION
+    ):
+        got = (
+            (obj.get("format"), obj.get("version")) if isinstance(obj, dict) else type(obj).__name__
+        )
         return None, f"not a version-{RECORD_VERSION} validation record (format/version {got})"
     return obj, None
 
@@ -266,7 +318,9 @@ def fingerprint_now(shards: Path) -> str:
     from eagle3.shards.manifest import MANIFEST
 
     shards = Path(shards)
-    return shard_set_fingerprint(shards, list_samples(shards), shards / MANIFEST, shards / DATA_CONFIG)
+    return shard_set_fingerprint(
+        shards, list_samples(shards), shards / MANIFEST, shards / DATA_CONFIG
+    )
 
 
 def require_passed(shards: Path, data_dir: Path) -> Path:
@@ -296,22 +350,30 @@ def require_passed(shards: Path, data_dir: Path) -> Path:
         if obj.get("fingerprint") != fp:
             stale = stale or path
         elif obj.get("status") == UNFINISHED:
-            raise UserError(f"{shards}: 03_prepare_data.py --revalidate of this shard set did not finish (record: "
-                            f"{path}); run 03_prepare_data.py before training")
+            raise UserError(
+                f"{shards}: 03_prepare_data.py --revalidate of this shard set did not finish (record: "
+                f"{path}); run 03_prepare_data.py before training"
+            )
         elif obj.get("status", PASSED) != PASSED:
-            raise UserError(f"{shards}: 03's last validation of this shard set failed ({obj.get('error')}); fix or "
-                            f"re-extract the shard and run 03_prepare_data.py (record: {path})")
+            raise UserError(
+                f"{shards}: 03's last validation of this shard set failed ({obj.get('error')}); fix or "
+                f"re-extract the shard and run 03_prepare_data.py (record: {path})"
+            )
         else:
             found = found or path
     if found is not None:
         return found
     if stale is not None:
         _refuse_changed_file(shards, stale)
-        raise UserError(f"{shards}: the shards, manifest.jsonl or data_config.json changed since 03 last validated "
-                        f"them, or the folder was moved or copied (the record holds its path, each shard's size and "
-                        f"mtime: {stale}); run 03_prepare_data.py before training")
-    raise UserError(f"{shards}: no record that 03 validated this shard set ({VALIDATION_RECORD} in {shards} or "
-                    f"{data_dir}); run 03_prepare_data.py before training")
+        raise UserError(
+            f"{shards}: the shards, manifest.jsonl or data_config.json changed since 03 last validated "
+            f"them, or the folder was moved or copied (the record holds its path, each shard's size and "
+            f"mtime: {stale}); run 03_prepare_data.py before training"
+        )
+    raise UserError(
+        f"{shards}: no record that 03 validated this shard set ({VALIDATION_RECORD} in {shards} or "
+        f"{data_dir}); run 03_prepare_data.py before training"
+    )
 
 
 def _refuse_changed_file(shards: Path, stale: Path) -> None:
@@ -335,9 +397,15 @@ def _refuse_changed_file(shards: Path, stale: Path) -> None:
         return None
     newer = [p for _, p in list_samples(shards) if p.stat().st_mtime_ns > created * 1e9]
     if newer:
-        more = f" (and {len(newer) - 1} more file{'s' if len(newer) > 2 else ''})" if len(newer) > 1 else ""
-        raise UserError(f"{newer[0]}: changed after 03 validated this shard set ({format_time(created)}){more}; "
-                        f"run 03_prepare_data.py again before training (record: {stale})")
+        more = (
+            f" (and {len(newer) - 1} more file{'s' if len(newer) > 2 else ''})"
+            if len(newer) > 1
+            else ""
+        )
+        raise UserError(
+            f"{newer[0]}: changed after 03 validated this shard set ({format_time(created)}){more}; "
+            f"run 03_prepare_data.py again before training (record: {stale})"
+        )
     return None
 
 

@@ -59,7 +59,9 @@ def count_token_freq(
             return
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= vocab_size:
-            raise ValueError(f"count_token_freq: token id {hi if hi >= vocab_size else lo} outside 0..{vocab_size - 1}")
+            raise ValueError(
+                f"count_token_freq: token id {hi if hi >= vocab_size else lo} outside 0..{vocab_size - 1}"
+            )
         freq.add_(torch.bincount(ids, minlength=vocab_size))
 
     for s in samples:
@@ -93,7 +95,9 @@ def build_vocab_map(freq: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Te
         ValueError: ``freq`` is not 1-D or ``draft_vocab_size < 1``.
     """
     if freq.dim() != 1 or draft_vocab_size < 1:
-        raise ValueError(f"build_vocab_map: freq shape {tuple(freq.shape)}, draft_vocab_size {draft_vocab_size}")
+        raise ValueError(
+            f"build_vocab_map: freq shape {tuple(freq.shape)}, draft_vocab_size {draft_vocab_size}"
+        )
     V = freq.numel()
     if V <= draft_vocab_size:
         return torch.zeros(V, dtype=torch.int64), torch.ones(V, dtype=torch.bool)
@@ -140,8 +144,12 @@ def vocab_map_record(d2t: torch.Tensor, t2d: torch.Tensor, where: str) -> dict:
     """What ``vocab_map.pt`` holds: ``d2t`` int64 ``[draft_V]``, ``t2d`` bool ``[target_V]`` and both sizes, after
     :func:`check_vocab_map` (``where`` names the file in its error)."""
     check_vocab_map(d2t.to(torch.int64), t2d.to(torch.bool), where)
-    return {"d2t": d2t.to(torch.int64).clone(), "t2d": t2d.to(torch.bool).clone(),
-            "target_vocab_size": int(t2d.numel()), "draft_vocab_size": int(d2t.numel())}
+    return {
+        "d2t": d2t.to(torch.int64).clone(),
+        "t2d": t2d.to(torch.bool).clone(),
+        "target_vocab_size": int(t2d.numel()),
+        "draft_vocab_size": int(d2t.numel()),
+    }
 
 
 DRAFT_KEY = "data.draft_vocab_size"
@@ -188,53 +196,77 @@ def check_vocab_map(
             such), or a ``t2d`` that marks another set than ``d2t`` describes.
     """
     if not isinstance(d2t, torch.Tensor) or d2t.dtype != torch.int64 or d2t.dim() != 1:
-        got = f"{d2t.dtype} {list(d2t.shape)}" if isinstance(d2t, torch.Tensor) else type(d2t).__name__
+        got = (
+            f"{d2t.dtype} {list(d2t.shape)}"
+            if isinstance(d2t, torch.Tensor)
+            else type(d2t).__name__
+        )
         raise UserError(f"{where}: key 'd2t': expected a 1-D int64 tensor of offsets, got {got}")
     if not isinstance(t2d, torch.Tensor) or t2d.dtype != torch.bool or t2d.dim() != 1:
-        got = f"{t2d.dtype} {list(t2d.shape)}" if isinstance(t2d, torch.Tensor) else type(t2d).__name__
+        got = (
+            f"{t2d.dtype} {list(t2d.shape)}"
+            if isinstance(t2d, torch.Tensor)
+            else type(t2d).__name__
+        )
         raise UserError(f"{where}: key 't2d': expected a 1-D bool tensor, got {got}")
     d2t, t2d = d2t.detach().cpu(), t2d.detach().cpu()
     dv, tv = int(d2t.numel()), int(t2d.numel())
     if target_vocab_size is not None and tv != int(target_vocab_size):
-        raise UserError(f"{where}: key 'target_vocab_size': map built for a target vocab of {tv}, "
-                        f"{target_source} has {target_vocab_size}")
+        raise UserError(
+            f"{where}: key 'target_vocab_size': map built for a target vocab of {tv}, "
+            f"{target_source} has {target_vocab_size}"
+        )
     if draft_vocab_size is not None and dv != int(draft_vocab_size):
-        raise UserError(f"{where}: key 'draft_vocab_size': the map has {dv} draft tokens but {draft_key} is "
-                        f"{draft_vocab_size} (re-run 03_prepare_data.py with {draft_key}: {draft_vocab_size}, "
-                        f"or set {draft_key} back to {dv})")
+        raise UserError(
+            f"{where}: key 'draft_vocab_size': the map has {dv} draft tokens but {draft_key} is "
+            f"{draft_vocab_size} (re-run 03_prepare_data.py with {draft_key}: {draft_vocab_size}, "
+            f"or set {draft_key} back to {dv})"
+        )
     if dv < 1 or dv > tv:
         raise UserError(f"{where}: key 'd2t': {dv} draft ids for a target vocab of {tv}")
     tgt = torch.arange(dv, dtype=torch.int64) + d2t  # [draft_V] target id of each draft id
     marked = t2d.nonzero().flatten()  # [n] target ids t2d marks, ascending
     if dv > 1 and bool(d2t.any()) and marked.numel() == dv and torch.equal(d2t, marked):
-        raise UserError(f"{where}: key 'd2t': holds absolute target ids; the format stores offsets "
-                        "(d2t[i] = target_id - i)")
+        raise UserError(
+            f"{where}: key 'd2t': holds absolute target ids; the format stores offsets "
+            "(d2t[i] = target_id - i)"
+        )
     bad = (tgt < 0) | (tgt >= tv)  # [draft_V]
     if bool(bad.any()):
         i = _first(bad)
-        raise UserError(f"{where}: key 'd2t': draft id {i} maps to target id {int(tgt[i])}, outside 0..{tv - 1}")
+        raise UserError(
+            f"{where}: key 'd2t': draft id {i} maps to target id {int(tgt[i])}, outside 0..{tv - 1}"
+        )
     if dv > 1:
         order = torch.sort(tgt, stable=True)
         dup = order.values[1:] == order.values[:-1]  # [draft_V - 1]
         if bool(dup.any()):
             j = _first(dup)
             a, b = sorted((int(order.indices[j]), int(order.indices[j + 1])))
-            raise UserError(f"{where}: key 'd2t': draft ids {a} and {b} both map to target id {int(tgt[a])}")
+            raise UserError(
+                f"{where}: key 'd2t': draft ids {a} and {b} both map to target id {int(tgt[a])}"
+            )
         down = tgt[1:] <= tgt[:-1]  # [draft_V - 1]
         if bool(down.any()):
             i = _first(down)
-            raise UserError(f"{where}: key 'd2t': draft ids must be sorted by target id, but draft id {i} maps to "
-                            f"{int(tgt[i])} and draft id {i + 1} to {int(tgt[i + 1])}")
+            raise UserError(
+                f"{where}: key 'd2t': draft ids must be sorted by target id, but draft id {i} maps to "
+                f"{int(tgt[i])} and draft id {i + 1} to {int(tgt[i + 1])}"
+            )
     want = torch.zeros(tv, dtype=torch.bool)  # [target_V]
     want[tgt] = True
     if not torch.equal(want, t2d):
         k = _first(want != t2d)
-        raise UserError(f"{where}: key 't2d': marks {int(t2d.sum())} target ids, d2t describes {dv}; "
-                        f"they differ first at target id {k} (t2d {bool(t2d[k])}, d2t {bool(want[k])})")
+        raise UserError(
+            f"{where}: key 't2d': marks {int(t2d.sum())} target ids, d2t describes {dv}; "
+            f"they differ first at target id {k} (t2d {bool(t2d[k])}, d2t {bool(want[k])})"
+        )
 
 
 def load_vocab_map(
-    path: str | os.PathLike, target_vocab_size: int | None = None, draft_vocab_size: int | None = None,
+    path: str | os.PathLike,
+    target_vocab_size: int | None = None,
+    draft_vocab_size: int | None = None,
     draft_key: str = DRAFT_KEY,
 ) -> dict:
     """Load and check ``vocab_map.pt`` (:func:`check_vocab_map`).
@@ -261,8 +293,15 @@ def load_vocab_map(
     check_vocab_map(d2t, t2d, str(path), target_vocab_size, draft_vocab_size, draft_key)
     for key, n in (("target_vocab_size", t2d.numel()), ("draft_vocab_size", d2t.numel())):
         if not isinstance(obj[key], int) or int(obj[key]) != int(n):
-            raise UserError(f"{path}: key '{key}': records {obj[key]!r} but the tensors have {int(n)}")
-    return {"d2t": d2t, "t2d": t2d, "target_vocab_size": int(t2d.numel()), "draft_vocab_size": int(d2t.numel())}
+            raise UserError(
+                f"{path}: key '{key}': records {obj[key]!r} but the tensors have {int(n)}"
+            )
+    return {
+        "d2t": d2t,
+        "t2d": t2d,
+        "target_vocab_size": int(t2d.numel()),
+        "draft_vocab_size": int(d2t.numel()),
+    }
 
 
 def load_run_vocab_map(cfg, target_vocab_size: int) -> dict:
@@ -278,5 +317,8 @@ def load_run_vocab_map(cfg, target_vocab_size: int) -> dict:
     Raises:
         UserError: as :func:`load_vocab_map`; a size mismatch names ``data.draft_vocab_size``.
     """
-    return load_vocab_map(cfg.data_dir / VOCAB_MAP, target_vocab_size=int(target_vocab_size),
-                          draft_vocab_size=int(cfg.data.draft_vocab_size))
+    return load_vocab_map(
+        cfg.data_dir / VOCAB_MAP,
+        target_vocab_size=int(target_vocab_size),
+        draft_vocab_size=int(cfg.data.draft_vocab_size),
+    )

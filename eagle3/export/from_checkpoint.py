@@ -17,16 +17,18 @@ import errno
 import logging
 from pathlib import Path
 
-from eagle3.train import checkpoint as ckpt
-from eagle3.train.draft_config import untrained_positions
 from eagle3.config import RunConfig
 from eagle3.errors import UserError
 from eagle3.io import relative_hint
+from eagle3.train import checkpoint as ckpt
+from eagle3.train.draft_config import untrained_positions
 
 log = logging.getLogger(__name__)
 
 #: ``--export-only``'s disk-full advice (:func:`eagle3.io.rerun_hint`).
-REDO_HINT = "re-run the same command (--export-only does not resume: it exports the checkpoint again)"
+REDO_HINT = (
+    "re-run the same command (--export-only does not resume: it exports the checkpoint again)"
+)
 
 
 def export_from_checkpoint(cfg: RunConfig, engine: str | None = None) -> Path:
@@ -50,12 +52,17 @@ def export_from_checkpoint(cfg: RunConfig, engine: str | None = None) -> Path:
         held.enter_context(rerun_hint(REDO_HINT))
         if cfg.train_dir.is_dir():
             try:
-                held.enter_context(exclusive_lock(cfg.train_dir / TRAIN_LOCK, train_lock_holder(cfg.train_dir)))
+                held.enter_context(
+                    exclusive_lock(cfg.train_dir / TRAIN_LOCK, train_lock_holder(cfg.train_dir))
+                )
             except OSError as e:  # read-only checkpoints (exported from, the report left as it is): no 04 writes there
                 if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
                     raise
-                log.info("%s: not locked (%s); the export folder's lock still holds", cfg.train_dir / TRAIN_LOCK,
-                         e.strerror)
+                log.info(
+                    "%s: not locked (%s); the export folder's lock still holds",
+                    cfg.train_dir / TRAIN_LOCK,
+                    e.strerror,
+                )
         return _export_from_checkpoint(cfg, engine)
 
 
@@ -94,32 +101,45 @@ def _export_from_checkpoint(cfg: RunConfig, engine: str | None = None) -> Path:
             checkpoint whose drafter shape disagrees with the vocab map, or with the config's ``drafter.*``
             (:func:`eagle3.train.checkpoint.check_drafter_args`; ``max_position_embeddings`` may differ).
     """
+    from eagle3.data.vocab import load_run_vocab_map
     from eagle3.train.model import DrafterArgs
     from eagle3.train.target_head import TargetHead
-    from eagle3.train.trainer import build_drafter_args, export_provenance, init_drafter, record_export_only
-    from eagle3.data.vocab import load_run_vocab_map
+    from eagle3.train.trainer import (
+        build_drafter_args,
+        export_provenance,
+        init_drafter,
+        record_export_only,
+    )
 
     if engine is not None:
         cfg = cfg.model_copy(update={"export": cfg.export.model_copy(update={"engine": engine})})
     found = ckpt.find_latest_checkpoint(cfg.train_dir, fallback=not _weights_from_checkpoint(cfg))
     if found is None:
         where = ckpt.ckpt_dir(cfg.train_dir)
-        raise UserError(f"{where}: no complete checkpoint to export (run 04_train.py first"
-                        + (f"; {relative_hint(where)})" if relative_hint(where) else ")"))
+        raise UserError(
+            f"{where}: no complete checkpoint to export (run 04_train.py first"
+            + (f"; {relative_hint(where)})" if relative_hint(where) else ")")
+        )
     path, state = found
     data_config = shards_data_config(cfg, path, state)
     vocab = load_run_vocab_map(cfg, int(data_config["vocab_size"]))
     args = DrafterArgs.from_json(state["drafter_args"], source=f"{path}: drafter_args")
     _require_trained_inputs(path, state, vocab, data_config, cfg)
     if args.draft_vocab_size != int(vocab["d2t"].shape[0]):
-        raise UserError(f"{path}: drafter_args.draft_vocab_size {args.draft_vocab_size} differs from "
-                        f"{cfg.data_dir / 'vocab_map.pt'} ({int(vocab['d2t'].shape[0])})")
+        raise UserError(
+            f"{path}: drafter_args.draft_vocab_size {args.draft_vocab_size} differs from "
+            f"{cfg.data_dir / 'vocab_map.pt'} ({int(vocab['d2t'].shape[0])})"
+        )
     # the config's drafter must be the checkpoint's (as --resume requires): an export silently of another shape than
     # the config asks for (drafter.num_layers / intermediate_size / variant changed since training) is refused;
     # max_position_embeddings alone may differ (only the exported config changes: _with_config_context)
-    want = dataclasses.asdict(build_drafter_args(cfg, data_config, vocab, warn_context=False))  # export checks it
+    want = dataclasses.asdict(
+        build_drafter_args(cfg, data_config, vocab, warn_context=False)
+    )  # export checks it
     saved = {k: v for k, v in state["drafter_args"].items() if k != "max_position_embeddings"}
-    ckpt.check_drafter_args(path, saved, {k: v for k, v in want.items() if k != "max_position_embeddings"})
+    ckpt.check_drafter_args(
+        path, saved, {k: v for k, v in want.items() if k != "max_position_embeddings"}
+    )
     args = _with_config_context(cfg, args)
     head = TargetHead.load(cfg.train_dir)
     drafter = init_drafter(args, head, vocab, seed=0)
@@ -129,7 +149,9 @@ def _export_from_checkpoint(cfg: RunConfig, engine: str | None = None) -> Path:
         key = sorted(unexpected or (trainable & set(missing)))[0]
         raise UserError(f"{path}: key 'model.{key}' {'unexpected' if unexpected else 'missing'}")
     best = None
-    if cfg.train.select_best == "sim_accept":  # the weights training exported: those of the best validation
+    if (
+        cfg.train.select_best == "sim_accept"
+    ):  # the weights training exported: those of the best validation
         from eagle3.train.sim_accept import load_best_for_export
 
         best, warning = load_best_for_export(cfg.train_dir, drafter, int(state["step"]))
@@ -138,14 +160,29 @@ def _export_from_checkpoint(cfg: RunConfig, engine: str | None = None) -> Path:
     else:
         log.info("export: the weights of checkpoint %s (train.select_best: last)", path.name)
     weights_step = best if best is not None else int(state["step"])
-    prov = export_provenance(cfg.train_dir, path, int(state["step"]), cfg.train.select_best, weights_step)
+    prov = export_provenance(
+        cfg.train_dir, path, int(state["step"]), cfg.train.select_best, weights_step
+    )
     # the TTT steps the checkpoint trained (--resume refuses another train.ttt_length), else the config's
     ttt = (state.get("recipe") or {}).get("train.ttt_length")
     ttt_from = f"train.ttt_length of {path.name}" if ttt else "train.ttt_length"
-    out = export_for_run(cfg, drafter, data_config, provenance=prov, ttt_length=int(ttt or cfg.train.ttt_length),
-                         ttt_from=ttt_from)
-    record_export_only(cfg.train_dir, out, path, int(state["step"]), weights_step, cfg.export.engine,
-                       cfg.train.select_best)
+    out = export_for_run(
+        cfg,
+        drafter,
+        data_config,
+        provenance=prov,
+        ttt_length=int(ttt or cfg.train.ttt_length),
+        ttt_from=ttt_from,
+    )
+    record_export_only(
+        cfg.train_dir,
+        out,
+        path,
+        int(state["step"]),
+        weights_step,
+        cfg.export.engine,
+        cfg.train.select_best,
+    )
     return out
 
 
@@ -165,25 +202,40 @@ def shards_data_config(cfg: RunConfig, path: Path, state: dict) -> dict:
             errors (:func:`eagle3.shards.format.check_verifier`, :func:`_check_recorded_verifier`,
             :func:`eagle3.shards.format.check_extract_settings`).
     """
-    from eagle3.shards.format import DATA_CONFIG, check_extract_settings, check_verifier, read_data_config
+    from eagle3.shards.format import (
+        DATA_CONFIG,
+        check_extract_settings,
+        check_verifier,
+        read_data_config,
+    )
 
     file = cfg.shards_dir / DATA_CONFIG
     record = state.get(ckpt.DATA_CONFIG_RECORD)
     if file.is_file() or not isinstance(record, dict):
         if not file.is_file():
-            raise UserError(f"{file}: file not found, and {path} has no record of it (checkpoint key "
-                            f"'{ckpt.DATA_CONFIG_RECORD}': written by 04 since 2026-12-05g, this checkpoint is older), "
-                            f"so --export-only needs the shards' {DATA_CONFIG} for their aux layers, verifier and dims: "
-                            f"put that one file back at {file} (the shard files are not read), or re-run "
-                            f"02_extract_hidden.py" + (f"; {relative_hint(file)}" if relative_hint(file) else ""))
+            raise UserError(
+                f"{file}: file not found, and {path} has no record of it (checkpoint key "
+                f"'{ckpt.DATA_CONFIG_RECORD}': written by 04 since 2026-12-05g, this checkpoint is older), "
+                f"so --export-only needs the shards' {DATA_CONFIG} for their aux layers, verifier and dims: "
+                f"put that one file back at {file} (the shard files are not read), or re-run "
+                f"02_extract_hidden.py"
+                + (f"; {relative_hint(file)}" if relative_hint(file) else "")
+            )
         data_config = read_data_config(cfg.shards_dir)
         unchecked = check_verifier(cfg.verifier, data_config, cfg.shards_dir)  # as 04 training does
         if unchecked:
             log.warning("%s", unchecked)
         check_extract_settings(cfg.extract, data_config, cfg.shards_dir)
         return data_config
-    log.info("export: %s not found; the shards' aux layers %s, verifier %r and dims from %s (key '%s', recorded at "
-             "training)", file, record.get("aux_layers"), record.get("verifier"), path.name, ckpt.DATA_CONFIG_RECORD)
+    log.info(
+        "export: %s not found; the shards' aux layers %s, verifier %r and dims from %s (key '%s', recorded at "
+        "training)",
+        file,
+        record.get("aux_layers"),
+        record.get("verifier"),
+        path.name,
+        ckpt.DATA_CONFIG_RECORD,
+    )
     _check_recorded_verifier(cfg, record, path)
     check_extract_settings(cfg.extract, record, f"{cfg.shards_dir} (recorded in {path})")
     return dict(record)
@@ -204,24 +256,35 @@ def _check_recorded_verifier(cfg: RunConfig, record: dict, path: Path) -> None:
 
     want = cfg.verifier.display_name()
     if record.get("verifier") != want:
-        raise UserError(f"{path}: key '{ckpt.DATA_CONFIG_RECORD}.verifier' is {record.get('verifier')!r} (the shards it "
-                        f"was trained on) but the config's verifier is {want!r} (verifier.name / verifier.path); set "
-                        f"the verifier this checkpoint was trained on")
+        raise UserError(
+            f"{path}: key '{ckpt.DATA_CONFIG_RECORD}.verifier' is {record.get('verifier')!r} (the shards it "
+            f"was trained on) but the config's verifier is {want!r} (verifier.name / verifier.path); set "
+            f"the verifier this checkpoint was trained on"
+        )
     recorded = record.get(ckpt.VERIFIER_WEIGHTS)
     now = weights_fingerprint(cfg.verifier)  # (1 MiB a weight file)
-    if now and not recorded:  # not compared: said (was silent); no weight file here: nothing to compare, as 03/04
-        log.warning("%s", f"{path}: key '{ckpt.DATA_CONFIG_RECORD}' records no {ckpt.VERIFIER_WEIGHTS} (shards "
-                    f"captured before 2026-12-05f): --export-only did not check the weights at verifier.path "
-                    f"'{cfg.verifier.path}' against the model the checkpoint was trained on, only the name {want!r}; "
-                    f"check that verifier.path is that model (the export's config.json names it)")
+    if (
+        now and not recorded
+    ):  # not compared: said (was silent); no weight file here: nothing to compare, as 03/04
+        log.warning(
+            "%s",
+            f"{path}: key '{ckpt.DATA_CONFIG_RECORD}' records no {ckpt.VERIFIER_WEIGHTS} (shards "
+            f"captured before 2026-12-05f): --export-only did not check the weights at verifier.path "
+            f"'{cfg.verifier.path}' against the model the checkpoint was trained on, only the name {want!r}; "
+            f"check that verifier.path is that model (the export's config.json names it)",
+        )
     if weights_differ(recorded, now):
-        raise UserError(f"verifier.path: '{cfg.verifier.path}' holds other weights than the model {path} was trained "
-                        f"on (key '{ckpt.DATA_CONFIG_RECORD}.{ckpt.VERIFIER_WEIGHTS}' {str(recorded)[:19]}..., "
-                        f"{str(now)[:19]}... at verifier.path; the name {want!r} is the same); set verifier.path back "
-                        f"to that model")
+        raise UserError(
+            f"verifier.path: '{cfg.verifier.path}' holds other weights than the model {path} was trained "
+            f"on (key '{ckpt.DATA_CONFIG_RECORD}.{ckpt.VERIFIER_WEIGHTS}' {str(recorded)[:19]}..., "
+            f"{str(now)[:19]}... at verifier.path; the name {want!r} is the same); set verifier.path back "
+            f"to that model"
+        )
 
 
-def _require_trained_inputs(path: Path, state: dict, vocab: dict, data_config: dict, cfg: RunConfig) -> None:
+def _require_trained_inputs(
+    path: Path, state: dict, vocab: dict, data_config: dict, cfg: RunConfig
+) -> None:
     """Refuse to export a checkpoint with another draft vocab map, other aux layers or shards of another verifier's
     weights than it was trained with (its ``data_inputs`` records the map's content hash,
     :func:`eagle3.train.checkpoint.vocab_sha256`, the shards' aux layers and ``verifier_weights``). The export takes both from the run's files now: after 03 re-ran on other shards (a map of the same size
@@ -235,8 +298,11 @@ def _require_trained_inputs(path: Path, state: dict, vocab: dict, data_config: d
     """
     saved = state.get("data_inputs")
     keys = (ckpt.VOCAB_FILE, ckpt.AUX_LAYERS, ckpt.VERIFIER_WEIGHTS)
-    current = {ckpt.VOCAB_FILE: ckpt.vocab_sha256(vocab), ckpt.AUX_LAYERS: list(data_config["aux_layers"]),
-               ckpt.VERIFIER_WEIGHTS: data_config.get(ckpt.VERIFIER_WEIGHTS)}
+    current = {
+        ckpt.VOCAB_FILE: ckpt.vocab_sha256(vocab),
+        ckpt.AUX_LAYERS: list(data_config["aux_layers"]),
+        ckpt.VERIFIER_WEIGHTS: data_config.get(ckpt.VERIFIER_WEIGHTS),
+    }
     unchecked = ckpt.data_inputs_unchecked(path, saved, current, "--export-only", keys)
     if unchecked:  # said, not silent
         log.warning("%s", unchecked)
@@ -267,14 +333,19 @@ def _with_config_context(cfg: RunConfig, args):
     want = cfg.drafter.max_position_embeddings
     if want is None:
         try:
-            want = verifier_dims(text_config(load_verifier_config(cfg.verifier)))["max_position_embeddings"]
+            want = verifier_dims(text_config(load_verifier_config(cfg.verifier)))[
+                "max_position_embeddings"
+            ]
         except UserError:
             return args
         if want is None or want <= args.max_position_embeddings:
             return args
     if want != args.max_position_embeddings:
-        log.info("export: max_position_embeddings %d (checkpoint: %d), from drafter.max_position_embeddings",
-                 want, args.max_position_embeddings)
+        log.info(
+            "export: max_position_embeddings %d (checkpoint: %d), from drafter.max_position_embeddings",
+            want,
+            args.max_position_embeddings,
+        )
         args = dataclasses.replace(args, max_position_embeddings=int(want))
     return args
 
@@ -297,7 +368,6 @@ def load_init_drafter(cfg: RunConfig, embed_weight, data_config: dict):
             ``train.init_from: ``.
     """
     from eagle3.export.serving import check_export_folder, load_exported
-
     from eagle3.train.trainer import init_from_not_a_folder
 
     path = Path(cfg.train.init_from)
@@ -310,13 +380,21 @@ def load_init_drafter(cfg: RunConfig, embed_weight, data_config: dict):
     except UserError as e:
         raise UserError(f"train.init_from: {e}") from e
     if got is not None and list(got) != aux:
-        raise UserError(f"{path}: train.init_from was trained on HF aux layers {list(got)}, this run's shards hold "
-                        f"{aux} (data_config.json aux_layers)")
+        raise UserError(
+            f"{path}: train.init_from was trained on HF aux layers {list(got)}, this run's shards hold "
+            f"{aux} (data_config.json aux_layers)"
+        )
     return drafter
 
 
-def export_for_run(cfg: RunConfig, drafter, data_config: dict, provenance: dict | None = None,
-                   ttt_length: int | None = None, ttt_from: str = "train.ttt_length") -> Path:
+def export_for_run(
+    cfg: RunConfig,
+    drafter,
+    data_config: dict,
+    provenance: dict | None = None,
+    ttt_length: int | None = None,
+    ttt_from: str = "train.ttt_length",
+) -> Path:
     """Export ``drafter`` for ``cfg.export.engine`` into ``cfg.export_dir``, in ``export.dtype``
     (``auto`` = ``verifier.dtype``), with the verifier facts and HF aux layers of the shards'
     ``data_config.json``; ``provenance`` (:func:`eagle3.train.trainer.export_provenance`) is recorded as
@@ -333,22 +411,32 @@ def export_for_run(cfg: RunConfig, drafter, data_config: dict, provenance: dict 
     from eagle3.export.serving import export_drafter, export_dtype
     from eagle3.verifier import verifier_context_length
 
-    verifier_info = {"name": data_config["verifier"],
-                     **{k: data_config[k] for k in ("architecture", "num_layers", "hidden_size", "vocab_size")},
-                     "context_length": verifier_context_length(cfg.verifier),
-                     "weights": data_config.get("verifier_weights")}  # 05 warns when verifier.path holds others
+    verifier_info = {
+        "name": data_config["verifier"],
+        **{k: data_config[k] for k in ("architecture", "num_layers", "hidden_size", "vocab_size")},
+        "context_length": verifier_context_length(cfg.verifier),
+        "weights": data_config.get("verifier_weights"),
+    }  # 05 warns when verifier.path holds others
     ttt_length = cfg.train.ttt_length if ttt_length is None else int(ttt_length)
     warning = speculative_tokens_warning(cfg, ttt_length, ttt_from)
     if warning:
         log.warning("%s", warning)
-    return export_drafter(drafter, cfg.export_dir, engine=cfg.export.engine,
-                          aux_layers_hf=list(data_config["aux_layers"]), verifier_info=verifier_info,
-                          num_speculative_tokens=cfg.benchmark.steps,
-                          dtype=export_dtype(cfg.export.dtype, cfg.verifier.dtype), provenance=provenance,
-                          ttt_length=ttt_length)
+    return export_drafter(
+        drafter,
+        cfg.export_dir,
+        engine=cfg.export.engine,
+        aux_layers_hf=list(data_config["aux_layers"]),
+        verifier_info=verifier_info,
+        num_speculative_tokens=cfg.benchmark.steps,
+        dtype=export_dtype(cfg.export.dtype, cfg.verifier.dtype),
+        provenance=provenance,
+        ttt_length=ttt_length,
+    )
 
 
-def speculative_tokens_warning(cfg: RunConfig, ttt_length: int, ttt_from: str = "train.ttt_length") -> str | None:
+def speculative_tokens_warning(
+    cfg: RunConfig, ttt_length: int, ttt_from: str = "train.ttt_length"
+) -> str | None:
     """One warning line when a vLLM export's ``speculative_tokens`` (``benchmark.steps``: what ``vllm serve`` drafts
     when ``--speculative-config`` names only the model) is above the ``ttt_length`` the drafter was trained for
     (``ttt_from``: ``train.ttt_length``, or the checkpoint's for ``--export-only``): vLLM would draft positions never
@@ -357,8 +445,10 @@ def speculative_tokens_warning(cfg: RunConfig, ttt_length: int, ttt_from: str = 
     steps = int(cfg.benchmark.steps)
     if cfg.export.engine != "vllm" or steps <= int(ttt_length):
         return None
-    return (f"export: speculative_tokens {steps} (benchmark.steps) in {cfg.export_dir / 'config.json'} is more than "
-            f"the ttt_length {ttt_length} ({ttt_from}) the drafter was trained for: vLLM drafts "
-            f"{untrained_positions(ttt_length, steps)}, never trained, at low acceptance; export with benchmark.steps "
-            f"{ttt_length} (04_train.py --export-only --engine vllm --set benchmark.steps={ttt_length}), or train with "
-            f"train.ttt_length {steps}")
+    return (
+        f"export: speculative_tokens {steps} (benchmark.steps) in {cfg.export_dir / 'config.json'} is more than "
+        f"the ttt_length {ttt_length} ({ttt_from}) the drafter was trained for: vLLM drafts "
+        f"{untrained_positions(ttt_length, steps)}, never trained, at low acceptance; export with benchmark.steps "
+        f"{ttt_length} (04_train.py --export-only --engine vllm --set benchmark.steps={ttt_length}), or train with "
+        f"train.ttt_length {steps}"
+    )

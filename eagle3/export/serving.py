@@ -67,12 +67,30 @@ from typing import Optional
 
 import torch
 
-from eagle3.errors import UserError
-from eagle3.io import atomic_write_json, disk_full_guard, exclusive_lock, file_mode, make_dirs, probe_dirs, read_json
-from eagle3.layers import check_aux_layers, engine_layer_ids, hf_layers_from_engine, is_deepseek_family
-from eagle3.train.draft_config import DEFAULT_EXPORT_DTYPE, EXPORT_META_FILE, check_context_length, llama_config
-from eagle3.train.model import VARIANTS, DrafterArgs, Eagle3Drafter
 from eagle3.data.vocab import check_vocab_map
+from eagle3.errors import UserError
+from eagle3.io import (
+    atomic_write_json,
+    disk_full_guard,
+    exclusive_lock,
+    file_mode,
+    make_dirs,
+    probe_dirs,
+    read_json,
+)
+from eagle3.layers import (
+    check_aux_layers,
+    engine_layer_ids,
+    hf_layers_from_engine,
+    is_deepseek_family,
+)
+from eagle3.train.draft_config import (
+    DEFAULT_EXPORT_DTYPE,
+    EXPORT_META_FILE,
+    check_context_length,
+    llama_config,
+)
+from eagle3.train.model import VARIANTS, DrafterArgs, Eagle3Drafter
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +114,10 @@ FC_NORM_KEYS = tuple(f"fc_norm.{j}.weight" for j in range(3))
 """The extra tensors of an ``eagle3.1`` drafter (one RMSNorm weight ``[Ht]`` per aux state), both engines."""
 VARIANT_ENGINES = {
     "eagle3": {"sglang": "SGLang llama_eagle3.py", "vllm": "vLLM llama_eagle3.py"},
-    "eagle3.1": {"sglang": "SGLang 0.5.23 llama_eagle3.py (config keys fc_norm, norm_output)",
-                 "vllm": "vLLM 0.33 llama_eagle3.py + transformers_utils/configs/speculators/algos.py (fc_norm, norm_output)"},
+    "eagle3.1": {
+        "sglang": "SGLang 0.5.23 llama_eagle3.py (config keys fc_norm, norm_output)",
+        "vllm": "vLLM 0.33 llama_eagle3.py + transformers_utils/configs/speculators/algos.py (fc_norm, norm_output)",
+    },
 }
 """Which engine serves which drafter variant, and the model code read to say so."""
 SGLANG_KEYS = tuple(f"midlayer.{k}" for k in LAYER_KEYS) + HEAD_KEYS
@@ -151,11 +171,15 @@ def check_engine_serves(engine: str, variant: str) -> None:
         UserError: one line naming the engine and the variant.
     """
     if variant not in VARIANT_ENGINES:
-        raise UserError(f"drafter variant '{variant}': unknown (expected one of {', '.join(VARIANTS)})")
+        raise UserError(
+            f"drafter variant '{variant}': unknown (expected one of {', '.join(VARIANTS)})"
+        )
     serving = VARIANT_ENGINES[variant]
     if engine not in serving:
-        raise UserError(f"export.engine: {engine} cannot serve an {variant} drafter (its EAGLE-3 model code has no "
-                        f"{variant} layers); export for {' or '.join(sorted(serving))}, or train with drafter.variant: eagle3")
+        raise UserError(
+            f"export.engine: {engine} cannot serve an {variant} drafter (its EAGLE-3 model code has no "
+            f"{variant} layers); export for {' or '.join(sorted(serving))}, or train with drafter.variant: eagle3"
+        )
 
 
 def _variant_keys(variant: str) -> dict:
@@ -183,12 +207,16 @@ def export_dtype(name: str | torch.dtype, verifier_dtype: str = "bfloat16") -> t
             raise UserError(f"export.dtype: {name} is not one of {sorted(EXPORT_DTYPES)}")
         return name
     if name == "auto" and verifier_dtype == "float32":
-        log.info("export.dtype auto with verifier.dtype float32: exporting bfloat16, the serving dtype "
-                 "(set export.dtype: float32 to keep float32 weights)")
+        log.info(
+            "export.dtype auto with verifier.dtype float32: exporting bfloat16, the serving dtype "
+            "(set export.dtype: float32 to keep float32 weights)"
+        )
         return torch.bfloat16
     key = verifier_dtype if name == "auto" else name
     if key not in EXPORT_DTYPES:
-        raise UserError(f"export.dtype: unknown dtype {key!r} (expected auto, {', '.join(sorted(EXPORT_DTYPES))})")
+        raise UserError(
+            f"export.dtype: unknown dtype {key!r} (expected auto, {', '.join(sorted(EXPORT_DTYPES))})"
+        )
     return EXPORT_DTYPES[key]
 
 
@@ -219,7 +247,9 @@ def layer_id_convention(engine: str, architecture: str) -> str:
     return "sglang-llama: ids are HF hidden_states index - 1 (SGLang captures id + 1)"
 
 
-def check_export_contract(drafter: Eagle3Drafter, verifier_info: dict, include_embeddings: bool) -> None:
+def check_export_contract(
+    drafter: Eagle3Drafter, verifier_info: dict, include_embeddings: bool
+) -> None:
     """Check the drafter/verifier shape contract a serving engine relies on (and does not check).
 
     - verifier ``hidden_size`` = the drafter's ``target_hidden_size``; ``fc.weight`` is
@@ -240,28 +270,45 @@ def check_export_contract(drafter: Eagle3Drafter, verifier_info: dict, include_e
     a = drafter.args
     vh, vv = int(verifier_info["hidden_size"]), int(verifier_info["vocab_size"])
     if vh != a.target_hidden_size:
-        raise UserError(f"verifier_info.hidden_size: {vh}, but the drafter was built for target_hidden_size "
-                        f"{a.target_hidden_size} (its fc reads 3 x target hidden)")
+        raise UserError(
+            f"verifier_info.hidden_size: {vh}, but the drafter was built for target_hidden_size "
+            f"{a.target_hidden_size} (its fc reads 3 x target hidden)"
+        )
     if vv != a.target_vocab_size:
-        raise UserError(f"verifier_info.vocab_size: {vv}, but the drafter was built for target_vocab_size {a.target_vocab_size}")
+        raise UserError(
+            f"verifier_info.vocab_size: {vv}, but the drafter was built for target_vocab_size {a.target_vocab_size}"
+        )
     sd = drafter.state_dict()
     with torch.device("meta"):
         ref = Eagle3Drafter(a).state_dict()
-    why = {"fc.weight": f"[hidden_size, 3 x verifier hidden_size] = [{a.hidden_size}, 3 x {vh}]",
-           "lm_head.weight": f"[draft_vocab_size, hidden_size] = [{a.draft_vocab_size}, {a.hidden_size}]",
-           EMBED_KEY: f"[verifier vocab_size, hidden_size] = [{vv}, {a.hidden_size}]"}
+    why = {
+        "fc.weight": f"[hidden_size, 3 x verifier hidden_size] = [{a.hidden_size}, 3 x {vh}]",
+        "lm_head.weight": f"[draft_vocab_size, hidden_size] = [{a.draft_vocab_size}, {a.hidden_size}]",
+        EMBED_KEY: f"[verifier vocab_size, hidden_size] = [{vv}, {a.hidden_size}]",
+    }
     for key, want in ref.items():
         if key not in sd:
             continue  # reported by export_drafter as a missing required tensor
         if tuple(sd[key].shape) != tuple(want.shape):
-            raise UserError(f"drafter tensor '{key}': shape {list(sd[key].shape)}, EAGLE-3 export needs "
-                            f"{why.get(key, list(want.shape))}")
-    check_vocab_map(sd["d2t"], sd["t2d"], "drafter vocab map", target_vocab_size=vv, draft_vocab_size=a.draft_vocab_size,
-                    draft_key="drafter draft_vocab_size", target_source="verifier_info.vocab_size")
+            raise UserError(
+                f"drafter tensor '{key}': shape {list(sd[key].shape)}, EAGLE-3 export needs "
+                f"{why.get(key, list(want.shape))}"
+            )
+    check_vocab_map(
+        sd["d2t"],
+        sd["t2d"],
+        "drafter vocab map",
+        target_vocab_size=vv,
+        draft_vocab_size=a.draft_vocab_size,
+        draft_key="drafter draft_vocab_size",
+        target_source="verifier_info.vocab_size",
+    )
     if a.hidden_size != vh and not include_embeddings:
-        raise UserError(f"drafter hidden_size {a.hidden_size} differs from the verifier hidden_size {vh}: the engines then "
-                        f"do not use the verifier's embedding and would run the draft with a random one; export with "
-                        f"include_embeddings=True (writes '{EMBED_KEY}')")
+        raise UserError(
+            f"drafter hidden_size {a.hidden_size} differs from the verifier hidden_size {vh}: the engines then "
+            f"do not use the verifier's embedding and would run the draft with a random one; export with "
+            f"include_embeddings=True (writes '{EMBED_KEY}')"
+        )
 
 
 def export_drafter(
@@ -313,9 +360,11 @@ def export_drafter(
     check_engine_serves(engine, drafter.args.variant)
     out_dtype = export_dtype(dtype)
     if engine == "sglang" and out_dtype == torch.float32:
-        log.warning("export.dtype float32 for SGLang: its --dtype auto serves a float32 draft config as float16 "
-                    "(ModelConfig._get_and_verify_dtype); launch the server with --dtype bfloat16/float32, or export "
-                    "with export.dtype: auto (bfloat16)")
+        log.warning(
+            "export.dtype float32 for SGLang: its --dtype auto serves a float32 draft config as float16 "
+            "(ModelConfig._get_and_verify_dtype); launch the server with --dtype bfloat16/float32, or export "
+            "with export.dtype: auto (bfloat16)"
+        )
     for f in VERIFIER_FIELDS:
         if f not in verifier_info or verifier_info[f] is None:
             raise UserError(f"verifier_info: missing field '{f}'")
@@ -339,7 +388,8 @@ def export_drafter(
     if include_embeddings:
         tensors[EMBED_KEY] = sd[EMBED_KEY]
     tensors = {
-        k: (v.to(out_dtype) if v.is_floating_point() else v).detach().cpu().contiguous().clone() for k, v in tensors.items()
+        k: (v.to(out_dtype) if v.is_floating_point() else v).detach().cpu().contiguous().clone()
+        for k, v in tensors.items()
     }
 
     llama = llama_config(a, out_dtype)
@@ -347,7 +397,7 @@ def export_drafter(
         "format_version": 1,
         "engine": engine,
         "serve_with": f"{'SGLang' if engine == 'sglang' else 'vLLM'} only (the other engine reads these layer ids "
-                      f"in another convention; export with --engine {'vllm' if engine == 'sglang' else 'sglang'})",
+        f"in another convention; export with --engine {'vllm' if engine == 'sglang' else 'sglang'})",
         "aux_layers_hf": aux,
         "engine_layer_ids": ids,
         "layer_id_convention": layer_id_convention(engine, arch),
@@ -379,7 +429,12 @@ def export_drafter(
             "speculators_config": {
                 "algorithm": "eagle3",
                 "proposal_methods": [
-                    {"proposal_type": "greedy", "speculative_tokens": int(num_speculative_tokens), "verifier_accept_k": 1, "accept_tolerance": 0.0}
+                    {
+                        "proposal_type": "greedy",
+                        "speculative_tokens": int(num_speculative_tokens),
+                        "verifier_accept_k": 1,
+                        "accept_tolerance": 0.0,
+                    }
                 ],
                 "default_proposal_method": "greedy",
                 "verifier": {"name_or_path": str(verifier_info["name"]), "architectures": [arch]},
@@ -394,8 +449,12 @@ def export_drafter(
         "aux_layers_hf": aux,
         "engine_layer_ids": ids,
         "layer_id_convention": block["layer_id_convention"],
-        "verifier": {**{f: verifier_info[f] for f in VERIFIER_FIELDS},  # + the weights' fingerprint 02 recorded
-                     **({"weights": verifier_info["weights"]} if verifier_info.get("weights") else {})},
+        "verifier": {
+            **{
+                f: verifier_info[f] for f in VERIFIER_FIELDS
+            },  # + the weights' fingerprint 02 recorded
+            **({"weights": verifier_info["weights"]} if verifier_info.get("weights") else {}),
+        },
         "drafter_args": a.to_json(),
         "include_embeddings": bool(include_embeddings),
         "variant": a.variant,
@@ -410,8 +469,9 @@ def export_drafter(
     return _write_export_folder(Path(out_dir), engine, tensors, config, meta, provenance)
 
 
-
-EXPORT_LOCK_SUFFIX = ".lock"  # ``.{export folder name}.lock`` beside the export folder while an export writes it
+EXPORT_LOCK_SUFFIX = (
+    ".lock"  # ``.{export folder name}.lock`` beside the export folder while an export writes it
+)
 
 
 def export_lock_path(out: Path) -> Path:
@@ -420,8 +480,9 @@ def export_lock_path(out: Path) -> Path:
     return out.parent / f".{out.name}{EXPORT_LOCK_SUFFIX}"
 
 
-def _write_export_folder(out: Path, engine: str, tensors: dict, config: dict, meta: dict,
-                         provenance: Optional[dict]) -> Path:
+def _write_export_folder(
+    out: Path, engine: str, tensors: dict, config: dict, meta: dict, provenance: Optional[dict]
+) -> Path:
     """:func:`export_drafter`'s write: the files into a temporary folder beside ``out``, then renamed over it, holding
     :func:`export_lock_path` (:func:`eagle3.io.exclusive_lock`) from the replace check to the rename. Two exports into
     one folder (two ``04 --export-only`` of different train folders, or one beside a finishing training) raced on
@@ -434,15 +495,21 @@ def _write_export_folder(out: Path, engine: str, tensors: dict, config: dict, me
     from safetensors.torch import save_file  # at call time: tests replace it to fill the disk
 
     make_dirs(out.parent)
-    holder = (f"another 04_train run is exporting to {out}; wait for it to end, or set export.output_dir for a "
-              f"second export folder")
+    holder = (
+        f"another 04_train run is exporting to {out}; wait for it to end, or set export.output_dir for a "
+        f"second export folder"
+    )
     with exclusive_lock(export_lock_path(out), holder):
         _check_replaceable(out, engine)
         _warn_other_run(out, provenance)
         tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
-        os.chmod(tmp, file_mode(directory=True))  # mkdtemp's 0o700 -> readable by a server running as another user
+        os.chmod(
+            tmp, file_mode(directory=True)
+        )  # mkdtemp's 0o700 -> readable by a server running as another user
         try:
-            with disk_full_guard(out / WEIGHTS_FILE, sum(t.numel() * t.element_size() for t in tensors.values())):
+            with disk_full_guard(
+                out / WEIGHTS_FILE, sum(t.numel() * t.element_size() for t in tensors.values())
+            ):
                 save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
             os.chmod(tmp / WEIGHTS_FILE, file_mode())  # safetensors writes 0o600 whatever the umask
             atomic_write_json(tmp / "config.json", config)
@@ -472,9 +539,15 @@ def _warn_other_run(out: Path, provenance: Optional[dict]) -> None:
     except (OSError, ValueError, AttributeError):
         return
     if old.get("train_dir") and old["train_dir"] != provenance["train_dir"]:
-        log.warning("%s: replacing the export of another training run (%s, step %s) with this one's (%s, step %s); "
-                    "set export.output_dir to keep both", out, old["train_dir"], old.get("selected_step", "?"),
-                    provenance["train_dir"], provenance.get("selected_step", "?"))
+        log.warning(
+            "%s: replacing the export of another training run (%s, step %s) with this one's (%s, step %s); "
+            "set export.output_dir to keep both",
+            out,
+            old["train_dir"],
+            old.get("selected_step", "?"),
+            provenance["train_dir"],
+            provenance.get("selected_step", "?"),
+        )
 
 
 def check_export_destination(out: Path, engine: str, field: str = "export.output_dir") -> None:
@@ -517,16 +590,21 @@ def _check_replaceable(out: Path, engine: str) -> None:
     meta_path = out / META_FILE
     if not meta_path.is_file():
         if any(out.iterdir()):
-            raise UserError(f"{out}: export.output_dir holds files that are not an eagle3-train export; "
-                            "choose an empty or new folder")
+            raise UserError(
+                f"{out}: export.output_dir holds files that are not an eagle3-train export; "
+                "choose an empty or new folder"
+            )
         return
     try:
         old_engine = json.loads(meta_path.read_text()).get("engine")
     except (OSError, ValueError, AttributeError):
         old_engine = None
     if old_engine is not None and old_engine != engine:
-        raise UserError(f"{out}: holds the {old_engine} export; exporting for {engine} there would replace it "
-                        f"(set export.output_dir to another folder, e.g. drafter-{engine})")
+        raise UserError(
+            f"{out}: holds the {old_engine} export; exporting for {engine} there would replace it "
+            f"(set export.output_dir to another folder, e.g. drafter-{engine})"
+        )
+
 
 def _read_config_json(root: Path) -> tuple[Path, dict]:
     """``(path, dict)`` of an exported folder's ``config.json``.
@@ -554,7 +632,9 @@ def _args_from_config(cfg: dict, path: Path) -> tuple[str, DrafterArgs]:
         engine = "vllm"
         layer = _need(cfg, "transformer_layer_config", path)
         if cfg.get("norm_before_residual", True):
-            raise UserError(f"{path}: key 'norm_before_residual' must be false for this drafter (hidden_norm before the residual is not implemented)")
+            raise UserError(
+                f"{path}: key 'norm_before_residual' must be false for this drafter (hidden_norm before the residual is not implemented)"
+            )
         src = dict(layer)
         src["draft_vocab_size"] = _need(cfg, "draft_vocab_size", path)
         src["target_hidden_size"] = cfg.get("target_hidden_size") or layer.get("hidden_size")
@@ -563,12 +643,16 @@ def _args_from_config(cfg: dict, path: Path) -> tuple[str, DrafterArgs]:
         src = dict(cfg)
         src["target_hidden_size"] = cfg.get("target_hidden_size") or cfg.get("hidden_size")
     else:
-        raise UserError(f"{path}: key 'architectures' is {archs}; expected [{SGLANG_ARCH!r}] or [{VLLM_ARCH!r}]")
+        raise UserError(
+            f"{path}: key 'architectures' is {archs}; expected [{SGLANG_ARCH!r}] or [{VLLM_ARCH!r}]"
+        )
     variant = _config_variant(cfg, path)
     n_layers = src.get("num_hidden_layers", 1)
     if not isinstance(n_layers, int) or isinstance(n_layers, bool) or n_layers < 1:
-        raise UserError(f"{path}: key 'num_hidden_layers' must be an integer >= 1 (the drafter's decoder layers), "
-                        f"got {n_layers!r}")
+        raise UserError(
+            f"{path}: key 'num_hidden_layers' must be an integer >= 1 (the drafter's decoder layers), "
+            f"got {n_layers!r}"
+        )
     heads = _need(src, "num_attention_heads", path)
     H = _need(src, "hidden_size", path)
     args = DrafterArgs(
@@ -578,7 +662,8 @@ def _args_from_config(cfg: dict, path: Path) -> tuple[str, DrafterArgs]:
         head_dim=src.get("head_dim") or H // heads,
         intermediate_size=_need(src, "intermediate_size", path),
         rms_norm_eps=_need(src, "rms_norm_eps", path),
-        rope_theta=src.get("rope_theta") or (src.get("rope_parameters") or {}).get("rope_theta", 10000.0),
+        rope_theta=src.get("rope_theta")
+        or (src.get("rope_parameters") or {}).get("rope_theta", 10000.0),
         max_position_embeddings=src.get("max_position_embeddings", 2048),
         draft_vocab_size=_need(src, "draft_vocab_size", path),
         target_vocab_size=_need(src, "vocab_size", path),
@@ -602,13 +687,17 @@ def _config_variant(cfg: dict, path: Path) -> str:
     """
     ec = cfg.get("eagle_config") if isinstance(cfg.get("eagle_config"), dict) else {}
     if cfg.get("norm_before_fc") or ec.get("norm_before_fc"):
-        raise UserError(f"{path}: key 'norm_before_fc' is true (one RMSNorm over the concatenated aux states); this "
-                        f"project implements eagle3 and eagle3.1 (fc_norm: one norm per aux state) only")
+        raise UserError(
+            f"{path}: key 'norm_before_fc' is true (one RMSNorm over the concatenated aux states); this "
+            f"project implements eagle3 and eagle3.1 (fc_norm: one norm per aux state) only"
+        )
     fc_norm = bool(cfg.get("fc_norm") or cfg.get("use_aux_norm"))
     norm_output = bool(cfg.get("norm_output"))
     if fc_norm != norm_output:
-        raise UserError(f"{path}: keys 'fc_norm' ({fc_norm}) and 'norm_output' ({norm_output}) differ; eagle3 has both "
-                        f"false, eagle3.1 both true, and this project implements only those two")
+        raise UserError(
+            f"{path}: keys 'fc_norm' ({fc_norm}) and 'norm_output' ({norm_output}) differ; eagle3 has both "
+            f"false, eagle3.1 both true, and this project implements only those two"
+        )
     return "eagle3.1" if fc_norm else "eagle3"
 
 
@@ -622,7 +711,9 @@ def _config_layer_ids(cfg: dict, engine: str, path: Path) -> Optional[list[int]]
         ids, key = cfg.get("eagle_aux_hidden_state_layer_ids"), "eagle_aux_hidden_state_layer_ids"
     if ids is None:
         return None
-    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+    if not isinstance(ids, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) for i in ids
+    ):
         raise UserError(f"{path}: key '{key}' must be a list of integers, got {ids!r}")
     return list(ids)
 
@@ -653,8 +744,10 @@ def reexport_hint(root: Path, engine: str) -> str:
         return cmd
     if list_checkpoints(src):
         return f"{cmd} writes it from {ckpt_dir(src)} (with the run's config)"
-    return (f"{cmd} needs the run's checkpoints, and {ckpt_dir(src)} (trained_from in {root / META_FILE}) holds none on "
-            f"this machine: run it where they are")
+    return (
+        f"{cmd} needs the run's checkpoints, and {ckpt_dir(src)} (trained_from in {root / META_FILE}) holds none on "
+        f"this machine: run it where they are"
+    )
 
 
 def _recorded_block(cfg: dict, root: Path) -> Optional[dict]:
@@ -664,8 +757,11 @@ def _recorded_block(cfg: dict, root: Path) -> Optional[dict]:
     if block is None and (root / META_FILE).is_file():
         meta = read_json(root / META_FILE)
         if isinstance(meta, dict) and "engine" in meta and "aux_layers_hf" in meta:
-            block = {"engine": meta["engine"], "aux_layers_hf": meta["aux_layers_hf"],
-                     "verifier_architecture": (meta.get("verifier") or {}).get("architecture")}
+            block = {
+                "engine": meta["engine"],
+                "aux_layers_hf": meta["aux_layers_hf"],
+                "verifier_architecture": (meta.get("verifier") or {}).get("architecture"),
+            }
             src = root / META_FILE
     if block is None:
         return None
@@ -675,7 +771,9 @@ def _recorded_block(cfg: dict, root: Path) -> Optional[dict]:
     if not isinstance(aux, list) or len(aux) != 3 or not all(isinstance(i, int) for i in aux):
         raise UserError(f"{src}: key 'aux_layers_hf' must be a list of 3 integers, got {aux!r}")
     if block.get("engine") not in ("sglang", "vllm"):
-        raise UserError(f"{src}: key 'engine' must be 'sglang' or 'vllm', got {block.get('engine')!r}")
+        raise UserError(
+            f"{src}: key 'engine' must be 'sglang' or 'vllm', got {block.get('engine')!r}"
+        )
     return dict(block, source=str(src))
 
 
@@ -717,33 +815,54 @@ def check_export_folder(
     warnings: list[str] = []
     other = "vllm" if engine == "sglang" else "sglang"
     if serving_engine is not None and serving_engine != engine:
-        raise UserError(f"{cfg_path}: this folder is for {engine}, but {serving_engine} serves it; {serving_engine} reads "
-                        f"its layer ids {ids} in another convention (one layer off for Llama verifiers). Use the "
-                        f"{serving_engine} export: {reexport_hint(root, serving_engine)}")
+        raise UserError(
+            f"{cfg_path}: this folder is for {engine}, but {serving_engine} serves it; {serving_engine} reads "
+            f"its layer ids {ids} in another convention (one layer off for Llama verifiers). Use the "
+            f"{serving_engine} export: {reexport_hint(root, serving_engine)}"
+        )
     aux_hf = None
     arch = (block or {}).get("verifier_architecture") or verifier_architecture
     if block is not None:
         if block["engine"] != engine:
-            raise UserError(f"{block['source']}: key 'engine' is {block['engine']!r} but {cfg_path} is in the {engine} "
-                            f"format; the folder mixes two exports (re-export with --engine {block['engine']})")
+            raise UserError(
+                f"{block['source']}: key 'engine' is {block['engine']!r} but {cfg_path} is in the {engine} "
+                f"format; the folder mixes two exports (re-export with --engine {block['engine']})"
+            )
         aux_hf = [int(i) for i in block["aux_layers_hf"]]
         if arch is not None:
             want = engine_layer_ids(aux_hf, engine, str(arch))
             if ids != want:
-                raise UserError(f"{cfg_path}: layer ids {ids} are not {engine}'s ids for the recorded HF aux layers "
-                                f"{aux_hf} (expected {want}: {layer_id_convention(engine, str(arch))}); edited by hand "
-                                f"or copied from the {other} folder? Re-export with --engine {engine}")
+                raise UserError(
+                    f"{cfg_path}: layer ids {ids} are not {engine}'s ids for the recorded HF aux layers "
+                    f"{aux_hf} (expected {want}: {layer_id_convention(engine, str(arch))}); edited by hand "
+                    f"or copied from the {other} folder? Re-export with --engine {engine}"
+                )
     elif ids is not None and arch is not None:
         aux_hf = hf_layers_from_engine(ids, engine, str(arch))
     elif ids is None:
-        warnings.append(f"{cfg_path}: states no aux layer ids; {engine} will use its default layers")
+        warnings.append(
+            f"{cfg_path}: states no aux layer ids; {engine} will use its default layers"
+        )
     else:
-        warnings.append(f"{cfg_path}: no '{CONFIG_BLOCK}' block and no verifier architecture: cannot tell which "
-                        f"verifier layers the {engine} ids {ids} select")
-    if shards_aux_hf is not None and aux_hf is not None and list(aux_hf) != [int(i) for i in shards_aux_hf]:
-        warnings.append(f"{cfg_path}: {engine} will capture HF layers {aux_hf} (ids {ids}) but the shards were "
-                        f"extracted at HF layers {list(shards_aux_hf)}: expect near-zero acceptance")
-    return {"engine": engine, "engine_layer_ids": ids, "aux_layers_hf": aux_hf, "warnings": warnings}
+        warnings.append(
+            f"{cfg_path}: no '{CONFIG_BLOCK}' block and no verifier architecture: cannot tell which "
+            f"verifier layers the {engine} ids {ids} select"
+        )
+    if (
+        shards_aux_hf is not None
+        and aux_hf is not None
+        and list(aux_hf) != [int(i) for i in shards_aux_hf]
+    ):
+        warnings.append(
+            f"{cfg_path}: {engine} will capture HF layers {aux_hf} (ids {ids}) but the shards were "
+            f"extracted at HF layers {list(shards_aux_hf)}: expect near-zero acceptance"
+        )
+    return {
+        "engine": engine,
+        "engine_layer_ids": ids,
+        "aux_layers_hf": aux_hf,
+        "warnings": warnings,
+    }
 
 
 def preflight_export(path: str | os.PathLike) -> tuple[Path, str, DrafterArgs, Path, list[str]]:
@@ -772,11 +891,15 @@ def preflight_export(path: str | os.PathLike) -> tuple[Path, str, DrafterArgs, P
         with safe_open(str(wpath), framework="pt") as f:
             f.keys()
     except (SafetensorError, OSError, ValueError) as e:
-        raise UserError(f"{wpath}: unreadable safetensors file: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+        raise UserError(
+            f"{wpath}: unreadable safetensors file: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+        ) from e
     return cfg_path, engine, args, wpath, warnings
 
 
-def load_exported(path: str | os.PathLike, embed_weight: Optional[torch.Tensor] = None) -> Eagle3Drafter:
+def load_exported(
+    path: str | os.PathLike, embed_weight: Optional[torch.Tensor] = None
+) -> Eagle3Drafter:
     """Load an exported folder (either format) into an :class:`Eagle3Drafter` (float32, CPU).
 
     Weights stored in bfloat16/float16 are upcast exactly, so ``load_exported(...).to(bf16)``
@@ -806,34 +929,58 @@ def load_exported(path: str | os.PathLike, embed_weight: Optional[torch.Tensor] 
     try:
         tensors = load_file(str(wpath))
     except (SafetensorError, OSError, ValueError) as e:
-        raise UserError(f"{wpath}: unreadable safetensors file: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+        raise UserError(
+            f"{wpath}: unreadable safetensors file: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+        ) from e
     if engine == "vllm":
-        tensors = {(k.replace("layers.0.", "midlayer.", 1) if k.startswith("layers.0.") else k): v for k, v in tensors.items()}
+        tensors = {
+            (k.replace("layers.0.", "midlayer.", 1) if k.startswith("layers.0.") else k): v
+            for k, v in tensors.items()
+        }
     full_vocab = args.draft_vocab_size == args.target_vocab_size
     if engine == "vllm" and full_vocab and "d2t" in tensors:
-        raise UserError(f"{wpath}: tensor 'd2t' in a full-vocab folder ({cfg_path.name} draft_vocab_size = vocab_size = "
-                        f"{args.draft_vocab_size}): vLLM refuses it (Eagle3LlamaForCausalLM has no "
-                        f"'draft_id_to_target_id' when the draft vocab is the verifier's); re-export with 04_train.py "
-                        f"--export-only --engine vllm")
+        raise UserError(
+            f"{wpath}: tensor 'd2t' in a full-vocab folder ({cfg_path.name} draft_vocab_size = vocab_size = "
+            f"{args.draft_vocab_size}): vLLM refuses it (Eagle3LlamaForCausalLM has no "
+            f"'draft_id_to_target_id' when the draft vocab is the verifier's); re-export with 04_train.py "
+            f"--export-only --engine vllm"
+        )
     if full_vocab and "d2t" not in tensors and "t2d" not in tensors:
-        tensors["d2t"] = torch.zeros(args.draft_vocab_size, dtype=torch.int64)  # identity map, as both engines use it
+        tensors["d2t"] = torch.zeros(
+            args.draft_vocab_size, dtype=torch.int64
+        )  # identity map, as both engines use it
         tensors["t2d"] = torch.ones(args.target_vocab_size, dtype=torch.bool)
     want = required_keys("sglang", args.variant, args.num_layers)
     for key in want:
         if key not in tensors:
             shown = key.replace("midlayer.", "layers.0.", 1) if engine == "vllm" else key
-            why = (f" (draft_vocab_size {args.draft_vocab_size} < vocab_size {args.target_vocab_size}: without it the "
-                   f"engine takes every draft id for the target id of the same number)" if key == "d2t" else "")
+            why = (
+                f" (draft_vocab_size {args.draft_vocab_size} < vocab_size {args.target_vocab_size}: without it the "
+                f"engine takes every draft id for the target id of the same number)"
+                if key == "d2t"
+                else ""
+            )
             raise UserError(f"{wpath}: missing required tensor '{shown}'{why}")
     extra = sorted(set(tensors) - set(want) - {EMBED_KEY})
     if extra:
         raise UserError(f"{wpath}: unexpected tensor '{extra[0]}'")
-    for i in range(1, args.num_layers):  # the pre-attention norm of layer i: the one this folder's engine applies
+    for i in range(
+        1, args.num_layers
+    ):  # the pre-attention norm of layer i: the one this folder's engine applies
         pre = f"layers.{i}."
-        used, other = pre + ENGINE_UPPER_NORM[engine], pre + [k for k in UPPER_NORM_KEYS if k != ENGINE_UPPER_NORM[engine]][0]
+        used, other = (
+            pre + ENGINE_UPPER_NORM[engine],
+            pre + [k for k in UPPER_NORM_KEYS if k != ENGINE_UPPER_NORM[engine]][0],
+        )
         if not torch.equal(tensors[used], tensors[other]):
-            log.warning("%s: '%s' differs from '%s'; %s applies '%s' (loaded), the other engine the other one",
-                        wpath, used, other, engine, used)
+            log.warning(
+                "%s: '%s' differs from '%s'; %s applies '%s' (loaded), the other engine the other one",
+                wpath,
+                used,
+                other,
+                engine,
+                used,
+            )
         weight = tensors.pop(used)
         tensors.pop(other)
         tensors[pre + "input_layernorm.weight"] = weight  # the drafter's name (Eagle3UpperLayer)
@@ -841,20 +988,35 @@ def load_exported(path: str | os.PathLike, embed_weight: Optional[torch.Tensor] 
     sd = drafter.state_dict()
     for k, v in tensors.items():
         if tuple(v.shape) != tuple(sd[k].shape):
-            raise UserError(f"{wpath}: tensor '{k}' has shape {list(v.shape)}, config implies {list(sd[k].shape)}")
+            raise UserError(
+                f"{wpath}: tensor '{k}' has shape {list(v.shape)}, config implies {list(sd[k].shape)}"
+            )
     if EMBED_KEY not in tensors:
         if embed_weight is None:
-            raise UserError(f"{wpath}: no '{EMBED_KEY}' stored; pass the verifier's embedding (embed_weight)")
+            raise UserError(
+                f"{wpath}: no '{EMBED_KEY}' stored; pass the verifier's embedding (embed_weight)"
+            )
         if tuple(embed_weight.shape) != tuple(sd[EMBED_KEY].shape):
-            hint = (f" (the drafter's hidden_size {args.hidden_size} differs from target_hidden_size "
-                    f"{args.target_hidden_size}: the folder must carry its own '{EMBED_KEY}')"
-                    if args.hidden_size != args.target_hidden_size else "")
-            raise UserError(f"embed_weight has shape {list(embed_weight.shape)}, {cfg_path} implies "
-                            f"{list(sd[EMBED_KEY].shape)}{hint}")
+            hint = (
+                f" (the drafter's hidden_size {args.hidden_size} differs from target_hidden_size "
+                f"{args.target_hidden_size}: the folder must carry its own '{EMBED_KEY}')"
+                if args.hidden_size != args.target_hidden_size
+                else ""
+            )
+            raise UserError(
+                f"embed_weight has shape {list(embed_weight.shape)}, {cfg_path} implies "
+                f"{list(sd[EMBED_KEY].shape)}{hint}"
+            )
         tensors[EMBED_KEY] = embed_weight
-    check_vocab_map(tensors["d2t"], tensors["t2d"], str(wpath), target_vocab_size=args.target_vocab_size,
-                    draft_vocab_size=args.draft_vocab_size, draft_key=f"{cfg_path.name} draft_vocab_size",
-                    target_source=f"{cfg_path.name} vocab_size")
+    check_vocab_map(
+        tensors["d2t"],
+        tensors["t2d"],
+        str(wpath),
+        target_vocab_size=args.target_vocab_size,
+        draft_vocab_size=args.draft_vocab_size,
+        draft_key=f"{cfg_path.name} draft_vocab_size",
+        target_source=f"{cfg_path.name} vocab_size",
+    )
     with torch.no_grad():
         for k, v in tensors.items():
             sd[k].copy_(v.to(sd[k].dtype) if v.is_floating_point() else v)

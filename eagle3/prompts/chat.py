@@ -108,9 +108,13 @@ class ChatOptions:
     def from_config(cls, cfg) -> "ChatOptions":
         """Options of a :class:`eagle3.config.RunConfig` (verifier + extract sections)."""
         v = cfg.verifier
-        return cls(chat_template=v.chat_template, template_kwargs=dict(v.chat_template_kwargs),
-                   reply_start=v.reply_start, think_tags=tuple(v.think_tags),
-                   loss_on_reasoning=cfg.extract.loss_on_reasoning)
+        return cls(
+            chat_template=v.chat_template,
+            template_kwargs=dict(v.chat_template_kwargs),
+            reply_start=v.reply_start,
+            think_tags=tuple(v.think_tags),
+            loss_on_reasoning=cfg.extract.loss_on_reasoning,
+        )
 
 
 _DEFAULT = ChatOptions()
@@ -124,10 +128,14 @@ def _opts(opts: Optional[ChatOptions], chat_template: Optional[str] = None) -> C
 
 def _template_text(tokenizer, chat_template: Optional[str]) -> str:
     tpl = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
-    if isinstance(tpl, dict):  # several named templates: the default one is used by apply_chat_template
+    if isinstance(
+        tpl, dict
+    ):  # several named templates: the default one is used by apply_chat_template
         tpl = tpl.get("default") or next(iter(tpl.values()))
     if not tpl:
-        raise TemplateUnusable("verifier.chat_template: the tokenizer has no chat template; set verifier.chat_template")
+        raise TemplateUnusable(
+            "verifier.chat_template: the tokenizer has no chat template; set verifier.chat_template"
+        )
     return tpl
 
 
@@ -145,8 +153,11 @@ def chat_template_hash(tokenizer, chat_template: Optional[str] = None) -> str:
 def template_name(tokenizer, opts: Optional[ChatOptions] = None) -> str:
     """Human-readable name of the template in use, for error messages (source + sha256 prefix)."""
     opts = _opts(opts)
-    src = ("verifier.chat_template (from the config)" if opts.chat_template is not None
-           else f"the chat template of tokenizer '{getattr(tokenizer, 'name_or_path', '') or type(tokenizer).__name__}'")
+    src = (
+        "verifier.chat_template (from the config)"
+        if opts.chat_template is not None
+        else f"the chat template of tokenizer '{getattr(tokenizer, 'name_or_path', '') or type(tokenizer).__name__}'"
+    )
     return f"{src}, sha256 {chat_template_hash(tokenizer, opts.chat_template)[:12]}"
 
 
@@ -192,16 +203,25 @@ def _template_messages(messages: list[dict]) -> list[dict]:
     """``messages`` without the pipeline's own ``tokens``, ``truncated`` and ``stop_token`` fields: a server never passes them
     to the template either, and transformers walks every id of ``tokens`` on each rendering (a third of 02's
     tokenization time on regenerated data)."""
-    return [{k: v for k, v in m.items() if k not in _PIPELINE_KEYS} if any(k in m for k in _PIPELINE_KEYS) else m
-            for m in messages]
+    return [
+        {k: v for k, v in m.items() if k not in _PIPELINE_KEYS}
+        if any(k in m for k in _PIPELINE_KEYS)
+        else m
+        for m in messages
+    ]
 
 
 def _tokenize(tokenizer, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
 
 
-def render_text(tokenizer, messages: list[dict], opts: Optional[ChatOptions] = None,
-                add_generation_prompt: bool = False, tools: Optional[list] = None) -> str:
+def render_text(
+    tokenizer,
+    messages: list[dict],
+    opts: Optional[ChatOptions] = None,
+    add_generation_prompt: bool = False,
+    tools: Optional[list] = None,
+) -> str:
     """The chat template's text for ``messages`` (``apply_chat_template(tokenize=False)``).
 
     Args:
@@ -218,16 +238,27 @@ def render_text(tokenizer, messages: list[dict], opts: Optional[ChatOptions] = N
     if tools:
         kw["tools"] = tools
     try:
-        return tokenizer.apply_chat_template(_template_messages(messages), chat_template=tpl, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt, **kw)
+        return tokenizer.apply_chat_template(
+            _template_messages(messages),
+            chat_template=tpl,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **kw,
+        )
     except Exception as e:  # jinja2 TemplateError and friends: the template rejects this input
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"verifier.chat_template: rendering failed: {first}") from e
 
 
-def render(tokenizer, messages: list[dict], chat_template: Optional[str] = None,
-           add_generation_prompt: bool = False, *, opts: Optional[ChatOptions] = None,
-           tools: Optional[list] = None) -> list[int]:
+def render(
+    tokenizer,
+    messages: list[dict],
+    chat_template: Optional[str] = None,
+    add_generation_prompt: bool = False,
+    *,
+    opts: Optional[ChatOptions] = None,
+    tools: Optional[list] = None,
+) -> list[int]:
     """Render ``messages`` with the chat template and tokenize the text (no extra special tokens).
 
     Equivalent to ``apply_chat_template(..., tokenize=True)``, which also tokenizes the rendered text
@@ -241,7 +272,10 @@ def render(tokenizer, messages: list[dict], chat_template: Optional[str] = None,
     Raises:
         UserError: no chat template, or the template raised an error (message names the cause).
     """
-    return _tokenize(tokenizer, render_text(tokenizer, messages, _opts(opts, chat_template), add_generation_prompt, tools))
+    return _tokenize(
+        tokenizer,
+        render_text(tokenizer, messages, _opts(opts, chat_template), add_generation_prompt, tools),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -259,8 +293,12 @@ class TemplateInfo:
 _CHECKED: dict[tuple, TemplateInfo] = {}
 
 
-def check_template(tokenizer, opts: Optional[ChatOptions] = None, probe: Optional[list[dict]] = None,
-                   tools: Optional[list] = None) -> TemplateInfo:
+def check_template(
+    tokenizer,
+    opts: Optional[ChatOptions] = None,
+    probe: Optional[list[dict]] = None,
+    tools: Optional[list] = None,
+) -> TemplateInfo:
     """Loss-mask self-check of the template in use (cached per template, kwargs and tokenizer).
 
     Renders ``probe`` (default: one user message) with and without ``add_generation_prompt``.
@@ -278,8 +316,13 @@ def check_template(tokenizer, opts: Optional[ChatOptions] = None, probe: Optiona
         UserError: the probe cannot be rendered.
     """
     opts = _opts(opts)
-    key = (type(tokenizer).__name__, getattr(tokenizer, "name_or_path", ""), chat_template_hash(tokenizer, opts.chat_template),
-           json.dumps(dict(opts.template_kwargs), sort_keys=True, default=str), opts.reply_start)
+    key = (
+        type(tokenizer).__name__,
+        getattr(tokenizer, "name_or_path", ""),
+        chat_template_hash(tokenizer, opts.chat_template),
+        json.dumps(dict(opts.template_kwargs), sort_keys=True, default=str),
+        opts.reply_start,
+    )
     hit = _CHECKED.get(key)
     if hit is not None:
         return hit
@@ -292,20 +335,26 @@ def check_template(tokenizer, opts: Optional[ChatOptions] = None, probe: Optiona
                 f"verifier.chat_template: {template_name(tokenizer, opts)} ignores add_generation_prompt (rendering "
                 "with and without it gives the same text), so the assistant header would be trained on as part of "
                 "the reply; fix the template or set verifier.reply_start to the text that opens an assistant "
-                "reply (e.g. '<|im_start|>assistant\\n')")
+                "reply (e.g. '<|im_start|>assistant\\n')"
+            )
         info = TemplateInfo(opts.reply_start, True)
     elif not with_gp.startswith(without):
         raise TemplateUnusable(
             f"verifier.chat_template: {template_name(tokenizer, opts)}: add_generation_prompt=True does not append "
-            f"a generation prompt at the end (the rendering changes before it), so the reply start cannot be found")
+            f"a generation prompt at the end (the rendering changes before it), so the reply start cannot be found"
+        )
     else:
-        info = TemplateInfo(with_gp[len(without):], False)
+        info = TemplateInfo(with_gp[len(without) :], False)
     _CHECKED[key] = info
     return info
 
 
-def generation_prompt(tokenizer, messages: list[dict], opts: Optional[ChatOptions] = None,
-                      tools: Optional[list] = None) -> str:
+def generation_prompt(
+    tokenizer,
+    messages: list[dict],
+    opts: Optional[ChatOptions] = None,
+    tools: Optional[list] = None,
+) -> str:
     """The text a server renders before generating the next assistant reply to ``messages``.
 
     ``render(messages, add_generation_prompt=True)``; for a template that ignores the flag,
@@ -321,14 +370,19 @@ def generation_prompt(tokenizer, messages: list[dict], opts: Optional[ChatOption
     return render_text(tokenizer, messages, opts, True, tools)
 
 
-def prompt_ids(tokenizer, messages: list[dict], opts: Optional[ChatOptions] = None,
-               tools: Optional[list] = None) -> list[int]:
+def prompt_ids(
+    tokenizer,
+    messages: list[dict],
+    opts: Optional[ChatOptions] = None,
+    tools: Optional[list] = None,
+) -> list[int]:
     """Token ids of :func:`generation_prompt` (what regeneration and benchmarks feed the verifier)."""
     return _tokenize(tokenizer, generation_prompt(tokenizer, messages, opts, tools))
 
 
-def split_reasoning(text: str, think_tags: tuple[str, str] = DEFAULT_THINK_TAGS,
-                    opened: bool = False) -> tuple[Optional[str], str]:
+def split_reasoning(
+    text: str, think_tags: tuple[str, str] = DEFAULT_THINK_TAGS, opened: bool = False
+) -> tuple[Optional[str], str]:
     """Split a generated or stored reply into ``(reasoning or None, answer)`` at the think block.
 
     ``text`` holds the reasoning when it starts with the open tag (after whitespace), or when
@@ -342,7 +396,7 @@ def split_reasoning(text: str, think_tags: tuple[str, str] = DEFAULT_THINK_TAGS,
         s = text.lstrip()
         if not s.startswith(open_):
             return None, text
-        body = s[len(open_):]
+        body = s[len(open_) :]
     if close not in body:
         return body.strip(), ""
     r, a = body.split(close, 1)
@@ -364,13 +418,20 @@ class _Inconsistent(Exception):
     """A turn has no consistent rendering; ``args[0]`` = short reason key."""
 
 
-def _reply_text(tokenizer, messages: list[dict], k: int, head: str, info: TemplateInfo, opts: ChatOptions,
-                tools: Optional[list]) -> str:
+def _reply_text(
+    tokenizer,
+    messages: list[dict],
+    k: int,
+    head: str,
+    info: TemplateInfo,
+    opts: ChatOptions,
+    tools: Optional[list],
+) -> str:
     """Template text of assistant turn ``k``'s reply as generated (see module docstring)."""
     m = messages[k]
     upto = render_text(tokenizer, messages[: k + 1], opts, False, tools)
     if upto.startswith(head):
-        reply = upto[len(head):]
+        reply = upto[len(head) :]
     else:
         # The history renders differently once turn k is there (Kimi: a tool-call chain's reasoning is
         # dropped when it ends): turn k's own text follows its generation prompt, the last one.
@@ -378,17 +439,19 @@ def _reply_text(tokenizer, messages: list[dict], k: int, head: str, info: Templa
         pos = upto.rfind(gp) if gp.strip() else -1
         if pos < 0:
             raise _Inconsistent("generation_prompt_not_found")
-        reply = upto[pos + len(gp):]
+        reply = upto[pos + len(gp) :]
     content = m.get("content")
     if isinstance(content, str) and content.strip() and content.strip() not in reply:
         raise _Inconsistent("reply_not_rendered")
     reasoning = (m.get("reasoning_content") or "").strip()
     if reasoning and reasoning not in reply:
         open_, close = opts.think_tags
-        if head.rstrip().endswith(open_) and reply.lstrip().startswith(close):  # "<think>" ends the prompt (Kimi)
+        if head.rstrip().endswith(open_) and reply.lstrip().startswith(
+            close
+        ):  # "<think>" ends the prompt (Kimi)
             reply = reasoning + reply
         elif reply.startswith(open_ + close):  # an empty think block opens the reply
-            reply = open_ + reasoning + reply[len(open_):]
+            reply = open_ + reasoning + reply[len(open_) :]
         else:
             raise _Inconsistent("reasoning_not_rendered")
     if m.get("tool_calls"):
@@ -410,12 +473,14 @@ def _reasoning_chars(head: str, reply: str, opts: ChatOptions) -> int:
 def _find_sub(seq: list[int], sub: list[int]) -> int:
     n = len(sub)
     for i in range(len(seq) - n + 1):
-        if seq[i:i + n] == sub:
+        if seq[i : i + n] == sub:
             return i
     return -1
 
 
-def _reply_ids(tokenizer, turn: _Turn, opts: ChatOptions, stops: set[int]) -> tuple[list[int], list[int]]:
+def _reply_ids(
+    tokenizer, turn: _Turn, opts: ChatOptions, stops: set[int]
+) -> tuple[list[int], list[int]]:
     """``(ids, mask)`` of one reply segment (mask per the module's end-of-turn/reasoning policy; a message with
     ``truncated: true``, or with a ``stop_token`` other than the template's end-of-turn token, is masked up to its
     generated tokens: the template's end-of-turn and later text get 0)."""
@@ -441,8 +506,12 @@ def _reply_ids(tokenizer, turn: _Turn, opts: ChatOptions, stops: set[int]) -> tu
         first = _tokenize(tokenizer, reply[:n_r_chars])
         ids = first + _tokenize(tokenizer, reply[n_r_chars:])
         n_r = len(first)
-    first_eot = next((j for j in range(len(gen) if toks is not None else 0, len(ids)) if ids[j] in stops), None)
-    if m.get("truncated") is True or not stopped_on_template_eot(m, ids[first_eot] if first_eot is not None else None):
+    first_eot = next(
+        (j for j in range(len(gen) if toks is not None else 0, len(ids)) if ids[j] in stops), None
+    )
+    if m.get("truncated") is True or not stopped_on_template_eot(
+        m, ids[first_eot] if first_eot is not None else None
+    ):
         # cut at max_new_tokens, or stopped on another stop id: the verifier never emitted the template's end-of-turn
         end = len(gen) if toks is not None else (first_eot if first_eot is not None else len(ids))
     else:
@@ -493,7 +562,9 @@ class ConversationSamples:
     skip_reason: Optional[str] = None
 
 
-def _served_turns(tokenizer, messages: list[dict], opts: ChatOptions, tools: Optional[list]) -> list[_Turn]:
+def _served_turns(
+    tokenizer, messages: list[dict], opts: ChatOptions, tools: Optional[list]
+) -> list[_Turn]:
     turns: list[_Turn] = []
     info = None
     for k, m in enumerate(messages):
@@ -502,7 +573,14 @@ def _served_turns(tokenizer, messages: list[dict], opts: ChatOptions, tools: Opt
         if info is None:
             info = check_template(tokenizer, opts, messages[:k], tools)
         head = generation_prompt(tokenizer, messages[:k], opts, tools)
-        turns.append(_Turn(len(turns) + 1, head, _reply_text(tokenizer, messages, k, head, info, opts, tools), m))
+        turns.append(
+            _Turn(
+                len(turns) + 1,
+                head,
+                _reply_text(tokenizer, messages, k, head, info, opts, tools),
+                m,
+            )
+        )
     return turns
 
 
@@ -519,8 +597,9 @@ def _group(turns: list[_Turn]) -> list[list[_Turn]]:
     return groups
 
 
-def _group_ids(tokenizer, group: list[_Turn], opts: ChatOptions, stops: set[int], cap: int
-               ) -> tuple[list[int], list[int], int]:
+def _group_ids(
+    tokenizer, group: list[_Turn], opts: ChatOptions, stops: set[int], cap: int
+) -> tuple[list[int], list[int], int]:
     """Tokens and mask of one sample; stops adding turns once ``cap`` tokens are reached."""
     ids: list[int] = []
     mask: list[int] = []
@@ -529,7 +608,7 @@ def _group_ids(tokenizer, group: list[_Turn], opts: ChatOptions, stops: set[int]
     for t in group:
         if len(ids) >= cap:
             break
-        ctx = _tokenize(tokenizer, t.head[len(done):])
+        ctx = _tokenize(tokenizer, t.head[len(done) :])
         r_ids, r_mask = _reply_ids(tokenizer, t, opts, stops)
         ids += ctx + r_ids
         mask += [0] * len(ctx) + r_mask
@@ -538,8 +617,14 @@ def _group_ids(tokenizer, group: list[_Turn], opts: ChatOptions, stops: set[int]
     return ids, mask, turns
 
 
-def conversation_samples(tokenizer, messages: list[dict], max_length: int, opts: Optional[ChatOptions] = None,
-                         too_long: str = "truncate", tools: Optional[list] = None) -> ConversationSamples:
+def conversation_samples(
+    tokenizer,
+    messages: list[dict],
+    max_length: int,
+    opts: Optional[ChatOptions] = None,
+    too_long: str = "truncate",
+    tools: Optional[list] = None,
+) -> ConversationSamples:
     """Stage 02's per-conversation entry point: training samples (ids + loss mask) of one conversation.
 
     Pure function of its arguments (safe to call from worker processes). See the module docstring
@@ -607,9 +692,16 @@ def conversation_samples(tokenizer, messages: list[dict], max_length: int, opts:
     return ConversationSamples(samples, counts)
 
 
-def tokenize_conversation(tokenizer, messages: list[dict], max_length: int, chat_template: Optional[str] = None,
-                          too_long: str = "truncate", *, opts: Optional[ChatOptions] = None,
-                          tools: Optional[list] = None) -> Optional[tuple[list[int], list[int]]]:
+def tokenize_conversation(
+    tokenizer,
+    messages: list[dict],
+    max_length: int,
+    chat_template: Optional[str] = None,
+    too_long: str = "truncate",
+    *,
+    opts: Optional[ChatOptions] = None,
+    tools: Optional[list] = None,
+) -> Optional[tuple[list[int], list[int]]]:
     """Single-sample view of :func:`conversation_samples` (tests, tools): ``(input_ids, loss_mask)``.
 
     Returns:
@@ -621,14 +713,19 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_length: int, chat
             turns are added) or has no consistent rendering; stage 02 handles both.
         ValueError, UserError: see :func:`conversation_samples`.
     """
-    res = conversation_samples(tokenizer, messages, max_length, _opts(opts, chat_template), too_long, tools)
+    res = conversation_samples(
+        tokenizer, messages, max_length, _opts(opts, chat_template), too_long, tools
+    )
     if res.skip_reason is not None:
-        raise TemplateNotPrefixStable(f"verifier.chat_template: the template is not prefix-stable for this "
-                                      f"conversation and it has no consistent rendering ({res.skip_reason})")
+        raise TemplateNotPrefixStable(
+            f"verifier.chat_template: the template is not prefix-stable for this "
+            f"conversation and it has no consistent rendering ({res.skip_reason})"
+        )
     if res.counts["split_conversations"]:
         raise TemplateNotPrefixStable(
             "verifier.chat_template: the template is not prefix-stable for this conversation (its history changes "
-            f"as turns are added): it gives {res.counts['split_samples']} samples, one per served context")
+            f"as turns are added): it gives {res.counts['split_samples']} samples, one per served context"
+        )
     if not res.samples:
         return None
     return res.samples[0].input_ids, res.samples[0].loss_mask

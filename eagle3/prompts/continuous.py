@@ -79,9 +79,18 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from eagle3.errors import UserError
-from eagle3.prompts.flex_compat import block_mask_from_kv_blocks, kv_blocks_params, raise_recompile_limit
-from eagle3.prompts.packed_prefill import (PackedBuffers, compiled_packed_flex, eager_packed_flex,
-                                           packed_layout, packed_prefill_attention)
+from eagle3.prompts.flex_compat import (
+    block_mask_from_kv_blocks,
+    kv_blocks_params,
+    raise_recompile_limit,
+)
+from eagle3.prompts.packed_prefill import (
+    PackedBuffers,
+    compiled_packed_flex,
+    eager_packed_flex,
+    packed_layout,
+    packed_prefill_attention,
+)
 from eagle3.sdpa import no_cudnn_sdpa
 
 log = logging.getLogger(__name__)
@@ -132,10 +141,18 @@ class SlotCache:
     flex: Optional[object] = None
     attn_len: Optional[torch.Tensor] = None
     kv_indices: Optional[torch.Tensor] = None
-    kv_blocks: Optional[torch.Tensor] = None  # decode, flex: blocks per row, int32 [n, 1, 1] (once per step, not per layer)
-    prefill_cols: Optional[torch.Tensor] = None  # prefill at offsets: cache column of each query, int64 [P, Wp]
-    prefill_mask: Optional[torch.Tensor] = None  # prefill at offsets: attended columns, bool [P, 1, Wp, Kw]
-    packed: Optional[object] = None  # packed prefill: eagle3.prompts.packed_prefill.PackedRouting (None otherwise)
+    kv_blocks: Optional[torch.Tensor] = (
+        None  # decode, flex: blocks per row, int32 [n, 1, 1] (once per step, not per layer)
+    )
+    prefill_cols: Optional[torch.Tensor] = (
+        None  # prefill at offsets: cache column of each query, int64 [P, Wp]
+    )
+    prefill_mask: Optional[torch.Tensor] = (
+        None  # prefill at offsets: attended columns, bool [P, 1, Wp, Kw]
+    )
+    packed: Optional[object] = (
+        None  # packed prefill: eagle3.prompts.packed_prefill.PackedRouting (None otherwise)
+    )
 
 
 def kv_num_blocks(attn_len: torch.Tensor, block: int) -> torch.Tensor:
@@ -143,8 +160,14 @@ def kv_num_blocks(attn_len: torch.Tensor, block: int) -> torch.Tensor:
     return torch.div(attn_len + block, block, rounding_mode="floor").to(torch.int32).view(-1, 1, 1)
 
 
-def decode_block_mask(attn_len: torch.Tensor, kv_indices: torch.Tensor, block: int, kv_len: int,
-                      num_blocks: Optional[torch.Tensor] = None, q_len: int = 1):
+def decode_block_mask(
+    attn_len: torch.Tensor,
+    kv_indices: torch.Tensor,
+    block: int,
+    kv_len: int,
+    num_blocks: Optional[torch.Tensor] = None,
+    q_len: int = 1,
+):
     """FlexAttention ``BlockMask`` of a decode step: row b attends columns ``[0, attn_len[b]]``.
 
     Args:
@@ -169,9 +192,16 @@ def decode_block_mask(attn_len: torch.Tensor, kv_indices: torch.Tensor, block: i
     return block_mask_from_kv_blocks(nb, kv_indices, block, mask_mod, q_len, kv_len)
 
 
-def flex_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_len: torch.Tensor,
-                kv_indices: torch.Tensor, scale: Optional[float], block: int,
-                num_blocks: Optional[torch.Tensor] = None) -> torch.Tensor:
+def flex_decode(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_len: torch.Tensor,
+    kv_indices: torch.Tensor,
+    scale: Optional[float],
+    block: int,
+    num_blocks: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """Decode attention with per-row KV lengths through FlexAttention.
 
     Args:
@@ -237,8 +267,9 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def offset_prefill_layout(offsets: torch.Tensor, width: int, cols: int,
-                          kw: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def offset_prefill_layout(
+    offsets: torch.Tensor, width: int, cols: int, kw: Optional[int] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Where the queries of a prefill at column offsets go, and what they attend.
 
     Row r's ``width`` query positions (its suffix, right-padded) are tokens ``offsets[r] + j`` of its sequence;
@@ -268,9 +299,17 @@ def offset_prefill_layout(offsets: torch.Tensor, width: int, cols: int,
     return pos.clamp(max=cols - 1), mask[:, None]
 
 
-def offset_prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kc: torch.Tensor,
-                             vc: torch.Tensor, rows: torch.Tensor, cols_idx: torch.Tensor, mask: torch.Tensor,
-                             scaling: Optional[float]) -> torch.Tensor:
+def offset_prefill_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    rows: torch.Tensor,
+    cols_idx: torch.Tensor,
+    mask: torch.Tensor,
+    scaling: Optional[float],
+) -> torch.Tensor:
     """Prefill attention of suffixes that continue cached prefixes (one layer).
 
     Args:
@@ -284,12 +323,18 @@ def offset_prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torc
         ``[P, H, Wp, D]``: each suffix query over its row's cached columns and the suffix up to itself.
     """
     h, hkv = query.shape[1], key.shape[1]
-    kc[rows[:, None], :, cols_idx] = key.transpose(1, 2)  # [P, Wp, Hkv, D] at columns offsets[r] + j
+    kc[rows[:, None], :, cols_idx] = key.transpose(
+        1, 2
+    )  # [P, Wp, Hkv, D] at columns offsets[r] + j
     vc[rows[:, None], :, cols_idx] = value.transpose(1, 2)
     kw = mask.shape[-1]
-    k, v = kc[rows, :, :kw], vc[rows, :, :kw]  # [P, Hkv, Kw, D]: cached prefix + the suffix just written
+    k, v = (
+        kc[rows, :, :kw],
+        vc[rows, :, :kw],
+    )  # [P, Hkv, Kw, D]: cached prefix + the suffix just written
     return torch.nn.functional.scaled_dot_product_attention(
-        query, _repeat_kv(k, h // hkv), _repeat_kv(v, h // hkv), attn_mask=mask, scale=scaling)  # [P, H, Wp, D]
+        query, _repeat_kv(k, h // hkv), _repeat_kv(v, h // hkv), attn_mask=mask, scale=scaling
+    )  # [P, H, Wp, D]
 
 
 def _pow2_ceil(n: int) -> int:
@@ -297,8 +342,9 @@ def _pow2_ceil(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def prefill_bucket(rows: int, width: int, kv: int, max_rows: int, cols: int,
-                   min_width: int = 16) -> tuple[int, int, int]:
+def prefill_bucket(
+    rows: int, width: int, kv: int, max_rows: int, cols: int, min_width: int = 16
+) -> tuple[int, int, int]:
     """The static shape a bucketed prefill forward (``SlotEngine(prefill_graphs=True)``) runs at.
 
     Each dimension is rounded up to a power of two, then capped: a forward of ``rows`` prompts right-padded to
@@ -324,15 +370,28 @@ def prefill_bucket(rows: int, width: int, kv: int, max_rows: int, cols: int,
         ValueError: an argument out of range.
     """
     if not (1 <= rows <= max_rows and 1 <= width <= cols and 0 <= kv <= cols and min_width >= 1):
-        raise ValueError(f"prefill_bucket: 1 <= rows ({rows}) <= max_rows ({max_rows}), 1 <= width ({width}) <= cols "
-                         f"({cols}), 0 <= kv ({kv}) <= cols, min_width ({min_width}) >= 1")
-    return (min(max_rows, _pow2_ceil(rows)), min(cols, max(min_width, _pow2_ceil(width))),
-            min(cols, _pow2_ceil(kv)) if kv else 0)
+        raise ValueError(
+            f"prefill_bucket: 1 <= rows ({rows}) <= max_rows ({max_rows}), 1 <= width ({width}) <= cols "
+            f"({cols}), 0 <= kv ({kv}) <= cols, min_width ({min_width}) >= 1"
+        )
+    return (
+        min(max_rows, _pow2_ceil(rows)),
+        min(cols, max(min_width, _pow2_ceil(width))),
+        min(cols, _pow2_ceil(kv)) if kv else 0,
+    )
 
 
-def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
-                   dropout: float = 0.0, scaling: Optional[float] = None, slot_cache: Optional[SlotCache] = None,
-                   **kwargs):
+def slot_attention(
+    module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask,
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    slot_cache: Optional[SlotCache] = None,
+    **kwargs,
+):
     """Attention of :class:`SlotEngine`, registered as ``AttentionInterface[ATTN_NAME]`` (same signature as
     transformers' ``sdpa_attention_forward``).
 
@@ -349,33 +408,53 @@ def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
     """
     c = slot_cache
     if c is None:
-        raise RuntimeError(f"attention '{ATTN_NAME}' needs the slot_cache keyword (only SlotEngine calls it)")
+        raise RuntimeError(
+            f"attention '{ATTN_NAME}' needs the slot_cache keyword (only SlotEngine calls it)"
+        )
     kc, vc = c.k[module.layer_idx], c.v[module.layer_idx]
-    if c.packed is not None:  # packed prefill: rows back to back in one sequence (eagle3.prompts.packed_prefill)
-        return packed_prefill_attention(query, key, value, kc, vc, c.packed, scaling).transpose(1, 2), None
+    if (
+        c.packed is not None
+    ):  # packed prefill: rows back to back in one sequence (eagle3.prompts.packed_prefill)
+        return packed_prefill_attention(query, key, value, kc, vc, c.packed, scaling).transpose(
+            1, 2
+        ), None
     b, h, q_len, d = query.shape
     hkv = key.shape[1]
-    if c.rows is not None and c.prefill_mask is not None:  # prefill of suffixes after cached prefixes
-        out = offset_prefill_attention(query, key, value, kc, vc, c.rows, c.prefill_cols, c.prefill_mask, scaling)
+    if (
+        c.rows is not None and c.prefill_mask is not None
+    ):  # prefill of suffixes after cached prefixes
+        out = offset_prefill_attention(
+            query, key, value, kc, vc, c.rows, c.prefill_cols, c.prefill_mask, scaling
+        )
         return out.transpose(1, 2), None
     if c.rows is not None:  # prefill
         kc[c.rows, :, :q_len] = key
         vc[c.rows, :, :q_len] = value
         out = torch.nn.functional.scaled_dot_product_attention(
-            query, _repeat_kv(key, h // hkv), _repeat_kv(value, h // hkv), is_causal=True, scale=scaling)  # [P, H, Wp, D]
+            query,
+            _repeat_kv(key, h // hkv),
+            _repeat_kv(value, h // hkv),
+            is_causal=True,
+            scale=scaling,
+        )  # [P, H, Wp, D]
         return out.transpose(1, 2), None
     ar = torch.arange(b, device=query.device)
     kc[ar, :, c.lengths] = key[:, :, 0]  # [n, Hkv, D] at column lengths[s]
     vc[ar, :, c.lengths] = value[:, :, 0]
     if c.flex is not None:
-        out = c.flex(query, kc[:b], vc[:b], c.attn_len, c.kv_indices[:b], scaling, num_blocks=c.kv_blocks)  # [n, H, 1, D]
+        out = c.flex(
+            query, kc[:b], vc[:b], c.attn_len, c.kv_indices[:b], scaling, num_blocks=c.kv_blocks
+        )  # [n, H, 1, D]
         return out.transpose(1, 2), None
     q = query.reshape(b, hkv, h // hkv, d)  # [n, Hkv, G, D]: head h = kv * G + g
     outs = []
     for s0, s1, mask in c.groups:  # each slot group reads its cap's columns
         w = mask.shape[-1]
-        outs.append(torch.nn.functional.scaled_dot_product_attention(
-            q[s0:s1], kc[s0:s1, :, :w], vc[s0:s1, :, :w], attn_mask=mask, scale=scaling))  # [S_g, Hkv, G, D]
+        outs.append(
+            torch.nn.functional.scaled_dot_product_attention(
+                q[s0:s1], kc[s0:s1, :, :w], vc[s0:s1, :, :w], attn_mask=mask, scale=scaling
+            )
+        )  # [S_g, Hkv, G, D]
     out = outs[0] if len(outs) == 1 else torch.cat(outs)  # [n, Hkv, G, D]
     return out.reshape(b, 1, h, vc.shape[-1]), None  # value width: D except MLA (kv_head_dims)
 
@@ -445,8 +524,12 @@ class _Waiting:
     priority: tuple
     key: object = field(compare=False)
     ids: list = field(compare=False)
-    parent: object = field(compare=False, default=None)  # key of the retained request this prompt continues
-    retain: bool = field(compare=False, default=False)  # keep the slot's K/V for a successor when it finishes
+    parent: object = field(
+        compare=False, default=None
+    )  # key of the retained request this prompt continues
+    retain: bool = field(
+        compare=False, default=False
+    )  # keep the slot's K/V for a successor when it finishes
 
 
 @dataclass
@@ -454,6 +537,7 @@ class _Held:
     """A finished request's slot kept for its successor: ``ids`` are the tokens whose K/V fill columns
     ``[0, len(ids))`` (prompt + answer less its last token, whose K/V were never written); ``delivered``: its answer
     has been yielded, so the caller has had its chance to submit the successor."""
+
     key: object
     ids: list
     delivered: bool = False
@@ -490,6 +574,7 @@ class _PrefillBuffers:
     """Static tensors of one prefill bucket ``key = (Pb, Wb, Kwb)`` (:func:`prefill_bucket`; ``Kwb`` 0: the causal
     path): what its forward reads (filled by ``copy_`` before each forward) and writes, and its CUDA graph (None:
     not captured, run eagerly)."""
+
     key: tuple
     ids: torch.Tensor  # int64 [Pb, Wb] token ids, right-padded with 0
     meta: torch.Tensor  # int64 [4, Pb]: slot (padded rows: the scratch row S), offset, last prompt index, prompt length
@@ -535,8 +620,14 @@ def estimate_decode_steps(answers: int, max_new_tokens: int, slots: int) -> int:
     return -(-answers * max_new_tokens // slots)
 
 
-def compile_decision(setting, device_type: str, attention: str, answers: Optional[int], max_new_tokens: int,
-                     slots: int) -> dict:
+def compile_decision(
+    setting,
+    device_type: str,
+    attention: str,
+    answers: Optional[int],
+    max_new_tokens: int,
+    slots: int,
+) -> dict:
     """Whether the slot engine compiles its decode step (``prompts.regen_compile``), and why: recorded as
     ``SlotEngine.stats["compile_decision"]`` (``prompts_report.json``: ``regeneration.engine_stats``).
 
@@ -565,25 +656,51 @@ def compile_decision(setting, device_type: str, attention: str, answers: Optiona
         ValueError: ``setting`` is not ``True``, ``False`` or ``"auto"``.
     """
     if setting is True or setting is False:
-        return {"setting": setting, "compile": setting, "reason": f"prompts.regen_compile: {str(setting).lower()}"}
+        return {
+            "setting": setting,
+            "compile": setting,
+            "reason": f"prompts.regen_compile: {str(setting).lower()}",
+        }
     if setting != "auto":
         raise ValueError(f"compile_step: one of true, false, 'auto', not {setting!r}")
-    out = {"setting": "auto", "compile": False, "device": device_type, "attention": attention, "answers": answers,
-           "max_new_tokens": max_new_tokens, "slots": slots}
+    out = {
+        "setting": "auto",
+        "compile": False,
+        "device": device_type,
+        "attention": attention,
+        "answers": answers,
+        "max_new_tokens": max_new_tokens,
+        "slots": slots,
+    }
     if device_type != "cuda":
-        return {**out, "reason": f"auto: the verifier is on {device_type}, not CUDA (never compiled there)"}
+        return {
+            **out,
+            "reason": f"auto: the verifier is on {device_type}, not CUDA (never compiled there)",
+        }
     if attention != "flex":
-        return {**out, "reason": f"auto: {attention} decode attention (the step saving was measured with flex only)"}
+        return {
+            **out,
+            "reason": f"auto: {attention} decode attention (the step saving was measured with flex only)",
+        }
     if answers is None:
         return {**out, "reason": "auto: the number of answers is not known"}
     steps = estimate_decode_steps(answers, max_new_tokens, slots)
     saving_ms = EAGER_STEP_MS - COMPILED_STEP_MS
     saving_s = steps * saving_ms / 1000.0
     on = saving_s > COMPILE_COLD_S
-    reason = (f"auto: ~{steps} decode steps x {saving_ms:.2f} ms saved = {saving_s:.1f} s "
-              f"{'>' if on else '<='} {COMPILE_COLD_S} s cold compile")
-    return {**out, "compile": on, "reason": reason, "estimated_steps": steps, "saving_ms_per_step": round(saving_ms, 3),
-            "estimated_saving_s": round(saving_s, 2), "compile_cost_s": COMPILE_COLD_S}
+    reason = (
+        f"auto: ~{steps} decode steps x {saving_ms:.2f} ms saved = {saving_s:.1f} s "
+        f"{'>' if on else '<='} {COMPILE_COLD_S} s cold compile"
+    )
+    return {
+        **out,
+        "compile": on,
+        "reason": reason,
+        "estimated_steps": steps,
+        "saving_ms_per_step": round(saving_ms, 3),
+        "estimated_saving_s": round(saving_s, 2),
+        "compile_cost_s": COMPILE_COLD_S,
+    }
 
 
 class Engine:
@@ -596,7 +713,9 @@ class Engine:
     engine may ignore them (:class:`HFContinuousEngine` does), and answers are the same either way.
     """
 
-    def submit(self, key, ids: Sequence[int], priority: tuple = (), parent=None, retain: bool = False) -> None:
+    def submit(
+        self, key, ids: Sequence[int], priority: tuple = (), parent=None, retain: bool = False
+    ) -> None:
         raise NotImplementedError
 
     def results(self) -> Iterator[tuple[object, list[int], Optional[int]]]:
@@ -618,15 +737,27 @@ def kv_head_dims(cfg) -> tuple[int, int]:
     function. Standard attention: ``head_dim`` (else ``hidden_size // heads``) for both. MLA (DeepSeek-V3, Kimi-K2.5:
     ``kv_lora_rank`` set) expands its latent into keys of ``qk_nope_head_dim + qk_rope_head_dim`` and values of
     ``v_head_dim`` (Kimi: 192 and 128), while its config's ``head_dim`` is the rope part alone (64)."""
-    if getattr(cfg, "kv_lora_rank", None) is not None and getattr(cfg, "qk_rope_head_dim", None) is not None:
+    if (
+        getattr(cfg, "kv_lora_rank", None) is not None
+        and getattr(cfg, "qk_rope_head_dim", None) is not None
+    ):
         dk = int(cfg.qk_nope_head_dim) + int(cfg.qk_rope_head_dim)
         return dk, int(getattr(cfg, "v_head_dim", None) or dk)
     d = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
     return d, d
 
 
-def check_kv_fits(rows: int, cols: int, n_layers: int, kv_heads: int, head_dim: int, elem_bytes: int,
-                  free_bytes: int, where: str = "the GPU has free", v_head_dim: Optional[int] = None) -> int:
+def check_kv_fits(
+    rows: int,
+    cols: int,
+    n_layers: int,
+    kv_heads: int,
+    head_dim: int,
+    elem_bytes: int,
+    free_bytes: int,
+    where: str = "the GPU has free",
+    v_head_dim: Optional[int] = None,
+) -> int:
     """Bytes of a slot KV cache (K and V, ``n_layers`` x ``[rows, kv_heads, cols, head_dim]`` each (V ``v_head_dim``
     wide when given: MLA), ``elem_bytes`` a value); raises :class:`KVCacheTooLarge` when they exceed :data:`KV_FREE_SHARE` of ``free_bytes`` (the GPU's free
     memory, ``torch.cuda.mem_get_info``, or on the CPU the host's available memory: ``where`` says which), naming the
@@ -645,7 +776,8 @@ def check_kv_fits(rows: int, cols: int, n_layers: int, kv_heads: int, head_dim: 
             f"prompts.gen_batch_size: the regeneration KV cache of {rows} rows x {cols} columns ({n_layers} layers, "
             f"{kv_heads} KV heads of {head_dim if dv == head_dim else f'{head_dim}/{dv}'}) needs {need / gib:.1f} GiB, more than {KV_FREE_SHARE:.0%} of the "
             f"{free_bytes / gib:.1f} GiB {where}; lower prompts.gen_batch_size (rows) or "
-            f"prompts.max_context_tokens / prompts.max_new_tokens (columns)")
+            f"prompts.max_context_tokens / prompts.max_new_tokens (columns)"
+        )
     return need
 
 
@@ -746,14 +878,33 @@ class SlotEngine(Engine):
     between two syncs: on CUDA its attention's compile; keys as ``prefill_buckets``).
     """
 
-    def __init__(self, model, slots: int, max_len: int, max_new_tokens: int, stop_ids: set[int],
-                 check_every: int = 16, prefill_tokens: int = 65536, width_classes: Optional[Sequence[int]] = None,
-                 cuda_graphs: bool = True, attention: str = "auto", flex_block: int = 128, min_prefix: int = 8,
-                 compile_step=False, compile_min_prefix: Optional[int] = None,
-                 planned_answers: Optional[int] = None, prefix_reuse: bool = True, reuse_min_tokens: int = 16,
-                 refill_free: float = 1 / 32, prefill_graphs: bool = False, prefill_pack: bool = False):
+    def __init__(
+        self,
+        model,
+        slots: int,
+        max_len: int,
+        max_new_tokens: int,
+        stop_ids: set[int],
+        check_every: int = 16,
+        prefill_tokens: int = 65536,
+        width_classes: Optional[Sequence[int]] = None,
+        cuda_graphs: bool = True,
+        attention: str = "auto",
+        flex_block: int = 128,
+        min_prefix: int = 8,
+        compile_step=False,
+        compile_min_prefix: Optional[int] = None,
+        planned_answers: Optional[int] = None,
+        prefix_reuse: bool = True,
+        reuse_min_tokens: int = 16,
+        refill_free: float = 1 / 32,
+        prefill_graphs: bool = False,
+        prefill_pack: bool = False,
+    ):
         if slots < 1 or max_new_tokens < 1 or check_every < 1 or max_len <= max_new_tokens:
-            raise ValueError("SlotEngine: slots, max_new_tokens, check_every >= 1 and max_len > max_new_tokens")
+            raise ValueError(
+                "SlotEngine: slots, max_new_tokens, check_every >= 1 and max_len > max_new_tokens"
+            )
         self.model, self.S, self.max_len, self.max_new = model, slots, max_len, max_new_tokens
         if attention not in ATTENTIONS:
             raise ValueError(f"SlotEngine: attention one of {ATTENTIONS}, not {attention!r}")
@@ -769,21 +920,34 @@ class SlotEngine(Engine):
         self.use_graphs = cuda_graphs and self.dev.type == "cuda"
         self._init_prefill_layout(prefill_graphs, prefill_pack, flex_block)
         cfg = model.config.get_text_config()
-        n_layers, hkv = cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        n_layers, hkv = (
+            cfg.num_hidden_layers,
+            getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+        )
         h = cfg.num_attention_heads
         d, dv = kv_head_dims(cfg)  # MLA: keys and values of different widths
-        self.block, self.attention_mode, self._tried = flex_block, attention, set()  # _tried: prefixes stepped once
-        self.flex = self._pick_attention(attention, slots, h, hkv, d, dtype, -(-max_len // flex_block) * flex_block, dv)
+        self.block, self.attention_mode, self._tried = (
+            flex_block,
+            attention,
+            set(),
+        )  # _tried: prefixes stepped once
+        self.flex = self._pick_attention(
+            attention, slots, h, hkv, d, dtype, -(-max_len // flex_block) * flex_block, dv
+        )
         self._flex_alone = self.flex  # the flex call to go back to if the compiled step is dropped
         self._compile_min = slots if compile_min_prefix is None else max(1, int(compile_min_prefix))
         self._setup_compile(compile_step, planned_answers)
-        self._flex_inline = self.flex  # the flex call the compiled step traces (== _flex_alone uncompiled)
+        self._flex_inline = (
+            self.flex
+        )  # the flex call the compiled step traces (== _flex_alone uncompiled)
         if self.flex is not None:
             width_classes = []
         elif width_classes is None:
             width_classes = [max_new_tokens + extra for extra in (128, 512, 1024)]
         self.caps = sorted({c for c in width_classes if max_new_tokens < c < max_len} | {max_len})
-        self.groups: Optional[list[tuple[int, int, int]]] = None  # (first slot, end slot, cap), set at the first admission
+        self.groups: Optional[list[tuple[int, int, int]]] = (
+            None  # (first slot, end slot, cap), set at the first admission
+        )
         cols = -(-max_len // flex_block) * flex_block if self.flex is not None else max_len
         # prefill_graphs: one scratch row after the slots, where a bucketed prefill's padded rows write (decode runs over
         # slot prefixes [:n], n <= slots, so it never reads it)
@@ -791,60 +955,126 @@ class SlotEngine(Engine):
         on_gpu = self.dev.type == "cuda"
         free = torch.cuda.mem_get_info(self.dev)[0] if on_gpu else host_available_bytes()
         if free is not None:
-            check_kv_fits(rows, cols, n_layers, hkv, d, torch.empty((), dtype=dtype).element_size(), free,
-                          "the GPU has free" if on_gpu else "this machine has available (MemAvailable)", v_head_dim=dv)
-        self.cache = SlotCache(k=[torch.zeros(rows, hkv, cols, d, dtype=dtype, device=self.dev) for _ in range(n_layers)],
-                               v=[torch.zeros(rows, hkv, cols, dv, dtype=dtype, device=self.dev) for _ in range(n_layers)])
+            check_kv_fits(
+                rows,
+                cols,
+                n_layers,
+                hkv,
+                d,
+                torch.empty((), dtype=dtype).element_size(),
+                free,
+                "the GPU has free" if on_gpu else "this machine has available (MemAvailable)",
+                v_head_dim=dv,
+            )
+        self.cache = SlotCache(
+            k=[
+                torch.zeros(rows, hkv, cols, d, dtype=dtype, device=self.dev)
+                for _ in range(n_layers)
+            ],
+            v=[
+                torch.zeros(rows, hkv, cols, dv, dtype=dtype, device=self.dev)
+                for _ in range(n_layers)
+            ],
+        )
         if self.flex is not None:
             self.cache.flex = self.flex
             nb = cols // flex_block
-            self.cache.kv_indices = torch.arange(nb, dtype=torch.int32, device=self.dev).expand(
-                slots, 1, 1, nb).contiguous()  # [S, 1, 1, L / block]
+            self.cache.kv_indices = (
+                torch.arange(nb, dtype=torch.int32, device=self.dev)
+                .expand(slots, 1, 1, nb)
+                .contiguous()
+            )  # [S, 1, 1, L / block]
         self.prefixes = prefix_sizes(slots, min_prefix)
-        self.kv_cols = torch.zeros((), dtype=torch.long, device=self.dev)  # flex: KV columns read by the steps so far
+        self.kv_cols = torch.zeros(
+            (), dtype=torch.long, device=self.dev
+        )  # flex: KV columns read by the steps so far
         self.kv_bytes_per_token = n_layers * hkv * (d + dv) * p.element_size()
         self._init_slots(slots, max_len, max_new_tokens, stop_ids)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # per slot prefix
         self._pool = None  # one memory pool shared by the prefix graphs (replayed one at a time)
-        self._prefill_bufs: dict[tuple, _PrefillBuffers] = {}  # prefill_graphs: per bucket (Pb, Wb, Kwb)
-        self._packed_bufs: dict[tuple, PackedBuffers] = {}  # prefill_pack: per stream shape (Tq, Tp)
-        self._prefill_pool = None  # one memory pool shared by the prefill graphs (replayed one at a time)
+        self._prefill_bufs: dict[
+            tuple, _PrefillBuffers
+        ] = {}  # prefill_graphs: per bucket (Pb, Wb, Kwb)
+        self._packed_bufs: dict[
+            tuple, PackedBuffers
+        ] = {}  # prefill_pack: per stream shape (Tq, Tp)
+        self._prefill_pool = (
+            None  # one memory pool shared by the prefill graphs (replayed one at a time)
+        )
         # kv_tokens_needed: sum over decode steps of the live rows' attended columns (the roofline's KV reads);
         # kv_bytes_read: what the attention reads (flex: the blocks; sdpa_groups: every prefix slot up to its cap)
-        self.stats = {"decode_steps": 0, "prefill_calls": 0, "prefill_tokens": 0, "prefill_padded_tokens": 0,
-                      "kv_bytes_read": 0, "kv_tokens_needed": 0, "graph_captures": 0, "kv_bytes_per_token": self.kv_bytes_per_token, "prefix_steps": {},
-                      "attention": "flex" if self.flex is not None else "sdpa_groups", "prefill_s": 0.0, "decode_s": 0.0,
-                      "compiled_step": self._compiled is not None, "compile_min_prefix": self._compile_min,
-                      "first_step_s": {}, "compile_decision": self.compile_decision,
-                      "prefix_reuse": self.prefix_reuse, "reused_tokens": 0, "reuse_rows": 0, "reuse_full_prefills": 0,
-                      "prefill_graphs": self.prefill_graphs, "prefill_graph_captures": 0, "prefill_capture_s": 0.0,
-                      "prefill_buckets": {}, "prefill_pack": self.prefill_pack,
-                      "prefill_first_s": {}}
-        self._timed: list[tuple[str, object, object]] = []  # (stat, start, end): CUDA events read at the next sync
+        self.stats = {
+            "decode_steps": 0,
+            "prefill_calls": 0,
+            "prefill_tokens": 0,
+            "prefill_padded_tokens": 0,
+            "kv_bytes_read": 0,
+            "kv_tokens_needed": 0,
+            "graph_captures": 0,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "prefix_steps": {},
+            "attention": "flex" if self.flex is not None else "sdpa_groups",
+            "prefill_s": 0.0,
+            "decode_s": 0.0,
+            "compiled_step": self._compiled is not None,
+            "compile_min_prefix": self._compile_min,
+            "first_step_s": {},
+            "compile_decision": self.compile_decision,
+            "prefix_reuse": self.prefix_reuse,
+            "reused_tokens": 0,
+            "reuse_rows": 0,
+            "reuse_full_prefills": 0,
+            "prefill_graphs": self.prefill_graphs,
+            "prefill_graph_captures": 0,
+            "prefill_capture_s": 0.0,
+            "prefill_buckets": {},
+            "prefill_pack": self.prefill_pack,
+            "prefill_first_s": {},
+        }
+        self._timed: list[
+            tuple[str, object, object]
+        ] = []  # (stat, start, end): CUDA events read at the next sync
         self._swap = AttentionSwap(model).__enter__()
 
-    def _init_prefill_layout(self, prefill_graphs: bool, prefill_pack: bool, flex_block: int) -> None:
+    def _init_prefill_layout(
+        self, prefill_graphs: bool, prefill_pack: bool, flex_block: int
+    ) -> None:
         """The prefill layout switches (padded, bucketed ``prefill_graphs`` or packed ``prefill_pack``; ValueError for
         both, or packing with a block size that is not a power of two), whether prefill forwards are captured, and
         the packed path's attention function."""
         self.prefill_graphs, self.prefill_pack = bool(prefill_graphs), bool(prefill_pack)
         if self.prefill_graphs and self.prefill_pack:
-            raise ValueError("SlotEngine: prefill_graphs and prefill_pack are exclusive (choose one prefill layout)")
+            raise ValueError(
+                "SlotEngine: prefill_graphs and prefill_pack are exclusive (choose one prefill layout)"
+            )
         if self.prefill_pack and (flex_block < 1 or flex_block & (flex_block - 1)):
-            raise ValueError(f"SlotEngine: prefill_pack needs flex_block a power of two, not {flex_block}")
+            raise ValueError(
+                f"SlotEngine: prefill_pack needs flex_block a power of two, not {flex_block}"
+            )
         # bucketed / packed prefill forwards captured as CUDA graphs (else, and after a failed capture, run eagerly)
         self._prefill_capture = (self.prefill_graphs or self.prefill_pack) and self.use_graphs
         # packed prefill attention: compiled FlexAttention on CUDA (eager flex would build dense scores), eager on CPU
         cuda = self.dev.type == "cuda"
         # on CUDA: automatic dynamic shapes first (two compiles), static shapes (one compile per shape) if that fails
-        self._packed_flexes = ([compiled_packed_flex(None), compiled_packed_flex(False)] if cuda else [eager_packed_flex]
-                               ) if self.prefill_pack else []
+        self._packed_flexes = (
+            (
+                [compiled_packed_flex(None), compiled_packed_flex(False)]
+                if cuda
+                else [eager_packed_flex]
+            )
+            if self.prefill_pack
+            else []
+        )
         self._packed_flex = self._packed_flexes.pop(0) if self._packed_flexes else None
         self._pack_fallback = cuda  # a failed packed forward: warn and prefill padded (CPU: raise)
         # eager flex (off CUDA) materialises [H, Tq, Tq + Tp] scores per layer: its streams are kept short there
-        self._pack_budget = self.prefill_tokens if cuda else min(self.prefill_tokens, PACK_EAGER_TOKENS)
+        self._pack_budget = (
+            self.prefill_tokens if cuda else min(self.prefill_tokens, PACK_EAGER_TOKENS)
+        )
 
-    def _init_slots(self, slots: int, max_len: int, max_new_tokens: int, stop_ids: set[int]) -> None:
+    def _init_slots(
+        self, slots: int, max_len: int, max_new_tokens: int, stop_ids: set[int]
+    ) -> None:
         """The per-slot decode state on the device (``[S]`` tensors, the ``[S, T]`` answer buffer) and its host
         mirror (request key, prompt, retention per slot), all slots empty; the waiting queue."""
         z = dict(device=self.dev, dtype=torch.long)
@@ -860,8 +1090,12 @@ class SlotEngine(Engine):
         self.key: list = [None] * slots  # host: request key per slot (None = free)
         self.host_len = [0] * slots  # host: prompt length of the slot's request
         self.host_ids: list = [None] * slots  # host: prompt ids of the slot's request
-        self.retain = [False] * slots  # host: keep the slot's K/V for a successor when its request finishes
-        self.hold: list[Optional[_Held]] = [None] * slots  # host: a finished request's K/V kept for its successor
+        self.retain = [
+            False
+        ] * slots  # host: keep the slot's K/V for a successor when its request finishes
+        self.hold: list[Optional[_Held]] = [
+            None
+        ] * slots  # host: a finished request's K/V kept for its successor
         self.retained: dict = {}  # key of a finished request -> its held slot
         self.successors: dict = {}  # parent key -> the waiting request that continues it
         self.waiting: list[_Waiting] = []
@@ -871,14 +1105,25 @@ class SlotEngine(Engine):
         """Decide (:func:`compile_decision`, once the attention path is known) and, if so, wrap the decode step in
         ``torch.compile`` (compiled lazily at its first call); the decision goes to ``self.compile_decision``."""
         self._compiled = None
-        self.compile_decision = compile_decision(compile_step, self.dev.type,
-                                                 "flex" if self.flex is not None else "sdpa_groups",
-                                                 planned_answers, self.max_new, self.S)
+        self.compile_decision = compile_decision(
+            compile_step,
+            self.dev.type,
+            "flex" if self.flex is not None else "sdpa_groups",
+            planned_answers,
+            self.max_new,
+            self.S,
+        )
         if compile_step == "auto":
             from eagle3.process_group import rank_tag
 
-            log.info("%sprompts.regen_compile: %s (%s)", rank_tag(suffix=": "), "compiling the decode step"
-                     if self.compile_decision["compile"] else "decode step not compiled", self.compile_decision["reason"])
+            log.info(
+                "%sprompts.regen_compile: %s (%s)",
+                rank_tag(suffix=": "),
+                "compiling the decode step"
+                if self.compile_decision["compile"]
+                else "decode step not compiled",
+                self.compile_decision["reason"],
+            )
         if self.compile_decision["compile"]:
             import functools
 
@@ -889,7 +1134,9 @@ class SlotEngine(Engine):
             self._compiled = torch.compile(self._step_eager, dynamic=False)
 
     # ------------------------------------------------------------------ contract
-    def submit(self, key, ids: Sequence[int], priority: tuple = (), parent=None, retain: bool = False) -> None:
+    def submit(
+        self, key, ids: Sequence[int], priority: tuple = (), parent=None, retain: bool = False
+    ) -> None:
         """Queue prompt ``ids`` (non-empty, ``len < max_len - max_new_tokens + 1``) under ``key`` (not None).
 
         Cross-turn prefix reuse (``prefix_reuse``; ignored without it): ``retain=True`` keeps the request's slot and
@@ -901,12 +1148,19 @@ class SlotEngine(Engine):
         not retained (not asked, released, or ``prefix_reuse`` off) queues the prompt as any other (full prefill).
         """
         if not 0 < len(ids) <= self.max_len - self.max_new:
-            raise ValueError(f"SlotEngine: prompt of {len(ids)} tokens (cache holds prompts of 1..{self.max_len - self.max_new})")
+            raise ValueError(
+                f"SlotEngine: prompt of {len(ids)} tokens (cache holds prompts of 1..{self.max_len - self.max_new})"
+            )
         if key is None:
             raise ValueError("SlotEngine: a request key cannot be None (None marks a free slot)")
         w = _Waiting((*priority, self._seq), key, list(ids), retain=self.prefix_reuse and retain)
         self._seq += 1
-        if self.prefix_reuse and parent is not None and parent in self.retained and parent not in self.successors:
+        if (
+            self.prefix_reuse
+            and parent is not None
+            and parent in self.retained
+            and parent not in self.successors
+        ):
             w.parent = parent
             self.successors[parent] = w  # admitted into the parent's slot (not through the heap)
         else:
@@ -928,7 +1182,13 @@ class SlotEngine(Engine):
                 if live:
                     self._decode_window()  # asynchronous on CUDA (graph replays)
                 yield from ready
-                for key, _, _ in ready:  # their successors had their chance: unclaimed slots are freed at the next check
+                for (
+                    key,
+                    _,
+                    _,
+                ) in (
+                    ready
+                ):  # their successors had their chance: unclaimed slots are freed at the next check
                     if key in self.retained:
                         self.hold[self.retained[key]].delivered = True
                 if not live and not self.waiting and not self.successors:
@@ -974,7 +1234,11 @@ class SlotEngine(Engine):
     def _release_delivered(self) -> None:
         """Free the retained slots whose answer was yielded and whose successor did not come (stage 01: the next turn
         is over the context cap, or the conversation is done)."""
-        for key in [k for k, s in self.retained.items() if self.hold[s].delivered and k not in self.successors]:
+        for key in [
+            k
+            for k, s in self.retained.items()
+            if self.hold[s].delivered and k not in self.successors
+        ]:
             self.hold[self.retained.pop(key)] = None
 
     def _claim(self, w: _Waiting) -> Optional[tuple[_Waiting, int, int]]:
@@ -1001,18 +1265,27 @@ class SlotEngine(Engine):
         if self.groups is None:
             self._partition()
         self._release_delivered()
-        free = [[s for s in range(a, b) if self._free_slot(s)] for a, b, _ in self.groups]  # per group
+        free = [
+            [s for s in range(a, b) if self._free_slot(s)] for a, b, _ in self.groups
+        ]  # per group
         n_free = sum(map(len, free)) + len(self.successors)  # a successor's slot is ready for it
         # refill in bulk: a prefill forward costs a launch-bound pass however few rows it has
-        if not n_free or not (self.waiting or self.successors) or defer_refill(
-                n_free, self.S, len(self.waiting) + len(self.successors), self.refill_free):
+        if (
+            not n_free
+            or not (self.waiting or self.successors)
+            or defer_refill(
+                n_free, self.S, len(self.waiting) + len(self.successors), self.refill_free
+            )
+        ):
             return
         claimed = [self._claim(w) for w in self.successors.values()]
         self.successors.clear()
         placed = [c for c in claimed if c is not None]  # (request, slot, cached columns kept)
         taken = {s for _, s, _ in placed}
-        free = [[s for s in range(a, b) if self._free_slot(s) and s not in taken]
-                for a, b, _ in self.groups]  # with the slots of successors _claim queued
+        free = [
+            [s for s in range(a, b) if self._free_slot(s) and s not in taken]
+            for a, b, _ in self.groups
+        ]  # with the slots of successors _claim queued
         n_heap = sum(map(len, free))
         from_heap, deferred = 0, []
         for _ in range(min(len(self.waiting), 4 * n_heap)):
@@ -1020,24 +1293,36 @@ class SlotEngine(Engine):
                 break
             w = heapq.heappop(self.waiting)
             need = self.caps[self._class_of(len(w.ids))]
-            g = next((g for g, (_, _, cap) in enumerate(self.groups) if cap >= need and free[g]), None)
+            g = next(
+                (g for g, (_, _, cap) in enumerate(self.groups) if cap >= need and free[g]), None
+            )
             if g is None:
                 deferred.append(w)  # only narrower slots are free: it waits for one of its class
             else:
-                placed.append((w, free[g].pop(0), 0))  # lowest free slot first: the live rows stay in a short prefix
+                placed.append(
+                    (w, free[g].pop(0), 0)
+                )  # lowest free slot first: the live rows stay in a short prefix
                 from_heap += 1
         for w in deferred:
             heapq.heappush(self.waiting, w)
-        placed.sort(key=lambda x: len(x[0].ids) - x[2])  # by suffix length: the width a forward pads to
+        placed.sort(
+            key=lambda x: len(x[0].ids) - x[2]
+        )  # by suffix length: the width a forward pads to
         suffix = [len(w.ids) - o for w, _, o in placed]  # tokens each row feeds
         i = 0
         while i < len(placed):
             j, width, total = i, 0, 0
-            while j < len(placed) and self._fits(j - i + 1, max(width, suffix[j]), suffix[j], total + suffix[j]):
+            while j < len(placed) and self._fits(
+                j - i + 1, max(width, suffix[j]), suffix[j], total + suffix[j]
+            ):
                 width, total = max(width, suffix[j]), total + suffix[j]
                 j += 1
-            self._prefill([w for w, _, _ in placed[i:j]], [s for _, s, _ in placed[i:j]], width,
-                          [o for _, _, o in placed[i:j]])
+            self._prefill(
+                [w for w, _, _ in placed[i:j]],
+                [s for _, s, _ in placed[i:j]],
+                width,
+                [o for _, _, o in placed[i:j]],
+            )
             i = j
 
     def _fits(self, rows: int, width: int, last: int, total: int) -> bool:
@@ -1052,8 +1337,13 @@ class SlotEngine(Engine):
         pb, wb, _ = prefill_bucket(rows, width, 0, self.S, cols)
         return pb * wb <= max(self.prefill_tokens, prefill_bucket(1, last, 0, self.S, cols)[1])
 
-    def _prefill(self, reqs: list[_Waiting], slots: list[int], width: int,
-                 offsets: Optional[list[int]] = None) -> None:
+    def _prefill(
+        self,
+        reqs: list[_Waiting],
+        slots: list[int],
+        width: int,
+        offsets: Optional[list[int]] = None,
+    ) -> None:
         """One right-padded prefill forward; each row's first answer token goes to its slot.
 
         ``offsets[r]``: columns of slot ``slots[r]`` that already hold the K/V of ``reqs[r].ids[:offsets[r]]`` (a
@@ -1067,27 +1357,37 @@ class SlotEngine(Engine):
             return
         if self.prefill_graphs:
             t0 = self._mark()
-            rows, lens, tok = self._prefill_bucketed(reqs, slots, width, offsets)  # [P] each, on device
+            rows, lens, tok = self._prefill_bucketed(
+                reqs, slots, width, offsets
+            )  # [P] each, on device
             self._prefill_state(rows, lens, tok)
             self._timed.append(("prefill_s", t0, self._mark()))
             self._prefill_host(reqs, slots, offsets)
             return
         ids = torch.zeros(p, width, dtype=torch.long)  # [P, Wp]
         for r, (w, o) in enumerate(zip(reqs, offsets)):
-            ids[r, :len(w.ids) - o] = torch.tensor(w.ids[o:], dtype=torch.long)
-        lens = torch.tensor([len(w.ids) for w in reqs], device=self.dev)  # [P] prompt lengths (cached + fed)
+            ids[r, : len(w.ids) - o] = torch.tensor(w.ids[o:], dtype=torch.long)
+        lens = torch.tensor(
+            [len(w.ids) for w in reqs], device=self.dev
+        )  # [P] prompt lengths (cached + fed)
         off = torch.tensor(offsets, device=self.dev)  # [P]
         rows = torch.tensor(slots, device=self.dev)  # [P]
         self.cache.rows = rows
         if any(offsets):
             self.cache.prefill_cols, self.cache.prefill_mask = offset_prefill_layout(
-                off, width, self.cache.k[0].shape[2])  # [P, Wp], [P, 1, Wp, Kw]
+                off, width, self.cache.k[0].shape[2]
+            )  # [P, Wp], [P, 1, Wp, Kw]
         t0 = self._mark()
-        pos = off[:, None] + torch.arange(width, device=self.dev)  # [P, Wp] RoPE positions after the cached prefix
-        hid = self.model.base_model(input_ids=ids.to(self.dev), position_ids=pos, slot_cache=self.cache,
-                                    use_cache=False).last_hidden_state  # [P, Wp, hidden]
+        pos = off[:, None] + torch.arange(
+            width, device=self.dev
+        )  # [P, Wp] RoPE positions after the cached prefix
+        hid = self.model.base_model(
+            input_ids=ids.to(self.dev), position_ids=pos, slot_cache=self.cache, use_cache=False
+        ).last_hidden_state  # [P, Wp, hidden]
         self.cache.rows = self.cache.prefill_cols = self.cache.prefill_mask = None
-        last = hid[torch.arange(p, device=self.dev), lens - off - 1]  # [P, hidden] the last prompt token of each row
+        last = hid[
+            torch.arange(p, device=self.dev), lens - off - 1
+        ]  # [P, hidden] the last prompt token of each row
         tok = self.model.get_output_embeddings()(last).argmax(-1)  # [P]
         self._prefill_state(rows, lens, tok)
         self._timed.append(("prefill_s", t0, self._mark()))
@@ -1107,15 +1407,21 @@ class SlotEngine(Engine):
     def _prefill_host(self, reqs: list[_Waiting], slots: list[int], offsets: list[int]) -> None:
         """Host bookkeeping of a prefill forward: the slots' requests and the prefill counters."""
         for s, w in zip(slots, reqs):
-            self.key[s], self.host_len[s], self.host_ids[s], self.retain[s] = w.key, len(w.ids), w.ids, w.retain
+            self.key[s], self.host_len[s], self.host_ids[s], self.retain[s] = (
+                w.key,
+                len(w.ids),
+                w.ids,
+                w.retain,
+            )
         self.stats["prefill_calls"] += 1
         self.stats["prefill_tokens"] += sum(len(w.ids) - o for w, o in zip(reqs, offsets))
         self.stats["reused_tokens"] += sum(offsets)
         self.stats["reuse_rows"] += sum(o > 0 for o in offsets)
 
     # ------------------------------------------------------------------ bucketed prefill (prefill_graphs)
-    def _prefill_bucketed(self, reqs: list[_Waiting], slots: list[int], width: int,
-                          offsets: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _prefill_bucketed(
+        self, reqs: list[_Waiting], slots: list[int], width: int, offsets: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One prefill forward at its bucketed shape (:func:`prefill_bucket`): replayed from a CUDA graph captured at
         the bucket's first use (``prefill_graphs`` on CUDA with graphs), else run eagerly over the same buffers.
 
@@ -1138,11 +1444,17 @@ class SlotEngine(Engine):
         pb, wb, _ = key
         ids = torch.zeros(pb, wb, dtype=torch.long)  # [Pb, Wb] host
         for r, (w, o) in enumerate(zip(reqs, offsets)):
-            ids[r, :len(w.ids) - o] = torch.tensor(w.ids[o:], dtype=torch.long)
+            ids[r, : len(w.ids) - o] = torch.tensor(w.ids[o:], dtype=torch.long)
         pad = [0] * (pb - p)
-        meta = torch.tensor([list(slots) + [self.S] * (pb - p),  # padded rows: the scratch cache row
-                             list(offsets) + pad, [len(w.ids) - o - 1 for w, o in zip(reqs, offsets)] + pad,
-                             [len(w.ids) for w in reqs] + pad], dtype=torch.long)  # [4, Pb] host
+        meta = torch.tensor(
+            [
+                list(slots) + [self.S] * (pb - p),  # padded rows: the scratch cache row
+                list(offsets) + pad,
+                [len(w.ids) - o - 1 for w, o in zip(reqs, offsets)] + pad,
+                [len(w.ids) for w in reqs] + pad,
+            ],
+            dtype=torch.long,
+        )  # [4, Pb] host
         buf = self._prefill_bufs.get(key)
         if buf is None:
             buf = self._prefill_bufs[key] = _PrefillBuffers.make(key, self.dev)
@@ -1170,14 +1482,21 @@ class SlotEngine(Engine):
         rows, off, last = buf.meta[0], buf.meta[1], buf.meta[2]  # [Pb] each
         c.rows = rows
         if kw:
-            c.prefill_cols, c.prefill_mask = offset_prefill_layout(off, wb, c.k[0].shape[2], kw=kw)  # [Pb, Wb], [Pb, 1, Wb, Kwb]
+            c.prefill_cols, c.prefill_mask = offset_prefill_layout(
+                off, wb, c.k[0].shape[2], kw=kw
+            )  # [Pb, Wb], [Pb, 1, Wb, Kwb]
         try:
-            pos = off[:, None] + torch.arange(wb, device=self.dev)  # [Pb, Wb] RoPE positions after the cached prefix
-            hid = self.model.base_model(input_ids=buf.ids, position_ids=pos, slot_cache=c,
-                                        use_cache=False).last_hidden_state  # [Pb, Wb, hidden]
+            pos = off[:, None] + torch.arange(
+                wb, device=self.dev
+            )  # [Pb, Wb] RoPE positions after the cached prefix
+            hid = self.model.base_model(
+                input_ids=buf.ids, position_ids=pos, slot_cache=c, use_cache=False
+            ).last_hidden_state  # [Pb, Wb, hidden]
         finally:
             c.rows = c.prefill_cols = c.prefill_mask = None
-        h = hid[torch.arange(pb, device=self.dev), last]  # [Pb, hidden] the last prompt token of each row
+        h = hid[
+            torch.arange(pb, device=self.dev), last
+        ]  # [Pb, hidden] the last prompt token of each row
         buf.tok.copy_(self.model.get_output_embeddings()(h).argmax(-1))  # [Pb]
 
     def _prefill_graph(self, buf, fn=None) -> None:
@@ -1192,8 +1511,12 @@ class SlotEngine(Engine):
                 self._prefill_pool = torch.cuda.graph_pool_handle()
             g = capture_graph(fn or (lambda: self._prefill_forward(buf)), self._prefill_pool)
         except Exception as e:  # noqa: BLE001 - any capture failure: prefill eagerly (same results)
-            log.warning("prefill CUDA graph capture failed at bucket %s (%s: %s); prefill forwards run eagerly",
-                        buf.key, type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+            log.warning(
+                "prefill CUDA graph capture failed at bucket %s (%s: %s); prefill forwards run eagerly",
+                buf.key,
+                type(e).__name__,
+                str(e).splitlines()[0][:200] if str(e) else "",
+            )
             self._prefill_capture = False
             for b in [*self._prefill_bufs.values(), *self._packed_bufs.values()]:
                 b.graph = None
@@ -1216,8 +1539,14 @@ class SlotEngine(Engine):
             True when done; False when the packed forward failed on CUDA (the compiled attention or a replay): one
             warning, the engine leaves the packed path for good and the caller prefills these rows padded.
         """
-        lay = packed_layout([w.ids[o:] for w, o in zip(reqs, offsets)], offsets, slots, self.S,
-                            self.cache.k[0].shape[2], self.block)
+        lay = packed_layout(
+            [w.ids[o:] for w, o in zip(reqs, offsets)],
+            offsets,
+            slots,
+            self.S,
+            self.cache.k[0].shape[2],
+            self.block,
+        )
         key = (lay.q.shape[1], lay.prefix.shape[1])  # (Tq, Tp)
         buf = self._packed_bufs.get(key)
         if buf is None:
@@ -1226,7 +1555,9 @@ class SlotEngine(Engine):
         buf.fill(lay)
         buf.uses += 1
         try:
-            if buf.uses == 1:  # a new shape: its first forward (compile on CUDA) timed between two syncs
+            if (
+                buf.uses == 1
+            ):  # a new shape: its first forward (compile on CUDA) timed between two syncs
                 self._first_packed(buf)
             elif self._prefill_capture and buf.graph is None:
                 self._prefill_graph(buf, lambda: self._packed_forward(buf))
@@ -1237,20 +1568,33 @@ class SlotEngine(Engine):
         except Exception as e:  # noqa: BLE001 - on CUDA: leave the packed path (padded prefill gives the same tokens)
             if not self._pack_fallback:
                 raise
-            if self._packed_flexes:  # the next compile setting (static shapes); the forward rewrites the same K/V
-                log.warning("packed prefill attention failed at stream shape %s (%s: %s); retrying with static-shape "
-                            "compiles", key, type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+            if (
+                self._packed_flexes
+            ):  # the next compile setting (static shapes); the forward rewrites the same K/V
+                log.warning(
+                    "packed prefill attention failed at stream shape %s (%s: %s); retrying with static-shape "
+                    "compiles",
+                    key,
+                    type(e).__name__,
+                    str(e).splitlines()[0][:200] if str(e) else "",
+                )
                 self._packed_flex = self._packed_flexes.pop(0)
                 for b in self._packed_bufs.values():
                     b.graph, b.uses = None, 0
                 return self._prefill_packed(reqs, slots, offsets)
-            log.warning("packed prefill failed at stream shape %s (%s: %s); prefill forwards go on padded", key,
-                        type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+            log.warning(
+                "packed prefill failed at stream shape %s (%s: %s); prefill forwards go on padded",
+                key,
+                type(e).__name__,
+                str(e).splitlines()[0][:200] if str(e) else "",
+            )
             self.prefill_pack = self.stats["prefill_pack"] = False
             self._packed_bufs.clear()
             return False
         p = len(reqs)
-        self._prefill_state(buf.t.rows[0, :p], buf.t.rows[2, :p], buf.tok[:p])  # [P] slots, prompt lengths, tokens
+        self._prefill_state(
+            buf.t.rows[0, :p], buf.t.rows[2, :p], buf.tok[:p]
+        )  # [P] slots, prompt lengths, tokens
         self._timed.append(("prefill_s", t0, self._mark()))
         self._prefill_host(reqs, slots, offsets)
         nb, name = self.stats["prefill_buckets"], f"q{key[0]}" + (f"+p{key[1]}" if key[1] else "")
@@ -1263,7 +1607,8 @@ class SlotEngine(Engine):
         added to ``stats["prefill_first_s"]`` (keys ``"q<Tq>"`` / ``"q<Tq>+p<Tp>"``)."""
         tq, tp = buf.key
         self.stats["prefill_first_s"][f"q{tq}" + (f"+p{tp}" if tp else "")] = synced_seconds(
-            self.dev, lambda: self._packed_forward(buf))
+            self.dev, lambda: self._packed_forward(buf)
+        )
 
     def _packed_forward(self, buf: PackedBuffers) -> None:
         """The forward of a packed prefill over ``buf``'s static tensors (device ops only, static shapes: what a
@@ -1272,15 +1617,25 @@ class SlotEngine(Engine):
         c = self.cache
         c.packed = buf.routing(self._packed_flex, self.block)
         try:
-            hid = self.model.base_model(input_ids=buf.t.ids, position_ids=buf.t.q[1:2], slot_cache=c,
-                                        use_cache=False).last_hidden_state  # [1, Tq, hidden]
+            hid = self.model.base_model(
+                input_ids=buf.t.ids, position_ids=buf.t.q[1:2], slot_cache=c, use_cache=False
+            ).last_hidden_state  # [1, Tq, hidden]
         finally:
             c.packed = None
         h = hid[0, buf.t.rows[1]]  # [S, hidden] the last fed token of each row
         buf.tok.copy_(self.model.get_output_embeddings()(h).argmax(-1))  # [S]
 
-    def _pick_attention(self, attention: str, slots: int, h: int, hkv: int, d: int, dtype, cols: int,
-                        dv: Optional[int] = None):
+    def _pick_attention(
+        self,
+        attention: str,
+        slots: int,
+        h: int,
+        hkv: int,
+        d: int,
+        dtype,
+        cols: int,
+        dv: Optional[int] = None,
+    ):
         """The flex decode function, or None for sdpa_groups. On CUDA the compiled kernel is probed (compiled,
         run and, with ``cuda_graphs``, captured in a throwaway graph at the full slot count): ``flex`` raises on a
         failure, ``auto`` logs one line and takes sdpa_groups. On CPU ``flex`` is eager FlexAttention (it
@@ -1303,15 +1658,21 @@ class SlotEngine(Engine):
             self._probe_flex(call, slots, h, hkv, d, dtype, cols, dv)
         except Exception as e:  # noqa: BLE001 - any compile/capture failure: the SDPA path gives the same tokens
             if attention == "flex":
-                raise RuntimeError(f"SlotEngine: FlexAttention decode failed on {self.dev} "
-                                   f"({type(e).__name__}: {str(e)[:300]})") from e
-            log.warning("FlexAttention decode unavailable (%s: %s); regen attention falls back to sdpa_groups",
-                        type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+                raise RuntimeError(
+                    f"SlotEngine: FlexAttention decode failed on {self.dev} "
+                    f"({type(e).__name__}: {str(e)[:300]})"
+                ) from e
+            log.warning(
+                "FlexAttention decode unavailable (%s: %s); regen attention falls back to sdpa_groups",
+                type(e).__name__,
+                str(e).splitlines()[0][:200] if str(e) else "",
+            )
             return None
         return call
 
-    def _probe_flex(self, call, slots: int, h: int, hkv: int, d: int, dtype, cols: int,
-                    dv: Optional[int] = None) -> None:
+    def _probe_flex(
+        self, call, slots: int, h: int, hkv: int, d: int, dtype, cols: int, dv: Optional[int] = None
+    ) -> None:
         """Compile and run the flex decode at ``[slots, h, 1, d]`` (values ``dv`` wide, default ``d``: MLA's differ,
         :func:`kv_head_dims`) against a ``cols``-column cache (and capture it
         in a CUDA graph when graphs are on); raises on any failure or a wrong result."""
@@ -1319,14 +1680,24 @@ class SlotEngine(Engine):
         # K/V and block indices made as the cache is (the constructor's grad mode), the rest as a step makes them
         # (inference mode), so the compiled graph's guards match the engine's calls
         g = torch.Generator(device=self.dev).manual_seed(0)
-        k = torch.randn(slots, hkv, cols, d, generator=g, device=self.dev, dtype=dtype)  # [S, Hkv, L, D]
+        k = torch.randn(
+            slots, hkv, cols, d, generator=g, device=self.dev, dtype=dtype
+        )  # [S, Hkv, L, D]
         v = torch.randn(slots, hkv, cols, dv, generator=g, device=self.dev, dtype=dtype)
-        idx = torch.arange(nb, dtype=torch.int32, device=self.dev).expand(slots, 1, 1, nb).contiguous()
+        idx = (
+            torch.arange(nb, dtype=torch.int32, device=self.dev)
+            .expand(slots, 1, 1, nb)
+            .contiguous()
+        )
         with torch.inference_mode():
-            q = torch.randn(slots, h, 1, d, generator=g, device=self.dev, dtype=dtype)  # [S, H, 1, D]
+            q = torch.randn(
+                slots, h, 1, d, generator=g, device=self.dev, dtype=dtype
+            )  # [S, H, 1, D]
             attn_len = torch.arange(slots, device=self.dev) % cols  # [S]
             nbk = kv_num_blocks(attn_len, self.block)  # [S, 1, 1], as _step passes it
-            scale = d ** -0.5  # as the Llama-family modules pass it (the same compiled graph serves the engine)
+            scale = (
+                d**-0.5
+            )  # as the Llama-family modules pass it (the same compiled graph serves the engine)
             out = call(q, k, v, attn_len, idx, scale, num_blocks=nbk)  # [S, H, 1, D]
             if self.use_graphs:
                 s = torch.cuda.Stream()
@@ -1338,14 +1709,23 @@ class SlotEngine(Engine):
                 with torch.cuda.graph(graph):
                     out = call(q, k, v, attn_len, idx, scale, num_blocks=nbk)
                 graph.replay()
-            for r in sorted({0, min(3, slots - 1), slots - 1}):  # rows of 1, 4 and the most columns against SDPA
+            for r in sorted(
+                {0, min(3, slots - 1), slots - 1}
+            ):  # rows of 1, 4 and the most columns against SDPA
                 n = int(attn_len[r]) + 1
                 ref = torch.nn.functional.scaled_dot_product_attention(
-                    q[r:r + 1].float(), _repeat_kv(k[r:r + 1, :, :n].float(), h // hkv),
-                    _repeat_kv(v[r:r + 1, :, :n].float(), h // hkv), scale=scale)  # [1, H, 1, D]
-                err = float((out[r:r + 1].float() - ref).abs().max() / ref.abs().max().clamp(min=1e-3))
+                    q[r : r + 1].float(),
+                    _repeat_kv(k[r : r + 1, :, :n].float(), h // hkv),
+                    _repeat_kv(v[r : r + 1, :, :n].float(), h // hkv),
+                    scale=scale,
+                )  # [1, H, 1, D]
+                err = float(
+                    (out[r : r + 1].float() - ref).abs().max() / ref.abs().max().clamp(min=1e-3)
+                )
                 if not err < (1e-4 if dtype == torch.float32 else 3e-2):
-                    raise RuntimeError(f"flex decode differs from SDPA by {err:.3g} (relative) at row {r}")
+                    raise RuntimeError(
+                        f"flex decode differs from SDPA by {err:.3g} (relative) at row {r}"
+                    )
 
     def _decode_window(self) -> None:
         """``check_every`` decode steps over the smallest slot prefix holding every live slot (graph replays on CUDA)."""
@@ -1363,8 +1743,11 @@ class SlotEngine(Engine):
         ps = self.stats["prefix_steps"]
         ps[str(n)] = ps.get(str(n), 0) + self.check_every
         if self.flex is None:
-            self.stats["kv_bytes_read"] += self.check_every * sum((min(b, n) - a) * cap for a, b, cap in self.groups
-                                                                  if a < n) * self.kv_bytes_per_token
+            self.stats["kv_bytes_read"] += (
+                self.check_every
+                * sum((min(b, n) - a) * cap for a, b, cap in self.groups if a < n)
+                * self.kv_bytes_per_token
+            )
 
     def _compiled_at(self, n: int) -> bool:
         """Whether a step over prefix ``n`` runs the compiled step (``compile_step`` held and ``n >= compile_min_prefix``)."""
@@ -1375,7 +1758,9 @@ class SlotEngine(Engine):
         (the cache's flex call is set to match: traced inline when compiled, compiled alone when eager)."""
         n = self.S if n is None else n
         if self._compiled_at(n):
-            self.cache.flex = self._flex_inline if self.flex is not None else None  # None: flex dropped (sdpa_groups)
+            self.cache.flex = (
+                self._flex_inline if self.flex is not None else None
+            )  # None: flex dropped (sdpa_groups)
             self._compiled(n)
         else:
             if self.flex is not None:
@@ -1386,17 +1771,34 @@ class SlotEngine(Engine):
         """One decode step of the slots ``[:n]`` (device-only: no host sync; finished and empty slots of the prefix
         compute, unchanged)."""
         c = self.cache
-        lengths, done, n_gen = self.lengths[:n], self.done[:n], self.n_gen[:n]  # [n] views: in-place ops write the state
+        lengths, done, n_gen = (
+            self.lengths[:n],
+            self.done[:n],
+            self.n_gen[:n],
+        )  # [n] views: in-place ops write the state
         c.lengths = lengths
         if self.flex is not None:
-            c.attn_len = torch.where(done, torch.zeros_like(lengths), lengths)  # [n] finished/empty: column 0 only
+            c.attn_len = torch.where(
+                done, torch.zeros_like(lengths), lengths
+            )  # [n] finished/empty: column 0 only
             c.kv_blocks = kv_num_blocks(c.attn_len, self.block)  # [n, 1, 1]
             self.kv_cols += c.kv_blocks.sum() * self.block
         else:
-            c.groups = [(a, min(b, n), (self.col[:cap] <= lengths[a:min(b, n), None]).view(min(b, n) - a, 1, 1, cap))
-                        for a, b, cap in self.groups if a < n]  # [S_g, 1, 1, cap] per group in the prefix
-        logits = self.model(input_ids=self.last[:n, None], position_ids=lengths[:, None], slot_cache=c,
-                            use_cache=False).logits  # [n, 1, V]
+            c.groups = [
+                (
+                    a,
+                    min(b, n),
+                    (self.col[:cap] <= lengths[a : min(b, n), None]).view(min(b, n) - a, 1, 1, cap),
+                )
+                for a, b, cap in self.groups
+                if a < n
+            ]  # [S_g, 1, 1, cap] per group in the prefix
+        logits = self.model(
+            input_ids=self.last[:n, None],
+            position_ids=lengths[:, None],
+            slot_cache=c,
+            use_cache=False,
+        ).logits  # [n, 1, V]
         tok = logits[:, -1].argmax(-1)  # [n]
         active = ~done  # [n]
         ar, out = self.ar[:n], self.out[:n]
@@ -1414,14 +1816,20 @@ class SlotEngine(Engine):
         raises for ``attention="flex"``; for ``auto`` the engine logs it, switches to sdpa_groups and redoes the step.
         Its host seconds (compile + capture; one sync before and after) go to ``stats["first_step_s"][str(n)]``."""
         fs = self.stats["first_step_s"]  # a prefix retried after a dropped path adds up
-        fs[str(n)] = fs.get(str(n), 0.0) + synced_seconds(self.dev, lambda: self._first_step_tries(n))
+        fs[str(n)] = fs.get(str(n), 0.0) + synced_seconds(
+            self.dev, lambda: self._first_step_tries(n)
+        )
         self._tried.add(n)
 
     def _first_step_tries(self, n: int) -> None:
         """:meth:`_first_step`'s step: retried uncompiled after a failed compile, then on sdpa_groups after a failed
         flex (``auto``), the decode state restored before each retry; any other failure raises."""
         while True:
-            state = [t.clone() for t in self._state()] if self.flex is not None or self._compiled_at(n) else None
+            state = (
+                [t.clone() for t in self._state()]
+                if self.flex is not None or self._compiled_at(n)
+                else None
+            )
             try:
                 self._graph_step(n) if self.use_graphs else self._step(n)
                 return
@@ -1431,14 +1839,20 @@ class SlotEngine(Engine):
                 for t, v in zip(self._state(), state):
                     t.copy_(v)
                 if self._compiled_at(n):
-                    self._drop_compile(n, e)  # then the step is retried uncompiled (a flex failure next drops flex)
+                    self._drop_compile(
+                        n, e
+                    )  # then the step is retried uncompiled (a flex failure next drops flex)
                 else:
                     self._drop_flex(n, e)
 
     def _drop_compile(self, n: int, e: Exception) -> None:
         """Leave the compiled step after a failure at prefix ``n``: one warning, then eager steps (and graphs)."""
-        log.warning("compiled decode step failed at slot prefix %d (%s: %s); regeneration goes on uncompiled", n,
-                    type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+        log.warning(
+            "compiled decode step failed at slot prefix %d (%s: %s); regeneration goes on uncompiled",
+            n,
+            type(e).__name__,
+            str(e).splitlines()[0][:200] if str(e) else "",
+        )
         self._compiled = None
         self.flex = self.cache.flex = self._flex_alone
         self.graphs.clear()
@@ -1449,9 +1863,17 @@ class SlotEngine(Engine):
         """Leave the flex path after a failure at prefix ``n`` (``auto``), or raise (``flex``)."""
         msg = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         if self.attention_mode == "flex":
-            raise RuntimeError(f"SlotEngine: FlexAttention decode failed at slot prefix {n} ({msg})") from e
-        log.warning("FlexAttention decode failed at slot prefix %d (%s); regen attention falls back to sdpa_groups", n, msg)
-        self.stats["kv_bytes_read"] = int(self.kv_cols) * self.kv_bytes_per_token  # flex's reads so far (one sync)
+            raise RuntimeError(
+                f"SlotEngine: FlexAttention decode failed at slot prefix {n} ({msg})"
+            ) from e
+        log.warning(
+            "FlexAttention decode failed at slot prefix %d (%s); regen attention falls back to sdpa_groups",
+            n,
+            msg,
+        )
+        self.stats["kv_bytes_read"] = (
+            int(self.kv_cols) * self.kv_bytes_per_token
+        )  # flex's reads so far (one sync)
         self.flex = self.cache.flex = None
         self.graphs.clear()  # recaptured on the SDPA path (self.groups: one group over the whole cache)
         self.stats["attention"] = "sdpa_groups"
@@ -1474,14 +1896,19 @@ class SlotEngine(Engine):
                 self._pool = torch.cuda.graph_pool_handle()
             # the warm-up (allocator, lazy init, flex compile) advances the state: restored before the capture; the
             # K/V it writes are rewritten identically
-            g = capture_graph(lambda: self._step(n), self._pool,
-                              after_warmup=lambda: [t.copy_(v) for t, v in zip(self._state(), state)])
+            g = capture_graph(
+                lambda: self._step(n),
+                self._pool,
+                after_warmup=lambda: [t.copy_(v) for t, v in zip(self._state(), state)],
+            )
         except Exception as e:  # noqa: BLE001 - any capture failure: decode eagerly (same results)
             for t, v in zip(self._state(), state):
                 t.copy_(v)
             if self.flex is not None or self._compiled_at(n):
                 raise  # _first_step leaves the compiled step, then the flex path (auto), first
-            log.warning("CUDA graph capture failed (%s: %s); decoding without graphs", type(e).__name__, e)
+            log.warning(
+                "CUDA graph capture failed (%s: %s); decoding without graphs", type(e).__name__, e
+            )
             self.use_graphs = False
             return None
         self.graphs[n] = g
@@ -1505,8 +1932,12 @@ class SlotEngine(Engine):
 
     def _harvest(self) -> list[tuple[object, list[int], Optional[int]]]:
         """One host sync: finished slots' answers come back and the slots are freed."""
-        flags = torch.cat([torch.stack([self.done.long(), self.stopped.long(), self.n_gen]).flatten(),
-                           self.kv_cols.view(1)]).cpu()  # [3 S + 1]
+        flags = torch.cat(
+            [
+                torch.stack([self.done.long(), self.stopped.long(), self.n_gen]).flatten(),
+                self.kv_cols.view(1),
+            ]
+        ).cpu()  # [3 S + 1]
         self._read_timers()
         done, stopped, n_gen = flags[:-1].view(3, self.S).tolist()
         if self.flex is not None:
@@ -1517,14 +1948,22 @@ class SlotEngine(Engine):
         rows = self.out[torch.tensor(fin, device=self.dev)].cpu().tolist()  # [F, T]
         out = []
         for s, row in zip(fin, rows):
-            steps = n_gen[s] - 1  # decode steps after the prefill's token; step j attends prompt + j columns
+            steps = (
+                n_gen[s] - 1
+            )  # decode steps after the prefill's token; step j attends prompt + j columns
             self.stats["kv_tokens_needed"] += steps * self.host_len[s] + steps * (steps + 1) // 2
-            stop = row[n_gen[s] - 1] if stopped[s] else None  # the stop token is the last generated one
-            out.append((self.key[s], row[:n_gen[s] - int(bool(stopped[s]))], stop))
-            if self.retain[s]:  # K/V of the prompt and of every answer token but the last (fed back, never computed)
-                if self.key[s] in self.retained:  # the key's earlier retained slot was never claimed: free it
+            stop = (
+                row[n_gen[s] - 1] if stopped[s] else None
+            )  # the stop token is the last generated one
+            out.append((self.key[s], row[: n_gen[s] - int(bool(stopped[s]))], stop))
+            if self.retain[
+                s
+            ]:  # K/V of the prompt and of every answer token but the last (fed back, never computed)
+                if (
+                    self.key[s] in self.retained
+                ):  # the key's earlier retained slot was never claimed: free it
                     self.hold[self.retained[self.key[s]]] = None
-                self.hold[s] = _Held(self.key[s], self.host_ids[s] + row[:n_gen[s] - 1])
+                self.hold[s] = _Held(self.key[s], self.host_ids[s] + row[: n_gen[s] - 1])
                 self.retained[self.key[s]] = s
             self.key[s], self.host_ids[s], self.retain[s] = None, None, False
         return out
@@ -1548,39 +1987,67 @@ class HFContinuousEngine(Engine):
         max_memory_percent: share of free accelerator memory for the paged cache (None = transformers' 0.9).
     """
 
-    def __init__(self, model, slots: int, max_new_tokens: int, stop_ids: set[int], max_len: Optional[int] = None,
-                 use_cuda_graph: Optional[bool] = None, max_memory_percent: Optional[float] = None):
+    def __init__(
+        self,
+        model,
+        slots: int,
+        max_new_tokens: int,
+        stop_ids: set[int],
+        max_len: Optional[int] = None,
+        use_cuda_graph: Optional[bool] = None,
+        max_memory_percent: Optional[float] = None,
+    ):
         from transformers import ContinuousBatchingConfig, GenerationConfig
 
         self.stop_ids, self.max_new = set(stop_ids), max_new_tokens
         pad = model.config.get_text_config().pad_token_id
-        gcfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
-                                eos_token_id=sorted(stop_ids), pad_token_id=pad if pad is not None else sorted(stop_ids)[0])
+        gcfg = GenerationConfig(
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            num_beams=1,
+            eos_token_id=sorted(stop_ids),
+            pad_token_id=pad if pad is not None else sorted(stop_ids)[0],
+        )
         # a cache of slots x max_len tokens in transformers' default 256-token blocks (as the slot engine's), else
         # its own sizing (``max_memory_percent`` of free memory)
         blocks = -(-slots * max_len // 256) if max_len and max_memory_percent is None else None
-        cb = ContinuousBatchingConfig(max_requests_per_batch=slots, use_cuda_graph=use_cuda_graph,
-                                      max_memory_percent=max_memory_percent, num_blocks=blocks)
-        self.mgr = model.init_continuous_batching(generation_config=gcfg, continuous_batching_config=cb)
+        cb = ContinuousBatchingConfig(
+            max_requests_per_batch=slots,
+            use_cuda_graph=use_cuda_graph,
+            max_memory_percent=max_memory_percent,
+            num_blocks=blocks,
+        )
+        self.mgr = model.init_continuous_batching(
+            generation_config=gcfg, continuous_batching_config=cb
+        )
         self.mgr.start()
         self.keys: dict[str, object] = {}
         self._n = 0
         self.stats = {"decode_steps": 0, "prefill_calls": 0}
 
-    def submit(self, key, ids: Sequence[int], priority: tuple = (), parent=None, retain: bool = False) -> None:
+    def submit(
+        self, key, ids: Sequence[int], priority: tuple = (), parent=None, retain: bool = False
+    ) -> None:
         """Queue ``ids`` under ``key``; ``priority``, ``parent`` and ``retain`` are ignored (transformers' manager is
         FIFO and prefills every request in full: no cross-turn prefix reuse here)."""
         rid = f"r{self._n}"
         self._n += 1
         self.keys[rid] = key
-        self.mgr.add_request(list(ids), request_id=rid, max_new_tokens=self.max_new, eos_token_id=sorted(self.stop_ids))
+        self.mgr.add_request(
+            list(ids),
+            request_id=rid,
+            max_new_tokens=self.max_new,
+            eos_token_id=sorted(self.stop_ids),
+        )
 
     def results(self) -> Iterator[tuple[object, list[int], Optional[int]]]:
         while self.keys:
             r = self.mgr.get_result(timeout=1.0)
             if r is None:
                 if not self.mgr.is_running():
-                    raise RuntimeError("transformers' continuous batching manager stopped with requests in flight")
+                    raise RuntimeError(
+                        "transformers' continuous batching manager stopped with requests in flight"
+                    )
                 continue
             if not r.is_finished() or r.request_id not in self.keys:
                 continue

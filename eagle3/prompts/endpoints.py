@@ -74,8 +74,12 @@ class Endpoint:
     taken_out: int = 0  # how many times it left the rotation
 
     def summary(self) -> dict:
-        return {"url": self.url, "requests": self.requests, "failed_attempts": self.failures,
-                "taken_out_of_rotation": self.taken_out}
+        return {
+            "url": self.url,
+            "requests": self.requests,
+            "failed_attempts": self.failures,
+            "taken_out_of_rotation": self.taken_out,
+        }
 
 
 @dataclass
@@ -109,13 +113,24 @@ class EndpointPool:
         UserError: no URL, a duplicate URL, or a URL that is not ``http(s)://host[:port]``.
     """
 
-    def __init__(self, urls: list[str], per_endpoint: int = 8, dead_after: int = 3, revive_after_s: float = 30.0,
-                 give_up_after_s: float = 300.0, headers: Optional[dict] = None, what: str = "prompts.server.urls"):
+    def __init__(
+        self,
+        urls: list[str],
+        per_endpoint: int = 8,
+        dead_after: int = 3,
+        revive_after_s: float = 30.0,
+        give_up_after_s: float = 300.0,
+        headers: Optional[dict] = None,
+        what: str = "prompts.server.urls",
+    ):
         if not urls:
             raise UserError(f"{what}: at least one endpoint URL is needed")
         clean = [u.rstrip("/") for u in urls]
         for u in clean:
-            if not (u.startswith("http://") or u.startswith("https://")) or len(u.split("://", 1)[1]) == 0:
+            if (
+                not (u.startswith("http://") or u.startswith("https://"))
+                or len(u.split("://", 1)[1]) == 0
+            ):
                 raise UserError(f"{what}: '{u}' is not an http(s)://host[:port] URL")
         if len(set(clean)) != len(clean):
             raise UserError(f"{what}: duplicate URL in {clean}")
@@ -167,7 +182,8 @@ class EndpointPool:
                         raise AllEndpointsDown(
                             f"{self.what}: every endpoint failed {self.dead_after} requests in a row and stayed "
                             f"unreachable for {self.give_up_after_s:.0f} s ({', '.join(e.url for e in self.endpoints)}); "
-                            "finished answers are kept, rerun the same command to resume")
+                            "finished answers are kept, rerun the same command to resume"
+                        )
                 usable = [e for e in self.endpoints if self._usable(e, now)]
                 if avoid is not None and len(usable) > 1:
                     usable = [e for e in usable if e is not avoid] or usable
@@ -196,9 +212,18 @@ class EndpointPool:
                 ep.consecutive_failures += 1
                 if ep.consecutive_failures == self.dead_after:
                     ep.taken_out += 1
-                    spell = "for the rest of the run" if self.revive_after_s == float("inf") else f"for {self.revive_after_s:.0f} s"
-                    log.warning("endpoint %s taken out of rotation %s after %d failures in a row: %s",
-                                ep.url, spell, ep.consecutive_failures, error)
+                    spell = (
+                        "for the rest of the run"
+                        if self.revive_after_s == float("inf")
+                        else f"for {self.revive_after_s:.0f} s"
+                    )
+                    log.warning(
+                        "endpoint %s taken out of rotation %s after %d failures in a row: %s",
+                        ep.url,
+                        spell,
+                        ep.consecutive_failures,
+                        error,
+                    )
                 if ep.consecutive_failures >= self.dead_after:  # (again, after a failed probe)
                     ep.dead_until = time.monotonic() + self.revive_after_s
             self._cv.notify_all()
@@ -225,13 +250,20 @@ class EndpointPool:
             except (urllib.error.URLError, TimeoutError, OSError) as e:
                 bad[ep.url] = f"{type(getattr(e, 'reason', e)).__name__}: {getattr(e, 'reason', e)}"
         if len(bad) == len(self.endpoints):
-            raise UserError(f"{self.what}: no endpoint answers ("
-                            + "; ".join(f"{u}: {m}" for u, m in bad.items()) + ")")
+            raise UserError(
+                f"{self.what}: no endpoint answers ("
+                + "; ".join(f"{u}: {m}" for u, m in bad.items())
+                + ")"
+            )
         with self._cv:
             for ep in self.endpoints:
                 if ep.url in bad:
-                    log.warning("endpoint %s does not answer (%s); out of rotation for %.0f s", ep.url, bad[ep.url],
-                                self.revive_after_s)
+                    log.warning(
+                        "endpoint %s does not answer (%s); out of rotation for %.0f s",
+                        ep.url,
+                        bad[ep.url],
+                        self.revive_after_s,
+                    )
                     ep.consecutive_failures = self.dead_after
                     ep.taken_out += 1
                     ep.dead_until = time.monotonic() + self.revive_after_s
@@ -252,15 +284,21 @@ class EndpointPool:
         except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
             # refused, reset, dropped mid-response (http.client.RemoteDisconnected/IncompleteRead), timeout
             reason = getattr(e, "reason", None) or e
-            raise _AttemptError(f"{where}: {type(reason).__name__}: {reason}", retryable=True) from e
+            raise _AttemptError(
+                f"{where}: {type(reason).__name__}: {reason}", retryable=True
+            ) from e
         except Exception as e:  # http.client.HTTPException family not derived from OSError (IncompleteRead, BadStatusLine)
             raise _AttemptError(f"{where}: {type(e).__name__}: {e}", retryable=True) from e
         try:
             return json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise _AttemptError(f"{where}: response is not JSON: {body[:120]!r}", retryable=True) from e
+            raise _AttemptError(
+                f"{where}: response is not JSON: {body[:120]!r}", retryable=True
+            ) from e
 
-    def post(self, path: str, payload: dict, timeout: float, policy: RetryPolicy, check=None) -> tuple[Any, int]:
+    def post(
+        self, path: str, payload: dict, timeout: float, policy: RetryPolicy, check=None
+    ) -> tuple[Any, int]:
         """POST ``payload`` as JSON to ``path`` on some endpoint, retrying per ``policy``.
 
         Args:

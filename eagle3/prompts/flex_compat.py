@@ -24,8 +24,14 @@ def kv_blocks_params() -> frozenset:
     return _FKB_PARAMS
 
 
-def block_mask_from_kv_blocks(kv_num_blocks: torch.Tensor, kv_indices: torch.Tensor, block: int, mask_mod,
-                              q_len: int, kv_len: int):
+def block_mask_from_kv_blocks(
+    kv_num_blocks: torch.Tensor,
+    kv_indices: torch.Tensor,
+    block: int,
+    mask_mod,
+    q_len: int,
+    kv_len: int,
+):
     """``BlockMask`` of ``[.., q_len, kv_len]`` from per-query-block kv block lists (device ops only, no host sync).
 
     Args:
@@ -44,8 +50,12 @@ def block_mask_from_kv_blocks(kv_num_blocks: torch.Tensor, kv_indices: torch.Ten
         kw["seq_lengths"] = (q_len, kv_len)
     if "compute_q_blocks" in params:
         kw["compute_q_blocks"] = False  # the transposed (backward) index is not needed
-    bm = BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, BLOCK_SIZE=block, mask_mod=mask_mod, **kw)
-    return bm if "seq_lengths" in params else bm._adjust(q_len, kv_len)  # older torch: lengths of whole blocks
+    bm = BlockMask.from_kv_blocks(
+        kv_num_blocks, kv_indices, BLOCK_SIZE=block, mask_mod=mask_mod, **kw
+    )
+    return (
+        bm if "seq_lengths" in params else bm._adjust(q_len, kv_len)
+    )  # older torch: lengths of whole blocks
 
 
 def raise_recompile_limit(limit: int = 64) -> None:

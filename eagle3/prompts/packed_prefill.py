@@ -32,7 +32,11 @@ from typing import Optional, Sequence
 
 import torch
 
-from eagle3.prompts.flex_compat import block_mask_from_kv_blocks, kv_blocks_params, raise_recompile_limit
+from eagle3.prompts.flex_compat import (
+    block_mask_from_kv_blocks,
+    kv_blocks_params,
+    raise_recompile_limit,
+)
 
 
 def packed_bucket(n: int, block: int) -> int:
@@ -81,8 +85,9 @@ def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(x, 0)])
 
 
-def packed_blocks(doc_q: torch.Tensor, starts: torch.Tensor, pstarts: torch.Tensor, tq: int, tp: int,
-                  block: int) -> tuple[torch.Tensor, torch.Tensor]:
+def packed_blocks(
+    doc_q: torch.Tensor, starts: torch.Tensor, pstarts: torch.Tensor, tq: int, tp: int, block: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The kv blocks each query block of a packed forward reads.
 
     Args:
@@ -102,19 +107,30 @@ def packed_blocks(doc_q: torch.Tensor, starts: torch.Tensor, pstarts: torch.Tens
     """
     nq, nk = tq // block, (tq + tp) // block
     i = torch.arange(nq)
-    d0, d1 = doc_q[i * block], doc_q[(i + 1) * block - 1]  # [nQ] first and last row of each query block
+    d0, d1 = (
+        doc_q[i * block],
+        doc_q[(i + 1) * block - 1],
+    )  # [nQ] first and last row of each query block
     lo1 = starts[d0] // block
     n1 = i + 1 - lo1  # [nQ] fed-token blocks: lo1 .. i
     plo, phi = tq + pstarts[d0], tq + pstarts[d1 + 1]  # [nQ] prefix-stream range of rows d0 .. d1
     lo2 = plo // block
     n2 = torch.where(phi > plo, -(-phi // block) - lo2, torch.zeros_like(lo2))
     j = torch.arange(nk)[None]  # [1, nK]
-    idx = torch.where(j < n1[:, None], lo1[:, None] + j, lo2[:, None] + j - n1[:, None]).clamp(0, nk - 1)
+    idx = torch.where(j < n1[:, None], lo1[:, None] + j, lo2[:, None] + j - n1[:, None]).clamp(
+        0, nk - 1
+    )
     return (n1 + n2).to(torch.int32).view(1, 1, nq), idx.to(torch.int32).view(1, 1, nq, nk)
 
 
-def packed_layout(ids: Sequence[Sequence[int]], offsets: Sequence[int], slots: Sequence[int], n_slots: int,
-                  cols: int, block: int) -> PackedLayout:
+def packed_layout(
+    ids: Sequence[Sequence[int]],
+    offsets: Sequence[int],
+    slots: Sequence[int],
+    n_slots: int,
+    cols: int,
+    block: int,
+) -> PackedLayout:
     """Host layout of one packed prefill forward (module docstring).
 
     Args:
@@ -133,14 +149,22 @@ def packed_layout(ids: Sequence[Sequence[int]], offsets: Sequence[int], slots: S
         ValueError: rows of different counts, an empty row, more rows than slots, or a token past column ``L - 2``.
     """
     r = len(ids)
-    if not (r == len(offsets) == len(slots)) or not 1 <= r <= n_slots or any(len(x) == 0 for x in ids):
-        raise ValueError(f"packed_layout: {len(ids)} rows, {len(offsets)} offsets, {len(slots)} slots "
-                         f"(1..{n_slots} non-empty rows)")
+    if (
+        not (r == len(offsets) == len(slots))
+        or not 1 <= r <= n_slots
+        or any(len(x) == 0 for x in ids)
+    ):
+        raise ValueError(
+            f"packed_layout: {len(ids)} rows, {len(offsets)} offsets, {len(slots)} slots "
+            f"(1..{n_slots} non-empty rows)"
+        )
     fed = torch.tensor([len(x) for x in ids], dtype=torch.long)  # [R]
     off = torch.tensor(list(offsets), dtype=torch.long)  # [R]
     if int((off + fed).max()) > cols - 1:
-        raise ValueError(f"packed_layout: a prompt reaches column {int((off + fed).max()) - 1}; the cache keeps "
-                         f"column {cols - 1} free")
+        raise ValueError(
+            f"packed_layout: a prompt reaches column {int((off + fed).max()) - 1}; the cache keeps "
+            f"column {cols - 1} free"
+        )
     n, n_pre = int(fed.sum()), int(off.sum())
     tq, tp = packed_bucket(n, block), packed_bucket(n_pre, block)
     starts, pstarts = _exclusive_cumsum(fed), _exclusive_cumsum(off)  # [R + 1] each
@@ -168,14 +192,28 @@ def packed_layout(ids: Sequence[Sequence[int]], offsets: Sequence[int], slots: S
     rows = torch.zeros(3, n_slots, dtype=torch.long)
     rows[0, :r], rows[1, :r], rows[2, :r] = slot_t, starts[1:] - 1, off + fed
     nb, idx = packed_blocks(doc, starts, torch.cat([pstarts, pstarts[-1:]]), tq, tp, block)
-    return PackedLayout(ids=flat, q=torch.stack([doc, pos, wslot, wcol]),
-                        kv=torch.stack([torch.cat([doc, pdoc]), torch.cat([pos, pcol])]),
-                        prefix=torch.stack([pslot, psrc]), rows=rows, kv_num_blocks=nb, kv_indices=idx)
+    return PackedLayout(
+        ids=flat,
+        q=torch.stack([doc, pos, wslot, wcol]),
+        kv=torch.stack([torch.cat([doc, pdoc]), torch.cat([pos, pcol])]),
+        prefix=torch.stack([pslot, psrc]),
+        rows=rows,
+        kv_num_blocks=nb,
+        kv_indices=idx,
+    )
 
 
-def packed_flex(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_meta: torch.Tensor,
-                kv_meta: torch.Tensor, kv_num_blocks: torch.Tensor, kv_indices: torch.Tensor, scale: Optional[float],
-                block: int) -> torch.Tensor:
+def packed_flex(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    q_meta: torch.Tensor,
+    kv_meta: torch.Tensor,
+    kv_num_blocks: torch.Tensor,
+    kv_indices: torch.Tensor,
+    scale: Optional[float],
+    block: int,
+) -> torch.Tensor:
     """FlexAttention of a packed prefill: query ``t`` attends key ``k`` iff ``kv_meta[0, k] == q_meta[0, t]`` (same
     row) and ``kv_meta[1, k] <= q_meta[1, t]`` (column at or before its own), over the blocks of
     :func:`packed_blocks` (built here, device ops only, so a CUDA graph captures it).
@@ -198,8 +236,12 @@ def packed_flex(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_m
     def mask_mod(b, h, q_idx, kv_idx):
         return (doc_kv[kv_idx] == doc_q[q_idx]) & (col_kv[kv_idx] <= col_q[q_idx])
 
-    bm = block_mask_from_kv_blocks(kv_num_blocks, kv_indices, block, mask_mod, query.shape[2], key.shape[2])
-    return flex_attention(query, key, value, block_mask=bm, scale=scale, enable_gqa=query.shape[1] != key.shape[1])
+    bm = block_mask_from_kv_blocks(
+        kv_num_blocks, kv_indices, block, mask_mod, query.shape[2], key.shape[2]
+    )
+    return flex_attention(
+        query, key, value, block_mask=bm, scale=scale, enable_gqa=query.shape[1] != key.shape[1]
+    )
 
 
 def eager_packed_flex(*args, **kwargs) -> torch.Tensor:
@@ -209,7 +251,9 @@ def eager_packed_flex(*args, **kwargs) -> torch.Tensor:
     import warnings
 
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile", category=UserWarning)
+        warnings.filterwarnings(
+            "ignore", message="flex_attention called without torch.compile", category=UserWarning
+        )
         return packed_flex(*args, **kwargs)
 
 
@@ -231,8 +275,15 @@ def compiled_packed_flex(dynamic: Optional[bool] = False):
     return _COMPILED[dynamic]
 
 
-def packed_prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kc: torch.Tensor,
-                             vc: torch.Tensor, routing: "PackedRouting", scaling: Optional[float]) -> torch.Tensor:
+def packed_prefill_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    routing: "PackedRouting",
+    scaling: Optional[float],
+) -> torch.Tensor:
     """One layer's attention of a packed prefill forward.
 
     Args:
@@ -245,14 +296,27 @@ def packed_prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torc
     Returns:
         ``[1, H, Tq, D]``.
     """
-    kc[routing.q[2], :, routing.q[3]] = key[0].transpose(0, 1)  # [Tq, Hkv, D] at (slot, column) of each fed token
+    kc[routing.q[2], :, routing.q[3]] = key[0].transpose(
+        0, 1
+    )  # [Tq, Hkv, D] at (slot, column) of each fed token
     vc[routing.q[2], :, routing.q[3]] = value[0].transpose(0, 1)
     if routing.prefix.shape[1]:
-        kp = kc[routing.prefix[0], :, routing.prefix[1]].transpose(0, 1)[None]  # [1, Hkv, Tp, D] cached prefixes
+        kp = kc[routing.prefix[0], :, routing.prefix[1]].transpose(0, 1)[
+            None
+        ]  # [1, Hkv, Tp, D] cached prefixes
         vp = vc[routing.prefix[0], :, routing.prefix[1]].transpose(0, 1)[None]
         key, value = torch.cat([key, kp], 2), torch.cat([value, vp], 2)  # [1, Hkv, Tq + Tp, D]
-    return routing.flex(query, key, value, routing.q, routing.kv, routing.kv_num_blocks, routing.kv_indices,
-                        scaling, routing.block)
+    return routing.flex(
+        query,
+        key,
+        value,
+        routing.q,
+        routing.kv,
+        routing.kv_num_blocks,
+        routing.kv_indices,
+        scaling,
+        routing.block,
+    )
 
 
 @dataclass
@@ -286,9 +350,17 @@ class PackedBuffers:
     @classmethod
     def like(cls, lay: PackedLayout, dev) -> "PackedBuffers":
         """Device buffers shaped as ``lay``."""
-        t = PackedLayout(**{f.name: torch.empty_like(getattr(lay, f.name), device=dev) for f in fields(PackedLayout)})
-        return cls(key=(lay.q.shape[1], lay.prefix.shape[1]), t=t,
-                   tok=torch.zeros(lay.rows.shape[1], dtype=torch.long, device=dev))
+        t = PackedLayout(
+            **{
+                f.name: torch.empty_like(getattr(lay, f.name), device=dev)
+                for f in fields(PackedLayout)
+            }
+        )
+        return cls(
+            key=(lay.q.shape[1], lay.prefix.shape[1]),
+            t=t,
+            tok=torch.zeros(lay.rows.shape[1], dtype=torch.long, device=dev),
+        )
 
     def fill(self, lay: PackedLayout) -> None:
         """Copy ``lay`` in (pinned, asynchronous on CUDA: no host sync)."""

@@ -35,12 +35,24 @@ from typing import Optional, Sequence
 
 from pydantic import ValidationError
 
-from eagle3.prompts.chat import ANSWER_FIELDS, ChatOptions, common_answer_fields, end_of_turn_ids
 from eagle3.config import PromptsConfig, RunConfig, at_item, field_path
 from eagle3.errors import UserError
-from eagle3.io import (atomic_write_json, atomic_write_jsonl, atomic_write_text, exclusive_lock, file_sha256,
-                       make_dirs)
-from eagle3.prompts.readers import dedupe, read_conversations, sample, short_pool_warning, unique_ids
+from eagle3.io import (
+    atomic_write_json,
+    atomic_write_jsonl,
+    atomic_write_text,
+    exclusive_lock,
+    file_sha256,
+    make_dirs,
+)
+from eagle3.prompts.chat import ANSWER_FIELDS, ChatOptions, common_answer_fields, end_of_turn_ids
+from eagle3.prompts.readers import (
+    dedupe,
+    read_conversations,
+    sample,
+    short_pool_warning,
+    unique_ids,
+)
 from eagle3.prompts.resume_log import comparable_settings
 
 log = logging.getLogger(__name__)
@@ -54,34 +66,81 @@ def report_markdown(report: dict) -> str:
     c = report["counts"]
     rows = [("read", c["read"])]
     rows += [(f"skipped: {k}", v) for k, v in c["skipped"].items()]
-    rows += [(_COUNT_LABELS.get(k, k), c[k])
-             for k in ("dropped_leading_assistant", "normalised", "deduped", "sampled_out", "self_instruct",
-                       "self_instruct_deduped", "limited_out", "self_instruct_limited_out", "dropped_over_context",
-                       "failed", "kept", "regenerated", "inline_reasoning_split") if k in c]
+    rows += [
+        (_COUNT_LABELS.get(k, k), c[k])
+        for k in (
+            "dropped_leading_assistant",
+            "normalised",
+            "deduped",
+            "sampled_out",
+            "self_instruct",
+            "self_instruct_deduped",
+            "limited_out",
+            "self_instruct_limited_out",
+            "dropped_over_context",
+            "failed",
+            "kept",
+            "regenerated",
+            "inline_reasoning_split",
+        )
+        if k in c
+    ]
     reg = report.get("regeneration")
     if reg:
         if "via" in reg:
             rows += [("regeneration: via", reg["via"])]
         if "failed" in reg:
-            rows += [("regeneration: failed conversations", reg["failed"]), ("regeneration: retried requests", reg["retries"])]
-        if "failed" in reg or reg.get("resumed"):  # a resumed run: its figures below cover the conversations it answered
-            rows += [("regeneration: conversations resumed from the log (answered by an earlier run; the regeneration "
-                      "figures below count this run's only)", reg.get("resumed", 0))]
+            rows += [
+                ("regeneration: failed conversations", reg["failed"]),
+                ("regeneration: retried requests", reg["retries"]),
+            ]
+        if "failed" in reg or reg.get(
+            "resumed"
+        ):  # a resumed run: its figures below cover the conversations it answered
+            rows += [
+                (
+                    "regeneration: conversations resumed from the log (answered by an earlier run; the regeneration "
+                    "figures below count this run's only)",
+                    reg.get("resumed", 0),
+                )
+            ]
         if "sampling" in reg:
-            rows += [(f"sampling: {k}", json.dumps(v) if isinstance(v, dict) else v) for k, v in reg["sampling"].items()]
+            rows += [
+                (f"sampling: {k}", json.dumps(v) if isinstance(v, dict) else v)
+                for k, v in reg["sampling"].items()
+            ]
         es = reg.get("engine_stats") or []
-        es = [e for e in ([es] if isinstance(es, dict) else es) if e and "reused_tokens" in e]  # slot engines, per replica
+        es = [
+            e for e in ([es] if isinstance(es, dict) else es) if e and "reused_tokens" in e
+        ]  # slot engines, per replica
         if es:
             reused, fed = sum(e["reused_tokens"] for e in es), sum(e["prefill_tokens"] for e in es)
-            rows += [("regeneration: prompt tokens prefilled / reused from the previous turn",
-                      f"{fed} / {reused} ({100.0 * reused / max(1, reused + fed):.1f}% reused)")]
+            rows += [
+                (
+                    "regeneration: prompt tokens prefilled / reused from the previous turn",
+                    f"{fed} / {reused} ({100.0 * reused / max(1, reused + fed):.1f}% reused)",
+                )
+            ]
         if reg.get("turns_over_context"):
-            rows += [("regeneration: user turns not answered (context cap)", reg["turns_over_context"])]
+            rows += [
+                ("regeneration: user turns not answered (context cap)", reg["turns_over_context"])
+            ]
         if reg.get("kept_with_tools"):
-            rows += [("regeneration: conversations with tool results kept as they are", reg["kept_with_tools"])]
-        rows += [("regeneration: new tokens", reg["new_tokens"]), ("regeneration: truncated answers", reg["truncated"]),
-                 ("regeneration: seconds", f"{reg['seconds']:.1f}"),
-                 ("regeneration: tokens/s", f"{reg['tokens_per_s']:.1f}" if reg["tokens_per_s"] else "n/a")]
+            rows += [
+                (
+                    "regeneration: conversations with tool results kept as they are",
+                    reg["kept_with_tools"],
+                )
+            ]
+        rows += [
+            ("regeneration: new tokens", reg["new_tokens"]),
+            ("regeneration: truncated answers", reg["truncated"]),
+            ("regeneration: seconds", f"{reg['seconds']:.1f}"),
+            (
+                "regeneration: tokens/s",
+                f"{reg['tokens_per_s']:.1f}" if reg["tokens_per_s"] else "n/a",
+            ),
+        ]
     st = report["settings"]
     src = st["source"] if "source" in st else ", ".join(x["source"] for x in st["sources"])
     lines = ["# Stage 01: prompts", "", f"source: `{src}`", "", "| item | value |", "|---|---:|"]
@@ -90,8 +149,11 @@ def report_markdown(report: dict) -> str:
 
 
 # Markdown labels of counts whose key alone would not say what they count
-_COUNT_LABELS = {"dropped_over_context": "dropped_over_context (first prompt at the context cap)",
-                 "failed": "failed (regeneration)", "regenerated": "regenerated (conversations)"}
+_COUNT_LABELS = {
+    "dropped_over_context": "dropped_over_context (first prompt at the context cap)",
+    "failed": "failed (regeneration)",
+    "regenerated": "regenerated (conversations)",
+}
 
 
 def _had_failures(report: dict) -> bool:
@@ -105,11 +167,18 @@ def read_counts_text(counts: Counter) -> str:
     read = counts.get("read", 0)
     if not read:
         return "no records"
-    reasons = [(k[len("skipped_"):].replace("_", " "), v) for k, v in sorted(counts.items())
-               if k.startswith("skipped_") and v]
+    reasons = [
+        (k[len("skipped_") :].replace("_", " "), v)
+        for k, v in sorted(counts.items())
+        if k.startswith("skipped_") and v
+    ]
     text = f"read {read} record{'s' if read != 1 else ''}"
     if reasons:
-        text += f", skipped {sum(v for _, v in reasons)} (" + ", ".join(f"{r}: {v}" for r, v in reasons) + ")"
+        text += (
+            f", skipped {sum(v for _, v in reasons)} ("
+            + ", ".join(f"{r}: {v}" for r, v in reasons)
+            + ")"
+        )
     return text
 
 
@@ -118,10 +187,14 @@ def report_path(cfg: RunConfig) -> Path:
     return cfg.prompts_path.parent / REPORT_NAME
 
 
-SOURCE_STATS = "source_stats"  # prompts_report.json key: {resolved source path: {bytes, mtime_ns, sha256}}
+SOURCE_STATS = (
+    "source_stats"  # prompts_report.json key: {resolved source path: {bytes, mtime_ns, sha256}}
+)
 
 
-def _source_fingerprint(source: str, known: Optional[dict] = None, seen: Optional[dict] = None) -> dict:
+def _source_fingerprint(
+    source: str, known: Optional[dict] = None, seen: Optional[dict] = None
+) -> dict:
     """``{"source", "bytes", "sha256"}`` of a source file or a local HF dataset folder (:func:`_hf_folder_fingerprint`;
     ``{"source"}`` for a named set or a missing file).
 
@@ -139,8 +212,11 @@ def _source_fingerprint(source: str, known: Optional[dict] = None, seen: Optiona
         return {"source": source}
     st, key = p.stat(), str(p.resolve())
     rec = known.get(key) if isinstance(known, dict) else None
-    if isinstance(rec, dict) and isinstance(rec.get("sha256"), str) \
-            and (rec.get("bytes"), rec.get("mtime_ns")) == (st.st_size, st.st_mtime_ns):
+    if (
+        isinstance(rec, dict)
+        and isinstance(rec.get("sha256"), str)
+        and (rec.get("bytes"), rec.get("mtime_ns")) == (st.st_size, st.st_mtime_ns)
+    ):
         sha = rec["sha256"]
     else:
         sha = file_sha256(p)
@@ -149,7 +225,9 @@ def _source_fingerprint(source: str, known: Optional[dict] = None, seen: Optiona
     return {"source": source, "bytes": st.st_size, "sha256": sha}
 
 
-def _hf_folder_fingerprint(source: str, folder: Path, known: Optional[dict], seen: Optional[dict]) -> dict:
+def _hf_folder_fingerprint(
+    source: str, folder: Path, known: Optional[dict], seen: Optional[dict]
+) -> dict:
     """``{"source", "bytes", "sha256"}`` of a local Hugging Face dataset folder (``hf:<path>``, ``save_to_disk`` or data
     files): the sha256 over each file's path in the folder and its content hash (entries starting with ``.`` left
     out), each file's hash reused while its size and mtime hold (``known`` / ``seen``, as for a source file). Before,
@@ -158,8 +236,11 @@ def _hf_folder_fingerprint(source: str, folder: Path, known: Optional[dict], see
     import hashlib
 
     h, total = hashlib.sha256(), 0
-    files = sorted(f for f in folder.rglob("*")
-                   if f.is_file() and not any(part.startswith(".") for part in f.relative_to(folder).parts))
+    files = sorted(
+        f
+        for f in folder.rglob("*")
+        if f.is_file() and not any(part.startswith(".") for part in f.relative_to(folder).parts)
+    )
     for f in files:
         fp = _source_fingerprint(str(f), known, seen)
         h.update(f"{f.relative_to(folder).as_posix()}\0{fp['sha256']}\n".encode())
@@ -167,7 +248,9 @@ def _hf_folder_fingerprint(source: str, folder: Path, known: Optional[dict], see
     return {"source": source, "bytes": total, "sha256": h.hexdigest()}
 
 
-def settings(cfg: RunConfig, limit: Optional[int], known: Optional[dict] = None, seen: Optional[dict] = None) -> dict:
+def settings(
+    cfg: RunConfig, limit: Optional[int], known: Optional[dict] = None, seen: Optional[dict] = None
+) -> dict:
     """The inputs that determine the outputs (stored in the report; equal settings = nothing to do).
 
     ``known`` / ``seen``: a source file's recorded size, mtime and hash, reused / recorded
@@ -183,35 +266,62 @@ def settings(cfg: RunConfig, limit: Optional[int], known: Optional[dict] = None,
 
     pc = cfg.prompts
     sources = [pc.source] if isinstance(pc.source, str) else list(pc.source)
-    s = {"format": pc.format, "sample_size": pc.sample_size, "dedupe": pc.dedupe, "system_prompt": pc.system_prompt,
-         "regenerate": pc.regenerate, "limit": limit,
-         **(_source_fingerprint(pc.source, known, seen) if isinstance(pc.source, str)
-            else {"sources": [_source_fingerprint(x, known, seen) for x in pc.source]})}
-    if pc.sample_size is not None or pc.self_instruct is not None:  # the sample's and the self-instruct sampling's
+    s = {
+        "format": pc.format,
+        "sample_size": pc.sample_size,
+        "dedupe": pc.dedupe,
+        "system_prompt": pc.system_prompt,
+        "regenerate": pc.regenerate,
+        "limit": limit,
+        **(
+            _source_fingerprint(pc.source, known, seen)
+            if isinstance(pc.source, str)
+            else {"sources": [_source_fingerprint(x, known, seen) for x in pc.source]}
+        ),
+    }
+    if (
+        pc.sample_size is not None or pc.self_instruct is not None
+    ):  # the sample's and the self-instruct sampling's
         s["seed"] = pc.seed  # seed; without either it picks nothing
     if any(x.startswith("hf:") for x in sources):  # the split read from a Hugging Face dataset
         s["hf_split"] = pc.hf_split
     if pc.regenerate:
-        s.update(max_new_tokens=pc.max_new_tokens, max_context_tokens=max_context_tokens(cfg),
-                 verifier=cfg.verifier.display_name(), chat_template=cfg.verifier.chat_template)
-        if pc.regenerate_via == "local":  # the weights and dtype that answer (endpoints answer with their own model)
+        s.update(
+            max_new_tokens=pc.max_new_tokens,
+            max_context_tokens=max_context_tokens(cfg),
+            verifier=cfg.verifier.display_name(),
+            chat_template=cfg.verifier.chat_template,
+        )
+        if (
+            pc.regenerate_via == "local"
+        ):  # the weights and dtype that answer (endpoints answer with their own model)
             s.update(verifier_dtype=cfg.verifier.dtype, **weights_record(cfg.verifier))
         # template arguments and reply start shape the prompts the verifier answers (recorded only when set,
         # so reports written before these settings existed stay up to date)
         for key in ("chat_template_kwargs", "reply_start"):
             if getattr(cfg.verifier, key):
                 s[key] = getattr(cfg.verifier, key)
-        if pc.regenerate_via != "local":  # endpoints, concurrency and timeouts may change between runs
-            s.update(regenerate_via=pc.regenerate_via, temperature=pc.temperature, model=pc.server.model,
-                     extra_body=pc.server.extra_body)
+        if (
+            pc.regenerate_via != "local"
+        ):  # endpoints, concurrency and timeouts may change between runs
+            s.update(
+                regenerate_via=pc.regenerate_via,
+                temperature=pc.temperature,
+                model=pc.server.model,
+                extra_body=pc.server.extra_body,
+            )
             if pc.temperature > 0:  # greedy (temperature 0) takes the top token whatever top_p is
                 s["top_p"] = pc.top_p
     if tuple(cfg.verifier.think_tags) != ("<think>", "</think>"):
         s["think_tags"] = list(cfg.verifier.think_tags)
-    if pc.self_instruct is not None:  # its settings, and its file (remade when its own report's settings change)
+    if (
+        pc.self_instruct is not None
+    ):  # its settings, and its file (remade when its own report's settings change)
         # batch_size is left out: the file's sha256 covers it, and reports made before it was a key stay up to date
-        s["self_instruct"] = {**pc.self_instruct.model_dump(exclude={"batch_size"}),
-                              "file": _source_fingerprint(str(cfg.self_instruct_path), known, seen)}
+        s["self_instruct"] = {
+            **pc.self_instruct.model_dump(exclude={"batch_size"}),
+            "file": _source_fingerprint(str(cfg.self_instruct_path), known, seen),
+        }
     return s
 
 
@@ -229,8 +339,14 @@ def mark_forced(cfg: RunConfig) -> None:
 
     if not cfg.prompts_path.is_file():
         return
-    atomic_write_json(forced_path(cfg), {"started_at": time.time(), "outputs": str(cfg.prompts_path),
-                                         "note": "a 01_prepare_prompts.py --force run has not finished; re-run it"})
+    atomic_write_json(
+        forced_path(cfg),
+        {
+            "started_at": time.time(),
+            "outputs": str(cfg.prompts_path),
+            "note": "a 01_prepare_prompts.py --force run has not finished; re-run it",
+        },
+    )
 
 
 def partial_path(cfg: RunConfig) -> Path:
@@ -256,39 +372,68 @@ def interrupt_hint(cfg: RunConfig, regenerate: Optional[bool] = None) -> str:
         return "no regenerated answer was kept yet; re-run the same command (without --force) to start again"
     n = len(logged_positions(logs))
     pattern = cfg.prompts_path.parent / PARTIAL_NAME.replace(".jsonl", "*.jsonl")
-    return (f"{n} regenerated conversation{'' if n == 1 else 's'} kept in {pattern}; "
-            "re-run the same command (without --force) to resume")
+    return (
+        f"{n} regenerated conversation{'' if n == 1 else 's'} kept in {pattern}; "
+        "re-run the same command (without --force) to resume"
+    )
 
 
-def _regenerate(cfg: RunConfig, convs: list[dict], want: dict, stats: dict, force: bool = False) -> Optional[list[dict]]:
+def _regenerate(
+    cfg: RunConfig, convs: list[dict], want: dict, stats: dict, force: bool = False
+) -> Optional[list[dict]]:
     """Regenerate the answers in-process (``local``, over the torchrun replicas if any: None on ranks > 0)
     or through the configured endpoints."""
     pc = cfg.prompts
     if pc.regenerate_via == "local":
         if pc.temperature != 0 or pc.top_p != 1:
-            raise UserError("prompts.temperature/top_p: the local path decodes greedily; sampling needs "
-                            "prompts.regenerate_via: sglang or openai")
+            raise UserError(
+                "prompts.temperature/top_p: the local path decodes greedily; sampling needs "
+                "prompts.regenerate_via: sglang or openai"
+            )
         from eagle3.prompts.regenerate import engine_options
         from eagle3.prompts.replicas import regenerate_replicas
 
         # one process, or one verifier replica per torchrun rank (None on ranks > 0: rank 0 writes)
-        return regenerate_replicas(cfg, convs, want, stats, force=force, regen_kwargs=dict(
-            max_new_tokens=pc.max_new_tokens, batch_size=pc.gen_batch_size, opts=ChatOptions.from_config(cfg),
-            max_context=max_context_tokens(cfg), schedule=pc.gen_schedule, engine=pc.regen_engine,
-            engine_options=engine_options(pc)))
+        return regenerate_replicas(
+            cfg,
+            convs,
+            want,
+            stats,
+            force=force,
+            regen_kwargs=dict(
+                max_new_tokens=pc.max_new_tokens,
+                batch_size=pc.gen_batch_size,
+                opts=ChatOptions.from_config(cfg),
+                max_context=max_context_tokens(cfg),
+                schedule=pc.gen_schedule,
+                engine=pc.regen_engine,
+                engine_options=engine_options(pc),
+            ),
+        )
     from eagle3.prompts.regen_server import regenerate_via_server
     from eagle3.verifier import load_tokenizer
 
     if not pc.server.urls:
-        raise UserError(f"prompts.server.urls: needed for prompts.regenerate_via: {pc.regenerate_via}")
+        raise UserError(
+            f"prompts.server.urls: needed for prompts.regenerate_via: {pc.regenerate_via}"
+        )
     tok = load_tokenizer(cfg.verifier)
     stats["stop_token_ids"] = sorted(end_of_turn_ids(tok))
-    return regenerate_via_server(convs, tok, pc, ChatOptions.from_config(cfg), partial_path=partial_path(cfg),
-                                 settings=want, stats=stats, max_context=max_context_tokens(cfg))
+    return regenerate_via_server(
+        convs,
+        tok,
+        pc,
+        ChatOptions.from_config(cfg),
+        partial_path=partial_path(cfg),
+        settings=want,
+        stats=stats,
+        max_context=max_context_tokens(cfg),
+    )
 
 
-def _regenerate_reusing(cfg: RunConfig, convs: list[dict], want: dict, stats: dict,
-                        force: bool) -> tuple[Optional[list[dict]], Optional[dict]]:
+def _regenerate_reusing(
+    cfg: RunConfig, convs: list[dict], want: dict, stats: dict, force: bool
+) -> tuple[Optional[list[dict]], Optional[dict]]:
     """:func:`_regenerate`, with ``prompts.reuse_answers`` (:mod:`eagle3.prompts.reuse_answers`): the inputs an earlier
     regeneration answered under the same settings take its conversations, only the rest are regenerated, the output
     in input order. Returns ``(conversations or None on a torchrun rank > 0, {"file", "conversations"} or None)``."""
@@ -309,8 +454,10 @@ def _regenerate_reusing(cfg: RunConfig, convs: list[dict], want: dict, stats: di
         recorded.append(reuse_answers.recorded_fields(cfg.prompts.reuse_answers))
     stats["answer_fields"] = common_answer_fields(list(ANSWER_FIELDS), *recorded)
     if _rank0():  # once under torchrun
-        print(f"prompts.reuse_answers: {info['conversations']} of {len(convs)} conversations answered in "
-              f"{cfg.prompts.reuse_answers}; regenerating {len(todo)}")
+        print(
+            f"prompts.reuse_answers: {info['conversations']} of {len(convs)} conversations answered in "
+            f"{cfg.prompts.reuse_answers}; regenerating {len(todo)}"
+        )
     # nothing left to regenerate: rank 0 writes the outputs, a torchrun rank > 0 returns None as after a regeneration
     done = _regenerate(cfg, todo, want, stats, force=force) if todo else ([] if _rank0() else None)
     return (None if done is None else reuse_answers.merge(convs, reused, done)), info
@@ -322,8 +469,14 @@ def max_context_tokens(cfg: RunConfig) -> int:
     return cfg.prompts.max_context_tokens or cfg.extract.max_length
 
 
-def run(cfg: RunConfig, source: Optional[str] = None, fmt: Optional[str] = None, regenerate: Optional[bool] = None,
-        limit: Optional[int] = None, force: bool = False) -> int:
+def run(
+    cfg: RunConfig,
+    source: Optional[str] = None,
+    fmt: Optional[str] = None,
+    regenerate: Optional[bool] = None,
+    limit: Optional[int] = None,
+    force: bool = False,
+) -> int:
     """Run stage 01 and print where the outputs are.
 
     Steps: :func:`apply_overrides`; with ``prompts.self_instruct``, its file first (:func:`make_self_instruct`);
@@ -354,7 +507,9 @@ def run(cfg: RunConfig, source: Optional[str] = None, fmt: Optional[str] = None,
     # (:func:`ranks_agree`) and wait for rank 0's self-instruct file; without them rank 0 works alone (no group: a
     # peer that returned would not join, or would wait at its teardown barrier)
     d = init_dist() if _replicated(cfg) else Dist()
-    with process_group_scope(owned=d.initialized_here):  # regenerate_replicas uses it and leaves its teardown here
+    with process_group_scope(
+        owned=d.initialized_here
+    ):  # regenerate_replicas uses it and leaves its teardown here
         if cfg.prompts.self_instruct is not None:
             make_self_instruct(cfg, force, d)
         return _run(cfg, source, fmt, regenerate, limit, force, d)
@@ -379,13 +534,17 @@ def ranks_agree(cfg: RunConfig, d, want: dict, fresh: bool) -> bool:
         if w != everyone[0][0]:
             mine, theirs = json.loads(w), json.loads(everyone[0][0])
             keys = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
-            raise UserError(f"{cfg.prompts_path}: torchrun rank {r} read other 01 settings or prompts.source files "
-                            f"than rank 0 (differing: {', '.join(keys)}); every rank must read the same config and "
-                            f"source files (a node with another copy of them?)")
+            raise UserError(
+                f"{cfg.prompts_path}: torchrun rank {r} read other 01 settings or prompts.source files "
+                f"than rank 0 (differing: {', '.join(keys)}); every rank must read the same config and "
+                f"source files (a node with another copy of them?)"
+            )
         if f != everyone[0][1]:
-            raise UserError(f"{cfg.prompts_path}: torchrun rank {r} found {cfg.prompts_path.name} "
-                            f"{'up to date' if f else 'out of date'}, rank 0 did not; every rank must see the same "
-                            f"output folder (a node-local output_root?)")
+            raise UserError(
+                f"{cfg.prompts_path}: torchrun rank {r} found {cfg.prompts_path.name} "
+                f"{'up to date' if f else 'out of date'}, rank 0 did not; every rank must see the same "
+                f"output folder (a node-local output_root?)"
+            )
     return fresh
 
 
@@ -417,12 +576,18 @@ def make_self_instruct(cfg: RunConfig, force: bool, d) -> Path:
     if d.rank == 0:
         try:
             with writer_lock(cfg):
-                if force:  # before the self-instruct file is sampled again: an interrupted run is redone
+                if (
+                    force
+                ):  # before the self-instruct file is sampled again: an interrupted run is redone
                     mark_forced(cfg)
                 make_from_config(cfg, force)
-        except KeyboardInterrupt as e:  # interrupt_hint would speak of regenerated answers, none yet
-            e.hint = (f"self-instruct sampling stopped, nothing of it kept ({cfg.self_instruct_path} is written once "
-                      f"all prompts.self_instruct.num queries are sampled); re-run the same command to sample again")
+        except (
+            KeyboardInterrupt
+        ) as e:  # interrupt_hint would speak of regenerated answers, none yet
+            e.hint = (
+                f"self-instruct sampling stopped, nothing of it kept ({cfg.self_instruct_path} is written once "
+                f"all prompts.self_instruct.num queries are sampled); re-run the same command to sample again"
+            )
             raise
         except Exception as e:  # noqa: BLE001 - told to the other ranks, then raised here
             failed = str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}"
@@ -433,7 +598,9 @@ def make_self_instruct(cfg: RunConfig, force: bool, d) -> Path:
     # (its error is repeated: torchrun may end rank 0 before it prints)
     failed = d.gather(failed)[0] if d.world > 1 else None
     if failed is not None:
-        raise UserError(f"rank {d.rank}: stopped, rank 0 could not make {cfg.self_instruct_path}: {failed}")
+        raise UserError(
+            f"rank {d.rank}: stopped, rank 0 could not make {cfg.self_instruct_path}: {failed}"
+        )
     return cfg.self_instruct_path
 
 
@@ -446,11 +613,20 @@ def _require_source_files(cfg: RunConfig) -> None:
     for x in [src] if isinstance(src, str) else list(src):
         if x != "humaneval" and not x.startswith("hf:") and not Path(x).exists():
             hint = relative_hint(x)
-            raise UserError(f"{x}: prompts file not found (prompts.source{'; ' + hint if hint else ''})")
+            raise UserError(
+                f"{x}: prompts file not found (prompts.source{'; ' + hint if hint else ''})"
+            )
 
 
-def _run(cfg: RunConfig, source: Optional[str], fmt: Optional[str], regenerate: Optional[bool],
-         limit: Optional[int], force: bool, d) -> int:
+def _run(
+    cfg: RunConfig,
+    source: Optional[str],
+    fmt: Optional[str],
+    regenerate: Optional[bool],
+    limit: Optional[int],
+    force: bool,
+    d,
+) -> int:
     """:func:`run` after the overrides (and the self-instruct file): up-to-date check, select, regenerate, write.
     ``source``/``fmt``/``regenerate``: the command line's, recorded as the report's ``cli_overrides``."""
     pc = cfg.prompts
@@ -459,7 +635,9 @@ def _run(cfg: RunConfig, source: Optional[str], fmt: Optional[str], regenerate: 
     want = settings(cfg, limit, seen=source_stats)
     _, report = read_report(cfg)  # once: the up-to-date check and the reason to remake read it
     forced = forced_path(cfg)
-    unfinished = forced.is_file()  # a --force run stopped before writing its outputs: the old ones are not current
+    unfinished = (
+        forced.is_file()
+    )  # a --force run stopped before writing its outputs: the old ones are not current
     if ranks_agree(cfg, d, want, not force and not unfinished and up_to_date(report, want)):
         if _rank0():  # once under torchrun, as the remaking line
             print(f"prompts up to date: {out} ({rep.name} settings unchanged; use --force to redo)")
@@ -467,9 +645,14 @@ def _run(cfg: RunConfig, source: Optional[str], fmt: Optional[str], regenerate: 
             if older:
                 log.warning("%s", older)
         return 0
-    _require_source_files(cfg)  # before the remaking line: it said `remaking ...` and then the file was missing
-    why = ("--force" if force else f"a --force run did not finish ({forced.name}): redoing it") \
-        if out.is_file() and (force or unfinished) else redo_reason(out, rep, report, want)
+    _require_source_files(
+        cfg
+    )  # before the remaking line: it said `remaking ...` and then the file was missing
+    why = (
+        ("--force" if force else f"a --force run did not finish ({forced.name}): redoing it")
+        if out.is_file() and (force or unfinished)
+        else redo_reason(out, rep, report, want)
+    )
     if why and _rank0():  # say why before a (long) regeneration; once under torchrun
         print(f"remaking {out} ({why})", flush=True)
 
@@ -481,25 +664,36 @@ def _run(cfg: RunConfig, source: Optional[str], fmt: Optional[str], regenerate: 
     regen_stats: dict = {}
     reused_info: Optional[dict] = None
     with writer_lock(cfg):  # one 01 per output folder (its resume log, prompts.jsonl)
-        if force and _rank0():  # before anything changes: a run stopped from here on is redone by the next
+        if (
+            force and _rank0()
+        ):  # before anything changes: a run stopped from here on is redone by the next
             mark_forced(cfg)
         if pc.regenerate:
             if force:
                 partial_path(cfg).unlink(missing_ok=True)
             convs, reused_info = _regenerate_reusing(cfg, convs, want, regen_stats, force)
-            if convs is None:  # a torchrun rank > 0: its answers are in its resume log, rank 0 writes the outputs
+            if (
+                convs is None
+            ):  # a torchrun rank > 0: its answers are in its resume log, rank 0 writes the outputs
                 return 0
             if not convs:
                 raise nothing_regenerated(cfg, regen_stats)
-        elif not _rank0():  # nothing to share out without regeneration: rank 0 writes the outputs (each rank wrote
-            return 0       # and printed them, fresh-user trial 2026-12-05f)
-        answer_fields = regen_stats.pop("answer_fields", list(ANSWER_FIELDS))  # what every answer records
+        elif (
+            not _rank0()
+        ):  # nothing to share out without regeneration: rank 0 writes the outputs (each rank wrote
+            return 0  # and printed them, fresh-user trial 2026-12-05f)
+        answer_fields = regen_stats.pop(
+            "answer_fields", list(ANSWER_FIELDS)
+        )  # what every answer records
         report = build_report(cfg, want, counts, kept_by_step, convs, regen_stats, answer_fields)
         if reused_info is not None:
             report["reused_answers"] = reused_info
         # settings the command line set (not the config): 02 does not compare them with its config (prompts_changes)
-        report["cli_overrides"] = [k for k, v in (("source", source), ("format", fmt), ("regenerate", regenerate))
-                                   if v is not None]
+        report["cli_overrides"] = [
+            k
+            for k, v in (("source", source), ("format", fmt), ("regenerate", regenerate))
+            if v is not None
+        ]
         report[SOURCE_STATS] = source_stats
         write_outputs(cfg, convs, report, regen_stats)
     return 0
@@ -522,7 +716,9 @@ def writer_lock(cfg: RunConfig):
     created = not folder.exists()
     make_dirs(folder, cfg.output_field("prompts"))
     try:
-        with exclusive_lock(folder / LOCK_NAME, f"another 01_prepare_prompts run is writing to {folder}"):
+        with exclusive_lock(
+            folder / LOCK_NAME, f"another 01_prepare_prompts run is writing to {folder}"
+        ):
             yield
     except BaseException:
         if created and folder.is_dir() and not any(folder.iterdir()):
@@ -530,15 +726,24 @@ def writer_lock(cfg: RunConfig):
         raise
 
 
-def apply_overrides(cfg: RunConfig, source: Optional[str], fmt: Optional[str], regenerate: Optional[bool],
-                    limit: Optional[int]) -> RunConfig:
+def apply_overrides(
+    cfg: RunConfig,
+    source: Optional[str],
+    fmt: Optional[str],
+    regenerate: Optional[bool],
+    limit: Optional[int],
+) -> RunConfig:
     """``cfg`` with the CLI's ``--source``/``--format``/``--regenerate`` applied and validated.
 
     Raises:
         UserError: an override the ``prompts`` schema refuses (named ``--<option> (prompts.<field>)``, with the
             value), or ``limit < 1``.
     """
-    upd = {k: v for k, v in (("source", source), ("format", fmt), ("regenerate", regenerate)) if v is not None}
+    upd = {
+        k: v
+        for k, v in (("source", source), ("format", fmt), ("regenerate", regenerate))
+        if v is not None
+    }
     if upd:
         try:
             prompts_cfg = PromptsConfig.model_validate({**cfg.prompts.model_dump(), **upd})
@@ -548,7 +753,9 @@ def apply_overrides(cfg: RunConfig, source: Optional[str], fmt: Optional[str], r
             flag = str(err["loc"][0]) if err["loc"] else ""
             # the flag's own value, else a config field the flag clashes with
             name = f"--{flag} (prompts.{key})" if flag in upd else f"prompts.{key}"
-            raise UserError(f"{name}: {err['msg'].removeprefix('Value error, ')} (got {err.get('input')!r})") from e
+            raise UserError(
+                f"{name}: {err['msg'].removeprefix('Value error, ')} (got {err.get('input')!r})"
+            ) from e
         cfg = cfg.model_copy(update={"prompts": prompts_cfg})
     if limit is not None and limit < 1:
         raise UserError(f"--limit: must be >= 1, got {limit}")
@@ -558,7 +765,7 @@ def apply_overrides(cfg: RunConfig, source: Optional[str], fmt: Optional[str], r
 def _brief(value, limit: Optional[int] = 200) -> str:
     """``repr(value)``, cut to ``limit`` characters (a source hash, a chat template) for one log line (None: whole)."""
     text = repr(value)
-    return text if limit is None or len(text) <= limit else text[:limit - 3] + "..."
+    return text if limit is None or len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _change_lines(key: str, old, want, limit: Optional[int] = 200) -> list[str]:
@@ -571,8 +778,10 @@ def _change_lines(key: str, old, want, limit: Optional[int] = 200) -> list[str]:
 
 # settings keys that are no config key of their own: named with where they come from, so a user who changed
 # extract.max_length (not prompts.max_context_tokens, which a config rarely sets) finds the edit in the message
-_SETTING_LABELS = {"max_context_tokens": "max_context_tokens (prompts.max_context_tokens, else extract.max_length)",
-                   "verifier_weights": "verifier_weights (the weight files at verifier.path)"}
+_SETTING_LABELS = {
+    "max_context_tokens": "max_context_tokens (prompts.max_context_tokens, else extract.max_length)",
+    "verifier_weights": "verifier_weights (the weight files at verifier.path)",
+}
 
 
 def redo_reason(out: Path, rep: Path, report: Optional[dict], want: dict) -> Optional[str]:
@@ -617,8 +826,10 @@ def source_changes(old: dict, want: dict) -> list[str]:
         return []
     names_o, names_w = [x.get("source") for x in o], [x.get("source") for x in w]
     if names_o != names_w:
+
         def one(names):
             return _brief(names[0] if len(names) == 1 else names if names else "unset")
+
         return [f"source: {one(names_o)} -> {one(names_w)}"]
     return [f"the content of {b.get('source')} changed" for a, b in zip(o, w) if a != b]
 
@@ -631,7 +842,12 @@ def _sub_changes(key: str, old: dict, want: dict) -> list[str]:
         o, w = old.get(sub, "unset"), want.get(sub, "unset")
         if o == w:
             continue
-        if isinstance(o, dict) and isinstance(w, dict) and "source" in w and o.get("source") == w["source"]:
+        if (
+            isinstance(o, dict)
+            and isinstance(w, dict)
+            and "source" in w
+            and o.get("source") == w["source"]
+        ):
             out.append(f"the content of {w['source']} changed")
         else:
             out.append(f"{key}.{sub}: {_brief(o)} -> {_brief(w)}")
@@ -647,28 +863,47 @@ def nothing_regenerated(cfg: RunConfig, stats: dict) -> UserError:
     for p in all_logs(partial_path(cfg).parent):
         p.unlink(missing_ok=True)
     dropped, failed = stats.get("dropped_over_context", 0), stats.get("failed", 0)
-    cap = (f"{dropped} conversations left out because their first prompt has >= {max_context_tokens(cfg)} tokens "
-           f"(prompts.max_context_tokens, else extract.max_length: raise it)")
+    cap = (
+        f"{dropped} conversations left out because their first prompt has >= {max_context_tokens(cfg)} tokens "
+        f"(prompts.max_context_tokens, else extract.max_length: raise it)"
+    )
     if dropped and not failed:
-        return UserError(f"prompts.max_context_tokens: no conversation to regenerate: {cap}; nothing written")
+        return UserError(
+            f"prompts.max_context_tokens: no conversation to regenerate: {cap}; nothing written"
+        )
     where = "prompts.server.urls" if cfg.prompts.regenerate_via != "local" else "prompts.regenerate"
-    return UserError(f"{where}: every conversation failed to regenerate ({failed} failed; see the error lines above"
-                     + (f"; {cap}" if dropped else "") + "); nothing written")
+    return UserError(
+        f"{where}: every conversation failed to regenerate ({failed} failed; see the error lines above"
+        + (f"; {cap}" if dropped else "")
+        + "); nothing written"
+    )
 
 
 def up_to_date(report: Optional[dict], want: dict) -> bool:
     """Both outputs exist (``report``: :func:`read_report`'s content, None without ``prompts.jsonl`` or a readable
     report), the report's settings equal ``want`` and no regeneration failed last time."""
     old = report.get("settings") if isinstance(report, dict) else None
-    return isinstance(old, dict) and comparable_settings(old, want) == want and not _had_failures(report)
+    return (
+        isinstance(old, dict)
+        and comparable_settings(old, want) == want
+        and not _had_failures(report)
+    )
 
 
 # 01 settings that come from other sections than ``prompts:`` (a verifier used only to regenerate may differ
 # from the one 02 captures with) or from the command line only (``--limit``): not compared by prompts_changes.
 # ``max_context_tokens`` is compared: it decides which conversations 01 keeps (``prompts.max_context_tokens``, or
 # ``extract.max_length`` when unset)
-_NOT_PROMPTS_SECTION = ("limit", "verifier", "verifier_dtype", "verifier_weights", "chat_template", "chat_template_kwargs",
-                        "reply_start", "think_tags")
+_NOT_PROMPTS_SECTION = (
+    "limit",
+    "verifier",
+    "verifier_dtype",
+    "verifier_weights",
+    "chat_template",
+    "chat_template_kwargs",
+    "reply_start",
+    "think_tags",
+)
 _SOURCE_KEYS = ("source", "sources", "bytes", "sha256")
 _REGEN_KEYS = ("max_new_tokens", "regenerate_via", "temperature", "top_p", "model", "extra_body")
 
@@ -702,7 +937,10 @@ def read_report(cfg: RunConfig) -> tuple[Path, Optional[dict]]:
         return rep, None
     try:
         report = json.loads(rep.read_text(encoding="utf-8"))
-    except (OSError, ValueError):  # malformed JSON, or bytes that are not UTF-8 (UnicodeDecodeError)
+    except (
+        OSError,
+        ValueError,
+    ):  # malformed JSON, or bytes that are not UTF-8 (UnicodeDecodeError)
         return rep, None
     return rep, report if isinstance(report, dict) else None
 
@@ -714,7 +952,9 @@ def report_changes(cfg: RunConfig, report: Optional[dict]) -> list[str]:
     old = report.get("settings") if isinstance(report, dict) else None
     if not isinstance(old, dict):
         return []
-    want = settings(cfg, old.get("limit"), known=report.get(SOURCE_STATS))  # only a change to detect: a recorded
+    want = settings(
+        cfg, old.get("limit"), known=report.get(SOURCE_STATS)
+    )  # only a change to detect: a recorded
     # hash is reused while the source's size and mtime are unchanged
     old = comparable_settings(old, want)
     skip = set(_NOT_PROMPTS_SECTION)
@@ -726,12 +966,22 @@ def report_changes(cfg: RunConfig, report: Optional[dict]) -> list[str]:
     if "sha256" not in want:  # the source file is gone (or never was one): compare its name only
         old.pop("sha256", None), old.pop("bytes", None)
     si_old, si_want = old.get("self_instruct"), want.get("self_instruct")
-    if isinstance(si_old, dict) and isinstance(si_want, dict) and "sha256" not in si_want.get("file", {}):
-        old["self_instruct"] = {**si_old, "file": si_want["file"]}  # the self-instruct file is gone: its settings only
+    if (
+        isinstance(si_old, dict)
+        and isinstance(si_want, dict)
+        and "sha256" not in si_want.get("file", {})
+    ):
+        old["self_instruct"] = {
+            **si_old,
+            "file": si_want["file"],
+        }  # the self-instruct file is gone: its settings only
     if isinstance(old.get("sources"), list) and isinstance(want.get("sources"), list):
-        old["sources"] = [{k: v for k, v in o.items() if k in w or k not in ("sha256", "bytes")}
-                          if isinstance(o, dict) else o for o, w in zip(old["sources"], want["sources"])] \
-            + old["sources"][len(want["sources"]):]
+        old["sources"] = [
+            {k: v for k, v in o.items() if k in w or k not in ("sha256", "bytes")}
+            if isinstance(o, dict)
+            else o
+            for o, w in zip(old["sources"], want["sources"])
+        ] + old["sources"][len(want["sources"]) :]
     changes = [] if skip & set(_SOURCE_KEYS) else source_changes(old, want)
     for k in sorted((set(old) | set(want)) - skip - set(_SOURCE_KEYS)):
         o, w = old.get(k, "unset"), want.get(k, "unset")
@@ -739,7 +989,9 @@ def report_changes(cfg: RunConfig, report: Optional[dict]) -> list[str]:
             continue
         # self_instruct: the changed sub-keys, not both whole mappings with the file's sha256 (02's refusal was ~700
         # characters for self_instruct.num: 8 -> 9); a mapping against no mapping cut to 120 characters
-        changes += _change_lines(k, o, w, 120 if isinstance(o, dict) or isinstance(w, dict) else None)
+        changes += _change_lines(
+            k, o, w, 120 if isinstance(o, dict) or isinstance(w, dict) else None
+        )
     return changes
 
 
@@ -757,46 +1009,80 @@ def select_conversations(cfg: RunConfig, limit: Optional[int]) -> tuple[list[dic
     counts: Counter = Counter()
     sources = [pc.source] if isinstance(pc.source, str) else list(pc.source)
     convs = []
-    for src in sources:  # several sources are concatenated in order, then deduped and sampled together
-        convs += read_conversations(src, pc.format, hf_split=pc.hf_split, keep_prompt_only=pc.regenerate,
-                                    system_prompt=pc.system_prompt, counts=counts,
-                                    think_tags=tuple(cfg.verifier.think_tags))
+    for (
+        src
+    ) in sources:  # several sources are concatenated in order, then deduped and sampled together
+        convs += read_conversations(
+            src,
+            pc.format,
+            hf_split=pc.hf_split,
+            keep_prompt_only=pc.regenerate,
+            system_prompt=pc.system_prompt,
+            counts=counts,
+            think_tags=tuple(cfg.verifier.think_tags),
+        )
     convs = unique_ids(convs)  # ids repeated across the sources get #2, #3, as within one file
     n_read_ok = len(convs)
     n_dup = 0
     if pc.dedupe:
         convs, n_dup = dedupe(convs)
     n_before = len(convs)
-    short = short_pool_warning("prompts.sample_size", pc.sample_size, n_before,
-                               "conversations left after reading" + (" and dedupe" if pc.dedupe else ""))
+    short = short_pool_warning(
+        "prompts.sample_size",
+        pc.sample_size,
+        n_before,
+        "conversations left after reading" + (" and dedupe" if pc.dedupe else ""),
+    )
     if short and _rank0():  # asked for more than there are: say so (once under torchrun)
         log.warning("%s", short)
     convs = sample(convs, pc.sample_size, pc.seed)
     if not convs:
-        hint = ("; prompt-only sources need prompts.regenerate: true (the verifier writes the answers)"
-                if counts.get("skipped_no_assistant") and not pc.regenerate else "")
-        raise UserError(f"prompts.source: no usable conversation in '{pc.source}': {read_counts_text(counts)}{hint}")
+        hint = (
+            "; prompt-only sources need prompts.regenerate: true (the verifier writes the answers)"
+            if counts.get("skipped_no_assistant") and not pc.regenerate
+            else ""
+        )
+        raise UserError(
+            f"prompts.source: no usable conversation in '{pc.source}': {read_counts_text(counts)}{hint}"
+        )
     steps = {"normalised": n_read_ok, "deduped": n_dup, "sampled_out": n_before - len(convs)}
-    if pc.self_instruct is not None:  # on top of the sampled sources (sample_size counts the sources only)
-        convs, steps["self_instruct"], steps["self_instruct_deduped"] = add_self_instruct(cfg, convs)
+    if (
+        pc.self_instruct is not None
+    ):  # on top of the sampled sources (sample_size counts the sources only)
+        convs, steps["self_instruct"], steps["self_instruct_deduped"] = add_self_instruct(
+            cfg, convs
+        )
     steps["limited_out"] = 0
     if limit is not None and len(convs) > limit:
         steps["limited_out"] = len(convs) - limit
         convs = convs[:limit]
     if pc.self_instruct is not None:  # they come last: --limit cuts them first
-        steps["self_instruct_limited_out"] = dropped = min(steps["self_instruct"], steps["limited_out"])
+        steps["self_instruct_limited_out"] = dropped = min(
+            steps["self_instruct"], steps["limited_out"]
+        )
         if dropped and _rank0():
-            log.warning(limit_drops_self_instruct("--limit", limit, steps["self_instruct"], dropped,
-                                                  len(convs) + steps["limited_out"]))
+            log.warning(
+                limit_drops_self_instruct(
+                    "--limit",
+                    limit,
+                    steps["self_instruct"],
+                    dropped,
+                    len(convs) + steps["limited_out"],
+                )
+            )
     return convs, counts, steps
 
 
-def limit_drops_self_instruct(flag: str, limit: int, n_self_instruct: int, dropped: int, total: int) -> str:
+def limit_drops_self_instruct(
+    flag: str, limit: int, n_self_instruct: int, dropped: int, total: int
+) -> str:
     """The one-line warning of a ``limit`` (``flag``: 01's or 02's ``--limit``) that leaves out ``dropped`` of the
     ``n_self_instruct`` ``prompts.self_instruct`` prompts, which come after the sampled sources (``total``
     conversations in all before the limit)."""
-    return (f"{flag} {limit}: leaves out {dropped} of the {n_self_instruct} prompts.self_instruct prompts (they come "
-            f"after the {total - n_self_instruct} sampled source conversations); {flag} {total} keeps them all")
+    return (
+        f"{flag} {limit}: leaves out {dropped} of the {n_self_instruct} prompts.self_instruct prompts (they come "
+        f"after the {total - n_self_instruct} sampled source conversations); {flag} {total} keeps them all"
+    )
 
 
 def add_self_instruct(cfg: RunConfig, convs: list[dict]) -> tuple[list[dict], int, int]:
@@ -811,21 +1097,37 @@ def add_self_instruct(cfg: RunConfig, convs: list[dict]) -> tuple[list[dict], in
         UserError: the file is missing or unreadable (:func:`eagle3.prompts.readers.read_conversations`).
     """
     pc = cfg.prompts
-    extra = read_conversations(str(cfg.self_instruct_path), "messages", keep_prompt_only=True,
-                               system_prompt=pc.system_prompt, think_tags=tuple(cfg.verifier.think_tags))
+    extra = read_conversations(
+        str(cfg.self_instruct_path),
+        "messages",
+        keep_prompt_only=True,
+        system_prompt=pc.system_prompt,
+        think_tags=tuple(cfg.verifier.think_tags),
+    )
     out, n_dup = dedupe(convs + extra) if pc.dedupe else (convs + extra, 0)
     return unique_ids(out), len(extra) - n_dup, n_dup
 
 
-def build_report(cfg: RunConfig, want: dict, counts: Counter, steps: dict, convs: list[dict], regen_stats: dict,
-                 answer_fields: Sequence[str] = ANSWER_FIELDS) -> dict:
+def build_report(
+    cfg: RunConfig,
+    want: dict,
+    counts: Counter,
+    steps: dict,
+    convs: list[dict],
+    regen_stats: dict,
+    answer_fields: Sequence[str] = ANSWER_FIELDS,
+) -> dict:
     """``prompts_report.json``'s content: the settings, the counts of every step and the regeneration figures."""
     pc = cfg.prompts
     report = {
         "settings": want,
         "counts": {
             "read": counts["read"],
-            "skipped": {k[len("skipped_"):]: v for k, v in sorted(counts.items()) if k.startswith("skipped_")},
+            "skipped": {
+                k[len("skipped_") :]: v
+                for k, v in sorted(counts.items())
+                if k.startswith("skipped_")
+            },
             "dropped_leading_assistant": counts["dropped_leading_assistant"],
             **steps,  # normalised, deduped, sampled_out, [self_instruct, self_instruct_deduped,] limited_out,
             # [self_instruct_limited_out] (this order)
@@ -833,21 +1135,36 @@ def build_report(cfg: RunConfig, want: dict, counts: Counter, steps: dict, convs
             "kept": len(convs),
             # answered by the verifier (this run, an earlier one's resume log or prompts.reuse_answers); conversations
             # with tool results are kept as they are, not regenerated
-            "regenerated": len(convs) - regen_stats.get("kept_with_tools", 0) if pc.regenerate else 0,
+            "regenerated": len(convs) - regen_stats.get("kept_with_tools", 0)
+            if pc.regenerate
+            else 0,
             # assistant replies whose inline <think> block became reasoning_content
-            **({"inline_reasoning_split": counts["inline_reasoning_split"]} if counts["inline_reasoning_split"] else {}),
+            **(
+                {"inline_reasoning_split": counts["inline_reasoning_split"]}
+                if counts["inline_reasoning_split"]
+                else {}
+            ),
         },
     }
-    if pc.regenerate:  # what every answer records (an up-to-date check names a file written without them)
+    if (
+        pc.regenerate
+    ):  # what every answer records (an up-to-date check names a file written without them)
         report["answer_fields"] = list(answer_fields)
     if regen_stats:
         secs = regen_stats["seconds"]
-        report["regeneration"] = {**regen_stats, "via": pc.regenerate_via,
-                                  "tokens_per_s": regen_stats["new_tokens"] / secs if secs > 0 else None}
+        report["regeneration"] = {
+            **regen_stats,
+            "via": pc.regenerate_via,
+            "tokens_per_s": regen_stats["new_tokens"] / secs if secs > 0 else None,
+        }
         if pc.regenerate_via != "local":
             report["regeneration"]["sampling"] = {
-                "max_new_tokens": pc.max_new_tokens, "temperature": pc.temperature, "top_p": pc.top_p,
-                "chat_template_kwargs": dict(cfg.verifier.chat_template_kwargs), "extra_body": pc.server.extra_body}
+                "max_new_tokens": pc.max_new_tokens,
+                "temperature": pc.temperature,
+                "top_p": pc.top_p,
+                "chat_template_kwargs": dict(cfg.verifier.chat_template_kwargs),
+                "extra_body": pc.server.extra_body,
+            }
     return report
 
 
@@ -859,17 +1176,25 @@ def older_answers_warning(out: Path, report: Optional[dict]) -> Optional[str]:
     or stopped on another stop id as if the verifier had emitted it. None for a file that was not regenerated or
     records them all. Its settings still match, so the file stays up to date (a warning, not a remake)."""
     st = report.get("settings") if isinstance(report, dict) else None
-    if not isinstance(st, dict) or not st.get("regenerate") or report.get("answer_fields") == list(ANSWER_FIELDS):
+    if (
+        not isinstance(st, dict)
+        or not st.get("regenerate")
+        or report.get("answer_fields") == list(ANSWER_FIELDS)
+    ):
         return None
     have = report.get("answer_fields")
-    missing = [f for f in ANSWER_FIELDS if f != "tokens" and not (isinstance(have, list) and f in have)]
+    missing = [
+        f for f in ANSWER_FIELDS if f != "tokens" and not (isinstance(have, list) and f in have)
+    ]
     regen = report.get("regeneration")
     cut = regen.get("truncated") if isinstance(regen, dict) else None
-    return (f"{out}: regenerated by an older 01 that did not record {' / '.join(missing)} on each answer "
-            f"({REPORT_NAME} has {'no answer_fields' if have is None else 'answer_fields ' + json.dumps(have)}"
-            f"{f'; {cut} answers were cut at prompts.max_new_tokens' if isinstance(cut, int) and cut else ''}): 02 "
-            "trains the template's end-of-turn token after an answer cut at prompts.max_new_tokens or stopped on "
-            "another stop id as if the verifier had emitted it; re-run 01 with --force to record them")
+    return (
+        f"{out}: regenerated by an older 01 that did not record {' / '.join(missing)} on each answer "
+        f"({REPORT_NAME} has {'no answer_fields' if have is None else 'answer_fields ' + json.dumps(have)}"
+        f"{f'; {cut} answers were cut at prompts.max_new_tokens' if isinstance(cut, int) and cut else ''}): 02 "
+        "trains the template's end-of-turn token after an answer cut at prompts.max_new_tokens or stopped on "
+        "another stop id as if the verifier had emitted it; re-run 01 with --force to record them"
+    )
 
 
 def left_out_by_regeneration(regen_stats: dict) -> dict:
@@ -891,24 +1216,42 @@ def write_outputs(cfg: RunConfig, convs: list[dict], report: dict, regen_stats: 
     atomic_write_jsonl(out, convs)
     atomic_write_json(rep, report)
     atomic_write_text(rep.with_suffix(".md"), report_markdown(report))
-    forced_path(cfg).unlink(missing_ok=True)  # a --force run (this one or an interrupted one) has finished
+    forced_path(cfg).unlink(
+        missing_ok=True
+    )  # a --force run (this one or an interrupted one) has finished
     failed = regen_stats.get("failed", 0)
     if pc.regenerate and not failed:
         from eagle3.prompts.replicas import all_logs
 
-        for p in all_logs(partial_path(cfg).parent):  # everything is in the final file now (every replica's log)
+        for p in all_logs(
+            partial_path(cfg).parent
+        ):  # everything is in the final file now (every replica's log)
             p.unlink(missing_ok=True)
     if failed:
-        print(f"regeneration: {failed} conversation(s) failed (ids in {rep.name}); they are not in {out.name}. "
-              f"Rerun the same command to retry only those.")
+        print(
+            f"regeneration: {failed} conversation(s) failed (ids in {rep.name}); they are not in {out.name}. "
+            f"Rerun the same command to retry only those."
+        )
     c = report["counts"]
     si = report["settings"].get("self_instruct")
-    si_text = (f", self-instruct {si['num']} sampled / {c['self_instruct'] - c.get('self_instruct_limited_out', 0)} "
-               f"kept" if isinstance(si, dict) and "self_instruct" in c else "")
-    reused = report.get("reused_answers")  # regenerated counts them too: say how many came from the earlier file
-    reused_text = f", {reused['conversations']} of them reused from {reused['file']}" if reused else ""
+    si_text = (
+        f", self-instruct {si['num']} sampled / {c['self_instruct'] - c.get('self_instruct_limited_out', 0)} "
+        f"kept"
+        if isinstance(si, dict) and "self_instruct" in c
+        else ""
+    )
+    reused = report.get(
+        "reused_answers"
+    )  # regenerated counts them too: say how many came from the earlier file
+    reused_text = (
+        f", {reused['conversations']} of them reused from {reused['file']}" if reused else ""
+    )
     dropped = c.get("dropped_over_context", 0)
-    cap_text = f", {dropped} left out by the context cap (prompts.max_context_tokens)" if dropped else ""
-    print(f"prompts: {out} ({c['kept']} conversations; read {c['read']}, skipped {sum(c['skipped'].values())}, "
-          f"deduped {c['deduped']}{cap_text}, regenerated {c['regenerated']}{reused_text}{si_text})")
+    cap_text = (
+        f", {dropped} left out by the context cap (prompts.max_context_tokens)" if dropped else ""
+    )
+    print(
+        f"prompts: {out} ({c['kept']} conversations; read {c['read']}, skipped {sum(c['skipped'].values())}, "
+        f"deduped {c['deduped']}{cap_text}, regenerated {c['regenerated']}{reused_text}{si_text})"
+    )
     print(f"report:  {rep}")

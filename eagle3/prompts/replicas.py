@@ -27,8 +27,15 @@ from eagle3.errors import UserError
 from eagle3.prompts.resume_log import PARTIAL_NAME, ResumeLog, log_resuming
 
 TIMEOUT = datetime.timedelta(hours=3)
-_SUMMED = ("answers", "new_tokens", "truncated", "turns_over_context", "dropped_over_context", "batches",
-           "decode_steps")
+_SUMMED = (
+    "answers",
+    "new_tokens",
+    "truncated",
+    "turns_over_context",
+    "dropped_over_context",
+    "batches",
+    "decode_steps",
+)
 
 
 @dataclass
@@ -83,13 +90,17 @@ def init_dist() -> Dist:
 
 def log_path(folder: Path, rank: int) -> Path:
     """Rank ``rank``'s resume log in ``folder``."""
-    return folder / (PARTIAL_NAME if rank == 0 else PARTIAL_NAME.replace(".jsonl", f".rank{rank}.jsonl"))
+    return folder / (
+        PARTIAL_NAME if rank == 0 else PARTIAL_NAME.replace(".jsonl", f".rank{rank}.jsonl")
+    )
 
 
 def all_logs(folder: Path) -> list[Path]:
     """Every resume log in ``folder`` (rank 0's first, then the others by rank)."""
-    ranked = sorted(folder.glob(PARTIAL_NAME.replace(".jsonl", ".rank*.jsonl")),
-                    key=lambda p: int(p.name.rsplit(".rank", 1)[1].split(".")[0]))
+    ranked = sorted(
+        folder.glob(PARTIAL_NAME.replace(".jsonl", ".rank*.jsonl")),
+        key=lambda p: int(p.name.rsplit(".rank", 1)[1].split(".")[0]),
+    )
     return [p for p in [folder / PARTIAL_NAME, *ranked] if p.is_file()]
 
 
@@ -129,15 +140,22 @@ class _GlobalLog:
 
 def share(convs: list[dict], open_positions: list[int], rank: int, world: int) -> list[int]:
     """Rank ``rank``'s positions: the open conversations by user turns (most first, then position), dealt round-robin."""
-    order = sorted(open_positions, key=lambda i: (-sum(m["role"] == "user" for m in convs[i]["messages"]), i))
+    order = sorted(
+        open_positions, key=lambda i: (-sum(m["role"] == "user" for m in convs[i]["messages"]), i)
+    )
     return sorted(order[rank::world])
 
 
 def merge_stats(parts: list[dict], resumed: int, kept_with_tools: int) -> dict:
     """One report's regeneration stats from every rank's: counts summed, seconds the slowest rank's."""
     out = {k: sum(p.get(k, 0) for p in parts) for k in _SUMMED}
-    out.update(seconds=max(p.get("seconds", 0.0) for p in parts), resumed=resumed, kept_with_tools=kept_with_tools,
-               replicas=len(parts), engine=parts[0].get("engine"))
+    out.update(
+        seconds=max(p.get("seconds", 0.0) for p in parts),
+        resumed=resumed,
+        kept_with_tools=kept_with_tools,
+        replicas=len(parts),
+        engine=parts[0].get("engine"),
+    )
     if any("engine_stats" in p for p in parts):
         out["engine_stats"] = [p.get("engine_stats") for p in parts]  # one per replica
     return out
@@ -146,11 +164,21 @@ def merge_stats(parts: list[dict], resumed: int, kept_with_tools: int) -> dict:
 def assemble(convs: list[dict], finished: dict[int, dict], has_tools) -> list[dict]:
     """The output in input order: tool conversations as they are, the others from the logs; a conversation in
     neither was left out by the context cap (its first prompt is over it: never logged)."""
-    return [c if has_tools(c) else finished[i] for i, c in enumerate(convs) if has_tools(c) or i in finished]
+    return [
+        c if has_tools(c) else finished[i]
+        for i, c in enumerate(convs)
+        if has_tools(c) or i in finished
+    ]
 
 
-def regenerate_replicas(cfg, convs: list[dict], want: dict, stats: dict, force: bool = False,
-                        regen_kwargs: Optional[dict] = None) -> Optional[list[dict]]:
+def regenerate_replicas(
+    cfg,
+    convs: list[dict],
+    want: dict,
+    stats: dict,
+    force: bool = False,
+    regen_kwargs: Optional[dict] = None,
+) -> Optional[list[dict]]:
     """Regenerate ``convs`` over the torchrun replicas (module docstring). Returns the conversations on rank 0,
     None on the other ranks (which must not write outputs); ``stats`` gets the merged figures on rank 0.
 
@@ -159,14 +187,15 @@ def regenerate_replicas(cfg, convs: list[dict], want: dict, stats: dict, force: 
     """
     import torch
 
+    from eagle3.process_group import process_group_scope
     from eagle3.prompts.regenerate import has_tool_calls, regenerate
     from eagle3.verifier import load_verifier, stop_token_ids
 
-    from eagle3.process_group import process_group_scope
-
     d = init_dist()
     folder = cfg.prompts_path.parent
-    with process_group_scope(owned=d.initialized_here):  # barrier on success only: peers may be stuck after an error
+    with process_group_scope(
+        owned=d.initialized_here
+    ):  # barrier on success only: peers may be stuck after an error
         if force and d.rank == 0:
             for p in all_logs(folder):
                 p.unlink()
@@ -179,16 +208,26 @@ def regenerate_replicas(cfg, convs: list[dict], want: dict, stats: dict, force: 
         mine = share(convs, todo, d.rank, d.world)
         device = f"cuda:{d.local_rank}" if d.world > 1 and torch.cuda.is_available() else None
         model, tok = load_verifier(cfg.verifier, device=device)
-        stats["stop_token_ids"] = sorted(stop_token_ids(tok))  # the verifier's stop set, recorded in the report
+        stats["stop_token_ids"] = sorted(
+            stop_token_ids(tok)
+        )  # the verifier's stop set, recorded in the report
         st: dict = {}
-        regenerate(model, tok, [convs[i] for i in mine], stats=st,
-                   journal=_GlobalLog(ResumeLog(log_path(folder, d.rank), want), mine), **(regen_kwargs or {}))
+        regenerate(
+            model,
+            tok,
+            [convs[i] for i in mine],
+            stats=st,
+            journal=_GlobalLog(ResumeLog(log_path(folder, d.rank), want), mine),
+            **(regen_kwargs or {}),
+        )
         parts = d.gather(st)
         d.barrier()  # every rank's log is complete
         out = None
         if d.rank == 0:
             tools = sum(1 for c in convs if has_tool_calls(c))
-            stats.update(merge_stats(parts, resumed=len(finished), kept_with_tools=tools),
-                         stop_token_ids=stats["stop_token_ids"])
+            stats.update(
+                merge_stats(parts, resumed=len(finished), kept_with_tools=tools),
+                stop_token_ids=stats["stop_token_ids"],
+            )
             out = assemble(convs, load_finished(folder, want, convs), has_tool_calls)
         return out

@@ -13,6 +13,7 @@ import logging
 import os
 import threading
 from pathlib import Path
+from typing import Any, Optional
 
 from eagle3.errors import UserError
 from eagle3.io import atomic_write_text
@@ -42,11 +43,16 @@ def comparable_settings(old: dict, want: dict) -> dict:
     Returns:
         A new dict; equal to ``want`` exactly when the settings agree.
     """
-    from eagle3.verifier import WEIGHTS_KEY, weights_differ  # here: the endpoint path imports this module without torch
+    from eagle3.verifier import (  # here: the endpoint path imports this module without torch
+        WEIGHTS_KEY,
+        weights_differ,
+    )
 
     out = {k: v for k, v in old.items() if not (k in CONDITIONAL_KEYS and k not in want)}
     out.update({k: want[k] for k in CONDITIONAL_KEYS if k in want and k not in old})
-    if not weights_differ(out.get(WEIGHTS_KEY), want.get(WEIGHTS_KEY)):  # equal, or a side without one: want's
+    if not weights_differ(
+        out.get(WEIGHTS_KEY), want.get(WEIGHTS_KEY)
+    ):  # equal, or a side without one: want's
         out.pop(WEIGHTS_KEY, None)
         if WEIGHTS_KEY in want:
             out[WEIGHTS_KEY] = want[WEIGHTS_KEY]
@@ -63,11 +69,15 @@ def older_fields_warning(path: Path, fields: Any, what: str) -> Optional[str]:
     missing = [f for f in ANSWER_FIELDS if not (isinstance(fields, list) and f in fields)]
     if not missing:
         return None
-    have = ", ".join(map(str, fields)) if isinstance(fields, list) else "none recorded"  # hand-edited: any items
-    return (f"{path}: {what} an older 01 wrote without {' / '.join(missing)} on each answer (answer_fields: {have}); "
-            f"they are kept as they are (02 counts an answer without stop_token as stopped on the template's "
-            f"end-of-turn token) and prompts_report.json records only the fields every answer has; pass --force to "
-            f"regenerate them all")
+    have = (
+        ", ".join(map(str, fields)) if isinstance(fields, list) else "none recorded"
+    )  # hand-edited: any items
+    return (
+        f"{path}: {what} an older 01 wrote without {' / '.join(missing)} on each answer (answer_fields: {have}); "
+        f"they are kept as they are (02 counts an answer without stop_token as stopped on the template's "
+        f"end-of-turn token) and prompts_report.json records only the fields every answer has; pass --force to "
+        f"regenerate them all"
+    )
 
 
 def logged_answer_fields(paths: list[Path]) -> list[str]:
@@ -115,32 +125,50 @@ class ResumeLog:
         """
         if not self.path.is_file():
             return {}
-        rows, torn = read_append_log(self.path, lambda r: isinstance(r, dict),
-                                     "malformed line in the regeneration resume log")
+        rows, torn = read_append_log(
+            self.path,
+            lambda r: isinstance(r, dict),
+            "malformed line in the regeneration resume log",
+        )
         done: dict[int, dict] = {}
         for j, (n, row, _) in enumerate(rows):
             if j == 0:  # the header
                 old = row.get("settings")
                 old = comparable_settings(old, self.settings) if isinstance(old, dict) else old
                 if old != self.settings:
-                    diff = sorted(k for k in set(old or {}) | set(self.settings)
-                                  if (old or {}).get(k) != self.settings.get(k))
-                    raise UserError(f"{self.path}: a regeneration was started here with other settings "
-                                    f"({', '.join(diff) or 'header'} differ); rerun with those settings to resume, "
-                                    "or pass --force to discard it and start over")
-                warning = older_fields_warning(self.path, row.get("answer_fields"), "resuming answers")
+                    diff = sorted(
+                        k
+                        for k in set(old or {}) | set(self.settings)
+                        if (old or {}).get(k) != self.settings.get(k)
+                    )
+                    raise UserError(
+                        f"{self.path}: a regeneration was started here with other settings "
+                        f"({', '.join(diff) or 'header'} differ); rerun with those settings to resume, "
+                        "or pass --force to discard it and start over"
+                    )
+                warning = older_fields_warning(
+                    self.path, row.get("answer_fields"), "resuming answers"
+                )
                 if warning:
                     log.warning(warning)
                 continue
             idx, cid = row.get("idx"), row.get("id")
-            if not isinstance(idx, int) or not 0 <= idx < len(conversations) or cid != conversations[idx]["id"] \
-                    or not isinstance(row.get("messages"), list):
-                raise UserError(f"{self.path}:{n}: entry {cid!r} at position {idx!r} does not match the input "
-                                "conversations; pass --force to discard the log and start over")
+            if (
+                not isinstance(idx, int)
+                or not 0 <= idx < len(conversations)
+                or cid != conversations[idx]["id"]
+                or not isinstance(row.get("messages"), list)
+            ):
+                raise UserError(
+                    f"{self.path}:{n}: entry {cid!r} at position {idx!r} does not match the input "
+                    "conversations; pass --force to discard the log and start over"
+                )
             done[idx] = {k: v for k, v in row.items() if k != "idx"}
         if torn and rows:
             log.warning("%s: dropped a torn last line (interrupted write)", self.path)
-            atomic_write_text(self.path, b"".join(raw + b"\n" for _, _, raw in rows).decode("utf-8"))
+            atomic_write_text(
+                self.path, b"".join(raw + b"\n" for _, _, raw in rows).decode("utf-8")
+            )
         elif torn:  # not even the header made it
             self.path.unlink()
         return done
@@ -148,8 +176,14 @@ class ResumeLog:
     def open(self) -> None:
         """Open for appending; a new log gets its settings line first (written atomically)."""
         if not self.path.is_file():
-            atomic_write_text(self.path, json.dumps({"settings": self.settings, "answer_fields": list(ANSWER_FIELDS)},
-                                                    ensure_ascii=False) + "\n")
+            atomic_write_text(
+                self.path,
+                json.dumps(
+                    {"settings": self.settings, "answer_fields": list(ANSWER_FIELDS)},
+                    ensure_ascii=False,
+                )
+                + "\n",
+            )
         self._f = open(self.path, "a", encoding="utf-8")
 
     def append(self, idx: int, conv: dict) -> None:
@@ -159,9 +193,14 @@ class ResumeLog:
     def append_many(self, entries: list[tuple[int, dict]]) -> None:
         """Record several finished conversations ``(idx, conv)``: one line each, one flush + fsync for all
         (in-process regeneration finishes thousands a minute; an fsync each would cost seconds)."""
-        text = "".join(json.dumps({"idx": int(idx), **conv}, ensure_ascii=False) + "\n" for idx, conv in entries)
+        text = "".join(
+            json.dumps({"idx": int(idx), **conv}, ensure_ascii=False) + "\n"
+            for idx, conv in entries
+        )
         with self._lock:
-            if self._f is None:  # the run is ending (Ctrl-C, error): these are redone by the next run
+            if (
+                self._f is None
+            ):  # the run is ending (Ctrl-C, error): these are redone by the next run
                 raise InterruptedError(f"{self.path}: closed")
             self._f.write(text)
             self._f.flush()
@@ -189,7 +228,9 @@ def logged_positions(paths: list[Path]) -> set[int]:
     """
     seen: set[int] = set()
     for p in paths:
-        rows, _torn = read_append_log(p, lambda r: isinstance(r, dict), "malformed line in the regeneration resume log")
+        rows, _torn = read_append_log(
+            p, lambda r: isinstance(r, dict), "malformed line in the regeneration resume log"
+        )
         seen.update(row["idx"] for _, row, _ in rows if isinstance(row.get("idx"), int))
     return seen
 
@@ -198,5 +239,9 @@ def log_resuming(done: int, total: int) -> None:
     """Say, once per run, that 01 continues an interrupted regeneration: ``done`` of ``total`` conversations are
     taken from the resume log(s) (nothing is said when ``done`` is 0)."""
     if done:
-        log.info("resuming: %d of %d conversations already regenerated (resume log), %d to go", done, total,
-                 total - done)
+        log.info(
+            "resuming: %d of %d conversations already regenerated (resume log), %d to go",
+            done,
+            total,
+            total - done,
+        )

@@ -30,19 +30,41 @@ from eagle3.prompts.resume_log import comparable_settings, older_fields_warning
 log = logging.getLogger(__name__)
 
 # 01 settings (eagle3.prompts.prepare_prompts.settings) that determine a regenerated answer
-REGEN_KEYS = ("regenerate", "max_new_tokens", "max_context_tokens", "verifier", "verifier_dtype", "verifier_weights",
-              "chat_template", "chat_template_kwargs", "reply_start", "regenerate_via", "temperature", "top_p", "model",
-              "extra_body", "think_tags")
+REGEN_KEYS = (
+    "regenerate",
+    "max_new_tokens",
+    "max_context_tokens",
+    "verifier",
+    "verifier_dtype",
+    "verifier_weights",
+    "chat_template",
+    "chat_template_kwargs",
+    "reply_start",
+    "regenerate_via",
+    "temperature",
+    "top_p",
+    "model",
+    "extra_body",
+    "think_tags",
+)
 
 
 def conversation_key(conv: dict) -> str:
     """The match key of a conversation: its messages without the assistant answers (an assistant message is left out,
     or reduced to its ``role`` and ``tool_calls`` when it has any: regeneration replaces the text, reasoning and
     token ids, and appends an answer to a prompt-only input), plus its ``tools``; canonical JSON."""
-    msgs = [({"role": "assistant", "tool_calls": m["tool_calls"]} if m.get("role") == "assistant" else
-             {k: v for k, v in m.items() if k != "tokens"}) for m in conv["messages"]
-            if m.get("role") != "assistant" or m.get("tool_calls")]
-    return json.dumps({"messages": msgs, "tools": conv.get("tools")}, sort_keys=True, ensure_ascii=False)
+    msgs = [
+        (
+            {"role": "assistant", "tool_calls": m["tool_calls"]}
+            if m.get("role") == "assistant"
+            else {k: v for k, v in m.items() if k != "tokens"}
+        )
+        for m in conv["messages"]
+        if m.get("role") != "assistant" or m.get("tool_calls")
+    ]
+    return json.dumps(
+        {"messages": msgs, "tools": conv.get("tools")}, sort_keys=True, ensure_ascii=False
+    )
 
 
 def _read_rows(path: Path) -> list[dict]:
@@ -58,7 +80,9 @@ def _read_rows(path: Path) -> list[dict]:
         raise UserError(f"{path}: prompts.reuse_answers: cannot read ({e})") from e
     for i, row in lines:
         if not isinstance(row, dict) or not isinstance(row.get("messages"), list):
-            raise UserError(f"{path}:{i}: prompts.reuse_answers: expected a conversation with 'messages'")
+            raise UserError(
+                f"{path}:{i}: prompts.reuse_answers: expected a conversation with 'messages'"
+            )
     return [row for _, row in lines]
 
 
@@ -71,24 +95,34 @@ def check_settings(report: dict, want: dict, report_file: Path) -> None:
     (:func:`eagle3.prompts.resume_log.older_fields_warning`); the new report records the fields every answer has."""
     old = report.get("settings") if isinstance(report, dict) else None
     if not isinstance(old, dict):
-        raise UserError(f"{report_file}: prompts.reuse_answers: not a report of 01 (no 'settings' object)")
+        raise UserError(
+            f"{report_file}: prompts.reuse_answers: not a report of 01 (no 'settings' object)"
+        )
     if not old.get("regenerate"):
-        raise UserError(f"{report_file}: prompts.reuse_answers: that run did not regenerate its answers (settings "
-                        f"regenerate is not true)")
-    warning = older_fields_warning(report_file, report.get("answer_fields"), "prompts.reuse_answers: reusing answers")
+        raise UserError(
+            f"{report_file}: prompts.reuse_answers: that run did not regenerate its answers (settings "
+            f"regenerate is not true)"
+        )
+    warning = older_fields_warning(
+        report_file, report.get("answer_fields"), "prompts.reuse_answers: reusing answers"
+    )
     if warning:
         log.warning(warning)
     old = comparable_settings(old, want)
     for k in REGEN_KEYS:
         if k == "verifier_weights" and old.get(k) != want.get(k):
-            raise UserError(f"{report_file}: prompts.reuse_answers: its answers were made by other weights than this "
-                            f"run's verifier.path holds (settings key verifier_weights: {old.get(k)} -> {want.get(k)}; "
-                            f"the verifier's name is the same); regenerate without prompts.reuse_answers or set "
-                            f"verifier.path back")
+            raise UserError(
+                f"{report_file}: prompts.reuse_answers: its answers were made by other weights than this "
+                f"run's verifier.path holds (settings key verifier_weights: {old.get(k)} -> {want.get(k)}; "
+                f"the verifier's name is the same); regenerate without prompts.reuse_answers or set "
+                f"verifier.path back"
+            )
         if old.get(k) != want.get(k):
-            raise UserError(f"{report_file}: prompts.reuse_answers: its answers were made with {k} = "
-                            f"{json.dumps(old.get(k))}, this run has {json.dumps(want.get(k))}; regenerate without "
-                            f"prompts.reuse_answers or match the setting")
+            raise UserError(
+                f"{report_file}: prompts.reuse_answers: its answers were made with {k} = "
+                f"{json.dumps(old.get(k))}, this run has {json.dumps(want.get(k))}; regenerate without "
+                f"prompts.reuse_answers or match the setting"
+            )
 
 
 def load(path: str, want: dict) -> dict[str, dict]:
@@ -102,13 +136,17 @@ def load(path: str, want: dict) -> dict[str, dict]:
 
     p = Path(path)
     if p.is_dir():
-        raise UserError(f"prompts.reuse_answers: {p}: a folder; give the earlier prompts.jsonl[.gz] in it")
+        raise UserError(
+            f"prompts.reuse_answers: {p}: a folder; give the earlier prompts.jsonl[.gz] in it"
+        )
     if not p.is_file():
         raise UserError(f"prompts.reuse_answers: {p}: no such file")
     rep = p.parent / "prompts_report.json"
     if not rep.is_file():
-        raise UserError(f"prompts.reuse_answers: {rep}: missing (the report 01 wrote beside {p.name} tells the "
-                        f"settings its answers were made under)")
+        raise UserError(
+            f"prompts.reuse_answers: {rep}: missing (the report 01 wrote beside {p.name} tells the "
+            f"settings its answers were made under)"
+        )
     check_settings(read_json(rep), want, rep)
     return {conversation_key(r): r for r in _read_rows(p)}
 

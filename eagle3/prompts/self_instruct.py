@@ -34,7 +34,13 @@ import torch
 
 from eagle3.config import SELF_INSTRUCT_BATCH
 from eagle3.errors import UserError
-from eagle3.io import atomic_write_bytes, atomic_write_json, atomic_write_text, file_sha256, read_json
+from eagle3.io import (
+    atomic_write_bytes,
+    atomic_write_json,
+    atomic_write_text,
+    file_sha256,
+    read_json,
+)
 
 log = logging.getLogger(__name__)
 
@@ -97,15 +103,20 @@ def pre_query_prefix(tokenizer, opts, system_prompt: Optional[str] = None) -> st
     from eagle3.prompts.chat import render_text
 
     msgs = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
-        {"role": "user", "content": SENTINEL}]
+        {"role": "user", "content": SENTINEL}
+    ]
     text = render_text(tokenizer, msgs, opts)
     if SENTINEL not in text:
-        raise UserError("verifier.chat_template: the template does not render a user message's content as given, so "
-                        "it has no pre-query text to sample user prompts from (01 --self-instruct)")
-    return text[:text.index(SENTINEL)]
+        raise UserError(
+            "verifier.chat_template: the template does not render a user message's content as given, so "
+            "it has no pre-query text to sample user prompts from (01 --self-instruct)"
+        )
+    return text[: text.index(SENTINEL)]
 
 
-def select_queries(texts: Sequence[str], ended: Sequence[bool], min_chars: int, seen: set) -> tuple[list[str], dict]:
+def select_queries(
+    texts: Sequence[str], ended: Sequence[bool], min_chars: int, seen: set
+) -> tuple[list[str], dict]:
     """Filter sampled queries (in order): keep one that ``ended`` on an end-of-turn token, has at least ``min_chars``
     characters after stripping and whose 01 dedupe key is not in ``seen`` (which it is added to).
 
@@ -119,8 +130,15 @@ def select_queries(texts: Sequence[str], ended: Sequence[bool], min_chars: int, 
     for text, done in zip(texts, ended):
         q = text.strip()
         key = dedupe_key({"messages": [{"role": "user", "content": q}]})
-        why = ("truncated" if not done else "too_short" if len(q) < min_chars else "duplicate" if key in seen
-               else "kept")
+        why = (
+            "truncated"
+            if not done
+            else "too_short"
+            if len(q) < min_chars
+            else "duplicate"
+            if key in seen
+            else "kept"
+        )
         counts[why] += 1
         if why == "kept":
             seen.add(key)
@@ -129,8 +147,17 @@ def select_queries(texts: Sequence[str], ended: Sequence[bool], min_chars: int, 
 
 
 @torch.no_grad()
-def sample_queries(model, tokenizer, prefix_ids: list[int], n: int, stop_ids: set[int], temperature: float,
-                   top_p: float, max_tokens: int, seed: int) -> tuple[list[str], list[bool], int]:
+def sample_queries(
+    model,
+    tokenizer,
+    prefix_ids: list[int],
+    n: int,
+    stop_ids: set[int],
+    temperature: float,
+    top_p: float,
+    max_tokens: int,
+    seed: int,
+) -> tuple[list[str], list[bool], int]:
     """``n`` sampled continuations of ``prefix_ids`` (one ``model.generate`` call, seeded by ``seed``).
 
     Args:
@@ -145,9 +172,17 @@ def sample_queries(model, tokenizer, prefix_ids: list[int], n: int, stop_ids: se
     dev = next(model.parameters()).device
     ids = torch.tensor([prefix_ids] * n, device=dev)  # [n, P]
     torch.manual_seed(seed)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=temperature,
-                         top_p=top_p, top_k=0, max_new_tokens=max_tokens, eos_token_id=sorted(stop_ids),
-                         pad_token_id=sorted(stop_ids)[0])[:, len(prefix_ids):].tolist()  # [n, <= max_tokens]
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=True,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=0,
+        max_new_tokens=max_tokens,
+        eos_token_id=sorted(stop_ids),
+        pad_token_id=sorted(stop_ids)[0],
+    )[:, len(prefix_ids) :].tolist()  # [n, <= max_tokens]
     texts, ended, tokens = [], [], 0
     for row in out:
         cut = next((j for j, t in enumerate(row) if t in stop_ids), None)
@@ -161,7 +196,7 @@ def report_path(out: Path) -> Path:
     """``<out stem>_report.json`` beside ``out`` (``.jsonl`` / ``.jsonl.gz`` stripped)."""
     name = out.name
     for ext in (".gz", ".jsonl", ".json"):
-        name = name[:-len(ext)] if name.endswith(ext) else name
+        name = name[: -len(ext)] if name.endswith(ext) else name
     return out.with_name(f"{name}_report.json")
 
 
@@ -176,13 +211,25 @@ def _excluded_keys(paths: Sequence[str], name: str = "--exclude") -> set:
         try:
             keys |= {dedupe_key(c) for c in read_conversations(str(p), keep_prompt_only=True)}
         except UserError as e:
-            raise UserError(f"{name}: {e} (an exclude file: prompts to leave out, in a format prompts.source "
-                            f"reads)") from e
+            raise UserError(
+                f"{name}: {e} (an exclude file: prompts to leave out, in a format prompts.source "
+                f"reads)"
+            ) from e
     return keys
 
 
-def run(cfg, num: int, out: Path, temperature: float = 1.0, top_p: float = 1.0, max_query_tokens: int = 128,
-        min_chars: int = 16, exclude: Sequence[str] = (), force: bool = False, batch_size: int = SELF_INSTRUCT_BATCH) -> int:
+def run(
+    cfg,
+    num: int,
+    out: Path,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    max_query_tokens: int = 128,
+    min_chars: int = 16,
+    exclude: Sequence[str] = (),
+    force: bool = False,
+    batch_size: int = SELF_INSTRUCT_BATCH,
+) -> int:
     """01's self-instruct mode (``--self-instruct N --out FILE``): check the arguments, then :func:`make` ``out``.
 
     Returns:
@@ -192,25 +239,57 @@ def run(cfg, num: int, out: Path, temperature: float = 1.0, top_p: float = 1.0, 
         UserError: a bad argument (one line naming its flag), an unwritable output folder, an ``--out`` that is a
             folder or named like 01's output, more than one torchrun rank, or :func:`make`'s errors.
     """
-    folder = str(out).endswith("/")  # a folder named with its slash (Path drops it), existing or not
+    folder = str(out).endswith(
+        "/"
+    )  # a folder named with its slash (Path drops it), existing or not
     out = Path(out)
     _check_args(num, temperature, top_p, max_query_tokens, min_chars, out, folder)
-    make(cfg, out, num, temperature=temperature, top_p=top_p, max_query_tokens=max_query_tokens,
-         min_chars=min_chars, exclude=exclude, force=force, batch_size=batch_size)
+    make(
+        cfg,
+        out,
+        num,
+        temperature=temperature,
+        top_p=top_p,
+        max_query_tokens=max_query_tokens,
+        min_chars=min_chars,
+        exclude=exclude,
+        force=force,
+        batch_size=batch_size,
+    )
     return 0
 
 
 # how messages name the settings: the CLI mode's flags, or prompts.self_instruct's keys (make_from_config)
-CLI_NAMES = {"num": "--self-instruct {num}", "max_query_tokens": "--self-instruct-max-tokens",
-             "min_chars": "--self-instruct-min-chars", "exclude": "--exclude", "then": "list it in prompts.source"}
-CONFIG_NAMES = {"num": "prompts.self_instruct.num {num}", "max_query_tokens": "prompts.self_instruct.max_query_tokens",
-                "exclude": "prompts.self_instruct.exclude",
-                "min_chars": "prompts.self_instruct.min_chars", "then": "added to the sampled sources"}
+CLI_NAMES = {
+    "num": "--self-instruct {num}",
+    "max_query_tokens": "--self-instruct-max-tokens",
+    "min_chars": "--self-instruct-min-chars",
+    "exclude": "--exclude",
+    "then": "list it in prompts.source",
+}
+CONFIG_NAMES = {
+    "num": "prompts.self_instruct.num {num}",
+    "max_query_tokens": "prompts.self_instruct.max_query_tokens",
+    "exclude": "prompts.self_instruct.exclude",
+    "min_chars": "prompts.self_instruct.min_chars",
+    "then": "added to the sampled sources",
+}
 
 
-def make(cfg, out: Path, num: int, *, temperature: float = 1.0, top_p: float = 1.0, max_query_tokens: int = 128,
-         min_chars: int = 16, exclude: Sequence[str] = (), force: bool = False, names: Optional[dict] = None,
-         batch_size: int = SELF_INSTRUCT_BATCH) -> bool:
+def make(
+    cfg,
+    out: Path,
+    num: int,
+    *,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    max_query_tokens: int = 128,
+    min_chars: int = 16,
+    exclude: Sequence[str] = (),
+    force: bool = False,
+    names: Optional[dict] = None,
+    batch_size: int = SELF_INSTRUCT_BATCH,
+) -> bool:
     """Sample ``num`` user queries from the verifier, filter them, write ``out`` (the CLI mode's and
     ``prompts.self_instruct``'s one code path; the arguments are already checked).
 
@@ -236,15 +315,26 @@ def make(cfg, out: Path, num: int, *, temperature: float = 1.0, top_p: float = 1
 
     tok = load_tokenizer(cfg.verifier)
     prefix = pre_query_prefix(tok, ChatOptions.from_config(cfg), cfg.prompts.system_prompt)
-    st = SelfInstructSettings(num, float(temperature), float(top_p), max_query_tokens, min_chars,
-                              batch_size, cfg.prompts.seed, prefix,
-                              f"{cfg.verifier.display_name()} ({cfg.verifier.dtype})", tuple(map(str, exclude)),
-                              tuple(file_sha256(p) if Path(p).is_file() else None for p in exclude),
-                              weights_fingerprint(cfg.verifier))
+    st = SelfInstructSettings(
+        num,
+        float(temperature),
+        float(top_p),
+        max_query_tokens,
+        min_chars,
+        batch_size,
+        cfg.prompts.seed,
+        prefix,
+        f"{cfg.verifier.display_name()} ({cfg.verifier.dtype})",
+        tuple(map(str, exclude)),
+        tuple(file_sha256(p) if Path(p).is_file() else None for p in exclude),
+        weights_fingerprint(cfg.verifier),
+    )
     if not force and _up_to_date(out, st):
         print(f"{out}: up to date (same self-instruct settings; --force to sample again)")
         return False
-    if force:  # the old file is no longer up to date: a forced run stopped before writing it samples again
+    if (
+        force
+    ):  # the old file is no longer up to date: a forced run stopped before writing it samples again
         report_path(out).unlink(missing_ok=True)
     seen = _excluded_keys(exclude, names["exclude"])
     n_excluded_keys = len(seen)
@@ -256,13 +346,21 @@ def make(cfg, out: Path, num: int, *, temperature: float = 1.0, top_p: float = 1
     if not queries:
         raise nothing_kept(num, counts, max_query_tokens, min_chars, names)
     write_queries(out, queries)
-    report = {"settings": asdict(st), "counts": counts, "excluded_prompts_known": n_excluded_keys,
-              "seconds": secs, "query_tokens": tokens, "tokens_per_s": tokens / secs if secs > 0 else None,
-              "file": str(out)}
+    report = {
+        "settings": asdict(st),
+        "counts": counts,
+        "excluded_prompts_known": n_excluded_keys,
+        "seconds": secs,
+        "query_tokens": tokens,
+        "tokens_per_s": tokens / secs if secs > 0 else None,
+        "file": str(out),
+    }
     atomic_write_json(report_path(out), report)
-    print(f"{out}: {counts['kept']} self-instruct prompts of {num} sampled ({counts['truncated']} unfinished within "
-          f"{max_query_tokens} tokens, {counts['too_short']} under {min_chars} characters, {counts['duplicate']} "
-          f"repeated or excluded) in {secs:.1f} s; {names['then']}")
+    print(
+        f"{out}: {counts['kept']} self-instruct prompts of {num} sampled ({counts['truncated']} unfinished within "
+        f"{max_query_tokens} tokens, {counts['too_short']} under {min_chars} characters, {counts['duplicate']} "
+        f"repeated or excluded) in {secs:.1f} s; {names['then']}"
+    )
     return True
 
 
@@ -277,8 +375,19 @@ def make_from_config(cfg, force: bool = False) -> Path:
         UserError: :func:`make`'s, naming ``prompts.self_instruct.*``; the output folder must exist.
     """
     sc, out = cfg.prompts.self_instruct, cfg.self_instruct_path
-    make(cfg, out, sc.num, temperature=sc.temperature, top_p=sc.top_p, max_query_tokens=sc.max_query_tokens,
-         min_chars=sc.min_chars, exclude=sc.exclude, force=force, names=CONFIG_NAMES, batch_size=sc.batch_size)
+    make(
+        cfg,
+        out,
+        sc.num,
+        temperature=sc.temperature,
+        top_p=sc.top_p,
+        max_query_tokens=sc.max_query_tokens,
+        min_chars=sc.min_chars,
+        exclude=sc.exclude,
+        force=force,
+        names=CONFIG_NAMES,
+        batch_size=sc.batch_size,
+    )
     return out
 
 
@@ -287,34 +396,54 @@ def write_queries(out: Path, queries: Sequence[str]) -> None:
     ends in ``.gz`` (01's readers open such a file through gzip; mtime 0, so equal queries give equal bytes)."""
     import gzip
 
-    text = "".join(json.dumps({"id": f"{SOURCE}/{k}", "source": SOURCE, "messages": [{"role": "user", "content": q}]},
-                              ensure_ascii=False) + "\n" for k, q in enumerate(queries))
+    text = "".join(
+        json.dumps(
+            {"id": f"{SOURCE}/{k}", "source": SOURCE, "messages": [{"role": "user", "content": q}]},
+            ensure_ascii=False,
+        )
+        + "\n"
+        for k, q in enumerate(queries)
+    )
     if out.suffix == ".gz":
         atomic_write_bytes(out, gzip.compress(text.encode("utf-8"), mtime=0))
     else:
         atomic_write_text(out, text)
 
 
-def nothing_kept(num: int, counts: dict, max_query_tokens: int, min_chars: int,
-                 names: Optional[dict] = None) -> UserError:
+def nothing_kept(
+    num: int, counts: dict, max_query_tokens: int, min_chars: int, names: Optional[dict] = None
+) -> UserError:
     """The one-line error for a run that kept no query (no file is written: an empty one would only fail in 01),
     with the counts and what to change (``names``: :data:`CLI_NAMES`, the default, or :data:`CONFIG_NAMES`)."""
     names = names or CLI_NAMES
     hint = []
     if counts["truncated"]:
-        hint.append(f"raise {names['max_query_tokens']} (now {max_query_tokens}) or use an instruction-tuned verifier")
+        hint.append(
+            f"raise {names['max_query_tokens']} (now {max_query_tokens}) or use an instruction-tuned verifier"
+        )
     if counts["too_short"]:
         hint.append(f"lower {names['min_chars']} (now {min_chars})")
     if counts["duplicate"]:
-        hint.append("set another prompts.seed (the same seed samples the same queries: a second file made with it "
-                    "repeats the first)")
-    return UserError(f"{names['num'].format(num=num)}: no query kept ({counts['truncated']} unfinished, "
-                     f"{counts['too_short']} too short, {counts['duplicate']} repeated or excluded), nothing written; "
-                     + "; ".join(hint))
+        hint.append(
+            "set another prompts.seed (the same seed samples the same queries: a second file made with it "
+            "repeats the first)"
+        )
+    return UserError(
+        f"{names['num'].format(num=num)}: no query kept ({counts['truncated']} unfinished, "
+        f"{counts['too_short']} too short, {counts['duplicate']} repeated or excluded), nothing written; "
+        + "; ".join(hint)
+    )
 
 
-def _check_args(num: int, temperature: float, top_p: float, max_query_tokens: int, min_chars: int, out: Path,
-                folder: bool = False) -> None:
+def _check_args(
+    num: int,
+    temperature: float,
+    top_p: float,
+    max_query_tokens: int,
+    min_chars: int,
+    out: Path,
+    folder: bool = False,
+) -> None:
     """One-line errors for a bad argument, an ``--out`` that is a folder (an existing one, or ``folder``: given with a
     trailing slash), an ``--out`` not named ``.jsonl`` / ``.jsonl.gz`` (01 would not read it as a messages-JSONL),
     an output folder that does not exist, and an ``--out`` whose report would take 01's own report
@@ -328,18 +457,26 @@ def _check_args(num: int, temperature: float, top_p: float, max_query_tokens: in
     if max_query_tokens < 1 or min_chars < 0:
         raise UserError("--self-instruct-max-tokens >= 1 and --self-instruct-min-chars >= 0")
     if folder or out.is_dir():
-        raise UserError(f"--out {out}{'/' if folder else ''}: a folder; give the file to write, e.g. "
-                        f"{out / 'self_instruct.jsonl'}")
-    if not out.name.endswith((".jsonl", ".jsonl.gz")):  # 01 reads a file by its name: .json would be one array,
+        raise UserError(
+            f"--out {out}{'/' if folder else ''}: a folder; give the file to write, e.g. "
+            f"{out / 'self_instruct.jsonl'}"
+        )
+    if not out.name.endswith(
+        (".jsonl", ".jsonl.gz")
+    ):  # 01 reads a file by its name: .json would be one array,
         # another ending is refused; both only after the sampling, and si.json shared si.jsonl's report name
         stem = out.name.split(".")[0] or "self_instruct"
-        raise UserError(f"--out {out}: the file is a messages-JSONL, which prompts.source reads only under a name "
-                        f"ending in .jsonl or .jsonl.gz; name it e.g. {out.with_name(stem + '.jsonl')}")
+        raise UserError(
+            f"--out {out}: the file is a messages-JSONL, which prompts.source reads only under a name "
+            f"ending in .jsonl or .jsonl.gz; name it e.g. {out.with_name(stem + '.jsonl')}"
+        )
     if not out.parent.is_dir():
         raise UserError(f"--out {out}: folder {out.parent} does not exist")
     if report_path(out).name == "prompts_report.json":
-        raise UserError(f"--out {out}: its report would be {report_path(out)}, the name of 01's own report (which "
-                        f"prompts.reuse_answers and 02 read); choose another name, e.g. self_instruct.jsonl")
+        raise UserError(
+            f"--out {out}: its report would be {report_path(out)}, the name of 01's own report (which "
+            f"prompts.reuse_answers and 02 read); choose another name, e.g. self_instruct.jsonl"
+        )
     from eagle3.cli import refuse_torchrun
 
     refuse_torchrun("--self-instruct", "it takes seconds to minutes on one GPU")
@@ -357,8 +494,13 @@ def _up_to_date(out: Path, st: SelfInstructSettings) -> bool:
         return False
     from eagle3.verifier import weights_differ
 
-    want, got = json.loads(json.dumps(asdict(st))), rec.get("settings") if isinstance(rec, dict) else None
-    if isinstance(got, dict) and not weights_differ(got.get("verifier_weights"), want["verifier_weights"]):
+    want, got = (
+        json.loads(json.dumps(asdict(st))),
+        rec.get("settings") if isinstance(rec, dict) else None,
+    )
+    if isinstance(got, dict) and not weights_differ(
+        got.get("verifier_weights"), want["verifier_weights"]
+    ):
         # equal, recorded before it was, or no weight file on either side (a hub id's cache, a folder of it now)
         got = {**got, "verifier_weights": want["verifier_weights"]}
     return got == want
@@ -375,8 +517,17 @@ def _sample_all(model, tok, st: SelfInstructSettings, stop_ids: set[int], seen: 
     with tqdm(total=st.num, unit="query", desc="self-instruct") as bar:
         for b, start in enumerate(range(0, st.num, st.batch_size)):
             n = min(st.batch_size, st.num - start)
-            texts, ended, sampled = sample_queries(model, tok, prefix_ids, n, stop_ids, st.temperature, st.top_p,
-                                                   st.max_query_tokens, st.seed * 1_000_003 + b)
+            texts, ended, sampled = sample_queries(
+                model,
+                tok,
+                prefix_ids,
+                n,
+                stop_ids,
+                st.temperature,
+                st.top_p,
+                st.max_query_tokens,
+                st.seed * 1_000_003 + b,
+            )
             tokens += sampled
             kept, c = select_queries(texts, ended, st.min_chars, seen)
             queries += kept

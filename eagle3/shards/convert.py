@@ -34,10 +34,8 @@ from typing import Optional
 from tqdm import tqdm
 
 from eagle3.errors import UserError
-from eagle3.shards.fp8 import Storage
-from eagle3.shards.checksum import DEFAULT_ALGO, file_checksum, new_hasher, row_checksum
 from eagle3.io import atomic_write_json, exclusive_lock, make_dirs, read_json, remove_stale_tmp
-from eagle3.shards.manifest import MANIFEST, ManifestWriter, read_manifest
+from eagle3.shards.checksum import DEFAULT_ALGO, file_checksum, new_hasher, row_checksum
 from eagle3.shards.format import (
     DATA_CONFIG,
     expect_from_data_config,
@@ -50,6 +48,8 @@ from eagle3.shards.format import (
     write_data_config,
     write_sample,
 )
+from eagle3.shards.fp8 import Storage
+from eagle3.shards.manifest import MANIFEST, ManifestWriter, read_manifest
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,10 @@ LOCK = ".convert.lock"
 
 
 def _fingerprint(src_meta: dict, storage: Storage) -> tuple[str, dict]:
-    comp = {"source": {k: src_meta[k] for k in sorted(src_meta) if k != "prompts_file"}, "storage": storage.to_meta()}
+    comp = {
+        "source": {k: src_meta[k] for k in sorted(src_meta) if k != "prompts_file"},
+        "storage": storage.to_meta(),
+    }
     blob = json.dumps(comp, sort_keys=True, separators=(",", ":")).encode("utf-8")
     return hashlib.sha256(blob).hexdigest(), comp
 
@@ -66,8 +69,13 @@ def _fingerprint(src_meta: dict, storage: Storage) -> tuple[str, dict]:
 def _stage_files(dst: Path) -> list[Path]:
     if not dst.is_dir():
         return []
-    return [p for p in dst.iterdir() if (p.is_dir() and p.name.startswith("rows_"))
-            or p.name in (MANIFEST, DATA_CONFIG) or (p.name.startswith("data_") and p.suffix == ".pt")]
+    return [
+        p
+        for p in dst.iterdir()
+        if (p.is_dir() and p.name.startswith("rows_"))
+        or p.name in (MANIFEST, DATA_CONFIG)
+        or (p.name.startswith("data_") and p.suffix == ".pt")
+    ]
 
 
 def _wipe(dst: Path) -> None:
@@ -89,8 +97,15 @@ def _exclusive(dst: Path):
     return exclusive_lock(dst / LOCK, f"another conversion is writing to {dst}")
 
 
-def convert(src: str | os.PathLike, dst: str | os.PathLike, storage: Storage, *, overwrite: bool = False,
-            workers: Optional[int] = None, limit: Optional[int] = None) -> dict:
+def convert(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    storage: Storage,
+    *,
+    overwrite: bool = False,
+    workers: Optional[int] = None,
+    limit: Optional[int] = None,
+) -> dict:
     """Convert the shard set ``src`` into ``dst`` with hidden states stored as ``storage``.
 
     Args:
@@ -113,10 +128,14 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, storage: Storage, *,
     src, dst = Path(src), Path(dst)
     meta = read_data_config(src)
     if dst.resolve() == src.resolve():
-        raise UserError(f"{dst}: the destination must differ from the source folder (conversion is not in place)")
+        raise UserError(
+            f"{dst}: the destination must differ from the source folder (conversion is not in place)"
+        )
     if src.resolve() in dst.resolve().parents:
-        raise UserError(f"{dst}: the destination is inside the source folder {src} (its shards would be read as "
-                        "source shards by later stages); choose a folder outside it")
+        raise UserError(
+            f"{dst}: the destination is inside the source folder {src} (its shards would be read as "
+            "source shards by later stages); choose a folder outside it"
+        )
     H = int(meta["hidden_size"])
     try:
         storage.num_blocks(H)
@@ -127,8 +146,15 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, storage: Storage, *,
         return _convert(src, dst, meta, storage, overwrite, workers, limit)
 
 
-def _convert(src: Path, dst: Path, meta: dict, storage: Storage, overwrite: bool, workers: Optional[int],
-             limit: Optional[int]) -> dict:
+def _convert(
+    src: Path,
+    dst: Path,
+    meta: dict,
+    storage: Storage,
+    overwrite: bool,
+    workers: Optional[int],
+    limit: Optional[int],
+) -> dict:
     t0 = time.perf_counter()
     fp, comp = _fingerprint(meta, storage)
     state_path = dst / STATE
@@ -140,8 +166,10 @@ def _convert(src: Path, dst: Path, meta: dict, storage: Storage, overwrite: bool
     elif _stage_files(dst):
         old = read_json(state_path) if state_path.is_file() else None
         if not isinstance(old, dict) or old.get("fingerprint") != fp:
-            raise UserError(f"{dst}: holds a different conversion (or other shards) than {src} -> "
-                            f"{storage.dtype}; re-run with --overwrite to delete them and start over")
+            raise UserError(
+                f"{dst}: holds a different conversion (or other shards) than {src} -> "
+                f"{storage.dtype}; re-run with --overwrite to delete them and start over"
+            )
     atomic_write_json(state_path, {"fingerprint": fp, "components": comp, "source": str(src)})
     remove_stale_tmp(dst)
 
@@ -150,7 +178,11 @@ def _convert(src: Path, dst: Path, meta: dict, storage: Storage, overwrite: bool
     rows_per_dir = int(meta["rows_per_dir"])
     expect = expect_from_data_config(meta)
     man_path = dst / MANIFEST
-    done = {i: r for i, r in read_manifest(man_path).rows.items() if shard_path(dst, i, rows_per_dir).is_file()}
+    done = {
+        i: r
+        for i, r in read_manifest(man_path).rows.items()
+        if shard_path(dst, i, rows_per_dir).is_file()
+    }
     pending = [(i, p) for i, p in samples if i not in done]
     n_resumed = len(samples) - len(pending)
     if limit is not None:
@@ -160,17 +192,41 @@ def _convert(src: Path, dst: Path, meta: dict, storage: Storage, overwrite: bool
         idx, path = item
         want = row_checksum(src_rows.get(idx, {}))  # (algo, hex) or None
         if want is not None and file_checksum(path, want[0]) != want[1]:
-            raise UserError(f"{path}: contents changed since extraction ({want[0]} differs from {src_man_path})")
+            raise UserError(
+                f"{path}: contents changed since extraction ({want[0]} differs from {src_man_path})"
+            )
         s = load_sample(path, expect=expect)
         h = new_hasher(DEFAULT_ALGO)  # of the bytes as written (no read-back)
-        write_sample(dst, idx, rows_per_dir, s["input_ids"], hidden_states_bf16(s), s["loss_mask"], storage, hasher=h)
-        return {"idx": idx, "id": src_rows.get(idx, {}).get("id", str(idx)), "num_tokens": int(s["input_ids"].numel()),
-                "num_loss_tokens": int(s["loss_mask"].sum()), DEFAULT_ALGO: h.hexdigest()}
+        write_sample(
+            dst,
+            idx,
+            rows_per_dir,
+            s["input_ids"],
+            hidden_states_bf16(s),
+            s["loss_mask"],
+            storage,
+            hasher=h,
+        )
+        return {
+            "idx": idx,
+            "id": src_rows.get(idx, {}).get("id", str(idx)),
+            "num_tokens": int(s["input_ids"].numel()),
+            "num_loss_tokens": int(s["loss_mask"].sum()),
+            DEFAULT_ALGO: h.hexdigest(),
+        }
 
     n_workers = workers or min(8, os.cpu_count() or 1)
-    with ManifestWriter(man_path) as man, cf.ThreadPoolExecutor(n_workers) as pool, \
-            tqdm(total=len(samples), initial=len(samples) - len(pending), unit="shard", desc="convert",
-                 mininterval=1.0) as bar:
+    with (
+        ManifestWriter(man_path) as man,
+        cf.ThreadPoolExecutor(n_workers) as pool,
+        tqdm(
+            total=len(samples),
+            initial=len(samples) - len(pending),
+            unit="shard",
+            desc="convert",
+            mininterval=1.0,
+        ) as bar,
+    ):
         # A bounded window of futures keeps memory flat on million-shard sets.
         it = iter(pending)
         window = {pool.submit(one, x) for x in _take(it, 4 * n_workers)}
@@ -189,20 +245,43 @@ def _convert(src: Path, dst: Path, meta: dict, storage: Storage, overwrite: bool
             raise
 
     complete = all(i in done for i, _ in samples)
-    summary = {"src": str(src), "dst": str(dst), "storage": storage.to_meta(), "samples": len(samples),
-               "converted": len(pending), "resumed": n_resumed,
-               "complete": complete}
+    summary = {
+        "src": str(src),
+        "dst": str(dst),
+        "storage": storage.to_meta(),
+        "samples": len(samples),
+        "converted": len(pending),
+        "resumed": n_resumed,
+        "complete": complete,
+    }
     if complete:
-        new = {**meta, **storage_meta(storage), "bytes_per_token": storage.bytes_per_token(int(meta["hidden_size"]))}
+        new = {
+            **meta,
+            **storage_meta(storage),
+            "bytes_per_token": storage.bytes_per_token(int(meta["hidden_size"])),
+        }
         if not storage.is_fp8:
-            for k in ("storage_dtype", "scale_scheme", "scale_block_size", "scale_dtype", "storage_format_version"):
+            for k in (
+                "storage_dtype",
+                "scale_scheme",
+                "scale_block_size",
+                "scale_dtype",
+                "storage_format_version",
+            ):
                 new.pop(k, None)
         new["converted_from"] = {"path": str(src), "format": meta["format"], "dtype": meta["dtype"]}
         write_data_config(dst, new)
         src_bytes = sum(p.stat().st_size for _, p in samples)
         dst_bytes = sum(shard_path(dst, i, rows_per_dir).stat().st_size for i, _ in samples)
-        summary.update({"src_bytes": src_bytes, "dst_bytes": dst_bytes, "ratio": round(dst_bytes / src_bytes, 4),
-                        "bytes_per_token": new["bytes_per_token"], "src_bytes_per_token": meta["bytes_per_token"]})
+        summary.update(
+            {
+                "src_bytes": src_bytes,
+                "dst_bytes": dst_bytes,
+                "ratio": round(dst_bytes / src_bytes, 4),
+                "bytes_per_token": new["bytes_per_token"],
+                "src_bytes_per_token": meta["bytes_per_token"],
+            }
+        )
     summary["seconds"] = round(time.perf_counter() - t0, 2)
     return summary
 

@@ -42,13 +42,23 @@ from typing import Any, Optional, Sequence
 import torch
 
 from eagle3.errors import UserError
-from eagle3.shards.fp8 import FP8_DTYPE, SCALE_DTYPE, Storage, dequantize, has_nan_fp8, quantize_unchecked, scales_finite
 from eagle3.io import TMP_MARK, atomic_torch_save, atomic_write_json, read_json, safe_torch_load
+from eagle3.shards.fp8 import (
+    FP8_DTYPE,
+    SCALE_DTYPE,
+    Storage,
+    dequantize,
+    has_nan_fp8,
+    quantize_unchecked,
+    scales_finite,
+)
 
 FORMAT = "speculators-v1"
 FORMAT_FP8 = "eagle3-fp8-v1"  # speculators-v1 layout + fp8 hidden states + "hidden_scales"
 FP8_FORMAT_VERSION = 1
-FORMAT_TOKENS = "eagle3-tokens-v1"  # input_ids + loss_mask only: stage 04 computes the states (online training)
+FORMAT_TOKENS = (
+    "eagle3-tokens-v1"  # input_ids + loss_mask only: stage 04 computes the states (online training)
+)
 #: token-only samples from which 02 writes and 03 validates them in worker processes: a token-only file costs its
 #: (un)pickler, which holds the GIL (threads: ~750 / ~630 files/s on the 16-core H200 machine, lease 2026-12-02b)
 TOKEN_PROCESS_MIN = 2048
@@ -138,7 +148,9 @@ class StoredStates:
     source_finite: bool = False
 
 
-def encode_batch(pack: torch.Tensor, storage: Storage | None = None) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+def encode_batch(
+    pack: torch.Tensor, storage: Storage | None = None
+) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
     """The stored form of a whole captured batch, on ``pack``'s device, without any host sync.
 
     Stage 02's HF backend calls this on the GPU before the device -> host copy, so the writer
@@ -183,17 +195,23 @@ def _own(t: torch.Tensor) -> torch.Tensor:
         return t.clone()
     whole = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())  # [storage bytes]
     start = t.storage_offset() * t.element_size()
-    return torch.frombuffer(memoryview(whole.numpy())[start:start + nbytes], dtype=t.dtype).view(t.shape)
+    return torch.frombuffer(memoryview(whole.numpy())[start : start + nbytes], dtype=t.dtype).view(
+        t.shape
+    )
 
 
-def _check_shape(idx: int, k: int, h: torch.Tensor, L: int, what: str = "hidden_states", cols=None) -> None:
+def _check_shape(
+    idx: int, k: int, h: torch.Tensor, L: int, what: str = "hidden_states", cols=None
+) -> None:
     if h.dim() != 2 or h.shape[0] != L or (cols is not None and h.shape[1] != cols):
         want = f"[{L}, {'H' if cols is None else cols}]"
         raise ValueError(f"sample {idx}: {what}[{k}] has shape {tuple(h.shape)}, expected {want}")
 
 
-NONFINITE_FIX = ("the verifier overflows in this dtype (float16 is the usual cause): run it in bfloat16 or float32 "
-                 "(verifier.dtype) and re-run")
+NONFINITE_FIX = (
+    "the verifier overflows in this dtype (float16 is the usual cause): run it in bfloat16 or float32 "
+    "(verifier.dtype) and re-run"
+)
 
 
 def hf_layer_name(k: int, aux_layers: Optional[Sequence[int]]) -> str:
@@ -213,19 +231,42 @@ class NonFiniteStates(UserError, ValueError):
     ``error: ...`` and exit 2 (bad numbers from the verifier are an input problem, not a crash).
     """
 
-    def __init__(self, idx: int, k: int, sample_id: Optional[str] = None, aux_layers: Optional[Sequence[int]] = None,
-                 dtype: Optional[str] = None):
-        self.idx, self.k, self.sample_id, self.aux_layers, self.dtype = int(idx), int(k), sample_id, aux_layers, dtype
+    def __init__(
+        self,
+        idx: int,
+        k: int,
+        sample_id: Optional[str] = None,
+        aux_layers: Optional[Sequence[int]] = None,
+        dtype: Optional[str] = None,
+    ):
+        self.idx, self.k, self.sample_id, self.aux_layers, self.dtype = (
+            int(idx),
+            int(k),
+            sample_id,
+            aux_layers,
+            dtype,
+        )
         conv = f" (conversation '{sample_id}')" if sample_id is not None else ""
         where = f" = {hf_layer_name(self.k, aux_layers)}" if aux_layers is not None else ""
         dt = f" with verifier.dtype {dtype}" if dtype else ""
-        super().__init__(f"sample {self.idx}{conv}: hidden_states[{self.k}]{where} has NaN/Inf{dt}; {NONFINITE_FIX}")
+        super().__init__(
+            f"sample {self.idx}{conv}: hidden_states[{self.k}]{where} has NaN/Inf{dt}; {NONFINITE_FIX}"
+        )
 
-    def explained(self, sample_id: Optional[str] = None, aux_layers: Optional[Sequence[int]] = None,
-                  dtype: Optional[str] = None) -> "NonFiniteStates":
+    def explained(
+        self,
+        sample_id: Optional[str] = None,
+        aux_layers: Optional[Sequence[int]] = None,
+        dtype: Optional[str] = None,
+    ) -> "NonFiniteStates":
         """The same error with the fields the caller knows filled in (those already set are kept)."""
-        return NonFiniteStates(self.idx, self.k, self.sample_id if self.sample_id is not None else sample_id,
-                               self.aux_layers if self.aux_layers is not None else aux_layers, self.dtype or dtype)
+        return NonFiniteStates(
+            self.idx,
+            self.k,
+            self.sample_id if self.sample_id is not None else sample_id,
+            self.aux_layers if self.aux_layers is not None else aux_layers,
+            self.dtype or dtype,
+        )
 
 
 def _nonfinite(idx: int, k: int) -> NonFiniteStates:
@@ -271,7 +312,9 @@ def shard_object(
     if isinstance(hidden_states, StoredStates):
         return _stored_object(ids, mask, hidden_states, storage, idx)
     if len(hidden_states) != NUM_HIDDEN_STATES:
-        raise ValueError(f"sample {idx}: {len(hidden_states)} hidden states, expected {NUM_HIDDEN_STATES}")
+        raise ValueError(
+            f"sample {idx}: {len(hidden_states)} hidden states, expected {NUM_HIDDEN_STATES}"
+        )
     hs = []
     for k, h in enumerate(hidden_states):
         _check_shape(idx, k, h, L)
@@ -282,14 +325,17 @@ def shard_object(
     obj = {"input_ids": ids, "hidden_states": hs, "loss_mask": mask}
     if fp8:
         nb = storage.num_blocks(hs[0].shape[1])
-        pairs = [quantize_unchecked(h, nb) for h in hs]  # [L, H] fp8, [L, nb] fp32 (input checked above)
+        pairs = [
+            quantize_unchecked(h, nb) for h in hs
+        ]  # [L, H] fp8, [L, nb] fp32 (input checked above)
         obj["hidden_states"] = [q for q, _ in pairs]
         obj["hidden_scales"] = [sc for _, sc in pairs]
     return obj
 
 
-def _stored_object(ids: torch.Tensor, mask: torch.Tensor, st: StoredStates, storage: Storage | None,
-                   idx: int) -> dict:
+def _stored_object(
+    ids: torch.Tensor, mask: torch.Tensor, st: StoredStates, storage: Storage | None, idx: int
+) -> dict:
     """:func:`shard_object` for states already in stored form: check, copy out of the batch buffer."""
     L = ids.numel()
     fp8 = storage is not None and storage.is_fp8
@@ -298,8 +344,10 @@ def _stored_object(ids: torch.Tensor, mask: torch.Tensor, st: StoredStates, stor
         raise ValueError(f"sample {idx}: {len(hs)} hidden states, expected {NUM_HIDDEN_STATES}")
     want = FP8_DTYPE if fp8 else torch.bfloat16
     if (scs is not None) != fp8 or (fp8 and len(scs) != len(hs)):
-        raise ValueError(f"sample {idx}: stored states {'without' if fp8 else 'with'} scales for "
-                         f"{'fp8' if fp8 else 'bf16'} storage")
+        raise ValueError(
+            f"sample {idx}: stored states {'without' if fp8 else 'with'} scales for "
+            f"{'fp8' if fp8 else 'bf16'} storage"
+        )
     H = hs[0].shape[-1]
     nb = storage.num_blocks(H) if fp8 else None
     out_h, out_s = [], []
@@ -311,9 +359,13 @@ def _stored_object(ids: torch.Tensor, mask: torch.Tensor, st: StoredStates, stor
             sc = scs[k]
             _check_shape(idx, k, sc, L, what="hidden_scales", cols=nb)
             if sc.dtype != SCALE_DTYPE:
-                raise ValueError(f"sample {idx}: hidden_scales[{k}] is {sc.dtype}, expected {SCALE_DTYPE}")
+                raise ValueError(
+                    f"sample {idx}: hidden_scales[{k}] is {sc.dtype}, expected {SCALE_DTYPE}"
+                )
             sc = _own(sc)  # [L, nb]
-            if not scales_finite(sc):  # finite scales <=> finite source (eagle3.shards.fp8.quantize_unchecked)
+            if not scales_finite(
+                sc
+            ):  # finite scales <=> finite source (eagle3.shards.fp8.quantize_unchecked)
                 raise _nonfinite(idx, k)
             out_s.append(sc)
         hb = _own(h)  # [L, H]
@@ -479,12 +531,18 @@ def load_sample(path: str | os.PathLike, expect: dict | None = None) -> dict:
     path = Path(path)
     obj = safe_torch_load(path)
     if not isinstance(obj, dict):
-        raise UserError(f"{path}: not a speculators shard (top level is {type(obj).__name__}, expected dict)")
+        raise UserError(
+            f"{path}: not a speculators shard (top level is {type(obj).__name__}, expected dict)"
+        )
     expect = expect or {}
     tokens_only = bool(expect.get("tokens_only", False))
     if tokens_only and "hidden_states" in obj:
-        raise _bad(path, "hidden_states", f"present, but data_config.json says {FORMAT_TOKENS!r} (token-only samples; "
-                   "shards of another run mixed in?)")
+        raise _bad(
+            path,
+            "hidden_states",
+            f"present, but data_config.json says {FORMAT_TOKENS!r} (token-only samples; "
+            "shards of another run mixed in?)",
+        )
     for key in TOKEN_SHARD_KEYS if tokens_only else SHARD_KEYS:
         if key not in obj:
             raise _bad(path, key, "missing")
@@ -509,29 +567,47 @@ def load_sample(path: str | os.PathLike, expect: dict | None = None) -> dict:
         raise _bad(path, "hidden_states", f"expected a list of tensors, got {type(hs).__name__}")
     n_expected = int(expect.get("num_hidden_states", NUM_HIDDEN_STATES))
     if len(hs) != n_expected:
-        raise _bad(path, "hidden_states", f"{len(hs)} tensors, expected {n_expected} (3 aux layers + last)")
+        raise _bad(
+            path, "hidden_states", f"{len(hs)} tensors, expected {n_expected} (3 aux layers + last)"
+        )
     H = expect.get("hidden_size")
     fp8 = bool(hs) and hs[0].dtype == FP8_DTYPE
     want_dtype = FP8_DTYPE if fp8 else torch.bfloat16
     if "storage_dtype" in expect and str(want_dtype).split(".")[-1] != expect["storage_dtype"]:
-        raise _bad(path, "hidden_states[0]", f"dtype {hs[0].dtype}, but data_config.json says storage_dtype "
-                   f"{expect['storage_dtype']!r} (shards of another run mixed in, or converted halfway?)")
+        raise _bad(
+            path,
+            "hidden_states[0]",
+            f"dtype {hs[0].dtype}, but data_config.json says storage_dtype "
+            f"{expect['storage_dtype']!r} (shards of another run mixed in, or converted halfway?)",
+        )
     for k, h in enumerate(hs):
         key = f"hidden_states[{k}]"
         if h.dtype != want_dtype:
             raise _bad(path, key, f"dtype {h.dtype}, expected {want_dtype}")
         if h.dim() != 2 or h.shape[0] != L:
-            raise _bad(path, key, f"shape {tuple(h.shape)}, expected [{L}, H] (L = input_ids length)")
+            raise _bad(
+                path, key, f"shape {tuple(h.shape)}, expected [{L}, H] (L = input_ids length)"
+            )
         if H is not None and h.shape[1] != H:
             raise _bad(path, key, f"hidden size {h.shape[1]}, data_config says {H}")
         if h.shape[1] != hs[0].shape[1]:
-            raise _bad(path, key, f"hidden size {h.shape[1]} != hidden_states[0]'s {hs[0].shape[1]}")
+            raise _bad(
+                path, key, f"hidden size {h.shape[1]} != hidden_states[0]'s {hs[0].shape[1]}"
+            )
         if has_nan_fp8(h) if fp8 else not all_finite(h):
             aux = expect.get("aux_layers")
-            what = f" ({hf_layer_name(k, aux)} of the verifier" if aux is not None else " (of the verifier"
+            what = (
+                f" ({hf_layer_name(k, aux)} of the verifier"
+                if aux is not None
+                else " (of the verifier"
+            )
             dt = expect.get("verifier_dtype")
-            raise _bad(path, key, f"contains NaN/Inf{what}{', captured in ' + dt if dt else ''}): {NONFINITE_FIX} "
-                                  f"(02 with --overwrite), then 03")
+            raise _bad(
+                path,
+                key,
+                f"contains NaN/Inf{what}{', captured in ' + dt if dt else ''}): {NONFINITE_FIX} "
+                f"(02 with --overwrite), then 03",
+            )
     V = expect.get("vocab_size")
     if V is not None and int(ids.max()) >= V:
         raise _bad(path, "input_ids", f"token id {int(ids.max())} >= vocab_size {V}")
@@ -547,7 +623,11 @@ def _check_scales(path: Path, obj: dict, hs: list, nb_expected: int | None) -> l
     sc = obj.get("hidden_scales")
     if sc is None:
         raise _bad(path, "hidden_scales", "missing (fp8 hidden states need their scales)")
-    if not isinstance(sc, (list, tuple)) or len(sc) != len(hs) or not all(isinstance(s, torch.Tensor) for s in sc):
+    if (
+        not isinstance(sc, (list, tuple))
+        or len(sc) != len(hs)
+        or not all(isinstance(s, torch.Tensor) for s in sc)
+    ):
         raise _bad(path, "hidden_scales", f"expected a list of {len(hs)} tensors")
     L, H = hs[0].shape
     for k, s in enumerate(sc):
@@ -556,7 +636,9 @@ def _check_scales(path: Path, obj: dict, hs: list, nb_expected: int | None) -> l
             raise _bad(path, key, f"dtype {s.dtype}, expected torch.float32")
         nb = s.shape[-1] if s.dim() == 2 else -1
         if s.dim() != 2 or s.shape[0] != L or nb < 1 or H % nb:
-            raise _bad(path, key, f"shape {tuple(s.shape)}, expected [{L}, nb] with nb dividing {H}")
+            raise _bad(
+                path, key, f"shape {tuple(s.shape)}, expected [{L}, nb] with nb dividing {H}"
+            )
         if nb_expected is not None and nb != nb_expected:
             raise _bad(path, key, f"{nb} scales per token, data_config.json implies {nb_expected}")
         if not bool(torch.isfinite(s).all()) or not bool((s > 0).all()):
@@ -616,8 +698,10 @@ def _storage_problem(meta: dict) -> str | None:
     dtype = meta.get("storage_dtype", "bfloat16")
     if meta["format"] == FORMAT_TOKENS:
         if dtype != "none" or meta["dtype"] != "none" or meta["bytes_per_token"] != 0:
-            return (f"key 'storage_dtype': format {FORMAT_TOKENS!r} stores no hidden states (dtype and storage_dtype "
-                    f"'none', bytes_per_token 0), got {dtype!r}, {meta['dtype']!r}, {meta['bytes_per_token']!r}")
+            return (
+                f"key 'storage_dtype': format {FORMAT_TOKENS!r} stores no hidden states (dtype and storage_dtype "
+                f"'none', bytes_per_token 0), got {dtype!r}, {meta['dtype']!r}, {meta['bytes_per_token']!r}"
+            )
         return None
     if meta["format"] == FORMAT:
         if dtype != "bfloat16" or meta["dtype"] != "bfloat16":
@@ -642,8 +726,12 @@ def storage_meta(storage: Storage) -> dict:
     bf16 gives exactly the speculators-v1 keys (``format``, ``dtype``)."""
     if not storage.is_fp8:
         return {"format": FORMAT, "dtype": "bfloat16"}
-    return {"format": FORMAT_FP8, "dtype": storage.dtype, **storage.to_meta(),
-            "storage_format_version": FP8_FORMAT_VERSION}
+    return {
+        "format": FORMAT_FP8,
+        "dtype": storage.dtype,
+        **storage.to_meta(),
+        "storage_format_version": FP8_FORMAT_VERSION,
+    }
 
 
 def read_data_config(root: str | os.PathLike) -> dict:
@@ -662,7 +750,9 @@ def read_data_config(root: str | os.PathLike) -> dict:
     return meta
 
 
-def bytes_per_token(hidden_size: int, num_states: int = NUM_HIDDEN_STATES, storage: Storage | None = None) -> int:
+def bytes_per_token(
+    hidden_size: int, num_states: int = NUM_HIDDEN_STATES, storage: Storage | None = None
+) -> int:
     """Hidden-state bytes per token: bf16 ``num_states * H * 2`` (H = 7168 -> 57344); fp8
     ``num_states * (H + 4 nb)`` (per-token scales, H = 7168 -> 28688)."""
     return (storage or Storage()).bytes_per_token(hidden_size, num_states)
@@ -697,32 +787,46 @@ def check_verifier(verifier: Any, meta: dict, root: str | os.PathLike) -> Option
         path = path / DATA_CONFIG
     want = verifier.display_name()
     if meta.get("verifier") != want:
-        raise UserError(f"{path}: key 'verifier' is {meta.get('verifier')!r} but the config's verifier is {want!r} "
-                        "(verifier.name / verifier.path); re-run 02 for this verifier")
+        raise UserError(
+            f"{path}: key 'verifier' is {meta.get('verifier')!r} but the config's verifier is {want!r} "
+            "(verifier.name / verifier.path); re-run 02 for this verifier"
+        )
     recorded = meta.get("verifier_weights")
     if not hasattr(verifier, "resolved_path"):
         return None
     from eagle3.verifier import weights_differ, weights_fingerprint
 
     now = weights_fingerprint(verifier)
-    if now is None:  # the verifier's files are not on this machine (03 needs none): nothing here to compare
+    if (
+        now is None
+    ):  # the verifier's files are not on this machine (03 needs none): nothing here to compare
         return None
-    if not recorded:  # shard sets of before 2026-12-05f: the weights here cannot be compared (said, not silent)
-        return (f"{path}: records no verifier_weights (shards captured before 2026-12-05f): the weights at "
-                f"verifier.path '{verifier.path}' were not checked against the model the shards were captured from, "
-                f"only the name {want!r}; a verifier.path pointed at another model of the same shapes would train "
-                f"against its lm_head without an error: check that it is the model 02 captured from, or re-run 02 to "
-                f"record its fingerprint")
+    if (
+        not recorded
+    ):  # shard sets of before 2026-12-05f: the weights here cannot be compared (said, not silent)
+        return (
+            f"{path}: records no verifier_weights (shards captured before 2026-12-05f): the weights at "
+            f"verifier.path '{verifier.path}' were not checked against the model the shards were captured from, "
+            f"only the name {want!r}; a verifier.path pointed at another model of the same shapes would train "
+            f"against its lm_head without an error: check that it is the model 02 captured from, or re-run 02 to "
+            f"record its fingerprint"
+        )
     if weights_differ(recorded, now):
-        raise UserError(f"verifier.path: '{verifier.path}' holds other weights than the model the shards in "
-                        f"{path.parent} were captured from ({path.name}: key 'verifier_weights'; the name "
-                        f"{want!r} is the same): its lm_head would score another model's hidden states; set "
-                        f"verifier.path back to that model, or re-run 02 for this one (with a verifier.name of "
-                        f"its own)")
+        raise UserError(
+            f"verifier.path: '{verifier.path}' holds other weights than the model the shards in "
+            f"{path.parent} were captured from ({path.name}: key 'verifier_weights'; the name "
+            f"{want!r} is the same): its lm_head would score another model's hidden states; set "
+            f"verifier.path back to that model, or re-run 02 for this one (with a verifier.name of "
+            f"its own)"
+        )
     return None
 
 
-VERIFIER_DIMS = ("num_layers", "hidden_size", "vocab_size")  # what data_config.json / eagle3_train.json record of it
+VERIFIER_DIMS = (
+    "num_layers",
+    "hidden_size",
+    "vocab_size",
+)  # what data_config.json / eagle3_train.json record of it
 
 
 def verifier_dims_differ(dims: dict, recorded: dict) -> Optional[str]:
@@ -731,8 +835,13 @@ def verifier_dims_differ(dims: dict, recorded: dict) -> Optional[str]:
     ``data_config.json`` or an export's ``verifier`` block), or None. :func:`check_verifier` compares names only: a
     config whose ``verifier.path`` was pointed at another model under the old ``verifier.name`` otherwise fails on a
     drafter field the user never set (fresh-user trial 2026-12-05d)."""
-    diffs = [f"{k} {recorded[k]} recorded, {dims[k]} at verifier.path" for k in VERIFIER_DIMS
-             if recorded.get(k) is not None and dims.get(k) is not None and int(recorded[k]) != int(dims[k])]
+    diffs = [
+        f"{k} {recorded[k]} recorded, {dims[k]} at verifier.path"
+        for k in VERIFIER_DIMS
+        if recorded.get(k) is not None
+        and dims.get(k) is not None
+        and int(recorded[k]) != int(dims[k])
+    ]
     return "; ".join(diffs) or None
 
 
@@ -745,9 +854,11 @@ def check_verifier_dims(verifier: Any, dims: dict, meta: dict, root: str | os.Pa
     """
     diff = verifier_dims_differ(dims, meta)
     if diff:
-        raise UserError(f"verifier.path: '{verifier.path}' is another model than the shards in {root} were captured "
-                        f"from ({meta.get('verifier')!r}, {DATA_CONFIG}: {diff}); set verifier.path back to that model, "
-                        f"or re-run 02 for this one (with a verifier.name of its own)")
+        raise UserError(
+            f"verifier.path: '{verifier.path}' is another model than the shards in {root} were captured "
+            f"from ({meta.get('verifier')!r}, {DATA_CONFIG}: {diff}); set verifier.path back to that model, "
+            f"or re-run 02 for this one (with a verifier.name of its own)"
+        )
 
 
 def check_extract_settings(extract: Any, meta: dict, root: str | os.PathLike) -> None:
@@ -783,10 +894,18 @@ def check_extract_settings(extract: Any, meta: dict, root: str | os.PathLike) ->
         if want != have:
             diffs.append((key, shown, have))
     if len(diffs) == 1:
-        (k, s, h), = diffs
-        raise UserError(f"extract.{k} {s} but the shards in {root} were captured with {h}: re-run 02 or set "
-                        f"extract.{k} to the shards' value")
+        ((k, s, h),) = diffs
+        raise UserError(
+            f"extract.{k} {s} but the shards in {root} were captured with {h}: re-run 02 or set "
+            f"extract.{k} to the shards' value"
+        )
     if diffs:
-        raise UserError("; ".join(f"extract.{k} {s}" for k, s, _ in diffs) + f" but the shards in {root} were captured "
-                        "with " + "; ".join(f"{k} {h}" for k, _, h in diffs) + ": re-run 02 or set "
-                        + " and ".join(f"extract.{k}" for k, _, _ in diffs) + " to the shards' values")
+        raise UserError(
+            "; ".join(f"extract.{k} {s}" for k, s, _ in diffs)
+            + f" but the shards in {root} were captured "
+            "with "
+            + "; ".join(f"{k} {h}" for k, _, h in diffs)
+            + ": re-run 02 or set "
+            + " and ".join(f"extract.{k}" for k, _, _ in diffs)
+            + " to the shards' values"
+        )

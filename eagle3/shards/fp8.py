@@ -66,7 +66,9 @@ class Storage:
         if self.scale == "per_token":
             return 1
         if hidden_size % self.block_size:
-            raise ValueError(f"per_block scales: block_size {self.block_size} does not divide hidden size {hidden_size}")
+            raise ValueError(
+                f"per_block scales: block_size {self.block_size} does not divide hidden size {hidden_size}"
+            )
         return hidden_size // self.block_size
 
     def bytes_per_token(self, hidden_size: int, num_states: int = 4) -> int:
@@ -79,7 +81,13 @@ class Storage:
         """The ``data_config.json`` keys of this storage (``storage_dtype`` and, for fp8, its scales)."""
         meta = {"storage_dtype": self.dtype}
         if self.is_fp8:
-            meta.update({"scale_scheme": self.scale, "scale_block_size": self.block_size, "scale_dtype": "float32"})
+            meta.update(
+                {
+                    "scale_scheme": self.scale,
+                    "scale_block_size": self.block_size,
+                    "scale_dtype": "float32",
+                }
+            )
         return meta
 
     @classmethod
@@ -88,7 +96,11 @@ class Storage:
         dtype = meta.get("storage_dtype", "bfloat16")
         if dtype == "bfloat16":
             return cls()
-        return cls(dtype=dtype, scale=meta.get("scale_scheme", "per_token"), block_size=meta.get("scale_block_size"))
+        return cls(
+            dtype=dtype,
+            scale=meta.get("scale_scheme", "per_token"),
+            block_size=meta.get("scale_block_size"),
+        )
 
 
 def quantize(h: torch.Tensor, num_blocks: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,8 +122,9 @@ def quantize(h: torch.Tensor, num_blocks: int = 1) -> tuple[torch.Tensor, torch.
     return q, scale
 
 
-def quantize_unchecked(h: torch.Tensor, num_blocks: int = 1,
-                       out: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_unchecked(
+    h: torch.Tensor, num_blocks: int = 1, out: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`quantize` without its NaN/Inf check, so it never synchronises a device (stage 02 runs
     it on the verifier's GPU per captured batch, before the device -> host copy).
 
@@ -155,7 +168,9 @@ def scales_finite(scale: torch.Tensor) -> bool:
     return bool(torch.isfinite(scale).all())
 
 
-def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def dequantize(
+    q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
     """``q.float() * scale`` broadcast over blocks, cast to ``dtype``; runs on ``q``'s device.
 
     Args:
@@ -206,5 +221,8 @@ def storage_from_config(ex) -> Storage:
     """The :class:`Storage` of an ``extract`` config section (``storage_dtype``, ``fp8_scale``, ``fp8_block_size``)."""
     if ex.storage_dtype == "bfloat16":
         return Storage()
-    return Storage(dtype=ex.storage_dtype, scale=ex.fp8_scale,
-                   block_size=ex.fp8_block_size if ex.fp8_scale == "per_block" else None)
+    return Storage(
+        dtype=ex.storage_dtype,
+        scale=ex.fp8_scale,
+        block_size=ex.fp8_block_size if ex.fp8_scale == "per_block" else None,
+    )

@@ -39,8 +39,9 @@ def _valid_row(row) -> bool:
     )
 
 
-def read_append_log(path: str | os.PathLike, valid: Callable[[object], bool],
-                    malformed: str) -> tuple[list[tuple[int, dict, bytes]], bool]:
+def read_append_log(
+    path: str | os.PathLike, valid: Callable[[object], bool], malformed: str
+) -> tuple[list[tuple[int, dict, bytes]], bool]:
     """Rows of an append-only JSONL log written one whole, fsynced line at a time (``manifest.jsonl``,
     01's regeneration resume log).
 
@@ -94,7 +95,9 @@ def read_manifest(path: str | os.PathLike) -> Manifest:
     path = Path(path)
     if not path.is_file():
         return Manifest({}, False)
-    rows, dropped = read_append_log(path, _valid_row, "malformed manifest line (expected {idx, id, num_tokens})")
+    rows, dropped = read_append_log(
+        path, _valid_row, "malformed manifest line (expected {idx, id, num_tokens})"
+    )
     return Manifest({row["idx"]: row for _, row, _ in rows}, dropped)
 
 
@@ -129,8 +132,15 @@ class ManifestWriter:
 
         The bytes are those of :meth:`append` called row by row. Returns the rows written.
         """
-        out = [{"idx": int(r["idx"]), "id": str(r["id"]), "num_tokens": int(r["num_tokens"]),
-                **{k: v for k, v in r.items() if k not in ("idx", "id", "num_tokens")}} for r in rows]
+        out = [
+            {
+                "idx": int(r["idx"]),
+                "id": str(r["id"]),
+                "num_tokens": int(r["num_tokens"]),
+                **{k: v for k, v in r.items() if k not in ("idx", "id", "num_tokens")},
+            }
+            for r in rows
+        ]
         append_bytes(self._f, "".join(json.dumps(r) + "\n" for r in out).encode("utf-8"), self.path)
         return out
 

@@ -34,10 +34,13 @@ import torch.nn.functional as F
 from eagle3.errors import UserError
 from eagle3.sdpa import resolve_attn_impl
 
+
 # ---------------------------------------------------------------------------------------------
 # rotary position embedding (Llama convention: rotate_half on two halves of the head dim)
 # ---------------------------------------------------------------------------------------------
-def rope_inv_freq(head_dim: int, rope_theta: float, rope_scaling: Optional[dict], device=None) -> torch.Tensor:
+def rope_inv_freq(
+    head_dim: int, rope_theta: float, rope_scaling: Optional[dict], device=None
+) -> torch.Tensor:
     """Inverse frequencies of the Llama rotary embedding, float32 ``[hd/2]``.
 
     ``inv_freq[k] = rope_theta ** (-2k / hd)``. ``rope_scaling`` (HF ``rope_scaling`` /
@@ -48,7 +51,9 @@ def rope_inv_freq(head_dim: int, rope_theta: float, rope_scaling: Optional[dict]
     Raises:
         UserError: unsupported ``rope_type``.
     """
-    inv = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))  # [hd/2]
+    inv = 1.0 / (
+        rope_theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    )  # [hd/2]
     if not rope_scaling:
         return inv
     kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
@@ -68,10 +73,14 @@ def rope_inv_freq(head_dim: int, rope_theta: float, rope_scaling: Optional[dict]
         mid = (1 - smooth) * scaled / factor + smooth * scaled
         is_mid = (wavelen >= high_wl) & (wavelen <= low_wl)
         return torch.where(is_mid, mid, scaled)
-    raise UserError(f"drafter rope_scaling.rope_type '{kind}' is not supported (use default, linear or llama3)")
+    raise UserError(
+        f"drafter rope_scaling.rope_type '{kind}' is not supported (use default, linear or llama3)"
+    )
 
 
-def rotary_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_cos_sin(
+    position_ids: torch.Tensor, inv_freq: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables for integer positions.
 
     Args:
@@ -106,17 +115,30 @@ def _repeat_kv(x: torch.Tensor, rep: int) -> torch.Tensor:
     return x if rep == 1 else x.repeat_interleave(rep, dim=1)
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, is_causal: bool = False, attn_mask=None) -> torch.Tensor:
+def _sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    is_causal: bool = False,
+    attn_mask=None,
+) -> torch.Tensor:
     """``scaled_dot_product_attention`` with GQA: native ``enable_gqa`` where the flash kernel can take it
     (fp16/bf16, no mask, head dim <= 256), else K/V expanded to all query heads so the memory-efficient kernel (fp32,
     masks; no GQA support) is used instead of the math fallback that materialises the scores."""
     rep = q.shape[1] // k.shape[1]
-    if rep > 1 and (q.dtype not in (torch.float16, torch.bfloat16) or attn_mask is not None or q.shape[-1] > 256):
+    if rep > 1 and (
+        q.dtype not in (torch.float16, torch.bfloat16) or attn_mask is not None or q.shape[-1] > 256
+    ):
         k, v, rep = _repeat_kv(k, rep), _repeat_kv(v, rep), 1
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=rep > 1)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=rep > 1
+    )
 
 
-def ttt_attention_eager(q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], scale: float) -> torch.Tensor:
+def ttt_attention_eager(
+    q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], scale: float
+) -> torch.Tensor:
     """Reference TTT attention with explicit scores and the explicit mask.
 
     Args:
@@ -140,7 +162,9 @@ def ttt_attention_eager(q: torch.Tensor, keys: Sequence[torch.Tensor], values: S
     return torch.matmul(probs, v)  # [B, nh, L, hd]
 
 
-def ttt_attention_sdpa(q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], scale: float) -> torch.Tensor:
+def ttt_attention_sdpa(
+    q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], scale: float
+) -> torch.Tensor:
     """Fast TTT attention: causal SDPA for step 0 with the diagonal terms folded in as sink keys.
 
     Same arguments, result and dtype as :func:`ttt_attention_eager` (see the module docstring for
@@ -156,26 +180,38 @@ def ttt_attention_sdpa(q: torch.Tensor, keys: Sequence[torch.Tensor], values: Se
     dt = q.dtype
     # diagonal scores of (step i, t) against the keys of steps 1..i at t, in float32
     qg = q.reshape(B, kvh, rep, L, hd).float()  # [B, kvh, rep, L, hd]
-    diag = torch.stack([(qg * keys[j][:, :, None].float()).sum(-1) for j in range(1, i + 1)], dim=-1)  # [B, kvh, rep, L, i]
+    diag = torch.stack(
+        [(qg * keys[j][:, :, None].float()).sum(-1) for j in range(1, i + 1)], dim=-1
+    )  # [B, kvh, rep, L, i]
     diag = diag.reshape(B, nh, L, i)  # [B, nh, L, i] raw dot products (unscaled)
     hi = diag.to(dt)
-    lo = (diag - hi.float()).to(dt)  # residual so that hi + lo carries the score to ~2x the dtype's bits
+    lo = (diag - hi.float()).to(
+        dt
+    )  # residual so that hi + lo carries the score to ~2x the dtype's bits
     extra = torch.stack([hi, lo], dim=-1).reshape(B, nh, L, 2 * i)  # [B, nh, L, 2i]
     pad = -(-2 * i // 8) * 8  # head-dim padding, multiple of 8 for flash kernels
     q_real = F.pad(torch.cat([q, extra], dim=-1), (0, pad - 2 * i))  # [B, nh, L, hd+pad]
     q_aug = F.pad(q_real, (0, 0, i, 0))  # [B, nh, i+L, hd+pad], i dummy zero queries first
     eye = torch.eye(i, device=q.device, dtype=dt)  # [i, i]
-    sink_k = F.pad(eye.repeat_interleave(2, dim=1), (hd, pad - 2 * i))  # [i, hd+pad]: sink j selects channels hd+2j, hd+2j+1
+    sink_k = F.pad(
+        eye.repeat_interleave(2, dim=1), (hd, pad - 2 * i)
+    )  # [i, hd+pad]: sink j selects channels hd+2j, hd+2j+1
     sink_v = F.pad(eye, (hd, pad - i))  # [i, hd+pad]: sink j writes its weight to column hd+j
-    k_aug = torch.cat([sink_k.expand(B, kvh, i, hd + pad), F.pad(k0, (0, pad))], dim=2)  # [B, kvh, i+L, hd+pad]
-    v_aug = torch.cat([sink_v.expand(B, kvh, i, hd + pad), F.pad(v0, (0, pad))], dim=2)  # [B, kvh, i+L, hd+pad]
+    k_aug = torch.cat(
+        [sink_k.expand(B, kvh, i, hd + pad), F.pad(k0, (0, pad))], dim=2
+    )  # [B, kvh, i+L, hd+pad]
+    v_aug = torch.cat(
+        [sink_v.expand(B, kvh, i, hd + pad), F.pad(v0, (0, pad))], dim=2
+    )  # [B, kvh, i+L, hd+pad]
     o = _sdpa(q_aug, k_aug, v_aug, scale, is_causal=True)
     o = o[:, :, i:]  # [B, nh, L, hd+pad]
     w = o[..., hd : hd + i]  # [B, nh, L, i] softmax weights of the diagonal keys
     out = o[..., :hd]  # [B, nh, L, hd] step-0 part, already normalised by the full denominator
     wg = w.reshape(B, kvh, rep, L, i)
     for j in range(1, i + 1):
-        out = out + (wg[..., j - 1 : j] * values[j][:, :, None]).reshape(B, nh, L, hd)  # [B, nh, L, hd]
+        out = out + (wg[..., j - 1 : j] * values[j][:, :, None]).reshape(
+            B, nh, L, hd
+        )  # [B, nh, L, hd]
     return out
 
 
@@ -190,8 +226,14 @@ def ttt_attention(q, keys, values, scale: float, attn_impl: str = "auto") -> tor
 # ---------------------------------------------------------------------------------------------
 # KV-cached attention (inference)
 # ---------------------------------------------------------------------------------------------
-def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, scale: float,
-                     mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+def cached_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    past: int,
+    scale: float,
+    mask: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """Attention of ``T`` new queries over ``past`` cached keys plus the ``T`` new ones (causal among the new).
 
     Args:
@@ -210,5 +252,7 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: in
         return _sdpa(q, k, v, scale, is_causal=T > 1)
     if T == 1:
         return _sdpa(q, k, v, scale)
-    mask = torch.ones(T, past + T, dtype=torch.bool, device=q.device).tril(diagonal=past)  # [T, past+T]
+    mask = torch.ones(T, past + T, dtype=torch.bool, device=q.device).tril(
+        diagonal=past
+    )  # [T, past+T]
     return _sdpa(q, k, v, scale, attn_mask=mask)

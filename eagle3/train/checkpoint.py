@@ -38,8 +38,19 @@ from eagle3.io import remove_stale_tmp as _remove_tmp
 log = logging.getLogger(__name__)
 
 FORMAT = "eagle3-train-ckpt-v1"
-REQUIRED_KEYS = ("format", "step", "epoch", "samples_in_epoch", "model", "optimizer", "scheduler", "rng",
-                 "drafter_args", "config_fingerprint", "world_size")
+REQUIRED_KEYS = (
+    "format",
+    "step",
+    "epoch",
+    "samples_in_epoch",
+    "model",
+    "optimizer",
+    "scheduler",
+    "rng",
+    "drafter_args",
+    "config_fingerprint",
+    "world_size",
+)
 _NAME_RE = re.compile(r"^step_(\d{8})\.pt$")
 
 
@@ -73,7 +84,7 @@ def remove_stale_tmp(train_dir: str | os.PathLike) -> int:
     there). Call on rank 0 under 04's lock, before training. Returns the count."""
     n = len(_remove_tmp(ckpt_dir(train_dir)))
     root = Path(train_dir)
-    for p in (root.glob(f"*{TMP_MARK}*") if root.is_dir() else ()):
+    for p in root.glob(f"*{TMP_MARK}*") if root.is_dir() else ():
         if p.is_file():
             p.unlink(missing_ok=True)
             n += 1
@@ -130,8 +141,9 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
     return state
 
 
-def find_latest_checkpoint(train_dir: str | os.PathLike, fallback: bool = True,
-                           warn: bool = True) -> Optional[tuple[Path, dict]]:
+def find_latest_checkpoint(
+    train_dir: str | os.PathLike, fallback: bool = True, warn: bool = True
+) -> Optional[tuple[Path, dict]]:
     """The newest checkpoint that loads and validates, falling back to older ones with a warning.
 
     Every caller that needs "the newest checkpoint" goes through here (``04 --resume``: ``_Training.restore``;
@@ -167,16 +179,24 @@ def find_latest_checkpoint(train_dir: str | os.PathLike, fallback: bool = True,
         if newest_error is not None:
             step = int(state["step"])
             if not fallback:
-                raise UserError(f"the newest checkpoint does not load: {newest_error}; the newest that loads is "
-                                f"{path.name} (step {step}): delete {found[-1][1].name} to use step {step}, or "
-                                f"04_train.py --resume to train on from it")
+                raise UserError(
+                    f"the newest checkpoint does not load: {newest_error}; the newest that loads is "
+                    f"{path.name} (step {step}): delete {found[-1][1].name} to use step {step}, or "
+                    f"04_train.py --resume to train on from it"
+                )
             if warn:
-                log.warning("using %s (step %d), not the newest checkpoint file %s, which does not load", path.name,
-                            step, found[-1][1].name)
+                log.warning(
+                    "using %s (step %d), not the newest checkpoint file %s, which does not load",
+                    path.name,
+                    step,
+                    found[-1][1].name,
+                )
         return path, state
     if found:
-        raise UserError(f"{ckpt_dir(train_dir)}: none of its {len(found)} checkpoint file(s) loads; the newest: "
-                        f"{newest_error} (replace or delete the broken files, or train into a new train.output_dir)")
+        raise UserError(
+            f"{ckpt_dir(train_dir)}: none of its {len(found)} checkpoint file(s) loads; the newest: "
+            f"{newest_error} (replace or delete the broken files, or train into a new train.output_dir)"
+        )
     return None
 
 
@@ -199,7 +219,9 @@ def check_drafter_args(path: str | os.PathLike, saved: dict, current: dict) -> N
 def drafter_args_problem(saved: dict, current: dict) -> Optional[str]:
     """What :func:`check_drafter_args` refuses, without the path (None when the shapes agree): one clause per
     differing field, joined by ``; ``."""
-    if "variant" in current:  # a checkpoint written before DrafterArgs.variant existed holds an eagle3 drafter
+    if (
+        "variant" in current
+    ):  # a checkpoint written before DrafterArgs.variant existed holds an eagle3 drafter
         saved = {"variant": "eagle3", **saved}
     # DrafterArgs.to_json leaves num_layers out when 1 (and checkpoints written before it existed have one layer)
     saved, current = {"num_layers": 1, **saved}, {"num_layers": 1, **current}
@@ -207,12 +229,18 @@ def drafter_args_problem(saved: dict, current: dict) -> Optional[str]:
     for key in sorted(set(saved) | set(current)):
         a, b = saved.get(key, "<absent>"), current.get(key, "<absent>")
         if isinstance(a, float) or isinstance(b, float):
-            same = a == b or (isinstance(a, (int, float)) and isinstance(b, (int, float)) and abs(a - b) <= 1e-12 * max(1.0, abs(a)))
+            same = a == b or (
+                isinstance(a, (int, float))
+                and isinstance(b, (int, float))
+                and abs(a - b) <= 1e-12 * max(1.0, abs(a))
+            )
         else:
             same = a == b
         if not same:
-            out.append(f"drafter field '{key}' is {a!r} in the checkpoint but {b!r} in the config "
-                       f"({drafter_field_source(key)}, or train into a new train.output_dir)")
+            out.append(
+                f"drafter field '{key}' is {a!r} in the checkpoint but {b!r} in the config "
+                f"({drafter_field_source(key)}, or train into a new train.output_dir)"
+            )
     return "; ".join(out) or None
 
 
@@ -243,7 +271,10 @@ def check_data_order(path: str | os.PathLike, saved: Optional[dict], current: di
         raise UserError(f"{path}: {problem}")
 
 
-SPLIT_KEYS = ("train.batch_size", "train.grad_accum")  # how a step is split: free while the global batch is kept
+SPLIT_KEYS = (
+    "train.batch_size",
+    "train.grad_accum",
+)  # how a step is split: free while the global batch is kept
 
 
 def global_batch(order: dict, world: int) -> int:
@@ -259,26 +290,43 @@ def _split_text(order: dict, world: int) -> str:
     return f"{order['train.batch_size']} x {order['train.grad_accum']} x {world}"
 
 
-def global_batch_change(saved: Optional[dict], current: dict, worlds: Optional[tuple]) -> Optional[str]:
+def global_batch_change(
+    saved: Optional[dict], current: dict, worlds: Optional[tuple]
+) -> Optional[str]:
     """The resume note when the global batch changes (another process count with the same split), or None.
 
     ``worlds``: the checkpoint's and this run's process counts (None: unknown, no note). Names both splits and the
     ``train.grad_accum`` that keeps the checkpoint's global batch, when one does."""
-    if saved is None or worlds is None or worlds[0] is None or data_order_problem(saved, current, worlds):
+    if (
+        saved is None
+        or worlds is None
+        or worlds[0] is None
+        or data_order_problem(saved, current, worlds)
+    ):
         return None
     then, now = global_batch(saved, worlds[0]), global_batch(current, worlds[1])
     if then == now:
         return None
     budget = current.get("train.batch_tokens") is not None
     unit = "token-budget batches" if budget else "samples"
-    what = "train.grad_accum x processes" if budget else "train.batch_size x train.grad_accum x processes"
+    what = (
+        "train.grad_accum x processes"
+        if budget
+        else "train.batch_size x train.grad_accum x processes"
+    )
     per = global_batch({**current, "train.grad_accum": 1}, worlds[1])
-    keep = f"; --set train.grad_accum={then // per} keeps the checkpoint's" if then % per == 0 else ""
-    return (f"global batch {then} -> {now} {unit} per optimizer step ({what}: {_split_text(saved, worlds[0])} then, "
-            f"{_split_text(current, worlds[1])} now){keep}")
+    keep = (
+        f"; --set train.grad_accum={then // per} keeps the checkpoint's" if then % per == 0 else ""
+    )
+    return (
+        f"global batch {then} -> {now} {unit} per optimizer step ({what}: {_split_text(saved, worlds[0])} then, "
+        f"{_split_text(current, worlds[1])} now){keep}"
+    )
 
 
-def data_order_problem(saved: Optional[dict], current: dict, worlds: Optional[tuple] = None) -> Optional[str]:
+def data_order_problem(
+    saved: Optional[dict], current: dict, worlds: Optional[tuple] = None
+) -> Optional[str]:
     """What :func:`check_data_order` refuses, without the path (None: nothing to refuse).
 
     ``worlds``: the checkpoint's and this run's process counts, when known. ``train.batch_size`` / ``train.grad_accum``
@@ -288,9 +336,17 @@ def data_order_problem(saved: Optional[dict], current: dict, worlds: Optional[tu
     continue the same run."""
     if saved is None:
         return None
-    keys = [k for k in sorted(set(saved) | set(current)) if saved.get(k, "<absent>") != current.get(k, "<absent>")]
+    keys = [
+        k
+        for k in sorted(set(saved) | set(current))
+        if saved.get(k, "<absent>") != current.get(k, "<absent>")
+    ]
     known = worlds is not None and worlds[0] is not None and all(k in saved for k in SPLIT_KEYS)
-    if known and not set(keys) - set(SPLIT_KEYS) and global_batch(saved, worlds[0]) == global_batch(current, worlds[1]):
+    if (
+        known
+        and not set(keys) - set(SPLIT_KEYS)
+        and global_batch(saved, worlds[0]) == global_batch(current, worlds[1])
+    ):
         return None
     if not keys:
         return None
@@ -298,11 +354,15 @@ def data_order_problem(saved: Optional[dict], current: dict, worlds: Optional[tu
     now = ", ".join(f"{k}={current.get(k, '<absent>')}" for k in keys)
     split = ""
     if known and not set(keys) - set(SPLIT_KEYS):
-        split = (f" (train.batch_size and train.grad_accum may change only where they keep the global batch of "
-                 f"{global_batch(saved, worlds[0])}: {_split_text(saved, worlds[0])} then, "
-                 f"{_split_text(current, worlds[1])} now)")
-    return (f"written with {then} but the config has {now}; resume keeps the data order only with the same seed "
-            f"and batching{split} (set them back, or train into a new train.output_dir)")
+        split = (
+            f" (train.batch_size and train.grad_accum may change only where they keep the global batch of "
+            f"{global_batch(saved, worlds[0])}: {_split_text(saved, worlds[0])} then, "
+            f"{_split_text(current, worlds[1])} now)"
+        )
+    return (
+        f"written with {then} but the config has {now}; resume keeps the data order only with the same seed "
+        f"and batching{split} (set them back, or train into a new train.output_dir)"
+    )
 
 
 # Recipe fields that define the training loss: changed on --resume, the run would optimise (and log, validate,
@@ -367,22 +427,39 @@ def recipe_changes(saved: Optional[dict], current: dict) -> tuple[Optional[str],
     """:func:`check_recipe` without the path and without raising: ``(what is refused or None, the allowed changes)``."""
     if saved is None:
         return None, []
-    changed = [k for k in sorted(set(saved) | set(current)) if saved.get(k, "<absent>") != current.get(k, "<absent>")]
-    if "train.lk_eta" in changed and saved.get("train.loss") == current.get("train.loss") == "soft_ce":
+    changed = [
+        k
+        for k in sorted(set(saved) | set(current))
+        if saved.get(k, "<absent>") != current.get(k, "<absent>")
+    ]
+    if (
+        "train.lk_eta" in changed
+        and saved.get("train.loss") == current.get("train.loss") == "soft_ce"
+    ):
         changed.remove("train.lk_eta")  # soft_ce does not use eta
     bad = [k for k in changed if k in LOSS_FIELDS]
     problem = None
     if bad:
-        what = ", ".join(f"{k} {as_written(k, saved.get(k, '<absent>'))} -> "
-                         f"{as_written(k, current.get(k, '<absent>'))}" for k in bad)
-        problem = (f"--resume with another loss definition ({what}); set them back, or start a new run from this "
-                   f"one's export with train.init_from in a new train.output_dir (a run stopped before its end has "
-                   f"none yet: 04_train.py --export-only writes it from the checkpoint)")
+        what = ", ".join(
+            f"{k} {as_written(k, saved.get(k, '<absent>'))} -> "
+            f"{as_written(k, current.get(k, '<absent>'))}"
+            for k in bad
+        )
+        problem = (
+            f"--resume with another loss definition ({what}); set them back, or start a new run from this "
+            f"one's export with train.init_from in a new train.output_dir (a run stopped before its end has "
+            f"none yet: 04_train.py --export-only writes it from the checkpoint)"
+        )
     notes = []
     for k in (k for k in changed if k not in LOSS_FIELDS):
-        then, now = as_written(k, saved.get(k, "<absent>")), as_written(k, current.get(k, "<absent>"))
+        then, now = (
+            as_written(k, saved.get(k, "<absent>")),
+            as_written(k, current.get(k, "<absent>")),
+        )
         if k in KEPT_FIELDS:
-            notes.append(f"{k}: the config's {now} is not used; the checkpoint's {then} is kept {KEPT_FIELDS[k]}")
+            notes.append(
+                f"{k}: the config's {now} is not used; the checkpoint's {then} is kept {KEPT_FIELDS[k]}"
+            )
         else:
             notes.append(f"{k} {then} -> {now} ({_RECIPE_NOTES.get(k, 'the new value is used')})")
     return problem, notes
@@ -400,8 +477,18 @@ VERIFIER_WEIGHTS = "verifier_weights"
 # (compared with a config's ``extract.max_length``). Recorded by every checkpoint since 2026-12-05g, so that a train
 # folder exports after its shards (terabytes) are deleted; older checkpoints export only beside the shards' file.
 DATA_CONFIG_RECORD = "data_config"
-DATA_CONFIG_RECORD_KEYS = ("verifier", "architecture", "num_layers", "hidden_size", "vocab_size", "aux_layers",
-                           "layer_index_convention", "last_hidden_state", "max_length", VERIFIER_WEIGHTS)
+DATA_CONFIG_RECORD_KEYS = (
+    "verifier",
+    "architecture",
+    "num_layers",
+    "hidden_size",
+    "vocab_size",
+    "aux_layers",
+    "layer_index_convention",
+    "last_hidden_state",
+    "max_length",
+    VERIFIER_WEIGHTS,
+)
 
 
 def data_config_record(meta: dict) -> dict:
@@ -413,7 +500,9 @@ def data_config_record(meta: dict) -> dict:
 def split_sha256(split: dict) -> str:
     """sha256 (hex) of a split's content (``{"train": [ids], "val": [ids]}``, order kept; the file's formatting is
     not part of it)."""
-    blob = json.dumps({"train": list(split["train"]), "val": list(split["val"])}, separators=(",", ":"))
+    blob = json.dumps(
+        {"train": list(split["train"]), "val": list(split["val"])}, separators=(",", ":")
+    )
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
 
@@ -428,7 +517,9 @@ def vocab_sha256(vocab: dict) -> str:
     return h.hexdigest()
 
 
-def data_inputs_problem(saved: Optional[dict], current: dict, data_dir: str | os.PathLike) -> Optional[str]:
+def data_inputs_problem(
+    saved: Optional[dict], current: dict, data_dir: str | os.PathLike
+) -> Optional[str]:
     """What a resumed checkpoint's recorded ``data_inputs`` (``{"split.json": sha256, "vocab_map.pt": sha256,
     "aux_layers": [HF indices]}``, see :func:`split_sha256` / :func:`vocab_sha256`) refuses against the files in
     ``data_dir`` and the shards now; None when they agree. Checkpoints from before the key (None), or without one of
@@ -449,35 +540,52 @@ def data_inputs_problem(saved: Optional[dict], current: dict, data_dir: str | os
     out = []
     d = Path(data_dir)
     if saved.get(SPLIT_FILE) not in (None, current.get(SPLIT_FILE)):
-        out.append(f"{d / SPLIT_FILE} is not the split this checkpoint was trained on: the validation split changed "
-                   f"since the checkpoint, so resuming would validate on trained samples; train a new run (a new "
-                   f"train.output_dir), or re-run 03_prepare_data.py with the old data settings")
+        out.append(
+            f"{d / SPLIT_FILE} is not the split this checkpoint was trained on: the validation split changed "
+            f"since the checkpoint, so resuming would validate on trained samples; train a new run (a new "
+            f"train.output_dir), or re-run 03_prepare_data.py with the old data settings"
+        )
     if saved.get(VOCAB_FILE) not in (None, current.get(VOCAB_FILE)):
-        out.append(f"{d / VOCAB_FILE} is not the draft vocab map this checkpoint was trained with: its lm_head rows "
-                   f"would stand for other tokens; train a new run (a new train.output_dir), or re-run "
-                   f"03_prepare_data.py with the old data settings")
+        out.append(
+            f"{d / VOCAB_FILE} is not the draft vocab map this checkpoint was trained with: its lm_head rows "
+            f"would stand for other tokens; train a new run (a new train.output_dir), or re-run "
+            f"03_prepare_data.py with the old data settings"
+        )
     then, now = saved.get(AUX_LAYERS), current.get(AUX_LAYERS)
     if then is not None and now is not None and list(then) != list(now):
-        out.append(f"the shards' aux layers {list(now)} (data_config.json) are not the {list(then)} this checkpoint "
-                   f"was trained on: the drafter would be fed (and its export would name) other layers' states; use "
-                   f"the shards it was trained on (extract.output_dir), or train a new run (a new train.output_dir)")
+        out.append(
+            f"the shards' aux layers {list(now)} (data_config.json) are not the {list(then)} this checkpoint "
+            f"was trained on: the drafter would be fed (and its export would name) other layers' states; use "
+            f"the shards it was trained on (extract.output_dir), or train a new run (a new train.output_dir)"
+        )
     from eagle3.verifier import weights_differ
 
     then, now = saved.get(VERIFIER_WEIGHTS), current.get(VERIFIER_WEIGHTS)
     if weights_differ(then, now):
-        out.append(f"the shards' verifier weights {str(now)[:19]}... (data_config.json verifier_weights) are not the "
-                   f"{str(then)[:19]}... this checkpoint was trained on: the shards were captured from another "
-                   f"verifier of the same shapes; use the shards it was trained on (extract.output_dir), or train a "
-                   f"new run (a new train.output_dir)")
+        out.append(
+            f"the shards' verifier weights {str(now)[:19]}... (data_config.json verifier_weights) are not the "
+            f"{str(then)[:19]}... this checkpoint was trained on: the shards were captured from another "
+            f"verifier of the same shapes; use the shards it was trained on (extract.output_dir), or train a "
+            f"new run (a new train.output_dir)"
+        )
     return "; ".join(out) or None
 
 
-_INPUT_NAMES = {SPLIT_FILE: "split.json (the validation split)", VOCAB_FILE: "vocab_map.pt (the draft vocab)",
-                AUX_LAYERS: "the shards' aux layers", VERIFIER_WEIGHTS: "the shards' verifier weights"}
+_INPUT_NAMES = {
+    SPLIT_FILE: "split.json (the validation split)",
+    VOCAB_FILE: "vocab_map.pt (the draft vocab)",
+    AUX_LAYERS: "the shards' aux layers",
+    VERIFIER_WEIGHTS: "the shards' verifier weights",
+}
 
 
-def data_inputs_unchecked(path: str | os.PathLike, saved: Optional[dict], current: dict, what: str,
-                          keys: Sequence[str] = (SPLIT_FILE, VOCAB_FILE, AUX_LAYERS, VERIFIER_WEIGHTS)) -> Optional[str]:
+def data_inputs_unchecked(
+    path: str | os.PathLike,
+    saved: Optional[dict],
+    current: dict,
+    what: str,
+    keys: Sequence[str] = (SPLIT_FILE, VOCAB_FILE, AUX_LAYERS, VERIFIER_WEIGHTS),
+) -> Optional[str]:
     """The one warning line saying which of :func:`data_inputs_problem`'s comparisons (``keys``) could not be made, or
     None: a checkpoint without ``data_inputs`` (from before the record) or without an entry, or a weights
     fingerprint on one side only. Both sides without one (shards captured before fingerprints, which
@@ -491,7 +599,9 @@ def data_inputs_unchecked(path: str | os.PathLike, saved: Optional[dict], curren
     """
     saved = saved if isinstance(saved, dict) else {}
     gaps = [k for k in keys if k != VERIFIER_WEIGHTS and saved.get(k) is None]
-    if VERIFIER_WEIGHTS in keys and (saved.get(VERIFIER_WEIGHTS) is None) != (current.get(VERIFIER_WEIGHTS) is None):
+    if VERIFIER_WEIGHTS in keys and (saved.get(VERIFIER_WEIGHTS) is None) != (
+        current.get(VERIFIER_WEIGHTS) is None
+    ):
         gaps.append(VERIFIER_WEIGHTS)
     if not gaps:
         return None
@@ -502,11 +612,15 @@ def data_inputs_unchecked(path: str | os.PathLike, saved: Optional[dict], curren
         why = "records no " + ", ".join(absent)
     else:
         why = f"records data_inputs.{VERIFIER_WEIGHTS} but the shards' data_config.json has none"
-    return (f"{path}: {why}: {what} did not check {', '.join(_INPUT_NAMES[k] for k in gaps)} against what it was "
-            f"trained on; check that 02 and 03 were not re-run with other settings since that checkpoint")
+    return (
+        f"{path}: {why}: {what} did not check {', '.join(_INPUT_NAMES[k] for k in gaps)} against what it was "
+        f"trained on; check that 02 and 03 were not re-run with other settings since that checkpoint"
+    )
 
 
-def check_resume(path: str | os.PathLike, state: dict, current: dict, data_dir: str | os.PathLike) -> list[str]:
+def check_resume(
+    path: str | os.PathLike, state: dict, current: dict, data_dir: str | os.PathLike
+) -> list[str]:
     """Every check of a checkpoint against the run now, before anything of it is loaded (``04 --resume``): drafter
     shape (:func:`check_drafter_args`), data order (:func:`check_data_order`), loss definition (:func:`check_recipe`)
     and data inputs (:func:`data_inputs_problem`). All refusals are gathered into one line, so a resume with several
@@ -525,9 +639,12 @@ def check_resume(path: str | os.PathLike, state: dict, current: dict, data_dir: 
     """
     rec_problem, notes = recipe_changes(state.get("recipe"), current["recipe"])
     worlds = (state.get("world_size"), current["world_size"]) if "world_size" in current else None
-    problems = [drafter_args_problem(state["drafter_args"], current["drafter_args"]),
-                data_order_problem(state.get("data_order"), current["data_order"], worlds), rec_problem,
-                data_inputs_problem(state.get("data_inputs"), current["data_inputs"], data_dir)]
+    problems = [
+        drafter_args_problem(state["drafter_args"], current["drafter_args"]),
+        data_order_problem(state.get("data_order"), current["data_order"], worlds),
+        rec_problem,
+        data_inputs_problem(state.get("data_inputs"), current["data_inputs"], data_dir),
+    ]
     problems = [p for p in problems if p]
     if problems:
         raise UserError(f"{path}: " + "; ".join(problems))
@@ -555,20 +672,30 @@ def drafter_field_source(key: str) -> str:
 
 def config_fingerprint(obj: Any) -> str:
     """sha256 (hex, 16 chars) of a JSON-serialisable object (sorted keys): identifies the training setup."""
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode("utf-8")).hexdigest()[:16]
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode("utf-8")).hexdigest()[
+        :16
+    ]
 
 
 # ---- RNG ----------------------------------------------------------------------------------------
 def capture_rng() -> dict:
     """This process's RNG states (torch CPU, all CUDA devices, Python ``random``, NumPy) as weights-only-safe values."""
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": _py_state_to_list(random.getstate())}
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": _py_state_to_list(random.getstate()),
+    }
     state["cuda"] = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
     try:
         import numpy as np
 
         name, keys, pos, has_gauss, cached = np.random.get_state()
-        state["numpy"] = {"name": name, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
-                          "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+        state["numpy"] = {
+            "name": name,
+            "keys": torch.from_numpy(keys.astype("int64")),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        }
     except ImportError:  # pragma: no cover - numpy is a torch/matplotlib dependency
         state["numpy"] = None
     return state
@@ -585,8 +712,15 @@ def restore_rng(state: dict) -> None:
     if np_state is not None:
         import numpy as np
 
-        np.random.set_state((np_state["name"], np_state["keys"].numpy().astype("uint32"), np_state["pos"],
-                             np_state["has_gauss"], np_state["cached_gaussian"]))
+        np.random.set_state(
+            (
+                np_state["name"],
+                np_state["keys"].numpy().astype("uint32"),
+                np_state["pos"],
+                np_state["has_gauss"],
+                np_state["cached_gaussian"],
+            )
+        )
 
 
 def _py_state_to_list(s: tuple) -> list:

@@ -91,14 +91,27 @@ def check_context_length(args: DrafterArgs, verifier_context: Optional[int], eng
     draft = serving_context_length(llama_config(args, DEFAULT_EXPORT_DTYPE))
     if draft is None or draft >= verifier_context:
         return
-    need = -(-verifier_context * args.max_position_embeddings // draft)  # scales with any rope factor
-    fix = (f"set drafter.max_position_embeddings: null (the verifier's) or >= {need} and re-export "
-           f"(04_train.py --export-only; the weights do not depend on it, rotary angles are computed)")
-    head = (f"drafter.max_position_embeddings: {args.max_position_embeddings} gives the draft a context length of "
-            f"{draft} tokens, below the verifier's {verifier_context}")
+    need = -(
+        -verifier_context * args.max_position_embeddings // draft
+    )  # scales with any rope factor
+    fix = (
+        f"set drafter.max_position_embeddings: null (the verifier's) or >= {need} and re-export "
+        f"(04_train.py --export-only; the weights do not depend on it, rotary angles are computed)"
+    )
+    head = (
+        f"drafter.max_position_embeddings: {args.max_position_embeddings} gives the draft a context length of "
+        f"{draft} tokens, below the verifier's {verifier_context}"
+    )
     if engine == "sglang":
-        raise UserError(f"{head}: SGLang 0.5.23 refuses to start such a draft (ModelConfig._derive_context_length: "
-                        f"the draft gets the verifier's context length and may not exceed its own unless "
-                        f"SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1); {fix}")
-    log.warning("%s: vLLM caps the draft at %d positions (SpeculativeConfig._maybe_override_draft_max_model_len), "
-                "longer requests run the draft past its configured range; %s", head, draft, fix)
+        raise UserError(
+            f"{head}: SGLang 0.5.23 refuses to start such a draft (ModelConfig._derive_context_length: "
+            f"the draft gets the verifier's context length and may not exceed its own unless "
+            f"SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1); {fix}"
+        )
+    log.warning(
+        "%s: vLLM caps the draft at %d positions (SpeculativeConfig._maybe_override_draft_max_model_len), "
+        "longer requests run the draft past its configured range; %s",
+        head,
+        draft,
+        fix,
+    )

@@ -46,13 +46,19 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, Optional
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
-from eagle3.train.attention import apply_rotary, cached_attention, rope_inv_freq, rotary_cos_sin, ttt_attention
-from eagle3.sdpa import resolve_attn_impl
-from eagle3.errors import UserError
 from eagle3.data.vocab import check_vocab_map
+from eagle3.errors import UserError
+from eagle3.sdpa import resolve_attn_impl
+from eagle3.train.attention import (
+    apply_rotary,
+    cached_attention,
+    rope_inv_freq,
+    rotary_cos_sin,
+    ttt_attention,
+)
 
 VARIANTS = ("eagle3", "eagle3.1")
 """Drafter architectures (module docstring): ``eagle3`` (paper) and ``eagle3.1`` (fc_norm + norm_output)."""
@@ -90,9 +96,17 @@ class DrafterArgs:
 
     def __post_init__(self):
         if self.variant not in VARIANTS:
-            raise UserError(f"drafter field 'variant' must be one of {', '.join(VARIANTS)}, got {self.variant!r}")
-        if not isinstance(self.num_layers, int) or isinstance(self.num_layers, bool) or self.num_layers < 1:
-            raise UserError(f"drafter field 'num_layers' must be an integer >= 1, got {self.num_layers!r}")
+            raise UserError(
+                f"drafter field 'variant' must be one of {', '.join(VARIANTS)}, got {self.variant!r}"
+            )
+        if (
+            not isinstance(self.num_layers, int)
+            or isinstance(self.num_layers, bool)
+            or self.num_layers < 1
+        ):
+            raise UserError(
+                f"drafter field 'num_layers' must be an integer >= 1, got {self.num_layers!r}"
+            )
         for f in fields(self):
             if f.name in ("rope_scaling", "variant", "num_layers"):
                 continue
@@ -105,7 +119,9 @@ class DrafterArgs:
                 f"num_attention_heads ({self.num_attention_heads})"
             )
         if self.head_dim % 2:
-            raise UserError(f"drafter field 'head_dim' must be even for rotary embeddings, got {self.head_dim}")
+            raise UserError(
+                f"drafter field 'head_dim' must be even for rotary embeddings, got {self.head_dim}"
+            )
         if self.draft_vocab_size > self.target_vocab_size:
             raise UserError(
                 f"drafter field 'draft_vocab_size' ({self.draft_vocab_size}) exceeds target_vocab_size ({self.target_vocab_size})"
@@ -132,7 +148,9 @@ class DrafterArgs:
         unknown = sorted(set(obj) - names)
         if unknown:
             raise UserError(f"{source}: unknown drafter field '{unknown[0]}'")
-        missing = [f.name for f in fields(cls) if f.name not in obj and f.name not in OPTIONAL_FIELDS]
+        missing = [
+            f.name for f in fields(cls) if f.name not in obj and f.name not in OPTIONAL_FIELDS
+        ]
         if missing:
             raise UserError(f"{source}: missing drafter field '{missing[0]}'")
         return cls(**obj)
@@ -157,7 +175,11 @@ class DrafterArgs:
         rope scaling is copied only if it is default/linear/llama3 (else default rope, e.g. for
         YaRN verifiers such as Kimi; the export states ``rope_scaling: null`` so serving agrees).
         """
-        get = (lambda k, d=None: cfg.get(k, d)) if isinstance(cfg, dict) else (lambda k, d=None: getattr(cfg, k, d))
+        get = (
+            (lambda k, d=None: cfg.get(k, d))
+            if isinstance(cfg, dict)
+            else (lambda k, d=None: getattr(cfg, k, d))
+        )
         rp = get("rope_parameters") or {}
         rs = get("rope_scaling") or (rp if rp.get("rope_type", "default") != "default" else None)
         if rs and rs.get("rope_type", rs.get("type")) not in ("linear", "llama3"):
@@ -181,7 +203,9 @@ class DrafterArgs:
         vals.update({k: v for k, v in overrides.items() if v is not None})
         missing = [k for k, v in vals.items() if v is None and k not in OPTIONAL_FIELDS]
         if missing:
-            raise UserError(f"verifier config: cannot derive drafter field '{missing[0]}'; set drafter.{missing[0]}")
+            raise UserError(
+                f"verifier config: cannot derive drafter field '{missing[0]}'; set drafter.{missing[0]}"
+            )
         return cls(**vals)
 
 
@@ -278,7 +302,13 @@ class Eagle3UpperLayer(Eagle3DecoderLayer):
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.mlp = Eagle3MLP(a)
 
-    def qkv(self, emb: Optional[torch.Tensor], hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def qkv(
+        self,
+        emb: Optional[torch.Tensor],
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ):
         """hidden ``[B, T, H]`` (``emb`` unused) -> q, k, v of ``input_layernorm(hidden)``."""
         return self.self_attn.qkv(self.input_layernorm(hidden), cos, sin)
 
@@ -307,7 +337,9 @@ class DrafterCache:
         """Number of cached key slots."""
         return 0 if self.keys[0] is None else int(self.keys[0].shape[2])
 
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, valid: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def append(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, valid: Optional[torch.Tensor] = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``[B, kvh, T, hd]`` keys/values to ``layer``; return the full ``[B, kvh, S+T, hd]`` tensors.
 
         ``valid`` (bool ``[B, T]``, None = all valid) marks which new slots hold real positions;
@@ -318,7 +350,11 @@ class DrafterCache:
             self.values.append(None)
         if layer == 0 and (valid is not None or self.valid is not None):
             B, T = k.shape[0], k.shape[2]
-            new = torch.ones(B, T, dtype=torch.bool, device=k.device) if valid is None else valid.to(torch.bool)  # [B, T]
+            new = (
+                torch.ones(B, T, dtype=torch.bool, device=k.device)
+                if valid is None
+                else valid.to(torch.bool)
+            )  # [B, T]
             if self.valid is None:
                 old = torch.ones(B, self.length, dtype=torch.bool, device=k.device)  # [B, S]
             else:
@@ -341,7 +377,9 @@ class DrafterCache:
             return None
         S = self.valid.shape[1]
         past = S - T
-        causal = torch.ones(T, S, dtype=torch.bool, device=self.valid.device).tril(diagonal=past)  # [T, S]
+        causal = torch.ones(T, S, dtype=torch.bool, device=self.valid.device).tril(
+            diagonal=past
+        )  # [T, S]
         own = torch.zeros(T, S, dtype=torch.bool, device=self.valid.device)
         own[:, past:] = torch.eye(T, dtype=torch.bool, device=self.valid.device)  # [T, S]
         return ((self.valid[:, None, :] & causal) | own)[:, None]  # [B, 1, T, S]
@@ -405,7 +443,9 @@ class StaticKVCache:
         """Record the positions ``[T]`` of the next forward and their :meth:`mask` (read by every layer)."""
         self.pos, self.attn_mask = pos, self.mask(pos)
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def write(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``k``/``v`` ``[1, kvh, T, d]`` at columns ``pos`` (int64 ``[T]``, each ``< C``) of ``layer``; return the
         layer's whole ``[1, kvh, C, d]`` tensors."""
         if self.k[layer] is None:
@@ -439,7 +479,9 @@ class Eagle3Drafter(nn.Module):
         self.embed_tokens.weight.requires_grad_(False)
         self.fc = nn.Linear(3 * a.target_hidden_size, a.hidden_size, bias=False)
         if a.fc_norm:
-            self.fc_norm = nn.ModuleList([RMSNorm(a.target_hidden_size, a.rms_norm_eps) for _ in range(3)])
+            self.fc_norm = nn.ModuleList(
+                [RMSNorm(a.target_hidden_size, a.rms_norm_eps) for _ in range(3)]
+            )
         self.midlayer = Eagle3DecoderLayer(a)
         # layers 1.. of a deeper drafter; keys "layers.{i}.*" (empty, so no keys, for the one-layer drafter)
         self.layers = nn.ModuleDict({str(i): Eagle3UpperLayer(a) for i in range(1, a.num_layers)})
@@ -465,12 +507,19 @@ class Eagle3Drafter(nn.Module):
         """
         want = tuple(self.embed_tokens.weight.shape)
         if tuple(weight.shape) != want:
-            raise UserError(f"verifier embedding has shape {tuple(weight.shape)}, drafter expects {want}")
+            raise UserError(
+                f"verifier embedding has shape {tuple(weight.shape)}, drafter expects {want}"
+            )
         with torch.no_grad():
             self.embed_tokens.weight.copy_(weight)
 
-    def set_vocab_map(self, d2t: torch.Tensor, t2d: torch.Tensor, where: str = "vocab map",
-                      draft_key: str = "drafter draft_vocab_size") -> None:
+    def set_vocab_map(
+        self,
+        d2t: torch.Tensor,
+        t2d: torch.Tensor,
+        where: str = "vocab map",
+        draft_key: str = "drafter draft_vocab_size",
+    ) -> None:
         """Install the draft vocab map (``vocab_map.pt`` of stage 03): ``d2t`` int64 ``[draft_V]``
         offsets, ``t2d`` bool ``[target_V]``.
 
@@ -483,8 +532,15 @@ class Eagle3Drafter(nn.Module):
                 out of range, duplicated or unsorted, ``t2d`` not the set ``d2t`` describes).
         """
         a = self.args
-        check_vocab_map(d2t, t2d, where, target_vocab_size=a.target_vocab_size, draft_vocab_size=a.draft_vocab_size,
-                        draft_key=draft_key, target_source="the drafter's target_vocab_size")
+        check_vocab_map(
+            d2t,
+            t2d,
+            where,
+            target_vocab_size=a.target_vocab_size,
+            draft_vocab_size=a.draft_vocab_size,
+            draft_key=draft_key,
+            target_source="the drafter's target_vocab_size",
+        )
         self.d2t.copy_(d2t)
         self.t2d.copy_(t2d)
 
@@ -523,7 +579,13 @@ class Eagle3Drafter(nn.Module):
         return rope_inv_freq(a.head_dim, a.rope_theta, a.rope_scaling, device=device)  # [hd/2]
 
     # ---- training: training-time test -------------------------------------------------------
-    def ttt_forward(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, ttt_length: int, attn_impl: str = "auto") -> list[torch.Tensor]:
+    def ttt_forward(
+        self,
+        input_ids: torch.Tensor,
+        aux_hidden: torch.Tensor,
+        ttt_length: int,
+        attn_impl: str = "auto",
+    ) -> list[torch.Tensor]:
         """Unroll the drafter for ``ttt_length`` TTT steps over a whole sequence.
 
         Indexing (DESIGN.md "TTT indexing"): step ``i`` at position ``t`` embeds token
@@ -556,7 +618,9 @@ class Eagle3Drafter(nn.Module):
         values: list[list[torch.Tensor]] = [[] for _ in layers]
         outs: list[torch.Tensor] = []
         for i in range(ttt_length):
-            ids = F.pad(input_ids[:, 1 + i :], (0, min(1 + i, L)))  # [B, L] x_{t+1+i}, 0 past the end
+            ids = F.pad(
+                input_ids[:, 1 + i :], (0, min(1 + i, L))
+            )  # [B, L] x_{t+1+i}, 0 past the end
             emb = self.embed_tokens(ids).to(hidden.dtype)  # [B, L, H]
             pos = torch.arange(i, L + i, device=input_ids.device)  # [L] rotary position t+i
             cos, sin = rotary_cos_sin(pos, inv_freq)  # [1, 1, L, hd] float32
@@ -565,15 +629,23 @@ class Eagle3Drafter(nn.Module):
                 q, k, v = layer.qkv(emb, h, cos, sin)  # [B, nh, L, hd], [B, kvh, L, hd] x2
                 keys[l].append(k)
                 values[l].append(v)
-                o = ttt_attention(q, keys[l], values[l], layer.self_attn.scale, impl)  # [B, nh, L, hd]
+                o = ttt_attention(
+                    q, keys[l], values[l], layer.self_attn.scale, impl
+                )  # [B, nh, L, hd]
                 h = layer.finish(o, h)  # [B, L, H]
             hidden = self.step_output(h)  # [B, L, H]
             outs.append(hidden)
         return outs
 
     # ---- inference: KV-cached decoding --------------------------------------------------------
-    def decode(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor, cache: DrafterCache,
-               valid: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def decode(
+        self,
+        input_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: DrafterCache,
+        valid: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """Run the midlayer on ``T`` new positions, appending their keys/values to ``cache``.
 
         Each new query attends to every valid cached key and causally to the new ones, which
@@ -603,24 +675,35 @@ class Eagle3Drafter(nn.Module):
             k_all, v_all = cache.append(l, k, v, valid)  # [B, kvh, past+T, hd]
             if l == 0:
                 mask.append(cache.attention_mask(T))
-            return cached_attention(q, k_all, v_all, past, self.midlayer.self_attn.scale, mask=mask[0])  # [B, nh, T, hd]
+            return cached_attention(
+                q, k_all, v_all, past, self.midlayer.self_attn.scale, mask=mask[0]
+            )  # [B, nh, T, hd]
 
         return self._decode_layers(input_ids, hidden, position_ids, attend)  # [B, T, H]
 
-    def _decode_layers(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor, attend):
+    def _decode_layers(
+        self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor, attend
+    ):
         """The step outputs ``[B, T, H]`` of ``T`` decode positions (token embedding + hidden, rotary at
         ``position_ids`` ``[B, T]`` for every layer); ``attend(l, q [B, nh, T, hd], k, v [B, kvh, T, hd])`` stores
         layer ``l``'s keys/values in its cache and returns its attention output ``[B, nh, T, hd]``."""
         emb = self.embed_tokens(input_ids).to(hidden.dtype)  # [B, T, H]
-        cos, sin = rotary_cos_sin(position_ids, self._inv_freq(hidden.device))  # [B, 1, T, hd] float32
+        cos, sin = rotary_cos_sin(
+            position_ids, self._inv_freq(hidden.device)
+        )  # [B, 1, T, hd] float32
         h = hidden
         for l, layer in enumerate(self.decoder_layers()):
             q, k, v = layer.qkv(emb, h, cos, sin)  # [B, nh, T, hd], [B, kvh, T, hd] x2
             h = layer.finish(attend(l, q, k, v), h)  # [B, T, H]
         return self.step_output(h)
 
-    def decode_static(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
-                      cache: StaticKVCache) -> torch.Tensor:
+    def decode_static(
+        self,
+        input_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: StaticKVCache,
+    ) -> torch.Tensor:
         """:meth:`decode` for ONE sequence over a :class:`StaticKVCache` (the batch-1 static decoder of
         :mod:`eagle3.benchmark.static_decode`; fixed shapes and no host sync, so it can be captured in a CUDA graph).
 
@@ -643,6 +726,8 @@ class Eagle3Drafter(nn.Module):
 
         def attend(l, q, k, v):
             k_all, v_all = cache.write(l, k, v, pos)  # [1, kvh, C, hd]
-            return cached_attention(q, k_all, v_all, 0, self.midlayer.self_attn.scale, mask=mask)  # [1, nh, T, hd]
+            return cached_attention(
+                q, k_all, v_all, 0, self.midlayer.self_attn.scale, mask=mask
+            )  # [1, nh, T, hd]
 
         return self._decode_layers(input_ids, hidden, position_ids, attend)  # [1, T, H]

@@ -67,8 +67,10 @@ class ShardStates:
 
 
 def _nonfinite_error(verifier_dtype: str, where: str) -> UserError:
-    return UserError(f"online hidden states: the verifier gave NaN/Inf {where} with verifier.dtype {verifier_dtype}; "
-                     "set verifier.dtype: bfloat16 (float16 overflows on large activations) or float32")
+    return UserError(
+        f"online hidden states: the verifier gave NaN/Inf {where} with verifier.dtype {verifier_dtype}; "
+        "set verifier.dtype: bfloat16 (float16 overflows on large activations) or float32"
+    )
 
 
 def check_conventions(info: dict, aux_layers: list[int], data_config: dict, where: str) -> None:
@@ -83,13 +85,20 @@ def check_conventions(info: dict, aux_layers: list[int], data_config: dict, wher
     Raises:
         UserError: one line naming ``data_config.json``'s key, both values and the fix.
     """
-    got = {"hidden_size": info["hidden_size"], "vocab_size": info["vocab_size"], "num_layers": info["num_layers"],
-           "architecture": info["architecture"], "last_hidden_state": info["last_hidden_state"],
-           "aux_layers": list(aux_layers)}
+    got = {
+        "hidden_size": info["hidden_size"],
+        "vocab_size": info["vocab_size"],
+        "num_layers": info["num_layers"],
+        "architecture": info["architecture"],
+        "last_hidden_state": info["last_hidden_state"],
+        "aux_layers": list(aux_layers),
+    }
     for key, value in got.items():
         if data_config.get(key) != value:
-            raise UserError(f"{DATA_CONFIG}: key '{key}' is {data_config.get(key)!r} but {where} gives {value!r}; "
-                            "online training must run the verifier stage 02 prepared the samples for (re-run 02)")
+            raise UserError(
+                f"{DATA_CONFIG}: key '{key}' is {data_config.get(key)!r} but {where} gives {value!r}; "
+                "online training must run the verifier stage 02 prepared the samples for (re-run 02)"
+            )
 
 
 class VerifierStates:
@@ -106,10 +115,14 @@ class VerifierStates:
         self.capture = capture
         self.feat_dtype = feat_dtype
         self.verifier_dtype = verifier_dtype
-        self._finite: Optional[torch.Tensor] = None  # 0-dim bool on the device: every state so far finite
+        self._finite: Optional[torch.Tensor] = (
+            None  # 0-dim bool on the device: every state so far finite
+        )
 
     @classmethod
-    def load(cls, cfg, data_config: dict, device: torch.device, feat_dtype: torch.dtype) -> "VerifierStates":
+    def load(
+        cls, cfg, data_config: dict, device: torch.device, feat_dtype: torch.dtype
+    ) -> "VerifierStates":
         """Load this rank's verifier replica on ``device`` (``verifier.dtype``), frozen, and check it.
 
         Raises:
@@ -123,9 +136,19 @@ class VerifierStates:
         model.requires_grad_(False)
         pad = tok.pad_token_id if tok.pad_token_id is not None else 0
         capture = HFCapture(model, list(data_config["aux_layers"]), pad_id=pad)
-        check_conventions(capture.info(), capture.aux_layers, data_config, f"the verifier {cfg.verifier.display_name()!r}")
+        check_conventions(
+            capture.info(),
+            capture.aux_layers,
+            data_config,
+            f"the verifier {cfg.verifier.display_name()!r}",
+        )
         if is_rank0():  # every torchrun rank loads its replica: said once (each rank's device is its LOCAL_RANK's)
-            log.info("online hidden states: %s on %s (%s)", cfg.verifier.display_name(), device, cfg.verifier.dtype)
+            log.info(
+                "online hidden states: %s on %s (%s)",
+                cfg.verifier.display_name(),
+                device,
+                cfg.verifier.dtype,
+            )
         return cls(capture, feat_dtype, cfg.verifier.dtype)
 
     def wrap(self, batches: Iterator[dict]) -> Iterator[dict]:
@@ -135,13 +158,19 @@ class VerifierStates:
     def fill(self, batch: dict) -> dict:
         """Add ``aux`` ``[B, L, 3H]`` and ``last`` ``[B, L, H]`` (feature dtype, zero at padded positions) to a
         device batch (``input_ids`` ``[B, L]``, ``attention_mask`` ``[B, L]``), from one verifier prefill."""
-        states = self.capture.prefill_states(batch["input_ids"], None)  # 4 x [B, L, H], verifier dtype
+        states = self.capture.prefill_states(
+            batch["input_ids"], None
+        )  # 4 x [B, L, H], verifier dtype
         pad = batch["attention_mask"].unsqueeze(-1) == 0  # [B, L, 1]
         # bf16 first: the rounding 02 applies before it stores a state (eagle3.capture.hf)
-        aux = torch.cat([s.to(torch.bfloat16) for s in states[:3]], dim=-1).masked_fill_(pad, 0)  # [B, L, 3H]
+        aux = torch.cat([s.to(torch.bfloat16) for s in states[:3]], dim=-1).masked_fill_(
+            pad, 0
+        )  # [B, L, 3H]
         last = states[3].to(torch.bfloat16).masked_fill_(pad, 0)  # [B, L, H]
         del states
-        ok = torch.isfinite(aux).all() & torch.isfinite(last).all()  # 0-dim, on the device: no sync here
+        ok = (
+            torch.isfinite(aux).all() & torch.isfinite(last).all()
+        )  # 0-dim, on the device: no sync here
         self._finite = ok if self._finite is None else self._finite & ok
         return {**batch, "aux": aux.to(self.feat_dtype), "last": last.to(self.feat_dtype)}
 
@@ -154,13 +183,17 @@ class VerifierStates:
 
     def nonfinite_error(self, step: int) -> UserError:
         """The error the trainer raises (on every rank) when :meth:`states_finite` was False on some rank."""
-        return _nonfinite_error(self.verifier_dtype, f"in a micro-batch up to optimizer step {step}")
+        return _nonfinite_error(
+            self.verifier_dtype, f"in a micro-batch up to optimizer step {step}"
+        )
 
     def close(self) -> None:
         self.capture = None  # the replica goes with the last reference
 
 
-def attach_states(batch: dict, states: list[list[torch.Tensor]], hidden_size: int, pin: bool = False) -> dict:
+def attach_states(
+    batch: dict, states: list[list[torch.Tensor]], hidden_size: int, pin: bool = False
+) -> dict:
     """A collated token batch plus ``aux`` bf16 ``[B, Lmax, 3H]`` and ``last`` bf16 ``[B, Lmax, H]`` built from
     per-sample captured states (``[aux1, aux2, aux3, last]``, each bf16 ``[L_b, H]``), zero-padded: exactly
     what :class:`eagle3.data.dataset.ShardDataset` + :func:`eagle3.data.dataset.collate` give for shards of the same states.
@@ -174,7 +207,9 @@ def attach_states(batch: dict, states: list[list[torch.Tensor]], hidden_size: in
 
     ids, lengths = batch["input_ids"], batch["lengths"]
     B, Lmax = ids.shape
-    aux = torch.zeros((B, Lmax, 3 * hidden_size), dtype=torch.bfloat16, pin_memory=pin)  # [B, Lmax, 3H]
+    aux = torch.zeros(
+        (B, Lmax, 3 * hidden_size), dtype=torch.bfloat16, pin_memory=pin
+    )  # [B, Lmax, 3H]
     last = torch.zeros((B, Lmax, hidden_size), dtype=torch.bfloat16, pin_memory=pin)  # [B, Lmax, H]
     for b, st in enumerate(states):
         n = int(lengths[b])
@@ -194,18 +229,22 @@ class CapturedBatches:
     in order. :meth:`close` drops what is queued (batches in flight finish and are discarded).
     """
 
-    def __init__(self, batches: Iterator[dict], backend, hidden_size: int, depth: int, pin: bool = False):
+    def __init__(
+        self, batches: Iterator[dict], backend, hidden_size: int, depth: int, pin: bool = False
+    ):
         self._src = batches
         self._backend = backend
         self._hidden = hidden_size
         self._pin = pin
         self._depth = int(depth)
-        self._pool = ThreadPoolExecutor(max_workers=self._depth, thread_name_prefix="online-capture")
+        self._pool = ThreadPoolExecutor(
+            max_workers=self._depth, thread_name_prefix="online-capture"
+        )
         self._ahead: collections.deque[Future] = collections.deque()
         self._fill()
 
     def _capture(self, batch: dict) -> dict:
-        rows = [batch["input_ids"][b, :int(n)].tolist() for b, n in enumerate(batch["lengths"])]
+        rows = [batch["input_ids"][b, : int(n)].tolist() for b, n in enumerate(batch["lengths"])]
         return attach_states(batch, self._backend.capture(rows), self._hidden, self._pin)
 
     def _fill(self) -> None:
@@ -265,12 +304,25 @@ class ServerStates(ShardStates):
 
             ex = cfg.extract
             _require_servers(cfg)
-            backend = sglang_backend(ex.sglang_url, ex.capture_dir, list(data_config["aux_layers"]),
-                                     timeout=ex.sglang_timeout_s, max_length=ex.max_length,
-                                     max_requests=ex.requests_per_batch, per_server=ex.batches_in_flight_per_server,
-                                     max_failures=ex.server_max_failures)
-        check_conventions(backend.info(), list(backend.aux_layers), data_config, "the capture server(s)")
-        return cls(backend, int(data_config["hidden_size"]), cfg.train.online_prefetch, device.type == "cuda")
+            backend = sglang_backend(
+                ex.sglang_url,
+                ex.capture_dir,
+                list(data_config["aux_layers"]),
+                timeout=ex.sglang_timeout_s,
+                max_length=ex.max_length,
+                max_requests=ex.requests_per_batch,
+                per_server=ex.batches_in_flight_per_server,
+                max_failures=ex.server_max_failures,
+            )
+        check_conventions(
+            backend.info(), list(backend.aux_layers), data_config, "the capture server(s)"
+        )
+        return cls(
+            backend,
+            int(data_config["hidden_size"]),
+            cfg.train.online_prefetch,
+            device.type == "cuda",
+        )
 
     def wrap(self, batches: Iterator[dict]) -> CapturedBatches:
         return CapturedBatches(batches, self.backend, self.hidden_size, self.depth, self.pin)
@@ -279,9 +331,15 @@ class ServerStates(ShardStates):
 def _require_servers(cfg) -> None:
     """Online with ``extract.backend: sglang`` needs the capture servers' URLs and capture folders."""
     ex = cfg.extract
-    if cfg.train.hidden_states == "online" and ex.backend == "sglang" and (not ex.sglang_url or not ex.capture_dir):
-        raise UserError("extract.sglang_url / extract.capture_dir: required for train.hidden_states: online "
-                        "with extract.backend: sglang (the capture servers 04 trains from)")
+    if (
+        cfg.train.hidden_states == "online"
+        and ex.backend == "sglang"
+        and (not ex.sglang_url or not ex.capture_dir)
+    ):
+        raise UserError(
+            "extract.sglang_url / extract.capture_dir: required for train.hidden_states: online "
+            "with extract.backend: sglang (the capture servers 04 trains from)"
+        )
 
 
 def check_hidden_states(cfg, data_config: dict) -> None:
@@ -295,8 +353,10 @@ def check_hidden_states(cfg, data_config: dict) -> None:
     from eagle3.shards.format import is_token_only
 
     if cfg.train.hidden_states == "offline" and is_token_only(data_config):
-        raise UserError(f"{cfg.shards_dir / DATA_CONFIG}: key 'format' is {data_config['format']!r} (token-only "
-                        "samples, no hidden states); set train.hidden_states: online, or re-run 02 with offline")
+        raise UserError(
+            f"{cfg.shards_dir / DATA_CONFIG}: key 'format' is {data_config['format']!r} (token-only "
+            "samples, no hidden states); set train.hidden_states: online, or re-run 02 with offline"
+        )
     _require_servers(cfg)
 
 
@@ -310,10 +370,12 @@ def unused_shard_states_note(cfg, data_config: dict) -> Optional[str]:
 
     if cfg.train.hidden_states != "online" or is_token_only(data_config):
         return None
-    return (f"train.hidden_states: online: {cfg.shards_dir} holds the verifier's hidden states too (format "
-            f"{data_config.get('format')!r}, 02 ran offline); they are not read: online computes each micro-batch's "
-            f"states with the verifier (extract.backend {cfg.extract.backend}), as asked; set train.hidden_states: "
-            f"offline to train from the shards without running the verifier")
+    return (
+        f"train.hidden_states: online: {cfg.shards_dir} holds the verifier's hidden states too (format "
+        f"{data_config.get('format')!r}, 02 ran offline); they are not read: online computes each micro-batch's "
+        f"states with the verifier (extract.backend {cfg.extract.backend}), as asked; set train.hidden_states: "
+        f"offline to train from the shards without running the verifier"
+    )
 
 
 def state_source(cfg, data_config: dict, device: torch.device, feat_dtype: torch.dtype):

@@ -58,11 +58,17 @@ def _weight_map(folder: Path) -> dict[str, str]:
             with safe_open(str(single), framework="pt") as f:
                 return {k: SINGLE_FILE for k in f.keys()}
         except (SafetensorError, OSError) as e:
-            raise UserError(f"{single}: not a readable safetensors file: {str(e).splitlines()[0] if str(e) else e}") from e
-    raise UserError(f"{folder}: no {INDEX_FILE} or {SINGLE_FILE} (expected a safetensors checkpoint folder)")
+            raise UserError(
+                f"{single}: not a readable safetensors file: {str(e).splitlines()[0] if str(e) else e}"
+            ) from e
+    raise UserError(
+        f"{folder}: no {INDEX_FILE} or {SINGLE_FILE} (expected a safetensors checkpoint folder)"
+    )
 
 
-def _find(weight_map: dict[str, str], names: tuple[str, ...], prefixes: tuple[str, ...]) -> Optional[tuple[str, str]]:
+def _find(
+    weight_map: dict[str, str], names: tuple[str, ...], prefixes: tuple[str, ...]
+) -> Optional[tuple[str, str]]:
     """First ``(prefix, prefix + name)`` present in the weight map (prefix-major order), else None."""
     for p in prefixes:
         for n in names:
@@ -90,7 +96,9 @@ def locate_head_tensors(folder: str | os.PathLike) -> dict[str, Optional[str]]:
     # ``*.norm.weight`` or embedding can never be picked for the language model.
     found = _find(wm, _EMBED, PREFIXES)
     if found is None:
-        raise UserError(f"{folder}: no token embedding tensor (looked for {[p + _EMBED[0] for p in PREFIXES]})")
+        raise UserError(
+            f"{folder}: no token embedding tensor (looked for {[p + _EMBED[0] for p in PREFIXES]})"
+        )
     prefix, embed = found
     norm = _find(wm, _NORM, (prefix,))
     if norm is None:
@@ -125,7 +133,9 @@ def load_target_head_from_safetensors(
             read, an untied config without ``lm_head``, or tensor shapes that disagree with the config.
     """
     if last_hidden_state not in ("post_norm", "pre_norm"):
-        raise UserError(f"last_hidden_state must be 'post_norm' or 'pre_norm', got {last_hidden_state!r}")
+        raise UserError(
+            f"last_hidden_state must be 'post_norm' or 'pre_norm', got {last_hidden_state!r}"
+        )
     folder = Path(folder)
     cfg_path = folder / "config.json"
     cfg = text_config(read_json(cfg_path))
@@ -142,7 +152,9 @@ def load_target_head_from_safetensors(
         if tie is None:
             tie = _cfg_get(root, "tie_word_embeddings")
         if tie is False:
-            raise UserError(f"{folder}: no 'lm_head.weight' tensor but {cfg_path} says tie_word_embeddings: false")
+            raise UserError(
+                f"{folder}: no 'lm_head.weight' tensor but {cfg_path} says tie_word_embeddings: false"
+            )
 
     wm = _weight_map(folder)
     by_shard: dict[str, list[str]] = {}
@@ -154,19 +166,26 @@ def load_target_head_from_safetensors(
     for shard, wanted in by_shard.items():
         path = folder / shard
         if not path.is_file():
-            raise UserError(f"{folder / INDEX_FILE}: shard '{shard}' (holding {wanted[0]}) not found")
+            raise UserError(
+                f"{folder / INDEX_FILE}: shard '{shard}' (holding {wanted[0]}) not found"
+            )
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for name in wanted:
                     tensors[name] = f.get_tensor(name)
         except (SafetensorError, OSError) as e:
-            raise UserError(f"{path}: cannot read {wanted}: {str(e).splitlines()[0] if str(e) else e}") from e
+            raise UserError(
+                f"{path}: cannot read {wanted}: {str(e).splitlines()[0] if str(e) else e}"
+            ) from e
 
     embed = tensors[names["embed"]]  # [V, Ht]
     norm_w = tensors[names["norm"]]  # [Ht]
     lm_head = tensors[names["lm_head"]] if names["lm_head"] is not None else embed  # [V, Ht]
-    for role, t, shape in (("embed", embed, (vocab, hidden)), ("lm_head", lm_head, (vocab, hidden)),
-                           ("norm", norm_w, (hidden,))):
+    for role, t, shape in (
+        ("embed", embed, (vocab, hidden)),
+        ("lm_head", lm_head, (vocab, hidden)),
+        ("norm", norm_w, (hidden,)),
+    ):
         if tuple(t.shape) != tuple(shape):
             raise UserError(
                 f"{folder}: tensor '{names[role] or names['embed']}' has shape {tuple(t.shape)}, "
@@ -177,8 +196,13 @@ def load_target_head_from_safetensors(
         embed = embed.to(dtype)
         lm_head = embed if tied else lm_head.to(dtype)
         norm_w = norm_w.to(dtype)
-    return TargetHead(embed=embed, lm_head=lm_head, norm_weight=norm_w, norm_eps=float(eps),
-                      last_is_post_norm=(last_hidden_state == "post_norm"))
+    return TargetHead(
+        embed=embed,
+        lm_head=lm_head,
+        norm_weight=norm_w,
+        norm_eps=float(eps),
+        last_is_post_norm=(last_hidden_state == "post_norm"),
+    )
 
 
 __all__ = ["load_target_head_from_safetensors", "locate_head_tensors", "INDEX_FILE", "SINGLE_FILE"]

@@ -53,12 +53,18 @@ class WarmupCosine:
         return lr_factor(step, self.warmup_steps, self.total_steps)
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, total_steps: int, warmup_ratio: float) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, total_steps: int, warmup_ratio: float
+) -> torch.optim.lr_scheduler.LambdaLR:
     """A ``LambdaLR`` with linear warmup + cosine decay; call ``.step()`` once per optimizer step.
 
     Raises:
         UserError: ``total_steps < 1`` (no data for even one optimizer step).
     """
     if total_steps < 1:
-        raise UserError(f"train: the schedule has {total_steps} optimizer steps; need at least 1 (more data, or smaller batch_size/grad_accum)")
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(warmup_steps_for(total_steps, warmup_ratio), total_steps))
+        raise UserError(
+            f"train: the schedule has {total_steps} optimizer steps; need at least 1 (more data, or smaller batch_size/grad_accum)"
+        )
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, WarmupCosine(warmup_steps_for(total_steps, warmup_ratio), total_steps)
+    )

@@ -40,7 +40,13 @@ import torch
 from torch import nn
 
 from eagle3.errors import UserError
-from eagle3.io import atomic_save_png, atomic_torch_save, atomic_write_json, read_json, safe_torch_load
+from eagle3.io import (
+    atomic_save_png,
+    atomic_torch_save,
+    atomic_write_json,
+    read_json,
+    safe_torch_load,
+)
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +85,9 @@ def simulated_tau(alpha: list[float], chain: int) -> float:
     return tau
 
 
-def effective_chain(select_chain: Optional[int], bench_steps: int, ttt_length: int) -> tuple[int, Optional[str]]:
+def effective_chain(
+    select_chain: Optional[int], bench_steps: int, ttt_length: int
+) -> tuple[int, Optional[str]]:
     """The chain ``k`` that ``tau_sim(k)`` really scores, and a warning when it is shorter than the one asked for.
 
     ``k`` = ``train.select_chain``, else ``benchmark.steps``, capped at ``train.ttt_length``: validation measures
@@ -93,9 +101,11 @@ def effective_chain(select_chain: Optional[int], bench_steps: int, ttt_length: i
     if want <= ttt_length:
         return want, None
     src = "train.select_chain" if select_chain else "train.select_chain defaults to benchmark.steps"
-    return ttt_length, (f"simulated acceptance scored as tau_sim({ttt_length}), not tau_sim({want}): {src} = {want} "
-                        f"but training measures only train.ttt_length = {ttt_length} TTT positions (set "
-                        f"train.select_chain <= {ttt_length}, or raise train.ttt_length)")
+    return ttt_length, (
+        f"simulated acceptance scored as tau_sim({ttt_length}), not tau_sim({want}): {src} = {want} "
+        f"but training measures only train.ttt_length = {ttt_length} TTT positions (set "
+        f"train.select_chain <= {ttt_length}, or raise train.ttt_length)"
+    )
 
 
 class BestTracker:
@@ -111,15 +121,24 @@ class BestTracker:
             lies past it is dropped (the run's export never holds weights of a step after its end). None: no limit.
     """
 
-    def __init__(self, train_dir: Path, chain: int, enabled: bool, start_step: int = 0, keep_best: bool = False,
-                 end_step: Optional[int] = None):
+    def __init__(
+        self,
+        train_dir: Path,
+        chain: int,
+        enabled: bool,
+        start_step: int = 0,
+        keep_best: bool = False,
+        end_step: Optional[int] = None,
+    ):
         self.dir = Path(train_dir)
         self.end_step = end_step
         self.chain = int(chain)
         self.enabled = enabled
         self.keep_best = keep_best
         self.rows: list[dict] = []
-        self.best: Optional[dict] = None  # the best row, when its weights are on disk (or not needed)
+        self.best: Optional[dict] = (
+            None  # the best row, when its weights are on disk (or not needed)
+        )
         if enabled:
             self._load(start_step)
 
@@ -134,31 +153,60 @@ class BestTracker:
             return
         old = read_json(path) if path.is_file() else {"rows": []}
         if not isinstance(old, dict) or not isinstance(old.get("rows"), list):
-            raise UserError(f"{path}: key 'rows' missing (delete the file to start the curve again)")
+            raise UserError(
+                f"{path}: key 'rows' missing (delete the file to start the curve again)"
+            )
         if int(old.get("chain", self.chain)) != self.chain:
-            log.warning("%s: curve scored with chain %s, now %d; rescored", path, old.get("chain"), self.chain)
+            log.warning(
+                "%s: curve scored with chain %s, now %d; rescored",
+                path,
+                old.get("chain"),
+                self.chain,
+            )
         self.rows = [self._score(r) for r in old["rows"] if int(r["step"]) <= start_step]
         best = old.get("best")
-        if self.keep_best and best_path.is_file():  # written first: newer than the curve after a kill between the two
+        if (
+            self.keep_best and best_path.is_file()
+        ):  # written first: newer than the curve after a kill between the two
             best = _best_file_row(best_path, best)
         # sim_accept: the best validation stays while its weights are on disk, also one taken after the checkpoint
         # resumed from (a hard kill between a validation and the next checkpoint): a resumed run that is not
         # bit-deterministic may validate that step worse, and its weights are real weights of this training.
-        keep = best is not None and (best_path.is_file() if self.keep_best else int(best["step"]) <= start_step)
-        if keep and self.end_step is not None and int(best["step"]) > self.end_step:  # --stop-at / --max-steps lowered
-            log.info("%s: the best validation so far, step %d, comes after this run's end (step %d): not kept; "
-                     "the best is taken from this run's validations", path, int(best["step"]), self.end_step)
+        keep = best is not None and (
+            best_path.is_file() if self.keep_best else int(best["step"]) <= start_step
+        )
+        if (
+            keep and self.end_step is not None and int(best["step"]) > self.end_step
+        ):  # --stop-at / --max-steps lowered
+            log.info(
+                "%s: the best validation so far, step %d, comes after this run's end (step %d): not kept; "
+                "the best is taken from this run's validations",
+                path,
+                int(best["step"]),
+                self.end_step,
+            )
             keep = False
         if keep:
             self.best = self._score(dict(best))
             if int(best["step"]) > start_step:
                 self.best["before_resume"] = True
-                log.info("%s: the best validation so far, step %d (tau_sim(%d) %.4f), came after the checkpoint "
-                         "resumed from (step %d); its weights stay in %s until a validation of this run beats it",
-                         path, int(best["step"]), self.chain, self.best["tau_sim"], start_step, BEST_FILE)
+                log.info(
+                    "%s: the best validation so far, step %d (tau_sim(%d) %.4f), came after the checkpoint "
+                    "resumed from (step %d); its weights stay in %s until a validation of this run beats it",
+                    path,
+                    int(best["step"]),
+                    self.chain,
+                    self.best["tau_sim"],
+                    start_step,
+                    BEST_FILE,
+                )
         else:
             best_path.unlink(missing_ok=True)
-            self.best = max(self.rows, key=lambda r: r["tau_sim"]) if (self.rows and not self.keep_best) else None
+            self.best = (
+                max(self.rows, key=lambda r: r["tau_sim"])
+                if (self.rows and not self.keep_best)
+                else None
+            )
 
     def _score(self, row: dict) -> dict:
         row = dict(row)
@@ -175,30 +223,64 @@ class BestTracker:
         alpha = position_acceptance(val)
         if not self.enabled or not alpha:
             return False
-        row = self._score({"step": int(step), "epoch": int(epoch), "alpha": [round(a, 6) for a in alpha],
-                           "loss": val.get("loss")})
-        row["tau_sim_all"] = {str(k): round(simulated_tau(alpha, k), 6) for k in sorted({1, 3, 7, len(alpha)})
-                              if k <= len(alpha)}
+        row = self._score(
+            {
+                "step": int(step),
+                "epoch": int(epoch),
+                "alpha": [round(a, 6) for a in alpha],
+                "loss": val.get("loss"),
+            }
+        )
+        row["tau_sim_all"] = {
+            str(k): round(simulated_tau(alpha, k), 6)
+            for k in sorted({1, 3, 7, len(alpha)})
+            if k <= len(alpha)
+        }
         self.rows = [r for r in self.rows if r["step"] != row["step"]] + [row]
         old = self.best
         # a best kept from before a resume is replaced by the same step's validation measured again at least as high
         # (a deterministic rerun): the weights are then this run's
-        is_best = old is None or row["tau_sim"] > old["tau_sim"] or (
-            bool(old.get("before_resume")) and old["step"] == row["step"] and row["tau_sim"] >= old["tau_sim"])
+        is_best = (
+            old is None
+            or row["tau_sim"] > old["tau_sim"]
+            or (
+                bool(old.get("before_resume"))
+                and old["step"] == row["step"]
+                and row["tau_sim"] >= old["tau_sim"]
+            )
+        )
         if is_best:
             if self.keep_best:
-                state = {n: p.detach().to("cpu").clone() for n, p in drafter.named_parameters() if p.requires_grad}
-                atomic_torch_save({"step": int(step), "tau_sim": row["tau_sim"], "chain": self.chain, "row": row,
-                                   "model": state}, self.dir / BEST_FILE)
+                state = {
+                    n: p.detach().to("cpu").clone()
+                    for n, p in drafter.named_parameters()
+                    if p.requires_grad
+                }
+                atomic_torch_save(
+                    {
+                        "step": int(step),
+                        "tau_sim": row["tau_sim"],
+                        "chain": self.chain,
+                        "row": row,
+                        "model": state,
+                    },
+                    self.dir / BEST_FILE,
+                )
             self.best = dict(row)
         atomic_write_json(self.dir / CURVE_FILE, self.summary())
         return is_best
 
     def summary(self) -> dict:
         """``{chain, formula, source, best: row | None, rows: [...]}`` (what ``sim_accept.json`` holds)."""
-        return {"chain": self.chain, "formula": "tau_sim(k) = 1 + sum_{m=1..k} prod_{j<=m} alpha_j, alpha_j = held-out "
-                "top-1 of TTT position j", "source": "TorchSpec eagle3_trainer.py / SpecForge eval/evaluator.py "
-                "simulated_acc_len (+1 for the bonus token)", "best": self.best, "rows": self.rows}
+        return {
+            "chain": self.chain,
+            "formula": "tau_sim(k) = 1 + sum_{m=1..k} prod_{j<=m} alpha_j, alpha_j = held-out "
+            "top-1 of TTT position j",
+            "source": "TorchSpec eagle3_trainer.py / SpecForge eval/evaluator.py "
+            "simulated_acc_len (+1 for the bonus token)",
+            "best": self.best,
+            "rows": self.rows,
+        }
 
     def restore_best(self, drafter: nn.Module) -> Optional[int]:
         """Load the best weights into ``drafter`` (in place); returns their step, or None when nothing was saved.
@@ -222,7 +304,12 @@ class BestTracker:
 
         rows = sorted(self.rows, key=lambda r: r["step"])
         fig, ax = plt.subplots(figsize=(6, 4))
-        ax.plot([r["step"] for r in rows], [r["tau_sim"] for r in rows], "o-", label=f"tau_sim({self.chain})")
+        ax.plot(
+            [r["step"] for r in rows],
+            [r["tau_sim"] for r in rows],
+            "o-",
+            label=f"tau_sim({self.chain})",
+        )
         if self.best is not None:
             ax.plot([self.best["step"]], [self.best["tau_sim"]], "r*", markersize=14, label="best")
         ax.set_xlabel("optimizer step")
@@ -247,8 +334,17 @@ def _best_file_row(path: Path, curve_best: Optional[dict]) -> Optional[dict]:
         return curve_best  # written before the file recorded its row
     if curve_best is not None and int(curve_best["step"]) == int(row["step"]):
         return curve_best
-    named = f"the best {CURVE_FILE} names" if curve_best is not None else f"{CURVE_FILE}, which was not written"
-    log.info("%s: holds the weights of step %s, newer than %s; taking that step as the best", path, row["step"], named)
+    named = (
+        f"the best {CURVE_FILE} names"
+        if curve_best is not None
+        else f"{CURVE_FILE}, which was not written"
+    )
+    log.info(
+        "%s: holds the weights of step %s, newer than %s; taking that step as the best",
+        path,
+        row["step"],
+        named,
+    )
     return dict(row)
 
 
@@ -276,7 +372,9 @@ def _load_best_into(path: Path, drafter: nn.Module, fix: str) -> int:
     return int(state["step"])
 
 
-def load_best_for_export(train_dir: Path, drafter: nn.Module, ckpt_step: int) -> tuple[Optional[int], Optional[str]]:
+def load_best_for_export(
+    train_dir: Path, drafter: nn.Module, ckpt_step: int
+) -> tuple[Optional[int], Optional[str]]:
     """``04 --export-only`` under ``train.select_best: sim_accept``: the weights the finished training exported, read
     without changing anything in ``train_dir`` (unlike :class:`BestTracker`, which resets the curve and the best file
     for the step a training run restarts from).
@@ -303,20 +401,30 @@ def load_best_for_export(train_dir: Path, drafter: nn.Module, ckpt_step: int) ->
     """
     path, curve = Path(train_dir) / BEST_FILE, Path(train_dir) / CURVE_FILE
     if not path.is_file():
-        return None, (f"train.select_best: sim_accept, but {path} does not exist (trained with select_best: last, "
-                      f"without a validation split, or not validated yet); exporting the checkpoint's weights "
-                      f"(step {ckpt_step}) instead")
+        return None, (
+            f"train.select_best: sim_accept, but {path} does not exist (trained with select_best: last, "
+            f"without a validation split, or not validated yet); exporting the checkpoint's weights "
+            f"(step {ckpt_step}) instead"
+        )
     fix = f"set train.select_best=last to export the checkpoint (step {ckpt_step}) instead"
     step = _load_best_into(path, drafter, fix)
     summary = read_json(curve) if curve.is_file() else None
     best = summary.get("best") if isinstance(summary, dict) else None
-    if isinstance(best, dict):  # a kill between the file and the curve: the file's own row is the newer best
+    if isinstance(
+        best, dict
+    ):  # a kill between the file and the curve: the file's own row is the newer best
         best = _best_file_row(path, best)
     if isinstance(best, dict) and int(best.get("step", -1)) != step:
-        raise UserError(f"{path}: holds the weights of step {step}, but {curve} names step {best.get('step')} as the "
-                        f"best; {fix}")
-    log.info("export: the best validation's weights, step %d (%s; checkpoint step %d gave the shape)", step, path.name,
-             ckpt_step)
+        raise UserError(
+            f"{path}: holds the weights of step {step}, but {curve} names step {best.get('step')} as the "
+            f"best; {fix}"
+        )
+    log.info(
+        "export: the best validation's weights, step %d (%s; checkpoint step %d gave the shape)",
+        step,
+        path.name,
+        ckpt_step,
+    )
     return step, None
 
 
@@ -329,24 +437,47 @@ def markdown_lines(summary: dict) -> list[str]:
     if exported is not None:
         what = str(exported)
     elif summary.get("stopped"):  # no export yet: say what 04 --export-only will export
-        what = (f"none yet; `--export-only` exports step {best['step']}, the best" if sel == "sim_accept" and best
-                else "none yet; `--export-only` exports the checkpoint")
+        what = (
+            f"none yet; `--export-only` exports step {best['step']}, the best"
+            if sel == "sim_accept" and best
+            else "none yet; `--export-only` exports the checkpoint"
+        )
     else:
         what = "the last"
-    if not summary.get("rows"):  # stopped before the first validation: one line, not a table without rows
-        return [f"Simulated acceptance length on the validation split, tau_sim({k}): not measured (no validation ran "
-                f"before the run stopped; select_best: {sel}; exported step: {what})."]
-    lines = [f"Simulated acceptance length on the validation split, tau_sim({k}) = 1 + sum_m prod_(j<=m) alpha_j "
-             f"(select_best: {sel}; exported step: {what}):", "",
-             f"| step | tau_sim({k}) | " + "".join(f"alpha_{j} | " for j in range(1, k + 1)) + "val loss |",
-             "|---:|---:|" + "---:|" * (k + 1)]
-    for r in sorted(summary.get("rows") or [], key=lambda r: r["step"]):  # alpha_1..alpha_k: the ones tau_sim(k) uses
-        a = "".join(f"{x:.4f} | " for x in list(r["alpha"])[:k]) + "- | " * max(0, k - len(r["alpha"]))
-        mark = " (best)" if best and r["step"] == best.get("step") and not best.get("before_resume") else ""
+    if not summary.get(
+        "rows"
+    ):  # stopped before the first validation: one line, not a table without rows
+        return [
+            f"Simulated acceptance length on the validation split, tau_sim({k}): not measured (no validation ran "
+            f"before the run stopped; select_best: {sel}; exported step: {what})."
+        ]
+    lines = [
+        f"Simulated acceptance length on the validation split, tau_sim({k}) = 1 + sum_m prod_(j<=m) alpha_j "
+        f"(select_best: {sel}; exported step: {what}):",
+        "",
+        f"| step | tau_sim({k}) | "
+        + "".join(f"alpha_{j} | " for j in range(1, k + 1))
+        + "val loss |",
+        "|---:|---:|" + "---:|" * (k + 1),
+    ]
+    for r in sorted(
+        summary.get("rows") or [], key=lambda r: r["step"]
+    ):  # alpha_1..alpha_k: the ones tau_sim(k) uses
+        a = "".join(f"{x:.4f} | " for x in list(r["alpha"])[:k]) + "- | " * max(
+            0, k - len(r["alpha"])
+        )
+        mark = (
+            " (best)"
+            if best and r["step"] == best.get("step") and not best.get("before_resume")
+            else ""
+        )
         loss = f"{r['loss']:.4f}" if isinstance(r.get("loss"), (int, float)) else "-"
         lines.append(f"| {r['step']}{mark} | {r['tau_sim']:.4f} | {a}{loss} |")
     if best.get("before_resume"):
-        lines += ["", f"Best: step {best['step']} before the resume (tau_sim({k}) {best['tau_sim']:.4f}, validated after "
-                  f"the checkpoint the run was resumed from, before it stopped; its weights are in {BEST_FILE} and no "
-                  f"validation since scored higher)."]
+        lines += [
+            "",
+            f"Best: step {best['step']} before the resume (tau_sim({k}) {best['tau_sim']:.4f}, validated after "
+            f"the checkpoint the run was resumed from, before it stopped; its weights are in {BEST_FILE} and no "
+            f"validation since scored higher).",
+        ]
     return lines

@@ -56,11 +56,16 @@ class TargetHead:
     @property
     def tied(self) -> bool:
         """True when ``lm_head`` and ``embed`` are the same storage (tied embeddings; saved once)."""
-        return self.lm_head.data_ptr() == self.embed.data_ptr() and self.lm_head.shape == self.embed.shape
+        return (
+            self.lm_head.data_ptr() == self.embed.data_ptr()
+            and self.lm_head.shape == self.embed.shape
+        )
 
     # ---- construction --------------------------------------------------------------------
     @classmethod
-    def from_model(cls, hf_model: torch.nn.Module, last_hidden_state: str = "post_norm") -> "TargetHead":
+    def from_model(
+        cls, hf_model: torch.nn.Module, last_hidden_state: str = "post_norm"
+    ) -> "TargetHead":
         """Extract the head from a loaded HF causal LM (Llama, DeepSeek-V3, multimodal wrappers).
 
         Tied embeddings (``tie_word_embeddings``, e.g. SmolLM2) give one tensor for both fields.
@@ -74,21 +79,30 @@ class TargetHead:
             UserError: no input/output embeddings or final norm can be found.
         """
         if last_hidden_state not in ("post_norm", "pre_norm"):
-            raise UserError(f"data_config.json: last_hidden_state must be 'post_norm' or 'pre_norm', got {last_hidden_state!r}")
+            raise UserError(
+                f"data_config.json: last_hidden_state must be 'post_norm' or 'pre_norm', got {last_hidden_state!r}"
+            )
         emb_mod = hf_model.get_input_embeddings()
         out_mod = hf_model.get_output_embeddings()
         if emb_mod is None or out_mod is None:
             raise UserError(f"verifier {type(hf_model).__name__}: no input/output embeddings found")
         embed = emb_mod.weight.detach().to("cpu")  # [V, Ht]
-        lm_head = embed if out_mod.weight is emb_mod.weight else out_mod.weight.detach().to("cpu")  # [V, Ht]
+        lm_head = (
+            embed if out_mod.weight is emb_mod.weight else out_mod.weight.detach().to("cpu")
+        )  # [V, Ht]
         norm = _find_final_norm(hf_model)
         eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", None)
         if eps is None:
             cfg = getattr(hf_model, "config", None)
             cfg = getattr(cfg, "text_config", None) or cfg
             eps = getattr(cfg, "rms_norm_eps", 1e-6)
-        return cls(embed=embed, lm_head=lm_head, norm_weight=norm.weight.detach().to("cpu"),  # [Ht]
-                   norm_eps=float(eps), last_is_post_norm=(last_hidden_state == "post_norm"))
+        return cls(
+            embed=embed,
+            lm_head=lm_head,
+            norm_weight=norm.weight.detach().to("cpu"),  # [Ht]
+            norm_eps=float(eps),
+            last_is_post_norm=(last_hidden_state == "post_norm"),
+        )
 
     # ---- persistence ---------------------------------------------------------------------
     def save(self, train_dir: str | os.PathLike) -> Path:
@@ -102,15 +116,24 @@ class TargetHead:
         tied = self.tied
         if not tied:
             tensors["lm_head"] = self.lm_head.contiguous()
-        meta = {"norm_eps": repr(float(self.norm_eps)), "last_is_post_norm": str(bool(self.last_is_post_norm)),
-                "tied": str(tied)}
-        with atomic_path(path, needed=sum(t.numel() * t.element_size() for t in tensors.values())) as tmp:
+        meta = {
+            "norm_eps": repr(float(self.norm_eps)),
+            "last_is_post_norm": str(bool(self.last_is_post_norm)),
+            "tied": str(tied),
+        }
+        with atomic_path(
+            path, needed=sum(t.numel() * t.element_size() for t in tensors.values())
+        ) as tmp:
             save_file(tensors, str(tmp), metadata=meta)
         return path
 
     @classmethod
-    def load(cls, train_dir: str | os.PathLike, device: str | torch.device = "cpu",
-             dtype: Optional[torch.dtype] = None) -> "TargetHead":
+    def load(
+        cls,
+        train_dir: str | os.PathLike,
+        device: str | torch.device = "cpu",
+        dtype: Optional[torch.dtype] = None,
+    ) -> "TargetHead":
         """Read ``{train_dir}/target_head.safetensors`` (or a direct file path).
 
         Args:
@@ -132,7 +155,9 @@ class TargetHead:
                 meta = f.metadata() or {}
             tensors = load_file(str(path), device=str(device))
         except (SafetensorError, OSError, ValueError) as e:
-            raise UserError(f"{path}: corrupt safetensors file: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+            raise UserError(
+                f"{path}: corrupt safetensors file: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+            ) from e
         for key in ("embed", "norm_weight"):
             if key not in tensors:
                 raise UserError(f"{path}: missing tensor '{key}'")
@@ -141,19 +166,31 @@ class TargetHead:
                 raise UserError(f"{path}: missing metadata key '{key}'")
         tied = meta["tied"] == "True"
         if not tied and "lm_head" not in tensors:
-            raise UserError(f"{path}: missing tensor 'lm_head' (metadata says the head is not tied)")
+            raise UserError(
+                f"{path}: missing tensor 'lm_head' (metadata says the head is not tied)"
+            )
         cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t)
         embed = cast(tensors["embed"])  # [V, Ht]
         lm_head = embed if tied else cast(tensors["lm_head"])  # [V, Ht]
-        return cls(embed=embed, lm_head=lm_head, norm_weight=cast(tensors["norm_weight"]),  # [Ht]
-                   norm_eps=float(meta["norm_eps"]), last_is_post_norm=meta["last_is_post_norm"] == "True")
+        return cls(
+            embed=embed,
+            lm_head=lm_head,
+            norm_weight=cast(tensors["norm_weight"]),  # [Ht]
+            norm_eps=float(meta["norm_eps"]),
+            last_is_post_norm=meta["last_is_post_norm"] == "True",
+        )
 
 
 def _find_final_norm(hf_model: torch.nn.Module) -> torch.nn.Module:
     """The verifier's final norm module (searched on the decoder body, then by name)."""
     candidates = []
     dec = hf_model.get_decoder() if hasattr(hf_model, "get_decoder") else None
-    for base in (dec, getattr(hf_model, "model", None), getattr(hf_model, "language_model", None), hf_model):
+    for base in (
+        dec,
+        getattr(hf_model, "model", None),
+        getattr(hf_model, "language_model", None),
+        hf_model,
+    ):
         if base is None:
             continue
         for name in ("norm", "final_layernorm", "ln_f"):
@@ -163,8 +200,13 @@ def _find_final_norm(hf_model: torch.nn.Module) -> torch.nn.Module:
     if not candidates:
         # multimodal wrappers: the last module named '*.norm' outside the layers
         for name, m in hf_model.named_modules():
-            if name.split(".")[-1] in ("norm", "final_layernorm", "ln_f") and ".layers." not in name:
+            if (
+                name.split(".")[-1] in ("norm", "final_layernorm", "ln_f")
+                and ".layers." not in name
+            ):
                 candidates.append(m)
     if not candidates:
-        raise UserError(f"verifier {type(hf_model).__name__}: final norm not found (looked for 'norm', 'final_layernorm', 'ln_f')")
+        raise UserError(
+            f"verifier {type(hf_model).__name__}: final norm not found (looked for 'norm', 'final_layernorm', 'ln_f')"
+        )
     return candidates[0]

@@ -61,25 +61,38 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-from eagle3.train import checkpoint as ckpt
-from eagle3.train.draft_config import EXPORT_META_FILE
 from eagle3.config import RunConfig
 from eagle3.data.batching import eval_batches, sample_lengths
 from eagle3.data.dataset import ResumableSampler, ShardDataset, collate, read_split
+from eagle3.data.settings import require_current
+from eagle3.data.validation_record import require_passed
+from eagle3.data.vocab import load_run_vocab_map
 from eagle3.errors import UserError
+from eagle3.io import (
+    append_bytes,
+    atomic_write_jsonl,
+    cut_torn_tail,
+    disk_full_guard,
+    make_dirs,
+    open_append,
+    probe_dirs,
+    read_json,
+)
 from eagle3.layers import check_servable
 from eagle3.process_group import init_process_group, process_group_scope
+from eagle3.shards.format import (
+    check_extract_settings,
+    check_verifier,
+    check_verifier_dims,
+    expect_from_data_config,
+    read_data_config,
+)
 from eagle3.shards.fp8 import dequantize_batch, is_fp8
-from eagle3.io import (append_bytes, atomic_write_json, atomic_write_jsonl, atomic_write_text, cut_torn_tail,
-                       disk_full_guard, make_dirs, open_append, probe_dirs, read_json)
+from eagle3.train import checkpoint as ckpt
+from eagle3.train.draft_config import EXPORT_META_FILE
 from eagle3.train.schedule import build_scheduler
-from eagle3.shards.format import (check_extract_settings, check_verifier, check_verifier_dims, expect_from_data_config,
-                                  read_data_config)
 from eagle3.train.target_head import FILENAME as TARGET_HEAD_FILE
 from eagle3.train.target_head import TargetHead
-from eagle3.data.vocab import load_run_vocab_map
-from eagle3.data.validation_record import require_passed
-from eagle3.data.settings import require_current
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +147,9 @@ def init_distributed(device: Optional[str] = None) -> DistInfo:
             kw = {"device_id": dev} if use_cuda else {}
             init_process_group(backend=backend, **kw)
             info.initialized_here = True
-        info.ctrl_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
+        info.ctrl_group = (
+            dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
+        )
     return info
 
 
@@ -165,12 +180,20 @@ def _ranks_agree(cfg: RunConfig, d: DistInfo, args: dict) -> None:
     dist.all_gather_object(everyone, mine, group=d.ctrl_group)
     first = everyone[0]
     for r, theirs in enumerate(everyone):
-        keys = sorted(k for k in set(theirs) | set(first) if theirs.get(k, "<absent>") != first.get(k, "<absent>"))
+        keys = sorted(
+            k
+            for k in set(theirs) | set(first)
+            if theirs.get(k, "<absent>") != first.get(k, "<absent>")
+        )
         if keys:
-            shown = ", ".join(f"{k}: {first.get(k, '<absent>')!r} on rank 0, {theirs.get(k, '<absent>')!r} on rank {r}"
-                              for k in keys[:4]) + (f" (and {len(keys) - 4} more)" if len(keys) > 4 else "")
-            raise UserError(f"torchrun rank {r} runs 04 with another config or command line than rank 0 ({shown}); "
-                            f"every rank must read the same YAML, --set overrides and flags (a node with another copy?)")
+            shown = ", ".join(
+                f"{k}: {first.get(k, '<absent>')!r} on rank 0, {theirs.get(k, '<absent>')!r} on rank {r}"
+                for k in keys[:4]
+            ) + (f" (and {len(keys) - 4} more)" if len(keys) > 4 else "")
+            raise UserError(
+                f"torchrun rank {r} runs 04 with another config or command line than rank 0 ({shown}); "
+                f"every rank must read the same YAML, --set overrides and flags (a node with another copy?)"
+            )
 
 
 def _same_data(cfg: RunConfig, inputs: "_Inputs", d: DistInfo) -> None:
@@ -184,13 +207,19 @@ def _same_data(cfg: RunConfig, inputs: "_Inputs", d: DistInfo) -> None:
     if not d.distributed:
         return
     everyone: list = [None] * d.world
-    dist.all_gather_object(everyone, _data_inputs(inputs.split, inputs.vocab, inputs.data_config), group=d.ctrl_group)
+    dist.all_gather_object(
+        everyone, _data_inputs(inputs.split, inputs.vocab, inputs.data_config), group=d.ctrl_group
+    )
     for r, theirs in enumerate(everyone):
-        keys = sorted(k for k in set(theirs) | set(everyone[0]) if theirs.get(k) != everyone[0].get(k))
+        keys = sorted(
+            k for k in set(theirs) | set(everyone[0]) if theirs.get(k) != everyone[0].get(k)
+        )
         if keys:
-            raise UserError(f"{cfg.data_dir}: torchrun rank {r} read other data than rank 0 (differing: "
-                            f"{', '.join(keys)}); every rank must read the same data folder and shards (a node with "
-                            f"another copy?)")
+            raise UserError(
+                f"{cfg.data_dir}: torchrun rank {r} read other data than rank 0 (differing: "
+                f"{', '.join(keys)}); every rank must read the same data folder and shards (a node with "
+                f"another copy?)"
+            )
 
 
 def _same_checkpoint(train_dir: Path, found: Optional[tuple], d: DistInfo) -> None:
@@ -209,8 +238,10 @@ def _same_checkpoint(train_dir: Path, found: Optional[tuple], d: DistInfo) -> No
     say = lambda w: "no checkpoint" if w is None else f"{w[0]} (step {w[1]})"  # noqa: E731
     for r, theirs in enumerate(everyone):
         if theirs != everyone[0]:
-            raise UserError(f"{ckpt.ckpt_dir(train_dir)}: --resume: torchrun rank {r} found {say(theirs)}, rank 0 "
-                            f"{say(everyone[0])}; every rank must see the same train.output_dir (a node-local folder?)")
+            raise UserError(
+                f"{ckpt.ckpt_dir(train_dir)}: --resume: torchrun rank {r} found {say(theirs)}, rank 0 "
+                f"{say(everyone[0])}; every rank must see the same train.output_dir (a node-local folder?)"
+            )
 
 
 def _barrier(d: DistInfo) -> None:
@@ -257,18 +288,35 @@ def build_drafter_args(cfg: RunConfig, data_config: dict, vocab: dict, warn_cont
     def checked(args):
         return warn_short_context(cfg, args) if warn_context else args
 
-    fields = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
-              "rms_norm_eps", "rope_theta", "max_position_embeddings")
+    fields = (
+        "hidden_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "intermediate_size",
+        "rms_norm_eps",
+        "rope_theta",
+        "max_position_embeddings",
+    )
     given = {f: getattr(cfg.drafter, f) for f in fields}
-    fixed = dict(draft_vocab_size=int(vocab["draft_vocab_size"]), target_vocab_size=int(vocab["target_vocab_size"]),
-                 target_hidden_size=int(data_config["hidden_size"]))
+    fixed = dict(
+        draft_vocab_size=int(vocab["draft_vocab_size"]),
+        target_vocab_size=int(vocab["target_vocab_size"]),
+        target_hidden_size=int(data_config["hidden_size"]),
+    )
     if all(v is not None for v in given.values()):
-        return checked(DrafterArgs(**given, **fixed, variant=cfg.drafter.variant, num_layers=cfg.drafter.num_layers))
+        return checked(
+            DrafterArgs(
+                **given, **fixed, variant=cfg.drafter.variant, num_layers=cfg.drafter.num_layers
+            )
+        )
     from eagle3.verifier import load_verifier_config, text_config, verifier_dims
 
     hf = load_verifier_config(cfg.verifier)
     dims = verifier_dims(hf)
-    check_verifier_dims(cfg.verifier, dims, data_config, cfg.shards_dir)  # before a symptom in a drafter field
+    check_verifier_dims(
+        cfg.verifier, dims, data_config, cfg.shards_dir
+    )  # before a symptom in a drafter field
     over = dict(given)
     if over["head_dim"] is None:
         if over["hidden_size"] is not None or over["num_attention_heads"] is not None:
@@ -276,9 +324,16 @@ def build_drafter_args(cfg: RunConfig, data_config: dict, vocab: dict, warn_cont
             over["head_dim"] = h // (over["num_attention_heads"] or dims["num_attention_heads"])
         else:
             over["head_dim"] = dims["head_dim"]
-    return checked(DrafterArgs.from_hf_config(text_config(hf), fixed["draft_vocab_size"], **over,
-                                              **{k: v for k, v in fixed.items() if k != "draft_vocab_size"},
-                                              variant=cfg.drafter.variant, num_layers=cfg.drafter.num_layers))
+    return checked(
+        DrafterArgs.from_hf_config(
+            text_config(hf),
+            fixed["draft_vocab_size"],
+            **over,
+            **{k: v for k, v in fixed.items() if k != "draft_vocab_size"},
+            variant=cfg.drafter.variant,
+            num_layers=cfg.drafter.num_layers,
+        )
+    )
 
 
 def warn_short_context(cfg: RunConfig, args):
@@ -311,12 +366,17 @@ def warn_world_size(cfg: RunConfig, d: DistInfo) -> Optional[str]:
     if "nproc_per_node" not in cfg.train.model_fields_set or want == d.world:
         return None
     t = cfg.train
-    batch = (f"{t.batch_size} x {t.grad_accum} x {d.world} = {t.batch_size * t.grad_accum * d.world} samples per "
-             f"optimizer step instead of {t.batch_size * t.grad_accum * want}" if t.batch_tokens is None else
-             f"{d.world}/{want} of the planned tokens per optimizer step")
-    msg = (f"train.nproc_per_node: the config plans {want} processes but 04 runs in {d.world} (WORLD_SIZE): "
-           f"{batch}; start it with `torchrun --nproc_per_node {want} 04_train.py ...`, or set "
-           f"train.nproc_per_node: {d.world} if this is intended")
+    batch = (
+        f"{t.batch_size} x {t.grad_accum} x {d.world} = {t.batch_size * t.grad_accum * d.world} samples per "
+        f"optimizer step instead of {t.batch_size * t.grad_accum * want}"
+        if t.batch_tokens is None
+        else f"{d.world}/{want} of the planned tokens per optimizer step"
+    )
+    msg = (
+        f"train.nproc_per_node: the config plans {want} processes but 04 runs in {d.world} (WORLD_SIZE): "
+        f"{batch}; start it with `torchrun --nproc_per_node {want} 04_train.py ...`, or set "
+        f"train.nproc_per_node: {d.world} if this is intended"
+    )
     if d.is_main:
         log.warning("%s", msg)
     return msg
@@ -339,7 +399,9 @@ def prepare_target_head(cfg: RunConfig, data_config: dict, d: DistInfo) -> Targe
         if cfg.verifier.gguf_file is None and any(vdir.glob("*.safetensors*")):
             from eagle3.train.safetensors_head import load_target_head_from_safetensors
 
-            load_target_head_from_safetensors(vdir, data_config["last_hidden_state"]).save(cfg.train_dir)
+            load_target_head_from_safetensors(vdir, data_config["last_hidden_state"]).save(
+                cfg.train_dir
+            )
         else:
             from eagle3.verifier import load_verifier
 
@@ -348,13 +410,19 @@ def prepare_target_head(cfg: RunConfig, data_config: dict, d: DistInfo) -> Targe
             del model
     _barrier(d)
     head = TargetHead.load(path)
-    if head.hidden_size != int(data_config["hidden_size"]) or head.vocab_size != int(data_config["vocab_size"]):
-        raise UserError(f"{path}: head is [{head.vocab_size}, {head.hidden_size}] but data_config.json says vocab_size "
-                        f"{data_config['vocab_size']}, hidden_size {data_config['hidden_size']} (delete it to re-extract)")
+    if head.hidden_size != int(data_config["hidden_size"]) or head.vocab_size != int(
+        data_config["vocab_size"]
+    ):
+        raise UserError(
+            f"{path}: head is [{head.vocab_size}, {head.hidden_size}] but data_config.json says vocab_size "
+            f"{data_config['vocab_size']}, hidden_size {data_config['hidden_size']} (delete it to re-extract)"
+        )
     want_post = data_config["last_hidden_state"] == "post_norm"
     if head.last_is_post_norm != want_post:
-        raise UserError(f"{path}: metadata 'last_is_post_norm' is {head.last_is_post_norm} but data_config.json says "
-                        f"last_hidden_state={data_config['last_hidden_state']!r} (delete it to re-extract)")
+        raise UserError(
+            f"{path}: metadata 'last_is_post_norm' is {head.last_is_post_norm} but data_config.json says "
+            f"last_hidden_state={data_config['last_hidden_state']!r} (delete it to re-extract)"
+        )
     return head
 
 
@@ -372,9 +440,11 @@ def init_drafter(args, head: TargetHead, vocab: dict, seed: int):
     from eagle3.train.model import Eagle3Drafter
 
     if head.embed.shape[1] != args.hidden_size:
-        raise UserError(f"drafter.hidden_size: {args.hidden_size} differs from the verifier hidden size "
-                        f"{head.embed.shape[1]}; the drafter reuses the verifier's token embedding: set "
-                        f"drafter.hidden_size: {head.embed.shape[1]} (or null, the verifier's)")
+        raise UserError(
+            f"drafter.hidden_size: {args.hidden_size} differs from the verifier hidden size "
+            f"{head.embed.shape[1]}; the drafter reuses the verifier's token embedding: set "
+            f"drafter.hidden_size: {head.embed.shape[1]} (or null, the verifier's)"
+        )
     torch.manual_seed(seed)
     drafter = Eagle3Drafter(args).float()
     drafter.load_embeddings(head.embed.float())  # [V, H], frozen
@@ -403,8 +473,15 @@ class TTTObjective(nn.Module):
             storing them (``ttt_loss(checkpoint=True)``); used on GPU, where memory binds.
     """
 
-    def __init__(self, drafter: nn.Module, ttt_length: int, step_weight: float, checkpoint_logits: bool = False,
-                 loss: str = "soft_ce", lk_eta: float = 3.0):
+    def __init__(
+        self,
+        drafter: nn.Module,
+        ttt_length: int,
+        step_weight: float,
+        checkpoint_logits: bool = False,
+        loss: str = "soft_ce",
+        lk_eta: float = 3.0,
+    ):
         super().__init__()
         self.drafter = drafter
         self.ttt_length = ttt_length
@@ -413,23 +490,55 @@ class TTTObjective(nn.Module):
         self.loss = loss
         self.lk_eta = lk_eta
 
-    def forward(self, input_ids, aux, target_logp, in_draft, target_argmax, loss_mask=None, denom=None, loss_pos=None):
+    def forward(
+        self,
+        input_ids,
+        aux,
+        target_logp,
+        in_draft,
+        target_argmax,
+        loss_mask=None,
+        denom=None,
+        loss_pos=None,
+    ):
         from eagle3.train.ttt import TTTTargets, ttt_loss
 
         step_hiddens = self.drafter.ttt_forward(input_ids, aux, self.ttt_length)  # K x [B, L, H]
         if loss_pos is not None:
             from eagle3.train.ttt_rows import ttt_loss_rows
 
-            return ttt_loss_rows(self.drafter, step_hiddens, TTTTargets(target_logp, in_draft, target_argmax), loss_pos,
-                                 step_weight=self.step_weight, checkpoint=self.checkpoint_logits, denom=denom,
-                                 loss=self.loss, lk_eta=self.lk_eta)
-        return ttt_loss(self.drafter, step_hiddens, TTTTargets(target_logp, in_draft, target_argmax), loss_mask,
-                        step_weight=self.step_weight, checkpoint=self.checkpoint_logits, denom=denom, loss=self.loss,
-                        lk_eta=self.lk_eta)
+            return ttt_loss_rows(
+                self.drafter,
+                step_hiddens,
+                TTTTargets(target_logp, in_draft, target_argmax),
+                loss_pos,
+                step_weight=self.step_weight,
+                checkpoint=self.checkpoint_logits,
+                denom=denom,
+                loss=self.loss,
+                lk_eta=self.lk_eta,
+            )
+        return ttt_loss(
+            self.drafter,
+            step_hiddens,
+            TTTTargets(target_logp, in_draft, target_argmax),
+            loss_mask,
+            step_weight=self.step_weight,
+            checkpoint=self.checkpoint_logits,
+            denom=denom,
+            loss=self.loss,
+            lk_eta=self.lk_eta,
+        )
 
 
-def backward_step(model: nn.Module, batches: list[dict], targets: list, ttt_length: int, d: DistInfo,
-                  amp: Optional[torch.dtype] = None) -> list[dict]:
+def backward_step(
+    model: nn.Module,
+    batches: list[dict],
+    targets: list,
+    ttt_length: int,
+    d: DistInfo,
+    amp: Optional[torch.dtype] = None,
+) -> list[dict]:
     """Forward + backward of every micro-batch of ONE optimizer step, with the step-normalised loss.
 
     First the counted positions of each micro-batch and TTT step (:func:`eagle3.train.ttt.ttt_token_counts`,
@@ -458,22 +567,45 @@ def backward_step(model: nn.Module, batches: list[dict], targets: list, ttt_leng
     from eagle3.train.ttt import step_denominators, ttt_token_counts
     from eagle3.train.ttt_rows import ttt_row_counts
 
-    counts = [ttt_row_counts(b["loss_pos"], b["input_ids"].shape[1], tg.in_draft, ttt_length) if "loss_pos" in b
-              else ttt_token_counts(b["loss_mask"], tg.in_draft, ttt_length) for b, tg in zip(batches, targets)]  # [K] each
+    counts = [
+        ttt_row_counts(b["loss_pos"], b["input_ids"].shape[1], tg.in_draft, ttt_length)
+        if "loss_pos" in b
+        else ttt_token_counts(b["loss_mask"], tg.in_draft, ttt_length)
+        for b, tg in zip(batches, targets)
+    ]  # [K] each
     denom = step_denominators(counts, d.world)  # [K] float32: max(N_i, 1) / world
     stats = []
     for m, (b, tg) in enumerate(zip(batches, targets)):
         last = m == len(batches) - 1
         sync_ctx = model.no_sync() if (d.distributed and not last) else contextlib.nullcontext()
-        amp_ctx = torch.autocast(device_type=d.device.type, dtype=amp) if amp is not None else contextlib.nullcontext()
+        amp_ctx = (
+            torch.autocast(device_type=d.device.type, dtype=amp)
+            if amp is not None
+            else contextlib.nullcontext()
+        )
         with sync_ctx:
             with amp_ctx:
                 if "loss_pos" in b:
-                    loss, st = model(b["input_ids"], b["aux"], tg.logp_draft, tg.in_draft, tg.argmax, None, denom,
-                                     loss_pos=b["loss_pos"])
+                    loss, st = model(
+                        b["input_ids"],
+                        b["aux"],
+                        tg.logp_draft,
+                        tg.in_draft,
+                        tg.argmax,
+                        None,
+                        denom,
+                        loss_pos=b["loss_pos"],
+                    )
                 else:
-                    loss, st = model(b["input_ids"], b["aux"], tg.logp_draft, tg.in_draft, tg.argmax, b["loss_mask"],
-                                     denom)
+                    loss, st = model(
+                        b["input_ids"],
+                        b["aux"],
+                        tg.logp_draft,
+                        tg.in_draft,
+                        tg.argmax,
+                        b["loss_mask"],
+                        denom,
+                    )
             loss.backward()
         stats.append(st)
     return stats
@@ -481,7 +613,9 @@ def backward_step(model: nn.Module, batches: list[dict], targets: list, ttt_leng
 
 def trainable_state(drafter: nn.Module) -> dict[str, torch.Tensor]:
     """The parameters that training changes (``requires_grad``), detached on CPU, by name."""
-    return {n: p.detach().to("cpu").clone() for n, p in drafter.named_parameters() if p.requires_grad}
+    return {
+        n: p.detach().to("cpu").clone() for n, p in drafter.named_parameters() if p.requires_grad
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -533,8 +667,10 @@ def stop_before_training(stop: Optional[StopFlag], d: DistInfo) -> None:
     from eagle3.cli import Terminated
 
     e = Terminated(stop.signum or signal.SIGTERM)
-    e.hint = ("stopped during start-up, before the first optimizer step: nothing trained, no checkpoint written; "
-              "re-run the same command")
+    e.hint = (
+        "stopped during start-up, before the first optimizer step: nothing trained, no checkpoint written; "
+        "re-run the same command"
+    )
     raise e
 
 
@@ -553,17 +689,29 @@ class _Metrics:
         self.tb = None
         if not enabled:
             return
-        torn = cut_torn_tail(self.path)  # else the next row would join the torn one: both lost (trial 2026-12-05g)
+        torn = cut_torn_tail(
+            self.path
+        )  # else the next row would join the torn one: both lost (trial 2026-12-05g)
         if torn:
-            log.warning("%s: cut a torn last line (%d bytes a kill left mid-write) before appending", self.path, torn)
+            log.warning(
+                "%s: cut a torn last line (%d bytes a kill left mid-write) before appending",
+                self.path,
+                torn,
+            )
         rows = _read_metrics(self.path)
-        kept = [r for r in rows if r.get("step", 0) < start_step or (
-            r.get("step", 0) == start_step and not (finished and r.get("kind") == "val"))]
+        kept = [
+            r
+            for r in rows
+            if r.get("step", 0) < start_step
+            or (r.get("step", 0) == start_step and not (finished and r.get("kind") == "val"))
+        ]
         if len(kept) != len(rows) or (self.path.exists() and start_step == 0):
             atomic_write_jsonl(self.path, kept if start_step else [])
         from torch.utils.tensorboard import SummaryWriter
 
-        self.tb = SummaryWriter(log_dir=str(train_dir / "tb"), purge_step=start_step if start_step else None)
+        self.tb = SummaryWriter(
+            log_dir=str(train_dir / "tb"), purge_step=start_step if start_step else None
+        )
 
     def write(self, row: dict) -> None:
         if not self.enabled:
@@ -571,7 +719,9 @@ class _Metrics:
         with open_append(self.path) as f:  # disk full: rolled back, UserError (exit 2)
             append_bytes(f, (json.dumps(row) + "\n").encode("utf-8"), self.path, fsync=False)
         step = row["step"]
-        with disk_full_guard(self.path.parent / "tb"):  # TensorBoard's writer re-raises its thread's OSError here
+        with disk_full_guard(
+            self.path.parent / "tb"
+        ):  # TensorBoard's writer re-raises its thread's OSError here
             for k, v in row.items():
                 if k not in ("step", "epoch", "kind") and isinstance(v, (int, float)):
                     self.tb.add_scalar(f"{row['kind']}/{k}", v, step)
@@ -587,7 +737,9 @@ def _read_metrics(path: Path) -> list[dict]:
     if not path.is_file():
         return []
     rows = []
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():  # a torn multi-byte tail too
+    for line in path.read_text(
+        encoding="utf-8", errors="replace"
+    ).splitlines():  # a torn multi-byte tail too
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError:
@@ -617,14 +769,18 @@ class _Accum:
     """
 
     def __init__(self, ttt_length: int):
-        self.sums = {k: torch.zeros(ttt_length, dtype=torch.float64) for k in ("ce_sum", "correct", "count")}
+        self.sums = {
+            k: torch.zeros(ttt_length, dtype=torch.float64) for k in ("ce_sum", "correct", "count")
+        }
         self.n = 0
 
     def add(self, metrics: dict) -> None:
         self.n += 1
         for k in self.sums:
             v = metrics[k].detach().to(torch.float64)  # [K] on the device
-            self.sums[k] = v.clone() if self.n == 1 else self.sums[k] + v  # the CPU zeros never meet the device
+            self.sums[k] = (
+                v.clone() if self.n == 1 else self.sums[k] + v
+            )  # the CPU zeros never meet the device
 
     def totals(self) -> dict[str, torch.Tensor]:
         """Raw sums (for cross-rank reduction) plus ``n`` (micro-batches)."""
@@ -656,7 +812,11 @@ def _loader_kwargs(t, device: torch.device, world: int) -> dict:
     :func:`run`."""
     workers = t.num_workers
     if workers is None:
-        workers = min(8, max(1, (os.cpu_count() or 2) // max(1, world) - 1)) if device.type == "cuda" else 0
+        workers = (
+            min(8, max(1, (os.cpu_count() or 2) // max(1, world) - 1))
+            if device.type == "cuda"
+            else 0
+        )
     kw = {"num_workers": workers, "pin_memory": device.type == "cuda", "collate_fn": collate}
     if workers > 0:
         kw.update(prefetch_factor=4)
@@ -673,26 +833,45 @@ class _TrainData:
 
     def __init__(self, cfg: RunConfig, train_ds: ShardDataset, d: DistInfo):
         t = cfg.train
-        self.world, self.accum, self.is_main = d.world, t.grad_accum, d.is_main  # is_main: says the resume once
+        self.world, self.accum, self.is_main = (
+            d.world,
+            t.grad_accum,
+            d.is_main,
+        )  # is_main: says the resume once
         kw = _loader_kwargs(t, d.device, d.world)
         self.token_budget = t.batch_tokens is not None
         if self.token_budget:
             from eagle3.data import batching
 
             lengths = batching.sample_lengths(cfg.shards_dir, train_ds, train_ds.max_length)
-            self.sampler = batching.TokenBudgetBatchSampler(lengths, t.batch_tokens, d.world, d.rank, t.grad_accum,
-                                                            t.seed, window=batching.DEFAULT_WINDOW)
+            self.sampler = batching.TokenBudgetBatchSampler(
+                lengths,
+                t.batch_tokens,
+                d.world,
+                d.rank,
+                t.grad_accum,
+                t.seed,
+                window=batching.DEFAULT_WINDOW,
+            )
             self.loader = DataLoader(train_ds, batch_sampler=self.sampler, **kw)
             self.total_steps = self.sampler.total_steps(t.epochs)
         else:
-            self.sampler = ResumableSampler(train_ds, num_replicas=d.world, rank=d.rank, shuffle=True, seed=t.seed)
-            self.loader = DataLoader(train_ds, batch_size=t.batch_size, sampler=self.sampler, drop_last=True, **kw)
-            self.samples_per_step = t.batch_size * t.grad_accum * d.world  # global samples per optimizer step
+            self.sampler = ResumableSampler(
+                train_ds, num_replicas=d.world, rank=d.rank, shuffle=True, seed=t.seed
+            )
+            self.loader = DataLoader(
+                train_ds, batch_size=t.batch_size, sampler=self.sampler, drop_last=True, **kw
+            )
+            self.samples_per_step = (
+                t.batch_size * t.grad_accum * d.world
+            )  # global samples per optimizer step
             self._steps = (len(train_ds) // d.world) // (t.batch_size * t.grad_accum)
             if self._steps < 1:
-                raise UserError(f"{cfg.data_dir / 'split.json'}: key 'train': {len(train_ds)} samples, fewer than one "
-                                f"optimizer step needs (batch_size {t.batch_size} x grad_accum {t.grad_accum} x "
-                                f"{d.world} processes)")
+                raise UserError(
+                    f"{cfg.data_dir / 'split.json'}: key 'train': {len(train_ds)} samples, fewer than one "
+                    f"optimizer step needs (batch_size {t.batch_size} x grad_accum {t.grad_accum} x "
+                    f"{d.world} processes)"
+                )
             self.total_steps = math.ceil(t.epochs * self._steps)
 
     # A resumed epoch may have been started on another number of processes: it is then described by
@@ -715,7 +894,9 @@ class _TrainData:
             _, k0, g0 = self._origin
             if self.token_budget:
                 return k0 + self.sampler.steps_after(epoch, g0)
-            return k0 + (max(0, len(self.sampler.dataset) - g0) // self.world) // (self.samples_per_step // self.world)
+            return k0 + (max(0, len(self.sampler.dataset) - g0) // self.world) // (
+                self.samples_per_step // self.world
+            )
         return self.sampler.steps_in_epoch(epoch) if self.token_budget else self._steps
 
     def samples_before(self, epoch: int, step_in_epoch: int) -> int:
@@ -732,8 +913,10 @@ class _TrainData:
         if "steps_in_epoch" in state:
             k = int(state["steps_in_epoch"])
         elif self.token_budget:
-            raise UserError("checkpoint: key 'steps_in_epoch' missing; it was written by a run without "
-                            "train.batch_tokens, so its data position cannot be mapped to token-budget batches")
+            raise UserError(
+                "checkpoint: key 'steps_in_epoch' missing; it was written by a run without "
+                "train.batch_tokens, so its data position cannot be mapped to token-budget batches"
+            )
         else:
             k = int(state["samples_in_epoch"]) // self.samples_per_step
         epoch = int(state["epoch"])
@@ -745,8 +928,15 @@ class _TrainData:
             samples = self.samples_before(epoch, k) if self.token_budget else g
         self._origin = (epoch, k, g)
         if int(state.get("world_size", self.world)) != self.world and self.is_main:
-            log.info("checkpoint written on %s processes, now %d: epoch %d resumes after its first %d samples, "
-                     "the rest dealt out to %d ranks", state.get("world_size"), self.world, epoch, samples, self.world)
+            log.info(
+                "checkpoint written on %s processes, now %d: epoch %d resumes after its first %d samples, "
+                "the rest dealt out to %d ranks",
+                state.get("world_size"),
+                self.world,
+                epoch,
+                samples,
+                self.world,
+            )
         return k
 
     def resumed_total_steps(self, epochs: float, step: int) -> int:
@@ -780,15 +970,19 @@ class _TrainData:
             left = n_samples - kept
             if left <= 0:
                 return None
-            return (f"train.batch_tokens: {left} of {n_samples} training samples are left out of the first epoch "
-                    f"(their batches do not fill a last optimizer step: processes x grad_accum = {self.world * self.accum} "
-                    f"batches); the count and which samples differ per epoch (the batches are re-planned)")
+            return (
+                f"train.batch_tokens: {left} of {n_samples} training samples are left out of the first epoch "
+                f"(their batches do not fill a last optimizer step: processes x grad_accum = {self.world * self.accum} "
+                f"batches); the count and which samples differ per epoch (the batches are re-planned)"
+            )
         left = n_samples - self._steps * self.samples_per_step
         if left <= 0:
             return None
-        return (f"{left} of {n_samples} training samples per epoch do not fill a last optimizer step (batch_size x "
-                f"grad_accum x processes = {self.samples_per_step} samples) and are left out of that epoch; the order "
-                f"is reshuffled each epoch, so other samples are left out each time")
+        return (
+            f"{left} of {n_samples} training samples per epoch do not fill a last optimizer step (batch_size x "
+            f"grad_accum x processes = {self.samples_per_step} samples) and are left out of that epoch; the order "
+            f"is reshuffled each epoch, so other samples are left out each time"
+        )
 
     def iterate(self, epoch: int, step_in_epoch: int):
         """Micro-batches of this rank from optimizer step ``step_in_epoch`` of ``epoch`` on."""
@@ -798,12 +992,18 @@ class _TrainData:
         return iter(self.loader)
 
 
-
 # ---------------------------------------------------------------------------------------------
 # the run
 # ---------------------------------------------------------------------------------------------
-def _horizon_after_resume(data: _TrainData, state: dict, d: DistInfo, t, total_steps: int,
-                          horizon: Optional[int], scheduler) -> int:
+def _horizon_after_resume(
+    data: _TrainData,
+    state: dict,
+    d: DistInfo,
+    t,
+    total_steps: int,
+    horizon: Optional[int],
+    scheduler,
+) -> int:
     """The step horizon of a run resumed on another number of processes than the checkpoint's: the
     rest of the resumed epoch is dealt out to the new ranks (:class:`_TrainData`), so ``train.epochs``
     ends after a different step count than either process count alone gives; the LR schedule's
@@ -815,18 +1015,28 @@ def _horizon_after_resume(data: _TrainData, state: dict, d: DistInfo, t, total_s
     new = data.resumed_total_steps(t.epochs, int(state["step"]))
     if horizon is not None:
         new = min(new, horizon)
-    if new != total_steps:  # every rank re-stretches it (DDP replicas step with one lr); rank 0 says so
+    if (
+        new != total_steps
+    ):  # every rank re-stretches it (DDP replicas step with one lr); rank 0 says so
         if d.is_main:
-            log.info("resumed on %d processes (checkpoint: %s): %d optimizer steps in all", d.world,
-                     state.get("world_size"), new)
-        scheduler.lr_lambdas[0].__dict__.update(WarmupCosine(warmup_steps_for(new, t.warmup_ratio), new).__dict__)
+            log.info(
+                "resumed on %d processes (checkpoint: %s): %d optimizer steps in all",
+                d.world,
+                state.get("world_size"),
+                new,
+            )
+        scheduler.lr_lambdas[0].__dict__.update(
+            WarmupCosine(warmup_steps_for(new, t.warmup_ratio), new).__dict__
+        )
     return new
 
 
 def _autocast_dtype(cfg: RunConfig, device: torch.device) -> Optional[torch.dtype]:
     if device.type != "cuda":
         if cfg.train.bf16 == "on":
-            log.warning("train.bf16=on ignored: bf16 autocast is used on GPU only (CPU trains in float32)")
+            log.warning(
+                "train.bf16=on ignored: bf16 autocast is used on GPU only (CPU trains in float32)"
+            )
         return None
     return torch.bfloat16 if cfg.train.bf16 in ("auto", "on") else None
 
@@ -836,16 +1046,33 @@ def _data_order(cfg: RunConfig) -> dict:
     ``data_order``; :func:`eagle3.train.checkpoint.check_data_order`). ``batch_size`` is recorded as None when
     ``batch_tokens`` is set (it is ignored then)."""
     t = cfg.train
-    return {"train.seed": t.seed, "train.batch_tokens": t.batch_tokens,
-            "train.batch_size": None if t.batch_tokens is not None else t.batch_size, "train.grad_accum": t.grad_accum}
+    return {
+        "train.seed": t.seed,
+        "train.batch_tokens": t.batch_tokens,
+        "train.batch_size": None if t.batch_tokens is not None else t.batch_size,
+        "train.grad_accum": t.grad_accum,
+    }
 
 
 def _recipe(cfg: RunConfig) -> dict:
     """The training recipe a checkpoint records (key ``recipe``, dotted config keys): what
     :func:`eagle3.train.checkpoint.check_recipe` compares on ``--resume``, naming the fields that differ."""
     t = cfg.train
-    out = {f"train.{k}": getattr(t, k) for k in ("ttt_length", "step_weight", "loss", "lk_eta", "lr", "weight_decay",
-                                                 "warmup_ratio", "epochs", "max_steps", "grad_clip")}
+    out = {
+        f"train.{k}": getattr(t, k)
+        for k in (
+            "ttt_length",
+            "step_weight",
+            "loss",
+            "lk_eta",
+            "lr",
+            "weight_decay",
+            "warmup_ratio",
+            "epochs",
+            "max_steps",
+            "grad_clip",
+        )
+    }
     out["extract.max_length"] = cfg.extract.max_length
     return out
 
@@ -855,26 +1082,53 @@ def _data_inputs(split: dict, vocab: dict, data_config: dict) -> dict:
     :func:`eagle3.train.checkpoint.data_inputs_problem`): the content sha256 of 03's ``split`` and ``vocab`` map, and
     the aux layers and verifier weights fingerprint (``verifier_weights``; None when 02 recorded none) of the shards'
     ``data_config``."""
-    return {ckpt.SPLIT_FILE: ckpt.split_sha256(split), ckpt.VOCAB_FILE: ckpt.vocab_sha256(vocab),
-            ckpt.AUX_LAYERS: [int(i) for i in data_config["aux_layers"]],
-            ckpt.VERIFIER_WEIGHTS: data_config.get(ckpt.VERIFIER_WEIGHTS)}
+    return {
+        ckpt.SPLIT_FILE: ckpt.split_sha256(split),
+        ckpt.VOCAB_FILE: ckpt.vocab_sha256(vocab),
+        ckpt.AUX_LAYERS: [int(i) for i in data_config["aux_layers"]],
+        ckpt.VERIFIER_WEIGHTS: data_config.get(ckpt.VERIFIER_WEIGHTS),
+    }
 
 
 def _resume_current(cfg: RunConfig, args, split: dict, vocab: dict, data_config: dict) -> dict:
     """The run now, as :func:`eagle3.train.checkpoint.check_resume` compares it with a checkpoint: ``drafter_args``,
     ``data_order``, ``recipe``, ``data_inputs``."""
-    return {"drafter_args": dataclasses.asdict(args), "data_order": _data_order(cfg), "recipe": _recipe(cfg),
-            "data_inputs": _data_inputs(split, vocab, data_config)}
+    return {
+        "drafter_args": dataclasses.asdict(args),
+        "data_order": _data_order(cfg),
+        "recipe": _recipe(cfg),
+        "data_inputs": _data_inputs(split, vocab, data_config),
+    }
 
 
 def _fingerprint(cfg: RunConfig, args) -> str:
     t = cfg.train
-    keep = {k: getattr(t, k) for k in ("ttt_length", "step_weight", "lr", "weight_decay", "warmup_ratio", "epochs",
-                                          "batch_size", "grad_accum", "grad_clip", "seed")}
-    if t.loss != "soft_ce":  # recorded only when set, so that fingerprints of earlier runs stay what they were
+    keep = {
+        k: getattr(t, k)
+        for k in (
+            "ttt_length",
+            "step_weight",
+            "lr",
+            "weight_decay",
+            "warmup_ratio",
+            "epochs",
+            "batch_size",
+            "grad_accum",
+            "grad_clip",
+            "seed",
+        )
+    }
+    if (
+        t.loss != "soft_ce"
+    ):  # recorded only when set, so that fingerprints of earlier runs stay what they were
         keep.update(loss=t.loss, lk_eta=t.lk_eta)
-    return ckpt.config_fingerprint({"train": keep, "drafter": args.to_json(),  # num_layers only when > 1
-                                    "max_length": cfg.extract.max_length})
+    return ckpt.config_fingerprint(
+        {
+            "train": keep,
+            "drafter": args.to_json(),  # num_layers only when > 1
+            "max_length": cfg.extract.max_length,
+        }
+    )
 
 
 def _move_batch(batch: dict, device: torch.device, float_dtype: torch.dtype) -> dict:
@@ -889,10 +1143,16 @@ def _move_batch(batch: dict, device: torch.device, float_dtype: torch.dtype) -> 
     return dequantize_batch(out, float_dtype)
 
 
-def run(cfg: RunConfig, resume: bool = False, max_steps: Optional[int] = None, stop_after: Optional[int] = None,
-        device: Optional[str] = None, export: Optional[Callable[[RunConfig, Any, dict], Path]] = None,
-        init: Optional[Callable[[RunConfig, torch.Tensor, dict], nn.Module]] = None,
-        stop_at: Optional[int] = None) -> dict:
+def run(
+    cfg: RunConfig,
+    resume: bool = False,
+    max_steps: Optional[int] = None,
+    stop_after: Optional[int] = None,
+    device: Optional[str] = None,
+    export: Optional[Callable[[RunConfig, Any, dict], Path]] = None,
+    init: Optional[Callable[[RunConfig, torch.Tensor, dict], nn.Module]] = None,
+    stop_at: Optional[int] = None,
+) -> dict:
     """Train (or continue training) the drafter described by ``cfg``; see the module docstring.
 
     Args:
@@ -935,7 +1195,9 @@ def run(cfg: RunConfig, resume: bool = False, max_steps: Optional[int] = None, s
     from eagle3.io import rerun_hint
     from eagle3.sdpa import no_cudnn_sdpa
 
-    with process_group_scope(d.ctrl_group, owned=d.initialized_here):  # barrier only when _run finished
+    with process_group_scope(
+        d.ctrl_group, owned=d.initialized_here
+    ):  # barrier only when _run finished
         try:  # no per-shape cuDNN plans (~40 ms each): batch shapes change every step
             with no_cudnn_sdpa(), rerun_hint(REDO_HINT):
                 return _run(cfg, d, stop, resume, max_steps, stop_after, export, init, stop_at)
@@ -943,7 +1205,9 @@ def run(cfg: RunConfig, resume: bool = False, max_steps: Optional[int] = None, s
             stop.restore()
 
 
-TRAIN_LOCK = ".train.lock"  # in train_dir while a 04 trains or exports there (one 04 per train folder)
+TRAIN_LOCK = (
+    ".train.lock"  # in train_dir while a 04 trains or exports there (one 04 per train folder)
+)
 #: 04's disk-full advice (:func:`eagle3.io.rerun_hint`): the same command without --resume refuses the checkpoints.
 REDO_HINT = "re-run the same command with --resume (04 continues from the newest checkpoint)"
 
@@ -985,24 +1249,61 @@ def _train_lock(train_dir: Path, d: DistInfo, field: str = "train.output_dir"):
             raise
 
 
-def _run(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: Optional[int],
-         stop_after: Optional[int], export: Optional[Callable] = None, init: Optional[Callable] = None,
-         stop_at: Optional[int] = None) -> dict:
+def _run(
+    cfg: RunConfig,
+    d: DistInfo,
+    stop: StopFlag,
+    resume: bool,
+    max_steps: Optional[int],
+    stop_after: Optional[int],
+    export: Optional[Callable] = None,
+    init: Optional[Callable] = None,
+    stop_at: Optional[int] = None,
+) -> dict:
     """The stage in named steps: inputs (+ folder check, warm start), data, optimisation, resume, loop, end. 04's lock
     (:func:`_train_lock`) is taken once the inputs are read and checked, before the first write, and held to the end.
     A refusal before the loop (any UserError of the steps up to the resume), or a signal then
     (:func:`stop_before_training`), removes what this call created. First of all the torchrun ranks compare their
     config and flags (:func:`_ranks_agree`)."""
-    _ranks_agree(cfg, d, {"--resume": resume, "--max-steps": max_steps, "--stop-at": stop_at,
-                          "stop_after": stop_after})
+    _ranks_agree(
+        cfg,
+        d,
+        {
+            "--resume": resume,
+            "--max-steps": max_steps,
+            "--stop-at": stop_at,
+            "stop_after": stop_after,
+        },
+    )
     with contextlib.ExitStack() as held:
-        return _run_locked(cfg, d, stop, resume, max_steps, stop_after, export, init, stop_at,
-                           lock=lambda: held.enter_context(_train_lock(cfg.train_dir, d, cfg.output_field("train"))))
+        return _run_locked(
+            cfg,
+            d,
+            stop,
+            resume,
+            max_steps,
+            stop_after,
+            export,
+            init,
+            stop_at,
+            lock=lambda: held.enter_context(
+                _train_lock(cfg.train_dir, d, cfg.output_field("train"))
+            ),
+        )
 
 
-def _run_locked(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_steps: Optional[int],
-                stop_after: Optional[int], export: Optional[Callable], init: Optional[Callable],
-                stop_at: Optional[int], lock: Callable[[], None]) -> dict:
+def _run_locked(
+    cfg: RunConfig,
+    d: DistInfo,
+    stop: StopFlag,
+    resume: bool,
+    max_steps: Optional[int],
+    stop_after: Optional[int],
+    export: Optional[Callable],
+    init: Optional[Callable],
+    stop_at: Optional[int],
+    lock: Callable[[], None],
+) -> dict:
     """:func:`_run`'s steps; ``lock()`` takes 04's lock (called by :func:`_load_inputs` before its first write). Every
     warning logged meanwhile (rank 0) is listed in ``train_report.json`` ``warnings`` (:func:`_collect_warnings`)."""
     with _collect_warnings(d.is_main) as warned:
@@ -1013,7 +1314,14 @@ def _run_locked(cfg: RunConfig, d: DistInfo, stop: StopFlag, resume: bool, max_s
                 _same_data(cfg, inputs, d)
                 data = _build_data(cfg, d, inputs, max_steps)
                 stop_before_training(stop, d)
-                run_ = _Training(cfg, d, inputs, data, _build_optimisation(cfg, d, inputs, data.total_steps), warned)
+                run_ = _Training(
+                    cfg,
+                    d,
+                    inputs,
+                    data,
+                    _build_optimisation(cfg, d, inputs, data.total_steps),
+                    warned,
+                )
                 if resume:
                     run_.restore(stop_at)
                 else:
@@ -1039,7 +1347,9 @@ class _WarningLines(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            msg = record.getMessage()  # formatted now: a logged dict changed later keeps the text that was shown
+            msg = (
+                record.getMessage()
+            )  # formatted now: a logged dict changed later keeps the text that was shown
         except Exception:  # noqa: BLE001 - a bad log call must not stop training
             return
         if msg not in self.lines:
@@ -1083,10 +1393,15 @@ def _undo_on_refusal(train_dir: Path, enabled: bool):
     had_dir, had_head = Path(train_dir).exists(), head.exists()
     try:
         yield
-    except (UserError, KeyboardInterrupt):  # a refusal, or a signal before the first step (stop_before_training)
+    except (
+        UserError,
+        KeyboardInterrupt,
+    ):  # a refusal, or a signal before the first step (stop_before_training)
         if enabled:
             if not had_head:
-                with contextlib.suppress(OSError):  # train_dir a file (the refusal says so): nothing to remove
+                with contextlib.suppress(
+                    OSError
+                ):  # train_dir a file (the refusal says so): nothing to remove
                     head.unlink(missing_ok=True)
             if not had_dir:
                 with contextlib.suppress(OSError):  # not empty: something else is in it, keep it
@@ -1094,7 +1409,9 @@ def _undo_on_refusal(train_dir: Path, enabled: bool):
         raise
 
 
-def _check_train_dir(cfg: RunConfig, d: DistInfo, resume: bool, current: Optional[Callable[[], dict]] = None) -> None:
+def _check_train_dir(
+    cfg: RunConfig, d: DistInfo, resume: bool, current: Optional[Callable[[], dict]] = None
+) -> None:
     """Folder step (after the inputs are read, before anything is written): refuse existing checkpoints without
     ``resume`` (:func:`without_resume_refusal`: the advice depends on whether ``--resume`` would take them, judged
     against ``current()``, :func:`_resume_current`, called only then); drop stale temp files of an interrupted run.
@@ -1129,9 +1446,15 @@ def without_resume_refusal(cfg: RunConfig, current: Optional[dict]) -> str:
         path, state = ckpt.find_latest_checkpoint(cfg.train_dir, warn=False)
         ckpt.check_resume(path, state, current, cfg.data_dir)
     except UserError as e:
-        return (f"{head}, and --resume would refuse them: {e}; so train into a new folder (--set "
-                f"train.output_dir=...), or delete {where} to start this one over (04 has no --overwrite)")
-    older = "" if int(state["step"]) == existing[-1][0] else f" from step {state['step']}, the newest that loads"
+        return (
+            f"{head}, and --resume would refuse them: {e}; so train into a new folder (--set "
+            f"train.output_dir=...), or delete {where} to start this one over (04 has no --overwrite)"
+        )
+    older = (
+        ""
+        if int(state["step"]) == existing[-1][0]
+        else f" from step {state['step']}, the newest that loads"
+    )
     return f"{head}; pass --resume to continue{older}, or set train.output_dir to a new folder"
 
 
@@ -1154,7 +1477,9 @@ class _Inputs:
     d2t: torch.Tensor
     t2d: torch.Tensor
     states: Any
-    init_from: Optional[str] = None  # the train.init_from this call warm-started from (None: cold or resumed)
+    init_from: Optional[str] = (
+        None  # the train.init_from this call warm-started from (None: cold or resumed)
+    )
 
 
 def warm_start(drafter: nn.Module, src: nn.Module, source: str) -> dict:
@@ -1178,33 +1503,51 @@ def warm_start(drafter: nn.Module, src: nn.Module, source: str) -> dict:
     """
     a, b = getattr(src.args, "variant", "eagle3"), getattr(drafter.args, "variant", "eagle3")
     if a != b:
-        raise UserError(f"{source}: train.init_from is a {a} drafter but this run trains {b} (drafter.variant)")
+        raise UserError(
+            f"{source}: train.init_from is a {a} drafter but this run trains {b} (drafter.variant)"
+        )
     if int(src.args.target_vocab_size) != int(drafter.args.target_vocab_size):
-        raise UserError(f"{source}: train.init_from drafts for a verifier vocab of {src.args.target_vocab_size} tokens, "
-                        f"this run's verifier has {drafter.args.target_vocab_size} (another tokenizer)")
+        raise UserError(
+            f"{source}: train.init_from drafts for a verifier vocab of {src.args.target_vocab_size} tokens, "
+            f"this run's verifier has {drafter.args.target_vocab_size} (another tokenizer)"
+        )
     mine = {n: p for n, p in drafter.named_parameters() if p.requires_grad}
     theirs = dict(src.named_parameters())
     for name, p in mine.items():
         if name not in theirs:
-            raise UserError(f"{source}: train.init_from has no tensor '{name}' (drafter shape differs from the config)")
-        cut = 1 if name == "lm_head.weight" else 0  # lm_head: rows per draft vocab (moved below), width must match
+            raise UserError(
+                f"{source}: train.init_from has no tensor '{name}' (drafter shape differs from the config)"
+            )
+        cut = (
+            1 if name == "lm_head.weight" else 0
+        )  # lm_head: rows per draft vocab (moved below), width must match
         if theirs[name].shape[cut:] != p.shape[cut:]:
-            raise UserError(f"{source}: train.init_from's '{name}' is {list(theirs[name].shape)}, this run's drafter "
-                            f"needs {list(p.shape)} (drafter.* settings differ)")
+            raise UserError(
+                f"{source}: train.init_from's '{name}' is {list(theirs[name].shape)}, this run's drafter "
+                f"needs {list(p.shape)} (drafter.* settings differ)"
+            )
     extra = sorted(n for n, p in theirs.items() if n not in mine and n != "embed_tokens.weight")
     if extra:
-        raise UserError(f"{source}: train.init_from has tensor '{extra[0]}' that this run's drafter does not train")
+        raise UserError(
+            f"{source}: train.init_from has tensor '{extra[0]}' that this run's drafter does not train"
+        )
     dv_new, dv_old = drafter.d2t.numel(), src.d2t.numel()
-    tgt_new = torch.arange(dv_new) + drafter.d2t.cpu()  # [dV] target id of each of this run's draft ids
+    tgt_new = (
+        torch.arange(dv_new) + drafter.d2t.cpu()
+    )  # [dV] target id of each of this run's draft ids
     tgt_old = torch.arange(dv_old) + src.d2t.cpu()  # [dV_src]
-    row_of = torch.full((int(drafter.args.target_vocab_size),), -1, dtype=torch.long)  # [V] src draft id per target
+    row_of = torch.full(
+        (int(drafter.args.target_vocab_size),), -1, dtype=torch.long
+    )  # [V] src draft id per target
     row_of[tgt_old] = torch.arange(dv_old)
     src_rows = row_of[tgt_new]  # [dV] -1 where src does not draft that token
     hit = src_rows >= 0  # [dV]
     with torch.no_grad():
         for name, p in mine.items():
             if name == "lm_head.weight":
-                p[hit.to(p.device)] = theirs[name][src_rows[hit]].to(p.device, p.dtype)  # [n_hit, H]
+                p[hit.to(p.device)] = theirs[name][src_rows[hit]].to(
+                    p.device, p.dtype
+                )  # [n_hit, H]
             else:
                 p.copy_(theirs[name].to(p.device, p.dtype))
     return {"tensors": len(mine), "lm_head_rows": dv_new, "lm_head_rows_copied": int(hit.sum())}
@@ -1213,8 +1556,17 @@ def warm_start(drafter: nn.Module, src: nn.Module, source: str) -> dict:
 # DrafterArgs fields that fix the shape of a trainable tensor (or, variant, which tensors exist): a warm start needs
 # them equal; draft_vocab_size may differ (lm_head rows move by target token), the rest (norm eps, rope, context) shape
 # nothing
-_WARM_START_SHAPE = ("variant", "num_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                     "intermediate_size", "target_hidden_size", "target_vocab_size")
+_WARM_START_SHAPE = (
+    "variant",
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "target_hidden_size",
+    "target_vocab_size",
+)
 
 
 def check_init_from_shape(src: str, exported: dict, args) -> None:
@@ -1241,12 +1593,20 @@ def _check_shape_fields(src: str, exported: dict, mine: dict) -> None:
 
     have = {"variant": "eagle3", "num_layers": 1, **exported}
     for key, b in mine.items():
-        if key not in have or b is None:  # not recorded (left to warm_start's tensor-by-tensor check) or not known
+        if (
+            key not in have or b is None
+        ):  # not recorded (left to warm_start's tensor-by-tensor check) or not known
             continue
         a = have[key]
         if a != b:
-            where = f"drafter.{key}" if key in DrafterConfig.model_fields else "from the verifier and its shards"
-            raise UserError(f"train.init_from: '{src}' holds a drafter with {key} {a!r}, this run trains {b!r} ({where})")
+            where = (
+                f"drafter.{key}"
+                if key in DrafterConfig.model_fields
+                else "from the verifier and its shards"
+            )
+            raise UserError(
+                f"train.init_from: '{src}' holds a drafter with {key} {a!r}, this run trains {b!r} ({where})"
+            )
 
 
 def check_init_from_config(cfg: RunConfig) -> bool:
@@ -1268,7 +1628,9 @@ def check_init_from_config(cfg: RunConfig) -> bool:
         return False
     exported = _exported_drafter_args(src)
     if exported is not None:
-        _check_shape_fields(src, exported, {k: getattr(cfg.drafter, k, None) for k in _WARM_START_SHAPE})
+        _check_shape_fields(
+            src, exported, {k: getattr(cfg.drafter, k, None) for k in _WARM_START_SHAPE}
+        )
     return True
 
 
@@ -1277,11 +1639,19 @@ def init_from_not_a_folder(path: Path) -> UserError:
     ``model.safetensors`` given for its folder: it said "folder not found" of a file that exists, fresh-user trial
     2026-12-05d)."""
     if not path.exists():
-        return UserError(f"train.init_from: folder '{path}' not found (an exported drafter folder: 04's drafter-sglang)")
-    hint = (" (a checkpoint: export it with 04_train.py --export-only, or continue its run with --resume and its "
-            "train.output_dir)" if path.suffix == ".pt" else "")
-    return UserError(f"train.init_from: '{path}' is a file, not an exported drafter folder; give the folder "
-                     f"(04's drafter-sglang or drafter-vllm){hint}")
+        return UserError(
+            f"train.init_from: folder '{path}' not found (an exported drafter folder: 04's drafter-sglang)"
+        )
+    hint = (
+        " (a checkpoint: export it with 04_train.py --export-only, or continue its run with --resume and its "
+        "train.output_dir)"
+        if path.suffix == ".pt"
+        else ""
+    )
+    return UserError(
+        f"train.init_from: '{path}' is a file, not an exported drafter folder; give the folder "
+        f"(04's drafter-sglang or drafter-vllm){hint}"
+    )
 
 
 def _exported_drafter_args(src: str) -> Optional[dict]:
@@ -1297,8 +1667,10 @@ def _exported_drafter_args(src: str) -> Optional[dict]:
         raise init_from_not_a_folder(path)
     for name in ("config.json", "model.safetensors"):
         if not (path / name).is_file():
-            raise UserError(f"train.init_from: '{src}' is not an exported drafter folder (no {name}; 04 writes one "
-                            f"into {{output_root}}/drafter-sglang)")
+            raise UserError(
+                f"train.init_from: '{src}' is not an exported drafter folder (no {name}; 04 writes one "
+                f"into {{output_root}}/drafter-sglang)"
+            )
     if not (path / EXPORT_META_FILE).is_file():
         return None
     from eagle3.io import read_json
@@ -1323,7 +1695,9 @@ def _warm_start_planned(cfg: RunConfig, d: DistInfo, resume: bool, args=None) ->
         return False
     if resume and ckpt.list_checkpoints(cfg.train_dir):
         if d.is_main:
-            log.info("train.init_from (%s) not used: --resume continues from the run's checkpoint", src)
+            log.info(
+                "train.init_from (%s) not used: --resume continues from the run's checkpoint", src
+            )
         return False
     exported = _exported_drafter_args(src)
     if args is not None and exported is not None:
@@ -1331,8 +1705,14 @@ def _warm_start_planned(cfg: RunConfig, d: DistInfo, resume: bool, args=None) ->
     return True
 
 
-def _load_inputs(cfg: RunConfig, d: DistInfo, resume: bool, init: Optional[Callable] = None,
-                 stop: Optional[StopFlag] = None, lock: Optional[Callable[[], None]] = None) -> _Inputs:
+def _load_inputs(
+    cfg: RunConfig,
+    d: DistInfo,
+    resume: bool,
+    init: Optional[Callable] = None,
+    stop: Optional[StopFlag] = None,
+    lock: Optional[Callable[[], None]] = None,
+) -> _Inputs:
     """Inputs step: ``data_config.json``, vocab map, split, drafter args (all read and checked before anything
     is written, so a bad input is the first error and leaves no empty train/ folder behind), the folder check,
     verifier head, drafter init, and the hidden-state source (shards, or the verifier / capture servers for
@@ -1340,12 +1720,20 @@ def _load_inputs(cfg: RunConfig, d: DistInfo, resume: bool, init: Optional[Calla
     from eagle3.train.online import check_hidden_states, state_source, unused_shard_states_note
 
     data_config = read_data_config(cfg.shards_dir)
-    unchecked = check_verifier(cfg.verifier, data_config, cfg.shards_dir)  # first: another verifier explains the rest
-    if unchecked and d.is_main:  # weights not comparable (shards without a fingerprint): train_report's warnings too
+    unchecked = check_verifier(
+        cfg.verifier, data_config, cfg.shards_dir
+    )  # first: another verifier explains the rest
+    if (
+        unchecked and d.is_main
+    ):  # weights not comparable (shards without a fingerprint): train_report's warnings too
         log.warning("%s", unchecked)
     check_extract_settings(cfg.extract, data_config, cfg.shards_dir)
-    check_servable(data_config["aux_layers"], cfg.export.engine, str(data_config["architecture"]),
-                   str(cfg.shards_dir / "data_config.json"))  # before training, not at the export after it
+    check_servable(
+        data_config["aux_layers"],
+        cfg.export.engine,
+        str(data_config["architecture"]),
+        str(cfg.shards_dir / "data_config.json"),
+    )  # before training, not at the export after it
     check_hidden_states(cfg, data_config)
     vocab = load_run_vocab_map(cfg, int(data_config["vocab_size"]))
     split = read_split(cfg.data_dir)
@@ -1353,47 +1741,84 @@ def _load_inputs(cfg: RunConfig, d: DistInfo, resume: bool, init: Optional[Calla
     # config's data: settings, else UserError
     require_current(cfg, require_passed(cfg.shards_dir, cfg.data_dir))
     args = build_drafter_args(cfg, data_config, vocab)
-    if args.hidden_size != int(data_config["hidden_size"]):  # init_drafter's check, before the head is extracted
-        raise UserError(f"drafter.hidden_size: {args.hidden_size} differs from the verifier hidden size "
-                        f"{data_config['hidden_size']} ({cfg.shards_dir / 'data_config.json'}); the drafter reuses "
-                        f"the verifier's token embedding: set drafter.hidden_size: {data_config['hidden_size']} (or "
-                        f"null, the verifier's)")
-    warm = _warm_start_planned(cfg, d, resume, args)  # checked before the first write (the full check: after the head)
+    if args.hidden_size != int(
+        data_config["hidden_size"]
+    ):  # init_drafter's check, before the head is extracted
+        raise UserError(
+            f"drafter.hidden_size: {args.hidden_size} differs from the verifier hidden size "
+            f"{data_config['hidden_size']} ({cfg.shards_dir / 'data_config.json'}); the drafter reuses "
+            f"the verifier's token embedding: set drafter.hidden_size: {data_config['hidden_size']} (or "
+            f"null, the verifier's)"
+        )
+    warm = _warm_start_planned(
+        cfg, d, resume, args
+    )  # checked before the first write (the full check: after the head)
     if lock is not None:
         lock()  # 04's lock on train_dir (_train_lock), before the folder check deletes stale temp files
     # with this run's process count, as the resume compares it (a split keeping the global batch is taken)
-    _check_train_dir(cfg, d, resume, lambda: {**_resume_current(cfg, args, split, vocab, data_config),
-                                              "world_size": d.world})
+    _check_train_dir(
+        cfg,
+        d,
+        resume,
+        lambda: {**_resume_current(cfg, args, split, vocab, data_config), "world_size": d.world},
+    )
     stop_before_training(stop, d)
-    head = prepare_target_head(cfg, data_config, d)  # the first write: target_head.safetensors (creates train_dir)
+    head = prepare_target_head(
+        cfg, data_config, d
+    )  # the first write: target_head.safetensors (creates train_dir)
     if d.is_main:
         make_dirs(cfg.train_dir, cfg.output_field("train"))
     stop_before_training(stop, d)  # the head's extraction can take minutes (verifier weights)
     drafter = init_drafter(args, head, vocab, cfg.train.seed)
     if warm:
         if init is None:
-            raise UserError("train.init_from: needs the export loader that 04_train.py passes (trainer.run(init=...))")
-        ws = warm_start(drafter, init(cfg, drafter.embed_tokens.weight, data_config), cfg.train.init_from)
+            raise UserError(
+                "train.init_from: needs the export loader that 04_train.py passes (trainer.run(init=...))"
+            )
+        ws = warm_start(
+            drafter, init(cfg, drafter.embed_tokens.weight, data_config), cfg.train.init_from
+        )
         if d.is_main:
             moved = ws["lm_head_rows_copied"] < ws["lm_head_rows"]
-            log.info("warm start from %s: %d trainable tensors; lm_head %d of %d draft tokens from it%s",
-                     cfg.train.init_from, ws["tensors"], ws["lm_head_rows_copied"], ws["lm_head_rows"],
-                     " (another vocab map: the rest keep the verifier's rows)" if moved else "")
+            log.info(
+                "warm start from %s: %d trainable tensors; lm_head %d of %d draft tokens from it%s",
+                cfg.train.init_from,
+                ws["tensors"],
+                ws["lm_head_rows_copied"],
+                ws["lm_head_rows"],
+                " (another vocab map: the rest keep the verifier's rows)" if moved else "",
+            )
     drafter = drafter.to(d.device)
     amp = _autocast_dtype(cfg, d.device)
     feat_dtype = torch.bfloat16 if amp is not None else torch.float32
     inputs = _Inputs(
-        data_config=data_config, vocab=vocab, split=split, args=args, drafter=drafter, amp=amp, feat_dtype=feat_dtype,
+        data_config=data_config,
+        vocab=vocab,
+        split=split,
+        args=args,
+        drafter=drafter,
+        amp=amp,
+        feat_dtype=feat_dtype,
         head_lm=head.lm_head.to(d.device, feat_dtype),  # [V, Ht]
-        head_norm=None if head.last_is_post_norm else head.norm_weight.to(d.device, feat_dtype),  # [Ht]
-        head_eps=float(head.norm_eps), d2t=vocab["d2t"].to(d.device), t2d=vocab["t2d"].to(d.device), states=None,
-        init_from=cfg.train.init_from if warm else None)
+        head_norm=None
+        if head.last_is_post_norm
+        else head.norm_weight.to(d.device, feat_dtype),  # [Ht]
+        head_eps=float(head.norm_eps),
+        d2t=vocab["d2t"].to(d.device),
+        t2d=vocab["t2d"].to(d.device),
+        states=None,
+        init_from=cfg.train.init_from if warm else None,
+    )
     del head
     stop_before_training(stop, d)
-    unused = unused_shard_states_note(cfg, data_config)  # online over shards with states: said, not silent
+    unused = unused_shard_states_note(
+        cfg, data_config
+    )  # online over shards with states: said, not silent
     if unused and d.is_main:
         log.info(unused)
-    inputs.states = state_source(cfg, data_config, d.device, feat_dtype)  # online: loads the verifier
+    inputs.states = state_source(
+        cfg, data_config, d.device, feat_dtype
+    )  # online: loads the verifier
     return inputs
 
 
@@ -1406,9 +1831,13 @@ class _Data:
     order: "_TrainData"
     total_steps: int
     val_lengths: Optional[list[int]]
-    eval_every: Optional[int]  # train.eval_every; None = at the end of each epoch (:meth:`_Training.eval_due`)
+    eval_every: Optional[
+        int
+    ]  # train.eval_every; None = at the end of each epoch (:meth:`_Training.eval_due`)
     horizon: Optional[int]  # max_steps / train.max_steps (None = the epochs decide)
-    horizon_from: str = "train.epochs"  # what sets total_steps, for messages: "--max-steps N" / "train.max_steps N"
+    horizon_from: str = (
+        "train.epochs"  # what sets total_steps, for messages: "--max-steps N" / "train.max_steps N"
+    )
 
 
 def _build_data(cfg: RunConfig, d: DistInfo, inputs: _Inputs, max_steps: Optional[int]) -> _Data:
@@ -1419,48 +1848,88 @@ def _build_data(cfg: RunConfig, d: DistInfo, inputs: _Inputs, max_steps: Optiona
     max_len = int(inputs.data_config["max_length"])
     with_states = inputs.states.reads_shard_states
     split_file = cfg.data_dir / "split.json"  # named in a missing-shard error
-    train_ds = ShardDataset(cfg.shards_dir, inputs.split["train"], max_len, expect, "train", states=with_states,
-                            split_file=split_file)
-    val_ds = ShardDataset(cfg.shards_dir, inputs.split["val"], max_len, expect, "val", states=with_states,
-                          split_file=split_file) if inputs.split["val"] else None
+    train_ds = ShardDataset(
+        cfg.shards_dir,
+        inputs.split["train"],
+        max_len,
+        expect,
+        "train",
+        states=with_states,
+        split_file=split_file,
+    )
+    val_ds = (
+        ShardDataset(
+            cfg.shards_dir,
+            inputs.split["val"],
+            max_len,
+            expect,
+            "val",
+            states=with_states,
+            split_file=split_file,
+        )
+        if inputs.split["val"]
+        else None
+    )
     order = _TrainData(cfg, train_ds, d)
     total_steps = order.total_steps
     horizon = max_steps if max_steps is not None else t.max_steps
     if horizon is not None:
         total_steps = min(total_steps, horizon)
-    val_lengths = sample_lengths(cfg.shards_dir, val_ds, max_len) if (val_ds is not None and t.batch_tokens) else None
+    val_lengths = (
+        sample_lengths(cfg.shards_dir, val_ds, max_len)
+        if (val_ds is not None and t.batch_tokens)
+        else None
+    )
     horizon_from = f"train.epochs {t.epochs:g}"
-    given = f"--max-steps {max_steps}" if max_steps is not None else f"train.max_steps {t.max_steps}"
+    given = (
+        f"--max-steps {max_steps}" if max_steps is not None else f"train.max_steps {t.max_steps}"
+    )
     if horizon is not None and horizon < order.total_steps:
         horizon_from = given
     if d.is_main:
         if horizon is not None and horizon > order.total_steps:
-            log.warning("%s is more than the %d optimizer steps of train.epochs %g; it only caps that schedule, so the "
-                        "run ends after %d steps (raise train.epochs for a longer run)", given, order.total_steps,
-                        t.epochs, order.total_steps)
+            log.warning(
+                "%s is more than the %d optimizer steps of train.epochs %g; it only caps that schedule, so the "
+                "run ends after %d steps (raise train.epochs for a longer run)",
+                given,
+                order.total_steps,
+                t.epochs,
+                order.total_steps,
+            )
         note = order.left_out_note(len(train_ds))
         if note:
             log.info(note)
     if val_ds is None and t.select_best == "sim_accept" and d.is_main:
         log.warning(_no_val_selection(cfg))
-    elif (t.select_best == "sim_accept" and val_ds is not None and t.eval_every is not None
-          and t.eval_every >= total_steps and d.is_main):
+    elif (
+        t.select_best == "sim_accept"
+        and val_ds is not None
+        and t.eval_every is not None
+        and t.eval_every >= total_steps
+        and d.is_main
+    ):
         log.warning(_no_periodic_validation(t.eval_every, total_steps))
-    return _Data(train_ds, val_ds, order, total_steps, val_lengths, t.eval_every, horizon, horizon_from)
+    return _Data(
+        train_ds, val_ds, order, total_steps, val_lengths, t.eval_every, horizon, horizon_from
+    )
 
 
 def _no_periodic_validation(eval_every: int, total_steps: int) -> str:
     """The warning of ``train.select_best: sim_accept`` with a ``train.eval_every`` not below the run's optimizer
     steps: the final validation is the only one, so nothing is selected (the run used to say nothing)."""
-    return (f"train.eval_every {eval_every} is not below the run's {total_steps} optimizer steps: only the final "
-            f"validation runs and train.select_best: sim_accept has only that one to select from, so the last step's "
-            f"weights are exported (lower train.eval_every, or leave it unset to validate at each epoch's end)")
+    return (
+        f"train.eval_every {eval_every} is not below the run's {total_steps} optimizer steps: only the final "
+        f"validation runs and train.select_best: sim_accept has only that one to select from, so the last step's "
+        f"weights are exported (lower train.eval_every, or leave it unset to validate at each epoch's end)"
+    )
 
 
 def _no_val_selection(cfg: RunConfig) -> str:
     """The warning of ``train.select_best: sim_accept`` without a validation split (nothing to select from)."""
-    return (f"train.select_best: sim_accept has no validation split to select from ({cfg.data_dir / 'split.json'} "
-            f"key 'val' is empty: stage 03 ran with data.val_fraction 0); the last step's weights are exported instead")
+    return (
+        f"train.select_best: sim_accept has no validation split to select from ({cfg.data_dir / 'split.json'} "
+        f"key 'val' is empty: stage 03 ran with data.val_fraction 0); the last step's weights are exported instead"
+    )
 
 
 @dataclass
@@ -1473,7 +1942,9 @@ class _Optimisation:
     fingerprint: str
 
 
-def _build_optimisation(cfg: RunConfig, d: DistInfo, inputs: _Inputs, total_steps: int) -> _Optimisation:
+def _build_optimisation(
+    cfg: RunConfig, d: DistInfo, inputs: _Inputs, total_steps: int
+) -> _Optimisation:
     """Optimisation step: the TTT objective (DDP, torch.compile), AdamW over the trainable drafter
     parameters, the warmup + cosine schedule over ``total_steps``."""
     t = cfg.train
@@ -1484,10 +1955,18 @@ def _build_optimisation(cfg: RunConfig, d: DistInfo, inputs: _Inputs, total_step
     # SmolLM2 step on the H200 (bench/small_train_speed.py: tokens vs tokens+nock).
     ckpt_logits = t.checkpoint_logits == "on"
     if t.compile and ckpt_logits:
-        raise UserError("train.checkpoint_logits: 'on' cannot be combined with train.compile: true (torch.compile "
-                        "fails on the checkpointed loss); use 'auto' or 'off'")
-    objective = TTTObjective(inputs.drafter, t.ttt_length, t.step_weight, checkpoint_logits=ckpt_logits, loss=t.loss,
-                             lk_eta=t.lk_eta)
+        raise UserError(
+            "train.checkpoint_logits: 'on' cannot be combined with train.compile: true (torch.compile "
+            "fails on the checkpointed loss); use 'auto' or 'off'"
+        )
+    objective = TTTObjective(
+        inputs.drafter,
+        t.ttt_length,
+        t.step_weight,
+        checkpoint_logits=ckpt_logits,
+        loss=t.loss,
+        lk_eta=t.lk_eta,
+    )
     model = objective
     if d.distributed:
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -1496,15 +1975,20 @@ def _build_optimisation(cfg: RunConfig, d: DistInfo, inputs: _Inputs, total_step
     if t.compile:
         # Variable batch lengths: dynamic shapes avoid one recompile per sequence length.
         if t.batch_tokens is not None and d.is_main:
-            log.warning("train.compile with train.batch_tokens: batch size, length and loss-row count all vary; "
-                        "on the H200 this did not reach 60 SmolLM2 steps in 3 minutes (recompiles), while "
-                        "uncompiled token-budget training ran 155K tokens/s (bench/small_train_speed.py)")
+            log.warning(
+                "train.compile with train.batch_tokens: batch size, length and loss-row count all vary; "
+                "on the H200 this did not reach 60 SmolLM2 steps in 3 minutes (recompiles), while "
+                "uncompiled token-budget training ran 155K tokens/s (bench/small_train_speed.py)"
+            )
         model = torch.compile(model, dynamic=True)
     params = [p for p in inputs.drafter.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay,
-                                  fused=d.device.type == "cuda")  # fused kernel: one launch for all params
+    optimizer = torch.optim.AdamW(
+        params, lr=t.lr, weight_decay=t.weight_decay, fused=d.device.type == "cuda"
+    )  # fused kernel: one launch for all params
     scheduler = build_scheduler(optimizer, total_steps, t.warmup_ratio)
-    return _Optimisation(objective, model, params, optimizer, scheduler, _fingerprint(cfg, inputs.args))
+    return _Optimisation(
+        objective, model, params, optimizer, scheduler, _fingerprint(cfg, inputs.args)
+    )
 
 
 class _Training:
@@ -1513,15 +1997,24 @@ class _Training:
     :meth:`after_step` (the hooks that run between optimizer steps: validation, checkpoint, stop),
     :meth:`validate`, :meth:`save`, :meth:`finish`)."""
 
-    def __init__(self, cfg: RunConfig, d: DistInfo, inputs: _Inputs, data: _Data, opt: _Optimisation,
-                 warnings: Optional[list[str]] = None):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        d: DistInfo,
+        inputs: _Inputs,
+        data: _Data,
+        opt: _Optimisation,
+        warnings: Optional[list[str]] = None,
+    ):
         self.cfg, self.t, self.d = cfg, cfg.train, d
         self.inputs, self.data, self.opt = inputs, data, opt
         self.train_dir = cfg.train_dir
         self.total_steps = data.total_steps
         self.step, self.epoch, self.step_in_epoch, self.last_ckpt = 0, 0, 0, None
         self.steps_this_call = 0
-        self.stop_at: Optional[int] = None  # --stop-at: the run ends here, before total_steps (set_stop_at)
+        self.stop_at: Optional[int] = (
+            None  # --stop-at: the run ends here, before total_steps (set_stop_at)
+        )
         self.stopped = False
         self.metrics: Optional[_Metrics] = None
         self.tracker = None  # eagle3.train.sim_accept.BestTracker, started with the loop
@@ -1550,11 +2043,15 @@ class _Training:
         if stop_at is None:
             return
         if stop_at >= self.total_steps:
-            raise UserError(f"--stop-at {stop_at}: the schedule has {self.total_steps} optimizer steps; a stop at or "
-                            f"after its end is the whole run (leave --stop-at out, or {self._longer_schedule()})")
+            raise UserError(
+                f"--stop-at {stop_at}: the schedule has {self.total_steps} optimizer steps; a stop at or "
+                f"after its end is the whole run (leave --stop-at out, or {self._longer_schedule()})"
+            )
         if stop_at < self.step:
-            raise UserError(f"--stop-at {stop_at}: the checkpoint resumed from is at step {self.step}, past it "
-                            f"(`--export-only` exports it)")
+            raise UserError(
+                f"--stop-at {stop_at}: the checkpoint resumed from is at step {self.step}, past it "
+                f"(`--export-only` exports it)"
+            )
         self.stop_at = stop_at  # == self.step (a run stopped by a signal on its --stop-at step): no step, the end only
 
     def _longer_schedule(self) -> str:
@@ -1563,22 +2060,38 @@ class _Training:
         t, epochs_steps = self.t, self.data.order.total_steps
         if self.data.horizon is not None and self.data.horizon < epochs_steps:
             name = self.data.horizon_from.split(" ")[0]
-            return (f"raise {name} (up to the {epochs_steps} steps of train.epochs {t.epochs:g}; beyond that, raise "
-                    f"train.epochs too)")
+            return (
+                f"raise {name} (up to the {epochs_steps} steps of train.epochs {t.epochs:g}; beyond that, raise "
+                f"train.epochs too)"
+            )
         return f"raise train.epochs (now {t.epochs:g}) for a longer schedule"
 
     def recipe_used(self) -> dict:
         """The recipe of ``train_report.json``: the config's values, except those a resumed checkpoint's optimizer
         state overrides (``lr``: the scheduler's base lr; ``weight_decay``: the optimizer's), i.e. what training used."""
-        out = {k: getattr(self.t, k) for k in ("loss", "lk_eta", "epochs", "batch_tokens", "batch_size", "grad_accum",
-                                               "warmup_ratio", "ttt_length", "select_best")}
+        out = {
+            k: getattr(self.t, k)
+            for k in (
+                "loss",
+                "lk_eta",
+                "epochs",
+                "batch_tokens",
+                "batch_size",
+                "grad_accum",
+                "warmup_ratio",
+                "ttt_length",
+                "select_best",
+            )
+        }
         return {**out, **self._optimizer_values()}
 
     def _optimizer_values(self) -> dict:
         """``lr`` and ``weight_decay`` as the optimizer holds them: a resumed checkpoint's, not the config's
         (:data:`eagle3.train.checkpoint.KEPT_FIELDS`)."""
-        return {"lr": float(self.opt.scheduler.base_lrs[0]),
-                "weight_decay": float(self.opt.optimizer.param_groups[0]["weight_decay"])}
+        return {
+            "lr": float(self.opt.scheduler.base_lrs[0]),
+            "weight_decay": float(self.opt.optimizer.param_groups[0]["weight_decay"]),
+        }
 
     # ---- resume ------------------------------------------------------------------------------
     def restore(self, stop_at: Optional[int] = None) -> None:
@@ -1593,32 +2106,62 @@ class _Training:
                 already past the run's end, a refused ``stop_at``, or a model state that does not fit.
         """
         t, d, o = self.t, self.d, self.opt
-        found = ckpt.find_latest_checkpoint(self.train_dir, warn=d.is_main)  # every rank loads it; rank 0 says so
+        found = ckpt.find_latest_checkpoint(
+            self.train_dir, warn=d.is_main
+        )  # every rank loads it; rank 0 says so
         _same_checkpoint(self.train_dir, found, d)
         if found is None:  # no checkpoint file at all (files that all fail to load: UserError)
             self.set_stop_at(stop_at)
             if d.is_main:
-                log.warning("--resume: no checkpoint in %s; starting from step 0", ckpt.ckpt_dir(self.train_dir))
+                log.warning(
+                    "--resume: no checkpoint in %s; starting from step 0",
+                    ckpt.ckpt_dir(self.train_dir),
+                )
             return
         path, state = found
         i = self.inputs
-        current = {**_resume_current(self.cfg, i.args, i.split, i.vocab, i.data_config), "world_size": d.world}
+        current = {
+            **_resume_current(self.cfg, i.args, i.split, i.vocab, i.data_config),
+            "world_size": d.world,
+        }
         changes = ckpt.check_resume(path, state, current, self.cfg.data_dir)
-        unchecked = ckpt.data_inputs_unchecked(path, state.get("data_inputs"), current["data_inputs"], "--resume")
+        unchecked = ckpt.data_inputs_unchecked(
+            path, state.get("data_inputs"), current["data_inputs"], "--resume"
+        )
         self.step, self.epoch = int(state["step"]), int(state["epoch"])
         self.step_in_epoch = self.data.order.step_from_checkpoint(state)
-        self.total_steps = _horizon_after_resume(self.data.order, state, d, t, self.total_steps, self.data.horizon,
-                                                 o.scheduler)
-        if self.step > self.total_steps:  # nothing to train, and the end step would be behind the weights
-            raise UserError(f"{self.data.horizon_from}: the run ends after {self.total_steps} optimizer steps, but the "
-                            f"checkpoint resumed from ({path}) is at step {self.step} already; ask for more steps, or "
-                            f"export that checkpoint with --export-only")
+        self.total_steps = _horizon_after_resume(
+            self.data.order, state, d, t, self.total_steps, self.data.horizon, o.scheduler
+        )
+        if (
+            self.step > self.total_steps
+        ):  # nothing to train, and the end step would be behind the weights
+            raise UserError(
+                f"{self.data.horizon_from}: the run ends after {self.total_steps} optimizer steps, but the "
+                f"checkpoint resumed from ({path}) is at step {self.step} already; ask for more steps, or "
+                f"export that checkpoint with --export-only"
+            )
         self.set_stop_at(stop_at)
-        if changes and d.is_main:  # (in train_report's warnings too, as every warning: _collect_warnings; rank 0's)
-            log.warning("%s: resumed from %s with other training settings: %s", path, path.name, "; ".join(changes))
-        elif d.is_main and state.get("recipe") is None and state["config_fingerprint"] != o.fingerprint:  # unknown
-            log.warning("%s: training settings differ from the checkpoint's (fingerprint %s != %s)", path,
-                        state["config_fingerprint"], o.fingerprint)
+        if (
+            changes and d.is_main
+        ):  # (in train_report's warnings too, as every warning: _collect_warnings; rank 0's)
+            log.warning(
+                "%s: resumed from %s with other training settings: %s",
+                path,
+                path.name,
+                "; ".join(changes),
+            )
+        elif (
+            d.is_main
+            and state.get("recipe") is None
+            and state["config_fingerprint"] != o.fingerprint
+        ):  # unknown
+            log.warning(
+                "%s: training settings differ from the checkpoint's (fingerprint %s != %s)",
+                path,
+                state["config_fingerprint"],
+                o.fingerprint,
+            )
         if unchecked and d.is_main:  # (train_report's warnings too)
             log.warning("%s", unchecked)
         self._load_state(path, state)
@@ -1627,7 +2170,12 @@ class _Training:
             ckpt.restore_rng(rngs[d.rank])
         else:
             if d.is_main:
-                log.warning("%s: saved with %d processes, now %d; RNG states reseeded", path, len(rngs), d.world)
+                log.warning(
+                    "%s: saved with %d processes, now %d; RNG states reseeded",
+                    path,
+                    len(rngs),
+                    d.world,
+                )
             torch.manual_seed(t.seed + 1000 * self.step + d.rank)
         self.last_ckpt = path
         self.earlier_segments, self.segment_start = earlier_segments(state), self.step
@@ -1660,16 +2208,25 @@ class _Training:
         want = {n for n, p in drafter.named_parameters() if p.requires_grad}
         lost = sorted(want & set(missing))
         if lost or unexpected:
-            raise UserError(f"{path}: key 'model': missing {lost[:3]} unexpected {list(unexpected)[:3]}")
+            raise UserError(
+                f"{path}: key 'model': missing {lost[:3]} unexpected {list(unexpected)[:3]}"
+            )
         o.optimizer.load_state_dict(state["optimizer"])
         horizon_now = o.scheduler.lr_lambdas[0].__dict__.copy()  # this run's warmup/total steps
         o.scheduler.load_state_dict(state["scheduler"])
         if o.scheduler.lr_lambdas[0].__dict__ != horizon_now:
             if self.d.is_main:  # every rank re-stretches it; rank 0 says so once
-                log.warning("%s: LR schedule %s in the checkpoint, now %s (%s); continuing with the new one", path,
-                            o.scheduler.lr_lambdas[0].__dict__, horizon_now, self._horizon_reason(state))
+                log.warning(
+                    "%s: LR schedule %s in the checkpoint, now %s (%s); continuing with the new one",
+                    path,
+                    o.scheduler.lr_lambdas[0].__dict__,
+                    horizon_now,
+                    self._horizon_reason(state),
+                )
             o.scheduler.lr_lambdas[0].__dict__.update(horizon_now)
-        self.inputs.init_from = state.get("init_from")  # the run's warm start, recorded by its first call
+        self.inputs.init_from = state.get(
+            "init_from"
+        )  # the run's warm start, recorded by its first call
 
     def _horizon_reason(self, state: dict) -> str:
         """Why a resumed run's lr schedule differs from its checkpoint's, for the warning: the schedule keys changed in
@@ -1677,29 +2234,49 @@ class _Training:
         process count (the steps of ``train.epochs`` follow the new split). It said "max_steps/epochs changed" also when
         only the process count had (fresh-user trial 2026-12-05d)."""
         saved, now = state.get("recipe") or {}, _recipe(self.cfg)
-        keys = [k for k in ("train.epochs", "train.max_steps", "train.warmup_ratio") if k in saved and saved[k] != now[k]]
+        keys = [
+            k
+            for k in ("train.epochs", "train.max_steps", "train.warmup_ratio")
+            if k in saved and saved[k] != now[k]
+        ]
         why = [f"{k} {ckpt.as_written(k, saved[k])} -> {ckpt.as_written(k, now[k])}" for k in keys]
         then = state.get("world_size")
         if then is not None and int(then) != self.d.world:
-            why.append(f"{then} processes then, {self.d.world} now: the steps of train.epochs follow the new split")
+            why.append(
+                f"{then} processes then, {self.d.world} now: the steps of train.epochs follow the new split"
+            )
         return "; ".join(why) or "--max-steps, train.max_steps or train.epochs changed"
 
     def recipe_in_use(self) -> dict:
         """The recipe a checkpoint records (key ``recipe``): the config's, except the fields a resumed checkpoint's
         optimizer state keeps (:data:`eagle3.train.checkpoint.KEPT_FIELDS`), which are the values in use; so a later
         ``--resume`` with the run's original config warns about nothing."""
-        return {**_recipe(self.cfg), **{f"train.{k}": v for k, v in self._optimizer_values().items()}}
+        return {
+            **_recipe(self.cfg),
+            **{f"train.{k}": v for k, v in self._optimizer_values().items()},
+        }
 
     def current_segment(self) -> dict:
         """This call's part of the run (:func:`segment_record`): from the step it started at to the current step."""
-        return segment_record(self.segment_start, self.step, self.t.hidden_states, self.cfg.extract.backend,
-                              self.d.world, (self.tok_total / self.t_total) if self.t_total > 0 else None,
-                              _peak_gpu_mem_gib(self.d.device), self.warnings)
+        return segment_record(
+            self.segment_start,
+            self.step,
+            self.t.hidden_states,
+            self.cfg.extract.backend,
+            self.d.world,
+            (self.tok_total / self.t_total) if self.t_total > 0 else None,
+            _peak_gpu_mem_gib(self.d.device),
+            self.warnings,
+        )
 
     def segments(self) -> list[dict]:
         """The run's parts, one per 04 call that trained (a resumed checkpoint's earlier ones, then this call's; parts
         without a step left out): checkpoint and ``train_report.json`` key ``segments``."""
-        return [g for g in [*self.earlier_segments, self.current_segment()] if g["end_step"] > g["start_step"]]
+        return [
+            g
+            for g in [*self.earlier_segments, self.current_segment()]
+            if g["end_step"] > g["start_step"]
+        ]
 
     def save(self) -> Path:
         """Checkpoint at the current step (every rank's RNG gathered; rank 0 writes)."""
@@ -1712,17 +2289,35 @@ class _Training:
             rngs = [rng]
         path = ckpt.ckpt_path(self.train_dir, self.step)
         if d.is_main:
-            path = ckpt.save_checkpoint(self.train_dir, {
-                "step": self.step, "epoch": self.epoch, "steps_in_epoch": self.step_in_epoch,
-                "samples_in_epoch": self.data.order.samples_before(self.epoch, self.step_in_epoch),
-                "model": trainable_state(self.inputs.drafter), "optimizer": o.optimizer.state_dict(),
-                "scheduler": o.scheduler.state_dict(), "rng": rngs,
-                "drafter_args": self.inputs.args.to_json(), "config_fingerprint": o.fingerprint,
-                "world_size": d.world, "data_order": _data_order(self.cfg), "init_from": self.inputs.init_from,
-                "recipe": self.recipe_in_use(), "data_inputs": _data_inputs(self.inputs.split, self.inputs.vocab, self.inputs.data_config),
-                "segments": self.segments(),
-                ckpt.DATA_CONFIG_RECORD: ckpt.data_config_record(self.inputs.data_config),  # --export-only sans shards
-            }, keep=self.t.keep_checkpoints)
+            path = ckpt.save_checkpoint(
+                self.train_dir,
+                {
+                    "step": self.step,
+                    "epoch": self.epoch,
+                    "steps_in_epoch": self.step_in_epoch,
+                    "samples_in_epoch": self.data.order.samples_before(
+                        self.epoch, self.step_in_epoch
+                    ),
+                    "model": trainable_state(self.inputs.drafter),
+                    "optimizer": o.optimizer.state_dict(),
+                    "scheduler": o.scheduler.state_dict(),
+                    "rng": rngs,
+                    "drafter_args": self.inputs.args.to_json(),
+                    "config_fingerprint": o.fingerprint,
+                    "world_size": d.world,
+                    "data_order": _data_order(self.cfg),
+                    "init_from": self.inputs.init_from,
+                    "recipe": self.recipe_in_use(),
+                    "data_inputs": _data_inputs(
+                        self.inputs.split, self.inputs.vocab, self.inputs.data_config
+                    ),
+                    "segments": self.segments(),
+                    ckpt.DATA_CONFIG_RECORD: ckpt.data_config_record(
+                        self.inputs.data_config
+                    ),  # --export-only sans shards
+                },
+                keep=self.t.keep_checkpoints,
+            )
         _barrier(d)
         return path
 
@@ -1740,10 +2335,25 @@ class _Training:
         i = self.inputs
         with torch.no_grad():
             if "loss_pos" in batch:
-                return row_targets(batch["last"], batch["loss_pos"], i.head_lm, i.d2t, i.t2d, norm_weight=i.head_norm,
-                                   norm_eps=i.head_eps, chunk=TARGET_CHUNK)
-            return compute_targets(batch["last"], i.head_lm, i.d2t, i.t2d, norm_weight=i.head_norm,
-                                   norm_eps=i.head_eps, chunk=TARGET_CHUNK)
+                return row_targets(
+                    batch["last"],
+                    batch["loss_pos"],
+                    i.head_lm,
+                    i.d2t,
+                    i.t2d,
+                    norm_weight=i.head_norm,
+                    norm_eps=i.head_eps,
+                    chunk=TARGET_CHUNK,
+                )
+            return compute_targets(
+                batch["last"],
+                i.head_lm,
+                i.d2t,
+                i.t2d,
+                norm_weight=i.head_norm,
+                norm_eps=i.head_eps,
+                chunk=TARGET_CHUNK,
+            )
 
     # ---- validation ----------------------------------------------------------------------------
     def validate(self) -> dict:
@@ -1753,28 +2363,49 @@ class _Training:
             return {}
         # each sample exactly once (no DistributedSampler padding, which would count some twice);
         # ranks may get different numbers of batches: nothing below is a collective until the reduce
-        if data.val_lengths is not None:  # token budget: this rank's samples (r, r+W, ...) in length-sorted batches
-            vl = DataLoader(data.val_ds, batch_sampler=eval_batches(data.val_lengths, t.batch_tokens, d.world, d.rank),
-                            **_loader_kwargs(t, d.device, d.world))
+        if (
+            data.val_lengths is not None
+        ):  # token budget: this rank's samples (r, r+W, ...) in length-sorted batches
+            vl = DataLoader(
+                data.val_ds,
+                batch_sampler=eval_batches(data.val_lengths, t.batch_tokens, d.world, d.rank),
+                **_loader_kwargs(t, d.device, d.world),
+            )
         else:
-            vl = DataLoader(data.val_ds, batch_size=t.batch_size, sampler=list(range(d.rank, len(data.val_ds), d.world)),
-                            collate_fn=collate)
+            vl = DataLoader(
+                data.val_ds,
+                batch_size=t.batch_size,
+                sampler=list(range(d.rank, len(data.val_ds), d.world)),
+                collate_fn=collate,
+            )
         acc = _Accum(t.ttt_length)
         drafter.eval()
         with torch.no_grad():
             for batch in self.inputs.states.wrap(iter(vl)):
                 batch = self.device_batch(batch)
-                tl, ind, tam = self.targets(batch)  # [M,dV], [M], [M] (loss rows) or [B,L,dV], [B,L], [B,L]
+                tl, ind, tam = self.targets(
+                    batch
+                )  # [M,dV], [M], [M] (loss rows) or [B,L,dV], [B,L], [B,L]
                 amp = self.inputs.amp
-                ctx = torch.autocast(device_type=d.device.type, dtype=amp) if amp is not None \
+                ctx = (
+                    torch.autocast(device_type=d.device.type, dtype=amp)
+                    if amp is not None
                     else contextlib.nullcontext()
+                )
                 with ctx:  # no DDP wrapper: no gradient sync in eval
                     if "loss_pos" in batch:
-                        _loss, stats = self.opt.objective(batch["input_ids"], batch["aux"], tl, ind, tam,
-                                                          loss_pos=batch["loss_pos"])
+                        _loss, stats = self.opt.objective(
+                            batch["input_ids"],
+                            batch["aux"],
+                            tl,
+                            ind,
+                            tam,
+                            loss_pos=batch["loss_pos"],
+                        )
                     else:
-                        _loss, stats = self.opt.objective(batch["input_ids"], batch["aux"], tl, ind, tam,
-                                                          batch["loss_mask"])
+                        _loss, stats = self.opt.objective(
+                            batch["input_ids"], batch["aux"], tl, ind, tam, batch["loss_mask"]
+                        )
                 acc.add(stats)
         drafter.train()
         return _Accum.summarize(_reduce_totals(acc.totals(), d), t.step_weight)
@@ -1787,21 +2418,39 @@ class _Training:
         from eagle3.train.sim_accept import BestTracker, effective_chain
 
         t = self.t
-        self.metrics = _Metrics(self.train_dir, self.step, self.d.is_main, finished=self.step >= self.total_steps)
+        self.metrics = _Metrics(
+            self.train_dir, self.step, self.d.is_main, finished=self.step >= self.total_steps
+        )
         chain, capped = effective_chain(t.select_chain, self.cfg.benchmark.steps, t.ttt_length)
-        if capped and self.d.is_main:  # once per call, also in train_report's warnings (_collect_warnings)
+        if (
+            capped and self.d.is_main
+        ):  # once per call, also in train_report's warnings (_collect_warnings)
             log.warning(capped)
         # an end set in steps (--stop-at, a step cap): a best kept from before the resume past it is dropped
         end = self.end_step if (self.stop_at is not None or self.data.horizon is not None) else None
-        self.tracker = BestTracker(self.train_dir, chain, self.d.is_main, start_step=self.step,
-                                   keep_best=t.select_best == "sim_accept", end_step=end)
+        self.tracker = BestTracker(
+            self.train_dir,
+            chain,
+            self.d.is_main,
+            start_step=self.step,
+            keep_best=t.select_best == "sim_accept",
+            end_step=end,
+        )
         self.inputs.drafter.train()
         self.window = _Accum(self.t.ttt_length)
-        self.tok_window = 0  # real (non-pad) tokens of this rank since the last log, from CPU lengths
+        self.tok_window = (
+            0  # real (non-pad) tokens of this rank since the last log, from CPU lengths
+        )
         self.t_window = time.perf_counter()
         self.paused = 0.0  # seconds of validation / checkpoint writes inside the current log window (not counted)
-        self.bar = tqdm(total=self.total_steps, initial=self.step, disable=not self.d.is_main, desc="train",
-                        unit="step", dynamic_ncols=True)
+        self.bar = tqdm(
+            total=self.total_steps,
+            initial=self.step,
+            disable=not self.d.is_main,
+            desc="train",
+            unit="step",
+            dynamic_ncols=True,
+        )
         it = None
         try:
             while self.step < self.end_step and not self.stopped:
@@ -1812,7 +2461,9 @@ class _Training:
                 for _ in range(self.step_in_epoch, order.steps_in_epoch(self.epoch)):
                     if self.step >= self.end_step:
                         break
-                    if self.steps_this_call == 0:  # a signal while the loop started (loaders, first batch)
+                    if (
+                        self.steps_this_call == 0
+                    ):  # a signal while the loop started (loaders, first batch)
                         stop_before_training(stop, self.d)
                     grad_norm, lr_used = self.train_step(it)
                     if self.step % self.t.log_every == 0 or self.step == self.end_step:
@@ -1821,7 +2472,9 @@ class _Training:
                         break
                 it = _close_iter(it)
         finally:
-            _close_iter(it)  # stops this epoch's loader workers / capture threads now (prefetched batches dropped)
+            _close_iter(
+                it
+            )  # stops this epoch's loader workers / capture threads now (prefetched batches dropped)
             self.bar.close()
 
     def train_step(self, it) -> tuple[torch.Tensor, float]:
@@ -1833,8 +2486,14 @@ class _Training:
             batch = next(it)
             self.tok_window += int(batch["lengths"].sum())
             batches.append(self.device_batch(batch))
-        for stats in backward_step(o.model, batches, [self.targets(b) for b in batches], t.ttt_length, self.d,
-                                   self.inputs.amp):
+        for stats in backward_step(
+            o.model,
+            batches,
+            [self.targets(b) for b in batches],
+            t.ttt_length,
+            self.d,
+            self.inputs.amp,
+        ):
             self.window.add(stats)
         del batches
         grad_norm = torch.nn.utils.clip_grad_norm_(o.params, t.grad_clip)
@@ -1854,12 +2513,22 @@ class _Training:
         d = self.d
         self._check_states()
         means = _Accum.summarize(_reduce_totals(self.window.totals(), d), self.t.step_weight)
-        elapsed = time.perf_counter() - self.t_window - self.paused  # includes the sync of this log step
+        elapsed = (
+            time.perf_counter() - self.t_window - self.paused
+        )  # includes the sync of this log step
         toks = _sum_ranks([float(self.tok_window)], d)[0]
         self.tok_total, self.t_total = self.tok_total + toks, self.t_total + elapsed
-        row = {"kind": "train", "step": self.step, "epoch": self.epoch, "lr": lr_used,
-               "grad_norm": float(grad_norm), "tokens_per_s": toks / max(elapsed, 1e-9),
-               "window_tokens": toks, "window_s": elapsed, **means}
+        row = {
+            "kind": "train",
+            "step": self.step,
+            "epoch": self.epoch,
+            "lr": lr_used,
+            "grad_norm": float(grad_norm),
+            "tokens_per_s": toks / max(elapsed, 1e-9),
+            "window_tokens": toks,
+            "window_s": elapsed,
+            **means,
+        }
         self.metrics.write(row)
         self.bar.set_postfix(loss=f"{means.get('loss', float('nan')):.4f}", lr=f"{lr_used:.2e}")
         self.window = _Accum(self.t.ttt_length)
@@ -1881,7 +2550,9 @@ class _Training:
             if val:  # the best weights on disk before the row is logged: a logged validation is never lost
                 self.tracker.update(self.step, self.epoch, val, self.inputs.drafter)
                 self.metrics.write({"kind": "val", "step": self.step, "epoch": self.epoch, **val})
-        want_stop = stop.requested or (stop_after is not None and self.steps_this_call >= stop_after)
+        want_stop = stop.requested or (
+            stop_after is not None and self.steps_this_call >= stop_after
+        )
         self.stopped = _any_rank(want_stop, d)
         if self.step % t.ckpt_every == 0 or self.stopped or self.step == self.end_step:
             self.last_ckpt = self.save()
@@ -1905,21 +2576,39 @@ class _Training:
     def finish(self, stop: StopFlag, export: Optional[Callable] = None) -> dict:
         """End step: the result dict; unless stopped: final validation, ``export`` (rank 0; see :func:`run`), the report."""
         d = self.d
-        result = {"step": self.step, "total_steps": self.total_steps, "stop_at": self.stop_at, "stopped": self.stopped,
-                  "signal": stop.signum if self.stopped else None,
-                  "checkpoint": str(self.last_ckpt) if self.last_ckpt else None, "export_dir": None, "final_val": {},
-                  "tokens_per_s": (self.tok_total / self.t_total) if self.t_total > 0 else None,
-                  "peak_gpu_mem_gib": _peak_gpu_mem_gib(d.device), "hidden_states": self.t.hidden_states,
-                  "init_from": self.inputs.init_from, "segments": self.segments(),
-                  "recipe": self.recipe_used(), "warnings": self.warnings,
-                  "val_samples": len(self.data.val_ds) if self.data.val_ds is not None else 0}
-        if not result["val_samples"]:  # said in the report and the closing lines, not an empty tau table
+        result = {
+            "step": self.step,
+            "total_steps": self.total_steps,
+            "stop_at": self.stop_at,
+            "stopped": self.stopped,
+            "signal": stop.signum if self.stopped else None,
+            "checkpoint": str(self.last_ckpt) if self.last_ckpt else None,
+            "export_dir": None,
+            "final_val": {},
+            "tokens_per_s": (self.tok_total / self.t_total) if self.t_total > 0 else None,
+            "peak_gpu_mem_gib": _peak_gpu_mem_gib(d.device),
+            "hidden_states": self.t.hidden_states,
+            "init_from": self.inputs.init_from,
+            "segments": self.segments(),
+            "recipe": self.recipe_used(),
+            "warnings": self.warnings,
+            "val_samples": len(self.data.val_ds) if self.data.val_ds is not None else 0,
+        }
+        if not result[
+            "val_samples"
+        ]:  # said in the report and the closing lines, not an empty tau table
             result["no_validation"] = no_validation_note(result["step"], stopped=self.stopped)
-        if self.stopped:  # no final validation, no export; the report says where it stopped and how to go on
+        if (
+            self.stopped
+        ):  # no final validation, no export; the report says where it stopped and how to go on
             self.metrics.close()
             if d.is_main:
-                result["sim_accept"] = dict(self.tracker.summary(), select_best=self.t.select_best, exported_step=None,
-                                            stopped=True)
+                result["sim_accept"] = dict(
+                    self.tracker.summary(),
+                    select_best=self.t.select_best,
+                    exported_step=None,
+                    stopped=True,
+                )
                 write_report(self.train_dir, result, self.inputs.args)
             _barrier(d)
             return result
@@ -1944,18 +2633,34 @@ class _Training:
         """Rank 0 after the final validation: the selected weights (``train.select_best``) into the drafter, the
         simulated-acceptance curve's plot, and ``export`` (see :func:`run`) into ``result["export_dir"]``."""
         sel = self.t.select_best
-        result["sim_accept"] = dict(self.tracker.summary(), select_best=sel, exported_step=self.tracker.restore_best(
-            self.inputs.drafter) if sel == "sim_accept" else None)
-        if sel == "sim_accept" and result["sim_accept"]["exported_step"] is None:  # nothing was selected
-            log.warning(_no_val_selection(self.cfg) if self.data.val_ds is None else
-                        f"train.select_best: sim_accept found no best weights to restore; the last step's weights "
-                        f"(step {self.step}) are exported instead")
+        result["sim_accept"] = dict(
+            self.tracker.summary(),
+            select_best=sel,
+            exported_step=self.tracker.restore_best(self.inputs.drafter)
+            if sel == "sim_accept"
+            else None,
+        )
+        if (
+            sel == "sim_accept" and result["sim_accept"]["exported_step"] is None
+        ):  # nothing was selected
+            log.warning(
+                _no_val_selection(self.cfg)
+                if self.data.val_ds is None
+                else f"train.select_best: sim_accept found no best weights to restore; the last step's weights "
+                f"(step {self.step}) are exported instead"
+            )
         self.tracker.plot()
         if export is not None:
-            prov = export_provenance(self.train_dir, self.last_ckpt, self.step, sel,
-                                     result["sim_accept"]["exported_step"] or self.step)
-            result["export_dir"] = str(export(self.cfg, self.inputs.drafter, self.inputs.data_config,
-                                              provenance=prov))
+            prov = export_provenance(
+                self.train_dir,
+                self.last_ckpt,
+                self.step,
+                sel,
+                result["sim_accept"]["exported_step"] or self.step,
+            )
+            result["export_dir"] = str(
+                export(self.cfg, self.inputs.drafter, self.inputs.data_config, provenance=prov)
+            )
 
     def _export_failed(self, result: dict, e: Exception) -> Exception:
         """After a finished training whose selection or export failed (e.g. the SGLang export refusing a
@@ -1965,8 +2670,10 @@ class _Training:
         as it is (a bug keeps its traceback)."""
         why = str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}"
         result["export_error"] = why
-        result.setdefault("sim_accept", dict(self.tracker.summary(), select_best=self.t.select_best,
-                                             exported_step=None))
+        result.setdefault(
+            "sim_accept",
+            dict(self.tracker.summary(), select_best=self.t.select_best, exported_step=None),
+        )
         try:
             write_report(self.train_dir, result, self.inputs.args)
         except Exception as w:  # noqa: BLE001 - the export's error is the one to tell
@@ -1974,23 +2681,39 @@ class _Training:
             return e
         if not isinstance(e, UserError):
             return e
-        err = UserError(f"{why} [training finished: checkpoint {self.last_ckpt} kept, report "
-                        f"{self.train_dir / 'train_report.md'}; after the fix, 04_train.py --export-only exports it "
-                        f"without retraining]")
+        err = UserError(
+            f"{why} [training finished: checkpoint {self.last_ckpt} kept, report "
+            f"{self.train_dir / 'train_report.md'}; after the fix, 04_train.py --export-only exports it "
+            f"without retraining]"
+        )
         err.exit_code = e.exit_code
         return err
 
 
-def segment_record(start: int, end: int, hidden_states: Optional[str], backend: Optional[str], world_size: int,
-                   tokens_per_s: Optional[float], peak_gpu_mem_gib: Optional[float] = None,
-                   warnings: Sequence[str] = ()) -> dict:
+def segment_record(
+    start: int,
+    end: int,
+    hidden_states: Optional[str],
+    backend: Optional[str],
+    world_size: int,
+    tokens_per_s: Optional[float],
+    peak_gpu_mem_gib: Optional[float] = None,
+    warnings: Sequence[str] = (),
+) -> dict:
     """One part of a run (the optimizer steps one 04 call trained): ``{start_step, end_step, hidden_states,
     extract_backend (online: where the states came from, hf or sglang; offline: None), world_size, tokens_per_s,
     peak_gpu_mem_gib, warnings (the call's warning lines)}``. A resumed run used to report only its last call's
     ``hidden_states``, throughput and warnings."""
-    return {"start_step": int(start), "end_step": int(end), "hidden_states": hidden_states,
-            "extract_backend": backend if hidden_states == "online" else None, "world_size": int(world_size),
-            "tokens_per_s": tokens_per_s, "peak_gpu_mem_gib": peak_gpu_mem_gib, "warnings": list(warnings)}
+    return {
+        "start_step": int(start),
+        "end_step": int(end),
+        "hidden_states": hidden_states,
+        "extract_backend": backend if hidden_states == "online" else None,
+        "world_size": int(world_size),
+        "tokens_per_s": tokens_per_s,
+        "peak_gpu_mem_gib": peak_gpu_mem_gib,
+        "warnings": list(warnings),
+    }
 
 
 def earlier_segments(state: dict) -> list[dict]:
@@ -2000,7 +2723,11 @@ def earlier_segments(state: dict) -> list[dict]:
     step = int(state["step"])
     segs = state.get("segments")
     if not isinstance(segs, list):
-        return [segment_record(0, step, None, None, int(state.get("world_size", 1)), None)] if step > 0 else []
+        return (
+            [segment_record(0, step, None, None, int(state.get("world_size", 1)), None)]
+            if step > 0
+            else []
+        )
     out = []
     for g in segs:
         if isinstance(g, dict) and int(g.get("start_step", step)) < step:
@@ -2018,17 +2745,23 @@ def state_source_switch(path: Path, earlier: list[dict], now: dict) -> Optional[
     last = earlier[-1]
 
     def name(g: dict) -> str:
-        return g["hidden_states"] + (f" (extract.backend {g['extract_backend']})" if g.get("extract_backend") else "")
+        return g["hidden_states"] + (
+            f" (extract.backend {g['extract_backend']})" if g.get("extract_backend") else ""
+        )
 
     if name(last) == name(now):
         return None
-    return (f"{path}: steps {last['start_step']}-{last['end_step']} were trained with train.hidden_states "
-            f"{name(last)}, this call trains with {name(now)} from step {now['start_step']}; the states are the same "
-            f"verifier's up to the shards' storage rounding (bf16 / fp8) and the capture dtype; train_report.json "
-            f"'segments' lists each part")
+    return (
+        f"{path}: steps {last['start_step']}-{last['end_step']} were trained with train.hidden_states "
+        f"{name(last)}, this call trains with {name(now)} from step {now['start_step']}; the states are the same "
+        f"verifier's up to the shards' storage rounding (bf16 / fp8) and the capture dtype; train_report.json "
+        f"'segments' lists each part"
+    )
 
 
-def export_provenance(train_dir: Path, checkpoint, step: int, select_best: str, selected_step: int) -> dict:
+def export_provenance(
+    train_dir: Path, checkpoint, step: int, select_best: str, selected_step: int
+) -> dict:
     """Where an export's weights come from, recorded as ``trained_from`` in its ``eagle3_train.json`` (04 at the
     end of training and ``--export-only``).
 
@@ -2042,9 +2775,13 @@ def export_provenance(train_dir: Path, checkpoint, step: int, select_best: str, 
     Returns:
         ``{train_dir, checkpoint, step, select_best, selected_step}``.
     """
-    return {"train_dir": str(Path(train_dir).resolve()),
-            "checkpoint": str(Path(checkpoint).resolve()) if checkpoint else None,
-            "step": int(step), "select_best": select_best, "selected_step": int(selected_step)}
+    return {
+        "train_dir": str(Path(train_dir).resolve()),
+        "checkpoint": str(Path(checkpoint).resolve()) if checkpoint else None,
+        "step": int(step),
+        "select_best": select_best,
+        "selected_step": int(selected_step),
+    }
 
 
 def _close_iter(it) -> None:
@@ -2070,11 +2807,16 @@ def no_validation_note(step: int, stopped: bool = False) -> str:
     """What a run without a validation split (``data.val_fraction: 0`` at stage 03) measures and exports: the
     sentence of ``train_report.json``'s ``no_validation``, ``train_report.md`` and 04's closing lines (``stopped``:
     a run stopped by a signal, exported later: by ``--resume`` at its end or by ``--export-only``)."""
-    what = ("an export (at the end of `--resume`, or `--export-only`) holds the last step's weights" if stopped
-            else f"the export holds the last step's weights (step {step})")
-    return (f"no validation split (data.val_fraction is 0: stage 03's split.json has no 'val' samples), so no "
-            f"validation loss, accuracy or simulated acceptance (tau); {what}; set data.val_fraction > 0 and re-run "
-            f"03 and 04 to measure them")
+    what = (
+        "an export (at the end of `--resume`, or `--export-only`) holds the last step's weights"
+        if stopped
+        else f"the export holds the last step's weights (step {step})"
+    )
+    return (
+        f"no validation split (data.val_fraction is 0: stage 03's split.json has no 'val' samples), so no "
+        f"validation loss, accuracy or simulated acceptance (tau); {what}; set data.val_fraction > 0 and re-run "
+        f"03 and 04 to measure them"
+    )
 
 
 def headline(result: dict, train_dir: Path, args=None) -> str:
@@ -2082,7 +2824,12 @@ def headline(result: dict, train_dir: Path, args=None) -> str:
     TTT step (``final_val``'s ``loss`` / ``acc_{i}``, as in ``train_report.md``), the drafter's shape (``args``:
     :class:`eagle3.train.model.DrafterArgs`, when given), the report and the export."""
     val = result.get("final_val") or {}
-    acc = [val[k] for k in sorted((k for k in val if k.startswith("acc_")), key=lambda k: int(k.split("_")[-1]))]
+    acc = [
+        val[k]
+        for k in sorted(
+            (k for k in val if k.startswith("acc_")), key=lambda k: int(k.split("_")[-1])
+        )
+    ]
     text = f"trained: {result['step']}/{result['total_steps']} optimizer steps"
     if result.get("stop_at") and not result.get("stopped"):
         text += f" (--stop-at {result['stop_at']}: the lr followed the {result['total_steps']}-step schedule)"
@@ -2094,8 +2841,15 @@ def headline(result: dict, train_dir: Path, args=None) -> str:
         text += "; " + (result.get("no_validation") or no_validation_note(result["step"]))
     picked = selected_weights_line(result)
     shape = [] if args is None else [f"drafter: {drafter_shape(args)}"]
-    return "\n".join([text, *([picked] if picked else []), *shape, f"report: {train_dir / 'train_report.md'}",
-                      f"export: {result['export_dir']}"])
+    return "\n".join(
+        [
+            text,
+            *([picked] if picked else []),
+            *shape,
+            f"report: {train_dir / 'train_report.md'}",
+            f"export: {result['export_dir']}",
+        ]
+    )
 
 
 def selected_weights_line(result: dict) -> Optional[str]:
@@ -2124,9 +2878,11 @@ def selected_weights_line(result: dict) -> Optional[str]:
 def drafter_shape(args, hidden: bool = False) -> str:
     """``eagle3.1, 2 decoder layers, [hidden 576, ]MLP 6144, draft vocab 32000`` of a
     :class:`eagle3.train.model.DrafterArgs` (04's closing lines and ``train_report.md``)."""
-    return (f"{args.variant}, {args.num_layers} decoder layer{'s' if args.num_layers > 1 else ''}, "
-            + (f"hidden {args.hidden_size}, " if hidden else "")
-            + f"MLP {args.intermediate_size}, draft vocab {args.draft_vocab_size}")
+    return (
+        f"{args.variant}, {args.num_layers} decoder layer{'s' if args.num_layers > 1 else ''}, "
+        + (f"hidden {args.hidden_size}, " if hidden else "")
+        + f"MLP {args.intermediate_size}, draft vocab {args.draft_vocab_size}"
+    )
 
 
 def _export_line(result: dict) -> str:
@@ -2134,8 +2890,10 @@ def _export_line(result: dict) -> str:
     if result.get("export_dir"):
         return f"`{result['export_dir']}`"
     if result.get("export_error"):
-        return (f"**refused**: {result['export_error']}. Training finished and its checkpoint is kept: after the fix, "
-                f"`04_train.py --export-only` exports it without retraining")
+        return (
+            f"**refused**: {result['export_error']}. Training finished and its checkpoint is kept: after the fix, "
+            f"`04_train.py --export-only` exports it without retraining"
+        )
     if result.get("stopped"):
         what = _export_only_what(result, "the newest checkpoint")
         return f"none (stopped before the end; `04_train.py --resume` goes on, `--export-only` exports {what})"
@@ -2154,8 +2912,15 @@ def _export_only_what(result: dict, checkpoint: str) -> str:
     return checkpoint
 
 
-def record_export_only(train_dir: Path, export_dir: Path, checkpoint: Path, ckpt_step: int, weights_step: int,
-                       engine: str, select_best: Optional[str] = None) -> bool:
+def record_export_only(
+    train_dir: Path,
+    export_dir: Path,
+    checkpoint: Path,
+    ckpt_step: int,
+    weights_step: int,
+    engine: str,
+    select_best: Optional[str] = None,
+) -> bool:
     """After ``04 --export-only``: ``train_report.{json,md}`` say what was exported (``export_dir``; ``export_only``:
     the checkpoint, the step whose weights it holds (the checkpoint's ``ckpt_step`` or, under ``train.select_best:
     sim_accept``, the best validation's), the engine; ``sim_accept.exported_step``), so a report written when the run
@@ -2182,20 +2947,36 @@ def record_export_only(train_dir: Path, export_dir: Path, checkpoint: Path, ckpt
         log.warning("%s: not updated after --export-only (%s)", path, e)
         return False
     if report.get("step") != int(ckpt_step):
-        log.warning("%s: written at step %s, not at the exported checkpoint's step %d (%s): not updated", path,
-                    report.get("step"), ckpt_step, checkpoint)
+        log.warning(
+            "%s: written at step %s, not at the exported checkpoint's step %d (%s): not updated",
+            path,
+            report.get("step"),
+            ckpt_step,
+            checkpoint,
+        )
         return False
     report.pop("export_error", None)
-    earlier = [o.get("export_dir") for o in report.get("other_exports") or [] if isinstance(o, dict)]
-    others = [_export_record(Path(d), train_dir) for d in dict.fromkeys(earlier + [report.get("export_dir")]) if d
-              and Path(d).resolve() != Path(export_dir).resolve()]
+    earlier = [
+        o.get("export_dir") for o in report.get("other_exports") or [] if isinstance(o, dict)
+    ]
+    others = [
+        _export_record(Path(d), train_dir)
+        for d in dict.fromkeys(earlier + [report.get("export_dir")])
+        if d and Path(d).resolve() != Path(export_dir).resolve()
+    ]
     report["other_exports"] = [o for o in others if o is not None]
     report["export_dir"] = str(export_dir)
-    report["export_only"] = {"checkpoint": str(checkpoint), "weights_step": int(weights_step), "engine": engine}
+    report["export_only"] = {
+        "checkpoint": str(checkpoint),
+        "weights_step": int(weights_step),
+        "engine": engine,
+    }
     try:  # a train folder on read-only storage (a colleague's checkpoints): the export stands, as for an old report
         probe_dirs(train_dir)
     except UserError as e:
-        log.warning("%s: not updated after --export-only (%s); the export in %s stands", path, e, export_dir)
+        log.warning(
+            "%s: not updated after --export-only (%s); the export in %s stands", path, e, export_dir
+        )
         return False
     if isinstance(report.get("sim_accept"), dict):
         report["sim_accept"]["exported_step"] = int(weights_step)
@@ -2213,8 +2994,12 @@ def _export_record(folder: Path, train_dir: Path) -> Optional[dict]:
         src = info.get("trained_from") or {}
         if Path(src["train_dir"]).resolve() != Path(train_dir).resolve():
             return None
-        return {"export_dir": str(folder), "engine": info["engine"], "weights_step": src.get("selected_step"),
-                "select_best": src.get("select_best")}
+        return {
+            "export_dir": str(folder),
+            "engine": info["engine"],
+            "weights_step": src.get("selected_step"),
+            "select_best": src.get("select_best"),
+        }
     except (UserError, OSError, KeyError, TypeError, AttributeError):
         return None
 
@@ -2227,8 +3012,13 @@ def write_report(train_dir: Path, result: dict, args) -> None:
     from eagle3.io import atomic_write_files
 
     report = dict(result, drafter_args=args.to_json())
-    files = [(train_dir / "train_report.json", (json.dumps(report, indent=2, ensure_ascii=False) + "\n").encode()),
-             (train_dir / "train_report.md", _report_markdown(result, args).encode("utf-8"))]
+    files = [
+        (
+            train_dir / "train_report.json",
+            (json.dumps(report, indent=2, ensure_ascii=False) + "\n").encode(),
+        ),
+        (train_dir / "train_report.md", _report_markdown(result, args).encode("utf-8")),
+    ]
     png = _loss_png(_read_metrics(train_dir / "metrics.jsonl"))
     if png is not None:
         files.append((train_dir / "loss.png", png))
@@ -2239,35 +3029,63 @@ def _report_markdown(result: dict, args) -> str:
     """``train_report.md`` of :func:`write_report`."""
     val = result.get("final_val") or {}
     acc_keys = sorted((k for k in val if k.startswith("acc_")), key=lambda k: int(k.split("_")[-1]))
-    lines = ["# Training report", "", f"- optimizer steps: {result['step']} / {result['total_steps']}" + (
-                 f" (ended at `--stop-at {result['stop_at']}` on the {result['total_steps']}-step lr schedule)"
-                 if result.get("stop_at") and not result.get("stopped") else ""),
-             f"- drafter: {drafter_shape(args, hidden=True)}",
-             f"- checkpoint: `{result['checkpoint']}`", f"- export: {_export_line(result)}"]
+    lines = [
+        "# Training report",
+        "",
+        f"- optimizer steps: {result['step']} / {result['total_steps']}"
+        + (
+            f" (ended at `--stop-at {result['stop_at']}` on the {result['total_steps']}-step lr schedule)"
+            if result.get("stop_at") and not result.get("stopped")
+            else ""
+        ),
+        f"- drafter: {drafter_shape(args, hidden=True)}",
+        f"- checkpoint: `{result['checkpoint']}`",
+        f"- export: {_export_line(result)}",
+    ]
     picked = selected_weights_line(result) if result.get("export_dir") else None
     if picked:
         lines.append(f"- {picked}")
     if result.get("stopped"):
-        lines.append(f"- **stopped** by signal {result.get('signal')} at step {result['step']}: no final validation"
-                     + (", exported afterwards by `--export-only` (below)" if result.get("export_only") else
-                        ", no export; `04_train.py --resume` goes on, `--export-only` exports "
-                        + _export_only_what(result, "this checkpoint")))
+        lines.append(
+            f"- **stopped** by signal {result.get('signal')} at step {result['step']}: no final validation"
+            + (
+                ", exported afterwards by `--export-only` (below)"
+                if result.get("export_only")
+                else ", no export; `04_train.py --resume` goes on, `--export-only` exports "
+                + _export_only_what(result, "this checkpoint")
+            )
+        )
     if result.get("export_only"):
         e = result["export_only"]
-        lines.append(f"- exported by `04_train.py --export-only` ({e['engine']}): the weights of step "
-                     f"{e['weights_step']} (checkpoint `{e['checkpoint']}`)")
-    lines += [f"- also exported: `{o['export_dir']}` ({o['engine']}, the weights of step {o['weights_step']}, "
-              f"select_best: {o['select_best']})" for o in result.get("other_exports") or []]
+        lines.append(
+            f"- exported by `04_train.py --export-only` ({e['engine']}): the weights of step "
+            f"{e['weights_step']} (checkpoint `{e['checkpoint']}`)"
+        )
+    lines += [
+        f"- also exported: `{o['export_dir']}` ({o['engine']}, the weights of step {o['weights_step']}, "
+        f"select_best: {o['select_best']})"
+        for o in result.get("other_exports") or []
+    ]
     lines += [f"- **warning**: {w}" for w in result.get("warnings") or []]
     segs = result.get("segments") or []
-    if len(segs) > 1:  # a resumed run: each part's state source, processes and throughput, earlier calls' warnings
+    if (
+        len(segs) > 1
+    ):  # a resumed run: each part's state source, processes and throughput, earlier calls' warnings
         lines.append("- trained in parts: " + "; ".join(_segment_text(g) for g in segs))
-        lines += [f"- **warning** (steps {g['start_step']}-{g['end_step']}): {w}" for g in segs[:-1]
-                  for w in g.get("warnings") or []]
+        lines += [
+            f"- **warning** (steps {g['start_step']}-{g['end_step']}): {w}"
+            for g in segs[:-1]
+            for w in g.get("warnings") or []
+        ]
     if result.get("tokens_per_s"):
-        lines.append(f"- training throughput: {result['tokens_per_s']:.0f} tokens/s (all ranks"
-                     + (f"; this call's, steps {segs[-1]['start_step']}-{segs[-1]['end_step']})" if len(segs) > 1
-                        else ")"))
+        lines.append(
+            f"- training throughput: {result['tokens_per_s']:.0f} tokens/s (all ranks"
+            + (
+                f"; this call's, steps {segs[-1]['start_step']}-{segs[-1]['end_step']})"
+                if len(segs) > 1
+                else ")"
+            )
+        )
     if result.get("peak_gpu_mem_gib") is not None:
         lines.append(f"- peak GPU memory (tensors, rank 0): {result['peak_gpu_mem_gib']:.1f} GiB")
     if "loss" in val:
@@ -2291,7 +3109,9 @@ def _segment_text(g: dict) -> str:
         how += f" ({g['extract_backend']})"
     n = g.get("world_size")
     tps = f", {g['tokens_per_s']:.0f} tokens/s" if g.get("tokens_per_s") else ""
-    return f"steps {g['start_step']}-{g['end_step']} {how}, {n} process{'' if n == 1 else 'es'}{tps}"
+    return (
+        f"steps {g['start_step']}-{g['end_step']} {how}, {n} process{'' if n == 1 else 'es'}{tps}"
+    )
 
 
 def _loss_png(rows: list[dict]) -> Optional[bytes]:
@@ -2309,7 +3129,9 @@ def _loss_png(rows: list[dict]) -> Optional[bytes]:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(*zip(*tr), "-" if len(tr) > 1 else "o", label="train")  # one row (a run shorter than log_every): a dot
+    ax.plot(
+        *zip(*tr), "-" if len(tr) > 1 else "o", label="train"
+    )  # one row (a run shorter than log_every): a dot
     if va:
         ax.plot(*zip(*va), "o-", label="val")
     ax.set_xlabel("optimizer step")

@@ -46,7 +46,9 @@ def ttt_attention_mask(L: int, step: int) -> torch.Tensor:
 class TTTTargets(NamedTuple):
     """Verifier targets for one batch, computed once per token (see :func:`compute_targets`)."""
 
-    logp_draft: torch.Tensor  # [B, L, draft_V] float32 log-probs over the draft vocab (renormalised)
+    logp_draft: (
+        torch.Tensor
+    )  # [B, L, draft_V] float32 log-probs over the draft vocab (renormalised)
     in_draft: torch.Tensor  # [B, L] bool: full-vocab argmax is in the draft vocab
     argmax: torch.Tensor  # [B, L] int64: full-vocab argmax (verifier id)
 
@@ -91,7 +93,9 @@ def compute_targets(
     B, L, Ht = last_hidden.shape
     dev = last_hidden.device
     W = lm_head_weight.to(dev)
-    cols = torch.arange(d2t.shape[0], device=dev) + d2t.to(dev)  # [draft_V] verifier ids of draft ids
+    cols = torch.arange(d2t.shape[0], device=dev) + d2t.to(
+        dev
+    )  # [draft_V] verifier ids of draft ids
     t2d = t2d.to(dev)
     flat = last_hidden.reshape(B * L, Ht)  # [N, Ht]
     N = flat.shape[0]
@@ -112,10 +116,14 @@ def _valid_positions(loss_mask: torch.Tensor, in_draft: torch.Tensor, i: int) ->
     (``loss_mask[:, t+2+i] == 1`` and ``in_draft[:, t+1+i]``); ``n <= 0`` gives ``[B, 0]``."""
     L = loss_mask.shape[1]
     n = max(L - 2 - i, 0)
-    return loss_mask[:, 2 + i : 2 + i + n].bool() & in_draft[:, 1 + i : 1 + i + n].to(loss_mask.device)
+    return loss_mask[:, 2 + i : 2 + i + n].bool() & in_draft[:, 1 + i : 1 + i + n].to(
+        loss_mask.device
+    )
 
 
-def ttt_token_counts(loss_mask: torch.Tensor, in_draft: torch.Tensor, ttt_length: int) -> torch.Tensor:
+def ttt_token_counts(
+    loss_mask: torch.Tensor, in_draft: torch.Tensor, ttt_length: int
+) -> torch.Tensor:
     """Number of counted positions of each TTT step in one (micro-)batch, without the drafter.
 
     The same rule as :func:`ttt_loss` (DESIGN.md "TTT indexing"): step ``i`` counts position ``t``
@@ -129,7 +137,9 @@ def ttt_token_counts(loss_mask: torch.Tensor, in_draft: torch.Tensor, ttt_length
     Returns:
         int64 ``[K]`` on ``loss_mask``'s device (no host sync).
     """
-    return torch.stack([_valid_positions(loss_mask, in_draft, i).sum() for i in range(ttt_length)])  # [K]
+    return torch.stack(
+        [_valid_positions(loss_mask, in_draft, i).sum() for i in range(ttt_length)]
+    )  # [K]
 
 
 def step_denominators(counts: list[torch.Tensor], world_size: int = 1, group=None) -> torch.Tensor:
@@ -159,8 +169,13 @@ def step_denominators(counts: list[torch.Tensor], world_size: int = 1, group=Non
     return (total.clamp(min=1) / world_size).float()  # [K]
 
 
-def token_loss(logits: torch.Tensor, tgt_logp: torch.Tensor, tgt_draft: Optional[torch.Tensor] = None,
-               loss: str = "soft_ce", lk_eta: float = LK_ETA) -> torch.Tensor:
+def token_loss(
+    logits: torch.Tensor,
+    tgt_logp: torch.Tensor,
+    tgt_draft: Optional[torch.Tensor] = None,
+    loss: str = "soft_ce",
+    lk_eta: float = LK_ETA,
+) -> torch.Tensor:
     """The per-token training loss of ``train.loss`` (reference form, plain autograd), float32 ``[...]``.
 
     ``p = exp(tgt_logp)`` is the verifier distribution over the draft vocab (renormalised, DESIGN.md
@@ -208,19 +223,30 @@ def draft_index(target_ids: torch.Tensor, d2t: torch.Tensor) -> torch.Tensor:
     """Draft ids of verifier ids ``target_ids`` (any shape, int64): the position in the sorted draft vocab
     ``arange(draft_V) + d2t``; ids outside the draft vocab get an arbitrary valid index (never counted)."""
     cols = torch.arange(d2t.shape[0], device=d2t.device) + d2t  # [draft_V] ascending verifier ids
-    return torch.searchsorted(cols, target_ids.to(cols.device).contiguous()).clamp(max=d2t.shape[0] - 1)
+    return torch.searchsorted(cols, target_ids.to(cols.device).contiguous()).clamp(
+        max=d2t.shape[0] - 1
+    )
 
 
-def _step_terms(drafter, h: torch.Tensor, tgt_logp: torch.Tensor, tgt_draft: Optional[torch.Tensor] = None,
-                loss: str = "soft_ce", lk_eta: float = LK_ETA) -> tuple[torch.Tensor, torch.Tensor]:
+def _step_terms(
+    drafter,
+    h: torch.Tensor,
+    tgt_logp: torch.Tensor,
+    tgt_draft: Optional[torch.Tensor] = None,
+    loss: str = "soft_ce",
+    lk_eta: float = LK_ETA,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-position loss (:func:`token_loss`) ``[B, n]`` float32 and drafter argmax ``[B, n]`` (draft ids)."""
     logits = drafter.compute_logits(h).float()  # [B, n, draft_V]
     return token_loss(logits, tgt_logp, tgt_draft, loss, lk_eta), logits.argmax(-1)
 
 
-
-def step_metrics(losses: list[torch.Tensor], sums: list[torch.Tensor], corrects: list[torch.Tensor],
-                 counts: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+def step_metrics(
+    losses: list[torch.Tensor],
+    sums: list[torch.Tensor],
+    corrects: list[torch.Tensor],
+    counts: list[torch.Tensor],
+) -> dict[str, torch.Tensor]:
     """Per-TTT-step metrics as device tensors (no host sync), one entry per step ``[K]``.
 
     Args: per step i: ``losses[i]`` its (normalised) loss, ``sums[i]`` the summed token cross-entropy,
@@ -306,10 +332,17 @@ def ttt_loss(
         hs, tgt_am = h[:, :n], targets.argmax[:, 1 + i : 1 + i + n]  # [B, n, H], [B, n]
         if use_compact:
             rows = valid.nonzero(as_tuple=True)  # host sync: number of valid positions
-            hs, tgt, tgt_am, valid = hs[rows], tgt[rows], tgt_am[rows], valid[rows]  # [Nv, H], [Nv, dV], [Nv], [Nv]
+            hs, tgt, tgt_am, valid = (
+                hs[rows],
+                tgt[rows],
+                tgt_am[rows],
+                valid[rows],
+            )  # [Nv, H], [Nv, dV], [Nv], [Nv]
         tgt_draft = draft_index(tgt_am, drafter.d2t) if loss == "hard_ce" else None
         if checkpoint and torch.is_grad_enabled():
-            ce, pred = _checkpoint(_step_terms, drafter, hs, tgt, tgt_draft, loss, lk_eta, use_reentrant=False)
+            ce, pred = _checkpoint(
+                _step_terms, drafter, hs, tgt, tgt_draft, loss, lk_eta, use_reentrant=False
+            )
         else:
             ce, pred = _step_terms(drafter, hs, tgt, tgt_draft, loss, lk_eta)
         cnt = valid.sum()

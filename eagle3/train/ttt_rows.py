@@ -47,8 +47,13 @@ def _soft_ce_fwd(logits: torch.Tensor, tgt_logp: torch.Tensor):
     return ce, lse, p.sum(-1), x.argmax(-1)
 
 
-def _soft_ce_bwd(logits: torch.Tensor, tgt_logp: torch.Tensor, lse: torch.Tensor, psum: torch.Tensor,
-                 g: torch.Tensor) -> torch.Tensor:
+def _soft_ce_bwd(
+    logits: torch.Tensor,
+    tgt_logp: torch.Tensor,
+    lse: torch.Tensor,
+    psum: torch.Tensor,
+    g: torch.Tensor,
+) -> torch.Tensor:
     """``d ce / d x_j = softmax_j(x) * sum(p) - p_j``, times the incoming ``g`` ``[M]``; in ``logits.dtype``."""
     x = logits.float()  # [M, V]
     grad = torch.exp(x - lse[:, None]) * psum[:, None] - tgt_logp.exp()  # [M, V]
@@ -62,7 +67,9 @@ def _hard_ce_fwd(logits: torch.Tensor, y: torch.Tensor):
     return lse - x.gather(1, y[:, None]).squeeze(1), lse, x.argmax(-1)
 
 
-def _hard_ce_bwd(logits: torch.Tensor, y: torch.Tensor, lse: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+def _hard_ce_bwd(
+    logits: torch.Tensor, y: torch.Tensor, lse: torch.Tensor, g: torch.Tensor
+) -> torch.Tensor:
     """``d ce / d x_j = softmax_j(x) - [j == y]``, times ``g`` ``[M]``."""
     q = torch.exp(logits.float() - lse[:, None])  # [M, V]
     grad = q - F.one_hot(y, q.shape[1]).to(q.dtype)  # [M, V]
@@ -85,8 +92,15 @@ def _overlap_fwd(logits: torch.Tensor, tgt_logp: torch.Tensor, lk: bool, eta: fl
     return lam * kl + (1.0 - lam) * (1.0 - alpha), lse, psum, lam, x.argmax(-1)
 
 
-def _overlap_bwd(logits: torch.Tensor, tgt_logp: torch.Tensor, lse: torch.Tensor, psum: torch.Tensor,
-                 lam: torch.Tensor, g: torch.Tensor, lk: bool) -> torch.Tensor:
+def _overlap_bwd(
+    logits: torch.Tensor,
+    tgt_logp: torch.Tensor,
+    lse: torch.Tensor,
+    psum: torch.Tensor,
+    lam: torch.Tensor,
+    g: torch.Tensor,
+    lk: bool,
+) -> torch.Tensor:
     """Gradient of :func:`_overlap_fwd`'s loss in ``x``, times ``g`` ``[M]``.
 
     ``d(1 - alpha)/dx_j = q_j (a - 1[q_j < p_j])`` with ``a = sum_v q_v 1[q_v < p_v]`` (``d alpha / d q_v =
@@ -122,7 +136,11 @@ def _kernel(fn, device: torch.device):
             try:
                 return _c(*args)
             except Exception as e:  # noqa: BLE001
-                log.warning("torch.compile of %s failed (%s); using eager", _fn.__name__, str(e).splitlines()[0][:200])
+                log.warning(
+                    "torch.compile of %s failed (%s); using eager",
+                    _fn.__name__,
+                    str(e).splitlines()[0][:200],
+                )
                 _COMPILED[("failed", _fn)] = True
                 return _fn(*args)
 
@@ -138,7 +156,14 @@ class _RowLoss(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, tgt_logp: torch.Tensor, y: Optional[torch.Tensor], kind: str, eta: float):
+    def forward(
+        ctx,
+        logits: torch.Tensor,
+        tgt_logp: torch.Tensor,
+        y: Optional[torch.Tensor],
+        kind: str,
+        eta: float,
+    ):
         dev = logits.device
         ctx.kind = kind
         with torch.autocast(device_type=dev.type, enabled=False):  # float32 math as written
@@ -149,7 +174,9 @@ class _RowLoss(torch.autograd.Function):
                 loss, lse, pred = _kernel(_hard_ce_fwd, dev)(logits, y)
                 ctx.save_for_backward(logits, y, lse)
             elif kind in ("tv", "lk_hybrid"):
-                loss, lse, psum, lam, pred = _kernel(_overlap_fwd, dev)(logits, tgt_logp, kind == "lk_hybrid", eta)
+                loss, lse, psum, lam, pred = _kernel(_overlap_fwd, dev)(
+                    logits, tgt_logp, kind == "lk_hybrid", eta
+                )
                 ctx.save_for_backward(logits, tgt_logp, lse, psum, lam)
             else:
                 raise ValueError(f"unknown loss {kind!r}")
@@ -171,8 +198,13 @@ class _RowLoss(torch.autograd.Function):
         return grad, None, None, None, None
 
 
-def row_loss(logits: torch.Tensor, tgt_logp: torch.Tensor, tgt_draft: Optional[torch.Tensor] = None,
-             loss: str = "soft_ce", lk_eta: float = LK_ETA) -> tuple[torch.Tensor, torch.Tensor]:
+def row_loss(
+    logits: torch.Tensor,
+    tgt_logp: torch.Tensor,
+    tgt_draft: Optional[torch.Tensor] = None,
+    loss: str = "soft_ce",
+    lk_eta: float = LK_ETA,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row loss float32 ``[M]`` (:func:`eagle3.train.ttt.token_loss`, same values) and the logits' argmax int64
     ``[M]``; gradient only to ``logits`` (the targets are constants), by a hand-written backward.
 
@@ -201,16 +233,29 @@ def soft_ce(logits: torch.Tensor, tgt_logp: torch.Tensor) -> tuple[torch.Tensor,
     return row_loss(logits, tgt_logp)
 
 
-def _row_step_terms(drafter, hs: torch.Tensor, tgt_logp: torch.Tensor, tgt_draft: Optional[torch.Tensor] = None,
-                    loss: str = "soft_ce", lk_eta: float = LK_ETA) -> tuple[torch.Tensor, torch.Tensor]:
+def _row_step_terms(
+    drafter,
+    hs: torch.Tensor,
+    tgt_logp: torch.Tensor,
+    tgt_draft: Optional[torch.Tensor] = None,
+    loss: str = "soft_ce",
+    lk_eta: float = LK_ETA,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Loss ``[M]`` and draft argmax ``[M]`` of step outputs ``hs`` ``[M, H]`` (:meth:`compute_logits`)."""
     return row_loss(drafter.compute_logits(hs), tgt_logp, tgt_draft, loss, lk_eta)
 
 
 @torch.no_grad()
-def row_targets(last_hidden: torch.Tensor, loss_pos: torch.Tensor, lm_head_weight: torch.Tensor, d2t: torch.Tensor,
-                t2d: torch.Tensor, norm_weight: Optional[torch.Tensor] = None, norm_eps: float = 1e-6,
-                chunk: int = 1024) -> TTTTargets:
+def row_targets(
+    last_hidden: torch.Tensor,
+    loss_pos: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    d2t: torch.Tensor,
+    t2d: torch.Tensor,
+    norm_weight: Optional[torch.Tensor] = None,
+    norm_eps: float = 1e-6,
+    chunk: int = 1024,
+) -> TTTTargets:
     """Verifier targets at the rows ``loss_pos - 1`` only (:func:`eagle3.train.ttt.compute_targets` on the gathered rows).
 
     Args:
@@ -223,11 +268,21 @@ def row_targets(last_hidden: torch.Tensor, loss_pos: torch.Tensor, lm_head_weigh
     """
     B, L, Ht = last_hidden.shape
     rows = last_hidden.reshape(B * L, Ht)[loss_pos - 1]  # [M, Ht]
-    t = compute_targets(rows[None], lm_head_weight, d2t, t2d, norm_weight=norm_weight, norm_eps=norm_eps, chunk=chunk)
+    t = compute_targets(
+        rows[None],
+        lm_head_weight,
+        d2t,
+        t2d,
+        norm_weight=norm_weight,
+        norm_eps=norm_eps,
+        chunk=chunk,
+    )
     return TTTTargets(t.logp_draft[0], t.in_draft[0], t.argmax[0])  # [M, dV], [M], [M]
 
 
-def ttt_row_counts(loss_pos: torch.Tensor, seq_len: int, in_draft: torch.Tensor, ttt_length: int) -> torch.Tensor:
+def ttt_row_counts(
+    loss_pos: torch.Tensor, seq_len: int, in_draft: torch.Tensor, ttt_length: int
+) -> torch.Tensor:
     """Counted positions of each TTT step of one micro-batch (the rows version of ``eagle3.train.ttt.ttt_token_counts``).
 
     Step ``i`` counts the loss row ``(b, p)`` iff ``p >= 2 + i`` and the target at ``p - 1`` is in the draft vocab.
@@ -282,17 +337,30 @@ def ttt_loss_rows(
     p = loss_pos % L  # [M] predicted position within its sample
     total = torch.zeros((), dtype=torch.float32, device=dev)
     losses, sums, corrects, counts = [], [], [], []
-    tgt_draft = draft_index(targets.argmax, drafter.d2t) if loss == "hard_ce" else None  # [M], the same every step
+    tgt_draft = (
+        draft_index(targets.argmax, drafter.d2t) if loss == "hard_ce" else None
+    )  # [M], the same every step
     for i, h in enumerate(step_hiddens):
         ok = p >= 2 + i  # [M] the hidden row p-2-i exists
         valid = ok & targets.in_draft  # [M]
         rows = (loss_pos - 2 - i).clamp(min=0)  # [M] (rows of invalid entries are never counted)
         hs = h.reshape(B * L, H)[rows]  # [M, H]
         if checkpoint and torch.is_grad_enabled():
-            ce, pred = _checkpoint(_row_step_terms, drafter, hs, targets.logp_draft, tgt_draft, loss, lk_eta,
-                                   use_reentrant=False, preserve_rng_state=False)  # no random numbers; saving the RNG state syncs
+            ce, pred = _checkpoint(
+                _row_step_terms,
+                drafter,
+                hs,
+                targets.logp_draft,
+                tgt_draft,
+                loss,
+                lk_eta,
+                use_reentrant=False,
+                preserve_rng_state=False,
+            )  # no random numbers; saving the RNG state syncs
         else:
-            ce, pred = _row_step_terms(drafter, hs, targets.logp_draft, tgt_draft, loss, lk_eta)  # [M], [M]
+            ce, pred = _row_step_terms(
+                drafter, hs, targets.logp_draft, tgt_draft, loss, lk_eta
+            )  # [M], [M]
         cnt = valid.sum()
         ce_sum = (ce * valid).sum()  # S_i
         step_loss = ce_sum / cnt.clamp(min=1)

@@ -39,23 +39,30 @@ def test_top_level_ops_by_hand():
     lin = E(name="aten::linear", cpu_parent=ph)
     mm = E(name="aten::mm", cpu_parent=lin)  # dispatched by linear: not top-level
     loose = E(name="aten::cat", cpu_parent=None)
-    assert b1.top_level_ops([ph, lin, mm, loose]) == [("aten::linear", ["PH_draft"]), ("aten::cat", [])]
+    assert b1.top_level_ops([ph, lin, mm, loose]) == [
+        ("aten::linear", ["PH_draft"]),
+        ("aten::cat", []),
+    ]
 
 
 def test_random_drafter_is_the_configs_drafter():
     """The speed benches' untrained drafter takes the run config's drafter section (variant, depth, width): the
     ops and time of a draft depend on them (a second layer: 360 -> 530 ops per chain-3 draft on SmolLM2). It was
     always the verifier's one-layer eagle3 shape, whatever the config said."""
+    from offline_bench_speed import _random_drafter
     from regen_step import tiny_model
 
     from eagle3.config import DrafterConfig
-    from offline_bench_speed import _random_drafter
 
     model = tiny_model()
     plain = _random_drafter(model, "cpu", None)
     assert (plain.args.num_layers, plain.args.variant) == (1, "eagle3")
     assert plain.args.intermediate_size == model.config.intermediate_size
-    d = _random_drafter(model, "cpu", None, DrafterConfig(num_layers=2, variant="eagle3.1", intermediate_size=40))
+    d = _random_drafter(
+        model, "cpu", None, DrafterConfig(num_layers=2, variant="eagle3.1", intermediate_size=40)
+    )
     assert (d.args.num_layers, d.args.variant, d.args.intermediate_size) == (2, "eagle3.1", 40)
-    assert d.args.hidden_size == model.config.hidden_size  # null fields still come from the verifier
+    assert (
+        d.args.hidden_size == model.config.hidden_size
+    )  # null fields still come from the verifier
     assert any(k.startswith("layers.1.") for k in d.state_dict())

@@ -28,9 +28,25 @@ def test_bench_tiny_cpu_reports_all_modes(tmp_path):
     import small_train_speed
 
     out = tmp_path / "r.json"
-    small_train_speed.main(["--tiny", "--device", "cpu", "--samples", "24", "--steps", "legacy8=2,fixed8=2,tokens=2",
-                            "--batch-tokens", "400", "--log-every", "1", "--workdir", str(tmp_path / "w"),
-                            "--json", str(out)])
+    small_train_speed.main(
+        [
+            "--tiny",
+            "--device",
+            "cpu",
+            "--samples",
+            "24",
+            "--steps",
+            "legacy8=2,fixed8=2,tokens=2",
+            "--batch-tokens",
+            "400",
+            "--log-every",
+            "1",
+            "--workdir",
+            str(tmp_path / "w"),
+            "--json",
+            str(out),
+        ]
+    )
     r = json.loads(out.read_text())
     assert [x["mode"] for x in r["results"]] == ["legacy8", "fixed8", "tokens"]
     assert all(x["steps"] == 2 and x["tokens_per_s"] > 0 for x in r["results"])
@@ -47,9 +63,29 @@ def test_bench_fp8_mode_trains_on_converted_fp8_shards(tmp_path):
     from eagle3.io import read_json
 
     work, out = tmp_path / "w", tmp_path / "r.json"
-    small_train_speed.main(["--tiny", "--device", "cpu", "--samples", "24", "--modes", "tokens,tokens+fp8",
-                            "--steps", "tokens=3", "--batch-tokens", "400", "--log-every", "1", "--rounds", "2",
-                            "--workdir", str(work), "--json", str(out)])
+    small_train_speed.main(
+        [
+            "--tiny",
+            "--device",
+            "cpu",
+            "--samples",
+            "24",
+            "--modes",
+            "tokens,tokens+fp8",
+            "--steps",
+            "tokens=3",
+            "--batch-tokens",
+            "400",
+            "--log-every",
+            "1",
+            "--rounds",
+            "2",
+            "--workdir",
+            str(work),
+            "--json",
+            str(out),
+        ]
+    )
     r = json.loads(out.read_text())
     bf, fp = r["results"]
     assert (bf["mode"], fp["mode"]) == ("tokens", "tokens+fp8")
@@ -57,16 +93,26 @@ def test_bench_fp8_mode_trains_on_converted_fp8_shards(tmp_path):
     for x in (bf, fp):
         assert math.isfinite(x["tokens_per_s"]) and x["tokens_per_s"] > 0
         assert math.isfinite(x["loader_tokens_per_s"]) and x["loader_tokens_per_s"] > 0
-        assert [y["round"] for y in x["rounds"]] == [0, 1]  # --rounds 2: median of two runs per mode
-        assert x["tokens_per_s"] == pytest.approx(statistics.median(y["tokens_per_s"] for y in x["rounds"]))
+        assert [y["round"] for y in x["rounds"]] == [
+            0,
+            1,
+        ]  # --rounds 2: median of two runs per mode
+        assert x["tokens_per_s"] == pytest.approx(
+            statistics.median(y["tokens_per_s"] for y in x["rounds"])
+        )
     assert r["fp8_vs_bf16_tokens_per_s_rounds"] == pytest.approx(
-        [f["tokens_per_s"] / b["tokens_per_s"] for f, b in zip(fp["rounds"], bf["rounds"])])
+        [f["tokens_per_s"] / b["tokens_per_s"] for f, b in zip(fp["rounds"], bf["rounds"])]
+    )
     assert r["fp8_vs_bf16_tokens_per_s"] == pytest.approx(fp["tokens_per_s"] / bf["tokens_per_s"])
-    assert r["fp8_vs_bf16_loader_tokens_per_s"] == pytest.approx(fp["loader_tokens_per_s"] / bf["loader_tokens_per_s"])
+    assert r["fp8_vs_bf16_loader_tokens_per_s"] == pytest.approx(
+        fp["loader_tokens_per_s"] / bf["loader_tokens_per_s"]
+    )
     # the fp8 run trained on the converter's output, and its loader shipped 1-byte features
     meta = read_json(work / "shards-fp8" / "data_config.json")
-    assert meta["storage_dtype"] == "float8_e4m3fn" and meta["format"] != read_json(
-        work / "data" / "shards" / "data_config.json")["format"]
+    assert (
+        meta["storage_dtype"] == "float8_e4m3fn"
+        and meta["format"] != read_json(work / "data" / "shards" / "data_config.json")["format"]
+    )
     assert meta["converted_from"]["path"] == str(work / "data" / "shards")
     assert r["fp8_convert"]["samples"] == 24 + 16 and r["fp8_convert"]["complete"]
     assert (bf["storage_dtype"], bf["loader_feature_dtype"]) == ("bfloat16", "bfloat16")
@@ -75,7 +121,9 @@ def test_bench_fp8_mode_trains_on_converted_fp8_shards(tmp_path):
     # on CPU if the fp8 run had read the bf16 shards)
     assert math.isfinite(bf["first_loss"]) and math.isfinite(fp["first_loss"])
     assert fp["first_loss"] != bf["first_loss"]
-    assert fp["first_loss_rel_diff"] == pytest.approx(abs(fp["first_loss"] - bf["first_loss"]) / bf["first_loss"])
+    assert fp["first_loss_rel_diff"] == pytest.approx(
+        abs(fp["first_loss"] - bf["first_loss"]) / bf["first_loss"]
+    )
     assert fp["first_loss_rel_diff"] < 1e-2
     assert "| float8_e4m3fn | tokens+fp8 |" in r["table_md"]
     # nothing to compare against when the source is fp8 already
@@ -94,12 +142,25 @@ def test_fp8_mode_names():
 def test_median_of_rounds_single_run_unchanged_several_give_medians():
     from small_train_speed import ISSUE_RUN_TOKENS, median_of_rounds
 
-    one = {"mode": "tokens", "tokens_per_s": 10.0, "loader_tokens_per_s": 5.0, "step_ms": 2.0, "x": 1}
+    one = {
+        "mode": "tokens",
+        "tokens_per_s": 10.0,
+        "loader_tokens_per_s": 5.0,
+        "step_ms": 2.0,
+        "x": 1,
+    }
     assert median_of_rounds([one]) is one  # --rounds 1 (the default): the row as before
-    runs = [{**one, "round": k, "tokens_per_s": t, "loader_tokens_per_s": lt, "step_ms": ms}
-            for k, (t, lt, ms) in enumerate([(30.0, 1.0, 7.0), (10.0, 3.0, 5.0), (20.0, 2.0, 9.0)])]
+    runs = [
+        {**one, "round": k, "tokens_per_s": t, "loader_tokens_per_s": lt, "step_ms": ms}
+        for k, (t, lt, ms) in enumerate([(30.0, 1.0, 7.0), (10.0, 3.0, 5.0), (20.0, 2.0, 9.0)])
+    ]
     m = median_of_rounds(runs)
-    assert (m["tokens_per_s"], m["loader_tokens_per_s"], m["step_ms"], m["x"]) == (20.0, 2.0, 7.0, 1)
+    assert (m["tokens_per_s"], m["loader_tokens_per_s"], m["step_ms"], m["x"]) == (
+        20.0,
+        2.0,
+        7.0,
+        1,
+    )
     assert m["issue_run_projected_s"] == ISSUE_RUN_TOKENS / 20.0 and "round" not in m
     assert [x["tokens_per_s"] for x in m["rounds"]] == [30.0, 10.0, 20.0]
 
@@ -116,13 +177,35 @@ def test_bench_fp8_mode_on_a_prepared_run_reuses_its_conversion(tmp_path):
     H, V = small_train_speed.TINY["hidden"], small_train_speed.TINY["vocab"]
     vdir = tmp_path / "verifier"  # safetensors checkpoint with the 3 head tensors (tied embeddings)
     vdir.mkdir()
-    (vdir / "config.json").write_text(json.dumps({"hidden_size": H, "vocab_size": V, "rms_norm_eps": 1e-5,
-                                                  "tie_word_embeddings": True}))
-    save_file({"model.embed_tokens.weight": torch.randn(V, H) * 0.05, "model.norm.weight": torch.ones(H)},
-              str(vdir / "model.safetensors"))
-    args = ["--config", str(cfg), "--set", f"verifier.path={vdir}", "--device", "cpu", "--modes", "tokens,tokens+fp8",
-            "--steps", "tokens=2", "--batch-tokens", "300", "--log-every", "1", "--fp8-shards", str(tmp_path / "fp8"),
-            "--workdir", str(tmp_path / "w")]
+    (vdir / "config.json").write_text(
+        json.dumps(
+            {"hidden_size": H, "vocab_size": V, "rms_norm_eps": 1e-5, "tie_word_embeddings": True}
+        )
+    )
+    save_file(
+        {"model.embed_tokens.weight": torch.randn(V, H) * 0.05, "model.norm.weight": torch.ones(H)},
+        str(vdir / "model.safetensors"),
+    )
+    args = [
+        "--config",
+        str(cfg),
+        "--set",
+        f"verifier.path={vdir}",
+        "--device",
+        "cpu",
+        "--modes",
+        "tokens,tokens+fp8",
+        "--steps",
+        "tokens=2",
+        "--batch-tokens",
+        "300",
+        "--log-every",
+        "1",
+        "--fp8-shards",
+        str(tmp_path / "fp8"),
+        "--workdir",
+        str(tmp_path / "w"),
+    ]
     small_train_speed.main(args + ["--rounds", "2", "--json", str(tmp_path / "a.json")])
     a = json.loads((tmp_path / "a.json").read_text())
     assert a["fp8_convert"]["converted"] == 16 and a["fp8_convert"]["complete"]

@@ -40,7 +40,9 @@ def _reference_flops_by_hand() -> int:
     dense = 6 * 4096 * (7 * per_ttt_step + fc)
     assert dense == 182_147_415_539_712
     causal_fwd_one_step = 2 * 2 * (4096 * 4096 // 2) * 64 * 128  # QK^T + PV over the causal half
-    causal = 7 * 3 * causal_fwd_one_step  # every TTT step's queries see the step-0 causal keys; fwd + bwd = 3x fwd
+    causal = (
+        7 * 3 * causal_fwd_one_step
+    )  # every TTT step's queries see the step-0 causal keys; fwd + bwd = 3x fwd
     assert causal == 5_772_436_045_824
     diag = 3 * 4 * 4096 * 64 * 128 * (0 + 1 + 2 + 3 + 4 + 5 + 6)  # step i has i diagonal keys
     assert diag == 8_455_716_864
@@ -62,8 +64,24 @@ def test_flop_formula_reference_shape():
 
 
 def _check_row(row: dict, bench) -> None:
-    for k in ("seq", "kv_heads", "ttt", "step_ms", "step_ms_all", "tokens_per_s", "peak_mem_gib", "flops",
-              "tflops_achieved", "mfu", "first_step_s", "compile_s", "checkpoint_logits", "autocast", "loss", "oom"):
+    for k in (
+        "seq",
+        "kv_heads",
+        "ttt",
+        "step_ms",
+        "step_ms_all",
+        "tokens_per_s",
+        "peak_mem_gib",
+        "flops",
+        "tflops_achieved",
+        "mfu",
+        "first_step_s",
+        "compile_s",
+        "checkpoint_logits",
+        "autocast",
+        "loss",
+        "oom",
+    ):
         assert k in row, k
     assert row["oom"] is False
     assert row["step_ms"] > 0 and len(row["step_ms_all"]) == row["steps"]
@@ -73,14 +91,33 @@ def _check_row(row: dict, bench) -> None:
     shape = bench.Shape(**{f: row[f] for f in bench.Shape.__dataclass_fields__})
     assert row["flops"] == bench.train_step_flops(shape)
     assert row["mfu"] > 0
-    assert row["autocast"] is None and row["checkpoint_logits"] is False  # CPU: float32, no checkpointing (as train.py)
+    assert (
+        row["autocast"] is None and row["checkpoint_logits"] is False
+    )  # CPU: float32, no checkpointing (as train.py)
 
 
 def test_tiny_cpu_subprocess(tmp_path):
     out = tmp_path / "tt.json"
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    r = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--device", "cpu", "--kv-heads", "8", "2",
-                        "--json", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--tiny",
+            "--device",
+            "cpu",
+            "--kv-heads",
+            "8",
+            "2",
+            "--json",
+            str(out),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "| seq | kv heads |" in r.stdout  # the Markdown table
     res = json.loads(out.read_text())
@@ -92,14 +129,33 @@ def test_tiny_cpu_subprocess(tmp_path):
     for row in res["runs"]:
         _check_row(row, bench)
         assert row["seq"] == bench.TINY.seq and row["ttt"] == bench.TINY.ttt
-        assert math.isclose(row["mfu"], row["tflops_achieved"] / res["ceiling"]["tflops"], rel_tol=1e-9)
+        assert math.isclose(
+            row["mfu"], row["tflops_achieved"] / res["ceiling"]["tflops"], rel_tol=1e-9
+        )
 
 
 def test_max_seq_search_budget(tmp_path, capsys):
     bench = _load_bench()
     out = tmp_path / "s.json"
-    assert bench.main(["--tiny", "--device", "cpu", "--max-seq-search", "--search-seqs", "40", "--ttt", "2",
-                       "--mem-budget-gib", "0.001", "--json", str(out)]) == 0
+    assert (
+        bench.main(
+            [
+                "--tiny",
+                "--device",
+                "cpu",
+                "--max-seq-search",
+                "--search-seqs",
+                "40",
+                "--ttt",
+                "2",
+                "--mem-budget-gib",
+                "0.001",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     res = json.loads(out.read_text())
     assert res["mode"] == "max_seq_search" and res["mem_budget_gib"] == 0.001
     (row,) = res["runs"]
@@ -126,14 +182,23 @@ def no_torchrun_env(monkeypatch):
 
 def test_ddp_summary_formulas():
     bench = _load_bench()
-    ranks = [{"tokens_per_s": 900.0, "timed_wall_s": 0.5, "param_checksum": [1.0, 2.0]},
-             {"tokens_per_s": 1100.0, "timed_wall_s": 0.625, "param_checksum": [1.0, 2.0]}]
-    q = bench.ddp_summary(ranks, seq=100, steps=5, baseline={"tokens_per_s": 1250.0, "source": "b.json"},
-                          backend="nccl")
+    ranks = [
+        {"tokens_per_s": 900.0, "timed_wall_s": 0.5, "param_checksum": [1.0, 2.0]},
+        {"tokens_per_s": 1100.0, "timed_wall_s": 0.625, "param_checksum": [1.0, 2.0]},
+    ]
+    q = bench.ddp_summary(
+        ranks,
+        seq=100,
+        steps=5,
+        baseline={"tokens_per_s": 1250.0, "source": "b.json"},
+        backend="nccl",
+    )
     assert q["world_size"] == 2 and q["backend"] == "nccl"
     assert q["per_gpu_tokens_per_s"] == 1000.0 and q["total_tokens_per_s"] == 2000.0
     assert q["min_rank_tokens_per_s"] == 900.0 and q["max_rank_tokens_per_s"] == 1100.0
-    assert q["timed_wall_s"] == 0.625 and q["total_tokens_per_s_wall"] == 2 * 100 * 5 / 0.625  # 1600
+    assert (
+        q["timed_wall_s"] == 0.625 and q["total_tokens_per_s_wall"] == 2 * 100 * 5 / 0.625
+    )  # 1600
     assert q["scaling_efficiency"] == 1000.0 / 1250.0  # 0.8
     assert q["scaling_efficiency_wall"] == 1600.0 / 2 / 1250.0  # 0.64
     assert q["meets_goal"] is False and q["goal_efficiency"] == 0.9
@@ -146,13 +211,23 @@ def test_ddp_summary_formulas():
 def test_find_baseline_row_matches_settings():
     bench = _load_bench()
     s = bench.TINY
-    row = {**s.__dict__, "compile": False, "checkpoint_logits": False, "autocast": None, "oom": False,
-           "tokens_per_s": 123.0}
+    row = {
+        **s.__dict__,
+        "compile": False,
+        "checkpoint_logits": False,
+        "autocast": None,
+        "oom": False,
+        "tokens_per_s": 123.0,
+    }
     base = {"mode": "throughput", "runs": [{**row, "kv_heads": 2, "tokens_per_s": 7.0}, row]}
     want = {**s.__dict__, "compile": False, "checkpoint_logits": False, "autocast": None}
     got = bench.find_baseline_row(base, want, "b.json")
     assert got["tokens_per_s"] == 123.0 and got["source"] == "b.json"
-    for bad in ({**want, "compile": True}, {**want, "seq": 96}, {**want, "checkpoint_logits": True}):
+    for bad in (
+        {**want, "compile": True},
+        {**want, "seq": 96},
+        {**want, "checkpoint_logits": True},
+    ):
         with pytest.raises(ValueError, match="no run matches"):
             bench.find_baseline_row(base, bad, "b.json")
     with pytest.raises(ValueError, match="1-GPU run"):
@@ -160,7 +235,9 @@ def test_find_baseline_row_matches_settings():
     with pytest.raises(ValueError, match="not a throughput result"):
         bench.find_baseline_row({"mode": "max_seq_search", "runs": []}, want, "b.json")
     with pytest.raises(ValueError, match="no successful runs"):
-        bench.find_baseline_row({"mode": "throughput", "runs": [{**row, "oom": True}]}, want, "b.json")
+        bench.find_baseline_row(
+            {"mode": "throughput", "runs": [{**row, "oom": True}]}, want, "b.json"
+        )
 
 
 def test_baseline_json_needs_torchrun(tmp_path, no_torchrun_env):
@@ -179,7 +256,9 @@ def test_distinct_batches_diverge_without_ddp():
     try:
         sums = []
         for bs in (1, 1, 2):
-            step, info, checksum = bench.build_step(s, torch.device("cpu"), False, None, total_steps=3, batch_seed=bs)
+            step, info, checksum = bench.build_step(
+                s, torch.device("cpu"), False, None, total_steps=3, batch_seed=bs
+            )
             assert info["ddp_wrapped"] is False
             for _ in range(3):  # LR warm-up starts at 0: step 1 leaves the weights unchanged
                 step()
@@ -206,14 +285,30 @@ def test_torchrun_two_gloo_ranks(tmp_path, no_torchrun_env):
     assert base["world_size"] == 1 and base["torchrun"] is False and "ddp" not in base["runs"][0]
 
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", NCCL_NVLS_ENABLE="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(SCRIPT),
-           *common, "--baseline-json", str(base_json), "--json", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(SCRIPT),
+        *common,
+        "--baseline-json",
+        str(base_json),
+        "--json",
+        str(out),
+    ]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "| world | seq | kv heads |" in r.stdout  # the DDP Markdown table (rank 0 only)
     assert r.stdout.count("| world | seq | kv heads |") == 1
     res = json.loads(out.read_text())
-    assert res["world_size"] == 2 and res["torchrun"] is True and res["baseline_json"] == str(base_json)
+    assert (
+        res["world_size"] == 2
+        and res["torchrun"] is True
+        and res["baseline_json"] == str(base_json)
+    )
     assert res["env"]["NCCL_NVLS_ENABLE"] == "0"  # forced off even when set to 1
     (row,) = res["runs"]
     _check_row({**row, "checkpoint_logits": False}, bench)
@@ -240,6 +335,10 @@ def test_torchrun_two_gloo_ranks(tmp_path, no_torchrun_env):
     # efficiency from the given baseline
     base_rate = base["runs"][0]["tokens_per_s"]
     assert q["baseline"]["tokens_per_s"] == base_rate and q["baseline"]["source"] == str(base_json)
-    assert math.isclose(q["scaling_efficiency"], q["per_gpu_tokens_per_s"] / base_rate, rel_tol=1e-12)
-    assert math.isclose(q["scaling_efficiency_wall"], q["total_tokens_per_s_wall"] / 2 / base_rate, rel_tol=1e-12)
+    assert math.isclose(
+        q["scaling_efficiency"], q["per_gpu_tokens_per_s"] / base_rate, rel_tol=1e-12
+    )
+    assert math.isclose(
+        q["scaling_efficiency_wall"], q["total_tokens_per_s_wall"] / 2 / base_rate, rel_tol=1e-12
+    )
     assert q["meets_goal"] == (q["scaling_efficiency"] >= 0.9)

@@ -4,20 +4,22 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_decode import make_drafter, make_verifier
 
 from eagle3.benchmark.offline import check_drafter_vocab
 from eagle3.config import load_config
-from eagle3.errors import UserError
 from eagle3.data.vocab import save_vocab_map
-from test_decode import make_drafter, make_verifier
+from eagle3.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[2]
 TARGETS = list(range(0, 256, 8))  # draft vocab of 32 target ids
 
 
 def _cfg(tmp_path, draft_vocab_size):
-    return load_config(ROOT / "configs" / "tiny-llama.yaml",
-                       [f"output_root={tmp_path}", f"data.draft_vocab_size={draft_vocab_size}"])
+    return load_config(
+        ROOT / "configs" / "tiny-llama.yaml",
+        [f"output_root={tmp_path}", f"data.draft_vocab_size={draft_vocab_size}"],
+    )
 
 
 def test_own_export_with_other_draft_vocab_size_refused(tmp_path):
@@ -26,10 +28,12 @@ def test_own_export_with_other_draft_vocab_size_refused(tmp_path):
     with pytest.raises(UserError) as e:
         check_drafter_vocab(cfg, drafter, cfg.export_dir, own_export=True)
     # the fix named is one that works: a plain 04 re-run into the same train folder is refused (fresh-user trial)
-    assert str(e.value) == (f"{cfg.export_dir}: drafter has draft_vocab_size 32 but the config's "
-                            "data.draft_vocab_size is 64 (set data.draft_vocab_size back to 32, or train a drafter for "
-                            "it with 04_train.py into a new train.output_dir, or pass --drafter to benchmark another "
-                            "drafter)")
+    assert str(e.value) == (
+        f"{cfg.export_dir}: drafter has draft_vocab_size 32 but the config's "
+        "data.draft_vocab_size is 64 (set data.draft_vocab_size back to 32, or train a drafter for "
+        "it with 04_train.py into a new train.output_dir, or pass --drafter to benchmark another "
+        "drafter)"
+    )
     # a drafter from elsewhere (--drafter): warned, not refused
     (w,) = check_drafter_vocab(cfg, drafter, tmp_path / "other", own_export=False)
     assert "data.draft_vocab_size is 64" in w
@@ -38,7 +42,9 @@ def test_own_export_with_other_draft_vocab_size_refused(tmp_path):
 def test_own_export_stale_against_vocab_map_refused(tmp_path):
     drafter = make_drafter(make_verifier(), TARGETS)
     cfg = _cfg(tmp_path, 32)
-    assert check_drafter_vocab(cfg, drafter, cfg.export_dir, own_export=True) == []  # no vocab_map.pt yet
+    assert (
+        check_drafter_vocab(cfg, drafter, cfg.export_dir, own_export=True) == []
+    )  # no vocab_map.pt yet
     ids = torch.tensor(TARGETS)  # [32]
     t2d = torch.zeros(256, dtype=torch.bool)
     t2d[ids] = True
@@ -50,9 +56,11 @@ def test_own_export_stale_against_vocab_map_refused(tmp_path):
     save_vocab_map(cfg.data_dir / "vocab_map.pt", other - torch.arange(32), t2d2)
     with pytest.raises(UserError, match=r"d2t differs from .*vocab_map.pt") as e:
         check_drafter_vocab(cfg, drafter, cfg.export_dir, own_export=True)
-    assert str(e.value).endswith("(re-run 03_prepare_data.py with the data settings the drafter was trained under, "
-                                 "or train a drafter for it with 04_train.py into a new train.output_dir, or pass "
-                                 "--drafter to benchmark another drafter)")
+    assert str(e.value).endswith(
+        "(re-run 03_prepare_data.py with the data settings the drafter was trained under, "
+        "or train a drafter for it with 04_train.py into a new train.output_dir, or pass "
+        "--drafter to benchmark another drafter)"
+    )
 
 
 def test_drafter_shape_against_the_config(tmp_path):
@@ -63,24 +71,50 @@ def test_drafter_shape_against_the_config(tmp_path):
 
     drafter = make_drafter(make_verifier(), TARGETS)
     a = drafter.args
-    same = [f"output_root={tmp_path}", f"drafter.num_attention_heads={a.num_attention_heads}",
-            f"drafter.num_key_value_heads={a.num_key_value_heads}", f"drafter.head_dim={a.head_dim}",
-            f"drafter.intermediate_size={a.intermediate_size}"]
+    same = [
+        f"output_root={tmp_path}",
+        f"drafter.num_attention_heads={a.num_attention_heads}",
+        f"drafter.num_key_value_heads={a.num_key_value_heads}",
+        f"drafter.head_dim={a.head_dim}",
+        f"drafter.intermediate_size={a.intermediate_size}",
+    ]
 
     def cfg(*extra):
         return load_config(ROOT / "configs" / "tiny-llama.yaml", [*same, *extra])
 
     assert check_drafter_shape(cfg(), drafter, cfg().export_dir, own_export=True) == []
     deep = cfg("drafter.num_layers=2")
-    with pytest.raises(UserError, match=r"the drafter has num_layers 1 but the config's drafter.num_layers is 2 "
-                                        r"\(set those drafter fields back to the trained values, or train a drafter of "
-                                        r"this shape with 04_train.py into a new train.output_dir, or pass --drafter"):
+    with pytest.raises(
+        UserError,
+        match=r"the drafter has num_layers 1 but the config's drafter.num_layers is 2 "
+        r"\(set those drafter fields back to the trained values, or train a drafter of "
+        r"this shape with 04_train.py into a new train.output_dir, or pass --drafter",
+    ):
         check_drafter_shape(deep, drafter, deep.export_dir, own_export=True)
-    (w,) = check_drafter_shape(cfg(f"drafter.intermediate_size={a.intermediate_size + 8}"), drafter, tmp_path / "other",
-                               own_export=False)
-    assert f"intermediate_size {a.intermediate_size} but the config's drafter.intermediate_size is {a.intermediate_size + 8}" in w
+    (w,) = check_drafter_shape(
+        cfg(f"drafter.intermediate_size={a.intermediate_size + 8}"),
+        drafter,
+        tmp_path / "other",
+        own_export=False,
+    )
+    assert (
+        f"intermediate_size {a.intermediate_size} but the config's drafter.intermediate_size is {a.intermediate_size + 8}"
+        in w
+    )
     ctx = cfg("drafter.max_position_embeddings=7")
-    assert check_drafter_shape(ctx, drafter, ctx.export_dir, own_export=True) == []  # a re-export may change it alone
-    loose = load_config(ROOT / "configs" / "tiny-llama.yaml", [f"output_root={tmp_path}", "drafter.num_attention_heads=null",
-                        "drafter.num_key_value_heads=null", "drafter.head_dim=null", "drafter.intermediate_size=null"])
-    assert check_drafter_shape(loose, drafter, loose.export_dir, own_export=True) == []  # nulls: the verifier's
+    assert (
+        check_drafter_shape(ctx, drafter, ctx.export_dir, own_export=True) == []
+    )  # a re-export may change it alone
+    loose = load_config(
+        ROOT / "configs" / "tiny-llama.yaml",
+        [
+            f"output_root={tmp_path}",
+            "drafter.num_attention_heads=null",
+            "drafter.num_key_value_heads=null",
+            "drafter.head_dim=null",
+            "drafter.intermediate_size=null",
+        ],
+    )
+    assert (
+        check_drafter_shape(loose, drafter, loose.export_dir, own_export=True) == []
+    )  # nulls: the verifier's

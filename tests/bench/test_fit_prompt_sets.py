@@ -13,23 +13,40 @@ import fit_prompt_sets as fps  # noqa: E402
 
 
 def _conv(cid, user):
-    return {"id": cid, "messages": [{"role": "user", "content": user}, {"role": "assistant", "content": "a"}]}
+    return {
+        "id": cid,
+        "messages": [{"role": "user", "content": user}, {"role": "assistant", "content": "a"}],
+    }
 
 
 def _run(tmp_path):
     """Four ShareGPT-id conversations (samples 0-3) and one pool one, a manifest, and a source file holding two of
     them (case/space variants: 01's dedupe key matches them) plus two never drawn."""
-    convs = [_conv("aaaaaaa_0", "First"), _conv("bbbbbbb_1", "Second"), _conv("ccccccc_2", "Third"),
-             _conv("ddddddd_3", "x" * 50), _conv("pool/7", "Pool prompt")]
+    convs = [
+        _conv("aaaaaaa_0", "First"),
+        _conv("bbbbbbb_1", "Second"),
+        _conv("ccccccc_2", "Third"),
+        _conv("ddddddd_3", "x" * 50),
+        _conv("pool/7", "Pool prompt"),
+    ]
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(c) + "\n" for c in convs))
-    (tmp_path / "manifest.jsonl").write_text("".join(
-        json.dumps({"idx": i, "id": c["id"], "num_tokens": 3}) + "\n" for i, c in enumerate(convs)))
-    src = [_conv("aaaaaaa_0", "  first "), _conv("eeeeeee_4", "Never drawn"), _conv("fffffff_5", "Nor this"),
-           _conv("ggggggg_6", "Second")]
+    (tmp_path / "manifest.jsonl").write_text(
+        "".join(
+            json.dumps({"idx": i, "id": c["id"], "num_tokens": 3}) + "\n"
+            for i, c in enumerate(convs)
+        )
+    )
+    src = [
+        _conv("aaaaaaa_0", "  first "),
+        _conv("eeeeeee_4", "Never drawn"),
+        _conv("fffffff_5", "Nor this"),
+        _conv("ggggggg_6", "Second"),
+    ]
     (tmp_path / "src.jsonl").write_text("".join(json.dumps(c) + "\n" for c in src))
     (tmp_path / "run.yaml").write_text(
         f"run_name: t\nverifier: {{path: x}}\nprompts: {{source: [{tmp_path / 'src.jsonl'}]}}\n"
-        "data: {val_fraction: 0.4, seed: 3}\n")
+        "data: {val_fraction: 0.4, seed: 3}\n"
+    )
     return tmp_path
 
 
@@ -51,29 +68,68 @@ def test_sets_follow_the_runs_split(tmp_path):
     assert sorted(kept) == ["First", "Second", "Third"]
     assert fps.draw(both, fps.SHAREGPT_ID, 40, 10, 0) == kept  # fewer than n: all, in order
     assert fps.draw(both, fps.SHAREGPT_ID, 40, 2, 0) == random.Random(0).sample(kept, 2)
-    assert fps.draw(both, fps.SHAREGPT_ID, 50, 10, 0) == [c["messages"][0]["content"] for c in both if c["id"] != "pool/7"]
+    assert fps.draw(both, fps.SHAREGPT_ID, 50, 10, 0) == [
+        c["messages"][0]["content"] for c in both if c["id"] != "pool/7"
+    ]
 
-    r = subprocess.run([sys.executable, str(ROOT / "bench" / "fit_prompt_sets.py"), "--config", str(t / "run.yaml"),
-                        "--prompts", str(t / "prompts.jsonl"), "--manifest", str(t / "manifest.jsonl"),
-                        "--out", str(t / "sets")], capture_output=True, text=True, cwd=ROOT)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "fit_prompt_sets.py"),
+            "--config",
+            str(t / "run.yaml"),
+            "--prompts",
+            str(t / "prompts.jsonl"),
+            "--manifest",
+            str(t / "manifest.jsonl"),
+            "--out",
+            str(t / "sets"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stderr
     unseen = [json.loads(x) for x in (t / "sets" / "chat_unseen.jsonl").read_text().splitlines()]
     # "  first " and "Second" are drawn conversations under 01's dedupe key: only the two never drawn are unseen
-    assert [u["messages"] for u in unseen] == [[{"role": "user", "content": "Never drawn"}],
-                                               [{"role": "user", "content": "Nor this"}]]
+    assert [u["messages"] for u in unseen] == [
+        [{"role": "user", "content": "Never drawn"}],
+        [{"role": "user", "content": "Nor this"}],
+    ]
     summary = json.loads((t / "sets" / "fit_sets.json").read_text())
     assert summary["conversations"] == {"train": 3, "val": 2, "unseen": 2}
-    seen = [json.loads(x)["messages"][0]["content"] for x in (t / "sets" / "chat_seen.jsonl").read_text().splitlines()]
+    seen = [
+        json.loads(x)["messages"][0]["content"]
+        for x in (t / "sets" / "chat_seen.jsonl").read_text().splitlines()
+    ]
     assert seen == [c["messages"][0]["content"] for c in train if c["id"] != "pool/7"]
 
 
 def test_bad_manifest_row_is_one_line(tmp_path):
     t = _run(tmp_path)
     (t / "manifest.jsonl").write_text('{"idx": 0, "id": "aaaaaaa_0"}\n{"id": "bbbbbbb_1"}\n')
-    r = subprocess.run([sys.executable, str(ROOT / "bench" / "fit_prompt_sets.py"), "--config", str(t / "run.yaml"),
-                        "--prompts", str(t / "prompts.jsonl"), "--manifest", str(t / "manifest.jsonl"),
-                        "--out", str(t / "sets")], capture_output=True, text=True, cwd=ROOT)
-    assert r.returncode == 2 and r.stderr.strip() == f"error: {t / 'manifest.jsonl'}:2: expected a manifest row with 'idx' and 'id'"
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "fit_prompt_sets.py"),
+            "--config",
+            str(t / "run.yaml"),
+            "--prompts",
+            str(t / "prompts.jsonl"),
+            "--manifest",
+            str(t / "manifest.jsonl"),
+            "--out",
+            str(t / "sets"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert (
+        r.returncode == 2
+        and r.stderr.strip()
+        == f"error: {t / 'manifest.jsonl'}:2: expected a manifest row with 'idx' and 'id'"
+    )
     assert not (t / "sets").exists()
 
 
@@ -85,4 +141,5 @@ def test_n_above_the_pool_is_warned(caplog):
         assert len(fps.draw(convs, fps.SHAREGPT_ID, 40, 10, 0, "heldout")) == 3
         assert len(fps.draw(convs, fps.SHAREGPT_ID, 40, 2, 0, "seen")) == 2
     assert [r.getMessage() for r in caplog.records] == [
-        "-n 10: only 3 prompts in the heldout pool (id pattern, --max-chars 40); keeping all 3"]
+        "-n 10: only 3 prompts in the heldout pool (id pattern, --max-chars 40); keeping all 3"
+    ]

@@ -12,11 +12,13 @@ import gpu_speed_summary as gss  # noqa: E402
 
 
 def test_collect_reads_present_figures_and_marks_missing(tmp_path):
-    (tmp_path / "small_train.json").write_text(json.dumps(
-        {"small_train_tokens_per_s": 150000.0, "small_train_wall_vs_reference": 0.25}))
+    (tmp_path / "small_train.json").write_text(
+        json.dumps({"small_train_tokens_per_s": 150000.0, "small_train_wall_vs_reference": 0.25})
+    )
     # a train_throughput run without step_ms: ms/step = seq / tokens_per_s (batch 1)
-    (tmp_path / "kimi_step.json").write_text(json.dumps(
-        {"runs": [{"seq": 4096, "tokens_per_s": 8192.0, "mfu": 0.5}]}))
+    (tmp_path / "kimi_step.json").write_text(
+        json.dumps({"runs": [{"seq": 4096, "tokens_per_s": 8192.0, "mfu": 0.5}]})
+    )
     figs = gss.collect(tmp_path)
     assert set(figs) == set(gss.FIGURES)
     assert figs["small_train_tokens_per_s"]["value"] == 150000.0
@@ -25,16 +27,31 @@ def test_collect_reads_present_figures_and_marks_missing(tmp_path):
     assert figs["kimi_mfu"]["value"] == 0.5
     for k in ("tokenize_conv_per_s", "capture_vs_bare_ratio", "bench_80x256_s"):
         assert figs[k] == {**figs[k], "value": None, "measured": False, "source": None}
-    assert all(v["command"].startswith("python3 bench/") for v in figs.values())  # no fallback source present
+    assert all(
+        v["command"].startswith("python3 bench/") for v in figs.values()
+    )  # no fallback source present
     assert "| `bench_80x256_s` | not measured |" in gss.markdown(figs)
 
 
 def test_cli_bad_json_is_one_line_error(tmp_path):
     (tmp_path / "capture.json").write_text("{not json")
-    r = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_speed_summary.py"), str(tmp_path),
-                        "--out", str(tmp_path / "o.json")], capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "gpu_speed_summary.py"),
+            str(tmp_path),
+            "--out",
+            str(tmp_path / "o.json"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 2
-    assert r.stderr.strip().startswith("error:") and "capture.json" in r.stderr and "Traceback" not in r.stderr
+    assert (
+        r.stderr.strip().startswith("error:")
+        and "capture.json" in r.stderr
+        and "Traceback" not in r.stderr
+    )
     assert not (tmp_path / "o.json").exists()
 
 
@@ -42,9 +59,14 @@ def test_fallbacks_from_stage_reports(tmp_path):
     """Without the dedicated benches: 04's train_report gives the training figures, 05's bench.json the
     80 x 256 wall, but only for the MT-bench 80-prompt, 256-token, 3-step set."""
     (tmp_path / "train_report.json").write_text(json.dumps({"tokens_per_s": 174000.0}))
-    bench = {"steps": 3, "max_new_tokens": 256, "datasets": [
-        {"dataset": "gsm8k", "num_prompts": 200, "wall_seconds": 30.0},
-        {"dataset": "mtbench", "num_prompts": 80, "wall_seconds": 12.5}]}
+    bench = {
+        "steps": 3,
+        "max_new_tokens": 256,
+        "datasets": [
+            {"dataset": "gsm8k", "num_prompts": 200, "wall_seconds": 30.0},
+            {"dataset": "mtbench", "num_prompts": 80, "wall_seconds": 12.5},
+        ],
+    }
     (tmp_path / "bench-steps3.json").write_text(json.dumps(bench))
     figs = gss.collect(tmp_path)
     assert figs["small_train_tokens_per_s"]["value"] == 174000.0
@@ -53,7 +75,9 @@ def test_fallbacks_from_stage_reports(tmp_path):
     assert figs["bench_80x256_s"]["source"].endswith("bench-steps3.json")
     (tmp_path / "bench-steps3.json").write_text(json.dumps({**bench, "max_new_tokens": 512}))
     assert gss.collect(tmp_path)["bench_80x256_s"]["value"] is None  # another set: not the figure
-    assert gss.collect(tmp_path)["bench_80x256_s"]["command"].startswith("python3 bench/offline_bench_speed.py")
+    assert gss.collect(tmp_path)["bench_80x256_s"]["command"].startswith(
+        "python3 bench/offline_bench_speed.py"
+    )
 
 
 def test_train_fallback_counts_only_the_headline_batches(tmp_path):
@@ -65,7 +89,9 @@ def test_train_fallback_counts_only_the_headline_batches(tmp_path):
     figs = gss.collect(tmp_path)
     assert figs["small_train_tokens_per_s"]["value"] is None
     assert figs["small_train_wall_vs_reference"]["value"] is None
-    (tmp_path / "train_report.json").write_text(json.dumps({**rep, "recipe": {"batch_tokens": 16384}}))
+    (tmp_path / "train_report.json").write_text(
+        json.dumps({**rep, "recipe": {"batch_tokens": 16384}})
+    )
     assert gss.collect(tmp_path)["small_train_tokens_per_s"]["value"] == 120000.0
 
 

@@ -24,24 +24,43 @@ def test_paired_bootstrap_by_hand():
 
 
 def _bench(datasets):
-    return {"steps": 3, "dtype": "float32", "max_new_tokens": 256, "datasets": [
-        {"dataset": name, "tau": sum(sum(r) for r in rows.values()) / sum(len(r) for r in rows.values()),
-         "num_prompts": len(rows),
-         "per_prompt": [{"id": i, "accept_lengths": r, "lossless": True} for i, r in rows.items()]}
-        for name, rows in datasets.items()]}
+    return {
+        "steps": 3,
+        "dtype": "float32",
+        "max_new_tokens": 256,
+        "datasets": [
+            {
+                "dataset": name,
+                "tau": sum(sum(r) for r in rows.values()) / sum(len(r) for r in rows.values()),
+                "num_prompts": len(rows),
+                "per_prompt": [
+                    {"id": i, "accept_lengths": r, "lossless": True} for i, r in rows.items()
+                ],
+            }
+            for name, rows in datasets.items()
+        ],
+    }
 
 
 def _session(tmp_path):
     res = tmp_path / "s" / "res"
     (res / "real" / "bench-steps3").mkdir(parents=True)
     (res / "real" / "train").mkdir()
-    (res / "real" / "bench-steps3" / "bench.json").write_text(json.dumps(_bench({"mtbench": {"81": [1, 3, 2], "82": [2, 2]}})))
+    (res / "real" / "bench-steps3" / "bench.json").write_text(
+        json.dumps(_bench({"mtbench": {"81": [1, 3, 2], "82": [2, 2]}}))
+    )
     (res / "real" / "bench-steps3" / "bench.md").write_text("| table |\n")
-    (res / "real" / "train" / "train_report.json").write_text(json.dumps({"step": 10, "final_val": {"acc_0": 0.8, "acc_1": 0.7}}))
+    (res / "real" / "train" / "train_report.json").write_text(
+        json.dumps({"step": 10, "final_val": {"acc_0": 0.8, "acc_1": 0.7}})
+    )
     (res / "curve-6000" / "bench").mkdir(parents=True)
     (res / "curve-6000" / "data").mkdir()
-    (res / "curve-6000" / "bench" / "bench.json").write_text(json.dumps(_bench({"mtbench": {"81": [1, 1, 1], "82": [2, 1]}})))
-    (res / "curve-6000" / "data" / "data_report.json").write_text(json.dumps({"train_samples": 6000, "coverage": 1.0}))
+    (res / "curve-6000" / "bench" / "bench.json").write_text(
+        json.dumps(_bench({"mtbench": {"81": [1, 1, 1], "82": [2, 1]}}))
+    )
+    (res / "curve-6000" / "data" / "data_report.json").write_text(
+        json.dumps({"train_samples": 6000, "coverage": 1.0})
+    )
     (res / "capture_disk.json").write_text(json.dumps({"capture_vs_bare_ratio": 0.2}))
     (tmp_path / "s" / "status").mkdir()
     (tmp_path / "s" / "status" / "s04.done").write_text("295\n")
@@ -52,19 +71,31 @@ def _session(tmp_path):
 def test_collect_session_then_compare(tmp_path):
     out = tmp_path / "out"
     phases = cs.collect(_session(tmp_path), out)
-    assert phases == {"s04": [{"status": "done", "record": "295"}], "curve6000_04": [{"status": "failed", "record": "64 rc=1"}]}
+    assert phases == {
+        "s04": [{"status": "done", "record": "295"}],
+        "curve6000_04": [{"status": "failed", "record": "64 rc=1"}],
+    }
     slim = json.loads((out / "bench-steps3.json").read_text())
     assert "per_prompt" not in slim["datasets"][0]
     pp = json.loads((out / "per_prompt_steps3.json").read_text())
     assert pp["per_prompt"] == {"mtbench": {"81": [6, 3], "82": [4, 2]}}  # [emitted, verify steps]
     assert (out / "bench-steps3.md").read_text() == "| table |\n"
-    assert json.loads((out / "runs" / "curve-6000" / "per_prompt.json").read_text())["per_prompt"] == \
-        {"mtbench": {"81": [3, 3], "82": [3, 2]}}
+    assert json.loads((out / "runs" / "curve-6000" / "per_prompt.json").read_text())[
+        "per_prompt"
+    ] == {"mtbench": {"81": [3, 3], "82": [3, 2]}}
     assert json.loads((out / "capture_disk.json").read_text()) == {"capture_vs_bare_ratio": 0.2}
 
-    rows = qc.compare(qc.load_run(f"17K={out / 'bench-steps3.json'}"), [qc.load_run(f"6K={out / 'runs' / 'curve-6000'}")])
+    rows = qc.compare(
+        qc.load_run(f"17K={out / 'bench-steps3.json'}"),
+        [qc.load_run(f"6K={out / 'runs' / 'curve-6000'}")],
+    )
     ref, run = rows
-    assert ref["reference"] and ref["tau"] == {"mtbench": 2.0} and ref["val_top1"] == [0.8, 0.7] and ref["optimizer_steps"] == 10
+    assert (
+        ref["reference"]
+        and ref["tau"] == {"mtbench": 2.0}
+        and ref["val_top1"] == [0.8, 0.7]
+        and ref["optimizer_steps"] == 10
+    )
     assert run["tau"] == {"mtbench": 1.2} and run["train_samples"] == 6000 and run["val_top1"] == []
     # tau 6/5 - 10/5 = -0.8; resamples {81,81}: 1 - 2 = -1.0, {82,82}: 1.5 - 2 = -0.5
     assert run["delta_vs_ref"]["mtbench"] == {"delta": -0.8, "lo": -1.0, "hi": -0.5, "prompts": 2}
@@ -75,16 +106,41 @@ def test_collect_session_then_compare(tmp_path):
 def test_cli_curve_png_and_bad_spec(tmp_path):
     out = tmp_path / "out"
     cs.collect(_session(tmp_path), out)
-    r = subprocess.run([sys.executable, str(ROOT / "bench" / "quality_compare.py"), "--ref", f"17K={out / 'bench-steps3.json'}",
-                        "--run", f"6K={out / 'runs' / 'curve-6000'}", "--curve", "--out", str(tmp_path / "c.json")],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "quality_compare.py"),
+            "--ref",
+            f"17K={out / 'bench-steps3.json'}",
+            "--run",
+            f"6K={out / 'runs' / 'curve-6000'}",
+            "--curve",
+            "--out",
+            str(tmp_path / "c.json"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "c.png").stat().st_size > 0 and (tmp_path / "c.md").is_file()
     saved = json.loads((tmp_path / "c.json").read_text())
-    assert saved["command"].startswith("python bench/quality_compare.py --ref 17K=") and "--curve" in saved["command"]
+    assert (
+        saved["command"].startswith("python bench/quality_compare.py --ref 17K=")
+        and "--curve" in saved["command"]
+    )
     assert [r["name"] for r in saved["rows"]] == ["17K", "6K"]
-    r = subprocess.run([sys.executable, str(ROOT / "bench" / "quality_compare.py"), "--ref", "no-equals-sign",
-                        "--out", str(tmp_path / "d.json")], capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "quality_compare.py"),
+            "--ref",
+            "no-equals-sign",
+            "--out",
+            str(tmp_path / "d.json"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 2 and r.stderr.startswith("error:") and "NAME=PATH" in r.stderr
     assert not (tmp_path / "d.json").exists()
 
@@ -99,10 +155,17 @@ def test_footnote_reads_the_validation_sizes(tmp_path):
         (d / "data_report.json").write_text(json.dumps({"train_samples": 10, "val_samples": val}))
     (tmp_path / "n").mkdir()
     (tmp_path / "n" / "bench.json").write_text(json.dumps(_bench({"mtbench": {"81": [1, 2]}})))
-    same = qc.markdown(qc.compare(qc.load_run(f"a={tmp_path / 'a'}"), [qc.load_run(f"b={tmp_path / 'b'}")]), "T")
+    same = qc.markdown(
+        qc.compare(qc.load_run(f"a={tmp_path / 'a'}"), [qc.load_run(f"b={tmp_path / 'b'}")]), "T"
+    )
     assert "(1997 samples in every run)" in same and "324" not in same
-    mixed = qc.markdown(qc.compare(qc.load_run(f"a={tmp_path / 'a'}"),
-                                   [qc.load_run(f"c={tmp_path / 'c'}"), qc.load_run(f"n={tmp_path / 'n'}")]), "T")
+    mixed = qc.markdown(
+        qc.compare(
+            qc.load_run(f"a={tmp_path / 'a'}"),
+            [qc.load_run(f"c={tmp_path / 'c'}"), qc.load_run(f"n={tmp_path / 'n'}")],
+        ),
+        "T",
+    )
     assert "(a: 1997 samples; c: 40 samples; n: no data_report.json)" in mixed
 
 
@@ -111,22 +174,52 @@ def test_a_run_stopped_before_its_final_validation_reports_its_exported_weights(
     (select_best: sim_accept), so the table gives that validation's top-1 and names its step (lease 2026-12-04e's
     run showed "-" while its weights' top-1 was in train_report.json)."""
     for name, report in (
-            ("stopped", {"step": 6007, "stopped": True, "final_val": {},
-                         "sim_accept": {"select_best": "sim_accept",
-                                        "best": {"step": 6000, "alpha": [0.896421, 0.892675, 0.890527]}}}),
-            ("stopped-last", {"step": 6007, "stopped": True, "final_val": {},  # exports its last, never validated
-                              "sim_accept": {"select_best": "last", "best": {"step": 6000, "alpha": [0.9]}}}),
-            ("finished", {"step": 7986, "final_val": {"acc_0": 0.893, "acc_1": 0.88},
-                          "sim_accept": {"best": {"step": 7000, "alpha": [0.5, 0.4]}}})):
+        (
+            "stopped",
+            {
+                "step": 6007,
+                "stopped": True,
+                "final_val": {},
+                "sim_accept": {
+                    "select_best": "sim_accept",
+                    "best": {"step": 6000, "alpha": [0.896421, 0.892675, 0.890527]},
+                },
+            },
+        ),
+        (
+            "stopped-last",
+            {
+                "step": 6007,
+                "stopped": True,
+                "final_val": {},  # exports its last, never validated
+                "sim_accept": {"select_best": "last", "best": {"step": 6000, "alpha": [0.9]}},
+            },
+        ),
+        (
+            "finished",
+            {
+                "step": 7986,
+                "final_val": {"acc_0": 0.893, "acc_1": 0.88},
+                "sim_accept": {"best": {"step": 7000, "alpha": [0.5, 0.4]}},
+            },
+        ),
+    ):
         d = tmp_path / name
         d.mkdir()
         (d / "bench.json").write_text(json.dumps(_bench({"mtbench": {"81": [1, 2]}})))
         (d / "train_report.json").write_text(json.dumps(report))
-    rows = qc.compare(qc.load_run(f"finished={tmp_path / 'finished'}"), [qc.load_run(f"stopped={tmp_path / 'stopped'}"),
-                                                                          qc.load_run(f"last={tmp_path / 'stopped-last'}")])
+    rows = qc.compare(
+        qc.load_run(f"finished={tmp_path / 'finished'}"),
+        [
+            qc.load_run(f"stopped={tmp_path / 'stopped'}"),
+            qc.load_run(f"last={tmp_path / 'stopped-last'}"),
+        ],
+    )
     fin, stop, last = rows
     assert last["val_top1"] == [] and last["weights_step"] is None
-    assert fin["val_top1"] == [0.893, 0.88] and fin["weights_step"] is None  # the final validation wins when present
+    assert (
+        fin["val_top1"] == [0.893, 0.88] and fin["weights_step"] is None
+    )  # the final validation wins when present
     assert stop["val_top1"] == [0.8964, 0.8927, 0.8905] and stop["weights_step"] == 6000
     md = qc.markdown(rows, "T")
     assert "| stopped | - | 6007 (weights of step 6000) | 0.896 |" in md

@@ -21,17 +21,35 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "quality_session.sh"
 
-pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("setsid") is None,
-                                reason="needs bash and setsid")
+pytestmark = pytest.mark.skipif(
+    shutil.which("bash") is None or shutil.which("setsid") is None, reason="needs bash and setsid"
+)
 
-PROMPTS = [{"id": f"c{i}", "messages": [{"role": "user", "content": f"q{i}"},
-                                        {"role": "assistant", "content": f"a{i}"}]} for i in range(5)]
+PROMPTS = [
+    {
+        "id": f"c{i}",
+        "messages": [
+            {"role": "user", "content": f"q{i}"},
+            {"role": "assistant", "content": f"a{i}"},
+        ],
+    }
+    for i in range(5)
+]
 
 
 def _driver(verb: str, env: dict, *args: str) -> subprocess.CompletedProcess:
-    base = {k: v for k, v in os.environ.items() if k not in ("SEED", "PACK_LARGE", "PACK_DRAFTER", "OUT", "INIT")}
-    return subprocess.run(["bash", str(SCRIPT), verb, *args], env={**base, "PYTHON": sys.executable, **env},
-                          capture_output=True, text=True, timeout=120)
+    base = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("SEED", "PACK_LARGE", "PACK_DRAFTER", "OUT", "INIT")
+    }
+    return subprocess.run(
+        ["bash", str(SCRIPT), verb, *args],
+        env={**base, "PYTHON": sys.executable, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def _after_01(w: Path) -> None:
@@ -62,12 +80,16 @@ def test_pack_mid_run_leaves_the_large_files_behind(tmp_path):
 
     out2 = tmp_path / "out2"
     out2.mkdir()
-    r = _driver("pack", {"W": str(w), "OUT": str(out2), "PACK_LARGE": "1"})  # asked for: they come back mid-run
+    r = _driver(
+        "pack", {"W": str(w), "OUT": str(out2), "PACK_LARGE": "1"}
+    )  # asked for: they come back mid-run
     assert r.returncode == 0, r.stderr
     assert _packed_prompts(out2) == PROMPTS
     assert json.loads((out2 / "prompts_report.json").read_text())["counts"]["regenerated"] == 5
 
-    (w / "status" / "ALL.done").touch()  # the driver is done: the last pack brings them back by itself
+    (
+        w / "status" / "ALL.done"
+    ).touch()  # the driver is done: the last pack brings them back by itself
     out3 = tmp_path / "out3"
     out3.mkdir()
     r = _driver("pack", {"W": str(w), "OUT": str(out3)})
@@ -79,8 +101,15 @@ def test_settings_given_to_start_hold_for_wait(tmp_path):
     w, out, seed = tmp_path / "w", tmp_path / "out", tmp_path / "seed dir"
     seed.mkdir()
     # INIT names no drafter: `start` refuses before it launches anything, its settings already recorded
-    r = _driver("start", {"W": str(w), "SEED": str(seed), "INIT": str(tmp_path / "missing"),
-                          "RECIPES": "ref:train.epochs=2 b:train.lr=3e-4"})
+    r = _driver(
+        "start",
+        {
+            "W": str(w),
+            "SEED": str(seed),
+            "INIT": str(tmp_path / "missing"),
+            "RECIPES": "ref:train.epochs=2 b:train.lr=3e-4",
+        },
+    )
     assert r.returncode == 1 and "no exported drafter there" in r.stdout, (r.stdout, r.stderr)
     assert not (w / "run.pid").exists() and not (w / "run.log").exists()
     env_file = (w / "driver.env").read_text()
@@ -88,26 +117,47 @@ def test_settings_given_to_start_hold_for_wait(tmp_path):
 
     # the values round-trip through the file exactly (spaces and quotes included); the caller's own value wins
     probe = 'W="$1"; . "$W/driver.env"; printf "%s|%s" "$SEED" "$RECIPES"'
-    got = subprocess.run(["bash", "-c", probe, "x", str(w)], capture_output=True, text=True,
-                         env={"PATH": os.environ["PATH"]}).stdout
+    got = subprocess.run(
+        ["bash", "-c", probe, "x", str(w)],
+        capture_output=True,
+        text=True,
+        env={"PATH": os.environ["PATH"]},
+    ).stdout
     assert got == f"{seed}|ref:train.epochs=2 b:train.lr=3e-4"
-    got = subprocess.run(["bash", "-c", probe, "x", str(w)], capture_output=True, text=True,
-                         env={"PATH": os.environ["PATH"], "SEED": "/other"}).stdout
+    got = subprocess.run(
+        ["bash", "-c", probe, "x", str(w)],
+        capture_output=True,
+        text=True,
+        env={"PATH": os.environ["PATH"], "SEED": "/other"},
+    ).stdout
     assert got.startswith("/other|")
-    got = subprocess.run(["bash", "-c", probe, "x", str(w)], capture_output=True, text=True,
-                         env={"PATH": os.environ["PATH"], "SEED": ""}).stdout
-    assert got.startswith(f"{seed}|")  # an empty SEED in a later call's environment is unset, not "no seed"
+    got = subprocess.run(
+        ["bash", "-c", probe, "x", str(w)],
+        capture_output=True,
+        text=True,
+        env={"PATH": os.environ["PATH"], "SEED": ""},
+    ).stdout
+    assert got.startswith(
+        f"{seed}|"
+    )  # an empty SEED in a later call's environment is unset, not "no seed"
 
     _after_01(w)  # as if 01 had run on the seeded prompts
     out.mkdir()
-    r = _driver("wait", {"W": str(w), "OUT": str(out)}, "1")  # SEED not given here: the driver's own is used
+    r = _driver(
+        "wait", {"W": str(w), "OUT": str(out)}, "1"
+    )  # SEED not given here: the driver's own is used
     assert r.returncode == 0, r.stderr
     assert _packed_prompts(out) == []  # the prompts are the seed's: nothing to bring back
-    r = _driver("wait", {"W": str(w), "OUT": str(out), "SEED": ""}, "1")  # an empty SEED there: the same
+    r = _driver(
+        "wait", {"W": str(w), "OUT": str(out), "SEED": ""}, "1"
+    )  # an empty SEED there: the same
     assert r.returncode == 0, r.stderr
     assert _packed_prompts(out) == []
 
-    w2, out2 = tmp_path / "w2", tmp_path / "out2"  # the same, with no SEED at start: they do come back
+    w2, out2 = (
+        tmp_path / "w2",
+        tmp_path / "out2",
+    )  # the same, with no SEED at start: they do come back
     _after_01(w2)
     (w2 / "status" / "ALL.done").touch()
     out2.mkdir()
@@ -127,18 +177,32 @@ def test_gpu_session_wait_returns_the_prompts_only_when_done(tmp_path):
 
     def wait(out: Path, **env: str) -> list[str]:
         out.mkdir()
-        r = subprocess.run(["bash", str(script), "wait", "0"], capture_output=True, text=True, timeout=120,
-                           env={"PATH": os.environ["PATH"], "PYTHON": sys.executable, "W": str(w), "OUT": str(out),
-                                **env})
+        r = subprocess.run(
+            ["bash", str(script), "wait", "0"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={
+                "PATH": os.environ["PATH"],
+                "PYTHON": sys.executable,
+                "W": str(w),
+                "OUT": str(out),
+                **env,
+            },
+        )
         assert r.returncode == 0, r.stderr
         return sorted(p.name for p in out.iterdir())
 
     assert wait(tmp_path / "o1") == ["results.tar.gz"]  # mid-run: small
     (w / "status" / "ALL.done").touch()
     assert wait(tmp_path / "o2") == ["prompts.jsonl.gz", "results.tar.gz"]
-    lines = gzip.decompress((tmp_path / "o2" / "prompts.jsonl.gz").read_bytes()).decode().splitlines()
+    lines = (
+        gzip.decompress((tmp_path / "o2" / "prompts.jsonl.gz").read_bytes()).decode().splitlines()
+    )
     assert [json.loads(x) for x in lines] == PROMPTS
-    assert wait(tmp_path / "o3", SEED=str(tmp_path)) == ["results.tar.gz"]  # seeded: nothing to bring back
+    assert wait(tmp_path / "o3", SEED=str(tmp_path)) == [
+        "results.tar.gz"
+    ]  # seeded: nothing to bring back
 
 
 def test_finish_is_the_deadline_now(tmp_path):
@@ -149,8 +213,14 @@ def test_finish_is_the_deadline_now(tmp_path):
     (w / "status").mkdir(parents=True)
     got = tmp_path / "got"
     # a stand-in 04: on SIGTERM it records whether the deadline was already marked, then exits as 04 does (143)
-    fake = subprocess.Popen(["bash", "-c", f'trap \'[ -e "{w}/deadline.hit" ] && echo marked > "{got}"; exit 143\' TERM; '
-                             'while :; do sleep 0.1; done'])
+    fake = subprocess.Popen(
+        [
+            "bash",
+            "-c",
+            f'trap \'[ -e "{w}/deadline.hit" ] && echo marked > "{got}"; exit 143\' TERM; '
+            "while :; do sleep 0.1; done",
+        ]
+    )
     try:
         time.sleep(0.5)
         (w / "status" / "deep_04.pid").write_text(f"{fake.pid}\n")
@@ -173,16 +243,38 @@ def test_deadline_export_drops_resume(tmp_path):
     # records its arguments; the training call "is stopped at the deadline" (the mark made while it trains, exit
     # 143), the export succeeds
     fake = tmp_path / "fake04.sh"
-    fake.write_text(f'echo "$*" >> "{calls}"\ncase " $* " in *" --export-only "*) exit 0 ;; '
-                    f'*) touch "{w}/deadline.hit"; exit 143 ;; esac\n')
-    fn = subprocess.run(["sed", "-n", "/^train_until_deadline()/,/^}/p", str(ROOT / "bench" / "quality_session.sh")],
-                        capture_output=True, text=True, check=True).stdout
+    fake.write_text(
+        f'echo "$*" >> "{calls}"\ncase " $* " in *" --export-only "*) exit 0 ;; '
+        f'*) touch "{w}/deadline.hit"; exit 143 ;; esac\n'
+    )
+    fn = subprocess.run(
+        [
+            "sed",
+            "-n",
+            "/^train_until_deadline()/,/^}/p",
+            str(ROOT / "bench" / "quality_session.sh"),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert fn.startswith("train_until_deadline()")
-    r = subprocess.run(["bash", "-c", fn + f'\nW="{w}"; train_until_deadline deep bash "{fake}" --config c.yaml '
-                                            f'--set a=1 --resume --set b=2'], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [
+            "bash",
+            "-c",
+            fn + f'\nW="{w}"; train_until_deadline deep bash "{fake}" --config c.yaml '
+            f"--set a=1 --resume --set b=2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr
-    assert calls.read_text().splitlines() == ["--config c.yaml --set a=1 --resume --set b=2",
-                                              "--config c.yaml --set a=1 --set b=2 --export-only"]
+    assert calls.read_text().splitlines() == [
+        "--config c.yaml --set a=1 --resume --set b=2",
+        "--config c.yaml --set a=1 --set b=2 --export-only",
+    ]
 
 
 def test_no_training_starts_after_the_deadline(tmp_path):
@@ -195,12 +287,24 @@ def test_no_training_starts_after_the_deadline(tmp_path):
     (w / "deadline.hit").touch()
     calls = tmp_path / "calls"
     fake = tmp_path / "fake04.sh"
-    fake.write_text(f'echo "$*" >> "{calls}"\ncase " $* " in *" --export-only "*) exit 0 ;; *) sleep 5 ;; esac\n')
+    fake.write_text(
+        f'echo "$*" >> "{calls}"\ncase " $* " in *" --export-only "*) exit 0 ;; *) sleep 5 ;; esac\n'
+    )
     src = _functions("train_until_deadline")
-    r = subprocess.run(["bash", "-c", src + f'\nW="{w}"; train_until_deadline late bash "{fake}" --config c.yaml --resume'],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [
+            "bash",
+            "-c",
+            src + f'\nW="{w}"; train_until_deadline late bash "{fake}" --config c.yaml --resume',
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr
-    assert r.stdout.splitlines() == ["== late: the deadline has passed; not training, exporting its checkpoint if it has one"]
+    assert r.stdout.splitlines() == [
+        "== late: the deadline has passed; not training, exporting its checkpoint if it has one"
+    ]
     assert calls.read_text().splitlines() == ["--config c.yaml --export-only"]
     assert not (w / "status" / "late_04.pid").exists()
     # deadline_left: TRAIN_END_S counts from the driver's first start ($W/t0), DEADLINE_S from now, neither: none
@@ -208,10 +312,20 @@ def test_no_training_starts_after_the_deadline(tmp_path):
     src = _functions("deadline_left")
     left = {}
     for env in ({"TRAIN_END_S": "1000"}, {"TRAIN_END_S": "50"}, {"DEADLINE_S": "30"}, {}):
-        r = subprocess.run(["bash", "-c", src + "\ndeadline_left"], capture_output=True, text=True, timeout=60,
-                           env={"PATH": os.environ["PATH"], "W": str(w), **env})
+        r = subprocess.run(
+            ["bash", "-c", src + "\ndeadline_left"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={"PATH": os.environ["PATH"], "W": str(w), **env},
+        )
         left[next(iter(env.values()), "")] = r.stdout.strip()
-    assert left["30"] == "30" and left[""] == "" and 898 <= int(left["1000"]) <= 900 and -52 <= int(left["50"]) <= -50
+    assert (
+        left["30"] == "30"
+        and left[""] == ""
+        and 898 <= int(left["1000"]) <= 900
+        and -52 <= int(left["50"]) <= -50
+    )
 
 
 @pytest.mark.slow
@@ -236,16 +350,23 @@ def test_a_drafter_over_64_mib_comes_back_in_two_packs(tmp_path):
         outs.append(sorted(out.glob("drafter.tar.gz.part*")))
         said.append(next(line for line in r.stdout.splitlines() if line.startswith("== drafter:")))
     assert [len(o) for o in outs] == [4, 1, 0]
-    assert said[0].startswith("== drafter: 4 parts in $OUT, 1 more: run `") and said[0].endswith(" pack` again (warm machine)")
+    assert said[0].startswith("== drafter: 4 parts in $OUT, 1 more: run `") and said[0].endswith(
+        " pack` again (warm machine)"
+    )
     assert said[1] == "== drafter: 1 parts in $OUT, all sent (5 in all)"
     names = [p.name for o in outs for p in o]
     assert names == [f"drafter.tar.gz.part{i:02d}" for i in range(5)]  # each part once, in order
     assert all(p.stat().st_size <= 15 * 2**20 for o in outs for p in o)
-    assert not list((tmp_path / "out0").glob("prompts.jsonl.gz.part*"))  # the drafter takes the place of the prompts
+    assert not list(
+        (tmp_path / "out0").glob("prompts.jsonl.gz.part*")
+    )  # the drafter takes the place of the prompts
     back = tmp_path / "back"
     back.mkdir()
-    cat = subprocess.run(["bash", "-c", f"cat {' '.join(str(p) for o in outs for p in o)} | tar -xzf - -C {back}"],
-                         capture_output=True, text=True)
+    cat = subprocess.run(
+        ["bash", "-c", f"cat {' '.join(str(p) for o in outs for p in o)} | tar -xzf - -C {back}"],
+        capture_output=True,
+        text=True,
+    )
     assert cat.returncode == 0, cat.stderr
     assert (back / "model.safetensors").read_bytes() == payload
     assert (back / "config.json").read_text() == (ex / "config.json").read_text()
@@ -257,23 +378,39 @@ def test_a_restart_keeps_the_settings_of_the_first_start(tmp_path):
     (another CONFIG and RECIPES) on the phases already done (dry run 2026-12-05f: `ref_04: already done`, then
     v31 / lk / ep16 training on the plan's data)."""
     w = tmp_path / "w"
-    first = {"W": str(w), "INIT": str(tmp_path / "missing"), "RECIPES": "mine:train.lr=2e-3", "NPROMPTS": "8"}
+    first = {
+        "W": str(w),
+        "INIT": str(tmp_path / "missing"),
+        "RECIPES": "mine:train.lr=2e-3",
+        "NPROMPTS": "8",
+    }
     r = _driver("start", first)
     assert r.returncode == 1 and "no exported drafter there" in r.stdout, (r.stdout, r.stderr)
     # the restart: nothing but W (PYTHON=false: had the settings been lost, the defaults' preflight fails, no launch)
     r = _driver("start", {"W": str(w), "PYTHON": "false"})
     assert r.returncode == 1 and not (w / "run.pid").exists(), (r.stdout, r.stderr)
-    assert r.stdout.splitlines()[0] == (f"== settings of the earlier start kept (from {w}/driver.env): "
-                                        "NPROMPTS INIT RECIPES")
-    assert r.stdout.splitlines()[1] == f"== INIT={tmp_path}/missing: no exported drafter there (config.json + " \
+    assert r.stdout.splitlines()[0] == (
+        f"== settings of the earlier start kept (from {w}/driver.env): NPROMPTS INIT RECIPES"
+    )
+    assert (
+        r.stdout.splitlines()[1]
+        == f"== INIT={tmp_path}/missing: no exported drafter there (config.json + "
         "model.safetensors, or drafter.tar.gz.partNN)"
+    )
     env_file = (w / "driver.env").read_text()
     assert "RECIPES=mine:train.lr=2e-3" in env_file and "PYTHON=false" in env_file
     # kept values are exported (the driver `start` launches reads its environment); a value given again wins
-    probe = ('. bench/lease_lib.sh; lease_start_settings "$1" NPROMPTS RECIPES >/dev/null; '
-             'bash -c \'printf "%s|%s" "$NPROMPTS" "$RECIPES"\'')
-    got = subprocess.run(["bash", "-c", probe, "x", str(w)], cwd=ROOT, capture_output=True, text=True,
-                         env={"PATH": os.environ["PATH"], "NPROMPTS": "16"})
+    probe = (
+        '. bench/lease_lib.sh; lease_start_settings "$1" NPROMPTS RECIPES >/dev/null; '
+        'bash -c \'printf "%s|%s" "$NPROMPTS" "$RECIPES"\''
+    )
+    got = subprocess.run(
+        ["bash", "-c", probe, "x", str(w)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={"PATH": os.environ["PATH"], "NPROMPTS": "16"},
+    )
     assert got.returncode == 0 and got.stdout == "16|mine:train.lr=2e-3", (got.stdout, got.stderr)
 
 
@@ -281,10 +418,17 @@ def test_settings_file_written_when_the_last_setting_is_unset(tmp_path):
     """driver.env is renamed into place whatever the last variable's state (lease 2026-12-05b: an unset last
     variable, PYTHON, left only driver.env.tmp, and `pack` knew no PACK_DRAFTER)."""
     w = tmp_path / "w"
-    probe = ('. bench/lease_lib.sh; A="x y"; unset B; lease_save_settings "$1" A B; unset A; '
-             'lease_load_settings "$1"; printf "%s" "$A"')
-    r = subprocess.run(["bash", "-c", probe, "x", str(w)], cwd=ROOT, capture_output=True, text=True,
-                       env={"PATH": os.environ["PATH"]})
+    probe = (
+        '. bench/lease_lib.sh; A="x y"; unset B; lease_save_settings "$1" A B; unset A; '
+        'lease_load_settings "$1"; printf "%s" "$A"'
+    )
+    r = subprocess.run(
+        ["bash", "-c", probe, "x", str(w)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={"PATH": os.environ["PATH"]},
+    )
     assert r.returncode == 0 and r.stdout == "x y", (r.stdout, r.stderr)
     assert sorted(p.name for p in w.iterdir()) == ["driver.env"]
 
@@ -299,17 +443,24 @@ def test_start_refuses_while_a_driver_runs_and_clears_a_finished_ones_mark(tmp_p
         (w / "run.pid").write_text(f"{sleeper.pid}\n")
         (w / "status" / "ALL.done").write_text("")
         probe = '. bench/lease_lib.sh; lease_start "$1" /bin/false'
-        r = subprocess.run(["bash", "-c", probe, "x", str(w)], cwd=ROOT, capture_output=True, text=True)
+        r = subprocess.run(
+            ["bash", "-c", probe, "x", str(w)], cwd=ROOT, capture_output=True, text=True
+        )
         assert r.returncode == 1 and r.stderr.strip() == (
-            f"error: a driver is still running (pid {sleeper.pid}, log {w}/run.log): `wait` for it, or `stop` it first")
+            f"error: a driver is still running (pid {sleeper.pid}, log {w}/run.log): `wait` for it, or `stop` it first"
+        )
         assert (w / "status" / "ALL.done").exists() and not (w / "run.log").exists()
     finally:
         sleeper.kill()
         sleeper.wait()
     script = tmp_path / "drv.sh"
     script.write_text('[ "$1" = run ] && echo ran\n')
-    r = subprocess.run(["bash", "-c", '. bench/lease_lib.sh; lease_start "$1" "$2"', "x", str(w), str(script)],
-                       cwd=ROOT, capture_output=True, text=True)
+    r = subprocess.run(
+        ["bash", "-c", '. bench/lease_lib.sh; lease_start "$1" "$2"', "x", str(w), str(script)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0 and r.stdout.startswith("started (pid "), r.stderr
     assert not (w / "status" / "ALL.done").exists() and (w / "run.log").read_text() == "ran\n"
 
@@ -319,18 +470,32 @@ def test_preflight_refuses_a_recipe_before_the_driver_starts(tmp_path, nprompts)
     """`start` loads every recipe's config: a bad --set is refused in one line naming the recipe, nothing launched
     (NPROMPTS=auto, sized at run time, passes the check: the first recipe is accepted)."""
     w = tmp_path / "w"
-    r = _driver("start", {"W": str(w), "RECIPES": "ref: bad:train.epochs=0", "CONFIG": "configs/tiny-llama.yaml",
-                          "NPROMPTS": nprompts, "SPEED": "1" if nprompts == "auto" else "0"})  # (auto: regen_speed)
+    r = _driver(
+        "start",
+        {
+            "W": str(w),
+            "RECIPES": "ref: bad:train.epochs=0",
+            "CONFIG": "configs/tiny-llama.yaml",
+            "NPROMPTS": nprompts,
+            "SPEED": "1" if nprompts == "auto" else "0",
+        },
+    )  # (auto: regen_speed)
     assert r.returncode == 1 and not (w / "run.pid").exists(), (r.stdout, r.stderr)
-    assert r.stderr.strip().startswith("error: recipe bad: ") and "train.epochs" in r.stderr, r.stderr
+    assert r.stderr.strip().startswith("error: recipe bad: ") and "train.epochs" in r.stderr, (
+        r.stderr
+    )
 
 
 def _functions(*names: str) -> str:
     """The bash source of quality_session.sh's functions ``names`` (each from its ``name() {`` line to its ``}``)."""
     out = []
     for name in names:
-        fn = subprocess.run(["sed", "-n", f"/^{name}()/,/^}}/p", str(SCRIPT)], capture_output=True, text=True,
-                            check=True).stdout
+        fn = subprocess.run(
+            ["sed", "-n", f"/^{name}()/,/^}}/p", str(SCRIPT)],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         assert fn.startswith(f"{name}()"), name
         out.append(fn)
     return "\n".join(out)
@@ -338,21 +503,32 @@ def _functions(*names: str) -> str:
 
 def test_lease_cached_recomputes_only_when_its_inputs_change(tmp_path):
     f = tmp_path / "v"
-    probe = ('. bench/lease_lib.sh; n=$(cat "$2" 2>/dev/null || echo 0); '
-             'lease_cached "$1" "$3" bash -c "echo computed; echo $((n + 1)) > $2"')
+    probe = (
+        '. bench/lease_lib.sh; n=$(cat "$2" 2>/dev/null || echo 0); '
+        'lease_cached "$1" "$3" bash -c "echo computed; echo $((n + 1)) > $2"'
+    )
     calls = tmp_path / "calls"
 
     def cached(inputs: str) -> str:
-        r = subprocess.run(["bash", "-c", probe, "x", str(f), str(calls), inputs], cwd=ROOT, capture_output=True,
-                           text=True, env={"PATH": os.environ["PATH"]})
+        r = subprocess.run(
+            ["bash", "-c", probe, "x", str(f), str(calls), inputs],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            env={"PATH": os.environ["PATH"]},
+        )
         assert r.returncode == 0, r.stderr
         return r.stdout
 
     assert cached("a=1 b=2") == "computed\n" and calls.read_text() == "1\n"
     assert (tmp_path / "v.inputs").read_text() == "a=1 b=2\n"
     f.write_text("kept\n")
-    assert cached("a=1 b=2") == "kept\n" and calls.read_text() == "1\n"  # same inputs: the value kept, no call
-    assert cached("a=1 b=3") == "computed\n" and calls.read_text() == "2\n"  # an input changed: computed again
+    assert (
+        cached("a=1 b=2") == "kept\n" and calls.read_text() == "1\n"
+    )  # same inputs: the value kept, no call
+    assert (
+        cached("a=1 b=3") == "computed\n" and calls.read_text() == "2\n"
+    )  # an input changed: computed again
     assert sorted(p.name for p in tmp_path.iterdir()) == ["calls", "v", "v.inputs"]
 
 
@@ -365,26 +541,37 @@ def test_restarted_driver_recomputes_main_steps_when_its_inputs_change(tmp_path)
     src = _functions("main_steps_inputs", "main_steps_compute", "main_steps")
 
     def steps(**env: str) -> int:
-        r = subprocess.run(["bash", "-c", f'. bench/lease_lib.sh\n{src}\nmain_steps'], cwd=ROOT, capture_output=True,
-                           text=True, timeout=60, env={"PATH": os.environ["PATH"], "W": str(w), "PY": sys.executable,
-                                                        **env})
+        r = subprocess.run(
+            ["bash", "-c", f". bench/lease_lib.sh\n{src}\nmain_steps"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={"PATH": os.environ["PATH"], "W": str(w), "PY": sys.executable, **env},
+        )
         assert r.returncode == 0, r.stderr
         return int(r.stdout)
 
     lease = {"SPEED": "1", "ONLINE_SPEED": "0", "ONLINE_TPS": "15000"}
-    assert steps(**lease, STEPS_FOR_S="300") == 300  # 300 s x 15,000 tokens/s / 15,000 tokens a step
+    assert (
+        steps(**lease, STEPS_FOR_S="300") == 300
+    )  # 300 s x 15,000 tokens/s / 15,000 tokens a step
     (w / "main_steps").write_text("777\n")  # (a stand-in for a value the same inputs gave earlier)
     assert steps(**lease, STEPS_FOR_S="300") == 777  # a restart with the same inputs keeps it
     assert steps(**lease, STEPS_FOR_S="400") == 400  # another STEPS_FOR_S: computed again
     # SPEED=1 with the measured online figure; a new measurement is another input
     measured = {"SPEED": "1", "STEPS_FOR_S": "100"}
-    (w / "speed" / "online_train_speed.json").write_text(json.dumps({"results": [{"mode": "online",
-                                                                                  "tokens_per_s": 30000}]}))
+    (w / "speed" / "online_train_speed.json").write_text(
+        json.dumps({"results": [{"mode": "online", "tokens_per_s": 30000}]})
+    )
     assert steps(**measured) == 200
-    (w / "speed" / "online_train_speed.json").write_text(json.dumps({"results": [{"mode": "online",
-                                                                                  "tokens_per_s": 45000}]}))
+    (w / "speed" / "online_train_speed.json").write_text(
+        json.dumps({"results": [{"mode": "online", "tokens_per_s": 45000}]})
+    )
     assert steps(**measured) == 300
-    assert steps() == 1000  # a driver without SPEED=1: unmeasured, the default (it used to take the stale 300)
+    assert (
+        steps() == 1000
+    )  # a driver without SPEED=1: unmeasured, the default (it used to take the stale 300)
     assert (w / "main_steps.inputs").read_text() == "unmeasured\n"
 
 
@@ -393,17 +580,26 @@ def _self_instruct_driver(tmp_path, w, calls, steps: str, env: dict) -> subproce
     its arguments in ``calls`` and writes ``--out`` + its report (self-instruct mode) or prompts.jsonl + report under
     ``output_root`` (a normal run)."""
     fake = tmp_path / "fakepy"
-    fake.write_text(f'#!/usr/bin/env bash\necho "$*" >> "{calls}"\nout=; root=\n'
-                    'while [ $# -gt 0 ]; do [ "$1" = --out ] && out=$2; case "$2" in output_root=*) root=${2#*=};; esac;'
-                    ' shift; done\n'
-                    'if [ -n "$out" ]; then echo \'{"id": "self_instruct/0"}\' > "$out"; echo "{}" > "${out%.jsonl}_report.json"\n'
-                    'else mkdir -p "$root"; echo \'{"id": "s0"}\' > "$root/prompts.jsonl"; echo \'{"r": 1}\' > "$root/prompts_report.json"; fi\n')
+    fake.write_text(
+        f'#!/usr/bin/env bash\necho "$*" >> "{calls}"\nout=; root=\n'
+        'while [ $# -gt 0 ]; do [ "$1" = --out ] && out=$2; case "$2" in output_root=*) root=${2#*=};; esac;'
+        " shift; done\n"
+        'if [ -n "$out" ]; then echo \'{"id": "self_instruct/0"}\' > "$out"; echo "{}" > "${out%.jsonl}_report.json"\n'
+        'else mkdir -p "$root"; echo \'{"id": "s0"}\' > "$root/prompts.jsonl"; echo \'{"r": 1}\' > "$root/prompts_report.json"; fi\n'
+    )
     fake.chmod(0o755)
     src = _functions("phase", "seed_prompts", "self_instruct_prompts", "self_instruct_base")
-    script = (f'{src}\nW="{w}"; ROOT="$W/data-run"; PY="{fake}"; CONFIG=c.yaml; NPROMPTS=4000\n'
-              f'BASE=(--set verifier.path=v); self_instruct_base\n{steps}')
-    return subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60,
-                          env={"PATH": os.environ["PATH"], **env})
+    script = (
+        f'{src}\nW="{w}"; ROOT="$W/data-run"; PY="{fake}"; CONFIG=c.yaml; NPROMPTS=4000\n'
+        f"BASE=(--set verifier.path=v); self_instruct_base\n{steps}"
+    )
+    return subprocess.run(
+        ["bash", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": os.environ["PATH"], **env},
+    )
 
 
 def test_self_instruct_adds_the_verifiers_prompts_to_the_seed(tmp_path):
@@ -418,20 +614,33 @@ def test_self_instruct_adds_the_verifiers_prompts_to_the_seed(tmp_path):
     (seed / "prompts.jsonl.gz").write_bytes(gzip.compress(b'{"id": "c0", "messages": []}\n'))
     (seed / "prompts_report.json").write_text("{}")
     calls = tmp_path / "calls"
-    r = _self_instruct_driver(tmp_path, w, calls, 'seed_prompts && self_instruct_prompts && self_instruct_prompts && '
-                              'printf "%s\\n" "${BASE[@]}" "N=$NPROMPTS"',
-                              {"SEED": str(seed), "SELF_INSTRUCT": "5", "SI_EXCLUDE": "e1.jsonl e2.jsonl"})
+    r = _self_instruct_driver(
+        tmp_path,
+        w,
+        calls,
+        "seed_prompts && self_instruct_prompts && self_instruct_prompts && "
+        'printf "%s\\n" "${BASE[@]}" "N=$NPROMPTS"',
+        {"SEED": str(seed), "SELF_INSTRUCT": "5", "SI_EXCLUDE": "e1.jsonl e2.jsonl"},
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert (w / "seed" / "prompts.jsonl").read_text() == '{"id": "c0", "messages": []}\n'
     assert not (w / "data-run" / "prompts.jsonl").exists()
-    sets = (f"--set verifier.path=v --set prompts.source=[{w}/seed/prompts.jsonl,{w}/self_instruct.jsonl] "
-            f"--set prompts.sample_size=null --set prompts.reuse_answers={w}/seed/prompts.jsonl")
+    sets = (
+        f"--set verifier.path=v --set prompts.source=[{w}/seed/prompts.jsonl,{w}/self_instruct.jsonl] "
+        f"--set prompts.sample_size=null --set prompts.reuse_answers={w}/seed/prompts.jsonl"
+    )
     assert calls.read_text().splitlines() == [  # one call: the second found the phase done
         f"01_prepare_prompts.py --config c.yaml {sets} --self-instruct 5 --out {w}/self_instruct.jsonl "
-        "--exclude e1.jsonl --exclude e2.jsonl"]
-    assert gzip.decompress((w / "speed" / "self_instruct.jsonl.gz").read_bytes()) == b'{"id": "self_instruct/0"}\n'
+        "--exclude e1.jsonl --exclude e2.jsonl"
+    ]
+    assert (
+        gzip.decompress((w / "speed" / "self_instruct.jsonl.gz").read_bytes())
+        == b'{"id": "self_instruct/0"}\n'
+    )
     assert (w / "speed" / "self_instruct_report.json").exists()
-    assert r.stdout.splitlines()[-9:] == sets.split(" ") + ["N="]  # every stage's --set list; NPROMPTS dropped
+    assert r.stdout.splitlines()[-9:] == sets.split(" ") + [
+        "N="
+    ]  # every stage's --set list; NPROMPTS dropped
     r = _self_instruct_driver(tmp_path, w, calls, "self_instruct_prompts", {"SELF_INSTRUCT": "5"})
     assert r.returncode == 1 and "SELF_INSTRUCT needs SEED or SEED_NPROMPTS" in r.stdout
 
@@ -444,13 +653,22 @@ def test_seed_nprompts_makes_the_seed_before_the_self_instruct_prompts(tmp_path)
     for d in ("status", "logs", "speed"):
         (w / d).mkdir(parents=True)
     calls = tmp_path / "calls"
-    r = _self_instruct_driver(tmp_path, w, calls, 'seed_prompts && self_instruct_prompts && SEED= && seed_prompts && '
-                              'echo "SEED=$SEED"', {"SEED_NPROMPTS": "7", "SELF_INSTRUCT": "5"})
+    r = _self_instruct_driver(
+        tmp_path,
+        w,
+        calls,
+        'seed_prompts && self_instruct_prompts && SEED= && seed_prompts && echo "SEED=$SEED"',
+        {"SEED_NPROMPTS": "7", "SELF_INSTRUCT": "5"},
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     lines = calls.read_text().splitlines()
-    assert lines[0] == (f"01_prepare_prompts.py --config c.yaml --set verifier.path=v --set output_root={w}/seed-run "
-                        "--set prompts.sample_size=7")
-    assert len(lines) == 2 and "--self-instruct 5" in lines[1]  # the repeated seed_prompts found seed01 done
+    assert lines[0] == (
+        f"01_prepare_prompts.py --config c.yaml --set verifier.path=v --set output_root={w}/seed-run "
+        "--set prompts.sample_size=7"
+    )
+    assert (
+        len(lines) == 2 and "--self-instruct 5" in lines[1]
+    )  # the repeated seed_prompts found seed01 done
     assert (w / "seed" / "prompts.jsonl").read_text() == '{"id": "s0"}\n'
     assert (w / "seed" / "prompts_report.json").read_text() == '{"r": 1}\n'
     assert r.stdout.splitlines()[-1] == f"SEED={w}/seed-run"
@@ -461,23 +679,41 @@ def test_start_refuses_seed_nprompts_it_would_ignore(tmp_path, extra):
     """Lease 2026-12-05f: SEED_NPROMPTS=100000 without SELF_INSTRUCT (meant as the data set's size) was ignored and the
     driver trained on NPROMPTS' default 4,000 conversations; `start` now refuses it in one line naming NPROMPTS."""
     w = tmp_path / "w"
-    r = _driver("start", {"W": str(w), "RECIPES": "ref:", "CONFIG": "configs/tiny-llama.yaml",
-                          "SEED_NPROMPTS": "100000", **extra})
+    r = _driver(
+        "start",
+        {
+            "W": str(w),
+            "RECIPES": "ref:",
+            "CONFIG": "configs/tiny-llama.yaml",
+            "SEED_NPROMPTS": "100000",
+            **extra,
+        },
+    )
     assert r.returncode == 1 and not (w / "run.pid").exists(), (r.stdout, r.stderr)
     assert r.stderr.strip() == (
         "error: SEED_NPROMPTS=100000 is read only with SELF_INSTRUCT > 0 and no SEED (it sizes the seed the "
-        "self-instruct prompts add to); for the data set's size set NPROMPTS=100000"), r.stderr
+        "self-instruct prompts add to); for the data set's size set NPROMPTS=100000"
+    ), r.stderr
 
 
 def test_preflight_checks_the_benchmarks_set_list(tmp_path):
     """Lease 2026-12-05f: BENCH_SETS=mtbench (not a section.key=value) failed every 05 after its training; `start`
     checks 05's --set list with the recipes'."""
     w = tmp_path / "w"
-    r = _driver("start", {"W": str(w), "RECIPES": "ref:", "CONFIG": "configs/tiny-llama.yaml",
-                          "BENCH_SETS": "mtbench"})
+    r = _driver(
+        "start",
+        {
+            "W": str(w),
+            "RECIPES": "ref:",
+            "CONFIG": "configs/tiny-llama.yaml",
+            "BENCH_SETS": "mtbench",
+        },
+    )
     assert r.returncode == 1 and not (w / "run.pid").exists(), (r.stdout, r.stderr)
     assert r.stdout.splitlines()[-1] == "preflight ref: ok", r.stdout
-    assert r.stderr.strip().startswith("error: recipe 05 (BENCH_SETS): ") and "mtbench" in r.stderr, r.stderr
+    assert (
+        r.stderr.strip().startswith("error: recipe 05 (BENCH_SETS): ") and "mtbench" in r.stderr
+    ), r.stderr
 
 
 @pytest.mark.parametrize("phase", ["04", "05s3", "05s7"])
@@ -488,8 +724,12 @@ def test_out_of_memory_retry_waits_for_the_other_trainings(tmp_path, phase):
     w = tmp_path / "w"
     (w / "status").mkdir(parents=True)
     (w / "logs").mkdir()
-    (w / "logs" / f"big_{phase}.log").write_text("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 6.73 GiB.\n")
-    script = _functions("retry_wait", "other_trainings") + """
+    (w / "logs" / f"big_{phase}.log").write_text(
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 6.73 GiB.\n"
+    )
+    script = (
+        _functions("retry_wait", "other_trainings")
+        + """
 sleep 1.5 & other=$!
 echo "$other" > "$W/status/ref_04.pid"
 sleep 30 & own=$!
@@ -498,10 +738,18 @@ retry_wait big
 if kill -0 "$other" 2>/dev/null; then echo "retried while ref trains"; else echo "retried after ref"; fi
 kill "$own"
 """
-    r = subprocess.run(["bash", "-c", script], env={**os.environ, "W": str(w), "RETRY_POLL_S": "0.2"},
-                       capture_output=True, text=True, timeout=60)
-    assert r.stdout.splitlines() == ["== big: out of memory; its retry waits until no other training runs",
-                                     "retried after ref"], (r.stdout, r.stderr)
+    )
+    r = subprocess.run(
+        ["bash", "-c", script],
+        env={**os.environ, "W": str(w), "RETRY_POLL_S": "0.2"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.stdout.splitlines() == [
+        "== big: out of memory; its retry waits until no other training runs",
+        "retried after ref",
+    ], (r.stdout, r.stderr)
 
 
 @pytest.mark.parametrize("setting", ["BENCH_FULL", "SPEED05", "PACK_DRAFTER"])
@@ -510,21 +758,42 @@ def test_start_refuses_a_setting_naming_no_recipe(tmp_path, setting):
     BENCH_FULL named b64k, dropped from its RECIPES, and not warm10, which then got 05 on MT-bench at 3 steps only)."""
     w = tmp_path / "w"
     value = "ref b64k" if setting == "BENCH_FULL" else "b64k"
-    r = _driver("start", {"W": str(w), "RECIPES": "ref: lr2e-3:train.lr=2e-3", "CONFIG": "configs/tiny-llama.yaml",
-                          setting: value, "PYTHON": "false"})  # (false: a start that passed would launch nothing)
+    r = _driver(
+        "start",
+        {
+            "W": str(w),
+            "RECIPES": "ref: lr2e-3:train.lr=2e-3",
+            "CONFIG": "configs/tiny-llama.yaml",
+            setting: value,
+            "PYTHON": "false",
+        },
+    )  # (false: a start that passed would launch nothing)
     assert r.returncode == 1 and not (w / "run.pid").exists(), (r.stdout, r.stderr)
-    assert r.stderr.strip() == f"error: {setting} names b64k, which is no recipe of RECIPES (ref lr2e-3): it would be ignored"
+    assert (
+        r.stderr.strip()
+        == f"error: {setting} names b64k, which is no recipe of RECIPES (ref lr2e-3): it would be ignored"
+    )
 
 
 def test_the_next_leases_plan_passes_the_settings_check():
     """bench/plans/lease-next.env as the lease sources it (set -a): check_settings accepts it, every recipe of its
     RECIPES gets the full benchmark (its comments: 05 on the three sets at 3 steps and MT-bench at 7 for each run)."""
-    script = (f'set -a; . bench/plans/lease-next.env; set +a\n{_functions("check_settings")}\ncheck_settings && '
-              'for spec in $RECIPES; do n=${spec%%:*}; [[ " $BENCH_FULL " == *" $n "* ]] && echo "$n full"; done')
-    r = subprocess.run(["bash", "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60,
-                       env={"PATH": os.environ["PATH"]})
+    script = (
+        f"set -a; . bench/plans/lease-next.env; set +a\n{_functions('check_settings')}\ncheck_settings && "
+        'for spec in $RECIPES; do n=${spec%%:*}; [[ " $BENCH_FULL " == *" $n "* ]] && echo "$n full"; done'
+    )
+    r = subprocess.run(
+        ["bash", "-c", script],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": os.environ["PATH"]},
+    )
     assert r.returncode == 0, r.stderr
-    recipes = re.search(r'^RECIPES="([^"]*)"', (ROOT / "bench/plans/lease-next.env").read_text(), re.M).group(1)
+    recipes = re.search(
+        r'^RECIPES="([^"]*)"', (ROOT / "bench/plans/lease-next.env").read_text(), re.M
+    ).group(1)
     names = [spec.split(":", 1)[0] for spec in recipes.split()]
     assert len(names) >= 2 and r.stdout.splitlines() == [f"{n} full" for n in names]
 
@@ -541,14 +810,22 @@ def test_wait_returns_when_the_driver_is_gone(tmp_path, script):
     (w / "run.pid").write_text(f"{dead.pid}\n")
     (w / "run.log").write_text("== ref_04: start 10:00:00\n")
     t0 = time.monotonic()
-    r = subprocess.run(["bash", str(ROOT / "bench" / script), "wait", "120"], capture_output=True, text=True, timeout=200,
-                       env={"PATH": os.environ["PATH"], "PYTHON": sys.executable, "W": str(w), "OUT": str(out)})
+    r = subprocess.run(
+        ["bash", str(ROOT / "bench" / script), "wait", "120"],
+        capture_output=True,
+        text=True,
+        timeout=200,
+        env={"PATH": os.environ["PATH"], "PYTHON": sys.executable, "W": str(w), "OUT": str(out)},
+    )
     assert r.returncode == 0, r.stderr
     assert time.monotonic() - t0 < 60
-    assert r.stdout.splitlines()[0] == (f"== the driver is not running and did not finish (no {w}/status/ALL.done; "
-                                        f"see {w}/run.log): packing what is there")
-    assert sorted(p.name for p in out.iterdir()) == ["quality-results.tar.gz" if script == "quality_session.sh"
-                                                     else "results.tar.gz"]
+    assert r.stdout.splitlines()[0] == (
+        f"== the driver is not running and did not finish (no {w}/status/ALL.done; "
+        f"see {w}/run.log): packing what is there"
+    )
+    assert sorted(p.name for p in out.iterdir()) == [
+        "quality-results.tar.gz" if script == "quality_session.sh" else "results.tar.gz"
+    ]
 
 
 def test_each_run_records_its_set_list_and_the_summary_reports_it(tmp_path):
@@ -563,27 +840,55 @@ def test_each_run_records_its_set_list_and_the_summary_reports_it(tmp_path):
     fake.write_text("#!/usr/bin/env bash\nexit 0\n")
     fake.chmod(0o755)
     src = _functions("phase", "rargs", "recipe_chain", "train_until_deadline")
-    script = (f'{src}\nW="{w}"; ROOT="$W/data-run"; PY="{fake}"; CONFIG=c.yaml; NPROMPTS=8; SETS7=; B5=(); '
-              'BASE=(--set verifier.path=v --set train.hidden_states=online); CM=(train.eval_every=50)\n'
-              'recipe_chain lr "train.lr=2e-3,data.exclude_id_prefixes=[a/,b/]"')
-    r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60, env={"PATH": os.environ["PATH"]})
+    script = (
+        f'{src}\nW="{w}"; ROOT="$W/data-run"; PY="{fake}"; CONFIG=c.yaml; NPROMPTS=8; SETS7=; B5=(); '
+        "BASE=(--set verifier.path=v --set train.hidden_states=online); CM=(train.eval_every=50)\n"
+        'recipe_chain lr "train.lr=2e-3,data.exclude_id_prefixes=[a/,b/]"'
+    )
+    r = subprocess.run(
+        ["bash", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": os.environ["PATH"]},
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     lines = (w / "runs" / "lr" / "overrides.txt").read_text().splitlines()
     data = (w / "runs" / "lr" / "data_dir").read_text().strip()
-    assert lines == ["verifier.path=v", "train.hidden_states=online", f"output_root={w}/runs/lr",
-                     f"extract.output_dir={w}/data-run/shards", f"data.output_dir={data}", "prompts.sample_size=8",
-                     "train.eval_every=50", "train.lr=2e-3", "data.exclude_id_prefixes=[a/,b/]"]
+    assert lines == [
+        "verifier.path=v",
+        "train.hidden_states=online",
+        f"output_root={w}/runs/lr",
+        f"extract.output_dir={w}/data-run/shards",
+        f"data.output_dir={data}",
+        "prompts.sample_size=8",
+        "train.eval_every=50",
+        "train.lr=2e-3",
+        "data.exclude_id_prefixes=[a/,b/]",
+    ]
     r = _driver("pack", {"W": str(w)})
     assert r.returncode == 0, r.stderr
     assert (w / "res" / "runs" / "lr" / "overrides.txt").read_text().splitlines() == lines
     # quality_recipes: the list into the run's quality.json
     sys.path.insert(0, str(ROOT / "bench"))
     import quality_recipes as qr
+
     runs = tmp_path / "runs"
     for name in ("ref", "lr"):
         (runs / name).mkdir(parents=True)
-        ds = {"dataset": "mtbench", "num_prompts": 1, "tau": 2.0, "conditional": [0.5] * 3, "unconditional": [0.5] * 3,
-              "batch_size": 1, "speedup": 1.0, "drafter_share": 0.1, "wall_seconds": 1.0, "failures": 0, "near_ties": 0}
+        ds = {
+            "dataset": "mtbench",
+            "num_prompts": 1,
+            "tau": 2.0,
+            "conditional": [0.5] * 3,
+            "unconditional": [0.5] * 3,
+            "batch_size": 1,
+            "speedup": 1.0,
+            "drafter_share": 0.1,
+            "wall_seconds": 1.0,
+            "failures": 0,
+            "near_ties": 0,
+        }
         (runs / name / "bench-steps3.json").write_text(json.dumps({"steps": 3, "datasets": [ds]}))
     (runs / "lr" / "overrides.txt").write_text("\n".join(lines) + "\n")
     qr.summarise(runs, "ref", tmp_path / "out")
@@ -591,22 +896,39 @@ def test_each_run_records_its_set_list_and_the_summary_reports_it(tmp_path):
     assert json.loads((tmp_path / "out" / "ref" / "quality.json").read_text())["overrides"] == []
 
 
-@pytest.mark.parametrize("setting,value", [("SETS7", "mtbench mt-bench"), ("BENCH_ABL", "mt-bench"),
-                                           ("SPEED05_SETS", "mtbench:batched mt-bench:static")])
+@pytest.mark.parametrize(
+    "setting,value",
+    [
+        ("SETS7", "mtbench mt-bench"),
+        ("BENCH_ABL", "mt-bench"),
+        ("SPEED05_SETS", "mtbench:batched mt-bench:static"),
+    ],
+)
 def test_start_refuses_an_evaluation_set_05_does_not_know(tmp_path, setting, value):
     """SETS7 / BENCH_ABL / SPEED05_SETS name 05's evaluation sets; a typo failed only in 05, after the training (as
     BENCH_SETS=mtbench did in lease 2026-12-05f). `start` refuses it in one line; a prompt file passes."""
     w = tmp_path / "w"
-    env = {"W": str(w), "RECIPES": "ref:", "CONFIG": "configs/tiny-llama.yaml", "PYTHON": "false", setting: value}
+    env = {
+        "W": str(w),
+        "RECIPES": "ref:",
+        "CONFIG": "configs/tiny-llama.yaml",
+        "PYTHON": "false",
+        setting: value,
+    }
     r = _driver("start", env)
     assert r.returncode == 1 and not (w / "run.pid").exists(), (r.stdout, r.stderr)
-    assert r.stderr.strip() == (f"error: {setting} names the evaluation set mt-bench: neither mtbench, humaneval, "
-                                "gsm8k nor a prompt file")
+    assert r.stderr.strip() == (
+        f"error: {setting} names the evaluation set mt-bench: neither mtbench, humaneval, "
+        "gsm8k nor a prompt file"
+    )
     prompts = tmp_path / "mine.jsonl"
     prompts.write_text('{"id": "a", "prompt": "hi"}\n')
     r = _driver("start", {**env, setting: value.replace("mt-bench", str(prompts))})
     # past the check, to the preflight (PYTHON=false: it fails there in silence, nothing launched)
-    assert r.returncode == 1 and r.stderr == "" and not (w / "run.pid").exists(), (r.stdout, r.stderr)
+    assert r.returncode == 1 and r.stderr == "" and not (w / "run.pid").exists(), (
+        r.stdout,
+        r.stderr,
+    )
 
 
 def test_the_results_tarball_holds_the_drivers_settings(tmp_path):
@@ -615,7 +937,10 @@ def test_the_results_tarball_holds_the_drivers_settings(tmp_path):
     import tarfile
 
     w, out = tmp_path / "w", tmp_path / "out"
-    r = _driver("start", {"W": str(w), "INIT": str(tmp_path / "missing"), "TRAIN_END_S": "1234", "RECIPES": "ref:"})
+    r = _driver(
+        "start",
+        {"W": str(w), "INIT": str(tmp_path / "missing"), "TRAIN_END_S": "1234", "RECIPES": "ref:"},
+    )
     assert r.returncode == 1, (r.stdout, r.stderr)
     _after_01(w)
     out.mkdir()
@@ -623,24 +948,49 @@ def test_the_results_tarball_holds_the_drivers_settings(tmp_path):
     assert r.returncode == 0, r.stderr
     with tarfile.open(out / "quality-results.tar.gz") as t:
         got = t.extractfile("res/driver.env").read().decode()
-    assert got == (w / "driver.env").read_text() and '[ -n "${TRAIN_END_S:-}" ] || TRAIN_END_S=1234\n' in got
+    assert (
+        got == (w / "driver.env").read_text()
+        and '[ -n "${TRAIN_END_S:-}" ] || TRAIN_END_S=1234\n' in got
+    )
 
 
-@pytest.mark.parametrize("env,line", [
-    ({"NPROMPTS": "auto"}, "error: NPROMPTS=auto sizes 01 from bench/regen_speed.py's rate: it needs SPEED=1 and "
-     "REGEN_SPEED=1 (SPEED=0 REGEN_SPEED=1); else set NPROMPTS to a number"),
-    ({"NPROMPTS": "auto", "SPEED": "1", "REGEN_SPEED": "0"}, "error: NPROMPTS=auto sizes 01 from "
-     "bench/regen_speed.py's rate: it needs SPEED=1 and REGEN_SPEED=1 (SPEED=1 REGEN_SPEED=0); else set NPROMPTS to "
-     "a number"),
-    ({"REGEN_COMPILE": "auto", "SPEED": "1", "REGEN_STEP": "0"}, "error: REGEN_COMPILE=auto decides from "
-     "bench/regen_step.py: it needs SPEED=1 and REGEN_STEP=1 (SPEED=1 REGEN_STEP=0); else set REGEN_COMPILE to 0 or 1"),
-    ({"REGEN_COMPILE": "true"}, "error: REGEN_COMPILE=true: expected 0, 1 or auto")])
+@pytest.mark.parametrize(
+    "env,line",
+    [
+        (
+            {"NPROMPTS": "auto"},
+            "error: NPROMPTS=auto sizes 01 from bench/regen_speed.py's rate: it needs SPEED=1 and "
+            "REGEN_SPEED=1 (SPEED=0 REGEN_SPEED=1); else set NPROMPTS to a number",
+        ),
+        (
+            {"NPROMPTS": "auto", "SPEED": "1", "REGEN_SPEED": "0"},
+            "error: NPROMPTS=auto sizes 01 from "
+            "bench/regen_speed.py's rate: it needs SPEED=1 and REGEN_SPEED=1 (SPEED=1 REGEN_SPEED=0); else set NPROMPTS to "
+            "a number",
+        ),
+        (
+            {"REGEN_COMPILE": "auto", "SPEED": "1", "REGEN_STEP": "0"},
+            "error: REGEN_COMPILE=auto decides from "
+            "bench/regen_step.py: it needs SPEED=1 and REGEN_STEP=1 (SPEED=1 REGEN_STEP=0); else set REGEN_COMPILE to 0 or 1",
+        ),
+        ({"REGEN_COMPILE": "true"}, "error: REGEN_COMPILE=true: expected 0, 1 or auto"),
+    ],
+)
 def test_start_refuses_settings_their_benches_would_not_feed(tmp_path, env, line):
     """NPROMPTS=auto without regen_speed (SPEED=0 or REGEN_SPEED=0) fell back to 20,000 conversations; REGEN_COMPILE=auto
     without regen_step (SPEED=0 or REGEN_STEP=0) to the config's own regen_compile, and REGEN_COMPILE=true (not 1)
     did nothing: each in silence. `start` refuses them in one line."""
     w = tmp_path / "w"
-    r = _driver("start", {"W": str(w), "RECIPES": "ref:", "CONFIG": "configs/tiny-llama.yaml", "PYTHON": "false", **env})
+    r = _driver(
+        "start",
+        {
+            "W": str(w),
+            "RECIPES": "ref:",
+            "CONFIG": "configs/tiny-llama.yaml",
+            "PYTHON": "false",
+            **env,
+        },
+    )
     assert r.returncode == 1 and not (w / "run.pid").exists(), (r.stdout, r.stderr)
     assert r.stderr.strip() == line
 
@@ -655,9 +1005,16 @@ def test_prompts_come_back_whole_or_not_at_all_within_out(tmp_path, limit):
     _after_01(w)
     (w / "status" / "ALL.done").touch()
     if "OUT_MAX_BYTES" in limit:  # ~1.6 MiB gzipped (random hex answers)
-        rows = [{"id": f"c{i}", "messages": [{"role": "user", "content": "q"},
-                                              {"role": "assistant", "content": os.urandom(3000).hex()}]}
-                for i in range(520)]
+        rows = [
+            {
+                "id": f"c{i}",
+                "messages": [
+                    {"role": "user", "content": "q"},
+                    {"role": "assistant", "content": os.urandom(3000).hex()},
+                ],
+            }
+            for i in range(520)
+        ]
         (w / "data-run" / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in rows))
     out.mkdir()
     r = _driver("pack", {"W": str(w), "OUT": str(out), **limit})
@@ -665,13 +1022,18 @@ def test_prompts_come_back_whole_or_not_at_all_within_out(tmp_path, limit):
     assert sorted(p.name for p in out.iterdir()) == ["quality-results.tar.gz"]
     size = (w / "prompts.jsonl.gz").stat().st_size
     line = next(x for x in r.stdout.splitlines() if x.startswith("== prompts:"))
-    assert line.startswith(f"== prompts: {size} bytes gzipped (1 parts) do not fit $OUT beside the results (")
+    assert line.startswith(
+        f"== prompts: {size} bytes gzipped (1 parts) do not fit $OUT beside the results ("
+    )
     assert line.endswith(" files left): left behind")
     out2 = tmp_path / "out2"  # the default limits: they come back
     out2.mkdir()
     r = _driver("pack", {"W": str(w), "OUT": str(out2)})
-    assert sorted(p.name for p in out2.iterdir()) == ["prompts.jsonl.gz.part00", "prompts_report.json",
-                                                       "quality-results.tar.gz"]
+    assert sorted(p.name for p in out2.iterdir()) == [
+        "prompts.jsonl.gz.part00",
+        "prompts_report.json",
+        "quality-results.tar.gz",
+    ]
 
 
 def test_a_setting_given_empty_holds_for_the_later_verbs_and_a_restart(tmp_path):
@@ -679,19 +1041,40 @@ def test_a_setting_given_empty_holds_for_the_later_verbs_and_a_restart(tmp_path)
     driver.env recorded only non-empty values, so a restart (or a later verb) took the defaults instead: 7-step runs
     the plan did not budget, an fp32 05 for the restarted chains beside the others' bf16. They are recorded empty."""
     w = tmp_path / "w"
-    r = _driver("start", {"W": str(w), "INIT": str(tmp_path / "missing"), "RECIPES": "ref:", "SETS7": "",
-                          "BENCH_SETS": "", "NPROMPTS": ""})
+    r = _driver(
+        "start",
+        {
+            "W": str(w),
+            "INIT": str(tmp_path / "missing"),
+            "RECIPES": "ref:",
+            "SETS7": "",
+            "BENCH_SETS": "",
+            "NPROMPTS": "",
+        },
+    )
     assert r.returncode == 1 and "no exported drafter there" in r.stdout, (r.stdout, r.stderr)
     env_file = (w / "driver.env").read_text()
     assert "[ -n \"${SETS7:-}\" ] || SETS7=''\n" in env_file and "BENCH_SETS=''" in env_file
     r = _driver("start", {"W": str(w), "PYTHON": "false"})  # the restart: nothing given
-    assert r.stdout.splitlines()[0] == (f"== settings of the earlier start kept (from {w}/driver.env): NPROMPTS= "
-                                        "INIT RECIPES BENCH_SETS= SETS7=")
-    probe = ('. bench/lease_lib.sh; lease_start_settings "$1" SETS7 BENCH_SETS >/dev/null; '
-             'bash -c \'printf "%s|%s" "${SETS7-unset}" "${BENCH_SETS-unset}"\'')
-    got = subprocess.run(["bash", "-c", probe, "x", str(w)], cwd=ROOT, capture_output=True, text=True,
-                         env={"PATH": os.environ["PATH"]})
-    assert got.returncode == 0 and got.stdout == "|", (got.stdout, got.stderr)  # set and empty in the driver
+    assert r.stdout.splitlines()[0] == (
+        f"== settings of the earlier start kept (from {w}/driver.env): NPROMPTS= "
+        "INIT RECIPES BENCH_SETS= SETS7="
+    )
+    probe = (
+        '. bench/lease_lib.sh; lease_start_settings "$1" SETS7 BENCH_SETS >/dev/null; '
+        'bash -c \'printf "%s|%s" "${SETS7-unset}" "${BENCH_SETS-unset}"\''
+    )
+    got = subprocess.run(
+        ["bash", "-c", probe, "x", str(w)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={"PATH": os.environ["PATH"]},
+    )
+    assert got.returncode == 0 and got.stdout == "|", (
+        got.stdout,
+        got.stderr,
+    )  # set and empty in the driver
 
 
 def test_start_refuses_a_train_end_that_has_passed(tmp_path):
@@ -705,7 +1088,11 @@ def test_start_refuses_a_train_end_that_has_passed(tmp_path):
     r = _driver("start", {**env, "TRAIN_END_S": "1500"})
     assert r.returncode == 1 and not (w / "run.pid").exists(), (r.stdout, r.stderr)
     err = r.stderr.strip()
-    assert err.startswith(f"error: TRAIN_END_S=1500 has passed: it counts from this W's first start ({w}/t0), 20"), err
+    assert err.startswith(
+        f"error: TRAIN_END_S=1500 has passed: it counts from this W's first start ({w}/t0), 20"
+    ), err
     assert err.endswith(f" s more) or start the clock again (rm {w}/t0)"), err
-    r = _driver("start", {**env, "TRAIN_END_S": "3000"})  # still ahead: past the check (to the preflight)
+    r = _driver(
+        "start", {**env, "TRAIN_END_S": "3000"}
+    )  # still ahead: past the check (to the preflight)
     assert r.returncode == 1 and r.stderr == "", r.stderr

@@ -34,10 +34,14 @@ class OracleDrafter(nn.Module):
         self.register_buffer("table", table)
         self.register_buffer("d2t", torch.zeros(vocab_size, dtype=torch.long))
         self.V, self.H = vocab_size, hidden_size
-        self.anchor = nn.Parameter(torch.zeros(1))  # so that next(parameters()) names a device/dtype
+        self.anchor = nn.Parameter(
+            torch.zeros(1)
+        )  # so that next(parameters()) names a device/dtype
 
     def project(self, aux: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(*aux.shape[:-1], self.H, dtype=torch.float32, device=aux.device)  # [B, T, H]
+        return torch.zeros(
+            *aux.shape[:-1], self.H, dtype=torch.float32, device=aux.device
+        )  # [B, T, H]
 
     def decode(self, input_ids, hidden, position_ids, cache, valid=None, rows=None):
         B, T = input_ids.shape

@@ -14,27 +14,45 @@ from eagle3.train.model import DrafterArgs, Eagle3Drafter
 AUX = [1, 3, 4]  # HF hidden_states indices of a 6-layer verifier
 
 
-
 def make_verifier(vocab: int = 256, seed: int = 0):
     """A random 6-layer float32 Llama whose greedy output is varied (not one repeated token)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
     return LlamaForCausalLM(cfg).eval()
 
 
-def make_drafter(verifier, draft_targets: list[int], seed: int = 1, num_layers: int = 1) -> Eagle3Drafter:
+def make_drafter(
+    verifier, draft_targets: list[int], seed: int = 1, num_layers: int = 1
+) -> Eagle3Drafter:
     """A random real Eagle3Drafter over the draft vocab ``sorted(draft_targets)`` (d2t offsets), ``num_layers`` deep."""
     c = verifier.config
     V = c.vocab_size
     targets = torch.tensor(sorted(set(draft_targets)), dtype=torch.long)  # [draft_V]
-    args = DrafterArgs(hidden_size=c.hidden_size, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                       intermediate_size=96, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=512,
-                       draft_vocab_size=len(targets), target_vocab_size=V, target_hidden_size=c.hidden_size,
-                       num_layers=num_layers)
+    args = DrafterArgs(
+        hidden_size=c.hidden_size,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=96,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=512,
+        draft_vocab_size=len(targets),
+        target_vocab_size=V,
+        target_hidden_size=c.hidden_size,
+        num_layers=num_layers,
+    )
     torch.manual_seed(seed)
     d = Eagle3Drafter(args, verifier.get_input_embeddings().weight).eval()
     t2d = torch.zeros(V, dtype=torch.bool)
@@ -64,16 +82,25 @@ def test_accepted_prefix_hand_built():
     d = torch.tensor([4, 5, 6])
     assert accepted_prefix(d, torch.tensor([4, 5, 6, 9])) == 3
     assert accepted_prefix(d, torch.tensor([4, 5, 1, 9])) == 2
-    assert accepted_prefix(d, torch.tensor([4, 0, 6, 9])) == 1  # a later match after a miss does not count
+    assert (
+        accepted_prefix(d, torch.tensor([4, 0, 6, 9])) == 1
+    )  # a later match after a miss does not count
     assert accepted_prefix(d, torch.tensor([0, 5, 6, 9])) == 0
 
 
 def test_greedy_matches_transformers_generate(verifier):
     ids = torch.tensor([PROMPTS[0]])
-    ref = verifier.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=24,
-                            min_new_tokens=24, eos_token_id=None, pad_token_id=0)
+    ref = verifier.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=24,
+        min_new_tokens=24,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     tokens, seconds = greedy_generate(verifier, PROMPTS[0], 24, eos_ids=())
-    assert tokens == ref[0, ids.shape[1]:].tolist()
+    assert tokens == ref[0, ids.shape[1] :].tolist()
     assert seconds > 0
 
 
@@ -134,7 +161,9 @@ def test_eos_and_max_new_tokens_trim_like_greedy(verifier, long_greedy):
     eos = long_greedy[7]
     stop = long_greedy.index(eos)
     g, _ = greedy_generate(verifier, PROMPTS[0], 40, [eos])
-    r = speculative_generate(verifier, drafter, PROMPTS[0], AUX, steps=4, max_new_tokens=40, eos_ids=[eos])
+    r = speculative_generate(
+        verifier, drafter, PROMPTS[0], AUX, steps=4, max_new_tokens=40, eos_ids=[eos]
+    )
     assert g == long_greedy[: stop + 1] == r.tokens
     for n in (2, 5, 13):
         r = speculative_generate(verifier, drafter, PROMPTS[0], AUX, steps=4, max_new_tokens=n)
@@ -152,7 +181,9 @@ def test_drafter_cache_holds_only_verified_step0_keys(verifier):
     orig = drafter.decode
 
     def spy(input_ids, hidden, position_ids, cache, valid=None):
-        calls.append((cache.length, position_ids[0].tolist(), None if valid is None else valid[0].tolist()))
+        calls.append(
+            (cache.length, position_ids[0].tolist(), None if valid is None else valid[0].tolist())
+        )
         return orig(input_ids, hidden, position_ids, cache, valid)
 
     drafter.decode = spy
@@ -196,10 +227,21 @@ def test_lossless_on_tiny_llama_fixture(tiny_llama_dir, smollm_tokenizer):
 
     v = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     drafter = make_drafter(v, list(range(0, len(smollm_tokenizer), 97)))
-    ids = render(smollm_tokenizer, [{"role": "user", "content": "What is the capital of France?"}],
-                 add_generation_prompt=True)
+    ids = render(
+        smollm_tokenizer,
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+    )
     g, _ = greedy_generate(v, ids, 20, [smollm_tokenizer.eos_token_id])
-    r = speculative_generate(v, drafter, ids, [2, 3, 4], steps=3, max_new_tokens=20, eos_ids=[smollm_tokenizer.eos_token_id])
+    r = speculative_generate(
+        v,
+        drafter,
+        ids,
+        [2, 3, 4],
+        steps=3,
+        max_new_tokens=20,
+        eos_ids=[smollm_tokenizer.eos_token_id],
+    )
     assert r.tokens == g
 
 
@@ -223,9 +265,13 @@ def test_oracle_drafter_counts_only_emitted_tokens(verifier, long_greedy):
     # EOS inside a step: greedy[6] first occurs at index i <= 6; the cut keeps tokens 0..i
     eos = long_greedy[6]
     stop = long_greedy.index(eos)
-    r = speculative_generate(verifier, oracle, PROMPTS[0], AUX, steps=3, max_new_tokens=40, eos_ids=[eos])
+    r = speculative_generate(
+        verifier, oracle, PROMPTS[0], AUX, steps=3, max_new_tokens=40, eos_ids=[eos]
+    )
     assert r.tokens == long_greedy[: stop + 1]
-    assert sum(r.accept_lengths) == stop  # every emitted token after the prefill one, nothing past EOS
+    assert (
+        sum(r.accept_lengths) == stop
+    )  # every emitted token after the prefill one, nothing past EOS
     assert r.accept_lengths[:-1] == [4] * (len(r.accept_lengths) - 1)
 
 
@@ -245,22 +291,40 @@ def test_batched_greedy_equals_per_row_greedy(verifier, per_row_greedy):
 
     res = greedy_generate_batch(verifier, BATCH_PROMPTS, 20)
     assert res.tokens == per_row_greedy
-    ref = verifier.generate(torch.tensor([BATCH_PROMPTS[1]]), do_sample=False, max_new_tokens=20, min_new_tokens=20,
-                            eos_token_id=None, pad_token_id=0)
-    assert per_row_greedy[1] == ref[0, len(BATCH_PROMPTS[1]):].tolist()
+    ref = verifier.generate(
+        torch.tensor([BATCH_PROMPTS[1]]),
+        do_sample=False,
+        max_new_tokens=20,
+        min_new_tokens=20,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    assert per_row_greedy[1] == ref[0, len(BATCH_PROMPTS[1]) :].tolist()
 
 
 @pytest.mark.parametrize("steps,num_layers", [(1, 1), (3, 1), (3, 2)])
-def test_batched_speculative_equals_per_row_greedy_and_batch1_tau(verifier, per_row_greedy, steps, num_layers):
+def test_batched_speculative_equals_per_row_greedy_and_batch1_tau(
+    verifier, per_row_greedy, steps, num_layers
+):
     """fp32: batched speculative output == per-row unbatched greedy token for token, and every row
     accepts exactly what it accepts alone (so tau of batch 4 == tau of batch 1)."""
-    from eagle3.benchmark.offline import acceptance_stats
     from eagle3.benchmark.decode import speculative_generate_batch
+    from eagle3.benchmark.offline import acceptance_stats
 
     drafter = make_drafter(verifier, list(range(0, 256, 3)), num_layers=num_layers)
-    batch = speculative_generate_batch(verifier, drafter, BATCH_PROMPTS, AUX, steps=steps, max_new_tokens=20,
-                                       reference=per_row_greedy)
-    alone = [speculative_generate(verifier, drafter, p, AUX, steps=steps, max_new_tokens=20) for p in BATCH_PROMPTS]
+    batch = speculative_generate_batch(
+        verifier,
+        drafter,
+        BATCH_PROMPTS,
+        AUX,
+        steps=steps,
+        max_new_tokens=20,
+        reference=per_row_greedy,
+    )
+    alone = [
+        speculative_generate(verifier, drafter, p, AUX, steps=steps, max_new_tokens=20)
+        for p in BATCH_PROMPTS
+    ]
     assert [r.tokens for r in batch.rows] == per_row_greedy
     assert [r.accept_lengths for r in batch.rows] == [r.accept_lengths for r in alone]
     assert all(r.mismatch is None and r.gap is None for r in batch.rows)
@@ -291,12 +355,16 @@ def test_batched_oracle_drafter_tau_counts_only_emitted_tokens(verifier):
     """Issue 11 item 2 in a batch: every row gets 4 + 4 + 1 emitted tokens at 3 steps and 10 new tokens."""
     from oracle_drafter import OracleDrafter
 
-    from eagle3.benchmark.offline import acceptance_stats
     from eagle3.benchmark.decode import speculative_generate_batch
+    from eagle3.benchmark.offline import acceptance_stats
 
     greedy = [greedy_generate(verifier, p, 20, ())[0] for p in BATCH_PROMPTS]
-    oracle = OracleDrafter([p + g for p, g in zip(BATCH_PROMPTS, greedy)], verifier.config.vocab_size)
-    res = speculative_generate_batch(verifier, oracle, BATCH_PROMPTS, AUX, steps=3, max_new_tokens=10, reference=greedy)
+    oracle = OracleDrafter(
+        [p + g for p, g in zip(BATCH_PROMPTS, greedy)], verifier.config.vocab_size
+    )
+    res = speculative_generate_batch(
+        verifier, oracle, BATCH_PROMPTS, AUX, steps=3, max_new_tokens=10, reference=greedy
+    )
     assert [r.tokens for r in res.rows] == [g[:10] for g in greedy]
     assert all(r.accept_lengths == [4, 4, 1] for r in res.rows)
     s = acceptance_stats([f for r in res.rows for f in r.accepted], 3)
@@ -311,7 +379,9 @@ def test_batched_eos_per_row(verifier, per_row_greedy):
     cuts = [g[: g.index(eos) + 1] if eos in g[:20] else g[:20] for g in per_row_greedy]
     assert any(len(c) < 20 for c in cuts)
     drafter = make_drafter(verifier, list(range(0, 256, 3)))
-    spec = speculative_generate_batch(verifier, drafter, BATCH_PROMPTS, AUX, steps=2, max_new_tokens=20, eos_ids=[eos])
+    spec = speculative_generate_batch(
+        verifier, drafter, BATCH_PROMPTS, AUX, steps=2, max_new_tokens=20, eos_ids=[eos]
+    )
     assert [r.tokens for r in spec.rows] == cuts
     assert [1 + sum(r.accept_lengths) for r in spec.rows] == [len(c) for c in cuts]
     assert greedy_generate_batch(verifier, BATCH_PROMPTS, 20, [eos]).tokens == cuts
@@ -327,10 +397,14 @@ def test_mismatch_reports_index_and_logit_gap(verifier, per_row_greedy):
     wrong = (ref[1][5] + 7) % 256
     ref[1][5] = wrong
     drafter = make_drafter(verifier, list(range(0, 256, 3)))
-    res = speculative_generate_batch(verifier, drafter, BATCH_PROMPTS, AUX, steps=3, max_new_tokens=20, reference=ref)
+    res = speculative_generate_batch(
+        verifier, drafter, BATCH_PROMPTS, AUX, steps=3, max_new_tokens=20, reference=ref
+    )
     assert [r.mismatch for r in res.rows] == [None, 5, None, None]
     with torch.no_grad():
-        logits = verifier(torch.tensor([BATCH_PROMPTS[1] + per_row_greedy[1][:5]])).logits[0, -1]  # [V]
+        logits = verifier(torch.tensor([BATCH_PROMPTS[1] + per_row_greedy[1][:5]])).logits[
+            0, -1
+        ]  # [V]
     want = float(logits.max() - logits[wrong])
     assert want > 0 and res.rows[1].gap == pytest.approx(want, abs=1e-4)
 
@@ -352,15 +426,23 @@ def frequent_pair(greedy_rows: list[list[int]]) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("num_layers", [1, 2])
-def test_layer_dependent_drafter_batched_equals_alone_with_acceptances(verifier, per_row_greedy, num_layers):
+def test_layer_dependent_drafter_batched_equals_alone_with_acceptances(
+    verifier, per_row_greedy, num_layers
+):
     """Drafts that depend on all the drafter's layers (and so on each layer's cache: crops of the drafted slots,
     holes of rejected ones) are accepted in places; batched == alone == greedy, accept lengths equal."""
     from eagle3.benchmark.decode import speculative_generate_batch
 
-    drafter = two_token_drafter(verifier, *frequent_pair(per_row_greedy), num_layers=num_layers, seed=3)
-    batch = speculative_generate_batch(verifier, drafter, BATCH_PROMPTS, AUX, steps=3, max_new_tokens=20,
-                                       reference=per_row_greedy)
-    alone = [speculative_generate(verifier, drafter, p, AUX, steps=3, max_new_tokens=20) for p in BATCH_PROMPTS]
+    drafter = two_token_drafter(
+        verifier, *frequent_pair(per_row_greedy), num_layers=num_layers, seed=3
+    )
+    batch = speculative_generate_batch(
+        verifier, drafter, BATCH_PROMPTS, AUX, steps=3, max_new_tokens=20, reference=per_row_greedy
+    )
+    alone = [
+        speculative_generate(verifier, drafter, p, AUX, steps=3, max_new_tokens=20)
+        for p in BATCH_PROMPTS
+    ]
     assert [r.tokens for r in batch.rows] == [r.tokens for r in alone] == per_row_greedy
     assert [r.accept_lengths for r in batch.rows] == [r.accept_lengths for r in alone]
     assert [r.accepted for r in batch.rows] == [r.accepted for r in alone]

@@ -18,8 +18,15 @@ def _llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    cfg = LlamaConfig(
+        vocab_size=V,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     return LlamaForCausalLM(cfg).eval()
 
 
@@ -29,10 +36,25 @@ def _deepseek_config():
     # MLA (q/kv LoRA ranks, split nope/rope head dims) + MoE (4 routed experts, top-2, 1 shared),
     # first layer dense like Kimi-K2 / DeepSeek-V3.
     return DeepseekV3Config(
-        vocab_size=V, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=6,
-        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
-        n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=32,
-        kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, max_position_embeddings=256,
+        vocab_size=V,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        max_position_embeddings=256,
     )
 
 
@@ -48,11 +70,24 @@ def _multimodal_deepseek():
     from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration
 
     torch.manual_seed(0)
-    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                              image_size=28, patch_size=14)
-    cfg = LlavaConfig(text_config=_deepseek_config().to_dict(), vision_config=vision.to_dict(), image_token_id=V - 1)
+    vision = CLIPVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+    )
+    cfg = LlavaConfig(
+        text_config=_deepseek_config().to_dict(),
+        vision_config=vision.to_dict(),
+        image_token_id=V - 1,
+    )
     model = LlavaForConditionalGeneration(cfg).eval()
-    assert not hasattr(model.config, "num_hidden_layers") or model.config.text_config.num_hidden_layers == 6
+    assert (
+        not hasattr(model.config, "num_hidden_layers")
+        or model.config.text_config.num_hidden_layers == 6
+    )
     return model
 
 
@@ -67,7 +102,11 @@ def test_plan_batches_hand_computed():
     assert plan_batches([], 8) == []
 
 
-@pytest.mark.parametrize("make", [_llama, _deepseek, _multimodal_deepseek], ids=["llama", "deepseek_v3", "llava_deepseek"])
+@pytest.mark.parametrize(
+    "make",
+    [_llama, _deepseek, _multimodal_deepseek],
+    ids=["llama", "deepseek_v3", "llava_deepseek"],
+)
 def test_padding_invariance(make):
     model = make()
     aux = [1, 3, 4]
@@ -80,11 +119,17 @@ def test_padding_invariance(make):
     assert len(got) == 3
     for s, states in zip(SAMPLES, got):
         with torch.no_grad():
-            ref = model(input_ids=torch.tensor([s]), output_hidden_states=True, use_cache=False).hidden_states
+            ref = model(
+                input_ids=torch.tensor([s]), output_hidden_states=True, use_cache=False
+            ).hidden_states
         assert len(ref) == 7
         for k, layer in enumerate(aux + [6]):
             h = states[k]
-            assert h.dtype == torch.bfloat16 and h.device.type == "cpu" and tuple(h.shape) == (len(s), 64)
+            assert (
+                h.dtype == torch.bfloat16
+                and h.device.type == "cpu"
+                and tuple(h.shape) == (len(s), 64)
+            )
             want = ref[layer][0].to(torch.bfloat16).float()  # [L, H]
             torch.testing.assert_close(h.float(), want, atol=5e-4, rtol=8e-3)  # bf16 rounding
             # the comparison discriminates: the neighbouring layer is outside the same tolerance
@@ -115,7 +160,9 @@ class _FakeLM(torch.nn.Module):
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
-        self.config = SimpleNamespace(num_hidden_layers=2, hidden_size=8, vocab_size=20, architectures=["FakeLM"])
+        self.config = SimpleNamespace(
+            num_hidden_layers=2, hidden_size=8, vocab_size=20, architectures=["FakeLM"]
+        )
         self.embed = torch.nn.Embedding(20, 8)
         self.layers = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(2)])
         self.model = SimpleNamespace(norm=torch.nn.LayerNorm(8))
@@ -146,5 +193,7 @@ def test_detects_pre_norm_last_state():
 def test_wrong_hidden_state_count_is_an_error():
     fake = _FakeLM()
     fake.config.num_hidden_layers = 3  # claims 3 layers, returns 2 + 1 states
-    with pytest.raises(RuntimeError, match="returned 3 hidden states, expected num_hidden_layers \\+ 1 = 4"):
+    with pytest.raises(
+        RuntimeError, match="returned 3 hidden states, expected num_hidden_layers \\+ 1 = 4"
+    ):
         HFCapture(fake, [1, 2, 2]).capture([[1, 2]])

@@ -11,18 +11,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from test_capture_sglang import StandIn, ec, serve  # ec: patches/eagle3_capture.py
+from test_extract import _config
 
+from eagle3.capture.extract import run
 from eagle3.capture.multi import MultiServerCapture, sglang_backend
 from eagle3.capture.sglang import SGLangCapture
 from eagle3.config import load_config
 from eagle3.errors import UserError
-from eagle3.capture.extract import run
 from eagle3.io import read_json
-from eagle3.shards.manifest import read_manifest
 from eagle3.shards.format import list_samples
-
-from test_capture_sglang import StandIn, ec, serve  # ec: patches/eagle3_capture.py
-from test_extract import _config
+from eagle3.shards.manifest import read_manifest
 
 AUX = [3, 31, 59]
 
@@ -62,8 +61,16 @@ def _multi(sts, **kw) -> MultiServerCapture:
 
 def _cfg(tmp_path: Path, name: str, model_dir: Path):
     # batch_tokens 40: about one sample per batch, so several batches reach every server
-    return load_config(_config(tmp_path / name, model_dir, backend="sglang", aux_layers=AUX, batch_tokens=40,
-                               disk_margin_bytes=0))
+    return load_config(
+        _config(
+            tmp_path / name,
+            model_dir,
+            backend="sglang",
+            aux_layers=AUX,
+            batch_tokens=40,
+            disk_margin_bytes=0,
+        )
+    )
 
 
 def _folder(root: Path, ignore: tuple[str, ...] = ()) -> dict[str, bytes]:
@@ -71,8 +78,13 @@ def _folder(root: Path, ignore: tuple[str, ...] = ()) -> dict[str, bytes]:
     and the data_config.json keys in ``ignore``."""
     out = {}
     for p in sorted(root.rglob("*")):
-        if p.is_file() and p.name not in (".extract.lock", "extract_state.json", "extract_report.json",
-                                          "extract_report.md", "data_config.json"):
+        if p.is_file() and p.name not in (
+            ".extract.lock",
+            "extract_state.json",
+            "extract_report.json",
+            "extract_report.md",
+            "data_config.json",
+        ):
             out[str(p.relative_to(root))] = p.read_bytes()
     dc = read_json(root / "data_config.json")
     for key in ("prompts_file", *ignore):
@@ -98,8 +110,9 @@ def _check_exactly_once(root: Path, sts) -> None:
 
 
 @pytest.mark.parametrize("mode", ["500", "refuse"])
-def test_failing_server_mid_run_same_shards_as_one_server(tmp_path, servers, reference, tiny_llama_dir,
-                                                          smollm_tokenizer, mode):
+def test_failing_server_mid_run_same_shards_as_one_server(
+    tmp_path, servers, reference, tiny_llama_dir, smollm_tokenizer, mode
+):
     a, b = servers[0], servers[1]
     b.fail_after, b.fail_mode = 1, mode  # b answers one batch, then fails every request
     cfg = _cfg(tmp_path, "multi", tiny_llama_dir)
@@ -109,29 +122,41 @@ def test_failing_server_mid_run_same_shards_as_one_server(tmp_path, servers, ref
     _check_exactly_once(cfg.shards_dir, [a, b])
     assert _folder(cfg.shards_dir) == _folder(reference)
     by = {sv["url"]: sv for sv in s["servers"]}
-    assert by[b.url]["batches"] == 1 and by[b.url]["failed_attempts"] >= 1  # its failed batches went to a
+    assert (
+        by[b.url]["batches"] == 1 and by[b.url]["failed_attempts"] >= 1
+    )  # its failed batches went to a
     assert by[a.url]["batches"] == len(a.posts) >= 3
     if by[b.url]["failed_attempts"] >= 2:
         assert by[b.url]["taken_out_of_rotation"] == 1
-    captured = [tuple(ids) for post in a.posts + b.posts[:1] for ids in post["input_ids"]]  # the answered posts
+    captured = [
+        tuple(ids) for post in a.posts + b.posts[:1] for ids in post["input_ids"]
+    ]  # the answered posts
     assert len(captured) == len(set(captured)) == 6  # each sample captured once
 
 
-def test_batches_spread_over_servers(tmp_path, servers, reference, tiny_llama_dir, smollm_tokenizer):
+def test_batches_spread_over_servers(
+    tmp_path, servers, reference, tiny_llama_dir, smollm_tokenizer
+):
     cfg = _cfg(tmp_path, "spread", tiny_llama_dir)
     s = run(cfg, backend=_multi(servers[:2], per_server=1), tokenizer=smollm_tokenizer)
     assert _folder(cfg.shards_dir) == _folder(reference)
     assert all(sv["batches"] >= 1 for sv in s["servers"])  # both servers worked
-    assert sum(sv["batches"] for sv in s["servers"]) == len(servers[0].posts) + len(servers[1].posts)
+    assert sum(sv["batches"] for sv in s["servers"]) == len(servers[0].posts) + len(
+        servers[1].posts
+    )
 
 
-def test_every_server_failing_stops_then_resume_matches(tmp_path, servers, reference, tiny_llama_dir,
-                                                        smollm_tokenizer):
+def test_every_server_failing_stops_then_resume_matches(
+    tmp_path, servers, reference, tiny_llama_dir, smollm_tokenizer
+):
     a, b = servers[0], servers[1]
     a.fail_after, b.fail_after = 1, 1
     cfg = _cfg(tmp_path, "down", tiny_llama_dir)
-    with pytest.raises(UserError, match=r"^extract\.sglang_url: every capture server failed 2 batches in a row .*"
-                                        r"HTTP 500: .*re-run the same command to resume"):
+    with pytest.raises(
+        UserError,
+        match=r"^extract\.sglang_url: every capture server failed 2 batches in a row .*"
+        r"HTTP 500: .*re-run the same command to resume",
+    ):
         run(cfg, backend=_multi([a, b], per_server=1, max_failures=2), tokenizer=smollm_tokenizer)
     kept = read_manifest(cfg.shards_dir / "manifest.jsonl").rows
     assert 1 <= len(kept) <= 2 and not (cfg.shards_dir / "data_config.json").exists()
@@ -145,13 +170,19 @@ def test_every_server_failing_stops_then_resume_matches(tmp_path, servers, refer
 def test_servers_must_agree(servers):
     servers[1].layers = [2, 30, 58]
     servers[1].start_model()
-    with pytest.raises(UserError, match=rf"{servers[1].capture_dir}/capture_info.json: the server captures HF layers"):
+    with pytest.raises(
+        UserError,
+        match=rf"{servers[1].capture_dir}/capture_info.json: the server captures HF layers",
+    ):
         _multi(servers[:2]).info()
     servers[1].layers = AUX
     servers[1].start_model()
     servers[1].arch = "LlamaForCausalLM"
-    with pytest.raises(UserError, match=rf"^extract\.sglang_url {servers[1].url}: serves .*LlamaForCausalLM.* but "
-                                        rf"{servers[0].url} serves .*DeepseekV3ForCausalLM.*same verifier"):
+    with pytest.raises(
+        UserError,
+        match=rf"^extract\.sglang_url {servers[1].url}: serves .*LlamaForCausalLM.* but "
+        rf"{servers[0].url} serves .*DeepseekV3ForCausalLM.*same verifier",
+    ):
         _multi(servers[:2]).info()
 
 
@@ -159,20 +190,36 @@ def test_sglang_backend_from_config_values(tmp_path, servers):
     a, b = servers[0], servers[1]
     kw = dict(timeout=5, max_length=None, max_requests=None)
     assert isinstance(sglang_backend(a.url, str(a.capture_dir), AUX, **kw), SGLangCapture)
-    multi = sglang_backend([a.url, b.url], [str(a.capture_dir), str(b.capture_dir)], AUX, per_server=3, **kw)
+    multi = sglang_backend(
+        [a.url, b.url], [str(a.capture_dir), str(b.capture_dir)], AUX, per_server=3, **kw
+    )
     assert isinstance(multi, MultiServerCapture) and multi.pool.capacity == 6
     assert [s.capture_dir for s in multi.servers] == [a.capture_dir, b.capture_dir]
-    with pytest.raises(UserError, match=r"^extract\.capture_dir: 2 servers in extract\.sglang_url need 2 capture folders"):
+    with pytest.raises(
+        UserError,
+        match=r"^extract\.capture_dir: 2 servers in extract\.sglang_url need 2 capture folders",
+    ):
         sglang_backend([a.url, b.url], str(a.capture_dir), AUX, **kw)
     with pytest.raises(UserError, match="duplicate URL"):
         sglang_backend([a.url, a.url + "/"], [str(a.capture_dir), str(b.capture_dir)], AUX, **kw)
     with pytest.raises(UserError, match="each server needs its own capture folder"):
         sglang_backend([a.url, b.url], [str(a.capture_dir)] * 2, AUX, **kw)
-    cfg = load_config(_config(tmp_path / "c", tmp_path, backend="sglang", sglang_url=[a.url, b.url],
-                              capture_dir=[str(a.capture_dir), str(b.capture_dir)]))
+    cfg = load_config(
+        _config(
+            tmp_path / "c",
+            tmp_path,
+            backend="sglang",
+            sglang_url=[a.url, b.url],
+            capture_dir=[str(a.capture_dir), str(b.capture_dir)],
+        )
+    )
     assert cfg.extract.sglang_url == [a.url, b.url] and cfg.extract.server_max_failures == 3
-    with pytest.raises(UserError, match=r"extract\.sglang_url.*expected http://host:port, got 'node2:30000'"):
-        load_config(_config(tmp_path / "d", tmp_path, backend="sglang", sglang_url=[a.url, "node2:30000"]))
+    with pytest.raises(
+        UserError, match=r"extract\.sglang_url.*expected http://host:port, got 'node2:30000'"
+    ):
+        load_config(
+            _config(tmp_path / "d", tmp_path, backend="sglang", sglang_url=[a.url, "node2:30000"])
+        )
 
 
 def test_cli_several_servers_one_failing(tmp_path, servers, reference, tiny_llama_dir, capsys):
@@ -192,17 +239,39 @@ def test_cli_several_servers_one_failing(tmp_path, servers, reference, tiny_llam
     (vdir / "config.json").write_text(json.dumps({**conf, "num_hidden_layers": 61}))
     a, b = servers[0], servers[1]
     b.fail_after = 1
-    cfg_path = _config(tmp_path / "cli", vdir, backend="sglang", aux_layers=AUX, batch_tokens=40, disk_margin_bytes=0)
+    cfg_path = _config(
+        tmp_path / "cli",
+        vdir,
+        backend="sglang",
+        aux_layers=AUX,
+        batch_tokens=40,
+        disk_margin_bytes=0,
+    )
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     cli = importlib.import_module("02_extract_hidden")
     with pytest.raises(SystemExit) as e:
-        run_main(cli.main, ["--config", str(cfg_path), "--server", a.url, b.url,
-                            "--capture-dir", str(a.capture_dir), str(b.capture_dir)])
+        run_main(
+            cli.main,
+            [
+                "--config",
+                str(cfg_path),
+                "--server",
+                a.url,
+                b.url,
+                "--capture-dir",
+                str(a.capture_dir),
+                str(b.capture_dir),
+            ],
+        )
     out = capsys.readouterr().out
     assert e.value.code == 0, out
     assert re.search(rf"^server {b.url}: 1 batches, [1-9]\d* failed attempts, ", out, re.M), out
-    assert re.search(rf"^server {a.url}: 5 batches, 0 failed attempts, out of rotation 0 times$", out, re.M), out
+    assert re.search(
+        rf"^server {a.url}: 5 batches, 0 failed attempts, out of rotation 0 times$", out, re.M
+    ), out
     root = load_config(cfg_path).shards_dir
     _check_exactly_once(root, [a, b])
     # the verifier folder (part of the fingerprint) is another copy here; everything else is the same
-    assert _folder(root, ignore=("config_fingerprint",)) == _folder(reference, ignore=("config_fingerprint",))
+    assert _folder(root, ignore=("config_fingerprint",)) == _folder(
+        reference, ignore=("config_fingerprint",)
+    )

@@ -18,17 +18,19 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import ROOT
 
 from eagle3.capture.base import CaptureBackend, check_captured
 from eagle3.capture.sglang import SGLangCapture
 from eagle3.errors import UserError
 
-from conftest import ROOT
-
 sys.path.insert(0, str(ROOT / "patches"))
 import eagle3_capture as ec  # noqa: E402
 
-H, V = 8, 49152  # V = SmolLM2's vocab, so real tokenizer ids can be captured (tests/capture/test_capture_multi.py)
+H, V = (
+    8,
+    49152,
+)  # V = SmolLM2's vocab, so real tokenizer ids can be captured (tests/capture/test_capture_multi.py)
 EMB = torch.randn(V, H, generator=torch.Generator().manual_seed(0))  # [V, H] the stand-in verifier
 # The patch finds its folder through the environment (one server per process in production); stand-ins
 # sharing this process each set it under this lock while they write.
@@ -48,8 +50,12 @@ class StandIn:
         self.capture_dir = capture_dir
         self.arch = "DeepseekV3ForCausalLM"
         self.layers = [3, 31, 59]
-        self.server = {"version": "0.5.23", "disable_radix_cache": True, "enable_return_aux_hidden_states": True,
-                       "chunked_prefill_size": -1}
+        self.server = {
+            "version": "0.5.23",
+            "disable_radix_cache": True,
+            "enable_return_aux_hidden_states": True,
+            "chunked_prefill_size": -1,
+        }
         self.mode = "ok"  # ok | drop_token | alter_token | cached | unpatched | partial | no_file
         self.posts: list[dict] = []
         # fail every /generate from the fail_after-th one on (0-based count of requests received):
@@ -60,8 +66,10 @@ class StandIn:
 
     def start_model(self):
         """Like SGLang's model runner after configure_aux_hidden_state_capture (patched): capture_info.json."""
-        model = SimpleNamespace(model=SimpleNamespace(layers_to_capture=list(self.layers)),
-                                config=SimpleNamespace(num_hidden_layers=61, hidden_size=H, vocab_size=V))
+        model = SimpleNamespace(
+            model=SimpleNamespace(layers_to_capture=list(self.layers)),
+            config=SimpleNamespace(num_hidden_layers=61, hidden_size=H, vocab_size=V),
+        )
         with _PATCH_LOCK:
             os.environ[ec.ENV_DIR] = str(self.capture_dir)
             ec.record_capture_layers(model)
@@ -88,19 +96,33 @@ class StandIn:
         off = 0
         out = []
         for rid, ids in zip(rids, prefilled):
-            req = SimpleNamespace(rid=rid, origin_input_ids=ids, return_hidden_states=True, hidden_states=[])
+            req = SimpleNamespace(
+                rid=rid, origin_input_ids=ids, return_hidden_states=True, hidden_states=[]
+            )
             n = len(ids) - (1 if self.mode == "partial" else 0)
             if self.mode == "unpatched":
-                req.hidden_states.append(aux[off:off + n].tolist())
+                req.hidden_states.append(aux[off : off + n].tolist())
                 off += n
             elif self.mode == "no_file":
                 off += n
             else:
-                off = ec.store_prefill_capture(req=req, logits_output=lo, start=off, extend_input_len=n, store=True)
-            out.append({"text": "x", "output_ids": [1], "meta_info": {
-                "id": rid, "finish_reason": {"type": "length", "length": 1}, "prompt_tokens": len(ids),
-                "completion_tokens": 1, "cached_tokens": 2 if self.mode == "cached" else 0,
-                "hidden_states": req.hidden_states}})
+                off = ec.store_prefill_capture(
+                    req=req, logits_output=lo, start=off, extend_input_len=n, store=True
+                )
+            out.append(
+                {
+                    "text": "x",
+                    "output_ids": [1],
+                    "meta_info": {
+                        "id": rid,
+                        "finish_reason": {"type": "length", "length": 1},
+                        "prompt_tokens": len(ids),
+                        "completion_tokens": 1,
+                        "cached_tokens": 2 if self.mode == "cached" else 0,
+                        "hidden_states": req.hidden_states,
+                    },
+                }
+            )
         return out
 
 
@@ -136,7 +158,10 @@ def serve(st: StandIn) -> ThreadingHTTPServer:
 
         def do_GET(self):
             if self.path == "/model_info":
-                self._send(200, {"model_path": "/models/x", "architectures": [st.arch], "is_generation": True})
+                self._send(
+                    200,
+                    {"model_path": "/models/x", "architectures": [st.arch], "is_generation": True},
+                )
             elif self.path == "/server_info":
                 self._send(200, dict(st.server))
             else:
@@ -152,11 +177,17 @@ def serve(st: StandIn) -> ThreadingHTTPServer:
             if st.fail_after is not None and n >= st.fail_after:
                 st.posts.append(body)
                 if st.fail_mode == "500":
-                    return self._send(500, {"detail": "CUDA error: an illegal memory access was encountered"})
-                self.close_connection = True  # "refuse": no answer to this one, nothing listening afterwards
+                    return self._send(
+                        500, {"detail": "CUDA error: an illegal memory access was encountered"}
+                    )
+                self.close_connection = (
+                    True  # "refuse": no answer to this one, nothing listening afterwards
+                )
                 if not failed.is_set():
                     failed.set()
-                    threading.Thread(target=lambda: (httpd.shutdown(), httpd.server_close()), daemon=True).start()
+                    threading.Thread(
+                        target=lambda: (httpd.shutdown(), httpd.server_close()), daemon=True
+                    ).start()
                 return
             self._send(200, st.generate(body))
 
@@ -168,14 +199,21 @@ def serve(st: StandIn) -> ThreadingHTTPServer:
 
 
 def _backend(st, **kw):
-    return SGLangCapture(url=st.url, capture_dir=st.capture_dir, aux_layers=[3, 31, 59], timeout=30, **kw)
+    return SGLangCapture(
+        url=st.url, capture_dir=st.capture_dir, aux_layers=[3, 31, 59], timeout=30, **kw
+    )
 
 
 def test_end_to_end(server):
     be = _backend(server, max_length=4096)
     assert isinstance(be, CaptureBackend)
-    assert be.info() == {"num_layers": 61, "hidden_size": H, "vocab_size": V, "architecture": "DeepseekV3ForCausalLM",
-                         "last_hidden_state": "post_norm"}
+    assert be.info() == {
+        "num_layers": 61,
+        "hidden_size": H,
+        "vocab_size": V,
+        "architecture": "DeepseekV3ForCausalLM",
+        "last_hidden_state": "post_norm",
+    }
     batch = [[5, 6, 7, 8, 9], [1], [60, 61, 62, 63, 0, 2, 4]]
     out = be.capture(batch)
     assert len(out) == 3
@@ -204,14 +242,23 @@ def test_max_requests_splits_posts(server):
     assert torch.equal(out[2][3], expected([4, 5, 6])[3])
 
 
-@pytest.mark.parametrize("mode, match", [
-    ("drop_token", "server counted 1 prompt tokens, 2 were sent"),
-    ("alter_token", "prefilled different token ids than were sent .* first mismatch at position 0"),
-    ("cached", "2 prompt tokens came from the prefix cache; relaunch the server with --disable-radix-cache"),
-    ("unpatched", "not running the capture patch"),
-    ("partial", "prefill covered 1 of 2 prompt tokens"),
-    ("no_file", r"\.pt: not written by the server"),
-])
+@pytest.mark.parametrize(
+    "mode, match",
+    [
+        ("drop_token", "server counted 1 prompt tokens, 2 were sent"),
+        (
+            "alter_token",
+            "prefilled different token ids than were sent .* first mismatch at position 0",
+        ),
+        (
+            "cached",
+            "2 prompt tokens came from the prefix cache; relaunch the server with --disable-radix-cache",
+        ),
+        ("unpatched", "not running the capture patch"),
+        ("partial", "prefill covered 1 of 2 prompt tokens"),
+        ("no_file", r"\.pt: not written by the server"),
+    ],
+)
 def test_server_misbehaviour_is_user_error(server, mode, match):
     server.mode = mode
     be = _backend(server)
@@ -223,21 +270,35 @@ def test_server_misbehaviour_is_user_error(server, mode, match):
 def test_layer_mismatch_names_the_fix(server):
     server.layers = [2, 30, 58]
     server.start_model()
-    with pytest.raises(UserError, match=r"captures HF layers \[2, 30, 58\] .* --return-aux-hidden-state-layer-ids 3 31 59"):
+    with pytest.raises(
+        UserError,
+        match=r"captures HF layers \[2, 30, 58\] .* --return-aux-hidden-state-layer-ids 3 31 59",
+    ):
         _backend(server).info()
     server.arch = "LlamaForCausalLM"  # Llama rule: SGLang adds +1, so the flag must say i - 1
     with pytest.raises(UserError, match="--return-aux-hidden-state-layer-ids 2 30 58"):
         _backend(server).info()
 
 
-@pytest.mark.parametrize("key, value, match", [
-    ("disable_radix_cache", False, "radix cache is on"),
-    ("enable_return_aux_hidden_states", False, "--enable-return-aux-hidden-states"),
-    ("chunked_prefill_size", 2048, "chunked_prefill_size 2048: relaunch with --chunked-prefill-size -1"),
-    # at least max_length is not enough: the chunk budget is shared by a prefill batch's prompts (trial 05e)
-    ("chunked_prefill_size", 8192, "chunked_prefill_size 8192: relaunch with --chunked-prefill-size -1"),
-    ("version", "0.5.24", "SGLang 0.5.24; the capture patch is for 0.5.23"),
-])
+@pytest.mark.parametrize(
+    "key, value, match",
+    [
+        ("disable_radix_cache", False, "radix cache is on"),
+        ("enable_return_aux_hidden_states", False, "--enable-return-aux-hidden-states"),
+        (
+            "chunked_prefill_size",
+            2048,
+            "chunked_prefill_size 2048: relaunch with --chunked-prefill-size -1",
+        ),
+        # at least max_length is not enough: the chunk budget is shared by a prefill batch's prompts (trial 05e)
+        (
+            "chunked_prefill_size",
+            8192,
+            "chunked_prefill_size 8192: relaunch with --chunked-prefill-size -1",
+        ),
+        ("version", "0.5.24", "SGLang 0.5.24; the capture patch is for 0.5.23"),
+    ],
+)
 def test_server_flags_checked(server, key, value, match):
     server.server[key] = value
     with pytest.raises(UserError, match=match):
@@ -246,7 +307,9 @@ def test_server_flags_checked(server, key, value, match):
 
 def test_unreachable_and_missing_info(tmp_path, server):
     with pytest.raises(UserError, match="server not reachable"):
-        SGLangCapture(url="http://127.0.0.1:9", capture_dir=tmp_path, aux_layers=[3, 31, 59], timeout=5).info()
+        SGLangCapture(
+            url="http://127.0.0.1:9", capture_dir=tmp_path, aux_layers=[3, 31, 59], timeout=5
+        ).info()
     with pytest.raises(UserError, match="extract.capture_dir: .* is not a folder"):
         SGLangCapture(url=server.url, capture_dir=tmp_path / "nope", aux_layers=[3, 31, 59])
     other = tmp_path / "other"
@@ -271,12 +334,18 @@ def test_the_last_hidden_state_convention_is_not_assumed_silently(server, caplog
     assert caplog.messages == [
         f"{info}: no last_hidden_state recorded (a capture patch of before the key?): taking post_norm, the state "
         f"SGLang's last_hidden_states holds after the final norm, unchecked; run the server with this checkout's "
-        f"patches/sglang_capture_launcher.py, which records it"]
+        f"patches/sglang_capture_launcher.py, which records it"
+    ]
     info.write_text(json.dumps({**cap, "last_hidden_state": "pre_norm"}))  # the files say post_norm
     be = _backend(server)
     assert be.info()["last_hidden_state"] == "pre_norm"
-    with pytest.raises(UserError, match=r"last_hidden_state 'post_norm', but .*capture_info.json says 'pre_norm'"):
+    with pytest.raises(
+        UserError, match=r"last_hidden_state 'post_norm', but .*capture_info.json says 'pre_norm'"
+    ):
         be.capture([[5, 6, 7]])
     info.write_text(json.dumps({**cap, "last_hidden_state": "final"}))
-    with pytest.raises(UserError, match=r"capture_info.json: key 'last_hidden_state' is 'final', expected post_norm"):
+    with pytest.raises(
+        UserError,
+        match=r"capture_info.json: key 'last_hidden_state' is 'final', expected post_norm",
+    ):
         _backend(server).info()

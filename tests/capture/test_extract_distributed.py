@@ -22,16 +22,25 @@ import pytest
 import torch
 import yaml
 
-from eagle3.config import load_config
 from eagle3.capture.extract import run
-from eagle3.shards.manifest import read_manifest
+from eagle3.config import load_config
 from eagle3.shards.format import list_samples, load_sample, read_data_config
+from eagle3.shards.manifest import read_manifest
 
 ROOT = Path(__file__).resolve().parents[2]
 N_PROMPTS = 12
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
-COUNT_KEYS = ("num_samples", "num_tokens", "num_loss_tokens", "skipped", "truncated", "aux_layers",
-              "config_fingerprint", "prompts_sha256", "rows_per_dir")
+COUNT_KEYS = (
+    "num_samples",
+    "num_tokens",
+    "num_loss_tokens",
+    "skipped",
+    "truncated",
+    "aux_layers",
+    "config_fingerprint",
+    "prompts_sha256",
+    "rows_per_dir",
+)
 
 
 def _config(base: Path, model_dir: Path) -> Path:
@@ -41,15 +50,29 @@ def _config(base: Path, model_dir: Path) -> Path:
         for i in range(N_PROMPTS):
             msgs = [{"role": "user", "content": f"Question {i}: list {i % 5 + 1} words."}]
             if i != 5:
-                ans = "Sure: " + " ".join(WORDS[(i + k) % len(WORDS)] for k in range(2 + (3 * i) % 9)) + "."
+                ans = (
+                    "Sure: "
+                    + " ".join(WORDS[(i + k) % len(WORDS)] for k in range(2 + (3 * i) % 9))
+                    + "."
+                )
                 msgs.append({"role": "assistant", "content": ans})
             f.write(json.dumps({"id": f"q{i}", "messages": msgs}) + "\n")
     cfg = {
         "run_name": "dist",
         "output_root": str(base),
-        "verifier": {"path": str(model_dir), "name": "tiny-llama", "dtype": "float32", "device": "cpu"},
+        "verifier": {
+            "path": str(model_dir),
+            "name": "tiny-llama",
+            "dtype": "float32",
+            "device": "cpu",
+        },
         "prompts": {"source": "humaneval"},
-        "extract": {"aux_layers": [1, 3, 4], "max_length": 96, "batch_tokens": 60, "rows_per_dir": 4},
+        "extract": {
+            "aux_layers": [1, 3, 4],
+            "max_length": 96,
+            "batch_tokens": 60,
+            "rows_per_dir": 4,
+        },
     }
     p = base / "run.yaml"
     p.write_text(yaml.safe_dump(cfg))
@@ -60,14 +83,28 @@ def _env(sleep: float = 0.0) -> dict:
     env = dict(os.environ)
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    env.update({"OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", "PYTHONPATH": str(ROOT),
-                "EAGLE3_EXTRACT_SLEEP_PER_BATCH": str(sleep)})
+    env.update(
+        {
+            "OMP_NUM_THREADS": "1",
+            "TQDM_DISABLE": "1",
+            "PYTHONPATH": str(ROOT),
+            "EAGLE3_EXTRACT_SLEEP_PER_BATCH": str(sleep),
+        }
+    )
     return env
 
 
 def _torchrun(cfg: Path, nproc: int = 2) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            str(ROOT / "02_extract_hidden.py"), "--config", str(cfg)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(ROOT / "02_extract_hidden.py"),
+        "--config",
+        str(cfg),
+    ]
 
 
 def _single(cfg: Path) -> dict:
@@ -103,13 +140,20 @@ def _assert_same(root: Path, ref_root: Path) -> None:
     assert sorted(got) == sorted(ref) == list(range(N_PROMPTS - 1))
     for idx in ref:
         a, b = got[idx], ref[idx]
-        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(
+            a["loss_mask"], b["loss_mask"]
+        )
         assert len(a["hidden_states"]) == 4
         for x, y in zip(a["hidden_states"], b["hidden_states"]):
-            assert x.dtype == torch.bfloat16 and torch.equal(x, y), f"sample {idx} differs from one process"
+            assert x.dtype == torch.bfloat16 and torch.equal(x, y), (
+                f"sample {idx} differs from one process"
+            )
     rows = [json.loads(line) for line in (root / "manifest.jsonl").read_text().splitlines()]
     assert sorted(r["idx"] for r in rows) == list(range(N_PROMPTS - 1))  # each idx exactly once
-    assert read_manifest(root / "manifest.jsonl").rows == read_manifest(ref_root / "manifest.jsonl").rows
+    assert (
+        read_manifest(root / "manifest.jsonl").rows
+        == read_manifest(ref_root / "manifest.jsonl").rows
+    )
     assert not list(root.glob("manifest.rank*")) and not list(root.rglob("*.tmp-*"))
     meta, ref_meta = read_data_config(root), read_data_config(ref_root)
     for key in COUNT_KEYS:
@@ -127,7 +171,9 @@ def reference(tmp_path_factory, tiny_llama_dir) -> Path:
 
 def test_two_ranks_equal_one_process(tmp_path, tiny_llama_dir, reference):
     cfg = _config(tmp_path, tiny_llama_dir)
-    r = subprocess.run(_torchrun(cfg), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        _torchrun(cfg), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     root = tmp_path / "shards"
     _assert_same(root, reference)
@@ -149,8 +195,14 @@ def test_killed_two_rank_run_finished_by_one_process(tmp_path, tiny_llama_dir, r
     def rank_lines() -> int:
         return sum(p.read_bytes().count(b"\n") for p in root.glob("manifest.rank*.jsonl"))
 
-    proc = subprocess.Popen(_torchrun(cfg), cwd=ROOT, env=_env(sleep=0.4), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        _torchrun(cfg),
+        cwd=ROOT,
+        env=_env(sleep=0.4),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 90
         while rank_lines() < 3 and proc.poll() is None and time.monotonic() < deadline:
@@ -182,7 +234,9 @@ def test_killed_two_rank_run_finished_by_one_process(tmp_path, tiny_llama_dir, r
     s = _single(cfg)  # resumed with a different world size
     assert s["resumed"] == len(kept) and s["written"] == N_PROMPTS - 1 - len(kept)
     _assert_same(root, reference)
-    assert all(p.stat().st_mtime_ns == kept[i] for i, p in list_samples(root) if i in kept)  # not rewritten
+    assert all(
+        p.stat().st_mtime_ns == kept[i] for i, p in list_samples(root) if i in kept
+    )  # not rewritten
 
 
 def test_second_job_refused_by_folder_lock(tmp_path, tiny_llama_dir):
@@ -190,14 +244,22 @@ def test_second_job_refused_by_folder_lock(tmp_path, tiny_llama_dir):
     root = tmp_path / "shards"
     root.mkdir()
     with open(root / ".extract.lock", "a+") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)  # an independent run holds the folder
-        r = subprocess.run(_torchrun(cfg), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+        fcntl.flock(
+            f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB
+        )  # an independent run holds the folder
+        r = subprocess.run(
+            _torchrun(cfg), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120
+        )
     assert r.returncode != 0
-    assert r.stderr.count("another 02_extract_hidden run is writing") == 1  # one line for the job (was one a rank)
+    assert (
+        r.stderr.count("another 02_extract_hidden run is writing") == 1
+    )  # one line for the job (was one a rank)
     assert not (root / "extract_state.json").exists() and not list(root.rglob("*.pt"))
 
 
-RANK1_ARGS = Path(__file__).resolve().parents[1] / "_rank1_args.py"  # extra arguments on rank 1 alone
+RANK1_ARGS = (
+    Path(__file__).resolve().parents[1] / "_rank1_args.py"
+)  # extra arguments on rank 1 alone
 
 
 @pytest.mark.slow
@@ -209,13 +271,24 @@ def test_a_rank_with_other_settings_is_refused_before_capture(tmp_path, tiny_lla
     cfg = _config(tmp_path / "a", tiny_llama_dir)
     wrap = RANK1_ARGS
     env = dict(_env(), RANK1_EXTRA="--set extract.max_length=40")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(wrap),
-           *_torchrun(cfg)[5:]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(wrap),
+        *_torchrun(cfg)[5:],
+    ]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     out = p.stdout + p.stderr
     errors = [ln for ln in out.splitlines() if ln.startswith("error: ")]
     assert p.returncode != 0 and "exitcode  : 2" in out
-    assert errors == [f"error: {tmp_path / 'a' / 'shards'}: torchrun rank 1 read other 02 settings or prompts than "
-                      f"rank 0 (differing: extract.max_length); every rank must read the same config and "
-                      f"{tmp_path / 'a' / 'prompts.jsonl'} (a node with another copy?)"], out[-3000:]
-    assert "[rank0]" not in out and "[rank1]" not in out and not (tmp_path / "a" / "shards").exists(), out[-3000:]
+    assert errors == [
+        f"error: {tmp_path / 'a' / 'shards'}: torchrun rank 1 read other 02 settings or prompts than "
+        f"rank 0 (differing: extract.max_length); every rank must read the same config and "
+        f"{tmp_path / 'a' / 'prompts.jsonl'} (a node with another copy?)"
+    ], out[-3000:]
+    assert (
+        "[rank0]" not in out and "[rank1]" not in out and not (tmp_path / "a" / "shards").exists()
+    ), out[-3000:]

@@ -23,13 +23,14 @@ import pytest
 import torch
 import yaml
 
-from eagle3.shards.manifest import read_manifest
 from eagle3.shards.format import list_samples, load_sample, read_data_config
+from eagle3.shards.manifest import read_manifest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from _signals import lines_settled, sigterm_when  # noqa: E402
+
 N_PROMPTS = 14
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
 
@@ -39,18 +40,42 @@ def _prompts(path: Path) -> None:
     with open(path, "w") as f:
         for i in range(N_PROMPTS):
             q = f"Question {i}: list {i % 5 + 1} words."
-            a = "Sure: " + " ".join(WORDS[(i + k) % len(WORDS)] for k in range(2 + (3 * i) % 9)) + "."
-            f.write(json.dumps({"id": f"q{i}", "messages": [{"role": "user", "content": q},
-                                                            {"role": "assistant", "content": a}]}) + "\n")
+            a = (
+                "Sure: "
+                + " ".join(WORDS[(i + k) % len(WORDS)] for k in range(2 + (3 * i) % 9))
+                + "."
+            )
+            f.write(
+                json.dumps(
+                    {
+                        "id": f"q{i}",
+                        "messages": [
+                            {"role": "user", "content": q},
+                            {"role": "assistant", "content": a},
+                        ],
+                    }
+                )
+                + "\n"
+            )
 
 
 def _config(base: Path, model_dir: Path) -> Path:
     cfg = {
         "run_name": "fault",
         "output_root": str(base),
-        "verifier": {"path": str(model_dir), "name": "tiny-llama", "dtype": "float32", "device": "cpu"},
+        "verifier": {
+            "path": str(model_dir),
+            "name": "tiny-llama",
+            "dtype": "float32",
+            "device": "cpu",
+        },
         "prompts": {"source": "humaneval"},
-        "extract": {"aux_layers": [1, 3, 4], "max_length": 96, "batch_tokens": 60, "rows_per_dir": 4},
+        "extract": {
+            "aux_layers": [1, 3, 4],
+            "max_length": 96,
+            "batch_tokens": 60,
+            "rows_per_dir": 4,
+        },
     }
     base.mkdir(parents=True, exist_ok=True)
     p = base / "run.yaml"
@@ -61,8 +86,14 @@ def _config(base: Path, model_dir: Path) -> Path:
 
 def _env(sleep: float) -> dict:
     env = dict(os.environ)
-    env.update({"EAGLE3_EXTRACT_SLEEP_PER_BATCH": str(sleep), "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1",
-                "PYTHONPATH": str(ROOT)})
+    env.update(
+        {
+            "EAGLE3_EXTRACT_SLEEP_PER_BATCH": str(sleep),
+            "OMP_NUM_THREADS": "1",
+            "TQDM_DISABLE": "1",
+            "PYTHONPATH": str(ROOT),
+        }
+    )
     return env
 
 
@@ -85,7 +116,9 @@ def _load_all(root: Path) -> dict:
 def test_sigkill_at_random_points_then_resume(tmp_path, tiny_llama_dir):
     # Uninterrupted reference run (same environment as the faulty runs: 1 thread, same batch plan).
     ref_cfg = _config(tmp_path / "ref", tiny_llama_dir)
-    r = subprocess.run(_cmd(ref_cfg), cwd=ROOT, env=_env(0.0), capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        _cmd(ref_cfg), cwd=ROOT, env=_env(0.0), capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     ref = _load_all(tmp_path / "ref" / "shards")
     n = len(ref)
@@ -97,8 +130,13 @@ def test_sigkill_at_random_points_then_resume(tmp_path, tiny_llama_dir):
     rng = random.Random(20261129)
     kills = []
     for trial in range(3):
-        proc = subprocess.Popen(_cmd(cfg), cwd=ROOT, env=_env(0.25), stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            _cmd(cfg),
+            cwd=ROOT,
+            env=_env(0.25),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         try:
             start_lines = _manifest_lines(manifest)
             if trial == 0:
@@ -107,9 +145,15 @@ def test_sigkill_at_random_points_then_resume(tmp_path, tiny_llama_dir):
             else:
                 target = min(start_lines + rng.randint(1, 3), n - 1)
                 deadline = time.monotonic() + 240
-                while _manifest_lines(manifest) < target and proc.poll() is None and time.monotonic() < deadline:
+                while (
+                    _manifest_lines(manifest) < target
+                    and proc.poll() is None
+                    and time.monotonic() < deadline
+                ):
                     time.sleep(0.01)
-                time.sleep(rng.uniform(0.0, 0.3))  # anywhere inside the next batch: capture, sleep, write
+                time.sleep(
+                    rng.uniform(0.0, 0.3)
+                )  # anywhere inside the next batch: capture, sleep, write
             proc.send_signal(signal.SIGKILL)
             rc = proc.wait(timeout=60)
         finally:
@@ -123,19 +167,26 @@ def test_sigkill_at_random_points_then_resume(tmp_path, tiny_llama_dir):
     assert _manifest_lines(manifest) < n, kills
     assert not (shards / "data_config.json").exists()
 
-    r = subprocess.run(_cmd(cfg), cwd=ROOT, env=_env(0.0), capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        _cmd(cfg), cwd=ROOT, env=_env(0.0), capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0, r.stderr[-2000:]
 
     got = _load_all(shards)
     assert sorted(got) == sorted(ref) == list(range(n))
     for idx in range(n):
         a, b = got[idx], ref[idx]
-        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(
+            a["loss_mask"], b["loss_mask"]
+        )
         for x, y in zip(a["hidden_states"], b["hidden_states"]):
             assert torch.equal(x, y), f"sample {idx} differs from the uninterrupted run"
     rows = [json.loads(line) for line in manifest.read_text().splitlines()]
     assert sorted(r["idx"] for r in rows) == list(range(n))  # nothing lost, nothing duplicated
-    assert read_manifest(manifest).rows == read_manifest(tmp_path / "ref" / "shards" / "manifest.jsonl").rows
+    assert (
+        read_manifest(manifest).rows
+        == read_manifest(tmp_path / "ref" / "shards" / "manifest.jsonl").rows
+    )
     assert not list(shards.rglob("*.tmp-*"))
     meta, ref_meta = read_data_config(shards), read_data_config(tmp_path / "ref" / "shards")
     for key in ("num_samples", "num_tokens", "num_loss_tokens", "aux_layers", "config_fingerprint"):
@@ -147,21 +198,29 @@ def test_sigterm_prints_the_resume_line_and_the_rerun_finishes(tmp_path, tiny_ll
     """SIGTERM mid-run: exit 143 and one stderr line (shards kept, re-run the same command), no traceback; the same
     command then finishes with the shards of an uninterrupted run."""
     ref_cfg = _config(tmp_path / "ref", tiny_llama_dir)
-    r = subprocess.run(_cmd(ref_cfg), cwd=ROOT, env=_env(0.0), capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        _cmd(ref_cfg), cwd=ROOT, env=_env(0.0), capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     cfg = _config(tmp_path / "run", tiny_llama_dir)
     shards = tmp_path / "run" / "shards"
     manifest = shards / "manifest.jsonl"
-    rc, err = sigterm_when(_cmd(cfg), lines_settled(manifest, 2, settle_s=0.1), env=_env(0.25), cwd=ROOT, wait_s=240)
+    rc, err = sigterm_when(
+        _cmd(cfg), lines_settled(manifest, 2, settle_s=0.1), env=_env(0.25), cwd=ROOT, wait_s=240
+    )
     kept = _manifest_lines(manifest)
     assert rc == 143, err[-3000:]
     assert 2 <= kept < N_PROMPTS and not (shards / "data_config.json").exists()
     assert "Traceback" not in err, err[-3000:]
     last = err.strip().splitlines()[-1]
-    assert last == (f"interrupted by SIGTERM: {kept} finished shards kept in {shards}; re-run the same command "
-                    f"(without --overwrite) to resume"), err[-3000:]
+    assert last == (
+        f"interrupted by SIGTERM: {kept} finished shards kept in {shards}; re-run the same command "
+        f"(without --overwrite) to resume"
+    ), err[-3000:]
 
-    r = subprocess.run(_cmd(cfg), cwd=ROOT, env=_env(0.0), capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        _cmd(cfg), cwd=ROOT, env=_env(0.0), capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     got, ref = _load_all(shards), _load_all(tmp_path / "ref" / "shards")
     assert sorted(got) == sorted(ref) == list(range(N_PROMPTS))
@@ -169,4 +228,7 @@ def test_sigterm_prints_the_resume_line_and_the_rerun_finishes(tmp_path, tiny_ll
         assert torch.equal(got[idx]["input_ids"], ref[idx]["input_ids"])
         for x, y in zip(got[idx]["hidden_states"], ref[idx]["hidden_states"]):
             assert torch.equal(x, y), f"sample {idx} differs from the uninterrupted run"
-    assert read_manifest(manifest).rows == read_manifest(tmp_path / "ref" / "shards" / "manifest.jsonl").rows
+    assert (
+        read_manifest(manifest).rows
+        == read_manifest(tmp_path / "ref" / "shards" / "manifest.jsonl").rows
+    )

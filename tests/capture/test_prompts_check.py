@@ -21,12 +21,29 @@ from eagle3.errors import UserError
 def _cfg(tmp_path: Path, *sets: str):
     src = tmp_path / "source.jsonl"
     if not src.exists():
-        src.write_text(json.dumps({"id": "a", "messages": [{"role": "user", "content": "hi"},
-                                                            {"role": "assistant", "content": "hello"}]}) + "\n")
+        src.write_text(
+            json.dumps(
+                {
+                    "id": "a",
+                    "messages": [
+                        {"role": "user", "content": "hi"},
+                        {"role": "assistant", "content": "hello"},
+                    ],
+                }
+            )
+            + "\n"
+        )
     path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump({"run_name": "t", "output_root": str(tmp_path / "out"),
-                                    "verifier": {"path": str(tmp_path / "verifier")},
-                                    "prompts": {"source": str(src), "format": "auto"}}))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "run_name": "t",
+                "output_root": str(tmp_path / "out"),
+                "verifier": {"path": str(tmp_path / "verifier")},
+                "prompts": {"source": str(src), "format": "auto"},
+            }
+        )
+    )
     cfg = load_config(path, list(sets))
     cfg.prompts_path.parent.mkdir(parents=True, exist_ok=True)
     cfg.prompts_path.write_text("{}\n")
@@ -36,7 +53,11 @@ def _cfg(tmp_path: Path, *sets: str):
 def test_refusal_reads_the_report_once(tmp_path, monkeypatch):
     cfg, _ = _cfg(tmp_path)
     rep = pp.report_path(cfg)
-    rep.write_text(json.dumps({"settings": {**pp.settings(cfg, None), "dedupe": False}, "cli_overrides": ["format"]}))
+    rep.write_text(
+        json.dumps(
+            {"settings": {**pp.settings(cfg, None), "dedupe": False}, "cli_overrides": ["format"]}
+        )
+    )
     opened = []
     real_open = io.open
 
@@ -48,9 +69,11 @@ def test_refusal_reads_the_report_once(tmp_path, monkeypatch):
     monkeypatch.setattr(io, "open", counting_open)
     with pytest.raises(UserError) as e:
         check_prompts_current(cfg)
-    assert str(e.value) == (f"{rep}: prompts.jsonl was made with other prompts settings than this config's (changed "
-                            "dedupe: False -> True); re-run 01_prepare_prompts.py with this config first (it was run with "
-                            "--format on its command line: give it again, or put it in the config)")
+    assert str(e.value) == (
+        f"{rep}: prompts.jsonl was made with other prompts settings than this config's (changed "
+        "dedupe: False -> True); re-run 01_prepare_prompts.py with this config first (it was run with "
+        "--format on its command line: give it again, or put it in the config)"
+    )
     assert len(opened) == 1  # the comparison and the hint read the same content (it was read twice)
 
 
@@ -61,8 +84,13 @@ def test_source_hash_reused_while_size_and_mtime_hold(tmp_path, monkeypatch):
     pp.run(cfg)  # 01 on a file source (no regeneration)
     st = os.stat(src)
     rep = json.loads(pp.report_path(cfg).read_text())
-    assert rep["source_stats"] == {str(src.resolve()): {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns,
-                                                        "sha256": rep["settings"]["sha256"]}}
+    assert rep["source_stats"] == {
+        str(src.resolve()): {
+            "bytes": st.st_size,
+            "mtime_ns": st.st_mtime_ns,
+            "sha256": rep["settings"]["sha256"],
+        }
+    }
     hashed = []
     real = pp.file_sha256
     monkeypatch.setattr(pp, "file_sha256", lambda p: hashed.append(Path(p)) or real(p))
@@ -91,8 +119,17 @@ def test_an_edited_source_file_is_named_not_its_fingerprints(tmp_path):
     ``remaking`` line did the same for a list. Both now say which file changed, or how the names changed."""
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     for f, text in ((a, "hi"), (b, "yo")):
-        f.write_text(json.dumps({"messages": [{"role": "user", "content": text},
-                                              {"role": "assistant", "content": "ok"}]}) + "\n")
+        f.write_text(
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "user", "content": text},
+                        {"role": "assistant", "content": "ok"},
+                    ]
+                }
+            )
+            + "\n"
+        )
     cfg, src = _cfg(tmp_path, f"prompts.source=[{a}, {b}]")
     rep = pp.report_path(cfg)
     rep.write_text(json.dumps({"settings": pp.settings(cfg, None), "cli_overrides": []}))
@@ -100,18 +137,28 @@ def test_an_edited_source_file_is_named_not_its_fingerprints(tmp_path):
     want = pp.settings(cfg, None)
     with pytest.raises(UserError) as e:
         check_prompts_current(cfg)
-    assert str(e.value) == (f"{rep}: prompts.jsonl was made with other prompts settings than this config's (the content "
-                            f"of {a} changed); re-run 01_prepare_prompts.py with this config first")
+    assert str(e.value) == (
+        f"{rep}: prompts.jsonl was made with other prompts settings than this config's (the content "
+        f"of {a} changed); re-run 01_prepare_prompts.py with this config first"
+    )
     report = json.loads(rep.read_text())
-    assert pp.redo_reason(cfg.prompts_path, rep, report, want) == f"settings changed: the content of {a} changed"
+    assert (
+        pp.redo_reason(cfg.prompts_path, rep, report, want)
+        == f"settings changed: the content of {a} changed"
+    )
     one, _ = _cfg(tmp_path, f"prompts.source={a}", "prompts.sample_size=4", "prompts.seed=4")
     assert pp.redo_reason(cfg.prompts_path, rep, report, pp.settings(one, None)) == (
-        f"settings changed: source: {[str(a), str(b)]!r} -> {str(a)!r}; sample_size: None -> 4")
-    with pytest.raises(UserError, match=rf"\(changed source: \[.*\] -> '{a}'; sample_size: None -> 4\)"):
+        f"settings changed: source: {[str(a), str(b)]!r} -> {str(a)!r}; sample_size: None -> 4"
+    )
+    with pytest.raises(
+        UserError, match=rf"\(changed source: \[.*\] -> '{a}'; sample_size: None -> 4\)"
+    ):
         check_prompts_current(one)
     # one source file: its content, then another seed beside it
     rep.write_text(json.dumps({"settings": pp.settings(one, None), "cli_overrides": []}))
     a.write_text(a.read_text() * 2)
     with pytest.raises(UserError) as e:
-        check_prompts_current(_cfg(tmp_path, f"prompts.source={a}", "prompts.sample_size=4", "prompts.seed=5")[0])
+        check_prompts_current(
+            _cfg(tmp_path, f"prompts.source={a}", "prompts.sample_size=4", "prompts.seed=5")[0]
+        )
     assert f"(the content of {a} changed; changed seed: 4 -> 5); re-run" in str(e.value)

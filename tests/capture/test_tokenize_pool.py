@@ -8,13 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from eagle3.config import RunConfig
-from eagle3.errors import UserError
 from eagle3.capture.extract import tokenize_prompts
 from eagle3.capture.tokenize_pool import map_records, resolve_workers
+from eagle3.config import RunConfig
+from eagle3.errors import UserError
 
-WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
-         "upsilon phi chi psi omega").split()
+WORDS = (
+    "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
+    "upsilon phi chi psi omega"
+).split()
 
 
 def _text(i: int, n: int) -> str:
@@ -32,23 +34,42 @@ def _conversations(tok, n: int = 50) -> list[dict]:
         if kind in (1, 4):
             msgs.append({"role": "system", "content": f"You are helper {i}."})
         if kind == 0:
-            msgs += [{"role": "user", "content": _text(i, 5)}, {"role": "assistant", "content": _text(i + 1, 8)}]
+            msgs += [
+                {"role": "user", "content": _text(i, 5)},
+                {"role": "assistant", "content": _text(i + 1, 8)},
+            ]
         elif kind == 1:  # multi-turn
-            msgs += [{"role": "user", "content": _text(i, 3)}, {"role": "assistant", "content": _text(i, 4)},
-                     {"role": "user", "content": _text(i + 2, 3)}, {"role": "assistant", "content": _text(i + 3, 5)}]
+            msgs += [
+                {"role": "user", "content": _text(i, 3)},
+                {"role": "assistant", "content": _text(i, 4)},
+                {"role": "user", "content": _text(i + 2, 3)},
+                {"role": "assistant", "content": _text(i + 3, 5)},
+            ]
         elif kind == 2:  # regenerated: the verifier's own ids recorded
             ids = tok(_text(i, 9), add_special_tokens=False)["input_ids"]
-            msgs += [{"role": "user", "content": _text(i, 4)},
-                     {"role": "assistant", "content": tok.decode(ids), "tokens": ids}]
+            msgs += [
+                {"role": "user", "content": _text(i, 4)},
+                {"role": "assistant", "content": tok.decode(ids), "tokens": ids},
+            ]
         elif kind == 3:  # long: over max_length
-            msgs += [{"role": "user", "content": _text(i, 10)}, {"role": "assistant", "content": _text(i, 90)}]
+            msgs += [
+                {"role": "user", "content": _text(i, 10)},
+                {"role": "assistant", "content": _text(i, 90)},
+            ]
         elif kind == 4:  # multi-turn, regenerated
             a = tok(_text(i, 3), add_special_tokens=False)["input_ids"]
             b = tok(_text(i + 5, 6), add_special_tokens=False)["input_ids"]
-            msgs += [{"role": "user", "content": _text(i, 2)}, {"role": "assistant", "content": tok.decode(a), "tokens": a},
-                     {"role": "user", "content": _text(i + 1, 2)}, {"role": "assistant", "content": tok.decode(b), "tokens": b}]
+            msgs += [
+                {"role": "user", "content": _text(i, 2)},
+                {"role": "assistant", "content": tok.decode(a), "tokens": a},
+                {"role": "user", "content": _text(i + 1, 2)},
+                {"role": "assistant", "content": tok.decode(b), "tokens": b},
+            ]
         elif kind == 5:  # reply starting with whitespace: BPE merge across the boundary
-            msgs += [{"role": "user", "content": _text(i, 3)}, {"role": "assistant", "content": "  " + _text(i, 3)}]
+            msgs += [
+                {"role": "user", "content": _text(i, 3)},
+                {"role": "assistant", "content": "  " + _text(i, 3)},
+            ]
         else:  # prompt only: no loss tokens
             msgs += [{"role": "user", "content": _text(i, 6)}]
         out.append({"id": f"c{i}", "messages": msgs, "line": i + 1})
@@ -56,11 +77,14 @@ def _conversations(tok, n: int = 50) -> list[dict]:
 
 
 def _cfg(workers: int, too_long: str = "truncate", template: str | None = None) -> RunConfig:
-    return RunConfig.model_validate({
-        "run_name": "t", "verifier": {"path": "unused", "chat_template": template},
-        "prompts": {"source": "humaneval"},
-        "extract": {"max_length": 96, "too_long": too_long, "tokenize_workers": workers},
-    })
+    return RunConfig.model_validate(
+        {
+            "run_name": "t",
+            "verifier": {"path": "unused", "chat_template": template},
+            "prompts": {"source": "humaneval"},
+            "extract": {"max_length": 96, "too_long": too_long, "tokenize_workers": workers},
+        }
+    )
 
 
 def _flat(samples):
@@ -70,11 +94,15 @@ def _flat(samples):
 BOOM_TEMPLATE = (
     "{% for m in messages %}{% if m['content'] == 'BOOM' %}{{ raise_exception('bad record') }}{% endif %}"
     "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 
 
-@pytest.mark.parametrize("too_long,template", [("truncate", None), ("skip", None), ("truncate", BOOM_TEMPLATE)],
-                         ids=["truncate", "skip", "render_failures"])
+@pytest.mark.parametrize(
+    "too_long,template",
+    [("truncate", None), ("skip", None), ("truncate", BOOM_TEMPLATE)],
+    ids=["truncate", "skip", "render_failures"],
+)
 def test_parallel_equals_serial(smollm_tokenizer, too_long, template):
     convs = _conversations(smollm_tokenizer)
     if template:
@@ -89,7 +117,11 @@ def test_parallel_equals_serial(smollm_tokenizer, too_long, template):
     assert counts["skipped_no_loss_tokens"] >= 7
     assert counts["truncated" if too_long == "truncate" else "skipped_too_long"] >= 7
     if template:
-        assert counts["skipped_render_failed"] == 3 and skipped["render_failed"] == ["c8", "c22", "c23"]
+        assert counts["skipped_render_failed"] == 3 and skipped["render_failed"] == [
+            "c8",
+            "c22",
+            "c23",
+        ]
     assert len(samples) == 50 - sum(v for k, v in counts.items() if k.startswith("skipped"))
     assert [s.idx for s in samples] == list(range(len(samples)))
 
@@ -143,7 +175,11 @@ def test_vocab_built_once_and_token_ids_kept_out_of_the_template(smollm_tokenize
     """Old code: ``get_vocab()`` (250 ms for SmolLM2) per conversation, and every recorded id of a
     regenerated reply walked by transformers' message normalisation on each rendering."""
     tok = _CountingTokenizer(smollm_tokenizer)
-    convs = [c for c in _conversations(smollm_tokenizer, 21) if c["id"] in ("c2", "c4", "c9", "c11", "c16", "c18")]
+    convs = [
+        c
+        for c in _conversations(smollm_tokenizer, 21)
+        if c["id"] in ("c2", "c4", "c9", "c11", "c16", "c18")
+    ]
     assert sum("tokens" in m for c in convs for m in c["messages"]) >= 6
     samples, _, _ = tokenize_prompts(tok, convs, _cfg(1), Path("p.jsonl"))
     assert len(samples) == 6
@@ -152,5 +188,5 @@ def test_vocab_built_once_and_token_ids_kept_out_of_the_template(smollm_tokenize
     # ... and the recorded ids are still used verbatim (c2: reply ids right after the assistant header)
     rec = convs[0]["messages"][-1]["tokens"]
     ids = samples[0].input_ids
-    start = next(i for i in range(len(ids)) if ids[i:i + len(rec)] == rec)
-    assert all(samples[0].loss_mask[start:start + len(rec)])
+    start = next(i for i in range(len(ids)) if ids[i : i + len(rec)] == rec)
+    assert all(samples[0].loss_mask[start : start + len(rec)])

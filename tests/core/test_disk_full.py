@@ -80,8 +80,10 @@ class ArchiveBudget:
         self.used += min(room, len(data))
         if len(data) > room:
             self.failures.append(tmp.name)
-            raise RuntimeError("[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed writing file "
-                               "data/0: file write failed")
+            raise RuntimeError(
+                "[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed writing file "
+                "data/0: file write failed"
+            )
 
     def free(self, path) -> tuple[int, Path]:
         return max(0, self.budget - self.used), Path(path)
@@ -113,7 +115,9 @@ def test_atomic_write_disk_full_is_one_line_and_keeps_old_file(tmp_path, monkeyp
 def test_atomic_torch_save_disk_full(tmp_path, monkeypatch):
     monkeypatch.setattr(eio, "_write_all", DiskBudget(100))
     with pytest.raises(UserError, match=r"vocab_map\.pt: disk full .* writing"):
-        eio.atomic_torch_save({"d2t": torch.zeros(1000, dtype=torch.int64)}, tmp_path / "vocab_map.pt")
+        eio.atomic_torch_save(
+            {"d2t": torch.zeros(1000, dtype=torch.int64)}, tmp_path / "vocab_map.pt"
+        )
     assert list(tmp_path.iterdir()) == []
 
 
@@ -123,13 +127,18 @@ def test_atomic_torch_save_via_path_disk_full(tmp_path, monkeypatch):
     budget = ArchiveBudget(100)
     monkeypatch.setattr(eio, "_save_archive", budget)
     monkeypatch.setattr(eio, "free_bytes", budget.free)
-    with pytest.raises(UserError, match=r"data_3\.pt: disk full \(No space left on device\) writing 8.00 kB"):
-        eio.atomic_torch_save({"d2t": torch.zeros(1000, dtype=torch.int64)}, tmp_path / "data_3.pt", via_path=True)
+    with pytest.raises(
+        UserError, match=r"data_3\.pt: disk full \(No space left on device\) writing 8.00 kB"
+    ):
+        eio.atomic_torch_save(
+            {"d2t": torch.zeros(1000, dtype=torch.int64)}, tmp_path / "data_3.pt", via_path=True
+        )
     assert budget.failures and list(tmp_path.iterdir()) == []
 
 
 def test_atomic_torch_save_via_path_other_errors_pass_through(tmp_path, monkeypatch):
     """A RuntimeError of torch's writer with room left on the disk is not called disk full."""
+
     def broken(obj, tmp):
         raise RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed")
 
@@ -152,7 +161,9 @@ def test_manifest_append_rolls_back_torn_line(tmp_path, monkeypatch):
     with ManifestWriter(path) as man:
         man.append(0, "a", 5)
         before = path.read_bytes()
-        monkeypatch.setattr(eio, "_write_all", DiskBudget(10))  # 10 bytes of the next line fit, then ENOSPC
+        monkeypatch.setattr(
+            eio, "_write_all", DiskBudget(10)
+        )  # 10 bytes of the next line fit, then ENOSPC
         with pytest.raises(UserError, match=r"manifest\.jsonl: disk full"):
             man.append(1, "b", 7)
         assert path.read_bytes() == before  # no torn line left behind
@@ -167,12 +178,19 @@ def test_library_writer_error_text_recognised(tmp_path):
     # the exact error safetensors raised on a full tmpfs (see test_real_small_filesystem)
     e = SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
     assert eio.is_disk_full(e)
-    assert eio.is_disk_full(SafetensorError("Error while serializing: I/O error: Disk quota exceeded (os error 122)"))
-    assert not eio.is_disk_full(SafetensorError("Error while serializing: I/O error: Permission denied (os error 13)"))
+    assert eio.is_disk_full(
+        SafetensorError("Error while serializing: I/O error: Disk quota exceeded (os error 122)")
+    )
+    assert not eio.is_disk_full(
+        SafetensorError("Error while serializing: I/O error: Permission denied (os error 13)")
+    )
     assert not eio.is_disk_full(ValueError("bad shape"))
     assert not eio.is_disk_full(OSError(errno.ENOENT, "No such file"))
-    with pytest.raises(UserError, match=r"model\.safetensors: disk full \(No space left on device or quota exceeded\) "
-                                         r"writing 400.00 kB \(400000 bytes\)"):
+    with pytest.raises(
+        UserError,
+        match=r"model\.safetensors: disk full \(No space left on device or quota exceeded\) "
+        r"writing 400.00 kB \(400000 bytes\)",
+    ):
         with eio.disk_full_guard(tmp_path / "model.safetensors", 400000):
             raise e
 
@@ -187,7 +205,10 @@ def test_cli_turns_a_stray_disk_full_oserror_into_one_line(capsys):
         run_main(main, [])
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: /data/out/tb/events.out: disk full (No space left on device)") and "\n" not in err
+    assert (
+        err.startswith("error: /data/out/tb/events.out: disk full (No space left on device)")
+        and "\n" not in err
+    )
 
 
 def test_real_small_filesystem(tmp_path):
@@ -211,20 +232,40 @@ def test_real_small_filesystem(tmp_path):
         "except UserError as e:\n    print(e)\n"
         f"print(sorted(os.listdir('{mnt}')))\n"
     )
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-    r = subprocess.run(["unshare", "-rm", "sh", "-c",
-                        f"mount -t tmpfs -o size=64k tmpfs {mnt} && exec {sys.executable} -c \"$0\"", code],
-                       capture_output=True, text=True, env=env, timeout=120)
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join(
+            [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        ),
+    )
+    r = subprocess.run(
+        [
+            "unshare",
+            "-rm",
+            "sh",
+            "-c",
+            f'mount -t tmpfs -o size=64k tmpfs {mnt} && exec {sys.executable} -c "$0"',
+            code,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     if r.returncode != 0 and ("mount" in r.stderr or "unshare" in r.stderr):
         pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()[:200]}")
     assert r.returncode == 0, r.stderr
     lines = r.stdout.strip().splitlines()
-    assert lines[0].startswith(f"{mnt}/big.bin: disk full (No space left on device) writing 200.00 kB (200000 bytes); ")
+    assert lines[0].startswith(
+        f"{mnt}/big.bin: disk full (No space left on device) writing 200.00 kB (200000 bytes); "
+    )
     free = int(re.search(r"\((\d+) bytes\) free", lines[0]).group(1))
     assert free < 65536  # the tmpfs' own free space, not the host disk's
     assert lines[1].startswith(f"{mnt}/head.safetensors: disk full")
-    assert lines[2].startswith(f"{mnt}/data_0.pt: disk full (No space left on device) writing 200.00 kB")  # torch's C++ writer
+    assert lines[2].startswith(
+        f"{mnt}/data_0.pt: disk full (No space left on device) writing 200.00 kB"
+    )  # torch's C++ writer
     assert lines[3] == "['small.bin']"  # no partial file, no temp file
 
 
@@ -251,14 +292,20 @@ def _assert_same_shards(a: Path, b: Path) -> None:
     sa, sb = _samples(a), _samples(b)
     assert sorted(sa) == sorted(sb)
     for i in sa:
-        assert torch.equal(sa[i]["input_ids"], sb[i]["input_ids"]) and torch.equal(sa[i]["loss_mask"], sb[i]["loss_mask"])
+        assert torch.equal(sa[i]["input_ids"], sb[i]["input_ids"]) and torch.equal(
+            sa[i]["loss_mask"], sb[i]["loss_mask"]
+        )
         for x, y in zip(sa[i]["hidden_states"], sb[i]["hidden_states"]):
             assert torch.equal(x, y), i
     ma, mb = read_manifest(a / "manifest.jsonl").rows, read_manifest(b / "manifest.jsonl").rows
-    assert {k: (r["id"], r["num_tokens"]) for k, r in ma.items()} == {k: (r["id"], r["num_tokens"]) for k, r in mb.items()}
+    assert {k: (r["id"], r["num_tokens"]) for k, r in ma.items()} == {
+        k: (r["id"], r["num_tokens"]) for k, r in mb.items()
+    }
     da = eio.read_json(a / "data_config.json")
     db = eio.read_json(b / "data_config.json")
-    assert {k: v for k, v in da.items() if k != "prompts_file"} == {k: v for k, v in db.items() if k != "prompts_file"}
+    assert {k: v for k, v in da.items() if k != "prompts_file"} == {
+        k: v for k, v in db.items() if k != "prompts_file"
+    }
 
 
 @pytest.fixture(scope="module")
@@ -266,8 +313,8 @@ def ref_extract(tmp_path_factory, tiny_llama_dir) -> Path:
     """An uninterrupted stage-02 run on the tiny verifier (shards folder)."""
     from test_extract import _config
 
-    from eagle3.config import load_config
     from eagle3.capture.extract import run
+    from eagle3.config import load_config
 
     cfg = load_config(_config(tmp_path_factory.mktemp("ref"), tiny_llama_dir))
     run(cfg)
@@ -275,8 +322,9 @@ def ref_extract(tmp_path_factory, tiny_llama_dir) -> Path:
 
 
 @pytest.mark.parametrize("where", ["shards", "manifest", "data_config"])
-def test_extract_disk_full_then_resume_matches_uninterrupted(tmp_path, tiny_llama_dir, ref_extract, monkeypatch, capsys,
-                                                             where):
+def test_extract_disk_full_then_resume_matches_uninterrupted(
+    tmp_path, tiny_llama_dir, ref_extract, monkeypatch, capsys, where
+):
     from test_extract import _config
 
     ref_root = ref_extract
@@ -284,9 +332,11 @@ def test_extract_disk_full_then_resume_matches_uninterrupted(tmp_path, tiny_llam
 
     cfg = _config(tmp_path / "full", tiny_llama_dir)
     root = tmp_path / "full" / "out" / "shards"
-    budget = {"shards": ArchiveBudget(shard_bytes // 2),  # dies inside the 3rd-4th shard (saved by path)
-              "manifest": DiskBudget(300, match=r"manifest\.jsonl"),  # a row torn mid-line
-              "data_config": DiskBudget(0, match=r"data_config\.json")}[where]  # everything but the last file
+    budget = {
+        "shards": ArchiveBudget(shard_bytes // 2),  # dies inside the 3rd-4th shard (saved by path)
+        "manifest": DiskBudget(300, match=r"manifest\.jsonl"),  # a row torn mid-line
+        "data_config": DiskBudget(0, match=r"data_config\.json"),
+    }[where]  # everything but the last file
     if where == "shards":
         monkeypatch.setattr(eio, "_save_archive", budget)
         monkeypatch.setattr(eio, "free_bytes", budget.free)
@@ -297,7 +347,9 @@ def test_extract_disk_full_then_resume_matches_uninterrupted(tmp_path, tiny_llam
     errors = [x for x in err.splitlines() if x.startswith("error:")]  # (stderr also has tqdm bars)
     assert len(errors) == 1 and "Traceback" not in err
     line = errors[0]
-    assert line.startswith(f"error: {root}") and "disk full (No space left on device) writing " in line
+    assert (
+        line.startswith(f"error: {root}") and "disk full (No space left on device) writing " in line
+    )
     assert " free on the filesystem of " in line
     assert _tmp_files(root) == []
     assert not (root / "data_config.json").exists()  # present == complete
@@ -318,9 +370,9 @@ def test_extract_disk_full_then_resume_matches_uninterrupted(tmp_path, tiny_llam
 def test_train_checkpoint_disk_full_then_resume_matches_uninterrupted(tmp_path, monkeypatch):
     from _ddp_worker import make_tiny_run
 
-    from eagle3.train import checkpoint as ckpt
     from eagle3.config import load_config
     from eagle3.export.from_checkpoint import export_for_run
+    from eagle3.train import checkpoint as ckpt
     from eagle3.train.trainer import run
 
     train = {"epochs": 2, "batch_size": 2, "ckpt_every": 2}
@@ -332,49 +384,71 @@ def test_train_checkpoint_disk_full_then_resume_matches_uninterrupted(tmp_path, 
     with pytest.raises(UserError) as e:
         run(b, device="cpu", export=export_for_run)
     msg = str(e.value)
-    assert msg.startswith(f"{ckpt.ckpt_path(b.train_dir, 4)}: disk full (No space left on device) writing ")
-    assert [s for s, _ in ckpt.list_checkpoints(b.train_dir)] == [2] and _tmp_files(b.train_dir) == []
+    assert msg.startswith(
+        f"{ckpt.ckpt_path(b.train_dir, 4)}: disk full (No space left on device) writing "
+    )
+    assert [s for s, _ in ckpt.list_checkpoints(b.train_dir)] == [2] and _tmp_files(
+        b.train_dir
+    ) == []
     monkeypatch.undo()
     r = run(b, resume=True, device="cpu", export=export_for_run)
     assert r["step"] == 8 and not r["stopped"]
-    sa, sb = ckpt.load_checkpoint(ckpt.list_checkpoints(a.train_dir)[-1][1]), \
-        ckpt.load_checkpoint(ckpt.list_checkpoints(b.train_dir)[-1][1])
+    sa, sb = (
+        ckpt.load_checkpoint(ckpt.list_checkpoints(a.train_dir)[-1][1]),
+        ckpt.load_checkpoint(ckpt.list_checkpoints(b.train_dir)[-1][1]),
+    )
     for k in sa["model"]:
         assert torch.equal(sa["model"][k], sb["model"][k]), k
     from safetensors.torch import load_file
 
-    ea, eb = load_file(a.export_dir / "model.safetensors"), load_file(b.export_dir / "model.safetensors")
+    ea, eb = (
+        load_file(a.export_dir / "model.safetensors"),
+        load_file(b.export_dir / "model.safetensors"),
+    )
     assert ea.keys() == eb.keys() and all(torch.equal(ea[k], eb[k]) for k in ea)
 
 
 def test_train_export_and_metrics_disk_full(tmp_path, monkeypatch):
     """The export (safetensors' own writer) and the metrics log fail with the same one line."""
     from _ddp_worker import make_tiny_run
+    from safetensors import SafetensorError
 
     from eagle3.config import load_config
     from eagle3.export.from_checkpoint import export_for_run
     from eagle3.train.trainer import run
 
-    from safetensors import SafetensorError
-
-    cfg = load_config(make_tiny_run(tmp_path, n_train=4, train={"epochs": 1, "batch_size": 2, "ckpt_every": 2}))
+    cfg = load_config(
+        make_tiny_run(tmp_path, n_train=4, train={"epochs": 1, "batch_size": 2, "ckpt_every": 2})
+    )
 
     def full_save(tensors, path, metadata=None):
-        Path(path).write_bytes(b"partial")  # what a full disk leaves, then the error safetensors raises there
-        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        Path(path).write_bytes(
+            b"partial"
+        )  # what a full disk leaves, then the error safetensors raises there
+        raise SafetensorError(
+            "Error while serializing: I/O error: No space left on device (os error 28)"
+        )
 
     import safetensors.torch
 
-    monkeypatch.setattr(safetensors.torch, "save_file", full_save)  # eagle3.export.serving imports it at call time
-    with pytest.raises(UserError, match=r"model\.safetensors: disk full .* writing [\d.]+ \w+ \(\d+ bytes\); "):
+    monkeypatch.setattr(
+        safetensors.torch, "save_file", full_save
+    )  # eagle3.export.serving imports it at call time
+    with pytest.raises(
+        UserError, match=r"model\.safetensors: disk full .* writing [\d.]+ \w+ \(\d+ bytes\); "
+    ):
         run(cfg, device="cpu", export=export_for_run)
     assert not cfg.export_dir.exists() and not list(cfg.export_dir.parent.glob("*.tmp-*"))
     monkeypatch.undo()
-    r = run(cfg, resume=True, device="cpu", export=export_for_run)  # the final checkpoint is there: only the export is redone
+    r = run(
+        cfg, resume=True, device="cpu", export=export_for_run
+    )  # the final checkpoint is there: only the export is redone
     assert (cfg.export_dir / "model.safetensors").is_file() and r["step"] == 2
 
     monkeypatch.setattr(eio, "_write_all", DiskBudget(0, match=r"metrics\.jsonl"))
-    cfg2 = load_config(make_tiny_run(tmp_path / "m", n_train=4, train={"epochs": 1, "batch_size": 2}))
+    cfg2 = load_config(
+        make_tiny_run(tmp_path / "m", n_train=4, train={"epochs": 1, "batch_size": 2})
+    )
     with pytest.raises(UserError, match=r"metrics\.jsonl: disk full"):
         run(cfg2, device="cpu")
     assert (cfg2.train_dir / "metrics.jsonl").read_bytes() == b""
@@ -399,10 +473,14 @@ def test_train_report_disk_full_keeps_the_earlier_report_whole(tmp_path, monkeyp
     monkeypatch.setattr(eio, "_write_all", DiskBudget(0, match=r"train_report\.md"))
     with pytest.raises(UserError, match=r"train_report\.md: disk full \(No space left on device\)"):
         write_report(cfg.train_dir, dict(result, warnings=["rewritten"]), args)
-    assert {n: (cfg.train_dir / n).read_bytes() for n in names} == before and _tmp_files(cfg.train_dir) == []
+    assert {n: (cfg.train_dir / n).read_bytes() for n in names} == before and _tmp_files(
+        cfg.train_dir
+    ) == []
     monkeypatch.undo()
     write_report(cfg.train_dir, dict(result, warnings=["rewritten"]), args)
-    assert json.loads((cfg.train_dir / "train_report.json").read_text())["warnings"] == ["rewritten"]
+    assert json.loads((cfg.train_dir / "train_report.json").read_text())["warnings"] == [
+        "rewritten"
+    ]
     assert "- **warning**: rewritten" in (cfg.train_dir / "train_report.md").read_text()
 
 
@@ -424,21 +502,28 @@ def test_the_disk_full_line_says_resume_only_where_a_rerun_resumes(tmp_path, mon
         assert "\n" not in str(e.value)
         return str(e.value)
 
-    cfg = load_config(make_tiny_run(tmp_path, n_train=4, train={"epochs": 1, "batch_size": 2, "ckpt_every": 100}))
+    cfg = load_config(
+        make_tiny_run(tmp_path, n_train=4, train={"epochs": 1, "batch_size": 2, "ckpt_every": 100})
+    )
     monkeypatch.setattr(eio, "_write_all", DiskBudget(0, match=r"step_\d+\.pt"))
     assert line(lambda: run(cfg, device="cpu", export=export_for_run)).endswith(
         "free space or move the output folder, then re-run the same command with --resume (04 continues from the "
-        "newest checkpoint)")
+        "newest checkpoint)"
+    )
     monkeypatch.undo()
     run(cfg, resume=True, device="cpu", export=export_for_run)  # what the line says: it finishes
     import safetensors.torch
     from safetensors import SafetensorError
 
     def full_save(tensors, path, metadata=None):
-        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        raise SafetensorError(
+            "Error while serializing: I/O error: No space left on device (os error 28)"
+        )
 
     monkeypatch.setattr(safetensors.torch, "save_file", full_save)
     assert line(lambda: export_from_checkpoint(cfg)).endswith(
-        "then re-run the same command (--export-only does not resume: it exports the checkpoint again)")
+        "then re-run the same command (--export-only does not resume: it exports the checkpoint again)"
+    )
     assert str(eio.disk_full_error(tmp_path / "x", OSError(errno.ENOSPC, "full"))).endswith(
-        "then re-run the same command to resume")  # outside 03/04/05: the resuming stages' (01, 02) wording
+        "then re-run the same command to resume"
+    )  # outside 03/04/05: the resuming stages' (01, 02) wording

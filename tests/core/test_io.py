@@ -64,8 +64,12 @@ def test_atomic_writes_get_the_umask_mode(tmp_path, umask, mode):
 
 def test_malformed_jsonl_names_line_and_column(tmp_path):
     p = tmp_path / "bad.jsonl"
-    p.write_text('{"a": 1}\n{"a": "x\ty"}\n')  # a raw tab inside a string: column 9 of line 2 (1-based)
-    with pytest.raises(UserError, match=r"bad\.jsonl:2: malformed JSON: Invalid control character at \(column 9\)$"):
+    p.write_text(
+        '{"a": 1}\n{"a": "x\ty"}\n'
+    )  # a raw tab inside a string: column 9 of line 2 (1-based)
+    with pytest.raises(
+        UserError, match=r"bad\.jsonl:2: malformed JSON: Invalid control character at \(column 9\)$"
+    ):
         list(iter_jsonl(p))
 
 
@@ -88,7 +92,9 @@ def test_prompt_and_eval_readers_report_the_same_column(tmp_path):
 
     p = tmp_path / "bad.jsonl"
     p.write_text('{"id": "p1"}\n{"id": "p2", "text": "abc"\n')
-    with pytest.raises(UserError, match=r"bad\.jsonl:2: malformed JSON: Expecting ',' delimiter \(column 27\)$"):
+    with pytest.raises(
+        UserError, match=r"bad\.jsonl:2: malformed JSON: Expecting ',' delimiter \(column 27\)$"
+    ):
         list(_iter_file(p))
 
 
@@ -104,12 +110,18 @@ def test_bytes_that_are_not_utf8_name_the_file_line_and_column_in_every_json_rea
     from eagle3.prompts.prepare_prompts import read_report
     from eagle3.prompts.readers import _iter_file
 
-    good = b'{"messages": [{"role": "user", "content": "A"}, {"role": "assistant", "content": "B"}]}\n'
+    good = (
+        b'{"messages": [{"role": "user", "content": "A"}, {"role": "assistant", "content": "B"}]}\n'
+    )
     bad = b'{"messages": [{"role": "user", "content": "caf\xe9"}]}\n'
     jl = tmp_path / "p.jsonl"
-    jl.write_bytes(b"\xef\xbb\xbf" + good + good + bad)  # a byte-order mark does not shift the column of line 3
-    want = f"{jl}:3: not UTF-8 text: byte 0xe9 at column 47 (byte {3 + 2 * len(good) + 46} of the file); " \
-           "save the file as UTF-8"
+    jl.write_bytes(
+        b"\xef\xbb\xbf" + good + good + bad
+    )  # a byte-order mark does not shift the column of line 3
+    want = (
+        f"{jl}:3: not UTF-8 text: byte 0xe9 at column 47 (byte {3 + 2 * len(good) + 46} of the file); "
+        "save the file as UTF-8"
+    )
     for reader in (iter_jsonl, _iter_file):
         with pytest.raises(UserError) as ei:
             list(reader(jl))
@@ -119,7 +131,9 @@ def test_bytes_that_are_not_utf8_name_the_file_line_and_column_in_every_json_rea
     with pytest.raises(UserError, match=r"p\.jsonl\.gz:2: not UTF-8 text: byte 0xe9 at column 47 "):
         list(_iter_file(gz))
     arr = tmp_path / "a.json"
-    arr.write_bytes(b'[{"instruction": "a", "input": "", "output": "b"},\n {"instruction": "\xff"}]')
+    arr.write_bytes(
+        b'[{"instruction": "a", "input": "", "output": "b"},\n {"instruction": "\xff"}]'
+    )
     with pytest.raises(UserError, match=r"a\.json:2: not UTF-8 text: byte 0xff at column 19 "):
         list(_iter_file(arr))
     rep = tmp_path / "r.json"
@@ -131,8 +145,10 @@ def test_bytes_that_are_not_utf8_name_the_file_line_and_column_in_every_json_rea
     with pytest.raises(UserError, match=r"run\.yaml:2: not UTF-8 text: byte 0xe9 at column 6 "):
         load_config(yml)
     # 01's own report that is not UTF-8 is unreadable (nothing to compare: prompts.jsonl is remade), not a traceback
-    yml.write_text(f"run_name: r\noutput_root: {tmp_path / 'out'}\nverifier: {{path: /nonexistent}}\n"
-                   f"prompts: {{source: {jl}}}\n")
+    yml.write_text(
+        f"run_name: r\noutput_root: {tmp_path / 'out'}\nverifier: {{path: /nonexistent}}\n"
+        f"prompts: {{source: {jl}}}\n"
+    )
     cfg = load_config(yml)
     cfg.prompts_path.parent.mkdir(parents=True)
     cfg.prompts_path.write_bytes(good)
@@ -154,30 +170,44 @@ def test_a_lone_surrogate_escape_is_refused_naming_file_line_and_field_by_every_
     bad = '{"id": "b", "messages": [{"role": "user", "content": "C"}, {"role": "assistant", "content": "cut \\uDE00"}]}'
     p = tmp_path / "p.jsonl"
     p.write_text(good + "\n" + bad + "\n")
-    want = (f"{p}:2: field 'messages[1].content' holds an unpaired UTF-16 surrogate escape (half of a \\uD83D\\uDE00 "
-            "pair, e.g. a cut emoji), which is not text: no UTF-8 file or tokenizer takes it; remove it or complete "
-            "the pair")
+    want = (
+        f"{p}:2: field 'messages[1].content' holds an unpaired UTF-16 surrogate escape (half of a \\uD83D\\uDE00 "
+        "pair, e.g. a cut emoji), which is not text: no UTF-8 file or tokenizer takes it; remove it or complete "
+        "the pair"
+    )
     for reader in (iter_jsonl, _iter_file, read_prompts):
         with pytest.raises(UserError) as ei:
             list(reader(p))
         assert str(ei.value) == want
     q = tmp_path / "q.jsonl"
     q.write_text(good + "\n" + '{"prompt": "x \\ud800 y"}\n')
-    with pytest.raises(UserError, match=r"q\.jsonl:2: field 'prompt' holds an unpaired UTF-16 surrogate"):
+    with pytest.raises(
+        UserError, match=r"q\.jsonl:2: field 'prompt' holds an unpaired UTF-16 surrogate"
+    ):
         load_prompt_file(q)
     p.write_text(good + "\n")  # a whole pair: one character
     assert [r["messages"][0]["content"] for r in read_prompts(p)] == ["A \U0001f600"]
     arr = tmp_path / "a.json"
-    arr.write_text('[{"instruction": "a", "input": "", "output": "b"},\n{"instruction": "c", "input": "\\udc00"}]')
-    with pytest.raises(UserError, match=r"a\.json:\[1\]: field 'input' holds an unpaired UTF-16 surrogate"):
+    arr.write_text(
+        '[{"instruction": "a", "input": "", "output": "b"},\n{"instruction": "c", "input": "\\udc00"}]'
+    )
+    with pytest.raises(
+        UserError, match=r"a\.json:\[1\]: field 'input' holds an unpaired UTF-16 surrogate"
+    ):
         list(_iter_file(arr))
     yml = tmp_path / "run.yaml"
-    yml.write_text('run_name: r\nverifier: {path: /x}\nprompts:\n  source: p.jsonl\n  system_prompt: "hi \\ud83d"\n')
-    with pytest.raises(UserError, match=r"run\.yaml:5: field 'prompts.system_prompt' holds an unpaired UTF-16"):
+    yml.write_text(
+        'run_name: r\nverifier: {path: /x}\nprompts:\n  source: p.jsonl\n  system_prompt: "hi \\ud83d"\n'
+    )
+    with pytest.raises(
+        UserError, match=r"run\.yaml:5: field 'prompts.system_prompt' holds an unpaired UTF-16"
+    ):
         load_config(yml)
     with pytest.raises(UserError) as ei:
-        load_config(yml, ['prompts.source="\\udc00"', 'prompts.system_prompt=hi'])
-    assert str(ei.value).startswith('--set prompts.source="\\udc00": field \'prompts.source\' holds an unpaired')
+        load_config(yml, ['prompts.source="\\udc00"', "prompts.system_prompt=hi"])
+    assert str(ei.value).startswith(
+        "--set prompts.source=\"\\udc00\": field 'prompts.source' holds an unpaired"
+    )
 
 
 def test_the_lone_surrogate_refusal_reads_the_same_for_a_file_and_the_config(tmp_path):
@@ -186,15 +216,19 @@ def test_the_lone_surrogate_refusal_reads_the_same_for_a_file_and_the_config(tmp
     :func:`eagle3.io.lone_surrogate_error`, whatever names the place."""
     from eagle3.config import load_config
 
-    tail = ("holds an unpaired UTF-16 surrogate escape (half of a \\uD83D\\uDE00 pair, e.g. a cut emoji), which is not "
-            "text: no UTF-8 file or tokenizer takes it; remove it or complete the pair")
+    tail = (
+        "holds an unpaired UTF-16 surrogate escape (half of a \\uD83D\\uDE00 pair, e.g. a cut emoji), which is not "
+        "text: no UTF-8 file or tokenizer takes it; remove it or complete the pair"
+    )
     p = tmp_path / "p.jsonl"
     p.write_text('{"prompt": "x \\ud800 y"}\n')
     with pytest.raises(UserError) as ei:
         list(iter_jsonl(p))
     assert str(ei.value) == f"{p}:1: field 'prompt' {tail}"
     yml = tmp_path / "run.yaml"
-    yml.write_text('run_name: r\nverifier: {path: /x}\nprompts:\n  source: [p.jsonl, "a \\ud83d"]\n')
+    yml.write_text(
+        'run_name: r\nverifier: {path: /x}\nprompts:\n  source: [p.jsonl, "a \\ud83d"]\n'
+    )
     with pytest.raises(UserError) as ei:
         load_config(yml)
     assert str(ei.value) == f"{yml}:4: field 'prompts.source[1]' {tail}"

@@ -5,13 +5,12 @@ from __future__ import annotations
 import re
 
 import pytest
+from conftest import ROOT
 
 from eagle3.config import load_config
 from eagle3.errors import UserError
 from eagle3.layers import check_aux_layers, engine_layer_ids, hf_layers_from_engine
 from eagle3.verifier import verifier_dims
-
-from conftest import ROOT
 
 CFG = ROOT / "configs" / "kimi-k2.5.yaml"
 
@@ -50,8 +49,13 @@ def test_loads_with_production_values():
     assert cfg.extract.capture_dir and cfg.extract.sglang_url
     assert cfg.data.draft_vocab_size == 32000
     d = cfg.drafter
-    assert (d.hidden_size, d.num_attention_heads, d.num_key_value_heads, d.head_dim, d.intermediate_size) == (
-        7168, 64, 8, 128, 18432)
+    assert (
+        d.hidden_size,
+        d.num_attention_heads,
+        d.num_key_value_heads,
+        d.head_dim,
+        d.intermediate_size,
+    ) == (7168, 64, 8, 128, 18432)
     assert d.num_attention_heads % d.num_key_value_heads == 0  # GQA groups must divide
     assert str(cfg.shards_dir) == "/data/eagle3/kimi-k2.5/shards"
     assert str(cfg.export_dir) == "/data/eagle3/kimi-k2.5/drafter-sglang"
@@ -113,7 +117,9 @@ def test_serving_node_launch_commands_listen_beyond_localhost():
     (stage 01's serving nodes, the benchmark's two nodes): SGLang 0.5.23 listens on 127.0.0.1 unless --host says
     otherwise, so each command states --host 0.0.0.0 (trial 2026-12-05e)."""
     readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Production: Kimi-K2.5 with SGLang"):readme.index("## Conventions")]
+    section = readme[
+        readme.index("## Production: Kimi-K2.5 with SGLang") : readme.index("## Conventions")
+    ]
     texts = {"README.md": section, CFG.name: CFG.read_text()}
     found = 0
     for name, text in texts.items():

@@ -26,7 +26,9 @@ def calls(monkeypatch):
     log: list = []
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "barrier", lambda group=None: log.append(("barrier", group)))
-    monkeypatch.setattr(dist, "destroy_process_group", lambda group=None: log.append(("destroy", group)))
+    monkeypatch.setattr(
+        dist, "destroy_process_group", lambda group=None: log.append(("destroy", group))
+    )
     monkeypatch.setattr(process_group.gc, "collect", lambda: log.append(("gc", None)))
     return log
 
@@ -65,8 +67,13 @@ def test_trainer_run_closes_with_a_barrier_only_on_success(monkeypatch, fails):
 
     ctrl = object()
     seen: list = []
-    monkeypatch.setattr(trainer, "init_distributed", lambda device=None: trainer.DistInfo(
-        rank=0, world=2, local_rank=0, device=None, ctrl_group=ctrl, initialized_here=True))
+    monkeypatch.setattr(
+        trainer,
+        "init_distributed",
+        lambda device=None: trainer.DistInfo(
+            rank=0, world=2, local_rank=0, device=None, ctrl_group=ctrl, initialized_here=True
+        ),
+    )
 
     def fake_run(*args, **kwargs):
         if fails:
@@ -75,8 +82,11 @@ def test_trainer_run_closes_with_a_barrier_only_on_success(monkeypatch, fails):
 
     monkeypatch.setattr(trainer, "_run", fake_run)
     # the trainer tears down through process_group_scope, which calls this module attribute
-    monkeypatch.setattr(process_group, "close_process_group",
-                        lambda group=None, *, barrier=True: seen.append((group, barrier)))
+    monkeypatch.setattr(
+        process_group,
+        "close_process_group",
+        lambda group=None, *, barrier=True: seen.append((group, barrier)),
+    )
     if fails:
         with pytest.raises(ValueError, match="boom"):
             trainer.run(cfg=None, device="cpu")
@@ -135,15 +145,25 @@ WORKER = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc to list threads")
+@pytest.mark.skipif(
+    not Path("/proc/self/task").is_dir(), reason="needs Linux /proc to list threads"
+)
 def test_no_gloo_thread_outlives_close_on_two_ranks(tmp_path):
     """DDP's first ``import torch._dynamo`` pins a group made before it; ``init_process_group`` imports
     it first, so ``close_process_group`` really ends the gloo threads (3 are left without that)."""
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(script), str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(script),
+        str(tmp_path),
+    ]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     left = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)}
@@ -164,13 +184,25 @@ ONE_ERROR = textwrap.dedent("""
 """)
 
 
-def _rank(script: Path, what: str, rank: int, port: int, agent_store: bool = True) -> tuple[int, str]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank),
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_RESTART_COUNT="0")
+def _rank(
+    script: Path, what: str, rank: int, port: int, agent_store: bool = True
+) -> tuple[int, str]:
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(ROOT),
+        WORLD_SIZE="2",
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        TORCHELASTIC_RESTART_COUNT="0",
+    )
     env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     if agent_store:
         env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
-    p = subprocess.run([sys.executable, str(script), what], env=env, capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, str(script), what], env=env, capture_output=True, text=True, timeout=120
+    )
     return p.returncode, p.stderr
 
 
@@ -186,7 +218,10 @@ def test_a_user_error_is_printed_by_the_first_rank_only(tmp_path):
     line = "error: run.yaml:3: field 'train.lr': bad\n"
     assert _rank(script, "bad", 1, agent.port) == (2, line)
     assert _rank(script, "bad", 0, agent.port) == (2, "")
-    assert _rank(script, "other", 0, agent.port) == (2, "")  # a different error after the first: still one line
+    assert _rank(script, "other", 0, agent.port) == (
+        2,
+        "",
+    )  # a different error after the first: still one line
     assert _rank(script, "sigterm", 0, agent.port) == (143, "")
     assert _rank(script, "bad", 0, agent.port, agent_store=False) == (2, line)
     assert _rank(script, "bad", 1, agent.port, agent_store=False) == (2, line)
@@ -197,15 +232,30 @@ def test_a_bad_config_under_torchrun_prints_one_error_line(tmp_path):
     """The real thing: 04 under ``torchrun --nproc_per_node 2`` with a bad ``--set``: one ``error:`` line (was two),
     and torchrun reports the job failed."""
     cfg = tmp_path / "run.yaml"
-    cfg.write_text(f"run_name: t\noutput_root: {tmp_path}\nverifier: {{path: {tmp_path}}}\nprompts: {{source: x}}\n")
+    cfg.write_text(
+        f"run_name: t\noutput_root: {tmp_path}\nverifier: {{path: {tmp_path}}}\nprompts: {{source: x}}\n"
+    )
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(ROOT / "04_train.py"), "--config", str(cfg), "--set", "train.lr=x"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(ROOT / "04_train.py"),
+        "--config",
+        str(cfg),
+        "--set",
+        "train.lr=x",
+    ]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     errors = [ln for ln in (p.stdout + p.stderr).splitlines() if ln.startswith("error: ")]
     assert p.returncode != 0
-    assert errors == ["error: --set train.lr=x: field 'train.lr': Input should be a valid number, unable to parse "
-                      "string as a number (got 'x')"], p.stderr[-3000:]
+    assert errors == [
+        "error: --set train.lr=x: field 'train.lr': Input should be a valid number, unable to parse "
+        "string as a number (got 'x')"
+    ], p.stderr[-3000:]
 
 
 INTERRUPTED = textwrap.dedent("""
@@ -278,7 +328,10 @@ def test_a_rank_cut_in_torch_s_import_and_one_past_it_print_one_line(tmp_path):
     line = "interrupted by SIGINT: 3 finished shards kept; re-run the same command to resume\n"
     agent = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     assert _rank(past, "x", 1, agent.port) == (130, line)
-    assert _rank(cut, "x", 0, agent.port) == (130, "")  # was "interrupted by SIGINT": the second line
+    assert _rank(cut, "x", 0, agent.port) == (
+        130,
+        "",
+    )  # was "interrupted by SIGINT": the second line
     agent = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # a new job
     assert _rank(cut, "x", 0, agent.port) == (130, "interrupted by SIGINT\n")
     assert _rank(past, "x", 1, agent.port) == (130, "")
@@ -306,13 +359,30 @@ def test_ctrl_c_under_torchrun_prints_one_interrupted_line(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(SLEEPER)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
-           str(tmp_path)]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # its own process group: the test's Ctrl-C goes to it alone
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(script),
+        str(tmp_path),
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )  # its own process group: the test's Ctrl-C goes to it alone
     try:
         deadline = time.monotonic() + 120
-        while not all((tmp_path / f"ready{r}").exists() for r in (0, 1)) and time.monotonic() < deadline:
+        while (
+            not all((tmp_path / f"ready{r}").exists() for r in (0, 1))
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.05)
         os.killpg(proc.pid, signal.SIGINT)
         out, _ = proc.communicate(timeout=120)
@@ -378,14 +448,31 @@ def test_a_shards_folder_only_rank_0_reads_gives_one_error_line_and_no_traceback
     yaml = make_tiny_run(tmp_path / "run")
     wrap = tmp_path / "rank1_args.py"
     wrap.write_text(RANK1_SHARDS)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), RANK1_SHARDS=str(tmp_path / "elsewhere"))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(wrap),
-           str(ROOT / "04_train.py"), "--config", str(yaml)]
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=str(ROOT),
+        RANK1_SHARDS=str(tmp_path / "elsewhere"),
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(wrap),
+        str(ROOT / "04_train.py"),
+        "--config",
+        str(yaml),
+    ]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     out = p.stdout + p.stderr
     errors = [ln for ln in out.splitlines() if ln.startswith("error: ")]
     assert p.returncode != 0
-    assert errors == [f"error: {tmp_path / 'elsewhere' / 'data_config.json'}: file not found (02_extract_hidden.py "
-                      f"writes it: run that stage first)"], out[-3000:]
+    assert errors == [
+        f"error: {tmp_path / 'elsewhere' / 'data_config.json'}: file not found (02_extract_hidden.py "
+        f"writes it: run that stage first)"
+    ], out[-3000:]
     assert "[rank0]" not in out and "Connection closed" not in out, out[-3000:]
     assert not (tmp_path / "run" / "train" / "checkpoints").exists()

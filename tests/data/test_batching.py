@@ -13,14 +13,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _ddp_worker import make_tiny_run, single_thread  # noqa: E402,F401  (autouse fixture)
 
-from eagle3.train import checkpoint as ckpt  # noqa: E402
-from eagle3.data.batching import TokenBudgetBatchSampler, eval_batches  # noqa: E402
 from eagle3.config import load_config  # noqa: E402
-from eagle3.data.dataset import collate  # noqa: E402
+from eagle3.data.batching import TokenBudgetBatchSampler, eval_batches  # noqa: E402
+from eagle3.data.dataset import (
+    collate,  # noqa: E402
+    loss_positions,  # noqa: E402
+)
 from eagle3.errors import UserError  # noqa: E402
+from eagle3.train import checkpoint as ckpt  # noqa: E402
 from eagle3.train.model import DrafterArgs, Eagle3Drafter  # noqa: E402
 from eagle3.train.ttt import compute_targets, step_denominators, ttt_loss  # noqa: E402
-from eagle3.data.dataset import loss_positions  # noqa: E402
 from eagle3.train.ttt_rows import row_targets, ttt_loss_rows, ttt_row_counts  # noqa: E402
 
 LENGTHS = [int(x) for x in torch.randint(3, 60, (97,), generator=torch.Generator().manual_seed(5))]
@@ -40,7 +42,9 @@ def test_every_sample_once_per_epoch_within_budget_deterministic():
     again = TokenBudgetBatchSampler(LENGTHS, batch_tokens=128, seed=3, window=32)
     assert again.epoch_batches(1) == s.epoch_batches(1)  # a pure function of (seed, epoch, ...)
     assert s.epoch_batches(0) != s.epoch_batches(1)  # reshuffled per epoch
-    assert TokenBudgetBatchSampler(LENGTHS, 128, seed=4, window=32).epoch_batches(1) != s.epoch_batches(1)
+    assert TokenBudgetBatchSampler(LENGTHS, 128, seed=4, window=32).epoch_batches(
+        1
+    ) != s.epoch_batches(1)
 
 
 def test_bucketing_cuts_padding_against_random_batches():
@@ -71,8 +75,12 @@ def test_resume_mid_epoch_gives_the_rest_of_the_uninterrupted_order():
 
 def test_ranks_disjoint_equal_steps_and_step_layout():
     W, A = 2, 3
-    samplers = [TokenBudgetBatchSampler(LENGTHS, 90, num_replicas=W, rank=r, grad_accum=A, seed=7, window=20)
-                for r in range(W)]
+    samplers = [
+        TokenBudgetBatchSampler(
+            LENGTHS, 90, num_replicas=W, rank=r, grad_accum=A, seed=7, window=20
+        )
+        for r in range(W)
+    ]
     for s in samplers:
         s.set_epoch(1)
     per_rank = [list(s) for s in samplers]
@@ -106,9 +114,19 @@ def test_eval_batches_cover_all_samples_once_across_ranks():
 # ---- the host-indexed loss equals the dense loss -------------------------------------------------
 def _drafter(seed=0):
     torch.manual_seed(seed)
-    a = DrafterArgs(hidden_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=4, intermediate_size=24,
-                    rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=64, draft_vocab_size=10,
-                    target_vocab_size=20, target_hidden_size=12)
+    a = DrafterArgs(
+        hidden_size=16,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=4,
+        intermediate_size=24,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=64,
+        draft_vocab_size=10,
+        target_vocab_size=20,
+        target_hidden_size=12,
+    )
     d = Eagle3Drafter(a).double()
     d2t = torch.arange(0, 20, 2)[:10] - torch.arange(10)  # draft ids = even target ids
     t2d = torch.zeros(20, dtype=torch.bool)
@@ -122,8 +140,14 @@ def _items(lengths, seed=1):
     out = []
     for L in lengths:
         mask = (torch.rand(L, generator=g) > 0.3).long()  # [L] prompt/reply mix
-        out.append({"input_ids": torch.randint(0, 20, (L,), generator=g), "aux": torch.randn(L, 36, generator=g).double(),
-                    "last": torch.randn(L, 12, generator=g).double(), "loss_mask": mask})
+        out.append(
+            {
+                "input_ids": torch.randint(0, 20, (L,), generator=g),
+                "aux": torch.randn(L, 36, generator=g).double(),
+                "last": torch.randn(L, 12, generator=g).double(),
+                "loss_mask": mask,
+            }
+        )
     return out
 
 
@@ -147,7 +171,11 @@ def test_row_loss_equals_dense_loss_values_metrics_and_gradients():
         else:
             loss, m = ttt_loss(drafter, hs, dense_t, batch["loss_mask"], compact=False)
         loss.backward()
-        return loss.detach(), m, {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}
+        return (
+            loss.detach(),
+            m,
+            {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None},
+        )
 
     l1, m1, g1 = run(False)
     l2, m2, g2 = run(True)
@@ -180,9 +208,16 @@ def test_bucketed_batch_equals_per_sample_sum_with_shared_normaliser():
         for it in items:
             one = collate([it])
             t = row_targets(one["last"], one["loss_pos"], lm, drafter.d2t, drafter.t2d)
-            per_sample.append(ttt_row_counts(one["loss_pos"], one["input_ids"].shape[1], t.in_draft, K))
-        counts = step_denominators(per_sample)  # [K] the step's counted tokens (eagle3.train.ttt, issue 11 item 1)
-        assert counts.tolist() == sum(piece([it], None)[1]["count"] for it in items).clamp(min=1).float().tolist()
+            per_sample.append(
+                ttt_row_counts(one["loss_pos"], one["input_ids"].shape[1], t.in_draft, K)
+            )
+        counts = step_denominators(
+            per_sample
+        )  # [K] the step's counted tokens (eagle3.train.ttt, issue 11 item 1)
+        assert (
+            counts.tolist()
+            == sum(piece([it], None)[1]["count"] for it in items).clamp(min=1).float().tolist()
+        )
     drafter.zero_grad()
     loss_b, _ = piece(items, counts)
     loss_b.backward()
@@ -197,7 +232,14 @@ def test_bucketed_batch_equals_per_sample_sum_with_shared_normaliser():
 
 
 # ---- the training loop with token budgets --------------------------------------------------------
-TRAIN = {"epochs": 2, "batch_tokens": 30, "ckpt_every": 2, "keep_checkpoints": 3, "log_every": 1, "eval_every": 100}
+TRAIN = {
+    "epochs": 2,
+    "batch_tokens": 30,
+    "ckpt_every": 2,
+    "keep_checkpoints": 3,
+    "log_every": 1,
+    "eval_every": 100,
+}
 
 
 def test_train_token_budget_resume_matches_uninterrupted(tmp_path):
@@ -207,7 +249,9 @@ def test_train_token_budget_resume_matches_uninterrupted(tmp_path):
     ref = run(ref_cfg, device="cpu")
     assert not ref["stopped"] and ref["step"] == ref["total_steps"] >= 6
     cfg = load_config(make_tiny_run(tmp_path / "cut", n_train=10, train=TRAIN))
-    first = run(cfg, device="cpu", stop_after=3)  # stops mid-epoch 0 or in epoch 1, with a checkpoint
+    first = run(
+        cfg, device="cpu", stop_after=3
+    )  # stops mid-epoch 0 or in epoch 1, with a checkpoint
     assert first["stopped"] and first["step"] == 3
     state = ckpt.load_checkpoint(ckpt.list_checkpoints(cfg.train_dir)[-1][1])
     lengths = [(12, 9, 16, 7)[i % 4] for i in range(10)]  # make_tiny_run's samples
@@ -232,7 +276,9 @@ def test_default_validation_with_token_budgets_is_at_each_epoch_end(tmp_path, mo
     train = {"epochs": 3, "batch_tokens": 30, "ckpt_every": 100, "log_every": 1, "eval_every": None}
     cfg = load_config(make_tiny_run(tmp_path, n_train=12, n_val=2, train=train))
     lengths = [(12, 9, 16, 7)[i % 4] for i in range(12)]  # make_tiny_run's training samples
-    per_epoch = [TokenBudgetBatchSampler(lengths, 30, seed=0, window=4).steps_in_epoch(e) for e in range(3)]
+    per_epoch = [
+        TokenBudgetBatchSampler(lengths, 30, seed=0, window=4).steps_in_epoch(e) for e in range(3)
+    ]
     assert per_epoch == [7, 8, 8]  # (the test needs epochs of different lengths)
     r = run(cfg, device="cpu")
     rows = [json.loads(x) for x in (cfg.train_dir / "metrics.jsonl").read_text().splitlines()]
@@ -245,7 +291,9 @@ def test_all_finite_fast_path_agrees_with_isfinite():
 
     h = torch.randn(30, 8).bfloat16()  # [L, H]
     assert all_finite(h)
-    big = torch.full((4, 4), 3e38).bfloat16()  # finite values whose float32 sum overflows: the exact check decides
+    big = torch.full(
+        (4, 4), 3e38
+    ).bfloat16()  # finite values whose float32 sum overflows: the exact check decides
     assert all_finite(big)
     for bad in (float("nan"), float("inf"), float("-inf")):
         x = h.clone()
@@ -269,8 +317,17 @@ def test_token_budget_two_ranks_equal_one_process_accumulating(tmp_path):
     r = run(one, device="cpu")
     here = Path(__file__).resolve().parents[1]  # tests/ (the _ddp_worker.py helper)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(here.parent))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(here / "_ddp_worker.py"), "--config", str(two_yaml)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(here / "_ddp_worker.py"),
+        "--config",
+        str(two_yaml),
+    ]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     s1 = ckpt.load_checkpoint(ckpt.list_checkpoints(one.train_dir)[-1][1])
@@ -292,7 +349,9 @@ def test_token_budget_step_gradient_equals_per_sample_accumulation(tmp_path):
 
     from eagle3.train.trainer import run
 
-    cfg = load_config(make_tiny_run(tmp_path / "tok", train={**ONE_STEP, "batch_tokens": 80}, **TWO_SAMPLES))
+    cfg = load_config(
+        make_tiny_run(tmp_path / "tok", train={**ONE_STEP, "batch_tokens": 80}, **TWO_SAMPLES)
+    )
     r = run(cfg, device="cpu")
     assert r["step"] == r["total_steps"] == 1
     split = _run_split(tmp_path / "b1a2", batch_size=1, grad_accum=2)

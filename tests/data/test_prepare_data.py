@@ -11,10 +11,10 @@ import torch
 import yaml
 
 from eagle3.config import load_config
-from eagle3.errors import UserError
 from eagle3.data.prepare_data import run, split_indices
-from eagle3.shards.format import LAYER_INDEX_CONVENTION, write_data_config, write_sample
 from eagle3.data.vocab import load_vocab_map
+from eagle3.errors import UserError
+from eagle3.shards.format import LAYER_INDEX_CONVENTION, write_data_config, write_sample
 
 ROOT = Path(__file__).resolve().parents[2]
 H, V = 4, 10
@@ -33,14 +33,30 @@ FREQ = [1, 1, 0, 3, 0, 1, 0, 4, 0, 1]
 def _make_shards(root: Path, samples=SAMPLES, **meta_kw) -> None:
     g = torch.Generator().manual_seed(0)
     for idx, (ids, mask) in enumerate(samples):
-        write_sample(root, idx, 2, ids, [torch.randn(len(ids), H, generator=g) for _ in range(4)], mask)
+        write_sample(
+            root, idx, 2, ids, [torch.randn(len(ids), H, generator=g) for _ in range(4)], mask
+        )
     meta = {
-        "format": "speculators-v1", "verifier": "tiny", "architecture": "LlamaForCausalLM", "num_layers": 6,
-        "hidden_size": H, "vocab_size": V, "aux_layers": [1, 3, 4], "layer_index_convention": LAYER_INDEX_CONVENTION,
-        "last_hidden_state": "post_norm", "dtype": "bfloat16", "max_length": 16, "rows_per_dir": 2,
-        "chat_template_hash": "x", "config_fingerprint": "f", "prompts_sha256": "p",
-        "num_samples": len(samples), "num_tokens": sum(len(s[0]) for s in samples),
-        "num_loss_tokens": sum(sum(s[1]) for s in samples), "bytes_per_token": 4 * H * 2, "skipped": {},
+        "format": "speculators-v1",
+        "verifier": "tiny",
+        "architecture": "LlamaForCausalLM",
+        "num_layers": 6,
+        "hidden_size": H,
+        "vocab_size": V,
+        "aux_layers": [1, 3, 4],
+        "layer_index_convention": LAYER_INDEX_CONVENTION,
+        "last_hidden_state": "post_norm",
+        "dtype": "bfloat16",
+        "max_length": 16,
+        "rows_per_dir": 2,
+        "chat_template_hash": "x",
+        "config_fingerprint": "f",
+        "prompts_sha256": "p",
+        "num_samples": len(samples),
+        "num_tokens": sum(len(s[0]) for s in samples),
+        "num_loss_tokens": sum(sum(s[1]) for s in samples),
+        "bytes_per_token": 4 * H * 2,
+        "skipped": {},
     }
     meta.update(meta_kw)
     write_data_config(root, meta)
@@ -49,8 +65,13 @@ def _make_shards(root: Path, samples=SAMPLES, **meta_kw) -> None:
 def _cfg(tmp_path: Path, **data) -> Path:
     d = {"draft_vocab_size": 4, "val_fraction": 0.4, "seed": 3}
     d.update(data)
-    cfg = {"run_name": "t", "output_root": str(tmp_path / "out"), "verifier": {"path": "/nowhere", "name": "tiny"},
-           "prompts": {"source": "humaneval"}, "data": d}
+    cfg = {
+        "run_name": "t",
+        "output_root": str(tmp_path / "out"),
+        "verifier": {"path": "/nowhere", "name": "tiny"},
+        "prompts": {"source": "humaneval"},
+        "data": d,
+    }
     p = tmp_path / "run.yaml"
     p.write_text(yaml.safe_dump(cfg))
     return p
@@ -69,7 +90,11 @@ def test_prepare_data_hand_computed(tmp_path):
     assert m["d2t"].tolist() == [0, 0, 1, 4]
     assert m["t2d"].nonzero().flatten().tolist() == [0, 1, 3, 7]
     assert report["coverage"] == pytest.approx(9 / 11, abs=1e-6)
-    assert report["num_loss_tokens"] == 11 and report["num_tokens"] == 18 and report["distinct_loss_tokens"] == 6
+    assert (
+        report["num_loss_tokens"] == 11
+        and report["num_tokens"] == 18
+        and report["distinct_loss_tokens"] == 6
+    )
     split = json.loads((out / "split.json").read_text())
     assert set(split) == {"train", "val"}
     assert len(split["val"]) == 2 and sorted(split["train"] + split["val"]) == [0, 1, 2, 3, 4]
@@ -107,15 +132,24 @@ def test_a_full_disk_at_the_report_keeps_the_earlier_outputs_whole(tmp_path, mon
         real(f, data)
 
     monkeypatch.setattr(eio, "_write_all", full_at_the_report)
-    with pytest.raises(UserError, match=r"data_report\.json: disk full \(No space left on device\)"):
+    with pytest.raises(
+        UserError, match=r"data_report\.json: disk full \(No space left on device\)"
+    ):
         run(load_config(_cfg(tmp_path, draft_vocab_size=3, seed=5)))
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # no file replaced, no temp file left
+    assert {
+        p.name: p.read_bytes() for p in out.iterdir()
+    } == before  # no file replaced, no temp file left
     assert load_vocab_map(out / "vocab_map.pt")["d2t"].numel() == 4
     monkeypatch.setattr(eio, "_write_all", real)
     r = run(load_config(_cfg(tmp_path, draft_vocab_size=3, seed=5)), plot=False)
     assert load_vocab_map(out / "vocab_map.pt")["d2t"].numel() == 3 == r["draft_vocab_size"]
-    assert sorted(p.name for p in out.iterdir()) == ["data_report.json", "data_report.md", "split.json",
-                                                     "token_freq.pt", "vocab_map.pt"]  # the 4-id plot is gone
+    assert sorted(p.name for p in out.iterdir()) == [
+        "data_report.json",
+        "data_report.md",
+        "split.json",
+        "token_freq.pt",
+        "vocab_map.pt",
+    ]  # the 4-id plot is gone
 
 
 def test_identity_map_when_draft_equals_target(tmp_path):
@@ -130,18 +164,25 @@ def test_identity_map_when_draft_equals_target(tmp_path):
 def test_draft_larger_than_target_is_config_error(tmp_path):
     cfg = load_config(_cfg(tmp_path, draft_vocab_size=V + 1))
     _make_shards(cfg.shards_dir)
-    with pytest.raises(UserError, match=r"data.draft_vocab_size: 11 is larger than the verifier's vocab \(10"):
+    with pytest.raises(
+        UserError, match=r"data.draft_vocab_size: 11 is larger than the verifier's vocab \(10"
+    ):
         run(cfg)
 
 
 def test_verifier_mismatch_refused(tmp_path):
     cfg = load_config(_cfg(tmp_path))
     _make_shards(cfg.shards_dir, verifier="another-model")
-    with pytest.raises(UserError, match="data_config.json: key 'verifier' is 'another-model' but the config's verifier is 'tiny'"):
+    with pytest.raises(
+        UserError,
+        match="data_config.json: key 'verifier' is 'another-model' but the config's verifier is 'tiny'",
+    ):
         run(cfg)
 
 
-def test_shards_without_a_weights_fingerprint_are_said_not_silently_passed(tmp_path, tiny_llama_dir, caplog):
+def test_shards_without_a_weights_fingerprint_are_said_not_silently_passed(
+    tmp_path, tiny_llama_dir, caplog
+):
     """Shards captured before 02 recorded ``verifier_weights`` were checked by name only, without a word, also when
     verifier.path holds weight files that could be compared: another model of the same shapes under the old name
     trained against its lm_head. 03 (and 04, 04 --export-only, through the same check) now says so in one warning
@@ -154,16 +195,25 @@ def test_shards_without_a_weights_fingerprint_are_said_not_silently_passed(tmp_p
     cfg = load_config(_cfg(tmp_path), [f"verifier.path={tiny_llama_dir}"])
     _make_shards(cfg.shards_dir)
     dc = cfg.shards_dir / "data_config.json"
-    want = (f"{dc}: records no verifier_weights (shards captured before 2026-12-05f): the weights at verifier.path "
-            f"'{tiny_llama_dir}' were not checked against the model the shards were captured from, only the name "
-            f"'tiny'; a verifier.path pointed at another model of the same shapes would train against its lm_head "
-            f"without an error: check that it is the model 02 captured from, or re-run 02 to record its fingerprint")
+    want = (
+        f"{dc}: records no verifier_weights (shards captured before 2026-12-05f): the weights at verifier.path "
+        f"'{tiny_llama_dir}' were not checked against the model the shards were captured from, only the name "
+        f"'tiny'; a verifier.path pointed at another model of the same shapes would train against its lm_head "
+        f"without an error: check that it is the model 02 captured from, or re-run 02 to record its fingerprint"
+    )
     with caplog.at_level(logging.WARNING, logger="eagle3.data.prepare_data"):
         run(cfg)
     assert caplog.messages.count(want) == 1
     meta = json.loads(dc.read_text())
-    assert check_verifier(cfg.verifier, {**meta, "verifier_weights": weights_fingerprint(cfg.verifier)}, dc) is None
-    assert check_verifier(load_config(_cfg(tmp_path)).verifier, meta, dc) is None  # /nowhere: nothing to compare
+    assert (
+        check_verifier(
+            cfg.verifier, {**meta, "verifier_weights": weights_fingerprint(cfg.verifier)}, dc
+        )
+        is None
+    )
+    assert (
+        check_verifier(load_config(_cfg(tmp_path)).verifier, meta, dc) is None
+    )  # /nowhere: nothing to compare
 
 
 def test_bad_shard_named_and_nothing_written(tmp_path):
@@ -181,7 +231,9 @@ def test_bad_shard_named_and_nothing_written(tmp_path):
 def test_wrong_hidden_size_vs_data_config(tmp_path):
     cfg = load_config(_cfg(tmp_path))
     _make_shards(cfg.shards_dir, hidden_size=8, bytes_per_token=64)
-    with pytest.raises(UserError, match=r"data_0.pt: key 'hidden_states\[0\]': hidden size 4, data_config says 8"):
+    with pytest.raises(
+        UserError, match=r"data_0.pt: key 'hidden_states\[0\]': hidden size 4, data_config says 8"
+    ):
         run(cfg)
 
 
@@ -234,7 +286,10 @@ def test_train_subset_nested_seeded_and_val_unchanged(tmp_path):
     rep = run(cfg)
     split = json.loads((cfg.data_dir / "split.json").read_text())
     assert split["val"] == split_full["val"]
-    assert split["train"] == subset_train(split_full["train"], 2, cfg.data.seed) and len(split["train"]) == 2
+    assert (
+        split["train"] == subset_train(split_full["train"], 2, cfg.data.seed)
+        and len(split["train"]) == 2
+    )
     assert rep["train_samples"] == 2 and rep["train_samples_available"] == full["train_samples"] > 2
 
 
@@ -244,13 +299,20 @@ def test_train_samples_above_the_split_is_warned(tmp_path, caplog):
     _make_shards(load_config(_cfg(tmp_path)).shards_dir)
     with caplog.at_level("WARNING", logger="eagle3.data.prepare_data"):
         rep = run(load_config(_cfg(tmp_path), overrides=["data.train_samples=99"]))
-    warned = [r.getMessage() for r in caplog.records if r.getMessage().startswith("data.train_samples")]
-    assert warned == [f"data.train_samples: 99 asked, the training split holds {rep['train_samples']} (after the "
-                      "validation split and data.exclude_id_prefixes): all of them are used"]
+    warned = [
+        r.getMessage() for r in caplog.records if r.getMessage().startswith("data.train_samples")
+    ]
+    assert warned == [
+        f"data.train_samples: 99 asked, the training split holds {rep['train_samples']} (after the "
+        "validation split and data.exclude_id_prefixes): all of them are used"
+    ]
 
 
 def _write_manifest(shards: Path, ids: list[str]) -> None:
-    lines = [json.dumps({"idx": i, "id": sid, "num_tokens": len(SAMPLES[i][0])}) for i, sid in enumerate(ids)]
+    lines = [
+        json.dumps({"idx": i, "id": sid, "num_tokens": len(SAMPLES[i][0])})
+        for i, sid in enumerate(ids)
+    ]
     (shards / "manifest.jsonl").write_text("\n".join(lines) + "\n")
 
 
@@ -262,17 +324,27 @@ def test_exclude_id_prefixes_drops_train_only(tmp_path):
     full = run(cfg_full)
     split_full = json.loads((cfg_full.data_dir / "split.json").read_text())
     vocab_full = (cfg_full.data_dir / "vocab_map.pt").read_bytes()
-    cfg = load_config(_cfg(tmp_path), overrides=["data.exclude_id_prefixes=[staqc_sql_titles/, nl2bash/]"])
+    cfg = load_config(
+        _cfg(tmp_path), overrides=["data.exclude_id_prefixes=[staqc_sql_titles/, nl2bash/]"]
+    )
     rep = run(cfg)
     split = json.loads((cfg.data_dir / "split.json").read_text())
-    want = [i for i in split_full["train"] if not ids[i].startswith(("staqc_sql_titles/", "nl2bash/"))]
+    want = [
+        i for i in split_full["train"] if not ids[i].startswith(("staqc_sql_titles/", "nl2bash/"))
+    ]
     assert split["train"] == want and split["val"] == split_full["val"]
     dropped = [i for i in split_full["train"] if i not in want]
     assert rep["excluded_by_id_prefix"] == {
         "staqc_sql_titles/": sum(ids[i].startswith("staqc_sql_titles/") for i in dropped),
-        "nl2bash/": sum(ids[i].startswith("nl2bash/") for i in dropped)}
-    assert rep["train_samples"] == len(want) and rep["train_samples_available"] == full["train_samples"]
-    assert (cfg.data_dir / "vocab_map.pt").read_bytes() == vocab_full  # the draft vocab map is the whole set's
+        "nl2bash/": sum(ids[i].startswith("nl2bash/") for i in dropped),
+    }
+    assert (
+        rep["train_samples"] == len(want)
+        and rep["train_samples_available"] == full["train_samples"]
+    )
+    assert (
+        cfg.data_dir / "vocab_map.pt"
+    ).read_bytes() == vocab_full  # the draft vocab map is the whole set's
 
 
 def test_a_prefix_that_matches_nothing_is_warned_with_the_ids_prefixes(tmp_path, caplog):
@@ -283,7 +355,9 @@ def test_a_prefix_that_matches_nothing_is_warned_with_the_ids_prefixes(tmp_path,
     _write_manifest(cfg.shards_dir, ["chat/1", "chat/2", "math/3", "chat/4", "math/5"])
     with caplog.at_level("WARNING", logger="eagle3.data.prepare_data"):
         rep = run(cfg)
-    warned = [r.getMessage() for r in caplog.records if "matches no training sample" in r.getMessage()]
+    warned = [
+        r.getMessage() for r in caplog.records if "matches no training sample" in r.getMessage()
+    ]
     assert len(warned) == 1 and "'Chat/'" in warned[0] and "chat/, math/" in warned[0]
     assert rep["excluded_by_id_prefix"]["Chat/"] == 0 and rep["excluded_by_id_prefix"]["math/"] > 0
 
@@ -324,7 +398,9 @@ def test_token_only_validation_in_processes_matches_threads(tmp_path, monkeypatc
     expect = {"tokens_only": True, "vocab_size": V}
     monkeypatch.setattr(tp, "available_cpus", lambda: 2)
     st_t = {"num_samples": 0, "num_tokens": 0, "num_loss_tokens": 0, "max_len": 0}
-    threaded = list(pd._validated_samples(paths, expect, st_t, {}, workers=2))  # 40 < TOKEN_PROCESS_MIN
+    threaded = list(
+        pd._validated_samples(paths, expect, st_t, {}, workers=2)
+    )  # 40 < TOKEN_PROCESS_MIN
     monkeypatch.setattr(shard_format, "TOKEN_PROCESS_MIN", 1)
     monkeypatch.setattr(pd, "PROCESS_WINDOW", 16)  # windows of 16 + 16 + 8
     st_p = {"num_samples": 0, "num_tokens": 0, "num_loss_tokens": 0, "max_len": 0}
@@ -332,11 +408,16 @@ def test_token_only_validation_in_processes_matches_threads(tmp_path, monkeypatc
     loaded = [torch.load(p, weights_only=True) for _, p in paths]
     assert len(procs) == len(threaded) == 40
     for a, b, ref in zip(procs, threaded, loaded):
-        assert torch.equal(a["input_ids"], ref["input_ids"]) and torch.equal(b["input_ids"], ref["input_ids"])
+        assert torch.equal(a["input_ids"], ref["input_ids"]) and torch.equal(
+            b["input_ids"], ref["input_ids"]
+        )
         assert torch.equal(a["loss_mask"], ref["loss_mask"]) and a["input_ids"].dtype == torch.int64
-    want = {"num_samples": 40, "num_tokens": sum(len(r["input_ids"]) for r in loaded),
-            "num_loss_tokens": sum(int(r["loss_mask"].sum()) for r in loaded),
-            "max_len": max(len(r["input_ids"]) for r in loaded)}
+    want = {
+        "num_samples": 40,
+        "num_tokens": sum(len(r["input_ids"]) for r in loaded),
+        "num_loss_tokens": sum(int(r["loss_mask"].sum()) for r in loaded),
+        "max_len": max(len(r["input_ids"]) for r in loaded),
+    }
     assert st_p == st_t == want
     for bad in (21, 33):  # two bad shards in the second and third windows: the first is named
         d = torch.load(paths[bad][1], weights_only=True)
@@ -346,17 +427,31 @@ def test_token_only_validation_in_processes_matches_threads(tmp_path, monkeypatc
         list(pd._validated_samples(paths, expect, dict.fromkeys(want, 0), {}, workers=2))
 
 
-@pytest.mark.parametrize("over, msg", [
-    (["extract.aux_layers=[2, 3, 4]"], "extract.aux_layers [2, 3, 4] but the shards in {s} were captured with [1, 3, 4]: "
-                                       "re-run 02 or set extract.aux_layers to the shards' value"),
-    (["extract.max_length=32"], "extract.max_length 32 but the shards in {s} were captured with 16: re-run 02 or set "
-                                "extract.max_length to the shards' value"),
-    (["extract.aux_layers=null"], "extract.aux_layers null (the EAGLE default [2, 15, 27]) but the shards in {s} were "
-                                  "captured with [1, 3, 4]: re-run 02 or set extract.aux_layers to the shards' value"),
-    (["extract.aux_layers=[2, 3, 4]", "extract.max_length=32"],  # both named at once
-     "extract.aux_layers [2, 3, 4]; extract.max_length 32 but the shards in {s} were captured with aux_layers [1, 3, 4]; "
-     "max_length 16: re-run 02 or set extract.aux_layers and extract.max_length to the shards' values"),
-])
+@pytest.mark.parametrize(
+    "over, msg",
+    [
+        (
+            ["extract.aux_layers=[2, 3, 4]"],
+            "extract.aux_layers [2, 3, 4] but the shards in {s} were captured with [1, 3, 4]: "
+            "re-run 02 or set extract.aux_layers to the shards' value",
+        ),
+        (
+            ["extract.max_length=32"],
+            "extract.max_length 32 but the shards in {s} were captured with 16: re-run 02 or set "
+            "extract.max_length to the shards' value",
+        ),
+        (
+            ["extract.aux_layers=null"],
+            "extract.aux_layers null (the EAGLE default [2, 15, 27]) but the shards in {s} were "
+            "captured with [1, 3, 4]: re-run 02 or set extract.aux_layers to the shards' value",
+        ),
+        (
+            ["extract.aux_layers=[2, 3, 4]", "extract.max_length=32"],  # both named at once
+            "extract.aux_layers [2, 3, 4]; extract.max_length 32 but the shards in {s} were captured with aux_layers [1, 3, 4]; "
+            "max_length 16: re-run 02 or set extract.aux_layers and extract.max_length to the shards' values",
+        ),
+    ],
+)
 def test_extract_settings_other_than_the_shards_refused(tmp_path, over, msg):
     cfg = load_config(_cfg(tmp_path), over)
     _make_shards(cfg.shards_dir, num_layers=30)
@@ -380,8 +475,9 @@ def test_a_deleted_or_stray_shard_is_named_with_the_fix(tmp_path):
     same command recaptures them), and a shard file the manifest does not hold is named too."""
     import shutil
 
-    from test_validation_gate import _as_02_wrote
     from _ddp_worker import make_tiny_run
+    from test_validation_gate import _as_02_wrote
+
     from eagle3.config import load_config
     from eagle3.data import prepare_data
     from eagle3.errors import UserError
@@ -394,17 +490,21 @@ def test_a_deleted_or_stray_shard_is_named_with_the_fix(tmp_path):
     paths[3].unlink()
     with pytest.raises(UserError) as e:
         prepare_data.run(cfg, plot=False)
-    assert str(e.value) == (f"{cfg.shards_dir / 'data_config.json'}: key 'num_samples' is 10 but the shards hold 9 (1 "
-                            f"of the 10 shards in manifest.jsonl are missing: sample 3); re-run 02_extract_hidden.py "
-                            f"with the same command (without --overwrite) to recapture them, then 03")
+    assert str(e.value) == (
+        f"{cfg.shards_dir / 'data_config.json'}: key 'num_samples' is 10 but the shards hold 9 (1 "
+        f"of the 10 shards in manifest.jsonl are missing: sample 3); re-run 02_extract_hidden.py "
+        f"with the same command (without --overwrite) to recapture them, then 03"
+    )
     paths[3].write_bytes(gone)
     stray = paths[4].parent / "data_40.pt"
     shutil.copy(paths[4], stray)
     with pytest.raises(UserError) as e:
         prepare_data.run(cfg, plot=False)
-    assert str(e.value) == (f"{cfg.shards_dir / 'data_config.json'}: key 'num_samples' is 10 but the shards hold 11 (1 "
-                            f"shard files not in manifest.jsonl: sample 40, e.g. {stray}); remove them, or re-run "
-                            f"02_extract_hidden.py --overwrite")
+    assert str(e.value) == (
+        f"{cfg.shards_dir / 'data_config.json'}: key 'num_samples' is 10 but the shards hold 11 (1 "
+        f"shard files not in manifest.jsonl: sample 40, e.g. {stray}); remove them, or re-run "
+        f"02_extract_hidden.py --overwrite"
+    )
     stray.unlink()
     assert prepare_data.run(cfg, plot=False)["num_samples"] == 10
 
@@ -414,7 +514,9 @@ def test_shards_without_a_loss_token_are_refused(tmp_path):
     check had become unreachable code after a refactor of its neighbour (review, session 2026-12-05d)."""
     cfg = load_config(_cfg(tmp_path))
     _make_shards(cfg.shards_dir, samples=[(ids, [0] * len(mask)) for ids, mask in SAMPLES])
-    with pytest.raises(UserError, match=r"no loss-masked token in any shard \(no assistant replies\?\)"):
+    with pytest.raises(
+        UserError, match=r"no loss-masked token in any shard \(no assistant replies\?\)"
+    ):
         run(cfg)
 
 
@@ -432,16 +534,24 @@ def test_03_stops_while_02_is_writing_the_shards_and_not_for_a_dead_ones_lock(tm
     _make_shards(cfg.shards_dir)
     lock = cfg.shards_dir / ".extract.lock"
     holder = subprocess.Popen(  # a 02 in flight: another process holding the flock
-        [sys.executable, "-c", f"import fcntl, sys, time\nf = open({str(lock)!r}, 'a+')\n"
-                               f"fcntl.flock(f, fcntl.LOCK_EX)\nprint('locked', flush=True)\ntime.sleep(600)"],
-        stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            f"import fcntl, sys, time\nf = open({str(lock)!r}, 'a+')\n"
+            f"fcntl.flock(f, fcntl.LOCK_EX)\nprint('locked', flush=True)\ntime.sleep(600)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(UserError) as e:
             run(cfg, plot=False)
-        assert str(e.value) == (f"{lock}: 02_extract_hidden is still writing the shards in {cfg.shards_dir} (it holds "
-                                f"this lock); wait for it to end, then run 03_prepare_data.py (a half-written shard set "
-                                f"would fail validation)")
+        assert str(e.value) == (
+            f"{lock}: 02_extract_hidden is still writing the shards in {cfg.shards_dir} (it holds "
+            f"this lock); wait for it to end, then run 03_prepare_data.py (a half-written shard set "
+            f"would fail validation)"
+        )
         assert not (cfg.shards_dir / RECORD).exists() and not cfg.data_dir.exists()
     finally:
         holder.send_signal(signal.SIGKILL)
@@ -469,7 +579,9 @@ def test_03_rechecks_02_before_writing_its_outputs(tmp_path, monkeypatch, meanwh
 
     def a_02_starts_meanwhile(shards, meta, paths):
         out = real(shards, meta, paths)
-        if meanwhile == "02 holds its lock":  # another open file: its flock conflicts with 03's probe
+        if (
+            meanwhile == "02 holds its lock"
+        ):  # another open file: its flock conflicts with 03's probe
             f = open(lock, "a+")
             fcntl.flock(f, fcntl.LOCK_EX)
             held.append(f)
@@ -483,13 +595,17 @@ def test_03_rechecks_02_before_writing_its_outputs(tmp_path, monkeypatch, meanwh
     with pytest.raises(UserError) as e:
         run(cfg, plot=False)
     if held:
-        assert str(e.value).startswith(f"{lock}: 02_extract_hidden is still writing the shards in {cfg.shards_dir} ")
+        assert str(e.value).startswith(
+            f"{lock}: 02_extract_hidden is still writing the shards in {cfg.shards_dir} "
+        )
         held[0].close()
     else:
-        assert str(e.value) == (f"{cfg.shards_dir}: the shard set changed while 03_prepare_data read it (shards, "
-                                f"manifest.jsonl or data_config.json written since it started: a 02_extract_hidden run "
-                                f"there?); nothing written to {cfg.data_dir}; run 03_prepare_data.py again once 02 has "
-                                f"finished")
+        assert str(e.value) == (
+            f"{cfg.shards_dir}: the shard set changed while 03_prepare_data read it (shards, "
+            f"manifest.jsonl or data_config.json written since it started: a 02_extract_hidden run "
+            f"there?); nothing written to {cfg.data_dir}; run 03_prepare_data.py again once 02 has "
+            f"finished"
+        )
     assert not any(cfg.data_dir.glob("*.pt")) and not (cfg.data_dir / "split.json").exists()
     monkeypatch.setattr(prepare_data, "_validate_all", real)
     assert run(cfg, plot=False)["num_samples"] == len(SAMPLES)
@@ -519,9 +635,14 @@ def test_a_full_disk_in_03_says_it_starts_over(tmp_path, monkeypatch):
     with pytest.raises(UserError) as e:
         run(cfg, plot=False)
     msg = str(e.value)
-    assert msg.startswith(f"{cfg.data_dir / 'vocab_map.pt'}: disk full (No space left on device)") and "\n" not in msg
-    assert msg.endswith("free space or move the output folder, then re-run the same command (03 does not resume: it "
-                        "starts over)")
+    assert (
+        msg.startswith(f"{cfg.data_dir / 'vocab_map.pt'}: disk full (No space left on device)")
+        and "\n" not in msg
+    )
+    assert msg.endswith(
+        "free space or move the output folder, then re-run the same command (03 does not resume: it "
+        "starts over)"
+    )
     monkeypatch.undo()
 
     def stray(*a, **k):  # a library's own writer on a full disk, inside 03
@@ -530,5 +651,7 @@ def test_a_full_disk_in_03_says_it_starts_over(tmp_path, monkeypatch):
     monkeypatch.setattr(prepare_data, "prepare", stray)
     with pytest.raises(UserError) as e:
         run(cfg, plot=False)
-    assert str(e.value).startswith(f"{cfg.data_dir / 'coverage.png'}: disk full (No space left on device)")
+    assert str(e.value).startswith(
+        f"{cfg.data_dir / 'coverage.png'}: disk full (No space left on device)"
+    )
     assert str(e.value).endswith("(03 does not resume: it starts over)")

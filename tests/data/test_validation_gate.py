@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _ddp_worker import make_tiny_run, single_thread  # noqa: F401  (autouse fixture)
 
 import eagle3.data.validation_record as vr
 from eagle3.config import load_config
@@ -24,7 +25,6 @@ from eagle3.errors import UserError
 from eagle3.shards.checksum import file_checksum
 from eagle3.shards.format import list_samples, read_data_config, write_data_config
 from eagle3.shards.manifest import MANIFEST
-from _ddp_worker import make_tiny_run, single_thread  # noqa: F401  (autouse fixture)
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = {"epochs": 1, "batch_size": 2, "ckpt_every": 100}
@@ -37,10 +37,19 @@ def _as_02_wrote(root: Path) -> list[str]:
     for i, p in list_samples(root / "shards"):
         s = torch.load(p, weights_only=True)
         tokens, loss = tokens + s["input_ids"].numel(), loss + int(s["loss_mask"].sum())
-        rows.append({"idx": i, "id": f"p{i}", "num_tokens": s["input_ids"].numel(), "xxh3_128": file_checksum(p)})
+        rows.append(
+            {
+                "idx": i,
+                "id": f"p{i}",
+                "num_tokens": s["input_ids"].numel(),
+                "xxh3_128": file_checksum(p),
+            }
+        )
     (root / "shards" / MANIFEST).write_text("".join(json.dumps(r) + "\n" for r in rows))
-    write_data_config(root / "shards", {**read_data_config(root / "shards"), "num_tokens": tokens,
-                                        "num_loss_tokens": loss})
+    write_data_config(
+        root / "shards",
+        {**read_data_config(root / "shards"), "num_tokens": tokens, "num_loss_tokens": loss},
+    )
     (root / "shards" / VALIDATION_RECORD).unlink()
     return ["verifier.name=synthetic"]
 
@@ -50,14 +59,16 @@ def _flip_4k_keep_size_and_mtime(path: Path) -> bytes:
     old = path.read_bytes()
     st = os.stat(path)
     a = len(old) // 2
-    path.write_bytes(old[:a] + bytes(b ^ 0x5A for b in old[a:a + 4096]) + old[a + 4096:])
+    path.write_bytes(old[:a] + bytes(b ^ 0x5A for b in old[a : a + 4096]) + old[a + 4096 :])
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert os.stat(path).st_size == st.st_size and os.stat(path).st_mtime_ns == st.st_mtime_ns
     return old
 
 
 def _train_cli(path: Path, sets: list[str]) -> subprocess.CompletedProcess:
-    args = [sys.executable, str(ROOT / "04_train.py"), "--config", str(path)] + [x for s in sets for x in ("--set", s)]
+    args = [sys.executable, str(ROOT / "04_train.py"), "--config", str(path)] + [
+        x for s in sets for x in ("--set", s)
+    ]
     return subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=300)
 
 
@@ -71,7 +82,9 @@ def test_04_refuses_a_shard_set_03_rejected_and_trains_after_the_fix(tmp_path):
     assert json.loads((cfg.shards_dir / VALIDATION_RECORD).read_text())["status"] == "passed"
     shard = dict(list_samples(cfg.shards_dir))[5]
     original = _flip_4k_keep_size_and_mtime(shard)
-    with pytest.raises(UserError, match=r"data_5.pt: contents changed since extraction \(xxh3_128 differs"):
+    with pytest.raises(
+        UserError, match=r"data_5.pt: contents changed since extraction \(xxh3_128 differs"
+    ):
         prepare_data.run(cfg, plot=False, revalidate=True)
     rec = json.loads((cfg.shards_dir / VALIDATION_RECORD).read_text())
     assert rec["status"] == "failed" and "data_5.pt" in rec["error"] and "stats" not in rec
@@ -83,8 +96,10 @@ def test_04_refuses_a_shard_set_03_rejected_and_trains_after_the_fix(tmp_path):
     p = _train_cli(path, sets)
     assert p.returncode == 2, p.stderr[-2000:]
     err = [ln for ln in p.stderr.splitlines() if ln.strip()]
-    assert len(err) == 1 and err[0].startswith(f"error: {cfg.shards_dir}: 03's last validation of this shard set "
-                                               f"failed ({shard}: contents changed since extraction (xxh3_128 differs")
+    assert len(err) == 1 and err[0].startswith(
+        f"error: {cfg.shards_dir}: 03's last validation of this shard set "
+        f"failed ({shard}: contents changed since extraction (xxh3_128 differs"
+    )
     assert "run 03_prepare_data.py" in err[0] and str(cfg.shards_dir / VALIDATION_RECORD) in err[0]
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # nothing written
     assert not (cfg.train_dir / "metrics.jsonl").exists() and not cfg.export_dir.exists()
@@ -102,13 +117,18 @@ def test_04_refuses_without_a_matching_passing_record(tmp_path):
     shard = dict(list_samples(cfg.shards_dir))[3]
     # an mtime set back (a copy restoring an older time): the fingerprint sees it, the file cannot be named by its mtime
     os.utime(shard, ns=(os.stat(shard).st_atime_ns, os.stat(shard).st_mtime_ns - 10 * 10**9))
-    with pytest.raises(UserError, match=r"shards: the shards, manifest.jsonl or data_config.json changed since 03 "
-                                        r"last validated them, or the folder was moved or copied \(the record holds "
-                                        r"its path, each shard's size and mtime: .*validation_record.json\); run "
-                                        r"03_prepare_data.py"):
+    with pytest.raises(
+        UserError,
+        match=r"shards: the shards, manifest.jsonl or data_config.json changed since 03 "
+        r"last validated them, or the folder was moved or copied \(the record holds "
+        r"its path, each shard's size and mtime: .*validation_record.json\); run "
+        r"03_prepare_data.py",
+    ):
         require_passed(cfg.shards_dir, cfg.data_dir)
     (cfg.shards_dir / VALIDATION_RECORD).unlink()
-    with pytest.raises(UserError, match=r"no record that 03 validated this shard set .*; run 03_prepare_data.py"):
+    with pytest.raises(
+        UserError, match=r"no record that 03 validated this shard set .*; run 03_prepare_data.py"
+    ):
         require_passed(cfg.shards_dir, cfg.data_dir)
 
 
@@ -126,20 +146,33 @@ def test_04_refuses_a_shard_replaced_after_03_naming_it(tmp_path):
     old, st = shard.read_bytes(), os.stat(shard)
     new = shard.with_name("replacement.tmp")
     a = len(old) // 2
-    new.write_bytes(old[:a] + bytes(b ^ 0x5A for b in old[a:a + 64]) + old[a + 64:])  # same size, other states
-    os.utime(new, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # replaced a second after the shard was written
+    new.write_bytes(
+        old[:a] + bytes(b ^ 0x5A for b in old[a : a + 64]) + old[a + 64 :]
+    )  # same size, other states
+    os.utime(
+        new, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9)
+    )  # replaced a second after the shard was written
     os.replace(new, shard)
     assert os.stat(shard).st_size == st.st_size and os.stat(shard).st_ino != st.st_ino
     before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")}
     with pytest.raises(UserError) as e:
         train(cfg, device="cpu")
-    assert str(e.value) == (f"{shard}: changed after 03 validated this shard set ({vr.format_time(created)}); run "
-                            f"03_prepare_data.py again before training (record: {rec})")
-    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")} == before  # nothing written, no checkpoint
-    other = dict(list_samples(cfg.shards_dir))[2]  # a second shard touched: the first in idx order named, one counted
+    assert str(e.value) == (
+        f"{shard}: changed after 03 validated this shard set ({vr.format_time(created)}); run "
+        f"03_prepare_data.py again before training (record: {rec})"
+    )
+    assert {
+        p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")
+    } == before  # nothing written, no checkpoint
+    other = dict(list_samples(cfg.shards_dir))[
+        2
+    ]  # a second shard touched: the first in idx order named, one counted
     os.utime(other, ns=(os.stat(other).st_atime_ns, os.stat(other).st_mtime_ns + 10**9))
-    with pytest.raises(UserError, match=r"data_2\.pt: changed after 03 validated this shard set \(.*\) \(and 1 more "
-                                        r"file\); run 03_prepare_data.py again before training"):
+    with pytest.raises(
+        UserError,
+        match=r"data_2\.pt: changed after 03 validated this shard set \(.*\) \(and 1 more "
+        r"file\); run 03_prepare_data.py again before training",
+    ):
         require_passed(cfg.shards_dir, cfg.data_dir)
 
 
@@ -172,16 +205,27 @@ def test_failed_record_replaces_a_passing_one_in_the_other_folder(tmp_path, monk
 
     stats = {"num_samples": 1, "num_tokens": 2, "num_loss_tokens": 1, "max_len": 2}
     monkeypatch.setattr(vr, "atomic_write_json", refuse_shards)
-    assert vr.write_record([shards, data], "fp", stats, torch.tensor([0, 1])) == data / VALIDATION_RECORD
+    assert (
+        vr.write_record([shards, data], "fp", stats, torch.tensor([0, 1]))
+        == data / VALIDATION_RECORD
+    )
     monkeypatch.setattr(vr, "atomic_write_json", real)
-    assert vr.write_failed_record([shards, data], "fp", "x.pt: bad\nmore") == shards / VALIDATION_RECORD
+    assert (
+        vr.write_failed_record([shards, data], "fp", "x.pt: bad\nmore")
+        == shards / VALIDATION_RECORD
+    )
     assert not (data / VALIDATION_RECORD).exists()
     assert json.loads((shards / VALIDATION_RECORD).read_text())["error"] == "x.pt: bad"
     monkeypatch.setattr(vr, "atomic_write_json", refuse_shards)
-    assert vr.write_record([shards, data], "fp", stats, torch.tensor([0, 1])) == data / VALIDATION_RECORD
+    assert (
+        vr.write_record([shards, data], "fp", stats, torch.tensor([0, 1]))
+        == data / VALIDATION_RECORD
+    )
     assert not (shards / VALIDATION_RECORD).exists()  # the failed record of the same shards is gone
     assert require_passed_fp(shards, data, "fp", monkeypatch) == data / VALIDATION_RECORD
-    with pytest.raises(UserError, match=r"cannot write the validation record"):  # 04 needs it: not only a warning
+    with pytest.raises(
+        UserError, match=r"cannot write the validation record"
+    ):  # 04 needs it: not only a warning
         vr.write_record([shards], "fp", stats, torch.tensor([0, 1]))
 
 
@@ -202,14 +246,20 @@ def test_04_refuses_a_split_made_under_other_data_settings(tmp_path):
     sets = _as_02_wrote(tmp_path)
     cfg = load_config(path, sets)
     rep = prepare_data.run(cfg, plot=False)
-    assert rep["settings"] == {"draft_vocab_size": 24, "val_fraction": cfg.data.val_fraction, "seed": 0,
-                               "train_samples": None, "exclude_id_prefixes": []}
+    assert rep["settings"] == {
+        "draft_vocab_size": 24,
+        "val_fraction": cfg.data.val_fraction,
+        "seed": 0,
+        "train_samples": None,
+        "exclude_id_prefixes": [],
+    }
     require_current(cfg)  # the config 03 ran under: nothing to say
     changed = load_config(path, sets + ["data.exclude_id_prefixes=[p1]", "data.seed=3"])
     assert _train_refused(changed) == (
         f"{cfg.data_dir}: 03's vocab map and split were made under other data settings (data.seed 0 there, 3 in the "
         f"config; data.exclude_id_prefixes [] there, ['p1'] in the config, data_report.json); run 03_prepare_data.py "
-        f"again")
+        f"again"
+    )
     prepare_data.run(changed, plot=False)
     assert train(changed, device="cpu")["step"] >= 1
     # a report from before the settings were recorded is not compared
@@ -237,7 +287,10 @@ def test_04_refuses_a_split_made_from_other_shards(tmp_path):
     is refused as well."""
     from eagle3.train.trainer import run as train
 
-    a_path, b_path = make_tiny_run(tmp_path / "a", train=TRAIN), make_tiny_run(tmp_path / "b", train=TRAIN, seed=1)
+    a_path, b_path = (
+        make_tiny_run(tmp_path / "a", train=TRAIN),
+        make_tiny_run(tmp_path / "b", train=TRAIN, seed=1),
+    )
     sets = _as_02_wrote(tmp_path / "a")
     _as_02_wrote(tmp_path / "b")
     a = load_config(a_path, sets)
@@ -247,12 +300,17 @@ def test_04_refuses_a_split_made_from_other_shards(tmp_path):
     assert _train_refused(mixed) == (
         f"{a.data_dir}: 03's vocab map and split were made from the shards in {a.shards_dir}, not from "
         f"{mixed.shards_dir} (extract.output_dir; data_report.json); run 03_prepare_data.py for these shards (with a "
-        f"data.output_dir of their own to keep both)")
+        f"data.output_dir of their own to keep both)"
+    )
     # the same folder re-extracted (here: B's shards copied over A's) and validated by 03 into another data folder
     shutil.rmtree(tmp_path / "a" / "shards")
     shutil.copytree(tmp_path / "b" / "shards", tmp_path / "a" / "shards")
-    prepare_data.run(load_config(a_path, sets + [f"data.output_dir={tmp_path / 'other'}"]), plot=False)
-    with pytest.raises(UserError, match=r"made from an earlier shard set in .*re-extracted or changed since"):
+    prepare_data.run(
+        load_config(a_path, sets + [f"data.output_dir={tmp_path / 'other'}"]), plot=False
+    )
+    with pytest.raises(
+        UserError, match=r"made from an earlier shard set in .*re-extracted or changed since"
+    ):
         train(a, device="cpu")
     prepare_data.run(a, plot=False)  # 03 again: trains
     assert train(a, device="cpu")["step"] >= 1
@@ -278,8 +336,10 @@ def test_an_interrupted_revalidate_leaves_no_passing_record(tmp_path, monkeypatc
     assert rec["status"] == "unfinished" and "stats" not in rec
     with pytest.raises(UserError) as e:
         require_passed(cfg.shards_dir, cfg.data_dir)
-    assert str(e.value) == (f"{cfg.shards_dir}: 03_prepare_data.py --revalidate of this shard set did not finish "
-                            f"(record: {cfg.shards_dir / VALIDATION_RECORD}); run 03_prepare_data.py before training")
+    assert str(e.value) == (
+        f"{cfg.shards_dir}: 03_prepare_data.py --revalidate of this shard set did not finish "
+        f"(record: {cfg.shards_dir / VALIDATION_RECORD}); run 03_prepare_data.py before training"
+    )
     monkeypatch.setattr(prepare_data, "_validate_all", real)
     assert prepare_data.run(cfg, plot=False)["validation"] == "full"  # not "reused"
     assert json.loads((cfg.shards_dir / VALIDATION_RECORD).read_text())["status"] == "passed"
@@ -304,11 +364,18 @@ def test_an_interrupted_03_says_what_it_left_and_how_to_go_on(tmp_path, monkeypa
 
     monkeypatch.setattr(prepare_data, "_validate_all", killed)
     main = runpy.run_path(str(ROOT / "03_prepare_data.py"))["main"]
-    argv = ["--config", str(path), *[x for s in sets for x in ("--set", s)], "--no-plot", "--revalidate"]
+    argv = [
+        "--config",
+        str(path),
+        *[x for s in sets for x in ("--set", s)],
+        "--no-plot",
+        "--revalidate",
+    ]
     with pytest.raises(SystemExit) as e:
         run_main(main, argv)
     assert e.value.code == 130
     rec = cfg.shards_dir / VALIDATION_RECORD
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"interrupted by SIGINT: the --revalidate pass did not finish: {rec} says unfinished, so 04_train.py refuses "
-        f"the shard set; re-run 03_prepare_data.py (it validates every shard)")
+        f"the shard set; re-run 03_prepare_data.py (it validates every shard)"
+    )

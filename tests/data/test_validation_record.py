@@ -12,18 +12,18 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from test_prepare_data import FREQ, SAMPLES, H, _make_shards
 
-import eagle3.shards.checksum
 import eagle3.data.prepare_data as prepare_data
 import eagle3.data.validation_record as vr
+import eagle3.shards.checksum
 from eagle3.config import load_config
+from eagle3.data.prepare_data import run
+from eagle3.data.validation_record import VALIDATION_RECORD
 from eagle3.errors import UserError
 from eagle3.shards.checksum import file_checksum
-from eagle3.shards.manifest import MANIFEST
-from eagle3.data.prepare_data import run
 from eagle3.shards.format import DATA_CONFIG, list_samples, write_sample
-from eagle3.data.validation_record import VALIDATION_RECORD
-from test_prepare_data import FREQ, H, SAMPLES, _make_shards
+from eagle3.shards.manifest import MANIFEST
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,8 +32,14 @@ def _cfg(tmp_path: Path, name: str, **data):
     """A run ``name`` whose shards are the shared ``tmp_path/shards`` (as the ablations of one shard set)."""
     d = {"draft_vocab_size": 4, "val_fraction": 0.4, "seed": 3}
     d.update(data)
-    cfg = {"run_name": name, "output_root": str(tmp_path / name), "verifier": {"path": "/nowhere", "name": "tiny"},
-           "prompts": {"source": "humaneval"}, "extract": {"output_dir": str(tmp_path / "shards")}, "data": d}
+    cfg = {
+        "run_name": name,
+        "output_root": str(tmp_path / name),
+        "verifier": {"path": "/nowhere", "name": "tiny"},
+        "prompts": {"source": "humaneval"},
+        "extract": {"output_dir": str(tmp_path / "shards")},
+        "data": d,
+    }
     p = tmp_path / f"{name}.yaml"
     p.write_text(yaml.safe_dump(cfg))
     return p
@@ -44,8 +50,10 @@ def _shards(tmp_path: Path, algo: str = "xxh3_128") -> Path:
     writes: xxh3_128; ``algo="sha256"``: as 02 wrote before)."""
     root = tmp_path / "shards"
     _make_shards(root)
-    rows = [{"idx": i, "id": f"p{i}", "num_tokens": len(SAMPLES[i][0]), algo: file_checksum(p, algo)}
-            for i, p in list_samples(root)]
+    rows = [
+        {"idx": i, "id": f"p{i}", "num_tokens": len(SAMPLES[i][0]), algo: file_checksum(p, algo)}
+        for i, p in list_samples(root)
+    ]
     (root / MANIFEST).write_text("".join(json.dumps(r) + "\n" for r in rows))
     return root
 
@@ -81,12 +89,17 @@ def _outputs(data_dir: Path) -> dict:
     rep = json.loads((data_dir / "data_report.json").read_text())
     assert rep.pop("validation") in ("full", "reused")
     out["data_report.json"] = rep
-    out["data_report.md"] = [ln for ln in (data_dir / "data_report.md").read_text().splitlines()
-                             if not ln.startswith("| shard validation |")]
+    out["data_report.md"] = [
+        ln
+        for ln in (data_dir / "data_report.md").read_text().splitlines()
+        if not ln.startswith("| shard validation |")
+    ]
     return out
 
 
-def test_second_run_reuses_without_touching_shards_and_matches_full_run(tmp_path, monkeypatch, caplog):
+def test_second_run_reuses_without_touching_shards_and_matches_full_run(
+    tmp_path, monkeypatch, caplog
+):
     shards = _shards(tmp_path)
     spy = Spy(monkeypatch)
     a = load_config(_cfg(tmp_path, "a"))
@@ -102,7 +115,10 @@ def test_second_run_reuses_without_touching_shards_and_matches_full_run(tmp_path
     with caplog.at_level(logging.INFO, logger="eagle3.data.prepare_data"):
         rep = run(b, plot=False)
     assert rep["validation"] == "reused" and spy.hashed == [] and spy.loaded == []
-    assert "reusing the shard validation of" in caplog.text and "--revalidate forces a full pass" in caplog.text
+    assert (
+        "reusing the shard validation of" in caplog.text
+        and "--revalidate forces a full pass" in caplog.text
+    )
     assert json.loads((b.data_dir / "data_report.json").read_text())["validation"] == "reused"
     assert "| shard validation | reused |" in (b.data_dir / "data_report.md").read_text()
     # byte-identical to a full pass with the same settings
@@ -128,11 +144,20 @@ def test_read_only_shards_dir_keeps_the_record_in_the_data_dir(tmp_path, monkeyp
     spy = Spy(monkeypatch)
     assert run(a, plot=False)["validation"] == "reused" and spy.hashed == spy.loaded == []
     # another run's data dir does not see it: full pass there
-    assert run(load_config(_cfg(tmp_path, "b")), plot=False)["validation"] == "full" and len(spy.hashed) == 5
+    assert (
+        run(load_config(_cfg(tmp_path, "b")), plot=False)["validation"] == "full"
+        and len(spy.hashed) == 5
+    )
 
 
-@pytest.mark.parametrize("data", [{"draft_vocab_size": 3}, {"train_samples": 2}, {"draft_vocab_size": 6, "seed": 5,
-                                                                                    "val_fraction": 0.2}])
+@pytest.mark.parametrize(
+    "data",
+    [
+        {"draft_vocab_size": 3},
+        {"train_samples": 2},
+        {"draft_vocab_size": 6, "seed": 5, "val_fraction": 0.2},
+    ],
+)
 def test_other_settings_with_reuse_equal_a_full_run(tmp_path, monkeypatch, data):
     _shards(tmp_path)
     run(load_config(_cfg(tmp_path, "first")), plot=False)
@@ -153,7 +178,9 @@ def _flip_byte_keep_size(p: Path) -> None:
     b[len(b) // 2] ^= 0xFF
     st = p.stat()
     p.write_bytes(bytes(b))
-    os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))  # as a later write would leave it
+    os.utime(
+        p, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000)
+    )  # as a later write would leave it
 
 
 def _touch(p: Path) -> None:
@@ -176,14 +203,23 @@ def _data_config(root: Path) -> None:
 # change -> (number of shards the full pass hashes or loads, error expected from it or None)
 CHANGES = {
     "touch_shard": (lambda r: _touch(r / "rows_2-4" / "data_2.pt"), 5, None),
-    "modify_shard": (lambda r: _flip_byte_keep_size(r / "rows_2-4" / "data_2.pt"), 3,
-                     r"data_2.pt: contents changed since extraction \(xxh3_128 differs from manifest.jsonl\)"),
+    "modify_shard": (
+        lambda r: _flip_byte_keep_size(r / "rows_2-4" / "data_2.pt"),
+        3,
+        r"data_2.pt: contents changed since extraction \(xxh3_128 differs from manifest.jsonl\)",
+    ),
     "manifest_row": (_manifest_row_sha, 3, r"data_2.pt: contents changed since extraction"),
     "data_config": (_data_config, 5, None),
-    "delete_shard": (lambda r: (r / "rows_4-6" / "data_4.pt").unlink(), 4,
-                     "key 'num_samples' is 5 but the shards hold 4"),
-    "add_shard": (lambda r: write_sample(r, 5, 2, [1, 7], [torch.ones(2, H) for _ in range(4)], [0, 1]), 6,
-                  "key 'num_samples' is 5 but the shards hold 6"),
+    "delete_shard": (
+        lambda r: (r / "rows_4-6" / "data_4.pt").unlink(),
+        4,
+        "key 'num_samples' is 5 but the shards hold 4",
+    ),
+    "add_shard": (
+        lambda r: write_sample(r, 5, 2, [1, 7], [torch.ones(2, H) for _ in range(4)], [0, 1]),
+        6,
+        "key 'num_samples' is 5 but the shards hold 6",
+    ),
 }
 
 
@@ -200,13 +236,17 @@ def test_changed_shard_set_validates_fully(tmp_path, monkeypatch, change):
         assert run(cfg, plot=False)["validation"] == "full"
         assert len(spy.hashed) == n_hashed == len(spy.loaded)
         spy.reset()
-        assert run(cfg, plot=False)["validation"] == "reused" and spy.hashed == []  # record rewritten
+        assert (
+            run(cfg, plot=False)["validation"] == "reused" and spy.hashed == []
+        )  # record rewritten
     else:
         with pytest.raises(UserError, match=error):
             run(cfg, plot=False)
         # the full pass ran (in order, up to the bad shard: in-flight look-ahead may hash a few more)
         assert len(set(spy.hashed) | set(spy.loaded)) >= n_hashed
-        with pytest.raises(UserError, match=error):  # and a failed pass leaves no record that would hide it
+        with pytest.raises(
+            UserError, match=error
+        ):  # and a failed pass leaves no record that would hide it
             run(cfg, plot=False)
 
 
@@ -215,9 +255,14 @@ def test_sha256_manifest_of_an_earlier_02_is_still_checked(tmp_path, monkeypatch
     modified one is refused naming the algorithm, and an intact set passes."""
     shards = _shards(tmp_path, "sha256")
     spy = Spy(monkeypatch)
-    assert run(load_config(_cfg(tmp_path, "a")), plot=False)["validation"] == "full" and len(spy.hashed) == 5
+    assert (
+        run(load_config(_cfg(tmp_path, "a")), plot=False)["validation"] == "full"
+        and len(spy.hashed) == 5
+    )
     _flip_byte_keep_size(shards / "rows_2-4" / "data_2.pt")
-    with pytest.raises(UserError, match=r"data_2.pt: contents changed since extraction \(sha256 differs"):
+    with pytest.raises(
+        UserError, match=r"data_2.pt: contents changed since extraction \(sha256 differs"
+    ):
         run(load_config(_cfg(tmp_path, "a")), plot=False)
 
 
@@ -245,7 +290,9 @@ def test_corrupt_record_warns_and_validates_fully(tmp_path, monkeypatch, caplog,
     with caplog.at_level(logging.WARNING, logger="eagle3.data.validation_record"):
         rep = run(cfg, plot=False)
     assert rep["validation"] == "full" and len(spy.hashed) == 5
-    assert any(r.levelno == logging.WARNING and VALIDATION_RECORD in r.getMessage() for r in caplog.records)
+    assert any(
+        r.levelno == logging.WARNING and VALIDATION_RECORD in r.getMessage() for r in caplog.records
+    )
     assert json.loads(rec.read_text())["token_freq"] == FREQ  # rewritten
     spy.reset()
     assert run(cfg, plot=False)["validation"] == "reused" and spy.hashed == []

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 import eagle3.data.vocab as vocab
-from eagle3.errors import UserError
 from eagle3.data.vocab import (
     build_vocab_map,
     count_token_freq,
@@ -17,6 +16,7 @@ from eagle3.data.vocab import (
     load_vocab_map,
     save_vocab_map,
 )
+from eagle3.errors import UserError
 
 
 def test_count_token_freq_hand_computed():
@@ -54,7 +54,16 @@ def test_build_vocab_map_hand_made_table():
     d2t, t2d = build_vocab_map(freq, 4)
     # top 4: ids 2, 3, 6 (count 7) and 0 (count 5) -> sorted [0, 2, 3, 6]
     assert d2t.dtype == torch.int64 and d2t.tolist() == [0, 1, 1, 3]
-    assert t2d.dtype == torch.bool and t2d.tolist() == [True, False, True, True, False, False, True, False]
+    assert t2d.dtype == torch.bool and t2d.tolist() == [
+        True,
+        False,
+        True,
+        True,
+        False,
+        False,
+        True,
+        False,
+    ]
     assert draft_to_target_ids(d2t).tolist() == [0, 2, 3, 6]
     assert coverage(freq, t2d) == pytest.approx(26 / 32)
 
@@ -97,6 +106,14 @@ def test_vocab_map_save_load_and_size_check(tmp_path):
     torch.save({"d2t": d2t, "t2d": bad_t2d, "target_vocab_size": 8, "draft_vocab_size": 4}, p)
     with pytest.raises(UserError, match="key 't2d'"):
         load_vocab_map(p)
-    torch.save({"d2t": torch.tensor([0, 0, -1, 0]), "t2d": t2d, "target_vocab_size": 8, "draft_vocab_size": 4}, p)
+    torch.save(
+        {
+            "d2t": torch.tensor([0, 0, -1, 0]),
+            "t2d": t2d,
+            "target_vocab_size": 8,
+            "draft_vocab_size": 4,
+        },
+        p,
+    )
     with pytest.raises(UserError, match="draft ids 1 and 2 both map to target id 1"):
         load_vocab_map(p)

@@ -15,11 +15,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _ddp_worker import make_tiny_run, single_thread  # noqa: E402,F401  (autouse fixture)
 
-from eagle3.train import checkpoint as ckpt  # noqa: E402
 from eagle3.config import load_config  # noqa: E402
-from eagle3.errors import UserError  # noqa: E402
-from eagle3.train.model import DrafterArgs, Eagle3Drafter  # noqa: E402
 from eagle3.data.vocab import check_vocab_map  # noqa: E402
+from eagle3.errors import UserError  # noqa: E402
+from eagle3.train import checkpoint as ckpt  # noqa: E402
+from eagle3.train.model import DrafterArgs, Eagle3Drafter  # noqa: E402
 
 V, DV = 8, 4
 GOOD_TARGETS = [1, 3, 4, 6]
@@ -35,19 +35,35 @@ def _map(targets, marked=None):
 
 BAD = {
     # two draft ids map to target 3; t2d marks 4 ids so that the old count check passed
-    "duplicate": (*_map([1, 3, 3, 6], marked=[1, 3, 6, 7]), r"draft ids 1 and 2 both map to target id 3"),
+    "duplicate": (
+        *_map([1, 3, 3, 6], marked=[1, 3, 6, 7]),
+        r"draft ids 1 and 2 both map to target id 3",
+    ),
     "out_of_range": (*_map([1, 3, 4, 9]), r"draft id 3 maps to target id 9, outside 0\.\.7"),
     "absolute": (torch.tensor(GOOD_TARGETS), _map(GOOD_TARGETS)[1], r"absolute target ids"),
-    "unsorted": (*_map([1, 4, 3, 6]), r"sorted by target id.*draft id 1 maps to 4 and draft id 2 to 3"),
-    "t2d_mismatch": (_map(GOOD_TARGETS)[0], _map(GOOD_TARGETS, marked=[1, 3, 4, 7])[1], r"key 't2d'.*target id 6"),
-    "d2t_int32": (_map(GOOD_TARGETS)[0].int(), _map(GOOD_TARGETS)[1], r"key 'd2t': expected a 1-D int64"),
+    "unsorted": (
+        *_map([1, 4, 3, 6]),
+        r"sorted by target id.*draft id 1 maps to 4 and draft id 2 to 3",
+    ),
+    "t2d_mismatch": (
+        _map(GOOD_TARGETS)[0],
+        _map(GOOD_TARGETS, marked=[1, 3, 4, 7])[1],
+        r"key 't2d'.*target id 6",
+    ),
+    "d2t_int32": (
+        _map(GOOD_TARGETS)[0].int(),
+        _map(GOOD_TARGETS)[1],
+        r"key 'd2t': expected a 1-D int64",
+    ),
 }
 
 
 def test_good_map_passes_every_check():
     d2t, t2d = _map(GOOD_TARGETS)
     check_vocab_map(d2t, t2d, target_vocab_size=V, draft_vocab_size=DV)
-    check_vocab_map(torch.zeros(V, dtype=torch.int64), torch.ones(V, dtype=torch.bool))  # identity map
+    check_vocab_map(
+        torch.zeros(V, dtype=torch.int64), torch.ones(V, dtype=torch.bool)
+    )  # identity map
 
 
 @pytest.mark.parametrize("case", sorted(BAD))
@@ -59,9 +75,19 @@ def test_check_vocab_map_refuses(case):
 
 def _drafter() -> Eagle3Drafter:
     torch.manual_seed(0)
-    a = DrafterArgs(hidden_size=8, num_attention_heads=2, num_key_value_heads=1, head_dim=4, intermediate_size=16,
-                    rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=32, draft_vocab_size=DV,
-                    target_vocab_size=V, target_hidden_size=8)
+    a = DrafterArgs(
+        hidden_size=8,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=4,
+        intermediate_size=16,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=32,
+        draft_vocab_size=DV,
+        target_vocab_size=V,
+        target_hidden_size=8,
+    )
     d = Eagle3Drafter(a)
     d.set_vocab_map(*_map(GOOD_TARGETS))
     return d
@@ -74,7 +100,9 @@ def test_drafter_set_vocab_map_refuses(case):
         _drafter().set_vocab_map(d2t, t2d)
 
 
-@pytest.mark.parametrize("case", ["duplicate", "unsorted", "absolute", "t2d_mismatch", "out_of_range"])
+@pytest.mark.parametrize(
+    "case", ["duplicate", "unsorted", "absolute", "t2d_mismatch", "out_of_range"]
+)
 def test_vocab_map_file_refuses(tmp_path, case):
     from eagle3.data.vocab import load_vocab_map
 
@@ -85,12 +113,16 @@ def test_vocab_map_file_refuses(tmp_path, case):
         load_vocab_map(p)
 
 
-@pytest.mark.parametrize("case", ["duplicate", "unsorted", "absolute", "t2d_mismatch", "out_of_range"])
+@pytest.mark.parametrize(
+    "case", ["duplicate", "unsorted", "absolute", "t2d_mismatch", "out_of_range"]
+)
 def test_exported_folder_refuses(tmp_path, case):
     from eagle3.export.serving import export_drafter, load_exported
 
     d = _drafter()
-    info = dict(name="tiny", architecture="LlamaForCausalLM", num_layers=8, hidden_size=8, vocab_size=V)
+    info = dict(
+        name="tiny", architecture="LlamaForCausalLM", num_layers=8, hidden_size=8, vocab_size=V
+    )
     out = export_drafter(d, tmp_path / "x", "sglang", [2, 4, 5], info)
     sd = load_file(str(out / "model.safetensors"))
     sd["d2t"], sd["t2d"], msg = BAD[case]
@@ -114,8 +146,11 @@ def test_fresh_training_refuses_draft_size_other_than_the_data(tmp_path):
     from eagle3.train.trainer import run
 
     cfg = load_config(make_tiny_run(tmp_path, draft_vocab=24), ["data.draft_vocab_size=32"])
-    with pytest.raises(UserError, match=r"vocab_map.pt: key 'draft_vocab_size': the map has 24 draft tokens but "
-                                        r"data.draft_vocab_size is 32"):
+    with pytest.raises(
+        UserError,
+        match=r"vocab_map.pt: key 'draft_vocab_size': the map has 24 draft tokens but "
+        r"data.draft_vocab_size is 32",
+    ):
         run(cfg, device="cpu")
     assert not ckpt.list_checkpoints(cfg.train_dir) and not cfg.export_dir.exists()
 
@@ -146,24 +181,33 @@ def test_export_only_refuses_a_vocab_map_of_the_same_size_it_was_not_trained_wit
     trained = load_vocab_map(vm_path)
     t2d = trained["t2d"].clone()
     ids = t2d.nonzero().flatten()
-    t2d[ids[-1]] = False  # the last draft token becomes another, unused target id: same size, other map
+    t2d[ids[-1]] = (
+        False  # the last draft token becomes another, unused target id: same size, other map
+    )
     t2d[next(i for i in range(t2d.numel()) if not trained["t2d"][i])] = True
     other = t2d.nonzero().flatten()
     save_vocab_map(vm_path, other - torch.arange(other.numel()), t2d)
     with pytest.raises(UserError) as e:
         export_from_checkpoint(cfg)
-    assert str(e.value) == (f"{ckpt.ckpt_path(cfg.train_dir, 1)}: {vm_path} is not the draft vocab map this checkpoint "
-                            "was trained with: its lm_head rows would stand for other tokens; train a new run (a new "
-                            "train.output_dir), or re-run 03_prepare_data.py with the old data settings")
+    assert str(e.value) == (
+        f"{ckpt.ckpt_path(cfg.train_dir, 1)}: {vm_path} is not the draft vocab map this checkpoint "
+        "was trained with: its lm_head rows would stand for other tokens; train a new run (a new "
+        "train.output_dir), or re-run 03_prepare_data.py with the old data settings"
+    )
     assert not cfg.export_dir.exists()
     save_vocab_map(vm_path, trained["d2t"], trained["t2d"])
     out = export_from_checkpoint(cfg)
     assert torch.equal(load_file(out / "model.safetensors")["d2t"], trained["d2t"])
 
 
-@pytest.mark.parametrize("key,named", [("draft_vocab_size", "data.draft_vocab_size"),
-                                       ("target_hidden_size", "verifier.path"),
-                                       ("hidden_size", "drafter.hidden_size")])
+@pytest.mark.parametrize(
+    "key,named",
+    [
+        ("draft_vocab_size", "data.draft_vocab_size"),
+        ("target_hidden_size", "verifier.path"),
+        ("hidden_size", "drafter.hidden_size"),
+    ],
+)
 def test_resume_refusal_names_a_real_config_key(key, named):
     from eagle3.config import RunConfig
 

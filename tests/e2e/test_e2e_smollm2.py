@@ -22,7 +22,13 @@ TAU_MARGIN = 0.2
 
 
 def _stage(script: str, args: list[str], env: dict) -> None:
-    cmd = [sys.executable, str(ROOT / script), "--config", str(ROOT / "configs/smollm2-135m.yaml"), *args]
+    cmd = [
+        sys.executable,
+        str(ROOT / script),
+        "--config",
+        str(ROOT / "configs/smollm2-135m.yaml"),
+        *args,
+    ]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     assert r.returncode == 0, f"{script} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
 
@@ -30,8 +36,16 @@ def _stage(script: str, args: list[str], env: dict) -> None:
 @pytest.mark.slow
 def test_smollm2_pipeline_end_to_end(tmp_path):
     out = tmp_path / "run"
-    ov = [f"output_root={out}", "prompts.max_new_tokens=96", "prompts.gen_batch_size=32", "extract.max_length=512",
-          "train.epochs=4", "train.warmup_ratio=0.1", "benchmark.num_prompts=4", "benchmark.max_new_tokens=64"]
+    ov = [
+        f"output_root={out}",
+        "prompts.max_new_tokens=96",
+        "prompts.gen_batch_size=32",
+        "extract.max_length=512",
+        "train.epochs=4",
+        "train.warmup_ratio=0.1",
+        "benchmark.num_prompts=4",
+        "benchmark.max_new_tokens=64",
+    ]
     args = [a for o in ov for a in ("--set", o)]
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
     _stage("01_prepare_prompts.py", args + ["--limit", "32"], env)
@@ -39,13 +53,23 @@ def test_smollm2_pipeline_end_to_end(tmp_path):
         _stage(script, args, env)
 
     meta = json.loads((out / "shards" / "data_config.json").read_text())
-    assert meta["aux_layers"] == [2, 15, 27] and meta["num_layers"] == 30 and meta["hidden_size"] == 576
+    assert (
+        meta["aux_layers"] == [2, 15, 27]
+        and meta["num_layers"] == 30
+        and meta["hidden_size"] == 576
+    )
     assert meta["last_hidden_state"] == "post_norm"
     exported = json.loads((out / "drafter-sglang" / "config.json").read_text())
-    assert exported["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 14, 26]  # SGLang Llama: HF - 1
+    assert exported["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [
+        1,
+        14,
+        26,
+    ]  # SGLang Llama: HF - 1
     assert exported["draft_vocab_size"] == 8000
 
     bench = json.loads((out / "bench" / "bench.json").read_text())
     (ds,) = bench["datasets"]
     assert ds["mismatches"] == [] and all(p["lossless"] for p in ds["per_prompt"])
-    assert ds["tau"] >= 1.0 + TAU_MARGIN, f"tau {ds['tau']:.3f} after training; expected >= {1 + TAU_MARGIN}"
+    assert ds["tau"] >= 1.0 + TAU_MARGIN, (
+        f"tau {ds['tau']:.3f} after training; expected >= {1 + TAU_MARGIN}"
+    )

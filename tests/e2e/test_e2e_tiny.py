@@ -38,8 +38,15 @@ def test_tiny_pipeline_end_to_end(tiny_llama_dir, tmp_path):
     out = tmp_path / "run"
     ov = [f"verifier.path={tiny_llama_dir}", f"output_root={out}"]
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    printed = {script: _stage(script, ov, env).stdout
-               for script in ("01_prepare_prompts.py", "02_extract_hidden.py", "03_prepare_data.py", "04_train.py")}
+    printed = {
+        script: _stage(script, ov, env).stdout
+        for script in (
+            "01_prepare_prompts.py",
+            "02_extract_hidden.py",
+            "03_prepare_data.py",
+            "04_train.py",
+        )
+    }
 
     # 01: 12 regenerated conversations, each user turn answered.
     rows = [json.loads(line) for line in (out / "prompts.jsonl").read_text().splitlines()]
@@ -66,13 +73,33 @@ def test_tiny_pipeline_end_to_end(tiny_llama_dir, tmp_path):
     cfg = json.loads((out / "drafter-sglang" / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 3]
-    assert cfg["torch_dtype"] == cfg["dtype"] == "bfloat16"  # export.dtype; 05 below benchmarks this bf16 export
-    assert cfg["eagle3_train"]["engine"] == "sglang" and cfg["eagle3_train"]["aux_layers_hf"] == [1, 3, 4]
+    assert (
+        cfg["torch_dtype"] == cfg["dtype"] == "bfloat16"
+    )  # export.dtype; 05 below benchmarks this bf16 export
+    assert cfg["eagle3_train"]["engine"] == "sglang" and cfg["eagle3_train"]["aux_layers_hf"] == [
+        1,
+        3,
+        4,
+    ]
 
     # 04 --export-only --engine vllm: the same weights in the speculators format (vLLM ids = HF ids).
-    r = subprocess.run([sys.executable, str(ROOT / "04_train.py"), "--config", str(ROOT / "configs/tiny-llama.yaml"),
-                        "--export-only", "--engine", "vllm"] + [a for o in ov for a in ("--set", o)],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "04_train.py"),
+            "--config",
+            str(ROOT / "configs/tiny-llama.yaml"),
+            "--export-only",
+            "--engine",
+            "vllm",
+        ]
+        + [a for o in ov for a in ("--set", o)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     vcfg = json.loads((out / "drafter-vllm" / "config.json").read_text())
     assert vcfg["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
@@ -96,32 +123,66 @@ def test_tiny_pipeline_end_to_end(tiny_llama_dir, tmp_path):
 
     # 04 and 05 end with their headline; the demo summary reads the same figures from the stages' reports
     train_rep = json.loads((out / "train" / "train_report.json").read_text())
-    assert printed["04_train.py"].splitlines()[-4].startswith(f"trained: {train_rep['step']}/{train_rep['total_steps']} ")
+    assert (
+        printed["04_train.py"]
+        .splitlines()[-4]
+        .startswith(f"trained: {train_rep['step']}/{train_rep['total_steps']} ")
+    )
     assert printed["04_train.py"].splitlines()[-3].startswith("drafter: eagle3")
     assert printed["04_train.py"].splitlines()[-1] == f"export: {out / 'drafter-sglang'}"
     d0 = bench["datasets"][0]
-    assert printed["05_benchmark.py"].splitlines()[-2].startswith(f"{d0['dataset']}: tau {d0['tau']:.2f}, ")
+    assert (
+        printed["05_benchmark.py"]
+        .splitlines()[-2]
+        .startswith(f"{d0['dataset']}: tau {d0['tau']:.2f}, ")
+    )
     assert printed["05_benchmark.py"].splitlines()[-1] == f"report: {out / 'bench' / 'bench.md'}"
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "demo_summary.py"), "--config",
-                        str(ROOT / "configs/tiny-llama.yaml"), *[a for o in ov for a in ("--set", o)],
-                        "--seconds", "04_train=7"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "demo_summary.py"),
+            "--config",
+            str(ROOT / "configs/tiny-llama.yaml"),
+            *[a for o in ov for a in ("--set", o)],
+            "--seconds",
+            "04_train=7",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads((out / "demo_summary.json").read_text())
     fig = {s["stage"]: s["figures"] for s in summary["stages"]}
     assert fig["01_prepare_prompts"]["prompts"] == 12 and fig["02_extract_hidden"]["samples"] == 12
     assert fig["03_prepare_data"]["draft_vocab_size"] == 512
     acc = train_rep["final_val"]
-    assert fig["04_train"]["val_top1"] == [acc[f"acc_{i}"] for i in range(len(fig["04_train"]["val_top1"]))]
+    assert fig["04_train"]["val_top1"] == [
+        acc[f"acc_{i}"] for i in range(len(fig["04_train"]["val_top1"]))
+    ]
     assert fig["04_train"]["val_top1"] and fig["04_train"]["steps"] == train_rep["step"]
-    assert fig["05_benchmark"]["datasets"][0]["tau"] == d0["tau"] and fig["05_benchmark"]["datasets"][0]["lossless"]
+    assert (
+        fig["05_benchmark"]["datasets"][0]["tau"] == d0["tau"]
+        and fig["05_benchmark"]["datasets"][0]["lossless"]
+    )
     assert summary["stages_seconds"] == 7 and summary["export_dir"] == str(out / "drafter-sglang")
     assert f"export (serve this folder): {out / 'drafter-sglang'}" in r.stdout
 
     # Serving-side layer ablation: the drafter is fed other aux layers than it was trained on,
     # and the report says so.
     shifted = out / "bench-shifted"
-    cmd = [sys.executable, str(ROOT / "05_benchmark.py"), "--config", str(ROOT / "configs/tiny-llama.yaml"),
-           "--serve-aux-layers", "2", "4", "5"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "05_benchmark.py"),
+        "--config",
+        str(ROOT / "configs/tiny-llama.yaml"),
+        "--serve-aux-layers",
+        "2",
+        "4",
+        "5",
+    ]
     for o in ov + [f"benchmark.output_dir={shifted}"]:
         cmd += ["--set", o]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
@@ -129,7 +190,9 @@ def test_tiny_pipeline_end_to_end(tiny_llama_dir, tmp_path):
     rep = json.loads((shifted / "bench.json").read_text())
     assert rep["aux_layers"] == [2, 4, 5]
     assert any("trained on [1, 3, 4]" in w for w in rep["warnings"])
-    assert r.stderr.count("although the drafter was trained on [1, 3, 4]") == 1, r.stderr[-3000:]  # logged once
+    assert r.stderr.count("although the drafter was trained on [1, 3, 4]") == 1, r.stderr[
+        -3000:
+    ]  # logged once
 
 
 def _find_numbers(obj, key: str) -> list[float]:

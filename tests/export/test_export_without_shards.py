@@ -20,8 +20,8 @@ from _ddp_worker import make_tiny_run, single_thread  # noqa: E402,F401  (autous
 
 from eagle3.config import load_config  # noqa: E402
 from eagle3.errors import UserError  # noqa: E402
-from eagle3.shards.format import LAYER_INDEX_CONVENTION  # noqa: E402
 from eagle3.export.from_checkpoint import export_for_run, export_from_checkpoint  # noqa: E402
+from eagle3.shards.format import LAYER_INDEX_CONVENTION  # noqa: E402
 from eagle3.train import checkpoint as ckpt  # noqa: E402
 from eagle3.train.trainer import run  # noqa: E402
 
@@ -40,38 +40,65 @@ def test_export_only_works_after_the_shards_are_deleted(tmp_path, caplog):
     checkpoint's record of them now exports the same folder as with the shards; the config is still checked against
     the record (another verifier, other extract.aux_layers: one line naming the checkpoint), and 05 reads the aux
     layers from the export, not the shards."""
-    cfg = load_config(make_tiny_run(tmp_path / "r", n_train=4, n_val=2, aux_layers=(1, 3, 4), verifier_weights=WEIGHTS,
-                                    train=TRAIN))
+    cfg = load_config(
+        make_tiny_run(
+            tmp_path / "r",
+            n_train=4,
+            n_val=2,
+            aux_layers=(1, 3, 4),
+            verifier_weights=WEIGHTS,
+            train=TRAIN,
+        )
+    )
     run(cfg, device="cpu", export=export_for_run)
     path = ckpt.list_checkpoints(cfg.train_dir)[-1][1]
     assert ckpt.load_checkpoint(path)["data_config"] == {
-        "verifier": "synthetic", "architecture": "LlamaForCausalLM", "num_layers": 6, "hidden_size": 16,
-        "vocab_size": 48, "aux_layers": [1, 3, 4], "layer_index_convention": LAYER_INDEX_CONVENTION,
-        "last_hidden_state": "post_norm", "max_length": 16, "verifier_weights": WEIGHTS}
+        "verifier": "synthetic",
+        "architecture": "LlamaForCausalLM",
+        "num_layers": 6,
+        "hidden_size": 16,
+        "vocab_size": 48,
+        "aux_layers": [1, 3, 4],
+        "layer_index_convention": LAYER_INDEX_CONVENTION,
+        "last_hidden_state": "post_norm",
+        "max_length": 16,
+        "verifier_weights": WEIGHTS,
+    }
     with_shards = _folder(export_from_checkpoint(cfg))
     meta = json.loads((cfg.export_dir / "eagle3_train.json").read_text())
 
     shutil.rmtree(cfg.shards_dir)
     with caplog.at_level(logging.INFO, logger="eagle3.export.from_checkpoint"):
         out = export_from_checkpoint(cfg)
-    assert _folder(out) == with_shards  # config.json (aux layers, verifier), weights, vocab map: the same bytes
+    assert (
+        _folder(out) == with_shards
+    )  # config.json (aux layers, verifier), weights, vocab map: the same bytes
     again = json.loads((out / "eagle3_train.json").read_text())
-    assert again == meta and again["aux_layers_hf"] == [1, 3, 4] and again["verifier"]["weights"] == WEIGHTS
-    assert any(f"key 'data_config', recorded at training" in m for m in caplog.messages)
+    assert (
+        again == meta
+        and again["aux_layers_hf"] == [1, 3, 4]
+        and again["verifier"]["weights"] == WEIGHTS
+    )
+    assert any("key 'data_config', recorded at training" in m for m in caplog.messages)
 
     from eagle3.benchmark.offline import resolve_aux_layers
 
     assert resolve_aux_layers(out, cfg.shards_dir, None) == ([1, 3, 4], [])  # 05: no shards needed
 
     other = load_config(tmp_path / "r" / "run.yaml", ["verifier.name=other"])
-    with pytest.raises(UserError, match=rf"^{path}: key 'data_config.verifier' is 'synthetic' \(the shards it was "
-                                        r"trained on\) but the config's verifier is 'other'"):
+    with pytest.raises(
+        UserError,
+        match=rf"^{path}: key 'data_config.verifier' is 'synthetic' \(the shards it was "
+        r"trained on\) but the config's verifier is 'other'",
+    ):
         export_from_checkpoint(other)
     aux = load_config(tmp_path / "r" / "run.yaml", ["extract.aux_layers=[2, 3, 4]"])
     with pytest.raises(UserError) as e:
         export_from_checkpoint(aux)
-    assert str(e.value) == (f"extract.aux_layers [2, 3, 4] but the shards in {cfg.shards_dir} (recorded in {path}) "
-                            f"were captured with [1, 3, 4]: re-run 02 or set extract.aux_layers to the shards' value")
+    assert str(e.value) == (
+        f"extract.aux_layers [2, 3, 4] but the shards in {cfg.shards_dir} (recorded in {path}) "
+        f"were captured with [1, 3, 4]: re-run 02 or set extract.aux_layers to the shards' value"
+    )
 
 
 def test_export_only_of_an_older_checkpoint_without_the_shards_names_the_missing_file(tmp_path):
@@ -89,10 +116,12 @@ def test_export_only_of_an_older_checkpoint_without_the_shards_names_the_missing
     shutil.rmtree(cfg.shards_dir)
     with pytest.raises(UserError) as e:
         export_from_checkpoint(cfg)
-    assert str(e.value) == (f"{dc}: file not found, and {path} has no record of it (checkpoint key 'data_config': "
-                            f"written by 04 since 2026-12-05g, this checkpoint is older), so --export-only needs the "
-                            f"shards' data_config.json for their aux layers, verifier and dims: put that one file back "
-                            f"at {dc} (the shard files are not read), or re-run 02_extract_hidden.py")
+    assert str(e.value) == (
+        f"{dc}: file not found, and {path} has no record of it (checkpoint key 'data_config': "
+        f"written by 04 since 2026-12-05g, this checkpoint is older), so --export-only needs the "
+        f"shards' data_config.json for their aux layers, verifier and dims: put that one file back "
+        f"at {dc} (the shard files are not read), or re-run 02_extract_hidden.py"
+    )
     dc.parent.mkdir(parents=True)
     dc.write_bytes(kept)  # that file alone, no shard: exports
     assert export_from_checkpoint(cfg).is_dir()
@@ -107,13 +136,18 @@ def test_vllm_export_warns_when_speculative_tokens_pass_the_trained_ttt_length(t
     with caplog.at_level(logging.WARNING, logger="eagle3.export.from_checkpoint"):
         run(cfg, device="cpu", export=export_for_run)
     conf = cfg.export_dir / "config.json"
-    tail = ("the drafter was trained for: vLLM drafts positions 4..5, never trained, at low acceptance; export with "
-            "benchmark.steps 3 (04_train.py --export-only --engine vllm --set benchmark.steps=3), or train with "
-            "train.ttt_length 5")
+    tail = (
+        "the drafter was trained for: vLLM drafts positions 4..5, never trained, at low acceptance; export with "
+        "benchmark.steps 3 (04_train.py --export-only --engine vllm --set benchmark.steps=3), or train with "
+        "train.ttt_length 5"
+    )
     want = f"export: speculative_tokens 5 (benchmark.steps) in {conf} is more than the ttt_length 3 (train.ttt_length) {tail}"
     assert [m for m in caplog.messages if "speculative_tokens" in m] == [want]
     sc = json.loads(conf.read_text())["speculators_config"]["proposal_methods"][0]
-    assert sc["speculative_tokens"] == 5 and json.loads((cfg.export_dir / "eagle3_train.json").read_text())["ttt_length"] == 3
+    assert (
+        sc["speculative_tokens"] == 5
+        and json.loads((cfg.export_dir / "eagle3_train.json").read_text())["ttt_length"] == 3
+    )
     report = json.loads((cfg.train_dir / "train_report.json").read_text())
     assert want in report["warnings"]
     caplog.clear()
@@ -121,14 +155,25 @@ def test_vllm_export_warns_when_speculative_tokens_pass_the_trained_ttt_length(t
     with caplog.at_level(logging.WARNING, logger="eagle3.export.from_checkpoint"):
         export_from_checkpoint(cfg)
         export_from_checkpoint(load_config(yaml, ["export.engine=vllm", "benchmark.steps=3"]))
-        export_from_checkpoint(load_config(yaml, ["export.engine=sglang", "benchmark.steps=5",
-                                                  f"export.output_dir={tmp_path / 'sg'}"]))
+        export_from_checkpoint(
+            load_config(
+                yaml,
+                [
+                    "export.engine=sglang",
+                    "benchmark.steps=5",
+                    f"export.output_dir={tmp_path / 'sg'}",
+                ],
+            )
+        )
     assert [m for m in caplog.messages if "speculative_tokens" in m] == [
         f"export: speculative_tokens 5 (benchmark.steps) in {conf} is more than the ttt_length 3 (train.ttt_length of "
-        f"{name}) {tail}"]
+        f"{name}) {tail}"
+    ]
 
 
-def test_export_only_without_the_shards_says_when_the_record_has_no_weights_fingerprint(tmp_path, caplog):
+def test_export_only_without_the_shards_says_when_the_record_has_no_weights_fingerprint(
+    tmp_path, caplog
+):
     """A checkpoint whose data_config record has no verifier_weights (shards captured before 2026-12-05f) skipped the
     weights comparison in silence when --export-only ran without the shards, beside a verifier.path with weight files
     that could be any model of that name. One warning line now says so (as 03/04's check_verifier says it of the
@@ -140,7 +185,9 @@ def test_export_only_without_the_shards_says_when_the_record_has_no_weights_fing
     shutil.rmtree(cfg.shards_dir)
     with caplog.at_level(logging.WARNING, logger="eagle3.export.from_checkpoint"):
         export_from_checkpoint(cfg)
-    assert not [m for m in caplog.messages if "verifier_weights" in m]  # no weight file here: nothing to compare
+    assert not [
+        m for m in caplog.messages if "verifier_weights" in m
+    ]  # no weight file here: nothing to compare
     weights = Path(cfg.verifier.path)
     weights.mkdir()
     (weights / "model.safetensors").write_bytes(b"\0" * 4096)
@@ -150,4 +197,5 @@ def test_export_only_without_the_shards_says_when_the_record_has_no_weights_fing
     assert [m for m in caplog.messages if "verifier_weights" in m] == [
         f"{path}: key 'data_config' records no verifier_weights (shards captured before 2026-12-05f): --export-only did "
         f"not check the weights at verifier.path '{cfg.verifier.path}' against the model the checkpoint was trained "
-        f"on, only the name 'synthetic'; check that verifier.path is that model (the export's config.json names it)"]
+        f"on, only the name 'synthetic'; check that verifier.path is that model (the export's config.json names it)"
+    ]

@@ -14,11 +14,26 @@ from __future__ import annotations
 
 from transformers import PreTrainedTokenizer
 
-KIMI_SPECIALS = ["[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>"]
+KIMI_SPECIALS = [
+    "[BOS]",
+    "[EOS]",
+    "<|im_end|>",
+    "<|im_user|>",
+    "<|im_assistant|>",
+    "<|im_system|>",
+    "<|im_middle|>",
+]
 # Single tokens of Kimi-K2-Thinking / K2.5 for reasoning and tool calls (the markers llama.cpp's Kimi-K2
 # chat parser preserves as whole tokens); appended after the characters so older ids do not move.
-KIMI_THINK_TOOL_SPECIALS = ["<think>", "</think>", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
-                            "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"]
+KIMI_THINK_TOOL_SPECIALS = [
+    "<think>",
+    "</think>",
+    "<|tool_calls_section_begin|>",
+    "<|tool_calls_section_end|>",
+    "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
+]
 # ChatML markers (Qwen3-style templates); each a single token as in Qwen3's vocabulary.
 CHATML_SPECIALS = ["<|im_start|>"]
 WORDS = ["assistant", "system", "user"]  # longest first: greedy matching
@@ -51,8 +66,14 @@ class KimiStyleTokenizer(PreTrainedTokenizer):
         self._vocab = {t: i for i, t in enumerate(tokens)}
         self._inv = {i: t for t, i in self._vocab.items()}
         kwargs.setdefault("chat_template", KIMI_CHAT_TEMPLATE)
-        super().__init__(bos_token="[BOS]", eos_token="[EOS]", unk_token="[UNK]", pad_token="[EOS]",
-                         additional_special_tokens=KIMI_SPECIALS[2:] + extra, **kwargs)
+        super().__init__(
+            bos_token="[BOS]",
+            eos_token="[EOS]",
+            unk_token="[UNK]",
+            pad_token="[EOS]",
+            additional_special_tokens=KIMI_SPECIALS[2:] + extra,
+            **kwargs,
+        )
 
     @property
     def vocab_size(self) -> int:

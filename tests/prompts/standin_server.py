@@ -62,8 +62,14 @@ class FakeBackend:
 class StandInServer:
     """``ThreadingHTTPServer`` on 127.0.0.1 (a free port) in a daemon thread; use as a context manager."""
 
-    def __init__(self, backend, tokenizer, fault: Optional[Callable] = None, delay: float = 0.0,
-                 timeout_sleep: float = 2.0):
+    def __init__(
+        self,
+        backend,
+        tokenizer,
+        fault: Optional[Callable] = None,
+        delay: float = 0.0,
+        timeout_sleep: float = 2.0,
+    ):
         self.backend, self.tok, self.fault, self.delay = backend, tokenizer, fault, delay
         self.timeout_sleep = timeout_sleep
         self.requests: list[tuple[str, dict]] = []
@@ -118,7 +124,9 @@ class StandInServer:
                 self.wfile.write(data)
 
         class Server(ThreadingHTTPServer):
-            def handle_error(self, request, client_address):  # the client gave up (injected timeout): expected
+            def handle_error(
+                self, request, client_address
+            ):  # the client gave up (injected timeout): expected
                 import sys
 
                 if not isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
@@ -142,15 +150,32 @@ class StandInServer:
         sp = body.get("sampling_params") or {}
         stops = set(sp.get("stop_token_ids") or [])
         out, kind = self.backend.generate(ids, sp.get("max_new_tokens", 128), stops)
-        fin = {"type": "stop", "matched": out[-1]} if kind == "stop" else {"type": "length", "length": len(out)}
-        return {"text": self.tok.decode(out), "output_ids": out,
-                "meta_info": {"id": "x", "finish_reason": fin, "prompt_tokens": len(ids),
-                              "completion_tokens": len(out), "cached_tokens": 0}}
+        fin = (
+            {"type": "stop", "matched": out[-1]}
+            if kind == "stop"
+            else {"type": "length", "length": len(out)}
+        )
+        return {
+            "text": self.tok.decode(out),
+            "output_ids": out,
+            "meta_info": {
+                "id": "x",
+                "finish_reason": fin,
+                "prompt_tokens": len(ids),
+                "completion_tokens": len(out),
+                "cached_tokens": 0,
+            },
+        }
 
     def _chat(self, body: dict) -> dict:
         kw = body.get("chat_template_kwargs") or {}
-        text = self.tok.apply_chat_template(body["messages"], tokenize=False, add_generation_prompt=True,
-                                            tools=body.get("tools"), **kw)
+        text = self.tok.apply_chat_template(
+            body["messages"],
+            tokenize=False,
+            add_generation_prompt=True,
+            tools=body.get("tools"),
+            **kw,
+        )
         ids = list(self.tok(text, add_special_tokens=False)["input_ids"])
         stops = {self.tok.eos_token_id} | {self.tok.convert_tokens_to_ids("<|im_end|>")}
         out, kind = self.backend.generate(ids, body.get("max_tokens", 128), stops)
@@ -159,13 +184,37 @@ class StandInServer:
         r = self.backend.reasoning(ids)
         if r is not None:
             msg["reasoning_content"] = r
-        if body.get("tools"):  # a model that calls the first declared tool (OpenAI tool_calls shape)
+        if body.get(
+            "tools"
+        ):  # a model that calls the first declared tool (OpenAI tool_calls shape)
             name = body["tools"][0]["function"]["name"]
-            msg.update(content="", tool_calls=[{"id": f"call_{len(ids)}", "type": "function",
-                                                "function": {"name": name, "arguments": '{"q": 1}'}}])
+            msg.update(
+                content="",
+                tool_calls=[
+                    {
+                        "id": f"call_{len(ids)}",
+                        "type": "function",
+                        "function": {"name": name, "arguments": '{"q": 1}'},
+                    }
+                ],
+            )
             kind = "tool_calls"
-        return {"id": "chatcmpl-x", "object": "chat.completion", "model": body.get("model", "standin"),
-                # SGLang names the stop id it matched (``matched_stop``), as its OpenAI server does
-                "choices": [{"index": 0, "message": msg, "finish_reason": kind,
-                             **({"matched_stop": out[-1]} if kind == "stop" else {})}],
-                "usage": {"prompt_tokens": len(ids), "completion_tokens": len(out), "total_tokens": len(ids) + len(out)}}
+        return {
+            "id": "chatcmpl-x",
+            "object": "chat.completion",
+            "model": body.get("model", "standin"),
+            # SGLang names the stop id it matched (``matched_stop``), as its OpenAI server does
+            "choices": [
+                {
+                    "index": 0,
+                    "message": msg,
+                    "finish_reason": kind,
+                    **({"matched_stop": out[-1]} if kind == "stop" else {}),
+                }
+            ],
+            "usage": {
+                "prompt_tokens": len(ids),
+                "completion_tokens": len(out),
+                "total_tokens": len(ids) + len(out),
+            },
+        }

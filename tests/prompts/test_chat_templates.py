@@ -18,10 +18,18 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from eagle3.prompts.chat import (ChatOptions, TemplateIgnoresGenerationPrompt, TemplateNotPrefixStable, check_template,
-                         conversation_samples, generation_prompt, split_reasoning, tokenize_conversation)
 from kimi_tokenizer import KimiStyleTokenizer
+
+from eagle3.prompts.chat import (
+    ChatOptions,
+    TemplateIgnoresGenerationPrompt,
+    TemplateNotPrefixStable,
+    check_template,
+    conversation_samples,
+    generation_prompt,
+    split_reasoning,
+    tokenize_conversation,
+)
 
 KIMI_K25_STYLE = (
     "{%- set ns = namespace(last_final=-1) -%}"
@@ -72,7 +80,9 @@ QWEN3_STYLE = (
 BROKEN_CHATML = "{%- for m in messages -%}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{%- endfor -%}"
 
 # ChatML with a generation prompt but no tool-call rendering (drops tool_calls silently).
-CHATML_NO_TOOLS = BROKEN_CHATML + "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+CHATML_NO_TOOLS = (
+    BROKEN_CHATML + "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+)
 
 TWO_TURNS_REASONING = [
     {"role": "user", "content": "hi"},
@@ -91,7 +101,11 @@ def T(*toks: str, m: int) -> list:
     return [(t, m) for t in toks]
 
 
-K_SYS = T("<|im_system|>", "system", "<|im_middle|>", m=0) + C("You are Kimi.", 0) + T("<|im_end|>", m=0)
+K_SYS = (
+    T("<|im_system|>", "system", "<|im_middle|>", m=0)
+    + C("You are Kimi.", 0)
+    + T("<|im_end|>", m=0)
+)
 K_HEAD = T("<|im_assistant|>", "assistant", "<|im_middle|>", m=0)
 
 
@@ -121,7 +135,9 @@ def _check(tok, sample, expected):
 
 
 def _samples(tok, msgs, tpl, max_length=1000, tools=None, **kw):
-    return conversation_samples(tok, msgs, max_length, ChatOptions(chat_template=tpl, **kw), tools=tools)
+    return conversation_samples(
+        tok, msgs, max_length, ChatOptions(chat_template=tpl, **kw), tools=tools
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -133,22 +149,63 @@ def test_kimi_thinking_two_turns_one_sample_per_turn(tok):
     assert [s.suffix for s in res.samples] == ["#turn1", "#turn2"]
     assert res.counts["split_conversations"] == 1 and res.counts["split_samples"] == 2
     # turn 1 as served: the prompt ends with <think>; the verifier generated "Hmm.</think>yo<|im_end|>"
-    _check(tok, res.samples[0], K_SYS + k_user("hi") + K_HEAD + T("<think>", m=0)
-           + C("Hmm.", 1) + T("</think>", m=1) + C("yo", 1) + T("<|im_end|>", m=1))
+    _check(
+        tok,
+        res.samples[0],
+        K_SYS
+        + k_user("hi")
+        + K_HEAD
+        + T("<think>", m=0)
+        + C("Hmm.", 1)
+        + T("</think>", m=1)
+        + C("yo", 1)
+        + T("<|im_end|>", m=1),
+    )
     # turn 2: the history holds turn 1 with an EMPTY think block (as the server rendered it), all mask 0
-    _check(tok, res.samples[1], K_SYS + k_user("hi") + K_HEAD + T("<think>", "</think>", m=0) + C("yo", 0)
-           + T("<|im_end|>", m=0) + k_user("ok?") + K_HEAD + T("<think>", m=0)
-           + C("Sure?", 1) + T("</think>", m=1) + C("fine", 1) + T("<|im_end|>", m=1))
+    _check(
+        tok,
+        res.samples[1],
+        K_SYS
+        + k_user("hi")
+        + K_HEAD
+        + T("<think>", "</think>", m=0)
+        + C("yo", 0)
+        + T("<|im_end|>", m=0)
+        + k_user("ok?")
+        + K_HEAD
+        + T("<think>", m=0)
+        + C("Sure?", 1)
+        + T("</think>", m=1)
+        + C("fine", 1)
+        + T("<|im_end|>", m=1),
+    )
     with pytest.raises(TemplateNotPrefixStable, match="not prefix-stable"):
-        tokenize_conversation(tok, TWO_TURNS_REASONING, 1000, opts=ChatOptions(KIMI_K25_STYLE, {"thinking": True}))
+        tokenize_conversation(
+            tok, TWO_TURNS_REASONING, 1000, opts=ChatOptions(KIMI_K25_STYLE, {"thinking": True})
+        )
 
 
 def test_kimi_thinking_without_reasoning_loss(tok):
-    res = _samples(tok, TWO_TURNS_REASONING[:2], KIMI_K25_STYLE, template_kwargs={"thinking": True},
-                   loss_on_reasoning=False)
+    res = _samples(
+        tok,
+        TWO_TURNS_REASONING[:2],
+        KIMI_K25_STYLE,
+        template_kwargs={"thinking": True},
+        loss_on_reasoning=False,
+    )
     assert [s.suffix for s in res.samples] == [""]
-    _check(tok, res.samples[0], K_SYS + k_user("hi") + K_HEAD + T("<think>", m=0)
-           + C("Hmm.", 0) + T("</think>", m=0) + C("yo", 1) + T("<|im_end|>", m=1))
+    _check(
+        tok,
+        res.samples[0],
+        K_SYS
+        + k_user("hi")
+        + K_HEAD
+        + T("<think>", m=0)
+        + C("Hmm.", 0)
+        + T("</think>", m=0)
+        + C("yo", 1)
+        + T("<|im_end|>", m=1),
+    )
 
 
 def test_kimi_thinking_empty_history_reasoning_stays_one_sample(tok):
@@ -157,18 +214,45 @@ def test_kimi_thinking_empty_history_reasoning_stays_one_sample(tok):
     del msgs[1]["reasoning_content"]
     res = _samples(tok, msgs, KIMI_K25_STYLE, template_kwargs={"thinking": True})
     assert [s.suffix for s in res.samples] == [""] and not res.counts["split_conversations"]
-    _check(tok, res.samples[0], K_SYS + k_user("hi") + K_HEAD + T("<think>", m=0) + T("</think>", m=1) + C("yo", 1)
-           + T("<|im_end|>", m=1) + k_user("ok?") + K_HEAD + T("<think>", m=0)
-           + C("Sure?", 1) + T("</think>", m=1) + C("fine", 1) + T("<|im_end|>", m=1))
+    _check(
+        tok,
+        res.samples[0],
+        K_SYS
+        + k_user("hi")
+        + K_HEAD
+        + T("<think>", m=0)
+        + T("</think>", m=1)
+        + C("yo", 1)
+        + T("<|im_end|>", m=1)
+        + k_user("ok?")
+        + K_HEAD
+        + T("<think>", m=0)
+        + C("Sure?", 1)
+        + T("</think>", m=1)
+        + C("fine", 1)
+        + T("<|im_end|>", m=1),
+    )
 
 
 def test_kimi_thinking_off_kwargs_reach_the_template(tok):
     msgs = [{k: v for k, v in m.items() if k != "reasoning_content"} for m in TWO_TURNS_REASONING]
     res = _samples(tok, msgs, KIMI_K25_STYLE, template_kwargs={"thinking": False})
     assert [s.suffix for s in res.samples] == [""]
-    _check(tok, res.samples[0], K_SYS + k_user("hi") + K_HEAD + T("<think>", "</think>", m=0) + C("yo", 1)
-           + T("<|im_end|>", m=1) + k_user("ok?") + K_HEAD + T("<think>", "</think>", m=0) + C("fine", 1)
-           + T("<|im_end|>", m=1))
+    _check(
+        tok,
+        res.samples[0],
+        K_SYS
+        + k_user("hi")
+        + K_HEAD
+        + T("<think>", "</think>", m=0)
+        + C("yo", 1)
+        + T("<|im_end|>", m=1)
+        + k_user("ok?")
+        + K_HEAD
+        + T("<think>", "</think>", m=0)
+        + C("fine", 1)
+        + T("<|im_end|>", m=1),
+    )
     # reasoning in a thinking-off run cannot have been served: skipped with a reason, not fatal
     bad = _samples(tok, TWO_TURNS_REASONING, KIMI_K25_STYLE, template_kwargs={"thinking": False})
     assert bad.samples == [] and bad.skip_reason == "inconsistent:reasoning_not_rendered"
@@ -176,7 +260,11 @@ def test_kimi_thinking_off_kwargs_reach_the_template(tok):
 
 
 def test_kimi_tool_call_chain_masks_calls_not_results(tok):
-    call = {"id": "functions.get:0", "type": "function", "function": {"name": "get", "arguments": '{"c":1}'}}
+    call = {
+        "id": "functions.get:0",
+        "type": "function",
+        "function": {"name": "get", "arguments": '{"c":1}'},
+    }
     tools = [{"type": "function", "function": {"name": "get"}}]
     msgs = [
         {"role": "user", "content": "w?"},
@@ -186,20 +274,47 @@ def test_kimi_tool_call_chain_masks_calls_not_results(tok):
     ]
     res = _samples(tok, msgs, KIMI_K25_STYLE, tools=tools, template_kwargs={"thinking": True})
     assert res.skip_reason is None and [s.suffix for s in res.samples] == [""]
-    decl = T("<|im_system|>", m=0) + C("tool_declare", 0) + T("<|im_middle|>", m=0) + C(json.dumps(tools), 0) \
+    decl = (
+        T("<|im_system|>", m=0)
+        + C("tool_declare", 0)
+        + T("<|im_middle|>", m=0)
+        + C(json.dumps(tools), 0)
         + T("<|im_end|>", m=0)
-    _check(tok, res.samples[0], decl + K_SYS + k_user("w?") + K_HEAD + T("<think>", m=0)
-           + C("Look.", 1) + T("</think>", "<|tool_calls_section_begin|>", "<|tool_call_begin|>", m=1)
-           + C("functions.get:0", 1) + T("<|tool_call_argument_begin|>", m=1) + C('{"c":1}', 1)
-           + T("<|tool_call_end|>", "<|tool_calls_section_end|>", "<|im_end|>", m=1)
-           + T("<|im_system|>", m=0) + C("tool", 0) + T("<|im_middle|>", m=0) + C("## Return of functions.get:0\n5", 0)
-           + T("<|im_end|>", m=0) + K_HEAD + T("<think>", m=0)
-           + C("So.", 1) + T("</think>", m=1) + C("It is 5.", 1) + T("<|im_end|>", m=1))
+    )
+    _check(
+        tok,
+        res.samples[0],
+        decl
+        + K_SYS
+        + k_user("w?")
+        + K_HEAD
+        + T("<think>", m=0)
+        + C("Look.", 1)
+        + T("</think>", "<|tool_calls_section_begin|>", "<|tool_call_begin|>", m=1)
+        + C("functions.get:0", 1)
+        + T("<|tool_call_argument_begin|>", m=1)
+        + C('{"c":1}', 1)
+        + T("<|tool_call_end|>", "<|tool_calls_section_end|>", "<|im_end|>", m=1)
+        + T("<|im_system|>", m=0)
+        + C("tool", 0)
+        + T("<|im_middle|>", m=0)
+        + C("## Return of functions.get:0\n5", 0)
+        + T("<|im_end|>", m=0)
+        + K_HEAD
+        + T("<think>", m=0)
+        + C("So.", 1)
+        + T("</think>", m=1)
+        + C("It is 5.", 1)
+        + T("<|im_end|>", m=1),
+    )
 
 
 def test_tool_calls_the_template_drops_skip_the_conversation(tok):
     call = {"id": "c1", "type": "function", "function": {"name": "get", "arguments": "{}"}}
-    msgs = [{"role": "user", "content": "w?"}, {"role": "assistant", "content": "x", "tool_calls": [call]}]
+    msgs = [
+        {"role": "user", "content": "w?"},
+        {"role": "assistant", "content": "x", "tool_calls": [call]},
+    ]
     res = _samples(tok, msgs, CHATML_NO_TOOLS)
     assert res.samples == [] and res.skip_reason == "inconsistent:tool_calls_not_rendered"
 
@@ -208,11 +323,25 @@ def test_generated_tokens_used_verbatim_with_reasoning(tok):
     """``tokens`` from regeneration are kept as generated (here "user" spelled as 4 characters, which
     re-tokenizing would merge into one word token); the reasoning part ends at </think>."""
     ids = tok.convert_tokens_to_ids(["H", "m", "</think>", "u", "s", "e", "r"])
-    msgs = [{"role": "user", "content": "hi"},
-            {"role": "assistant", "reasoning_content": "Hm", "content": "user", "tokens": ids}]
-    res = _samples(tok, msgs, KIMI_K25_STYLE, template_kwargs={"thinking": True}, loss_on_reasoning=False)
-    _check(tok, res.samples[0], K_SYS + k_user("hi") + K_HEAD + T("<think>", m=0)
-           + C("Hm", 0) + T("</think>", m=0) + C("user", 1) + T("<|im_end|>", m=1))
+    msgs = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "reasoning_content": "Hm", "content": "user", "tokens": ids},
+    ]
+    res = _samples(
+        tok, msgs, KIMI_K25_STYLE, template_kwargs={"thinking": True}, loss_on_reasoning=False
+    )
+    _check(
+        tok,
+        res.samples[0],
+        K_SYS
+        + k_user("hi")
+        + K_HEAD
+        + T("<think>", m=0)
+        + C("Hm", 0)
+        + T("</think>", m=0)
+        + C("user", 1)
+        + T("<|im_end|>", m=1),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -222,23 +351,67 @@ def test_qwen3_thinking_two_turns(tok):
     res = _samples(tok, TWO_TURNS_REASONING, QWEN3_STYLE)
     assert [s.suffix for s in res.samples] == ["#turn1", "#turn2"]
     # the model writes "<think>\n...\n</think>\n\n" itself after "<|im_start|>assistant\n"; "\n" after <|im_end|> is 0
-    _check(tok, res.samples[0], q_user("hi") + Q_HEAD + q_think("Hmm.", 1) + C("yo", 1) + T("<|im_end|>", m=1)
-           + C("\n", 0))
-    _check(tok, res.samples[1], q_user("hi") + Q_HEAD + C("yo", 0) + T("<|im_end|>", m=0) + C("\n", 0)
-           + q_user("ok?") + Q_HEAD + q_think("Sure?", 1) + C("fine", 1) + T("<|im_end|>", m=1) + C("\n", 0))
+    _check(
+        tok,
+        res.samples[0],
+        q_user("hi") + Q_HEAD + q_think("Hmm.", 1) + C("yo", 1) + T("<|im_end|>", m=1) + C("\n", 0),
+    )
+    _check(
+        tok,
+        res.samples[1],
+        q_user("hi")
+        + Q_HEAD
+        + C("yo", 0)
+        + T("<|im_end|>", m=0)
+        + C("\n", 0)
+        + q_user("ok?")
+        + Q_HEAD
+        + q_think("Sure?", 1)
+        + C("fine", 1)
+        + T("<|im_end|>", m=1)
+        + C("\n", 0),
+    )
     off = _samples(tok, TWO_TURNS_REASONING[:2], QWEN3_STYLE, loss_on_reasoning=False)
-    _check(tok, off.samples[0], q_user("hi") + Q_HEAD + q_think("Hmm.", 0)[:-2] + C("\n\n", 1) + C("yo", 1)
-           + T("<|im_end|>", m=1) + C("\n", 0))
+    _check(
+        tok,
+        off.samples[0],
+        q_user("hi")
+        + Q_HEAD
+        + q_think("Hmm.", 0)[:-2]
+        + C("\n\n", 1)
+        + C("yo", 1)
+        + T("<|im_end|>", m=1)
+        + C("\n", 0),
+    )
 
 
 def test_qwen3_thinking_off_history_differs_so_split(tok):
     msgs = [{k: v for k, v in m.items() if k != "reasoning_content"} for m in TWO_TURNS_REASONING]
     res = _samples(tok, msgs, QWEN3_STYLE, template_kwargs={"enable_thinking": False})
     assert [s.suffix for s in res.samples] == ["#turn1", "#turn2"]
-    empty = T("<think>", m=0) + C("\n\n", 0) + T("</think>", m=0) + C("\n\n", 0)  # part of the prompt
-    _check(tok, res.samples[0], q_user("hi") + Q_HEAD + empty + C("yo", 1) + T("<|im_end|>", m=1) + C("\n", 0))
-    _check(tok, res.samples[1], q_user("hi") + Q_HEAD + C("yo", 0) + T("<|im_end|>", m=0) + C("\n", 0)
-           + q_user("ok?") + Q_HEAD + empty + C("fine", 1) + T("<|im_end|>", m=1) + C("\n", 0))
+    empty = (
+        T("<think>", m=0) + C("\n\n", 0) + T("</think>", m=0) + C("\n\n", 0)
+    )  # part of the prompt
+    _check(
+        tok,
+        res.samples[0],
+        q_user("hi") + Q_HEAD + empty + C("yo", 1) + T("<|im_end|>", m=1) + C("\n", 0),
+    )
+    _check(
+        tok,
+        res.samples[1],
+        q_user("hi")
+        + Q_HEAD
+        + C("yo", 0)
+        + T("<|im_end|>", m=0)
+        + C("\n", 0)
+        + q_user("ok?")
+        + Q_HEAD
+        + empty
+        + C("fine", 1)
+        + T("<|im_end|>", m=1)
+        + C("\n", 0),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -246,8 +419,11 @@ def test_qwen3_thinking_off_history_differs_so_split(tok):
 # ---------------------------------------------------------------------------------------------
 def test_template_ignoring_generation_prompt_is_refused(tok):
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
-    with pytest.raises(TemplateIgnoresGenerationPrompt, match=r"verifier.chat_template \(from the config\), sha256 "
-                       r"[0-9a-f]{12} ignores add_generation_prompt.*verifier.reply_start"):
+    with pytest.raises(
+        TemplateIgnoresGenerationPrompt,
+        match=r"verifier.chat_template \(from the config\), sha256 "
+        r"[0-9a-f]{12} ignores add_generation_prompt.*verifier.reply_start",
+    ):
         _samples(tok, msgs, BROKEN_CHATML)
     # the tokenizer's own template is named by the tokenizer
     tok.chat_template = BROKEN_CHATML
@@ -258,9 +434,14 @@ def test_template_ignoring_generation_prompt_is_refused(tok):
 def test_reply_start_fixes_a_template_ignoring_generation_prompt(tok):
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
     opts = ChatOptions(chat_template=BROKEN_CHATML, reply_start="<|im_start|>assistant\n")
-    assert generation_prompt(tok, msgs[:1], opts) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        generation_prompt(tok, msgs[:1], opts)
+        == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
     res = conversation_samples(tok, msgs, 100, opts)
-    _check(tok, res.samples[0], q_user("hi") + Q_HEAD + C("yo", 1) + T("<|im_end|>", m=1) + C("\n", 0))
+    _check(
+        tok, res.samples[0], q_user("hi") + Q_HEAD + C("yo", 1) + T("<|im_end|>", m=1) + C("\n", 0)
+    )
 
 
 def test_split_reasoning():
@@ -271,21 +452,42 @@ def test_split_reasoning():
 
 
 def test_template_raising_on_one_conversation_skips_it(tok):
-    tpl = "{%- if messages[0]['content'] == 'boom' -%}{{ raise_exception('no boom here') }}{%- endif -%}" + CHATML_NO_TOOLS
-    ok = _samples(tok, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], tpl)
+    tpl = (
+        "{%- if messages[0]['content'] == 'boom' -%}{{ raise_exception('no boom here') }}{%- endif -%}"
+        + CHATML_NO_TOOLS
+    )
+    ok = _samples(
+        tok, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], tpl
+    )
     assert len(ok.samples) == 1 and ok.skip_reason is None
-    bad = _samples(tok, [{"role": "user", "content": "boom"}, {"role": "assistant", "content": "yo"}], tpl)
+    bad = _samples(
+        tok, [{"role": "user", "content": "boom"}, {"role": "assistant", "content": "yo"}], tpl
+    )
     assert bad.samples == [] and bad.counts["skipped_render_failed"] == 1
     assert bad.skip_reason.startswith("render_failed") and "no boom here" in bad.skip_reason
-
 
 
 def test_qwen3_thinking_2507_prompt_opens_think(tok):
     """Qwen3-*-Thinking-2507 templates end the generation prompt with "<think>\n": the verifier
     writes only "reasoning\n</think>\n\nanswer", and the reasoning is still recognised as such."""
-    tpl = QWEN3_STYLE.replace("{{ '<|im_start|>assistant\\n' }}{%- if enable_thinking",
-                              "{{ '<|im_start|>assistant\\n<think>\\n' }}{%- if enable_thinking")
-    assert generation_prompt(tok, TWO_TURNS_REASONING[:1], ChatOptions(tpl)).endswith("assistant\n<think>\n")
+    tpl = QWEN3_STYLE.replace(
+        "{{ '<|im_start|>assistant\\n' }}{%- if enable_thinking",
+        "{{ '<|im_start|>assistant\\n<think>\\n' }}{%- if enable_thinking",
+    )
+    assert generation_prompt(tok, TWO_TURNS_REASONING[:1], ChatOptions(tpl)).endswith(
+        "assistant\n<think>\n"
+    )
     res = _samples(tok, TWO_TURNS_REASONING[:2], tpl, loss_on_reasoning=False)
-    _check(tok, res.samples[0], q_user("hi") + Q_HEAD + T("<think>", m=0) + C("\n", 0) + C("Hmm.\n", 0)
-           + T("</think>", m=0) + C("\n\nyo", 1) + T("<|im_end|>", m=1) + C("\n", 0))
+    _check(
+        tok,
+        res.samples[0],
+        q_user("hi")
+        + Q_HEAD
+        + T("<think>", m=0)
+        + C("\n", 0)
+        + C("Hmm.\n", 0)
+        + T("</think>", m=0)
+        + C("\n\nyo", 1)
+        + T("<|im_end|>", m=1)
+        + C("\n", 0),
+    )

@@ -8,9 +8,9 @@ import logging
 import pytest
 import torch
 
-from eagle3.prompts.chat import end_of_turn_ids
-from eagle3.config import VerifierConfig
 import eagle3.prompts.regenerate as regen_mod
+from eagle3.config import VerifierConfig
+from eagle3.prompts.chat import end_of_turn_ids
 from eagle3.prompts.regenerate import answer_steps, generate_greedy, pick_batch, regenerate
 from eagle3.verifier import load_verifier
 
@@ -55,19 +55,45 @@ def _reference_regenerate(model, tok, conv, max_new):
         text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
         prompt = tok(text, add_special_tokens=False)["input_ids"]
         ans = _reference_greedy(model, prompt, max_new, stops)
-        msgs.append({"role": "assistant", "content": tok.decode(ans, skip_special_tokens=True), "tokens": ans,
-                     **({"truncated": True} if len(ans) == max_new else {})})  # no stop token within the budget
+        msgs.append(
+            {
+                "role": "assistant",
+                "content": tok.decode(ans, skip_special_tokens=True),
+                "tokens": ans,
+                **({"truncated": True} if len(ans) == max_new else {}),
+            }
+        )  # no stop token within the budget
     return {"id": conv["id"], "messages": msgs}
 
 
 CONVS = [
-    {"id": "a", "messages": [{"role": "user", "content": "Write a long story about a dragon and a knight."},
-                             {"role": "assistant", "content": "old answer"}]},
-    {"id": "b", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]},
-    {"id": "c", "messages": [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "x"},
-                             {"role": "user", "content": "Another one, please?"},
-                             {"role": "assistant", "content": "y"}]},
-    {"id": "d", "messages": [{"role": "user", "content": "Question one?"}, {"role": "user", "content": "And two?"}]},
+    {
+        "id": "a",
+        "messages": [
+            {"role": "user", "content": "Write a long story about a dragon and a knight."},
+            {"role": "assistant", "content": "old answer"},
+        ],
+    },
+    {
+        "id": "b",
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+    },
+    {
+        "id": "c",
+        "messages": [
+            {"role": "user", "content": "Name a colour."},
+            {"role": "assistant", "content": "x"},
+            {"role": "user", "content": "Another one, please?"},
+            {"role": "assistant", "content": "y"},
+        ],
+    },
+    {
+        "id": "d",
+        "messages": [
+            {"role": "user", "content": "Question one?"},
+            {"role": "user", "content": "And two?"},
+        ],
+    },
 ]
 
 
@@ -79,11 +105,16 @@ def test_batched_equals_unbatched_greedy(tiny):
     assert got == want
     # structure: system kept, user turns kept, one fresh answer per user turn
     assert [[m["role"] for m in c["messages"]] for c in got] == [
-        ["user", "assistant"], ["system", "user", "assistant"],
-        ["user", "assistant", "user", "assistant"], ["user", "assistant", "user", "assistant"]]
+        ["user", "assistant"],
+        ["system", "user", "assistant"],
+        ["user", "assistant", "user", "assistant"],
+        ["user", "assistant", "user", "assistant"],
+    ]
     assert got[0]["messages"][1]["content"] != "old answer"
     answers = [m for c in got for m in c["messages"] if m["role"] == "assistant"]
-    assert stats["truncated"] == sum(m.get("truncated", False) for m in answers) > 0  # recorded per answer
+    assert (
+        stats["truncated"] == sum(m.get("truncated", False) for m in answers) > 0
+    )  # recorded per answer
     assert stats["answers"] == 6
     assert 0 <= stats["new_tokens"] <= 6 * MAX_NEW
 
@@ -98,7 +129,9 @@ def test_generate_greedy_stops_and_strips_stop_token(tiny):
     for (ans, stopped), ref in zip(got, free):
         cut = ref.index(stop) if stop in ref else None
         assert ans == (ref[:cut] if cut is not None else ref)
-        assert stopped == (stop if cut is not None else None)  # the stop id it ended on, None when cut
+        assert stopped == (
+            stop if cut is not None else None
+        )  # the stop id it ended on, None when cut
     assert got[0][1] == stop and len(got[0][0]) == free[0].index(stop)
 
 
@@ -132,7 +165,7 @@ def test_context_cap_answers_turns_only_below_the_cap(tiny):
         msgs, kept = conv["messages"], []
         users = [m for m in msgs if m["role"] == "user"]
         for j, m in enumerate(msgs):
-            if m["role"] == "user" and _prompt_len(tok, msgs[:j + 1]) >= cap:
+            if m["role"] == "user" and _prompt_len(tok, msgs[: j + 1]) >= cap:
                 turns_left += sum(1 for x in msgs[j:] if x["role"] == "user")
                 break
             kept.append(m)
@@ -141,13 +174,21 @@ def test_context_cap_answers_turns_only_below_the_cap(tiny):
         else:
             assert users  # every test conversation has a user turn
     stats = {}
-    got = regenerate(model, tok, CONVS, max_new_tokens=MAX_NEW, batch_size=3, stats=stats, max_context=cap)
+    got = regenerate(
+        model, tok, CONVS, max_new_tokens=MAX_NEW, batch_size=3, stats=stats, max_context=cap
+    )
     assert got == want
     assert "a" not in [c["id"] for c in got] and stats["dropped_over_context"] == 1
-    assert [m["role"] for m in next(c for c in got if c["id"] == "c")["messages"]] == ["user", "assistant"]
+    assert [m["role"] for m in next(c for c in got if c["id"] == "c")["messages"]] == [
+        "user",
+        "assistant",
+    ]
     assert stats["turns_over_context"] == turns_left >= 2
     # no cap reached: identical to the uncapped run
-    assert regenerate(model, tok, CONVS, max_new_tokens=MAX_NEW, batch_size=3, max_context=10_000) == full
+    assert (
+        regenerate(model, tok, CONVS, max_new_tokens=MAX_NEW, batch_size=3, max_context=10_000)
+        == full
+    )
 
 
 def test_pick_batch_hand_computed():
@@ -190,8 +231,13 @@ def test_answer_steps():
 def _conv(cid, n_turns, system=None):
     msgs = [{"role": "system", "content": system}] if system else []
     for t in range(n_turns):
-        msgs += [{"role": "user", "content": f"Conversation {cid}, question {t + 1}: tell me about the number {t * 7 + 3}."},
-                 {"role": "assistant", "content": "old"}]
+        msgs += [
+            {
+                "role": "user",
+                "content": f"Conversation {cid}, question {t + 1}: tell me about the number {t * 7 + 3}.",
+            },
+            {"role": "assistant", "content": "old"},
+        ]
     return {"id": cid, "messages": msgs}
 
 
@@ -200,7 +246,12 @@ def test_pooled_turns_of_any_round_equal_reference(tiny, monkeypatch):
     turns: batches mix turn indices, the answers still equal the unbatched uncached greedy reference, and
     the 5-turn conversation advances in every batch, so 5 batches suffice (round by round: 2 + 1 + 1 + 1 + 1 = 6)."""
     model, tok = tiny
-    convs = [_conv("one", 1), _conv("three", 3, system="Be brief."), _conv("five", 5), _conv("single", 1)]
+    convs = [
+        _conv("one", 1),
+        _conv("three", 3, system="Be brief."),
+        _conv("five", 5),
+        _conv("single", 1),
+    ]
     batches = []
     real = regen_mod.generate_greedy
 
@@ -211,22 +262,44 @@ def test_pooled_turns_of_any_round_equal_reference(tiny, monkeypatch):
 
     monkeypatch.setattr(regen_mod, "generate_greedy", spy)
     stats = {}
-    got = regenerate(model, tok, convs, max_new_tokens=MAX_NEW, batch_size=2, stats=stats, engine="static")
+    got = regenerate(
+        model, tok, convs, max_new_tokens=MAX_NEW, batch_size=2, stats=stats, engine="static"
+    )
     want = [_reference_regenerate(model, tok, c, MAX_NEW) for c in convs]
     assert got == want
     assert [sum(m["role"] == "assistant" for m in c["messages"]) for c in got] == [1, 3, 5, 1]
     assert stats["answers"] == 10
     assert stats["batches"] == len(batches) == 5
     assert all(n == 2 for n, _ in batches)
-    assert stats["decode_steps"] == sum(max(answer_steps(len(a), s is not None, MAX_NEW) for a, s in out) for _, out in batches)
+    assert stats["decode_steps"] == sum(
+        max(answer_steps(len(a), s is not None, MAX_NEW) for a, s in out) for _, out in batches
+    )
     assert 5 <= stats["decode_steps"] <= 5 * MAX_NEW
     # the former round plan (bench baseline): same answers, 2 + 1 + 1 + 1 + 1 batches
     batches.clear()
     old = {}
-    assert regenerate(model, tok, convs, max_new_tokens=MAX_NEW, batch_size=2, stats=old, schedule="rounds",
-                      engine="static") == want
+    assert (
+        regenerate(
+            model,
+            tok,
+            convs,
+            max_new_tokens=MAX_NEW,
+            batch_size=2,
+            stats=old,
+            schedule="rounds",
+            engine="static",
+        )
+        == want
+    )
     assert old["batches"] == len(batches) == 6
-    assert [n for n, _ in batches] == [2, 2, 2, 2, 1, 1]  # rounds 0 (4 turns), 1 and 2 (three, five), 3, 4 (five)
+    assert [n for n, _ in batches] == [
+        2,
+        2,
+        2,
+        2,
+        1,
+        1,
+    ]  # rounds 0 (4 turns), 1 and 2 (three, five), 3, 4 (five)
     with pytest.raises(ValueError):
         regenerate(model, tok, convs, max_new_tokens=MAX_NEW, batch_size=2, schedule="fifo")
 
@@ -238,7 +311,12 @@ def test_resume_after_a_kill_equals_the_uninterrupted_run(tiny, tmp_path, monkey
     from eagle3.prompts.resume_log import ResumeLog
 
     model, tok = tiny
-    convs = [_conv("one", 1), _conv("three", 3, system="Be brief."), _conv("five", 5), _conv("single", 1)]
+    convs = [
+        _conv("one", 1),
+        _conv("three", 3, system="Be brief."),
+        _conv("five", 5),
+        _conv("single", 1),
+    ]
     want = regenerate(model, tok, convs, max_new_tokens=MAX_NEW, batch_size=2)
     real = regen_mod.generate_greedy
     calls = []
@@ -252,8 +330,15 @@ def test_resume_after_a_kill_equals_the_uninterrupted_run(tiny, tmp_path, monkey
     path = tmp_path / "prompts.regen-partial.jsonl"
     monkeypatch.setattr(regen_mod, "generate_greedy", dies_in_batch_4)
     with pytest.raises(KeyboardInterrupt):
-        regenerate(model, tok, convs, max_new_tokens=MAX_NEW, batch_size=2, journal=ResumeLog(path, {"s": 1}),
-                   engine="static")
+        regenerate(
+            model,
+            tok,
+            convs,
+            max_new_tokens=MAX_NEW,
+            batch_size=2,
+            journal=ResumeLog(path, {"s": 1}),
+            engine="static",
+        )
     rows = [json.loads(x) for x in path.read_text().splitlines()]
     assert rows[0] == {"settings": {"s": 1}, "answer_fields": ["tokens", "truncated", "stop_token"]}
     logged = {r["id"]: r for r in rows[1:]}
@@ -263,16 +348,38 @@ def test_resume_after_a_kill_equals_the_uninterrupted_run(tiny, tmp_path, monkey
         assert {k: v for k, v in r.items() if k != "idx"} == want[r["idx"]]
 
     calls.clear()
-    monkeypatch.setattr(regen_mod, "generate_greedy", lambda *a: calls.append(len(a[1])) or real(*a))
+    monkeypatch.setattr(
+        regen_mod, "generate_greedy", lambda *a: calls.append(len(a[1])) or real(*a)
+    )
     stats = {}
-    got = regenerate(model, tok, convs, max_new_tokens=MAX_NEW, batch_size=2, stats=stats,
-                     journal=ResumeLog(path, {"s": 1}), engine="static")
+    got = regenerate(
+        model,
+        tok,
+        convs,
+        max_new_tokens=MAX_NEW,
+        batch_size=2,
+        stats=stats,
+        journal=ResumeLog(path, {"s": 1}),
+        engine="static",
+    )
     assert got == want
-    assert stats["resumed"] == 2 and stats["answers"] == 3 + 5 and sum(calls) == 8  # "three" and "five" only
+    assert (
+        stats["resumed"] == 2 and stats["answers"] == 3 + 5 and sum(calls) == 8
+    )  # "three" and "five" only
     assert len(path.read_text().splitlines()) == 1 + 4  # every conversation is in the log now
-    with pytest.raises(UserError, match=r"prompts\.regen-partial\.jsonl: a regeneration was started here with "
-                                         r"other settings \(s differ\)"):
-        regenerate(model, tok, convs, max_new_tokens=MAX_NEW, batch_size=2, journal=ResumeLog(path, {"s": 2}))
+    with pytest.raises(
+        UserError,
+        match=r"prompts\.regen-partial\.jsonl: a regeneration was started here with "
+        r"other settings \(s differ\)",
+    ):
+        regenerate(
+            model,
+            tok,
+            convs,
+            max_new_tokens=MAX_NEW,
+            batch_size=2,
+            journal=ResumeLog(path, {"s": 2}),
+        )
     # a log of a 01 from before stop_token was recorded: resumed as it is, with one warning line (refusing it threw
     # away hours of regeneration); logged_answer_fields gives the fields the report may then claim: none
     from eagle3.prompts.resume_log import logged_answer_fields
@@ -282,10 +389,18 @@ def test_resume_after_a_kill_equals_the_uninterrupted_run(tiny, tmp_path, monkey
     assert logged_answer_fields([path]) == []
     caplog.clear()
     with caplog.at_level(logging.WARNING):
-        got = regenerate(model, tok, convs, max_new_tokens=MAX_NEW, batch_size=2, journal=ResumeLog(path, {"s": 1}))
+        got = regenerate(
+            model,
+            tok,
+            convs,
+            max_new_tokens=MAX_NEW,
+            batch_size=2,
+            journal=ResumeLog(path, {"s": 1}),
+        )
     assert got == want
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == [
         f"{path}: resuming answers an older 01 wrote without tokens / truncated / stop_token on each answer "
         "(answer_fields: none recorded); they are kept as they are (02 counts an answer without stop_token as stopped "
         "on the template's end-of-turn token) and prompts_report.json records only the fields every answer has; pass "
-        "--force to regenerate them all"]
+        "--force to regenerate them all"
+    ]

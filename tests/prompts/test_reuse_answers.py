@@ -9,24 +9,30 @@ import json
 import shutil
 
 import pytest
+from test_prompts import A, U, _jsonl
 
 from eagle3.config import load_config
 from eagle3.errors import UserError
 from eagle3.prompts import reuse_answers as ra
 from eagle3.prompts.prepare_prompts import report_path, run
 
-from test_prompts import A, U, _jsonl
-
 
 def test_conversation_key_by_hand():
     """A prompt-only input matches its regenerated output; multi-turn inputs match whatever their old answers were;
     token ids and reasoning are ignored, tool calls and tools are not; another user turn is another key."""
     k = ra.conversation_key
-    assert k({"messages": [U("Hi")]}) == k({"id": "x", "messages": [U("Hi"), {**A("Hello!"), "tokens": [1, 2]}]})
-    assert k({"messages": [U("Hi"), A("old"), U("More")]}) == k({"messages": [
-        U("Hi"), {**A("new"), "reasoning_content": "r"}, U("More"), A("x")]})
+    assert k({"messages": [U("Hi")]}) == k(
+        {"id": "x", "messages": [U("Hi"), {**A("Hello!"), "tokens": [1, 2]}]}
+    )
+    assert k({"messages": [U("Hi"), A("old"), U("More")]}) == k(
+        {"messages": [U("Hi"), {**A("new"), "reasoning_content": "r"}, U("More"), A("x")]}
+    )
     assert k({"messages": [U("Hi")]}) != k({"messages": [U("Hi "), A("x")]})
-    call = {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]}
+    call = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}],
+    }
     tool = {"role": "tool", "content": "42", "tool_call_id": "c1"}
     assert k({"messages": [U("Q"), call, tool]}) != k({"messages": [U("Q"), tool]})
     assert k({"messages": [U("Q")], "tools": [{"name": "f"}]}) != k({"messages": [U("Q")]})
@@ -36,22 +42,41 @@ def test_split_and_merge_by_hand():
     """Reused positions keep the earlier conversation, the others take the regenerated ones in order; a failed
     regeneration (missing from the output) is dropped, as a full regeneration drops it."""
     convs = [{"id": i, "messages": [U(f"q{i}")]} for i in range(5)]
-    earlier = {ra.conversation_key(convs[1]): {"id": 1, "messages": [U("q1"), A("old1")]},
-               ra.conversation_key(convs[3]): {"id": 3, "messages": [U("q3"), A("old3")]}}
+    earlier = {
+        ra.conversation_key(convs[1]): {"id": 1, "messages": [U("q1"), A("old1")]},
+        ra.conversation_key(convs[3]): {"id": 3, "messages": [U("q3"), A("old3")]},
+    }
     reused, todo = ra.split(convs, earlier)
-    assert [c["id"] for c in todo] == [0, 2, 4] and [r is not None for r in reused] == [False, True, False, True, False]
-    regenerated = [{"id": 0, "messages": [U("q0"), A("a0")]}, {"id": 4, "messages": [U("q4"), A("a4")]}]  # 2 failed
+    assert [c["id"] for c in todo] == [0, 2, 4] and [r is not None for r in reused] == [
+        False,
+        True,
+        False,
+        True,
+        False,
+    ]
+    regenerated = [
+        {"id": 0, "messages": [U("q0"), A("a0")]},
+        {"id": 4, "messages": [U("q4"), A("a4")]},
+    ]  # 2 failed
     out = ra.merge(convs, reused, regenerated)
-    assert [(c["id"], c["messages"][1]["content"]) for c in out] == [(0, "a0"), (1, "old1"), (3, "old3"), (4, "a4")]
+    assert [(c["id"], c["messages"][1]["content"]) for c in out] == [
+        (0, "a0"),
+        (1, "old1"),
+        (3, "old3"),
+        (4, "a4"),
+    ]
 
 
 def _config(tmp_path, tiny_llama_dir, sources, max_new=5, reuse=None, out="out"):
     f = tmp_path / f"{out}.yaml"
-    f.write_text(f"run_name: t\noutput_root: {tmp_path / out}\n"
-                 f"verifier: {{path: {tiny_llama_dir}, dtype: float32, device: cpu}}\n"
-                 f"prompts: {{source: {json.dumps(sources)}, format: messages, regenerate: true, "
-                 f"max_new_tokens: {max_new}, gen_batch_size: 2, regen_cuda_graphs: false"
-                 + (f", reuse_answers: {reuse}" if reuse else "") + "}\nextract: {max_length: 256}\n")
+    f.write_text(
+        f"run_name: t\noutput_root: {tmp_path / out}\n"
+        f"verifier: {{path: {tiny_llama_dir}, dtype: float32, device: cpu}}\n"
+        f"prompts: {{source: {json.dumps(sources)}, format: messages, regenerate: true, "
+        f"max_new_tokens: {max_new}, gen_batch_size: 2, regen_cuda_graphs: false"
+        + (f", reuse_answers: {reuse}" if reuse else "")
+        + "}\nextract: {max_length: 256}\n"
+    )
     return load_config(f)
 
 
@@ -59,11 +84,21 @@ def test_01_grows_a_regenerated_set_reusing_its_answers(tmp_path, tiny_llama_dir
     """Sources A, then A + B: 01 with prompts.reuse_answers = A's (gzipped) prompts.jsonl regenerates only B's
     conversations, and writes byte for byte the prompts.jsonl a full regeneration of A + B writes (fp32); the report
     says how many were reused."""
-    a = _jsonl(tmp_path / "a.jsonl", [{"id": "a0", "messages": [U("Hi there"), A("x"), U("And then?"), A("y")]},
-                                      {"id": "a1", "messages": [U("Count to three")]},
-                                      {"id": "a2", "messages": [U("Name a colour"), A("red")]}])
-    b = _jsonl(tmp_path / "b.jsonl", [{"id": "b0", "messages": [U("Write a poem")]},
-                                      {"id": "b1", "messages": [U("Hello again"), A("q"), U("Something else"), A("z")]}])
+    a = _jsonl(
+        tmp_path / "a.jsonl",
+        [
+            {"id": "a0", "messages": [U("Hi there"), A("x"), U("And then?"), A("y")]},
+            {"id": "a1", "messages": [U("Count to three")]},
+            {"id": "a2", "messages": [U("Name a colour"), A("red")]},
+        ],
+    )
+    b = _jsonl(
+        tmp_path / "b.jsonl",
+        [
+            {"id": "b0", "messages": [U("Write a poem")]},
+            {"id": "b1", "messages": [U("Hello again"), A("q"), U("Something else"), A("z")]},
+        ],
+    )
     cfg_a = _config(tmp_path, tiny_llama_dir, [a], out="first")
     assert run(cfg_a) == 0
     seed = tmp_path / "seed"
@@ -80,8 +115,12 @@ def test_01_grows_a_regenerated_set_reusing_its_answers(tmp_path, tiny_llama_dir
     assert grown.prompts_path.read_bytes() == full.prompts_path.read_bytes()
     rep = json.loads(report_path(grown).read_text())
     assert rep["reused_answers"] == {"file": str(seed / "prompts.jsonl.gz"), "conversations": 3}
-    assert rep["regeneration"]["answers"] == 3 and rep["counts"]["regenerated"] == 5  # b0 (1 turn) + b1 (2 turns)
-    assert rep["settings"] == json.loads(report_path(full).read_text())["settings"]  # not in the fingerprint
+    assert (
+        rep["regeneration"]["answers"] == 3 and rep["counts"]["regenerated"] == 5
+    )  # b0 (1 turn) + b1 (2 turns)
+    assert (
+        rep["settings"] == json.loads(report_path(full).read_text())["settings"]
+    )  # not in the fingerprint
 
 
 def test_reuse_refused_in_one_line(tmp_path, tiny_llama_dir):
@@ -92,13 +131,17 @@ def test_reuse_refused_in_one_line(tmp_path, tiny_llama_dir):
     other = _config(tmp_path, tiny_llama_dir, [a], max_new=6, reuse=cfg_a.prompts_path, out="other")
     with pytest.raises(UserError) as e:
         run(other)
-    assert str(e.value) == (f"{report_path(cfg_a)}: prompts.reuse_answers: its answers were made with max_new_tokens = "
-                            "5, this run has 6; regenerate without prompts.reuse_answers or match the setting")
+    assert str(e.value) == (
+        f"{report_path(cfg_a)}: prompts.reuse_answers: its answers were made with max_new_tokens = "
+        "5, this run has 6; regenerate without prompts.reuse_answers or match the setting"
+    )
     assert not other.prompts_path.exists()
     lone = tmp_path / "lone" / "p.jsonl"
     lone.parent.mkdir()
     shutil.copy(cfg_a.prompts_path, lone)
-    with pytest.raises(UserError, match=r"prompts_report.json: missing \(the report 01 wrote beside p.jsonl"):
+    with pytest.raises(
+        UserError, match=r"prompts_report.json: missing \(the report 01 wrote beside p.jsonl"
+    ):
         run(_config(tmp_path, tiny_llama_dir, [a], reuse=lone, out="lone_run"))
     shutil.copy(report_path(cfg_a), lone.parent / "prompts_report.json")
     lone.write_text(lone.read_text() + "{not json\n")
@@ -115,14 +158,20 @@ def test_merge_gives_a_reused_conversation_this_runs_id():
     earlier = {ra.conversation_key(convs[1]): {"id": "f-1", "messages": [U("old q"), A("old a")]}}
     reused, todo = ra.split(convs, earlier)
     out = ra.merge(convs, reused, [{"id": "f-1", "messages": [U("new"), A("a")]}])
-    assert out == [{"id": "f-1", "messages": [U("new"), A("a")]}, {"id": "f-2", "messages": [U("old q"), A("old a")]}]
+    assert out == [
+        {"id": "f-1", "messages": [U("new"), A("a")]},
+        {"id": "f-2", "messages": [U("old q"), A("old a")]},
+    ]
 
 
 def test_reuse_after_a_row_is_inserted_equals_a_full_regeneration(tmp_path, tiny_llama_dir, capsys):
     """A source without ids (ids from line numbers) gets a new first row: the grown run (reusing the first run's
     answers) writes byte for byte the full regeneration's prompts.jsonl, ids unique (trial 2: two rows 'f-1'), and
     its summary line says how many were reused."""
-    rows = [{"messages": [U("Hi there"), A("x"), U("And then?"), A("y")]}, {"messages": [U("Count to three")]}]
+    rows = [
+        {"messages": [U("Hi there"), A("x"), U("And then?"), A("y")]},
+        {"messages": [U("Count to three")]},
+    ]
     f = _jsonl(tmp_path / "f.jsonl", rows)
     first = _config(tmp_path, tiny_llama_dir, [f], out="first")
     assert run(first) == 0
@@ -134,7 +183,11 @@ def test_reuse_after_a_row_is_inserted_equals_a_full_regeneration(tmp_path, tiny
     assert run(grown) == 0
     assert "regenerated 3, 2 of them reused from " in capsys.readouterr().out
     assert grown.prompts_path.read_bytes() == full.prompts_path.read_bytes()
-    assert [json.loads(r)["id"] for r in grown.prompts_path.read_text().splitlines()] == ["f-1", "f-2", "f-3"]
+    assert [json.loads(r)["id"] for r in grown.prompts_path.read_text().splitlines()] == [
+        "f-1",
+        "f-2",
+        "f-3",
+    ]
 
 
 def test_reuse_refused_for_a_folder_a_non_report_or_no_regeneration(tmp_path, tiny_llama_dir):
@@ -145,21 +198,34 @@ def test_reuse_refused_for_a_folder_a_non_report_or_no_regeneration(tmp_path, ti
     a = _jsonl(tmp_path / "a.jsonl", [{"id": "a0", "messages": [U("Hi there")]}])
     d = tmp_path / "seed"
     d.mkdir()
-    with pytest.raises(UserError, match=r"^prompts.reuse_answers: .*seed: a folder; give the earlier prompts.jsonl"):
+    with pytest.raises(
+        UserError, match=r"^prompts.reuse_answers: .*seed: a folder; give the earlier prompts.jsonl"
+    ):
         run(_config(tmp_path, tiny_llama_dir, [a], reuse=d, out="o1"))
-    (d / "prompts.jsonl").write_text(json.dumps({"id": "a0", "messages": [U("Hi there"), A("x")]}) + "\n")
+    (d / "prompts.jsonl").write_text(
+        json.dumps({"id": "a0", "messages": [U("Hi there"), A("x")]}) + "\n"
+    )
     (d / "prompts_report.json").write_text("[]\n")
-    with pytest.raises(UserError, match=r"prompts_report.json: prompts.reuse_answers: not a report of 01 \(no "):
+    with pytest.raises(
+        UserError, match=r"prompts_report.json: prompts.reuse_answers: not a report of 01 \(no "
+    ):
         run(_config(tmp_path, tiny_llama_dir, [a], reuse=d / "prompts.jsonl", out="o2"))
     y = tmp_path / "c.yaml"
-    y.write_text(f"run_name: t\nverifier: {{path: {tiny_llama_dir}}}\nprompts:\n  source: {a}\n"
-                 f"  reuse_answers: {d / 'prompts.jsonl'}\n")
+    y.write_text(
+        f"run_name: t\nverifier: {{path: {tiny_llama_dir}}}\nprompts:\n  source: {a}\n"
+        f"  reuse_answers: {d / 'prompts.jsonl'}\n"
+    )
     with pytest.raises(UserError) as e:
         load_config(y)
-    assert str(e.value).startswith(f"{y}:5: field 'prompts.reuse_answers': reuses regenerated answers, but "
-                                   "prompts.regenerate is false")
+    assert str(e.value).startswith(
+        f"{y}:5: field 'prompts.reuse_answers': reuses regenerated answers, but "
+        "prompts.regenerate is false"
+    )
     cfg = _config(tmp_path, tiny_llama_dir, [a], reuse=d / "prompts.jsonl", out="o3")
-    with pytest.raises(UserError, match=r"^prompts.reuse_answers: reuses regenerated answers, but prompts.regenerate"):
+    with pytest.raises(
+        UserError,
+        match=r"^prompts.reuse_answers: reuses regenerated answers, but prompts.regenerate",
+    ):
         apply_overrides(cfg, None, None, False, None)  # --no-regenerate
     assert not any((tmp_path / o).exists() for o in ("o1", "o2", "o3"))
 
@@ -173,7 +239,9 @@ def test_reuse_line_printed_once_under_torchrun(tmp_path, tiny_llama_dir, monkey
     monkeypatch.setattr(pp, "_regenerate", lambda *a, **k: None)  # a rank > 0's return
     monkeypatch.setenv("RANK", "1")
     assert pp._regenerate_reusing(cfg, [{"id": "x", "messages": [U("q")]}], {}, {}, False) == (
-        None, {"file": str(tmp_path / "p.jsonl"), "conversations": 0})
+        None,
+        {"file": str(tmp_path / "p.jsonl"), "conversations": 0},
+    )
     assert capsys.readouterr().out == ""
     monkeypatch.setenv("RANK", "0")
     pp._regenerate_reusing(cfg, [{"id": "x", "messages": [U("q")]}], {}, {}, False)
@@ -198,19 +266,31 @@ def test_answer_fields_of_an_older_or_hand_edited_01_are_said_in_one_line(tmp_pa
         f"{log_file}: resuming answers an older 01 wrote without tokens / truncated / stop_token on each answer "
         "(answer_fields: 1, None); they are kept as they are (02 counts an answer without stop_token as stopped on the "
         "template's end-of-turn token) and prompts_report.json records only the fields every answer has; pass --force "
-        "to regenerate them all"]
+        "to regenerate them all"
+    ]
     report = tmp_path / "prompts_report.json"
     caplog.clear()
     with caplog.at_level(logging.WARNING):
-        ra.check_settings({"settings": {"regenerate": True}, "answer_fields": ["tokens", "truncated"]}, {"regenerate": True},
-                          report)
+        ra.check_settings(
+            {"settings": {"regenerate": True}, "answer_fields": ["tokens", "truncated"]},
+            {"regenerate": True},
+            report,
+        )
     assert caplog.messages == [
         f"{report}: prompts.reuse_answers: reusing answers an older 01 wrote without stop_token on each answer "
         "(answer_fields: tokens, truncated); they are kept as they are (02 counts an answer without stop_token as "
         "stopped on the template's end-of-turn token) and prompts_report.json records only the fields every answer "
-        "has; pass --force to regenerate them all"]
+        "has; pass --force to regenerate them all"
+    ]
     # what the report then records: the fields common to this run's answers and the resumed / reused ones
     assert logged_answer_fields([log_file]) == []
-    assert common_answer_fields(["tokens", "truncated", "stop_token"], ["tokens", "truncated"]) == ["tokens", "truncated"]
+    assert common_answer_fields(["tokens", "truncated", "stop_token"], ["tokens", "truncated"]) == [
+        "tokens",
+        "truncated",
+    ]
     assert common_answer_fields(["tokens", "truncated", "stop_token"], None) == []
-    assert common_answer_fields(["tokens", "truncated", "stop_token"]) == ["tokens", "truncated", "stop_token"]
+    assert common_answer_fields(["tokens", "truncated", "stop_token"]) == [
+        "tokens",
+        "truncated",
+        "stop_token",
+    ]

@@ -9,15 +9,17 @@ import json
 import pytest
 import torch
 
-from eagle3.shards.checksum import DEFAULT_ALGO, file_checksum, new_hasher, row_checksum
-from eagle3.shards.manifest import ManifestWriter, read_manifest
 from eagle3.capture.shard_writer import ShardWriter
+from eagle3.shards.checksum import DEFAULT_ALGO, file_checksum, new_hasher, row_checksum
 from eagle3.shards.format import list_samples
+from eagle3.shards.manifest import ManifestWriter, read_manifest
 
 # Reference digests of the empty input: the XXH3-128 value of the xxHash project's sanity vectors
 # (XXH3_128bits of length 0, seed 0) and FIPS 180-2's sha256 of "".
-EMPTY = {"xxh3_128": "99aa06d3014798d86001c324468d497f",
-         "sha256": "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"}
+EMPTY = {
+    "xxh3_128": "99aa06d3014798d86001c324468d497f",
+    "sha256": "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855",
+}
 
 
 @pytest.mark.parametrize("algo", ["xxh3_128", "sha256"])
@@ -54,15 +56,22 @@ def test_row_checksum_reads_either_key():
 
 @pytest.mark.parametrize("algo,threads", [("xxh3_128", 2), ("sha256", 0)])
 def test_writer_records_the_digest_of_the_file_it_wrote(tmp_path, algo, threads):
-    states = [torch.arange(3 * 8, dtype=torch.float32).reshape(3, 8).to(torch.bfloat16) + k for k in range(4)]
-    with ManifestWriter(tmp_path / "manifest.jsonl") as man, \
-            ShardWriter(tmp_path, 2, man, threads=threads, checksum=algo) as w:
+    states = [
+        torch.arange(3 * 8, dtype=torch.float32).reshape(3, 8).to(torch.bfloat16) + k
+        for k in range(4)
+    ]
+    with (
+        ManifestWriter(tmp_path / "manifest.jsonl") as man,
+        ShardWriter(tmp_path, 2, man, threads=threads, checksum=algo) as w,
+    ):
         for idx in range(3):
             w.submit(idx, f"p{idx}", [5, 6, 7], states, [0, 1, 1])
     paths = dict(list_samples(tmp_path))
     rows = read_manifest(tmp_path / "manifest.jsonl").rows
-    ref = {"xxh3_128": lambda b: __import__("xxhash").xxh3_128(b).hexdigest(),
-           "sha256": lambda b: hashlib.sha256(b).hexdigest()}[algo]
+    ref = {
+        "xxh3_128": lambda b: __import__("xxhash").xxh3_128(b).hexdigest(),
+        "sha256": lambda b: hashlib.sha256(b).hexdigest(),
+    }[algo]
     for idx in range(3):
         assert set(rows[idx]) == {"idx", "id", "num_tokens", "num_loss_tokens", algo}
         assert rows[idx][algo] == ref(paths[idx].read_bytes())

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from eagle3.errors import UserError
-from eagle3.shards.manifest import ManifestWriter, read_manifest, rewrite_manifest
 from eagle3.io import remove_stale_tmp
 from eagle3.shards.format import (
     LAYER_INDEX_CONVENTION,
@@ -20,6 +19,7 @@ from eagle3.shards.format import (
     write_data_config,
     write_sample,
 )
+from eagle3.shards.manifest import ManifestWriter, read_manifest, rewrite_manifest
 
 H = 8
 
@@ -92,10 +92,22 @@ def test_round_trip_nested(tmp_path):
 def test_round_trip_flat_speculators_layout(tmp_path):
     # vLLM speculators writes data_{idx}.pt straight into one folder.
     ids, hs, mask = _sample(4)
-    torch.save({"input_ids": ids, "hidden_states": [h.to(torch.bfloat16) for h in hs],
-                "loss_mask": torch.tensor(mask)}, tmp_path / "data_3.pt")
-    torch.save({"input_ids": ids[:2], "hidden_states": [h[:2].to(torch.bfloat16) for h in hs],
-                "loss_mask": torch.tensor(mask[:2])}, tmp_path / "data_10.pt")
+    torch.save(
+        {
+            "input_ids": ids,
+            "hidden_states": [h.to(torch.bfloat16) for h in hs],
+            "loss_mask": torch.tensor(mask),
+        },
+        tmp_path / "data_3.pt",
+    )
+    torch.save(
+        {
+            "input_ids": ids[:2],
+            "hidden_states": [h[:2].to(torch.bfloat16) for h in hs],
+            "loss_mask": torch.tensor(mask[:2]),
+        },
+        tmp_path / "data_10.pt",
+    )
     listed = list_samples(tmp_path)
     assert listed == [(3, tmp_path / "data_3.pt"), (10, tmp_path / "data_10.pt")]
     s = load_sample(listed[1][1])
@@ -126,7 +138,11 @@ def _write_raw(tmp_path, obj, name="data_0.pt"):
 
 def _good(L=4):
     ids, hs, mask = _sample(L)
-    return {"input_ids": ids, "hidden_states": [h.to(torch.bfloat16) for h in hs], "loss_mask": torch.tensor(mask)}
+    return {
+        "input_ids": ids,
+        "hidden_states": [h.to(torch.bfloat16) for h in hs],
+        "loss_mask": torch.tensor(mask),
+    }
 
 
 @pytest.mark.parametrize(
@@ -134,19 +150,58 @@ def _good(L=4):
     [
         (lambda d: d.pop("loss_mask"), None, "key 'loss_mask': missing"),
         (lambda d: d.pop("hidden_states"), None, "key 'hidden_states': missing"),
-        (lambda d: d.__setitem__("input_ids", d["input_ids"].int()), None, "key 'input_ids': dtype torch.int32"),
-        (lambda d: d["hidden_states"].__setitem__(1, d["hidden_states"][1].float()), None,
-         r"key 'hidden_states\[1\]': dtype torch.float32"),
-        (lambda d: d["hidden_states"][2].__setitem__((1, 3), float("nan")), None, r"'hidden_states\[2\]': contains NaN/Inf"),
-        (lambda d: d["hidden_states"][0].__setitem__((0, 0), float("inf")), None, r"'hidden_states\[0\]': contains NaN/Inf"),
-        (lambda d: d.__setitem__("loss_mask", d["loss_mask"][:-1]), None, "key 'loss_mask': length 3 != input_ids length 4"),
-        (lambda d: d["hidden_states"].__setitem__(3, d["hidden_states"][3][:2]), None, r"'hidden_states\[3\]': shape \(2, 8\)"),
-        (lambda d: None, {"hidden_size": 16}, r"'hidden_states\[0\]': hidden size 8, data_config says 16"),
+        (
+            lambda d: d.__setitem__("input_ids", d["input_ids"].int()),
+            None,
+            "key 'input_ids': dtype torch.int32",
+        ),
+        (
+            lambda d: d["hidden_states"].__setitem__(1, d["hidden_states"][1].float()),
+            None,
+            r"key 'hidden_states\[1\]': dtype torch.float32",
+        ),
+        (
+            lambda d: d["hidden_states"][2].__setitem__((1, 3), float("nan")),
+            None,
+            r"'hidden_states\[2\]': contains NaN/Inf",
+        ),
+        (
+            lambda d: d["hidden_states"][0].__setitem__((0, 0), float("inf")),
+            None,
+            r"'hidden_states\[0\]': contains NaN/Inf",
+        ),
+        (
+            lambda d: d.__setitem__("loss_mask", d["loss_mask"][:-1]),
+            None,
+            "key 'loss_mask': length 3 != input_ids length 4",
+        ),
+        (
+            lambda d: d["hidden_states"].__setitem__(3, d["hidden_states"][3][:2]),
+            None,
+            r"'hidden_states\[3\]': shape \(2, 8\)",
+        ),
+        (
+            lambda d: None,
+            {"hidden_size": 16},
+            r"'hidden_states\[0\]': hidden size 8, data_config says 16",
+        ),
         (lambda d: d["hidden_states"].pop(), None, "key 'hidden_states': 3 tensors, expected 4"),
         (lambda d: None, {"num_hidden_states": 5}, "key 'hidden_states': 4 tensors, expected 5"),
-        (lambda d: d.__setitem__("loss_mask", torch.full((4,), 2)), None, "key 'loss_mask': values must be 0 or 1"),
-        (lambda d: d["input_ids"].__setitem__(0, 100), {"vocab_size": 100}, "key 'input_ids': token id 100 >= vocab_size 100"),
-        (lambda d: d.__setitem__("hidden_states", torch.zeros(4, 4, H)), None, "expected a list of tensors"),
+        (
+            lambda d: d.__setitem__("loss_mask", torch.full((4,), 2)),
+            None,
+            "key 'loss_mask': values must be 0 or 1",
+        ),
+        (
+            lambda d: d["input_ids"].__setitem__(0, 100),
+            {"vocab_size": 100},
+            "key 'input_ids': token id 100 >= vocab_size 100",
+        ),
+        (
+            lambda d: d.__setitem__("hidden_states", torch.zeros(4, 4, H)),
+            None,
+            "expected a list of tensors",
+        ),
     ],
 )
 def test_validation_errors_name_file_and_key(tmp_path, mutate, expect, match):
@@ -200,14 +255,21 @@ def test_data_config_round_trip_and_errors(tmp_path):
     write_data_config(tmp_path, meta)
     back = read_data_config(tmp_path)
     assert back == meta
-    assert expect_from_data_config(back) == {"hidden_size": H, "num_hidden_states": 4, "vocab_size": 100,
-                                             "storage_dtype": "bfloat16", "aux_layers": [2, 3, 4]}
+    assert expect_from_data_config(back) == {
+        "hidden_size": H,
+        "num_hidden_states": 4,
+        "vocab_size": 100,
+        "storage_dtype": "bfloat16",
+        "aux_layers": [2, 3, 4],
+    }
     bad = dict(meta)
     del bad["hidden_size"]
     (tmp_path / "data_config.json").write_text(__import__("json").dumps(bad))
     with pytest.raises(UserError, match="data_config.json: missing key 'hidden_size'"):
         read_data_config(tmp_path)
-    (tmp_path / "data_config.json").write_text(__import__("json").dumps(_meta(last_hidden_state="weird")))
+    (tmp_path / "data_config.json").write_text(
+        __import__("json").dumps(_meta(last_hidden_state="weird"))
+    )
     with pytest.raises(UserError, match="key 'last_hidden_state'"):
         read_data_config(tmp_path)
     with pytest.raises(ValueError, match="missing key 'hidden_size'"):
@@ -223,11 +285,19 @@ def test_manifest_append_torn_tail_and_corruption(tmp_path):
     with open(path, "a") as f:
         f.write('{"idx": 3, "id": "d", "num_t')  # killed mid-append
     m = read_manifest(path)
-    assert m.rows == {0: {"idx": 0, "id": "a", "num_tokens": 5}, 2: {"idx": 2, "id": "c", "num_tokens": 7}}
+    assert m.rows == {
+        0: {"idx": 0, "id": "a", "num_tokens": 5},
+        2: {"idx": 2, "id": "c", "num_tokens": 7},
+    }
     assert m.dropped_tail
     rewrite_manifest(path, m.rows)
-    assert path.read_text().splitlines() == ['{"idx": 0, "id": "a", "num_tokens": 5}', '{"idx": 2, "id": "c", "num_tokens": 7}']
+    assert path.read_text().splitlines() == [
+        '{"idx": 0, "id": "a", "num_tokens": 5}',
+        '{"idx": 2, "id": "c", "num_tokens": 7}',
+    ]
     assert not read_manifest(path).dropped_tail
-    path.write_text('{"idx": 0, "id": "a", "num_tokens": 5}\nnot json\n{"idx": 2, "id": "c", "num_tokens": 7}\n')
+    path.write_text(
+        '{"idx": 0, "id": "a", "num_tokens": 5}\nnot json\n{"idx": 2, "id": "c", "num_tokens": 7}\n'
+    )
     with pytest.raises(UserError, match="manifest.jsonl:2: malformed manifest line"):
         read_manifest(path)

@@ -16,15 +16,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _ddp_worker import make_tiny_run, single_thread  # noqa: E402,F401  (autouse fixture)
 
-from eagle3.train import checkpoint as ckpt  # noqa: E402
 from eagle3.config import load_config  # noqa: E402
 from eagle3.errors import UserError  # noqa: E402
+from eagle3.train import checkpoint as ckpt  # noqa: E402
 
 
 def _state(step: int, **kw) -> dict:
-    s = {"step": step, "epoch": 0, "samples_in_epoch": 2 * step, "model": {"w": torch.full((2,), float(step))},
-         "optimizer": {"state": {}, "param_groups": []}, "scheduler": {"last_epoch": step}, "rng": [ckpt.capture_rng()],
-         "drafter_args": {"hidden_size": 8}, "config_fingerprint": "abc", "world_size": 1}
+    s = {
+        "step": step,
+        "epoch": 0,
+        "samples_in_epoch": 2 * step,
+        "model": {"w": torch.full((2,), float(step))},
+        "optimizer": {"state": {}, "param_groups": []},
+        "scheduler": {"last_epoch": step},
+        "rng": [ckpt.capture_rng()],
+        "drafter_args": {"hidden_size": 8},
+        "config_fingerprint": "abc",
+        "world_size": 1,
+    }
     s.update(kw)
     return s
 
@@ -90,8 +99,12 @@ def test_rng_state_survives_weights_only_save(tmp_path):
 
 
 def test_check_drafter_args_names_field():
-    ckpt.check_drafter_args("c.pt", {"hidden_size": 8, "rms_norm_eps": 1e-6}, {"hidden_size": 8, "rms_norm_eps": 1e-6})
-    with pytest.raises(UserError, match=r"c.pt: drafter field 'hidden_size' is 8 in the checkpoint but 16"):
+    ckpt.check_drafter_args(
+        "c.pt", {"hidden_size": 8, "rms_norm_eps": 1e-6}, {"hidden_size": 8, "rms_norm_eps": 1e-6}
+    )
+    with pytest.raises(
+        UserError, match=r"c.pt: drafter field 'hidden_size' is 8 in the checkpoint but 16"
+    ):
         ckpt.check_drafter_args("c.pt", {"hidden_size": 8}, {"hidden_size": 16})
 
 
@@ -100,7 +113,10 @@ def test_resume_with_different_drafter_shape_is_user_error(tmp_path):
 
     path = make_tiny_run(tmp_path, train={"epochs": 1})
     run(load_config(path), stop_after=1, device="cpu")
-    with pytest.raises(UserError, match=r"step_00000001.pt: drafter field 'intermediate_size' is 32 in the checkpoint but 48"):
+    with pytest.raises(
+        UserError,
+        match=r"step_00000001.pt: drafter field 'intermediate_size' is 32 in the checkpoint but 48",
+    ):
         run(load_config(path, ["drafter.intermediate_size=48"]), resume=True, device="cpu")
 
 
@@ -110,12 +126,19 @@ def test_a_resume_removes_half_written_files_of_the_train_folder(tmp_path):
     checkpoints folder was cleaned. The resume now removes them there too (not in other folders)."""
     from eagle3.train.trainer import run
 
-    cfg = load_config(make_tiny_run(tmp_path, train={"epochs": 1, "ckpt_every": 1, "select_best": "sim_accept"}))
+    cfg = load_config(
+        make_tiny_run(tmp_path, train={"epochs": 1, "ckpt_every": 1, "select_best": "sim_accept"})
+    )
     run(cfg, stop_after=2, device="cpu")
-    stale = [cfg.train_dir / "best_drafter.pt.tmp-k1ll3d", cfg.train_dir / "sim_accept.json.tmp-abc"]
+    stale = [
+        cfg.train_dir / "best_drafter.pt.tmp-k1ll3d",
+        cfg.train_dir / "sim_accept.json.tmp-abc",
+    ]
     for p in stale:
         p.write_bytes(b"PK\x03\x04 half")
-    elsewhere = cfg.train_dir / "tb" / "keep.tmp-x"  # not 04's temp name in the train folder itself: left alone
+    elsewhere = (
+        cfg.train_dir / "tb" / "keep.tmp-x"
+    )  # not 04's temp name in the train folder itself: left alone
     elsewhere.parent.mkdir(exist_ok=True)
     elsewhere.write_bytes(b"x")
     run(cfg, resume=True, stop_after=1, device="cpu")
@@ -134,16 +157,26 @@ def test_resume_ignores_half_written_and_corrupt_newest(tmp_path):
     p2.write_bytes(p2.read_bytes()[:64])
     r = run(cfg, resume=True, stop_after=1, device="cpu")
     assert r["step"] == 2  # resumed from step 1 (step 2 corrupt), did one step
-    assert not (ckpt.ckpt_dir(cfg.train_dir) / "step_00000003.pt.tmp-xyz").exists()  # stale temp cleaned
+    assert not (
+        ckpt.ckpt_dir(cfg.train_dir) / "step_00000003.pt.tmp-xyz"
+    ).exists()  # stale temp cleaned
     assert ckpt.load_checkpoint(ckpt.ckpt_path(cfg.train_dir, 2))["step"] == 2  # rewritten, valid
 
 
 def test_check_data_order_names_every_changed_key():
-    same = {"train.seed": 0, "train.batch_tokens": None, "train.batch_size": 2, "train.grad_accum": 1}
+    same = {
+        "train.seed": 0,
+        "train.batch_tokens": None,
+        "train.batch_size": 2,
+        "train.grad_accum": 1,
+    }
     ckpt.check_data_order("c.pt", dict(same), dict(same))
     ckpt.check_data_order("c.pt", None, dict(same))  # checkpoint from before the key: not checked
-    with pytest.raises(UserError, match=r"c.pt: written with train.grad_accum=1, train.seed=0 but the config has "
-                                        r"train.grad_accum=2, train.seed=5;"):
+    with pytest.raises(
+        UserError,
+        match=r"c.pt: written with train.grad_accum=1, train.seed=0 but the config has "
+        r"train.grad_accum=2, train.seed=5;",
+    ):
         ckpt.check_data_order("c.pt", same, {**same, "train.grad_accum": 2, "train.seed": 5})
 
 
@@ -154,12 +187,26 @@ def test_resume_with_changed_batching_is_user_error(tmp_path):
 
     path = make_tiny_run(tmp_path, train={"epochs": 2})
     run(load_config(path, ["train.batch_tokens=64"]), stop_after=1, device="cpu")
-    with pytest.raises(UserError, match=r"step_00000001.pt: written with train.batch_size=None, train.batch_tokens=64 "
-                                        r"but the config has train.batch_size=\d+, train.batch_tokens=None"):
+    with pytest.raises(
+        UserError,
+        match=r"step_00000001.pt: written with train.batch_size=None, train.batch_tokens=64 "
+        r"but the config has train.batch_size=\d+, train.batch_tokens=None",
+    ):
         run(load_config(path), resume=True, device="cpu")
-    with pytest.raises(UserError, match=r"written with train.grad_accum=1 but the config has train.grad_accum=2"):
-        run(load_config(path, ["train.batch_tokens=64", "train.grad_accum=2"]), resume=True, device="cpu")
-    r = run(load_config(path, ["train.batch_tokens=64", "train.epochs=1"]), resume=True, stop_after=1, device="cpu")
+    with pytest.raises(
+        UserError, match=r"written with train.grad_accum=1 but the config has train.grad_accum=2"
+    ):
+        run(
+            load_config(path, ["train.batch_tokens=64", "train.grad_accum=2"]),
+            resume=True,
+            device="cpu",
+        )
+    r = run(
+        load_config(path, ["train.batch_tokens=64", "train.epochs=1"]),
+        resume=True,
+        stop_after=1,
+        device="cpu",
+    )
     assert r["step"] == 2
 
 
@@ -170,23 +217,35 @@ def test_all_checkpoints_corrupt_is_one_line_error_naming_the_newest(tmp_path, c
     from eagle3.export.from_checkpoint import export_for_run, export_from_checkpoint
     from eagle3.train.trainer import run
 
-    cfg = load_config(make_tiny_run(tmp_path, train={"epochs": 1, "ckpt_every": 2, "keep_checkpoints": 2}))
+    cfg = load_config(
+        make_tiny_run(tmp_path, train={"epochs": 1, "ckpt_every": 2, "keep_checkpoints": 2})
+    )
     run(cfg, device="cpu", export=export_for_run)  # checkpoints 2, 4; export written
     p2, p4 = ckpt.ckpt_path(cfg.train_dir, 2), ckpt.ckpt_path(cfg.train_dir, 4)
     p4.write_bytes(p4.read_bytes()[:100])
     with caplog.at_level(logging.WARNING, logger="eagle3.train.checkpoint"):
         path, state = ckpt.find_latest_checkpoint(cfg.train_dir)
-    assert state["step"] == 2 and "step_00000004.pt" in caplog.text and "using step_00000002.pt" in caplog.text
+    assert (
+        state["step"] == 2
+        and "step_00000004.pt" in caplog.text
+        and "using step_00000002.pt" in caplog.text
+    )
     p2.write_bytes(p2.read_bytes()[:100])
     before = {p: p.stat().st_mtime_ns for p in sorted(tmp_path.rglob("*")) if p.is_file()}
-    for call in (lambda: run(cfg, resume=True, device="cpu", export=export_for_run),
-                 lambda: export_from_checkpoint(cfg, engine="vllm")):
+    for call in (
+        lambda: run(cfg, resume=True, device="cpu", export=export_for_run),
+        lambda: export_from_checkpoint(cfg, engine="vllm"),
+    ):
         with pytest.raises(UserError) as e:
             call()
         msg = str(e.value)
-        assert "\n" not in msg and msg.startswith(f"{ckpt.ckpt_dir(cfg.train_dir)}: none of its 2 checkpoint file(s) loads")
+        assert "\n" not in msg and msg.startswith(
+            f"{ckpt.ckpt_dir(cfg.train_dir)}: none of its 2 checkpoint file(s) loads"
+        )
         assert "step_00000004.pt: truncated or corrupt torch file" in msg
-    assert {p: p.stat().st_mtime_ns for p in sorted(tmp_path.rglob("*")) if p.is_file()} == before  # nothing written
+    assert {
+        p: p.stat().st_mtime_ns for p in sorted(tmp_path.rglob("*")) if p.is_file()
+    } == before  # nothing written
     assert not (tmp_path / "drafter-vllm").exists()
 
 
@@ -197,7 +256,8 @@ def test_a_loss_change_refusal_says_how_to_get_the_export_it_advises():
     assert notes == [] and problem == (
         "--resume with another loss definition (train.ttt_length 3 -> 2); set them back, or start a new run from this "
         "one's export with train.init_from in a new train.output_dir (a run stopped before its end has none yet: "
-        "04_train.py --export-only writes it from the checkpoint)")
+        "04_train.py --export-only writes it from the checkpoint)"
+    )
 
 
 def test_resume_with_changed_recipe_names_fields_and_reports_what_was_used(tmp_path, caplog):
@@ -209,28 +269,49 @@ def test_resume_with_changed_recipe_names_fields_and_reports_what_was_used(tmp_p
 
     path = make_tiny_run(tmp_path, train={"epochs": 1, "lr": 1e-3})
     run(load_config(path), stop_after=2, device="cpu")
-    for over, field in (("train.ttt_length=2", "train.ttt_length 3 -> 2"), ("train.loss=lk_hybrid",
-                                                                             "train.loss soft_ce -> lk_hybrid")):
-        with pytest.raises(UserError, match=rf"step_00000002.pt: --resume with another loss definition \({field}\)"):
+    for over, field in (
+        ("train.ttt_length=2", "train.ttt_length 3 -> 2"),
+        ("train.loss=lk_hybrid", "train.loss soft_ce -> lk_hybrid"),
+    ):
+        with pytest.raises(
+            UserError, match=rf"step_00000002.pt: --resume with another loss definition \({field}\)"
+        ):
             run(load_config(path, [over]), resume=True, device="cpu")
     with caplog.at_level(logging.WARNING, logger="eagle3.train.trainer"):
-        run(load_config(path, ["train.lr=0.05", "train.weight_decay=0.5"]), resume=True, stop_after=1, device="cpu")
-    note = ("train.lr: the config's 0.05 is not used; the checkpoint's 0.001 is kept with its optimizer state and lr "
-            "schedule")
-    assert note in caplog.text and "train.weight_decay: the config's 0.5 is not used; the checkpoint's 0.0 is kept" \
+        run(
+            load_config(path, ["train.lr=0.05", "train.weight_decay=0.5"]),
+            resume=True,
+            stop_after=1,
+            device="cpu",
+        )
+    note = (
+        "train.lr: the config's 0.05 is not used; the checkpoint's 0.001 is kept with its optimizer state and lr "
+        "schedule"
+    )
+    assert (
+        note in caplog.text
+        and "train.weight_decay: the config's 0.5 is not used; the checkpoint's 0.0 is kept"
         in caplog.text
+    )
     train_dir = load_config(path).train_dir
     recipe = ckpt.load_checkpoint(ckpt.ckpt_path(train_dir, 3))["recipe"]
-    assert recipe["train.lr"] == 0.001 and recipe["train.weight_decay"] == 0.0  # the values in use, not the config's
+    assert (
+        recipe["train.lr"] == 0.001 and recipe["train.weight_decay"] == 0.0
+    )  # the values in use, not the config's
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="eagle3.train.trainer"):
-        r = run(load_config(path), resume=True, device="cpu")  # the original config: nothing changed
+        r = run(
+            load_config(path), resume=True, device="cpu"
+        )  # the original config: nothing changed
     assert "training settings" not in caplog.text and "train.lr" not in caplog.text, caplog.text
     rep = json.loads((train_dir / "train_report.json").read_text())
     assert rep["recipe"]["lr"] == 0.001 and r["recipe"]["lr"] == 0.001
     assert not any("other training settings" in w for w in rep["warnings"])
-    lrs = [json.loads(x)["lr"] for x in (train_dir / "metrics.jsonl").read_text().splitlines()
-           if json.loads(x)["kind"] == "train"]
+    lrs = [
+        json.loads(x)["lr"]
+        for x in (train_dir / "metrics.jsonl").read_text().splitlines()
+        if json.loads(x)["kind"] == "train"
+    ]
     assert max(lrs) <= 0.001  # the schedule of lr 0.001 went on
 
 
@@ -246,16 +327,27 @@ def test_warnings_logged_during_a_resume_are_listed_in_the_report(tmp_path, capl
     ckpt.ckpt_path(cfg.train_dir, 3).write_bytes(b"broken")  # the newest checkpoint does not load
     with caplog.at_level(logging.WARNING):
         run(cfg, resume=True, device="cpu")
-    logged = [r for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("eagle3")]
+    logged = [
+        r for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("eagle3")
+    ]
     rep = json.loads((cfg.train_dir / "train_report.json").read_text())["warnings"]
-    assert len(logged) == len(rep) == 4 and all(w in caplog.text for w in rep), rep  # (caplog.text: as logged then)
+    assert len(logged) == len(rep) == 4 and all(w in caplog.text for w in rep), (
+        rep
+    )  # (caplog.text: as logged then)
     assert rep[0].startswith("skipping unusable checkpoint: ") and "step_00000003.pt" in rep[0]
-    assert rep[1] == "using step_00000002.pt (step 2), not the newest checkpoint file step_00000003.pt, which does not load"
-    assert rep[2].endswith("step_00000002.pt: resumed from step_00000002.pt with other training settings: train.epochs "
-                           "2 -> 3 (the lr schedule is re-stretched to the new horizon); train.lr: the config's "
-                           "0.05 is not used; the checkpoint's 0.01 is kept with its optimizer state and lr schedule")
-    assert "LR schedule {'warmup_steps': 2, 'total_steps': 8} in the checkpoint, now {'warmup_steps': 3, " \
-           "'total_steps': 12} (train.epochs 2 -> 3)" in rep[3]
+    assert (
+        rep[1]
+        == "using step_00000002.pt (step 2), not the newest checkpoint file step_00000003.pt, which does not load"
+    )
+    assert rep[2].endswith(
+        "step_00000002.pt: resumed from step_00000002.pt with other training settings: train.epochs "
+        "2 -> 3 (the lr schedule is re-stretched to the new horizon); train.lr: the config's "
+        "0.05 is not used; the checkpoint's 0.01 is kept with its optimizer state and lr schedule"
+    )
+    assert (
+        "LR schedule {'warmup_steps': 2, 'total_steps': 8} in the checkpoint, now {'warmup_steps': 3, "
+        "'total_steps': 12} (train.epochs 2 -> 3)" in rep[3]
+    )
     md = (cfg.train_dir / "train_report.md").read_text()
     assert "- **warning**: using step_00000002.pt (step 2), not the newest checkpoint file" in md
 
@@ -263,9 +355,11 @@ def test_warnings_logged_during_a_resume_are_listed_in_the_report(tmp_path, capl
 def test_check_recipe_says_which_value_is_used():
     saved = {"train.lr": 0.001, "train.grad_clip": 1.0, "train.step_weight": 1.0}
     notes = ckpt.check_recipe("c.pt", saved, {**saved, "train.lr": 0.05, "train.grad_clip": 0.5})
-    assert notes == ["train.grad_clip 1.0 -> 0.5 (the new value applies from here on)",
-                     "train.lr: the config's 0.05 is not used; the checkpoint's 0.001 is kept with its optimizer state "
-                     "and lr schedule"]
+    assert notes == [
+        "train.grad_clip 1.0 -> 0.5 (the new value applies from here on)",
+        "train.lr: the config's 0.05 is not used; the checkpoint's 0.001 is kept with its optimizer state "
+        "and lr schedule",
+    ]
 
 
 def test_resume_refusal_names_every_changed_field_in_one_line(tmp_path):
@@ -276,12 +370,20 @@ def test_resume_refusal_names_every_changed_field_in_one_line(tmp_path):
     path = make_tiny_run(tmp_path, train={"epochs": 1})
     run(load_config(path), stop_after=1, device="cpu")
     with pytest.raises(UserError) as e:
-        run(load_config(path, ["train.seed=5", "train.step_weight=0.5", "drafter.intermediate_size=48"]), resume=True,
-            device="cpu")
+        run(
+            load_config(
+                path, ["train.seed=5", "train.step_weight=0.5", "drafter.intermediate_size=48"]
+            ),
+            resume=True,
+            device="cpu",
+        )
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith(str(ckpt.ckpt_path(load_config(path).train_dir, 1)))
-    for part in ("drafter field 'intermediate_size' is 32 in the checkpoint but 48", "train.seed=0 but the config has "
-                 "train.seed=5", "another loss definition (train.step_weight 0.8 -> 0.5)"):
+    for part in (
+        "drafter field 'intermediate_size' is 32 in the checkpoint but 48",
+        "train.seed=0 but the config has train.seed=5",
+        "another loss definition (train.step_weight 0.8 -> 0.5)",
+    ):
         assert part in msg, msg
 
 
@@ -300,14 +402,19 @@ def test_resume_after_03_resplit_is_refused_naming_split_json(tmp_path):
     split = json.loads(split_path.read_text())
     split_path.write_text(json.dumps(split, indent=2))  # same content, other bytes: allowed
     assert run(cfg, resume=True, stop_after=1, device="cpu")["step"] == 2
-    moved = {"train": split["train"][:-1] + split["val"][:1], "val": split["train"][-1:] + split["val"][1:]}
+    moved = {
+        "train": split["train"][:-1] + split["val"][:1],
+        "val": split["train"][-1:] + split["val"][1:],
+    }
     split_path.write_text(json.dumps(moved))
     before = {p: p.stat().st_mtime_ns for p in sorted(tmp_path.rglob("*")) if p.is_file()}
     with pytest.raises(UserError) as e:
         run(cfg, resume=True, device="cpu")
     msg = str(e.value)
-    assert "\n" not in msg and msg.startswith(f"{ckpt.ckpt_path(cfg.train_dir, 2)}: {split_path} is not the split "
-                                              "this checkpoint was trained on: the validation split changed"), msg
+    assert "\n" not in msg and msg.startswith(
+        f"{ckpt.ckpt_path(cfg.train_dir, 2)}: {split_path} is not the split "
+        "this checkpoint was trained on: the validation split changed"
+    ), msg
     assert "validate on trained samples" in msg
     assert {p: p.stat().st_mtime_ns for p in sorted(tmp_path.rglob("*")) if p.is_file()} == before
     split_path.write_text(json.dumps(split))
@@ -318,7 +425,9 @@ def test_resume_after_03_resplit_is_refused_naming_split_json(tmp_path):
     t2d = torch.zeros(48, dtype=torch.bool)
     t2d[other] = True
     save_vocab_map(cfg.data_dir / "vocab_map.pt", other - torch.arange(24), t2d)
-    with pytest.raises(UserError, match=r"vocab_map.pt is not the draft vocab map this checkpoint was trained with"):
+    with pytest.raises(
+        UserError, match=r"vocab_map.pt is not the draft vocab map this checkpoint was trained with"
+    ):
         run(cfg, resume=True, device="cpu")
     save_vocab_map(cfg.data_dir / "vocab_map.pt", vm["d2t"], vm["t2d"])
     # a checkpoint from before the key: no check
@@ -343,13 +452,23 @@ def test_export_only_and_resume_refuse_shards_of_other_aux_layers(tmp_path):
 
     a = load_config(make_tiny_run(tmp_path / "a", train={"epochs": 2}))
     run(a, stop_after=2, device="cpu")
-    assert ckpt.load_checkpoint(ckpt.ckpt_path(a.train_dir, 2))["data_inputs"]["aux_layers"] == [2, 3, 4]
-    b_yaml = make_tiny_run(tmp_path / "b", train={"epochs": 2}, aux_layers=(1, 3, 4))  # same shards, other layers
-    b = load_config(b_yaml, [f"train.output_dir={a.train_dir}", f"export.output_dir={tmp_path / 'exp'}"])
-    want = (f"{ckpt.ckpt_path(a.train_dir, 2)}: the shards' aux layers [1, 3, 4] (data_config.json) are not the "
-            f"[2, 3, 4] this checkpoint was trained on: the drafter would be fed (and its export would name) other "
-            f"layers' states; use the shards it was trained on (extract.output_dir), or train a new run (a new "
-            f"train.output_dir)")
+    assert ckpt.load_checkpoint(ckpt.ckpt_path(a.train_dir, 2))["data_inputs"]["aux_layers"] == [
+        2,
+        3,
+        4,
+    ]
+    b_yaml = make_tiny_run(
+        tmp_path / "b", train={"epochs": 2}, aux_layers=(1, 3, 4)
+    )  # same shards, other layers
+    b = load_config(
+        b_yaml, [f"train.output_dir={a.train_dir}", f"export.output_dir={tmp_path / 'exp'}"]
+    )
+    want = (
+        f"{ckpt.ckpt_path(a.train_dir, 2)}: the shards' aux layers [1, 3, 4] (data_config.json) are not the "
+        f"[2, 3, 4] this checkpoint was trained on: the drafter would be fed (and its export would name) other "
+        f"layers' states; use the shards it was trained on (extract.output_dir), or train a new run (a new "
+        f"train.output_dir)"
+    )
     with pytest.raises(UserError) as e:
         export_from_checkpoint(b)
     assert str(e.value) == want and not (tmp_path / "exp").exists()
@@ -380,12 +499,18 @@ def test_export_only_and_resume_refuse_shards_of_another_verifiers_weights(tmp_p
     run(a, stop_after=2, device="cpu")
     p2 = ckpt.ckpt_path(a.train_dir, 2)
     assert ckpt.load_checkpoint(p2)["data_inputs"]["verifier_weights"] == wa
-    b_yaml = make_tiny_run(tmp_path / "b", train={"epochs": 2}, verifier_weights=wb)  # same shapes, other weights
-    b = load_config(b_yaml, [f"train.output_dir={a.train_dir}", f"export.output_dir={tmp_path / 'exp'}"])
-    want = (f"{p2}: the shards' verifier weights {wb[:19]}... (data_config.json verifier_weights) are not the "
-            f"{wa[:19]}... this checkpoint was trained on: the shards were captured from another verifier of the same "
-            f"shapes; use the shards it was trained on (extract.output_dir), or train a new run (a new "
-            f"train.output_dir)")
+    b_yaml = make_tiny_run(
+        tmp_path / "b", train={"epochs": 2}, verifier_weights=wb
+    )  # same shapes, other weights
+    b = load_config(
+        b_yaml, [f"train.output_dir={a.train_dir}", f"export.output_dir={tmp_path / 'exp'}"]
+    )
+    want = (
+        f"{p2}: the shards' verifier weights {wb[:19]}... (data_config.json verifier_weights) are not the "
+        f"{wa[:19]}... this checkpoint was trained on: the shards were captured from another verifier of the same "
+        f"shapes; use the shards it was trained on (extract.output_dir), or train a new run (a new "
+        f"train.output_dir)"
+    )
     with pytest.raises(UserError) as e:
         export_from_checkpoint(b)
     assert str(e.value) == want and not (tmp_path / "exp").exists()
@@ -413,8 +538,13 @@ def test_inputs_a_checkpoint_did_not_record_are_said_at_resume_and_export(tmp_pa
     run(cfg, stop_after=2, device="cpu")
     p2 = ckpt.ckpt_path(cfg.train_dir, 2)
     state = ckpt.load_checkpoint(p2)
-    assert state["data_inputs"]["verifier_weights"] is None  # shards without one: nothing said (both sides)
-    assert ckpt.data_inputs_unchecked(p2, state["data_inputs"], {"verifier_weights": None}, "--resume") is None
+    assert (
+        state["data_inputs"]["verifier_weights"] is None
+    )  # shards without one: nothing said (both sides)
+    assert (
+        ckpt.data_inputs_unchecked(p2, state["data_inputs"], {"verifier_weights": None}, "--resume")
+        is None
+    )
     del state["data_inputs"]
     torch.save(state, p2)
     for p in ckpt.list_checkpoints(cfg.train_dir):  # only step 2 left: the one without the record
@@ -422,23 +552,37 @@ def test_inputs_a_checkpoint_did_not_record_are_said_at_resume_and_export(tmp_pa
             p[1].unlink()
     with caplog.at_level(logging.WARNING):
         export_from_checkpoint(cfg)
-    want = (f"{p2}: records no data_inputs (a checkpoint of before the record): --export-only did not check "
-            f"vocab_map.pt (the draft vocab), the shards' aux layers against what it was trained on; check that 02 and "
-            f"03 were not re-run with other settings since that checkpoint")
+    want = (
+        f"{p2}: records no data_inputs (a checkpoint of before the record): --export-only did not check "
+        f"vocab_map.pt (the draft vocab), the shards' aux layers against what it was trained on; check that 02 and "
+        f"03 were not re-run with other settings since that checkpoint"
+    )
     assert caplog.messages.count(want) == 1
     caplog.clear()
     with caplog.at_level(logging.WARNING):
         run(cfg, resume=True, device="cpu", stop_after=3)
-    want = (f"{p2}: records no data_inputs (a checkpoint of before the record): --resume did not check split.json "
-            f"(the validation split), vocab_map.pt (the draft vocab), the shards' aux layers against what it was "
-            f"trained on; check that 02 and 03 were not re-run with other settings since that checkpoint")
+    want = (
+        f"{p2}: records no data_inputs (a checkpoint of before the record): --resume did not check split.json "
+        f"(the validation split), vocab_map.pt (the draft vocab), the shards' aux layers against what it was "
+        f"trained on; check that 02 and 03 were not re-run with other settings since that checkpoint"
+    )
     assert caplog.messages.count(want) == 1
     assert want in json.loads((cfg.train_dir / "train_report.json").read_text())["warnings"]
-    assert ckpt.data_inputs_unchecked(p2, {"vocab_map.pt": "x", "aux_layers": [2, 3, 4], "split.json": "y",
-                                           "verifier_weights": "sha256:a"}, {"verifier_weights": None}, "--resume") == (
+    assert ckpt.data_inputs_unchecked(
+        p2,
+        {
+            "vocab_map.pt": "x",
+            "aux_layers": [2, 3, 4],
+            "split.json": "y",
+            "verifier_weights": "sha256:a",
+        },
+        {"verifier_weights": None},
+        "--resume",
+    ) == (
         f"{p2}: records data_inputs.verifier_weights but the shards' data_config.json has none: --resume did not check "
         f"the shards' verifier weights against what it was trained on; check that 02 and 03 were not re-run with "
-        f"other settings since that checkpoint")
+        f"other settings since that checkpoint"
+    )
 
 
 def test_resume_past_the_requested_total_is_refused_before_writing(tmp_path, caplog):
@@ -450,15 +594,29 @@ def test_resume_past_the_requested_total_is_refused_before_writing(tmp_path, cap
     cfg = load_config(make_tiny_run(tmp_path, train={"epochs": 2}))
     run(cfg, stop_after=6, device="cpu")
     before = {p: p.stat().st_mtime_ns for p in sorted(tmp_path.rglob("*")) if p.is_file()}
-    with caplog.at_level(logging.INFO, logger="eagle3.train.trainer"), \
-            pytest.raises(UserError, match=r"^--max-steps 3: the run ends after 3 optimizer steps, but the checkpoint "
-                                           r"resumed from \(.*step_00000006.pt\) is at step 6 already"):
+    with (
+        caplog.at_level(logging.INFO, logger="eagle3.train.trainer"),
+        pytest.raises(
+            UserError,
+            match=r"^--max-steps 3: the run ends after 3 optimizer steps, but the checkpoint "
+            r"resumed from \(.*step_00000006.pt\) is at step 6 already",
+        ),
+    ):
         run(cfg, resume=True, max_steps=3, device="cpu")
-    assert "LR schedule" not in caplog.text and "continuing with the new one" not in caplog.text, caplog.text
+    assert "LR schedule" not in caplog.text and "continuing with the new one" not in caplog.text, (
+        caplog.text
+    )
     assert {p: p.stat().st_mtime_ns for p in sorted(tmp_path.rglob("*")) if p.is_file()} == before
-    assert run(cfg, resume=True, max_steps=6, device="cpu")["step"] == 6  # at the total: the run's end, allowed
-    cfg.train.epochs = 1  # the config's `epochs: 1`, read as the float 1.0: was named `train.epochs 1.0`
-    with pytest.raises(UserError, match=r"^train\.epochs 1: the run ends after \d optimizer steps, but the checkpoint"):
+    assert (
+        run(cfg, resume=True, max_steps=6, device="cpu")["step"] == 6
+    )  # at the total: the run's end, allowed
+    cfg.train.epochs = (
+        1  # the config's `epochs: 1`, read as the float 1.0: was named `train.epochs 1.0`
+    )
+    with pytest.raises(
+        UserError,
+        match=r"^train\.epochs 1: the run ends after \d optimizer steps, but the checkpoint",
+    ):
         run(cfg, resume=True, device="cpu")
 
 
@@ -471,8 +629,12 @@ def test_export_only_refuses_a_broken_newest_checkpoint_and_leaves_the_export(tm
     from eagle3.export.from_checkpoint import export_for_run, export_from_checkpoint
     from eagle3.train.trainer import run
 
-    cfg = load_config(make_tiny_run(tmp_path, train={"epochs": 1, "ckpt_every": 2, "keep_checkpoints": 2,
-                                                     "select_best": "last"}))
+    cfg = load_config(
+        make_tiny_run(
+            tmp_path,
+            train={"epochs": 1, "ckpt_every": 2, "keep_checkpoints": 2, "select_best": "last"},
+        )
+    )
     run(cfg, device="cpu", export=export_for_run)  # checkpoints 2, 4; export of step 4
     p4 = ckpt.ckpt_path(cfg.train_dir, 4)
     p4.write_bytes(p4.read_bytes()[:100])
@@ -480,34 +642,58 @@ def test_export_only_refuses_a_broken_newest_checkpoint_and_leaves_the_export(tm
     with pytest.raises(UserError) as e:
         export_from_checkpoint(cfg)
     msg = str(e.value)
-    assert "\n" not in msg and msg.startswith(f"the newest checkpoint does not load: {p4}: truncated or corrupt"), msg
-    assert ("the newest that loads is step_00000002.pt (step 2): delete step_00000004.pt to use step 2, or "
-            "04_train.py --resume to train on from it") in msg
-    assert {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()} == before  # export untouched
+    assert "\n" not in msg and msg.startswith(
+        f"the newest checkpoint does not load: {p4}: truncated or corrupt"
+    ), msg
+    assert (
+        "the newest that loads is step_00000002.pt (step 2): delete step_00000004.pt to use step 2, or "
+        "04_train.py --resume to train on from it"
+    ) in msg
+    assert {
+        p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()
+    } == before  # export untouched
     p4.unlink()
     out = export_from_checkpoint(cfg)
     from safetensors.torch import load_file
 
     ref = ckpt.load_checkpoint(ckpt.ckpt_path(cfg.train_dir, 2))["model"]["fc.weight"]
-    assert torch.equal(load_file(str(out / "model.safetensors"))["fc.weight"], ref.to(torch.bfloat16))
+    assert torch.equal(
+        load_file(str(out / "model.safetensors"))["fc.weight"], ref.to(torch.bfloat16)
+    )
 
 
 def test_data_order_lets_the_split_change_only_with_the_global_batch():
     """batch_size / grad_accum may change on a resume where batch_size x grad_accum x processes stays the checkpoint's
     (8 ranks resumed on 4 with twice the grad_accum); otherwise the refusal names the global batch."""
-    saved = {"train.seed": 0, "train.batch_tokens": None, "train.batch_size": 2, "train.grad_accum": 1}
+    saved = {
+        "train.seed": 0,
+        "train.batch_tokens": None,
+        "train.batch_size": 2,
+        "train.grad_accum": 1,
+    }
     assert ckpt.data_order_problem(saved, {**saved, "train.grad_accum": 2}, (8, 4)) is None
-    assert ckpt.data_order_problem(saved, {**saved, "train.batch_size": 1, "train.grad_accum": 4}, (8, 4)) is None
+    assert (
+        ckpt.data_order_problem(
+            saved, {**saved, "train.batch_size": 1, "train.grad_accum": 4}, (8, 4)
+        )
+        is None
+    )
     assert ckpt.global_batch_change(saved, {**saved, "train.grad_accum": 2}, (8, 4)) is None
     msg = ckpt.data_order_problem(saved, {**saved, "train.grad_accum": 3}, (8, 4))
-    assert msg.startswith("written with train.grad_accum=1 but the config has train.grad_accum=3; resume keeps the "
-                          "data order only with the same seed and batching (train.batch_size and train.grad_accum may "
-                          "change only where they keep the global batch of 16: 2 x 1 x 8 then, 2 x 3 x 4 now)"), msg
+    assert msg.startswith(
+        "written with train.grad_accum=1 but the config has train.grad_accum=3; resume keeps the "
+        "data order only with the same seed and batching (train.batch_size and train.grad_accum may "
+        "change only where they keep the global batch of 16: 2 x 1 x 8 then, 2 x 3 x 4 now)"
+    ), msg
     assert ckpt.global_batch_change(saved, saved, (8, 4)) == (
         "global batch 16 -> 8 samples per optimizer step (train.batch_size x train.grad_accum x processes: 2 x 1 x 8 "
-        "then, 2 x 1 x 4 now); --set train.grad_accum=2 keeps the checkpoint's")
+        "then, 2 x 1 x 4 now); --set train.grad_accum=2 keeps the checkpoint's"
+    )
     budget = {**saved, "train.batch_tokens": 4096, "train.batch_size": None}
     assert ckpt.data_order_problem(budget, {**budget, "train.grad_accum": 2}, (2, 1)) is None
     assert ckpt.global_batch_change(budget, budget, (2, 1)).startswith(
-        "global batch 2 -> 1 token-budget batches per optimizer step (train.grad_accum x processes: 1 x 2 then, 1 x 1 now)")
-    assert ckpt.data_order_problem(saved, {**saved, "train.grad_accum": 2}) is not None  # process counts unknown
+        "global batch 2 -> 1 token-budget batches per optimizer step (train.grad_accum x processes: 1 x 2 then, 1 x 1 now)"
+    )
+    assert (
+        ckpt.data_order_problem(saved, {**saved, "train.grad_accum": 2}) is not None
+    )  # process counts unknown

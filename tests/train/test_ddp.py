@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _ddp_worker import make_tiny_run, single_thread  # noqa: E402,F401  (autouse fixture)
 
-from eagle3.train import checkpoint as ckpt  # noqa: E402
 from eagle3.config import load_config  # noqa: E402
+from eagle3.train import checkpoint as ckpt  # noqa: E402
 
 HERE = Path(__file__).resolve().parents[1]  # tests/ (the _ddp_worker.py helper)
 
@@ -36,14 +36,29 @@ def test_two_gloo_ranks_match_one_process(tmp_path):
 
     common = dict(n_train=8, n_val=2, lengths=(10,), equal_lengths=True, vocab=32, draft_vocab=32)
     # global batch 4 per optimizer step in both: 1 x (2 samples x 2 accum) vs 2 ranks x (1 sample x 2 accum)
-    one = load_config(make_tiny_run(tmp_path / "one", train={"batch_size": 2, "grad_accum": 2, "epochs": 2}, **common))
-    two_yaml = make_tiny_run(tmp_path / "two", train={"batch_size": 1, "grad_accum": 2, "epochs": 2}, **common)
+    one = load_config(
+        make_tiny_run(
+            tmp_path / "one", train={"batch_size": 2, "grad_accum": 2, "epochs": 2}, **common
+        )
+    )
+    two_yaml = make_tiny_run(
+        tmp_path / "two", train={"batch_size": 1, "grad_accum": 2, "epochs": 2}, **common
+    )
     r = run(one, device="cpu")
     assert r["step"] == 4  # 8 samples / 4 per step x 2 epochs
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(HERE / "_ddp_worker.py"), "--config", str(two_yaml)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(HERE / "_ddp_worker.py"),
+        "--config",
+        str(two_yaml),
+    ]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
 
@@ -55,25 +70,36 @@ def test_two_gloo_ranks_match_one_process(tmp_path):
         torch.testing.assert_close(s2["model"][k], v, atol=1e-5, rtol=1e-5, msg=k)
     # the run moved the weights (so equality is not trivially the init)
     init = load_config(make_tiny_run(tmp_path / "init", **common))
+    from eagle3.data.vocab import load_vocab_map
     from eagle3.shards.format import read_data_config
     from eagle3.train.target_head import TargetHead
     from eagle3.train.trainer import build_drafter_args, init_drafter
-    from eagle3.data.vocab import load_vocab_map
 
     vocab = load_vocab_map(init.data_dir / "vocab_map.pt")
-    d0 = init_drafter(build_drafter_args(init, read_data_config(init.shards_dir), vocab),
-                      TargetHead.load(init.train_dir), vocab, seed=0)
+    d0 = init_drafter(
+        build_drafter_args(init, read_data_config(init.shards_dir), vocab),
+        TargetHead.load(init.train_dir),
+        vocab,
+        seed=0,
+    )
     assert (d0.fc.weight - s1["model"]["fc.weight"]).abs().max() > 1e-3
 
 
-RANK1_ARGS = Path(__file__).resolve().parents[1] / "_rank1_args.py"  # extra arguments on rank 1 alone
+RANK1_ARGS = (
+    Path(__file__).resolve().parents[1] / "_rank1_args.py"
+)  # extra arguments on rank 1 alone
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra,said", [
-    ("--set train.lr=0.02", "train.lr: 0.01 on rank 0, 0.02 on rank 1"),
-    ("--set train.batch_size=1", "train.batch_size: 2 on rank 0, 1 on rank 1"),
-    ("--resume", "--resume: False on rank 0, True on rank 1")], ids=["lr", "batch_size", "resume"])
+@pytest.mark.parametrize(
+    "extra,said",
+    [
+        ("--set train.lr=0.02", "train.lr: 0.01 on rank 0, 0.02 on rank 1"),
+        ("--set train.batch_size=1", "train.batch_size: 2 on rank 0, 1 on rank 1"),
+        ("--resume", "--resume: False on rank 0, True on rank 1"),
+    ],
+    ids=["lr", "batch_size", "resume"],
+)
 def test_a_rank_with_another_config_is_refused_in_one_line(tmp_path, extra, said):
     """Each rank reads the YAML and the command line itself; rank 1 with another one (a node with another copy; here
     extra arguments for rank 1 alone): another train.lr trained to the end, its DDP replica stepping with its own lr
@@ -82,15 +108,29 @@ def test_a_rank_with_another_config_is_refused_in_one_line(tmp_path, extra, said
     yaml = make_tiny_run(tmp_path / "run")
     wrap = RANK1_ARGS
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent), RANK1_EXTRA=extra)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(wrap),
-           str(HERE.parent / "04_train.py"), "--config", str(yaml)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(wrap),
+        str(HERE.parent / "04_train.py"),
+        "--config",
+        str(yaml),
+    ]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     out = p.stdout + p.stderr
     errors = [ln for ln in out.splitlines() if ln.startswith("error: ")]
     assert p.returncode != 0 and "exitcode  : 2" in out, out[-3000:]
-    assert errors == [f"error: torchrun rank 1 runs 04 with another config or command line than rank 0 ({said}); "
-                      f"every rank must read the same YAML, --set overrides and flags (a node with another copy?)"]
-    assert "[rank0]" not in out and not (tmp_path / "run" / "train" / "checkpoints").exists(), out[-3000:]
+    assert errors == [
+        f"error: torchrun rank 1 runs 04 with another config or command line than rank 0 ({said}); "
+        f"every rank must read the same YAML, --set overrides and flags (a node with another copy?)"
+    ]
+    assert "[rank0]" not in out and not (tmp_path / "run" / "train" / "checkpoints").exists(), out[
+        -3000:
+    ]
 
 
 @pytest.mark.slow
@@ -104,13 +144,30 @@ def test_a_rank_with_another_split_is_refused(tmp_path):
     other = tmp_path / "other-data"
     other.mkdir()
     split = json.loads((tmp_path / "run" / "data" / "split.json").read_text())
-    (other / "split.json").write_text(json.dumps({"train": split["train"][::-1], "val": split["val"]}))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent), SPLIT_DIR_FOR_RANK_1=str(other))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(HERE / "_ddp_worker.py"), "--config", str(yaml)]
+    (other / "split.json").write_text(
+        json.dumps({"train": split["train"][::-1], "val": split["val"]})
+    )
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=str(HERE.parent),
+        SPLIT_DIR_FOR_RANK_1=str(other),
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(HERE / "_ddp_worker.py"),
+        "--config",
+        str(yaml),
+    ]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode != 0
-    assert (f"UserError: {tmp_path / 'run' / 'data'}: torchrun rank 1 read other data than rank 0 (differing: "
-            f"split.json); every rank must read the same data folder and shards (a node with another copy?)") \
-        in p.stderr, p.stderr[-3000:]
+    assert (
+        f"UserError: {tmp_path / 'run' / 'data'}: torchrun rank 1 read other data than rank 0 (differing: "
+        f"split.json); every rank must read the same data folder and shards (a node with another copy?)"
+    ) in p.stderr, p.stderr[-3000:]
     assert not (tmp_path / "run" / "train" / "checkpoints").exists()

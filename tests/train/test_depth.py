@@ -12,14 +12,26 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
-
-from eagle3.errors import UserError
-from eagle3.export.serving import SGLANG_KEYS, VLLM_KEYS, export_drafter, load_exported, upper_layer_keys
-from eagle3.train.checkpoint import check_drafter_args
-from eagle3.train.model import DrafterArgs, DrafterCache, Eagle3Drafter, StaticKVCache
 from test_variant import make as make_tiny
 
-LLAMA30 = dict(name="tiny/llama-30", architecture="LlamaForCausalLM", num_layers=30, hidden_size=24, vocab_size=50)
+from eagle3.errors import UserError
+from eagle3.export.serving import (
+    SGLANG_KEYS,
+    VLLM_KEYS,
+    export_drafter,
+    load_exported,
+    upper_layer_keys,
+)
+from eagle3.train.checkpoint import check_drafter_args
+from eagle3.train.model import DrafterArgs, DrafterCache, Eagle3Drafter, StaticKVCache
+
+LLAMA30 = dict(
+    name="tiny/llama-30",
+    architecture="LlamaForCausalLM",
+    num_layers=30,
+    hidden_size=24,
+    vocab_size=50,
+)
 
 
 def make(num_layers: int = 2, variant: str = "eagle3", seed: int = 0) -> Eagle3Drafter:
@@ -49,8 +61,11 @@ def _rope(x, pos, theta):  # x [B, h, L, hd], pos [L]
     hd = x.shape[-1]
     inv = 1.0 / theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
     ang = pos.double()[:, None] * inv[None]
-    cos, sin = torch.cat([ang.cos(), ang.cos()], -1).float(), torch.cat([ang.sin(), ang.sin()], -1).float()
-    x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
+    cos, sin = (
+        torch.cat([ang.cos(), ang.cos()], -1).float(),
+        torch.cat([ang.sin(), ang.sin()], -1).float(),
+    )
+    x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
     return x * cos + torch.cat([-x2, x1], -1) * sin
 
 
@@ -65,14 +80,23 @@ def engine_ttt(folder, engine: str, ids, aux, K: int):
     cfg = json.loads((folder / "config.json").read_text())
     lc = cfg if engine == "sglang" else cfg["transformer_layer_config"]
     sd = {k: v.float() for k, v in load_file(str(folder / "model.safetensors")).items()}
-    sd = {(k.replace("midlayer.", "layers.0.") if k.startswith("midlayer.") else k): v for k, v in sd.items()}
+    sd = {
+        (k.replace("midlayer.", "layers.0.") if k.startswith("midlayer.") else k): v
+        for k, v in sd.items()
+    }
     n, eps, theta = lc["num_hidden_layers"], lc["rms_norm_eps"], lc["rope_theta"]
     nh, kvh, hd = lc["num_attention_heads"], lc["num_key_value_heads"], lc["head_dim"]
     pre_norm = "hidden_norm" if engine == "sglang" else "input_layernorm"
     norm_output = bool(cfg.get("norm_output"))
     if cfg.get("fc_norm"):
         Ht = cfg["target_hidden_size"]
-        aux = torch.cat([_rms(aux[..., j * Ht:(j + 1) * Ht], sd[f"fc_norm.{j}.weight"], eps) for j in range(3)], -1)
+        aux = torch.cat(
+            [
+                _rms(aux[..., j * Ht : (j + 1) * Ht], sd[f"fc_norm.{j}.weight"], eps)
+                for j in range(3)
+            ],
+            -1,
+        )
     hidden = aux @ sd["fc.weight"].t()  # [B, L, H]
     B, L = ids.shape
     keys = [[] for _ in range(n)]
@@ -80,7 +104,7 @@ def engine_ttt(folder, engine: str, ids, aux, K: int):
     logits = []
     for i in range(K):
         tok = torch.zeros(B, L, dtype=torch.long)
-        tok[:, : max(L - 1 - i, 0)] = ids[:, 1 + i:]
+        tok[:, : max(L - 1 - i, 0)] = ids[:, 1 + i :]
         embeds = emb_weight[tok]  # [B, L, H]
         pos = torch.arange(i, L + i)
         hs, residual = hidden, None
@@ -88,23 +112,43 @@ def engine_ttt(folder, engine: str, ids, aux, K: int):
             p = f"layers.{l}."
             if l == 0:
                 residual = hs
-                x = torch.cat([_rms(embeds, sd[p + "input_layernorm.weight"], eps), _rms(hs, sd[p + "hidden_norm.weight"], eps)], -1)
+                x = torch.cat(
+                    [
+                        _rms(embeds, sd[p + "input_layernorm.weight"], eps),
+                        _rms(hs, sd[p + "hidden_norm.weight"], eps),
+                    ],
+                    -1,
+                )
             else:
                 x, residual = _fused(hs, residual, sd[p + pre_norm + ".weight"], eps)
-            q = _rope((x @ sd[p + "self_attn.q_proj.weight"].t()).view(B, L, nh, hd).transpose(1, 2), pos, theta)
-            k = _rope((x @ sd[p + "self_attn.k_proj.weight"].t()).view(B, L, kvh, hd).transpose(1, 2), pos, theta)
+            q = _rope(
+                (x @ sd[p + "self_attn.q_proj.weight"].t()).view(B, L, nh, hd).transpose(1, 2),
+                pos,
+                theta,
+            )
+            k = _rope(
+                (x @ sd[p + "self_attn.k_proj.weight"].t()).view(B, L, kvh, hd).transpose(1, 2),
+                pos,
+                theta,
+            )
             v = (x @ sd[p + "self_attn.v_proj.weight"].t()).view(B, L, kvh, hd).transpose(1, 2)
             keys[l].append(k.repeat_interleave(nh // kvh, 1))
             vals[l].append(v.repeat_interleave(nh // kvh, 1))
             scores = [q @ keys[l][0].transpose(-1, -2) / math.sqrt(hd)]
-            scores[0] = scores[0].masked_fill(~torch.ones(L, L, dtype=torch.bool).tril(), float("-inf"))
+            scores[0] = scores[0].masked_fill(
+                ~torch.ones(L, L, dtype=torch.bool).tril(), float("-inf")
+            )
             scores += [(q * kk).sum(-1, keepdim=True) / math.sqrt(hd) for kk in keys[l][1:]]
             pr = torch.softmax(torch.cat(scores, -1), -1)
-            o = pr[..., :L] @ vals[l][0] + sum(pr[..., L + j - 1: L + j] * vals[l][j] for j in range(1, i + 1))
+            o = pr[..., :L] @ vals[l][0] + sum(
+                pr[..., L + j - 1 : L + j] * vals[l][j] for j in range(1, i + 1)
+            )
             attn = o.transpose(1, 2).reshape(B, L, nh * hd) @ sd[p + "self_attn.o_proj.weight"].t()
             z, residual = _fused(attn, residual, sd[p + "post_attention_layernorm.weight"], eps)
-            hs = (F.silu(z @ sd[p + "mlp.gate_proj.weight"].t()) * (z @ sd[p + "mlp.up_proj.weight"].t())) \
-                @ sd[p + "mlp.down_proj.weight"].t()
+            hs = (
+                F.silu(z @ sd[p + "mlp.gate_proj.weight"].t())
+                * (z @ sd[p + "mlp.up_proj.weight"].t())
+            ) @ sd[p + "mlp.down_proj.weight"].t()
         to_logits, prenorm = _fused(hs, residual, sd["norm.weight"], eps)
         logits.append(to_logits @ sd["lm_head.weight"].t())
         hidden = to_logits if norm_output else prenorm
@@ -133,19 +177,30 @@ def test_model_equals_the_engines_layer_loop(tmp_path, engine, num_layers, varia
         fast = [d.compute_logits(h) for h in d.ttt_forward(ids, aux, K, attn_impl="sdpa")]
         B, L = ids.shape
         ids_pad = torch.cat([ids, torch.zeros(B, 1, dtype=torch.long)], 1)
-        dec = d.compute_logits(d.decode(ids_pad[:, 1:], d.project(aux), torch.arange(L).expand(B, L), DrafterCache()))
+        dec = d.compute_logits(
+            d.decode(ids_pad[:, 1:], d.project(aux), torch.arange(L).expand(B, L), DrafterCache())
+        )
         st = StaticKVCache(16, num_layers)
-        stat = d.compute_logits(d.decode_static(ids_pad[:1, 1:], d.project(aux[:1]), torch.arange(L)[None], st))
+        stat = d.compute_logits(
+            d.decode_static(ids_pad[:1, 1:], d.project(aux[:1]), torch.arange(L)[None], st)
+        )
     assert torch.allclose(dec, ref[0], atol=2e-4, rtol=1e-4), (dec - ref[0]).abs().max()
     assert torch.allclose(stat, ref[0][:1], atol=2e-4, rtol=1e-4)
     for i in range(K):
-        assert torch.allclose(ttt[i], ref[i], atol=2e-4, rtol=1e-4), (i, (ttt[i] - ref[i]).abs().max())
+        assert torch.allclose(ttt[i], ref[i], atol=2e-4, rtol=1e-4), (
+            i,
+            (ttt[i] - ref[i]).abs().max(),
+        )
         assert torch.allclose(fast[i], ref[i], atol=2e-4, rtol=1e-4), i
     # the extra layers matter: the same weights without them give other logits
     shallow = make(1, variant)
-    shallow.load_state_dict({k: v for k, v in d.state_dict().items() if not k.startswith("layers.")})
+    shallow.load_state_dict(
+        {k: v for k, v in d.state_dict().items() if not k.startswith("layers.")}
+    )
     with torch.no_grad():
-        assert (shallow.compute_logits(shallow.ttt_forward(ids, aux, 1)[0]) - ref[0]).abs().max() > 1e-2
+        assert (
+            shallow.compute_logits(shallow.ttt_forward(ids, aux, 1)[0]) - ref[0]
+        ).abs().max() > 1e-2
 
 
 def test_decode_keeps_one_cache_per_layer():
@@ -159,8 +214,12 @@ def test_decode_keeps_one_cache_per_layer():
     B, L = ids.shape
     with torch.no_grad():
         ids_pad = torch.cat([ids, torch.zeros(B, 4, dtype=torch.long)], 1)
-        h0 = d.decode(ids_pad[:, 1:L + 1], d.project(aux), torch.arange(L).expand(B, L), c)
-    assert len(c.keys) == 2 and c.keys[1].shape == c.keys[0].shape and not torch.equal(c.keys[0], c.keys[1])
+        h0 = d.decode(ids_pad[:, 1 : L + 1], d.project(aux), torch.arange(L).expand(B, L), c)
+    assert (
+        len(c.keys) == 2
+        and c.keys[1].shape == c.keys[0].shape
+        and not torch.equal(c.keys[0], c.keys[1])
+    )
     assert torch.allclose(h0, good[0], atol=1e-5)
 
 
@@ -171,11 +230,24 @@ def test_one_layer_drafter_keys_and_args_unchanged():
     assert upper_layer_keys(1) == ()
     d2 = make(2)
     extra = set(d2.state_dict()) - set(d.state_dict())
-    assert extra == {f"layers.1.{k}" for k in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-                                               "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
-                                               "mlp.down_proj.weight", "input_layernorm.weight",
-                                               "post_attention_layernorm.weight")}
-    assert d2.state_dict()["layers.1.self_attn.q_proj.weight"].shape == (24, 24)  # H wide, no embedding
+    assert extra == {
+        f"layers.1.{k}"
+        for k in (
+            "self_attn.q_proj.weight",
+            "self_attn.k_proj.weight",
+            "self_attn.v_proj.weight",
+            "self_attn.o_proj.weight",
+            "mlp.gate_proj.weight",
+            "mlp.up_proj.weight",
+            "mlp.down_proj.weight",
+            "input_layernorm.weight",
+            "post_attention_layernorm.weight",
+        )
+    }
+    assert d2.state_dict()["layers.1.self_attn.q_proj.weight"].shape == (
+        24,
+        24,
+    )  # H wide, no embedding
     assert d2.args.to_json()["num_layers"] == 2
     assert DrafterArgs.from_json(d2.args.to_json()) == d2.args
     assert DrafterArgs.from_json(d.args.to_json()).num_layers == 1
@@ -192,7 +264,9 @@ def test_export_round_trip_two_layers(tmp_path, engine):
     base = SGLANG_KEYS if engine == "sglang" else VLLM_KEYS
     assert set(t) == set(base) | set(upper_layer_keys(2))
     w = d.state_dict()["layers.1.input_layernorm.weight"].to(torch.bfloat16)
-    assert torch.equal(t["layers.1.hidden_norm.weight"], w) and torch.equal(t["layers.1.input_layernorm.weight"], w)
+    assert torch.equal(t["layers.1.hidden_norm.weight"], w) and torch.equal(
+        t["layers.1.input_layernorm.weight"], w
+    )
     emb = d.embed_tokens.weight.detach().clone()
     back = load_exported(out, emb)
     assert back.args.num_layers == 2
@@ -206,9 +280,13 @@ def test_export_round_trip_two_layers(tmp_path, engine):
         for a, b in zip(back.ttt_forward(ids, aux, 3), ref.ttt_forward(ids, aux, 3)):
             assert torch.equal(a, b)
     # the folder's engine decides which of the two names is loaded (warned when they differ)
-    t["layers.1." + ("input_layernorm" if engine == "sglang" else "hidden_norm") + ".weight"] = torch.ones(24, dtype=torch.bfloat16)
+    t["layers.1." + ("input_layernorm" if engine == "sglang" else "hidden_norm") + ".weight"] = (
+        torch.ones(24, dtype=torch.bfloat16)
+    )
     save_file(t, str(out / "model.safetensors"))
-    assert torch.equal(load_exported(out, emb).state_dict()["layers.1.input_layernorm.weight"], w.float())
+    assert torch.equal(
+        load_exported(out, emb).state_dict()["layers.1.input_layernorm.weight"], w.float()
+    )
 
 
 def test_export_refuses_folders_missing_a_norm_name_and_bad_layer_counts(tmp_path):
@@ -217,7 +295,9 @@ def test_export_refuses_folders_missing_a_norm_name_and_bad_layer_counts(tmp_pat
     t = load_file(str(out / "model.safetensors"))
     del t["layers.1.input_layernorm.weight"]
     save_file(t, str(out / "model.safetensors"))
-    with pytest.raises(UserError, match="missing required tensor 'layers.1.input_layernorm.weight'"):
+    with pytest.raises(
+        UserError, match="missing required tensor 'layers.1.input_layernorm.weight'"
+    ):
         load_exported(out, d.embed_tokens.weight.detach())
     for bad in (0, "2", 1.5):
         cfg = json.loads((out / "config.json").read_text())
@@ -240,10 +320,13 @@ def test_args_config_and_checkpoint_plumbing():
     with pytest.raises(UserError, match="num_layers"):
         DrafterArgs(**{**make(1).args.to_json(), "num_layers": 2.0})
     a1 = make(1).args.to_json()
-    check_drafter_args("ck.pt", a1, {**a1, "num_layers": 1})  # old checkpoint (no field) vs explicit 1
+    check_drafter_args(
+        "ck.pt", a1, {**a1, "num_layers": 1}
+    )  # old checkpoint (no field) vs explicit 1
     with pytest.raises(UserError, match="drafter field 'num_layers' is 1 in the checkpoint but 2"):
         check_drafter_args("ck.pt", a1, {**a1, "num_layers": 2})
     from eagle3.config import DrafterConfig
+
     assert DrafterConfig().num_layers == 1 and DrafterConfig(num_layers=3).num_layers == 3
     with pytest.raises(Exception):
         DrafterConfig(num_layers=0)
@@ -256,9 +339,19 @@ def _engine_params(n: int) -> set[str]:
     out = {"model.fc.weight", "model.norm.weight", "lm_head.weight"}
     for i in range(n):
         p = f"model.layers.{i}."
-        out |= {p + "self_attn.qkv_proj.weight:" + s for s in "qkv"} | {p + "mlp.gate_up_proj.weight:" + s for s in "01"}
-        out |= {p + k for k in ("self_attn.o_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight",
-                                "hidden_norm.weight", "post_attention_layernorm.weight")}
+        out |= {p + "self_attn.qkv_proj.weight:" + s for s in "qkv"} | {
+            p + "mlp.gate_up_proj.weight:" + s for s in "01"
+        }
+        out |= {
+            p + k
+            for k in (
+                "self_attn.o_proj.weight",
+                "mlp.down_proj.weight",
+                "input_layernorm.weight",
+                "hidden_norm.weight",
+                "post_attention_layernorm.weight",
+            )
+        }
     return out
 
 
@@ -267,8 +360,13 @@ def _sglang_loaded(names) -> dict[str, str]:
     d2t/t2d consumed, stacked q/k/v and gate/up, ``model.`` prefix when the bare name is not a parameter; names that
     match no parameter are skipped silently (returned as ``None``)."""
     params = _engine_params(99)
-    stacked = [(".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"), (".qkv_proj", ".v_proj", "v"),
-               (".gate_up_proj", ".gate_proj", "0"), (".gate_up_proj", ".up_proj", "1")]
+    stacked = [
+        (".qkv_proj", ".q_proj", "q"),
+        (".qkv_proj", ".k_proj", "k"),
+        (".qkv_proj", ".v_proj", "v"),
+        (".gate_up_proj", ".gate_proj", "0"),
+        (".gate_up_proj", ".up_proj", "1"),
+    ]
     got = {}
     for orig in names:
         name = orig.replace("midlayer", "layers.0") if "midlayer" in orig else orig
@@ -289,8 +387,13 @@ def _sglang_loaded(names) -> dict[str, str]:
 def _vllm_loaded(names) -> dict[str, str]:
     """vLLM 0.33 ``Eagle3LlamaForCausalLM.load_weights``: t2d dropped, d2t renamed, ``model.`` prefix except
     ``lm_head``, then ``hf_to_vllm_mapper`` (``midlayer.`` -> ``layers.0.``, stacked q/k/v and gate/up)."""
-    stacked = {".q_proj": (".qkv_proj", "q"), ".k_proj": (".qkv_proj", "k"), ".v_proj": (".qkv_proj", "v"),
-               ".gate_proj": (".gate_up_proj", "0"), ".up_proj": (".gate_up_proj", "1")}
+    stacked = {
+        ".q_proj": (".qkv_proj", "q"),
+        ".k_proj": (".qkv_proj", "k"),
+        ".v_proj": (".qkv_proj", "v"),
+        ".gate_proj": (".gate_up_proj", "0"),
+        ".up_proj": (".gate_up_proj", "1"),
+    }
     params = _engine_params(99)
     got = {}
     for orig in names:
@@ -317,5 +420,7 @@ def test_engine_loaders_fill_every_parameter_of_a_two_layer_draft(tmp_path, engi
     got = (_sglang_loaded if engine == "sglang" else _vllm_loaded)(t)
     assert None not in got.values(), [k for k, v in got.items() if v is None]
     assert set(got.values()) == _engine_params(2)
-    applied = {v: k for k, v in got.items()}["model.layers.1." + ("hidden_norm" if engine == "sglang" else "input_layernorm") + ".weight"]
+    applied = {v: k for k, v in got.items()}[
+        "model.layers.1." + ("hidden_norm" if engine == "sglang" else "input_layernorm") + ".weight"
+    ]
     assert torch.equal(t[applied], d.layers["1"].input_layernorm.weight.detach())

@@ -19,20 +19,34 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _ddp_worker import make_tiny_run, single_thread  # noqa: E402,F401  (autouse fixture)
 
-from eagle3.train import checkpoint as ckpt  # noqa: E402
 from eagle3.config import load_config  # noqa: E402
+from eagle3.train import checkpoint as ckpt  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-TRAIN = {"epochs": 2, "batch_size": 1, "ckpt_every": 3, "keep_checkpoints": 2, "log_every": 1, "eval_every": 100}
+TRAIN = {
+    "epochs": 2,
+    "batch_size": 1,
+    "ckpt_every": 3,
+    "keep_checkpoints": 2,
+    "log_every": 1,
+    "eval_every": 100,
+}
 TOTAL = 16  # 8 samples x 2 epochs
 
 
 def _start(cfg_path: Path, *extra: str) -> subprocess.Popen:
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")  # = the in-process reference
+    env = dict(
+        os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"
+    )  # = the in-process reference
     env.pop("WORLD_SIZE", None)
     env.pop("RANK", None)
-    return subprocess.Popen([sys.executable, str(ROOT / "04_train.py"), "--config", str(cfg_path), *extra],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "04_train.py"), "--config", str(cfg_path), *extra],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _train_steps(train_dir: Path) -> list[int]:
@@ -50,7 +64,9 @@ def _train_steps(train_dir: Path) -> list[int]:
     return steps
 
 
-def _wait_progress(proc: subprocess.Popen, train_dir: Path, after: int, timeout: float = 120.0) -> bool:
+def _wait_progress(
+    proc: subprocess.Popen, train_dir: Path, after: int, timeout: float = 120.0
+) -> bool:
     """Wait until metrics.jsonl has a train row with step > ``after``; False if the process ended first."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
@@ -96,7 +112,9 @@ def test_sigkill_at_random_points_then_resume_matches_uninterrupted(tmp_path, re
         before = (_train_steps(train_dir) or [0])[-1]
         proc = _start(cfg_path, "--resume")
         if _wait_progress(proc, train_dir, before):
-            time.sleep(rng.uniform(0.0, 1.0))  # somewhere in a step, a checkpoint write or a log write
+            time.sleep(
+                rng.uniform(0.0, 1.0)
+            )  # somewhere in a step, a checkpoint write or a log write
             if proc.poll() is None:
                 proc.send_signal(signal.SIGKILL)
                 kills += 1
@@ -121,17 +139,29 @@ def test_sigterm_writes_final_checkpoint_and_exits_143(tmp_path, reference):
     assert _wait_progress(proc, train_dir, 1)
     proc.send_signal(signal.SIGTERM)
     _out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]  # `04 && 05` must not go on to benchmark
+    assert proc.returncode == 128 + signal.SIGTERM, err[
+        -2000:
+    ]  # `04 && 05` must not go on to benchmark
     assert "stopped at step" in err
     assert "interrupted by SIGTERM at step" in err and "--resume" in err
     stopped_at = _train_steps(train_dir)[-1]
     assert stopped_at < TOTAL
     newest = ckpt.list_checkpoints(train_dir)[-1][0]
-    assert newest == stopped_at  # the final checkpoint is at the step that was running when SIGTERM came
+    assert (
+        newest == stopped_at
+    )  # the final checkpoint is at the step that was running when SIGTERM came
     assert not (load_config(cfg_path).export_dir).exists()  # stopped early: no export
     rep = json.loads((train_dir / "train_report.json").read_text())  # a stopped run is reported too
-    assert rep["stopped"] and rep["signal"] == signal.SIGTERM and rep["step"] == stopped_at and not rep["final_val"]
-    assert f"**stopped** by signal {int(signal.SIGTERM)} at step {stopped_at}" in (train_dir / "train_report.md").read_text()
+    assert (
+        rep["stopped"]
+        and rep["signal"] == signal.SIGTERM
+        and rep["step"] == stopped_at
+        and not rep["final_val"]
+    )
+    assert (
+        f"**stopped** by signal {int(signal.SIGTERM)} at step {stopped_at}"
+        in (train_dir / "train_report.md").read_text()
+    )
     proc = _start(cfg_path, "--resume")
     _out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-2000:]
@@ -143,14 +173,24 @@ def test_sigterm_writes_final_checkpoint_and_exits_143(tmp_path, reference):
 def test_interrupted_exit_code_and_message(capsys):
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("train_cli", Path(__file__).resolve().parents[2] / "04_train.py")
+    spec = importlib.util.spec_from_file_location(
+        "train_cli", Path(__file__).resolve().parents[2] / "04_train.py"
+    )
     cli = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cli)
-    res = {"step": 3, "total_steps": 10, "stopped": True, "signal": int(signal.SIGINT), "checkpoint": "ck/step_3"}
+    res = {
+        "step": 3,
+        "total_steps": 10,
+        "stopped": True,
+        "signal": int(signal.SIGINT),
+        "checkpoint": "ck/step_3",
+    }
     assert cli.interrupted_exit(res) == 130
     err = capsys.readouterr().err
-    assert err.strip() == ("interrupted by SIGINT at step 3/10: checkpoint ck/step_3, nothing exported; "
-                           "continue with the same command plus --resume")
+    assert err.strip() == (
+        "interrupted by SIGINT at step 3/10: checkpoint ck/step_3, nothing exported; "
+        "continue with the same command plus --resume"
+    )
     # a DDP rank that stopped because another rank got the signal exits like that rank (SIGTERM)
     assert cli.interrupted_exit({**res, "signal": None}) == 143
     capsys.readouterr()
@@ -161,14 +201,24 @@ def test_interrupted_line_is_printed_once_under_torchrun(capsys, monkeypatch):
     2026-12-05d; README: one stderr line). Rank 0 prints it; every rank still exits 128 + signal."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("train_cli", Path(__file__).resolve().parents[2] / "04_train.py")
+    spec = importlib.util.spec_from_file_location(
+        "train_cli", Path(__file__).resolve().parents[2] / "04_train.py"
+    )
     cli = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cli)
-    res = {"step": 3, "total_steps": 10, "stopped": True, "signal": int(signal.SIGINT), "checkpoint": "ck/step_3"}
+    res = {
+        "step": 3,
+        "total_steps": 10,
+        "stopped": True,
+        "signal": int(signal.SIGINT),
+        "checkpoint": "ck/step_3",
+    }
     monkeypatch.setenv("RANK", "1")
     assert cli.interrupted_exit(res) == 130 and capsys.readouterr().err == ""
     monkeypatch.setenv("RANK", "0")
-    assert cli.interrupted_exit(res) == 130 and capsys.readouterr().err.startswith("interrupted by SIGINT at step 3/10")
+    assert cli.interrupted_exit(res) == 130 and capsys.readouterr().err.startswith(
+        "interrupted by SIGINT at step 3/10"
+    )
 
 
 def _load_cli(script: str):
@@ -191,7 +241,9 @@ def test_ctrl_c_during_startup_stops_at_once_leaving_nothing(tmp_path, monkeypat
     path = make_tiny_run(tmp_path, n_train=4, n_val=0, train={"epochs": 1, "batch_size": 2})
     cfg = load_config(path)
     head = TargetHead.load(cfg.train_dir)
-    fresh = where == "prepare_target_head"  # this call makes the train folder (else an earlier head is there)
+    fresh = (
+        where == "prepare_target_head"
+    )  # this call makes the train folder (else an earlier head is there)
     if fresh:
         (cfg.train_dir / "target_head.safetensors").unlink()
         cfg.train_dir.rmdir()
@@ -208,17 +260,24 @@ def test_ctrl_c_during_startup_stops_at_once_leaving_nothing(tmp_path, monkeypat
 
     monkeypatch.setattr(trainer, where, interrupted)
     with pytest.raises(SystemExit) as e:
-        run_main(_load_cli("04_train.py").main, ["--config", str(path), "--set", "verifier.device=cpu"])
+        run_main(
+            _load_cli("04_train.py").main, ["--config", str(path), "--set", "verifier.device=cpu"]
+        )
     assert e.value.code == 130
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "interrupted by SIGINT: stopped during start-up, before the first optimizer step: nothing trained, no "
-        "checkpoint written; re-run the same command")
+        "checkpoint written; re-run the same command"
+    )
     if fresh:
         assert not cfg.train_dir.exists()  # neither a checkpoint nor the head this call wrote
         head.save(cfg.train_dir)
     else:
-        assert sorted(p.name for p in cfg.train_dir.iterdir()) == ["target_head.safetensors"]  # kept, nothing added
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the StopFlag handler is gone
+        assert sorted(p.name for p in cfg.train_dir.iterdir()) == [
+            "target_head.safetensors"
+        ]  # kept, nothing added
+    assert (
+        signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    )  # the StopFlag handler is gone
     monkeypatch.setattr(trainer, where, real)
     res = trainer.run(cfg, device="cpu", stop_after=1)  # not refused: no checkpoint was left behind
     assert res["step"] == 1 and ckpt.list_checkpoints(cfg.train_dir)[-1][0] == 1
@@ -235,7 +294,9 @@ def test_a_second_04_on_the_same_train_folder_is_refused(tmp_path):
 
     TRAIN_LOCK = ".train.lock"
 
-    cfg = load_config(make_tiny_run(tmp_path, train={"epochs": 1, "batch_size": 2, "ckpt_every": 100}))
+    cfg = load_config(
+        make_tiny_run(tmp_path, train={"epochs": 1, "batch_size": 2, "ckpt_every": 100})
+    )
     other = load_config(make_tiny_run(tmp_path), [f"train.output_dir={tmp_path / 'fresh'}"])
     for c in (cfg, other):
         c.train_dir.mkdir(parents=True, exist_ok=True)
@@ -243,15 +304,21 @@ def test_a_second_04_on_the_same_train_folder_is_refused(tmp_path):
         with exclusive_lock(c.train_dir / TRAIN_LOCK, "the first run"):
             with pytest.raises(UserError) as e:
                 run(c, device="cpu", resume=True)
-            assert str(e.value) == (f"{c.train_dir / TRAIN_LOCK}: another 04_train run is training or exporting in "
-                                    f"{c.train_dir}; "
-                                    f"wait for it to end (or stop it) before this one")
+            assert str(e.value) == (
+                f"{c.train_dir / TRAIN_LOCK}: another 04_train run is training or exporting in "
+                f"{c.train_dir}; "
+                f"wait for it to end (or stop it) before this one"
+            )
             assert sorted(p.name for p in c.train_dir.iterdir()) == sorted(before + [TRAIN_LOCK])
     assert run(cfg, device="cpu")["step"] >= 1
     assert not (cfg.train_dir / TRAIN_LOCK).exists()
     (tmp_path / "fresh").rmdir()
-    refused = load_config(make_tiny_run(tmp_path), [f"train.output_dir={tmp_path / 'fresh2'}",
-                                                    f"data.output_dir={tmp_path / 'nodata'}"])
-    with pytest.raises(UserError, match="file not found"):  # a refusal leaves no lock file and no folder it made
+    refused = load_config(
+        make_tiny_run(tmp_path),
+        [f"train.output_dir={tmp_path / 'fresh2'}", f"data.output_dir={tmp_path / 'nodata'}"],
+    )
+    with pytest.raises(
+        UserError, match="file not found"
+    ):  # a refusal leaves no lock file and no folder it made
         run(refused, device="cpu")
     assert not (tmp_path / "fresh2").exists()

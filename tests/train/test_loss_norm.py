@@ -23,8 +23,8 @@ sys.path.insert(0, str(HERE))
 from _ddp_worker import make_tiny_run, single_thread  # noqa: E402,F401  (autouse fixture)
 from test_ttt import _random_case  # noqa: E402
 
-from eagle3.train import checkpoint as ckpt  # noqa: E402
 from eagle3.config import load_config  # noqa: E402
+from eagle3.train import checkpoint as ckpt  # noqa: E402
 from eagle3.train.ttt import TTTTargets, step_denominators, ttt_loss, ttt_token_counts  # noqa: E402
 
 # two samples: 40 and 6 tokens, loss mask from position 2 on (replies of 38 and 4 tokens); draft
@@ -56,8 +56,13 @@ def _assert_same_grads(got: list[torch.Tensor], want: list[torch.Tensor]) -> Non
 def _run_split(root: Path, batch_size: int, grad_accum: int) -> Path:
     from eagle3.train.trainer import run
 
-    cfg = load_config(make_tiny_run(root, train={**ONE_STEP, "batch_size": batch_size, "grad_accum": grad_accum},
-                                    **TWO_SAMPLES))
+    cfg = load_config(
+        make_tiny_run(
+            root,
+            train={**ONE_STEP, "batch_size": batch_size, "grad_accum": grad_accum},
+            **TWO_SAMPLES,
+        )
+    )
     r = run(cfg, device="cpu")
     assert r["step"] == r["total_steps"] == 1
     return cfg.train_dir
@@ -76,10 +81,21 @@ def test_step_gradient_independent_of_micro_batch_split(tmp_path):
 @pytest.mark.slow
 def test_step_gradient_same_on_two_gloo_ranks(tmp_path):
     whole = _run_split(tmp_path / "b2a1", batch_size=2, grad_accum=1)
-    yaml_path = make_tiny_run(tmp_path / "ddp", train={**ONE_STEP, "batch_size": 1, "grad_accum": 1}, **TWO_SAMPLES)
+    yaml_path = make_tiny_run(
+        tmp_path / "ddp", train={**ONE_STEP, "batch_size": 1, "grad_accum": 1}, **TWO_SAMPLES
+    )
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(HERE / "_ddp_worker.py"), "--config", str(yaml_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(HERE / "_ddp_worker.py"),
+        "--config",
+        str(yaml_path),
+    ]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     ddp_dir = load_config(yaml_path).train_dir

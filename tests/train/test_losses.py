@@ -9,7 +9,6 @@ import math
 
 import pytest
 import torch
-
 from _ddp_worker import single_thread  # noqa: F401  (autouse fixture)
 from test_batching import _drafter, _items
 from test_loss_norm import _assert_same_grads, _first_grads, _first_row, _run_split
@@ -28,7 +27,12 @@ def _hand(loss: str) -> float:
     alpha = sum(min(p, q) for p, q in zip(P, Q))  # 0.2 + 0.3 + 0.2 = 0.7
     kl = sum(p * math.log(p / q) for p, q in zip(P, Q))
     lam = math.exp(-3.0 * alpha)
-    return {"soft_ce": ce, "hard_ce": -math.log(Q[0]), "tv": 1 - alpha, "lk_hybrid": lam * kl + (1 - lam) * (1 - alpha)}[loss]
+    return {
+        "soft_ce": ce,
+        "hard_ce": -math.log(Q[0]),
+        "tv": 1 - alpha,
+        "lk_hybrid": lam * kl + (1 - lam) * (1 - alpha),
+    }[loss]
 
 
 @pytest.mark.parametrize("loss", LOSSES)
@@ -81,11 +85,15 @@ def test_lk_hybrid_blend_weight_is_a_constant():
     x = logits.clone().requires_grad_(True)
     row_loss(x, tgt_logp, None, "lk_hybrid", lk_eta=2.0)[0].sum().backward()
     kl_x, tv_x = logits.clone().requires_grad_(True), logits.clone().requires_grad_(True)
-    (token_loss(kl_x, tgt_logp, None, "soft_ce")).sum().backward()  # d KL = d soft CE (entropy of p is constant)
+    (
+        token_loss(kl_x, tgt_logp, None, "soft_ce")
+    ).sum().backward()  # d KL = d soft CE (entropy of p is constant)
     token_loss(tv_x, tgt_logp, None, "tv").sum().backward()
     alpha = 1 - token_loss(logits, tgt_logp, None, "tv")  # [5]
     lam = torch.exp(-2.0 * alpha)[:, None]
-    torch.testing.assert_close(x.grad, lam * kl_x.grad + (1 - lam) * tv_x.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        x.grad, lam * kl_x.grad + (1 - lam) * tv_x.grad, rtol=1e-5, atol=1e-6
+    )
 
 
 def test_draft_index_maps_verifier_ids_to_draft_ids():
@@ -112,9 +120,15 @@ def test_row_path_equals_dense_path_for_each_loss(loss):
         if rows:
             total, m = ttt_loss_rows(drafter, hs, rows_t, batch["loss_pos"], loss=loss, lk_eta=2.5)
         else:
-            total, m = ttt_loss(drafter, hs, dense_t, batch["loss_mask"], compact=False, loss=loss, lk_eta=2.5)
+            total, m = ttt_loss(
+                drafter, hs, dense_t, batch["loss_mask"], compact=False, loss=loss, lk_eta=2.5
+            )
         total.backward()
-        return total.detach(), m, {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}
+        return (
+            total.detach(),
+            m,
+            {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None},
+        )
 
     l1, m1, g1 = run(False)
     l2, m2, g2 = run(True)

@@ -11,12 +11,19 @@ from eagle3.export.serving import SGLANG_KEYS
 from eagle3.train.model import DrafterArgs, DrafterCache, Eagle3Drafter, RMSNorm
 
 
-
 def tiny_args(**kw) -> DrafterArgs:
     base = dict(
-        hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64,
-        rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=256,
-        draft_vocab_size=20, target_vocab_size=50, target_hidden_size=24,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=256,
+        draft_vocab_size=20,
+        target_vocab_size=50,
+        target_hidden_size=24,
     )
     base.update(kw)
     return DrafterArgs(**base)
@@ -79,7 +86,13 @@ def test_rmsnorm_matches_transformers_llama():
     [
         None,
         {"rope_type": "linear", "factor": 4.0},
-        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
     ],
 )
 def test_rotary_matches_transformers_llama(rope):
@@ -91,12 +104,20 @@ def test_rotary_matches_transformers_llama(rope):
     params = {"rope_type": "default", "rope_theta": 5000.0}
     if rope:
         params.update(rope)
-    cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, head_dim=16, max_position_embeddings=512, rope_parameters=params)
+    cfg = LlamaConfig(
+        hidden_size=64,
+        num_attention_heads=4,
+        head_dim=16,
+        max_position_embeddings=512,
+        rope_parameters=params,
+    )
     ref = LlamaRotaryEmbedding(cfg)
     pos = torch.tensor([[0, 1, 7, 100, 511]])
     cos_r, sin_r = ref(torch.zeros(1, 5, 16), pos)  # [1, 5, 16]
     cos, sin = rotary_cos_sin(pos, rope_inv_freq(16, 5000.0, rope))  # [1, 1, 5, 16]
-    assert torch.allclose(cos[:, 0], cos_r, atol=1e-5) and torch.allclose(sin[:, 0], sin_r, atol=1e-5)
+    assert torch.allclose(cos[:, 0], cos_r, atol=1e-5) and torch.allclose(
+        sin[:, 0], sin_r, atol=1e-5
+    )
 
 
 def test_unsupported_rope_scaling_is_a_user_error():
@@ -125,7 +146,11 @@ def test_eager_and_sdpa_ttt_identical_outputs_and_grads(heads, num_layers):
         w = torch.linspace(0.5, 1.5, 20)
         loss = sum(((d.compute_logits(o) * w) ** 2).mean() * (k + 1) for k, o in enumerate(outs))
         loss.backward()
-        res[impl] = ([o.detach() for o in outs], aux_.grad, {n: p.grad.clone() for n, p in d.named_parameters() if p.requires_grad})
+        res[impl] = (
+            [o.detach() for o in outs],
+            aux_.grad,
+            {n: p.grad.clone() for n, p in d.named_parameters() if p.requires_grad},
+        )
     (oe, ge, pe), (os_, gs, ps) = res["eager"], res["sdpa"]
     assert len(oe) == K and oe[0].shape == (B, L, 32)
     # float32 rounding, eager and SDPA reducing in other orders, grows with depth and TTT step (two layers, step 5:
@@ -150,7 +175,10 @@ def test_sdpa_bf16_error_comparable_to_eager_bf16():
     errs = {}
     for impl in ("eager", "sdpa"):
         outs = d.ttt_forward(ids, aux.bfloat16(), 4, attn_impl=impl)
-        errs[impl] = max(float(((o.detach().double() - r.detach()).norm() / r.detach().norm())) for o, r in zip(outs, ref))
+        errs[impl] = max(
+            float(((o.detach().double() - r.detach()).norm() / r.detach().norm()))
+            for o, r in zip(outs, ref)
+        )
     assert errs["sdpa"] < 0.05
     assert errs["sdpa"] < 2 * errs["eager"] + 1e-3
 
@@ -181,7 +209,9 @@ def test_ttt_forward_is_causal_in_aux_and_tokens():
 def test_bad_attn_impl_and_ttt_length():
     d = make()
     with pytest.raises(UserError, match="attn_impl"):
-        d.ttt_forward(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, 72), 2, attn_impl="flash9")
+        d.ttt_forward(
+            torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, 72), 2, attn_impl="flash9"
+        )
     with pytest.raises(UserError, match="ttt_length"):
         d.ttt_forward(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, 72), 0)
 
@@ -194,13 +224,19 @@ def test_kv_cached_decode_matches_ttt_every_step_and_position(num_layers):
     ids = torch.randint(0, 50, (B, L))
     aux = torch.randn(B, L, 72)
     with torch.no_grad():
-        ref = [d.compute_logits(o) for o in d.ttt_forward(ids, aux, K, attn_impl="eager")]  # K x [B, L, V]
-        ids_pad = torch.cat([ids, torch.zeros(B, K + 1, dtype=torch.long)], dim=1)  # x_s = 0 beyond the end
+        ref = [
+            d.compute_logits(o) for o in d.ttt_forward(ids, aux, K, attn_impl="eager")
+        ]  # K x [B, L, V]
+        ids_pad = torch.cat(
+            [ids, torch.zeros(B, K + 1, dtype=torch.long)], dim=1
+        )  # x_s = 0 beyond the end
         proj = d.project(aux)  # [B, L, H]
         pos = torch.arange(L).expand(B, L)
         for t in range(L):
             cache = DrafterCache()
-            h0 = d.decode(ids_pad[:, 1 : L + 1], proj, pos, cache)  # prefill step 0 for all positions
+            h0 = d.decode(
+                ids_pad[:, 1 : L + 1], proj, pos, cache
+            )  # prefill step 0 for all positions
             assert cache.length == L
             assert torch.allclose(d.compute_logits(h0), ref[0], atol=1e-5)
             cache.crop(t + 1)  # keep the verified prefix 0..t
@@ -233,7 +269,11 @@ def test_cache_crop_and_clone():
     c.append(0, k, -k)
     snap = c.clone()
     c.crop(2)
-    assert c.length == 2 and torch.equal(c.keys[0], k[:, :, :2]) and torch.equal(c.values[0], -k[:, :, :2])
+    assert (
+        c.length == 2
+        and torch.equal(c.keys[0], k[:, :, :2])
+        and torch.equal(c.values[0], -k[:, :, :2])
+    )
     assert snap.length == 5
     c.append(0, k[:, :, :1], k[:, :, :1])
     assert c.length == 3 and torch.equal(c.keys[0][:, :, 2], k[:, :, 0])
@@ -261,12 +301,29 @@ def test_args_json_round_trip_and_errors():
 def test_args_from_hf_config():
     from transformers import LlamaConfig
 
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2,
-                      vocab_size=99, rms_norm_eps=1e-5, max_position_embeddings=300,
-                      rope_parameters={"rope_type": "default", "rope_theta": 7000.0})
+    cfg = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=160,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=99,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=300,
+        rope_parameters={"rope_type": "default", "rope_theta": 7000.0},
+    )
     a = DrafterArgs.from_hf_config(cfg, draft_vocab_size=32, intermediate_size=128)
-    assert (a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim) == (64, 4, 2, 16)
-    assert (a.intermediate_size, a.rms_norm_eps, a.rope_theta, a.target_vocab_size) == (128, 1e-5, 7000.0, 99)
+    assert (a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim) == (
+        64,
+        4,
+        2,
+        16,
+    )
+    assert (a.intermediate_size, a.rms_norm_eps, a.rope_theta, a.target_vocab_size) == (
+        128,
+        1e-5,
+        7000.0,
+        99,
+    )
     assert (a.draft_vocab_size, a.target_hidden_size, a.rope_scaling) == (32, 64, None)
 
 
@@ -316,7 +373,9 @@ def test_decode_with_invalid_slots_equals_decode_without_them(num_layers):
     B, T1, T2 = 2, 6, 4
     ids = torch.randint(0, 50, (B, T1 + T2))
     h = torch.randn(B, T1 + T2, d.args.hidden_size)
-    valid = torch.tensor([[0, 1, 1, 1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 0, 1, 1, 1, 0, 1, 1]], dtype=torch.bool)
+    valid = torch.tensor(
+        [[0, 1, 1, 1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 0, 1, 1, 1, 0, 1, 1]], dtype=torch.bool
+    )
     pos = (valid.long().cumsum(1) - 1).clamp(min=0)  # positions continue across holes
     with torch.no_grad():
         c = DrafterCache()
@@ -326,7 +385,9 @@ def test_decode_with_invalid_slots_equals_decode_without_them(num_layers):
         out = torch.cat([a, b], 1)  # [B, T1+T2, H]
         for r in range(B):
             keep = valid[r]
-            ref = d.decode(ids[r : r + 1, keep], h[r : r + 1, keep], pos[r : r + 1, keep], DrafterCache())
+            ref = d.decode(
+                ids[r : r + 1, keep], h[r : r + 1, keep], pos[r : r + 1, keep], DrafterCache()
+            )
             assert torch.allclose(out[r, keep], ref[0], atol=1e-5)
         c.crop(7)
         assert c.valid.shape == (B, 7) and c.length == 7

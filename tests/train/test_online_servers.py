@@ -20,23 +20,44 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from test_capture_multi import standin_servers
+from test_capture_sglang import H, V, ec
+from test_extract import _write_prompts
 
 from eagle3.capture.sglang import SGLangCapture
 from eagle3.config import load_config
 from eagle3.train import checkpoint as ckpt
 from eagle3.train.target_head import TargetHead
 
-from test_capture_sglang import H, V, ec
-from test_capture_multi import standin_servers
-from test_extract import _write_prompts
-
 AUX = [3, 31, 59]
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron".split()
-CONVS = [(f"q{i}", [("user", f"Question {i}: list {i % 5 + 1} words."),
-                    ("assistant", "Sure: " + " ".join(WORDS[(i + k) % len(WORDS)] for k in range(2 + (5 * i) % 9)))])
-         for i in range(10)]
-TRAIN = {"ttt_length": 2, "lr": 3e-3, "warmup_ratio": 0.25, "epochs": 2, "batch_size": 1, "grad_accum": 2,
-         "log_every": 1, "ckpt_every": 4, "keep_checkpoints": 2, "eval_every": 100, "seed": 0, "online_prefetch": 2}
+CONVS = [
+    (
+        f"q{i}",
+        [
+            ("user", f"Question {i}: list {i % 5 + 1} words."),
+            (
+                "assistant",
+                "Sure: " + " ".join(WORDS[(i + k) % len(WORDS)] for k in range(2 + (5 * i) % 9)),
+            ),
+        ],
+    )
+    for i in range(10)
+]
+TRAIN = {
+    "ttt_length": 2,
+    "lr": 3e-3,
+    "warmup_ratio": 0.25,
+    "epochs": 2,
+    "batch_size": 1,
+    "grad_accum": 2,
+    "log_every": 1,
+    "ckpt_every": 4,
+    "keep_checkpoints": 2,
+    "eval_every": 100,
+    "seed": 0,
+    "online_prefetch": 2,
+}
 
 
 @pytest.fixture()
@@ -45,20 +66,44 @@ def servers(tmp_path, monkeypatch):
     yield from standin_servers(tmp_path, monkeypatch, 2)
 
 
-def _yaml(root: Path, tiny: Path, online: bool, sts, shards: Path | None = None, data: Path | None = None) -> Path:
+def _yaml(
+    root: Path, tiny: Path, online: bool, sts, shards: Path | None = None, data: Path | None = None
+) -> Path:
     cfg = {
-        "run_name": "online-servers", "output_root": str(root),
+        "run_name": "online-servers",
+        "output_root": str(root),
         "verifier": {"path": str(tiny), "name": "standin", "dtype": "float32", "device": "cpu"},
         "prompts": {"source": "humaneval"},
-        "extract": {"backend": "sglang", "aux_layers": AUX, "max_length": 64, "batch_tokens": 40, "rows_per_dir": 4,
-                    "disk_margin_bytes": 0, "sglang_url": [s.url for s in sts],
-                    "capture_dir": [str(s.capture_dir) for s in sts], "server_max_failures": 2,
-                    "batches_in_flight_per_server": 1, "sglang_timeout_s": 30,
-                    **({"output_dir": str(shards)} if shards else {})},
+        "extract": {
+            "backend": "sglang",
+            "aux_layers": AUX,
+            "max_length": 64,
+            "batch_tokens": 40,
+            "rows_per_dir": 4,
+            "disk_margin_bytes": 0,
+            "sglang_url": [s.url for s in sts],
+            "capture_dir": [str(s.capture_dir) for s in sts],
+            "server_max_failures": 2,
+            "batches_in_flight_per_server": 1,
+            "sglang_timeout_s": 30,
+            **({"output_dir": str(shards)} if shards else {}),
+        },
         # the full vocab: the random stand-in head's argmax is then always a draft id (every position counts)
-        "data": {"draft_vocab_size": V, "val_fraction": 0.2, **({"output_dir": str(data)} if data else {})},
-        "drafter": {"hidden_size": H, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4,
-                    "intermediate_size": 16, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 2048},
+        "data": {
+            "draft_vocab_size": V,
+            "val_fraction": 0.2,
+            **({"output_dir": str(data)} if data else {}),
+        },
+        "drafter": {
+            "hidden_size": H,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 4,
+            "intermediate_size": 16,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0,
+            "max_position_embeddings": 2048,
+        },
         "train": {**TRAIN, "hidden_states": "online" if online else "offline"},
         "export": {"dtype": "float32"},
     }
@@ -85,9 +130,16 @@ def _train(tmp: Path, tiny: Path, online: bool, sts, src) -> "RunConfig":  # noq
     from eagle3.train.trainer import run
 
     cfg = load_config(_yaml(tmp, tiny, online, sts, shards=src.shards_dir, data=src.data_dir))
-    g = torch.Generator().manual_seed(1)  # the stand-in verifier's head: [V, H] random, post-norm states
-    TargetHead(embed=torch.randn(V, H, generator=g), lm_head=torch.randn(V, H, generator=g),
-               norm_weight=torch.ones(H), norm_eps=1e-6, last_is_post_norm=True).save(cfg.train_dir)
+    g = torch.Generator().manual_seed(
+        1
+    )  # the stand-in verifier's head: [V, H] random, post-norm states
+    TargetHead(
+        embed=torch.randn(V, H, generator=g),
+        lm_head=torch.randn(V, H, generator=g),
+        norm_weight=torch.ones(H),
+        norm_eps=1e-6,
+        last_is_post_norm=True,
+    ).save(cfg.train_dir)
     r = run(cfg, device="cpu")
     assert r["step"] == 8 and not r["stopped"]  # 8 train samples / (1 x 2) per step x 2 epochs
     return cfg
@@ -107,27 +159,41 @@ def _ids_of(cfg, split: str) -> list[tuple[int, ...]]:
     from eagle3.shards.format import list_samples
 
     paths = dict(list_samples(cfg.shards_dir))
-    return [tuple(torch.load(paths[i], weights_only=True)["input_ids"].tolist()) for i in read_split(cfg.data_dir)[split]]
+    return [
+        tuple(torch.load(paths[i], weights_only=True)["input_ids"].tolist())
+        for i in read_split(cfg.data_dir)[split]
+    ]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["500", "refuse"])
-def test_online_from_servers_one_failing_equals_offline(tmp_path, servers, tiny_llama_dir, smollm_tokenizer, mode):
+def test_online_from_servers_one_failing_equals_offline(
+    tmp_path, servers, tiny_llama_dir, smollm_tokenizer, mode
+):
     a, b = servers
     off_src, _ = _prepare(tmp_path / "off-data", tiny_llama_dir, False, a, smollm_tokenizer)
     on_src, ex = _prepare(tmp_path / "on-data", tiny_llama_dir, True, a, smollm_tokenizer)
-    assert ex["samples"] == 10 and json.loads((on_src.shards_dir / "data_config.json").read_text())["format"] \
+    assert (
+        ex["samples"] == 10
+        and json.loads((on_src.shards_dir / "data_config.json").read_text())["format"]
         == "eagle3-tokens-v1"
+    )
     off = _train(tmp_path / "off", tiny_llama_dir, False, [a], off_src)
     on1 = _train(tmp_path / "on1", tiny_llama_dir, True, [a], on_src)  # one healthy server
     want_loss, want_w = _losses(off.train_dir), _weights(off.train_dir)
-    assert len(want_loss) == 9 and want_loss[0] != want_loss[7]  # 8 steps + the final validation; it trained
+    assert (
+        len(want_loss) == 9 and want_loss[0] != want_loss[7]
+    )  # 8 steps + the final validation; it trained
     assert _losses(on1.train_dir) == want_loss
     assert all(torch.equal(v, want_w[k]) for k, v in _weights(on1.train_dir).items())
 
     a.posts.clear()
     b.posts.clear()
-    b.received, b.fail_after, b.fail_mode = 0, 2, mode  # b answers two batches, then fails every request
+    b.received, b.fail_after, b.fail_mode = (
+        0,
+        2,
+        mode,
+    )  # b answers two batches, then fails every request
     on2 = _train(tmp_path / "on2", tiny_llama_dir, True, [a, b], on_src)
     assert _losses(on2.train_dir) == want_loss
     assert all(torch.equal(v, want_w[k]) for k, v in _weights(on2.train_dir).items())
@@ -140,7 +206,9 @@ def test_online_from_servers_one_failing_equals_offline(tmp_path, servers, tiny_
         assert sorted(p.name for p in st.capture_dir.iterdir()) == [ec.INFO_FILE]
 
 
-def test_online_servers_disagreeing_with_the_samples_is_user_error(tmp_path, servers, tiny_llama_dir, smollm_tokenizer):
+def test_online_servers_disagreeing_with_the_samples_is_user_error(
+    tmp_path, servers, tiny_llama_dir, smollm_tokenizer
+):
     from eagle3.errors import UserError
     from eagle3.train.online import ServerStates
 
@@ -167,12 +235,25 @@ def test_captured_batches_prefetch_in_order_and_close():
         def capture(self, batch):
             with lock:
                 started.append(batch[0][0])
-            return [[torch.full((len(s), 4), float(s[0] + k), dtype=torch.bfloat16) for k in range(4)] for s in batch]
+            return [
+                [torch.full((len(s), 4), float(s[0] + k), dtype=torch.bfloat16) for k in range(4)]
+                for s in batch
+            ]
 
     def token_batches():
         for i in range(6):
-            yield collate([{"input_ids": torch.tensor([10 * i + 1, 2, 3]), "loss_mask": torch.ones(3, dtype=torch.long)},
-                           {"input_ids": torch.tensor([10 * i + 5]), "loss_mask": torch.ones(1, dtype=torch.long)}])
+            yield collate(
+                [
+                    {
+                        "input_ids": torch.tensor([10 * i + 1, 2, 3]),
+                        "loss_mask": torch.ones(3, dtype=torch.long),
+                    },
+                    {
+                        "input_ids": torch.tensor([10 * i + 5]),
+                        "loss_mask": torch.ones(1, dtype=torch.long),
+                    },
+                ]
+            )
 
     it = CapturedBatches(token_batches(), Backend(), hidden_size=4, depth=2)
     first = next(it)
@@ -194,7 +275,9 @@ def test_attach_states_refuses_nonfinite_capture():
     from eagle3.errors import UserError
     from eagle3.train.online import attach_states
 
-    batch = collate([{"input_ids": torch.tensor([1, 2, 3]), "loss_mask": torch.ones(3, dtype=torch.long)}])
+    batch = collate(
+        [{"input_ids": torch.tensor([1, 2, 3]), "loss_mask": torch.ones(3, dtype=torch.long)}]
+    )
     good = [[torch.ones(3, 4, dtype=torch.bfloat16) for _ in range(4)]]
     assert attach_states(batch, good, 4)["last"].shape == (1, 3, 4)
     bad = [[t.clone() for t in good[0]]]

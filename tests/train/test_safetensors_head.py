@@ -22,7 +22,9 @@ def _write_sharded(root, shards: dict[str, dict[str, torch.Tensor]], config: dic
     for fname, tensors in shards.items():
         save_file(tensors, str(root / fname))
         weight_map.update({k: fname for k in tensors})
-    (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (root / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
     (root / "config.json").write_text(json.dumps(config))
 
 
@@ -36,11 +38,15 @@ def k25_like(tmp_path):
     shards = {
         "model-00001-of-00004.safetensors": {
             "language_model.model.embed_tokens.weight": embed,
-            "language_model.model.layers.0.input_layernorm.weight": torch.ones(H, dtype=torch.bfloat16),
+            "language_model.model.layers.0.input_layernorm.weight": torch.ones(
+                H, dtype=torch.bfloat16
+            ),
         },
         # the decoy: a big tensor nobody needs, and a vision-tower norm that must not be mistaken for the final norm
         "model-00002-of-00004.safetensors": {
-            "language_model.model.layers.1.mlp.experts.weight": torch.zeros(64, 256, dtype=torch.bfloat16),
+            "language_model.model.layers.1.mlp.experts.weight": torch.zeros(
+                64, 256, dtype=torch.bfloat16
+            ),
             "vision_tower.norm.weight": torch.full((H,), 7.0, dtype=torch.bfloat16),
         },
         "model-00003-of-00004.safetensors": {"language_model.model.norm.weight": norm},
@@ -48,7 +54,12 @@ def k25_like(tmp_path):
     }
     cfg = {
         "architectures": ["KimiK25ForConditionalGeneration"],
-        "text_config": {"hidden_size": H, "vocab_size": V, "rms_norm_eps": 1e-5, "num_hidden_layers": 2},
+        "text_config": {
+            "hidden_size": H,
+            "vocab_size": V,
+            "rms_norm_eps": 1e-5,
+            "num_hidden_layers": 2,
+        },
         "vision_config": {"hidden_size": 32},
     }
     _write_sharded(tmp_path / "ckpt", shards, cfg)
@@ -89,10 +100,18 @@ def test_sharded_prefixed_reads_only_needed_shards(k25_like, monkeypatch):
     assert th.last_is_post_norm is True
     assert not th.tied
     # shard 2 (decoy + vision norm) never opened; exactly the three tensors were read
-    assert sorted(opened) == ["model-00001-of-00004.safetensors", "model-00003-of-00004.safetensors",
-                              "model-00004-of-00004.safetensors"]
-    assert sorted(read) == sorted(["language_model.model.embed_tokens.weight", "language_model.model.norm.weight",
-                                   "language_model.lm_head.weight"])
+    assert sorted(opened) == [
+        "model-00001-of-00004.safetensors",
+        "model-00003-of-00004.safetensors",
+        "model-00004-of-00004.safetensors",
+    ]
+    assert sorted(read) == sorted(
+        [
+            "language_model.model.embed_tokens.weight",
+            "language_model.model.norm.weight",
+            "language_model.lm_head.weight",
+        ]
+    )
 
 
 def test_names_located_for_wrapper(k25_like):
@@ -108,16 +127,30 @@ def test_same_shard_tensors_opened_once(tmp_path, monkeypatch):
     embed = torch.arange(V * H, dtype=torch.float32).reshape(V, H)  # [V, H]
     head = -embed  # [V, H]
     norm = torch.linspace(0.5, 1.5, H)  # [H]
-    _write_sharded(tmp_path / "c", {
-        "a.safetensors": {"model.embed_tokens.weight": embed, "model.norm.weight": norm, "lm_head.weight": head},
-        "b.safetensors": {"model.layers.0.self_attn.q_proj.weight": torch.ones(H, H)},
-    }, {"hidden_size": H, "vocab_size": V, "rms_norm_eps": 1e-6, "tie_word_embeddings": False})
+    _write_sharded(
+        tmp_path / "c",
+        {
+            "a.safetensors": {
+                "model.embed_tokens.weight": embed,
+                "model.norm.weight": norm,
+                "lm_head.weight": head,
+            },
+            "b.safetensors": {"model.layers.0.self_attn.q_proj.weight": torch.ones(H, H)},
+        },
+        {"hidden_size": H, "vocab_size": V, "rms_norm_eps": 1e-6, "tie_word_embeddings": False},
+    )
     opened = []
     real = sh.safe_open
-    monkeypatch.setattr(sh, "safe_open", lambda p, **kw: (opened.append(p.split("/")[-1]), real(p, **kw))[1])
-    th = load_target_head_from_safetensors(tmp_path / "c", last_hidden_state="pre_norm", dtype=torch.bfloat16)
+    monkeypatch.setattr(
+        sh, "safe_open", lambda p, **kw: (opened.append(p.split("/")[-1]), real(p, **kw))[1]
+    )
+    th = load_target_head_from_safetensors(
+        tmp_path / "c", last_hidden_state="pre_norm", dtype=torch.bfloat16
+    )
     assert opened == ["a.safetensors"]
-    assert torch.equal(th.embed, embed.to(torch.bfloat16)) and torch.equal(th.lm_head, head.to(torch.bfloat16))
+    assert torch.equal(th.embed, embed.to(torch.bfloat16)) and torch.equal(
+        th.lm_head, head.to(torch.bfloat16)
+    )
     assert torch.equal(th.norm_weight, norm.to(torch.bfloat16))
     assert th.last_is_post_norm is False and th.norm_eps == 1e-6
 
@@ -127,9 +160,15 @@ def test_single_file_tied_embeddings(tmp_path):
     norm = torch.rand(H)  # [H]
     d = tmp_path / "tied"
     d.mkdir()
-    save_file({"model.embed_tokens.weight": embed, "model.norm.weight": norm}, str(d / "model.safetensors"))
-    (d / "config.json").write_text(json.dumps({"hidden_size": H, "vocab_size": V, "rms_norm_eps": 1e-5,
-                                               "tie_word_embeddings": True}))
+    save_file(
+        {"model.embed_tokens.weight": embed, "model.norm.weight": norm},
+        str(d / "model.safetensors"),
+    )
+    (d / "config.json").write_text(
+        json.dumps(
+            {"hidden_size": H, "vocab_size": V, "rms_norm_eps": 1e-5, "tie_word_embeddings": True}
+        )
+    )
     th = load_target_head_from_safetensors(d)
     assert th.tied and th.lm_head is th.embed
     assert torch.equal(th.embed, embed) and torch.equal(th.norm_weight, norm)
@@ -150,27 +189,61 @@ def test_matches_transformers_model(tiny_llama_dir):
 def test_errors_name_file_and_key(tmp_path):
     with pytest.raises(UserError, match="config.json: file not found"):
         load_target_head_from_safetensors(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": H, "vocab_size": V, "rms_norm_eps": 1e-6}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"hidden_size": H, "vocab_size": V, "rms_norm_eps": 1e-6})
+    )
     with pytest.raises(UserError, match="no model.safetensors.index.json or model.safetensors"):
         load_target_head_from_safetensors(tmp_path)
     d = tmp_path / "untied"
-    _write_sharded(d, {"a.safetensors": {"model.embed_tokens.weight": torch.zeros(V, H), "model.norm.weight": torch.ones(H)}},
-                   {"hidden_size": H, "vocab_size": V, "rms_norm_eps": 1e-6, "tie_word_embeddings": False})
+    _write_sharded(
+        d,
+        {
+            "a.safetensors": {
+                "model.embed_tokens.weight": torch.zeros(V, H),
+                "model.norm.weight": torch.ones(H),
+            }
+        },
+        {"hidden_size": H, "vocab_size": V, "rms_norm_eps": 1e-6, "tie_word_embeddings": False},
+    )
     with pytest.raises(UserError, match="tie_word_embeddings: false"):
         load_target_head_from_safetensors(d)
     d2 = tmp_path / "badshape"
-    _write_sharded(d2, {"a.safetensors": {"model.embed_tokens.weight": torch.zeros(V, H), "model.norm.weight": torch.ones(H)}},
-                   {"hidden_size": H + 1, "vocab_size": V, "rms_norm_eps": 1e-6})
+    _write_sharded(
+        d2,
+        {
+            "a.safetensors": {
+                "model.embed_tokens.weight": torch.zeros(V, H),
+                "model.norm.weight": torch.ones(H),
+            }
+        },
+        {"hidden_size": H + 1, "vocab_size": V, "rms_norm_eps": 1e-6},
+    )
     with pytest.raises(UserError, match=r"model.embed_tokens.weight' has shape \(48, 16\)"):
         load_target_head_from_safetensors(d2)
     d3 = tmp_path / "noeps"
-    _write_sharded(d3, {"a.safetensors": {"model.embed_tokens.weight": torch.zeros(V, H), "model.norm.weight": torch.ones(H)}},
-                   {"hidden_size": H, "vocab_size": V})
+    _write_sharded(
+        d3,
+        {
+            "a.safetensors": {
+                "model.embed_tokens.weight": torch.zeros(V, H),
+                "model.norm.weight": torch.ones(H),
+            }
+        },
+        {"hidden_size": H, "vocab_size": V},
+    )
     with pytest.raises(UserError, match="config.json: key 'rms_norm_eps' missing"):
         load_target_head_from_safetensors(d3)
     d4 = tmp_path / "missingshard"
-    _write_sharded(d4, {"a.safetensors": {"model.embed_tokens.weight": torch.zeros(V, H), "model.norm.weight": torch.ones(H)}},
-                   {"hidden_size": H, "vocab_size": V, "rms_norm_eps": 1e-6})
+    _write_sharded(
+        d4,
+        {
+            "a.safetensors": {
+                "model.embed_tokens.weight": torch.zeros(V, H),
+                "model.norm.weight": torch.ones(H),
+            }
+        },
+        {"hidden_size": H, "vocab_size": V, "rms_norm_eps": 1e-6},
+    )
     (d4 / "a.safetensors").unlink()
     with pytest.raises(UserError, match="shard 'a.safetensors'"):
         load_target_head_from_safetensors(d4)

@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from _ddp_worker import make_tiny_run, single_thread  # noqa: F401  (autouse fixture)
+from safetensors.torch import load_file
 
 from eagle3.config import load_config
 from eagle3.errors import UserError
@@ -20,8 +19,15 @@ from eagle3.export.from_checkpoint import export_for_run, export_from_checkpoint
 from eagle3.export.serving import load_exported
 from eagle3.io import safe_torch_load
 from eagle3.train import checkpoint as ckpt
-from eagle3.train.sim_accept import (BEST_FILE, CURVE_FILE, PLOT_FILE, BestTracker, markdown_lines, position_acceptance,
-                                     simulated_tau)
+from eagle3.train.sim_accept import (
+    BEST_FILE,
+    CURVE_FILE,
+    PLOT_FILE,
+    BestTracker,
+    markdown_lines,
+    position_acceptance,
+    simulated_tau,
+)
 from eagle3.train.trainer import run
 
 
@@ -42,7 +48,10 @@ def test_simulated_tau_hand_values():
         simulated_tau([1.2], 1)
     with pytest.raises(ValueError):
         simulated_tau([0.5], 0)
-    assert position_acceptance({"acc_0": 0.5, "acc_1": 0.25, "loss": 1.0, "acc_3": 0.9}) == [0.5, 0.25]
+    assert position_acceptance({"acc_0": 0.5, "acc_1": 0.25, "loss": 1.0, "acc_3": 0.9}) == [
+        0.5,
+        0.25,
+    ]
 
 
 class _Tiny(torch.nn.Module):
@@ -88,55 +97,102 @@ def test_tracker_resume_drops_later_rows_but_keeps_a_later_best_with_its_weights
     tr.update(20, 1, _val(0.9, 0.9, 0.9), m)  # best, at step 20 (tau 3.439)
     # resumed from the step-20 checkpoint: everything kept
     r20 = BestTracker(tmp_path, chain=3, enabled=True, start_step=20, keep_best=True)
-    assert [r["step"] for r in r20.rows] == [10, 20] and r20.best["step"] == 20 and "before_resume" not in r20.best
+    assert (
+        [r["step"] for r in r20.rows] == [10, 20]
+        and r20.best["step"] == 20
+        and "before_resume" not in r20.best
+    )
     # resumed from step 15 (killed after the step-20 validation, before its checkpoint): the step-20 row is redone,
     # but the step-20 best stays with its weights until the resumed run beats it
     r15 = BestTracker(tmp_path, chain=3, enabled=True, start_step=15, keep_best=True)
-    assert [r["step"] for r in r15.rows] == [10] and r15.best["step"] == 20 and r15.best["before_resume"] is True
+    assert (
+        [r["step"] for r in r15.rows] == [10]
+        and r15.best["step"] == 20
+        and r15.best["before_resume"] is True
+    )
     assert r15.best["tau_sim"] == pytest.approx(1 + 0.9 + 0.81 + 0.729)
     with torch.no_grad():
         m.w.fill_(1.0)
-    assert not r15.update(20, 1, _val(0.8, 0.8, 0.8), m)  # the rerun validated step 20 worse: the old best stays
+    assert not r15.update(
+        20, 1, _val(0.8, 0.8, 0.8), m
+    )  # the rerun validated step 20 worse: the old best stays
     assert r15.restore_best(m) == 20 and torch.equal(m.w.detach(), torch.full((3,), 7.0))
-    assert "Best: step 20 before the resume (tau_sim(3) 3.4390" in "\n".join(markdown_lines(r15.summary()))
+    assert "Best: step 20 before the resume (tau_sim(3) 3.4390" in "\n".join(
+        markdown_lines(r15.summary())
+    )
     with torch.no_grad():
         m.w.fill_(1.0)
-    assert r15.update(20, 1, _val(0.9, 0.9, 0.9), m)  # measured again as high: this run's weights replace it
-    assert "before_resume" not in r15.best and json.loads((tmp_path / CURVE_FILE).read_text())["best"]["step"] == 20
+    assert r15.update(
+        20, 1, _val(0.9, 0.9, 0.9), m
+    )  # measured again as high: this run's weights replace it
+    assert (
+        "before_resume" not in r15.best
+        and json.loads((tmp_path / CURVE_FILE).read_text())["best"]["step"] == 20
+    )
     assert r15.restore_best(m) == 20 and torch.equal(m.w.detach(), torch.full((3,), 1.0))
     # select_best: last keeps no weights: a best after the checkpoint is dropped with its row
     last = BestTracker(tmp_path, chain=3, enabled=True, start_step=15, keep_best=False)
     assert [r["step"] for r in last.rows] == [10] and last.best["step"] == 10
     # a fresh run (step 0) starts the curve anew
     fresh = BestTracker(tmp_path, chain=3, enabled=True, start_step=0, keep_best=True)
-    assert fresh.rows == [] and not (tmp_path / CURVE_FILE).exists() and not (tmp_path / BEST_FILE).exists()
+    assert (
+        fresh.rows == []
+        and not (tmp_path / CURVE_FILE).exists()
+        and not (tmp_path / BEST_FILE).exists()
+    )
 
 
-def test_a_resume_after_a_hard_kill_keeps_the_best_validation_of_the_killed_run(tmp_path, monkeypatch):
+def test_a_resume_after_a_hard_kill_keeps_the_best_validation_of_the_killed_run(
+    tmp_path, monkeypatch
+):
     """SIGKILL after the step-3 validation (the best so far) and before the step-4 checkpoint: the resumed run starts
     at step 2, and a rerun that is not bit-deterministic may validate step 3 worse. Before, the resume dropped the
     step-3 best (and best_drafter.pt), so the export held a later, worse validation's weights than the killed run had
     reported; now the step-3 score, step and weights are kept until a validation beats them."""
     from eagle3.train.trainer import _Training
 
-    cfg = load_config(make_tiny_run(tmp_path, n_train=8, n_val=4, train={
-        "epochs": 3, "eval_every": 1, "ckpt_every": 2, "keep_checkpoints": 100, "select_best": "sim_accept",
-        "lr": 5e-2}))
+    cfg = load_config(
+        make_tiny_run(
+            tmp_path,
+            n_train=8,
+            n_val=4,
+            train={
+                "epochs": 3,
+                "eval_every": 1,
+                "ckpt_every": 2,
+                "keep_checkpoints": 100,
+                "select_best": "sim_accept",
+                "lr": 5e-2,
+            },
+        )
+    )
     run(cfg, stop_after=3, device="cpu")  # validates steps 1..3, checkpoints at 2 and 3
     before = json.loads((cfg.train_dir / CURVE_FILE).read_text())["best"]
     weights = safe_torch_load(cfg.train_dir / BEST_FILE)["model"]
-    assert before["step"] == 3  # (this seed's best of steps 1..3, and of the whole run: the test needs it)
-    (ckpt.ckpt_dir(cfg.train_dir) / "step_00000003.pt").unlink()  # the kill: no checkpoint after the validation
+    assert (
+        before["step"] == 3
+    )  # (this seed's best of steps 1..3, and of the whole run: the test needs it)
+    (
+        ckpt.ckpt_dir(cfg.train_dir) / "step_00000003.pt"
+    ).unlink()  # the kill: no checkpoint after the validation
     real = _Training.validate
 
-    def rerun_validates_step_3_worse(self):  # a non-deterministic rerun (e.g. other GPU kernels) scoring lower
+    def rerun_validates_step_3_worse(
+        self,
+    ):  # a non-deterministic rerun (e.g. other GPU kernels) scoring lower
         val = real(self)
-        return {k: (v * 0.5 if k.startswith("acc_") else v) for k, v in val.items()} if self.step == 3 else val
+        return (
+            {k: (v * 0.5 if k.startswith("acc_") else v) for k, v in val.items()}
+            if self.step == 3
+            else val
+        )
 
     monkeypatch.setattr(_Training, "validate", rerun_validates_step_3_worse)
     r = run(cfg, resume=True, device="cpu", export=export_for_run)
     sa = r["sim_accept"]
-    assert max(row["tau_sim"] for row in sa["rows"]) < before["tau_sim"]  # the resumed run never reaches it
+    assert (
+        max(row["tau_sim"] for row in sa["rows"]) < before["tau_sim"]
+    )  # the resumed run never reaches it
     assert sa["best"]["step"] == sa["exported_step"] == 3 and sa["best"]["before_resume"] is True
     assert sa["best"]["tau_sim"] == pytest.approx(before["tau_sim"])
     exported = load_file(str(cfg.export_dir / "model.safetensors"))
@@ -149,15 +205,33 @@ def test_a_resume_ending_before_the_kept_best_does_not_export_it(tmp_path):
     2: the run ended at step 2 ("trained: 2/12 optimizer steps (--stop-at 2 ...)") but exported the killed run's
     step-3 weights, a step after its end. A best kept from before the resume that lies past the run's end is now
     dropped."""
-    cfg = load_config(make_tiny_run(tmp_path, n_train=8, n_val=4, train={
-        "epochs": 3, "eval_every": 1, "ckpt_every": 2, "keep_checkpoints": 100, "select_best": "sim_accept",
-        "lr": 5e-2}))
+    cfg = load_config(
+        make_tiny_run(
+            tmp_path,
+            n_train=8,
+            n_val=4,
+            train={
+                "epochs": 3,
+                "eval_every": 1,
+                "ckpt_every": 2,
+                "keep_checkpoints": 100,
+                "select_best": "sim_accept",
+                "lr": 5e-2,
+            },
+        )
+    )
     run(cfg, stop_after=3, device="cpu")
     assert json.loads((cfg.train_dir / CURVE_FILE).read_text())["best"]["step"] == 3
-    (ckpt.ckpt_dir(cfg.train_dir) / "step_00000003.pt").unlink()  # the kill: no checkpoint after the validation
+    (
+        ckpt.ckpt_dir(cfg.train_dir) / "step_00000003.pt"
+    ).unlink()  # the kill: no checkpoint after the validation
     at2 = safe_torch_load(ckpt.ckpt_dir(cfg.train_dir) / "step_00000002.pt")["model"]
     r = run(cfg, resume=True, device="cpu", export=export_for_run, stop_at=2)
-    assert r["step"] == 2 and r["sim_accept"]["exported_step"] == 2 and r["sim_accept"]["best"]["step"] == 2
+    assert (
+        r["step"] == 2
+        and r["sim_accept"]["exported_step"] == 2
+        and r["sim_accept"]["best"]["step"] == 2
+    )
     exported = load_file(str(cfg.export_dir / "model.safetensors"))
     assert torch.equal(exported["fc.weight"], at2["fc.weight"].bfloat16())
     assert safe_torch_load(cfg.train_dir / BEST_FILE)["step"] == 2
@@ -183,11 +257,17 @@ def test_a_kill_between_the_best_file_and_the_curve_resumes_with_the_file_s_best
     weights (--export-only refused the mismatch). The file records its row, and a resume takes it."""
     m = _kill_between_best_file_and_curve(tmp_path)
     r = BestTracker(tmp_path, chain=3, enabled=True, start_step=15, keep_best=True)
-    assert r.best["step"] == 20 and r.best["tau_sim"] == pytest.approx(3.439) and r.best["before_resume"] is True
+    assert (
+        r.best["step"] == 20
+        and r.best["tau_sim"] == pytest.approx(3.439)
+        and r.best["before_resume"] is True
+    )
     assert r.restore_best(m) == 20 and r.summary()["best"]["alpha"] == [0.9, 0.9, 0.9]
 
 
-def test_export_only_after_a_kill_between_the_best_file_and_the_curve_exports_the_file_s_best(tmp_path):
+def test_export_only_after_a_kill_between_the_best_file_and_the_curve_exports_the_file_s_best(
+    tmp_path,
+):
     """The same kill, then ``04 --export-only`` instead of a resume: it refused (``holds the weights of step 20, but
     sim_accept.json names step 10 as the best``) though the file records its validation and a resume takes it; it now
     exports the file's weights, as the resumed run would."""
@@ -197,7 +277,9 @@ def test_export_only_after_a_kill_between_the_best_file_and_the_curve_exports_th
     out = _Tiny()
     assert load_best_for_export(tmp_path, out, ckpt_step=15) == (20, None)
     assert torch.equal(out.w.detach(), torch.full((3,), 4.0))
-    assert json.loads((tmp_path / CURVE_FILE).read_text())["best"]["step"] == 10  # --export-only changes nothing
+    assert (
+        json.loads((tmp_path / CURVE_FILE).read_text())["best"]["step"] == 10
+    )  # --export-only changes nothing
 
 
 def test_a_kill_between_the_first_best_file_and_the_first_curve_keeps_that_best(tmp_path):
@@ -206,15 +288,21 @@ def test_a_kill_between_the_first_best_file_and_the_first_curve_keeps_that_best(
     m = _Tiny()
     with torch.no_grad():
         m.w.fill_(5.0)
-    BestTracker(tmp_path, chain=3, enabled=True, keep_best=True).update(10, 0, _val(0.8, 0.5, 0.5), m)
-    (tmp_path / CURVE_FILE).unlink()  # the kill: the curve of the first validation was never written
+    BestTracker(tmp_path, chain=3, enabled=True, keep_best=True).update(
+        10, 0, _val(0.8, 0.5, 0.5), m
+    )
+    (
+        tmp_path / CURVE_FILE
+    ).unlink()  # the kill: the curve of the first validation was never written
     r = BestTracker(tmp_path, chain=3, enabled=True, start_step=6, keep_best=True)
     assert r.rows == [] and r.best["step"] == 10 and r.best["before_resume"] is True
     assert r.best["tau_sim"] == pytest.approx(1 + 0.8 + 0.4 + 0.2)
     with torch.no_grad():
         m.w.fill_(0.0)
     assert r.restore_best(m) == 10 and torch.equal(m.w.detach(), torch.full((3,), 5.0))
-    assert not r.update(8, 0, _val(0.5, 0.5, 0.5), m)  # a lower validation of the resumed run keeps it
+    assert not r.update(
+        8, 0, _val(0.5, 0.5, 0.5), m
+    )  # a lower validation of the resumed run keeps it
     # a fresh start (step 0) still removes it
     BestTracker(tmp_path, chain=3, enabled=True, start_step=0, keep_best=True)
     assert not (tmp_path / BEST_FILE).exists()
@@ -226,15 +314,21 @@ def _trainable(d) -> dict:
 
 @pytest.mark.parametrize("select", ["sim_accept", "last"])
 def test_training_exports_the_selected_weights_and_reports_the_curve(tmp_path, select):
-    path = make_tiny_run(tmp_path, n_train=8, n_val=4, train={"epochs": 3, "eval_every": 1, "ckpt_every": 100,
-                                                              "select_best": select, "lr": 5e-2})
+    path = make_tiny_run(
+        tmp_path,
+        n_train=8,
+        n_val=4,
+        train={"epochs": 3, "eval_every": 1, "ckpt_every": 100, "select_best": select, "lr": 5e-2},
+    )
     cfg = load_config(path)
     r = run(cfg, device="cpu", export=export_for_run)
     total = r["total_steps"]
     rep = json.loads((cfg.train_dir / "train_report.json").read_text())
     sa = rep["sim_accept"]
     assert sa["chain"] == cfg.benchmark.steps == 3 and sa["select_best"] == select
-    assert [row["step"] for row in sa["rows"]] == list(range(1, total + 1))  # every step, the last one included
+    assert [row["step"] for row in sa["rows"]] == list(
+        range(1, total + 1)
+    )  # every step, the last one included
     best = max(sa["rows"], key=lambda row: row["tau_sim"])
     assert sa["best"]["step"] == best["step"]
     for row in sa["rows"]:
@@ -249,13 +343,17 @@ def test_training_exports_the_selected_weights_and_reports_the_curve(tmp_path, s
     if select == "sim_accept":
         want = safe_torch_load(cfg.train_dir / BEST_FILE)
         assert want["step"] == best["step"] == sa["exported_step"]
-        assert best["step"] != total  # (this seed's best is early: the check below tells best from last)
+        assert (
+            best["step"] != total
+        )  # (this seed's best is early: the check below tells best from last)
         ref = want["model"]
     else:
         assert sa["exported_step"] is None and not (cfg.train_dir / BEST_FILE).exists()
         ref = ckpt.find_latest_checkpoint(cfg.train_dir)[1]["model"]
     assert torch.equal(exported["fc.weight"], ref["fc.weight"].bfloat16())
-    assert torch.equal(exported["midlayer.mlp.up_proj.weight"], ref["midlayer.mlp.up_proj.weight"].bfloat16())
+    assert torch.equal(
+        exported["midlayer.mlp.up_proj.weight"], ref["midlayer.mlp.up_proj.weight"].bfloat16()
+    )
     # --export-only writes the same weights again
     out = export_from_checkpoint(cfg, engine="vllm")
     again = load_file(str(out / "model.safetensors"))
@@ -270,16 +368,28 @@ def test_closing_lines_and_report_name_the_exported_step_when_it_is_not_the_last
     best validation's weights (fresh-user trial 2026-12-05f). A line now names the exported step and its figures."""
     import importlib.util
 
-    path = make_tiny_run(tmp_path, n_train=8, n_val=4, train={"epochs": 3, "eval_every": 1, "ckpt_every": 100,
-                                                              "select_best": "sim_accept", "lr": 5e-2})
+    path = make_tiny_run(
+        tmp_path,
+        n_train=8,
+        n_val=4,
+        train={
+            "epochs": 3,
+            "eval_every": 1,
+            "ckpt_every": 100,
+            "select_best": "sim_accept",
+            "lr": 5e-2,
+        },
+    )
     cfg = load_config(path)
     r = run(cfg, device="cpu", export=export_for_run)
     sa = r["sim_accept"]
     best, last = sa["best"], [row for row in sa["rows"] if row["step"] == r["step"]][0]
     assert sa["exported_step"] == best["step"] != r["step"]  # (this seed's best is early)
-    want = (f"exported: the weights of step {best['step']}, not the last step's (train.select_best: sim_accept: the "
-            f"best validation, tau_sim(3) {best['tau_sim']:.4f} against {last['tau_sim']:.4f} at step {r['step']}; "
-            f"its validation loss {best['loss']:.4f}, top-1 {' / '.join(f'{a:.3f}' for a in best['alpha'])})")
+    want = (
+        f"exported: the weights of step {best['step']}, not the last step's (train.select_best: sim_accept: the "
+        f"best validation, tau_sim(3) {best['tau_sim']:.4f} against {last['tau_sim']:.4f} at step {r['step']}; "
+        f"its validation loss {best['loss']:.4f}, top-1 {' / '.join(f'{a:.3f}' for a in best['alpha'])})"
+    )
     lines = capsys.readouterr().out.splitlines()
     assert lines[-5].startswith(f"trained: {r['step']}/") and lines[-4] == want
     assert lines[-1] == f"export: {cfg.export_dir}"
@@ -290,9 +400,22 @@ def test_closing_lines_and_report_name_the_exported_step_when_it_is_not_the_last
     spec.loader.exec_module(ds)
     fig, text, _ = ds._train(cfg)
     assert fig["exported_step"] == best["step"] and text.endswith(
-        f"; exported: step {best['step']}'s weights (best simulated acceptance; the figures above are the last step's)")
-    cfg_last = load_config(make_tiny_run(tmp_path / "last", n_train=8, n_val=4, train={
-        "epochs": 3, "eval_every": 1, "ckpt_every": 100, "select_best": "last", "lr": 5e-2}))
+        f"; exported: step {best['step']}'s weights (best simulated acceptance; the figures above are the last step's)"
+    )
+    cfg_last = load_config(
+        make_tiny_run(
+            tmp_path / "last",
+            n_train=8,
+            n_val=4,
+            train={
+                "epochs": 3,
+                "eval_every": 1,
+                "ckpt_every": 100,
+                "select_best": "last",
+                "lr": 5e-2,
+            },
+        )
+    )
     run(cfg_last, device="cpu", export=export_for_run)
     assert not [x for x in capsys.readouterr().out.splitlines() if x.startswith("exported:")]
 
@@ -311,15 +434,25 @@ def test_eagle31_trains_resumes_and_exports(tmp_path):
     assert {"fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"} <= set(wa)
     for k in wa:
         assert torch.equal(wa[k], wb[k]), k
-    assert float((wa["fc_norm.1.weight"].float() - 1).abs().max()) > 0  # the per-aux norms were trained
+    assert (
+        float((wa["fc_norm.1.weight"].float() - 1).abs().max()) > 0
+    )  # the per-aux norms were trained
     cfg = json.loads((whole.export_dir / "config.json").read_text())
     assert cfg["fc_norm"] is True and cfg["norm_output"] is True
-    assert load_exported(whole.export_dir, embed_weight=torch.zeros(48, 16)).args.variant == "eagle3.1"
+    assert (
+        load_exported(whole.export_dir, embed_weight=torch.zeros(48, 16)).args.variant == "eagle3.1"
+    )
     # resuming the 3.1 checkpoint as an eagle3 drafter is refused, naming the key
     from eagle3.errors import UserError
 
-    with pytest.raises(UserError, match="drafter field 'variant' is 'eagle3.1' in the checkpoint but 'eagle3'"):
-        run(load_config(tmp_path / "b" / "run.yaml", ["train.loss=lk_hybrid"]), resume=True, device="cpu")
+    with pytest.raises(
+        UserError, match="drafter field 'variant' is 'eagle3.1' in the checkpoint but 'eagle3'"
+    ):
+        run(
+            load_config(tmp_path / "b" / "run.yaml", ["train.loss=lk_hybrid"]),
+            resume=True,
+            device="cpu",
+        )
 
 
 def test_report_of_a_stopped_run_says_what_export_only_will_export():
@@ -327,29 +460,51 @@ def test_report_of_a_stopped_run_says_what_export_only_will_export():
     while `04 --export-only` exports the best validation (lease 2026-12-04e: step 6,000 of a run stopped at 6,007)."""
     from eagle3.train.sim_accept import markdown_lines
 
-    rows = [{"step": 5000, "alpha": [0.89, 0.88, 0.88], "tau_sim": 3.38, "loss": 4.1},
-            {"step": 6000, "alpha": [0.9, 0.89, 0.89], "tau_sim": 3.41, "loss": 4.0}]
+    rows = [
+        {"step": 5000, "alpha": [0.89, 0.88, 0.88], "tau_sim": 3.38, "loss": 4.1},
+        {"step": 6000, "alpha": [0.9, 0.89, 0.89], "tau_sim": 3.41, "loss": 4.0},
+    ]
     base = {"chain": 3, "rows": rows, "best": rows[1]}
     head = lambda s: markdown_lines(s)[0]  # noqa: E731
     assert head(dict(base, select_best="sim_accept", exported_step=None, stopped=True)).endswith(
-        "(select_best: sim_accept; exported step: none yet; `--export-only` exports step 6000, the best):")
+        "(select_best: sim_accept; exported step: none yet; `--export-only` exports step 6000, the best):"
+    )
     assert head(dict(base, select_best="last", exported_step=None, stopped=True)).endswith(
-        "(select_best: last; exported step: none yet; `--export-only` exports the checkpoint):")
-    assert head(dict(base, select_best="sim_accept", exported_step=6000)).endswith("exported step: 6000):")
-    assert head(dict(base, select_best="last", exported_step=None)).endswith("exported step: the last):")
-    assert "| 6000 (best) | 3.4100 |" in "\n".join(markdown_lines(dict(base, select_best="sim_accept", exported_step=6000)))
+        "(select_best: last; exported step: none yet; `--export-only` exports the checkpoint):"
+    )
+    assert head(dict(base, select_best="sim_accept", exported_step=6000)).endswith(
+        "exported step: 6000):"
+    )
+    assert head(dict(base, select_best="last", exported_step=None)).endswith(
+        "exported step: the last):"
+    )
+    assert "| 6000 (best) | 3.4100 |" in "\n".join(
+        markdown_lines(dict(base, select_best="sim_accept", exported_step=6000))
+    )
 
 
-def test_export_only_keeps_best_drafter_and_exports_it_after_a_checkpoint_fallback(tmp_path, caplog):
+def test_export_only_keeps_best_drafter_and_exports_it_after_a_checkpoint_fallback(
+    tmp_path, caplog
+):
     """--export-only whose newest checkpoints do not load falls back to an older one (step 4); it used to build a
     BestTracker for that step, which DELETED the later best_drafter.pt and exported the step-4 weights. Now it reads
     the best file without touching it and exports the weights the training exported; a corrupt best file is a
     one-line error with nothing exported."""
     import logging
 
-    path = make_tiny_run(tmp_path, n_train=8, n_val=4, train={"epochs": 3, "eval_every": 1, "ckpt_every": 2,
-                                                              "keep_checkpoints": 10, "select_best": "sim_accept",
-                                                              "lr": 2e-3})
+    path = make_tiny_run(
+        tmp_path,
+        n_train=8,
+        n_val=4,
+        train={
+            "epochs": 3,
+            "eval_every": 1,
+            "ckpt_every": 2,
+            "keep_checkpoints": 10,
+            "select_best": "sim_accept",
+            "lr": 2e-3,
+        },
+    )
     cfg = load_config(path)
     run(cfg, device="cpu", export=export_for_run)
     best = safe_torch_load(cfg.train_dir / BEST_FILE)
@@ -362,7 +517,9 @@ def test_export_only_keeps_best_drafter_and_exports_it_after_a_checkpoint_fallba
     with caplog.at_level(logging.INFO):
         out = export_from_checkpoint(cfg, engine="vllm")
     assert "using step_00000004.pt (step 4)" in caplog.text
-    assert {p.name: p.read_bytes() for p in (cfg.train_dir / BEST_FILE, cfg.train_dir / CURVE_FILE)} == kept
+    assert {
+        p.name: p.read_bytes() for p in (cfg.train_dir / BEST_FILE, cfg.train_dir / CURVE_FILE)
+    } == kept
     again = load_file(str(out / "model.safetensors"))
     assert torch.equal(again["fc.weight"], trained["fc.weight"])
     assert torch.equal(again["fc.weight"], best["model"]["fc.weight"].bfloat16())
@@ -370,8 +527,11 @@ def test_export_only_keeps_best_drafter_and_exports_it_after_a_checkpoint_fallba
     bf = cfg.train_dir / BEST_FILE
     bf.write_bytes(bf.read_bytes()[:50])
     stamp = (out / "model.safetensors").stat().st_mtime_ns
-    with pytest.raises(UserError, match=rf"^{bf}: truncated or corrupt torch file.*; set train.select_best=last to "
-                                        r"export the checkpoint \(step 4\) instead$"):
+    with pytest.raises(
+        UserError,
+        match=rf"^{bf}: truncated or corrupt torch file.*; set train.select_best=last to "
+        r"export the checkpoint \(step 4\) instead$",
+    ):
         export_from_checkpoint(cfg, engine="vllm")
     assert bf.is_file() and (out / "model.safetensors").stat().st_mtime_ns == stamp
 
@@ -382,7 +542,9 @@ def test_sim_accept_without_anything_to_select_warns_naming_the_field(tmp_path, 
     too, where there is one)."""
     import logging
 
-    cfg = load_config(make_tiny_run(tmp_path / "a", n_val=0, train={"epochs": 1, "select_best": "sim_accept"}))
+    cfg = load_config(
+        make_tiny_run(tmp_path / "a", n_val=0, train={"epochs": 1, "select_best": "sim_accept"})
+    )
     with caplog.at_level(logging.WARNING):
         r = run(cfg, device="cpu", export=export_for_run)
     want = "train.select_best: sim_accept has no validation split to select from"
@@ -395,27 +557,50 @@ def test_sim_accept_without_anything_to_select_warns_naming_the_field(tmp_path, 
     run(last, device="cpu")
     caplog.clear()
     with caplog.at_level(logging.WARNING):
-        out = export_from_checkpoint(last.model_copy(update={"train": last.train.model_copy(
-            update={"select_best": "sim_accept"})}))
-    assert "train.select_best: sim_accept, but" in caplog.text and "exporting the checkpoint's weights (step 4)" in caplog.text
+        out = export_from_checkpoint(
+            last.model_copy(
+                update={"train": last.train.model_copy(update={"select_best": "sim_accept"})}
+            )
+        )
+    assert (
+        "train.select_best: sim_accept, but" in caplog.text
+        and "exporting the checkpoint's weights (step 4)" in caplog.text
+    )
     ref = ckpt.find_latest_checkpoint(last.train_dir)[1]["model"]
-    assert torch.equal(load_file(str(out / "model.safetensors"))["fc.weight"], ref["fc.weight"].bfloat16())
+    assert torch.equal(
+        load_file(str(out / "model.safetensors"))["fc.weight"], ref["fc.weight"].bfloat16()
+    )
 
 
 def test_eval_every_not_below_the_run_warns_that_only_the_last_step_can_be_selected(tmp_path):
     """train.eval_every 100 on a 6-step run with select_best: sim_accept: only the final validation ran and the last
     step was exported without a word (the selection had one candidate); now a warning says so (report included)."""
-    cfg = load_config(make_tiny_run(tmp_path, n_train=6, n_val=2, train={
-        "epochs": 2, "eval_every": 100, "select_best": "sim_accept"}))
+    cfg = load_config(
+        make_tiny_run(
+            tmp_path,
+            n_train=6,
+            n_val=2,
+            train={"epochs": 2, "eval_every": 100, "select_best": "sim_accept"},
+        )
+    )
     r = run(cfg, device="cpu")
     assert r["total_steps"] == 6 and [row["step"] for row in r["sim_accept"]["rows"]] == [6]
-    want = ("train.eval_every 100 is not below the run's 6 optimizer steps: only the final validation runs and "
-            "train.select_best: sim_accept has only that one to select from")
+    want = (
+        "train.eval_every 100 is not below the run's 6 optimizer steps: only the final validation runs and "
+        "train.select_best: sim_accept has only that one to select from"
+    )
     assert [w for w in r["warnings"] if w.startswith(want)]
-    assert json.loads((cfg.train_dir / "train_report.json").read_text())["warnings"] == r["warnings"]
+    assert (
+        json.loads((cfg.train_dir / "train_report.json").read_text())["warnings"] == r["warnings"]
+    )
     # an eval_every below the run's steps says nothing, nor one above it under select_best: last (no selection)
-    for name, train in (("b", {"eval_every": 5, "select_best": "sim_accept"}), ("c", {"eval_every": 100})):
-        quiet = load_config(make_tiny_run(tmp_path / name, n_train=6, n_val=2, train={"epochs": 2, **train}))
+    for name, train in (
+        ("b", {"eval_every": 5, "select_best": "sim_accept"}),
+        ("c", {"eval_every": 100}),
+    ):
+        quiet = load_config(
+            make_tiny_run(tmp_path / name, n_train=6, n_val=2, train={"epochs": 2, **train})
+        )
         assert not [w for w in run(quiet, device="cpu")["warnings"] if "train.eval_every" in w]
 
 
@@ -428,8 +613,12 @@ def test_chain_longer_than_ttt_is_capped_labelled_and_warned(tmp_path):
     k, warning = effective_chain(None, 7, 3)
     assert k == 3 and "tau_sim(3), not tau_sim(7)" in warning and "benchmark.steps" in warning
     assert simulated_tau([0.5, 0.4], k) == pytest.approx(1 + 0.5 + 0.5 * 0.4)  # 1.7
-    path = make_tiny_run(tmp_path, n_train=4, n_val=2, train={"ttt_length": 2, "epochs": 1, "eval_every": 1})
-    with pytest.raises(UserError, match=r"field 'train.select_chain': 3 is longer than train.ttt_length 2"):
+    path = make_tiny_run(
+        tmp_path, n_train=4, n_val=2, train={"ttt_length": 2, "epochs": 1, "eval_every": 1}
+    )
+    with pytest.raises(
+        UserError, match=r"field 'train.select_chain': 3 is longer than train.ttt_length 2"
+    ):
         load_config(path, ["train.select_chain=3"])
     cfg = load_config(path)
     assert cfg.benchmark.steps == 3 and cfg.train.select_chain is None
@@ -454,9 +643,11 @@ def test_no_validation_split_is_said_plainly_not_an_empty_tau_table(tmp_path, ca
 
     cfg = load_config(make_tiny_run(tmp_path, n_val=0, train={"epochs": 1}))
     r = run(cfg, device="cpu", export=export_for_run)
-    note = (f"no validation split (data.val_fraction is 0: stage 03's split.json has no 'val' samples), so no "
-            f"validation loss, accuracy or simulated acceptance (tau); the export holds the last step's weights "
-            f"(step {r['step']}); set data.val_fraction > 0 and re-run 03 and 04 to measure them")
+    note = (
+        f"no validation split (data.val_fraction is 0: stage 03's split.json has no 'val' samples), so no "
+        f"validation loss, accuracy or simulated acceptance (tau); the export holds the last step's weights "
+        f"(step {r['step']}); set data.val_fraction > 0 and re-run 03 and 04 to measure them"
+    )
     assert r["step"] == 4
     md = (cfg.train_dir / "train_report.md").read_text()
     assert f"Validation: {note}." in md and "tau_sim" not in md and "|---:|" not in md
@@ -470,7 +661,8 @@ def test_no_validation_split_is_said_plainly_not_an_empty_tau_table(tmp_path, ca
     assert "| step | tau_sim(" in (with_val.train_dir / "train_report.md").read_text()
     assert markdown_lines({"chain": 3, "rows": [], "select_best": "last", "stopped": True}) == [
         "Simulated acceptance length on the validation split, tau_sim(3): not measured (no validation ran before the "
-        "run stopped; select_best: last; exported step: none yet; `--export-only` exports the checkpoint)."]
+        "run stopped; select_best: last; exported step: none yet; `--export-only` exports the checkpoint)."
+    ]
 
 
 def test_a_stopped_run_without_validation_split_says_so_without_an_exported_step(tmp_path):
@@ -480,9 +672,11 @@ def test_a_stopped_run_without_validation_split_says_so_without_an_exported_step
     r = run(cfg, device="cpu", stop_after=1)
     assert r["stopped"] and r["step"] == 1
     md = (cfg.train_dir / "train_report.md").read_text()
-    assert ("Validation: no validation split (data.val_fraction is 0: stage 03's split.json has no 'val' samples), so "
-            "no validation loss, accuracy or simulated acceptance (tau); an export (at the end of `--resume`, or "
-            "`--export-only`) holds the last step's weights; set data.val_fraction > 0") in md
+    assert (
+        "Validation: no validation split (data.val_fraction is 0: stage 03's split.json has no 'val' samples), so "
+        "no validation loss, accuracy or simulated acceptance (tau); an export (at the end of `--resume`, or "
+        "`--export-only`) holds the last step's weights; set data.val_fraction > 0"
+    ) in md
     assert "tau_sim" not in md
 
 
@@ -493,8 +687,20 @@ def test_export_only_rewrites_the_report_of_the_stopped_run_it_exports(tmp_path,
     the step whose weights it holds; a report written at another step is left alone with a warning."""
     import logging
 
-    cfg = load_config(make_tiny_run(tmp_path, n_train=8, n_val=4, train={
-        "epochs": 3, "eval_every": 1, "ckpt_every": 1, "select_best": "sim_accept", "lr": 2e-3}))
+    cfg = load_config(
+        make_tiny_run(
+            tmp_path,
+            n_train=8,
+            n_val=4,
+            train={
+                "epochs": 3,
+                "eval_every": 1,
+                "ckpt_every": 1,
+                "select_best": "sim_accept",
+                "lr": 2e-3,
+            },
+        )
+    )
     r = run(cfg, device="cpu", stop_after=4)
     assert r["stopped"] and r["step"] == 4
     best_step = safe_torch_load(cfg.train_dir / BEST_FILE)["step"]
@@ -504,13 +710,25 @@ def test_export_only_rewrites_the_report_of_the_stopped_run_it_exports(tmp_path,
     rep = json.loads((cfg.train_dir / "train_report.json").read_text())
     ck = str(cfg.train_dir / "checkpoints" / "step_00000004.pt")
     assert rep["export_dir"] == str(out) and rep["step"] == 4 and rep["stopped"]
-    assert rep["export_only"] == {"checkpoint": ck, "weights_step": best_step, "engine": cfg.export.engine}
-    assert rep["sim_accept"]["exported_step"] == best_step and rep["drafter_args"] == before["drafter_args"]
+    assert rep["export_only"] == {
+        "checkpoint": ck,
+        "weights_step": best_step,
+        "engine": cfg.export.engine,
+    }
+    assert (
+        rep["sim_accept"]["exported_step"] == best_step
+        and rep["drafter_args"] == before["drafter_args"]
+    )
     md = (cfg.train_dir / "train_report.md").read_text()
     assert f"- export: `{out}`" in md
-    assert "- **stopped** by signal None at step 4: no final validation, exported afterwards by `--export-only`" in md
-    assert (f"- exported by `04_train.py --export-only` ({cfg.export.engine}): the weights of step {best_step} "
-            f"(checkpoint `{ck}`)") in md
+    assert (
+        "- **stopped** by signal None at step 4: no final validation, exported afterwards by `--export-only`"
+        in md
+    )
+    assert (
+        f"- exported by `04_train.py --export-only` ({cfg.export.engine}): the weights of step {best_step} "
+        f"(checkpoint `{ck}`)"
+    ) in md
     assert f"exported step: {best_step}):" in md and "none yet" not in md
     # a report of another step (an older run's) is not rewritten
     (cfg.train_dir / "train_report.json").write_text(json.dumps(dict(before, step=3)))
@@ -525,8 +743,18 @@ def test_export_only_for_the_other_engine_keeps_the_first_export_in_the_report(t
     report said only `export: drafter-vllm`, forgetting the SGLang export still there, and its tau table kept the
     training's `select_best: sim_accept` beside the step `last` exported (fresh-user trial 2026-12-05e). Both exports
     are now listed, each with its step and select_best, and the table says what this export selected."""
-    run_yaml = make_tiny_run(tmp_path, n_train=8, n_val=4, train={
-        "epochs": 3, "eval_every": 1, "ckpt_every": 1, "select_best": "sim_accept", "lr": 2e-3})
+    run_yaml = make_tiny_run(
+        tmp_path,
+        n_train=8,
+        n_val=4,
+        train={
+            "epochs": 3,
+            "eval_every": 1,
+            "ckpt_every": 1,
+            "select_best": "sim_accept",
+            "lr": 2e-3,
+        },
+    )
     cfg = load_config(run_yaml)
     r = run(cfg, device="cpu", export=export_for_run)
     first = json.loads((cfg.train_dir / "train_report.json").read_text())
@@ -538,16 +766,30 @@ def test_export_only_for_the_other_engine_keeps_the_first_export_in_the_report(t
     assert out != sg
     rep = json.loads((cfg.train_dir / "train_report.json").read_text())
     assert rep["export_dir"] == str(out) and rep["export_only"]["engine"] == "vllm"
-    assert rep["other_exports"] == [{"export_dir": str(sg), "engine": cfg.export.engine, "weights_step": best,
-                                     "select_best": "sim_accept"}]
-    assert rep["sim_accept"]["select_best"] == "last" and rep["sim_accept"]["exported_step"] == r["step"]
+    assert rep["other_exports"] == [
+        {
+            "export_dir": str(sg),
+            "engine": cfg.export.engine,
+            "weights_step": best,
+            "select_best": "sim_accept",
+        }
+    ]
+    assert (
+        rep["sim_accept"]["select_best"] == "last"
+        and rep["sim_accept"]["exported_step"] == r["step"]
+    )
     md = (cfg.train_dir / "train_report.md").read_text()
-    assert f"- also exported: `{sg}` ({cfg.export.engine}, the weights of step {best}, select_best: sim_accept)" in md
+    assert (
+        f"- also exported: `{sg}` ({cfg.export.engine}, the weights of step {best}, select_best: sim_accept)"
+        in md
+    )
     assert f"(select_best: last; exported step: {r['step']}):" in md
     # exporting for SGLang again lists the vLLM folder instead, never the folder itself
     export_from_checkpoint(cfg)
     rep = json.loads((cfg.train_dir / "train_report.json").read_text())
-    assert rep["export_dir"] == str(sg) and [o["export_dir"] for o in rep["other_exports"]] == [str(out)]
+    assert rep["export_dir"] == str(sg) and [o["export_dir"] for o in rep["other_exports"]] == [
+        str(out)
+    ]
 
 
 def test_report_table_has_one_alpha_column_per_chain_position():
@@ -556,16 +798,39 @@ def test_report_table_has_one_alpha_column_per_chain_position():
     from eagle3.train.sim_accept import markdown_lines
 
     two = [{"step": 8, "alpha": [0.049, 0.014], "tau_sim": 1.0497, "loss": 12.1}]
-    text = "\n".join(markdown_lines({"chain": 2, "rows": two, "best": two[0], "select_best": "sim_accept",
-                                     "exported_step": 8}))
-    assert "| step | tau_sim(2) | alpha_1 | alpha_2 | val loss |\n|---:|---:|---:|---:|---:|" in text
+    text = "\n".join(
+        markdown_lines(
+            {
+                "chain": 2,
+                "rows": two,
+                "best": two[0],
+                "select_best": "sim_accept",
+                "exported_step": 8,
+            }
+        )
+    )
+    assert (
+        "| step | tau_sim(2) | alpha_1 | alpha_2 | val loss |\n|---:|---:|---:|---:|---:|" in text
+    )
     assert "| 8 (best) | 1.0497 | 0.0490 | 0.0140 | 12.1000 |" in text and "nan" not in text
-    seven = [{"step": 40, "alpha": [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3], "tau_sim": 3.3, "loss": 4.0}]
-    text = "\n".join(markdown_lines({"chain": 7, "rows": seven, "best": seven[0], "select_best": "last"}))
-    assert "| alpha_7 | val loss |" in text and "| 40 (best) | 3.3000 | 0.9000 | 0.8000 | 0.7000 | 0.6000 | 0.5000 | " \
-        "0.4000 | 0.3000 | 4.0000 |" in text
-    short = [{"step": 5, "alpha": [0.5], "tau_sim": 1.5, "loss": 1.0}]  # fewer positions than the chain: a dash
-    assert "| 5 | 1.5000 | 0.5000 | - | 1.0000 |" in "\n".join(markdown_lines({"chain": 2, "rows": short}))
+    seven = [
+        {"step": 40, "alpha": [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3], "tau_sim": 3.3, "loss": 4.0}
+    ]
+    text = "\n".join(
+        markdown_lines({"chain": 7, "rows": seven, "best": seven[0], "select_best": "last"})
+    )
+    assert (
+        "| alpha_7 | val loss |" in text
+        and "| 40 (best) | 3.3000 | 0.9000 | 0.8000 | 0.7000 | 0.6000 | 0.5000 | "
+        "0.4000 | 0.3000 | 4.0000 |"
+        in text
+    )
+    short = [
+        {"step": 5, "alpha": [0.5], "tau_sim": 1.5, "loss": 1.0}
+    ]  # fewer positions than the chain: a dash
+    assert "| 5 | 1.5000 | 0.5000 | - | 1.0000 |" in "\n".join(
+        markdown_lines({"chain": 2, "rows": short})
+    )
 
 
 def test_markdown_has_an_alpha_column_per_trained_position_only():
@@ -575,10 +840,17 @@ def test_markdown_has_an_alpha_column_per_trained_position_only():
     from eagle3.train.sim_accept import markdown_lines
 
     row = {"step": 6, "epoch": 0, "alpha": [0.75, 0.5], "loss": 11.5, "tau_sim": 2.125}
-    lines = markdown_lines({"chain": 2, "rows": [row], "best": row, "select_best": "last", "exported_step": None})
-    assert lines[2:] == ["| step | tau_sim(2) | alpha_1 | alpha_2 | val loss |", "|---:|---:|---:|---:|---:|",
-                         "| 6 (best) | 2.1250 | 0.7500 | 0.5000 | 11.5000 |"]
+    lines = markdown_lines(
+        {"chain": 2, "rows": [row], "best": row, "select_best": "last", "exported_step": None}
+    )
+    assert lines[2:] == [
+        "| step | tau_sim(2) | alpha_1 | alpha_2 | val loss |",
+        "|---:|---:|---:|---:|---:|",
+        "| 6 (best) | 2.1250 | 0.7500 | 0.5000 | 11.5000 |",
+    ]
     row7 = dict(row, alpha=[0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3], tau_sim=3.0)
-    lines = markdown_lines({"chain": 3, "rows": [row7], "best": row7, "select_best": "last", "exported_step": None})
+    lines = markdown_lines(
+        {"chain": 3, "rows": [row7], "best": row7, "select_best": "last", "exported_step": None}
+    )
     assert lines[2] == "| step | tau_sim(3) | alpha_1 | alpha_2 | alpha_3 | val loss |"
     assert lines[4] == "| 6 (best) | 3.0000 | 0.9000 | 0.8000 | 0.7000 | 11.5000 |"

@@ -13,12 +13,19 @@ from eagle3.train.ttt import TTTTargets, compute_targets, ttt_attention_mask, tt
 TV, DV, HT = 40, 16, 24  # target vocab, draft vocab, verifier hidden
 
 
-
 def tiny_args(**kw) -> DrafterArgs:
     base = dict(
-        hidden_size=24, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
-        rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=256,
-        draft_vocab_size=DV, target_vocab_size=TV, target_hidden_size=HT,
+        hidden_size=24,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=48,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=256,
+        draft_vocab_size=DV,
+        target_vocab_size=TV,
+        target_hidden_size=HT,
     )
     base.update(kw)
     return DrafterArgs(**base)
@@ -49,7 +56,8 @@ def test_ttt_attention_mask_matches_definition():
 
 def test_ttt_attention_mask_hand_example():
     expect = torch.tensor(
-        [[1, 0, 0, 1, 0, 0, 1, 0, 0], [1, 1, 0, 0, 1, 0, 0, 1, 0], [1, 1, 1, 0, 0, 1, 0, 0, 1]], dtype=torch.bool
+        [[1, 0, 0, 1, 0, 0, 1, 0, 0], [1, 1, 0, 0, 1, 0, 0, 1, 0], [1, 1, 1, 0, 0, 1, 0, 0, 1]],
+        dtype=torch.bool,
     )
     assert torch.equal(ttt_attention_mask(3, 2), expect)
 
@@ -175,7 +183,9 @@ def test_tiny_drafter_overfits_fixed_batch():
     """A drafter fitted to one batch drives the loss down and step-0 accuracy to ~1."""
     torch.manual_seed(0)
     B, L, K = 2, 12, 3
-    d = Eagle3Drafter(tiny_args(hidden_size=32, target_hidden_size=32, num_attention_heads=4, head_dim=8))
+    d = Eagle3Drafter(
+        tiny_args(hidden_size=32, target_hidden_size=32, num_attention_heads=4, head_dim=8)
+    )
     d2t, t2d, ids = vocab_map(1)
     d.set_vocab_map(d2t, t2d)
     with torch.no_grad():
@@ -200,7 +210,12 @@ def test_tiny_drafter_overfits_fixed_batch():
         loss, m = ttt_loss(d, d.ttt_forward(input_ids, aux, K), tg, mask)
     # the floor is the targets' own entropy (soft labels), so compare against it
     ent = sum(
-        0.8**i * float(-(tg.logp_draft[:, 1 + i : L - 1].exp() * tg.logp_draft[:, 1 + i : L - 1]).sum(-1).mean())
+        0.8**i
+        * float(
+            -(tg.logp_draft[:, 1 + i : L - 1].exp() * tg.logp_draft[:, 1 + i : L - 1])
+            .sum(-1)
+            .mean()
+        )
         for i in range(K)
     )
     assert float(m["acc"][0]) >= 0.95
