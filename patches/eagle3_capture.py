@@ -114,14 +114,8 @@ def error_path(folder: Path, rid: str) -> Path:
     return Path(folder) / f"{rid}{ERROR_SUFFIX}"
 
 
-def write_sample(
-    folder: Path,
-    rid: str,
-    input_ids: list[int],
-    aux_packed: torch.Tensor,
-    last: torch.Tensor,
-    layers: Optional[list[int]] = None,
-) -> Path:
+def write_sample(folder: Path, rid: str, input_ids: list[int], aux_packed: torch.Tensor,
+                 last: torch.Tensor, layers: Optional[list[int]] = None) -> Path:
     """Write one request's states to ``{folder}/{rid}.pt`` atomically.
 
     Args:
@@ -141,21 +135,15 @@ def write_sample(
     L = len(input_ids)
     H = int(last.shape[-1])
     if last.dim() != 2 or aux_packed.dim() != 2 or last.shape[0] != L or aux_packed.shape[0] != L:
-        raise ValueError(
-            f"rid {rid}: aux {tuple(aux_packed.shape)} / last {tuple(last.shape)} rows != {L} prompt tokens"
-        )
+        raise ValueError(f"rid {rid}: aux {tuple(aux_packed.shape)} / last {tuple(last.shape)} rows != {L} prompt tokens")
     if aux_packed.shape[1] % H:
-        raise ValueError(
-            f"rid {rid}: packed aux width {aux_packed.shape[1]} is not a multiple of hidden size {H}"
-        )
+        raise ValueError(f"rid {rid}: packed aux width {aux_packed.shape[1]} is not a multiple of hidden size {H}")
     K = aux_packed.shape[1] // H
 
     def compact(t: torch.Tensor) -> torch.Tensor:  # [L, H] bf16, own storage
         return t.to(device="cpu", dtype=torch.bfloat16).clone(memory_format=torch.contiguous_format)
 
-    states = [compact(aux_packed[:, k * H : (k + 1) * H]) for k in range(K)] + [
-        compact(last)
-    ]  # K+1 x [L, H]
+    states = [compact(aux_packed[:, k * H:(k + 1) * H]) for k in range(K)] + [compact(last)]  # K+1 x [L, H]
     obj = {
         "format": FORMAT_VERSION,
         "rid": rid,
@@ -175,9 +163,7 @@ def write_error(folder: Path, rid: str, message: str) -> None:
     write_json(error_path(folder, rid), {"rid": rid, "error": message})
 
 
-def store_prefill_capture(
-    *, req: Any, logits_output: Any, start: int, extend_input_len: int, store: bool
-) -> int:
+def store_prefill_capture(*, req: Any, logits_output: Any, start: int, extend_input_len: int, store: bool) -> int:
     """Replacement for the full-capture branch of ``_append_prefill_hidden_states`` (SGLang 0.5.23).
 
     Same offset bookkeeping as the original (rows ``[start, start + extend_input_len)`` of the
@@ -201,52 +187,31 @@ def store_prefill_capture(
         return end
     n_prompt = len(req.origin_input_ids)
     if int(extend_input_len) != n_prompt:
-        write_error(
-            folder,
-            rid,
-            f"prefill covered {int(extend_input_len)} of {n_prompt} prompt tokens "
-            "(prefix-cache hit or chunked prefill): launch with --disable-radix-cache and "
-            "--chunked-prefill-size -1",
-        )
+        write_error(folder, rid, f"prefill covered {int(extend_input_len)} of {n_prompt} prompt tokens "
+                    "(prefix-cache hit or chunked prefill): launch with --disable-radix-cache and "
+                    "--chunked-prefill-size -1")
         return end
     last = getattr(logits_output, "last_hidden_states", None)
     if last is None:
-        write_error(
-            folder,
-            rid,
-            "the server kept no last_hidden_states: launch with "
-            "--enable-return-aux-hidden-states --speculative-algorithm EAGLE3",
-        )
+        write_error(folder, rid, "the server kept no last_hidden_states: launch with "
+                    "--enable-return-aux-hidden-states --speculative-algorithm EAGLE3")
         return end
     try:
-        write_sample(
-            folder,
-            rid,
-            list(req.origin_input_ids),
-            logits_output.hidden_states[start:end],
-            last[start:end],
-            _STATE["layers"],
-        )
+        write_sample(folder, rid, list(req.origin_input_ids), logits_output.hidden_states[start:end],
+                     last[start:end], _STATE["layers"])
     except ValueError as e:
         write_error(folder, rid, str(e))
     return end
 
 
-def copy_last_hidden_states(
-    result: Any, return_hidden_states: bool, d2h: Callable[[torch.Tensor], torch.Tensor]
-) -> None:
+def copy_last_hidden_states(result: Any, return_hidden_states: bool, d2h: Callable[[torch.Tensor], torch.Tensor]) -> None:
     """Queue ``last_hidden_states``' device->host copy with ``d2h`` (SGLang's ``async_d2h``).
 
     Must run on the same stream and before ``copy_done.record()`` of ``GenerationBatchResult.copy_to_cpu``.
     """
     lo = getattr(result, "logits_output", None)
-    if (
-        return_hidden_states
-        and enabled()
-        and lo is not None
-        and getattr(lo, "hidden_states", None) is not None
-        and getattr(lo, "last_hidden_states", None) is not None
-    ):
+    if (return_hidden_states and enabled() and lo is not None and getattr(lo, "hidden_states", None) is not None
+            and getattr(lo, "last_hidden_states", None) is not None):
         lo.last_hidden_states = d2h(lo.last_hidden_states)
 
 
@@ -282,16 +247,13 @@ def record_capture_layers(model: Any) -> None:
         sgl_version = version("sglang")
     except Exception:
         sgl_version = None
-    write_json(
-        folder / INFO_FILE,
-        {
-            "format": FORMAT_VERSION,
-            "sglang_version": sgl_version,
-            "architecture": type(model).__name__,
-            "layers_to_capture": layers,
-            "num_hidden_layers": getattr(tc, "num_hidden_layers", None),
-            "hidden_size": getattr(tc, "hidden_size", None),
-            "vocab_size": getattr(tc, "vocab_size", None),
-            "last_hidden_state": "post_norm",
-        },
-    )
+    write_json(folder / INFO_FILE, {
+        "format": FORMAT_VERSION,
+        "sglang_version": sgl_version,
+        "architecture": type(model).__name__,
+        "layers_to_capture": layers,
+        "num_hidden_layers": getattr(tc, "num_hidden_layers", None),
+        "hidden_size": getattr(tc, "hidden_size", None),
+        "vocab_size": getattr(tc, "vocab_size", None),
+        "last_hidden_state": "post_norm",
+    })
