@@ -8,8 +8,8 @@ time). Two layouts are supported:
   (needs the ``gguf`` package); the embedded default SmolLM2-135M-Instruct is loaded this way.
 
 Multimodal wrappers such as Kimi-K2.5 (``KimiK25ForConditionalGeneration``) keep the language
-model's settings in a nested ``text_config``; :func:`text_config` unwraps it, so every shape the
-pipeline needs (:func:`verifier_dims`) is read from the text model.
+model's settings in a nested ``text_config``; :func:`eagle3.verifier.arch.text_config` unwraps it,
+so every shape the pipeline needs (:func:`verifier_dims`) is read from the text model.
 """
 
 from __future__ import annotations
