@@ -233,7 +233,7 @@ def main(argv=None) -> int:
         if not a.config:
             p.error("--config is required without --tiny")
         from eagle3.layers import default_aux_layers
-        from eagle3.verifier import load_verifier, verifier_dims
+        from eagle3.verifier.load import load_verifier, verifier_dims
 
         cfg = load_config(a.config, a.overrides)
         vcfg = cfg.verifier.model_copy(update={"dtype": "float32", "device": "cpu"})

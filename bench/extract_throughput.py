@@ -83,7 +83,7 @@ from eagle3.io import atomic_write_bytes, atomic_write_json  # noqa: E402
 from eagle3.layers import default_aux_layers  # noqa: E402
 from eagle3.shards.checksum import ALGOS, DEFAULT_ALGO  # noqa: E402
 from eagle3.shards.fp8 import storage_from_config  # noqa: E402
-from eagle3.verifier import load_verifier, verifier_dims  # noqa: E402
+from eagle3.verifier.load import load_verifier, verifier_dims  # noqa: E402
 
 
 @contextlib.contextmanager

@@ -58,8 +58,8 @@ def capture_samples(config: str, n: int, max_length: int, source: Path):
     from eagle3.layers import default_aux_layers
     from eagle3.prompts.chat import tokenize_conversation
     from eagle3.prompts.readers import read_conversations
-    from eagle3.train.target_head import TargetHead
-    from eagle3.verifier import load_verifier
+    from eagle3.verifier.head import TargetHead
+    from eagle3.verifier.load import load_verifier
 
     cfg = load_config(config)
     cfg.verifier.device = "cpu"
@@ -105,8 +105,8 @@ def read_shards(folder: Path, n: int, config: str | None):
         return samples, None, None, 0.0, {"shards": str(folder)}
     from eagle3.config import load_config
     from eagle3.shards.format import read_data_config
-    from eagle3.train.target_head import TargetHead
-    from eagle3.verifier import load_verifier
+    from eagle3.verifier.head import TargetHead
+    from eagle3.verifier.load import load_verifier
 
     cfg = load_config(config)
     cfg.verifier.device, cfg.verifier.dtype = "cpu", "float32"

@@ -67,7 +67,7 @@ def _random_drafter(verifier, device, dtype, drafter_cfg=None):
     fields, ``variant`` and ``num_layers``), so a speed figure is of the drafter the config trains: a second layer
     or a wider MLP costs draft time (lease 2026-12-04e: a second layer took the drafter's share of a batch-80 step from
     0.15 to 0.21)."""
-    from eagle3.train.model import DrafterArgs, Eagle3Drafter
+    from eagle3.drafter.model import DrafterArgs, Eagle3Drafter
 
     cfg = (
         verifier.config.get_text_config()
@@ -251,7 +251,7 @@ def main(argv=None) -> int:
     )
     from eagle3.layers import check_aux_layers, default_aux_layers
     from eagle3.prompts.chat import ChatOptions, end_of_turn_ids, prompt_ids
-    from eagle3.verifier import load_verifier, resolve_device, verifier_dims
+    from eagle3.verifier.load import load_verifier, resolve_device, verifier_dims
 
     check_dataset_names([a.dataset], "--dataset", indexed=False)  # before the verifier loads
     ddir = None if a.random_drafter else resolve_drafter_dir(cfg, a.drafter)

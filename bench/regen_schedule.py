@@ -271,7 +271,7 @@ def main(argv=None) -> int:
     from eagle3.capture.extract import read_prompts
     from eagle3.prompts.chat import ChatOptions
     from eagle3.prompts.prepare_prompts import max_context_tokens
-    from eagle3.verifier import load_tokenizer
+    from eagle3.verifier.load import load_tokenizer
 
     batch_size = a.batch_size or cfg.prompts.gen_batch_size
     max_new = a.max_new_tokens or cfg.prompts.max_new_tokens

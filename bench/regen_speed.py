@@ -1115,7 +1115,7 @@ def main(argv=None) -> int:
 
     from eagle3.prompts.prepare_prompts import max_context_tokens
     from eagle3.prompts.regenerate import engine_options
-    from eagle3.verifier import load_verifier
+    from eagle3.verifier.load import load_verifier
 
     batch_size, max_new = (
         a.batch_size or cfg.prompts.gen_batch_size,

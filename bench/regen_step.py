@@ -412,7 +412,7 @@ def main(argv=None) -> int:
     else:
         from eagle3.config import load_config
         from eagle3.prompts.prepare_prompts import max_context_tokens
-        from eagle3.verifier import load_verifier, stop_token_ids
+        from eagle3.verifier.load import load_verifier, stop_token_ids
 
         cfg = load_config(a.config, a.overrides)
         model, tok = load_verifier(cfg.verifier)
@@ -425,7 +425,7 @@ def main(argv=None) -> int:
     dev = next(model.parameters()).device
     from regen_speed import measure_bandwidth
 
-    from eagle3.prompts.continuous import kv_head_dims
+    from eagle3.verifier.arch import kv_head_dims
 
     bw = measure_bandwidth(dev, 2.0)
     cfgt = model.config.get_text_config()

@@ -158,7 +158,7 @@ def write_synthetic(
     from eagle3.data.vocab import save_vocab_map
     from eagle3.shards.format import FORMAT, LAYER_INDEX_CONVENTION, write_data_config
     from eagle3.shards.manifest import MANIFEST
-    from eagle3.train.target_head import TargetHead
+    from eagle3.verifier.head import TargetHead
 
     shards, data = root / "shards", root / "data"
     H, V, dV = shape["hidden"], shape["vocab"], shape["draft_vocab"]
@@ -333,8 +333,9 @@ def loader_rate(cfg, batches: int) -> dict:
     """Data loading alone, as ``eagle3.train.trainer`` sets it up for ``cfg`` (workers, pinning): real tokens/s over
     ``batches`` micro-batches after the first, and one process's ``ShardDataset[i]`` time per sample."""
     from eagle3.data.dataset import ShardDataset, read_split
+    from eagle3.process_group import Dist
     from eagle3.shards.format import expect_from_data_config, read_data_config
-    from eagle3.train.trainer import DistInfo, _TrainData
+    from eagle3.train.trainer import _TrainData
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     meta = read_data_config(cfg.shards_dir)
@@ -349,7 +350,7 @@ def loader_rate(cfg, batches: int) -> dict:
     for i in range(n):
         ds[i]
     per_sample_ms = 1e3 * (time.perf_counter() - t0) / n
-    data = _TrainData(cfg, ds, DistInfo(rank=0, world=1, local_rank=0, device=dev))
+    data = _TrainData(cfg, ds, Dist(rank=0, world=1, local_rank=0, device=dev))
     it = data.iterate(0, 0)
     next(it)
     t0, toks, got, feat = time.perf_counter(), 0, 0, None

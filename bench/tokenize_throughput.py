@@ -118,7 +118,7 @@ def main(argv=None) -> int:
 
     from eagle3.capture.extract import tokenize_prompts
     from eagle3.capture.tokenize_pool import default_workers
-    from eagle3.verifier import load_tokenizer
+    from eagle3.verifier.load import load_tokenizer
 
     t0 = time.perf_counter()
     tok = load_tokenizer(cfg.verifier)

@@ -123,13 +123,12 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle3.config import TrainConfig  # noqa: E402
+from eagle3.drafter.model import DrafterArgs, Eagle3Drafter  # noqa: E402
 from eagle3.io import atomic_write_json  # noqa: E402
-from eagle3.process_group import process_group_scope  # noqa: E402
-from eagle3.train.model import DrafterArgs, Eagle3Drafter  # noqa: E402
+from eagle3.process_group import Dist, process_group_scope  # noqa: E402
 from eagle3.train.schedule import build_scheduler  # noqa: E402
 from eagle3.train.trainer import (  # noqa: E402
     TARGET_CHUNK,
-    DistInfo,
     TTTObjective,
     _autocast_dtype,
     backward_step,
@@ -290,7 +289,7 @@ def build_step(
     checkpoint_logits: Optional[bool],
     total_steps: int,
     seed: int = 0,
-    ddp: Optional[DistInfo] = None,
+    ddp: Optional[Dist] = None,
     batch_seed: Optional[int] = None,
 ) -> tuple[Callable[[], torch.Tensor], dict, Callable[[], list[float]]]:
     """Build the drafter, optimizer, scheduler, verifier head and random batch; return ``(step, info, checksum)``.
@@ -303,7 +302,7 @@ def build_step(
 
     Args:
         seed: drafter init, vocab map and verifier head (identical on every rank).
-        ddp: with a multi-process :class:`eagle3.train.trainer.DistInfo`, the objective is wrapped in
+        ddp: with a multi-process :class:`eagle3.process_group.Dist`, the objective is wrapped in
             ``DistributedDataParallel`` as in ``eagle3.train.trainer._run`` (before ``torch.compile``).
         batch_seed: seed of the random batch (``input_ids``, ``aux``, ``last``); None draws it from
             the ``seed`` stream after the head (the single-process default).
@@ -370,7 +369,7 @@ def build_step(
     )  # as train.py
     scheduler = build_scheduler(optimizer, total_steps, tc.warmup_ratio)
 
-    dinfo = ddp if wrapped else DistInfo(rank=0, world=1, local_rank=0, device=device)
+    dinfo = ddp if wrapped else Dist(rank=0, world=1, local_rank=0, device=device)
     batch = {"input_ids": input_ids, "aux": aux, "loss_mask": loss_mask}
     weights = torch.tensor([tc.step_weight**i for i in range(s.ttt)], device=device)  # [K]
 
@@ -414,7 +413,7 @@ def build_step(
     return step, info, checksum
 
 
-def _barrier(d: Optional[DistInfo]) -> None:
+def _barrier(d: Optional[Dist]) -> None:
     """Barrier on the gloo control group (no GPU work) when running multi-process; else nothing."""
     if d is not None and d.distributed:
         dist.barrier(group=d.ctrl_group)
@@ -428,7 +427,7 @@ def run_config(
     compile_objective: bool,
     checkpoint_logits: Optional[bool],
     ceiling_tflops: float,
-    ddp: Optional[DistInfo] = None,
+    ddp: Optional[Dist] = None,
     baseline: Optional[dict] = None,
 ) -> dict:
     """Build, warm up (the first warm-up step includes compilation), time ``steps`` steps; one result row.
@@ -836,7 +835,7 @@ def main(argv=None) -> int:
     launched = (
         "RANK" in os.environ and "WORLD_SIZE" in os.environ
     )  # torchrun (or equivalent) environment
-    ddp_info: Optional[DistInfo] = None
+    ddp_info: Optional[Dist] = None
     if launched:
         if a.max_seq_search:
             p.error(
@@ -880,7 +879,7 @@ def _main(
     p: argparse.ArgumentParser,
     a: argparse.Namespace,
     device: torch.device,
-    ddp_info: Optional[DistInfo],
+    ddp_info: Optional[Dist],
     baseline: Optional[dict],
 ) -> int:
     """The benchmark after argument parsing and (under torchrun) process-group start; rank 0 reports."""

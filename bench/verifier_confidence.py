@@ -158,7 +158,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     cfg = load_config(a.config, a.set)
     check_dataset_names(a.datasets, "--datasets", indexed=False)  # before the verifier loads
-    from eagle3.verifier import load_verifier, resolve_device
+    from eagle3.verifier.load import load_verifier, resolve_device
 
     model, tok = load_verifier(cfg.verifier, resolve_device(cfg.verifier.device))
     model.eval()

@@ -833,7 +833,7 @@ class DrafterConfig(_Strict):
         "eagle3",
         description="drafter architecture: eagle3 (the paper) or eagle3.1 (an RMSNorm on each aux hidden state "
         "before fc, and the post-norm output fed back between steps; speculators PR 610/670, TorchSpec PR 97; served by "
-        "SGLang 0.5.23 and vLLM 0.33 through the config keys fc_norm / norm_output). eagle3/train/model.py",
+        "SGLang 0.5.23 and vLLM 0.33 through the config keys fc_norm / norm_output). eagle3/drafter/model.py",
     )
     num_layers: int = Field(
         1,

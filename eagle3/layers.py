@@ -19,25 +19,9 @@ from __future__ import annotations
 from typing import Literal, Sequence
 
 from eagle3.errors import UserError
+from eagle3.verifier.arch import is_deepseek_family
 
 Engine = Literal["sglang", "vllm"]
-
-DEEPSEEK_ARCHS = frozenset(
-    {
-        "DeepseekV2ForCausalLM",
-        "DeepseekV3ForCausalLM",
-        "DeepseekV32ForCausalLM",
-        "KimiK25ForConditionalGeneration",
-        "KimiK2ForCausalLM",
-        "Glm4MoeLiteForCausalLM",  # SGLang glm4_moe_lite.py: its own copy of the DeepSeek rule
-        "MistralLarge3ForCausalLM",  # subclass of DeepseekV3ForCausalLM in SGLang
-        "GlmMoeDsaForCausalLM",  # subclass of DeepseekV2ForCausalLM in SGLang
-        "deepseek_v2",
-        "deepseek_v3",
-        "kimi_k2",
-        "kimi_k25",
-    }
-)
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
@@ -74,11 +58,6 @@ def check_aux_layers(
     if sorted(set(layers)) != layers:
         raise UserError(f"{field}: aux layers must be strictly increasing, got {layers}")
     return layers
-
-
-def is_deepseek_family(architecture: str) -> bool:
-    """True for architectures (or ``model_type`` strings) that SGLang serves with ``deepseek_v2.py``."""
-    return architecture in DEEPSEEK_ARCHS
 
 
 def engine_layer_ids(hf_layers: Sequence[int], engine: Engine, architecture: str) -> list[int]:

@@ -24,6 +24,9 @@ its sockets closed while the interpreter is fully alive.
 Every entry point runs its work inside :func:`process_group_scope`, which does (2) and (3): a barrier and the
 teardown when the block finishes, the teardown without a barrier when an exception (``KeyboardInterrupt`` and
 ``SystemExit`` from a signal included) leaves it.
+
+A rank's place in the job is a :class:`Dist` (:func:`init_dist`: from the torchrun environment), whose collectives
+run on a gloo control group (CPU objects, never a GPU sync) and are no-ops in a world of 1.
 """
 
 from __future__ import annotations
@@ -32,20 +35,155 @@ import contextlib
 import datetime
 import gc
 import os
-from typing import Any, Iterator, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional
 
+import torch
 import torch.distributed as dist
+
+from eagle3.errors import UserError
 
 
 def init_process_group(**kwargs: Any) -> None:
     """``torch.distributed.init_process_group(**kwargs)``, after importing ``torch._dynamo``.
 
     The import comes first so that no later first import of it (DDP construction, transformers) pins the
-    new group and keeps its gloo threads alive into interpreter exit (module docstring).
+    new group and keeps its gloo threads alive into interpreter exit (module docstring); it stays local because
+    it costs seconds and only a process that makes a group needs it.
     """
     import torch._dynamo  # noqa: F401  (side effect: see above)
 
     dist.init_process_group(**kwargs)
+
+
+@dataclass
+class Dist:
+    """This process's place in a torchrun job (``world == 1``: no torch.distributed, the collectives are no-ops).
+
+    Attributes:
+        rank, world, local_rank: from the torchrun environment (:func:`torchrun_env`).
+        device: the device this rank computes on (None: the caller did not say).
+        ctrl_group: a gloo group for control traffic (CPU objects only, never a GPU sync): the default group when
+            it is gloo, else a gloo group of all ranks; None in a world of 1.
+        initialized_here: this process made the default group (and so tears it down).
+        job: what names the work in the error :meth:`on_rank0` raises on the other ranks.
+    """
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    device: Optional[torch.device] = None
+    ctrl_group: Any = None
+    initialized_here: bool = False
+    job: str = "the job"
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1
+
+    def barrier(self) -> None:
+        """Wait for every rank (on the control group)."""
+        if self.world > 1:
+            dist.barrier(group=self.ctrl_group)
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank (pickled)."""
+        if self.world == 1:
+            return obj
+        buf = [obj]
+        dist.broadcast_object_list(buf, src=0, group=self.ctrl_group)
+        return buf[0]
+
+    def all_gather(self, obj: Any) -> list:
+        """``[obj of rank 0, ..., obj of rank world-1]`` on every rank; doubles as a barrier."""
+        if self.world == 1:
+            return [obj]
+        out: list = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.ctrl_group)
+        return out
+
+    def on_rank0(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn()`` on rank 0 only and hand its result to every rank.
+
+        An exception on rank 0 reaches all ranks (so none hangs in the next collective): a
+        :class:`UserError` is re-raised with the same message everywhere, anything else is
+        re-raised on rank 0 and becomes a ``RuntimeError`` (``<job> failed on rank 0: ...``) on the others.
+        """
+        if self.world == 1:
+            return fn()
+        res, err, exc = None, None, None
+        if self.rank == 0:
+            try:
+                res = fn()
+            except BaseException as e:  # noqa: BLE001 - forwarded to the other ranks, then re-raised
+                exc = e
+                err = (
+                    "user" if isinstance(e, UserError) else "bug",
+                    str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}",
+                )
+        res, err = self.broadcast((res, err))
+        if exc is not None:
+            raise exc
+        if err is not None:
+            if err[0] == "user":
+                raise UserError(err[1])
+            raise RuntimeError(f"{self.job} failed on rank 0: {err[1]}")
+        return res
+
+
+def torchrun_env() -> tuple[int, int, int]:
+    """``(world, rank, local_rank)`` from torchrun's ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK`` (unset or empty:
+    1, 0 and the rank).
+
+    Raises:
+        UserError: a value that is not an integer.
+    """
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+        rank = int(os.environ.get("RANK", "0") or 0)
+        local_rank = int(os.environ.get("LOCAL_RANK", str(rank)) or 0)
+    except ValueError as e:
+        raise UserError(f"WORLD_SIZE/RANK/LOCAL_RANK: not an integer ({e})") from e
+    return world, rank, local_rank
+
+
+def init_dist(
+    backend: str = "gloo",
+    timeout: Optional[datetime.timedelta] = None,
+    device: Optional[torch.device] = None,
+    job: str = "the job",
+) -> Dist:
+    """This process's :class:`Dist`: in a torchrun world (``WORLD_SIZE > 1``) the default process group is made
+    (:func:`init_process_group`, unless one exists) and a gloo control group chosen; else a world of 1.
+
+    Args:
+        backend: of the default group: ``gloo`` or ``nccl`` (then bound to ``device``).
+        timeout: of the default group and of a separate control group (None: torch's default).
+        device: this rank's device, recorded in the result.
+        job: names the work in :meth:`Dist.on_rank0`'s error.
+
+    Raises:
+        UserError: the torchrun variables are not integers.
+    """
+    world, rank, local_rank = torchrun_env()
+    if world <= 1:
+        return Dist(device=device, job=job)
+    here = not dist.is_initialized()
+    if here:
+        kw: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+        if backend == "nccl":
+            kw["device_id"] = device
+        init_process_group(backend=backend, **kw)
+    ctrl = (
+        dist.group.WORLD
+        if dist.get_backend() == "gloo"
+        else dist.new_group(backend="gloo", timeout=timeout)
+    )
+    return Dist(rank, world, local_rank, device, ctrl, here, job)
 
 
 def close_process_group(group: Optional[Any] = None, *, barrier: bool = True) -> None:
@@ -105,10 +243,7 @@ def rank_tag(prefix: str = "", suffix: str = "") -> str:
     """``rank r/W`` (with ``prefix``/``suffix``) under torchrun (``WORLD_SIZE`` > 1), else "": each replica's progress
     bar and per-replica log lines name their rank (two unlabelled `regenerate` bars and two `regeneration prompts:`
     lines of other figures read as one line said twice; 02's bars say `capture rank r/W`)."""
-    try:
-        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    except ValueError:
-        world = 1
+    world = _world()
     return f"{prefix}rank {os.environ.get('RANK', '0')}/{world}{suffix}" if world > 1 else ""
 
 

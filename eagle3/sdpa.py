@@ -2,7 +2,7 @@
 
 :func:`no_cudnn_sdpa` keeps torch's SDPA off cuDNN where shapes change call to call (training batches,
 KV-cached decoding, regeneration, padded capture batches); :func:`resolve_attn_impl` names the drafter's
-TTT attention implementation (``eager`` | ``sdpa``, :mod:`eagle3.train.attention`).
+TTT attention implementation (``eager`` | ``sdpa``, :mod:`eagle3.drafter.attention`).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ if str(ROOT) not in sys.path:
 
 from eagle3.data.vocab import save_vocab_map  # noqa: E402
 from eagle3.shards.format import FORMAT, LAYER_INDEX_CONVENTION, write_data_config, write_sample  # noqa: E402
-from eagle3.train.target_head import TargetHead  # noqa: E402
+from eagle3.verifier.head import TargetHead  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "eagle3"
-BASE = {"__init__", "config", "cli", "errors", "io", "verifier", "layers", "sdpa", "process_group"}
+BASE = {"__init__", "config", "cli", "errors", "io", "layers", "sdpa", "process_group"}
 CONCEPTS = {
     "shards",  # shard codec: speculators-v1 sample files, fp8 storage, checksums, manifest log
     "engines",  # engine list, aux layer-id rules, per-engine context rule
@@ -44,7 +44,6 @@ KNOWN_CONFIG_USERS = {
     "eagle3.prompts.regen_server",
     "eagle3.prompts.self_instruct",
     "eagle3.train.checkpoint",
-    "eagle3.verifier",
 }
 # Library modules that still import eagle3.cli; each leaves when its orchestration moves to stages/.
 KNOWN_CLI_USERS = {"eagle3.prompts.self_instruct", "eagle3.train.trainer"}

@@ -11,7 +11,7 @@ slots per row (the last emitted token and the ``k`` drafts), of which row ``r`` 
 contiguous per row. transformers builds the 4-D mask from the 2-D one by slot index (causal) and by
 ``attention_mask[b, slot]`` (padding), which is exactly what holes need, for Llama and DeepseekV3
 alike; nothing is cropped, so every round has the same shapes and needs no host sync.
-The drafter's :class:`eagle3.train.model.DrafterCache` does the same with its ``valid`` mask.
+The drafter's :class:`eagle3.drafter.model.DrafterCache` does the same with its ``valid`` mask.
 
 Speculative round (EAGLE-3 paper arXiv 2503.01840; same chain shape as SGLang ``--speculative-num-steps k
 --speculative-eagle-topk 1 --speculative-num-draft-tokens k+1``), for every row at once:
@@ -56,9 +56,9 @@ from typing import Optional, Sequence
 
 import torch
 
+from eagle3.drafter.caches import DrafterCache
 from eagle3.errors import UserError
 from eagle3.sdpa import no_cudnn_sdpa
-from eagle3.train.model import DrafterCache
 
 
 # ---------------------------------------------------------------------------------------------
@@ -461,7 +461,7 @@ def speculative_generate_batch(
     Args:
         verifier: HF causal LM; must accept ``attention_mask``, ``position_ids``, a KV cache and
             ``output_hidden_states=True``.
-        drafter: :class:`eagle3.train.model.Eagle3Drafter` on the verifier's device (``project``, ``decode``
+        drafter: :class:`eagle3.drafter.model.Eagle3Drafter` on the verifier's device (``project``, ``decode``
             with ``valid``, ``compute_logits``, ``draft_to_target``).
         prompts: B prompts (lists of ids or 1-D tensors).
         aux_layers: three HF ``hidden_states`` indices (0 = embeddings, i = input of layer i), as in

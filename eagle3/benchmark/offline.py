@@ -52,10 +52,10 @@ from eagle3.benchmark.eval_prompts import (
     load_eval_subset,
 )
 from eagle3.config import RunConfig
+from eagle3.drafter.draft_config import EXPORT_META_FILE, untrained_positions
 from eagle3.errors import UserError
 from eagle3.io import atomic_write_files, probe_dirs, read_json, relative_hint
 from eagle3.shards.format import check_extract_settings
-from eagle3.train.draft_config import EXPORT_META_FILE, untrained_positions
 
 log = logging.getLogger(__name__)
 
@@ -663,11 +663,11 @@ def verifier_warnings(
     weights: Optional[str] = None,
 ) -> list[str]:
     """A warning when the drafter's ``eagle3_train.json`` names another verifier than the run config, or records
-    other dimensions than ``dims`` (the loaded verifier's, :func:`eagle3.verifier.verifier_dims`: a ``verifier.path``
+    other dimensions than ``dims`` (the loaded verifier's, :func:`eagle3.verifier.load.verifier_dims`: a ``verifier.path``
     pointed at another model under the same ``verifier.name``), or another weights fingerprint than ``weights``
-    (:func:`eagle3.verifier.weights_fingerprint` of ``verifier.path``; exports of shards 02 fingerprinted)."""
+    (:func:`eagle3.verifier.load.weights_fingerprint` of ``verifier.path``; exports of shards 02 fingerprinted)."""
     from eagle3.shards.format import verifier_dims_differ
-    from eagle3.verifier import weights_differ
+    from eagle3.verifier.load import weights_differ
 
     meta_path = Path(drafter_dir) / TRAIN_META
     if not meta_path.is_file():
@@ -1449,7 +1449,7 @@ def run(
     Raises:
         UserError: missing drafter folder or metadata, unloadable verifier, bad prompts, lossless failure.
     """
-    from eagle3.verifier import load_verifier, resolve_device
+    from eagle3.verifier.load import load_verifier, resolve_device
 
     bc = cfg.benchmark
     steps, steps_field = (steps, "--steps") if steps else (bc.steps, "benchmark.steps")
@@ -1534,7 +1534,7 @@ def load_checked_drafter(
             or contradicts the run's own vocab map or shape.
     """
     from eagle3.layers import check_aux_layers, default_aux_layers
-    from eagle3.verifier import verifier_dims, weights_fingerprint
+    from eagle3.verifier.load import verifier_dims, weights_fingerprint
 
     dims = verifier_dims(verifier.config)
     fallback = cfg.extract.aux_layers
@@ -1586,7 +1586,7 @@ def _after_load(
     Returns:
         ``(lines, not_checked)``: every warning line, and those of them that say a check was not made.
     """
-    from eagle3.verifier import weights_fingerprint
+    from eagle3.verifier.load import weights_fingerprint
 
     name = cfg.verifier.display_name()
     other_template, template_unchecked = template_check(cfg, tokenizer)

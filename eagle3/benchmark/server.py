@@ -523,7 +523,7 @@ def run(
     """
     from eagle3.benchmark.eval_prompts import check_dataset_names, dataset_labels, load_eval_subset
     from eagle3.prompts.chat import ChatOptions, prompt_ids
-    from eagle3.verifier import load_tokenizer
+    from eagle3.verifier.load import load_tokenizer
 
     if datasets:
         check_dataset_names(datasets, "--datasets", indexed=False)
@@ -725,7 +725,7 @@ def _drafter_verifier_lines(cfg, folder: Path, rec: dict) -> list[str]:
         the mismatch line (or none).
     """
     from eagle3.benchmark.offline import verifier_unchecked, verifier_warnings
-    from eagle3.verifier import weights_fingerprint
+    from eagle3.verifier.load import weights_fingerprint
 
     name, fp = cfg.verifier.display_name(), weights_fingerprint(cfg.verifier)
     mismatch = verifier_warnings(folder, name, None, fp)
@@ -794,7 +794,7 @@ def compare_served_model(vcfg, served: str) -> tuple[Optional[str], str]:
     """Whether ``served`` (a server's ``model_path``: a local path or a hub id) is the configured verifier ``vcfg``.
 
     Readable here: the same folder/file (``"same folder"``), else the same weights fingerprint
-    (:func:`eagle3.verifier.weights_fingerprint`; a copy: ``"same weights"``) or other weights (``"differs"``).
+    (:func:`eagle3.verifier.load.weights_fingerprint`; a copy: ``"same weights"``) or other weights (``"differs"``).
     Otherwise (another host, a hub id, no weight file to fingerprint) only names can be compared: the last path
     component of ``served`` against ``verifier.path``'s, its ``gguf_file`` and ``verifier.name``'s, case-insensitive
     (``"same name"``; None when they differ: it may still be the same model under another name).
@@ -803,7 +803,7 @@ def compare_served_model(vcfg, served: str) -> tuple[Optional[str], str]:
         ``(verdict, detail)``: ``"same folder"`` | ``"same weights"`` | ``"same name"`` | ``"differs"`` | None, and
         what the verdict rests on (for the warning line).
     """
-    from eagle3.verifier import weights_fingerprint
+    from eagle3.verifier.load import weights_fingerprint
 
     mine, _ = _verifier_where(vcfg)
     sp = Path(served)

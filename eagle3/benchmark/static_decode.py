@@ -14,12 +14,12 @@ emission cut (:func:`~eagle3.benchmark.decode.emitted_lengths`) and the same fir
 
 How, for one sequence:
 
-* The verifier's keys/values live in a :class:`eagle3.train.model.StaticKVCache` (column = position) read by
+* The verifier's keys/values live in a :class:`eagle3.drafter.model.StaticKVCache` (column = position) read by
   :func:`static_attention`, registered in transformers' ``AttentionInterface`` as ``eagle3_static`` while the decoder
   lives (the verifier's own modules, weights and rotary do the rest; transformers builds no mask for an
   unregistered-mask attention). A forward at positions ``pos`` writes its keys there and attends columns ``<= pos``:
   a rejected draft's columns are overwritten by the next verify, which starts at the first position not kept.
-* The drafter's step-0 keys live in a second one (:meth:`eagle3.train.model.Eagle3Drafter.decode_static`).
+* The drafter's step-0 keys live in a second one (:meth:`eagle3.drafter.model.Eagle3Drafter.decode_static`).
 * State (kept length, last token, emitted count, done flag, output buffer, per-round acceptance) stays on the device;
   the host checks "done" every ``check_every`` steps or rounds (one sync each), as the batched decoders do.
 * A round is three graphs: **draft** (``k`` drafts from the previous step output), **verify** (the verifier on
@@ -53,11 +53,11 @@ from eagle3.benchmark.decode import (
     accepted_prefix,
     emitted_lengths,
 )
+from eagle3.drafter.attention import _sdpa
+from eagle3.drafter.caches import StaticKVCache
 from eagle3.errors import UserError
 from eagle3.prompts.continuous import AttentionSwap
 from eagle3.sdpa import no_cudnn_sdpa
-from eagle3.train.attention import _sdpa
-from eagle3.train.model import StaticKVCache
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ class StaticDecoder:
             interface (Llama family, DeepseekV3); switched to ``eagle3_static`` until :meth:`close`.
         capacity: cache columns: at least the longest prompt + ``max_new_tokens`` + ``2 * steps + 2``.
         max_new_tokens, eos_ids: decoding settings of every call (a row stops after an EOS id, kept).
-        drafter: :class:`eagle3.train.model.Eagle3Drafter` (``project``, ``compute_logits``, ``draft_to_target``,
+        drafter: :class:`eagle3.drafter.model.Eagle3Drafter` (``project``, ``compute_logits``, ``draft_to_target``,
             ``decode_static``), None for greedy only.
         aux_layers: the drafter's three HF ``hidden_states`` indices.
         steps: drafted tokens per round (k >= 1).

@@ -98,6 +98,7 @@ from eagle3.io import (
     remove_stale_tmp,
 )
 from eagle3.layers import check_aux_layers, check_servable, default_aux_layers
+from eagle3.process_group import Dist, init_dist
 from eagle3.shards import (
     format as shard_format,  # TOKEN_PROCESS_MIN read at call time (tests lower it)
 )
@@ -586,7 +587,7 @@ def _check_state(root: Path, fp: str, comp: dict, overwrite: bool, weights: dict
 
     Args:
         fp, comp: :func:`fingerprint` of this run.
-        weights: ``{"verifier_weights": ...}`` of the verifier (:func:`eagle3.verifier.weights_record`; ``{}``: none):
+        weights: ``{"verifier_weights": ...}`` of the verifier (:func:`eagle3.verifier.load.weights_record`; ``{}``: none):
             recorded beside the fingerprint (outside its hash, so folders of before keep theirs) and compared with
             the one recorded there (the state's, else ``data_config.json``'s): weights replaced at the same
             ``verifier.path`` would mix two models' states in one set.
@@ -631,9 +632,9 @@ def _check_state(root: Path, fp: str, comp: dict, overwrite: bool, weights: dict
 
 def _weights_changed(root: Path, state: dict, weights: dict) -> Optional[str]:
     """``'<recorded> -> <now>'`` when the verifier weights recorded for ``root`` (``extract_state.json``'s
-    ``verifier_weights``, else ``data_config.json``'s) differ from ``weights`` (:func:`eagle3.verifier.weights_record`
+    ``verifier_weights``, else ``data_config.json``'s) differ from ``weights`` (:func:`eagle3.verifier.load.weights_record`
     of this run); None when they agree or either side has none (nothing to compare, as 03/04 do)."""
-    from eagle3.verifier import weights_differ
+    from eagle3.verifier.load import weights_differ
 
     now = weights.get("verifier_weights")
     was, _ = _recorded_weights(root, state)
@@ -881,7 +882,7 @@ def _resume_state(
 def make_backend(cfg: RunConfig, aux_layers: Optional[list[int]] = None):
     """Build the capture backend named by ``cfg.extract.backend`` and return ``(backend, tokenizer)``.
 
-    ``hf``: loads the verifier in-process (``eagle3.verifier.load_verifier``). ``sglang``: the
+    ``hf``: loads the verifier in-process (``eagle3.verifier.load.load_verifier``). ``sglang``: the
     tokenizer only, plus ``eagle3.capture.sglang.SGLangCapture`` talking to
     ``cfg.extract.sglang_url`` (imported lazily). ``aux_layers=None`` = EAGLE default.
 
@@ -889,7 +890,12 @@ def make_backend(cfg: RunConfig, aux_layers: Optional[list[int]] = None):
         UserError: missing ``extract.sglang_url`` / ``extract.capture_dir``, or the SGLang backend
             is not available.
     """
-    from eagle3.verifier import load_tokenizer, load_verifier, load_verifier_config, verifier_dims
+    from eagle3.verifier.load import (
+        load_tokenizer,
+        load_verifier,
+        load_verifier_config,
+        verifier_dims,
+    )
 
     ex = cfg.extract
     if ex.backend == "hf":
@@ -982,7 +988,7 @@ def run(
         p for p in (root, *root.parents) if not p.exists()
     ]  # folders this call may create, deepest first
     with process_group_scope(
-        d.group, owned=d.initialized_here
+        d.ctrl_group, owned=d.initialized_here
     ):  # barrier on success only: peers may be stuck
         try:
             return _run(cfg, root, overwrite, limit, backend, tokenizer, d, ignore_disk_check)
@@ -1025,7 +1031,7 @@ def _run(
     limit: Optional[int],
     backend: Optional[CaptureBackend],
     tokenizer,
-    d: "_Dist",
+    d: Dist,
     ignore_disk_check: bool,
 ) -> dict:
     if d.world == 1:
@@ -1048,99 +1054,16 @@ def _run(
         return _extract(cfg, root, overwrite, limit, backend, tokenizer, d, ignore_disk_check)
 
 
-@dataclass
-class _Dist:
-    """This process's place in a torchrun job (``world == 1``: no torch.distributed, no-op collectives).
-
-    ``group`` is a gloo process group (CPU tensors only), so control traffic never touches a GPU.
-    """
-
-    rank: int = 0
-    world: int = 1
-    local_rank: int = 0
-    group: Any = None
-    initialized_here: bool = False
-
-    def broadcast(self, obj: Any) -> Any:
-        """Rank 0's ``obj`` on every rank (pickled)."""
-        if self.world == 1:
-            return obj
-        import torch.distributed as dist
-
-        buf = [obj]
-        dist.broadcast_object_list(buf, src=0, group=self.group)
-        return buf[0]
-
-    def all_gather(self, obj: Any) -> list:
-        """``[obj of rank 0, ..., obj of rank world-1]`` on every rank; doubles as a barrier."""
-        if self.world == 1:
-            return [obj]
-        import torch.distributed as dist
-
-        out: list = [None] * self.world
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
-
-    def on_rank0(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn()`` on rank 0 only and hand its result to every rank.
-
-        An exception on rank 0 reaches all ranks (so none hangs in the next collective): a
-        :class:`UserError` is re-raised with the same message everywhere, anything else is
-        re-raised on rank 0 and becomes a ``RuntimeError`` on the others.
-        """
-        if self.world == 1:
-            return fn()
-        res, err, exc = None, None, None
-        if self.rank == 0:
-            try:
-                res = fn()
-            except BaseException as e:  # noqa: BLE001 - forwarded to the other ranks, then re-raised
-                exc = e
-                err = (
-                    "user" if isinstance(e, UserError) else "bug",
-                    str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}",
-                )
-        res, err = self.broadcast((res, err))
-        if exc is not None:
-            raise exc
-        if err is not None:
-            if err[0] == "user":
-                raise UserError(err[1])
-            raise RuntimeError(f"stage 02 failed on rank 0: {err[1]}")
-        return res
-
-
-def _init_dist() -> _Dist:
+def _init_dist() -> Dist:
     """torch.distributed (gloo) from the torchrun env when ``WORLD_SIZE > 1``; else a single process.
 
     Raises:
         UserError: ``WORLD_SIZE``/``RANK``/``LOCAL_RANK`` are not integers.
     """
-    try:
-        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-        if world <= 1:
-            return _Dist()
-        rank = int(os.environ.get("RANK", "0"))
-        local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
-    except ValueError as e:
-        raise UserError(f"WORLD_SIZE/RANK/LOCAL_RANK: not an integer ({e})") from e
-    import torch.distributed as dist
-
-    from eagle3.process_group import init_process_group
-
-    here = False
-    if not dist.is_initialized():
-        init_process_group(backend="gloo", timeout=DIST_TIMEOUT)
-        here = True
-    group = (
-        dist.group.WORLD
-        if dist.get_backend() == "gloo"
-        else dist.new_group(backend="gloo", timeout=DIST_TIMEOUT)
-    )
-    return _Dist(rank=rank, world=world, local_rank=local_rank, group=group, initialized_here=here)
+    return init_dist(backend="gloo", timeout=DIST_TIMEOUT, job="stage 02")
 
 
-def _rank_config(cfg: RunConfig, d: _Dist) -> RunConfig:
+def _rank_config(cfg: RunConfig, d: Dist) -> RunConfig:
     """A copy of ``cfg`` whose verifier sits on ``cuda:LOCAL_RANK`` (when it would use CUDA at all).
 
     ``verifier.device`` is not part of the fingerprint, so every rank still matches the folder.
@@ -1252,7 +1175,7 @@ def _prepare(
     limit: Optional[int],
     backend: Optional[CaptureBackend],
     tokenizer,
-    d: _Dist,
+    d: Dist,
     ignore_disk_check: bool,
 ) -> _Prepared:
     """Plan + tokenize steps: read prompts, check/prepare the folder (rank 0), build the backend,
@@ -1508,7 +1431,7 @@ def _flat(comp: dict) -> dict:
     }
 
 
-def _ranks_agree(cfg: RunConfig, d: _Dist) -> None:
+def _ranks_agree(cfg: RunConfig, d: Dist) -> None:
     """Every torchrun rank must capture under rank 0's settings and prompts. Each rank reads the config and
     ``prompts.jsonl`` itself; one that read other ones (a node with another copy) tokenized another sample set, and
     rank 0 stopped in a ``RuntimeError: stage 02: samples [...] were assigned to no rank (bug)`` traceback after the
@@ -1548,7 +1471,7 @@ def _extract(
     limit: Optional[int],
     backend: Optional[CaptureBackend],
     tokenizer,
-    d: _Dist,
+    d: Dist,
     ignore_disk_check: bool = False,
 ) -> dict:
     """The stage in named steps: check the prompts (:func:`check_prompts_current`), nothing to do
@@ -1682,10 +1605,10 @@ def _gather_ranks(
 
 def _weights_record(cfg: RunConfig) -> dict:
     """``{"verifier_weights": fingerprint}`` of the verifier's weight files
-    (:func:`eagle3.verifier.weights_fingerprint`), or ``{}`` when its folder holds none: 03 and 04 compare it
+    (:func:`eagle3.verifier.load.weights_fingerprint`), or ``{}`` when its folder holds none: 03 and 04 compare it
     (:func:`eagle3.shards.format.check_verifier`), so a
     ``verifier.path`` pointed at another model under the same ``verifier.name`` is refused, not trained against."""
-    from eagle3.verifier import weights_record
+    from eagle3.verifier.load import weights_record
 
     return weights_record(cfg.verifier)
 
@@ -1699,7 +1622,7 @@ def _finalise(
     t_cap: float,
     captured_tok: int,
     t_start: float,
-    d: _Dist,
+    d: Dist,
     ranks: list[dict],
 ) -> dict:
     """Finalise step: ``data_config.json`` (written last: marks the extraction complete) and the report."""
@@ -1750,7 +1673,7 @@ def _finalise(
         ),  # which model's weights: 03/04 refuse another one under the same verifier.name
         "stop_token_ids": sorted(
             end_of_turn_ids(p.tokenizer)
-        ),  # the loss mask's turn end (eagle3.verifier.stop_token_ids)
+        ),  # the loss mask's turn end (eagle3.verifier.load.stop_token_ids)
         "split": {
             "conversations": int(counts["split_conversations"]),
             "samples": int(counts["split_samples"]),

@@ -45,7 +45,7 @@ from eagle3.process_group import is_rank0
 from eagle3.sdpa import no_cudnn_sdpa
 from eagle3.shards.format import NONFINITE_FIX, StoredStates, encode_batch
 from eagle3.shards.fp8 import Storage
-from eagle3.verifier import text_config
+from eagle3.verifier.arch import last_hidden_state_kind, text_config
 
 log = logging.getLogger(__name__)
 
@@ -401,45 +401,7 @@ class HFCapture:
         )  # [1, n]
         out = self.model(input_ids=ids, attention_mask=torch.ones_like(ids), **self._fwd_kw)
         check_probe_finite(out.hidden_states, out.logits, self.model)
-        last = out.hidden_states[-1]  # [1, n, H]
-        logits = out.logits.float()  # [1, n, V]
-        head = self.model.get_output_embeddings()
-
-        def close(h: torch.Tensor) -> bool:
-            pred = head(h).float()  # [1, n, V]
-            if pred.shape != logits.shape:
-                return False
-            err = (pred - logits).abs().max().item()
-            return err <= 1e-2 * logits.abs().max().item() + 1e-4
-
-        if close(last):
-            return "post_norm"
-        norm = self._final_norm()
-        if norm is None:
-            log.warning(
-                "lm_head(hidden_states[-1]) != logits and no final norm found; recording pre_norm"
-            )
-            return "pre_norm"
-        if close(norm(last)):
-            return "pre_norm"
-        raise RuntimeError(
-            "cannot tell whether the verifier's hidden_states[-1] is post- or pre-norm: lm_head(h) matches the "
-            "logits neither with nor without the final norm (logit scaling/soft-capping are not supported)"
-        )
-
-    def _final_norm(self):
-        decoder = None
-        get_decoder = getattr(self.model, "get_decoder", None)
-        if callable(get_decoder):
-            try:
-                decoder = get_decoder()
-            except (AttributeError, NotImplementedError):
-                decoder = None
-        for cand in (decoder, getattr(self.model, "model", None)):
-            norm = getattr(cand, "norm", None) if cand is not None else None
-            if isinstance(norm, torch.nn.Module):
-                return norm
-        return None
+        return last_hidden_state_kind(self.model, out.hidden_states[-1], out.logits)
 
 
 def check_probe_finite(hidden_states: Sequence[torch.Tensor], logits: torch.Tensor, model) -> None:

@@ -18,10 +18,10 @@ import logging
 from pathlib import Path
 
 from eagle3.config import RunConfig
+from eagle3.drafter.draft_config import untrained_positions
 from eagle3.errors import UserError
 from eagle3.io import relative_hint
 from eagle3.train import checkpoint as ckpt
-from eagle3.train.draft_config import untrained_positions
 
 log = logging.getLogger(__name__)
 
@@ -102,14 +102,14 @@ def _export_from_checkpoint(cfg: RunConfig, engine: str | None = None) -> Path:
             (:func:`eagle3.train.checkpoint.check_drafter_args`; ``max_position_embeddings`` may differ).
     """
     from eagle3.data.vocab import load_run_vocab_map
-    from eagle3.train.model import DrafterArgs
-    from eagle3.train.target_head import TargetHead
+    from eagle3.drafter.model import DrafterArgs
     from eagle3.train.trainer import (
         build_drafter_args,
         export_provenance,
         init_drafter,
         record_export_only,
     )
+    from eagle3.verifier.head import TargetHead
 
     if engine is not None:
         cfg = cfg.model_copy(update={"export": cfg.export.model_copy(update={"engine": engine})})
@@ -252,7 +252,7 @@ def _check_recorded_verifier(cfg: RunConfig, record: dict, path: Path) -> None:
         UserError: ``<checkpoint>: key 'data_config.verifier' is 'a' but the config's verifier is 'b' ...``, or
             ``verifier.path: '<path>' holds other weights than the model <checkpoint> was trained on ...``.
     """
-    from eagle3.verifier import weights_differ, weights_fingerprint
+    from eagle3.verifier.load import weights_differ, weights_fingerprint
 
     want = cfg.verifier.display_name()
     if record.get("verifier") != want:
@@ -328,7 +328,8 @@ def _with_config_context(cfg: RunConfig, args):
     (rotary angles are computed), so this is how a draft SGLang would refuse is re-exported."""
     import dataclasses
 
-    from eagle3.verifier import load_verifier_config, text_config, verifier_dims
+    from eagle3.verifier.arch import text_config
+    from eagle3.verifier.load import load_verifier_config, verifier_dims
 
     want = cfg.drafter.max_position_embeddings
     if want is None:
@@ -409,7 +410,7 @@ def export_for_run(
         UserError: see :func:`eagle3.export.serving.export_drafter`.
     """
     from eagle3.export.serving import export_drafter, export_dtype
-    from eagle3.verifier import verifier_context_length
+    from eagle3.verifier.load import verifier_context_length
 
     verifier_info = {
         "name": data_config["verifier"],

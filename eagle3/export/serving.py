@@ -23,7 +23,7 @@ the other engine loads without error but captures the wrong verifier layers:
   (``draft_vocab_size`` = the verifier's vocab) has neither ``d2t`` nor ``t2d``: vLLM's loader
   refuses ``d2t`` then (:func:`writes_vocab_map`). SGLang cannot load it.
 
-Deeper drafters (``DrafterArgs.num_layers`` = ``num_hidden_layers`` in both configs, eagle3/train/model.py "Depth"):
+Deeper drafters (``DrafterArgs.num_layers`` = ``num_hidden_layers`` in both configs, eagle3/drafter/model.py "Depth"):
 layer 0 keeps its names (``midlayer.`` / ``layers.0.``); each layer ``i >= 1`` adds :func:`upper_layer_keys` in both
 formats (SGLang 0.5.23's loader maps only ``midlayer.`` to ``layers.0.`` and loads ``layers.{i}.*`` as named; vLLM's
 ``AutoWeightsLoader`` the same). Its pre-attention norm is written twice, as ``layers.{i}.hidden_norm.weight`` (what
@@ -31,7 +31,7 @@ SGLang applies) and ``layers.{i}.input_layernorm.weight`` (what vLLM applies): e
 leaves the other unused. :func:`load_exported` requires both and loads the one the folder's engine applies
 (:data:`ENGINE_UPPER_NORM`), warning when they differ.
 
-EAGLE-3.1 drafters (``DrafterArgs.variant == "eagle3.1"``, eagle3/train/model.py) add the tensors
+EAGLE-3.1 drafters (``DrafterArgs.variant == "eagle3.1"``, eagle3/drafter/model.py) add the tensors
 ``fc_norm.{0,1,2}.weight`` (same names in both engines) and the top-level config keys
 ``fc_norm: true`` and ``norm_output: true``, which SGLang 0.5.23 reads from the draft config
 (``llama_eagle3.py`` ``LlamaModel.__init__``) and vLLM 0.33 copies from the speculators config
@@ -68,6 +68,13 @@ from typing import Optional
 import torch
 
 from eagle3.data.vocab import check_vocab_map
+from eagle3.drafter.draft_config import (
+    DEFAULT_EXPORT_DTYPE,
+    EXPORT_META_FILE,
+    check_context_length,
+    llama_config,
+)
+from eagle3.drafter.model import VARIANTS, DrafterArgs, Eagle3Drafter
 from eagle3.errors import UserError
 from eagle3.io import (
     atomic_write_json,
@@ -82,15 +89,8 @@ from eagle3.layers import (
     check_aux_layers,
     engine_layer_ids,
     hf_layers_from_engine,
-    is_deepseek_family,
 )
-from eagle3.train.draft_config import (
-    DEFAULT_EXPORT_DTYPE,
-    EXPORT_META_FILE,
-    check_context_length,
-    llama_config,
-)
-from eagle3.train.model import VARIANTS, DrafterArgs, Eagle3Drafter
+from eagle3.verifier.arch import is_deepseek_family
 
 log = logging.getLogger(__name__)
 
@@ -331,7 +331,7 @@ def export_drafter(
         engine: ``"sglang"`` or ``"vllm"``; the folder is for that engine only.
         aux_layers_hf: the three aux layers as HF ``hidden_states`` indices (capture convention).
         verifier_info: ``{name, architecture, num_layers, hidden_size, vocab_size}``
-            (``eagle3.verifier.verifier_dims`` + the verifier id), optionally ``context_length``
+            (``eagle3.verifier.load.verifier_dims`` + the verifier id), optionally ``context_length``
             (checked by :func:`check_context_length`).
         include_embeddings: also store ``embed_tokens.weight`` (required when the drafter's
             hidden size differs from the verifier's, see :func:`check_export_contract`).

@@ -162,13 +162,13 @@ def template_name(tokenizer, opts: Optional[ChatOptions] = None) -> str:
 
 
 def end_of_turn_ids(tokenizer) -> set[int]:
-    """Token ids that end an assistant turn: the verifier's stop set (:func:`eagle3.verifier.stop_token_ids`:
+    """Token ids that end an assistant turn: the verifier's stop set (:func:`eagle3.verifier.load.stop_token_ids`:
     EOS id(s), known end-of-turn specials, and the folder's config / generation_config ``eos_token_id``).
 
     Used both for the loss-mask end (see module docstring) and as stop tokens of greedy
     regeneration and of 05's decoding, so they agree.
     """
-    from eagle3.verifier import stop_token_ids
+    from eagle3.verifier.load import stop_token_ids
 
     return stop_token_ids(tokenizer)
 

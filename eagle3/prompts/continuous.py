@@ -92,6 +92,7 @@ from eagle3.prompts.packed_prefill import (
     packed_prefill_attention,
 )
 from eagle3.sdpa import no_cudnn_sdpa
+from eagle3.verifier.arch import kv_head_dims
 
 log = logging.getLogger(__name__)
 
@@ -730,21 +731,6 @@ class KVCacheTooLarge(UserError):
 
 
 KV_FREE_SHARE = 0.9  # of the free GPU memory the KV cache may take; the rest: logits [rows, V], activations, graphs
-
-
-def kv_head_dims(cfg) -> tuple[int, int]:
-    """Per-head widths ``(key, value)`` of the K/V tensors a verifier's attention modules hand to the attention
-    function. Standard attention: ``head_dim`` (else ``hidden_size // heads``) for both. MLA (DeepSeek-V3, Kimi-K2.5:
-    ``kv_lora_rank`` set) expands its latent into keys of ``qk_nope_head_dim + qk_rope_head_dim`` and values of
-    ``v_head_dim`` (Kimi: 192 and 128), while its config's ``head_dim`` is the rope part alone (64)."""
-    if (
-        getattr(cfg, "kv_lora_rank", None) is not None
-        and getattr(cfg, "qk_rope_head_dim", None) is not None
-    ):
-        dk = int(cfg.qk_nope_head_dim) + int(cfg.qk_rope_head_dim)
-        return dk, int(getattr(cfg, "v_head_dim", None) or dk)
-    d = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-    return d, d
 
 
 def check_kv_fits(

@@ -259,10 +259,10 @@ def settings(
     Only settings that change the output count (``eagle3.prompts.resume_log.CONDITIONAL_KEYS``): ``seed`` with
     ``prompts.sample_size`` or ``prompts.self_instruct`` (it seeds both samplings; nothing else is random), ``hf_split`` with an ``hf:`` source, ``top_p`` with a server
     ``temperature`` above 0, ``verifier_dtype`` with the in-process regeneration, which also records the verifier's
-    weights (``verifier_weights``, :func:`eagle3.verifier.weights_fingerprint`, when its folder holds weight files):
+    weights (``verifier_weights``, :func:`eagle3.verifier.load.weights_fingerprint`, when its folder holds weight files):
     ``verifier.path`` pointed at other weights under the same ``verifier.name`` remakes the answers.
     """
-    from eagle3.verifier import weights_record
+    from eagle3.verifier.load import weights_record
 
     pc = cfg.prompts
     sources = [pc.source] if isinstance(pc.source, str) else list(pc.source)
@@ -411,7 +411,7 @@ def _regenerate(
             ),
         )
     from eagle3.prompts.regen_server import regenerate_via_server
-    from eagle3.verifier import load_tokenizer
+    from eagle3.verifier.load import load_tokenizer
 
     if not pc.server.urls:
         raise UserError(
@@ -500,8 +500,8 @@ def run(
     cfg = apply_overrides(cfg, source, fmt, regenerate, limit)
     if not _replicated(cfg) and not _rank0():
         return 0  # under torchrun only the in-process regeneration has work for every rank: rank 0 does the rest
-    from eagle3.process_group import process_group_scope
-    from eagle3.prompts.replicas import Dist, init_dist
+    from eagle3.process_group import Dist, process_group_scope
+    from eagle3.prompts.replicas import init_dist
 
     # under torchrun with the replicas: their gloo group, made here so the ranks can agree on the up-to-date check
     # (:func:`ranks_agree`) and wait for rank 0's self-instruct file; without them rank 0 works alone (no group: a
@@ -529,7 +529,7 @@ def ranks_agree(cfg: RunConfig, d, want: dict, fresh: bool) -> bool:
     """
     if d.world <= 1:
         return fresh
-    everyone = d.gather((json.dumps(want, sort_keys=True, default=str), fresh))
+    everyone = d.all_gather((json.dumps(want, sort_keys=True, default=str), fresh))
     for r, (w, f) in enumerate(everyone):
         if w != everyone[0][0]:
             mine, theirs = json.loads(w), json.loads(everyone[0][0])
@@ -561,7 +561,7 @@ def make_self_instruct(cfg: RunConfig, force: bool, d) -> Path:
     them whether rank 0 made it (if not, each stops in one line repeating rank 0's error).
 
     Args:
-        d: :class:`eagle3.prompts.replicas.Dist` (a world of 1 without torchrun).
+        d: :class:`eagle3.process_group.Dist` (a world of 1 without torchrun).
 
     Returns:
         The file's path.
@@ -591,12 +591,12 @@ def make_self_instruct(cfg: RunConfig, force: bool, d) -> Path:
             raise
         except Exception as e:  # noqa: BLE001 - told to the other ranks, then raised here
             failed = str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}"
-            d.gather(failed)
+            d.all_gather(failed)
             raise
     # every rank reads the file after rank 0 wrote it; the gather is that barrier and says whether rank 0 could: a
     # peer left at a plain barrier by a rank 0 that stopped on an error died in a gloo "Connection closed" traceback
     # (its error is repeated: torchrun may end rank 0 before it prints)
-    failed = d.gather(failed)[0] if d.world > 1 else None
+    failed = d.all_gather(failed)[0] if d.world > 1 else None
     if failed is not None:
         raise UserError(
             f"rank {d.rank}: stopped, rank 0 could not make {cfg.self_instruct_path}: {failed}"

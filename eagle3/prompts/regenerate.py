@@ -44,7 +44,7 @@ from eagle3.prompts.chat import (
 )
 from eagle3.prompts.resume_log import ResumeLog
 from eagle3.sdpa import no_cudnn_sdpa
-from eagle3.verifier import (
+from eagle3.verifier.load import (
     stop_token_ids,  # THE verifier's stop set (one call site per engine below)
 )
 

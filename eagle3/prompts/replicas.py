@@ -18,12 +18,11 @@ finishes early waits for the slowest one.
 from __future__ import annotations
 
 import datetime
-import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from eagle3.errors import UserError
+from eagle3 import process_group
+from eagle3.process_group import Dist
 from eagle3.prompts.resume_log import PARTIAL_NAME, ResumeLog, log_resuming
 
 TIMEOUT = datetime.timedelta(hours=3)
@@ -38,54 +37,13 @@ _SUMMED = (
 )
 
 
-@dataclass
-class Dist:
-    """This process's place among the replicas (world 1 = a single process, no process group)."""
-
-    rank: int = 0
-    world: int = 1
-    local_rank: int = 0
-    initialized_here: bool = False
-
-    def barrier(self) -> None:
-        if self.world > 1:
-            import torch.distributed as dist
-
-            dist.barrier()
-
-    def gather(self, obj) -> list:
-        """Every rank's ``obj`` (a list of ``world`` items on every rank)."""
-        if self.world == 1:
-            return [obj]
-        import torch.distributed as dist
-
-        out = [None] * self.world
-        dist.all_gather_object(out, obj)
-        return out
-
-
 def init_dist() -> Dist:
     """gloo process group from the torchrun env when ``WORLD_SIZE > 1``; else a world of 1.
 
     Raises:
         UserError: ``WORLD_SIZE``/``RANK``/``LOCAL_RANK`` are not integers.
     """
-    try:
-        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-        rank = int(os.environ.get("RANK", "0") or 0)
-        local_rank = int(os.environ.get("LOCAL_RANK", str(rank)) or 0)
-    except ValueError as e:
-        raise UserError(f"WORLD_SIZE/RANK/LOCAL_RANK: not an integer ({e})") from e
-    if world <= 1:
-        return Dist()
-    import torch.distributed as dist
-
-    from eagle3.process_group import init_process_group
-
-    here = not dist.is_initialized()
-    if here:
-        init_process_group(backend="gloo", timeout=TIMEOUT)
-    return Dist(rank=rank, world=world, local_rank=local_rank, initialized_here=here)
+    return process_group.init_dist(backend="gloo", timeout=TIMEOUT)
 
 
 def log_path(folder: Path, rank: int) -> Path:
@@ -189,7 +147,7 @@ def regenerate_replicas(
 
     from eagle3.process_group import process_group_scope
     from eagle3.prompts.regenerate import has_tool_calls, regenerate
-    from eagle3.verifier import load_verifier, stop_token_ids
+    from eagle3.verifier.load import load_verifier, stop_token_ids
 
     d = init_dist()
     folder = cfg.prompts_path.parent
@@ -220,7 +178,7 @@ def regenerate_replicas(
             journal=_GlobalLog(ResumeLog(log_path(folder, d.rank), want), mine),
             **(regen_kwargs or {}),
         )
-        parts = d.gather(st)
+        parts = d.all_gather(st)
         d.barrier()  # every rank's log is complete
         out = None
         if d.rank == 0:

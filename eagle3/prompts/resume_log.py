@@ -43,7 +43,7 @@ def comparable_settings(old: dict, want: dict) -> dict:
     Returns:
         A new dict; equal to ``want`` exactly when the settings agree.
     """
-    from eagle3.verifier import (  # here: the endpoint path imports this module without torch
+    from eagle3.verifier.load import (  # here: the endpoint path imports this module without torch
         WEIGHTS_KEY,
         weights_differ,
     )

@@ -63,7 +63,7 @@ class SelfInstructSettings:
         verifier: the verifier's display name and dtype.
         exclude: files whose first user messages are left out (their paths).
         exclude_sha256: those files' sha256 (None: missing), so an edited exclude file is not "up to date".
-        verifier_weights: :func:`eagle3.verifier.weights_fingerprint` of the verifier that samples (None: its folder
+        verifier_weights: :func:`eagle3.verifier.load.weights_fingerprint` of the verifier that samples (None: its folder
             holds no weight file), so ``verifier.path`` pointed at other weights under the same name samples again; a
             report without it (written before it was recorded) is not compared on it.
     """
@@ -311,7 +311,7 @@ def make(
     """
     names = names or CLI_NAMES
     from eagle3.prompts.chat import ChatOptions
-    from eagle3.verifier import load_tokenizer, stop_token_ids, weights_fingerprint
+    from eagle3.verifier.load import load_tokenizer, stop_token_ids, weights_fingerprint
 
     tok = load_tokenizer(cfg.verifier)
     prefix = pre_query_prefix(tok, ChatOptions.from_config(cfg), cfg.prompts.system_prompt)
@@ -338,7 +338,7 @@ def make(
         report_path(out).unlink(missing_ok=True)
     seen = _excluded_keys(exclude, names["exclude"])
     n_excluded_keys = len(seen)
-    from eagle3.verifier import load_verifier
+    from eagle3.verifier.load import load_verifier
 
     model, _ = load_verifier(cfg.verifier)
     queries, counts, secs, tokens = _sample_all(model, tok, st, stop_token_ids(tok), seen)
@@ -492,7 +492,7 @@ def _up_to_date(out: Path, st: SelfInstructSettings) -> bool:
         rec = read_json(rp)
     except UserError:
         return False
-    from eagle3.verifier import weights_differ
+    from eagle3.verifier.load import weights_differ
 
     want, got = (
         json.loads(json.dumps(asdict(st))),

@@ -763,7 +763,7 @@ def check_verifier(verifier: Any, meta: dict, root: str | os.PathLike) -> Option
 
     Checked before any shape: a config pointing at another verifier otherwise fails later on a symptom (a hidden
     size, an aux layer out of range) that names a setting the user never changed. Then, when 02 recorded it, the
-    content fingerprint of the weight files (``verifier_weights``, :func:`eagle3.verifier.weights_fingerprint`): a
+    content fingerprint of the weight files (``verifier_weights``, :func:`eagle3.verifier.load.weights_fingerprint`): a
     ``verifier.path`` pointed at another model of the same shapes under the old ``verifier.name`` trained without
     an error, against the other model's lm_head (fresh-user trial 2026-12-05f: val top-1 0.000, exit 0).
 
@@ -794,7 +794,7 @@ def check_verifier(verifier: Any, meta: dict, root: str | os.PathLike) -> Option
     recorded = meta.get("verifier_weights")
     if not hasattr(verifier, "resolved_path"):
         return None
-    from eagle3.verifier import weights_differ, weights_fingerprint
+    from eagle3.verifier.load import weights_differ, weights_fingerprint
 
     now = weights_fingerprint(verifier)
     if (
@@ -831,7 +831,7 @@ VERIFIER_DIMS = (
 
 def verifier_dims_differ(dims: dict, recorded: dict) -> Optional[str]:
     """``num_layers 6 recorded, 30 at verifier.path; ...`` for each of :data:`VERIFIER_DIMS` that the verifier the
-    config loads (``dims``: :func:`eagle3.verifier.verifier_dims`) has other than ``recorded`` (the shards'
+    config loads (``dims``: :func:`eagle3.verifier.load.verifier_dims`) has other than ``recorded`` (the shards'
     ``data_config.json`` or an export's ``verifier`` block), or None. :func:`check_verifier` compares names only: a
     config whose ``verifier.path`` was pointed at another model under the old ``verifier.name`` otherwise fails on a
     drafter field the user never set (fresh-user trial 2026-12-05d)."""

@@ -468,7 +468,7 @@ def recipe_changes(saved: Optional[dict], current: dict) -> tuple[Optional[str],
 # What a run trained on (checkpoint key ``data_inputs``): stage 03's split and draft vocab map, hashed by content, and
 # the aux layers (HF hidden_states indices) of the shards' data_config.json, whose states the drafter was fed, and the
 # fingerprint of the verifier's weight files those states came from (data_config.json ``verifier_weights``,
-# :func:`eagle3.verifier.weights_fingerprint`; None when 02 recorded none).
+# :func:`eagle3.verifier.load.weights_fingerprint`; None when 02 recorded none).
 SPLIT_FILE, VOCAB_FILE, AUX_LAYERS = "split.json", "vocab_map.pt", "aux_layers"
 VERIFIER_WEIGHTS = "verifier_weights"
 
@@ -558,7 +558,7 @@ def data_inputs_problem(
             f"was trained on: the drafter would be fed (and its export would name) other layers' states; use "
             f"the shards it was trained on (extract.output_dir), or train a new run (a new train.output_dir)"
         )
-    from eagle3.verifier import weights_differ
+    from eagle3.verifier.load import weights_differ
 
     then, now = saved.get(VERIFIER_WEIGHTS), current.get(VERIFIER_WEIGHTS)
     if weights_differ(then, now):
@@ -653,7 +653,7 @@ def check_resume(
 
 
 def drafter_field_source(key: str) -> str:
-    """How a user sets a :class:`eagle3.train.model.DrafterArgs` field back: the real config key or input.
+    """How a user sets a :class:`eagle3.drafter.model.DrafterArgs` field back: the real config key or input.
 
     ``drafter.*`` config keys exist only for the decoder-layer shape (:class:`eagle3.config.DrafterConfig`);
     the draft vocab size comes from ``data.draft_vocab_size`` through stage 03's ``vocab_map.pt``,

@@ -129,7 +129,7 @@ class VerifierStates:
             UserError: the verifier cannot be loaded, or differs from ``data_config.json`` (:func:`check_conventions`).
         """
         from eagle3.capture.hf import HFCapture
-        from eagle3.verifier import load_verifier
+        from eagle3.verifier.load import load_verifier
 
         model, tok = load_verifier(cfg.verifier, device=device)
         model.eval()

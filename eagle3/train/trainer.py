@@ -5,9 +5,9 @@ One call of :func:`run` does, on every process (single process, or ``torchrun`` 
 1. torch.distributed from the torchrun environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``):
    NCCL on GPU, gloo on CPU; without those variables it runs as a single process.
 2. Drafter shape (:func:`build_drafter_args`): ``cfg.drafter`` fields, ``null`` ones copied from the
-   verifier's text config (``eagle3.verifier.verifier_dims``); vocab sizes from ``vocab_map.pt``,
+   verifier's text config (``eagle3.verifier.load.verifier_dims``); vocab sizes from ``vocab_map.pt``,
    ``target_hidden_size`` from ``data_config.json``.
-3. Verifier head (:mod:`eagle3.train.target_head`): ``{train_dir}/target_head.safetensors``, extracted
+3. Verifier head (:mod:`eagle3.verifier.head`): ``{train_dir}/target_head.safetensors``, extracted
    from the verifier once by rank 0 and reused on every resume.
 4. Drafter init (:func:`init_drafter`): token embedding = the verifier's (frozen, as in EAGLE-3 and
    SpecForge); ``lm_head`` = the verifier's LM-head rows of the draft vocabulary when the drafter
@@ -67,6 +67,7 @@ from eagle3.data.dataset import ResumableSampler, ShardDataset, collate, read_sp
 from eagle3.data.settings import require_current
 from eagle3.data.validation_record import require_passed
 from eagle3.data.vocab import load_run_vocab_map
+from eagle3.drafter.draft_config import EXPORT_META_FILE
 from eagle3.errors import UserError
 from eagle3.io import (
     append_bytes,
@@ -79,7 +80,7 @@ from eagle3.io import (
     read_json,
 )
 from eagle3.layers import check_servable
-from eagle3.process_group import init_process_group, process_group_scope
+from eagle3.process_group import Dist, init_dist, process_group_scope, torchrun_env
 from eagle3.shards.format import (
     check_extract_settings,
     check_verifier,
@@ -89,10 +90,9 @@ from eagle3.shards.format import (
 )
 from eagle3.shards.fp8 import dequantize_batch, is_fp8
 from eagle3.train import checkpoint as ckpt
-from eagle3.train.draft_config import EXPORT_META_FILE
 from eagle3.train.schedule import build_scheduler
-from eagle3.train.target_head import FILENAME as TARGET_HEAD_FILE
-from eagle3.train.target_head import TargetHead
+from eagle3.verifier.head import FILENAME as TARGET_HEAD_FILE
+from eagle3.verifier.head import TargetHead
 
 log = logging.getLogger(__name__)
 
@@ -102,55 +102,21 @@ TARGET_CHUNK = 2048  # positions per lm_head chunk in compute_targets (bounds th
 # ---------------------------------------------------------------------------------------------
 # distributed setup
 # ---------------------------------------------------------------------------------------------
-@dataclass
-class DistInfo:
-    """Where this process sits: ``rank``/``world`` (1/0 without torchrun), its device, and a CPU
-    (gloo) process group for control messages (stop flag, counters) that never syncs the GPU."""
-
-    rank: int
-    world: int
-    local_rank: int
-    device: torch.device
-    ctrl_group: Any = None
-    initialized_here: bool = False
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def distributed(self) -> bool:
-        return self.world > 1
-
-
-def init_distributed(device: Optional[str] = None) -> DistInfo:
-    """Initialise torch.distributed from the torchrun env (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-    ``MASTER_ADDR``, ``MASTER_PORT``); NCCL when CUDA is available, else gloo.
+def init_distributed(device: Optional[str] = None) -> Dist:
+    """This rank's :class:`eagle3.process_group.Dist` from the torchrun env; NCCL when CUDA is available, else gloo.
 
     Args:
         device: ``"cpu"`` forces CPU (and gloo); None = ``cuda:{LOCAL_RANK}`` if available else CPU.
 
     Returns:
-        :class:`DistInfo`; a single process (world 1) when ``WORLD_SIZE`` is unset or 1.
+        a single process (world 1) when ``WORLD_SIZE`` is unset or 1; its device is set either way.
     """
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
+    local_rank = torchrun_env()[2]
     use_cuda = torch.cuda.is_available() and device != "cpu"
     dev = torch.device(f"cuda:{local_rank}") if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(dev)
-    info = DistInfo(rank=rank, world=world, local_rank=local_rank, device=dev)
-    if world > 1:
-        if not dist.is_initialized():
-            backend = "nccl" if use_cuda else "gloo"
-            kw = {"device_id": dev} if use_cuda else {}
-            init_process_group(backend=backend, **kw)
-            info.initialized_here = True
-        info.ctrl_group = (
-            dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
-        )
-    return info
+    return init_dist(backend="nccl" if use_cuda else "gloo", device=dev)
 
 
 def _dotted(tree: dict, prefix: str = "") -> dict:
@@ -164,7 +130,7 @@ def _dotted(tree: dict, prefix: str = "") -> dict:
     return out
 
 
-def _ranks_agree(cfg: RunConfig, d: DistInfo, args: dict) -> None:
+def _ranks_agree(cfg: RunConfig, d: Dist, args: dict) -> None:
     """Every torchrun rank must train under rank 0's config and command line. Each rank reads them itself; one with
     another ``train.lr`` (a node with another copy of the YAML) stepped its DDP replica with its own lr, the replicas
     drifting apart without a word, and one with another ``train.batch_size`` aborted rank 0 (SIGABRT) with no
@@ -196,7 +162,7 @@ def _ranks_agree(cfg: RunConfig, d: DistInfo, args: dict) -> None:
             )
 
 
-def _same_data(cfg: RunConfig, inputs: "_Inputs", d: DistInfo) -> None:
+def _same_data(cfg: RunConfig, inputs: "_Inputs", d: Dist) -> None:
     """Every torchrun rank must train on rank 0's data: 03's split and vocab map (content sha256), the shards' aux
     layers and verifier weights (:func:`_data_inputs`). Each rank reads them itself; a rank on a node with another
     copy of the data folder trained other samples (or targets) without a word.
@@ -222,7 +188,7 @@ def _same_data(cfg: RunConfig, inputs: "_Inputs", d: DistInfo) -> None:
             )
 
 
-def _same_checkpoint(train_dir: Path, found: Optional[tuple], d: DistInfo) -> None:
+def _same_checkpoint(train_dir: Path, found: Optional[tuple], d: Dist) -> None:
     """Every torchrun rank must resume from rank 0's checkpoint. Each rank looks for it itself; a rank that saw no
     checkpoint (a node-local ``train.output_dir``) or another newest one started from another step than rank 0, and
     the DDP replicas trained on from different weights and data positions.
@@ -244,12 +210,12 @@ def _same_checkpoint(train_dir: Path, found: Optional[tuple], d: DistInfo) -> No
             )
 
 
-def _barrier(d: DistInfo) -> None:
+def _barrier(d: Dist) -> None:
     if d.distributed:
         dist.barrier(group=d.ctrl_group)
 
 
-def _any_rank(flag: bool, d: DistInfo) -> bool:
+def _any_rank(flag: bool, d: Dist) -> bool:
     """True if ``flag`` is True on any rank (one CPU all-reduce on the gloo control group)."""
     if not d.distributed:
         return flag
@@ -258,7 +224,7 @@ def _any_rank(flag: bool, d: DistInfo) -> bool:
     return bool(t.item())
 
 
-def _sum_ranks(values: list[float], d: DistInfo) -> list[float]:
+def _sum_ranks(values: list[float], d: Dist) -> list[float]:
     if not d.distributed:
         return values
     t = torch.tensor(values, dtype=torch.float64)
@@ -272,10 +238,10 @@ def _sum_ranks(values: list[float], d: DistInfo) -> list[float]:
 def build_drafter_args(cfg: RunConfig, data_config: dict, vocab: dict, warn_context: bool = True):
     """``DrafterArgs`` from ``cfg.drafter``; ``null`` fields are copied from the verifier config.
 
-    The verifier config is read (``eagle3.verifier.load_verifier_config``, no weights) only when
-    some field is null; then :meth:`eagle3.train.model.DrafterArgs.from_hf_config` fills it from the
+    The verifier config is read (``eagle3.verifier.load.load_verifier_config``, no weights) only when
+    some field is null; then :meth:`eagle3.drafter.model.DrafterArgs.from_hf_config` fills it from the
     text model config (nested ``text_config`` unwrapped), with ``head_dim`` = hidden / heads for
-    MLA verifiers (Kimi/DeepSeek: :func:`eagle3.verifier.verifier_dims`). Vocab sizes come from
+    MLA verifiers (Kimi/DeepSeek: :func:`eagle3.verifier.load.verifier_dims`). Vocab sizes come from
     ``vocab_map.pt``; ``target_hidden_size`` from ``data_config.json``. ``warn_context``: warn when the draft's
     context is below the verifier's (:func:`warn_short_context`; 04's start); ``--export-only`` passes False, since
     the export's own check then says it once, as the error (SGLang) or the warning (vLLM).
@@ -283,7 +249,7 @@ def build_drafter_args(cfg: RunConfig, data_config: dict, vocab: dict, warn_cont
     Raises:
         UserError: unreadable verifier config, or an invalid shape (field named by ``DrafterArgs``).
     """
-    from eagle3.train.model import DrafterArgs
+    from eagle3.drafter.model import DrafterArgs
 
     def checked(args):
         return warn_short_context(cfg, args) if warn_context else args
@@ -310,7 +276,8 @@ def build_drafter_args(cfg: RunConfig, data_config: dict, vocab: dict, warn_cont
                 **given, **fixed, variant=cfg.drafter.variant, num_layers=cfg.drafter.num_layers
             )
         )
-    from eagle3.verifier import load_verifier_config, text_config, verifier_dims
+    from eagle3.verifier.arch import text_config
+    from eagle3.verifier.load import load_verifier_config, verifier_dims
 
     hf = load_verifier_config(cfg.verifier)
     dims = verifier_dims(hf)
@@ -338,13 +305,13 @@ def build_drafter_args(cfg: RunConfig, data_config: dict, vocab: dict, warn_cont
 
 def warn_short_context(cfg: RunConfig, args):
     """Warn at the start of 04 when the drafter's context is below the verifier's: the export for
-    SGLang will be refused, vLLM caps the draft (:func:`eagle3.train.draft_config.check_context_length`).
+    SGLang will be refused, vLLM caps the draft (:func:`eagle3.drafter.draft_config.check_context_length`).
 
     Returns:
         ``args`` unchanged.
     """
-    from eagle3.train.draft_config import check_context_length
-    from eagle3.verifier import verifier_context_length
+    from eagle3.drafter.draft_config import check_context_length
+    from eagle3.verifier.load import verifier_context_length
 
     try:
         check_context_length(args, verifier_context_length(cfg.verifier), "sglang")
@@ -353,7 +320,7 @@ def warn_short_context(cfg: RunConfig, args):
     return args
 
 
-def warn_world_size(cfg: RunConfig, d: DistInfo) -> Optional[str]:
+def warn_world_size(cfg: RunConfig, d: Dist) -> Optional[str]:
     """Warn (rank 0) when the config plans ``train.nproc_per_node`` processes and 04 runs in another number: a plain
     ``python 04_train.py --config configs/kimi-k2.5.yaml`` trained on one GPU with an eighth of the planned global
     batch, without a word (rehearsal 2026-12-05g). Only a value the config sets is compared (the default 1 is not a
@@ -382,12 +349,12 @@ def warn_world_size(cfg: RunConfig, d: DistInfo) -> Optional[str]:
     return msg
 
 
-def prepare_target_head(cfg: RunConfig, data_config: dict, d: DistInfo) -> TargetHead:
+def prepare_target_head(cfg: RunConfig, data_config: dict, d: Dist) -> TargetHead:
     """Load ``{train_dir}/target_head.safetensors``; rank 0 extracts it from the verifier first if missing.
 
     Extraction reads only the three tensors from a safetensors checkpoint
-    (:func:`eagle3.train.safetensors_head.load_target_head_from_safetensors`, Kimi-sized verifiers), or
-    loads the model through transformers for GGUF verifiers (:func:`eagle3.verifier.load_verifier`).
+    (:func:`eagle3.verifier.head.load_target_head_from_safetensors`, Kimi-sized verifiers), or
+    loads the model through transformers for GGUF verifiers (:func:`eagle3.verifier.load.load_verifier`).
 
     Raises:
         UserError: the head does not match ``data_config.json`` (hidden size, vocab size, norm convention).
@@ -397,13 +364,13 @@ def prepare_target_head(cfg: RunConfig, data_config: dict, d: DistInfo) -> Targe
         log.info("extracting the verifier's embedding / lm_head / final norm to %s", path)
         vdir = cfg.verifier.resolved_path()
         if cfg.verifier.gguf_file is None and any(vdir.glob("*.safetensors*")):
-            from eagle3.train.safetensors_head import load_target_head_from_safetensors
+            from eagle3.verifier.head import load_target_head_from_safetensors
 
             load_target_head_from_safetensors(vdir, data_config["last_hidden_state"]).save(
                 cfg.train_dir
             )
         else:
-            from eagle3.verifier import load_verifier
+            from eagle3.verifier.load import load_verifier
 
             model, _tok = load_verifier(cfg.verifier, device="cpu")
             TargetHead.from_model(model, data_config["last_hidden_state"]).save(cfg.train_dir)
@@ -437,7 +404,7 @@ def init_drafter(args, head: TargetHead, vocab: dict, seed: int):
         UserError: the drafter hidden size differs from the verifier's (EAGLE-3 drafters reuse
             the verifier's token embedding, so the widths must agree).
     """
-    from eagle3.train.model import Eagle3Drafter
+    from eagle3.drafter.model import Eagle3Drafter
 
     if head.embed.shape[1] != args.hidden_size:
         raise UserError(
@@ -536,7 +503,7 @@ def backward_step(
     batches: list[dict],
     targets: list,
     ttt_length: int,
-    d: DistInfo,
+    d: Dist,
     amp: Optional[torch.dtype] = None,
 ) -> list[dict]:
     """Forward + backward of every micro-batch of ONE optimizer step, with the step-normalised loss.
@@ -558,7 +525,7 @@ def backward_step(
         targets: :class:`eagle3.train.ttt.TTTTargets` of each batch (all alive at once: ``len(batches)`` x
             ``[B, L, draft_V]`` float32, or ``[M, draft_V]`` rows with ``loss_pos``).
         ttt_length: ``K``.
-        d: this process's :class:`DistInfo` (every rank must call this once per optimizer step).
+        d: this process's :class:`Dist` (every rank must call this once per optimizer step).
         amp: autocast dtype on the device, or None.
 
     Returns:
@@ -651,7 +618,7 @@ class StopFlag:
         self._old = {}
 
 
-def stop_before_training(stop: Optional[StopFlag], d: DistInfo) -> None:
+def stop_before_training(stop: Optional[StopFlag], d: Dist) -> None:
     """Honour a signal that came before the first optimizer step of this call (04's start-up: data checks, verifier
     head, drafter init, hidden-state source): stop now, with nothing trained and no checkpoint written, instead of
     training a step first. Called between the setup steps and before the first step; every rank calls it at the same
@@ -747,7 +714,7 @@ def _read_metrics(path: Path) -> list[dict]:
     return rows
 
 
-def _reduce_totals(totals: dict[str, torch.Tensor], d: DistInfo) -> dict[str, torch.Tensor]:
+def _reduce_totals(totals: dict[str, torch.Tensor], d: Dist) -> dict[str, torch.Tensor]:
     """Sum :meth:`_Accum.totals` over ranks (CPU all-reduce on the gloo control group; host sync)."""
     out = {k: v.detach().to("cpu", torch.float64) for k, v in totals.items()}
     if d.distributed:
@@ -831,7 +798,7 @@ class _TrainData:
     checkpoint stores it as ``epoch``, ``steps_in_epoch`` and ``samples_in_epoch`` (global samples).
     """
 
-    def __init__(self, cfg: RunConfig, train_ds: ShardDataset, d: DistInfo):
+    def __init__(self, cfg: RunConfig, train_ds: ShardDataset, d: Dist):
         t = cfg.train
         self.world, self.accum, self.is_main = (
             d.world,
@@ -998,7 +965,7 @@ class _TrainData:
 def _horizon_after_resume(
     data: _TrainData,
     state: dict,
-    d: DistInfo,
+    d: Dist,
     t,
     total_steps: int,
     horizon: Optional[int],
@@ -1219,7 +1186,7 @@ def train_lock_holder(train_dir: Path) -> str:
 
 
 @contextlib.contextmanager
-def _train_lock(train_dir: Path, d: DistInfo, field: str = "train.output_dir"):
+def _train_lock(train_dir: Path, d: Dist, field: str = "train.output_dir"):
     """Hold ``{train_dir}/.train.lock`` (:func:`eagle3.io.exclusive_lock`, rank 0) for the whole of 04: a second 04 on
     the same train folder (``--resume`` started while the first still ran) trained beside it, deleting its
     in-flight checkpoint temp files, appending a second copy of every metrics row and writing the same export
@@ -1251,7 +1218,7 @@ def _train_lock(train_dir: Path, d: DistInfo, field: str = "train.output_dir"):
 
 def _run(
     cfg: RunConfig,
-    d: DistInfo,
+    d: Dist,
     stop: StopFlag,
     resume: bool,
     max_steps: Optional[int],
@@ -1294,7 +1261,7 @@ def _run(
 
 def _run_locked(
     cfg: RunConfig,
-    d: DistInfo,
+    d: Dist,
     stop: StopFlag,
     resume: bool,
     max_steps: Optional[int],
@@ -1410,7 +1377,7 @@ def _undo_on_refusal(train_dir: Path, enabled: bool):
 
 
 def _check_train_dir(
-    cfg: RunConfig, d: DistInfo, resume: bool, current: Optional[Callable[[], dict]] = None
+    cfg: RunConfig, d: Dist, resume: bool, current: Optional[Callable[[], dict]] = None
 ) -> None:
     """Folder step (after the inputs are read, before anything is written): refuse existing checkpoints without
     ``resume`` (:func:`without_resume_refusal`: the advice depends on whether ``--resume`` would take them, judged
@@ -1485,7 +1452,7 @@ class _Inputs:
 def warm_start(drafter: nn.Module, src: nn.Module, source: str) -> dict:
     """Copy ``src``'s trainable tensors into ``drafter`` (in place; ``train.init_from``'s warm start).
 
-    Both are :class:`eagle3.train.model.Eagle3Drafter`; ``drafter`` is this run's freshly initialised one (its
+    Both are :class:`eagle3.drafter.model.Eagle3Drafter`; ``drafter`` is this run's freshly initialised one (its
     frozen ``embed_tokens``, its vocab map and so its ``lm_head`` rows = the verifier's rows of its draft ids stay
     where ``src`` has nothing for them). Every trainable tensor of ``drafter`` but ``lm_head.weight`` must exist in
     ``src`` with the same shape, and ``src``'s trainable set must hold nothing else; the variant and the target vocab
@@ -1577,7 +1544,7 @@ def check_init_from_shape(src: str, exported: dict, args) -> None:
         src: the export folder (for the message).
         exported: the export's ``drafter_args`` (``eagle3_train.json``; absent keys take DrafterArgs' defaults:
             ``variant`` eagle3 and ``num_layers`` 1 for exports written before those fields existed).
-        args: this run's :class:`eagle3.train.model.DrafterArgs`.
+        args: this run's :class:`eagle3.drafter.model.DrafterArgs`.
 
     Raises:
         UserError: naming the first differing field, e.g. ``train.init_from: 'x/drafter-sglang' holds a drafter with
@@ -1680,7 +1647,7 @@ def _exported_drafter_args(src: str) -> Optional[dict]:
     return exported if isinstance(exported, dict) else None
 
 
-def _warm_start_planned(cfg: RunConfig, d: DistInfo, resume: bool, args=None) -> bool:
+def _warm_start_planned(cfg: RunConfig, d: Dist, resume: bool, args=None) -> bool:
     """Whether this call warm-starts from ``train.init_from``: set, and no ``--resume`` checkpoint to continue (that
     one holds the run's weights, the warm start's included). Checks, before anything is written, that the folder
     looks like an export (``config.json`` + ``model.safetensors``) and, given this run's drafter ``args``, that the
@@ -1707,7 +1674,7 @@ def _warm_start_planned(cfg: RunConfig, d: DistInfo, resume: bool, args=None) ->
 
 def _load_inputs(
     cfg: RunConfig,
-    d: DistInfo,
+    d: Dist,
     resume: bool,
     init: Optional[Callable] = None,
     stop: Optional[StopFlag] = None,
@@ -1840,7 +1807,7 @@ class _Data:
     )
 
 
-def _build_data(cfg: RunConfig, d: DistInfo, inputs: _Inputs, max_steps: Optional[int]) -> _Data:
+def _build_data(cfg: RunConfig, d: Dist, inputs: _Inputs, max_steps: Optional[int]) -> _Data:
     """Data step: train/val datasets over the shards (items without states when they are computed online),
     the data order (:class:`_TrainData`), total optimizer steps (``max_steps`` / ``train.max_steps`` cap)."""
     t = cfg.train
@@ -1943,7 +1910,7 @@ class _Optimisation:
 
 
 def _build_optimisation(
-    cfg: RunConfig, d: DistInfo, inputs: _Inputs, total_steps: int
+    cfg: RunConfig, d: Dist, inputs: _Inputs, total_steps: int
 ) -> _Optimisation:
     """Optimisation step: the TTT objective (DDP, torch.compile), AdamW over the trainable drafter
     parameters, the warmup + cosine schedule over ``total_steps``."""
@@ -2000,7 +1967,7 @@ class _Training:
     def __init__(
         self,
         cfg: RunConfig,
-        d: DistInfo,
+        d: Dist,
         inputs: _Inputs,
         data: _Data,
         opt: _Optimisation,
@@ -2822,7 +2789,7 @@ def no_validation_note(step: int, stopped: bool = False) -> str:
 def headline(result: dict, train_dir: Path, args=None) -> str:
     """The lines stage 04 prints at its end: optimizer steps, final validation loss and top-1 accuracy per
     TTT step (``final_val``'s ``loss`` / ``acc_{i}``, as in ``train_report.md``), the drafter's shape (``args``:
-    :class:`eagle3.train.model.DrafterArgs`, when given), the report and the export."""
+    :class:`eagle3.drafter.model.DrafterArgs`, when given), the report and the export."""
     val = result.get("final_val") or {}
     acc = [
         val[k]
@@ -2877,7 +2844,7 @@ def selected_weights_line(result: dict) -> Optional[str]:
 
 def drafter_shape(args, hidden: bool = False) -> str:
     """``eagle3.1, 2 decoder layers, [hidden 576, ]MLP 6144, draft vocab 32000`` of a
-    :class:`eagle3.train.model.DrafterArgs` (04's closing lines and ``train_report.md``)."""
+    :class:`eagle3.drafter.model.DrafterArgs` (04's closing lines and ``train_report.md``)."""
     return (
         f"{args.variant}, {args.num_layers} decoder layer{'s' if args.num_layers > 1 else ''}, "
         + (f"hidden {args.hidden_size}, " if hidden else "")
@@ -2935,7 +2902,7 @@ def record_export_only(
     Returns:
         Whether the report was rewritten.
     """
-    from eagle3.train.model import DrafterArgs
+    from eagle3.drafter.model import DrafterArgs
 
     path = train_dir / "train_report.json"
     if not path.is_file():

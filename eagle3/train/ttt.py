@@ -28,21 +28,6 @@ LK_ETA = 3.0
 """Default ``eta`` of ``lk_hybrid`` (arXiv 2602.23881's best hybrid setting; speculators ``lk_hybrid_loss``)."""
 
 
-def ttt_attention_mask(L: int, step: int) -> torch.Tensor:
-    """Which keys the queries of TTT step ``step`` see (reference mask, CPU).
-
-    Keys are the concatenation of steps ``0..step``, each a block of ``L`` positions: key column
-    ``j*L + s`` is (step ``j``, position ``s``). Query (step, ``t``) sees (0, ``s``) for ``s <= t``
-    and (``j``, ``t``) for ``1 <= j <= step``.
-
-    Returns:
-        bool ``[L, (step+1)*L]``.
-    """
-    blocks = [torch.ones(L, L, dtype=torch.bool).tril()]  # step-0 block: causal
-    blocks += [torch.eye(L, dtype=torch.bool)] * step  # later steps: diagonal
-    return torch.cat(blocks, dim=1)  # [L, (step+1)L]
-
-
 class TTTTargets(NamedTuple):
     """Verifier targets for one batch, computed once per token (see :func:`compute_targets`)."""
 
@@ -294,7 +279,7 @@ def ttt_loss(
     full-vocab argmax at ``t+1+i``, over the valid positions.
 
     Args:
-        drafter: :class:`eagle3.train.model.Eagle3Drafter` (uses ``compute_logits`` and ``d2t``).
+        drafter: :class:`eagle3.drafter.model.Eagle3Drafter` (uses ``compute_logits`` and ``d2t``).
         step_hiddens: output of ``ttt_forward``.
         targets: :func:`compute_targets` output for the same batch.
         loss_mask: ``[B, L]`` int/bool, 1 on assistant tokens.

@@ -317,7 +317,7 @@ def ttt_loss_rows(
     own mean), exactly as :func:`eagle3.train.ttt.ttt_loss`.
 
     Args:
-        drafter: :class:`eagle3.train.model.Eagle3Drafter` (``compute_logits``, ``draft_to_target``).
+        drafter: :class:`eagle3.drafter.model.Eagle3Drafter` (``compute_logits``, ``draft_to_target``).
         step_hiddens: ``K`` tensors ``[B, L, H]`` from ``ttt_forward``.
         targets: :func:`row_targets` output for ``loss_pos`` (``[M, dV]``, ``[M]``, ``[M]``).
         loss_pos: int64 ``[M]`` from :func:`eagle3.data.dataset.loss_positions`.

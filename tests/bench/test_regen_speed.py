@@ -313,7 +313,7 @@ def test_reuse_ab_counts_differences_by_logit_gap(tiny_llama_dir, monkeypatch):
     from eagle3.config import load_config
     from eagle3.prompts.chat import ChatOptions, generation_prompt
     from eagle3.prompts.regenerate import stop_token_ids
-    from eagle3.verifier import load_verifier
+    from eagle3.verifier.load import load_verifier
 
     cfg = load_config(
         ROOT / "configs" / "tiny-llama.yaml",
@@ -449,7 +449,7 @@ def test_setting_ab_order_and_first_steps(tiny_llama_dir, monkeypatch):
     """--ab-off-first runs the setting off, then on (recorded as ``order``, the table in that order); each run's
     first decode steps per slot prefix (engine_stats first_step_s, summed over prefixes) are kept and shown."""
     from eagle3.config import load_config
-    from eagle3.verifier import load_verifier
+    from eagle3.verifier.load import load_verifier
 
     cfg = load_config(ROOT / "configs" / "tiny-llama.yaml", [f"verifier.path={tiny_llama_dir}"])
     model, tok = load_verifier(cfg.verifier)
@@ -540,7 +540,7 @@ def test_batch_ab_reports_out_of_memory(tiny_llama_dir, monkeypatch):
     import torch
 
     from eagle3.config import load_config
-    from eagle3.verifier import load_verifier
+    from eagle3.verifier.load import load_verifier
 
     cfg = load_config(ROOT / "configs" / "tiny-llama.yaml", [f"verifier.path={tiny_llama_dir}"])
     model, tok = load_verifier(cfg.verifier)
@@ -601,7 +601,7 @@ def test_prefill_probe_counts_and_table(tiny_llama_dir):
     """The probe's token counts and matmul weights by hand (every parameter but the embeddings), and its table with
     the main run's own prefill rate (500 padded tokens in 0.5 s = 1000 tokens/s, 2 forwards = 250 ms each)."""
     from eagle3.config import load_config
-    from eagle3.verifier import load_verifier
+    from eagle3.verifier.load import load_verifier
 
     cfg = load_config(ROOT / "configs" / "tiny-llama.yaml", [f"verifier.path={tiny_llama_dir}"])
     model, _ = load_verifier(cfg.verifier)

@@ -6,7 +6,7 @@ rotary position ``p`` carries ``p`` (and the row) in its first two channels, and
 puts all mass on the token at ``p + 2`` of that row's prompt + greedy sequence, which is exactly what
 a perfect EAGLE-3 drafter predicts from position ``p`` (DESIGN.md TTT indexing: the output at ``t``
 drafts ``x_{t+2}``; drafted step ``i`` at position ``t+i`` drafts ``x_{t+2+i}``). Keys/values of
-width 1 keep :class:`eagle3.train.model.DrafterCache` bookkeeping real (append, crop).
+width 1 keep :class:`eagle3.drafter.caches.DrafterCache` bookkeeping real (append, crop).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class OracleDrafter(nn.Module):
         return draft_ids + self.d2t[draft_ids]
 
     def decode_static(self, input_ids, hidden, position_ids, cache):
-        """Batch 1 over a static cache (:meth:`eagle3.train.model.Eagle3Drafter.decode_static`): the same fake outputs."""
+        """Batch 1 over a static cache (:meth:`eagle3.drafter.model.Eagle3Drafter.decode_static`): the same fake outputs."""
         T = input_ids.shape[1]
         h = torch.zeros(1, T, self.H, device=input_ids.device)  # [1, T, H]
         h[..., 0] = position_ids.float()

@@ -559,9 +559,9 @@ def run_setup(tmp_path_factory, tiny_llama_dir):
     """Config YAML for the tiny verifier (bf16 in the config, float32 on CPU), an exported random drafter, prompts."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from eagle3.drafter.model import DrafterArgs, Eagle3Drafter
     from eagle3.export.serving import export_drafter
-    from eagle3.train.model import DrafterArgs, Eagle3Drafter
-    from eagle3.verifier import verifier_dims
+    from eagle3.verifier.load import verifier_dims
 
     root = tmp_path_factory.mktemp("bench-run")
     hf = AutoConfig.from_pretrained(tiny_llama_dir)
@@ -915,17 +915,17 @@ def test_cli_more_prompts_than_the_set_warns_and_records_the_ids(run_setup, capl
     """--num-prompts 5 on a 3-prompt set benchmarks the 3 with a warning naming the set and both counts (log,
     bench.json, bench.md); bench.json lists the prompt ids of each set. The warning is logged once, before the
     verifier loads (it used to come only at the end of the run)."""
-    import eagle3.verifier
+    import eagle3.verifier.load
 
     root, cfg, _ = run_setup
     out = root / "out-many"
-    real, at_load = eagle3.verifier.load_verifier, []
+    real, at_load = eagle3.verifier.load.load_verifier, []
 
     def load_verifier(*a, **k):
         at_load.extend(caplog.messages)
         return real(*a, **k)
 
-    monkeypatch.setattr(eagle3.verifier, "load_verifier", load_verifier)
+    monkeypatch.setattr(eagle3.verifier.load, "load_verifier", load_verifier)
     with caplog.at_level(logging.WARNING):
         rc = _cli().main(
             [
@@ -960,14 +960,14 @@ def test_broken_drafter_fails_before_the_verifier_loads(run_setup, tmp_path, mon
     scale; the fresh-user trial waited ~20 s on SmolLM2 for a folder that could never load)."""
     import shutil
 
-    import eagle3.verifier
+    import eagle3.verifier.load
 
     root, cfg, _ = run_setup
 
     def no_verifier(*a, **k):
         raise AssertionError("the verifier was loaded before the drafter folder was checked")
 
-    monkeypatch.setattr(eagle3.verifier, "load_verifier", no_verifier)
+    monkeypatch.setattr(eagle3.verifier.load, "load_verifier", no_verifier)
     bad = tmp_path / "truncated"
     shutil.copytree(root / "drafter", bad)
     w = bad / "model.safetensors"
@@ -997,13 +997,13 @@ def test_an_unknown_dataset_names_the_config_field_or_the_flag(tmp_path, monkeyp
     """``benchmark.datasets: mine`` stopped with ``mine: prompt file not found (expected mtbench, ...)``, naming neither
     the field nor the list item; 05 (offline and server mode) now names where the name was given, before anything
     loads: the config's item, else the flag."""
-    import eagle3.verifier
+    import eagle3.verifier.load
 
     def nothing_loads(*a, **k):
         raise AssertionError("loaded before the dataset names were checked")
 
-    monkeypatch.setattr(eagle3.verifier, "load_verifier", nothing_loads)
-    monkeypatch.setattr(eagle3.verifier, "load_tokenizer", nothing_loads)
+    monkeypatch.setattr(eagle3.verifier.load, "load_verifier", nothing_loads)
+    monkeypatch.setattr(eagle3.verifier.load, "load_tokenizer", nothing_loads)
     (tmp_path / "p.jsonl").write_text('{"prompt": "hi"}\n')
     cfg = tmp_path / "run.yaml"
     cfg.write_text(
@@ -1286,9 +1286,9 @@ def test_drafter_of_another_verifier_is_named_before_its_aux_layers(run_setup, t
     error names the verifier mismatch first, then the aux-layer symptom."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from eagle3.drafter.model import DrafterArgs, Eagle3Drafter
     from eagle3.export.serving import export_drafter
-    from eagle3.train.model import DrafterArgs, Eagle3Drafter
-    from eagle3.verifier import verifier_dims
+    from eagle3.verifier.load import verifier_dims
 
     root, cfg, _ = run_setup
 

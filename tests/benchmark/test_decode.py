@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from eagle3.benchmark.decode import accepted_prefix, greedy_generate, speculative_generate
+from eagle3.drafter.model import DrafterArgs, Eagle3Drafter
 from eagle3.errors import UserError
-from eagle3.train.model import DrafterArgs, Eagle3Drafter
 
 AUX = [1, 3, 4]  # HF hidden_states indices of a 6-layer verifier
 

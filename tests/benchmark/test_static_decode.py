@@ -19,8 +19,8 @@ from test_decode import (
 
 from eagle3.benchmark.decode import greedy_generate, speculative_generate
 from eagle3.benchmark.static_decode import StaticDecoder, capacity_for, resolve_decoder
+from eagle3.drafter.caches import StaticKVCache
 from eagle3.errors import UserError
-from eagle3.train.model import StaticKVCache
 
 
 @pytest.fixture(scope="module")

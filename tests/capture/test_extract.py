@@ -90,7 +90,7 @@ def tiny_backend(tiny_llama_dir):
     """One loaded tiny verifier + HF capture backend shared by the tests below (saves reloading)."""
     from eagle3.capture.hf import HFCapture
     from eagle3.config import VerifierConfig
-    from eagle3.verifier import load_verifier
+    from eagle3.verifier.load import load_verifier
 
     model, tok = load_verifier(
         VerifierConfig(path=str(tiny_llama_dir), name="tiny-llama", dtype="float32", device="cpu")
@@ -457,7 +457,7 @@ def test_rerun_of_finished_shards_is_up_to_date(
     tmp_path, tiny_llama_dir, caplog, monkeypatch, online
 ):
     """A second run of a finished folder loads no verifier and leaves every report byte for byte."""
-    import eagle3.verifier as verifier
+    import eagle3.verifier.load as verifier
 
     path = _config(tmp_path, tiny_llama_dir)
     cfg = load_config(path, ["train.hidden_states=online"] if online else [])
@@ -487,7 +487,7 @@ def test_rerun_of_finished_shards_is_up_to_date(
 def test_a_smaller_limit_on_a_finished_set_is_up_to_date(tmp_path, tiny_llama_dir, monkeypatch):
     """--limit at or below the finished run's prompts asks for a prefix of what is there: nothing to do, the reports
     stay byte for byte (a fresh-user trial: `--limit 4` after a full run of 8 rewrote the report with 0 written)."""
-    import eagle3.verifier as verifier
+    import eagle3.verifier.load as verifier
 
     cfg = load_config(_config(tmp_path, tiny_llama_dir))
     run(cfg)
@@ -526,7 +526,7 @@ def test_weights_replaced_at_the_same_path_are_not_up_to_date(
     assert run(cfg, limit=3)["up_to_date"]  # same weights: nothing to do
     for f in other_weights_dir.glob("*.safetensors"):
         shutil.copy(f, vdir / f.name)
-    from eagle3.verifier import weights_fingerprint
+    from eagle3.verifier.load import weights_fingerprint
 
     now = weights_fingerprint(cfg.verifier)
     state = json.loads((root / STATE).read_text())

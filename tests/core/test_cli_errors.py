@@ -343,7 +343,7 @@ def test_written_by_names_the_files_as_the_stages_define_them():
     from eagle3.io import WRITTEN_BY, file_not_found, read_json, safe_torch_load
     from eagle3.shards.format import DATA_CONFIG
     from eagle3.shards.manifest import MANIFEST
-    from eagle3.train.target_head import FILENAME
+    from eagle3.verifier.head import FILENAME
 
     assert WRITTEN_BY == {
         "prompts.jsonl": "01_prepare_prompts.py",

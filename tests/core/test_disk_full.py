@@ -461,7 +461,7 @@ def test_train_report_disk_full_keeps_the_earlier_report_whole(tmp_path, monkeyp
     from _ddp_worker import make_tiny_run
 
     from eagle3.config import load_config
-    from eagle3.train.model import DrafterArgs
+    from eagle3.drafter.model import DrafterArgs
     from eagle3.train.trainer import run, write_report
 
     cfg = load_config(make_tiny_run(tmp_path, n_train=4, train={"epochs": 1, "batch_size": 2}))

@@ -24,8 +24,8 @@ from eagle3.layers import (
     default_aux_layers,
     engine_layer_ids,
     hf_layers_from_engine,
-    is_deepseek_family,
 )
+from eagle3.verifier.arch import is_deepseek_family
 
 sys.path.insert(0, str(ROOT / "patches"))
 import sglang_source  # noqa: E402

@@ -70,7 +70,7 @@ def test_trainer_run_closes_with_a_barrier_only_on_success(monkeypatch, fails):
     monkeypatch.setattr(
         trainer,
         "init_distributed",
-        lambda device=None: trainer.DistInfo(
+        lambda device=None: process_group.Dist(
             rank=0, world=2, local_rank=0, device=None, ctrl_group=ctrl, initialized_here=True
         ),
     )

@@ -11,13 +11,13 @@ from conftest import SMOLLM_GGUF
 
 from eagle3.config import VerifierConfig
 from eagle3.errors import UserError
-from eagle3.verifier import (
+from eagle3.verifier.arch import text_config
+from eagle3.verifier.load import (
     _hf_kwargs,
     load_tokenizer,
     load_verifier,
     load_verifier_config,
     resolve_device,
-    text_config,
     verifier_dims,
 )
 
@@ -240,7 +240,7 @@ class _Records(logging.Handler):
 
 
 def test_gguf_float32_note_dropped_only_while_a_deliberate_dtype_loads():
-    from eagle3.verifier import _GGUF_DTYPE_NOTE, _GGUF_LOGGER, _gguf_dtype_note_silenced
+    from eagle3.verifier.load import _GGUF_DTYPE_NOTE, _GGUF_LOGGER, _gguf_dtype_note_silenced
 
     logger, seen = logging.getLogger(_GGUF_LOGGER), _Records()
     logger.addHandler(seen)
@@ -281,7 +281,7 @@ def test_weights_differ_is_the_one_fingerprint_rule():
     data_inputs, --export-only's record, 01's settings and resume log, the self-instruct report, 05's export check),
     written once: a mismatch only when both sides record a fingerprint and they differ; a side without one (a record
     of before the fingerprint, a folder without weight files) is not compared."""
-    from eagle3.verifier import weights_differ
+    from eagle3.verifier.load import weights_differ
 
     a, b = "sha256:" + "a" * 64, "sha256:" + "b" * 64
     assert weights_differ(a, b) and weights_differ(b, a)  # both recorded, different: mismatch

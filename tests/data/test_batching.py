@@ -19,9 +19,9 @@ from eagle3.data.dataset import (
     collate,  # noqa: E402
     loss_positions,  # noqa: E402
 )
+from eagle3.drafter.model import DrafterArgs, Eagle3Drafter  # noqa: E402
 from eagle3.errors import UserError  # noqa: E402
 from eagle3.train import checkpoint as ckpt  # noqa: E402
-from eagle3.train.model import DrafterArgs, Eagle3Drafter  # noqa: E402
 from eagle3.train.ttt import compute_targets, step_denominators, ttt_loss  # noqa: E402
 from eagle3.train.ttt_rows import row_targets, ttt_loss_rows, ttt_row_counts  # noqa: E402
 

@@ -190,7 +190,7 @@ def test_shards_without_a_weights_fingerprint_are_said_not_silently_passed(
     import logging
 
     from eagle3.shards.format import check_verifier
-    from eagle3.verifier import weights_fingerprint
+    from eagle3.verifier.load import weights_fingerprint
 
     cfg = load_config(_cfg(tmp_path), [f"verifier.path={tiny_llama_dir}"])
     _make_shards(cfg.shards_dir)

@@ -17,9 +17,9 @@ from _ddp_worker import make_tiny_run, single_thread  # noqa: E402,F401  (autous
 
 from eagle3.config import load_config  # noqa: E402
 from eagle3.data.vocab import check_vocab_map  # noqa: E402
+from eagle3.drafter.model import DrafterArgs, Eagle3Drafter  # noqa: E402
 from eagle3.errors import UserError  # noqa: E402
 from eagle3.train import checkpoint as ckpt  # noqa: E402
-from eagle3.train.model import DrafterArgs, Eagle3Drafter  # noqa: E402
 
 V, DV = 8, 4
 GOOD_TARGETS = [1, 3, 4, 6]

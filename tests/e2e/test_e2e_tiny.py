@@ -104,7 +104,7 @@ def test_tiny_pipeline_end_to_end(tiny_llama_dir, tmp_path):
     vcfg = json.loads((out / "drafter-vllm" / "config.json").read_text())
     assert vcfg["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
     from eagle3.export.serving import load_exported
-    from eagle3.train.target_head import TargetHead
+    from eagle3.verifier.head import TargetHead
 
     emb = TargetHead.load(out / "train").embed.float()
     a, b = load_exported(out / "drafter-sglang", emb), load_exported(out / "drafter-vllm", emb)

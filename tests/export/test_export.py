@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from eagle3.drafter.model import DrafterArgs, Eagle3Drafter
 from eagle3.errors import UserError
 from eagle3.export.serving import (
     META_FILE,
@@ -20,7 +21,6 @@ from eagle3.export.serving import (
     load_exported,
     read_export_meta,
 )
-from eagle3.train.model import DrafterArgs, Eagle3Drafter
 
 LLAMA30 = dict(
     name="tiny/llama-30",

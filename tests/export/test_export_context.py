@@ -91,7 +91,7 @@ def test_04_warns_sglang_export_refused_and_export_only_with_null_fixes_it(tmp_p
 
 
 def test_unreadable_verifier_config_checks_nothing(tmp_path):
-    from eagle3.verifier import verifier_context_length
+    from eagle3.verifier.load import verifier_context_length
 
     cfg = load_config(make_tiny_run(tmp_path / "run"))  # verifier folder does not exist
     assert verifier_context_length(cfg.verifier) is None

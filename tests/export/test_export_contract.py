@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from test_export import DSV3_61, LLAMA30, drafter  # noqa: E402
 
+from eagle3.drafter.model import DrafterArgs, Eagle3Drafter  # noqa: E402
 from eagle3.errors import UserError  # noqa: E402
 from eagle3.export.serving import (  # noqa: E402
     CONFIG_BLOCK,
@@ -26,7 +27,6 @@ from eagle3.export.serving import (  # noqa: E402
     export_drafter,
     load_exported,
 )
-from eagle3.train.model import DrafterArgs, Eagle3Drafter  # noqa: E402
 
 
 def _wide_drafter() -> Eagle3Drafter:
@@ -677,7 +677,7 @@ def test_sglang_export_refused_exactly_when_sglang_refuses_the_draft_context(
 ):
     """Issue 26 item 4: our verdict (export refused / written) equals SGLang 0.5.23's own start-up check
     on the folder; the vLLM export is written with a warning naming the key."""
-    from eagle3.verifier import serving_context_length
+    from eagle3.verifier.load import serving_context_length
 
     get_ctx = _sglang_fns()[0]
     vctx = serving_context_length(verifier)
@@ -724,7 +724,7 @@ def test_short_context_fix_hint_is_enough_and_export_only_applies_it(tmp_path, c
         {**LLAMA30, "context_length": 8192},
     )
     assert _sglang_starts(ok, {"max_position_embeddings": 8192, "rope_scaling": None})
-    with caplog.at_level(logging.WARNING, logger="eagle3.train.draft_config"):
+    with caplog.at_level(logging.WARNING, logger="eagle3.drafter.draft_config"):
         export_drafter(d, tmp_path / "vl", "vllm", [2, 15, 27], {**LLAMA30, "context_length": 8192})
     assert any(
         "drafter.max_position_embeddings: 2048" in r.getMessage() and "vLLM caps" in r.getMessage()

@@ -26,7 +26,7 @@ from eagle3.prompts.continuous import (
     prefix_sizes,
 )
 from eagle3.prompts.regenerate import regenerate
-from eagle3.verifier import load_verifier
+from eagle3.verifier.load import load_verifier
 
 
 @pytest.fixture(scope="module")
@@ -1686,7 +1686,7 @@ def test_slot_engine_on_an_mla_verifier_equals_hf_greedy(tiny_mla, attention, pa
     """01's default engine on Kimi's architecture: the K cache is 24 wide and the V cache 16 (kv_head_dims), and the
     answers, next turns reusing their prefix included, equal plain transformers greedy (fp32). Before the fix the
     cache took the config's head_dim (8) for both and the first prefill raised a shape-mismatch traceback."""
-    from eagle3.prompts.continuous import kv_head_dims
+    from eagle3.verifier.arch import kv_head_dims
 
     model = tiny_mla
     assert kv_head_dims(model.config) == (24, 16)

@@ -420,7 +420,7 @@ def test_local_regeneration_gets_schedule_and_context_cap(
     """01's local path hands prompts.gen_schedule and the context cap (prompts.max_context_tokens, else
     extract.max_length) to eagle3.prompts.regenerate.regenerate."""
     import eagle3.prompts.regenerate
-    import eagle3.verifier
+    import eagle3.verifier.load
     from eagle3.config import load_config
     from eagle3.prompts.prepare_prompts import _regenerate
 
@@ -433,7 +433,9 @@ def test_local_regeneration_gets_schedule_and_context_cap(
     tok = SimpleNamespace(
         eos_token_id=2, get_vocab=lambda: {"<|im_end|>": 2}
     )  # what 01 reads of the tokenizer
-    monkeypatch.setattr(eagle3.verifier, "load_verifier", lambda vc, device=None: ("model", tok))
+    monkeypatch.setattr(
+        eagle3.verifier.load, "load_verifier", lambda vc, device=None: ("model", tok)
+    )
     monkeypatch.setattr(
         eagle3.prompts.regenerate, "regenerate", lambda *a, **k: seen.update(k) or []
     )
@@ -611,7 +613,7 @@ def test_report_counts_prefix_reuse_and_answers_do_not_change(tmp_path, tiny_lla
     reused from the previous turn's KV and those prefilled (their sum: every rendered prompt's tokens), the Markdown
     report prints them; with reuse off nothing is reused and prompts.jsonl is byte for byte the same (fp32)."""
     from eagle3.prompts.chat import ChatOptions, generation_prompt
-    from eagle3.verifier import load_tokenizer
+    from eagle3.verifier.load import load_tokenizer
 
     src = _jsonl(
         tmp_path / "c.jsonl",

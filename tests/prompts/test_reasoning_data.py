@@ -205,7 +205,7 @@ def test_fingerprint_records_template_kwargs_and_keeps_old_folders(tmp_path):
 def tiny_backend(tiny_llama_dir):
     from eagle3.capture.hf import HFCapture
     from eagle3.config import VerifierConfig
-    from eagle3.verifier import load_verifier
+    from eagle3.verifier.load import load_verifier
 
     model, tok = load_verifier(
         VerifierConfig(path=str(tiny_llama_dir), name="tiny", dtype="float32", device="cpu")

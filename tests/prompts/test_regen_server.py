@@ -98,7 +98,7 @@ def _many(n: int) -> list[dict]:
 @pytest.fixture(scope="module")
 def smollm():
     from eagle3.config import VerifierConfig
-    from eagle3.verifier import load_verifier
+    from eagle3.verifier.load import load_verifier
 
     return load_verifier(
         VerifierConfig(path=str(smollm_dir()), gguf_file=SMOLLM_GGUF, dtype="float32"), device="cpu"

@@ -32,7 +32,7 @@ def test_other_weights_under_the_same_name_remake_the_answers(
 ):
     """verifier.path pointed at other weights under the same verifier.name: 01 names the change and regenerates (the
     old answers were another model's); the report records the fingerprint 02 records (data_config.json)."""
-    from eagle3.verifier import weights_fingerprint
+    from eagle3.verifier.load import weights_fingerprint
 
     src = _jsonl(
         tmp_path / "c.jsonl",
@@ -231,7 +231,7 @@ def test_self_instruct_file_of_other_weights_is_sampled_again(
     other weights under the same verifier.name it was 'up to date', the first model's prompts kept. Its report now
     records the weights; the same weights stay up to date, and a report without them (made before) too."""
     from eagle3.prompts import self_instruct as si
-    from eagle3.verifier import weights_fingerprint
+    from eagle3.verifier.load import weights_fingerprint
 
     calls = _fake_sampler(si, monkeypatch)
     out = tmp_path / "si.jsonl"

@@ -17,7 +17,7 @@ import torch
 from eagle3.config import PromptsConfig, VerifierConfig
 from eagle3.errors import UserError
 from eagle3.prompts.chat import ChatOptions, end_of_turn_ids, generation_prompt
-from eagle3.verifier import config_eos_ids, load_tokenizer, load_verifier
+from eagle3.verifier.load import config_eos_ids, load_tokenizer, load_verifier
 
 MAX_NEW = 12
 MSG = [{"role": "user", "content": "Name three colours."}]

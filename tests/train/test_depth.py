@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from test_variant import make as make_tiny
 
+from eagle3.drafter.caches import DrafterCache, StaticKVCache
+from eagle3.drafter.model import DrafterArgs, Eagle3Drafter
 from eagle3.errors import UserError
 from eagle3.export.serving import (
     SGLANG_KEYS,
@@ -23,7 +25,6 @@ from eagle3.export.serving import (
     upper_layer_keys,
 )
 from eagle3.train.checkpoint import check_drafter_args
-from eagle3.train.model import DrafterArgs, DrafterCache, Eagle3Drafter, StaticKVCache
 
 LLAMA30 = dict(
     name="tiny/llama-30",

@@ -23,8 +23,8 @@ from eagle3.export.from_checkpoint import export_for_run, export_from_checkpoint
 from eagle3.export.serving import load_exported  # noqa: E402
 from eagle3.shards.format import read_data_config  # noqa: E402
 from eagle3.train import checkpoint as ckpt  # noqa: E402
-from eagle3.train.target_head import TargetHead  # noqa: E402
 from eagle3.train.trainer import build_drafter_args, init_drafter, run, warm_start  # noqa: E402
+from eagle3.verifier.head import TargetHead  # noqa: E402
 
 DEEP = ["drafter.num_layers=2", "export.dtype=float32"]
 

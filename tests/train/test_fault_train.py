@@ -236,7 +236,7 @@ def test_ctrl_c_during_startup_stops_at_once_leaving_nothing(tmp_path, monkeypat
     one-line message, no checkpoint, no train folder this call made; the same command without --resume then runs."""
     from eagle3.cli import run_main
     from eagle3.train import trainer
-    from eagle3.train.target_head import TargetHead
+    from eagle3.verifier.head import TargetHead
 
     path = make_tiny_run(tmp_path, n_train=4, n_val=0, train={"epochs": 1, "batch_size": 2})
     cfg = load_config(path)

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from eagle3.drafter.caches import DrafterCache
+from eagle3.drafter.model import DrafterArgs, Eagle3Drafter, RMSNorm
 from eagle3.errors import UserError
 from eagle3.export.serving import SGLANG_KEYS
-from eagle3.train.model import DrafterArgs, DrafterCache, Eagle3Drafter, RMSNorm
 
 
 def tiny_args(**kw) -> DrafterArgs:
@@ -99,7 +100,7 @@ def test_rotary_matches_transformers_llama(rope):
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    from eagle3.train.attention import rope_inv_freq, rotary_cos_sin
+    from eagle3.drafter.attention import rope_inv_freq, rotary_cos_sin
 
     params = {"rope_type": "default", "rope_theta": 5000.0}
     if rope:

@@ -27,7 +27,7 @@ from test_extract import _write_prompts
 from eagle3.capture.sglang import SGLangCapture
 from eagle3.config import load_config
 from eagle3.train import checkpoint as ckpt
-from eagle3.train.target_head import TargetHead
+from eagle3.verifier.head import TargetHead
 
 AUX = [3, 31, 59]
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron".split()

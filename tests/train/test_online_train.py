@@ -227,7 +227,7 @@ def test_verifier_path_to_other_weights_under_the_same_name_is_refused(
     from eagle3.errors import UserError
     from eagle3.shards.format import check_verifier, read_data_config
     from eagle3.train.trainer import run
-    from eagle3.verifier import weights_fingerprint
+    from eagle3.verifier.load import weights_fingerprint
 
     src = prepared[kind]["cfg"]
     meta = read_data_config(src.shards_dir)
@@ -265,7 +265,7 @@ def test_verifier_path_to_other_weights_under_the_same_name_is_refused(
     # the export records the fingerprint; 05 warns when verifier.path holds other weights (as for another name)
     from eagle3.benchmark.offline import verifier_warnings
     from eagle3.export.from_checkpoint import export_for_run
-    from eagle3.verifier import load_verifier_config, verifier_dims
+    from eagle3.verifier.load import load_verifier_config, verifier_dims
 
     _p, cfg = _train_cfg(prepared, kind, moved, kind == "online", tmp_path / "c", max_steps=1)
     run(cfg, device="cpu", export=export_for_run)

@@ -337,7 +337,8 @@ def test_04_warns_when_it_runs_in_another_number_of_processes_than_the_config_pl
 
     import torch
 
-    from eagle3.train.trainer import DistInfo, run, warn_world_size
+    from eagle3.process_group import Dist
+    from eagle3.train.trainer import run, warn_world_size
 
     path = make_tiny_run(
         tmp_path, train={"epochs": 1, "nproc_per_node": 8, "batch_size": 2, "grad_accum": 2}
@@ -351,13 +352,13 @@ def test_04_warns_when_it_runs_in_another_number_of_processes_than_the_config_pl
         "train.nproc_per_node: 1 if this is intended"
     )
     assert want in rep
-    two = DistInfo(rank=1, world=2, local_rank=1, device=torch.device("cpu"))
+    two = Dist(rank=1, world=2, local_rank=1, device=torch.device("cpu"))
     assert warn_world_size(load_config(path, ["train.nproc_per_node=2"]), two) is None  # as planned
     unset = make_tiny_run(tmp_path / "unset", train={"epochs": 1})
     assert warn_world_size(load_config(unset), two) is None  # the default 1 is no plan
     tok = load_config(path, ["train.batch_tokens=64"])
     assert "1/8 of the planned tokens per optimizer step" in warn_world_size(
-        tok, DistInfo(0, 1, 0, torch.device("cpu"))
+        tok, Dist(0, 1, 0, torch.device("cpu"))
     )
 
 

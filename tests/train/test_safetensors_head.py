@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import eagle3.train.safetensors_head as sh
+import eagle3.verifier.head as sh
 from eagle3.errors import UserError
-from eagle3.train.safetensors_head import load_target_head_from_safetensors, locate_head_tensors
+from eagle3.verifier.head import load_target_head_from_safetensors, locate_head_tensors
 
 V, H = 48, 16
 
@@ -178,7 +178,7 @@ def test_matches_transformers_model(tiny_llama_dir):
     """Round trip against the HF model saved by transformers (tied SmolLM2-like verifier)."""
     from transformers import AutoModelForCausalLM
 
-    from eagle3.train.target_head import TargetHead
+    from eagle3.verifier.head import TargetHead
 
     ref = TargetHead.from_model(AutoModelForCausalLM.from_pretrained(tiny_llama_dir))
     th = load_target_head_from_safetensors(tiny_llama_dir)

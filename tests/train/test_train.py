@@ -22,7 +22,7 @@ from eagle3.export.from_checkpoint import export_for_run, load_init_drafter  # n
 from eagle3.shards.format import write_sample  # noqa: E402
 from eagle3.train import checkpoint as ckpt  # noqa: E402
 from eagle3.train.schedule import build_scheduler, lr_factor, warmup_steps_for  # noqa: E402
-from eagle3.train.target_head import TargetHead  # noqa: E402
+from eagle3.verifier.head import TargetHead  # noqa: E402
 
 
 # ---- schedule ------------------------------------------------------------------------------------
@@ -620,8 +620,9 @@ def test_drafter_args_nulls_come_from_verifier_config(tmp_path):
 
 
 def test_target_head_extracted_once_from_safetensors_verifier(tmp_path):
+    from eagle3.process_group import Dist
     from eagle3.shards.format import read_data_config
-    from eagle3.train.trainer import DistInfo, prepare_target_head
+    from eagle3.train.trainer import prepare_target_head
 
     m = _save_tiny_verifier(tmp_path / "verifier", tied=False)
     path = make_tiny_run(tmp_path / "run", hidden=16, vocab=40, draft_vocab=20, pre_norm=True)
@@ -629,7 +630,7 @@ def test_target_head_extracted_once_from_safetensors_verifier(tmp_path):
     (
         cfg.train_dir / "target_head.safetensors"
     ).unlink()  # the helper's random head: force extraction
-    single = DistInfo(rank=0, world=1, local_rank=0, device=torch.device("cpu"))
+    single = Dist(rank=0, world=1, local_rank=0, device=torch.device("cpu"))
     head = prepare_target_head(cfg, read_data_config(cfg.shards_dir), single)
     assert torch.equal(head.lm_head, m.lm_head.weight.detach()) and torch.equal(
         head.embed, m.model.embed_tokens.weight.detach()
@@ -651,7 +652,7 @@ def test_target_head_of_smollm2_gguf_reproduces_logits():
     from conftest import SMOLLM_GGUF, smollm_dir
 
     from eagle3.config import VerifierConfig
-    from eagle3.verifier import load_verifier
+    from eagle3.verifier.load import load_verifier
 
     model, tok = load_verifier(
         VerifierConfig(path=str(smollm_dir()), gguf_file=SMOLLM_GGUF, dtype="float32"), device="cpu"

@@ -15,11 +15,12 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from test_model import scramble
 
+from eagle3.drafter.caches import DrafterCache
+from eagle3.drafter.model import DrafterArgs, Eagle3Drafter
 from eagle3.errors import UserError
 from eagle3.export import serving as export_mod
 from eagle3.export.serving import FC_NORM_KEYS, export_drafter, load_exported
 from eagle3.train.checkpoint import check_drafter_args
-from eagle3.train.model import DrafterArgs, DrafterCache, Eagle3Drafter
 
 LLAMA30 = dict(
     name="tiny/llama-30",

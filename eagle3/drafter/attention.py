@@ -10,7 +10,7 @@ TTT attention (DESIGN.md "TTT indexing"; EAGLE-3 paper arXiv 2503.01840 section 
 Two implementations with identical results:
 
 - ``eager``: the reference. Concatenate the keys of steps ``0..i`` into ``[(i+1)L]`` keys, build the
-  explicit boolean mask of :func:`eagle3.train.ttt.ttt_attention_mask` and softmax explicit scores.
+  explicit boolean mask of :func:`ttt_attention_mask` and softmax explicit scores.
 - ``sdpa``: the fast path. One causal ``scaled_dot_product_attention`` call (flash / memory-efficient
   kernels on GPU) computes the step-0 block. The ``i`` diagonal terms enter the *same* softmax as
   ``i`` "sink" keys placed before the sequence: the query gets ``2i`` extra channels holding the
@@ -136,6 +136,21 @@ def _sdpa(
     )
 
 
+def ttt_attention_mask(L: int, step: int) -> torch.Tensor:
+    """Which keys the queries of TTT step ``step`` see (reference mask, CPU).
+
+    Keys are the concatenation of steps ``0..step``, each a block of ``L`` positions: key column
+    ``j*L + s`` is (step ``j``, position ``s``). Query (step, ``t``) sees (0, ``s``) for ``s <= t``
+    and (``j``, ``t``) for ``1 <= j <= step``.
+
+    Returns:
+        bool ``[L, (step+1)*L]``.
+    """
+    blocks = [torch.ones(L, L, dtype=torch.bool).tril()]  # step-0 block: causal
+    blocks += [torch.eye(L, dtype=torch.bool)] * step  # later steps: diagonal
+    return torch.cat(blocks, dim=1)  # [L, (step+1)L]
+
+
 def ttt_attention_eager(
     q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], scale: float
 ) -> torch.Tensor:
@@ -149,8 +164,6 @@ def ttt_attention_eager(
     Returns:
         ``[B, nh, L, hd]`` in ``q.dtype`` (softmax in float32).
     """
-    from eagle3.train.ttt import ttt_attention_mask
-
     L = q.shape[2]
     rep = q.shape[1] // keys[0].shape[1]
     k = _repeat_kv(torch.cat(list(keys), dim=2), rep)  # [B, nh, (i+1)L, hd]
@@ -240,7 +253,7 @@ def cached_attention(
         q: ``[B, nh, T, hd]``; k, v: ``[B, kvh, past + T, hd]`` (cache already extended).
         past: number of cached keys before this call (a Python int: the cache length).
         mask: optional bool ``[B, 1, T, past + T]`` (True = attend), replacing the causal rule
-            (:meth:`eagle3.train.model.DrafterCache.attention_mask`: per-row holes in a batched cache).
+            (:meth:`eagle3.drafter.model.DrafterCache.attention_mask`: per-row holes in a batched cache).
 
     Returns:
         ``[B, nh, T, hd]``.

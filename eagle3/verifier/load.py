@@ -8,33 +8,56 @@ time). Two layouts are supported:
   (needs the ``gguf`` package); the embedded default SmolLM2-135M-Instruct is loaded this way.
 
 Multimodal wrappers such as Kimi-K2.5 (``KimiK25ForConditionalGeneration``) keep the language
-model's settings in a nested ``text_config``; :func:`text_config` unwraps it, so every shape the
-pipeline needs (:func:`verifier_dims`) is read from the text model.
+model's settings in a nested ``text_config``; :func:`eagle3.verifier.arch.text_config` unwraps it,
+so every shape the pipeline needs (:func:`verifier_dims`) is read from the text model.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import weakref
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional, Protocol, Union
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
-from eagle3.config import VerifierConfig
 from eagle3.errors import UserError
 from eagle3.io import read_json
+from eagle3.verifier.arch import cfg_get, drafter_head_dim, text_config
 
 log = logging.getLogger(__name__)
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
+class VerifierSpec(Protocol):
+    """Where and how to load a verifier: the fields this module reads (the run config's ``verifier`` section
+    has them).
+
+    Attributes:
+        gguf_file: a GGUF file name inside the folder, or None for an HF folder.
+        trust_remote_code: pass ``trust_remote_code=True`` to transformers.
+        dtype: ``bfloat16`` | ``float16`` | ``float32``.
+        device: ``auto`` | ``cpu`` | ``cuda[:i]``.
+    """
+
+    gguf_file: Optional[str]
+    trust_remote_code: bool
+    dtype: str
+    device: str
+
+    def resolved_path(self) -> Path:
+        """The verifier folder (raises UserError when it cannot be resolved)."""
+        ...
+
+
 # ---------------------------------------------------------------------------------------------
 # paths and devices
 # ---------------------------------------------------------------------------------------------
-def _check_files(vcfg: VerifierConfig) -> Path:
+def _check_files(vcfg: VerifierSpec) -> Path:
     """Return the verifier folder; raise UserError when it (or its GGUF/config file) is missing."""
     path = vcfg.resolved_path()
     if not path.is_dir():
@@ -52,7 +75,7 @@ def _check_files(vcfg: VerifierConfig) -> Path:
 _FINGERPRINT_CHUNK = 1 << 20  # bytes read from the middle of each weight file
 
 
-def weights_fingerprint(vcfg: VerifierConfig) -> Optional[str]:
+def weights_fingerprint(vcfg: VerifierSpec) -> Optional[str]:
     """A content fingerprint of the verifier's weight files, recorded by 02 in ``data_config.json``
     (``verifier_weights``) and compared by 03/04 (:func:`eagle3.shards.format.check_verifier`): the model the shards
     were captured from, whatever ``verifier.name`` says or where its folder now lives (a moved or copied folder keeps
@@ -66,8 +89,6 @@ def weights_fingerprint(vcfg: VerifierConfig) -> Optional[str]:
     Returns:
         ``sha256:<hex>``, or None when the folder holds no weight file or is not on this machine (nothing to compare).
     """
-    import hashlib
-
     try:
         folder = vcfg.resolved_path()
     except (
@@ -118,7 +139,7 @@ def weights_differ(recorded: Optional[str], now: Optional[str]) -> bool:
     return bool(recorded) and bool(now) and recorded != now
 
 
-def weights_record(vcfg: VerifierConfig) -> dict:
+def weights_record(vcfg: VerifierSpec) -> dict:
     """``{"verifier_weights": fingerprint}`` (:func:`weights_fingerprint`) for a record that names the model it was made
     with (02's ``data_config.json``, 01's settings when it regenerates in-process, a self-instruct file's report), or
     ``{}`` when the folder holds no weight file (nothing to compare)."""
@@ -126,7 +147,7 @@ def weights_record(vcfg: VerifierConfig) -> dict:
     return {WEIGHTS_KEY: fp} if fp else {}
 
 
-def _hf_kwargs(vcfg: VerifierConfig) -> dict:
+def _hf_kwargs(vcfg: VerifierSpec) -> dict:
     """Keyword arguments shared by every ``from_pretrained`` call.
 
     ``trust_remote_code`` is passed only when the config asks for it, so a checkpoint's own Python
@@ -146,7 +167,7 @@ def resolve_device(device: Optional[Union[str, torch.device]]) -> torch.device:
     Raises:
         UserError: an unparsable device string, or a CUDA device this machine does not have (``cuda`` without CUDA,
             ``cuda:3`` with 2 GPUs): the model's ``.to()`` failed with a traceback (``AssertionError: Torch not
-            compiled with CUDA enabled``) after the verifier had been read (fresh-user trial 2026-12-05f).
+            compiled with CUDA enabled``) after the verifier had been read.
     """
     if device is None or str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -173,7 +194,7 @@ def resolve_device(device: Optional[Union[str, torch.device]]) -> torch.device:
 # ---------------------------------------------------------------------------------------------
 # tokenizer, config, model
 # ---------------------------------------------------------------------------------------------
-def load_tokenizer(vcfg: VerifierConfig):
+def load_tokenizer(vcfg: VerifierSpec):
     """Load the verifier's tokenizer from the local folder (or GGUF).
 
     The pad token is set to the EOS token when the tokenizer has none (pads are always masked
@@ -183,8 +204,6 @@ def load_tokenizer(vcfg: VerifierConfig):
     Raises:
         UserError: missing folder/files, or a tokenizer transformers cannot load.
     """
-    from transformers import AutoTokenizer
-
     path = _check_files(vcfg)
     try:
         tok = AutoTokenizer.from_pretrained(str(path), **_hf_kwargs(vcfg))
@@ -229,7 +248,7 @@ def _eos_field(value: Any, source: Path) -> set[int]:
     return {int(v) for v in vals}
 
 
-def config_eos_ids(vcfg: VerifierConfig) -> set[int]:
+def config_eos_ids(vcfg: VerifierSpec) -> set[int]:
     """The stop ids a serving engine takes from the verifier folder: ``eos_token_id`` (an int or a
     list) of ``config.json`` (top level and a nested ``text_config``) united with that of
     ``generation_config.json`` -- SGLang 0.5.23 ``ModelConfig._get_hf_eos_token_id`` (config eos |
@@ -303,7 +322,7 @@ def stop_token_ids(tokenizer) -> set[int]:
     return ids
 
 
-def load_verifier_config(vcfg: VerifierConfig):
+def load_verifier_config(vcfg: VerifierSpec):
     """Load only the verifier's configuration (no weights), also for GGUF files.
 
     When transformers does not know the ``model_type`` (e.g. Kimi-K2.5 with
@@ -316,8 +335,6 @@ def load_verifier_config(vcfg: VerifierConfig):
     Raises:
         UserError: missing folder/files, or malformed ``config.json``.
     """
-    from transformers import AutoConfig, PretrainedConfig
-
     path = _check_files(vcfg)
     try:
         return AutoConfig.from_pretrained(str(path), **_hf_kwargs(vcfg))
@@ -353,7 +370,7 @@ class _DropGgufDtypeNote(logging.Filter):
 
 
 @contextlib.contextmanager
-def _gguf_dtype_note_silenced(vcfg: VerifierConfig):
+def _gguf_dtype_note_silenced(vcfg: VerifierSpec):
     """While loading a GGUF verifier in ``verifier.dtype`` != float32: transformers' float32 note is filtered out
     of its logger, and one INFO line per process says why the dtype is kept (see :data:`_GGUF_DTYPE_NOTE`)."""
     global _gguf_reason_logged
@@ -375,7 +392,7 @@ def _gguf_dtype_note_silenced(vcfg: VerifierConfig):
         logger.removeFilter(note)
 
 
-def load_verifier(vcfg: VerifierConfig, device: Optional[Union[str, torch.device]] = None):
+def load_verifier(vcfg: VerifierSpec, device: Optional[Union[str, torch.device]] = None):
     """Load the verifier model (eval mode, ``vcfg.dtype``) and its tokenizer.
 
     Args:
@@ -389,8 +406,6 @@ def load_verifier(vcfg: VerifierConfig, device: Optional[Union[str, torch.device
     Raises:
         UserError: missing folder/files or a model transformers cannot build.
     """
-    from transformers import AutoModelForCausalLM
-
     path = _check_files(vcfg)
     dev = resolve_device(device if device is not None else vcfg.device)
     tok = load_tokenizer(vcfg)
@@ -415,32 +430,11 @@ def load_verifier(vcfg: VerifierConfig, device: Optional[Union[str, torch.device
 # ---------------------------------------------------------------------------------------------
 # shapes
 # ---------------------------------------------------------------------------------------------
-def _get(cfg: Any, key: str, default: Any = None) -> Any:
-    if isinstance(cfg, dict):
-        return cfg.get(key, default)
-    return getattr(cfg, key, default)
-
-
-def text_config(hf_config: Any) -> Any:
-    """The language model's config: the nested ``text_config`` of a multimodal wrapper, else ``hf_config``.
-
-    Kimi-K2.5 (``KimiK25ForConditionalGeneration``) nests its DeepseekV3-style text model config
-    under ``text_config`` (FIELD-NOTES section 6). A nested dict (config read without the remote
-    code) is returned as a dict. ``get_text_config()`` of transformers is not used because plain
-    ``PretrainedConfig`` objects built from raw JSON keep ``text_config`` as a dict.
-
-    Args:
-        hf_config: ``transformers.PretrainedConfig`` or a ``config.json`` dict.
-    """
-    sub = _get(hf_config, "text_config")
-    return sub if sub is not None else hf_config
-
-
 def _rope_theta(cfg: Any) -> Optional[float]:
     """``rope_theta`` (transformers <5 and most remote code) or ``rope_parameters['rope_theta']`` (transformers 5)."""
-    theta = _get(cfg, "rope_theta")
+    theta = cfg_get(cfg, "rope_theta")
     if theta is None:
-        params = _get(cfg, "rope_parameters") or {}
+        params = cfg_get(cfg, "rope_parameters") or {}
         if isinstance(params, dict):
             theta = params.get("rope_theta")
             if theta is None and params:  # per-layer-type dict, e.g. {"full_attention": {...}}
@@ -471,9 +465,9 @@ def serving_context_length(cfg: Any) -> Optional[int]:
         cfg: ``transformers.PretrainedConfig`` or ``config.json`` dict (already unwrapped with
             :func:`text_config`), or an exported drafter's ``config.json``.
     """
-    rs = _get(cfg, "rope_scaling")
+    rs = cfg_get(cfg, "rope_scaling")
     if not rs:
-        rp = _get(cfg, "rope_parameters")
+        rp = cfg_get(cfg, "rope_parameters")
         rs = rp if isinstance(rp, dict) and rp.get("rope_type", "default") != "default" else None
     factor = 1.0
     if isinstance(rs, dict) and rs:
@@ -481,13 +475,13 @@ def serving_context_length(cfg: Any) -> Optional[int]:
         if "original_max_position_embeddings" in rs or rs.get("rope_type") == "llama3":
             factor = 1.0
     for key in CONTEXT_LENGTH_KEYS:
-        v = _get(cfg, key)
+        v = cfg_get(cfg, key)
         if v is not None:
             return int(factor * int(v))
     return None
 
 
-def verifier_context_length(vcfg: VerifierConfig) -> Optional[int]:
+def verifier_context_length(vcfg: VerifierSpec) -> Optional[int]:
     """:func:`serving_context_length` of the verifier's text config; ``None`` when its config
     cannot be read (no weights are loaded; callers only warn or check with it)."""
     try:
@@ -537,29 +531,28 @@ def verifier_dims(hf_config: Any) -> dict:
         ("hidden_size", "hidden_size"),
         ("vocab_size", "vocab_size"),
     ):
-        v = _get(tc, name)
+        v = cfg_get(tc, name)
         if v is None and name == "vocab_size":
-            v = _get(top, "vocab_size")
+            v = cfg_get(top, "vocab_size")
         if v is None:
             raise UserError(f"verifier config: missing field '{name}' in the text model config")
         out[key] = int(v)
-    archs = _get(top, "architectures") or _get(tc, "architectures") or [None]
-    out["model_type"] = _get(tc, "model_type")
+    archs = cfg_get(top, "architectures") or cfg_get(tc, "architectures") or [None]
+    out["model_type"] = cfg_get(tc, "model_type")
     out["architecture"] = archs[0] or _causal_lm_class_name(out["model_type"])
-    out["rms_norm_eps"] = float(_get(tc, "rms_norm_eps", _get(tc, "layer_norm_eps", 1e-6)) or 1e-6)
+    out["rms_norm_eps"] = float(
+        cfg_get(tc, "rms_norm_eps", cfg_get(tc, "layer_norm_eps", 1e-6)) or 1e-6
+    )
     out["rope_theta"] = _rope_theta(tc)
-    if _get(tc, "num_attention_heads") is None:
+    if cfg_get(tc, "num_attention_heads") is None:
         raise UserError(
             "verifier config: missing field 'num_attention_heads' in the text model config"
         )
-    heads = int(_get(tc, "num_attention_heads"))
+    heads = int(cfg_get(tc, "num_attention_heads"))
     out["num_attention_heads"] = heads
-    out["num_key_value_heads"] = int(_get(tc, "num_key_value_heads") or heads)
-    head_dim = _get(tc, "head_dim")
-    if head_dim is None or _get(tc, "kv_lora_rank") is not None:
-        head_dim = out["hidden_size"] // heads
-    out["head_dim"] = int(head_dim)
-    out["intermediate_size"] = int(_get(tc, "intermediate_size") or 4 * out["hidden_size"])
-    mpe = _get(tc, "max_position_embeddings")
+    out["num_key_value_heads"] = int(cfg_get(tc, "num_key_value_heads") or heads)
+    out["head_dim"] = drafter_head_dim(tc, out["hidden_size"], heads)
+    out["intermediate_size"] = int(cfg_get(tc, "intermediate_size") or 4 * out["hidden_size"])
+    mpe = cfg_get(tc, "max_position_embeddings")
     out["max_position_embeddings"] = int(mpe) if mpe is not None else None
     return out

@@ -2,7 +2,7 @@
 
 Stage 04 warns at start when the drafter's context is below the verifier's (:func:`check_context_length`);
 the export (:mod:`eagle3.export.serving`) writes :func:`llama_config` and refuses the SGLang folder by the
-same rule. Kept in stage 04 so that 04 does not import the later export package (tests/test_layout.py).
+same rule.
 """
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ from typing import Optional
 
 import torch
 
+from eagle3.drafter.model import DrafterArgs
 from eagle3.errors import UserError
-from eagle3.train.model import DrafterArgs
+from eagle3.verifier.load import serving_context_length
 
 log = logging.getLogger(__name__)
 
 DEFAULT_EXPORT_DTYPE = torch.bfloat16
 #: An export folder's own metadata file (HF aux layers, engine ids, verifier, drafter_args, trained_from): written by
-#: :mod:`eagle3.export.serving`, read back by 04 (``train.init_from``, the export record) and 05. Here, in stage 04,
-#: so that 04 reads it without importing the later export package.
+#: :mod:`eagle3.export.serving`, read back by 04 (``train.init_from``, the export record) and 05.
 EXPORT_META_FILE = "eagle3_train.json"
 
 
@@ -66,7 +66,7 @@ def check_context_length(args: DrafterArgs, verifier_context: Optional[int], eng
     SGLang 0.5.23 builds the draft's ``ModelConfig`` with the target's context length
     (``speculative/eagle_worker_v2.py``: ``context_length=target ... context_len``) and
     ``ModelConfig._derive_context_length`` (``srt/configs/model_config.py``) raises when it
-    exceeds the draft's own (:func:`eagle3.verifier.serving_context_length` of the exported
+    exceeds the draft's own (:func:`eagle3.verifier.load.serving_context_length` of the exported
     config) unless ``SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1``: the server does not start.
     vLLM 0.33 does not refuse: it caps the draft's ``max_model_len`` at the smaller of the two
     (``SpeculativeConfig._maybe_override_draft_max_model_len``) and sizes the draft's rotary table
@@ -76,7 +76,7 @@ def check_context_length(args: DrafterArgs, verifier_context: Optional[int], eng
 
     Args:
         args: the drafter's args (``max_position_embeddings``, ``rope_scaling``).
-        verifier_context: the verifier's context length (:func:`eagle3.verifier.verifier_context_length`);
+        verifier_context: the verifier's context length (:func:`eagle3.verifier.load.verifier_context_length`);
             ``None`` = unknown, nothing checked.
         engine: ``sglang`` (refused) or ``vllm`` (warned).
 
@@ -84,8 +84,6 @@ def check_context_length(args: DrafterArgs, verifier_context: Optional[int], eng
         UserError: ``engine == "sglang"`` and the draft's context is shorter, naming
             ``drafter.max_position_embeddings``, both lengths, SGLang's rule and the fix.
     """
-    from eagle3.verifier import serving_context_length
-
     if verifier_context is None:
         return
     draft = serving_context_length(llama_config(args, DEFAULT_EXPORT_DTYPE))

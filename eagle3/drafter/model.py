@@ -50,15 +50,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagle3.data.vocab import check_vocab_map
-from eagle3.errors import UserError
-from eagle3.sdpa import resolve_attn_impl
-from eagle3.train.attention import (
+from eagle3.drafter.attention import (
     apply_rotary,
     cached_attention,
     rope_inv_freq,
     rotary_cos_sin,
     ttt_attention,
 )
+from eagle3.drafter.caches import DrafterCache, StaticKVCache
+from eagle3.errors import UserError
+from eagle3.sdpa import resolve_attn_impl
 
 VARIANTS = ("eagle3", "eagle3.1")
 """Drafter architectures (module docstring): ``eagle3`` (paper) and ``eagle3.1`` (fc_norm + norm_output)."""
@@ -313,150 +314,6 @@ class Eagle3UpperLayer(Eagle3DecoderLayer):
         return self.self_attn.qkv(self.input_layernorm(hidden), cos, sin)
 
 
-class DrafterCache:
-    """KV cache of the drafter for incremental, batched decoding.
-
-    ``keys[l]`` / ``values[l]``: ``[B, kvh, S, hd]`` for decoder layer ``l`` (``DrafterArgs.num_layers`` of them;
-    the lists grow on a layer's first :meth:`append`), rotary already applied to keys. All layers share the slots. ``length`` = ``S``, the number of cached slots (a Python int,
-    so no host sync is needed to read it).
-
-    Rows of a batch advance by different numbers of verified tokens per round, so a slot may hold
-    a real position in one row and nothing in another: ``valid`` (bool ``[B, S]``, None while every
-    slot of every row is real) marks the real ones, and :meth:`Eagle3Drafter.decode` masks the rest
-    out of attention. A slot's rotary position is whatever ``position_ids`` said when it was
-    written, so holes never shift positions.
-    """
-
-    def __init__(self, num_layers: int = 1):
-        self.keys: list[Optional[torch.Tensor]] = [None] * num_layers
-        self.values: list[Optional[torch.Tensor]] = [None] * num_layers
-        self.valid: Optional[torch.Tensor] = None  # [B, S] bool, None = all slots valid
-
-    @property
-    def length(self) -> int:
-        """Number of cached key slots."""
-        return 0 if self.keys[0] is None else int(self.keys[0].shape[2])
-
-    def append(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor, valid: Optional[torch.Tensor] = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append ``[B, kvh, T, hd]`` keys/values to ``layer``; return the full ``[B, kvh, S+T, hd]`` tensors.
-
-        ``valid`` (bool ``[B, T]``, None = all valid) marks which new slots hold real positions;
-        it is recorded once per call of layer 0 (all layers share the slots).
-        """
-        while layer >= len(self.keys):
-            self.keys.append(None)
-            self.values.append(None)
-        if layer == 0 and (valid is not None or self.valid is not None):
-            B, T = k.shape[0], k.shape[2]
-            new = (
-                torch.ones(B, T, dtype=torch.bool, device=k.device)
-                if valid is None
-                else valid.to(torch.bool)
-            )  # [B, T]
-            if self.valid is None:
-                old = torch.ones(B, self.length, dtype=torch.bool, device=k.device)  # [B, S]
-            else:
-                old = self.valid
-            self.valid = torch.cat([old, new], dim=1)  # [B, S+T]
-        if self.keys[layer] is not None:
-            k = torch.cat([self.keys[layer], k], dim=2)
-            v = torch.cat([self.values[layer], v], dim=2)
-        self.keys[layer], self.values[layer] = k, v
-        return k, v
-
-    def attention_mask(self, T: int) -> Optional[torch.Tensor]:
-        """Boolean mask ``[B, 1, T, S]`` for the last ``T`` slots as queries (call after :meth:`append`).
-
-        A query sees every valid slot up to its own (causal by slot order) and always its own slot
-        (so that a padding query, whose output is never used, is not fully masked). None when no
-        slot is invalid (plain causal attention suffices).
-        """
-        if self.valid is None:
-            return None
-        S = self.valid.shape[1]
-        past = S - T
-        causal = torch.ones(T, S, dtype=torch.bool, device=self.valid.device).tril(
-            diagonal=past
-        )  # [T, S]
-        own = torch.zeros(T, S, dtype=torch.bool, device=self.valid.device)
-        own[:, past:] = torch.eye(T, dtype=torch.bool, device=self.valid.device)  # [T, S]
-        return ((self.valid[:, None, :] & causal) | own)[:, None]  # [B, 1, T, S]
-
-    def crop(self, n: int) -> None:
-        """Keep only the first ``n`` slots (drop drafted tokens).
-
-        Raises:
-            ValueError: ``n`` is negative or larger than :attr:`length`.
-        """
-        if not 0 <= n <= self.length:
-            raise ValueError(f"cannot crop a drafter cache of length {self.length} to {n}")
-        for l in range(len(self.keys)):
-            if self.keys[l] is not None:
-                self.keys[l] = self.keys[l][:, :, :n]
-                self.values[l] = self.values[l][:, :, :n]
-        if self.valid is not None:
-            self.valid = self.valid[:, :n]
-
-    def clone(self) -> "DrafterCache":
-        """A shallow copy (tensors are shared; crop/append never modify them in place)."""
-        c = DrafterCache(len(self.keys))
-        c.keys, c.values, c.valid = list(self.keys), list(self.values), self.valid
-        return c
-
-
-class StaticKVCache:
-    """Position-aligned KV cache of ONE sequence with a fixed capacity: column ``p`` holds position ``p``.
-
-    Used by the batch-1 static decoder of stage 05 (:mod:`eagle3.benchmark.static_decode`) for the drafter
-    (:meth:`Eagle3Drafter.decode_static`) and for the verifier's layers alike. Writes go to the columns of the new
-    positions (``index_copy_``, a device index: no host sync) and a query at position ``p`` attends columns ``<= p``
-    (:meth:`mask`), so a rejected draft's keys are never cropped: the next forward at those positions overwrites
-    them, and until then they lie beyond every query. Every shape is fixed, so the forwards can be captured as CUDA
-    graphs.
-
-    Attributes:
-        capacity: columns ``C`` (positions ``0..C-1``).
-        k, v: per layer ``[1, kvh, C, d]`` (allocated at the layer's first write, in the dtype and head sizes of the
-            keys/values written: MLA's key and value head sizes differ).
-        columns: int64 ``[C]``, ``arange(C)``.
-        pos, attn_mask: the positions ``[T]`` of the forward in flight and their mask ``[1, 1, T, C]`` (set by the
-            caller before a verifier forward: every layer reads the same ones).
-    """
-
-    def __init__(self, capacity: int, num_layers: int = 1, device=None):
-        if capacity < 1 or num_layers < 1:
-            raise ValueError("StaticKVCache: capacity and num_layers >= 1")
-        self.capacity = capacity
-        self.k: list[Optional[torch.Tensor]] = [None] * num_layers
-        self.v: list[Optional[torch.Tensor]] = [None] * num_layers
-        self.columns = torch.arange(capacity, device=device)  # [C]
-        self.pos: Optional[torch.Tensor] = None
-        self.attn_mask: Optional[torch.Tensor] = None
-
-    def mask(self, pos: torch.Tensor) -> torch.Tensor:
-        """Bool ``[1, 1, T, C]``: query ``i`` (at position ``pos[i]``, int64 ``[T]``) attends columns ``<= pos[i]``."""
-        return (self.columns[None, :] <= pos[:, None])[None, None]  # [1, 1, T, C]
-
-    def set_forward(self, pos: torch.Tensor) -> None:
-        """Record the positions ``[T]`` of the next forward and their :meth:`mask` (read by every layer)."""
-        self.pos, self.attn_mask = pos, self.mask(pos)
-
-    def write(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write ``k``/``v`` ``[1, kvh, T, d]`` at columns ``pos`` (int64 ``[T]``, each ``< C``) of ``layer``; return the
-        layer's whole ``[1, kvh, C, d]`` tensors."""
-        if self.k[layer] is None:
-            self.k[layer] = k.new_zeros(1, k.shape[1], self.capacity, k.shape[3])
-            self.v[layer] = v.new_zeros(1, v.shape[1], self.capacity, v.shape[3])
-        kc, vc = self.k[layer], self.v[layer]
-        kc.index_copy_(2, pos, k.to(kc.dtype))
-        vc.index_copy_(2, pos, v.to(vc.dtype))
-        return kc, vc
-
-
 class Eagle3Drafter(nn.Module):
     """EAGLE-3 drafter with SGLang-compatible parameter names.
 
@@ -625,12 +482,12 @@ class Eagle3Drafter(nn.Module):
             pos = torch.arange(i, L + i, device=input_ids.device)  # [L] rotary position t+i
             cos, sin = rotary_cos_sin(pos, inv_freq)  # [1, 1, L, hd] float32
             h = hidden
-            for l, layer in enumerate(layers):  # layer l attends to its own keys of steps 0..i
+            for j, layer in enumerate(layers):  # layer j attends to its own keys of steps 0..i
                 q, k, v = layer.qkv(emb, h, cos, sin)  # [B, nh, L, hd], [B, kvh, L, hd] x2
-                keys[l].append(k)
-                values[l].append(v)
+                keys[j].append(k)
+                values[j].append(v)
                 o = ttt_attention(
-                    q, keys[l], values[l], layer.self_attn.scale, impl
+                    q, keys[j], values[j], layer.self_attn.scale, impl
                 )  # [B, nh, L, hd]
                 h = layer.finish(o, h)  # [B, L, H]
             hidden = self.step_output(h)  # [B, L, H]
@@ -671,9 +528,9 @@ class Eagle3Drafter(nn.Module):
         T = input_ids.shape[1]
         mask = []  # the same for every layer (they share the slots); known after layer 0's append
 
-        def attend(l, q, k, v):
-            k_all, v_all = cache.append(l, k, v, valid)  # [B, kvh, past+T, hd]
-            if l == 0:
+        def attend(layer, q, k, v):
+            k_all, v_all = cache.append(layer, k, v, valid)  # [B, kvh, past+T, hd]
+            if layer == 0:
                 mask.append(cache.attention_mask(T))
             return cached_attention(
                 q, k_all, v_all, past, self.midlayer.self_attn.scale, mask=mask[0]
@@ -685,16 +542,16 @@ class Eagle3Drafter(nn.Module):
         self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor, attend
     ):
         """The step outputs ``[B, T, H]`` of ``T`` decode positions (token embedding + hidden, rotary at
-        ``position_ids`` ``[B, T]`` for every layer); ``attend(l, q [B, nh, T, hd], k, v [B, kvh, T, hd])`` stores
-        layer ``l``'s keys/values in its cache and returns its attention output ``[B, nh, T, hd]``."""
+        ``position_ids`` ``[B, T]`` for every layer); ``attend(j, q [B, nh, T, hd], k, v [B, kvh, T, hd])`` stores
+        layer ``j``'s keys/values in its cache and returns its attention output ``[B, nh, T, hd]``."""
         emb = self.embed_tokens(input_ids).to(hidden.dtype)  # [B, T, H]
         cos, sin = rotary_cos_sin(
             position_ids, self._inv_freq(hidden.device)
         )  # [B, 1, T, hd] float32
         h = hidden
-        for l, layer in enumerate(self.decoder_layers()):
+        for j, layer in enumerate(self.decoder_layers()):
             q, k, v = layer.qkv(emb, h, cos, sin)  # [B, nh, T, hd], [B, kvh, T, hd] x2
-            h = layer.finish(attend(l, q, k, v), h)  # [B, T, H]
+            h = layer.finish(attend(j, q, k, v), h)  # [B, T, H]
         return self.step_output(h)
 
     def decode_static(
@@ -724,8 +581,8 @@ class Eagle3Drafter(nn.Module):
         pos = position_ids[0]  # [T]
         mask = cache.mask(pos)  # [1, 1, T, C]
 
-        def attend(l, q, k, v):
-            k_all, v_all = cache.write(l, k, v, pos)  # [1, kvh, C, hd]
+        def attend(layer, q, k, v):
+            k_all, v_all = cache.write(layer, k, v, pos)  # [1, kvh, C, hd]
             return cached_attention(
                 q, k_all, v_all, 0, self.midlayer.self_attn.scale, mask=mask
             )  # [1, nh, T, hd]
