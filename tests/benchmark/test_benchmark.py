@@ -559,7 +559,7 @@ def run_setup(tmp_path_factory, tiny_llama_dir):
     """Config YAML for the tiny verifier (bf16 in the config, float32 on CPU), an exported random drafter, prompts."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from eagle3.export.serving import export_drafter
+    from eagle3.export.writer import export_drafter
     from eagle3.train.model import DrafterArgs, Eagle3Drafter
     from eagle3.verifier import verifier_dims
 
@@ -1286,7 +1286,7 @@ def test_drafter_of_another_verifier_is_named_before_its_aux_layers(run_setup, t
     error names the verifier mismatch first, then the aux-layer symptom."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from eagle3.export.serving import export_drafter
+    from eagle3.export.writer import export_drafter
     from eagle3.train.model import DrafterArgs, Eagle3Drafter
     from eagle3.verifier import verifier_dims
 

@@ -9,7 +9,7 @@ import hashlib
 import pytest
 import torch
 
-from eagle3.export.serving import export_drafter
+from eagle3.export.writer import export_drafter
 from eagle3.train.model import DrafterArgs, Eagle3Drafter
 
 LLAMA30 = dict(

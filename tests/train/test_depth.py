@@ -15,13 +15,11 @@ from safetensors.torch import load_file, save_file
 from test_variant import make as make_tiny
 
 from eagle3.errors import UserError
-from eagle3.export.serving import (
-    SGLANG_KEYS,
-    VLLM_KEYS,
-    export_drafter,
-    load_exported,
-    upper_layer_keys,
-)
+from eagle3.export.common import upper_layer_keys
+from eagle3.export.reader import load_exported
+from eagle3.export.sglang import KEYS as SGLANG_KEYS
+from eagle3.export.vllm import KEYS as VLLM_KEYS
+from eagle3.export.writer import export_drafter
 from eagle3.train.checkpoint import check_drafter_args
 from eagle3.train.model import DrafterArgs, DrafterCache, Eagle3Drafter, StaticKVCache
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from eagle3.errors import UserError
-from eagle3.export.serving import SGLANG_KEYS
+from eagle3.export.sglang import KEYS as SGLANG_KEYS
 from eagle3.train.model import DrafterArgs, DrafterCache, Eagle3Drafter, RMSNorm
 
 

@@ -16,8 +16,10 @@ from safetensors.torch import load_file, save_file
 from test_model import scramble
 
 from eagle3.errors import UserError
-from eagle3.export import serving as export_mod
-from eagle3.export.serving import FC_NORM_KEYS, export_drafter, load_exported
+from eagle3.export import formats as export_mod
+from eagle3.export.common import FC_NORM_KEYS
+from eagle3.export.reader import load_exported
+from eagle3.export.writer import export_drafter
 from eagle3.train.checkpoint import check_drafter_args
 from eagle3.train.model import DrafterArgs, DrafterCache, Eagle3Drafter
 
