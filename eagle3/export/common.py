@@ -24,7 +24,7 @@ import torch
 from eagle3.data.vocab import check_vocab_map
 from eagle3.errors import UserError
 from eagle3.train.draft_config import EXPORT_META_FILE
-from eagle3.train.model import Eagle3Drafter
+from eagle3.train.model import DrafterArgs, Eagle3Drafter
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ def export_dtype(name: str | torch.dtype, verifier_dtype: str = "bfloat16") -> t
     float16 for float32 models"), a dtype the drafter never ran in, and vLLM 0.33 casts the draft
     to the verifier's serving dtype anyway (``SpeculativeConfig``: draft ``dtype`` =
     ``target_model_config.dtype``); the float32 file is then only twice the size. An explicit
-    ``float32`` is written as asked (:func:`export_drafter` warns for SGLang).
+    ``float32`` is written as asked (:func:`eagle3.export.writer.export_drafter` warns for SGLang).
 
     Raises:
         UserError: an unknown dtype name.
@@ -142,21 +142,7 @@ def check_export_contract(
             f"verifier_info.vocab_size: {vv}, but the drafter was built for target_vocab_size {a.target_vocab_size}"
         )
     sd = drafter.state_dict()
-    with torch.device("meta"):
-        ref = Eagle3Drafter(a).state_dict()
-    why = {
-        "fc.weight": f"[hidden_size, 3 x verifier hidden_size] = [{a.hidden_size}, 3 x {vh}]",
-        "lm_head.weight": f"[draft_vocab_size, hidden_size] = [{a.draft_vocab_size}, {a.hidden_size}]",
-        EMBED_KEY: f"[verifier vocab_size, hidden_size] = [{vv}, {a.hidden_size}]",
-    }
-    for key, want in ref.items():
-        if key not in sd:
-            continue  # reported by export_drafter as a missing required tensor
-        if tuple(sd[key].shape) != tuple(want.shape):
-            raise UserError(
-                f"drafter tensor '{key}': shape {list(sd[key].shape)}, EAGLE-3 export needs "
-                f"{why.get(key, list(want.shape))}"
-            )
+    _check_tensor_shapes(sd, a, vh, vv)
     check_vocab_map(
         sd["d2t"],
         sd["t2d"],
@@ -172,6 +158,30 @@ def check_export_contract(
             f"do not use the verifier's embedding and would run the draft with a random one; export with "
             f"include_embeddings=True (writes '{EMBED_KEY}')"
         )
+
+
+def _check_tensor_shapes(sd: dict, a: DrafterArgs, vh: int, vv: int) -> None:
+    """Each tensor of the drafter state ``sd`` has the shape its args ``a`` imply (``vh``/``vv``: the verifier's
+    hidden and vocab sizes, for the messages).
+
+    Raises:
+        UserError: naming the tensor, its shape and the shape required.
+    """
+    with torch.device("meta"):
+        ref = Eagle3Drafter(a).state_dict()
+    why = {
+        "fc.weight": f"[hidden_size, 3 x verifier hidden_size] = [{a.hidden_size}, 3 x {vh}]",
+        "lm_head.weight": f"[draft_vocab_size, hidden_size] = [{a.draft_vocab_size}, {a.hidden_size}]",
+        EMBED_KEY: f"[verifier vocab_size, hidden_size] = [{vv}, {a.hidden_size}]",
+    }
+    for key, want in ref.items():
+        if key not in sd:
+            continue  # reported by export_drafter as a missing required tensor
+        if tuple(sd[key].shape) != tuple(want.shape):
+            raise UserError(
+                f"drafter tensor '{key}': shape {list(sd[key].shape)}, EAGLE-3 export needs "
+                f"{why.get(key, list(want.shape))}"
+            )
 
 
 def need(cfg: dict, key: str, where):
