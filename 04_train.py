@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from eagle3.cli import ArgumentParser, positive_int, refuse_torchrun, resume_on_interrupt, run_main
 from eagle3.config import add_config_args, load_config
+from eagle3.engines import ENGINES
 
 
 def main(argv=None) -> int:
@@ -49,7 +50,7 @@ def main(argv=None) -> int:
         help="no training: export the trained weights (the newest checkpoint's; with train.select_best: "
         "sim_accept the best validation's, best_drafter.pt), e.g. for the other engine with --engine",
     )
-    p.add_argument("--engine", choices=["sglang", "vllm"], help="override export.engine")
+    p.add_argument("--engine", choices=ENGINES, help="override export.engine")
     a = p.parse_args(argv)
     if a.export_only:  # no training: the training flags would be ignored silently
         given = [
@@ -72,12 +73,12 @@ def main(argv=None) -> int:
     cfg = load_config(a.config, a.overrides)
     if a.engine:
         cfg = cfg.model_copy(update={"export": cfg.export.model_copy(update={"engine": a.engine})})
-    from eagle3.export.serving import check_export_destination
+    from eagle3.stages.export import check_export_destination
 
     # before training (not after it) or the export
     check_export_destination(cfg.export_dir, cfg.export.engine, cfg.output_field("export"))
     if a.export_only:
-        from eagle3.export.from_checkpoint import export_from_checkpoint
+        from eagle3.stages.export import export_from_checkpoint
 
         with resume_on_interrupt(
             lambda: export_interrupt_hint(cfg)
@@ -85,7 +86,7 @@ def main(argv=None) -> int:
             out = export_from_checkpoint(cfg)
         print(f"exported: {out}")
         return 0
-    from eagle3.export.from_checkpoint import export_for_run, load_init_drafter
+    from eagle3.stages.export import export_for_run, load_init_drafter
     from eagle3.train.trainer import run
 
     res = run(

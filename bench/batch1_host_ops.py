@@ -232,7 +232,7 @@ def main(argv=None) -> int:
     else:
         if not a.config:
             p.error("--config is required without --tiny")
-        from eagle3.layers import default_aux_layers
+        from eagle3.engines.layers import default_aux_layers
         from eagle3.verifier.load import load_verifier, verifier_dims
 
         cfg = load_config(a.config, a.overrides)

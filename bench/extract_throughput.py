@@ -79,8 +79,8 @@ from eagle3.capture.extract import Sample, _start_capture, capture_and_write, de
 from eagle3.capture.hf import HFCapture  # noqa: E402
 from eagle3.cli import ArgumentParser, non_negative_int, positive_int, run_main  # noqa: E402
 from eagle3.config import add_config_args, load_config  # noqa: E402
+from eagle3.engines.layers import default_aux_layers  # noqa: E402
 from eagle3.io import atomic_write_bytes, atomic_write_json  # noqa: E402
-from eagle3.layers import default_aux_layers  # noqa: E402
 from eagle3.shards.checksum import ALGOS, DEFAULT_ALGO  # noqa: E402
 from eagle3.shards.fp8 import storage_from_config  # noqa: E402
 from eagle3.verifier.load import load_verifier, verifier_dims  # noqa: E402

@@ -54,8 +54,8 @@ def capture_samples(config: str, n: int, max_length: int, source: Path):
     plus the head (lm_head [V, H], norm weight or None, eps)."""
     from eagle3.capture.hf import HFCapture
     from eagle3.config import load_config
+    from eagle3.engines.layers import default_aux_layers
     from eagle3.errors import UserError
-    from eagle3.layers import default_aux_layers
     from eagle3.prompts.chat import tokenize_conversation
     from eagle3.prompts.readers import read_conversations
     from eagle3.verifier.head import TargetHead

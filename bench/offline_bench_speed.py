@@ -249,7 +249,7 @@ def main(argv=None) -> int:
         subset_warnings,
         too_few_note,
     )
-    from eagle3.layers import check_aux_layers, default_aux_layers
+    from eagle3.engines.layers import check_aux_layers, default_aux_layers
     from eagle3.prompts.chat import ChatOptions, end_of_turn_ids, prompt_ids
     from eagle3.verifier.load import load_verifier, resolve_device, verifier_dims
 

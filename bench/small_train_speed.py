@@ -394,7 +394,7 @@ def run_mode(
 
     import eagle3.train.trainer as train_mod
     from eagle3.config import load_config
-    from eagle3.export.from_checkpoint import export_for_run
+    from eagle3.stages.export import export_for_run
 
     out = workdir / f"train-{mode.replace('+', '-')}"
     shutil.rmtree(out, ignore_errors=True)

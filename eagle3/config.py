@@ -15,6 +15,7 @@ from typing import Any, Literal, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
+from eagle3.engines import Engine
 from eagle3.errors import UserError
 
 
@@ -975,7 +976,7 @@ class TrainConfig(_Strict):
 class ExportConfig(_Strict):
     """Export of the trained drafter for a serving engine."""
 
-    engine: Literal["sglang", "vllm"] = Field(
+    engine: Engine = Field(
         "sglang",
         description="the engine the folder is for; each engine takes only its own folder (layer-id conventions differ)",
     )

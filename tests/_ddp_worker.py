@@ -186,7 +186,7 @@ def main(argv=None) -> int:
     import argparse
 
     from eagle3.config import add_config_args, load_config
-    from eagle3.export.from_checkpoint import export_for_run
+    from eagle3.stages.export import export_for_run
     from eagle3.train.trainer import run
 
     p = argparse.ArgumentParser()

@@ -34,7 +34,6 @@ STAGE_PKG = "stages"
 LEGACY = {"prompts", "benchmark"}  # being emptied into concept packages and stages/
 # Modules that still import eagle3.config (RunConfig); each entry leaves when its module takes plain arguments.
 KNOWN_CONFIG_USERS = {
-    "eagle3.export.from_checkpoint",
     "eagle3.benchmark.offline",
     "eagle3.train.trainer",
     "eagle3.data.prepare_data",

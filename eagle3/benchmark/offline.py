@@ -964,9 +964,9 @@ def export_folder_warnings(
 
     Raises:
         UserError: the folder's layer ids contradict its recorded engine / HF layers
-            (:func:`eagle3.export.serving.check_export_folder`).
+            (:func:`eagle3.export.reader.check_export_folder`).
     """
-    from eagle3.export.serving import check_export_folder
+    from eagle3.export.reader import check_export_folder
 
     if not (Path(drafter_dir) / "config.json").is_file():
         return []
@@ -1087,7 +1087,7 @@ def _require_export_config(path: Path, what: str) -> None:
 
 
 def _load_drafter(drafter_dir: Path, verifier, device, dtype):
-    from eagle3.export.serving import load_exported
+    from eagle3.export.reader import load_exported
 
     embed = verifier.get_input_embeddings().weight
     drafter = load_exported(drafter_dir, embed_weight=embed)
@@ -1470,7 +1470,7 @@ def run(
         subset_notes
     ):  # (more prompts asked than a set has, categories left out) said before the long work
         log.warning("%s", w)
-    from eagle3.export.serving import preflight_export
+    from eagle3.export.reader import preflight_export
 
     preflight_export(
         drafter_dir
@@ -1533,7 +1533,7 @@ def load_checked_drafter(
         UserError: an aux layer past the verifier's layers, a bad ``serve_aux_layers``, a drafter that does not load
             or contradicts the run's own vocab map or shape.
     """
-    from eagle3.layers import check_aux_layers, default_aux_layers
+    from eagle3.engines.layers import check_aux_layers, default_aux_layers
     from eagle3.verifier.load import verifier_dims, weights_fingerprint
 
     dims = verifier_dims(verifier.config)

@@ -628,7 +628,7 @@ def draft_folder_warnings(cfg, url: str, timeout: float = 30.0) -> tuple[list[st
     """Check the draft folder an SGLang server was started with, when it is readable here; say so when it is not.
 
     ``GET {url}/server_info`` names ``speculative_draft_model_path``; if that folder exists on this
-    machine, :func:`eagle3.export.serving.check_export_folder` refuses a folder exported for vLLM (SGLang
+    machine, :func:`eagle3.export.reader.check_export_folder` refuses a folder exported for vLLM (SGLang
     would read its HF-index layer ids with its own +1 rule) and warns when the layers SGLang
     captures differ from the HF layers of the run's shards (``data_config.json``). It also warns when the server
     drafts more tokens a step (``speculative_num_steps`` in its ``server_info``, its ``--speculative-num-steps``) than
@@ -650,7 +650,7 @@ def draft_folder_warnings(cfg, url: str, timeout: float = 30.0) -> tuple[list[st
         UserError: the folder is for the other engine or its layer ids contradict its metadata.
     """
     from eagle3.benchmark.offline import ttt_length_unchecked, ttt_length_warning
-    from eagle3.export.serving import check_export_folder
+    from eagle3.export.reader import check_export_folder
     from eagle3.shards.format import DATA_CONFIG, read_data_config
 
     info = server_info(url, timeout)

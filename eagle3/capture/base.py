@@ -1,7 +1,7 @@
 """The capture backend contract of stage 02 (DESIGN.md "Capture backend contract").
 
 A capture backend runs the verifier's prefill over token-id sequences and returns, for each
-sequence, the three aux hidden states (HF ``hidden_states`` indices, see ``eagle3.layers``)
+sequence, the three aux hidden states (HF ``hidden_states`` indices, see ``eagle3.engines.layers``)
 and the last hidden state, with padding removed. Two implementations:
 ``eagle3.capture.hf.HFCapture`` (transformers forward) and ``eagle3.capture.sglang.SGLangCapture``
 (patched SGLang server).

@@ -84,6 +84,7 @@ from eagle3.capture.hf import plan_batches
 from eagle3.capture.multi import prefetching
 from eagle3.capture.shard_writer import ShardWriter
 from eagle3.config import RunConfig
+from eagle3.engines.layers import check_aux_layers, check_servable, default_aux_layers
 from eagle3.errors import UserError
 from eagle3.io import (
     TMP_MARK,
@@ -97,7 +98,6 @@ from eagle3.io import (
     relative_hint,
     remove_stale_tmp,
 )
-from eagle3.layers import check_aux_layers, check_servable, default_aux_layers
 from eagle3.process_group import Dist, init_dist
 from eagle3.shards import (
     format as shard_format,  # TOKEN_PROCESS_MIN read at call time (tests lower it)

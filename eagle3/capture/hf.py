@@ -96,7 +96,7 @@ class HFCapture:
             ``attention_mask``, ``output_hidden_states`` and return ``hidden_states`` with N+1
             entries (HF convention: index 0 = embeddings, i = input of decoder layer i).
         aux_layers: three HF ``hidden_states`` indices (validate with
-            ``eagle3.layers.check_aux_layers`` first).
+            ``eagle3.engines.layers.check_aux_layers`` first).
         batch_tokens: padded-token budget when :meth:`capture` gets more than fits in one forward.
         pad_id: id written into padded positions (never attended to, never returned).
     """

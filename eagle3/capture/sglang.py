@@ -2,7 +2,7 @@
 
 The server runs ``patches/sglang_capture_launcher.py`` (see ``patches/README.md``): stock SGLang
 with ``--enable-return-aux-hidden-states --speculative-algorithm EAGLE3`` captures the residual
-stream entering the configured layers (HF indices, ``eagle3.layers``) and keeps the post-norm last
+stream entering the configured layers (HF indices, ``eagle3.engines.layers``) and keeps the post-norm last
 hidden state; the patch writes both, per request, to ``{capture_dir}/{rid}.pt`` instead of putting
 float lists in the JSON response, and writes ``{capture_dir}/capture_info.json`` at start-up with
 the layers actually captured.
@@ -31,9 +31,9 @@ from typing import Any, Optional, Sequence
 import torch
 
 from eagle3.capture.base import NUM_CAPTURED, BackendInfo
+from eagle3.engines.layers import engine_layer_ids
 from eagle3.errors import UserError
 from eagle3.io import read_json, safe_torch_load
-from eagle3.layers import engine_layer_ids
 
 log = logging.getLogger(__name__)
 

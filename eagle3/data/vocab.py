@@ -172,7 +172,7 @@ def check_vocab_map(
     """Check a draft vocab map against the expected sizes and for internal consistency.
 
     The one validation every reader of a map uses (``vocab_map.pt`` in training and re-export,
-    ``d2t``/``t2d`` of an exported folder in :func:`eagle3.export.serving.load_exported` and the
+    ``d2t``/``t2d`` of an exported folder in :func:`eagle3.export.reader.load_exported` and the
     benchmark, :meth:`eagle3.drafter.model.Eagle3Drafter.set_vocab_map`). The format (module docstring,
     FIELD-NOTES section 3; SGLang ``hot_token_id = d2t + arange``):
 

@@ -31,7 +31,7 @@ attn_i(input_layernorm_i(h_{i-1}))`` (q/k/v ``H`` wide; no embedding). The engin
 (step output, final ``norm``). All layers use the step's rotary positions; each has its own keys/values (TTT: step
 ``i`` of layer ``l`` attends to layer ``l``'s keys of steps ``0..i``; decoding: ``DrafterCache.keys[l]``,
 ``StaticKVCache`` layer ``l``). SGLang calls ``input_layernorm_i`` ``layers.i.hidden_norm``, vLLM
-``layers.i.input_layernorm``: the export writes it under both names (:mod:`eagle3.export.serving`).
+``layers.i.input_layernorm``: the export writes it under both names (:mod:`eagle3.export.common`).
 
 Parameter names equal the SGLang / SpecForge checkpoint keys (FIELD-NOTES section 4), so for one layer
 ``state_dict()`` minus ``embed_tokens.weight`` is the SGLang export (a deeper drafter adds ``layers.{i}.*`` and the
@@ -293,7 +293,7 @@ class Eagle3UpperLayer(Eagle3DecoderLayer):
     q/k/v read ``input_layernorm(h)`` (``H`` wide; no embedding) where ``h`` is the previous layer's output, which
     is also the residual. The engines name this norm differently: vLLM 0.33 ``layers.i.input_layernorm``, SGLang
     0.5.23 ``layers.i.hidden_norm`` (both fused with the residual add); here it is ``input_layernorm`` and the export
-    writes it under both names (:mod:`eagle3.export.serving`). No ``hidden_norm`` module of its own.
+    writes it under both names (:mod:`eagle3.export.common`). No ``hidden_norm`` module of its own.
     """
 
     def __init__(self, a: DrafterArgs):

@@ -872,7 +872,7 @@ def check_extract_settings(extract: Any, meta: dict, root: str | os.PathLike) ->
     Raises:
         UserError: one line naming every differing key, both values, the shards folder and the fixes.
     """
-    from eagle3.layers import default_aux_layers
+    from eagle3.engines.layers import default_aux_layers
 
     set_keys = getattr(extract, "model_fields_set", set())
     diffs = []

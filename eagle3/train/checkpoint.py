@@ -147,7 +147,7 @@ def find_latest_checkpoint(
     """The newest checkpoint that loads and validates, falling back to older ones with a warning.
 
     Every caller that needs "the newest checkpoint" goes through here (``04 --resume``: ``_Training.restore``;
-    ``04 --export-only``: ``eagle3.export.from_checkpoint.export_from_checkpoint``). A file that does not load is
+    ``04 --export-only``: ``eagle3.stages.export.export_from_checkpoint``). A file that does not load is
     skipped with a warning naming it and why; a folder whose checkpoint files ALL fail is an error, never "no
     checkpoint": ``--resume`` would otherwise start again from step 0 and overwrite the run's export.
 

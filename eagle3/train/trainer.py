@@ -30,7 +30,7 @@ One call of :func:`run` does, on every process (single process, or ``torchrun`` 
 7. Checkpoints (:mod:`eagle3.train.checkpoint`) every ``ckpt_every`` steps, on SIGTERM/SIGINT (the current
    step finishes first, then :func:`run` returns with ``stopped``; 04's CLI exits 128 + signal) and at the end; ``resume=True``
    continues from the newest complete one, bit-identically on CPU (data order, LR, RNG).
-8. Export (rank 0) with :func:`eagle3.export.serving.export_drafter` to ``cfg.export_dir``, and a report
+8. Export (rank 0) with :func:`eagle3.export.writer.export_drafter` to ``cfg.export_dir``, and a report
    ``{train_dir}/train_report.{json,md}`` + ``loss.png``.
 
 Loss normalisation (DESIGN.md "Loss normalisation"): the loss of TTT step ``i`` is the sum of the
@@ -68,6 +68,7 @@ from eagle3.data.settings import require_current
 from eagle3.data.validation_record import require_passed
 from eagle3.data.vocab import load_run_vocab_map
 from eagle3.drafter.draft_config import EXPORT_META_FILE
+from eagle3.engines.layers import check_servable
 from eagle3.errors import UserError
 from eagle3.io import (
     append_bytes,
@@ -79,7 +80,6 @@ from eagle3.io import (
     probe_dirs,
     read_json,
 )
-from eagle3.layers import check_servable
 from eagle3.process_group import Dist, init_dist, process_group_scope, torchrun_env
 from eagle3.shards.format import (
     check_extract_settings,
@@ -305,12 +305,12 @@ def build_drafter_args(cfg: RunConfig, data_config: dict, vocab: dict, warn_cont
 
 def warn_short_context(cfg: RunConfig, args):
     """Warn at the start of 04 when the drafter's context is below the verifier's: the export for
-    SGLang will be refused, vLLM caps the draft (:func:`eagle3.drafter.draft_config.check_context_length`).
+    SGLang will be refused, vLLM caps the draft (:func:`eagle3.engines.context.check_context_length`).
 
     Returns:
         ``args`` unchanged.
     """
-    from eagle3.drafter.draft_config import check_context_length
+    from eagle3.engines.context import check_context_length
     from eagle3.verifier.load import verifier_context_length
 
     try:
@@ -1140,11 +1140,11 @@ def run(
         export: called as ``export(cfg, drafter, data_config, provenance=...)`` on rank 0 when training finishes
             (not when stopped early), before the report (``provenance``: :func:`export_provenance`); returns the
             export folder. ``04_train.py`` passes
-            :func:`eagle3.export.from_checkpoint.export_for_run`; None = no export (stage 04 never imports
+            :func:`eagle3.stages.export.export_for_run`; None = no export (stage 04 never imports
             the later export package).
         init: with ``train.init_from``, called as ``init(cfg, embed_weight [V, H], data_config)`` on every rank and
             returns the drafter in that folder (``04_train.py`` passes
-            :func:`eagle3.export.from_checkpoint.load_init_drafter`); its trainable tensors start the run
+            :func:`eagle3.stages.export.load_init_drafter`); its trainable tensors start the run
             (:func:`warm_start`).
 
     Returns:

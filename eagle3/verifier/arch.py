@@ -6,7 +6,7 @@
   of ``qk_nope_head_dim + qk_rope_head_dim`` and values of ``v_head_dim`` (:func:`kv_head_dims`); the drafter,
   a Llama-style layer, takes ``hidden_size // heads`` as its head dim (:func:`drafter_head_dim`).
 - Layer-id family: the DeepSeek V2/V3 family that SGLang serves with ``deepseek_v2.py`` and its own aux-layer
-  rule (:data:`DEEPSEEK_ARCHS`, :func:`is_deepseek_family`; the rule itself is in :mod:`eagle3.layers`).
+  rule (:data:`DEEPSEEK_ARCHS`, :func:`is_deepseek_family`; the rule itself is in :mod:`eagle3.engines.layers`).
 - Final norm and head: module names of the final norm (:data:`FINAL_NORM_NAMES`, :func:`find_final_norm`,
   :func:`decoder_norm`), checkpoint tensor names of the embedding, final norm and LM head under the wrapper
   prefixes (:data:`WRAPPER_PREFIXES`, :data:`EMBED_TENSORS`, :data:`NORM_TENSORS`, :data:`LM_HEAD_TENSORS`).

@@ -256,7 +256,7 @@ def test_offline_bench_speed_checks_the_drafter_shape_and_takes_num_prompts_from
 
     from eagle3.drafter.model import DrafterArgs, Eagle3Drafter
     from eagle3.errors import UserError
-    from eagle3.export.serving import export_drafter
+    from eagle3.export.writer import export_drafter
     from eagle3.verifier.load import verifier_dims
 
     hf = AutoConfig.from_pretrained(tiny_llama_dir)
@@ -381,7 +381,7 @@ def test_offline_bench_speed_reports_the_checks_05_makes(tmp_path, tiny_llama_di
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from eagle3.drafter.model import DrafterArgs, Eagle3Drafter
-    from eagle3.export.serving import export_drafter
+    from eagle3.export.writer import export_drafter
     from eagle3.verifier.load import verifier_dims
 
     hf = AutoConfig.from_pretrained(tiny_llama_dir)

@@ -560,7 +560,7 @@ def run_setup(tmp_path_factory, tiny_llama_dir):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from eagle3.drafter.model import DrafterArgs, Eagle3Drafter
-    from eagle3.export.serving import export_drafter
+    from eagle3.export.writer import export_drafter
     from eagle3.verifier.load import verifier_dims
 
     root = tmp_path_factory.mktemp("bench-run")
@@ -1287,7 +1287,7 @@ def test_drafter_of_another_verifier_is_named_before_its_aux_layers(run_setup, t
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from eagle3.drafter.model import DrafterArgs, Eagle3Drafter
-    from eagle3.export.serving import export_drafter
+    from eagle3.export.writer import export_drafter
     from eagle3.verifier.load import verifier_dims
 
     root, cfg, _ = run_setup

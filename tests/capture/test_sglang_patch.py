@@ -745,7 +745,7 @@ def test_apply_patch_wires_all_targets(sgl_real, monkeypatch, tmp_path):
     ],
 )
 def test_layers_rule_for_other_deepseek_style_classes(file, cls, arch):
-    from eagle3.layers import engine_layer_ids
+    from eagle3.engines.layers import engine_layer_ids
 
     fn = src.compile_def(SGL / "srt/models" / file, f"{cls}.set_eagle3_layers_to_capture")
     m = SimpleNamespace(

@@ -371,7 +371,7 @@ def test_train_checkpoint_disk_full_then_resume_matches_uninterrupted(tmp_path, 
     from _ddp_worker import make_tiny_run
 
     from eagle3.config import load_config
-    from eagle3.export.from_checkpoint import export_for_run
+    from eagle3.stages.export import export_for_run
     from eagle3.train import checkpoint as ckpt
     from eagle3.train.trainer import run
 
@@ -414,7 +414,7 @@ def test_train_export_and_metrics_disk_full(tmp_path, monkeypatch):
     from safetensors import SafetensorError
 
     from eagle3.config import load_config
-    from eagle3.export.from_checkpoint import export_for_run
+    from eagle3.stages.export import export_for_run
     from eagle3.train.trainer import run
 
     cfg = load_config(
@@ -433,7 +433,7 @@ def test_train_export_and_metrics_disk_full(tmp_path, monkeypatch):
 
     monkeypatch.setattr(
         safetensors.torch, "save_file", full_save
-    )  # eagle3.export.serving imports it at call time
+    )  # eagle3.export.folder looks it up at call time
     with pytest.raises(
         UserError, match=r"model\.safetensors: disk full .* writing [\d.]+ \w+ \(\d+ bytes\); "
     ):
@@ -493,7 +493,7 @@ def test_the_disk_full_line_says_resume_only_where_a_rerun_resumes(tmp_path, mon
     from _ddp_worker import make_tiny_run
 
     from eagle3.config import load_config
-    from eagle3.export.from_checkpoint import export_for_run, export_from_checkpoint
+    from eagle3.stages.export import export_for_run, export_from_checkpoint
     from eagle3.train.trainer import run
 
     def line(call) -> str:

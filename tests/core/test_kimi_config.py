@@ -8,8 +8,8 @@ import pytest
 from conftest import ROOT
 
 from eagle3.config import load_config
+from eagle3.engines.layers import check_aux_layers, engine_layer_ids, hf_layers_from_engine
 from eagle3.errors import UserError
-from eagle3.layers import check_aux_layers, engine_layer_ids, hf_layers_from_engine
 from eagle3.verifier.load import verifier_dims
 
 CFG = ROOT / "configs" / "kimi-k2.5.yaml"

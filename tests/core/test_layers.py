@@ -1,4 +1,4 @@
-"""Aux-layer id conventions (eagle3/layers.py), checked by hand and against SGLang 0.5.23's own code.
+"""Aux-layer id conventions (eagle3/engines/layers.py), checked by hand and against SGLang 0.5.23's own code.
 
 HF index i = residual stream entering decoder layer i. SGLang 0.5.23 (installed with --no-deps):
 - ``srt/models/llama.py`` ``LlamaForCausalLM.set_eagle3_layers_to_capture``: ``None`` -> ``[2, N//2, N-3]``,
@@ -18,13 +18,13 @@ from types import SimpleNamespace
 import pytest
 from conftest import ROOT
 
-from eagle3.errors import UserError
-from eagle3.layers import (
+from eagle3.engines.layers import (
     check_aux_layers,
     default_aux_layers,
     engine_layer_ids,
     hf_layers_from_engine,
 )
+from eagle3.errors import UserError
 from eagle3.verifier.arch import is_deepseek_family
 
 sys.path.insert(0, str(ROOT / "patches"))
@@ -201,7 +201,7 @@ def test_sglang_kimi_k25_delegates_to_deepseek():
 def test_check_servable_names_the_engine_and_both_ways_out():
     """02 and 04 ask before capturing / training whether export.engine can state the aux layers (trial 05e: a
     DeepSeek run at HF [1, ...] was refused only by the export, after the capture and the whole training)."""
-    from eagle3.layers import check_servable
+    from eagle3.engines.layers import check_servable
 
     with pytest.raises(
         UserError,

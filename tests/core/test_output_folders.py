@@ -106,7 +106,7 @@ def test_03_names_data_output_dir_before_validating(tmp_path, monkeypatch):
 
 
 def test_04_names_train_and_export_output_dir(tmp_path):
-    from eagle3.export.serving import check_export_destination
+    from eagle3.stages.export import check_export_destination
     from eagle3.train.trainer import run
 
     cfg = load_config(make_tiny_run(tmp_path), [f"train.output_dir={PROC}/train"])
@@ -257,7 +257,7 @@ def test_export_only_from_a_read_only_train_folder_exports_and_leaves_the_report
         cfg.train_dir,
         (
             "import logging\nlogging.basicConfig()\nfrom eagle3.config import load_config\n"
-            "from eagle3.export.from_checkpoint import export_from_checkpoint\n"
+            "from eagle3.stages.export import export_from_checkpoint\n"
             f"print(export_from_checkpoint(load_config('{run_yaml}', ['export.output_dir={out}'])))\n"
         ),
     )

@@ -117,7 +117,8 @@ def test_vocab_map_file_refuses(tmp_path, case):
     "case", ["duplicate", "unsorted", "absolute", "t2d_mismatch", "out_of_range"]
 )
 def test_exported_folder_refuses(tmp_path, case):
-    from eagle3.export.serving import export_drafter, load_exported
+    from eagle3.export.reader import load_exported
+    from eagle3.export.writer import export_drafter
 
     d = _drafter()
     info = dict(
@@ -156,7 +157,7 @@ def test_fresh_training_refuses_draft_size_other_than_the_data(tmp_path):
 
 
 def test_export_only_refuses_draft_size_other_than_the_data(tmp_path):
-    from eagle3.export.from_checkpoint import export_from_checkpoint
+    from eagle3.stages.export import export_from_checkpoint
     from eagle3.train.trainer import run
 
     path = make_tiny_run(tmp_path, draft_vocab=24, train={"epochs": 1})
@@ -171,7 +172,7 @@ def test_export_only_refuses_a_vocab_map_of_the_same_size_it_was_not_trained_wit
     2026-12-05g): every draft token served as another token. Now refused before anything is written; with the map
     it was trained with it exports that map."""
     from eagle3.data.vocab import load_vocab_map, save_vocab_map
-    from eagle3.export.from_checkpoint import export_from_checkpoint
+    from eagle3.stages.export import export_from_checkpoint
     from eagle3.train.trainer import run
 
     path = make_tiny_run(tmp_path, draft_vocab=24, train={"epochs": 1})

@@ -103,7 +103,7 @@ def test_tiny_pipeline_end_to_end(tiny_llama_dir, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     vcfg = json.loads((out / "drafter-vllm" / "config.json").read_text())
     assert vcfg["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
-    from eagle3.export.serving import load_exported
+    from eagle3.export.reader import load_exported
     from eagle3.verifier.head import TargetHead
 
     emb = TargetHead.load(out / "train").embed.float()

@@ -13,14 +13,11 @@ from safetensors.torch import load_file, save_file
 
 from eagle3.drafter.model import DrafterArgs, Eagle3Drafter
 from eagle3.errors import UserError
-from eagle3.export.serving import (
-    META_FILE,
-    SGLANG_KEYS,
-    VLLM_KEYS,
-    export_drafter,
-    load_exported,
-    read_export_meta,
-)
+from eagle3.export.common import META_FILE
+from eagle3.export.reader import load_exported, read_export_meta
+from eagle3.export.sglang import KEYS as SGLANG_KEYS
+from eagle3.export.vllm import KEYS as VLLM_KEYS
+from eagle3.export.writer import export_drafter
 
 LLAMA30 = dict(
     name="tiny/llama-30",
@@ -327,7 +324,7 @@ def test_default_export_is_bf16_and_recorded(tmp_path, engine):
 
 
 def test_export_dtype_auto_follows_verifier():
-    from eagle3.export.serving import export_dtype
+    from eagle3.export.common import export_dtype
 
     assert export_dtype("auto", "bfloat16") == torch.bfloat16
     assert export_dtype("auto", "float16") == torch.float16
@@ -339,7 +336,7 @@ def test_export_dtype_auto_is_bf16_for_a_float32_verifier(tmp_path, caplog):
     --dtype auto. auto is the serving dtype: bfloat16; an explicit float32 is kept, with a warning for SGLang."""
     import logging
 
-    from eagle3.export.serving import export_dtype
+    from eagle3.export.common import export_dtype
 
     assert export_dtype("auto", "float32") == torch.bfloat16
     d = drafter()
@@ -347,7 +344,7 @@ def test_export_dtype_auto_is_bf16_for_a_float32_verifier(tmp_path, caplog):
         d, tmp_path / "x", "sglang", [2, 15, 27], LLAMA30, dtype=export_dtype("auto", "float32")
     )
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
-    with caplog.at_level(logging.WARNING, logger="eagle3.export.serving"):
+    with caplog.at_level(logging.WARNING, logger="eagle3.export.sglang"):
         out = export_drafter(
             d,
             tmp_path / "y",
@@ -359,7 +356,7 @@ def test_export_dtype_auto_is_bf16_for_a_float32_verifier(tmp_path, caplog):
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "float32"
     assert any("serves a float32 draft config as float16" in r.getMessage() for r in caplog.records)
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="eagle3.export.serving"):
+    with caplog.at_level(logging.WARNING, logger="eagle3.export"):
         export_drafter(d, tmp_path / "z", "vllm", [2, 15, 27], LLAMA30, dtype="float32")
     assert not caplog.records  # vLLM casts the draft to the verifier's dtype
 

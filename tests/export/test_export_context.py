@@ -23,7 +23,7 @@ from eagle3.errors import UserError  # noqa: E402
 def test_04_warns_sglang_export_refused_and_export_only_with_null_fixes_it(tmp_path, caplog):
     from transformers import LlamaConfig
 
-    from eagle3.export.from_checkpoint import export_for_run, export_from_checkpoint
+    from eagle3.stages.export import export_for_run, export_from_checkpoint
     from eagle3.train.trainer import run
 
     vdir = (
@@ -107,7 +107,7 @@ def test_a_refused_export_after_training_still_writes_the_report(tmp_path):
 
     from transformers import LlamaConfig
 
-    from eagle3.export.from_checkpoint import export_from_checkpoint
+    from eagle3.stages.export import export_from_checkpoint
 
     vdir = tmp_path / "verifier"
     LlamaConfig(

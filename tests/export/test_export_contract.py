@@ -18,15 +18,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from test_export import DSV3_61, LLAMA30, drafter  # noqa: E402
 
-from eagle3.drafter.model import DrafterArgs, Eagle3Drafter  # noqa: E402
+from eagle3.drafter.model import DrafterArgs, Eagle3Drafter  # noqa: E402  # noqa: E402
 from eagle3.errors import UserError  # noqa: E402
-from eagle3.export.serving import (  # noqa: E402
-    CONFIG_BLOCK,
-    META_FILE,
-    check_export_folder,
-    export_drafter,
-    load_exported,
-)
+from eagle3.export.common import CONFIG_BLOCK, META_FILE
+from eagle3.export.reader import check_export_folder, load_exported
+from eagle3.export.writer import export_drafter
 
 
 def _wide_drafter() -> Eagle3Drafter:
@@ -385,7 +381,7 @@ def test_kimi_drafter_export_size_bf16_vs_fp32():
     """README figure: the Kimi-K2.5 drafter of configs/kimi-k2.5.yaml exports 985,427,968 weights
     (embedding omitted) = 1.97 GB in bf16, 3.94 GB in fp32 (shapes on the meta device, no weights)."""
     from eagle3.config import load_config
-    from eagle3.export.serving import SGLANG_KEYS
+    from eagle3.export.sglang import KEYS as SGLANG_KEYS
 
     c = load_config(Path(__file__).resolve().parents[2] / "configs" / "kimi-k2.5.yaml").drafter
     a = DrafterArgs(
@@ -724,7 +720,7 @@ def test_short_context_fix_hint_is_enough_and_export_only_applies_it(tmp_path, c
         {**LLAMA30, "context_length": 8192},
     )
     assert _sglang_starts(ok, {"max_position_embeddings": 8192, "rope_scaling": None})
-    with caplog.at_level(logging.WARNING, logger="eagle3.drafter.draft_config"):
+    with caplog.at_level(logging.WARNING, logger="eagle3.engines.context"):
         export_drafter(d, tmp_path / "vl", "vllm", [2, 15, 27], {**LLAMA30, "context_length": 8192})
     assert any(
         "drafter.max_position_embeddings: 2048" in r.getMessage() and "vLLM caps" in r.getMessage()
@@ -749,7 +745,7 @@ def test_sglang_dtype_auto_serves_the_export_as_the_verifier_is_served(
     tmp_path, verifier_dtype, export, served
 ):
     """Issue 26 item 5, with SGLang's real _get_and_verify_dtype on the exported config.json."""
-    from eagle3.export.serving import export_dtype
+    from eagle3.export.common import export_dtype
 
     out = export_drafter(
         drafter(),

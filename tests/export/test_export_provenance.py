@@ -17,8 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _ddp_worker import make_tiny_run, single_thread  # noqa: E402,F401  (autouse fixture)
 
 from eagle3.config import load_config  # noqa: E402
-from eagle3.export.from_checkpoint import export_for_run, export_from_checkpoint  # noqa: E402
-from eagle3.export.serving import load_exported  # noqa: E402
+from eagle3.export.reader import load_exported  # noqa: E402
+from eagle3.stages.export import export_for_run, export_from_checkpoint  # noqa: E402
 from eagle3.train import checkpoint as ckpt  # noqa: E402
 from eagle3.train.trainer import run  # noqa: E402
 
@@ -56,7 +56,7 @@ def test_export_records_provenance_and_warns_when_another_run_replaces_it(tmp_pa
         make_tiny_run(tmp_path / "b", n_train=4, n_val=2, train=TRAIN),
         [f"export.output_dir={a.export_dir}"],
     )
-    with caplog.at_level(logging.WARNING, logger="eagle3.export.serving"):
+    with caplog.at_level(logging.WARNING, logger="eagle3.export.folder"):
         run(b, device="cpu", export=export_for_run)
     warned = [
         r.getMessage()
@@ -74,7 +74,7 @@ def test_export_records_provenance_and_warns_when_another_run_replaces_it(tmp_pa
 
     # --export-only of the same run into it again: no warning; the checkpoint it read is recorded
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="eagle3.export.serving"):
+    with caplog.at_level(logging.WARNING, logger="eagle3.export.folder"):
         out = export_from_checkpoint(b)
     assert not [r for r in caplog.records if "another training run" in r.getMessage()]
     again = _meta(out)["trained_from"]
@@ -154,7 +154,7 @@ def test_a_second_export_only_on_the_same_train_or_export_folder_stops_at_once(t
     one). A second one stops at once with one line naming the lock; the export already there stays as it was, no
     temporary folder is left, and once the first is done the lock files are gone."""
     from eagle3.errors import UserError
-    from eagle3.export.serving import export_lock_path
+    from eagle3.export.folder import export_lock_path
     from eagle3.io import exclusive_lock
 
     cfg = load_config(make_tiny_run(tmp_path / "a", n_train=4, n_val=2, train=TRAIN))

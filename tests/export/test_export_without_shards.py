@@ -20,8 +20,8 @@ from _ddp_worker import make_tiny_run, single_thread  # noqa: E402,F401  (autous
 
 from eagle3.config import load_config  # noqa: E402
 from eagle3.errors import UserError  # noqa: E402
-from eagle3.export.from_checkpoint import export_for_run, export_from_checkpoint  # noqa: E402
 from eagle3.shards.format import LAYER_INDEX_CONVENTION  # noqa: E402
+from eagle3.stages.export import export_for_run, export_from_checkpoint  # noqa: E402
 from eagle3.train import checkpoint as ckpt  # noqa: E402
 from eagle3.train.trainer import run  # noqa: E402
 
@@ -68,7 +68,7 @@ def test_export_only_works_after_the_shards_are_deleted(tmp_path, caplog):
     meta = json.loads((cfg.export_dir / "eagle3_train.json").read_text())
 
     shutil.rmtree(cfg.shards_dir)
-    with caplog.at_level(logging.INFO, logger="eagle3.export.from_checkpoint"):
+    with caplog.at_level(logging.INFO, logger="eagle3.stages.export"):
         out = export_from_checkpoint(cfg)
     assert (
         _folder(out) == with_shards
@@ -133,7 +133,7 @@ def test_vllm_export_warns_when_speculative_tokens_pass_the_trained_ttt_length(t
     in one line naming both values and where each comes from; within ttt_length, or for SGLang, nothing is said."""
     yaml = make_tiny_run(tmp_path / "r", n_train=4, n_val=2, train=TRAIN)
     cfg = load_config(yaml, ["export.engine=vllm", "benchmark.steps=5"])
-    with caplog.at_level(logging.WARNING, logger="eagle3.export.from_checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="eagle3.stages.export"):
         run(cfg, device="cpu", export=export_for_run)
     conf = cfg.export_dir / "config.json"
     tail = (
@@ -152,7 +152,7 @@ def test_vllm_export_warns_when_speculative_tokens_pass_the_trained_ttt_length(t
     assert want in report["warnings"]
     caplog.clear()
     name = ckpt.list_checkpoints(cfg.train_dir)[-1][1].name
-    with caplog.at_level(logging.WARNING, logger="eagle3.export.from_checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="eagle3.stages.export"):
         export_from_checkpoint(cfg)
         export_from_checkpoint(load_config(yaml, ["export.engine=vllm", "benchmark.steps=3"]))
         export_from_checkpoint(
@@ -183,7 +183,7 @@ def test_export_only_without_the_shards_says_when_the_record_has_no_weights_fing
     path = ckpt.list_checkpoints(cfg.train_dir)[-1][1]
     assert "verifier_weights" not in ckpt.load_checkpoint(path)["data_config"]
     shutil.rmtree(cfg.shards_dir)
-    with caplog.at_level(logging.WARNING, logger="eagle3.export.from_checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="eagle3.stages.export"):
         export_from_checkpoint(cfg)
     assert not [
         m for m in caplog.messages if "verifier_weights" in m
@@ -192,7 +192,7 @@ def test_export_only_without_the_shards_says_when_the_record_has_no_weights_fing
     weights.mkdir()
     (weights / "model.safetensors").write_bytes(b"\0" * 4096)
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="eagle3.export.from_checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="eagle3.stages.export"):
         assert export_from_checkpoint(cfg).is_dir()
     assert [m for m in caplog.messages if "verifier_weights" in m] == [
         f"{path}: key 'data_config' records no verifier_weights (shards captured before 2026-12-05f): --export-only did "

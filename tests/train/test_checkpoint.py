@@ -214,7 +214,7 @@ def test_all_checkpoints_corrupt_is_one_line_error_naming_the_newest(tmp_path, c
     """Checkpoint files that all fail to load are an error, not "no checkpoint": --resume used to warn, train
     from step 0 and overwrite the export; --export-only (same lookup) is refused the same way. Only the newest
     bad: the older one is used, with a warning naming the skipped file."""
-    from eagle3.export.from_checkpoint import export_for_run, export_from_checkpoint
+    from eagle3.stages.export import export_for_run, export_from_checkpoint
     from eagle3.train.trainer import run
 
     cfg = load_config(
@@ -447,7 +447,7 @@ def test_export_only_and_resume_refuse_shards_of_other_aux_layers(tmp_path):
     --export-only and --resume refuse other ones in one line; a checkpoint without the record is not checked."""
     from safetensors.torch import load_file
 
-    from eagle3.export.from_checkpoint import export_from_checkpoint
+    from eagle3.stages.export import export_from_checkpoint
     from eagle3.train.trainer import run
 
     a = load_config(make_tiny_run(tmp_path / "a", train={"epochs": 2}))
@@ -491,7 +491,7 @@ def test_export_only_and_resume_refuse_shards_of_another_verifiers_weights(tmp_p
     checkpoint named the weights its states came from. Checkpoints now record data_config.json's `verifier_weights`
     in `data_inputs`; --export-only and --resume refuse another fingerprint in one line; a checkpoint without the
     record is not checked."""
-    from eagle3.export.from_checkpoint import export_from_checkpoint
+    from eagle3.stages.export import export_from_checkpoint
     from eagle3.train.trainer import run
 
     wa, wb = "sha256:" + "a" * 64, "sha256:" + "b" * 64
@@ -531,7 +531,7 @@ def test_inputs_a_checkpoint_did_not_record_are_said_at_resume_and_export(tmp_pa
     weights) with the run's only where both sides had them: a checkpoint of before the record, or shards that gained a
     weights fingerprint since, passed without a word. One warning line now names what was not compared (in
     train_report.json's warnings on a resume); both sides without a fingerprint is check_verifier's to say."""
-    from eagle3.export.from_checkpoint import export_from_checkpoint
+    from eagle3.stages.export import export_from_checkpoint
     from eagle3.train.trainer import run
 
     cfg = load_config(make_tiny_run(tmp_path / "a", train={"epochs": 2, "ckpt_every": 1}))
@@ -626,7 +626,7 @@ def test_export_only_refuses_a_broken_newest_checkpoint_and_leaves_the_export(tm
     the broken file and the older step, and the export is left byte-identical; with the broken file deleted, that
     step is exported. (sim_accept with a best file exports the best weights whatever checkpoint loads:
     tests/train/test_sim_accept.py::test_export_only_keeps_best_drafter_and_exports_it_after_a_checkpoint_fallback.)"""
-    from eagle3.export.from_checkpoint import export_for_run, export_from_checkpoint
+    from eagle3.stages.export import export_for_run, export_from_checkpoint
     from eagle3.train.trainer import run
 
     cfg = load_config(

@@ -17,13 +17,11 @@ from test_variant import make as make_tiny
 from eagle3.drafter.caches import DrafterCache, StaticKVCache
 from eagle3.drafter.model import DrafterArgs, Eagle3Drafter
 from eagle3.errors import UserError
-from eagle3.export.serving import (
-    SGLANG_KEYS,
-    VLLM_KEYS,
-    export_drafter,
-    load_exported,
-    upper_layer_keys,
-)
+from eagle3.export.common import upper_layer_keys
+from eagle3.export.reader import load_exported
+from eagle3.export.sglang import KEYS as SGLANG_KEYS
+from eagle3.export.vllm import KEYS as VLLM_KEYS
+from eagle3.export.writer import export_drafter
 from eagle3.train.checkpoint import check_drafter_args
 
 LLAMA30 = dict(

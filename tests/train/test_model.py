@@ -9,7 +9,7 @@ import torch
 from eagle3.drafter.caches import DrafterCache
 from eagle3.drafter.model import DrafterArgs, Eagle3Drafter, RMSNorm
 from eagle3.errors import UserError
-from eagle3.export.serving import SGLANG_KEYS
+from eagle3.export.sglang import KEYS as SGLANG_KEYS
 
 
 def tiny_args(**kw) -> DrafterArgs:

@@ -264,7 +264,7 @@ def test_verifier_path_to_other_weights_under_the_same_name_is_refused(
     assert str(e.value) == want
     # the export records the fingerprint; 05 warns when verifier.path holds other weights (as for another name)
     from eagle3.benchmark.offline import verifier_warnings
-    from eagle3.export.from_checkpoint import export_for_run
+    from eagle3.stages.export import export_for_run
     from eagle3.verifier.load import load_verifier_config, verifier_dims
 
     _p, cfg = _train_cfg(prepared, kind, moved, kind == "online", tmp_path / "c", max_steps=1)

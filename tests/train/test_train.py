@@ -18,8 +18,8 @@ from _ddp_worker import make_tiny_run, single_thread  # noqa: E402,F401  (autous
 from eagle3.config import load_config  # noqa: E402
 from eagle3.data.dataset import ResumableSampler, ShardDataset, collate, read_split  # noqa: E402
 from eagle3.errors import UserError  # noqa: E402
-from eagle3.export.from_checkpoint import export_for_run, load_init_drafter  # noqa: E402
 from eagle3.shards.format import write_sample  # noqa: E402
+from eagle3.stages.export import export_for_run, load_init_drafter  # noqa: E402
 from eagle3.train import checkpoint as ckpt  # noqa: E402
 from eagle3.train.schedule import build_scheduler, lr_factor, warmup_steps_for  # noqa: E402
 from eagle3.verifier.head import TargetHead  # noqa: E402
@@ -858,7 +858,7 @@ def test_extract_settings_other_than_the_shards_refused_before_anything_is_writt
         device="cpu",
     )
     assert r["step"] == 1
-    from eagle3.export.from_checkpoint import (
+    from eagle3.stages.export import (
         export_from_checkpoint,  # 04 --export-only checks the same
     )
 
@@ -871,7 +871,7 @@ def test_extract_settings_other_than_the_shards_refused_before_anything_is_writt
 def test_another_verifier_than_the_shards_is_named_first(tmp_path):
     """A config whose verifier is not the shards' (data_config.json) is refused with that, as 03 does, before the
     drafter.hidden_size check it would otherwise trip over (hidden_size never set by the user); --export-only too."""
-    from eagle3.export.from_checkpoint import export_from_checkpoint
+    from eagle3.stages.export import export_from_checkpoint
     from eagle3.train.trainer import run
 
     path = make_tiny_run(tmp_path, train={"epochs": 1})

@@ -18,8 +18,10 @@ from test_model import scramble
 from eagle3.drafter.caches import DrafterCache
 from eagle3.drafter.model import DrafterArgs, Eagle3Drafter
 from eagle3.errors import UserError
-from eagle3.export import serving as export_mod
-from eagle3.export.serving import FC_NORM_KEYS, export_drafter, load_exported
+from eagle3.export import formats as export_mod
+from eagle3.export.common import FC_NORM_KEYS
+from eagle3.export.reader import load_exported
+from eagle3.export.writer import export_drafter
 from eagle3.train.checkpoint import check_drafter_args
 
 LLAMA30 = dict(

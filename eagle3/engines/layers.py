@@ -16,12 +16,11 @@ Engines (FIELD-NOTES section 2; SGLang 0.5.23 ``models/llama.py`` / ``models/dee
 
 from __future__ import annotations
 
-from typing import Literal, Sequence
+from typing import Sequence
 
+from eagle3.engines import Engine, spelled
 from eagle3.errors import UserError
 from eagle3.verifier.arch import is_deepseek_family
-
-Engine = Literal["sglang", "vllm"]
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
@@ -73,7 +72,7 @@ def engine_layer_ids(hf_layers: Sequence[int], engine: Engine, architecture: str
     if engine == "vllm":
         return hf_layers
     if engine != "sglang":
-        raise UserError(f"unknown engine '{engine}' (expected sglang or vllm)")
+        raise UserError(f"unknown engine '{engine}' (expected {spelled()})")
     if is_deepseek_family(architecture):
         if hf_layers[0] == 1:
             raise UserError(
@@ -95,10 +94,19 @@ def hf_layers_from_engine(ids: Sequence[int], engine: Engine, architecture: str)
     if engine == "vllm":
         return ids
     if engine != "sglang":
-        raise UserError(f"unknown engine '{engine}' (expected sglang or vllm)")
+        raise UserError(f"unknown engine '{engine}' (expected {spelled()})")
     if is_deepseek_family(architecture):
         return [i + 1 for i in ids] if ids and ids[0] == 1 else ids
     return [i + 1 for i in ids]
+
+
+def layer_id_convention(engine: str, architecture: str) -> str:
+    """How ``engine`` turns the draft config's aux-layer ids into verifier layers (recorded in exports)."""
+    if engine == "vllm":
+        return "hf: ids are HF hidden_states indices (vLLM uses them as given)"
+    if is_deepseek_family(architecture):
+        return "sglang-deepseek: ids are HF hidden_states indices (SGLang adds +1 only when the first id is 1)"
+    return "sglang-llama: ids are HF hidden_states index - 1 (SGLang captures id + 1)"
 
 
 def check_servable(

@@ -1,0 +1,132 @@
+"""The vLLM export format (vLLM speculators, read by ``vllm/transformers_utils/configs/speculators``); serve it with
+vLLM only.
+
+``config.json`` = ``architectures: ["Eagle3Speculator"]``, ``speculators_model_type: "eagle3"``,
+``transformer_layer_config`` (a LlamaConfig dict), ``draft_vocab_size``, ``target_hidden_size``,
+``norm_before_residual: false`` (written explicitly: vLLM's default when absent is true, which is not this drafter),
+top-level ``eagle_aux_hidden_state_layer_ids`` (vLLM ids = HF indices) and ``speculators_config`` (greedy proposal
+with ``speculative_tokens``, the verifier's ``name_or_path`` and architecture). Weights use the speculators names:
+``layers.0.`` instead of ``midlayer.``, the rest as in SGLang (vLLM drops ``t2d`` at load; it is kept for round
+trips), except that a full-vocab drafter (``draft_vocab_size`` = the verifier's vocab) has neither ``d2t`` nor
+``t2d``: vLLM's loader refuses ``d2t`` then (:func:`writes_vocab_map`). SGLang cannot load it.
+
+Every format module of ``eagle3/export/`` states the same names (:data:`eagle3.export.formats.FORMATS`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from eagle3.drafter.model import DrafterArgs
+from eagle3.errors import UserError
+from eagle3.export.common import CONFIG_BLOCK, HEAD_KEYS, LAYER_KEYS, need, variant_keys
+
+ENGINE = "vllm"
+ARCH = "Eagle3Speculator"
+KEYS = tuple(f"layers.0.{k}" for k in LAYER_KEYS) + HEAD_KEYS
+"""Tensor names of the vLLM speculators export with a reduced draft vocab (``embed_tokens.weight`` optional; a
+full-vocab vLLM export has no ``d2t``/``t2d``, see :func:`writes_vocab_map`)."""
+UPPER_NORM = "input_layernorm.weight"
+"""Which of :data:`eagle3.export.common.UPPER_NORM_KEYS` vLLM 0.33's ``llama_eagle3.py`` applies in layers
+``i >= 1``."""
+SERVES = {
+    "eagle3": "vLLM llama_eagle3.py",
+    "eagle3.1": "vLLM 0.33 llama_eagle3.py + transformers_utils/configs/speculators/algos.py (fc_norm, norm_output)",
+}
+"""The drafter variants vLLM serves, and the model code read to say so."""
+LAYER0 = "layers.0."
+"""The name prefix of decoder layer 0 in this format (the drafter's is ``midlayer.``)."""
+VOCAB_MAP_REFUSAL = (
+    "Eagle3LlamaForCausalLM has no 'draft_id_to_target_id' when the draft vocab is the verifier's"
+)
+"""Why this engine refuses a ``d2t`` where :func:`writes_vocab_map` is false."""
+IDS_KEY = "eagle_aux_hidden_state_layer_ids"
+"""Where ``config.json`` states the aux-layer ids."""
+
+
+def writes_vocab_map(draft_vocab_size: int, target_vocab_size: int) -> bool:
+    """Whether the folder carries ``d2t``/``t2d``: iff ``draft_V < target_V``. vLLM 0.33
+    (``vllm/model_executor/models/llama_eagle3.py``, ``Eagle3LlamaForCausalLM``): ``__init__`` creates the
+    ``draft_id_to_target_id`` parameter only when the config's ``draft_vocab_size`` differs from the verifier's vocab
+    (``model_config.get_vocab_size()``); ``load_weights`` renames ``d2t`` to it and skips ``t2d``. So a full-vocab
+    folder that carries ``d2t`` is refused (``There is no module or parameter named 'draft_id_to_target_id'``), and a
+    reduced-vocab folder without it keeps the zero-initialised parameter: every draft id is taken for the target id
+    of the same number (silently wrong drafts)."""
+    return int(draft_vocab_size) != int(target_vocab_size)
+
+
+def warn_dtype(dtype: torch.dtype) -> None:
+    """Nothing to say: vLLM casts the draft to the verifier's serving dtype."""
+
+
+def build_config(
+    llama: dict,
+    a: DrafterArgs,
+    ids: list[int],
+    block: dict,
+    verifier_info: dict,
+    num_speculative_tokens: int,
+) -> dict:
+    """The speculators ``config.json``: ``llama`` (:func:`eagle3.drafter.draft_config.llama_config`) as the
+    ``transformer_layer_config``, the greedy proposal of ``num_speculative_tokens``, the verifier's name and
+    architecture, and our ``block`` (:data:`eagle3.export.common.CONFIG_BLOCK`)."""
+    arch = str(verifier_info["architecture"])
+    return {
+        "architectures": [ARCH],
+        "speculators_model_type": "eagle3",
+        "speculators_version": "0.1.0",
+        "transformer_layer_config": {"architectures": ["LlamaForCausalLM"], **llama},
+        "draft_vocab_size": a.draft_vocab_size,
+        "target_hidden_size": a.target_hidden_size,
+        "norm_before_residual": False,
+        **variant_keys(a.variant),
+        "eagle_aux_hidden_state_layer_ids": ids,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": int(num_speculative_tokens),
+                    "verifier_accept_k": 1,
+                    "accept_tolerance": 0.0,
+                }
+            ],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": str(verifier_info["name"]), "architectures": [arch]},
+        },
+        "torch_dtype": llama["torch_dtype"],
+        "dtype": llama["dtype"],
+        CONFIG_BLOCK: block,
+    }
+
+
+def is_format(cfg: dict) -> bool:
+    """Whether a ``config.json`` dict is in this format (``speculators_model_type: eagle3`` or :data:`ARCH`)."""
+    return cfg.get("speculators_model_type") == "eagle3" or ARCH in (cfg.get("architectures") or [])
+
+
+def layer_source(cfg: dict, path: Path) -> dict:
+    """The LlamaConfig fields of the drafter's decoder layer (``transformer_layer_config``) with ``draft_vocab_size``
+    and ``target_hidden_size``, from a ``config.json`` of this format.
+
+    Raises:
+        UserError: a missing key, or ``norm_before_residual`` not false (naming the file and key).
+    """
+    layer = need(cfg, "transformer_layer_config", path)
+    if cfg.get("norm_before_residual", True):
+        raise UserError(
+            f"{path}: key 'norm_before_residual' must be false for this drafter (hidden_norm before the residual "
+            f"is not implemented)"
+        )
+    src = dict(layer)
+    src["draft_vocab_size"] = need(cfg, "draft_vocab_size", path)
+    src["target_hidden_size"] = cfg.get("target_hidden_size") or layer.get("hidden_size")
+    return src
+
+
+def layer_ids(cfg: dict) -> Optional[object]:
+    """The aux-layer ids vLLM reads from ``config.json`` (unchecked; ``None`` when not stated)."""
+    return cfg.get("eagle_aux_hidden_state_layer_ids")

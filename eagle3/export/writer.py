@@ -1,0 +1,193 @@
+"""Write a trained drafter as the folder one serving engine loads (:func:`export_drafter`).
+
+Each engine takes its own folder (``04_train.py --export-only --engine <engine>`` writes any of them from the same
+checkpoint); they differ in the aux-layer ids they state, and a folder served by another engine loads without error
+but captures the wrong verifier layers. The formats: :mod:`eagle3.export.sglang`, :mod:`eagle3.export.vllm`; what
+they share: :mod:`eagle3.export.common`.
+
+Both ``config.json`` carry an ``eagle3_train`` block (:data:`eagle3.export.common.CONFIG_BLOCK`: ``engine``,
+``aux_layers_hf``, ``engine_layer_ids``, ``layer_id_convention``, the verifier architecture) that makes a folder used
+by the wrong engine, or ids edited by hand, detectable (:func:`eagle3.export.reader.check_export_folder`), and
+``torch_dtype`` / ``dtype`` = the weights' dtype (:func:`eagle3.export.common.export_dtype`). ``eagle3_train.json``
+holds our metadata (HF aux layers, engine, engine ids, verifier, drafter args, and ``trained_from``: ``train_dir``,
+``checkpoint``, ``step``, ``select_best``, ``selected_step``). Embedding weights are omitted unless
+``include_embeddings``; both engines then use the verifier's, which requires equal hidden sizes
+(:func:`eagle3.export.common.check_export_contract`). Folders are written to a temporary sibling and renamed into
+place (:func:`eagle3.export.folder.write_export_folder`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from eagle3.drafter.draft_config import DEFAULT_EXPORT_DTYPE, llama_config
+from eagle3.drafter.model import Eagle3Drafter
+from eagle3.engines import ENGINES, LABELS, others, spelled
+from eagle3.engines.context import check_context_length
+from eagle3.engines.layers import check_aux_layers, engine_layer_ids, layer_id_convention
+from eagle3.errors import UserError
+from eagle3.export.common import (
+    EMBED_KEY,
+    VERIFIER_FIELDS,
+    VOCAB_KEYS,
+    WEIGHTS_FILE,
+    check_export_contract,
+    export_dtype,
+    state_key,
+)
+from eagle3.export.folder import write_export_folder
+from eagle3.export.formats import FORMATS, check_engine_serves, required_keys, writes_vocab_map
+
+
+def export_drafter(
+    drafter: Eagle3Drafter,
+    out_dir: str | os.PathLike,
+    engine: str,
+    aux_layers_hf: list[int],
+    verifier_info: dict,
+    include_embeddings: bool = False,
+    num_speculative_tokens: int = 3,
+    dtype: str | torch.dtype = DEFAULT_EXPORT_DTYPE,
+    provenance: Optional[dict] = None,
+    ttt_length: Optional[int] = None,
+) -> Path:
+    """Write ``drafter`` as the ``engine`` folder ``out_dir`` (replaced if it exists; module docstring).
+
+    Args:
+        drafter: trained drafter (its ``d2t``/``t2d`` must be the run's vocab map).
+        engine: one of :data:`eagle3.engines.ENGINES`; the folder is for that engine only.
+        aux_layers_hf: the three aux layers as HF ``hidden_states`` indices (capture convention).
+        verifier_info: ``{name, architecture, num_layers, hidden_size, vocab_size}``, optionally
+            ``context_length`` (:func:`eagle3.engines.context.check_context_length`) and ``weights``.
+        include_embeddings: also store ``embed_tokens.weight`` (required when the drafter's hidden size differs).
+        num_speculative_tokens: vLLM ``speculators_config.proposal_methods[0].speculative_tokens``.
+        dtype: the weights' dtype (a name from :data:`eagle3.export.common.EXPORT_DTYPES` is accepted), recorded
+            as ``torch_dtype``/``dtype`` in ``config.json``.
+        provenance: ``trained_from`` of ``eagle3_train.json`` only; replacing an export recorded from another
+            ``train_dir`` logs a warning.
+        ttt_length: the TTT steps the drafter was trained for, recorded in ``eagle3_train.json`` (None: not).
+
+    Raises:
+        UserError: unknown engine or dtype, an engine that cannot serve the drafter's variant, a missing
+            ``verifier_info`` field, aux layers invalid for the verifier, a broken shape contract, a draft context
+            SGLang refuses, a required tensor missing, or the folder's write refusals
+            (:func:`eagle3.export.folder.write_export_folder`).
+    """
+    out_dtype, aux, ids = _check_request(
+        drafter, engine, aux_layers_hf, verifier_info, include_embeddings, dtype
+    )
+    a = drafter.args
+    tensors = _export_tensors(drafter, engine, include_embeddings, out_dtype)
+    llama = llama_config(a, out_dtype)
+    block = _config_block(engine, aux, ids, verifier_info, a.variant)
+    config = FORMATS[engine].build_config(
+        llama, a, ids, block, verifier_info, num_speculative_tokens
+    )
+    meta = _export_meta(engine, aux, ids, block, verifier_info, drafter, include_embeddings, llama)
+    if ttt_length is not None:
+        meta["ttt_length"] = int(ttt_length)
+    if provenance is not None:
+        meta["trained_from"] = dict(provenance)
+    return write_export_folder(Path(out_dir), engine, tensors, config, meta, provenance)
+
+
+def _check_request(
+    drafter: Eagle3Drafter,
+    engine: str,
+    aux_layers_hf: list[int],
+    verifier_info: dict,
+    include_embeddings: bool,
+    dtype: str | torch.dtype,
+) -> tuple[torch.dtype, list[int], list[int]]:
+    """:func:`export_drafter`'s refusals before anything is written; returns ``(dtype, HF aux layers, engine ids)``."""
+    if engine not in ENGINES:
+        raise UserError(f"export.engine: unknown engine '{engine}' (expected {spelled()})")
+    check_engine_serves(engine, drafter.args.variant)
+    out_dtype = export_dtype(dtype)
+    FORMATS[engine].warn_dtype(out_dtype)
+    for f in VERIFIER_FIELDS:
+        if f not in verifier_info or verifier_info[f] is None:
+            raise UserError(f"verifier_info: missing field '{f}'")
+    arch = str(verifier_info["architecture"])
+    aux = check_aux_layers(aux_layers_hf, int(verifier_info["num_layers"]), field="aux_layers_hf")
+    check_export_contract(drafter, verifier_info, include_embeddings)
+    check_context_length(drafter.args, verifier_info.get("context_length"), engine)
+    return out_dtype, aux, engine_layer_ids(aux, engine, arch)
+
+
+def _export_tensors(
+    drafter: Eagle3Drafter, engine: str, include_embeddings: bool, out_dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """The folder's tensors by export name: floating ones cast to ``out_dtype``, all contiguous CPU copies.
+
+    Raises:
+        UserError: a required tensor missing from the drafter's state.
+    """
+    a = drafter.args
+    sd = drafter.state_dict()
+    required = required_keys(engine, a.variant, a.num_layers)
+    if not writes_vocab_map(engine, a.draft_vocab_size, a.target_vocab_size):
+        required = tuple(k for k in required if k not in VOCAB_KEYS)  # full vocab: vLLM refuses d2t
+    tensors: dict[str, torch.Tensor] = {}
+    for key in required:
+        src = state_key(key)
+        if src not in sd:
+            raise UserError(f"drafter state: missing required tensor '{src}' (export key '{key}')")
+        tensors[key] = sd[src]
+    if include_embeddings:
+        tensors[EMBED_KEY] = sd[EMBED_KEY]
+    return {
+        k: (v.to(out_dtype) if v.is_floating_point() else v).detach().cpu().contiguous().clone()
+        for k, v in tensors.items()
+    }
+
+
+def _config_block(
+    engine: str, aux: list[int], ids: list[int], verifier_info: dict, variant: str
+) -> dict:
+    """Our ``eagle3_train`` block of ``config.json``: the engine, its ids and the HF layers they select."""
+    arch = str(verifier_info["architecture"])
+    return {
+        "format_version": 1,
+        "engine": engine,
+        "serve_with": f"{LABELS[engine]} only (the other engine reads these layer ids in another convention; "
+        f"export with --engine {spelled(others(engine))})",
+        "aux_layers_hf": aux,
+        "engine_layer_ids": ids,
+        "layer_id_convention": layer_id_convention(engine, arch),
+        "verifier_architecture": arch,
+        "verifier_num_layers": int(verifier_info["num_layers"]),
+        "variant": variant,
+    }
+
+
+def _export_meta(
+    engine: str,
+    aux: list[int],
+    ids: list[int],
+    block: dict,
+    verifier_info: dict,
+    drafter: Eagle3Drafter,
+    include_embeddings: bool,
+    llama: dict,
+) -> dict:
+    """``eagle3_train.json`` without ``ttt_length`` and ``trained_from`` (added by the caller when known)."""
+    weights = {"weights": verifier_info["weights"]} if verifier_info.get("weights") else {}
+    return {
+        "format_version": 1,
+        "engine": engine,
+        "aux_layers_hf": aux,
+        "engine_layer_ids": ids,
+        "layer_id_convention": block["layer_id_convention"],
+        # + the weights' fingerprint 02 recorded
+        "verifier": {**{f: verifier_info[f] for f in VERIFIER_FIELDS}, **weights},
+        "drafter_args": drafter.args.to_json(),
+        "include_embeddings": bool(include_embeddings),
+        "variant": drafter.args.variant,
+        "dtype": llama["torch_dtype"],
+        "weights": WEIGHTS_FILE,
+    }

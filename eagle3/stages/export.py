@@ -1,0 +1,479 @@
+"""Stage 04's finishing step: export the trained drafter for ``export.engine``, read from the run's config.
+
+- :func:`export_for_run`: the export at the end of training (``04_train.py`` passes it to the training loop).
+- :func:`export_from_checkpoint`: ``04_train.py --export-only [--engine <engine>]``: training already exports once
+  for ``export.engine``; this writes another engine's folder (or the same again) without retraining, from the newest
+  complete checkpoint in ``{train_dir}/checkpoints``, the verifier head saved at
+  ``{train_dir}/target_head.safetensors``, the vocab map of stage 03 and the shards' metadata (aux layers in the HF
+  convention; :func:`eagle3.engines.layers.engine_layer_ids` converts them per engine): the shards'
+  ``data_config.json``, or when the shards were deleted the checkpoint's record of it (:func:`shards_data_config`).
+- :func:`check_export_destination`: 04's start-up check of the export folder.
+- :func:`load_init_drafter`: ``train.init_from``, an exported folder that starts the run (warm start).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import logging
+from pathlib import Path
+
+from eagle3.config import RunConfig
+from eagle3.data.vocab import load_run_vocab_map
+from eagle3.drafter.draft_config import untrained_positions
+from eagle3.drafter.model import DrafterArgs
+from eagle3.errors import UserError
+from eagle3.export.common import export_dtype
+from eagle3.export.folder import check_replaceable
+from eagle3.export.reader import check_export_folder, load_exported
+from eagle3.export.writer import export_drafter
+from eagle3.io import exclusive_lock, probe_dirs, relative_hint, rerun_hint
+from eagle3.shards.format import (
+    DATA_CONFIG,
+    check_extract_settings,
+    check_verifier,
+    read_data_config,
+)
+from eagle3.train import checkpoint as ckpt
+from eagle3.train.sim_accept import BEST_FILE, load_best_for_export
+from eagle3.train.trainer import (
+    TRAIN_LOCK,
+    build_drafter_args,
+    export_provenance,
+    init_drafter,
+    init_from_not_a_folder,
+    record_export_only,
+    train_lock_holder,
+)
+from eagle3.verifier.arch import text_config
+from eagle3.verifier.head import TargetHead
+from eagle3.verifier.load import (
+    load_verifier_config,
+    verifier_context_length,
+    verifier_dims,
+    weights_differ,
+    weights_fingerprint,
+)
+
+log = logging.getLogger(__name__)
+
+#: ``--export-only``'s disk-full advice (:func:`eagle3.io.rerun_hint`).
+REDO_HINT = (
+    "re-run the same command (--export-only does not resume: it exports the checkpoint again)"
+)
+
+
+def check_export_destination(out: Path, engine: str, field: str = "export.output_dir") -> None:
+    """04's start-up check of where the export will go (``04_train.py`` calls it before training): the refusals of
+    :func:`eagle3.export.folder.check_replaceable`, and a path under a file, so that they do not come only after the
+    whole training.
+
+    ``field``: the config field that puts ``out`` there (``RunConfig.output_field("export")``), for the messages.
+
+    Raises:
+        UserError: as :func:`eagle3.export.folder.check_replaceable`; a parent of ``out`` that is a file; or a folder
+            above ``out`` that cannot be made (:func:`eagle3.io.probe_dirs`: ``<field>: cannot create the output
+            folder ...``).
+    """
+    out = Path(out)
+    for parent in out.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise UserError(f"{out}: {field} is under {parent}, which is a file, not a folder")
+            break
+    probe_dirs(out.parent, field)  # the export is made beside it and renamed
+    check_replaceable(out, engine)
+
+
+def export_for_run(
+    cfg: RunConfig,
+    drafter,
+    data_config: dict,
+    provenance: dict | None = None,
+    ttt_length: int | None = None,
+    ttt_from: str = "train.ttt_length",
+) -> Path:
+    """Export ``drafter`` for ``cfg.export.engine`` into ``cfg.export_dir``, in ``export.dtype``
+    (``auto`` = ``verifier.dtype``), with the verifier facts and HF aux layers of the shards'
+    ``data_config.json``; ``provenance`` (:func:`eagle3.train.trainer.export_provenance`) is recorded as
+    ``trained_from`` in ``eagle3_train.json``. The vLLM folder's ``speculative_tokens`` (what ``vllm serve`` drafts
+    when ``--speculative-config`` names only the model) is ``benchmark.steps``, the chain the run benchmarks.
+    ``ttt_length`` (default ``train.ttt_length``; ``--export-only`` passes the checkpoint's) is recorded in
+    ``eagle3_train.json``: the draft positions the drafter was trained for, which 05 compares with its ``--steps``.
+    A vLLM ``speculative_tokens`` above it is warned about in one line (:func:`speculative_tokens_warning`; ``ttt_from``
+    says where ``ttt_length`` came from).
+
+    Raises:
+        UserError: see :func:`eagle3.export.writer.export_drafter`.
+    """
+    verifier_info = {
+        "name": data_config["verifier"],
+        **{k: data_config[k] for k in ("architecture", "num_layers", "hidden_size", "vocab_size")},
+        "context_length": verifier_context_length(cfg.verifier),
+        "weights": data_config.get("verifier_weights"),
+    }  # 05 warns when verifier.path holds others
+    ttt_length = cfg.train.ttt_length if ttt_length is None else int(ttt_length)
+    warning = speculative_tokens_warning(cfg, ttt_length, ttt_from)
+    if warning:
+        log.warning("%s", warning)
+    return export_drafter(
+        drafter,
+        cfg.export_dir,
+        engine=cfg.export.engine,
+        aux_layers_hf=list(data_config["aux_layers"]),
+        verifier_info=verifier_info,
+        num_speculative_tokens=cfg.benchmark.steps,
+        dtype=export_dtype(cfg.export.dtype, cfg.verifier.dtype),
+        provenance=provenance,
+        ttt_length=ttt_length,
+    )
+
+
+def speculative_tokens_warning(
+    cfg: RunConfig, ttt_length: int, ttt_from: str = "train.ttt_length"
+) -> str | None:
+    """One warning line when a vLLM export's ``speculative_tokens`` (``benchmark.steps``: what ``vllm serve`` drafts
+    when ``--speculative-config`` names only the model) is above the ``ttt_length`` the drafter was trained for
+    (``ttt_from``: ``train.ttt_length``, or the checkpoint's for ``--export-only``): vLLM would draft positions never
+    trained, at low acceptance. None for SGLang (its draft length is the server's ``--speculative-num-steps``) or
+    within ``ttt_length``."""
+    steps = int(cfg.benchmark.steps)
+    if cfg.export.engine != "vllm" or steps <= int(ttt_length):
+        return None
+    return (
+        f"export: speculative_tokens {steps} (benchmark.steps) in {cfg.export_dir / 'config.json'} is more than "
+        f"the ttt_length {ttt_length} ({ttt_from}) the drafter was trained for: vLLM drafts "
+        f"{untrained_positions(ttt_length, steps)}, never trained, at low acceptance; export with benchmark.steps "
+        f"{ttt_length} (04_train.py --export-only --engine vllm --set benchmark.steps={ttt_length}), or train with "
+        f"train.ttt_length {steps}"
+    )
+
+
+def load_init_drafter(cfg: RunConfig, embed_weight, data_config: dict):
+    """The drafter of ``train.init_from`` (an exported folder) for 04's warm start
+    (:func:`eagle3.train.trainer.warm_start` copies its trainable tensors).
+
+    Args:
+        cfg: the run config (``train.init_from`` set).
+        embed_weight: the verifier's input embedding ``[target_V, H]`` (exports leave it out).
+        data_config: the shards' ``data_config.json``: its HF ``aux_layers`` must be the folder's.
+
+    Returns:
+        ``Eagle3Drafter`` (float32, CPU; :func:`eagle3.export.reader.load_exported`).
+
+    Raises:
+        UserError: not a folder; the folder records other HF aux layers than the shards (its ``fc`` reads other
+            verifier layers: near-zero acceptance); or any error of :func:`eagle3.export.reader.load_exported`,
+            prefixed ``train.init_from: ``.
+    """
+    path = Path(cfg.train.init_from)
+    if not path.is_dir():
+        raise init_from_not_a_folder(path)
+    aux = [int(i) for i in data_config["aux_layers"]]
+    try:
+        got = check_export_folder(path)["aux_layers_hf"]
+        drafter = load_exported(path, embed_weight=embed_weight)
+    except UserError as e:
+        raise UserError(f"train.init_from: {e}") from e
+    if got is not None and list(got) != aux:
+        raise UserError(
+            f"{path}: train.init_from was trained on HF aux layers {list(got)}, this run's shards hold "
+            f"{aux} (data_config.json aux_layers)"
+        )
+    return drafter
+
+
+def export_from_checkpoint(cfg: RunConfig, engine: str | None = None) -> Path:
+    """``04 --export-only``: :func:`_export_from_checkpoint` holding 04's lock on the train folder
+    (``{train_dir}/.train.lock``, :data:`eagle3.train.trainer.TRAIN_LOCK`), as training does: a second
+    ``--export-only`` of the same train folder, or one beside a training 04 (which prunes checkpoints), stops at once
+    with one line. A train folder that does not exist takes no lock (the export then stops with "no complete
+    checkpoint to export"), nor one where the lock file cannot be made (read-only checkpoints: no 04 can be writing
+    there). A full disk says to re-run (:data:`REDO_HINT`): an export starts over, nothing of a stopped one is kept.
+
+    Raises:
+        UserError: ``<train_dir>/.train.lock: another 04_train run is training or exporting in <train_dir>; ...``;
+            and everything :func:`_export_from_checkpoint` raises.
+    """
+    with contextlib.ExitStack() as held:
+        held.enter_context(rerun_hint(REDO_HINT))
+        if cfg.train_dir.is_dir():
+            try:
+                held.enter_context(
+                    exclusive_lock(cfg.train_dir / TRAIN_LOCK, train_lock_holder(cfg.train_dir))
+                )
+            except OSError as e:  # read-only checkpoints: no 04 writes there
+                if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+                    raise
+                log.info(
+                    "%s: not locked (%s); the export folder's lock still holds",
+                    cfg.train_dir / TRAIN_LOCK,
+                    e.strerror,
+                )
+        return _export_from_checkpoint(cfg, engine)
+
+
+def _export_from_checkpoint(cfg: RunConfig, engine: str | None = None) -> Path:
+    """Build the drafter from the newest checkpoint and export it. Read-only with respect to training's outputs
+    (checkpoints, ``best_drafter.pt``, ``sim_accept.json``): only the export folder is written, and the run's
+    ``train_report.{json,md}`` when it was written at this checkpoint's step (it then names the export:
+    :func:`eagle3.train.trainer.record_export_only`).
+
+    Weights: ``train.select_best: last`` -> the checkpoint's; ``sim_accept`` -> ``best_drafter.pt``
+    (:func:`_select_weights`). Checkpoint: :func:`_latest_checkpoint`; drafter: :func:`_drafter_from_checkpoint`.
+
+    Args:
+        cfg: run config (``train_dir``, ``data_dir``, ``shards_dir``, ``export``).
+        engine: one of :data:`eagle3.engines.ENGINES`; default ``cfg.export.engine``. The folder is
+            ``export.output_dir`` or ``{output_root}/drafter-{engine}``.
+
+    Returns:
+        The export folder.
+
+    Raises:
+        UserError: those of the three steps above and of :func:`export_for_run`.
+    """
+    if engine is not None:
+        cfg = cfg.model_copy(update={"export": cfg.export.model_copy(update={"engine": engine})})
+    path, state = _latest_checkpoint(cfg)
+    drafter, data_config = _drafter_from_checkpoint(cfg, path, state)
+    step = int(state["step"])
+    weights_step = _select_weights(cfg, drafter, path, step)
+    prov = export_provenance(cfg.train_dir, path, step, cfg.train.select_best, weights_step)
+    # the TTT steps the checkpoint trained (--resume refuses another train.ttt_length), else the config's
+    ttt = (state.get("recipe") or {}).get("train.ttt_length")
+    ttt_from = f"train.ttt_length of {path.name}" if ttt else "train.ttt_length"
+    out = export_for_run(
+        cfg,
+        drafter,
+        data_config,
+        provenance=prov,
+        ttt_length=int(ttt or cfg.train.ttt_length),
+        ttt_from=ttt_from,
+    )
+    record_export_only(
+        cfg.train_dir, out, path, step, weights_step, cfg.export.engine, cfg.train.select_best
+    )
+    return out
+
+
+def _latest_checkpoint(cfg: RunConfig) -> tuple[Path, dict]:
+    """The newest complete checkpoint ``(path, state)``. When the checkpoint supplies the weights (``last``, or
+    ``sim_accept`` without a best file) a newest file that does not load is an error naming it and the step of the
+    newest one that does (an older checkpoint's weights are not what was asked for: delete the broken file to export
+    that step, or ``--resume``). With ``sim_accept`` and a ``best_drafter.pt`` the checkpoint gives only the drafter
+    shape and the step named in messages, so the newest that loads is used, with a warning naming each skipped file
+    (:func:`eagle3.train.checkpoint.find_latest_checkpoint`).
+
+    Raises:
+        UserError: no checkpoint, or checkpoint files none of which loads, or (weights from the checkpoint) a newest
+            checkpoint file that does not load.
+    """
+    found = ckpt.find_latest_checkpoint(cfg.train_dir, fallback=not _weights_from_checkpoint(cfg))
+    if found is None:
+        where = ckpt.ckpt_dir(cfg.train_dir)
+        raise UserError(
+            f"{where}: no complete checkpoint to export (run 04_train.py first"
+            + (f"; {relative_hint(where)})" if relative_hint(where) else ")")
+        )
+    return found
+
+
+def _drafter_from_checkpoint(cfg: RunConfig, path: Path, state: dict):
+    """The checkpoint's drafter (``(Eagle3Drafter, data_config)``) with the run's target head and vocab map, after
+    checking that the checkpoint was trained on these inputs and has the config's drafter shape
+    (``max_position_embeddings`` may differ: only the exported config changes, :func:`_with_config_context`).
+
+    Raises:
+        UserError: missing target head / vocab map, no data_config.json and no record of it
+            (:func:`shards_data_config`), other trained inputs (:func:`_require_trained_inputs`), a drafter shape
+            that disagrees with the vocab map or with the config's ``drafter.*``
+            (:func:`eagle3.train.checkpoint.check_drafter_args`), or a missing/unexpected state key.
+    """
+    data_config = shards_data_config(cfg, path, state)
+    vocab = load_run_vocab_map(cfg, int(data_config["vocab_size"]))
+    args = DrafterArgs.from_json(state["drafter_args"], source=f"{path}: drafter_args")
+    _require_trained_inputs(path, state, vocab, data_config, cfg)
+    if args.draft_vocab_size != int(vocab["d2t"].shape[0]):
+        raise UserError(
+            f"{path}: drafter_args.draft_vocab_size {args.draft_vocab_size} differs from "
+            f"{cfg.data_dir / 'vocab_map.pt'} ({int(vocab['d2t'].shape[0])})"
+        )
+    # the export checks the context itself: no start-of-training warning here
+    want = dataclasses.asdict(build_drafter_args(cfg, data_config, vocab, warn_context=False))
+    saved = {k: v for k, v in state["drafter_args"].items() if k != "max_position_embeddings"}
+    ckpt.check_drafter_args(
+        path, saved, {k: v for k, v in want.items() if k != "max_position_embeddings"}
+    )
+    args = _with_config_context(cfg, args)
+    drafter = init_drafter(args, TargetHead.load(cfg.train_dir), vocab, seed=0)
+    missing, unexpected = drafter.load_state_dict(state["model"], strict=False)
+    trainable = {k for k, p in drafter.named_parameters() if p.requires_grad}
+    if unexpected or trainable & set(missing):
+        key = sorted(unexpected or (trainable & set(missing)))[0]
+        raise UserError(f"{path}: key 'model.{key}' {'unexpected' if unexpected else 'missing'}")
+    return drafter, data_config
+
+
+def _select_weights(cfg: RunConfig, drafter, path: Path, step: int) -> int:
+    """Load the weights ``train.select_best`` names into ``drafter``; returns their step. ``last``: the checkpoint's
+    (already loaded). ``sim_accept``: ``best_drafter.pt``, the weights the finished training exported
+    (:func:`eagle3.train.sim_accept.load_best_for_export`): a best file that does not load, does not fit or is not the
+    step ``sim_accept.json`` names is a UserError (``--set train.select_best=last`` exports the checkpoint); no best
+    file at all exports the checkpoint's weights with a warning naming the field."""
+    if cfg.train.select_best != "sim_accept":
+        log.info("export: the weights of checkpoint %s (train.select_best: last)", path.name)
+        return step
+    best, warning = load_best_for_export(cfg.train_dir, drafter, step)
+    if warning:
+        log.warning(warning)
+    return best if best is not None else step
+
+
+def shards_data_config(cfg: RunConfig, path: Path, state: dict) -> dict:
+    """What the export reads of the shards' ``data_config.json`` (aux layers, verifier id, dims, weights fingerprint),
+    checked against the config as 04 training checks it.
+
+    With ``{shards_dir}/data_config.json`` present: that file (:func:`eagle3.shards.format.read_data_config`), the
+    config's verifier and ``extract`` settings checked against it, and (by the caller) the checkpoint's ``data_inputs``
+    (aux layers, vocab map, verifier weights). Without it (users delete the shards after training to free terabytes):
+    the checkpoint's record of it (key ``data_config``, :func:`eagle3.train.checkpoint.data_config_record`), the
+    config checked against that. A checkpoint of before the record needs the file: one line says which file and that
+    the shard files themselves are not read.
+
+    Raises:
+        UserError: ``<shards>/data_config.json: file not found, and <checkpoint> has no record of it ...``; the checks'
+            errors (:func:`eagle3.shards.format.check_verifier`, :func:`_check_recorded_verifier`,
+            :func:`eagle3.shards.format.check_extract_settings`).
+    """
+    file = cfg.shards_dir / DATA_CONFIG
+    record = state.get(ckpt.DATA_CONFIG_RECORD)
+    if file.is_file() or not isinstance(record, dict):
+        if not file.is_file():
+            raise UserError(
+                f"{file}: file not found, and {path} has no record of it (checkpoint key "
+                f"'{ckpt.DATA_CONFIG_RECORD}': written by 04 since 2026-12-05g, this checkpoint is older), "
+                f"so --export-only needs the shards' {DATA_CONFIG} for their aux layers, verifier and dims: "
+                f"put that one file back at {file} (the shard files are not read), or re-run "
+                f"02_extract_hidden.py"
+                + (f"; {relative_hint(file)}" if relative_hint(file) else "")
+            )
+        data_config = read_data_config(cfg.shards_dir)
+        unchecked = check_verifier(cfg.verifier, data_config, cfg.shards_dir)  # as 04 training does
+        if unchecked:
+            log.warning("%s", unchecked)
+        check_extract_settings(cfg.extract, data_config, cfg.shards_dir)
+        return data_config
+    log.info(
+        "export: %s not found; the shards' aux layers %s, verifier %r and dims from %s (key '%s', recorded at "
+        "training)",
+        file,
+        record.get("aux_layers"),
+        record.get("verifier"),
+        path.name,
+        ckpt.DATA_CONFIG_RECORD,
+    )
+    _check_recorded_verifier(cfg, record, path)
+    check_extract_settings(cfg.extract, record, f"{cfg.shards_dir} (recorded in {path})")
+    return dict(record)
+
+
+def _check_recorded_verifier(cfg: RunConfig, record: dict, path: Path) -> None:
+    """:func:`eagle3.shards.format.check_verifier` against a checkpoint's ``data_config`` record (the shards are gone):
+    the config's verifier must be the one the shards were captured from, by name and, when both are known, by the
+    fingerprint of its weight files (``verifier_weights``: the exported ``config.json`` names that verifier). A
+    record without one beside weight files at ``verifier.path`` is one warning line saying the weights were not
+    compared; no weight file here is nothing to compare (as 03/04).
+
+    Raises:
+        UserError: ``<checkpoint>: key 'data_config.verifier' is 'a' but the config's verifier is 'b' ...``, or
+            ``verifier.path: '<path>' holds other weights than the model <checkpoint> was trained on ...``.
+    """
+    want = cfg.verifier.display_name()
+    if record.get("verifier") != want:
+        raise UserError(
+            f"{path}: key '{ckpt.DATA_CONFIG_RECORD}.verifier' is {record.get('verifier')!r} (the shards it "
+            f"was trained on) but the config's verifier is {want!r} (verifier.name / verifier.path); set "
+            f"the verifier this checkpoint was trained on"
+        )
+    recorded = record.get(ckpt.VERIFIER_WEIGHTS)
+    now = weights_fingerprint(cfg.verifier)  # (1 MiB a weight file)
+    if (
+        now and not recorded
+    ):  # not compared: said (was silent); no weight file here: nothing to compare, as 03/04
+        log.warning(
+            "%s",
+            f"{path}: key '{ckpt.DATA_CONFIG_RECORD}' records no {ckpt.VERIFIER_WEIGHTS} (shards "
+            f"captured before 2026-12-05f): --export-only did not check the weights at verifier.path "
+            f"'{cfg.verifier.path}' against the model the checkpoint was trained on, only the name {want!r}; "
+            f"check that verifier.path is that model (the export's config.json names it)",
+        )
+    if weights_differ(recorded, now):
+        raise UserError(
+            f"verifier.path: '{cfg.verifier.path}' holds other weights than the model {path} was trained "
+            f"on (key '{ckpt.DATA_CONFIG_RECORD}.{ckpt.VERIFIER_WEIGHTS}' {str(recorded)[:19]}..., "
+            f"{str(now)[:19]}... at verifier.path; the name {want!r} is the same); set verifier.path back "
+            f"to that model"
+        )
+
+
+def _require_trained_inputs(
+    path: Path, state: dict, vocab: dict, data_config: dict, cfg: RunConfig
+) -> None:
+    """Refuse to export a checkpoint with another draft vocab map, other aux layers or shards of another verifier's
+    weights than it was trained with (its ``data_inputs`` records the map's content hash,
+    :func:`eagle3.train.checkpoint.vocab_sha256`, the shards' aux layers and ``verifier_weights``): the export takes
+    the map and the aux layers from the run's files, which must be those the weights were trained for. The split is
+    not compared: it does not change the weights. A checkpoint without a record (or an entry of it) passes with one
+    warning line (:func:`eagle3.train.checkpoint.data_inputs_unchecked`).
+
+    Raises:
+        UserError: ``{checkpoint}: ...`` naming each difference (:func:`eagle3.train.checkpoint.data_inputs_problem`).
+    """
+    saved = state.get("data_inputs")
+    keys = (ckpt.VOCAB_FILE, ckpt.AUX_LAYERS, ckpt.VERIFIER_WEIGHTS)
+    current = {
+        ckpt.VOCAB_FILE: ckpt.vocab_sha256(vocab),
+        ckpt.AUX_LAYERS: list(data_config["aux_layers"]),
+        ckpt.VERIFIER_WEIGHTS: data_config.get(ckpt.VERIFIER_WEIGHTS),
+    }
+    unchecked = ckpt.data_inputs_unchecked(path, saved, current, "--export-only", keys)
+    if unchecked:  # said, not silent
+        log.warning("%s", unchecked)
+    if not isinstance(saved, dict):
+        return
+    problem = ckpt.data_inputs_problem({k: saved.get(k) for k in keys}, current, cfg.data_dir)
+    if problem:
+        raise UserError(f"{path}: {problem}")
+
+
+def _weights_from_checkpoint(cfg: RunConfig) -> bool:
+    """Whether ``--export-only`` exports the checkpoint's weights (``select_best: last``, or ``sim_accept`` without a
+    ``best_drafter.pt``) rather than the best file's."""
+    return cfg.train.select_best != "sim_accept" or not (cfg.train_dir / BEST_FILE).is_file()
+
+
+def _with_config_context(cfg: RunConfig, args):
+    """The checkpoint's drafter args with ``max_position_embeddings`` from the config when it asks
+    for another one (``drafter.max_position_embeddings``; ``null`` = the verifier's when the
+    checkpoint's is shorter). Only the exported config changes: no weight depends on it
+    (rotary angles are computed), so this is how a draft SGLang would refuse is re-exported."""
+    want = cfg.drafter.max_position_embeddings
+    if want is None:
+        try:
+            want = verifier_dims(text_config(load_verifier_config(cfg.verifier)))[
+                "max_position_embeddings"
+            ]
+        except UserError:
+            return args
+        if want is None or want <= args.max_position_embeddings:
+            return args
+    if want != args.max_position_embeddings:
+        log.info(
+            "export: max_position_embeddings %d (checkpoint: %d), from drafter.max_position_embeddings",
+            want,
+            args.max_position_embeddings,
+        )
+        args = dataclasses.replace(args, max_position_embeddings=int(want))
+    return args
