@@ -409,7 +409,7 @@ class DrafterCache:
 class StaticKVCache:
     """Position-aligned KV cache of ONE sequence with a fixed capacity: column ``p`` holds position ``p``.
 
-    Used by the batch-1 static decoder of stage 05 (:mod:`eagle3.benchmark.static_decode`) for the drafter
+    Used by the batch-1 static decoder of stage 05 (:mod:`eagle3.decoding.static_decode`) for the drafter
     (:meth:`Eagle3Drafter.decode_static`) and for the verifier's layers alike. Writes go to the columns of the new
     positions (``index_copy_``, a device index: no host sync) and a query at position ``p`` attends columns ``<= p``
     (:meth:`mask`), so a rejected draft's keys are never cropped: the next forward at those positions overwrites
@@ -705,7 +705,7 @@ class Eagle3Drafter(nn.Module):
         cache: StaticKVCache,
     ) -> torch.Tensor:
         """:meth:`decode` for ONE sequence over a :class:`StaticKVCache` (the batch-1 static decoder of
-        :mod:`eagle3.benchmark.static_decode`; fixed shapes and no host sync, so it can be captured in a CUDA graph).
+        :mod:`eagle3.decoding.static_decode`; fixed shapes and no host sync, so it can be captured in a CUDA graph).
 
         Position ``p``'s keys/values go to column ``p`` and a query at ``p`` attends every column ``<= p``. That is
         :meth:`decode`'s rule when the columns ``< p`` hold the verified positions' step-0 keys and this round's

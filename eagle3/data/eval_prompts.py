@@ -56,7 +56,7 @@ def shared_data_dir() -> Path:
         return Path(env)
     return (
         Path(__file__).resolve().parents[2].parent / "shared" / "data"
-    )  # eagle3/benchmark/ -> repo -> ..
+    )  # eagle3/data/ -> repo -> ..
 
 
 def _shared_file(rel: str) -> Path:
@@ -366,3 +366,23 @@ def dataset_labels(names: Sequence[str]) -> list[str]:
         if seen[lab] > 1:
             out[i] = f"{lab}#{seen[lab]}"
     return out
+
+
+def load_sets(
+    datasets: Sequence[str], num_prompts: Optional[int], pick: str
+) -> tuple[list[tuple[str, list[EvalPrompt]]], list[str]]:
+    """Each dataset's ``num_prompts`` prompts picked by ``pick`` (:func:`load_eval_subset`),
+    under a label unique within the run (:func:`dataset_labels`).
+
+    Returns:
+        ``([(label, prompts), ...], subset warnings)``.
+
+    Raises:
+        UserError: a prompt set that cannot be loaded (file, line, key).
+    """
+    sets, notes = [], []
+    for name, label in zip(datasets, dataset_labels(datasets)):
+        chosen, more = load_eval_subset(name, num_prompts, pick)
+        sets.append((label, chosen))
+        notes += more
+    return sets, notes
