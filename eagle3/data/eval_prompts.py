@@ -386,3 +386,22 @@ def load_sets(
         sets.append((label, chosen))
         notes += more
     return sets, notes
+
+
+def server_sets(
+    datasets: Optional[Sequence[str]], configured: Optional[Sequence[str]]
+) -> list[str]:
+    """05 ``--server``'s sets: ``--datasets`` (``datasets``), else ``benchmark.datasets`` when the config names them
+    (``configured``; None when it does not), else MT-bench.
+
+    Raises:
+        UserError: an unknown set name (named with where it was given).
+    """
+    if datasets:
+        check_dataset_names(datasets, "--datasets", indexed=False)
+    elif configured is not None:  # configs/kimi-k2.5.yaml names its sets
+        datasets = configured
+        check_dataset_names(datasets, "benchmark.datasets")
+    else:
+        datasets = ["mtbench"]
+    return list(datasets)

@@ -38,40 +38,22 @@ def bench_prompts(
     progress: bool = True,
     decoder: str = "auto",
 ) -> dict:
-    """Batched greedy vs batched speculative decoding of tokenised prompts; lossless check per prompt.
-
-    Prompts are sorted by length (longest first, least padding) and cut into batches of
-    ``batch_size``; each batch is decoded greedily (timed), then speculatively (timed) with greedy's
-    tokens as the reference, so every emitted token is checked and each prompt's first difference
-    comes with its logit gap (:func:`eagle3.decoding.decode.speculative_generate_batch`).
+    """Greedy vs speculative decoding of tokenised prompts, batch by batch (longest first), greedy's tokens the
+    reference: every emitted token is checked, each prompt's first difference comes with its logit gap.
 
     Args:
         verifier, drafter: see :func:`eagle3.decoding.decode.speculative_generate_batch`.
         prompts_ids: ``(id, chat-rendered prompt ids)`` pairs.
-        aux_layers: HF ``hidden_states`` indices of the drafter's aux features.
-        steps, max_new_tokens, eos_ids: decoding settings (temperature 0).
-        label: dataset label (tqdm and report).
-        batch_size: prompts decoded together (>= 1).
+        aux_layers, steps, max_new_tokens, eos_ids: decoding settings (temperature 0).
+        label, batch_size: dataset label (tqdm and report); prompts decoded together (>= 1).
         tie_tolerance: a difference whose logit gap is <= this is a near-tie (counted, not a failure).
-        decoder: ``benchmark.decoder`` (:func:`eagle3.decoding.static_decode.resolve_decoder`): ``batched``
-            (:mod:`eagle3.decoding.decode`), ``static`` (batch 1: :class:`~eagle3.decoding.static_decode.StaticDecoder`,
-            static caches and CUDA graphs for the greedy baseline and EAGLE-3 alike; its graphs are captured on the
-            longest prompt before the timed set, ``warm_up_seconds``) or ``auto`` (static at batch 1 on CUDA).
+        decoder: ``benchmark.decoder`` (:func:`eagle3.decoding.static_decode.resolve_decoder`): ``batched``,
+            ``static`` (batch 1, CUDA graphs captured on the longest prompt before the timed set) or ``auto``.
 
     Returns:
-        dict: ``dataset``, ``num_prompts``, ``batch_size`` (the effective one: ``min(batch_size, num_prompts)``,
-        what the largest batch held), acceptance stats (:func:`acceptance_stats`,
-        emitted tokens only), ``greedy_tokens``, ``greedy_seconds``, ``greedy_tokens_per_s``,
-        ``spec_tokens``, ``spec_seconds``, ``spec_tokens_per_s``, ``speedup``, ``draft_seconds``,
-        ``verify_seconds``, ``drafter_share`` (draft / (draft + verify) of the speculative step time),
-        ``rounds``, ``wall_seconds`` (the whole set, both decoders and the checks), ``tie_tolerance``,
-        ``mismatches`` (list of ``{id, index, gap, near_tie}``: first differing output token, gap =
-        verify top-1 logit minus the logit of greedy's token, None if unknown), ``near_ties`` and
-        ``failures`` (counts of mismatches within / beyond ``tie_tolerance``), ``per_prompt``, ``decoder`` (the one
-        that ran) and ``warm_up_seconds`` (static: graph capture, untimed otherwise; 0 for batched).
-
-    Raises:
-        UserError: ``batch_size < 1``, a bad ``decoder`` (:func:`~eagle3.decoding.static_decode.resolve_decoder`).
+        the set's ``bench.json`` row (:meth:`_BenchTally.summary`) plus ``decoder`` (the one that ran) and
+        ``warm_up_seconds`` (static: graph capture, untimed; 0 for batched).
+    Raises UserError: ``batch_size < 1``, a bad ``decoder``.
     """
     if batch_size < 1:
         raise UserError(f"benchmark.batch_size: must be >= 1, got {batch_size}")
@@ -215,7 +197,15 @@ class _BenchTally:
     def summary(
         self, label: str, batch_size: int, steps: int, wall: float, tie_tolerance: float
     ) -> dict:
-        """The result dict of :func:`bench_prompts` (see there)."""
+        """The result dict of :func:`bench_prompts`: ``dataset``, ``num_prompts``, ``batch_size`` (the effective
+        one: ``min(batch_size, num_prompts)``, what the largest batch held), acceptance stats (:func:`acceptance_stats`,
+        emitted tokens only), ``greedy_tokens``, ``greedy_seconds``, ``greedy_tokens_per_s``,
+        ``spec_tokens``, ``spec_seconds``, ``spec_tokens_per_s``, ``speedup``, ``draft_seconds``,
+        ``verify_seconds``, ``drafter_share`` (draft / (draft + verify) of the speculative step time),
+        ``rounds``, ``wall_seconds`` (the whole set, both decoders and the checks), ``tie_tolerance``,
+        ``mismatches`` (list of ``{id, index, gap, near_tie}``: first differing output token, gap =
+        verify top-1 logit minus the logit of greedy's token, None if unknown), ``near_ties`` and
+        ``failures`` (counts of mismatches within / beyond ``tie_tolerance``), ``per_prompt``"""
         g_tok, g_sec, s_tok, s_sec, d_sec, v_sec = (
             self.g_tok,
             self.g_sec,

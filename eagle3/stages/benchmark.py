@@ -1,16 +1,10 @@
 """Stage 05: benchmark an exported EAGLE-3 drafter against its verifier.
 
-Offline (:func:`run`): every prompt of each set is decoded greedily (the baseline) and with chain speculative decoding
-in the same run (:func:`eagle3.decoding.offline.bench_prompts`), every emitted token checked against greedy's; the
-reports go to ``cfg.bench_dir`` (``bench.json``, ``bench.md``, ``acceptance.png``; :mod:`eagle3.decoding.report`).
-On CPU the verifier runs in float32 and a difference beyond ``benchmark.tie_tolerance`` fails the run after the
-reports are written; in bf16/fp16 differences are listed and warned about.
-
-Server (:func:`run_server`): the prompts are sent to a running SGLang server (and optionally a baseline server);
-tau comes from the server's metrics (:mod:`eagle3.decoding.server`), and the server's draft folder and model are
-compared with the config (:mod:`eagle3.decoding.server_checks`).
-
-Both hold ``{bench_dir}/.bench.lock`` (one 05 per bench folder) and refuse an unwritable bench folder before any work.
+Offline (:func:`run`): greedy vs chain speculative decoding of each set in one run, every emitted token checked
+against greedy's (:mod:`eagle3.decoding.offline`); on CPU (float32) a difference beyond ``benchmark.tie_tolerance``
+fails the run after the reports (``bench.json``, ``bench.md``, ``acceptance.png``) are written. Server
+(:func:`run_server`): a running SGLang server's tau and speedup (:mod:`eagle3.decoding.server`). Both hold
+``{bench_dir}/.bench.lock`` and refuse an unwritable bench folder before any work.
 """
 
 from __future__ import annotations
@@ -24,20 +18,8 @@ import torch
 
 from eagle3 import verifier as vf
 from eagle3.config import RunConfig
-from eagle3.data.eval_prompts import (
-    EvalPrompt,
-    check_dataset_names,
-    dataset_labels,
-    load_eval_subset,
-    load_sets,
-)
-from eagle3.decoding import checks
-from eagle3.decoding.drafter_folder import (
-    check_drafter_arg,
-    load_drafter,
-    missing_export_advice,
-    require_export_config,
-)
+from eagle3.data import eval_prompts
+from eagle3.decoding import checks, drafter_folder
 from eagle3.decoding.metrics import check_measurement, default_tie_tolerance
 from eagle3.decoding.offline import bench_prompts, check_context, effective_batch_size, warm_up
 from eagle3.decoding.report import headline, write_reports
@@ -58,10 +40,8 @@ REDO_HINT = "re-run the same command (05 does not resume: it benchmarks every se
 
 
 def holds_bench_lock(fn):
-    """Run the stage-05 entry point ``fn(cfg, ...)`` holding ``{bench_dir}/.bench.lock``
-    (:func:`eagle3.io.output_folder_lock`, made and checked first): a second 05 on the same folder stops at once with
-    one line instead of measuring under the first one's load and replacing its reports. A full disk meanwhile says to
-    re-run (:data:`REDO_HINT`), not to resume."""
+    """Run the stage-05 entry point ``fn(cfg, ...)`` holding ``{bench_dir}/.bench.lock`` (a second 05 on the folder
+    stops at once with one line); a full disk meanwhile says to re-run (:data:`REDO_HINT`), not to resume."""
 
     @functools.wraps(fn)
     def locked(cfg, *args, **kwargs):
@@ -104,49 +84,41 @@ def run(
     bc = cfg.benchmark
     steps, steps_field = (steps, "--steps") if steps else (bc.steps, "benchmark.steps")
     max_new_tokens = max_new_tokens or bc.max_new_tokens
-    check_dataset_names(
+    eval_prompts.check_dataset_names(
         datasets or bc.datasets, "--datasets" if datasets else "benchmark.datasets", not datasets
     )
     datasets = list(datasets or bc.datasets)
     probe_dirs(cfg.bench_dir, cfg.output_field("bench"))  # the reports come at the end
     drafter_dir = resolve_drafter_dir(cfg, drafter_dir)
     # a bad set fails before the verifier loads; its notes (too few prompts, categories left out) are said now
-    sets, notes = load_sets(datasets, num_prompts or bc.num_prompts, bc.prompt_pick)
+    sets, notes = eval_prompts.load_sets(datasets, num_prompts or bc.num_prompts, bc.prompt_pick)
     for w in notes:
         log.warning("%s", w)
-    preflight_export(
-        drafter_dir
-    )  # a bad export fails before the verifier loads; load_exported logs its warnings
+    preflight_export(drafter_dir)  # before the verifier loads; load_exported logs its warnings
     more, not_checked = check_before_load(cfg, drafter_dir, steps, steps_field)  # each logged
-    device = vf.resolve_device(cfg.verifier.device)
-    vcfg = cfg.verifier
+    verifier, tokenizer, device = _load_verifier(cfg.verifier)
+    drafter, aux, warnings, unchecked = load_checked_drafter(
+        cfg, drafter_dir, verifier, tokenizer, device, serve_aux_layers
+    )
+    strict = next(verifier.parameters()).dtype == torch.float32
+    models = (verifier, tokenizer, drafter, aux)
+    run_offline(
+        cfg, models, sets, steps, max_new_tokens, strict, str(drafter_dir), warnings,
+        batch_size, tie_tolerance, notes + more, not_checked + unchecked,
+    )  # fmt: skip
+    return 0
+
+
+def _load_verifier(vcfg) -> tuple[Any, Any, torch.device]:
+    """The configured verifier and its tokenizer on ``verifier.device``, in float32 on the CPU (so that the lossless
+    check is exact): ``(verifier, tokenizer, device)``."""
+    device = vf.resolve_device(vcfg.device)
     if device.type == "cpu" and vcfg.dtype != "float32":
         log.info(
             "CPU run: using float32 instead of %s so that the lossless check is exact", vcfg.dtype
         )
         vcfg = vcfg.model_copy(update={"dtype": "float32"})
-    verifier, tokenizer = vf.load_verifier(vcfg, device)
-    drafter, aux, warnings, unchecked = load_checked_drafter(
-        cfg, drafter_dir, verifier, tokenizer, device, serve_aux_layers
-    )
-    run_offline(
-        cfg,
-        verifier,
-        tokenizer,
-        drafter,
-        aux,
-        sets,
-        steps,
-        max_new_tokens,
-        strict=next(verifier.parameters()).dtype == torch.float32,
-        drafter_name=str(drafter_dir),
-        warnings=warnings,
-        batch_size=batch_size,
-        tie_tolerance=tie_tolerance,
-        logged=notes + more,
-        not_checked=not_checked + unchecked,
-    )
-    return 0
+    return *vf.load_verifier(vcfg, device), device
 
 
 def resolve_drafter_dir(cfg: RunConfig, drafter_dir: Optional[str | Path]) -> Path:
@@ -157,14 +129,14 @@ def resolve_drafter_dir(cfg: RunConfig, drafter_dir: Optional[str | Path]) -> Pa
         UserError: the folder is missing or no export; the message names where it came from.
     """
     if drafter_dir:
-        return check_drafter_arg(drafter_dir)
+        return drafter_folder.check_drafter_arg(drafter_dir)
     path = Path(cfg.export_dir)
     if not path.is_dir():
-        advice = missing_export_advice(
+        advice = drafter_folder.missing_export_advice(
             path, cfg.train_dir, cfg.export.engine, cfg.root, cfg.export.output_dir
         )
         raise UserError(advice)
-    require_export_config(path, f"the config's export dir '{path}'")
+    drafter_folder.require_export_config(path, f"the config's export dir '{path}'")
     return path
 
 
@@ -237,7 +209,7 @@ def load_checked_drafter(
             )
             aux = serve
         dtype = next(verifier.parameters()).dtype
-        drafter = load_drafter(drafter_dir, verifier, device, dtype)
+        drafter = drafter_folder.load_drafter(drafter_dir, verifier, device, dtype)
     own = drafter_dir == cfg.export_dir
     warnings += checks.check_drafter_vocab(
         drafter, drafter_dir, cfg.data.draft_vocab_size, cfg.data_dir, own_export=own
@@ -273,33 +245,29 @@ def _after_load(
 
 def run_offline(
     cfg: RunConfig,
-    verifier,
-    tokenizer,
-    drafter,
-    aux_layers: list[int],
-    sets: Sequence[tuple[str, list[EvalPrompt]]],
+    models: tuple,
+    sets: Sequence[tuple[str, list[eval_prompts.EvalPrompt]]],
     steps: int,
     max_new_tokens: int,
     strict: bool,
     drafter_name: str = "",
     warnings: Sequence[str] = (),
-    out_dir: Optional[Path] = None,
     batch_size: Optional[int] = None,
     tie_tolerance: Optional[float] = None,
     logged: Sequence[str] = (),
     not_checked: Sequence[str] = (),
 ) -> dict:
-    """Benchmark loaded models on ``sets`` (``(label, prompts)``), write the reports, enforce losslessness; returns
-    the ``bench.json`` report dict.
+    """Benchmark loaded ``models`` (``(verifier, tokenizer, drafter, aux_layers)``) on ``sets`` (``(label, prompts)``),
+    write the reports, enforce losslessness; returns the ``bench.json`` report dict.
 
     ``batch_size`` / ``tie_tolerance`` default to ``cfg.benchmark`` (tolerance None: the dtype's
     :func:`~eagle3.decoding.metrics.default_tie_tolerance`). ``warnings`` are recorded and logged at the end;
     ``logged`` (lines said already) are recorded after them, not logged again; ``not_checked`` also as ``not_checked``.
 
     Raises:
-        UserError: (``strict``) output differing from greedy beyond the tie tolerance, raised after the reports are
-            written, naming dataset, prompt, token index and gap.
+        UserError: (``strict``) output differing from greedy beyond the tie tolerance, after the reports are written.
     """
+    verifier, tokenizer, _, aux_layers = models
     eos = sorted(end_of_turn_ids(tokenizer))
     param = next(verifier.parameters())
     bc = cfg.benchmark
@@ -325,6 +293,16 @@ def run_offline(
         "not_checked": list(not_checked),
         "datasets": [],
     }
+    settings = (steps, max_new_tokens, eos, batch_size, tie_tolerance, largest)
+    report["datasets"] = _bench_sets(cfg, models, sets, *settings)
+    _finish(report, Path(cfg.bench_dir), tie_tolerance, strict, logged)
+    return report
+
+
+def _bench_sets(cfg, models, sets, steps, max_new_tokens, eos, batch_size, tie_tolerance, largest):
+    """Render and tokenise every set, refuse a prompt past the verifier's context, warm both decoders up (untimed),
+    then benchmark each set (:func:`eagle3.decoding.offline.bench_prompts`): the ``bench.json`` dataset rows."""
+    verifier, tokenizer, drafter, aux_layers = models
     chat = ChatOptions.from_config(cfg)
     tokenized = [
         (label, [(p.id, prompt_ids(tokenizer, p.messages, chat)) for p in prompts])
@@ -333,16 +311,14 @@ def run_offline(
     check_context(tokenized, max_new_tokens, steps, verifier.config)  # before any set is decoded
     warm = prompt_ids(tokenizer, [{"role": "user", "content": "Hi"}], chat)
     warm_up(verifier, drafter, warm, aux_layers, steps, eos, largest)
+    rows = []
     for label, ids in tokenized:
         row = bench_prompts(
             verifier, drafter, ids, aux_layers, steps, max_new_tokens, eos, label,
-            batch_size=batch_size, tie_tolerance=tie_tolerance, decoder=bc.decoder,
+            batch_size=batch_size, tie_tolerance=tie_tolerance, decoder=cfg.benchmark.decoder,
         )  # fmt: skip
-        report["datasets"].append(
-            {**row, "prompt_ids": [i for i, _ in ids]}
-        )  # prompt_pick's choice
-    _finish(report, Path(out_dir or cfg.bench_dir), tie_tolerance, strict, logged)
-    return report
+        rows.append({**row, "prompt_ids": [i for i, _ in ids]})  # the prompts prompt_pick chose
+    return rows
 
 
 def _finish(
@@ -384,7 +360,8 @@ def run_server(
     Raises:
         UserError: tokenizer, prompt set or server problems (see :func:`eagle3.decoding.server.run_server_bench`).
     """
-    datasets = _server_datasets(cfg, datasets)
+    configured = cfg.benchmark.datasets if "datasets" in cfg.benchmark.model_fields_set else None
+    datasets = eval_prompts.server_sets(datasets, configured)
     probe_dirs(
         Path(cfg.bench_dir), cfg.output_field("bench")
     )  # the reports come after the measurement
@@ -395,12 +372,12 @@ def run_server(
     notes, checked = check_servers(urls, cfg.verifier, cfg.shards_dir, tok, chat)  # in each report
     for w in notes:
         log.warning("%s", w)
-    labels = dataset_labels(datasets)
+    labels = eval_prompts.dataset_labels(datasets)
     for w in stale_server_reports(Path(cfg.bench_dir), labels):
         log.warning("%s", w)
     pick = cfg.benchmark.prompt_pick
     for name, label, out in zip(datasets, labels, report_dirs(Path(cfg.bench_dir), labels)):
-        prompts, subset = load_eval_subset(name, num_prompts, pick)
+        prompts, subset = eval_prompts.load_eval_subset(name, num_prompts, pick)
         for w in subset:
             log.warning("%s", w)
         ids = [(p.id, prompt_ids(tok, p.messages, chat)) for p in prompts]
@@ -419,19 +396,3 @@ def run_server(
         )
         print(f"report: {Path(out) / 'server_bench.md'}")  # as the offline headline ends
     return 0
-
-
-def _server_datasets(cfg: RunConfig, datasets: Optional[Sequence[str]]) -> list[str]:
-    """``--datasets``, else the config's ``benchmark.datasets`` when it names them, else MT-bench.
-
-    Raises:
-        UserError: an unknown set name (named with where it was given).
-    """
-    if datasets:
-        check_dataset_names(datasets, "--datasets", indexed=False)
-    elif "datasets" in cfg.benchmark.model_fields_set:  # configs/kimi-k2.5.yaml names its sets
-        datasets = cfg.benchmark.datasets
-        check_dataset_names(datasets, "benchmark.datasets")
-    else:
-        datasets = ["mtbench"]
-    return list(datasets)
