@@ -171,9 +171,8 @@ def load_prompt_file(
 
 def _unique_prompt_ids(prompts: list[EvalPrompt], path: Path) -> None:
     """Make repeated ids of one prompt file unique in place, as 01 does (:func:`eagle3.prompts.readers.unique_ids`:
-    the second ``7`` becomes ``7#2``), with one warning. Two files concatenated (both numbering from 1) gave
-    ``bench.json`` ``prompt_ids`` and ``per_prompt`` rows, and ``bench.md``'s differences, that named two prompts alike
-    (trial 2026-12-05g)."""
+    the second ``7`` becomes ``7#2``), with one warning, so ``bench.json``'s ``prompt_ids`` and ``per_prompt`` rows
+    name each prompt once (two files concatenated both number from 1)."""
     ids = [c["id"] for c in unique_ids([{"id": p.id} for p in prompts])]
     renamed = [(p.id, new) for p, new in zip(prompts, ids) if p.id != new]
     if not renamed:

@@ -411,7 +411,7 @@ def check_drafter_vocab(
     got, want = int(drafter.args.draft_vocab_size), int(draft_vocab_size)
     problem, fix = None, None
     # a plain re-run of 04 into the same train folder is refused (its checkpoints hold the old vocab): name the ways
-    # that work (fresh-user trial 2026-12-05g)
+    # that work
     new_run = "or train a drafter for it with 04_train.py into a new train.output_dir"
     if got != want:
         problem = (

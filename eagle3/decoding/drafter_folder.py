@@ -22,9 +22,7 @@ def check_drafter_arg(drafter_dir: str | Path) -> Path:
             what to pass instead.
     """
     path = Path(drafter_dir)
-    if (
-        path.is_file()
-    ):  # it said "folder not found" of a checkpoint that exists (fresh-user trial 2026-12-05d)
+    if path.is_file():  # a checkpoint file, not "folder not found"
         raise UserError(
             f"--drafter: '{path}' is a file, not an exported drafter folder; pass the folder 04 "
             f"exported (drafter-sglang), or export a checkpoint first with 04_train.py --export-only"
@@ -47,8 +45,7 @@ def check_drafter_arg(drafter_dir: str | Path) -> Path:
 def require_export_config(path: Path, what: str) -> None:
     """Refuse a folder without the ``config.json`` every export holds, naming it and what it holds instead.
 
-    Before, the shards, data or output-root folder given to ``--drafter`` stopped 05 with a bare
-    ``<folder>/config.json: file not found`` (fresh-user trial 2026-12-05e); an output root that holds an
+    A shards, data or output-root folder given to ``--drafter`` is named as such; an output root that holds an
     export is pointed at it.
 
     Raises:

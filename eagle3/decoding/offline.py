@@ -266,7 +266,7 @@ def check_context(
 ) -> None:
     """Refuse a prompt whose decode would run past the verifier's context (``max_position_embeddings``): its tokens
     plus ``max_new_tokens`` plus the ``steps`` drafts of the last verify step. Such a prompt was benchmarked without a
-    word (a 2,500-token prompt file line on a 2,048-position verifier, trial 2026-12-05g): positions the verifier was
+    word (a 2,500-token prompt file line on a 2,048-position verifier): positions the verifier was
     never trained at, whose greedy output and tau mean nothing, and which a server refuses.
 
     Args:

@@ -34,7 +34,7 @@ def json_safe(obj):
 
 def md_cell(value) -> str:
     """``value`` as one Markdown table cell: ``|`` escaped and line breaks made spaces (a prompt file named ``my|set``
-    or a prompt id with a ``|`` split its row into extra columns; trial 2026-12-05g)."""
+    or a prompt id with a ``|`` split its row into extra columns)."""
     return " ".join(str(value).splitlines()).replace("|", "\\|")
 
 
