@@ -33,6 +33,7 @@ from eagle3.cli import (
     run_main,
 )
 from eagle3.config import add_config_args, load_config
+from eagle3.stages import benchmark
 
 
 def main(argv=None):
@@ -131,9 +132,7 @@ def main(argv=None):
         p.error(f"{', '.join(other)}: not used in {mode}")
     with resume_on_interrupt(interrupt_hint):  # SIGTERM / Ctrl-C: one line, exit 143 / 130
         if urls:
-            from eagle3.benchmark import server as server_bench
-
-            return server_bench.run(
+            return benchmark.run_server(
                 cfg,
                 urls,
                 a.datasets,
@@ -142,8 +141,6 @@ def main(argv=None):
                 a.concurrency or 1,
                 a.timeout or 600.0,
             )
-        from eagle3.benchmark import offline as benchmark
-
         return benchmark.run(
             cfg,
             a.drafter,

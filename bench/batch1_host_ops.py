@@ -4,7 +4,7 @@ At batch 1 a small verifier's decode is host-bound: on the H200 (lease 2026-12-0
 cost 21.8 ms a token for ~0.07 ms of weight reads. A round of EAGLE-3 cost 27.3 ms of verify forward + 5.4 ms of
 drafting (1.50x a greedy token), which caps the batch-1 speedup at tau / 1.50. The ops PyTorch dispatches are the
 host cost's unit and the same on every device, so this script counts them on any machine. It profiles
-:func:`eagle3.benchmark.decode.greedy_generate_batch` and :func:`~eagle3.benchmark.decode.speculative_generate_batch`
+:func:`eagle3.decoding.decode.greedy_generate_batch` and :func:`~eagle3.decoding.decode.speculative_generate_batch`
 on one prompt (``torch.profiler``, CPU activity only), with the drafter and verify phases of 05's own phase timer
 and each verifier forward as labelled ranges. It reports top-level ops (those whose parent is no other op) per greedy
 token, and per round split into draft / verify forward / verify bookkeeping, plus the round-to-token ratio. The
@@ -41,7 +41,7 @@ def _labelled(dec):
     ``PH_fwd``); returns a function that undoes it."""
     from torch.profiler import record_function
 
-    start, stop, fwd = dec._PhaseTimer.start, dec._PhaseTimer.stop, dec._forward
+    start, stop, fwd = dec.PhaseTimer.start, dec.PhaseTimer.stop, dec._forward
     open_ = {}
 
     def start_(self, name):
@@ -57,10 +57,10 @@ def _labelled(dec):
         with record_function("PH_fwd"):
             return fwd(*a, **k)
 
-    dec._PhaseTimer.start, dec._PhaseTimer.stop, dec._forward = start_, stop_, fwd_
+    dec.PhaseTimer.start, dec.PhaseTimer.stop, dec._forward = start_, stop_, fwd_
 
     def undo():
-        dec._PhaseTimer.start, dec._PhaseTimer.stop, dec._forward = start, stop, fwd
+        dec.PhaseTimer.start, dec.PhaseTimer.stop, dec._forward = start, stop, fwd
 
     return undo
 
@@ -99,7 +99,7 @@ def count(
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    import eagle3.benchmark.decode as dec
+    import eagle3.decoding.decode as dec
 
     undo = _labelled(dec)
     try:

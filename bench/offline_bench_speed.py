@@ -2,7 +2,7 @@
 
 For one prompt set (default MT-bench, ``benchmark.num_prompts`` or 80 prompts x 256 new tokens, chain of 3 draft
 tokens) and each
-``--batch-sizes`` value, runs exactly what ``05_benchmark.py`` runs (:func:`eagle3.benchmark.offline.bench_prompts`:
+``--batch-sizes`` value, runs exactly what ``05_benchmark.py`` runs (:func:`eagle3.decoding.offline.bench_prompts`:
 batched greedy baseline, batched EAGLE-3 checked token for token against it, both in the same run)
 and prints:
 
@@ -22,7 +22,7 @@ category order, so its first 8 prompts are all *writing*: the batch-1 figures of
 prompts) are writing-only; the JSON records ``prompt_pick`` and ``prompt_ids``. Without a trained drafter,
 ``--random-drafter`` measures the machinery alone (tau ~1, speedup not meaningful). ``--decoder`` picks
 ``benchmark.decoder`` per row: ``--batch-sizes 1 --decoder static batched`` measures batch 1 with the static
-decoder (static caches, CUDA graphs: :mod:`eagle3.benchmark.static_decode`) and the batched one in the same run.
+decoder (static caches, CUDA graphs: :mod:`eagle3.decoding.static_decode`) and the batched one in the same run.
 
     python bench/offline_bench_speed.py --config configs/smollm2-135m-full.yaml --set verifier.path=$EAGLE3_GGUF_DIR \\
         --drafter outputs/smollm2-135m-full/drafter-sglang --batch-sizes 1 8 32 80 --json bench/results/offline_bench_speed.json
@@ -41,22 +41,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eagle3.benchmark.offline import (  # noqa: E402
-    TRAIN_META,
-    bench_prompts,
-    check_before_load,
-    default_tie_tolerance,
-    effective_batch_size,
-    json_safe,
-    load_checked_drafter,
-    resolve_drafter_dir,
-    speedup_warning,
-    warm_up,
-)
 from eagle3.cli import ArgumentParser, run_main  # noqa: E402
 from eagle3.config import add_config_args, load_config  # noqa: E402
+from eagle3.decoding.checks import TRAIN_META  # noqa: E402
+from eagle3.decoding.metrics import default_tie_tolerance, speedup_warning  # noqa: E402
+from eagle3.decoding.offline import bench_prompts, effective_batch_size, warm_up  # noqa: E402
+from eagle3.decoding.report import json_safe  # noqa: E402
 from eagle3.errors import UserError  # noqa: E402
 from eagle3.io import atomic_write_json  # noqa: E402
+from eagle3.stages.benchmark import (  # noqa: E402
+    check_before_load,
+    load_checked_drafter,
+    resolve_drafter_dir,
+)
 
 log = logging.getLogger("offline_bench_speed")
 
@@ -91,7 +88,7 @@ def _random_drafter(verifier, device, dtype, drafter_cfg=None):
 
 
 def _row(d: dict) -> dict:
-    """One row of the sweep from a :func:`~eagle3.benchmark.offline.bench_prompts` result; ``batch_size`` is the
+    """One row of the sweep from a :func:`~eagle3.decoding.offline.bench_prompts` result; ``batch_size`` is the
     effective one (``min(--batch-sizes entry, prompts)``)."""
     keys = (
         "num_prompts",
@@ -159,7 +156,7 @@ def _row_subset(
 ) -> tuple[list, list[str]]:
     """The ``n`` prompts a batch size below the headline decodes (``pick`` over the headline's ``prompts`` / their
     ``ids``), and the warning when they leave out categories of the whole set ``everything`` (``--pick``'s hint)."""
-    from eagle3.benchmark.eval_prompts import pick_prompts, subset_warnings
+    from eagle3.data.eval_prompts import pick_prompts, subset_warnings
 
     chosen = pick_prompts(list(zip(prompts, ids)), n, pick)
     notes = subset_warnings(label, everything, [p for p, _ in chosen], pick, "--pick")
@@ -241,7 +238,7 @@ def main(argv=None) -> int:
     )  # None: the default 80, not warned about on a smaller set
     a.num_prompts = asked or 80
 
-    from eagle3.benchmark.eval_prompts import (
+    from eagle3.data.eval_prompts import (
         check_dataset_names,
         dataset_label,
         load_eval_prompts,
@@ -328,7 +325,7 @@ def main(argv=None) -> int:
         "rows": [],
     }
     warm = ids[0][1]
-    from eagle3.benchmark.static_decode import resolve_decoder
+    from eagle3.decoding.static_decode import resolve_decoder
 
     for b in a.batch_sizes:
         subset, row_notes = (

@@ -215,7 +215,7 @@ def _by_category(pp: Optional[dict]) -> Optional[dict]:
         kind[1] += n
     out = {"by_kind": {k: round(e / n, 4) for k, (e, n) in acc.items() if n}}
     if "mtbench" in rows:
-        from eagle3.benchmark.eval_prompts import shared_data_dir
+        from eagle3.data.eval_prompts import shared_data_dir
 
         try:
             qfile = shared_data_dir() / "eval" / "mt_bench_question.jsonl"

@@ -495,7 +495,7 @@ def probe_markdown(pp: dict, rf: dict) -> list[str]:
 def tie_tolerance(cfg, model) -> float:
     """The logit gap under which a differing token counts as a near-tie: ``benchmark.tie_tolerance``, by default
     the verifier dtype's (0.25 in bf16, as 05 counts them)."""
-    from eagle3.benchmark.offline import default_tie_tolerance
+    from eagle3.decoding.metrics import default_tie_tolerance
 
     t = cfg.benchmark.tie_tolerance
     return t if t is not None else default_tie_tolerance(next(model.parameters()).dtype)

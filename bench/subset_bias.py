@@ -4,7 +4,7 @@ on the whole set (a projection, not a measurement).
 Reads 05's per-prompt files (``per_prompt_steps3.json``: ``{"per_prompt": {set: {id: [emitted tokens, verify
 steps]}}}``, prompts in set order) and, optionally, batch-1 speed JSONs of ``bench/offline_bench_speed.py``. For every
 run and set: tau (emitted / verify steps, 05's definition) of the whole set, of its first N prompts and of N spread
-over it (:func:`eagle3.benchmark.eval_prompts.pick_prompts`, the code the benchmarks pick with).
+over it (:func:`eagle3.data.eval_prompts.pick_prompts`, the code the benchmarks pick with).
 
 A speed JSON (``--speed NAME=PATH``, NAME one of the ``--run`` names) names its set, prompt count and pick (``first``
 for files from before the pick was recorded). Its projection assumes the round's cost in greedy steps and the ratio of
@@ -22,8 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eagle3.benchmark.eval_prompts import pick_prompts  # noqa: E402
 from eagle3.cli import ArgumentParser, run_main  # noqa: E402
+from eagle3.data.eval_prompts import pick_prompts  # noqa: E402
 from eagle3.errors import UserError  # noqa: E402
 from eagle3.io import atomic_write_json, atomic_write_text, read_json  # noqa: E402
 

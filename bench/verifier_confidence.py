@@ -28,15 +28,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from eagle3.benchmark.eval_prompts import (  # noqa: E402
+from eagle3.cli import ArgumentParser, run_main  # noqa: E402
+from eagle3.config import load_config  # noqa: E402
+from eagle3.data.eval_prompts import (  # noqa: E402
     check_dataset_names,
     dataset_label,
     load_eval_prompts,
     pick_prompts,
     too_few_note,
 )
-from eagle3.cli import ArgumentParser, run_main  # noqa: E402
-from eagle3.config import load_config  # noqa: E402
 from eagle3.io import write_json_and_markdown  # noqa: E402
 from eagle3.prompts.chat import ChatOptions, end_of_turn_ids, prompt_ids  # noqa: E402
 
@@ -68,7 +68,7 @@ def greedy_confidence(
 ) -> list[dict]:
     """Greedy answers of one batch (05's own batched greedy decoder) and the confidence of every answer token.
 
-    The answers come from :func:`eagle3.benchmark.decode.greedy_generate_batch` (what 05's baseline emits); then one
+    The answers come from :func:`eagle3.decoding.decode.greedy_generate_batch` (what 05's baseline emits); then one
     plain forward over prompt + answer per row gives the logits that chose each answer token (position
     ``len(prompt) - 1 + j`` chose answer token ``j``).
 
@@ -83,7 +83,7 @@ def greedy_confidence(
         answer tokens that the full forward's argmax would not have chosen (a near-tie decided differently by the
         KV-cached decode: 0 or a handful in float32).
     """
-    from eagle3.benchmark.decode import greedy_generate_batch
+    from eagle3.decoding.decode import greedy_generate_batch
 
     dev = next(model.parameters()).device
     answers = greedy_generate_batch(model, batch, max_new_tokens, sorted(eos)).tokens

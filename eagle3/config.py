@@ -1018,7 +1018,7 @@ class BenchmarkConfig(_Strict):
         description="in-process decoder of the greedy baseline and EAGLE-3 alike: 'batched' (transformers' DynamicCache, "
         "any batch size), 'static' (batch 1 only: preallocated caches, every decode step and round phase "
         "replayed as a CUDA graph on CUDA, so a small verifier's step costs its kernels, not the host), "
-        "'auto' = static at batch_size 1 on CUDA, else batched (eagle3/benchmark/static_decode.py)",
+        "'auto' = static at batch_size 1 on CUDA, else batched (eagle3/decoding/static_decode.py)",
     )
     tie_tolerance: Optional[float] = Field(
         None,

@@ -31,10 +31,9 @@ CONCEPTS = {
     "train",  # TTT training loop, data order / resume, warm start, checkpoints, report
 }
 STAGE_PKG = "stages"
-LEGACY = {"prompts", "benchmark"}  # being emptied into concept packages and stages/
+LEGACY = {"prompts"}  # being emptied into concept packages and stages/
 # Modules that still import eagle3.config (RunConfig); each entry leaves when its module takes plain arguments.
 KNOWN_CONFIG_USERS = {
-    "eagle3.benchmark.offline",
     "eagle3.train.trainer",
     "eagle3.data.prepare_data",
     "eagle3.data.settings",
@@ -189,17 +188,11 @@ ORCHESTRATION = [
     "eagle3/capture/extract.py",
     "eagle3/data/prepare_data.py",
     "eagle3/train/trainer.py",
-    "eagle3/benchmark/offline.py",
-    "eagle3/benchmark/server.py",
+    "eagle3/stages/benchmark.py",
 ]
 # Known long functions, owned by the redesign (issue 50: no function over 60 lines); the owner removes the entry when the function is split
 # (this test fails both for a new long function and for an entry whose function is no longer long).
 KNOWN_LONG: set[str] = {
-    "eagle3/benchmark/offline.py::bench_prompts",
-    "eagle3/benchmark/offline.py::run",
-    "eagle3/benchmark/offline.py::run_offline",
-    "eagle3/benchmark/server.py::draft_folder_warnings",
-    "eagle3/benchmark/server.py::run",
     "eagle3/capture/extract.py::_extract",
     "eagle3/capture/extract.py::_finalise",
     "eagle3/capture/extract.py::_prepare",

@@ -108,7 +108,7 @@ class DrafterCache:
 class StaticKVCache:
     """Position-aligned KV cache of ONE sequence with a fixed capacity: column ``p`` holds position ``p``.
 
-    Used by the batch-1 static decoder of stage 05 (:mod:`eagle3.benchmark.static_decode`) for the drafter
+    Used by the batch-1 static decoder of stage 05 (:mod:`eagle3.decoding.static_decode`) for the drafter
     (:meth:`Eagle3Drafter.decode_static`) and for the verifier's layers alike. Writes go to the columns of the new
     positions (``index_copy_``, a device index: no host sync) and a query at position ``p`` attends columns ``<= p``
     (:meth:`mask`), so a rejected draft's keys are never cropped: the next forward at those positions overwrites

@@ -562,7 +562,7 @@ class Eagle3Drafter(nn.Module):
         cache: StaticKVCache,
     ) -> torch.Tensor:
         """:meth:`decode` for ONE sequence over a :class:`StaticKVCache` (the batch-1 static decoder of
-        :mod:`eagle3.benchmark.static_decode`; fixed shapes and no host sync, so it can be captured in a CUDA graph).
+        :mod:`eagle3.decoding.static_decode`; fixed shapes and no host sync, so it can be captured in a CUDA graph).
 
         Position ``p``'s keys/values go to column ``p`` and a query at ``p`` attends every column ``<= p``. That is
         :meth:`decode`'s rule when the columns ``< p`` hold the verified positions' step-0 keys and this round's

@@ -503,7 +503,7 @@ def defer_refill(n_free: int, slots: int, queued: int, refill_free: float) -> bo
 class AttentionSwap:
     """Context manager: inside, ``model`` runs the attention function ``fn`` registered in transformers'
     ``AttentionInterface`` as ``name`` (default: this engine's :func:`slot_attention`); its former attention
-    implementation after. Also used by 05's batch-1 static decoder (:mod:`eagle3.benchmark.static_decode`)."""
+    implementation after. Also used by 05's batch-1 static decoder (:mod:`eagle3.decoding.static_decode`)."""
 
     def __init__(self, model, name: str = ATTN_NAME, fn=None):
         self.model, self.name, self.fn = model, name, slot_attention if fn is None else fn

@@ -320,7 +320,7 @@ def test_offline_bench_speed_checks_the_drafter_shape_and_takes_num_prompts_from
 def test_offline_bench_speed_flags_a_speedup_above_tau(tmp_path, tiny_llama_dir, monkeypatch):
     """A row whose speedup (1.40x, hand-made) exceeds its tau (1.02) carries the warning line of 05's check (the greedy
     baseline was slowed), logged and in the row's warnings; a row within tau none."""
-    from eagle3.benchmark.offline import speedup_warning
+    from eagle3.decoding.metrics import speedup_warning
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(

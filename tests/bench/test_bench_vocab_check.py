@@ -6,9 +6,9 @@ import pytest
 import torch
 from test_decode import make_drafter, make_verifier
 
-from eagle3.benchmark.offline import check_drafter_vocab
 from eagle3.config import load_config
 from eagle3.data.vocab import save_vocab_map
+from eagle3.decoding.checks import check_drafter_vocab
 from eagle3.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,7 +26,9 @@ def test_own_export_with_other_draft_vocab_size_refused(tmp_path):
     drafter = make_drafter(make_verifier(), TARGETS)
     cfg = _cfg(tmp_path, 64)
     with pytest.raises(UserError) as e:
-        check_drafter_vocab(cfg, drafter, cfg.export_dir, own_export=True)
+        check_drafter_vocab(
+            drafter, cfg.export_dir, cfg.data.draft_vocab_size, cfg.data_dir, own_export=True
+        )
     # the fix named is one that works: a plain 04 re-run into the same train folder is refused (fresh-user trial)
     assert str(e.value) == (
         f"{cfg.export_dir}: drafter has draft_vocab_size 32 but the config's "
@@ -35,7 +37,9 @@ def test_own_export_with_other_draft_vocab_size_refused(tmp_path):
         "drafter)"
     )
     # a drafter from elsewhere (--drafter): warned, not refused
-    (w,) = check_drafter_vocab(cfg, drafter, tmp_path / "other", own_export=False)
+    (w,) = check_drafter_vocab(
+        drafter, tmp_path / "other", cfg.data.draft_vocab_size, cfg.data_dir, own_export=False
+    )
     assert "data.draft_vocab_size is 64" in w
 
 
@@ -43,19 +47,29 @@ def test_own_export_stale_against_vocab_map_refused(tmp_path):
     drafter = make_drafter(make_verifier(), TARGETS)
     cfg = _cfg(tmp_path, 32)
     assert (
-        check_drafter_vocab(cfg, drafter, cfg.export_dir, own_export=True) == []
+        check_drafter_vocab(
+            drafter, cfg.export_dir, cfg.data.draft_vocab_size, cfg.data_dir, own_export=True
+        )
+        == []
     )  # no vocab_map.pt yet
     ids = torch.tensor(TARGETS)  # [32]
     t2d = torch.zeros(256, dtype=torch.bool)
     t2d[ids] = True
     save_vocab_map(cfg.data_dir / "vocab_map.pt", ids - torch.arange(32), t2d)
-    assert check_drafter_vocab(cfg, drafter, cfg.export_dir, own_export=True) == []  # same map
+    assert (
+        check_drafter_vocab(
+            drafter, cfg.export_dir, cfg.data.draft_vocab_size, cfg.data_dir, own_export=True
+        )
+        == []
+    )  # same map
     other = torch.tensor([t + 1 for t in TARGETS])  # another stage-03 run's map, same size
     t2d2 = torch.zeros(256, dtype=torch.bool)
     t2d2[other] = True
     save_vocab_map(cfg.data_dir / "vocab_map.pt", other - torch.arange(32), t2d2)
     with pytest.raises(UserError, match=r"d2t differs from .*vocab_map.pt") as e:
-        check_drafter_vocab(cfg, drafter, cfg.export_dir, own_export=True)
+        check_drafter_vocab(
+            drafter, cfg.export_dir, cfg.data.draft_vocab_size, cfg.data_dir, own_export=True
+        )
     assert str(e.value).endswith(
         "(re-run 03_prepare_data.py with the data settings the drafter was trained under, "
         "or train a drafter for it with 04_train.py into a new train.output_dir, or pass "
@@ -67,7 +81,7 @@ def test_drafter_shape_against_the_config(tmp_path):
     """05 scores the export whatever the config's drafter: section says (fresh-user trial 2026-12-04e:
     `--set drafter.num_layers=3` at 05 benchmarked the 2-layer export silently). The run's own export is refused when
     they differ, naming the field; another run's export (--drafter) is a warning; null fields are not compared."""
-    from eagle3.benchmark.offline import check_drafter_shape
+    from eagle3.decoding.checks import check_drafter_shape
 
     drafter = make_drafter(make_verifier(), TARGETS)
     a = drafter.args
@@ -82,7 +96,7 @@ def test_drafter_shape_against_the_config(tmp_path):
     def cfg(*extra):
         return load_config(ROOT / "configs" / "tiny-llama.yaml", [*same, *extra])
 
-    assert check_drafter_shape(cfg(), drafter, cfg().export_dir, own_export=True) == []
+    assert check_drafter_shape(cfg().drafter, drafter, cfg().export_dir, own_export=True) == []
     deep = cfg("drafter.num_layers=2")
     with pytest.raises(
         UserError,
@@ -90,9 +104,9 @@ def test_drafter_shape_against_the_config(tmp_path):
         r"\(set those drafter fields back to the trained values, or train a drafter of "
         r"this shape with 04_train.py into a new train.output_dir, or pass --drafter",
     ):
-        check_drafter_shape(deep, drafter, deep.export_dir, own_export=True)
+        check_drafter_shape(deep.drafter, drafter, deep.export_dir, own_export=True)
     (w,) = check_drafter_shape(
-        cfg(f"drafter.intermediate_size={a.intermediate_size + 8}"),
+        cfg(f"drafter.intermediate_size={a.intermediate_size + 8}").drafter,
         drafter,
         tmp_path / "other",
         own_export=False,
@@ -103,7 +117,7 @@ def test_drafter_shape_against_the_config(tmp_path):
     )
     ctx = cfg("drafter.max_position_embeddings=7")
     assert (
-        check_drafter_shape(ctx, drafter, ctx.export_dir, own_export=True) == []
+        check_drafter_shape(ctx.drafter, drafter, ctx.export_dir, own_export=True) == []
     )  # a re-export may change it alone
     loose = load_config(
         ROOT / "configs" / "tiny-llama.yaml",
@@ -116,5 +130,5 @@ def test_drafter_shape_against_the_config(tmp_path):
         ],
     )
     assert (
-        check_drafter_shape(loose, drafter, loose.export_dir, own_export=True) == []
+        check_drafter_shape(loose.drafter, drafter, loose.export_dir, own_export=True) == []
     )  # nulls: the verifier's

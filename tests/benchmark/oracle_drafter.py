@@ -1,6 +1,6 @@
 """A stand-in drafter that always proposes the verifier's own greedy tokens (an "oracle").
 
-It implements the interface :mod:`eagle3.benchmark.decode` uses (``project``, ``decode``, ``compute_logits``,
+It implements the interface :mod:`eagle3.decoding.decode` uses (``project``, ``decode``, ``compute_logits``,
 ``draft_to_target``, identity draft vocab) over a known continuation per row: the hidden output at
 rotary position ``p`` carries ``p`` (and the row) in its first two channels, and ``compute_logits``
 puts all mass on the token at ``p + 2`` of that row's prompt + greedy sequence, which is exactly what

@@ -12,14 +12,10 @@ import pytest
 import torch
 from conftest import ROOT, SHARED_DATA, needs_shared_data
 
-from eagle3.benchmark.eval_prompts import HUMANEVAL_INSTRUCTION, load_eval_prompts, load_prompt_file
-from eagle3.benchmark.offline import (
-    acceptance_stats,
-    first_mismatch,
-    rates_from_hist,
-    render_markdown,
-    resolve_aux_layers,
-)
+from eagle3.data.eval_prompts import HUMANEVAL_INSTRUCTION, load_eval_prompts, load_prompt_file
+from eagle3.decoding.checks import resolve_aux_layers
+from eagle3.decoding.metrics import acceptance_stats, first_mismatch, rates_from_hist
+from eagle3.decoding.report import render_markdown
 from eagle3.errors import UserError
 
 
@@ -62,8 +58,8 @@ def test_bench_prompts_oracle_drafter_tau_counts_only_emitted_tokens():
     from oracle_drafter import OracleDrafter
     from test_decode import make_verifier
 
-    from eagle3.benchmark.decode import greedy_generate
-    from eagle3.benchmark.offline import bench_prompts
+    from eagle3.decoding.decode import greedy_generate
+    from eagle3.decoding.offline import bench_prompts
 
     v = make_verifier()
     prompts = [
@@ -93,7 +89,7 @@ def test_bench_prompts_batch4_equals_batch1():
     """Same prompts, batch 4 vs batch 1: same outputs, same accept lengths, same tau (fp32)."""
     from test_decode import make_drafter, make_verifier
 
-    from eagle3.benchmark.offline import bench_prompts
+    from eagle3.decoding.offline import bench_prompts
 
     v = make_verifier()
     d = make_drafter(v, list(range(0, 256, 3)))
@@ -123,7 +119,7 @@ def test_bench_prompts_reports_the_effective_batch_size(capsys):
     3 prompts at batch 2 say 2."""
     from test_decode import make_drafter, make_verifier
 
-    from eagle3.benchmark.offline import bench_prompts
+    from eagle3.decoding.offline import bench_prompts
 
     v = make_verifier()
     d = make_drafter(v, list(range(0, 256, 3)))
@@ -152,8 +148,8 @@ def test_bench_prompts_splits_near_ties_from_failures(monkeypatch):
     verify logit gap; a near-tie when the gap is within the tolerance, a failure otherwise."""
     from test_decode import make_drafter, make_verifier
 
-    import eagle3.benchmark.decode as D
-    from eagle3.benchmark.offline import bench_prompts
+    import eagle3.decoding.offline as D
+    from eagle3.decoding.offline import bench_prompts
 
     v = make_verifier()
     d = make_drafter(v, list(range(0, 256, 3)))
@@ -219,7 +215,7 @@ def test_gsm8k_first_n_and_humaneval(monkeypatch):
 
 
 def test_pick_prompts_first_and_spread_by_hand():
-    from eagle3.benchmark.eval_prompts import pick_prompts
+    from eagle3.data.eval_prompts import pick_prompts
 
     items = list(range(10))
     assert pick_prompts(items, 4, "first") == [0, 1, 2, 3]
@@ -243,7 +239,7 @@ def test_pick_prompts_first_and_spread_by_hand():
 def test_mtbench_subsets_and_their_category_warning(monkeypatch):
     """MT-bench is stored in category order: its first 8 prompts are all writing (the batch-1 speed figures of
     leases 03d..04e); spread takes one of each category (question ids 81, 91, ..., 151) and is not warned about."""
-    from eagle3.benchmark.eval_prompts import load_eval_subset
+    from eagle3.data.eval_prompts import load_eval_subset
 
     monkeypatch.setenv("EAGLE3_SHARED_DATA", str(SHARED_DATA))
     first, warn_first = load_eval_subset("mtbench", 8, "first")
@@ -275,7 +271,7 @@ def test_mtbench_subsets_and_their_category_warning(monkeypatch):
 
 
 def test_dataset_labels_are_unique_within_a_run():
-    from eagle3.benchmark.eval_prompts import dataset_labels
+    from eagle3.data.eval_prompts import dataset_labels
 
     assert dataset_labels(["mtbench", "x/two.jsonl", "y/two.jsonl", "y/one.jsonl"]) == [
         "mtbench",
@@ -297,7 +293,7 @@ def test_dataset_labels_are_unique_within_a_run():
 
 def test_shared_data_default_is_beside_the_repo(monkeypatch):
     """Without EAGLE3_SHARED_DATA the folder is <repo root>/../shared/data (the layout move had made it <repo>/shared)."""
-    from eagle3.benchmark.eval_prompts import shared_data_dir
+    from eagle3.data.eval_prompts import shared_data_dir
 
     monkeypatch.delenv("EAGLE3_SHARED_DATA", raising=False)
     assert shared_data_dir() == ROOT.resolve().parent / "shared" / "data"
@@ -378,7 +374,7 @@ def test_aux_layer_mismatch_warns_and_uses_the_drafters(tmp_path):
 
 
 def test_verifier_name_warning(tmp_path):
-    from eagle3.benchmark.offline import verifier_warnings
+    from eagle3.decoding.checks import verifier_warnings
 
     (tmp_path / "eagle3_train.json").write_text(json.dumps({"verifier": {"name": "org/model-a"}}))
     assert verifier_warnings(tmp_path, "org/model-a") == []
@@ -394,8 +390,8 @@ def test_checks_without_metadata_are_said_not_skipped(tmp_path):
     metadata there, no line."""
     from types import SimpleNamespace
 
-    from eagle3.benchmark.offline import shards_unchecked, ttt_length_unchecked, verifier_unchecked
     from eagle3.config import ExtractConfig
+    from eagle3.decoding.checks import shards_unchecked, ttt_length_unchecked, verifier_unchecked
 
     d, meta = tmp_path / "drafter", tmp_path / "drafter" / "eagle3_train.json"
     d.mkdir()
@@ -429,7 +425,7 @@ def test_checks_without_metadata_are_said_not_skipped(tmp_path):
     # layers) unchecked
     shards = tmp_path / "shards"
     cfg = SimpleNamespace(shards_dir=shards, extract=ExtractConfig(max_length=512))
-    assert shards_unchecked(cfg, d) == (
+    assert shards_unchecked(cfg.shards_dir, d, cfg.extract.model_fields_set) == (
         f"{shards / 'data_config.json'} not found: 05 did not check the chat template (and "
         f"verifier.chat_template_kwargs), the config's extract.max_length "
         f"against the template, layers and length the shards were made with; check them against the data_config.json "
@@ -437,7 +433,7 @@ def test_checks_without_metadata_are_said_not_skipped(tmp_path):
     )
     shards.mkdir()
     (shards / "data_config.json").write_text("{}")
-    assert shards_unchecked(cfg, d) is None
+    assert shards_unchecked(cfg.shards_dir, d, cfg.extract.model_fields_set) is None
 
 
 def test_chat_template_is_compared_with_the_shards(tmp_path, smollm_tokenizer):
@@ -446,9 +442,9 @@ def test_chat_template_is_compared_with_the_shards(tmp_path, smollm_tokenizer):
     line saying the check was not made; the same template, nothing."""
     from types import SimpleNamespace
 
-    from eagle3.benchmark.offline import template_check
     from eagle3.config import ExtractConfig, VerifierConfig
-    from eagle3.prompts.chat import chat_template_hash
+    from eagle3.decoding.checks import template_check
+    from eagle3.prompts.chat import ChatOptions, chat_template_hash
 
     shards = tmp_path / "shards"
     shards.mkdir()
@@ -457,14 +453,17 @@ def test_chat_template_is_compared_with_the_shards(tmp_path, smollm_tokenizer):
     cfg = SimpleNamespace(
         shards_dir=shards, extract=ExtractConfig(), verifier=VerifierConfig(path=str(tmp_path))
     )
-    assert template_check(cfg, smollm_tokenizer) == (
+    assert template_check(cfg.shards_dir, smollm_tokenizer, ChatOptions.from_config(cfg)) == (
         None,
         None,
     )  # no data_config.json: shards_unchecked says it
     dc.write_text(json.dumps({"chat_template_hash": chat_template_hash(smollm_tokenizer)}))
-    assert template_check(cfg, smollm_tokenizer) == (None, None)
+    assert template_check(cfg.shards_dir, smollm_tokenizer, ChatOptions.from_config(cfg)) == (
+        None,
+        None,
+    )
     cfg.verifier = VerifierConfig(path=str(tmp_path), chat_template=other)
-    w, unchecked = template_check(cfg, smollm_tokenizer)
+    w, unchecked = template_check(cfg.shards_dir, smollm_tokenizer, ChatOptions.from_config(cfg))
     assert unchecked is None and w == (
         f"{dc}: the shards were rendered with chat template sha256 {chat_template_hash(smollm_tokenizer)[:12]} "
         f"(chat_template_hash) but 05 renders the prompts with verifier.chat_template (from the config), sha256 "
@@ -473,7 +472,7 @@ def test_chat_template_is_compared_with_the_shards(tmp_path, smollm_tokenizer):
         f"with this one"
     )
     dc.write_text(json.dumps({"chat_template_hash": None}))
-    w, unchecked = template_check(cfg, smollm_tokenizer)
+    w, unchecked = template_check(cfg.shards_dir, smollm_tokenizer, ChatOptions.from_config(cfg))
     assert w is None and unchecked.startswith(
         f"{dc} records no chat_template_hash: 05 did not check that the prompts "
         f"it renders with verifier.chat_template (from the config)"
@@ -484,7 +483,7 @@ def test_drafter_that_is_a_checkpoint_or_a_train_folder_is_named(tmp_path):
     """`--drafter .../checkpoints/step_N.pt` said "folder '...step_N.pt' not found" of a file that exists, and
     `--drafter .../train` said "train/config.json: file not found" (fresh-user trial 2026-12-05d); both now say what
     was given and what to pass."""
-    from eagle3.benchmark.offline import resolve_drafter_dir
+    from eagle3.stages.benchmark import resolve_drafter_dir
 
     ck = tmp_path / "train" / "checkpoints" / "step_00000040.pt"
     ck.parent.mkdir(parents=True)
@@ -515,7 +514,7 @@ def test_drafter_folder_without_config_json_is_named_with_the_exports_inside(tmp
     holds exports points at them. The config's own export dir gets the same check."""
     from types import SimpleNamespace
 
-    from eagle3.benchmark.offline import resolve_drafter_dir
+    from eagle3.stages.benchmark import resolve_drafter_dir
 
     (tmp_path / "shards").mkdir()
     with pytest.raises(UserError) as e:
@@ -725,7 +724,7 @@ def test_more_steps_than_the_drafter_was_trained_for_warns_once(run_setup, tmp_p
     (trial 2026-12-05g). The export records `ttt_length` now, and 05 warns in one line naming both values and the
     file, in the log (before the verifier loads) and in bench.json; within it, or for an export without the key, no
     warning."""
-    from eagle3.benchmark.offline import ttt_length_warning
+    from eagle3.decoding.checks import ttt_length_warning
 
     root, cfg, _ = run_setup
     drafter = tmp_path / "drafter"
@@ -817,7 +816,7 @@ def test_a_full_disk_in_05_says_it_starts_over(run_setup, tmp_path, monkeypatch)
 
 def test_lossless_failure_raises_after_writing_report(run_setup, monkeypatch):
 
-    import eagle3.benchmark.decode as D
+    import eagle3.decoding.offline as D
 
     root, cfg, _ = run_setup
     real = D.speculative_generate_batch
@@ -1073,7 +1072,7 @@ def test_render_markdown_table():
 def test_a_speedup_above_tau_is_flagged_on_hand_made_numbers():
     """Chain speculative decoding cannot beat tau on the same hardware (each verify step emits tau tokens for one
     forward over k+1 tokens plus the drafts), so 1.40x at tau 1.02 means the baseline was slowed; 05 said nothing."""
-    from eagle3.benchmark.offline import speedup_warning, speedup_warnings
+    from eagle3.decoding.metrics import speedup_warning, speedup_warnings
 
     want = (
         "mtbench: speedup 1.40x is above tau 1.02, which chain speculative decoding cannot exceed on the same "
@@ -1107,7 +1106,8 @@ def test_cli_flags_a_speedup_above_tau_in_bench_json_and_md(
     logged once, in bench.json's warnings and bench.md."""
     import logging
 
-    from eagle3.benchmark import offline
+    from eagle3.decoding.metrics import speedup_warning
+    from eagle3.stages import benchmark as offline
 
     root, cfg, _ = run_setup
     real = offline.bench_prompts
@@ -1133,7 +1133,7 @@ def test_cli_flags_a_speedup_above_tau_in_bench_json_and_md(
             )
             == 0
         )
-    want = offline.speedup_warning("prompts", 1.40, 1.02)
+    want = speedup_warning("prompts", 1.40, 1.02)
     assert want and json.loads((out / "bench.json").read_text())["warnings"][-1] == want
     assert f"**warning**: {want}" in (out / "bench.md").read_text()
     assert caplog.messages.count(want) == 1
@@ -1197,7 +1197,7 @@ def test_reports_on_a_full_disk_keep_the_earlier_set_whole(tmp_path, monkeypatch
     import os
 
     import eagle3.io as eio
-    from eagle3.benchmark.offline import write_reports
+    from eagle3.decoding.report import write_reports
 
     paths = write_reports(tmp_path, _md_report(1.5))
     before = [p.read_bytes() for p in paths]
@@ -1247,7 +1247,7 @@ def test_repeated_prompt_ids_of_a_file_are_made_unique(tmp_path, caplog):
             ]
         )
     )
-    with caplog.at_level(logging.WARNING, logger="eagle3.benchmark.eval_prompts"):
+    with caplog.at_level(logging.WARNING, logger="eagle3.data.eval_prompts"):
         got = load_prompt_file(f)
     assert [(p.id, p.messages[0]["content"]) for p in got] == [
         ("1", "a"),
@@ -1261,7 +1261,7 @@ def test_repeated_prompt_ids_of_a_file_are_made_unique(tmp_path, caplog):
         in caplog.text
     )
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="eagle3.benchmark.eval_prompts"):
+    with caplog.at_level(logging.WARNING, logger="eagle3.data.eval_prompts"):
         assert [p.id for p in load_prompt_file(f, num_prompts=2)] == ["1", "2"]
     assert "repeat" not in caplog.text
 
@@ -1326,7 +1326,7 @@ def test_sigterm_prints_one_line_and_exits_143(tmp_path):
     mark = tmp_path / "running"
     stub = (
         "import pathlib, runpy, sys, time\n"
-        "import eagle3.benchmark.offline as o\n"
+        "import eagle3.stages.benchmark as o\n"
         f"def run(*a, **k):\n    pathlib.Path({str(mark)!r}).touch()\n    time.sleep(60)\n"
         "o.run = run\n"
         f"sys.argv = ['05_benchmark.py', '--config', {str(cfg)!r}]\n"
@@ -1364,7 +1364,7 @@ def test_a_prompt_past_the_verifier_context_is_refused_before_decoding():
     the counts and the fix, before any set is decoded; a prompt that fits passes."""
     from types import SimpleNamespace
 
-    from eagle3.benchmark.offline import check_context
+    from eagle3.decoding.offline import check_context
 
     conf = SimpleNamespace(max_position_embeddings=64)
     check_context([("a", [("p0", [1] * 45)])], 16, 3, conf)  # 45 + 16 + 3 = 64: fits
@@ -1416,8 +1416,8 @@ def test_full_vocab_drafter_without_the_runs_vocab_map_is_not_said_unchecked(tmp
     """A full-vocab drafter (``config.json`` draft_vocab_size = vocab_size) has the identity as its draft vocabulary (a
     vLLM folder carries no d2t): without the run's ``vocab_map.pt`` 05 said it `did not check .../model.safetensors
     d2t` against it, a not_checked line of a check with nothing to compare. Only a reduced vocab gets the line."""
-    from eagle3.benchmark.offline import vocab_map_unchecked
     from eagle3.config import load_config
+    from eagle3.decoding.checks import vocab_map_unchecked
 
     (tmp_path / "run.yaml").write_text(
         f"run_name: t\noutput_root: {tmp_path / 'out'}\n"
@@ -1429,11 +1429,11 @@ def test_full_vocab_drafter_without_the_runs_vocab_map_is_not_said_unchecked(tmp
     (drafter / "config.json").write_text(
         json.dumps({"draft_vocab_size": 49152, "vocab_size": 49152})
     )
-    assert vocab_map_unchecked(cfg, drafter) is None
+    assert vocab_map_unchecked(cfg.data_dir, drafter) is None
     (drafter / "config.json").write_text(
         json.dumps({"draft_vocab_size": 32000, "vocab_size": 49152})
     )
-    assert vocab_map_unchecked(cfg, drafter).startswith(
+    assert vocab_map_unchecked(cfg.data_dir, drafter).startswith(
         f"{cfg.data_dir / 'vocab_map.pt'} not found: 05 did not check {drafter / 'model.safetensors'} d2t"
     )
 
@@ -1441,7 +1441,7 @@ def test_full_vocab_drafter_without_the_runs_vocab_map_is_not_said_unchecked(tmp
 def test_export_recording_verifier_weights_of_another_type_gets_the_weights_line(tmp_path):
     """An ``eagle3_train.json`` whose ``verifier.weights`` was edited to a number stopped 05 in ``TypeError:
     'int' object is not subscriptable`` while wording the other-weights warning; it is now that warning."""
-    from eagle3.benchmark.offline import verifier_warnings
+    from eagle3.decoding.checks import verifier_warnings
 
     (tmp_path / "eagle3_train.json").write_text(
         json.dumps({"verifier": {"name": "tiny", "weights": 123}})
@@ -1461,8 +1461,8 @@ def test_chat_template_kwargs_other_than_the_shards_are_warned_about(tmp_path):
     same kwargs (in any key order), or no data_config.json (shards_unchecked says it), nothing."""
     from types import SimpleNamespace
 
-    from eagle3.benchmark.offline import template_kwargs_check
     from eagle3.config import VerifierConfig
+    from eagle3.decoding.checks import template_kwargs_check
 
     shards = tmp_path / "shards"
     dc = shards / "data_config.json"
@@ -1472,12 +1472,12 @@ def test_chat_template_kwargs_other_than_the_shards_are_warned_about(tmp_path):
             path=str(tmp_path), chat_template_kwargs={"thinking": True, "effort": "low"}
         ),
     )
-    assert template_kwargs_check(cfg) == (None, None)
+    assert template_kwargs_check(cfg.shards_dir, cfg.verifier.chat_template_kwargs) == (None, None)
     shards.mkdir()
     dc.write_text(json.dumps({"chat_template_kwargs": {"effort": "low", "thinking": True}}))
-    assert template_kwargs_check(cfg) == (None, None)
+    assert template_kwargs_check(cfg.shards_dir, cfg.verifier.chat_template_kwargs) == (None, None)
     dc.write_text(json.dumps({"chat_template_kwargs": {"thinking": False, "effort": "low"}}))
-    assert template_kwargs_check(cfg) == (
+    assert template_kwargs_check(cfg.shards_dir, cfg.verifier.chat_template_kwargs) == (
         f"{dc}: the shards were rendered with chat_template_kwargs {{'thinking': False, 'effort': 'low'}} but 05 renders "
         f"the prompts with verifier.chat_template_kwargs {{'thinking': True, 'effort': 'low'}}: the drafter was trained "
         f"on conversations rendered otherwise (e.g. thinking on or off), so tau understates it; set "
@@ -1485,7 +1485,7 @@ def test_chat_template_kwargs_other_than_the_shards_are_warned_about(tmp_path):
         None,
     )
     dc.write_text(json.dumps({"chat_template_hash": None}))
-    assert template_kwargs_check(cfg) == (
+    assert template_kwargs_check(cfg.shards_dir, cfg.verifier.chat_template_kwargs) == (
         None,
         (
             f"{dc} records no chat_template_kwargs: 05 did not check that the verifier.chat_template_kwargs it renders the "

@@ -7,7 +7,8 @@ from collections import Counter
 import pytest
 import torch
 
-from eagle3.benchmark.decode import accepted_prefix, greedy_generate, speculative_generate
+from eagle3.decoding.common import accepted_prefix
+from eagle3.decoding.decode import greedy_generate, speculative_generate
 from eagle3.drafter.model import DrafterArgs, Eagle3Drafter
 from eagle3.errors import UserError
 
@@ -251,7 +252,7 @@ def test_oracle_drafter_counts_only_emitted_tokens(verifier, long_greedy):
     (the third step's verifier accepted all 3 drafts, but only one token fits the budget): tau 3.0."""
     from oracle_drafter import OracleDrafter
 
-    from eagle3.benchmark.offline import acceptance_stats
+    from eagle3.decoding.metrics import acceptance_stats
 
     oracle = OracleDrafter([PROMPTS[0] + long_greedy], verifier.config.vocab_size)
     r = speculative_generate(verifier, oracle, PROMPTS[0], AUX, steps=3, max_new_tokens=10)
@@ -287,7 +288,7 @@ def per_row_greedy(verifier):
 
 
 def test_batched_greedy_equals_per_row_greedy(verifier, per_row_greedy):
-    from eagle3.benchmark.decode import greedy_generate_batch
+    from eagle3.decoding.decode import greedy_generate_batch
 
     res = greedy_generate_batch(verifier, BATCH_PROMPTS, 20)
     assert res.tokens == per_row_greedy
@@ -308,8 +309,8 @@ def test_batched_speculative_equals_per_row_greedy_and_batch1_tau(
 ):
     """fp32: batched speculative output == per-row unbatched greedy token for token, and every row
     accepts exactly what it accepts alone (so tau of batch 4 == tau of batch 1)."""
-    from eagle3.benchmark.decode import speculative_generate_batch
-    from eagle3.benchmark.offline import acceptance_stats
+    from eagle3.decoding.decode import speculative_generate_batch
+    from eagle3.decoding.metrics import acceptance_stats
 
     drafter = make_drafter(verifier, list(range(0, 256, 3)), num_layers=num_layers)
     batch = speculative_generate_batch(
@@ -337,7 +338,7 @@ def test_batched_speculative_equals_per_row_greedy_and_batch1_tau(
 def test_batched_constant_drafter_mixed_acceptance(verifier, long_greedy):
     """A drafter that always proposes the most frequent greedy token: rows accept different counts
     per round; each row still matches its own greedy output and hand-simulated accept lengths."""
-    from eagle3.benchmark.decode import greedy_generate_batch, speculative_generate_batch
+    from eagle3.decoding.decode import greedy_generate_batch, speculative_generate_batch
 
     c = Counter(long_greedy).most_common(1)[0][0]
     drafter = constant_drafter(verifier, c)
@@ -355,8 +356,8 @@ def test_batched_oracle_drafter_tau_counts_only_emitted_tokens(verifier):
     """Issue 11 item 2 in a batch: every row gets 4 + 4 + 1 emitted tokens at 3 steps and 10 new tokens."""
     from oracle_drafter import OracleDrafter
 
-    from eagle3.benchmark.decode import speculative_generate_batch
-    from eagle3.benchmark.offline import acceptance_stats
+    from eagle3.decoding.decode import speculative_generate_batch
+    from eagle3.decoding.metrics import acceptance_stats
 
     greedy = [greedy_generate(verifier, p, 20, ())[0] for p in BATCH_PROMPTS]
     oracle = OracleDrafter(
@@ -373,7 +374,7 @@ def test_batched_oracle_drafter_tau_counts_only_emitted_tokens(verifier):
 
 def test_batched_eos_per_row(verifier, per_row_greedy):
     """A row that emits the EOS id stops there (EOS kept); the others run to max_new_tokens."""
-    from eagle3.benchmark.decode import greedy_generate_batch, speculative_generate_batch
+    from eagle3.decoding.decode import greedy_generate_batch, speculative_generate_batch
 
     eos = per_row_greedy[2][5]
     cuts = [g[: g.index(eos) + 1] if eos in g[:20] else g[:20] for g in per_row_greedy]
@@ -391,7 +392,7 @@ def test_mismatch_reports_index_and_logit_gap(verifier, per_row_greedy):
     """A reference that differs from the verifier at token 5 of row 1: the first mismatch is found
     there, with gap = verifier logit of its top-1 minus that of the reference token (hand-computed
     from a plain forward over prompt + greedy[:5])."""
-    from eagle3.benchmark.decode import speculative_generate_batch
+    from eagle3.decoding.decode import speculative_generate_batch
 
     ref = [list(g) for g in per_row_greedy]
     wrong = (ref[1][5] + 7) % 256
@@ -431,7 +432,7 @@ def test_layer_dependent_drafter_batched_equals_alone_with_acceptances(
 ):
     """Drafts that depend on all the drafter's layers (and so on each layer's cache: crops of the drafted slots,
     holes of rejected ones) are accepted in places; batched == alone == greedy, accept lengths equal."""
-    from eagle3.benchmark.decode import speculative_generate_batch
+    from eagle3.decoding.decode import speculative_generate_batch
 
     drafter = two_token_drafter(
         verifier, *frequent_pair(per_row_greedy), num_layers=num_layers, seed=3

@@ -13,10 +13,11 @@ import json
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
-from eagle3.benchmark.server import bench_server, emitted_histogram, generate, run_server_bench
+from eagle3.decoding.server import bench_server, emitted_histogram, generate, run_server_bench
 from eagle3.errors import UserError
 
 STEPS = 3
@@ -287,7 +288,7 @@ def test_a_speedup_above_tau_against_a_slowed_baseline_server_is_flagged(tmp_pat
     speculative decoding cannot reach on the same hardware: one warning line, logged, in server_bench.json/.md."""
     import logging
 
-    from eagle3.benchmark.offline import speedup_warning
+    from eagle3.decoding.metrics import speedup_warning
 
     with (
         _StandIn(speculative=True) as spec,
@@ -490,7 +491,7 @@ def test_cli_server_mode_from_the_config(tmp_path, tiny_llama_dir):
 def test_stale_server_reports_are_named(tmp_path):
     """A one-set 05 --server run writes bench/server_bench.json and a several-set run bench/server-{set}/: the
     reports an earlier run left in the other layout are not rewritten, so each is named in a warning with its set."""
-    from eagle3.benchmark.server import report_dirs, stale_server_reports
+    from eagle3.decoding.server import report_dirs, stale_server_reports
 
     bench = tmp_path / "bench"
     assert report_dirs(bench, ["mtbench"]) == [bench]
@@ -802,8 +803,8 @@ def test_served_model_is_compared_with_the_configured_verifier(
     (not_checked) naming what to check."""
     import shutil
 
-    from eagle3.benchmark.server import served_model_warnings
     from eagle3.config import VerifierConfig
+    from eagle3.decoding.server_checks import served_model_warnings
 
     cfg = type("Cfg", (), {"verifier": VerifierConfig(path=str(tiny_llama_dir))})()
     copy = tmp_path / "copy"
@@ -818,7 +819,7 @@ def test_served_model_is_compared_with_the_configured_verifier(
         (f"org/{tiny_llama_dir.name}", False, "same name"),
     ):
         with _StandIn(speculative=True, model=model, has_info=has_info) as s:
-            w, (rec,) = served_model_warnings(cfg, [s.url])
+            w, (rec,) = served_model_warnings(cfg.verifier, [s.url])
         assert w == [] and rec == {
             "url": s.url,
             "model_path": model,
@@ -831,7 +832,7 @@ def test_served_model_is_compared_with_the_configured_verifier(
         _StandIn(speculative=True, model=str(other_weights_dir)) as s,
         _StandIn(speculative=False, model=None) as b,
     ):
-        w, (rec, base) = served_model_warnings(cfg, [s.url, b.url])
+        w, (rec, base) = served_model_warnings(cfg.verifier, [s.url, b.url])
     assert w[0] == (
         f"{s.url}/server_info model_path {other_weights_dir} is not the configured verifier: its weight "
         f"files are not those at verifier.path (verifier_weights fingerprints differ); {tail}, so tau "
@@ -857,7 +858,7 @@ def test_served_model_is_compared_with_the_configured_verifier(
         f"the server was started with --model-path {tiny_llama_dir}"
     )
     with _StandIn(speculative=True, model="moonshotai/Kimi-K2.5") as s:
-        w, (rec,) = served_model_warnings(cfg, [s.url])
+        w, (rec,) = served_model_warnings(cfg.verifier, [s.url])
     assert rec["match"] is None and rec["not_checked"] == w == [
         f"{s.url}/server_info model_path moonshotai/Kimi-K2.5: it is not readable on this machine and its name "
         f"'Kimi-K2.5' is not verifier.path's ({tiny_llama_dir.name.lower()}), so 05 could not check that the server "
@@ -921,11 +922,11 @@ def test_server_info_naming_a_draft_folder_that_is_not_a_string_is_said():
     """A ``/server_info`` whose ``speculative_draft_model_path`` is not a string (``5``, ``["a"]``: a proxy in front
     of SGLang, a hand-made stand-in) stopped 05 --server in ``TypeError: expected str, bytes or os.PathLike object``;
     it is now the draft-folder line saying the folder was not checked, with the value as found."""
-    from eagle3.benchmark.server import draft_folder_warnings
+    from eagle3.decoding.server_checks import draft_folder_warnings
 
     for bad in (5, ["a"]):
         with _StandIn(speculative=True, draft=bad) as s:
-            lines, rec = draft_folder_warnings(None, s.url)
+            lines, rec = draft_folder_warnings(s.url, "v", None, Path("."))
         assert lines == rec["not_checked"] and len(lines) == 1
         assert lines[0].startswith(
             f"{s.url}/server_info speculative_draft_model_path is {bad!r}, not a folder path: "

@@ -1,4 +1,4 @@
-"""05's batch-1 static decoder (eagle3/benchmark/static_decode.py): the same tokens, acceptance lengths and mismatch
+"""05's batch-1 static decoder (eagle3/decoding/static_decode.py): the same tokens, acceptance lengths and mismatch
 records as the batched decoder (and as transformers' ``generate``), for a Llama and an MLA/MoE DeepseekV3 verifier;
 one decoder reused over prompts of different lengths; the static cache's mask by hand."""
 
@@ -17,8 +17,8 @@ from test_decode import (
     make_verifier,
 )
 
-from eagle3.benchmark.decode import greedy_generate, speculative_generate
-from eagle3.benchmark.static_decode import StaticDecoder, capacity_for, resolve_decoder
+from eagle3.decoding.decode import greedy_generate, speculative_generate
+from eagle3.decoding.static_decode import StaticDecoder, capacity_for, resolve_decoder
 from eagle3.drafter.caches import StaticKVCache
 from eagle3.errors import UserError
 
@@ -178,7 +178,7 @@ def test_mismatch_index_and_gap_as_batched(verifier, long_greedy):
     drafter = make_drafter(verifier, list(range(0, 256, 2)))
     ref = list(long_greedy[:20])
     ref[5] = (ref[5] + 1) % 256  # a reference that differs from the verifier at index 5
-    from eagle3.benchmark.decode import speculative_generate_batch
+    from eagle3.decoding.decode import speculative_generate_batch
 
     want = speculative_generate_batch(
         verifier, drafter, [PROMPTS[0]], AUX, 3, 20, (), reference=[ref]
@@ -215,7 +215,7 @@ def test_deepseek_v3_verifier_mla_moe():
 
 
 def test_bench_prompts_static_equals_batched(verifier):
-    from eagle3.benchmark.offline import bench_prompts
+    from eagle3.decoding.offline import bench_prompts
 
     drafter = make_drafter(verifier, list(range(0, 256, 3)))
     ids = [("a", PROMPTS[0]), ("b", PROMPTS[1]), ("c", [9, 8, 7, 6, 5, 4])]

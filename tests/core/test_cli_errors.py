@@ -303,10 +303,10 @@ def test_a_relative_path_not_found_names_the_current_folder(tmp_path, monkeypatc
     data_config.json: file not found (02_extract_hidden.py writes it: run that stage first)` of a stage that had run
     (trial 2026-12-05g). A relative path not found now names the folder it was read from; an absolute one is as
     before."""
-    from eagle3.benchmark.offline import resolve_drafter_dir
     from eagle3.config import load_config
     from eagle3.errors import UserError
     from eagle3.io import file_not_found
+    from eagle3.stages.benchmark import resolve_drafter_dir
 
     monkeypatch.chdir(tmp_path)
     assert str(file_not_found("out/shards/data_config.json")) == (

@@ -121,14 +121,13 @@ def test_04_names_train_and_export_output_dir(tmp_path):
 
 @pytest.mark.parametrize("server", [False, True])
 def test_05_names_benchmark_output_dir_before_anything_loads(tmp_path, server):
-    from eagle3.benchmark import offline
-    from eagle3.benchmark import server as server_bench
+    from eagle3.stages import benchmark
 
     cfg = load_config(make_tiny_run(tmp_path), [f"benchmark.output_dir={PROC}/bench"])
     call = (
-        (lambda: server_bench.run(cfg, ["http://127.0.0.1:9"]))
+        (lambda: benchmark.run_server(cfg, ["http://127.0.0.1:9"]))
         if server
-        else (lambda: offline.run(cfg))
+        else (lambda: benchmark.run(cfg))
     )
     assert (
         _error(call) == f"benchmark.output_dir: cannot create the output folder {PROC}/bench: {NO}"
@@ -171,8 +170,8 @@ def test_probe_dirs_refuses_an_existing_folder_that_takes_no_file(tmp_path):
 
 
 def test_03_and_05_refuse_an_unwritable_output_folder_before_the_long_work(tmp_path, monkeypatch):
-    from eagle3.benchmark import offline
     from eagle3.data import prepare_data
+    from eagle3.stages import benchmark
 
     monkeypatch.setattr(
         prepare_data, "_shard_stats", lambda *a: pytest.fail("validated before the folder check")
@@ -184,7 +183,7 @@ def test_03_and_05_refuse_an_unwritable_output_folder_before_the_long_work(tmp_p
         f"data.output_dir: cannot write to the output folder {PROC_DIR}: {NO}"
     )
     assert (
-        _error(offline.run, cfg)
+        _error(benchmark.run, cfg)
         == f"benchmark.output_dir: cannot write to the output folder {PROC_DIR}: {NO}"
     )
 
@@ -231,9 +230,9 @@ def test_05_on_a_read_only_bench_folder_stops_at_once(tmp_path):
         bench,
         (
             "from eagle3.config import load_config\nfrom eagle3.errors import UserError\n"
-            "from eagle3.benchmark import offline\n"
+            "from eagle3.stages import benchmark\n"
             f"cfg = load_config('{run_yaml}', ['benchmark.output_dir={bench}'])\n"
-            "try:\n    offline.run(cfg)\nexcept UserError as e:\n    print(e)\n"
+            "try:\n    benchmark.run(cfg)\nexcept UserError as e:\n    print(e)\n"
         ),
     )
     assert (
@@ -277,10 +276,9 @@ def test_a_second_run_on_the_same_output_folder_stops_at_once(tmp_path, stage):
     each measuring under the other's load, and the last one's reports replaced the first one's (trial 2026-12-05g);
     two 03 runs of a draft-vocab sweep wrote over each other the same way. Each now holds a lock on its folder: the
     second one stops with one line, before it reads anything; a refused run leaves no folder it made."""
-    from eagle3.benchmark import offline
-    from eagle3.benchmark import server as server_bench
     from eagle3.data import prepare_data
     from eagle3.io import exclusive_lock
+    from eagle3.stages import benchmark
 
     cfg = load_config(make_tiny_run(tmp_path))
     folder, lock, call, words = {
@@ -291,11 +289,11 @@ def test_a_second_run_on_the_same_output_folder_stops_at_once(tmp_path, stage):
             f"another 03_prepare_data run is writing to {cfg.data_dir}; wait for it, or set data.output_dir for a "
             "second data folder",
         ),
-        "05": (cfg.bench_dir, ".bench.lock", lambda: offline.run(cfg), None),
+        "05": (cfg.bench_dir, ".bench.lock", lambda: benchmark.run(cfg), None),
         "05 --server": (
             cfg.bench_dir,
             ".bench.lock",
-            lambda: server_bench.run(cfg, ["http://127.0.0.1:9"]),
+            lambda: benchmark.run_server(cfg, ["http://127.0.0.1:9"]),
             None,
         ),
     }[stage]

@@ -43,7 +43,7 @@ def test_regeneration_runs_without_cudnn_sdpa():
 def test_offline_benchmark_decoding_runs_without_cudnn_sdpa():
     from test_decode import AUX, BATCH_PROMPTS, make_drafter, make_verifier
 
-    from eagle3.benchmark.decode import greedy_generate_batch, speculative_generate_batch
+    from eagle3.decoding.decode import greedy_generate_batch, speculative_generate_batch
 
     verifier = make_verifier()
     drafter = make_drafter(verifier, [1, 2, 3])

@@ -214,7 +214,7 @@ def test_third_party_folder_layers_from_engine_rule(tmp_path):
 
 
 def test_benchmark_warns_when_folder_layers_differ(tmp_path):
-    from eagle3.benchmark.offline import export_folder_warnings
+    from eagle3.decoding.checks import export_folder_warnings
 
     out = export_drafter(drafter(), tmp_path / "x", "sglang", [2, 15, 27], LLAMA30)
     assert export_folder_warnings(out, [2, 15, 27], "LlamaForCausalLM") == []
@@ -273,8 +273,13 @@ def test_the_other_engines_folder_refusal_gives_a_way_that_works_here(tmp_path):
 def test_server_bench_checks_the_servers_draft_folder(tmp_path, monkeypatch):
     from _ddp_worker import make_tiny_run
 
-    from eagle3.benchmark import server as server_bench
     from eagle3.config import load_config
+    from eagle3.decoding import server_checks as server_bench
+    from eagle3.verifier.load import weights_fingerprint
+
+    def draft_folder_warnings(c, url):  # what stage 05 --server passes from its config
+        name, fp = c.verifier.display_name(), weights_fingerprint(c.verifier)
+        return server_bench.draft_folder_warnings(url, name, fp, c.shards_dir)
 
     cfg = load_config(make_tiny_run(tmp_path / "run"))  # shards: Llama, 6 layers, HF aux [2, 3, 4]
     # the run's own exports: its verifier's name and weights fingerprint (verifier.path holds no weight file here)
@@ -300,7 +305,7 @@ def test_server_bench_checks_the_servers_draft_folder(tmp_path, monkeypatch):
         },
     )
     path["p"] = good
-    w, rec = server_bench.draft_folder_warnings(cfg, "http://x")
+    w, rec = draft_folder_warnings(cfg, "http://x")
     no_weights = (
         "verifier.path holds no weight file on this machine: 05 did not check that the drafter was trained on "
         "the weights at verifier.path, only the name 'synthetic'; check that verifier.path is the model its "
@@ -308,13 +313,13 @@ def test_server_bench_checks_the_servers_draft_folder(tmp_path, monkeypatch):
     )
     assert w == rec["not_checked"] == [no_weights] and rec["readable"] is True
     path["p"] = off
-    w, _rec = server_bench.draft_folder_warnings(cfg, "http://x")
+    w, _rec = draft_folder_warnings(cfg, "http://x")
     assert (
         len(w) == 2 and w[1] == no_weights and "HF layers [1, 3, 4]" in w[0] and "[2, 3, 4]" in w[0]
     )
     # a server_info without speculative_num_steps: the trained ttt_length was not compared, and that is said
     path["p"], path["steps"] = good, None
-    w, rec = server_bench.draft_folder_warnings(cfg, "http://x")
+    w, rec = draft_folder_warnings(cfg, "http://x")
     assert (
         w
         == rec["not_checked"]
@@ -330,7 +335,7 @@ def test_server_bench_checks_the_servers_draft_folder(tmp_path, monkeypatch):
     path["steps"] = 3
     # a drafter exported for another verifier: said, as offline 05 says it (--server never compared them)
     path["p"] = other
-    w, rec = server_bench.draft_folder_warnings(cfg, "http://x")
+    w, rec = draft_folder_warnings(cfg, "http://x")
     assert (
         w
         == [
@@ -341,10 +346,10 @@ def test_server_bench_checks_the_servers_draft_folder(tmp_path, monkeypatch):
     )
     path["p"] = vl
     with pytest.raises(UserError, match="this folder is for vllm, but sglang serves it"):
-        server_bench.draft_folder_warnings(cfg, "http://x")
+        draft_folder_warnings(cfg, "http://x")
     # not readable here (the server on another host): not checked, and said so (it used to return [] silently)
     path["p"] = tmp_path / "not-here"
-    w, rec = server_bench.draft_folder_warnings(
+    w, rec = draft_folder_warnings(
         SimpleNamespace(shards_dir=tmp_path, verifier=cfg.verifier), "http://x"
     )
     assert len(w) == 1 and w[0].startswith(
@@ -361,7 +366,7 @@ def test_server_bench_checks_the_servers_draft_folder(tmp_path, monkeypatch):
     # readable, but without the shards' data_config.json: checked against the folder's own record only (said in one
     # warning line, as offline 05 says it, and recorded)
     path["p"] = good
-    w, rec = server_bench.draft_folder_warnings(
+    w, rec = draft_folder_warnings(
         SimpleNamespace(shards_dir=tmp_path, verifier=cfg.verifier), "http://x"
     )
     assert (

@@ -81,7 +81,7 @@ def test_export_only_works_after_the_shards_are_deleted(tmp_path, caplog):
     )
     assert any("key 'data_config', recorded at training" in m for m in caplog.messages)
 
-    from eagle3.benchmark.offline import resolve_aux_layers
+    from eagle3.decoding.checks import resolve_aux_layers
 
     assert resolve_aux_layers(out, cfg.shards_dir, None) == ([1, 3, 4], [])  # 05: no shards needed
 

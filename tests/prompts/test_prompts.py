@@ -237,7 +237,7 @@ def test_a_null_key_is_an_absent_key_in_hf_rows_jsonl_and_eval_sets(tmp_path):
     writes the same nulls: a row ``{"messages": null, "prompt": "..."}`` stopped 01 with ``hf:ds:[1]: field
     'messages' must be a list`` (05: ``key 'messages' must be a non-empty list``); null keys now count as absent."""
     datasets = pytest.importorskip("datasets")
-    from eagle3.benchmark.eval_prompts import load_prompt_file
+    from eagle3.data.eval_prompts import load_prompt_file
 
     rows = [
         {"id": "x1", "messages": [U("A"), A("B")], "prompt": None},
@@ -1057,7 +1057,7 @@ def test_a_top_level_system_field_is_the_system_turn(tmp_path):
     conversation's system turn, as a ``system`` message inside it is: blank means none (``prompts.system_prompt`` then
     applies), equal to the conversation's own system turn is that turn, two different ones are refused; 05's prompt
     files read it the same way."""
-    from eagle3.benchmark.eval_prompts import load_prompt_file
+    from eagle3.data.eval_prompts import load_prompt_file
 
     S = {"role": "system", "content": "Be terse."}
     src = _jsonl(

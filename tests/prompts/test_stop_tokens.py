@@ -107,7 +107,7 @@ def test_stop_set_includes_generation_config_eos_and_regeneration_stops_there_li
     ).request(MSG)
     assert v.x in payload["sampling_params"]["stop_token_ids"]
     # 05: greedy decoding with the benchmark's stop set stops at X as well (kept in its output)
-    from eagle3.benchmark.decode import greedy_generate_batch
+    from eagle3.decoding.decode import greedy_generate_batch
 
     g = greedy_generate_batch(model, [v.prompt], MAX_NEW, sorted(end_of_turn_ids(tok)))
     assert g.tokens[0] == hf

@@ -263,7 +263,7 @@ def test_verifier_path_to_other_weights_under_the_same_name_is_refused(
         prepare_data.run(cfg, plot=False)
     assert str(e.value) == want
     # the export records the fingerprint; 05 warns when verifier.path holds other weights (as for another name)
-    from eagle3.benchmark.offline import verifier_warnings
+    from eagle3.decoding.checks import verifier_warnings
     from eagle3.stages.export import export_for_run
     from eagle3.verifier.load import load_verifier_config, verifier_dims
 

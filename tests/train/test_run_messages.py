@@ -179,8 +179,8 @@ def test_a_verifier_path_to_another_model_is_named_not_a_drafter_field(tmp_path)
     verifier and each differing dimension. 05 says the same of an export (verifier_warnings)."""
     from transformers import LlamaConfig
 
-    from eagle3.benchmark.offline import verifier_warnings
     from eagle3.data.vocab import load_run_vocab_map
+    from eagle3.decoding.checks import verifier_warnings
     from eagle3.shards.format import read_data_config
     from eagle3.train.trainer import build_drafter_args, run
 

@@ -210,7 +210,7 @@ def test_eagle31_kv_cached_decode_matches_ttt():
 def test_eagle31_speculative_decoding_is_lossless():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from eagle3.benchmark.decode import greedy_generate, speculative_generate
+    from eagle3.decoding.decode import greedy_generate, speculative_generate
 
     torch.manual_seed(0)
     ver = LlamaForCausalLM(

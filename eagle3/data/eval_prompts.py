@@ -56,7 +56,7 @@ def shared_data_dir() -> Path:
         return Path(env)
     return (
         Path(__file__).resolve().parents[2].parent / "shared" / "data"
-    )  # eagle3/benchmark/ -> repo -> ..
+    )  # eagle3/data/ -> repo -> ..
 
 
 def _shared_file(rel: str) -> Path:
@@ -171,9 +171,8 @@ def load_prompt_file(
 
 def _unique_prompt_ids(prompts: list[EvalPrompt], path: Path) -> None:
     """Make repeated ids of one prompt file unique in place, as 01 does (:func:`eagle3.prompts.readers.unique_ids`:
-    the second ``7`` becomes ``7#2``), with one warning. Two files concatenated (both numbering from 1) gave
-    ``bench.json`` ``prompt_ids`` and ``per_prompt`` rows, and ``bench.md``'s differences, that named two prompts alike
-    (trial 2026-12-05g)."""
+    the second ``7`` becomes ``7#2``), with one warning, so ``bench.json``'s ``prompt_ids`` and ``per_prompt`` rows
+    name each prompt once (two files concatenated both number from 1)."""
     ids = [c["id"] for c in unique_ids([{"id": p.id} for p in prompts])]
     renamed = [(p.id, new) for p, new in zip(prompts, ids) if p.id != new]
     if not renamed:
@@ -366,3 +365,42 @@ def dataset_labels(names: Sequence[str]) -> list[str]:
         if seen[lab] > 1:
             out[i] = f"{lab}#{seen[lab]}"
     return out
+
+
+def load_sets(
+    datasets: Sequence[str], num_prompts: Optional[int], pick: str
+) -> tuple[list[tuple[str, list[EvalPrompt]]], list[str]]:
+    """Each dataset's ``num_prompts`` prompts picked by ``pick`` (:func:`load_eval_subset`),
+    under a label unique within the run (:func:`dataset_labels`).
+
+    Returns:
+        ``([(label, prompts), ...], subset warnings)``.
+
+    Raises:
+        UserError: a prompt set that cannot be loaded (file, line, key).
+    """
+    sets, notes = [], []
+    for name, label in zip(datasets, dataset_labels(datasets)):
+        chosen, more = load_eval_subset(name, num_prompts, pick)
+        sets.append((label, chosen))
+        notes += more
+    return sets, notes
+
+
+def server_sets(
+    datasets: Optional[Sequence[str]], configured: Optional[Sequence[str]]
+) -> list[str]:
+    """05 ``--server``'s sets: ``--datasets`` (``datasets``), else ``benchmark.datasets`` when the config names them
+    (``configured``; None when it does not), else MT-bench.
+
+    Raises:
+        UserError: an unknown set name (named with where it was given).
+    """
+    if datasets:
+        check_dataset_names(datasets, "--datasets", indexed=False)
+    elif configured is not None:  # configs/kimi-k2.5.yaml names its sets
+        datasets = configured
+        check_dataset_names(datasets, "benchmark.datasets")
+    else:
+        datasets = ["mtbench"]
+    return list(datasets)

@@ -1,16 +1,16 @@
 """Batch-1 static decoding for stage 05: greedy and EAGLE-3 chain decoding over preallocated caches, every decode step
 (greedy) and every phase of a speculative round captured once as a CUDA graph.
 
-Why: at batch 1 a small verifier's step is bound by the host, not the GPU. :mod:`eagle3.benchmark.decode` runs
+Why: at batch 1 a small verifier's step is bound by the host, not the GPU. :mod:`eagle3.decoding.decode` runs
 transformers' ``DynamicCache`` forwards (a growing cache, a 2-D mask rebuilt every step): on the H200 a SmolLM2-135M
 greedy token cost 21.8 ms and an EAGLE-3 round 27.3 ms of verify + 5.4 ms of draft, 1.50x a greedy token, so the
-speedup was tau / 1.5 (lease 2026-12-03b; ``bench/batch1_host_ops.py`` counts the ops). Replaying graphs, a step
+speedup was tau / 1.5 (``bench/batch1_host_ops.py`` counts the ops). Replaying graphs, a step
 costs its kernels, for the baseline and for EAGLE-3 alike, so the speedup measures the algorithm, not Python.
 
-Same results as :mod:`eagle3.benchmark.decode` at batch 1 (tests/benchmark/test_static_decode.py: greedy equal to
+Same results as :mod:`eagle3.decoding.decode` at batch 1 (tests/benchmark/test_static_decode.py: greedy equal to
 transformers' ``generate``, EAGLE-3 tokens and acceptance lengths equal to the batched decoder's, tiny Llama and
-DeepseekV3 in float32): the same verify rule (:func:`~eagle3.benchmark.decode.accepted_prefix`), the same
-emission cut (:func:`~eagle3.benchmark.decode.emitted_lengths`) and the same first-mismatch record.
+DeepseekV3 in float32): the same verify rule (:func:`~eagle3.decoding.common.accepted_prefix`), the same
+emission cut (:func:`~eagle3.decoding.common.emitted_lengths`) and the same first-mismatch record.
 
 How, for one sequence:
 
@@ -38,20 +38,20 @@ from typing import Optional, Sequence
 
 import torch
 
-from eagle3.benchmark.decode import (
+from eagle3.decoding.common import (
     BatchGreedy,
     BatchSpec,
+    PhaseTimer,
     SpecResult,
-    _aux,
-    _check_common,
-    _check_prompts,
-    _cut,
-    _first_mismatch_update,
-    _forward_params,
-    _PhaseTimer,
-    _sync,
     accepted_prefix,
+    aux_states,
+    check_prompts,
+    check_settings,
+    cut,
     emitted_lengths,
+    first_mismatch_update,
+    forward_params,
+    sync,
 )
 from eagle3.drafter.attention import _sdpa
 from eagle3.drafter.caches import StaticKVCache
@@ -146,7 +146,7 @@ class StaticDecoder:
         cuda_graphs: bool = True,
         check_every: int = 4,
     ):
-        _check_common(max_new_tokens, steps)
+        check_settings(max_new_tokens, steps)
         if drafter is not None and len(list(aux_layers)) != 3:
             raise UserError(
                 f"aux_layers: EAGLE-3 needs exactly 3 HF hidden_states indices, got {list(aux_layers)}"
@@ -165,8 +165,17 @@ class StaticDecoder:
         self.dkv = StaticKVCache(
             self.capacity, getattr(getattr(drafter, "args", None), "num_layers", 1), self.dev
         )
+        self._alloc_state(eos_ids)
+        self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
+        self.graph_error: Optional[str] = None  # why capture failed (then every phase runs eagerly)
+        self._pool = None
+        self._logits_to_keep = "logits_to_keep" in forward_params(verifier)
+        self._swap = AttentionSwap(verifier, ATTN_NAME, static_attention).__enter__()
+
+    def _alloc_state(self, eos_ids: Sequence[int]) -> None:
+        """The device tensors every call reuses (graphs read and write them in place)."""
         z = dict(dtype=torch.long, device=self.dev)
-        k = steps
+        k, max_new_tokens, check_every = self.k, self.max_new, self.check_every
         self.eos = {int(e) for e in eos_ids}
         self.eos_t = torch.tensor(sorted(self.eos), **z)  # [E]
         self.jj = torch.arange(k + 1, **z)  # [k+1]
@@ -188,7 +197,7 @@ class StaticDecoder:
         self.vpos = torch.zeros(1, k + 1, **z)  # [1, k+1] verified positions
         self.a = torch.zeros(1, **z)  # [1] accepted drafts of the last verify
         self.aux: Optional[torch.Tensor] = (
-            None  # [1, k+1, 3Ht] aux states of the verified positions (first prefill)
+            None  # [1, k+1, 3Ht] verified positions' aux (1st prefill)
         )
         self.h_prev: Optional[torch.Tensor] = (
             None  # [1, 1, H] step output that drafts the next token
@@ -196,11 +205,6 @@ class StaticDecoder:
         self.live = torch.zeros(
             1, dtype=torch.bool, device=self.dev
         )  # [1] live flag of the last verify
-        self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
-        self.graph_error: Optional[str] = None  # why capture failed (then every phase runs eagerly)
-        self._pool = None
-        self._logits_to_keep = "logits_to_keep" in _forward_params(verifier)
-        self._swap = AttentionSwap(verifier, ATTN_NAME, static_attention).__enter__()
 
     # ------------------------------------------------------------------ pieces
     def _vforward(
@@ -289,7 +293,7 @@ class StaticDecoder:
         live = ~self.done  # [1]
         emit_idx = self.e[:, None] + self.jj  # [1, k+1]
         write = keep & live[:, None] & (emit_idx < self.max_new)  # [1, k+1]
-        mi, mg = _first_mismatch_update(
+        mi, mg = first_mismatch_update(
             logits, pred, self.ref, emit_idx, write, self.mm_idx, self.mm_gap
         )
         self.mm_idx.copy_(mi)
@@ -309,7 +313,7 @@ class StaticDecoder:
         self.vpos.copy_(vpos)
         self.a.copy_(a)
         self.live.copy_(live)
-        self.aux.copy_(_aux(out.hidden_states, self.aux_layers))  # [1, k+1, 3Ht]
+        self.aux.copy_(aux_states(out.hidden_states, self.aux_layers))  # [1, k+1, 3Ht]
 
     def _chunk(self) -> None:
         """The drafter's step 0 over the verified positions (graph body): position ``vpos[j]`` takes token
@@ -389,15 +393,15 @@ class StaticDecoder:
     # ------------------------------------------------------------------ contract
     @torch.inference_mode()
     def greedy(self, prompt: Sequence[int]) -> BatchGreedy:
-        """Greedy decoding of one prompt (the baseline); result as :func:`eagle3.benchmark.decode.greedy_generate_batch`'s.
+        """Greedy decoding of one prompt (the baseline); result as :func:`eagle3.decoding.decode.greedy_generate_batch`'s.
 
         Raises:
             UserError: an empty prompt. ValueError: the prompt does not fit :attr:`capacity`.
         """
-        row = _check_prompts([prompt])[0]
+        row = check_prompts([prompt])[0]
         self._check_len(row)
         with no_cudnn_sdpa():
-            _sync(self.dev)
+            sync(self.dev)
             t0 = time.perf_counter()
             P = len(row)
             ids, pos = self._prompt_inputs(row)  # [1, P], [1, P]
@@ -412,17 +416,72 @@ class StaticDecoder:
                 self._run("greedy", self._greedy_step)
                 forwards += 1
             toks = self.out_tok[0, : self.max_new].cpu().tolist()
-            _sync(self.dev)
+            sync(self.dev)
             seconds = time.perf_counter() - t0
         return BatchGreedy(
-            [_cut([t for t in toks if t >= 0], self.eos, self.max_new)], seconds, forwards
+            [cut([t for t in toks if t >= 0], self.eos, self.max_new)], seconds, forwards
         )
+
+    def _spec_prefill(self, row: list[int], reference: Optional[Sequence[int]], timer) -> None:
+        """The prompt's forward: the first token, its mismatch record, and the drafter's step 0 over the prompt
+        (``h_prev`` at its last position; drafter time in ``timer``'s ``draft``).
+
+        Raises:
+            UserError: ``aux_layers`` outside the verifier's layers.
+        """
+        d = self.drafter
+        ids, pos = self._prompt_inputs(row)  # [1, P], [1, P]
+        out = self._vforward(ids, pos, hidden=True, last_only=True)
+        n_hidden = len(out.hidden_states)
+        if max(self.aux_layers) >= n_hidden - 1 or min(self.aux_layers) < 1:
+            raise UserError(
+                f"aux_layers: {self.aux_layers} outside 1..{n_hidden - 2} for this {n_hidden - 1}-layer verifier"
+            )
+        plogits = out.logits[:, -1:]  # [1, 1, V]
+        first = plogits[:, 0].argmax(-1)  # [1]
+        self._reset(first, len(row), reference)
+        zero = torch.zeros(1, 1, dtype=torch.long, device=self.dev)
+        one = torch.ones_like(zero, dtype=torch.bool)
+        mi, mg = first_mismatch_update(
+            plogits, first[:, None], self.ref, zero, one, self.mm_idx, self.mm_gap
+        )
+        self.mm_idx.copy_(mi)
+        self.mm_gap.copy_(mg)
+        aux = aux_states(out.hidden_states, self.aux_layers)  # [1, P, 3Ht]
+        if self.aux is None:
+            self.aux = aux.new_zeros(1, self.k + 1, aux.shape[-1])
+        timer.start("draft")
+        d_ids = torch.cat([ids[:, 1:], first[:, None]], dim=1)  # [1, P] step 0 at t takes x_{t+1}
+        h = d.decode_static(d_ids, d.project(aux), pos, self.dkv)  # [1, P, H]
+        if self.h_prev is None:
+            self.h_prev = h[:, -1:].clone()
+        else:
+            self.h_prev.copy_(h[:, -1:])
+        timer.stop("draft")
+
+    def _rounds(self, timer) -> int:
+        """Draft, verify and chunk rounds until the sequence is done; returns the rounds run."""
+        rounds = 0
+        while rounds < self.max_new:  # every round emits >= 1 token
+            if rounds % self.check_every == 0 and bool(self.done):
+                break
+            timer.start("draft")
+            self._run("draft", self._draft)
+            timer.stop("draft")
+            timer.start("verify")
+            self._run("verify", self._verify)
+            timer.stop("verify")
+            timer.start("draft")
+            self._run("chunk", self._chunk)
+            timer.stop("draft")
+            rounds += 1
+        return rounds
 
     @torch.inference_mode()
     def speculative(
         self, prompt: Sequence[int], reference: Optional[Sequence[int]] = None
     ) -> BatchSpec:
-        """EAGLE-3 chain decoding of one prompt; result as :func:`eagle3.benchmark.decode.speculative_generate_batch`'s
+        """EAGLE-3 chain decoding of one prompt; result as :func:`eagle3.decoding.decode.speculative_generate_batch`'s
         (``reference``: greedy's tokens, for the first mismatch and its logit gap).
 
         Raises:
@@ -431,73 +490,23 @@ class StaticDecoder:
         """
         if self.drafter is None:
             raise UserError("StaticDecoder.speculative: built without a drafter")
-        row = _check_prompts([prompt])[0]
+        row = check_prompts([prompt])[0]
         self._check_len(row)
-        k, d = self.k, self.drafter
-        timer = _PhaseTimer(self.dev)
+        timer = PhaseTimer(self.dev)
         with no_cudnn_sdpa():
-            _sync(self.dev)
+            sync(self.dev)
             t0 = time.perf_counter()
-            P = len(row)
-            ids, pos = self._prompt_inputs(row)  # [1, P], [1, P]
-            out = self._vforward(ids, pos, hidden=True, last_only=True)
-            n_hidden = len(out.hidden_states)
-            if max(self.aux_layers) >= n_hidden - 1 or min(self.aux_layers) < 1:
-                raise UserError(
-                    f"aux_layers: {self.aux_layers} outside 1..{n_hidden - 2} for this {n_hidden - 1}-layer verifier"
-                )
-            plogits = out.logits[:, -1:]  # [1, 1, V]
-            first = plogits[:, 0].argmax(-1)  # [1]
-            self._reset(first, P, reference)
-            zero = torch.zeros(1, 1, dtype=torch.long, device=self.dev)
-            mi, mg = _first_mismatch_update(
-                plogits,
-                first[:, None],
-                self.ref,
-                zero,
-                torch.ones_like(zero, dtype=torch.bool),
-                self.mm_idx,
-                self.mm_gap,
-            )
-            self.mm_idx.copy_(mi)
-            self.mm_gap.copy_(mg)
-            aux = _aux(out.hidden_states, self.aux_layers)  # [1, P, 3Ht]
-            if self.aux is None:
-                self.aux = aux.new_zeros(1, k + 1, aux.shape[-1])
-            timer.start("draft")
-            d_ids = torch.cat(
-                [ids[:, 1:], first[:, None]], dim=1
-            )  # [1, P] step 0 at t takes x_{t+1}
-            h = d.decode_static(d_ids, d.project(aux), pos, self.dkv)  # [1, P, H]
-            if self.h_prev is None:
-                self.h_prev = h[:, -1:].clone()
-            else:
-                self.h_prev.copy_(h[:, -1:])
-            timer.stop("draft")
-            rounds = 0
-            while rounds < self.max_new:  # every round emits >= 1 token
-                if rounds % self.check_every == 0 and bool(self.done):
-                    break
-                timer.start("draft")
-                self._run("draft", self._draft)
-                timer.stop("draft")
-                timer.start("verify")
-                self._run("verify", self._verify)
-                timer.stop("verify")
-                timer.start("draft")
-                self._run("chunk", self._chunk)
-                timer.stop("draft")
-                rounds += 1
+            self._spec_prefill(row, reference, timer)
+            rounds = self._rounds(timer)
             toks = self.out_tok[0, : self.max_new].cpu().tolist()
             acc = self.acc[: min(rounds, self.acc.shape[0])].cpu().tolist()
             mm_i, mm_g = int(self.mm_idx), float(self.mm_gap)
-            _sync(self.dev)
+            sync(self.dev)
             seconds = time.perf_counter() - t0
-        toks = _cut([x for x in toks if x >= 0], self.eos, self.max_new)
+        toks = cut([x for x in toks if x >= 0], self.eos, self.max_new)
         lens = emitted_lengths(acc, len(toks))
-        res = SpecResult(
-            tokens=toks, accept_lengths=lens, accepted=[[j < L - 1 for j in range(k)] for L in lens]
-        )
+        accepted = [[j < L - 1 for j in range(self.k)] for L in lens]
+        res = SpecResult(tokens=toks, accept_lengths=lens, accepted=accepted)
         if reference is not None and 0 <= mm_i < len(toks):
             res.mismatch, res.gap = mm_i, mm_g
         return BatchSpec([res], seconds, timer.seconds("draft"), timer.seconds("verify"), rounds)

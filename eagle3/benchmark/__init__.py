@@ -1,1 +1,0 @@
-"""Stage 05: offline and server benchmarks of an exported drafter."""

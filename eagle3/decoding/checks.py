@@ -1,0 +1,472 @@
+"""05's checks of an exported drafter against the run it is benchmarked in, each taking plain arguments: its
+recorded verifier (name, dimensions, weights), aux layers (the drafter's against the shards'), trained ``ttt_length``
+against the chain length, the export folder's engine block, its vocab map and shape, and the chat template and its
+kwargs against the shards'. A ``*_warning(s)``/``*_check`` function returns the lines that say something differs; an
+``*_unchecked`` one the line saying a check could not be made for want of metadata (None when it was made)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from pathlib import Path
+from typing import Collection, Optional, Sequence
+
+import torch
+
+from eagle3.data.vocab import VOCAB_MAP, load_vocab_map
+from eagle3.drafter.draft_config import EXPORT_META_FILE, untrained_positions
+from eagle3.errors import UserError
+from eagle3.export.reader import check_export_folder
+from eagle3.io import read_json
+from eagle3.prompts.chat import ChatOptions, chat_template_hash, template_name
+from eagle3.shards.format import verifier_dims_differ
+from eagle3.verifier.load import weights_differ
+
+log = logging.getLogger(__name__)
+
+TRAIN_META = EXPORT_META_FILE  # the export's eagle3_train.json
+
+
+DATA_CONFIG = "data_config.json"
+
+
+# ---------------------------------------------------------------------------------------------
+# aux layers: drafter metadata vs shards metadata
+# ---------------------------------------------------------------------------------------------
+def _aux_from_meta(meta: dict, path: Path) -> Optional[list[int]]:
+    if not isinstance(meta, dict):
+        raise UserError(f"{path}: expected a JSON object")
+    for key in ("aux_layers_hf", "aux_layers"):
+        if key in meta:
+            val = meta[key]
+            if (
+                not isinstance(val, list)
+                or len(val) != 3
+                or not all(isinstance(i, int) for i in val)
+            ):
+                raise UserError(f"{path}: key '{key}' must be a list of 3 integers, got {val!r}")
+            return val
+    return None
+
+
+def resolve_aux_layers(
+    drafter_dir: Path, shards_dir: Optional[Path], fallback: Optional[list[int]]
+) -> tuple[list[int], list[str]]:
+    """The aux layers (HF indices) to feed the drafter, and warnings.
+
+    Priority: the drafter's ``eagle3_train.json`` (``aux_layers_hf``/``aux_layers``), then the shards'
+    ``data_config.json``, then ``fallback``. A warning is returned when the drafter's and the
+    shards' lists differ (the FIELD-NOTES off-by-one failure: near-zero acceptance).
+
+    Raises:
+        UserError: no source names the aux layers, or a malformed metadata file.
+    """
+    warnings: list[str] = []
+    drafter_aux = data_aux = None
+    meta_path = Path(drafter_dir) / TRAIN_META
+    if meta_path.is_file():
+        drafter_aux = _aux_from_meta(read_json(meta_path), meta_path)
+    if shards_dir is not None and (Path(shards_dir) / DATA_CONFIG).is_file():
+        dc = Path(shards_dir) / DATA_CONFIG
+        data_aux = _aux_from_meta(read_json(dc), dc)
+    if drafter_aux is not None and data_aux is not None and list(drafter_aux) != list(data_aux):
+        warnings.append(
+            f"aux layers differ: drafter {meta_path} records {drafter_aux} but shards {Path(shards_dir) / DATA_CONFIG} "
+            f"record {data_aux} (HF hidden_states indices); using the drafter's"
+        )
+    aux = drafter_aux or data_aux or fallback
+    if aux is None:
+        raise UserError(
+            f"{meta_path}: no aux layers recorded (and no data_config.json / extract.aux_layers)"
+        )
+    return [int(i) for i in aux], warnings
+
+
+def verifier_warnings(
+    drafter_dir: Path,
+    verifier_name: str,
+    dims: Optional[dict] = None,
+    weights: Optional[str] = None,
+) -> list[str]:
+    """A warning when the drafter's ``eagle3_train.json`` names another verifier than the run config, or records
+    other dimensions than ``dims`` (the loaded verifier's, :func:`eagle3.verifier.verifier_dims`: a ``verifier.path``
+    pointed at another model under the same ``verifier.name``), or another weights fingerprint than ``weights``
+    (:func:`eagle3.verifier.weights_fingerprint` of ``verifier.path``; exports of shards 02 fingerprinted)."""
+    meta_path = Path(drafter_dir) / TRAIN_META
+    if not meta_path.is_file():
+        return []
+    meta = read_json(meta_path)
+    rec = (meta.get("verifier") or {}) if isinstance(meta, dict) else {}
+    rec = rec if isinstance(rec, dict) else {}
+    name = rec.get("name")
+    if name and name != verifier_name:
+        return [
+            f"drafter {meta_path} was exported for verifier '{name}', benchmarking it with '{verifier_name}'"
+        ]
+    diff = verifier_dims_differ(dims or {}, rec)
+    if diff:
+        return [
+            f"drafter {meta_path} was exported for verifier '{name or verifier_name}' of other dimensions than the "
+            f"model at verifier.path ({diff})"
+        ]
+    if weights_differ(rec.get("weights"), weights):
+        return [
+            f"drafter {meta_path} was exported for verifier '{name or verifier_name}' with other weights than the "
+            f"model at verifier.path (key 'verifier.weights': {str(rec['weights'])[:19]}... recorded, {weights[:19]}... "
+            f"at verifier.path): tau measures the drafter against another model"
+        ]
+    return []
+
+
+def ttt_length_warning(
+    drafter_dir: Path, steps: int, steps_field: str, fix: Optional[str] = None
+) -> Optional[str]:
+    """One warning line when 05 drafts more tokens a step (``steps``, from ``steps_field``: ``--steps`` or
+    ``benchmark.steps``; ``05 --server``: the server's ``speculative_num_steps``) than the drafter was trained for: its
+    ``eagle3_train.json`` key ``ttt_length`` (``train.ttt_length``). Draft positions past it were never trained, so
+    their acceptance (and tau) says little about the drafter. None when ``steps`` is within it, or the export records
+    no ``ttt_length`` (an export of before the key, or none of this project's). A malformed metadata file is left to
+    the checks that read it. ``fix``: how to draft fewer, ``{k}`` = the ``ttt_length`` (default ``benchmark with
+    {field} {k}``, ``{field}`` = ``steps_field``).
+    """
+    meta_path = Path(drafter_dir) / TRAIN_META
+    k = recorded_ttt_length(meta_path)
+    if k is None or steps <= k:
+        return None
+    fix = (fix or "benchmark with {field} {k}").format(field=steps_field, k=k)
+    return (
+        f"{steps_field} {steps} drafts more tokens a step than the drafter was trained for: {meta_path} records "
+        f"ttt_length {k} (train.ttt_length); {untrained_positions(k, steps, verb=True)} never trained, so the "
+        f"acceptance there is low and tau understates a {k}-step chain: {fix}, or train with train.ttt_length {steps}"
+    )
+
+
+def recorded_ttt_length(meta_path: Path) -> Optional[int]:
+    """``ttt_length`` of an export's ``eagle3_train.json`` (None: no file, unreadable, or no integer key)."""
+    try:
+        meta = read_json(meta_path) if meta_path.is_file() else None
+    except UserError:
+        return None
+    k = meta.get("ttt_length") if isinstance(meta, dict) else None
+    return k if isinstance(k, int) and not isinstance(k, bool) else None
+
+
+def ttt_length_unchecked(drafter_dir: Path, steps: int, steps_field: str) -> Optional[str]:
+    """The line saying :func:`ttt_length_warning` could not be made: the drafter's ``eagle3_train.json`` is missing
+    (a drafter not exported by this project) or records no integer ``ttt_length`` (an export of before the key).
+    None when it records one. Before, 05 said nothing and a chain longer than the trained one went unnoticed.
+
+    Args:
+        drafter_dir: the exported folder.
+        steps: the draft tokens a step 05 (or the server) drafts.
+        steps_field: where ``steps`` came from (``--steps``, ``benchmark.steps``, the server's
+            ``--speculative-num-steps``).
+    """
+    meta_path = Path(drafter_dir) / TRAIN_META
+    if recorded_ttt_length(meta_path) is not None:
+        return None
+    why = (
+        "records no ttt_length"
+        if meta_path.is_file()
+        else "not found (a drafter not exported by eagle3-train)"
+    )
+    return (
+        f"{meta_path} {why}: 05 did not check {steps_field} {steps} against the draft positions the drafter was "
+        f"trained for; check that its training's TTT length (train.ttt_length, SpecForge --ttt-length) is at "
+        f"least {steps}"
+    )
+
+
+def shards_unchecked(
+    shards_dir: Path, drafter_dir: Path, extract_set: Collection[str] = ()
+) -> Optional[str]:
+    """The line saying which of 05's checks against the shards' ``data_config.json`` could not be made because the
+    file is gone (shards deleted after training, or a drafter benchmarked without its run's shards): the config's
+    ``extract.aux_layers`` / ``extract.max_length`` (:func:`eagle3.shards.format.check_extract_settings`, only keys
+    the config sets), the drafter's recorded aux layers (:func:`resolve_aux_layers`) and the chat template
+    (:func:`template_check`). None when the file exists. ``extract_set``: the ``extract`` keys the config sets."""
+    dc = Path(shards_dir) / DATA_CONFIG
+    if dc.is_file():
+        return None
+    what = ["the chat template (and verifier.chat_template_kwargs)"] + [
+        f"the config's extract.{k}" for k in ("aux_layers", "max_length") if k in extract_set
+    ]
+    meta_path = Path(drafter_dir) / TRAIN_META
+    try:
+        has_aux = (
+            meta_path.is_file() and _aux_from_meta(read_json(meta_path), meta_path) is not None
+        )
+    except UserError:
+        has_aux = False  # resolve_aux_layers refuses it
+    if has_aux:
+        what.append(f"the drafter's aux layers ({meta_path})")
+    return (
+        f"{dc} not found: 05 did not check {', '.join(what)} against the template, layers and length the shards "
+        f"were made with; check them against the data_config.json of the shards the drafter was trained on"
+    )
+
+
+def verifier_unchecked(
+    drafter_dir: Path, verifier_name: str, weights: Optional[str], dims_checked: bool = True
+) -> Optional[str]:
+    """The line saying which part of :func:`verifier_warnings` could not be made: the drafter's ``eagle3_train.json``
+    is missing or names no verifier (its name, dimensions and weights not compared), or one side has no weights
+    fingerprint (``verifier.weights``: an export of shards captured before fingerprints; ``weights`` None: no weight
+    file at ``verifier.path`` here). None when every comparison was made. ``dims_checked`` False (``--server``, which
+    loads no verifier): the line does not claim the dimensions were compared."""
+    meta_path = Path(drafter_dir) / TRAIN_META
+    try:
+        meta = read_json(meta_path) if meta_path.is_file() else None
+    except UserError:
+        meta = None  # verifier_warnings refuses it
+    rec = meta.get("verifier") if isinstance(meta, dict) else None
+    if not isinstance(rec, dict) or not rec.get("name"):
+        why = (
+            "names no verifier"
+            if meta_path.is_file()
+            else "not found (a drafter not exported by eagle3-train)"
+        )
+        at_load = (
+            "; only the embedding and vocab shapes are checked at load" if dims_checked else ""
+        )
+        return (
+            f"{meta_path} {why}: 05 did not check that the drafter was trained for the verifier '{verifier_name}' "
+            f"(name, dimensions, weights{at_load}); check which verifier its training used"
+        )
+    if rec.get("weights") and weights:
+        return None
+    side = (
+        f"{meta_path} records no verifier.weights (an export of shards captured before weight fingerprints)"
+        if not rec.get("weights")
+        else "verifier.path holds no weight file on this machine"
+    )
+    return (
+        f"{side}: 05 did not check that the drafter was trained on the weights at verifier.path, only the name "
+        f"'{rec['name']}'{' and dimensions' if dims_checked else ''}; check that verifier.path is the model its "
+        f"shards were captured from"
+    )
+
+
+def vocab_map_unchecked(data_dir: Path, drafter_dir: Path) -> Optional[str]:
+    """The line saying :func:`check_drafter_vocab` compared only the draft vocab size: the run's stage-03
+    ``vocab_map.pt`` is not there, so the drafter's ``d2t`` was not compared with it. None when it exists, or when
+    the drafter's ``config.json`` records a full vocab (``draft_vocab_size`` = ``vocab_size``: its ``d2t`` is the
+    identity, absent from a vLLM folder, so there is nothing but the size to compare)."""
+    vm = Path(data_dir) / VOCAB_MAP
+    if vm.is_file() or _full_vocab_export(Path(drafter_dir)):
+        return None
+    return (
+        f"{vm} not found: 05 did not check {Path(drafter_dir) / 'model.safetensors'} d2t (its draft vocabulary) "
+        f"against the run's stage-03 vocab map, only its size against data.draft_vocab_size; run 03 for this "
+        f"config, or compare d2t with the vocab_map.pt of the data it was trained on"
+    )
+
+
+def _full_vocab_export(drafter_dir: Path) -> bool:
+    """Whether the export's ``config.json`` records ``draft_vocab_size`` equal to ``vocab_size`` (False when it is
+    missing, unreadable, or either is not an integer)."""
+    try:
+        c = (
+            read_json(drafter_dir / "config.json")
+            if (drafter_dir / "config.json").is_file()
+            else None
+        )
+    except UserError:
+        return False
+    d, v = (c.get("draft_vocab_size"), c.get("vocab_size")) if isinstance(c, dict) else (None, None)
+    return isinstance(d, int) and not isinstance(d, bool) and d == v
+
+
+def template_check(
+    shards_dir: Path, tokenizer, chat: ChatOptions, say_missing: bool = False
+) -> tuple[Optional[str], Optional[str]]:
+    """The chat template 05 renders the prompts with (``verifier.chat_template``, else ``verifier.path``'s tokenizer's)
+    against the one the shards were rendered with (``data_config.json`` ``chat_template_hash``, written by 02 and
+    compared nowhere before): a drafter trained on conversations rendered otherwise is scored on prompts it never saw
+    in that form, and its tau understates it.
+
+    Returns:
+        ``(warning, not_checked)``: the line for another template, or the line saying the check could not be made (the
+        shards record no hash); both None when the hashes agree, the template is unusable (05's rendering says so), or
+        the shards' ``data_config.json`` is gone (offline :func:`shards_unchecked` says that; ``say_missing``, for
+        ``--server``: the not-checked line names the missing file).
+    """
+    dc = Path(shards_dir) / DATA_CONFIG
+    try:
+        rec = read_json(dc).get("chat_template_hash") if dc.is_file() else False
+        now = chat_template_hash(tokenizer, chat.chat_template)
+    except (UserError, AttributeError):
+        return None, None
+    if (rec is False and not say_missing) or rec == now:
+        return None, None
+    used = template_name(tokenizer, chat)
+    if not isinstance(rec, str) or not rec:
+        return None, (
+            f"{dc} {'not found' if rec is False else 'records no chat_template_hash'}: 05 did not check that "
+            f"the prompts it renders with {used} are in the template the drafter's data was rendered with; "
+            f"check verifier.chat_template against the template the shards were made with"
+        )
+    return (
+        f"{dc}: the shards were rendered with chat template sha256 {rec[:12]} (chat_template_hash) but 05 renders "
+        f"the prompts with {used}: the drafter was trained on conversations rendered otherwise, so tau "
+        f"understates it; set verifier.chat_template back to the shards' template, or re-run 02-04 with this "
+        f"one"
+    ), None
+
+
+def template_kwargs_check(shards_dir: Path, kwargs: dict) -> tuple[Optional[str], Optional[str]]:
+    """The ``verifier.chat_template_kwargs`` 05 renders the prompts with (e.g. ``{thinking: false}``) against those
+    the shards were rendered with (``data_config.json`` ``chat_template_kwargs``, written by 02 and compared nowhere
+    before): the same template hash renders a thinking-mode conversation otherwise than a plain one, so a drafter
+    trained on one is scored on prompts it never saw in that form (:func:`template_check` compares only the template).
+
+    Returns:
+        ``(warning, not_checked)``: the line for other kwargs, or the line saying the check could not be made (the
+        shards record none); both None when they agree or the shards' ``data_config.json`` is gone or unreadable
+        (:func:`shards_unchecked` / :func:`template_check` say that).
+    """
+    dc = Path(shards_dir) / DATA_CONFIG
+    now = dict(kwargs)
+    try:
+        meta = read_json(dc) if dc.is_file() else None
+    except UserError:
+        return None, None
+    if not isinstance(meta, dict):
+        return None, None
+    rec = meta.get("chat_template_kwargs")
+    if not isinstance(rec, dict):
+        return None, (
+            f"{dc} records no chat_template_kwargs: 05 did not check that the verifier.chat_template_kwargs "
+            f"it renders the prompts with ({now}) are those the drafter's data was rendered with (e.g. "
+            f"thinking on or off); check them against the settings the shards were made with"
+        )
+    if json.dumps(rec, sort_keys=True, default=str) == json.dumps(now, sort_keys=True, default=str):
+        return None, None
+    return (
+        f"{dc}: the shards were rendered with chat_template_kwargs {rec} but 05 renders the prompts with "
+        f"verifier.chat_template_kwargs {now}: the drafter was trained on conversations rendered otherwise (e.g. "
+        f"thinking on or off), so tau understates it; set verifier.chat_template_kwargs back to the shards' value, "
+        f"or re-run 02-04 with this one"
+    ), None
+
+
+@contextlib.contextmanager
+def verifier_named_first(mismatch: list[str]):
+    """Around 05's checks of the drafter against the loaded verifier: when ``mismatch`` (:func:`verifier_warnings`)
+    says the drafter was exported for another verifier, a UserError of the block (an aux layer out of range, an
+    embedding that does not fit) is re-raised with the mismatch first, the cause before its symptom.
+
+    Raises:
+        UserError: ``<mismatch> (verifier.name / verifier.path): <the original message>``.
+    """
+    try:
+        yield
+    except UserError as e:
+        if not mismatch:
+            raise
+        raise UserError(f"{mismatch[0]} (verifier.name / verifier.path): {e}") from e
+
+
+def export_folder_warnings(
+    drafter_dir: Path, aux_layers: Sequence[int], verifier_architecture: str
+) -> list[str]:
+    """Warnings when the exported folder's ``config.json`` makes its engine capture other verifier
+    layers than ``aux_layers`` (the HF indices this benchmark feeds the drafter).
+
+    Raises:
+        UserError: the folder's layer ids contradict its recorded engine / HF layers
+            (:func:`eagle3.export.reader.check_export_folder`).
+    """
+    if not (Path(drafter_dir) / "config.json").is_file():
+        return []
+    info = check_export_folder(drafter_dir, verifier_architecture=verifier_architecture)
+    out = list(info["warnings"])
+    if info["aux_layers_hf"] is not None and list(info["aux_layers_hf"]) != list(aux_layers):
+        out.append(
+            f"{Path(drafter_dir) / 'config.json'}: {info['engine']} would capture HF layers {info['aux_layers_hf']} "
+            f"(ids {info['engine_layer_ids']}), this benchmark feeds HF layers {list(aux_layers)}"
+        )
+    return out
+
+
+def check_drafter_vocab(
+    drafter, drafter_dir: Path, draft_vocab_size: int, data_dir: Path, own_export: bool
+) -> list[str]:
+    """The benchmarked drafter's draft vocab against the run config and the run's ``vocab_map.pt``.
+
+    The export carries its own ``d2t`` (int64 ``[draft_V]``); a run's own export (no ``--drafter``)
+    must have ``draft_V == data.draft_vocab_size`` and, when stage 03's ``{data_dir}/vocab_map.pt``
+    exists, the same ``d2t`` (a stale export after re-running 03 is refused). A drafter passed with
+    ``--drafter`` may come from another run: a difference is a warning.
+
+    Returns:
+        warning lines (also logged).
+
+    Raises:
+        UserError: own export whose draft vocab differs from ``data.draft_vocab_size`` or from
+            ``vocab_map.pt``; a malformed ``vocab_map.pt`` (as :func:`eagle3.data.vocab.load_vocab_map`).
+    """
+    warnings: list[str] = []
+    got, want = int(drafter.args.draft_vocab_size), int(draft_vocab_size)
+    problem, fix = None, None
+    # a plain re-run of 04 into the same train folder is refused (its checkpoints hold the old vocab): name the ways
+    # that work
+    new_run = "or train a drafter for it with 04_train.py into a new train.output_dir"
+    if got != want:
+        problem = (
+            f"{drafter_dir}: drafter has draft_vocab_size {got} but the config's data.draft_vocab_size is "
+            f"{want}"
+        )
+        fix = f"set data.draft_vocab_size back to {got}, {new_run}"
+    else:
+        vm_path = Path(data_dir) / VOCAB_MAP
+        if vm_path.is_file():
+            vm = load_vocab_map(vm_path, target_vocab_size=int(drafter.args.target_vocab_size))
+            if not torch.equal(vm["d2t"].to(drafter.d2t.device), drafter.d2t):
+                problem = f"{drafter_dir}: drafter's d2t differs from {vm_path} (export from an older stage-03 run?)"
+                fix = f"re-run 03_prepare_data.py with the data settings the drafter was trained under, {new_run}"
+    if problem is None:
+        return warnings
+    if own_export:
+        raise UserError(f"{problem} ({fix}, or pass --drafter to benchmark another drafter)")
+    log.warning(problem)
+    warnings.append(problem)
+    return warnings
+
+
+def check_drafter_shape(section, drafter, drafter_dir: Path, own_export: bool) -> list[str]:
+    """The benchmarked drafter's shape against the config's ``drafter:`` section (its non-null fields, ``variant``
+    and ``num_layers``; ``max_position_embeddings`` excepted: a re-export may change it alone).
+
+    05 scores the export, whatever the config says: a config edited after training (e.g. ``drafter.num_layers``)
+    would otherwise label the results with a drafter that was not measured. A run's own export (no ``--drafter``)
+    that differs is stale and refused; a drafter passed with ``--drafter`` may come from another run: a difference is
+    a warning.
+
+    Returns:
+        warning lines (also logged).
+
+    Raises:
+        UserError: the run's own export differs from the config, naming every differing field.
+    """
+    want = {
+        k: getattr(section, k) for k in type(section).model_fields if k != "max_position_embeddings"
+    }
+    diffs = [
+        f"{key} {getattr(drafter.args, key)!r} but the config's drafter.{key} is {value!r}"
+        for key, value in want.items()  # None: copied from the verifier at training, nothing to compare
+        if value is not None and getattr(drafter.args, key) != value
+    ]
+    if not diffs:
+        return []
+    problem = f"{drafter_dir}: the drafter has " + "; ".join(diffs)
+    if own_export:
+        raise UserError(
+            problem
+            + " (set those drafter fields back to the trained values, or train a drafter of this "
+            "shape with 04_train.py into a new train.output_dir, or pass --drafter to benchmark another "
+            "drafter)"
+        )
+    log.warning(problem)
+    return [problem]

@@ -1,0 +1,235 @@
+"""What the batched decoder (:mod:`eagle3.decoding.decode`) and the static one (:mod:`eagle3.decoding.static_decode`)
+share: result types, the greedy acceptance rule, the emission cut, the first-mismatch record, the phase timer and
+the argument checks, so both decode with one rule set."""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from eagle3.errors import UserError
+
+
+# ---------------------------------------------------------------------------------------------
+# results
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class SpecResult:
+    """One prompt's result of :func:`speculative_generate_batch`.
+
+    Attributes:
+        tokens: generated verifier token ids (prompt excluded), cut at EOS (kept) or max_new_tokens.
+        accept_lengths: per verify step, the tokens it EMITTED: accepted drafts + 1 bonus, except
+            that the last step counts only the tokens before the cut at EOS / ``max_new_tokens``
+            (so ``1 + sum(accept_lengths) == len(tokens)`` whenever a verify step ran; the first
+            token comes from the prefill).
+        accepted: per verify step, ``steps`` flags; flag k = draft position k (0-based) accepted
+            and emitted (``accept_lengths - 1`` leading True values).
+        mismatch: index of the first token that differs from ``reference`` (None if none or no reference).
+        gap: at ``mismatch``, verify logit of the verifier's top-1 minus that of the reference's
+            token (>= 0; None when the row has no mismatch).
+        seconds, draft_seconds, verify_seconds: those of the whole batch (set by the single-prompt
+            wrapper :func:`speculative_generate`; 0 in batch results).
+    """
+
+    tokens: list[int]
+    accept_lengths: list[int] = field(default_factory=list)
+    accepted: list[list[bool]] = field(default_factory=list)
+    mismatch: Optional[int] = None
+    gap: Optional[float] = None
+    seconds: float = 0.0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+
+    @property
+    def num_verify_steps(self) -> int:
+        """Number of verifier verify forwards that emitted tokens of this prompt (the prefill is not counted)."""
+        return len(self.accept_lengths)
+
+
+@dataclass
+class BatchGreedy:
+    """Result of :func:`greedy_generate_batch`: per-row tokens (cut at EOS / max_new_tokens),
+    wall seconds of the whole batch (prefill included, device synchronised) and the number of
+    verifier forwards (prefill included)."""
+
+    tokens: list[list[int]]
+    seconds: float
+    forwards: int
+
+
+@dataclass
+class BatchSpec:
+    """Result of :func:`speculative_generate_batch`.
+
+    Attributes:
+        rows: one :class:`SpecResult` per prompt, in input order.
+        seconds: wall seconds of the whole batch (prefill included), device synchronised.
+        draft_seconds: part spent in the drafter (device time between events on CUDA, wall on CPU).
+        verify_seconds: part spent in verifier verify forwards and acceptance (prefill excluded).
+        rounds: verify rounds run (the batch runs until its last row finishes).
+    """
+
+    rows: list[SpecResult]
+    seconds: float
+    draft_seconds: float
+    verify_seconds: float
+    rounds: int
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------
+def device_of(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class PhaseTimer:
+    """Accumulates the time of named phases without host syncs: CUDA events on GPU (read once at
+    the end), ``perf_counter`` on CPU (where every op is synchronous anyway)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: dict[str, list] = {}
+        self.open: dict[str, object] = {}
+
+    def start(self, name: str) -> None:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.open[name] = ev
+        else:
+            self.open[name] = time.perf_counter()
+
+    def stop(self, name: str) -> None:
+        begin = self.open.pop(name)
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.marks.setdefault(name, []).append((begin, ev))
+        else:
+            self.marks.setdefault(name, []).append(time.perf_counter() - begin)
+
+    def seconds(self, name: str) -> float:
+        """Total seconds of ``name`` (call after a device sync)."""
+        if self.cuda:
+            return sum(a.elapsed_time(b) for a, b in self.marks.get(name, [])) / 1000.0
+        return float(sum(self.marks.get(name, [])))
+
+
+_PARAMS: dict[type, frozenset] = {}
+
+
+def forward_params(model: torch.nn.Module) -> frozenset:
+    """Names of ``model.forward``'s parameters (cached per model class: read on every forward)."""
+    cls = type(model)
+    if cls not in _PARAMS:
+        try:
+            _PARAMS[cls] = frozenset(inspect.signature(model.forward).parameters)
+        except (TypeError, ValueError):
+            _PARAMS[cls] = frozenset()
+    return _PARAMS[cls]
+
+
+def check_prompts(prompts) -> list[list[int]]:
+    """Prompts as lists of ints; UserError when there is none or one is empty."""
+    rows = [[int(t) for t in (p.tolist() if torch.is_tensor(p) else p)] for p in prompts]
+    if not rows:
+        raise UserError("prompts: the batch is empty")
+    for i, p in enumerate(rows):
+        if not p:
+            raise UserError(f"prompts: prompt {i} is empty")
+    return rows
+
+
+def cut(row: Sequence[int], eos: set[int], max_new_tokens: int) -> list[int]:
+    """``row`` up to and including its first EOS, at most ``max_new_tokens`` tokens."""
+    out: list[int] = []
+    for t in row[:max_new_tokens]:
+        out.append(int(t))
+        if t in eos:
+            break
+    return out
+
+
+def emitted_lengths(accepted: Sequence[int], num_tokens: int) -> list[int]:
+    """Tokens each verify round emitted for one row, given the verifier's raw decisions.
+
+    Args:
+        accepted: per round, drafts the verifier accepted (``a``: the round would emit ``a + 1``).
+        num_tokens: the row's final output length after the cut at EOS / max_new_tokens (the
+            first token comes from the prefill).
+
+    Returns:
+        per round that emitted anything, ``min(a + 1, remaining)``: the last round is cut, later
+        rounds (run while other rows of the batch were unfinished) are dropped.
+    """
+    left = max(0, num_tokens - 1)
+    out: list[int] = []
+    for a in accepted:
+        if left <= 0:
+            break
+        e = min(int(a) + 1, left)
+        out.append(e)
+        left -= e
+    return out
+
+
+def aux_states(hidden_states: Sequence[torch.Tensor], aux_layers: Sequence[int]) -> torch.Tensor:
+    """``cat(hidden_states[i] for i in aux_layers)`` -> ``[B, T, 3Ht]`` (HF index convention)."""
+    return torch.cat([hidden_states[i] for i in aux_layers], dim=-1)  # [B, T, 3Ht]
+
+
+def accepted_prefix(drafts: torch.Tensor, verifier_argmax: torch.Tensor) -> torch.Tensor | int:
+    """Number of leading drafts equal to the verifier's argmax (greedy acceptance at T=0).
+
+    Args:
+        drafts: int64 ``[k]`` or ``[B, k]`` drafted verifier ids d_1..d_k.
+        verifier_argmax: int64 ``[(B,) k]`` or ``[(B,) k+1]``; entry j = verifier argmax after the
+            prefix ending at d_j (entry 0 = after the last verified token).
+
+    Returns:
+        a in 0..k: an int for 1-D input, int64 ``[B]`` for batched input.
+    """
+    k = drafts.shape[-1]
+    match = (drafts == verifier_argmax[..., :k]).long()  # [(B,) k]
+    a = match.cumprod(-1).sum(-1)
+    return int(a) if drafts.dim() == 1 else a
+
+
+def check_settings(max_new_tokens: int, steps: Optional[int] = None) -> None:
+    if max_new_tokens < 1:
+        raise UserError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
+    if steps is not None and steps < 1:
+        raise UserError(f"steps: must be >= 1, got {steps}")
+
+
+def first_mismatch_update(logits, chosen, ref, idx, live, mm_idx, mm_gap):
+    """Record each row's first position where ``chosen`` differs from the reference (no host sync).
+
+    Args:
+        logits: ``[B, T, V]`` verifier logits of the T emitted candidates; chosen: int64 ``[B, T]`` (their argmax);
+        ref: ``[B, W]`` reference tokens (-1 = none); idx: int64 ``[B, T]`` output indices of the candidates;
+        live: bool ``[B, T]`` which candidates are really emitted; mm_idx ``[B]`` (-1 = none yet), mm_gap ``[B]`` float32.
+    """
+    W = ref.shape[1]
+    refj = ref.gather(1, idx.clamp(max=W - 1))  # [B, T]
+    refj = torch.where(idx < W, refj, torch.full_like(refj, -1))
+    bad = live & (refj >= 0) & (chosen != refj)  # [B, T]
+    j = bad.long().argmax(1, keepdim=True)  # [B, 1] first bad candidate (0 when none)
+    top = logits.gather(2, chosen[..., None]).squeeze(-1).float()  # [B, T]
+    at_ref = logits.gather(2, refj.clamp(min=0)[..., None]).squeeze(-1).float()  # [B, T]
+    gap = (top - at_ref).gather(1, j).squeeze(1)  # [B]
+    new = bad.any(1) & (mm_idx < 0)  # [B]
+    mm_idx = torch.where(new, idx.gather(1, j).squeeze(1), mm_idx)
+    mm_gap = torch.where(new, gap, mm_gap)
+    return mm_idx, mm_gap

@@ -1,0 +1,498 @@
+"""Offline decoding with a transformers verifier, batched: plain greedy (the baseline) and EAGLE-3
+chain speculative decoding at temperature 0.
+
+Batching with rows that advance at different speeds (one path for every batch size, 1 included).
+Both decoders keep the verifier's HF KV cache (``DynamicCache``) with ONE slot count for all rows:
+prompts are LEFT-padded; a greedy step appends one slot per row; a verify round appends ``k+1``
+slots per row (the last emitted token and the ``k`` drafts), of which row ``r`` keeps the first
+``a_r + 1`` (``a_r`` accepted drafts). The rejected slots stay in the cache as holes: a 2-D
+``attention_mask`` over slots (0 = pad or rejected) hides them from every later query, and explicit
+``position_ids`` (row ``r``'s next position = its count of kept tokens) keep rotary positions
+contiguous per row. transformers builds the 4-D mask from the 2-D one by slot index (causal) and by
+``attention_mask[b, slot]`` (padding), which is exactly what holes need, for Llama and DeepseekV3
+alike; nothing is cropped, so every round has the same shapes and needs no host sync.
+The drafter's :class:`eagle3.drafter.model.DrafterCache` does the same with its ``valid`` mask.
+
+Speculative round (EAGLE-3 paper arXiv 2503.01840; same chain shape as SGLang ``--speculative-num-steps k
+--speculative-eagle-topk 1 --speculative-num-draft-tokens k+1``), for every row at once:
+
+1. Draft. The drafter's cache holds step-0 keys of verified positions. The positions verified in
+   the last round, ``t0..t``, are fed at step 0 (DESIGN.md TTT indexing: position ``s`` takes token
+   ``x_{s+1}`` and ``fc(f_s)``, rotary position ``s``); in a batch this chunk always has ``k+1``
+   slots, those after the row's accepted ones marked invalid. The output at ``t`` gives draft 1;
+   drafted step ``i`` (1..k-1) feeds the previous draft and the drafter's own previous output at
+   rotary position ``t+i``. Draft ids map to verifier ids with ``target = draft + d2t[draft]``.
+   Afterwards the ``k-1`` drafted slots are cropped (only verified positions keep step-0 keys).
+2. Verify. The verifier runs ``[x_{t+1}, d_1..d_k]`` (``x_{t+1}`` = last emitted token, not yet in
+   its cache) in one forward with ``output_hidden_states=True``. Greedy acceptance: the longest
+   prefix of drafts equal to the verifier's argmax, plus one bonus token (the verifier's argmax
+   after the accepted prefix). The aux states of the kept positions (``hidden_states[i]`` for the
+   configured HF indices) are the drafter's next step-0 input.
+
+Rows that finished (EOS or ``max_new_tokens``) keep running until every row has (their extra
+work is discarded); finishing is checked on the host every ``check_every`` rounds/steps.
+
+Acceptance length of a verify step = the tokens it EMITTED: accepted drafts + 1 (the bonus), the
+last step counted only up to the cut at EOS / ``max_new_tokens`` (a drafter that proposes the
+verifier's own tokens at 3 steps and ``max_new_tokens`` 10 emits 1 + 4 + 4 + 1 tokens: tau 9/3 = 3.0,
+not 12/3). SGLang's ``spec_accept_length = completion_tokens / spec_verify_ct`` also counts the
+prefill token (10/3 there).
+
+Losslessness: output equals greedy decoding token for token up to floating-point ties: the verify
+forward (``k+1`` tokens per row) and greedy's one-token forwards may round differently, which can
+flip an argmax between two near-equal logits. Given greedy's tokens as ``reference``, the
+speculative decoder finds each row's first difference and its logit gap (the verify logits'
+top-1 minus the logit of the token greedy chose there): a near-tie has a gap within the rounding
+of the dtype. In float32 this does not happen in practice; in bf16/fp16 (GPU) it can
+(:mod:`eagle3.decoding.offline` counts both kinds against an explicit tolerance).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from eagle3.decoding.common import (
+    BatchGreedy,
+    BatchSpec,
+    PhaseTimer,
+    SpecResult,
+    accepted_prefix,
+    aux_states,
+    check_prompts,
+    check_settings,
+    cut,
+    device_of,
+    emitted_lengths,
+    first_mismatch_update,
+    forward_params,
+    sync,
+)
+from eagle3.drafter.caches import DrafterCache
+from eagle3.errors import UserError
+from eagle3.sdpa import no_cudnn_sdpa
+
+
+def _cache_kwargs(model: torch.nn.Module, cache) -> dict:
+    """Pass the KV cache under the forward's name for it.
+
+    transformers 5.17 (and remote-code models such as Kimi's) call it ``past_key_values``;
+    transformers 5.24 renamed it ``cache`` (``past_key_values`` deprecated).
+    """
+    if cache is None:
+        return {}
+    return {"cache": cache} if "cache" in forward_params(model) else {"past_key_values": cache}
+
+
+def _returned_cache(out):
+    """The KV cache of a model output (field ``cache`` in transformers >= 5.2x, else ``past_key_values``)."""
+    return out["cache"] if "cache" in out.keys() else out["past_key_values"]
+
+
+def _left_pad(prompts: list[list[int]], device: torch.device):
+    """``(ids [B, P], mask [B, P] bool, positions [B, P], lengths [B])`` for left-padded prompts.
+
+    Pads hold token 0 at position 0 and are masked out; each row's last prompt token sits in the
+    last column, so one forward continues every row.
+    """
+    B, P = len(prompts), max(len(p) for p in prompts)
+    ids = torch.zeros(B, P, dtype=torch.long)  # [B, P]
+    mask = torch.zeros(B, P, dtype=torch.bool)  # [B, P]
+    for r, p in enumerate(prompts):
+        ids[r, P - len(p) :] = torch.tensor(p, dtype=torch.long)
+        mask[r, P - len(p) :] = True
+    pos = (mask.long().cumsum(1) - 1).clamp(min=0)  # [B, P] rotary positions, 0 on pads
+    lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)  # [B]
+    return ids.to(device), mask.to(device), pos.to(device), lengths.to(device)
+
+
+def _forward(verifier, ids, mask, pos, cache, hidden: bool, last_only: bool = False):
+    """One verifier forward over new slots ``ids [B, T]`` at ``pos [B, T]``; ``mask [B, S+T]`` covers
+    the cached slots and the new ones (bool, True = real token). The ONE call both decoders use,
+    so greedy and verify differ only in how many tokens they feed."""
+    kw = _cache_kwargs(verifier, cache)
+    if last_only and "logits_to_keep" in forward_params(verifier):
+        kw["logits_to_keep"] = 1
+    return verifier(
+        input_ids=ids,
+        attention_mask=mask.long(),
+        position_ids=pos,
+        use_cache=True,
+        output_hidden_states=hidden,
+        **kw,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# greedy baseline
+# ---------------------------------------------------------------------------------------------
+@torch.inference_mode()
+@no_cudnn_sdpa()  # the KV caches grow every step: no per-shape cuDNN plans (eagle3.sdpa)
+def greedy_generate_batch(
+    verifier: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    eos_ids: Sequence[int] = (),
+    check_every: int = 8,
+) -> BatchGreedy:
+    """Plain batched greedy decoding (the benchmark baseline), same cache machinery as the verify.
+
+    Args:
+        verifier: HF causal LM (eval mode) taking ``attention_mask``, ``position_ids`` and a KV cache.
+        prompts: B prompts (lists of ids or 1-D tensors).
+        max_new_tokens: generate at most this many tokens per prompt (>= 1).
+        eos_ids: a row stops after emitting any of these ids (kept in its output).
+        check_every: steps between host checks of "every row finished" (each check is one sync).
+
+    Returns:
+        :class:`BatchGreedy`.
+
+    Raises:
+        UserError: an empty prompt or batch, ``max_new_tokens < 1``.
+    """
+    check_settings(max_new_tokens)
+    rows = check_prompts(prompts)
+    device = device_of(verifier)
+    eos = {int(e) for e in eos_ids}
+    eos_t = torch.tensor(sorted(eos), dtype=torch.long, device=device)  # [E]
+    sync(device)
+    t0 = time.perf_counter()
+    ids, mask, pos, n = _left_pad(rows, device)
+    out = _forward(verifier, ids, mask, pos, None, hidden=False, last_only=True)
+    cache = _returned_cache(out)
+    tok = out.logits[:, -1].argmax(-1)  # [B]
+    toks = [tok]
+    done = torch.isin(tok, eos_t)  # [B]
+    ones = torch.ones(len(rows), 1, dtype=torch.bool, device=device)  # [B, 1]
+    forwards = 1
+    for step in range(1, max_new_tokens):
+        if step % check_every == 0 and bool(done.all()):
+            break
+        mask = torch.cat([mask, ones], dim=1)  # [B, S+1]
+        out = _forward(verifier, tok[:, None], mask, n[:, None], cache, hidden=False)
+        cache = _returned_cache(out)
+        n = n + 1
+        tok = out.logits[:, -1].argmax(-1)  # [B]
+        toks.append(tok)
+        done = done | torch.isin(tok, eos_t)
+        forwards += 1
+    all_tok = torch.stack(toks, dim=1).cpu()  # [B, steps]
+    sync(device)
+    seconds = time.perf_counter() - t0
+    return BatchGreedy([cut(r, eos, max_new_tokens) for r in all_tok.tolist()], seconds, forwards)
+
+
+def _one_prompt(input_ids) -> list[int]:
+    """One prompt as ``list[int]`` from ``[n]`` or ``[1, n]`` ids (list or LongTensor).
+
+    Raises:
+        UserError: a batch of several prompts, or an empty prompt.
+    """
+    ids = torch.as_tensor(input_ids, dtype=torch.long)
+    if ids.dim() == 2:
+        if ids.shape[0] != 1:
+            raise UserError(
+                f"input_ids: expected one prompt ([n] or [1, n]), got shape {list(ids.shape)}"
+            )
+        ids = ids[0]  # [n]
+    if ids.numel() == 0:
+        raise UserError("input_ids: the prompt is empty")
+    return ids.tolist()
+
+
+def greedy_generate(
+    verifier: torch.nn.Module, input_ids, max_new_tokens: int, eos_ids: Sequence[int] = ()
+) -> tuple[list[int], float]:
+    """One prompt through :func:`greedy_generate_batch`: ``(tokens, seconds)``.
+
+    Raises:
+        UserError: empty prompt, ``max_new_tokens < 1``.
+    """
+    res = greedy_generate_batch(verifier, [_one_prompt(input_ids)], max_new_tokens, eos_ids)
+    return res.tokens[0], res.seconds
+
+
+# ---------------------------------------------------------------------------------------------
+# speculative decoding
+# ---------------------------------------------------------------------------------------------
+def _reference_tensor(
+    reference: Optional[Sequence[Sequence[int]]], B: int, width: int, device
+) -> Optional[torch.Tensor]:
+    """Reference tokens ``[B, width]`` padded with -1 (no token there), or None."""
+    if reference is None:
+        return None
+    if len(reference) != B:
+        raise UserError(
+            f"reference: expected {B} token lists (one per prompt), got {len(reference)}"
+        )
+    ref = torch.full((B, width), -1, dtype=torch.long)
+    for r, toks in enumerate(reference):
+        toks = list(toks)[:width]
+        if toks:
+            ref[r, : len(toks)] = torch.tensor(toks, dtype=torch.long)
+    return ref.to(device)
+
+
+@dataclass
+class _Chain:
+    """Device state of a speculative batch between rounds (``B`` rows, ``k`` drafts a round).
+
+    ``last [B]`` the last emitted token (not yet in the verifier cache), ``n [B]`` kept verifier positions,
+    ``e [B]`` tokens emitted, ``done [B]``, ``out_tok [B, W]`` the output (column ``W-1`` = discard), ``vmask``
+    ``[B, S]`` the verifier cache's slot mask; ``d_*`` the drafter's next step-0 chunk (ids, aux states, positions,
+    valid flags, and ``d_last [B]`` the slot of each row's last verified position); ``mm_idx``/``mm_gap`` ``[B]``
+    the first mismatch with the reference (-1 = none yet); ``accepted`` one ``[B]`` tensor of accepted drafts per
+    round; ``jj`` = ``arange(k+1)``, ``ones`` ``[B, k+1]`` True."""
+
+    cache: object
+    vmask: torch.Tensor
+    last: torch.Tensor
+    n: torch.Tensor
+    e: torch.Tensor
+    done: torch.Tensor
+    out_tok: torch.Tensor
+    mm_idx: torch.Tensor
+    mm_gap: torch.Tensor
+    d_ids: torch.Tensor
+    d_aux: torch.Tensor
+    d_pos: torch.Tensor
+    d_valid: torch.Tensor
+    d_last: torch.Tensor
+    jj: torch.Tensor
+    ones: torch.Tensor
+    dcache: DrafterCache = field(default_factory=DrafterCache)
+    accepted: list = field(default_factory=list)
+
+
+def _check_aux_layers(aux_layers: Sequence[int]) -> list[int]:
+    aux_layers = [int(i) for i in aux_layers]
+    if len(aux_layers) != 3:
+        raise UserError(
+            f"aux_layers: EAGLE-3 needs exactly 3 HF hidden_states indices, got {aux_layers}"
+        )
+    return aux_layers
+
+
+def _check_aux_range(aux_layers: list[int], n_hidden: int) -> None:
+    """``n_hidden`` = ``len(hidden_states)`` of the verifier (its layers + 1)."""
+    if max(aux_layers) >= n_hidden - 1 or min(aux_layers) < 1:
+        raise UserError(
+            f"aux_layers: {aux_layers} outside 1..{n_hidden - 2} for this {n_hidden - 1}-layer verifier"
+        )
+
+
+def _spec_prefill(verifier, rows, aux_layers, k, max_new_tokens, eos_t, ref) -> _Chain:
+    """The prompts' forward: the first new token of each row and the drafter's first step-0 chunk."""
+    B = len(rows)
+    device = device_of(verifier)
+    ids, vmask, pos, n = _left_pad(rows, device)  # [B, P] x3, [B]
+    out = _forward(verifier, ids, vmask, pos, None, hidden=True, last_only=True)
+    _check_aux_range(aux_layers, len(out.hidden_states))
+    plogits = out.logits[:, -1:]  # [B, 1, V]
+    last = plogits[:, 0].argmax(-1)  # [B] x_n: the first new token, not yet in the verifier cache
+    mm_idx = torch.full((B,), -1, dtype=torch.long, device=device)
+    mm_gap = torch.zeros(B, dtype=torch.float32, device=device)
+    if ref is not None:
+        zero = torch.zeros(B, 1, dtype=torch.long, device=device)
+        one = torch.ones(B, 1, dtype=torch.bool, device=device)
+        mm_idx, mm_gap = first_mismatch_update(
+            plogits, last[:, None], ref, zero, one, mm_idx, mm_gap
+        )
+    out_tok = torch.full((B, max_new_tokens + k + 2), -1, dtype=torch.long, device=device)
+    out_tok[:, 0] = last
+    e = torch.ones(B, dtype=torch.long, device=device)  # [B] tokens emitted so far
+    return _Chain(
+        cache=_returned_cache(out),
+        vmask=vmask,
+        last=last,
+        n=n,
+        e=e,
+        done=torch.isin(last, eos_t) | (e >= max_new_tokens),
+        out_tok=out_tok,
+        mm_idx=mm_idx,
+        mm_gap=mm_gap,
+        # step-0 input of the prompt positions t: token x_{t+1} (the next prompt token, or the first new one)
+        d_ids=torch.cat([ids[:, 1:], last[:, None]], dim=1),  # [B, P]
+        d_aux=aux_states(out.hidden_states, aux_layers),
+        d_pos=pos,
+        d_valid=vmask,
+        d_last=torch.full((B,), ids.shape[1] - 1, dtype=torch.long, device=device),
+        jj=torch.arange(k + 1, device=device),
+        ones=torch.ones(B, k + 1, dtype=torch.bool, device=device),
+    )
+
+
+def _draft(drafter, c: _Chain, k: int) -> torch.Tensor:
+    """``k`` chain drafts of every row (verifier ids ``[B, k]``); the drafter's cache keeps verified positions only."""
+    B = c.d_ids.shape[0]
+    h = drafter.decode(c.d_ids, drafter.project(c.d_aux), c.d_pos, c.dcache, valid=c.d_valid)
+    h_prev = h.gather(1, c.d_last[:, None, None].expand(B, 1, h.shape[-1]))  # [B, 1, H] output at t
+    t = c.n - 1  # [B] last verified position (x_{t+1} = last)
+    drafts = []
+    for i in range(k):
+        d = drafter.compute_logits(h_prev)[:, -1].argmax(-1)  # [B] draft-vocab ids
+        tok = drafter.draft_to_target(d)  # [B] verifier ids = d + d2t[d]
+        drafts.append(tok)
+        if i + 1 < k:
+            h_prev = drafter.decode(tok[:, None], h_prev, (t + i + 1)[:, None], c.dcache)
+    if k > 1:
+        c.dcache.crop(c.dcache.length - (k - 1))  # keep step-0 keys of verified positions only
+    return torch.stack(drafts, dim=1)  # [B, k]
+
+
+def _verify(verifier, c: _Chain, D: torch.Tensor, aux_layers, max_new_tokens, eos_t, ref) -> None:
+    """The verifier on ``[last, d_1..d_k]``: greedy acceptance, emission, holes for the rejected slots, and the
+    kept positions' step-0 inputs for the next draft (updates ``c``)."""
+    k, jj = D.shape[1], c.jj  # [k+1]
+    vin = torch.cat([c.last[:, None], D], dim=1)  # [B, k+1]
+    vpos = c.n[:, None] + jj  # [B, k+1]
+    c.vmask = torch.cat(
+        [c.vmask, c.ones], dim=1
+    )  # [B, S+k+1] every new slot real during this forward
+    out = _forward(verifier, vin, c.vmask, vpos, c.cache, hidden=True)
+    c.cache = _returned_cache(out)
+    logits = out.logits  # [B, k+1, V]
+    pred = logits.argmax(-1)  # [B, k+1]
+    a = accepted_prefix(D, pred)  # [B]
+    keep = jj[None] <= a[:, None]  # [B, k+1] x_{t+1} and the accepted drafts stay
+    c.vmask[:, -(k + 1) :] = keep  # rejected slots become holes
+    live = ~c.done  # [B]
+    emit_idx = c.e[:, None] + jj  # [B, k+1] output indices of pred[:, j]
+    write = keep & live[:, None] & (emit_idx < max_new_tokens)  # [B, k+1]
+    if ref is not None:
+        c.mm_idx, c.mm_gap = first_mismatch_update(
+            logits, pred, ref, emit_idx, write, c.mm_idx, c.mm_gap
+        )
+    discard = torch.full_like(emit_idx, c.out_tok.shape[1] - 1)
+    c.out_tok.scatter_(1, torch.where(write, emit_idx, discard), pred)
+    c.e = torch.where(live, c.e + a + 1, c.e)
+    c.done = c.done | (torch.isin(pred, eos_t) & write).any(1) | (c.e >= max_new_tokens)
+    c.last = pred.gather(1, a[:, None]).squeeze(1)  # [B] bonus token
+    c.n = c.n + a + 1
+    c.accepted.append(a)
+    # the kept positions' step-0 inputs for the next round: token pred[j] = x_{t'+1} at t' = vpos[j]
+    c.d_ids, c.d_aux, c.d_pos, c.d_valid, c.d_last = (
+        pred,
+        aux_states(out.hidden_states, aux_layers),
+        vpos,
+        keep,
+        a,
+    )
+
+
+def _host_copies(c: _Chain, max_new_tokens: int) -> tuple:
+    """``(tokens [B, max_new_tokens], accepted [B, R], mismatch indices, gaps)`` copied to the host."""
+    B = c.out_tok.shape[0]
+    tokens = c.out_tok[:, :max_new_tokens].cpu()
+    acc = (
+        torch.stack(c.accepted, dim=1) if c.accepted else torch.zeros(B, 0, dtype=torch.long)
+    ).cpu()  # [B, R]
+    return tokens, acc, c.mm_idx.cpu().tolist(), c.mm_gap.cpu().tolist()
+
+
+def _spec_rows(host: tuple, k: int, eos: set[int], max_new_tokens: int, with_ref: bool):
+    """One :class:`SpecResult` per row of :func:`_host_copies` (cut at EOS / ``max_new_tokens``)."""
+    tokens, acc, mm_i, mm_g = host
+    results = []
+    for r in range(tokens.shape[0]):
+        toks = cut([x for x in tokens[r].tolist() if x >= 0], eos, max_new_tokens)
+        lens = emitted_lengths(acc[r].tolist(), len(toks))
+        res = SpecResult(
+            tokens=toks, accept_lengths=lens, accepted=[[j < L - 1 for j in range(k)] for L in lens]
+        )
+        if with_ref and mm_i[r] >= 0 and mm_i[r] < len(toks):
+            res.mismatch, res.gap = mm_i[r], mm_g[r]
+        results.append(res)
+    return results
+
+
+@torch.inference_mode()
+@no_cudnn_sdpa()  # the KV caches grow every step: no per-shape cuDNN plans (eagle3.sdpa)
+def speculative_generate_batch(
+    verifier: torch.nn.Module,
+    drafter: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    aux_layers: Sequence[int],
+    steps: int = 3,
+    max_new_tokens: int = 256,
+    eos_ids: Sequence[int] = (),
+    reference: Optional[Sequence[Sequence[int]]] = None,
+    check_every: int = 4,
+) -> BatchSpec:
+    """EAGLE-3 chain speculative decoding at temperature 0 of a batch of prompts (lossless w.r.t.
+    :func:`greedy_generate_batch`; see the module docstring for the batching).
+
+    Args:
+        verifier: HF causal LM; must accept ``attention_mask``, ``position_ids``, a KV cache and
+            ``output_hidden_states=True``.
+        drafter: :class:`eagle3.drafter.model.Eagle3Drafter` on the verifier's device (``project``, ``decode``
+            with ``valid``, ``compute_logits``, ``draft_to_target``).
+        prompts: B prompts (lists of ids or 1-D tensors).
+        aux_layers: three HF ``hidden_states`` indices (0 = embeddings, i = input of layer i), as in
+            ``data_config.json`` / the export's ``eagle3_train.json``.
+        steps: drafted tokens per verify step (k >= 1); the verifier checks k+1 tokens per forward.
+        max_new_tokens: generate at most this many tokens per prompt (>= 1).
+        eos_ids: a row stops after emitting any of these ids (kept, like greedy).
+        reference: optional per-prompt token lists (greedy's output): each row's first difference
+            and its logit gap are recorded in :attr:`SpecResult.mismatch` / :attr:`SpecResult.gap`.
+        check_every: rounds between host checks of "every row finished".
+
+    Raises:
+        UserError: bad ``steps``/``max_new_tokens``/``aux_layers``/``reference``, an empty prompt or batch.
+    """
+    check_settings(max_new_tokens, steps)
+    aux_layers = _check_aux_layers(aux_layers)
+    rows = check_prompts(prompts)
+    device = device_of(verifier)
+    eos = {int(e) for e in eos_ids}
+    eos_t = torch.tensor(sorted(eos), dtype=torch.long, device=device)  # [E]
+    ref = _reference_tensor(reference, len(rows), max_new_tokens, device)
+    timer = PhaseTimer(device)
+    sync(device)
+    t_start = time.perf_counter()
+    c = _spec_prefill(verifier, rows, aux_layers, steps, max_new_tokens, eos_t, ref)
+    rounds = 0
+    while not (rounds % check_every == 0 and bool(c.done.all())):
+        if rounds >= max_new_tokens:  # every row emits >= 1 token per round: all finished by now
+            break
+        timer.start("draft")
+        D = _draft(drafter, c, steps)
+        timer.stop("draft")
+        timer.start("verify")
+        _verify(verifier, c, D, aux_layers, max_new_tokens, eos_t, ref)
+        timer.stop("verify")
+        rounds += 1
+    host = _host_copies(c, max_new_tokens)
+    sync(device)
+    seconds = time.perf_counter() - t_start
+    results = _spec_rows(host, steps, eos, max_new_tokens, ref is not None)
+    return BatchSpec(results, seconds, timer.seconds("draft"), timer.seconds("verify"), rounds)
+
+
+def speculative_generate(
+    verifier: torch.nn.Module,
+    drafter: torch.nn.Module,
+    input_ids,
+    aux_layers: Sequence[int],
+    steps: int = 3,
+    max_new_tokens: int = 256,
+    eos_ids: Sequence[int] = (),
+) -> SpecResult:
+    """One prompt through :func:`speculative_generate_batch`; the batch timings are copied into the result.
+
+    Raises:
+        UserError: see :func:`speculative_generate_batch`; a batched ``input_ids``.
+    """
+    res = speculative_generate_batch(
+        verifier, drafter, [_one_prompt(input_ids)], aux_layers, steps, max_new_tokens, eos_ids
+    )
+    row = res.rows[0]
+    row.seconds, row.draft_seconds, row.verify_seconds = (
+        res.seconds,
+        res.draft_seconds,
+        res.verify_seconds,
+    )
+    return row

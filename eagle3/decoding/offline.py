@@ -1,0 +1,292 @@
+"""The offline benchmark of stage 05 over tokenised prompts: each batch decoded greedily (the baseline) and with
+chain speculative decoding (greedy's tokens as the reference), in the same run and with the same cache machinery, so
+the speedup is EAGLE-3 against greedy at the same batch size and every emitted token is checked.
+
+Batching (``batch_size``): prompts sorted by length (longest first, least padding) are cut into batches; the
+``batched`` decoder (:mod:`eagle3.decoding.decode`) runs them, or at batch 1 the ``static`` one
+(:mod:`eagle3.decoding.static_decode`, CUDA graphs). ``drafter_share`` = drafter time / (drafter + verify time) of
+the speculative steps: where it is large, the drafter does not pay. Losslessness: a difference from greedy comes
+with its logit gap (verify top-1 minus the logit of greedy's token); a gap <= ``tie_tolerance`` is a near-tie
+(rounding of the ``k+1``-token verify vs the one-token greedy forward), larger ones are failures
+(:func:`eagle3.decoding.metrics.lossless_verdict`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional, Sequence
+
+from tqdm import tqdm
+
+from eagle3.decoding.decode import greedy_generate_batch, speculative_generate_batch
+from eagle3.decoding.metrics import acceptance_stats, first_mismatch
+from eagle3.decoding.static_decode import StaticDecoder, capacity_for, resolve_decoder
+from eagle3.errors import UserError
+
+
+def bench_prompts(
+    verifier,
+    drafter,
+    prompts_ids: Sequence[tuple[str, list[int]]],
+    aux_layers: Sequence[int],
+    steps: int,
+    max_new_tokens: int,
+    eos_ids: Sequence[int],
+    label: str = "prompts",
+    batch_size: int = 32,
+    tie_tolerance: float = 0.0,
+    progress: bool = True,
+    decoder: str = "auto",
+) -> dict:
+    """Greedy vs speculative decoding of tokenised prompts, batch by batch (longest first), greedy's tokens the
+    reference: every emitted token is checked, each prompt's first difference comes with its logit gap.
+
+    Args:
+        verifier, drafter: see :func:`eagle3.decoding.decode.speculative_generate_batch`.
+        prompts_ids: ``(id, chat-rendered prompt ids)`` pairs.
+        aux_layers, steps, max_new_tokens, eos_ids: decoding settings (temperature 0).
+        label, batch_size: dataset label (tqdm and report); prompts decoded together (>= 1).
+        tie_tolerance: a difference whose logit gap is <= this is a near-tie (counted, not a failure).
+        decoder: ``benchmark.decoder`` (:func:`eagle3.decoding.static_decode.resolve_decoder`): ``batched``,
+            ``static`` (batch 1, CUDA graphs captured on the longest prompt before the timed set) or ``auto``.
+
+    Returns:
+        the set's ``bench.json`` row (:meth:`_BenchTally.summary`) plus ``decoder`` (the one that ran) and
+        ``warm_up_seconds`` (static: graph capture, untimed; 0 for batched).
+    Raises UserError: ``batch_size < 1``, a bad ``decoder``.
+    """
+    if batch_size < 1:
+        raise UserError(f"benchmark.batch_size: must be >= 1, got {batch_size}")
+    mode = resolve_decoder(decoder, batch_size, next(verifier.parameters()).device)
+    effective = effective_batch_size(batch_size, len(prompts_ids))
+    settings = (aux_layers, steps, max_new_tokens, eos_ids)
+    static, warm_s = None, 0.0
+    if mode == "static":
+        static, warm_s = _open_static(verifier, drafter, [p for _, p in prompts_ids], *settings)
+    t_wall = time.perf_counter()
+    bar = tqdm(
+        total=len(prompts_ids),
+        desc=f"bench {label} (batch {effective}, {mode})",
+        unit="prompt",
+        disable=not progress,
+    )
+    try:
+        tally = _decode_all(
+            static, verifier, drafter, prompts_ids, settings, batch_size, tie_tolerance, bar
+        )
+    finally:
+        if static is not None:
+            static.close()
+    bar.close()
+    wall = time.perf_counter() - t_wall
+    extra = {"decoder": mode, "warm_up_seconds": warm_s}
+    if static is not None:
+        extra["cuda_graphs"] = static.use_graphs
+        extra["graph_error"] = static.graph_error
+    return {**tally.summary(label, effective, steps, wall, tie_tolerance), **extra}
+
+
+def _decode_all(static, verifier, drafter, prompts_ids, settings, batch_size, tie_tolerance, bar):
+    """Every batch of ``prompts_ids`` (longest first) through :func:`_decode_batch`; the :class:`_BenchTally`."""
+    order = sorted(range(len(prompts_ids)), key=lambda i: (-len(prompts_ids[i][1]), i))
+    tally = _BenchTally(len(prompts_ids))
+    for b0 in range(0, len(order), batch_size):
+        idx = order[b0 : b0 + batch_size]
+        ids = [prompts_ids[i][1] for i in idx]
+        g, s = _decode_batch(static, verifier, drafter, ids, *settings)
+        tally.add_batch(idx, prompts_ids, g, s, tie_tolerance)
+        bar.update(len(idx))
+    return tally
+
+
+def effective_batch_size(batch_size: int, num_prompts: int) -> int:
+    """The batch size a run of ``num_prompts`` prompts decodes at with ``benchmark.batch_size`` = ``batch_size``:
+    ``min(batch_size, num_prompts)`` (1 prompt at batch 10 is decoded, and reported, as batch 1); at least 1."""
+    return max(1, min(batch_size, num_prompts))
+
+
+def _decode_batch(
+    static,
+    verifier,
+    drafter,
+    ids: list[list[int]],
+    aux_layers,
+    steps: int,
+    max_new_tokens: int,
+    eos_ids,
+):
+    """Greedy then speculative decoding of one batch (greedy's tokens as the reference): through ``static`` (a
+    :class:`~eagle3.decoding.static_decode.StaticDecoder`, batch 1) when given, else the batched decoders."""
+    if static is not None:
+        g = static.greedy(ids[0])
+        return g, static.speculative(ids[0], reference=g.tokens[0])
+    g = greedy_generate_batch(verifier, ids, max_new_tokens, eos_ids)
+    return g, speculative_generate_batch(
+        verifier, drafter, ids, aux_layers, steps, max_new_tokens, eos_ids, reference=g.tokens
+    )
+
+
+def _open_static(
+    verifier,
+    drafter,
+    prompts: Sequence[list[int]],
+    aux_layers,
+    steps: int,
+    max_new_tokens: int,
+    eos_ids,
+):
+    """A :class:`~eagle3.decoding.static_decode.StaticDecoder` sized for ``prompts``, its graphs captured by an untimed
+    warm-up on the longest one: ``(decoder, warm-up seconds)``."""
+    t0 = time.perf_counter()
+    dec = StaticDecoder(
+        verifier,
+        capacity_for(prompts, max_new_tokens, steps),
+        max_new_tokens,
+        eos_ids,
+        drafter=drafter,
+        aux_layers=aux_layers,
+        steps=steps,
+    )
+    dec.warm_up(max(prompts, key=len))
+    return dec, time.perf_counter() - t0
+
+
+class _BenchTally:
+    """Sums of :func:`bench_prompts` over its batches: tokens and seconds of both decoders, draft/verify time,
+    rounds, accepted draft tokens (emitted ones), first mismatches and one row per prompt (input order)."""
+
+    def __init__(self, n_prompts: int):
+        self.per_prompt: list[Optional[dict]] = [None] * n_prompts
+        self.accepted: list[list[bool]] = []
+        self.g_tok = self.g_sec = self.s_tok = self.s_sec = self.d_sec = self.v_sec = 0.0
+        self.rounds = 0
+        self.mismatches: list[dict] = []
+
+    def add_batch(self, idx: list[int], prompts_ids, g, s, tie_tolerance: float) -> None:
+        """Fold one batch: ``g`` greedy and ``s`` speculative results (:mod:`eagle3.decoding.decode`) of prompts ``idx``."""
+        self.g_sec += g.seconds
+        self.s_sec += s.seconds
+        self.d_sec += s.draft_seconds
+        self.v_sec += s.verify_seconds
+        self.rounds += s.rounds
+        for i, g_tokens, res in zip(idx, g.tokens, s.rows):
+            pid = prompts_ids[i][0]
+            diff = first_mismatch(g_tokens, res.tokens)
+            if diff is not None:
+                gap = res.gap if res.mismatch == diff else None
+                self.mismatches.append(
+                    {
+                        "id": pid,
+                        "index": diff,
+                        "gap": gap,
+                        "near_tie": gap is not None and gap <= tie_tolerance,
+                    }
+                )
+            self.accepted.extend(res.accepted)
+            self.g_tok += len(g_tokens)
+            self.s_tok += len(res.tokens)
+            self.per_prompt[i] = {
+                "id": pid,
+                "prompt_tokens": len(prompts_ids[i][1]),
+                "greedy_tokens": len(g_tokens),
+                "spec_tokens": len(res.tokens),
+                "accept_lengths": res.accept_lengths,
+                "lossless": diff is None,
+            }
+
+    def summary(
+        self, label: str, batch_size: int, steps: int, wall: float, tie_tolerance: float
+    ) -> dict:
+        """The result dict of :func:`bench_prompts`: ``dataset``, ``num_prompts``, ``batch_size`` (the effective
+        one: ``min(batch_size, num_prompts)``, what the largest batch held), acceptance stats (:func:`acceptance_stats`,
+        emitted tokens only), ``greedy_tokens``, ``greedy_seconds``, ``greedy_tokens_per_s``,
+        ``spec_tokens``, ``spec_seconds``, ``spec_tokens_per_s``, ``speedup``, ``draft_seconds``,
+        ``verify_seconds``, ``drafter_share`` (draft / (draft + verify) of the speculative step time),
+        ``rounds``, ``wall_seconds`` (the whole set, both decoders and the checks), ``tie_tolerance``,
+        ``mismatches`` (list of ``{id, index, gap, near_tie}``: first differing output token, gap =
+        verify top-1 logit minus the logit of greedy's token, None if unknown), ``near_ties`` and
+        ``failures`` (counts of mismatches within / beyond ``tie_tolerance``), ``per_prompt``"""
+        g_tok, g_sec, s_tok, s_sec, d_sec, v_sec = (
+            self.g_tok,
+            self.g_sec,
+            self.s_tok,
+            self.s_sec,
+            self.d_sec,
+            self.v_sec,
+        )
+        stats = acceptance_stats(self.accepted, steps)
+        g_tps = g_tok / g_sec if g_sec > 0 else float("nan")
+        s_tps = s_tok / s_sec if s_sec > 0 else float("nan")
+        near = sum(1 for m in self.mismatches if m["near_tie"])
+        return {
+            "dataset": label,
+            "num_prompts": len(self.per_prompt),
+            "batch_size": batch_size,
+            **stats,
+            "greedy_tokens": int(g_tok),
+            "greedy_seconds": g_sec,
+            "greedy_tokens_per_s": g_tps,
+            "spec_tokens": int(s_tok),
+            "spec_seconds": s_sec,
+            "spec_tokens_per_s": s_tps,
+            "speedup": s_tps / g_tps if g_sec > 0 and s_sec > 0 else float("nan"),
+            "draft_seconds": d_sec,
+            "verify_seconds": v_sec,
+            "drafter_share": d_sec / (d_sec + v_sec) if d_sec + v_sec > 0 else float("nan"),
+            "rounds": self.rounds,
+            "wall_seconds": wall,
+            "tie_tolerance": tie_tolerance,
+            "mismatches": self.mismatches,
+            "near_ties": near,
+            "failures": len(self.mismatches) - near,
+            "per_prompt": self.per_prompt,
+        }
+
+
+def warm_up(
+    verifier,
+    drafter,
+    prompt: list[int],
+    aux_layers: Sequence[int],
+    steps: int,
+    eos: Sequence[int],
+    batch_size: int,
+) -> None:
+    """Untimed runs of both decoders at ``batch_size`` (allocator, kernels and their heuristics)."""
+    batch = [list(prompt)] * batch_size
+    greedy_generate_batch(verifier, batch, 8, eos)
+    speculative_generate_batch(verifier, drafter, batch, aux_layers, steps, 8, eos)
+
+
+def check_context(
+    sets: Sequence[tuple[str, list[tuple[str, list[int]]]]],
+    max_new_tokens: int,
+    steps: int,
+    verifier_config,
+) -> None:
+    """Refuse a prompt whose decode would run past the verifier's context (``max_position_embeddings``): its tokens
+    plus ``max_new_tokens`` plus the ``steps`` drafts of the last verify step. Such a prompt was benchmarked without a
+    word (a 2,500-token prompt file line on a 2,048-position verifier): positions the verifier was
+    never trained at, whose greedy output and tau mean nothing, and which a server refuses.
+
+    Args:
+        sets: ``[(label, [(prompt id, prompt token ids), ...]), ...]``.
+
+    Raises:
+        UserError: the first such prompt: set, id, its tokens, the limit and what to change.
+    """
+    limit = getattr(verifier_config, "max_position_embeddings", None)
+    if not limit:
+        return
+    for label, ids in sets:
+        for pid, toks in ids:
+            if len(toks) + max_new_tokens + steps > limit:
+                fix = (
+                    "leave the prompt out"
+                    if len(toks) + 1 + steps > limit
+                    else "lower --max-new-tokens (benchmark.max_new_tokens) or leave the prompt out"
+                )
+                raise UserError(
+                    f"dataset {label}, prompt {pid}: {len(toks)} prompt tokens + {max_new_tokens} new tokens + {steps} "
+                    f"drafts exceed the verifier's context of {limit} positions (max_position_embeddings); {fix}"
+                )

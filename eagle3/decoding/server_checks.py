@@ -1,0 +1,317 @@
+"""05 ``--server``'s checks of the servers against the run, taking plain arguments: the draft folder an SGLang server
+was started with (when readable here) against the shards and the configured verifier, and each server's
+``model_path`` against the configured verifier. Each returns ``(warning lines, record)``; the record's
+``not_checked`` lists the checks that could not be made and how to make them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional, Sequence
+
+from eagle3.decoding.checks import (
+    template_check,
+    template_kwargs_check,
+    ttt_length_unchecked,
+    ttt_length_warning,
+    verifier_unchecked,
+    verifier_warnings,
+)
+from eagle3.decoding.server import served_model_path, server_info
+from eagle3.errors import UserError
+from eagle3.export.reader import check_export_folder
+from eagle3.prompts.chat import ChatOptions
+from eagle3.shards.format import DATA_CONFIG, read_data_config
+from eagle3.verifier.load import weights_fingerprint
+
+
+def draft_folder_warnings(
+    url: str,
+    verifier_name: str,
+    weights: Optional[str],
+    shards_dir: Path,
+    timeout: float = 30.0,
+) -> tuple[list[str], dict]:
+    """Check the draft folder an SGLang server was started with, when it is readable here; say so when it is not.
+
+    ``GET {url}/server_info`` names ``speculative_draft_model_path``; if that folder exists on this
+    machine, :func:`eagle3.export.reader.check_export_folder` refuses a folder exported for vLLM (SGLang
+    would read its HF-index layer ids with its own +1 rule) and warns when the layers SGLang
+    captures differ from the HF layers of the run's shards (``data_config.json``). It also warns when the server
+    drafts more tokens a step (``speculative_num_steps`` in its ``server_info``, its ``--speculative-num-steps``) than
+    the folder's ``eagle3_train.json`` says the drafter was trained for (``ttt_length``;
+    :func:`eagle3.decoding.checks.ttt_length_warning`), as the offline benchmark does. ``verifier_name`` / ``weights``:
+    the configured verifier's display name and weights fingerprint; ``shards_dir``: the run's shards.
+
+    The server may run on another host, so the folder may not be readable here (or ``/server_info`` may not answer,
+    or name no folder): then none of these checks runs, and one warning line says which were not made and how to
+    make them (run 05 where the folder is readable, or compare by hand). Checks that could not run for want of a
+    file (the folder's ``eagle3_train.json`` ``ttt_length`` / ``config.json``, the shards' ``data_config.json``) are
+    each said in one warning line, also listed in the record's ``not_checked``.
+
+    Returns:
+        ``(warnings, record)``: the warning lines, and ``record`` = ``{"url", "path"`` (the folder the server names,
+        or None)``, "speculative_num_steps"`` (or None)``, "readable"`` (the folder was read here)``, "not_checked"``:
+        [what was not checked and why]``}`` (``server_bench.json`` key ``draft_folder``).
+
+    Raises:
+        UserError: the folder is for the other engine or its layer ids contradict its metadata.
+    """
+    info = server_info(url, timeout)
+    path, steps = info.get("speculative_draft_model_path"), info.get("speculative_num_steps")
+    steps = steps if isinstance(steps, int) and not isinstance(steps, bool) else None
+    rec = {
+        "url": url,
+        "path": path,
+        "speculative_num_steps": steps,
+        "readable": False,
+        "not_checked": [],
+    }
+    unread = _unreadable_draft_folder(url, info, path, steps)
+    if unread is not None:
+        if unread:
+            rec["not_checked"].append(unread)
+        return [unread] if unread else [], rec
+    rec["readable"] = True
+    out = _drafter_verifier_lines(Path(path), verifier_name, weights, rec)
+    out += _steps_lines(url, Path(path), steps, rec)
+    return out + _folder_lines(path, shards_dir, rec), rec
+
+
+def _steps_lines(url: str, path: Path, steps: Optional[int], rec: dict) -> list[str]:
+    """For :func:`draft_folder_warnings`: the server's ``speculative_num_steps`` against the folder's ``ttt_length``
+    (the warning line, or none; what was not checked goes to ``rec["not_checked"]``)."""
+    if steps is None:
+        rec["not_checked"].append(
+            f"{url}/server_info names no integer speculative_num_steps: 05 did not check the "
+            f"drafter's trained ttt_length ({path / 'eagle3_train.json'}) against the "
+            f"draft tokens the server drafts a step; check that its --speculative-num-steps is "
+            f"at most that ttt_length"
+        )
+        return []
+    field = f"the server's speculative_num_steps (--speculative-num-steps, {url}/server_info)"
+    fix = "restart the server with --speculative-num-steps {k}"
+    warning = ttt_length_warning(path, steps, field, fix=fix)
+    unchecked = ttt_length_unchecked(path, steps, "the server's --speculative-num-steps")
+    rec["not_checked"] += [unchecked] if unchecked else []
+    return [warning] if warning else []
+
+
+def _folder_lines(path: str, shards_dir: Path, rec: dict) -> list[str]:
+    """For :func:`draft_folder_warnings`: the folder's engine block and the layers SGLang captures against the shards'
+    (:func:`eagle3.export.reader.check_export_folder`), then every line of ``rec["not_checked"]``.
+
+    Raises:
+        UserError: the folder is for the other engine or its layer ids contradict its metadata.
+    """
+    if not (Path(path) / "config.json").is_file():
+        rec["not_checked"].append(
+            f"{Path(path) / 'config.json'} not found: 05 did not check the folder's engine and "
+            f"aux layers; check that the server loads a folder with one"
+        )
+        return rec["not_checked"]
+    shards_aux = arch = None
+    if (Path(shards_dir) / DATA_CONFIG).is_file():
+        dc = read_data_config(shards_dir)
+        shards_aux, arch = dc.get("aux_layers"), dc.get("architecture")
+    else:
+        rec["not_checked"].append(
+            f"{Path(shards_dir) / DATA_CONFIG} not found: 05 checked the layers SGLang "
+            f"captures against the folder's own record only, not against the shards'; compare "
+            f"its eagle3_train.json aux_layers_hf with the shards' data_config.json aux_layers"
+        )
+    warnings = check_export_folder(
+        path, serving_engine="sglang", shards_aux_hf=shards_aux, verifier_architecture=arch
+    )["warnings"]
+    return warnings + rec["not_checked"]
+
+
+def _drafter_verifier_lines(folder: Path, name: str, fp: Optional[str], rec: dict) -> list[str]:
+    """For :func:`draft_folder_warnings`: the readable draft folder's recorded verifier against the configured one, as
+    offline 05 checks it (:func:`eagle3.decoding.checks.verifier_warnings`: name, weights fingerprint; the
+    dimensions need the loaded verifier, which ``--server`` does not load). Before, ``--server`` never compared them.
+    A check that cannot be made (:func:`eagle3.decoding.checks.verifier_unchecked`) goes to ``rec["not_checked"]``.
+
+    Returns:
+        the mismatch line (or none).
+    """
+    mismatch = verifier_warnings(folder, name, None, fp)
+    unchecked = None if mismatch else verifier_unchecked(folder, name, fp, dims_checked=False)
+    rec["not_checked"] += [unchecked] if unchecked else []
+    return mismatch
+
+
+def _unreadable_draft_folder(url: str, info: dict, path, steps: Optional[int]) -> Optional[str]:
+    """For :func:`draft_folder_warnings`: None when the server's draft folder is readable here; ``""`` for a server
+    that says it does not speculate (``run_server_bench`` warns about that); else the warning line naming what was not
+    checked and how to check it."""
+    if not info:
+        why = f"{url}/server_info did not answer (not SGLang, or an older one), so the server's draft folder is unknown"
+    elif not path:
+        if info.get("speculative_algorithm") in (None, "", "NONE"):
+            return ""
+        why = f"{url}/server_info names no speculative_draft_model_path"
+    elif not isinstance(path, str):  # a proxy's or hand-made server_info: Path() raised TypeError
+        why = f"{url}/server_info speculative_draft_model_path is {path!r}, not a folder path"
+    elif not Path(path).is_dir():
+        why = (
+            f"the server's draft folder {path} ({url}/server_info speculative_draft_model_path) is not readable on "
+            f"this machine (the server runs elsewhere, or it is a hub id)"
+        )
+    else:
+        return None
+    k = f" {steps}" if steps is not None else ""
+    return (
+        f"{why}: 05 did not check it against the server (its eagle3_train.json ttt_length against "
+        f"--speculative-num-steps{k}, its config.json's engine (sglang) and aux layers against the shards'); run 05 "
+        f"where that folder is readable (e.g. on shared storage), or check there that its eagle3_train.json has "
+        f"engine sglang and ttt_length >= the server's --speculative-num-steps"
+    )
+
+
+def _verifier_where(vcfg) -> tuple[Optional[Path], str]:
+    """The configured verifier's weights on this machine (its folder, or its GGUF file) and how to name it."""
+    try:
+        folder = vcfg.resolved_path()
+    except UserError:  # a package: path whose package is not installed here
+        return None, vcfg.path
+    where = folder / vcfg.gguf_file if vcfg.gguf_file else folder
+    return where, str(where)
+
+
+def compare_served_model(vcfg, served: str) -> tuple[Optional[str], str]:
+    """Whether ``served`` (a server's ``model_path``: a local path or a hub id) is the configured verifier ``vcfg``.
+
+    Readable here: the same folder/file (``"same folder"``), else the same weights fingerprint
+    (:func:`eagle3.verifier.weights_fingerprint`; a copy: ``"same weights"``) or other weights (``"differs"``).
+    Otherwise (another host, a hub id, no weight file to fingerprint) only names can be compared: the last path
+    component of ``served`` against ``verifier.path``'s, its ``gguf_file`` and ``verifier.name``'s, case-insensitive
+    (``"same name"``; None when they differ: it may still be the same model under another name).
+
+    Returns:
+        ``(verdict, detail)``: ``"same folder"`` | ``"same weights"`` | ``"same name"`` | ``"differs"`` | None, and
+        what the verdict rests on (for the warning line).
+    """
+    mine, _ = _verifier_where(vcfg)
+    sp = Path(served)
+    if mine is not None and sp.exists():
+        if sp.resolve() == mine.resolve():
+            return "same folder", "the same path"
+        folder, gguf = (sp.parent, sp.name) if sp.is_file() else (sp, None)
+        theirs = weights_fingerprint(
+            vcfg.model_copy(update={"path": str(folder), "gguf_file": gguf})
+        )
+        ours = weights_fingerprint(vcfg)
+        if theirs and ours:
+            return (
+                ("same weights", "a copy of its weight files")
+                if theirs == ours
+                else (
+                    "differs",
+                    "its weight files are not those at verifier.path (verifier_weights fingerprints differ)",
+                )
+            )
+    names = {
+        n.lower()
+        for n in (
+            mine.name if mine is not None else None,
+            vcfg.gguf_file,
+            Path(vcfg.name).name if vcfg.name else None,
+        )
+        if n
+    }
+    name = sp.name.lower() or served.lower()
+    if name in names:
+        return "same name", f"the same name {sp.name!r}"
+    where = (
+        "its weights could not be fingerprinted here"
+        if sp.exists()
+        else "it is not readable on this machine"
+    )
+    return (
+        None,
+        f"{where} and its name {sp.name!r} is not verifier.path's ({', '.join(sorted(names))})",
+    )
+
+
+def served_model_warnings(
+    vcfg, urls: Sequence[str], timeout: float = 30.0
+) -> tuple[list[str], list[dict]]:
+    """Check that each server runs the configured verifier ``vcfg`` (the config's ``verifier:`` section; 05 renders the prompts with ``verifier.path``'s tokenizer
+    and chat template, so a server of another model gets the wrong tokens and its tau says nothing of the drafter).
+
+    Before, 05 never compared the server's ``model_path`` with the config. Now each URL's ``model_path``
+    (:func:`served_model_path`) is compared by :func:`compare_served_model`: other weights give one warning line; a
+    ``model_path`` that cannot be confirmed (unreadable here and named otherwise) or that no endpoint names gives one
+    line saying the check was not made and how to make it. Warnings only: a name says little for certain.
+
+    Returns:
+        ``(warnings, records)``: one record per URL, ``{"url", "model_path"`` (or None)``, "endpoint"`` (where it was
+        read, or None)``, "verifier"`` (the config's ``display_name()``)``, "match"`` (the verdict, or None)``,
+        "not_checked": [line]}`` (``server_bench.json`` key ``served_model``).
+    """
+    out, recs = [], []
+    _, where = _verifier_where(vcfg)
+    name = vcfg.display_name()
+    tail = f"05 renders the prompts with the tokenizer and chat template of verifier '{name}' ({where})"
+    for url in urls:
+        served, endpoint = served_model_path(url, timeout)
+        rec = {
+            "url": url,
+            "model_path": served,
+            "endpoint": endpoint,
+            "verifier": name,
+            "match": None,
+            "not_checked": [],
+        }
+        if served is None:
+            rec["not_checked"].append(
+                f"{url}: none of /server_info, /model_info, /get_model_info names the served model_path (not "
+                f"SGLang?): 05 did not check that the server runs the configured verifier; {tail}: check that the "
+                f"server was started with --model-path {where}"
+            )
+        else:
+            rec["match"], detail = compare_served_model(vcfg, served)
+            if rec["match"] == "differs":
+                out.append(
+                    f"{url}{endpoint} model_path {served} is not the configured verifier: {detail}; {tail}, so "
+                    f"tau measures a server of another model: benchmark a server started with --model-path "
+                    f"{where}, or set verifier.path to the served model"
+                )
+            elif rec["match"] is None:
+                rec["not_checked"].append(
+                    f"{url}{endpoint} model_path {served}: {detail}, so 05 could not "
+                    f"check that the server runs the configured verifier; {tail}: check that the server's "
+                    f"--model-path holds the model at {where}"
+                )
+        out += rec["not_checked"]
+        recs.append(rec)
+    return out, recs
+
+
+def check_servers(
+    urls: Sequence[str], vcfg, shards_dir: Path, tokenizer, chat: ChatOptions
+) -> tuple[list[str], dict]:
+    """05 ``--server``'s checks: the first server's draft folder (:func:`draft_folder_warnings`), each server's model
+    (:func:`served_model_warnings`) and the chat template and its kwargs against the shards'
+    (:func:`eagle3.decoding.checks.template_check`). ``vcfg``: the config's ``verifier:`` section; ``chat``: the
+    rendering options of the prompts.
+
+    Returns:
+        ``(warning lines, {"not_checked", "draft_folder", "served_model"})``, the dict's keys as each
+        ``server_bench.json`` records them.
+    """
+    name, fp = vcfg.display_name(), weights_fingerprint(vcfg)
+    notes, folder = draft_folder_warnings(urls[0], name, fp, shards_dir)
+    model_notes, served = served_model_warnings(vcfg, urls)
+    other_template, template_unchecked = template_check(
+        shards_dir, tokenizer, chat, say_missing=True
+    )
+    other_kwargs, kwargs_unchecked = template_kwargs_check(shards_dir, vcfg.chat_template_kwargs)
+    template = (other_template, template_unchecked, other_kwargs, kwargs_unchecked)
+    notes += model_notes + [w for w in template if w]
+    unchecked = (
+        folder["not_checked"]
+        + [w for r in served for w in r["not_checked"]]
+        + [w for w in (template_unchecked, kwargs_unchecked) if w]
+    )
+    return notes, {"not_checked": unchecked, "draft_folder": folder, "served_model": served}
