@@ -797,6 +797,7 @@ def test_summary_says_n_a_where_no_rate_was_measured(tmp_path, tiny_llama_dir, c
     import importlib
 
     import eagle3.stages.extract as ex
+    from eagle3.capture.report import markdown
 
     sys.path.insert(0, str(ROOT))
     cli = importlib.import_module("02_extract_hidden")
@@ -841,7 +842,7 @@ def test_summary_says_n_a_where_no_rate_was_measured(tmp_path, tiny_llama_dir, c
         capsys.readouterr().out.splitlines()[-1]
         == "6 samples (0 written, 6 resumed), 725 tokens, n/a tok/s -> out/shards"
     )
-    assert "| captured_tokens_per_s | n/a |" in ex._markdown(
+    assert "| captured_tokens_per_s | n/a |" in markdown(
         {
             **{
                 k: 0

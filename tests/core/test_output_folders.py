@@ -96,7 +96,7 @@ def test_03_names_data_output_dir_before_validating(tmp_path, monkeypatch):
     from eagle3.stages import prepare_data
 
     monkeypatch.setattr(
-        prepare_data, "_shard_stats", lambda *a: pytest.fail("validated before the folder check")
+        prepare_data, "shard_stats", lambda *a: pytest.fail("validated before the folder check")
     )
     cfg = load_config(make_tiny_run(tmp_path), [f"data.output_dir={PROC}"])
     assert (
@@ -175,7 +175,7 @@ def test_03_and_05_refuse_an_unwritable_output_folder_before_the_long_work(tmp_p
     from eagle3.stages import prepare_data
 
     monkeypatch.setattr(
-        prepare_data, "_shard_stats", lambda *a: pytest.fail("validated before the folder check")
+        prepare_data, "shard_stats", lambda *a: pytest.fail("validated before the folder check")
     )
     cfg = load_config(
         make_tiny_run(tmp_path), [f"data.output_dir={PROC_DIR}", f"benchmark.output_dir={PROC_DIR}"]
