@@ -89,19 +89,15 @@ def capture_and_write(
     storage: Optional[Storage] = None,
     checksum: str = DEFAULT_ALGO,
 ) -> list[dict]:
-    """Capture + write steps: capture each batch of ``samples`` positions, write the shards of the
-    samples not in ``done``, log them in ``manifest_path``; returns the new manifest rows (in order).
+    """Capture each batch of ``samples`` positions, write the shards of the samples not in ``done`` (updated as
+    rows land), log them in ``manifest_path``; returns the new manifest rows (in order). Also run by
+    ``bench/extract_throughput.py``.
 
-    ``write_threads > 0`` pipelines the work: batch k+1's forward is launched before batch k's
-    states are waited for (``capture_async``, HF backend), and the shards are written by that many
-    background threads (:class:`eagle3.capture.shard_writer.ShardWriter`, at most ``max_pending_tokens``
-    tokens in flight). ``write_threads == 0`` is the serial loop. Both give the same shard bytes and
-    the same manifest (rows appended in batch order, each after its shard is durable). ``done`` is
-    updated as rows are appended. ``storage``: bf16 (None) or fp8 shards (:mod:`eagle3.shards.fp8`); a
-    backend whose ``capture_async`` takes ``storage`` (HF) encodes each batch on its device
-    (:func:`eagle3.shards.format.encode_batch`: NaN/Inf flag, fp8 quantisation) and hands over
-    :class:`eagle3.shards.format.StoredStates`; the writer still refuses NaN/Inf before a shard is written.
-    ``checksum``: the hash recorded per row (:mod:`eagle3.shards.checksum`). Used by stage 02 and by ``bench/extract_throughput.py``.
+    ``write_threads > 0`` pipelines (batch k+1's forward launched before batch k's states are waited for; that many
+    :class:`eagle3.capture.shard_writer.ShardWriter` threads, at most ``max_pending_tokens`` tokens in flight);
+    ``0`` is the serial loop; both give the same bytes and manifest. ``storage``: bf16 (None) or fp8; a backend
+    whose ``capture_async`` takes ``storage`` (HF) encodes on its device (:func:`eagle3.shards.format.encode_batch`).
+    ``checksum``: the hash recorded per row.
 
     Raises:
         RuntimeError: a backend broke its contract (:func:`eagle3.capture.base.check_captured`).

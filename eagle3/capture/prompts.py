@@ -172,30 +172,19 @@ def tokenize(
     opts,
     workers: Optional[int] = None,
 ) -> tuple[list[Sample], Counter, dict[str, list[str]]]:
-    """Turn every conversation into training samples with :func:`eagle3.prompts.chat.conversation_samples`.
-
-    A conversation gives one sample (id = its id) or, when the template's history changes as turns
-    are added, several (ids ``{id}#turn{n}``); dense ``idx`` in file order over all samples. The
-    conversations are spread over ``workers`` processes (:mod:`eagle3.capture.tokenize_pool`;
-    results in file order, so nothing here depends on the worker count).
-
-    Args:
-        prompts: :func:`read_prompts` records; ``prompts_path`` names them in errors.
-        max_length, too_long: ``extract.max_length`` / ``extract.too_long`` (``truncate`` | ``skip``).
-        opts: :class:`eagle3.prompts.chat.ChatOptions`.
+    """Turn every conversation into training samples (:func:`eagle3.prompts.chat.conversation_samples`): one
+    sample (id = its id) or, when the template's history changes as turns are added, several (``{id}#turn{n}``);
+    dense ``idx`` in file order. ``workers`` processes (:mod:`eagle3.capture.tokenize_pool`; results in file
+    order). ``max_length`` / ``too_long``: ``extract.*``; ``opts``: :class:`eagle3.prompts.chat.ChatOptions`.
 
     Returns:
-        ``(samples, counts, skipped_ids)``: counts ``skipped_too_long`` (``too_long: skip``),
-        ``skipped_no_loss_tokens``, ``skipped_inconsistent`` / ``skipped_render_failed`` (whole
-        conversations without a consistent rendering), ``truncated``, ``split_conversations``,
-        ``split_samples``; ``skipped_ids``: reason -> conversation ids (first
-        :data:`MAX_SKIPPED_IDS`).
+        ``(samples, counts, skipped_ids)``: counts ``skipped_*`` (too_long, no_loss_tokens, inconsistent,
+        render_failed), ``truncated``, ``split_conversations``, ``split_samples``; ``skipped_ids``: reason ->
+        conversation ids (first :data:`MAX_SKIPPED_IDS`).
 
     Raises:
-        UserError: template-wide problems (no template, template ignores add_generation_prompt),
-            or every conversation failed to render (message prefixed with the first one's file:line), or every
-            one was skipped (too long with ``too_long: skip``, no loss token: no sample at all);
-            the conversation named is the first in file order, whatever the worker count.
+        UserError: template-wide problems, or no sample at all (:func:`_refuse_no_sample`); the conversation
+            named is the first in file order, whatever the worker count.
     """
     one = functools.partial(
         _tokenize_one, max_length=max_length, opts=opts, too_long=too_long, where=str(prompts_path)
