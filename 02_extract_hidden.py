@@ -14,9 +14,9 @@ new run's disk plan fits counting the space they free).
 
 from __future__ import annotations
 
-from eagle3.cli import ArgumentParser, http_url, positive_int, resume_on_interrupt, run_main
+from eagle3.cli import ArgumentParser, http_url, positive_int, run_main
 from eagle3.config import add_config_args, load_config
-from eagle3.io import format_bytes
+from eagle3.stages import extract
 
 
 def main(argv=None) -> int:
@@ -61,43 +61,9 @@ def main(argv=None) -> int:
         cfg.extract.sglang_url = a.server[0] if len(a.server) == 1 else a.server
     if a.capture_dir:
         cfg.extract.capture_dir = a.capture_dir[0] if len(a.capture_dir) == 1 else a.capture_dir
-    from eagle3.capture.extract import interrupt_hint, run
-    from eagle3.capture.extract import rate_text as _rate
-
-    with resume_on_interrupt(
-        lambda: interrupt_hint(cfg)
-    ):  # SIGTERM / Ctrl-C: one line, exit 143 / 130
-        s = run(cfg, overwrite=a.overwrite, limit=a.limit, ignore_disk_check=a.ignore_disk_check)
-    if "samples" not in s or s.get(
-        "up_to_date"
-    ):  # torchrun rank > 0: rank 0 reports; up to date: logged
-        return 0
-    for r in s.get("ranks", []):
-        print(
-            f"rank {r['rank']}: {r['written']} samples in {r['capture_s']} s, {_rate(r['samples_per_s'])} samples/s, "
-            f"{_rate(r['tokens_per_s'])} tok/s"
-        )
-    if "ranks" in s:
-        print(
-            f"total ({s['world_size']} ranks): {s['written']} samples in {s['capture_s']} s, "
-            f"{_rate(s['samples_per_s'])} samples/s"
-        )
-    if s.get("disk_plan"):
-        dp = s["disk_plan"]
-        print(
-            f"disk plan: {dp['samples']} samples, {dp['tokens']} tokens -> {format_bytes(dp['bytes'])} estimated "
-            f"({format_bytes(dp['free_bytes'])} were free on {dp['path']})"
-        )
-    for sv in s.get("servers", []):
-        print(
-            f"server {sv['url']}: {sv['batches']} batches, {sv['failed_attempts']} failed attempts, "
-            f"out of rotation {sv['taken_out_of_rotation']} times"
-        )
-    print(
-        f"{s['samples']} samples ({s['written']} written, {s['resumed']} resumed), {s['num_tokens']} tokens, "
-        f"{_rate(s['captured_tokens_per_s'])} tok/s -> {s['shards_dir']}"
+    return extract.main(
+        cfg, overwrite=a.overwrite, limit=a.limit, ignore_disk_check=a.ignore_disk_check
     )
-    return 0
 
 
 if __name__ == "__main__":

@@ -11,8 +11,9 @@ SIGTERM / Ctrl-C end it with one line `interrupted by SIGTERM|SIGINT: ...` (what
 
 from __future__ import annotations
 
-from eagle3.cli import ArgumentParser, refuse_torchrun, resume_on_interrupt, run_main
+from eagle3.cli import ArgumentParser, refuse_torchrun, run_main
 from eagle3.config import add_config_args, load_config
+from eagle3.stages import prepare_data
 
 
 def main(argv=None) -> int:
@@ -35,17 +36,7 @@ def main(argv=None) -> int:
         "it writes one vocab map, split and validation record for every rank of 04",
     )
     cfg = load_config(a.config, a.overrides)
-    from eagle3.data.prepare_data import interrupt_hint, run
-
-    with resume_on_interrupt(
-        lambda: interrupt_hint(cfg)
-    ):  # SIGTERM / Ctrl-C: one line, exit 143 / 130
-        r = run(cfg, plot=not a.no_plot, revalidate=a.revalidate)
-    print(
-        f"{r['num_samples']} samples ({r['train_samples']} train / {r['val_samples']} val), draft vocab "
-        f"{r['draft_vocab_size']}/{r['target_vocab_size']} covers {r['coverage']:.2%} of loss tokens -> {cfg.data_dir}"
-    )
-    return 0
+    return prepare_data.main(cfg, plot=not a.no_plot, revalidate=a.revalidate)
 
 
 if __name__ == "__main__":

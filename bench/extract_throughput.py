@@ -6,7 +6,7 @@ padding on either side), each timed end to end after one warm-up batch (median o
 - ``bare``: ``model(input_ids, use_cache=False, logits_to_keep=1)`` per batch (no mask: nothing is
   padded, and the capture passes none either), synchronised at the end: the forward work the capture
   cannot avoid;
-- ``pipeline``: :func:`eagle3.capture.extract.capture_and_write`, the code stage 02 runs: hooked capture
+- ``pipeline``: :func:`eagle3.capture.loop.capture_and_write`, the code stage 02 runs: hooked capture
   of the 3 aux states + last, padding sliced and cast to bf16 on the device, one pinned
   device->host copy per batch overlapped with the next forward, shards serialised, hashed and
   written atomically (fsync + rename) by ``--write-threads`` background threads into a temporary
@@ -75,8 +75,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from eagle3.capture.extract import Sample, _start_capture, capture_and_write, default_write_threads  # noqa: E402
 from eagle3.capture.hf import HFCapture  # noqa: E402
+from eagle3.capture.loop import capture_and_write, default_write_threads, start_capture  # noqa: E402
+from eagle3.capture.prompts import Sample  # noqa: E402
 from eagle3.cli import ArgumentParser, non_negative_int, positive_int, run_main  # noqa: E402
 from eagle3.config import add_config_args, load_config  # noqa: E402
 from eagle3.engines.layers import default_aux_layers  # noqa: E402
@@ -510,7 +511,7 @@ def main(argv=None) -> int:
     def capture_copy() -> None:
         prev = None  # the pipeline's capture loop, the writer left out: its ceiling
         for grp in batches:
-            handle = _start_capture(cap, [samples[i].input_ids for i in grp], storage)
+            handle = start_capture(cap, [samples[i].input_ids for i in grp], storage)
             if prev is not None:
                 prev.states()
             prev = handle

@@ -13,7 +13,7 @@ measure rather than teacher-forced top-1:
 Only conversations whose id matches ``--id-pattern`` (default: ShareGPT's ids such as ``03iMgaN_89``, the chat
 prompts of ``../shared/data/train``) and whose first user turn is at most ``--max-chars`` long are drawn; each set is
 ``-n`` prompts drawn with ``random.Random(--seed)`` (all when fewer). The split is recomputed with 03's own
-:func:`eagle3.data.prepare_data.split_indices` over 02's ``manifest.jsonl`` sample ids, with the config's
+:func:`eagle3.data.split.split_indices` over 02's ``manifest.jsonl`` sample ids, with the config's
 ``data.val_fraction`` and ``data.seed``, so it is the run's split. Output: ``chat_{seen,heldout,unseen}.jsonl``
 (messages JSONL, one user turn each: 05 takes them as ``--datasets``) and ``fit_sets.json`` (counts, settings).
 
@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle3.cli import ArgumentParser, run_main  # noqa: E402
 from eagle3.config import load_config  # noqa: E402
-from eagle3.data.prepare_data import split_indices  # noqa: E402
+from eagle3.data.split import split_indices  # noqa: E402
 from eagle3.errors import UserError  # noqa: E402
 from eagle3.io import atomic_write_json, atomic_write_text, iter_jsonl  # noqa: E402
 from eagle3.prompts.readers import (  # noqa: E402

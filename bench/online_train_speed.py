@@ -135,10 +135,9 @@ def prepare(
     config: Path, overrides: list[str], prompts: Path | None, workdir: Path, limit: int | None
 ) -> dict:
     """02 + 03 of both modes over the same prompts; returns per mode the 02 summary and disk figures."""
-    from eagle3.capture import extract
     from eagle3.config import load_config
-    from eagle3.data import prepare_data
     from eagle3.shards.format import read_data_config
+    from eagle3.stages import extract, prepare_data
 
     out = {}
     for mode in MODES:

@@ -1,6 +1,6 @@
 """Benchmark: stage 03 with a full shard validation vs. reusing the validation record, on one shard set.
 
-Runs ``eagle3.data.prepare_data.run`` twice on the config's shards, in the same process: first with
+Runs ``eagle3.stages.prepare_data.run`` twice on the config's shards, in the same process: first with
 ``revalidate=True`` (hash every shard against manifest.jsonl + load it: what every 03 did before the
 validation record), then plainly (the record just written matches: nothing hashed or loaded). Each
 writes into its own temporary data folder, so the run's own ``data/`` is left alone; the full pass
@@ -26,11 +26,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle3.config import add_config_args, load_config  # noqa: E402
-from eagle3.data.prepare_data import run  # noqa: E402
 from eagle3.data.validation_record import shard_set_fingerprint  # noqa: E402
 from eagle3.io import atomic_write_json  # noqa: E402
 from eagle3.shards.format import DATA_CONFIG, list_samples  # noqa: E402
 from eagle3.shards.manifest import MANIFEST  # noqa: E402
+from eagle3.stages.prepare_data import run  # noqa: E402
 
 COMPARED = ("token_freq.pt", "vocab_map.pt", "split.json")
 

@@ -268,7 +268,7 @@ def main(argv=None) -> int:
 
     from tqdm import tqdm
 
-    from eagle3.capture.extract import read_prompts
+    from eagle3.capture.prompts import read_prompts
     from eagle3.prompts.chat import ChatOptions
     from eagle3.prompts.prepare_prompts import max_context_tokens
     from eagle3.verifier.load import load_tokenizer

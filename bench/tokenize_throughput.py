@@ -1,6 +1,6 @@
 """Benchmark: stage 02 tokenization + loss masks, conversations/s at 1 worker and at N workers.
 
-Times :func:`eagle3.capture.extract.tokenize_prompts` (the exact code stage 02 runs: chat template,
+Times :func:`eagle3.stages.extract.tokenize_prompts` (the exact code stage 02 runs: chat template,
 turn-prefix loss mask, recorded ``tokens`` of regenerated replies, ``max_length`` truncation /
 skip) on the same conversations with ``extract.tokenize_workers`` = 1 (serial, in-process) and
 = N (worker processes), checks that both give identical samples and counts, and prints
@@ -75,7 +75,7 @@ def build_conversations(
 
 
 def read_prompts_file(path: Path, num: int | None) -> list[dict]:
-    from eagle3.capture.extract import read_prompts
+    from eagle3.capture.prompts import read_prompts
 
     return read_prompts(path, num)
 
@@ -116,8 +116,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     cfg = load_config(a.config, a.overrides)
 
-    from eagle3.capture.extract import tokenize_prompts
     from eagle3.capture.tokenize_pool import default_workers
+    from eagle3.stages.extract import tokenize_prompts
     from eagle3.verifier.load import load_tokenizer
 
     t0 = time.perf_counter()

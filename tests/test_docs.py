@@ -121,7 +121,7 @@ def config_key_exists(dotted: str) -> bool:
 
 
 def module_attr_exists(dotted: str) -> bool:
-    """``extract.capture_and_write`` / ``data.dataset.collate``: a function, class or name of an eagle3 module."""
+    """``loop.capture_and_write`` / ``data.dataset.collate``: a function, class or name of an eagle3 module."""
     parts = dotted.split(".")
     for k in range(len(parts) - 1, 0, -1):
         mods = glob.glob(
@@ -200,8 +200,8 @@ def test_key_check_catches_a_wrong_key():
     assert not config_key_exists("prompts.self_instruct.batch") and not config_key_exists(
         "train.select_best_chain"
     )
-    assert module_attr_exists("extract.capture_and_write") and not module_attr_exists(
-        "extract.capture_and_writ"
+    assert module_attr_exists("loop.capture_and_write") and not module_attr_exists(
+        "loop.capture_and_writ"
     )
 
 

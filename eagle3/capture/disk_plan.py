@@ -21,6 +21,7 @@ extract.disk_margin_bytes)``; ``--ignore-disk-check`` runs anyway (the plan is s
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import logging
@@ -34,6 +35,8 @@ import torch
 from eagle3.errors import UserError
 from eagle3.io import format_bytes, free_bytes
 from eagle3.shards.checksum import DEFAULT_ALGO, HEX_LEN
+from eagle3.shards.format import bytes_per_token, shard_object
+from eagle3.shards.fp8 import Storage
 
 log = logging.getLogger(__name__)
 
@@ -256,3 +259,53 @@ def check_disk(plan: DiskPlan, ignore: bool) -> DiskPlan:
         )
         + "; free space, set extract.output_dir to a larger filesystem, or pass --ignore-disk-check"
     )
+
+
+def plan_pending(
+    root: Path,
+    todo: Sequence,
+    *,
+    hidden_size: int,
+    storage: Storage,
+    tokens_only: bool,
+    rows_per_dir: int,
+    margin: float,
+    margin_bytes: int,
+    skipped_ids: dict,
+    ignore: bool,
+    freed_by_overwrite: int = 0,
+) -> dict:
+    """Stage 02's disk-plan step (rank 0, before any capture): :func:`plan_disk` of the pending samples ``todo``
+    (:class:`eagle3.capture.prompts.Sample`) then :func:`check_disk`; returns the plan as a dict (recorded in
+    ``extract_report.json``/``.md``; not in data_config.json, whose content depends only on the data).
+
+    ``storage``: the shards' storage (fp8: values + scales are measured); ``tokens_only``: token-only shards
+    (ids + mask, no hidden states). ``freed_by_overwrite``: bytes of old shards that ``--overwrite`` deletes once
+    the plan fits (counted as free, so a refused plan deletes nothing).
+
+    Raises:
+        NotEnoughDisk: the filesystem of ``root`` has less free space than needed (and not ``ignore``).
+    """
+    encode = functools.partial(shard_object, storage=storage)
+    hidden_bpt = bytes_per_token(hidden_size, storage=storage)
+    if tokens_only:
+        encode, hidden_bpt = _token_encode, 0
+    plan = plan_disk(
+        root,
+        [(s.id, len(s.input_ids)) for s in todo],
+        hidden_size=hidden_size,
+        hidden_bytes_per_token=hidden_bpt,
+        rows_per_dir=rows_per_dir,
+        pending_idx=[s.idx for s in todo],
+        encode=encode,
+        margin=margin,
+        margin_bytes=margin_bytes,
+        skipped_ids=skipped_ids,
+        freed_by_overwrite=freed_by_overwrite,
+    )
+    return check_disk(plan, ignore).to_dict()
+
+
+def _token_encode(input_ids, _hidden_states, loss_mask) -> dict:
+    """The shard encoder of token-only samples (the states of the probe are dropped)."""
+    return shard_object(input_ids, None, loss_mask)

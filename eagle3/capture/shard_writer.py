@@ -6,7 +6,7 @@ so the GPU keeps capturing the next batch meanwhile (``torch.save``'s tensor cop
 fsync and the hashers release the GIL). Manifest rows are appended in SUBMISSION order, each only
 after its shard is durable, with one flush + fsync per group of consecutive finished rows: the
 manifest ends up byte-identical to the one the serial loop writes, and the crash-safety contract
-of ``eagle3.capture.extract`` is unchanged (a row never precedes its shard; a shard whose row was not yet
+of ``eagle3.capture.folder`` is unchanged (a row never precedes its shard; a shard whose row was not yet
 appended when the process died is validated and adopted on resume).
 
 While writer threads exist the process's GIL switch interval is at most :data:`SWITCH_INTERVAL_S`

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from eagle3.config import RunConfig
+from eagle3.data.validation_record import fingerprint_now, record_fingerprint
 from eagle3.errors import UserError
 from eagle3.io import read_json
 
@@ -22,14 +22,16 @@ REPORT_JSON = "data_report.json"
 DATA_SETTINGS = ("draft_vocab_size", "val_fraction", "seed", "train_samples", "exclude_id_prefixes")
 
 
-def data_settings(cfg: RunConfig) -> dict:
-    """``{field: value}`` of the config's ``data:`` fields in :data:`DATA_SETTINGS` (JSON-ready)."""
-    return {k: getattr(cfg.data, k) for k in DATA_SETTINGS}
+def data_settings(data) -> dict:
+    """``{field: value}`` of the config's ``data:`` section's fields in :data:`DATA_SETTINGS` (JSON-ready)."""
+    return {k: getattr(data, k) for k in DATA_SETTINGS}
 
 
-def require_current(cfg: RunConfig, record: Optional[Path] = None) -> None:
-    """Stop when 03's outputs in ``cfg.data_dir`` were made under other ``data:`` settings than the config's, or from
-    another shard set than ``cfg.shards_dir`` holds now.
+def require_current(
+    data_dir: Path, shards_dir: Path, settings: dict, record: Optional[Path] = None
+) -> None:
+    """Stop when 03's outputs in ``data_dir`` were made under other ``data:`` settings than ``settings`` (the config's
+    :func:`data_settings`), or from another shard set than ``shards_dir`` holds now.
 
     Reads ``{data_dir}/data_report.json``'s ``settings`` and ``shards_fingerprint`` (the shard set 03 read, as in its
     validation record). ``record``: the passing validation record of the current shards (:func:`require_passed`), whose
@@ -41,7 +43,7 @@ def require_current(cfg: RunConfig, record: Optional[Path] = None) -> None:
             folder made from other shards (both folders named; the ``extract.output_dir`` fault of the fresh-user trial
             2026-12-05d); or an unreadable report (file and line).
     """
-    path = cfg.data_dir / REPORT_JSON
+    path = data_dir / REPORT_JSON
     if not path.is_file():
         return
     report = read_json(path)
@@ -50,36 +52,36 @@ def require_current(cfg: RunConfig, record: Optional[Path] = None) -> None:
         return
     diffs = [
         f"data.{k} {saved[k]!r} there, {v!r} in the config"
-        for k, v in data_settings(cfg).items()
+        for k, v in settings.items()
         if k in saved and saved[k] != v
     ]
     if diffs:
         raise UserError(
-            f"{cfg.data_dir}: 03's vocab map and split were made under other data settings ("
+            f"{data_dir}: 03's vocab map and split were made under other data settings ("
             + "; ".join(diffs)
             + f", {path.name}); run 03_prepare_data.py again"
         )
-    _require_same_shards(cfg, report, path, record)
+    _require_same_shards(data_dir, shards_dir, report, path, record)
 
 
-def _require_same_shards(cfg: RunConfig, report: dict, path: Path, record: Optional[Path]) -> None:
+def _require_same_shards(
+    data_dir: Path, shards_dir: Path, report: dict, path: Path, record: Optional[Path]
+) -> None:
     """:func:`require_current`'s shard-set check: the report's ``shards_fingerprint`` is the current shards'."""
-    from eagle3.data.validation_record import fingerprint_now, record_fingerprint
-
     made_from = report.get("shards_fingerprint")
     if made_from is None:
         return
     now = record_fingerprint(record) if record is not None else None
-    if made_from == (now or fingerprint_now(cfg.shards_dir)):
+    if made_from == (now or fingerprint_now(shards_dir)):
         return
     there = Path(str(report.get("shards_dir", "")))
-    if there.resolve() != cfg.shards_dir.resolve():
+    if there.resolve() != shards_dir.resolve():
         raise UserError(
-            f"{cfg.data_dir}: 03's vocab map and split were made from the shards in {there}, not from "
-            f"{cfg.shards_dir} (extract.output_dir; {path.name}); run 03_prepare_data.py for these shards "
+            f"{data_dir}: 03's vocab map and split were made from the shards in {there}, not from "
+            f"{shards_dir} (extract.output_dir; {path.name}); run 03_prepare_data.py for these shards "
             f"(with a data.output_dir of their own to keep both)"
         )
     raise UserError(
-        f"{cfg.data_dir}: 03's vocab map and split were made from an earlier shard set in {there} "
+        f"{data_dir}: 03's vocab map and split were made from an earlier shard set in {there} "
         f"(re-extracted or changed since; {path.name}); run 03_prepare_data.py again"
     )

@@ -195,6 +195,22 @@ def check_vocab_map(
             range, duplicated or not increasing (absolute ids instead of offsets are named as
             such), or a ``t2d`` that marks another set than ``d2t`` describes.
     """
+    d2t, t2d = _checked_sizes(
+        d2t, t2d, where, target_vocab_size, draft_vocab_size, draft_key, target_source
+    )
+    _check_offsets(d2t, t2d, where)
+
+
+def _checked_sizes(
+    d2t: object,
+    t2d: object,
+    where: str,
+    target_vocab_size: int | None,
+    draft_vocab_size: int | None,
+    draft_key: str,
+    target_source: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`check_vocab_map`'s type, dtype, rank and size checks; returns ``(d2t, t2d)`` on the CPU."""
     if not isinstance(d2t, torch.Tensor) or d2t.dtype != torch.int64 or d2t.dim() != 1:
         got = (
             f"{d2t.dtype} {list(d2t.shape)}"
@@ -222,6 +238,13 @@ def check_vocab_map(
             f"{draft_vocab_size} (re-run 03_prepare_data.py with {draft_key}: {draft_vocab_size}, "
             f"or set {draft_key} back to {dv})"
         )
+    return d2t, t2d
+
+
+def _check_offsets(d2t: torch.Tensor, t2d: torch.Tensor, where: str) -> None:
+    """:func:`check_vocab_map`'s consistency checks: target ids ``arange(draft_V) + d2t`` in range, distinct,
+    increasing, and exactly the ones ``t2d`` marks (CPU tensors)."""
+    dv, tv = int(d2t.numel()), int(t2d.numel())
     if dv < 1 or dv > tv:
         raise UserError(f"{where}: key 'd2t': {dv} draft ids for a target vocab of {tv}")
     tgt = torch.arange(dv, dtype=torch.int64) + d2t  # [draft_V] target id of each draft id

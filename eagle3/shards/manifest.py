@@ -5,7 +5,7 @@ After each shard file has been atomically renamed into place, stage 02 appends o
 leave (a) a shard without its manifest line (the kill fell between rename and append) or (b) a
 last line cut mid-write. :func:`read_manifest` tolerates (b) (an unterminated or unparsable
 *last* line is dropped, reported via ``dropped_tail``); the resume logic in
-``eagle3.capture.extract`` handles (a). A malformed line elsewhere is corruption -> UserError.
+``eagle3.capture.resume`` handles (a). A malformed line elsewhere is corruption -> UserError.
 """
 
 from __future__ import annotations

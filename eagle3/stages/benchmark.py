@@ -16,7 +16,6 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from eagle3.verifier import load as vf
 from eagle3.config import RunConfig
 from eagle3.data import eval_prompts
 from eagle3.decoding import checks, drafter_folder
@@ -31,6 +30,7 @@ from eagle3.export.reader import preflight_export
 from eagle3.io import output_folder_lock, probe_dirs, read_json, rerun_hint
 from eagle3.prompts.chat import ChatOptions, end_of_turn_ids, prompt_ids
 from eagle3.shards.format import check_extract_settings
+from eagle3.verifier import load as vf
 
 log = logging.getLogger(__name__)
 

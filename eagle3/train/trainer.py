@@ -64,7 +64,7 @@ from torch.utils.data import DataLoader
 from eagle3.config import RunConfig
 from eagle3.data.batching import eval_batches, sample_lengths
 from eagle3.data.dataset import ResumableSampler, ShardDataset, collate, read_split
-from eagle3.data.settings import require_current
+from eagle3.data.settings import data_settings, require_current
 from eagle3.data.validation_record import require_passed
 from eagle3.data.vocab import load_run_vocab_map
 from eagle3.drafter.draft_config import EXPORT_META_FILE
@@ -1706,7 +1706,12 @@ def _load_inputs(
     split = read_split(cfg.data_dir)
     # 03's last validation of these shards passed, and its split and vocab map were made from them under the
     # config's data: settings, else UserError
-    require_current(cfg, require_passed(cfg.shards_dir, cfg.data_dir))
+    require_current(
+        cfg.data_dir,
+        cfg.shards_dir,
+        data_settings(cfg.data),
+        require_passed(cfg.shards_dir, cfg.data_dir),
+    )
     args = build_drafter_args(cfg, data_config, vocab)
     if args.hidden_size != int(
         data_config["hidden_size"]

@@ -14,7 +14,6 @@ import pytest
 from test_capture_sglang import StandIn, ec, serve  # ec: patches/eagle3_capture.py
 from test_extract import _config
 
-from eagle3.capture.extract import run
 from eagle3.capture.multi import MultiServerCapture, sglang_backend
 from eagle3.capture.sglang import SGLangCapture
 from eagle3.config import load_config
@@ -22,6 +21,7 @@ from eagle3.errors import UserError
 from eagle3.io import read_json
 from eagle3.shards.format import list_samples
 from eagle3.shards.manifest import read_manifest
+from eagle3.stages.extract import run
 
 AUX = [3, 31, 59]
 

@@ -14,7 +14,7 @@ import torch
 from test_extract import _config, _run, tiny_backend  # noqa: F401 - fixture
 
 from eagle3.capture.disk_plan import NotEnoughDisk, plan_disk, shard_size_model
-from eagle3.capture.extract import LOCK, REPORT_JSON
+from eagle3.capture.folder import LOCK, REPORT_JSON
 from eagle3.config import load_config
 from eagle3.io import read_json
 from eagle3.shards.format import list_samples, shard_object, write_sample

@@ -10,11 +10,13 @@ import pytest
 import torch
 import yaml
 
-from eagle3.capture.extract import STATE, read_prompts, run
+from eagle3.capture.folder import STATE
+from eagle3.capture.prompts import read_prompts
 from eagle3.config import load_config
 from eagle3.errors import UserError
 from eagle3.shards.format import list_samples, load_sample, read_data_config
 from eagle3.shards.manifest import read_manifest
+from eagle3.stages.extract import run
 
 ROOT = Path(__file__).resolve().parents[2]
 AUX = [1, 3, 4]
@@ -206,7 +208,7 @@ def test_resume_after_losing_shards_and_manifest_lines(tmp_path, tiny_llama_dir,
 
 
 def test_changed_settings_name_each_changed_key():
-    from eagle3.capture.extract import changed_settings
+    from eagle3.capture.resume import changed_settings
 
     old = {
         "verifier": {"path": "/m", "dtype": "bfloat16"},
@@ -430,7 +432,7 @@ def test_concurrent_run_refused(tmp_path, tiny_llama_dir):
 def test_silent_corruption_caught_by_stage03_checksum(tmp_path, tiny_llama_dir, tiny_backend):
     """Bytes flipped inside a shard's tensor data still unpickle (torch does not check the zip CRC);
     the checksum that 02 records per shard in manifest.jsonl (xxh3_128) makes stage 03 refuse it."""
-    from eagle3.data.prepare_data import run as prepare
+    from eagle3.stages.prepare_data import run as prepare
 
     cfg = load_config(_config(tmp_path, tiny_llama_dir))
     cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"draft_vocab_size": 64})})
@@ -473,7 +475,7 @@ def test_rerun_of_finished_shards_is_up_to_date(
     before = {n: (root / n).read_bytes() for n in names}
     monkeypatch.setattr(verifier, "load_verifier", _fail_load)
     monkeypatch.setattr(verifier, "load_tokenizer", _fail_load)
-    with caplog.at_level("INFO", logger="eagle3.capture.extract"):
+    with caplog.at_level("INFO", logger="eagle3.stages.extract"):
         again = run(cfg)
     assert again["up_to_date"] and again["written"] == first["written"] == 6
     assert again["capture_s"] == first["capture_s"] and again["disk_plan"] == first["disk_plan"]
@@ -568,7 +570,7 @@ def test_cli_rerun_prints_nothing_but_the_up_to_date_line(tmp_path, tiny_llama_d
     path = _config(tmp_path, tiny_llama_dir)
     assert cli.main(["--config", str(path)]) == 0
     assert "6 samples (6 written, 0 resumed)" in capsys.readouterr().out
-    with caplog.at_level("INFO", logger="eagle3.capture.extract"):
+    with caplog.at_level("INFO", logger="eagle3.stages.extract"):
         assert cli.main(["--config", str(path)]) == 0
     assert capsys.readouterr().out == ""
     assert any(m.startswith("shards up to date: ") for m in caplog.messages)
@@ -794,7 +796,8 @@ def test_summary_says_n_a_where_no_rate_was_measured(tmp_path, tiny_llama_dir, c
     None tok/s``, and a resume that captured nothing ``None tok/s``; such rates read ``n/a``, measured ones unchanged."""
     import importlib
 
-    import eagle3.capture.extract as ex
+    import eagle3.stages.extract as ex
+    from eagle3.capture.report import markdown
 
     sys.path.insert(0, str(ROOT))
     cli = importlib.import_module("02_extract_hidden")
@@ -839,7 +842,7 @@ def test_summary_says_n_a_where_no_rate_was_measured(tmp_path, tiny_llama_dir, c
         capsys.readouterr().out.splitlines()[-1]
         == "6 samples (0 written, 6 resumed), 725 tokens, n/a tok/s -> out/shards"
     )
-    assert "| captured_tokens_per_s | n/a |" in ex._markdown(
+    assert "| captured_tokens_per_s | n/a |" in markdown(
         {
             **{
                 k: 0
@@ -887,11 +890,11 @@ def test_a_shards_folder_without_a_weights_fingerprint_is_said_on_resume_and_up_
         f"that it is, or re-run with --overwrite to capture every shard from this one (a set from two models "
         f"trains against one's lm_head)"
     )
-    with caplog.at_level("WARNING", logger="eagle3.capture.extract"):
+    with caplog.at_level("WARNING", logger="eagle3.stages.extract"):
         assert run(cfg, limit=3)["up_to_date"]
     assert [m for m in caplog.messages if "verifier_weights" in m] == [want]
     caplog.clear()
-    with caplog.at_level("WARNING", logger="eagle3.capture.extract"):
+    with caplog.at_level("WARNING", logger="eagle3.stages.extract"):
         s = run(cfg)  # more prompts: a resume
     assert (s["written"], s["resumed"]) == (3, 3)
     assert [m for m in caplog.messages if "verifier_weights" in m] == [want]

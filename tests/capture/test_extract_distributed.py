@@ -22,10 +22,10 @@ import pytest
 import torch
 import yaml
 
-from eagle3.capture.extract import run
 from eagle3.config import load_config
 from eagle3.shards.format import list_samples, load_sample, read_data_config
 from eagle3.shards.manifest import read_manifest
+from eagle3.stages.extract import run
 
 ROOT = Path(__file__).resolve().parents[2]
 N_PROMPTS = 12

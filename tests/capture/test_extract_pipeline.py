@@ -14,10 +14,10 @@ from test_capture_hf import SAMPLES, _deepseek, _llama
 from test_extract import _config, _write_prompts
 
 import eagle3.capture.shard_writer as sw
-from eagle3.capture.extract import run
 from eagle3.config import load_config
 from eagle3.errors import UserError
 from eagle3.shards.manifest import ManifestWriter, read_manifest
+from eagle3.stages.extract import run
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron".split()
 CONVS = [

@@ -1,7 +1,7 @@
 """Fault injection: SIGKILL stage 02 at seeded random points, re-run, compare with an uninterrupted run.
 
 Stage 02 runs as a real subprocess on the tiny random Llama verifier. The hidden env var
-``EAGLE3_EXTRACT_SLEEP_PER_BATCH`` (see ``eagle3.capture.extract``) slows each batch down so kills land
+``EAGLE3_EXTRACT_SLEEP_PER_BATCH`` (see ``eagle3.capture.loop``) slows each batch down so kills land
 mid-run: during start-up, between batches, inside a shard write or between a shard's rename and
 its manifest line. After the last kill the command is re-run to completion and the result must
 equal an uninterrupted run: same sample ids, bit-identical tensors, every idx exactly once in the

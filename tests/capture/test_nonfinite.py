@@ -166,8 +166,8 @@ def test_03_names_the_hf_layer_and_capture_dtype(tmp_path):
     from test_prepare_data import _cfg, _make_shards
 
     from eagle3.config import load_config
-    from eagle3.data.prepare_data import run
     from eagle3.errors import UserError
+    from eagle3.stages.prepare_data import run
 
     cfg = load_config(_cfg(tmp_path))
     _make_shards(cfg.shards_dir, verifier_dtype="float16")

@@ -1,5 +1,5 @@
 """Stage 02's check that ``prompts.jsonl`` was made under the config's ``prompts:`` settings
-(``eagle3.capture.extract.check_prompts_current``): the report is read once, and the source file named by
+(``eagle3.stages.extract.check_prompts_current``): the report is read once, and the source file named by
 ``prompts.source`` is hashed only when its size or mtime changed since 01 recorded its hash."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import pytest
 import yaml
 
 import eagle3.prompts.prepare_prompts as pp
-from eagle3.capture.extract import check_prompts_current
 from eagle3.config import load_config
 from eagle3.errors import UserError
+from eagle3.stages.extract import check_prompts_current
 
 
 def _cfg(tmp_path: Path, *sets: str):

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from eagle3.capture.extract import tokenize_prompts
 from eagle3.capture.tokenize_pool import map_records, resolve_workers
 from eagle3.config import RunConfig
 from eagle3.errors import UserError
+from eagle3.stages.extract import tokenize_prompts
 
 WORDS = (
     "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "

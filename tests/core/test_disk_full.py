@@ -313,8 +313,8 @@ def ref_extract(tmp_path_factory, tiny_llama_dir) -> Path:
     """An uninterrupted stage-02 run on the tiny verifier (shards folder)."""
     from test_extract import _config
 
-    from eagle3.capture.extract import run
     from eagle3.config import load_config
+    from eagle3.stages.extract import run
 
     cfg = load_config(_config(tmp_path_factory.mktemp("ref"), tiny_llama_dir))
     run(cfg)

@@ -161,7 +161,7 @@ def test_a_lone_surrogate_escape_is_refused_naming_file_line_and_field_by_every_
     as JSON but is not text: 01 read it and died with a UnicodeEncodeError traceback writing prompts.jsonl (02 and
     05 would have died in the tokenizer). Every reader now refuses it in one line naming the file, the line and the
     field; a whole pair is one character and passes; a config value gives the key's line or the --set."""
-    from eagle3.capture.extract import read_prompts
+    from eagle3.capture.prompts import read_prompts
     from eagle3.config import load_config
     from eagle3.data.eval_prompts import load_prompt_file
     from eagle3.prompts.readers import _iter_file

@@ -83,7 +83,7 @@ def test_01_names_output_root(tmp_path):
 
 
 def test_02_names_extract_output_dir(tmp_path):
-    from eagle3.capture.extract import run
+    from eagle3.stages.extract import run
 
     cfg = load_config(make_tiny_run(tmp_path), [f"extract.output_dir={PROC}/shards"])
     assert (
@@ -93,10 +93,10 @@ def test_02_names_extract_output_dir(tmp_path):
 
 
 def test_03_names_data_output_dir_before_validating(tmp_path, monkeypatch):
-    from eagle3.data import prepare_data
+    from eagle3.stages import prepare_data
 
     monkeypatch.setattr(
-        prepare_data, "_shard_stats", lambda *a: pytest.fail("validated before the folder check")
+        prepare_data, "shard_stats", lambda *a: pytest.fail("validated before the folder check")
     )
     cfg = load_config(make_tiny_run(tmp_path), [f"data.output_dir={PROC}"])
     assert (
@@ -170,11 +170,10 @@ def test_probe_dirs_refuses_an_existing_folder_that_takes_no_file(tmp_path):
 
 
 def test_03_and_05_refuse_an_unwritable_output_folder_before_the_long_work(tmp_path, monkeypatch):
-    from eagle3.data import prepare_data
-    from eagle3.stages import benchmark
+    from eagle3.stages import benchmark, prepare_data
 
     monkeypatch.setattr(
-        prepare_data, "_shard_stats", lambda *a: pytest.fail("validated before the folder check")
+        prepare_data, "shard_stats", lambda *a: pytest.fail("validated before the folder check")
     )
     cfg = load_config(
         make_tiny_run(tmp_path), [f"data.output_dir={PROC_DIR}", f"benchmark.output_dir={PROC_DIR}"]
@@ -276,9 +275,8 @@ def test_a_second_run_on_the_same_output_folder_stops_at_once(tmp_path, stage):
     each measuring under the other's load, and the last one's reports replaced the first one's (trial 2026-12-05g);
     two 03 runs of a draft-vocab sweep wrote over each other the same way. Each now holds a lock on its folder: the
     second one stops with one line, before it reads anything; a refused run leaves no folder it made."""
-    from eagle3.data import prepare_data
     from eagle3.io import exclusive_lock
-    from eagle3.stages import benchmark
+    from eagle3.stages import benchmark, prepare_data
 
     cfg = load_config(make_tiny_run(tmp_path))
     folder, lock, call, words = {

@@ -11,10 +11,11 @@ import torch
 import yaml
 
 from eagle3.config import load_config
-from eagle3.data.prepare_data import run, split_indices
+from eagle3.data.split import split_indices
 from eagle3.data.vocab import load_vocab_map
 from eagle3.errors import UserError
 from eagle3.shards.format import LAYER_INDEX_CONVENTION, write_data_config, write_sample
+from eagle3.stages.prepare_data import run
 
 ROOT = Path(__file__).resolve().parents[2]
 H, V = 4, 10
@@ -201,7 +202,7 @@ def test_shards_without_a_weights_fingerprint_are_said_not_silently_passed(
         f"'tiny'; a verifier.path pointed at another model of the same shapes would train against its lm_head "
         f"without an error: check that it is the model 02 captured from, or re-run 02 to record its fingerprint"
     )
-    with caplog.at_level(logging.WARNING, logger="eagle3.data.prepare_data"):
+    with caplog.at_level(logging.WARNING, logger="eagle3.stages.prepare_data"):
         run(cfg)
     assert caplog.messages.count(want) == 1
     meta = json.loads(dc.read_text())
@@ -271,7 +272,7 @@ def test_cli_missing_data_config_exits_2(tmp_path, capsys):
 
 
 def test_train_subset_nested_seeded_and_val_unchanged(tmp_path):
-    from eagle3.data.prepare_data import subset_train
+    from eagle3.data.split import subset_train
 
     train = list(range(50, 90))
     a, b = subset_train(train, 10, 0), subset_train(train, 25, 0)
@@ -297,7 +298,7 @@ def test_train_samples_above_the_split_is_warned(tmp_path, caplog):
     """data.train_samples larger than the training split used to take all of it in silence (a data-curve point
     then equals the next one); now one warning gives both numbers."""
     _make_shards(load_config(_cfg(tmp_path)).shards_dir)
-    with caplog.at_level("WARNING", logger="eagle3.data.prepare_data"):
+    with caplog.at_level("WARNING", logger="eagle3.data.split"):
         rep = run(load_config(_cfg(tmp_path), overrides=["data.train_samples=99"]))
     warned = [
         r.getMessage() for r in caplog.records if r.getMessage().startswith("data.train_samples")
@@ -353,7 +354,7 @@ def test_a_prefix_that_matches_nothing_is_warned_with_the_ids_prefixes(tmp_path,
     cfg = load_config(_cfg(tmp_path), overrides=["data.exclude_id_prefixes=[Chat/, math/]"])
     _make_shards(cfg.shards_dir)
     _write_manifest(cfg.shards_dir, ["chat/1", "chat/2", "math/3", "chat/4", "math/5"])
-    with caplog.at_level("WARNING", logger="eagle3.data.prepare_data"):
+    with caplog.at_level("WARNING", logger="eagle3.data.split"):
         rep = run(cfg)
     warned = [
         r.getMessage() for r in caplog.records if "matches no training sample" in r.getMessage()
@@ -391,7 +392,7 @@ def test_token_only_validation_in_processes_matches_threads(tmp_path, monkeypatc
     """03's process path for large token-only sets yields the thread path's samples, in order, with the same
     counts, across several map_records windows; the first bad shard in order is the one raised."""
     import eagle3.capture.tokenize_pool as tp
-    import eagle3.data.prepare_data as pd
+    import eagle3.data.validate as pd
     import eagle3.shards.format as shard_format
 
     paths = _token_shards(tmp_path / "shards", 40)
@@ -479,9 +480,9 @@ def test_a_deleted_or_stray_shard_is_named_with_the_fix(tmp_path):
     from test_validation_gate import _as_02_wrote
 
     from eagle3.config import load_config
-    from eagle3.data import prepare_data
     from eagle3.errors import UserError
     from eagle3.shards.format import list_samples
+    from eagle3.stages import prepare_data
 
     path = make_tiny_run(tmp_path)
     cfg = load_config(path, _as_02_wrote(tmp_path))
@@ -570,12 +571,12 @@ def test_03_rechecks_02_before_writing_its_outputs(tmp_path, monkeypatch, meanwh
     import fcntl
     import os
 
-    import eagle3.data.prepare_data as prepare_data
+    import eagle3.data.validate as validate
 
     cfg = load_config(_cfg(tmp_path))
     _make_shards(cfg.shards_dir)
     lock = cfg.shards_dir / ".extract.lock"
-    real, held = prepare_data._validate_all, []
+    real, held = validate.validate_all, []
 
     def a_02_starts_meanwhile(shards, meta, paths):
         out = real(shards, meta, paths)
@@ -591,7 +592,7 @@ def test_03_rechecks_02_before_writing_its_outputs(tmp_path, monkeypatch, meanwh
             os.utime(path, ns=(1, 1))
         return out
 
-    monkeypatch.setattr(prepare_data, "_validate_all", a_02_starts_meanwhile)
+    monkeypatch.setattr(validate, "validate_all", a_02_starts_meanwhile)
     with pytest.raises(UserError) as e:
         run(cfg, plot=False)
     if held:
@@ -607,7 +608,7 @@ def test_03_rechecks_02_before_writing_its_outputs(tmp_path, monkeypatch, meanwh
             f"finished"
         )
     assert not any(cfg.data_dir.glob("*.pt")) and not (cfg.data_dir / "split.json").exists()
-    monkeypatch.setattr(prepare_data, "_validate_all", real)
+    monkeypatch.setattr(validate, "validate_all", real)
     assert run(cfg, plot=False)["num_samples"] == len(SAMPLES)
     assert (cfg.data_dir / "vocab_map.pt").is_file()
 
@@ -619,8 +620,8 @@ def test_a_full_disk_in_03_says_it_starts_over(tmp_path, monkeypatch):
     import errno
     import os
 
-    import eagle3.data.prepare_data as prepare_data
     import eagle3.io as eio
+    import eagle3.stages.prepare_data as prepare_data
 
     cfg = load_config(_cfg(tmp_path))
     _make_shards(cfg.shards_dir)

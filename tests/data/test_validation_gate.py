@@ -19,12 +19,13 @@ from _ddp_worker import make_tiny_run, single_thread  # noqa: F401  (autouse fix
 
 import eagle3.data.validation_record as vr
 from eagle3.config import load_config
-from eagle3.data import prepare_data
+from eagle3.data import validate
 from eagle3.data.validation_record import VALIDATION_RECORD, require_passed
 from eagle3.errors import UserError
 from eagle3.shards.checksum import file_checksum
 from eagle3.shards.format import list_samples, read_data_config, write_data_config
 from eagle3.shards.manifest import MANIFEST
+from eagle3.stages import prepare_data
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = {"epochs": 1, "batch_size": 2, "ckpt_every": 100}
@@ -239,7 +240,7 @@ def test_04_refuses_a_split_made_under_other_data_settings(tmp_path):
     """03's outputs record the data: settings they were made under (data_report.json 'settings'); 04 refuses them
     when the config now says otherwise (e.g. data.exclude_id_prefixes set after 03, or an 03 that then failed and left
     the earlier split), naming every field, and trains once 03 has run again."""
-    from eagle3.data.settings import require_current
+    from eagle3.data.settings import data_settings, require_current
     from eagle3.train.trainer import run as train
 
     path = make_tiny_run(tmp_path, train=TRAIN)
@@ -253,7 +254,9 @@ def test_04_refuses_a_split_made_under_other_data_settings(tmp_path):
         "train_samples": None,
         "exclude_id_prefixes": [],
     }
-    require_current(cfg)  # the config 03 ran under: nothing to say
+    require_current(
+        cfg.data_dir, cfg.shards_dir, data_settings(cfg.data)
+    )  # the config 03 ran under: nothing to say
     changed = load_config(path, sets + ["data.exclude_id_prefixes=[p1]", "data.seed=3"])
     assert _train_refused(changed) == (
         f"{cfg.data_dir}: 03's vocab map and split were made under other data settings (data.seed 0 there, 3 in the "
@@ -266,7 +269,7 @@ def test_04_refuses_a_split_made_under_other_data_settings(tmp_path):
     old = json.loads((cfg.data_dir / "data_report.json").read_text())
     del old["settings"]
     (cfg.data_dir / "data_report.json").write_text(json.dumps(old))
-    require_current(cfg)
+    require_current(cfg.data_dir, cfg.shards_dir, data_settings(cfg.data))
 
 
 def _train_refused(cfg) -> str:
@@ -324,12 +327,12 @@ def test_an_interrupted_revalidate_leaves_no_passing_record(tmp_path, monkeypatc
     path = make_tiny_run(tmp_path, train=TRAIN)
     cfg = load_config(path, _as_02_wrote(tmp_path))
     assert prepare_data.run(cfg, plot=False)["validation"] == "full"
-    real = prepare_data._validate_all
+    real = validate.validate_all
 
     def killed(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(prepare_data, "_validate_all", killed)
+    monkeypatch.setattr(validate, "validate_all", killed)
     with pytest.raises(KeyboardInterrupt):
         prepare_data.run(cfg, plot=False, revalidate=True)
     rec = json.loads((cfg.shards_dir / VALIDATION_RECORD).read_text())
@@ -340,7 +343,7 @@ def test_an_interrupted_revalidate_leaves_no_passing_record(tmp_path, monkeypatc
         f"{cfg.shards_dir}: 03_prepare_data.py --revalidate of this shard set did not finish "
         f"(record: {cfg.shards_dir / VALIDATION_RECORD}); run 03_prepare_data.py before training"
     )
-    monkeypatch.setattr(prepare_data, "_validate_all", real)
+    monkeypatch.setattr(validate, "validate_all", real)
     assert prepare_data.run(cfg, plot=False)["validation"] == "full"  # not "reused"
     assert json.loads((cfg.shards_dir / VALIDATION_RECORD).read_text())["status"] == "passed"
     assert require_passed(cfg.shards_dir, cfg.data_dir) == cfg.shards_dir / VALIDATION_RECORD
@@ -362,7 +365,7 @@ def test_an_interrupted_03_says_what_it_left_and_how_to_go_on(tmp_path, monkeypa
     def killed(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(prepare_data, "_validate_all", killed)
+    monkeypatch.setattr(validate, "validate_all", killed)
     main = runpy.run_path(str(ROOT / "03_prepare_data.py"))["main"]
     argv = [
         "--config",

@@ -14,16 +14,16 @@ import torch
 import yaml
 from test_prepare_data import FREQ, SAMPLES, H, _make_shards
 
-import eagle3.data.prepare_data as prepare_data
+import eagle3.data.validate as validate
 import eagle3.data.validation_record as vr
 import eagle3.shards.checksum
 from eagle3.config import load_config
-from eagle3.data.prepare_data import run
 from eagle3.data.validation_record import VALIDATION_RECORD
 from eagle3.errors import UserError
 from eagle3.shards.checksum import file_checksum
 from eagle3.shards.format import DATA_CONFIG, list_samples, write_sample
 from eagle3.shards.manifest import MANIFEST
+from eagle3.stages.prepare_data import run
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -64,7 +64,7 @@ class Spy:
     def __init__(self, monkeypatch):
         self.hashed: list[str] = []
         self.loaded: list[str] = []
-        real_sum, real_load = eagle3.shards.checksum.file_checksum, prepare_data.load_sample
+        real_sum, real_load = eagle3.shards.checksum.file_checksum, validate.load_sample
 
         def checksum(path, algo=eagle3.shards.checksum.DEFAULT_ALGO):
             if Path(path).name.startswith("data_"):
@@ -76,7 +76,7 @@ class Spy:
             return real_load(path, expect=expect)
 
         monkeypatch.setattr(eagle3.shards.checksum, "file_checksum", checksum)
-        monkeypatch.setattr(prepare_data, "load_sample", load)
+        monkeypatch.setattr(validate, "load_sample", load)
 
     def reset(self) -> None:
         self.hashed.clear()
@@ -112,7 +112,7 @@ def test_second_run_reuses_without_touching_shards_and_matches_full_run(
     # another run (own data dir) on the same shards: nothing hashed, nothing loaded
     spy.reset()
     b = load_config(_cfg(tmp_path, "b"))
-    with caplog.at_level(logging.INFO, logger="eagle3.data.prepare_data"):
+    with caplog.at_level(logging.INFO, logger="eagle3.data.validate"):
         rep = run(b, plot=False)
     assert rep["validation"] == "reused" and spy.hashed == [] and spy.loaded == []
     assert (

@@ -939,7 +939,7 @@ def test_an_interrupted_forced_run_is_redone_without_force(tmp_path, monkeypatch
     log, which it keeps), 02 refuses the old prompts.jsonl meanwhile, and the marker is gone once the outputs are
     written (then up to date again)."""
     import eagle3.prompts.prepare_prompts as stage
-    from eagle3.capture.extract import check_prompts_current
+    from eagle3.stages.extract import check_prompts_current
 
     src = _jsonl(tmp_path / "q.jsonl", [{"messages": [U(f"u{i}")]} for i in range(3)])
     cfg = load_config(_config(tmp_path, src, regenerate=True))
@@ -1023,7 +1023,7 @@ def test_a_local_hf_dataset_saved_again_is_seen_as_changed(tmp_path, capsys):
     rows left ``prompts.jsonl`` "up to date" and 02 accepted it. The folder's files are hashed now (each reused while
     its size and mtime hold), so 01 remakes and 02 refuses, naming the source."""
     datasets = pytest.importorskip("datasets")
-    from eagle3.capture.extract import check_prompts_current
+    from eagle3.stages.extract import check_prompts_current
 
     folder = tmp_path / "ds"
     datasets.Dataset.from_list([{"messages": [U("u0"), A("a0")]}]).save_to_disk(str(folder))

@@ -10,12 +10,13 @@ import pytest
 import yaml
 from test_chat_templates import KIMI_K25_STYLE
 
-from eagle3.capture.extract import fingerprint, read_prompts, run, tokenize_prompts
+from eagle3.capture.prompts import read_prompts
 from eagle3.config import load_config
 from eagle3.errors import UserError
 from eagle3.prompts.readers import read_conversations
 from eagle3.shards.format import list_samples, load_sample, read_data_config
 from eagle3.shards.manifest import read_manifest
+from eagle3.stages.extract import fingerprint, run, tokenize_prompts
 
 CALL = {"id": "functions.get:0", "type": "function", "function": {"name": "get", "arguments": "{}"}}
 

@@ -586,7 +586,7 @@ def test_limit_that_drops_self_instruct_prompts_warns_and_the_summary_counts_the
     assert not [r for r in caplog.records if r.name == "eagle3.prompts.prepare_prompts"]
     assert "self-instruct 5 sampled / 4 kept)" in capsys.readouterr().out
     # 02's --limit over this prompts.jsonl (2 sources, then 4 self-instruct prompts)
-    from eagle3.capture.extract import warn_limit_drops_self_instruct
+    from eagle3.stages.extract import warn_limit_drops_self_instruct
 
     loaded = load_config(cfg)
     assert warn_limit_drops_self_instruct(loaded, 3) == (

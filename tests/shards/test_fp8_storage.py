@@ -353,8 +353,8 @@ def bf16_run(tmp_path_factory, tiny_llama_dir):
     """Stage 02 (bf16) and stage 02 (fp8) on the tiny verifier: the same prompts, two shard folders."""
     from test_extract import _config
 
-    from eagle3.capture.extract import run
     from eagle3.config import load_config
+    from eagle3.stages.extract import run
 
     base = tmp_path_factory.mktemp("fp8run")
     bf = load_config(_config(base / "bf16", tiny_llama_dir))
@@ -379,7 +379,7 @@ def _assert_same_set(a: Path, b: Path) -> None:
 
 
 def test_extract_fp8_metadata_and_stage03(bf16_run):
-    from eagle3.data.prepare_data import run as prepare
+    from eagle3.stages.prepare_data import run as prepare
 
     bf, f8 = bf16_run
     mb, mf = read_data_config(bf.shards_dir), read_data_config(f8.shards_dir)
@@ -410,7 +410,7 @@ def test_extract_fp8_metadata_and_stage03(bf16_run):
 
 
 def test_extract_refuses_switching_storage_midway(bf16_run, tiny_llama_dir):
-    from eagle3.capture.extract import run
+    from eagle3.stages.extract import run
 
     bf, _ = bf16_run
     cfg = bf.model_copy(deep=True)

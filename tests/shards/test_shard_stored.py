@@ -10,7 +10,8 @@ import pytest
 import torch
 from test_capture_hf import SAMPLES, _llama
 
-from eagle3.capture.extract import Sample, capture_and_write
+from eagle3.capture.loop import capture_and_write
+from eagle3.capture.prompts import Sample
 from eagle3.shards.format import (
     StoredStates,
     encode_batch,

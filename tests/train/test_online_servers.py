@@ -115,8 +115,7 @@ def _yaml(
 
 def _prepare(root: Path, tiny: Path, online: bool, st, tokenizer):
     """02 (one server, passed in as stage 02's tests do) + 03."""
-    from eagle3.capture import extract
-    from eagle3.data import prepare_data
+    from eagle3.stages import extract, prepare_data
 
     _write_prompts(root / "prompts.jsonl", CONVS)
     cfg = load_config(_yaml(root, tiny, online, [st]))

@@ -116,8 +116,7 @@ def _yaml(
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory, tiny_llama_dir) -> dict:
     """02 + 03 offline (hidden states) and online (token-only) over the same prompts."""
-    from eagle3.capture import extract
-    from eagle3.data import prepare_data
+    from eagle3.stages import extract, prepare_data
 
     out = {}
     for kind in ("offline", "online"):
@@ -223,9 +222,9 @@ def test_verifier_path_to_other_weights_under_the_same_name_is_refused(
 
     from safetensors.torch import load_file, save_file
 
-    from eagle3.data import prepare_data
     from eagle3.errors import UserError
     from eagle3.shards.format import check_verifier, read_data_config
+    from eagle3.stages import prepare_data
     from eagle3.train.trainer import run
     from eagle3.verifier.load import weights_fingerprint
 

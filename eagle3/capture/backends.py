@@ -1,0 +1,114 @@
+"""Build stage 02's capture backend from the ``verifier`` and ``extract`` config sections."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from eagle3.capture.hf import HFCapture
+from eagle3.engines.layers import check_aux_layers, check_servable, default_aux_layers
+from eagle3.errors import UserError
+
+
+def make_backend(verifier, extract, aux_layers: Optional[list[int]] = None):
+    """Build the capture backend named by ``extract.backend`` and return ``(backend, tokenizer)``.
+
+    ``hf``: loads the verifier in-process (``eagle3.verifier.load_verifier``). ``sglang``: the
+    tokenizer only, plus ``eagle3.capture.sglang.SGLangCapture`` talking to
+    ``extract.sglang_url`` (imported lazily). ``aux_layers=None`` = EAGLE default.
+
+    Args:
+        verifier, extract: the run config's ``verifier`` and ``extract`` sections.
+
+    Raises:
+        UserError: missing ``extract.sglang_url`` / ``extract.capture_dir``, or the SGLang backend
+            is not available.
+    """
+    # looked up at call time: tests replace eagle3.verifier's loaders
+    from eagle3.verifier.load import (
+        load_tokenizer,
+        load_verifier,
+        load_verifier_config,
+        verifier_dims,
+    )
+
+    ex = extract
+    if ex.backend == "hf":
+        model, tok = load_verifier(verifier)
+        n = verifier_dims(model.config)["num_layers"]
+        layers = resolve_aux(ex.aux_layers if aux_layers is None else aux_layers, n)
+        pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+        return HFCapture(model, layers, batch_tokens=ex.batch_tokens, pad_id=pad), tok
+    if not ex.sglang_url:
+        raise UserError(
+            "extract.sglang_url: required for backend sglang (or pass --server URL [URL ...])"
+        )
+    if not ex.capture_dir:
+        raise UserError(
+            "extract.capture_dir: required for backend sglang (where the patched server writes tensors)"
+        )
+    try:
+        from eagle3.capture.multi import sglang_backend
+    except ImportError as e:
+        raise UserError(
+            f"extract.backend: the sglang capture backend is not available ({e})"
+        ) from e
+    tok = load_tokenizer(verifier)
+    n = verifier_dims(load_verifier_config(verifier))["num_layers"]
+    layers = resolve_aux(ex.aux_layers if aux_layers is None else aux_layers, n)
+    # one URL: SGLangCapture; several (one per node): MultiServerCapture over them
+    return sglang_backend(
+        ex.sglang_url,
+        ex.capture_dir,
+        layers,
+        timeout=ex.sglang_timeout_s,
+        max_length=ex.max_length,
+        max_requests=ex.requests_per_batch,
+        per_server=ex.batches_in_flight_per_server,
+        max_failures=ex.server_max_failures,
+    ), tok
+
+
+def resolve_aux(layers: Optional[list[int]], num_layers: int) -> list[int]:
+    """The aux layer ids to capture: ``layers`` checked against ``num_layers``, or the EAGLE default
+    ``[2, N//2, N-3]`` (None). Raises UserError naming ``extract.aux_layers``."""
+    if layers is None:
+        return check_aux_layers(
+            default_aux_layers(num_layers),
+            num_layers,
+            field="extract.aux_layers (default [2, N//2, N-3])",
+        )
+    return check_aux_layers(layers, num_layers, field="extract.aux_layers")
+
+
+def checked_backend(verifier, extract, engine: str, backend, tokenizer) -> tuple:
+    """``(backend, tokenizer, info, aux layers)``: the given backend (tests, benchmarks; with its tokenizer) or
+    :func:`make_backend`'s, its aux layers checked against ``extract.aux_layers`` and the export ``engine``
+    (before any capture).
+
+    Raises:
+        ValueError: a backend without its tokenizer, or capturing other layers than ``extract.aux_layers``.
+        UserError: layers the engine cannot serve (:func:`eagle3.layers.check_servable`).
+    """
+    if backend is None:
+        backend, tokenizer = make_backend(verifier, extract)
+    elif tokenizer is None:
+        raise ValueError("run(): pass the tokenizer together with the backend")
+    info = backend.info()
+    aux = resolve_aux(list(backend.aux_layers), info["num_layers"])
+    if extract.aux_layers is not None and aux != list(extract.aux_layers):
+        raise ValueError(f"backend captures {aux} but extract.aux_layers is {extract.aux_layers}")
+    check_servable(aux, engine, str(info["architecture"]), "extract.aux_layers")
+    return backend, tokenizer, info, aux
+
+
+def shard_expect(info: dict, storage_dtype: str, *, tokens_only: bool) -> dict:
+    """What every shard of the run must hold (:func:`eagle3.shards.format.load_sample`'s ``expect``), from the
+    backend's ``info()`` and the storage dtype."""
+    if tokens_only:
+        return {"vocab_size": info["vocab_size"], "tokens_only": True}
+    return {
+        "hidden_size": info["hidden_size"],
+        "num_hidden_states": 4,
+        "vocab_size": info["vocab_size"],
+        "storage_dtype": storage_dtype,
+    }

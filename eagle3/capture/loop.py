@@ -1,0 +1,255 @@
+"""The capture loop of stage 02: capture each planned batch and write the shards of its pending samples.
+
+Pipelining (``write_threads > 0``): the forward of batch k+1 is launched before batch k's states are waited for
+(HF backend: one pinned device->host copy per batch on a side stream), and shards are serialised, hashed and
+written by background threads (:mod:`eagle3.capture.shard_writer`) while the GPU works. Manifest rows are still
+appended in batch order and only after their shard is durable, so the resume rules
+(:mod:`eagle3.capture.folder`) hold unchanged and the folder is byte-identical to the serial loop's
+(``write_threads: 0``).
+
+Testing hook: the environment variable ``EAGLE3_EXTRACT_SLEEP_PER_BATCH`` (seconds, float) makes the loop sleep
+after each captured batch, so a fault-injection test can SIGKILL a run on a tiny verifier mid-way. It has no
+other effect.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import time
+from types import SimpleNamespace
+from typing import Callable, Optional
+
+from tqdm import tqdm
+
+from eagle3.capture.base import CaptureBackend, check_captured
+from eagle3.capture.hf import plan_batches
+from eagle3.capture.multi import prefetching
+from eagle3.capture.prompts import Sample
+from eagle3.capture.shard_writer import ShardWriter
+from eagle3.capture.tokenize_pool import default_workers
+from eagle3.shards import (
+    format as shard_format,  # TOKEN_PROCESS_MIN read at call time (tests lower it)
+)
+from eagle3.shards.checksum import DEFAULT_ALGO
+from eagle3.shards.fp8 import Storage
+from eagle3.shards.manifest import ManifestWriter
+
+SLEEP_ENV = "EAGLE3_EXTRACT_SLEEP_PER_BATCH"
+
+
+def default_write_threads() -> int:
+    """Writer threads for ``extract.write_threads: null``: the usable cores divided among the local
+    torchrun ranks, at most 8 (enough to keep up with one H200 on SmolLM2-size shards)."""
+    return max(1, min(8, default_workers()))
+
+
+def assign_batches(
+    samples: list[Sample], done: dict[int, dict], batch_tokens: int, rank: int, world: int
+) -> list[list[int]]:
+    """Rank ``rank``'s batches (positions into ``samples``): the batches of the global plan
+    (:func:`eagle3.capture.hf.plan_batches` over ALL samples) with a pending sample, every ``world``-th one. The
+    batches come from the global plan, so padding (and every tensor) matches one process and an uninterrupted run."""
+    plan = plan_batches([len(s.input_ids) for s in samples], batch_tokens)
+    todo = [g for g in plan if any(samples[i].idx not in done for i in g)]
+    return todo[rank::world]
+
+
+def start_capture(
+    backend: CaptureBackend, batch: list[list[int]], storage: Optional[Storage] = None
+):
+    """Launch ``batch``'s capture; the handle's ``states()`` waits for it and returns per sample what
+    the shard writer takes: :class:`eagle3.shards.format.StoredStates` from a backend whose
+    ``capture_async`` accepts ``storage`` (HF: NaN/Inf check and fp8 quantisation done on the
+    device per batch), else the 4 bf16 tensors of the capture contract (the writer checks and
+    quantises them)."""
+    start = getattr(backend, "capture_async", None)
+    if callable(start):
+        if "storage" in inspect.signature(start).parameters:
+            handle = start(batch, storage=storage or Storage())
+            return SimpleNamespace(states=handle.stored)
+        return SimpleNamespace(states=start(batch).result)
+    states = backend.capture(batch)
+    return SimpleNamespace(states=lambda: states)
+
+
+def capture_and_write(
+    backend: CaptureBackend,
+    samples: list[Sample],
+    batches: list[list[int]],
+    done: dict[int, dict],
+    hidden_size: int,
+    root,
+    rows_per_dir: int,
+    manifest_path,
+    *,
+    write_threads: int,
+    max_pending_tokens: int,
+    on_commit: Optional[Callable[[dict], None]] = None,
+    storage: Optional[Storage] = None,
+    checksum: str = DEFAULT_ALGO,
+) -> list[dict]:
+    """Capture each batch of ``samples`` positions, write the shards of the samples not in ``done`` (updated as
+    rows land), log them in ``manifest_path``; returns the new manifest rows (in order). Also run by
+    ``bench/extract_throughput.py``.
+
+    ``write_threads > 0`` pipelines (batch k+1's forward launched before batch k's states are waited for; that many
+    :class:`eagle3.capture.shard_writer.ShardWriter` threads, at most ``max_pending_tokens`` tokens in flight);
+    ``0`` is the serial loop; both give the same bytes and manifest. ``storage``: bf16 (None) or fp8; a backend
+    whose ``capture_async`` takes ``storage`` (HF) encodes on its device (:func:`eagle3.shards.format.encode_batch`).
+    ``checksum``: the hash recorded per row.
+
+    Raises:
+        RuntimeError: a backend broke its contract (:func:`eagle3.capture.base.check_captured`).
+        UserError / OSError: a shard or manifest write failed (e.g. disk full).
+    """
+    sleep_s = float(os.environ.get(SLEEP_ENV, "0") or 0)
+    rows: list[dict] = []
+    committed = _committer(done, rows, on_commit)
+
+    def write(group: list[int], handle) -> None:
+        states = handle.states()
+        if sleep_s:
+            time.sleep(sleep_s)
+        for i, st in zip(group, states):
+            s = samples[i]
+            if s.idx in done:
+                continue
+            check_captured(s.input_ids, st, hidden_size, f"sample {s.idx} ('{s.id}')")
+            writer.submit(s.idx, s.id, s.input_ids, st, s.loss_mask)
+
+    with (
+        ManifestWriter(manifest_path) as man,
+        ShardWriter(
+            root,
+            rows_per_dir,
+            man,
+            threads=write_threads,
+            max_pending_tokens=max_pending_tokens,
+            on_commit=committed,
+            storage=storage,
+            checksum=checksum,
+        ) as writer,
+    ):
+        # The whole planned batch is captured (even finished members) so padded shapes match an
+        # uninterrupted run exactly; only unfinished samples are written.
+        _feed(
+            batches,
+            lambda group: start_capture(backend, [samples[i].input_ids for i in group], storage),
+            write,
+            serial=write_threads == 0,
+        )
+    return rows
+
+
+def write_token_samples(
+    samples: list[Sample],
+    batches: list[list[int]],
+    done: dict[int, dict],
+    root,
+    rows_per_dir: int,
+    manifest_path,
+    *,
+    write_threads: int,
+    max_pending_tokens: int,
+    on_commit: Optional[Callable[[dict], None]] = None,
+    checksum: str = DEFAULT_ALGO,
+) -> list[dict]:
+    """The write step of token-only samples (``train.hidden_states: online``): the pending samples of
+    ``batches`` (positions into ``samples``), in batch order, as ``{input_ids, loss_mask}`` shards
+    through the same :class:`eagle3.capture.shard_writer.ShardWriter` (atomic files, checksums, manifest rows in
+    order after each shard is durable) as :func:`capture_and_write`; no verifier forward. From
+    :data:`eagle3.shards.format.TOKEN_PROCESS_MIN` samples on (and ``write_threads > 1``) the ``write_threads`` writers are processes
+    (``ShardWriter(processes=True)``: the pickler holds the GIL). Returns the new rows.
+
+    Raises:
+        UserError / OSError: a shard or manifest write failed (e.g. disk full).
+    """
+    rows: list[dict] = []
+    committed = _committer(done, rows, on_commit)
+
+    n_todo = sum(samples[i].idx not in done for group in batches for i in group)
+    procs = write_threads > 1 and n_todo >= shard_format.TOKEN_PROCESS_MIN
+    with (
+        ManifestWriter(manifest_path) as man,
+        ShardWriter(
+            root,
+            rows_per_dir,
+            man,
+            threads=write_threads,
+            max_pending_tokens=max_pending_tokens,
+            on_commit=committed,
+            checksum=checksum,
+            processes=procs,
+        ) as writer,
+    ):
+        for group in batches:
+            for i in group:
+                s = samples[i]
+                if s.idx not in done:
+                    writer.submit(s.idx, s.id, s.input_ids, None, s.loss_mask)
+    return rows
+
+
+def _committer(
+    done: dict[int, dict], rows: list[dict], on_commit: Optional[Callable[[dict], None]]
+) -> Callable[[dict], None]:
+    """The shard writer's ``on_commit``: record ``row`` in ``done`` and ``rows``, then call ``on_commit``."""
+
+    def committed(row: dict) -> None:
+        done[row["idx"]] = row
+        rows.append(row)
+        if on_commit is not None:
+            on_commit(row)
+
+    return committed
+
+
+def _feed(batches: list[list[int]], start: Callable, write: Callable, serial: bool) -> None:
+    """Start each batch's capture (``start(group) -> handle``) and hand it to ``write(group, handle)``; pipelined
+    unless ``serial``: batch k-1 is written after batch k's forward was launched."""
+    prev = None
+    for group in batches:
+        handle = start(group)
+        if serial:
+            write(group, handle)
+            continue
+        if prev is not None:
+            write(*prev)
+        prev = (group, handle)
+    if prev is not None:
+        write(*prev)
+
+
+def write_pending(
+    backend: Optional[CaptureBackend],
+    samples: list[Sample],
+    mine: list[list[int]],
+    done: dict[int, dict],
+    root,
+    manifest_path,
+    *,
+    rows_per_dir: int,
+    batch_tokens: int,
+    write_threads: int,
+    storage: Optional[Storage],
+    hidden_size: int,
+    bar: dict,
+) -> list[dict]:
+    """Capture (``backend``) or, for token-only samples (``backend`` None), only write the pending samples of the
+    batches ``mine``, with a tqdm token bar (``bar``: ``total``, ``initial``, ``desc``, ``position``); at most
+    ``2 x batch_tokens`` tokens in flight to the writers. Returns the new manifest rows (in order)."""
+    with tqdm(unit="tok", unit_scale=True, mininterval=1.0, **bar) as pbar:
+        kw = dict(
+            write_threads=write_threads,
+            max_pending_tokens=2 * batch_tokens,
+            on_commit=lambda row: pbar.update(row["num_tokens"]),
+        )
+        if backend is None:
+            return write_token_samples(samples, mine, done, root, rows_per_dir, manifest_path, **kw)
+        # several SGLang servers: the batch plan is announced so batches are captured ahead, in parallel
+        with prefetching(backend, [[samples[i].input_ids for i in g] for g in mine]):
+            return capture_and_write(
+                backend, samples, mine, done, hidden_size, root, rows_per_dir, manifest_path,
+                storage=storage, **kw,
+            )  # fmt: skip

@@ -1,0 +1,311 @@
+"""The prompts file of stage 01 -> tokenized training samples (stage 02's input side).
+
+:func:`read_prompts` checks the JSONL records; :func:`check_token_ids` refuses answer token ids outside the
+verifier's vocab; :func:`tokenize` turns every conversation into one or several :class:`Sample` with
+:func:`eagle3.prompts.chat.conversation_samples` (spread over :mod:`eagle3.capture.tokenize_pool` workers, results
+in file order).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from eagle3.capture.tokenize_pool import map_records
+from eagle3.errors import UserError
+from eagle3.io import iter_jsonl, relative_hint
+from eagle3.prompts.chat import conversation_samples
+
+log = logging.getLogger(__name__)
+
+_ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclass
+class Sample:
+    """One tokenized conversation: dense shard ``idx``, prompt ``id``, ids and mask (``list[int]``)."""
+
+    idx: int
+    id: str
+    input_ids: list[int]
+    loss_mask: list[int]
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def read_prompts(path: str | os.PathLike, limit: Optional[int] = None) -> list[dict]:
+    """Read the 01 prompts file (JSONL ``{"id": str, "messages": [...], "tools"?: [...]}``).
+
+    A message is ``{role: system|user|assistant|tool, content: str}`` plus, optionally,
+    ``reasoning_content: str``, ``tool_calls: list`` (assistant), ``tool_call_id``/``name`` (tool)
+    ``tokens: [int]`` (assistant, the ids the verifier generated), ``truncated: bool`` (assistant, cut at
+    ``prompts.max_new_tokens``: no loss on the template's end-of-turn token) and ``stop_token: int`` (assistant, the
+    stop id the verifier ended it on: no loss on the template's end-of-turn token when that is another id); see
+    DESIGN.md "Prompts file".
+
+    Args:
+        limit: keep only the first ``limit`` records.
+
+    Raises:
+        UserError: missing or empty file, malformed JSON, missing/mistyped key or role (``file:line: ...``).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(
+            f"{path}: prompts file not found (run 01_prepare_prompts.py first"
+            + (f"; {relative_hint(path)})" if relative_hint(path) else ")")
+        )
+    out: list[dict] = []
+    for n, rec in iter_jsonl(path):
+        if limit is not None and len(out) >= limit:
+            break
+        if not isinstance(rec, dict):
+            raise UserError(f"{path}:{n}: expected a JSON object")
+        if not isinstance(rec.get("id"), str):
+            raise UserError(f"{path}:{n}: key 'id' missing or not a string")
+        msgs = rec.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise UserError(f"{path}:{n}: key 'messages' missing or not a non-empty list")
+        for k, m in enumerate(msgs):
+            if (
+                not isinstance(m, dict)
+                or m.get("role") not in _ROLES
+                or not isinstance(m.get("content"), str)
+            ):
+                raise UserError(
+                    f"{path}:{n}: key 'messages[{k}]' must be {{role: {'|'.join(_ROLES)}, content: str}}"
+                )
+            for key, typ in (
+                ("reasoning_content", str),
+                ("tool_calls", list),
+                ("tool_call_id", str),
+                ("tokens", list),
+                ("truncated", bool),
+            ):
+                if m.get(key) is not None and not isinstance(m[key], typ):
+                    raise UserError(
+                        f"{path}:{n}: key 'messages[{k}].{key}' must be a {typ.__name__}"
+                    )
+            _check_token_list(m.get("tokens"), f"{path}:{n}: key 'messages[{k}].tokens")
+            if m.get("stop_token") is not None:
+                _check_token_list([m["stop_token"]], f"{path}:{n}: key 'messages[{k}].stop_token")
+        tools = rec.get("tools")
+        if tools is not None and not isinstance(tools, list):
+            raise UserError(f"{path}:{n}: key 'tools' must be a list of tool declarations")
+        out.append(
+            {"id": rec["id"], "messages": msgs, "line": n, **({"tools": tools} if tools else {})}
+        )
+    if not out:
+        raise UserError(
+            f"{path}: no conversations in the prompts file (empty or blank lines only; re-run "
+            "01_prepare_prompts.py)"
+        )
+    return out
+
+
+def _check_token_list(tokens: Optional[list], where: str) -> None:
+    """Refuse an answer's ``tokens`` item that is not a token id (an integer >= 0; ``true`` and ``1.5`` included,
+    which ``int()`` took as 1), naming ``<where>[i]'`` (before: ``"x"`` was a ValueError traceback, ``-5`` an
+    IndexError in the verifier's embedding)."""
+    for i, t in enumerate(tokens or ()):
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            at = "'" if where.endswith(".stop_token") else f"[{i}]'"
+            raise UserError(f"{where}{at} must be a token id (an integer >= 0), got {t!r}")
+
+
+def check_token_ids(prompts: list[dict], vocab_size: int, path: Path) -> None:
+    """Refuse a ``tokens`` id at or past the verifier's vocab (``prompts.jsonl`` made with another verifier, or edited
+    by hand): one line naming the file, line and key, before anything is captured (before: an IndexError traceback
+    from the embedding lookup, after the disk plan).
+
+    Raises:
+        UserError: ``<path>:<line>: key 'messages[k].tokens[i]' = 99999 is not a token id of this verifier ...``.
+    """
+    for rec in prompts:
+        for k, m in enumerate(rec["messages"]):
+            bad = next(
+                (
+                    (f"tokens[{i}]", t)
+                    for i, t in enumerate(m.get("tokens") or ())
+                    if t >= vocab_size
+                ),
+                None,
+            )
+            if bad is None and m.get("stop_token") is not None and m["stop_token"] >= vocab_size:
+                bad = ("stop_token", m["stop_token"])
+            if bad is not None:
+                raise UserError(
+                    f"{path}:{rec['line']}: key 'messages[{k}].{bad[0]}' = {bad[1]} is not a token "
+                    f"id of this verifier (vocab {vocab_size}): were the answers generated by another one? "
+                    "Re-run 01_prepare_prompts.py with this verifier"
+                )
+
+
+MAX_SKIPPED_IDS = 1000  # ids of skipped conversations kept per reason in data_config / the report
+
+
+def _tokenize_one(tokenizer, rec: dict, *, max_length: int, opts, too_long: str, where: str):
+    """The per-conversation step of :func:`tokenize` (module-level: runs in
+    :mod:`eagle3.capture.tokenize_pool` workers): :func:`eagle3.prompts.chat.conversation_samples` of ``rec``; a
+    template-wide error becomes ``UserError("{where}:{line}: ...")``."""
+    try:
+        return conversation_samples(
+            tokenizer, rec["messages"], max_length, opts, too_long, rec.get("tools")
+        )
+    except UserError as e:
+        raise UserError(f"{where}:{rec['line']}: {e}") from e
+
+
+def tokenize(
+    tokenizer,
+    prompts: list[dict],
+    prompts_path: Path,
+    *,
+    max_length: int,
+    too_long: str,
+    opts,
+    workers: Optional[int] = None,
+) -> tuple[list[Sample], Counter, dict[str, list[str]]]:
+    """Turn every conversation into training samples (:func:`eagle3.prompts.chat.conversation_samples`): one
+    sample (id = its id) or, when the template's history changes as turns are added, several (``{id}#turn{n}``);
+    dense ``idx`` in file order. ``workers`` processes (:mod:`eagle3.capture.tokenize_pool`; results in file
+    order). ``max_length`` / ``too_long``: ``extract.*``; ``opts``: :class:`eagle3.prompts.chat.ChatOptions`.
+
+    Returns:
+        ``(samples, counts, skipped_ids)``: counts ``skipped_*`` (too_long, no_loss_tokens, inconsistent,
+        render_failed), ``truncated``, ``split_conversations``, ``split_samples``; ``skipped_ids``: reason ->
+        conversation ids (first :data:`MAX_SKIPPED_IDS`).
+
+    Raises:
+        UserError: template-wide problems, or no sample at all (:func:`_refuse_no_sample`); the conversation
+            named is the first in file order, whatever the worker count.
+    """
+    one = functools.partial(
+        _tokenize_one, max_length=max_length, opts=opts, too_long=too_long, where=str(prompts_path)
+    )
+    samples: list[Sample] = []
+    counts: Counter = Counter()
+    skipped: dict[str, list[str]] = {}
+    first_failure = None
+    for rec, res in zip(
+        prompts, map_records(one, tokenizer, prompts, workers=workers, desc="tokenize")
+    ):
+        counts.update(res.counts)
+        if res.skip_reason is not None:
+            reason = res.skip_reason
+            ids = skipped.setdefault(
+                reason.split(":", 1)[0] if reason.startswith("render_failed") else reason, []
+            )
+            if len(ids) < MAX_SKIPPED_IDS:
+                ids.append(rec["id"])
+            if first_failure is None:
+                first_failure = (
+                    f"{prompts_path}:{rec['line']}: conversation '{rec['id']}' skipped: {reason}"
+                )
+                log.warning("%s", first_failure)
+        for s in res.samples:
+            samples.append(
+                Sample(len(samples), rec["id"] + s.suffix, list(s.input_ids), list(s.loss_mask))
+            )
+    if not samples and prompts:
+        _refuse_no_sample(prompts, prompts_path, counts, first_failure)
+    if counts["split_conversations"]:
+        log.info(
+            "%d conversations split into %d samples (history rendered differently per turn)",
+            counts["split_conversations"],
+            counts["split_samples"],
+        )
+    return samples, counts, skipped
+
+
+def _refuse_no_sample(
+    prompts: list[dict], prompts_path: Path, counts: Counter, first_failure: Optional[str]
+) -> None:
+    """Refuse a run in which every conversation was skipped (an empty shard set that 03 would refuse).
+
+    Raises:
+        UserError: every conversation failed to render (naming the first), else every one was skipped (the
+            counts per reason and the fix).
+    """
+    if first_failure is not None and counts["skipped_render_failed"] == len(prompts):
+        raise UserError(f"every conversation failed to render; the first: {first_failure}")
+    why = ", ".join(
+        f"{k.removeprefix('skipped_').replace('_', ' ')}: {v}"
+        for k, v in sorted(counts.items())
+        if k.startswith("skipped_") and v
+    )
+    hints = [
+        h
+        for k, h in (
+            ("skipped_too_long", "raise extract.max_length or set extract.too_long: truncate"),
+            (
+                "skipped_no_loss_tokens",
+                "a conversation needs an assistant answer (01 with "
+                "prompts.regenerate: true writes them)",
+            ),
+        )
+        if counts[k]
+    ]
+    raise UserError(
+        f"{prompts_path}: no sample to capture: every conversation was skipped ({why}; the first at "
+        f"line {prompts[0]['line']}, conversation '{prompts[0]['id']}'); "
+        + "".join(h + "; " for h in hints)
+        + "nothing written"
+    )
+
+
+def refuse_stale_prompts(
+    forced: Path, prompts_path: Path, rep: Path, report: dict, changed: list[str]
+) -> None:
+    """Refuse a prompts file that an unfinished ``01 --force`` was remaking (its marker ``forced`` exists) or that
+    01 made under other ``prompts:`` settings (``changed``: the differences 01's report ``rep`` / ``report`` names).
+
+    Raises:
+        UserError: one line naming ``prompts_report.json`` (or the marker), the changed settings and the fix.
+    """
+    if (
+        forced.is_file()
+    ):  # its report still matches, but 01 was told to remake it and did not finish
+        raise UserError(
+            f"{forced}: a 01_prepare_prompts.py --force run did not finish, so {prompts_path} is the "
+            f"one from before it; re-run 01 (the same command without --force resumes it) first"
+        )
+    if not changed:
+        return
+    cli = report.get("cli_overrides", [])  # settings 01 took from its command line: needed again
+    cli = (
+        [k for k in cli if k in ("source", "format", "regenerate")] if isinstance(cli, list) else []
+    )
+    them = "them" if len(cli) > 1 else "it"
+    again = (
+        f" (it was run with {', '.join('--' + k for k in cli)} on its command line: give "
+        f"{them} again, or put {them} in the config)"
+        if cli
+        else ""
+    )
+    content = [c for c in changed if c.startswith("the content of ")]  # a source edited since 01
+    keys = [c for c in changed if c not in content]
+    what = "; ".join(content + ([f"changed {'; '.join(keys)}"] if keys else []))
+    raise UserError(
+        f"{rep}: {prompts_path.name} was made with other prompts settings than this config's "
+        f"({what}); re-run 01_prepare_prompts.py with this config first{again}"
+    )
+
+
+def self_instruct_dropped(report: Optional[dict], limit: int) -> Optional[tuple[int, int, int]]:
+    """``(self_instruct prompts in the file, how many a --limit of limit leaves out, kept)`` from 01's report
+    counts (``prompts.self_instruct`` prompts come after the sampled sources); None: nothing left out, no counts."""
+    c = report.get("counts") if isinstance(report, dict) else None
+    if not isinstance(c, dict) or not all(
+        isinstance(c.get(k), int) for k in ("self_instruct", "kept")
+    ):
+        return None
+    n_si = c["self_instruct"] - min(c["self_instruct"], int(c.get("limited_out") or 0))
+    dropped = min(n_si, c["kept"] - limit)
+    return (n_si, dropped, c["kept"]) if dropped > 0 else None

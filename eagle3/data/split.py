@@ -1,0 +1,111 @@
+"""Stage 03's sample split: seeded train/val, a nested training subset, and ids excluded by prefix."""
+
+from __future__ import annotations
+
+import logging
+import random
+from pathlib import Path
+from typing import Optional
+
+from eagle3.errors import UserError
+from eagle3.shards.manifest import MANIFEST, read_manifest
+
+log = logging.getLogger(__name__)
+
+
+def split_indices(indices: list[int], val_fraction: float, seed: int) -> dict[str, list[int]]:
+    """Seeded train/val split of sample ids.
+
+    ``n_val = round(val_fraction * n)``, at least 1 when ``val_fraction > 0`` and ``n >= 2``, and
+    never all samples. The permutation is ``random.Random(seed).shuffle`` of the ids sorted
+    ascending, so the split depends only on the id set, the fraction and the seed.
+
+    Returns:
+        ``{"train": sorted ids, "val": sorted ids}``.
+    """
+    ids = sorted(int(i) for i in indices)
+    n = len(ids)
+    n_val = round(val_fraction * n)
+    if val_fraction > 0 and n >= 2:
+        n_val = max(1, n_val)
+    n_val = min(n_val, max(n - 1, 0))
+    perm = list(ids)
+    random.Random(seed).shuffle(perm)
+    return {"train": sorted(perm[n_val:]), "val": sorted(perm[:n_val])}
+
+
+def subset_train(train: list[int], n: Optional[int], seed: int) -> list[int]:
+    """``data.train_samples``: a seeded subset of ``n`` training ids (sorted), or all when ``n`` is None or
+    not smaller. Subsets of one seed are nested (the first ``n`` of one seeded permutation), so the
+    points of a data-scaling curve add data rather than swap it. ``n`` above ``len(train)`` is warned (all are used)."""
+    if n is not None and n > len(train):
+        log.warning(
+            "data.train_samples: %d asked, the training split holds %d (after the validation split and "
+            "data.exclude_id_prefixes): all of them are used",
+            n,
+            len(train),
+        )
+    if n is None or n >= len(train):
+        return list(train)
+    perm = sorted(train)
+    random.Random(seed + 1).shuffle(perm)
+    return sorted(perm[:n])
+
+
+def exclude_by_id(
+    train: list[int], shards: Path, prefixes: list[str]
+) -> tuple[list[int], dict[str, int]]:
+    """``data.exclude_id_prefixes``: drop the training samples whose id starts with one of ``prefixes``.
+
+    Args:
+        train: sample indices of the training split.
+        shards: 02's output folder; the ids come from its ``manifest.jsonl`` (``{"idx", "id", ...}``: 01's
+            conversation id plus 02's turn suffix).
+        prefixes: id prefixes (an empty list keeps every sample).
+
+    Returns:
+        ``(kept indices in their order, {prefix: samples dropped})``.
+
+    Raises:
+        UserError: the manifest is missing or lacks a training sample's row, or every training sample is dropped.
+    """
+    if not prefixes:
+        return list(train), {}
+    path = shards / MANIFEST
+    if not path.is_file():
+        raise UserError(
+            f"data.exclude_id_prefixes: {path} is missing (02 writes it); re-run 02_extract_hidden.py"
+        )
+    rows = read_manifest(path).rows
+    kept, dropped = [], {p: 0 for p in prefixes}
+    for i in train:
+        if i not in rows:
+            raise UserError(
+                f"{path}: no row for sample {i} (data.exclude_id_prefixes needs every sample's id); "
+                "re-run 02_extract_hidden.py to complete it"
+            )
+        hit = next((p for p in prefixes if rows[i]["id"].startswith(p)), None)
+        if hit is None:
+            kept.append(i)
+        else:
+            dropped[hit] += 1
+    if not kept:
+        raise UserError(
+            f"data.exclude_id_prefixes: {prefixes} drops all {len(train)} training samples of {shards}"
+        )
+    unmatched = [
+        p for p, n in dropped.items() if n == 0
+    ]  # a typo (case, a missing '/') would otherwise be silent
+    stems = (
+        sorted({rows[i]["id"].split("/")[0] + "/" for i in train if "/" in rows[i]["id"]})
+        if unmatched
+        else []
+    )
+    for p in unmatched:
+        log.warning(
+            "data.exclude_id_prefixes: %r matches no training sample (ids are case-sensitive; their "
+            "prefixes here: %s)",
+            p,
+            ", ".join(stems[:12]) + (", ..." if len(stems) > 12 else "") or "none",
+        )
+    return kept, dropped

@@ -1,0 +1,263 @@
+"""Stage 03's shard validation: hash every shard against 02's manifest, load it, count the loss-token frequencies
+and check the totals; a validation record of an earlier pass is reused when the shard set is unchanged
+(:mod:`eagle3.data.validation_record`)."""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Optional
+
+import torch
+from tqdm import tqdm
+
+from eagle3.capture.tokenize_pool import available_cpus, map_records
+from eagle3.data.validation_record import (
+    format_time,
+    load_matching_record,
+    shard_set_fingerprint,
+    write_failed_record,
+    write_record,
+    write_unfinished_record,
+)
+from eagle3.data.vocab import count_token_freq
+from eagle3.errors import UserError
+from eagle3.shards import (
+    checksum as shard_checksum,
+)  # file_checksum looked up at call time (tests spy)
+from eagle3.shards import (
+    format as shard_format,
+)  # TOKEN_PROCESS_MIN read at call time (tests lower it)
+from eagle3.shards.checksum import row_checksum
+from eagle3.shards.format import DATA_CONFIG, expect_from_data_config, list_samples, load_sample
+from eagle3.shards.manifest import MANIFEST, read_manifest
+
+log = logging.getLogger(__name__)
+
+
+def _validate_one(idx: int, path: Path, expect: dict, want: Optional[tuple[str, str]]) -> dict:
+    """Hash (against 02's manifest: ``want`` = ``(algo, hex)``, :mod:`eagle3.shards.checksum`) and load one
+    shard; returns only ``input_ids`` and ``loss_mask`` (the hidden states are validated, then
+    dropped, so memory stays one shard per worker)."""
+    if want is not None and shard_checksum.file_checksum(path, want[0]) != want[1]:
+        raise UserError(
+            f"{path}: contents changed since extraction ({want[0]} differs from manifest.jsonl); "
+            "delete the file and re-run 02_extract_hidden.py to recapture it"
+        )
+    s = load_sample(path, expect=expect)
+    return {"input_ids": s["input_ids"], "loss_mask": s["loss_mask"]}
+
+
+def validate_workers() -> int:
+    """Threads that hash and load shards in 03: min(8, usable cores). The hashers and file reads release
+    the GIL, so threads scale (one thread hashed sha256 at ~0.6 GB/s on the H200 machine: 54 s for
+    32 GB; xxh3_128, what 02 records now, hashes ~20x faster, so loading dominates)."""
+    return min(8, available_cpus())
+
+
+#: shards per :func:`eagle3.capture.tokenize_pool.map_records` call there (bounds the results held at once)
+PROCESS_WINDOW = 16384
+
+
+def _validate_tokens(_tok, item: tuple) -> tuple:
+    """Worker side of :func:`_token_samples_mp`: :func:`_validate_one` of ``item = (idx, path, expect, want)``,
+    returned as numpy arrays (pickled by value: no shared-memory handle per tensor)."""
+    s = _validate_one(*item)
+    return s["input_ids"].numpy(), s["loss_mask"].numpy()
+
+
+def _token_samples_mp(
+    paths: list[tuple[int, Path]], expect: dict, checksums: dict[int, tuple[str, str]], workers: int
+):
+    """Hash + load token-only samples in ``workers`` processes, yielded in order as ``{input_ids, loss_mask}``
+    (int64 ``[L]`` each). A token-only sample is ~16 bytes/token, so per shard the cost is the
+    ``torch.load`` unpickler, which holds the GIL: threads gave ~630 shards/s on the 16-core H200 machine
+    (26K samples in 41 s, lease 2026-12-02b), one process ~1,400/s on this repo's CPU. The first bad shard
+    in order is the one raised (``map_records`` raises the first failure in record order)."""
+    for a in range(0, len(paths), PROCESS_WINDOW):
+        items = [(i, p, expect, checksums.get(i)) for i, p in paths[a : a + PROCESS_WINDOW]]
+        for ids, mask in map_records(
+            _validate_tokens,
+            None,
+            items,
+            workers=workers,
+            chunk_size=256,
+            desc=f"validate shards {a}-{a + len(items)}/{len(paths)}",
+            unit="shard",
+        ):
+            yield {"input_ids": torch.from_numpy(ids), "loss_mask": torch.from_numpy(mask)}
+
+
+def _validated_samples(
+    paths: list[tuple[int, Path]],
+    expect: dict,
+    stats: dict,
+    checksums: dict[int, tuple[str, str]],
+    workers: Optional[int] = None,
+):
+    """Load and validate every shard, in order, counting ``stats`` (``num_samples``, ``num_tokens``,
+    ``num_loss_tokens``, ``max_len``); a shard whose checksum differs from the one 02 recorded in
+    ``manifest.jsonl`` (bit rot, a partial copy, an edit) is an error even when it still unpickles.
+    ``workers`` threads hash and load ahead (at most ``4 x workers`` shards in flight); token-only sets of
+    at least :data:`eagle3.shards.format.TOKEN_PROCESS_MIN` samples go to worker processes instead (one per usable core,
+    :func:`_token_samples_mp`)."""
+    if (
+        expect.get("tokens_only")
+        and available_cpus() > 1
+        and len(paths) >= shard_format.TOKEN_PROCESS_MIN
+    ):
+        samples = _token_samples_mp(paths, expect, checksums, workers or available_cpus())
+    else:
+        samples = _samples_threaded(paths, expect, checksums, workers or validate_workers())
+    for s in samples:
+        stats["num_samples"] += 1
+        stats["num_tokens"] += int(s["input_ids"].numel())
+        stats["num_loss_tokens"] += int(s["loss_mask"].sum())
+        stats["max_len"] = max(stats["max_len"], int(s["input_ids"].numel()))
+        yield s
+
+
+def _samples_threaded(
+    paths: list[tuple[int, Path]], expect: dict, checksums: dict[int, tuple[str, str]], workers: int
+):
+    """:func:`_validate_one` of every shard on ``workers`` threads, yielded in order."""
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="validate") as pool:
+        pending: deque = deque()
+        it = iter(paths)
+        bar = tqdm(total=len(paths), desc="validate shards", unit="shard", mininterval=1.0)
+        try:
+            while True:
+                while len(pending) < 4 * workers:
+                    nxt = next(it, None)
+                    if nxt is None:
+                        break
+                    idx, path = nxt
+                    pending.append(
+                        pool.submit(_validate_one, idx, path, expect, checksums.get(idx))
+                    )
+                if not pending:
+                    break
+                s = (
+                    pending.popleft().result()
+                )  # in order: the first bad shard in order is the one reported
+                bar.update(1)
+                yield s
+        finally:
+            bar.close()
+            for f in pending:
+                f.cancel()
+
+
+def validate_all(
+    shards: Path, meta: dict, paths: list[tuple[int, Path]]
+) -> tuple[dict, torch.Tensor]:
+    """Full validation: hash + load every shard, count loss-token frequencies, check the totals.
+
+    Returns:
+        ``(stats, freq)``: stats ``num_samples``, ``num_tokens``, ``num_loss_tokens``, ``max_len``
+        (tokens); freq int64 ``[V]``.
+
+    Raises:
+        UserError: an invalid shard, a checksum differing from ``manifest.jsonl``, totals differing from
+            ``data_config.json``, no loss-masked token.
+    """
+    V = int(meta["vocab_size"])
+    stats = {"num_samples": 0, "num_tokens": 0, "num_loss_tokens": 0, "max_len": 0}
+    man_path = shards / MANIFEST
+    rows = (
+        read_manifest(man_path).rows if man_path.is_file() else {}
+    )  # flat vLLM-speculators folders: none
+    checksums = {i: c for i, r in rows.items() if (c := row_checksum(r)) is not None}
+    freq = count_token_freq(
+        _validated_samples(paths, expect_from_data_config(meta), stats, checksums), V
+    )  # [V]
+    _check_totals(shards, meta, stats)
+    return stats, freq
+
+
+def _check_totals(shards: Path, meta: dict, stats: dict) -> None:
+    meta_path = shards / DATA_CONFIG
+    for key in ("num_samples", "num_tokens", "num_loss_tokens"):
+        if stats[key] != meta[key]:
+            raise UserError(
+                f"{meta_path}: key '{key}' is {meta[key]} but the shards hold {stats[key]} "
+                + (_sample_set_change(shards) or "(shards added or removed after stage 02?)")
+            )
+    if stats["num_loss_tokens"] == 0:
+        raise UserError(f"{shards}: no loss-masked token in any shard (no assistant replies?)")
+
+
+def _sample_set_change(shards: Path) -> Optional[str]:
+    """Which shards differ from ``manifest.jsonl`` and what to do, for :func:`_check_totals`'s error (None when the
+    files are the manifest's samples, or there is no manifest). A deleted shard said only `(shards added or removed
+    after stage 02?)` (fresh-user trial 2026-12-05d); 02 with the same command recaptures a missing one."""
+    man_path = shards / MANIFEST
+    if not man_path.is_file():
+        return None
+    rows, have = read_manifest(man_path).rows, dict(list_samples(shards))
+
+    def some(ids: list[int]) -> str:
+        return ", ".join(map(str, ids[:5])) + (f" and {len(ids) - 5} more" if len(ids) > 5 else "")
+
+    missing, extra = sorted(set(rows) - set(have)), sorted(set(have) - set(rows))
+    if missing:
+        return (
+            f"({len(missing)} of the {len(rows)} shards in {MANIFEST} are missing: sample {some(missing)}); re-run "
+            f"02_extract_hidden.py with the same command (without --overwrite) to recapture them, then 03"
+        )
+    if extra:
+        return (
+            f"({len(extra)} shard files not in {MANIFEST}: sample {some(extra)}, e.g. {have[extra[0]]}); remove "
+            f"them, or re-run 02_extract_hidden.py --overwrite"
+        )
+    return None
+
+
+def shard_stats(
+    shards: Path, data_dir: Path, meta: dict, paths: list[tuple[int, Path]], revalidate: bool
+) -> tuple[dict, torch.Tensor, str, str]:
+    """Stats and loss-token counts of the shard set: reused from a validation record whose fingerprint
+    matches (``eagle3.data.validation_record``), else from a full validation, after which the record is
+    written (shards folder if writable, else the data folder): a passing one, or, when the pass raises, a
+    failed one holding the error (replacing an earlier passing record of the same fingerprint; stage 04 then
+    refuses the set).
+
+    Raises:
+        UserError: as :func:`validate_all`; no folder accepts the passing record.
+
+    Returns:
+        ``(stats, freq int64 [V], "full" | "reused", the shard set's fingerprint)``.
+    """
+    folders = [shards, data_dir]
+    # fingerprint BEFORE reading any shard: a shard changed during the pass makes the record stale
+    fp = shard_set_fingerprint(shards, paths, shards / MANIFEST, shards / DATA_CONFIG)
+    if not revalidate:
+        hit = load_matching_record(folders, fp, int(meta["vocab_size"]))
+        if hit is not None:
+            stats, freq, created, path = hit
+            _check_totals(shards, meta, stats)
+            log.info(
+                "reusing the shard validation of %s (%s; shards, manifest.jsonl and data_config.json unchanged "
+                "since); --revalidate forces a full pass",
+                format_time(created),
+                path,
+            )
+            return stats, freq, "reused", fp
+    if (
+        revalidate
+    ):  # a forced pass stopped half-way must not leave the earlier passing record in force
+        write_unfinished_record(folders, fp)
+    try:
+        stats, freq = validate_all(shards, meta, paths)
+    except (
+        UserError
+    ) as e:  # the set is not valid: no record may keep saying it is (stage 04 reads it)
+        write_failed_record(folders, fp, str(e))
+        raise
+    where = write_record(folders, fp, stats, freq)
+    log.info(
+        "validation record written to %s (a re-run on unchanged shards skips the hashing)", where
+    )
+    return stats, freq, "full", fp
