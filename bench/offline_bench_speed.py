@@ -249,8 +249,8 @@ def main(argv=None) -> int:
         subset_warnings,
         too_few_note,
     )
+    from eagle3.chat.template import ChatOptions, end_of_turn_ids, prompt_ids
     from eagle3.layers import check_aux_layers, default_aux_layers
-    from eagle3.prompts.chat import ChatOptions, end_of_turn_ids, prompt_ids
     from eagle3.verifier import load_verifier, resolve_device, verifier_dims
 
     check_dataset_names([a.dataset], "--dataset", indexed=False)  # before the verifier loads
@@ -293,7 +293,7 @@ def main(argv=None) -> int:
     subset_notes = ([short] if short else []) + subset_notes
     for w in subset_notes:
         log.warning("%s", w)
-    chat = ChatOptions.from_config(cfg)
+    chat = ChatOptions.from_verifier(cfg.verifier, cfg.extract.loss_on_reasoning)
     ids = [(q.id, prompt_ids(tok, q.messages, chat)) for q in prompts]
     headline = a.headline_batch_size or (
         cfg.benchmark.batch_size

@@ -31,7 +31,7 @@ CONCEPTS = {
     "train",  # TTT training loop, data order / resume, warm start, checkpoints, report
 }
 STAGE_PKG = "stages"
-LEGACY = {"prompts", "benchmark"}  # being emptied into concept packages and stages/
+LEGACY = {"benchmark"}  # being emptied into concept packages and stages/
 # Modules that still import eagle3.config (RunConfig); each entry leaves when its module takes plain arguments.
 KNOWN_CONFIG_USERS = {
     "eagle3.export.from_checkpoint",
@@ -39,15 +39,15 @@ KNOWN_CONFIG_USERS = {
     "eagle3.train.trainer",
     "eagle3.data.prepare_data",
     "eagle3.data.settings",
-    "eagle3.prompts.prepare_prompts",
+    "eagle3.regen.manifest",  # 01's report settings (was eagle3.prompts.prepare_prompts)
     "eagle3.capture.extract",
-    "eagle3.prompts.regen_server",
-    "eagle3.prompts.self_instruct",
+    "eagle3.regen.regen_server",
+    "eagle3.regen.self_instruct",
     "eagle3.train.checkpoint",
     "eagle3.verifier",
 }
 # Library modules that still import eagle3.cli; each leaves when its orchestration moves to stages/.
-KNOWN_CLI_USERS = {"eagle3.prompts.self_instruct", "eagle3.train.trainer"}
+KNOWN_CLI_USERS = {"eagle3.regen.self_instruct", "eagle3.train.trainer"}
 
 
 def module_name(path: Path) -> str:
@@ -183,11 +183,11 @@ def test_test_basenames_are_unique():
 # ---- orchestration is a sequence of named steps (issue 24: no function over ~80 lines) -------------------
 MAX_FUNCTION_LINES = 80
 ORCHESTRATION = [
-    "eagle3/prompts/prepare_prompts.py",
-    "eagle3/prompts/regen_server.py",
-    "eagle3/prompts/regenerate.py",
-    "eagle3/prompts/replicas.py",
-    "eagle3/prompts/continuous.py",
+    "eagle3/stages/prepare_prompts.py",
+    "eagle3/regen/regen_server.py",
+    "eagle3/regen/regenerate.py",
+    "eagle3/regen/replicas.py",
+    "eagle3/regen/continuous.py",
     "eagle3/capture/extract.py",
     "eagle3/data/prepare_data.py",
     "eagle3/train/trainer.py",
@@ -208,11 +208,10 @@ KNOWN_LONG: set[str] = {
     "eagle3/capture/extract.py::capture_and_write",
     "eagle3/capture/extract.py::tokenize_prompts",
     "eagle3/data/prepare_data.py::prepare",
-    "eagle3/prompts/continuous.py::SlotEngine.__init__",
-    "eagle3/prompts/continuous.py::compile_decision",
-    "eagle3/prompts/prepare_prompts.py::report_markdown",
-    "eagle3/prompts/regen_server.py::regenerate_via_server",
-    "eagle3/prompts/regenerate.py::regenerate",
+    "eagle3/regen/continuous.py::SlotEngine.__init__",
+    "eagle3/regen/continuous.py::compile_decision",
+    "eagle3/regen/regen_server.py::regenerate_via_server",
+    "eagle3/regen/regenerate.py::regenerate",
     "eagle3/train/trainer.py::_Training.restore",
     "eagle3/train/trainer.py::_load_inputs",
 }

@@ -870,7 +870,7 @@ def template_check(
         the shards' ``data_config.json`` is gone (offline :func:`shards_unchecked` says that; ``say_missing``, for
         ``--server``: the not-checked line names the missing file).
     """
-    from eagle3.prompts.chat import ChatOptions, chat_template_hash, template_name
+    from eagle3.chat.template import ChatOptions, chat_template_hash, template_name
 
     dc = Path(cfg.shards_dir) / DATA_CONFIG
     try:
@@ -880,7 +880,9 @@ def template_check(
         return None, None
     if (rec is False and not say_missing) or rec == now:
         return None, None
-    used = template_name(tokenizer, ChatOptions.from_config(cfg))
+    used = template_name(
+        tokenizer, ChatOptions.from_verifier(cfg.verifier, cfg.extract.loss_on_reasoning)
+    )
     if not isinstance(rec, str) or not rec:
         return None, (
             f"{dc} {'not found' if rec is False else 'records no chat_template_hash'}: 05 did not check that "
@@ -1325,7 +1327,7 @@ def run_offline(
             greedy by more than the tie tolerance (raised after the reports are written, naming
             dataset, prompt, token index and gap).
     """
-    from eagle3.prompts.chat import ChatOptions, end_of_turn_ids, prompt_ids
+    from eagle3.chat.template import ChatOptions, end_of_turn_ids, prompt_ids
 
     eos = sorted(end_of_turn_ids(tokenizer))
     param = next(verifier.parameters())
@@ -1351,7 +1353,7 @@ def run_offline(
         "not_checked": list(not_checked),
         "datasets": [],
     }
-    chat = ChatOptions.from_config(cfg)
+    chat = ChatOptions.from_verifier(cfg.verifier, cfg.extract.loss_on_reasoning)
     tokenized = [
         (label, [(p.id, prompt_ids(tokenizer, p.messages, chat)) for p in prompts])
         for label, prompts in sets

@@ -1,6 +1,6 @@
 """Benchmark a running SGLang server started with ``--speculative-algorithm EAGLE3`` (HTTP, stdlib only).
 
-Each prompt is chat-rendered locally (:func:`eagle3.prompts.chat.prompt_ids`, same template and kwargs as training) and sent
+Each prompt is chat-rendered locally (:func:`eagle3.chat.template.prompt_ids`, same template and kwargs as training) and sent
 as ``input_ids`` to ``POST {url}/generate`` with ``sampling_params {temperature: 0, max_new_tokens}``.
 
 Response shape (SGLang 0.5.23, ``srt/managers/tokenizer_manager.py`` ``_handle_batch_output`` and
@@ -522,7 +522,7 @@ def run(
         UserError: tokenizer, prompt set or server problems (see :func:`run_server_bench`).
     """
     from eagle3.benchmark.eval_prompts import check_dataset_names, dataset_labels, load_eval_subset
-    from eagle3.prompts.chat import ChatOptions, prompt_ids
+    from eagle3.chat.template import ChatOptions, prompt_ids
     from eagle3.verifier import load_tokenizer
 
     if datasets:
@@ -562,7 +562,17 @@ def run(
         prompts, notes = load_eval_subset(name, num_prompts, cfg.benchmark.prompt_pick)
         for w in notes:
             log.warning("%s", w)
-        ids = [(p.id, prompt_ids(tok, p.messages, ChatOptions.from_config(cfg))) for p in prompts]
+        ids = [
+            (
+                p.id,
+                prompt_ids(
+                    tok,
+                    p.messages,
+                    ChatOptions.from_verifier(cfg.verifier, cfg.extract.loss_on_reasoning),
+                ),
+            )
+            for p in prompts
+        ]
         report = run_server_bench(
             urls,
             ids,

@@ -6,7 +6,7 @@ loads its own verifier on ``cuda:LOCAL_RANK`` (CPU when the config says cpu / no
 batches ``todo[rank::N]`` of the SAME global batch plan (tensors bit-identical to one process) into
 the same shard folder, and rank 0 merges the per-rank manifests and writes ``data_config.json``.
 
-Flow: read ``cfg.prompts_path`` (01 output) -> :func:`eagle3.prompts.chat.conversation_samples` (loss
+Flow: read ``cfg.prompts_path`` (01 output) -> :func:`eagle3.chat.samples.conversation_samples` (loss
 mask, ``max_length``, ``too_long``; one or several samples per conversation) -> dense sample ids
 ``idx = 0..n-1`` over the kept samples in file order -> capture backend (``eagle3.capture``) in length-bucketed batches
 (:func:`eagle3.capture.hf.plan_batches`) -> one shard per sample (``eagle3.shards.format``) ->
@@ -258,9 +258,9 @@ MAX_SKIPPED_IDS = 1000  # ids of skipped conversations kept per reason in data_c
 
 def _tokenize_one(tokenizer, rec: dict, *, max_length: int, opts, too_long: str, where: str):
     """The per-conversation step of :func:`tokenize_prompts` (module-level: runs in
-    :mod:`eagle3.capture.tokenize_pool` workers): :func:`eagle3.prompts.chat.conversation_samples` of ``rec``; a
+    :mod:`eagle3.capture.tokenize_pool` workers): :func:`eagle3.chat.samples.conversation_samples` of ``rec``; a
     template-wide error becomes ``UserError("{where}:{line}: ...")``."""
-    from eagle3.prompts.chat import conversation_samples
+    from eagle3.chat.samples import conversation_samples
 
     try:
         return conversation_samples(
@@ -273,7 +273,7 @@ def _tokenize_one(tokenizer, rec: dict, *, max_length: int, opts, too_long: str,
 def tokenize_prompts(
     tokenizer, prompts: list[dict], cfg: RunConfig, prompts_path: Path
 ) -> tuple[list[Sample], Counter, dict[str, list[str]]]:
-    """Turn every conversation into training samples with :func:`eagle3.prompts.chat.conversation_samples`.
+    """Turn every conversation into training samples with :func:`eagle3.chat.samples.conversation_samples`.
 
     A conversation gives one sample (id = its id) or, when the template's history changes as turns
     are added, several (ids ``{id}#turn{n}``); dense ``idx`` in file order over all samples. The
@@ -294,13 +294,13 @@ def tokenize_prompts(
             the conversation named is the first in file order, whatever the worker count.
     """
     from eagle3.capture.tokenize_pool import map_records
-    from eagle3.prompts.chat import ChatOptions
+    from eagle3.chat.template import ChatOptions
 
     ex = cfg.extract
     one = functools.partial(
         _tokenize_one,
         max_length=ex.max_length,
-        opts=ChatOptions.from_config(cfg),
+        opts=ChatOptions.from_verifier(cfg.verifier, cfg.extract.loss_on_reasoning),
         too_long=ex.too_long,
         where=str(prompts_path),
     )
@@ -695,15 +695,15 @@ def _weights_unchecked(root: Path, state: Any, weights: dict) -> Optional[str]:
 
 def check_prompts_current(cfg: RunConfig) -> None:
     """Refuse a ``prompts.jsonl`` that 01 made under other ``prompts:`` settings than ``cfg``'s
-    (:func:`eagle3.prompts.prepare_prompts.report_changes`; no ``prompts_report.json``: nothing to compare), or one
-    that an unfinished ``01 --force`` was remaking (its marker :func:`eagle3.prompts.prepare_prompts.forced_path`).
+    (:func:`eagle3.regen.manifest.report_changes`; no ``prompts_report.json``: nothing to compare), or one
+    that an unfinished ``01 --force`` was remaking (its marker :func:`eagle3.regen.manifest.forced_path`).
     The report is read once, for the comparison and the refusal's hint.
 
     Raises:
         UserError: one line naming ``prompts_report.json`` (or the marker), the changed settings and the fix (re-run
             01).
     """
-    from eagle3.prompts.prepare_prompts import forced_path, read_report, report_changes
+    from eagle3.regen.manifest import forced_path, read_report, report_changes
 
     forced = forced_path(cfg)
     if (
@@ -743,7 +743,8 @@ def warn_limit_drops_self_instruct(cfg: RunConfig, limit: int) -> Optional[str]:
     """Warn (one line; also returned) when ``--limit`` leaves out ``prompts.self_instruct`` prompts, which 01 puts
     after the sampled sources: how many, from ``prompts_report.json``'s counts (``self_instruct`` added, less those
     01's own ``--limit`` left out, at the end of ``kept``). None: nothing left out, or no such report."""
-    from eagle3.prompts.prepare_prompts import limit_drops_self_instruct, read_report
+    from eagle3.regen.report import limit_drops_self_instruct
+    from eagle3.regen.manifest import read_report
 
     _, report = read_report(cfg)
     c = report.get("counts") if isinstance(report, dict) else None
@@ -1708,7 +1709,7 @@ def _finalise(
     num_tokens = sum(r["num_tokens"] for r in rows)
     num_loss = sum(int(r.get("num_loss_tokens", 0)) for r in rows)
     rows_per_dir = cfg.extract.rows_per_dir
-    from eagle3.prompts.chat import chat_template_hash, end_of_turn_ids
+    from eagle3.chat.template import chat_template_hash, end_of_turn_ids
 
     storage = storage_from_config(cfg.extract)
     tokens = token_only(cfg)

@@ -447,8 +447,8 @@ def test_chat_template_is_compared_with_the_shards(tmp_path, smollm_tokenizer):
     from types import SimpleNamespace
 
     from eagle3.benchmark.offline import template_check
+    from eagle3.chat.template import chat_template_hash
     from eagle3.config import ExtractConfig, VerifierConfig
-    from eagle3.prompts.chat import chat_template_hash
 
     shards = tmp_path / "shards"
     shards.mkdir()

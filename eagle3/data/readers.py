@@ -423,7 +423,7 @@ def normalise(
     if not msgs:
         counts["skipped_no_user" if raw else "skipped_empty_conversation"] += 1
         return None
-    from eagle3.prompts.chat import split_reasoning
+    from eagle3.chat.template import split_reasoning
 
     for m in msgs:
         if m["role"] == "assistant" and m.get("reasoning_content") is None:

@@ -18,7 +18,7 @@ to ``<FILE stem>_report.json``; a re-run with the same settings finds the file u
 ``prompts.self_instruct: {num, exclude, temperature, top_p, max_query_tokens, min_chars, batch_size}`` runs the same code
 (:func:`make`, through :func:`make_from_config`) inside a normal 01 run: the file is
 ``{output_root}/self_instruct.jsonl`` and 01 adds its prompts to the sampled sources
-(:func:`eagle3.prompts.prepare_prompts.run`).
+(:func:`eagle3.stages.prepare_prompts.run`).
 """
 
 from __future__ import annotations
@@ -86,12 +86,12 @@ def pre_query_prefix(tokenizer, opts, system_prompt: Optional[str] = None) -> st
     """The chat template's text before a user message's content: what the verifier continues with a user query.
 
     Renders ``[system?, user: <sentinel>]`` with the run's template options (01's rendering,
-    :func:`eagle3.prompts.chat.render_text`) and cuts at the sentinel, so a template's default system turn (SmolLM2:
+    :func:`eagle3.chat.template.render_text`) and cuts at the sentinel, so a template's default system turn (SmolLM2:
     "You are a helpful AI assistant named SmolLM, ...") is kept as the verifier sees it in regeneration.
 
     Args:
         tokenizer: the verifier's tokenizer (with a chat template).
-        opts: :class:`eagle3.prompts.chat.ChatOptions`.
+        opts: :class:`eagle3.chat.template.ChatOptions`.
         system_prompt: ``prompts.system_prompt`` (None: the template's own default, if any).
 
     Returns:
@@ -100,7 +100,7 @@ def pre_query_prefix(tokenizer, opts, system_prompt: Optional[str] = None) -> st
     Raises:
         UserError: the template drops or rewrites the user content (the sentinel is not in its output).
     """
-    from eagle3.prompts.chat import render_text
+    from eagle3.chat.template import render_text
 
     msgs = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
         {"role": "user", "content": SENTINEL}
@@ -124,7 +124,7 @@ def select_queries(
         ``(kept, counts)``: the stripped queries, and ``{"truncated", "too_short", "duplicate", "kept"}`` counts
         (each query counted once, in that order of checks).
     """
-    from eagle3.prompts.readers import dedupe_key
+    from eagle3.data.readers import dedupe_key
 
     kept, counts = [], {"truncated": 0, "too_short": 0, "duplicate": 0, "kept": 0}
     for text, done in zip(texts, ended):
@@ -204,7 +204,7 @@ def _excluded_keys(paths: Sequence[str], name: str = "--exclude") -> set:
     """01 dedupe keys of every conversation's first user message in ``paths`` (01's readers). Errors name the
     setting (``name``: the flag, or ``prompts.self_instruct.exclude``) before the file: a reader's own message
     (``prompts file not found``) read as if about ``prompts.source``."""
-    from eagle3.prompts.readers import dedupe_key, read_conversations
+    from eagle3.data.readers import dedupe_key, read_conversations
 
     keys: set = set()
     for p in paths:
@@ -310,11 +310,15 @@ def make(
         UserError: an unusable chat template, an unreadable exclude file, or no query kept (nothing written then).
     """
     names = names or CLI_NAMES
-    from eagle3.prompts.chat import ChatOptions
+    from eagle3.chat.template import ChatOptions
     from eagle3.verifier import load_tokenizer, stop_token_ids, weights_fingerprint
 
     tok = load_tokenizer(cfg.verifier)
-    prefix = pre_query_prefix(tok, ChatOptions.from_config(cfg), cfg.prompts.system_prompt)
+    prefix = pre_query_prefix(
+        tok,
+        ChatOptions.from_verifier(cfg.verifier, cfg.extract.loss_on_reasoning),
+        cfg.prompts.system_prompt,
+    )
     st = SelfInstructSettings(
         num,
         float(temperature),

@@ -6,7 +6,7 @@ slot engine uses and :class:`HFContinuousEngine` ignores), :meth:`Engine.results
 as answers finish; the caller may submit more prompts while iterating (stage 01 submits turn k+1 of a
 conversation when turn k's answer arrives), and the iteration ends when nothing is queued or running.
 Answers are greedy: the new tokens up to (excluding) the first stop token, ``stop`` that token's id (``int``), None
-when the ``max_new_tokens`` budget ran out first, as :func:`eagle3.prompts.regenerate.generate_greedy` returns them.
+when the ``max_new_tokens`` budget ran out first, as :func:`eagle3.regen.regenerate.generate_greedy` returns them.
 
 * :class:`SlotEngine` (``prompts.regen_engine: slots``): a fixed number of decode slots over a
   preallocated KV cache ``[slots, kv_heads, max_len, head_dim]`` per layer. A finished row's slot is
@@ -79,12 +79,12 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from eagle3.errors import UserError
-from eagle3.prompts.flex_compat import (
+from eagle3.regen.flex_compat import (
     block_mask_from_kv_blocks,
     kv_blocks_params,
     raise_recompile_limit,
 )
-from eagle3.prompts.packed_prefill import (
+from eagle3.regen.packed_prefill import (
     PackedBuffers,
     compiled_packed_flex,
     eager_packed_flex,
@@ -130,7 +130,7 @@ class SlotCache:
         prefill_cols, prefill_mask: prefill of rows at column offsets (cross-turn prefix reuse; None: every row from
             column 0, causal): :func:`offset_prefill_layout`.
         packed: packed prefill mode (``prefill_pack``): the forward's
-            :class:`eagle3.prompts.packed_prefill.PackedRouting`; None otherwise.
+            :class:`eagle3.regen.packed_prefill.PackedRouting`; None otherwise.
     """
 
     k: list
@@ -151,7 +151,7 @@ class SlotCache:
         None  # prefill at offsets: attended columns, bool [P, 1, Wp, Kw]
     )
     packed: Optional[object] = (
-        None  # packed prefill: eagle3.prompts.packed_prefill.PackedRouting (None otherwise)
+        None  # packed prefill: eagle3.regen.packed_prefill.PackedRouting (None otherwise)
     )
 
 
@@ -396,7 +396,7 @@ def slot_attention(
     transformers' ``sdpa_attention_forward``).
 
     Packed prefill (``slot_cache.packed`` set): query ``[1, H, Tq, D]`` of rows back to back
-    (:func:`eagle3.prompts.packed_prefill.packed_prefill_attention`). Prefill (``slot_cache.rows`` set): query
+    (:func:`eagle3.regen.packed_prefill.packed_prefill_attention`). Prefill (``slot_cache.rows`` set): query
     ``[P, H, Wp, D]``, key/value ``[P, Hkv, Wp, D]`` of right-padded prompts; K/V are written to columns ``[0, Wp)``
     of the rows' slots and the output is causal attention over the prompt itself (a real token never sees the padding after it). With ``slot_cache.prefill_mask`` set the rows
     are suffixes at column offsets (:func:`offset_prefill_attention`: written at ``offsets[r] + j``, attending the
@@ -414,7 +414,7 @@ def slot_attention(
     kc, vc = c.k[module.layer_idx], c.v[module.layer_idx]
     if (
         c.packed is not None
-    ):  # packed prefill: rows back to back in one sequence (eagle3.prompts.packed_prefill)
+    ):  # packed prefill: rows back to back in one sequence (eagle3.regen.packed_prefill)
         return packed_prefill_attention(query, key, value, kc, vc, c.packed, scaling).transpose(
             1, 2
         ), None
@@ -843,7 +843,7 @@ class SlotEngine(Engine):
             ops, 35-48 ms whatever it carries). A failed capture logs one warning and the same bucketed forwards run
             eagerly (as always on the CPU). Greedy tokens are the same (fp32: equal).
         prefill_pack: feed each prefill forward's prompts back to back as one sequence (no padding between rows, a
-            stream rounded up to a power of two; :mod:`eagle3.prompts.packed_prefill`), within ``prefill_tokens``
+            stream rounded up to a power of two; :mod:`eagle3.regen.packed_prefill`), within ``prefill_tokens``
             fed tokens (a single longer prompt alone; off CUDA at most ``PACK_EAGER_TOKENS``, as eager FlexAttention
             builds dense scores); FlexAttention keeps the rows apart (compiled on CUDA: automatic dynamic shapes,
             static ones after a failure; eager on the CPU). On CUDA with ``cuda_graphs`` each stream shape ``(Tq,
@@ -1528,7 +1528,7 @@ class SlotEngine(Engine):
 
     # ------------------------------------------------------------------ packed prefill (prefill_pack)
     def _prefill_packed(self, reqs: list[_Waiting], slots: list[int], offsets: list[int]) -> bool:
-        """One packed prefill forward (:mod:`eagle3.prompts.packed_prefill`): the rows' suffixes back to back in one
+        """One packed prefill forward (:mod:`eagle3.regen.packed_prefill`): the rows' suffixes back to back in one
         stream of the shape's static buffers, each row's first answer token to its slot. The shape's CUDA graph is
         captured at its second use (``cuda_graphs`` on CUDA) and replayed after; else the forward runs eagerly.
 

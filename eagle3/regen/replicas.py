@@ -18,13 +18,14 @@ finishes early waits for the slowest one.
 from __future__ import annotations
 
 import datetime
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 from eagle3.errors import UserError
-from eagle3.prompts.resume_log import PARTIAL_NAME, ResumeLog, log_resuming
+from eagle3.regen.resume_log import PARTIAL_NAME, ResumeLog, log_resuming, logged_positions
 
 TIMEOUT = datetime.timedelta(hours=3)
 _SUMMED = (
@@ -86,6 +87,53 @@ def init_dist() -> Dist:
     if here:
         init_process_group(backend="gloo", timeout=TIMEOUT)
     return Dist(rank=rank, world=world, local_rank=local_rank, initialized_here=here)
+
+
+def ranks_agree(d: Dist, want: dict, fresh: bool, prompts_path: Path) -> bool:
+    """The torchrun ranks' one up-to-date decision (``fresh``), once every rank is known to want the same settings.
+
+    Each rank reads the config and the ``prompts.source`` files itself; a rank that read other ones (a node with
+    another copy of a file) regenerated its share for other input, refused only at the merge, after the whole
+    regeneration; and a rank 0 that found ``prompts.jsonl`` up to date returned while a rank that did not waited for
+    it in the process group's set-up (3 hours, deaf to SIGTERM). The ranks now compare their settings (the source
+    files' sha256 among them) and decisions first.
+
+    Raises:
+        UserError: on every rank, naming the first rank whose settings (or decision) differ from rank 0's.
+    """
+    if d.world <= 1:
+        return fresh
+    everyone = d.gather((json.dumps(want, sort_keys=True, default=str), fresh))
+    for r, (w, f) in enumerate(everyone):
+        if w != everyone[0][0]:
+            mine, theirs = json.loads(w), json.loads(everyone[0][0])
+            keys = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+            raise UserError(
+                f"{prompts_path}: torchrun rank {r} read other 01 settings or prompts.source files "
+                f"than rank 0 (differing: {', '.join(keys)}); every rank must read the same config and "
+                f"source files (a node with another copy of them?)"
+            )
+        if f != everyone[0][1]:
+            raise UserError(
+                f"{prompts_path}: torchrun rank {r} found {prompts_path.name} "
+                f"{'up to date' if f else 'out of date'}, rank 0 did not; every rank must see the same "
+                f"output folder (a node-local output_root?)"
+            )
+    return fresh
+
+
+def kept_answers_hint(folder: Path) -> str:
+    """The number of distinct regenerated conversations the resume logs in ``folder`` hold (every rank's) and that
+    the same command, without ``--force`` (which discards them), resumes: what an interrupted 01 kept."""
+    logs = all_logs(folder)
+    if not logs:
+        return "no regenerated answer was kept yet; re-run the same command (without --force) to start again"
+    n = len(logged_positions(logs))
+    pattern = folder / PARTIAL_NAME.replace(".jsonl", "*.jsonl")
+    return (
+        f"{n} regenerated conversation{'' if n == 1 else 's'} kept in {pattern}; "
+        "re-run the same command (without --force) to resume"
+    )
 
 
 def log_path(folder: Path, rank: int) -> Path:
@@ -188,7 +236,7 @@ def regenerate_replicas(
     import torch
 
     from eagle3.process_group import process_group_scope
-    from eagle3.prompts.regenerate import has_tool_calls, regenerate
+    from eagle3.regen.regenerate import has_tool_calls, regenerate
     from eagle3.verifier import load_verifier, stop_token_ids
 
     d = init_dist()
