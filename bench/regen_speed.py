@@ -292,7 +292,7 @@ def step_ms(
     group reading ``width`` columns; flex: every row reads its blocks up to its length ~ ``width``)."""
     import torch
 
-    from eagle3.regen.continuous import SlotEngine
+    from eagle3.regen.slots import SlotEngine
 
     eng = SlotEngine(
         model,
@@ -397,7 +397,8 @@ def prefill_probe(model, shapes=PROBE_SHAPES, reps: int = 5, seed: int = 0) -> d
     """
     import torch
 
-    from eagle3.regen.continuous import SlotEngine, _Waiting
+    from eagle3.regen.slots import SlotEngine
+    from eagle3.regen.slot_policy import Waiting
 
     dev = next(model.parameters()).device
     emb = {
@@ -425,7 +426,7 @@ def prefill_probe(model, shapes=PROBE_SHAPES, reps: int = 5, seed: int = 0) -> d
                 ids = torch.randint(
                     0, vocab, (rows, width), generator=g
                 ).tolist()  # [P, W] random prompts
-                reqs = [_Waiting((), i, x) for i, x in enumerate(ids)]
+                reqs = [Waiting((), i, x) for i, x in enumerate(ids)]
                 host, device = [], []
                 for k in range(reps + 1):
                     _sync(dev)
@@ -996,7 +997,7 @@ def batch_ab(
     ``batch_size``; an out-of-memory at ``other`` is a result (``error``), not a crash."""
     import torch
 
-    from eagle3.regen.continuous import KVCacheTooLarge
+    from eagle3.regen.kv_cache import KVCacheTooLarge
 
     res = {"sizes": [batch_size, other], "conversations": len(convs)}
     try:

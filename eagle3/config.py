@@ -534,7 +534,7 @@ class PromptsConfig(_Strict):
         "SmolLM2 step around its attention; a failed compile warns and decodes uncompiled. Greedy answers are the "
         "same in float32. auto = compile on CUDA with flex attention when the run's estimated decode steps x the "
         "measured saving per step (7.56 - 5.65 ms) exceed the measured cold compile (41.4 s; H200, SmolLM2-135M, "
-        "eagle3.regen.continuous.compile_decision): about 43K answers of 512 tokens over 1,024 rows; never on the "
+        "eagle3.regen.slot_policy.compile_decision): about 43K answers of 512 tokens over 1,024 rows; never on the "
         "CPU. The decision and its inputs are in prompts_report.json (regeneration.engine_stats). A speed setting: "
         "not in 01's settings fingerprint",
     )

@@ -54,7 +54,7 @@ from eagle3.benchmark.decode import (
     emitted_lengths,
 )
 from eagle3.errors import UserError
-from eagle3.regen.continuous import AttentionSwap
+from eagle3.regen.slot_attention import AttentionSwap
 from eagle3.sdpa import no_cudnn_sdpa
 from eagle3.train.attention import _sdpa
 from eagle3.train.model import StaticKVCache

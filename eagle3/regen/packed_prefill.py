@@ -8,7 +8,7 @@ attention keeps the prompts apart with a document mask:
 
 * query token ``t`` of row ``r`` (its ``j``-th fed token, at RoPE position and cache column ``offsets[r] + j``)
   attends the tokens of row ``r`` at columns ``<= offsets[r] + j``: its own fed tokens up to itself, and, for a
-  row continuing a cached prefix (cross-turn prefix reuse, :mod:`eagle3.regen.continuous`), the ``offsets[r]``
+  row continuing a cached prefix (cross-turn prefix reuse, :mod:`eagle3.regen.slots`), the ``offsets[r]``
   cached columns of its slot, gathered from the KV cache into a prefix stream of ``Tp`` entries after the fed ones
   (``Tp``: ``sum(offsets)`` rounded up the same way; 0 when no row has a prefix);
 * the K/V of every fed token are written into its slot at its column first (padding tokens into column ``L - 1``

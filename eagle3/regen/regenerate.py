@@ -9,12 +9,12 @@ self-consistent.
 Engines (``prompts.regen_engine``; a conversation's turn k+1 becomes ready as soon as its turn k is
 answered, in every engine):
 
-* ``slots`` (default): continuous batching, :class:`eagle3.regen.continuous.SlotEngine`: ``batch_size``
+* ``slots`` (default): continuous batching, :class:`eagle3.regen.slots.SlotEngine`: ``batch_size``
   decode rows over a preallocated KV cache; a finished row is refilled by a waiting turn at the next
   check (every ``regen_check_every`` steps), conversations with the most turns left first (they are the
   critical path). ``stats["decode_steps"]`` = steps run; ``stats["batches"]`` = prefill forwards.
 * ``hf_continuous``: transformers' ``ContinuousBatchingManager`` behind the same contract (the library
-  baseline; see :mod:`eagle3.regen.continuous` for why it is slow without flash-attn).
+  baseline; see :mod:`eagle3.regen.slots` for why it is slow without flash-attn).
 * ``static``: ``generate`` batches of up to ``batch_size`` ready turns of ANY turn index chosen by
   :func:`pick_batch` (or all turns k before any turn k+1: ``schedule="rounds"``), each running until its
   longest answer stops, so the cost is the number of batches times their longest answer
@@ -375,14 +375,15 @@ def make_engine(
     options: Optional[dict] = None,
     planned_answers: Optional[int] = None,
 ):
-    """A continuous-batching engine of :mod:`eagle3.regen.continuous` by name (``slots`` or ``hf_continuous``).
+    """A continuous-batching engine of :mod:`eagle3.regen.slots` by name (``slots`` or ``hf_continuous``).
 
     ``options``: the engine's keyword arguments (``SlotEngine``: check_every, prefill_tokens, width_classes,
     cuda_graphs, attention, compile_step, prefix_reuse, refill_free, prefill_graphs, prefill_pack). The slot cache holds prompts shorter than ``max_context`` (the context cap; None = the model's
     ``max_position_embeddings`` less ``max_new_tokens``) plus ``max_new_tokens`` answer tokens. ``planned_answers``:
     the turns the run will submit (the slot engine's ``compile_step="auto"`` sizes the work with it).
     """
-    from eagle3.regen.continuous import HFContinuousEngine, SlotEngine
+    from eagle3.regen.hf_engine import HFContinuousEngine
+    from eagle3.regen.slots import SlotEngine
 
     stop_ids = stop_token_ids(tokenizer)
     cfg = model.config.get_text_config()

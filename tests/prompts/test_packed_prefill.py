@@ -18,7 +18,6 @@ from test_continuous import (  # noqa: F401
     tiny,
 )
 
-from eagle3.regen.continuous import SlotEngine
 from eagle3.regen.packed_prefill import (
     PackedRouting,
     packed_bucket,
@@ -26,6 +25,7 @@ from eagle3.regen.packed_prefill import (
     packed_layout,
     packed_prefill_attention,
 )
+from eagle3.regen.slots import SlotEngine
 
 
 def test_packed_bucket_by_hand():
@@ -430,7 +430,7 @@ def test_compiled_packed_flex_equals_eager():
 def test_packed_streams_are_capped_off_cuda(tiny, monkeypatch):
     """Off CUDA (eager FlexAttention: dense scores) a packed forward feeds at most PACK_EAGER_TOKENS tokens whatever
     prefill_tokens allows (a lone longer prompt excepted); answers stay HF greedy."""
-    import eagle3.regen.continuous as cont
+    import eagle3.regen.slots as cont
 
     model, _ = tiny
     monkeypatch.setattr(cont, "PACK_EAGER_TOKENS", 40)

@@ -339,7 +339,7 @@ def test_each_replica_names_its_rank_in_its_bar_and_lines(tmp_path, tiny_llama_d
                 [
                     ln
                     for ln in out
-                    if f"INFO eagle3.regen.continuous: rank {r}/2: prompts.regen_compile: " in ln
+                    if f"INFO eagle3.regen.slots: rank {r}/2: prompts.regen_compile: " in ln
                 ]
             )
             == 1
