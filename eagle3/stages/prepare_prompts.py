@@ -1,15 +1,9 @@
 """Stage 01: read -> normalise -> dedupe -> sample -> (+ self-instruct prompts) -> (regenerate) -> prompts.jsonl.
 
-Outputs, each written atomically (a failed or killed run leaves no half-written file): ``cfg.prompts_path``
-(``{output_root}/prompts.jsonl``, one ``{"id", "messages"}`` per line), ``prompts_report.json`` beside it (the
-settings, :mod:`eagle3.regen.manifest`, and the counts of every step) and ``prompts_report.md`` (the counts as a
-Markdown table, :mod:`eagle3.regen.report`).
-
-Idempotent: every step is deterministic (seeded sampling, greedy decoding); outputs whose report records this
-run's settings are up to date and the stage says so (``force=True`` recomputes). A forced run first writes the
-:data:`eagle3.regen.manifest.FORCED_NAME` marker and removes it once the new outputs are written: while it is there
-the old outputs are not up to date (the same command without ``--force`` redoes it, resuming its regeneration log),
-and 02 refuses the old ``prompts.jsonl``.
+Outputs, each written atomically: ``cfg.prompts_path`` (``{"id", "messages"}`` per line), ``prompts_report.json``
+(settings: :mod:`eagle3.regen.manifest`; counts) and ``prompts_report.md`` (:mod:`eagle3.regen.report`). Idempotent:
+outputs whose report records this run's settings are up to date (``force=True`` recomputes; a forced run's marker
+keeps the old outputs out of date until the new ones are written, for 01 and 02).
 """
 
 from __future__ import annotations
@@ -83,13 +77,15 @@ def _regenerate(
 ) -> Optional[list[dict]]:
     """Regenerate the answers in-process (``local``, over the torchrun replicas if any: None on ranks > 0)
     or through the configured endpoints."""
-    pc = cfg.prompts
+    pc, opts, max_context = cfg.prompts, _chat_options(cfg), max_context_tokens(cfg)
     if pc.regenerate_via == "local":
         if pc.temperature != 0 or pc.top_p != 1:
             raise UserError(
                 "prompts.temperature/top_p: the local path decodes greedily; sampling needs "
                 "prompts.regenerate_via: sglang or openai"
             )
+        kw = dict(max_new_tokens=pc.max_new_tokens, batch_size=pc.gen_batch_size, opts=opts)
+        kw.update(max_context=max_context, schedule=pc.gen_schedule, engine=pc.regen_engine)
         # one process, or one verifier replica per torchrun rank (None on ranks > 0: rank 0 writes)
         return regenerate_replicas(
             cfg,
@@ -97,15 +93,7 @@ def _regenerate(
             want,
             stats,
             force=force,
-            regen_kwargs=dict(
-                max_new_tokens=pc.max_new_tokens,
-                batch_size=pc.gen_batch_size,
-                opts=ChatOptions.from_verifier(cfg.verifier, cfg.extract.loss_on_reasoning),
-                max_context=max_context_tokens(cfg),
-                schedule=pc.gen_schedule,
-                engine=pc.regen_engine,
-                engine_options=engine_options(pc),
-            ),
+            regen_kwargs={**kw, "engine_options": engine_options(pc)},
         )
     if not pc.server.urls:
         raise UserError(
@@ -113,16 +101,21 @@ def _regenerate(
         )
     tok = verifier.load_tokenizer(cfg.verifier)
     stats["stop_token_ids"] = sorted(end_of_turn_ids(tok))
+    journal = partial_path(cfg)
     return regenerate_via_server(
         convs,
         tok,
         pc,
-        ChatOptions.from_verifier(cfg.verifier, cfg.extract.loss_on_reasoning),
-        partial_path=partial_path(cfg),
+        opts,
+        partial_path=journal,
         settings=want,
         stats=stats,
-        max_context=max_context_tokens(cfg),
+        max_context=max_context,
     )
+
+
+def _chat_options(cfg: RunConfig) -> ChatOptions:
+    return ChatOptions.from_verifier(cfg.verifier, cfg.extract.loss_on_reasoning)
 
 
 def _regenerate_reusing(
@@ -162,25 +155,16 @@ def run(
     limit: Optional[int] = None,
     force: bool = False,
 ) -> int:
-    """Run stage 01 and print where the outputs are.
+    """Run stage 01 and print where the outputs are; returns 0 (the CLI exit status).
 
-    Steps: :func:`apply_overrides`; with ``prompts.self_instruct``, its file first (:func:`make_self_instruct`);
-    :func:`up_to_date` (nothing to do), :func:`select_conversations` (read, normalise, dedupe, sample, the
-    self-instruct prompts on top, limit), :func:`_regenerate` (when ``prompts.regenerate``), :func:`build_report`,
-    :func:`write_outputs`.
-
-    Args:
-        cfg: run config; ``cfg.prompts`` holds the settings.
-        source, fmt, regenerate: override ``prompts.source``/``format``/``regenerate``.
-        limit: keep only the first ``limit`` conversations after sampling (quick runs).
-        force: recompute even when the outputs are up to date (the self-instruct file too).
-
-    Returns:
-        0 (the CLI exit status).
+    Steps: :func:`apply_overrides` (``source``, ``fmt``, ``regenerate``: the command line's overrides of
+    ``prompts.source`` / ``format`` / ``regenerate``; ``limit``: keep the first ``limit`` conversations); with
+    ``prompts.self_instruct`` its file first (:func:`make_self_instruct`); the up-to-date check; the selection
+    (:func:`eagle3.regen.selection.select_conversations`); the regeneration; the report and the outputs.
+    ``force`` recomputes up-to-date outputs (the self-instruct file too).
 
     Raises:
-        UserError: bad input (see :func:`eagle3.data.readers.read_conversations`), nothing left to
-            write, or a verifier that cannot be loaded. No output is written in that case.
+        UserError: bad input, nothing left to write, or a verifier that cannot be loaded; nothing is written then.
     """
     cfg = apply_overrides(cfg, source, fmt, regenerate, limit)
     if not _replicated(cfg) and not is_rank0():
@@ -189,9 +173,8 @@ def run(
     # (:func:`ranks_agree`) and wait for rank 0's self-instruct file; without them rank 0 works alone (no group: a
     # peer that returned would not join, or would wait at its teardown barrier)
     d = init_dist() if _replicated(cfg) else Dist()
-    with process_group_scope(
-        owned=d.initialized_here
-    ):  # regenerate_replicas uses it and leaves its teardown here
+    # regenerate_replicas uses the group and leaves its teardown here
+    with process_group_scope(owned=d.initialized_here):
         if cfg.prompts.self_instruct is not None:
             make_self_instruct(cfg, force, d)
         return _run(cfg, source, fmt, regenerate, limit, force, d)
@@ -204,28 +187,18 @@ def _replicated(cfg: RunConfig) -> bool:
 
 
 def make_self_instruct(cfg: RunConfig, force: bool, d) -> Path:
-    """``prompts.self_instruct``'s file ``{output_root}/self_instruct.jsonl``, made or found up to date
-    (:func:`eagle3.regen.self_instruct.make_from_config`, the code of ``01 --self-instruct``) by rank 0 under the
-    writer lock (:func:`writer_lock`: one 01 per output folder); the other torchrun ranks wait at a gather that tells
-    them whether rank 0 made it (if not, each stops in one line repeating rank 0's error).
-
-    Args:
-        d: :class:`eagle3.regen.replicas.Dist` (a world of 1 without torchrun).
-
-    Returns:
-        The file's path.
+    """``prompts.self_instruct``'s file (returned), made or found up to date by rank 0 under :func:`writer_lock`
+    (:func:`eagle3.regen.self_instruct.make_from_config`); the other ranks of ``d`` (:class:`eagle3.regen.replicas.Dist`)
+    wait at a gather that says whether rank 0 made it.
 
     Raises:
-        UserError: another 01 writes to the folder, or the self-instruct run's errors (no query kept, ...); on a
-            rank > 0: rank 0 failed.
+        UserError: another 01 writes to the folder, the self-instruct run's errors; on a rank > 0: rank 0 failed.
     """
     failed = None
     if d.rank == 0:
         try:
             with writer_lock(cfg):
-                if (
-                    force
-                ):  # before the self-instruct file is sampled again: an interrupted run is redone
+                if force:  # before the file is sampled again: an interrupted run is redone
                     mark_forced(cfg)
                 make_from_config(cfg, force)
         except (
@@ -240,9 +213,7 @@ def make_self_instruct(cfg: RunConfig, force: bool, d) -> Path:
             failed = str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}"
             d.gather(failed)
             raise
-    # every rank reads the file after rank 0 wrote it; the gather is that barrier and says whether rank 0 could: a
-    # peer left at a plain barrier by a rank 0 that stopped on an error died in a gloo "Connection closed" traceback
-    # (its error is repeated: torchrun may end rank 0 before it prints)
+    # every rank reads the file after rank 0 wrote it: the gather is that barrier and says whether rank 0 could
     failed = d.gather(failed)[0] if d.world > 1 else None
     if failed is not None:
         raise UserError(
