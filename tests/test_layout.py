@@ -41,7 +41,6 @@ KNOWN_CONFIG_USERS = {
     "eagle3.data.settings",
     "eagle3.regen.manifest",  # 01's report settings (was eagle3.prompts.prepare_prompts)
     "eagle3.capture.extract",
-    "eagle3.regen.regen_server",
     "eagle3.regen.self_instruct",
     "eagle3.train.checkpoint",
     "eagle3.verifier",

@@ -26,6 +26,7 @@ from eagle3.io import (
 )
 from eagle3.regen.report import REPORT_NAME
 from eagle3.regen.resume_log import comparable_settings
+from eagle3.verifier import weights_record
 
 log = logging.getLogger(__name__)
 
@@ -116,8 +117,6 @@ def settings(
     weights (``verifier_weights``, :func:`eagle3.verifier.weights_fingerprint`, when its folder holds weight files):
     ``verifier.path`` pointed at other weights under the same ``verifier.name`` remakes the answers.
     """
-    from eagle3.verifier import weights_record
-
     pc = cfg.prompts
     sources = [pc.source] if isinstance(pc.source, str) else list(pc.source)
     s = {

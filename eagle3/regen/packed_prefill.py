@@ -27,10 +27,12 @@ shape seen once costs no capture). Greedy tokens equal the padded forward's (flo
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, fields
 from typing import Optional, Sequence
 
 import torch
+from torch.nn.attention.flex_attention import flex_attention
 
 from eagle3.regen.flex_compat import (
     block_mask_from_kv_blocks,
@@ -229,8 +231,6 @@ def packed_flex(
     Returns:
         ``[1, H, Tq, D]`` in the query's dtype.
     """
-    from torch.nn.attention.flex_attention import flex_attention
-
     doc_q, col_q, doc_kv, col_kv = q_meta[0], q_meta[1], kv_meta[0], kv_meta[1]
 
     def mask_mod(b, h, q_idx, kv_idx):
@@ -248,8 +248,6 @@ def eager_packed_flex(*args, **kwargs) -> torch.Tensor:
     """:func:`packed_flex` run eagerly (the CPU's packed prefill) without PyTorch's 15-line ``flex_attention called
     without torch.compile()`` UserWarning: eager is this path's documented choice off CUDA (its streams are kept
     short, ``continuous.PACK_EAGER_TOKENS``), so the warning only alarmed the user of every CPU run."""
-    import warnings
-
     with warnings.catch_warnings():
         warnings.filterwarnings(
             "ignore", message="flex_attention called without torch.compile", category=UserWarning

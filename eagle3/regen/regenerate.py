@@ -34,10 +34,13 @@ from typing import Optional, Sequence
 
 import torch
 from tqdm import tqdm
+from transformers import GenerationConfig
 
 from eagle3.chat.template import ChatOptions, answer_ending, generation_prompt, split_reasoning
 from eagle3.process_group import rank_tag
+from eagle3.regen.hf_engine import HFContinuousEngine
 from eagle3.regen.resume_log import ResumeLog
+from eagle3.regen.slots import SlotEngine
 from eagle3.sdpa import no_cudnn_sdpa
 from eagle3.verifier import (
     stop_token_ids,  # THE verifier's stop set (one call site per engine below)
@@ -128,8 +131,6 @@ def generate_greedy(
         per prompt ``(answer_ids, stop)``: the new tokens up to (excluding) the first stop token, and that stop
         token's id (``int``; None = truncated at ``max_new_tokens``, no stop token produced).
     """
-    from transformers import GenerationConfig
-
     dev = next(model.parameters()).device
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)  # [B, W]
@@ -382,9 +383,6 @@ def make_engine(
     ``max_position_embeddings`` less ``max_new_tokens``) plus ``max_new_tokens`` answer tokens. ``planned_answers``:
     the turns the run will submit (the slot engine's ``compile_step="auto"`` sizes the work with it).
     """
-    from eagle3.regen.hf_engine import HFContinuousEngine
-    from eagle3.regen.slots import SlotEngine
-
     stop_ids = stop_token_ids(tokenizer)
     cfg = model.config.get_text_config()
     max_len = (

@@ -24,8 +24,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import torch
+import torch.distributed as dist
+
 from eagle3.errors import UserError
+from eagle3.process_group import init_process_group, process_group_scope
+from eagle3.regen.regenerate import has_tool_calls, regenerate
 from eagle3.regen.resume_log import PARTIAL_NAME, ResumeLog, log_resuming, logged_positions
+from eagle3.verifier import load_verifier, stop_token_ids
 
 TIMEOUT = datetime.timedelta(hours=3)
 _SUMMED = (
@@ -50,16 +56,12 @@ class Dist:
 
     def barrier(self) -> None:
         if self.world > 1:
-            import torch.distributed as dist
-
             dist.barrier()
 
     def gather(self, obj) -> list:
         """Every rank's ``obj`` (a list of ``world`` items on every rank)."""
         if self.world == 1:
             return [obj]
-        import torch.distributed as dist
-
         out = [None] * self.world
         dist.all_gather_object(out, obj)
         return out
@@ -79,10 +81,6 @@ def init_dist() -> Dist:
         raise UserError(f"WORLD_SIZE/RANK/LOCAL_RANK: not an integer ({e})") from e
     if world <= 1:
         return Dist()
-    import torch.distributed as dist
-
-    from eagle3.process_group import init_process_group
-
     here = not dist.is_initialized()
     if here:
         init_process_group(backend="gloo", timeout=TIMEOUT)
@@ -220,7 +218,8 @@ def assemble(convs: list[dict], finished: dict[int, dict], has_tools) -> list[di
 
 
 def regenerate_replicas(
-    cfg,
+    verifier_cfg,
+    folder: Path,
     convs: list[dict],
     want: dict,
     stats: dict,
@@ -229,18 +228,12 @@ def regenerate_replicas(
 ) -> Optional[list[dict]]:
     """Regenerate ``convs`` over the torchrun replicas (module docstring). Returns the conversations on rank 0,
     None on the other ranks (which must not write outputs); ``stats`` gets the merged figures on rank 0.
+    ``verifier_cfg``: the ``verifier:`` config section each replica loads; ``folder``: where the resume logs are.
 
     Raises:
         UserError: a resume log written under other settings or for other input.
     """
-    import torch
-
-    from eagle3.process_group import process_group_scope
-    from eagle3.regen.regenerate import has_tool_calls, regenerate
-    from eagle3.verifier import load_verifier, stop_token_ids
-
     d = init_dist()
-    folder = cfg.prompts_path.parent
     with process_group_scope(
         owned=d.initialized_here
     ):  # barrier on success only: peers may be stuck after an error
@@ -255,7 +248,7 @@ def regenerate_replicas(
         todo = [i for i, c in enumerate(convs) if i not in finished and not has_tool_calls(c)]
         mine = share(convs, todo, d.rank, d.world)
         device = f"cuda:{d.local_rank}" if d.world > 1 and torch.cuda.is_available() else None
-        model, tok = load_verifier(cfg.verifier, device=device)
+        model, tok = load_verifier(verifier_cfg, device=device)
         stats["stop_token_ids"] = sorted(
             stop_token_ids(tok)
         )  # the verifier's stop set, recorded in the report

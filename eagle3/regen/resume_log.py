@@ -19,6 +19,7 @@ from eagle3.chat.template import ANSWER_FIELDS, common_answer_fields
 from eagle3.errors import UserError
 from eagle3.io import atomic_write_text
 from eagle3.shards.manifest import read_append_log
+from eagle3.verifier import WEIGHTS_KEY, weights_differ
 
 log = logging.getLogger(__name__)
 
@@ -43,11 +44,6 @@ def comparable_settings(old: dict, want: dict) -> dict:
     Returns:
         A new dict; equal to ``want`` exactly when the settings agree.
     """
-    from eagle3.verifier import (  # here: the endpoint path imports this module without torch
-        WEIGHTS_KEY,
-        weights_differ,
-    )
-
     out = {k: v for k, v in old.items() if not (k in CONDITIONAL_KEYS and k not in want)}
     out.update({k: want[k] for k in CONDITIONAL_KEYS if k in want and k not in old})
     if not weights_differ(

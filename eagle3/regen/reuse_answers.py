@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Optional
 
 from eagle3.errors import UserError
+from eagle3.io import iter_jsonl, read_json
 from eagle3.regen.resume_log import comparable_settings, older_fields_warning
 
 log = logging.getLogger(__name__)
@@ -70,8 +71,6 @@ def conversation_key(conv: dict) -> str:
 def _read_rows(path: Path) -> list[dict]:
     """The conversations of ``path`` (:func:`eagle3.io.iter_jsonl`: ``.gz`` through gzip, a byte-order mark skipped);
     UserError naming the file and line of a bad one, and the setting that named the file."""
-    from eagle3.io import iter_jsonl
-
     try:
         lines = list(iter_jsonl(path))
     except UserError as e:  # file:line: malformed JSON: ...
@@ -132,8 +131,6 @@ def load(path: str, want: dict) -> dict[str, dict]:
     Raises:
         UserError: the file or its report is missing or unreadable, a line is bad, or the settings differ.
     """
-    from eagle3.io import read_json
-
     p = Path(path)
     if p.is_dir():
         raise UserError(
@@ -154,8 +151,6 @@ def load(path: str, want: dict) -> dict[str, dict]:
 def recorded_fields(path: str) -> object:
     """The ``answer_fields`` the report beside the reused file ``path`` records (None when absent: an older 01), after
     :func:`load` checked that report; for :func:`eagle3.chat.template.common_answer_fields`."""
-    from eagle3.io import read_json
-
     report = read_json(Path(path).parent / "prompts_report.json")
     return report.get("answer_fields") if isinstance(report, dict) else None
 

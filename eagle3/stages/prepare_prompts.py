@@ -88,7 +88,8 @@ def _regenerate(
         kw.update(max_context=max_context, schedule=pc.gen_schedule, engine=pc.regen_engine)
         # one process, or one verifier replica per torchrun rank (None on ranks > 0: rank 0 writes)
         return regenerate_replicas(
-            cfg,
+            cfg.verifier,
+            cfg.prompts_path.parent,
             convs,
             want,
             stats,
