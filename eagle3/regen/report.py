@@ -43,67 +43,72 @@ def report_markdown(report: dict) -> str:
         )
         if k in c
     ]
-    reg = report.get("regeneration")
-    if reg:
-        if "via" in reg:
-            rows += [("regeneration: via", reg["via"])]
-        if "failed" in reg:
-            rows += [
-                ("regeneration: failed conversations", reg["failed"]),
-                ("regeneration: retried requests", reg["retries"]),
-            ]
-        if "failed" in reg or reg.get(
-            "resumed"
-        ):  # a resumed run: its figures below cover the conversations it answered
-            rows += [
-                (
-                    "regeneration: conversations resumed from the log (answered by an earlier run; the regeneration "
-                    "figures below count this run's only)",
-                    reg.get("resumed", 0),
-                )
-            ]
-        if "sampling" in reg:
-            rows += [
-                (f"sampling: {k}", json.dumps(v) if isinstance(v, dict) else v)
-                for k, v in reg["sampling"].items()
-            ]
-        es = reg.get("engine_stats") or []
-        es = [
-            e for e in ([es] if isinstance(es, dict) else es) if e and "reused_tokens" in e
-        ]  # slot engines, per replica
-        if es:
-            reused, fed = sum(e["reused_tokens"] for e in es), sum(e["prefill_tokens"] for e in es)
-            rows += [
-                (
-                    "regeneration: prompt tokens prefilled / reused from the previous turn",
-                    f"{fed} / {reused} ({100.0 * reused / max(1, reused + fed):.1f}% reused)",
-                )
-            ]
-        if reg.get("turns_over_context"):
-            rows += [
-                ("regeneration: user turns not answered (context cap)", reg["turns_over_context"])
-            ]
-        if reg.get("kept_with_tools"):
-            rows += [
-                (
-                    "regeneration: conversations with tool results kept as they are",
-                    reg["kept_with_tools"],
-                )
-            ]
-        rows += [
-            ("regeneration: new tokens", reg["new_tokens"]),
-            ("regeneration: truncated answers", reg["truncated"]),
-            ("regeneration: seconds", f"{reg['seconds']:.1f}"),
-            (
-                "regeneration: tokens/s",
-                f"{reg['tokens_per_s']:.1f}" if reg["tokens_per_s"] else "n/a",
-            ),
-        ]
+    rows += _regeneration_rows(report.get("regeneration"))
     st = report["settings"]
     src = st["source"] if "source" in st else ", ".join(x["source"] for x in st["sources"])
     lines = ["# Stage 01: prompts", "", f"source: `{src}`", "", "| item | value |", "|---|---:|"]
     lines += [f"| {k} | {v} |" for k, v in rows]
     return "\n".join(lines) + "\n"
+
+
+def _regeneration_rows(reg: Optional[dict]) -> list[tuple]:
+    """The Markdown rows of the report's ``regeneration`` figures (none without a regeneration)."""
+    if not reg:
+        return []
+    rows: list[tuple] = []
+    if "via" in reg:
+        rows += [("regeneration: via", reg["via"])]
+    if "failed" in reg:
+        rows += [
+            ("regeneration: failed conversations", reg["failed"]),
+            ("regeneration: retried requests", reg["retries"]),
+        ]
+    if "failed" in reg or reg.get(
+        "resumed"
+    ):  # a resumed run: its figures below cover the conversations it answered
+        rows += [
+            (
+                "regeneration: conversations resumed from the log (answered by an earlier run; the regeneration "
+                "figures below count this run's only)",
+                reg.get("resumed", 0),
+            )
+        ]
+    if "sampling" in reg:
+        rows += [
+            (f"sampling: {k}", json.dumps(v) if isinstance(v, dict) else v)
+            for k, v in reg["sampling"].items()
+        ]
+    es = reg.get("engine_stats") or []
+    es = [
+        e for e in ([es] if isinstance(es, dict) else es) if e and "reused_tokens" in e
+    ]  # slot engines, per replica
+    if es:
+        reused, fed = sum(e["reused_tokens"] for e in es), sum(e["prefill_tokens"] for e in es)
+        rows += [
+            (
+                "regeneration: prompt tokens prefilled / reused from the previous turn",
+                f"{fed} / {reused} ({100.0 * reused / max(1, reused + fed):.1f}% reused)",
+            )
+        ]
+    if reg.get("turns_over_context"):
+        rows += [("regeneration: user turns not answered (context cap)", reg["turns_over_context"])]
+    if reg.get("kept_with_tools"):
+        rows += [
+            (
+                "regeneration: conversations with tool results kept as they are",
+                reg["kept_with_tools"],
+            )
+        ]
+    rows += [
+        ("regeneration: new tokens", reg["new_tokens"]),
+        ("regeneration: truncated answers", reg["truncated"]),
+        ("regeneration: seconds", f"{reg['seconds']:.1f}"),
+        (
+            "regeneration: tokens/s",
+            f"{reg['tokens_per_s']:.1f}" if reg["tokens_per_s"] else "n/a",
+        ),
+    ]
+    return rows
 
 
 # Markdown labels of counts whose key alone would not say what they count

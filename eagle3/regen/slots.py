@@ -259,15 +259,6 @@ class SlotEngine(SlotPrefill, SlotDecode, Engine):
         n_layers, hkv, d, dv = dims
         self.kv_bytes_per_token = n_layers * hkv * (d + dv) * p.element_size()
         self._init_slots(slots, max_len, max_new_tokens, stop_ids)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # per slot prefix
-        self._pool = None  # one memory pool shared by the prefix graphs (replayed one at a time)
-        self._prefill_bufs: dict[
-            tuple, PrefillBuffers
-        ] = {}  # prefill_graphs: per bucket (Pb, Wb, Kwb)
-        self._packed_bufs: dict[
-            tuple, PackedBuffers
-        ] = {}  # prefill_pack: per stream shape (Tq, Tp)
-        self._prefill_pool = None  # one memory pool shared by the prefill graphs
         self.stats = self._initial_stats()
         self._timed: list[
             tuple[str, object, object]
@@ -427,7 +418,7 @@ class SlotEngine(SlotPrefill, SlotDecode, Engine):
         self, slots: int, max_len: int, max_new_tokens: int, stop_ids: set[int]
     ) -> None:
         """The per-slot decode state on the device (``[S]`` tensors, the ``[S, T]`` answer buffer) and its host
-        mirror (request key, prompt, retention per slot), all slots empty; the waiting queue."""
+        mirror (request key, prompt, retention per slot), all slots empty; the waiting queue; no graph yet."""
         z = dict(device=self.dev, dtype=torch.long)
         self.last = torch.zeros(slots, **z)  # [S] token fed to the next step
         self.lengths = torch.zeros(slots, **z)  # [S] cached tokens
@@ -451,6 +442,12 @@ class SlotEngine(SlotPrefill, SlotDecode, Engine):
         self.successors: dict = {}  # parent key -> the waiting request that continues it
         self.waiting: list[Waiting] = []
         self._seq = 0
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # per slot prefix
+        self._pool = None  # one memory pool shared by the prefix graphs (replayed one at a time)
+        # prefill_graphs: buffers per bucket (Pb, Wb, Kwb); prefill_pack: per stream shape (Tq, Tp)
+        self._prefill_bufs: dict[tuple, PrefillBuffers] = {}
+        self._packed_bufs: dict[tuple, PackedBuffers] = {}
+        self._prefill_pool = None  # one memory pool shared by the prefill graphs
 
     def _setup_compile(self, compile_step, planned_answers: Optional[int]) -> None:
         """Decide (:func:`compile_decision`, once the attention path is known) and, if so, wrap the decode step in
