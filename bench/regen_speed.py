@@ -142,7 +142,9 @@ def read_input(cfg, prompts: Path | None) -> list[dict]:
         )
         return dedupe(convs)[0] if pc.dedupe else convs
     bench_prompts = pc.model_copy(update={"regenerate": True, "self_instruct": None})
-    return select_conversations(cfg.model_copy(update={"prompts": bench_prompts}), None)[0]
+    return select_conversations(
+        bench_prompts, cfg.verifier.think_tags, cfg.self_instruct_path, None
+    )[0]
 
 
 def timed_run(

@@ -868,7 +868,14 @@ def test_the_sample_size_warning_is_printed_by_rank_0_only(tmp_path, caplog, mon
         monkeypatch.setenv("RANK", rank)
         caplog.clear()
         with caplog.at_level("WARNING"):
-            assert len(select_conversations(cfg, None)[0]) == 3
+            assert (
+                len(
+                    select_conversations(
+                        cfg.prompts, cfg.verifier.think_tags, cfg.self_instruct_path, None
+                    )[0]
+                )
+                == 3
+            )
         assert [r.getMessage() for r in caplog.records] == want
 
 
@@ -1254,7 +1261,9 @@ def test_ids_repeated_across_sources_are_made_unique(tmp_path):
         ],
     )  # deduped: a's first prompt
     cfg = load_config(_config(tmp_path, a), [f"prompts.source=[{a}, {b}]"])
-    convs, _, steps = select_conversations(cfg, None)
+    convs, _, steps = select_conversations(
+        cfg.prompts, cfg.verifier.think_tags, cfg.self_instruct_path, None
+    )
     assert [(c["id"], c["messages"][0]["content"]) for c in convs] == [
         ("x", "one"),
         ("x#2", "two"),
