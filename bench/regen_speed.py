@@ -161,8 +161,8 @@ def timed_run(
     """One :func:`regenerate` call, synchronised around; returns (conversations, stats with ``seconds``,
     ``tokens_per_s``). Prints one line, ``<label or engine>: N conversations, ...``."""
     from eagle3.chat.template import ChatOptions
-    from eagle3.regen.regenerate import regenerate
     from eagle3.regen.manifest import max_context_tokens
+    from eagle3.regen.regenerate import regenerate
 
     dev = next(model.parameters()).device
     st: dict = {}
@@ -399,8 +399,8 @@ def prefill_probe(model, shapes=PROBE_SHAPES, reps: int = 5, seed: int = 0) -> d
     """
     import torch
 
-    from eagle3.regen.slots import SlotEngine
     from eagle3.regen.slot_policy import Waiting
+    from eagle3.regen.slots import SlotEngine
 
     dev = next(model.parameters()).device
     emb = {
@@ -1116,8 +1116,8 @@ def main(argv=None) -> int:
 
     import torch
 
-    from eagle3.regen.regenerate import engine_options
     from eagle3.regen.manifest import max_context_tokens
+    from eagle3.regen.regenerate import engine_options
     from eagle3.verifier import load_verifier
 
     batch_size, max_new = (

@@ -743,8 +743,8 @@ def warn_limit_drops_self_instruct(cfg: RunConfig, limit: int) -> Optional[str]:
     """Warn (one line; also returned) when ``--limit`` leaves out ``prompts.self_instruct`` prompts, which 01 puts
     after the sampled sources: how many, from ``prompts_report.json``'s counts (``self_instruct`` added, less those
     01's own ``--limit`` left out, at the end of ``kept``). None: nothing left out, or no such report."""
-    from eagle3.regen.report import limit_drops_self_instruct
     from eagle3.regen.manifest import read_report
+    from eagle3.regen.report import limit_drops_self_instruct
 
     _, report = read_report(cfg)
     c = report.get("counts") if isinstance(report, dict) else None
