@@ -56,7 +56,10 @@ def test_refusal_reads_the_report_once(tmp_path, monkeypatch):
     rep = manifest.report_path(cfg)
     rep.write_text(
         json.dumps(
-            {"settings": {**manifest.settings(cfg, None), "dedupe": False}, "cli_overrides": ["format"]}
+            {
+                "settings": {**manifest.settings(cfg, None), "dedupe": False},
+                "cli_overrides": ["format"],
+            }
         )
     )
     opened = []
