@@ -97,7 +97,7 @@ def test_source_hash_reused_while_size_and_mtime_hold(tmp_path, monkeypatch):
     }
     hashed = []
     real = manifest.file_sha256
-    monkeypatch.setattr(pp, "file_sha256", lambda p: hashed.append(Path(p)) or real(p))
+    monkeypatch.setattr(manifest, "file_sha256", lambda p: hashed.append(Path(p)) or real(p))
     check_prompts_current(cfg)
     assert hashed == []  # unchanged: the recorded hash is used
     old_sha = rep["settings"]["sha256"]

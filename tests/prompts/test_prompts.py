@@ -420,9 +420,8 @@ def test_local_regeneration_gets_schedule_and_context_cap(
 ):
     """01's local path hands prompts.gen_schedule and the context cap (prompts.max_context_tokens, else
     extract.max_length) to eagle3.regen.regenerate.regenerate."""
-    import eagle3.regen.regenerate
-    import eagle3.verifier
     from eagle3.config import load_config
+    from eagle3.regen import replicas
     from eagle3.stages.prepare_prompts import _regenerate
 
     cfg_path = tmp_path / "c.yaml"
@@ -434,8 +433,8 @@ def test_local_regeneration_gets_schedule_and_context_cap(
     tok = SimpleNamespace(
         eos_token_id=2, get_vocab=lambda: {"<|im_end|>": 2}
     )  # what 01 reads of the tokenizer
-    monkeypatch.setattr(eagle3.verifier, "load_verifier", lambda vc, device=None: ("model", tok))
-    monkeypatch.setattr(eagle3.regen.regenerate, "regenerate", lambda *a, **k: seen.update(k) or [])
+    monkeypatch.setattr(replicas, "load_verifier", lambda vc, device=None: ("model", tok))
+    monkeypatch.setattr(replicas, "regenerate", lambda *a, **k: seen.update(k) or [])
     assert _regenerate(cfg, [], {}, {}) == []
     assert seen["schedule"] == schedule and seen["max_context"] == cap and seen["engine"] == "slots"
     # resumable like the server path: the same log next to prompts.jsonl, under 01's settings
