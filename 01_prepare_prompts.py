@@ -7,7 +7,7 @@ Example::
     python 01_prepare_prompts.py --config configs/smollm2-135m.yaml --source ../shared/data/train/alpaca_subset_1000.json
 
 Self-instruct mode (``--self-instruct N --out FILE``): sample N user prompts from the verifier itself (its chat
-template up to a user message, continued; :mod:`eagle3.prompts.self_instruct`) into FILE, a messages-JSONL to list in
+template up to a user message, continued; :mod:`eagle3.regen.self_instruct`) into FILE, a messages-JSONL to list in
 ``prompts.source``; nothing else runs::
 
     python 01_prepare_prompts.py --config configs/smollm2-135m-127k.yaml --self-instruct 30000 \
@@ -23,7 +23,7 @@ import argparse
 
 from eagle3.cli import ArgumentParser, positive_float, positive_int, resume_on_interrupt, run_main
 from eagle3.config import SELF_INSTRUCT_BATCH, add_config_args, load_config
-from eagle3.prompts.readers import FORMATS
+from eagle3.data.readers import FORMATS
 
 
 def main(argv=None):
@@ -92,7 +92,7 @@ def main(argv=None):
     _check_mode(p, a)
     cfg = load_config(a.config, a.overrides)
     if a.self_instruct is not None:
-        from eagle3.prompts import self_instruct
+        from eagle3.regen import self_instruct
 
         with resume_on_interrupt(
             lambda: f"nothing written ({a.out} is written at the end); re-run the same command"
@@ -109,7 +109,7 @@ def main(argv=None):
                 force=a.force,
                 batch_size=a.self_instruct_batch_size,
             )
-    import eagle3.prompts.prepare_prompts as stage
+    import eagle3.stages.prepare_prompts as stage
 
     with resume_on_interrupt(
         lambda: stage.interrupt_hint(cfg, a.regenerate)

@@ -37,15 +37,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle3.cli import ArgumentParser, run_main  # noqa: E402
 from eagle3.config import load_config  # noqa: E402
-from eagle3.data.split import split_indices  # noqa: E402
-from eagle3.errors import UserError  # noqa: E402
-from eagle3.io import atomic_write_json, atomic_write_text, iter_jsonl  # noqa: E402
-from eagle3.prompts.readers import (  # noqa: E402
+from eagle3.data.readers import (
     dedupe_key,
     first_user_message,
     read_conversations,
     short_pool_warning,
 )
+from eagle3.data.split import split_indices  # noqa: E402
+from eagle3.errors import UserError  # noqa: E402
+from eagle3.io import atomic_write_json, atomic_write_text, iter_jsonl  # noqa: E402
 
 log = logging.getLogger(__name__)
 

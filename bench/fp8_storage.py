@@ -53,11 +53,11 @@ def capture_samples(config: str, n: int, max_length: int, source: Path):
     """``n`` real conversations through the verifier: list of (input_ids [L], loss_mask [L], 4 x bf16 [L, H]),
     plus the head (lm_head [V, H], norm weight or None, eps)."""
     from eagle3.capture.hf import HFCapture
+    from eagle3.chat.samples import tokenize_conversation
     from eagle3.config import load_config
+    from eagle3.data.readers import read_conversations
     from eagle3.engines.layers import default_aux_layers
     from eagle3.errors import UserError
-    from eagle3.prompts.chat import tokenize_conversation
-    from eagle3.prompts.readers import read_conversations
     from eagle3.verifier.head import TargetHead
     from eagle3.verifier.load import load_verifier
 

@@ -238,6 +238,7 @@ def main(argv=None) -> int:
     )  # None: the default 80, not warned about on a smaller set
     a.num_prompts = asked or 80
 
+    from eagle3.chat.template import ChatOptions, end_of_turn_ids, prompt_ids
     from eagle3.data.eval_prompts import (
         check_dataset_names,
         dataset_label,
@@ -247,7 +248,6 @@ def main(argv=None) -> int:
         too_few_note,
     )
     from eagle3.engines.layers import check_aux_layers, default_aux_layers
-    from eagle3.prompts.chat import ChatOptions, end_of_turn_ids, prompt_ids
     from eagle3.verifier.load import load_verifier, resolve_device, verifier_dims
 
     check_dataset_names([a.dataset], "--dataset", indexed=False)  # before the verifier loads
@@ -290,7 +290,7 @@ def main(argv=None) -> int:
     subset_notes = ([short] if short else []) + subset_notes
     for w in subset_notes:
         log.warning("%s", w)
-    chat = ChatOptions.from_config(cfg)
+    chat = ChatOptions.from_verifier(cfg.verifier, cfg.extract.loss_on_reasoning)
     ids = [(q.id, prompt_ids(tok, q.messages, chat)) for q in prompts]
     headline = a.headline_batch_size or (
         cfg.benchmark.batch_size

@@ -7,16 +7,16 @@ would do, without running a model:
 - ``rounds`` (the old plan): turn round k answers the k-th user turn of every conversation that has
   one, prompts sorted by length and cut into batches of ``--batch-size``; round k+1 starts when
   round k is done.
-- ``pooled`` (:func:`eagle3.prompts.regenerate.regenerate` now): a conversation's turn k+1 is ready as soon
+- ``pooled`` (:func:`eagle3.regen.regenerate.regenerate` now): a conversation's turn k+1 is ready as soon
   as its turn k is answered; every batch takes up to ``--batch-size`` ready turns of any round,
-  chosen by :func:`eagle3.prompts.regenerate.pick_batch`.
+  chosen by :func:`eagle3.regen.regenerate.pick_batch`.
 
 A ``generate`` batch runs until its longest answer stops, and decoding a small verifier is
 launch-bound (a decode step costs about the same at 10 rows as at 1024 on an H200), so the GPU-time
 figure is the decode steps summed over batches: per batch the longest answer's steps
-(:func:`eagle3.prompts.regenerate.answer_steps`: recorded tokens + the stop token, at most
+(:func:`eagle3.regen.regenerate.answer_steps`: recorded tokens + the stop token, at most
 ``--max-new-tokens``; an answer of ``--max-new-tokens`` tokens counts as truncated). Prompt lengths
-are the verifier tokenizer's ids of :func:`eagle3.prompts.chat.generation_prompt` of the recorded history,
+are the verifier tokenizer's ids of :func:`eagle3.chat.template.generation_prompt` of the recorded history,
 exactly what 01 renders; turns whose prompt reaches ``--max-context`` (default: the config's
 regeneration cap) are dropped with the conversation's later turns, as 01 does. Also reported: padded
 prefill tokens (rows x widest prompt, summed over batches).
@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 from eagle3.cli import ArgumentParser, non_negative_int, positive_int, run_main  # noqa: E402
 from eagle3.config import load_config  # noqa: E402
 from eagle3.io import atomic_write_json, atomic_write_text  # noqa: E402
-from eagle3.prompts.regenerate import answer_steps, pick_batch  # noqa: E402
+from eagle3.regen.regenerate import answer_steps, pick_batch  # noqa: E402
 
 # one turn: (prompt tokens, recorded answer tokens); a conversation: its turns in order
 Turn = tuple[int, int]
@@ -49,11 +49,11 @@ def recorded_turns(tokenizer, conv: dict, opts, max_context: int | None) -> list
     """``[(prompt_len, answer_len)]`` per regenerated turn of one 01 record, or None when the record
     was not regenerated in-process (an assistant message without ``tokens``: tool-call passthrough).
 
-    ``prompt_len`` = ids of :func:`eagle3.prompts.chat.generation_prompt` of the messages up to that turn's
+    ``prompt_len`` = ids of :func:`eagle3.chat.template.generation_prompt` of the messages up to that turn's
     user message (with the recorded earlier answers); ``answer_len`` = ``len(tokens)``. Turns from
     the first whose prompt has ``>= max_context`` ids are dropped (None = no cap).
     """
-    from eagle3.prompts.chat import generation_prompt
+    from eagle3.chat.template import generation_prompt
 
     msgs = conv["messages"]
     answers = [j for j, m in enumerate(msgs) if m["role"] == "assistant"]
@@ -84,8 +84,8 @@ def plan_rounds(convs: list[list[Turn]], batch_size: int) -> list[list[tuple[int
 
 
 def plan_pooled(convs: list[list[Turn]], batch_size: int) -> list[list[tuple[int, int]]]:
-    """The ready-pool plan of :func:`eagle3.prompts.regenerate.regenerate`: batches of ``(conversation, turn)``
-    pairs chosen by :func:`eagle3.prompts.regenerate.pick_batch` among each conversation's next turn."""
+    """The ready-pool plan of :func:`eagle3.regen.regenerate.regenerate`: batches of ``(conversation, turn)``
+    pairs chosen by :func:`eagle3.regen.regenerate.pick_batch` among each conversation's next turn."""
     nxt = {i: 0 for i, t in enumerate(convs) if t}  # conversation -> its ready turn
     batches = []
     while nxt:
@@ -107,7 +107,7 @@ def plan_figures(
     convs: list[list[Turn]], batches: list[list[tuple[int, int]]], max_new_tokens: int
 ) -> dict:
     """``batches``, ``answers``, ``decode_steps`` (sum over batches of the longest answer's
-    :func:`eagle3.prompts.regenerate.answer_steps`), ``prefill_tokens`` (prompt ids) and
+    :func:`eagle3.regen.regenerate.answer_steps`), ``prefill_tokens`` (prompt ids) and
     ``padded_prefill_tokens`` (rows x widest prompt, summed over batches)."""
     steps = padded = real = rows = 0
     for batch in batches:
@@ -269,15 +269,15 @@ def main(argv=None) -> int:
     from tqdm import tqdm
 
     from eagle3.capture.prompts import read_prompts
-    from eagle3.prompts.chat import ChatOptions
-    from eagle3.prompts.prepare_prompts import max_context_tokens
+    from eagle3.chat.template import ChatOptions
+    from eagle3.regen.manifest import max_context_tokens
     from eagle3.verifier.load import load_tokenizer
 
     batch_size = a.batch_size or cfg.prompts.gen_batch_size
     max_new = a.max_new_tokens or cfg.prompts.max_new_tokens
     cap = max_context_tokens(cfg) if a.max_context is None else (a.max_context or None)
     tok = load_tokenizer(cfg.verifier)
-    opts = ChatOptions.from_config(cfg)
+    opts = ChatOptions.from_verifier(cfg.verifier, cfg.extract.loss_on_reasoning)
     records = read_prompts(a.prompts, a.limit)
     t0 = time.perf_counter()
     convs, passthrough = [], 0

@@ -6,7 +6,7 @@ One process, one verifier load:
    elsewhere (CPU) ``bandwidth_gb_s`` and ``roofline`` are null in the JSON and the table says the roofline is
    unknown there.
 2. The main run: ``--main-engine`` (default ``slots``) over ``--num`` conversations (all by default) through
-   :func:`eagle3.prompts.regenerate.regenerate`, exactly as ``01_prepare_prompts.py --regenerate`` runs it
+   :func:`eagle3.regen.regenerate.regenerate`, exactly as ``01_prepare_prompts.py --regenerate`` runs it
    (context cap, chat options, batch size from the config), after an unmeasured warm-up (kernels, allocator): the
    first turn of the first ``min(8, batch size)`` conversations, at most 8 new tokens, uncompiled, printed as
    ``warm-up (not measured): ...`` and in no result. Generated tokens/s (answer tokens, stop tokens
@@ -56,7 +56,7 @@ Input: the config's ``prompts.source`` read, deduplicated and sampled as stage 0
 
 6b. Packed prefill A/B (``--prefill-pack-ab N``): as 6 with ``prompts.regen_prefill_pack`` on then off (off: the
    padded forwards): each forward's prompts back to back in one power-of-two stream, no padding between rows, the
-   stream shapes captured as CUDA graphs at their second use (``eagle3/prompts/packed_prefill.py``).
+   stream shapes captured as CUDA graphs at their second use (``eagle3/regen/packed_prefill.py``).
 
 8. Prefill probe (``--prefill-probe``): the eager prefill forward timed at fixed rows x width shapes, host dispatch
    against completion, tokens/s and matmul TFLOP/s, beside the main run's own prefill rate: whether the 17K run's
@@ -81,7 +81,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from eagle3.cli import non_negative_int, positive_int, run_main  # noqa: E402
 from eagle3.config import load_config  # noqa: E402
-from eagle3.prompts.readers import short_pool_warning  # noqa: E402
+from eagle3.data.readers import short_pool_warning  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -124,11 +124,11 @@ def measure_bandwidth(dev, gib: float) -> float | None:
 
 
 def read_input(cfg, prompts: Path | None) -> list[dict]:
-    """The conversations stage 01 would regenerate (:func:`eagle3.prompts.prepare_prompts.select_conversations` on the
+    """The conversations stage 01 would regenerate (:func:`eagle3.regen.selection.select_conversations` on the
     config's sources, as answered by the verifier: prompt-only records kept, no self-instruct prompts) or a file's
     (``--prompts``: read and deduped, not sampled)."""
-    from eagle3.prompts.prepare_prompts import select_conversations
-    from eagle3.prompts.readers import dedupe, read_conversations
+    from eagle3.data.readers import dedupe, read_conversations
+    from eagle3.regen.selection import select_conversations
 
     pc = cfg.prompts
     if prompts:
@@ -142,7 +142,9 @@ def read_input(cfg, prompts: Path | None) -> list[dict]:
         )
         return dedupe(convs)[0] if pc.dedupe else convs
     bench_prompts = pc.model_copy(update={"regenerate": True, "self_instruct": None})
-    return select_conversations(cfg.model_copy(update={"prompts": bench_prompts}), None)[0]
+    return select_conversations(
+        bench_prompts, cfg.verifier.think_tags, cfg.self_instruct_path, None
+    )[0]
 
 
 def timed_run(
@@ -158,9 +160,9 @@ def timed_run(
 ) -> tuple[list, dict]:
     """One :func:`regenerate` call, synchronised around; returns (conversations, stats with ``seconds``,
     ``tokens_per_s``). Prints one line, ``<label or engine>: N conversations, ...``."""
-    from eagle3.prompts.chat import ChatOptions
-    from eagle3.prompts.prepare_prompts import max_context_tokens
-    from eagle3.prompts.regenerate import regenerate
+    from eagle3.chat.template import ChatOptions
+    from eagle3.regen.manifest import max_context_tokens
+    from eagle3.regen.regenerate import regenerate
 
     dev = next(model.parameters()).device
     st: dict = {}
@@ -173,7 +175,7 @@ def timed_run(
         max_new,
         batch_size,
         stats=st,
-        opts=ChatOptions.from_config(cfg),
+        opts=ChatOptions.from_verifier(cfg.verifier, cfg.extract.loss_on_reasoning),
         max_context=max_context_tokens(cfg),
         schedule=cfg.prompts.gen_schedule,
         engine=engine,
@@ -292,7 +294,7 @@ def step_ms(
     group reading ``width`` columns; flex: every row reads its blocks up to its length ~ ``width``)."""
     import torch
 
-    from eagle3.prompts.continuous import SlotEngine
+    from eagle3.regen.slots import SlotEngine
 
     eng = SlotEngine(
         model,
@@ -329,7 +331,7 @@ def bound(model, st: dict, cfg, batch_size: int, max_new: int, bandwidth: float 
     """Launch floor (column bound of one width_step) vs a full-cache step vs the measured step. ``verdict``:
     ``launch-bound`` when the floor is at least 0.6 of the measured step, else ``memory-bound`` where a bandwidth is
     known (bytes/s; its share of a full-cache step is given), or ``not launch-bound (memory bandwidth unknown)``."""
-    from eagle3.prompts.prepare_prompts import max_context_tokens
+    from eagle3.regen.manifest import max_context_tokens
 
     es = st.get("engine_stats") or {}
     max_len = max_context_tokens(cfg) + max_new
@@ -397,7 +399,8 @@ def prefill_probe(model, shapes=PROBE_SHAPES, reps: int = 5, seed: int = 0) -> d
     """
     import torch
 
-    from eagle3.prompts.continuous import SlotEngine, _Waiting
+    from eagle3.regen.slot_policy import Waiting
+    from eagle3.regen.slots import SlotEngine
 
     dev = next(model.parameters()).device
     emb = {
@@ -425,7 +428,7 @@ def prefill_probe(model, shapes=PROBE_SHAPES, reps: int = 5, seed: int = 0) -> d
                 ids = torch.randint(
                     0, vocab, (rows, width), generator=g
                 ).tolist()  # [P, W] random prompts
-                reqs = [_Waiting((), i, x) for i, x in enumerate(ids)]
+                reqs = [Waiting((), i, x) for i, x in enumerate(ids)]
                 host, device = [], []
                 for k in range(reps + 1):
                     _sync(dev)
@@ -506,11 +509,11 @@ def compare(model, tok, cfg, ours: list, theirs: list, tie_tol: float, limit: in
     differing turn the logit gap between the two tokens at the first differing position."""
     import torch
 
-    from eagle3.prompts.chat import ChatOptions, generation_prompt
-    from eagle3.prompts.regenerate import stop_token_ids
+    from eagle3.chat.template import ChatOptions, generation_prompt
+    from eagle3.regen.regenerate import stop_token_ids
 
     opts, stops, dev = (
-        ChatOptions.from_config(cfg),
+        ChatOptions.from_verifier(cfg.verifier, cfg.extract.loss_on_reasoning),
         sorted(stop_token_ids(tok)),
         next(model.parameters()).device,
     )
@@ -996,7 +999,7 @@ def batch_ab(
     ``batch_size``; an out-of-memory at ``other`` is a result (``error``), not a crash."""
     import torch
 
-    from eagle3.prompts.continuous import KVCacheTooLarge
+    from eagle3.regen.kv_cache import KVCacheTooLarge
 
     res = {"sizes": [batch_size, other], "conversations": len(convs)}
     try:
@@ -1113,8 +1116,8 @@ def main(argv=None) -> int:
 
     import torch
 
-    from eagle3.prompts.prepare_prompts import max_context_tokens
-    from eagle3.prompts.regenerate import engine_options
+    from eagle3.regen.manifest import max_context_tokens
+    from eagle3.regen.regenerate import engine_options
     from eagle3.verifier.load import load_verifier
 
     batch_size, max_new = (

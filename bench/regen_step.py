@@ -1,7 +1,7 @@
 """Microbenchmark (GPU): one slot-engine decode step per attention path, live rows, slot prefix and context length.
 
 Builds the verifier as stage 01 does (``--config`` + ``--set verifier.path=...``) and a
-:class:`eagle3.prompts.continuous.SlotEngine` per attention path (``flex``, ``sdpa_groups``) at
+:class:`eagle3.regen.slots.SlotEngine` per attention path (``flex``, ``sdpa_groups``) at
 ``prompts.gen_batch_size`` slots and ``max_context + max_new_tokens`` columns, then for each setting puts
 the engine's state by hand (the first ``live`` slots live at random lengths, the rest finished) and times
 one decode step over the slot prefix ``[:prefix]``: a CUDA-graph replay between CUDA events, median of
@@ -75,7 +75,7 @@ def tiny_model():
 
 def settings(slots: int, max_len: int, min_prefix: int) -> list[dict]:
     """The (name, live rows, prefix, length range) settings for ``slots`` slots of ``max_len`` columns."""
-    from eagle3.prompts.continuous import choose_prefix, prefix_sizes
+    from eagle3.regen.slot_policy import choose_prefix, prefix_sizes
 
     lo, hi = (100, 700) if max_len >= 800 else (max_len // 10, max_len // 2)
     few = min(8, slots)
@@ -123,7 +123,7 @@ def first_step_s(eng, prefix: int) -> float:
     """Wall seconds of the engine's first step over ``[:prefix]``: the compile (flex, or the whole step for
     ``compile_step``) and the CUDA-graph capture a run pays once per slot prefix; a flex failure raises
     (attention="flex")."""
-    from eagle3.prompts.continuous import synced_seconds
+    from eagle3.regen.slot_policy import synced_seconds
 
     return synced_seconds(eng.dev, lambda: eng._first_step(prefix))
 
@@ -283,7 +283,7 @@ def run_path(
     """All settings of one attention path into ``res['rows']``; returns the engine (None if it failed to build)."""
     import torch
 
-    from eagle3.prompts.continuous import SlotEngine
+    from eagle3.regen.slots import SlotEngine
 
     try:
         eng = SlotEngine(
@@ -411,7 +411,7 @@ def main(argv=None) -> int:
         stops = {-1}
     else:
         from eagle3.config import load_config
-        from eagle3.prompts.prepare_prompts import max_context_tokens
+        from eagle3.regen.manifest import max_context_tokens
         from eagle3.verifier.load import load_verifier, stop_token_ids
 
         cfg = load_config(a.config, a.overrides)
@@ -471,7 +471,7 @@ def main(argv=None) -> int:
         if (
             not a.no_profile and "profile" not in res and ran
         ):  # the preferred path failed: profile one that ran
-            from eagle3.prompts.continuous import SlotEngine
+            from eagle3.regen.slots import SlotEngine
 
             eng = SlotEngine(
                 model,

@@ -42,7 +42,7 @@ def build_conversations(
     With ``regenerated``, each assistant reply becomes ``decode(ids[:max_new_tokens])`` with
     ``tokens = ids[:max_new_tokens]`` (``ids`` = the reply tokenized), the shape 01 writes.
     """
-    from eagle3.prompts.readers import read_conversations
+    from eagle3.data.readers import read_conversations
 
     sources = cfg.prompts.source if isinstance(cfg.prompts.source, list) else [cfg.prompts.source]
     pool: list[dict] = []

@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from eagle3.chat.template import ChatOptions, end_of_turn_ids, prompt_ids  # noqa: E402
 from eagle3.cli import ArgumentParser, run_main  # noqa: E402
 from eagle3.config import load_config  # noqa: E402
 from eagle3.data.eval_prompts import (  # noqa: E402
@@ -38,7 +39,6 @@ from eagle3.data.eval_prompts import (  # noqa: E402
     too_few_note,
 )
 from eagle3.io import write_json_and_markdown  # noqa: E402
-from eagle3.prompts.chat import ChatOptions, end_of_turn_ids, prompt_ids  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ def main(argv=None) -> int:
     model, tok = load_verifier(cfg.verifier, resolve_device(cfg.verifier.device))
     model.eval()
     eos = end_of_turn_ids(tok)
-    chat = ChatOptions.from_config(cfg)
+    chat = ChatOptions.from_verifier(cfg.verifier, cfg.extract.loss_on_reasoning)
     max_new = a.max_new_tokens or cfg.benchmark.max_new_tokens
     report = {
         "config": a.config,

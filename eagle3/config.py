@@ -399,7 +399,7 @@ SELF_INSTRUCT_BATCH = (
 
 class SelfInstructConfig(_Strict):
     """Stage 01: user prompts sampled from the verifier itself (``prompts.self_instruct``; the settings of
-    ``01 --self-instruct N --out FILE``, :mod:`eagle3.prompts.self_instruct`), added to the sampled sources."""
+    ``01 --self-instruct N --out FILE``, :mod:`eagle3.regen.self_instruct`), added to the sampled sources."""
 
     num: int = Field(
         ge=1,
@@ -502,7 +502,7 @@ class PromptsConfig(_Strict):
     regen_engine: Literal["slots", "hf_continuous", "static"] = Field(
         "slots",
         description="local regeneration decoder: slots = continuous batching over gen_batch_size rows with a "
-        "preallocated KV cache (a finished row is refilled at the next check; eagle3.continuous.SlotEngine); "
+        "preallocated KV cache (a finished row is refilled at the next check; eagle3.regen.slots.SlotEngine); "
         "hf_continuous = transformers' ContinuousBatchingManager (paged cache; without flash-attn its paged sdpa "
         "scores every row against all rows' keys); static = generate() batches decoding until their longest "
         "answer stops (gen_schedule). Greedy answers are the same (float32: equal)",
@@ -535,7 +535,7 @@ class PromptsConfig(_Strict):
         "SmolLM2 step around its attention; a failed compile warns and decodes uncompiled. Greedy answers are the "
         "same in float32. auto = compile on CUDA with flex attention when the run's estimated decode steps x the "
         "measured saving per step (7.56 - 5.65 ms) exceed the measured cold compile (41.4 s; H200, SmolLM2-135M, "
-        "eagle3.prompts.continuous.compile_decision): about 43K answers of 512 tokens over 1,024 rows; never on the "
+        "eagle3.regen.slot_policy.compile_decision): about 43K answers of 512 tokens over 1,024 rows; never on the "
         "CPU. The decision and its inputs are in prompts_report.json (regeneration.engine_stats). A speed setting: "
         "not in 01's settings fingerprint",
     )

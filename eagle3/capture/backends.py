@@ -12,7 +12,7 @@ from eagle3.errors import UserError
 def make_backend(verifier, extract, aux_layers: Optional[list[int]] = None):
     """Build the capture backend named by ``extract.backend`` and return ``(backend, tokenizer)``.
 
-    ``hf``: loads the verifier in-process (``eagle3.verifier.load_verifier``). ``sglang``: the
+    ``hf``: loads the verifier in-process (``eagle3.verifier.load.load_verifier``). ``sglang``: the
     tokenizer only, plus ``eagle3.capture.sglang.SGLangCapture`` talking to
     ``extract.sglang_url`` (imported lazily). ``aux_layers=None`` = EAGLE default.
 
@@ -87,7 +87,7 @@ def checked_backend(verifier, extract, engine: str, backend, tokenizer) -> tuple
 
     Raises:
         ValueError: a backend without its tokenizer, or capturing other layers than ``extract.aux_layers``.
-        UserError: layers the engine cannot serve (:func:`eagle3.layers.check_servable`).
+        UserError: layers the engine cannot serve (:func:`eagle3.engines.layers.check_servable`).
     """
     if backend is None:
         backend, tokenizer = make_backend(verifier, extract)

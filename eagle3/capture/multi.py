@@ -12,7 +12,7 @@ manifest one server would give:
   the order asked for. Which server captured a batch changes nothing in the shards (same token ids
   in, same tensors out; each request's capture file is read, checked and deleted by its server's
   :class:`SGLangCapture`).
-* **Load spread, failures**: :class:`eagle3.prompts.endpoints.EndpointPool` picks, per batch, the live
+* **Load spread, failures**: :class:`eagle3.regen.endpoints.EndpointPool` picks, per batch, the live
   server with the fewest batches in flight (at most ``per_server`` each). A batch that fails on a
   server (connection refused or dropped, timeout, HTTP error, a capture file missing or wrong: any
   :class:`UserError` of :class:`SGLangCapture`) is retried on another server (after
@@ -42,7 +42,7 @@ import torch
 from eagle3.capture.base import BackendInfo
 from eagle3.capture.sglang import SGLangCapture
 from eagle3.errors import UserError
-from eagle3.prompts.endpoints import AllEndpointsDown, EndpointPool
+from eagle3.regen.endpoints import AllEndpointsDown, EndpointPool
 
 log = logging.getLogger(__name__)
 

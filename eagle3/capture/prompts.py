@@ -2,7 +2,7 @@
 
 :func:`read_prompts` checks the JSONL records; :func:`check_token_ids` refuses answer token ids outside the
 verifier's vocab; :func:`tokenize` turns every conversation into one or several :class:`Sample` with
-:func:`eagle3.prompts.chat.conversation_samples` (spread over :mod:`eagle3.capture.tokenize_pool` workers, results
+:func:`eagle3.chat.samples.conversation_samples` (spread over :mod:`eagle3.capture.tokenize_pool` workers, results
 in file order).
 """
 
@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Optional
 
 from eagle3.capture.tokenize_pool import map_records
+from eagle3.chat.samples import conversation_samples
 from eagle3.errors import UserError
 from eagle3.io import iter_jsonl, relative_hint
-from eagle3.prompts.chat import conversation_samples
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +152,7 @@ MAX_SKIPPED_IDS = 1000  # ids of skipped conversations kept per reason in data_c
 
 def _tokenize_one(tokenizer, rec: dict, *, max_length: int, opts, too_long: str, where: str):
     """The per-conversation step of :func:`tokenize` (module-level: runs in
-    :mod:`eagle3.capture.tokenize_pool` workers): :func:`eagle3.prompts.chat.conversation_samples` of ``rec``; a
+    :mod:`eagle3.capture.tokenize_pool` workers): :func:`eagle3.chat.samples.conversation_samples` of ``rec``; a
     template-wide error becomes ``UserError("{where}:{line}: ...")``."""
     try:
         return conversation_samples(
@@ -172,10 +172,10 @@ def tokenize(
     opts,
     workers: Optional[int] = None,
 ) -> tuple[list[Sample], Counter, dict[str, list[str]]]:
-    """Turn every conversation into training samples (:func:`eagle3.prompts.chat.conversation_samples`): one
+    """Turn every conversation into training samples (:func:`eagle3.chat.samples.conversation_samples`): one
     sample (id = its id) or, when the template's history changes as turns are added, several (``{id}#turn{n}``);
     dense ``idx`` in file order. ``workers`` processes (:mod:`eagle3.capture.tokenize_pool`; results in file
-    order). ``max_length`` / ``too_long``: ``extract.*``; ``opts``: :class:`eagle3.prompts.chat.ChatOptions`.
+    order). ``max_length`` / ``too_long``: ``extract.*``; ``opts``: :class:`eagle3.chat.template.ChatOptions`.
 
     Returns:
         ``(samples, counts, skipped_ids)``: counts ``skipped_*`` (too_long, no_loss_tokens, inconsistent,

@@ -6,8 +6,8 @@ from collections import Counter
 from pathlib import Path
 
 from eagle3.capture.disk_plan import DiskPlan
+from eagle3.chat.template import chat_template_hash, end_of_turn_ids
 from eagle3.io import format_bytes
-from eagle3.prompts.chat import chat_template_hash, end_of_turn_ids
 from eagle3.shards.format import (
     LAYER_INDEX_CONVENTION,
     bytes_per_token,

@@ -155,7 +155,7 @@ def check_state(root: Path, fp: str, comp: dict, overwrite: bool, weights: dict)
 
     Args:
         fp, comp: :func:`fingerprint` of this run.
-        weights: ``{"verifier_weights": ...}`` of the verifier (:func:`eagle3.verifier.weights_record`; ``{}``: none):
+        weights: ``{"verifier_weights": ...}`` of the verifier (:func:`eagle3.verifier.load.weights_record`; ``{}``: none):
             recorded beside the fingerprint (outside its hash, so folders of before keep theirs) and compared with
             the one recorded there (the state's, else ``data_config.json``'s): weights replaced at the same
             ``verifier.path`` would mix two models' states in one set.
@@ -200,7 +200,7 @@ def check_state(root: Path, fp: str, comp: dict, overwrite: bool, weights: dict)
 
 def weights_changed(root: Path, state: dict, weights: dict) -> Optional[str]:
     """``'<recorded> -> <now>'`` when the verifier weights recorded for ``root`` (``extract_state.json``'s
-    ``verifier_weights``, else ``data_config.json``'s) differ from ``weights`` (:func:`eagle3.verifier.weights_record`
+    ``verifier_weights``, else ``data_config.json``'s) differ from ``weights`` (:func:`eagle3.verifier.load.weights_record`
     of this run); None when they agree or either side has none (nothing to compare, as 03/04 do)."""
     now = weights.get("verifier_weights")
     was, _ = recorded_weights(root, state)

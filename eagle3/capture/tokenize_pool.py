@@ -1,7 +1,7 @@
 """Run a per-conversation tokenization function over worker processes, results in input order.
 
 Stage 02 renders every conversation with the chat template and builds its loss mask from turn
-prefixes (:mod:`eagle3.prompts.chat`): pure-Python Jinja rendering plus several tokenizer calls per
+prefixes (:mod:`eagle3.chat.template`): pure-Python Jinja rendering plus several tokenizer calls per
 conversation, about 30 ms each on one core. This module spreads that work over a
 ``concurrent.futures.ProcessPoolExecutor``; it knows nothing about chat templates: it applies a
 picklable function ``fn(tokenizer, record)`` to each record and returns the results in record

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence, TypeVar
 
+from eagle3.data.readers import unique_ids, with_record_system
 from eagle3.errors import UserError
 from eagle3.io import iter_jsonl
-from eagle3.prompts.readers import unique_ids, with_record_system
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ def load_prompt_file(
 
     Accepted keys, first match wins: ``messages`` (chat list; kept up to and including the first
     user turn), ``turns`` (MT-bench style; first turn), ``prompt``, ``question``, ``instruction``; a top-level
-    ``system`` string is the system message (:func:`eagle3.prompts.readers.with_record_system`, as 01 reads it).
+    ``system`` string is the system message (:func:`eagle3.data.readers.with_record_system`, as 01 reads it).
     The id is ``id``/``question_id``/``task_id``/``uid`` if present, else the line number; a repeated one is made
     unique (``7#2``, :func:`_unique_prompt_ids`).
 
@@ -170,7 +170,7 @@ def load_prompt_file(
 
 
 def _unique_prompt_ids(prompts: list[EvalPrompt], path: Path) -> None:
-    """Make repeated ids of one prompt file unique in place, as 01 does (:func:`eagle3.prompts.readers.unique_ids`:
+    """Make repeated ids of one prompt file unique in place, as 01 does (:func:`eagle3.data.readers.unique_ids`:
     the second ``7`` becomes ``7#2``), with one warning, so ``bench.json``'s ``prompt_ids`` and ``per_prompt`` rows
     name each prompt once (two files concatenated both number from 1)."""
     ids = [c["id"] for c in unique_ids([{"id": p.id} for p in prompts])]

@@ -14,12 +14,12 @@ from typing import Collection, Optional, Sequence
 
 import torch
 
+from eagle3.chat.template import ChatOptions, chat_template_hash, template_name
 from eagle3.data.vocab import VOCAB_MAP, load_vocab_map
 from eagle3.drafter.draft_config import EXPORT_META_FILE, untrained_positions
 from eagle3.errors import UserError
 from eagle3.export.reader import check_export_folder
 from eagle3.io import read_json
-from eagle3.prompts.chat import ChatOptions, chat_template_hash, template_name
 from eagle3.shards.format import verifier_dims_differ
 from eagle3.verifier.load import weights_differ
 
@@ -90,9 +90,9 @@ def verifier_warnings(
     weights: Optional[str] = None,
 ) -> list[str]:
     """A warning when the drafter's ``eagle3_train.json`` names another verifier than the run config, or records
-    other dimensions than ``dims`` (the loaded verifier's, :func:`eagle3.verifier.verifier_dims`: a ``verifier.path``
+    other dimensions than ``dims`` (the loaded verifier's, :func:`eagle3.verifier.load.verifier_dims`: a ``verifier.path``
     pointed at another model under the same ``verifier.name``), or another weights fingerprint than ``weights``
-    (:func:`eagle3.verifier.weights_fingerprint` of ``verifier.path``; exports of shards 02 fingerprinted)."""
+    (:func:`eagle3.verifier.load.weights_fingerprint` of ``verifier.path``; exports of shards 02 fingerprinted)."""
     meta_path = Path(drafter_dir) / TRAIN_META
     if not meta_path.is_file():
         return []

@@ -1,6 +1,6 @@
 """Benchmark a running SGLang server started with ``--speculative-algorithm EAGLE3`` (HTTP, stdlib only).
 
-Each prompt is chat-rendered locally (:func:`eagle3.prompts.chat.prompt_ids`, same template and kwargs as training) and sent
+Each prompt is chat-rendered locally (:func:`eagle3.chat.template.prompt_ids`, same template and kwargs as training) and sent
 as ``input_ids`` to ``POST {url}/generate`` with ``sampling_params {temperature: 0, max_new_tokens}``.
 
 Response shape (SGLang 0.5.23, ``srt/managers/tokenizer_manager.py`` ``_handle_batch_output`` and

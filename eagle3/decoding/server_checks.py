@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional, Sequence
 
+from eagle3.chat.template import ChatOptions
 from eagle3.decoding.checks import (
     template_check,
     template_kwargs_check,
@@ -19,7 +20,6 @@ from eagle3.decoding.checks import (
 from eagle3.decoding.server import served_model_path, server_info
 from eagle3.errors import UserError
 from eagle3.export.reader import check_export_folder
-from eagle3.prompts.chat import ChatOptions
 from eagle3.shards.format import DATA_CONFIG, read_data_config
 from eagle3.verifier.load import weights_fingerprint
 
@@ -182,7 +182,7 @@ def compare_served_model(vcfg, served: str) -> tuple[Optional[str], str]:
     """Whether ``served`` (a server's ``model_path``: a local path or a hub id) is the configured verifier ``vcfg``.
 
     Readable here: the same folder/file (``"same folder"``), else the same weights fingerprint
-    (:func:`eagle3.verifier.weights_fingerprint`; a copy: ``"same weights"``) or other weights (``"differs"``).
+    (:func:`eagle3.verifier.load.weights_fingerprint`; a copy: ``"same weights"``) or other weights (``"differs"``).
     Otherwise (another host, a hub id, no weight file to fingerprint) only names can be compared: the last path
     component of ``served`` against ``verifier.path``'s, its ``gguf_file`` and ``verifier.name``'s, case-insensitive
     (``"same name"``; None when they differ: it may still be the same model under another name).

@@ -56,7 +56,7 @@ from eagle3.decoding.common import (
 from eagle3.drafter.attention import _sdpa
 from eagle3.drafter.caches import StaticKVCache
 from eagle3.errors import UserError
-from eagle3.prompts.continuous import AttentionSwap
+from eagle3.regen.slot_attention import AttentionSwap
 from eagle3.sdpa import no_cudnn_sdpa
 
 log = logging.getLogger(__name__)

@@ -110,7 +110,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 # ---------------------------------------------------------------------------------------------
 # TTT attention
 # ---------------------------------------------------------------------------------------------
-def _repeat_kv(x: torch.Tensor, rep: int) -> torch.Tensor:
+def repeat_kv(x: torch.Tensor, rep: int) -> torch.Tensor:
     """``[B, kvh, S, hd]`` -> ``[B, kvh*rep, S, hd]`` (each kv head serves ``rep`` consecutive q heads)."""
     return x if rep == 1 else x.repeat_interleave(rep, dim=1)
 
@@ -130,7 +130,7 @@ def _sdpa(
     if rep > 1 and (
         q.dtype not in (torch.float16, torch.bfloat16) or attn_mask is not None or q.shape[-1] > 256
     ):
-        k, v, rep = _repeat_kv(k, rep), _repeat_kv(v, rep), 1
+        k, v, rep = repeat_kv(k, rep), repeat_kv(v, rep), 1
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=rep > 1
     )
@@ -166,8 +166,8 @@ def ttt_attention_eager(
     """
     L = q.shape[2]
     rep = q.shape[1] // keys[0].shape[1]
-    k = _repeat_kv(torch.cat(list(keys), dim=2), rep)  # [B, nh, (i+1)L, hd]
-    v = _repeat_kv(torch.cat(list(values), dim=2), rep)  # [B, nh, (i+1)L, hd]
+    k = repeat_kv(torch.cat(list(keys), dim=2), rep)  # [B, nh, (i+1)L, hd]
+    v = repeat_kv(torch.cat(list(values), dim=2), rep)  # [B, nh, (i+1)L, hd]
     mask = ttt_attention_mask(L, len(keys) - 1).to(q.device)  # [L, (i+1)L]
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [B, nh, L, (i+1)L]
     scores = scores.masked_fill(~mask, float("-inf"))

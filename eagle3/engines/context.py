@@ -24,7 +24,7 @@ def check_context_length(args: DrafterArgs, verifier_context: Optional[int], eng
     SGLang 0.5.23 builds the draft's ``ModelConfig`` with the target's context length
     (``speculative/eagle_worker_v2.py``: ``context_length=target ... context_len``) and
     ``ModelConfig._derive_context_length`` (``srt/configs/model_config.py``) raises when it
-    exceeds the draft's own (:func:`eagle3.verifier.serving_context_length` of the exported
+    exceeds the draft's own (:func:`eagle3.verifier.load.serving_context_length` of the exported
     config) unless ``SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1``: the server does not start.
     vLLM 0.33 does not refuse: it caps the draft's ``max_model_len`` at the smaller of the two
     (``SpeculativeConfig._maybe_override_draft_max_model_len``) and sizes the draft's rotary table
@@ -34,7 +34,7 @@ def check_context_length(args: DrafterArgs, verifier_context: Optional[int], eng
 
     Args:
         args: the drafter's args (``max_position_embeddings``, ``rope_scaling``).
-        verifier_context: the verifier's context length (:func:`eagle3.verifier.verifier_context_length`);
+        verifier_context: the verifier's context length (:func:`eagle3.verifier.load.verifier_context_length`);
             ``None`` = unknown, nothing checked.
         engine: ``sglang`` (refused) or ``vllm`` (warned); another name is refused as unknown.
 

@@ -16,6 +16,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from eagle3.chat.template import ChatOptions, end_of_turn_ids, prompt_ids
 from eagle3.config import RunConfig
 from eagle3.data import eval_prompts
 from eagle3.decoding import checks, drafter_folder
@@ -28,7 +29,6 @@ from eagle3.engines.layers import check_aux_layers, default_aux_layers
 from eagle3.errors import UserError
 from eagle3.export.reader import preflight_export
 from eagle3.io import output_folder_lock, probe_dirs, read_json, rerun_hint
-from eagle3.prompts.chat import ChatOptions, end_of_turn_ids, prompt_ids
 from eagle3.shards.format import check_extract_settings
 from eagle3.verifier import load as vf
 
@@ -122,7 +122,7 @@ def _load_verifier(vcfg) -> tuple[Any, Any, torch.device]:
 
 
 def resolve_drafter_dir(cfg: RunConfig, drafter_dir: Optional[str | Path]) -> Path:
-    """The drafter folder stage 05 benchmarks: ``--drafter`` when given (:func:`eagle3.decoding.checks.check_drafter_arg`),
+    """The drafter folder stage 05 benchmarks: ``--drafter`` when given (:func:`eagle3.decoding.drafter_folder.check_drafter_arg`),
     else the config's ``export_dir``.
 
     Raises:
@@ -225,7 +225,7 @@ def _after_load(
     """The chat template and its kwargs against the shards', and which checks could not be made (the drafter's
     verifier record unless ``mismatch`` names another verifier, its ``d2t``, the template): ``(lines, not_checked)``."""
     name, fp = cfg.verifier.display_name(), vf.weights_fingerprint(cfg.verifier)
-    chat = ChatOptions.from_config(cfg)
+    chat = ChatOptions.from_verifier(cfg.verifier, cfg.extract.loss_on_reasoning)
     other_template, template_unchecked = checks.template_check(cfg.shards_dir, tokenizer, chat)
     other_kwargs, kwargs_unchecked = checks.template_kwargs_check(
         cfg.shards_dir, cfg.verifier.chat_template_kwargs
@@ -303,7 +303,7 @@ def _bench_sets(cfg, models, sets, steps, max_new_tokens, eos, batch_size, tie_t
     """Render and tokenise every set, refuse a prompt past the verifier's context, warm both decoders up (untimed),
     then benchmark each set (:func:`eagle3.decoding.offline.bench_prompts`): the ``bench.json`` dataset rows."""
     verifier, tokenizer, drafter, aux_layers = models
-    chat = ChatOptions.from_config(cfg)
+    chat = ChatOptions.from_verifier(cfg.verifier, cfg.extract.loss_on_reasoning)
     tokenized = [
         (label, [(p.id, prompt_ids(tokenizer, p.messages, chat)) for p in prompts])
         for label, prompts in sets
@@ -368,7 +368,7 @@ def run_server(
     max_new_tokens = max_new_tokens or cfg.benchmark.max_new_tokens
     num_prompts = num_prompts or cfg.benchmark.num_prompts
     tok = vf.load_tokenizer(cfg.verifier)
-    chat = ChatOptions.from_config(cfg)
+    chat = ChatOptions.from_verifier(cfg.verifier, cfg.extract.loss_on_reasoning)
     notes, checked = check_servers(urls, cfg.verifier, cfg.shards_dir, tok, chat)  # in each report
     for w in notes:
         log.warning("%s", w)

@@ -47,18 +47,14 @@ from eagle3.capture.prompts import (
     tokenize,
 )
 from eagle3.capture.report import data_config, markdown, rank_stats, rate_text, summary_lines
+from eagle3.chat.template import ChatOptions
 from eagle3.cli import resume_on_interrupt
 from eagle3.config import RunConfig
 from eagle3.errors import UserError
 from eagle3.io import atomic_write_json, atomic_write_text, file_sha256, make_dirs, remove_stale_tmp
 from eagle3.process_group import process_group_scope
-from eagle3.prompts.chat import ChatOptions
-from eagle3.prompts.prepare_prompts import (
-    forced_path,
-    limit_drops_self_instruct,
-    read_report,
-    report_changes,
-)
+from eagle3.regen.manifest import forced_path, read_report, report_changes
+from eagle3.regen.report import limit_drops_self_instruct
 from eagle3.shards.format import (
     DATA_CONFIG,
     TOKEN_BYTES_PER_TOKEN,
@@ -95,7 +91,7 @@ def tokenize_prompts(
     """:func:`eagle3.capture.prompts.tokenize` under ``cfg``'s ``extract.{max_length, too_long,
     tokenize_workers}`` and chat options."""
     ex = cfg.extract
-    opts = ChatOptions.from_config(cfg)
+    opts = ChatOptions.from_verifier(cfg.verifier, cfg.extract.loss_on_reasoning)
     return tokenize(
         tokenizer, prompts, prompts_path, max_length=ex.max_length, too_long=ex.too_long,
         opts=opts, workers=ex.tokenize_workers,

@@ -76,7 +76,7 @@ def _record(cid, users, answer_lens, tools=False):
 def test_recorded_turns_and_cli(tmp_path, tiny_llama_dir, smollm_tokenizer):
     """Prompt lengths are the tokenizer's ids of the rendered history; a record without ``tokens`` is not
     replayed; the CLI's figures are the hand-computed ones of test_plans_by_hand (same shape)."""
-    from eagle3.prompts.chat import ChatOptions
+    from eagle3.chat.template import ChatOptions
 
     long_first = "Please explain in great detail how a bicycle gear system works and why."
     recs = [

@@ -310,17 +310,16 @@ def test_reuse_ab_counts_differences_by_logit_gap(tiny_llama_dir, monkeypatch):
     forward; near-ties within benchmark.tie_tolerance; later turns of a differing conversation are not checked."""
     import torch
 
+    from eagle3.chat.template import ChatOptions, generation_prompt
     from eagle3.config import load_config
-    from eagle3.prompts.chat import ChatOptions, generation_prompt
-    from eagle3.prompts.regenerate import stop_token_ids
-    from eagle3.verifier.load import load_verifier
+    from eagle3.verifier.load import load_verifier, stop_token_ids
 
     cfg = load_config(
         ROOT / "configs" / "tiny-llama.yaml",
         [f"verifier.path={tiny_llama_dir}", "benchmark.tie_tolerance=0.5"],
     )
     model, tok = load_verifier(cfg.verifier)
-    opts = ChatOptions.from_config(cfg)
+    opts = ChatOptions.from_verifier(cfg.verifier, cfg.extract.loss_on_reasoning)
     stops = sorted(stop_token_ids(tok))
     common = tok("Sure, here", add_special_tokens=False)["input_ids"]
 

@@ -442,9 +442,9 @@ def test_chat_template_is_compared_with_the_shards(tmp_path, smollm_tokenizer):
     line saying the check was not made; the same template, nothing."""
     from types import SimpleNamespace
 
+    from eagle3.chat.template import ChatOptions, chat_template_hash
     from eagle3.config import ExtractConfig, VerifierConfig
     from eagle3.decoding.checks import template_check
-    from eagle3.prompts.chat import ChatOptions, chat_template_hash
 
     shards = tmp_path / "shards"
     shards.mkdir()
@@ -453,17 +453,29 @@ def test_chat_template_is_compared_with_the_shards(tmp_path, smollm_tokenizer):
     cfg = SimpleNamespace(
         shards_dir=shards, extract=ExtractConfig(), verifier=VerifierConfig(path=str(tmp_path))
     )
-    assert template_check(cfg.shards_dir, smollm_tokenizer, ChatOptions.from_config(cfg)) == (
+    assert template_check(
+        cfg.shards_dir,
+        smollm_tokenizer,
+        ChatOptions.from_verifier(cfg.verifier, cfg.extract.loss_on_reasoning),
+    ) == (
         None,
         None,
     )  # no data_config.json: shards_unchecked says it
     dc.write_text(json.dumps({"chat_template_hash": chat_template_hash(smollm_tokenizer)}))
-    assert template_check(cfg.shards_dir, smollm_tokenizer, ChatOptions.from_config(cfg)) == (
+    assert template_check(
+        cfg.shards_dir,
+        smollm_tokenizer,
+        ChatOptions.from_verifier(cfg.verifier, cfg.extract.loss_on_reasoning),
+    ) == (
         None,
         None,
     )
     cfg.verifier = VerifierConfig(path=str(tmp_path), chat_template=other)
-    w, unchecked = template_check(cfg.shards_dir, smollm_tokenizer, ChatOptions.from_config(cfg))
+    w, unchecked = template_check(
+        cfg.shards_dir,
+        smollm_tokenizer,
+        ChatOptions.from_verifier(cfg.verifier, cfg.extract.loss_on_reasoning),
+    )
     assert unchecked is None and w == (
         f"{dc}: the shards were rendered with chat template sha256 {chat_template_hash(smollm_tokenizer)[:12]} "
         f"(chat_template_hash) but 05 renders the prompts with verifier.chat_template (from the config), sha256 "
@@ -472,7 +484,11 @@ def test_chat_template_is_compared_with_the_shards(tmp_path, smollm_tokenizer):
         f"with this one"
     )
     dc.write_text(json.dumps({"chat_template_hash": None}))
-    w, unchecked = template_check(cfg.shards_dir, smollm_tokenizer, ChatOptions.from_config(cfg))
+    w, unchecked = template_check(
+        cfg.shards_dir,
+        smollm_tokenizer,
+        ChatOptions.from_verifier(cfg.verifier, cfg.extract.loss_on_reasoning),
+    )
     assert w is None and unchecked.startswith(
         f"{dc} records no chat_template_hash: 05 did not check that the prompts "
         f"it renders with verifier.chat_template (from the config)"

@@ -224,7 +224,7 @@ def test_lossless_on_tiny_llama_fixture(tiny_llama_dir, smollm_tokenizer):
     """The shared 6-layer random verifier with SmolLM2's vocab and a chat-rendered prompt."""
     from transformers import AutoModelForCausalLM
 
-    from eagle3.prompts.chat import render
+    from eagle3.chat.template import render
 
     v = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     drafter = make_drafter(v, list(range(0, len(smollm_tokenizer), 97)))

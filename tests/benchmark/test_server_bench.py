@@ -365,7 +365,7 @@ def _bench_cli():
 
 
 def test_cli_server_mode_sends_chat_rendered_prompts(tmp_path, tiny_llama_dir, smollm_tokenizer):
-    from eagle3.prompts.chat import render
+    from eagle3.chat.template import render
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(
@@ -703,7 +703,7 @@ def test_cli_server_mode_says_when_the_draft_folder_cannot_be_read(
     cli = _bench_cli()
     report = tmp_path / "out" / "bench" / "server_bench.json"
     gone = "/nodes/node1/drafter-sglang"
-    from eagle3.prompts.chat import chat_template_hash
+    from eagle3.chat.template import chat_template_hash
 
     tpl = (
         f"{tmp_path / 'out' / 'shards' / 'data_config.json'} not found: 05 did not check that the prompts it renders "

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-import eagle3.prompts.prepare_prompts as pp
+import eagle3.regen.manifest as manifest
+import eagle3.stages.prepare_prompts as pp
 from eagle3.config import load_config
 from eagle3.errors import UserError
 from eagle3.stages.extract import check_prompts_current
@@ -52,10 +53,13 @@ def _cfg(tmp_path: Path, *sets: str):
 
 def test_refusal_reads_the_report_once(tmp_path, monkeypatch):
     cfg, _ = _cfg(tmp_path)
-    rep = pp.report_path(cfg)
+    rep = manifest.report_path(cfg)
     rep.write_text(
         json.dumps(
-            {"settings": {**pp.settings(cfg, None), "dedupe": False}, "cli_overrides": ["format"]}
+            {
+                "settings": {**manifest.settings(cfg, None), "dedupe": False},
+                "cli_overrides": ["format"],
+            }
         )
     )
     opened = []
@@ -83,7 +87,7 @@ def test_source_hash_reused_while_size_and_mtime_hold(tmp_path, monkeypatch):
     cfg, src = _cfg(tmp_path)
     pp.run(cfg)  # 01 on a file source (no regeneration)
     st = os.stat(src)
-    rep = json.loads(pp.report_path(cfg).read_text())
+    rep = json.loads(manifest.report_path(cfg).read_text())
     assert rep["source_stats"] == {
         str(src.resolve()): {
             "bytes": st.st_size,
@@ -92,8 +96,8 @@ def test_source_hash_reused_while_size_and_mtime_hold(tmp_path, monkeypatch):
         }
     }
     hashed = []
-    real = pp.file_sha256
-    monkeypatch.setattr(pp, "file_sha256", lambda p: hashed.append(Path(p)) or real(p))
+    real = manifest.file_sha256
+    monkeypatch.setattr(manifest, "file_sha256", lambda p: hashed.append(Path(p)) or real(p))
     check_prompts_current(cfg)
     assert hashed == []  # unchanged: the recorded hash is used
     old_sha = rep["settings"]["sha256"]
@@ -131,10 +135,10 @@ def test_an_edited_source_file_is_named_not_its_fingerprints(tmp_path):
             + "\n"
         )
     cfg, src = _cfg(tmp_path, f"prompts.source=[{a}, {b}]")
-    rep = pp.report_path(cfg)
-    rep.write_text(json.dumps({"settings": pp.settings(cfg, None), "cli_overrides": []}))
+    rep = manifest.report_path(cfg)
+    rep.write_text(json.dumps({"settings": manifest.settings(cfg, None), "cli_overrides": []}))
     a.write_text(a.read_text() * 2)
-    want = pp.settings(cfg, None)
+    want = manifest.settings(cfg, None)
     with pytest.raises(UserError) as e:
         check_prompts_current(cfg)
     assert str(e.value) == (
@@ -143,11 +147,11 @@ def test_an_edited_source_file_is_named_not_its_fingerprints(tmp_path):
     )
     report = json.loads(rep.read_text())
     assert (
-        pp.redo_reason(cfg.prompts_path, rep, report, want)
+        manifest.redo_reason(cfg.prompts_path, rep, report, want)
         == f"settings changed: the content of {a} changed"
     )
     one, _ = _cfg(tmp_path, f"prompts.source={a}", "prompts.sample_size=4", "prompts.seed=4")
-    assert pp.redo_reason(cfg.prompts_path, rep, report, pp.settings(one, None)) == (
+    assert manifest.redo_reason(cfg.prompts_path, rep, report, manifest.settings(one, None)) == (
         f"settings changed: source: {[str(a), str(b)]!r} -> {str(a)!r}; sample_size: None -> 4"
     )
     with pytest.raises(
@@ -155,7 +159,7 @@ def test_an_edited_source_file_is_named_not_its_fingerprints(tmp_path):
     ):
         check_prompts_current(one)
     # one source file: its content, then another seed beside it
-    rep.write_text(json.dumps({"settings": pp.settings(one, None), "cli_overrides": []}))
+    rep.write_text(json.dumps({"settings": manifest.settings(one, None), "cli_overrides": []}))
     a.write_text(a.read_text() * 2)
     with pytest.raises(UserError) as e:
         check_prompts_current(

@@ -619,7 +619,7 @@ def test_a_list_item_is_named_field_index_in_brackets(tmp_path, extra, message):
 
 def test_a_prompts_flag_clash_names_the_list_item(tmp_path, monkeypatch):
     """01's ``--source`` applied over the config: a bad item is ``prompts.source[1]``, not ``prompts.source.1``."""
-    from eagle3.prompts.prepare_prompts import apply_overrides
+    from eagle3.stages.prepare_prompts import apply_overrides
 
     cfg = load_config(_write(tmp_path, BASE))
     with pytest.raises(UserError) as e:

@@ -88,7 +88,7 @@ def test_jsonl_line_missing_its_closing_brace_names_the_column_at_its_end(tmp_pa
 
 def test_prompt_and_eval_readers_report_the_same_column(tmp_path):
     """Every JSONL reader goes through iter_jsonl: stage 01's prompt files and 05's eval sets give the real column."""
-    from eagle3.prompts.readers import _iter_file
+    from eagle3.data.readers import _iter_file
 
     p = tmp_path / "bad.jsonl"
     p.write_text('{"id": "p1"}\n{"id": "p2", "text": "abc"\n')
@@ -106,9 +106,9 @@ def test_bytes_that_are_not_utf8_name_the_file_line_and_column_in_every_json_rea
     import gzip
 
     from eagle3.config import load_config
+    from eagle3.data.readers import _iter_file
     from eagle3.io import read_json
-    from eagle3.prompts.prepare_prompts import read_report
-    from eagle3.prompts.readers import _iter_file
+    from eagle3.regen.manifest import read_report
 
     good = (
         b'{"messages": [{"role": "user", "content": "A"}, {"role": "assistant", "content": "B"}]}\n'
@@ -164,7 +164,7 @@ def test_a_lone_surrogate_escape_is_refused_naming_file_line_and_field_by_every_
     from eagle3.capture.prompts import read_prompts
     from eagle3.config import load_config
     from eagle3.data.eval_prompts import load_prompt_file
-    from eagle3.prompts.readers import _iter_file
+    from eagle3.data.readers import _iter_file
 
     good = '{"id": "a", "messages": [{"role": "user", "content": "A \\ud83d\\ude00"}, {"role": "assistant", "content": "B"}]}'
     bad = '{"id": "b", "messages": [{"role": "user", "content": "C"}, {"role": "assistant", "content": "cut \\uDE00"}]}'

@@ -66,7 +66,7 @@ def test_output_field_names_the_setting_behind_each_folder(tmp_path):
 
 
 def test_01_names_output_root(tmp_path):
-    from eagle3.prompts.prepare_prompts import run
+    from eagle3.stages.prepare_prompts import run
 
     src = tmp_path / "p.jsonl"
     src.write_text(

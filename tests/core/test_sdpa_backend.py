@@ -10,7 +10,7 @@ import torch
 from test_capture_hf import SAMPLES, _llama
 
 from eagle3.capture.hf import HFCapture
-from eagle3.prompts.regenerate import generate_greedy
+from eagle3.regen.regenerate import generate_greedy
 
 
 def _record_backend(model) -> list[bool]:

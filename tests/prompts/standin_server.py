@@ -28,7 +28,7 @@ class ModelBackend:
         self.lock = threading.Lock()
 
     def generate(self, ids: list[int], max_new: int, stop_ids: set[int]) -> tuple[list[int], str]:
-        from eagle3.prompts.regenerate import generate_greedy
+        from eagle3.regen.regenerate import generate_greedy
 
         pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
         with self.lock:

@@ -20,15 +20,14 @@ import json
 import pytest
 from kimi_tokenizer import KimiStyleTokenizer
 
-from eagle3.prompts.chat import (
+from eagle3.chat.samples import conversation_samples, tokenize_conversation
+from eagle3.chat.template import (
     ChatOptions,
     TemplateIgnoresGenerationPrompt,
     TemplateNotPrefixStable,
     check_template,
-    conversation_samples,
     generation_prompt,
     split_reasoning,
-    tokenize_conversation,
 )
 
 KIMI_K25_STYLE = (

@@ -1,4 +1,4 @@
-"""Continuous-batching regeneration engines (eagle3.prompts.continuous) equal plain transformers greedy decoding (fp32)."""
+"""Continuous-batching regeneration engines (eagle3.regen.slots) equal plain transformers greedy decoding (fp32)."""
 
 from __future__ import annotations
 
@@ -10,22 +10,20 @@ import torch
 from conftest import SMOLLM_GGUF  # noqa: E402
 
 from eagle3.config import VerifierConfig
-from eagle3.prompts.continuous import (
+from eagle3.regen.hf_engine import HFContinuousEngine
+from eagle3.regen.regenerate import regenerate
+from eagle3.regen.slot_attention import decode_block_mask, flex_decode, kv_num_blocks
+from eagle3.regen.slot_policy import (
     COMPILE_COLD_S,
     COMPILED_STEP_MS,
     EAGER_STEP_MS,
-    HFContinuousEngine,
-    SlotEngine,
     choose_prefix,
     compile_decision,
-    decode_block_mask,
     defer_refill,
     estimate_decode_steps,
-    flex_decode,
-    kv_num_blocks,
     prefix_sizes,
 )
-from eagle3.prompts.regenerate import regenerate
+from eagle3.regen.slots import SlotEngine
 from eagle3.verifier.load import load_verifier
 
 
@@ -431,7 +429,7 @@ def test_regenerate_slots_equals_static(tiny, batch_size, attention):
 def test_slots_resume_after_a_kill(tiny, tmp_path, monkeypatch):
     """A slots run killed mid-decode keeps the conversations finished before it in the resume log; the rerun
     answers only the rest and equals the uninterrupted run."""
-    from eagle3.prompts.resume_log import ResumeLog
+    from eagle3.regen.resume_log import ResumeLog
 
     model, tok = tiny
     opts = {"check_every": 1, "cuda_graphs": False}
@@ -504,8 +502,8 @@ def smollm_fp32():
 
 def test_slot_engine_equals_hf_greedy_on_smollm2(smollm_fp32):
     """The real verifier (SmolLM2-135M-Instruct GGUF, dequantised to fp32) on chat prompts, 2 rows for 4 prompts."""
-    from eagle3.prompts.chat import ChatOptions, generation_prompt
-    from eagle3.prompts.regenerate import stop_token_ids
+    from eagle3.chat.template import ChatOptions, generation_prompt
+    from eagle3.regen.regenerate import stop_token_ids
 
     model, tok = smollm_fp32
     stops = stop_token_ids(tok)
@@ -605,7 +603,7 @@ def test_prefix_reuse_on_smollm2_equals_hf_greedy(smollm_fp32, pack):
 def test_compiled_flex_decode_equals_eager():
     """The compiled flex decode (the CUDA path's function: BlockMask built inside the graph, fullgraph) traces and
     compiles here on CPU and equals eager FlexAttention, at two prefix shapes (a recompile each)."""
-    from eagle3.prompts.continuous import compiled_flex_decode
+    from eagle3.regen.slot_attention import compiled_flex_decode
 
     block, kv_len = 128, 256
     g = torch.Generator().manual_seed(1)
@@ -893,7 +891,7 @@ def test_auto_engine_on_cpu_never_calls_torch_compile(tiny, monkeypatch):
 
 def test_engine_compiles_when_the_decision_says_so(tiny, monkeypatch):
     """The engine follows compile_decision (a CUDA-sized positive decision, faked here) and records it."""
-    import eagle3.prompts.continuous as cont
+    import eagle3.regen.slots as cont
 
     model, _ = tiny
     seen = []
@@ -966,7 +964,8 @@ def test_slot_rows_are_capped_at_the_conversations_and_checked_against_host_memo
     conversations, and its memory check ran on CUDA only (fresh-user trial 2026-12-05f). A conversation has one turn
     in flight at a time, so the rows are now at most the conversations; on the CPU the cache is checked against the
     host's available memory, as against the GPU's free memory."""
-    import eagle3.prompts.continuous as C
+    import eagle3.regen.slots as C
+    from eagle3.regen.kv_cache import KVCacheTooLarge
 
     model, tok = tiny
     want = regenerate(
@@ -992,7 +991,7 @@ def test_slot_rows_are_capped_at_the_conversations_and_checked_against_host_memo
     assert got == want and stats["engine_stats"]["compile_decision"]["slots"] == len(CONVS) == 5
     monkeypatch.setattr(C, "host_available_bytes", lambda: 2**30)
     with pytest.raises(
-        C.KVCacheTooLarge
+        KVCacheTooLarge
     ) as e:  # 1,024 rows x 2,048 columns of the tiny verifier: 6 GiB
         SlotEngine(model, 1024, 2048, 6, {0}, cuda_graphs=False, attention="sdpa_groups")
     assert str(e.value) == (
@@ -1247,13 +1246,13 @@ def test_offset_prefill_layout_by_hand():
 
 
 def eagle3_offset_layout(offsets, width, cols):
-    from eagle3.prompts.continuous import offset_prefill_layout
+    from eagle3.regen.slot_attention import offset_prefill_layout
 
     return offset_prefill_layout(offsets, width, cols)
 
 
 def test_common_prefix():
-    from eagle3.prompts.continuous import common_prefix
+    from eagle3.regen.slot_policy import common_prefix
 
     assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2 and common_prefix([1, 2], [1, 2, 3]) == 2
     assert (
@@ -1360,7 +1359,7 @@ def test_refill_free_gives_fewer_fuller_prefills_and_the_same_answers(tiny):
 
 def test_prefill_bucket_by_hand():
     """Rows and width to powers of two (width >= 16), the offset path's attended columns too, each capped."""
-    from eagle3.prompts.continuous import prefill_bucket
+    from eagle3.regen.slot_policy import prefill_bucket
 
     assert prefill_bucket(1, 1, 0, 1024, 2560) == (
         1,
@@ -1444,7 +1443,7 @@ def test_prefill_graphs_equals_hf_greedy(
     multi-turn answers equal plain transformers greedy decoding token for token (fp32), with prefix reuse on and off;
     every forward runs at a bucketed shape (rows, width and the offset path's attended columns), padded rows go to
     the scratch row, and rows and width were both padded somewhere."""
-    import eagle3.prompts.continuous as cont
+    import eagle3.regen.slot_attention as cont
 
     model, _ = tiny
     max_new = 10
@@ -1542,7 +1541,7 @@ def test_bucketed_prefill_kv_equals_unbucketed(tiny):
 def _sentinel_engine(model, lens, **engine_kw):
     """An 8-slot engine (64 columns, flex blocks of 16, ``engine_kw``) whose cache holds 0.5 everywhere, that cache's
     copy, and one waiting request of random ids per length in ``lens`` (keys 0, 1, ...)."""
-    from eagle3.prompts.continuous import _Waiting
+    from eagle3.regen.slot_policy import Waiting
 
     eng = SlotEngine(
         model,
@@ -1559,7 +1558,7 @@ def _sentinel_engine(model, lens, **engine_kw):
         t.fill_(0.5)
     g = torch.Generator().manual_seed(5)
     reqs = [
-        _Waiting((i,), i, torch.randint(8, model.config.vocab_size, (n,), generator=g).tolist())
+        Waiting((i,), i, torch.randint(8, model.config.vocab_size, (n,), generator=g).tolist())
         for i, n in enumerate(lens)
     ]
     return eng, [t.clone() for t in eng.cache.k + eng.cache.v], reqs
@@ -1626,7 +1625,7 @@ def test_kv_cache_size_is_checked_before_allocation():
     """SmolLM2-135M's slot KV cache (30 layers, 3 KV heads of 64, bf16) at 2,560 columns: 56.25 GiB at 1,024 rows and
     112.5 GiB at 2,048; a cache over 90% of the free GPU memory is refused in one line naming the settings."""
     from eagle3.errors import UserError
-    from eagle3.prompts.continuous import KVCacheTooLarge, check_kv_fits
+    from eagle3.regen.kv_cache import KVCacheTooLarge, check_kv_fits
 
     gib = 2**30
     assert (
@@ -1725,7 +1724,7 @@ def test_slot_engine_on_an_mla_verifier_equals_hf_greedy(tiny_mla, attention, pa
 def test_kv_cache_check_counts_mla_value_width():
     """K and V of different widths (MLA) are summed, not the key width twice: Kimi-K2.5 (61 layers, 64 heads, keys
     192, values 128, bf16) at 16 rows x 4,096 columns needs 61 x 16 x 64 x 4096 x (192 + 128) x 2 bytes = 152.5 GiB."""
-    from eagle3.prompts.continuous import check_kv_fits
+    from eagle3.regen.kv_cache import check_kv_fits
 
     gib = 2**30
     assert (

@@ -1,4 +1,4 @@
-"""Packed prefill of the slot engine (eagle3.prompts.packed_prefill, prompts.regen_prefill_pack): the layout by hand,
+"""Packed prefill of the slot engine (eagle3.regen.packed_prefill, prompts.regen_prefill_pack): the layout by hand,
 the block mask against the dense document mask, the attention against per-row SDPA, and the engine's answers against
 plain transformers greedy decoding (fp32)."""
 
@@ -18,14 +18,14 @@ from test_continuous import (  # noqa: F401
     tiny,
 )
 
-from eagle3.prompts.continuous import SlotEngine
-from eagle3.prompts.packed_prefill import (
+from eagle3.regen.packed_prefill import (
     PackedRouting,
     packed_bucket,
     packed_flex,
     packed_layout,
     packed_prefill_attention,
 )
+from eagle3.regen.slots import SlotEngine
 
 
 def test_packed_bucket_by_hand():
@@ -398,7 +398,7 @@ def test_compiled_packed_flex_equals_eager():
     """The compiled packed attention (the CUDA path's function, compiled here by Inductor for the CPU; it visits only
     the listed kv blocks, where eager FlexAttention evaluates the mask everywhere) equals the eager one (fp32) at two
     stream shapes (one static compile each)."""
-    from eagle3.prompts.packed_prefill import compiled_packed_flex
+    from eagle3.regen.packed_prefill import compiled_packed_flex
 
     g = torch.Generator().manual_seed(3)
     h, hkv, d, cols, s, block = 6, 2, 16, 64, 5, 16
@@ -430,7 +430,7 @@ def test_compiled_packed_flex_equals_eager():
 def test_packed_streams_are_capped_off_cuda(tiny, monkeypatch):
     """Off CUDA (eager FlexAttention: dense scores) a packed forward feeds at most PACK_EAGER_TOKENS tokens whatever
     prefill_tokens allows (a lone longer prompt excepted); answers stay HF greedy."""
-    import eagle3.prompts.continuous as cont
+    import eagle3.regen.slots as cont
 
     model, _ = tiny
     monkeypatch.setattr(cont, "PACK_EAGER_TOKENS", 40)
@@ -468,7 +468,7 @@ def test_eager_packed_flex_is_quiet_and_equal(monkeypatch):
 
     import torch.nn.attention.flex_attention as fa
 
-    from eagle3.prompts.packed_prefill import eager_packed_flex
+    from eagle3.regen.packed_prefill import eager_packed_flex
 
     g = torch.Generator().manual_seed(3)
     h, hkv, d, cols, s = 6, 2, 16, 64, 5

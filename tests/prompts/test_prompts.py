@@ -15,9 +15,10 @@ import pytest
 from conftest import ROOT, SHARED_DATA, needs_shared_data
 
 from eagle3.config import load_config
+from eagle3.data.readers import dedupe, humaneval_message, read_conversations, sample
 from eagle3.errors import UserError
-from eagle3.prompts.prepare_prompts import report_path, run
-from eagle3.prompts.readers import dedupe, humaneval_message, read_conversations, sample
+from eagle3.regen.manifest import report_path
+from eagle3.stages.prepare_prompts import run
 
 
 def _jsonl(path, rows):
@@ -418,11 +419,10 @@ def test_local_regeneration_gets_schedule_and_context_cap(
     tmp_path, monkeypatch, sets, schedule, cap
 ):
     """01's local path hands prompts.gen_schedule and the context cap (prompts.max_context_tokens, else
-    extract.max_length) to eagle3.prompts.regenerate.regenerate."""
-    import eagle3.prompts.regenerate
-    import eagle3.verifier.load
+    extract.max_length) to eagle3.regen.regenerate.regenerate."""
     from eagle3.config import load_config
-    from eagle3.prompts.prepare_prompts import _regenerate
+    from eagle3.regen import replicas
+    from eagle3.stages.prepare_prompts import _regenerate
 
     cfg_path = tmp_path / "c.yaml"
     cfg_path.write_text(
@@ -433,16 +433,12 @@ def test_local_regeneration_gets_schedule_and_context_cap(
     tok = SimpleNamespace(
         eos_token_id=2, get_vocab=lambda: {"<|im_end|>": 2}
     )  # what 01 reads of the tokenizer
-    monkeypatch.setattr(
-        eagle3.verifier.load, "load_verifier", lambda vc, device=None: ("model", tok)
-    )
-    monkeypatch.setattr(
-        eagle3.prompts.regenerate, "regenerate", lambda *a, **k: seen.update(k) or []
-    )
+    monkeypatch.setattr(replicas, "load_verifier", lambda vc, device=None: ("model", tok))
+    monkeypatch.setattr(replicas, "regenerate", lambda *a, **k: seen.update(k) or [])
     assert _regenerate(cfg, [], {}, {}) == []
     assert seen["schedule"] == schedule and seen["max_context"] == cap and seen["engine"] == "slots"
     # resumable like the server path: the same log next to prompts.jsonl, under 01's settings
-    from eagle3.prompts.prepare_prompts import partial_path
+    from eagle3.stages.prepare_prompts import partial_path
 
     assert (
         seen["journal"].log.path
@@ -454,7 +450,7 @@ def test_local_regeneration_gets_schedule_and_context_cap(
 def test_regen_compile_is_not_in_the_settings_fingerprint(tmp_path):
     """prompts.regen_compile changes speed, not answers: true / false / auto give 01 the same settings, so a finished
     prompts.jsonl (and a resume log) stays valid when it changes."""
-    from eagle3.prompts.prepare_prompts import settings
+    from eagle3.regen.manifest import settings
 
     f = tmp_path / "c.yaml"
     f.write_text(
@@ -525,7 +521,7 @@ def test_speed_settings_are_not_in_the_settings_fingerprint(tmp_path, key, defau
     """prompts.regen_prefix_reuse and prompts.regen_prefill_graphs change speed, not answers (fp32: tested token for
     token): both values give 01 the same settings, so a finished prompts.jsonl and a resume log stay valid when they
     change. Defaults: reuse on, prefill graphs off (until measured on a GPU)."""
-    from eagle3.prompts.prepare_prompts import settings
+    from eagle3.regen.manifest import settings
 
     f = tmp_path / "c.yaml"
     f.write_text(
@@ -612,7 +608,7 @@ def test_report_counts_prefix_reuse_and_answers_do_not_change(tmp_path, tiny_lla
     """01 on multi-turn conversations with the slot engine: prompts_report.json's engine_stats count the prompt tokens
     reused from the previous turn's KV and those prefilled (their sum: every rendered prompt's tokens), the Markdown
     report prints them; with reuse off nothing is reused and prompts.jsonl is byte for byte the same (fp32)."""
-    from eagle3.prompts.chat import ChatOptions, generation_prompt
+    from eagle3.chat.template import ChatOptions, generation_prompt
     from eagle3.verifier.load import load_tokenizer
 
     src = _jsonl(
@@ -629,7 +625,10 @@ def test_report_counts_prefix_reuse_and_answers_do_not_change(tmp_path, tiny_lla
     rep = json.loads(report_path(cfg).read_text())["regeneration"]
     (es,) = rep["engine_stats"]
     out = [json.loads(x) for x in cfg.prompts_path.read_text().splitlines()]
-    tok, opts = load_tokenizer(cfg.verifier), ChatOptions.from_config(cfg)
+    tok, opts = (
+        load_tokenizer(cfg.verifier),
+        ChatOptions.from_verifier(cfg.verifier, cfg.extract.loss_on_reasoning),
+    )
     prompts = [
         tok(generation_prompt(tok, c["messages"][:j], opts), add_special_tokens=False)["input_ids"]
         for c in out
@@ -662,7 +661,7 @@ def test_report_counts_prefix_reuse_and_answers_do_not_change(tmp_path, tiny_lla
 def test_report_markdown_says_a_resumed_run_counts_only_its_own_answers():
     """A resumed local regeneration's figures (new tokens, truncated, seconds) are this run's; the row says how many
     conversations an earlier run answered, and a fresh run has no such row."""
-    from eagle3.prompts.prepare_prompts import report_markdown
+    from eagle3.regen.report import report_markdown
 
     rep = {
         "counts": {"read": 20, "skipped": {}, "kept": 20, "regenerated": 20},
@@ -720,7 +719,7 @@ def test_every_conversation_over_the_context_cap_names_the_cap_and_leaves_nothin
     """Local regeneration that leaves every conversation out (first prompt over the context cap) stops with one
     error naming prompts.max_context_tokens and the cap (not the server URLs of the endpoint path), and removes the
     resume log it started (it holds no conversation): nothing is left behind."""
-    import eagle3.prompts.prepare_prompts as stage
+    import eagle3.stages.prepare_prompts as stage
 
     src = _jsonl(tmp_path / "q.jsonl", [{"messages": [U("a long first prompt")]}])
     cfgf = _config(tmp_path, src)
@@ -837,13 +836,13 @@ def test_sample_size_above_the_conversations_left_is_warned(tmp_path, caplog):
     src = _jsonl(
         tmp_path / "q.jsonl", [{"messages": [U(f"u{i % 3}"), A("a")]} for i in range(4)]
     )  # 3 after dedupe
-    with caplog.at_level("WARNING", logger="eagle3.prompts.prepare_prompts"):
+    with caplog.at_level("WARNING", logger="eagle3.stages.prepare_prompts"):
         assert run(load_config(_config(tmp_path, src, sample_size=50))) == 0
     assert [r.getMessage() for r in caplog.records] == [
         "prompts.sample_size 50: only 3 conversations left after reading and dedupe; keeping all 3"
     ]
     caplog.clear()
-    with caplog.at_level("WARNING", logger="eagle3.prompts.prepare_prompts"):
+    with caplog.at_level("WARNING", logger="eagle3.stages.prepare_prompts"):
         assert run(load_config(_config(tmp_path, src, sample_size=2))) == 0
     assert not caplog.records
 
@@ -851,7 +850,7 @@ def test_sample_size_above_the_conversations_left_is_warned(tmp_path, caplog):
 def test_the_sample_size_warning_is_printed_by_rank_0_only(tmp_path, caplog, monkeypatch):
     """Under torchrun every rank reads and samples the sources, and each printed the sample_size warning (the same
     line once per rank); only rank 0 says it now, as 01's other lines."""
-    from eagle3.prompts.prepare_prompts import select_conversations
+    from eagle3.regen.selection import select_conversations
 
     src = _jsonl(tmp_path / "q.jsonl", [{"messages": [U(f"u{i}"), A("a")]} for i in range(3)])
     cfg = load_config(_config(tmp_path, src, sample_size=50))
@@ -868,7 +867,14 @@ def test_the_sample_size_warning_is_printed_by_rank_0_only(tmp_path, caplog, mon
         monkeypatch.setenv("RANK", rank)
         caplog.clear()
         with caplog.at_level("WARNING"):
-            assert len(select_conversations(cfg, None)[0]) == 3
+            assert (
+                len(
+                    select_conversations(
+                        cfg.prompts, cfg.verifier.think_tags, cfg.self_instruct_path, None
+                    )[0]
+                )
+                == 3
+            )
         assert [r.getMessage() for r in caplog.records] == want
 
 
@@ -876,7 +882,7 @@ def test_interrupt_hint_says_what_was_kept(tmp_path):
     """The line after ``interrupted by SIGTERM:``: a run that does not regenerate (config, or --no-regenerate over a
     config that does) kept nothing and says so, not "no regenerated answer was kept yet"; a regenerating run counts
     the logged conversations, in the singular for one."""
-    from eagle3.prompts.prepare_prompts import interrupt_hint, partial_path
+    from eagle3.stages.prepare_prompts import interrupt_hint, partial_path
 
     src = _jsonl(tmp_path / "q.jsonl", [{"messages": [U("u"), A("a")]}])
     plain = load_config(_config(tmp_path, src))
@@ -902,7 +908,7 @@ def test_a_second_01_on_the_same_folder_is_refused(tmp_path, monkeypatch):
     """While a 01 writes to an output folder it holds ``.prompts.lock`` there: a second one stops at once with one
     line naming the folder (before, both regenerated everything into one resume log), and the lock file is gone after
     a run. A run that fails in a folder it created leaves no folder behind."""
-    import eagle3.prompts.prepare_prompts as stage
+    import eagle3.stages.prepare_prompts as stage
     from eagle3.io import exclusive_lock
 
     src = _jsonl(tmp_path / "q.jsonl", [{"messages": [U("u"), A("a")]}])
@@ -938,7 +944,7 @@ def test_an_interrupted_forced_run_is_redone_without_force(tmp_path, monkeypatch
     prompts.forced-run.json before it changes anything: the rerun remakes (resuming the forced run's regeneration
     log, which it keeps), 02 refuses the old prompts.jsonl meanwhile, and the marker is gone once the outputs are
     written (then up to date again)."""
-    import eagle3.prompts.prepare_prompts as stage
+    import eagle3.stages.prepare_prompts as stage
     from eagle3.stages.extract import check_prompts_current
 
     src = _jsonl(tmp_path / "q.jsonl", [{"messages": [U(f"u{i}")]} for i in range(3)])
@@ -1240,7 +1246,7 @@ def test_ids_repeated_across_sources_are_made_unique(tmp_path):
     """Several sources read into one prompts.jsonl: an id repeated across files gets ``#2``, ``#3`` as within one file
     (the first keeps it). Before, the 127K config's three ShareGPT files gave 4 ids twice in prompts.jsonl (e.g.
     GTmiE68_49: different first prompts, so dedupe kept both)."""
-    from eagle3.prompts.prepare_prompts import select_conversations
+    from eagle3.regen.selection import select_conversations
 
     a = _jsonl(
         tmp_path / "a.jsonl",
@@ -1254,7 +1260,9 @@ def test_ids_repeated_across_sources_are_made_unique(tmp_path):
         ],
     )  # deduped: a's first prompt
     cfg = load_config(_config(tmp_path, a), [f"prompts.source=[{a}, {b}]"])
-    convs, _, steps = select_conversations(cfg, None)
+    convs, _, steps = select_conversations(
+        cfg.prompts, cfg.verifier.think_tags, cfg.self_instruct_path, None
+    )
     assert [(c["id"], c["messages"][0]["content"]) for c in convs] == [
         ("x", "one"),
         ("x#2", "two"),
@@ -1265,7 +1273,7 @@ def test_ids_repeated_across_sources_are_made_unique(tmp_path):
 
 @needs_shared_data
 def test_the_127k_sharegpt_sources_give_unique_ids():
-    from eagle3.prompts.readers import unique_ids
+    from eagle3.data.readers import unique_ids
 
     convs = []
     for f in (
@@ -1303,7 +1311,7 @@ def test_up_to_date_answers_of_an_older_01_get_one_warning_line(
     --force, the file kept as it is (its settings match); a current report, or no regeneration, gets none."""
     import logging
 
-    import eagle3.prompts.prepare_prompts as stage
+    import eagle3.stages.prepare_prompts as stage
 
     src = _jsonl(tmp_path / "q.jsonl", [{"messages": [U(f"u{i}")]} for i in range(3)])
     cfg = load_config(_config(tmp_path, src, regenerate=True))
@@ -1354,7 +1362,7 @@ def test_answers_resumed_from_an_older_01s_log_are_named_in_the_report(
     is recorded."""
     import logging
 
-    import eagle3.prompts.prepare_prompts as stage
+    import eagle3.stages.prepare_prompts as stage
 
     src = _jsonl(tmp_path / "q.jsonl", [{"messages": [U(f"u{i}")]} for i in range(3)])
     cfg = load_config(_config(tmp_path, src, regenerate=True))

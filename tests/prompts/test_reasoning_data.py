@@ -12,8 +12,8 @@ from test_chat_templates import KIMI_K25_STYLE
 
 from eagle3.capture.prompts import read_prompts
 from eagle3.config import load_config
+from eagle3.data.readers import read_conversations
 from eagle3.errors import UserError
-from eagle3.prompts.readers import read_conversations
 from eagle3.shards.format import list_samples, load_sample, read_data_config
 from eagle3.shards.manifest import read_manifest
 from eagle3.stages.extract import fingerprint, run, tokenize_prompts
@@ -288,8 +288,8 @@ def test_regenerate_renders_thinking_prompts_and_keeps_tool_conversations(tiny_b
     """In-process regeneration answers the server's prompt (kwargs reach the template: the prompt
     ends with <think>, so the reply is all reasoning until a </think>), and returns conversations
     with tool calls unchanged (their tool results answer the original calls)."""
-    from eagle3.prompts.chat import ChatOptions, prompt_ids
-    from eagle3.prompts.regenerate import regenerate
+    from eagle3.chat.template import ChatOptions, prompt_ids
+    from eagle3.regen.regenerate import regenerate
 
     cap, tok = tiny_backend
     tool_conv = {

@@ -1,4 +1,4 @@
-"""Stage 01 regeneration through serving endpoints (eagle3.prompts.regen_server, eagle3.prompts.endpoints).
+"""Stage 01 regeneration through serving endpoints (eagle3.regen.regen_server, eagle3.regen.endpoints).
 
 Against a local stand-in server (tests/prompts/standin_server.py) with SGLang's and OpenAI's response shapes:
 the real SmolLM2 verifier gives the same greedy answers through the server as in-process; a fake
@@ -22,11 +22,11 @@ import pytest
 from conftest import ROOT, SMOLLM_GGUF, smollm_dir
 from standin_server import FakeBackend, ModelBackend, StandInServer
 
+from eagle3.chat.template import ChatOptions, prompt_ids
 from eagle3.config import PromptsConfig, RegenServerConfig
 from eagle3.errors import UserError
-from eagle3.prompts.chat import ChatOptions, prompt_ids
-from eagle3.prompts.endpoints import EndpointPool, RetryPolicy
-from eagle3.prompts.regen_server import ResumeLog, regenerate_via_server
+from eagle3.regen.endpoints import EndpointPool, RetryPolicy
+from eagle3.regen.regen_server import ResumeLog, regenerate_via_server
 
 SETTINGS = {"v": 1}
 
@@ -107,7 +107,7 @@ def smollm():
 
 @pytest.mark.slow
 def test_real_verifier_server_answers_equal_local_greedy(smollm, tmp_path):
-    from eagle3.prompts.regenerate import regenerate
+    from eagle3.regen.regenerate import regenerate
 
     model, tok = smollm
     want = regenerate(model, tok, CONVS, max_new_tokens=24, batch_size=4)
@@ -172,7 +172,7 @@ def test_real_verifier_server_answers_equal_local_greedy(smollm, tmp_path):
 
 # ---- protocol details ----------------------------------------------------------------------------
 def test_sglang_parse_strips_matched_stop_and_checks_shape(smollm_tokenizer, tmp_path):
-    from eagle3.prompts.regen_server import SGLangGenerate
+    from eagle3.regen.regen_server import SGLangGenerate
 
     proto = SGLangGenerate(smollm_tokenizer, _pc("sglang", ["http://h:1"]), ChatOptions())
     eot = smollm_tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -224,8 +224,8 @@ def test_sglang_parse_strips_matched_stop_and_checks_shape(smollm_tokenizer, tmp
 
 
 def test_sglang_answer_split_at_think_tags_like_the_local_path(smollm_tokenizer):
-    """A thinking answer becomes reasoning_content + content, its ids kept whole (eagle3.prompts.regenerate's rule)."""
-    from eagle3.prompts.regen_server import SGLangGenerate
+    """A thinking answer becomes reasoning_content + content, its ids kept whole (eagle3.regen.regenerate's rule)."""
+    from eagle3.regen.regen_server import SGLangGenerate
 
     tok = smollm_tokenizer
     proto = SGLangGenerate(tok, _pc("sglang", ["http://h:1"]), ChatOptions())
@@ -298,7 +298,7 @@ TOOLS = [
 
 
 def test_tools_sent_tool_calls_kept_and_tool_results_passed_through(smollm_tokenizer, tmp_path):
-    """As eagle3.prompts.regenerate: a conversation holding tool results is kept unchanged (its results answer
+    """As eagle3.regen.regenerate: a conversation holding tool results is kept unchanged (its results answer
     the original calls); declared tools go to the server and the model's tool calls are kept."""
     tok = smollm_tokenizer
     with_results = {
@@ -614,7 +614,7 @@ def test_kimi_config_regenerates_through_the_configured_endpoints(
     """configs/kimi-k2.5.yaml's documented flow (README Production step 1), with the tokenizer and the
     endpoints swapped for local stand-ins."""
     from eagle3.config import load_config
-    from eagle3.prompts.prepare_prompts import run
+    from eagle3.stages.prepare_prompts import run
 
     tok = smollm_tokenizer
     convs = _many(5)
@@ -680,7 +680,7 @@ def test_failed_conversations_are_retried_alone_by_the_next_run(
     smollm_tokenizer, tiny_llama_dir, tmp_path, capsys
 ):
     from eagle3.config import load_config
-    from eagle3.prompts.prepare_prompts import run
+    from eagle3.stages.prepare_prompts import run
 
     tok = smollm_tokenizer
     convs = _many(6)

@@ -8,10 +8,10 @@ import logging
 import pytest
 import torch
 
-import eagle3.prompts.regenerate as regen_mod
+import eagle3.regen.regenerate as regen_mod
+from eagle3.chat.template import end_of_turn_ids
 from eagle3.config import VerifierConfig
-from eagle3.prompts.chat import end_of_turn_ids
-from eagle3.prompts.regenerate import answer_steps, generate_greedy, pick_batch, regenerate
+from eagle3.regen.regenerate import answer_steps, generate_greedy, pick_batch, regenerate
 from eagle3.verifier.load import load_verifier
 
 MAX_NEW = 6
@@ -308,7 +308,7 @@ def test_resume_after_a_kill_equals_the_uninterrupted_run(tiny, tmp_path, monkey
     """In-process regeneration with a resume log: a run killed in its 4th batch keeps the conversations
     finished before it; the rerun answers only the rest, and the result equals the uninterrupted run."""
     from eagle3.errors import UserError
-    from eagle3.prompts.resume_log import ResumeLog
+    from eagle3.regen.resume_log import ResumeLog
 
     model, tok = tiny
     convs = [
@@ -382,7 +382,7 @@ def test_resume_after_a_kill_equals_the_uninterrupted_run(tiny, tmp_path, monkey
         )
     # a log of a 01 from before stop_token was recorded: resumed as it is, with one warning line (refusing it threw
     # away hours of regeneration); logged_answer_fields gives the fields the report may then claim: none
-    from eagle3.prompts.resume_log import logged_answer_fields
+    from eagle3.regen.resume_log import logged_answer_fields
 
     lines = path.read_text().splitlines()
     path.write_text("\n".join([json.dumps({"settings": {"s": 1}})] + lines[1:]) + "\n")

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle3.prompts.chat import ANSWER_FIELDS
-from eagle3.prompts.replicas import all_logs, assemble, log_path, merge_stats, share
+from eagle3.chat.template import ANSWER_FIELDS
+from eagle3.regen.replicas import all_logs, assemble, log_path, merge_stats, share
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -329,7 +329,7 @@ def test_each_replica_names_its_rank_in_its_bar_and_lines(tmp_path, tiny_llama_d
                 [
                     ln
                     for ln in out
-                    if f"INFO eagle3.prompts.regenerate: rank {r}/2: regeneration prompts: " in ln
+                    if f"INFO eagle3.regen.regenerate: rank {r}/2: regeneration prompts: " in ln
                 ]
             )
             == 1
@@ -339,12 +339,12 @@ def test_each_replica_names_its_rank_in_its_bar_and_lines(tmp_path, tiny_llama_d
                 [
                     ln
                     for ln in out
-                    if f"INFO eagle3.prompts.continuous: rank {r}/2: prompts.regen_compile: " in ln
+                    if f"INFO eagle3.regen.slots: rank {r}/2: prompts.regen_compile: " in ln
                 ]
             )
             == 1
         )
-    assert not [ln for ln in out if "INFO eagle3.prompts.regenerate: regeneration prompts: " in ln]
+    assert not [ln for ln in out if "INFO eagle3.regen.regenerate: regeneration prompts: " in ln]
     one = _setup(tmp_path, tiny_llama_dir, "one")
     out1 = _run01(one, 1).stderr.replace("\r", "\n").splitlines()
     assert any(ln.startswith("regenerate: ") for ln in out1) and not any(

@@ -1,4 +1,4 @@
-"""prompts.reuse_answers (eagle3.prompts.reuse_answers): the match key and the merge by hand, and 01 growing a
+"""prompts.reuse_answers (eagle3.regen.reuse_answers): the match key and the merge by hand, and 01 growing a
 regenerated set: the same prompts.jsonl as a full regeneration (fp32), only the new conversations regenerated, and
 one-line refusals for other settings, a missing report or a bad line."""
 
@@ -13,8 +13,9 @@ from test_prompts import A, U, _jsonl
 
 from eagle3.config import load_config
 from eagle3.errors import UserError
-from eagle3.prompts import reuse_answers as ra
-from eagle3.prompts.prepare_prompts import report_path, run
+from eagle3.regen import reuse_answers as ra
+from eagle3.regen.manifest import report_path
+from eagle3.stages.prepare_prompts import run
 
 
 def test_conversation_key_by_hand():
@@ -193,7 +194,7 @@ def test_reuse_after_a_row_is_inserted_equals_a_full_regeneration(tmp_path, tiny
 def test_reuse_refused_for_a_folder_a_non_report_or_no_regeneration(tmp_path, tiny_llama_dir):
     """Trial 2: a folder was 'no such file', a report that is no JSON object read as 'did not regenerate', and
     prompts.reuse_answers with prompts.regenerate false (or --no-regenerate) was silently ignored. One line each."""
-    from eagle3.prompts.prepare_prompts import apply_overrides
+    from eagle3.stages.prepare_prompts import apply_overrides
 
     a = _jsonl(tmp_path / "a.jsonl", [{"id": "a0", "messages": [U("Hi there")]}])
     d = tmp_path / "seed"
@@ -232,7 +233,7 @@ def test_reuse_refused_for_a_folder_a_non_report_or_no_regeneration(tmp_path, ti
 
 def test_reuse_line_printed_once_under_torchrun(tmp_path, tiny_llama_dir, monkeypatch, capsys):
     """Only rank 0 prints the 'N of M conversations answered' line (trial 2: every rank printed it)."""
-    from eagle3.prompts import prepare_prompts as pp
+    from eagle3.stages import prepare_prompts as pp
 
     cfg = _config(tmp_path, tiny_llama_dir, [str(tmp_path / "a.jsonl")], reuse=tmp_path / "p.jsonl")
     monkeypatch.setattr(ra, "load", lambda path, want: {})
@@ -255,8 +256,8 @@ def test_answer_fields_of_an_older_or_hand_edited_01_are_said_in_one_line(tmp_pa
     (:func:`common_answer_fields`) are what the new report records."""
     import logging
 
-    from eagle3.prompts.chat import common_answer_fields
-    from eagle3.prompts.resume_log import ResumeLog, logged_answer_fields
+    from eagle3.chat.template import common_answer_fields
+    from eagle3.regen.resume_log import ResumeLog, logged_answer_fields
 
     log_file = tmp_path / "prompts.regen-partial.jsonl"
     log_file.write_text(json.dumps({"settings": {"s": 1}, "answer_fields": [1, None]}) + "\n")

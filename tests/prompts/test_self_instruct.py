@@ -1,4 +1,4 @@
-"""01's self-instruct mode (eagle3.prompts.self_instruct): the pre-query prefix by hand, the filter by hand, seeded
+"""01's self-instruct mode (eagle3.regen.self_instruct): the pre-query prefix by hand, the filter by hand, seeded
 sampling on a tiny random Llama, the CLI's files, up-to-date check, --exclude and one-line errors, and real SmolLM2
 queries."""
 
@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from eagle3.chat.template import ChatOptions
 from eagle3.config import load_config
+from eagle3.data.readers import read_conversations
 from eagle3.errors import UserError
-from eagle3.prompts import self_instruct as si
-from eagle3.prompts.chat import ChatOptions
-from eagle3.prompts.readers import read_conversations
+from eagle3.regen import self_instruct as si
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOL_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"

@@ -14,9 +14,9 @@ import pytest
 from test_self_instruct import _cli
 
 from eagle3.config import load_config
+from eagle3.data.readers import sample
 from eagle3.errors import UserError
-from eagle3.prompts import self_instruct as si
-from eagle3.prompts.readers import sample
+from eagle3.regen import self_instruct as si
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -213,7 +213,7 @@ def test_one_run_equals_the_two_step_flow_and_reruns_are_up_to_date(
         and "prompts up to date" in out
         and len(calls) == n_calls
     )
-    from eagle3.prompts.prepare_prompts import prompts_changes
+    from eagle3.regen.manifest import prompts_changes
 
     assert prompts_changes(load_config(one))[1] == []  # 02 sees the prompts as made with its config
 
@@ -290,7 +290,7 @@ def test_no_query_kept_names_the_config_keys(tmp_path, tiny_llama_dir, monkeypat
 
 _WORKER = """import runpy, sys
 sys.path.insert(0, {tests!r}); sys.path.insert(0, {root!r})
-from eagle3.prompts import self_instruct as si
+from eagle3.regen import self_instruct as si
 from test_self_instruct_config import pool_sampler
 
 calls = []
@@ -549,10 +549,10 @@ def test_limit_that_drops_self_instruct_prompts_warns_and_the_summary_counts_the
         str(_source(tmp_path)),
         ", sample_size: 2, self_instruct: {num: 5}",
     )
-    with caplog.at_level(logging.WARNING, logger="eagle3.prompts.prepare_prompts"):
+    with caplog.at_level(logging.WARNING, logger="eagle3.stages.prepare_prompts"):
         assert _cli()(["--config", str(cfg), "--limit", "2"]) == 0
     assert [
-        r.getMessage() for r in caplog.records if r.name == "eagle3.prompts.prepare_prompts"
+        r.getMessage() for r in caplog.records if r.name == "eagle3.stages.prepare_prompts"
     ] == [
         "--limit 2: leaves out 4 of the 4 prompts.self_instruct prompts (they come after the 2 sampled source "
         "conversations); --limit 6 keeps them all"
@@ -571,19 +571,19 @@ def test_limit_that_drops_self_instruct_prompts_warns_and_the_summary_counts_the
         "| self_instruct_limited_out | 4 |" in (tmp_path / "lim" / "prompts_report.md").read_text()
     )
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="eagle3.prompts.prepare_prompts"):
+    with caplog.at_level(logging.WARNING, logger="eagle3.stages.prepare_prompts"):
         assert _cli()(["--config", str(cfg), "--limit", "5"]) == 0  # one of them cut: still said
     assert [
-        r.getMessage() for r in caplog.records if r.name == "eagle3.prompts.prepare_prompts"
+        r.getMessage() for r in caplog.records if r.name == "eagle3.stages.prepare_prompts"
     ] == [
         "--limit 5: leaves out 1 of the 4 prompts.self_instruct prompts (they come after the 2 sampled source "
         "conversations); --limit 6 keeps them all"
     ]
     assert "self-instruct 5 sampled / 3 kept)" in capsys.readouterr().out
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="eagle3.prompts.prepare_prompts"):
+    with caplog.at_level(logging.WARNING, logger="eagle3.stages.prepare_prompts"):
         assert _cli()(["--config", str(cfg)]) == 0  # no limit: nothing said, all kept
-    assert not [r for r in caplog.records if r.name == "eagle3.prompts.prepare_prompts"]
+    assert not [r for r in caplog.records if r.name == "eagle3.stages.prepare_prompts"]
     assert "self-instruct 5 sampled / 4 kept)" in capsys.readouterr().out
     # 02's --limit over this prompts.jsonl (2 sources, then 4 self-instruct prompts)
     from eagle3.stages.extract import warn_limit_drops_self_instruct

@@ -12,7 +12,8 @@ from test_prompts import A, U, _jsonl
 
 from eagle3.config import load_config
 from eagle3.errors import UserError
-from eagle3.prompts.prepare_prompts import report_path, run, settings
+from eagle3.regen.manifest import report_path, settings
+from eagle3.stages.prepare_prompts import run
 
 
 def _regen_config(tmp_path, verifier_dir, src, out="out", extra=""):
@@ -91,8 +92,8 @@ def test_reuse_answers_refuses_answers_of_other_weights(
 def test_resume_log_of_other_weights_is_refused(tmp_path, tiny_llama_dir, other_weights_dir):
     """A regeneration stopped half-way, resumed with verifier.path on other weights (same name): its log holds the
     first model's answers, so it is refused (before, the settings header matched and they were kept)."""
-    from eagle3.prompts.prepare_prompts import partial_path
-    from eagle3.prompts.resume_log import ResumeLog
+    from eagle3.regen.resume_log import ResumeLog
+    from eagle3.stages.prepare_prompts import partial_path
 
     src = _jsonl(
         tmp_path / "c.jsonl",
@@ -156,7 +157,7 @@ def test_seed_counts_with_self_instruct_without_sample_size(tmp_path):
     """prompts.seed also seeds prompts.self_instruct's sampling: with self_instruct and no sample_size it was left out
     of the fingerprint, so 02's prompts check let a prompts.jsonl made under another seed pass ("up to date") where it
     refused it before, though 01 would sample other self-instruct prompts."""
-    from eagle3.prompts.prepare_prompts import report_changes
+    from eagle3.regen.manifest import report_changes
 
     f = tmp_path / "c.yaml"
     f.write_text(
@@ -230,7 +231,7 @@ def test_self_instruct_file_of_other_weights_is_sampled_again(
     """01 --self-instruct's file (and prompts.self_instruct's) is sampled from the verifier: with verifier.path on
     other weights under the same verifier.name it was 'up to date', the first model's prompts kept. Its report now
     records the weights; the same weights stay up to date, and a report without them (made before) too."""
-    from eagle3.prompts import self_instruct as si
+    from eagle3.regen import self_instruct as si
     from eagle3.verifier.load import weights_fingerprint
 
     calls = _fake_sampler(si, monkeypatch)
@@ -259,7 +260,7 @@ def test_self_instruct_report_without_weight_files_is_not_compared_on_them(
     """A self-instruct report recorded ``verifier_weights: null`` when the verifier's folder held no weight file (a hub
     id, loaded from the cache); the same model given as a folder then sampled every query again (null != the folder's
     fingerprint), though 01's settings, 02 and 03/04 compare the weights only when both sides record them."""
-    from eagle3.prompts import self_instruct as si
+    from eagle3.regen import self_instruct as si
 
     calls = _fake_sampler(si, monkeypatch)
     out = tmp_path / "si.jsonl"

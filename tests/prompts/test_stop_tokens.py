@@ -14,9 +14,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from eagle3.chat.template import ChatOptions, end_of_turn_ids, generation_prompt
 from eagle3.config import PromptsConfig, VerifierConfig
 from eagle3.errors import UserError
-from eagle3.prompts.chat import ChatOptions, end_of_turn_ids, generation_prompt
 from eagle3.verifier.load import config_eos_ids, load_tokenizer, load_verifier
 
 MAX_NEW = 12
@@ -87,7 +87,7 @@ def test_stop_set_includes_generation_config_eos_and_regeneration_stops_there_li
         )[0, len(v.prompt) :].tolist()
     assert hf == v.answer[: v.k + 1]
     # 01 in-process regeneration: the same stop (stop token excluded from the stored tokens)
-    from eagle3.prompts.regenerate import regenerate
+    from eagle3.regen.regenerate import regenerate
 
     stats: dict = {}
     conv = regenerate(
@@ -100,7 +100,7 @@ def test_stop_set_includes_generation_config_eos_and_regeneration_stops_there_li
     )[0]
     assert conv["messages"][-1]["tokens"] == hf[:-1] == v.answer[: v.k]
     # 01 via an SGLang server: the request's stop_token_ids carry X
-    from eagle3.prompts.regen_server import SGLangGenerate
+    from eagle3.regen.regen_server import SGLangGenerate
 
     payload, _ = SGLangGenerate(
         load_tokenizer(vcfg), PromptsConfig(source="x.jsonl"), ChatOptions()
@@ -115,7 +115,7 @@ def test_stop_set_includes_generation_config_eos_and_regeneration_stops_there_li
 
 def test_loss_mask_turn_end_uses_the_same_stop_set(verifier_with_extra_stop):
     """02: a regenerated answer that stopped at X (tokens without X) is masked up to the template's end of turn."""
-    from eagle3.prompts.chat import conversation_samples
+    from eagle3.chat.samples import conversation_samples
 
     v = verifier_with_extra_stop
     tok = load_tokenizer(VerifierConfig(path=str(v.path)))
@@ -146,7 +146,7 @@ def _answer_by(engine: str, v) -> dict:
         from standin_server import ModelBackend, StandInServer
 
         from eagle3.config import RegenServerConfig
-        from eagle3.prompts.regen_server import regenerate_via_server
+        from eagle3.regen.regen_server import regenerate_via_server
 
         model, tok = load_verifier(vcfg, device="cpu")
         with StandInServer(ModelBackend(model, tok), tok) as srv:
@@ -169,7 +169,7 @@ def _answer_by(engine: str, v) -> dict:
                     settings={"v": 1},
                 )
         return out[0]["messages"][-1]
-    from eagle3.prompts.regenerate import regenerate
+    from eagle3.regen.regenerate import regenerate
 
     model, tok = load_verifier(vcfg, device="cpu")
     return regenerate(model, tok, [{"id": "c0", "messages": MSG}], MAX_NEW, 2, engine=engine)[0][
@@ -185,7 +185,7 @@ def test_every_path_records_the_stop_id_and_02_leaves_the_template_end_of_turn_o
     answer the verifier ended on X (a generation_config stop id, not the template's ``<|im_end|>``), and 02 gives
     the ``<|im_end|>`` the template appends there no loss: the drafter is not taught a token the verifier did not
     emit. Before, the message held only ``tokens`` and 02 trained on ``<|im_end|>``."""
-    from eagle3.prompts.chat import conversation_samples
+    from eagle3.chat.samples import conversation_samples
 
     v = verifier_with_extra_stop
     m = _answer_by(engine, v)
@@ -206,7 +206,7 @@ def test_every_path_records_the_stop_id_and_02_leaves_the_template_end_of_turn_o
 def test_openai_answer_records_the_stop_id_the_server_names(smollm_tokenizer):
     """OpenAI chat completions carry no token ids; the stop id is recorded when the choice names it (SGLang
     ``matched_stop``, vLLM ``stop_reason``), not for a stop string or vLLM's None (the tokenizer's EOS)."""
-    from eagle3.prompts.regen_server import OpenAIChat
+    from eagle3.regen.regen_server import OpenAIChat
 
     proto = OpenAIChat(smollm_tokenizer, PromptsConfig(source="x.jsonl"), ChatOptions())
 

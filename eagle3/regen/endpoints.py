@@ -1,6 +1,6 @@
 """A pool of HTTP serving endpoints: load spread, dead ones out of rotation, retries with backoff.
 
-Used by stage 01 to regenerate answers through serving nodes (``eagle3.prompts.regen_server``). One
+Used by stage 01 to regenerate answers through serving nodes (``eagle3.regen.regen_server``). One
 endpoint = one server base URL (e.g. one SGLang node ``http://node3:30000``). Policy:
 
 * **Load spread**: each request goes to the live endpoint with the fewest requests in flight

@@ -18,12 +18,20 @@ finishes early waits for the slowest one.
 from __future__ import annotations
 
 import datetime
+import json
+import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from eagle3 import process_group
-from eagle3.process_group import Dist
-from eagle3.prompts.resume_log import PARTIAL_NAME, ResumeLog, log_resuming
+import torch
+import torch.distributed as dist
+
+from eagle3.errors import UserError
+from eagle3.process_group import init_process_group, process_group_scope
+from eagle3.regen.regenerate import has_tool_calls, regenerate
+from eagle3.regen.resume_log import PARTIAL_NAME, ResumeLog, log_resuming, logged_positions
+from eagle3.verifier.load import load_verifier, stop_token_ids
 
 TIMEOUT = datetime.timedelta(hours=3)
 _SUMMED = (
@@ -37,13 +45,93 @@ _SUMMED = (
 )
 
 
+@dataclass
+class Dist:
+    """This process's place among the replicas (world 1 = a single process, no process group)."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    initialized_here: bool = False
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+    def gather(self, obj) -> list:
+        """Every rank's ``obj`` (a list of ``world`` items on every rank)."""
+        if self.world == 1:
+            return [obj]
+        out = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+
 def init_dist() -> Dist:
     """gloo process group from the torchrun env when ``WORLD_SIZE > 1``; else a world of 1.
 
     Raises:
         UserError: ``WORLD_SIZE``/``RANK``/``LOCAL_RANK`` are not integers.
     """
-    return process_group.init_dist(backend="gloo", timeout=TIMEOUT)
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+        rank = int(os.environ.get("RANK", "0") or 0)
+        local_rank = int(os.environ.get("LOCAL_RANK", str(rank)) or 0)
+    except ValueError as e:
+        raise UserError(f"WORLD_SIZE/RANK/LOCAL_RANK: not an integer ({e})") from e
+    if world <= 1:
+        return Dist()
+    here = not dist.is_initialized()
+    if here:
+        init_process_group(backend="gloo", timeout=TIMEOUT)
+    return Dist(rank=rank, world=world, local_rank=local_rank, initialized_here=here)
+
+
+def ranks_agree(d: Dist, want: dict, fresh: bool, prompts_path: Path) -> bool:
+    """The torchrun ranks' one up-to-date decision (``fresh``), once every rank is known to want the same settings.
+
+    Each rank reads the config and the ``prompts.source`` files itself; a rank that read other ones (a node with
+    another copy of a file) regenerated its share for other input, refused only at the merge, after the whole
+    regeneration; and a rank 0 that found ``prompts.jsonl`` up to date returned while a rank that did not waited for
+    it in the process group's set-up (3 hours, deaf to SIGTERM). The ranks now compare their settings (the source
+    files' sha256 among them) and decisions first.
+
+    Raises:
+        UserError: on every rank, naming the first rank whose settings (or decision) differ from rank 0's.
+    """
+    if d.world <= 1:
+        return fresh
+    everyone = d.gather((json.dumps(want, sort_keys=True, default=str), fresh))
+    for r, (w, f) in enumerate(everyone):
+        if w != everyone[0][0]:
+            mine, theirs = json.loads(w), json.loads(everyone[0][0])
+            keys = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+            raise UserError(
+                f"{prompts_path}: torchrun rank {r} read other 01 settings or prompts.source files "
+                f"than rank 0 (differing: {', '.join(keys)}); every rank must read the same config and "
+                f"source files (a node with another copy of them?)"
+            )
+        if f != everyone[0][1]:
+            raise UserError(
+                f"{prompts_path}: torchrun rank {r} found {prompts_path.name} "
+                f"{'up to date' if f else 'out of date'}, rank 0 did not; every rank must see the same "
+                f"output folder (a node-local output_root?)"
+            )
+    return fresh
+
+
+def kept_answers_hint(folder: Path) -> str:
+    """The number of distinct regenerated conversations the resume logs in ``folder`` hold (every rank's) and that
+    the same command, without ``--force`` (which discards them), resumes: what an interrupted 01 kept."""
+    logs = all_logs(folder)
+    if not logs:
+        return "no regenerated answer was kept yet; re-run the same command (without --force) to start again"
+    n = len(logged_positions(logs))
+    pattern = folder / PARTIAL_NAME.replace(".jsonl", "*.jsonl")
+    return (
+        f"{n} regenerated conversation{'' if n == 1 else 's'} kept in {pattern}; "
+        "re-run the same command (without --force) to resume"
+    )
 
 
 def log_path(folder: Path, rank: int) -> Path:
@@ -130,7 +218,8 @@ def assemble(convs: list[dict], finished: dict[int, dict], has_tools) -> list[di
 
 
 def regenerate_replicas(
-    cfg,
+    verifier_cfg,
+    folder: Path,
     convs: list[dict],
     want: dict,
     stats: dict,
@@ -139,18 +228,12 @@ def regenerate_replicas(
 ) -> Optional[list[dict]]:
     """Regenerate ``convs`` over the torchrun replicas (module docstring). Returns the conversations on rank 0,
     None on the other ranks (which must not write outputs); ``stats`` gets the merged figures on rank 0.
+    ``verifier_cfg``: the ``verifier:`` config section each replica loads; ``folder``: where the resume logs are.
 
     Raises:
         UserError: a resume log written under other settings or for other input.
     """
-    import torch
-
-    from eagle3.process_group import process_group_scope
-    from eagle3.prompts.regenerate import has_tool_calls, regenerate
-    from eagle3.verifier.load import load_verifier, stop_token_ids
-
     d = init_dist()
-    folder = cfg.prompts_path.parent
     with process_group_scope(
         owned=d.initialized_here
     ):  # barrier on success only: peers may be stuck after an error
@@ -165,7 +248,7 @@ def regenerate_replicas(
         todo = [i for i, c in enumerate(convs) if i not in finished and not has_tool_calls(c)]
         mine = share(convs, todo, d.rank, d.world)
         device = f"cuda:{d.local_rank}" if d.world > 1 and torch.cuda.is_available() else None
-        model, tok = load_verifier(cfg.verifier, device=device)
+        model, tok = load_verifier(verifier_cfg, device=device)
         stats["stop_token_ids"] = sorted(
             stop_token_ids(tok)
         )  # the verifier's stop set, recorded in the report
@@ -178,7 +261,7 @@ def regenerate_replicas(
             journal=_GlobalLog(ResumeLog(log_path(folder, d.rank), want), mine),
             **(regen_kwargs or {}),
         )
-        parts = d.all_gather(st)
+        parts = d.gather(st)
         d.barrier()  # every rank's log is complete
         out = None
         if d.rank == 0:

@@ -1,7 +1,7 @@
 """Stage 01's regeneration resume log: the conversations already answered, appended and fsynced one by one.
 
 Both regeneration paths keep one next to the prompts file (:data:`PARTIAL_NAME`): through endpoints
-(:mod:`eagle3.prompts.regen_server`) and in-process (:mod:`eagle3.prompts.regenerate`). A run that stops (Ctrl-C, a crash,
+(:mod:`eagle3.regen.regen_server`) and in-process (:mod:`eagle3.regen.regenerate`). A run that stops (Ctrl-C, a crash,
 a preempted node) leaves the finished conversations in it; the next run with the same settings loads
 them and answers only the rest; 01 deletes the log once ``prompts.jsonl`` is written.
 """
@@ -15,16 +15,17 @@ import threading
 from pathlib import Path
 from typing import Any, Optional
 
+from eagle3.chat.template import ANSWER_FIELDS, common_answer_fields
 from eagle3.errors import UserError
 from eagle3.io import atomic_write_text
-from eagle3.prompts.chat import ANSWER_FIELDS, common_answer_fields
 from eagle3.shards.manifest import read_append_log
+from eagle3.verifier.load import WEIGHTS_KEY, weights_differ
 
 log = logging.getLogger(__name__)
 
 PARTIAL_NAME = "prompts.regen-partial.jsonl"
 
-# 01 settings (eagle3.prompts.prepare_prompts.settings) recorded only where they change the output: ``seed`` with
+# 01 settings (eagle3.regen.manifest.settings) recorded only where they change the output: ``seed`` with
 # ``sample_size`` or ``self_instruct``, ``hf_split`` with an ``hf:`` source, ``top_p`` with a sampling temperature, ``verifier_dtype`` with
 # the in-process regeneration. Reports and logs written before recorded them always.
 CONDITIONAL_KEYS = ("seed", "hf_split", "top_p", "verifier_dtype")
@@ -43,11 +44,6 @@ def comparable_settings(old: dict, want: dict) -> dict:
     Returns:
         A new dict; equal to ``want`` exactly when the settings agree.
     """
-    from eagle3.verifier.load import (  # here: the endpoint path imports this module without torch
-        WEIGHTS_KEY,
-        weights_differ,
-    )
-
     out = {k: v for k, v in old.items() if not (k in CONDITIONAL_KEYS and k not in want)}
     out.update({k: want[k] for k in CONDITIONAL_KEYS if k in want and k not in old})
     if not weights_differ(
@@ -61,11 +57,11 @@ def comparable_settings(old: dict, want: dict) -> dict:
 
 def older_fields_warning(path: Path, fields: Any, what: str) -> Optional[str]:
     """One warning line when ``fields`` (the ``answer_fields`` a resume log's header or a reused report records;
-    absent before 2026-12-05h) lacks some of :data:`eagle3.prompts.chat.ANSWER_FIELDS`, else None. Its answers are
+    absent before 2026-12-05h) lacks some of :data:`eagle3.chat.template.ANSWER_FIELDS`, else None. Its answers are
     kept as they are (an answer without ``stop_token`` counts as stopped on the template's end-of-turn token, as before
     the field): refusing them would throw away hours of regeneration for a field that matters only for answers a
     verifier ends on another stop id; ``prompts_report.json`` then records the fields every answer has
-    (:func:`eagle3.prompts.chat.common_answer_fields`), so 01's up-to-date check keeps naming them."""
+    (:func:`eagle3.chat.template.common_answer_fields`), so 01's up-to-date check keeps naming them."""
     missing = [f for f in ANSWER_FIELDS if not (isinstance(fields, list) and f in fields)]
     if not missing:
         return None
@@ -81,8 +77,8 @@ def older_fields_warning(path: Path, fields: Any, what: str) -> Optional[str]:
 
 
 def logged_answer_fields(paths: list[Path]) -> list[str]:
-    """:func:`eagle3.prompts.chat.common_answer_fields` of the resume logs ``paths`` (each header's ``answer_fields``;
-    no log: all of :data:`eagle3.prompts.chat.ANSWER_FIELDS`). A header that does not read counts as none (its log is
+    """:func:`eagle3.chat.template.common_answer_fields` of the resume logs ``paths`` (each header's ``answer_fields``;
+    no log: all of :data:`eagle3.chat.template.ANSWER_FIELDS`). A header that does not read counts as none (its log is
     refused later, by :meth:`ResumeLog.load`)."""
     headers = []
     for p in paths:
@@ -99,7 +95,7 @@ class ResumeLog:
     """Append-only log of finished conversations that makes server regeneration resumable.
 
     Line 1: ``{"settings": {...}, "answer_fields": [...]}`` (the stage-01 settings fingerprint, and the fields each
-    answer records: :data:`eagle3.prompts.chat.ANSWER_FIELDS`); then one
+    answer records: :data:`eagle3.chat.template.ANSWER_FIELDS`); then one
     ``{"idx": int, "id": str, "messages": [...], "tools"?: [...]}`` per finished conversation (``idx`` = position in
     the input list), each flushed and fsynced before :meth:`append` returns. A kill can leave a
     last line cut mid-write; :meth:`load` drops it (and rewrites the file without it, atomically).

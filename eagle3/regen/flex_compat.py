@@ -1,5 +1,5 @@
 """FlexAttention across the torch versions this project runs on (torch 2.11 on the GPU machine, 2.13 here), for the
-slot engine's decode (:mod:`eagle3.prompts.continuous`) and packed prefill (:mod:`eagle3.prompts.packed_prefill`):
+slot engine's decode (:mod:`eagle3.regen.slots`) and packed prefill (:mod:`eagle3.regen.packed_prefill`):
 ``BlockMask.from_kv_blocks``'s keyword set and Dynamo's recompile limit."""
 
 from __future__ import annotations

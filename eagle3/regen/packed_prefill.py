@@ -8,7 +8,7 @@ attention keeps the prompts apart with a document mask:
 
 * query token ``t`` of row ``r`` (its ``j``-th fed token, at RoPE position and cache column ``offsets[r] + j``)
   attends the tokens of row ``r`` at columns ``<= offsets[r] + j``: its own fed tokens up to itself, and, for a
-  row continuing a cached prefix (cross-turn prefix reuse, :mod:`eagle3.prompts.continuous`), the ``offsets[r]``
+  row continuing a cached prefix (cross-turn prefix reuse, :mod:`eagle3.regen.slots`), the ``offsets[r]``
   cached columns of its slot, gathered from the KV cache into a prefix stream of ``Tp`` entries after the fed ones
   (``Tp``: ``sum(offsets)`` rounded up the same way; 0 when no row has a prefix);
 * the K/V of every fed token are written into its slot at its column first (padding tokens into column ``L - 1``
@@ -27,12 +27,14 @@ shape seen once costs no capture). Greedy tokens equal the padded forward's (flo
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, fields
 from typing import Optional, Sequence
 
 import torch
+from torch.nn.attention.flex_attention import flex_attention
 
-from eagle3.prompts.flex_compat import (
+from eagle3.regen.flex_compat import (
     block_mask_from_kv_blocks,
     kv_blocks_params,
     raise_recompile_limit,
@@ -229,8 +231,6 @@ def packed_flex(
     Returns:
         ``[1, H, Tq, D]`` in the query's dtype.
     """
-    from torch.nn.attention.flex_attention import flex_attention
-
     doc_q, col_q, doc_kv, col_kv = q_meta[0], q_meta[1], kv_meta[0], kv_meta[1]
 
     def mask_mod(b, h, q_idx, kv_idx):
@@ -248,8 +248,6 @@ def eager_packed_flex(*args, **kwargs) -> torch.Tensor:
     """:func:`packed_flex` run eagerly (the CPU's packed prefill) without PyTorch's 15-line ``flex_attention called
     without torch.compile()`` UserWarning: eager is this path's documented choice off CUDA (its streams are kept
     short, ``continuous.PACK_EAGER_TOKENS``), so the warning only alarmed the user of every CPU run."""
-    import warnings
-
     with warnings.catch_warnings():
         warnings.filterwarnings(
             "ignore", message="flex_attention called without torch.compile", category=UserWarning

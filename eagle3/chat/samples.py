@@ -45,362 +45,31 @@ Tokens of the reasoning (from the reply start up to and including ``</think>``) 
 ``loss_on_reasoning`` is off. Never masked: system, user and tool-result text, tool
 declarations, and the assistant header / generation prompt.
 
-Template self-check (:func:`check_template`, once per template): rendering with and without
-``add_generation_prompt`` must differ by a suffix, the generation prompt. A template that ignores
-the flag (same text both ways) would put the assistant header inside the mask: it is refused with
-an error naming the template, unless ``verifier.reply_start`` gives the text that opens a reply.
-
-Token ids only, no offset mappings (Kimi's tiktoken tokenizer has none). Every segment is
-tokenized with ``add_special_tokens=False`` (the template writes BOS itself when it wants one).
+Rendering itself: :mod:`eagle3.chat.template`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
+from eagle3.chat.template import (
+    ChatOptions,
+    TemplateInfo,
+    TemplateNotPrefixStable,
+    TemplateUnusable,
+    check_template,
+    end_of_turn_ids,
+    generation_prompt,
+    options_or_default,
+    render_text,
+    tokenize_text,
+)
 from eagle3.errors import UserError
 
 log = logging.getLogger(__name__)
-
-DEFAULT_THINK_TAGS = ("<think>", "</think>")
-
-
-class TemplateNotPrefixStable(UserError):
-    """The conversation does not fit in one sample (or has no consistent rendering at all)."""
-
-
-class TemplateUnusable(UserError):
-    """A problem of the template itself (not of one conversation): fatal for the run."""
-
-
-class TemplateIgnoresGenerationPrompt(TemplateUnusable):
-    """The chat template renders the same text with and without ``add_generation_prompt``."""
-
-
-@dataclass(frozen=True)
-class ChatOptions:
-    """How conversations are rendered and masked; built from the run config by :meth:`from_config`.
-
-    Attributes:
-        chat_template: Jinja template overriding the tokenizer's (``verifier.chat_template``).
-        template_kwargs: extra template variables, passed to every rendering as
-            ``apply_chat_template(..., **template_kwargs)`` exactly as a server passes a request's
-            ``chat_template_kwargs`` (``verifier.chat_template_kwargs``; e.g. ``{"thinking": True}``
-            for Kimi-K2.5, ``{"enable_thinking": False}`` for Qwen3).
-        reply_start: text that opens an assistant reply, for templates that ignore
-            ``add_generation_prompt`` (``verifier.reply_start``); unused otherwise.
-        think_tags: the markers around reasoning (``verifier.think_tags``).
-        loss_on_reasoning: train on reasoning tokens (``extract.loss_on_reasoning``).
-    """
-
-    chat_template: Optional[str] = None
-    template_kwargs: Mapping[str, Any] = field(default_factory=dict)
-    reply_start: Optional[str] = None
-    think_tags: tuple[str, str] = DEFAULT_THINK_TAGS
-    loss_on_reasoning: bool = True
-
-    @classmethod
-    def from_config(cls, cfg) -> "ChatOptions":
-        """Options of a :class:`eagle3.config.RunConfig` (verifier + extract sections)."""
-        v = cfg.verifier
-        return cls(
-            chat_template=v.chat_template,
-            template_kwargs=dict(v.chat_template_kwargs),
-            reply_start=v.reply_start,
-            think_tags=tuple(v.think_tags),
-            loss_on_reasoning=cfg.extract.loss_on_reasoning,
-        )
-
-
-_DEFAULT = ChatOptions()
-
-
-def _opts(opts: Optional[ChatOptions], chat_template: Optional[str] = None) -> ChatOptions:
-    if opts is not None:
-        return opts
-    return _DEFAULT if chat_template is None else ChatOptions(chat_template=chat_template)
-
-
-def _template_text(tokenizer, chat_template: Optional[str]) -> str:
-    tpl = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
-    if isinstance(
-        tpl, dict
-    ):  # several named templates: the default one is used by apply_chat_template
-        tpl = tpl.get("default") or next(iter(tpl.values()))
-    if not tpl:
-        raise TemplateUnusable(
-            "verifier.chat_template: the tokenizer has no chat template; set verifier.chat_template"
-        )
-    return tpl
-
-
-def chat_template_hash(tokenizer, chat_template: Optional[str] = None) -> str:
-    """SHA-256 (hex, 64 chars) of the chat template text in use (``chat_template`` or the tokenizer's).
-
-    Recorded in shard metadata so data rendered with a different template is detected.
-
-    Raises:
-        UserError: no template available.
-    """
-    return hashlib.sha256(_template_text(tokenizer, chat_template).encode("utf-8")).hexdigest()
-
-
-def template_name(tokenizer, opts: Optional[ChatOptions] = None) -> str:
-    """Human-readable name of the template in use, for error messages (source + sha256 prefix)."""
-    opts = _opts(opts)
-    src = (
-        "verifier.chat_template (from the config)"
-        if opts.chat_template is not None
-        else f"the chat template of tokenizer '{getattr(tokenizer, 'name_or_path', '') or type(tokenizer).__name__}'"
-    )
-    return f"{src}, sha256 {chat_template_hash(tokenizer, opts.chat_template)[:12]}"
-
-
-def end_of_turn_ids(tokenizer) -> set[int]:
-    """Token ids that end an assistant turn: the verifier's stop set (:func:`eagle3.verifier.load.stop_token_ids`:
-    EOS id(s), known end-of-turn specials, and the folder's config / generation_config ``eos_token_id``).
-
-    Used both for the loss-mask end (see module docstring) and as stop tokens of greedy
-    regeneration and of 05's decoding, so they agree.
-    """
-    from eagle3.verifier.load import stop_token_ids
-
-    return stop_token_ids(tokenizer)
-
-
-# What 01 records on each regenerated assistant message beside its text, recorded as ``answer_fields`` in
-# ``prompts_report.json`` and in the resume log's header: a file or log without it (or with fewer fields) was written
-# before 01 recorded them all, and its answers lack them (a cut answer, or one stopped on another stop id than the
-# template's end-of-turn, is then trained on the template's end-of-turn token as if the verifier had emitted it).
-ANSWER_FIELDS = ("tokens", "truncated", "stop_token")
-
-_PIPELINE_KEYS = ANSWER_FIELDS  # 01's own message fields: never passed to a template
-
-
-def common_answer_fields(*recorded: Any) -> list[str]:
-    """The :data:`ANSWER_FIELDS` that every one of ``recorded`` lists (each an ``answer_fields`` value of a report or a
-    resume-log header: a list of names; anything else, e.g. absent from an older 01's file, lists none), in
-    :data:`ANSWER_FIELDS` order. What a ``prompts.jsonl`` holding answers of all of them records, so that 01's
-    up-to-date check still names the fields its older answers lack."""
-    return [f for f in ANSWER_FIELDS if all(isinstance(r, list) and f in r for r in recorded)]
-
-
-def answer_ending(stop: Optional[int]) -> dict:
-    """The fields 01 writes on a regenerated assistant message about how it ended, the same in every engine and in
-    the endpoint path: ``{"stop_token": <id>}`` for an answer the verifier ended on stop id ``stop`` (stage 02
-    leaves the template's end-of-turn token out of the loss when it is another id, e.g. ``<|endoftext|>`` against
-    ``<|im_end|>``), ``{"truncated": True}`` for one cut at ``max_new_tokens`` (``stop`` None: no end-of-turn
-    token was emitted, 02 leaves the template's out of the loss)."""
-    return {"truncated": True} if stop is None else {"stop_token": int(stop)}
-
-
-def _template_messages(messages: list[dict]) -> list[dict]:
-    """``messages`` without the pipeline's own ``tokens``, ``truncated`` and ``stop_token`` fields: a server never passes them
-    to the template either, and transformers walks every id of ``tokens`` on each rendering (a third of 02's
-    tokenization time on regenerated data)."""
-    return [
-        {k: v for k, v in m.items() if k not in _PIPELINE_KEYS}
-        if any(k in m for k in _PIPELINE_KEYS)
-        else m
-        for m in messages
-    ]
-
-
-def _tokenize(tokenizer, text: str) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
-
-
-def render_text(
-    tokenizer,
-    messages: list[dict],
-    opts: Optional[ChatOptions] = None,
-    add_generation_prompt: bool = False,
-    tools: Optional[list] = None,
-) -> str:
-    """The chat template's text for ``messages`` (``apply_chat_template(tokenize=False)``).
-
-    Args:
-        messages: ``[{"role", "content", "reasoning_content"?, "tool_calls"?, "tool_call_id"?}]``.
-        opts: template, ``template_kwargs`` (passed as keyword arguments, as servers do).
-        tools: OpenAI tool declarations of the request (``tools=``), or None.
-
-    Raises:
-        UserError: no chat template, or the template raised an error (message names the cause).
-    """
-    opts = _opts(opts)
-    tpl = _template_text(tokenizer, opts.chat_template)
-    kw = dict(opts.template_kwargs)
-    if tools:
-        kw["tools"] = tools
-    try:
-        return tokenizer.apply_chat_template(
-            _template_messages(messages),
-            chat_template=tpl,
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-            **kw,
-        )
-    except Exception as e:  # jinja2 TemplateError and friends: the template rejects this input
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"verifier.chat_template: rendering failed: {first}") from e
-
-
-def render(
-    tokenizer,
-    messages: list[dict],
-    chat_template: Optional[str] = None,
-    add_generation_prompt: bool = False,
-    *,
-    opts: Optional[ChatOptions] = None,
-    tools: Optional[list] = None,
-) -> list[int]:
-    """Render ``messages`` with the chat template and tokenize the text (no extra special tokens).
-
-    Equivalent to ``apply_chat_template(..., tokenize=True)``, which also tokenizes the rendered text
-    with ``add_special_tokens=False``; done in two steps so the return type is the same plain
-    ``list[int]`` on every transformers version. ``opts`` (when given) supersedes ``chat_template``.
-    For a prompt to generate from, prefer :func:`prompt_ids` (it honours ``reply_start``).
-
-    Returns:
-        token ids, ``list[int]``.
-
-    Raises:
-        UserError: no chat template, or the template raised an error (message names the cause).
-    """
-    return _tokenize(
-        tokenizer,
-        render_text(tokenizer, messages, _opts(opts, chat_template), add_generation_prompt, tools),
-    )
-
-
-# ---------------------------------------------------------------------------------------------
-# template self-check and the generation prompt
-# ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class TemplateInfo:
-    """Result of :func:`check_template`: ``generation_prompt`` = the text the template appends for
-    ``add_generation_prompt=True`` (or ``reply_start`` when ``ignores_generation_prompt``)."""
-
-    generation_prompt: str
-    ignores_generation_prompt: bool
-
-
-_CHECKED: dict[tuple, TemplateInfo] = {}
-
-
-def check_template(
-    tokenizer,
-    opts: Optional[ChatOptions] = None,
-    probe: Optional[list[dict]] = None,
-    tools: Optional[list] = None,
-) -> TemplateInfo:
-    """Loss-mask self-check of the template in use (cached per template, kwargs and tokenizer).
-
-    Renders ``probe`` (default: one user message) with and without ``add_generation_prompt``.
-    The rendering with it must be the rendering without it plus a non-empty suffix (the assistant
-    header where the reply starts), otherwise the reply start cannot be found from the template.
-
-    Returns:
-        :class:`TemplateInfo`.
-
-    Raises:
-        TemplateIgnoresGenerationPrompt: both renderings are equal (the template ignores
-            ``add_generation_prompt``) and ``opts.reply_start`` is not set; the message names the
-            template.
-        TemplateUnusable: no template, or the generation prompt is not a suffix.
-        UserError: the probe cannot be rendered.
-    """
-    opts = _opts(opts)
-    key = (
-        type(tokenizer).__name__,
-        getattr(tokenizer, "name_or_path", ""),
-        chat_template_hash(tokenizer, opts.chat_template),
-        json.dumps(dict(opts.template_kwargs), sort_keys=True, default=str),
-        opts.reply_start,
-    )
-    hit = _CHECKED.get(key)
-    if hit is not None:
-        return hit
-    probe = probe if probe else [{"role": "user", "content": "Hello"}]
-    with_gp = render_text(tokenizer, probe, opts, True, tools)
-    without = render_text(tokenizer, probe, opts, False, tools)
-    if with_gp == without:
-        if not opts.reply_start:
-            raise TemplateIgnoresGenerationPrompt(
-                f"verifier.chat_template: {template_name(tokenizer, opts)} ignores add_generation_prompt (rendering "
-                "with and without it gives the same text), so the assistant header would be trained on as part of "
-                "the reply; fix the template or set verifier.reply_start to the text that opens an assistant "
-                "reply (e.g. '<|im_start|>assistant\\n')"
-            )
-        info = TemplateInfo(opts.reply_start, True)
-    elif not with_gp.startswith(without):
-        raise TemplateUnusable(
-            f"verifier.chat_template: {template_name(tokenizer, opts)}: add_generation_prompt=True does not append "
-            f"a generation prompt at the end (the rendering changes before it), so the reply start cannot be found"
-        )
-    else:
-        info = TemplateInfo(with_gp[len(without) :], False)
-    _CHECKED[key] = info
-    return info
-
-
-def generation_prompt(
-    tokenizer,
-    messages: list[dict],
-    opts: Optional[ChatOptions] = None,
-    tools: Optional[list] = None,
-) -> str:
-    """The text a server renders before generating the next assistant reply to ``messages``.
-
-    ``render(messages, add_generation_prompt=True)``; for a template that ignores the flag,
-    ``render(messages) + reply_start`` (see :func:`check_template`, which this runs first).
-
-    Raises:
-        UserError / TemplateIgnoresGenerationPrompt: see :func:`render_text`, :func:`check_template`.
-    """
-    opts = _opts(opts)
-    info = check_template(tokenizer, opts, messages, tools)
-    if info.ignores_generation_prompt:
-        return render_text(tokenizer, messages, opts, False, tools) + info.generation_prompt
-    return render_text(tokenizer, messages, opts, True, tools)
-
-
-def prompt_ids(
-    tokenizer,
-    messages: list[dict],
-    opts: Optional[ChatOptions] = None,
-    tools: Optional[list] = None,
-) -> list[int]:
-    """Token ids of :func:`generation_prompt` (what regeneration and benchmarks feed the verifier)."""
-    return _tokenize(tokenizer, generation_prompt(tokenizer, messages, opts, tools))
-
-
-def split_reasoning(
-    text: str, think_tags: tuple[str, str] = DEFAULT_THINK_TAGS, opened: bool = False
-) -> tuple[Optional[str], str]:
-    """Split a generated or stored reply into ``(reasoning or None, answer)`` at the think block.
-
-    ``text`` holds the reasoning when it starts with the open tag (after whitespace), or when
-    ``opened`` (the prompt already ended with the open tag, Kimi thinking mode); the reasoning ends
-    at the first close tag (missing close tag: all reasoning, e.g. a truncated answer). Both parts
-    are stripped of surrounding whitespace, as servers' reasoning parsers return them.
-    """
-    open_, close = think_tags
-    body = text
-    if not opened:
-        s = text.lstrip()
-        if not s.startswith(open_):
-            return None, text
-        body = s[len(open_) :]
-    if close not in body:
-        return body.strip(), ""
-    r, a = body.split(close, 1)
-    return r.strip(), a.strip()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -496,15 +165,15 @@ def _reply_ids(
             j = reply.rfind(c) if c else -1
             pos = j + len(c) if j >= 0 else len(reply)
         gen = [int(t) for t in toks]
-        ids = gen + _tokenize(tokenizer, reply[pos:])
+        ids = gen + tokenize_text(tokenizer, reply[pos:])
         n_r = 0
         if n_r_chars:
-            close_ids = _tokenize(tokenizer, opts.think_tags[1])
+            close_ids = tokenize_text(tokenizer, opts.think_tags[1])
             j = _find_sub(gen, close_ids) if close_ids else -1
             n_r = len(gen) if j < 0 else j + len(close_ids)
     else:
-        first = _tokenize(tokenizer, reply[:n_r_chars])
-        ids = first + _tokenize(tokenizer, reply[n_r_chars:])
+        first = tokenize_text(tokenizer, reply[:n_r_chars])
+        ids = first + tokenize_text(tokenizer, reply[n_r_chars:])
         n_r = len(first)
     first_eot = next(
         (j for j in range(len(gen) if toks is not None else 0, len(ids)) if ids[j] in stops), None
@@ -608,7 +277,7 @@ def _group_ids(
     for t in group:
         if len(ids) >= cap:
             break
-        ctx = _tokenize(tokenizer, t.head[len(done) :])
+        ctx = tokenize_text(tokenizer, t.head[len(done) :])
         r_ids, r_mask = _reply_ids(tokenizer, t, opts, stops)
         ids += ctx + r_ids
         mask += [0] * len(ctx) + r_mask
@@ -635,7 +304,7 @@ def conversation_samples(
         messages: the prompts-file messages (system/user/assistant/tool; ``reasoning_content``,
             ``tool_calls``, ``tool_call_id``, ``tokens`` as written by stage 01).
         max_length: maximum tokens per sample (>= 1).
-        opts: rendering/masking options (:meth:`ChatOptions.from_config`).
+        opts: rendering/masking options (:meth:`ChatOptions.from_verifier`).
         too_long: ``"truncate"`` keeps the first ``max_length`` tokens of a longer sample (counted
             ``truncated``); ``"skip"`` drops it (``skipped_too_long``).
         tools: the conversation's tool declarations (rendered by the template like a server does).
@@ -655,7 +324,7 @@ def conversation_samples(
         raise ValueError(f"too_long must be 'truncate' or 'skip', got {too_long!r}")
     if max_length < 1:
         raise ValueError(f"max_length must be >= 1, got {max_length}")
-    opts = _opts(opts)
+    opts = options_or_default(opts)
     counts: Counter = Counter()
     try:
         turns = _served_turns(tokenizer, messages, opts, tools)
@@ -714,7 +383,7 @@ def tokenize_conversation(
         ValueError, UserError: see :func:`conversation_samples`.
     """
     res = conversation_samples(
-        tokenizer, messages, max_length, _opts(opts, chat_template), too_long, tools
+        tokenizer, messages, max_length, options_or_default(opts, chat_template), too_long, tools
     )
     if res.skip_reason is not None:
         raise TemplateNotPrefixStable(

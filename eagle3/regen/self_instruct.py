@@ -18,11 +18,12 @@ to ``<FILE stem>_report.json``; a re-run with the same settings finds the file u
 ``prompts.self_instruct: {num, exclude, temperature, top_p, max_query_tokens, min_chars, batch_size}`` runs the same code
 (:func:`make`, through :func:`make_from_config`) inside a normal 01 run: the file is
 ``{output_root}/self_instruct.jsonl`` and 01 adds its prompts to the sampled sources
-(:func:`eagle3.prompts.prepare_prompts.run`).
+(:func:`eagle3.stages.prepare_prompts.run`).
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 import time
@@ -31,8 +32,11 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
+from tqdm import tqdm
 
+from eagle3.chat.template import ChatOptions, render_text
 from eagle3.config import SELF_INSTRUCT_BATCH
+from eagle3.data.readers import dedupe_key, read_conversations
 from eagle3.errors import UserError
 from eagle3.io import (
     atomic_write_bytes,
@@ -40,6 +44,13 @@ from eagle3.io import (
     atomic_write_text,
     file_sha256,
     read_json,
+)
+from eagle3.verifier.load import (
+    load_tokenizer,
+    load_verifier,
+    stop_token_ids,
+    weights_differ,
+    weights_fingerprint,
 )
 
 log = logging.getLogger(__name__)
@@ -86,12 +97,12 @@ def pre_query_prefix(tokenizer, opts, system_prompt: Optional[str] = None) -> st
     """The chat template's text before a user message's content: what the verifier continues with a user query.
 
     Renders ``[system?, user: <sentinel>]`` with the run's template options (01's rendering,
-    :func:`eagle3.prompts.chat.render_text`) and cuts at the sentinel, so a template's default system turn (SmolLM2:
+    :func:`eagle3.chat.template.render_text`) and cuts at the sentinel, so a template's default system turn (SmolLM2:
     "You are a helpful AI assistant named SmolLM, ...") is kept as the verifier sees it in regeneration.
 
     Args:
         tokenizer: the verifier's tokenizer (with a chat template).
-        opts: :class:`eagle3.prompts.chat.ChatOptions`.
+        opts: :class:`eagle3.chat.template.ChatOptions`.
         system_prompt: ``prompts.system_prompt`` (None: the template's own default, if any).
 
     Returns:
@@ -100,8 +111,6 @@ def pre_query_prefix(tokenizer, opts, system_prompt: Optional[str] = None) -> st
     Raises:
         UserError: the template drops or rewrites the user content (the sentinel is not in its output).
     """
-    from eagle3.prompts.chat import render_text
-
     msgs = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
         {"role": "user", "content": SENTINEL}
     ]
@@ -124,8 +133,6 @@ def select_queries(
         ``(kept, counts)``: the stripped queries, and ``{"truncated", "too_short", "duplicate", "kept"}`` counts
         (each query counted once, in that order of checks).
     """
-    from eagle3.prompts.readers import dedupe_key
-
     kept, counts = [], {"truncated": 0, "too_short": 0, "duplicate": 0, "kept": 0}
     for text, done in zip(texts, ended):
         q = text.strip()
@@ -204,8 +211,6 @@ def _excluded_keys(paths: Sequence[str], name: str = "--exclude") -> set:
     """01 dedupe keys of every conversation's first user message in ``paths`` (01's readers). Errors name the
     setting (``name``: the flag, or ``prompts.self_instruct.exclude``) before the file: a reader's own message
     (``prompts file not found``) read as if about ``prompts.source``."""
-    from eagle3.prompts.readers import dedupe_key, read_conversations
-
     keys: set = set()
     for p in paths:
         try:
@@ -310,11 +315,12 @@ def make(
         UserError: an unusable chat template, an unreadable exclude file, or no query kept (nothing written then).
     """
     names = names or CLI_NAMES
-    from eagle3.prompts.chat import ChatOptions
-    from eagle3.verifier.load import load_tokenizer, stop_token_ids, weights_fingerprint
-
     tok = load_tokenizer(cfg.verifier)
-    prefix = pre_query_prefix(tok, ChatOptions.from_config(cfg), cfg.prompts.system_prompt)
+    prefix = pre_query_prefix(
+        tok,
+        ChatOptions.from_verifier(cfg.verifier, cfg.extract.loss_on_reasoning),
+        cfg.prompts.system_prompt,
+    )
     st = SelfInstructSettings(
         num,
         float(temperature),
@@ -338,8 +344,6 @@ def make(
         report_path(out).unlink(missing_ok=True)
     seen = _excluded_keys(exclude, names["exclude"])
     n_excluded_keys = len(seen)
-    from eagle3.verifier.load import load_verifier
-
     model, _ = load_verifier(cfg.verifier)
     queries, counts, secs, tokens = _sample_all(model, tok, st, stop_token_ids(tok), seen)
     del model  # before 01 loads its own verifier to answer them (prompts.self_instruct)
@@ -394,8 +398,6 @@ def make_from_config(cfg, force: bool = False) -> Path:
 def write_queries(out: Path, queries: Sequence[str]) -> None:
     """``out`` atomically: one messages-JSONL row a query (id ``self_instruct/<k>``), gzip-compressed when ``out``
     ends in ``.gz`` (01's readers open such a file through gzip; mtime 0, so equal queries give equal bytes)."""
-    import gzip
-
     text = "".join(
         json.dumps(
             {"id": f"{SOURCE}/{k}", "source": SOURCE, "messages": [{"role": "user", "content": q}]},
@@ -492,8 +494,6 @@ def _up_to_date(out: Path, st: SelfInstructSettings) -> bool:
         rec = read_json(rp)
     except UserError:
         return False
-    from eagle3.verifier.load import weights_differ
-
     want, got = (
         json.loads(json.dumps(asdict(st))),
         rec.get("settings") if isinstance(rec, dict) else None,
@@ -509,8 +509,6 @@ def _up_to_date(out: Path, st: SelfInstructSettings) -> bool:
 def _sample_all(model, tok, st: SelfInstructSettings, stop_ids: set[int], seen: set):
     """Sample ``st.num`` queries in batches (tqdm), filter as they come. Returns ``(queries, counts, seconds,
     sampled tokens)``."""
-    from tqdm import tqdm
-
     prefix_ids = tok(st.prefix, add_special_tokens=False)["input_ids"]
     queries, counts, tokens = [], {"truncated": 0, "too_short": 0, "duplicate": 0, "kept": 0}, 0
     t0 = time.perf_counter()

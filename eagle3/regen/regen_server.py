@@ -1,44 +1,26 @@
 """Stage 01 regeneration through serving endpoints: SGLang native ``/generate`` or OpenAI chat.
 
-For a verifier too large to run in-process (Kimi-K2.5: 1T parameters), the answers the drafter
-trains on are produced by the serving stack itself (``prompts.regenerate_via``):
+For a verifier too large to run in-process, the serving stack answers (``prompts.regenerate_via``):
 
-* ``sglang``: SGLang's native ``POST /generate`` (``GenerateReqInput``, SGLang 0.5.23
-  ``srt/managers/io_struct.py``). The prompt is rendered HERE, exactly as the local path and stage 02
-  render a context (:func:`eagle3.prompts.chat.generation_prompt`: the verifier's chat template,
-  ``verifier.chat_template_kwargs``, the record's ``tools``, the generation prompt) and sent as
-  ``input_ids``; the body is ``{"input_ids": [...], "sampling_params": {"max_new_tokens",
-  "temperature", "top_p", "stop_token_ids", ...}}``. The response is ``{"text", "output_ids",
-  "meta_info": {"finish_reason": {"type": "stop", "matched": id} | {"type": "length", ...} |
-  {"type": "abort", ...}, "prompt_tokens", "completion_tokens", ...}}``; ``output_ids`` include
-  the matched stop token (``Req.output_ids_through_stop``), which is cut off here and recorded as the message's
-  ``stop_token`` (as the local engines record it: 02 leaves the template's end-of-turn token out of the loss when
-  the answer stopped on another id); ``finish_reason`` ``length`` is recorded as ``truncated: true``. The remaining ids
-  are stored as the assistant message's ``tokens`` (stage 02 uses them verbatim) and decoded for
-  ``content``, split at ``verifier.think_tags`` into ``reasoning_content`` + ``content`` exactly like
-  the local path (:mod:`eagle3.prompts.regenerate`). ``meta_info.prompt_tokens`` must equal the number of
-  ids sent (the server took our tokenisation as is).
-* ``openai``: ``POST /v1/chat/completions`` (vLLM, SGLang, hosted APIs) with ``messages`` (earlier
-  answers with their ``reasoning_content``, as stage 02 renders them),
-  ``max_tokens``, ``temperature``, ``top_p``, ``chat_template_kwargs`` (``verifier.chat_template_kwargs``,
-  as SGLang and vLLM take them) and the record's ``tools``. Text comes back:
-  ``choices[0].message.content``, ``tool_calls`` when the model called a tool, and, where the server
-  splits reasoning, ``reasoning_content`` (SGLang, vLLM < 0.10) or ``reasoning`` (newer vLLM),
-  stored as the message's ``reasoning_content``. No ``tokens``: stage 02 tokenizes the text. ``stop_token`` is
-  recorded when the choice names the stop id (SGLang ``matched_stop``, vLLM ``stop_reason``), else not (02 then
-  counts the answer as stopped on the template's end-of-turn token); ``length`` is recorded as ``truncated: true``.
+* ``sglang``: SGLang's native ``POST /generate`` (``GenerateReqInput``, SGLang 0.5.23). The prompt is rendered
+  HERE as the local path and 02 render a context (:func:`eagle3.chat.template.generation_prompt`) and sent as
+  ``input_ids`` with ``sampling_params`` (``max_new_tokens``, ``temperature``, ``top_p``, ``stop_token_ids``...).
+  The response's ``output_ids`` include the matched stop token (``meta_info.finish_reason: {"type": "stop",
+  "matched": id}``), cut off here and recorded as ``stop_token``; ``length`` is recorded as ``truncated: true``.
+  The remaining ids are the message's ``tokens`` (02 uses them verbatim), decoded for ``content`` and split at
+  ``verifier.think_tags`` into ``reasoning_content`` as on the local path. ``meta_info.prompt_tokens`` must equal
+  the number of ids sent (the server took this tokenisation as is).
+* ``openai``: ``POST /v1/chat/completions`` (vLLM, SGLang, hosted APIs) with ``messages`` (earlier answers with
+  their ``reasoning_content``), ``max_tokens``, ``temperature``, ``top_p``, ``chat_template_kwargs`` and the
+  record's ``tools``. Text comes back (``content``, ``tool_calls``, ``reasoning_content`` or ``reasoning``); no
+  ``tokens`` (02 tokenizes the text). ``stop_token`` when the choice names the stop id (SGLang ``matched_stop``,
+  vLLM ``stop_reason``); ``length`` is recorded as ``truncated: true``.
 
-Multi-turn conversations are answered turn by turn like the local path: turn k's prompt holds the
-user turns 0..k and the regenerated answers 0..k-1. Conversations holding tool results are kept as
-they are (the results answer the original calls; no tools run here), as the local path does.
-
-Load, faults and resume: requests go through :class:`eagle3.prompts.endpoints.EndpointPool` (several
-endpoints, ``requests_per_endpoint`` in flight each, timeouts, retries with exponential backoff,
-dead endpoints out of rotation). A conversation whose request fails for good is reported on one
-``error:`` line, counted (``failed``, ``failed_ids``) and left out; the run goes on. Each finished
-conversation is appended to a resume log (``prompts.regen-partial.jsonl``, one JSON line, flushed
-and fsynced) before it counts as done; a killed run rerun with the same settings skips what the log
-holds and redoes only the rest, so no answer is lost or duplicated (:class:`ResumeLog`).
+Turns are answered one by one as on the local path; conversations holding tool results are kept as they are.
+Requests go through :class:`eagle3.regen.endpoints.EndpointPool` (several endpoints, timeouts, retries with backoff,
+dead endpoints out of rotation); a conversation whose request fails for good is reported on one ``error:`` line,
+counted (``failed``, ``failed_ids``) and left out. Each finished conversation is appended (fsynced) to the resume log
+(:class:`ResumeLog`) before it counts as done: a rerun with the same settings redoes only the rest.
 """
 
 from __future__ import annotations
@@ -55,17 +37,16 @@ from typing import Callable, Optional
 
 from tqdm import tqdm
 
-from eagle3.config import PromptsConfig
-from eagle3.errors import UserError
-from eagle3.prompts.chat import (
+from eagle3.chat.template import (
     ChatOptions,
     answer_ending,
     end_of_turn_ids,
     generation_prompt,
     split_reasoning,
 )
-from eagle3.prompts.endpoints import EndpointPool, RequestFailed, RetryPolicy
-from eagle3.prompts.resume_log import PARTIAL_NAME, ResumeLog, log_resuming  # noqa: F401 - PARTIAL_NAME: part of this module's API
+from eagle3.errors import UserError
+from eagle3.regen.endpoints import EndpointPool, RequestFailed, RetryPolicy
+from eagle3.regen.resume_log import PARTIAL_NAME, ResumeLog, log_resuming  # noqa: F401 - PARTIAL_NAME: part of this module's API
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +95,7 @@ class SGLangGenerate:
 
     path = "/generate"
 
-    def __init__(self, tokenizer, pc: PromptsConfig, opts: ChatOptions):
+    def __init__(self, tokenizer, pc, opts: ChatOptions):
         self.tok = tokenizer
         self.opts = opts
         self.stop_ids = end_of_turn_ids(tokenizer)
@@ -140,7 +121,7 @@ class SGLangGenerate:
 
         Raises:
             ValueError: not SGLang's shape, an aborted request, or a prompt length other than sent
-                (a retryable failure for :meth:`eagle3.prompts.endpoints.EndpointPool.post`).
+                (a retryable failure for :meth:`eagle3.regen.endpoints.EndpointPool.post`).
         """
         if isinstance(resp, list) and len(resp) == 1:
             resp = resp[0]
@@ -173,7 +154,7 @@ class SGLangGenerate:
             )  # output_ids end with the matched stop token; the template writes it back
         elif kind == "stop" and _token_id(matched) is not None:
             stop = matched  # a server that trims the stop token from output_ids still names it
-        # as eagle3.prompts.regenerate does: think tags may be special tokens, so split the text with specials kept
+        # as eagle3.regen.regenerate does: think tags may be special tokens, so split the text with specials kept
         text = self.tok.decode(ids, skip_special_tokens=True)
         tags = tuple(self.opts.think_tags)
         reasoning, answer = split_reasoning(
@@ -189,7 +170,7 @@ class OpenAIChat:
 
     path = "/v1/chat/completions"
 
-    def __init__(self, tokenizer, pc: PromptsConfig, opts: ChatOptions):
+    def __init__(self, tokenizer, pc, opts: ChatOptions):
         self.tok = tokenizer
         self.base = {
             "max_tokens": pc.max_new_tokens,
@@ -315,7 +296,7 @@ def _user_turns(conv: dict) -> tuple[list[dict], list[str]]:
 def regenerate_via_server(
     conversations: list[dict],
     tokenizer,
-    pc: PromptsConfig,
+    pc,
     opts: Optional[ChatOptions] = None,
     *,
     partial_path: str | os.PathLike,
@@ -334,14 +315,14 @@ def regenerate_via_server(
         partial_path: the resume log (:class:`ResumeLog`); kept while any conversation is missing,
             deleted by the caller after the final file is written.
         settings: fingerprint stored in the log; a log with other settings is refused.
-        opts: rendering options (:meth:`eagle3.prompts.chat.ChatOptions.from_config`): template,
+        opts: rendering options (:meth:`eagle3.chat.template.ChatOptions.from_verifier`): template,
             ``chat_template_kwargs`` (rendered with for ``sglang``, sent for ``openai``), ``reply_start``,
             think tags.
         stats: filled with ``answers``, ``new_tokens``, ``truncated``, ``failed``, ``failed_ids``,
             ``retries``, ``resumed`` (conversations taken from the log), ``kept_with_tools``,
             ``seconds``, ``endpoints``, ``turns_over_context``, ``dropped_over_context``.
         pool: endpoint pool to use (default: built from ``pc.server``).
-        max_context: context cap in tokens, as in :func:`eagle3.prompts.regenerate.regenerate`: a turn whose
+        max_context: context cap in tokens, as in :func:`eagle3.regen.regenerate.regenerate`: a turn whose
             rendered prompt has at least this many tokens is not sent (nor are the later ones); a
             conversation whose first prompt reaches it is left out. None = no cap.
 
@@ -409,7 +390,7 @@ def regenerate_via_server(
     return [done[i] for i in range(len(conversations)) if i in done]
 
 
-def _protocol(tokenizer, pc: PromptsConfig, opts: ChatOptions):
+def _protocol(tokenizer, pc, opts: ChatOptions):
     """The request builder / response checker of ``prompts.regenerate_via``."""
     if pc.regenerate_via == "sglang":
         return SGLangGenerate(tokenizer, pc, opts)
@@ -446,7 +427,7 @@ def _plan(
     conversations: list[dict], journal: ResumeLog
 ) -> tuple[dict[int, dict], list[int], list[int], int]:
     """``(done, passthrough, todo, resumed)``: conversations finished in the resume log (``resumed`` of them) or
-    kept as they are (tool results answer the ORIGINAL calls, as :mod:`eagle3.prompts.regenerate` does), and the
+    kept as they are (tool results answer the ORIGINAL calls, as :mod:`eagle3.regen.regenerate` does), and the
     indices still to do.
 
     Raises:

@@ -1,0 +1,1 @@
+"""Chat rendering and loss masks (01, 02, 05)."""

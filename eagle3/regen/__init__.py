@@ -1,0 +1,1 @@
+"""Regeneration of answers by the verifier: the in-process slot engine, endpoints, replicas, resume log."""

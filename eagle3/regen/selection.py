@@ -1,0 +1,138 @@
+"""Stage 01's selection: every ``prompts.source`` read (in order), deduped, sampled, the self-instruct prompts on
+top, the first ``--limit`` kept. Takes the ``prompts:`` config section (``prompts``), no run config."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from pathlib import Path
+from typing import Optional
+
+from eagle3.data.readers import dedupe, read_conversations, sample, short_pool_warning, unique_ids
+from eagle3.errors import UserError
+from eagle3.io import relative_hint
+from eagle3.process_group import is_rank0
+from eagle3.regen.report import limit_drops_self_instruct, read_counts_text
+
+log = logging.getLogger(__name__)
+
+
+def select_conversations(
+    prompts, think_tags: tuple[str, str], self_instruct_path: Path, limit: Optional[int]
+) -> tuple[list[dict], Counter, dict]:
+    """Read every source (in order), dedupe, sample ``prompts.sample_size`` (seeded) and keep the first ``limit``.
+
+    Args:
+        prompts: the ``prompts:`` config section; ``think_tags``: ``verifier.think_tags``;
+            ``self_instruct_path``: ``prompts.self_instruct``'s file (read when that is set).
+
+    Returns:
+        ``(conversations, counts, steps)``: the reader's counts (``read``, ``skipped_*``, ...) and the
+        steps' figures ``normalised``, ``deduped``, ``sampled_out``, ``limited_out``.
+
+    Raises:
+        UserError: no usable conversation left (with the reader's counts and a hint for prompt-only sources).
+    """
+    pc = prompts
+    counts: Counter = Counter()
+    sources = [pc.source] if isinstance(pc.source, str) else list(pc.source)
+    convs = []
+    for (
+        src
+    ) in sources:  # several sources are concatenated in order, then deduped and sampled together
+        convs += read_conversations(
+            src,
+            pc.format,
+            hf_split=pc.hf_split,
+            keep_prompt_only=pc.regenerate,
+            system_prompt=pc.system_prompt,
+            counts=counts,
+            think_tags=tuple(think_tags),
+        )
+    convs = unique_ids(convs)  # ids repeated across the sources get #2, #3, as within one file
+    n_read_ok = len(convs)
+    n_dup = 0
+    if pc.dedupe:
+        convs, n_dup = dedupe(convs)
+    n_before = len(convs)
+    short = short_pool_warning(
+        "prompts.sample_size",
+        pc.sample_size,
+        n_before,
+        "conversations left after reading" + (" and dedupe" if pc.dedupe else ""),
+    )
+    if short and is_rank0():  # asked for more than there are: say so (once under torchrun)
+        log.warning("%s", short)
+    convs = sample(convs, pc.sample_size, pc.seed)
+    if not convs:
+        hint = (
+            "; prompt-only sources need prompts.regenerate: true (the verifier writes the answers)"
+            if counts.get("skipped_no_assistant") and not pc.regenerate
+            else ""
+        )
+        raise UserError(
+            f"prompts.source: no usable conversation in '{pc.source}': {read_counts_text(counts)}{hint}"
+        )
+    steps = {"normalised": n_read_ok, "deduped": n_dup, "sampled_out": n_before - len(convs)}
+    if (
+        pc.self_instruct is not None
+    ):  # on top of the sampled sources (sample_size counts the sources only)
+        convs, steps["self_instruct"], steps["self_instruct_deduped"] = add_self_instruct(
+            pc, think_tags, self_instruct_path, convs
+        )
+    steps["limited_out"] = 0
+    if limit is not None and len(convs) > limit:
+        steps["limited_out"] = len(convs) - limit
+        convs = convs[:limit]
+    if pc.self_instruct is not None:  # they come last: --limit cuts them first
+        steps["self_instruct_limited_out"] = dropped = min(
+            steps["self_instruct"], steps["limited_out"]
+        )
+        if dropped and is_rank0():
+            log.warning(
+                limit_drops_self_instruct(
+                    "--limit",
+                    limit,
+                    steps["self_instruct"],
+                    dropped,
+                    len(convs) + steps["limited_out"],
+                )
+            )
+    return convs, counts, steps
+
+
+def add_self_instruct(
+    prompts, think_tags: tuple[str, str], self_instruct_path: Path, convs: list[dict]
+) -> tuple[list[dict], int, int]:
+    """``convs`` followed by the prompts of ``self_instruct_path`` (``prompts.self_instruct``'s file, read as 01
+    reads a source: prompt-only, ``prompts.system_prompt`` prepended), those whose dedupe key is already among
+    ``convs`` dropped when ``prompts.dedupe`` (the first conversation wins, as for the sources).
+
+    Returns:
+        ``(conversations, self-instruct prompts added, self-instruct prompts dropped as duplicates)``.
+
+    Raises:
+        UserError: the file is missing or unreadable (:func:`eagle3.data.readers.read_conversations`).
+    """
+    pc = prompts
+    extra = read_conversations(
+        str(self_instruct_path),
+        "messages",
+        keep_prompt_only=True,
+        system_prompt=pc.system_prompt,
+        think_tags=tuple(think_tags),
+    )
+    out, n_dup = dedupe(convs + extra) if pc.dedupe else (convs + extra, 0)
+    return unique_ids(out), len(extra) - n_dup, n_dup
+
+
+def require_source_files(source) -> None:
+    """One line for a ``prompts.source`` file (``source``: one or a list) that does not exist (named sets and ``hf:`` sources aside), before 01
+    says it remakes ``prompts.jsonl`` (the earlier file is kept)."""
+    src = source
+    for x in [src] if isinstance(src, str) else list(src):
+        if x != "humaneval" and not x.startswith("hf:") and not Path(x).exists():
+            hint = relative_hint(x)
+            raise UserError(
+                f"{x}: prompts file not found (prompts.source{'; ' + hint if hint else ''})"
+            )

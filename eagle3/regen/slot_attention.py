@@ -1,0 +1,282 @@
+"""The slot engine's attention, registered in transformers' ``AttentionInterface`` under :data:`ATTN_NAME`:
+FlexAttention decode over per-slot KV blocks, grouped SDPA decode, and prefill at column offsets (prefix reuse)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+from torch.nn.attention.flex_attention import flex_attention
+from transformers import AttentionInterface
+
+from eagle3.regen.flex_compat import (
+    block_mask_from_kv_blocks,
+    kv_blocks_params,
+    raise_recompile_limit,
+)
+from eagle3.regen.kv_cache import SlotCache, repeat_kv
+from eagle3.regen.packed_prefill import (
+    packed_prefill_attention,
+)
+
+log = logging.getLogger(__name__)
+
+
+ATTN_NAME = "eagle3_slots"
+
+
+ATTENTIONS = ("auto", "flex", "sdpa_groups")  # SlotEngine(attention=...), prompts.regen_attention
+
+
+def kv_num_blocks(attn_len: torch.Tensor, block: int) -> torch.Tensor:
+    """KV blocks a decode row reads: ``ceil((attn_len + 1) / block)``, int32 ``[n, 1, 1]`` from int64 ``[n]``."""
+    return torch.div(attn_len + block, block, rounding_mode="floor").to(torch.int32).view(-1, 1, 1)
+
+
+def decode_block_mask(
+    attn_len: torch.Tensor,
+    kv_indices: torch.Tensor,
+    block: int,
+    kv_len: int,
+    num_blocks: Optional[torch.Tensor] = None,
+    q_len: int = 1,
+):
+    """FlexAttention ``BlockMask`` of a decode step: row b attends columns ``[0, attn_len[b]]``.
+
+    Args:
+        attn_len: int64 ``[n]``, last attended column per row (``< kv_len``).
+        kv_indices: int32 ``[n, 1, 1, kv_len / block]``, block ``j`` of every row at position ``j`` (``arange``).
+        block: KV block size (columns); ``kv_len`` must be a multiple of it.
+        kv_len: KV columns of the cache.
+        num_blocks: :func:`kv_num_blocks` of ``attn_len`` when already computed (the engine: once per step).
+        q_len: query positions (``<= block``: one query block); every position of a row sees the same columns
+            (:func:`flex_decode` puts a KV head's grouped query heads there).
+
+    Returns:
+        ``BlockMask`` of shape ``[n, 1, q_len, kv_len]``: ``ceil((attn_len + 1) / block)`` blocks per row, a
+        ``mask_mod`` ``kv_idx <= attn_len[b]`` for the partial last block. Device ops only (no host sync), so
+        it is built inside the captured step.
+    """
+    nb = kv_num_blocks(attn_len, block) if num_blocks is None else num_blocks  # [n, 1, 1]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return kv_idx <= attn_len[b]
+
+    return block_mask_from_kv_blocks(nb, kv_indices, block, mask_mod, q_len, kv_len)
+
+
+def flex_decode(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_len: torch.Tensor,
+    kv_indices: torch.Tensor,
+    scale: Optional[float],
+    block: int,
+    num_blocks: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Decode attention with per-row KV lengths through FlexAttention.
+
+    Args:
+        query: ``[n, H, 1, D]``; key, value: ``[n, Hkv, L, D]`` (``H`` a multiple of ``Hkv``). The ``G = H // Hkv``
+            query heads of a KV head become its ``G`` query positions (``[n, Hkv, G, D]``, head ``h = kv * G + g``
+            as HF's ``repeat_kv``), not ``enable_gqa``: Inductor's split-KV decode kernel takes GQA only for a
+            power-of-two ``G`` (torch ``_inductor/kernel/flex/flex_decoding.py`` ``_use_flex_decoding``) and
+            SmolLM2's is 3, so with ``enable_gqa`` the main kernel ran one query row per 128-row tile (the H200
+            lease of 2026-12-02: 0.66 ms per layer for 1024 rows x ~400 columns, ~8x the bandwidth time).
+        attn_len: int64 ``[n]``, row b attends columns ``[0, attn_len[b]]``.
+        kv_indices: int32 ``[n, 1, 1, L / block]`` (see :func:`decode_block_mask`).
+        scale: softmax scale (None: ``1 / sqrt(D)``).
+        block: KV block size.
+        num_blocks: int32 ``[n, 1, 1]``, :func:`kv_num_blocks` of ``attn_len`` if already computed.
+
+    Returns:
+        ``[n, H, 1, D]``, the query's dtype.
+    """
+    n, h, _, d = query.shape
+    hkv = key.shape[1]
+    q = query.reshape(n, hkv, h // hkv, d)  # [n, Hkv, G, D]
+    bm = decode_block_mask(attn_len, kv_indices, block, key.shape[2], num_blocks, q_len=h // hkv)
+    out = flex_attention(q, key, value, block_mask=bm, scale=scale)  # [n, Hkv, G, Dv]
+    return out.reshape(n, h, 1, value.shape[-1])  # Dv = D except MLA (kv_head_dims)
+
+
+_COMPILED_FLEX = None
+
+
+def compiled_flex_decode():
+    """:func:`flex_decode` under ``torch.compile`` (one per process; a recompile per slot prefix, so the
+    recompile limit is raised to 64)."""
+    global _COMPILED_FLEX
+    if _COMPILED_FLEX is None:
+        kv_blocks_params()  # inspect.signature runs here, eagerly: the traced function only reads the result
+        raise_recompile_limit()
+        _COMPILED_FLEX = torch.compile(flex_decode, dynamic=False, fullgraph=True)
+    return _COMPILED_FLEX
+
+
+def offset_prefill_layout(
+    offsets: torch.Tensor, width: int, cols: int, kw: Optional[int] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where the queries of a prefill at column offsets go, and what they attend.
+
+    Row r's ``width`` query positions (its suffix, right-padded) are tokens ``offsets[r] + j`` of its sequence;
+    columns ``[0, offsets[r])`` of its slot already hold the K/V of the tokens before them (the parent turn's
+    prompt and answer).
+
+    Args:
+        offsets: int64 ``[P]``, cached columns per row (0 for a row prefilled from scratch).
+        width: padded suffix width ``Wp``.
+        cols: cache columns per slot (``L``); every real token's column ``offsets[r] + j`` is ``< L - 1``.
+        kw: attended columns ``Kw`` of the mask when given (a bucketed prefill: a static shape, no host sync; it must
+            cover every real query, ``Kw >= offsets[r] + suffix length`` for each row); None: ``min(L, max(offsets) +
+            Wp)``, read from ``offsets`` (one host sync on CUDA).
+
+    Returns:
+        ``(cols_idx, mask)``: ``cols_idx`` int64 ``[P, Wp]``, the column each query's K/V is written to,
+        ``offsets[r] + j`` clamped to ``L - 1`` (only padding positions reach the clamp: their K/V land beyond the
+        row's length, where decode writes before it reads); ``mask`` bool ``[P, 1, Wp, Kw]``, ``Kw = min(L,
+        max(offsets) + Wp)``: query j of row r attends column c iff ``c <= offsets[r] + j`` (the cached prefix,
+        then causal within the suffix). A padding query at or past ``Kw`` attends all ``Kw`` columns (never none:
+        column 0 is always attended, so no row of the softmax is empty).
+    """
+    j = torch.arange(width, device=offsets.device)  # [Wp]
+    pos = offsets[:, None] + j  # [P, Wp] absolute position of each query
+    kw = min(cols, int(offsets.max()) + width) if kw is None else kw
+    mask = torch.arange(kw, device=offsets.device) <= pos[:, :, None]  # [P, Wp, Kw]
+    return pos.clamp(max=cols - 1), mask[:, None]
+
+
+def offset_prefill_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    rows: torch.Tensor,
+    cols_idx: torch.Tensor,
+    mask: torch.Tensor,
+    scaling: Optional[float],
+) -> torch.Tensor:
+    """Prefill attention of suffixes that continue cached prefixes (one layer).
+
+    Args:
+        query: ``[P, H, Wp, D]``; key, value: ``[P, Hkv, Wp, D]`` of the right-padded suffixes.
+        kc, vc: the layer's cache ``[S, Hkv, L, D]``; the suffix K/V are written at ``cols_idx``.
+        rows: int64 ``[P]``, the rows' slots.
+        cols_idx, mask: :func:`offset_prefill_layout` (``[P, Wp]`` int64, ``[P, 1, Wp, Kw]`` bool).
+        scaling: softmax scale (None: ``1 / sqrt(D)``).
+
+    Returns:
+        ``[P, H, Wp, D]``: each suffix query over its row's cached columns and the suffix up to itself.
+    """
+    h, hkv = query.shape[1], key.shape[1]
+    kc[rows[:, None], :, cols_idx] = key.transpose(
+        1, 2
+    )  # [P, Wp, Hkv, D] at columns offsets[r] + j
+    vc[rows[:, None], :, cols_idx] = value.transpose(1, 2)
+    kw = mask.shape[-1]
+    k, v = (
+        kc[rows, :, :kw],
+        vc[rows, :, :kw],
+    )  # [P, Hkv, Kw, D]: cached prefix + the suffix just written
+    return torch.nn.functional.scaled_dot_product_attention(
+        query, repeat_kv(k, h // hkv), repeat_kv(v, h // hkv), attn_mask=mask, scale=scaling
+    )  # [P, H, Wp, D]
+
+
+def slot_attention(
+    module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask,
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    slot_cache: Optional[SlotCache] = None,
+    **kwargs,
+):
+    """Attention of :class:`SlotEngine`, registered as ``AttentionInterface[ATTN_NAME]`` (same signature as
+    transformers' ``sdpa_attention_forward``).
+
+    Packed prefill (``slot_cache.packed`` set): query ``[1, H, Tq, D]`` of rows back to back
+    (:func:`eagle3.regen.packed_prefill.packed_prefill_attention`). Prefill (``slot_cache.rows`` set): query
+    ``[P, H, Wp, D]``, key/value ``[P, Hkv, Wp, D]`` of right-padded prompts; K/V are written to columns ``[0, Wp)``
+    of the rows' slots and the output is causal attention over the prompt itself (a real token never sees the padding after it). With ``slot_cache.prefill_mask`` set the rows
+    are suffixes at column offsets (:func:`offset_prefill_attention`: written at ``offsets[r] + j``, attending the
+    slot's cached prefix and the suffix causally). Decode over the slot prefix ``[:n]``:
+    query ``[n, H, 1, D]``, key/value ``[n, Hkv, 1, D]`` written at column ``lengths[s]`` of slot s, then either
+    FlexAttention over each row's live blocks (``slot_cache.flex``) or per slot group SDPA over the group's
+    first ``cap`` columns under its mask, with the ``H // Hkv`` query heads of a KV head as its query
+    positions. Returns ``(out [B, q_len, H, D], None)``.
+    """
+    c = slot_cache
+    if c is None:
+        raise RuntimeError(
+            f"attention '{ATTN_NAME}' needs the slot_cache keyword (only SlotEngine calls it)"
+        )
+    kc, vc = c.k[module.layer_idx], c.v[module.layer_idx]
+    if (
+        c.packed is not None
+    ):  # packed prefill: rows back to back in one sequence (eagle3.regen.packed_prefill)
+        return packed_prefill_attention(query, key, value, kc, vc, c.packed, scaling).transpose(
+            1, 2
+        ), None
+    b, h, q_len, d = query.shape
+    hkv = key.shape[1]
+    if (
+        c.rows is not None and c.prefill_mask is not None
+    ):  # prefill of suffixes after cached prefixes
+        out = offset_prefill_attention(
+            query, key, value, kc, vc, c.rows, c.prefill_cols, c.prefill_mask, scaling
+        )
+        return out.transpose(1, 2), None
+    if c.rows is not None:  # prefill
+        kc[c.rows, :, :q_len] = key
+        vc[c.rows, :, :q_len] = value
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query,
+            repeat_kv(key, h // hkv),
+            repeat_kv(value, h // hkv),
+            is_causal=True,
+            scale=scaling,
+        )  # [P, H, Wp, D]
+        return out.transpose(1, 2), None
+    ar = torch.arange(b, device=query.device)
+    kc[ar, :, c.lengths] = key[:, :, 0]  # [n, Hkv, D] at column lengths[s]
+    vc[ar, :, c.lengths] = value[:, :, 0]
+    if c.flex is not None:
+        out = c.flex(
+            query, kc[:b], vc[:b], c.attn_len, c.kv_indices[:b], scaling, num_blocks=c.kv_blocks
+        )  # [n, H, 1, D]
+        return out.transpose(1, 2), None
+    q = query.reshape(b, hkv, h // hkv, d)  # [n, Hkv, G, D]: head h = kv * G + g
+    outs = []
+    for s0, s1, mask in c.groups:  # each slot group reads its cap's columns
+        w = mask.shape[-1]
+        outs.append(
+            torch.nn.functional.scaled_dot_product_attention(
+                q[s0:s1], kc[s0:s1, :, :w], vc[s0:s1, :, :w], attn_mask=mask, scale=scaling
+            )
+        )  # [S_g, Hkv, G, D]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)  # [n, Hkv, G, D]
+    return out.reshape(b, 1, h, vc.shape[-1]), None  # value width: D except MLA (kv_head_dims)
+
+
+class AttentionSwap:
+    """Context manager: inside, ``model`` runs the attention function ``fn`` registered in transformers'
+    ``AttentionInterface`` as ``name`` (default: this engine's :func:`slot_attention`); its former attention
+    implementation after. Also used by 05's batch-1 static decoder (:mod:`eagle3.decoding.static_decode`)."""
+
+    def __init__(self, model, name: str = ATTN_NAME, fn=None):
+        self.model, self.name, self.fn = model, name, slot_attention if fn is None else fn
+
+    def __enter__(self):
+        AttentionInterface.register(self.name, self.fn)
+        self.old = self.model.config._attn_implementation
+        self.model.set_attn_implementation(self.name)
+        return self
+
+    def __exit__(self, *exc):
+        self.model.set_attn_implementation(self.old)

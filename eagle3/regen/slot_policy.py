@@ -1,0 +1,321 @@
+"""The slot engine's scheduling rules and host-side records: slot prefixes, refill deferral, prefill buckets,
+common prefixes, the decode-step compile decision, CUDA graph capture, waiting / held requests."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+# Fed tokens per packed prefill forward off CUDA (eager FlexAttention builds the dense [H, Tq, Tq + Tp] scores of a
+# layer: SmolLM2's 9 heads at 2,048 + 4,096 positions, fp32, are ~0.3 GB), whatever prompts.regen_prefill_tokens says.
+PACK_EAGER_TOKENS = 2048
+
+
+def synced_seconds(dev: torch.device, fn) -> float:
+    """Host seconds of ``fn()`` between two device syncs (CUDA; elsewhere plain host seconds): a compile or a CUDA
+    graph capture timed whole, queued work included."""
+    cuda = dev.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(dev)
+    t0 = time.perf_counter()
+    fn()
+    if cuda:
+        torch.cuda.synchronize(dev)
+    return time.perf_counter() - t0
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token-id sequences (ids compared one by one: a re-tokenised
+    chat template may split the previous answer's last tokens differently, so nothing is assumed)."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def _pow2_ceil(n: int) -> int:
+    """The smallest power of two ``>= n`` (``n >= 1``)."""
+    return 1 << (n - 1).bit_length()
+
+
+def prefill_bucket(
+    rows: int, width: int, kv: int, max_rows: int, cols: int, min_width: int = 16
+) -> tuple[int, int, int]:
+    """The static shape a bucketed prefill forward (``SlotEngine(prefill_graphs=True)``) runs at.
+
+    Each dimension is rounded up to a power of two, then capped: a forward of ``rows`` prompts right-padded to
+    ``width`` tokens runs as ``Pb`` rows of ``Wb`` tokens (the ``Pb - rows`` padded rows write only the engine's
+    scratch cache row), and a prefill at column offsets attends ``Kwb`` cache columns. Few distinct shapes, so each
+    is captured once as a CUDA graph; the padding costs at most 2x per dimension.
+
+    Args:
+        rows: prompts in the forward, ``1 <= rows <= max_rows``.
+        width: the longest suffix fed (tokens), ``1 <= width <= cols``.
+        kv: cache columns the offset path must attend, the longest prompt of the forward (cached prefix + suffix,
+            ``<= cols``); 0 for a forward without offsets (the causal path, which reads no cache columns).
+        max_rows: the engine's slots (``Pb`` cap).
+        cols: cache columns per slot (``Wb`` and ``Kwb`` cap).
+        min_width: smallest ``Wb`` (tokens).
+
+    Returns:
+        ``(Pb, Wb, Kwb)``: ``min(max_rows, 2^ceil(log2 rows))``, ``min(cols, max(min_width, 2^ceil(log2 width)))``
+        and ``min(cols, 2^ceil(log2 kv))`` (0 when ``kv`` is 0). E.g. ``prefill_bucket(5, 40, 0, 1024, 2560) == (8, 64,
+        0)``, ``prefill_bucket(3, 300, 1100, 1024, 2560) == (4, 512, 2048)``.
+
+    Raises:
+        ValueError: an argument out of range.
+    """
+    if not (1 <= rows <= max_rows and 1 <= width <= cols and 0 <= kv <= cols and min_width >= 1):
+        raise ValueError(
+            f"prefill_bucket: 1 <= rows ({rows}) <= max_rows ({max_rows}), 1 <= width ({width}) <= cols "
+            f"({cols}), 0 <= kv ({kv}) <= cols, min_width ({min_width}) >= 1"
+        )
+    return (
+        min(max_rows, _pow2_ceil(rows)),
+        min(cols, max(min_width, _pow2_ceil(width))),
+        min(cols, _pow2_ceil(kv)) if kv else 0,
+    )
+
+
+def prefix_sizes(slots: int, min_prefix: int = 8) -> list[int]:
+    """Slot prefixes a decode window may run over, ascending: ``slots``, ``ceil(slots / 2)``, ... while >= ``min_prefix``
+    (``slots`` alone when ``slots <= min_prefix``). E.g. ``prefix_sizes(1024) == [8, 16, ..., 512, 1024]``."""
+    if slots < 1 or min_prefix < 1:
+        raise ValueError("prefix_sizes: slots and min_prefix >= 1")
+    sizes = [slots]
+    while -(-sizes[-1] // 2) >= min_prefix and sizes[-1] > 1:
+        sizes.append(-(-sizes[-1] // 2))
+    return sorted(set(sizes))
+
+
+def choose_prefix(sizes: Sequence[int], live: Sequence[int]) -> int:
+    """The smallest prefix of ``sizes`` (ascending, as :func:`prefix_sizes`) holding every slot index in ``live``
+    (the smallest prefix when nothing is live). ValueError when a live slot lies beyond the largest prefix."""
+    top = max(live, default=-1)
+    for n in sizes:
+        if n > top:
+            return n
+    raise ValueError(f"choose_prefix: live slot {top} beyond the largest prefix {sizes[-1]}")
+
+
+def defer_refill(n_free: int, slots: int, queued: int, refill_free: float) -> bool:
+    """Whether :class:`SlotEngine` leaves its free slots empty at this check instead of prefilling queued prompts.
+
+    A prefill forward costs about the same whatever it carries (H200, lease 2026-12-04d: 35-39 ms per forward of
+    3-6K prompt tokens, bound by the eager forward's dispatch), so while the engine is busy it refills in bulk:
+    it defers while fewer than ``refill_free * slots`` slots are free, at least half the slots are busy, and more
+    prompts are queued than slots are free (so the next check will fill them all). Deferring leaves those rows idle
+    for ``check_every`` decode steps; a decode step costs about the same with or without them.
+
+    Args:
+        n_free: free slots (a successor's retained slot counts as free for it).
+        slots: slots of the engine.
+        queued: prompts waiting, successors included.
+        refill_free: share of the slots that must be free before a refill (``prompts.regen_refill_free``; 1/32:
+            the setting every measured run used).
+    """
+    return n_free < refill_free * slots and 2 * (slots - n_free) >= slots and queued > n_free
+
+
+@dataclass(order=True)
+class Waiting:
+    priority: tuple
+    key: object = field(compare=False)
+    ids: list = field(compare=False)
+    parent: object = field(
+        compare=False, default=None
+    )  # key of the retained request this prompt continues
+    retain: bool = field(
+        compare=False, default=False
+    )  # keep the slot's K/V for a successor when it finishes
+
+
+@dataclass
+class Held:
+    """A finished request's slot kept for its successor: ``ids`` are the tokens whose K/V fill columns
+    ``[0, len(ids))`` (prompt + answer less its last token, whose K/V were never written); ``delivered``: its answer
+    has been yielded, so the caller has had its chance to submit the successor."""
+
+    key: object
+    ids: list
+    delivered: bool = False
+
+
+def capture_graph(fn, pool, after_warmup=None):
+    """``fn`` (device work on the current CUDA stream, static shapes, no host sync) captured as a CUDA graph.
+
+    As torch requires, ``fn`` runs once on a side stream first (allocator warm-up, lazy initialisation, a compile),
+    then ``after_warmup()`` (e.g. restoring state the warm-up advanced), then the capture into a graph allocating from
+    ``pool`` (``torch.cuda.graph_pool_handle()``; graphs sharing a pool must replay one at a time).
+
+    Returns:
+        the ``torch.cuda.CUDAGraph``; replaying it repeats ``fn``'s device work on the captured tensors.
+
+    Raises:
+        whatever the warm-up or the capture raises (the caller falls back to eager).
+    """
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    if after_warmup is not None:
+        after_warmup()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, pool=pool):
+        fn()
+    return g
+
+
+@dataclass
+class PrefillBuffers:
+    """Static tensors of one prefill bucket ``key = (Pb, Wb, Kwb)`` (:func:`prefill_bucket`; ``Kwb`` 0: the causal
+    path): what its forward reads (filled by ``copy_`` before each forward) and writes, and its CUDA graph (None:
+    not captured, run eagerly)."""
+
+    key: tuple
+    ids: torch.Tensor  # int64 [Pb, Wb] token ids, right-padded with 0
+    meta: torch.Tensor  # int64 [4, Pb]: slot (padded rows: the scratch row S), offset, last prompt index, prompt length
+    tok: torch.Tensor  # int64 [Pb] output: first answer token of each row
+    graph: Optional[object] = None
+
+    @classmethod
+    def make(cls, key: tuple, dev) -> "PrefillBuffers":
+        pb, wb, _ = key
+        z = dict(dtype=torch.long, device=dev)
+        return cls(key, torch.zeros(pb, wb, **z), torch.zeros(4, pb, **z), torch.zeros(pb, **z))
+
+
+# ---------------------------------------------------------------- prompts.regen_compile: auto
+# What a compiled decode step costs and saves, measured on one H200 with SmolLM2-135M-Instruct in bf16, 1,024 slots,
+# flex attention, CUDA graphs, 512 new tokens (the committed 17K / 127K configs). Other verifiers, slot counts or GPUs
+# differ; `auto` uses these figures as they are, so its decision is an estimate for anything else.
+# Seconds of the first full-prefix step with the whole step compiled from a COLD Inductor cache (compile + CUDA graph
+# capture): bench/results/h200-20261204/regen_speed_cold.json, main.engine_stats.first_step_s["1024"] = 41.36 s (the
+# 100K run of the same lease: 35.6 s, h200-20261204/prompts_report.json; a warm cache: 10.2 s, regen_speed_warm.json).
+# The cold figure, because a fresh machine is the usual case and a warm cache cannot be told apart before compiling.
+COMPILE_COLD_S = 41.4
+
+
+# Milliseconds of one eager full-prefix decode step: bench/results/h200-20261203/prompts_report.json (lease 03, 100K
+# conversations uncompiled), regeneration.engine_stats[0]: decode_s 203.68 s / 26,928 decode steps = 7.56 ms.
+EAGER_STEP_MS = 7.56
+
+
+# Milliseconds of one compiled full-prefix decode step in steady state: bench/results/h200-20261204/
+# regen_speed_{cold,warm}.json, (decode_s - sum(first_step_s)) / decode_steps = 5.64 / 5.67 ms (the 100K run: 5.10 ms).
+COMPILED_STEP_MS = 5.65
+
+
+def estimate_decode_steps(answers: int, max_new_tokens: int, slots: int) -> int:
+    """Decode steps a slot engine is expected to run for ``answers`` turns: the answer-token budget over the rows,
+    ``ceil(answers * max_new_tokens / slots)``.
+
+    An ESTIMATE on the high side, not a bound: it takes every answer to use its whole ``max_new_tokens`` and every
+    row to stay busy. Measured runs used about half the budget (the H200 17K config: 18,081 answers, estimate 9,041
+    steps, ran 5,440; 100K conversations of the 127K config: 106,041 answers, estimate 53,021, ran 26,928;
+    bench/results/h200-20261204), while rows idling until the next check and a long multi-turn tail can add steps.
+    ``answers`` counts every user turn still to answer, so later turns a context cap will drop are in it.
+    """
+    if answers < 0 or max_new_tokens < 1 or slots < 1:
+        raise ValueError("estimate_decode_steps: answers >= 0, max_new_tokens >= 1 and slots >= 1")
+    return -(-answers * max_new_tokens // slots)
+
+
+def compile_decision(
+    setting,
+    device_type: str,
+    attention: str,
+    answers: Optional[int],
+    max_new_tokens: int,
+    slots: int,
+) -> dict:
+    """Whether the slot engine compiles its decode step (``prompts.regen_compile``), and why: recorded as
+    ``SlotEngine.stats["compile_decision"]`` (``prompts_report.json``: ``regeneration.engine_stats``).
+
+    ``True`` / ``False`` are taken as they are (``True`` compiles on any device, as before ``auto`` existed).
+    ``"auto"`` compiles only on CUDA with the flex decode path (where the constants above were measured; on the CPU
+    it never compiles), and there only when the estimated saving beats the cold compile::
+
+        estimate_decode_steps(answers, max_new_tokens, slots) * (EAGER_STEP_MS - COMPILED_STEP_MS) / 1000 > COMPILE_COLD_S
+
+    i.e. above 41.4 s / 1.91 ms = 21,675 estimated steps (43,351 answers or more at 512 new tokens over 1,024 slots).
+
+    Args:
+        setting: ``True``, ``False`` or ``"auto"``.
+        device_type: the verifier's device type (``"cuda"``, ``"cpu"``, ...).
+        attention: the decode attention the engine took (``"flex"`` or ``"sdpa_groups"``).
+        answers: turns the engine will answer (None: not known, and ``auto`` does not compile).
+        max_new_tokens: answer budget per turn (tokens).
+        slots: decode rows.
+
+    Returns:
+        ``{"setting", "compile", "reason"}``; for ``auto`` also the inputs (``device``, ``attention``, ``answers``,
+        ``max_new_tokens``, ``slots``) and, where it got that far, ``estimated_steps``, ``saving_ms_per_step``,
+        ``estimated_saving_s`` and ``compile_cost_s``.
+
+    Raises:
+        ValueError: ``setting`` is not ``True``, ``False`` or ``"auto"``.
+    """
+    if setting is True or setting is False:
+        return {
+            "setting": setting,
+            "compile": setting,
+            "reason": f"prompts.regen_compile: {str(setting).lower()}",
+        }
+    if setting != "auto":
+        raise ValueError(f"compile_step: one of true, false, 'auto', not {setting!r}")
+    out = {
+        "setting": "auto",
+        "compile": False,
+        "device": device_type,
+        "attention": attention,
+        "answers": answers,
+        "max_new_tokens": max_new_tokens,
+        "slots": slots,
+    }
+    why = _auto_refusal(device_type, attention, answers)
+    if why:
+        return {**out, "reason": why}
+    return _auto_estimate(out, answers, max_new_tokens, slots)
+
+
+def _auto_refusal(device_type: str, attention: str, answers: Optional[int]) -> Optional[str]:
+    """Why ``auto`` does not compile before any estimate (not CUDA, not flex, answers unknown), or None."""
+    if device_type != "cuda":
+        return f"auto: the verifier is on {device_type}, not CUDA (never compiled there)"
+    if attention != "flex":
+        return f"auto: {attention} decode attention (the step saving was measured with flex only)"
+    if answers is None:
+        return "auto: the number of answers is not known"
+    return None
+
+
+def _auto_estimate(out: dict, answers: int, max_new_tokens: int, slots: int) -> dict:
+    """``auto``'s decision on CUDA with flex attention: ``out`` with ``compile`` set when the estimated saving beats
+    the cold compile (:func:`compile_decision`), the reason and the estimate's figures."""
+    steps = estimate_decode_steps(answers, max_new_tokens, slots)
+    saving_ms = EAGER_STEP_MS - COMPILED_STEP_MS
+    saving_s = steps * saving_ms / 1000.0
+    on = saving_s > COMPILE_COLD_S
+    reason = (
+        f"auto: ~{steps} decode steps x {saving_ms:.2f} ms saved = {saving_s:.1f} s "
+        f"{'>' if on else '<='} {COMPILE_COLD_S} s cold compile"
+    )
+    return {
+        **out,
+        "compile": on,
+        "reason": reason,
+        "estimated_steps": steps,
+        "saving_ms_per_step": round(saving_ms, 3),
+        "estimated_saving_s": round(saving_s, 2),
+        "compile_cost_s": COMPILE_COLD_S,
+    }

@@ -1,0 +1,551 @@
+"""Continuous-batching greedy decoders for stage 01's in-process regeneration.
+
+Both engines share one contract (:class:`Engine`): :meth:`Engine.submit` queues a prompt (token ids)
+under a key with a priority (and, optionally, ``retain`` / ``parent`` for cross-turn prefix reuse: hints the
+slot engine uses and :class:`HFContinuousEngine` ignores), :meth:`Engine.results` decodes and yields ``(key, answer_ids, stop)``
+as answers finish; the caller may submit more prompts while iterating (stage 01 submits turn k+1 of a
+conversation when turn k's answer arrives), and the iteration ends when nothing is queued or running.
+Answers are greedy: the new tokens up to (excluding) the first stop token, ``stop`` that token's id (``int``), None
+when the ``max_new_tokens`` budget ran out first, as :func:`eagle3.regen.regenerate.generate_greedy` returns them.
+
+* :class:`SlotEngine` (``prompts.regen_engine: slots``): a fixed number of decode slots over a
+  preallocated KV cache ``[slots, kv_heads, max_len, head_dim]`` per layer. A finished row's slot is
+  refilled by the next waiting prompt at the next check (every ``check_every`` steps: the only host
+  syncs; rows that finish in between idle until then); new prompts are prefilled in right-padded
+  batches straight into their slots, the lowest free slot first. Attention runs through a function
+  registered in transformers' ``AttentionInterface`` (the verifier's own modules, weights and RoPE do the
+  rest). Decode attention (``attention``, ``prompts.regen_attention``):
+
+  - ``flex``: PyTorch FlexAttention (``torch.nn.attention.flex_attention``, compiled on CUDA, eager on
+    CPU) with a ``BlockMask`` built on device each step from the per-slot lengths: a live row reads only
+    its ``ceil((length + 1) / block)`` KV blocks (a mask for the partial last block), a finished or empty
+    slot one block. The whole cache is one group. Grouped-query heads are folded into the query
+    length, as on the SDPA path (:func:`flex_decode` says why).
+  - ``sdpa_groups``: slots form groups by width class (column caps, e.g. answer budget + 128 / + 512 /
+    + 1024 / the full cache): a prompt takes a slot of the narrowest class holding it and its answer, and a
+    group's SDPA reads only its cap's columns under a length mask. Grouped-query heads are folded into the
+    query length (``[S, kv_heads, group, D]`` against ``[S, kv_heads, cap, D]``), so K/V are never repeated.
+  - ``auto``: ``flex`` on CUDA when it compiles and captures in a CUDA graph (probed at construction),
+    else ``sdpa_groups`` with a one-line warning; ``sdpa_groups`` on CPU.
+
+  Every decode window runs over a slot prefix ``[:n]``, ``n`` the smallest of ``S, S/2, S/4, ... (>=
+  min_prefix)`` holding every live slot (state tensors and caches are sliced views, so a step over
+  ``[:n]`` touches only those rows): the long multi-turn tail, with a handful of rows live, costs a
+  small step instead of a full one. On CUDA each prefix's decode step is captured once as a CUDA graph
+  (``cuda_graphs``), so a step costs its kernels, not ~30 layers of Python.
+
+  Cross-turn prefix reuse (``prefix_reuse``, ``prompts.regen_prefix_reuse``): turn k+1 of a conversation begins
+  with turn k's prompt and answer, whose K/V were in a slot a moment ago. A request submitted with ``retain=True``
+  keeps its slot when it finishes, holding the K/V of its prompt and of its answer less the last generated token
+  (a token's K/V are written when it is fed back, and the last one never is), until the check after its answer
+  is yielded. A request submitted by then with ``parent=<that key>`` takes the slot (no free slot needed, ahead of
+  the priority order); the engine compares the cached ids with the new prompt's (a re-rendered template can
+  tokenise the boundary differently: ids, not assumptions) and prefills only the suffix after the longest common
+  prefix, at RoPE positions and cache columns offset by its length, attending the cached columns and causally
+  within the suffix (:func:`offset_prefill_attention`, an explicit mask per row; rows at offset 0 share the masked
+  forward, a forward without offsets takes the causal path). A common prefix under ``reuse_min_tokens``, a slot
+  of too narrow a width class or a parent no longer held means a full prefill. Unclaimed retained slots are
+  freed at that check, so a retained slot idles for at most one decode window more than a freed one.
+
+  Prefill graphs (``prefill_graphs``, ``prompts.regen_prefill_graphs``): an eager prefill forward is bound by the
+  host dispatch of the HF forward (H200, SmolLM2: 35-48 ms whatever it carries), so prefill forwards can run at
+  bucketed shapes (:func:`prefill_bucket`: rows, padded width and the offset path's attended columns rounded up to
+  powers of two), each bucket captured once as a CUDA graph over static buffers (ids, slots, offsets, last-token
+  index in; the first answer token per row out) and replayed after. Padded rows point at one scratch cache row after
+  the slots (never read: decode runs over prefixes ``[:n]``, ``n <= slots``); a real row's padded positions land past
+  its length, as before. On the CPU, without ``cuda_graphs`` or after a failed capture the same bucketed forwards
+  run eagerly.
+* :class:`HFContinuousEngine` (``prompts.regen_engine: hf_continuous``): transformers'
+  ``ContinuousBatchingManager`` (``model.init_continuous_batching``; paged KV cache, its own scheduler
+  thread). Without the flash-attn package its attention is ``paged|sdpa``, which packs every request of
+  a step into one sequence with a ``[1, 1, queries, all cached keys]`` mask: a decode step of B rows
+  scores B x (all rows' keys), B times the work of per-row attention (transformers 5.17 and 5.24,
+  ``integrations/sdpa_paged.py``; its fused decode path needs ``flash_attn_with_kvcache``). Kept as the
+  library baseline that ``bench/regen_speed.py`` measures beside the slot engine.
+
+Greedy tokens equal plain transformers greedy decoding in float32 (tests/test_continuous.py: a tiny
+random Llama and the real SmolLM2 GGUF, varied batch compositions); in bf16 other batch compositions
+round differently, which ``bench/regen_speed.py`` counts with the logit gap at the first difference.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import logging
+from typing import Iterator, Optional, Sequence
+
+import torch
+
+from eagle3.process_group import rank_tag
+from eagle3.regen.flex_compat import (
+    kv_blocks_params,
+    raise_recompile_limit,
+)
+from eagle3.regen.kv_cache import SlotCache, check_kv_fits, host_available_bytes
+from eagle3.regen.packed_prefill import (
+    PackedBuffers,
+    compiled_packed_flex,
+    eager_packed_flex,
+)
+from eagle3.regen.slot_attention import ATTENTIONS, AttentionSwap, flex_decode
+from eagle3.regen.slot_decode import SlotDecode
+from eagle3.regen.slot_policy import (
+    PACK_EAGER_TOKENS,
+    Held,
+    PrefillBuffers,
+    Waiting,
+    compile_decision,
+    prefix_sizes,
+)
+from eagle3.regen.slot_prefill import SlotPrefill
+from eagle3.sdpa import no_cudnn_sdpa
+from eagle3.verifier.arch import kv_head_dims
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    """Shared submit/results contract (see the module docstring).
+
+    ``submit(key, ids, priority, parent=None, retain=False)``: ``key`` names the request (not None; unique among the
+    requests queued, running or retained, except that a successor may reuse its parent's key, as stage 01 does);
+    ``retain=True`` asks the engine to keep the request's K/V when it finishes, for a successor; ``parent=<key>``
+    says the prompt continues that retained request (its prompt + answer, then new tokens). Both are hints: an
+    engine may ignore them (:class:`HFContinuousEngine` does), and answers are the same either way.
+    """
+
+    def submit(
+        self, key, ids: Sequence[int], priority: tuple = (), parent=None, retain: bool = False
+    ) -> None:
+        raise NotImplementedError
+
+    def results(self) -> Iterator[tuple[object, list[int], Optional[int]]]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release the engine's resources (cache, threads, attention switch)."""
+
+
+class SlotEngine(SlotPrefill, SlotDecode, Engine):
+    """Continuous batching over ``slots`` decode rows with a preallocated KV cache (module docstring).
+
+    Args:
+        model: HF causal LM (eval mode) whose attention layers carry ``layer_idx`` and call the attention
+            interface (Llama-family: Llama, SmolLM2, Qwen2/3, Mistral without sliding window).
+        slots: decode rows (``prompts.gen_batch_size``).
+        max_len: cache columns per slot: longest prompt + ``max_new_tokens``; a longer prompt raises ValueError.
+        max_new_tokens: answer budget.
+        stop_ids: token ids that end an answer.
+        check_every: decode steps between host checks (finished rows harvested, free slots refilled).
+        prefill_tokens: padded tokens per prefill forward (``rows x width``).
+        width_classes: ``sdpa_groups`` only: column caps of the slot groups (ascending; ``max_len`` is always the
+            last). Slots are split into one contiguous group per cap, in proportion to the first waiting prompts'
+            classes (a prompt's class: the smallest cap >= its length + ``max_new_tokens``; the widest group keeps
+            >= 1/16 of the slots); a prompt takes a free slot of its class or a wider one, and each group's
+            attention reads its cap's columns. Default: ``max_new_tokens`` + 128, + 512, + 1024 (those below
+            ``max_len``). The flex path has one group of the full cache.
+        cuda_graphs: capture decode steps as CUDA graphs, one per slot prefix (CUDA only; falls back to eager if
+            capture fails).
+        attention: ``auto`` | ``flex`` | ``sdpa_groups`` (module docstring). ``flex`` raises when FlexAttention
+            fails to compile or capture on CUDA; ``auto`` falls back to ``sdpa_groups`` with a warning.
+        flex_block: KV block size of the flex path (columns; the cache is rounded up to whole blocks).
+        min_prefix: smallest slot prefix a decode window runs over (:func:`prefix_sizes`).
+        compile_step: ``torch.compile`` the whole decode step (verifier forward, attention, argmax, state update;
+            static shapes, one compile per slot prefix from ``compile_min_prefix`` up, before its CUDA graph is
+            captured). A SmolLM2 step at 1,024 rows is ~2,600 small kernels around the attention (H200 lease
+            2026-12-02c: 7.6 ms, 3.4 ms of it attention), which Inductor fuses. A failed compile logs one warning and the engine goes on uncompiled.
+            ``"auto"``: compile only where :func:`compile_decision` expects the saving to beat the cold compile
+            (CUDA, flex attention, enough decode steps for ``planned_answers``); ``True`` / ``False`` as they are.
+        compile_min_prefix: smallest slot prefix the compiled step runs over (default ``slots``: only the full
+            prefix, where nearly every step of a long run falls: the H200 17K run stepped 5,424 times, all at 1,024);
+            smaller prefixes (a run's tail, small test batches) step eagerly with flex compiled alone. Each prefix
+            compiled costs one cold Inductor compile (tens of seconds on the H200).
+        planned_answers: turns the caller will submit over the engine's life (``compile_step="auto"`` sizes the
+            work with it: :func:`estimate_decode_steps`); None = unknown (``auto`` then does not compile).
+        prefix_reuse: honour :meth:`submit`'s ``retain`` / ``parent`` (cross-turn KV prefix reuse, module docstring);
+            False: every prompt is prefilled in full.
+        reuse_min_tokens: shortest common prefix worth reusing (tokens); a shorter one means a full prefill into the
+            parent's slot.
+        refill_free: while at least half the slots are busy, queued prompts wait until this share of the slots is
+            free (:func:`defer_refill`): fewer, fuller prefill forwards against rows idle until then.
+        prefill_graphs: run each prefill forward at a bucketed shape (:func:`prefill_bucket`: rows, padded width
+            and, at column offsets, the attended columns rounded up to powers of two; :meth:`_admit` keeps the
+            bucketed rows x width within ``prefill_tokens`` where a single row allows it), its padded rows writing
+            one scratch cache row after the slots, and (CUDA with ``cuda_graphs``) capture each bucket as a CUDA graph
+            at its first use, replayed after: an eager prefill forward is bound by host dispatch (SmolLM2: ~1,700
+            ops, 35-48 ms whatever it carries). A failed capture logs one warning and the same bucketed forwards run
+            eagerly (as always on the CPU). Greedy tokens are the same (fp32: equal).
+        prefill_pack: feed each prefill forward's prompts back to back as one sequence (no padding between rows, a
+            stream rounded up to a power of two; :mod:`eagle3.regen.packed_prefill`), within ``prefill_tokens``
+            fed tokens (a single longer prompt alone; off CUDA at most ``PACK_EAGER_TOKENS``, as eager FlexAttention
+            builds dense scores); FlexAttention keeps the rows apart (compiled on CUDA: automatic dynamic shapes,
+            static ones after a failure; eager on the CPU). On CUDA with ``cuda_graphs`` each stream shape ``(Tq,
+            Tp)`` is captured as a CUDA graph at its second use and replayed after (a shape seen once costs no
+            capture). A failed capture logs one warning and packed forwards run eagerly; a failed packed forward on
+            CUDA logs one and the engine prefills padded from then on. Exclusive with ``prefill_graphs``. Greedy
+            tokens are the same (fp32: equal).
+
+    Memory: ``2 * layers * slots * max_len * kv_heads * head_dim`` elements of the model dtype (``slots + 1`` rows with
+    ``prefill_graphs``: the scratch row), plus ``slots x max_new_tokens`` int64 answer buffer; with prefill graphs
+    on CUDA, their shared memory pool (the activations of the largest bucket captured, about). Priorities: lower tuples are admitted first.
+    Stats (``stats``): ``decode_steps``, ``prefill_calls``, ``prefill_tokens`` / ``prefill_padded_tokens`` (prompt
+    tokens prefilled, and rows x padded width summed over the prefill forwards: their ratio is the prefill's padding
+    overhead), ``graph_captures``, ``kv_bytes_per_token``,
+    ``kv_bytes_read`` (flex: the blocks the steps read, counted on device and read at each check;
+    sdpa_groups: every prefix row up to its group's cap), ``kv_tokens_needed`` (the live rows' attended
+    columns), ``prefix_steps`` (decode steps per prefix size, keys as strings), ``attention`` (the path taken),
+    ``prefill_s`` / ``decode_s`` (device seconds of the prefill forwards / decode windows between CUDA events,
+    read at each check; host seconds on the CPU), ``first_step_s`` (host seconds of each prefix's first step, keys
+    as strings: its compile and graph capture, timed between two syncs, within ``decode_s``), ``compiled_step``
+    (whether the compiled step is in use; False after a failed compile), ``compile_decision`` (:func:`compile_decision`:
+    the setting, the choice, its reason and inputs), ``prefix_reuse`` (the switch), ``reused_tokens`` (prompt tokens
+    whose K/V a retained parent left: not prefilled; ``prefill_tokens`` counts only the tokens fed, so their sum is
+    every admitted prompt's length), ``reuse_rows`` (prompts prefilled after a cached prefix),
+    ``reuse_full_prefills`` (successors of a held parent prefilled in full: prefix under ``reuse_min_tokens`` or a
+    too narrow slot), ``prefill_graphs`` (the switch), ``prefill_graph_captures`` (prefill buckets captured as CUDA
+    graphs), ``prefill_capture_s`` (host seconds of those captures, warm-up forward included; within ``prefill_s``'s
+    span), ``prefill_buckets`` (prefill forwards per bucket, keys ``"PbxWb"`` on the causal path and ``"PbxWbxKwb"``
+    at offsets; packed forwards ``"q<Tq>"`` / ``"q<Tq>+p<Tp>"``); with ``prefill_graphs``, ``prefill_padded_tokens``
+    counts the bucketed ``Pb x Wb``, with ``prefill_pack`` the streams' ``Tq``; ``prefill_pack`` (the switch; False
+    after a failed packed forward on CUDA), ``prefill_first_s`` (host seconds of each packed shape's first forward,
+    between two syncs: on CUDA its attention's compile; keys as ``prefill_buckets``).
+    """
+
+    def __init__(
+        self,
+        model,
+        slots: int,
+        max_len: int,
+        max_new_tokens: int,
+        stop_ids: set[int],
+        check_every: int = 16,
+        prefill_tokens: int = 65536,
+        width_classes: Optional[Sequence[int]] = None,
+        cuda_graphs: bool = True,
+        attention: str = "auto",
+        flex_block: int = 128,
+        min_prefix: int = 8,
+        compile_step=False,
+        compile_min_prefix: Optional[int] = None,
+        planned_answers: Optional[int] = None,
+        prefix_reuse: bool = True,
+        reuse_min_tokens: int = 16,
+        refill_free: float = 1 / 32,
+        prefill_graphs: bool = False,
+        prefill_pack: bool = False,
+    ):
+        self._init_options(
+            model, slots, max_len, max_new_tokens, check_every, attention, flex_block
+        )
+        self.prefill_tokens = prefill_tokens
+        self.prefix_reuse, self.reuse_min_tokens = bool(prefix_reuse), max(1, int(reuse_min_tokens))
+        if not 0 < refill_free <= 1:
+            raise ValueError(f"SlotEngine: refill_free in (0, 1], not {refill_free!r}")
+        self.refill_free = float(refill_free)
+        p = next(model.parameters())
+        self.dev, dtype = p.device, p.dtype
+        self.use_graphs = cuda_graphs and self.dev.type == "cuda"
+        self._init_prefill_layout(prefill_graphs, prefill_pack, flex_block)
+        dims = self._init_attention(attention, flex_block, dtype, compile_step, compile_min_prefix)
+        self._setup_compile(compile_step, planned_answers)
+        self._flex_inline = (
+            self.flex
+        )  # the flex call the compiled step traces (== _flex_alone uncompiled)
+        self._init_cache(width_classes, dims, dtype)
+        self.prefixes = prefix_sizes(slots, min_prefix)
+        self.kv_cols = torch.zeros(
+            (), dtype=torch.long, device=self.dev
+        )  # flex: KV columns read so far
+        n_layers, hkv, d, dv = dims
+        self.kv_bytes_per_token = n_layers * hkv * (d + dv) * p.element_size()
+        self._init_slots(slots, max_len, max_new_tokens, stop_ids)
+        self.stats = self._initial_stats()
+        self._timed: list[
+            tuple[str, object, object]
+        ] = []  # (stat, start, end): read at the next sync
+        self._swap = AttentionSwap(model).__enter__()
+
+    def _init_options(
+        self,
+        model,
+        slots: int,
+        max_len: int,
+        max_new_tokens: int,
+        check_every: int,
+        attention: str,
+        flex_block: int,
+    ) -> None:
+        """Checked sizes (ValueError naming the argument) and the engine's fixed sizes."""
+        if slots < 1 or max_new_tokens < 1 or check_every < 1 or max_len <= max_new_tokens:
+            raise ValueError(
+                "SlotEngine: slots, max_new_tokens, check_every >= 1 and max_len > max_new_tokens"
+            )
+        self.model, self.S, self.max_len, self.max_new = model, slots, max_len, max_new_tokens
+        if attention not in ATTENTIONS:
+            raise ValueError(f"SlotEngine: attention one of {ATTENTIONS}, not {attention!r}")
+        if flex_block < 1:
+            raise ValueError("SlotEngine: flex_block >= 1")
+        self.check_every = check_every
+
+    def _init_attention(
+        self, attention: str, flex_block: int, dtype, compile_step, compile_min_prefix
+    ) -> tuple[int, int, int, int]:
+        """The decode attention path (:meth:`_pick_attention`) for the verifier's shapes; returns
+        ``(layers, kv_heads, key width, value width)`` (MLA: keys and values of different widths)."""
+        cfg = self.model.config.get_text_config()
+        n_layers = cfg.num_hidden_layers
+        hkv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        d, dv = kv_head_dims(cfg)
+        self.block, self.attention_mode = flex_block, attention
+        self._tried: set = set()  # prefixes stepped once
+        cols = -(-self.max_len // flex_block) * flex_block
+        self.flex = self._pick_attention(
+            attention, self.S, cfg.num_attention_heads, hkv, d, dtype, cols, dv
+        )
+        self._flex_alone = self.flex  # the flex call to go back to if the compiled step is dropped
+        self._compile_min = (
+            self.S if compile_min_prefix is None else max(1, int(compile_min_prefix))
+        )
+        return n_layers, hkv, d, dv
+
+    def _init_cache(
+        self, width_classes: Optional[Sequence[int]], dims: tuple[int, int, int, int], dtype
+    ) -> None:
+        """The width classes of ``sdpa_groups`` and the KV cache (checked against free memory:
+        :func:`eagle3.regen.kv_cache.check_kv_fits`), ``[rows, kv_heads, cols, d]`` per layer; flex: the
+        per-slot KV block indices ``[S, 1, 1, cols / block]``."""
+        n_layers, hkv, d, dv = dims
+        max_len, max_new, block = self.max_len, self.max_new, self.block
+        if self.flex is not None:
+            width_classes = []
+        elif width_classes is None:
+            width_classes = [max_new + extra for extra in (128, 512, 1024)]
+        self.caps = sorted({c for c in width_classes if max_new < c < max_len} | {max_len})
+        self.groups: Optional[list[tuple[int, int, int]]] = (
+            None  # (first, end slot, cap): set later
+        )
+        cols = -(-max_len // block) * block if self.flex is not None else max_len
+        # prefill_graphs: one scratch row after the slots, where a bucketed prefill's padded rows write (decode runs
+        # over slot prefixes [:n], n <= slots, so it never reads it)
+        rows = self.S + int(self.prefill_graphs)
+        on_gpu = self.dev.type == "cuda"
+        free = torch.cuda.mem_get_info(self.dev)[0] if on_gpu else host_available_bytes()
+        if free is not None:
+            where = "the GPU has free" if on_gpu else "this machine has available (MemAvailable)"
+            size = torch.empty((), dtype=dtype).element_size()
+            check_kv_fits(rows, cols, n_layers, hkv, d, size, free, where, v_head_dim=dv)
+        z = dict(dtype=dtype, device=self.dev)
+        self.cache = SlotCache(
+            k=[torch.zeros(rows, hkv, cols, d, **z) for _ in range(n_layers)],
+            v=[torch.zeros(rows, hkv, cols, dv, **z) for _ in range(n_layers)],
+        )
+        if self.flex is not None:
+            self.cache.flex = self.flex
+            nb = cols // block
+            ar = torch.arange(nb, dtype=torch.int32, device=self.dev)
+            self.cache.kv_indices = ar.expand(self.S, 1, 1, nb).contiguous()  # [S, 1, 1, L / block]
+
+    def _initial_stats(self) -> dict:
+        """``stats`` at construction (the class docstring lists them). ``kv_tokens_needed``: the live rows' attended
+        columns summed over decode steps; ``kv_bytes_read``: what the attention reads (flex: the blocks;
+        sdpa_groups: every prefix slot up to its cap)."""
+        return {
+            "decode_steps": 0,
+            "prefill_calls": 0,
+            "prefill_tokens": 0,
+            "prefill_padded_tokens": 0,
+            "kv_bytes_read": 0,
+            "kv_tokens_needed": 0,
+            "graph_captures": 0,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "prefix_steps": {},
+            "attention": "flex" if self.flex is not None else "sdpa_groups",
+            "prefill_s": 0.0,
+            "decode_s": 0.0,
+            "compiled_step": self._compiled is not None,
+            "compile_min_prefix": self._compile_min,
+            "first_step_s": {},
+            "compile_decision": self.compile_decision,
+            "prefix_reuse": self.prefix_reuse,
+            "reused_tokens": 0,
+            "reuse_rows": 0,
+            "reuse_full_prefills": 0,
+            "prefill_graphs": self.prefill_graphs,
+            "prefill_graph_captures": 0,
+            "prefill_capture_s": 0.0,
+            "prefill_buckets": {},
+            "prefill_pack": self.prefill_pack,
+            "prefill_first_s": {},
+        }
+
+    def _init_prefill_layout(
+        self, prefill_graphs: bool, prefill_pack: bool, flex_block: int
+    ) -> None:
+        """The prefill layout switches (padded, bucketed ``prefill_graphs`` or packed ``prefill_pack``; ValueError for
+        both, or packing with a block size that is not a power of two), whether prefill forwards are captured, and
+        the packed path's attention function."""
+        self.prefill_graphs, self.prefill_pack = bool(prefill_graphs), bool(prefill_pack)
+        if self.prefill_graphs and self.prefill_pack:
+            raise ValueError(
+                "SlotEngine: prefill_graphs and prefill_pack are exclusive (choose one prefill layout)"
+            )
+        if self.prefill_pack and (flex_block < 1 or flex_block & (flex_block - 1)):
+            raise ValueError(
+                f"SlotEngine: prefill_pack needs flex_block a power of two, not {flex_block}"
+            )
+        # bucketed / packed prefill forwards captured as CUDA graphs (else, and after a failed capture, run eagerly)
+        self._prefill_capture = (self.prefill_graphs or self.prefill_pack) and self.use_graphs
+        # packed prefill attention: compiled FlexAttention on CUDA (eager flex would build dense scores), eager on CPU
+        cuda = self.dev.type == "cuda"
+        # on CUDA: automatic dynamic shapes first (two compiles), static shapes (one compile per shape) if that fails
+        self._packed_flexes = (
+            (
+                [compiled_packed_flex(None), compiled_packed_flex(False)]
+                if cuda
+                else [eager_packed_flex]
+            )
+            if self.prefill_pack
+            else []
+        )
+        self._packed_flex = self._packed_flexes.pop(0) if self._packed_flexes else None
+        self._pack_fallback = cuda  # a failed packed forward: warn and prefill padded (CPU: raise)
+        # eager flex (off CUDA) materialises [H, Tq, Tq + Tp] scores per layer: its streams are kept short there
+        self._pack_budget = (
+            self.prefill_tokens if cuda else min(self.prefill_tokens, PACK_EAGER_TOKENS)
+        )
+
+    def _init_slots(
+        self, slots: int, max_len: int, max_new_tokens: int, stop_ids: set[int]
+    ) -> None:
+        """The per-slot decode state on the device (``[S]`` tensors, the ``[S, T]`` answer buffer) and its host
+        mirror (request key, prompt, retention per slot), all slots empty; the waiting queue; no graph yet."""
+        z = dict(device=self.dev, dtype=torch.long)
+        self.last = torch.zeros(slots, **z)  # [S] token fed to the next step
+        self.lengths = torch.zeros(slots, **z)  # [S] cached tokens
+        self.n_gen = torch.zeros(slots, **z)  # [S] answer tokens so far (stop token included)
+        self.done = torch.ones(slots, dtype=torch.bool, device=self.dev)  # [S] finished or empty
+        self.stopped = torch.zeros(slots, dtype=torch.bool, device=self.dev)  # [S]
+        self.out = torch.zeros(slots, max_new_tokens, **z)  # [S, T] answer tokens
+        self.stop_t = torch.tensor(sorted(stop_ids), **z)
+        self.col = torch.arange(max_len, **z)
+        self.ar = torch.arange(slots, **z)
+        self.key: list = [None] * slots  # host: request key per slot (None = free)
+        self.host_len = [0] * slots  # host: prompt length of the slot's request
+        self.host_ids: list = [None] * slots  # host: prompt ids of the slot's request
+        self.retain = [
+            False
+        ] * slots  # host: keep the slot's K/V for a successor when its request finishes
+        self.hold: list[Optional[Held]] = [
+            None
+        ] * slots  # host: a finished request's K/V kept for its successor
+        self.retained: dict = {}  # key of a finished request -> its held slot
+        self.successors: dict = {}  # parent key -> the waiting request that continues it
+        self.waiting: list[Waiting] = []
+        self._seq = 0
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # per slot prefix
+        self._pool = None  # one memory pool shared by the prefix graphs (replayed one at a time)
+        # prefill_graphs: buffers per bucket (Pb, Wb, Kwb); prefill_pack: per stream shape (Tq, Tp)
+        self._prefill_bufs: dict[tuple, PrefillBuffers] = {}
+        self._packed_bufs: dict[tuple, PackedBuffers] = {}
+        self._prefill_pool = None  # one memory pool shared by the prefill graphs
+
+    def _setup_compile(self, compile_step, planned_answers: Optional[int]) -> None:
+        """Decide (:func:`compile_decision`, once the attention path is known) and, if so, wrap the decode step in
+        ``torch.compile`` (compiled lazily at its first call); the decision goes to ``self.compile_decision``."""
+        self._compiled = None
+        self.compile_decision = compile_decision(
+            compile_step,
+            self.dev.type,
+            "flex" if self.flex is not None else "sdpa_groups",
+            planned_answers,
+            self.max_new,
+            self.S,
+        )
+        if compile_step == "auto":
+            log.info(
+                "%sprompts.regen_compile: %s (%s)",
+                rank_tag(suffix=": "),
+                "compiling the decode step"
+                if self.compile_decision["compile"]
+                else "decode step not compiled",
+                self.compile_decision["reason"],
+            )
+        if self.compile_decision["compile"]:
+            kv_blocks_params()
+            raise_recompile_limit()
+            if self.flex is not None:  # traced inside the compiled step (no nested compile)
+                self.flex = functools.partial(flex_decode, block=self.block)
+            self._compiled = torch.compile(self._step_eager, dynamic=False)
+
+    # ------------------------------------------------------------------ contract
+    def submit(
+        self, key, ids: Sequence[int], priority: tuple = (), parent=None, retain: bool = False
+    ) -> None:
+        """Queue prompt ``ids`` (non-empty, ``len < max_len - max_new_tokens + 1``) under ``key`` (not None).
+
+        Cross-turn prefix reuse (``prefix_reuse``; ignored without it): ``retain=True`` keeps the request's slot and
+        K/V when it finishes (the prompt and the answer tokens whose K/V were written: all but the last generated
+        token) until the check after its answer is yielded; a prompt submitted by then with ``parent=key`` (stage
+        01: the next turn, submitted while handling the answer) takes that slot at the next admission, without a
+        free slot and ahead of the priority order, and only its tokens after the longest common prefix with the
+        cached ids are prefilled (:meth:`_prefill`). Otherwise the slot is freed at that check. A ``parent`` that is
+        not retained (not asked, released, or ``prefix_reuse`` off) queues the prompt as any other (full prefill).
+        """
+        if not 0 < len(ids) <= self.max_len - self.max_new:
+            raise ValueError(
+                f"SlotEngine: prompt of {len(ids)} tokens (cache holds prompts of 1..{self.max_len - self.max_new})"
+            )
+        if key is None:
+            raise ValueError("SlotEngine: a request key cannot be None (None marks a free slot)")
+        w = Waiting((*priority, self._seq), key, list(ids), retain=self.prefix_reuse and retain)
+        self._seq += 1
+        if (
+            self.prefix_reuse
+            and parent is not None
+            and parent in self.retained
+            and parent not in self.successors
+        ):
+            w.parent = parent
+            self.successors[parent] = w  # admitted into the parent's slot (not through the heap)
+        else:
+            heapq.heappush(self.waiting, w)
+
+    def results(self) -> Iterator[tuple[object, list[int], Optional[int]]]:
+        """Decode until nothing is waiting or live; yields answers as they are harvested.
+
+        The next window's decode steps are launched before the previous window's answers are yielded, so
+        the caller's host work on them (detokenising, rendering the next turn, the resume log) overlaps the
+        GPU; prompts submitted meanwhile are admitted at the next check.
+        """
+        ready: list = []
+        # no cuDNN SDPA: its per-shape plans cost ~40 ms of host time per new prefill shape (eagle3.sdpa)
+        with torch.inference_mode(), no_cudnn_sdpa():
+            while True:
+                self._admit()
+                live = any(k is not None for k in self.key)
+                if live:
+                    self._decode_window()  # asynchronous on CUDA (graph replays)
+                yield from ready
+                for (
+                    key,
+                    _,
+                    _,
+                ) in (
+                    ready
+                ):  # their successors had their chance: unclaimed slots are freed at the next check
+                    if key in self.retained:
+                        self.hold[self.retained[key]].delivered = True
+                if not live and not self.waiting and not self.successors:
+                    return
+                ready = self._harvest() if live else []
+
+    def close(self) -> None:
+        if self._swap is not None:
+            self._swap.__exit__(None, None, None)
+            self._swap = None
+        self.graphs.clear()
+        self._prefill_bufs.clear()
+        self._packed_bufs.clear()
+        self.cache.k.clear()
+        self.cache.v.clear()
