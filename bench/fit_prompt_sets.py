@@ -39,7 +39,8 @@ from eagle3.cli import ArgumentParser, run_main  # noqa: E402
 from eagle3.config import load_config  # noqa: E402
 from eagle3.data.prepare_data import split_indices  # noqa: E402
 from eagle3.errors import UserError  # noqa: E402
-from eagle3.io import atomic_write_json, atomic_write_text, iter_jsonl  # noqa: E402
+from eagle3.io import atomic_write_json, atomic_write_text  # noqa: E402
+from eagle3.io.read import iter_jsonl
 from eagle3.prompts.readers import (  # noqa: E402
     dedupe_key,
     first_user_message,

@@ -63,8 +63,8 @@ def positive_float(text: str) -> float:
 
 
 def http_url(text: str) -> str:
-    """argparse ``type=``: a server base URL (``http(s)://host[:port]``), see :func:`eagle3.config.check_http_url`."""
-    from eagle3.config import check_http_url
+    """argparse ``type=``: a server base URL (``http(s)://host[:port]``), see :func:`eagle3.config.types.check_http_url`."""
+    from eagle3.config.types import check_http_url
 
     try:
         return check_http_url(text)

@@ -22,7 +22,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from eagle3.config import VerifierConfig
+from eagle3.config.verifier import VerifierConfig
 from eagle3.errors import UserError
 from eagle3.io import read_json
 

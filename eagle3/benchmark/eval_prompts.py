@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Optional, Sequence, TypeVar
 
 from eagle3.errors import UserError
-from eagle3.io import iter_jsonl
+from eagle3.io.read import iter_jsonl
 from eagle3.prompts.readers import unique_ids, with_record_system
 
 log = logging.getLogger(__name__)

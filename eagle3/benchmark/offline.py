@@ -53,7 +53,8 @@ from eagle3.benchmark.eval_prompts import (
 )
 from eagle3.config import RunConfig
 from eagle3.errors import UserError
-from eagle3.io import atomic_write_files, probe_dirs, read_json, relative_hint
+from eagle3.io import atomic_write_files, probe_dirs, read_json
+from eagle3.io.read import relative_hint
 from eagle3.shards.format import check_extract_settings
 from eagle3.train.draft_config import EXPORT_META_FILE, untrained_positions
 

@@ -56,7 +56,8 @@ from eagle3.benchmark.offline import (
     template_kwargs_check,
 )
 from eagle3.errors import UserError
-from eagle3.io import json_error_detail, probe_dirs, read_json
+from eagle3.io import probe_dirs, read_json
+from eagle3.io.read import json_error_detail
 
 log = logging.getLogger(__name__)
 

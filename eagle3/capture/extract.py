@@ -89,14 +89,12 @@ from eagle3.io import (
     TMP_MARK,
     atomic_write_json,
     atomic_write_text,
-    exclusive_lock,
-    file_sha256,
-    iter_jsonl,
     make_dirs,
     read_json,
-    relative_hint,
     remove_stale_tmp,
 )
+from eagle3.io.lock import exclusive_lock
+from eagle3.io.read import file_sha256, iter_jsonl, relative_hint
 from eagle3.layers import check_aux_layers, check_servable, default_aux_layers
 from eagle3.shards import (
     format as shard_format,  # TOKEN_PROCESS_MIN read at call time (tests lower it)
@@ -1156,7 +1154,7 @@ def _rank_config(cfg: RunConfig, d: _Dist) -> RunConfig:
 
 
 def _exclusive(root: Path):
-    """Exclusive ``flock`` on ``{root}/.extract.lock`` (:func:`eagle3.io.exclusive_lock`).
+    """Exclusive ``flock`` on ``{root}/.extract.lock`` (:func:`eagle3.io.lock.exclusive_lock`).
 
     Raises:
         UserError: another stage-02 process is writing to ``root``.

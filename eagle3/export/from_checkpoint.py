@@ -19,7 +19,7 @@ from pathlib import Path
 
 from eagle3.config import RunConfig
 from eagle3.errors import UserError
-from eagle3.io import relative_hint
+from eagle3.io.read import relative_hint
 from eagle3.train import checkpoint as ckpt
 from eagle3.train.draft_config import untrained_positions
 
@@ -45,7 +45,8 @@ def export_from_checkpoint(cfg: RunConfig, engine: str | None = None) -> Path:
         UserError: ``<train_dir>/.train.lock: another 04_train run is training or exporting in <train_dir>; ...``;
             and everything :func:`_export_from_checkpoint` raises.
     """
-    from eagle3.io import exclusive_lock, rerun_hint
+    from eagle3.io import rerun_hint
+    from eagle3.io.lock import exclusive_lock
     from eagle3.train.trainer import TRAIN_LOCK, train_lock_holder
 
     with contextlib.ExitStack() as held:

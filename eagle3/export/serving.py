@@ -72,12 +72,12 @@ from eagle3.errors import UserError
 from eagle3.io import (
     atomic_write_json,
     disk_full_guard,
-    exclusive_lock,
     file_mode,
     make_dirs,
     probe_dirs,
     read_json,
 )
+from eagle3.io.lock import exclusive_lock
 from eagle3.layers import (
     check_aux_layers,
     engine_layer_ids,
@@ -484,7 +484,7 @@ def _write_export_folder(
     out: Path, engine: str, tensors: dict, config: dict, meta: dict, provenance: Optional[dict]
 ) -> Path:
     """:func:`export_drafter`'s write: the files into a temporary folder beside ``out``, then renamed over it, holding
-    :func:`export_lock_path` (:func:`eagle3.io.exclusive_lock`) from the replace check to the rename. Two exports into
+    :func:`export_lock_path` (:func:`eagle3.io.lock.exclusive_lock`) from the replace check to the rename. Two exports into
     one folder (two ``04 --export-only`` of different train folders, or one beside a finishing training) raced on
     the final rename (trial 2026-12-05g); the second one now stops at once with one line, the first one's export whole.
 

@@ -35,16 +35,13 @@ from typing import Optional, Sequence
 
 from pydantic import ValidationError
 
-from eagle3.config import PromptsConfig, RunConfig, at_item, field_path
+from eagle3.config import RunConfig
+from eagle3.config.loader import at_item, field_path
+from eagle3.config.prompts import PromptsConfig
 from eagle3.errors import UserError
-from eagle3.io import (
-    atomic_write_json,
-    atomic_write_jsonl,
-    atomic_write_text,
-    exclusive_lock,
-    file_sha256,
-    make_dirs,
-)
+from eagle3.io import atomic_write_json, atomic_write_jsonl, atomic_write_text, make_dirs
+from eagle3.io.lock import exclusive_lock
+from eagle3.io.read import file_sha256
 from eagle3.prompts.chat import ANSWER_FIELDS, ChatOptions, common_answer_fields, end_of_turn_ids
 from eagle3.prompts.readers import (
     dedupe,
@@ -607,7 +604,7 @@ def make_self_instruct(cfg: RunConfig, force: bool, d) -> Path:
 def _require_source_files(cfg: RunConfig) -> None:
     """One line for a ``prompts.source`` file that does not exist (named sets and ``hf:`` sources aside), before 01
     says it remakes ``prompts.jsonl`` (the earlier file is kept)."""
-    from eagle3.io import relative_hint
+    from eagle3.io.read import relative_hint
 
     src = cfg.prompts.source
     for x in [src] if isinstance(src, str) else list(src):
@@ -704,7 +701,7 @@ LOCK_NAME = ".prompts.lock"  # next to prompts.jsonl while a 01 writes there
 
 @contextlib.contextmanager
 def writer_lock(cfg: RunConfig):
-    """Hold ``{prompts folder}/.prompts.lock`` (:func:`eagle3.io.exclusive_lock`) for the block: a second 01 on the
+    """Hold ``{prompts folder}/.prompts.lock`` (:func:`eagle3.io.lock.exclusive_lock`) for the block: a second 01 on the
     same output folder stops at once with ``error: <folder>/.prompts.lock: another 01_prepare_prompts run is writing
     to <folder>`` (before, both regenerated everything, appending to one resume log). Under torchrun only rank 0
     takes it (the job's other ranks write their own logs there). A folder this call created is removed again when

@@ -71,7 +71,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from eagle3.errors import UserError
-from eagle3.io import check_no_lone_surrogate, iter_jsonl, json_error_detail, not_utf8_error
+from eagle3.io.read import check_no_lone_surrogate, iter_jsonl, json_error_detail, not_utf8_error
 
 FORMATS = ("auto", "sharegpt", "messages", "alpaca", "questions", "humaneval", "hf")
 

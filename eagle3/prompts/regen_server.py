@@ -55,7 +55,7 @@ from typing import Callable, Optional
 
 from tqdm import tqdm
 
-from eagle3.config import PromptsConfig
+from eagle3.config.prompts import PromptsConfig
 from eagle3.errors import UserError
 from eagle3.prompts.chat import (
     ChatOptions,

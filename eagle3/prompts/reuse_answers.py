@@ -68,9 +68,9 @@ def conversation_key(conv: dict) -> str:
 
 
 def _read_rows(path: Path) -> list[dict]:
-    """The conversations of ``path`` (:func:`eagle3.io.iter_jsonl`: ``.gz`` through gzip, a byte-order mark skipped);
+    """The conversations of ``path`` (:func:`eagle3.io.read.iter_jsonl`: ``.gz`` through gzip, a byte-order mark skipped);
     UserError naming the file and line of a bad one, and the setting that named the file."""
-    from eagle3.io import iter_jsonl
+    from eagle3.io.read import iter_jsonl
 
     try:
         lines = list(iter_jsonl(path))

@@ -32,15 +32,10 @@ from typing import Optional, Sequence
 
 import torch
 
-from eagle3.config import SELF_INSTRUCT_BATCH
+from eagle3.config.prompts import SELF_INSTRUCT_BATCH
 from eagle3.errors import UserError
-from eagle3.io import (
-    atomic_write_bytes,
-    atomic_write_json,
-    atomic_write_text,
-    file_sha256,
-    read_json,
-)
+from eagle3.io import atomic_write_bytes, atomic_write_json, atomic_write_text, read_json
+from eagle3.io.read import file_sha256
 
 log = logging.getLogger(__name__)
 

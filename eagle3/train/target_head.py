@@ -21,7 +21,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from eagle3.errors import UserError
-from eagle3.io import atomic_path, file_not_found
+from eagle3.io import atomic_path
+from eagle3.io.read import file_not_found
 
 FILENAME = "target_head.safetensors"
 

@@ -395,7 +395,7 @@ def test_checks_without_metadata_are_said_not_skipped(tmp_path):
     from types import SimpleNamespace
 
     from eagle3.benchmark.offline import shards_unchecked, ttt_length_unchecked, verifier_unchecked
-    from eagle3.config import ExtractConfig
+    from eagle3.config.extract import ExtractConfig
 
     d, meta = tmp_path / "drafter", tmp_path / "drafter" / "eagle3_train.json"
     d.mkdir()
@@ -447,7 +447,8 @@ def test_chat_template_is_compared_with_the_shards(tmp_path, smollm_tokenizer):
     from types import SimpleNamespace
 
     from eagle3.benchmark.offline import template_check
-    from eagle3.config import ExtractConfig, VerifierConfig
+    from eagle3.config.extract import ExtractConfig
+    from eagle3.config.verifier import VerifierConfig
     from eagle3.prompts.chat import chat_template_hash
 
     shards = tmp_path / "shards"
@@ -1462,7 +1463,7 @@ def test_chat_template_kwargs_other_than_the_shards_are_warned_about(tmp_path):
     from types import SimpleNamespace
 
     from eagle3.benchmark.offline import template_kwargs_check
-    from eagle3.config import VerifierConfig
+    from eagle3.config.verifier import VerifierConfig
 
     shards = tmp_path / "shards"
     dc = shards / "data_config.json"

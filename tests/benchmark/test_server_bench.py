@@ -803,7 +803,7 @@ def test_served_model_is_compared_with_the_configured_verifier(
     import shutil
 
     from eagle3.benchmark.server import served_model_warnings
-    from eagle3.config import VerifierConfig
+    from eagle3.config.verifier import VerifierConfig
 
     cfg = type("Cfg", (), {"verifier": VerifierConfig(path=str(tiny_llama_dir))})()
     copy = tmp_path / "copy"

@@ -89,7 +89,7 @@ def _config(tmp_path: Path, model_dir: Path, **extract) -> Path:
 def tiny_backend(tiny_llama_dir):
     """One loaded tiny verifier + HF capture backend shared by the tests below (saves reloading)."""
     from eagle3.capture.hf import HFCapture
-    from eagle3.config import VerifierConfig
+    from eagle3.config.verifier import VerifierConfig
     from eagle3.verifier import load_verifier
 
     model, tok = load_verifier(

@@ -306,7 +306,7 @@ def test_a_relative_path_not_found_names_the_current_folder(tmp_path, monkeypatc
     from eagle3.benchmark.offline import resolve_drafter_dir
     from eagle3.config import load_config
     from eagle3.errors import UserError
-    from eagle3.io import file_not_found
+    from eagle3.io.read import file_not_found
 
     monkeypatch.chdir(tmp_path)
     assert str(file_not_found("out/shards/data_config.json")) == (
@@ -340,7 +340,8 @@ def test_written_by_names_the_files_as_the_stages_define_them():
     """The "run that stage first" table uses the stages' own file names, and a missing one says which stage."""
     from eagle3.data.prepare_data import SPLIT
     from eagle3.data.vocab import TOKEN_FREQ, VOCAB_MAP
-    from eagle3.io import WRITTEN_BY, file_not_found, read_json, safe_torch_load
+    from eagle3.io import read_json
+    from eagle3.io.read import WRITTEN_BY, file_not_found, safe_torch_load
     from eagle3.shards.format import DATA_CONFIG
     from eagle3.shards.manifest import MANIFEST
     from eagle3.train.target_head import FILENAME

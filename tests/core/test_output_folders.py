@@ -280,7 +280,7 @@ def test_a_second_run_on_the_same_output_folder_stops_at_once(tmp_path, stage):
     from eagle3.benchmark import offline
     from eagle3.benchmark import server as server_bench
     from eagle3.data import prepare_data
-    from eagle3.io import exclusive_lock
+    from eagle3.io.lock import exclusive_lock
 
     cfg = load_config(make_tiny_run(tmp_path))
     folder, lock, call, words = {

@@ -155,7 +155,7 @@ def test_a_second_export_only_on_the_same_train_or_export_folder_stops_at_once(t
     temporary folder is left, and once the first is done the lock files are gone."""
     from eagle3.errors import UserError
     from eagle3.export.serving import export_lock_path
-    from eagle3.io import exclusive_lock
+    from eagle3.io.lock import exclusive_lock
 
     cfg = load_config(make_tiny_run(tmp_path / "a", n_train=4, n_val=2, train=TRAIN))
     run(cfg, device="cpu", export=export_for_run)

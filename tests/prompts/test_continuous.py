@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import SMOLLM_GGUF  # noqa: E402
 
-from eagle3.config import VerifierConfig
+from eagle3.config.verifier import VerifierConfig
 from eagle3.prompts.continuous import (
     COMPILE_COLD_S,
     COMPILED_STEP_MS,

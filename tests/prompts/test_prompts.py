@@ -901,7 +901,7 @@ def test_a_second_01_on_the_same_folder_is_refused(tmp_path, monkeypatch):
     line naming the folder (before, both regenerated everything into one resume log), and the lock file is gone after
     a run. A run that fails in a folder it created leaves no folder behind."""
     import eagle3.prompts.prepare_prompts as stage
-    from eagle3.io import exclusive_lock
+    from eagle3.io.lock import exclusive_lock
 
     src = _jsonl(tmp_path / "q.jsonl", [{"messages": [U("u"), A("a")]}])
     cfg = load_config(_config(tmp_path, src))

@@ -204,7 +204,7 @@ def test_fingerprint_records_template_kwargs_and_keeps_old_folders(tmp_path):
 @pytest.fixture(scope="module")
 def tiny_backend(tiny_llama_dir):
     from eagle3.capture.hf import HFCapture
-    from eagle3.config import VerifierConfig
+    from eagle3.config.verifier import VerifierConfig
     from eagle3.verifier import load_verifier
 
     model, tok = load_verifier(

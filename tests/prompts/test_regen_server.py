@@ -22,7 +22,7 @@ import pytest
 from conftest import ROOT, SMOLLM_GGUF, smollm_dir
 from standin_server import FakeBackend, ModelBackend, StandInServer
 
-from eagle3.config import PromptsConfig, RegenServerConfig
+from eagle3.config.prompts import PromptsConfig, RegenServerConfig
 from eagle3.errors import UserError
 from eagle3.prompts.chat import ChatOptions, prompt_ids
 from eagle3.prompts.endpoints import EndpointPool, RetryPolicy
@@ -97,7 +97,7 @@ def _many(n: int) -> list[dict]:
 # ---- real verifier: server answers == in-process greedy answers -----------------------------------
 @pytest.fixture(scope="module")
 def smollm():
-    from eagle3.config import VerifierConfig
+    from eagle3.config.verifier import VerifierConfig
     from eagle3.verifier import load_verifier
 
     return load_verifier(

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import eagle3.prompts.regenerate as regen_mod
-from eagle3.config import VerifierConfig
+from eagle3.config.verifier import VerifierConfig
 from eagle3.prompts.chat import end_of_turn_ids
 from eagle3.prompts.regenerate import answer_steps, generate_greedy, pick_batch, regenerate
 from eagle3.verifier import load_verifier

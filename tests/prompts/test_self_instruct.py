@@ -70,7 +70,7 @@ def test_select_queries_by_hand():
 def test_sample_queries_seeded_on_a_tiny_llama(tiny_llama_dir):
     """Seeded sampling repeats itself and another seed differs; a query ends at its first stop token (which it does
     not include) exactly when one was sampled; the token count is the stop-inclusive length."""
-    from eagle3.config import VerifierConfig
+    from eagle3.config.verifier import VerifierConfig
     from eagle3.verifier import load_verifier
 
     model, tok = load_verifier(

@@ -14,7 +14,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from eagle3.config import PromptsConfig, VerifierConfig
+from eagle3.config.prompts import PromptsConfig
+from eagle3.config.verifier import VerifierConfig
 from eagle3.errors import UserError
 from eagle3.prompts.chat import ChatOptions, end_of_turn_ids, generation_prompt
 from eagle3.verifier import config_eos_ids, load_tokenizer, load_verifier
@@ -145,7 +146,7 @@ def _answer_by(engine: str, v) -> dict:
     ):  # the endpoint path: a stand-in SGLang server decoding greedily with the same model
         from standin_server import ModelBackend, StandInServer
 
-        from eagle3.config import RegenServerConfig
+        from eagle3.config.prompts import RegenServerConfig
         from eagle3.prompts.regen_server import regenerate_via_server
 
         model, tok = load_verifier(vcfg, device="cpu")

@@ -650,7 +650,7 @@ def test_target_head_extracted_once_from_safetensors_verifier(tmp_path):
 def test_target_head_of_smollm2_gguf_reproduces_logits():
     from conftest import SMOLLM_GGUF, smollm_dir
 
-    from eagle3.config import VerifierConfig
+    from eagle3.config.verifier import VerifierConfig
     from eagle3.verifier import load_verifier
 
     model, tok = load_verifier(
