@@ -1,8 +1,7 @@
 """Atomic file writes, output folders and disk-full errors.
 
-Every output of the pipeline is written to a temporary name in the destination folder and
-renamed into place (``os.replace`` is atomic on POSIX), so a kill at any moment leaves either the
-old file, the new file, or an ignorable ``*.tmp-*`` file, never a truncated output.
+Every output of the pipeline is written to a temporary name in the destination folder and renamed into place
+(``os.replace`` is atomic on POSIX): a kill leaves the old file, the new one or an ignorable ``*.tmp-*`` file.
 
 A full disk (``ENOSPC``) or an exhausted quota (``EDQUOT``) during any of these writes removes the
 temporary file and raises :class:`~eagle3.errors.UserError` with one line: the path, the bytes the
@@ -23,8 +22,6 @@ import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
-
-import torch
 
 from eagle3.errors import UserError
 from eagle3.io.lock import exclusive_lock
@@ -328,8 +325,7 @@ def atomic_write_files(
 ) -> None:
     """Write several files as one set, all or nothing: each goes to its temporary name (:func:`atomic_path`), and
     only once every one is written are they renamed, then the stale files ``remove`` names deleted (a plot an earlier
-    run left that this set has none of). A report set written file by file (``bench.json``, then ``bench.md``, then
-    ``acceptance.png``) left the new JSON beside the earlier run's plot when the disk filled at the plot.
+    run left that this set has none of): a full disk never leaves new and old files of one report side by side.
 
     Raises:
         UserError: disk full / quota exceeded on any of them (every temporary file removed, no file replaced; the
@@ -451,7 +447,7 @@ class _Sink:
 def _tensor_bytes(obj: Any) -> int:
     """Bytes of the tensors in ``obj`` (dicts, lists, tuples walked): the size of a ``torch.save``
     archive up to its small pickle and zip headers."""
-    if isinstance(obj, torch.Tensor):
+    if hasattr(obj, "element_size") and hasattr(obj, "numel"):  # a torch.Tensor
         return obj.numel() * obj.element_size()
     if isinstance(obj, dict):
         return sum(_tensor_bytes(v) for v in obj.values())
@@ -469,6 +465,8 @@ ARCHIVE_STEM = "archive"
 def _save_archive(obj: Any, tmp: Path) -> None:
     """``torch.save(obj, tmp)`` by path: the one place path-mode archives are written, so a test can
     inject a full disk here (torch's C++ writer reports it as an errno-less RuntimeError)."""
+    import torch  # on use: the CLI and the config import eagle3.io before a stage's heavy imports
+
     torch.save(obj, str(tmp))
 
 
@@ -507,6 +505,8 @@ def atomic_torch_save(
         UserError: disk full / quota exceeded (nothing left behind; the message names ``path``,
             the tensor bytes to write and the free space).
     """
+    import torch  # on use (see _save_archive)
+
     needed = _tensor_bytes(obj)
     if not via_path:
         with atomic_path(path, needed=needed) as tmp:

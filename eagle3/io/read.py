@@ -12,11 +12,12 @@ import pickle
 import re
 import zipfile
 from pathlib import Path
-from typing import Any, Iterator, Optional
-
-import torch
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from eagle3.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
 
 
 def json_error_detail(e: json.JSONDecodeError) -> str:
@@ -75,6 +76,8 @@ def safe_torch_load(path: str | os.PathLike, map_location: str | torch.device = 
             f"{path}: truncated or corrupt torch file (not a complete zip archive, or not a torch file at all)"
         )
     try:
+        import torch  # on use: the config imports this module before a stage's heavy imports
+
         return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
