@@ -112,8 +112,8 @@ def env_world_size() -> int:
 def refuse_torchrun(what: str, why: str) -> None:
     """Refuse a one-process stage started by ``torchrun --nproc_per_node N`` (``WORLD_SIZE`` > 1): every rank would run
     the whole stage, N copies writing the same files (03's vocab map and split, an export folder) or, in 05, decoding
-    side by side and measuring each other's load as tokens/s (fresh-user trial 2026-12-05f: `torchrun
-    --nproc_per_node 2 05_benchmark.py` printed two reports). 01, 02 and 04 share the work over the ranks; these do not.
+    side by side and measuring each other's load as tokens/s. 01, 02 and 04 share the work over the ranks; these do
+    not.
 
     Args:
         what: the command, e.g. ``05_benchmark.py`` or ``04_train.py --export-only``.

@@ -245,7 +245,7 @@ class PromptsConfig(Section):
         "a scratch cache row), each shape captured once as a CUDA graph on CUDA and replayed after: an eager SmolLM2 "
         "prefill forward costs 35-48 ms of host dispatch (~1,700 ops) whatever it carries. On the CPU, or where "
         "capture fails (one warning), the same bucketed forwards run eagerly. Off by default: measured on the H200 "
-        "(bench/regen_speed.py --prefill-graphs-ab, 3,000 conversations, lease 2026-12-05) its prefill took 2.1x as "
+        "(bench/regen_speed.py --prefill-graphs-ab, 3,000 conversations) its prefill took 2.1x as "
         "long (95 forwards fell into 46 bucket shapes, so nearly every forward paid a capture), and the run 0.36x "
         "the tokens/s (that figure also holds a cold compile of the decode step, whose cache gains the scratch row). "
         "Greedy answers are the same in float32 (tested). A speed "
@@ -267,7 +267,7 @@ class PromptsConfig(Section):
         "where a single prompt allows it), FlexAttention with a document mask keeping the rows apart (compiled on "
         "CUDA, automatic dynamic shapes, static ones if that fails; eager on the CPU, at most 2,048 fed tokens a forward), each stream shape captured as a CUDA graph at its "
         "second use (regen_cuda_graphs). Against the padded prefill's 1.91x padding and its ~22 ms of host dispatch a "
-        "forward (H200, lease 2026-12-05b). Off until measured on a GPU (bench/regen_speed.py --prefill-pack-ab). A "
+        "forward (H200). Off until measured on a GPU (bench/regen_speed.py --prefill-pack-ab). A "
         "failed packed forward on CUDA logs one warning and the run goes on padded. Exclusive with "
         "regen_prefill_graphs. Greedy answers are the same in float32 (tested). A speed setting: not in 01's "
         "settings fingerprint",
