@@ -22,7 +22,8 @@ from __future__ import annotations
 import argparse
 
 from eagle3.cli import ArgumentParser, positive_float, positive_int, resume_on_interrupt, run_main
-from eagle3.config import SELF_INSTRUCT_BATCH, add_config_args, load_config
+from eagle3.config import add_config_args, load_config
+from eagle3.config.prompts import SELF_INSTRUCT_BATCH
 from eagle3.data.readers import FORMATS
 
 

@@ -45,7 +45,8 @@ from eagle3.data.readers import (
 )
 from eagle3.data.split import split_indices  # noqa: E402
 from eagle3.errors import UserError  # noqa: E402
-from eagle3.io import atomic_write_json, atomic_write_text, iter_jsonl  # noqa: E402
+from eagle3.io import atomic_write_json, atomic_write_text  # noqa: E402
+from eagle3.io.read import iter_jsonl
 
 log = logging.getLogger(__name__)
 

@@ -15,11 +15,15 @@ import errno
 import logging
 import os
 import signal
+import subprocess
 import sys
 import threading
+from pathlib import Path
 from typing import Callable, Iterator, NoReturn, Optional
 
+from eagle3.config.types import check_http_url
 from eagle3.errors import UserError
+from eagle3.io import disk_full_error, is_disk_full
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -63,9 +67,7 @@ def positive_float(text: str) -> float:
 
 
 def http_url(text: str) -> str:
-    """argparse ``type=``: a server base URL (``http(s)://host[:port]``), see :func:`eagle3.config.check_http_url`."""
-    from eagle3.config import check_http_url
-
+    """argparse ``type=``: a server base URL (``http(s)://host[:port]``), see :func:`eagle3.config.types.check_http_url`."""
     try:
         return check_http_url(text)
     except ValueError as e:
@@ -110,8 +112,8 @@ def env_world_size() -> int:
 def refuse_torchrun(what: str, why: str) -> None:
     """Refuse a one-process stage started by ``torchrun --nproc_per_node N`` (``WORLD_SIZE`` > 1): every rank would run
     the whole stage, N copies writing the same files (03's vocab map and split, an export folder) or, in 05, decoding
-    side by side and measuring each other's load as tokens/s (fresh-user trial 2026-12-05f: `torchrun
-    --nproc_per_node 2 05_benchmark.py` printed two reports). 01, 02 and 04 share the work over the ranks; these do not.
+    side by side and measuring each other's load as tokens/s. 01, 02 and 04 share the work over the ranks; these do
+    not.
 
     Args:
         what: the command, e.g. ``05_benchmark.py`` or ``04_train.py --export-only``.
@@ -151,49 +153,55 @@ def run_main(main: Callable[[list[str] | None], int | None], argv: list[str] | N
     try:
         rc = main(argv)
     except UserError as e:
-        if _first_to_report():  # under torchrun: one rank prints it, every rank exits 2
-            print(f"error: {e}", file=sys.stderr)
-        sys.exit(e.exit_code)
+        _exit_with(e)
     except Exception as e:  # noqa: BLE001 - only disk-full and path errors are turned into one-liners
-        from eagle3.io import disk_full_error, is_disk_full
-
-        bad_path = path_error(e)
-        if bad_path is not None:
-            if _first_to_report():
-                print(f"error: {bad_path}", file=sys.stderr)
-            sys.exit(bad_path.exit_code)
-        if (
-            _peer_gone(e) and _another_rank_reported()
-        ):  # a rank stopped on bad input: its line is the job's
-            sys.exit(2)
-        if not is_disk_full(e):
+        err = _as_user_error(e)
+        if err is None:
             raise
-        # A writer outside eagle3.io (a library's own file) ran out of space: still one line + exit 2.
-        err = disk_full_error(getattr(e, "filename", None) or "output", e)
-        if _first_to_report():
-            print(f"error: {err}", file=sys.stderr)
-        sys.exit(err.exit_code)
+        _exit_with(err)
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM inside resume_on_interrupt (Terminated)
-        signum = getattr(e, "signum", signal.SIGINT)
-        hint = getattr(e, "hint", None)
-        quiet = (
-            signum == signal.SIGTERM and _another_rank_reported()
-        )  # torchrun stopping the job after its error
-        if (
-            logging.getLogger("torch").level == logging.NOTSET
-        ):  # a signal inside `import torch`, before its logging
-            logging.getLogger("torch").setLevel(
-                logging.WARNING
-            )  # was set: its atexit INFO lines followed ours
-        if (
-            not quiet and _first_to_report_interrupt()
-        ):  # under torchrun: one line for the job (a Ctrl-C hits all)
-            print(
-                f"interrupted by {signal.Signals(signum).name}" + (f": {hint}" if hint else ""),
-                file=sys.stderr,
-            )
-        sys.exit(128 + int(signum))
+        _exit_interrupted(e)
     sys.exit(int(rc or 0))
+
+
+def _exit_with(err: UserError) -> NoReturn:
+    """Print ``error: <err>`` (under torchrun: once for the job, by the first rank to stop) and exit 2."""
+    if _first_to_report():
+        print(f"error: {err}", file=sys.stderr)
+    sys.exit(err.exit_code)
+
+
+def _as_user_error(e: Exception) -> Optional[UserError]:
+    """The one-line error for an unusable path (:func:`path_error`) or a disk-full error a writer outside
+    :mod:`eagle3.io` raised (a library's own file); None for a bug (its traceback is kept). A torchrun rank whose
+    collective failed because a rank that already reported its error is gone exits 2 here without a line."""
+    bad_path = path_error(e)
+    if bad_path is not None:
+        return bad_path
+    if (
+        _peer_gone(e) and _another_rank_reported()
+    ):  # a rank stopped on bad input: its line is the job's
+        sys.exit(2)
+    if is_disk_full(e):
+        return disk_full_error(getattr(e, "filename", None) or "output", e)
+    return None
+
+
+def _exit_interrupted(e: KeyboardInterrupt) -> NoReturn:
+    """Print ``interrupted by SIGINT|SIGTERM[: <hint>]`` (under torchrun: once for the job; not at all on a rank
+    torchrun stops after another rank's error) and exit ``128 + signal``."""
+    signum = getattr(e, "signum", signal.SIGINT)
+    hint = getattr(e, "hint", None)
+    quiet = signum == signal.SIGTERM and _another_rank_reported()  # torchrun stopping the job
+    if logging.getLogger("torch").level == logging.NOTSET:
+        # a signal inside `import torch`, before its logging was set: its atexit INFO lines followed ours
+        logging.getLogger("torch").setLevel(logging.WARNING)
+    if not quiet and _first_to_report_interrupt():  # under torchrun: one line for the job
+        print(
+            f"interrupted by {signal.Signals(signum).name}" + (f": {hint}" if hint else ""),
+            file=sys.stderr,
+        )
+    sys.exit(128 + int(signum))
 
 
 # What a collective raises when a peer rank's process is gone (gloo over TCP, NCCL, torch's DistError family).
@@ -262,9 +270,6 @@ def _claim_interrupt_in_child(timeout_s: float = 60.0) -> Optional[bool]:
     two lines for one Ctrl-C (``timeout -s INT 3 torchrun --nproc_per_node 2 04_train.py``). Returns None when the
     child gives no answer (then rank 0 prints, as before). SIGTERM is ignored meanwhile: torchrun stops the ranks
     still running after the first one exits, and this rank's line may be the job's only one."""
-    import subprocess
-    from pathlib import Path
-
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")

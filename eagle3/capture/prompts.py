@@ -19,7 +19,7 @@ from typing import Optional
 from eagle3.capture.tokenize_pool import map_records
 from eagle3.chat.samples import conversation_samples
 from eagle3.errors import UserError
-from eagle3.io import iter_jsonl, relative_hint
+from eagle3.io.read import iter_jsonl, relative_hint
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,8 @@ from eagle3.capture.folder import (
 )
 from eagle3.capture.prompts import Sample, read_prompts
 from eagle3.errors import UserError
-from eagle3.io import atomic_write_json, file_sha256, read_json
+from eagle3.io import atomic_write_json, read_json
+from eagle3.io.read import file_sha256
 from eagle3.shards.checksum import DEFAULT_ALGO, file_checksum
 from eagle3.shards.format import DATA_CONFIG, list_samples, load_sample, shard_path
 from eagle3.shards.manifest import MANIFEST, read_manifest, rewrite_manifest

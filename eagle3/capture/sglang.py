@@ -33,7 +33,8 @@ import torch
 from eagle3.capture.base import NUM_CAPTURED, BackendInfo
 from eagle3.engines.layers import engine_layer_ids
 from eagle3.errors import UserError
-from eagle3.io import read_json, safe_torch_load
+from eagle3.io import read_json
+from eagle3.io.read import safe_torch_load
 
 log = logging.getLogger(__name__)
 

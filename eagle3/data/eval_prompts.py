@@ -28,7 +28,7 @@ from typing import Optional, Sequence, TypeVar
 
 from eagle3.data.readers import unique_ids, with_record_system
 from eagle3.errors import UserError
-from eagle3.io import iter_jsonl
+from eagle3.io.read import iter_jsonl
 
 log = logging.getLogger(__name__)
 

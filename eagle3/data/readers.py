@@ -53,7 +53,7 @@ from typing import Any, Iterator, Optional
 
 from eagle3.chat.template import split_reasoning
 from eagle3.errors import UserError
-from eagle3.io import check_no_lone_surrogate, iter_jsonl, json_error_detail, not_utf8_error
+from eagle3.io.read import check_no_lone_surrogate, iter_jsonl, json_error_detail, not_utf8_error
 
 FORMATS = ("auto", "sharegpt", "messages", "alpaca", "questions", "humaneval", "hf")
 

@@ -50,7 +50,8 @@ from typing import Optional
 import torch
 
 from eagle3.errors import UserError
-from eagle3.io import atomic_write_json, file_sha256
+from eagle3.io import atomic_write_json
+from eagle3.io.read import file_sha256
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,8 @@ from typing import Iterable, Mapping, Sequence
 import torch
 
 from eagle3.errors import UserError
-from eagle3.io import atomic_torch_save, safe_torch_load
+from eagle3.io import atomic_torch_save
+from eagle3.io.read import safe_torch_load
 
 VOCAB_MAP = "vocab_map.pt"
 TOKEN_FREQ = "token_freq.pt"

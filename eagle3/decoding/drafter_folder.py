@@ -10,7 +10,7 @@ from typing import Optional
 from eagle3.decoding.checks import TRAIN_META
 from eagle3.errors import UserError
 from eagle3.export.reader import load_exported
-from eagle3.io import relative_hint
+from eagle3.io.read import relative_hint
 from eagle3.train.checkpoint import ckpt_dir, list_checkpoints
 
 

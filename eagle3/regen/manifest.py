@@ -20,10 +20,8 @@ from typing import Optional, Sequence
 
 from eagle3.chat.template import ANSWER_FIELDS
 from eagle3.config import RunConfig
-from eagle3.io import (
-    atomic_write_json,
-    file_sha256,
-)
+from eagle3.io import atomic_write_json
+from eagle3.io.read import file_sha256
 from eagle3.regen.report import REPORT_NAME
 from eagle3.regen.resume_log import comparable_settings
 from eagle3.verifier.load import weights_record

@@ -405,7 +405,7 @@ def make_engine(
 
 
 def engine_options(pc) -> Optional[dict]:
-    """The continuous engine's keyword arguments from ``prompts`` (:class:`eagle3.config.PromptsConfig`);
+    """The continuous engine's keyword arguments from ``prompts`` (:class:`eagle3.config.prompts.PromptsConfig`);
     ``compile_step`` is ``prompts.regen_compile`` as set (``True``, ``False`` or ``"auto"``, which the engine decides),
     ``prefix_reuse`` ``prompts.regen_prefix_reuse``, ``refill_free`` ``prompts.regen_refill_free``, ``prefill_graphs``
     ``prompts.regen_prefill_graphs``, ``prefill_pack`` ``prompts.regen_prefill_pack``."""

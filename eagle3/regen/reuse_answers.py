@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Optional
 
 from eagle3.errors import UserError
-from eagle3.io import iter_jsonl, read_json
+from eagle3.io import read_json
+from eagle3.io.read import iter_jsonl
 from eagle3.regen.resume_log import comparable_settings, older_fields_warning
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,7 @@ def conversation_key(conv: dict) -> str:
 
 
 def _read_rows(path: Path) -> list[dict]:
-    """The conversations of ``path`` (:func:`eagle3.io.iter_jsonl`: ``.gz`` through gzip, a byte-order mark skipped);
+    """The conversations of ``path`` (:func:`eagle3.io.read.iter_jsonl`: ``.gz`` through gzip, a byte-order mark skipped);
     UserError naming the file and line of a bad one, and the setting that named the file."""
     try:
         lines = list(iter_jsonl(path))

@@ -10,7 +10,7 @@ from typing import Optional
 
 from eagle3.data.readers import dedupe, read_conversations, sample, short_pool_warning, unique_ids
 from eagle3.errors import UserError
-from eagle3.io import relative_hint
+from eagle3.io.read import relative_hint
 from eagle3.process_group import is_rank0
 from eagle3.regen.report import limit_drops_self_instruct, read_counts_text
 

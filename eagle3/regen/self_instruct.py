@@ -35,16 +35,11 @@ import torch
 from tqdm import tqdm
 
 from eagle3.chat.template import ChatOptions, render_text
-from eagle3.config import SELF_INSTRUCT_BATCH
+from eagle3.config.prompts import SELF_INSTRUCT_BATCH
 from eagle3.data.readers import dedupe_key, read_conversations
 from eagle3.errors import UserError
-from eagle3.io import (
-    atomic_write_bytes,
-    atomic_write_json,
-    atomic_write_text,
-    file_sha256,
-    read_json,
-)
+from eagle3.io import atomic_write_bytes, atomic_write_json, atomic_write_text, read_json
+from eagle3.io.read import file_sha256
 from eagle3.verifier.load import (
     load_tokenizer,
     load_verifier,

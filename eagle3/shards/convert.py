@@ -34,7 +34,8 @@ from typing import Optional
 from tqdm import tqdm
 
 from eagle3.errors import UserError
-from eagle3.io import atomic_write_json, exclusive_lock, make_dirs, read_json, remove_stale_tmp
+from eagle3.io import atomic_write_json, make_dirs, read_json, remove_stale_tmp
+from eagle3.io.lock import exclusive_lock
 from eagle3.shards.checksum import DEFAULT_ALGO, file_checksum, new_hasher, row_checksum
 from eagle3.shards.format import (
     DATA_CONFIG,
@@ -93,7 +94,7 @@ def _wipe(dst: Path) -> None:
 
 
 def _exclusive(dst: Path):
-    """Exclusive ``flock`` on ``{dst}/{LOCK}`` (:func:`eagle3.io.exclusive_lock`); UserError if held."""
+    """Exclusive ``flock`` on ``{dst}/{LOCK}`` (:func:`eagle3.io.lock.exclusive_lock`); UserError if held."""
     return exclusive_lock(dst / LOCK, f"another conversion is writing to {dst}")
 
 

@@ -42,7 +42,8 @@ from typing import Any, Optional, Sequence
 import torch
 
 from eagle3.errors import UserError
-from eagle3.io import TMP_MARK, atomic_torch_save, atomic_write_json, read_json, safe_torch_load
+from eagle3.io import TMP_MARK, atomic_torch_save, atomic_write_json, read_json
+from eagle3.io.read import safe_torch_load
 from eagle3.shards.fp8 import (
     FP8_DTYPE,
     SCALE_DTYPE,

@@ -28,7 +28,8 @@ from eagle3.export.common import export_dtype
 from eagle3.export.folder import check_replaceable
 from eagle3.export.reader import check_export_folder, load_exported
 from eagle3.export.writer import export_drafter
-from eagle3.io import exclusive_lock, probe_dirs, relative_hint, rerun_hint
+from eagle3.io import exclusive_lock, probe_dirs, rerun_hint
+from eagle3.io.read import relative_hint
 from eagle3.shards.format import (
     DATA_CONFIG,
     check_extract_settings,

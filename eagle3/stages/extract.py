@@ -51,7 +51,8 @@ from eagle3.chat.template import ChatOptions
 from eagle3.cli import resume_on_interrupt
 from eagle3.config import RunConfig
 from eagle3.errors import UserError
-from eagle3.io import atomic_write_json, atomic_write_text, file_sha256, make_dirs, remove_stale_tmp
+from eagle3.io import atomic_write_json, atomic_write_text, make_dirs, remove_stale_tmp
+from eagle3.io.read import file_sha256
 from eagle3.process_group import process_group_scope
 from eagle3.regen.manifest import forced_path, read_report, report_changes
 from eagle3.regen.report import limit_drops_self_instruct

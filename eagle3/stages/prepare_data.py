@@ -32,7 +32,8 @@ from eagle3.data.validate import shard_stats
 from eagle3.data.validation_record import fingerprint_now, unfinished_record
 from eagle3.data.vocab import build_vocab_map, coverage
 from eagle3.errors import UserError
-from eagle3.io import lock_held, make_dirs, output_folder_lock, probe_dirs, rerun_hint
+from eagle3.io import make_dirs, output_folder_lock, probe_dirs, rerun_hint
+from eagle3.io.lock import lock_held
 from eagle3.shards.format import (
     DATA_CONFIG,
     EXTRACT_LOCK,
@@ -80,7 +81,7 @@ def run(cfg: RunConfig, *, plot: bool = True, revalidate: bool = False) -> dict:
 def check_not_being_extracted(shards: Path) -> None:
     """Stop 03 while 02 is still writing ``shards`` (it holds ``{shards}/.extract.lock``, :data:`EXTRACT_LOCK`): 03
     validated the half-written set and recorded a failed validation of it (trial 2026-12-05g). A lock file left by a
-    02 that died is not held (:func:`eagle3.io.lock_held`: the OS released its ``flock``) and does not stop 03.
+    02 that died is not held (:func:`eagle3.io.lock.lock_held`: the OS released its ``flock``) and does not stop 03.
 
     Raises:
         UserError: ``<shards>/.extract.lock: 02_extract_hidden is still writing the shards in <shards> ...``.

@@ -17,7 +17,8 @@ from pydantic import ValidationError
 
 from eagle3 import verifier
 from eagle3.chat.template import ANSWER_FIELDS, ChatOptions, common_answer_fields, end_of_turn_ids
-from eagle3.config import PromptsConfig, RunConfig, at_item, field_path
+from eagle3.config import PromptsConfig, RunConfig
+from eagle3.config.loader import at_item, field_path
 from eagle3.errors import UserError
 from eagle3.io import exclusive_lock, make_dirs
 from eagle3.process_group import is_rank0, process_group_scope

@@ -4,7 +4,7 @@ Layout: ``{train_dir}/checkpoints/step_{N:08d}.pt`` (N = optimizer steps taken),
 ``torch.save`` dict written by rank 0 through :func:`eagle3.io.atomic_torch_save` (temp name +
 rename), so a file with the final name is complete; a kill mid-write leaves an ignorable
 ``step_*.pt.tmp-*`` file. The dict holds only tensors, numbers, strings, lists and dicts, so it
-loads with ``torch.load(weights_only=True)`` (:func:`eagle3.io.safe_torch_load`).
+loads with ``torch.load(weights_only=True)`` (:func:`eagle3.io.read.safe_torch_load`).
 
 Keys (:data:`REQUIRED_KEYS`): ``format``, ``step``, ``epoch``, ``samples_in_epoch`` (global
 samples of the current epoch already consumed), ``model`` (trainable parameters only: the frozen
@@ -32,8 +32,9 @@ from typing import Any, Optional, Sequence
 import torch
 
 from eagle3.errors import UserError
-from eagle3.io import TMP_MARK, atomic_torch_save, safe_torch_load
+from eagle3.io import TMP_MARK, atomic_torch_save
 from eagle3.io import remove_stale_tmp as _remove_tmp
+from eagle3.io.read import safe_torch_load
 
 log = logging.getLogger(__name__)
 
@@ -655,11 +656,11 @@ def check_resume(
 def drafter_field_source(key: str) -> str:
     """How a user sets a :class:`eagle3.drafter.model.DrafterArgs` field back: the real config key or input.
 
-    ``drafter.*`` config keys exist only for the decoder-layer shape (:class:`eagle3.config.DrafterConfig`);
+    ``drafter.*`` config keys exist only for the decoder-layer shape (:class:`eagle3.config.drafter.DrafterConfig`);
     the draft vocab size comes from ``data.draft_vocab_size`` through stage 03's ``vocab_map.pt``,
     and the target sizes / rope scaling from the verifier and its shards.
     """
-    from eagle3.config import DrafterConfig
+    from eagle3.config.drafter import DrafterConfig
 
     if key in DrafterConfig.model_fields:
         return f"set drafter.{key} back"

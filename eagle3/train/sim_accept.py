@@ -40,13 +40,8 @@ import torch
 from torch import nn
 
 from eagle3.errors import UserError
-from eagle3.io import (
-    atomic_save_png,
-    atomic_torch_save,
-    atomic_write_json,
-    read_json,
-    safe_torch_load,
-)
+from eagle3.io import atomic_save_png, atomic_torch_save, atomic_write_json, read_json
+from eagle3.io.read import safe_torch_load
 
 log = logging.getLogger(__name__)
 

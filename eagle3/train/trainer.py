@@ -1192,7 +1192,7 @@ def _train_lock(train_dir: Path, d: Dist, field: str = "train.output_dir"):
     in-flight checkpoint temp files, appending a second copy of every metrics row and writing the same export
     (fresh-user trial 2026-12-05d); now it stops at once with one line on every rank. The folders this call created
     are removed again when the block fails and leaves them empty (a refused run leaves nothing behind)."""
-    from eagle3.io import exclusive_lock
+    from eagle3.io.lock import exclusive_lock
 
     created = [p for p in (train_dir, *train_dir.parents) if not p.exists()]  # deepest first
     holder = train_lock_holder(train_dir)
@@ -1556,7 +1556,7 @@ def check_init_from_shape(src: str, exported: dict, args) -> None:
 def _check_shape_fields(src: str, exported: dict, mine: dict) -> None:
     """The first field of ``mine`` (shape field -> this run's value; None = not known yet) that differs from the
     export's ``drafter_args`` (absent ``variant`` / ``num_layers``: the DrafterArgs defaults eagle3 / 1); UserError."""
-    from eagle3.config import DrafterConfig
+    from eagle3.config.drafter import DrafterConfig
 
     have = {"variant": "eagle3", "num_layers": 1, **exported}
     for key, b in mine.items():

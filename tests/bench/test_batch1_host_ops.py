@@ -52,7 +52,7 @@ def test_random_drafter_is_the_configs_drafter():
     from offline_bench_speed import _random_drafter
     from regen_step import tiny_model
 
-    from eagle3.config import DrafterConfig
+    from eagle3.config.drafter import DrafterConfig
 
     model = tiny_model()
     plain = _random_drafter(model, "cpu", None)

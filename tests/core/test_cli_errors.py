@@ -340,7 +340,8 @@ def test_written_by_names_the_files_as_the_stages_define_them():
     """The "run that stage first" table uses the stages' own file names, and a missing one says which stage."""
     from eagle3.data.outputs import SPLIT
     from eagle3.data.vocab import TOKEN_FREQ, VOCAB_MAP
-    from eagle3.io import WRITTEN_BY, file_not_found, read_json, safe_torch_load
+    from eagle3.io import read_json
+    from eagle3.io.read import WRITTEN_BY, file_not_found, safe_torch_load
     from eagle3.shards.format import DATA_CONFIG
     from eagle3.shards.manifest import MANIFEST
     from eagle3.verifier.head import FILENAME

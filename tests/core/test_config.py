@@ -210,16 +210,20 @@ def test_a_section_an_override_created_blames_the_override_for_its_missing_key(t
     )
 
 
-def test_key_lines_follow_duplicates_as_safe_load_does():
-    from eagle3.config import _key_lines
+def test_key_lines_name_every_key_and_list_item():
+    """The line map errors are placed by (duplicate keys never reach it: the loader refuses them)."""
+    from eagle3.config.loader import key_lines
 
-    assert _key_lines("a: 1\nb:\n  c: 2\n  d: [1, 2]\nb:\n  e: 3\n") == {
+    assert key_lines("a: 1\nb:\n  c: 2\n  d: [1, 2]\n") == {
         ("a",): 1,
-        ("b",): 5,
-        ("b", "e"): 6,
+        ("b",): 2,
+        ("b", "c"): 3,
+        ("b", "d"): 4,
+        ("b", "d", "0"): 4,
+        ("b", "d", "1"): 4,
     }
-    assert _key_lines("a: [1,\n  2]\n") == {("a",): 1, ("a", "0"): 1, ("a", "1"): 2}
-    assert _key_lines("a: : b\n") == {}
+    assert key_lines("a: [1,\n  2]\n") == {("a",): 1, ("a", "0"): 1, ("a", "1"): 2}
+    assert key_lines("a: : b\n") == {}
 
 
 def test_missing_required_and_bad_yaml(tmp_path):
@@ -299,8 +303,8 @@ def test_a_boolean_is_never_a_number(tmp_path, override, key):
     ],
 )
 def test_a_quoted_integer_is_refused(tmp_path, override, key):
-    """An int / Optional[int] field refuses a string (lax mode took "32000"); a float field still takes one, as PyYAML
-    reads an unquoted 1e-3 as the string "1e-3"."""
+    """An int / Optional[int] field refuses a string (lax mode took "32000"); an unquoted 1e-3 is a float
+    (ruamel.yaml, YAML 1.1)."""
     with pytest.raises(UserError) as e:
         load_config(_write(tmp_path, BASE), [override])
     assert str(e.value).startswith(

@@ -1,9 +1,11 @@
-"""eagle3.io.exclusive_lock: one writer per folder (stage 02, the shard converter); the lock file is removed at the end."""
+"""eagle3.io.lock.exclusive_lock: one writer per folder (stage 02, the shard converter); the lock file is removed at the end."""
 
 import pytest
 
 from eagle3.errors import UserError
-from eagle3.io import atomic_path, atomic_torch_save, atomic_write_json, exclusive_lock, iter_jsonl
+from eagle3.io import atomic_path, atomic_torch_save, atomic_write_json
+from eagle3.io.lock import exclusive_lock
+from eagle3.io.read import iter_jsonl
 
 
 def test_exclusive_lock_refuses_second_holder_and_releases(tmp_path):
@@ -213,7 +215,7 @@ def test_a_lone_surrogate_escape_is_refused_naming_file_line_and_field_by_every_
 def test_the_lone_surrogate_refusal_reads_the_same_for_a_file_and_the_config(tmp_path):
     """The refusal was worded twice (a file: ``field '...' ... e.g. a cut emoji), which is not text: no UTF-8 file
     or tokenizer takes it``; the config: ``config key '...' ... pair), which is not text``): one wording now, from
-    :func:`eagle3.io.lone_surrogate_error`, whatever names the place."""
+    :func:`eagle3.io.read.lone_surrogate_error`, whatever names the place."""
     from eagle3.config import load_config
 
     tail = (

@@ -23,7 +23,8 @@ from conftest import ROOT, SMOLLM_GGUF, smollm_dir
 from standin_server import FakeBackend, ModelBackend, StandInServer
 
 from eagle3.chat.template import ChatOptions, prompt_ids
-from eagle3.config import PromptsConfig, RegenServerConfig
+from eagle3.config import PromptsConfig
+from eagle3.config.prompts import RegenServerConfig
 from eagle3.errors import UserError
 from eagle3.regen.endpoints import EndpointPool, RetryPolicy
 from eagle3.regen.regen_server import ResumeLog, regenerate_via_server

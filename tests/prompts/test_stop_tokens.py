@@ -145,7 +145,7 @@ def _answer_by(engine: str, v) -> dict:
     ):  # the endpoint path: a stand-in SGLang server decoding greedily with the same model
         from standin_server import ModelBackend, StandInServer
 
-        from eagle3.config import RegenServerConfig
+        from eagle3.config.prompts import RegenServerConfig
         from eagle3.regen.regen_server import regenerate_via_server
 
         model, tok = load_verifier(vcfg, device="cpu")

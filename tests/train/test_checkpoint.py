@@ -89,7 +89,8 @@ def test_rng_round_trip():
 
 
 def test_rng_state_survives_weights_only_save(tmp_path):
-    from eagle3.io import atomic_torch_save, safe_torch_load
+    from eagle3.io import atomic_torch_save
+    from eagle3.io.read import safe_torch_load
 
     state = ckpt.capture_rng()
     want = torch.rand(2)

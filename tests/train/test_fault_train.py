@@ -289,7 +289,7 @@ def test_a_second_04_on_the_same_train_folder_is_refused(tmp_path):
     same export (fresh-user trial 2026-12-05d). 04 now holds {train_dir}/.train.lock: the second stops at once with
     one line, writes nothing, and leaves no folder it made; once the first is done, the lock file is gone."""
     from eagle3.errors import UserError
-    from eagle3.io import exclusive_lock
+    from eagle3.io.lock import exclusive_lock
     from eagle3.train.trainer import run
 
     TRAIN_LOCK = ".train.lock"

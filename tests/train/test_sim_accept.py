@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from eagle3.config import load_config
 from eagle3.errors import UserError
 from eagle3.export.reader import load_exported
-from eagle3.io import safe_torch_load
+from eagle3.io.read import safe_torch_load
 from eagle3.stages.export import export_for_run, export_from_checkpoint
 from eagle3.train import checkpoint as ckpt
 from eagle3.train.sim_accept import (

@@ -1,16 +1,15 @@
-"""Atomic file writes and safe loading.
+"""Atomic file writes, output folders and disk-full errors.
 
-Every output of the pipeline is written to a temporary name in the destination folder and
-renamed into place (``os.replace`` is atomic on POSIX), so a kill at any moment leaves either the
-old file, the new file, or an ignorable ``*.tmp-*`` file, never a truncated output.
+Every output of the pipeline is written to a temporary name in the destination folder and renamed into place
+(``os.replace`` is atomic on POSIX): a kill leaves the old file, the new one or an ignorable ``*.tmp-*`` file.
 
 A full disk (``ENOSPC``) or an exhausted quota (``EDQUOT``) during any of these writes removes the
 temporary file and raises :class:`~eagle3.errors.UserError` with one line: the path, the bytes the
 write needed (when known), the bytes free on that filesystem (``shutil.disk_usage``) and what to do
 after freeing space, worded per stage (:func:`rerun_hint`): 01 and 02 resume when re-run, 04 with
 ``--resume``, while 03, 05 and ``04 --export-only`` start over. The CLIs turn it into ``error: ...``
-and exit code 2. Append-only logs
-(:func:`append_bytes`) roll a failed append back to the previous end of file.
+and exit code 2. Append-only logs (:func:`append_bytes`) roll a failed append back to the previous end of file.
+Reading inputs is :mod:`eagle3.io.read`; the one-writer lock is :mod:`eagle3.io.lock`.
 """
 
 from __future__ import annotations
@@ -19,25 +18,20 @@ import contextlib
 import errno
 import json
 import os
-import pickle
-import re
 import shutil
 import tempfile
-import zipfile
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
-import torch
-
 from eagle3.errors import UserError
+from eagle3.io.lock import exclusive_lock
+from eagle3.io.read import file_not_found, json_error_detail, not_utf8_error
 
 TMP_MARK = ".tmp-"
 #: errno values that mean "no room to write": disk full, quota exceeded.
 DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
-# How writers that do not raise OSError report the same condition: safetensors' SafetensorError says
-# "Error while serializing: I/O error: No space left on device (os error 28)" (measured on a full
-# tmpfs, safetensors 0.7). torch.save straight into a file on a full disk raises an errno-less
-# RuntimeError ("unexpected pos"), which is why eagle3.io serialises to memory and writes the bytes.
+# How writers that do not raise OSError report the same condition (safetensors' SafetensorError: "... I/O error:
+# No space left on device (os error 28)"); torch.save's errno-less RuntimeError is handled by atomic_torch_save.
 _DISK_FULL_TEXT = (
     "No space left on device",
     "Disk quota exceeded",
@@ -82,8 +76,7 @@ def free_bytes(path: str | os.PathLike) -> tuple[int, Path]:
     return int(shutil.disk_usage(p).free), p
 
 
-#: What a disk-full line tells to do after freeing space (:func:`rerun_hint` sets it per stage). The default is the
-#: resuming stages' (01, 02): their re-run continues where the full disk stopped them.
+#: What a disk-full line tells to do after freeing space (:func:`rerun_hint` sets it per stage; default: 01, 02).
 RESUME_HINT = "re-run the same command to resume"
 _rerun_hint = RESUME_HINT
 
@@ -92,8 +85,7 @@ _rerun_hint = RESUME_HINT
 def rerun_hint(text: str) -> Iterator[None]:
     """Word the disk-full line (:func:`disk_full_error`) of a stage that does not resume by re-running the same
     command: ``... free space or move the output folder, then {text}`` for the block (03 and 05 start over, 04 resumes
-    with ``--resume``); "re-run the same command to resume" sent a 03 / 05 user looking for a resume that does not
-    happen (trial 2026-12-05g). A disk-full error the block raises that no writer here turned into one line (a
+    with ``--resume``). A disk-full error the block raises that no writer here turned into one line (a
     library's own file) gets the same wording before it leaves the block. Restores the earlier wording at the end.
 
     Raises:
@@ -155,13 +147,12 @@ def disk_full_guard(path: Optional[str | os.PathLike], needed: int | None = None
 def make_dirs(path: str | os.PathLike, field: Optional[str] = None) -> list[Path]:
     """Create the folder ``path`` and its missing parents (``mkdir -p``); returns the folders made, deepest first.
 
-    Every stage makes its output folders through here, so a folder that cannot be made (a file in the way, no
-    permission, a read-only file system, ``/proc``) stops the run with one line naming the config field that put it
-    there, before anything is written.
+    A folder that cannot be made (a file in the way, no permission, a read-only file system) stops the run with one
+    line naming the config field that put it there, before anything is written.
 
     Args:
         field: the config field or flag behind ``path`` (``output_root``, ``train.output_dir``, ``--dst``), from
-            :meth:`eagle3.config.RunConfig.output_field`; None: a writer's own parent folder (the path alone).
+            the run config's ``output_field``; None: a writer's own parent folder (the path alone).
 
     Raises:
         UserError: ``<field>: cannot create the output folder <path>: <why>`` (``why``: ``<p> is a file, not a
@@ -190,8 +181,7 @@ def make_dirs(path: str | os.PathLike, field: Optional[str] = None) -> list[Path
 def probe_dirs(path: str | os.PathLike, field: Optional[str] = None) -> None:
     """Check at a stage's start that :func:`make_dirs` can make ``path`` and that a file can be created in it (its
     first write may come minutes later): make it, create and remove an empty temporary file there, then remove again
-    the folders this call made (nothing left behind). An existing folder on a read-only file system or without write
-    permission used to pass, and 03 / 05 failed only at their end, after the validation pass or the benchmark.
+    the folders this call made (nothing left behind): a read-only or unwritable folder stops the stage at its start.
 
     Raises:
         UserError: as :func:`make_dirs`; a folder that takes no file: ``<field>: cannot write to the output folder
@@ -237,12 +227,6 @@ def _write_all(f, data: bytes) -> None:
         if n is None or n <= 0:  # non-blocking file with nothing written: not used here
             raise OSError(errno.EIO, "write made no progress")
         view = view[n:]
-
-
-def json_error_detail(e: json.JSONDecodeError) -> str:
-    """``e``'s message with its column: ``json.JSONDecodeError.msg`` alone ends in "at" for some errors
-    ("Invalid control character at"), its position being kept apart (``colno``, 1-based)."""
-    return f"{e.msg} (column {e.colno})"
 
 
 def file_mode(directory: bool = False) -> int:
@@ -341,8 +325,7 @@ def atomic_write_files(
 ) -> None:
     """Write several files as one set, all or nothing: each goes to its temporary name (:func:`atomic_path`), and
     only once every one is written are they renamed, then the stale files ``remove`` names deleted (a plot an earlier
-    run left that this set has none of). A report set written file by file (``bench.json``, then ``bench.md``, then
-    ``acceptance.png``) left the new JSON beside the earlier run's plot when the disk filled at the plot.
+    run left that this set has none of): a full disk never leaves new and old files of one report side by side.
 
     Raises:
         UserError: disk full / quota exceeded on any of them (every temporary file removed, no file replaced; the
@@ -464,7 +447,7 @@ class _Sink:
 def _tensor_bytes(obj: Any) -> int:
     """Bytes of the tensors in ``obj`` (dicts, lists, tuples walked): the size of a ``torch.save``
     archive up to its small pickle and zip headers."""
-    if isinstance(obj, torch.Tensor):
+    if hasattr(obj, "element_size") and hasattr(obj, "numel"):  # a torch.Tensor
         return obj.numel() * obj.element_size()
     if isinstance(obj, dict):
         return sum(_tensor_bytes(v) for v in obj.values())
@@ -482,6 +465,8 @@ ARCHIVE_STEM = "archive"
 def _save_archive(obj: Any, tmp: Path) -> None:
     """``torch.save(obj, tmp)`` by path: the one place path-mode archives are written, so a test can
     inject a full disk here (torch's C++ writer reports it as an errno-less RuntimeError)."""
+    import torch  # on use: the CLI and the config import eagle3.io before a stage's heavy imports
+
     torch.save(obj, str(tmp))
 
 
@@ -512,16 +497,16 @@ def atomic_torch_save(
       hasher fed as the bytes go out; a failed write's ``OSError`` (ENOSPC) is reported as such.
     - ``via_path=True`` (stage 02's shard writer threads): torch's C++ zip writer writes the
       temporary file ``archive.tmp-*`` itself (:data:`ARCHIVE_STEM`), then the file is read back from
-      the page cache for the hasher. A Python file object costs two GIL round trips per archive
-      record (~64 per shard); beside a thread that runs Python (stage 02's capture loop) each round
-      trip can wait a whole GIL switch interval (5 ms), which starved the writer threads. torch's
-      writer reports a full disk without errno: a RuntimeError with less free space left than the
-      tensors need is reported as disk full.
+      the page cache for the hasher: no GIL round trip per archive record beside a thread that runs
+      Python. torch's writer reports a full disk without errno: a RuntimeError with less free space
+      left than the tensors need is reported as disk full.
 
     Raises:
         UserError: disk full / quota exceeded (nothing left behind; the message names ``path``,
             the tensor bytes to write and the free space).
     """
+    import torch  # on use (see _save_archive)
+
     needed = _tensor_bytes(obj)
     if not via_path:
         with atomic_path(path, needed=needed) as tmp:
@@ -548,194 +533,6 @@ def atomic_torch_save(
                 _hash_file(f, hasher)
 
 
-# A file a later stage reads -> the stage that writes it, so that running a stage too early says what to run
-# (names as the stages define them: eagle3.shards.format.DATA_CONFIG, eagle3.data.vocab.VOCAB_MAP ...; tested).
-WRITTEN_BY = {
-    "prompts.jsonl": "01_prepare_prompts.py",
-    "data_config.json": "02_extract_hidden.py",
-    "manifest.jsonl": "02_extract_hidden.py",
-    "vocab_map.pt": "03_prepare_data.py",
-    "token_freq.pt": "03_prepare_data.py",
-    "split.json": "03_prepare_data.py",
-    "target_head.safetensors": "04_train.py",
-}
-
-
-def file_not_found(path: str | os.PathLike) -> UserError:
-    """``<path>: file not found``, plus ``(02_extract_hidden.py writes it: run that stage first)`` when
-    ``path`` is a file a stage writes (:data:`WRITTEN_BY`, by file name), and for a relative path the folder it was
-    looked for from (:func:`relative_hint`)."""
-    path = Path(path)
-    stage = WRITTEN_BY.get(path.name)
-    notes = ([f"{stage} writes it: run that stage first"] if stage else []) + (
-        [relative_hint(path)] if relative_hint(path) else []
-    )
-    return UserError(f"{path}: file not found" + (f" ({'; '.join(notes)})" if notes else ""))
-
-
-def relative_hint(path: str | os.PathLike) -> str:
-    """``relative paths are read from the current folder, /x`` for a relative ``path``, else ``''``: a config's
-    relative ``output_root`` run from another folder than the earlier stages were said only ``file not found (02 ...
-    writes it: run that stage first)``, of a stage that had run (trial 2026-12-05g)."""
-    return (
-        ""
-        if Path(path).is_absolute()
-        else f"relative paths are read from the current folder, {Path.cwd()}"
-    )
-
-
-def safe_torch_load(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> Any:
-    """``torch.load(path, weights_only=True)`` with one-line errors.
-
-    Raises:
-        UserError: the file is missing, truncated/corrupt, or holds objects that the
-            weights-only unpickler refuses (e.g. a pickle crafted to run code).
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise file_not_found(path)
-    if not zipfile.is_zipfile(path):  # torch.save writes a zip archive since torch 1.6
-        raise UserError(
-            f"{path}: truncated or corrupt torch file (not a complete zip archive, or not a torch file at all)"
-        )
-    try:
-        return torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(
-            f"{path}: refused by the weights-only loader (unsafe or foreign pickle): {first}"
-        ) from e
-    except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"{path}: truncated or corrupt torch file: {first[:160]}") from e
-
-
-def not_utf8_error(path: str | os.PathLike, exc: UnicodeDecodeError) -> UserError:
-    """The one-line error for a text file that is not UTF-8: ``file:line: not UTF-8 text: byte 0xff at column 12
-    ...``, the line and the byte's column (1-based, in bytes) found by decoding the file's bytes again (``.gz``
-    decompressed; a leading byte-order mark skipped, as the readers skip it). The text readers stream, so the
-    exception alone knows only an offset into the buffer that failed, not the line (before: ``cannot read: 'utf-8'
-    codec can't decode byte 0xff in position 131``, or a traceback)."""
-    import gzip
-
-    path = Path(path)
-    try:
-        with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as f:
-            raw = f.read()
-    except (OSError, EOFError):
-        raw = b""
-    start = 3 if raw.startswith(b"\xef\xbb\xbf") else 0
-    try:
-        raw[start:].decode("utf-8")
-        pos = None
-    except UnicodeDecodeError as e:
-        pos = start + e.start
-    if (
-        pos is None
-    ):  # the bytes changed since, or the error came from elsewhere: the codec's own words
-        return UserError(
-            f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}); save the file as UTF-8"
-        )
-    line = raw.count(b"\n", 0, pos) + 1
-    col = pos - raw.rfind(b"\n", 0, pos)
-    return UserError(
-        f"{path}:{line}: not UTF-8 text: byte 0x{raw[pos]:02x} at column {col} (byte {pos} of the file); "
-        "save the file as UTF-8"
-    )
-
-
-# A JSON backslash-u escape of a UTF-16 surrogate (D800-DFFF): half of a pair is a lone surrogate after json.loads, which no
-# UTF-8 writer or tokenizer takes (ShareGPT dumps hold such cut emoji). A whole pair decodes to one character.
-_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def lone_surrogate_field(obj: Any, field: str = "") -> Optional[str]:
-    """The path (``messages[1].content``; ``<key>`` for a key itself) of the first string in ``obj`` holding a lone
-    UTF-16 surrogate, else None."""
-    if isinstance(obj, str):
-        return (field or "<value>") if _SURROGATE.search(obj) else None
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            sub = f"{field}.{k}" if field else str(k)
-            if isinstance(k, str) and _SURROGATE.search(k):
-                return sub
-            found = lone_surrogate_field(v, sub)
-            if found:
-                return found
-    elif isinstance(obj, list):
-        for i, v in enumerate(obj):
-            found = lone_surrogate_field(v, f"{field}[{i}]")
-            if found:
-                return found
-    return None
-
-
-def check_no_lone_surrogate(text: str, record: Any, where: str) -> None:
-    """Refuse a record parsed from the JSON ``text`` that holds a lone surrogate (:func:`lone_surrogate_field`; the
-    text is searched for a surrogate escape first, so a record without one costs one regex search).
-
-    Raises:
-        UserError: ``<where>: field 'messages[0].content' holds an unpaired UTF-16 surrogate escape ...``.
-    """
-    if not _SURROGATE_ESCAPE.search(text):
-        return
-    field = lone_surrogate_field(record)
-    if field is not None:
-        raise lone_surrogate_error(where, field)
-
-
-def lone_surrogate_error(where: str, field: str) -> UserError:
-    """The one wording of a lone-surrogate refusal, for every reader and the config: ``<where>: field '<field>' holds an
-    unpaired UTF-16 surrogate escape ...`` (``where``: ``file:line``, or the ``--set`` that gave it)."""
-    return UserError(
-        f"{where}: field '{field}' holds an unpaired UTF-16 surrogate escape (half of a \\uD83D\\uDE00 "
-        "pair, e.g. a cut emoji), which is not text: no UTF-8 file or tokenizer takes it; remove it or "
-        "complete the pair"
-    )
-
-
-def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
-    """Yield ``(line number, record)`` for each non-blank line of a JSONL file (``.gz`` read as gzip). A UTF-8
-    byte-order mark at the start (Windows editors write one) is skipped.
-
-    Raises:
-        UserError: ``file:line: malformed JSON: ...`` on the first bad line; ``file:line: not UTF-8 text: ...``
-            (:func:`not_utf8_error`) on the first byte that is not UTF-8; ``file:line: field '...' holds an unpaired
-            UTF-16 surrogate escape ...`` (:func:`check_no_lone_surrogate`).
-    """
-    import gzip
-
-    path = Path(path)
-    opener = gzip.open if path.suffix == ".gz" else open
-    try:
-        with opener(path, "rt", encoding="utf-8-sig") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:  # the line ending dropped: an error at the line's end would otherwise land at column 1 of the next
-                    rec = json.loads(line.rstrip("\r\n"))
-                except json.JSONDecodeError as e:
-                    raise UserError(
-                        f"{path}:{lineno}: malformed JSON: {json_error_detail(e)}"
-                    ) from e
-                check_no_lone_surrogate(line, rec, f"{path}:{lineno}")
-                yield lineno, rec
-    except UnicodeDecodeError as e:
-        raise not_utf8_error(path, e) from e
-
-
-def file_sha256(path: str | os.PathLike) -> str:
-    """Hex sha256 of a file's bytes, streamed in 1 MiB blocks (shard checksums, input fingerprints)."""
-    import hashlib
-
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def write_json_and_markdown(path: str | os.PathLike, obj: Any, markdown: str) -> None:
     """A result as ``path`` (JSON, :func:`atomic_write_json`) and the same table for people beside it (``path`` with
     the suffix ``.md``, :func:`atomic_write_text`): the bench scripts' JSON + Markdown pair."""
@@ -755,75 +552,6 @@ def read_json(path: str | os.PathLike) -> Any:
         raise UserError(f"{path}:{e.lineno}: malformed JSON: {json_error_detail(e)}") from e
     except UnicodeDecodeError as e:
         raise not_utf8_error(path, e) from e
-
-
-@contextlib.contextmanager
-def exclusive_lock(lock_path: str | os.PathLike, holder: str) -> Iterator[None]:
-    """Hold an exclusive, non-blocking ``flock`` on ``lock_path`` for the block (the OS releases it
-    even on SIGKILL, so a killed run never leaves a stale lock); the file is deleted again at the end
-    of the block, so a finished run leaves no empty lock file behind.
-
-    Deleting a lock file is safe only this way (the usual flock pattern): the holder unlinks it while
-    still holding the lock, and a process that obtains the lock checks that the file it locked is still
-    the one at ``lock_path`` (same device and inode); if the holder removed it in between, it opens the
-    new file and tries again. So two processes never both hold a lock on ``lock_path``.
-
-    Args:
-        lock_path: the lock file (created if absent, removed when the block ends).
-        holder: what writes there, for the error, e.g. ``"another 02_extract_hidden run is writing to X"``.
-
-    Raises:
-        UserError: ``{lock_path}: {holder}`` when another process holds the lock.
-    """
-    import fcntl
-
-    lock_path = Path(lock_path)
-    while True:
-        f = open(lock_path, "a+")
-        try:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError as e:
-            f.close()
-            raise UserError(f"{lock_path}: {holder}") from e
-        except BaseException:
-            f.close()
-            raise
-        mine = os.fstat(f.fileno())
-        try:
-            now = os.stat(lock_path)
-        except FileNotFoundError:
-            now = None
-        if now is not None and (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino):
-            break
-        f.close()  # the previous holder removed the file after we opened it: lock the new one
-    try:
-        yield
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            lock_path.unlink()  # still holding the lock (see above)
-        f.close()
-
-
-def lock_held(lock_path: str | os.PathLike) -> bool:
-    """Whether a running process holds the :func:`exclusive_lock` on ``lock_path`` now, for a reader that must not
-    read what that process is writing (03 over 02's shards). The staleness rule is :func:`exclusive_lock`'s: the lock
-    is the ``flock``, not the file, and the OS releases it when its process ends, even on SIGKILL; so a lock file a
-    dead process left behind is not held (False), nor is a missing or unreadable one. The probe takes a shared lock
-    for an instant and releases it; nothing is created or removed.
-    """
-    import fcntl
-
-    try:
-        f = open(lock_path, "rb")
-    except OSError:  # absent (no writer), or not readable: nothing to go by
-        return False
-    with f:
-        try:
-            fcntl.flock(f.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        fcntl.flock(f.fileno(), fcntl.LOCK_UN)
-        return False
 
 
 @contextlib.contextmanager

@@ -1,0 +1,44 @@
+"""The ``drafter`` section: the drafter's decoder-layer shape and variant."""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import Field, StrictFloat, StrictInt
+
+from eagle3.config.types import Section
+
+
+class DrafterConfig(Section):
+    """The drafter's decoder layer. ``null`` = copy from the verifier's text config."""
+
+    hidden_size: Optional[StrictInt] = Field(None, ge=1)
+    num_attention_heads: Optional[StrictInt] = Field(None, ge=1)
+    num_key_value_heads: Optional[StrictInt] = Field(None, ge=1)
+    head_dim: Optional[StrictInt] = Field(None, ge=1)
+    intermediate_size: Optional[StrictInt] = Field(None, ge=1)
+    rms_norm_eps: Optional[StrictFloat] = Field(None, gt=0)
+    rope_theta: Optional[StrictFloat] = Field(None, gt=0)
+    max_position_embeddings: Optional[StrictInt] = Field(
+        None,
+        ge=1,
+        description="the draft config's context; below the verifier's, 04 warns and the SGLang export is "
+        "refused (SGLang will not start such a draft). No weight depends on it: --export-only re-exports with the "
+        "value set here (null = the verifier's)",
+    )
+    variant: Literal["eagle3", "eagle3.1"] = Field(
+        "eagle3",
+        description="drafter architecture: eagle3 (the paper) or eagle3.1 (an RMSNorm on each aux hidden state "
+        "before fc, and the post-norm output fed back between steps; speculators PR 610/670, TorchSpec PR 97; served by "
+        "SGLang 0.5.23 and vLLM 0.33 through the config keys fc_norm / norm_output). eagle3/drafter/model.py",
+    )
+    num_layers: StrictInt = Field(
+        1,
+        ge=1,
+        description="decoder layers of the drafter (exported as num_hidden_layers). Layer 0 is EAGLE-3's "
+        "(q/k/v read cat(input_layernorm(embed), hidden_norm(hidden)), 2H wide); layers 1.. are plain pre-norm Llama "
+        "layers (q/k/v read norm(previous layer output), H wide) in one residual stream, the final norm after the "
+        "last, all at the same rotary positions, as SGLang 0.5.23 and vLLM 0.33 llama_eagle3.py build them. The "
+        "engines name that pre-attention norm differently (SGLang layers.i.hidden_norm, vLLM layers.i.input_layernorm): "
+        "exports write it under both names. 1 = the drafter as before, bit for bit",
+    )
