@@ -1,6 +1,5 @@
 #!/usr/bin/env bash
-# Issue 23's recipe runs on one GPU lease (successor of bench/h200_quality.sh / the quality part of
-# bench/gpu_session.sh): regenerate + capture + prepare ONE data set, then train every recipe on it
+# Issue 23's recipe runs on one GPU lease: regenerate + capture + prepare ONE data set, then train every recipe on it
 # (SLOTS trainings share the GPU at once) and score each with 05 (MT-bench / HumanEval / GSM8K at 3
 # steps, MT-bench at 7), then summarise. Every phase records $W/status/<phase>.{done,failed}, so a later
 # call continues where the previous one stopped (while the machine stays warm; a fresh machine starts over).
@@ -553,7 +552,7 @@ pack() {  # per-run flat folders (quality_summary's layout), the summaries, one 
 import json, sys
 from pathlib import Path
 sys.path.insert(0, "bench")
-from collect_session import split_bench
+from quality_compare import split_bench
 bench, pp = split_bench(json.loads(Path(sys.argv[1]).read_text()))
 out, k = Path(sys.argv[2]), sys.argv[3]
 (out / f"bench-steps{k}.json").write_text(json.dumps(bench, indent=1))
