@@ -1,4 +1,4 @@
-# Sourced by the GPU lease drivers (bench/quality_session.sh, bench/gpu_session.sh): what their verbs share across
+# Sourced by the GPU lease driver (bench/quality_session.sh): what its verbs share across
 # device calls. A lease machine keeps its files only while it stays warm (given back 30 s after a call returns), so
 # the work runs detached and each call `start`s it or `wait`s for it; these helpers keep those calls consistent.
 

@@ -1,7 +1,7 @@
 """Compare drafter runs against a reference run: tau per set with a paired bootstrap CI, held-out top-1.
 
-Each run is ``NAME=PATH``: a 05 ``bench*.json`` (or a folder holding ``bench.json``), as written by
-``bench/collect_session.py``. Read beside it: the per-prompt file (``bench.json`` -> ``per_prompt.json``,
+Each run is ``NAME=PATH``: a 05 ``bench*.json`` (or a folder holding ``bench.json``) split by :func:`split_bench`
+(``bench/quality_session.sh pack`` does). Read beside it: the per-prompt file (``bench.json`` -> ``per_prompt.json``,
 ``bench-X.json`` -> ``per_prompt_X.json``: ``{set: {id: [emitted tokens, verify steps]}}``), and where they
 exist ``train_report.json`` (04: ``final_val`` top-1 ``acc_i`` per TTT position on the held-out split,
 optimizer steps; a run stopped before its final validation (SIGTERM at a lease's deadline) has none, and its export
@@ -36,6 +36,26 @@ from eagle3.errors import UserError  # noqa: E402
 from eagle3.io import atomic_save_png, read_json, write_json_and_markdown  # noqa: E402
 
 SETS = ("mtbench", "humaneval", "gsm8k")
+
+
+def split_bench(bench: dict) -> tuple[dict, dict]:
+    """``(bench without per-prompt rows, {"steps", "per_prompt": {set: {id: [emitted, verify steps]}}})``.
+
+    ``bench``: 05's ``bench.json``. ``emitted`` = sum of the row's accept lengths (tokens the verify rounds
+    emitted), ``verify steps`` = number of rounds; a set's tau is ``sum(emitted) / sum(steps)`` over its prompts.
+    """
+    slim = dict(bench)
+    slim["datasets"] = [
+        {k: v for k, v in ds.items() if k != "per_prompt"} for ds in bench["datasets"]
+    ]
+    pp = {
+        ds["dataset"]: {
+            str(r["id"]): [int(sum(r["accept_lengths"])), len(r["accept_lengths"])]
+            for r in ds.get("per_prompt", [])
+        }
+        for ds in bench["datasets"]
+    }
+    return slim, {"steps": bench.get("steps"), "per_prompt": pp}
 
 
 def _json(path: Path, required: bool = True) -> Optional[dict]:

@@ -1,6 +1,5 @@
 #!/usr/bin/env bash
-# Issue 23's recipe runs on one GPU lease (successor of bench/h200_quality.sh / the quality part of
-# bench/gpu_session.sh): regenerate + capture + prepare ONE data set, then train every recipe on it
+# Issue 23's recipe runs on one GPU lease: regenerate + capture + prepare ONE data set, then train every recipe on it
 # (SLOTS trainings share the GPU at once) and score each with 05 (MT-bench / HumanEval / GSM8K at 3
 # steps, MT-bench at 7), then summarise. Every phase records $W/status/<phase>.{done,failed}, so a later
 # call continues where the previous one stopped (while the machine stays warm; a fresh machine starts over).
@@ -12,15 +11,12 @@
 #                                             # call `wait` again in the next device call while the run goes on)
 #   bash bench/quality_session.sh run         # everything in the foreground (what `start` launches)
 #   bash bench/quality_session.sh pack        # summaries + tarball of what is there now
-#   (2026-12-02c: a machine more than 30 s idle between calls is given back with everything on it, the run
-#   included; and a `wait` that ends seconds before a phase does packs without it: plan the last `wait` past the
-#   plan's end, not to the budget's)
+#   (a machine idle 30 s between calls is given back with the run on it; plan the last `wait` past the plan's end)
 #   bash bench/quality_session.sh finish      # the training deadline, now (a lease running short): every 04 running
 #                                             # checkpoints and exits, its best validation is exported and 05 runs
 #                                             # on it; then `wait` as before
 #   bash bench/quality_session.sh stop        # end the detached run (its process group); a phase is skipped on a
 #                                             # restart only once it is done: stopping mid-phase redoes that phase
-#                                             # (2026-12-02: a stopped regen_speed cost its 12 minutes twice)
 #
 # Env:
 #   W         work dir (default /tmp/quality-run); CONFIG (default configs/smollm2-135m-full.yaml)
@@ -41,7 +37,7 @@
 #             The prompts come back whole (every part and their report) or not at all, also within that room
 #   PACK_LARGE 1 = `wait` / `pack` bring the prompts (or PACK_DRAFTER's export) back before the driver is done; by
 #             default only the pack of a finished driver does: copying ~35-47 MB back makes the call return late, and
-#             a machine idle 30 s after a call is given back (lease 2026-12-04 lost two machines that way)
+#             a machine idle 30 s after a call is given back
 #   Settings given to `start` alone hold for the later verbs too ($W/driver.env), and for a restart: a later `start`
 #             on the same W keeps those it is not given again (named in one line; a new plan: another W).
 #   SELF_INSTRUCT N > 0 (needs SEED or SEED_NPROMPTS): the data set is SEED's regenerated conversations + N user prompts the verifier
@@ -62,14 +58,12 @@
 #   SETS7     datasets of the 7-step benchmark (default mtbench; empty = none)
 #   BENCH_FULL recipe names that get 05 on every set of the config + the 7-step run (default: every recipe); the
 #             others get 05 at 3 steps on BENCH_ABL (default mtbench) only: 05 is the costliest phase of a lease
-#             (2026-12-01: ~230 s per 3-set run alone, 310-340 s with the GPU shared)
 #   SPEED     1 = the speed benches of issues 21/22 in the same lease, each alone on the GPU: before 01,
 #             bench/regen_speed.py on SPEED_CONFIG (default configs/smollm2-135m-full.yaml; REGEN_ARGS extra
 #             flags); after 03, bench/online_train_speed.py on the first ONLINE_LIMIT (default 2000) regenerated
 #             conversations, ONLINE_STEPS (default 100) steps per mode (default 0 = neither)
 #   REGEN_STEP / REGEN_SPEED 0 = skip bench/regen_step.py / bench/regen_speed.py under SPEED=1 (measured already;
-#             default 1 each). REGEN_COMPILE=auto needs regen_step: lease 2026-12-03 set REGEN_SPEED=0, which then
-#             skipped both, and 01 ran uncompiled
+#             default 1 each). REGEN_COMPILE=auto needs regen_step
 #   REGEN_SPEED_MAX_S seconds after which regen_speed is stopped (SIGTERM; the phase fails, the driver goes on; default 0 =
 #             no limit): a bench of an untried path (its compile time unknown) cannot eat the lease
 #   REGEN_COMPILE 1 = prompts.regen_compile=true for every stage; auto = after regen_step (run it with
@@ -87,7 +81,7 @@
 #             the deadline (a chain queued behind SLOTS, a retry) does not train: its checkpoint, if any, is exported
 #             and scored. A restarted driver whose deadline is still ahead clears an earlier driver's mark.
 #   ONLINE_SPEED 0 = skip bench/online_train_speed.py (measured in an earlier lease); @MAIN_STEPS@ then comes from
-#             ONLINE_TPS (default 126626, lease 2026-12-02b's online tokens/s) and STEPS_FOR_S
+#             ONLINE_TPS (default 126626: SmolLM2's online tokens/s on an H200) and STEPS_FOR_S
 #   REGEN_MIN NPROMPTS=auto takes at least this many conversations (default 1000), e.g. more than the disk holds
 #             as shards (issue 21: ~38K conversations of the 127K config are 64 GB)
 #   SPEED05   a recipe name: after every recipe, bench/offline_bench_speed.py at batch 1 on its export, alone on the
@@ -347,8 +341,7 @@ init_drafter() {  # INIT: the folder train.init_from names (parts from an earlie
 }
 
 preflight() {  # every recipe's config loaded with its --set list, and its warm start's shape checked
-  # (bench/lease_preflight.py: seconds, no GPU work), before the driver spends device time on 01-03 (lease 2026-12-05b:
-  # a one-layer INIT under a config that had become two-layer was refused by 04 six minutes in)
+  # (bench/lease_preflight.py: seconds, no GPU work), before the driver spends device time on 01-03
   local spec name sets args=() NPROMPTS=$NPROMPTS  # (bash scoping: rargs below sees this NPROMPTS)
   [ "$NPROMPTS" = auto ] && NPROMPTS=1000  # auto_nprompts sizes it at run time, from regen_speed's rate
   for spec in $RECIPES; do
@@ -356,23 +349,19 @@ preflight() {  # every recipe's config loaded with its --set list, and its warm 
     rargs "$name" "${sets//@MAIN_STEPS@/1000}"
     args+=(--recipe "$name" "${RA[@]}")
   done
-  # 05's own --set list (BENCH_SETS) too: lease 2026-12-05f's BENCH_SETS=mtbench (meant as the sets to score) failed
-  # every 05 after a 6-minute training ("--set mtbench: expected section.key=value")
+  # 05's own --set list (BENCH_SETS) too: a bad one would fail every 05 only after its training
   [ ${#B5[@]} -eq 0 ] || args+=(--recipe "05 (BENCH_SETS)" "${B5[@]}")
   [ ${#args[@]} -eq 0 ] || "$PY" bench/lease_preflight.py --config "$CONFIG" "${args[@]}"
 }
 
-check_settings() {  # settings that would be ignored: one line, exit 1, before anything runs. Lease 2026-12-05f's plan
-  # set SEED_NPROMPTS=100000 without SELF_INSTRUCT, meaning the data set's size: the driver trained on NPROMPTS'
-  # default 4,000 conversations instead
+check_settings() {  # settings that would be ignored: one line, exit 1, before anything runs
   if [ "${SEED_NPROMPTS:-0}" != 0 ] && { [ "${SELF_INSTRUCT:-0}" -le 0 ] || [ -n "${SEED:-}" ]; }; then
     echo "error: SEED_NPROMPTS=$SEED_NPROMPTS is read only with SELF_INSTRUCT > 0 and no SEED (it sizes the seed the" \
       "self-instruct prompts add to); for the data set's size set NPROMPTS=$SEED_NPROMPTS" >&2
     return 1
   fi
   # TRAIN_END_S counts from the first start ($W/t0, kept by a restart): a later start whose deadline has passed would
-  # train nothing (every 04 after the deadline only exports its checkpoint; before, such a driver's trainings were
-  # never stopped: lease 2026-12-05f's call-5 start of a fourth recipe on the same W)
+  # train nothing (every 04 after the deadline only exports its checkpoint)
   if [ -n "${TRAIN_END_S:-}" ] && [ -e "$W/t0" ]; then
     local gone=$(( $(date +%s) - $(cat "$W/t0") ))
     if [ "$TRAIN_END_S" -le "$gone" ]; then
@@ -397,8 +386,7 @@ check_settings() {  # settings that would be ignored: one line, exit 1, before a
       fi ;;
     *) echo "error: REGEN_COMPILE=$REGEN_COMPILE: expected 0, 1 or auto" >&2; return 1 ;;
   esac
-  # a setting naming recipes: a name that is no recipe was ignored in silence (lease-next.env's BENCH_FULL named
-  # b64k, a run the plan had dropped, and not warm10: warm10 got 05 on MT-bench at 3 steps only, no 7-step run)
+  # a setting naming recipes: a name that is no recipe would be ignored in silence
   local v n names=" " spec
   for spec in $RECIPES; do names+="${spec%%:*} "; done
   for v in BENCH_FULL SPEED05 PACK_DRAFTER; do
@@ -409,8 +397,8 @@ check_settings() {  # settings that would be ignored: one line, exit 1, before a
       fi
     done
   done
-  # 05's evaluation sets (--datasets, --dataset): a name 05 does not know failed only after the training, as
-  # BENCH_SETS=mtbench did (lease 2026-12-05f); a built-in set or a prompt file
+  # 05's evaluation sets (--datasets, --dataset): a name 05 does not know would fail only after the training; a
+  # built-in set or a prompt file
   local item
   for v in SETS7 BENCH_ABL SPEED05_SETS; do
     for item in ${!v:-}; do
@@ -430,7 +418,7 @@ recipe_chain() {  # recipe_chain NAME SETS: 04, then 05 at 3 steps (every set) a
   rargs "$1" "$2"
   mkdir -p "$r"; echo "$DDIR" > "$r/data_dir"
   # the run's whole --set list, one a line: `pack` brings it back and quality_recipes records it as the run's
-  # overrides (each quality.json, the headline's included, said "overrides": [] of a drafter trained with a dozen)
+  # overrides
   local o; for o in "${RA[@]}"; do [ "$o" = --set ] || printf '%s\n' "$o"; done > "$r/overrides.txt"
   if [ -n "$DKEY" ] && ! ( flock 9; phase "data-${DKEY}_03" "$PY" 03_prepare_data.py --config "$CONFIG" "${RA[@]}" --no-plot ) \
       9> "$W/status/data-$DKEY.lock"; then
@@ -457,9 +445,8 @@ train_until_deadline() {  # train_until_deadline NAME CMD...: CMD (04) in the ba
   local a args=()  # the same command without --resume, which 04 refuses beside --export-only
   for a in "$@"; do [ "$a" = --resume ] || args+=("$a"); done
   # A 04 that would start after the deadline (a chain queued behind SLOTS, or the retry of a failed one) is not
-  # started: the watcher signals only the 04s running when it fires, so such a training ran its whole schedule past
-  # the deadline (dry run: SLOTS=1, the second recipe's 04 started 19 s after the deadline and trained all its steps).
-  # Its checkpoint, if an earlier try left one, is exported and scored; without one the chain fails
+  # started: the watcher signals only the 04s running when it fires, so such a training would run its whole schedule
+  # past the deadline. Its checkpoint, if an earlier try left one, is exported and scored; without one the chain fails
   if [ -e "$W/deadline.hit" ]; then
     echo "== $name: the deadline has passed; not training, exporting its checkpoint if it has one"
     "${args[@]}" --export-only; return $?
@@ -494,8 +481,7 @@ deadline_left() {  # seconds to the deadline from now (DEADLINE_S: from now, the
 
 end_trainings() {  # the deadline, now: mark it passed, then SIGTERM every 04 running. Each checkpoints and exits 143;
   # train_until_deadline then exports (the best validation under select_best) and the chain goes on to 05. Marking it
-  # first matters: a 04 stopped without the mark counts as failed and its chain retries it with --resume (lease
-  # 2026-12-04e's hand-sent SIGTERM cost a verifier reload that way)
+  # first matters: a 04 stopped without the mark counts as failed and its chain retries it with --resume
   touch "$W/deadline.hit"
   local f
   for f in "$W"/status/*_04.pid; do [ -e "$f" ] && kill -TERM "$(cat "$f")" 2>/dev/null; done
@@ -503,10 +489,8 @@ end_trainings() {  # the deadline, now: mark it passed, then SIGTERM every 04 ru
 }
 
 retry_wait() {  # retry_wait NAME: before a failed chain's one retry. Out of memory on the shared GPU: until no other
-  # recipe's 04 runs (lease 2026-12-05f: on an H100's 80 GB the 65,536-token run, 57 GiB at its peak, and ref failed
-  # again 20 s later beside the third training, then had to be rerun by hand); any other failure: 20 s. Any phase of
-  # the chain: an fp32 05 beside the trainings runs out too (2026-12-01: one 05 held 29 GB), and its retry 20 s later
-  # met the same trainings
+  # recipe's 04 runs (a retry 20 s later meets the same trainings); any other failure: 20 s. Any phase of the chain:
+  # an fp32 05 beside the trainings runs out too
   if grep -qs 'OutOfMemoryError' "$W/logs/${1}_04.log" "$W/logs/${1}_05s3.log" "$W/logs/${1}_05s7.log"; then
     echo "== $1: out of memory; its retry waits until no other training runs"
     while other_trainings "$1" && [ ! -e "$W/deadline.hit" ]; do sleep "${RETRY_POLL_S:-5}"; done
@@ -553,7 +537,7 @@ pack() {  # per-run flat folders (quality_summary's layout), the summaries, one 
 import json, sys
 from pathlib import Path
 sys.path.insert(0, "bench")
-from collect_session import split_bench
+from quality_compare import split_bench
 bench, pp = split_bench(json.loads(Path(sys.argv[1]).read_text()))
 out, k = Path(sys.argv[2]), sys.argv[3]
 (out / f"bench-steps{k}.json").write_text(json.dumps(bench, indent=1))
@@ -569,8 +553,7 @@ PYEOF
   fi
   cat "$res/summary.txt"
   cp "$W/run.log" "$res/" 2>/dev/null
-  # the settings the driver ran with (those given at the lease's call, e.g. TRAIN_END_S=<left - 450>, are in no
-  # committed file: the session's README was filled from the plan's defaults)
+  # the settings the driver ran with (those given at the lease's call, e.g. TRAIN_END_S, are in no committed file)
   cp "$W/driver.env" "$res/" 2>/dev/null
   nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv > "$res/nvidia-smi.txt" 2>/dev/null
   [ -n "${OUT:-}" ] || { ls "$W/status"; return 0; }
@@ -590,7 +573,7 @@ PYEOF
   if [ "$packed" = 0 ] && [ -z "${SEED:-}" ] && [ -e "$W/status/s01.done" ] && [ -e "$ROOT/prompts.jsonl" ]; then  # SEED: they are here already
     [ -e "$W/prompts.jsonl.gz" ] || { gzip -c "$ROOT/prompts.jsonl" > "$W/prompts.gz.tmp" && mv "$W/prompts.gz.tmp" "$W/prompts.jsonl.gz"; }
     # all the parts and the report, or none (a SEED needs every part): within what $OUT still takes beside the
-    # results tarball (5 parts of 15 MiB passed the PARTS_MAX test at up to 75 MiB, over $OUT's 64 MiB together)
+    # results tarball
     local size parts
     size=$(stat -c %s "$W/prompts.jsonl.gz"); parts=$(( (size + 15728639) / 15728640 )); out_room
     if [ "$size" -le $(( ${PARTS_MAX:-5} * 15728640 )) ] \
@@ -624,7 +607,7 @@ send_drafter_parts() {  # send_drafter_parts EXPORT_DIR: the export as drafter.t
   fi
   for p in "$d"/drafter.tar.gz.part??; do
     [ -e "$p.sent" ] && continue
-    out_room  # (4 parts of 15 MiB beside a results tarball over 4 MiB were over $OUT's 64 MiB together)
+    out_room
     if [ "$n" -lt 4 ] && [ "$(stat -c %s "$p")" -le "$ROOM_BYTES" ] && [ "$ROOM_FILES" -ge 1 ]; then
       cp "$p" "$OUT/" && touch "$p.sent" && n=$((n + 1))
     else
@@ -637,8 +620,7 @@ send_drafter_parts() {  # send_drafter_parts EXPORT_DIR: the export as drafter.t
 
 speed_bench() {  # SPEED05=NAME: 05's speedup at batch 1 (bench/offline_bench_speed.py) for recipe NAME, after every
   # recipe, alone on the GPU, in the verifier's serving dtype (SPEED05_PROMPTS prompts of each set, default 8, picked
-  # by SPEED05_PICK, default spread: evenly over the set, so MT-bench's 8 are one per category; leases 03d..04e took
-  # the first 8, all writing)
+  # by SPEED05_PICK, default spread: evenly over the set, so MT-bench's 8 are one per category)
   [ -n "${SPEED05:-}" ] || return 0
   local spec sets=
   for spec in $RECIPES; do [ "${spec%%:*}" = "$SPEED05" ] && sets=${spec#*:}; done

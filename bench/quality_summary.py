@@ -1,6 +1,6 @@
 """Collect a real-data drafter run into issue 10's ``quality.json``: tau per draft length and set, where it is lost.
 
-Reads one run's reports from a folder (copied out of the GPU run by ``bench/gpu_session.sh``):
+Reads one run's reports from a folder (a run folder of ``bench/quality_session.sh pack``):
 
 - ``bench-steps{K}.json`` (05, one per chain length K, e.g. 3 and 7): tau, per-position acceptance,
   speedup against batched greedy in the same run, drafter share of the step time;

@@ -82,6 +82,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from eagle3.cli import non_negative_int, positive_int, run_main  # noqa: E402
 from eagle3.config import load_config  # noqa: E402
 from eagle3.data.readers import short_pool_warning  # noqa: E402
+from eagle3.io import atomic_write_json, atomic_write_text  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -1022,9 +1023,17 @@ def batch_ab(
     }
 
 
-def main(argv=None) -> int:
-    from regen_schedule import emit
+def emit(a, res: dict, md: str) -> int:
+    """Print the Markdown table; write ``--json`` / ``--md`` when given (atomically). Returns 0."""
+    print(md, end="")
+    if a.json:
+        atomic_write_json(a.json, res)
+    if a.md:
+        atomic_write_text(a.md, md)
+    return 0
 
+
+def main(argv=None) -> int:
     from eagle3.cli import ArgumentParser
 
     p = ArgumentParser(description=__doc__.splitlines()[0])

@@ -361,7 +361,7 @@ def run_path(
 
 
 def main(argv=None) -> int:
-    from regen_schedule import emit
+    from regen_speed import emit
 
     from eagle3.cli import ArgumentParser
 

@@ -87,8 +87,8 @@ writes, per configuration, ``row["ddp"]``:
     scaling_efficiency_wall = total_tokens_per_s_wall / world / baseline tokens_per_s
 
 NVLink multicast stays off: ``NCCL_NVLS_ENABLE=0`` (forced), ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` and
-``NVSHMEM_DISABLE_NVLS=1`` are set before the process group starts. On an N-GPU box
-``bench/multi_gpu.sh N`` runs the 1-GPU baseline and the N-GPU DDP run and prints the comparison::
+``NVSHMEM_DISABLE_NVLS=1`` are set before the process group starts. On an N-GPU box, the 1-GPU baseline, then the
+N-GPU DDP run compared against it::
 
     python3 bench/train_throughput.py --kv-heads 64 --steps 10 --warmup 3 --json $OUT/tt1.json
     python3 -m torch.distributed.run --standalone --nproc_per_node 8 bench/train_throughput.py \\

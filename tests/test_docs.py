@@ -1,5 +1,5 @@
-"""The user docs (README.md, DESIGN.md, docs/*.md, patches/README.md) and the YAML comments in configs/ against the
-code, so that a renamed key, flag, module or results file fails here instead of costing a user a day:
+"""The user docs (README.md, DESIGN.md, docs/*.md, patches/README.md, bench/README.md) and the YAML comments in
+configs/ against the code, so that a renamed key, flag, module or results file fails here instead of costing a user a day:
 
 - every ``section.key`` they name is a field of ``eagle3.config.RunConfig`` (or a module attribute written
   ``stage_module.name``, or a file name);
@@ -33,6 +33,7 @@ DOCS = [
     "DESIGN.md",
     *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md")),
     "patches/README.md",
+    "bench/README.md",
 ]
 CONFIGS = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "configs").glob("*.yaml"))
 SECTIONS = ("verifier", "prompts", "extract", "data", "drafter", "train", "export", "benchmark")

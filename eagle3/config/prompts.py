@@ -234,7 +234,7 @@ class PromptsConfig(Section):
         "keeps its slot's K/V (prompt + answer) until the next turn is submitted, which then takes that slot and "
         "prefills only its tokens after the longest common token prefix with the cached ids (RoPE positions and cache "
         "columns offset, attention over the cached prefix). Measured on the 100K seed: 34.8% of 01's prompt tokens are "
-        "such prefixes (bench/regen_schedule.py). Greedy answers are the same in float32 (tested); the counts are "
+        "such prefixes. Greedy answers are the same in float32 (tested); the counts are "
         "engine_stats reused_tokens / prefill_tokens in prompts_report.json. A speed setting: not in 01's settings "
         "fingerprint",
     )

@@ -4,7 +4,7 @@
 Why: at batch 1 a small verifier's step is bound by the host, not the GPU. :mod:`eagle3.decoding.decode` runs
 transformers' ``DynamicCache`` forwards (a growing cache, a 2-D mask rebuilt every step): on the H200 a SmolLM2-135M
 greedy token cost 21.8 ms and an EAGLE-3 round 27.3 ms of verify + 5.4 ms of draft, 1.50x a greedy token, so the
-speedup was tau / 1.5 (``bench/batch1_host_ops.py`` counts the ops). Replaying graphs, a step
+speedup was tau / 1.5. Replaying graphs, a step
 costs its kernels, for the baseline and for EAGLE-3 alike, so the speedup measures the algorithm, not Python.
 
 Same results as :mod:`eagle3.decoding.decode` at batch 1 (tests/benchmark/test_static_decode.py: greedy equal to

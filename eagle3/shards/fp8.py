@@ -9,7 +9,7 @@ activation blocks). A row (block) of zeros gets scale 1. Reading back: ``h ~= q.
 
 e4m3 keeps 3 mantissa bits, so the relative rounding error of a normal value is at most 2^-4; on
 real SmolLM2 hidden states the error is 0.5-2.3% relative RMS per tensor with per-token scales and
-1.5-1.7% at best with 32-column blocks (``bench/fp8_storage.py``, README "fp8 shard storage"): the
+1.5-1.7% at best with 32-column blocks (docs/results.md "fp8 shard storage"): the
 scaling scheme only decides which small values fall into the subnormal range. Rounding is PyTorch's float -> float8 cast (round to nearest even). Bytes per
 token and tensor: ``H + 4 * nb`` instead of ``2 H`` in bf16.
 
@@ -195,7 +195,7 @@ def has_nan_fp8(q: torch.Tensor) -> bool:
 
     ``0x7F`` is the largest value of ``bits & 0x7F``, so its max equals ``0x7F`` iff some element is NaN:
     two passes without a bool temporary, ~10x faster on CPU than ``((bits & 0x7F) == 0x7F).any()`` (run by
-    the stage-04 loader on every fp8 shard; ``bench/small_train_speed.py --modes tokens,tokens+fp8``).
+    the stage-04 loader on every fp8 shard).
     """
     return q.numel() > 0 and int((q.view(torch.uint8) & 0x7F).max()) == 0x7F
 

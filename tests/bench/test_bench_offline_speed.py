@@ -439,3 +439,27 @@ def test_offline_bench_speed_reports_the_checks_05_makes(tmp_path, tiny_llama_di
         "data_config.json records no chat_template_kwargs",
     ]  # the verifier record is there (tiny), so that one was checked
     assert all(w in res["warnings"] for w in res["not_checked"])
+
+
+def test_random_drafter_is_the_configs_drafter():
+    """The speed benches' untrained drafter takes the run config's drafter section (variant, depth, width): the
+    ops and time of a draft depend on them (a second layer: 360 -> 530 ops per chain-3 draft on SmolLM2)."""
+    from eagle3.config import DrafterConfig
+
+    spec = importlib.util.spec_from_file_location("regen_step", ROOT / "bench" / "regen_step.py")
+    regen_step = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(regen_step)
+    random_drafter = _script()._random_drafter
+
+    model = regen_step.tiny_model()
+    plain = random_drafter(model, "cpu", None)
+    assert (plain.args.num_layers, plain.args.variant) == (1, "eagle3")
+    assert plain.args.intermediate_size == model.config.intermediate_size
+    d = random_drafter(
+        model, "cpu", None, DrafterConfig(num_layers=2, variant="eagle3.1", intermediate_size=40)
+    )
+    assert (d.args.num_layers, d.args.variant, d.args.intermediate_size) == (2, "eagle3.1", 40)
+    assert (
+        d.args.hidden_size == model.config.hidden_size
+    )  # null fields still come from the verifier
+    assert any(k.startswith("layers.1.") for k in d.state_dict())

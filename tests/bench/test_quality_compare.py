@@ -1,4 +1,4 @@
-"""bench/quality_compare.py and bench/collect_session.py: tau deltas with paired bootstrap intervals,
+"""bench/quality_compare.py: 05's per-prompt rows split off, tau deltas with paired bootstrap intervals,
 values read from the runs' reports (hand-computed here), never invented."""
 
 import json
@@ -9,7 +9,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
-import collect_session as cs  # noqa: E402
 import quality_compare as qc  # noqa: E402
 
 
@@ -42,48 +41,44 @@ def _bench(datasets):
     }
 
 
-def _session(tmp_path):
-    res = tmp_path / "s" / "res"
-    (res / "real" / "bench-steps3").mkdir(parents=True)
-    (res / "real" / "train").mkdir()
-    (res / "real" / "bench-steps3" / "bench.json").write_text(
-        json.dumps(_bench({"mtbench": {"81": [1, 3, 2], "82": [2, 2]}}))
-    )
-    (res / "real" / "bench-steps3" / "bench.md").write_text("| table |\n")
-    (res / "real" / "train" / "train_report.json").write_text(
+def _runs(tmp_path):
+    """Two runs in the layout ``bench/quality_session.sh pack`` leaves: 05's bench.json split by ``split_bench``
+    (the reference flat, ``bench-steps3.json`` + ``per_prompt_steps3.json``; a run folder ``runs/curve-6000``)."""
+    out = tmp_path / "out"
+    (out / "runs" / "curve-6000").mkdir(parents=True)
+    for bench, slim_path, pp_path in (
+        (
+            _bench({"mtbench": {"81": [1, 3, 2], "82": [2, 2]}}),
+            out / "bench-steps3.json",
+            out / "per_prompt_steps3.json",
+        ),
+        (
+            _bench({"mtbench": {"81": [1, 1, 1], "82": [2, 1]}}),
+            out / "runs" / "curve-6000" / "bench.json",
+            out / "runs" / "curve-6000" / "per_prompt.json",
+        ),
+    ):
+        slim, pp = qc.split_bench(bench)
+        slim_path.write_text(json.dumps(slim))
+        pp_path.write_text(json.dumps(pp))
+    (out / "train_report.json").write_text(
         json.dumps({"step": 10, "final_val": {"acc_0": 0.8, "acc_1": 0.7}})
     )
-    (res / "curve-6000" / "bench").mkdir(parents=True)
-    (res / "curve-6000" / "data").mkdir()
-    (res / "curve-6000" / "bench" / "bench.json").write_text(
-        json.dumps(_bench({"mtbench": {"81": [1, 1, 1], "82": [2, 1]}}))
-    )
-    (res / "curve-6000" / "data" / "data_report.json").write_text(
+    (out / "runs" / "curve-6000" / "data_report.json").write_text(
         json.dumps({"train_samples": 6000, "coverage": 1.0})
     )
-    (res / "capture_disk.json").write_text(json.dumps({"capture_vs_bare_ratio": 0.2}))
-    (tmp_path / "s" / "status").mkdir()
-    (tmp_path / "s" / "status" / "s04.done").write_text("295\n")
-    (tmp_path / "s" / "status" / "curve6000_04.failed").write_text("64 rc=1\n")
-    return tmp_path / "s"
+    return out
 
 
-def test_collect_session_then_compare(tmp_path):
-    out = tmp_path / "out"
-    phases = cs.collect(_session(tmp_path), out)
-    assert phases == {
-        "s04": [{"status": "done", "record": "295"}],
-        "curve6000_04": [{"status": "failed", "record": "64 rc=1"}],
-    }
+def test_split_bench_then_compare(tmp_path):
+    out = _runs(tmp_path)
     slim = json.loads((out / "bench-steps3.json").read_text())
-    assert "per_prompt" not in slim["datasets"][0]
+    assert "per_prompt" not in slim["datasets"][0] and slim["datasets"][0]["num_prompts"] == 2
     pp = json.loads((out / "per_prompt_steps3.json").read_text())
-    assert pp["per_prompt"] == {"mtbench": {"81": [6, 3], "82": [4, 2]}}  # [emitted, verify steps]
-    assert (out / "bench-steps3.md").read_text() == "| table |\n"
+    assert pp == {"steps": 3, "per_prompt": {"mtbench": {"81": [6, 3], "82": [4, 2]}}}
     assert json.loads((out / "runs" / "curve-6000" / "per_prompt.json").read_text())[
         "per_prompt"
-    ] == {"mtbench": {"81": [3, 3], "82": [3, 2]}}
-    assert json.loads((out / "capture_disk.json").read_text()) == {"capture_vs_bare_ratio": 0.2}
+    ] == {"mtbench": {"81": [3, 3], "82": [3, 2]}}  # [emitted, verify steps]
 
     rows = qc.compare(
         qc.load_run(f"17K={out / 'bench-steps3.json'}"),
@@ -104,8 +99,7 @@ def test_collect_session_then_compare(tmp_path):
 
 
 def test_cli_curve_png_and_bad_spec(tmp_path):
-    out = tmp_path / "out"
-    cs.collect(_session(tmp_path), out)
+    out = _runs(tmp_path)
     r = subprocess.run(
         [
             sys.executable,

@@ -166,45 +166,6 @@ def test_settings_given_to_start_hold_for_wait(tmp_path):
     assert _packed_prompts(out2) == PROMPTS
 
 
-def test_gpu_session_wait_returns_the_prompts_only_when_done(tmp_path):
-    """bench/gpu_session.sh (the older driver) shares the rule through bench/lease_lib.sh."""
-    w = tmp_path / "w"
-    (w / "status").mkdir(parents=True)
-    (w / "status" / "s01.done").write_text("3\n")
-    (w / "real").mkdir()
-    (w / "real" / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
-    script = ROOT / "bench" / "gpu_session.sh"
-
-    def wait(out: Path, **env: str) -> list[str]:
-        out.mkdir()
-        r = subprocess.run(
-            ["bash", str(script), "wait", "0"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env={
-                "PATH": os.environ["PATH"],
-                "PYTHON": sys.executable,
-                "W": str(w),
-                "OUT": str(out),
-                **env,
-            },
-        )
-        assert r.returncode == 0, r.stderr
-        return sorted(p.name for p in out.iterdir())
-
-    assert wait(tmp_path / "o1") == ["results.tar.gz"]  # mid-run: small
-    (w / "status" / "ALL.done").touch()
-    assert wait(tmp_path / "o2") == ["prompts.jsonl.gz", "results.tar.gz"]
-    lines = (
-        gzip.decompress((tmp_path / "o2" / "prompts.jsonl.gz").read_bytes()).decode().splitlines()
-    )
-    assert [json.loads(x) for x in lines] == PROMPTS
-    assert wait(tmp_path / "o3", SEED=str(tmp_path)) == [
-        "results.tar.gz"
-    ]  # seeded: nothing to bring back
-
-
 def test_finish_is_the_deadline_now(tmp_path):
     """`finish` marks the deadline passed before it signals each running 04, so its chain exports and scores the
     checkpoint instead of retrying it (lease 2026-12-04e: a hand-sent SIGTERM without the mark made the chain rerun 04
@@ -798,8 +759,7 @@ def test_the_next_leases_plan_passes_the_settings_check():
     assert len(names) >= 2 and r.stdout.splitlines() == [f"{n} full" for n in names]
 
 
-@pytest.mark.parametrize("script", ["quality_session.sh", "gpu_session.sh"])
-def test_wait_returns_when_the_driver_is_gone(tmp_path, script):
+def test_wait_returns_when_the_driver_is_gone(tmp_path):
     """`wait N` waited for ALL.done only: a driver that died (stopped, killed, an error) without it cost the whole N
     seconds of device time. It now returns once the driver `start` launched is gone, says so in one line, and packs."""
     w, out = tmp_path / "w", tmp_path / "out"
@@ -811,7 +771,7 @@ def test_wait_returns_when_the_driver_is_gone(tmp_path, script):
     (w / "run.log").write_text("== ref_04: start 10:00:00\n")
     t0 = time.monotonic()
     r = subprocess.run(
-        ["bash", str(ROOT / "bench" / script), "wait", "120"],
+        ["bash", str(SCRIPT), "wait", "120"],
         capture_output=True,
         text=True,
         timeout=200,
@@ -823,9 +783,7 @@ def test_wait_returns_when_the_driver_is_gone(tmp_path, script):
         f"== the driver is not running and did not finish (no {w}/status/ALL.done; "
         f"see {w}/run.log): packing what is there"
     )
-    assert sorted(p.name for p in out.iterdir()) == [
-        "quality-results.tar.gz" if script == "quality_session.sh" else "results.tar.gz"
-    ]
+    assert sorted(p.name for p in out.iterdir()) == ["quality-results.tar.gz"]
 
 
 def test_each_run_records_its_set_list_and_the_summary_reports_it(tmp_path):

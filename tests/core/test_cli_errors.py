@@ -27,7 +27,6 @@ SCRIPTS = [
     "05_benchmark.py",
     "bench/extract_throughput.py",
     "bench/offline_bench_speed.py",
-    "bench/tokenize_throughput.py",
 ]
 BASE = "run_name: r\nverifier:\n  path: {root}/no-verifier\nprompts:\n  source: {root}/no-prompts.jsonl\n"
 
@@ -223,18 +222,6 @@ PER_SCRIPT = {
             ["--json", "{root}"],
             "--json {root}: is a folder; give a file path",
         ),  # was found after the measuring
-    ],
-    "bench/tokenize_throughput.py": [
-        (["--num", "0"], "argument --num: must be >= 1, got 0"),
-        ([], "verifier.path: folder '{root}/no-verifier' not found"),
-    ],
-    "bench/small_train_speed.py": [  # --config is optional there (synthetic data without it)
-        (
-            ["--set", "verifier.chat_template={{ x }}"],
-            "--set verifier.chat_template={{ x }}: value is not valid YAML",
-        ),
-        (["--config", "{list}"], "{list}: the config must be a YAML mapping"),
-        (["--batch-tokens", "many"], "argument --batch-tokens: invalid int value: 'many'"),
     ],
     "bench/extract_throughput.py": [
         (["--batch", "0"], "argument --batch: must be >= 1, got 0"),

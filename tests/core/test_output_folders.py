@@ -146,11 +146,10 @@ def test_convert_shards_names_dst(tmp_path):
 def test_a_bench_script_names_its_output_flag(tmp_path):
     """The bench scripts that make a folder from a flag (``--out``, ``--workdir``, ``--profile``) name the flag."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-    import collect_session
+    import online_train_speed
 
-    (tmp_path / "res").mkdir()
-    assert _error(collect_session.main, [str(tmp_path), "--out", f"{PROC}/s"]) == (
-        f"--out: cannot create the output folder {PROC}/s: {NO}"
+    assert _error(online_train_speed.main, ["--tiny", "--workdir", f"{PROC}/s"]) == (
+        f"--workdir: cannot create the output folder {PROC}/s: {NO}"
     )
 
 
