@@ -1,13 +1,13 @@
 """Benchmark: stage-04 training throughput of the SmolLM2 drafter, old fixed-batch loop vs token-budget loop.
 
-Every mode runs the real trainer, ``eagle3.train.trainer.run``, on the same shards (data loading, targets,
+Every mode runs the real trainer, ``eagle3.stages.train.run``, on the same shards (data loading, targets,
 TTT forward/backward, AdamW, logging), for ``--steps`` optimizer steps each, in one process:
 
 - ``legacy8``: the loop as issue 9 measured it (14K tokens/s on an H200): ``batch_size`` 8 padded to
   the longest sample, 2 loader workers, verifier targets and draft logits at every position
   (``eagle3.train.ttt.ttt_loss``; the collate output without ``loss_pos``, which selects that path), logit
   checkpointing, and torch's default SDPA backend (cuDNN on Hopper, which builds a plan per new shape;
-  ``eagle3.train.trainer.run`` now turns it off).
+  ``eagle3.stages.train.run`` now turns it off).
 - ``fixed8``: ``batch_size`` 8 with today's loop (host-indexed loss rows, auto loader workers).
 - ``tokens``: ``train.batch_tokens`` token-budget micro-batches (``--batch-tokens``, default 16384).
 
@@ -325,16 +325,17 @@ def _legacy_collate(items):
     from eagle3.data.dataset import collate
 
     out = collate(items)
-    out.pop("loss_pos")  # no loss rows: eagle3.train.trainer takes the dense ttt_loss path
+    out.pop("loss_pos")  # no loss rows: eagle3.stages.train takes the dense ttt_loss path
     return out
 
 
 def loader_rate(cfg, batches: int) -> dict:
-    """Data loading alone, as ``eagle3.train.trainer`` sets it up for ``cfg`` (workers, pinning): real tokens/s over
+    """Data loading alone, as ``eagle3.stages.train`` sets it up for ``cfg`` (workers, pinning): real tokens/s over
     ``batches`` micro-batches after the first, and one process's ``ShardDataset[i]`` time per sample."""
     from eagle3.data.dataset import ShardDataset, read_split
     from eagle3.shards.format import expect_from_data_config, read_data_config
-    from eagle3.train.trainer import DistInfo, _TrainData
+    from eagle3.train.order import TrainData as _TrainData
+    from eagle3.train.ranks import DistInfo
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     meta = read_data_config(cfg.shards_dir)
@@ -349,7 +350,19 @@ def loader_rate(cfg, batches: int) -> dict:
     for i in range(n):
         ds[i]
     per_sample_ms = 1e3 * (time.perf_counter() - t0) / n
-    data = _TrainData(cfg, ds, DistInfo(rank=0, world=1, local_rank=0, device=dev))
+    t = cfg.train
+    data = _TrainData(
+        ds,
+        DistInfo(rank=0, world=1, local_rank=0, device=dev),
+        batch_size=t.batch_size,
+        grad_accum=t.grad_accum,
+        batch_tokens=t.batch_tokens,
+        seed=t.seed,
+        epochs=t.epochs,
+        num_workers=t.num_workers,
+        shards_dir=cfg.shards_dir,
+        split_file=cfg.data_dir / "split.json",
+    )
     it = data.iterate(0, 0)
     next(it)
     t0, toks, got, feat = time.perf_counter(), 0, 0, None
@@ -391,7 +404,7 @@ def run_mode(
     """
     import shutil
 
-    import eagle3.train.trainer as train_mod
+    import eagle3.stages.train as train_mod
     from eagle3.config import load_config
     from eagle3.export.from_checkpoint import export_for_run
 

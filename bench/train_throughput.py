@@ -1,13 +1,13 @@
 """Benchmark: the real stage-04 training step (drafter TTT + verifier targets + backward + AdamW) at a given shape.
 
-What one timed step is (the same calls as ``eagle3.train.trainer._run`` with ``grad_accum = 1``):
+What one timed step is (the same calls as ``eagle3.stages.train._run`` with ``grad_accum = 1``):
 
-1. ``eagle3.train.ttt.compute_targets(last, lm_head [V, Ht], d2t, t2d, chunk=eagle3.train.trainer.TARGET_CHUNK)``
+1. ``eagle3.train.ttt.compute_targets(last, lm_head [V, Ht], d2t, t2d, chunk=eagle3.train.loop.TARGET_CHUNK)``
    under ``no_grad``: the verifier's soft targets from its last hidden state (full ``V``-column LM head);
-2. ``eagle3.train.trainer.backward_step``: the step's token counts and loss denominators
+2. ``eagle3.train.loop.backward_step``: the step's token counts and loss denominators
    (``eagle3.train.ttt.step_denominators``, one all-reduce per step under DDP), then
-   ``eagle3.train.trainer.TTTObjective`` (``drafter.ttt_forward`` over all ``ttt`` steps + ``ttt_loss``) under
-   ``torch.autocast(dtype=eagle3.train.trainer._autocast_dtype(...))`` (bf16 on GPU, none on CPU; the
+   ``eagle3.train.loop.TTTObjective`` (``drafter.ttt_forward`` over all ``ttt`` steps + ``ttt_loss``) under
+   ``torch.autocast(dtype=eagle3.train.inputs.autocast_dtype(...))`` (bf16 on GPU, none on CPU; the
    drafter's weights stay float32 masters), optionally wrapped in ``torch.compile``, and ``loss.backward()``;
 3. ``clip_grad_norm_(params, grad_clip)``, ``AdamW.step()``,
    ``zero_grad(set_to_none=True)``, ``LambdaLR.step()`` (``eagle3.train.schedule.build_scheduler``),
@@ -64,7 +64,7 @@ CPU smoke run (a few seconds)::
 
 DDP mode (multi-GPU scaling). Launched under ``torchrun`` (env ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``),
 every rank runs the same step as above with the ``TTTObjective`` wrapped exactly as
-``eagle3.train.trainer._run`` wraps it: ``eagle3.train.trainer.init_distributed`` (NCCL on ``cuda:LOCAL_RANK``, gloo
+``eagle3.stages.train._run`` wraps it: ``eagle3.train.ranks.init_distributed`` (NCCL on ``cuda:LOCAL_RANK``, gloo
 with ``--device cpu``, plus a gloo control group), ``DistributedDataParallel(objective,
 device_ids=[local_rank] on GPU / None on CPU)`` when ``WORLD_SIZE > 1``, and ``torch.compile`` around
 the DDP module with ``--compile``. The weights are identical on every rank (seed 0; DDP also
@@ -114,7 +114,6 @@ import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Callable, Optional
 
 import torch
@@ -125,16 +124,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from eagle3.config import TrainConfig  # noqa: E402
 from eagle3.io import atomic_write_json  # noqa: E402
 from eagle3.process_group import process_group_scope  # noqa: E402
+from eagle3.train.inputs import autocast_dtype  # noqa: E402
+from eagle3.train.loop import TARGET_CHUNK, TTTObjective, backward_step  # noqa: E402
 from eagle3.train.model import DrafterArgs, Eagle3Drafter  # noqa: E402
+from eagle3.train.ranks import DistInfo, init_distributed  # noqa: E402
 from eagle3.train.schedule import build_scheduler  # noqa: E402
-from eagle3.train.trainer import (  # noqa: E402
-    TARGET_CHUNK,
-    DistInfo,
-    TTTObjective,
-    _autocast_dtype,
-    backward_step,
-    init_distributed,
-)
 from eagle3.train.ttt import compute_targets  # noqa: E402
 
 GIB = 1024**3
@@ -303,15 +297,13 @@ def build_step(
 
     Args:
         seed: drafter init, vocab map and verifier head (identical on every rank).
-        ddp: with a multi-process :class:`eagle3.train.trainer.DistInfo`, the objective is wrapped in
-            ``DistributedDataParallel`` as in ``eagle3.train.trainer._run`` (before ``torch.compile``).
+        ddp: with a multi-process :class:`eagle3.train.ranks.DistInfo`, the objective is wrapped in
+            ``DistributedDataParallel`` as in ``eagle3.stages.train._run`` (before ``torch.compile``).
         batch_seed: seed of the random batch (``input_ids``, ``aux``, ``last``); None draws it from
             the ``seed`` stream after the head (the single-process default).
     """
     tc = TrainConfig()
-    amp = _autocast_dtype(
-        SimpleNamespace(train=tc), device
-    )  # bf16 on GPU, None on CPU (as train.py)
+    amp = autocast_dtype(tc.bf16, device)  # bf16 on GPU, None on CPU (as train.py)
     feat_dtype = torch.bfloat16 if amp is not None else torch.float32
     ckpt_logits = (
         (device.type == "cuda") if checkpoint_logits is None else checkpoint_logits
@@ -358,7 +350,7 @@ def build_step(
     objective = TTTObjective(drafter, s.ttt, tc.step_weight, checkpoint_logits=ckpt_logits)
     model = objective
     wrapped = ddp is not None and ddp.distributed
-    if wrapped:  # as eagle3.train.trainer._run: DDP around the objective, torch.compile around DDP
+    if wrapped:  # as eagle3.stages.train._run: DDP around the objective, torch.compile around DDP
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         model = DDP(objective, device_ids=[device.index] if device.type == "cuda" else None)
@@ -904,7 +896,7 @@ def _main(
         )
 
     # ceiling in the dtype the step's matmuls run in: bf16 under autocast (GPU), float32 on CPU
-    amp = _autocast_dtype(SimpleNamespace(train=TrainConfig()), device)
+    amp = autocast_dtype(TrainConfig().bf16, device)
     ceil_dtype = amp if amp is not None else torch.float32
     base_rows = {}
     if baseline is not None:  # validate before any heavy work; same error on every rank

@@ -36,7 +36,7 @@ LEGACY = {"prompts", "benchmark"}  # being emptied into concept packages and sta
 KNOWN_CONFIG_USERS = {
     "eagle3.export.from_checkpoint",
     "eagle3.benchmark.offline",
-    "eagle3.train.trainer",
+    "eagle3.train.inputs",
     "eagle3.data.prepare_data",
     "eagle3.data.settings",
     "eagle3.prompts.prepare_prompts",
@@ -47,7 +47,7 @@ KNOWN_CONFIG_USERS = {
     "eagle3.verifier",
 }
 # Library modules that still import eagle3.cli; each leaves when its orchestration moves to stages/.
-KNOWN_CLI_USERS = {"eagle3.prompts.self_instruct", "eagle3.train.trainer"}
+KNOWN_CLI_USERS = {"eagle3.prompts.self_instruct"}
 
 
 def module_name(path: Path) -> str:
@@ -168,9 +168,9 @@ def test_cycle_finder_and_resolver():
     assert find_cycle(g) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
     assert is_orchestration("eagle3.stages.train") and is_orchestration("eagle3.cli")
-    assert not is_orchestration("eagle3.train.trainer")
+    assert not is_orchestration("eagle3.train.loop")
     g = import_graph()
-    assert "eagle3.sdpa" in g["eagle3.train.trainer"]  # including imports inside functions
+    assert "eagle3.capture.hf" in g["eagle3.train.online"]  # including imports inside functions
 
 
 def test_test_basenames_are_unique():
@@ -190,7 +190,10 @@ ORCHESTRATION = [
     "eagle3/prompts/continuous.py",
     "eagle3/capture/extract.py",
     "eagle3/data/prepare_data.py",
-    "eagle3/train/trainer.py",
+    "eagle3/stages/train.py",
+    "eagle3/train/inputs.py",
+    "eagle3/train/loop.py",
+    "eagle3/train/order.py",
     "eagle3/benchmark/offline.py",
     "eagle3/benchmark/server.py",
 ]
@@ -213,8 +216,6 @@ KNOWN_LONG: set[str] = {
     "eagle3/prompts/prepare_prompts.py::report_markdown",
     "eagle3/prompts/regen_server.py::regenerate_via_server",
     "eagle3/prompts/regenerate.py::regenerate",
-    "eagle3/train/trainer.py::_Training.restore",
-    "eagle3/train/trainer.py::_load_inputs",
 }
 
 

@@ -33,7 +33,7 @@ REDO_HINT = (
 
 def export_from_checkpoint(cfg: RunConfig, engine: str | None = None) -> Path:
     """``04 --export-only``: :func:`_export_from_checkpoint` holding 04's lock on the train folder
-    (``{train_dir}/.train.lock``, :data:`eagle3.train.trainer.TRAIN_LOCK`), as training does. Two ``--export-only``
+    (``{train_dir}/.train.lock``, :data:`eagle3.train.folder.TRAIN_LOCK`), as training does. Two ``--export-only``
     runs of one train folder (``--engine sglang`` and a second started before the first ended, into the same export
     folder) raced on the final rename of the export folder (trial 2026-12-05g), and an ``--export-only`` beside a
     training 04 read checkpoints that training prunes; the second one now stops at once with one line. A train
@@ -46,7 +46,7 @@ def export_from_checkpoint(cfg: RunConfig, engine: str | None = None) -> Path:
             and everything :func:`_export_from_checkpoint` raises.
     """
     from eagle3.io import exclusive_lock, rerun_hint
-    from eagle3.train.trainer import TRAIN_LOCK, train_lock_holder
+    from eagle3.train.folder import TRAIN_LOCK, train_lock_holder
 
     with contextlib.ExitStack() as held:
         held.enter_context(rerun_hint(REDO_HINT))
@@ -70,7 +70,7 @@ def _export_from_checkpoint(cfg: RunConfig, engine: str | None = None) -> Path:
     """Build the drafter from the newest checkpoint and export it. Read-only with respect to training's outputs
     (checkpoints, ``best_drafter.pt``, ``sim_accept.json``): only the export folder is written, and the run's
     ``train_report.{json,md}`` when it was written at this checkpoint's step (it then names the export:
-    :func:`eagle3.train.trainer.record_export_only`).
+    :func:`eagle3.train.report.record_export_only`).
 
     Weights: ``train.select_best: last`` -> the checkpoint's. ``sim_accept`` -> ``best_drafter.pt``, the weights the
     finished training exported (:func:`eagle3.train.sim_accept.load_best_for_export`): a best file that does not load,
@@ -102,14 +102,10 @@ def _export_from_checkpoint(cfg: RunConfig, engine: str | None = None) -> Path:
             (:func:`eagle3.train.checkpoint.check_drafter_args`; ``max_position_embeddings`` may differ).
     """
     from eagle3.data.vocab import load_run_vocab_map
+    from eagle3.train.inputs import build_drafter_args, init_drafter
     from eagle3.train.model import DrafterArgs
+    from eagle3.train.report import export_provenance, record_export_only
     from eagle3.train.target_head import TargetHead
-    from eagle3.train.trainer import (
-        build_drafter_args,
-        export_provenance,
-        init_drafter,
-        record_export_only,
-    )
 
     if engine is not None:
         cfg = cfg.model_copy(update={"export": cfg.export.model_copy(update={"engine": engine})})
@@ -352,7 +348,7 @@ def _with_config_context(cfg: RunConfig, args):
 
 def load_init_drafter(cfg: RunConfig, embed_weight, data_config: dict):
     """The drafter of ``train.init_from`` (an exported folder) for 04's warm start
-    (:func:`eagle3.train.trainer.warm_start` copies its trainable tensors).
+    (:func:`eagle3.train.warm_start.warm_start` copies its trainable tensors).
 
     Args:
         cfg: the run config (``train.init_from`` set).
@@ -368,7 +364,7 @@ def load_init_drafter(cfg: RunConfig, embed_weight, data_config: dict):
             ``train.init_from: ``.
     """
     from eagle3.export.serving import check_export_folder, load_exported
-    from eagle3.train.trainer import init_from_not_a_folder
+    from eagle3.train.warm_start import init_from_not_a_folder
 
     path = Path(cfg.train.init_from)
     if not path.is_dir():
@@ -397,7 +393,7 @@ def export_for_run(
 ) -> Path:
     """Export ``drafter`` for ``cfg.export.engine`` into ``cfg.export_dir``, in ``export.dtype``
     (``auto`` = ``verifier.dtype``), with the verifier facts and HF aux layers of the shards'
-    ``data_config.json``; ``provenance`` (:func:`eagle3.train.trainer.export_provenance`) is recorded as
+    ``data_config.json``; ``provenance`` (:func:`eagle3.train.report.export_provenance`) is recorded as
     ``trained_from`` in ``eagle3_train.json``. The vLLM folder's ``speculative_tokens`` (what ``vllm serve`` drafts
     when ``--speculative-config`` names only the model) is ``benchmark.steps``, the chain the run benchmarks.
     ``ttt_length`` (default ``train.ttt_length``; ``--export-only`` passes the checkpoint's) is recorded in

@@ -340,7 +340,7 @@ def export_drafter(
             verifier's dtype in production; a name from :data:`EXPORT_DTYPES` is accepted) and it
             is recorded as ``torch_dtype``/``dtype`` in ``config.json``.
         provenance: where the weights come from (``train_dir``, ``checkpoint``, ``step``, ``select_best``,
-            ``selected_step``; :func:`eagle3.train.trainer.export_provenance`), recorded as ``trained_from`` in
+            ``selected_step``; :func:`eagle3.train.report.export_provenance`), recorded as ``trained_from`` in
             ``eagle3_train.json`` only (``config.json``, which the engines read, is unchanged). Replacing an export
             recorded from another ``train_dir`` logs a warning (the folder is still replaced).
         ttt_length: the TTT steps (draft positions) the drafter was trained for (``train.ttt_length``), recorded as

@@ -15,7 +15,7 @@ embedding and the d2t/t2d buffers come from the verifier and the vocab map), ``o
 not the config), ``data_inputs`` (sha256 of the split and vocab map trained on; :func:`check_resume`) and
 ``data_config`` (what ``--export-only`` reads of the shards' data_config.json: :func:`data_config_record`) and
 ``segments`` (one part per 04 call that trained: steps, state source, processes, tokens/s;
-:func:`eagle3.train.trainer.segment_record`).
+:func:`eagle3.train.report.segment_record`).
 """
 
 from __future__ import annotations

@@ -22,9 +22,11 @@ from eagle3.errors import UserError  # noqa: E402
 from eagle3.export.from_checkpoint import export_for_run, export_from_checkpoint, load_init_drafter  # noqa: E402
 from eagle3.export.serving import load_exported  # noqa: E402
 from eagle3.shards.format import read_data_config  # noqa: E402
+from eagle3.stages.train import run  # noqa: E402
 from eagle3.train import checkpoint as ckpt  # noqa: E402
+from eagle3.train.inputs import build_drafter_args, init_drafter  # noqa: E402
 from eagle3.train.target_head import TargetHead  # noqa: E402
-from eagle3.train.trainer import build_drafter_args, init_drafter, run, warm_start  # noqa: E402
+from eagle3.train.warm_start import warm_start  # noqa: E402
 
 DEEP = ["drafter.num_layers=2", "export.dtype=float32"]
 

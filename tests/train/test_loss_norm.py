@@ -54,7 +54,7 @@ def _assert_same_grads(got: list[torch.Tensor], want: list[torch.Tensor]) -> Non
 
 
 def _run_split(root: Path, batch_size: int, grad_accum: int) -> Path:
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     cfg = load_config(
         make_tiny_run(

@@ -127,7 +127,7 @@ def _prepare(root: Path, tiny: Path, online: bool, st, tokenizer):
 
 
 def _train(tmp: Path, tiny: Path, online: bool, sts, src) -> "RunConfig":  # noqa: F821
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     cfg = load_config(_yaml(tmp, tiny, online, sts, shards=src.shards_dir, data=src.data_dir))
     g = torch.Generator().manual_seed(

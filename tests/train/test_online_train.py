@@ -204,7 +204,7 @@ def test_token_only_samples_and_their_03(prepared):
 
 def test_offline_training_refuses_token_only_samples(prepared, tiny_llama_dir, tmp_path):
     from eagle3.errors import UserError
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     _path, cfg = _train_cfg(prepared, "online", tiny_llama_dir, False, tmp_path)
     with pytest.raises(UserError, match="eagle3-tokens-v1.*train.hidden_states: online"):
@@ -226,7 +226,7 @@ def test_verifier_path_to_other_weights_under_the_same_name_is_refused(
     from eagle3.data import prepare_data
     from eagle3.errors import UserError
     from eagle3.shards.format import check_verifier, read_data_config
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
     from eagle3.verifier import weights_fingerprint
 
     src = prepared[kind]["cfg"]
@@ -293,12 +293,12 @@ def test_online_from_servers_without_urls_is_refused_before_the_head_is_extracte
     import logging
 
     from eagle3.errors import UserError
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     _p, cfg = _train_cfg(prepared, "online", tiny_llama_dir, True, tmp_path)
     cfg = cfg.model_copy(update={"extract": cfg.extract.model_copy(update={"backend": "sglang"})})
     with (
-        caplog.at_level(logging.INFO, logger="eagle3.train.trainer"),
+        caplog.at_level(logging.INFO, logger="eagle3.train"),
         pytest.raises(UserError) as e,
     ):
         run(cfg, device="cpu")
@@ -320,7 +320,7 @@ def test_online_over_shards_with_states_says_they_are_not_read(
     over token-only samples there is nothing to say."""
     import logging
 
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     _p, on = _train_cfg(prepared, "offline", tiny_llama_dir, True, tmp_path / "full", max_steps=1)
     with caplog.at_level(logging.INFO, logger="eagle3.train"):
@@ -340,7 +340,7 @@ def test_online_over_shards_with_states_says_they_are_not_read(
 
 
 def test_online_equals_offline_bitwise(prepared, tiny_llama_dir, tmp_path):
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     keep = {
         "ckpt_every": 1,
@@ -365,7 +365,7 @@ def test_online_equals_offline_bitwise(prepared, tiny_llama_dir, tmp_path):
 
 
 def test_online_padded_batches_close_to_offline(prepared, tiny_llama_dir, tmp_path):
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     train = {"batch_size": 2, "grad_accum": 1, "epochs": 1}
     _p, off = _train_cfg(prepared, "offline", tiny_llama_dir, False, tmp_path / "off", **train)
@@ -435,7 +435,7 @@ TOTAL = 16
 
 @pytest.mark.slow
 def test_online_sigkill_then_resume_matches_uninterrupted(prepared, tiny_llama_dir, tmp_path):
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     _p, ref = _train_cfg(prepared, "online", tiny_llama_dir, True, tmp_path / "ref", **KILL_TRAIN)
     run(ref, device="cpu")
@@ -469,7 +469,7 @@ def test_online_sigkill_then_resume_matches_uninterrupted(prepared, tiny_llama_d
 # ---- DDP ---------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_online_two_gloo_ranks_match_offline_one_process(prepared, tiny_llama_dir, tmp_path):
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     # global batch 4 per optimizer step: 1 process x (2 samples x 2 accum) vs 2 ranks x (1 sample x 2 accum)
     _p, one = _train_cfg(
@@ -512,7 +512,7 @@ def test_online_nonfinite_verifier_states_stop_the_run(
     log step with one UserError naming verifier.dtype; no checkpoint is written after it."""
     from eagle3.capture.hf import HFCapture
     from eagle3.errors import UserError
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     real = HFCapture.prefill_states
     calls = []
@@ -547,7 +547,7 @@ def test_a_run_resumed_in_the_other_mode_reports_each_part(
     report's warnings); a resume in the same mode warns about nothing."""
     import logging
 
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     _p, off = _train_cfg(
         prepared, "offline", tiny_llama_dir, False, tmp_path / "run", max_steps=100
@@ -606,7 +606,7 @@ def test_a_run_resumed_in_the_other_mode_reports_each_part(
 def test_segments_of_a_checkpoint_from_before_the_record():
     """A checkpoint without ``segments`` (before 2026-12-05h) is one part, steps 0 to its step, mode not recorded (no
     switch is claimed); recorded parts are cut at the checkpoint's step."""
-    from eagle3.train.trainer import earlier_segments, segment_record, state_source_switch
+    from eagle3.train.report import earlier_segments, segment_record, state_source_switch
 
     old = earlier_segments({"step": 40, "world_size": 8})
     assert old == [segment_record(0, 40, None, None, 8, None)] and old[0]["hidden_states"] is None

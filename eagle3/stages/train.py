@@ -1,0 +1,449 @@
+"""Stage 04: train an EAGLE-3 drafter with training-time test (TTT) on the captured shards, then report and export.
+
+One call of :func:`run` does, on every process (single process, or ``torchrun`` ranks):
+
+1. torch.distributed from the torchrun environment (:func:`eagle3.train.ranks.init_distributed`); the ranks compare
+   their config and flags first (:func:`eagle3.train.ranks.ranks_agree`).
+2. Setup (:mod:`eagle3.train.inputs`), every input checked before the first write, under 04's lock on the train
+   folder (:func:`eagle3.train.folder.train_lock`): drafter shape (``cfg.drafter``, ``null`` fields from the
+   verifier), verifier head (``{train_dir}/target_head.safetensors``), drafter init (the verifier's embedding,
+   frozen, and its LM-head rows of the draft vocab) or warm start (``train.init_from``,
+   :mod:`eagle3.train.warm_start`), the hidden-state source (:mod:`eagle3.train.online`), the data order
+   (:mod:`eagle3.train.order`), AdamW with warmup + cosine (:mod:`eagle3.train.schedule`). A refusal or a signal
+   during setup removes what this call created.
+3. ``--resume``: the newest complete checkpoint, bit-identically on CPU (data order, LR, RNG), also on another
+   number of processes (:func:`eagle3.train.order.restore`).
+4. The loop (:class:`eagle3.train.loop.TrainLoop`): step-normalised TTT loss over micro-batches and ranks, metrics
+   at log steps, validation every ``eval_every`` steps (default: each epoch's end), checkpoints every ``ckpt_every``
+   steps and on SIGTERM/SIGINT (the current step finishes first; 04 then exits 128 + signal).
+5. The end: final validation, the simulated-acceptance choice of the exported weights (``train.select_best``), the
+   export (rank 0, ``export``) and ``train_report.{json,md}`` + ``loss.png`` (:mod:`eagle3.train.report`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from eagle3.cli import Terminated, resume_on_interrupt
+from eagle3.config import DrafterConfig, RunConfig, load_config
+from eagle3.errors import UserError
+from eagle3.export.from_checkpoint import export_for_run, export_from_checkpoint, load_init_drafter
+from eagle3.export.serving import check_export_destination
+from eagle3.io import rerun_hint
+from eagle3.process_group import process_group_scope
+from eagle3.sdpa import no_cudnn_sdpa
+from eagle3.train import inputs as setup
+from eagle3.train import order
+from eagle3.train.folder import REDO_HINT, train_lock, undo_on_refusal
+from eagle3.train.loop import LoopSettings, Progress, TrainLoop
+from eagle3.train.ranks import (
+    DistInfo,
+    StopFlag,
+    any_rank,
+    barrier,
+    dotted,
+    init_distributed,
+    ranks_agree,
+    same_data,
+)
+from eagle3.train.report import (
+    Metrics,
+    collect_warnings,
+    export_provenance,
+    headline,
+    no_validation_note,
+    peak_gpu_mem_gib,
+    write_report,
+)
+from eagle3.train.sim_accept import BestTracker, effective_chain
+from eagle3.train.warm_start import WARM_START_SHAPE, check_shape_fields, exported_drafter_args
+
+log = logging.getLogger(__name__)
+
+
+def main(
+    config,
+    overrides=(),
+    *,
+    resume: bool = False,
+    max_steps: Optional[int] = None,
+    stop_at: Optional[int] = None,
+    export_only: bool = False,
+    engine: Optional[str] = None,
+) -> int:
+    """04 after its argument parsing: the config (``engine`` overrides ``export.engine``), the export destination
+    checked before training, then ``--export-only`` (the newest checkpoint's weights exported) or :func:`run` with
+    the export at its end. Returns the exit status: 0, or ``128 + signal`` for a run stopped by a signal."""
+    cfg = load_config(config, overrides)
+    if engine:
+        cfg = cfg.model_copy(update={"export": cfg.export.model_copy(update={"engine": engine})})
+    # before training (not after it) or the export
+    check_export_destination(cfg.export_dir, cfg.export.engine, cfg.output_field("export"))
+    if export_only:
+        with resume_on_interrupt(lambda: export_interrupt_hint(cfg)):  # SIGTERM / Ctrl-C: one line
+            out = export_from_checkpoint(cfg)
+        print(f"exported: {out}")
+        return 0
+    res = run(
+        cfg,
+        resume=resume,
+        max_steps=max_steps,
+        export=export_for_run,
+        init=load_init_drafter,
+        stop_at=stop_at,
+    )
+    return interrupted_exit(res) if res["stopped"] else 0
+
+
+def export_interrupt_hint(cfg: RunConfig) -> str:
+    """What an interrupted ``--export-only`` left (the line after ``interrupted by SIGTERM:``): the export is written
+    in a temporary folder beside ``export_dir`` (removed on the signal) and renamed over it only once whole."""
+    return (
+        f"nothing is half-written: {cfg.export_dir} is replaced only by a whole export (its temporary folder was "
+        f"removed), and the checkpoints are only read; re-run the same command to export"
+    )
+
+
+def interrupted_exit(res: dict) -> int:
+    """One stderr line for a run stopped by a signal (rank 0 only); returns ``128 + signal`` (SIGTERM when another
+    rank received it: every rank of a DDP run exits with the same code)."""
+    signum = res.get("signal") or signal.SIGTERM
+    if os.environ.get("RANK", "0") == "0":
+        print(
+            f"interrupted by {signal.Signals(signum).name} at step {res['step']}/{res['total_steps']}: checkpoint "
+            f"{res['checkpoint']}, nothing exported; continue with the same command plus --resume",
+            file=sys.stderr,
+        )
+    return 128 + int(signum)
+
+
+def run(
+    cfg: RunConfig,
+    resume: bool = False,
+    max_steps: Optional[int] = None,
+    stop_after: Optional[int] = None,
+    device: Optional[str] = None,
+    export: Optional[Callable[[RunConfig, Any, dict], Path]] = None,
+    init: Optional[Callable[[RunConfig, torch.Tensor, dict], nn.Module]] = None,
+    stop_at: Optional[int] = None,
+) -> dict:
+    """Train (or continue training) the drafter described by ``cfg``; see the module docstring.
+
+    Args:
+        cfg: the run config (``train``, ``drafter``, ``export`` sections; paths from ``cfg``).
+        resume: continue from the newest complete checkpoint in ``{train_dir}/checkpoints`` (starts fresh, with a
+            warning, when there is none). Without ``resume`` an existing checkpoint folder is an error.
+        max_steps: overrides ``train.max_steps``: a cap on the optimizer steps of ``train.epochs`` (schedule horizon
+            and end); a value above them is logged as a warning and changes nothing.
+        stop_after: stop after this many optimizer steps *in this call*, with a checkpoint, without changing the
+            schedule (time-sliced / preemptible jobs; tests).
+        device: ``"cpu"`` to force CPU.
+        export: called as ``export(cfg, drafter, data_config, provenance=...)`` on rank 0 when training finishes
+            (not when stopped early), before the report; returns the export folder. None = no export.
+        init: with ``train.init_from``, called as ``init(cfg, embed_weight [V, H], data_config)`` on every rank;
+            returns the drafter in that folder, whose trainable tensors start the run.
+        stop_at: end the run at this optimizer step, before the schedule's last (``--stop-at``): the lr follows the
+            whole schedule up to it, and the run ends there as a finished run does.
+
+    Returns:
+        dict: ``step``, ``total_steps``, ``stopped`` (a signal or ``stop_after``), ``signal`` (the signal number
+        this rank received, else None), ``checkpoint``, ``export_dir`` (None when stopped early), ``final_val``,
+        ``tokens_per_s`` and the rest of ``train_report.json``.
+
+    Raises:
+        UserError: bad inputs, a refused resume, existing checkpoints without ``resume``; a full disk (its line ends
+            with :data:`eagle3.train.folder.REDO_HINT`).
+    """
+    d = init_distributed(device)
+    stop = StopFlag()
+    with process_group_scope(d.ctrl_group, owned=d.initialized_here):  # barrier only on success
+        try:  # no per-shape cuDNN plans (~40 ms each): batch shapes change every step
+            with no_cudnn_sdpa(), rerun_hint(REDO_HINT):
+                return _run(cfg, d, stop, resume, max_steps, stop_after, export, init, stop_at)
+        finally:
+            stop.restore()
+
+
+def _run(cfg, d, stop, resume, max_steps, stop_after, export=None, init=None, stop_at=None) -> dict:
+    """The stage in named steps: setup under 04's lock (taken by :func:`eagle3.train.inputs.load_inputs` before
+    its first write, held to the end), the loop, the end."""
+    flags = {
+        "--resume": resume,
+        "--max-steps": max_steps,
+        "--stop-at": stop_at,
+        "stop_after": stop_after,
+    }
+    ranks_agree(d, {**dotted(cfg.model_dump(mode="json")), **flags})
+    with contextlib.ExitStack() as held, collect_warnings(d.is_main) as warned:
+        setup.warn_world_size(cfg, d)
+        lock = lambda: held.enter_context(  # noqa: E731
+            train_lock(cfg.train_dir, d, cfg.output_field("train"))
+        )
+        loop, rec = _start(cfg, d, stop, resume, max_steps, init, stop_at, lock, warned)
+        try:
+            _sinks(cfg, loop)
+            loop.run(stop, stop_after)
+            return _finish(cfg, loop, rec, stop, export)
+        finally:
+            loop.inputs.states.close()
+
+
+def stop_before_training(stop: Optional[StopFlag], d: DistInfo) -> None:
+    """Honour a signal that came before the first optimizer step of this call (04's start-up: data checks, verifier
+    head, drafter init, hidden-state source): stop now, nothing trained and no checkpoint written. Every rank calls
+    it at the same points and they agree (:func:`eagle3.train.ranks.any_rank`).
+
+    Raises:
+        eagle3.cli.Terminated: a ``KeyboardInterrupt`` carrying the signal (``run_main`` prints ``interrupted by
+            SIGINT: <hint>`` and exits 128 + signal); inside the setup, what this call created is removed.
+    """
+    if stop is None or not any_rank(stop.requested, d):
+        return
+    e = Terminated(stop.signum or signal.SIGTERM)
+    e.hint = (
+        "stopped during start-up, before the first optimizer step: nothing trained, no checkpoint written; "
+        "re-run the same command"
+    )
+    raise e
+
+
+def _start(cfg, d, stop, resume, max_steps, init, stop_at, lock, warned):
+    """Setup and resume; a refusal (UserError) or a signal here removes what this call created. Returns the loop
+    and its :class:`eagle3.train.order.RunRecord`."""
+    stop_check = lambda: stop_before_training(stop, d)  # noqa: E731
+    with undo_on_refusal(cfg.train_dir, d.is_main):
+        inputs = setup.load_inputs(cfg, d, resume, init, stop_check, lock)
+        try:
+            same_data(
+                d, order.data_inputs(inputs.split, inputs.vocab, inputs.data_config), cfg.data_dir
+            )
+            data = setup.build_data(cfg, d, inputs, max_steps)
+            stop_check()
+            opt = setup.build_optimisation(cfg, d, inputs, data.total_steps)
+            rec = _record(cfg, d, inputs, opt, warned)
+            pos = Progress(total_steps=data.total_steps)
+            if resume:
+                order.restore(pos, rec, d, data, opt, inputs, stop_at)
+            else:
+                order.set_stop_at(pos, stop_at, data, cfg.train.epochs)
+            stop_check()  # a signal during start-up: no resume line, no step
+            order.announce_resume(pos, d, data.order)
+        except BaseException:
+            inputs.states.close()
+            raise
+    save = lambda: order.save(pos, rec, d, data.order, opt, inputs)  # noqa: E731
+    return TrainLoop(_settings(cfg), d, inputs, data, opt, pos, save, stop_check), rec
+
+
+def _sinks(cfg: RunConfig, loop: TrainLoop) -> None:
+    """The loop's ``metrics.jsonl`` / TensorBoard rows and its best-weights tracker (``train.select_best``)."""
+    t, d, pos = cfg.train, loop.d, loop.pos
+    loop.metrics = Metrics(cfg.train_dir, pos.step, d.is_main, finished=pos.step >= pos.total_steps)
+    chain, capped = effective_chain(t.select_chain, cfg.benchmark.steps, t.ttt_length)
+    if capped and d.is_main:  # once per call, also in train_report's warnings
+        log.warning(capped)
+    # an end set in steps (--stop-at, a step cap): a best kept from before the resume past it is dropped
+    end = pos.end_step if (pos.stop_at is not None or loop.data.horizon is not None) else None
+    loop.tracker = BestTracker(
+        cfg.train_dir,
+        chain,
+        d.is_main,
+        start_step=pos.step,
+        keep_best=t.select_best == "sim_accept",
+        end_step=end,
+    )
+
+
+def _settings(cfg: RunConfig) -> LoopSettings:
+    t = cfg.train
+    return LoopSettings(
+        ttt_length=t.ttt_length,
+        step_weight=t.step_weight,
+        grad_accum=t.grad_accum,
+        grad_clip=t.grad_clip,
+        log_every=t.log_every,
+        ckpt_every=t.ckpt_every,
+        batch_size=t.batch_size,
+        batch_tokens=t.batch_tokens,
+        num_workers=t.num_workers,
+    )
+
+
+def _record(cfg: RunConfig, d: DistInfo, inputs, opt, warned: list) -> order.RunRecord:
+    t = cfg.train
+    return order.RunRecord(
+        train_dir=cfg.train_dir,
+        data_dir=cfg.data_dir,
+        current={
+            **setup.resume_current(
+                cfg, inputs.args, inputs.split, inputs.vocab, inputs.data_config
+            ),
+            "world_size": d.world,
+        },
+        fingerprint=opt.fingerprint,
+        seed=t.seed,
+        epochs=t.epochs,
+        warmup_ratio=t.warmup_ratio,
+        keep_checkpoints=t.keep_checkpoints,
+        hidden_states=t.hidden_states,
+        extract_backend=cfg.extract.backend,
+        warnings=warned,
+    )
+
+
+def _recipe_used(cfg: RunConfig, opt) -> dict:
+    """The recipe of ``train_report.json``: the config's values, except those a resumed checkpoint's optimizer
+    state overrides (``lr``, ``weight_decay``), i.e. what training used."""
+    keys = (
+        "loss",
+        "lk_eta",
+        "epochs",
+        "batch_tokens",
+        "batch_size",
+        "grad_accum",
+        "warmup_ratio",
+        "ttt_length",
+        "select_best",
+    )
+    return {**{k: getattr(cfg.train, k) for k in keys}, **order.optimizer_values(opt)}
+
+
+def _finish(
+    cfg: RunConfig,
+    loop: TrainLoop,
+    rec: order.RunRecord,
+    stop: StopFlag,
+    export: Optional[Callable],
+) -> dict:
+    """End step: the result dict; unless stopped: final validation, the selection and ``export`` (rank 0), the
+    report and the closing lines."""
+    d, p, t, tracker = loop.d, loop.pos, cfg.train, loop.tracker
+    result = {
+        "step": p.step,
+        "total_steps": p.total_steps,
+        "stop_at": p.stop_at,
+        "stopped": p.stopped,
+        "signal": stop.signum if p.stopped else None,
+        "checkpoint": str(p.last_ckpt) if p.last_ckpt else None,
+        "export_dir": None,
+        "final_val": {},
+        "tokens_per_s": (p.tok_total / p.t_total) if p.t_total > 0 else None,
+        "peak_gpu_mem_gib": peak_gpu_mem_gib(d.device),
+        "hidden_states": t.hidden_states,
+        "init_from": loop.inputs.init_from,
+        "segments": order.segments(p, rec, d),
+        "recipe": _recipe_used(cfg, loop.opt),
+        "warnings": rec.warnings,
+        "val_samples": len(loop.data.val_ds) if loop.data.val_ds is not None else 0,
+    }
+    if not result[
+        "val_samples"
+    ]:  # said in the report and the closing lines, not an empty tau table
+        result["no_validation"] = no_validation_note(result["step"], stopped=p.stopped)
+    if (
+        p.stopped
+    ):  # no final validation, no export; the report says where it stopped and how to go on
+        loop.metrics.close()
+        if d.is_main:
+            result["sim_accept"] = dict(
+                tracker.summary(), select_best=t.select_best, exported_step=None, stopped=True
+            )
+            write_report(cfg.train_dir, result, loop.inputs.args)
+        barrier(d)
+        return result
+    result["final_val"] = final_val = loop.validate()
+    loop.check_states()
+    loop.log_validation(final_val)
+    loop.metrics.close()
+    if d.is_main:
+        try:
+            _select_and_export(cfg, loop, result, export)
+        except (
+            Exception
+        ) as e:  # training is done: its report is written anyway, saying why nothing was exported
+            raise _export_failed(cfg, loop, result, e) from e
+        write_report(cfg.train_dir, result, loop.inputs.args)
+        print(headline(result, cfg.train_dir, loop.inputs.args))
+    barrier(d)
+    return result
+
+
+def _select_and_export(
+    cfg: RunConfig, loop: TrainLoop, result: dict, export: Optional[Callable]
+) -> None:
+    """Rank 0 after the final validation: the selected weights (``train.select_best``) into the drafter, the
+    simulated-acceptance curve's plot, and ``export`` into ``result["export_dir"]``."""
+    sel, tracker, drafter = cfg.train.select_best, loop.tracker, loop.inputs.drafter
+    summary = tracker.summary()
+    best = tracker.restore_best(drafter) if sel == "sim_accept" else None
+    result["sim_accept"] = dict(summary, select_best=sel, exported_step=best)
+    if sel == "sim_accept" and best is None:  # nothing was selected
+        log.warning(
+            setup.no_val_selection(cfg)
+            if loop.data.val_ds is None
+            else f"train.select_best: sim_accept found no best weights to restore; the last step's weights "
+            f"(step {loop.pos.step}) are exported instead"
+        )
+    tracker.plot()
+    if export is not None:
+        p = loop.pos
+        prov = export_provenance(cfg.train_dir, p.last_ckpt, p.step, sel, best or p.step)
+        result["export_dir"] = str(export(cfg, drafter, loop.inputs.data_config, provenance=prov))
+
+
+def _export_failed(cfg: RunConfig, loop: TrainLoop, result: dict, e: Exception) -> Exception:
+    """After a finished training whose selection or export failed: ``train_report.{json,md}`` written anyway
+    (``export_error``: the reason and the fix), and the error to raise: a :class:`UserError` says in its one line
+    that the checkpoint and the report are kept and how to export (``--export-only``); another error is returned as
+    it is (a bug keeps its traceback)."""
+    why = str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}"
+    result["export_error"] = why
+    result.setdefault(
+        "sim_accept",
+        dict(loop.tracker.summary(), select_best=cfg.train.select_best, exported_step=None),
+    )
+    try:
+        write_report(cfg.train_dir, result, loop.inputs.args)
+    except Exception as w:  # noqa: BLE001 - the export's error is the one to tell
+        log.warning("train_report: could not be written after the failed export (%s)", w)
+        return e
+    if not isinstance(e, UserError):
+        return e
+    err = UserError(
+        f"{why} [training finished: checkpoint {loop.pos.last_ckpt} kept, report "
+        f"{cfg.train_dir / 'train_report.md'}; after the fix, 04_train.py --export-only exports it "
+        f"without retraining]"
+    )
+    err.exit_code = e.exit_code
+    return err
+
+
+def check_init_from_config(cfg: RunConfig) -> bool:
+    """The part of the warm-start checks that needs neither the verifier nor the shards: ``train.init_from`` is an
+    export folder (``config.json`` + ``model.safetensors``) and the drafter shape fields the config itself fixes
+    (``drafter.*`` not null) equal the export's recorded ``drafter_args`` (``eagle3_train.json``). 04 checks the
+    full shape later, before its first write; a lease driver runs this at its start (``bench/lease_preflight.py``).
+
+    Returns:
+        whether a warm start is configured (``train.init_from`` set).
+
+    Raises:
+        UserError: the folder missing or not an export, or a differing field.
+    """
+    src = cfg.train.init_from
+    if not src:
+        return False
+    exported = exported_drafter_args(src)
+    if exported is not None:
+        mine = {k: getattr(cfg.drafter, k, None) for k in WARM_START_SHAPE}
+        check_shape_fields(src, exported, mine, DrafterConfig.model_fields)
+    return True

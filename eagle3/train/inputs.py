@@ -1,0 +1,620 @@
+"""Stage 04's setup from the run config: inputs (data metadata, vocab map, split, drafter shape, verifier head,
+drafter init and warm start, hidden-state source), the data (datasets, order, step horizon) and the optimisation
+(TTT objective, DDP / compile, AdamW, warmup + cosine schedule), each checked before the first write."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from eagle3.config import DrafterConfig, RunConfig
+from eagle3.data.batching import sample_lengths
+from eagle3.data.dataset import ShardDataset, read_split
+from eagle3.data.settings import require_current
+from eagle3.data.validation_record import require_passed
+from eagle3.data.vocab import load_run_vocab_map
+from eagle3.errors import UserError
+from eagle3.io import make_dirs
+from eagle3.layers import check_servable
+from eagle3.shards.format import (
+    check_extract_settings,
+    check_verifier,
+    check_verifier_dims,
+    expect_from_data_config,
+    read_data_config,
+)
+from eagle3.train import checkpoint as ckpt
+from eagle3.train.draft_config import check_context_length
+from eagle3.train.folder import check_train_dir
+from eagle3.train.loop import TTTObjective
+from eagle3.train.model import DrafterArgs, Eagle3Drafter
+from eagle3.train.online import check_hidden_states, state_source, unused_shard_states_note
+from eagle3.train.order import TrainData, data_inputs, data_order
+from eagle3.train.ranks import DistInfo, barrier
+from eagle3.train.safetensors_head import load_target_head_from_safetensors
+from eagle3.train.schedule import build_scheduler
+from eagle3.train.target_head import FILENAME as TARGET_HEAD_FILE
+from eagle3.train.target_head import TargetHead
+from eagle3.train.warm_start import warm_start, warm_start_planned
+from eagle3.verifier import (
+    load_verifier,
+    load_verifier_config,
+    text_config,
+    verifier_context_length,
+    verifier_dims,
+)
+
+log = logging.getLogger(__name__)
+
+
+def build_drafter_args(cfg: RunConfig, data_config: dict, vocab: dict, warn_context: bool = True):
+    """``DrafterArgs`` from ``cfg.drafter``; ``null`` fields are copied from the verifier config.
+
+    The verifier config is read (``eagle3.verifier.load_verifier_config``, no weights) only when
+    some field is null; then :meth:`eagle3.train.model.DrafterArgs.from_hf_config` fills it from the
+    text model config (nested ``text_config`` unwrapped), with ``head_dim`` = hidden / heads for
+    MLA verifiers (Kimi/DeepSeek: :func:`eagle3.verifier.verifier_dims`). Vocab sizes come from
+    ``vocab_map.pt``; ``target_hidden_size`` from ``data_config.json``. ``warn_context``: warn when the draft's
+    context is below the verifier's (:func:`warn_short_context`; 04's start); ``--export-only`` passes False, since
+    the export's own check then says it once, as the error (SGLang) or the warning (vLLM).
+
+    Raises:
+        UserError: unreadable verifier config, or an invalid shape (field named by ``DrafterArgs``).
+    """
+
+    def checked(args):
+        return warn_short_context(cfg, args) if warn_context else args
+
+    fields = (
+        "hidden_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "intermediate_size",
+        "rms_norm_eps",
+        "rope_theta",
+        "max_position_embeddings",
+    )
+    given = {f: getattr(cfg.drafter, f) for f in fields}
+    fixed = dict(
+        draft_vocab_size=int(vocab["draft_vocab_size"]),
+        target_vocab_size=int(vocab["target_vocab_size"]),
+        target_hidden_size=int(data_config["hidden_size"]),
+    )
+    if all(v is not None for v in given.values()):
+        return checked(
+            DrafterArgs(
+                **given, **fixed, variant=cfg.drafter.variant, num_layers=cfg.drafter.num_layers
+            )
+        )
+    hf = load_verifier_config(cfg.verifier)
+    dims = verifier_dims(hf)
+    check_verifier_dims(
+        cfg.verifier, dims, data_config, cfg.shards_dir
+    )  # before a symptom in a drafter field
+    over = dict(given)
+    if over["head_dim"] is None:
+        if over["hidden_size"] is not None or over["num_attention_heads"] is not None:
+            h = over["hidden_size"] or dims["hidden_size"]
+            over["head_dim"] = h // (over["num_attention_heads"] or dims["num_attention_heads"])
+        else:
+            over["head_dim"] = dims["head_dim"]
+    return checked(
+        DrafterArgs.from_hf_config(
+            text_config(hf),
+            fixed["draft_vocab_size"],
+            **over,
+            **{k: v for k, v in fixed.items() if k != "draft_vocab_size"},
+            variant=cfg.drafter.variant,
+            num_layers=cfg.drafter.num_layers,
+        )
+    )
+
+
+def warn_short_context(cfg: RunConfig, args):
+    """Warn at the start of 04 when the drafter's context is below the verifier's: the export for
+    SGLang will be refused, vLLM caps the draft (:func:`eagle3.train.draft_config.check_context_length`).
+
+    Returns:
+        ``args`` unchanged.
+    """
+    try:
+        check_context_length(args, verifier_context_length(cfg.verifier), "sglang")
+    except UserError as e:
+        log.warning("%s. The SGLang export will be refused; vLLM caps the draft at that length.", e)
+    return args
+
+
+def warn_world_size(cfg: RunConfig, d: DistInfo) -> Optional[str]:
+    """Warn (rank 0) when the config plans ``train.nproc_per_node`` processes and 04 runs in another number: a plain
+    ``python 04_train.py --config configs/kimi-k2.5.yaml`` trained on one GPU with an eighth of the planned global
+    batch, without a word (rehearsal 2026-12-05g). Only a value the config sets is compared (the default 1 is not a
+    plan), and a resume on fewer GPUs stays possible: this is a warning, not a refusal.
+
+    Returns:
+        The warning's text, or None.
+    """
+    want = cfg.train.nproc_per_node
+    if "nproc_per_node" not in cfg.train.model_fields_set or want == d.world:
+        return None
+    t = cfg.train
+    batch = (
+        f"{t.batch_size} x {t.grad_accum} x {d.world} = {t.batch_size * t.grad_accum * d.world} samples per "
+        f"optimizer step instead of {t.batch_size * t.grad_accum * want}"
+        if t.batch_tokens is None
+        else f"{d.world}/{want} of the planned tokens per optimizer step"
+    )
+    msg = (
+        f"train.nproc_per_node: the config plans {want} processes but 04 runs in {d.world} (WORLD_SIZE): "
+        f"{batch}; start it with `torchrun --nproc_per_node {want} 04_train.py ...`, or set "
+        f"train.nproc_per_node: {d.world} if this is intended"
+    )
+    if d.is_main:
+        log.warning("%s", msg)
+    return msg
+
+
+def prepare_target_head(cfg: RunConfig, data_config: dict, d: DistInfo) -> TargetHead:
+    """Load ``{train_dir}/target_head.safetensors``; rank 0 extracts it from the verifier first if missing.
+
+    Extraction reads only the three tensors from a safetensors checkpoint
+    (:func:`eagle3.train.safetensors_head.load_target_head_from_safetensors`, Kimi-sized verifiers), or
+    loads the model through transformers for GGUF verifiers (:func:`eagle3.verifier.load_verifier`).
+
+    Raises:
+        UserError: the head does not match ``data_config.json`` (hidden size, vocab size, norm convention).
+    """
+    path = cfg.train_dir / TARGET_HEAD_FILE
+    if d.is_main and not path.is_file():
+        log.info("extracting the verifier's embedding / lm_head / final norm to %s", path)
+        vdir = cfg.verifier.resolved_path()
+        if cfg.verifier.gguf_file is None and any(vdir.glob("*.safetensors*")):
+            load_target_head_from_safetensors(vdir, data_config["last_hidden_state"]).save(
+                cfg.train_dir
+            )
+        else:
+            model, _tok = load_verifier(cfg.verifier, device="cpu")
+            TargetHead.from_model(model, data_config["last_hidden_state"]).save(cfg.train_dir)
+            del model
+    barrier(d)
+    head = TargetHead.load(path)
+    if head.hidden_size != int(data_config["hidden_size"]) or head.vocab_size != int(
+        data_config["vocab_size"]
+    ):
+        raise UserError(
+            f"{path}: head is [{head.vocab_size}, {head.hidden_size}] but data_config.json says vocab_size "
+            f"{data_config['vocab_size']}, hidden_size {data_config['hidden_size']} (delete it to re-extract)"
+        )
+    want_post = data_config["last_hidden_state"] == "post_norm"
+    if head.last_is_post_norm != want_post:
+        raise UserError(
+            f"{path}: metadata 'last_is_post_norm' is {head.last_is_post_norm} but data_config.json says "
+            f"last_hidden_state={data_config['last_hidden_state']!r} (delete it to re-extract)"
+        )
+    return head
+
+
+def init_drafter(args, head: TargetHead, vocab: dict, seed: int):
+    """Build the drafter: seeded init (``Eagle3Drafter`` defaults), the verifier embedding (frozen),
+    the d2t/t2d vocab map, and ``lm_head`` = the verifier's LM-head rows of the draft vocab.
+
+    Returns:
+        ``Eagle3Drafter`` (float32, CPU).
+
+    Raises:
+        UserError: the drafter hidden size differs from the verifier's (EAGLE-3 drafters reuse
+            the verifier's token embedding, so the widths must agree).
+    """
+    if head.embed.shape[1] != args.hidden_size:
+        raise UserError(
+            f"drafter.hidden_size: {args.hidden_size} differs from the verifier hidden size "
+            f"{head.embed.shape[1]}; the drafter reuses the verifier's token embedding: set "
+            f"drafter.hidden_size: {head.embed.shape[1]} (or null, the verifier's)"
+        )
+    torch.manual_seed(seed)
+    drafter = Eagle3Drafter(args).float()
+    drafter.load_embeddings(head.embed.float())  # [V, H], frozen
+    drafter.set_vocab_map(vocab["d2t"], vocab["t2d"])
+    target_ids = torch.arange(args.draft_vocab_size, dtype=torch.int64) + vocab["d2t"]  # [dV]
+    with torch.no_grad():
+        drafter.lm_head.weight.copy_(head.lm_head.float()[target_ids])  # [dV, H]
+    drafter.embed_tokens.weight.requires_grad_(False)
+    return drafter
+
+
+def autocast_dtype(bf16: str, device: torch.device) -> Optional[torch.dtype]:
+    """bf16 autocast on GPU unless ``train.bf16`` is ``off``; None (float32) on CPU."""
+    if device.type != "cuda":
+        if bf16 == "on":
+            log.warning(
+                "train.bf16=on ignored: bf16 autocast is used on GPU only (CPU trains in float32)"
+            )
+        return None
+    return torch.bfloat16 if bf16 in ("auto", "on") else None
+
+
+def recipe(cfg: RunConfig) -> dict:
+    """The training recipe a checkpoint records (key ``recipe``, dotted config keys): what
+    :func:`eagle3.train.checkpoint.check_recipe` compares on ``--resume``, naming the fields that differ."""
+    t = cfg.train
+    out = {
+        f"train.{k}": getattr(t, k)
+        for k in (
+            "ttt_length",
+            "step_weight",
+            "loss",
+            "lk_eta",
+            "lr",
+            "weight_decay",
+            "warmup_ratio",
+            "epochs",
+            "max_steps",
+            "grad_clip",
+        )
+    }
+    out["extract.max_length"] = cfg.extract.max_length
+    return out
+
+
+def resume_current(cfg: RunConfig, args, split: dict, vocab: dict, data_config: dict) -> dict:
+    """The run now, as :func:`eagle3.train.checkpoint.check_resume` compares it with a checkpoint: ``drafter_args``,
+    ``data_order``, ``recipe``, ``data_inputs``."""
+    return {
+        "drafter_args": dataclasses.asdict(args),
+        "data_order": data_order(
+            cfg.train.seed, cfg.train.batch_tokens, cfg.train.batch_size, cfg.train.grad_accum
+        ),
+        "recipe": recipe(cfg),
+        "data_inputs": data_inputs(split, vocab, data_config),
+    }
+
+
+def fingerprint(cfg: RunConfig, args) -> str:
+    t = cfg.train
+    keep = {
+        k: getattr(t, k)
+        for k in (
+            "ttt_length",
+            "step_weight",
+            "lr",
+            "weight_decay",
+            "warmup_ratio",
+            "epochs",
+            "batch_size",
+            "grad_accum",
+            "grad_clip",
+            "seed",
+        )
+    }
+    if (
+        t.loss != "soft_ce"
+    ):  # recorded only when set, so that fingerprints of earlier runs stay what they were
+        keep.update(loss=t.loss, lk_eta=t.lk_eta)
+    return ckpt.config_fingerprint(
+        {
+            "train": keep,
+            "drafter": args.to_json(),  # num_layers only when > 1
+            "max_length": cfg.extract.max_length,
+        }
+    )
+
+
+@dataclass
+class Inputs:
+    """What the inputs step fixes: metadata, vocab map, split, drafter shape and init, the verifier head on the
+    device (``head_lm`` ``[V, Ht]``, ``head_norm`` ``[Ht]`` or None when the last state is post-norm), the
+    autocast and feature dtypes, and the source of the hidden states (:mod:`eagle3.train.online`)."""
+
+    data_config: dict
+    vocab: dict
+    split: dict
+    args: Any
+    drafter: nn.Module
+    amp: Optional[torch.dtype]
+    feat_dtype: torch.dtype
+    head_lm: torch.Tensor
+    head_norm: Optional[torch.Tensor]
+    head_eps: float
+    d2t: torch.Tensor
+    t2d: torch.Tensor
+    states: Any
+    init_from: Optional[str] = (
+        None  # the train.init_from this call warm-started from (None: cold or resumed)
+    )
+
+
+def _read_inputs(cfg: RunConfig, d: DistInfo, resume: bool, lock: Optional[Callable[[], None]]):
+    """``data_config.json``, vocab map, split, drafter args and the warm-start plan, all read and checked before
+    anything is written (a bad input is the first error and leaves no empty train/ folder behind); then 04's lock
+    (``lock()``) and the folder check. Returns ``(data_config, vocab, split, args, warm)``."""
+    data_config = read_data_config(cfg.shards_dir)
+    # first: another verifier explains the rest
+    unchecked = check_verifier(cfg.verifier, data_config, cfg.shards_dir)
+    if (
+        unchecked and d.is_main
+    ):  # weights not comparable (shards without a fingerprint): report's warnings too
+        log.warning("%s", unchecked)
+    check_extract_settings(cfg.extract, data_config, cfg.shards_dir)
+    check_servable(
+        data_config["aux_layers"],
+        cfg.export.engine,
+        str(data_config["architecture"]),
+        str(cfg.shards_dir / "data_config.json"),
+    )  # before training, not at the export after it
+    check_hidden_states(cfg, data_config)
+    vocab = load_run_vocab_map(cfg, int(data_config["vocab_size"]))
+    split = read_split(cfg.data_dir)
+    # 03's last validation of these shards passed, and its split and vocab map were made from them under the
+    # config's data: settings, else UserError
+    require_current(cfg, require_passed(cfg.shards_dir, cfg.data_dir))
+    args = build_drafter_args(cfg, data_config, vocab)
+    if args.hidden_size != int(data_config["hidden_size"]):  # init_drafter's check, before the head
+        raise UserError(
+            f"drafter.hidden_size: {args.hidden_size} differs from the verifier hidden size "
+            f"{data_config['hidden_size']} ({cfg.shards_dir / 'data_config.json'}); the drafter reuses "
+            f"the verifier's token embedding: set drafter.hidden_size: {data_config['hidden_size']} (or "
+            f"null, the verifier's)"
+        )
+    # checked before the first write (the full check: after the head)
+    warm = warm_start_planned(
+        cfg.train.init_from, cfg.train_dir, d.is_main, resume, args, DrafterConfig.model_fields
+    )
+    if lock is not None:
+        lock()  # 04's lock on train_dir, before the folder check deletes stale temp files
+    # with this run's process count, as the resume compares it (a split keeping the global batch is taken)
+    check_train_dir(
+        cfg.train_dir,
+        cfg.data_dir,
+        d,
+        resume,
+        lambda: {**resume_current(cfg, args, split, vocab, data_config), "world_size": d.world},
+    )
+    return data_config, vocab, split, args, warm
+
+
+def load_inputs(
+    cfg: RunConfig,
+    d: DistInfo,
+    resume: bool,
+    init: Optional[Callable] = None,
+    stop_check: Callable[[], None] = lambda: None,
+    lock: Optional[Callable[[], None]] = None,
+) -> Inputs:
+    """Inputs step: the inputs read and checked (:func:`_read_inputs`), the verifier head, drafter init (+ warm
+    start), and the hidden-state source (shards, or the verifier / capture servers for ``train.hidden_states:
+    online``). ``stop_check()`` between these honours a signal (it raises)."""
+    data_config, vocab, split, args, warm = _read_inputs(cfg, d, resume, lock)
+    stop_check()
+    head = prepare_target_head(cfg, data_config, d)  # the first write: target_head.safetensors
+    if d.is_main:
+        make_dirs(cfg.train_dir, cfg.output_field("train"))
+    stop_check()  # the head's extraction can take minutes (verifier weights)
+    drafter = init_drafter(args, head, vocab, cfg.train.seed)
+    if warm:
+        _warm_start(cfg, d, drafter, init, data_config)
+    drafter = drafter.to(d.device)
+    amp = autocast_dtype(cfg.train.bf16, d.device)
+    feat_dtype = torch.bfloat16 if amp is not None else torch.float32
+    inputs = Inputs(
+        data_config=data_config,
+        vocab=vocab,
+        split=split,
+        args=args,
+        drafter=drafter,
+        amp=amp,
+        feat_dtype=feat_dtype,
+        head_lm=head.lm_head.to(d.device, feat_dtype),  # [V, Ht]
+        head_norm=None
+        if head.last_is_post_norm
+        else head.norm_weight.to(d.device, feat_dtype),  # [Ht]
+        head_eps=float(head.norm_eps),
+        d2t=vocab["d2t"].to(d.device),
+        t2d=vocab["t2d"].to(d.device),
+        states=None,
+        init_from=cfg.train.init_from if warm else None,
+    )
+    del head
+    stop_check()
+    unused = unused_shard_states_note(cfg, data_config)  # online over shards with states: said
+    if unused and d.is_main:
+        log.info(unused)
+    inputs.states = state_source(
+        cfg, data_config, d.device, feat_dtype
+    )  # online: loads the verifier
+    return inputs
+
+
+def _warm_start(cfg: RunConfig, d: DistInfo, drafter, init: Optional[Callable], data_config: dict):
+    """``train.init_from``'s tensors into ``drafter`` (:func:`eagle3.train.warm_start.warm_start`); ``init`` loads
+    the export (``init(cfg, embed_weight [V, H], data_config)``)."""
+    if init is None:
+        raise UserError(
+            "train.init_from: needs the export loader that 04_train.py passes (trainer.run(init=...))"
+        )
+    ws = warm_start(
+        drafter, init(cfg, drafter.embed_tokens.weight, data_config), cfg.train.init_from
+    )
+    if d.is_main:
+        moved = ws["lm_head_rows_copied"] < ws["lm_head_rows"]
+        log.info(
+            "warm start from %s: %d trainable tensors; lm_head %d of %d draft tokens from it%s",
+            cfg.train.init_from,
+            ws["tensors"],
+            ws["lm_head_rows_copied"],
+            ws["lm_head_rows"],
+            " (another vocab map: the rest keep the verifier's rows)" if moved else "",
+        )
+
+
+@dataclass
+class Data:
+    """What the data step fixes: datasets, the training order of this rank, the step horizon, eval cadence."""
+
+    train_ds: ShardDataset
+    val_ds: Optional[ShardDataset]
+    order: TrainData
+    total_steps: int
+    val_lengths: Optional[list[int]]
+    eval_every: Optional[
+        int
+    ]  # train.eval_every; None = at the end of each epoch (:meth:`eagle3.train.loop.TrainLoop.eval_due`)
+    horizon: Optional[int]  # max_steps / train.max_steps (None = the epochs decide)
+    horizon_from: str = (
+        "train.epochs"  # what sets total_steps, for messages: "--max-steps N" / "train.max_steps N"
+    )
+
+
+def build_data(cfg: RunConfig, d: DistInfo, inputs: Inputs, max_steps: Optional[int]) -> Data:
+    """Data step: train/val datasets over the shards (items without states when they are computed online),
+    the data order (:class:`eagle3.train.order.TrainData`), total optimizer steps (``max_steps`` /
+    ``train.max_steps`` cap)."""
+    t = cfg.train
+    max_len = int(inputs.data_config["max_length"])
+    split_file = cfg.data_dir / "split.json"  # named in a missing-shard error
+
+    def dataset(name: str) -> ShardDataset:
+        expect = expect_from_data_config(inputs.data_config)
+        states = inputs.states.reads_shard_states
+        ids = inputs.split[name]
+        return ShardDataset(
+            cfg.shards_dir, ids, max_len, expect, name, states=states, split_file=split_file
+        )
+
+    train_ds = dataset("train")
+    val_ds = dataset("val") if inputs.split["val"] else None
+    order = TrainData(
+        train_ds,
+        d,
+        batch_size=t.batch_size,
+        grad_accum=t.grad_accum,
+        batch_tokens=t.batch_tokens,
+        seed=t.seed,
+        epochs=t.epochs,
+        num_workers=t.num_workers,
+        shards_dir=cfg.shards_dir,
+        split_file=split_file,
+    )
+    horizon = max_steps if max_steps is not None else t.max_steps
+    total_steps = order.total_steps if horizon is None else min(order.total_steps, horizon)
+    val_lengths = (
+        sample_lengths(cfg.shards_dir, val_ds, max_len)
+        if (val_ds is not None and t.batch_tokens)
+        else None
+    )
+    given = (
+        f"--max-steps {max_steps}" if max_steps is not None else f"train.max_steps {t.max_steps}"
+    )
+    capped = horizon is not None and horizon < order.total_steps
+    horizon_from = given if capped else f"train.epochs {t.epochs:g}"
+    data = Data(
+        train_ds, val_ds, order, total_steps, val_lengths, t.eval_every, horizon, horizon_from
+    )
+    if d.is_main:
+        _data_notes(cfg, data, given)
+    return data
+
+
+def _data_notes(cfg: RunConfig, data: Data, given: str) -> None:
+    """Rank 0's lines about the data step: a step cap above the epochs' steps (it changes nothing), the samples an
+    epoch leaves out, and a ``train.select_best: sim_accept`` that has nothing or only the final validation to
+    select from."""
+    t, order = cfg.train, data.order
+    if data.horizon is not None and data.horizon > order.total_steps:
+        log.warning(
+            "%s is more than the %d optimizer steps of train.epochs %g; it only caps that schedule, so the "
+            "run ends after %d steps (raise train.epochs for a longer run)",
+            given,
+            order.total_steps,
+            t.epochs,
+            order.total_steps,
+        )
+    note = order.left_out_note(len(data.train_ds))
+    if note:
+        log.info(note)
+    if t.select_best != "sim_accept":
+        return
+    if data.val_ds is None:
+        log.warning(no_val_selection(cfg))
+    elif t.eval_every is not None and t.eval_every >= data.total_steps:
+        log.warning(no_periodic_validation(t.eval_every, data.total_steps))
+
+
+def no_periodic_validation(eval_every: int, total_steps: int) -> str:
+    """The warning of ``train.select_best: sim_accept`` with a ``train.eval_every`` not below the run's optimizer
+    steps: the final validation is the only one, so nothing is selected (the run used to say nothing)."""
+    return (
+        f"train.eval_every {eval_every} is not below the run's {total_steps} optimizer steps: only the final "
+        f"validation runs and train.select_best: sim_accept has only that one to select from, so the last step's "
+        f"weights are exported (lower train.eval_every, or leave it unset to validate at each epoch's end)"
+    )
+
+
+def no_val_selection(cfg: RunConfig) -> str:
+    """The warning of ``train.select_best: sim_accept`` without a validation split (nothing to select from)."""
+    return (
+        f"train.select_best: sim_accept has no validation split to select from ({cfg.data_dir / 'split.json'} "
+        f"key 'val' is empty: stage 03 ran with data.val_fraction 0); the last step's weights are exported instead"
+    )
+
+
+@dataclass
+class Optimisation:
+    objective: TTTObjective
+    model: nn.Module  # the objective, wrapped in DDP and/or torch.compile
+    params: list
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    fingerprint: str
+
+
+def build_optimisation(
+    cfg: RunConfig, d: DistInfo, inputs: Inputs, total_steps: int
+) -> Optimisation:
+    """Optimisation step: the TTT objective (DDP, torch.compile), AdamW over the trainable drafter
+    parameters, the warmup + cosine schedule over ``total_steps``."""
+    t = cfg.train
+    # Logit checkpointing inside torch.compile(dynamic=True) fails in dynamo on torch 2.11
+    # ("lift_tracked_freevar_to_input"), and compiled without it was faster anyway (bench/results).
+    # auto = off: the training loss (eagle3/train/ttt_rows.py) keeps only the bf16 logits of the loss rows per TTT
+    # step (M x draft_V x 2 bytes; 7 x 1 GB at 16K loss tokens), and recomputing them cost 12% of a
+    # SmolLM2 step on the H200 (bench/small_train_speed.py: tokens vs tokens+nock).
+    ckpt_logits = t.checkpoint_logits == "on"
+    if t.compile and ckpt_logits:
+        raise UserError(
+            "train.checkpoint_logits: 'on' cannot be combined with train.compile: true (torch.compile "
+            "fails on the checkpointed loss); use 'auto' or 'off'"
+        )
+    objective = TTTObjective(
+        inputs.drafter,
+        t.ttt_length,
+        t.step_weight,
+        checkpoint_logits=ckpt_logits,
+        loss=t.loss,
+        lk_eta=t.lk_eta,
+    )
+    model = objective
+    if d.distributed:
+        model = DDP(objective, device_ids=[d.device.index] if d.device.type == "cuda" else None)
+    if t.compile:
+        # Variable batch lengths: dynamic shapes avoid one recompile per sequence length.
+        if t.batch_tokens is not None and d.is_main:
+            log.warning(
+                "train.compile with train.batch_tokens: batch size, length and loss-row count all vary; "
+                "on the H200 this did not reach 60 SmolLM2 steps in 3 minutes (recompiles), while "
+                "uncompiled token-budget training ran 155K tokens/s (bench/small_train_speed.py)"
+            )
+        model = torch.compile(model, dynamic=True)
+    params = [p for p in inputs.drafter.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(
+        params, lr=t.lr, weight_decay=t.weight_decay, fused=d.device.type == "cuda"
+    )  # fused kernel: one launch for all params
+    scheduler = build_scheduler(optimizer, total_steps, t.warmup_ratio)
+    return Optimisation(
+        objective, model, params, optimizer, scheduler, fingerprint(cfg, inputs.args)
+    )
