@@ -102,10 +102,11 @@ def _export_from_checkpoint(cfg: RunConfig, engine: str | None = None) -> Path:
             (:func:`eagle3.train.checkpoint.check_drafter_args`; ``max_position_embeddings`` may differ).
     """
     from eagle3.data.vocab import load_run_vocab_map
-    from eagle3.train.inputs import build_drafter_args, init_drafter
+    from eagle3.train.inputs import build_drafter_args
     from eagle3.train.model import DrafterArgs
     from eagle3.train.report import export_provenance, record_export_only
     from eagle3.train.target_head import TargetHead
+    from eagle3.train.warm_start import init_drafter
 
     if engine is not None:
         cfg = cfg.model_copy(update={"export": cfg.export.model_copy(update={"engine": engine})})

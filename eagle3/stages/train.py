@@ -12,7 +12,7 @@ One call of :func:`run` does, on every process (single process, or ``torchrun`` 
    (:mod:`eagle3.train.order`), AdamW with warmup + cosine (:mod:`eagle3.train.schedule`). A refusal or a signal
    during setup removes what this call created.
 3. ``--resume``: the newest complete checkpoint, bit-identically on CPU (data order, LR, RNG), also on another
-   number of processes (:func:`eagle3.train.order.restore`).
+   number of processes (:func:`eagle3.train.resume.restore`).
 4. The loop (:class:`eagle3.train.loop.TrainLoop`): step-normalised TTT loss over micro-batches and ranks, metrics
    at log steps, validation every ``eval_every`` steps (default: each epoch's end), checkpoints every ``ckpt_every``
    steps and on SIGTERM/SIGINT (the current step finishes first; 04 then exits 128 + signal).
@@ -27,6 +27,7 @@ import logging
 import os
 import signal
 import sys
+from dataclasses import fields
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -42,30 +43,13 @@ from eagle3.io import rerun_hint
 from eagle3.process_group import process_group_scope
 from eagle3.sdpa import no_cudnn_sdpa
 from eagle3.train import inputs as setup
-from eagle3.train import order
+from eagle3.train import metrics, order, ranks, report
+from eagle3.train import resume as resuming
 from eagle3.train.folder import REDO_HINT, train_lock, undo_on_refusal
-from eagle3.train.loop import LoopSettings, Progress, TrainLoop
-from eagle3.train.ranks import (
-    DistInfo,
-    StopFlag,
-    any_rank,
-    barrier,
-    dotted,
-    init_distributed,
-    ranks_agree,
-    same_data,
-)
-from eagle3.train.report import (
-    Metrics,
-    collect_warnings,
-    export_provenance,
-    headline,
-    no_validation_note,
-    peak_gpu_mem_gib,
-    write_report,
-)
+from eagle3.train.loop import LoopSettings, TrainLoop
+from eagle3.train.ranks import DistInfo, StopFlag, init_distributed
 from eagle3.train.sim_accept import BestTracker, effective_chain
-from eagle3.train.warm_start import WARM_START_SHAPE, check_shape_fields, exported_drafter_args
+from eagle3.train.warm_start import WARM_START_SHAPE, check_init_from
 
 log = logging.getLogger(__name__)
 
@@ -139,29 +123,23 @@ def run(
     """Train (or continue training) the drafter described by ``cfg``; see the module docstring.
 
     Args:
-        cfg: the run config (``train``, ``drafter``, ``export`` sections; paths from ``cfg``).
-        resume: continue from the newest complete checkpoint in ``{train_dir}/checkpoints`` (starts fresh, with a
-            warning, when there is none). Without ``resume`` an existing checkpoint folder is an error.
-        max_steps: overrides ``train.max_steps``: a cap on the optimizer steps of ``train.epochs`` (schedule horizon
-            and end); a value above them is logged as a warning and changes nothing.
-        stop_after: stop after this many optimizer steps *in this call*, with a checkpoint, without changing the
-            schedule (time-sliced / preemptible jobs; tests).
+        cfg: the run config.
+        resume: continue from the newest complete checkpoint (none: starts fresh, with a warning); without it, an
+            existing checkpoint folder is refused.
+        max_steps: a cap on the optimizer steps of ``train.epochs`` (overrides ``train.max_steps``).
+        stop_after: stop after this many optimizer steps *of this call*, with a checkpoint (tests, time slices).
         device: ``"cpu"`` to force CPU.
-        export: called as ``export(cfg, drafter, data_config, provenance=...)`` on rank 0 when training finishes
-            (not when stopped early), before the report; returns the export folder. None = no export.
-        init: with ``train.init_from``, called as ``init(cfg, embed_weight [V, H], data_config)`` on every rank;
-            returns the drafter in that folder, whose trainable tensors start the run.
-        stop_at: end the run at this optimizer step, before the schedule's last (``--stop-at``): the lr follows the
-            whole schedule up to it, and the run ends there as a finished run does.
+        export: ``export(cfg, drafter, data_config, provenance=...)`` -> the export folder, called on rank 0 when
+            training finishes (not when stopped); None = no export.
+        init: with ``train.init_from``: ``init(cfg, embed_weight [V, H], data_config)`` -> that folder's drafter.
+        stop_at: end the run at this optimizer step, before the schedule's last, as a finished run ends.
 
     Returns:
-        dict: ``step``, ``total_steps``, ``stopped`` (a signal or ``stop_after``), ``signal`` (the signal number
-        this rank received, else None), ``checkpoint``, ``export_dir`` (None when stopped early), ``final_val``,
-        ``tokens_per_s`` and the rest of ``train_report.json``.
+        ``train_report.json``'s dict: ``step``, ``total_steps``, ``stopped``, ``signal`` (this rank's, else None),
+        ``checkpoint``, ``export_dir`` (None when stopped), ``final_val``, ``tokens_per_s``, ...
 
     Raises:
-        UserError: bad inputs, a refused resume, existing checkpoints without ``resume``; a full disk (its line ends
-            with :data:`eagle3.train.folder.REDO_HINT`).
+        UserError: a refused input, resume or folder; a full disk (the line ends with ``REDO_HINT``).
     """
     d = init_distributed(device)
     stop = StopFlag()
@@ -182,8 +160,8 @@ def _run(cfg, d, stop, resume, max_steps, stop_after, export=None, init=None, st
         "--stop-at": stop_at,
         "stop_after": stop_after,
     }
-    ranks_agree(d, {**dotted(cfg.model_dump(mode="json")), **flags})
-    with contextlib.ExitStack() as held, collect_warnings(d.is_main) as warned:
+    ranks.ranks_agree(d, {**ranks.dotted(cfg.model_dump(mode="json")), **flags})
+    with contextlib.ExitStack() as held, metrics.collect_warnings(d.is_main) as warned:
         setup.warn_world_size(cfg, d)
         lock = lambda: held.enter_context(  # noqa: E731
             train_lock(cfg.train_dir, d, cfg.output_field("train"))
@@ -206,7 +184,7 @@ def stop_before_training(stop: Optional[StopFlag], d: DistInfo) -> None:
         eagle3.cli.Terminated: a ``KeyboardInterrupt`` carrying the signal (``run_main`` prints ``interrupted by
             SIGINT: <hint>`` and exits 128 + signal); inside the setup, what this call created is removed.
     """
-    if stop is None or not any_rank(stop.requested, d):
+    if stop is None or not ranks.any_rank(stop.requested, d):
         return
     e = Terminated(stop.signum or signal.SIGTERM)
     e.hint = (
@@ -218,36 +196,38 @@ def stop_before_training(stop: Optional[StopFlag], d: DistInfo) -> None:
 
 def _start(cfg, d, stop, resume, max_steps, init, stop_at, lock, warned):
     """Setup and resume; a refusal (UserError) or a signal here removes what this call created. Returns the loop
-    and its :class:`eagle3.train.order.RunRecord`."""
+    and its :class:`eagle3.train.resume.RunRecord`."""
     stop_check = lambda: stop_before_training(stop, d)  # noqa: E731
     with undo_on_refusal(cfg.train_dir, d.is_main):
         inputs = setup.load_inputs(cfg, d, resume, init, stop_check, lock)
         try:
-            same_data(
+            ranks.same_data(
                 d, order.data_inputs(inputs.split, inputs.vocab, inputs.data_config), cfg.data_dir
             )
             data = setup.build_data(cfg, d, inputs, max_steps)
             stop_check()
             opt = setup.build_optimisation(cfg, d, inputs, data.total_steps)
             rec = _record(cfg, d, inputs, opt, warned)
-            pos = Progress(total_steps=data.total_steps)
+            pos = resuming.Progress(total_steps=data.total_steps)
             if resume:
-                order.restore(pos, rec, d, data, opt, inputs, stop_at)
+                resuming.restore(pos, rec, d, data, opt, inputs, stop_at)
             else:
-                order.set_stop_at(pos, stop_at, data, cfg.train.epochs)
+                resuming.set_stop_at(pos, stop_at, data, cfg.train.epochs)
             stop_check()  # a signal during start-up: no resume line, no step
-            order.announce_resume(pos, d, data.order)
+            resuming.announce_resume(pos, d, data.order)
         except BaseException:
             inputs.states.close()
             raise
-    save = lambda: order.save(pos, rec, d, data.order, opt, inputs)  # noqa: E731
+    save = lambda: resuming.save(pos, rec, d, data.order, opt, inputs)  # noqa: E731
     return TrainLoop(_settings(cfg), d, inputs, data, opt, pos, save, stop_check), rec
 
 
 def _sinks(cfg: RunConfig, loop: TrainLoop) -> None:
     """The loop's ``metrics.jsonl`` / TensorBoard rows and its best-weights tracker (``train.select_best``)."""
     t, d, pos = cfg.train, loop.d, loop.pos
-    loop.metrics = Metrics(cfg.train_dir, pos.step, d.is_main, finished=pos.step >= pos.total_steps)
+    loop.metrics = metrics.Metrics(
+        cfg.train_dir, pos.step, d.is_main, finished=pos.step >= pos.total_steps
+    )
     chain, capped = effective_chain(t.select_chain, cfg.benchmark.steps, t.ttt_length)
     if capped and d.is_main:  # once per call, also in train_report's warnings
         log.warning(capped)
@@ -264,63 +244,37 @@ def _sinks(cfg: RunConfig, loop: TrainLoop) -> None:
 
 
 def _settings(cfg: RunConfig) -> LoopSettings:
-    t = cfg.train
-    return LoopSettings(
-        ttt_length=t.ttt_length,
-        step_weight=t.step_weight,
-        grad_accum=t.grad_accum,
-        grad_clip=t.grad_clip,
-        log_every=t.log_every,
-        ckpt_every=t.ckpt_every,
-        batch_size=t.batch_size,
-        batch_tokens=t.batch_tokens,
-        num_workers=t.num_workers,
-    )
+    """The loop's ``train.*`` values (same names)."""
+    return LoopSettings(**{f.name: getattr(cfg.train, f.name) for f in fields(LoopSettings)})
 
 
-def _record(cfg: RunConfig, d: DistInfo, inputs, opt, warned: list) -> order.RunRecord:
-    t = cfg.train
-    return order.RunRecord(
+def _record(cfg: RunConfig, d: DistInfo, inputs, opt, warned: list) -> resuming.RunRecord:
+    """What the checkpoints record of this run, and what a resume compares (:class:`eagle3.train.resume.RunRecord`)."""
+    i, t = inputs, cfg.train
+    current = setup.resume_current(cfg, i.args, i.split, i.vocab, i.data_config)
+    same = ("seed", "epochs", "warmup_ratio", "keep_checkpoints", "hidden_states")
+    return resuming.RunRecord(
         train_dir=cfg.train_dir,
         data_dir=cfg.data_dir,
-        current={
-            **setup.resume_current(
-                cfg, inputs.args, inputs.split, inputs.vocab, inputs.data_config
-            ),
-            "world_size": d.world,
-        },
+        current={**current, "world_size": d.world},
         fingerprint=opt.fingerprint,
-        seed=t.seed,
-        epochs=t.epochs,
-        warmup_ratio=t.warmup_ratio,
-        keep_checkpoints=t.keep_checkpoints,
-        hidden_states=t.hidden_states,
         extract_backend=cfg.extract.backend,
         warnings=warned,
+        **{k: getattr(t, k) for k in same},
     )
 
 
 def _recipe_used(cfg: RunConfig, opt) -> dict:
     """The recipe of ``train_report.json``: the config's values, except those a resumed checkpoint's optimizer
     state overrides (``lr``, ``weight_decay``), i.e. what training used."""
-    keys = (
-        "loss",
-        "lk_eta",
-        "epochs",
-        "batch_tokens",
-        "batch_size",
-        "grad_accum",
-        "warmup_ratio",
-        "ttt_length",
-        "select_best",
-    )
-    return {**{k: getattr(cfg.train, k) for k in keys}, **order.optimizer_values(opt)}
+    keys = "loss lk_eta epochs batch_tokens batch_size grad_accum warmup_ratio ttt_length select_best".split()
+    return {**{k: getattr(cfg.train, k) for k in keys}, **resuming.optimizer_values(opt)}
 
 
 def _finish(
     cfg: RunConfig,
     loop: TrainLoop,
-    rec: order.RunRecord,
+    rec: resuming.RunRecord,
     stop: StopFlag,
     export: Optional[Callable],
 ) -> dict:
@@ -337,10 +291,10 @@ def _finish(
         "export_dir": None,
         "final_val": {},
         "tokens_per_s": (p.tok_total / p.t_total) if p.t_total > 0 else None,
-        "peak_gpu_mem_gib": peak_gpu_mem_gib(d.device),
+        "peak_gpu_mem_gib": report.peak_gpu_mem_gib(d.device),
         "hidden_states": t.hidden_states,
         "init_from": loop.inputs.init_from,
-        "segments": order.segments(p, rec, d),
+        "segments": resuming.segments(p, rec, d),
         "recipe": _recipe_used(cfg, loop.opt),
         "warnings": rec.warnings,
         "val_samples": len(loop.data.val_ds) if loop.data.val_ds is not None else 0,
@@ -348,7 +302,7 @@ def _finish(
     if not result[
         "val_samples"
     ]:  # said in the report and the closing lines, not an empty tau table
-        result["no_validation"] = no_validation_note(result["step"], stopped=p.stopped)
+        result["no_validation"] = report.no_validation_note(result["step"], stopped=p.stopped)
     if (
         p.stopped
     ):  # no final validation, no export; the report says where it stopped and how to go on
@@ -357,8 +311,8 @@ def _finish(
             result["sim_accept"] = dict(
                 tracker.summary(), select_best=t.select_best, exported_step=None, stopped=True
             )
-            write_report(cfg.train_dir, result, loop.inputs.args)
-        barrier(d)
+            report.write_report(cfg.train_dir, result, loop.inputs.args)
+        ranks.barrier(d)
         return result
     result["final_val"] = final_val = loop.validate()
     loop.check_states()
@@ -371,9 +325,9 @@ def _finish(
             Exception
         ) as e:  # training is done: its report is written anyway, saying why nothing was exported
             raise _export_failed(cfg, loop, result, e) from e
-        write_report(cfg.train_dir, result, loop.inputs.args)
-        print(headline(result, cfg.train_dir, loop.inputs.args))
-    barrier(d)
+        report.write_report(cfg.train_dir, result, loop.inputs.args)
+        print(report.headline(result, cfg.train_dir, loop.inputs.args))
+    ranks.barrier(d)
     return result
 
 
@@ -396,7 +350,7 @@ def _select_and_export(
     tracker.plot()
     if export is not None:
         p = loop.pos
-        prov = export_provenance(cfg.train_dir, p.last_ckpt, p.step, sel, best or p.step)
+        prov = report.export_provenance(cfg.train_dir, p.last_ckpt, p.step, sel, best or p.step)
         result["export_dir"] = str(export(cfg, drafter, loop.inputs.data_config, provenance=prov))
 
 
@@ -412,7 +366,7 @@ def _export_failed(cfg: RunConfig, loop: TrainLoop, result: dict, e: Exception) 
         dict(loop.tracker.summary(), select_best=cfg.train.select_best, exported_step=None),
     )
     try:
-        write_report(cfg.train_dir, result, loop.inputs.args)
+        report.write_report(cfg.train_dir, result, loop.inputs.args)
     except Exception as w:  # noqa: BLE001 - the export's error is the one to tell
         log.warning("train_report: could not be written after the failed export (%s)", w)
         return e
@@ -428,22 +382,7 @@ def _export_failed(cfg: RunConfig, loop: TrainLoop, result: dict, e: Exception) 
 
 
 def check_init_from_config(cfg: RunConfig) -> bool:
-    """The part of the warm-start checks that needs neither the verifier nor the shards: ``train.init_from`` is an
-    export folder (``config.json`` + ``model.safetensors``) and the drafter shape fields the config itself fixes
-    (``drafter.*`` not null) equal the export's recorded ``drafter_args`` (``eagle3_train.json``). 04 checks the
-    full shape later, before its first write; a lease driver runs this at its start (``bench/lease_preflight.py``).
-
-    Returns:
-        whether a warm start is configured (``train.init_from`` set).
-
-    Raises:
-        UserError: the folder missing or not an export, or a differing field.
-    """
-    src = cfg.train.init_from
-    if not src:
-        return False
-    exported = exported_drafter_args(src)
-    if exported is not None:
-        mine = {k: getattr(cfg.drafter, k, None) for k in WARM_START_SHAPE}
-        check_shape_fields(src, exported, mine, DrafterConfig.model_fields)
-    return True
+    """:func:`eagle3.train.warm_start.check_init_from` of ``cfg``: the warm-start checks that need neither the
+    verifier nor the shards (``bench/lease_preflight.py`` runs them at its start). Returns whether one is set."""
+    drafter = {k: getattr(cfg.drafter, k, None) for k in WARM_START_SHAPE}
+    return check_init_from(cfg.train.init_from, drafter, DrafterConfig.model_fields)

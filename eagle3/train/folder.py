@@ -30,10 +30,9 @@ def train_lock_holder(train_dir: Path) -> str:
 @contextlib.contextmanager
 def train_lock(train_dir: Path, d: DistInfo, field: str = "train.output_dir"):
     """Hold ``{train_dir}/.train.lock`` (:func:`eagle3.io.exclusive_lock`, rank 0) for the whole of 04: a second 04 on
-    the same train folder (``--resume`` started while the first still ran) trained beside it, deleting its
-    in-flight checkpoint temp files, appending a second copy of every metrics row and writing the same export
-    (fresh-user trial 2026-12-05d); now it stops at once with one line on every rank. The folders this call created
-    are removed again when the block fails and leaves them empty (a refused run leaves nothing behind)."""
+    the same train folder stops at once with one line on every rank (else it would delete the first's in-flight
+    checkpoint temp files and append a second copy of every metrics row). The folders this call created are removed
+    again when the block fails and leaves them empty (a refused run leaves nothing behind)."""
     created = [p for p in (train_dir, *train_dir.parents) if not p.exists()]  # deepest first
     holder = train_lock_holder(train_dir)
     with contextlib.ExitStack() as stack:

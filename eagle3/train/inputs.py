@@ -33,7 +33,7 @@ from eagle3.train import checkpoint as ckpt
 from eagle3.train.draft_config import check_context_length
 from eagle3.train.folder import check_train_dir
 from eagle3.train.loop import TTTObjective
-from eagle3.train.model import DrafterArgs, Eagle3Drafter
+from eagle3.train.model import DrafterArgs
 from eagle3.train.online import check_hidden_states, state_source, unused_shard_states_note
 from eagle3.train.order import TrainData, data_inputs, data_order
 from eagle3.train.ranks import DistInfo, barrier
@@ -41,7 +41,7 @@ from eagle3.train.safetensors_head import load_target_head_from_safetensors
 from eagle3.train.schedule import build_scheduler
 from eagle3.train.target_head import FILENAME as TARGET_HEAD_FILE
 from eagle3.train.target_head import TargetHead
-from eagle3.train.warm_start import warm_start, warm_start_planned
+from eagle3.train.warm_start import init_drafter, warm_start, warm_start_planned
 from eagle3.verifier import (
     load_verifier,
     load_verifier_config,
@@ -132,10 +132,9 @@ def warn_short_context(cfg: RunConfig, args):
 
 
 def warn_world_size(cfg: RunConfig, d: DistInfo) -> Optional[str]:
-    """Warn (rank 0) when the config plans ``train.nproc_per_node`` processes and 04 runs in another number: a plain
-    ``python 04_train.py --config configs/kimi-k2.5.yaml`` trained on one GPU with an eighth of the planned global
-    batch, without a word (rehearsal 2026-12-05g). Only a value the config sets is compared (the default 1 is not a
-    plan), and a resume on fewer GPUs stays possible: this is a warning, not a refusal.
+    """Warn (rank 0) when the config plans ``train.nproc_per_node`` processes and 04 runs in another number (a plain
+    ``python 04_train.py`` would train with a fraction of the planned global batch). Only a value the config sets is
+    compared (the default 1 is not a plan), and a resume on fewer GPUs stays possible: a warning, not a refusal.
 
     Returns:
         The warning's text, or None.
@@ -198,34 +197,6 @@ def prepare_target_head(cfg: RunConfig, data_config: dict, d: DistInfo) -> Targe
             f"last_hidden_state={data_config['last_hidden_state']!r} (delete it to re-extract)"
         )
     return head
-
-
-def init_drafter(args, head: TargetHead, vocab: dict, seed: int):
-    """Build the drafter: seeded init (``Eagle3Drafter`` defaults), the verifier embedding (frozen),
-    the d2t/t2d vocab map, and ``lm_head`` = the verifier's LM-head rows of the draft vocab.
-
-    Returns:
-        ``Eagle3Drafter`` (float32, CPU).
-
-    Raises:
-        UserError: the drafter hidden size differs from the verifier's (EAGLE-3 drafters reuse
-            the verifier's token embedding, so the widths must agree).
-    """
-    if head.embed.shape[1] != args.hidden_size:
-        raise UserError(
-            f"drafter.hidden_size: {args.hidden_size} differs from the verifier hidden size "
-            f"{head.embed.shape[1]}; the drafter reuses the verifier's token embedding: set "
-            f"drafter.hidden_size: {head.embed.shape[1]} (or null, the verifier's)"
-        )
-    torch.manual_seed(seed)
-    drafter = Eagle3Drafter(args).float()
-    drafter.load_embeddings(head.embed.float())  # [V, H], frozen
-    drafter.set_vocab_map(vocab["d2t"], vocab["t2d"])
-    target_ids = torch.arange(args.draft_vocab_size, dtype=torch.int64) + vocab["d2t"]  # [dV]
-    with torch.no_grad():
-        drafter.lm_head.weight.copy_(head.lm_head.float()[target_ids])  # [dV, H]
-    drafter.embed_tokens.weight.requires_grad_(False)
-    return drafter
 
 
 def autocast_dtype(bf16: str, device: torch.device) -> Optional[torch.dtype]:

@@ -13,12 +13,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
@@ -26,8 +25,10 @@ from tqdm.auto import tqdm
 from eagle3.data.batching import eval_batches
 from eagle3.data.dataset import collate
 from eagle3.shards.fp8 import dequantize_batch, is_fp8
+from eagle3.train.metrics import Accum, reduce_totals
 from eagle3.train.order import loader_kwargs
 from eagle3.train.ranks import DistInfo, StopFlag, any_rank, sum_ranks
+from eagle3.train.resume import Progress
 from eagle3.train.ttt import (
     TTTTargets,
     compute_targets,
@@ -120,15 +121,10 @@ def backward_step(
     d: DistInfo,
     amp: Optional[torch.dtype] = None,
 ) -> list[dict]:
-    """Forward + backward of every micro-batch of ONE optimizer step, with the step-normalised loss.
-
-    First the counted positions of each micro-batch and TTT step (known from the loss rows and the verifier targets
-    before any backward pass) are summed over the micro-batches and, under DDP, over ranks
-    (:func:`eagle3.train.ttt.step_denominators`: one all-reduce per optimizer step, no host sync). Then each
-    micro-batch's loss ``sum_i step_weight**i * S_i / denom_i`` is backpropagated (DDP ``no_sync`` on all but the
-    last), so the accumulated gradient is that of ``sum_i step_weight**i * (step sum of CE of step i) / N_i``
-    whatever the split into micro-batches and ranks. Gradients accumulate into ``.grad``; the caller clips, steps
-    and zeroes.
+    """Forward + backward of every micro-batch of ONE optimizer step, with the step-normalised loss: the counted
+    positions ``N_i`` of TTT step ``i`` are summed over micro-batches and ranks before any backward pass (one
+    all-reduce, no host sync), then each micro-batch backpropagates ``sum_i step_weight**i * S_i / N_i`` (DDP
+    ``no_sync`` on all but the last). Gradients accumulate into ``.grad``; the caller clips, steps and zeroes.
 
     Args:
         model: :class:`TTTObjective`, possibly wrapped in DDP and/or ``torch.compile``.
@@ -159,58 +155,6 @@ def backward_step(
             loss.backward()
         stats.append(st)
     return stats
-
-
-def reduce_totals(totals: dict[str, torch.Tensor], d: DistInfo) -> dict[str, torch.Tensor]:
-    """Sum :meth:`Accum.totals` over ranks (CPU all-reduce on the gloo control group; host sync)."""
-    out = {k: v.detach().to("cpu", torch.float64) for k, v in totals.items()}
-    if d.distributed:
-        for k in sorted(out):
-            dist.all_reduce(out[k], group=d.ctrl_group)
-    return out
-
-
-class Accum:
-    """Sums a window of micro-batch metrics on the device without host syncs; read at log steps.
-
-    :meth:`summarize` gives, over the window and (after :func:`reduce_totals`) all ranks, token-weighted like the
-    training loss: ``step_loss_{i}`` = sum of CE / counted positions of TTT step ``i``, ``loss`` =
-    ``sum_i step_weight**i * step_loss_{i}`` (for one optimizer step: exactly the loss that step minimised),
-    ``acc_{i}`` = sum(correct) / sum(count), ``loss_tokens`` = counted positions of step 0. The sums start at zeros
-    ``[K]`` so that every rank reduces the same keys, even a rank that saw no batch.
-    """
-
-    def __init__(self, ttt_length: int):
-        self.sums = {
-            k: torch.zeros(ttt_length, dtype=torch.float64) for k in ("ce_sum", "correct", "count")
-        }
-        self.n = 0
-
-    def add(self, metrics: dict) -> None:
-        self.n += 1
-        for k in self.sums:
-            v = metrics[k].detach().to(torch.float64)  # [K] on the device
-            # the CPU zeros never meet the device
-            self.sums[k] = v.clone() if self.n == 1 else self.sums[k] + v
-
-    def totals(self) -> dict[str, torch.Tensor]:
-        """Raw sums (for cross-rank reduction) plus ``n`` (micro-batches)."""
-        return dict(self.sums, n=torch.tensor(float(self.n)))
-
-    @staticmethod
-    def summarize(sums: dict[str, torch.Tensor], step_weight: float) -> dict[str, float]:
-        """Host-side floats from (possibly rank-summed) :meth:`totals`."""
-        if not sums or float(sums["n"]) == 0:
-            return {}
-        count = sums["count"].clamp(min=1)  # [K]
-        step_loss = (sums["ce_sum"] / count).tolist()  # [K]
-        out = {"loss": sum(step_weight**i * x for i, x in enumerate(step_loss))}
-        for i, x in enumerate(step_loss):
-            out[f"step_loss_{i}"] = x
-        for i, x in enumerate((sums["correct"] / count).tolist()):
-            out[f"acc_{i}"] = x
-        out["loss_tokens"] = float(sums["count"][0])
-        return out
 
 
 def move_batch(batch: dict, device: torch.device, float_dtype: torch.dtype) -> dict:
@@ -247,32 +191,6 @@ class LoopSettings:
     batch_size: int
     batch_tokens: Optional[int] = None
     num_workers: Optional[int] = None
-
-
-@dataclass
-class Progress:
-    """Where one rank's run stands: the optimizer ``step``, the data position (``epoch``, ``step_in_epoch``), the
-    schedule's ``total_steps``, ``stop_at`` (--stop-at; None: the schedule's end), the newest checkpoint, this
-    call's counts (steps, real tokens and seconds of the timed windows) and the run's earlier parts (a resumed
-    checkpoint's ``segments``) with the step this call started at."""
-
-    total_steps: int
-    step: int = 0
-    epoch: int = 0
-    step_in_epoch: int = 0
-    stop_at: Optional[int] = None
-    last_ckpt: Optional[Path] = None
-    steps_this_call: int = 0
-    stopped: bool = False
-    tok_total: float = 0.0
-    t_total: float = 0.0
-    earlier_segments: list = field(default_factory=list)
-    segment_start: int = 0
-
-    @property
-    def end_step(self) -> int:
-        """The step this run ends at: ``stop_at`` when set (before the schedule's end), else ``total_steps``."""
-        return self.total_steps if self.stop_at is None else self.stop_at
 
 
 class TrainLoop:
@@ -350,13 +268,9 @@ class TrainLoop:
 
     def _new_window(self) -> None:
         self.window = Accum(self.s.ttt_length)
-        self.tok_window = (
-            0  # real (non-pad) tokens of this rank since the last log, from CPU lengths
-        )
+        self.tok_window = 0  # real (non-pad) tokens of this rank since the last log (CPU lengths)
         self.t_window = time.perf_counter()
-        self.paused = (
-            0.0  # seconds of validation / checkpoint writes inside the window (not counted)
-        )
+        self.paused = 0.0  # seconds of validation / checkpoints inside the window (not counted)
 
     def train_step(self, it) -> tuple[torch.Tensor, float]:
         """One optimizer step: ``grad_accum`` micro-batches from ``it``, forward + backward (:func:`backward_step`),

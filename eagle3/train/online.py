@@ -344,8 +344,7 @@ def _require_servers(cfg) -> None:
 
 def check_hidden_states(cfg, data_config: dict) -> None:
     """Refuse offline training on token-only samples, and online training from capture servers the config does not
-    name, before 04 writes or reads anything heavy (the servers were checked only after the verifier head's
-    extraction, minutes for Kimi-K2.5: fresh-user trial 2026-12-05f).
+    name, before 04 writes or reads anything heavy (the verifier head's extraction takes minutes for Kimi-K2.5).
 
     Raises:
         UserError: naming ``data_config.json``'s ``format`` and the two fixes, or the missing server keys.

@@ -1,10 +1,9 @@
-"""What a training run tells: ``metrics.jsonl`` and TensorBoard rows, the warnings of a call, the run's parts
-(``segments``), ``train_report.{json,md}`` + ``loss.png``, 04's closing lines, and the record an export keeps of
-where its weights come from."""
+"""What a training run reports: its parts (``segments``), ``train_report.{json,md}`` + ``loss.png``, 04's closing
+lines, and the record an export keeps of where its weights come from (the rows behind them:
+:mod:`eagle3.train.metrics`)."""
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import logging
@@ -15,130 +14,16 @@ import torch
 
 from eagle3.errors import UserError
 from eagle3.io import (
-    append_bytes,
     atomic_write_files,
-    atomic_write_jsonl,
-    cut_torn_tail,
-    disk_full_guard,
-    open_append,
     probe_dirs,
     read_json,
 )
 from eagle3.train.draft_config import EXPORT_META_FILE
+from eagle3.train.metrics import read_metrics
 from eagle3.train.model import DrafterArgs
 from eagle3.train.sim_accept import BEST_FILE, markdown_lines
 
 log = logging.getLogger(__name__)
-
-
-class Metrics:
-    """Rank-0 sinks: ``metrics.jsonl`` (append + flush), TensorBoard."""
-
-    def __init__(self, train_dir: Path, start_step: int, enabled: bool, finished: bool = False):
-        """Rows of steps after ``start_step`` (written before a kill, redone now) are dropped; so is the
-        final validation row when the run had already ``finished`` (it is recomputed). A torn last line (a kill
-        mid-append) is cut first (:func:`eagle3.io.cut_torn_tail`): the next row would join it, both lost."""
-        self.enabled = enabled
-        self.path = train_dir / "metrics.jsonl"
-        self.tb = None
-        if not enabled:
-            return
-        torn = cut_torn_tail(
-            self.path
-        )  # else the next row would join the torn one: both lost (trial 2026-12-05g)
-        if torn:
-            log.warning(
-                "%s: cut a torn last line (%d bytes a kill left mid-write) before appending",
-                self.path,
-                torn,
-            )
-        rows = read_metrics(self.path)
-        kept = [
-            r
-            for r in rows
-            if r.get("step", 0) < start_step
-            or (r.get("step", 0) == start_step and not (finished and r.get("kind") == "val"))
-        ]
-        if len(kept) != len(rows) or (self.path.exists() and start_step == 0):
-            atomic_write_jsonl(self.path, kept if start_step else [])
-        from torch.utils.tensorboard import SummaryWriter
-
-        self.tb = SummaryWriter(
-            log_dir=str(train_dir / "tb"), purge_step=start_step if start_step else None
-        )
-
-    def write(self, row: dict) -> None:
-        if not self.enabled:
-            return
-        with open_append(self.path) as f:  # disk full: rolled back, UserError (exit 2)
-            append_bytes(f, (json.dumps(row) + "\n").encode("utf-8"), self.path, fsync=False)
-        step = row["step"]
-        with disk_full_guard(
-            self.path.parent / "tb"
-        ):  # TensorBoard's writer re-raises its thread's OSError here
-            for k, v in row.items():
-                if k not in ("step", "epoch", "kind") and isinstance(v, (int, float)):
-                    self.tb.add_scalar(f"{row['kind']}/{k}", v, step)
-            self.tb.flush()
-
-    def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
-
-
-def read_metrics(path: Path) -> list[dict]:
-    """Rows of ``metrics.jsonl``; a torn last line (killed mid-write) is skipped."""
-    if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text(
-        encoding="utf-8", errors="replace"
-    ).splitlines():  # a torn multi-byte tail too
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
-
-
-class _WarningLines(logging.Handler):
-    """A logging handler that lists the messages of WARNING records and above, each text once (in ``lines``)."""
-
-    def __init__(self, lines: list[str]):
-        super().__init__(level=logging.WARNING)
-        self.lines = lines
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            msg = (
-                record.getMessage()
-            )  # formatted now: a logged dict changed later keeps the text that was shown
-        except Exception:  # noqa: BLE001 - a bad log call must not stop training
-            return
-        if msg not in self.lines:
-            self.lines.append(msg)
-
-
-@contextlib.contextmanager
-def collect_warnings(enabled: bool):
-    """Within the block, every warning logged by an ``eagle3`` logger (the trainer's, the checkpoint loader's, the
-    schedule's on a resume, ...) is appended to the yielded list, once per text: ``train_report.json``'s
-    ``warnings``. Before, only the few a call site also appended there were listed, so a resume's warnings (an unusable
-    newest checkpoint skipped, the lr schedule re-stretched, RNG states reseeded) were in the log only.
-
-    Args:
-        enabled: collect (rank 0, which writes the report); else the list stays empty.
-    """
-    lines: list[str] = []
-    handler = _WarningLines(lines) if enabled else None
-    target = logging.getLogger("eagle3")
-    if handler is not None:
-        target.addHandler(handler)
-    try:
-        yield lines
-    finally:
-        if handler is not None:
-            target.removeHandler(handler)
 
 
 def segment_record(
@@ -297,8 +182,7 @@ def headline(result: dict, train_dir: Path, args=None) -> str:
 def selected_weights_line(result: dict) -> Optional[str]:
     """``exported: the weights of step 5, ...`` when ``train.select_best: sim_accept`` exported another step's weights
     than the last one, whose figures the ``final validation`` line gives (04's closing lines, ``train_report.md``);
-    None otherwise. The headline said only the last step's loss and top-1 above ``export: <folder>``, though the
-    folder held an earlier step's weights (fresh-user trial 2026-12-05f)."""
+    None otherwise."""
     sa = result.get("sim_accept") or {}
     step, best = sa.get("exported_step"), sa.get("best") or {}
     if step is None or int(step) == int(result["step"]):

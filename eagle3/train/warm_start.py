@@ -1,6 +1,6 @@
-"""Warm start (``train.init_from``): the checks that an exported drafter folder fits this run, before anything is
-written, and the copy of its trainable tensors into this run's freshly initialised drafter (``lm_head`` rows moved by
-target token, so another stage-03 vocab map is allowed)."""
+"""The drafter's start: a seeded init from the verifier head (:func:`init_drafter`), or a warm start from an exported
+drafter (``train.init_from``): the checks that its folder fits this run, before anything is written, and the copy of
+its trainable tensors (``lm_head`` rows moved by target token, so another stage-03 vocab map is allowed)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,38 @@ from eagle3.errors import UserError
 from eagle3.io import read_json
 from eagle3.train import checkpoint as ckpt
 from eagle3.train.draft_config import EXPORT_META_FILE
+from eagle3.train.model import Eagle3Drafter
+from eagle3.train.target_head import TargetHead
 
 log = logging.getLogger(__name__)
+
+
+def init_drafter(args, head: TargetHead, vocab: dict, seed: int):
+    """Build the drafter: seeded init (``Eagle3Drafter`` defaults), the verifier embedding (frozen),
+    the d2t/t2d vocab map, and ``lm_head`` = the verifier's LM-head rows of the draft vocab.
+
+    Returns:
+        ``Eagle3Drafter`` (float32, CPU).
+
+    Raises:
+        UserError: the drafter hidden size differs from the verifier's (EAGLE-3 drafters reuse
+            the verifier's token embedding, so the widths must agree).
+    """
+    if head.embed.shape[1] != args.hidden_size:
+        raise UserError(
+            f"drafter.hidden_size: {args.hidden_size} differs from the verifier hidden size "
+            f"{head.embed.shape[1]}; the drafter reuses the verifier's token embedding: set "
+            f"drafter.hidden_size: {head.embed.shape[1]} (or null, the verifier's)"
+        )
+    torch.manual_seed(seed)
+    drafter = Eagle3Drafter(args).float()
+    drafter.load_embeddings(head.embed.float())  # [V, H], frozen
+    drafter.set_vocab_map(vocab["d2t"], vocab["t2d"])
+    target_ids = torch.arange(args.draft_vocab_size, dtype=torch.int64) + vocab["d2t"]  # [dV]
+    with torch.no_grad():
+        drafter.lm_head.weight.copy_(head.lm_head.float()[target_ids])  # [dV, H]
+    drafter.embed_tokens.weight.requires_grad_(False)
+    return drafter
 
 
 def warm_start(drafter: nn.Module, src: nn.Module, source: str) -> dict:
@@ -146,10 +176,29 @@ def check_shape_fields(src: str, exported: dict, mine: dict, config_keys: Collec
             )
 
 
+def check_init_from(init_from: Optional[str], drafter: dict, config_keys: Collection[str]) -> bool:
+    """The part of the warm-start checks that needs neither the verifier nor the shards: ``init_from``
+    (``train.init_from``) is an export folder (``config.json`` + ``model.safetensors``) and the drafter shape fields
+    the config itself fixes (``drafter``: field -> the config's value, None = from the verifier) equal the export's
+    recorded ``drafter_args`` (``eagle3_train.json``). 04 checks the full shape later, before its first write.
+
+    Returns:
+        whether a warm start is configured (``init_from`` set).
+
+    Raises:
+        UserError: the folder missing or not an export, or a differing field (as :func:`check_init_from_shape`).
+    """
+    if not init_from:
+        return False
+    exported = exported_drafter_args(init_from)
+    if exported is not None:
+        check_shape_fields(init_from, exported, drafter, config_keys)
+    return True
+
+
 def init_from_not_a_folder(path: Path) -> UserError:
     """The error for a ``train.init_from`` that is no folder: missing, or a file (a checkpoint ``step_*.pt`` or a
-    ``model.safetensors`` given for its folder: it said "folder not found" of a file that exists, fresh-user trial
-    2026-12-05d)."""
+    ``model.safetensors`` given for its folder)."""
     if not path.exists():
         return UserError(
             f"train.init_from: folder '{path}' not found (an exported drafter folder: 04's drafter-sglang)"

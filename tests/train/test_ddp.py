@@ -72,8 +72,9 @@ def test_two_gloo_ranks_match_one_process(tmp_path):
     init = load_config(make_tiny_run(tmp_path / "init", **common))
     from eagle3.data.vocab import load_vocab_map
     from eagle3.shards.format import read_data_config
-    from eagle3.train.inputs import build_drafter_args, init_drafter
+    from eagle3.train.inputs import build_drafter_args
     from eagle3.train.target_head import TargetHead
+    from eagle3.train.warm_start import init_drafter
 
     vocab = load_vocab_map(init.data_dir / "vocab_map.pt")
     d0 = init_drafter(

@@ -24,9 +24,9 @@ from eagle3.export.serving import load_exported  # noqa: E402
 from eagle3.shards.format import read_data_config  # noqa: E402
 from eagle3.stages.train import run  # noqa: E402
 from eagle3.train import checkpoint as ckpt  # noqa: E402
-from eagle3.train.inputs import build_drafter_args, init_drafter  # noqa: E402
+from eagle3.train.inputs import build_drafter_args  # noqa: E402
 from eagle3.train.target_head import TargetHead  # noqa: E402
-from eagle3.train.warm_start import warm_start  # noqa: E402
+from eagle3.train.warm_start import init_drafter, warm_start  # noqa: E402
 
 DEEP = ["drafter.num_layers=2", "export.dtype=float32"]
 

@@ -393,7 +393,8 @@ def test_training_reduces_loss_and_trains_only_drafter_params(tmp_path):
 def test_lm_head_initialised_from_verifier_draft_rows(tmp_path):
     from eagle3.data.vocab import load_vocab_map
     from eagle3.shards.format import read_data_config
-    from eagle3.train.inputs import build_drafter_args, init_drafter
+    from eagle3.train.inputs import build_drafter_args
+    from eagle3.train.warm_start import init_drafter
 
     cfg = load_config(make_tiny_run(tmp_path))
     dc = read_data_config(cfg.shards_dir)

@@ -21,9 +21,9 @@ from eagle3.export.from_checkpoint import export_for_run, load_init_drafter  # n
 from eagle3.shards.format import read_data_config  # noqa: E402
 from eagle3.stages.train import run  # noqa: E402
 from eagle3.train import checkpoint as ckpt  # noqa: E402
-from eagle3.train.inputs import build_drafter_args, init_drafter  # noqa: E402
+from eagle3.train.inputs import build_drafter_args  # noqa: E402
 from eagle3.train.target_head import TargetHead  # noqa: E402
-from eagle3.train.warm_start import warm_start  # noqa: E402
+from eagle3.train.warm_start import init_drafter, warm_start  # noqa: E402
 
 F32 = ["export.dtype=float32"]  # an exact round trip (the default export dtype is the verifier's)
 
