@@ -51,6 +51,36 @@ def test_scheduler_lr_per_optimizer_step():
         build_scheduler(opt, total_steps=0, warmup_ratio=0.0)
 
 
+@pytest.mark.parametrize("total", [1, 7, 40, 640, 7986])
+@pytest.mark.parametrize(
+    "ratio", [0.0, 0.02, 0.05, 0.1]
+)  # the configs' train.warmup_ratio values (and 0)
+def test_schedule_is_transformers_cosine_with_warmup_bit_for_bit(total, ratio):
+    """The lr of every optimizer step (0..T-1, and the factor 0 after the last) equals transformers'
+    get_cosine_schedule_with_warmup exactly (==, not approx). The schedule stays its own object: LambdaLR.state_dict
+    saves a callable object's attributes, so a checkpoint records the horizon (warmup, total steps) that --resume
+    compares and re-stretches; transformers' lambda is a functools.partial (nothing saved), and past T its factor
+    rises again where this one stays 0."""
+    from transformers import get_cosine_schedule_with_warmup
+
+    lrs = []
+    for make in (
+        lambda o: build_scheduler(o, total, ratio),
+        lambda o: get_cosine_schedule_with_warmup(o, warmup_steps_for(total, ratio), total),
+    ):
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=3e-4)
+        sched, seen = make(opt), []
+        for _ in range(total + 1):
+            seen.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        lrs.append(seen)
+    assert lrs[0] == lrs[1]
+    assert build_scheduler(opt, total, ratio).state_dict()["lr_lambdas"] == [
+        {"warmup_steps": warmup_steps_for(total, ratio), "total_steps": total}
+    ]
+
+
 # ---- dataset -------------------------------------------------------------------------------------
 def test_collate_pads_right_with_zero_and_mask_zero():
     a = {
