@@ -5,7 +5,7 @@ TTT forward/backward, AdamW, logging), for ``--steps`` optimizer steps each, in 
 
 - ``legacy8``: the loop as issue 9 measured it (14K tokens/s on an H200): ``batch_size`` 8 padded to
   the longest sample, 2 loader workers, verifier targets and draft logits at every position
-  (``eagle3.train.ttt.ttt_loss``; the collate output without ``loss_pos``, which selects that path), logit
+  (``eagle3.losses.ttt.ttt_loss``; the collate output without ``loss_pos``, which selects that path), logit
   checkpointing, and torch's default SDPA backend (cuDNN on Hopper, which builds a plan per new shape;
   ``eagle3.stages.train.run`` now turns it off).
 - ``fixed8``: ``batch_size`` 8 with today's loop (host-indexed loss rows, auto loader workers).

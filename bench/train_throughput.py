@@ -2,10 +2,10 @@
 
 What one timed step is (the same calls as ``eagle3.stages.train._run`` with ``grad_accum = 1``):
 
-1. ``eagle3.train.ttt.compute_targets(last, lm_head [V, Ht], d2t, t2d, chunk=eagle3.train.loop.TARGET_CHUNK)``
+1. ``eagle3.losses.ttt.compute_targets(last, lm_head [V, Ht], d2t, t2d, chunk=eagle3.train.loop.TARGET_CHUNK)``
    under ``no_grad``: the verifier's soft targets from its last hidden state (full ``V``-column LM head);
 2. ``eagle3.train.loop.backward_step``: the step's token counts and loss denominators
-   (``eagle3.train.ttt.step_denominators``, one all-reduce per step under DDP), then
+   (``eagle3.losses.ttt.step_denominators``, one all-reduce per step under DDP), then
    ``eagle3.train.loop.TTTObjective`` (``drafter.ttt_forward`` over all ``ttt`` steps + ``ttt_loss``) under
    ``torch.autocast(dtype=eagle3.train.inputs.autocast_dtype(...))`` (bf16 on GPU, none on CPU; the
    drafter's weights stay float32 masters), optionally wrapped in ``torch.compile``, and ``loss.backward()``;
@@ -123,13 +123,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle3.config import TrainConfig  # noqa: E402
 from eagle3.io import atomic_write_json  # noqa: E402
+from eagle3.losses.ttt import compute_targets  # noqa: E402
 from eagle3.process_group import process_group_scope  # noqa: E402
 from eagle3.train.inputs import autocast_dtype  # noqa: E402
 from eagle3.train.loop import TARGET_CHUNK, TTTObjective, backward_step  # noqa: E402
 from eagle3.train.model import DrafterArgs, Eagle3Drafter  # noqa: E402
 from eagle3.train.ranks import DistInfo, init_distributed  # noqa: E402
 from eagle3.train.schedule import build_scheduler  # noqa: E402
-from eagle3.train.ttt import compute_targets  # noqa: E402
 
 GIB = 1024**3
 

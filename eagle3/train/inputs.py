@@ -552,7 +552,7 @@ def build_optimisation(
     t = cfg.train
     # Logit checkpointing inside torch.compile(dynamic=True) fails in dynamo on torch 2.11
     # ("lift_tracked_freevar_to_input"), and compiled without it was faster anyway (bench/results).
-    # auto = off: the training loss (eagle3/train/ttt_rows.py) keeps only the bf16 logits of the loss rows per TTT
+    # auto = off: the training loss (eagle3/losses/rows.py) keeps only the bf16 logits of the loss rows per TTT
     # step (M x draft_V x 2 bytes; 7 x 1 GB at 16K loss tokens), and recomputing them cost 12% of a
     # SmolLM2 step on the H200 (bench/small_train_speed.py: tokens vs tokens+nock).
     ckpt_logits = t.checkpoint_logits == "on"

@@ -5,7 +5,7 @@ cross-entropies over the counted positions of the whole optimizer step (all micr
 their number, so the gradient does not depend on how the step's samples are split into micro-batches and ranks
 (batch 2 x accumulation 1 == batch 1 x accumulation 2 == 2 ranks x batch 1). Each micro-batch's counts are taken
 before any backward pass of the step and summed over ranks by one all-reduce per optimizer step
-(:func:`eagle3.train.ttt.step_denominators`). No host syncs in a step except at log steps (every ``log_every``).
+(:func:`eagle3.losses.ttt.step_denominators`). No host syncs in a step except at log steps (every ``log_every``).
 """
 
 from __future__ import annotations
@@ -24,19 +24,19 @@ from tqdm.auto import tqdm
 
 from eagle3.data.batching import eval_batches
 from eagle3.data.dataset import collate
-from eagle3.shards.fp8 import dequantize_batch, is_fp8
-from eagle3.train.metrics import Accum, reduce_totals
-from eagle3.train.order import loader_kwargs
-from eagle3.train.ranks import DistInfo, StopFlag, any_rank, sum_ranks
-from eagle3.train.resume import Progress
-from eagle3.train.ttt import (
+from eagle3.losses.rows import row_targets, ttt_loss_rows, ttt_row_counts
+from eagle3.losses.ttt import (
     TTTTargets,
     compute_targets,
     step_denominators,
     ttt_loss,
     ttt_token_counts,
 )
-from eagle3.train.ttt_rows import row_targets, ttt_loss_rows, ttt_row_counts
+from eagle3.shards.fp8 import dequantize_batch, is_fp8
+from eagle3.train.metrics import Accum, reduce_totals
+from eagle3.train.order import loader_kwargs
+from eagle3.train.ranks import DistInfo, StopFlag, any_rank, sum_ranks
+from eagle3.train.resume import Progress
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +48,9 @@ class TTTObjective(nn.Module):
 
     ``forward(input_ids [B,L] int64, aux [B,L,3Ht], target_logp, in_draft, target_argmax, loss_mask [B,L] | None,
     denom [K] float32 | None, loss_pos [M] int64 | None) -> (loss scalar, metrics)``: with ``loss_pos`` the targets
-    are the ``[M, dV]``, ``[M]``, ``[M]`` rows of :func:`eagle3.train.ttt_rows.row_targets` and the loss is
-    :func:`eagle3.train.ttt_rows.ttt_loss_rows` (what training uses); else ``[B, L, ...]`` targets and
-    :func:`eagle3.train.ttt.ttt_loss` (same sums). ``metrics``: per-TTT-step tensors ``[K]`` (``loss``, ``ce_sum``,
+    are the ``[M, dV]``, ``[M]``, ``[M]`` rows of :func:`eagle3.losses.rows.row_targets` and the loss is
+    :func:`eagle3.losses.rows.ttt_loss_rows` (what training uses); else ``[B, L, ...]`` targets and
+    :func:`eagle3.losses.ttt.ttt_loss` (same sums). ``metrics``: per-TTT-step tensors ``[K]`` (``loss``, ``ce_sum``,
     ``acc``, ``correct``, ``count``); ``denom`` None = this batch's own counts. ``checkpoint_logits``: recompute each
     step's logits in backward instead of storing them.
     """
@@ -130,7 +130,7 @@ def backward_step(
         model: :class:`TTTObjective`, possibly wrapped in DDP and/or ``torch.compile``.
         batches: this rank's micro-batches on the device (``input_ids`` ``[B,L]``, ``aux`` ``[B,L,3Ht]``, and
             ``loss_pos`` ``[M]`` or ``loss_mask`` ``[B,L]``); sizes may differ between micro-batches.
-        targets: :class:`eagle3.train.ttt.TTTTargets` of each batch (all alive at once).
+        targets: :class:`eagle3.losses.ttt.TTTTargets` of each batch (all alive at once).
         ttt_length: ``K``.
         d: this process's :class:`DistInfo` (every rank must call this once per optimizer step).
         amp: autocast dtype on the device, or None.

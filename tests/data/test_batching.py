@@ -1,4 +1,4 @@
-"""Token-budget batching (eagle3/data/batching.py) and the host-indexed TTT loss (eagle3/train/ttt_rows.py)."""
+"""Token-budget batching (eagle3/data/batching.py) and the host-indexed TTT loss (eagle3/losses/rows.py)."""
 
 from __future__ import annotations
 
@@ -20,10 +20,10 @@ from eagle3.data.dataset import (
     loss_positions,  # noqa: E402
 )
 from eagle3.errors import UserError  # noqa: E402
+from eagle3.losses.rows import row_targets, ttt_loss_rows, ttt_row_counts  # noqa: E402
+from eagle3.losses.ttt import compute_targets, step_denominators, ttt_loss  # noqa: E402
 from eagle3.train import checkpoint as ckpt  # noqa: E402
 from eagle3.train.model import DrafterArgs, Eagle3Drafter  # noqa: E402
-from eagle3.train.ttt import compute_targets, step_denominators, ttt_loss  # noqa: E402
-from eagle3.train.ttt_rows import row_targets, ttt_loss_rows, ttt_row_counts  # noqa: E402
 
 LENGTHS = [int(x) for x in torch.randint(3, 60, (97,), generator=torch.Generator().manual_seed(5))]
 
@@ -213,7 +213,7 @@ def test_bucketed_batch_equals_per_sample_sum_with_shared_normaliser():
             )
         counts = step_denominators(
             per_sample
-        )  # [K] the step's counted tokens (eagle3.train.ttt, issue 11 item 1)
+        )  # [K] the step's counted tokens (eagle3.losses.ttt, issue 11 item 1)
         assert (
             counts.tolist()
             == sum(piece([it], None)[1]["count"] for it in items).clamp(min=1).float().tolist()

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
+from eagle3.losses.ttt import TTTTargets, compute_targets, ttt_attention_mask, ttt_loss
 from eagle3.train.model import DrafterArgs, Eagle3Drafter
-from eagle3.train.ttt import TTTTargets, compute_targets, ttt_attention_mask, ttt_loss
 
 TV, DV, HT = 40, 16, 24  # target vocab, draft vocab, verifier hidden
 

@@ -22,10 +22,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
-LOSSES = ("soft_ce", "hard_ce", "tv", "lk_hybrid")
-"""Per-token losses of ``train.loss`` (:func:`token_loss`); ``soft_ce`` is the EAGLE-3 paper's."""
-LK_ETA = 3.0
-"""Default ``eta`` of ``lk_hybrid`` (arXiv 2602.23881's best hybrid setting; speculators ``lk_hybrid_loss``)."""
+from eagle3.losses.token import LK_ETA, token_loss
 
 
 def ttt_attention_mask(L: int, step: int) -> torch.Tensor:
@@ -169,56 +166,6 @@ def step_denominators(counts: list[torch.Tensor], world_size: int = 1, group=Non
     return (total.clamp(min=1) / world_size).float()  # [K]
 
 
-def token_loss(
-    logits: torch.Tensor,
-    tgt_logp: torch.Tensor,
-    tgt_draft: Optional[torch.Tensor] = None,
-    loss: str = "soft_ce",
-    lk_eta: float = LK_ETA,
-) -> torch.Tensor:
-    """The per-token training loss of ``train.loss`` (reference form, plain autograd), float32 ``[...]``.
-
-    ``p = exp(tgt_logp)`` is the verifier distribution over the draft vocab (renormalised, DESIGN.md
-    "TTT indexing"), ``q = softmax(logits)`` the drafter's, ``alpha = sum_v min(p_v, q_v)`` their overlap
-    (the acceptance probability of speculative sampling, Leviathan et al. 2023):
-
-    - ``soft_ce``: ``-sum_v p_v log q_v`` (EAGLE-3, SpecForge, the default);
-    - ``hard_ce``: ``-log q_y`` with ``y`` = the verifier's argmax (``tgt_draft``, as a draft id; speculators ``ce``);
-    - ``tv``: ``1 - alpha`` (total variation; speculators ``tv``);
-    - ``lk_hybrid``: ``lam * KL(p||q) + (1 - lam) * (1 - alpha)`` with ``lam = exp(-lk_eta * sg(alpha))``
-      per token (arXiv 2602.23881 "LK losses", hybrid objective; the per-token form of speculators
-      ``lk_hybrid_loss``. SpecForge's ``lk_loss_type: lambda`` takes ``lam`` from the batch-mean alpha,
-      which is not a sum over tokens and so would break the step normalisation of DESIGN.md).
-
-    Args:
-        logits: ``[..., draft_V]`` draft logits (any float dtype; math in float32).
-        tgt_logp: ``[..., draft_V]`` float32 verifier log-probs over the draft vocab.
-        tgt_draft: int64 ``[...]`` draft id of the verifier's argmax (``hard_ce`` only).
-        loss: one of :data:`LOSSES`.
-        lk_eta: ``eta`` of ``lk_hybrid``.
-
-    Raises:
-        ValueError: unknown ``loss``, or ``hard_ce`` without ``tgt_draft``.
-    """
-    x = logits.float()
-    logq = torch.log_softmax(x, dim=-1)  # [..., V]
-    p = tgt_logp.exp()  # [..., V]
-    if loss == "soft_ce":
-        return -(p * logq).sum(-1)
-    if loss == "hard_ce":
-        if tgt_draft is None:
-            raise ValueError("hard_ce needs the draft id of the verifier's argmax (tgt_draft)")
-        return -logq.gather(-1, tgt_draft[..., None]).squeeze(-1)
-    if loss not in ("tv", "lk_hybrid"):
-        raise ValueError(f"unknown loss {loss!r} (expected one of {', '.join(LOSSES)})")
-    alpha = torch.minimum(p, logq.exp()).sum(-1)  # [...]
-    if loss == "tv":
-        return 1.0 - alpha
-    kl = (p * (tgt_logp - logq)).sum(-1)  # [...]
-    lam = torch.exp(-lk_eta * alpha.detach())
-    return lam * kl + (1.0 - lam) * (1.0 - alpha)
-
-
 def draft_index(target_ids: torch.Tensor, d2t: torch.Tensor) -> torch.Tensor:
     """Draft ids of verifier ids ``target_ids`` (any shape, int64): the position in the sorted draft vocab
     ``arange(draft_V) + d2t``; ids outside the draft vocab get an arbitrary valid index (never counted)."""
@@ -236,7 +183,7 @@ def _step_terms(
     loss: str = "soft_ce",
     lk_eta: float = LK_ETA,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-position loss (:func:`token_loss`) ``[B, n]`` float32 and drafter argmax ``[B, n]`` (draft ids)."""
+    """Per-position loss (:func:`eagle3.losses.token.token_loss`) ``[B, n]`` float32 and drafter argmax ``[B, n]`` (draft ids)."""
     logits = drafter.compute_logits(h).float()  # [B, n, draft_V]
     return token_loss(logits, tgt_logp, tgt_draft, loss, lk_eta), logits.argmax(-1)
 
@@ -279,7 +226,7 @@ def ttt_loss(
     lk_eta: float = LK_ETA,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """EAGLE-3 TTT loss: weighted sum over steps of the mean per-token loss (soft-label cross-entropy
-    by default, ``loss`` = any of :data:`LOSSES`, :func:`token_loss`).
+    by default, ``loss`` = any of :data:`eagle3.losses.token.LOSSES`, :func:`eagle3.losses.token.token_loss`).
 
     For step ``i`` (hidden ``step_hiddens[i]`` ``[B, L, H]``) position ``t`` is valid iff
     ``t + 2 + i <= L - 1`` and ``loss_mask[:, t+2+i] == 1`` and ``targets.in_draft[:, t+1+i]``.
@@ -304,7 +251,7 @@ def ttt_loss(
             the same sums, so the same loss and gradients. Saves the ``lm_head`` matmul on prompt
             tokens, but the gather needs a host sync, so ``None`` (auto) = on for CPU tensors only.
         denom: float ``[K]`` per-step denominators (:func:`step_denominators`), or None.
-        loss / lk_eta: the per-token loss (:func:`token_loss`); ``ce_sum`` then sums that loss.
+        loss / lk_eta: the per-token loss (:func:`eagle3.losses.token.token_loss`); ``ce_sum`` then sums that loss.
 
     Returns:
         ``(loss, metrics)``: scalar float32 loss (differentiable) and detached tensors, no host sync:
