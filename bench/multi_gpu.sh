@@ -12,7 +12,7 @@
 #          scaling efficiency = per-GPU tokens/s / 1-GPU tokens/s (goal >= 0.9); the weights'
 #          checksums must agree on all ranks after the timed steps (DDP kept them in sync).
 #   (c) tests/train/test_ddp.py (trainer DDP == 1 process) on GPU: SKIPPED. It cannot run on CUDA/NCCL
-#       through an environment switch: tests/_ddp_worker.py calls eagle3.train.trainer.run(..., device="cpu")
+#       through an environment switch: tests/_ddp_worker.py calls eagle3.stages.train.run(..., device="cpu")
 #       and the test's 1-process reference also passes device="cpu", so it always trains on CPU/gloo.
 #       (b)'s cross-rank weight checksum is the GPU-side DDP sync check instead.
 #
@@ -81,7 +81,7 @@ run_logged tt1 "$T1" "$PY" bench/train_throughput.py "${COMMON[@]}" --json "$OUT
 run_logged "tt$N" "$TN" "$PY" -m torch.distributed.run --standalone --nproc_per_node "$N" \
     bench/train_throughput.py "${COMMON[@]}" --baseline-json "$OUT/tt1.json" --json "$OUT/tt$N.json"
 # (c) see the header: skipped
-C_REASON='skipped: tests/_ddp_worker.py and tests/train/test_ddp.py hard-code eagle3.train.trainer.run(device="cpu")'
+C_REASON='skipped: tests/_ddp_worker.py and tests/train/test_ddp.py hard-code eagle3.stages.train.run(device="cpu")'
 C_REASON+=' (gloo); there is no env switch to CUDA/NCCL'
 echo "[c] $C_REASON" >&2
 

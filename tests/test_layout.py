@@ -43,7 +43,6 @@ KNOWN_CONFIG_USERS = {
     "eagle3.capture.extract",
     "eagle3.prompts.regen_server",
     "eagle3.prompts.self_instruct",
-    "eagle3.train.checkpoint",
     "eagle3.verifier",
 }
 # Library modules that still import eagle3.cli; each leaves when its orchestration moves to stages/.

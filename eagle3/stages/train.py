@@ -35,13 +35,14 @@ import torch
 from torch import nn
 
 from eagle3.cli import Terminated, resume_on_interrupt
-from eagle3.config import DrafterConfig, RunConfig, load_config
+from eagle3.config import RunConfig, load_config
 from eagle3.errors import UserError
 from eagle3.export.from_checkpoint import export_for_run, export_from_checkpoint, load_init_drafter
 from eagle3.export.serving import check_export_destination
 from eagle3.io import rerun_hint
 from eagle3.process_group import process_group_scope
 from eagle3.sdpa import no_cudnn_sdpa
+from eagle3.train import checkpoint as ckpt
 from eagle3.train import inputs as setup
 from eagle3.train import metrics, order, ranks, report
 from eagle3.train import resume as resuming
@@ -385,4 +386,4 @@ def check_init_from_config(cfg: RunConfig) -> bool:
     """:func:`eagle3.train.warm_start.check_init_from` of ``cfg``: the warm-start checks that need neither the
     verifier nor the shards (``bench/lease_preflight.py`` runs them at its start). Returns whether one is set."""
     drafter = {k: getattr(cfg.drafter, k, None) for k in WARM_START_SHAPE}
-    return check_init_from(cfg.train.init_from, drafter, DrafterConfig.model_fields)
+    return check_init_from(cfg.train.init_from, drafter, ckpt.DRAFTER_CONFIG_KEYS)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from eagle3.config import DrafterConfig, RunConfig
+from eagle3.config import RunConfig
 from eagle3.data.batching import sample_lengths
 from eagle3.data.dataset import ShardDataset, read_split
 from eagle3.data.settings import require_current
@@ -334,7 +334,7 @@ def _read_inputs(cfg: RunConfig, d: DistInfo, resume: bool, lock: Optional[Calla
         )
     # checked before the first write (the full check: after the head)
     warm = warm_start_planned(
-        cfg.train.init_from, cfg.train_dir, d.is_main, resume, args, DrafterConfig.model_fields
+        cfg.train.init_from, cfg.train_dir, d.is_main, resume, args, ckpt.DRAFTER_CONFIG_KEYS
     )
     if lock is not None:
         lock()  # 04's lock on train_dir, before the folder check deletes stale temp files

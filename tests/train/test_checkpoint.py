@@ -98,6 +98,13 @@ def test_rng_state_survives_weights_only_save(tmp_path):
     assert torch.equal(torch.rand(2), want)
 
 
+def test_drafter_config_keys_are_the_config_fields():
+    """checkpoint.DRAFTER_CONFIG_KEYS (the train package does not read the config) is DrafterConfig's fields."""
+    from eagle3.config import DrafterConfig
+
+    assert ckpt.DRAFTER_CONFIG_KEYS == set(DrafterConfig.model_fields)
+
+
 def test_check_drafter_args_names_field():
     ckpt.check_drafter_args(
         "c.pt", {"hidden_size": 8, "rms_norm_eps": 1e-6}, {"hidden_size": 8, "rms_norm_eps": 1e-6}
