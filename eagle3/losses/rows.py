@@ -27,7 +27,7 @@ import torch
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from eagle3.losses.token import LK_ETA, row_loss
-from eagle3.losses.ttt import TTTTargets, compute_targets, draft_index, step_metrics
+from eagle3.losses.ttt import StepSums, TTTTargets, compute_targets, draft_index
 
 
 def _row_step_terms(
@@ -108,10 +108,8 @@ def ttt_loss_rows(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """EAGLE-3 TTT loss at the host-chosen rows; the same value and metrics as :func:`eagle3.losses.ttt.ttt_loss`.
 
-    ``S_i = sum_{counted rows} CE(p_{p-1}, q_{i, p-2-i})`` and ``loss = sum_i step_weight**i * S_i / D_i``,
-    where ``D_i`` = ``denom[i]`` when given (``eagle3.losses.ttt.step_denominators``: shared by every
-    micro-batch and rank of an optimizer step), else ``max(1, #counted rows of step i)`` (the batch's
-    own mean), exactly as :func:`eagle3.losses.ttt.ttt_loss`.
+    ``S_i = sum_{counted rows} CE(p_{p-1}, q_{i, p-2-i})`` and ``loss = sum_i step_weight**i * S_i / D_i``
+    (:class:`eagle3.losses.ttt.StepSums`: ``D_i`` = ``denom[i]`` when given, else the batch's own count).
 
     Args:
         drafter: :class:`eagle3.train.model.Eagle3Drafter` (``compute_logits``, ``draft_to_target``).
@@ -124,16 +122,13 @@ def ttt_loss_rows(
         loss / lk_eta: the per-token loss (``train.loss``, :func:`eagle3.losses.token.token_loss`); ``CE`` above is it.
 
     Returns:
-        ``(loss, metrics)`` as :func:`eagle3.losses.ttt.ttt_loss`: scalar float32 loss and detached ``[K]``
-        tensors ``loss`` (this batch's mean CE), ``ce_sum`` (``S_i``), ``acc``, ``correct`` int64,
-        ``count`` int64; no host sync.
+        ``(loss, metrics)`` as :func:`eagle3.losses.ttt.ttt_loss`; no host sync.
     """
     B, L, H = step_hiddens[0].shape
     dev = step_hiddens[0].device
     loss_pos = loss_pos.to(dev)
     p = loss_pos % L  # [M] predicted position within its sample
-    total = torch.zeros((), dtype=torch.float32, device=dev)
-    losses, sums, corrects, counts = [], [], [], []
+    acc = StepSums(dev, step_weight, denom)
     tgt_draft = (
         draft_index(targets.argmax, drafter.d2t) if loss == "hard_ce" else None
     )  # [M], the same every step
@@ -158,13 +153,5 @@ def ttt_loss_rows(
             ce, pred = _row_step_terms(
                 drafter, hs, targets.logp_draft, tgt_draft, loss, lk_eta
             )  # [M], [M]
-        cnt = valid.sum()
-        ce_sum = (ce * valid).sum()  # S_i
-        step_loss = ce_sum / cnt.clamp(min=1)
-        total = total + (step_weight**i) * (step_loss if denom is None else ce_sum / denom[i])
-        correct = ((drafter.draft_to_target(pred) == targets.argmax) & valid).sum()
-        losses.append(step_loss.detach())
-        sums.append(ce_sum.detach())
-        corrects.append(correct)
-        counts.append(cnt)
-    return total, step_metrics(losses, sums, corrects, counts)
+        acc.add(i, ce, valid, drafter.draft_to_target(pred) == targets.argmax)
+    return acc.result()

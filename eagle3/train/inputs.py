@@ -98,13 +98,7 @@ def build_drafter_args(cfg: RunConfig, data_config: dict, vocab: dict, warn_cont
     check_verifier_dims(
         cfg.verifier, dims, data_config, cfg.shards_dir
     )  # before a symptom in a drafter field
-    over = dict(given)
-    if over["head_dim"] is None:
-        if over["hidden_size"] is not None or over["num_attention_heads"] is not None:
-            h = over["hidden_size"] or dims["hidden_size"]
-            over["head_dim"] = h // (over["num_attention_heads"] or dims["num_attention_heads"])
-        else:
-            over["head_dim"] = dims["head_dim"]
+    over = {**given, "head_dim": _head_dim(given, dims)}
     return checked(
         DrafterArgs.from_hf_config(
             text_config(hf),
@@ -115,6 +109,17 @@ def build_drafter_args(cfg: RunConfig, data_config: dict, vocab: dict, warn_cont
             num_layers=cfg.drafter.num_layers,
         )
     )
+
+
+def _head_dim(given: dict, dims: dict) -> int:
+    """``drafter.head_dim``, or when null: hidden / heads when either of those is set, else the verifier's (MLA
+    verifiers: :func:`eagle3.verifier.verifier_dims`)."""
+    if given["head_dim"] is not None:
+        return given["head_dim"]
+    if given["hidden_size"] is not None or given["num_attention_heads"] is not None:
+        h = given["hidden_size"] or dims["hidden_size"]
+        return h // (given["num_attention_heads"] or dims["num_attention_heads"])
+    return dims["head_dim"]
 
 
 def warn_short_context(cfg: RunConfig, args):

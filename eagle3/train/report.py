@@ -246,15 +246,11 @@ def record_export_only(
     select_best: Optional[str] = None,
 ) -> bool:
     """After ``04 --export-only``: ``train_report.{json,md}`` say what was exported (``export_dir``; ``export_only``:
-    the checkpoint, the step whose weights it holds (the checkpoint's ``ckpt_step`` or, under ``train.select_best:
-    sim_accept``, the best validation's), the engine; ``sim_accept.exported_step``), so a report written when the run
-    stopped (``export: none``) or when its export was refused (``export_error``) no longer contradicts the folder.
-    Nothing happens without a ``train_report.json`` written at ``ckpt_step`` (a report of an older step, an
-    unreadable one, a train folder that takes no file (read-only storage): a warning, the export stands). An
-    export of this train folder already recorded in another folder
-    (the finished run's ``drafter-sglang`` before ``--export-only --engine vllm``) stays listed in ``other_exports``
-    while that folder holds it; ``select_best`` (this export's, when given) replaces the training run's in
-    ``sim_accept``, whose ``exported_step`` is now this export's.
+    the checkpoint, the step whose weights it holds (``ckpt_step``, or the best validation's under
+    ``train.select_best: sim_accept``), the engine; ``sim_accept.exported_step`` and, when given, ``select_best``).
+    Nothing happens without a ``train_report.json`` written at ``ckpt_step`` (older, unreadable, or a read-only
+    train folder: a warning, the export stands). Earlier exports of this train folder still in their folders stay
+    listed in ``other_exports``.
 
     Returns:
         Whether the report was rewritten.
@@ -278,15 +274,7 @@ def record_export_only(
         )
         return False
     report.pop("export_error", None)
-    earlier = [
-        o.get("export_dir") for o in report.get("other_exports") or [] if isinstance(o, dict)
-    ]
-    others = [
-        _export_record(Path(d), train_dir)
-        for d in dict.fromkeys(earlier + [report.get("export_dir")])
-        if d and Path(d).resolve() != Path(export_dir).resolve()
-    ]
-    report["other_exports"] = [o for o in others if o is not None]
+    report["other_exports"] = _other_exports(report, train_dir, export_dir)
     report["export_dir"] = str(export_dir)
     report["export_only"] = {
         "checkpoint": str(checkpoint),
@@ -306,6 +294,20 @@ def record_export_only(
             report["sim_accept"]["select_best"] = select_best
     write_report(train_dir, report, args)
     return True
+
+
+def _other_exports(report: dict, train_dir: Path, export_dir: Path) -> list[dict]:
+    """The exports of ``train_dir`` a report already recorded (``other_exports`` and ``export_dir``) that are still
+    in their folders, other than ``export_dir`` (:func:`_export_record`)."""
+    earlier = [
+        o.get("export_dir") for o in report.get("other_exports") or [] if isinstance(o, dict)
+    ]
+    others = [
+        _export_record(Path(d), train_dir)
+        for d in dict.fromkeys(earlier + [report.get("export_dir")])
+        if d and Path(d).resolve() != Path(export_dir).resolve()
+    ]
+    return [o for o in others if o is not None]
 
 
 def _export_record(folder: Path, train_dir: Path) -> Optional[dict]:
@@ -365,27 +367,7 @@ def _report_markdown(result: dict, args) -> str:
     picked = selected_weights_line(result) if result.get("export_dir") else None
     if picked:
         lines.append(f"- {picked}")
-    if result.get("stopped"):
-        lines.append(
-            f"- **stopped** by signal {result.get('signal')} at step {result['step']}: no final validation"
-            + (
-                ", exported afterwards by `--export-only` (below)"
-                if result.get("export_only")
-                else ", no export; `04_train.py --resume` goes on, `--export-only` exports "
-                + _export_only_what(result, "this checkpoint")
-            )
-        )
-    if result.get("export_only"):
-        e = result["export_only"]
-        lines.append(
-            f"- exported by `04_train.py --export-only` ({e['engine']}): the weights of step "
-            f"{e['weights_step']} (checkpoint `{e['checkpoint']}`)"
-        )
-    lines += [
-        f"- also exported: `{o['export_dir']}` ({o['engine']}, the weights of step {o['weights_step']}, "
-        f"select_best: {o['select_best']})"
-        for o in result.get("other_exports") or []
-    ]
+    lines += _export_notes(result)
     lines += [f"- **warning**: {w}" for w in result.get("warnings") or []]
     segs = result.get("segments") or []
     if (
@@ -418,6 +400,33 @@ def _report_markdown(result: dict, args) -> str:
     elif result.get("sim_accept"):
         lines += ["", *markdown_lines(result["sim_accept"])]
     return "\n".join(lines) + "\n"
+
+
+def _export_notes(result: dict) -> list[str]:
+    """``train_report.md``'s lines on a stop by a signal and on later exports (``--export-only``, other folders)."""
+    lines: list[str] = []
+    if result.get("stopped"):
+        lines.append(
+            f"- **stopped** by signal {result.get('signal')} at step {result['step']}: no final validation"
+            + (
+                ", exported afterwards by `--export-only` (below)"
+                if result.get("export_only")
+                else ", no export; `04_train.py --resume` goes on, `--export-only` exports "
+                + _export_only_what(result, "this checkpoint")
+            )
+        )
+    if result.get("export_only"):
+        e = result["export_only"]
+        lines.append(
+            f"- exported by `04_train.py --export-only` ({e['engine']}): the weights of step "
+            f"{e['weights_step']} (checkpoint `{e['checkpoint']}`)"
+        )
+    lines += [
+        f"- also exported: `{o['export_dir']}` ({o['engine']}, the weights of step {o['weights_step']}, "
+        f"select_best: {o['select_best']})"
+        for o in result.get("other_exports") or []
+    ]
+    return lines
 
 
 def _segment_text(g: dict) -> str:

@@ -202,20 +202,25 @@ def restore(
     if d.is_main:
         _resume_warnings(path, state, changes, unchecked, opt.fingerprint)
     _load_state(path, state, d, opt, inputs, rec)
-    rngs = state["rng"]
-    if len(rngs) == d.world:
-        ckpt.restore_rng(rngs[d.rank])
-    else:
-        if d.is_main:
-            log.warning(
-                "%s: saved with %d processes, now %d; RNG states reseeded", path, len(rngs), d.world
-            )
-        torch.manual_seed(rec.seed + 1000 * pos.step + d.rank)
+    _restore_rng(path, state["rng"], d, rec.seed + 1000 * pos.step + d.rank)
     pos.last_ckpt = path
     pos.earlier_segments, pos.segment_start = earlier_segments(state), pos.step
     switch = state_source_switch(path, pos.earlier_segments, current_segment(pos, rec, d))
     if switch and d.is_main:
         log.warning("%s", switch)
+
+
+def _restore_rng(path: Path, rngs: list, d: DistInfo, reseed: int) -> None:
+    """This rank's RNG states from the checkpoint (one per rank it was written on); on another process count they
+    cannot be matched to ranks, so every rank is reseeded with ``reseed`` (rank 0 says so)."""
+    if len(rngs) == d.world:
+        ckpt.restore_rng(rngs[d.rank])
+        return
+    if d.is_main:
+        log.warning(
+            "%s: saved with %d processes, now %d; RNG states reseeded", path, len(rngs), d.world
+        )
+    torch.manual_seed(reseed)
 
 
 def _resume_warnings(path: Path, state: dict, changes: list, unchecked, fingerprint: str) -> None:

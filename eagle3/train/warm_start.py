@@ -56,17 +56,15 @@ def warm_start(drafter: nn.Module, src: nn.Module, source: str) -> dict:
     frozen ``embed_tokens``, its vocab map and so its ``lm_head`` rows = the verifier's rows of its draft ids stay
     where ``src`` has nothing for them). Every trainable tensor of ``drafter`` but ``lm_head.weight`` must exist in
     ``src`` with the same shape, and ``src``'s trainable set must hold nothing else; the variant and the target vocab
-    must be equal. ``lm_head.weight`` (``[draft_V, H]``) is copied by target token: row ``i`` names target
-    ``i + d2t[i]`` (FIELD-NOTES section 3), so under another stage-03 map (other data, another
-    ``data.draft_vocab_size``) each of this run's draft tokens that ``src`` also drafts gets ``src``'s row for that
-    token, and the others keep their verifier init. Under the same map that is a plain copy.
+    must be equal. ``lm_head.weight`` (``[draft_V, H]``) is copied by target token (:func:`_source_rows`): under
+    another stage-03 map each draft token that ``src`` also drafts gets ``src``'s row for it, the others keep their
+    verifier init; under the same map that is a plain copy.
 
     Returns:
         ``{"tensors": copied tensors, "lm_head_rows": this run's draft_V, "lm_head_rows_copied": rows from src}``.
 
     Raises:
-        UserError: naming ``source`` and the first difference (variant, target vocab, a missing / extra /
-            misshapen tensor).
+        UserError: naming ``source`` and the first difference (variant, target vocab, a tensor).
     """
     a, b = getattr(src.args, "variant", "eagle3"), getattr(drafter.args, "variant", "eagle3")
     if a != b:
@@ -85,9 +83,7 @@ def warm_start(drafter: nn.Module, src: nn.Module, source: str) -> dict:
             raise UserError(
                 f"{source}: train.init_from has no tensor '{name}' (drafter shape differs from the config)"
             )
-        cut = (
-            1 if name == "lm_head.weight" else 0
-        )  # lm_head: rows per draft vocab (moved below), width must match
+        cut = 1 if name == "lm_head.weight" else 0  # lm_head: rows move (below), width must match
         if theirs[name].shape[cut:] != p.shape[cut:]:
             raise UserError(
                 f"{source}: train.init_from's '{name}' is {list(theirs[name].shape)}, this run's drafter "
@@ -98,16 +94,7 @@ def warm_start(drafter: nn.Module, src: nn.Module, source: str) -> dict:
         raise UserError(
             f"{source}: train.init_from has tensor '{extra[0]}' that this run's drafter does not train"
         )
-    dv_new, dv_old = drafter.d2t.numel(), src.d2t.numel()
-    tgt_new = (
-        torch.arange(dv_new) + drafter.d2t.cpu()
-    )  # [dV] target id of each of this run's draft ids
-    tgt_old = torch.arange(dv_old) + src.d2t.cpu()  # [dV_src]
-    row_of = torch.full(
-        (int(drafter.args.target_vocab_size),), -1, dtype=torch.long
-    )  # [V] src draft id per target
-    row_of[tgt_old] = torch.arange(dv_old)
-    src_rows = row_of[tgt_new]  # [dV] -1 where src does not draft that token
+    src_rows = _source_rows(drafter, src)  # [dV] -1 where src does not draft that token
     hit = src_rows >= 0  # [dV]
     with torch.no_grad():
         for name, p in mine.items():
@@ -117,7 +104,24 @@ def warm_start(drafter: nn.Module, src: nn.Module, source: str) -> dict:
                 )  # [n_hit, H]
             else:
                 p.copy_(theirs[name].to(p.device, p.dtype))
-    return {"tensors": len(mine), "lm_head_rows": dv_new, "lm_head_rows_copied": int(hit.sum())}
+    return {
+        "tensors": len(mine),
+        "lm_head_rows": drafter.d2t.numel(),
+        "lm_head_rows_copied": int(hit.sum()),
+    }
+
+
+def _source_rows(drafter: nn.Module, src: nn.Module) -> torch.Tensor:
+    """int64 ``[dV]``: for each draft id of ``drafter``, the draft id of ``src`` that names the same target token
+    (row ``i`` names target ``i + d2t[i]``), -1 where ``src`` does not draft that token."""
+    dv_new, dv_old = drafter.d2t.numel(), src.d2t.numel()
+    tgt_new = (
+        torch.arange(dv_new) + drafter.d2t.cpu()
+    )  # [dV] target id of each of this run's draft ids
+    tgt_old = torch.arange(dv_old) + src.d2t.cpu()  # [dV_src]
+    row_of = torch.full((int(drafter.args.target_vocab_size),), -1, dtype=torch.long)  # [V]
+    row_of[tgt_old] = torch.arange(dv_old)
+    return row_of[tgt_new]
 
 
 # DrafterArgs fields that fix the shape of a trainable tensor (or, variant, which tensors exist): a warm start needs
