@@ -200,7 +200,7 @@ def prefill_rate(
         sample_lengths(cfg.shards_dir, ds, ds.max_length), batch_tokens, seed=cfg.train.seed
     )
     feat = torch.bfloat16 if _autocast_dtype(cfg.train.bf16, dev) is not None else torch.float32
-    src = VerifierStates.load(cfg, meta, dev, feat)
+    src = VerifierStates.load(cfg.verifier, meta, dev, feat)
     todo = [
         _move_batch(b, dev, feat)
         for _, b in zip(

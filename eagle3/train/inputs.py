@@ -323,7 +323,7 @@ def _read_inputs(cfg: RunConfig, d: DistInfo, resume: bool, lock: Optional[Calla
         str(data_config["architecture"]),
         str(cfg.shards_dir / "data_config.json"),
     )  # before training, not at the export after it
-    check_hidden_states(cfg, data_config)
+    check_hidden_states(cfg.train.hidden_states, cfg.extract, cfg.shards_dir, data_config)
     vocab = load_run_vocab_map(cfg, int(data_config["vocab_size"]))
     split = read_split(cfg.data_dir)
     # 03's last validation of these shards passed, and its split and vocab map were made from them under the
@@ -397,12 +397,22 @@ def load_inputs(
     )
     del head
     stop_check()
-    unused = unused_shard_states_note(cfg, data_config)  # online over shards with states: said
+    t = cfg.train
+    unused = unused_shard_states_note(
+        t.hidden_states, cfg.extract.backend, cfg.shards_dir, data_config
+    )  # online over shards with states: said
     if unused and d.is_main:
         log.info(unused)
-    inputs.states = state_source(
-        cfg, data_config, d.device, feat_dtype
-    )  # online: loads the verifier
+    inputs.states = state_source(  # online: loads the verifier
+        t.hidden_states,
+        cfg.verifier,
+        cfg.extract,
+        t.online_prefetch,
+        cfg.shards_dir,
+        data_config,
+        d.device,
+        feat_dtype,
+    )
     return inputs
 
 
@@ -555,11 +565,8 @@ def build_optimisation(
     """Optimisation step: the TTT objective (DDP, torch.compile), AdamW over the trainable drafter
     parameters, the warmup + cosine schedule over ``total_steps``."""
     t = cfg.train
-    # Logit checkpointing inside torch.compile(dynamic=True) fails in dynamo on torch 2.11
-    # ("lift_tracked_freevar_to_input"), and compiled without it was faster anyway (bench/results).
-    # auto = off: the training loss (eagle3/losses/rows.py) keeps only the bf16 logits of the loss rows per TTT
-    # step (M x draft_V x 2 bytes; 7 x 1 GB at 16K loss tokens), and recomputing them cost 12% of a
-    # SmolLM2 step on the H200 (bench/small_train_speed.py: tokens vs tokens+nock).
+    # auto = off: the loss rows keep only their bf16 logits per TTT step, and recomputing them cost 12% of a step
+    # (bench/small_train_speed.py); under torch.compile(dynamic=True) logit checkpointing fails in dynamo.
     ckpt_logits = t.checkpoint_logits == "on"
     if t.compile and ckpt_logits:
         raise UserError(
@@ -567,12 +574,7 @@ def build_optimisation(
             "fails on the checkpointed loss); use 'auto' or 'off'"
         )
     objective = TTTObjective(
-        inputs.drafter,
-        t.ttt_length,
-        t.step_weight,
-        checkpoint_logits=ckpt_logits,
-        loss=t.loss,
-        lk_eta=t.lk_eta,
+        inputs.drafter, t.ttt_length, t.step_weight, ckpt_logits, loss=t.loss, lk_eta=t.lk_eta
     )
     model = objective
     if d.distributed:

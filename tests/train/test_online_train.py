@@ -388,7 +388,7 @@ def test_online_states_of_a_padded_batch(prepared, tiny_llama_dir):
 
     on, off = prepared["online"], prepared["offline"]
     meta = json.loads((on["cfg"].shards_dir / "data_config.json").read_text())
-    src = VerifierStates.load(on["cfg"], meta, torch.device("cpu"), torch.float32)
+    src = VerifierStates.load(on["cfg"].verifier, meta, torch.device("cpu"), torch.float32)
     assert (
         not any(p.requires_grad for p in src.capture.model.parameters())
         and not src.capture.model.training
@@ -421,7 +421,7 @@ def test_online_verifier_mismatch_is_user_error(prepared, tiny_llama_dir):
     meta = json.loads((prepared["online"]["cfg"].shards_dir / "data_config.json").read_text())
     with pytest.raises(UserError, match="key 'last_hidden_state' is 'pre_norm'"):
         VerifierStates.load(
-            prepared["online"]["cfg"],
+            prepared["online"]["cfg"].verifier,
             {**meta, "last_hidden_state": "pre_norm"},
             torch.device("cpu"),
             torch.float32,
