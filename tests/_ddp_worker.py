@@ -221,7 +221,7 @@ def main(argv=None) -> int:
     if (
         os.environ.get("SPLIT_DIR_FOR_RANK_1") and os.environ.get("RANK") == "1"
     ):  # a node with another data copy
-        from eagle3.train import inputs as trainer
+        from eagle3.stages import train as trainer
 
         real = trainer.read_split
         trainer.read_split = lambda data_dir: real(

@@ -36,7 +36,6 @@ LEGACY = {"prompts", "benchmark"}  # being emptied into concept packages and sta
 KNOWN_CONFIG_USERS = {
     "eagle3.export.from_checkpoint",
     "eagle3.benchmark.offline",
-    "eagle3.train.inputs",
     "eagle3.data.prepare_data",
     "eagle3.data.settings",
     "eagle3.prompts.prepare_prompts",

@@ -36,18 +36,24 @@ from torch import nn
 
 from eagle3.cli import Terminated, resume_on_interrupt
 from eagle3.config import RunConfig, load_config
-from eagle3.errors import UserError
+from eagle3.data.dataset import read_split
+from eagle3.data.settings import require_current
+from eagle3.data.validation_record import require_passed
+from eagle3.data.vocab import load_run_vocab_map
 from eagle3.export.from_checkpoint import export_for_run, export_from_checkpoint, load_init_drafter
 from eagle3.export.serving import check_export_destination
 from eagle3.io import rerun_hint
+from eagle3.layers import check_servable
 from eagle3.process_group import process_group_scope
 from eagle3.sdpa import no_cudnn_sdpa
+from eagle3.shards.format import check_extract_settings, check_verifier, read_data_config
 from eagle3.train import checkpoint as ckpt
 from eagle3.train import inputs as setup
 from eagle3.train import metrics, order, ranks, report
 from eagle3.train import resume as resuming
 from eagle3.train.folder import REDO_HINT, train_lock, undo_on_refusal
 from eagle3.train.loop import LoopSettings, TrainLoop
+from eagle3.train.online import check_hidden_states
 from eagle3.train.ranks import DistInfo, StopFlag, init_distributed
 from eagle3.train.sim_accept import BestTracker, effective_chain
 from eagle3.train.warm_start import WARM_START_SHAPE, check_init_from
@@ -177,9 +183,8 @@ def _run(cfg, d, stop, resume, max_steps, stop_after, export=None, init=None, st
 
 
 def stop_before_training(stop: Optional[StopFlag], d: DistInfo) -> None:
-    """Honour a signal that came before the first optimizer step of this call (04's start-up: data checks, verifier
-    head, drafter init, hidden-state source): stop now, nothing trained and no checkpoint written. Every rank calls
-    it at the same points and they agree (:func:`eagle3.train.ranks.any_rank`).
+    """Honour a signal that came before the first optimizer step of this call (04's start-up): stop now, nothing
+    trained and no checkpoint written. Every rank calls it at the same points and they agree.
 
     Raises:
         eagle3.cli.Terminated: a ``KeyboardInterrupt`` carrying the signal (``run_main`` prints ``interrupted by
@@ -199,16 +204,19 @@ def _start(cfg, d, stop, resume, max_steps, init, stop_at, lock, warned):
     """Setup and resume; a refusal (UserError) or a signal here removes what this call created. Returns the loop
     and its :class:`eagle3.train.resume.RunRecord`."""
     stop_check = lambda: stop_before_training(stop, d)  # noqa: E731
+    s = _setup(cfg)
+    load = None if init is None else (lambda embed, dc: init(cfg, embed, dc))
     with undo_on_refusal(cfg.train_dir, d.is_main):
-        inputs = setup.load_inputs(cfg, d, resume, init, stop_check, lock)
+        data_config, vocab, split = _read_data(cfg, d)
+        inputs = setup.load_inputs(s, d, data_config, vocab, split, resume, load, stop_check, lock)
         try:
             ranks.same_data(
                 d, order.data_inputs(inputs.split, inputs.vocab, inputs.data_config), cfg.data_dir
             )
-            data = setup.build_data(cfg, d, inputs, max_steps)
+            data = setup.build_data(s, d, inputs, max_steps)
             stop_check()
-            opt = setup.build_optimisation(cfg, d, inputs, data.total_steps)
-            rec = _record(cfg, d, inputs, opt, warned)
+            opt = setup.build_optimisation(s, d, inputs, data.total_steps)
+            rec = _record(cfg, s, d, inputs, opt, warned)
             pos = resuming.Progress(total_steps=data.total_steps)
             if resume:
                 resuming.restore(pos, rec, d, data, opt, inputs, stop_at)
@@ -221,6 +229,36 @@ def _start(cfg, d, stop, resume, max_steps, init, stop_at, lock, warned):
             raise
     save = lambda: resuming.save(pos, rec, d, data.order, opt, inputs)  # noqa: E731
     return TrainLoop(_settings(cfg), d, inputs, data, opt, pos, save, stop_check), rec
+
+
+def _setup(cfg: RunConfig) -> setup.Setup:
+    """What the setup reads of ``cfg`` (:class:`eagle3.train.inputs.Setup`)."""
+    sections = {k: getattr(cfg, k) for k in ("train", "drafter", "verifier", "extract")}
+    folders = {k: getattr(cfg, k) for k in ("train_dir", "data_dir", "shards_dir")}
+    return setup.Setup(**sections, **folders, train_field=cfg.output_field("train"))
+
+
+def _read_data(cfg: RunConfig, d: DistInfo) -> tuple[dict, dict, dict]:
+    """02's ``data_config.json`` checked against the config (verifier, extract settings, the engine's aux layers,
+    the hidden-state source) and 03's vocab map and split, current with the shards and the config's ``data:``
+    settings (03's last validation passed). Returns ``(data_config, vocab, split)``."""
+    data_config = read_data_config(cfg.shards_dir)
+    # first: another verifier explains the rest
+    unchecked = check_verifier(cfg.verifier, data_config, cfg.shards_dir)
+    if (
+        unchecked and d.is_main
+    ):  # shards without a weights fingerprint: said (report's warnings too)
+        log.warning("%s", unchecked)
+    check_extract_settings(cfg.extract, data_config, cfg.shards_dir)
+    where = str(cfg.shards_dir / "data_config.json")  # before training, not at the export after it
+    check_servable(
+        data_config["aux_layers"], cfg.export.engine, str(data_config["architecture"]), where
+    )
+    check_hidden_states(cfg.train.hidden_states, cfg.extract, cfg.shards_dir, data_config)
+    vocab = load_run_vocab_map(cfg, int(data_config["vocab_size"]))
+    split = read_split(cfg.data_dir)
+    require_current(cfg, require_passed(cfg.shards_dir, cfg.data_dir))
+    return data_config, vocab, split
 
 
 def _sinks(cfg: RunConfig, loop: TrainLoop) -> None:
@@ -249,10 +287,10 @@ def _settings(cfg: RunConfig) -> LoopSettings:
     return LoopSettings(**{f.name: getattr(cfg.train, f.name) for f in fields(LoopSettings)})
 
 
-def _record(cfg: RunConfig, d: DistInfo, inputs, opt, warned: list) -> resuming.RunRecord:
+def _record(cfg: RunConfig, s, d: DistInfo, inputs, opt, warned: list) -> resuming.RunRecord:
     """What the checkpoints record of this run, and what a resume compares (:class:`eagle3.train.resume.RunRecord`)."""
     i, t = inputs, cfg.train
-    current = setup.resume_current(cfg, i.args, i.split, i.vocab, i.data_config)
+    current = setup.resume_current(s, i.args, i.split, i.vocab, i.data_config)
     same = ("seed", "epochs", "warmup_ratio", "keep_checkpoints", "hidden_states")
     return resuming.RunRecord(
         train_dir=cfg.train_dir,
@@ -300,13 +338,9 @@ def _finish(
         "warnings": rec.warnings,
         "val_samples": len(loop.data.val_ds) if loop.data.val_ds is not None else 0,
     }
-    if not result[
-        "val_samples"
-    ]:  # said in the report and the closing lines, not an empty tau table
+    if not result["val_samples"]:  # said in the report and closing lines, not an empty tau table
         result["no_validation"] = report.no_validation_note(result["step"], stopped=p.stopped)
-    if (
-        p.stopped
-    ):  # no final validation, no export; the report says where it stopped and how to go on
+    if p.stopped:  # no final validation, no export; the report says where it stopped, how to go on
         loop.metrics.close()
         if d.is_main:
             result["sim_accept"] = dict(
@@ -325,7 +359,10 @@ def _finish(
         except (
             Exception
         ) as e:  # training is done: its report is written anyway, saying why nothing was exported
-            raise _export_failed(cfg, loop, result, e) from e
+            sim = dict(loop.tracker.summary(), select_best=t.select_best, exported_step=None)
+            raise report.export_failed(
+                cfg.train_dir, result, loop.inputs.args, sim, p.last_ckpt, e
+            ) from e
         report.write_report(cfg.train_dir, result, loop.inputs.args)
         print(report.headline(result, cfg.train_dir, loop.inputs.args))
     ranks.barrier(d)
@@ -353,33 +390,6 @@ def _select_and_export(
         p = loop.pos
         prov = report.export_provenance(cfg.train_dir, p.last_ckpt, p.step, sel, best or p.step)
         result["export_dir"] = str(export(cfg, drafter, loop.inputs.data_config, provenance=prov))
-
-
-def _export_failed(cfg: RunConfig, loop: TrainLoop, result: dict, e: Exception) -> Exception:
-    """After a finished training whose selection or export failed: ``train_report.{json,md}`` written anyway
-    (``export_error``: the reason and the fix), and the error to raise: a :class:`UserError` says in its one line
-    that the checkpoint and the report are kept and how to export (``--export-only``); another error is returned as
-    it is (a bug keeps its traceback)."""
-    why = str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}"
-    result["export_error"] = why
-    result.setdefault(
-        "sim_accept",
-        dict(loop.tracker.summary(), select_best=cfg.train.select_best, exported_step=None),
-    )
-    try:
-        report.write_report(cfg.train_dir, result, loop.inputs.args)
-    except Exception as w:  # noqa: BLE001 - the export's error is the one to tell
-        log.warning("train_report: could not be written after the failed export (%s)", w)
-        return e
-    if not isinstance(e, UserError):
-        return e
-    err = UserError(
-        f"{why} [training finished: checkpoint {loop.pos.last_ckpt} kept, report "
-        f"{cfg.train_dir / 'train_report.md'}; after the fix, 04_train.py --export-only exports it "
-        f"without retraining]"
-    )
-    err.exit_code = e.exit_code
-    return err
 
 
 def check_init_from_config(cfg: RunConfig) -> bool:

@@ -1,4 +1,4 @@
-"""Stage 04's setup from the run config: inputs (data metadata, vocab map, split, drafter shape, verifier head,
+"""Stage 04's setup (:class:`Setup`: the config sections and folders it reads): inputs (data metadata, vocab map, split, drafter shape, verifier head,
 drafter init and warm start, hidden-state source), the data (datasets, order, step horizon) and the optimisation
 (TTT objective, DDP / compile, AdamW, warmup + cosine schedule), each checked before the first write."""
 
@@ -7,34 +7,24 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from eagle3.config import RunConfig
 from eagle3.data.batching import sample_lengths
-from eagle3.data.dataset import ShardDataset, read_split
-from eagle3.data.settings import require_current
-from eagle3.data.validation_record import require_passed
-from eagle3.data.vocab import load_run_vocab_map
+from eagle3.data.dataset import ShardDataset
 from eagle3.errors import UserError
 from eagle3.io import make_dirs
-from eagle3.layers import check_servable
-from eagle3.shards.format import (
-    check_extract_settings,
-    check_verifier,
-    check_verifier_dims,
-    expect_from_data_config,
-    read_data_config,
-)
+from eagle3.shards.format import check_verifier_dims, expect_from_data_config
 from eagle3.train import checkpoint as ckpt
 from eagle3.train.draft_config import check_context_length
 from eagle3.train.folder import check_train_dir
 from eagle3.train.loop import TTTObjective
 from eagle3.train.model import DrafterArgs
-from eagle3.train.online import check_hidden_states, state_source, unused_shard_states_note
+from eagle3.train.online import state_source, unused_shard_states_note
 from eagle3.train.order import TrainData, data_inputs, data_order
 from eagle3.train.ranks import DistInfo, barrier
 from eagle3.train.safetensors_head import load_target_head_from_safetensors
@@ -53,8 +43,24 @@ from eagle3.verifier import (
 log = logging.getLogger(__name__)
 
 
-def build_drafter_args(cfg: RunConfig, data_config: dict, vocab: dict, warn_context: bool = True):
-    """``DrafterArgs`` from ``cfg.drafter``; ``null`` fields are copied from the verifier config.
+@dataclass(frozen=True)
+class Setup:
+    """What 04's setup reads of the run: the config's ``train``, ``drafter``, ``verifier`` and ``extract`` sections,
+    the run's folders, and the config key that names ``train_dir`` (for its errors)."""
+
+    train: Any
+    drafter: Any
+    verifier: Any
+    extract: Any
+    train_dir: Path
+    data_dir: Path
+    shards_dir: Path
+    train_field: str = "train.output_dir"
+
+
+def build_drafter_args(s: Setup, data_config: dict, vocab: dict, warn_context: bool = True):
+    """``DrafterArgs`` from the ``drafter`` section of ``s`` (a :class:`Setup`, or the run config: the same
+    attributes); ``null`` fields are copied from the verifier config.
 
     The verifier config is read (``eagle3.verifier.load_verifier_config``, no weights) only when
     some field is null; then :meth:`eagle3.train.model.DrafterArgs.from_hf_config` fills it from the
@@ -69,7 +75,7 @@ def build_drafter_args(cfg: RunConfig, data_config: dict, vocab: dict, warn_cont
     """
 
     def checked(args):
-        return warn_short_context(cfg, args) if warn_context else args
+        return warn_short_context(s, args) if warn_context else args
 
     fields = (
         "hidden_size",
@@ -81,7 +87,7 @@ def build_drafter_args(cfg: RunConfig, data_config: dict, vocab: dict, warn_cont
         "rope_theta",
         "max_position_embeddings",
     )
-    given = {f: getattr(cfg.drafter, f) for f in fields}
+    given = {f: getattr(s.drafter, f) for f in fields}
     fixed = dict(
         draft_vocab_size=int(vocab["draft_vocab_size"]),
         target_vocab_size=int(vocab["target_vocab_size"]),
@@ -90,13 +96,13 @@ def build_drafter_args(cfg: RunConfig, data_config: dict, vocab: dict, warn_cont
     if all(v is not None for v in given.values()):
         return checked(
             DrafterArgs(
-                **given, **fixed, variant=cfg.drafter.variant, num_layers=cfg.drafter.num_layers
+                **given, **fixed, variant=s.drafter.variant, num_layers=s.drafter.num_layers
             )
         )
-    hf = load_verifier_config(cfg.verifier)
+    hf = load_verifier_config(s.verifier)
     dims = verifier_dims(hf)
     check_verifier_dims(
-        cfg.verifier, dims, data_config, cfg.shards_dir
+        s.verifier, dims, data_config, s.shards_dir
     )  # before a symptom in a drafter field
     over = {**given, "head_dim": _head_dim(given, dims)}
     return checked(
@@ -105,8 +111,8 @@ def build_drafter_args(cfg: RunConfig, data_config: dict, vocab: dict, warn_cont
             fixed["draft_vocab_size"],
             **over,
             **{k: v for k, v in fixed.items() if k != "draft_vocab_size"},
-            variant=cfg.drafter.variant,
-            num_layers=cfg.drafter.num_layers,
+            variant=s.drafter.variant,
+            num_layers=s.drafter.num_layers,
         )
     )
 
@@ -122,7 +128,7 @@ def _head_dim(given: dict, dims: dict) -> int:
     return dims["head_dim"]
 
 
-def warn_short_context(cfg: RunConfig, args):
+def warn_short_context(s: Setup, args):
     """Warn at the start of 04 when the drafter's context is below the verifier's: the export for
     SGLang will be refused, vLLM caps the draft (:func:`eagle3.train.draft_config.check_context_length`).
 
@@ -130,13 +136,13 @@ def warn_short_context(cfg: RunConfig, args):
         ``args`` unchanged.
     """
     try:
-        check_context_length(args, verifier_context_length(cfg.verifier), "sglang")
+        check_context_length(args, verifier_context_length(s.verifier), "sglang")
     except UserError as e:
         log.warning("%s. The SGLang export will be refused; vLLM caps the draft at that length.", e)
     return args
 
 
-def warn_world_size(cfg: RunConfig, d: DistInfo) -> Optional[str]:
+def warn_world_size(s: Setup, d: DistInfo) -> Optional[str]:
     """Warn (rank 0) when the config plans ``train.nproc_per_node`` processes and 04 runs in another number (a plain
     ``python 04_train.py`` would train with a fraction of the planned global batch). Only a value the config sets is
     compared (the default 1 is not a plan), and a resume on fewer GPUs stays possible: a warning, not a refusal.
@@ -144,10 +150,10 @@ def warn_world_size(cfg: RunConfig, d: DistInfo) -> Optional[str]:
     Returns:
         The warning's text, or None.
     """
-    want = cfg.train.nproc_per_node
-    if "nproc_per_node" not in cfg.train.model_fields_set or want == d.world:
+    want = s.train.nproc_per_node
+    if "nproc_per_node" not in s.train.model_fields_set or want == d.world:
         return None
-    t = cfg.train
+    t = s.train
     batch = (
         f"{t.batch_size} x {t.grad_accum} x {d.world} = {t.batch_size * t.grad_accum * d.world} samples per "
         f"optimizer step instead of {t.batch_size * t.grad_accum * want}"
@@ -164,7 +170,7 @@ def warn_world_size(cfg: RunConfig, d: DistInfo) -> Optional[str]:
     return msg
 
 
-def prepare_target_head(cfg: RunConfig, data_config: dict, d: DistInfo) -> TargetHead:
+def prepare_target_head(s: Setup, data_config: dict, d: DistInfo) -> TargetHead:
     """Load ``{train_dir}/target_head.safetensors``; rank 0 extracts it from the verifier first if missing.
 
     Extraction reads only the three tensors from a safetensors checkpoint
@@ -174,17 +180,17 @@ def prepare_target_head(cfg: RunConfig, data_config: dict, d: DistInfo) -> Targe
     Raises:
         UserError: the head does not match ``data_config.json`` (hidden size, vocab size, norm convention).
     """
-    path = cfg.train_dir / TARGET_HEAD_FILE
+    path = s.train_dir / TARGET_HEAD_FILE
     if d.is_main and not path.is_file():
         log.info("extracting the verifier's embedding / lm_head / final norm to %s", path)
-        vdir = cfg.verifier.resolved_path()
-        if cfg.verifier.gguf_file is None and any(vdir.glob("*.safetensors*")):
+        vdir = s.verifier.resolved_path()
+        if s.verifier.gguf_file is None and any(vdir.glob("*.safetensors*")):
             load_target_head_from_safetensors(vdir, data_config["last_hidden_state"]).save(
-                cfg.train_dir
+                s.train_dir
             )
         else:
-            model, _tok = load_verifier(cfg.verifier, device="cpu")
-            TargetHead.from_model(model, data_config["last_hidden_state"]).save(cfg.train_dir)
+            model, _tok = load_verifier(s.verifier, device="cpu")
+            TargetHead.from_model(model, data_config["last_hidden_state"]).save(s.train_dir)
             del model
     barrier(d)
     head = TargetHead.load(path)
@@ -215,10 +221,10 @@ def autocast_dtype(bf16: str, device: torch.device) -> Optional[torch.dtype]:
     return torch.bfloat16 if bf16 in ("auto", "on") else None
 
 
-def recipe(cfg: RunConfig) -> dict:
+def recipe(s: Setup) -> dict:
     """The training recipe a checkpoint records (key ``recipe``, dotted config keys): what
     :func:`eagle3.train.checkpoint.check_recipe` compares on ``--resume``, naming the fields that differ."""
-    t = cfg.train
+    t = s.train
     out = {
         f"train.{k}": getattr(t, k)
         for k in (
@@ -234,25 +240,25 @@ def recipe(cfg: RunConfig) -> dict:
             "grad_clip",
         )
     }
-    out["extract.max_length"] = cfg.extract.max_length
+    out["extract.max_length"] = s.extract.max_length
     return out
 
 
-def resume_current(cfg: RunConfig, args, split: dict, vocab: dict, data_config: dict) -> dict:
+def resume_current(s: Setup, args, split: dict, vocab: dict, data_config: dict) -> dict:
     """The run now, as :func:`eagle3.train.checkpoint.check_resume` compares it with a checkpoint: ``drafter_args``,
     ``data_order``, ``recipe``, ``data_inputs``."""
     return {
         "drafter_args": dataclasses.asdict(args),
         "data_order": data_order(
-            cfg.train.seed, cfg.train.batch_tokens, cfg.train.batch_size, cfg.train.grad_accum
+            s.train.seed, s.train.batch_tokens, s.train.batch_size, s.train.grad_accum
         ),
-        "recipe": recipe(cfg),
+        "recipe": recipe(s),
         "data_inputs": data_inputs(split, vocab, data_config),
     }
 
 
-def fingerprint(cfg: RunConfig, args) -> str:
-    t = cfg.train
+def fingerprint(s: Setup, args) -> str:
+    t = s.train
     keep = {
         k: getattr(t, k)
         for k in (
@@ -276,7 +282,7 @@ def fingerprint(cfg: RunConfig, args) -> str:
         {
             "train": keep,
             "drafter": args.to_json(),  # num_layers only when > 1
-            "max_length": cfg.extract.max_length,
+            "max_length": s.extract.max_length,
         }
     )
 
@@ -305,77 +311,64 @@ class Inputs:
     )
 
 
-def _read_inputs(cfg: RunConfig, d: DistInfo, resume: bool, lock: Optional[Callable[[], None]]):
-    """``data_config.json``, vocab map, split, drafter args and the warm-start plan, all read and checked before
-    anything is written (a bad input is the first error and leaves no empty train/ folder behind); then 04's lock
-    (``lock()``) and the folder check. Returns ``(data_config, vocab, split, args, warm)``."""
-    data_config = read_data_config(cfg.shards_dir)
-    # first: another verifier explains the rest
-    unchecked = check_verifier(cfg.verifier, data_config, cfg.shards_dir)
-    if (
-        unchecked and d.is_main
-    ):  # weights not comparable (shards without a fingerprint): report's warnings too
-        log.warning("%s", unchecked)
-    check_extract_settings(cfg.extract, data_config, cfg.shards_dir)
-    check_servable(
-        data_config["aux_layers"],
-        cfg.export.engine,
-        str(data_config["architecture"]),
-        str(cfg.shards_dir / "data_config.json"),
-    )  # before training, not at the export after it
-    check_hidden_states(cfg.train.hidden_states, cfg.extract, cfg.shards_dir, data_config)
-    vocab = load_run_vocab_map(cfg, int(data_config["vocab_size"]))
-    split = read_split(cfg.data_dir)
-    # 03's last validation of these shards passed, and its split and vocab map were made from them under the
-    # config's data: settings, else UserError
-    require_current(cfg, require_passed(cfg.shards_dir, cfg.data_dir))
-    args = build_drafter_args(cfg, data_config, vocab)
+def _drafter_and_folder(
+    s: Setup, d: DistInfo, data_config: dict, vocab: dict, split: dict, resume: bool, lock
+):
+    """The drafter shape and the warm-start plan, checked before anything is written (a bad input is the first
+    error and leaves no empty train/ folder behind); then 04's lock (``lock()``) and the folder check. Returns
+    ``(args, warm)``."""
+    args = build_drafter_args(s, data_config, vocab)
     if args.hidden_size != int(data_config["hidden_size"]):  # init_drafter's check, before the head
         raise UserError(
             f"drafter.hidden_size: {args.hidden_size} differs from the verifier hidden size "
-            f"{data_config['hidden_size']} ({cfg.shards_dir / 'data_config.json'}); the drafter reuses "
+            f"{data_config['hidden_size']} ({s.shards_dir / 'data_config.json'}); the drafter reuses "
             f"the verifier's token embedding: set drafter.hidden_size: {data_config['hidden_size']} (or "
             f"null, the verifier's)"
         )
     # checked before the first write (the full check: after the head)
     warm = warm_start_planned(
-        cfg.train.init_from, cfg.train_dir, d.is_main, resume, args, ckpt.DRAFTER_CONFIG_KEYS
+        s.train.init_from, s.train_dir, d.is_main, resume, args, ckpt.DRAFTER_CONFIG_KEYS
     )
     if lock is not None:
         lock()  # 04's lock on train_dir, before the folder check deletes stale temp files
     # with this run's process count, as the resume compares it (a split keeping the global batch is taken)
     check_train_dir(
-        cfg.train_dir,
-        cfg.data_dir,
+        s.train_dir,
+        s.data_dir,
         d,
         resume,
-        lambda: {**resume_current(cfg, args, split, vocab, data_config), "world_size": d.world},
+        lambda: {**resume_current(s, args, split, vocab, data_config), "world_size": d.world},
     )
-    return data_config, vocab, split, args, warm
+    return args, warm
 
 
 def load_inputs(
-    cfg: RunConfig,
+    s: Setup,
     d: DistInfo,
+    data_config: dict,
+    vocab: dict,
+    split: dict,
     resume: bool,
     init: Optional[Callable] = None,
     stop_check: Callable[[], None] = lambda: None,
     lock: Optional[Callable[[], None]] = None,
 ) -> Inputs:
-    """Inputs step: the inputs read and checked (:func:`_read_inputs`), the verifier head, drafter init (+ warm
-    start), and the hidden-state source (shards, or the verifier / capture servers for ``train.hidden_states:
-    online``). ``stop_check()`` between these honours a signal (it raises)."""
-    data_config, vocab, split, args, warm = _read_inputs(cfg, d, resume, lock)
+    """Inputs step, after the stage read and checked ``data_config.json``, the vocab map and the split: drafter
+    shape and warm-start plan (:func:`_drafter_and_folder`), the verifier head, drafter init (+ warm start:
+    ``init(embed_weight [V, H], data_config)`` loads ``train.init_from``'s drafter), and the hidden-state source
+    (shards, or the verifier / capture servers for ``train.hidden_states: online``). ``stop_check()`` between these
+    honours a signal (it raises)."""
+    args, warm = _drafter_and_folder(s, d, data_config, vocab, split, resume, lock)
     stop_check()
-    head = prepare_target_head(cfg, data_config, d)  # the first write: target_head.safetensors
+    head = prepare_target_head(s, data_config, d)  # the first write: target_head.safetensors
     if d.is_main:
-        make_dirs(cfg.train_dir, cfg.output_field("train"))
+        make_dirs(s.train_dir, s.train_field)
     stop_check()  # the head's extraction can take minutes (verifier weights)
-    drafter = init_drafter(args, head, vocab, cfg.train.seed)
+    drafter = init_drafter(args, head, vocab, s.train.seed)
     if warm:
-        _warm_start(cfg, d, drafter, init, data_config)
+        _warm_start(s, d, drafter, init, data_config)
     drafter = drafter.to(d.device)
-    amp = autocast_dtype(cfg.train.bf16, d.device)
+    amp = autocast_dtype(s.train.bf16, d.device)
     feat_dtype = torch.bfloat16 if amp is not None else torch.float32
     inputs = Inputs(
         data_config=data_config,
@@ -393,22 +386,22 @@ def load_inputs(
         d2t=vocab["d2t"].to(d.device),
         t2d=vocab["t2d"].to(d.device),
         states=None,
-        init_from=cfg.train.init_from if warm else None,
+        init_from=s.train.init_from if warm else None,
     )
     del head
     stop_check()
-    t = cfg.train
+    t = s.train
     unused = unused_shard_states_note(
-        t.hidden_states, cfg.extract.backend, cfg.shards_dir, data_config
+        t.hidden_states, s.extract.backend, s.shards_dir, data_config
     )  # online over shards with states: said
     if unused and d.is_main:
         log.info(unused)
     inputs.states = state_source(  # online: loads the verifier
         t.hidden_states,
-        cfg.verifier,
-        cfg.extract,
+        s.verifier,
+        s.extract,
         t.online_prefetch,
-        cfg.shards_dir,
+        s.shards_dir,
         data_config,
         d.device,
         feat_dtype,
@@ -416,21 +409,19 @@ def load_inputs(
     return inputs
 
 
-def _warm_start(cfg: RunConfig, d: DistInfo, drafter, init: Optional[Callable], data_config: dict):
+def _warm_start(s: Setup, d: DistInfo, drafter, init: Optional[Callable], data_config: dict):
     """``train.init_from``'s tensors into ``drafter`` (:func:`eagle3.train.warm_start.warm_start`); ``init`` loads
-    the export (``init(cfg, embed_weight [V, H], data_config)``)."""
+    the export (``init(embed_weight [V, H], data_config)``)."""
     if init is None:
         raise UserError(
             "train.init_from: needs the export loader that 04_train.py passes (trainer.run(init=...))"
         )
-    ws = warm_start(
-        drafter, init(cfg, drafter.embed_tokens.weight, data_config), cfg.train.init_from
-    )
+    ws = warm_start(drafter, init(drafter.embed_tokens.weight, data_config), s.train.init_from)
     if d.is_main:
         moved = ws["lm_head_rows_copied"] < ws["lm_head_rows"]
         log.info(
             "warm start from %s: %d trainable tensors; lm_head %d of %d draft tokens from it%s",
-            cfg.train.init_from,
+            s.train.init_from,
             ws["tensors"],
             ws["lm_head_rows_copied"],
             ws["lm_head_rows"],
@@ -456,20 +447,20 @@ class Data:
     )
 
 
-def build_data(cfg: RunConfig, d: DistInfo, inputs: Inputs, max_steps: Optional[int]) -> Data:
+def build_data(s: Setup, d: DistInfo, inputs: Inputs, max_steps: Optional[int]) -> Data:
     """Data step: train/val datasets over the shards (items without states when they are computed online),
     the data order (:class:`eagle3.train.order.TrainData`), total optimizer steps (``max_steps`` /
     ``train.max_steps`` cap)."""
-    t = cfg.train
+    t = s.train
     max_len = int(inputs.data_config["max_length"])
-    split_file = cfg.data_dir / "split.json"  # named in a missing-shard error
+    split_file = s.data_dir / "split.json"  # named in a missing-shard error
 
     def dataset(name: str) -> ShardDataset:
         expect = expect_from_data_config(inputs.data_config)
         states = inputs.states.reads_shard_states
         ids = inputs.split[name]
         return ShardDataset(
-            cfg.shards_dir, ids, max_len, expect, name, states=states, split_file=split_file
+            s.shards_dir, ids, max_len, expect, name, states=states, split_file=split_file
         )
 
     train_ds = dataset("train")
@@ -483,13 +474,13 @@ def build_data(cfg: RunConfig, d: DistInfo, inputs: Inputs, max_steps: Optional[
         seed=t.seed,
         epochs=t.epochs,
         num_workers=t.num_workers,
-        shards_dir=cfg.shards_dir,
+        shards_dir=s.shards_dir,
         split_file=split_file,
     )
     horizon = max_steps if max_steps is not None else t.max_steps
     total_steps = order.total_steps if horizon is None else min(order.total_steps, horizon)
     val_lengths = (
-        sample_lengths(cfg.shards_dir, val_ds, max_len)
+        sample_lengths(s.shards_dir, val_ds, max_len)
         if (val_ds is not None and t.batch_tokens)
         else None
     )
@@ -502,15 +493,15 @@ def build_data(cfg: RunConfig, d: DistInfo, inputs: Inputs, max_steps: Optional[
         train_ds, val_ds, order, total_steps, val_lengths, t.eval_every, horizon, horizon_from
     )
     if d.is_main:
-        _data_notes(cfg, data, given)
+        _data_notes(s, data, given)
     return data
 
 
-def _data_notes(cfg: RunConfig, data: Data, given: str) -> None:
+def _data_notes(s: Setup, data: Data, given: str) -> None:
     """Rank 0's lines about the data step: a step cap above the epochs' steps (it changes nothing), the samples an
     epoch leaves out, and a ``train.select_best: sim_accept`` that has nothing or only the final validation to
     select from."""
-    t, order = cfg.train, data.order
+    t, order = s.train, data.order
     if data.horizon is not None and data.horizon > order.total_steps:
         log.warning(
             "%s is more than the %d optimizer steps of train.epochs %g; it only caps that schedule, so the "
@@ -526,7 +517,7 @@ def _data_notes(cfg: RunConfig, data: Data, given: str) -> None:
     if t.select_best != "sim_accept":
         return
     if data.val_ds is None:
-        log.warning(no_val_selection(cfg))
+        log.warning(no_val_selection(s))
     elif t.eval_every is not None and t.eval_every >= data.total_steps:
         log.warning(no_periodic_validation(t.eval_every, data.total_steps))
 
@@ -541,10 +532,10 @@ def no_periodic_validation(eval_every: int, total_steps: int) -> str:
     )
 
 
-def no_val_selection(cfg: RunConfig) -> str:
+def no_val_selection(s: Setup) -> str:
     """The warning of ``train.select_best: sim_accept`` without a validation split (nothing to select from)."""
     return (
-        f"train.select_best: sim_accept has no validation split to select from ({cfg.data_dir / 'split.json'} "
+        f"train.select_best: sim_accept has no validation split to select from ({s.data_dir / 'split.json'} "
         f"key 'val' is empty: stage 03 ran with data.val_fraction 0); the last step's weights are exported instead"
     )
 
@@ -559,12 +550,10 @@ class Optimisation:
     fingerprint: str
 
 
-def build_optimisation(
-    cfg: RunConfig, d: DistInfo, inputs: Inputs, total_steps: int
-) -> Optimisation:
+def build_optimisation(s: Setup, d: DistInfo, inputs: Inputs, total_steps: int) -> Optimisation:
     """Optimisation step: the TTT objective (DDP, torch.compile), AdamW over the trainable drafter
     parameters, the warmup + cosine schedule over ``total_steps``."""
-    t = cfg.train
+    t = s.train
     # auto = off: the loss rows keep only their bf16 logits per TTT step, and recomputing them cost 12% of a step
     # (bench/small_train_speed.py); under torch.compile(dynamic=True) logit checkpointing fails in dynamo.
     ckpt_logits = t.checkpoint_logits == "on"
@@ -593,6 +582,4 @@ def build_optimisation(
         params, lr=t.lr, weight_decay=t.weight_decay, fused=d.device.type == "cuda"
     )  # fused kernel: one launch for all params
     scheduler = build_scheduler(optimizer, total_steps, t.warmup_ratio)
-    return Optimisation(
-        objective, model, params, optimizer, scheduler, fingerprint(cfg, inputs.args)
-    )
+    return Optimisation(objective, model, params, optimizer, scheduler, fingerprint(s, inputs.args))

@@ -328,6 +328,32 @@ def _export_record(folder: Path, train_dir: Path) -> Optional[dict]:
         return None
 
 
+def export_failed(
+    train_dir: Path, result: dict, args, sim_accept: dict, checkpoint, e: Exception
+) -> Exception:
+    """After a finished training whose selection or export failed: ``train_report.{json,md}`` written anyway
+    (``export_error``: the reason and the fix; ``sim_accept`` unless the selection set it), and the error to raise:
+    a :class:`UserError` says in its one line that the checkpoint and the report are kept and how to export
+    (``--export-only``); another error is returned as it is (a bug keeps its traceback)."""
+    why = str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}"
+    result["export_error"] = why
+    result.setdefault("sim_accept", sim_accept)
+    try:
+        write_report(train_dir, result, args)
+    except Exception as w:  # noqa: BLE001 - the export's error is the one to tell
+        log.warning("train_report: could not be written after the failed export (%s)", w)
+        return e
+    if not isinstance(e, UserError):
+        return e
+    err = UserError(
+        f"{why} [training finished: checkpoint {checkpoint} kept, report "
+        f"{train_dir / 'train_report.md'}; after the fix, 04_train.py --export-only exports it "
+        f"without retraining]"
+    )
+    err.exit_code = e.exit_code
+    return err
+
+
 def write_report(train_dir: Path, result: dict, args) -> None:
     """``train_report.json`` + ``train_report.md`` (final validation per TTT step) + ``loss.png`` (train/val loss),
     as one set (:func:`eagle3.io.atomic_write_files`: a full disk replaces none of them; written one by one, it left

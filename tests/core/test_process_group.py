@@ -428,7 +428,7 @@ RANK1_SHARDS = textwrap.dedent("""
     from pathlib import Path
     script, *args = sys.argv[1:]
     if os.environ.get("RANK") == "1":  # this rank's node has no shards folder where rank 0's has it
-        from eagle3.train import inputs as trainer
+        from eagle3.stages import train as trainer
 
         real = trainer.read_data_config
         trainer.read_data_config = lambda shards_dir, *a, **k: real(Path(os.environ["RANK1_SHARDS"]), *a, **k)
