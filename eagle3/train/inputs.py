@@ -390,13 +390,18 @@ def load_inputs(
     )
     del head
     stop_check()
+    inputs.states = _state_source(s, d, data_config, feat_dtype)
+    return inputs
+
+
+def _state_source(s: Setup, d: DistInfo, data_config: dict, feat_dtype: torch.dtype):
+    """Where the hidden states come from (:func:`eagle3.train.online.state_source`; online loads the verifier);
+    online over shards that hold states says so (rank 0)."""
     t = s.train
-    unused = unused_shard_states_note(
-        t.hidden_states, s.extract.backend, s.shards_dir, data_config
-    )  # online over shards with states: said
+    unused = unused_shard_states_note(t.hidden_states, s.extract.backend, s.shards_dir, data_config)
     if unused and d.is_main:
         log.info(unused)
-    inputs.states = state_source(  # online: loads the verifier
+    return state_source(
         t.hidden_states,
         s.verifier,
         s.extract,
@@ -406,7 +411,6 @@ def load_inputs(
         d.device,
         feat_dtype,
     )
-    return inputs
 
 
 def _warm_start(s: Setup, d: DistInfo, drafter, init: Optional[Callable], data_config: dict):
