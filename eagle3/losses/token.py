@@ -266,9 +266,8 @@ class _RowLoss(torch.autograd.Function):
         if spec is None:
             raise ValueError(f"unknown loss {kind!r}")
         ctx.spec, ctx.eta = spec, eta
-        with torch.autocast(
-            device_type=logits.device.type, enabled=False
-        ):  # float32 math as written
+        # float32 math as written
+        with torch.autocast(device_type=logits.device.type, enabled=False):
             loss, pred, saved = spec.rows_forward(logits, tgt_logp, y, eta, logits.device)
         ctx.save_for_backward(*saved)
         ctx.mark_non_differentiable(pred)

@@ -245,9 +245,7 @@ def _read_data(cfg: RunConfig, d: DistInfo) -> tuple[dict, dict, dict]:
     data_config = read_data_config(cfg.shards_dir)
     # first: another verifier explains the rest
     unchecked = check_verifier(cfg.verifier, data_config, cfg.shards_dir)
-    if (
-        unchecked and d.is_main
-    ):  # shards without a weights fingerprint: said (report's warnings too)
+    if unchecked and d.is_main:  # shards without a weights fingerprint (report's warnings too)
         log.warning("%s", unchecked)
     check_extract_settings(cfg.extract, data_config, cfg.shards_dir)
     where = str(cfg.shards_dir / "data_config.json")  # before training, not at the export after it

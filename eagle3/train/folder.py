@@ -70,15 +70,12 @@ def undo_on_refusal(train_dir: Path, enabled: bool):
     had_dir, had_head = Path(train_dir).exists(), head.exists()
     try:
         yield
-    except (
-        UserError,
-        KeyboardInterrupt,
-    ):  # a refusal, or a signal before the first step (stop_before_training)
+    # a refusal, or a signal before the first step (stop_before_training)
+    except (UserError, KeyboardInterrupt):
         if enabled:
             if not had_head:
-                with contextlib.suppress(
-                    OSError
-                ):  # train_dir a file (the refusal says so): nothing to remove
+                # train_dir a file (the refusal says so): nothing to remove
+                with contextlib.suppress(OSError):
                     head.unlink(missing_ok=True)
             if not had_dir:
                 with contextlib.suppress(OSError):  # not empty: something else is in it, keep it

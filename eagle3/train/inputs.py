@@ -103,7 +103,7 @@ def build_drafter_args(s: Setup, data_config: dict, vocab: dict, warn_context: b
     dims = verifier_dims(hf)
     check_verifier_dims(
         s.verifier, dims, data_config, s.shards_dir
-    )  # before a symptom in a drafter field
+    )  # before a drafter field's symptom
     over = {**given, "head_dim": _head_dim(given, dims)}
     return checked(
         DrafterArgs.from_hf_config(
@@ -274,9 +274,8 @@ def fingerprint(s: Setup, args) -> str:
             "seed",
         )
     }
-    if (
-        t.loss != "soft_ce"
-    ):  # recorded only when set, so that fingerprints of earlier runs stay what they were
+    # recorded only when set, so that fingerprints of earlier runs stay what they were
+    if t.loss != "soft_ce":
         keep.update(loss=t.loss, lk_eta=t.lk_eta)
     return ckpt.config_fingerprint(
         {

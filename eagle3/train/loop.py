@@ -251,9 +251,7 @@ class TrainLoop:
                 for _ in range(p.step_in_epoch, order.steps_in_epoch(p.epoch)):
                     if p.step >= p.end_step:
                         break
-                    if (
-                        p.steps_this_call == 0
-                    ):  # a signal while the loop started (loaders, first batch)
+                    if p.steps_this_call == 0:  # a signal while the loaders started
                         self.before_first_step()
                     grad_norm, lr_used = self.train_step(it)
                     if p.step % self.s.log_every == 0 or p.step == p.end_step:
@@ -397,9 +395,7 @@ class TrainLoop:
         data, s, d, drafter = self.data, self.s, self.d, self.inputs.drafter
         if data.val_ds is None:
             return {}
-        if (
-            data.val_lengths is not None
-        ):  # token budget: this rank's samples in length-sorted batches
+        if data.val_lengths is not None:  # token budget: this rank's samples, length-sorted batches
             vl = DataLoader(
                 data.val_ds,
                 batch_sampler=eval_batches(data.val_lengths, s.batch_tokens, d.world, d.rank),

@@ -58,9 +58,8 @@ class Metrics:
         with open_append(self.path) as f:  # disk full: rolled back, UserError (exit 2)
             append_bytes(f, (json.dumps(row) + "\n").encode("utf-8"), self.path, fsync=False)
         step = row["step"]
-        with disk_full_guard(
-            self.path.parent / "tb"
-        ):  # TensorBoard's writer re-raises its thread's OSError here
+        # TensorBoard's writer re-raises its thread's OSError here
+        with disk_full_guard(self.path.parent / "tb"):
             for k, v in row.items():
                 if k not in ("step", "epoch", "kind") and isinstance(v, (int, float)):
                     self.tb.add_scalar(f"{row['kind']}/{k}", v, step)
@@ -144,9 +143,8 @@ class _WarningLines(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            msg = (
-                record.getMessage()
-            )  # formatted now: a logged dict changed later keeps the text that was shown
+            # formatted now: a logged dict changed later keeps the text that was shown
+            msg = record.getMessage()
         except Exception:  # noqa: BLE001 - a bad log call must not stop training
             return
         if msg not in self.lines:

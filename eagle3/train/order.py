@@ -72,11 +72,8 @@ class TrainData:
         Raises:
             UserError: fewer training samples than one optimizer step needs.
         """
-        self.world, self.accum, self.is_main = (
-            d.world,
-            grad_accum,
-            d.is_main,
-        )  # is_main: says the resume once
+        self.world, self.accum = d.world, grad_accum
+        self.is_main = d.is_main  # says the resume once
         kw = loader_kwargs(num_workers, d.device, d.world)
         self.token_budget = batch_tokens is not None
         if self.token_budget:
@@ -99,9 +96,8 @@ class TrainData:
             self.loader = DataLoader(
                 train_ds, batch_size=batch_size, sampler=self.sampler, drop_last=True, **kw
             )
-            self.samples_per_step = (
-                batch_size * grad_accum * d.world
-            )  # global samples per optimizer step
+            # global samples per optimizer step
+            self.samples_per_step = batch_size * grad_accum * d.world
             self._steps = (len(train_ds) // d.world) // (batch_size * grad_accum)
             if self._steps < 1:
                 raise UserError(

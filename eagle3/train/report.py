@@ -396,9 +396,8 @@ def _report_markdown(result: dict, args) -> str:
     lines += _export_notes(result)
     lines += [f"- **warning**: {w}" for w in result.get("warnings") or []]
     segs = result.get("segments") or []
-    if (
-        len(segs) > 1
-    ):  # a resumed run: each part's state source, processes and throughput, earlier calls' warnings
+    # a resumed run: each part's state source, processes and throughput, earlier calls' warnings
+    if len(segs) > 1:
         lines.append("- trained in parts: " + "; ".join(_segment_text(g) for g in segs))
         lines += [
             f"- **warning** (steps {g['start_step']}-{g['end_step']}): {w}"

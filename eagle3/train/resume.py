@@ -101,9 +101,8 @@ def horizon_after_resume(
     new = order.resumed_total_steps(rec.epochs, int(state["step"]))
     if horizon is not None:
         new = min(new, horizon)
-    if (
-        new != total_steps
-    ):  # every rank re-stretches it (DDP replicas step with one lr); rank 0 says so
+    # every rank re-stretches it (DDP replicas step with one lr); rank 0 says so
+    if new != total_steps:
         if d.is_main:
             log.info(
                 "resumed on %d processes (checkpoint: %s): %d optimizer steps in all",

@@ -115,9 +115,7 @@ def _source_rows(drafter: nn.Module, src: nn.Module) -> torch.Tensor:
     """int64 ``[dV]``: for each draft id of ``drafter``, the draft id of ``src`` that names the same target token
     (row ``i`` names target ``i + d2t[i]``), -1 where ``src`` does not draft that token."""
     dv_new, dv_old = drafter.d2t.numel(), src.d2t.numel()
-    tgt_new = (
-        torch.arange(dv_new) + drafter.d2t.cpu()
-    )  # [dV] target id of each of this run's draft ids
+    tgt_new = torch.arange(dv_new) + drafter.d2t.cpu()  # [dV] target ids of this run's draft ids
     tgt_old = torch.arange(dv_old) + src.d2t.cpu()  # [dV_src]
     row_of = torch.full((int(drafter.args.target_vocab_size),), -1, dtype=torch.long)  # [V]
     row_of[tgt_old] = torch.arange(dv_old)
@@ -168,9 +166,8 @@ def check_shape_fields(src: str, exported: dict, mine: dict, config_keys: Collec
 
     have = {"variant": "eagle3", "num_layers": 1, **exported}
     for key, b in mine.items():
-        if (
-            key not in have or b is None
-        ):  # not recorded (left to warm_start's tensor-by-tensor check) or not known
+        # not recorded (left to warm_start's tensor-by-tensor check) or not known
+        if key not in have or b is None:
             continue
         a = have[key]
         if a != b:
