@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from eagle3.cli import ArgumentParser, positive_int, refuse_torchrun, run_main
 from eagle3.config import add_config_args
-from eagle3.stages import train
 
 
 def main(argv=None) -> int:
@@ -70,6 +69,8 @@ def main(argv=None) -> int:
         refuse_torchrun(
             "04_train.py --export-only", "it writes one export folder; every rank would write it"
         )
+    from eagle3.stages import train  # torch and the stage: after the arguments are parsed
+
     return train.main(
         a.config,
         a.overrides,
