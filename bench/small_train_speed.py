@@ -440,19 +440,19 @@ def run_mode(
     lr = loader_rate(cfg, 30 if base_mode == "tokens" else 100)
     import contextlib
 
-    import eagle3.sdpa as attn_mod
+    import eagle3.train.loop as loop_mod
+    import eagle3.train.order as order_mod
 
-    saved = train_mod.collate, attn_mod.no_cudnn_sdpa
-    if base_mode == "legacy8":
-        train_mod.collate = _legacy_collate
-        attn_mod.no_cudnn_sdpa = (
-            contextlib.nullcontext
-        )  # keep torch's default SDPA choice (cuDNN on Hopper)
+    saved = order_mod.collate, loop_mod.collate, train_mod.no_cudnn_sdpa
+    if base_mode == "legacy8":  # the loaders' collate (train and validation)
+        order_mod.collate = loop_mod.collate = _legacy_collate
+        # keep torch's default SDPA choice (cuDNN on Hopper)
+        train_mod.no_cudnn_sdpa = contextlib.nullcontext
     t0 = time.perf_counter()
     try:
         res = train_mod.run(cfg, max_steps=steps, device=device, export=export_for_run)
     finally:
-        train_mod.collate, attn_mod.no_cudnn_sdpa = saved
+        order_mod.collate, loop_mod.collate, train_mod.no_cudnn_sdpa = saved
     wall = time.perf_counter() - t0
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if r.get("kind") == "train"]
