@@ -17,8 +17,8 @@ optimizer step) stops at once: one line, no checkpoint, no train folder left tha
 
 from __future__ import annotations
 
-from eagle3.cli import ArgumentParser, positive_int, refuse_torchrun, resume_on_interrupt, run_main
-from eagle3.config import add_config_args, load_config
+from eagle3.cli import ArgumentParser, positive_int, refuse_torchrun, run_main
+from eagle3.config import add_config_args
 from eagle3.engines import ENGINES
 
 
@@ -70,63 +70,17 @@ def main(argv=None) -> int:
         refuse_torchrun(
             "04_train.py --export-only", "it writes one export folder; every rank would write it"
         )
-    cfg = load_config(a.config, a.overrides)
-    if a.engine:
-        cfg = cfg.model_copy(update={"export": cfg.export.model_copy(update={"engine": a.engine})})
-    from eagle3.stages.export import check_export_destination
+    from eagle3.stages import train  # torch and the stage: after the arguments are parsed
 
-    # before training (not after it) or the export
-    check_export_destination(cfg.export_dir, cfg.export.engine, cfg.output_field("export"))
-    if a.export_only:
-        from eagle3.stages.export import export_from_checkpoint
-
-        with resume_on_interrupt(
-            lambda: export_interrupt_hint(cfg)
-        ):  # SIGTERM / Ctrl-C: one line, exit 143 / 130
-            out = export_from_checkpoint(cfg)
-        print(f"exported: {out}")
-        return 0
-    from eagle3.stages.export import export_for_run, load_init_drafter
-    from eagle3.train.trainer import run
-
-    res = run(
-        cfg,
+    return train.main(
+        a.config,
+        a.overrides,
         resume=a.resume,
         max_steps=a.max_steps,
-        export=export_for_run,
-        init=load_init_drafter,
         stop_at=a.stop_at,
+        export_only=a.export_only,
+        engine=a.engine,
     )
-    if res["stopped"]:
-        return interrupted_exit(res)
-    return 0
-
-
-def export_interrupt_hint(cfg) -> str:
-    """What an interrupted ``--export-only`` left (the line after ``interrupted by SIGTERM:``): the export is written
-    in a temporary folder beside ``export_dir`` (removed on the signal) and renamed over it only once whole."""
-    return (
-        f"nothing is half-written: {cfg.export_dir} is replaced only by a whole export (its temporary folder was "
-        f"removed), and the checkpoints are only read; re-run the same command to export"
-    )
-
-
-def interrupted_exit(res: dict) -> int:
-    """One stderr line for a run stopped by a signal (rank 0 only: under torchrun every rank printed it, one copy a
-    rank); returns ``128 + signal`` (SIGTERM when another rank received it: every rank of a DDP run exits with the
-    same code)."""
-    import os
-    import signal
-    import sys
-
-    signum = res.get("signal") or signal.SIGTERM
-    if os.environ.get("RANK", "0") == "0":
-        print(
-            f"interrupted by {signal.Signals(signum).name} at step {res['step']}/{res['total_steps']}: checkpoint "
-            f"{res['checkpoint']}, nothing exported; continue with the same command plus --resume",
-            file=sys.stderr,
-        )
-    return 128 + int(signum)
 
 
 if __name__ == "__main__":

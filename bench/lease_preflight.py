@@ -5,7 +5,7 @@ in; a typo in a recipe's ``--set`` list or a ``train.init_from`` drafter of anot
 2026-12-05b: lease 04c's one-layer export under ``configs/smollm2-135m-127k.yaml``, which had become two-layer, was
 refused by 04 six minutes into the lease). This checks both at ``start``, in seconds, with neither the verifier nor
 the shards: :func:`eagle3.config.load_config` with the recipe's overrides (every field validated), then
-:func:`eagle3.train.trainer.check_init_from_config` (the export folder, and the drafter shape fields the config
+:func:`eagle3.stages.train.check_init_from_config` (the export folder, and the drafter shape fields the config
 fixes against the export's record).
 
 Usage::
@@ -59,7 +59,7 @@ def check_recipes(config: str, recipes: list[tuple[str, list[str]]]) -> list[str
         UserError: ``recipe NAME: <the config's or the warm start's refusal>`` for the first recipe refused.
     """
     from eagle3.config import load_config
-    from eagle3.train.trainer import check_init_from_config
+    from eagle3.stages.train import check_init_from_config
 
     lines = []
     for name, overrides in recipes:

@@ -1,6 +1,6 @@
 """Benchmark: online vs offline training tokens/s on the same SmolLM2 data, in one run (issue 21).
 
-Both modes run the real trainer (``eagle3.train.trainer.run``) for ``--steps`` optimizer steps on the
+Both modes run the real trainer (``eagle3.stages.train.run``) for ``--steps`` optimizer steps on the
 same samples, split, vocab map, seed and token budget:
 
 - ``offline``: stage 02 wrote hidden-state shards (bf16, 4 x H x 2 bytes/token); 04 reads them.
@@ -182,8 +182,9 @@ def prefill_rate(
     from eagle3.data.dataset import ShardDataset, collate, read_split
     from eagle3.sdpa import no_cudnn_sdpa
     from eagle3.shards.format import expect_from_data_config, read_data_config
+    from eagle3.train.inputs import autocast_dtype as _autocast_dtype
+    from eagle3.train.loop import move_batch as _move_batch
     from eagle3.train.online import VerifierStates
-    from eagle3.train.trainer import _autocast_dtype, _move_batch
 
     cfg = load_config(config, mode_overrides("online", workdir, overrides))
     dev = torch.device("cpu" if device == "cpu" or not torch.cuda.is_available() else "cuda")
@@ -197,8 +198,8 @@ def prefill_rate(
     sampler = TokenBudgetBatchSampler(
         sample_lengths(cfg.shards_dir, ds, ds.max_length), batch_tokens, seed=cfg.train.seed
     )
-    feat = torch.bfloat16 if _autocast_dtype(cfg, dev) is not None else torch.float32
-    src = VerifierStates.load(cfg, meta, dev, feat)
+    feat = torch.bfloat16 if _autocast_dtype(cfg.train.bf16, dev) is not None else torch.float32
+    src = VerifierStates.load(cfg.verifier, meta, dev, feat)
     todo = [
         _move_batch(b, dev, feat)
         for _, b in zip(
@@ -236,7 +237,7 @@ def train_mode(
 ) -> dict:
     """``steps`` optimizer steps in ``mode``; throughput from its metrics.jsonl windows after the first."""
     from eagle3.config import load_config
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     out = workdir / mode / f"train-{tag}"
     shutil.rmtree(out, ignore_errors=True)

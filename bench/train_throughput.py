@@ -1,13 +1,13 @@
 """Benchmark: the real stage-04 training step (drafter TTT + verifier targets + backward + AdamW) at a given shape.
 
-What one timed step is (the same calls as ``eagle3.train.trainer._run`` with ``grad_accum = 1``):
+What one timed step is (the same calls as ``eagle3.stages.train._run`` with ``grad_accum = 1``):
 
-1. ``eagle3.train.ttt.compute_targets(last, lm_head [V, Ht], d2t, t2d, chunk=eagle3.train.trainer.TARGET_CHUNK)``
+1. ``eagle3.losses.ttt.compute_targets(last, lm_head [V, Ht], d2t, t2d, chunk=eagle3.train.loop.TARGET_CHUNK)``
    under ``no_grad``: the verifier's soft targets from its last hidden state (full ``V``-column LM head);
-2. ``eagle3.train.trainer.backward_step``: the step's token counts and loss denominators
-   (``eagle3.train.ttt.step_denominators``, one all-reduce per step under DDP), then
-   ``eagle3.train.trainer.TTTObjective`` (``drafter.ttt_forward`` over all ``ttt`` steps + ``ttt_loss``) under
-   ``torch.autocast(dtype=eagle3.train.trainer._autocast_dtype(...))`` (bf16 on GPU, none on CPU; the
+2. ``eagle3.train.loop.backward_step``: the step's token counts and loss denominators
+   (``eagle3.losses.ttt.step_denominators``, one all-reduce per step under DDP), then
+   ``eagle3.train.loop.TTTObjective`` (``drafter.ttt_forward`` over all ``ttt`` steps + ``ttt_loss``) under
+   ``torch.autocast(dtype=eagle3.train.inputs.autocast_dtype(...))`` (bf16 on GPU, none on CPU; the
    drafter's weights stay float32 masters), optionally wrapped in ``torch.compile``, and ``loss.backward()``;
 3. ``clip_grad_norm_(params, grad_clip)``, ``AdamW.step()``,
    ``zero_grad(set_to_none=True)``, ``LambdaLR.step()`` (``eagle3.train.schedule.build_scheduler``),
@@ -64,7 +64,7 @@ CPU smoke run (a few seconds)::
 
 DDP mode (multi-GPU scaling). Launched under ``torchrun`` (env ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``),
 every rank runs the same step as above with the ``TTTObjective`` wrapped exactly as
-``eagle3.train.trainer._run`` wraps it: ``eagle3.train.trainer.init_distributed`` (NCCL on ``cuda:LOCAL_RANK``, gloo
+``eagle3.stages.train._run`` wraps it: ``eagle3.train.ranks.init_distributed`` (NCCL on ``cuda:LOCAL_RANK``, gloo
 with ``--device cpu``, plus a gloo control group), ``DistributedDataParallel(objective,
 device_ids=[local_rank] on GPU / None on CPU)`` when ``WORLD_SIZE > 1``, and ``torch.compile`` around
 the DDP module with ``--compile``. The weights are identical on every rank (seed 0; DDP also
@@ -114,7 +114,6 @@ import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Callable, Optional
 
 import torch
@@ -125,16 +124,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from eagle3.config import TrainConfig  # noqa: E402
 from eagle3.drafter.model import DrafterArgs, Eagle3Drafter  # noqa: E402
 from eagle3.io import atomic_write_json  # noqa: E402
-from eagle3.process_group import Dist, process_group_scope  # noqa: E402
-from eagle3.train.schedule import build_scheduler  # noqa: E402
-from eagle3.train.trainer import (  # noqa: E402
-    TARGET_CHUNK,
-    TTTObjective,
-    _autocast_dtype,
-    backward_step,
-    init_distributed,
+from eagle3.losses.ttt import compute_targets  # noqa: E402
+from eagle3.process_group import process_group_scope  # noqa: E402
+from eagle3.train.inputs import autocast_dtype  # noqa: E402
+from eagle3.train.loop import TARGET_CHUNK, TTTObjective, backward_step  # noqa: E402
+from eagle3.train.ranks import (
+    DistInfo,  # noqa: E402
+    init_distributed,  # noqa: E402
 )
-from eagle3.train.ttt import compute_targets  # noqa: E402
+from eagle3.train.schedule import build_scheduler  # noqa: E402
 
 GIB = 1024**3
 
@@ -289,7 +287,7 @@ def build_step(
     checkpoint_logits: Optional[bool],
     total_steps: int,
     seed: int = 0,
-    ddp: Optional[Dist] = None,
+    ddp: Optional[DistInfo] = None,
     batch_seed: Optional[int] = None,
 ) -> tuple[Callable[[], torch.Tensor], dict, Callable[[], list[float]]]:
     """Build the drafter, optimizer, scheduler, verifier head and random batch; return ``(step, info, checksum)``.
@@ -302,15 +300,13 @@ def build_step(
 
     Args:
         seed: drafter init, vocab map and verifier head (identical on every rank).
-        ddp: with a multi-process :class:`eagle3.process_group.Dist`, the objective is wrapped in
-            ``DistributedDataParallel`` as in ``eagle3.train.trainer._run`` (before ``torch.compile``).
+        ddp: with a multi-process :class:`eagle3.train.ranks.DistInfo`, the objective is wrapped in
+            ``DistributedDataParallel`` as in ``eagle3.stages.train._run`` (before ``torch.compile``).
         batch_seed: seed of the random batch (``input_ids``, ``aux``, ``last``); None draws it from
             the ``seed`` stream after the head (the single-process default).
     """
     tc = TrainConfig()
-    amp = _autocast_dtype(
-        SimpleNamespace(train=tc), device
-    )  # bf16 on GPU, None on CPU (as train.py)
+    amp = autocast_dtype(tc.bf16, device)  # bf16 on GPU, None on CPU (as train.py)
     feat_dtype = torch.bfloat16 if amp is not None else torch.float32
     ckpt_logits = (
         (device.type == "cuda") if checkpoint_logits is None else checkpoint_logits
@@ -357,7 +353,7 @@ def build_step(
     objective = TTTObjective(drafter, s.ttt, tc.step_weight, checkpoint_logits=ckpt_logits)
     model = objective
     wrapped = ddp is not None and ddp.distributed
-    if wrapped:  # as eagle3.train.trainer._run: DDP around the objective, torch.compile around DDP
+    if wrapped:  # as eagle3.stages.train._run: DDP around the objective, torch.compile around DDP
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         model = DDP(objective, device_ids=[device.index] if device.type == "cuda" else None)
@@ -369,7 +365,7 @@ def build_step(
     )  # as train.py
     scheduler = build_scheduler(optimizer, total_steps, tc.warmup_ratio)
 
-    dinfo = ddp if wrapped else Dist(rank=0, world=1, local_rank=0, device=device)
+    dinfo = ddp if wrapped else DistInfo(rank=0, world=1, local_rank=0, device=device)
     batch = {"input_ids": input_ids, "aux": aux, "loss_mask": loss_mask}
     weights = torch.tensor([tc.step_weight**i for i in range(s.ttt)], device=device)  # [K]
 
@@ -413,7 +409,7 @@ def build_step(
     return step, info, checksum
 
 
-def _barrier(d: Optional[Dist]) -> None:
+def _barrier(d: Optional[DistInfo]) -> None:
     """Barrier on the gloo control group (no GPU work) when running multi-process; else nothing."""
     if d is not None and d.distributed:
         dist.barrier(group=d.ctrl_group)
@@ -427,7 +423,7 @@ def run_config(
     compile_objective: bool,
     checkpoint_logits: Optional[bool],
     ceiling_tflops: float,
-    ddp: Optional[Dist] = None,
+    ddp: Optional[DistInfo] = None,
     baseline: Optional[dict] = None,
 ) -> dict:
     """Build, warm up (the first warm-up step includes compilation), time ``steps`` steps; one result row.
@@ -835,7 +831,7 @@ def main(argv=None) -> int:
     launched = (
         "RANK" in os.environ and "WORLD_SIZE" in os.environ
     )  # torchrun (or equivalent) environment
-    ddp_info: Optional[Dist] = None
+    ddp_info: Optional[DistInfo] = None
     if launched:
         if a.max_seq_search:
             p.error(
@@ -879,7 +875,7 @@ def _main(
     p: argparse.ArgumentParser,
     a: argparse.Namespace,
     device: torch.device,
-    ddp_info: Optional[Dist],
+    ddp_info: Optional[DistInfo],
     baseline: Optional[dict],
 ) -> int:
     """The benchmark after argument parsing and (under torchrun) process-group start; rank 0 reports."""
@@ -903,7 +899,7 @@ def _main(
         )
 
     # ceiling in the dtype the step's matmuls run in: bf16 under autocast (GPU), float32 on CPU
-    amp = _autocast_dtype(SimpleNamespace(train=TrainConfig()), device)
+    amp = autocast_dtype(TrainConfig().bf16, device)
     ceil_dtype = amp if amp is not None else torch.float32
     base_rows = {}
     if baseline is not None:  # validate before any heavy work; same error on every rank

@@ -318,7 +318,7 @@ def _process_group():
 
 class Terminated(KeyboardInterrupt):
     """SIGTERM turned into an exception by :func:`resume_on_interrupt` (or a signal 04 honours during its start-up,
-    ``eagle3.train.trainer.stop_before_training``): a ``KeyboardInterrupt`` (so every cleanup
+    ``eagle3.stages.train.stop_before_training``): a ``KeyboardInterrupt`` (so every cleanup
     path written for Ctrl-C runs: ``finally`` blocks, writer threads closed, no barrier in
     :func:`eagle3.process_group.process_group_scope`), carrying ``signum`` for the exit status ``128 + signum``."""
 

@@ -187,7 +187,7 @@ def main(argv=None) -> int:
 
     from eagle3.config import add_config_args, load_config
     from eagle3.stages.export import export_for_run
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     p = argparse.ArgumentParser()
     add_config_args(p)
@@ -221,7 +221,7 @@ def main(argv=None) -> int:
     if (
         os.environ.get("SPLIT_DIR_FOR_RANK_1") and os.environ.get("RANK") == "1"
     ):  # a node with another data copy
-        from eagle3.train import trainer
+        from eagle3.stages import train as trainer
 
         real = trainer.read_split
         trainer.read_split = lambda data_dir: real(

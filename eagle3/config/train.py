@@ -18,7 +18,7 @@ class TrainConfig(Section):
     )
     loss: Literal["soft_ce", "hard_ce", "tv", "lk_hybrid"] = Field(
         "soft_ce",
-        description="per-token loss against the verifier (eagle3/train/ttt.py token_loss): soft_ce = cross-entropy "
+        description="per-token loss against the verifier (eagle3/losses/token.py token_loss): soft_ce = cross-entropy "
         "to its distribution over the draft vocab (EAGLE-3); hard_ce = cross-entropy to its argmax; tv = 1 - alpha, "
         "alpha = sum_v min(p_v, q_v) (acceptance probability); lk_hybrid = lam*KL + (1-lam)*(1-alpha), "
         "lam = exp(-lk_eta*alpha) per token (arXiv 2602.23881). Token means over the optimizer step as for soft_ce",

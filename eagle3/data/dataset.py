@@ -20,7 +20,7 @@ Order: :class:`ResumableSampler` is ``torch.utils.data.DistributedSampler`` (see
 epoch via ``set_epoch``, rank r takes indices ``r, r+W, ...``) that can start part-way into an
 epoch, so a resumed run sees exactly the samples an uninterrupted run would have seen, also on
 another number of processes (each sample at most once per epoch: the tail that does not fill
-a last optimizer step is left out, see ``eagle3.train.trainer._TrainData.left_out_note``).
+a last optimizer step is left out, see ``eagle3.train.order.TrainData.left_out_note``).
 """
 
 from __future__ import annotations

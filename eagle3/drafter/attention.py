@@ -10,7 +10,7 @@ TTT attention (DESIGN.md "TTT indexing"; EAGLE-3 paper arXiv 2503.01840 section 
 Two implementations with identical results:
 
 - ``eager``: the reference. Concatenate the keys of steps ``0..i`` into ``[(i+1)L]`` keys, build the
-  explicit boolean mask of :func:`ttt_attention_mask` and softmax explicit scores.
+  explicit boolean mask of :func:`eagle3.drafter.attention.ttt_attention_mask` and softmax explicit scores.
 - ``sdpa``: the fast path. One causal ``scaled_dot_product_attention`` call (flash / memory-efficient
   kernels on GPU) computes the step-0 block. The ``i`` diagonal terms enter the *same* softmax as
   ``i`` "sink" keys placed before the sequence: the query gets ``2i`` extra channels holding the
@@ -164,6 +164,8 @@ def ttt_attention_eager(
     Returns:
         ``[B, nh, L, hd]`` in ``q.dtype`` (softmax in float32).
     """
+    from eagle3.drafter.attention import ttt_attention_mask
+
     L = q.shape[2]
     rep = q.shape[1] // keys[0].shape[1]
     k = repeat_kv(torch.cat(list(keys), dim=2), rep)  # [B, nh, (i+1)L, hd]

@@ -37,16 +37,11 @@ from eagle3.shards.format import (
     read_data_config,
 )
 from eagle3.train import checkpoint as ckpt
+from eagle3.train.folder import TRAIN_LOCK, train_lock_holder
+from eagle3.train.inputs import build_drafter_args
+from eagle3.train.report import export_provenance, record_export_only
 from eagle3.train.sim_accept import BEST_FILE, load_best_for_export
-from eagle3.train.trainer import (
-    TRAIN_LOCK,
-    build_drafter_args,
-    export_provenance,
-    init_drafter,
-    init_from_not_a_folder,
-    record_export_only,
-    train_lock_holder,
-)
+from eagle3.train.warm_start import init_drafter, init_from_not_a_folder
 from eagle3.verifier.arch import text_config
 from eagle3.verifier.head import TargetHead
 from eagle3.verifier.load import (
@@ -97,7 +92,7 @@ def export_for_run(
 ) -> Path:
     """Export ``drafter`` for ``cfg.export.engine`` into ``cfg.export_dir``, in ``export.dtype``
     (``auto`` = ``verifier.dtype``), with the verifier facts and HF aux layers of the shards'
-    ``data_config.json``; ``provenance`` (:func:`eagle3.train.trainer.export_provenance`) is recorded as
+    ``data_config.json``; ``provenance`` (:func:`eagle3.train.report.export_provenance`) is recorded as
     ``trained_from`` in ``eagle3_train.json``. The vLLM folder's ``speculative_tokens`` (what ``vllm serve`` drafts
     when ``--speculative-config`` names only the model) is ``benchmark.steps``, the chain the run benchmarks.
     ``ttt_length`` (default ``train.ttt_length``; ``--export-only`` passes the checkpoint's) is recorded in
@@ -153,7 +148,7 @@ def speculative_tokens_warning(
 
 def load_init_drafter(cfg: RunConfig, embed_weight, data_config: dict):
     """The drafter of ``train.init_from`` (an exported folder) for 04's warm start
-    (:func:`eagle3.train.trainer.warm_start` copies its trainable tensors).
+    (:func:`eagle3.train.warm_start.warm_start` copies its trainable tensors).
 
     Args:
         cfg: the run config (``train.init_from`` set).
@@ -187,7 +182,7 @@ def load_init_drafter(cfg: RunConfig, embed_weight, data_config: dict):
 
 def export_from_checkpoint(cfg: RunConfig, engine: str | None = None) -> Path:
     """``04 --export-only``: :func:`_export_from_checkpoint` holding 04's lock on the train folder
-    (``{train_dir}/.train.lock``, :data:`eagle3.train.trainer.TRAIN_LOCK`), as training does: a second
+    (``{train_dir}/.train.lock``, :data:`eagle3.train.folder.TRAIN_LOCK`), as training does: a second
     ``--export-only`` of the same train folder, or one beside a training 04 (which prunes checkpoints), stops at once
     with one line. A train folder that does not exist takes no lock (the export then stops with "no complete
     checkpoint to export"), nor one where the lock file cannot be made (read-only checkpoints: no 04 can be writing
@@ -219,7 +214,7 @@ def _export_from_checkpoint(cfg: RunConfig, engine: str | None = None) -> Path:
     """Build the drafter from the newest checkpoint and export it. Read-only with respect to training's outputs
     (checkpoints, ``best_drafter.pt``, ``sim_accept.json``): only the export folder is written, and the run's
     ``train_report.{json,md}`` when it was written at this checkpoint's step (it then names the export:
-    :func:`eagle3.train.trainer.record_export_only`).
+    :func:`eagle3.train.report.record_export_only`).
 
     Weights: ``train.select_best: last`` -> the checkpoint's; ``sim_accept`` -> ``best_drafter.pt``
     (:func:`_select_weights`). Checkpoint: :func:`_latest_checkpoint`; drafter: :func:`_drafter_from_checkpoint`.

@@ -15,7 +15,7 @@ embedding and the d2t/t2d buffers come from the verifier and the vocab map), ``o
 not the config), ``data_inputs`` (sha256 of the split and vocab map trained on; :func:`check_resume`) and
 ``data_config`` (what ``--export-only`` reads of the shards' data_config.json: :func:`data_config_record`) and
 ``segments`` (one part per 04 call that trained: steps, state source, processes, tokens/s;
-:func:`eagle3.train.trainer.segment_record`).
+:func:`eagle3.train.report.segment_record`).
 """
 
 from __future__ import annotations
@@ -371,7 +371,7 @@ def data_order_problem(
 # could name only one of them. That is a new run warm-started from the old weights: train.init_from, new output_dir.
 LOSS_FIELDS = ("train.ttt_length", "train.step_weight", "train.loss", "train.lk_eta")
 # Recipe fields whose CHECKPOINT value goes on after --resume (the optimizer state / lr schedule loaded from it hold
-# them); a checkpoint written after such a resume records the value in use (eagle3.train.trainer), not the config's.
+# them); a checkpoint written after such a resume records the value in use (eagle3.train.resume.save), not the config's.
 KEPT_FIELDS = {
     "train.lr": "with its optimizer state and lr schedule",
     "train.weight_decay": "with its optimizer state",
@@ -653,16 +653,32 @@ def check_resume(
     return notes + ([change] if change else [])
 
 
+#: The DrafterArgs fields that are ``drafter.*`` config keys (:class:`eagle3.config.DrafterConfig`'s fields; a test
+#: pins the equality); the others come from stage 03's vocab map and from the verifier.
+DRAFTER_CONFIG_KEYS = frozenset(
+    {
+        "head_dim",
+        "hidden_size",
+        "intermediate_size",
+        "max_position_embeddings",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "num_layers",
+        "rms_norm_eps",
+        "rope_theta",
+        "variant",
+    }
+)
+
+
 def drafter_field_source(key: str) -> str:
     """How a user sets a :class:`eagle3.drafter.model.DrafterArgs` field back: the real config key or input.
 
-    ``drafter.*`` config keys exist only for the decoder-layer shape (:class:`eagle3.config.drafter.DrafterConfig`);
+    ``drafter.*`` config keys exist only for the decoder-layer shape (:data:`DRAFTER_CONFIG_KEYS`);
     the draft vocab size comes from ``data.draft_vocab_size`` through stage 03's ``vocab_map.pt``,
     and the target sizes / rope scaling from the verifier and its shards.
     """
-    from eagle3.config.drafter import DrafterConfig
-
-    if key in DrafterConfig.model_fields:
+    if key in DRAFTER_CONFIG_KEYS:
         return f"set drafter.{key} back"
     if key == "draft_vocab_size":
         return "set data.draft_vocab_size back and re-run 03_prepare_data.py"

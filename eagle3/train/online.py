@@ -34,13 +34,14 @@ from __future__ import annotations
 import collections
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Iterator, Optional
 
 import torch
 
 from eagle3.errors import UserError
 from eagle3.process_group import is_rank0
-from eagle3.shards.format import DATA_CONFIG
+from eagle3.shards.format import DATA_CONFIG, is_token_only
 
 log = logging.getLogger(__name__)
 
@@ -121,9 +122,10 @@ class VerifierStates:
 
     @classmethod
     def load(
-        cls, cfg, data_config: dict, device: torch.device, feat_dtype: torch.dtype
+        cls, verifier, data_config: dict, device: torch.device, feat_dtype: torch.dtype
     ) -> "VerifierStates":
-        """Load this rank's verifier replica on ``device`` (``verifier.dtype``), frozen, and check it.
+        """Load this rank's verifier replica on ``device`` (``verifier``: the config's ``verifier`` section, loaded
+        in its ``dtype``), frozen, and check it.
 
         Raises:
             UserError: the verifier cannot be loaded, or differs from ``data_config.json`` (:func:`check_conventions`).
@@ -131,7 +133,7 @@ class VerifierStates:
         from eagle3.capture.hf import HFCapture
         from eagle3.verifier.load import load_verifier
 
-        model, tok = load_verifier(cfg.verifier, device=device)
+        model, tok = load_verifier(verifier, device=device)
         model.eval()
         model.requires_grad_(False)
         pad = tok.pad_token_id if tok.pad_token_id is not None else 0
@@ -140,16 +142,16 @@ class VerifierStates:
             capture.info(),
             capture.aux_layers,
             data_config,
-            f"the verifier {cfg.verifier.display_name()!r}",
+            f"the verifier {verifier.display_name()!r}",
         )
         if is_rank0():  # every torchrun rank loads its replica: said once (each rank's device is its LOCAL_RANK's)
             log.info(
                 "online hidden states: %s on %s (%s)",
-                cfg.verifier.display_name(),
+                verifier.display_name(),
                 device,
-                cfg.verifier.dtype,
+                verifier.dtype,
             )
-        return cls(capture, feat_dtype, cfg.verifier.dtype)
+        return cls(capture, feat_dtype, verifier.dtype)
 
     def wrap(self, batches: Iterator[dict]) -> Iterator[dict]:
         """Token batches stay token batches on the host; the states are made on the device (:meth:`fill`)."""
@@ -289,10 +291,14 @@ class ServerStates(ShardStates):
         self.pin = pin
 
     @classmethod
-    def connect(cls, cfg, data_config: dict, device: torch.device, backend=None) -> "ServerStates":
+    def connect(
+        cls, extract, prefetch: int, data_config: dict, device: torch.device, backend=None
+    ) -> "ServerStates":
         """Connect to ``extract.sglang_url`` (stage 02's client and settings) and check the servers.
 
         Args:
+            extract: the config's ``extract`` section (stage 02's client settings).
+            prefetch: batches captured ahead (``train.online_prefetch``).
             backend: an already-built capture backend (tests); default :func:`eagle3.capture.multi.sglang_backend`.
 
         Raises:
@@ -302,8 +308,8 @@ class ServerStates(ShardStates):
         if backend is None:
             from eagle3.capture.multi import sglang_backend
 
-            ex = cfg.extract
-            _require_servers(cfg)
+            ex = extract
+            _require_servers("online", ex)
             backend = sglang_backend(
                 ex.sglang_url,
                 ex.capture_dir,
@@ -320,7 +326,7 @@ class ServerStates(ShardStates):
         return cls(
             backend,
             int(data_config["hidden_size"]),
-            cfg.train.online_prefetch,
+            prefetch,
             device.type == "cuda",
         )
 
@@ -328,11 +334,11 @@ class ServerStates(ShardStates):
         return CapturedBatches(batches, self.backend, self.hidden_size, self.depth, self.pin)
 
 
-def _require_servers(cfg) -> None:
-    """Online with ``extract.backend: sglang`` needs the capture servers' URLs and capture folders."""
-    ex = cfg.extract
+def _require_servers(hidden_states: str, ex) -> None:
+    """Online with ``extract.backend: sglang`` needs the capture servers' URLs and capture folders (``ex``: the
+    config's ``extract`` section)."""
     if (
-        cfg.train.hidden_states == "online"
+        hidden_states == "online"
         and ex.backend == "sglang"
         and (not ex.sglang_url or not ex.capture_dir)
     ):
@@ -342,51 +348,63 @@ def _require_servers(cfg) -> None:
         )
 
 
-def check_hidden_states(cfg, data_config: dict) -> None:
+def check_hidden_states(hidden_states: str, extract, shards_dir: Path, data_config: dict) -> None:
     """Refuse offline training on token-only samples, and online training from capture servers the config does not
-    name, before 04 writes or reads anything heavy (the servers were checked only after the verifier head's
-    extraction, minutes for Kimi-K2.5: fresh-user trial 2026-12-05f).
+    name, before 04 writes or reads anything heavy (the verifier head's extraction takes minutes for Kimi-K2.5).
+
+    Args:
+        hidden_states: ``train.hidden_states``; extract: the config's ``extract`` section; shards_dir: 02's folder.
 
     Raises:
         UserError: naming ``data_config.json``'s ``format`` and the two fixes, or the missing server keys.
     """
-    from eagle3.shards.format import is_token_only
-
-    if cfg.train.hidden_states == "offline" and is_token_only(data_config):
+    if hidden_states == "offline" and is_token_only(data_config):
         raise UserError(
-            f"{cfg.shards_dir / DATA_CONFIG}: key 'format' is {data_config['format']!r} (token-only "
+            f"{shards_dir / DATA_CONFIG}: key 'format' is {data_config['format']!r} (token-only "
             "samples, no hidden states); set train.hidden_states: online, or re-run 02 with offline"
         )
-    _require_servers(cfg)
+    _require_servers(hidden_states, extract)
 
 
-def unused_shard_states_note(cfg, data_config: dict) -> Optional[str]:
+def unused_shard_states_note(
+    hidden_states: str, backend: str, shards_dir: Path, data_config: dict
+) -> Optional[str]:
     """The info line of online training over shards that hold the verifier's hidden states (02 ran offline), else
     None. Those states are not read: ``online`` asks for the verifier's states of each micro-batch (a user comparing
     online with offline on the same shards, or measuring online speed, gets what was asked for), and training from
     the shards is ``train.hidden_states: offline``, one key away; the line says so instead of recomputing silently.
+    ``backend``: ``extract.backend``.
     """
-    from eagle3.shards.format import is_token_only
-
-    if cfg.train.hidden_states != "online" or is_token_only(data_config):
+    if hidden_states != "online" or is_token_only(data_config):
         return None
     return (
-        f"train.hidden_states: online: {cfg.shards_dir} holds the verifier's hidden states too (format "
+        f"train.hidden_states: online: {shards_dir} holds the verifier's hidden states too (format "
         f"{data_config.get('format')!r}, 02 ran offline); they are not read: online computes each micro-batch's "
-        f"states with the verifier (extract.backend {cfg.extract.backend}), as asked; set train.hidden_states: "
+        f"states with the verifier (extract.backend {backend}), as asked; set train.hidden_states: "
         f"offline to train from the shards without running the verifier"
     )
 
 
-def state_source(cfg, data_config: dict, device: torch.device, feat_dtype: torch.dtype):
-    """The hidden-state source of ``cfg.train.hidden_states`` (see the module docstring).
+def state_source(
+    hidden_states: str,
+    verifier,
+    extract,
+    prefetch: int,
+    shards_dir: Path,
+    data_config: dict,
+    device: torch.device,
+    feat_dtype: torch.dtype,
+):
+    """The hidden-state source of ``hidden_states`` (``train.hidden_states``; see the module docstring): the shards,
+    the ``verifier`` (the config's section) on ``device``, or the capture servers of ``extract`` (the config's
+    section) with ``prefetch`` batches ahead (``train.online_prefetch``).
 
     Raises:
         UserError: offline training on token-only samples, or an online source that cannot start.
     """
-    check_hidden_states(cfg, data_config)
-    if cfg.train.hidden_states == "offline":
+    check_hidden_states(hidden_states, extract, shards_dir, data_config)
+    if hidden_states == "offline":
         return ShardStates()
-    if cfg.extract.backend == "sglang":
-        return ServerStates.connect(cfg, data_config, device)
-    return VerifierStates.load(cfg, data_config, device, feat_dtype)
+    if extract.backend == "sglang":
+        return ServerStates.connect(extract, prefetch, data_config, device)
+    return VerifierStates.load(verifier, data_config, device, feat_dtype)

@@ -7,8 +7,11 @@ which SpecForge and most EAGLE-3 trainers use:
 - ``s >= W``: ``lr(s) = base_lr * 0.5 * (1 + cos(pi * (s - W) / max(1, T - W)))``
 
 where ``s`` is the number of optimizer steps already taken (the LR used *for* step ``s + 1``),
-``W`` the warmup steps and ``T`` the total steps. Implemented here (a 5-line formula) so the
-trainer does not import transformers.
+``W`` the warmup steps and ``T`` the total steps; bit-identical to transformers' schedule for
+``s <= T`` (tests/train/test_train.py). Kept as its own object: ``LambdaLR.state_dict`` saves a
+callable object's attributes, so each checkpoint records the horizon ``(W, T)`` that ``--resume``
+compares and re-stretches (transformers' lambda is a ``functools.partial``: nothing is saved), and
+past ``T`` the factor stays 0 (transformers' rises again).
 """
 
 from __future__ import annotations

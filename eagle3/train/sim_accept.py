@@ -164,24 +164,7 @@ class BestTracker:
             self.keep_best and best_path.is_file()
         ):  # written first: newer than the curve after a kill between the two
             best = _best_file_row(best_path, best)
-        # sim_accept: the best validation stays while its weights are on disk, also one taken after the checkpoint
-        # resumed from (a hard kill between a validation and the next checkpoint): a resumed run that is not
-        # bit-deterministic may validate that step worse, and its weights are real weights of this training.
-        keep = best is not None and (
-            best_path.is_file() if self.keep_best else int(best["step"]) <= start_step
-        )
-        if (
-            keep and self.end_step is not None and int(best["step"]) > self.end_step
-        ):  # --stop-at / --max-steps lowered
-            log.info(
-                "%s: the best validation so far, step %d, comes after this run's end (step %d): not kept; "
-                "the best is taken from this run's validations",
-                path,
-                int(best["step"]),
-                self.end_step,
-            )
-            keep = False
-        if keep:
+        if self._keep(path, best, start_step):
             self.best = self._score(dict(best))
             if int(best["step"]) > start_step:
                 self.best["before_resume"] = True
@@ -202,6 +185,25 @@ class BestTracker:
                 if (self.rows and not self.keep_best)
                 else None
             )
+
+    def _keep(self, path: Path, best: Optional[dict], start_step: int) -> bool:
+        """Whether the recorded ``best`` stays the best on a resume. Under sim_accept it stays while its weights are
+        on disk, also one taken after the checkpoint resumed from (a hard kill between a validation and the next
+        checkpoint: a rerun that is not bit-deterministic may validate that step worse, and its weights are real
+        weights of this training); never when it comes after this run's end (``--stop-at`` / a step cap lowered)."""
+        keep = best is not None and (
+            (self.dir / BEST_FILE).is_file() if self.keep_best else int(best["step"]) <= start_step
+        )
+        if keep and self.end_step is not None and int(best["step"]) > self.end_step:
+            log.info(
+                "%s: the best validation so far, step %d, comes after this run's end (step %d): not kept; "
+                "the best is taken from this run's validations",
+                path,
+                int(best["step"]),
+                self.end_step,
+            )
+            return False
+        return keep
 
     def _score(self, row: dict) -> dict:
         row = dict(row)

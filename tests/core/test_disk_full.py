@@ -372,8 +372,8 @@ def test_train_checkpoint_disk_full_then_resume_matches_uninterrupted(tmp_path, 
 
     from eagle3.config import load_config
     from eagle3.stages.export import export_for_run
+    from eagle3.stages.train import run
     from eagle3.train import checkpoint as ckpt
-    from eagle3.train.trainer import run
 
     train = {"epochs": 2, "batch_size": 2, "ckpt_every": 2}
     a = load_config(make_tiny_run(tmp_path / "a", train=train))
@@ -415,7 +415,7 @@ def test_train_export_and_metrics_disk_full(tmp_path, monkeypatch):
 
     from eagle3.config import load_config
     from eagle3.stages.export import export_for_run
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     cfg = load_config(
         make_tiny_run(tmp_path, n_train=4, train={"epochs": 1, "batch_size": 2, "ckpt_every": 2})
@@ -462,7 +462,8 @@ def test_train_report_disk_full_keeps_the_earlier_report_whole(tmp_path, monkeyp
 
     from eagle3.config import load_config
     from eagle3.drafter.model import DrafterArgs
-    from eagle3.train.trainer import run, write_report
+    from eagle3.stages.train import run
+    from eagle3.train.report import write_report
 
     cfg = load_config(make_tiny_run(tmp_path, n_train=4, train={"epochs": 1, "batch_size": 2}))
     run(cfg, device="cpu")
@@ -494,7 +495,7 @@ def test_the_disk_full_line_says_resume_only_where_a_rerun_resumes(tmp_path, mon
 
     from eagle3.config import load_config
     from eagle3.stages.export import export_for_run, export_from_checkpoint
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     def line(call) -> str:
         with pytest.raises(UserError) as e:

@@ -107,7 +107,7 @@ def test_03_names_data_output_dir_before_validating(tmp_path, monkeypatch):
 
 def test_04_names_train_and_export_output_dir(tmp_path):
     from eagle3.stages.export import check_export_destination
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     cfg = load_config(make_tiny_run(tmp_path), [f"train.output_dir={PROC}/train"])
     assert (
@@ -242,7 +242,7 @@ def test_05_on_a_read_only_bench_folder_stops_at_once(tmp_path):
 def test_export_only_from_a_read_only_train_folder_exports_and_leaves_the_report(tmp_path):
     """`04 --export-only` of checkpoints on read-only storage wrote the export, then stopped with exit 2 on
     train_report.json: now the export stands, the report is left as it was, with one warning."""
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     run_yaml = make_tiny_run(tmp_path, train={"epochs": 1, "ckpt_every": 1})
     cfg = load_config(run_yaml)

@@ -63,14 +63,15 @@ def test_close_without_a_process_group_does_nothing(calls, monkeypatch):
 
 @pytest.mark.parametrize("fails", [False, True])
 def test_trainer_run_closes_with_a_barrier_only_on_success(monkeypatch, fails):
-    from eagle3.train import trainer
+    from eagle3.stages import train as trainer
+    from eagle3.train.ranks import DistInfo
 
     ctrl = object()
     seen: list = []
     monkeypatch.setattr(
         trainer,
         "init_distributed",
-        lambda device=None: process_group.Dist(
+        lambda device=None: DistInfo(
             rank=0, world=2, local_rank=0, device=None, ctrl_group=ctrl, initialized_here=True
         ),
     )
@@ -427,7 +428,7 @@ RANK1_SHARDS = textwrap.dedent("""
     from pathlib import Path
     script, *args = sys.argv[1:]
     if os.environ.get("RANK") == "1":  # this rank's node has no shards folder where rank 0's has it
-        from eagle3.train import trainer
+        from eagle3.stages import train as trainer
 
         real = trainer.read_data_config
         trainer.read_data_config = lambda shards_dir, *a, **k: real(Path(os.environ["RANK1_SHARDS"]), *a, **k)

@@ -1,4 +1,4 @@
-"""Token-budget batching (eagle3/data/batching.py) and the host-indexed TTT loss (eagle3/train/ttt_rows.py)."""
+"""Token-budget batching (eagle3/data/batching.py) and the host-indexed TTT loss (eagle3/losses/rows.py)."""
 
 from __future__ import annotations
 
@@ -19,11 +19,11 @@ from eagle3.data.dataset import (
     collate,  # noqa: E402
     loss_positions,  # noqa: E402
 )
-from eagle3.drafter.model import DrafterArgs, Eagle3Drafter  # noqa: E402
+from eagle3.drafter.model import DrafterArgs, Eagle3Drafter  # noqa: E402  # noqa: E402
 from eagle3.errors import UserError  # noqa: E402
+from eagle3.losses.rows import row_targets, ttt_loss_rows, ttt_row_counts  # noqa: E402
+from eagle3.losses.ttt import compute_targets, step_denominators, ttt_loss  # noqa: E402
 from eagle3.train import checkpoint as ckpt  # noqa: E402
-from eagle3.train.ttt import compute_targets, step_denominators, ttt_loss  # noqa: E402
-from eagle3.train.ttt_rows import row_targets, ttt_loss_rows, ttt_row_counts  # noqa: E402
 
 LENGTHS = [int(x) for x in torch.randint(3, 60, (97,), generator=torch.Generator().manual_seed(5))]
 
@@ -213,7 +213,7 @@ def test_bucketed_batch_equals_per_sample_sum_with_shared_normaliser():
             )
         counts = step_denominators(
             per_sample
-        )  # [K] the step's counted tokens (eagle3.train.ttt, issue 11 item 1)
+        )  # [K] the step's counted tokens (eagle3.losses.ttt, issue 11 item 1)
         assert (
             counts.tolist()
             == sum(piece([it], None)[1]["count"] for it in items).clamp(min=1).float().tolist()
@@ -243,7 +243,7 @@ TRAIN = {
 
 
 def test_train_token_budget_resume_matches_uninterrupted(tmp_path):
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     ref_cfg = load_config(make_tiny_run(tmp_path / "ref", n_train=10, train=TRAIN))
     ref = run(ref_cfg, device="cpu")
@@ -270,7 +270,7 @@ def test_default_validation_with_token_budgets_is_at_each_epoch_end(tmp_path, mo
     of 4 samples; 640, 639, 639, 640 for 6,000 real samples). Without train.eval_every, 04 validated every
     `steps of epoch 0` steps (7, 14, 21), drifting off the epoch ends; now it validates at each epoch's last step."""
     from eagle3.data import batching
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     monkeypatch.setattr(batching, "DEFAULT_WINDOW", 4)
     train = {"epochs": 3, "batch_tokens": 30, "ckpt_every": 100, "log_every": 1, "eval_every": None}
@@ -309,7 +309,7 @@ def test_token_budget_two_ranks_equal_one_process_accumulating(tmp_path):
     import os
     import subprocess
 
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     train = {"batch_tokens": 32, "epochs": 2, "ckpt_every": 100, "eval_every": 100}
     one = load_config(make_tiny_run(tmp_path / "one", n_train=12, train=dict(train, grad_accum=2)))
@@ -347,7 +347,7 @@ def test_token_budget_step_gradient_equals_per_sample_accumulation(tmp_path):
     the optimizer step's counted tokens (issue 11 item 1), not over micro-batches."""
     from test_loss_norm import ONE_STEP, TWO_SAMPLES, _assert_same_grads, _first_grads, _run_split
 
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     cfg = load_config(
         make_tiny_run(tmp_path / "tok", train={**ONE_STEP, "batch_tokens": 80}, **TWO_SAMPLES)

@@ -20,6 +20,7 @@ from _ddp_worker import make_tiny_run, single_thread  # noqa: F401  (autouse fix
 import eagle3.data.validation_record as vr
 from eagle3.config import load_config
 from eagle3.data import validate
+from eagle3.data.settings import data_settings  # noqa: E402
 from eagle3.data.validation_record import VALIDATION_RECORD, require_passed
 from eagle3.errors import UserError
 from eagle3.shards.checksum import file_checksum
@@ -74,7 +75,7 @@ def _train_cli(path: Path, sets: list[str]) -> subprocess.CompletedProcess:
 
 
 def test_04_refuses_a_shard_set_03_rejected_and_trains_after_the_fix(tmp_path):
-    from eagle3.train.trainer import run as train
+    from eagle3.stages.train import run as train
 
     path = make_tiny_run(tmp_path, train=TRAIN)
     sets = _as_02_wrote(tmp_path)
@@ -137,7 +138,7 @@ def test_04_refuses_a_shard_replaced_after_03_naming_it(tmp_path):
     """A shard file replaced under the same name after 03's validation (same size, other bytes, a new inode and
     mtime) is seen by 04's check of 03's fingerprint (a stat per shard: size + mtime_ns, no shard read): 04 refuses
     before it writes anything, in one line naming the file and saying to run 03 again; 03 then validates afresh."""
-    from eagle3.train.trainer import run as train
+    from eagle3.stages.train import run as train
 
     path = make_tiny_run(tmp_path, train=TRAIN)
     cfg = load_config(path)
@@ -240,8 +241,8 @@ def test_04_refuses_a_split_made_under_other_data_settings(tmp_path):
     """03's outputs record the data: settings they were made under (data_report.json 'settings'); 04 refuses them
     when the config now says otherwise (e.g. data.exclude_id_prefixes set after 03, or an 03 that then failed and left
     the earlier split), naming every field, and trains once 03 has run again."""
-    from eagle3.data.settings import data_settings, require_current
-    from eagle3.train.trainer import run as train
+    from eagle3.data.settings import require_current
+    from eagle3.stages.train import run as train
 
     path = make_tiny_run(tmp_path, train=TRAIN)
     sets = _as_02_wrote(tmp_path)
@@ -274,7 +275,7 @@ def test_04_refuses_a_split_made_under_other_data_settings(tmp_path):
 
 def _train_refused(cfg) -> str:
     """04 on ``cfg`` refused before its first step: the one-line error (no checkpoint written)."""
-    from eagle3.train.trainer import run as train
+    from eagle3.stages.train import run as train
 
     with pytest.raises(UserError) as e:
         train(cfg, device="cpu")
@@ -288,7 +289,7 @@ def test_04_refuses_a_split_made_from_other_shards(tmp_path):
     split index exists) trained silently on a vocab map and split of other data (fresh-user trial 2026-12-05d); now it
     is one line naming both shard folders, and a data folder made from the shards as they were before a re-extraction
     is refused as well."""
-    from eagle3.train.trainer import run as train
+    from eagle3.stages.train import run as train
 
     a_path, b_path = (
         make_tiny_run(tmp_path / "a", train=TRAIN),

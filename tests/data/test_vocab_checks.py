@@ -144,7 +144,7 @@ def test_save_vocab_map_refuses_bad_map(tmp_path):
 # ---- against the config ------------------------------------------------------------------------
 def test_fresh_training_refuses_draft_size_other_than_the_data(tmp_path):
     """data prepared with 24 draft ids, config asks 32: error naming data.draft_vocab_size, nothing written."""
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     cfg = load_config(make_tiny_run(tmp_path, draft_vocab=24), ["data.draft_vocab_size=32"])
     with pytest.raises(
@@ -158,7 +158,7 @@ def test_fresh_training_refuses_draft_size_other_than_the_data(tmp_path):
 
 def test_export_only_refuses_draft_size_other_than_the_data(tmp_path):
     from eagle3.stages.export import export_from_checkpoint
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     path = make_tiny_run(tmp_path, draft_vocab=24, train={"epochs": 1})
     run(load_config(path), stop_after=1, max_steps=2, device="cpu")
@@ -173,7 +173,7 @@ def test_export_only_refuses_a_vocab_map_of_the_same_size_it_was_not_trained_wit
     it was trained with it exports that map."""
     from eagle3.data.vocab import load_vocab_map, save_vocab_map
     from eagle3.stages.export import export_from_checkpoint
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     path = make_tiny_run(tmp_path, draft_vocab=24, train={"epochs": 1})
     cfg = load_config(path)

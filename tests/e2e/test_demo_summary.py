@@ -193,7 +193,7 @@ def test_bad_seconds_item():
 
 def test_train_and_benchmark_headlines(tmp_path):
     from eagle3.decoding.report import headline as bench_headline
-    from eagle3.train.trainer import headline as train_headline
+    from eagle3.train.report import headline as train_headline
 
     res = {
         "step": 74,

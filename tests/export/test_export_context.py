@@ -24,7 +24,7 @@ def test_04_warns_sglang_export_refused_and_export_only_with_null_fixes_it(tmp_p
     from transformers import LlamaConfig
 
     from eagle3.stages.export import export_for_run, export_from_checkpoint
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     vdir = (
         tmp_path / "verifier"
@@ -49,7 +49,7 @@ def test_04_warns_sglang_export_refused_and_export_only_with_null_fixes_it(tmp_p
             r"tokens, below the verifier's 2048: SGLang 0.5.23 refuses .*>= 2048",
         ):
             run(cfg, device="cpu", export=export_for_run)
-    start = [r.getMessage() for r in caplog.records if r.name == "eagle3.train.trainer"]
+    start = [r.getMessage() for r in caplog.records if r.name == "eagle3.train.inputs"]
     assert any(
         "drafter.max_position_embeddings: 64" in m and "SGLang export will be refused" in m
         for m in start

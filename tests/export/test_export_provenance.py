@@ -19,8 +19,8 @@ from _ddp_worker import make_tiny_run, single_thread  # noqa: E402,F401  (autous
 from eagle3.config import load_config  # noqa: E402
 from eagle3.export.reader import load_exported  # noqa: E402
 from eagle3.stages.export import export_for_run, export_from_checkpoint  # noqa: E402
+from eagle3.stages.train import run  # noqa: E402
 from eagle3.train import checkpoint as ckpt  # noqa: E402
-from eagle3.train.trainer import run  # noqa: E402
 
 TRAIN = {"epochs": 1, "batch_size": 2, "eval_every": 1, "ckpt_every": 100}
 

@@ -311,7 +311,7 @@ def test_flat_speculators_folder_from_another_tool_still_loads(tmp_path):
 
 def test_dataset_fp8_items_dequantised_after_move(tmp_path):
     from eagle3.data.dataset import ShardDataset, collate
-    from eagle3.train.trainer import _move_batch
+    from eagle3.train.loop import move_batch as _move_batch
 
     ref = []
     for idx in range(2):
@@ -607,7 +607,7 @@ def test_train_on_fp8_shards_matches_bf16_first_loss(tmp_path):
     from eagle3.config import load_config
     from eagle3.data.validation_record import VALIDATION_RECORD
     from eagle3.shards.convert import convert
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     train = {"epochs": 1, "batch_size": 2, "ckpt_every": 100}
     a = load_config(make_tiny_run(tmp_path / "a", train=train))

@@ -99,6 +99,13 @@ def test_rng_state_survives_weights_only_save(tmp_path):
     assert torch.equal(torch.rand(2), want)
 
 
+def test_drafter_config_keys_are_the_config_fields():
+    """checkpoint.DRAFTER_CONFIG_KEYS (the train package does not read the config) is DrafterConfig's fields."""
+    from eagle3.config import DrafterConfig
+
+    assert ckpt.DRAFTER_CONFIG_KEYS == set(DrafterConfig.model_fields)
+
+
 def test_check_drafter_args_names_field():
     ckpt.check_drafter_args(
         "c.pt", {"hidden_size": 8, "rms_norm_eps": 1e-6}, {"hidden_size": 8, "rms_norm_eps": 1e-6}
@@ -110,7 +117,7 @@ def test_check_drafter_args_names_field():
 
 
 def test_resume_with_different_drafter_shape_is_user_error(tmp_path):
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     path = make_tiny_run(tmp_path, train={"epochs": 1})
     run(load_config(path), stop_after=1, device="cpu")
@@ -125,7 +132,7 @@ def test_a_resume_removes_half_written_files_of_the_train_folder(tmp_path):
     """A hard kill while 04 wrote best_drafter.pt (or sim_accept.json, train_report.json) left its temp file in the
     train folder, as large as the drafter's weights for the best file, and no later run removed it: only the
     checkpoints folder was cleaned. The resume now removes them there too (not in other folders)."""
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     cfg = load_config(
         make_tiny_run(tmp_path, train={"epochs": 1, "ckpt_every": 1, "select_best": "sim_accept"})
@@ -148,7 +155,7 @@ def test_a_resume_removes_half_written_files_of_the_train_folder(tmp_path):
 
 
 def test_resume_ignores_half_written_and_corrupt_newest(tmp_path):
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     path = make_tiny_run(tmp_path, train={"epochs": 1, "ckpt_every": 1, "keep_checkpoints": 3})
     cfg = load_config(path)
@@ -184,7 +191,7 @@ def test_check_data_order_names_every_changed_key():
 def test_resume_with_changed_batching_is_user_error(tmp_path):
     """Trained with a token budget, resumed without it: used to warn about the LR schedule only and go on
     with batch_size batches (epoch 10 of 8); now refused naming the keys. epochs/max_steps stay allowed."""
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     path = make_tiny_run(tmp_path, train={"epochs": 2})
     run(load_config(path, ["train.batch_tokens=64"]), stop_after=1, device="cpu")
@@ -216,7 +223,7 @@ def test_all_checkpoints_corrupt_is_one_line_error_naming_the_newest(tmp_path, c
     from step 0 and overwrite the export; --export-only (same lookup) is refused the same way. Only the newest
     bad: the older one is used, with a warning naming the skipped file."""
     from eagle3.stages.export import export_for_run, export_from_checkpoint
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     cfg = load_config(
         make_tiny_run(tmp_path, train={"epochs": 1, "ckpt_every": 2, "keep_checkpoints": 2})
@@ -266,7 +273,7 @@ def test_resume_with_changed_recipe_names_fields_and_reports_what_was_used(tmp_p
     NOT used and which one is; the checkpoints written after it record the lr in use (0.001), so a second resume with
     the original config warns nothing (it used to warn "train.lr 0.05 -> 0.001", a value never used); train_report's
     recipe records the lr actually used. A changed loss definition is refused."""
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     path = make_tiny_run(tmp_path, train={"epochs": 1, "lr": 1e-3})
     run(load_config(path), stop_after=2, device="cpu")
@@ -278,7 +285,7 @@ def test_resume_with_changed_recipe_names_fields_and_reports_what_was_used(tmp_p
             UserError, match=rf"step_00000002.pt: --resume with another loss definition \({field}\)"
         ):
             run(load_config(path, [over]), resume=True, device="cpu")
-    with caplog.at_level(logging.WARNING, logger="eagle3.train.trainer"):
+    with caplog.at_level(logging.WARNING, logger="eagle3.train"):
         run(
             load_config(path, ["train.lr=0.05", "train.weight_decay=0.5"]),
             resume=True,
@@ -300,7 +307,7 @@ def test_resume_with_changed_recipe_names_fields_and_reports_what_was_used(tmp_p
         recipe["train.lr"] == 0.001 and recipe["train.weight_decay"] == 0.0
     )  # the values in use, not the config's
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="eagle3.train.trainer"):
+    with caplog.at_level(logging.WARNING, logger="eagle3.train"):
         r = run(
             load_config(path), resume=True, device="cpu"
         )  # the original config: nothing changed
@@ -320,7 +327,7 @@ def test_warnings_logged_during_a_resume_are_listed_in_the_report(tmp_path, capl
     """A resume's warnings were in the log only: train_report.json's `warnings` listed the few a call site appended
     there (the changed-settings line), not the skipped unusable newest checkpoint, the older one used instead, or the
     re-stretched lr schedule. Now every warning logged during the call is listed, each text once."""
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     path = make_tiny_run(tmp_path, train={"epochs": 2, "ckpt_every": 1, "keep_checkpoints": 5})
     run(load_config(path), stop_after=3, device="cpu")
@@ -366,7 +373,7 @@ def test_check_recipe_says_which_value_is_used():
 def test_resume_refusal_names_every_changed_field_in_one_line(tmp_path):
     """train.seed (data order) and train.step_weight (loss) changed together: the refusal used to name train.seed only
     (the data-order check raised first); now one line names both, and a changed drafter field as well."""
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     path = make_tiny_run(tmp_path, train={"epochs": 1})
     run(load_config(path), stop_after=1, device="cpu")
@@ -394,7 +401,7 @@ def test_resume_after_03_resplit_is_refused_naming_split_json(tmp_path):
     again (other formatting) resumes; a checkpoint from before the key is not checked; a vocab map of the same size
     with other tokens is refused too."""
     from eagle3.data.vocab import load_vocab_map, save_vocab_map
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     path = make_tiny_run(tmp_path, train={"epochs": 2})
     cfg = load_config(path)
@@ -449,7 +456,7 @@ def test_export_only_and_resume_refuse_shards_of_other_aux_layers(tmp_path):
     from safetensors.torch import load_file
 
     from eagle3.stages.export import export_from_checkpoint
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     a = load_config(make_tiny_run(tmp_path / "a", train={"epochs": 2}))
     run(a, stop_after=2, device="cpu")
@@ -493,7 +500,7 @@ def test_export_only_and_resume_refuse_shards_of_another_verifiers_weights(tmp_p
     in `data_inputs`; --export-only and --resume refuse another fingerprint in one line; a checkpoint without the
     record is not checked."""
     from eagle3.stages.export import export_from_checkpoint
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     wa, wb = "sha256:" + "a" * 64, "sha256:" + "b" * 64
     a = load_config(make_tiny_run(tmp_path / "a", train={"epochs": 2}, verifier_weights=wa))
@@ -533,7 +540,7 @@ def test_inputs_a_checkpoint_did_not_record_are_said_at_resume_and_export(tmp_pa
     weights fingerprint since, passed without a word. One warning line now names what was not compared (in
     train_report.json's warnings on a resume); both sides without a fingerprint is check_verifier's to say."""
     from eagle3.stages.export import export_from_checkpoint
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     cfg = load_config(make_tiny_run(tmp_path / "a", train={"epochs": 2, "ckpt_every": 1}))
     run(cfg, stop_after=2, device="cpu")
@@ -590,13 +597,13 @@ def test_resume_past_the_requested_total_is_refused_before_writing(tmp_path, cap
     """A checkpoint at step 6 resumed with max_steps 3 used to print "trained: 6/3", re-export and rewrite the
     report; now one line naming --max-steps, and no file written; refused before the "LR schedule ... continuing with
     the new one" line, which it used to log first."""
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     cfg = load_config(make_tiny_run(tmp_path, train={"epochs": 2}))
     run(cfg, stop_after=6, device="cpu")
     before = {p: p.stat().st_mtime_ns for p in sorted(tmp_path.rglob("*")) if p.is_file()}
     with (
-        caplog.at_level(logging.INFO, logger="eagle3.train.trainer"),
+        caplog.at_level(logging.INFO, logger="eagle3.train"),
         pytest.raises(
             UserError,
             match=r"^--max-steps 3: the run ends after 3 optimizer steps, but the checkpoint "
@@ -628,7 +635,7 @@ def test_export_only_refuses_a_broken_newest_checkpoint_and_leaves_the_export(tm
     step is exported. (sim_accept with a best file exports the best weights whatever checkpoint loads:
     tests/train/test_sim_accept.py::test_export_only_keeps_best_drafter_and_exports_it_after_a_checkpoint_fallback.)"""
     from eagle3.stages.export import export_for_run, export_from_checkpoint
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     cfg = load_config(
         make_tiny_run(

@@ -32,7 +32,7 @@ def _final(train_dir: Path) -> dict:
 
 @pytest.mark.slow
 def test_two_gloo_ranks_match_one_process(tmp_path):
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     common = dict(n_train=8, n_val=2, lengths=(10,), equal_lengths=True, vocab=32, draft_vocab=32)
     # global batch 4 per optimizer step in both: 1 x (2 samples x 2 accum) vs 2 ranks x (1 sample x 2 accum)
@@ -72,7 +72,8 @@ def test_two_gloo_ranks_match_one_process(tmp_path):
     init = load_config(make_tiny_run(tmp_path / "init", **common))
     from eagle3.data.vocab import load_vocab_map
     from eagle3.shards.format import read_data_config
-    from eagle3.train.trainer import build_drafter_args, init_drafter
+    from eagle3.train.inputs import build_drafter_args
+    from eagle3.train.warm_start import init_drafter
     from eagle3.verifier.head import TargetHead
 
     vocab = load_vocab_map(init.data_dir / "vocab_map.pt")

@@ -21,9 +21,15 @@ from eagle3.data.vocab import load_vocab_map  # noqa: E402
 from eagle3.errors import UserError  # noqa: E402
 from eagle3.export.reader import load_exported  # noqa: E402
 from eagle3.shards.format import read_data_config  # noqa: E402
-from eagle3.stages.export import export_for_run, export_from_checkpoint, load_init_drafter  # noqa: E402
+from eagle3.stages.export import (
+    export_for_run,  # noqa: E402
+    export_from_checkpoint,  # noqa: E402
+    load_init_drafter,  # noqa: E402
+)
+from eagle3.stages.train import run  # noqa: E402
 from eagle3.train import checkpoint as ckpt  # noqa: E402
-from eagle3.train.trainer import build_drafter_args, init_drafter, run, warm_start  # noqa: E402
+from eagle3.train.inputs import build_drafter_args  # noqa: E402
+from eagle3.train.warm_start import init_drafter, warm_start  # noqa: E402
 from eagle3.verifier.head import TargetHead  # noqa: E402
 
 DEEP = ["drafter.num_layers=2", "export.dtype=float32"]

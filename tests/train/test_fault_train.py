@@ -88,7 +88,7 @@ def _final_model(train_dir: Path) -> dict:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict:
     """Final trainable parameters of an uninterrupted run (in-process, CPU)."""
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     cfg = load_config(make_tiny_run(tmp_path_factory.mktemp("ref"), train=TRAIN))
     run(cfg, device="cpu")
@@ -171,13 +171,8 @@ def test_sigterm_writes_final_checkpoint_and_exits_143(tmp_path, reference):
 
 
 def test_interrupted_exit_code_and_message(capsys):
-    import importlib.util
+    from eagle3.stages import train as cli
 
-    spec = importlib.util.spec_from_file_location(
-        "train_cli", Path(__file__).resolve().parents[2] / "04_train.py"
-    )
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
     res = {
         "step": 3,
         "total_steps": 10,
@@ -199,13 +194,8 @@ def test_interrupted_exit_code_and_message(capsys):
 def test_interrupted_line_is_printed_once_under_torchrun(capsys, monkeypatch):
     """Under torchrun every rank printed `interrupted by SIGINT at step ...`: 2 copies on 2 processes (fresh-user trial
     2026-12-05d; README: one stderr line). Rank 0 prints it; every rank still exits 128 + signal."""
-    import importlib.util
+    from eagle3.stages import train as cli
 
-    spec = importlib.util.spec_from_file_location(
-        "train_cli", Path(__file__).resolve().parents[2] / "04_train.py"
-    )
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
     res = {
         "step": 3,
         "total_steps": 10,
@@ -235,7 +225,8 @@ def test_ctrl_c_during_startup_stops_at_once_leaving_nothing(tmp_path, monkeypat
     """Ctrl-C while 04 extracts the verifier head (or builds the drafter), before the first step: exit 130 with the
     one-line message, no checkpoint, no train folder this call made; the same command without --resume then runs."""
     from eagle3.cli import run_main
-    from eagle3.train import trainer
+    from eagle3.stages import train as stage
+    from eagle3.train import inputs as trainer
     from eagle3.verifier.head import TargetHead
 
     path = make_tiny_run(tmp_path, n_train=4, n_val=0, train={"epochs": 1, "batch_size": 2})
@@ -279,7 +270,7 @@ def test_ctrl_c_during_startup_stops_at_once_leaving_nothing(tmp_path, monkeypat
         signal.getsignal(signal.SIGINT) is signal.default_int_handler
     )  # the StopFlag handler is gone
     monkeypatch.setattr(trainer, where, real)
-    res = trainer.run(cfg, device="cpu", stop_after=1)  # not refused: no checkpoint was left behind
+    res = stage.run(cfg, device="cpu", stop_after=1)  # not refused: no checkpoint was left behind
     assert res["step"] == 1 and ckpt.list_checkpoints(cfg.train_dir)[-1][0] == 1
 
 
@@ -289,8 +280,8 @@ def test_a_second_04_on_the_same_train_folder_is_refused(tmp_path):
     same export (fresh-user trial 2026-12-05d). 04 now holds {train_dir}/.train.lock: the second stops at once with
     one line, writes nothing, and leaves no folder it made; once the first is done, the lock file is gone."""
     from eagle3.errors import UserError
-    from eagle3.io.lock import exclusive_lock
-    from eagle3.train.trainer import run
+    from eagle3.io import exclusive_lock
+    from eagle3.stages.train import run
 
     TRAIN_LOCK = ".train.lock"
 

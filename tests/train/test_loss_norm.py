@@ -24,8 +24,8 @@ from _ddp_worker import make_tiny_run, single_thread  # noqa: E402,F401  (autous
 from test_ttt import _random_case  # noqa: E402
 
 from eagle3.config import load_config  # noqa: E402
+from eagle3.losses.ttt import TTTTargets, step_denominators, ttt_loss, ttt_token_counts  # noqa: E402
 from eagle3.train import checkpoint as ckpt  # noqa: E402
-from eagle3.train.ttt import TTTTargets, step_denominators, ttt_loss, ttt_token_counts  # noqa: E402
 
 # two samples: 40 and 6 tokens, loss mask from position 2 on (replies of 38 and 4 tokens); draft
 # vocab = every 2nd target id, so the verifier-argmax filter drops some positions as well
@@ -54,7 +54,7 @@ def _assert_same_grads(got: list[torch.Tensor], want: list[torch.Tensor]) -> Non
 
 
 def _run_split(root: Path, batch_size: int, grad_accum: int) -> Path:
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     cfg = load_config(
         make_tiny_run(

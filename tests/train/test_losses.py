@@ -14,8 +14,9 @@ from test_batching import _drafter, _items
 from test_loss_norm import _assert_same_grads, _first_grads, _first_row, _run_split
 
 from eagle3.data.dataset import collate
-from eagle3.train.ttt import LOSSES, compute_targets, draft_index, token_loss, ttt_loss
-from eagle3.train.ttt_rows import row_loss, row_targets, ttt_loss_rows
+from eagle3.losses.rows import row_targets, ttt_loss_rows
+from eagle3.losses.token import LOSSES, row_loss, token_loss
+from eagle3.losses.ttt import compute_targets, draft_index, ttt_loss
 
 P = [0.5, 0.3, 0.2]  # verifier distribution over a 3-token draft vocab
 Q = [0.2, 0.5, 0.3]  # drafter distribution

@@ -347,7 +347,7 @@ def test_vocab_map_validation_and_mapping():
 
 def test_bf16_autocast_training_path_close_to_fp32():
     """The trainer's GPU path (fp32 weights, bf16 autocast, bf16 aux states) runs and tracks fp32."""
-    from eagle3.train.ttt import compute_targets, ttt_loss
+    from eagle3.losses.ttt import compute_targets, ttt_loss
 
     d = make(seed=4)
     B, L, K = 2, 12, 3

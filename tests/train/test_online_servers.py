@@ -126,7 +126,7 @@ def _prepare(root: Path, tiny: Path, online: bool, st, tokenizer):
 
 
 def _train(tmp: Path, tiny: Path, online: bool, sts, src) -> "RunConfig":  # noqa: F821
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     cfg = load_config(_yaml(tmp, tiny, online, sts, shards=src.shards_dir, data=src.data_dir))
     g = torch.Generator().manual_seed(
@@ -215,7 +215,12 @@ def test_online_servers_disagreeing_with_the_samples_is_user_error(
     on_src, _ = _prepare(tmp_path / "on-data", tiny_llama_dir, True, a, smollm_tokenizer)
     meta = json.loads((on_src.shards_dir / "data_config.json").read_text())
     with pytest.raises(UserError, match="key 'hidden_size' is 16 but the capture server"):
-        ServerStates.connect(on_src, {**meta, "hidden_size": 16}, torch.device("cpu"))
+        ServerStates.connect(
+            on_src.extract,
+            on_src.train.online_prefetch,
+            {**meta, "hidden_size": 16},
+            torch.device("cpu"),
+        )
 
 
 def test_captured_batches_prefetch_in_order_and_close():

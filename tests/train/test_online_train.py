@@ -38,6 +38,7 @@ from test_fault_train import (
 from test_fault_train import _train_steps as _steps  # noqa: E402
 
 from eagle3.config import load_config  # noqa: E402
+from eagle3.stages import prepare_data  # noqa: E402
 from eagle3.train import checkpoint as ckpt  # noqa: E402
 
 ROOT = HERE.parents[1]
@@ -203,7 +204,7 @@ def test_token_only_samples_and_their_03(prepared):
 
 def test_offline_training_refuses_token_only_samples(prepared, tiny_llama_dir, tmp_path):
     from eagle3.errors import UserError
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     _path, cfg = _train_cfg(prepared, "online", tiny_llama_dir, False, tmp_path)
     with pytest.raises(UserError, match="eagle3-tokens-v1.*train.hidden_states: online"):
@@ -224,8 +225,7 @@ def test_verifier_path_to_other_weights_under_the_same_name_is_refused(
 
     from eagle3.errors import UserError
     from eagle3.shards.format import check_verifier, read_data_config
-    from eagle3.stages import prepare_data
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
     from eagle3.verifier.load import weights_fingerprint
 
     src = prepared[kind]["cfg"]
@@ -292,12 +292,12 @@ def test_online_from_servers_without_urls_is_refused_before_the_head_is_extracte
     import logging
 
     from eagle3.errors import UserError
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     _p, cfg = _train_cfg(prepared, "online", tiny_llama_dir, True, tmp_path)
     cfg = cfg.model_copy(update={"extract": cfg.extract.model_copy(update={"backend": "sglang"})})
     with (
-        caplog.at_level(logging.INFO, logger="eagle3.train.trainer"),
+        caplog.at_level(logging.INFO, logger="eagle3.train"),
         pytest.raises(UserError) as e,
     ):
         run(cfg, device="cpu")
@@ -319,7 +319,7 @@ def test_online_over_shards_with_states_says_they_are_not_read(
     over token-only samples there is nothing to say."""
     import logging
 
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     _p, on = _train_cfg(prepared, "offline", tiny_llama_dir, True, tmp_path / "full", max_steps=1)
     with caplog.at_level(logging.INFO, logger="eagle3.train"):
@@ -339,7 +339,7 @@ def test_online_over_shards_with_states_says_they_are_not_read(
 
 
 def test_online_equals_offline_bitwise(prepared, tiny_llama_dir, tmp_path):
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     keep = {
         "ckpt_every": 1,
@@ -364,7 +364,7 @@ def test_online_equals_offline_bitwise(prepared, tiny_llama_dir, tmp_path):
 
 
 def test_online_padded_batches_close_to_offline(prepared, tiny_llama_dir, tmp_path):
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     train = {"batch_size": 2, "grad_accum": 1, "epochs": 1}
     _p, off = _train_cfg(prepared, "offline", tiny_llama_dir, False, tmp_path / "off", **train)
@@ -387,7 +387,7 @@ def test_online_states_of_a_padded_batch(prepared, tiny_llama_dir):
 
     on, off = prepared["online"], prepared["offline"]
     meta = json.loads((on["cfg"].shards_dir / "data_config.json").read_text())
-    src = VerifierStates.load(on["cfg"], meta, torch.device("cpu"), torch.float32)
+    src = VerifierStates.load(on["cfg"].verifier, meta, torch.device("cpu"), torch.float32)
     assert (
         not any(p.requires_grad for p in src.capture.model.parameters())
         and not src.capture.model.training
@@ -420,7 +420,7 @@ def test_online_verifier_mismatch_is_user_error(prepared, tiny_llama_dir):
     meta = json.loads((prepared["online"]["cfg"].shards_dir / "data_config.json").read_text())
     with pytest.raises(UserError, match="key 'last_hidden_state' is 'pre_norm'"):
         VerifierStates.load(
-            prepared["online"]["cfg"],
+            prepared["online"]["cfg"].verifier,
             {**meta, "last_hidden_state": "pre_norm"},
             torch.device("cpu"),
             torch.float32,
@@ -434,7 +434,7 @@ TOTAL = 16
 
 @pytest.mark.slow
 def test_online_sigkill_then_resume_matches_uninterrupted(prepared, tiny_llama_dir, tmp_path):
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     _p, ref = _train_cfg(prepared, "online", tiny_llama_dir, True, tmp_path / "ref", **KILL_TRAIN)
     run(ref, device="cpu")
@@ -468,7 +468,7 @@ def test_online_sigkill_then_resume_matches_uninterrupted(prepared, tiny_llama_d
 # ---- DDP ---------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_online_two_gloo_ranks_match_offline_one_process(prepared, tiny_llama_dir, tmp_path):
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     # global batch 4 per optimizer step: 1 process x (2 samples x 2 accum) vs 2 ranks x (1 sample x 2 accum)
     _p, one = _train_cfg(
@@ -511,7 +511,7 @@ def test_online_nonfinite_verifier_states_stop_the_run(
     log step with one UserError naming verifier.dtype; no checkpoint is written after it."""
     from eagle3.capture.hf import HFCapture
     from eagle3.errors import UserError
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     real = HFCapture.prefill_states
     calls = []
@@ -546,7 +546,7 @@ def test_a_run_resumed_in_the_other_mode_reports_each_part(
     report's warnings); a resume in the same mode warns about nothing."""
     import logging
 
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     _p, off = _train_cfg(
         prepared, "offline", tiny_llama_dir, False, tmp_path / "run", max_steps=100
@@ -605,7 +605,7 @@ def test_a_run_resumed_in_the_other_mode_reports_each_part(
 def test_segments_of_a_checkpoint_from_before_the_record():
     """A checkpoint without ``segments`` (before 2026-12-05h) is one part, steps 0 to its step, mode not recorded (no
     switch is claimed); recorded parts are cut at the checkpoint's step."""
-    from eagle3.train.trainer import earlier_segments, segment_record, state_source_switch
+    from eagle3.train.report import earlier_segments, segment_record, state_source_switch
 
     old = earlier_segments({"step": 40, "world_size": 8})
     assert old == [segment_record(0, 40, None, None, 8, None)] and old[0]["hidden_states"] is None

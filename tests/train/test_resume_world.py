@@ -36,7 +36,7 @@ def _train(
     )
     if nproc == 1:  # in-process (RANK unset: one process, no process group)
         from eagle3.data.dataset import ShardDataset
-        from eagle3.train.trainer import run
+        from eagle3.stages.train import run
 
         monkeypatch.setattr(
             ShardDataset, "__getitem__", ShardDataset.__getitem__
@@ -131,7 +131,7 @@ def test_resume_on_another_process_count_names_it_as_the_schedule_change(
     train = {"batch_size": 1, "grad_accum": 1, "epochs": 2, "ckpt_every": 1}
     yaml = make_tiny_run(tmp_path / "run", n_train=N_TRAIN, n_val=2, lengths=LENGTHS, train=train)
     _train(yaml, 2, tmp_path / "A", 2, False, monkeypatch)
-    with caplog.at_level(logging.WARNING, logger="eagle3.train.trainer"):
+    with caplog.at_level(logging.WARNING, logger="eagle3.train"):
         _train(yaml, 1, tmp_path / "B", 3, True, monkeypatch)
     lines = [r.getMessage() for r in caplog.records if "LR schedule" in r.getMessage()]
     assert len(lines) == 1 and "max_steps/epochs" not in lines[0], lines
@@ -140,9 +140,9 @@ def test_resume_on_another_process_count_names_it_as_the_schedule_change(
         "continuing with the new one"
     ), lines[0]
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="eagle3.train.trainer"):
+    with caplog.at_level(logging.WARNING, logger="eagle3.train"):
         run_cfg = load_config(yaml, ["train.epochs=3"])
-        from eagle3.train.trainer import run
+        from eagle3.stages.train import run
 
         run(run_cfg, resume=True, stop_after=4, device="cpu")
     lines = [r.getMessage() for r in caplog.records if "LR schedule" in r.getMessage()]
@@ -235,7 +235,7 @@ def test_resume_on_fewer_processes_keeps_the_global_batch_with_grad_accum(
     change it names it, and the grad_accum that keeps it."""
     import logging
 
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     train = {"batch_size": 1, "grad_accum": 1, "epochs": 2, "ckpt_every": 1}
     yaml = make_tiny_run(tmp_path / "run", n_train=N_TRAIN, n_val=2, lengths=LENGTHS, train=train)
@@ -246,7 +246,7 @@ def test_resume_on_fewer_processes_keeps_the_global_batch_with_grad_accum(
         load_config(ref_yaml, ["train.grad_accum=2"]), device="cpu"
     )  # uninterrupted, global batch 2
     _train(yaml, 2, tmp_path / "A", 3, False, monkeypatch)
-    with caplog.at_level(logging.WARNING, logger="eagle3.train.trainer"):
+    with caplog.at_level(logging.WARNING, logger="eagle3.train"):
         got = run(load_config(yaml, ["train.grad_accum=2"]), resume=True, device="cpu")
     assert not [r for r in caplog.records if "global batch" in r.getMessage()]
     assert got["step"] == ref["step"] == 10
@@ -261,7 +261,7 @@ def test_resume_on_fewer_processes_keeps_the_global_batch_with_grad_accum(
     )
     _train(other, 2, tmp_path / "B", 3, False, monkeypatch)
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="eagle3.train.trainer"):
+    with caplog.at_level(logging.WARNING, logger="eagle3.train"):
         run(load_config(other), resume=True, stop_after=1, device="cpu")
     said = [r.getMessage() for r in caplog.records if "global batch" in r.getMessage()]
     assert len(said) == 1 and said[0].endswith(

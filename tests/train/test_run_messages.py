@@ -15,14 +15,15 @@ from _ddp_worker import make_tiny_run, single_thread  # noqa: E402,F401  (autous
 
 from eagle3.config import load_config  # noqa: E402
 from eagle3.errors import UserError  # noqa: E402
+from eagle3.train.ranks import DistInfo  # noqa: E402
 
-TRAINER = "eagle3.train.trainer"
+TRAINER = "eagle3.train"  # the train package's loggers
 
 
 def test_max_steps_past_the_epochs_warns_and_left_out_samples_are_counted(tmp_path, caplog):
     """7 samples, batch_size 4, 2 epochs: 1 step per epoch, 2 in all; --max-steps 10 trains those 2 and says so;
     the 3 samples that do not fill a second batch are named as left out of each epoch."""
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     cfg = load_config(
         make_tiny_run(tmp_path, n_train=7, train={"epochs": 2, "batch_size": 4, "ckpt_every": 100})
@@ -31,14 +32,18 @@ def test_max_steps_past_the_epochs_warns_and_left_out_samples_are_counted(tmp_pa
         r = run(cfg, device="cpu", max_steps=10)
     assert (r["step"], r["total_steps"]) == (2, 2)
     warn = [
-        x.getMessage() for x in caplog.records if x.levelno == logging.WARNING and x.name == TRAINER
+        x.getMessage()
+        for x in caplog.records
+        if x.levelno == logging.WARNING and x.name.startswith(TRAINER)
     ]
     assert (
         "--max-steps 10 is more than the 2 optimizer steps of train.epochs 2; it only caps that schedule, so the "
         "run ends after 2 steps (raise train.epochs for a longer run)"
     ) in warn
     info = [
-        x.getMessage() for x in caplog.records if x.levelno == logging.INFO and x.name == TRAINER
+        x.getMessage()
+        for x in caplog.records
+        if x.levelno == logging.INFO and x.name.startswith(TRAINER)
     ]
     assert [m for m in info if "left out" in m] == [
         "3 of 7 training samples per epoch do not fill a last optimizer step (batch_size x grad_accum x processes = 4 "
@@ -49,7 +54,7 @@ def test_max_steps_past_the_epochs_warns_and_left_out_samples_are_counted(tmp_pa
 
 def test_no_warning_and_no_left_out_line_when_nothing_is_capped_or_left(tmp_path, caplog):
     """8 samples, batch_size 2: nothing left out; train.max_steps 3 below the epoch's 4 steps: no warning."""
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     cfg = load_config(
         make_tiny_run(
@@ -66,7 +71,7 @@ def test_no_warning_and_no_left_out_line_when_nothing_is_capped_or_left(tmp_path
 def test_token_budget_left_out_batches_are_counted(tmp_path, caplog):
     """train.batch_tokens with grad_accum 2: an odd number of planned batches leaves the last one's samples out."""
     from eagle3.data.batching import TokenBudgetBatchSampler
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     lengths = (12, 9, 16, 7)
     cfg = load_config(
@@ -95,7 +100,7 @@ def test_token_budget_left_out_batches_are_counted(tmp_path, caplog):
 def test_stop_at_refusal_names_what_sets_the_schedule_end(tmp_path):
     """--stop-at at the end: train.epochs when the epochs end the schedule (train.max_steps cannot help then),
     --max-steps / train.max_steps when a cap below the epochs' steps ends it."""
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     cfg = load_config(
         make_tiny_run(tmp_path / "a", train={"epochs": 1, "batch_size": 2, "max_steps": 9})
@@ -125,7 +130,7 @@ def test_stop_at_refusal_names_what_sets_the_schedule_end(tmp_path):
 
 def test_stopped_run_report_says_why_there_is_no_export(tmp_path):
     """A run stopped before its end (signal; here stop_after) exports nothing: train_report.md says so in words."""
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     cfg = load_config(
         make_tiny_run(tmp_path, train={"epochs": 1, "batch_size": 2, "ckpt_every": 100})
@@ -156,7 +161,7 @@ def test_stopped_run_report_says_why_there_is_no_export(tmp_path):
 def test_resume_log_line_names_the_position(
     tmp_path, caplog, n_train, batch_size, epochs, stop_after, want
 ):
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     cfg = load_config(
         make_tiny_run(
@@ -182,7 +187,8 @@ def test_a_verifier_path_to_another_model_is_named_not_a_drafter_field(tmp_path)
     from eagle3.data.vocab import load_run_vocab_map
     from eagle3.decoding.checks import verifier_warnings
     from eagle3.shards.format import read_data_config
-    from eagle3.train.trainer import build_drafter_args, run
+    from eagle3.stages.train import run
+    from eagle3.train.inputs import build_drafter_args
 
     path = make_tiny_run(tmp_path / "r")
     null = [
@@ -312,7 +318,7 @@ def test_a_refused_stop_at_on_resume_logs_nothing_about_the_schedule_first(tmp_p
     checkpoint, now ...; continuing with the new one` and then refused the --stop-at (fresh-user trial 2026-12-05e):
     the check ran after the checkpoint was loaded. It now comes with the other resume checks, before anything is
     loaded or logged about the schedule, as the --max-steps refusal does."""
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     cfg = load_config(
         make_tiny_run(tmp_path, train={"epochs": 4, "batch_size": 2, "ckpt_every": 1})
@@ -337,8 +343,8 @@ def test_04_warns_when_it_runs_in_another_number_of_processes_than_the_config_pl
 
     import torch
 
-    from eagle3.process_group import Dist
-    from eagle3.train.trainer import run, warn_world_size
+    from eagle3.stages.train import run
+    from eagle3.train.inputs import warn_world_size
 
     path = make_tiny_run(
         tmp_path, train={"epochs": 1, "nproc_per_node": 8, "batch_size": 2, "grad_accum": 2}
@@ -352,13 +358,13 @@ def test_04_warns_when_it_runs_in_another_number_of_processes_than_the_config_pl
         "train.nproc_per_node: 1 if this is intended"
     )
     assert want in rep
-    two = Dist(rank=1, world=2, local_rank=1, device=torch.device("cpu"))
+    two = DistInfo(rank=1, world=2, local_rank=1, device=torch.device("cpu"))
     assert warn_world_size(load_config(path, ["train.nproc_per_node=2"]), two) is None  # as planned
     unset = make_tiny_run(tmp_path / "unset", train={"epochs": 1})
     assert warn_world_size(load_config(unset), two) is None  # the default 1 is no plan
     tok = load_config(path, ["train.batch_tokens=64"])
     assert "1/8 of the planned tokens per optimizer step" in warn_world_size(
-        tok, Dist(0, 1, 0, torch.device("cpu"))
+        tok, DistInfo(0, 1, 0, torch.device("cpu"))
     )
 
 
@@ -366,7 +372,7 @@ def test_stopped_sim_accept_run_report_says_export_only_exports_the_best(tmp_pat
     """A `train.select_best: sim_accept` run stopped after its best validation: train_report.md said `--export-only
     exports the newest checkpoint` / `exports this checkpoint` (step 3) beside the tau_sim heading's `--export-only
     exports step 2, the best`, and --export-only exports best_drafter.pt (fresh-user trial 2026-12-05h)."""
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     cfg = load_config(
         make_tiny_run(
@@ -398,7 +404,7 @@ def test_a_train_output_dir_that_is_a_file_is_named_not_hidden_by_the_cleanup(tm
     """`train.output_dir` pointing at a file: the refusal (`train.output_dir: cannot create the output folder ...`) was
     replaced by the refusal cleanup's own `NotADirectoryError` on `<file>/target_head.safetensors`, which 04 printed
     as `README.md/target_head.safetensors: Not a directory` (fresh-user trial 2026-12-05h)."""
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     cfg = load_config(make_tiny_run(tmp_path, train={"epochs": 1, "batch_size": 2}))
     notes = tmp_path / "notes.txt"

@@ -18,6 +18,7 @@ from eagle3.errors import UserError
 from eagle3.export.reader import load_exported
 from eagle3.io.read import safe_torch_load
 from eagle3.stages.export import export_for_run, export_from_checkpoint
+from eagle3.stages.train import run
 from eagle3.train import checkpoint as ckpt
 from eagle3.train.sim_accept import (
     BEST_FILE,
@@ -28,7 +29,6 @@ from eagle3.train.sim_accept import (
     position_acceptance,
     simulated_tau,
 )
-from eagle3.train.trainer import run
 
 
 def test_simulated_tau_hand_values():
@@ -149,7 +149,7 @@ def test_a_resume_after_a_hard_kill_keeps_the_best_validation_of_the_killed_run(
     at step 2, and a rerun that is not bit-deterministic may validate step 3 worse. Before, the resume dropped the
     step-3 best (and best_drafter.pt), so the export held a later, worse validation's weights than the killed run had
     reported; now the step-3 score, step and weights are kept until a validation beats them."""
-    from eagle3.train.trainer import _Training
+    from eagle3.train.loop import TrainLoop
 
     cfg = load_config(
         make_tiny_run(
@@ -175,7 +175,7 @@ def test_a_resume_after_a_hard_kill_keeps_the_best_validation_of_the_killed_run(
     (
         ckpt.ckpt_dir(cfg.train_dir) / "step_00000003.pt"
     ).unlink()  # the kill: no checkpoint after the validation
-    real = _Training.validate
+    real = TrainLoop.validate
 
     def rerun_validates_step_3_worse(
         self,
@@ -183,11 +183,11 @@ def test_a_resume_after_a_hard_kill_keeps_the_best_validation_of_the_killed_run(
         val = real(self)
         return (
             {k: (v * 0.5 if k.startswith("acc_") else v) for k, v in val.items()}
-            if self.step == 3
+            if self.pos.step == 3
             else val
         )
 
-    monkeypatch.setattr(_Training, "validate", rerun_validates_step_3_worse)
+    monkeypatch.setattr(TrainLoop, "validate", rerun_validates_step_3_worse)
     r = run(cfg, resume=True, device="cpu", export=export_for_run)
     sa = r["sim_accept"]
     assert (

@@ -51,6 +51,36 @@ def test_scheduler_lr_per_optimizer_step():
         build_scheduler(opt, total_steps=0, warmup_ratio=0.0)
 
 
+@pytest.mark.parametrize("total", [1, 7, 40, 640, 7986])
+@pytest.mark.parametrize(
+    "ratio", [0.0, 0.02, 0.05, 0.1]
+)  # the configs' train.warmup_ratio values (and 0)
+def test_schedule_is_transformers_cosine_with_warmup_bit_for_bit(total, ratio):
+    """The lr of every optimizer step (0..T-1, and the factor 0 after the last) equals transformers'
+    get_cosine_schedule_with_warmup exactly (==, not approx). The schedule stays its own object: LambdaLR.state_dict
+    saves a callable object's attributes, so a checkpoint records the horizon (warmup, total steps) that --resume
+    compares and re-stretches; transformers' lambda is a functools.partial (nothing saved), and past T its factor
+    rises again where this one stays 0."""
+    from transformers import get_cosine_schedule_with_warmup
+
+    lrs = []
+    for make in (
+        lambda o: build_scheduler(o, total, ratio),
+        lambda o: get_cosine_schedule_with_warmup(o, warmup_steps_for(total, ratio), total),
+    ):
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=3e-4)
+        sched, seen = make(opt), []
+        for _ in range(total + 1):
+            seen.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        lrs.append(seen)
+    assert lrs[0] == lrs[1]
+    assert build_scheduler(opt, total, ratio).state_dict()["lr_lambdas"] == [
+        {"warmup_steps": warmup_steps_for(total, ratio), "total_steps": total}
+    ]
+
+
 # ---- dataset -------------------------------------------------------------------------------------
 def test_collate_pads_right_with_zero_and_mask_zero():
     a = {
@@ -184,7 +214,7 @@ def _train_rows(train_dir: Path) -> list[dict]:
 
 
 def test_resume_equals_uninterrupted(tmp_path):
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     a = load_config(
         make_tiny_run(tmp_path / "a", train={"epochs": 2, "batch_size": 2, "ckpt_every": 2})
@@ -234,7 +264,7 @@ def test_a_torn_last_metrics_line_is_cut_on_resume(tmp_path, caplog):
     """A kill while 04 appended a row to metrics.jsonl leaves a torn last line; the resume appended its first row to
     it, so neither parsed and that step's row was lost for good (trial 2026-12-05g). The resume now cuts the file back
     to its last complete line first (one warning): every line parses and every step's row is there once."""
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     cfg = load_config(
         make_tiny_run(tmp_path / "r", train={"epochs": 1, "batch_size": 2, "ckpt_every": 2})
@@ -245,7 +275,7 @@ def test_a_torn_last_metrics_line_is_cut_on_resume(tmp_path, caplog):
     torn = b'{"kind": "train", "step": 3, "loss": 1.2'  # the step-3 row a kill cut (step 3 was not checkpointed)
     with open(metrics, "ab") as f:
         f.write(torn)
-    with caplog.at_level(logging.WARNING, logger="eagle3.train.trainer"):
+    with caplog.at_level(logging.WARNING, logger="eagle3.train"):
         run(cfg, resume=True, device="cpu")
     lines = metrics.read_bytes().splitlines()
     assert metrics.read_bytes().startswith(
@@ -274,7 +304,7 @@ def test_stop_at_ends_a_finished_run_on_the_longer_schedule_and_resume_equals_un
     """04 --stop-at: steps 1..5 of an 8-step schedule with the same lr and loss as the whole run; the run ends as a
     finished one (final validation once at step 5, best export, report naming the stop), and --resume from its
     step-5 checkpoint ends with the uninterrupted run's weights."""
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     tr = {
         "epochs": 2,
@@ -314,7 +344,7 @@ def test_stop_at_ends_a_finished_run_on_the_longer_schedule_and_resume_equals_un
     )
     caplog.clear()
     with (
-        caplog.at_level(logging.INFO, logger="eagle3.train.trainer"),
+        caplog.at_level(logging.INFO, logger="eagle3.train"),
         pytest.raises(
             UserError, match=r"--stop-at 4: the checkpoint resumed from is at step 5, past it"
         ),
@@ -334,7 +364,7 @@ def test_stop_at_ends_a_finished_run_on_the_longer_schedule_and_resume_equals_un
 def test_stop_at_after_a_stop_on_its_step_resumes_to_the_end_only(tmp_path):
     """A run stopped (signal; here stop_after) on its --stop-at step, then resumed with the same command, trains
     nothing and ends there as a finished run (final validation once, export, report); it was refused."""
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     tr = {
         "epochs": 2,
@@ -359,7 +389,7 @@ def test_stop_at_after_a_stop_on_its_step_resumes_to_the_end_only(tmp_path):
 
 
 def test_training_reduces_loss_and_trains_only_drafter_params(tmp_path):
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     cfg = load_config(
         make_tiny_run(
@@ -393,7 +423,8 @@ def test_training_reduces_loss_and_trains_only_drafter_params(tmp_path):
 def test_lm_head_initialised_from_verifier_draft_rows(tmp_path):
     from eagle3.data.vocab import load_vocab_map
     from eagle3.shards.format import read_data_config
-    from eagle3.train.trainer import build_drafter_args, init_drafter
+    from eagle3.train.inputs import build_drafter_args
+    from eagle3.train.warm_start import init_drafter
 
     cfg = load_config(make_tiny_run(tmp_path))
     dc = read_data_config(cfg.shards_dir)
@@ -408,7 +439,7 @@ def test_lm_head_initialised_from_verifier_draft_rows(tmp_path):
 
 
 def test_existing_checkpoints_without_resume_is_user_error(tmp_path):
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     cfg = load_config(make_tiny_run(tmp_path, train={"epochs": 1}))
     r = run(cfg, stop_after=1, max_steps=3, device="cpu")
@@ -439,8 +470,8 @@ def test_without_resume_the_advice_says_whether_a_resume_would_be_taken(tmp_path
     refused run. The resume's checks now run first: the refusal names why and what 04 offers instead (a new
     train.output_dir, or deleting the checkpoints: 04 has no --overwrite); with the checkpoint's settings it still
     says `pass --resume` (from the newest step that loads when the newest file does not)."""
+    from eagle3.stages.train import run
     from eagle3.train import checkpoint as ckpt
-    from eagle3.train.trainer import run
 
     cfg = load_config(
         make_tiny_run(tmp_path, train={"epochs": 1, "ckpt_every": 1, "keep_checkpoints": 5})
@@ -497,7 +528,7 @@ def test_without_resume_the_advice_takes_a_split_that_keeps_the_global_batch(tmp
     train.grad_accum=2: --resume takes it (the global batch is kept), but 04 without --resume said `--resume would
     refuse them: ... batching`: the advice judged the checkpoint without this run's process count. It now passes it,
     as the resume does: `pass --resume to continue`."""
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     cfg = load_config(
         make_tiny_run(
@@ -580,7 +611,7 @@ def _save_tiny_verifier(folder: Path, tied: bool):
 def test_drafter_args_nulls_come_from_verifier_config(tmp_path):
     from eagle3.data.vocab import load_vocab_map
     from eagle3.shards.format import read_data_config
-    from eagle3.train.trainer import build_drafter_args
+    from eagle3.train.inputs import build_drafter_args
 
     _save_tiny_verifier(tmp_path / "verifier", tied=True)
     path = make_tiny_run(tmp_path / "run", hidden=16, vocab=40, draft_vocab=20)
@@ -622,7 +653,7 @@ def test_drafter_args_nulls_come_from_verifier_config(tmp_path):
 def test_target_head_extracted_once_from_safetensors_verifier(tmp_path):
     from eagle3.process_group import Dist
     from eagle3.shards.format import read_data_config
-    from eagle3.train.trainer import prepare_target_head
+    from eagle3.train.inputs import prepare_target_head
 
     m = _save_tiny_verifier(tmp_path / "verifier", tied=False)
     path = make_tiny_run(tmp_path / "run", hidden=16, vocab=40, draft_vocab=20, pre_norm=True)
@@ -705,7 +736,7 @@ def test_sigterm_during_export_only_is_one_line_and_leaves_no_temporary_folder(t
 
     from _signals import sigterm_when
 
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     run_yaml = make_tiny_run(tmp_path, train={"epochs": 1})
     cfg = load_config(run_yaml)
@@ -748,7 +779,7 @@ def test_refused_run_leaves_the_train_folder_as_it_was(tmp_path):
     """A refusal after the verifier head was extracted (a missing shard, a truncated train.init_from export) used to
     leave train/target_head.safetensors (57 MB for SmolLM2) behind. Now: a fresh train folder is not left at all, and
     an earlier run's folder keeps exactly its files. drafter.hidden_size is refused before the extraction."""
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     _save_tiny_verifier(tmp_path / "verifier", tied=False)
     path = make_tiny_run(tmp_path / "run", hidden=16, vocab=40, draft_vocab=20, train={"epochs": 1})
@@ -830,7 +861,7 @@ def test_refused_run_leaves_the_train_folder_as_it_was(tmp_path):
 
 def test_extract_settings_other_than_the_shards_refused_before_anything_is_written(tmp_path):
     """04 refuses a config whose extract.aux_layers / max_length differ from data_config.json's (one line)."""
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     path = make_tiny_run(tmp_path, train={"epochs": 1})
     cfg = load_config(path)
@@ -872,7 +903,7 @@ def test_another_verifier_than_the_shards_is_named_first(tmp_path):
     """A config whose verifier is not the shards' (data_config.json) is refused with that, as 03 does, before the
     drafter.hidden_size check it would otherwise trip over (hidden_size never set by the user); --export-only too."""
     from eagle3.stages.export import export_from_checkpoint
-    from eagle3.train.trainer import run
+    from eagle3.stages.train import run
 
     path = make_tiny_run(tmp_path, train={"epochs": 1})
     cfg = load_config(
@@ -896,7 +927,7 @@ def test_loss_png_draws_a_single_train_row(monkeypatch):
     point, invisible, so the plot showed a `train` legend entry and no train loss (8 steps, log_every 10)."""
     import matplotlib.pyplot as plt
 
-    from eagle3.train.trainer import _loss_png
+    from eagle3.train.report import _loss_png
 
     axes = []
     real = plt.subplots

@@ -18,9 +18,14 @@ from eagle3.config import load_config  # noqa: E402
 from eagle3.data.vocab import load_vocab_map  # noqa: E402
 from eagle3.errors import UserError  # noqa: E402
 from eagle3.shards.format import read_data_config  # noqa: E402
-from eagle3.stages.export import export_for_run, load_init_drafter  # noqa: E402
+from eagle3.stages.export import (
+    export_for_run,  # noqa: E402
+    load_init_drafter,  # noqa: E402
+)
+from eagle3.stages.train import run  # noqa: E402
 from eagle3.train import checkpoint as ckpt  # noqa: E402
-from eagle3.train.trainer import build_drafter_args, init_drafter, run, warm_start  # noqa: E402
+from eagle3.train.inputs import build_drafter_args  # noqa: E402
+from eagle3.train.warm_start import init_drafter, warm_start  # noqa: E402
 from eagle3.verifier.head import TargetHead  # noqa: E402
 
 F32 = ["export.dtype=float32"]  # an exact round trip (the default export dtype is the verifier's)

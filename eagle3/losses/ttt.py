@@ -22,10 +22,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
-LOSSES = ("soft_ce", "hard_ce", "tv", "lk_hybrid")
-"""Per-token losses of ``train.loss`` (:func:`token_loss`); ``soft_ce`` is the EAGLE-3 paper's."""
-LK_ETA = 3.0
-"""Default ``eta`` of ``lk_hybrid`` (arXiv 2602.23881's best hybrid setting; speculators ``lk_hybrid_loss``)."""
+from eagle3.losses.token import LK_ETA, token_loss
 
 
 class TTTTargets(NamedTuple):
@@ -154,56 +151,6 @@ def step_denominators(counts: list[torch.Tensor], world_size: int = 1, group=Non
     return (total.clamp(min=1) / world_size).float()  # [K]
 
 
-def token_loss(
-    logits: torch.Tensor,
-    tgt_logp: torch.Tensor,
-    tgt_draft: Optional[torch.Tensor] = None,
-    loss: str = "soft_ce",
-    lk_eta: float = LK_ETA,
-) -> torch.Tensor:
-    """The per-token training loss of ``train.loss`` (reference form, plain autograd), float32 ``[...]``.
-
-    ``p = exp(tgt_logp)`` is the verifier distribution over the draft vocab (renormalised, DESIGN.md
-    "TTT indexing"), ``q = softmax(logits)`` the drafter's, ``alpha = sum_v min(p_v, q_v)`` their overlap
-    (the acceptance probability of speculative sampling, Leviathan et al. 2023):
-
-    - ``soft_ce``: ``-sum_v p_v log q_v`` (EAGLE-3, SpecForge, the default);
-    - ``hard_ce``: ``-log q_y`` with ``y`` = the verifier's argmax (``tgt_draft``, as a draft id; speculators ``ce``);
-    - ``tv``: ``1 - alpha`` (total variation; speculators ``tv``);
-    - ``lk_hybrid``: ``lam * KL(p||q) + (1 - lam) * (1 - alpha)`` with ``lam = exp(-lk_eta * sg(alpha))``
-      per token (arXiv 2602.23881 "LK losses", hybrid objective; the per-token form of speculators
-      ``lk_hybrid_loss``. SpecForge's ``lk_loss_type: lambda`` takes ``lam`` from the batch-mean alpha,
-      which is not a sum over tokens and so would break the step normalisation of DESIGN.md).
-
-    Args:
-        logits: ``[..., draft_V]`` draft logits (any float dtype; math in float32).
-        tgt_logp: ``[..., draft_V]`` float32 verifier log-probs over the draft vocab.
-        tgt_draft: int64 ``[...]`` draft id of the verifier's argmax (``hard_ce`` only).
-        loss: one of :data:`LOSSES`.
-        lk_eta: ``eta`` of ``lk_hybrid``.
-
-    Raises:
-        ValueError: unknown ``loss``, or ``hard_ce`` without ``tgt_draft``.
-    """
-    x = logits.float()
-    logq = torch.log_softmax(x, dim=-1)  # [..., V]
-    p = tgt_logp.exp()  # [..., V]
-    if loss == "soft_ce":
-        return -(p * logq).sum(-1)
-    if loss == "hard_ce":
-        if tgt_draft is None:
-            raise ValueError("hard_ce needs the draft id of the verifier's argmax (tgt_draft)")
-        return -logq.gather(-1, tgt_draft[..., None]).squeeze(-1)
-    if loss not in ("tv", "lk_hybrid"):
-        raise ValueError(f"unknown loss {loss!r} (expected one of {', '.join(LOSSES)})")
-    alpha = torch.minimum(p, logq.exp()).sum(-1)  # [...]
-    if loss == "tv":
-        return 1.0 - alpha
-    kl = (p * (tgt_logp - logq)).sum(-1)  # [...]
-    lam = torch.exp(-lk_eta * alpha.detach())
-    return lam * kl + (1.0 - lam) * (1.0 - alpha)
-
-
 def draft_index(target_ids: torch.Tensor, d2t: torch.Tensor) -> torch.Tensor:
     """Draft ids of verifier ids ``target_ids`` (any shape, int64): the position in the sorted draft vocab
     ``arange(draft_V) + d2t``; ids outside the draft vocab get an arbitrary valid index (never counted)."""
@@ -221,7 +168,7 @@ def _step_terms(
     loss: str = "soft_ce",
     lk_eta: float = LK_ETA,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-position loss (:func:`token_loss`) ``[B, n]`` float32 and drafter argmax ``[B, n]`` (draft ids)."""
+    """Per-position loss (:func:`eagle3.losses.token.token_loss`) ``[B, n]`` float32 and drafter argmax ``[B, n]`` (draft ids)."""
     logits = drafter.compute_logits(h).float()  # [B, n, draft_V]
     return token_loss(logits, tgt_logp, tgt_draft, loss, lk_eta), logits.argmax(-1)
 
@@ -251,6 +198,43 @@ def step_metrics(
     }
 
 
+class StepSums:
+    """The TTT loss of one batch, summed step by step (:func:`ttt_loss`, :func:`eagle3.losses.rows.ttt_loss_rows`):
+    ``total = sum_i step_weight**i * S_i / D_i`` with ``D_i`` = ``denom[i]`` when given (the optimizer step's,
+    :func:`step_denominators`), else ``max(1, count_i)`` (the batch's own mean); :meth:`result` adds the per-step
+    metrics (:func:`step_metrics`)."""
+
+    def __init__(self, dev: torch.device, step_weight: float, denom: Optional[torch.Tensor]):
+        self.total = torch.zeros((), dtype=torch.float32, device=dev)
+        self.step_weight, self.denom = step_weight, denom
+        self.losses, self.sums, self.corrects, self.counts = [], [], [], []
+
+    def add(self, i: int, ce: torch.Tensor, valid: torch.Tensor, hit: torch.Tensor) -> None:
+        """Step ``i``: per-position loss ``ce``, counted positions ``valid`` (bool), top-1 ``hit`` (bool), same shape."""
+        cnt = valid.sum()
+        ce_sum = (ce * valid).sum()  # S_i
+        step_loss = ce_sum / cnt.clamp(min=1)
+        d = self.denom
+        self.total = self.total + (self.step_weight**i) * (
+            step_loss if d is None else ce_sum / d[i]
+        )
+        self.losses.append(step_loss.detach())
+        self.sums.append(ce_sum.detach())
+        self.corrects.append((hit & valid).sum())
+        self.counts.append(cnt)
+
+    def add_empty(self) -> None:
+        """A step with no position (the sequence is too short for it)."""
+        zero = torch.zeros((), device=self.total.device)
+        self.losses.append(zero)
+        self.sums.append(zero)
+        self.corrects.append(zero.long())
+        self.counts.append(zero.long())
+
+    def result(self) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return self.total, step_metrics(self.losses, self.sums, self.corrects, self.counts)
+
+
 def ttt_loss(
     drafter,
     step_hiddens: list[torch.Tensor],
@@ -263,20 +247,12 @@ def ttt_loss(
     loss: str = "soft_ce",
     lk_eta: float = LK_ETA,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """EAGLE-3 TTT loss: weighted sum over steps of the mean per-token loss (soft-label cross-entropy
-    by default, ``loss`` = any of :data:`LOSSES`, :func:`token_loss`).
-
-    For step ``i`` (hidden ``step_hiddens[i]`` ``[B, L, H]``) position ``t`` is valid iff
-    ``t + 2 + i <= L - 1`` and ``loss_mask[:, t+2+i] == 1`` and ``targets.in_draft[:, t+1+i]``.
-    ``S_i = sum_valid CE(p_{t+1+i}, q_{i,t})`` and ``loss = sum_i step_weight**i * S_i / denom_i``,
-    where ``denom_i = max(1, #valid)`` of this batch by default (the mean over the valid positions of
-    the whole batch, not per sample), or the given ``denom`` (:func:`step_denominators`: the count of
-    the whole optimizer step, so that micro-batch losses add up to the step's mean). Logits are built
-    one step at a time (``[B, L, draft_V]`` at most once alive with ``checkpoint=True``, which
-    recomputes them in backward instead of storing them).
-
-    Accuracy of step ``i``: the drafter argmax mapped through ``d2t`` equals the verifier's
-    full-vocab argmax at ``t+1+i``, over the valid positions.
+    """EAGLE-3 TTT loss (the reference over every position): weighted sum over steps of the mean per-token loss
+    (``loss``, :data:`eagle3.losses.token.LOSSES`). For step ``i`` position ``t`` is valid iff ``t + 2 + i <= L - 1``,
+    ``loss_mask[:, t+2+i] == 1`` and ``targets.in_draft[:, t+1+i]``; ``S_i = sum_valid CE(p_{t+1+i}, q_{i,t})`` and
+    ``loss = sum_i step_weight**i * S_i / denom_i`` (:class:`StepSums`: this batch's mean over its valid positions,
+    or the given ``denom`` of the whole optimizer step). Accuracy of step ``i``: the drafter argmax mapped through
+    ``d2t`` equals the verifier's full-vocab argmax at ``t+1+i``, over the valid positions.
 
     Args:
         drafter: :class:`eagle3.drafter.model.Eagle3Drafter` (uses ``compute_logits`` and ``d2t``).
@@ -285,44 +261,31 @@ def ttt_loss(
         loss_mask: ``[B, L]`` int/bool, 1 on assistant tokens.
         step_weight: weight base (``train.step_weight``).
         checkpoint: activation-checkpoint the logits/CE of each step.
-        compact: build logits only at the valid positions (gathered rows) instead of all ``[B, n]``;
-            the same sums, so the same loss and gradients. Saves the ``lm_head`` matmul on prompt
-            tokens, but the gather needs a host sync, so ``None`` (auto) = on for CPU tensors only.
+        compact: logits only at the valid positions (same sums; the gather syncs the host, so ``None`` = on for
+            CPU tensors only).
         denom: float ``[K]`` per-step denominators (:func:`step_denominators`), or None.
-        loss / lk_eta: the per-token loss (:func:`token_loss`); ``ce_sum`` then sums that loss.
+        loss / lk_eta: the per-token loss (:func:`eagle3.losses.token.token_loss`); ``ce_sum`` sums it.
 
     Returns:
-        ``(loss, metrics)``: scalar float32 loss (differentiable) and detached tensors, no host sync:
-        ``loss`` ``[K]`` per-step mean CE over this batch's valid positions, ``ce_sum`` ``[K]`` float32
-        (``S_i``), ``acc`` ``[K]``, ``correct`` ``[K]`` int64, ``count`` ``[K]`` int64 (valid
-        positions), with ``K = len(step_hiddens)``.
+        ``(loss, metrics)``: scalar float32 loss (differentiable) and detached ``[K]`` tensors, no host sync:
+        ``loss`` (this batch's mean per step), ``ce_sum`` (``S_i``), ``acc``, ``correct`` and ``count`` (int64).
     """
     B, L = loss_mask.shape
     dev = step_hiddens[0].device
     mask_all = loss_mask.to(dev).bool()  # [B, L]
-    total = torch.zeros((), dtype=torch.float32, device=dev)
-    losses, sums, corrects, counts = [], [], [], []
+    acc = StepSums(dev, step_weight, denom)
     for i, h in enumerate(step_hiddens):
         n = L - 2 - i  # positions t = 0..L-3-i satisfy t+2+i <= L-1
         if n <= 0:
-            zero = torch.zeros((), device=dev)
-            losses.append(zero)
-            sums.append(zero)
-            corrects.append(zero.long())
-            counts.append(zero.long())
+            acc.add_empty()
             continue
         valid = _valid_positions(mask_all, targets.in_draft, i)  # [B, n]
         tgt = targets.logp_draft[:, 1 + i : 1 + i + n]  # [B, n, draft_V]
         use_compact = (h.device.type == "cpu") if compact is None else compact
         hs, tgt_am = h[:, :n], targets.argmax[:, 1 + i : 1 + i + n]  # [B, n, H], [B, n]
         if use_compact:
-            rows = valid.nonzero(as_tuple=True)  # host sync: number of valid positions
-            hs, tgt, tgt_am, valid = (
-                hs[rows],
-                tgt[rows],
-                tgt_am[rows],
-                valid[rows],
-            )  # [Nv, H], [Nv, dV], [Nv], [Nv]
+            rows = valid.nonzero(as_tuple=True)  # host sync; -> [Nv, H], [Nv, dV], [Nv], [Nv]
+            hs, tgt, tgt_am, valid = (x[rows] for x in (hs, tgt, tgt_am, valid))
         tgt_draft = draft_index(tgt_am, drafter.d2t) if loss == "hard_ce" else None
         if checkpoint and torch.is_grad_enabled():
             ce, pred = _checkpoint(
@@ -330,13 +293,5 @@ def ttt_loss(
             )
         else:
             ce, pred = _step_terms(drafter, hs, tgt, tgt_draft, loss, lk_eta)
-        cnt = valid.sum()
-        ce_sum = (ce * valid).sum()  # S_i
-        step_loss = ce_sum / cnt.clamp(min=1)
-        total = total + (step_weight**i) * (step_loss if denom is None else ce_sum / denom[i])
-        correct = ((drafter.draft_to_target(pred) == tgt_am) & valid).sum()
-        losses.append(step_loss.detach())
-        sums.append(ce_sum.detach())
-        corrects.append(correct)
-        counts.append(cnt)
-    return total, step_metrics(losses, sums, corrects, counts)
+        acc.add(i, ce, valid, drafter.draft_to_target(pred) == tgt_am)
+    return acc.result()

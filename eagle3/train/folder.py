@@ -1,0 +1,137 @@
+"""04's train folder: the lock one 04 holds on it (training or ``--export-only``), the refusal of existing
+checkpoints without ``--resume``, and the undoing of what a refused start created (a refused run leaves nothing
+behind)."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Callable, Optional
+
+from eagle3.errors import UserError
+from eagle3.io import exclusive_lock, make_dirs
+from eagle3.train import checkpoint as ckpt
+from eagle3.train.ranks import DistInfo, any_rank
+from eagle3.verifier.head import FILENAME as TARGET_HEAD_FILE
+
+TRAIN_LOCK = (
+    ".train.lock"  # in train_dir while a 04 trains or exports there (one 04 per train folder)
+)
+#: 04's disk-full advice (:func:`eagle3.io.rerun_hint`): the same command without --resume refuses the checkpoints.
+REDO_HINT = "re-run the same command with --resume (04 continues from the newest checkpoint)"
+
+
+def train_lock_holder(train_dir: Path) -> str:
+    """What a second 04 is told when ``{train_dir}/.train.lock`` is held (training and ``--export-only`` both hold
+    it): the text after ``<lock>: `` in its one-line error."""
+    return f"another 04_train run is training or exporting in {train_dir}; wait for it to end (or stop it) before this one"
+
+
+@contextlib.contextmanager
+def train_lock(train_dir: Path, d: DistInfo, field: str = "train.output_dir"):
+    """Hold ``{train_dir}/.train.lock`` (:func:`eagle3.io.exclusive_lock`, rank 0) for the whole of 04: a second 04 on
+    the same train folder stops at once with one line on every rank (else it would delete the first's in-flight
+    checkpoint temp files and append a second copy of every metrics row). The folders this call created are removed
+    again when the block fails and leaves them empty (a refused run leaves nothing behind)."""
+    created = [p for p in (train_dir, *train_dir.parents) if not p.exists()]  # deepest first
+    holder = train_lock_holder(train_dir)
+    with contextlib.ExitStack() as stack:
+        failed = None
+        if d.is_main:
+            try:
+                make_dirs(train_dir, field)
+                stack.enter_context(exclusive_lock(train_dir / TRAIN_LOCK, holder))
+            except UserError as e:
+                failed = e
+        if any_rank(failed is not None, d):
+            raise failed or UserError(f"{train_dir / TRAIN_LOCK}: {holder}")
+        try:
+            yield
+        except BaseException:
+            stack.close()  # the lock file goes first, then the folders this call made, if empty
+            with contextlib.suppress(OSError):
+                for folder in created if d.is_main else ():
+                    folder.rmdir()
+            raise
+
+
+@contextlib.contextmanager
+def undo_on_refusal(train_dir: Path, enabled: bool):
+    """Around 04's setup steps (inputs, data, optimisation, resume; nothing of the loop): on a UserError (or a signal:
+    ``KeyboardInterrupt``, :func:`stop_before_training`), remove what
+    this call created before the refusal, i.e. ``{train_dir}/target_head.safetensors`` when it was not there before
+    and ``train_dir`` itself when this call made it and it is empty again. Files an earlier run made are kept.
+    ``enabled``: rank 0 (the rank that writes).
+
+    Raises:
+        the UserError / KeyboardInterrupt, unchanged.
+    """
+    head = Path(train_dir) / TARGET_HEAD_FILE
+    had_dir, had_head = Path(train_dir).exists(), head.exists()
+    try:
+        yield
+    # a refusal, or a signal before the first step (stop_before_training)
+    except (UserError, KeyboardInterrupt):
+        if enabled:
+            if not had_head:
+                # train_dir a file (the refusal says so): nothing to remove
+                with contextlib.suppress(OSError):
+                    head.unlink(missing_ok=True)
+            if not had_dir:
+                with contextlib.suppress(OSError):  # not empty: something else is in it, keep it
+                    Path(train_dir).rmdir()
+        raise
+
+
+def check_train_dir(
+    train_dir: Path,
+    data_dir: Path,
+    d: DistInfo,
+    resume: bool,
+    current: Optional[Callable[[], dict]] = None,
+) -> None:
+    """Folder step (after the inputs are read, before anything is written): refuse existing checkpoints without
+    ``resume`` (:func:`without_resume_refusal`: the advice depends on whether ``--resume`` would take them, judged
+    against ``current()``, :func:`eagle3.train.inputs.resume_current`, called only then); drop stale temp files of an interrupted run.
+
+    Raises:
+        UserError: checkpoints in the folder and no ``resume``.
+    """
+    if ckpt.list_checkpoints(train_dir) and not resume:
+        raise UserError(
+            without_resume_refusal(train_dir, data_dir, current() if current is not None else None)
+        )
+    if d.is_main and train_dir.is_dir():
+        ckpt.remove_stale_tmp(train_dir)
+
+
+def without_resume_refusal(train_dir: Path, data_dir: Path, current: Optional[dict]) -> str:
+    """The one line refusing a 04 without ``--resume`` in a train folder that holds checkpoints. It advised
+    ``pass --resume`` also when that resume would be refused (other drafter shape, batching, loss, split, vocab map,
+    aux layers or verifier weights than the checkpoint's; files none of which loads), so the advice cost one more
+    refused run. The resume's checks (:func:`eagle3.train.checkpoint.find_latest_checkpoint` and
+    :func:`eagle3.train.checkpoint.check_resume` against ``current``, :func:`eagle3.train.inputs.resume_current`; None: not judged) now
+    run first: when they pass, ``pass --resume to continue`` (naming the step a resume takes when the newest file does
+    not load); when they fail, why, and what 04 offers instead (a new ``train.output_dir``, or deleting the checkpoints
+    folder: 04 has no ``--overwrite``). The step horizon (a checkpoint past the run's end) is checked by the resume
+    itself, later.
+    """
+    where = ckpt.ckpt_dir(train_dir)
+    existing = ckpt.list_checkpoints(train_dir)
+    head = f"{where}: holds checkpoints (newest step {existing[-1][0]})"
+    if current is None:
+        return f"{head}; pass --resume to continue, or set train.output_dir to a new folder"
+    try:
+        path, state = ckpt.find_latest_checkpoint(train_dir, warn=False)
+        ckpt.check_resume(path, state, current, data_dir)
+    except UserError as e:
+        return (
+            f"{head}, and --resume would refuse them: {e}; so train into a new folder (--set "
+            f"train.output_dir=...), or delete {where} to start this one over (04 has no --overwrite)"
+        )
+    older = (
+        ""
+        if int(state["step"]) == existing[-1][0]
+        else f" from step {state['step']}, the newest that loads"
+    )
+    return f"{head}; pass --resume to continue{older}, or set train.output_dir to a new folder"

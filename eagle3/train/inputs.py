@@ -1,0 +1,587 @@
+"""Stage 04's setup (:class:`Setup`: the config sections and folders it reads): inputs (data metadata, vocab map, split, drafter shape, verifier head,
+drafter init and warm start, hidden-state source), the data (datasets, order, step horizon) and the optimisation
+(TTT objective, DDP / compile, AdamW, warmup + cosine schedule), each checked before the first write."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from eagle3.data.batching import sample_lengths
+from eagle3.data.dataset import ShardDataset
+from eagle3.drafter.model import DrafterArgs
+from eagle3.engines.context import check_context_length
+from eagle3.errors import UserError
+from eagle3.io import make_dirs
+from eagle3.shards.format import check_verifier_dims, expect_from_data_config
+from eagle3.train import checkpoint as ckpt
+from eagle3.train.folder import check_train_dir
+from eagle3.train.loop import TTTObjective
+from eagle3.train.online import state_source, unused_shard_states_note
+from eagle3.train.order import TrainData, data_inputs, data_order
+from eagle3.train.ranks import DistInfo, barrier
+from eagle3.train.schedule import build_scheduler
+from eagle3.train.warm_start import init_drafter, warm_start, warm_start_planned
+from eagle3.verifier.arch import text_config
+from eagle3.verifier.head import FILENAME as TARGET_HEAD_FILE
+from eagle3.verifier.head import TargetHead, load_target_head_from_safetensors
+from eagle3.verifier.load import (
+    load_verifier,
+    load_verifier_config,
+    verifier_context_length,
+    verifier_dims,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What 04's setup reads of the run: the config's ``train``, ``drafter``, ``verifier`` and ``extract`` sections,
+    the run's folders, and the config key that names ``train_dir`` (for its errors)."""
+
+    train: Any
+    drafter: Any
+    verifier: Any
+    extract: Any
+    train_dir: Path
+    data_dir: Path
+    shards_dir: Path
+    train_field: str = "train.output_dir"
+
+
+def build_drafter_args(s: Setup, data_config: dict, vocab: dict, warn_context: bool = True):
+    """``DrafterArgs`` from the ``drafter`` section of ``s`` (a :class:`Setup`, or the run config: the same
+    attributes); ``null`` fields are copied from the verifier config.
+
+    The verifier config is read (``eagle3.verifier.load.load_verifier_config``, no weights) only when
+    some field is null; then :meth:`eagle3.drafter.model.DrafterArgs.from_hf_config` fills it from the
+    text model config (nested ``text_config`` unwrapped), with ``head_dim`` = hidden / heads for
+    MLA verifiers (Kimi/DeepSeek: :func:`eagle3.verifier.load.verifier_dims`). Vocab sizes come from
+    ``vocab_map.pt``; ``target_hidden_size`` from ``data_config.json``. ``warn_context``: warn when the draft's
+    context is below the verifier's (:func:`warn_short_context`; 04's start); ``--export-only`` passes False, since
+    the export's own check then says it once, as the error (SGLang) or the warning (vLLM).
+
+    Raises:
+        UserError: unreadable verifier config, or an invalid shape (field named by ``DrafterArgs``).
+    """
+
+    def checked(args):
+        return warn_short_context(s, args) if warn_context else args
+
+    fields = (
+        "hidden_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "intermediate_size",
+        "rms_norm_eps",
+        "rope_theta",
+        "max_position_embeddings",
+    )
+    given = {f: getattr(s.drafter, f) for f in fields}
+    fixed = dict(
+        draft_vocab_size=int(vocab["draft_vocab_size"]),
+        target_vocab_size=int(vocab["target_vocab_size"]),
+        target_hidden_size=int(data_config["hidden_size"]),
+    )
+    if all(v is not None for v in given.values()):
+        return checked(
+            DrafterArgs(
+                **given, **fixed, variant=s.drafter.variant, num_layers=s.drafter.num_layers
+            )
+        )
+    hf = load_verifier_config(s.verifier)
+    dims = verifier_dims(hf)
+    check_verifier_dims(
+        s.verifier, dims, data_config, s.shards_dir
+    )  # before a drafter field's symptom
+    over = {**given, "head_dim": _head_dim(given, dims)}
+    return checked(
+        DrafterArgs.from_hf_config(
+            text_config(hf),
+            fixed["draft_vocab_size"],
+            **over,
+            **{k: v for k, v in fixed.items() if k != "draft_vocab_size"},
+            variant=s.drafter.variant,
+            num_layers=s.drafter.num_layers,
+        )
+    )
+
+
+def _head_dim(given: dict, dims: dict) -> int:
+    """``drafter.head_dim``, or when null: hidden / heads when either of those is set, else the verifier's (MLA
+    verifiers: :func:`eagle3.verifier.load.verifier_dims`)."""
+    if given["head_dim"] is not None:
+        return given["head_dim"]
+    if given["hidden_size"] is not None or given["num_attention_heads"] is not None:
+        h = given["hidden_size"] or dims["hidden_size"]
+        return h // (given["num_attention_heads"] or dims["num_attention_heads"])
+    return dims["head_dim"]
+
+
+def warn_short_context(s: Setup, args):
+    """Warn at the start of 04 when the drafter's context is below the verifier's: the export for
+    SGLang will be refused, vLLM caps the draft (:func:`eagle3.engines.context.check_context_length`).
+
+    Returns:
+        ``args`` unchanged.
+    """
+    try:
+        check_context_length(args, verifier_context_length(s.verifier), "sglang")
+    except UserError as e:
+        log.warning("%s. The SGLang export will be refused; vLLM caps the draft at that length.", e)
+    return args
+
+
+def warn_world_size(s: Setup, d: DistInfo) -> Optional[str]:
+    """Warn (rank 0) when the config plans ``train.nproc_per_node`` processes and 04 runs in another number (a plain
+    ``python 04_train.py`` would train with a fraction of the planned global batch). Only a value the config sets is
+    compared (the default 1 is not a plan), and a resume on fewer GPUs stays possible: a warning, not a refusal.
+
+    Returns:
+        The warning's text, or None.
+    """
+    want = s.train.nproc_per_node
+    if "nproc_per_node" not in s.train.model_fields_set or want == d.world:
+        return None
+    t = s.train
+    batch = (
+        f"{t.batch_size} x {t.grad_accum} x {d.world} = {t.batch_size * t.grad_accum * d.world} samples per "
+        f"optimizer step instead of {t.batch_size * t.grad_accum * want}"
+        if t.batch_tokens is None
+        else f"{d.world}/{want} of the planned tokens per optimizer step"
+    )
+    msg = (
+        f"train.nproc_per_node: the config plans {want} processes but 04 runs in {d.world} (WORLD_SIZE): "
+        f"{batch}; start it with `torchrun --nproc_per_node {want} 04_train.py ...`, or set "
+        f"train.nproc_per_node: {d.world} if this is intended"
+    )
+    if d.is_main:
+        log.warning("%s", msg)
+    return msg
+
+
+def prepare_target_head(s: Setup, data_config: dict, d: DistInfo) -> TargetHead:
+    """Load ``{train_dir}/target_head.safetensors``; rank 0 extracts it from the verifier first if missing.
+
+    Extraction reads only the three tensors from a safetensors checkpoint
+    (:func:`eagle3.verifier.head.load_target_head_from_safetensors`, Kimi-sized verifiers), or
+    loads the model through transformers for GGUF verifiers (:func:`eagle3.verifier.load.load_verifier`).
+
+    Raises:
+        UserError: the head does not match ``data_config.json`` (hidden size, vocab size, norm convention).
+    """
+    path = s.train_dir / TARGET_HEAD_FILE
+    if d.is_main and not path.is_file():
+        log.info("extracting the verifier's embedding / lm_head / final norm to %s", path)
+        vdir = s.verifier.resolved_path()
+        if s.verifier.gguf_file is None and any(vdir.glob("*.safetensors*")):
+            load_target_head_from_safetensors(vdir, data_config["last_hidden_state"]).save(
+                s.train_dir
+            )
+        else:
+            model, _tok = load_verifier(s.verifier, device="cpu")
+            TargetHead.from_model(model, data_config["last_hidden_state"]).save(s.train_dir)
+            del model
+    barrier(d)
+    head = TargetHead.load(path)
+    if head.hidden_size != int(data_config["hidden_size"]) or head.vocab_size != int(
+        data_config["vocab_size"]
+    ):
+        raise UserError(
+            f"{path}: head is [{head.vocab_size}, {head.hidden_size}] but data_config.json says vocab_size "
+            f"{data_config['vocab_size']}, hidden_size {data_config['hidden_size']} (delete it to re-extract)"
+        )
+    want_post = data_config["last_hidden_state"] == "post_norm"
+    if head.last_is_post_norm != want_post:
+        raise UserError(
+            f"{path}: metadata 'last_is_post_norm' is {head.last_is_post_norm} but data_config.json says "
+            f"last_hidden_state={data_config['last_hidden_state']!r} (delete it to re-extract)"
+        )
+    return head
+
+
+def autocast_dtype(bf16: str, device: torch.device) -> Optional[torch.dtype]:
+    """bf16 autocast on GPU unless ``train.bf16`` is ``off``; None (float32) on CPU."""
+    if device.type != "cuda":
+        if bf16 == "on":
+            log.warning(
+                "train.bf16=on ignored: bf16 autocast is used on GPU only (CPU trains in float32)"
+            )
+        return None
+    return torch.bfloat16 if bf16 in ("auto", "on") else None
+
+
+def recipe(s: Setup) -> dict:
+    """The training recipe a checkpoint records (key ``recipe``, dotted config keys): what
+    :func:`eagle3.train.checkpoint.check_recipe` compares on ``--resume``, naming the fields that differ."""
+    t = s.train
+    out = {
+        f"train.{k}": getattr(t, k)
+        for k in (
+            "ttt_length",
+            "step_weight",
+            "loss",
+            "lk_eta",
+            "lr",
+            "weight_decay",
+            "warmup_ratio",
+            "epochs",
+            "max_steps",
+            "grad_clip",
+        )
+    }
+    out["extract.max_length"] = s.extract.max_length
+    return out
+
+
+def resume_current(s: Setup, args, split: dict, vocab: dict, data_config: dict) -> dict:
+    """The run now, as :func:`eagle3.train.checkpoint.check_resume` compares it with a checkpoint: ``drafter_args``,
+    ``data_order``, ``recipe``, ``data_inputs``."""
+    return {
+        "drafter_args": dataclasses.asdict(args),
+        "data_order": data_order(
+            s.train.seed, s.train.batch_tokens, s.train.batch_size, s.train.grad_accum
+        ),
+        "recipe": recipe(s),
+        "data_inputs": data_inputs(split, vocab, data_config),
+    }
+
+
+def fingerprint(s: Setup, args) -> str:
+    t = s.train
+    keep = {
+        k: getattr(t, k)
+        for k in (
+            "ttt_length",
+            "step_weight",
+            "lr",
+            "weight_decay",
+            "warmup_ratio",
+            "epochs",
+            "batch_size",
+            "grad_accum",
+            "grad_clip",
+            "seed",
+        )
+    }
+    # recorded only when set, so that fingerprints of earlier runs stay what they were
+    if t.loss != "soft_ce":
+        keep.update(loss=t.loss, lk_eta=t.lk_eta)
+    return ckpt.config_fingerprint(
+        {
+            "train": keep,
+            "drafter": args.to_json(),  # num_layers only when > 1
+            "max_length": s.extract.max_length,
+        }
+    )
+
+
+@dataclass
+class Inputs:
+    """What the inputs step fixes: metadata, vocab map, split, drafter shape and init, the verifier head on the
+    device (``head_lm`` ``[V, Ht]``, ``head_norm`` ``[Ht]`` or None when the last state is post-norm), the
+    autocast and feature dtypes, and the source of the hidden states (:mod:`eagle3.train.online`)."""
+
+    data_config: dict
+    vocab: dict
+    split: dict
+    args: Any
+    drafter: nn.Module
+    amp: Optional[torch.dtype]
+    feat_dtype: torch.dtype
+    head_lm: torch.Tensor
+    head_norm: Optional[torch.Tensor]
+    head_eps: float
+    d2t: torch.Tensor
+    t2d: torch.Tensor
+    states: Any
+    init_from: Optional[str] = (
+        None  # the train.init_from this call warm-started from (None: cold or resumed)
+    )
+
+
+def _drafter_and_folder(
+    s: Setup, d: DistInfo, data_config: dict, vocab: dict, split: dict, resume: bool, lock
+):
+    """The drafter shape and the warm-start plan, checked before anything is written (a bad input is the first
+    error and leaves no empty train/ folder behind); then 04's lock (``lock()``) and the folder check. Returns
+    ``(args, warm)``."""
+    args = build_drafter_args(s, data_config, vocab)
+    if args.hidden_size != int(data_config["hidden_size"]):  # init_drafter's check, before the head
+        raise UserError(
+            f"drafter.hidden_size: {args.hidden_size} differs from the verifier hidden size "
+            f"{data_config['hidden_size']} ({s.shards_dir / 'data_config.json'}); the drafter reuses "
+            f"the verifier's token embedding: set drafter.hidden_size: {data_config['hidden_size']} (or "
+            f"null, the verifier's)"
+        )
+    # checked before the first write (the full check: after the head)
+    warm = warm_start_planned(
+        s.train.init_from, s.train_dir, d.is_main, resume, args, ckpt.DRAFTER_CONFIG_KEYS
+    )
+    if lock is not None:
+        lock()  # 04's lock on train_dir, before the folder check deletes stale temp files
+    # with this run's process count, as the resume compares it (a split keeping the global batch is taken)
+    check_train_dir(
+        s.train_dir,
+        s.data_dir,
+        d,
+        resume,
+        lambda: {**resume_current(s, args, split, vocab, data_config), "world_size": d.world},
+    )
+    return args, warm
+
+
+def load_inputs(
+    s: Setup,
+    d: DistInfo,
+    data_config: dict,
+    vocab: dict,
+    split: dict,
+    resume: bool,
+    init: Optional[Callable] = None,
+    stop_check: Callable[[], None] = lambda: None,
+    lock: Optional[Callable[[], None]] = None,
+) -> Inputs:
+    """Inputs step, after the stage read and checked ``data_config.json``, the vocab map and the split: drafter
+    shape and warm-start plan (:func:`_drafter_and_folder`), the verifier head, drafter init (+ warm start:
+    ``init(embed_weight [V, H], data_config)`` loads ``train.init_from``'s drafter), and the hidden-state source
+    (shards, or the verifier / capture servers for ``train.hidden_states: online``). ``stop_check()`` between these
+    honours a signal (it raises)."""
+    args, warm = _drafter_and_folder(s, d, data_config, vocab, split, resume, lock)
+    stop_check()
+    head = prepare_target_head(s, data_config, d)  # the first write: target_head.safetensors
+    if d.is_main:
+        make_dirs(s.train_dir, s.train_field)
+    stop_check()  # the head's extraction can take minutes (verifier weights)
+    drafter = init_drafter(args, head, vocab, s.train.seed)
+    if warm:
+        _warm_start(s, d, drafter, init, data_config)
+    drafter = drafter.to(d.device)
+    amp = autocast_dtype(s.train.bf16, d.device)
+    feat_dtype = torch.bfloat16 if amp is not None else torch.float32
+    inputs = Inputs(
+        data_config=data_config,
+        vocab=vocab,
+        split=split,
+        args=args,
+        drafter=drafter,
+        amp=amp,
+        feat_dtype=feat_dtype,
+        head_lm=head.lm_head.to(d.device, feat_dtype),  # [V, Ht]
+        head_norm=None
+        if head.last_is_post_norm
+        else head.norm_weight.to(d.device, feat_dtype),  # [Ht]
+        head_eps=float(head.norm_eps),
+        d2t=vocab["d2t"].to(d.device),
+        t2d=vocab["t2d"].to(d.device),
+        states=None,
+        init_from=s.train.init_from if warm else None,
+    )
+    del head
+    stop_check()
+    inputs.states = _state_source(s, d, data_config, feat_dtype)
+    return inputs
+
+
+def _state_source(s: Setup, d: DistInfo, data_config: dict, feat_dtype: torch.dtype):
+    """Where the hidden states come from (:func:`eagle3.train.online.state_source`; online loads the verifier);
+    online over shards that hold states says so (rank 0)."""
+    t = s.train
+    unused = unused_shard_states_note(t.hidden_states, s.extract.backend, s.shards_dir, data_config)
+    if unused and d.is_main:
+        log.info(unused)
+    return state_source(
+        t.hidden_states,
+        s.verifier,
+        s.extract,
+        t.online_prefetch,
+        s.shards_dir,
+        data_config,
+        d.device,
+        feat_dtype,
+    )
+
+
+def _warm_start(s: Setup, d: DistInfo, drafter, init: Optional[Callable], data_config: dict):
+    """``train.init_from``'s tensors into ``drafter`` (:func:`eagle3.train.warm_start.warm_start`); ``init`` loads
+    the export (``init(embed_weight [V, H], data_config)``)."""
+    if init is None:
+        raise UserError(
+            "train.init_from: needs the export loader that 04_train.py passes (trainer.run(init=...))"
+        )
+    ws = warm_start(drafter, init(drafter.embed_tokens.weight, data_config), s.train.init_from)
+    if d.is_main:
+        moved = ws["lm_head_rows_copied"] < ws["lm_head_rows"]
+        log.info(
+            "warm start from %s: %d trainable tensors; lm_head %d of %d draft tokens from it%s",
+            s.train.init_from,
+            ws["tensors"],
+            ws["lm_head_rows_copied"],
+            ws["lm_head_rows"],
+            " (another vocab map: the rest keep the verifier's rows)" if moved else "",
+        )
+
+
+@dataclass
+class Data:
+    """What the data step fixes: datasets, the training order of this rank, the step horizon, eval cadence."""
+
+    train_ds: ShardDataset
+    val_ds: Optional[ShardDataset]
+    order: TrainData
+    total_steps: int
+    val_lengths: Optional[list[int]]
+    eval_every: Optional[
+        int
+    ]  # train.eval_every; None = at the end of each epoch (:meth:`eagle3.train.loop.TrainLoop.eval_due`)
+    horizon: Optional[int]  # max_steps / train.max_steps (None = the epochs decide)
+    horizon_from: str = (
+        "train.epochs"  # what sets total_steps, for messages: "--max-steps N" / "train.max_steps N"
+    )
+
+
+def build_data(s: Setup, d: DistInfo, inputs: Inputs, max_steps: Optional[int]) -> Data:
+    """Data step: train/val datasets over the shards (items without states when they are computed online),
+    the data order (:class:`eagle3.train.order.TrainData`), total optimizer steps (``max_steps`` /
+    ``train.max_steps`` cap)."""
+    t = s.train
+    max_len = int(inputs.data_config["max_length"])
+    split_file = s.data_dir / "split.json"  # named in a missing-shard error
+
+    def dataset(name: str) -> ShardDataset:
+        expect = expect_from_data_config(inputs.data_config)
+        states = inputs.states.reads_shard_states
+        ids = inputs.split[name]
+        return ShardDataset(
+            s.shards_dir, ids, max_len, expect, name, states=states, split_file=split_file
+        )
+
+    train_ds = dataset("train")
+    val_ds = dataset("val") if inputs.split["val"] else None
+    order = TrainData(
+        train_ds,
+        d,
+        batch_size=t.batch_size,
+        grad_accum=t.grad_accum,
+        batch_tokens=t.batch_tokens,
+        seed=t.seed,
+        epochs=t.epochs,
+        num_workers=t.num_workers,
+        shards_dir=s.shards_dir,
+        split_file=split_file,
+    )
+    horizon = max_steps if max_steps is not None else t.max_steps
+    total_steps = order.total_steps if horizon is None else min(order.total_steps, horizon)
+    val_lengths = (
+        sample_lengths(s.shards_dir, val_ds, max_len)
+        if (val_ds is not None and t.batch_tokens)
+        else None
+    )
+    given = (
+        f"--max-steps {max_steps}" if max_steps is not None else f"train.max_steps {t.max_steps}"
+    )
+    capped = horizon is not None and horizon < order.total_steps
+    horizon_from = given if capped else f"train.epochs {t.epochs:g}"
+    data = Data(
+        train_ds, val_ds, order, total_steps, val_lengths, t.eval_every, horizon, horizon_from
+    )
+    if d.is_main:
+        _data_notes(s, data, given)
+    return data
+
+
+def _data_notes(s: Setup, data: Data, given: str) -> None:
+    """Rank 0's lines about the data step: a step cap above the epochs' steps (it changes nothing), the samples an
+    epoch leaves out, and a ``train.select_best: sim_accept`` that has nothing or only the final validation to
+    select from."""
+    t, order = s.train, data.order
+    if data.horizon is not None and data.horizon > order.total_steps:
+        log.warning(
+            "%s is more than the %d optimizer steps of train.epochs %g; it only caps that schedule, so the "
+            "run ends after %d steps (raise train.epochs for a longer run)",
+            given,
+            order.total_steps,
+            t.epochs,
+            order.total_steps,
+        )
+    note = order.left_out_note(len(data.train_ds))
+    if note:
+        log.info(note)
+    if t.select_best != "sim_accept":
+        return
+    if data.val_ds is None:
+        log.warning(no_val_selection(s))
+    elif t.eval_every is not None and t.eval_every >= data.total_steps:
+        log.warning(no_periodic_validation(t.eval_every, data.total_steps))
+
+
+def no_periodic_validation(eval_every: int, total_steps: int) -> str:
+    """The warning of ``train.select_best: sim_accept`` with a ``train.eval_every`` not below the run's optimizer
+    steps: the final validation is the only one, so nothing is selected (the run used to say nothing)."""
+    return (
+        f"train.eval_every {eval_every} is not below the run's {total_steps} optimizer steps: only the final "
+        f"validation runs and train.select_best: sim_accept has only that one to select from, so the last step's "
+        f"weights are exported (lower train.eval_every, or leave it unset to validate at each epoch's end)"
+    )
+
+
+def no_val_selection(s: Setup) -> str:
+    """The warning of ``train.select_best: sim_accept`` without a validation split (nothing to select from)."""
+    return (
+        f"train.select_best: sim_accept has no validation split to select from ({s.data_dir / 'split.json'} "
+        f"key 'val' is empty: stage 03 ran with data.val_fraction 0); the last step's weights are exported instead"
+    )
+
+
+@dataclass
+class Optimisation:
+    objective: TTTObjective
+    model: nn.Module  # the objective, wrapped in DDP and/or torch.compile
+    params: list
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    fingerprint: str
+
+
+def build_optimisation(s: Setup, d: DistInfo, inputs: Inputs, total_steps: int) -> Optimisation:
+    """Optimisation step: the TTT objective (DDP, torch.compile), AdamW over the trainable drafter
+    parameters, the warmup + cosine schedule over ``total_steps``."""
+    t = s.train
+    # auto = off: the loss rows keep only their bf16 logits per TTT step, and recomputing them cost 12% of a step
+    # (bench/small_train_speed.py); under torch.compile(dynamic=True) logit checkpointing fails in dynamo.
+    ckpt_logits = t.checkpoint_logits == "on"
+    if t.compile and ckpt_logits:
+        raise UserError(
+            "train.checkpoint_logits: 'on' cannot be combined with train.compile: true (torch.compile "
+            "fails on the checkpointed loss); use 'auto' or 'off'"
+        )
+    objective = TTTObjective(
+        inputs.drafter, t.ttt_length, t.step_weight, ckpt_logits, loss=t.loss, lk_eta=t.lk_eta
+    )
+    model = objective
+    if d.distributed:
+        model = DDP(objective, device_ids=[d.device.index] if d.device.type == "cuda" else None)
+    if t.compile:
+        # Variable batch lengths: dynamic shapes avoid one recompile per sequence length.
+        if t.batch_tokens is not None and d.is_main:
+            log.warning(
+                "train.compile with train.batch_tokens: batch size, length and loss-row count all vary; "
+                "on the H200 this did not reach 60 SmolLM2 steps in 3 minutes (recompiles), while "
+                "uncompiled token-budget training ran 155K tokens/s (bench/small_train_speed.py)"
+            )
+        model = torch.compile(model, dynamic=True)
+    params = [p for p in inputs.drafter.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(
+        params, lr=t.lr, weight_decay=t.weight_decay, fused=d.device.type == "cuda"
+    )  # fused kernel: one launch for all params
+    scheduler = build_scheduler(optimizer, total_steps, t.warmup_ratio)
+    return Optimisation(objective, model, params, optimizer, scheduler, fingerprint(s, inputs.args))

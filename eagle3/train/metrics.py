@@ -1,0 +1,173 @@
+"""What the loop measures and where it goes: the window sums of the per-TTT-step metrics (on the device, read at log
+steps), ``metrics.jsonl`` and TensorBoard rows (rank 0), and the warning lines of a call (``train_report.json``'s
+``warnings``)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from eagle3.io import append_bytes, atomic_write_jsonl, cut_torn_tail, disk_full_guard, open_append
+from eagle3.train.ranks import DistInfo
+
+log = logging.getLogger(__name__)
+
+
+class Metrics:
+    """Rank-0 sinks: ``metrics.jsonl`` (append + flush), TensorBoard."""
+
+    def __init__(self, train_dir: Path, start_step: int, enabled: bool, finished: bool = False):
+        """Rows of steps after ``start_step`` (written before a kill, redone now) are dropped; so is the
+        final validation row when the run had already ``finished`` (it is recomputed). A torn last line (a kill
+        mid-append) is cut first (:func:`eagle3.io.cut_torn_tail`): the next row would join it, both lost."""
+        self.enabled = enabled
+        self.path = train_dir / "metrics.jsonl"
+        self.tb = None
+        if not enabled:
+            return
+        torn = cut_torn_tail(self.path)
+        if torn:
+            log.warning(
+                "%s: cut a torn last line (%d bytes a kill left mid-write) before appending",
+                self.path,
+                torn,
+            )
+        rows = read_metrics(self.path)
+        kept = [
+            r
+            for r in rows
+            if r.get("step", 0) < start_step
+            or (r.get("step", 0) == start_step and not (finished and r.get("kind") == "val"))
+        ]
+        if len(kept) != len(rows) or (self.path.exists() and start_step == 0):
+            atomic_write_jsonl(self.path, kept if start_step else [])
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.tb = SummaryWriter(
+            log_dir=str(train_dir / "tb"), purge_step=start_step if start_step else None
+        )
+
+    def write(self, row: dict) -> None:
+        if not self.enabled:
+            return
+        with open_append(self.path) as f:  # disk full: rolled back, UserError (exit 2)
+            append_bytes(f, (json.dumps(row) + "\n").encode("utf-8"), self.path, fsync=False)
+        step = row["step"]
+        # TensorBoard's writer re-raises its thread's OSError here
+        with disk_full_guard(self.path.parent / "tb"):
+            for k, v in row.items():
+                if k not in ("step", "epoch", "kind") and isinstance(v, (int, float)):
+                    self.tb.add_scalar(f"{row['kind']}/{k}", v, step)
+            self.tb.flush()
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """Rows of ``metrics.jsonl``; a torn last line (killed mid-write) is skipped."""
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text(
+        encoding="utf-8", errors="replace"
+    ).splitlines():  # a torn multi-byte tail too
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def reduce_totals(totals: dict[str, torch.Tensor], d: DistInfo) -> dict[str, torch.Tensor]:
+    """Sum :meth:`Accum.totals` over ranks (CPU all-reduce on the gloo control group; host sync)."""
+    out = {k: v.detach().to("cpu", torch.float64) for k, v in totals.items()}
+    if d.distributed:
+        for k in sorted(out):
+            dist.all_reduce(out[k], group=d.ctrl_group)
+    return out
+
+
+class Accum:
+    """Sums a window of micro-batch metrics on the device without host syncs; read at log steps. The sums start at
+    zeros ``[K]`` so that every rank reduces the same keys, even a rank that saw no batch."""
+
+    def __init__(self, ttt_length: int):
+        self.sums = {
+            k: torch.zeros(ttt_length, dtype=torch.float64) for k in ("ce_sum", "correct", "count")
+        }
+        self.n = 0
+
+    def add(self, metrics: dict) -> None:
+        self.n += 1
+        for k in self.sums:
+            v = metrics[k].detach().to(torch.float64)  # [K] on the device
+            # the CPU zeros never meet the device
+            self.sums[k] = v.clone() if self.n == 1 else self.sums[k] + v
+
+    def totals(self) -> dict[str, torch.Tensor]:
+        """Raw sums (for cross-rank reduction) plus ``n`` (micro-batches)."""
+        return dict(self.sums, n=torch.tensor(float(self.n)))
+
+    @staticmethod
+    def summarize(sums: dict[str, torch.Tensor], step_weight: float) -> dict[str, float]:
+        """Host-side floats from (possibly rank-summed) :meth:`totals`, token-weighted like the training loss:
+        ``step_loss_{i}`` = sum of CE / counted positions of TTT step ``i``, ``loss`` = ``sum_i step_weight**i *
+        step_loss_{i}`` (for one optimizer step: the loss it minimised), ``acc_{i}`` = sum(correct) / sum(count),
+        ``loss_tokens`` = counted positions of step 0."""
+        if not sums or float(sums["n"]) == 0:
+            return {}
+        count = sums["count"].clamp(min=1)  # [K]
+        step_loss = (sums["ce_sum"] / count).tolist()  # [K]
+        out = {"loss": sum(step_weight**i * x for i, x in enumerate(step_loss))}
+        for i, x in enumerate(step_loss):
+            out[f"step_loss_{i}"] = x
+        for i, x in enumerate((sums["correct"] / count).tolist()):
+            out[f"acc_{i}"] = x
+        out["loss_tokens"] = float(sums["count"][0])
+        return out
+
+
+class _WarningLines(logging.Handler):
+    """A logging handler that lists the messages of WARNING records and above, each text once (in ``lines``)."""
+
+    def __init__(self, lines: list[str]):
+        super().__init__(level=logging.WARNING)
+        self.lines = lines
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            # formatted now: a logged dict changed later keeps the text that was shown
+            msg = record.getMessage()
+        except Exception:  # noqa: BLE001 - a bad log call must not stop training
+            return
+        if msg not in self.lines:
+            self.lines.append(msg)
+
+
+@contextlib.contextmanager
+def collect_warnings(enabled: bool):
+    """Within the block, every warning logged by an ``eagle3`` logger (the trainer's, the checkpoint loader's, the
+    schedule's on a resume, ...) is appended to the yielded list, once per text: ``train_report.json``'s
+    ``warnings``. Before, only the few a call site also appended there were listed, so a resume's warnings (an unusable
+    newest checkpoint skipped, the lr schedule re-stretched, RNG states reseeded) were in the log only.
+
+    Args:
+        enabled: collect (rank 0, which writes the report); else the list stays empty.
+    """
+    lines: list[str] = []
+    handler = _WarningLines(lines) if enabled else None
+    target = logging.getLogger("eagle3")
+    if handler is not None:
+        target.addHandler(handler)
+    try:
+        yield lines
+    finally:
+        if handler is not None:
+            target.removeHandler(handler)

@@ -1,0 +1,250 @@
+"""Data order: which micro-batches a rank trains in which optimizer step, fixed by ``train.seed``, the batching and
+the data position, whatever the number of processes (a resumed epoch's rest is dealt out to the current ranks, each
+sample at most once per epoch).
+
+A position in the data is ``(epoch, step_in_epoch)`` (optimizer steps done in that epoch); a checkpoint stores it as
+``epoch``, ``steps_in_epoch`` and ``samples_in_epoch`` (global samples: the position whatever the process count).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch.utils.data import DataLoader
+
+from eagle3.data import batching
+from eagle3.data.dataset import ResumableSampler, ShardDataset, collate
+from eagle3.errors import UserError
+from eagle3.train import checkpoint as ckpt
+from eagle3.train.ranks import DistInfo
+
+log = logging.getLogger(__name__)
+
+
+def loader_kwargs(num_workers: Optional[int], device: torch.device, world: int) -> dict:
+    """DataLoader settings: worker processes (``train.num_workers``; auto = up to 8 per rank on GPU by CPU
+    count, 0 on CPU), pinned host memory and 4 batches of read-ahead per worker on GPU. Workers are
+    started per epoch (not persistent) and stopped when the loop drops its iterator, so none outlive
+    the run."""
+    workers = num_workers
+    if workers is None:
+        workers = (
+            min(8, max(1, (os.cpu_count() or 2) // max(1, world) - 1))
+            if device.type == "cuda"
+            else 0
+        )
+    kw = {"num_workers": workers, "pin_memory": device.type == "cuda", "collate_fn": collate}
+    if workers > 0:
+        kw.update(prefetch_factor=4)
+    return kw
+
+
+class TrainData:
+    """The training data order of one rank: fixed-size batches (``ResumableSampler``) or token-budget
+    batches (:class:`eagle3.data.batching.TokenBudgetBatchSampler`), behind one interface.
+
+    A position in the data is ``(epoch, step_in_epoch)`` (optimizer steps done in that epoch); the
+    checkpoint stores it as ``epoch``, ``steps_in_epoch`` and ``samples_in_epoch`` (global samples).
+    """
+
+    def __init__(
+        self,
+        train_ds: ShardDataset,
+        d: DistInfo,
+        *,
+        batch_size: int,
+        grad_accum: int,
+        batch_tokens: Optional[int],
+        seed: int,
+        epochs: float,
+        num_workers: Optional[int],
+        shards_dir: Path,
+        split_file: Path,
+    ):
+        """Args: the ``train.*`` values of the same names; ``shards_dir`` (sample lengths of token-budget batches),
+        ``split_file`` (named in the refusal).
+
+        Raises:
+            UserError: fewer training samples than one optimizer step needs.
+        """
+        self.world, self.accum = d.world, grad_accum
+        self.is_main = d.is_main  # says the resume once
+        kw = loader_kwargs(num_workers, d.device, d.world)
+        self.token_budget = batch_tokens is not None
+        if self.token_budget:
+            lengths = batching.sample_lengths(shards_dir, train_ds, train_ds.max_length)
+            self.sampler = batching.TokenBudgetBatchSampler(
+                lengths,
+                batch_tokens,
+                d.world,
+                d.rank,
+                grad_accum,
+                seed,
+                window=batching.DEFAULT_WINDOW,
+            )
+            self.loader = DataLoader(train_ds, batch_sampler=self.sampler, **kw)
+            self.total_steps = self.sampler.total_steps(epochs)
+        else:
+            self.sampler = ResumableSampler(
+                train_ds, num_replicas=d.world, rank=d.rank, shuffle=True, seed=seed
+            )
+            self.loader = DataLoader(
+                train_ds, batch_size=batch_size, sampler=self.sampler, drop_last=True, **kw
+            )
+            # global samples per optimizer step
+            self.samples_per_step = batch_size * grad_accum * d.world
+            self._steps = (len(train_ds) // d.world) // (batch_size * grad_accum)
+            if self._steps < 1:
+                raise UserError(
+                    f"{split_file}: key 'train': {len(train_ds)} samples, fewer than one "
+                    f"optimizer step needs (batch_size {batch_size} x grad_accum {grad_accum} x "
+                    f"{d.world} processes)"
+                )
+            self.total_steps = math.ceil(epochs * self._steps)
+
+    # A resumed epoch may have been started on another number of processes: it is then described by
+    # its origin (epoch, steps done, global units consumed: samples, or batches of the token-budget
+    # plan), and the rest of its data is dealt out to the current ranks (each sample at most once per epoch).
+    _origin: Optional[tuple[int, int, int]] = None
+
+    def _units_per_step(self) -> int:
+        return self.world * self.accum if self.token_budget else self.samples_per_step
+
+    def _units_before(self, epoch: int, step_in_epoch: int) -> int:
+        """Global samples (fixed batches) or plan batches (token budget) consumed by ``step_in_epoch`` steps."""
+        if self._origin is not None and self._origin[0] == epoch:
+            _, k0, g0 = self._origin
+            return g0 + (step_in_epoch - k0) * self._units_per_step()
+        return step_in_epoch * self._units_per_step()
+
+    def steps_in_epoch(self, epoch: int) -> int:
+        if self._origin is not None and self._origin[0] == epoch:
+            _, k0, g0 = self._origin
+            if self.token_budget:
+                return k0 + self.sampler.steps_after(epoch, g0)
+            return k0 + (max(0, len(self.sampler.dataset) - g0) // self.world) // (
+                self.samples_per_step // self.world
+            )
+        return self.sampler.steps_in_epoch(epoch) if self.token_budget else self._steps
+
+    def samples_before(self, epoch: int, step_in_epoch: int) -> int:
+        """Global samples consumed by the first ``step_in_epoch`` optimizer steps of ``epoch`` (checkpoint key
+        ``samples_in_epoch``: the data position, whatever number of processes took those steps)."""
+        g = self._units_before(epoch, step_in_epoch)
+        if not self.token_budget:
+            return g
+        return sum(len(b) for b in self.sampler.epoch_plan(epoch)[:g])
+
+    def step_from_checkpoint(self, state: dict) -> int:
+        """``steps_in_epoch`` of a checkpoint (derived from ``samples_in_epoch`` for checkpoints that predate it);
+        its ``samples_in_epoch`` fixes where the epoch's data resumes, on any number of processes."""
+        if "steps_in_epoch" in state:
+            k = int(state["steps_in_epoch"])
+        elif self.token_budget:
+            raise UserError(
+                "checkpoint: key 'steps_in_epoch' missing; it was written by a run without "
+                "train.batch_tokens, so its data position cannot be mapped to token-budget batches"
+            )
+        else:
+            k = int(state["samples_in_epoch"]) // self.samples_per_step
+        epoch = int(state["epoch"])
+        if "samples_in_epoch" in state:
+            samples = int(state["samples_in_epoch"])
+            g = self.sampler.batches_for_samples(epoch, samples) if self.token_budget else samples
+        else:  # predates the key: taken on this process count
+            g = k * self._units_per_step()
+            samples = self.samples_before(epoch, k) if self.token_budget else g
+        self._origin = (epoch, k, g)
+        if int(state.get("world_size", self.world)) != self.world and self.is_main:
+            log.info(
+                "checkpoint written on %s processes, now %d: epoch %d resumes after its first %d samples, "
+                "the rest dealt out to %d ranks",
+                state.get("world_size"),
+                self.world,
+                epoch,
+                samples,
+                self.world,
+            )
+        return k
+
+    def resumed_total_steps(self, epochs: float, step: int) -> int:
+        """Optimizer steps of ``epochs`` epochs for a run resumed (:meth:`step_from_checkpoint`) at global
+        optimizer step ``step``: the steps taken before the resumed epoch, that epoch's steps on this
+        process count from its recorded data position, then whole epochs (a fractional last epoch
+        rounded up, counted in samples/batches as the uninterrupted run counts it)."""
+        e0, k0, g0 = self._origin
+        full, frac = int(math.floor(epochs)), epochs - math.floor(epochs)
+        total = step - k0
+        total += sum(self.steps_in_epoch(e) for e in range(e0, full))
+        if frac > 0 and e0 <= full:
+            std = self.sampler.steps_in_epoch(full) if self.token_budget else self._steps
+            want = math.ceil(frac * std)
+            if e0 < full:
+                total += want
+            else:
+                left = max(0, want * self._units_per_step() - g0)
+                total += min(self.steps_in_epoch(e0), k0 + math.ceil(left / self._units_per_step()))
+        return max(total, step)
+
+    def left_out_note(self, n_samples: int) -> Optional[str]:
+        """The log line naming the training samples an epoch leaves out (None when every sample is trained).
+
+        Fixed batches: each epoch trains ``steps x batch_size x grad_accum x processes`` samples of its
+        permutation (reshuffled per epoch), so the same count, but other samples, are left out every epoch.
+        Token budget: every sample is in a batch, but the batch count is cut to a multiple of ``processes x
+        grad_accum``; the samples of the cut batches differ per epoch, counted here for the first epoch."""
+        if self.token_budget:
+            kept = sum(len(b) for b in self.sampler.epoch_batches(0))
+            left = n_samples - kept
+            if left <= 0:
+                return None
+            return (
+                f"train.batch_tokens: {left} of {n_samples} training samples are left out of the first epoch "
+                f"(their batches do not fill a last optimizer step: processes x grad_accum = {self.world * self.accum} "
+                f"batches); the count and which samples differ per epoch (the batches are re-planned)"
+            )
+        left = n_samples - self._steps * self.samples_per_step
+        if left <= 0:
+            return None
+        return (
+            f"{left} of {n_samples} training samples per epoch do not fill a last optimizer step (batch_size x "
+            f"grad_accum x processes = {self.samples_per_step} samples) and are left out of that epoch; the order "
+            f"is reshuffled each epoch, so other samples are left out each time"
+        )
+
+    def iterate(self, epoch: int, step_in_epoch: int):
+        """Micro-batches of this rank from optimizer step ``step_in_epoch`` of ``epoch`` on."""
+        self.sampler.set_epoch(epoch)
+        g = self._units_before(epoch, step_in_epoch)
+        self.sampler.set_start_batch(g) if self.token_budget else self.sampler.set_start(g)
+        return iter(self.loader)
+
+
+def data_order(seed: int, batch_tokens: Optional[int], batch_size: int, grad_accum: int) -> dict:
+    """The settings that fix the batch order and the optimizer-step count of an epoch (checkpoint key
+    ``data_order``; :func:`eagle3.train.checkpoint.check_data_order`). ``batch_size`` is recorded as None when
+    ``batch_tokens`` is set (it is ignored then)."""
+    return {
+        "train.seed": seed,
+        "train.batch_tokens": batch_tokens,
+        "train.batch_size": None if batch_tokens is not None else batch_size,
+        "train.grad_accum": grad_accum,
+    }
+
+
+def data_inputs(split: dict, vocab: dict, data_config: dict) -> dict:
+    """What a checkpoint records of the data it was trained on (key ``data_inputs``; compared on ``--resume`` by
+    :func:`eagle3.train.checkpoint.data_inputs_problem`): the content sha256 of 03's ``split`` and ``vocab`` map, and
+    the aux layers and verifier weights fingerprint (``verifier_weights``; None when 02 recorded none) of the shards'
+    ``data_config``."""
+    return {
+        ckpt.SPLIT_FILE: ckpt.split_sha256(split),
+        ckpt.VOCAB_FILE: ckpt.vocab_sha256(vocab),
+        ckpt.AUX_LAYERS: [int(i) for i in data_config["aux_layers"]],
+        ckpt.VERIFIER_WEIGHTS: data_config.get(ckpt.VERIFIER_WEIGHTS),
+    }

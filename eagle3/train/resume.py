@@ -1,0 +1,384 @@
+"""Resume: a run's position (:class:`Progress`), the checkpoint it writes, and the continuation from its newest
+checkpoint, bit-identical on CPU (weights, optimizer, schedule, data position, RNG), also on another number of
+processes (the rest of the resumed epoch is dealt out to the new ranks, and the lr schedule's horizon follows)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from eagle3.errors import UserError
+from eagle3.train import checkpoint as ckpt
+from eagle3.train.order import TrainData
+from eagle3.train.ranks import DistInfo, barrier, same_checkpoint
+from eagle3.train.report import (
+    earlier_segments,
+    peak_gpu_mem_gib,
+    segment_record,
+    state_source_switch,
+)
+from eagle3.train.schedule import WarmupCosine, warmup_steps_for
+
+log = logging.getLogger(__name__)
+
+
+def trainable_state(drafter: nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters that training changes (``requires_grad``), detached on CPU, by name."""
+    return {
+        n: p.detach().to("cpu").clone() for n, p in drafter.named_parameters() if p.requires_grad
+    }
+
+
+@dataclass
+class Progress:
+    """Where one rank's run stands: the optimizer ``step``, the data position (``epoch``, ``step_in_epoch``), the
+    schedule's ``total_steps``, ``stop_at`` (--stop-at; None: the schedule's end), the newest checkpoint, this
+    call's counts (steps, real tokens and seconds of the timed windows) and the run's earlier parts (a resumed
+    checkpoint's ``segments``) with the step this call started at."""
+
+    total_steps: int
+    step: int = 0
+    epoch: int = 0
+    step_in_epoch: int = 0
+    stop_at: Optional[int] = None
+    last_ckpt: Optional[Path] = None
+    steps_this_call: int = 0
+    stopped: bool = False
+    tok_total: float = 0.0
+    t_total: float = 0.0
+    earlier_segments: list = field(default_factory=list)
+    segment_start: int = 0
+
+    @property
+    def end_step(self) -> int:
+        """The step this run ends at: ``stop_at`` when set (before the schedule's end), else ``total_steps``."""
+        return self.total_steps if self.stop_at is None else self.stop_at
+
+
+@dataclass
+class RunRecord:
+    """What a checkpoint records of the run besides its position and tensors, and what a resume compares.
+
+    ``current``: the run now as :func:`eagle3.train.checkpoint.check_resume` compares it (``drafter_args``,
+    ``data_order``, ``recipe`` (dotted ``train.*`` keys), ``data_inputs``, ``world_size``); ``fingerprint``:
+    :func:`eagle3.train.checkpoint.config_fingerprint` of the settings; the rest are ``train.*`` values of the same
+    names, ``extract_backend`` (online's state source) and this call's warning lines (filled while it runs)."""
+
+    train_dir: Path
+    data_dir: Path
+    current: dict
+    fingerprint: str
+    seed: int
+    epochs: float
+    warmup_ratio: float
+    keep_checkpoints: int
+    hidden_states: Optional[str]
+    extract_backend: Optional[str]
+    warnings: list
+
+
+def horizon_after_resume(
+    order: TrainData,
+    state: dict,
+    d: DistInfo,
+    rec: RunRecord,
+    total_steps: int,
+    horizon: Optional[int],
+    scheduler,
+) -> int:
+    """The step horizon of a run resumed on another number of processes than the checkpoint's: the rest of the
+    resumed epoch is dealt out to the new ranks (:class:`TrainData`), so ``train.epochs`` ends after a different
+    step count than either process count alone gives; the LR schedule's horizon follows. Unchanged process count:
+    ``total_steps`` as computed."""
+    if int(state.get("world_size", d.world)) == d.world:
+        return total_steps
+    new = order.resumed_total_steps(rec.epochs, int(state["step"]))
+    if horizon is not None:
+        new = min(new, horizon)
+    # every rank re-stretches it (DDP replicas step with one lr); rank 0 says so
+    if new != total_steps:
+        if d.is_main:
+            log.info(
+                "resumed on %d processes (checkpoint: %s): %d optimizer steps in all",
+                d.world,
+                state.get("world_size"),
+                new,
+            )
+        scheduler.lr_lambdas[0].__dict__.update(
+            WarmupCosine(warmup_steps_for(new, rec.warmup_ratio), new).__dict__
+        )
+    return new
+
+
+def set_stop_at(pos: Any, stop_at: Optional[int], data: Any, epochs: float) -> None:
+    """Check and set ``--stop-at`` on ``pos`` (:class:`Progress`), once ``total_steps`` is known
+    and before anything is loaded or logged about the schedule.
+
+    Raises:
+        UserError: ``stop_at`` not before the schedule's last step, or before the resumed checkpoint's step (at it:
+            a run stopped by a signal on its stop step, resumed with the same command, trains nothing and ends
+            there: final validation, export, report).
+    """
+    if stop_at is None:
+        return
+    if stop_at >= pos.total_steps:
+        raise UserError(
+            f"--stop-at {stop_at}: the schedule has {pos.total_steps} optimizer steps; a stop at or "
+            f"after its end is the whole run (leave --stop-at out, or {_longer_schedule(data, epochs)})"
+        )
+    if stop_at < pos.step:
+        raise UserError(
+            f"--stop-at {stop_at}: the checkpoint resumed from is at step {pos.step}, past it "
+            f"(`--export-only` exports it)"
+        )
+    pos.stop_at = stop_at
+
+
+def _longer_schedule(data: Any, epochs: float) -> str:
+    """How to get a longer lr schedule, for the --stop-at refusal: raise what sets its end (``train.epochs``, or a
+    ``--max-steps`` / ``train.max_steps`` cap below the epochs' steps; ``train.max_steps`` cannot go past them)."""
+    epochs_steps = data.order.total_steps
+    if data.horizon is not None and data.horizon < epochs_steps:
+        name = data.horizon_from.split(" ")[0]
+        return (
+            f"raise {name} (up to the {epochs_steps} steps of train.epochs {epochs:g}; beyond that, raise "
+            f"train.epochs too)"
+        )
+    return f"raise train.epochs (now {epochs:g}) for a longer schedule"
+
+
+def restore(
+    pos: Any,
+    rec: RunRecord,
+    d: DistInfo,
+    data: Any,
+    opt: Any,
+    inputs: Any,
+    stop_at: Optional[int] = None,
+) -> None:
+    """Continue ``pos`` from the newest complete checkpoint: weights, optimizer, schedule, data position, RNG.
+
+    Every check comes before anything is loaded or logged about the schedule: the checkpoint against the run
+    (:func:`eagle3.train.checkpoint.check_resume`: all refused fields in one line), then the step horizon, then
+    ``stop_at`` (:func:`set_stop_at`).
+
+    Raises:
+        UserError: a refused change (drafter shape, data order, loss definition, split or vocab map), a checkpoint
+            already past the run's end, a refused ``stop_at``, or a model state that does not fit.
+    """
+    found = ckpt.find_latest_checkpoint(rec.train_dir, warn=d.is_main)  # every rank loads it
+    same_checkpoint(rec.train_dir, found, d)
+    if found is None:  # no checkpoint file at all (files that all fail to load: UserError)
+        set_stop_at(pos, stop_at, data, rec.epochs)
+        if d.is_main:
+            log.warning(
+                "--resume: no checkpoint in %s; starting from step 0", ckpt.ckpt_dir(rec.train_dir)
+            )
+        return
+    path, state = found
+    changes = ckpt.check_resume(path, state, rec.current, rec.data_dir)
+    unchecked = ckpt.data_inputs_unchecked(
+        path, state.get("data_inputs"), rec.current["data_inputs"], "--resume"
+    )
+    pos.step, pos.epoch = int(state["step"]), int(state["epoch"])
+    pos.step_in_epoch = data.order.step_from_checkpoint(state)
+    pos.total_steps = horizon_after_resume(
+        data.order, state, d, rec, pos.total_steps, data.horizon, opt.scheduler
+    )
+    if pos.step > pos.total_steps:  # nothing to train, and the end step would be behind the weights
+        raise UserError(
+            f"{data.horizon_from}: the run ends after {pos.total_steps} optimizer steps, but the "
+            f"checkpoint resumed from ({path}) is at step {pos.step} already; ask for more steps, or "
+            f"export that checkpoint with --export-only"
+        )
+    set_stop_at(pos, stop_at, data, rec.epochs)
+    if d.is_main:
+        _resume_warnings(path, state, changes, unchecked, opt.fingerprint)
+    _load_state(path, state, d, opt, inputs, rec)
+    _restore_rng(path, state["rng"], d, rec.seed + 1000 * pos.step + d.rank)
+    pos.last_ckpt = path
+    pos.earlier_segments, pos.segment_start = earlier_segments(state), pos.step
+    switch = state_source_switch(path, pos.earlier_segments, current_segment(pos, rec, d))
+    if switch and d.is_main:
+        log.warning("%s", switch)
+
+
+def _restore_rng(path: Path, rngs: list, d: DistInfo, reseed: int) -> None:
+    """This rank's RNG states from the checkpoint (one per rank it was written on); on another process count they
+    cannot be matched to ranks, so every rank is reseeded with ``reseed`` (rank 0 says so)."""
+    if len(rngs) == d.world:
+        ckpt.restore_rng(rngs[d.rank])
+        return
+    if d.is_main:
+        log.warning(
+            "%s: saved with %d processes, now %d; RNG states reseeded", path, len(rngs), d.world
+        )
+    torch.manual_seed(reseed)
+
+
+def _resume_warnings(path: Path, state: dict, changes: list, unchecked, fingerprint: str) -> None:
+    """Rank 0's warnings of a resume: the allowed setting changes, or (a checkpoint without ``recipe``) a differing
+    fingerprint, and data inputs that could not be compared (train_report's warnings too)."""
+    if changes:
+        log.warning(
+            "%s: resumed from %s with other training settings: %s",
+            path,
+            path.name,
+            "; ".join(changes),
+        )
+    elif state.get("recipe") is None and state["config_fingerprint"] != fingerprint:  # unknown
+        log.warning(
+            "%s: training settings differ from the checkpoint's (fingerprint %s != %s)",
+            path,
+            state["config_fingerprint"],
+            fingerprint,
+        )
+    if unchecked:
+        log.warning("%s", unchecked)
+
+
+def _load_state(
+    path: Path, state: dict, d: DistInfo, opt: Any, inputs: Any, rec: RunRecord
+) -> None:
+    """Load a checked checkpoint's weights, optimizer and scheduler (keeping this run's schedule horizon, set by
+    :func:`restore`) and its warm-start record (``inputs.init_from``).
+
+    Raises:
+        UserError: the checkpoint's ``model`` misses trainable tensors or has unexpected ones.
+    """
+    drafter = inputs.drafter
+    missing, unexpected = drafter.load_state_dict(state["model"], strict=False)
+    want = {n for n, p in drafter.named_parameters() if p.requires_grad}
+    lost = sorted(want & set(missing))
+    if lost or unexpected:
+        raise UserError(
+            f"{path}: key 'model': missing {lost[:3]} unexpected {list(unexpected)[:3]}"
+        )
+    opt.optimizer.load_state_dict(state["optimizer"])
+    horizon_now = opt.scheduler.lr_lambdas[0].__dict__.copy()  # this run's warmup/total steps
+    opt.scheduler.load_state_dict(state["scheduler"])
+    if opt.scheduler.lr_lambdas[0].__dict__ != horizon_now:
+        if d.is_main:  # every rank re-stretches it; rank 0 says so once
+            log.warning(
+                "%s: LR schedule %s in the checkpoint, now %s (%s); continuing with the new one",
+                path,
+                opt.scheduler.lr_lambdas[0].__dict__,
+                horizon_now,
+                _horizon_reason(state, rec, d),
+            )
+        opt.scheduler.lr_lambdas[0].__dict__.update(horizon_now)
+    inputs.init_from = state.get("init_from")  # the run's warm start, recorded by its first call
+
+
+def _horizon_reason(state: dict, rec: RunRecord, d: DistInfo) -> str:
+    """Why a resumed run's lr schedule differs from its checkpoint's, for the warning: the schedule keys changed in
+    the config (``train.epochs`` / ``train.max_steps`` / ``--max-steps``, ``train.warmup_ratio``) and/or another
+    process count (the steps of ``train.epochs`` follow the new split)."""
+    saved, now = state.get("recipe") or {}, rec.current["recipe"]
+    keys = [
+        k
+        for k in ("train.epochs", "train.max_steps", "train.warmup_ratio")
+        if k in saved and saved[k] != now[k]
+    ]
+    why = [f"{k} {ckpt.as_written(k, saved[k])} -> {ckpt.as_written(k, now[k])}" for k in keys]
+    then = state.get("world_size")
+    if then is not None and int(then) != d.world:
+        why.append(
+            f"{then} processes then, {d.world} now: the steps of train.epochs follow the new split"
+        )
+    return "; ".join(why) or "--max-steps, train.max_steps or train.epochs changed"
+
+
+def announce_resume(pos: Any, d: DistInfo, order: TrainData) -> None:
+    """Log where a resumed run stands (rank 0), once every setup check (``--stop-at`` included) has passed:
+    ``step 2, at the end of epoch 1`` or ``step 3, epoch 2, 1 step into it`` (epochs counted from 0)."""
+    if pos.last_ckpt is None or not d.is_main:
+        return
+    k = pos.step_in_epoch
+    if k >= order.steps_in_epoch(pos.epoch):
+        where = f"step {pos.step}, at the end of epoch {pos.epoch}"
+    else:
+        where = f"step {pos.step}, epoch {pos.epoch}, {k} step{'' if k == 1 else 's'} into it"
+    log.info("resumed from %s (%s)", pos.last_ckpt, where)
+
+
+def optimizer_values(opt: Any) -> dict:
+    """``lr`` and ``weight_decay`` as the optimizer holds them: a resumed checkpoint's, not the config's
+    (:data:`eagle3.train.checkpoint.KEPT_FIELDS`)."""
+    return {
+        "lr": float(opt.scheduler.base_lrs[0]),
+        "weight_decay": float(opt.optimizer.param_groups[0]["weight_decay"]),
+    }
+
+
+def current_segment(pos: Any, rec: RunRecord, d: DistInfo) -> dict:
+    """This call's part of the run (:func:`eagle3.train.report.segment_record`): from the step it started at to
+    the current step."""
+    return segment_record(
+        pos.segment_start,
+        pos.step,
+        rec.hidden_states,
+        rec.extract_backend,
+        d.world,
+        (pos.tok_total / pos.t_total) if pos.t_total > 0 else None,
+        peak_gpu_mem_gib(d.device),
+        rec.warnings,
+    )
+
+
+def segments(pos: Any, rec: RunRecord, d: DistInfo) -> list[dict]:
+    """The run's parts, one per 04 call that trained (a resumed checkpoint's earlier ones, then this call's; parts
+    without a step left out): checkpoint and ``train_report.json`` key ``segments``."""
+    return [
+        g
+        for g in [*pos.earlier_segments, current_segment(pos, rec, d)]
+        if g["end_step"] > g["start_step"]
+    ]
+
+
+def save(pos: Any, rec: RunRecord, d: DistInfo, order: TrainData, opt: Any, inputs: Any) -> Path:
+    """Checkpoint at ``pos.step`` (every rank's RNG gathered; rank 0 writes). The recipe recorded is the config's
+    except the fields a resumed checkpoint's optimizer state keeps (:func:`optimizer_values`), so a later
+    ``--resume`` with the run's original config warns about nothing."""
+    rng = ckpt.capture_rng()
+    rngs = [None] * d.world
+    if d.distributed:
+        dist.all_gather_object(rngs, rng, group=d.ctrl_group)
+    else:
+        rngs = [rng]
+    path = ckpt.ckpt_path(rec.train_dir, pos.step)
+    recipe = {
+        **rec.current["recipe"],
+        **{f"train.{k}": v for k, v in optimizer_values(opt).items()},
+    }
+    if d.is_main:
+        state = {
+            "step": pos.step,
+            "epoch": pos.epoch,
+            "steps_in_epoch": pos.step_in_epoch,
+            "samples_in_epoch": order.samples_before(pos.epoch, pos.step_in_epoch),
+            "model": trainable_state(inputs.drafter),
+            "optimizer": opt.optimizer.state_dict(),
+            "scheduler": opt.scheduler.state_dict(),
+            "rng": rngs,
+            "drafter_args": inputs.args.to_json(),
+            "config_fingerprint": opt.fingerprint,
+            "world_size": d.world,
+            "data_order": rec.current["data_order"],
+            "init_from": inputs.init_from,
+            "recipe": recipe,
+            "data_inputs": rec.current["data_inputs"],
+            "segments": segments(pos, rec, d),
+            ckpt.DATA_CONFIG_RECORD: ckpt.data_config_record(
+                inputs.data_config
+            ),  # --export-only sans shards
+        }
+        path = ckpt.save_checkpoint(rec.train_dir, state, keep=rec.keep_checkpoints)
+    barrier(d)
+    return path
