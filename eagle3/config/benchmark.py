@@ -40,6 +40,19 @@ class BenchmarkConfig(Section):
         "replayed as a CUDA graph on CUDA, so a small verifier's step costs its kernels, not the host), "
         "'auto' = static at batch_size 1 on CUDA, else batched (eagle3/decoding/static_decode.py)",
     )
+    temperature: StrictFloat = Field(
+        0.0,
+        ge=0,
+        description="0 = greedy chains, every token checked against greedy; > 0 = the baseline samples and EAGLE-3 "
+        "samples its drafts from the drafter and decides them by speculative rejection sampling (lossless in "
+        "distribution: no per-token verdict; eagle3/decoding/sampling.py); decoder batched",
+    )
+    top_p: StrictFloat = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="nucleus filter of the verifier's and the drafter's distributions at temperature > 0",
+    )
     tie_tolerance: Optional[StrictFloat] = Field(
         None,
         ge=0,

@@ -1,5 +1,6 @@
 """Offline decoding with a transformers verifier, batched: plain greedy (the baseline) and EAGLE-3
-chain speculative decoding at temperature 0.
+chain speculative decoding at temperature 0; given a :class:`eagle3.decoding.sampling.Sampler`, plain
+sampling and chain speculative sampling (drafts sampled from the drafter, rejection sampling) instead.
 
 Batching with rows that advance at different speeds (one path for every batch size, 1 included).
 Both decoders keep the verifier's HF KV cache (``DynamicCache``) with ONE slot count for all rows:
@@ -71,6 +72,7 @@ from eagle3.decoding.common import (
     forward_params,
     sync,
 )
+from eagle3.decoding.sampling import Sampler
 from eagle3.drafter.caches import DrafterCache
 from eagle3.errors import UserError
 from eagle3.sdpa import no_cudnn_sdpa
@@ -137,8 +139,10 @@ def greedy_generate_batch(
     max_new_tokens: int,
     eos_ids: Sequence[int] = (),
     check_every: int = 8,
+    sampler: Optional[Sampler] = None,
 ) -> BatchGreedy:
-    """Plain batched greedy decoding (the benchmark baseline), same cache machinery as the verify.
+    """Plain batched greedy decoding (the benchmark baseline), same cache machinery as the verify; with
+    ``sampler``, plain sampling from the verifier's processed distribution instead of the argmax.
 
     Args:
         verifier: HF causal LM (eval mode) taking ``attention_mask``, ``position_ids`` and a KV cache.
@@ -163,7 +167,8 @@ def greedy_generate_batch(
     ids, mask, pos, n = _left_pad(rows, device)
     out = _forward(verifier, ids, mask, pos, None, hidden=False, last_only=True)
     cache = _returned_cache(out)
-    tok = out.logits[:, -1].argmax(-1)  # [B]
+    pick = (lambda lg: lg.argmax(-1)) if sampler is None else sampler.sample
+    tok = pick(out.logits[:, -1])  # [B]
     toks = [tok]
     done = torch.isin(tok, eos_t)  # [B]
     ones = torch.ones(len(rows), 1, dtype=torch.bool, device=device)  # [B, 1]
@@ -175,7 +180,7 @@ def greedy_generate_batch(
         out = _forward(verifier, tok[:, None], mask, n[:, None], cache, hidden=False)
         cache = _returned_cache(out)
         n = n + 1
-        tok = out.logits[:, -1].argmax(-1)  # [B]
+        tok = pick(out.logits[:, -1])  # [B]
         toks.append(tok)
         done = done | torch.isin(tok, eos_t)
         forwards += 1
@@ -245,7 +250,8 @@ class _Chain:
     ``[B, S]`` the verifier cache's slot mask; ``d_*`` the drafter's next step-0 chunk (ids, aux states, positions,
     valid flags, and ``d_last [B]`` the slot of each row's last verified position); ``mm_idx``/``mm_gap`` ``[B]``
     the first mismatch with the reference (-1 = none yet); ``accepted`` one ``[B]`` tensor of accepted drafts per
-    round; ``jj`` = ``arange(k+1)``, ``ones`` ``[B, k+1]`` True."""
+    round; ``jj`` = ``arange(k+1)``, ``ones`` ``[B, k+1]`` True. Sampling only: ``q [B, k, Vd]`` float32 the
+    drafter's distributions of this round's drafts, ``targets [Vd]`` the verifier id of each draft id."""
 
     cache: object
     vmask: torch.Tensor
@@ -265,6 +271,8 @@ class _Chain:
     ones: torch.Tensor
     dcache: DrafterCache = field(default_factory=DrafterCache)
     accepted: list = field(default_factory=list)
+    q: Optional[torch.Tensor] = None
+    targets: Optional[torch.Tensor] = None
 
 
 def _check_aux_layers(aux_layers: Sequence[int]) -> list[int]:
@@ -284,15 +292,17 @@ def _check_aux_range(aux_layers: list[int], n_hidden: int) -> None:
         )
 
 
-def _spec_prefill(verifier, rows, aux_layers, k, max_new_tokens, eos_t, ref) -> _Chain:
-    """The prompts' forward: the first new token of each row and the drafter's first step-0 chunk."""
+def _spec_prefill(verifier, rows, aux_layers, k, max_new_tokens, eos_t, ref, sampler) -> _Chain:
+    """The prompts' forward: the first new token of each row (argmax, or sampled by ``sampler``) and the
+    drafter's first step-0 chunk."""
     B = len(rows)
     device = device_of(verifier)
     ids, vmask, pos, n = _left_pad(rows, device)  # [B, P] x3, [B]
     out = _forward(verifier, ids, vmask, pos, None, hidden=True, last_only=True)
     _check_aux_range(aux_layers, len(out.hidden_states))
     plogits = out.logits[:, -1:]  # [B, 1, V]
-    last = plogits[:, 0].argmax(-1)  # [B] x_n: the first new token, not yet in the verifier cache
+    # [B] x_n: the first new token, not yet in the verifier cache
+    last = plogits[:, 0].argmax(-1) if sampler is None else sampler.sample(plogits[:, 0])
     mm_idx = torch.full((B,), -1, dtype=torch.long, device=device)
     mm_gap = torch.zeros(B, dtype=torch.float32, device=device)
     if ref is not None:
@@ -325,27 +335,40 @@ def _spec_prefill(verifier, rows, aux_layers, k, max_new_tokens, eos_t, ref) -> 
     )
 
 
-def _draft(drafter, c: _Chain, k: int) -> torch.Tensor:
-    """``k`` chain drafts of every row (verifier ids ``[B, k]``); the drafter's cache keeps verified positions only."""
+def _draft(drafter, c: _Chain, k: int, sampler: Optional[Sampler] = None) -> torch.Tensor:
+    """``k`` chain drafts of every row (verifier ids ``[B, k]``): the argmax, or sampled by ``sampler`` (their
+    distributions in ``c.q``, the draft-to-verifier id map in ``c.targets``); the drafter's cache keeps verified
+    positions only."""
     B = c.d_ids.shape[0]
     h = drafter.decode(c.d_ids, drafter.project(c.d_aux), c.d_pos, c.dcache, valid=c.d_valid)
     h_prev = h.gather(1, c.d_last[:, None, None].expand(B, 1, h.shape[-1]))  # [B, 1, H] output at t
     t = c.n - 1  # [B] last verified position (x_{t+1} = last)
-    drafts = []
+    drafts, qs = [], []
     for i in range(k):
-        d = drafter.compute_logits(h_prev)[:, -1].argmax(-1)  # [B] draft-vocab ids
+        dl = drafter.compute_logits(h_prev)[:, -1]  # [B, Vd]
+        if sampler is None:
+            d = dl.argmax(-1)  # [B] draft-vocab ids
+        else:
+            d, q = sampler.draft(dl)  # [B], [B, Vd]
+            qs.append(q)
         tok = drafter.draft_to_target(d)  # [B] verifier ids = d + d2t[d]
         drafts.append(tok)
         if i + 1 < k:
             h_prev = drafter.decode(tok[:, None], h_prev, (t + i + 1)[:, None], c.dcache)
     if k > 1:
         c.dcache.crop(c.dcache.length - (k - 1))  # keep step-0 keys of verified positions only
+    if qs:
+        c.q = torch.stack(qs, dim=1)  # [B, k, Vd]
+        if c.targets is None:
+            c.targets = drafter.draft_to_target(torch.arange(qs[0].shape[-1], device=d.device))
     return torch.stack(drafts, dim=1)  # [B, k]
 
 
-def _verify(verifier, c: _Chain, D: torch.Tensor, aux_layers, max_new_tokens, eos_t, ref) -> None:
-    """The verifier on ``[last, d_1..d_k]``: greedy acceptance, emission, holes for the rejected slots, and the
-    kept positions' step-0 inputs for the next draft (updates ``c``)."""
+def _verify(
+    verifier, c: _Chain, D: torch.Tensor, aux_layers, max_new_tokens, eos_t, ref, sampler=None
+) -> None:
+    """The verifier on ``[last, d_1..d_k]``: greedy acceptance (or rejection sampling by ``sampler``), emission,
+    holes for the rejected slots, and the kept positions' step-0 inputs for the next draft (updates ``c``)."""
     k, jj = D.shape[1], c.jj  # [k+1]
     vin = torch.cat([c.last[:, None], D], dim=1)  # [B, k+1]
     vpos = c.n[:, None] + jj  # [B, k+1]
@@ -355,8 +378,11 @@ def _verify(verifier, c: _Chain, D: torch.Tensor, aux_layers, max_new_tokens, eo
     out = _forward(verifier, vin, c.vmask, vpos, c.cache, hidden=True)
     c.cache = _returned_cache(out)
     logits = out.logits  # [B, k+1, V]
-    pred = logits.argmax(-1)  # [B, k+1]
-    a = accepted_prefix(D, pred)  # [B]
+    if sampler is None:
+        pred = logits.argmax(-1)  # [B, k+1]
+        a = accepted_prefix(D, pred)  # [B]
+    else:  # pred[:, :a] = accepted drafts, pred[:, a] = residual or bonus token
+        a, pred = sampler.verify(D, c.q, c.targets, logits)
     keep = jj[None] <= a[:, None]  # [B, k+1] x_{t+1} and the accepted drafts stay
     c.vmask[:, -(k + 1) :] = keep  # rejected slots become holes
     live = ~c.done  # [B]
@@ -409,6 +435,23 @@ def _spec_rows(host: tuple, k: int, eos: set[int], max_new_tokens: int, with_ref
     return results
 
 
+def _rounds(verifier, drafter, c: _Chain, steps: int, settings, timer, check_every: int) -> int:
+    """Draft and verify rounds until every row of ``c`` finished; ``settings`` = ``(aux_layers, max_new_tokens,
+    eos_t, ref, sampler)`` of :func:`_verify`. Returns the rounds run."""
+    max_new_tokens, rounds = settings[1], 0
+    while not (rounds % check_every == 0 and bool(c.done.all())):
+        if rounds >= max_new_tokens:  # every row emits >= 1 token per round: all finished by now
+            break
+        timer.start("draft")
+        D = _draft(drafter, c, steps, settings[-1])
+        timer.stop("draft")
+        timer.start("verify")
+        _verify(verifier, c, D, *settings)
+        timer.stop("verify")
+        rounds += 1
+    return rounds
+
+
 @torch.inference_mode()
 @no_cudnn_sdpa()  # the KV caches grow every step: no per-shape cuDNN plans (eagle3.sdpa)
 def speculative_generate_batch(
@@ -421,9 +464,11 @@ def speculative_generate_batch(
     eos_ids: Sequence[int] = (),
     reference: Optional[Sequence[Sequence[int]]] = None,
     check_every: int = 4,
+    sampler: Optional[Sampler] = None,
 ) -> BatchSpec:
     """EAGLE-3 chain speculative decoding at temperature 0 of a batch of prompts (lossless w.r.t.
-    :func:`greedy_generate_batch`; see the module docstring for the batching).
+    :func:`greedy_generate_batch`; see the module docstring for the batching); with ``sampler``, chain
+    speculative sampling (:mod:`eagle3.decoding.sampling`: its output is distributed as plain sampling).
 
     Args:
         verifier: HF causal LM; must accept ``attention_mask``, ``position_ids``, a KV cache and
@@ -439,10 +484,16 @@ def speculative_generate_batch(
         reference: optional per-prompt token lists (greedy's output): each row's first difference
             and its logit gap are recorded in :attr:`SpecResult.mismatch` / :attr:`SpecResult.gap`.
         check_every: rounds between host checks of "every row finished".
+        sampler: temperature > 0 (``reference`` must then be None: sampled tokens have no reference).
 
     Raises:
-        UserError: bad ``steps``/``max_new_tokens``/``aux_layers``/``reference``, an empty prompt or batch.
+        UserError: bad ``steps``/``max_new_tokens``/``aux_layers``/``reference``, an empty prompt or batch, a
+            ``reference`` with a ``sampler``.
     """
+    if sampler is not None and reference is not None:
+        raise UserError(
+            "reference: sampled output (temperature > 0) has no token-by-token reference"
+        )
     check_settings(max_new_tokens, steps)
     aux_layers = _check_aux_layers(aux_layers)
     rows = check_prompts(prompts)
@@ -453,18 +504,9 @@ def speculative_generate_batch(
     timer = PhaseTimer(device)
     sync(device)
     t_start = time.perf_counter()
-    c = _spec_prefill(verifier, rows, aux_layers, steps, max_new_tokens, eos_t, ref)
-    rounds = 0
-    while not (rounds % check_every == 0 and bool(c.done.all())):
-        if rounds >= max_new_tokens:  # every row emits >= 1 token per round: all finished by now
-            break
-        timer.start("draft")
-        D = _draft(drafter, c, steps)
-        timer.stop("draft")
-        timer.start("verify")
-        _verify(verifier, c, D, aux_layers, max_new_tokens, eos_t, ref)
-        timer.stop("verify")
-        rounds += 1
+    c = _spec_prefill(verifier, rows, aux_layers, steps, max_new_tokens, eos_t, ref, sampler)
+    settings = (aux_layers, max_new_tokens, eos_t, ref, sampler)
+    rounds = _rounds(verifier, drafter, c, steps, settings, timer, check_every)
     host = _host_copies(c, max_new_tokens)
     sync(device)
     seconds = time.perf_counter() - t_start

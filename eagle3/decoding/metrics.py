@@ -204,3 +204,46 @@ def check_measurement(report: dict, tie_tolerance: float, strict: bool) -> Optio
     line is returned; None when every token matched greedy or only near-ties differ)."""
     report["warnings"] += speedup_warnings(report["datasets"])
     return lossless_verdict(report, tie_tolerance, strict)
+
+
+# ---------------------------------------------------------------------------------------------
+# simulated acceptance at temperature > 0
+# ---------------------------------------------------------------------------------------------
+def acceptance_probs(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Per-position acceptance probability of speculative rejection sampling: ``alpha = sum_x min(p(x), q(x))``.
+
+    Args:
+        p: ``[..., V]`` the verifier's processed distribution (temperature / top-p applied).
+        q: ``[..., V]`` the drafter's, over the same (verifier) vocabulary: 0 outside the draft vocab.
+
+    Returns:
+        float32 ``[...]``, each in [0, 1] (1 - the total-variation distance of ``p`` and ``q``).
+    """
+    return torch.minimum(p.float(), q.float()).sum(-1)
+
+
+def expected_tau(p: torch.Tensor, q: torch.Tensor) -> float:
+    """Expected tau (tokens emitted per verify step) of chain speculative sampling from the draft and target
+    distributions at each draft position: ``1 + sum_k prod_{i<=k} alpha_i`` (:func:`acceptance_probs`), averaged
+    over the leading dimensions.
+
+    Along teacher-forced positions (each draft step's ``q`` and ``p`` taken on the reference continuation, as
+    training's TTT steps compute them) this is the expected accepted length at the temperature the distributions
+    were processed at (:func:`eagle3.decoding.sampling.processed_probs`); at temperature 0 with one-hot ``p`` and
+    ``q`` it is greedy's simulated tau.
+
+    Args:
+        p, q: ``[..., k, V]`` probabilities for draft positions ``1..k`` (same shape).
+
+    Returns:
+        a float in ``[1, k + 1]``.
+
+    Raises:
+        ValueError: shapes differ or fewer than 2 dimensions (a caller bug).
+    """
+    if p.shape != q.shape or p.dim() < 2:
+        raise ValueError(
+            f"expected_tau: p and q must share a [..., k, V] shape, got {p.shape}, {q.shape}"
+        )
+    alpha = acceptance_probs(p, q)  # [..., k]
+    return float((1.0 + alpha.cumprod(-1).sum(-1)).mean())

@@ -8,7 +8,10 @@ Batching (``batch_size``): prompts sorted by length (longest first, least paddin
 the speculative steps: where it is large, the drafter does not pay. Losslessness: a difference from greedy comes
 with its logit gap (verify top-1 minus the logit of greedy's token); a gap <= ``tie_tolerance`` is a near-tie
 (rounding of the ``k+1``-token verify vs the one-token greedy forward), larger ones are failures
-(:func:`eagle3.decoding.metrics.lossless_verdict`).
+(:func:`eagle3.decoding.metrics.lossless_verdict`). At ``temperature`` > 0 the baseline is plain sampling and the
+speculative decoder samples its drafts and decides them by rejection sampling (:mod:`eagle3.decoding.sampling`):
+its output equals plain sampling in distribution only, so no token-by-token verdict is made (``lossless`` None per
+prompt, no mismatches); ``tests/benchmark/test_sampling.py`` checks the distribution.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from tqdm import tqdm
 
 from eagle3.decoding.decode import greedy_generate_batch, speculative_generate_batch
 from eagle3.decoding.metrics import acceptance_stats, first_mismatch
+from eagle3.decoding.sampling import Sampler, make_sampler
 from eagle3.decoding.static_decode import StaticDecoder, capacity_for, resolve_decoder
 from eagle3.errors import UserError
 
@@ -37,6 +41,8 @@ def bench_prompts(
     tie_tolerance: float = 0.0,
     progress: bool = True,
     decoder: str = "auto",
+    temperature: float = 0.0,
+    top_p: float = 1.0,
 ) -> dict:
     """Greedy vs speculative decoding of tokenised prompts, batch by batch (longest first), greedy's tokens the
     reference: every emitted token is checked, each prompt's first difference comes with its logit gap.
@@ -49,51 +55,64 @@ def bench_prompts(
         tie_tolerance: a difference whose logit gap is <= this is a near-tie (counted, not a failure).
         decoder: ``benchmark.decoder`` (:func:`eagle3.decoding.static_decode.resolve_decoder`): ``batched``,
             ``static`` (batch 1, CUDA graphs captured on the longest prompt before the timed set) or ``auto``.
+        temperature, top_p: 0 = greedy (every token checked); > 0 = plain sampling vs speculative sampling with a
+            sampler seeded afresh for this set (:func:`eagle3.decoding.sampling.make_sampler`), batched decoder.
 
     Returns:
         the set's ``bench.json`` row (:meth:`_BenchTally.summary`) plus ``decoder`` (the one that ran) and
         ``warm_up_seconds`` (static: graph capture, untimed; 0 for batched).
-    Raises UserError: ``batch_size < 1``, a bad ``decoder``.
+    Raises UserError: ``batch_size < 1``, a bad ``decoder``, ``static`` at temperature > 0.
     """
     if batch_size < 1:
         raise UserError(f"benchmark.batch_size: must be >= 1, got {batch_size}")
-    mode = resolve_decoder(decoder, batch_size, next(verifier.parameters()).device)
+    sampler = make_sampler(temperature, top_p)
+    mode = _decoder_mode(decoder, batch_size, next(verifier.parameters()).device, sampler)
     effective = effective_batch_size(batch_size, len(prompts_ids))
     settings = (aux_layers, steps, max_new_tokens, eos_ids)
     static, warm_s = None, 0.0
     if mode == "static":
         static, warm_s = _open_static(verifier, drafter, [p for _, p in prompts_ids], *settings)
     t_wall = time.perf_counter()
-    bar = tqdm(
-        total=len(prompts_ids),
-        desc=f"bench {label} (batch {effective}, {mode})",
-        unit="prompt",
-        disable=not progress,
-    )
+    bar = tqdm(total=len(prompts_ids), desc=f"bench {label} (batch {effective}, {mode})",
+               unit="prompt", disable=not progress)  # fmt: skip
+    models = (verifier, drafter, sampler)
     try:
-        tally = _decode_all(
-            static, verifier, drafter, prompts_ids, settings, batch_size, tie_tolerance, bar
-        )
+        tally = _decode_all(static, models, prompts_ids, settings, batch_size, tie_tolerance, bar)
     finally:
         if static is not None:
             static.close()
     bar.close()
     wall = time.perf_counter() - t_wall
-    extra = {"decoder": mode, "warm_up_seconds": warm_s}
+    extra = {"decoder": mode, "warm_up_seconds": warm_s, "temperature": temperature, "top_p": top_p}
     if static is not None:
         extra["cuda_graphs"] = static.use_graphs
         extra["graph_error"] = static.graph_error
     return {**tally.summary(label, effective, steps, wall, tie_tolerance), **extra}
 
 
-def _decode_all(static, verifier, drafter, prompts_ids, settings, batch_size, tie_tolerance, bar):
-    """Every batch of ``prompts_ids`` (longest first) through :func:`_decode_batch`; the :class:`_BenchTally`."""
+def _decoder_mode(decoder: str, batch_size: int, device, sampler: Optional[Sampler]) -> str:
+    """:func:`~eagle3.decoding.static_decode.resolve_decoder`, except that sampling (``sampler``) runs batched:
+    ``auto`` becomes ``batched``, ``static`` is refused (UserError)."""
+    if sampler is None:
+        return resolve_decoder(decoder, batch_size, device)
+    if decoder == "static":
+        raise UserError(
+            "benchmark.decoder: 'static' decodes at temperature 0 only; use 'batched' or 'auto' with "
+            f"benchmark.temperature {sampler.temperature}"
+        )
+    return resolve_decoder("batched" if decoder == "auto" else decoder, batch_size, device)
+
+
+def _decode_all(static, models, prompts_ids, settings, batch_size, tie_tolerance, bar):
+    """Every batch of ``prompts_ids`` (longest first) through :func:`_decode_batch` with ``models`` =
+    ``(verifier, drafter, sampler or None)``; the :class:`_BenchTally`."""
+    verifier, drafter, sampler = models
     order = sorted(range(len(prompts_ids)), key=lambda i: (-len(prompts_ids[i][1]), i))
-    tally = _BenchTally(len(prompts_ids))
+    tally = _BenchTally(len(prompts_ids), sampled=sampler is not None)
     for b0 in range(0, len(order), batch_size):
         idx = order[b0 : b0 + batch_size]
         ids = [prompts_ids[i][1] for i in idx]
-        g, s = _decode_batch(static, verifier, drafter, ids, *settings)
+        g, s = _decode_batch(static, verifier, drafter, ids, *settings, sampler=sampler)
         tally.add_batch(idx, prompts_ids, g, s, tie_tolerance)
         bar.update(len(idx))
     return tally
@@ -114,15 +133,18 @@ def _decode_batch(
     steps: int,
     max_new_tokens: int,
     eos_ids,
+    sampler: Optional[Sampler] = None,
 ):
     """Greedy then speculative decoding of one batch (greedy's tokens as the reference): through ``static`` (a
-    :class:`~eagle3.decoding.static_decode.StaticDecoder`, batch 1) when given, else the batched decoders."""
+    :class:`~eagle3.decoding.static_decode.StaticDecoder`, batch 1) when given, else the batched decoders; with
+    ``sampler``, plain sampling then speculative sampling (no reference)."""
     if static is not None:
         g = static.greedy(ids[0])
         return g, static.speculative(ids[0], reference=g.tokens[0])
-    g = greedy_generate_batch(verifier, ids, max_new_tokens, eos_ids)
+    g = greedy_generate_batch(verifier, ids, max_new_tokens, eos_ids, sampler=sampler)
+    ref = g.tokens if sampler is None else None
     return g, speculative_generate_batch(
-        verifier, drafter, ids, aux_layers, steps, max_new_tokens, eos_ids, reference=g.tokens
+        verifier, drafter, ids, aux_layers, steps, max_new_tokens, eos_ids, ref, sampler=sampler
     )
 
 
@@ -155,12 +177,13 @@ class _BenchTally:
     """Sums of :func:`bench_prompts` over its batches: tokens and seconds of both decoders, draft/verify time,
     rounds, accepted draft tokens (emitted ones), first mismatches and one row per prompt (input order)."""
 
-    def __init__(self, n_prompts: int):
+    def __init__(self, n_prompts: int, sampled: bool = False):
         self.per_prompt: list[Optional[dict]] = [None] * n_prompts
         self.accepted: list[list[bool]] = []
         self.g_tok = self.g_sec = self.s_tok = self.s_sec = self.d_sec = self.v_sec = 0.0
         self.rounds = 0
         self.mismatches: list[dict] = []
+        self.sampled = sampled  # temperature > 0: no token-by-token comparison
 
     def add_batch(self, idx: list[int], prompts_ids, g, s, tie_tolerance: float) -> None:
         """Fold one batch: ``g`` greedy and ``s`` speculative results (:mod:`eagle3.decoding.decode`) of prompts ``idx``."""
@@ -171,7 +194,7 @@ class _BenchTally:
         self.rounds += s.rounds
         for i, g_tokens, res in zip(idx, g.tokens, s.rows):
             pid = prompts_ids[i][0]
-            diff = first_mismatch(g_tokens, res.tokens)
+            diff = None if self.sampled else first_mismatch(g_tokens, res.tokens)
             if diff is not None:
                 gap = res.gap if res.mismatch == diff else None
                 self.mismatches.append(
@@ -191,7 +214,7 @@ class _BenchTally:
                 "greedy_tokens": len(g_tokens),
                 "spec_tokens": len(res.tokens),
                 "accept_lengths": res.accept_lengths,
-                "lossless": diff is None,
+                "lossless": None if self.sampled else diff is None,
             }
 
     def summary(
@@ -251,11 +274,15 @@ def warm_up(
     steps: int,
     eos: Sequence[int],
     batch_size: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
 ) -> None:
-    """Untimed runs of both decoders at ``batch_size`` (allocator, kernels and their heuristics)."""
+    """Untimed runs of both decoders at ``batch_size`` (allocator, kernels and their heuristics), sampling at
+    ``temperature`` > 0 as the timed runs will."""
     batch = [list(prompt)] * batch_size
-    greedy_generate_batch(verifier, batch, 8, eos)
-    speculative_generate_batch(verifier, drafter, batch, aux_layers, steps, 8, eos)
+    sampler = make_sampler(temperature, top_p)
+    greedy_generate_batch(verifier, batch, 8, eos, sampler=sampler)
+    speculative_generate_batch(verifier, drafter, batch, aux_layers, steps, 8, eos, sampler=sampler)
 
 
 def check_context(

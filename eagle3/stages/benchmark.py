@@ -2,7 +2,8 @@
 
 Offline (:func:`run`): greedy vs chain speculative decoding of each set in one run, every emitted token checked
 against greedy's (:mod:`eagle3.decoding.offline`); on CPU (float32) a difference beyond ``benchmark.tie_tolerance``
-fails the run after the reports (``bench.json``, ``bench.md``, ``acceptance.png``) are written. Server
+fails the run after the reports (``bench.json``, ``bench.md``, ``acceptance.png``) are written. At
+``benchmark.temperature`` > 0: both decoders sample, lossless in distribution (:mod:`eagle3.decoding.sampling`). Server
 (:func:`run_server`): a running SGLang server's tau and speedup (:mod:`eagle3.decoding.server`). Both hold
 ``{bench_dir}/.bench.lock`` and refuse an unwritable bench folder before any work.
 """
@@ -289,6 +290,7 @@ def run_offline(
         "aux_layers": list(aux_layers),
         "eos_ids": eos,
         "prompt_pick": bc.prompt_pick,
+        **bc.model_dump(include={"temperature", "top_p"}),  # > 0: sampled, no per-token verdict
         "warnings": list(warnings) + list(logged),
         "not_checked": list(not_checked),
         "datasets": [],
@@ -310,12 +312,13 @@ def _bench_sets(cfg, models, sets, steps, max_new_tokens, eos, batch_size, tie_t
     ]
     check_context(tokenized, max_new_tokens, steps, verifier.config)  # before any set is decoded
     warm = prompt_ids(tokenizer, [{"role": "user", "content": "Hi"}], chat)
-    warm_up(verifier, drafter, warm, aux_layers, steps, eos, largest)
+    sampling = {"temperature": cfg.benchmark.temperature, "top_p": cfg.benchmark.top_p}
+    warm_up(verifier, drafter, warm, aux_layers, steps, eos, largest, **sampling)
     rows = []
     for label, ids in tokenized:
         row = bench_prompts(
             verifier, drafter, ids, aux_layers, steps, max_new_tokens, eos, label,
-            batch_size=batch_size, tie_tolerance=tie_tolerance, decoder=cfg.benchmark.decoder,
+            batch_size=batch_size, tie_tolerance=tie_tolerance, decoder=cfg.benchmark.decoder, **sampling,
         )  # fmt: skip
         rows.append({**row, "prompt_ids": [i for i, _ in ids]})  # the prompts prompt_pick chose
     return rows
@@ -362,9 +365,7 @@ def run_server(
     """
     configured = cfg.benchmark.datasets if "datasets" in cfg.benchmark.model_fields_set else None
     datasets = eval_prompts.server_sets(datasets, configured)
-    probe_dirs(
-        Path(cfg.bench_dir), cfg.output_field("bench")
-    )  # the reports come after the measurement
+    probe_dirs(Path(cfg.bench_dir), cfg.output_field("bench"))  # reports after the measurement
     max_new_tokens = max_new_tokens or cfg.benchmark.max_new_tokens
     num_prompts = num_prompts or cfg.benchmark.num_prompts
     tok = vf.load_tokenizer(cfg.verifier)

@@ -1,0 +1,133 @@
+"""Decoding at temperature > 0: the processed distributions, plain sampling and speculative rejection sampling.
+
+``p`` (verifier) and ``q`` (drafter) are the temperature / top-p processed distributions over the verifier's whole
+vocabulary (:func:`processed_probs`); the drafter's distribution is computed over its draft vocab and placed at the
+verifier ids ``draft + d2t[draft]``, so its mass outside the draft vocab is 0. A chain of ``k`` drafts, each sampled
+from ``q``, is decided by standard speculative rejection sampling (Leviathan et al. 2023, arXiv 2211.17192; Chen et
+al. 2023, arXiv 2302.01318): draft ``x`` at position ``j`` is accepted with probability ``min(1, p_j(x) / q_j(x))``
+(:func:`accept`); at the first rejection the token is sampled from ``norm(max(0, p_j - q_j))`` (:func:`residual`);
+when all ``k`` are accepted a bonus token is sampled from ``p_k``. The emitted tokens are distributed exactly as
+plain sampling from ``p`` (lossless in distribution, not token by token). Every draw takes the sampler's seeded
+``torch.Generator`` (one per device), so a run is reproducible.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from eagle3.errors import UserError
+
+#: the seed of every sampler 05 makes (each set starts from it, so a set's tokens do not depend on the sets before)
+SEED = 0
+
+
+def processed_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
+    """Probabilities of ``logits [..., V]`` at ``temperature`` (> 0) with top-p (nucleus) filtering.
+
+    Top-p keeps the smallest set of most probable tokens whose mass reaches ``top_p`` (a token is kept when the mass
+    of the tokens ranked before it is below ``top_p``; the top-1 always stays) and renormalises.
+
+    Returns:
+        float32 ``[..., V]``, each row summing to 1.
+    """
+    p = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p >= 1.0:
+        return p
+    sp, idx = p.sort(dim=-1, descending=True)
+    sp = sp.masked_fill(sp.cumsum(-1) - sp >= top_p, 0.0)
+    p = torch.zeros_like(p).scatter_(-1, idx, sp)
+    return p / p.sum(-1, keepdim=True)
+
+
+def accept(p_x: torch.Tensor, q_x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The acceptance rule: draft ``x`` stays when ``u < min(1, p(x) / q(x))`` for ``u ~ U[0, 1)``, written
+    ``u * q(x) < p(x)`` (no division; ``q(x) > 0`` for a drafted ``x``). Same-shape float tensors -> bool."""
+    return u * q_x < p_x
+
+
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Unnormalised weights of the token sampled at the first rejection: ``max(0, p - q)`` (``[B, V]``)."""
+    return (p - q).clamp_min(0.0)
+
+
+class Sampler:
+    """Sampling at ``temperature`` > 0 and ``top_p`` in (0, 1] with a seeded generator per device.
+
+    Raises:
+        UserError: ``temperature <= 0`` or ``top_p`` outside (0, 1].
+    """
+
+    def __init__(self, temperature: float, top_p: float = 1.0, seed: int = SEED):
+        if not temperature > 0:
+            raise UserError(f"benchmark.temperature: a sampler needs > 0, got {temperature}")
+        if not 0 < top_p <= 1:
+            raise UserError(f"benchmark.top_p: must be in (0, 1], got {top_p}")
+        self.temperature, self.top_p, self.seed = float(temperature), float(top_p), int(seed)
+        self._gens: dict[str, torch.Generator] = {}
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        """The seeded generator of ``device`` (made on first use)."""
+        key = str(torch.device(device))
+        if key not in self._gens:
+            self._gens[key] = torch.Generator(device=device).manual_seed(self.seed)
+        return self._gens[key]
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """:func:`processed_probs` at this sampler's settings: float32 ``[..., V]``."""
+        return processed_probs(logits, self.temperature, self.top_p)
+
+    def draw(self, weights: torch.Tensor) -> torch.Tensor:
+        """One id per row of non-negative ``weights [B, V]`` (normalised or not): int64 ``[B]``."""
+        return torch.multinomial(weights, 1, generator=self.generator(weights.device))[:, 0]
+
+    def sample(self, logits: torch.Tensor) -> torch.Tensor:
+        """Plain sampling: one token per row of ``logits [B, V]`` from ``p``: int64 ``[B]``."""
+        return self.draw(self.probs(logits))
+
+    def draft(self, draft_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft per row of ``draft_logits [B, Vd]`` (draft-vocab ids): ``(draft ids [B], q [B, Vd] float32)``."""
+        q = self.probs(draft_logits)
+        return self.draw(q), q
+
+    def verify(
+        self,
+        drafts: torch.Tensor,
+        q_draft: torch.Tensor,
+        targets: torch.Tensor,
+        logits: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Speculative rejection sampling of a chain (see the module docstring).
+
+        Args:
+            drafts: int64 ``[B, k]`` verifier ids of the drafts.
+            q_draft: float32 ``[B, k, Vd]`` the drafter's processed distributions over its draft vocab.
+            targets: int64 ``[Vd]`` the verifier id of each draft id (``arange(Vd) + d2t``; distinct).
+            logits: ``[B, k+1, V]`` the verifier's logits at ``[last, d_1..d_k]``.
+
+        Returns:
+            ``(accepted [B] int64 in 0..k, tokens [B, k+1] int64)``: ``tokens[:, j] = drafts[:, j]`` for
+            ``j < accepted``, ``tokens[:, accepted]`` the token sampled after them (residual or bonus); later
+            columns repeat draft 0 and are never emitted.
+        """
+        B, k = drafts.shape
+        V = logits.shape[-1]
+        P = self.probs(logits)  # [B, k+1, V]
+        Q = torch.zeros_like(P)  # [B, k+1, V]; row k stays 0: the bonus is sampled from p
+        Q[:, :k].scatter_(2, targets.expand(B, k, -1), q_draft.float())
+        p_x = P[:, :k].gather(2, drafts[..., None])[..., 0]  # [B, k]
+        q_x = Q[:, :k].gather(2, drafts[..., None])[..., 0]  # [B, k]
+        u = torch.rand(B, k, generator=self.generator(P.device), device=P.device)
+        a = accept(p_x, q_x, u).long().cumprod(1).sum(1)  # [B] leading accepted drafts
+        at = a[:, None, None].expand(B, 1, V)
+        p_a, q_a = P.gather(1, at)[:, 0], Q.gather(1, at)[:, 0]  # [B, V]
+        w = residual(p_a, q_a)
+        w = torch.where(w.sum(-1, keepdim=True) > 0, w, p_a)  # p == q to rounding: never rejected
+        tokens = torch.cat([drafts, drafts[:, :1]], dim=1)  # [B, k+1]
+        return a, tokens.scatter(1, a[:, None], self.draw(w)[:, None])
+
+
+def make_sampler(temperature: float, top_p: float = 1.0, seed: int = SEED) -> Optional[Sampler]:
+    """A :class:`Sampler` at ``temperature`` > 0; None at temperature 0 (greedy decoding, ``top_p`` unused)."""
+    return Sampler(temperature, top_p, seed) if temperature > 0 else None
