@@ -288,6 +288,25 @@ def served_model_warnings(
     return out, recs
 
 
+def check_speculative_algorithm(url: str, info: dict) -> None:
+    """Refuse a server that runs this project's EAGLE-3 drafter with SGLang's ``EAGLE`` algorithm.
+
+    ``info``: the server's ``/server_info`` (empty when it did not answer: nothing to check). SGLang's ``EAGLE``
+    path (``--speculative-algorithm EAGLE``) captures no aux hidden states, so an EAGLE-3 drafter loaded there
+    accepts almost no drafts without an error (sglang PR 21272); every export of this project is EAGLE-3.
+
+    Raises:
+        UserError: ``speculative_algorithm`` is ``EAGLE`` (any case), naming the server and the fix.
+    """
+    algo = info.get("speculative_algorithm")
+    if isinstance(algo, str) and algo.upper() == "EAGLE":
+        raise UserError(
+            f"{url}/server_info speculative_algorithm is {algo!r}, but an EAGLE-3 drafter needs 'EAGLE3' (SGLang's "
+            "EAGLE path captures no aux hidden states: tau ~1.0); restart the server with "
+            "--speculative-algorithm EAGLE3"
+        )
+
+
 def check_servers(
     urls: Sequence[str], vcfg, shards_dir: Path, tokenizer, chat: ChatOptions
 ) -> tuple[list[str], dict]:
@@ -300,6 +319,8 @@ def check_servers(
         ``(warning lines, {"not_checked", "draft_folder", "served_model"})``, the dict's keys as each
         ``server_bench.json`` records them.
     """
+    for url in urls:
+        check_speculative_algorithm(url, server_info(url))
     name, fp = vcfg.display_name(), weights_fingerprint(vcfg)
     notes, folder = draft_folder_warnings(urls[0], name, fp, shards_dir)
     model_notes, served = served_model_warnings(vcfg, urls)

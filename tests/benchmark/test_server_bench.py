@@ -17,7 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from eagle3.decoding.server import bench_server, emitted_histogram, generate, run_server_bench
+from eagle3.decoding.server import (
+    bench_server,
+    emitted_histogram,
+    generate,
+    run_server_bench,
+    server_info,
+)
 from eagle3.errors import UserError
 
 STEPS = 3
@@ -86,6 +92,7 @@ class _StandIn:
         model: str | None = "tiny",
         has_info: bool = True,
         info_steps=STEPS,
+        algorithm: str = "EAGLE3",
     ):
         """``draft``: the ``speculative_draft_model_path`` its ``/server_info`` names (absent: None); ``delay``:
         seconds each ``/generate`` answer waits (a slowed server); ``model``: its ``--model-path``, named by
@@ -121,7 +128,7 @@ class _StandIn:
                     )
                 elif self.path == "/server_info" and has_info:
                     info = {
-                        "speculative_algorithm": "EAGLE3" if speculative else None,
+                        "speculative_algorithm": algorithm if speculative else None,
                         "speculative_num_steps": info_steps if speculative else None,
                         "speculative_eagle_topk": 1,
                         "speculative_num_draft_tokens": STEPS + 1,
@@ -944,3 +951,24 @@ def test_server_info_speculative_num_steps_that_is_not_an_integer_falls_back_to_
         with _StandIn(speculative=True, info_steps=odd) as s:
             res = bench_server(s.url, PROMPTS, 10, concurrency=1, progress=False)
         assert res["steps"] == STEPS and len(res["conditional"]) == STEPS, odd
+
+
+def test_a_server_running_the_eagle_algorithm_is_refused_by_name(tmp_path):
+    """An SGLang server started with ``--speculative-algorithm EAGLE`` (not EAGLE3) serves an EAGLE-3 drafter with
+    no aux hidden states (tau ~1.0, no error): 05 --server's checks refuse it in one line naming the server and the
+    fix; EAGLE3 and a plain server pass the check."""
+    from eagle3.decoding.server_checks import check_speculative_algorithm
+
+    for algo in ("EAGLE", "eagle"):
+        with _StandIn(speculative=True, algorithm=algo) as s:
+            with pytest.raises(UserError) as e:
+                check_speculative_algorithm(s.url, server_info(s.url))
+        assert str(e.value) == (
+            f"{s.url}/server_info speculative_algorithm is {algo!r}, but an EAGLE-3 drafter needs 'EAGLE3' "
+            "(SGLang's EAGLE path captures no aux hidden states: tau ~1.0); restart the server with "
+            "--speculative-algorithm EAGLE3"
+        )
+    for spec in (True, False):
+        with _StandIn(speculative=spec) as s:
+            assert check_speculative_algorithm(s.url, server_info(s.url)) is None
+    assert check_speculative_algorithm("http://x", {}) is None
