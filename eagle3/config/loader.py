@@ -18,6 +18,7 @@ from pydantic import BaseModel, ValidationError
 from ruamel.yaml import YAML, MappingNode, SequenceNode
 from ruamel.yaml.constructor import DuplicateKeyError
 from ruamel.yaml.error import MantissaNoDotYAML1_1Warning, YAMLError
+from ruamel.yaml.resolver import VersionedResolver
 
 from eagle3.config.types import ItemError
 from eagle3.errors import UserError
@@ -26,9 +27,28 @@ from eagle3.io.read import not_utf8_error
 Loc = tuple[str, ...]
 
 
+# PyYAML's YAML 1.1 booleans: the spec's y / Y / n / N are strings there (``path: y`` is the file "y")
+_PYYAML_BOOL = re.compile(
+    r"^(?:yes|Yes|YES|no|No|NO|true|True|TRUE|false|False|FALSE|on|On|ON|off|Off|OFF)$"
+)
+
+
+class _PyYAMLResolver(VersionedResolver):
+    """ruamel.yaml's resolver with PyYAML's YAML 1.1 booleans (:data:`_PYYAML_BOOL`)."""
+
+    def add_version_implicit_resolver(
+        self, version: Any, tag: Any, regexp: Any, first: Any
+    ) -> None:
+        if version == (1, 1) and tag == "tag:yaml.org,2002:bool":
+            regexp = _PYYAML_BOOL
+        super().add_version_implicit_resolver(version, tag, regexp, first)
+
+
 def _yaml(typ: str = "safe") -> YAML:
-    """A ruamel.yaml reader of YAML 1.1 (PyYAML's dialect) that refuses a key given twice in one mapping."""
+    """A ruamel.yaml reader of YAML 1.1 as PyYAML reads it (its booleans) that refuses a key given twice in one
+    mapping."""
     y = YAML(typ=typ, pure=True)
+    y.Resolver = _PyYAMLResolver
     y.version = (1, 1)
     y.allow_duplicate_keys = False
     return y

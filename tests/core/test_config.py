@@ -658,3 +658,21 @@ def test_a_top_level_output_dir_suggests_output_root(tmp_path):
         f"{f}:6: unknown config key 'output_dir' (did you mean 'output_root', the run's folder? a "
         f"stage's own folder is its section's output_dir, e.g. 'train.output_dir')"
     )
+
+
+def test_yaml_booleans_are_pyyaml_s():
+    """The config YAML is read as PyYAML reads YAML 1.1: yes / no / on / off / true / false (any of their cases) are
+    booleans, the spec's single letters y / Y / n / N stay strings (a verifier folder named ``y``)."""
+    from eagle3.config.loader import parse_yaml
+
+    got = parse_yaml("a: y\nb: N\nc: yes\nd: Off\ne: TRUE\nf: no\ng: 'on'\nh: 1e-3\n")
+    assert got == {
+        "a": "y",
+        "b": "N",
+        "c": True,
+        "d": False,
+        "e": True,
+        "f": False,
+        "g": "on",
+        "h": 0.001,
+    }
