@@ -2,7 +2,7 @@
 
 ``convert(src, dst, storage)`` reads every shard of ``src`` (a stage-02 folder with
 ``data_config.json``; nested ``rows_*`` or flat layout), re-encodes its hidden states
-(:func:`eagle3.shards.fp8.quantize` for fp8; :func:`eagle3.shards.format.hidden_states_bf16` for bf16) and writes
+(:func:`eagle3.shards.fp8.quantize` for fp8; :func:`eagle3.shards.read.hidden_states_bf16` for bf16) and writes
 the same sample ids into ``dst`` in the nested layout, with the same guarantees as stage 02:
 
 - each shard is written atomically (``eagle3.io``); after it lands, ``{dst}/manifest.jsonl`` gets
@@ -37,20 +37,17 @@ from eagle3.errors import UserError
 from eagle3.io import atomic_write_json, make_dirs, read_json, remove_stale_tmp
 from eagle3.io.lock import exclusive_lock
 from eagle3.shards.checksum import DEFAULT_ALGO, file_checksum, new_hasher, row_checksum
-from eagle3.shards.format import (
-    DATA_CONFIG,
+from eagle3.shards.data_config import (
     expect_from_data_config,
-    hidden_states_bf16,
-    list_samples,
-    load_sample,
     read_data_config,
-    shard_path,
     storage_meta,
     write_data_config,
-    write_sample,
 )
+from eagle3.shards.format import DATA_CONFIG, list_samples, shard_path
 from eagle3.shards.fp8 import Storage
 from eagle3.shards.manifest import MANIFEST, ManifestWriter, read_manifest
+from eagle3.shards.read import hidden_states_bf16, load_sample
+from eagle3.shards.write import write_sample
 
 log = logging.getLogger(__name__)
 
