@@ -21,9 +21,9 @@ def check_verifier(verifier: Any, meta: dict, root: str | os.PathLike) -> Option
 
     Checked before any shape: a config pointing at another verifier otherwise fails later on a symptom (a hidden
     size, an aux layer out of range) that names a setting the user never changed. Then, when 02 recorded it, the
-    content fingerprint of the weight files (``verifier_weights``, :func:`eagle3.verifier.load.weights_fingerprint`): a
-    ``verifier.path`` pointed at another model of the same shapes under the old ``verifier.name`` trained without
-    an error, against the other model's lm_head (fresh-user trial 2026-12-05f: val top-1 0.000, exit 0).
+    content fingerprint of the weight files (``verifier_weights``, :func:`eagle3.verifier.load.weights_fingerprint`):
+    a ``verifier.path`` pointed at another model of the same shapes under the old ``verifier.name`` would otherwise
+    train without an error against the other model's lm_head.
 
     Args:
         verifier: the config's ``verifier`` section (its ``display_name()`` is what 02 records).
@@ -32,36 +32,48 @@ def check_verifier(verifier: Any, meta: dict, root: str | os.PathLike) -> Option
 
     Returns:
         None when the weights were compared, or there is nothing here to compare (``verifier.path`` holds no weight
-        file on this machine; ``verifier`` is no config section); else (the shards record no ``verifier_weights``:
-        captured before 2026-12-05f) the one warning line saying they were not compared and how to check by hand:
-        that skip was silent. The caller logs it (rank 0).
+        file on this machine; ``verifier`` is no config section); else (the shards record no ``verifier_weights``)
+        the one warning line saying they were not compared and how to check by hand. The caller logs it (rank 0).
 
     Raises:
         UserError: ``<data_config.json>: key 'verifier' is 'a' but the config's verifier is 'b' (verifier.name /
-            verifier.path); re-run 02 for this verifier``.
+            verifier.path); re-run 02 for this verifier``; or other weights at ``verifier.path`` than recorded.
     """
+    path = _data_config_path(root)
+    _check_verifier_name(verifier, meta, path)
+    if not hasattr(verifier, "resolved_path"):
+        return None
+    return _check_verifier_weights(verifier, meta.get("verifier_weights"), path)
+
+
+def _data_config_path(root: str | os.PathLike) -> Path:
+    """``{root}/data_config.json``, or ``root`` itself when it names a ``.json`` file."""
     path = Path(root)
     if path.is_dir() or not path.name.endswith(".json"):
         path = path / DATA_CONFIG
+    return path
+
+
+def _check_verifier_name(verifier: Any, meta: dict, path: Path) -> None:
     want = verifier.display_name()
     if meta.get("verifier") != want:
         raise UserError(
             f"{path}: key 'verifier' is {meta.get('verifier')!r} but the config's verifier is {want!r} "
             "(verifier.name / verifier.path); re-run 02 for this verifier"
         )
-    recorded = meta.get("verifier_weights")
-    if not hasattr(verifier, "resolved_path"):
-        return None
-    from eagle3.verifier.load import weights_differ, weights_fingerprint
 
+
+def _check_verifier_weights(verifier: Any, recorded: Any, path: Path) -> Optional[str]:
+    """Compare the weights at ``verifier.path`` with the recorded fingerprint (see :func:`check_verifier`)."""
+    from eagle3.verifier.load import weights_differ, weights_fingerprint  # transformers: heavy
+
+    want = verifier.display_name()
     now = weights_fingerprint(verifier)
-    if (
-        now is None
-    ):  # the verifier's files are not on this machine (03 needs none): nothing here to compare
+    if now is None:  # the verifier's files are not on this machine (03 needs none)
         return None
     if (
         not recorded
-    ):  # shard sets of before 2026-12-05f: the weights here cannot be compared (said, not silent)
+    ):  # shards without a fingerprint: the weights cannot be compared (said, not silent)
         return (
             f"{path}: records no verifier_weights (shards captured before 2026-12-05f): the weights at "
             f"verifier.path '{verifier.path}' were not checked against the model the shards were captured from, "
@@ -92,7 +104,7 @@ def verifier_dims_differ(dims: dict, recorded: dict) -> Optional[str]:
     config loads (``dims``: :func:`eagle3.verifier.load.verifier_dims`) has other than ``recorded`` (the shards'
     ``data_config.json`` or an export's ``verifier`` block), or None. :func:`check_verifier` compares names only: a
     config whose ``verifier.path`` was pointed at another model under the old ``verifier.name`` otherwise fails on a
-    drafter field the user never set (fresh-user trial 2026-12-05d)."""
+    drafter field the user never set."""
     diffs = [
         f"{k} {recorded[k]} recorded, {dims[k]} at verifier.path"
         for k in VERIFIER_DIMS
@@ -105,7 +117,6 @@ def verifier_dims_differ(dims: dict, recorded: dict) -> Optional[str]:
 
 def check_verifier_dims(verifier: Any, dims: dict, meta: dict, root: str | os.PathLike) -> None:
     """Refuse a verifier (loaded from ``verifier.path``) of other dimensions than the shards' (``meta``).
-
 
     Raises:
         UserError: ``verifier.path: '<path>' is another model than the shards in <root> were captured from ('<name>':
@@ -123,12 +134,10 @@ def check_verifier_dims(verifier: Any, dims: dict, meta: dict, root: str | os.Pa
 def check_extract_settings(extract: Any, meta: dict, root: str | os.PathLike) -> None:
     """Refuse a config whose ``extract.aux_layers`` / ``extract.max_length`` differ from the shards'.
 
-
     Stages 03, 04 and 05 read the shards' values from ``data_config.json`` (``meta``); a config that says
     otherwise would silently be ignored. Only a key the config sets (pydantic ``model_fields_set`` of
     ``extract``) is compared; ``aux_layers: null`` set explicitly means the EAGLE default ``[2, N//2, N-3]``
     of the shards' ``num_layers`` (named so in the message). Keys missing from ``meta`` are not compared.
-
 
     Raises:
         UserError: one line naming every differing key, both values, the shards folder and the fixes.

@@ -54,7 +54,6 @@ DATA_CONFIG_KEYS: dict[str, type | tuple[type, ...]] = {
 def write_data_config(root: str | os.PathLike, meta: dict) -> Path:
     """Validate and atomically write ``{root}/data_config.json``.
 
-
     Keys (all required; see :data:`DATA_CONFIG_KEYS`): ``format`` ("speculators-v1"),
     ``verifier`` (id = ``verifier.display_name()``), ``architecture``, ``num_layers``,
     ``hidden_size``, ``vocab_size``, ``aux_layers`` (HF indices), ``layer_index_convention``,
@@ -62,7 +61,6 @@ def write_data_config(root: str | os.PathLike, meta: dict) -> Path:
     ``rows_per_dir``, ``chat_template_hash``, ``config_fingerprint``, ``prompts_sha256``,
     ``num_samples``, ``num_tokens``, ``num_loss_tokens``, ``bytes_per_token``
     (= 4 * H * 2 for bf16), ``skipped`` (reason -> count). Extra keys are kept.
-
 
     Raises:
         ValueError: a key is missing or has the wrong type (a caller bug).
@@ -153,7 +151,6 @@ def is_token_only(meta: dict) -> bool:
 
 def read_data_config(root: str | os.PathLike) -> dict:
     """Read and validate ``{root}/data_config.json`` (``root`` may also be the file itself).
-
 
     Raises:
         UserError: missing file, malformed JSON, or a missing/wrongly typed key (named).

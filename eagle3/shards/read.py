@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -71,6 +72,21 @@ def load_sample(path: str | os.PathLike, expect: dict | None = None) -> dict:
         )
     expect = expect or {}
     tokens_only = bool(expect.get("tokens_only", False))
+    _check_keys(path, obj, tokens_only)
+    ids, mask = _check_tokens(path, obj)
+    if tokens_only:
+        _check_vocab(path, ids, expect.get("vocab_size"))
+        return {"input_ids": ids, "loss_mask": mask}
+    hs, fp8 = _check_hidden_states(path, obj["hidden_states"], ids.numel(), expect)
+    _check_vocab(path, ids, expect.get("vocab_size"))
+    out = {"input_ids": ids, "hidden_states": list(hs), "loss_mask": mask}
+    if fp8:
+        out["hidden_scales"] = _check_scales(path, obj, hs, expect.get("scale_blocks"))
+    return out
+
+
+def _check_keys(path: Path, obj: dict, tokens_only: bool) -> None:
+    """The shard holds every key of its kind (token-only: no ``hidden_states`` either)."""
     if tokens_only and "hidden_states" in obj:
         raise _bad(
             path,
@@ -81,6 +97,10 @@ def load_sample(path: str | os.PathLike, expect: dict | None = None) -> dict:
     for key in TOKEN_SHARD_KEYS if tokens_only else SHARD_KEYS:
         if key not in obj:
             raise _bad(path, key, "missing")
+
+
+def _check_tokens(path: Path, obj: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, loss_mask)``: int64 ``[L]`` each, ``L > 0``, mask 0/1, ids >= 0."""
     ids = _check_1d_int64(path, obj, "input_ids")  # [L]
     mask = _check_1d_int64(path, obj, "loss_mask")  # [L]
     L = ids.numel()
@@ -92,12 +112,16 @@ def load_sample(path: str | os.PathLike, expect: dict | None = None) -> dict:
         raise _bad(path, "loss_mask", "values must be 0 or 1")
     if bool((ids < 0).any()):
         raise _bad(path, "input_ids", "negative token id")
-    if tokens_only:
-        V = expect.get("vocab_size")
-        if V is not None and int(ids.max()) >= V:
-            raise _bad(path, "input_ids", f"token id {int(ids.max())} >= vocab_size {V}")
-        return {"input_ids": ids, "loss_mask": mask}
-    hs = obj["hidden_states"]
+    return ids, mask
+
+
+def _check_vocab(path: Path, ids: torch.Tensor, V: int | None) -> None:
+    if V is not None and int(ids.max()) >= V:
+        raise _bad(path, "input_ids", f"token id {int(ids.max())} >= vocab_size {V}")
+
+
+def _check_hidden_states(path: Path, hs: Any, L: int, expect: dict) -> tuple[Any, bool]:
+    """``(hidden_states, fp8)`` after checking their count, storage dtype, shapes ``[L, H]`` and values."""
     if not isinstance(hs, (list, tuple)) or not all(isinstance(h, torch.Tensor) for h in hs):
         raise _bad(path, "hidden_states", f"expected a list of tensors, got {type(hs).__name__}")
     n_expected = int(expect.get("num_hidden_states", NUM_HIDDEN_STATES))
@@ -105,7 +129,6 @@ def load_sample(path: str | os.PathLike, expect: dict | None = None) -> dict:
         raise _bad(
             path, "hidden_states", f"{len(hs)} tensors, expected {n_expected} (3 aux layers + last)"
         )
-    H = expect.get("hidden_size")
     fp8 = bool(hs) and hs[0].dtype == FP8_DTYPE
     want_dtype = FP8_DTYPE if fp8 else torch.bfloat16
     if "storage_dtype" in expect and str(want_dtype).split(".")[-1] != expect["storage_dtype"]:
@@ -116,40 +139,42 @@ def load_sample(path: str | os.PathLike, expect: dict | None = None) -> dict:
             f"{expect['storage_dtype']!r} (shards of another run mixed in, or converted halfway?)",
         )
     for k, h in enumerate(hs):
-        key = f"hidden_states[{k}]"
-        if h.dtype != want_dtype:
-            raise _bad(path, key, f"dtype {h.dtype}, expected {want_dtype}")
-        if h.dim() != 2 or h.shape[0] != L:
-            raise _bad(
-                path, key, f"shape {tuple(h.shape)}, expected [{L}, H] (L = input_ids length)"
-            )
-        if H is not None and h.shape[1] != H:
-            raise _bad(path, key, f"hidden size {h.shape[1]}, data_config says {H}")
-        if h.shape[1] != hs[0].shape[1]:
-            raise _bad(
-                path, key, f"hidden size {h.shape[1]} != hidden_states[0]'s {hs[0].shape[1]}"
-            )
-        if has_nan_fp8(h) if fp8 else not all_finite(h):
-            aux = expect.get("aux_layers")
-            what = (
-                f" ({hf_layer_name(k, aux)} of the verifier"
-                if aux is not None
-                else " (of the verifier"
-            )
-            dt = expect.get("verifier_dtype")
-            raise _bad(
-                path,
-                key,
-                f"contains NaN/Inf{what}{', captured in ' + dt if dt else ''}): {NONFINITE_FIX} "
-                f"(02 with --overwrite), then 03",
-            )
-    V = expect.get("vocab_size")
-    if V is not None and int(ids.max()) >= V:
-        raise _bad(path, "input_ids", f"token id {int(ids.max())} >= vocab_size {V}")
-    out = {"input_ids": ids, "hidden_states": list(hs), "loss_mask": mask}
-    if fp8:
-        out["hidden_scales"] = _check_scales(path, obj, hs, expect.get("scale_blocks"))
-    return out
+        _check_state(path, k, h, hs[0], L, want_dtype, expect)
+    return hs, fp8
+
+
+def _check_state(
+    path: Path,
+    k: int,
+    h: torch.Tensor,
+    first: torch.Tensor,
+    L: int,
+    want_dtype: torch.dtype,
+    expect: dict,
+) -> None:
+    """Hidden state ``k``: ``want_dtype``, ``[L, H]`` (``H`` = data_config's and ``first``'s), finite."""
+    key = f"hidden_states[{k}]"
+    H = expect.get("hidden_size")
+    if h.dtype != want_dtype:
+        raise _bad(path, key, f"dtype {h.dtype}, expected {want_dtype}")
+    if h.dim() != 2 or h.shape[0] != L:
+        raise _bad(path, key, f"shape {tuple(h.shape)}, expected [{L}, H] (L = input_ids length)")
+    if H is not None and h.shape[1] != H:
+        raise _bad(path, key, f"hidden size {h.shape[1]}, data_config says {H}")
+    if h.shape[1] != first.shape[1]:
+        raise _bad(path, key, f"hidden size {h.shape[1]} != hidden_states[0]'s {first.shape[1]}")
+    if has_nan_fp8(h) if want_dtype == FP8_DTYPE else not all_finite(h):
+        aux = expect.get("aux_layers")
+        what = (
+            f" ({hf_layer_name(k, aux)} of the verifier" if aux is not None else " (of the verifier"
+        )
+        dt = expect.get("verifier_dtype")
+        raise _bad(
+            path,
+            key,
+            f"contains NaN/Inf{what}{', captured in ' + dt if dt else ''}): {NONFINITE_FIX} "
+            f"(02 with --overwrite), then 03",
+        )
 
 
 def _check_scales(path: Path, obj: dict, hs: list, nb_expected: int | None) -> list[torch.Tensor]:

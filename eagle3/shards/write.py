@@ -45,7 +45,6 @@ class StoredStates:
     """One sample's hidden states already in their stored form (what :func:`encode_batch` gives the
     HF capture backend per batch on the device, sliced per sample on the host).
 
-
     Attributes:
         hidden_states: 4 x ``[L, H]``: bf16 (speculators-v1) or float8_e4m3fn (fp8 storage); may be
             views into a larger batch buffer (:func:`shard_object` copies them out).
@@ -65,17 +64,14 @@ def encode_batch(
 ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
     """The stored form of a whole captured batch, on ``pack``'s device, without any host sync.
 
-
     Stage 02's HF backend calls this on the GPU before the device -> host copy, so the writer
     threads get finished tensors: no per-shard float conversion, NaN/Inf scan or fp8 quantisation
     on the CPU, and for fp8 half the bytes cross PCIe. Per row the same operations as
     :func:`shard_object`'s own path, so the shard bytes are the same.
 
-
     Args:
         pack: bf16 ``[4, T, H]`` (the batch's samples back to back, padding removed).
         storage: None/bf16 or fp8 (:mod:`eagle3.shards.fp8`).
-
 
     Returns:
         ``(values, scales, finite)``: bf16: ``(pack, None, finite)`` with ``finite`` a 0-dim bool
@@ -95,7 +91,6 @@ def encode_batch(
 
 def _own(t: torch.Tensor) -> torch.Tensor:
     """``t`` on the CPU, contiguous, as a tensor whose storage is exactly its own bytes.
-
 
     ``torch.save`` stores a view's WHOLE storage (e.g. the pinned batch buffer a capture slice
     points into), so a view is re-wrapped: a tensor over just its byte range of the same memory
@@ -127,7 +122,6 @@ def _check_shape(
 class NonFiniteStates(UserError, ValueError):
     """Captured hidden states with NaN/Inf: one line naming the sample (idx, conversation id), the
     state (stored index and HF ``hidden_states`` index / last), the verifier dtype and the fix.
-
 
     Raised by :func:`shard_object` (before any byte of the shard is written) with what it knows
     (``idx``, ``k``); stage 02 adds the rest with :meth:`explained`. A ``UserError``: the CLIs print
@@ -185,7 +179,6 @@ def shard_object(
 ) -> dict:
     """The dict :func:`write_sample` saves for one sample (validated and converted; nothing written).
 
-
     Args:
         input_ids: ``[L]`` token ids (any integer dtype; stored int64).
         hidden_states: 4 tensors ``[L, H]`` (aux1, aux2, aux3, last); stored bf16 (fp8 storage:
@@ -199,7 +192,6 @@ def shard_object(
         loss_mask: ``[L]`` 0/1 (stored int64).
         storage: ``None``/bf16 = speculators-v1; fp8 = float8_e4m3fn values + ``hidden_scales``.
         idx: the sample's idx (named in errors).
-
 
     Raises:
         NonFiniteStates: NaN/Inf in a state (``sample {idx}: hidden_states[{k}] has NaN/Inf; ...``,
@@ -302,11 +294,9 @@ def write_sample(
 ) -> Path:
     """Write one sample atomically (:func:`shard_object` saved with ``torch.save``) and return its path.
 
-
     Args:
         input_ids, hidden_states, loss_mask, storage: see :func:`shard_object`.
         hasher: e.g. ``xxhash.xxh3_128()``, updated with the file's bytes.
-
 
     Raises:
         ValueError: wrong count, shape or non-finite values (a caller bug: capture must
