@@ -48,7 +48,7 @@ FORMAT_TOKENS = (
     "eagle3-tokens-v1"  # input_ids + loss_mask only: stage 04 computes the states (online training)
 )
 #: token-only samples from which 02 writes and 03 validates them in worker processes: a token-only file costs its
-#: (un)pickler, which holds the GIL (threads: ~750 / ~630 files/s on the 16-core H200 machine, lease 2026-12-02b)
+#: (un)pickler, which holds the GIL, so threads do not scale on it
 TOKEN_PROCESS_MIN = 2048
 
 TOKEN_SHARD_KEYS = ("input_ids", "loss_mask")

@@ -278,7 +278,7 @@ def _stored_object(
 #: Shards are written by torch's C++ writer straight to their temporary file
 #: (:func:`eagle3.io.atomic_torch_save` ``via_path=True``: few GIL round trips, so stage 02's writer
 #: threads are not starved by the capture loop); False streams them through a Python file object
-#: (the writer before; ``bench/extract_throughput.py --stream-save`` times both in one run). Same bytes.
+#: (``bench/extract_throughput.py --stream-save`` times both in one run). Same bytes.
 SAVE_VIA_PATH = True
 
 
