@@ -39,38 +39,26 @@ from eagle3.errors import UserError
 from eagle3.io import TMP_MARK
 
 FORMAT = "speculators-v1"
-
 FORMAT_FP8 = "eagle3-fp8-v1"  # speculators-v1 layout + fp8 hidden states + "hidden_scales"
-
 FP8_FORMAT_VERSION = 1
-
 FORMAT_TOKENS = (
     "eagle3-tokens-v1"  # input_ids + loss_mask only: stage 04 computes the states (online training)
 )
 #: token-only samples from which 02 writes and 03 validates them in worker processes: a token-only file costs its
 #: (un)pickler, which holds the GIL, so threads do not scale on it
 TOKEN_PROCESS_MIN = 2048
-
 TOKEN_SHARD_KEYS = ("input_ids", "loss_mask")
-
 TOKEN_BYTES_PER_TOKEN = 16  # int64 input_ids + int64 loss_mask
-
 DATA_CONFIG = "data_config.json"
-
 #: 02's lock file in the shards folder, held (``flock``) while 02 writes there; 03 stops while it is held.
 EXTRACT_LOCK = ".extract.lock"
-
 SHARD_KEYS = ("input_ids", "hidden_states", "loss_mask")
-
 NUM_HIDDEN_STATES = 4  # three aux states + last
-
 LAYER_INDEX_CONVENTION = (
     "HF hidden_states index: 0 = embeddings, i = output of decoder layer i-1 = residual stream "
     "entering decoder layer i; hidden_states[3] is HF hidden_states[-1]"
 )
-
 _NAME_RE = re.compile(r"^data_(\d+)\.pt$")
-
 _ROWS_RE = re.compile(r"^rows_(\d+)-(\d+)$")
 
 
