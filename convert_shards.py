@@ -17,10 +17,14 @@ import argparse
 import json
 
 from eagle3.cli import ArgumentParser, positive_int, run_main
+from eagle3.config import load_config
 from eagle3.errors import UserError
+from eagle3.io import atomic_write_text
+from eagle3.shards.convert import convert
+from eagle3.shards.fp8 import Storage
 
 
-def main(argv=None) -> int:
+def _parser() -> ArgumentParser:
     p = ArgumentParser(
         description=__doc__.splitlines()[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -64,15 +68,18 @@ def main(argv=None) -> int:
         "--overwrite", action="store_true", help="delete a different earlier conversion in --dst"
     )
     p.add_argument("--json", help="also write the summary as JSON here")
-    a = p.parse_args(argv)
+    return p
 
-    from eagle3.shards.convert import convert
-    from eagle3.shards.fp8 import Storage
 
+def _source_and_storage(a: argparse.Namespace) -> tuple[str, Storage]:
+    """The source folder and target storage: command-line values, else the config's, else defaults.
+
+    Raises:
+        UserError: ``--set`` without ``--config``; ``--src`` / ``--to`` missing without ``--config``;
+            a ``--block-size`` that the scheme refuses.
+    """
     src, to, scale, block = a.src, a.to, a.scale, a.block_size
     if a.config:
-        from eagle3.config import load_config
-
         ex = (cfg := load_config(a.config, a.overrides)).extract
         src, to = src or str(cfg.shards_dir), to or ex.storage_dtype
         scale = scale or ex.fp8_scale
@@ -93,12 +100,16 @@ def main(argv=None) -> int:
         )
     except ValueError as e:
         raise UserError(f"--block-size: {e}") from e
+    return src, storage
+
+
+def main(argv=None) -> int:
+    a = _parser().parse_args(argv)
+    src, storage = _source_and_storage(a)
     summary = convert(src, a.dst, storage, overwrite=a.overwrite, workers=a.workers)
     text = json.dumps(summary, indent=2)
     print(text)
     if a.json:
-        from eagle3.io import atomic_write_text
-
         atomic_write_text(a.json, text + "\n")
     return 0
 

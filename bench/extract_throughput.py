@@ -31,7 +31,7 @@ first is the headline ``pipeline``, each further one is timed as ``pipeline_<alg
 (e.g. ``--checksums xxh3_128 sha256``: the hash 02 records now against the one it recorded before).
 ``--threads-variants N [N ...]``: the headline with N writer threads, as ``pipeline_t<N>``.
 ``--stream-save``: also time ``pipeline_streamsave``, shards streamed through a Python file object
-(:data:`eagle3.shards.format.SAVE_VIA_PATH` False: the writer before; same bytes).
+(:data:`eagle3.shards.write.SAVE_VIA_PATH` False: the writer before; same bytes).
 ``--switch-interval-variants S [S ...]``: the headline with the GIL switch interval S seconds while the
 writer threads run (:data:`eagle3.capture.shard_writer.SWITCH_INTERVAL_S`), as ``pipeline_si<S>``
 (0.005 = Python's default).
@@ -48,8 +48,8 @@ Prints a Markdown table and JSON; ``capture_vs_bare_ratio`` = pipeline tokens/s 
 ``[4, T, H]`` batch buffer like the capture's, same threads, into ``--out-dir``:
 ``writer_list`` = 4 bf16 tensors per sample (the writer checks and, for fp8, quantises on the
 CPU: what stage 02 did before the device-side encoding, and still does for backends without it),
-``writer_stored`` = :func:`eagle3.shards.format.encode_batch` per batch first (on the GPU in stage 02; on
-the CPU here, timed apart as ``encode_s``), then :class:`eagle3.shards.format.StoredStates` per sample;
+``writer_stored`` = :func:`eagle3.shards.write.encode_batch` per batch first (on the GPU in stage 02; on
+the CPU here, timed apart as ``encode_s``), then :class:`eagle3.shards.write.StoredStates` per sample;
 ``disk`` = the plain-write ceiling above. ``*_vs_disk_ratio`` = writer GB/s / ceiling GB/s.
 
     python bench/extract_throughput.py --config configs/smollm2-135m.yaml --device cuda --batch 64 --seq 2048 \\
@@ -92,7 +92,7 @@ def writer_settings(via_path: Optional[bool] = None, switch: Optional[float] = N
     """Inside the block: shards saved via a path or a file object (``via_path``), and the writer's GIL
     switch interval (``switch`` s); None keeps the module's setting. Restored after."""
     import eagle3.capture.shard_writer as sw
-    import eagle3.shards.format as sh
+    import eagle3.shards.write as sh
 
     old = (sh.SAVE_VIA_PATH, sw.SWITCH_INTERVAL_S)
     if via_path is not None:
@@ -158,10 +158,10 @@ def device_encoding_check(
     cap: HFCapture, batch: list[list[int]], storage, n: int = 4
 ) -> Optional[bool]:
     """Whether the shards of the first ``n`` samples of ``batch`` encoded on the capture device
-    (:func:`eagle3.shards.format.encode_batch`, what stage 02 writes) are byte-identical to the writer's
+    (:func:`eagle3.shards.write.encode_batch`, what stage 02 writes) are byte-identical to the writer's
     CPU path on the plain bf16 capture of the same batch (None on an older tree without it)."""
     try:
-        from eagle3.shards.format import shard_object
+        from eagle3.shards.write import shard_object
 
         stored = cap.capture_async(batch, storage=storage).stored()
     except (ImportError, TypeError, AttributeError):
@@ -248,7 +248,7 @@ def writer_bench(a, cfg) -> dict:
     from eagle3.shards.manifest import ManifestWriter
 
     try:
-        from eagle3.shards.format import StoredStates, encode_batch
+        from eagle3.shards.write import StoredStates, encode_batch
     except ImportError:  # an older tree: only the list path exists
         StoredStates = encode_batch = None
     B, L, K, H = a.batch, a.seq, a.batches, a.hidden
@@ -344,7 +344,7 @@ def writer_bench(a, cfg) -> dict:
     n = K * B * L
     gbs = {k: round(n * bpt / v / 1e9, 3) for k, v in med.items()}
     import eagle3.capture.shard_writer as sw
-    import eagle3.shards.format as sh
+    import eagle3.shards.write as sh
 
     res = {
         "mode": "writer_only",
@@ -600,7 +600,7 @@ def main(argv=None) -> int:
     n = K * B * L
     tps = {k: round(n / v, 1) for k, v in med.items()}
     import eagle3.capture.shard_writer as sw
-    import eagle3.shards.format as sh
+    import eagle3.shards.write as sh
 
     res = {
         "verifier": cfg.verifier.display_name(),

@@ -136,7 +136,7 @@ def prepare(
 ) -> dict:
     """02 + 03 of both modes over the same prompts; returns per mode the 02 summary and disk figures."""
     from eagle3.config import load_config
-    from eagle3.shards.format import read_data_config
+    from eagle3.shards.data_config import read_data_config
     from eagle3.stages import extract, prepare_data
 
     out = {}
@@ -181,7 +181,7 @@ def prefill_rate(
     from eagle3.data.batching import TokenBudgetBatchSampler, sample_lengths
     from eagle3.data.dataset import ShardDataset, collate, read_split
     from eagle3.sdpa import no_cudnn_sdpa
-    from eagle3.shards.format import expect_from_data_config, read_data_config
+    from eagle3.shards.data_config import expect_from_data_config, read_data_config
     from eagle3.train.inputs import autocast_dtype as _autocast_dtype
     from eagle3.train.loop import move_batch as _move_batch
     from eagle3.train.online import VerifierStates

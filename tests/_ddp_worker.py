@@ -1,7 +1,7 @@
 """Helpers for the training tests: a tiny synthetic stage-02/03 output and a run YAML over it.
 
 ``make_tiny_run`` writes everything stage 04 reads, without a verifier:
-speculators-v1 shards (``eagle3.shards.format.write_sample``) + ``data_config.json``, ``vocab_map.pt``,
+speculators-v1 shards (``eagle3.shards.write.write_sample``) + ``data_config.json``, ``vocab_map.pt``,
 ``split.json``, 03's passing ``validation_record.json`` (:func:`mark_validated`) and
 ``{train_dir}/target_head.safetensors``; the drafter shape is fully given in the
 YAML, so the verifier path is never opened.
@@ -26,7 +26,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from eagle3.data.vocab import save_vocab_map  # noqa: E402
-from eagle3.shards.format import FORMAT, LAYER_INDEX_CONVENTION, write_data_config, write_sample  # noqa: E402
+from eagle3.shards.data_config import write_data_config  # noqa: E402
+from eagle3.shards.format import FORMAT, LAYER_INDEX_CONVENTION
+from eagle3.shards.write import write_sample
 from eagle3.verifier.head import TargetHead  # noqa: E402
 
 

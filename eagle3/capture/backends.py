@@ -102,7 +102,7 @@ def checked_backend(verifier, extract, engine: str, backend, tokenizer) -> tuple
 
 
 def shard_expect(info: dict, storage_dtype: str, *, tokens_only: bool) -> dict:
-    """What every shard of the run must hold (:func:`eagle3.shards.format.load_sample`'s ``expect``), from the
+    """What every shard of the run must hold (:func:`eagle3.shards.read.load_sample`'s ``expect``), from the
     backend's ``info()`` and the storage dtype."""
     if tokens_only:
         return {"vocab_size": info["vocab_size"], "tokens_only": True}

@@ -50,7 +50,7 @@ class CaptureBackend(Protocol):
 
 def check_captured(sample_ids: list[int], states, hidden_size: int, where: str) -> None:
     """Assert a backend's output for one sample honours the contract (4 bf16 ``[L, H]`` CPU tensors,
-    or an ``eagle3.shards.format.StoredStates`` whose 4 ``hidden_states`` are bf16 or float8_e4m3fn
+    or an ``eagle3.shards.write.StoredStates`` whose 4 ``hidden_states`` are bf16 or float8_e4m3fn
     ``[L, H]`` on the CPU; its scales are checked by the shard writer).
 
     Raises:

@@ -5,7 +5,7 @@ A shard file of ``L`` tokens is ``a + b * L`` bytes: ``b`` = the storage dtype's
 per token (``4 x H x 2`` in bf16, FIELD-NOTES section 5) plus 16 bytes of ``input_ids`` and
 ``loss_mask`` (int64), ``a`` = ``torch.save``'s zip/pickle overhead per file. Both are measured,
 not assumed: :func:`shard_size_model` serialises two probe shards (``L = 64`` and ``L = 128``) built by
-the run's own shard encoder (:func:`eagle3.shards.format.shard_object`) in memory, exactly as
+the run's own shard encoder (:func:`eagle3.shards.write.shard_object`) in memory, exactly as
 ``eagle3.io.atomic_torch_save`` serialises a shard before writing it (nothing touches a disk that may
 be full), so every storage format (bf16, fp8 with scales) is measured the same way. The zip writer aligns each tensor to 64 bytes, so a real file differs
 from ``a + b * L`` by at most ``64 x (tensors)`` bytes (measured: < 100 bytes for 6 tensors).
@@ -35,8 +35,9 @@ import torch
 from eagle3.errors import UserError
 from eagle3.io import format_bytes, free_bytes
 from eagle3.shards.checksum import DEFAULT_ALGO, HEX_LEN
-from eagle3.shards.format import bytes_per_token, shard_object
+from eagle3.shards.data_config import bytes_per_token
 from eagle3.shards.fp8 import Storage
+from eagle3.shards.write import shard_object
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ FIXED_METADATA_BYTES = (
 
 
 #: ``encode(input_ids, hidden_states, loss_mask) -> dict``: the object a shard file holds
-#: (:func:`eagle3.shards.format.shard_object` with the run's storage).
+#: (:func:`eagle3.shards.write.shard_object` with the run's storage).
 ShardEncodeFn = Callable[..., dict]
 
 

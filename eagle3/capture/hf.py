@@ -20,7 +20,7 @@ bf16 on the device, packed into one ``[4, T, H]`` tensor (T = real tokens of the
 copied with ONE non-blocking copy into pinned host memory on a side CUDA stream, so the copy of
 batch k overlaps the forward of batch k+1; :meth:`PendingCapture.result` waits for that copy's
 event only. With ``capture_async(batch, storage=...)`` (stage 02) the pack is also put in its stored
-form before the copy (:func:`eagle3.shards.format.encode_batch`: the batch's NaN/Inf flag; fp8 values +
+form before the copy (:func:`eagle3.shards.write.encode_batch`: the batch's NaN/Inf flag; fp8 values +
 scales), so the shard writer threads do no per-shard scan or quantisation on the CPU. On CPU the
 same code runs without streams or pinned memory.
 
@@ -43,8 +43,9 @@ from eagle3.capture.base import BackendInfo, LastHiddenState
 from eagle3.errors import UserError
 from eagle3.process_group import is_rank0
 from eagle3.sdpa import no_cudnn_sdpa
-from eagle3.shards.format import NONFINITE_FIX, StoredStates, encode_batch
+from eagle3.shards.format import NONFINITE_FIX
 from eagle3.shards.fp8 import Storage
+from eagle3.shards.write import StoredStates, encode_batch
 from eagle3.verifier.arch import last_hidden_state_kind, text_config
 
 log = logging.getLogger(__name__)
@@ -158,7 +159,7 @@ class HFCapture:
 
         Args:
             storage: the shards' storage. Given (stage 02), each forward's states are also put in
-                their stored form on the device (:func:`eagle3.shards.format.encode_batch`: the NaN/Inf
+                their stored form on the device (:func:`eagle3.shards.write.encode_batch`: the NaN/Inf
                 check of the whole batch; for fp8 the quantisation, so only 1-byte values and the
                 scales are copied to the host); read them with :meth:`PendingCapture.stored`.
                 None: bf16 states for :meth:`PendingCapture.result`.
@@ -473,7 +474,7 @@ class PendingCapture:
         Args:
             own_storage: clone each tensor out of the batch buffer (exact-size storage; what
                 :meth:`HFCapture.capture` returns). Default: views into the batch's pinned
-                buffer, which stays alive while any view does (``eagle3.shards.format.write_sample``
+                buffer, which stays alive while any view does (``eagle3.shards.write.write_sample``
                 saves a view over its own bytes only, not the whole buffer).
 
         Raises:
@@ -491,7 +492,7 @@ class PendingCapture:
         return out
 
     def stored(self) -> list[StoredStates]:
-        """Wait for the copies; per sample (input order) its :class:`eagle3.shards.format.StoredStates`
+        """Wait for the copies; per sample (input order) its :class:`eagle3.shards.write.StoredStates`
         (views into the batch's pinned buffers; needs ``capture_async(..., storage=...)``).
 
         bf16: ``source_finite`` is the device's NaN/Inf check of the whole forward batch (when it

@@ -59,7 +59,7 @@ def start_capture(
     backend: CaptureBackend, batch: list[list[int]], storage: Optional[Storage] = None
 ):
     """Launch ``batch``'s capture; the handle's ``states()`` waits for it and returns per sample what
-    the shard writer takes: :class:`eagle3.shards.format.StoredStates` from a backend whose
+    the shard writer takes: :class:`eagle3.shards.write.StoredStates` from a backend whose
     ``capture_async`` accepts ``storage`` (HF: NaN/Inf check and fp8 quantisation done on the
     device per batch), else the 4 bf16 tensors of the capture contract (the writer checks and
     quantises them)."""
@@ -96,7 +96,7 @@ def capture_and_write(
     ``write_threads > 0`` pipelines (batch k+1's forward launched before batch k's states are waited for; that many
     :class:`eagle3.capture.shard_writer.ShardWriter` threads, at most ``max_pending_tokens`` tokens in flight);
     ``0`` is the serial loop; both give the same bytes and manifest. ``storage``: bf16 (None) or fp8; a backend
-    whose ``capture_async`` takes ``storage`` (HF) encodes on its device (:func:`eagle3.shards.format.encode_batch`).
+    whose ``capture_async`` takes ``storage`` (HF) encodes on its device (:func:`eagle3.shards.write.encode_batch`).
     ``checksum``: the hash recorded per row.
 
     Raises:

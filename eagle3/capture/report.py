@@ -8,12 +8,8 @@ from pathlib import Path
 from eagle3.capture.disk_plan import DiskPlan
 from eagle3.chat.template import chat_template_hash, end_of_turn_ids
 from eagle3.io import format_bytes
-from eagle3.shards.format import (
-    LAYER_INDEX_CONVENTION,
-    bytes_per_token,
-    storage_meta,
-    tokens_meta,
-)
+from eagle3.shards.data_config import bytes_per_token, storage_meta, tokens_meta
+from eagle3.shards.format import LAYER_INDEX_CONVENTION
 from eagle3.shards.fp8 import storage_from_config
 
 
@@ -113,7 +109,7 @@ def data_config(
     skipped_ids: dict,
     weights: dict,
 ) -> dict:
-    """``data_config.json``'s content (:func:`eagle3.shards.format.write_data_config`): the shards' format and
+    """``data_config.json``'s content (:func:`eagle3.shards.data_config.write_data_config`): the shards' format and
     storage, the verifier they came from (03/04 check it), the rendering settings, the counts and the skipped ids.
 
     Args:

@@ -28,8 +28,9 @@ from eagle3.errors import UserError
 from eagle3.io import atomic_write_json, read_json
 from eagle3.io.read import file_sha256
 from eagle3.shards.checksum import DEFAULT_ALGO, file_checksum
-from eagle3.shards.format import DATA_CONFIG, list_samples, load_sample, shard_path
+from eagle3.shards.format import DATA_CONFIG, list_samples, shard_path
 from eagle3.shards.manifest import MANIFEST, read_manifest, rewrite_manifest
+from eagle3.shards.read import load_sample
 from eagle3.verifier.load import weights_differ
 
 log = logging.getLogger(__name__)
@@ -238,7 +239,7 @@ def weights_unchecked(root: Path, state: Any, weights: dict) -> Optional[str]:
     run's (:func:`weights_changed`) because only one side has a fingerprint: the folder's record (``state``:
     ``extract_state.json``, else ``data_config.json``) has none (shards of a 02 from before 2026-12-05f) or the
     folder at ``verifier.path`` holds no weight file here (``weights`` ``{}``); None when both or neither have one
-    (neither: :func:`eagle3.shards.format.check_verifier` says so at 03/04). 02 resumed into such a folder, or found
+    (neither: :func:`eagle3.shards.checks.check_verifier` says so at 03/04). 02 resumed into such a folder, or found
     it up to date, without a word."""
     now = weights.get("verifier_weights")
     was, where = recorded_weights(root, state)

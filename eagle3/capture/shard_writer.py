@@ -1,6 +1,6 @@
 """Stage 02's shard writer: serialisation, checksum and atomic writes on background threads, manifest in order.
 
-Each submitted sample is written by :func:`eagle3.shards.format.write_sample` (atomic: temp name, fsync,
+Each submitted sample is written by :func:`eagle3.shards.write.write_sample` (atomic: temp name, fsync,
 rename; checksum of the bytes as they stream to the file, :mod:`eagle3.shards.checksum`) on a thread pool,
 so the GPU keeps capturing the next batch meanwhile (``torch.save``'s tensor copies, file writes,
 fsync and the hashers release the GIL). Manifest rows are appended in SUBMISSION order, each only
@@ -31,8 +31,8 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from eagle3.shards.checksum import DEFAULT_ALGO, new_hasher
-from eagle3.shards.format import NonFiniteStates, write_sample
 from eagle3.shards.manifest import ManifestWriter
+from eagle3.shards.write import NonFiniteStates, write_sample
 
 #: GIL switch interval (seconds) while writer threads run; None leaves Python's setting alone.
 SWITCH_INTERVAL_S: Optional[float] = 0.0005

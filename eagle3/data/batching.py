@@ -61,8 +61,8 @@ def sample_lengths(shards_dir: str | os.PathLike, dataset, max_length: Optional[
     Raises:
         UserError: the manifest is corrupt (see :func:`eagle3.shards.manifest.read_manifest`) or a shard is unreadable.
     """
-    from eagle3.shards.format import load_sample
     from eagle3.shards.manifest import MANIFEST, read_manifest
+    from eagle3.shards.read import load_sample
 
     rows = read_manifest(Path(shards_dir) / MANIFEST).rows
     out, loaded = [], 0

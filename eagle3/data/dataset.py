@@ -34,7 +34,8 @@ from torch.utils.data import Dataset, DistributedSampler
 
 from eagle3.errors import UserError
 from eagle3.io import read_json
-from eagle3.shards.format import list_samples, load_sample
+from eagle3.shards.format import list_samples
+from eagle3.shards.read import load_sample
 
 PAD_TOKEN_ID = 0
 
@@ -70,7 +71,7 @@ class ShardDataset(Dataset):
         shards_dir: stage-02 output folder.
         indices: sample ids (from ``split.json``), in dataset order.
         max_length: keep the first ``max_length`` tokens of each sample (``None`` = all).
-        expect: passed to :func:`eagle3.shards.format.load_sample` (hidden size, vocab size checks).
+        expect: passed to :func:`eagle3.shards.read.load_sample` (hidden size, vocab size checks).
         split_name: used in error messages (``split.json: key 'train'``...).
         split_file: the split file named in error messages (04 passes ``{data_dir}/split.json``).
         states: False = items without ``aux``/``last`` (online training over a hidden-state folder);

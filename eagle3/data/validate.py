@@ -31,8 +31,10 @@ from eagle3.shards import (
     format as shard_format,
 )  # TOKEN_PROCESS_MIN read at call time (tests lower it)
 from eagle3.shards.checksum import row_checksum
-from eagle3.shards.format import DATA_CONFIG, expect_from_data_config, list_samples, load_sample
+from eagle3.shards.data_config import expect_from_data_config
+from eagle3.shards.format import DATA_CONFIG, list_samples
 from eagle3.shards.manifest import MANIFEST, read_manifest
+from eagle3.shards.read import load_sample
 
 log = logging.getLogger(__name__)
 

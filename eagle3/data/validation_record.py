@@ -1,7 +1,7 @@
 """Stage 03's validation record: what a full shard validation established, reused while the shards are unchanged.
 
 A full validation in 03 hashes every shard against ``manifest.jsonl`` (sha256 recorded by 02) and loads
-it through :func:`eagle3.shards.format.load_sample` (keys, dtypes, shapes, NaN/Inf). On a 32 GB shard set that
+it through :func:`eagle3.shards.read.load_sample` (keys, dtypes, shapes, NaN/Inf). On a 32 GB shard set that
 takes about a minute; ablations that re-run 03 on the same shards with another draft vocab size or
 training subset repeat it for nothing. After a successful full pass, 03 writes a record (JSON,
 ``VALIDATION_RECORD``) holding

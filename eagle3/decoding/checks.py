@@ -20,7 +20,7 @@ from eagle3.drafter.draft_config import EXPORT_META_FILE, untrained_positions
 from eagle3.errors import UserError
 from eagle3.export.reader import check_export_folder
 from eagle3.io import read_json
-from eagle3.shards.format import verifier_dims_differ
+from eagle3.shards.checks import verifier_dims_differ
 from eagle3.verifier.load import weights_differ
 
 log = logging.getLogger(__name__)
@@ -183,7 +183,7 @@ def shards_unchecked(
 ) -> Optional[str]:
     """The line saying which of 05's checks against the shards' ``data_config.json`` could not be made because the
     file is gone (shards deleted after training, or a drafter benchmarked without its run's shards): the config's
-    ``extract.aux_layers`` / ``extract.max_length`` (:func:`eagle3.shards.format.check_extract_settings`, only keys
+    ``extract.aux_layers`` / ``extract.max_length`` (:func:`eagle3.shards.checks.check_extract_settings`, only keys
     the config sets), the drafter's recorded aux layers (:func:`resolve_aux_layers`) and the chat template
     (:func:`template_check`). None when the file exists. ``extract_set``: the ``extract`` keys the config sets."""
     dc = Path(shards_dir) / DATA_CONFIG

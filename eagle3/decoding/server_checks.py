@@ -20,7 +20,8 @@ from eagle3.decoding.checks import (
 from eagle3.decoding.server import served_model_path, server_info
 from eagle3.errors import UserError
 from eagle3.export.reader import check_export_folder
-from eagle3.shards.format import DATA_CONFIG, read_data_config
+from eagle3.shards.data_config import read_data_config
+from eagle3.shards.format import DATA_CONFIG
 from eagle3.verifier.load import weights_fingerprint
 
 

@@ -2,7 +2,7 @@
 
 ``convert(src, dst, storage)`` reads every shard of ``src`` (a stage-02 folder with
 ``data_config.json``; nested ``rows_*`` or flat layout), re-encodes its hidden states
-(:func:`eagle3.shards.fp8.quantize` for fp8; :func:`eagle3.shards.format.hidden_states_bf16` for bf16) and writes
+(:func:`eagle3.shards.fp8.quantize` for fp8; :func:`eagle3.shards.read.hidden_states_bf16` for bf16) and writes
 the same sample ids into ``dst`` in the nested layout, with the same guarantees as stage 02:
 
 - each shard is written atomically (``eagle3.io``); after it lands, ``{dst}/manifest.jsonl`` gets
@@ -37,20 +37,17 @@ from eagle3.errors import UserError
 from eagle3.io import atomic_write_json, make_dirs, read_json, remove_stale_tmp
 from eagle3.io.lock import exclusive_lock
 from eagle3.shards.checksum import DEFAULT_ALGO, file_checksum, new_hasher, row_checksum
-from eagle3.shards.format import (
-    DATA_CONFIG,
+from eagle3.shards.data_config import (
     expect_from_data_config,
-    hidden_states_bf16,
-    list_samples,
-    load_sample,
     read_data_config,
-    shard_path,
     storage_meta,
     write_data_config,
-    write_sample,
 )
+from eagle3.shards.format import DATA_CONFIG, list_samples, shard_path
 from eagle3.shards.fp8 import Storage
 from eagle3.shards.manifest import MANIFEST, ManifestWriter, read_manifest
+from eagle3.shards.read import hidden_states_bf16, load_sample
+from eagle3.shards.write import write_sample
 
 log = logging.getLogger(__name__)
 
@@ -156,12 +153,46 @@ def _convert(
     workers: Optional[int],
     limit: Optional[int],
 ) -> dict:
+    """:func:`convert` under ``dst``'s lock: claim ``dst``, convert what is pending, finish when complete."""
     t0 = time.perf_counter()
-    fp, comp = _fingerprint(meta, storage)
-    state_path = dst / STATE
     samples = list_samples(src)
     if not samples:  # before anything in dst is deleted
         raise UserError(f"{src}: no shards found")
+    _claim(src, dst, meta, storage, overwrite)
+    job = _Job(src, dst, meta, storage)
+    man_path = dst / MANIFEST
+    done = {
+        i: r
+        for i, r in read_manifest(man_path).rows.items()
+        if shard_path(dst, i, job.rows_per_dir).is_file()
+    }
+    pending = [(i, p) for i, p in samples if i not in done]
+    n_resumed = len(samples) - len(pending)
+    if limit is not None:
+        pending = pending[:limit]
+    n_workers = workers or min(8, os.cpu_count() or 1)
+    _run_pool(job, pending, man_path, done, len(samples), n_workers)
+    complete = all(i in done for i, _ in samples)
+    summary = {
+        "src": str(src),
+        "dst": str(dst),
+        "storage": storage.to_meta(),
+        "samples": len(samples),
+        "converted": len(pending),
+        "resumed": n_resumed,
+        "complete": complete,
+    }
+    if complete:
+        summary.update(_finish(job, samples))
+    summary["seconds"] = round(time.perf_counter() - t0, 2)
+    return summary
+
+
+def _claim(src: Path, dst: Path, meta: dict, storage: Storage, overwrite: bool) -> None:
+    """Make ``dst`` this conversion's: wipe it (``overwrite``) or refuse other contents, record the
+    fingerprint in ``{dst}/convert_state.json``, remove ``*.tmp-*`` leftovers."""
+    fp, comp = _fingerprint(meta, storage)
+    state_path = dst / STATE
     if overwrite:
         _wipe(dst)
     elif _stage_files(dst):
@@ -174,55 +205,57 @@ def _convert(
     atomic_write_json(state_path, {"fingerprint": fp, "components": comp, "source": str(src)})
     remove_stale_tmp(dst)
 
-    src_man_path = src / MANIFEST
-    src_rows = read_manifest(src_man_path).rows if src_man_path.is_file() else {}
-    rows_per_dir = int(meta["rows_per_dir"])
-    expect = expect_from_data_config(meta)
-    man_path = dst / MANIFEST
-    done = {
-        i: r
-        for i, r in read_manifest(man_path).rows.items()
-        if shard_path(dst, i, rows_per_dir).is_file()
-    }
-    pending = [(i, p) for i, p in samples if i not in done]
-    n_resumed = len(samples) - len(pending)
-    if limit is not None:
-        pending = pending[:limit]
 
-    def one(item: tuple[int, Path]) -> dict:
+class _Job:
+    """What converting one shard needs: source manifest rows, the load checks, the target layout."""
+
+    def __init__(self, src: Path, dst: Path, meta: dict, storage: Storage):
+        self.src_man_path = src / MANIFEST
+        self.src_rows = read_manifest(self.src_man_path).rows if self.src_man_path.is_file() else {}
+        self.rows_per_dir = int(meta["rows_per_dir"])
+        self.expect = expect_from_data_config(meta)
+        self.src, self.dst, self.meta, self.storage = src, dst, meta, storage
+
+    def one(self, item: tuple[int, Path]) -> dict:
+        """Convert shard ``item = (idx, path)``; returns its manifest row (checksum of the bytes written)."""
         idx, path = item
-        want = row_checksum(src_rows.get(idx, {}))  # (algo, hex) or None
+        want = row_checksum(self.src_rows.get(idx, {}))  # (algo, hex) or None
         if want is not None and file_checksum(path, want[0]) != want[1]:
             raise UserError(
-                f"{path}: contents changed since extraction ({want[0]} differs from {src_man_path})"
+                f"{path}: contents changed since extraction ({want[0]} differs from {self.src_man_path})"
             )
-        s = load_sample(path, expect=expect)
+        s = load_sample(path, expect=self.expect)
         h = new_hasher(DEFAULT_ALGO)  # of the bytes as written (no read-back)
         write_sample(
-            dst,
+            self.dst,
             idx,
-            rows_per_dir,
+            self.rows_per_dir,
             s["input_ids"],
             hidden_states_bf16(s),
             s["loss_mask"],
-            storage,
+            self.storage,
             hasher=h,
         )
         return {
             "idx": idx,
-            "id": src_rows.get(idx, {}).get("id", str(idx)),
+            "id": self.src_rows.get(idx, {}).get("id", str(idx)),
             "num_tokens": int(s["input_ids"].numel()),
             "num_loss_tokens": int(s["loss_mask"].sum()),
             DEFAULT_ALGO: h.hexdigest(),
         }
 
-    n_workers = workers or min(8, os.cpu_count() or 1)
+
+def _run_pool(
+    job: _Job, pending: list, man_path: Path, done: dict, total: int, n_workers: int
+) -> None:
+    """Convert ``pending`` on ``n_workers`` threads, appending each finished row to the manifest
+    (and to ``done``) in completion order; a worker's error cancels the rest and is re-raised."""
     with (
         ManifestWriter(man_path) as man,
         cf.ThreadPoolExecutor(n_workers) as pool,
         tqdm(
-            total=len(samples),
-            initial=len(samples) - len(pending),
+            total=total,
+            initial=total - len(pending),
             unit="shard",
             desc="convert",
             mininterval=1.0,
@@ -230,7 +263,7 @@ def _convert(
     ):
         # A bounded window of futures keeps memory flat on million-shard sets.
         it = iter(pending)
-        window = {pool.submit(one, x) for x in _take(it, 4 * n_workers)}
+        window = {pool.submit(job.one, x) for x in _take(it, 4 * n_workers)}
         try:
             while window:
                 finished, window = cf.wait(window, return_when=cf.FIRST_COMPLETED)
@@ -239,52 +272,45 @@ def _convert(
                     extra = {k: v for k, v in row.items() if k not in ("idx", "id", "num_tokens")}
                     done[row["idx"]] = man.append(row["idx"], row["id"], row["num_tokens"], **extra)
                     bar.update(1)
-                window |= {pool.submit(one, x) for x in _take(it, len(finished))}
+                window |= {pool.submit(job.one, x) for x in _take(it, len(finished))}
         except BaseException:
             for f in window:
                 f.cancel()  # shards already being written finish atomically; the re-run redoes them
             raise
 
-    complete = all(i in done for i, _ in samples)
-    summary = {
-        "src": str(src),
-        "dst": str(dst),
-        "storage": storage.to_meta(),
-        "samples": len(samples),
-        "converted": len(pending),
-        "resumed": n_resumed,
-        "complete": complete,
+
+def _finish(job: _Job, samples: list) -> dict:
+    """Write ``{dst}/data_config.json`` (last: present == complete); the summary's byte counts."""
+    meta, storage = job.meta, job.storage
+    new = {
+        **meta,
+        **storage_meta(storage),
+        "bytes_per_token": storage.bytes_per_token(int(meta["hidden_size"])),
     }
-    if complete:
-        new = {
-            **meta,
-            **storage_meta(storage),
-            "bytes_per_token": storage.bytes_per_token(int(meta["hidden_size"])),
-        }
-        if not storage.is_fp8:
-            for k in (
-                "storage_dtype",
-                "scale_scheme",
-                "scale_block_size",
-                "scale_dtype",
-                "storage_format_version",
-            ):
-                new.pop(k, None)
-        new["converted_from"] = {"path": str(src), "format": meta["format"], "dtype": meta["dtype"]}
-        write_data_config(dst, new)
-        src_bytes = sum(p.stat().st_size for _, p in samples)
-        dst_bytes = sum(shard_path(dst, i, rows_per_dir).stat().st_size for i, _ in samples)
-        summary.update(
-            {
-                "src_bytes": src_bytes,
-                "dst_bytes": dst_bytes,
-                "ratio": round(dst_bytes / src_bytes, 4),
-                "bytes_per_token": new["bytes_per_token"],
-                "src_bytes_per_token": meta["bytes_per_token"],
-            }
-        )
-    summary["seconds"] = round(time.perf_counter() - t0, 2)
-    return summary
+    if not storage.is_fp8:
+        for k in (
+            "storage_dtype",
+            "scale_scheme",
+            "scale_block_size",
+            "scale_dtype",
+            "storage_format_version",
+        ):
+            new.pop(k, None)
+    new["converted_from"] = {
+        "path": str(job.src),
+        "format": meta["format"],
+        "dtype": meta["dtype"],
+    }
+    write_data_config(job.dst, new)
+    src_bytes = sum(p.stat().st_size for _, p in samples)
+    dst_bytes = sum(shard_path(job.dst, i, job.rows_per_dir).stat().st_size for i, _ in samples)
+    return {
+        "src_bytes": src_bytes,
+        "dst_bytes": dst_bytes,
+        "ratio": round(dst_bytes / src_bytes, 4),
+        "bytes_per_token": new["bytes_per_token"],
+        "src_bytes_per_token": meta["bytes_per_token"],
+    }
 
 
 def _take(it, n: int) -> list:

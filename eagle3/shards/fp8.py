@@ -152,7 +152,7 @@ def quantize_unchecked(
     # amax >= 0, so "== 0" picks the same rows as "not > 0" for finite input, but keeps a NaN amax NaN
     # divide by a 0-dim tensor on amax's device, not by the Python scalar: CUDA divides by a CPU scalar as a
     # multiply by its reciprocal (PyTorch's div_true_kernel_cuda), which rounds some scales one ulp off the
-    # CPU's IEEE division, so device-encoded shards would not match shard_convert's (seen on an H200, 2026-12-01)
+    # CPU's IEEE division, so device-encoded shards would not match shard_convert's
     fp8_max = amax.new_full((), FP8_MAX)  # [] float32, a fill kernel: no host sync
     scale = torch.where(amax == 0, torch.ones_like(amax), amax / fp8_max)  # [..., nb]
     q = (x / scale.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)  # [..., nb, H/nb]

@@ -30,7 +30,7 @@ from eagle3.engines.layers import check_aux_layers, default_aux_layers
 from eagle3.errors import UserError
 from eagle3.export.reader import preflight_export
 from eagle3.io import output_folder_lock, probe_dirs, read_json, rerun_hint
-from eagle3.shards.format import check_extract_settings
+from eagle3.shards.checks import check_extract_settings
 from eagle3.verifier import load as vf
 
 log = logging.getLogger(__name__)

@@ -30,12 +30,9 @@ from eagle3.export.reader import check_export_folder, load_exported
 from eagle3.export.writer import export_drafter
 from eagle3.io import exclusive_lock, probe_dirs, rerun_hint
 from eagle3.io.read import relative_hint
-from eagle3.shards.format import (
-    DATA_CONFIG,
-    check_extract_settings,
-    check_verifier,
-    read_data_config,
-)
+from eagle3.shards.checks import check_extract_settings, check_verifier
+from eagle3.shards.data_config import read_data_config
+from eagle3.shards.format import DATA_CONFIG
 from eagle3.train import checkpoint as ckpt
 from eagle3.train.folder import TRAIN_LOCK, train_lock_holder
 from eagle3.train.inputs import build_drafter_args
@@ -331,7 +328,7 @@ def shards_data_config(cfg: RunConfig, path: Path, state: dict) -> dict:
     """What the export reads of the shards' ``data_config.json`` (aux layers, verifier id, dims, weights fingerprint),
     checked against the config as 04 training checks it.
 
-    With ``{shards_dir}/data_config.json`` present: that file (:func:`eagle3.shards.format.read_data_config`), the
+    With ``{shards_dir}/data_config.json`` present: that file (:func:`eagle3.shards.data_config.read_data_config`), the
     config's verifier and ``extract`` settings checked against it, and (by the caller) the checkpoint's ``data_inputs``
     (aux layers, vocab map, verifier weights). Without it (users delete the shards after training to free terabytes):
     the checkpoint's record of it (key ``data_config``, :func:`eagle3.train.checkpoint.data_config_record`), the
@@ -340,8 +337,8 @@ def shards_data_config(cfg: RunConfig, path: Path, state: dict) -> dict:
 
     Raises:
         UserError: ``<shards>/data_config.json: file not found, and <checkpoint> has no record of it ...``; the checks'
-            errors (:func:`eagle3.shards.format.check_verifier`, :func:`_check_recorded_verifier`,
-            :func:`eagle3.shards.format.check_extract_settings`).
+            errors (:func:`eagle3.shards.checks.check_verifier`, :func:`_check_recorded_verifier`,
+            :func:`eagle3.shards.checks.check_extract_settings`).
     """
     file = cfg.shards_dir / DATA_CONFIG
     record = state.get(ckpt.DATA_CONFIG_RECORD)
@@ -376,7 +373,7 @@ def shards_data_config(cfg: RunConfig, path: Path, state: dict) -> dict:
 
 
 def _check_recorded_verifier(cfg: RunConfig, record: dict, path: Path) -> None:
-    """:func:`eagle3.shards.format.check_verifier` against a checkpoint's ``data_config`` record (the shards are gone):
+    """:func:`eagle3.shards.checks.check_verifier` against a checkpoint's ``data_config`` record (the shards are gone):
     the config's verifier must be the one the shards were captured from, by name and, when both are known, by the
     fingerprint of its weight files (``verifier_weights``: the exported ``config.json`` names that verifier). A
     record without one beside weight files at ``verifier.path`` is one warning line saying the weights were not

@@ -34,14 +34,9 @@ from eagle3.data.vocab import build_vocab_map, coverage
 from eagle3.errors import UserError
 from eagle3.io import make_dirs, output_folder_lock, probe_dirs, rerun_hint
 from eagle3.io.lock import lock_held
-from eagle3.shards.format import (
-    DATA_CONFIG,
-    EXTRACT_LOCK,
-    check_extract_settings,
-    check_verifier,
-    list_samples,
-    read_data_config,
-)
+from eagle3.shards.checks import check_extract_settings, check_verifier
+from eagle3.shards.data_config import read_data_config
+from eagle3.shards.format import DATA_CONFIG, EXTRACT_LOCK, list_samples
 from eagle3.shards.manifest import MANIFEST
 
 log = logging.getLogger(__name__)

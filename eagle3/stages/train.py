@@ -44,7 +44,8 @@ from eagle3.engines.layers import check_servable
 from eagle3.io import rerun_hint
 from eagle3.process_group import process_group_scope
 from eagle3.sdpa import no_cudnn_sdpa
-from eagle3.shards.format import check_extract_settings, check_verifier, read_data_config
+from eagle3.shards.checks import check_extract_settings, check_verifier
+from eagle3.shards.data_config import read_data_config
 from eagle3.stages.export import (
     check_export_destination,
     export_for_run,

@@ -590,7 +590,7 @@ def data_inputs_unchecked(
     """The one warning line saying which of :func:`data_inputs_problem`'s comparisons (``keys``) could not be made, or
     None: a checkpoint without ``data_inputs`` (from before the record) or without an entry, or a weights
     fingerprint on one side only. Both sides without one (shards captured before fingerprints, which
-    :func:`eagle3.shards.format.check_verifier` already says) is not repeated. Those skips were silent.
+    :func:`eagle3.shards.checks.check_verifier` already says) is not repeated. Those skips were silent.
 
     Args:
         path: the checkpoint, named in the line.

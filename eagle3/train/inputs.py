@@ -20,7 +20,8 @@ from eagle3.drafter.model import DrafterArgs
 from eagle3.engines.context import check_context_length
 from eagle3.errors import UserError
 from eagle3.io import make_dirs
-from eagle3.shards.format import check_verifier_dims, expect_from_data_config
+from eagle3.shards.checks import check_verifier_dims
+from eagle3.shards.data_config import expect_from_data_config
 from eagle3.train import checkpoint as ckpt
 from eagle3.train.folder import check_train_dir
 from eagle3.train.loop import TTTObjective

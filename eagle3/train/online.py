@@ -41,7 +41,8 @@ import torch
 
 from eagle3.errors import UserError
 from eagle3.process_group import is_rank0
-from eagle3.shards.format import DATA_CONFIG, is_token_only
+from eagle3.shards.data_config import is_token_only
+from eagle3.shards.format import DATA_CONFIG
 
 log = logging.getLogger(__name__)
 

@@ -77,7 +77,7 @@ _FINGERPRINT_CHUNK = 1 << 20  # bytes read from the middle of each weight file
 
 def weights_fingerprint(vcfg: VerifierSpec) -> Optional[str]:
     """A content fingerprint of the verifier's weight files, recorded by 02 in ``data_config.json``
-    (``verifier_weights``) and compared by 03/04 (:func:`eagle3.shards.format.check_verifier`): the model the shards
+    (``verifier_weights``) and compared by 03/04 (:func:`eagle3.shards.checks.check_verifier`): the model the shards
     were captured from, whatever ``verifier.name`` says or where its folder now lives (a moved or copied folder keeps
     it; another model of the same shapes, e.g. base vs instruct, has other bytes).
 

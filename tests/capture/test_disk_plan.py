@@ -17,8 +17,9 @@ from eagle3.capture.disk_plan import NotEnoughDisk, plan_disk, shard_size_model
 from eagle3.capture.folder import LOCK, REPORT_JSON
 from eagle3.config import load_config
 from eagle3.io import read_json
-from eagle3.shards.format import list_samples, shard_object, write_sample
+from eagle3.shards.format import list_samples
 from eagle3.shards.manifest import read_manifest
+from eagle3.shards.write import shard_object, write_sample
 
 ROOT = Path(__file__).resolve().parents[2]
 _Usage = namedtuple("_Usage", "total used free")

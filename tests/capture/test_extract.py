@@ -14,8 +14,10 @@ from eagle3.capture.folder import STATE
 from eagle3.capture.prompts import read_prompts
 from eagle3.config import load_config
 from eagle3.errors import UserError
-from eagle3.shards.format import list_samples, load_sample, read_data_config
+from eagle3.shards.data_config import read_data_config
+from eagle3.shards.format import list_samples
 from eagle3.shards.manifest import read_manifest
+from eagle3.shards.read import load_sample
 from eagle3.stages.extract import run
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -23,8 +23,10 @@ import torch
 import yaml
 
 from eagle3.config import load_config
-from eagle3.shards.format import list_samples, load_sample, read_data_config
+from eagle3.shards.data_config import read_data_config
+from eagle3.shards.format import list_samples
 from eagle3.shards.manifest import read_manifest
+from eagle3.shards.read import load_sample
 from eagle3.stages.extract import run
 
 ROOT = Path(__file__).resolve().parents[2]

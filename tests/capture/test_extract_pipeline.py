@@ -246,7 +246,7 @@ def test_atomic_torch_save_is_the_bytesio_archive_and_hashes_it(tmp_path, via_pa
     import io
 
     from eagle3.io import atomic_torch_save
-    from eagle3.shards.format import write_sample
+    from eagle3.shards.write import write_sample
 
     torch.manual_seed(0)
     hs = [torch.randn(37, 64).to(torch.bfloat16) for _ in range(4)]

@@ -23,8 +23,10 @@ import pytest
 import torch
 import yaml
 
-from eagle3.shards.format import list_samples, load_sample, read_data_config
+from eagle3.shards.data_config import read_data_config
+from eagle3.shards.format import list_samples
 from eagle3.shards.manifest import read_manifest
+from eagle3.shards.read import load_sample
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))

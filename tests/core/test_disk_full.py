@@ -283,7 +283,8 @@ def _extract_cli(cfg_path: Path, capsys) -> tuple[int, str]:
 
 
 def _samples(root: Path) -> dict:
-    from eagle3.shards.format import list_samples, load_sample
+    from eagle3.shards.format import list_samples
+    from eagle3.shards.read import load_sample
 
     return {i: load_sample(p) for i, p in list_samples(root)}
 

@@ -14,7 +14,9 @@ from eagle3.config import load_config
 from eagle3.data.split import split_indices
 from eagle3.data.vocab import load_vocab_map
 from eagle3.errors import UserError
-from eagle3.shards.format import LAYER_INDEX_CONVENTION, write_data_config, write_sample
+from eagle3.shards.data_config import write_data_config
+from eagle3.shards.format import LAYER_INDEX_CONVENTION
+from eagle3.shards.write import write_sample
 from eagle3.stages.prepare_data import run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -190,7 +192,7 @@ def test_shards_without_a_weights_fingerprint_are_said_not_silently_passed(
     line; with the fingerprint recorded, or no weight file on this machine (03 needs none), nothing is said."""
     import logging
 
-    from eagle3.shards.format import check_verifier
+    from eagle3.shards.checks import check_verifier
     from eagle3.verifier.load import weights_fingerprint
 
     cfg = load_config(_cfg(tmp_path), [f"verifier.path={tiny_llama_dir}"])

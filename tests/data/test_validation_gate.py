@@ -24,7 +24,8 @@ from eagle3.data.settings import data_settings  # noqa: E402
 from eagle3.data.validation_record import VALIDATION_RECORD, require_passed
 from eagle3.errors import UserError
 from eagle3.shards.checksum import file_checksum
-from eagle3.shards.format import list_samples, read_data_config, write_data_config
+from eagle3.shards.data_config import read_data_config, write_data_config
+from eagle3.shards.format import list_samples
 from eagle3.shards.manifest import MANIFEST
 from eagle3.stages import prepare_data
 

@@ -21,8 +21,9 @@ from eagle3.config import load_config
 from eagle3.data.validation_record import VALIDATION_RECORD
 from eagle3.errors import UserError
 from eagle3.shards.checksum import file_checksum
-from eagle3.shards.format import DATA_CONFIG, list_samples, write_sample
+from eagle3.shards.format import DATA_CONFIG, list_samples
 from eagle3.shards.manifest import MANIFEST
+from eagle3.shards.write import write_sample
 from eagle3.stages.prepare_data import run
 
 ROOT = Path(__file__).resolve().parents[2]

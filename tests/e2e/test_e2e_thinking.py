@@ -19,8 +19,10 @@ import pytest
 import yaml
 from test_chat_templates import KIMI_K25_STYLE
 
-from eagle3.shards.format import list_samples, load_sample, read_data_config
+from eagle3.shards.data_config import read_data_config
+from eagle3.shards.format import list_samples
 from eagle3.shards.manifest import read_manifest
+from eagle3.shards.read import load_sample
 
 ROOT = Path(__file__).resolve().parents[2]
 TOPICS = ["sea", "moon", "tree", "rain", "snow", "wind"]

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3.shards.format import list_samples, load_sample
+from eagle3.shards.format import list_samples
+from eagle3.shards.read import load_sample
 
 ROOT = Path(__file__).resolve().parents[2]
 TAU_MARGIN = 0.3  # trained drafter must reach tau >= 1.3 (untrained: 1.0)

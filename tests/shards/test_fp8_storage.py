@@ -12,17 +12,8 @@ import torch
 
 import eagle3.io as eio
 from eagle3.errors import UserError
-from eagle3.shards.format import (
-    FORMAT,
-    FORMAT_FP8,
-    expect_from_data_config,
-    hidden_states_bf16,
-    list_samples,
-    load_sample,
-    read_data_config,
-    storage_meta,
-    write_sample,
-)
+from eagle3.shards.data_config import expect_from_data_config, read_data_config, storage_meta
+from eagle3.shards.format import FORMAT, FORMAT_FP8, list_samples
 from eagle3.shards.fp8 import (
     FP8_DTYPE,
     Storage,
@@ -31,6 +22,8 @@ from eagle3.shards.fp8 import (
     has_nan_fp8,
     quantize,
 )
+from eagle3.shards.read import hidden_states_bf16, load_sample
+from eagle3.shards.write import write_sample
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 FP8 = Storage("float8_e4m3fn", "per_token")
@@ -261,7 +254,7 @@ def _meta(storage: Storage, H=16) -> dict:
 
 
 def test_data_config_storage_keys_validated(tmp_path):
-    from eagle3.shards.format import write_data_config
+    from eagle3.shards.data_config import write_data_config
 
     write_data_config(tmp_path, _meta(FP8))
     meta = read_data_config(tmp_path)
@@ -462,7 +455,7 @@ def test_convert_resumes_after_kill_and_disk_full(bf16_run, tmp_path, monkeypatc
     dst = tmp_path / "fp8"
     part = convert(bf.shards_dir, dst, FP8, workers=1, limit=2)  # a run that stopped after 2 shards
     assert not part["complete"] and not (dst / "data_config.json").exists()
-    budget = ArchiveBudget(1500)  # shards are saved by path (eagle3.shards.format.SAVE_VIA_PATH)
+    budget = ArchiveBudget(1500)  # shards are saved by path (eagle3.shards.write.SAVE_VIA_PATH)
     monkeypatch.setattr(eio, "_save_archive", budget)
     monkeypatch.setattr(eio, "free_bytes", budget.free)
     with pytest.raises(

@@ -1,4 +1,4 @@
-"""States put in their stored form per batch on the capture device (``eagle3.shards.format.encode_batch``:
+"""States put in their stored form per batch on the capture device (``eagle3.shards.write.encode_batch``:
 NaN/Inf check, fp8 quantisation) before the device -> host copy: the same shard bytes as the
 writer's own CPU path, and non-finite values still refused with the same error."""
 
@@ -12,15 +12,10 @@ from test_capture_hf import SAMPLES, _llama
 
 from eagle3.capture.loop import capture_and_write
 from eagle3.capture.prompts import Sample
-from eagle3.shards.format import (
-    StoredStates,
-    encode_batch,
-    list_samples,
-    shard_object,
-    write_sample,
-)
+from eagle3.shards.format import list_samples
 from eagle3.shards.fp8 import FP8_DTYPE, Storage, quantize, quantize_unchecked, scales_finite
 from eagle3.shards.manifest import read_manifest
+from eagle3.shards.write import StoredStates, encode_batch, shard_object, write_sample
 
 FP8 = Storage("float8_e4m3fn")
 FP8_BLOCK = Storage("float8_e4m3fn", scale="per_block", block_size=16)

@@ -9,17 +9,11 @@ import torch
 
 from eagle3.errors import UserError
 from eagle3.io import remove_stale_tmp
-from eagle3.shards.format import (
-    LAYER_INDEX_CONVENTION,
-    expect_from_data_config,
-    list_samples,
-    load_sample,
-    read_data_config,
-    shard_path,
-    write_data_config,
-    write_sample,
-)
+from eagle3.shards.data_config import expect_from_data_config, read_data_config, write_data_config
+from eagle3.shards.format import LAYER_INDEX_CONVENTION, list_samples, shard_path
 from eagle3.shards.manifest import ManifestWriter, read_manifest, rewrite_manifest
+from eagle3.shards.read import load_sample
+from eagle3.shards.write import write_sample
 
 H = 8
 

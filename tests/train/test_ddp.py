@@ -71,7 +71,7 @@ def test_two_gloo_ranks_match_one_process(tmp_path):
     # the run moved the weights (so equality is not trivially the init)
     init = load_config(make_tiny_run(tmp_path / "init", **common))
     from eagle3.data.vocab import load_vocab_map
-    from eagle3.shards.format import read_data_config
+    from eagle3.shards.data_config import read_data_config
     from eagle3.train.inputs import build_drafter_args
     from eagle3.train.warm_start import init_drafter
     from eagle3.verifier.head import TargetHead

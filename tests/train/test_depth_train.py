@@ -20,7 +20,7 @@ from eagle3.config import load_config  # noqa: E402
 from eagle3.data.vocab import load_vocab_map  # noqa: E402
 from eagle3.errors import UserError  # noqa: E402
 from eagle3.export.reader import load_exported  # noqa: E402
-from eagle3.shards.format import read_data_config  # noqa: E402
+from eagle3.shards.data_config import read_data_config  # noqa: E402
 from eagle3.stages.export import (
     export_for_run,  # noqa: E402
     export_from_checkpoint,  # noqa: E402

@@ -159,7 +159,9 @@ def _first_grads(train_dir: Path) -> list[torch.Tensor]:
 
 
 def test_token_only_samples_and_their_03(prepared):
-    from eagle3.shards.format import list_samples, load_sample, read_data_config
+    from eagle3.shards.data_config import read_data_config
+    from eagle3.shards.format import list_samples
+    from eagle3.shards.read import load_sample
 
     off, on = prepared["offline"], prepared["online"]
     meta_on, meta_off = (
@@ -224,7 +226,8 @@ def test_verifier_path_to_other_weights_under_the_same_name_is_refused(
     from safetensors.torch import load_file, save_file
 
     from eagle3.errors import UserError
-    from eagle3.shards.format import check_verifier, read_data_config
+    from eagle3.shards.checks import check_verifier
+    from eagle3.shards.data_config import read_data_config
     from eagle3.stages.train import run
     from eagle3.verifier.load import weights_fingerprint
 
@@ -382,7 +385,8 @@ def test_online_padded_batches_close_to_offline(prepared, tiny_llama_dir, tmp_pa
 def test_online_states_of_a_padded_batch(prepared, tiny_llama_dir):
     """VerifierStates.fill == 02's capture of each sample (bf16), zero at the padding; the verifier is frozen."""
     from eagle3.data.dataset import collate
-    from eagle3.shards.format import list_samples, load_sample
+    from eagle3.shards.format import list_samples
+    from eagle3.shards.read import load_sample
     from eagle3.train.online import VerifierStates
 
     on, off = prepared["online"], prepared["offline"]

@@ -186,7 +186,7 @@ def test_a_verifier_path_to_another_model_is_named_not_a_drafter_field(tmp_path)
 
     from eagle3.data.vocab import load_run_vocab_map
     from eagle3.decoding.checks import verifier_warnings
-    from eagle3.shards.format import read_data_config
+    from eagle3.shards.data_config import read_data_config
     from eagle3.stages.train import run
     from eagle3.train.inputs import build_drafter_args
 

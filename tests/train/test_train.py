@@ -18,7 +18,7 @@ from _ddp_worker import make_tiny_run, single_thread  # noqa: E402,F401  (autous
 from eagle3.config import load_config  # noqa: E402
 from eagle3.data.dataset import ResumableSampler, ShardDataset, collate, read_split  # noqa: E402
 from eagle3.errors import UserError  # noqa: E402
-from eagle3.shards.format import write_sample  # noqa: E402
+from eagle3.shards.write import write_sample  # noqa: E402
 from eagle3.stages.export import export_for_run, load_init_drafter  # noqa: E402
 from eagle3.train import checkpoint as ckpt  # noqa: E402
 from eagle3.train.schedule import build_scheduler, lr_factor, warmup_steps_for  # noqa: E402
@@ -422,7 +422,7 @@ def test_training_reduces_loss_and_trains_only_drafter_params(tmp_path):
 
 def test_lm_head_initialised_from_verifier_draft_rows(tmp_path):
     from eagle3.data.vocab import load_vocab_map
-    from eagle3.shards.format import read_data_config
+    from eagle3.shards.data_config import read_data_config
     from eagle3.train.inputs import build_drafter_args
     from eagle3.train.warm_start import init_drafter
 
@@ -610,7 +610,7 @@ def _save_tiny_verifier(folder: Path, tied: bool):
 
 def test_drafter_args_nulls_come_from_verifier_config(tmp_path):
     from eagle3.data.vocab import load_vocab_map
-    from eagle3.shards.format import read_data_config
+    from eagle3.shards.data_config import read_data_config
     from eagle3.train.inputs import build_drafter_args
 
     _save_tiny_verifier(tmp_path / "verifier", tied=True)
@@ -652,7 +652,7 @@ def test_drafter_args_nulls_come_from_verifier_config(tmp_path):
 
 def test_target_head_extracted_once_from_safetensors_verifier(tmp_path):
     from eagle3.process_group import Dist
-    from eagle3.shards.format import read_data_config
+    from eagle3.shards.data_config import read_data_config
     from eagle3.train.inputs import prepare_target_head
 
     m = _save_tiny_verifier(tmp_path / "verifier", tied=False)

@@ -17,7 +17,7 @@ from _ddp_worker import make_tiny_run, single_thread  # noqa: E402,F401  (autous
 from eagle3.config import load_config  # noqa: E402
 from eagle3.data.vocab import load_vocab_map  # noqa: E402
 from eagle3.errors import UserError  # noqa: E402
-from eagle3.shards.format import read_data_config  # noqa: E402
+from eagle3.shards.data_config import read_data_config  # noqa: E402
 from eagle3.stages.export import (
     export_for_run,  # noqa: E402
     load_init_drafter,  # noqa: E402
