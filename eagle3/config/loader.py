@@ -285,6 +285,10 @@ def _error_words(e: dict) -> str:
         return f"expected an integer, not a string {why}"
     if kind == "bool_type":
         return "expected true or false (an unquoted YAML boolean)"
+    if kind == "float_type" and isinstance(
+        value, str
+    ):  # the lax float's words, as before strict types
+        return "Input should be a valid number, unable to parse string as a number"
     return e["msg"].removeprefix("Value error, ") if kind == "value_error" else e["msg"]
 
 

@@ -15,7 +15,6 @@ from typing import Optional
 
 from pydantic import ValidationError
 
-from eagle3 import verifier
 from eagle3.chat.template import ANSWER_FIELDS, ChatOptions, common_answer_fields, end_of_turn_ids
 from eagle3.config import PromptsConfig, RunConfig
 from eagle3.config.loader import at_item, field_path
@@ -54,6 +53,7 @@ from eagle3.regen.report import (
 from eagle3.regen.resume_log import PARTIAL_NAME, logged_answer_fields
 from eagle3.regen.selection import require_source_files, select_conversations
 from eagle3.regen.self_instruct import make_from_config
+from eagle3.verifier import load as verifier
 
 log = logging.getLogger(__name__)
 
