@@ -10,8 +10,9 @@ from typing import Callable, Optional
 
 from eagle3.errors import UserError
 from eagle3.io import exclusive_lock, make_dirs
+from eagle3.process_group import Dist
 from eagle3.train import checkpoint as ckpt
-from eagle3.train.ranks import DistInfo, any_rank
+from eagle3.train.ranks import any_rank
 from eagle3.verifier.head import FILENAME as TARGET_HEAD_FILE
 
 TRAIN_LOCK = (
@@ -28,7 +29,7 @@ def train_lock_holder(train_dir: Path) -> str:
 
 
 @contextlib.contextmanager
-def train_lock(train_dir: Path, d: DistInfo, field: str = "train.output_dir"):
+def train_lock(train_dir: Path, d: Dist, field: str = "train.output_dir"):
     """Hold ``{train_dir}/.train.lock`` (:func:`eagle3.io.exclusive_lock`, rank 0) for the whole of 04: a second 04 on
     the same train folder stops at once with one line on every rank (else it would delete the first's in-flight
     checkpoint temp files and append a second copy of every metrics row). The folders this call created are removed
@@ -86,7 +87,7 @@ def undo_on_refusal(train_dir: Path, enabled: bool):
 def check_train_dir(
     train_dir: Path,
     data_dir: Path,
-    d: DistInfo,
+    d: Dist,
     resume: bool,
     current: Optional[Callable[[], dict]] = None,
 ) -> None:

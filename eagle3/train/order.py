@@ -20,8 +20,8 @@ from torch.utils.data import DataLoader
 from eagle3.data import batching
 from eagle3.data.dataset import ResumableSampler, ShardDataset, collate
 from eagle3.errors import UserError
+from eagle3.process_group import Dist
 from eagle3.train import checkpoint as ckpt
-from eagle3.train.ranks import DistInfo
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class TrainData:
     def __init__(
         self,
         train_ds: ShardDataset,
-        d: DistInfo,
+        d: Dist,
         *,
         batch_size: int,
         grad_accum: int,

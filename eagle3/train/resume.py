@@ -10,13 +10,13 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from eagle3.errors import UserError
+from eagle3.process_group import Dist
 from eagle3.train import checkpoint as ckpt
 from eagle3.train.order import TrainData
-from eagle3.train.ranks import DistInfo, barrier, same_checkpoint
+from eagle3.train.ranks import same_checkpoint
 from eagle3.train.report import (
     earlier_segments,
     peak_gpu_mem_gib,
@@ -86,7 +86,7 @@ class RunRecord:
 def horizon_after_resume(
     order: TrainData,
     state: dict,
-    d: DistInfo,
+    d: Dist,
     rec: RunRecord,
     total_steps: int,
     horizon: Optional[int],
@@ -156,7 +156,7 @@ def _longer_schedule(data: Any, epochs: float) -> str:
 def restore(
     pos: Any,
     rec: RunRecord,
-    d: DistInfo,
+    d: Dist,
     data: Any,
     opt: Any,
     inputs: Any,
@@ -209,7 +209,7 @@ def restore(
         log.warning("%s", switch)
 
 
-def _restore_rng(path: Path, rngs: list, d: DistInfo, reseed: int) -> None:
+def _restore_rng(path: Path, rngs: list, d: Dist, reseed: int) -> None:
     """This rank's RNG states from the checkpoint (one per rank it was written on); on another process count they
     cannot be matched to ranks, so every rank is reseeded with ``reseed`` (rank 0 says so)."""
     if len(rngs) == d.world:
@@ -243,9 +243,7 @@ def _resume_warnings(path: Path, state: dict, changes: list, unchecked, fingerpr
         log.warning("%s", unchecked)
 
 
-def _load_state(
-    path: Path, state: dict, d: DistInfo, opt: Any, inputs: Any, rec: RunRecord
-) -> None:
+def _load_state(path: Path, state: dict, d: Dist, opt: Any, inputs: Any, rec: RunRecord) -> None:
     """Load a checked checkpoint's weights, optimizer and scheduler (keeping this run's schedule horizon, set by
     :func:`restore`) and its warm-start record (``inputs.init_from``).
 
@@ -276,7 +274,7 @@ def _load_state(
     inputs.init_from = state.get("init_from")  # the run's warm start, recorded by its first call
 
 
-def _horizon_reason(state: dict, rec: RunRecord, d: DistInfo) -> str:
+def _horizon_reason(state: dict, rec: RunRecord, d: Dist) -> str:
     """Why a resumed run's lr schedule differs from its checkpoint's, for the warning: the schedule keys changed in
     the config (``train.epochs`` / ``train.max_steps`` / ``--max-steps``, ``train.warmup_ratio``) and/or another
     process count (the steps of ``train.epochs`` follow the new split)."""
@@ -295,7 +293,7 @@ def _horizon_reason(state: dict, rec: RunRecord, d: DistInfo) -> str:
     return "; ".join(why) or "--max-steps, train.max_steps or train.epochs changed"
 
 
-def announce_resume(pos: Any, d: DistInfo, order: TrainData) -> None:
+def announce_resume(pos: Any, d: Dist, order: TrainData) -> None:
     """Log where a resumed run stands (rank 0), once every setup check (``--stop-at`` included) has passed:
     ``step 2, at the end of epoch 1`` or ``step 3, epoch 2, 1 step into it`` (epochs counted from 0)."""
     if pos.last_ckpt is None or not d.is_main:
@@ -317,7 +315,7 @@ def optimizer_values(opt: Any) -> dict:
     }
 
 
-def current_segment(pos: Any, rec: RunRecord, d: DistInfo) -> dict:
+def current_segment(pos: Any, rec: RunRecord, d: Dist) -> dict:
     """This call's part of the run (:func:`eagle3.train.report.segment_record`): from the step it started at to
     the current step."""
     return segment_record(
@@ -332,7 +330,7 @@ def current_segment(pos: Any, rec: RunRecord, d: DistInfo) -> dict:
     )
 
 
-def segments(pos: Any, rec: RunRecord, d: DistInfo) -> list[dict]:
+def segments(pos: Any, rec: RunRecord, d: Dist) -> list[dict]:
     """The run's parts, one per 04 call that trained (a resumed checkpoint's earlier ones, then this call's; parts
     without a step left out): checkpoint and ``train_report.json`` key ``segments``."""
     return [
@@ -342,16 +340,12 @@ def segments(pos: Any, rec: RunRecord, d: DistInfo) -> list[dict]:
     ]
 
 
-def save(pos: Any, rec: RunRecord, d: DistInfo, order: TrainData, opt: Any, inputs: Any) -> Path:
+def save(pos: Any, rec: RunRecord, d: Dist, order: TrainData, opt: Any, inputs: Any) -> Path:
     """Checkpoint at ``pos.step`` (every rank's RNG gathered; rank 0 writes). The recipe recorded is the config's
     except the fields a resumed checkpoint's optimizer state keeps (:func:`optimizer_values`), so a later
     ``--resume`` with the run's original config warns about nothing."""
     rng = ckpt.capture_rng()
-    rngs = [None] * d.world
-    if d.distributed:
-        dist.all_gather_object(rngs, rng, group=d.ctrl_group)
-    else:
-        rngs = [rng]
+    rngs = d.all_gather(rng)
     path = ckpt.ckpt_path(rec.train_dir, pos.step)
     recipe = {
         **rec.current["recipe"],
@@ -380,5 +374,5 @@ def save(pos: Any, rec: RunRecord, d: DistInfo, order: TrainData, opt: Any, inpu
             ),  # --export-only sans shards
         }
         path = ckpt.save_checkpoint(rec.train_dir, state, keep=rec.keep_checkpoints)
-    barrier(d)
+    d.barrier()
     return path

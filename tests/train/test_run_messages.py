@@ -15,7 +15,7 @@ from _ddp_worker import make_tiny_run, single_thread  # noqa: E402,F401  (autous
 
 from eagle3.config import load_config  # noqa: E402
 from eagle3.errors import UserError  # noqa: E402
-from eagle3.train.ranks import DistInfo  # noqa: E402
+from eagle3.process_group import Dist  # noqa: E402
 
 TRAINER = "eagle3.train"  # the train package's loggers
 
@@ -358,13 +358,13 @@ def test_04_warns_when_it_runs_in_another_number_of_processes_than_the_config_pl
         "train.nproc_per_node: 1 if this is intended"
     )
     assert want in rep
-    two = DistInfo(rank=1, world=2, local_rank=1, device=torch.device("cpu"))
+    two = Dist(rank=1, world=2, local_rank=1, device=torch.device("cpu"))
     assert warn_world_size(load_config(path, ["train.nproc_per_node=2"]), two) is None  # as planned
     unset = make_tiny_run(tmp_path / "unset", train={"epochs": 1})
     assert warn_world_size(load_config(unset), two) is None  # the default 1 is no plan
     tok = load_config(path, ["train.batch_tokens=64"])
     assert "1/8 of the planned tokens per optimizer step" in warn_world_size(
-        tok, DistInfo(0, 1, 0, torch.device("cpu"))
+        tok, Dist(0, 1, 0, torch.device("cpu"))
     )
 
 
