@@ -51,9 +51,8 @@ from eagle3.stages.export import (
     export_from_checkpoint,
     load_init_drafter,
 )
-from eagle3.train import checkpoint as ckpt
 from eagle3.train import inputs as setup
-from eagle3.train import metrics, order, ranks, report
+from eagle3.train import metrics, order, ranks, report, resume_checks
 from eagle3.train import resume as resuming
 from eagle3.train.folder import REDO_HINT, train_lock, undo_on_refusal
 from eagle3.train.loop import LoopSettings, TrainLoop
@@ -257,7 +256,9 @@ def _read_data(cfg: RunConfig, d: Dist) -> tuple[dict, dict, dict]:
         data_config["aux_layers"], cfg.export.engine, str(data_config["architecture"]), where
     )
     check_hidden_states(cfg.train.hidden_states, cfg.extract, cfg.shards_dir, data_config)
-    vocab = load_run_vocab_map(cfg, int(data_config["vocab_size"]))
+    vocab = load_run_vocab_map(
+        cfg.data_dir, cfg.data.draft_vocab_size, int(data_config["vocab_size"])
+    )
     split = read_split(cfg.data_dir)
     require_current(
         cfg.data_dir,
@@ -403,4 +404,4 @@ def check_init_from_config(cfg: RunConfig) -> bool:
     """:func:`eagle3.train.warm_start.check_init_from` of ``cfg``: the warm-start checks that need neither the
     verifier nor the shards (``bench/lease_preflight.py`` runs them at its start). Returns whether one is set."""
     drafter = {k: getattr(cfg.drafter, k, None) for k in WARM_START_SHAPE}
-    return check_init_from(cfg.train.init_from, drafter, ckpt.DRAFTER_CONFIG_KEYS)
+    return check_init_from(cfg.train.init_from, drafter, resume_checks.DRAFTER_CONFIG_KEYS)

@@ -23,6 +23,7 @@ from eagle3.io import make_dirs
 from eagle3.process_group import Dist
 from eagle3.shards.format import check_verifier_dims, expect_from_data_config
 from eagle3.train import checkpoint as ckpt
+from eagle3.train import resume_checks
 from eagle3.train.folder import check_train_dir
 from eagle3.train.loop import TTTObjective
 from eagle3.train.online import state_source, unused_shard_states_note
@@ -222,7 +223,7 @@ def autocast_dtype(bf16: str, device: torch.device) -> Optional[torch.dtype]:
 
 def recipe(s: Setup) -> dict:
     """The training recipe a checkpoint records (key ``recipe``, dotted config keys): what
-    :func:`eagle3.train.checkpoint.check_recipe` compares on ``--resume``, naming the fields that differ."""
+    :func:`eagle3.train.resume_checks.check_recipe` compares on ``--resume``, naming the fields that differ."""
     t = s.train
     out = {
         f"train.{k}": getattr(t, k)
@@ -244,7 +245,7 @@ def recipe(s: Setup) -> dict:
 
 
 def resume_current(s: Setup, args, split: dict, vocab: dict, data_config: dict) -> dict:
-    """The run now, as :func:`eagle3.train.checkpoint.check_resume` compares it with a checkpoint: ``drafter_args``,
+    """The run now, as :func:`eagle3.train.resume_checks.check_resume` compares it with a checkpoint: ``drafter_args``,
     ``data_order``, ``recipe``, ``data_inputs``."""
     return {
         "drafter_args": dataclasses.asdict(args),
@@ -325,7 +326,7 @@ def _drafter_and_folder(
         )
     # checked before the first write (the full check: after the head)
     warm = warm_start_planned(
-        s.train.init_from, s.train_dir, d.is_main, resume, args, ckpt.DRAFTER_CONFIG_KEYS
+        s.train.init_from, s.train_dir, d.is_main, resume, args, resume_checks.DRAFTER_CONFIG_KEYS
     )
     if lock is not None:
         lock()  # 04's lock on train_dir, before the folder check deletes stale temp files

@@ -15,6 +15,7 @@ from torch import nn
 from eagle3.errors import UserError
 from eagle3.process_group import Dist
 from eagle3.train import checkpoint as ckpt
+from eagle3.train import resume_checks
 from eagle3.train.order import TrainData
 from eagle3.train.ranks import same_checkpoint
 from eagle3.train.report import (
@@ -65,7 +66,7 @@ class Progress:
 class RunRecord:
     """What a checkpoint records of the run besides its position and tensors, and what a resume compares.
 
-    ``current``: the run now as :func:`eagle3.train.checkpoint.check_resume` compares it (``drafter_args``,
+    ``current``: the run now as :func:`eagle3.train.resume_checks.check_resume` compares it (``drafter_args``,
     ``data_order``, ``recipe`` (dotted ``train.*`` keys), ``data_inputs``, ``world_size``); ``fingerprint``:
     :func:`eagle3.train.checkpoint.config_fingerprint` of the settings; the rest are ``train.*`` values of the same
     names, ``extract_backend`` (online's state source) and this call's warning lines (filled while it runs)."""
@@ -165,7 +166,7 @@ def restore(
     """Continue ``pos`` from the newest complete checkpoint: weights, optimizer, schedule, data position, RNG.
 
     Every check comes before anything is loaded or logged about the schedule: the checkpoint against the run
-    (:func:`eagle3.train.checkpoint.check_resume`: all refused fields in one line), then the step horizon, then
+    (:func:`eagle3.train.resume_checks.check_resume`: all refused fields in one line), then the step horizon, then
     ``stop_at`` (:func:`set_stop_at`).
 
     Raises:
@@ -182,8 +183,8 @@ def restore(
             )
         return
     path, state = found
-    changes = ckpt.check_resume(path, state, rec.current, rec.data_dir)
-    unchecked = ckpt.data_inputs_unchecked(
+    changes = resume_checks.check_resume(path, state, rec.current, rec.data_dir)
+    unchecked = resume_checks.data_inputs_unchecked(
         path, state.get("data_inputs"), rec.current["data_inputs"], "--resume"
     )
     pos.step, pos.epoch = int(state["step"]), int(state["epoch"])
@@ -284,7 +285,10 @@ def _horizon_reason(state: dict, rec: RunRecord, d: Dist) -> str:
         for k in ("train.epochs", "train.max_steps", "train.warmup_ratio")
         if k in saved and saved[k] != now[k]
     ]
-    why = [f"{k} {ckpt.as_written(k, saved[k])} -> {ckpt.as_written(k, now[k])}" for k in keys]
+    why = [
+        f"{k} {resume_checks.as_written(k, saved[k])} -> {resume_checks.as_written(k, now[k])}"
+        for k in keys
+    ]
     then = state.get("world_size")
     if then is not None and int(then) != d.world:
         why.append(
@@ -308,7 +312,7 @@ def announce_resume(pos: Any, d: Dist, order: TrainData) -> None:
 
 def optimizer_values(opt: Any) -> dict:
     """``lr`` and ``weight_decay`` as the optimizer holds them: a resumed checkpoint's, not the config's
-    (:data:`eagle3.train.checkpoint.KEPT_FIELDS`)."""
+    (:data:`eagle3.train.resume_checks.KEPT_FIELDS`)."""
     return {
         "lr": float(opt.scheduler.base_lrs[0]),
         "weight_decay": float(opt.optimizer.param_groups[0]["weight_decay"]),
@@ -369,7 +373,7 @@ def save(pos: Any, rec: RunRecord, d: Dist, order: TrainData, opt: Any, inputs: 
             "recipe": recipe,
             "data_inputs": rec.current["data_inputs"],
             "segments": segments(pos, rec, d),
-            ckpt.DATA_CONFIG_RECORD: ckpt.data_config_record(
+            resume_checks.DATA_CONFIG_RECORD: resume_checks.data_config_record(
                 inputs.data_config
             ),  # --export-only sans shards
         }

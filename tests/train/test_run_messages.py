@@ -215,7 +215,12 @@ def test_a_verifier_path_to_another_model_is_named_not_a_drafter_field(tmp_path)
         ).save_pretrained(tmp_path / name)
     same = load_config(path, null + [f"verifier.path={tmp_path / 'same'}"])
     dc = read_data_config(same.shards_dir)
-    assert build_drafter_args(same, dc, load_run_vocab_map(same, 48)).hidden_size == 16
+    assert (
+        build_drafter_args(
+            same, dc, load_run_vocab_map(same.data_dir, same.data.draft_vocab_size, 48)
+        ).hidden_size
+        == 16
+    )
     other = load_config(path, null + [f"verifier.path={tmp_path / 'other'}"])
     want = (
         f"verifier.path: '{tmp_path / 'other'}' is another model than the shards in {other.shards_dir} were "
