@@ -125,13 +125,10 @@ from eagle3.config import TrainConfig  # noqa: E402
 from eagle3.drafter.model import DrafterArgs, Eagle3Drafter  # noqa: E402
 from eagle3.io import atomic_write_json  # noqa: E402
 from eagle3.losses.ttt import compute_targets  # noqa: E402
-from eagle3.process_group import process_group_scope  # noqa: E402
+from eagle3.process_group import Dist, process_group_scope  # noqa: E402
 from eagle3.train.inputs import autocast_dtype  # noqa: E402
 from eagle3.train.loop import TARGET_CHUNK, TTTObjective, backward_step  # noqa: E402
-from eagle3.train.ranks import (
-    DistInfo,  # noqa: E402
-    init_distributed,  # noqa: E402
-)
+from eagle3.train.ranks import init_distributed  # noqa: E402
 from eagle3.train.schedule import build_scheduler  # noqa: E402
 
 GIB = 1024**3
@@ -287,7 +284,7 @@ def build_step(
     checkpoint_logits: Optional[bool],
     total_steps: int,
     seed: int = 0,
-    ddp: Optional[DistInfo] = None,
+    ddp: Optional[Dist] = None,
     batch_seed: Optional[int] = None,
 ) -> tuple[Callable[[], torch.Tensor], dict, Callable[[], list[float]]]:
     """Build the drafter, optimizer, scheduler, verifier head and random batch; return ``(step, info, checksum)``.
@@ -300,7 +297,7 @@ def build_step(
 
     Args:
         seed: drafter init, vocab map and verifier head (identical on every rank).
-        ddp: with a multi-process :class:`eagle3.train.ranks.DistInfo`, the objective is wrapped in
+        ddp: with a multi-process :class:`eagle3.process_group.Dist`, the objective is wrapped in
             ``DistributedDataParallel`` as in ``eagle3.stages.train._run`` (before ``torch.compile``).
         batch_seed: seed of the random batch (``input_ids``, ``aux``, ``last``); None draws it from
             the ``seed`` stream after the head (the single-process default).
@@ -365,7 +362,7 @@ def build_step(
     )  # as train.py
     scheduler = build_scheduler(optimizer, total_steps, tc.warmup_ratio)
 
-    dinfo = ddp if wrapped else DistInfo(rank=0, world=1, local_rank=0, device=device)
+    dinfo = ddp if wrapped else Dist(rank=0, world=1, local_rank=0, device=device)
     batch = {"input_ids": input_ids, "aux": aux, "loss_mask": loss_mask}
     weights = torch.tensor([tc.step_weight**i for i in range(s.ttt)], device=device)  # [K]
 
@@ -409,7 +406,7 @@ def build_step(
     return step, info, checksum
 
 
-def _barrier(d: Optional[DistInfo]) -> None:
+def _barrier(d: Optional[Dist]) -> None:
     """Barrier on the gloo control group (no GPU work) when running multi-process; else nothing."""
     if d is not None and d.distributed:
         dist.barrier(group=d.ctrl_group)
@@ -423,7 +420,7 @@ def run_config(
     compile_objective: bool,
     checkpoint_logits: Optional[bool],
     ceiling_tflops: float,
-    ddp: Optional[DistInfo] = None,
+    ddp: Optional[Dist] = None,
     baseline: Optional[dict] = None,
 ) -> dict:
     """Build, warm up (the first warm-up step includes compilation), time ``steps`` steps; one result row.
@@ -831,7 +828,7 @@ def main(argv=None) -> int:
     launched = (
         "RANK" in os.environ and "WORLD_SIZE" in os.environ
     )  # torchrun (or equivalent) environment
-    ddp_info: Optional[DistInfo] = None
+    ddp_info: Optional[Dist] = None
     if launched:
         if a.max_seq_search:
             p.error(
@@ -875,7 +872,7 @@ def _main(
     p: argparse.ArgumentParser,
     a: argparse.Namespace,
     device: torch.device,
-    ddp_info: Optional[DistInfo],
+    ddp_info: Optional[Dist],
     baseline: Optional[dict],
 ) -> int:
     """The benchmark after argument parsing and (under torchrun) process-group start; rank 0 reports."""

@@ -1,29 +1,15 @@
-"""Start and teardown of the torch.distributed process group, shared by every multi-rank entry point
-(stage 01 replicas, stage 02 capture, stage 04 training, ``bench/train_throughput.py``).
+"""The one copy of the distributed helpers: start and teardown of the torch.distributed process group and a rank's
+place in the job, shared by every multi-rank entry point (stage 01 replicas, stage 02 capture, stage 04 training,
+``bench/train_throughput.py``).
 
-What this guards against: a ``torchrun`` run whose ranks all finished their work, yet one rank dies at
-interpreter exit with ``terminate called without an active exception`` (SIGABRT) and torchrun reports the
-run as failed (seen in ``tests/train/test_loss_norm.py::test_step_gradient_same_on_two_gloo_ranks``; the
-gloo shutdown race discussed in the abandoned pytorch PR 179291). It needs gloo's C++ threads
-(``pt_gloo_runloop`` workers, ``gloo_tcp_loop``) still running while the interpreter is torn down; most
-likely the peer's exit closes its sockets and wakes them in a process that is half gone.
-
-Why they were still running although every caller already called ``destroy_process_group``: on torch 2.13,
-the first ``import torch._dynamo`` made while a process group exists (``DistributedDataParallel.__init__``
-does it, so do transformers code paths) keeps about ten references to that group for the life of the
-process. ``destroy_process_group`` then only unregisters the group; the C++ object, its worker threads and
-its sockets survive until exit. Measured on 2 gloo ranks with a DDP step: 3 gloo threads left after
-``destroy_process_group`` + ``gc.collect()``; none when ``torch._dynamo`` was imported before the group
-was made (:func:`init_process_group`).
-
-So a rank here (1) imports ``torch._dynamo`` before making the group, (2) on a clean exit waits at a
-barrier until every rank is done with collectives, so none closes its sockets while a peer still sends,
-and (3) destroys the group in a ``finally``, then collects garbage, so the group's threads are joined and
-its sockets closed while the interpreter is fully alive.
-
-Every entry point runs its work inside :func:`process_group_scope`, which does (2) and (3): a barrier and the
-teardown when the block finishes, the teardown without a barrier when an exception (``KeyboardInterrupt`` and
-``SystemExit`` from a signal included) leaves it.
+Teardown contract (no rank may die at interpreter exit with gloo's C++ threads still running, which makes torchrun
+report a finished job as failed): a rank (1) imports ``torch._dynamo`` before making the group
+(:func:`init_process_group`: a later first import of it pins the group, so ``destroy_process_group`` would leave
+its threads and sockets alive), (2) on a clean exit waits at a barrier until every rank is done with collectives,
+and (3) destroys the group in a ``finally``, then collects garbage, so its threads are joined while the interpreter
+is fully alive. Every entry point runs its work inside :func:`process_group_scope`, which does (2) and (3): a
+barrier and the teardown when the block finishes, the teardown without a barrier when an exception
+(``KeyboardInterrupt`` and ``SystemExit`` from a signal included) leaves it.
 
 A rank's place in the job is a :class:`Dist` (:func:`init_dist`: from the torchrun environment), whose collectives
 run on a gloo control group (CPU objects, never a GPU sync) and are no-ops in a world of 1.
@@ -271,14 +257,13 @@ def _reports(add: int, timeout_s: float, key: str = REPORT_KEY) -> Optional[int]
 def first_to_report(timeout_s: float = 10.0) -> bool:
     """Whether this process prints the user error (``UserError``) it stops with.
 
-    One process: yes. Under torchrun (``WORLD_SIZE > 1``) the same bad config or file is met by every rank, and
-    each printed the same line (N lines for N ranks); now only the first rank to stop with a user error prints it,
-    whichever rank that is: the ranks claim one counter in torchrun's agent store (:func:`_agent_store`), and the
-    one that finds it at 0 prints. Not rank 0 always: when only some ranks meet an error (a shard only rank 1
-    reads), rank 0 may never raise one, and its line would be lost. The other ranks print nothing and every rank
-    still exits 2 (:func:`eagle3.cli.run_main`), so torchrun reports the job as failed. Without the agent's store (a
-    launcher other than torchrun setting ``RANK``/``WORLD_SIZE``, or the store unreachable) every rank prints, as
-    before: an error is never hidden.
+    One process: yes. Under torchrun (``WORLD_SIZE > 1``) the same bad config or file is met by every rank; only the
+    first rank to stop with a user error prints it, whichever rank that is: the ranks claim one counter in
+    torchrun's agent store (:func:`_agent_store`), and the one that finds it at 0 prints (not always rank 0: when
+    only some ranks meet an error, rank 0 may never raise one). The other ranks print nothing and every rank still
+    exits 2 (:func:`eagle3.cli.run_main`), so torchrun reports the job as failed. Without the agent's store (a
+    launcher other than torchrun setting ``RANK``/``WORLD_SIZE``, or the store unreachable) every rank prints: an
+    error is never hidden.
     """
     if _world() <= 1:
         return True
@@ -290,10 +275,9 @@ def first_to_report_interrupt(timeout_s: float = 10.0) -> bool:
     """Whether this process prints the ``interrupted by SIGINT|SIGTERM: ...`` line of :func:`eagle3.cli.run_main`.
 
     One process: yes. Under torchrun a Ctrl-C reaches every rank (the terminal signals the whole foreground process
-    group), and each printed the same line, one copy a rank; now the first rank to stop on it prints, the others
-    print nothing, through the same counter in torchrun's agent store as :func:`first_to_report` (its own key,
-    :data:`INTERRUPT_KEY`, so a user error met at the same time is still printed once). Without the agent's store
-    every rank prints, as before.
+    group); the first rank to stop on it prints, the others print nothing, through the same counter in torchrun's
+    agent store as :func:`first_to_report` (its own key, :data:`INTERRUPT_KEY`, so a user error met at the same time
+    is still printed once). Without the agent's store every rank prints.
     """
     if _world() <= 1:
         return True
@@ -303,7 +287,7 @@ def first_to_report_interrupt(timeout_s: float = 10.0) -> bool:
 
 def another_rank_reported(timeout_s: float = 10.0) -> bool:
     """Under torchrun: a rank already printed a user error (:func:`first_to_report`). torchrun then stops the other
-    ranks with SIGTERM, and each printed ``interrupted by SIGTERM: ...`` under the error, though nobody interrupted
+    ranks with SIGTERM, whose ``interrupted by SIGTERM: ...`` line would follow the error though nobody interrupted
     anything; :func:`eagle3.cli.run_main` keeps those ranks quiet (exit 143 still)."""
     if _world() <= 1:
         return False

@@ -173,37 +173,8 @@ def plan_disk(
     free_b += freed_by_overwrite
     block = block_size_of(where)
     tokens = sum(n for _, n in pending)
-    shard_bytes = 0
-    allocated = 0
-    for _, n in pending:
-        size = overhead + per_token * n
-        shard_bytes += int(round(size))
-        allocated += _round_up(size, block)
-    # manifest rows as ManifestWriter writes them (checksum included)
-    man = sum(
-        len(
-            json.dumps(
-                {
-                    "idx": i,
-                    "id": sid,
-                    "num_tokens": n,
-                    "num_loss_tokens": n,
-                    DEFAULT_ALGO: "0" * HEX_LEN[DEFAULT_ALGO],
-                }
-            )
-        )
-        + 1
-        for i, (sid, n) in zip(pending_idx, pending)
-    )
-    ids_json = len(json.dumps(skipped_ids or {}))
-    metadata = (
-        man + FIXED_METADATA_BYTES + 2 * ids_json
-    )  # the id lists go into data_config.json and the report
-    new_dirs = {i // rows_per_dir for i in pending_idx}
-    allocated += (
-        _round_up(man, block)
-        + _round_up(FIXED_METADATA_BYTES + 2 * ids_json, block)
-        + len(new_dirs) * block
+    shard_bytes, metadata, allocated = _footprint(
+        pending, pending_idx, overhead, per_token, block, rows_per_dir, skipped_ids
     )
     margin_b = max(int(margin * allocated), int(margin_bytes))
     needed = allocated + margin_b
@@ -225,6 +196,58 @@ def plan_disk(
         fits=free_b >= needed,
         checked=True,
         freed_by_overwrite=int(freed_by_overwrite),
+    )
+
+
+def _footprint(
+    pending: Sequence[tuple[str, int]],
+    pending_idx: Sequence[int],
+    overhead: float,
+    per_token: float,
+    block: int,
+    rows_per_dir: int,
+    skipped_ids: Optional[dict],
+) -> tuple[int, int, int]:
+    """``(shard bytes, metadata bytes, allocated bytes)`` of writing ``pending`` (:func:`plan_disk`'s arguments):
+    each shard ``overhead + per_token x tokens`` rounded up to ``block``, the manifest and the metadata files
+    (the skipped id lists go into data_config.json and the report), one block per new ``rows_*`` folder."""
+    shard_bytes = 0
+    allocated = 0
+    for _, n in pending:
+        size = overhead + per_token * n
+        shard_bytes += int(round(size))
+        allocated += _round_up(size, block)
+    man = _manifest_bytes(pending, pending_idx)
+    ids_json = len(json.dumps(skipped_ids or {}))
+    metadata = (
+        man + FIXED_METADATA_BYTES + 2 * ids_json
+    )  # the id lists go into data_config.json and the report
+    new_dirs = {i // rows_per_dir for i in pending_idx}
+    allocated += (
+        _round_up(man, block)
+        + _round_up(FIXED_METADATA_BYTES + 2 * ids_json, block)
+        + len(new_dirs) * block
+    )
+    return shard_bytes, metadata, allocated
+
+
+def _manifest_bytes(pending: Sequence[tuple[str, int]], pending_idx: Sequence[int]) -> int:
+    """Bytes of the manifest rows of ``pending`` (``(id, num_tokens)``) as ManifestWriter writes them (checksum
+    included), one line each."""
+    return sum(
+        len(
+            json.dumps(
+                {
+                    "idx": i,
+                    "id": sid,
+                    "num_tokens": n,
+                    "num_loss_tokens": n,
+                    DEFAULT_ALGO: "0" * HEX_LEN[DEFAULT_ALGO],
+                }
+            )
+        )
+        + 1
+        for i, (sid, n) in zip(pending_idx, pending)
     )
 
 

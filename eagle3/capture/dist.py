@@ -1,4 +1,7 @@
-"""Stage 02 under torchrun: this process's rank, CPU-only collectives (gloo) and what the ranks agree on.
+"""Stage 02 under torchrun: what the ranks agree on and how rank 0 folds their results together.
+
+A rank's place and its CPU-only collectives are an :class:`eagle3.process_group.Dist` made by
+``init_dist(timeout=DIST_TIMEOUT, job=JOB)`` (gloo default group).
 
 Rank 0 alone holds the folder lock (so an independent run is still refused, the job's own ranks are not),
 checks the fingerprint, removes temp files, merges leftover ``manifest.rank*.jsonl`` and reconciles the manifest
@@ -10,107 +13,20 @@ to its own ``manifest.rank{r}.jsonl``; after an all-gather (the barrier) rank 0 
 from __future__ import annotations
 
 import logging
-import os
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
-
-import torch.distributed as dist
+from typing import Any
 
 from eagle3.capture.folder import merge_rank_manifests
 from eagle3.capture.prompts import Sample
 from eagle3.capture.report import rate_text
 from eagle3.errors import UserError
-from eagle3.process_group import init_process_group
+from eagle3.process_group import Dist
 
 log = logging.getLogger(__name__)
 
 DIST_TIMEOUT = timedelta(hours=6)  # ranks wait for the slowest one at the final gather
-
-
-@dataclass
-class Dist:
-    """This process's place in a torchrun job (``world == 1``: no torch.distributed, no-op collectives).
-
-    ``group`` is a gloo process group (CPU tensors only), so control traffic never touches a GPU.
-    """
-
-    rank: int = 0
-    world: int = 1
-    local_rank: int = 0
-    group: Any = None
-    initialized_here: bool = False
-
-    def broadcast(self, obj: Any) -> Any:
-        """Rank 0's ``obj`` on every rank (pickled)."""
-        if self.world == 1:
-            return obj
-        buf = [obj]
-        dist.broadcast_object_list(buf, src=0, group=self.group)
-        return buf[0]
-
-    def all_gather(self, obj: Any) -> list:
-        """``[obj of rank 0, ..., obj of rank world-1]`` on every rank; doubles as a barrier."""
-        if self.world == 1:
-            return [obj]
-        out: list = [None] * self.world
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
-
-    def on_rank0(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn()`` on rank 0 only and hand its result to every rank.
-
-        An exception on rank 0 reaches all ranks (so none hangs in the next collective): a
-        :class:`UserError` is re-raised with the same message everywhere, anything else is
-        re-raised on rank 0 and becomes a ``RuntimeError`` on the others.
-        """
-        if self.world == 1:
-            return fn()
-        res, err, exc = None, None, None
-        if self.rank == 0:
-            try:
-                res = fn()
-            except BaseException as e:  # noqa: BLE001 - forwarded to the other ranks, then re-raised
-                exc = e
-                err = (
-                    "user" if isinstance(e, UserError) else "bug",
-                    str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}",
-                )
-        res, err = self.broadcast((res, err))
-        if exc is not None:
-            raise exc
-        if err is not None:
-            if err[0] == "user":
-                raise UserError(err[1])
-            raise RuntimeError(f"stage 02 failed on rank 0: {err[1]}")
-        return res
-
-
-def init_dist() -> Dist:
-    """torch.distributed (gloo) from the torchrun env when ``WORLD_SIZE > 1``; else a single process.
-
-    Raises:
-        UserError: ``WORLD_SIZE``/``RANK``/``LOCAL_RANK`` are not integers.
-    """
-    try:
-        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-        if world <= 1:
-            return Dist()
-        rank = int(os.environ.get("RANK", "0"))
-        local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
-    except ValueError as e:
-        raise UserError(f"WORLD_SIZE/RANK/LOCAL_RANK: not an integer ({e})") from e
-    here = False
-    if not dist.is_initialized():
-        init_process_group(backend="gloo", timeout=DIST_TIMEOUT)
-        here = True
-    group = (
-        dist.group.WORLD
-        if dist.get_backend() == "gloo"
-        else dist.new_group(backend="gloo", timeout=DIST_TIMEOUT)
-    )
-    return Dist(rank=rank, world=world, local_rank=local_rank, group=group, initialized_here=here)
+JOB = "stage 02"  # names the work in Dist.on_rank0's error on the other ranks
 
 
 def flat_components(comp: dict) -> dict:

@@ -105,19 +105,6 @@ def capture_and_write(
     """
     sleep_s = float(os.environ.get(SLEEP_ENV, "0") or 0)
     rows: list[dict] = []
-    committed = _committer(done, rows, on_commit)
-
-    def write(group: list[int], handle) -> None:
-        states = handle.states()
-        if sleep_s:
-            time.sleep(sleep_s)
-        for i, st in zip(group, states):
-            s = samples[i]
-            if s.idx in done:
-                continue
-            check_captured(s.input_ids, st, hidden_size, f"sample {s.idx} ('{s.id}')")
-            writer.submit(s.idx, s.id, s.input_ids, st, s.loss_mask)
-
     with (
         ManifestWriter(manifest_path) as man,
         ShardWriter(
@@ -126,7 +113,7 @@ def capture_and_write(
             man,
             threads=write_threads,
             max_pending_tokens=max_pending_tokens,
-            on_commit=committed,
+            on_commit=_committer(done, rows, on_commit),
             storage=storage,
             checksum=checksum,
         ) as writer,
@@ -136,10 +123,34 @@ def capture_and_write(
         _feed(
             batches,
             lambda group: start_capture(backend, [samples[i].input_ids for i in group], storage),
-            write,
+            lambda group, handle: _write_captured(
+                samples, done, hidden_size, writer, group, handle.states(), sleep_s
+            ),
             serial=write_threads == 0,
         )
     return rows
+
+
+def _write_captured(
+    samples: list[Sample],
+    done: dict[int, dict],
+    hidden_size: int,
+    writer: ShardWriter,
+    group: list[int],
+    states: list,
+    sleep_s: float,
+) -> None:
+    """Hand ``writer`` the captured ``states`` of the batch ``group`` (positions in ``samples``), skipping samples
+    already in ``done``; each is checked first (:func:`eagle3.capture.base.check_captured`). ``sleep_s``: a
+    pause after the states arrive (the tests' slow-capture knob, :data:`SLEEP_ENV`)."""
+    if sleep_s:
+        time.sleep(sleep_s)
+    for i, st in zip(group, states):
+        s = samples[i]
+        if s.idx in done:
+            continue
+        check_captured(s.input_ids, st, hidden_size, f"sample {s.idx} ('{s.id}')")
+        writer.submit(s.idx, s.id, s.input_ids, st, s.loss_mask)
 
 
 def write_token_samples(

@@ -14,7 +14,7 @@ import os
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from eagle3.capture.tokenize_pool import map_records
 from eagle3.chat.samples import conversation_samples
@@ -73,28 +73,7 @@ def read_prompts(path: str | os.PathLike, limit: Optional[int] = None) -> list[d
         if not isinstance(msgs, list) or not msgs:
             raise UserError(f"{path}:{n}: key 'messages' missing or not a non-empty list")
         for k, m in enumerate(msgs):
-            if (
-                not isinstance(m, dict)
-                or m.get("role") not in _ROLES
-                or not isinstance(m.get("content"), str)
-            ):
-                raise UserError(
-                    f"{path}:{n}: key 'messages[{k}]' must be {{role: {'|'.join(_ROLES)}, content: str}}"
-                )
-            for key, typ in (
-                ("reasoning_content", str),
-                ("tool_calls", list),
-                ("tool_call_id", str),
-                ("tokens", list),
-                ("truncated", bool),
-            ):
-                if m.get(key) is not None and not isinstance(m[key], typ):
-                    raise UserError(
-                        f"{path}:{n}: key 'messages[{k}].{key}' must be a {typ.__name__}"
-                    )
-            _check_token_list(m.get("tokens"), f"{path}:{n}: key 'messages[{k}].tokens")
-            if m.get("stop_token") is not None:
-                _check_token_list([m["stop_token"]], f"{path}:{n}: key 'messages[{k}].stop_token")
+            _check_message(m, f"{path}:{n}: key 'messages[{k}]")
         tools = rec.get("tools")
         if tools is not None and not isinstance(tools, list):
             raise UserError(f"{path}:{n}: key 'tools' must be a list of tool declarations")
@@ -109,10 +88,36 @@ def read_prompts(path: str | os.PathLike, limit: Optional[int] = None) -> list[d
     return out
 
 
+def _check_message(m: Any, where: str) -> None:
+    """Refuse a prompts-file message that is not ``{role, content: str}`` with typed optional keys; ``where``:
+    ``file:line: key 'messages[k]`` (the refusal names the key).
+
+    Raises:
+        UserError: a malformed message.
+    """
+    if (
+        not isinstance(m, dict)
+        or m.get("role") not in _ROLES
+        or not isinstance(m.get("content"), str)
+    ):
+        raise UserError(f"{where}' must be {{role: {'|'.join(_ROLES)}, content: str}}")
+    for key, typ in (
+        ("reasoning_content", str),
+        ("tool_calls", list),
+        ("tool_call_id", str),
+        ("tokens", list),
+        ("truncated", bool),
+    ):
+        if m.get(key) is not None and not isinstance(m[key], typ):
+            raise UserError(f"{where}.{key}' must be a {typ.__name__}")
+    _check_token_list(m.get("tokens"), f"{where}.tokens")
+    if m.get("stop_token") is not None:
+        _check_token_list([m["stop_token"]], f"{where}.stop_token")
+
+
 def _check_token_list(tokens: Optional[list], where: str) -> None:
-    """Refuse an answer's ``tokens`` item that is not a token id (an integer >= 0; ``true`` and ``1.5`` included,
-    which ``int()`` took as 1), naming ``<where>[i]'`` (before: ``"x"`` was a ValueError traceback, ``-5`` an
-    IndexError in the verifier's embedding)."""
+    """Refuse an answer's ``tokens`` item that is not a token id (an integer >= 0; ``true`` and ``1.5`` included),
+    naming ``<where>[i]'``."""
     for i, t in enumerate(tokens or ()):
         if isinstance(t, bool) or not isinstance(t, int) or t < 0:
             at = "'" if where.endswith(".stop_token") else f"[{i}]'"

@@ -161,27 +161,7 @@ class SGLangCapture:
         model = self._get_first("/model_info", "/get_model_info")
         server = self._get_first("/server_info", "/get_server_info")
         where = f"extract.sglang_url {self.url}/server_info"
-        version = server.get("version")
-        if version is not None and version != SUPPORTED_VERSION:
-            raise UserError(
-                f"{where}: SGLang {version}; the capture patch is for {SUPPORTED_VERSION}"
-            )
-        if server.get("disable_radix_cache") is False:
-            raise UserError(
-                f"{where}: radix cache is on; relaunch with --disable-radix-cache "
-                "(cached prefixes are not recomputed, so their states are never captured)"
-            )
-        if server.get("enable_return_aux_hidden_states") is False:
-            raise UserError(
-                f"{where}: relaunch with --enable-return-aux-hidden-states --speculative-algorithm EAGLE3"
-            )
-        chunk = server.get("chunked_prefill_size")
-        if isinstance(chunk, int) and not isinstance(chunk, bool) and chunk > 0:
-            raise UserError(
-                f"{where}: chunked_prefill_size {chunk}: relaunch with --chunked-prefill-size -1 (SGLang "
-                f"shares one {chunk}-token chunk budget among the prompts of a prefill batch and splits the "
-                "prompt that overflows it, however short; its earlier chunks would never be captured)"
-            )
+        _check_server(server, where)
         info_path = self.capture_dir / INFO_FILE
         if not info_path.is_file():
             raise UserError(
@@ -270,23 +250,8 @@ class SGLangCapture:
         self, rid: str, ids: list[int], meta: Optional[dict], H: int
     ) -> list[torch.Tensor]:
         where = f"extract.sglang_url {self.url}/generate rid {rid}"
-        if meta is None:
-            raise UserError(f"{where}: no result for this request id in the response")
         L = len(ids)
-        if meta.get("prompt_tokens") != L:
-            raise UserError(
-                f"{where}: server counted {meta.get('prompt_tokens')} prompt tokens, {L} were sent"
-            )
-        if meta.get("cached_tokens", 0):
-            raise UserError(
-                f"{where}: {meta['cached_tokens']} prompt tokens came from the prefix cache; "
-                "relaunch the server with --disable-radix-cache"
-            )
-        if meta.get("hidden_states"):
-            raise UserError(
-                f"{where}: the response carries hidden-state floats: the server is not running the "
-                "capture patch (patches/sglang_capture_launcher.py --capture-dir ...)"
-            )
+        _check_meta(meta, L, where)
         err = self.capture_dir / f"{rid}{ERROR_SUFFIX}"
         if err.is_file():
             raise UserError(f"{err}: {read_json(err).get('error', 'capture failed')}")
@@ -332,6 +297,61 @@ class SGLangCapture:
                     f"expected ({L}, {H}) torch.bfloat16"
                 )
         return [t.to("cpu") for t in states]  # 4 x [L, H] bf16
+
+
+def _check_meta(meta: Optional[dict], L: int, where: str) -> None:
+    """Refuse a ``/generate`` result (``meta_info``: ``meta``) for a prompt of ``L`` tokens that the capture cannot
+    use: missing, another prompt length, prefix-cached tokens, or hidden-state floats in the response (no
+    capture patch). ``where`` names the endpoint and request id.
+
+    Raises:
+        UserError: naming the cause and the fix.
+    """
+    if meta is None:
+        raise UserError(f"{where}: no result for this request id in the response")
+    if meta.get("prompt_tokens") != L:
+        raise UserError(
+            f"{where}: server counted {meta.get('prompt_tokens')} prompt tokens, {L} were sent"
+        )
+    if meta.get("cached_tokens", 0):
+        raise UserError(
+            f"{where}: {meta['cached_tokens']} prompt tokens came from the prefix cache; "
+            "relaunch the server with --disable-radix-cache"
+        )
+    if meta.get("hidden_states"):
+        raise UserError(
+            f"{where}: the response carries hidden-state floats: the server is not running the "
+            "capture patch (patches/sglang_capture_launcher.py --capture-dir ...)"
+        )
+
+
+def _check_server(server: dict, where: str) -> None:
+    """Refuse a server (``/server_info``: ``server``) the capture cannot use: another SGLang than
+    :data:`SUPPORTED_VERSION`, the radix cache on, aux capture off, chunked prefill on (a split prompt's earlier
+    chunks are never captured). ``where`` names the endpoint in the refusal.
+
+    Raises:
+        UserError: naming the flag to relaunch with.
+    """
+    version = server.get("version")
+    if version is not None and version != SUPPORTED_VERSION:
+        raise UserError(f"{where}: SGLang {version}; the capture patch is for {SUPPORTED_VERSION}")
+    if server.get("disable_radix_cache") is False:
+        raise UserError(
+            f"{where}: radix cache is on; relaunch with --disable-radix-cache "
+            "(cached prefixes are not recomputed, so their states are never captured)"
+        )
+    if server.get("enable_return_aux_hidden_states") is False:
+        raise UserError(
+            f"{where}: relaunch with --enable-return-aux-hidden-states --speculative-algorithm EAGLE3"
+        )
+    chunk = server.get("chunked_prefill_size")
+    if isinstance(chunk, int) and not isinstance(chunk, bool) and chunk > 0:
+        raise UserError(
+            f"{where}: chunked_prefill_size {chunk}: relaunch with --chunked-prefill-size -1 (SGLang "
+            f"shares one {chunk}-token chunk budget among the prompts of a prefill batch and splits the "
+            "prompt that overflows it, however short; its earlier chunks would never be captured)"
+        )
 
 
 def _last_hidden_state(cap: dict, info_path: Path) -> str:

@@ -101,9 +101,8 @@ class ShardWriter:
         checksum: hash of each shard's bytes, recorded under its name (:mod:`eagle3.shards.checksum`).
         processes: token-only samples only (``states`` None, stage 02 for online training): ``threads``
             worker processes (fork) write groups of :data:`GROUP_SIZE` consecutive samples. A token-only
-            shard is ~16 bytes/token, so its cost is ``torch.save``'s pickler, which holds the GIL: 8 writer
-            threads wrote ~750 shards/s on the 16-core H200 machine (26K samples in 35 s, lease 2026-12-02b).
-            Files, digests and manifest rows are those of the thread path.
+            shard is ~16 bytes/token, so its cost is ``torch.save``'s pickler, which holds the GIL (threads
+            would serialise on it). Files, digests and manifest rows are those of the thread path.
     """
 
     def __init__(

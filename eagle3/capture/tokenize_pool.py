@@ -134,20 +134,27 @@ def map_records(
             len(chunks),
             cs,
         )
-        out = []
-        with ProcessPoolExecutor(
-            max_workers=w,
-            mp_context=process_context(),
-            initializer=_init_worker,
-            initargs=(fn, tokenizer),
-        ) as pool:
-            futures = [pool.submit(_run_chunk, c) for c in chunks]
-            try:
-                for fut, c in zip(futures, chunks):
-                    out += fut.result()
-                    bar.update(len(c))
-            except BaseException:
-                for f in futures:
-                    f.cancel()
-                raise
-        return out
+        return _pool_map(fn, tokenizer, chunks, w, bar)
+
+
+def _pool_map(fn: Callable, tokenizer: Any, chunks: list, workers: int, bar: tqdm) -> list:
+    """``fn(tokenizer, r)`` of every record of ``chunks`` (in order) over ``workers`` processes, one task a chunk;
+    ``bar`` advances per finished chunk. The first failure (in chunk order) cancels the pending tasks and is raised.
+    """
+    out: list = []
+    with ProcessPoolExecutor(
+        max_workers=workers,
+        mp_context=process_context(),
+        initializer=_init_worker,
+        initargs=(fn, tokenizer),
+    ) as pool:
+        futures = [pool.submit(_run_chunk, c) for c in chunks]
+        try:
+            for fut, c in zip(futures, chunks):
+                out += fut.result()
+                bar.update(len(c))
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
+    return out

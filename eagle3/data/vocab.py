@@ -328,21 +328,24 @@ def load_vocab_map(
     }
 
 
-def load_run_vocab_map(cfg, target_vocab_size: int) -> dict:
-    """``{data_dir}/vocab_map.pt`` of a run, checked against the run config and the shards.
+def load_run_vocab_map(
+    data_dir: str | os.PathLike, draft_vocab_size: int, target_vocab_size: int
+) -> dict:
+    """``{data_dir}/vocab_map.pt`` (stage 03's), checked against the configured and the shards' sizes.
 
-    The map must have ``cfg.data.draft_vocab_size`` draft ids (stage 03 refuses sizes above the
-    target vocab, so no clamping applies) and ``target_vocab_size`` target ids.
+    The map must have ``draft_vocab_size`` draft ids (stage 03 refuses sizes above the target vocab, so no clamping
+    applies) and ``target_vocab_size`` target ids.
 
     Args:
-        cfg: :class:`eagle3.config.RunConfig`.
+        data_dir: stage 03's output folder (``data_dir``).
+        draft_vocab_size: ``data.draft_vocab_size`` of the run.
         target_vocab_size: the verifier vocab recorded in the shards' ``data_config.json``.
 
     Raises:
         UserError: as :func:`load_vocab_map`; a size mismatch names ``data.draft_vocab_size``.
     """
     return load_vocab_map(
-        cfg.data_dir / VOCAB_MAP,
+        Path(data_dir) / VOCAB_MAP,
         target_vocab_size=int(target_vocab_size),
-        draft_vocab_size=int(cfg.data.draft_vocab_size),
+        draft_vocab_size=int(draft_vocab_size),
     )

@@ -19,16 +19,13 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from eagle3.errors import UserError
-from eagle3.process_group import init_process_group, process_group_scope
+from eagle3.process_group import Dist, init_dist, process_group_scope
 from eagle3.regen.regenerate import has_tool_calls, regenerate
 from eagle3.regen.resume_log import PARTIAL_NAME, ResumeLog, log_resuming, logged_positions
 from eagle3.verifier.load import load_verifier, stop_token_ids
@@ -45,46 +42,14 @@ _SUMMED = (
 )
 
 
-@dataclass
-class Dist:
-    """This process's place among the replicas (world 1 = a single process, no process group)."""
-
-    rank: int = 0
-    world: int = 1
-    local_rank: int = 0
-    initialized_here: bool = False
-
-    def barrier(self) -> None:
-        if self.world > 1:
-            dist.barrier()
-
-    def gather(self, obj) -> list:
-        """Every rank's ``obj`` (a list of ``world`` items on every rank)."""
-        if self.world == 1:
-            return [obj]
-        out = [None] * self.world
-        dist.all_gather_object(out, obj)
-        return out
-
-
-def init_dist() -> Dist:
-    """gloo process group from the torchrun env when ``WORLD_SIZE > 1``; else a world of 1.
+def init_replicas() -> Dist:
+    """This rank's :class:`Dist` among the replicas: a gloo group from the torchrun env when ``WORLD_SIZE > 1``
+    (timeout :data:`TIMEOUT`); else a world of 1.
 
     Raises:
         UserError: ``WORLD_SIZE``/``RANK``/``LOCAL_RANK`` are not integers.
     """
-    try:
-        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-        rank = int(os.environ.get("RANK", "0") or 0)
-        local_rank = int(os.environ.get("LOCAL_RANK", str(rank)) or 0)
-    except ValueError as e:
-        raise UserError(f"WORLD_SIZE/RANK/LOCAL_RANK: not an integer ({e})") from e
-    if world <= 1:
-        return Dist()
-    here = not dist.is_initialized()
-    if here:
-        init_process_group(backend="gloo", timeout=TIMEOUT)
-    return Dist(rank=rank, world=world, local_rank=local_rank, initialized_here=here)
+    return init_dist(timeout=TIMEOUT, job="stage 01")
 
 
 def ranks_agree(d: Dist, want: dict, fresh: bool, prompts_path: Path) -> bool:
@@ -101,7 +66,7 @@ def ranks_agree(d: Dist, want: dict, fresh: bool, prompts_path: Path) -> bool:
     """
     if d.world <= 1:
         return fresh
-    everyone = d.gather((json.dumps(want, sort_keys=True, default=str), fresh))
+    everyone = d.all_gather((json.dumps(want, sort_keys=True, default=str), fresh))
     for r, (w, f) in enumerate(everyone):
         if w != everyone[0][0]:
             mine, theirs = json.loads(w), json.loads(everyone[0][0])
@@ -233,7 +198,7 @@ def regenerate_replicas(
     Raises:
         UserError: a resume log written under other settings or for other input.
     """
-    d = init_dist()
+    d = init_replicas()
     with process_group_scope(
         owned=d.initialized_here
     ):  # barrier on success only: peers may be stuck after an error
@@ -261,7 +226,7 @@ def regenerate_replicas(
             journal=_GlobalLog(ResumeLog(log_path(folder, d.rank), want), mine),
             **(regen_kwargs or {}),
         )
-        parts = d.gather(st)
+        parts = d.all_gather(st)
         d.barrier()  # every rank's log is complete
         out = None
         if d.rank == 0:

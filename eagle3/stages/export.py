@@ -34,6 +34,7 @@ from eagle3.shards.checks import check_extract_settings, check_verifier
 from eagle3.shards.data_config import read_data_config
 from eagle3.shards.format import DATA_CONFIG
 from eagle3.train import checkpoint as ckpt
+from eagle3.train import resume_checks
 from eagle3.train.folder import TRAIN_LOCK, train_lock_holder
 from eagle3.train.inputs import build_drafter_args
 from eagle3.train.report import export_provenance, record_export_only
@@ -282,10 +283,12 @@ def _drafter_from_checkpoint(cfg: RunConfig, path: Path, state: dict):
         UserError: missing target head / vocab map, no data_config.json and no record of it
             (:func:`shards_data_config`), other trained inputs (:func:`_require_trained_inputs`), a drafter shape
             that disagrees with the vocab map or with the config's ``drafter.*``
-            (:func:`eagle3.train.checkpoint.check_drafter_args`), or a missing/unexpected state key.
+            (:func:`eagle3.train.resume_checks.check_drafter_args`), or a missing/unexpected state key.
     """
     data_config = shards_data_config(cfg, path, state)
-    vocab = load_run_vocab_map(cfg, int(data_config["vocab_size"]))
+    vocab = load_run_vocab_map(
+        cfg.data_dir, cfg.data.draft_vocab_size, int(data_config["vocab_size"])
+    )
     args = DrafterArgs.from_json(state["drafter_args"], source=f"{path}: drafter_args")
     _require_trained_inputs(path, state, vocab, data_config, cfg)
     if args.draft_vocab_size != int(vocab["d2t"].shape[0]):
@@ -296,7 +299,7 @@ def _drafter_from_checkpoint(cfg: RunConfig, path: Path, state: dict):
     # the export checks the context itself: no start-of-training warning here
     want = dataclasses.asdict(build_drafter_args(cfg, data_config, vocab, warn_context=False))
     saved = {k: v for k, v in state["drafter_args"].items() if k != "max_position_embeddings"}
-    ckpt.check_drafter_args(
+    resume_checks.check_drafter_args(
         path, saved, {k: v for k, v in want.items() if k != "max_position_embeddings"}
     )
     args = _with_config_context(cfg, args)
@@ -331,7 +334,7 @@ def shards_data_config(cfg: RunConfig, path: Path, state: dict) -> dict:
     With ``{shards_dir}/data_config.json`` present: that file (:func:`eagle3.shards.data_config.read_data_config`), the
     config's verifier and ``extract`` settings checked against it, and (by the caller) the checkpoint's ``data_inputs``
     (aux layers, vocab map, verifier weights). Without it (users delete the shards after training to free terabytes):
-    the checkpoint's record of it (key ``data_config``, :func:`eagle3.train.checkpoint.data_config_record`), the
+    the checkpoint's record of it (key ``data_config``, :func:`eagle3.train.resume_checks.data_config_record`), the
     config checked against that. A checkpoint of before the record needs the file: one line says which file and that
     the shard files themselves are not read.
 
@@ -341,12 +344,12 @@ def shards_data_config(cfg: RunConfig, path: Path, state: dict) -> dict:
             :func:`eagle3.shards.checks.check_extract_settings`).
     """
     file = cfg.shards_dir / DATA_CONFIG
-    record = state.get(ckpt.DATA_CONFIG_RECORD)
+    record = state.get(resume_checks.DATA_CONFIG_RECORD)
     if file.is_file() or not isinstance(record, dict):
         if not file.is_file():
             raise UserError(
                 f"{file}: file not found, and {path} has no record of it (checkpoint key "
-                f"'{ckpt.DATA_CONFIG_RECORD}': written by 04 since 2026-12-05g, this checkpoint is older), "
+                f"'{resume_checks.DATA_CONFIG_RECORD}': written by 04 since 2026-12-05g, this checkpoint is older), "
                 f"so --export-only needs the shards' {DATA_CONFIG} for their aux layers, verifier and dims: "
                 f"put that one file back at {file} (the shard files are not read), or re-run "
                 f"02_extract_hidden.py"
@@ -365,7 +368,7 @@ def shards_data_config(cfg: RunConfig, path: Path, state: dict) -> dict:
         record.get("aux_layers"),
         record.get("verifier"),
         path.name,
-        ckpt.DATA_CONFIG_RECORD,
+        resume_checks.DATA_CONFIG_RECORD,
     )
     _check_recorded_verifier(cfg, record, path)
     check_extract_settings(cfg.extract, record, f"{cfg.shards_dir} (recorded in {path})")
@@ -386,18 +389,18 @@ def _check_recorded_verifier(cfg: RunConfig, record: dict, path: Path) -> None:
     want = cfg.verifier.display_name()
     if record.get("verifier") != want:
         raise UserError(
-            f"{path}: key '{ckpt.DATA_CONFIG_RECORD}.verifier' is {record.get('verifier')!r} (the shards it "
+            f"{path}: key '{resume_checks.DATA_CONFIG_RECORD}.verifier' is {record.get('verifier')!r} (the shards it "
             f"was trained on) but the config's verifier is {want!r} (verifier.name / verifier.path); set "
             f"the verifier this checkpoint was trained on"
         )
-    recorded = record.get(ckpt.VERIFIER_WEIGHTS)
+    recorded = record.get(resume_checks.VERIFIER_WEIGHTS)
     now = weights_fingerprint(cfg.verifier)  # (1 MiB a weight file)
     if (
         now and not recorded
     ):  # not compared: said (was silent); no weight file here: nothing to compare, as 03/04
         log.warning(
             "%s",
-            f"{path}: key '{ckpt.DATA_CONFIG_RECORD}' records no {ckpt.VERIFIER_WEIGHTS} (shards "
+            f"{path}: key '{resume_checks.DATA_CONFIG_RECORD}' records no {resume_checks.VERIFIER_WEIGHTS} (shards "
             f"captured before 2026-12-05f): --export-only did not check the weights at verifier.path "
             f"'{cfg.verifier.path}' against the model the checkpoint was trained on, only the name {want!r}; "
             f"check that verifier.path is that model (the export's config.json names it)",
@@ -405,7 +408,7 @@ def _check_recorded_verifier(cfg: RunConfig, record: dict, path: Path) -> None:
     if weights_differ(recorded, now):
         raise UserError(
             f"verifier.path: '{cfg.verifier.path}' holds other weights than the model {path} was trained "
-            f"on (key '{ckpt.DATA_CONFIG_RECORD}.{ckpt.VERIFIER_WEIGHTS}' {str(recorded)[:19]}..., "
+            f"on (key '{resume_checks.DATA_CONFIG_RECORD}.{resume_checks.VERIFIER_WEIGHTS}' {str(recorded)[:19]}..., "
             f"{str(now)[:19]}... at verifier.path; the name {want!r} is the same); set verifier.path back "
             f"to that model"
         )
@@ -416,27 +419,29 @@ def _require_trained_inputs(
 ) -> None:
     """Refuse to export a checkpoint with another draft vocab map, other aux layers or shards of another verifier's
     weights than it was trained with (its ``data_inputs`` records the map's content hash,
-    :func:`eagle3.train.checkpoint.vocab_sha256`, the shards' aux layers and ``verifier_weights``): the export takes
+    :func:`eagle3.train.resume_checks.vocab_sha256`, the shards' aux layers and ``verifier_weights``): the export takes
     the map and the aux layers from the run's files, which must be those the weights were trained for. The split is
     not compared: it does not change the weights. A checkpoint without a record (or an entry of it) passes with one
-    warning line (:func:`eagle3.train.checkpoint.data_inputs_unchecked`).
+    warning line (:func:`eagle3.train.resume_checks.data_inputs_unchecked`).
 
     Raises:
-        UserError: ``{checkpoint}: ...`` naming each difference (:func:`eagle3.train.checkpoint.data_inputs_problem`).
+        UserError: ``{checkpoint}: ...`` naming each difference (:func:`eagle3.train.resume_checks.data_inputs_problem`).
     """
     saved = state.get("data_inputs")
-    keys = (ckpt.VOCAB_FILE, ckpt.AUX_LAYERS, ckpt.VERIFIER_WEIGHTS)
+    keys = (resume_checks.VOCAB_FILE, resume_checks.AUX_LAYERS, resume_checks.VERIFIER_WEIGHTS)
     current = {
-        ckpt.VOCAB_FILE: ckpt.vocab_sha256(vocab),
-        ckpt.AUX_LAYERS: list(data_config["aux_layers"]),
-        ckpt.VERIFIER_WEIGHTS: data_config.get(ckpt.VERIFIER_WEIGHTS),
+        resume_checks.VOCAB_FILE: resume_checks.vocab_sha256(vocab),
+        resume_checks.AUX_LAYERS: list(data_config["aux_layers"]),
+        resume_checks.VERIFIER_WEIGHTS: data_config.get(resume_checks.VERIFIER_WEIGHTS),
     }
-    unchecked = ckpt.data_inputs_unchecked(path, saved, current, "--export-only", keys)
+    unchecked = resume_checks.data_inputs_unchecked(path, saved, current, "--export-only", keys)
     if unchecked:  # said, not silent
         log.warning("%s", unchecked)
     if not isinstance(saved, dict):
         return
-    problem = ckpt.data_inputs_problem({k: saved.get(k) for k in keys}, current, cfg.data_dir)
+    problem = resume_checks.data_inputs_problem(
+        {k: saved.get(k) for k in keys}, current, cfg.data_dir
+    )
     if problem:
         raise UserError(f"{path}: {problem}")
 

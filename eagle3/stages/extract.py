@@ -25,7 +25,7 @@ from eagle3.capture import resume
 from eagle3.capture.backends import checked_backend, shard_expect
 from eagle3.capture.base import CaptureBackend
 from eagle3.capture.disk_plan import NotEnoughDisk, plan_pending
-from eagle3.capture.dist import Dist, flat_components, gather_ranks, init_dist, ranks_agree
+from eagle3.capture.dist import DIST_TIMEOUT, JOB, flat_components, gather_ranks, ranks_agree
 from eagle3.capture.folder import (
     MANIFEST,
     REPORT_JSON,
@@ -53,7 +53,7 @@ from eagle3.config import RunConfig
 from eagle3.errors import UserError
 from eagle3.io import atomic_write_json, atomic_write_text, make_dirs, remove_stale_tmp
 from eagle3.io.read import file_sha256
-from eagle3.process_group import process_group_scope
+from eagle3.process_group import Dist, init_dist, process_group_scope
 from eagle3.regen.manifest import forced_path, read_report, report_changes
 from eagle3.regen.report import limit_drops_self_instruct
 from eagle3.shards.data_config import write_data_config
@@ -164,9 +164,9 @@ def run(
             this call created is removed again).
     """
     root = cfg.shards_dir
-    d = init_dist()
+    d = init_dist(timeout=DIST_TIMEOUT, job=JOB)
     created = [p for p in (root, *root.parents) if not p.exists()]  # deepest first
-    with process_group_scope(d.group, owned=d.initialized_here):  # barrier on success only
+    with process_group_scope(d.ctrl_group, owned=d.initialized_here):  # barrier on success only
         try:
             with contextlib.ExitStack() as stack:
                 cfg = _lock(cfg, root, backend, d, stack)

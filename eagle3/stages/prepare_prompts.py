@@ -20,7 +20,7 @@ from eagle3.config import PromptsConfig, RunConfig
 from eagle3.config.loader import at_item, field_path
 from eagle3.errors import UserError
 from eagle3.io import exclusive_lock, make_dirs
-from eagle3.process_group import is_rank0, process_group_scope
+from eagle3.process_group import Dist, is_rank0, process_group_scope
 from eagle3.regen import reuse_answers
 from eagle3.regen.manifest import (
     SOURCE_STATS,
@@ -37,9 +37,8 @@ from eagle3.regen.manifest import (
 from eagle3.regen.regen_server import regenerate_via_server
 from eagle3.regen.regenerate import engine_options
 from eagle3.regen.replicas import (
-    Dist,
     all_logs,
-    init_dist,
+    init_replicas,
     kept_answers_hint,
     ranks_agree,
     regenerate_replicas,
@@ -174,7 +173,7 @@ def run(
     # under torchrun with the replicas: their gloo group, made here so the ranks can agree on the up-to-date check
     # (:func:`ranks_agree`) and wait for rank 0's self-instruct file; without them rank 0 works alone (no group: a
     # peer that returned would not join, or would wait at its teardown barrier)
-    d = init_dist() if _replicated(cfg) else Dist()
+    d = init_replicas() if _replicated(cfg) else Dist()
     # regenerate_replicas uses the group and leaves its teardown here
     with process_group_scope(owned=d.initialized_here):
         if cfg.prompts.self_instruct is not None:
@@ -190,7 +189,7 @@ def _replicated(cfg: RunConfig) -> bool:
 
 def make_self_instruct(cfg: RunConfig, force: bool, d) -> Path:
     """``prompts.self_instruct``'s file (returned), made or found up to date by rank 0 under :func:`writer_lock`
-    (:func:`eagle3.regen.self_instruct.make_from_config`); the other ranks of ``d`` (:class:`eagle3.regen.replicas.Dist`)
+    (:func:`eagle3.regen.self_instruct.make_from_config`); the other ranks of ``d`` (:class:`eagle3.process_group.Dist`)
     wait at a gather that says whether rank 0 made it.
 
     Raises:
@@ -213,10 +212,10 @@ def make_self_instruct(cfg: RunConfig, force: bool, d) -> Path:
             raise
         except Exception as e:  # noqa: BLE001 - told to the other ranks, then raised here
             failed = str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}"
-            d.gather(failed)
+            d.all_gather(failed)
             raise
     # every rank reads the file after rank 0 wrote it: the gather is that barrier and says whether rank 0 could
-    failed = d.gather(failed)[0] if d.world > 1 else None
+    failed = d.all_gather(failed)[0] if d.world > 1 else None
     if failed is not None:
         raise UserError(
             f"rank {d.rank}: stopped, rank 0 could not make {cfg.self_instruct_path}: {failed}"

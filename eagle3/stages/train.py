@@ -42,7 +42,7 @@ from eagle3.data.validation_record import require_passed
 from eagle3.data.vocab import load_run_vocab_map
 from eagle3.engines.layers import check_servable
 from eagle3.io import rerun_hint
-from eagle3.process_group import process_group_scope
+from eagle3.process_group import Dist, process_group_scope
 from eagle3.sdpa import no_cudnn_sdpa
 from eagle3.shards.checks import check_extract_settings, check_verifier
 from eagle3.shards.data_config import read_data_config
@@ -52,14 +52,13 @@ from eagle3.stages.export import (
     export_from_checkpoint,
     load_init_drafter,
 )
-from eagle3.train import checkpoint as ckpt
 from eagle3.train import inputs as setup
-from eagle3.train import metrics, order, ranks, report
+from eagle3.train import metrics, order, ranks, report, resume_checks
 from eagle3.train import resume as resuming
 from eagle3.train.folder import REDO_HINT, train_lock, undo_on_refusal
 from eagle3.train.loop import LoopSettings, TrainLoop
 from eagle3.train.online import check_hidden_states
-from eagle3.train.ranks import DistInfo, StopFlag, init_distributed
+from eagle3.train.ranks import StopFlag, init_distributed
 from eagle3.train.sim_accept import BestTracker, effective_chain
 from eagle3.train.warm_start import WARM_START_SHAPE, check_init_from
 
@@ -187,7 +186,7 @@ def _run(cfg, d, stop, resume, max_steps, stop_after, export=None, init=None, st
             loop.inputs.states.close()
 
 
-def stop_before_training(stop: Optional[StopFlag], d: DistInfo) -> None:
+def stop_before_training(stop: Optional[StopFlag], d: Dist) -> None:
     """Honour a signal that came before the first optimizer step of this call (04's start-up): stop now, nothing
     trained and no checkpoint written. Every rank calls it at the same points and they agree.
 
@@ -243,7 +242,7 @@ def _setup(cfg: RunConfig) -> setup.Setup:
     return setup.Setup(**sections, **folders, train_field=cfg.output_field("train"))
 
 
-def _read_data(cfg: RunConfig, d: DistInfo) -> tuple[dict, dict, dict]:
+def _read_data(cfg: RunConfig, d: Dist) -> tuple[dict, dict, dict]:
     """02's ``data_config.json`` checked against the config (verifier, extract settings, the engine's aux layers,
     the hidden-state source) and 03's vocab map and split, current with the shards and the config's ``data:``
     settings (03's last validation passed). Returns ``(data_config, vocab, split)``."""
@@ -258,7 +257,9 @@ def _read_data(cfg: RunConfig, d: DistInfo) -> tuple[dict, dict, dict]:
         data_config["aux_layers"], cfg.export.engine, str(data_config["architecture"]), where
     )
     check_hidden_states(cfg.train.hidden_states, cfg.extract, cfg.shards_dir, data_config)
-    vocab = load_run_vocab_map(cfg, int(data_config["vocab_size"]))
+    vocab = load_run_vocab_map(
+        cfg.data_dir, cfg.data.draft_vocab_size, int(data_config["vocab_size"])
+    )
     split = read_split(cfg.data_dir)
     require_current(
         cfg.data_dir,
@@ -295,7 +296,7 @@ def _settings(cfg: RunConfig) -> LoopSettings:
     return LoopSettings(**{f.name: getattr(cfg.train, f.name) for f in fields(LoopSettings)})
 
 
-def _record(cfg: RunConfig, s, d: DistInfo, inputs, opt, warned: list) -> resuming.RunRecord:
+def _record(cfg: RunConfig, s, d: Dist, inputs, opt, warned: list) -> resuming.RunRecord:
     """What the checkpoints record of this run, and what a resume compares (:class:`eagle3.train.resume.RunRecord`)."""
     i, t = inputs, cfg.train
     current = setup.resume_current(s, i.args, i.split, i.vocab, i.data_config)
@@ -355,7 +356,7 @@ def _finish(
                 tracker.summary(), select_best=t.select_best, exported_step=None, stopped=True
             )
             report.write_report(cfg.train_dir, result, loop.inputs.args)
-        ranks.barrier(d)
+        d.barrier()
         return result
     result["final_val"] = final_val = loop.validate()
     loop.check_states()
@@ -373,7 +374,7 @@ def _finish(
             ) from e
         report.write_report(cfg.train_dir, result, loop.inputs.args)
         print(report.headline(result, cfg.train_dir, loop.inputs.args))
-    ranks.barrier(d)
+    d.barrier()
     return result
 
 
@@ -404,4 +405,4 @@ def check_init_from_config(cfg: RunConfig) -> bool:
     """:func:`eagle3.train.warm_start.check_init_from` of ``cfg``: the warm-start checks that need neither the
     verifier nor the shards (``bench/lease_preflight.py`` runs them at its start). Returns whether one is set."""
     drafter = {k: getattr(cfg.drafter, k, None) for k in WARM_START_SHAPE}
-    return check_init_from(cfg.train.init_from, drafter, ckpt.DRAFTER_CONFIG_KEYS)
+    return check_init_from(cfg.train.init_from, drafter, resume_checks.DRAFTER_CONFIG_KEYS)

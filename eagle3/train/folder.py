@@ -10,8 +10,10 @@ from typing import Callable, Optional
 
 from eagle3.errors import UserError
 from eagle3.io import exclusive_lock, make_dirs
+from eagle3.process_group import Dist
 from eagle3.train import checkpoint as ckpt
-from eagle3.train.ranks import DistInfo, any_rank
+from eagle3.train import resume_checks
+from eagle3.train.ranks import any_rank
 from eagle3.verifier.head import FILENAME as TARGET_HEAD_FILE
 
 TRAIN_LOCK = (
@@ -28,7 +30,7 @@ def train_lock_holder(train_dir: Path) -> str:
 
 
 @contextlib.contextmanager
-def train_lock(train_dir: Path, d: DistInfo, field: str = "train.output_dir"):
+def train_lock(train_dir: Path, d: Dist, field: str = "train.output_dir"):
     """Hold ``{train_dir}/.train.lock`` (:func:`eagle3.io.exclusive_lock`, rank 0) for the whole of 04: a second 04 on
     the same train folder stops at once with one line on every rank (else it would delete the first's in-flight
     checkpoint temp files and append a second copy of every metrics row). The folders this call created are removed
@@ -86,7 +88,7 @@ def undo_on_refusal(train_dir: Path, enabled: bool):
 def check_train_dir(
     train_dir: Path,
     data_dir: Path,
-    d: DistInfo,
+    d: Dist,
     resume: bool,
     current: Optional[Callable[[], dict]] = None,
 ) -> None:
@@ -110,7 +112,7 @@ def without_resume_refusal(train_dir: Path, data_dir: Path, current: Optional[di
     ``pass --resume`` also when that resume would be refused (other drafter shape, batching, loss, split, vocab map,
     aux layers or verifier weights than the checkpoint's; files none of which loads), so the advice cost one more
     refused run. The resume's checks (:func:`eagle3.train.checkpoint.find_latest_checkpoint` and
-    :func:`eagle3.train.checkpoint.check_resume` against ``current``, :func:`eagle3.train.inputs.resume_current`; None: not judged) now
+    :func:`eagle3.train.resume_checks.check_resume` against ``current``, :func:`eagle3.train.inputs.resume_current`; None: not judged) now
     run first: when they pass, ``pass --resume to continue`` (naming the step a resume takes when the newest file does
     not load); when they fail, why, and what 04 offers instead (a new ``train.output_dir``, or deleting the checkpoints
     folder: 04 has no ``--overwrite``). The step horizon (a checkpoint past the run's end) is checked by the resume
@@ -123,7 +125,7 @@ def without_resume_refusal(train_dir: Path, data_dir: Path, current: Optional[di
         return f"{head}; pass --resume to continue, or set train.output_dir to a new folder"
     try:
         path, state = ckpt.find_latest_checkpoint(train_dir, warn=False)
-        ckpt.check_resume(path, state, current, data_dir)
+        resume_checks.check_resume(path, state, current, data_dir)
     except UserError as e:
         return (
             f"{head}, and --resume would refuse them: {e}; so train into a new folder (--set "

@@ -20,14 +20,15 @@ from eagle3.drafter.model import DrafterArgs
 from eagle3.engines.context import check_context_length
 from eagle3.errors import UserError
 from eagle3.io import make_dirs
+from eagle3.process_group import Dist
 from eagle3.shards.checks import check_verifier_dims
 from eagle3.shards.data_config import expect_from_data_config
 from eagle3.train import checkpoint as ckpt
+from eagle3.train import resume_checks
 from eagle3.train.folder import check_train_dir
 from eagle3.train.loop import TTTObjective
 from eagle3.train.online import state_source, unused_shard_states_note
 from eagle3.train.order import TrainData, data_inputs, data_order
-from eagle3.train.ranks import DistInfo, barrier
 from eagle3.train.schedule import build_scheduler
 from eagle3.train.warm_start import init_drafter, warm_start, warm_start_planned
 from eagle3.verifier.arch import text_config
@@ -142,7 +143,7 @@ def warn_short_context(s: Setup, args):
     return args
 
 
-def warn_world_size(s: Setup, d: DistInfo) -> Optional[str]:
+def warn_world_size(s: Setup, d: Dist) -> Optional[str]:
     """Warn (rank 0) when the config plans ``train.nproc_per_node`` processes and 04 runs in another number (a plain
     ``python 04_train.py`` would train with a fraction of the planned global batch). Only a value the config sets is
     compared (the default 1 is not a plan), and a resume on fewer GPUs stays possible: a warning, not a refusal.
@@ -170,7 +171,7 @@ def warn_world_size(s: Setup, d: DistInfo) -> Optional[str]:
     return msg
 
 
-def prepare_target_head(s: Setup, data_config: dict, d: DistInfo) -> TargetHead:
+def prepare_target_head(s: Setup, data_config: dict, d: Dist) -> TargetHead:
     """Load ``{train_dir}/target_head.safetensors``; rank 0 extracts it from the verifier first if missing.
 
     Extraction reads only the three tensors from a safetensors checkpoint
@@ -192,7 +193,7 @@ def prepare_target_head(s: Setup, data_config: dict, d: DistInfo) -> TargetHead:
             model, _tok = load_verifier(s.verifier, device="cpu")
             TargetHead.from_model(model, data_config["last_hidden_state"]).save(s.train_dir)
             del model
-    barrier(d)
+    d.barrier()
     head = TargetHead.load(path)
     if head.hidden_size != int(data_config["hidden_size"]) or head.vocab_size != int(
         data_config["vocab_size"]
@@ -223,7 +224,7 @@ def autocast_dtype(bf16: str, device: torch.device) -> Optional[torch.dtype]:
 
 def recipe(s: Setup) -> dict:
     """The training recipe a checkpoint records (key ``recipe``, dotted config keys): what
-    :func:`eagle3.train.checkpoint.check_recipe` compares on ``--resume``, naming the fields that differ."""
+    :func:`eagle3.train.resume_checks.check_recipe` compares on ``--resume``, naming the fields that differ."""
     t = s.train
     out = {
         f"train.{k}": getattr(t, k)
@@ -245,7 +246,7 @@ def recipe(s: Setup) -> dict:
 
 
 def resume_current(s: Setup, args, split: dict, vocab: dict, data_config: dict) -> dict:
-    """The run now, as :func:`eagle3.train.checkpoint.check_resume` compares it with a checkpoint: ``drafter_args``,
+    """The run now, as :func:`eagle3.train.resume_checks.check_resume` compares it with a checkpoint: ``drafter_args``,
     ``data_order``, ``recipe``, ``data_inputs``."""
     return {
         "drafter_args": dataclasses.asdict(args),
@@ -311,7 +312,7 @@ class Inputs:
 
 
 def _drafter_and_folder(
-    s: Setup, d: DistInfo, data_config: dict, vocab: dict, split: dict, resume: bool, lock
+    s: Setup, d: Dist, data_config: dict, vocab: dict, split: dict, resume: bool, lock
 ):
     """The drafter shape and the warm-start plan, checked before anything is written (a bad input is the first
     error and leaves no empty train/ folder behind); then 04's lock (``lock()``) and the folder check. Returns
@@ -326,7 +327,7 @@ def _drafter_and_folder(
         )
     # checked before the first write (the full check: after the head)
     warm = warm_start_planned(
-        s.train.init_from, s.train_dir, d.is_main, resume, args, ckpt.DRAFTER_CONFIG_KEYS
+        s.train.init_from, s.train_dir, d.is_main, resume, args, resume_checks.DRAFTER_CONFIG_KEYS
     )
     if lock is not None:
         lock()  # 04's lock on train_dir, before the folder check deletes stale temp files
@@ -343,7 +344,7 @@ def _drafter_and_folder(
 
 def load_inputs(
     s: Setup,
-    d: DistInfo,
+    d: Dist,
     data_config: dict,
     vocab: dict,
     split: dict,
@@ -393,7 +394,7 @@ def load_inputs(
     return inputs
 
 
-def _state_source(s: Setup, d: DistInfo, data_config: dict, feat_dtype: torch.dtype):
+def _state_source(s: Setup, d: Dist, data_config: dict, feat_dtype: torch.dtype):
     """Where the hidden states come from (:func:`eagle3.train.online.state_source`; online loads the verifier);
     online over shards that hold states says so (rank 0)."""
     t = s.train
@@ -412,7 +413,7 @@ def _state_source(s: Setup, d: DistInfo, data_config: dict, feat_dtype: torch.dt
     )
 
 
-def _warm_start(s: Setup, d: DistInfo, drafter, init: Optional[Callable], data_config: dict):
+def _warm_start(s: Setup, d: Dist, drafter, init: Optional[Callable], data_config: dict):
     """``train.init_from``'s tensors into ``drafter`` (:func:`eagle3.train.warm_start.warm_start`); ``init`` loads
     the export (``init(embed_weight [V, H], data_config)``)."""
     if init is None:
@@ -450,7 +451,7 @@ class Data:
     )
 
 
-def build_data(s: Setup, d: DistInfo, inputs: Inputs, max_steps: Optional[int]) -> Data:
+def build_data(s: Setup, d: Dist, inputs: Inputs, max_steps: Optional[int]) -> Data:
     """Data step: train/val datasets over the shards (items without states when they are computed online),
     the data order (:class:`eagle3.train.order.TrainData`), total optimizer steps (``max_steps`` /
     ``train.max_steps`` cap)."""
@@ -553,7 +554,7 @@ class Optimisation:
     fingerprint: str
 
 
-def build_optimisation(s: Setup, d: DistInfo, inputs: Inputs, total_steps: int) -> Optimisation:
+def build_optimisation(s: Setup, d: Dist, inputs: Inputs, total_steps: int) -> Optimisation:
     """Optimisation step: the TTT objective (DDP, torch.compile), AdamW over the trainable drafter
     parameters, the warmup + cosine schedule over ``total_steps``."""
     t = s.train

@@ -32,10 +32,11 @@ from eagle3.losses.ttt import (
     ttt_loss,
     ttt_token_counts,
 )
+from eagle3.process_group import Dist
 from eagle3.shards.fp8 import dequantize_batch, is_fp8
 from eagle3.train.metrics import Accum, reduce_totals
 from eagle3.train.order import loader_kwargs
-from eagle3.train.ranks import DistInfo, StopFlag, any_rank, sum_ranks
+from eagle3.train.ranks import StopFlag, any_rank, sum_ranks
 from eagle3.train.resume import Progress
 
 log = logging.getLogger(__name__)
@@ -98,7 +99,7 @@ class TTTObjective(nn.Module):
         )
 
 
-def _autocast(d: DistInfo, amp: Optional[torch.dtype]):
+def _autocast(d: Dist, amp: Optional[torch.dtype]):
     return (
         torch.autocast(device_type=d.device.type, dtype=amp)
         if amp is not None
@@ -118,7 +119,7 @@ def backward_step(
     batches: list[dict],
     targets: list,
     ttt_length: int,
-    d: DistInfo,
+    d: Dist,
     amp: Optional[torch.dtype] = None,
 ) -> list[dict]:
     """Forward + backward of every micro-batch of ONE optimizer step, with the step-normalised loss: the counted
@@ -132,7 +133,7 @@ def backward_step(
             ``loss_pos`` ``[M]`` or ``loss_mask`` ``[B,L]``); sizes may differ between micro-batches.
         targets: :class:`eagle3.losses.ttt.TTTTargets` of each batch (all alive at once).
         ttt_length: ``K``.
-        d: this process's :class:`DistInfo` (every rank must call this once per optimizer step).
+        d: this process's :class:`Dist` (every rank must call this once per optimizer step).
         amp: autocast dtype on the device, or None.
 
     Returns:
@@ -216,7 +217,7 @@ class TrainLoop:
     def __init__(
         self,
         s: LoopSettings,
-        d: DistInfo,
+        d: Dist,
         inputs: Any,
         data: Any,
         opt: Any,

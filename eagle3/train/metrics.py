@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from eagle3.io import append_bytes, atomic_write_jsonl, cut_torn_tail, disk_full_guard, open_append
-from eagle3.train.ranks import DistInfo
+from eagle3.process_group import Dist
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ def read_metrics(path: Path) -> list[dict]:
     return rows
 
 
-def reduce_totals(totals: dict[str, torch.Tensor], d: DistInfo) -> dict[str, torch.Tensor]:
+def reduce_totals(totals: dict[str, torch.Tensor], d: Dist) -> dict[str, torch.Tensor]:
     """Sum :meth:`Accum.totals` over ranks (CPU all-reduce on the gloo control group; host sync)."""
     out = {k: v.detach().to("cpu", torch.float64) for k, v in totals.items()}
     if d.distributed:

@@ -20,8 +20,8 @@ from torch.utils.data import DataLoader
 from eagle3.data import batching
 from eagle3.data.dataset import ResumableSampler, ShardDataset, collate
 from eagle3.errors import UserError
-from eagle3.train import checkpoint as ckpt
-from eagle3.train.ranks import DistInfo
+from eagle3.process_group import Dist
+from eagle3.train import resume_checks
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class TrainData:
     def __init__(
         self,
         train_ds: ShardDataset,
-        d: DistInfo,
+        d: Dist,
         *,
         batch_size: int,
         grad_accum: int,
@@ -227,7 +227,7 @@ class TrainData:
 
 def data_order(seed: int, batch_tokens: Optional[int], batch_size: int, grad_accum: int) -> dict:
     """The settings that fix the batch order and the optimizer-step count of an epoch (checkpoint key
-    ``data_order``; :func:`eagle3.train.checkpoint.check_data_order`). ``batch_size`` is recorded as None when
+    ``data_order``; :func:`eagle3.train.resume_checks.check_data_order`). ``batch_size`` is recorded as None when
     ``batch_tokens`` is set (it is ignored then)."""
     return {
         "train.seed": seed,
@@ -239,12 +239,12 @@ def data_order(seed: int, batch_tokens: Optional[int], batch_size: int, grad_acc
 
 def data_inputs(split: dict, vocab: dict, data_config: dict) -> dict:
     """What a checkpoint records of the data it was trained on (key ``data_inputs``; compared on ``--resume`` by
-    :func:`eagle3.train.checkpoint.data_inputs_problem`): the content sha256 of 03's ``split`` and ``vocab`` map, and
+    :func:`eagle3.train.resume_checks.data_inputs_problem`): the content sha256 of 03's ``split`` and ``vocab`` map, and
     the aux layers and verifier weights fingerprint (``verifier_weights``; None when 02 recorded none) of the shards'
     ``data_config``."""
     return {
-        ckpt.SPLIT_FILE: ckpt.split_sha256(split),
-        ckpt.VOCAB_FILE: ckpt.vocab_sha256(vocab),
-        ckpt.AUX_LAYERS: [int(i) for i in data_config["aux_layers"]],
-        ckpt.VERIFIER_WEIGHTS: data_config.get(ckpt.VERIFIER_WEIGHTS),
+        resume_checks.SPLIT_FILE: resume_checks.split_sha256(split),
+        resume_checks.VOCAB_FILE: resume_checks.vocab_sha256(vocab),
+        resume_checks.AUX_LAYERS: [int(i) for i in data_config["aux_layers"]],
+        resume_checks.VERIFIER_WEIGHTS: data_config.get(resume_checks.VERIFIER_WEIGHTS),
     }

@@ -1,12 +1,11 @@
-"""Where a process sits in a torchrun job, the few CPU collectives of training (on a gloo control group that never
-syncs the GPU), the rank-agreement refusals (config, data, checkpoint), and the stop flag of SIGTERM/SIGINT."""
+"""Training under torchrun: this rank's :class:`eagle3.process_group.Dist` (:func:`init_distributed`), the few CPU
+collectives of training (on the gloo control group, never a GPU sync), the rank-agreement refusals (config, data,
+checkpoint), and the stop flag of SIGTERM/SIGINT."""
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -14,59 +13,26 @@ import torch
 import torch.distributed as dist
 
 from eagle3.errors import UserError
-from eagle3.process_group import init_process_group
+from eagle3.process_group import Dist, init_dist, torchrun_env
 from eagle3.train import checkpoint as ckpt
 
 
-@dataclass
-class DistInfo:
-    """Where this process sits: ``rank``/``world`` (1/0 without torchrun), its device, and a CPU
-    (gloo) process group for control messages (stop flag, counters) that never syncs the GPU."""
-
-    rank: int
-    world: int
-    local_rank: int
-    device: torch.device
-    ctrl_group: Any = None
-    initialized_here: bool = False
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def distributed(self) -> bool:
-        return self.world > 1
-
-
-def init_distributed(device: Optional[str] = None) -> DistInfo:
-    """Initialise torch.distributed from the torchrun env (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-    ``MASTER_ADDR``, ``MASTER_PORT``); NCCL when CUDA is available, else gloo.
+def init_distributed(device: Optional[str] = None) -> Dist:
+    """This rank's :class:`Dist` from the torchrun env (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
+    ``MASTER_PORT``): NCCL on ``cuda:{LOCAL_RANK}`` when CUDA is available, else gloo; a world of 1 without torchrun.
 
     Args:
         device: ``"cpu"`` forces CPU (and gloo); None = ``cuda:{LOCAL_RANK}`` if available else CPU.
 
-    Returns:
-        :class:`DistInfo`; a single process (world 1) when ``WORLD_SIZE`` is unset or 1.
+    Raises:
+        UserError: ``WORLD_SIZE``/``RANK``/``LOCAL_RANK`` are not integers.
     """
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
+    _, _, local_rank = torchrun_env()
     use_cuda = torch.cuda.is_available() and device != "cpu"
     dev = torch.device(f"cuda:{local_rank}") if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(dev)
-    info = DistInfo(rank=rank, world=world, local_rank=local_rank, device=dev)
-    if world > 1:
-        if not dist.is_initialized():
-            backend = "nccl" if use_cuda else "gloo"
-            kw = {"device_id": dev} if use_cuda else {}
-            init_process_group(backend=backend, **kw)
-            info.initialized_here = True
-        info.ctrl_group = (
-            dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
-        )
-    return info
+    return init_dist(backend="nccl" if use_cuda else "gloo", device=dev, job="stage 04")
 
 
 def dotted(tree: dict, prefix: str = "") -> dict:
@@ -80,7 +46,7 @@ def dotted(tree: dict, prefix: str = "") -> dict:
     return out
 
 
-def ranks_agree(d: DistInfo, mine: dict) -> None:
+def ranks_agree(d: Dist, mine: dict) -> None:
     """Every torchrun rank must train under rank 0's config and command line (``mine``: the dotted config keys and
     the stage's flags, :func:`dotted`). Each rank reads them itself; one with another ``train.lr`` stepped its DDP
     replica with its own lr, one with another ``train.batch_size`` aborted rank 0 with no message.
@@ -90,8 +56,7 @@ def ranks_agree(d: DistInfo, mine: dict) -> None:
     """
     if not d.distributed:
         return
-    everyone: list = [None] * d.world
-    dist.all_gather_object(everyone, mine, group=d.ctrl_group)
+    everyone = d.all_gather(mine)
     first = everyone[0]
     for r, theirs in enumerate(everyone):
         keys = sorted(
@@ -110,7 +75,7 @@ def ranks_agree(d: DistInfo, mine: dict) -> None:
             )
 
 
-def same_data(d: DistInfo, inputs: dict, data_dir: Path) -> None:
+def same_data(d: Dist, inputs: dict, data_dir: Path) -> None:
     """Every torchrun rank must train on rank 0's data (``inputs``: :func:`eagle3.train.order.data_inputs`: 03's
     split and vocab map by content sha256, the shards' aux layers and verifier weights). Each rank reads them itself;
     a rank on a node with another copy of the data folder trained other samples (or targets) without a word.
@@ -120,8 +85,7 @@ def same_data(d: DistInfo, inputs: dict, data_dir: Path) -> None:
     """
     if not d.distributed:
         return
-    everyone: list = [None] * d.world
-    dist.all_gather_object(everyone, inputs, group=d.ctrl_group)
+    everyone = d.all_gather(inputs)
     for r, theirs in enumerate(everyone):
         keys = sorted(
             k for k in set(theirs) | set(everyone[0]) if theirs.get(k) != everyone[0].get(k)
@@ -134,7 +98,7 @@ def same_data(d: DistInfo, inputs: dict, data_dir: Path) -> None:
             )
 
 
-def same_checkpoint(train_dir: Path, found: Optional[tuple], d: DistInfo) -> None:
+def same_checkpoint(train_dir: Path, found: Optional[tuple], d: Dist) -> None:
     """Every torchrun rank must resume from rank 0's checkpoint. Each rank looks for it itself; a rank that saw no
     checkpoint (a node-local ``train.output_dir``) or another newest one started from another step than rank 0, and
     the DDP replicas trained on from different weights and data positions.
@@ -145,8 +109,7 @@ def same_checkpoint(train_dir: Path, found: Optional[tuple], d: DistInfo) -> Non
     if not d.distributed:
         return
     mine = None if found is None else (found[0].name, int(found[1]["step"]))
-    everyone: list = [None] * d.world
-    dist.all_gather_object(everyone, mine, group=d.ctrl_group)
+    everyone = d.all_gather(mine)
     say = lambda w: "no checkpoint" if w is None else f"{w[0]} (step {w[1]})"  # noqa: E731
     for r, theirs in enumerate(everyone):
         if theirs != everyone[0]:
@@ -156,12 +119,7 @@ def same_checkpoint(train_dir: Path, found: Optional[tuple], d: DistInfo) -> Non
             )
 
 
-def barrier(d: DistInfo) -> None:
-    if d.distributed:
-        dist.barrier(group=d.ctrl_group)
-
-
-def any_rank(flag: bool, d: DistInfo) -> bool:
+def any_rank(flag: bool, d: Dist) -> bool:
     """True if ``flag`` is True on any rank (one CPU all-reduce on the gloo control group)."""
     if not d.distributed:
         return flag
@@ -170,7 +128,7 @@ def any_rank(flag: bool, d: DistInfo) -> bool:
     return bool(t.item())
 
 
-def sum_ranks(values: list[float], d: DistInfo) -> list[float]:
+def sum_ranks(values: list[float], d: Dist) -> list[float]:
     if not d.distributed:
         return values
     t = torch.tensor(values, dtype=torch.float64)

@@ -10,13 +10,14 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from eagle3.errors import UserError
+from eagle3.process_group import Dist
 from eagle3.train import checkpoint as ckpt
+from eagle3.train import resume_checks
 from eagle3.train.order import TrainData
-from eagle3.train.ranks import DistInfo, barrier, same_checkpoint
+from eagle3.train.ranks import same_checkpoint
 from eagle3.train.report import (
     earlier_segments,
     peak_gpu_mem_gib,
@@ -65,7 +66,7 @@ class Progress:
 class RunRecord:
     """What a checkpoint records of the run besides its position and tensors, and what a resume compares.
 
-    ``current``: the run now as :func:`eagle3.train.checkpoint.check_resume` compares it (``drafter_args``,
+    ``current``: the run now as :func:`eagle3.train.resume_checks.check_resume` compares it (``drafter_args``,
     ``data_order``, ``recipe`` (dotted ``train.*`` keys), ``data_inputs``, ``world_size``); ``fingerprint``:
     :func:`eagle3.train.checkpoint.config_fingerprint` of the settings; the rest are ``train.*`` values of the same
     names, ``extract_backend`` (online's state source) and this call's warning lines (filled while it runs)."""
@@ -86,7 +87,7 @@ class RunRecord:
 def horizon_after_resume(
     order: TrainData,
     state: dict,
-    d: DistInfo,
+    d: Dist,
     rec: RunRecord,
     total_steps: int,
     horizon: Optional[int],
@@ -156,7 +157,7 @@ def _longer_schedule(data: Any, epochs: float) -> str:
 def restore(
     pos: Any,
     rec: RunRecord,
-    d: DistInfo,
+    d: Dist,
     data: Any,
     opt: Any,
     inputs: Any,
@@ -165,7 +166,7 @@ def restore(
     """Continue ``pos`` from the newest complete checkpoint: weights, optimizer, schedule, data position, RNG.
 
     Every check comes before anything is loaded or logged about the schedule: the checkpoint against the run
-    (:func:`eagle3.train.checkpoint.check_resume`: all refused fields in one line), then the step horizon, then
+    (:func:`eagle3.train.resume_checks.check_resume`: all refused fields in one line), then the step horizon, then
     ``stop_at`` (:func:`set_stop_at`).
 
     Raises:
@@ -182,8 +183,8 @@ def restore(
             )
         return
     path, state = found
-    changes = ckpt.check_resume(path, state, rec.current, rec.data_dir)
-    unchecked = ckpt.data_inputs_unchecked(
+    changes = resume_checks.check_resume(path, state, rec.current, rec.data_dir)
+    unchecked = resume_checks.data_inputs_unchecked(
         path, state.get("data_inputs"), rec.current["data_inputs"], "--resume"
     )
     pos.step, pos.epoch = int(state["step"]), int(state["epoch"])
@@ -209,7 +210,7 @@ def restore(
         log.warning("%s", switch)
 
 
-def _restore_rng(path: Path, rngs: list, d: DistInfo, reseed: int) -> None:
+def _restore_rng(path: Path, rngs: list, d: Dist, reseed: int) -> None:
     """This rank's RNG states from the checkpoint (one per rank it was written on); on another process count they
     cannot be matched to ranks, so every rank is reseeded with ``reseed`` (rank 0 says so)."""
     if len(rngs) == d.world:
@@ -243,9 +244,7 @@ def _resume_warnings(path: Path, state: dict, changes: list, unchecked, fingerpr
         log.warning("%s", unchecked)
 
 
-def _load_state(
-    path: Path, state: dict, d: DistInfo, opt: Any, inputs: Any, rec: RunRecord
-) -> None:
+def _load_state(path: Path, state: dict, d: Dist, opt: Any, inputs: Any, rec: RunRecord) -> None:
     """Load a checked checkpoint's weights, optimizer and scheduler (keeping this run's schedule horizon, set by
     :func:`restore`) and its warm-start record (``inputs.init_from``).
 
@@ -276,7 +275,7 @@ def _load_state(
     inputs.init_from = state.get("init_from")  # the run's warm start, recorded by its first call
 
 
-def _horizon_reason(state: dict, rec: RunRecord, d: DistInfo) -> str:
+def _horizon_reason(state: dict, rec: RunRecord, d: Dist) -> str:
     """Why a resumed run's lr schedule differs from its checkpoint's, for the warning: the schedule keys changed in
     the config (``train.epochs`` / ``train.max_steps`` / ``--max-steps``, ``train.warmup_ratio``) and/or another
     process count (the steps of ``train.epochs`` follow the new split)."""
@@ -286,7 +285,10 @@ def _horizon_reason(state: dict, rec: RunRecord, d: DistInfo) -> str:
         for k in ("train.epochs", "train.max_steps", "train.warmup_ratio")
         if k in saved and saved[k] != now[k]
     ]
-    why = [f"{k} {ckpt.as_written(k, saved[k])} -> {ckpt.as_written(k, now[k])}" for k in keys]
+    why = [
+        f"{k} {resume_checks.as_written(k, saved[k])} -> {resume_checks.as_written(k, now[k])}"
+        for k in keys
+    ]
     then = state.get("world_size")
     if then is not None and int(then) != d.world:
         why.append(
@@ -295,7 +297,7 @@ def _horizon_reason(state: dict, rec: RunRecord, d: DistInfo) -> str:
     return "; ".join(why) or "--max-steps, train.max_steps or train.epochs changed"
 
 
-def announce_resume(pos: Any, d: DistInfo, order: TrainData) -> None:
+def announce_resume(pos: Any, d: Dist, order: TrainData) -> None:
     """Log where a resumed run stands (rank 0), once every setup check (``--stop-at`` included) has passed:
     ``step 2, at the end of epoch 1`` or ``step 3, epoch 2, 1 step into it`` (epochs counted from 0)."""
     if pos.last_ckpt is None or not d.is_main:
@@ -310,14 +312,14 @@ def announce_resume(pos: Any, d: DistInfo, order: TrainData) -> None:
 
 def optimizer_values(opt: Any) -> dict:
     """``lr`` and ``weight_decay`` as the optimizer holds them: a resumed checkpoint's, not the config's
-    (:data:`eagle3.train.checkpoint.KEPT_FIELDS`)."""
+    (:data:`eagle3.train.resume_checks.KEPT_FIELDS`)."""
     return {
         "lr": float(opt.scheduler.base_lrs[0]),
         "weight_decay": float(opt.optimizer.param_groups[0]["weight_decay"]),
     }
 
 
-def current_segment(pos: Any, rec: RunRecord, d: DistInfo) -> dict:
+def current_segment(pos: Any, rec: RunRecord, d: Dist) -> dict:
     """This call's part of the run (:func:`eagle3.train.report.segment_record`): from the step it started at to
     the current step."""
     return segment_record(
@@ -332,7 +334,7 @@ def current_segment(pos: Any, rec: RunRecord, d: DistInfo) -> dict:
     )
 
 
-def segments(pos: Any, rec: RunRecord, d: DistInfo) -> list[dict]:
+def segments(pos: Any, rec: RunRecord, d: Dist) -> list[dict]:
     """The run's parts, one per 04 call that trained (a resumed checkpoint's earlier ones, then this call's; parts
     without a step left out): checkpoint and ``train_report.json`` key ``segments``."""
     return [
@@ -342,16 +344,12 @@ def segments(pos: Any, rec: RunRecord, d: DistInfo) -> list[dict]:
     ]
 
 
-def save(pos: Any, rec: RunRecord, d: DistInfo, order: TrainData, opt: Any, inputs: Any) -> Path:
+def save(pos: Any, rec: RunRecord, d: Dist, order: TrainData, opt: Any, inputs: Any) -> Path:
     """Checkpoint at ``pos.step`` (every rank's RNG gathered; rank 0 writes). The recipe recorded is the config's
     except the fields a resumed checkpoint's optimizer state keeps (:func:`optimizer_values`), so a later
     ``--resume`` with the run's original config warns about nothing."""
     rng = ckpt.capture_rng()
-    rngs = [None] * d.world
-    if d.distributed:
-        dist.all_gather_object(rngs, rng, group=d.ctrl_group)
-    else:
-        rngs = [rng]
+    rngs = d.all_gather(rng)
     path = ckpt.ckpt_path(rec.train_dir, pos.step)
     recipe = {
         **rec.current["recipe"],
@@ -375,10 +373,10 @@ def save(pos: Any, rec: RunRecord, d: DistInfo, order: TrainData, opt: Any, inpu
             "recipe": recipe,
             "data_inputs": rec.current["data_inputs"],
             "segments": segments(pos, rec, d),
-            ckpt.DATA_CONFIG_RECORD: ckpt.data_config_record(
+            resume_checks.DATA_CONFIG_RECORD: resume_checks.data_config_record(
                 inputs.data_config
             ),  # --export-only sans shards
         }
         path = ckpt.save_checkpoint(rec.train_dir, state, keep=rec.keep_checkpoints)
-    barrier(d)
+    d.barrier()
     return path

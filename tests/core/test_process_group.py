@@ -63,15 +63,15 @@ def test_close_without_a_process_group_does_nothing(calls, monkeypatch):
 
 @pytest.mark.parametrize("fails", [False, True])
 def test_trainer_run_closes_with_a_barrier_only_on_success(monkeypatch, fails):
+    from eagle3.process_group import Dist
     from eagle3.stages import train as trainer
-    from eagle3.train.ranks import DistInfo
 
     ctrl = object()
     seen: list = []
     monkeypatch.setattr(
         trainer,
         "init_distributed",
-        lambda device=None: DistInfo(
+        lambda device=None: Dist(
             rank=0, world=2, local_rank=0, device=None, ctrl_group=ctrl, initialized_here=True
         ),
     )

@@ -20,6 +20,7 @@ from eagle3.data.vocab import check_vocab_map  # noqa: E402
 from eagle3.drafter.model import DrafterArgs, Eagle3Drafter  # noqa: E402
 from eagle3.errors import UserError  # noqa: E402
 from eagle3.train import checkpoint as ckpt  # noqa: E402
+from eagle3.train import resume_checks  # noqa: E402
 
 V, DV = 8, 4
 GOOD_TARGETS = [1, 3, 4, 6]
@@ -213,7 +214,7 @@ def test_resume_refusal_names_a_real_config_key(key, named):
     from eagle3.config import RunConfig
 
     with pytest.raises(UserError) as e:
-        ckpt.check_drafter_args("c.pt", {key: 8000}, {key: 32000})
+        resume_checks.check_drafter_args("c.pt", {key: 8000}, {key: 32000})
     msg = str(e.value)
     assert named in msg
     for token in msg.replace("(", " ").replace(")", " ").replace(",", " ").split():

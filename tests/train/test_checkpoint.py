@@ -19,6 +19,7 @@ from _ddp_worker import make_tiny_run, single_thread  # noqa: E402,F401  (autous
 from eagle3.config import load_config  # noqa: E402
 from eagle3.errors import UserError  # noqa: E402
 from eagle3.train import checkpoint as ckpt  # noqa: E402
+from eagle3.train import resume_checks  # noqa: E402
 
 
 def _state(step: int, **kw) -> dict:
@@ -100,20 +101,20 @@ def test_rng_state_survives_weights_only_save(tmp_path):
 
 
 def test_drafter_config_keys_are_the_config_fields():
-    """checkpoint.DRAFTER_CONFIG_KEYS (the train package does not read the config) is DrafterConfig's fields."""
+    """resume_checks.DRAFTER_CONFIG_KEYS (the train package does not read the config) is DrafterConfig's fields."""
     from eagle3.config import DrafterConfig
 
-    assert ckpt.DRAFTER_CONFIG_KEYS == set(DrafterConfig.model_fields)
+    assert resume_checks.DRAFTER_CONFIG_KEYS == set(DrafterConfig.model_fields)
 
 
 def test_check_drafter_args_names_field():
-    ckpt.check_drafter_args(
+    resume_checks.check_drafter_args(
         "c.pt", {"hidden_size": 8, "rms_norm_eps": 1e-6}, {"hidden_size": 8, "rms_norm_eps": 1e-6}
     )
     with pytest.raises(
         UserError, match=r"c.pt: drafter field 'hidden_size' is 8 in the checkpoint but 16"
     ):
-        ckpt.check_drafter_args("c.pt", {"hidden_size": 8}, {"hidden_size": 16})
+        resume_checks.check_drafter_args("c.pt", {"hidden_size": 8}, {"hidden_size": 16})
 
 
 def test_resume_with_different_drafter_shape_is_user_error(tmp_path):
@@ -178,14 +179,18 @@ def test_check_data_order_names_every_changed_key():
         "train.batch_size": 2,
         "train.grad_accum": 1,
     }
-    ckpt.check_data_order("c.pt", dict(same), dict(same))
-    ckpt.check_data_order("c.pt", None, dict(same))  # checkpoint from before the key: not checked
+    resume_checks.check_data_order("c.pt", dict(same), dict(same))
+    resume_checks.check_data_order(
+        "c.pt", None, dict(same)
+    )  # checkpoint from before the key: not checked
     with pytest.raises(
         UserError,
         match=r"c.pt: written with train.grad_accum=1, train.seed=0 but the config has "
         r"train.grad_accum=2, train.seed=5;",
     ):
-        ckpt.check_data_order("c.pt", same, {**same, "train.grad_accum": 2, "train.seed": 5})
+        resume_checks.check_data_order(
+            "c.pt", same, {**same, "train.grad_accum": 2, "train.seed": 5}
+        )
 
 
 def test_resume_with_changed_batching_is_user_error(tmp_path):
@@ -260,7 +265,7 @@ def test_all_checkpoints_corrupt_is_one_line_error_naming_the_newest(tmp_path, c
 def test_a_loss_change_refusal_says_how_to_get_the_export_it_advises():
     """The refusal of a changed loss definition advised a warm start from "this one's export", which a run stopped
     before its end (the usual --resume) does not have: it now says that --export-only writes it from the checkpoint."""
-    problem, notes = ckpt.recipe_changes({"train.ttt_length": 3}, {"train.ttt_length": 2})
+    problem, notes = resume_checks.recipe_changes({"train.ttt_length": 3}, {"train.ttt_length": 2})
     assert notes == [] and problem == (
         "--resume with another loss definition (train.ttt_length 3 -> 2); set them back, or start a new run from this "
         "one's export with train.init_from in a new train.output_dir (a run stopped before its end has none yet: "
@@ -362,7 +367,9 @@ def test_warnings_logged_during_a_resume_are_listed_in_the_report(tmp_path, capl
 
 def test_check_recipe_says_which_value_is_used():
     saved = {"train.lr": 0.001, "train.grad_clip": 1.0, "train.step_weight": 1.0}
-    notes = ckpt.check_recipe("c.pt", saved, {**saved, "train.lr": 0.05, "train.grad_clip": 0.5})
+    notes = resume_checks.check_recipe(
+        "c.pt", saved, {**saved, "train.lr": 0.05, "train.grad_clip": 0.5}
+    )
     assert notes == [
         "train.grad_clip 1.0 -> 0.5 (the new value applies from here on)",
         "train.lr: the config's 0.05 is not used; the checkpoint's 0.001 is kept with its optimizer state "
@@ -550,7 +557,9 @@ def test_inputs_a_checkpoint_did_not_record_are_said_at_resume_and_export(tmp_pa
         state["data_inputs"]["verifier_weights"] is None
     )  # shards without one: nothing said (both sides)
     assert (
-        ckpt.data_inputs_unchecked(p2, state["data_inputs"], {"verifier_weights": None}, "--resume")
+        resume_checks.data_inputs_unchecked(
+            p2, state["data_inputs"], {"verifier_weights": None}, "--resume"
+        )
         is None
     )
     del state["data_inputs"]
@@ -576,7 +585,7 @@ def test_inputs_a_checkpoint_did_not_record_are_said_at_resume_and_export(tmp_pa
     )
     assert caplog.messages.count(want) == 1
     assert want in json.loads((cfg.train_dir / "train_report.json").read_text())["warnings"]
-    assert ckpt.data_inputs_unchecked(
+    assert resume_checks.data_inputs_unchecked(
         p2,
         {
             "vocab_map.pt": "x",
@@ -679,29 +688,33 @@ def test_data_order_lets_the_split_change_only_with_the_global_batch():
         "train.batch_size": 2,
         "train.grad_accum": 1,
     }
-    assert ckpt.data_order_problem(saved, {**saved, "train.grad_accum": 2}, (8, 4)) is None
+    assert resume_checks.data_order_problem(saved, {**saved, "train.grad_accum": 2}, (8, 4)) is None
     assert (
-        ckpt.data_order_problem(
+        resume_checks.data_order_problem(
             saved, {**saved, "train.batch_size": 1, "train.grad_accum": 4}, (8, 4)
         )
         is None
     )
-    assert ckpt.global_batch_change(saved, {**saved, "train.grad_accum": 2}, (8, 4)) is None
-    msg = ckpt.data_order_problem(saved, {**saved, "train.grad_accum": 3}, (8, 4))
+    assert (
+        resume_checks.global_batch_change(saved, {**saved, "train.grad_accum": 2}, (8, 4)) is None
+    )
+    msg = resume_checks.data_order_problem(saved, {**saved, "train.grad_accum": 3}, (8, 4))
     assert msg.startswith(
         "written with train.grad_accum=1 but the config has train.grad_accum=3; resume keeps the "
         "data order only with the same seed and batching (train.batch_size and train.grad_accum may "
         "change only where they keep the global batch of 16: 2 x 1 x 8 then, 2 x 3 x 4 now)"
     ), msg
-    assert ckpt.global_batch_change(saved, saved, (8, 4)) == (
+    assert resume_checks.global_batch_change(saved, saved, (8, 4)) == (
         "global batch 16 -> 8 samples per optimizer step (train.batch_size x train.grad_accum x processes: 2 x 1 x 8 "
         "then, 2 x 1 x 4 now); --set train.grad_accum=2 keeps the checkpoint's"
     )
     budget = {**saved, "train.batch_tokens": 4096, "train.batch_size": None}
-    assert ckpt.data_order_problem(budget, {**budget, "train.grad_accum": 2}, (2, 1)) is None
-    assert ckpt.global_batch_change(budget, budget, (2, 1)).startswith(
+    assert (
+        resume_checks.data_order_problem(budget, {**budget, "train.grad_accum": 2}, (2, 1)) is None
+    )
+    assert resume_checks.global_batch_change(budget, budget, (2, 1)).startswith(
         "global batch 2 -> 1 token-budget batches per optimizer step (train.grad_accum x processes: 1 x 2 then, 1 x 1 now)"
     )
     assert (
-        ckpt.data_order_problem(saved, {**saved, "train.grad_accum": 2}) is not None
+        resume_checks.data_order_problem(saved, {**saved, "train.grad_accum": 2}) is not None
     )  # process counts unknown

@@ -22,7 +22,7 @@ from eagle3.export.reader import load_exported
 from eagle3.export.sglang import KEYS as SGLANG_KEYS
 from eagle3.export.vllm import KEYS as VLLM_KEYS
 from eagle3.export.writer import export_drafter
-from eagle3.train.checkpoint import check_drafter_args
+from eagle3.train.resume_checks import check_drafter_args
 
 LLAMA30 = dict(
     name="tiny/llama-30",

@@ -15,7 +15,7 @@ from _ddp_worker import make_tiny_run, single_thread  # noqa: E402,F401  (autous
 
 from eagle3.config import load_config  # noqa: E402
 from eagle3.errors import UserError  # noqa: E402
-from eagle3.train.ranks import DistInfo  # noqa: E402
+from eagle3.process_group import Dist  # noqa: E402
 
 TRAINER = "eagle3.train"  # the train package's loggers
 
@@ -215,7 +215,12 @@ def test_a_verifier_path_to_another_model_is_named_not_a_drafter_field(tmp_path)
         ).save_pretrained(tmp_path / name)
     same = load_config(path, null + [f"verifier.path={tmp_path / 'same'}"])
     dc = read_data_config(same.shards_dir)
-    assert build_drafter_args(same, dc, load_run_vocab_map(same, 48)).hidden_size == 16
+    assert (
+        build_drafter_args(
+            same, dc, load_run_vocab_map(same.data_dir, same.data.draft_vocab_size, 48)
+        ).hidden_size
+        == 16
+    )
     other = load_config(path, null + [f"verifier.path={tmp_path / 'other'}"])
     want = (
         f"verifier.path: '{tmp_path / 'other'}' is another model than the shards in {other.shards_dir} were "
@@ -358,13 +363,13 @@ def test_04_warns_when_it_runs_in_another_number_of_processes_than_the_config_pl
         "train.nproc_per_node: 1 if this is intended"
     )
     assert want in rep
-    two = DistInfo(rank=1, world=2, local_rank=1, device=torch.device("cpu"))
+    two = Dist(rank=1, world=2, local_rank=1, device=torch.device("cpu"))
     assert warn_world_size(load_config(path, ["train.nproc_per_node=2"]), two) is None  # as planned
     unset = make_tiny_run(tmp_path / "unset", train={"epochs": 1})
     assert warn_world_size(load_config(unset), two) is None  # the default 1 is no plan
     tok = load_config(path, ["train.batch_tokens=64"])
     assert "1/8 of the planned tokens per optimizer step" in warn_world_size(
-        tok, DistInfo(0, 1, 0, torch.device("cpu"))
+        tok, Dist(0, 1, 0, torch.device("cpu"))
     )
 
 
