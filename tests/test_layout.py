@@ -34,12 +34,9 @@ CONCEPTS = {
 STAGE_PKG = "stages"
 LEGACY: set[str] = set()  # packages being emptied into concept packages and stages/
 # Modules that still import eagle3.config (RunConfig); each entry leaves when its module takes plain arguments.
-KNOWN_CONFIG_USERS = {
-    "eagle3.regen.manifest",
-    "eagle3.regen.self_instruct",
-}
+KNOWN_CONFIG_USERS: set[str] = set()
 # Library modules that still import eagle3.cli; each leaves when its orchestration moves to stages/.
-KNOWN_CLI_USERS = {"eagle3.regen.self_instruct"}
+KNOWN_CLI_USERS: set[str] = set()
 
 
 def module_name(path: Path) -> str:

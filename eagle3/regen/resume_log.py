@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 PARTIAL_NAME = "prompts.regen-partial.jsonl"
 
-# 01 settings (eagle3.regen.manifest.settings) recorded only where they change the output: ``seed`` with
+# 01 settings (eagle3.stages.prompts_manifest.settings) recorded only where they change the output: ``seed`` with
 # ``sample_size`` or ``self_instruct``, ``hf_split`` with an ``hf:`` source, ``top_p`` with a sampling temperature, ``verifier_dtype`` with
 # the in-process regeneration. Reports and logs written before recorded them always.
 CONDITIONAL_KEYS = ("seed", "hf_split", "top_p", "verifier_dtype")

@@ -110,7 +110,7 @@ def test_bytes_that_are_not_utf8_name_the_file_line_and_column_in_every_json_rea
     from eagle3.config import load_config
     from eagle3.data.readers import _iter_file
     from eagle3.io import read_json
-    from eagle3.regen.manifest import read_report
+    from eagle3.stages.prompts_manifest import read_report
 
     good = (
         b'{"messages": [{"role": "user", "content": "A"}, {"role": "assistant", "content": "B"}]}\n'
