@@ -1125,7 +1125,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from eagle3.regen.regenerate import engine_options
+    from eagle3.regen.engine_choice import engine_options
     from eagle3.stages.prompts_manifest import max_context_tokens
     from eagle3.verifier.load import load_verifier
 

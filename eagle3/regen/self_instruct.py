@@ -254,23 +254,16 @@ def make(
     """Sample ``num`` user queries from the verifier, filter them, write ``out`` (the CLI mode's and
     ``prompts.self_instruct``'s one code path; the arguments are already checked).
 
-    Steps: the pre-query prefix; up-to-date check against ``report_path(out)`` (equal :class:`SelfInstructSettings`);
-    load the verifier; sample in batches of ``batch_size`` (tqdm; its own setting, not ``prompts.gen_batch_size``),
-    filter (:func:`select_queries`, ``exclude`` files' prompts pre-seeded as seen); write ``out`` (messages-JSONL, ids
-    ``self_instruct/<k>``) and the report atomically.
+    Steps: pre-query prefix; up-to-date check (equal :class:`SelfInstructSettings`); sample in batches of
+    ``batch_size``, filter (:func:`select_queries`, ``exclude`` pre-seeded as seen); write ``out`` and the report.
 
-    Args:
-        verifier: the ``verifier:`` config section (loaded with :mod:`eagle3.verifier.load`).
-        out: the file to write (its folder exists). opts: the chat template options (:func:`pre_query_prefix`).
-        system_prompt: ``prompts.system_prompt``. seed: ``prompts.seed``. num, temperature, top_p,
-            max_query_tokens, min_chars, exclude, batch_size: :class:`SelfInstructSettings`. names: how messages
-            name the settings (:data:`CLI_NAMES`, the default, or :data:`CONFIG_NAMES`).
+    Args: ``verifier``: the ``verifier:`` config section (:mod:`eagle3.verifier.load`); ``out``: the file to write
+    (its folder exists); ``opts``: chat template options (:func:`pre_query_prefix`); ``system_prompt``, ``seed``:
+    ``prompts.``'s; the others: :class:`SelfInstructSettings`; ``names``: how messages name the settings
+    (:data:`CLI_NAMES`, the default, or :data:`CONFIG_NAMES`).
 
-    Returns:
-        True when it sampled and wrote ``out``, False when ``out`` was up to date (``force``: never).
-
-    Raises:
-        UserError: an unusable chat template, an unreadable exclude file, or no query kept (nothing written then).
+    Returns True when it sampled and wrote ``out``, False when ``out`` was up to date (``force``: never). Raises
+    UserError for an unusable chat template, an unreadable exclude file, or no query kept (nothing written then).
     """
     names = names or CLI_NAMES
     tok = load_tokenizer(verifier)
@@ -288,28 +281,48 @@ def make(
         tuple(file_sha256(p) if Path(p).is_file() else None for p in exclude),
         weights_fingerprint(verifier),
     )
-    if not force and _up_to_date(out, st):
-        print(f"{out}: up to date (same self-instruct settings; --force to sample again)")
+    if not _must_sample(out, st, force):
         return False
-    if (
-        force
-    ):  # the old file is no longer up to date: a forced run stopped before writing it samples again
-        report_path(out).unlink(missing_ok=True)
     seen = _excluded_keys(exclude, names["exclude"])
     n_excluded_keys = len(seen)
-    model, _ = load_verifier(verifier)
-    queries, counts, secs, tokens = _sample_all(model, tok, st, stop_token_ids(tok), seen)
-    del model  # before 01 loads its own verifier to answer them (prompts.self_instruct)
+    queries, counts, secs, tokens = _sample_with(verifier, tok, st, seen)
     if not queries:
         raise nothing_kept(num, counts, max_query_tokens, min_chars, names)
     write_queries(out, queries)
     _write_report(out, st, counts, n_excluded_keys, secs, tokens)
-    print(
-        f"{out}: {counts['kept']} self-instruct prompts of {num} sampled ({counts['truncated']} unfinished within "
-        f"{max_query_tokens} tokens, {counts['too_short']} under {min_chars} characters, {counts['duplicate']} "
-        f"repeated or excluded) in {secs:.1f} s; {names['then']}"
-    )
+    print(f"{out}: {_summary(st, counts, secs)}; {names['then']}")
     return True
+
+
+def _must_sample(out: Path, st: SelfInstructSettings, force: bool) -> bool:
+    """Whether ``out`` is to be sampled: not up to date with ``st`` (printed when it is), or ``force`` (its report is
+    removed first, so a forced run stopped before writing samples again)."""
+    if not force and _up_to_date(out, st):
+        print(f"{out}: up to date (same self-instruct settings; --force to sample again)")
+        return False
+    if force:
+        report_path(out).unlink(missing_ok=True)
+    return True
+
+
+def _sample_with(
+    verifier, tok, st: SelfInstructSettings, seen: set
+) -> tuple[list, dict, float, int]:
+    """:func:`_sample_all` with the verifier loaded for it and freed after (before 01 loads its own to answer)."""
+    model, _ = load_verifier(verifier)
+    try:
+        return _sample_all(model, tok, st, stop_token_ids(tok), seen)
+    finally:
+        del model
+
+
+def _summary(st: SelfInstructSettings, counts: dict, secs: float) -> str:
+    """What the sampling kept and dropped, for the closing line."""
+    return (
+        f"{counts['kept']} self-instruct prompts of {st.num} sampled ({counts['truncated']} unfinished within "
+        f"{st.max_query_tokens} tokens, {counts['too_short']} under {st.min_chars} characters, "
+        f"{counts['duplicate']} repeated or excluded) in {secs:.1f} s"
+    )
 
 
 def _write_report(

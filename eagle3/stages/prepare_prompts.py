@@ -23,9 +23,9 @@ from eagle3.errors import UserError
 from eagle3.io import exclusive_lock, make_dirs
 from eagle3.process_group import is_rank0, process_group_scope
 from eagle3.regen import reuse_answers
+from eagle3.regen.engine_choice import engine_options
 from eagle3.regen.manifest import SOURCE_STATS, redo_reason, up_to_date
 from eagle3.regen.regen_server import regenerate_via_server
-from eagle3.regen.regenerate import engine_options
 from eagle3.regen.replicas import (
     Dist,
     all_logs,
