@@ -15,7 +15,6 @@ from typing import Optional
 
 from pydantic import ValidationError
 
-from eagle3 import verifier
 from eagle3.chat.template import ANSWER_FIELDS, ChatOptions, common_answer_fields, end_of_turn_ids
 from eagle3.config import PromptsConfig, RunConfig
 from eagle3.config.loader import at_item, field_path
@@ -52,6 +51,7 @@ from eagle3.stages.prompts_manifest import (
     settings,
 )
 from eagle3.stages.self_instruct import make_from_config
+from eagle3.verifier import load as verifier_load
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ def _regenerate(
         raise UserError(
             f"prompts.server.urls: needed for prompts.regenerate_via: {pc.regenerate_via}"
         )
-    tok = verifier.load_tokenizer(cfg.verifier)
+    tok = verifier_load.load_tokenizer(cfg.verifier)
     stats["stop_token_ids"] = sorted(end_of_turn_ids(tok))
     journal = partial_path(cfg)
     return regenerate_via_server(
