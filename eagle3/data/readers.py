@@ -97,8 +97,7 @@ def _text(x: Any, where: str, field: str) -> str:
 
     Raises:
         UserError: ``where: field '<field>' ...`` for another type, a part that is not an object or a text part
-            whose ``text`` is not a string (before: a list of strings read as "" and the conversation was skipped
-            as empty content; a number in ``text`` was a traceback).
+            whose ``text`` is not a string.
     """
     if x is None:
         return ""

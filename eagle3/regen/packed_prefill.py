@@ -1,7 +1,7 @@
 """Packed prefill for stage 01's slot engine (``prompts.regen_prefill_pack``): no padding between prompts.
 
 A right-padded prefill forward of ``P`` prompts feeds ``P x width`` tokens, the longest prompt's width for every
-row (on the H200's 17K run: 3.50M tokens fed for 1.83M real ones, 1.91x; lease 2026-12-05b), and each new
+row (on the 17K config's run: 3.50M tokens fed for 1.83M real ones, 1.91x), and each new
 ``(rows, width)`` is a new shape. A packed forward feeds the prompts' tokens back to back as ONE sequence
 ``[1, Tq]``, ``Tq`` the token count rounded up to a power of two (:func:`packed_bucket`; the tail is padding), and
 attention keeps the prompts apart with a document mask:

@@ -83,8 +83,8 @@ def flex_decode(
             query heads of a KV head become its ``G`` query positions (``[n, Hkv, G, D]``, head ``h = kv * G + g``
             as HF's ``repeat_kv``), not ``enable_gqa``: Inductor's split-KV decode kernel takes GQA only for a
             power-of-two ``G`` (torch ``_inductor/kernel/flex/flex_decoding.py`` ``_use_flex_decoding``) and
-            SmolLM2's is 3, so with ``enable_gqa`` the main kernel ran one query row per 128-row tile (the H200
-            lease of 2026-12-02: 0.66 ms per layer for 1024 rows x ~400 columns, ~8x the bandwidth time).
+            SmolLM2's is 3, so with ``enable_gqa`` the main kernel runs one query row per 128-row tile (H200: 0.66 ms
+            per layer for 1024 rows x ~400 columns, ~8x the bandwidth time).
         attn_len: int64 ``[n]``, row b attends columns ``[0, attn_len[b]]``.
         kv_indices: int32 ``[n, 1, 1, L / block]`` (see :func:`decode_block_mask`).
         scale: softmax scale (None: ``1 / sqrt(D)``).
