@@ -93,7 +93,7 @@ def main(argv=None):
     _check_mode(p, a)
     cfg = load_config(a.config, a.overrides)
     if a.self_instruct is not None:
-        from eagle3.regen import self_instruct
+        from eagle3.stages import self_instruct
 
         with resume_on_interrupt(
             lambda: f"nothing written ({a.out} is written at the end); re-run the same command"

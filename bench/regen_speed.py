@@ -162,8 +162,8 @@ def timed_run(
     """One :func:`regenerate` call, synchronised around; returns (conversations, stats with ``seconds``,
     ``tokens_per_s``). Prints one line, ``<label or engine>: N conversations, ...``."""
     from eagle3.chat.template import ChatOptions
-    from eagle3.regen.manifest import max_context_tokens
     from eagle3.regen.regenerate import regenerate
+    from eagle3.stages.prompts_manifest import max_context_tokens
 
     dev = next(model.parameters()).device
     st: dict = {}
@@ -332,7 +332,7 @@ def bound(model, st: dict, cfg, batch_size: int, max_new: int, bandwidth: float 
     """Launch floor (column bound of one width_step) vs a full-cache step vs the measured step. ``verdict``:
     ``launch-bound`` when the floor is at least 0.6 of the measured step, else ``memory-bound`` where a bandwidth is
     known (bytes/s; its share of a full-cache step is given), or ``not launch-bound (memory bandwidth unknown)``."""
-    from eagle3.regen.manifest import max_context_tokens
+    from eagle3.stages.prompts_manifest import max_context_tokens
 
     es = st.get("engine_stats") or {}
     max_len = max_context_tokens(cfg) + max_new
@@ -1125,8 +1125,8 @@ def main(argv=None) -> int:
 
     import torch
 
-    from eagle3.regen.manifest import max_context_tokens
-    from eagle3.regen.regenerate import engine_options
+    from eagle3.regen.engine_choice import engine_options
+    from eagle3.stages.prompts_manifest import max_context_tokens
     from eagle3.verifier.load import load_verifier
 
     batch_size, max_new = (

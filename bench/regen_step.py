@@ -411,7 +411,7 @@ def main(argv=None) -> int:
         stops = {-1}
     else:
         from eagle3.config import load_config
-        from eagle3.regen.manifest import max_context_tokens
+        from eagle3.stages.prompts_manifest import max_context_tokens
         from eagle3.verifier.load import load_verifier, stop_token_ids
 
         cfg = load_config(a.config, a.overrides)

@@ -339,7 +339,16 @@ def conversation_samples(
     if not turns:
         counts["skipped_no_loss_tokens"] += 1
         return ConversationSamples([], counts)
-    groups = _group(turns)
+    return ConversationSamples(
+        _samples(tokenizer, _group(turns), opts, max_length, too_long, counts), counts
+    )
+
+
+def _samples(
+    tokenizer, groups: list, opts: ChatOptions, max_length: int, too_long: str, counts: Counter
+) -> list[ChatSample]:
+    """One sample per turn group (ids cut to ``max_length`` or skipped, per ``too_long``; one without loss tokens
+    dropped), counted in ``counts``; a split conversation's samples carry ``#turn<k>`` id suffixes."""
     stops = end_of_turn_ids(tokenizer)
     samples: list[ChatSample] = []
     for g in groups:
@@ -358,7 +367,7 @@ def conversation_samples(
     if len(groups) > 1:
         counts["split_conversations"] += 1
         counts["split_samples"] += len(samples)
-    return ConversationSamples(samples, counts)
+    return samples
 
 
 def tokenize_conversation(

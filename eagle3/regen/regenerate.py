@@ -20,6 +20,15 @@ answered, in every engine):
   longest answer stops, so the cost is the number of batches times their longest answer
   (``stats["decode_steps"]``). Prompts are LEFT padded (one ``generate`` call continues all rows).
 
+Statistics (``regenerate(stats=...)``): ``answers``, ``new_tokens`` (answer tokens, stop token excluded),
+``truncated`` (answers cut at ``max_new_tokens``), ``seconds`` (wall time of generation), ``kept_with_tools``
+(conversations with tool calls, returned unchanged: their tool results answer the original calls, which cannot be
+re-run here), ``turns_over_context`` (user turns left unanswered by ``max_context``), ``dropped_over_context``
+(conversations left out), ``resumed``, ``batches`` (``generate`` calls; continuous engines: prefill forwards),
+``decode_steps``, ``engine``, ``engine_stats`` (continuous engines: the engine's ``stats``; the slot engine's
+``compile_decision`` says whether and why the decode step was compiled). The journal is appended after each
+batch (static) or at least every second (continuous).
+
 Greedy decoding gives the same tokens in every engine and batch composition up to floating-point
 rounding (float32: equal to unbatched transformers greedy decoding, tested), so neither the engine nor
 the schedule changes the answers.
@@ -38,9 +47,8 @@ from transformers import GenerationConfig
 
 from eagle3.chat.template import ChatOptions, answer_ending, generation_prompt, split_reasoning
 from eagle3.process_group import rank_tag
-from eagle3.regen.hf_engine import HFContinuousEngine
+from eagle3.regen.engine_choice import ENGINES, make_engine
 from eagle3.regen.resume_log import ResumeLog
-from eagle3.regen.slots import SlotEngine
 from eagle3.sdpa import no_cudnn_sdpa
 from eagle3.verifier.load import (
     stop_token_ids,  # THE verifier's stop set (one call site per engine below)
@@ -154,9 +162,6 @@ def generate_greedy(
         cut = next((j for j, t in enumerate(row) if t in stop_ids), None)
         results.append((row[:cut], row[cut]) if cut is not None else (row, None))
     return results
-
-
-ENGINES = ("slots", "hf_continuous", "static")
 
 
 def has_tool_calls(conv: dict) -> bool:
@@ -366,66 +371,6 @@ def _decode_static(
         run.flush_log()
 
 
-def make_engine(
-    name: str,
-    model,
-    tokenizer,
-    max_new_tokens: int,
-    batch_size: int,
-    max_context: Optional[int],
-    options: Optional[dict] = None,
-    planned_answers: Optional[int] = None,
-):
-    """A continuous-batching engine of :mod:`eagle3.regen.slots` by name (``slots`` or ``hf_continuous``).
-
-    ``options``: the engine's keyword arguments (``SlotEngine``: check_every, prefill_tokens, width_classes,
-    cuda_graphs, attention, compile_step, prefix_reuse, refill_free, prefill_graphs, prefill_pack). The slot cache holds prompts shorter than ``max_context`` (the context cap; None = the model's
-    ``max_position_embeddings`` less ``max_new_tokens``) plus ``max_new_tokens`` answer tokens. ``planned_answers``:
-    the turns the run will submit (the slot engine's ``compile_step="auto"`` sizes the work with it).
-    """
-    stop_ids = stop_token_ids(tokenizer)
-    cfg = model.config.get_text_config()
-    max_len = (
-        (max_context + max_new_tokens) if max_context is not None else cfg.max_position_embeddings
-    )
-    if name == "slots":
-        return SlotEngine(
-            model,
-            batch_size,
-            max_len,
-            max_new_tokens,
-            stop_ids,
-            **{"planned_answers": planned_answers, **(options or {})},
-        )
-    if name == "hf_continuous":
-        return HFContinuousEngine(
-            model, batch_size, max_new_tokens, stop_ids, max_len=max_len, **(options or {})
-        )
-    raise ValueError(f"regen engine: one of {ENGINES}, not {name!r}")
-
-
-def engine_options(pc) -> Optional[dict]:
-    """The continuous engine's keyword arguments from ``prompts`` (:class:`eagle3.config.prompts.PromptsConfig`);
-    ``compile_step`` is ``prompts.regen_compile`` as set (``True``, ``False`` or ``"auto"``, which the engine decides),
-    ``prefix_reuse`` ``prompts.regen_prefix_reuse``, ``refill_free`` ``prompts.regen_refill_free``, ``prefill_graphs``
-    ``prompts.regen_prefill_graphs``, ``prefill_pack`` ``prompts.regen_prefill_pack``."""
-    if pc.regen_engine == "slots":
-        return {
-            "check_every": pc.regen_check_every,
-            "prefill_tokens": pc.regen_prefill_tokens,
-            "cuda_graphs": pc.regen_cuda_graphs,
-            "attention": pc.regen_attention,
-            "compile_step": pc.regen_compile,
-            "prefix_reuse": pc.regen_prefix_reuse,
-            "refill_free": pc.regen_refill_free,
-            "prefill_graphs": pc.regen_prefill_graphs,
-            "prefill_pack": pc.regen_prefill_pack,
-        }
-    if pc.regen_engine == "hf_continuous":
-        return {"use_cuda_graph": pc.regen_cuda_graphs}
-    return None
-
-
 def _decode_continuous(run: _Run, engine, bar) -> None:
     """A continuous engine: every ready turn is submitted (most turns left first: long conversations are the
     critical path); each answer renders and submits its conversation's next turn at once, as the successor
@@ -492,86 +437,111 @@ def regenerate(
     """Replace every assistant turn with the verifier's greedy answer, turn by turn (engines: module docstring).
 
     Args:
-        model: the verifier (HF causal LM, eval mode).
-        tokenizer: its tokenizer (chat template used to render prompts).
-        conversations: normalised ``{id, messages}`` (prompt-only ones included: each user turn is answered).
-        max_new_tokens: answer budget per turn; an answer that hits it is kept (``stats["truncated"]``).
-        batch_size: decode rows (continuous engines; at most the conversations) or prompts per ``generate`` call.
-        chat_template: Jinja template overriding the tokenizer's (ignored when ``opts`` is given).
-        opts: rendering options; prompts are :func:`eagle3.chat.template.generation_prompt` (what a server renders).
-        max_context: context cap in tokens (``prompts.max_context_tokens``, default ``extract.max_length``): a
-            turn whose rendered prompt has at least this many tokens is not answered, nor are the later turns
-            (02 cuts samples at ``extract.max_length``: never trained on). A conversation whose FIRST prompt
-            reaches the cap is left out of the result. None = no cap.
-        stats: optional dict filled with ``answers``, ``new_tokens`` (answer tokens, stop token
-            excluded), ``truncated`` (answers cut at ``max_new_tokens``), ``seconds`` (wall time of generation), ``kept_with_tools``
-            (conversations with tool calls, returned unchanged: their tool results answer the
-            original calls, which cannot be re-run here), ``turns_over_context`` (user turns left
-            unanswered by ``max_context``), ``dropped_over_context`` (conversations left out),
-            ``batches`` (``generate`` calls; continuous engines: prefill forwards), ``decode_steps``
-            (static: sum over batches of the longest answer's steps; continuous: decode steps run), ``engine``,
-            ``engine_stats`` (continuous engines: the engine's ``stats``; the slot engine's ``compile_decision`` says
-            whether and why the decode step was compiled).
-        schedule: static engine only: ``"pool"`` (:func:`pick_batch` over the ready pool) or ``"rounds"``
-            (all turns k, sorted by prompt length, before any turn k+1).
-        journal: resume log (:class:`eagle3.regen.resume_log.ResumeLog`, next to the prompts file): the
-            conversations it holds are taken from it (``stats["resumed"]``); finished ones are appended (fsynced;
-            static: after each batch, continuous: at least every second), so a run stopped by Ctrl-C, a kill
-            or a crash loses only conversations in flight. The caller deletes the log once the output is written.
-        engine: ``slots`` | ``hf_continuous`` | ``static`` (``prompts.regen_engine``).
-        engine_options: keyword arguments of the continuous engine (see :func:`make_engine`).
+        model, tokenizer: the verifier (HF causal LM, eval mode) and its tokenizer. conversations: normalised
+            ``{id, messages}`` (prompt-only ones included: each user turn is answered).
+        max_new_tokens: answer budget per turn (an answer that hits it is kept). batch_size: decode rows
+            (continuous engines; at most the conversations) or prompts per ``generate`` call.
+        chat_template, opts: a Jinja template overriding the tokenizer's (ignored with ``opts``), or the rendering
+            options; prompts are :func:`eagle3.chat.template.generation_prompt` (what a server renders).
+        max_context: context cap in tokens (None: none): a turn whose prompt reaches it is not answered, nor are
+            the later ones; a conversation whose FIRST prompt reaches it is left out of the result.
+        journal: resume log (:class:`eagle3.regen.resume_log.ResumeLog`): what it holds is taken from it, finished
+            conversations are appended (fsynced); the caller deletes it once the output is written.
+        engine, engine_options: ``slots`` | ``hf_continuous`` | ``static`` (``prompts.regen_engine``), and the
+            continuous engine's keyword arguments (:func:`make_engine`). schedule: static only, ``pool`` |
+            ``rounds``. stats: filled with the run's figures (module docstring, "Statistics").
 
-    Raises:
-        UserError: ``journal`` was written under other settings or for other conversations.
-        ValueError: ``batch_size`` or ``max_new_tokens`` < 1, unknown schedule or engine.
-
-    Returns:
-        New conversations ``{id, messages}`` in input order (less those left out by ``max_context``): optional
-        system message, then alternating user / regenerated assistant turns. Answer text = the decoded answer
-        tokens, end-of-turn token stripped; a think block is split into ``reasoning_content`` and ``content``
-        as a server's reasoning parser does (:func:`eagle3.chat.template.split_reasoning`); each regenerated
-        assistant message carries ``tokens``, the generated ids (used verbatim by 02), and how it ended
-        (:func:`eagle3.chat.template.answer_ending`: ``stop_token``, or ``truncated: true``). Deterministic.
+    Raises UserError for a ``journal`` of other settings or conversations, ValueError for a ``batch_size`` or
+    ``max_new_tokens`` < 1, an unknown schedule or engine. Returns:
+        new conversations ``{id, messages}`` in input order (less those left out by ``max_context``): system?,
+        then user / regenerated assistant turns (``reasoning_content`` split off as a server's parser does, the
+        generated ``tokens`` 02 uses verbatim, :func:`eagle3.chat.template.answer_ending`). Deterministic.
     """
+    _check_arguments(batch_size, max_new_tokens, schedule, engine)
+    opts = opts if opts is not None else ChatOptions(chat_template=chat_template)
+    run = _Run(tokenizer, conversations, opts, max_context, journal)
+    t0 = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        bar = _start(run, stack, journal)
+        _decode(
+            run,
+            stack,
+            bar,
+            model,
+            tokenizer,
+            max_new_tokens,
+            batch_size,
+            max_context,
+            schedule,
+            engine,
+            engine_options,
+        )
+    _finish(run, time.perf_counter() - t0, engine, max_context, stats)
+    return run.outputs()
+
+
+def _decode(
+    run: "_Run",
+    stack: contextlib.ExitStack,
+    bar,
+    model,
+    tokenizer,
+    max_new_tokens: int,
+    batch_size: int,
+    max_context: Optional[int],
+    schedule: str,
+    engine: str,
+    engine_options: Optional[dict],
+) -> None:
+    """Answer every ready turn with ``engine`` (a continuous engine is made for the turns ready, closed by
+    ``stack``)."""
+    if engine == "static":
+        _decode_static(run, model, max_new_tokens, batch_size, schedule, bar)
+    elif run.ready:
+        eng = make_engine(
+            engine,
+            model,
+            tokenizer,
+            max_new_tokens,
+            min(batch_size, len(run.ready)),  # rows: one turn per conversation in flight
+            max_context,
+            engine_options,
+            planned_answers=sum(run.remaining(i) for i in run.ready),  # regen_compile: auto
+        )
+        stack.callback(eng.close)
+        _decode_continuous(run, eng, bar)
+
+
+def _check_arguments(batch_size: int, max_new_tokens: int, schedule: str, engine: str) -> None:
+    """ValueError for :func:`regenerate`'s bad arguments."""
     if batch_size < 1 or max_new_tokens < 1:
         raise ValueError("batch_size and max_new_tokens must be >= 1")
     if schedule not in ("pool", "rounds"):
         raise ValueError(f"schedule: 'pool' or 'rounds', not {schedule!r}")
     if engine not in ENGINES:
         raise ValueError(f"engine: one of {ENGINES}, not {engine!r}")
-    opts = opts if opts is not None else ChatOptions(chat_template=chat_template)
-    run = _Run(tokenizer, conversations, opts, max_context, journal)
-    t0 = time.perf_counter()
-    with contextlib.ExitStack() as stack:
-        if journal is not None:
-            journal.open()
-            stack.callback(journal.close)
-        bar = stack.enter_context(
-            tqdm(total=run.total, desc=f"regenerate{rank_tag(' ')}", unit="answer")
-        )
-        run.make_ready_many([i for i, (_, users) in enumerate(run.state) if users], bar)
-        run.flush_log()
-        if engine == "static":
-            _decode_static(run, model, max_new_tokens, batch_size, schedule, bar)
-        elif run.ready:
-            planned = sum(
-                run.remaining(i) for i in run.ready
-            )  # turns still to answer (prompts.regen_compile: auto)
-            eng = make_engine(
-                engine,
-                model,
-                tokenizer,
-                max_new_tokens,
-                min(batch_size, len(run.ready)),
-                max_context,
-                engine_options,
-                planned_answers=planned,
-            )  # rows: one turn per conversation in flight
-            stack.callback(eng.close)
-            _decode_continuous(run, eng, bar)
-    run.st.update(
-        seconds=time.perf_counter() - t0, dropped_over_context=len(run.dropped), engine=engine
+
+
+def _start(run: "_Run", stack: contextlib.ExitStack, journal: Optional[ResumeLog]):
+    """Open the journal (closed by ``stack``), the progress bar, and make every conversation's first turn ready
+    (the resumed ones taken from the journal). Returns the bar."""
+    if journal is not None:
+        journal.open()
+        stack.callback(journal.close)
+    bar = stack.enter_context(
+        tqdm(total=run.total, desc=f"regenerate{rank_tag(' ')}", unit="answer")
     )
+    run.make_ready_many([i for i, (_, users) in enumerate(run.state) if users], bar)
+    run.flush_log()
+    return bar
+
+
+def _finish(
+    run: "_Run", seconds: float, engine: str, max_context: Optional[int], stats: Optional[dict]
+) -> None:
+    """Record the wall time (seconds), the conversations left out and the engine; warn about those left out;
+    copy the figures into ``stats``."""
+    run.st.update(seconds=seconds, dropped_over_context=len(run.dropped), engine=engine)
     if run.dropped:
         log.warning(
             "%d conversations left out: their first prompt has >= %d tokens (prompts.max_context_tokens)",
@@ -580,4 +550,3 @@ def regenerate(
         )
     if stats is not None:
         stats.update(run.st)
-    return run.outputs()

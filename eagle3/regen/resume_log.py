@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 PARTIAL_NAME = "prompts.regen-partial.jsonl"
 
-# 01 settings (eagle3.regen.manifest.settings) recorded only where they change the output: ``seed`` with
+# 01 settings (eagle3.stages.prompts_manifest.settings) recorded only where they change the output: ``seed`` with
 # ``sample_size`` or ``self_instruct``, ``hf_split`` with an ``hf:`` source, ``top_p`` with a sampling temperature, ``verifier_dtype`` with
 # the in-process regeneration. Reports and logs written before recorded them always.
 CONDITIONAL_KEYS = ("seed", "hf_split", "top_p", "verifier_dtype")
@@ -57,7 +57,7 @@ def comparable_settings(old: dict, want: dict) -> dict:
 
 def older_fields_warning(path: Path, fields: Any, what: str) -> Optional[str]:
     """One warning line when ``fields`` (the ``answer_fields`` a resume log's header or a reused report records;
-    absent before 2026-12-05h) lacks some of :data:`eagle3.chat.template.ANSWER_FIELDS`, else None. Its answers are
+    absent from older logs and reports) lacks some of :data:`eagle3.chat.template.ANSWER_FIELDS`, else None. Its answers are
     kept as they are (an answer without ``stop_token`` counts as stopped on the template's end-of-turn token, as before
     the field): refusing them would throw away hours of regeneration for a field that matters only for answers a
     verifier ends on another stop id; ``prompts_report.json`` then records the fields every answer has

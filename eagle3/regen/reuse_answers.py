@@ -31,7 +31,7 @@ from eagle3.regen.resume_log import comparable_settings, older_fields_warning
 
 log = logging.getLogger(__name__)
 
-# 01 settings (eagle3.regen.manifest.settings) that determine a regenerated answer
+# 01 settings (eagle3.stages.prompts_manifest.settings) that determine a regenerated answer
 REGEN_KEYS = (
     "regenerate",
     "max_new_tokens",

@@ -33,23 +33,8 @@ def select_conversations(
     Raises:
         UserError: no usable conversation left (with the reader's counts and a hint for prompt-only sources).
     """
-    pc = prompts
-    counts: Counter = Counter()
-    sources = [pc.source] if isinstance(pc.source, str) else list(pc.source)
-    convs = []
-    for (
-        src
-    ) in sources:  # several sources are concatenated in order, then deduped and sampled together
-        convs += read_conversations(
-            src,
-            pc.format,
-            hf_split=pc.hf_split,
-            keep_prompt_only=pc.regenerate,
-            system_prompt=pc.system_prompt,
-            counts=counts,
-            think_tags=tuple(think_tags),
-        )
-    convs = unique_ids(convs)  # ids repeated across the sources get #2, #3, as within one file
+    pc, counts = prompts, Counter()
+    convs = _read_sources(pc, think_tags, counts)
     n_read_ok = len(convs)
     n_dup = 0
     if pc.dedupe:
@@ -80,11 +65,37 @@ def select_conversations(
         convs, steps["self_instruct"], steps["self_instruct_deduped"] = add_self_instruct(
             pc, think_tags, self_instruct_path, convs
         )
+    return _apply_limit(convs, limit, steps, pc.self_instruct is not None), counts, steps
+
+
+def _read_sources(pc, think_tags: tuple[str, str], counts: Counter) -> list[dict]:
+    """Every ``prompts.source`` read in order and concatenated (``counts``: the readers' counts), ids repeated
+    across the sources made unique (``#2``, ``#3``, as within one file)."""
+    sources = [pc.source] if isinstance(pc.source, str) else list(pc.source)
+    convs = []
+    for src in sources:
+        convs += read_conversations(
+            src,
+            pc.format,
+            hf_split=pc.hf_split,
+            keep_prompt_only=pc.regenerate,
+            system_prompt=pc.system_prompt,
+            counts=counts,
+            think_tags=tuple(think_tags),
+        )
+    return unique_ids(convs)
+
+
+def _apply_limit(
+    convs: list[dict], limit: Optional[int], steps: dict, self_instruct: bool
+) -> list[dict]:
+    """The first ``limit`` conversations (``steps["limited_out"]``: how many cut); with self-instruct prompts (they
+    come last, so --limit cuts them first) ``steps["self_instruct_limited_out"]`` and a warning (rank 0) when any."""
     steps["limited_out"] = 0
     if limit is not None and len(convs) > limit:
         steps["limited_out"] = len(convs) - limit
         convs = convs[:limit]
-    if pc.self_instruct is not None:  # they come last: --limit cuts them first
+    if self_instruct:
         steps["self_instruct_limited_out"] = dropped = min(
             steps["self_instruct"], steps["limited_out"]
         )
@@ -98,7 +109,7 @@ def select_conversations(
                     len(convs) + steps["limited_out"],
                 )
             )
-    return convs, counts, steps
+    return convs
 
 
 def add_self_instruct(

@@ -5,8 +5,8 @@ An instruction-tuned verifier, given only its chat template's text up to where a
 end-of-turn token ends it: Magpie (Xu et al., 2024, arXiv 2406.08464) builds instruction data this way. For a
 drafter this yields prompts in the verifier's own user distribution: open-ended writing, advice, explanations and
 role-play, which the public pool lacks (`../shared/data/train-extra/SOURCES.md`: "little open-ended writing or long
-multi-turn chat") and where the SmolLM2 drafter accepts least (MT-bench writing 2.39, stem 2.41, humanities 2.55
-against extraction 3.20, lease 2026-12-04e).
+multi-turn chat") and where a drafter trained on that pool accepts least (MT-bench writing, stem and humanities against
+extraction).
 
 ``01_prepare_prompts.py --self-instruct N --out FILE`` samples queries (``model.generate``, temperature / top-p
 sampling, seeded per batch), keeps those that ended on an end-of-turn token within the budget (a truncated query
@@ -16,7 +16,7 @@ beside other files; 01 then answers them like any other prompt (``prompts.regene
 to ``<FILE stem>_report.json``; a re-run with the same settings finds the file up to date.
 
 ``prompts.self_instruct: {num, exclude, temperature, top_p, max_query_tokens, min_chars, batch_size}`` runs the same code
-(:func:`make`, through :func:`make_from_config`) inside a normal 01 run: the file is
+(:func:`make`, through :func:`eagle3.stages.self_instruct.make_from_config`) inside a normal 01 run: the file is
 ``{output_root}/self_instruct.jsonl`` and 01 adds its prompts to the sampled sources
 (:func:`eagle3.stages.prepare_prompts.run`).
 """
@@ -35,7 +35,6 @@ import torch
 from tqdm import tqdm
 
 from eagle3.chat.template import ChatOptions, render_text
-from eagle3.config.prompts import SELF_INSTRUCT_BATCH
 from eagle3.data.readers import dedupe_key, read_conversations
 from eagle3.errors import UserError
 from eagle3.io import atomic_write_bytes, atomic_write_json, atomic_write_text, read_json
@@ -218,48 +217,7 @@ def _excluded_keys(paths: Sequence[str], name: str = "--exclude") -> set:
     return keys
 
 
-def run(
-    cfg,
-    num: int,
-    out: Path,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    max_query_tokens: int = 128,
-    min_chars: int = 16,
-    exclude: Sequence[str] = (),
-    force: bool = False,
-    batch_size: int = SELF_INSTRUCT_BATCH,
-) -> int:
-    """01's self-instruct mode (``--self-instruct N --out FILE``): check the arguments, then :func:`make` ``out``.
-
-    Returns:
-        0 (also when up to date).
-
-    Raises:
-        UserError: a bad argument (one line naming its flag), an unwritable output folder, an ``--out`` that is a
-            folder or named like 01's output, more than one torchrun rank, or :func:`make`'s errors.
-    """
-    folder = str(out).endswith(
-        "/"
-    )  # a folder named with its slash (Path drops it), existing or not
-    out = Path(out)
-    _check_args(num, temperature, top_p, max_query_tokens, min_chars, out, folder)
-    make(
-        cfg,
-        out,
-        num,
-        temperature=temperature,
-        top_p=top_p,
-        max_query_tokens=max_query_tokens,
-        min_chars=min_chars,
-        exclude=exclude,
-        force=force,
-        batch_size=batch_size,
-    )
-    return 0
-
-
-# how messages name the settings: the CLI mode's flags, or prompts.self_instruct's keys (make_from_config)
+# how messages name the settings: the CLI mode's flags, or prompts.self_instruct's keys (eagle3.stages.self_instruct)
 CLI_NAMES = {
     "num": "--self-instruct {num}",
     "max_query_tokens": "--self-instruct-max-tokens",
@@ -277,10 +235,14 @@ CONFIG_NAMES = {
 
 
 def make(
-    cfg,
+    verifier,
     out: Path,
     num: int,
     *,
+    opts: ChatOptions,
+    system_prompt: Optional[str],
+    seed: int,
+    batch_size: int,
     temperature: float = 1.0,
     top_p: float = 1.0,
     max_query_tokens: int = 128,
@@ -288,34 +250,23 @@ def make(
     exclude: Sequence[str] = (),
     force: bool = False,
     names: Optional[dict] = None,
-    batch_size: int = SELF_INSTRUCT_BATCH,
 ) -> bool:
     """Sample ``num`` user queries from the verifier, filter them, write ``out`` (the CLI mode's and
     ``prompts.self_instruct``'s one code path; the arguments are already checked).
 
-    Steps: the pre-query prefix; up-to-date check against ``report_path(out)`` (equal :class:`SelfInstructSettings`);
-    load the verifier; sample in batches of ``batch_size`` (tqdm; its own setting, not ``prompts.gen_batch_size``), filter (:func:`select_queries`,
-    ``exclude`` files' prompts pre-seeded as seen); write ``out`` (messages-JSONL, ids ``self_instruct/<k>``) and
-    the report atomically.
+    Steps: pre-query prefix; up-to-date check (equal :class:`SelfInstructSettings`); sample in batches of
+    ``batch_size``, filter (:func:`select_queries`, ``exclude`` pre-seeded as seen); write ``out`` and the report.
 
-    Args:
-        out: the file to write (its folder exists). num, temperature, top_p, max_query_tokens, min_chars, exclude:
-            :class:`SelfInstructSettings`. names: how messages name the settings (:data:`CLI_NAMES`, the default, or
-            :data:`CONFIG_NAMES`).
+    Args: ``verifier``: the ``verifier:`` config section (:mod:`eagle3.verifier.load`); ``out``: the file to write
+    (its folder exists); ``opts``: chat template options (:func:`pre_query_prefix`); ``system_prompt``, ``seed``:
+    ``prompts.``'s; the others: :class:`SelfInstructSettings`; ``names``: how messages name the settings
+    (:data:`CLI_NAMES`, the default, or :data:`CONFIG_NAMES`).
 
-    Returns:
-        True when it sampled and wrote ``out``, False when ``out`` was up to date (``force``: never).
-
-    Raises:
-        UserError: an unusable chat template, an unreadable exclude file, or no query kept (nothing written then).
+    Returns True when it sampled and wrote ``out``, False when ``out`` was up to date (``force``: never). Raises
+    UserError for an unusable chat template, an unreadable exclude file, or no query kept (nothing written then).
     """
     names = names or CLI_NAMES
-    tok = load_tokenizer(cfg.verifier)
-    prefix = pre_query_prefix(
-        tok,
-        ChatOptions.from_verifier(cfg.verifier, cfg.extract.loss_on_reasoning),
-        cfg.prompts.system_prompt,
-    )
+    tok = load_tokenizer(verifier)
     st = SelfInstructSettings(
         num,
         float(temperature),
@@ -323,71 +274,72 @@ def make(
         max_query_tokens,
         min_chars,
         batch_size,
-        cfg.prompts.seed,
-        prefix,
-        f"{cfg.verifier.display_name()} ({cfg.verifier.dtype})",
+        seed,
+        pre_query_prefix(tok, opts, system_prompt),
+        f"{verifier.display_name()} ({verifier.dtype})",
         tuple(map(str, exclude)),
         tuple(file_sha256(p) if Path(p).is_file() else None for p in exclude),
-        weights_fingerprint(cfg.verifier),
+        weights_fingerprint(verifier),
     )
-    if not force and _up_to_date(out, st):
-        print(f"{out}: up to date (same self-instruct settings; --force to sample again)")
+    if not _must_sample(out, st, force):
         return False
-    if (
-        force
-    ):  # the old file is no longer up to date: a forced run stopped before writing it samples again
-        report_path(out).unlink(missing_ok=True)
     seen = _excluded_keys(exclude, names["exclude"])
     n_excluded_keys = len(seen)
-    model, _ = load_verifier(cfg.verifier)
-    queries, counts, secs, tokens = _sample_all(model, tok, st, stop_token_ids(tok), seen)
-    del model  # before 01 loads its own verifier to answer them (prompts.self_instruct)
+    queries, counts, secs, tokens = _sample_with(verifier, tok, st, seen)
     if not queries:
         raise nothing_kept(num, counts, max_query_tokens, min_chars, names)
     write_queries(out, queries)
+    _write_report(out, st, counts, n_excluded_keys, secs, tokens)
+    print(f"{out}: {_summary(st, counts, secs)}; {names['then']}")
+    return True
+
+
+def _must_sample(out: Path, st: SelfInstructSettings, force: bool) -> bool:
+    """Whether ``out`` is to be sampled: not up to date with ``st`` (printed when it is), or ``force`` (its report is
+    removed first, so a forced run stopped before writing samples again)."""
+    if not force and _up_to_date(out, st):
+        print(f"{out}: up to date (same self-instruct settings; --force to sample again)")
+        return False
+    if force:
+        report_path(out).unlink(missing_ok=True)
+    return True
+
+
+def _sample_with(
+    verifier, tok, st: SelfInstructSettings, seen: set
+) -> tuple[list, dict, float, int]:
+    """:func:`_sample_all` with the verifier loaded for it and freed after (before 01 loads its own to answer)."""
+    model, _ = load_verifier(verifier)
+    try:
+        return _sample_all(model, tok, st, stop_token_ids(tok), seen)
+    finally:
+        del model
+
+
+def _summary(st: SelfInstructSettings, counts: dict, secs: float) -> str:
+    """What the sampling kept and dropped, for the closing line."""
+    return (
+        f"{counts['kept']} self-instruct prompts of {st.num} sampled ({counts['truncated']} unfinished within "
+        f"{st.max_query_tokens} tokens, {counts['too_short']} under {st.min_chars} characters, "
+        f"{counts['duplicate']} repeated or excluded) in {secs:.1f} s"
+    )
+
+
+def _write_report(
+    out: Path, st: SelfInstructSettings, counts: dict, n_excluded: int, secs: float, tokens: int
+) -> None:
+    """``report_path(out)`` atomically: the settings, the filter counts, the excluded prompts known, the sampling
+    time (seconds) and sampled tokens."""
     report = {
         "settings": asdict(st),
         "counts": counts,
-        "excluded_prompts_known": n_excluded_keys,
+        "excluded_prompts_known": n_excluded,
         "seconds": secs,
         "query_tokens": tokens,
         "tokens_per_s": tokens / secs if secs > 0 else None,
         "file": str(out),
     }
     atomic_write_json(report_path(out), report)
-    print(
-        f"{out}: {counts['kept']} self-instruct prompts of {num} sampled ({counts['truncated']} unfinished within "
-        f"{max_query_tokens} tokens, {counts['too_short']} under {min_chars} characters, {counts['duplicate']} "
-        f"repeated or excluded) in {secs:.1f} s; {names['then']}"
-    )
-    return True
-
-
-def make_from_config(cfg, force: bool = False) -> Path:
-    """``prompts.self_instruct``'s file, ``cfg.self_instruct_path`` (``{output_root}/self_instruct.jsonl``), made by
-    :func:`make` with its settings, or found up to date. One process: under torchrun 01 calls it on rank 0 only.
-
-    Returns:
-        The file's path (a messages-JSONL of one user turn a row, ids ``self_instruct/<k>``).
-
-    Raises:
-        UserError: :func:`make`'s, naming ``prompts.self_instruct.*``; the output folder must exist.
-    """
-    sc, out = cfg.prompts.self_instruct, cfg.self_instruct_path
-    make(
-        cfg,
-        out,
-        sc.num,
-        temperature=sc.temperature,
-        top_p=sc.top_p,
-        max_query_tokens=sc.max_query_tokens,
-        min_chars=sc.min_chars,
-        exclude=sc.exclude,
-        force=force,
-        names=CONFIG_NAMES,
-        batch_size=sc.batch_size,
-    )
-    return out
 
 
 def write_queries(out: Path, queries: Sequence[str]) -> None:
@@ -432,7 +384,7 @@ def nothing_kept(
     )
 
 
-def _check_args(
+def check_args(
     num: int,
     temperature: float,
     top_p: float,
@@ -474,9 +426,6 @@ def _check_args(
             f"--out {out}: its report would be {report_path(out)}, the name of 01's own report (which "
             f"prompts.reuse_answers and 02 read); choose another name, e.g. self_instruct.jsonl"
         )
-    from eagle3.cli import refuse_torchrun
-
-    refuse_torchrun("--self-instruct", "it takes seconds to minutes on one GPU")
 
 
 def _up_to_date(out: Path, st: SelfInstructSettings) -> bool:

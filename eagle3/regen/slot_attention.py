@@ -83,8 +83,8 @@ def flex_decode(
             query heads of a KV head become its ``G`` query positions (``[n, Hkv, G, D]``, head ``h = kv * G + g``
             as HF's ``repeat_kv``), not ``enable_gqa``: Inductor's split-KV decode kernel takes GQA only for a
             power-of-two ``G`` (torch ``_inductor/kernel/flex/flex_decoding.py`` ``_use_flex_decoding``) and
-            SmolLM2's is 3, so with ``enable_gqa`` the main kernel ran one query row per 128-row tile (the H200
-            lease of 2026-12-02: 0.66 ms per layer for 1024 rows x ~400 columns, ~8x the bandwidth time).
+            SmolLM2's is 3, so with ``enable_gqa`` the main kernel runs one query row per 128-row tile (H200: 0.66 ms
+            per layer for 1024 rows x ~400 columns, ~8x the bandwidth time).
         attn_len: int64 ``[n]``, row b attends columns ``[0, attn_len[b]]``.
         kv_indices: int32 ``[n, 1, 1, L / block]`` (see :func:`decode_block_mask`).
         scale: softmax scale (None: ``1 / sqrt(D)``).
@@ -223,26 +223,40 @@ def slot_attention(
         return packed_prefill_attention(query, key, value, kc, vc, c.packed, scaling).transpose(
             1, 2
         ), None
-    b, h, q_len, d = query.shape
-    hkv = key.shape[1]
-    if (
-        c.rows is not None and c.prefill_mask is not None
-    ):  # prefill of suffixes after cached prefixes
+    if c.rows is not None:
+        return _prefill(c, kc, vc, query, key, value, scaling), None
+    return _decode(c, kc, vc, query, key, value, scaling), None
+
+
+def _prefill(c: SlotCache, kc, vc, query, key, value, scaling) -> torch.Tensor:
+    """Prefill of ``c.rows``' slots (query ``[P, H, Wp, D]``, key/value ``[P, Hkv, Wp, D]``): K/V written at columns
+    ``[0, Wp)`` and causal attention over the prompt, or with ``c.prefill_mask`` suffixes after cached prefixes
+    (:func:`offset_prefill_attention`). Returns ``[P, Wp, H, D]``."""
+    if c.prefill_mask is not None:  # suffixes after cached prefixes
         out = offset_prefill_attention(
             query, key, value, kc, vc, c.rows, c.prefill_cols, c.prefill_mask, scaling
         )
-        return out.transpose(1, 2), None
-    if c.rows is not None:  # prefill
-        kc[c.rows, :, :q_len] = key
-        vc[c.rows, :, :q_len] = value
-        out = torch.nn.functional.scaled_dot_product_attention(
-            query,
-            repeat_kv(key, h // hkv),
-            repeat_kv(value, h // hkv),
-            is_causal=True,
-            scale=scaling,
-        )  # [P, H, Wp, D]
-        return out.transpose(1, 2), None
+        return out.transpose(1, 2)
+    h, q_len = query.shape[1], query.shape[2]
+    hkv = key.shape[1]
+    kc[c.rows, :, :q_len] = key
+    vc[c.rows, :, :q_len] = value
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query,
+        repeat_kv(key, h // hkv),
+        repeat_kv(value, h // hkv),
+        is_causal=True,
+        scale=scaling,
+    )  # [P, H, Wp, D]
+    return out.transpose(1, 2)
+
+
+def _decode(c: SlotCache, kc, vc, query, key, value, scaling) -> torch.Tensor:
+    """One decode step over the slot prefix ``[:n]`` (query ``[n, H, 1, D]``, key/value ``[n, Hkv, 1, D]`` written at
+    column ``c.lengths[s]``): FlexAttention over live blocks, or per slot group SDPA under its mask. Returns
+    ``[n, 1, H, Dv]``."""
+    b, h, _, d = query.shape
+    hkv = key.shape[1]
     ar = torch.arange(b, device=query.device)
     kc[ar, :, c.lengths] = key[:, :, 0]  # [n, Hkv, D] at column lengths[s]
     vc[ar, :, c.lengths] = value[:, :, 0]
@@ -250,7 +264,7 @@ def slot_attention(
         out = c.flex(
             query, kc[:b], vc[:b], c.attn_len, c.kv_indices[:b], scaling, num_blocks=c.kv_blocks
         )  # [n, H, 1, D]
-        return out.transpose(1, 2), None
+        return out.transpose(1, 2)
     q = query.reshape(b, hkv, h // hkv, d)  # [n, Hkv, G, D]: head h = kv * G + g
     outs = []
     for s0, s1, mask in c.groups:  # each slot group reads its cap's columns
@@ -261,7 +275,7 @@ def slot_attention(
             )
         )  # [S_g, Hkv, G, D]
     out = outs[0] if len(outs) == 1 else torch.cat(outs)  # [n, Hkv, G, D]
-    return out.reshape(b, 1, h, vc.shape[-1]), None  # value width: D except MLA (kv_head_dims)
+    return out.reshape(b, 1, h, vc.shape[-1])  # value width: D except MLA (kv_head_dims)
 
 
 class AttentionSwap:

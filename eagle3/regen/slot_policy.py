@@ -109,7 +109,7 @@ def choose_prefix(sizes: Sequence[int], live: Sequence[int]) -> int:
 def defer_refill(n_free: int, slots: int, queued: int, refill_free: float) -> bool:
     """Whether :class:`SlotEngine` leaves its free slots empty at this check instead of prefilling queued prompts.
 
-    A prefill forward costs about the same whatever it carries (H200, lease 2026-12-04d: 35-39 ms per forward of
+    A prefill forward costs about the same whatever it carries (H200: 35-39 ms per forward of
     3-6K prompt tokens, bound by the eager forward's dispatch), so while the engine is busy it refills in bulk:
     it defers while fewer than ``refill_free * slots`` slots are free, at least half the slots are busy, and more
     prompts are queued than slots are free (so the next check will fill them all). Deferring leaves those rows idle
@@ -200,12 +200,12 @@ class PrefillBuffers:
 # differ; `auto` uses these figures as they are, so its decision is an estimate for anything else.
 # Seconds of the first full-prefix step with the whole step compiled from a COLD Inductor cache (compile + CUDA graph
 # capture): bench/results/h200-20261204/regen_speed_cold.json, main.engine_stats.first_step_s["1024"] = 41.36 s (the
-# 100K run of the same lease: 35.6 s, h200-20261204/prompts_report.json; a warm cache: 10.2 s, regen_speed_warm.json).
+# 100K run on that machine: 35.6 s, h200-20261204/prompts_report.json; a warm cache: 10.2 s, regen_speed_warm.json).
 # The cold figure, because a fresh machine is the usual case and a warm cache cannot be told apart before compiling.
 COMPILE_COLD_S = 41.4
 
 
-# Milliseconds of one eager full-prefix decode step: bench/results/h200-20261203/prompts_report.json (lease 03, 100K
+# Milliseconds of one eager full-prefix decode step: bench/results/h200-20261203/prompts_report.json (100K
 # conversations uncompiled), regeneration.engine_stats[0]: decode_s 203.68 s / 26,928 decode steps = 7.56 ms.
 EAGER_STEP_MS = 7.56
 

@@ -107,6 +107,13 @@ class SlotPrefill:
         claimed = [self._claim(w) for w in self.successors.values()]
         self.successors.clear()
         placed = [c for c in claimed if c is not None]  # (request, slot, cached columns kept)
+        self._place_waiting(placed)
+        self._prefill_in_batches(placed)
+
+    def _place_waiting(self, placed: list) -> None:
+        """Append to ``placed`` (``(request, slot, cached columns kept)``) waiting prompts popped from the heap into
+        free slots of their class or a wider one (lowest free slot first: the live rows stay in a short prefix);
+        one that only a narrower slot could take waits for one of its class."""
         taken = {s for _, s, _ in placed}
         free = [
             [s for s in range(a, b) if self._free_slot(s) and s not in taken]
@@ -131,6 +138,10 @@ class SlotPrefill:
                 from_heap += 1
         for w in deferred:
             heapq.heappush(self.waiting, w)
+
+    def _prefill_in_batches(self, placed: list) -> None:
+        """Prefill ``placed`` by suffix length (the width a forward pads to) in forwards of at most
+        ``prefill_tokens`` tokens (:meth:`_fits`)."""
         placed.sort(
             key=lambda x: len(x[0].ids) - x[2]
         )  # by suffix length: the width a forward pads to
@@ -381,41 +392,13 @@ class SlotPrefill:
         buf.fill(lay)
         buf.uses += 1
         try:
-            if (
-                buf.uses == 1
-            ):  # a new shape: its first forward (compile on CUDA) timed between two syncs
-                self._first_packed(buf)
-            elif self._prefill_capture and buf.graph is None:
-                self._prefill_graph(buf, lambda: self._packed_forward(buf))
-            if buf.graph is not None:
-                buf.graph.replay()
-            elif buf.uses > 1:
-                self._packed_forward(buf)
+            self._run_packed(buf)
         except Exception as e:  # noqa: BLE001 - on CUDA: leave the packed path (padded prefill gives the same tokens)
             if not self._pack_fallback:
                 raise
-            if (
-                self._packed_flexes
-            ):  # the next compile setting (static shapes); the forward rewrites the same K/V
-                log.warning(
-                    "packed prefill attention failed at stream shape %s (%s: %s); retrying with static-shape "
-                    "compiles",
-                    key,
-                    type(e).__name__,
-                    str(e).splitlines()[0][:200] if str(e) else "",
-                )
-                self._packed_flex = self._packed_flexes.pop(0)
-                for b in self._packed_bufs.values():
-                    b.graph, b.uses = None, 0
+            if self._next_packed_compile(key, e):  # the forward rewrites the same K/V
                 return self._prefill_packed(reqs, slots, offsets)
-            log.warning(
-                "packed prefill failed at stream shape %s (%s: %s); prefill forwards go on padded",
-                key,
-                type(e).__name__,
-                str(e).splitlines()[0][:200] if str(e) else "",
-            )
-            self.prefill_pack = self.stats["prefill_pack"] = False
-            self._packed_bufs.clear()
+            self._leave_packed(key, e)
             return False
         p = len(reqs)
         self._prefill_state(
@@ -427,6 +410,48 @@ class SlotPrefill:
         nb[name] = nb.get(name, 0) + 1
         self.stats["prefill_padded_tokens"] += key[0]
         return True
+
+    def _run_packed(self, buf: PackedBuffers) -> None:
+        """The packed forward of ``buf``: its first use compiles (timed between two syncs), the second captures its
+        CUDA graph (``cuda_graphs`` on CUDA), later ones replay it (or run eagerly without a graph)."""
+        if (
+            buf.uses == 1
+        ):  # a new shape: its first forward (compile on CUDA) timed between two syncs
+            self._first_packed(buf)
+        elif self._prefill_capture and buf.graph is None:
+            self._prefill_graph(buf, lambda: self._packed_forward(buf))
+        if buf.graph is not None:
+            buf.graph.replay()
+        elif buf.uses > 1:
+            self._packed_forward(buf)
+
+    def _next_packed_compile(self, key: tuple, e: Exception) -> bool:
+        """After a failed packed forward: switch to the next compile setting of the packed attention (static shapes;
+        every shape's graph dropped), with a warning; False when none is left."""
+        if not self._packed_flexes:
+            return False
+        log.warning(
+            "packed prefill attention failed at stream shape %s (%s: %s); retrying with static-shape "
+            "compiles",
+            key,
+            type(e).__name__,
+            str(e).splitlines()[0][:200] if str(e) else "",
+        )
+        self._packed_flex = self._packed_flexes.pop(0)
+        for b in self._packed_bufs.values():
+            b.graph, b.uses = None, 0
+        return True
+
+    def _leave_packed(self, key: tuple, e: Exception) -> None:
+        """Leave the packed path for good (one warning): later prefill forwards are padded."""
+        log.warning(
+            "packed prefill failed at stream shape %s (%s: %s); prefill forwards go on padded",
+            key,
+            type(e).__name__,
+            str(e).splitlines()[0][:200] if str(e) else "",
+        )
+        self.prefill_pack = self.stats["prefill_pack"] = False
+        self._packed_bufs.clear()
 
     def _first_packed(self, buf: PackedBuffers) -> None:
         """The first forward at a packed shape (on CUDA its attention's compile), its host seconds between two syncs

@@ -153,8 +153,8 @@ class SlotEngine(SlotPrefill, SlotDecode, Engine):
         min_prefix: smallest slot prefix a decode window runs over (:func:`prefix_sizes`).
         compile_step: ``torch.compile`` the whole decode step (verifier forward, attention, argmax, state update;
             static shapes, one compile per slot prefix from ``compile_min_prefix`` up, before its CUDA graph is
-            captured). A SmolLM2 step at 1,024 rows is ~2,600 small kernels around the attention (H200 lease
-            2026-12-02c: 7.6 ms, 3.4 ms of it attention), which Inductor fuses. A failed compile logs one warning and the engine goes on uncompiled.
+            captured). A SmolLM2 step at 1,024 rows is ~2,600 small kernels around the attention (H200:
+            7.6 ms, 3.4 ms of it attention), which Inductor fuses. A failed compile logs one warning and the engine goes on uncompiled.
             ``"auto"``: compile only where :func:`compile_decision` expects the saving to beat the cold compile
             (CUDA, flex attention, enough decode steps for ``planned_answers``); ``True`` / ``False`` as they are.
         compile_min_prefix: smallest slot prefix the compiled step runs over (default ``slots``: only the full

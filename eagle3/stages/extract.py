@@ -54,12 +54,12 @@ from eagle3.errors import UserError
 from eagle3.io import atomic_write_json, atomic_write_text, make_dirs, remove_stale_tmp
 from eagle3.io.read import file_sha256
 from eagle3.process_group import Dist, init_dist, process_group_scope
-from eagle3.regen.manifest import forced_path, read_report, report_changes
 from eagle3.regen.report import limit_drops_self_instruct
 from eagle3.shards.data_config import write_data_config
 from eagle3.shards.format import DATA_CONFIG, TOKEN_BYTES_PER_TOKEN
 from eagle3.shards.fp8 import storage_from_config
 from eagle3.shards.write import NonFiniteStates
+from eagle3.stages.prompts_manifest import forced_path, read_report, report_changes
 from eagle3.verifier.load import weights_record
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """Stage 01: read -> normalise -> dedupe -> sample -> (+ self-instruct prompts) -> (regenerate) -> prompts.jsonl.
 
 Outputs, each written atomically: ``cfg.prompts_path`` (``{"id", "messages"}`` per line), ``prompts_report.json``
-(settings: :mod:`eagle3.regen.manifest`; counts) and ``prompts_report.md`` (:mod:`eagle3.regen.report`). Idempotent:
+(settings: :mod:`eagle3.stages.prompts_manifest`; counts) and ``prompts_report.md`` (:mod:`eagle3.regen.report`). Idempotent:
 outputs whose report records this run's settings are up to date (``force=True`` recomputes; a forced run's marker
 keeps the old outputs out of date until the new ones are written, for 01 and 02).
 """
@@ -22,20 +22,9 @@ from eagle3.errors import UserError
 from eagle3.io import exclusive_lock, make_dirs
 from eagle3.process_group import Dist, is_rank0, process_group_scope
 from eagle3.regen import reuse_answers
-from eagle3.regen.manifest import (
-    SOURCE_STATS,
-    build_report,
-    forced_path,
-    mark_forced,
-    max_context_tokens,
-    read_report,
-    redo_reason,
-    report_path,
-    settings,
-    up_to_date,
-)
+from eagle3.regen.engine_choice import engine_options
+from eagle3.regen.manifest import SOURCE_STATS, redo_reason, up_to_date
 from eagle3.regen.regen_server import regenerate_via_server
-from eagle3.regen.regenerate import engine_options
 from eagle3.regen.replicas import (
     all_logs,
     init_replicas,
@@ -51,8 +40,17 @@ from eagle3.regen.report import (
 )
 from eagle3.regen.resume_log import PARTIAL_NAME, logged_answer_fields
 from eagle3.regen.selection import require_source_files, select_conversations
-from eagle3.regen.self_instruct import make_from_config
-from eagle3.verifier import load as verifier
+from eagle3.stages.prompts_manifest import (
+    build_report,
+    forced_path,
+    mark_forced,
+    max_context_tokens,
+    read_report,
+    report_path,
+    settings,
+)
+from eagle3.stages.self_instruct import make_from_config
+from eagle3.verifier import load as verifier_load
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +98,7 @@ def _regenerate(
         raise UserError(
             f"prompts.server.urls: needed for prompts.regenerate_via: {pc.regenerate_via}"
         )
-    tok = verifier.load_tokenizer(cfg.verifier)
+    tok = verifier_load.load_tokenizer(cfg.verifier)
     stats["stop_token_ids"] = sorted(end_of_turn_ids(tok))
     journal = partial_path(cfg)
     return regenerate_via_server(
@@ -189,7 +187,7 @@ def _replicated(cfg: RunConfig) -> bool:
 
 def make_self_instruct(cfg: RunConfig, force: bool, d) -> Path:
     """``prompts.self_instruct``'s file (returned), made or found up to date by rank 0 under :func:`writer_lock`
-    (:func:`eagle3.regen.self_instruct.make_from_config`); the other ranks of ``d`` (:class:`eagle3.process_group.Dist`)
+    (:func:`eagle3.stages.self_instruct.make_from_config`); the other ranks of ``d`` (:class:`eagle3.process_group.Dist`)
     wait at a gather that says whether rank 0 made it.
 
     Raises:

@@ -580,7 +580,7 @@ def test_cli_rerun_prints_nothing_but_the_up_to_date_line(tmp_path, tiny_llama_d
 
 def _prompts_report(cfg, **over) -> None:
     """A ``prompts_report.json`` as 01 writes it for ``cfg`` (settings overridden by ``over``)."""
-    from eagle3.regen.manifest import report_path, settings
+    from eagle3.stages.prompts_manifest import report_path, settings
 
     report_path(cfg).write_text(
         json.dumps({"settings": {**settings(cfg, None), **over}, "cli_overrides": []})
@@ -605,7 +605,7 @@ def test_changed_prompts_settings_refused(tmp_path, tiny_llama_dir, tiny_backend
     assert _run(cfg, tiny_backend, limit=2)["written"] == 2
     # a regenerating 01 keeps only conversations under its context cap: the cap is compared (prompts.max_context_tokens,
     # else extract.max_length: 64 here)
-    from eagle3.regen.manifest import prompts_changes, report_path, settings
+    from eagle3.stages.prompts_manifest import prompts_changes, report_path, settings
 
     regen = load_config(path, ["prompts.regenerate=true"])
     report_path(cfg).write_text(
@@ -649,7 +649,7 @@ def test_changed_prompts_settings_refused(tmp_path, tiny_llama_dir, tiny_backend
 def test_prompts_settings_not_compared_without_report_or_for_cli_overrides(
     tmp_path, tiny_llama_dir, tiny_backend
 ):
-    from eagle3.regen.manifest import prompts_changes, report_path, settings
+    from eagle3.stages.prompts_manifest import prompts_changes, report_path, settings
 
     path = _config(tmp_path, tiny_llama_dir)
     cfg = load_config(path, ["prompts.source=/tmp/ok.jsonl"])

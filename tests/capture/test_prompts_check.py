@@ -14,6 +14,7 @@ import yaml
 
 import eagle3.regen.manifest as manifest
 import eagle3.stages.prepare_prompts as pp
+import eagle3.stages.prompts_manifest as stage_manifest
 from eagle3.config import load_config
 from eagle3.errors import UserError
 from eagle3.stages.extract import check_prompts_current
@@ -53,11 +54,11 @@ def _cfg(tmp_path: Path, *sets: str):
 
 def test_refusal_reads_the_report_once(tmp_path, monkeypatch):
     cfg, _ = _cfg(tmp_path)
-    rep = manifest.report_path(cfg)
+    rep = stage_manifest.report_path(cfg)
     rep.write_text(
         json.dumps(
             {
-                "settings": {**manifest.settings(cfg, None), "dedupe": False},
+                "settings": {**stage_manifest.settings(cfg, None), "dedupe": False},
                 "cli_overrides": ["format"],
             }
         )
@@ -87,7 +88,7 @@ def test_source_hash_reused_while_size_and_mtime_hold(tmp_path, monkeypatch):
     cfg, src = _cfg(tmp_path)
     pp.run(cfg)  # 01 on a file source (no regeneration)
     st = os.stat(src)
-    rep = json.loads(manifest.report_path(cfg).read_text())
+    rep = json.loads(stage_manifest.report_path(cfg).read_text())
     assert rep["source_stats"] == {
         str(src.resolve()): {
             "bytes": st.st_size,
@@ -135,10 +136,12 @@ def test_an_edited_source_file_is_named_not_its_fingerprints(tmp_path):
             + "\n"
         )
     cfg, src = _cfg(tmp_path, f"prompts.source=[{a}, {b}]")
-    rep = manifest.report_path(cfg)
-    rep.write_text(json.dumps({"settings": manifest.settings(cfg, None), "cli_overrides": []}))
+    rep = stage_manifest.report_path(cfg)
+    rep.write_text(
+        json.dumps({"settings": stage_manifest.settings(cfg, None), "cli_overrides": []})
+    )
     a.write_text(a.read_text() * 2)
-    want = manifest.settings(cfg, None)
+    want = stage_manifest.settings(cfg, None)
     with pytest.raises(UserError) as e:
         check_prompts_current(cfg)
     assert str(e.value) == (
@@ -151,15 +154,17 @@ def test_an_edited_source_file_is_named_not_its_fingerprints(tmp_path):
         == f"settings changed: the content of {a} changed"
     )
     one, _ = _cfg(tmp_path, f"prompts.source={a}", "prompts.sample_size=4", "prompts.seed=4")
-    assert manifest.redo_reason(cfg.prompts_path, rep, report, manifest.settings(one, None)) == (
-        f"settings changed: source: {[str(a), str(b)]!r} -> {str(a)!r}; sample_size: None -> 4"
-    )
+    assert manifest.redo_reason(
+        cfg.prompts_path, rep, report, stage_manifest.settings(one, None)
+    ) == (f"settings changed: source: {[str(a), str(b)]!r} -> {str(a)!r}; sample_size: None -> 4")
     with pytest.raises(
         UserError, match=rf"\(changed source: \[.*\] -> '{a}'; sample_size: None -> 4\)"
     ):
         check_prompts_current(one)
     # one source file: its content, then another seed beside it
-    rep.write_text(json.dumps({"settings": manifest.settings(one, None), "cli_overrides": []}))
+    rep.write_text(
+        json.dumps({"settings": stage_manifest.settings(one, None), "cli_overrides": []})
+    )
     a.write_text(a.read_text() * 2)
     with pytest.raises(UserError) as e:
         check_prompts_current(

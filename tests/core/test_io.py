@@ -90,14 +90,14 @@ def test_jsonl_line_missing_its_closing_brace_names_the_column_at_its_end(tmp_pa
 
 def test_prompt_and_eval_readers_report_the_same_column(tmp_path):
     """Every JSONL reader goes through iter_jsonl: stage 01's prompt files and 05's eval sets give the real column."""
-    from eagle3.data.readers import _iter_file
+    from eagle3.data.record_files import iter_file
 
     p = tmp_path / "bad.jsonl"
     p.write_text('{"id": "p1"}\n{"id": "p2", "text": "abc"\n')
     with pytest.raises(
         UserError, match=r"bad\.jsonl:2: malformed JSON: Expecting ',' delimiter \(column 27\)$"
     ):
-        list(_iter_file(p))
+        list(iter_file(p))
 
 
 def test_bytes_that_are_not_utf8_name_the_file_line_and_column_in_every_json_reader(tmp_path):
@@ -108,9 +108,9 @@ def test_bytes_that_are_not_utf8_name_the_file_line_and_column_in_every_json_rea
     import gzip
 
     from eagle3.config import load_config
-    from eagle3.data.readers import _iter_file
+    from eagle3.data.record_files import iter_file
     from eagle3.io import read_json
-    from eagle3.regen.manifest import read_report
+    from eagle3.stages.prompts_manifest import read_report
 
     good = (
         b'{"messages": [{"role": "user", "content": "A"}, {"role": "assistant", "content": "B"}]}\n'
@@ -124,20 +124,20 @@ def test_bytes_that_are_not_utf8_name_the_file_line_and_column_in_every_json_rea
         f"{jl}:3: not UTF-8 text: byte 0xe9 at column 47 (byte {3 + 2 * len(good) + 46} of the file); "
         "save the file as UTF-8"
     )
-    for reader in (iter_jsonl, _iter_file):
+    for reader in (iter_jsonl, iter_file):
         with pytest.raises(UserError) as ei:
             list(reader(jl))
         assert str(ei.value) == want
     gz = tmp_path / "p.jsonl.gz"
     gz.write_bytes(gzip.compress(good + bad))
     with pytest.raises(UserError, match=r"p\.jsonl\.gz:2: not UTF-8 text: byte 0xe9 at column 47 "):
-        list(_iter_file(gz))
+        list(iter_file(gz))
     arr = tmp_path / "a.json"
     arr.write_bytes(
         b'[{"instruction": "a", "input": "", "output": "b"},\n {"instruction": "\xff"}]'
     )
     with pytest.raises(UserError, match=r"a\.json:2: not UTF-8 text: byte 0xff at column 19 "):
-        list(_iter_file(arr))
+        list(iter_file(arr))
     rep = tmp_path / "r.json"
     rep.write_bytes(b'{"settings":\n "\xff"}')
     with pytest.raises(UserError, match=r"r\.json:2: not UTF-8 text: byte 0xff at column 3 "):
@@ -166,7 +166,7 @@ def test_a_lone_surrogate_escape_is_refused_naming_file_line_and_field_by_every_
     from eagle3.capture.prompts import read_prompts
     from eagle3.config import load_config
     from eagle3.data.eval_prompts import load_prompt_file
-    from eagle3.data.readers import _iter_file
+    from eagle3.data.record_files import iter_file
 
     good = '{"id": "a", "messages": [{"role": "user", "content": "A \\ud83d\\ude00"}, {"role": "assistant", "content": "B"}]}'
     bad = '{"id": "b", "messages": [{"role": "user", "content": "C"}, {"role": "assistant", "content": "cut \\uDE00"}]}'
@@ -177,7 +177,7 @@ def test_a_lone_surrogate_escape_is_refused_naming_file_line_and_field_by_every_
         "pair, e.g. a cut emoji), which is not text: no UTF-8 file or tokenizer takes it; remove it or complete "
         "the pair"
     )
-    for reader in (iter_jsonl, _iter_file, read_prompts):
+    for reader in (iter_jsonl, iter_file, read_prompts):
         with pytest.raises(UserError) as ei:
             list(reader(p))
         assert str(ei.value) == want
@@ -196,7 +196,7 @@ def test_a_lone_surrogate_escape_is_refused_naming_file_line_and_field_by_every_
     with pytest.raises(
         UserError, match=r"a\.json:\[1\]: field 'input' holds an unpaired UTF-16 surrogate"
     ):
-        list(_iter_file(arr))
+        list(iter_file(arr))
     yml = tmp_path / "run.yaml"
     yml.write_text(
         'run_name: r\nverifier: {path: /x}\nprompts:\n  source: p.jsonl\n  system_prompt: "hi \\ud83d"\n'

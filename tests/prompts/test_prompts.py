@@ -17,8 +17,8 @@ from conftest import ROOT, SHARED_DATA, needs_shared_data
 from eagle3.config import load_config
 from eagle3.data.readers import dedupe, humaneval_message, read_conversations, sample
 from eagle3.errors import UserError
-from eagle3.regen.manifest import report_path
 from eagle3.stages.prepare_prompts import run
+from eagle3.stages.prompts_manifest import report_path
 
 
 def _jsonl(path, rows):
@@ -450,7 +450,7 @@ def test_local_regeneration_gets_schedule_and_context_cap(
 def test_regen_compile_is_not_in_the_settings_fingerprint(tmp_path):
     """prompts.regen_compile changes speed, not answers: true / false / auto give 01 the same settings, so a finished
     prompts.jsonl (and a resume log) stays valid when it changes."""
-    from eagle3.regen.manifest import settings
+    from eagle3.stages.prompts_manifest import settings
 
     f = tmp_path / "c.yaml"
     f.write_text(
@@ -521,7 +521,7 @@ def test_speed_settings_are_not_in_the_settings_fingerprint(tmp_path, key, defau
     """prompts.regen_prefix_reuse and prompts.regen_prefill_graphs change speed, not answers (fp32: tested token for
     token): both values give 01 the same settings, so a finished prompts.jsonl and a resume log stay valid when they
     change. Defaults: reuse on, prefill graphs off (until measured on a GPU)."""
-    from eagle3.regen.manifest import settings
+    from eagle3.stages.prompts_manifest import settings
 
     f = tmp_path / "c.yaml"
     f.write_text(

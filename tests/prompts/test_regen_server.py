@@ -173,7 +173,7 @@ def test_real_verifier_server_answers_equal_local_greedy(smollm, tmp_path):
 
 # ---- protocol details ----------------------------------------------------------------------------
 def test_sglang_parse_strips_matched_stop_and_checks_shape(smollm_tokenizer, tmp_path):
-    from eagle3.regen.regen_server import SGLangGenerate
+    from eagle3.regen.server_protocols import SGLangGenerate
 
     proto = SGLangGenerate(smollm_tokenizer, _pc("sglang", ["http://h:1"]), ChatOptions())
     eot = smollm_tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -226,7 +226,7 @@ def test_sglang_parse_strips_matched_stop_and_checks_shape(smollm_tokenizer, tmp
 
 def test_sglang_answer_split_at_think_tags_like_the_local_path(smollm_tokenizer):
     """A thinking answer becomes reasoning_content + content, its ids kept whole (eagle3.regen.regenerate's rule)."""
-    from eagle3.regen.regen_server import SGLangGenerate
+    from eagle3.regen.server_protocols import SGLangGenerate
 
     tok = smollm_tokenizer
     proto = SGLangGenerate(tok, _pc("sglang", ["http://h:1"]), ChatOptions())

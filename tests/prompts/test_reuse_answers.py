@@ -14,8 +14,8 @@ from test_prompts import A, U, _jsonl
 from eagle3.config import load_config
 from eagle3.errors import UserError
 from eagle3.regen import reuse_answers as ra
-from eagle3.regen.manifest import report_path
 from eagle3.stages.prepare_prompts import run
+from eagle3.stages.prompts_manifest import report_path
 
 
 def test_conversation_key_by_hand():

@@ -16,6 +16,7 @@ from eagle3.config import load_config
 from eagle3.data.readers import read_conversations
 from eagle3.errors import UserError
 from eagle3.regen import self_instruct as si
+from eagle3.stages import self_instruct as stage_si
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOL_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
@@ -288,7 +289,7 @@ def test_smollm2_writes_user_prompts(tmp_path, monkeypatch):
     )
     cfg = load_config(f)
     out = tmp_path / "q.jsonl"
-    assert si.run(cfg, 8, out, max_query_tokens=48) == 0
+    assert stage_si.run(cfg, 8, out, max_query_tokens=48) == 0
     rep = json.loads((tmp_path / "q_report.json").read_text())
     assert sum(rep["counts"].values()) == 8 and rep["counts"]["kept"] >= 3
     qs = [c["messages"][0]["content"] for c in read_conversations(str(out), keep_prompt_only=True)]

