@@ -76,7 +76,7 @@ def _token_samples_mp(
     """Hash + load token-only samples in ``workers`` processes, yielded in order as ``{input_ids, loss_mask}``
     (int64 ``[L]`` each). A token-only sample is ~16 bytes/token, so per shard the cost is the
     ``torch.load`` unpickler, which holds the GIL: threads gave ~630 shards/s on the 16-core H200 machine
-    (26K samples in 41 s, lease 2026-12-02b), one process ~1,400/s on this repo's CPU. The first bad shard
+    (26K samples in 41 s), one process ~1,400/s on a 2-core CPU. The first bad shard
     in order is the one raised (``map_records`` raises the first failure in record order)."""
     for a in range(0, len(paths), PROCESS_WINDOW):
         items = [(i, p, expect, checksums.get(i)) for i, p in paths[a : a + PROCESS_WINDOW]]
@@ -193,8 +193,8 @@ def _check_totals(shards: Path, meta: dict, stats: dict) -> None:
 
 def _sample_set_change(shards: Path) -> Optional[str]:
     """Which shards differ from ``manifest.jsonl`` and what to do, for :func:`_check_totals`'s error (None when the
-    files are the manifest's samples, or there is no manifest). A deleted shard said only `(shards added or removed
-    after stage 02?)` (fresh-user trial 2026-12-05d); 02 with the same command recaptures a missing one."""
+    files are the manifest's samples, or there is no manifest): the files added or missing, and that 02 with the same
+    command recaptures a missing one."""
     man_path = shards / MANIFEST
     if not man_path.is_file():
         return None

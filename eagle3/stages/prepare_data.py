@@ -61,7 +61,7 @@ def main(cfg: RunConfig, *, plot: bool, revalidate: bool) -> int:
 def run(cfg: RunConfig, *, plot: bool = True, revalidate: bool = False) -> dict:
     """Stage 03 holding ``{data_dir}/.data.lock`` (:func:`eagle3.io.output_folder_lock`): a second 03 on the same data
     folder (a draft-vocab sweep started side by side) stops at once with one line instead of writing its vocab map,
-    split and report over the first one's (trial 2026-12-05g). See :func:`prepare`."""
+    split and report over the first one's. See :func:`prepare`."""
     holder = (
         f"another 03_prepare_data run is writing to {cfg.data_dir}; wait for it, or set data.output_dir for a "
         f"second data folder"
@@ -75,7 +75,7 @@ def run(cfg: RunConfig, *, plot: bool = True, revalidate: bool = False) -> dict:
 
 def check_not_being_extracted(shards: Path) -> None:
     """Stop 03 while 02 is still writing ``shards`` (it holds ``{shards}/.extract.lock``, :data:`EXTRACT_LOCK`): 03
-    validated the half-written set and recorded a failed validation of it (trial 2026-12-05g). A lock file left by a
+    would validate the half-written set and record a failed validation of it. A lock file left by a
     02 that died is not held (:func:`eagle3.io.lock.lock_held`: the OS released its ``flock``) and does not stop 03.
 
     Raises:
