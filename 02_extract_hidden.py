@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from eagle3.cli import ArgumentParser, http_url, positive_int, run_main
 from eagle3.config import add_config_args, load_config
-from eagle3.stages import extract
 
 
 def main(argv=None) -> int:
@@ -61,6 +60,10 @@ def main(argv=None) -> int:
         cfg.extract.sglang_url = a.server[0] if len(a.server) == 1 else a.server
     if a.capture_dir:
         cfg.extract.capture_dir = a.capture_dir[0] if len(a.capture_dir) == 1 else a.capture_dir
+    from eagle3.stages import (
+        extract,  # torch and the stage: after the config is read (its errors stay instant)
+    )
+
     return extract.main(
         cfg, overwrite=a.overwrite, limit=a.limit, ignore_disk_check=a.ignore_disk_check
     )

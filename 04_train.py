@@ -18,7 +18,7 @@ optimizer step) stops at once: one line, no checkpoint, no train folder left tha
 from __future__ import annotations
 
 from eagle3.cli import ArgumentParser, positive_int, refuse_torchrun, run_main
-from eagle3.config import add_config_args
+from eagle3.config import add_config_args, load_config
 from eagle3.engines import ENGINES
 
 
@@ -70,7 +70,8 @@ def main(argv=None) -> int:
         refuse_torchrun(
             "04_train.py --export-only", "it writes one export folder; every rank would write it"
         )
-    from eagle3.stages import train  # torch and the stage: after the arguments are parsed
+    load_config(a.config, a.overrides)  # a config error stays instant: before torch and the stage
+    from eagle3.stages import train  # the stage reads the config again
 
     return train.main(
         a.config,

@@ -33,7 +33,6 @@ from eagle3.cli import (
     run_main,
 )
 from eagle3.config import add_config_args, load_config
-from eagle3.stages import benchmark
 
 
 def main(argv=None):
@@ -98,6 +97,10 @@ def main(argv=None):
         "tokens/s, and write the same report",
     )
     cfg = load_config(a.config, a.overrides)
+    from eagle3.stages import (
+        benchmark,  # torch and the stage: after the config is read (its errors stay instant)
+    )
+
     if a.tie_tolerance is not None and not a.tie_tolerance >= 0:
         p.error(f"argument --tie-tolerance: must be >= 0, got {a.tie_tolerance}")
     urls = (
