@@ -19,7 +19,7 @@ from typing import Any, ClassVar, Mapping, Optional, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from eagle3.errors import UserError
-from eagle3.io import atomic_write_text, read_json
+from eagle3.io import atomic_write_bytes, read_json
 
 FILE = "eagle3_manifest.json"
 
@@ -75,11 +75,47 @@ class DataManifest(Manifest):
     )
 
 
+class ShardsManifest(Manifest):
+    """Stage 02's shards folder: the verifier and capture settings its hidden states were made under. Its file is the
+    shard codec's ``data_config.json`` (:mod:`eagle3.shards.data_config`, also copied into 04's checkpoints), read
+    as this model by :meth:`of_record`; a key an older record lacks is None and not compared."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    STAGE: ClassVar[str] = "02_extract_hidden.py"
+
+    verifier: str = Field(title="verifier (verifier.name / verifier.path)")
+    verifier_weights: Optional[str] = Field(None, title="the weights at verifier.path")
+    num_layers: Optional[int] = None
+    aux_layers: Optional[list[int]] = Field(None, title="extract.aux_layers")
+    max_length: Optional[int] = Field(None, title="extract.max_length")
+
+    @classmethod
+    def of_record(cls, record: Mapping[str, Any], where: str | os.PathLike) -> ShardsManifest:
+        """02's record (``data_config.json`` as read, or a checkpoint's copy) as a manifest; ``where`` names it."""
+        try:
+            found = cls.make(
+                **{k: v for k, v in record.items() if k not in ("written_by", "version")}
+            )
+        except ValidationError as e:
+            err = e.errors()[0]
+            raise UserError(
+                f"{where}: key {'.'.join(map(str, err['loc']))!r}: {err['msg']}; re-run {cls.STAGE}"
+            ) from None
+        found._path = Path(where)
+        return found
+
+
+def encode(manifest: Manifest) -> bytes:
+    """The file's bytes (UTF-8 JSON), for a stage that writes its outputs and manifest as one set
+    (:func:`eagle3.io.atomic_write_files`)."""
+    return (manifest.model_dump_json(indent=2) + "\n").encode("utf-8")
+
+
 def write(folder: str | os.PathLike, manifest: Manifest) -> Path:
-    """``manifest`` to ``{folder}/eagle3_manifest.json`` atomically (:func:`eagle3.io.atomic_write_text`); returns
+    """``manifest`` to ``{folder}/eagle3_manifest.json`` atomically (:func:`eagle3.io.atomic_write_bytes`); returns
     the path. Write it after the outputs it describes, so a folder with a manifest is a finished one."""
     path = Path(folder) / FILE
-    atomic_write_text(path, manifest.model_dump_json(indent=2) + "\n")
+    atomic_write_bytes(path, encode(manifest))
     return path
 
 

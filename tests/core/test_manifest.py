@@ -8,7 +8,7 @@ import pytest
 
 from eagle3 import manifest
 from eagle3.errors import UserError
-from eagle3.manifest import FILE, DataManifest
+from eagle3.manifest import FILE, DataManifest, ShardsManifest
 
 
 def _data(**over) -> DataManifest:
@@ -70,3 +70,20 @@ def test_require_names_the_first_differing_field_old_and_new(tmp_path):
     assert str(e.value) == (f"{tmp_path / FILE}: data.seed 0 -> 3; re-run 03_prepare_data.py")
     with pytest.raises(UserError, match=r"^03_prepare_data.py's eagle3_manifest.json: data.ex"):
         manifest.require(_data(), {"exclude_id_prefixes": ["p"]}, "03_prepare_data.py")
+
+
+def test_shards_manifest_of_a_data_config_record(tmp_path):
+    """02's data_config.json read as ShardsManifest: other keys ignored, absent ones None, a bad type one line."""
+    where = tmp_path / "data_config.json"
+    found = ShardsManifest.of_record({"verifier": "m", "aux_layers": [1, 2], "format": "x"}, where)
+    assert (found.verifier, found.aux_layers, found.max_length) == ("m", [1, 2], None)
+    manifest.require(found, {"aux_layers": [1, 2]}, found.STAGE)
+    with pytest.raises(UserError) as e:
+        manifest.require(found, {"verifier": "n"}, found.STAGE)
+    assert str(e.value) == (
+        f"{where}: verifier (verifier.name / verifier.path) 'm' -> 'n'; re-run 02_extract_hidden.py"
+    )
+    with pytest.raises(
+        UserError, match=r"data_config.json: key 'verifier': Field required; re-run 02"
+    ):
+        ShardsManifest.of_record({"aux_layers": [1]}, where)
