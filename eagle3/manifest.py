@@ -85,7 +85,9 @@ class ShardsManifest(Manifest):
 
     verifier: str = Field(title="verifier (verifier.name / verifier.path)")
     verifier_weights: Optional[str] = Field(None, title="the weights at verifier.path")
-    num_layers: Optional[int] = None
+    num_layers: Optional[int] = Field(None, title="num_layers at verifier.path")
+    hidden_size: Optional[int] = Field(None, title="hidden_size at verifier.path")
+    vocab_size: Optional[int] = Field(None, title="vocab_size at verifier.path")
     aux_layers: Optional[list[int]] = Field(None, title="extract.aux_layers")
     max_length: Optional[int] = Field(None, title="extract.max_length")
 

@@ -2,7 +2,7 @@
 
 Each check reads the shards' ``data_config.json`` as their manifest (:class:`eagle3.manifest.ShardsManifest`) and
 compares one config section (``verifier``, ``extract``) with it through :func:`eagle3.manifest.require`: one line,
-the field, recorded -> now, 02 to re-run. The loaded verifier's dimensions are compared here too.
+the field, recorded -> now, 02 to re-run.
 """
 
 from __future__ import annotations
@@ -89,20 +89,20 @@ def verifier_dims_differ(dims: dict, recorded: dict) -> Optional[str]:
     return "; ".join(diffs) or None
 
 
-def check_verifier_dims(verifier: Any, dims: dict, meta: dict, root: str | os.PathLike) -> None:
-    """Refuse a verifier (loaded from ``verifier.path``) of other dimensions than the shards' (``meta``).
+def check_verifier_dims(dims: dict, meta: dict, root: str | os.PathLike) -> None:
+    """Refuse a verifier loaded from ``verifier.path`` (``dims``: :func:`eagle3.verifier.load.verifier_dims`) of
+    other :data:`VERIFIER_DIMS` than the shards' (``meta``): another model under the old ``verifier.name``.
 
     Raises:
-        UserError: ``verifier.path: '<path>' is another model than the shards in <root> were captured from ('<name>':
-            num_layers 6 recorded, 30 at verifier.path; ...); set verifier.path back, or re-run 02 for this model ...``.
+        UserError: ``<data_config.json>: num_layers at verifier.path 6 -> 30; re-run 02_extract_hidden.py``.
     """
-    diff = verifier_dims_differ(dims, meta)
-    if diff:
-        raise UserError(
-            f"verifier.path: '{verifier.path}' is another model than the shards in {root} were captured "
-            f"from ({meta.get('verifier')!r}, {DATA_CONFIG}: {diff}); set verifier.path back to that model, "
-            f"or re-run 02 for this one (with a verifier.name of its own)"
-        )
+    found = manifest.ShardsManifest.of_record(meta, _data_config_path(root))
+    needed = {
+        k: int(dims[k])
+        for k in VERIFIER_DIMS
+        if dims.get(k) is not None and getattr(found, k) is not None
+    }
+    manifest.require(found, needed, found.STAGE)
 
 
 def check_extract_settings(extract: Any, meta: dict, root: str | os.PathLike) -> None:

@@ -102,9 +102,7 @@ def build_drafter_args(s: Setup, data_config: dict, vocab: dict, warn_context: b
         )
     hf = load_verifier_config(s.verifier)
     dims = verifier_dims(hf)
-    check_verifier_dims(
-        s.verifier, dims, data_config, s.shards_dir
-    )  # before a drafter field's symptom
+    check_verifier_dims(dims, data_config, s.shards_dir)  # before a drafter field's symptom
     over = {**given, "head_dim": _head_dim(given, dims)}
     return checked(
         DrafterArgs.from_hf_config(
