@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from eagle3.drafter.draft_config import DEFAULT_EXPORT_DTYPE, llama_config
+from eagle3.drafter.draft_config import DEFAULT_EXPORT_DTYPE, draft_layer_config
 from eagle3.drafter.model import Eagle3Drafter
 from eagle3.engines import ENGINES, LABELS, others, spelled
 from eagle3.engines.context import check_context_length
@@ -37,6 +37,7 @@ from eagle3.export.common import (
     WEIGHTS_FILE,
     check_export_contract,
     export_dtype,
+    layer_keys,
     state_key,
 )
 from eagle3.export.folder import write_export_folder
@@ -82,7 +83,7 @@ def export_drafter(
     )
     a = drafter.args
     tensors = _export_tensors(drafter, engine, include_embeddings, out_dtype)
-    llama = llama_config(a, out_dtype)
+    llama = draft_layer_config(a, out_dtype)
     block = _config_block(engine, aux, ids, verifier_info, a.variant)
     config = FORMATS[engine].build_config(
         llama, a, ids, block, verifier_info, num_speculative_tokens
@@ -106,7 +107,7 @@ def _check_request(
     """:func:`export_drafter`'s refusals before anything is written; returns ``(dtype, HF aux layers, engine ids)``."""
     if engine not in ENGINES:
         raise UserError(f"export.engine: unknown engine '{engine}' (expected {spelled()})")
-    check_engine_serves(engine, drafter.args.variant)
+    check_engine_serves(engine, drafter.args.variant, drafter.args.mla)
     out_dtype = export_dtype(dtype)
     FORMATS[engine].warn_dtype(out_dtype)
     for f in VERIFIER_FIELDS:
@@ -129,7 +130,7 @@ def _export_tensors(
     """
     a = drafter.args
     sd = drafter.state_dict()
-    required = required_keys(engine, a.variant, a.num_layers)
+    required = required_keys(engine, a.variant, a.num_layers, layer_keys(a))
     if not writes_vocab_map(engine, a.draft_vocab_size, a.target_vocab_size):
         required = tuple(k for k in required if k not in VOCAB_KEYS)  # full vocab: vLLM refuses d2t
     tensors: dict[str, torch.Tensor] = {}
