@@ -80,6 +80,7 @@ def render_markdown(report: dict) -> str:
             f"{_f(c)} / {_f(u)}" for c, u in zip(d["conditional"], d["unconditional"])
         )
         lines.append(f"| {md_cell(d['dataset'])} | {d['verify_steps']} | {cells} |")
+    lines += context_lines(report)
     mism = [(d["dataset"], m) for d in report["datasets"] for m in d["mismatches"]]
     if mism:
         lines += [
@@ -97,6 +98,28 @@ def render_markdown(report: dict) -> str:
     for w in report.get("warnings", []):
         lines += ["", f"**warning**: {w}"]
     return "\n".join(lines) + "\n"
+
+
+def context_lines(report: dict) -> list[str]:
+    """``bench.md``'s table of tau per context-length bucket (``datasets[].context_buckets``, present with
+    ``benchmark.context_lengths``): one row per set and bucket holding a prompt; [] without buckets."""
+    if not report.get("context_edges"):
+        return []
+    lines = [
+        "",
+        "tau per context length (chat-rendered prompt tokens; benchmark.context_lengths):",
+        "",
+        "| dataset | prompt tokens | prompts | verify steps | tau |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for d in report["datasets"]:
+        for b in d.get("context_buckets", []):
+            if b["prompts"]:
+                lines.append(
+                    f"| {md_cell(d['dataset'])} | {b['bucket']} | {b['prompts']} | {b['verify_steps']} | "
+                    f"{_f(b['tau'])} |"
+                )
+    return lines
 
 
 def headline(report: dict, out_dir: str | Path) -> str:
