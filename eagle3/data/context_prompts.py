@@ -140,9 +140,15 @@ def context_set(
     max_positions: Optional[int],
     max_new_tokens: int,
     steps: int,
+    taken: Sequence[str] = (),
 ) -> tuple[tuple[str, list[EvalPrompt]], list[str]]:
-    """05's long-context set: ``((LABEL, prompts), warnings)`` for ``benchmark.context_lengths`` capped to the
-    verifier's context (:func:`capped_edges`), built from :func:`load_pairs` (:func:`build_context_prompts`)."""
+    """05's long-context set: ``((label, prompts), warnings)`` for ``benchmark.context_lengths`` capped to the
+    verifier's context (:func:`capped_edges`), built from :func:`load_pairs` (:func:`build_context_prompts`); the
+    label is :data:`LABEL`, ``context#2``, ... when the other sets' labels ``taken`` hold it."""
     edges, warnings = capped_edges(lengths, max_positions, max_new_tokens, steps)
     prompts = build_context_prompts(count_tokens, edges, per_length, load_pairs())
-    return (LABEL, prompts), warnings
+    label, n = LABEL, 1
+    while label in taken:
+        n += 1
+        label = f"{LABEL}#{n}"
+    return (label, prompts), warnings

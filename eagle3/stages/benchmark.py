@@ -98,7 +98,7 @@ def run(
     preflight_export(drafter_dir)  # before the verifier loads; load_exported logs its warnings
     more, not_checked = check_before_load(cfg, drafter_dir, steps, steps_field)  # each logged
     verifier, tokenizer, device = _load_verifier(cfg.verifier)
-    more_sets, capped = context_set(cfg, tokenizer, verifier.config, steps, max_new_tokens)
+    more_sets, capped = context_set(cfg, tokenizer, verifier.config, steps, max_new_tokens, sets)
     sets, notes = [*sets, *more_sets], [*notes, *capped]
     drafter, aux, warnings, unchecked = load_checked_drafter(
         cfg, drafter_dir, verifier, tokenizer, device, serve_aux_layers
@@ -112,15 +112,17 @@ def run(
     return 0
 
 
-def context_set(cfg: RunConfig, tokenizer, verifier_config, steps: int, max_new_tokens: int):
-    """``benchmark.context_lengths``' set, sized with the verifier's template and context, and its warnings (logged
-    here): ``([(label, prompts)], lines)``; ``([], [])`` when unset (:mod:`eagle3.data.context_prompts`)."""
+def context_set(cfg: RunConfig, tokenizer, verifier_config, steps: int, max_new_tokens: int, sets):
+    """``benchmark.context_lengths``' set, sized with the verifier's template and context, labelled apart from
+    ``sets``, and its warnings (logged here): ``([(label, prompts)], lines)``; ``([], [])`` when unset
+    (:mod:`eagle3.data.context_prompts`)."""
     if not cfg.benchmark.context_lengths:
         return [], []
     chat = ChatOptions.from_verifier(cfg.verifier, cfg.extract.loss_on_reasoning)
     built, lines = context_prompts.context_set(
         cfg.benchmark.context_lengths, cfg.benchmark.context_prompts,
         lambda m: len(prompt_ids(tokenizer, m, chat)), _max_positions(verifier_config), max_new_tokens, steps,
+        [label for label, _ in sets],
     )  # fmt: skip
     for w in lines:
         log.warning("%s", w)

@@ -13,7 +13,7 @@ from conftest import needs_shared_data
 from pydantic import ValidationError
 
 from eagle3.config.benchmark import BenchmarkConfig
-from eagle3.data.context_prompts import build_context_prompts, capped_edges, load_pairs
+from eagle3.data.context_prompts import build_context_prompts, capped_edges, context_set, load_pairs
 from eagle3.decoding.metrics import add_context_buckets, bucket_index, bucket_label, context_buckets
 from eagle3.decoding.report import context_lines
 from eagle3.errors import UserError
@@ -133,6 +133,10 @@ def test_gsm8k_pairs_lose_their_calculator_annotations():
     pairs = load_pairs()
     assert len(pairs) == 1319 and not any("<<" in a for _, a in pairs)
     assert pairs[1][1].startswith("It takes 2/2=1 bolt of white fiber")
+    # the set's label stays apart from the other sets' (a prompt file named context.jsonl)
+    (label, built), warn = context_set([200], 1, _words, None, 8, 2, taken=["context", "context#2"])
+    assert label == "context#3" and warn == [] and [p.id for p in built] == ["ctx200-0"]
+    assert built[0].messages[-1]["content"] == pairs[-1][0] and _words(built[0].messages) <= 200
 
 
 @pytest.fixture(scope="module")
