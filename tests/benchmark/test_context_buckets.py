@@ -70,6 +70,36 @@ def test_tau_per_bucket_and_markdown_rows_by_hand():
     ]  # the empty bucket 9-16 has no row
 
 
+def test_the_plot_panel_draws_tau_per_bucket():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from eagle3.decoding.report import plot_acceptance, plot_context
+
+    rows = [
+        {"prompt_tokens": 3, "accept_lengths": [1, 2]},
+        {"prompt_tokens": 6, "accept_lengths": [3, 3, 1, 2]},
+        {"prompt_tokens": 20, "accept_lengths": [4, 4]},
+    ]
+    sets = [
+        {"dataset": "a", "context_buckets": context_buckets(rows, [4, 8, 16])},
+        {"dataset": "b", "context_buckets": context_buckets(rows[1:2], [4, 8, 16])},
+    ]
+    fig, ax = plt.subplots()
+    plot_context(ax, sets)
+    (la, lb) = ax.get_lines()
+    # the empty bucket 9-16 is left out of a's line; x = the bucket's place among all labels
+    assert list(la.get_xdata()) == [0, 1, 3] and list(la.get_ydata()) == [1.5, 2.25, 4.0]
+    assert list(lb.get_xdata()) == [1] and list(lb.get_ydata()) == [2.25]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["<=4", "5-8", "9-16", ">16"]
+    plt.close(fig)
+    steps = {"conditional": [0.5], "unconditional": [0.5], "tau": 1.5}
+    png = plot_acceptance([{**sets[0], **steps}], 1)
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_edges_are_capped_by_the_verifier_context():
     # 2048 positions - 12 new tokens - 3 drafts = 2033 prompt tokens at most
     edges, warn = capped_edges([256, 512, 4096, 8192], 2048, 12, 3)
