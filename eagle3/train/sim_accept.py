@@ -28,6 +28,16 @@ run drops the rows after its checkpoint's step (they are recomputed) but keeps t
 it was taken after that step (a hard kill between a validation and the next checkpoint): that row is
 marked ``before_resume: true`` and stays the best until a validation of the resumed run beats it, so the
 export is never worse than a validation the killed run had already scored.
+
+At ``train.select_temperature`` T > 0 (the temperature the drafter will be served at; top-p
+``train.select_top_p``) ``alpha_j`` is instead the expected acceptance probability of speculative
+rejection sampling at TTT position ``j``, ``alpha_j = sum_x min(p_T(x), q_T(x))`` averaged over the
+held-out loss positions (:class:`SampledAcceptance`; :func:`eagle3.decoding.metrics.acceptance_probs`):
+``p_T`` the verifier's full-vocab distribution and ``q_T`` the drafter's over its draft vocab placed at
+the verifier ids ``d + d2t[d]``, both processed as 05 samples them
+(:func:`eagle3.decoding.sampling.processed_probs`). Every loss position counts, also those whose
+verifier argmax is outside the draft vocab (the drafter can still draw an accepted token there). The
+curve records the temperature; a resume at another one is refused (its rows hold other alphas).
 """
 
 from __future__ import annotations
@@ -39,9 +49,13 @@ from typing import Optional
 import torch
 from torch import nn
 
+from eagle3.data.dataset import loss_positions
+from eagle3.decoding.metrics import acceptance_probs
+from eagle3.decoding.sampling import processed_probs
 from eagle3.errors import UserError
 from eagle3.io import atomic_save_png, atomic_torch_save, atomic_write_json, read_json
 from eagle3.io.read import safe_torch_load
+from eagle3.losses.rows import row_targets
 
 log = logging.getLogger(__name__)
 
@@ -50,13 +64,133 @@ BEST_FILE = "best_drafter.pt"
 PLOT_FILE = "sim_accept.png"
 
 
-def position_acceptance(val: dict) -> list[float]:
-    """``[alpha_1, ..., alpha_K]``: the ``acc_{j}`` entries of a validation row (``_Accum.summarize``) in order."""
+#: the validation keys of the sampled acceptance (:meth:`SampledAcceptance.summarize`): ``sampled_acc_{j}``
+SAMPLED_KEY = "sampled_acc"
+
+
+def position_acceptance(val: dict, key: str = "acc") -> list[float]:
+    """``[alpha_1, ..., alpha_K]``: the ``{key}_{j}`` entries of a validation row in order (``acc``: top-1,
+    :meth:`eagle3.train.metrics.Accum.summarize`; :data:`SAMPLED_KEY`: :meth:`SampledAcceptance.summarize`)."""
     out, j = [], 0
-    while f"acc_{j}" in val:
-        out.append(float(val[f"acc_{j}"]))
+    while f"{key}_{j}" in val:
+        out.append(float(val[f"{key}_{j}"]))
         j += 1
     return out
+
+
+@torch.no_grad()
+def sampled_acceptance_sums(
+    drafter: nn.Module,
+    step_hiddens: list[torch.Tensor],
+    last_hidden: torch.Tensor,
+    loss_pos: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    temperature: float,
+    top_p: float = 1.0,
+    norm_weight: Optional[torch.Tensor] = None,
+    norm_eps: float = 1e-6,
+    chunk: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-TTT-step sums of the acceptance probability ``sum_x min(p_T(x), q_T(x))`` over one batch's loss rows.
+
+    Indexing as :func:`eagle3.losses.rows.ttt_loss_rows`: for the loss position ``p`` of sample ``b`` (flat index
+    ``b * L + p``) the verifier distribution is that of row ``p - 1`` and step ``i``'s drafter hidden is row
+    ``p - 2 - i``, counted iff ``p >= 2 + i``. ``p_T`` = :func:`processed_probs` of the verifier's full-vocab logits
+    (``lm_head(norm(last))``, :func:`row_targets` with the identity vocab map) read at the draft tokens' verifier ids;
+    ``q_T`` = :func:`processed_probs` of ``drafter.compute_logits`` over the draft vocab. ``chunk`` loss rows at a time
+    (bounds the ``[chunk, V]`` verifier logits).
+
+    Args:
+        drafter: ``compute_logits`` and the buffer ``d2t`` (int64 ``[dV]``).
+        step_hiddens: ``K`` tensors ``[B, L, H]`` from ``ttt_forward``.
+        last_hidden: ``[B, L, Ht]`` the verifier's last hidden state.
+        loss_pos: int64 ``[M]`` (:func:`eagle3.data.dataset.loss_positions`).
+        lm_head_weight: ``[V, Ht]``; norm_weight / norm_eps: the verifier's final norm when ``last`` is pre-norm.
+        temperature: > 0; top_p: in (0, 1].
+
+    Returns:
+        ``(alpha sums, counts)``: float64 ``[K]`` and int64 ``[K]`` on the hidden states' device.
+    """
+    B, L, H = step_hiddens[0].shape
+    dev = step_hiddens[0].device
+    V = lm_head_weight.shape[0]
+    identity = (
+        torch.zeros(V, dtype=torch.long, device=dev),
+        torch.ones(V, dtype=torch.bool, device=dev),
+    )
+    cols = torch.arange(drafter.d2t.shape[0], device=dev) + drafter.d2t.to(dev)  # [dV] verifier ids
+    loss_pos = loss_pos.to(dev)
+    sums = torch.zeros(len(step_hiddens), dtype=torch.float64, device=dev)
+    counts = torch.zeros(len(step_hiddens), dtype=torch.long, device=dev)
+    for s in range(0, loss_pos.shape[0], chunk):
+        pos = loss_pos[s : s + chunk]  # [n]
+        full = row_targets(
+            last_hidden, pos, lm_head_weight, *identity, norm_weight, norm_eps, chunk
+        )
+        p = processed_probs(full.logp_draft, temperature, top_p)[:, cols]  # [n, dV]
+        for i, h in enumerate(step_hiddens):
+            ok = pos % L >= 2 + i  # [n] the hidden row p-2-i exists
+            hs = h.reshape(B * L, H)[(pos - 2 - i).clamp(min=0)]  # [n, H]
+            q = processed_probs(drafter.compute_logits(hs), temperature, top_p)  # [n, dV]
+            sums[i] += (acceptance_probs(p, q).double() * ok).sum()
+            counts[i] += ok.sum()
+    return sums, counts
+
+
+class SampledAcceptance:
+    """The held-out acceptance probability per TTT step at ``temperature`` (module docstring), summed over the
+    validation batches without host syncs; :meth:`summarize` gives the ``sampled_acc_{j}`` keys.
+
+    Args:
+        ttt_length: ``K``; temperature: > 0; top_p: in (0, 1].
+
+    Raises:
+        ValueError: ``temperature <= 0`` (greedy selection needs no meter; a caller bug).
+    """
+
+    def __init__(self, ttt_length: int, temperature: float, top_p: float = 1.0):
+        if not temperature > 0:
+            raise ValueError(f"SampledAcceptance needs a temperature > 0, got {temperature}")
+        self.k, self.temperature, self.top_p = int(ttt_length), float(temperature), float(top_p)
+        self.sums = {
+            "alpha_sum": torch.zeros(self.k, dtype=torch.float64),
+            "alpha_count": torch.zeros(self.k, dtype=torch.float64),
+        }
+        self.n = 0
+
+    def add(
+        self,
+        drafter: nn.Module,
+        batch: dict,
+        lm_head_weight: torch.Tensor,
+        norm_weight: Optional[torch.Tensor] = None,
+        norm_eps: float = 1e-6,
+    ) -> None:
+        """One validation batch on the device (``input_ids``, ``aux``, ``last``, ``loss_mask``; ``loss_pos`` when
+        listed): the drafter's TTT unroll and :func:`sampled_acceptance_sums`."""
+        with torch.no_grad():
+            hiddens = drafter.ttt_forward(batch["input_ids"], batch["aux"], self.k)  # K x [B, L, H]
+        pos = batch["loss_pos"] if "loss_pos" in batch else loss_positions(batch["loss_mask"])
+        a, c = sampled_acceptance_sums(
+            drafter, hiddens, batch["last"], pos, lm_head_weight, self.temperature, self.top_p,
+            norm_weight, norm_eps,
+        )  # fmt: skip
+        self.n += 1
+        for key, v in (("alpha_sum", a), ("alpha_count", c)):
+            self.sums[key] = v.double() if self.n == 1 else self.sums[key] + v.double()
+
+    def totals(self) -> dict[str, torch.Tensor]:
+        """Raw sums (for :func:`eagle3.train.metrics.reduce_totals` over ranks) plus ``n`` (batches)."""
+        return dict(self.sums, n=torch.tensor(float(self.n)))
+
+    @staticmethod
+    def summarize(sums: dict[str, torch.Tensor]) -> dict[str, float]:
+        """``sampled_acc_{j}`` = summed acceptance probability / counted rows of TTT step ``j`` (0 where none);
+        {} when no batch was added on any rank."""
+        if float(sums["n"]) == 0:
+            return {}
+        count = sums["alpha_count"].clamp(min=1)  # [K]
+        return {f"{SAMPLED_KEY}_{j}": x for j, x in enumerate((sums["alpha_sum"] / count).tolist())}
 
 
 def simulated_tau(alpha: list[float], chain: int) -> float:
@@ -114,6 +248,12 @@ class BestTracker:
         keep_best: save the best weights (``train.select_best: sim_accept``); else only the curve.
         end_step: the step this run ends at (``--stop-at``, ``--max-steps``); a best kept from before the resume that
             lies past it is dropped (the run's export never holds weights of a step after its end). None: no limit.
+        temperature, top_p: ``train.select_temperature`` / ``train.select_top_p``; temperature 0 scores the top-1
+            ``alpha`` (``acc_{j}``), > 0 the sampled acceptance (``sampled_acc_{j}``, :meth:`meter`); a row keeps the
+            top-1 one as ``alpha_top1`` then.
+
+    Raises:
+        UserError: a resume whose curve was measured at another temperature / top-p.
     """
 
     def __init__(
@@ -124,10 +264,13 @@ class BestTracker:
         start_step: int = 0,
         keep_best: bool = False,
         end_step: Optional[int] = None,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
     ):
         self.dir = Path(train_dir)
         self.end_step = end_step
         self.chain = int(chain)
+        self.temperature, self.top_p = float(temperature), float(top_p)
         self.enabled = enabled
         self.keep_best = keep_best
         self.rows: list[dict] = []
@@ -150,6 +293,12 @@ class BestTracker:
         if not isinstance(old, dict) or not isinstance(old.get("rows"), list):
             raise UserError(
                 f"{path}: key 'rows' missing (delete the file to start the curve again)"
+            )
+        was = (float(old.get("temperature", 0.0)), float(old.get("top_p", 1.0)))
+        if path.is_file() and was != self._sampling():
+            raise UserError(
+                f"{path}: curve measured at train.select_temperature {was[0]:g}, select_top_p {was[1]:g}, now "
+                f"{self.temperature:g}, {self.top_p:g}; set them back, or delete {path.name} and {BEST_FILE}"
             )
         if int(old.get("chain", self.chain)) != self.chain:
             log.warning(
@@ -205,6 +354,17 @@ class BestTracker:
             return False
         return keep
 
+    def _sampling(self) -> tuple[float, float]:
+        """``(temperature, top_p)`` the curve is scored at; top-p is 1 at temperature 0 (greedy ignores it)."""
+        return (self.temperature, self.top_p) if self.temperature > 0 else (0.0, 1.0)
+
+    def meter(self, ttt_length: int) -> Optional[SampledAcceptance]:
+        """A fresh :class:`SampledAcceptance` for one validation at temperature > 0 (every rank, also one that
+        tracks nothing: the sums are reduced over ranks); None at temperature 0."""
+        if self.temperature <= 0:
+            return None
+        return SampledAcceptance(ttt_length, self.temperature, self.top_p)
+
     def _score(self, row: dict) -> dict:
         row = dict(row)
         row["tau_sim"] = simulated_tau(row["alpha"], self.chain)
@@ -217,17 +377,18 @@ class BestTracker:
             True when this validation is the new best (strictly higher ``tau_sim``; ties keep the earlier one, except
             that the same step measured again replaces a best kept from before a resume, ``before_resume``).
         """
-        alpha = position_acceptance(val)
+        alpha = position_acceptance(val, SAMPLED_KEY if self.temperature > 0 else "acc")
         if not self.enabled or not alpha:
             return False
-        row = self._score(
-            {
-                "step": int(step),
-                "epoch": int(epoch),
-                "alpha": [round(a, 6) for a in alpha],
-                "loss": val.get("loss"),
-            }
-        )
+        row = {
+            "step": int(step),
+            "epoch": int(epoch),
+            "alpha": [round(a, 6) for a in alpha],
+            "loss": val.get("loss"),
+        }
+        if self.temperature > 0:
+            row["alpha_top1"] = [round(a, 6) for a in position_acceptance(val)]
+        row = self._score(row)
         row["tau_sim_all"] = {
             str(k): round(simulated_tau(alpha, k), 6)
             for k in sorted({1, 3, 7, len(alpha)})
@@ -268,8 +429,9 @@ class BestTracker:
         return is_best
 
     def summary(self) -> dict:
-        """``{chain, formula, source, best: row | None, rows: [...]}`` (what ``sim_accept.json`` holds)."""
-        return {
+        """``{chain, formula, source, best: row | None, rows: [...]}`` (what ``sim_accept.json`` holds), with
+        ``temperature`` and ``top_p`` at temperature > 0."""
+        out = {
             "chain": self.chain,
             "formula": "tau_sim(k) = 1 + sum_{m=1..k} prod_{j<=m} alpha_j, alpha_j = held-out "
             "top-1 of TTT position j",
@@ -278,6 +440,16 @@ class BestTracker:
             "best": self.best,
             "rows": self.rows,
         }
+        if self.temperature > 0:
+            out["formula"] = (
+                "tau_sim(k) = 1 + sum_{m=1..k} prod_{j<=m} alpha_j, alpha_j = held-out mean of "
+                "sum_x min(p_T(x), q_T(x)) at TTT position j (speculative rejection sampling)"
+            )
+            out["source"] += (
+                "; alpha at T > 0: Leviathan et al. 2023 (arXiv 2211.17192), section 3.1"
+            )
+            out.update(temperature=self.temperature, top_p=self.top_p)
+        return out
 
     def restore_best(self, drafter: nn.Module) -> Optional[int]:
         """Load the best weights into ``drafter`` (in place); returns their step, or None when nothing was saved.
@@ -448,8 +620,15 @@ def markdown_lines(summary: dict) -> list[str]:
             f"Simulated acceptance length on the validation split, tau_sim({k}): not measured (no validation ran "
             f"before the run stopped; select_best: {sel}; exported step: {what})."
         ]
+    t = summary.get("temperature") or 0
+    at = (
+        f" at temperature {t:g}, top-p {summary.get('top_p', 1.0):g} (alpha_j = mean of sum_x min(p_T, q_T), "
+        f"the acceptance probability of rejection sampling)"
+        if t
+        else ""
+    )
     lines = [
-        f"Simulated acceptance length on the validation split, tau_sim({k}) = 1 + sum_m prod_(j<=m) alpha_j "
+        f"Simulated acceptance length on the validation split, tau_sim({k}) = 1 + sum_m prod_(j<=m) alpha_j{at} "
         f"(select_best: {sel}; exported step: {what}):",
         "",
         f"| step | tau_sim({k}) | "
