@@ -18,23 +18,22 @@ endpoint = one server base URL (e.g. one SGLang node ``http://node3:30000``). Po
   :class:`AllEndpointsDown` (a :class:`UserError`) stops the run; work finished so far is kept by
   the caller's resume log.
 
-HTTP uses the standard library (``urllib.request``): one connection per request, which costs
-nothing next to an LLM answer's latency.
+HTTP: :mod:`eagle3.io.http` (requests), one connection per request.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import requests
+
 from eagle3.errors import UserError
+from eagle3.io.http import HTTPFailure, request_json, root_error
 
 log = logging.getLogger(__name__)
 
@@ -241,14 +240,11 @@ class EndpointPool:
         """
         bad: dict[str, str] = {}
         for ep in self.endpoints:
-            req = urllib.request.Request(ep.url + path, method="GET", headers=self.headers)
             try:
-                with urllib.request.urlopen(req, timeout=timeout) as resp:
-                    resp.read()
-            except urllib.error.HTTPError:
-                pass  # it answered
-            except (urllib.error.URLError, TimeoutError, OSError) as e:
-                bad[ep.url] = f"{type(getattr(e, 'reason', e)).__name__}: {getattr(e, 'reason', e)}"
+                requests.get(ep.url + path, timeout=timeout, headers=self.headers)
+            except requests.RequestException as e:
+                root = root_error(e)
+                bad[ep.url] = f"{type(root).__name__}: {root}"
         if len(bad) == len(self.endpoints):
             raise UserError(
                 f"{self.what}: no endpoint answers ("
@@ -271,30 +267,12 @@ class EndpointPool:
 
     # ---- one request --------------------------------------------------------------------------
     def _post_once(self, ep: Endpoint, path: str, payload: dict, timeout: float) -> Any:
-        data = json.dumps(payload).encode("utf-8")
-        req = urllib.request.Request(ep.url + path, data=data, method="POST", headers=self.headers)
-        where = f"{ep.url}{path}"
         try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
-                body = resp.read()
-        except urllib.error.HTTPError as e:
-            detail = e.read().decode("utf-8", "replace").strip().splitlines()
-            msg = f"{where}: HTTP {e.code}: {detail[0][:300] if detail else e.reason}"
-            raise _AttemptError(msg, retryable=e.code >= 500 or e.code in (408, 429)) from e
-        except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
-            # refused, reset, dropped mid-response (http.client.RemoteDisconnected/IncompleteRead), timeout
-            reason = getattr(e, "reason", None) or e
-            raise _AttemptError(
-                f"{where}: {type(reason).__name__}: {reason}", retryable=True
-            ) from e
-        except Exception as e:  # http.client.HTTPException family not derived from OSError (IncompleteRead, BadStatusLine)
-            raise _AttemptError(f"{where}: {type(e).__name__}: {e}", retryable=True) from e
-        try:
-            return json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise _AttemptError(
-                f"{where}: response is not JSON: {body[:120]!r}", retryable=True
-            ) from e
+            return request_json(
+                ep.url + path, payload, timeout, unreachable="", headers=self.headers
+            )
+        except HTTPFailure as e:
+            raise _AttemptError(str(e), e.retryable) from e
 
     def post(
         self, path: str, payload: dict, timeout: float, policy: RetryPolicy, check=None
