@@ -10,18 +10,12 @@ from eagle3.errors import UserError
 
 
 def make_backend(verifier, extract, aux_layers: Optional[list[int]] = None):
-    """Build the capture backend named by ``extract.backend`` and return ``(backend, tokenizer)``.
-
-    ``hf``: loads the verifier in-process (``eagle3.verifier.load.load_verifier``). ``sglang``: the
-    tokenizer only, plus ``eagle3.capture.sglang.SGLangCapture`` talking to
-    ``extract.sglang_url`` (imported lazily). ``aux_layers=None`` = EAGLE default.
-
-    Args:
-        verifier, extract: the run config's ``verifier`` and ``extract`` sections.
+    """``(backend, tokenizer)`` for ``extract.backend``: ``hf`` loads the verifier in-process,
+    ``sglang`` loads the tokenizer and talks to ``extract.sglang_url``. ``verifier``, ``extract``:
+    the run config's sections.
 
     Raises:
-        UserError: missing ``extract.sglang_url`` / ``extract.capture_dir``, or the SGLang backend
-            is not available.
+        UserError: missing ``extract.sglang_url`` / ``extract.capture_dir``.
     """
     # looked up at call time: tests replace eagle3.verifier's loaders
     from eagle3.verifier.load import (
@@ -81,13 +75,12 @@ def resolve_aux(layers: Optional[list[int]], num_layers: int) -> list[int]:
 
 
 def checked_backend(verifier, extract, engine: str, backend, tokenizer) -> tuple:
-    """``(backend, tokenizer, info, aux layers)``: the given backend (tests, benchmarks; with its tokenizer) or
-    :func:`make_backend`'s, its aux layers checked against ``extract.aux_layers`` and the export ``engine``
-    (before any capture).
+    """``(backend, tokenizer, info, aux layers)`` of the given backend (with its tokenizer) or
+    :func:`make_backend`'s, its layers checked against ``extract.aux_layers`` and ``engine``.
 
     Raises:
-        ValueError: a backend without its tokenizer, or capturing other layers than ``extract.aux_layers``.
-        UserError: layers the engine cannot serve (:func:`eagle3.engines.layers.check_servable`).
+        ValueError: a backend without tokenizer, or other layers than ``extract.aux_layers``.
+        UserError: layers the engine cannot serve.
     """
     if backend is None:
         backend, tokenizer = make_backend(verifier, extract)

@@ -1,24 +1,12 @@
 """A pool of HTTP serving endpoints: load spread, dead ones out of rotation, retries with backoff.
 
-Used by stage 01 to regenerate answers through serving nodes (``eagle3.regen.regen_server``). One
-endpoint = one server base URL (e.g. one SGLang node ``http://node3:30000``). Policy:
-
-* **Load spread**: each request goes to the live endpoint with the fewest requests in flight
-  (ties: the one used least recently), at most ``per_endpoint`` in flight per endpoint; a caller
-  waits for a free slot.
-* **Retries**: a request that fails with a timeout, a connection error (refused, reset, dropped
-  mid-response), HTTP 5xx or 429, or an unparsable body is retried up to ``max_attempts`` attempts
-  in all, after ``backoff_s * 2**(attempt-1)`` seconds (capped at ``backoff_max_s``, with +-25%
-  jitter), on another endpoint when one is free. Other 4xx statuses (a bad request: the prompt is
-  too long, an unknown model name) are not retried. :class:`RequestFailed` carries the last error.
-* **Dead endpoints**: ``dead_after`` consecutive failed attempts take an endpoint out of rotation
-  for ``revive_after_s`` seconds; then one probe request is let through, and a success brings it
-  back (a failed probe sends it out again). When every endpoint has been failing (out of rotation
-  or failing its probes) for ``give_up_after_s`` seconds,
-  :class:`AllEndpointsDown` (a :class:`UserError`) stops the run; work finished so far is kept by
-  the caller's resume log.
-
-HTTP: :mod:`eagle3.io.http` (requests), one connection per request.
+* Load spread: a request goes to the live endpoint with the fewest in flight (ties: least
+  recently used), at most ``per_endpoint`` each.
+* Retries: timeouts, connection errors, HTTP 5xx/408/429 and unparsable bodies are retried up to
+  ``max_attempts`` in all after ``backoff_s * 2**(attempt-1)`` s (capped, +-25% jitter), on another
+  endpoint when one is free; other 4xx are not.
+* Dead endpoints: ``dead_after`` consecutive failures take one out for ``revive_after_s``, then
+  one probe request; every endpoint failing for ``give_up_after_s`` raises :class:`AllEndpointsDown`.
 """
 
 from __future__ import annotations
@@ -97,19 +85,17 @@ class RetryPolicy:
 
 
 class EndpointPool:
-    """Thread-safe choice of an endpoint for each request (see the module docstring for the policy).
+    """Thread-safe choice of an endpoint for each request (module docstring).
 
     Args:
-        urls: server base URLs (no trailing path), at least one, no duplicates.
+        urls: server base URLs, at least one, no duplicates.
         per_endpoint: requests in flight per endpoint (>= 1).
-        dead_after: consecutive failed attempts that take an endpoint out of rotation (>= 1).
-        revive_after_s: seconds out of rotation before a probe request is let through.
-        give_up_after_s: seconds with every endpoint out of rotation before :class:`AllEndpointsDown`.
-        headers: extra HTTP headers sent with every request (e.g. ``Authorization``).
-        what: config key named in error messages.
+        dead_after: consecutive failed attempts that take an endpoint out (>= 1).
+        revive_after_s, give_up_after_s: seconds out before a probe; seconds all out before giving up.
+        headers: extra HTTP headers (e.g. ``Authorization``). what: config key named in errors.
 
     Raises:
-        UserError: no URL, a duplicate URL, or a URL that is not ``http(s)://host[:port]``.
+        UserError: no URL, a duplicate, or one that is not ``http(s)://host[:port]``.
     """
 
     def __init__(
@@ -161,12 +147,10 @@ class EndpointPool:
         return True
 
     def acquire(self, avoid: Optional[Endpoint] = None) -> Endpoint:
-        """Block until an endpoint has a free slot; return it with the slot taken.
-
-        ``avoid``: prefer another endpoint than this one (the one that just failed) when possible.
+        """Block until an endpoint has a free slot (preferring one other than ``avoid``); slot taken.
 
         Raises:
-            AllEndpointsDown: every endpoint has been out of rotation for ``give_up_after_s``.
+            AllEndpointsDown: every endpoint out of rotation for ``give_up_after_s``.
         """
         with self._cv:
             while True:
@@ -229,14 +213,11 @@ class EndpointPool:
 
     # ---- before the run --------------------------------------------------------------------------
     def preflight(self, timeout: float = 10.0, path: str = "/health") -> list[str]:
-        """GET ``path`` on every endpoint once; an endpoint that does not answer at all starts out of rotation.
-
-        Any HTTP answer (even 404 from a hosted API without ``/health``) counts as reachable; a refused
-        or timed-out connection does not. Returns the unreachable URLs.
+        """GET ``path`` on every endpoint once (any HTTP answer counts as reachable); unreachable
+        ones start out of rotation. Returns their URLs.
 
         Raises:
-            UserError: no endpoint answers (names each URL and its error), so a run against a wrong
-                address stops at once instead of after ``give_up_after_s``.
+            UserError: no endpoint answers (each URL and its error).
         """
         bad: dict[str, str] = {}
         for ep in self.endpoints:
@@ -280,19 +261,14 @@ class EndpointPool:
         """POST ``payload`` as JSON to ``path`` on some endpoint, retrying per ``policy``.
 
         Args:
-            path: e.g. ``/generate`` or ``/v1/chat/completions``.
-            payload: the JSON body.
-            timeout: seconds allowed for one attempt (connect + answer).
-            policy: attempts and backoff.
-            check: optional ``check(response) -> parsed``; a ``ValueError`` it raises counts as a
-                retryable failed attempt (e.g. a response of the wrong shape, an aborted request).
+            timeout: seconds per attempt. check: optional ``check(response) -> parsed``; a
+                ``ValueError`` from it is a retryable failed attempt.
 
         Returns:
             ``(check(response) or response, attempts used)``.
 
         Raises:
-            RequestFailed: out of attempts, or a non-retryable HTTP status (message: the last error).
-            AllEndpointsDown: see :meth:`acquire`.
+            RequestFailed: out of attempts, or a non-retryable status. AllEndpointsDown: see :meth:`acquire`.
         """
         last: Optional[Endpoint] = None
         for attempt in range(1, policy.max_attempts + 1):
