@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Optional
 
 from eagle3.capture.hf import HFCapture
+from eagle3.capture.multi import sglang_backend
 from eagle3.engines.layers import check_aux_layers, check_servable, default_aux_layers
 from eagle3.errors import UserError
 
@@ -40,16 +41,9 @@ def make_backend(verifier, extract, aux_layers: Optional[list[int]] = None):
         raise UserError(
             "extract.capture_dir: required for backend sglang (where the patched server writes tensors)"
         )
-    try:
-        from eagle3.capture.multi import sglang_backend
-    except ImportError as e:
-        raise UserError(
-            f"extract.backend: the sglang capture backend is not available ({e})"
-        ) from e
     tok = load_tokenizer(verifier)
     n = verifier_dims(load_verifier_config(verifier))["num_layers"]
     layers = resolve_aux(ex.aux_layers if aux_layers is None else aux_layers, n)
-    # one URL: SGLangCapture; several (one per node): MultiServerCapture over them
     return sglang_backend(
         ex.sglang_url,
         ex.capture_dir,

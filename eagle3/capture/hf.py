@@ -95,7 +95,6 @@ class HFCapture:
         self._hooks_ok: Optional[bool] = None  # None = not yet checked (first capture)
         self._copy_stream = None  # CUDA side stream of the device -> host copies (lazy)
 
-    # ---- contract ------------------------------------------------------------------------
     def info(self) -> BackendInfo:
         """Verifier dims and the last-hidden-state convention (runs the probe forward once)."""
         return {
@@ -154,7 +153,6 @@ class HFCapture:
             self._hooks_ok = self._check_hooks()
         return (self._states_hooked if self._hooks_ok else self._states_all)(ids, attention_mask)
 
-    # ---- internals -----------------------------------------------------------------------
     @property
     def device(self) -> torch.device:
         """Device of the input embeddings (where input ids go; ``device_map`` models included)."""

@@ -41,7 +41,7 @@ class MultiServerCapture:
             server out. backoff_s: retry ``k`` waits ``backoff_s * k`` s (at most 30).
 
     Raises:
-        UserError: no server, or duplicate URLs.
+        UserError: no server, or duplicate URLs (:class:`EndpointPool`).
     """
 
     def __init__(
@@ -51,8 +51,6 @@ class MultiServerCapture:
         max_failures: int = 3,
         backoff_s: float = 1.0,
     ):
-        if not servers:
-            raise UserError(f"{WHAT}: at least one server is needed")
         self.servers = list(servers)
         self._by_url = {s.url: s for s in self.servers}
         # out of rotation for good (no revival): a node that failed max_failures batches in a row is
@@ -80,7 +78,6 @@ class MultiServerCapture:
             0  # bumped by cancel(): look-ahead captures of an older schedule stop retrying
         )
 
-    # ---- contract ----------------------------------------------------------------------------
     def info(self) -> BackendInfo:
         """Every server's :meth:`SGLangCapture.info`; they must agree.
 
@@ -119,7 +116,6 @@ class MultiServerCapture:
         self._fill()
         return fut.result()
 
-    # ---- look-ahead ---------------------------------------------------------------------------
     def schedule(self, batches: Sequence[list[list[int]]]) -> None:
         """Announce the batches :meth:`capture` will be asked for, in that order; capturing starts now."""
         self.cancel()
@@ -144,7 +140,6 @@ class MultiServerCapture:
                 (nxt, self._executor.submit(self._capture_anywhere, nxt, self._generation))
             )
 
-    # ---- one batch, retried across servers ----------------------------------------------------
     def _capture_anywhere(
         self, batch: list[list[int]], generation: Optional[int] = None
     ) -> list[list[torch.Tensor]]:
@@ -245,16 +240,12 @@ def sglang_backend(
     """
     urls = [urls] if isinstance(urls, str) else list(urls)
     dirs = [capture_dirs] if isinstance(capture_dirs, str) else list(capture_dirs)
-    if not urls:
-        raise UserError(f"{WHAT}: required for backend sglang (or pass --server URL [URL ...])")
     if len(dirs) != len(urls):
         raise UserError(
             f"extract.capture_dir: {len(urls)} servers in {WHAT} need {len(urls)} capture folders (a list, "
             f"one per server, in the same order; each server's --capture-dir as this host sees it), "
             f"got {len(dirs)}"
         )
-    if len({u.rstrip("/") for u in urls}) != len(urls):
-        raise UserError(f"{WHAT}: duplicate URL in {urls}")
     if len({str(d) for d in dirs}) != len(dirs):
         raise UserError(
             f"extract.capture_dir: duplicate folder in {dirs}; each server needs its own capture folder"

@@ -26,7 +26,7 @@ from eagle3.capture.base import NUM_CAPTURED, BackendInfo
 from eagle3.engines.layers import engine_layer_ids
 from eagle3.errors import UserError
 from eagle3.io import read_json
-from eagle3.io.http import HTTPFailure, request_json
+from eagle3.io.http import request_json
 from eagle3.io.read import safe_torch_load
 
 log = logging.getLogger(__name__)
@@ -50,6 +50,12 @@ class ServerInfo(_Loose):
     chunked_prefill_size: Optional[int] = None
 
 
+class ModelInfo(_Loose):
+    """``/model_info`` fields the capture reads."""
+
+    architectures: Optional[list[str]] = None
+
+
 class CaptureInfo(_Loose):
     """``capture_info.json`` as the patch writes it."""
 
@@ -59,6 +65,16 @@ class CaptureInfo(_Loose):
     vocab_size: int
     architecture: Optional[str] = None
     last_hidden_state: Optional[Literal["post_norm", "pre_norm"]] = None
+
+
+class CaptureFile(_Loose):
+    """A ``{rid}.pt`` capture file as the patch writes it."""
+
+    model_config = ConfigDict(extra="ignore", arbitrary_types_allowed=True)
+    input_ids: torch.Tensor  # [L] int64
+    hidden_states: list[torch.Tensor]  # 4 x bf16 [L, H]
+    layers: Optional[list[int]] = None
+    last_hidden_state: Optional[str] = None
 
 
 class GenerateMeta(_Loose):
@@ -84,6 +100,8 @@ def _parse(model, obj, where: str):
     except ValidationError as e:
         err = e.errors()[0]
         key = ".".join(str(p) for p in err["loc"])
+        if not key:
+            raise UserError(f"{where}: {err['msg']}") from None
         if err["type"] == "missing" or err.get("input", 0) is None:
             raise UserError(f"{where}: key '{key}' missing") from None
         if err["type"] == "literal_error":
@@ -141,20 +159,6 @@ class SGLangCapture:
             self.url + path, payload, self.timeout, where=f"extract.sglang_url {self.url}{path}"
         )
 
-    def _get_first(self, *paths: str) -> dict:
-        """GET the first of ``paths`` that exists (``/model_info`` replaced ``/get_model_info``)."""
-        last: Optional[UserError] = None
-        for p in paths:
-            try:
-                out = self._request(p)
-                if isinstance(out, dict):
-                    return out
-            except HTTPFailure as e:
-                if "HTTP 404" not in str(e):
-                    raise
-                last = e
-        raise last or UserError(f"extract.sglang_url {self.url}: none of {list(paths)} answered")
-
     def info(self) -> BackendInfo:
         """Verifier dims and conventions, from the server and ``capture_info.json``.
 
@@ -165,12 +169,11 @@ class SGLangCapture:
         """
         if self._info is not None:
             return self._info
-        model = self._get_first("/model_info", "/get_model_info")
-        server = self._get_first("/server_info", "/get_server_info")
-        _check_server(
-            _parse(ServerInfo, server, f"extract.sglang_url {self.url}/server_info"),
-            f"extract.sglang_url {self.url}/server_info",
+        model = _parse(
+            ModelInfo, self._request("/model_info"), f"extract.sglang_url {self.url}/model_info"
         )
+        where = f"extract.sglang_url {self.url}/server_info"
+        _check_server(_parse(ServerInfo, self._request("/server_info"), where), where)
         info_path = self.capture_dir / INFO_FILE
         if not info_path.is_file():
             raise UserError(
@@ -178,7 +181,7 @@ class SGLangCapture:
                 "with this --capture-dir, on this host?"
             )
         cap = _parse(CaptureInfo, read_json(info_path), str(info_path))
-        arch = str((model.get("architectures") or [cap.architecture or "unknown"])[0])
+        arch = (model.architectures or [cap.architecture or "unknown"])[0]
         layers = cap.layers_to_capture
         if self.aux_layers is None:
             self.aux_layers = layers
@@ -269,41 +272,32 @@ class SGLangCapture:
                 f"{path}: not written by the server (wrong --capture-dir, another host, or the patch "
                 "is not active)"
             )
-        obj = safe_torch_load(path)
-        if not isinstance(obj, dict) or "hidden_states" not in obj or "input_ids" not in obj:
-            raise UserError(
-                f"{path}: not a capture file (keys 'input_ids', 'hidden_states' expected)"
-            )
-        got = obj["input_ids"].tolist()  # [L] int64
+        f = _parse(CaptureFile, safe_torch_load(path), str(path))
+        got = f.input_ids.tolist()  # [L] int64
         if got != list(ids):
             first = next((i for i, (a, b) in enumerate(zip(got, ids)) if a != b), min(L, len(got)))
             raise UserError(
                 f"{path}: the server prefilled different token ids than were sent "
                 f"({len(got)} ids, first mismatch at position {first})"
             )
-        layers = obj.get("layers") or []
-        if layers and [int(i) for i in layers] != self.aux_layers:
+        if f.layers and f.layers != self.aux_layers:
             raise UserError(
-                f"{path}: captured layers {layers}, extract.aux_layers is {self.aux_layers}"
+                f"{path}: captured layers {f.layers}, extract.aux_layers is {self.aux_layers}"
             )
-        conv = obj.get("last_hidden_state")
+        conv = f.last_hidden_state
         if conv is not None and conv != self._info["last_hidden_state"]:
             raise UserError(
                 f"{path}: last_hidden_state {conv!r}, but {self.capture_dir / INFO_FILE} says "
                 f"{self._info['last_hidden_state']!r} (recorded in data_config.json); the server's patch "
                 f"changed under the run: restart it with the same patches/ version and re-run 02"
             )
-        states = obj["hidden_states"]
-        if len(states) != NUM_CAPTURED:
+        states = f.hidden_states
+        shapes = [(tuple(t.shape), t.dtype) for t in states]
+        if shapes != [((L, H), torch.bfloat16)] * NUM_CAPTURED:
             raise UserError(
-                f"{path}: {len(states)} hidden-state tensors, expected {NUM_CAPTURED} (3 aux + last)"
+                f"{path}: hidden_states are {shapes}, expected {NUM_CAPTURED} (3 aux + last) x "
+                f"({L}, {H}) torch.bfloat16"
             )
-        for k, t in enumerate(states):
-            if tuple(t.shape) != (L, H) or t.dtype != torch.bfloat16:
-                raise UserError(
-                    f"{path}: hidden_states[{k}] is {tuple(t.shape)} {t.dtype}, "
-                    f"expected ({L}, {H}) torch.bfloat16"
-                )
         return [t.to("cpu") for t in states]  # 4 x [L, H] bf16
 
 

@@ -42,9 +42,6 @@ from eagle3.errors import UserError
 log = logging.getLogger(__name__)
 
 
-# ---------------------------------------------------------------------------------------------
-# served turns -> samples
-# ---------------------------------------------------------------------------------------------
 @dataclass
 class _Turn:
     number: int  # 1-based assistant turn number

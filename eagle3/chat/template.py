@@ -133,6 +133,18 @@ def common_answer_fields(*recorded: Any) -> list[str]:
     return [f for f in ANSWER_FIELDS if all(isinstance(r, list) and f in r for r in recorded)]
 
 
+def has_tool_calls(conv: dict) -> bool:
+    """Whether a conversation holds tool calls or results (regeneration keeps it as it is)."""
+    return any(m["role"] == "tool" or m.get("tool_calls") for m in conv["messages"])
+
+
+def user_turns(conv: dict) -> tuple[Optional[dict], list[str]]:
+    """``(system message or None, user contents)`` of a conversation; assistant turns dropped."""
+    msgs = conv["messages"]
+    system = msgs[0] if msgs and msgs[0]["role"] == "system" else None
+    return system, [m["content"] for m in msgs if m["role"] == "user"]
+
+
 def answer_ending(stop: Optional[int]) -> dict:
     """01's fields on a regenerated message about how it ended: ``{"stop_token": stop}``, or
     ``{"truncated": True}`` when ``stop`` is None (cut at ``max_new_tokens``).
@@ -214,9 +226,6 @@ def render(
     )
 
 
-# ---------------------------------------------------------------------------------------------
-# template self-check and the generation prompt
-# ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class TemplateInfo:
     """Result of :func:`check_template`: ``generation_prompt`` = the text the template appends for

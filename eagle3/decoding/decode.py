@@ -32,6 +32,7 @@ from eagle3.decoding.common import (
     SpecResult,
     accepted_prefix,
     aux_states,
+    check_aux_layers,
     check_prompts,
     check_settings,
     cut,
@@ -93,9 +94,6 @@ def _forward(verifier, ids, mask, pos, cache, hidden: bool, last_only: bool = Fa
     )
 
 
-# ---------------------------------------------------------------------------------------------
-# greedy baseline
-# ---------------------------------------------------------------------------------------------
 @torch.inference_mode()
 @no_cudnn_sdpa()  # the KV caches grow every step: no per-shape cuDNN plans (eagle3.sdpa)
 def greedy_generate_batch(
@@ -182,9 +180,6 @@ def greedy_generate(
     return res.tokens[0], res.seconds
 
 
-# ---------------------------------------------------------------------------------------------
-# speculative decoding
-# ---------------------------------------------------------------------------------------------
 def _reference_tensor(
     reference: Optional[Sequence[Sequence[int]]], B: int, width: int, device
 ) -> Optional[torch.Tensor]:
@@ -233,23 +228,6 @@ class _Chain:
     targets: Optional[torch.Tensor] = None
 
 
-def _check_aux_layers(aux_layers: Sequence[int]) -> list[int]:
-    aux_layers = [int(i) for i in aux_layers]
-    if len(aux_layers) != 3:
-        raise UserError(
-            f"aux_layers: EAGLE-3 needs exactly 3 HF hidden_states indices, got {aux_layers}"
-        )
-    return aux_layers
-
-
-def _check_aux_range(aux_layers: list[int], n_hidden: int) -> None:
-    """``n_hidden`` = ``len(hidden_states)`` of the verifier (its layers + 1)."""
-    if max(aux_layers) >= n_hidden - 1 or min(aux_layers) < 1:
-        raise UserError(
-            f"aux_layers: {aux_layers} outside 1..{n_hidden - 2} for this {n_hidden - 1}-layer verifier"
-        )
-
-
 def _spec_prefill(verifier, rows, aux_layers, k, max_new_tokens, eos_t, ref, sampler) -> _Chain:
     """The prompts' forward: the first new token of each row (argmax, or sampled by ``sampler``) and the
     drafter's first step-0 chunk."""
@@ -257,7 +235,7 @@ def _spec_prefill(verifier, rows, aux_layers, k, max_new_tokens, eos_t, ref, sam
     device = device_of(verifier)
     ids, vmask, pos, n = _left_pad(rows, device)  # [B, P] x3, [B]
     out = _forward(verifier, ids, vmask, pos, None, hidden=True, last_only=True)
-    _check_aux_range(aux_layers, len(out.hidden_states))
+    check_aux_layers(aux_layers, len(out.hidden_states))
     plogits = out.logits[:, -1:]  # [B, 1, V]
     # [B] x_n: the first new token, not yet in the verifier cache
     last = plogits[:, 0].argmax(-1) if sampler is None else sampler.sample(plogits[:, 0])
@@ -447,7 +425,7 @@ def speculative_generate_batch(
             "reference: sampled output (temperature > 0) has no token-by-token reference"
         )
     check_settings(max_new_tokens, steps)
-    aux_layers = _check_aux_layers(aux_layers)
+    aux_layers = check_aux_layers(aux_layers)
     rows = check_prompts(prompts)
     device = device_of(verifier)
     eos = {int(e) for e in eos_ids}

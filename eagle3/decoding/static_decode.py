@@ -27,6 +27,7 @@ from eagle3.decoding.common import (
     SpecResult,
     accepted_prefix,
     aux_states,
+    check_aux_layers,
     check_prompts,
     check_settings,
     cut,
@@ -122,10 +123,8 @@ class StaticDecoder:
         check_every: int = 4,
     ):
         check_settings(max_new_tokens, steps)
-        if drafter is not None and len(list(aux_layers)) != 3:
-            raise UserError(
-                f"aux_layers: EAGLE-3 needs exactly 3 HF hidden_states indices, got {list(aux_layers)}"
-            )
+        if drafter is not None:
+            check_aux_layers(aux_layers)
         self.verifier, self.drafter, self.k, self.max_new = verifier, drafter, steps, max_new_tokens
         self.aux_layers, self.check_every = [int(i) for i in aux_layers], check_every
         self.dev = next(verifier.parameters()).device
@@ -181,7 +180,6 @@ class StaticDecoder:
             1, dtype=torch.bool, device=self.dev
         )  # [1] live flag of the last verify
 
-    # ------------------------------------------------------------------ pieces
     def _vforward(
         self, ids: torch.Tensor, pos: torch.Tensor, hidden: bool, last_only: bool = False
     ):
@@ -365,7 +363,6 @@ class StaticDecoder:
         ]
         return ts + [t for t in (self.aux, self.h_prev) if t is not None]
 
-    # ------------------------------------------------------------------ contract
     @torch.inference_mode()
     def greedy(self, prompt: Sequence[int]) -> BatchGreedy:
         """Greedy decoding of one prompt (the baseline); result as :func:`eagle3.decoding.decode.greedy_generate_batch`'s.
@@ -408,10 +405,7 @@ class StaticDecoder:
         ids, pos = self._prompt_inputs(row)  # [1, P], [1, P]
         out = self._vforward(ids, pos, hidden=True, last_only=True)
         n_hidden = len(out.hidden_states)
-        if max(self.aux_layers) >= n_hidden - 1 or min(self.aux_layers) < 1:
-            raise UserError(
-                f"aux_layers: {self.aux_layers} outside 1..{n_hidden - 2} for this {n_hidden - 1}-layer verifier"
-            )
+        check_aux_layers(self.aux_layers, n_hidden)
         plogits = out.logits[:, -1:]  # [1, 1, V]
         first = plogits[:, 0].argmax(-1)  # [1]
         self._reset(first, len(row), reference)

@@ -136,7 +136,6 @@ class EndpointPool:
         """Requests in flight over all endpoints at most."""
         return self.per_endpoint * len(self.endpoints)
 
-    # ---- choosing and releasing ---------------------------------------------------------------
     def _usable(self, ep: Endpoint, now: float) -> bool:
         if ep.in_flight >= self.per_endpoint:
             return False
@@ -211,7 +210,6 @@ class EndpointPool:
                     ep.dead_until = time.monotonic() + self.revive_after_s
             self._cv.notify_all()
 
-    # ---- before the run --------------------------------------------------------------------------
     def preflight(self, timeout: float = 10.0, path: str = "/health") -> list[str]:
         """GET ``path`` on every endpoint once (any HTTP answer counts as reachable); unreachable
         ones start out of rotation. Returns their URLs.
@@ -246,7 +244,6 @@ class EndpointPool:
                     ep.dead_until = time.monotonic() + self.revive_after_s
         return list(bad)
 
-    # ---- one request --------------------------------------------------------------------------
     def _post_once(self, ep: Endpoint, path: str, payload: dict, timeout: float) -> Any:
         try:
             return request_json(

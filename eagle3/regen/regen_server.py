@@ -23,10 +23,7 @@ from typing import Optional
 
 from tqdm import tqdm
 
-from eagle3.chat.template import (
-    ChatOptions,
-    generation_prompt,
-)
+from eagle3.chat.template import ChatOptions, generation_prompt, has_tool_calls, user_turns
 from eagle3.errors import UserError
 from eagle3.regen.endpoints import EndpointPool, RequestFailed, RetryPolicy
 from eagle3.regen.resume_log import PARTIAL_NAME, ResumeLog, log_resuming  # noqa: F401 - PARTIAL_NAME: part of this module's API
@@ -35,9 +32,6 @@ from eagle3.regen.server_protocols import OpenAIChat, SGLangGenerate
 log = logging.getLogger(__name__)
 
 
-# ---------------------------------------------------------------------------------------------
-# orchestration
-# ---------------------------------------------------------------------------------------------
 class _ConversationFailed(Exception):
     def __init__(self, idx: int, turn: int, turns: int, attempts: int, message: str):
         super().__init__(message)
@@ -75,12 +69,6 @@ class _OverContext(Exception):
     def __init__(self, idx: int):
         super().__init__(idx)
         self.idx = idx
-
-
-def _user_turns(conv: dict) -> tuple[list[dict], list[str]]:
-    msgs = conv["messages"]
-    system = [dict(msgs[0])] if msgs and msgs[0]["role"] == "system" else []
-    return system, [m["content"] for m in msgs if m["role"] == "user"]
 
 
 def regenerate_via_server(
@@ -161,7 +149,7 @@ def _make_job(
         journal,
         max_context,
         st,
-        total_turns=sum(len(_user_turns(conversations[i])[1]) for i in todo),
+        total_turns=sum(len(user_turns(conversations[i])[1]) for i in todo),
     )
 
 
@@ -240,11 +228,7 @@ def _plan(
     done = journal.load(conversations)
     resumed = len(done)
     log_resuming(resumed, len(conversations))
-    passthrough = [
-        i
-        for i, c in enumerate(conversations)
-        if any(m["role"] == "tool" or m.get("tool_calls") for m in c["messages"])
-    ]
+    passthrough = [i for i, c in enumerate(conversations) if has_tool_calls(c)]
     for i in passthrough:
         done[i] = conversations[i]
     todo = [i for i in range(len(conversations)) if i not in done]
@@ -297,7 +281,8 @@ class _ServerJob:
             InterruptedError: the run is stopping.
         """
         conv_in, st = self.convs[i], self.st
-        msgs, users = _user_turns(conv_in)
+        system, users = user_turns(conv_in)
+        msgs = [dict(system)] if system else []
         for k, u in enumerate(users):
             if self.stop.is_set():
                 raise InterruptedError

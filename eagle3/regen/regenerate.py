@@ -26,7 +26,14 @@ import torch
 from tqdm import tqdm
 from transformers import GenerationConfig
 
-from eagle3.chat.template import ChatOptions, answer_ending, generation_prompt, split_reasoning
+from eagle3.chat.template import (
+    ChatOptions,
+    answer_ending,
+    generation_prompt,
+    has_tool_calls,
+    split_reasoning,
+    user_turns,
+)
 from eagle3.process_group import rank_tag
 from eagle3.regen.engine_choice import ENGINES, make_engine
 from eagle3.regen.resume_log import ResumeLog
@@ -36,13 +43,6 @@ from eagle3.verifier.load import (
 )
 
 log = logging.getLogger(__name__)
-
-
-def _turns(conv: dict) -> tuple[Optional[dict], list[str]]:
-    """``(system message or None, user contents)``; assistant contents are discarded."""
-    msgs = conv["messages"]
-    system = msgs[0] if msgs and msgs[0]["role"] == "system" else None
-    return system, [m["content"] for m in msgs if m["role"] == "user"]
 
 
 def pick_batch(prompt_lens: Sequence[int], remaining: Sequence[int], batch_size: int) -> list[int]:
@@ -127,11 +127,6 @@ def generate_greedy(
     return results
 
 
-def has_tool_calls(conv: dict) -> bool:
-    """Whether a conversation holds tool calls or results (kept as it is: no tools run here)."""
-    return any(m["role"] == "tool" or m.get("tool_calls") for m in conv["messages"])
-
-
 class _Run:
     """State of one regeneration: per conversation the messages so far, the user turns, answered turns, and
     the ready pool (conversation -> (prompt ids, prompt text) of its next turn). Methods are the named steps
@@ -166,7 +161,9 @@ class _Run:
         self.state = []
         for i, c in enumerate(conversations):
             system, users = (
-                _turns(c) if i not in self.passthrough and i not in self.finished else (None, [])
+                user_turns(c)
+                if i not in self.passthrough and i not in self.finished
+                else (None, [])
             )
             self.state.append(([system] if system is not None else [], users))
         self.total = sum(len(u) for _, u in self.state)

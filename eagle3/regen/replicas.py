@@ -16,9 +16,10 @@ from typing import Optional
 
 import torch
 
+from eagle3.chat.template import has_tool_calls
 from eagle3.errors import UserError
 from eagle3.process_group import Dist, init_dist, process_group_scope
-from eagle3.regen.regenerate import has_tool_calls, regenerate
+from eagle3.regen.regenerate import regenerate
 from eagle3.regen.resume_log import PARTIAL_NAME, ResumeLog, log_resuming, logged_positions
 from eagle3.verifier.load import load_verifier, stop_token_ids
 

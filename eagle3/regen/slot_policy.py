@@ -172,24 +172,13 @@ class PrefillBuffers:
         return cls(key, torch.zeros(pb, wb, **z), torch.zeros(4, pb, **z), torch.zeros(pb, **z))
 
 
-# ---------------------------------------------------------------- prompts.regen_compile: auto
-# What a compiled decode step costs and saves, measured on one H200 with SmolLM2-135M-Instruct in bf16, 1,024 slots,
-# flex attention, CUDA graphs, 512 new tokens (the committed 17K / 127K configs). Other verifiers, slot counts or GPUs
-# differ; `auto` uses these figures as they are, so its decision is an estimate for anything else.
-# Seconds of the first full-prefix step with the whole step compiled from a COLD Inductor cache (compile + CUDA graph
-# capture): bench/results/h200-20261204/regen_speed_cold.json, main.engine_stats.first_step_s["1024"] = 41.36 s (the
-# 100K run on that machine: 35.6 s, h200-20261204/prompts_report.json; a warm cache: 10.2 s, regen_speed_warm.json).
-# The cold figure, because a fresh machine is the usual case and a warm cache cannot be told apart before compiling.
+# prompts.regen_compile: auto. Decode-step costs measured on one H200, SmolLM2-135M-Instruct bf16, 1,024
+# slots, flex, CUDA graphs, 512 new tokens; `auto` applies them as they are to any other setup.
+# Cold-cache compile + capture of the full-prefix step (s): bench/results/h200-20261204/regen_speed_cold.json.
 COMPILE_COLD_S = 41.4
-
-
-# Milliseconds of one eager full-prefix decode step: bench/results/h200-20261203/prompts_report.json (100K
-# conversations uncompiled), regeneration.engine_stats[0]: decode_s 203.68 s / 26,928 decode steps = 7.56 ms.
+# Eager full-prefix step (ms): bench/results/h200-20261203/prompts_report.json, 203.68 s / 26,928 steps.
 EAGER_STEP_MS = 7.56
-
-
-# Milliseconds of one compiled full-prefix decode step in steady state: bench/results/h200-20261204/
-# regen_speed_{cold,warm}.json, (decode_s - sum(first_step_s)) / decode_steps = 5.64 / 5.67 ms (the 100K run: 5.10 ms).
+# Compiled full-prefix step in steady state (ms): bench/results/h200-20261204/regen_speed_{cold,warm}.json.
 COMPILED_STEP_MS = 5.65
 
 

@@ -31,7 +31,6 @@ log = logging.getLogger(__name__)
 class SlotPrefill:
     """:class:`eagle3.regen.slots.SlotEngine`'s admission and prefill (a mixin: the state is the engine's)."""
 
-    # ------------------------------------------------------------------ steps
     def _class_of(self, n_prompt: int) -> int:
         """Index of the narrowest width class holding a prompt of ``n_prompt`` tokens and its answer."""
         return next(c for c, cap in enumerate(self.caps) if cap >= n_prompt + self.max_new)

@@ -388,7 +388,6 @@ class SlotEngine(SlotPrefill, SlotDecode, Engine):
                 self.flex = functools.partial(flex_decode, block=self.block)
             self._compiled = torch.compile(self._step_eager, dynamic=False)
 
-    # ------------------------------------------------------------------ contract
     def submit(
         self, key, ids: Sequence[int], priority: tuple = (), parent=None, retain: bool = False
     ) -> None:
