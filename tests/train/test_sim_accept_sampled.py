@@ -18,14 +18,8 @@ from eagle3.decoding.sampling import Sampler
 from eagle3.drafter.model import DrafterArgs, Eagle3Drafter
 from eagle3.errors import UserError
 from eagle3.stages.train import run
-from eagle3.train.sim_accept import (
-    CURVE_FILE,
-    BestTracker,
-    SampledAcceptance,
-    markdown_lines,
-    sampled_acceptance_sums,
-    simulated_tau,
-)
+from eagle3.train.sampled_accept import SampledAcceptance, sampled_acceptance_sums
+from eagle3.train.sim_accept import CURVE_FILE, BestTracker, markdown_lines, simulated_tau
 
 
 class _Identity(torch.nn.Module):
