@@ -56,6 +56,8 @@
 #   SLOTS     04 -> 05 chains at once (default 4: ~3 steps/s each on the H200 for SmolLM2)
 #   BENCH_SETS extra --set for 05 only (default "verifier.dtype=float32": fp32 lossless check + tau)
 #   SETS7     datasets of the 7-step benchmark (default mtbench; empty = none)
+#   SETS_T    datasets of a 3-step benchmark served by sampling at BENCH_T (default 1.0; empty, the default = none):
+#             bench-t-steps3.json in the results
 #   BENCH_FULL recipe names that get 05 on every set of the config + the 7-step run (default: every recipe); the
 #             others get 05 at 3 steps on BENCH_ABL (default mtbench) only: 05 is the costliest phase of a lease
 #   SPEED     1 = the speed benches of issues 21/22 in the same lease, each alone on the GPU: before 01,
@@ -104,7 +106,7 @@ SETTINGS=(CONFIG VERIFIER NPROMPTS SEED INIT PACK_DRAFTER PACK_LARGE PARTS_MAX R
   BENCH_SETS SETS7 BENCH_FULL BENCH_ABL SPEED SPEED_CONFIG REGEN_ARGS REGEN_STEP REGEN_SPEED REGEN_STEP_ARGS
   REGEN_COMPILE COMPILE_GAIN REGEN_BUDGET_S REGEN_MIN NPROMPTS_ALL TRAIN_END_S TRAIN_START_S DEADLINE_S ONLINE_SPEED
   ONLINE_TPS ONLINE_LIMIT ONLINE_STEPS STEPS_FOR_S SPEED05 SPEED05_SETS SPEED05_PROMPTS SPEED05_PICK SELF_INSTRUCT
-  SI_EXCLUDE SI_ARGS SEED_NPROMPTS REGEN_SPEED_MAX_S PYTHON)
+  SI_EXCLUDE SI_ARGS SEED_NPROMPTS REGEN_SPEED_MAX_S PYTHON SETS_T BENCH_T)
 case "${1:-}" in
   start) lease_start_settings "$W" "${SETTINGS[@]}" ;;
   wait|pack|stop|finish) lease_load_settings "$W" ;;
@@ -400,7 +402,7 @@ check_settings() {  # settings that would be ignored: one line, exit 1, before a
   # 05's evaluation sets (--datasets, --dataset): a name 05 does not know would fail only after the training; a
   # built-in set or a prompt file
   local item
-  for v in SETS7 BENCH_ABL SPEED05_SETS; do
+  for v in SETS7 SETS_T BENCH_ABL SPEED05_SETS; do
     for item in ${!v:-}; do
       n=${item%%:*}
       case "$n" in mtbench|humaneval|gsm8k) ;; *)
@@ -436,6 +438,11 @@ recipe_chain() {  # recipe_chain NAME SETS: 04, then 05 at 3 steps (every set) a
   if [ -n "$SETS7" ] && [ "$full" = 1 ]; then
     phase "${name}_05s7" "$PY" 05_benchmark.py --config "$CONFIG" "${RA[@]}" "${B5[@]}" \
         --set "benchmark.output_dir=$r/bench-steps7" --steps 7 --datasets $SETS7
+  fi
+  if [ -n "${SETS_T:-}" ] && [ "$full" = 1 ]; then  # served by sampling: 3 steps at BENCH_T (default 1.0)
+    phase "${name}_05t" "$PY" 05_benchmark.py --config "$CONFIG" "${RA[@]}" "${B5[@]}" \
+        --set "benchmark.output_dir=$r/bench-t" --set "benchmark.temperature=${BENCH_T:-1.0}" --steps 3 \
+        --datasets $SETS_T
   fi
 }
 
@@ -532,6 +539,7 @@ pack() {  # per-run flat folders (quality_summary's layout), the summaries, one 
     local dr="$ROOT/data/data_report.json"
     [ -e "$r/data_dir" ] && dr="$(cat "$r/data_dir")/data_report.json"  # the recipe's own 03 (data.* keys)
     for f in "$dr" "$ROOT"/prompts_report.json; do [ -e "$f" ] && cp "$f" "$res/runs/$name/"; done
+    [ -e "$r/bench-t/bench.json" ] && cp "$r/bench-t/bench.json" "$res/runs/$name/bench-t-steps3.json"
     for k in 3 7; do
       [ -e "$r/bench-steps$k/bench.json" ] && "$PY" - "$r/bench-steps$k/bench.json" "$res/runs/$name" "$k" <<'PYEOF'
 import json, sys

@@ -5,23 +5,18 @@ from __future__ import annotations
 from typing import Optional
 
 from eagle3.capture.hf import HFCapture
+from eagle3.capture.multi import sglang_backend
 from eagle3.engines.layers import check_aux_layers, check_servable, default_aux_layers
 from eagle3.errors import UserError
 
 
 def make_backend(verifier, extract, aux_layers: Optional[list[int]] = None):
-    """Build the capture backend named by ``extract.backend`` and return ``(backend, tokenizer)``.
-
-    ``hf``: loads the verifier in-process (``eagle3.verifier.load.load_verifier``). ``sglang``: the
-    tokenizer only, plus ``eagle3.capture.sglang.SGLangCapture`` talking to
-    ``extract.sglang_url`` (imported lazily). ``aux_layers=None`` = EAGLE default.
-
-    Args:
-        verifier, extract: the run config's ``verifier`` and ``extract`` sections.
+    """``(backend, tokenizer)`` for ``extract.backend``: ``hf`` loads the verifier in-process,
+    ``sglang`` loads the tokenizer and talks to ``extract.sglang_url``. ``verifier``, ``extract``:
+    the run config's sections.
 
     Raises:
-        UserError: missing ``extract.sglang_url`` / ``extract.capture_dir``, or the SGLang backend
-            is not available.
+        UserError: missing ``extract.sglang_url`` / ``extract.capture_dir``.
     """
     # looked up at call time: tests replace eagle3.verifier's loaders
     from eagle3.verifier.load import (
@@ -46,16 +41,9 @@ def make_backend(verifier, extract, aux_layers: Optional[list[int]] = None):
         raise UserError(
             "extract.capture_dir: required for backend sglang (where the patched server writes tensors)"
         )
-    try:
-        from eagle3.capture.multi import sglang_backend
-    except ImportError as e:
-        raise UserError(
-            f"extract.backend: the sglang capture backend is not available ({e})"
-        ) from e
     tok = load_tokenizer(verifier)
     n = verifier_dims(load_verifier_config(verifier))["num_layers"]
     layers = resolve_aux(ex.aux_layers if aux_layers is None else aux_layers, n)
-    # one URL: SGLangCapture; several (one per node): MultiServerCapture over them
     return sglang_backend(
         ex.sglang_url,
         ex.capture_dir,
@@ -81,13 +69,12 @@ def resolve_aux(layers: Optional[list[int]], num_layers: int) -> list[int]:
 
 
 def checked_backend(verifier, extract, engine: str, backend, tokenizer) -> tuple:
-    """``(backend, tokenizer, info, aux layers)``: the given backend (tests, benchmarks; with its tokenizer) or
-    :func:`make_backend`'s, its aux layers checked against ``extract.aux_layers`` and the export ``engine``
-    (before any capture).
+    """``(backend, tokenizer, info, aux layers)`` of the given backend (with its tokenizer) or
+    :func:`make_backend`'s, its layers checked against ``extract.aux_layers`` and ``engine``.
 
     Raises:
-        ValueError: a backend without its tokenizer, or capturing other layers than ``extract.aux_layers``.
-        UserError: layers the engine cannot serve (:func:`eagle3.engines.layers.check_servable`).
+        ValueError: a backend without tokenizer, or other layers than ``extract.aux_layers``.
+        UserError: layers the engine cannot serve.
     """
     if backend is None:
         backend, tokenizer = make_backend(verifier, extract)

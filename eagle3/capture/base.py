@@ -1,10 +1,5 @@
-"""The capture backend contract of stage 02 (DESIGN.md "Capture backend contract").
-
-A capture backend runs the verifier's prefill over token-id sequences and returns, for each
-sequence, the three aux hidden states (HF ``hidden_states`` indices, see ``eagle3.engines.layers``)
-and the last hidden state, with padding removed. Two implementations:
-``eagle3.capture.hf.HFCapture`` (transformers forward) and ``eagle3.capture.sglang.SGLangCapture``
-(patched SGLang server).
+"""The capture backend contract of stage 02 (DESIGN.md "Capture backend contract"):
+:class:`eagle3.capture.hf.HFCapture` and :class:`eagle3.capture.sglang.SGLangCapture`.
 """
 
 from __future__ import annotations
@@ -33,12 +28,9 @@ class BackendInfo(TypedDict):
 class CaptureBackend(Protocol):
     """Verifier prefill that returns EAGLE-3 features.
 
-    ``capture(batch)`` takes token-id lists (one per sample, unpadded, any lengths) and returns,
-    in the same order, for each sample a list of 4 bf16 CPU tensors ``[L_i, H]``: the residual
-    stream at the three configured aux HF indices, then the last hidden state (whatever HF
-    returns as ``hidden_states[-1]``; ``info()["last_hidden_state"]`` says if it is post-norm).
-    Padding is never returned. ``info()`` may run a forward pass the first time (to detect the
-    norm convention).
+    ``capture(batch)``: unpadded token-id lists -> per sample, same order, 4 bf16 CPU ``[L_i, H]``:
+    the three aux HF indices, then ``hidden_states[-1]`` (``info()["last_hidden_state"]`` says
+    whether post-norm). ``info()`` may run a probe forward the first time.
     """
 
     aux_layers: Sequence[int]
@@ -49,12 +41,11 @@ class CaptureBackend(Protocol):
 
 
 def check_captured(sample_ids: list[int], states, hidden_size: int, where: str) -> None:
-    """Assert a backend's output for one sample honours the contract (4 bf16 ``[L, H]`` CPU tensors,
-    or an ``eagle3.shards.write.StoredStates`` whose 4 ``hidden_states`` are bf16 or float8_e4m3fn
-    ``[L, H]`` on the CPU; its scales are checked by the shard writer).
+    """Check one sample's output against the contract (4 bf16 CPU ``[L, H]``, or a ``StoredStates``
+    of bf16 / float8_e4m3fn ``[L, H]``).
 
     Raises:
-        RuntimeError: a backend bug (wrong count, shape, dtype or device); ``where`` names the sample.
+        RuntimeError: wrong count, shape, dtype or device; ``where`` names the sample.
     """
     L = len(sample_ids)
     stored = getattr(states, "hidden_states", None)

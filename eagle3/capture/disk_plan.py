@@ -1,22 +1,11 @@
 """Stage 02's disk plan: the bytes a run will write, checked against the free space before capture.
 
-Stage 02 knows, once the prompts are tokenized, exactly how many tokens each pending sample has.
-A shard file of ``L`` tokens is ``a + b * L`` bytes: ``b`` = the storage dtype's hidden-state bytes
-per token (``4 x H x 2`` in bf16, FIELD-NOTES section 5) plus 16 bytes of ``input_ids`` and
-``loss_mask`` (int64), ``a`` = ``torch.save``'s zip/pickle overhead per file. Both are measured,
-not assumed: :func:`shard_size_model` serialises two probe shards (``L = 64`` and ``L = 128``) built by
-the run's own shard encoder (:func:`eagle3.shards.write.shard_object`) in memory, exactly as
-``eagle3.io.atomic_torch_save`` serialises a shard before writing it (nothing touches a disk that may
-be full), so every storage format (bf16, fp8 with scales) is measured the same way. The zip writer aligns each tensor to 64 bytes, so a real file differs
-from ``a + b * L`` by at most ``64 x (tensors)`` bytes (measured: < 100 bytes for 6 tensors).
-
-On top come the metadata files (manifest rows with their checksum, ``data_config.json``, reports,
-``extract_state.json``) and the filesystem's block rounding (each file and ``rows_*`` folder takes
-whole blocks of ``statvfs().f_frsize`` bytes). The plan covers only samples not yet written (a
-resumed run needs room for the rest only). The check refuses to start when the free space of the
-filesystem holding the shards folder (or its nearest existing parent; :func:`eagle3.io.free_bytes`)
-is below ``allocated + margin``, where ``margin = max(extract.disk_margin x allocated,
-extract.disk_margin_bytes)``; ``--ignore-disk-check`` runs anyway (the plan is still recorded).
+A shard of ``L`` tokens is ``a + b * L`` bytes, both measured by :func:`shard_size_model` on two
+probe shards serialised in memory by the run's own encoder (any storage format; within 64 bytes
+per tensor of a real file). Metadata files and block rounding (``statvfs().f_frsize``) come on top;
+only samples not yet written count. The check refuses when the free space is below ``allocated +
+max(extract.disk_margin x allocated, extract.disk_margin_bytes)``; ``--ignore-disk-check`` runs
+anyway.
 """
 
 from __future__ import annotations
@@ -105,11 +94,8 @@ class DiskPlan:
 def shard_size_model(
     hidden_size: int, encode: ShardEncodeFn, num_states: int = 4
 ) -> tuple[float, float]:
-    """``(overhead bytes per file, bytes per token)`` of shards encoded by ``encode``, measured.
-
-    Serialises (``torch.save`` into memory, as :func:`eagle3.io.atomic_torch_save` does before it
-    writes) shards of :data:`PROBE_LENGTHS` tokens (hidden states all ones: finite, and a non-zero
-    scale for quantised storage) and fits ``size = a + b * L`` through their byte counts.
+    """``(overhead bytes per file, bytes per token)`` of shards encoded by ``encode``, fitted on
+    in-memory ``torch.save`` sizes of :data:`PROBE_LENGTHS`-token probes.
     """
     sizes = []
     for L in PROBE_LENGTHS:
@@ -153,20 +139,15 @@ def plan_disk(
     free: Optional[tuple[int, Path]] = None,
     freed_by_overwrite: int = 0,
 ) -> DiskPlan:
-    """The disk plan of writing the ``pending`` samples (``(id, num_tokens)`` each) under ``root``.
+    """The disk plan of writing the ``pending`` samples ``(id, num_tokens)`` under ``root``.
 
     Args:
-        root: the shards folder (need not exist yet).
-        pending: id and token count of each sample still to write; ``pending_idx`` their shard idx
-            (for the ``rows_*`` folders they land in).
-        hidden_size: verifier H; ``hidden_bytes_per_token``: the storage dtype's hidden-state bytes
-            per token (recorded; bf16 = ``4 x H x 2``).
-        encode: the shard encoder (measured by :func:`shard_size_model`).
-        margin, margin_bytes: headroom = ``max(margin x allocated, margin_bytes)``.
-        skipped_ids: the id lists data_config.json and the report will carry.
+        root: the shards folder. pending_idx: the samples' shard idx (their ``rows_*`` folders).
+        hidden_size, hidden_bytes_per_token: recorded.
+        encode: the shard encoder. margin, margin_bytes: headroom ``max(margin x allocated, margin_bytes)``.
+        skipped_ids: the id lists data_config.json and the report carry.
         free: ``(free bytes, folder)`` (default :func:`eagle3.io.free_bytes` of ``root``).
-        freed_by_overwrite: bytes of old shards that ``--overwrite`` deletes only once this plan fits:
-            added to the free bytes (recorded, and named in the messages).
+        freed_by_overwrite: bytes ``--overwrite`` deletes once the plan fits (counted free).
     """
     overhead, per_token = shard_size_model(hidden_size, encode)
     free_b, where = free if free is not None else free_bytes(root)
@@ -252,12 +233,10 @@ def _manifest_bytes(pending: Sequence[tuple[str, int]], pending_idx: Sequence[in
 
 
 def check_disk(plan: DiskPlan, ignore: bool) -> DiskPlan:
-    """Log the plan; raise :class:`NotEnoughDisk` when it does not fit (unless ``ignore``).
-
-    Returns the plan with ``checked = not ignore``.
+    """Log the plan and return it with ``checked = not ignore``.
 
     Raises:
-        NotEnoughDisk: one line naming the folder measured, the bytes needed and the bytes free.
+        NotEnoughDisk: it does not fit (unless ``ignore``): folder, bytes needed, bytes free.
     """
     log.info("%s", plan.describe())
     plan.checked = not ignore
@@ -299,16 +278,12 @@ def plan_pending(
     ignore: bool,
     freed_by_overwrite: int = 0,
 ) -> dict:
-    """Stage 02's disk-plan step (rank 0, before any capture): :func:`plan_disk` of the pending samples ``todo``
-    (:class:`eagle3.capture.prompts.Sample`) then :func:`check_disk`; returns the plan as a dict (recorded in
-    ``extract_report.json``/``.md``; not in data_config.json, whose content depends only on the data).
-
-    ``storage``: the shards' storage (fp8: values + scales are measured); ``tokens_only``: token-only shards
-    (ids + mask, no hidden states). ``freed_by_overwrite``: bytes of old shards that ``--overwrite`` deletes once
-    the plan fits (counted as free, so a refused plan deletes nothing).
+    """:func:`plan_disk` of the pending ``todo`` then :func:`check_disk` (rank 0, before capture);
+    the plan as a dict for ``extract_report.json``. ``storage``: the shards' storage;
+    ``tokens_only``: token-only shards.
 
     Raises:
-        NotEnoughDisk: the filesystem of ``root`` has less free space than needed (and not ``ignore``).
+        NotEnoughDisk: less free space than needed (and not ``ignore``).
     """
     encode = functools.partial(shard_object, storage=storage)
     hidden_bpt = bytes_per_token(hidden_size, storage=storage)

@@ -1,13 +1,8 @@
 """Stage 02 under torchrun: what the ranks agree on and how rank 0 folds their results together.
 
-A rank's place and its CPU-only collectives are an :class:`eagle3.process_group.Dist` made by
-``init_dist(timeout=DIST_TIMEOUT, job=JOB)`` (gloo default group).
-
-Rank 0 alone holds the folder lock (so an independent run is still refused, the job's own ranks are not),
-checks the fingerprint, removes temp files, merges leftover ``manifest.rank*.jsonl`` and reconciles the manifest
-with the shards; the resulting finished set is broadcast, so every rank derives the same batches. Each rank appends
-to its own ``manifest.rank{r}.jsonl``; after an all-gather (the barrier) rank 0 merges them
-(:func:`gather_ranks`) and writes ``data_config.json`` last.
+Rank 0 alone holds the folder lock, checks the fingerprint, cleans and reconciles the folder, and
+broadcasts the finished set; each rank appends to ``manifest.rank{r}.jsonl``; after an all-gather
+rank 0 merges them (:func:`gather_ranks`) and writes ``data_config.json`` last.
 """
 
 from __future__ import annotations
@@ -39,12 +34,11 @@ def flat_components(comp: dict) -> dict:
 
 
 def ranks_agree(d: Dist, mine: Any, shards_dir: Path, prompts_path: Path) -> None:
-    """Every torchrun rank must capture under rank 0's settings and prompts: ``mine`` is this rank's
-    :func:`flat_components` of its fingerprint (or a ``cannot read ...`` string); a rank that read another config or
-    ``prompts.jsonl`` (a node with another copy) would tokenize another sample set.
+    """Check that every rank captures under rank 0's settings and prompts (``mine``: this rank's
+    :func:`flat_components`, or a ``cannot read ...`` string).
 
     Raises:
-        UserError: on every rank, naming the first rank that differs from rank 0 and the differing components.
+        UserError: on every rank, naming the first differing rank and components.
     """
     if d.world == 1:
         return

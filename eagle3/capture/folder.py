@@ -1,16 +1,11 @@
-"""The stage-02 shards folder: its file names, the lock, the per-rank manifests, what ``--overwrite`` deletes.
+"""The stage-02 shards folder: file names, the lock, the per-rank manifests, what ``--overwrite``
+deletes.
 
-Crash safety (every kill point is recoverable by re-running the same command):
-
-- each shard is written atomically (temp name + fsync + rename), so a shard file that exists is
-  complete; a kill leaves at most ignorable ``*.tmp-*`` files, removed on the next run;
-- after each shard lands, ``manifest.jsonl`` (``manifest.rank{r}.jsonl`` under torchrun) gets
-  ``{idx, id, num_tokens, num_loss_tokens, <checksum>}`` (flush + fsync). On re-run, an idx is finished when its
-  manifest row and its shard both exist (:func:`eagle3.capture.resume.resume_state`);
-- ``extract_state.json`` holds the settings fingerprint, written at start; ``data_config.json`` is written last
-  (its presence marks a complete extraction);
-- a kill under torchrun leaves rank manifests that the next start (any world size) merges first
-  (:func:`merge_rank_manifests`).
+Crash safety (any kill recovers by re-running): shards are written atomically; after each lands,
+``manifest.jsonl`` (``manifest.rank{r}.jsonl`` under torchrun) gets its row (fsynced), and an idx is
+finished when row and shard both exist (:func:`eagle3.capture.resume.resume_state`);
+``extract_state.json`` (settings) is written first, ``data_config.json`` last; leftover rank
+manifests are merged at the next start (:func:`merge_rank_manifests`).
 """
 
 from __future__ import annotations
@@ -51,12 +46,8 @@ def is_rank_manifest(name: str) -> bool:
 
 
 def merge_rank_manifests(root: Path) -> int:
-    """Fold every ``manifest.rank*.jsonl`` in ``root`` into ``manifest.jsonl`` and delete them.
-
-    The union (last row per idx wins; rows for one idx are identical anyway) is written
-    atomically before the rank files are removed, so a kill in between only repeats an idempotent
-    merge on the next start. Torn last lines are dropped (their shards get adopted by the resume
-    logic). Returns the number of rank files merged (0: nothing to do, ``manifest.jsonl`` untouched).
+    """Fold every ``manifest.rank*.jsonl`` in ``root`` into ``manifest.jsonl`` (written atomically
+    first, last row per idx wins, torn last lines dropped), then delete them. Returns the files merged.
 
     Raises:
         UserError: a rank manifest is corrupt other than in its last line.
@@ -101,11 +92,7 @@ def wipe_frees_bytes(root: Path) -> int:
 
 
 def wipe_shards_dir(root: Path) -> int:
-    """Delete this stage's files (shards, ``rows_*`` folders, manifest, state, reports) under ``root``.
-
-    Other files are left alone (``root`` is user-configurable; never ``rmtree`` it blindly).
-    Returns the number of files removed.
-    """
+    """Delete this stage's files under ``root`` (never others); returns the number removed."""
     files, dirs = _wipe_targets(root)
     for f in files:
         f.unlink()

@@ -1,33 +1,13 @@
-"""HF transformers capture backend: batched prefill with ``output_hidden_states=True``.
+"""HF transformers capture backend: batched right-padded prefill (``eagle3.capture.base`` contract).
 
-Implements the contract of ``eagle3.capture.base`` on any transformers causal LM, including
-DeepseekV3 (MLA + MoE; Kimi-K2's text model) and multimodal wrappers whose language model
-settings live in ``config.text_config`` (Kimi-K2.5, Llava-style).
-
-Batching: samples are RIGHT-padded (pad id arbitrary, masked by ``attention_mask``), so real
-tokens keep positions ``0..L-1`` and, under causal attention, never see the padding; padding
-rows are sliced off before returning. :func:`plan_batches` groups samples by length so the
-padded token count of a batch stays under ``batch_tokens``.
-
-Only the four needed states are kept: forward pre-hooks on the decoder layers at the aux indices
-take the residual stream entering them (= ``hidden_states[i]``) and a forward hook on the decoder
-takes its output (= ``hidden_states[-1]``), instead of ``output_hidden_states=True`` holding all
-N+1 ``[B, L, H]`` tensors. The first capture checks on a padded probe batch that the hooks give
-exactly (``torch.equal``) what ``output_hidden_states`` gives, else it falls back to it.
-
-Pipelining (:meth:`HFCapture.capture_async`): the padding is sliced off and the states cast to
-bf16 on the device, packed into one ``[4, T, H]`` tensor (T = real tokens of the batch) and
-copied with ONE non-blocking copy into pinned host memory on a side CUDA stream, so the copy of
-batch k overlaps the forward of batch k+1; :meth:`PendingCapture.result` waits for that copy's
-event only. With ``capture_async(batch, storage=...)`` (stage 02) the pack is also put in its stored
-form before the copy (:func:`eagle3.shards.write.encode_batch`: the batch's NaN/Inf flag; fp8 values +
-scales), so the shard writer threads do no per-shard scan or quantisation on the CPU. On CPU the
-same code runs without streams or pinned memory.
-
-Last hidden state: HF returns ``hidden_states[-1]`` post-norm for Llama/DeepseekV3 (the final
-norm is applied before it is appended); other code may not. On the first use the backend runs a
-short probe forward and compares ``lm_head(hidden_states[-1])`` with the logits; a match means
-``"post_norm"``, else it checks ``lm_head(norm(hidden_states[-1]))`` (``"pre_norm"``).
+Works on any transformers causal LM, DeepseekV3 and multimodal wrappers (``config.text_config``)
+included. Samples are right-padded (real tokens keep positions ``0..L-1``) and grouped by
+:func:`plan_batches`. Forward pre-hooks on the aux decoder layers and a hook on the decoder's output
+keep only the four states; the first capture checks on a padded probe that they equal
+``output_hidden_states`` exactly, else falls back to it. :meth:`HFCapture.capture_async` slices,
+casts (or encodes, :func:`eagle3.shards.write.encode_batch`) and copies the states to pinned host
+memory with one non-blocking copy on a side stream, overlapping the next forward. The
+last-hidden-state convention (``post_norm`` / ``pre_norm``) is detected with a probe forward.
 """
 
 from __future__ import annotations
@@ -54,17 +34,12 @@ log = logging.getLogger(__name__)
 def plan_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
     """Group sample positions into prefill batches of at most ``batch_tokens`` padded tokens.
 
-    Samples are sorted by length, longest first (ties: lower position first), and packed greedily;
-    a batch costs ``len(batch) * max_len`` padded tokens. A sample longer than ``batch_tokens``
-    forms a batch on its own. The plan depends only on ``lengths`` and ``batch_tokens``, so a
-    resumed run reproduces exactly the batches (hence bit-identical tensors) of the first run.
-
-    Args:
-        lengths: token count of each sample (>= 1).
-        batch_tokens: padded-token budget per batch (>= 1).
+    Longest first (ties: lower position), packed greedily; a batch costs ``len(batch) * max_len``;
+    a longer sample forms its own batch. Deterministic in ``lengths`` and ``batch_tokens`` (a resumed
+    run reproduces the batches, hence the tensors).
 
     Returns:
-        list of batches, each a list of positions into ``lengths``.
+        batches of positions into ``lengths``.
     """
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     batches: list[list[int]] = []
@@ -92,14 +67,11 @@ class HFCapture:
     """Capture backend over an in-process transformers model.
 
     Args:
-        model: a causal LM (``...ForCausalLM`` or a multimodal ``...ForConditionalGeneration``)
-            in eval mode, on any device; its ``forward`` must accept ``input_ids``,
-            ``attention_mask``, ``output_hidden_states`` and return ``hidden_states`` with N+1
-            entries (HF convention: index 0 = embeddings, i = input of decoder layer i).
-        aux_layers: three HF ``hidden_states`` indices (validate with
-            ``eagle3.engines.layers.check_aux_layers`` first).
-        batch_tokens: padded-token budget when :meth:`capture` gets more than fits in one forward.
-        pad_id: id written into padded positions (never attended to, never returned).
+        model: causal LM (or multimodal wrapper) in eval mode whose ``forward`` takes ``input_ids``,
+            ``attention_mask``, ``output_hidden_states`` and returns N+1 ``hidden_states``.
+        aux_layers: three HF ``hidden_states`` indices (checked by the caller).
+        batch_tokens: padded-token budget per forward.
+        pad_id: id written into padded positions (never attended, never returned).
     """
 
     def __init__(
@@ -123,7 +95,6 @@ class HFCapture:
         self._hooks_ok: Optional[bool] = None  # None = not yet checked (first capture)
         self._copy_stream = None  # CUDA side stream of the device -> host copies (lazy)
 
-    # ---- contract ------------------------------------------------------------------------
     def info(self) -> BackendInfo:
         """Verifier dims and the last-hidden-state convention (runs the probe forward once)."""
         return {
@@ -135,16 +106,11 @@ class HFCapture:
         }
 
     def capture(self, batch: list[list[int]]) -> list[list[torch.Tensor]]:
-        """Prefill ``batch`` and return per sample ``[aux1, aux2, aux3, last]``, each bf16 CPU ``[L_i, H]``.
-
-        Samples are split into forwards of at most ``batch_tokens`` padded tokens
-        (:func:`plan_batches`); the output order matches the input order. Every returned tensor
-        owns exactly its ``L_i x H`` storage (no padded batch kept alive). Synchronous form of
-        :meth:`capture_async`.
+        """Prefill ``batch``; per sample (input order) ``[aux1, aux2, aux3, last]``, bf16 CPU
+        ``[L_i, H]`` each owning exactly its storage. Synchronous :meth:`capture_async`.
 
         Raises:
-            ValueError: an empty sample.
-            RuntimeError: the model returned a number of hidden states other than N+1.
+            ValueError: an empty sample. RuntimeError: other than N+1 hidden states.
         """
         return self.capture_async(batch).result(own_storage=True)
 
@@ -153,20 +119,13 @@ class HFCapture:
     ) -> "PendingCapture":
         """Launch the prefill of ``batch`` and the device -> host copy of its states; return at once.
 
-        On CUDA the returned handle's :meth:`PendingCapture.result` blocks only until the one
-        pinned-memory copy of each forward has landed, so the caller can launch the next batch's
-        forward first (the copy overlaps it). Same values as :meth:`capture`.
-
         Args:
-            storage: the shards' storage. Given (stage 02), each forward's states are also put in
-                their stored form on the device (:func:`eagle3.shards.write.encode_batch`: the NaN/Inf
-                check of the whole batch; for fp8 the quantisation, so only 1-byte values and the
-                scales are copied to the host); read them with :meth:`PendingCapture.stored`.
+            storage: the shards' storage (stage 02): states also encoded on the device
+                (:func:`eagle3.shards.write.encode_batch`), read with :meth:`PendingCapture.stored`;
                 None: bf16 states for :meth:`PendingCapture.result`.
 
         Raises:
-            ValueError: an empty sample.
-            RuntimeError: the model returned a number of hidden states other than N+1.
+            ValueError: an empty sample. RuntimeError: other than N+1 hidden states.
         """
         if any(len(s) == 0 for s in batch):
             raise ValueError("HFCapture.capture: empty sample")
@@ -181,39 +140,27 @@ class HFCapture:
     def prefill_states(
         self, ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None
     ) -> list[torch.Tensor]:
-        """The capture's 4 states of a padded batch, left on the device: online training (stage 04,
-        :mod:`eagle3.train.online`) trains on them without a host round trip.
-
-        The same hooks (or ``output_hidden_states`` fallback, decided by the same first-use check) as
-        :meth:`capture_async`, under ``torch.no_grad`` (not inference mode: the states feed autograd as
-        inputs of the drafter) and without cuDNN SDPA.
+        """The 4 states of a padded batch, left on the device (online training), under ``no_grad``.
 
         Args:
-            ids: int64 ``[B, L]`` on :attr:`device`, right-padded (any pad id).
-            attention_mask: int64 ``[B, L]`` (1 = real token) or None (no padding, or right padding
-                under causal attention, where real positions never attend to the padding).
+            ids: int64 ``[B, L]`` on :attr:`device`, right-padded.
+            attention_mask: int64 ``[B, L]`` (1 = real) or None.
 
         Returns:
-            ``[aux1, aux2, aux3, last]``, each ``[B, L, H]`` in the model's dtype on its device; the padded
-            rows hold whatever the model computed there (the caller zeroes them).
+            ``[aux1, aux2, aux3, last]``, each ``[B, L, H]`` in the model's dtype (padded rows: garbage).
         """
         if self._hooks_ok is None:
             self._hooks_ok = self._check_hooks()
         return (self._states_hooked if self._hooks_ok else self._states_all)(ids, attention_mask)
 
-    # ---- internals -----------------------------------------------------------------------
     @property
     def device(self) -> torch.device:
         """Device of the input embeddings (where input ids go; ``device_map`` models included)."""
         return self.model.get_input_embeddings().weight.device
 
     def _pad(self, batch: list[list[int]]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """``(ids [B, Lmax], attention_mask [B, Lmax] or None)`` on the model's device, right-padded.
-
-        No sync: on CUDA both are built in pinned memory and copied non-blocking (a pageable copy
-        waits for every kernel queued before it, which kept the next forward's launch and the
-        writer hand-off from overlapping the running forward). A batch without padding gets no mask
-        (None): transformers skips an all-ones mask anyway, after checking it with a device sync.
+        """``(ids [B, Lmax], attention_mask [B, Lmax] or None)`` right-padded on the model's device,
+        copied non-blocking from pinned memory; no mask when nothing is padded.
         """
         B, Lmax = len(batch), max(len(s) for s in batch)
         dev = self.device
@@ -378,11 +325,11 @@ class HFCapture:
         return ts[0], (ts[1] if len(ts) == 3 else None), ts[-1]
 
     def last_hidden_state(self) -> LastHiddenState:
-        """``"post_norm"`` if ``lm_head(hidden_states[-1])`` reproduces the logits, else ``"pre_norm"``.
+        """``"post_norm"`` if ``lm_head(hidden_states[-1])`` reproduces the logits, else ``"pre_norm"``,
+        detected once with an 8-token probe.
 
-        Detected once with an 8-token probe forward (full logits). When the logits match neither
-        ``lm_head(h)`` nor ``lm_head(final_norm(h))`` (e.g. logit scaling or soft-capping) the
-        result is ``"pre_norm"`` only if no final norm module was found, else RuntimeError.
+        Raises:
+            RuntimeError: the logits match neither, and a final norm module exists.
         """
         if self._last is None:
             self._last = self._detect_last_norm()
@@ -406,17 +353,13 @@ class HFCapture:
 
 
 def check_probe_finite(hidden_states: Sequence[torch.Tensor], logits: torch.Tensor, model) -> None:
-    """Refuse a probe forward with NaN/Inf before anything is concluded from it (the post/pre-norm
-    detection would otherwise blame the norm convention for an overflow).
+    """Refuse a probe forward with NaN/Inf before the norm convention is concluded from it.
 
     Args:
-        hidden_states: HF ``hidden_states`` of the probe, ``N + 1`` tensors ``[B, n, H]``.
-        logits: ``[B, n, V]``.
-        model: the verifier (its parameter dtype is named).
+        hidden_states: the probe's N+1 ``[B, n, H]``; logits: ``[B, n, V]``; model: the verifier.
 
     Raises:
-        UserError: naming the first non-finite HF ``hidden_states`` index (or the logits), the dtype
-            and the fix (:data:`eagle3.shards.format.NONFINITE_FIX`).
+        UserError: naming the first non-finite index (or the logits), the dtype and the fix.
     """
     bad = next((i for i, h in enumerate(hidden_states) if not bool(torch.isfinite(h).all())), None)
     if bad is None and bool(torch.isfinite(logits).all()):
@@ -469,16 +412,13 @@ class PendingCapture:
                 part.event.synchronize()
 
     def result(self, own_storage: bool = False) -> list[list[torch.Tensor]]:
-        """Wait for the copies; per sample (input order) ``[aux1, aux2, aux3, last]`` bf16 CPU ``[L_i, H]``.
+        """Wait for the copies; per sample ``[aux1, aux2, aux3, last]`` bf16 CPU ``[L_i, H]``.
 
         Args:
-            own_storage: clone each tensor out of the batch buffer (exact-size storage; what
-                :meth:`HFCapture.capture` returns). Default: views into the batch's pinned
-                buffer, which stays alive while any view does (``eagle3.shards.write.write_sample``
-                saves a view over its own bytes only, not the whole buffer).
+            own_storage: clone each tensor (default: views into the batch's pinned buffer).
 
         Raises:
-            RuntimeError: the capture was launched with fp8 storage (use :meth:`stored`).
+            RuntimeError: launched with fp8 storage (use :meth:`stored`).
         """
         self._wait()
         out: list = [None] * self._n
@@ -492,11 +432,8 @@ class PendingCapture:
         return out
 
     def stored(self) -> list[StoredStates]:
-        """Wait for the copies; per sample (input order) its :class:`eagle3.shards.write.StoredStates`
-        (views into the batch's pinned buffers; needs ``capture_async(..., storage=...)``).
-
-        bf16: ``source_finite`` is the device's NaN/Inf check of the whole forward batch (when it
-        failed, every sample of that batch is checked again by the writer, which names the bad one).
+        """Wait for the copies; per sample its :class:`eagle3.shards.write.StoredStates` (views into
+        pinned buffers; bf16 ``source_finite`` is the whole batch's device NaN/Inf check).
         """
         self._wait()
         out: list = [None] * self._n

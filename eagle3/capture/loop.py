@@ -1,15 +1,9 @@
-"""The capture loop of stage 02: capture each planned batch and write the shards of its pending samples.
+"""The capture loop of stage 02: capture each planned batch and write its pending samples' shards.
 
-Pipelining (``write_threads > 0``): the forward of batch k+1 is launched before batch k's states are waited for
-(HF backend: one pinned device->host copy per batch on a side stream), and shards are serialised, hashed and
-written by background threads (:mod:`eagle3.capture.shard_writer`) while the GPU works. Manifest rows are still
-appended in batch order and only after their shard is durable, so the resume rules
-(:mod:`eagle3.capture.folder`) hold unchanged and the folder is byte-identical to the serial loop's
-(``write_threads: 0``).
-
-Testing hook: the environment variable ``EAGLE3_EXTRACT_SLEEP_PER_BATCH`` (seconds, float) makes the loop sleep
-after each captured batch, so a fault-injection test can SIGKILL a run on a tiny verifier mid-way. It has no
-other effect.
+With ``write_threads > 0`` batch k+1's forward is launched before batch k's states are waited for
+and shards are written by :mod:`eagle3.capture.shard_writer`; rows still land in batch order after
+their shard is durable, so the folder equals the serial loop's. Test hook:
+``EAGLE3_EXTRACT_SLEEP_PER_BATCH`` (seconds) sleeps after each batch.
 """
 
 from __future__ import annotations
@@ -58,11 +52,10 @@ def assign_batches(
 def start_capture(
     backend: CaptureBackend, batch: list[list[int]], storage: Optional[Storage] = None
 ):
-    """Launch ``batch``'s capture; the handle's ``states()`` waits for it and returns per sample what
-    the shard writer takes: :class:`eagle3.shards.write.StoredStates` from a backend whose
-    ``capture_async`` accepts ``storage`` (HF: NaN/Inf check and fp8 quantisation done on the
-    device per batch), else the 4 bf16 tensors of the capture contract (the writer checks and
-    quantises them)."""
+    """Launch ``batch``'s capture; the handle's ``states()`` returns per sample what the writer
+    takes (:class:`eagle3.shards.write.StoredStates` when the backend encodes on its device, else
+    the 4 bf16 tensors).
+    """
     start = getattr(backend, "capture_async", None)
     if callable(start):
         if "storage" in inspect.signature(start).parameters:
@@ -89,19 +82,14 @@ def capture_and_write(
     storage: Optional[Storage] = None,
     checksum: str = DEFAULT_ALGO,
 ) -> list[dict]:
-    """Capture each batch of ``samples`` positions, write the shards of the samples not in ``done`` (updated as
-    rows land), log them in ``manifest_path``; returns the new manifest rows (in order). Also run by
-    ``bench/extract_throughput.py``.
+    """Capture each batch of ``samples`` positions and write the shards of samples not in ``done``
+    (updated as rows land) to ``manifest_path``; returns the new rows in order.
 
-    ``write_threads > 0`` pipelines (batch k+1's forward launched before batch k's states are waited for; that many
-    :class:`eagle3.capture.shard_writer.ShardWriter` threads, at most ``max_pending_tokens`` tokens in flight);
-    ``0`` is the serial loop; both give the same bytes and manifest. ``storage``: bf16 (None) or fp8; a backend
-    whose ``capture_async`` takes ``storage`` (HF) encodes on its device (:func:`eagle3.shards.write.encode_batch`).
-    ``checksum``: the hash recorded per row.
+    ``write_threads``: 0 serial, else pipelined with that many writer threads (same bytes).
+    ``storage``: bf16 (None) or fp8. ``checksum``: the hash recorded per row.
 
     Raises:
-        RuntimeError: a backend broke its contract (:func:`eagle3.capture.base.check_captured`).
-        UserError / OSError: a shard or manifest write failed (e.g. disk full).
+        RuntimeError: a backend broke its contract. UserError / OSError: a write failed.
     """
     sleep_s = float(os.environ.get(SLEEP_ENV, "0") or 0)
     rows: list[dict] = []
@@ -166,15 +154,12 @@ def write_token_samples(
     on_commit: Optional[Callable[[dict], None]] = None,
     checksum: str = DEFAULT_ALGO,
 ) -> list[dict]:
-    """The write step of token-only samples (``train.hidden_states: online``): the pending samples of
-    ``batches`` (positions into ``samples``), in batch order, as ``{input_ids, loss_mask}`` shards
-    through the same :class:`eagle3.capture.shard_writer.ShardWriter` (atomic files, checksums, manifest rows in
-    order after each shard is durable) as :func:`capture_and_write`; no verifier forward. From
-    :data:`eagle3.shards.format.TOKEN_PROCESS_MIN` samples on (and ``write_threads > 1``) the ``write_threads`` writers are processes
-    (``ShardWriter(processes=True)``: the pickler holds the GIL). Returns the new rows.
+    """Write the pending token-only samples (``{input_ids, loss_mask}``) of ``batches`` through the
+    same :class:`ShardWriter` as :func:`capture_and_write` (processes from
+    :data:`eagle3.shards.format.TOKEN_PROCESS_MIN` samples); returns the new rows.
 
     Raises:
-        UserError / OSError: a shard or manifest write failed (e.g. disk full).
+        UserError / OSError: a shard or manifest write failed.
     """
     rows: list[dict] = []
     committed = _committer(done, rows, on_commit)

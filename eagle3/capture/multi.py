@@ -1,30 +1,13 @@
-"""Capture across several patched SGLang servers at once (one per node), as one capture backend.
+"""Capture across several patched SGLang servers at once, as one capture backend.
 
-Each server is an :class:`eagle3.capture.sglang.SGLangCapture` with its own capture directory (the
-folder its ``--capture-dir`` names, on storage this process can read: the node's local disk
-mounted here, or a shared file system). :class:`MultiServerCapture` implements the same
-:class:`eagle3.capture.base.CaptureBackend` contract, so stage 02 writes exactly the shards and
-manifest one server would give:
-
-* **Order**: stage 02 announces its batches in plan order (:func:`prefetching` ->
-  :meth:`MultiServerCapture.schedule`); up to ``per_server x servers`` of them are captured ahead,
-  concurrently, on a thread pool, and :meth:`MultiServerCapture.capture` hands the results back in
-  the order asked for. Which server captured a batch changes nothing in the shards (same token ids
-  in, same tensors out; each request's capture file is read, checked and deleted by its server's
-  :class:`SGLangCapture`).
-* **Load spread, failures**: :class:`eagle3.regen.endpoints.EndpointPool` picks, per batch, the live
-  server with the fewest batches in flight (at most ``per_server`` each). A batch that fails on a
-  server (connection refused or dropped, timeout, HTTP error, a capture file missing or wrong: any
-  :class:`UserError` of :class:`SGLangCapture`) is retried on another server (after
-  ``backoff_s x attempt`` seconds); ``max_failures`` failed batches in a row take a server out of
-  rotation for the rest of the run. When every server is out, or one batch failed
-  ``max_failures x servers`` times, the run stops with a :class:`UserError` listing each server's
-  last error; the shards written so far are kept, and re-running resumes (stage 02's manifest).
-* **Memory**: at most ``per_server x servers`` captured batches wait in host memory.
-
-``info()`` asks every server at start and refuses servers that disagree (hidden size, layers,
-vocabulary, architecture, norm convention) or do not answer: a node that is down at the start is a
-configuration error (remove it from ``extract.sglang_url``), not a mid-run failure.
+Each server is an :class:`eagle3.capture.sglang.SGLangCapture` with its own capture folder. Stage
+02 announces its batches in plan order (:meth:`MultiServerCapture.schedule`); up to ``per_server x
+servers`` are captured ahead on a thread pool and handed back in the order asked for, so the shards
+equal one server's. :class:`eagle3.regen.endpoints.EndpointPool` picks the live server with the
+fewest batches in flight; a failed batch is retried on another server after ``backoff_s x
+attempt`` s; ``max_failures`` failures in a row take a server out; every server out, or one batch
+failed ``max_failures x servers`` times, stops the run (shards kept, a rerun resumes).
+:meth:`MultiServerCapture.info` refuses servers that disagree or do not answer at start.
 """
 
 from __future__ import annotations
@@ -53,14 +36,12 @@ class MultiServerCapture:
     """:class:`eagle3.capture.base.CaptureBackend` over several :class:`SGLangCapture` servers.
 
     Args:
-        servers: one per node (distinct URLs, each with its own ``capture_dir``).
-        per_server: batches in flight per server (``extract.batches_in_flight_per_server``).
-        max_failures: failed batches in a row that take a server out of rotation
-            (``extract.server_max_failures``).
-        backoff_s: seconds before retry ``k`` of a batch is ``backoff_s * k`` (capped at 30 s).
+        servers: one per node (distinct URLs, own ``capture_dir``).
+        per_server: batches in flight per server. max_failures: failures in a row that take a
+            server out. backoff_s: retry ``k`` waits ``backoff_s * k`` s (at most 30).
 
     Raises:
-        UserError: fewer than one server, or duplicate URLs.
+        UserError: no server, or duplicate URLs (:class:`EndpointPool`).
     """
 
     def __init__(
@@ -70,8 +51,6 @@ class MultiServerCapture:
         max_failures: int = 3,
         backoff_s: float = 1.0,
     ):
-        if not servers:
-            raise UserError(f"{WHAT}: at least one server is needed")
         self.servers = list(servers)
         self._by_url = {s.url: s for s in self.servers}
         # out of rotation for good (no revival): a node that failed max_failures batches in a row is
@@ -99,13 +78,11 @@ class MultiServerCapture:
             0  # bumped by cancel(): look-ahead captures of an older schedule stop retrying
         )
 
-    # ---- contract ----------------------------------------------------------------------------
     def info(self) -> BackendInfo:
-        """Every server's :meth:`SGLangCapture.info` (each checks its flags and capture_info.json);
-        they must agree.
+        """Every server's :meth:`SGLangCapture.info`; they must agree.
 
         Raises:
-            UserError: a server fails its checks or is unreachable, or differs from the first one.
+            UserError: a server fails its checks, is unreachable, or differs from the first.
         """
         first = self.servers[0].info()
         self.aux_layers = self.servers[0].aux_layers
@@ -122,14 +99,12 @@ class MultiServerCapture:
         return first
 
     def capture(self, batch: list[list[int]]) -> list[list[torch.Tensor]]:
-        """Per sample ``[aux1, aux2, aux3, last]`` bf16 CPU ``[L_i, H]``, captured on some live server.
-
-        The next scheduled batch (:meth:`schedule`) is answered from the look-ahead; any other batch
-        is captured now.
+        """Per sample ``[aux1, aux2, aux3, last]`` bf16 CPU ``[L_i, H]``, from the look-ahead when
+        ``batch`` is the next scheduled one, else captured now.
 
         Raises:
-            UserError: the batch failed on every server it was tried on, or every server is out.
-            RuntimeError: ``batch`` is not the next scheduled one (a caller bug).
+            UserError: the batch failed on every server tried, or every server is out.
+            RuntimeError: ``batch`` is not the next scheduled one.
         """
         if not self._ahead:
             return self._capture_anywhere(batch)
@@ -141,7 +116,6 @@ class MultiServerCapture:
         self._fill()
         return fut.result()
 
-    # ---- look-ahead ---------------------------------------------------------------------------
     def schedule(self, batches: Sequence[list[list[int]]]) -> None:
         """Announce the batches :meth:`capture` will be asked for, in that order; capturing starts now."""
         self.cancel()
@@ -166,7 +140,6 @@ class MultiServerCapture:
                 (nxt, self._executor.submit(self._capture_anywhere, nxt, self._generation))
             )
 
-    # ---- one batch, retried across servers ----------------------------------------------------
     def _capture_anywhere(
         self, batch: list[list[int]], generation: Optional[int] = None
     ) -> list[list[torch.Tensor]]:
@@ -259,25 +232,20 @@ def sglang_backend(
     per_server: int = 2,
     max_failures: int = 3,
 ):
-    """The SGLang capture backend for one server URL (an :class:`SGLangCapture`) or several (a
-    :class:`MultiServerCapture`; ``capture_dirs`` then gives one folder per URL, in the same order).
+    """An :class:`SGLangCapture` for one URL, or a :class:`MultiServerCapture` for several
+    (``capture_dirs``: one folder per URL, same order).
 
     Raises:
-        UserError: no URL, duplicate URLs, a capture folder count that does not match, or a folder
-            that is not there.
+        UserError: no URL, duplicate URLs, a folder count that does not match, a missing folder.
     """
     urls = [urls] if isinstance(urls, str) else list(urls)
     dirs = [capture_dirs] if isinstance(capture_dirs, str) else list(capture_dirs)
-    if not urls:
-        raise UserError(f"{WHAT}: required for backend sglang (or pass --server URL [URL ...])")
     if len(dirs) != len(urls):
         raise UserError(
             f"extract.capture_dir: {len(urls)} servers in {WHAT} need {len(urls)} capture folders (a list, "
             f"one per server, in the same order; each server's --capture-dir as this host sees it), "
             f"got {len(dirs)}"
         )
-    if len({u.rstrip("/") for u in urls}) != len(urls):
-        raise UserError(f"{WHAT}: duplicate URL in {urls}")
     if len({str(d) for d in dirs}) != len(dirs):
         raise UserError(
             f"extract.capture_dir: duplicate folder in {dirs}; each server needs its own capture folder"

@@ -109,14 +109,10 @@ def data_config(
     skipped_ids: dict,
     weights: dict,
 ) -> dict:
-    """``data_config.json``'s content (:func:`eagle3.shards.data_config.write_data_config`): the shards' format and
-    storage, the verifier they came from (03/04 check it), the rendering settings, the counts and the skipped ids.
-
-    Args:
-        verifier, extract: the run config's sections; ``info``: the backend's ``info()``; ``aux``: the captured
-            layers; ``fp`` / ``prompts_sha``: the settings fingerprint and the prompts file's sha256; ``rows``:
-            every manifest row in idx order; ``counts`` / ``skipped_ids``: from the tokenization; ``weights``:
-            ``{"verifier_weights": ...}`` or ``{}``.
+    """``data_config.json``'s content: format and storage, the verifier, rendering settings, counts
+    and skipped ids. ``info``: the backend's; ``aux``: captured layers; ``fp`` / ``prompts_sha``:
+    fingerprint and prompts sha256; ``rows``: manifest rows in idx order; ``weights``:
+    ``{"verifier_weights": ...}`` or ``{}``.
     """
     ex, tokens = extract, tokens_only
     storage = storage_from_config(ex)

@@ -1,39 +1,32 @@
 """Capture backend over a patched SGLang 0.5.23 server (production path: Kimi-K2.5 on 8 GPUs).
 
-The server runs ``patches/sglang_capture_launcher.py`` (see ``patches/README.md``): stock SGLang
-with ``--enable-return-aux-hidden-states --speculative-algorithm EAGLE3`` captures the residual
-stream entering the configured layers (HF indices, ``eagle3.engines.layers``) and keeps the post-norm last
-hidden state; the patch writes both, per request, to ``{capture_dir}/{rid}.pt`` instead of putting
-float lists in the JSON response, and writes ``{capture_dir}/capture_info.json`` at start-up with
-the layers actually captured.
+The server runs ``patches/sglang_capture_launcher.py`` (``patches/README.md``): it captures the
+residual stream entering the configured layers (HF indices, ``eagle3.engines.layers``) and the
+post-norm last hidden state, writes both per request to ``{capture_dir}/{rid}.pt`` and, at start-up,
+``{capture_dir}/capture_info.json`` with the layers captured.
 
-Protocol of one :meth:`SGLangCapture.capture` call (SGLang ``/generate``, ``GenerateReqInput``):
-POST ``{"input_ids": [[...], ...], "rid": [...], "return_hidden_states": true,
-"sampling_params": {"max_new_tokens": 1, "temperature": 0}}``; the response is a list (batch order)
-whose ``meta_info`` carries ``id`` (= rid), ``prompt_tokens`` and ``cached_tokens``. Then each
-``{rid}.pt`` (``{"input_ids" [L], "hidden_states": 4 x bf16 [L, H], "layers", ...}``) is read with
-``weights_only=True``, checked and deleted. HTTP uses the standard library (urllib).
+One :meth:`SGLangCapture.capture` call POSTs ``/generate`` (``input_ids``, ``rid``,
+``return_hidden_states``, one greedy token) and reads, checks and deletes each ``{rid}.pt``
+(``{"input_ids" [L], "hidden_states": 4 x bf16 [L, H], "layers", "last_hidden_state"}``).
 """
 
 from __future__ import annotations
 
-import http.client
-import json
 import logging
 import os
 import threading
-import urllib.error
-import urllib.request
 import uuid
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Literal, Optional, Sequence
 
 import torch
+from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
 from eagle3.capture.base import NUM_CAPTURED, BackendInfo
 from eagle3.engines.layers import engine_layer_ids
 from eagle3.errors import UserError
 from eagle3.io import read_json
+from eagle3.io.http import request_json
 from eagle3.io.read import safe_torch_load
 
 log = logging.getLogger(__name__)
@@ -44,24 +37,95 @@ SAMPLE_SUFFIX = ".pt"
 ERROR_SUFFIX = ".error.json"
 
 
+class _Loose(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class ServerInfo(_Loose):
+    """``/server_info`` fields the capture depends on (None: not reported, not checked)."""
+
+    version: Optional[str] = None
+    disable_radix_cache: Optional[bool] = None
+    enable_return_aux_hidden_states: Optional[bool] = None
+    chunked_prefill_size: Optional[int] = None
+
+
+class ModelInfo(_Loose):
+    """``/model_info`` fields the capture reads."""
+
+    architectures: Optional[list[str]] = None
+
+
+class CaptureInfo(_Loose):
+    """``capture_info.json`` as the patch writes it."""
+
+    layers_to_capture: list[int]
+    num_hidden_layers: int
+    hidden_size: int
+    vocab_size: int
+    architecture: Optional[str] = None
+    last_hidden_state: Optional[Literal["post_norm", "pre_norm"]] = None
+
+
+class CaptureFile(_Loose):
+    """A ``{rid}.pt`` capture file as the patch writes it."""
+
+    model_config = ConfigDict(extra="ignore", arbitrary_types_allowed=True)
+    input_ids: torch.Tensor  # [L] int64
+    hidden_states: list[torch.Tensor]  # 4 x bf16 [L, H]
+    layers: Optional[list[int]] = None
+    last_hidden_state: Optional[str] = None
+
+
+class GenerateMeta(_Loose):
+    """``meta_info`` of one ``/generate`` result."""
+
+    id: Optional[str] = None
+    prompt_tokens: Optional[int] = None
+    cached_tokens: Optional[int] = 0
+    hidden_states: Optional[list] = None  # floats only when the capture patch is not active
+
+
+class GenerateResult(_Loose):
+    meta_info: GenerateMeta = GenerateMeta()
+
+
+_RESULTS = TypeAdapter(list[GenerateResult])
+
+
+def _parse(model, obj, where: str):
+    """``model`` validated from ``obj``; a UserError naming ``where`` and the first bad key."""
+    try:
+        return model.model_validate(obj) if isinstance(model, type) else model.validate_python(obj)
+    except ValidationError as e:
+        err = e.errors()[0]
+        key = ".".join(str(p) for p in err["loc"])
+        if not key:
+            raise UserError(f"{where}: {err['msg']}") from None
+        if err["type"] == "missing" or err.get("input", 0) is None:
+            raise UserError(f"{where}: key '{key}' missing") from None
+        if err["type"] == "literal_error":
+            expected = err["ctx"]["expected"].replace("'", "")
+            raise UserError(
+                f"{where}: key '{key}' is {err['input']!r}, expected {expected}"
+            ) from None
+        raise UserError(f"{where}: key '{key}': {err['msg']}") from None
+
+
 class SGLangCapture:
     """:class:`eagle3.capture.base.CaptureBackend` backed by the patched SGLang server.
 
     Args:
-        url: server base URL (``extract.sglang_url``), e.g. ``http://127.0.0.1:30000``.
-        capture_dir: the folder given to the launcher's ``--capture-dir`` (``extract.capture_dir``);
-            must be on the same host as the server (the server writes, this process reads and deletes).
-        aux_layers: the three HF ``hidden_states`` indices the run expects; checked against what the
-            server reports capturing (``capture_info.json``), so an off-by-one layer convention
-            between extraction and serving fails here instead of producing a useless drafter.
-            None = accept the server's layers (set on the first :meth:`info`).
-        timeout: seconds allowed for one ``/generate`` batch.
-        max_length: the run's ``extract.max_length`` (recorded; the server check does not depend on it: its
-            ``chunked_prefill_size`` must be -1 for any prompt length, see :meth:`info`).
-        max_requests: prompts per ``/generate`` POST (a larger batch is split; None = one POST).
+        url: server base URL (``extract.sglang_url``).
+        capture_dir: the launcher's ``--capture-dir`` (``extract.capture_dir``), on this host.
+        aux_layers: the three HF ``hidden_states`` indices the run expects, checked against
+            ``capture_info.json``; None = take the server's (set by the first :meth:`info`).
+        timeout: seconds allowed for one HTTP request.
+        max_length: the run's ``extract.max_length`` (recorded only).
+        max_requests: prompts per ``/generate`` POST (None = the whole batch in one).
 
     Raises:
-        UserError: ``capture_dir`` is not a folder.
+        UserError: no ``url``, or ``capture_dir`` is not a folder.
     """
 
     def __init__(
@@ -88,93 +152,37 @@ class SGLangCapture:
         self._info: Optional[BackendInfo] = None
         self._prefix = uuid.uuid4().hex[:12]
         self._count = 0
-        self._rid_lock = (
-            threading.Lock()
-        )  # capture() may run on several threads (eagle3.capture.multi)
+        self._rid_lock = threading.Lock()  # capture() runs on several threads (capture.multi)
 
-    # ---- HTTP ----------------------------------------------------------------------------
-    def _request(self, path: str, payload: Optional[dict] = None) -> Any:
-        """GET (payload None) or POST JSON to ``{url}{path}``; parsed JSON back.
+    def _request(self, path: str, payload: Optional[dict] = None):
+        return request_json(
+            self.url + path, payload, self.timeout, where=f"extract.sglang_url {self.url}{path}"
+        )
+
+    def info(self) -> BackendInfo:
+        """Verifier dims and conventions, from the server and ``capture_info.json``.
 
         Raises:
-            UserError: connection refused/timeout, HTTP error status, or a non-JSON body.
-        """
-        data = json.dumps(payload).encode("utf-8") if payload is not None else None
-        req = urllib.request.Request(
-            self.url + path,
-            data=data,
-            method="POST" if data is not None else "GET",
-            headers={"Content-Type": "application/json"},
-        )
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                body = resp.read()
-        except urllib.error.HTTPError as e:
-            detail = e.read().decode("utf-8", "replace").strip().splitlines()
-            raise UserError(
-                f"extract.sglang_url {self.url}{path}: HTTP {e.code}: {detail[0][:300] if detail else e.reason}"
-            ) from e
-        except (urllib.error.URLError, TimeoutError, OSError) as e:
-            raise UserError(
-                f"extract.sglang_url {self.url}{path}: server not reachable: {getattr(e, 'reason', e)}"
-            ) from e
-        except (
-            http.client.HTTPException
-        ) as e:  # IncompleteRead, BadStatusLine: the server died mid-answer
-            raise UserError(
-                f"extract.sglang_url {self.url}{path}: connection broken mid-response: "
-                f"{type(e).__name__}: {e}"
-            ) from e
-        try:
-            return json.loads(body)
-        except json.JSONDecodeError as e:
-            raise UserError(
-                f"extract.sglang_url {self.url}{path}: response is not JSON: {body[:120]!r}"
-            ) from e
-
-    def _get_first(self, *paths: str) -> dict:
-        """GET the first endpoint that exists (``/model_info`` replaced ``/get_model_info`` in 0.5.x)."""
-        last: Optional[UserError] = None
-        for p in paths:
-            try:
-                out = self._request(p)
-                if isinstance(out, dict):
-                    return out
-            except UserError as e:
-                if "HTTP 404" not in str(e):
-                    raise
-                last = e
-        raise last or UserError(f"extract.sglang_url {self.url}: none of {list(paths)} answered")
-
-    # ---- contract ------------------------------------------------------------------------
-    def info(self) -> BackendInfo:
-        """Verifier dims and conventions, from the server and the patch's ``capture_info.json``.
-
-        Checks (each a UserError naming the endpoint, file or flag): SGLang version 0.5.23; radix
-        cache disabled; aux capture on; chunked prefill off (``chunked_prefill_size`` -1: SGLang 0.5.23 shares one
-        chunk budget among the prompts of a prefill batch and splits the prompt that overflows it, however short,
-        ``schedule_policy.py`` ``_select_prefill_admission``; a split prompt's earlier chunks are never captured);
-        the layers the server captures equal ``aux_layers`` (the message gives the flag value that would fix it).
+            UserError: another SGLang version, radix cache on, aux capture off, chunked prefill on,
+                ``capture_info.json`` missing or malformed, or captured layers other than
+                ``aux_layers`` (the message gives the launcher flag that fixes it).
         """
         if self._info is not None:
             return self._info
-        model = self._get_first("/model_info", "/get_model_info")
-        server = self._get_first("/server_info", "/get_server_info")
+        model = _parse(
+            ModelInfo, self._request("/model_info"), f"extract.sglang_url {self.url}/model_info"
+        )
         where = f"extract.sglang_url {self.url}/server_info"
-        _check_server(server, where)
+        _check_server(_parse(ServerInfo, self._request("/server_info"), where), where)
         info_path = self.capture_dir / INFO_FILE
         if not info_path.is_file():
             raise UserError(
                 f"{info_path}: not found; is the server running patches/sglang_capture_launcher.py "
                 "with this --capture-dir, on this host?"
             )
-        cap = read_json(info_path)
-        for key in ("layers_to_capture", "num_hidden_layers", "hidden_size", "vocab_size"):
-            if cap.get(key) is None:
-                raise UserError(f"{info_path}: key '{key}' missing")
-        archs = model.get("architectures") or [cap.get("architecture") or "unknown"]
-        arch = str(archs[0])
-        layers = [int(i) for i in cap["layers_to_capture"]]
+        cap = _parse(CaptureInfo, read_json(info_path), str(info_path))
+        arch = (model.architectures or [cap.architecture or "unknown"])[0]
+        layers = cap.layers_to_capture
         if self.aux_layers is None:
             self.aux_layers = layers
         if layers != self.aux_layers:
@@ -187,26 +195,32 @@ class SGLangCapture:
                 f"{info_path}: the server captures HF layers {layers} but extract.aux_layers is "
                 f"{self.aux_layers} ({arch}); {hint}"
             )
+        if cap.last_hidden_state is None:
+            log.warning(
+                "%s: no last_hidden_state recorded (a capture patch of before the key?): taking "
+                "post_norm, the state SGLang's last_hidden_states holds after the final norm, "
+                "unchecked; run the server with this checkout's patches/sglang_capture_launcher.py, "
+                "which records it",
+                info_path,
+            )
         self._info = {
-            "num_layers": int(cap["num_hidden_layers"]),
-            "hidden_size": int(cap["hidden_size"]),
-            "vocab_size": int(cap["vocab_size"]),
+            "num_layers": cap.num_hidden_layers,
+            "hidden_size": cap.hidden_size,
+            "vocab_size": cap.vocab_size,
             "architecture": arch,
-            "last_hidden_state": _last_hidden_state(cap, info_path),
+            "last_hidden_state": cap.last_hidden_state or "post_norm",
         }
         return self._info
 
     def capture(self, batch: list[list[int]]) -> list[list[torch.Tensor]]:
-        """Prefill ``batch`` on the server; per sample ``[aux1, aux2, aux3, last]``, each bf16 CPU ``[L_i, H]``.
+        """Prefill ``batch``; per sample ``[aux1, aux2, aux3, last]``, each bf16 CPU ``[L_i, H]``.
 
         Raises:
-            UserError: the server prefilled other tokens than sent (count or ids), served a cached
-                prefix, reported an error for a request, did not write a capture file, or wrote one
-                with the wrong shapes/layers. The capture files of the batch are deleted either way.
+            UserError: the server prefilled other tokens than sent, served a cached prefix,
+                reported an error, or wrote no or a malformed capture file. The batch's capture
+                files are deleted either way.
         """
-        if not batch:
-            return []
-        step = self.max_requests or len(batch)
+        step = self.max_requests or len(batch) or 1
         out: list[list[torch.Tensor]] = []
         for s in range(0, len(batch), step):
             out.extend(self._capture_chunk(batch[s : s + step]))
@@ -227,29 +241,26 @@ class SGLangCapture:
             "return_hidden_states": True,
             "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
         }
+        where = f"extract.sglang_url {self.url}/generate"
         try:
             resp = self._request("/generate", payload)
-            if isinstance(resp, dict):
-                resp = [resp]
+            resp = [resp] if isinstance(resp, dict) else resp
             if not isinstance(resp, list) or len(resp) != len(batch):
-                raise UserError(
-                    f"extract.sglang_url {self.url}/generate: expected {len(batch)} results, "
-                    f"got {len(resp) if isinstance(resp, list) else type(resp).__name__}"
-                )
-            by_rid = {}
-            for r in resp:
-                meta = r.get("meta_info", {}) if isinstance(r, dict) else {}
-                by_rid[str(meta.get("id"))] = meta
-            return [self._read_one(rid, ids, by_rid.get(rid), H) for rid, ids in zip(rids, batch)]
+                got = len(resp) if isinstance(resp, list) else type(resp).__name__
+                raise UserError(f"{where}: expected {len(batch)} results, got {got}")
+            by_rid = {str(r.meta_info.id): r.meta_info for r in _parse(_RESULTS, resp, where)}
+            return [
+                self._read_one(rid, ids, by_rid.get(rid), H, f"{where} rid {rid}")
+                for rid, ids in zip(rids, batch)
+            ]
         finally:
             for rid in rids:
                 for suffix in (SAMPLE_SUFFIX, ERROR_SUFFIX):
                     (self.capture_dir / f"{rid}{suffix}").unlink(missing_ok=True)
 
     def _read_one(
-        self, rid: str, ids: list[int], meta: Optional[dict], H: int
+        self, rid: str, ids: list[int], meta: Optional[GenerateMeta], H: int, where: str
     ) -> list[torch.Tensor]:
-        where = f"extract.sglang_url {self.url}/generate rid {rid}"
         L = len(ids)
         _check_meta(meta, L, where)
         err = self.capture_dir / f"{rid}{ERROR_SUFFIX}"
@@ -261,119 +272,78 @@ class SGLangCapture:
                 f"{path}: not written by the server (wrong --capture-dir, another host, or the patch "
                 "is not active)"
             )
-        obj = safe_torch_load(path)
-        if not isinstance(obj, dict) or "hidden_states" not in obj or "input_ids" not in obj:
-            raise UserError(
-                f"{path}: not a capture file (keys 'input_ids', 'hidden_states' expected)"
-            )
-        got_ids = obj["input_ids"]  # [L] int64
-        if got_ids.tolist() != list(ids):
+        f = _parse(CaptureFile, safe_torch_load(path), str(path))
+        got = f.input_ids.tolist()  # [L] int64
+        if got != list(ids):
+            first = next((i for i, (a, b) in enumerate(zip(got, ids)) if a != b), min(L, len(got)))
             raise UserError(
                 f"{path}: the server prefilled different token ids than were sent "
-                f"({got_ids.numel()} ids, first mismatch at position "
-                f"{next((i for i, (a, b) in enumerate(zip(got_ids.tolist(), ids)) if a != b), min(L, got_ids.numel()))})"
+                f"({len(got)} ids, first mismatch at position {first})"
             )
-        layers = obj.get("layers") or []
-        if layers and [int(i) for i in layers] != self.aux_layers:
+        if f.layers and f.layers != self.aux_layers:
             raise UserError(
-                f"{path}: captured layers {layers}, extract.aux_layers is {self.aux_layers}"
+                f"{path}: captured layers {f.layers}, extract.aux_layers is {self.aux_layers}"
             )
-        conv = obj.get("last_hidden_state")
-        if conv is not None and self._info is not None and conv != self._info["last_hidden_state"]:
+        conv = f.last_hidden_state
+        if conv is not None and conv != self._info["last_hidden_state"]:
             raise UserError(
                 f"{path}: last_hidden_state {conv!r}, but {self.capture_dir / INFO_FILE} says "
                 f"{self._info['last_hidden_state']!r} (recorded in data_config.json); the server's patch "
                 f"changed under the run: restart it with the same patches/ version and re-run 02"
             )
-        states = obj["hidden_states"]
-        if len(states) != NUM_CAPTURED:
+        states = f.hidden_states
+        shapes = [(tuple(t.shape), t.dtype) for t in states]
+        if shapes != [((L, H), torch.bfloat16)] * NUM_CAPTURED:
             raise UserError(
-                f"{path}: {len(states)} hidden-state tensors, expected {NUM_CAPTURED} (3 aux + last)"
+                f"{path}: hidden_states are {shapes}, expected {NUM_CAPTURED} (3 aux + last) x "
+                f"({L}, {H}) torch.bfloat16"
             )
-        for k, t in enumerate(states):
-            if tuple(t.shape) != (L, H) or t.dtype != torch.bfloat16:
-                raise UserError(
-                    f"{path}: hidden_states[{k}] is {tuple(t.shape)} {t.dtype}, "
-                    f"expected ({L}, {H}) torch.bfloat16"
-                )
         return [t.to("cpu") for t in states]  # 4 x [L, H] bf16
 
 
-def _check_meta(meta: Optional[dict], L: int, where: str) -> None:
-    """Refuse a ``/generate`` result (``meta_info``: ``meta``) for a prompt of ``L`` tokens that the capture cannot
-    use: missing, another prompt length, prefix-cached tokens, or hidden-state floats in the response (no
-    capture patch). ``where`` names the endpoint and request id.
-
-    Raises:
-        UserError: naming the cause and the fix.
-    """
+def _check_meta(meta: Optional[GenerateMeta], L: int, where: str) -> None:
+    """Refuse the ``meta_info`` of a ``L``-token prompt's result: absent, another prompt length,
+    prefix-cached tokens, or hidden-state floats (no capture patch)."""
     if meta is None:
         raise UserError(f"{where}: no result for this request id in the response")
-    if meta.get("prompt_tokens") != L:
+    if meta.prompt_tokens != L:
         raise UserError(
-            f"{where}: server counted {meta.get('prompt_tokens')} prompt tokens, {L} were sent"
+            f"{where}: server counted {meta.prompt_tokens} prompt tokens, {L} were sent"
         )
-    if meta.get("cached_tokens", 0):
+    if meta.cached_tokens:
         raise UserError(
-            f"{where}: {meta['cached_tokens']} prompt tokens came from the prefix cache; "
+            f"{where}: {meta.cached_tokens} prompt tokens came from the prefix cache; "
             "relaunch the server with --disable-radix-cache"
         )
-    if meta.get("hidden_states"):
+    if meta.hidden_states:
         raise UserError(
             f"{where}: the response carries hidden-state floats: the server is not running the "
             "capture patch (patches/sglang_capture_launcher.py --capture-dir ...)"
         )
 
 
-def _check_server(server: dict, where: str) -> None:
-    """Refuse a server (``/server_info``: ``server``) the capture cannot use: another SGLang than
-    :data:`SUPPORTED_VERSION`, the radix cache on, aux capture off, chunked prefill on (a split prompt's earlier
-    chunks are never captured). ``where`` names the endpoint in the refusal.
-
-    Raises:
-        UserError: naming the flag to relaunch with.
-    """
-    version = server.get("version")
-    if version is not None and version != SUPPORTED_VERSION:
-        raise UserError(f"{where}: SGLang {version}; the capture patch is for {SUPPORTED_VERSION}")
-    if server.get("disable_radix_cache") is False:
+def _check_server(server: ServerInfo, where: str) -> None:
+    """Refuse a server whose ``/server_info`` (``server``) the capture cannot use; the message
+    names the launcher flag to relaunch with."""
+    if server.version is not None and server.version != SUPPORTED_VERSION:
+        raise UserError(
+            f"{where}: SGLang {server.version}; the capture patch is for {SUPPORTED_VERSION}"
+        )
+    if server.disable_radix_cache is False:
         raise UserError(
             f"{where}: radix cache is on; relaunch with --disable-radix-cache "
             "(cached prefixes are not recomputed, so their states are never captured)"
         )
-    if server.get("enable_return_aux_hidden_states") is False:
+    if server.enable_return_aux_hidden_states is False:
         raise UserError(
             f"{where}: relaunch with --enable-return-aux-hidden-states --speculative-algorithm EAGLE3"
         )
-    chunk = server.get("chunked_prefill_size")
-    if isinstance(chunk, int) and not isinstance(chunk, bool) and chunk > 0:
+    chunk = server.chunked_prefill_size
+    if chunk is not None and chunk > 0:
+        # SGLang 0.5.23 shares one chunk budget among a prefill batch's prompts and splits the one
+        # that overflows it (schedule_policy.py _select_prefill_admission); earlier chunks are lost.
         raise UserError(
             f"{where}: chunked_prefill_size {chunk}: relaunch with --chunked-prefill-size -1 (SGLang "
             f"shares one {chunk}-token chunk budget among the prompts of a prefill batch and splits the "
             "prompt that overflows it, however short; its earlier chunks would never be captured)"
         )
-
-
-def _last_hidden_state(cap: dict, info_path: Path) -> str:
-    """The last-hidden-state convention ``capture_info.json`` records (``post_norm`` | ``pre_norm``). A file without the
-    key (a capture patch of before it) is taken as ``post_norm`` (the patch stores SGLang's ``last_hidden_states``,
-    after the final norm), as before, but now with one warning line: that default was silent, and 04 applies the
-    final norm (or not) by it.
-
-    Raises:
-        UserError: a value other than ``post_norm`` / ``pre_norm``.
-    """
-    conv = cap.get("last_hidden_state")
-    if conv is None:
-        log.warning(
-            "%s: no last_hidden_state recorded (a capture patch of before the key?): taking post_norm, the "
-            "state SGLang's last_hidden_states holds after the final norm, unchecked; run the server with this "
-            "checkout's patches/sglang_capture_launcher.py, which records it",
-            info_path,
-        )
-        return "post_norm"
-    if conv not in ("post_norm", "pre_norm"):
-        raise UserError(
-            f"{info_path}: key 'last_hidden_state' is {conv!r}, expected post_norm or pre_norm"
-        )
-    return conv

@@ -1,23 +1,12 @@
-"""Stage 02's shard writer: serialisation, checksum and atomic writes on background threads, manifest in order.
+"""Stage 02's shard writer: serialisation, checksum and atomic writes on background threads,
+manifest in order.
 
-Each submitted sample is written by :func:`eagle3.shards.write.write_sample` (atomic: temp name, fsync,
-rename; checksum of the bytes as they stream to the file, :mod:`eagle3.shards.checksum`) on a thread pool,
-so the GPU keeps capturing the next batch meanwhile (``torch.save``'s tensor copies, file writes,
-fsync and the hashers release the GIL). Manifest rows are appended in SUBMISSION order, each only
-after its shard is durable, with one flush + fsync per group of consecutive finished rows: the
-manifest ends up byte-identical to the one the serial loop writes, and the crash-safety contract
-of ``eagle3.capture.folder`` is unchanged (a row never precedes its shard; a shard whose row was not yet
-appended when the process died is validated and adopted on resume).
-
-While writer threads exist the process's GIL switch interval is at most :data:`SWITCH_INTERVAL_S`
-(restored on close): a writer thread coming back from a GIL-free call (file write, fsync, hashing)
-otherwise waits up to Python's default 5 ms for a thread running Python (the capture loop launching
-the next forward) to let go of the GIL, and that wait, not the bytes, held the writer's throughput
-(``bench/extract_throughput.py --switch-interval-variants``).
-
-``threads=0`` writes, hashes and appends inline in :meth:`ShardWriter.submit` (the serial path).
-Memory stays bounded: :meth:`ShardWriter.submit` blocks while more than ``max_pending_tokens``
-tokens are submitted but not yet committed.
+Samples are written by :func:`eagle3.shards.write.write_sample` on a thread pool while the GPU
+captures; manifest rows are appended in submission order, each after its shard is durable (one
+fsync per group), so the manifest equals the serial loop's and :mod:`eagle3.capture.folder`'s
+crash-safety rules hold. While writers exist the GIL switch interval is at most
+:data:`SWITCH_INTERVAL_S`. ``threads=0`` is the serial path; :meth:`ShardWriter.submit` blocks
+beyond ``max_pending_tokens`` uncommitted tokens.
 """
 
 from __future__ import annotations
@@ -91,18 +80,14 @@ class ShardWriter:
     """Write shards (one per sample) and log them in ``manifest.jsonl`` in submission order.
 
     Args:
-        root: shards folder; ``rows_per_dir``: see :func:`eagle3.shards.format.shard_path`.
+        root, rows_per_dir: see :func:`eagle3.shards.format.shard_path`.
         manifest: open manifest; rows ``{idx, id, num_tokens, num_loss_tokens, <checksum>}``.
-        threads: writer threads; 0 = inline (serial).
-        max_pending_tokens: back-pressure bound on submitted-but-uncommitted tokens (a single
-            sample larger than the bound is still accepted when nothing else is pending).
-        on_commit: called with each appended row, in order (progress, bookkeeping).
-        storage: :class:`eagle3.shards.fp8.Storage` of the shards (None = bf16 speculators-v1).
-        checksum: hash of each shard's bytes, recorded under its name (:mod:`eagle3.shards.checksum`).
-        processes: token-only samples only (``states`` None, stage 02 for online training): ``threads``
-            worker processes (fork) write groups of :data:`GROUP_SIZE` consecutive samples. A token-only
-            shard is ~16 bytes/token, so its cost is ``torch.save``'s pickler, which holds the GIL (threads
-            would serialise on it). Files, digests and manifest rows are those of the thread path.
+        threads: writer threads (0 = inline).
+        max_pending_tokens: bound on submitted-but-uncommitted tokens (one larger sample passes alone).
+        on_commit: called with each appended row, in order.
+        storage: :class:`eagle3.shards.fp8.Storage` (None = bf16). checksum: the per-shard hash.
+        processes: token-only samples: ``threads`` forked processes write groups of
+            :data:`GROUP_SIZE` (the pickler holds the GIL); same files and rows.
     """
 
     def __init__(
@@ -276,11 +261,8 @@ class ShardWriter:
             self.commit_ready()
 
     def close(self, wait_commit: bool = True) -> None:
-        """Flush (when ``wait_commit``) and stop the threads.
-
-        With ``wait_commit=False`` (an error or interrupt upstream): queued writes are cancelled,
-        running ones finish (each is atomic), and the rows of the leading finished writes are still
-        appended; a failed write's error is then not raised again.
+        """Flush (when ``wait_commit``) and stop the threads; with ``wait_commit=False`` queued writes
+        are cancelled, running ones finish and the leading finished rows are still appended.
         """
         try:
             if wait_commit:

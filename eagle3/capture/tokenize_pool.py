@@ -1,24 +1,9 @@
 """Run a per-conversation tokenization function over worker processes, results in input order.
 
-Stage 02 renders every conversation with the chat template and builds its loss mask from turn
-prefixes (:mod:`eagle3.chat.template`): pure-Python Jinja rendering plus several tokenizer calls per
-conversation, about 30 ms each on one core. This module spreads that work over a
-``concurrent.futures.ProcessPoolExecutor``; it knows nothing about chat templates: it applies a
-picklable function ``fn(tokenizer, record)`` to each record and returns the results in record
-order, exactly what ``[fn(tokenizer, r) for r in records]`` returns (``workers=1`` runs that
-very loop in-process).
-
-Workers get the tokenizer once, at start-up, as an initializer argument: with the ``fork`` start
-method (Linux) they inherit the parent's already-loaded object (no re-load of a slow GGUF or
-remote-code tokenizer, nothing pickled); elsewhere (``spawn``) it is pickled once per worker.
-Records go out in contiguous chunks and results come back chunk by chunk in submission order,
-so the output order, and which exception is raised first, match the serial loop: the first
-record (in input order) whose ``fn`` raises raises here, with its type and message; later
-chunks are cancelled.
-
-The forked workers never touch torch or CUDA (only the tokenizer and the template engine run
-there), so forking a parent that holds a GPU model is safe, as it is for torch's own DataLoader
-workers.
+:func:`map_records` returns what ``[fn(tokenizer, r) for r in records]`` returns, computed by a
+``ProcessPoolExecutor`` whose workers get the tokenizer once at start-up (inherited under
+``fork``). Chunks come back in submission order, so the first failing record raises first.
+Workers never touch torch or CUDA.
 """
 
 from __future__ import annotations
@@ -100,20 +85,16 @@ def map_records(
     """``[fn(tokenizer, r) for r in records]``, computed by ``workers`` processes.
 
     Args:
-        fn: a module-level function (or ``functools.partial`` of one) of ``(tokenizer, record)``;
-            its results must be picklable.
-        tokenizer: passed to every call (inherited by forked workers, pickled under ``spawn``).
-        records: picklable items, e.g. prompt records ``{id, messages, line}``.
-        workers: processes; ``None`` = :func:`default_workers`; see :func:`resolve_workers`
-            (1 = in-process loop, no pool).
-        chunk_size: records per task (default: about 8 tasks per worker, at most 256 records).
-        desc, unit: tqdm labels (progress per record).
+        fn: a module-level function (or partial) of ``(tokenizer, record)``, picklable results.
+        tokenizer: passed to every call. records: picklable items.
+        workers: processes (None: :func:`default_workers`; 1: in-process loop).
+        chunk_size: records per task (default ~8 tasks per worker, <= 256). desc, unit: tqdm labels.
 
     Returns:
         the results, in record order.
 
     Raises:
-        whatever the first failing ``fn`` call (in record order) raised, same type and message.
+        whatever the first failing call (in record order) raised.
     """
     n = len(records)
     w = resolve_workers(workers, n)

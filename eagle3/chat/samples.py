@@ -1,51 +1,21 @@
 """Chat rendering and the loss mask: which verifier tokens the drafter is trained on.
 
-The rule: the loss mask covers exactly the tokens the verifier GENERATED when the answer was
-served, and a training sample holds them in exactly the context the server rendered for them.
-For assistant turn ``k`` of a conversation ``messages`` a chat server (SGLang, vLLM) renders
+The mask covers exactly the tokens the verifier generated, in the context the server rendered for
+them. For assistant turn ``k`` a server renders ``head_k = render(messages[:k],
+add_generation_prompt=True, **chat_template_kwargs)`` and appends the reply ``c_k``: what follows
+turn ``k``'s generation prompt in ``render(messages[:k+1])``. Reasoning the template drops from a
+finished turn is put back inside the think block (``verifier.think_tags``); a message with
+``tokens`` (from regeneration) contributes those ids verbatim.
 
-* the context ``head_k = render(messages[:k], add_generation_prompt=True, **chat_template_kwargs)``
-  (history, then the assistant header, e.g. ChatML ``<|im_start|>assistant\\n``, Kimi thinking mode
-  ``<|im_assistant|>assistant<|im_middle|><think>``), tokenizes it, and
-* appends the generated tokens: the reply ``c_k`` (reasoning, ``</think>``, answer, tool-call text)
-  and the end-of-turn token at which generation stopped.
+Turns whose ``head_k + c_k`` is a prefix of ``head_{k+1}`` share one sample; otherwise the next
+turn starts a new sample ``{id}#turn{n}``. A conversation with no consistent rendering is skipped
+with a reason (:func:`conversation_samples`).
 
-``c_k`` is read off the template, never off regex heuristics on the data: it is what follows
-turn ``k``'s generation prompt in ``render(messages[:k+1])``. Reasoning that the template drops
-from a finished turn (Kimi-K2.5 renders every non-tool-call assistant turn with an empty
-``<think></think>``; Qwen3 drops the think block of turns before the last user query) is put back
-where the verifier generated it, inside the think block (``verifier.think_tags``). An assistant
-message with ``tokens`` (the ids the verifier generated, from regeneration) contributes those ids
-verbatim, followed by the template's end-of-turn text (decode + re-tokenize is not the identity).
-
-Samples per conversation. Turns whose served text ``head_k + c_k`` is a prefix of the next turn's
-context ``head_{k+1}`` share one sample (the usual case: ChatML, thinking off, or a think block the
-model left empty); when the history changes as turns are added (reasoning dropped), the next turn
-starts a new sample rendered as the server rendered its context then. In the worst case
-(reasoning in every turn) that is one sample per assistant turn; sample ids are then
-``{id}#turn{n}`` (``n`` = 1-based number of the sample's last assistant turn). A conversation for
-which some turn has no consistent rendering (its generation prompt cannot be found in the
-rendering of the turn, the template drops its tool calls or reasoning with no think block to put it
-back in, or the template raises) is skipped with a reason, never fatal: see
-:func:`conversation_samples`.
-
-End-of-turn policy: the mask covers the reply and the end-of-turn token(s) the template writes
-after it (ChatML/Kimi ``<|im_end|>``), because the verifier emits them; template text after the
-LAST end-of-turn token of the turn (ChatML's ``"\\n"``) gets mask 0 (generation stops at the
-end-of-turn token; SpecForge masks it out too). A reply without any end-of-turn token is masked
-whole. A reply 01 cut at ``prompts.max_new_tokens`` (``truncated: true`` on the message; a message without
-the key counts as finished, as before) is masked up to its last generated token: the end-of-turn token
-the template appends, and the template text after it, get 0 (the verifier never emitted them; SpecForge and
-speculators train on generated tokens only); the next turn's context still holds them, as served.
-Likewise a reply that the verifier stopped on another stop id than the template's end-of-turn token
-(``stop_token: <id>`` on the message, e.g. SmolLM2's ``<|endoftext|>`` against the template's ``<|im_end|>``; a
-message without the key counts as stopped on the template's token, as before): the template's token is not what
-the verifier emitted there, so it and the text after it get 0.
-Tokens of the reasoning (from the reply start up to and including ``</think>``) get mask 0 when
-``loss_on_reasoning`` is off. Never masked: system, user and tool-result text, tool
-declarations, and the assistant header / generation prompt.
-
-Rendering itself: :mod:`eagle3.chat.template`.
+Mask: the reply and the end-of-turn token(s) after it get 1; template text after the last
+end-of-turn token gets 0. A reply cut at ``max_new_tokens`` (``truncated: true``) or stopped on
+another stop id (``stop_token``) gets 0 from the template's end-of-turn token on. Reasoning (up to
+``</think>``) gets 0 unless ``loss_on_reasoning``. System, user, tool text and the generation
+prompt are never in the mask. Rendering itself: :mod:`eagle3.chat.template`.
 """
 
 from __future__ import annotations
@@ -72,9 +42,6 @@ from eagle3.errors import UserError
 log = logging.getLogger(__name__)
 
 
-# ---------------------------------------------------------------------------------------------
-# served turns -> samples
-# ---------------------------------------------------------------------------------------------
 @dataclass
 class _Turn:
     number: int  # 1-based assistant turn number
@@ -192,13 +159,10 @@ def _reply_ids(
 
 
 def stopped_on_template_eot(message: Mapping[str, Any], template_eot: Optional[int]) -> bool:
-    """Whether an assistant ``message`` ended on the end-of-turn token id ``template_eot`` that the chat template
-    appends after it (None: the template appends none).
-
-    True when the message records no ``stop_token`` (01 before it recorded one, a text-only endpoint, a hand-made
-    file: counted as stopped there, as before), when the template appends none, or when the recorded id equals it.
-    False when the verifier stopped on another stop id (e.g. ``<|endoftext|>`` where the template writes
-    ``<|im_end|>``): the template's token is not what the verifier emitted, so it gets no loss."""
+    """Whether an assistant ``message`` ended on ``template_eot``, the end-of-turn id the template
+    appends (None: none): True without a recorded ``stop_token``, without a template token, or
+    when they are equal.
+    """
     stop = message.get("stop_token")
     return stop is None or template_eot is None or int(stop) == int(template_eot)
 
@@ -218,12 +182,10 @@ class ChatSample:
 class ConversationSamples:
     """What :func:`conversation_samples` made of one conversation.
 
-    ``samples``: kept samples (each with at least one loss token, length <= max_length).
-    ``counts``: ``truncated``, ``skipped_too_long``, ``skipped_no_loss_tokens`` (per sample),
-    ``skipped_inconsistent`` / ``skipped_render_failed`` (per conversation, see ``skip_reason``),
-    ``split_conversations`` (1 when the conversation gave several samples), ``split_samples``.
-    ``skip_reason``: why the whole conversation was skipped (``"inconsistent:<why>"`` or
-    ``"render_failed: <error>"``), else None.
+    ``samples``: kept samples (>= 1 loss token, <= max_length). ``counts``: ``truncated``,
+    ``skipped_too_long``, ``skipped_no_loss_tokens``, ``skipped_inconsistent``,
+    ``skipped_render_failed``, ``split_conversations``, ``split_samples``. ``skip_reason``:
+    ``"inconsistent:<why>"`` or ``"render_failed: <error>"`` when skipped, else None.
     """
 
     samples: list[ChatSample]
@@ -294,31 +256,23 @@ def conversation_samples(
     too_long: str = "truncate",
     tools: Optional[list] = None,
 ) -> ConversationSamples:
-    """Stage 02's per-conversation entry point: training samples (ids + loss mask) of one conversation.
-
-    Pure function of its arguments (safe to call from worker processes). See the module docstring
-    for what is rendered and masked and when a conversation becomes several samples.
+    """Training samples (ids + loss mask) of one conversation (stage 02; pure, process-safe).
 
     Args:
-        tokenizer: the verifier's tokenizer (fast or slow; no offset mapping needed).
-        messages: the prompts-file messages (system/user/assistant/tool; ``reasoning_content``,
-            ``tool_calls``, ``tool_call_id``, ``tokens`` as written by stage 01).
-        max_length: maximum tokens per sample (>= 1).
-        opts: rendering/masking options (:meth:`ChatOptions.from_verifier`).
-        too_long: ``"truncate"`` keeps the first ``max_length`` tokens of a longer sample (counted
-            ``truncated``); ``"skip"`` drops it (``skipped_too_long``).
-        tools: the conversation's tool declarations (rendered by the template like a server does).
+        tokenizer: the verifier's tokenizer.
+        messages: the prompts-file messages (``reasoning_content``, ``tool_calls``,
+            ``tool_call_id``, ``tokens`` as stage 01 writes them).
+        max_length: tokens per sample (>= 1).
+        opts: :class:`ChatOptions`.
+        too_long: ``"truncate"`` (first ``max_length`` tokens) or ``"skip"``.
+        tools: the conversation's tool declarations.
 
     Returns:
-        :class:`ConversationSamples`. A sample left without loss tokens (no assistant turn, or
-        replies truncated away) is dropped and counted ``skipped_no_loss_tokens``.
+        :class:`ConversationSamples` (samples without loss tokens dropped).
 
     Raises:
         ValueError: bad ``too_long`` or ``max_length``.
-        TemplateUnusable (incl. TemplateIgnoresGenerationPrompt): template-wide problems (see
-            :func:`check_template`, no template at all): fatal for the run, unlike a single
-            conversation that cannot be rendered consistently or makes the template raise
-            (``skip_reason``).
+        TemplateUnusable: a template-wide problem (fatal, unlike a per-conversation ``skip_reason``).
     """
     if too_long not in ("truncate", "skip"):
         raise ValueError(f"too_long must be 'truncate' or 'skip', got {too_long!r}")
@@ -380,16 +334,11 @@ def tokenize_conversation(
     opts: Optional[ChatOptions] = None,
     tools: Optional[list] = None,
 ) -> Optional[tuple[list[int], list[int]]]:
-    """Single-sample view of :func:`conversation_samples` (tests, tools): ``(input_ids, loss_mask)``.
-
-    Returns:
-        the one sample's ``(input_ids, loss_mask)`` (``list[int]`` each, length <= max_length), or
-        None when the conversation yields no sample (too long under ``"skip"``, no loss token left).
+    """Single-sample view of :func:`conversation_samples`: ``(input_ids, loss_mask)`` or None.
 
     Raises:
-        TemplateNotPrefixStable: the conversation needs several samples (its history changes as
-            turns are added) or has no consistent rendering; stage 02 handles both.
-        ValueError, UserError: see :func:`conversation_samples`.
+        TemplateNotPrefixStable: the conversation needs several samples or has no consistent
+            rendering. ValueError, UserError: as :func:`conversation_samples`.
     """
     res = conversation_samples(
         tokenizer, messages, max_length, options_or_default(opts, chat_template), too_long, tools

@@ -1,12 +1,9 @@
 """Chat rendering: templates, generation prompts, ChatOptions, the stop set and reasoning split.
 
-Template self-check (:func:`check_template`, once per template): rendering with and without
-``add_generation_prompt`` must differ by a suffix, the generation prompt. A template that ignores
-the flag (same text both ways) would put the assistant header inside the mask: it is refused with
-an error naming the template, unless ``verifier.reply_start`` gives the text that opens a reply.
-
-Token ids only, no offset mappings (Kimi's tiktoken tokenizer has none). Every segment is
-tokenized with ``add_special_tokens=False`` (the template writes BOS itself when it wants one).
+:func:`check_template` requires the generation prompt to be a suffix of the rendering with
+``add_generation_prompt``; a template that ignores the flag needs ``verifier.reply_start``.
+Token ids only (Kimi's tokenizer has no offset mapping); segments are tokenized with
+``add_special_tokens=False``.
 """
 
 from __future__ import annotations
@@ -38,18 +35,13 @@ class TemplateIgnoresGenerationPrompt(TemplateUnusable):
 
 @dataclass(frozen=True)
 class ChatOptions:
-    """How conversations are rendered and masked; built from the config by :meth:`from_verifier`.
+    """How conversations are rendered and masked (:meth:`from_verifier`).
 
     Attributes:
         chat_template: Jinja template overriding the tokenizer's (``verifier.chat_template``).
-        template_kwargs: extra template variables, passed to every rendering as
-            ``apply_chat_template(..., **template_kwargs)`` exactly as a server passes a request's
-            ``chat_template_kwargs`` (``verifier.chat_template_kwargs``; e.g. ``{"thinking": True}``
-            for Kimi-K2.5, ``{"enable_thinking": False}`` for Qwen3).
-        reply_start: text that opens an assistant reply, for templates that ignore
-            ``add_generation_prompt`` (``verifier.reply_start``); unused otherwise.
-        think_tags: the markers around reasoning (``verifier.think_tags``).
-        loss_on_reasoning: train on reasoning tokens (``extract.loss_on_reasoning``).
+        template_kwargs: passed to every rendering as a server passes ``chat_template_kwargs``.
+        reply_start: text opening a reply, for templates that ignore ``add_generation_prompt``.
+        think_tags: the markers around reasoning. loss_on_reasoning: train on reasoning tokens.
     """
 
     chat_template: Optional[str] = None
@@ -96,9 +88,7 @@ def _template_text(tokenizer, chat_template: Optional[str]) -> str:
 
 
 def chat_template_hash(tokenizer, chat_template: Optional[str] = None) -> str:
-    """SHA-256 (hex, 64 chars) of the chat template text in use (``chat_template`` or the tokenizer's).
-
-    Recorded in shard metadata so data rendered with a different template is detected.
+    """SHA-256 hex of the chat template text in use (recorded in shard metadata).
 
     Raises:
         UserError: no template available.
@@ -118,11 +108,8 @@ def template_name(tokenizer, opts: Optional[ChatOptions] = None) -> str:
 
 
 def end_of_turn_ids(tokenizer) -> set[int]:
-    """Token ids that end an assistant turn: the verifier's stop set (:func:`eagle3.verifier.load.stop_token_ids`:
-    EOS id(s), known end-of-turn specials, and the folder's config / generation_config ``eos_token_id``).
-
-    Used both for the loss-mask end (see module docstring) and as stop tokens of greedy
-    regeneration and of 05's decoding, so they agree.
+    """Token ids that end an assistant turn (:func:`eagle3.verifier.load.stop_token_ids`): the
+    loss-mask end and the stop set of regeneration and 05's decoding.
     """
     from eagle3.verifier.load import stop_token_ids
 
@@ -146,12 +133,22 @@ def common_answer_fields(*recorded: Any) -> list[str]:
     return [f for f in ANSWER_FIELDS if all(isinstance(r, list) and f in r for r in recorded)]
 
 
+def has_tool_calls(conv: dict) -> bool:
+    """Whether a conversation holds tool calls or results (regeneration keeps it as it is)."""
+    return any(m["role"] == "tool" or m.get("tool_calls") for m in conv["messages"])
+
+
+def user_turns(conv: dict) -> tuple[Optional[dict], list[str]]:
+    """``(system message or None, user contents)`` of a conversation; assistant turns dropped."""
+    msgs = conv["messages"]
+    system = msgs[0] if msgs and msgs[0]["role"] == "system" else None
+    return system, [m["content"] for m in msgs if m["role"] == "user"]
+
+
 def answer_ending(stop: Optional[int]) -> dict:
-    """The fields 01 writes on a regenerated assistant message about how it ended, the same in every engine and in
-    the endpoint path: ``{"stop_token": <id>}`` for an answer the verifier ended on stop id ``stop`` (stage 02
-    leaves the template's end-of-turn token out of the loss when it is another id, e.g. ``<|endoftext|>`` against
-    ``<|im_end|>``), ``{"truncated": True}`` for one cut at ``max_new_tokens`` (``stop`` None: no end-of-turn
-    token was emitted, 02 leaves the template's out of the loss)."""
+    """01's fields on a regenerated message about how it ended: ``{"stop_token": stop}``, or
+    ``{"truncated": True}`` when ``stop`` is None (cut at ``max_new_tokens``).
+    """
     return {"truncated": True} if stop is None else {"stop_token": int(stop)}
 
 
@@ -178,15 +175,11 @@ def render_text(
     add_generation_prompt: bool = False,
     tools: Optional[list] = None,
 ) -> str:
-    """The chat template's text for ``messages`` (``apply_chat_template(tokenize=False)``).
-
-    Args:
-        messages: ``[{"role", "content", "reasoning_content"?, "tool_calls"?, "tool_call_id"?}]``.
-        opts: template, ``template_kwargs`` (passed as keyword arguments, as servers do).
-        tools: OpenAI tool declarations of the request (``tools=``), or None.
+    """The chat template's text for ``messages`` (``apply_chat_template(tokenize=False)``, with
+    ``opts.template_kwargs`` and ``tools``).
 
     Raises:
-        UserError: no chat template, or the template raised an error (message names the cause).
+        UserError: no chat template, or the template raised (message names the cause).
     """
     opts = options_or_default(opts)
     tpl = _template_text(tokenizer, opts.chat_template)
@@ -215,18 +208,11 @@ def render(
     opts: Optional[ChatOptions] = None,
     tools: Optional[list] = None,
 ) -> list[int]:
-    """Render ``messages`` with the chat template and tokenize the text (no extra special tokens).
-
-    Equivalent to ``apply_chat_template(..., tokenize=True)``, which also tokenizes the rendered text
-    with ``add_special_tokens=False``; done in two steps so the return type is the same plain
-    ``list[int]`` on every transformers version. ``opts`` (when given) supersedes ``chat_template``.
-    For a prompt to generate from, prefer :func:`prompt_ids` (it honours ``reply_start``).
-
-    Returns:
-        token ids, ``list[int]``.
+    """Token ids of ``messages`` rendered with the chat template (no extra special tokens); ``opts``
+    supersedes ``chat_template``. For a generation prompt use :func:`prompt_ids`.
 
     Raises:
-        UserError: no chat template, or the template raised an error (message names the cause).
+        UserError: no chat template, or the template raised.
     """
     return tokenize_text(
         tokenizer,
@@ -240,9 +226,6 @@ def render(
     )
 
 
-# ---------------------------------------------------------------------------------------------
-# template self-check and the generation prompt
-# ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class TemplateInfo:
     """Result of :func:`check_template`: ``generation_prompt`` = the text the template appends for
@@ -261,19 +244,14 @@ def check_template(
     probe: Optional[list[dict]] = None,
     tools: Optional[list] = None,
 ) -> TemplateInfo:
-    """Loss-mask self-check of the template in use (cached per template, kwargs and tokenizer).
-
-    Renders ``probe`` (default: one user message) with and without ``add_generation_prompt``.
-    The rendering with it must be the rendering without it plus a non-empty suffix (the assistant
-    header where the reply starts), otherwise the reply start cannot be found from the template.
+    """Loss-mask self-check of the template (cached): the rendering of ``probe`` with
+    ``add_generation_prompt`` must be the one without plus a non-empty suffix.
 
     Returns:
         :class:`TemplateInfo`.
 
     Raises:
-        TemplateIgnoresGenerationPrompt: both renderings are equal (the template ignores
-            ``add_generation_prompt``) and ``opts.reply_start`` is not set; the message names the
-            template.
+        TemplateIgnoresGenerationPrompt: both equal and no ``opts.reply_start``.
         TemplateUnusable: no template, or the generation prompt is not a suffix.
         UserError: the probe cannot be rendered.
     """
@@ -317,13 +295,11 @@ def generation_prompt(
     opts: Optional[ChatOptions] = None,
     tools: Optional[list] = None,
 ) -> str:
-    """The text a server renders before generating the next assistant reply to ``messages``.
-
-    ``render(messages, add_generation_prompt=True)``; for a template that ignores the flag,
-    ``render(messages) + reply_start`` (see :func:`check_template`, which this runs first).
+    """The text a server renders before the next assistant reply to ``messages`` (with
+    ``reply_start`` appended for a template that ignores the flag).
 
     Raises:
-        UserError / TemplateIgnoresGenerationPrompt: see :func:`render_text`, :func:`check_template`.
+        UserError, TemplateIgnoresGenerationPrompt: as :func:`render_text`, :func:`check_template`.
     """
     opts = options_or_default(opts)
     info = check_template(tokenizer, opts, messages, tools)
@@ -345,12 +321,8 @@ def prompt_ids(
 def split_reasoning(
     text: str, think_tags: tuple[str, str] = DEFAULT_THINK_TAGS, opened: bool = False
 ) -> tuple[Optional[str], str]:
-    """Split a generated or stored reply into ``(reasoning or None, answer)`` at the think block.
-
-    ``text`` holds the reasoning when it starts with the open tag (after whitespace), or when
-    ``opened`` (the prompt already ended with the open tag, Kimi thinking mode); the reasoning ends
-    at the first close tag (missing close tag: all reasoning, e.g. a truncated answer). Both parts
-    are stripped of surrounding whitespace, as servers' reasoning parsers return them.
+    """Split a reply into ``(reasoning or None, answer)`` at the think block (it opens at the
+    start, or ``opened``; no close tag: all reasoning), both stripped as servers' parsers do.
     """
     open_, close = think_tags
     body = text

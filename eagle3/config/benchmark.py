@@ -53,6 +53,14 @@ class BenchmarkConfig(Section):
         le=1,
         description="nucleus filter of the verifier's and the drafter's distributions at temperature > 0",
     )
+    context_lengths: list[StrictInt] = Field(
+        default_factory=list,
+        description="context-length buckets in prompt tokens (ascending upper edges, e.g. [1024, 2048, 4096, 8192]): "
+        "05 adds the set 'context', context_prompts chats per length of earlier GSM8K problems and answers before a "
+        "new question (eagle3/data/context_prompts.py), and bench.json / bench.md give tau per bucket of every set; a "
+        "length past the verifier's context (less max_new_tokens and steps) is capped there; [] = off",
+    )
+    context_prompts: StrictInt = Field(4, ge=1, description="prompts per length of context_lengths")
     tie_tolerance: Optional[StrictFloat] = Field(
         None,
         ge=0,
@@ -65,6 +73,14 @@ class BenchmarkConfig(Section):
         description="SGLang server(s) to benchmark instead of the in-process HF decoder: [spec] or [spec, baseline]; 05 runs in server mode when set (--server overrides)",
     )
     output_dir: Optional[str] = Field(None, description="default {output_root}/bench")
+
+    @field_validator("context_lengths")
+    @classmethod
+    def _ascending(cls, v: list[int]) -> list[int]:
+        """Bucket edges: positive and strictly ascending (bucket j holds edges[j-1] < tokens <= edges[j])."""
+        if any(n < 1 for n in v) or any(a >= b for a, b in zip(v, v[1:])):
+            raise ValueError(f"must be positive and ascending, e.g. [1024, 2048, 4096], got {v}")
+        return v
 
     @field_validator("server_urls")
     @classmethod

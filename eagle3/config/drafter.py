@@ -1,12 +1,38 @@
-"""The ``drafter`` section: the drafter's decoder-layer shape and variant."""
+"""The ``drafter`` section: the drafter's decoder-layer shape, attention and variant."""
 
 from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import Field, StrictFloat, StrictInt
+from pydantic import Field, StrictBool, StrictFloat, StrictInt
 
 from eagle3.config.types import Section
+
+
+class MLAConfig(Section):
+    """``drafter.mla``: the MLA layer's sizes (``drafter.attention: mla``; DeepSeek-V3 config names). ``null`` = the
+    verifier's when it is an MLA model (DeepSeek-V3, Kimi-K2/K2.5); a verifier without MLA needs every size set
+    (``q_lora_rank`` null there = a plain q_proj; SGLang needs it set). ``python -m eagle3.drafter.mla`` prints the
+    parameter counts of both layers for a size choice."""
+
+    q_lora_rank: Optional[StrictInt] = Field(
+        None,
+        ge=1,
+        description="query down-projection rank (null: the verifier's, else a plain q_proj)",
+    )
+    kv_lora_rank: Optional[StrictInt] = Field(None, ge=1, description="latent K/V rank")
+    qk_nope_head_dim: Optional[StrictInt] = Field(
+        None, ge=1, description="per-head key/query width without rotary"
+    )
+    qk_rope_head_dim: Optional[StrictInt] = Field(
+        None, ge=2, description="per-head rotary width (even)"
+    )
+    v_head_dim: Optional[StrictInt] = Field(None, ge=1, description="per-head value width")
+    rope_interleave: Optional[StrictBool] = Field(
+        None,
+        description="rotary on interleaved pairs (DeepSeek; the only layout vLLM 0.34's MLA draft serves); null: the "
+        "verifier's, else true",
+    )
 
 
 class DrafterConfig(Section):
@@ -32,6 +58,13 @@ class DrafterConfig(Section):
         "before fc, and the post-norm output fed back between steps; speculators PR 610/670, TorchSpec PR 97; served by "
         "SGLang 0.5.23 and vLLM 0.33 through the config keys fc_norm / norm_output). eagle3/drafter/model.py",
     )
+    attention: Literal["llama", "mla"] = Field(
+        "llama",
+        description="the decoder layer's attention: llama (GQA, q/k/v/o projections) or mla (DeepSeek-V3 multi-head "
+        "latent attention, sizes in drafter.mla; served by SGLang 0.5.23 kimi_k25_eagle3.py and vLLM 0.34 "
+        "deepseek_eagle3.py as Eagle3DeepseekV2ForCausalLM; one layer only). eagle3/drafter/model.py",
+    )
+    mla: MLAConfig = Field(default_factory=MLAConfig)
     num_layers: StrictInt = Field(
         1,
         ge=1,

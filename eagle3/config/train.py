@@ -77,6 +77,20 @@ class TrainConfig(Section):
         "ttt_length (a warning says so). Set explicitly it must be <= ttt_length: tau_sim needs the acceptance of "
         "every chained position and training measures only the ttt_length TTT positions",
     )
+    select_temperature: StrictFloat = Field(
+        0.0,
+        ge=0,
+        description="the temperature the drafter will be served at, for tau_sim: 0 = alpha_j is the held-out top-1 "
+        "agreement (greedy chains); > 0 = alpha_j is the held-out mean of sum_x min(p_T(x), q_T(x)), the acceptance "
+        "probability of speculative rejection sampling at that temperature (05's benchmark.temperature; one more "
+        "drafter unroll and full-vocab verifier head per validation batch)",
+    )
+    select_top_p: StrictFloat = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="nucleus filter of both distributions of select_temperature > 0 (05's benchmark.top_p)",
+    )
     init_from: Optional[str] = Field(
         None,
         min_length=1,

@@ -450,13 +450,22 @@ def check_drafter_shape(section, drafter, drafter_dir: Path, own_export: bool) -
     Raises:
         UserError: the run's own export differs from the config, naming every differing field.
     """
-    want = {
-        k: getattr(section, k) for k in type(section).model_fields if k != "max_position_embeddings"
-    }
+    skip = {"max_position_embeddings", "mla"}
+    if (
+        drafter.args.is_mla
+    ):  # MLA fixes these two (eagle3/drafter/mla.py); its sizes compare one by one
+        skip |= {"num_key_value_heads", "head_dim"}
+    want = {k: getattr(section, k) for k in type(section).model_fields if k not in skip}
+    if drafter.args.is_mla and getattr(section, "mla", None) is not None:
+        want |= {f"mla.{k}": v for k, v in section.mla.model_dump().items()}
+
+    def have(key: str):
+        return drafter.args.mla[key[4:]] if key.startswith("mla.") else getattr(drafter.args, key)
+
     diffs = [
-        f"{key} {getattr(drafter.args, key)!r} but the config's drafter.{key} is {value!r}"
+        f"{key} {have(key)!r} but the config's drafter.{key} is {value!r}"
         for key, value in want.items()  # None: copied from the verifier at training, nothing to compare
-        if value is not None and getattr(drafter.args, key) != value
+        if value is not None and have(key) != value
     ]
     if not diffs:
         return []

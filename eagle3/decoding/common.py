@@ -14,26 +14,18 @@ import torch
 from eagle3.errors import UserError
 
 
-# ---------------------------------------------------------------------------------------------
-# results
-# ---------------------------------------------------------------------------------------------
 @dataclass
 class SpecResult:
     """One prompt's result of :func:`speculative_generate_batch`.
 
     Attributes:
-        tokens: generated verifier token ids (prompt excluded), cut at EOS (kept) or max_new_tokens.
-        accept_lengths: per verify step, the tokens it EMITTED: accepted drafts + 1 bonus, except
-            that the last step counts only the tokens before the cut at EOS / ``max_new_tokens``
-            (so ``1 + sum(accept_lengths) == len(tokens)`` whenever a verify step ran; the first
-            token comes from the prefill).
-        accepted: per verify step, ``steps`` flags; flag k = draft position k (0-based) accepted
-            and emitted (``accept_lengths - 1`` leading True values).
-        mismatch: index of the first token that differs from ``reference`` (None if none or no reference).
-        gap: at ``mismatch``, verify logit of the verifier's top-1 minus that of the reference's
-            token (>= 0; None when the row has no mismatch).
-        seconds, draft_seconds, verify_seconds: those of the whole batch (set by the single-prompt
-            wrapper :func:`speculative_generate`; 0 in batch results).
+        tokens: generated ids (prompt excluded), cut at EOS (kept) or ``max_new_tokens``.
+        accept_lengths: per verify step the tokens it emitted (accepted + 1, the last cut), so
+            ``1 + sum(accept_lengths) == len(tokens)`` when a step ran.
+        accepted: per step ``steps`` flags, draft position k accepted and emitted.
+        mismatch: first index differing from ``reference`` (None: none or no reference).
+        gap: at ``mismatch``, verifier top-1 logit minus the reference token's (>= 0).
+        seconds, draft_seconds, verify_seconds: the batch's (single-prompt wrapper; else 0).
     """
 
     tokens: list[int]
@@ -64,14 +56,8 @@ class BatchGreedy:
 
 @dataclass
 class BatchSpec:
-    """Result of :func:`speculative_generate_batch`.
-
-    Attributes:
-        rows: one :class:`SpecResult` per prompt, in input order.
-        seconds: wall seconds of the whole batch (prefill included), device synchronised.
-        draft_seconds: part spent in the drafter (device time between events on CUDA, wall on CPU).
-        verify_seconds: part spent in verifier verify forwards and acceptance (prefill excluded).
-        rounds: verify rounds run (the batch runs until its last row finishes).
+    """Result of :func:`speculative_generate_batch`: ``rows`` (one :class:`SpecResult` per prompt),
+    ``seconds`` (whole batch), ``draft_seconds``, ``verify_seconds`` (prefill excluded), ``rounds``.
     """
 
     rows: list[SpecResult]
@@ -81,9 +67,6 @@ class BatchSpec:
     rounds: int
 
 
-# ---------------------------------------------------------------------------------------------
-# helpers
-# ---------------------------------------------------------------------------------------------
 def device_of(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
@@ -162,16 +145,9 @@ def cut(row: Sequence[int], eos: set[int], max_new_tokens: int) -> list[int]:
 
 
 def emitted_lengths(accepted: Sequence[int], num_tokens: int) -> list[int]:
-    """Tokens each verify round emitted for one row, given the verifier's raw decisions.
-
-    Args:
-        accepted: per round, drafts the verifier accepted (``a``: the round would emit ``a + 1``).
-        num_tokens: the row's final output length after the cut at EOS / max_new_tokens (the
-            first token comes from the prefill).
-
-    Returns:
-        per round that emitted anything, ``min(a + 1, remaining)``: the last round is cut, later
-        rounds (run while other rows of the batch were unfinished) are dropped.
+    """Tokens each verify round emitted for one row: ``min(a + 1, remaining)`` per round that
+    emitted anything, given the accepted drafts ``accepted`` and the row's final ``num_tokens``
+    (the first comes from the prefill).
     """
     left = max(0, num_tokens - 1)
     out: list[int] = []
@@ -184,21 +160,38 @@ def emitted_lengths(accepted: Sequence[int], num_tokens: int) -> list[int]:
     return out
 
 
+def check_aux_layers(aux_layers: Sequence[int], n_hidden: Optional[int] = None) -> list[int]:
+    """``aux_layers`` as ints; with ``n_hidden`` (``len(hidden_states)``: layers + 1) also in range.
+
+    Raises:
+        UserError: not exactly 3 indices, or one outside ``1..n_hidden - 2``.
+    """
+    aux_layers = [int(i) for i in aux_layers]
+    if len(aux_layers) != 3:
+        raise UserError(
+            f"aux_layers: EAGLE-3 needs exactly 3 HF hidden_states indices, got {aux_layers}"
+        )
+    if n_hidden is not None and (max(aux_layers) >= n_hidden - 1 or min(aux_layers) < 1):
+        raise UserError(
+            f"aux_layers: {aux_layers} outside 1..{n_hidden - 2} for this {n_hidden - 1}-layer verifier"
+        )
+    return aux_layers
+
+
 def aux_states(hidden_states: Sequence[torch.Tensor], aux_layers: Sequence[int]) -> torch.Tensor:
     """``cat(hidden_states[i] for i in aux_layers)`` -> ``[B, T, 3Ht]`` (HF index convention)."""
     return torch.cat([hidden_states[i] for i in aux_layers], dim=-1)  # [B, T, 3Ht]
 
 
 def accepted_prefix(drafts: torch.Tensor, verifier_argmax: torch.Tensor) -> torch.Tensor | int:
-    """Number of leading drafts equal to the verifier's argmax (greedy acceptance at T=0).
+    """Leading drafts equal to the verifier's argmax (greedy acceptance).
 
     Args:
-        drafts: int64 ``[k]`` or ``[B, k]`` drafted verifier ids d_1..d_k.
-        verifier_argmax: int64 ``[(B,) k]`` or ``[(B,) k+1]``; entry j = verifier argmax after the
-            prefix ending at d_j (entry 0 = after the last verified token).
+        drafts: int64 ``[k]`` or ``[B, k]``.
+        verifier_argmax: int64 ``[(B,) k]`` or ``[(B,) k+1]``; entry j = argmax after ``d_j``.
 
     Returns:
-        a in 0..k: an int for 1-D input, int64 ``[B]`` for batched input.
+        0..k: an int for 1-D input, int64 ``[B]`` batched.
     """
     k = drafts.shape[-1]
     match = (drafts == verifier_argmax[..., :k]).long()  # [(B,) k]
@@ -214,12 +207,10 @@ def check_settings(max_new_tokens: int, steps: Optional[int] = None) -> None:
 
 
 def first_mismatch_update(logits, chosen, ref, idx, live, mm_idx, mm_gap):
-    """Record each row's first position where ``chosen`` differs from the reference (no host sync).
+    """Record each row's first position where ``chosen`` differs from ``ref`` (no host sync).
 
-    Args:
-        logits: ``[B, T, V]`` verifier logits of the T emitted candidates; chosen: int64 ``[B, T]`` (their argmax);
-        ref: ``[B, W]`` reference tokens (-1 = none); idx: int64 ``[B, T]`` output indices of the candidates;
-        live: bool ``[B, T]`` which candidates are really emitted; mm_idx ``[B]`` (-1 = none yet), mm_gap ``[B]`` float32.
+    ``logits [B, T, V]``, ``chosen``/``idx`` int64 ``[B, T]``, ``ref [B, W]`` (-1 = none),
+    ``live`` bool ``[B, T]``; updates ``mm_idx [B]`` (-1 = none yet) and ``mm_gap [B]`` float32.
     """
     W = ref.shape[1]
     refj = ref.gather(1, idx.clamp(max=W - 1))  # [B, T]

@@ -1,51 +1,20 @@
-"""Offline decoding with a transformers verifier, batched: plain greedy (the baseline) and EAGLE-3
-chain speculative decoding at temperature 0; given a :class:`eagle3.decoding.sampling.Sampler`, plain
-sampling and chain speculative sampling (drafts sampled from the drafter, rejection sampling) instead.
+"""Offline batched decoding with a transformers verifier: greedy (the baseline) and EAGLE-3 chain
+speculative decoding at temperature 0; with a :class:`eagle3.decoding.sampling.Sampler`, plain
+sampling and chain speculative sampling.
 
-Batching with rows that advance at different speeds (one path for every batch size, 1 included).
-Both decoders keep the verifier's HF KV cache (``DynamicCache``) with ONE slot count for all rows:
-prompts are LEFT-padded; a greedy step appends one slot per row; a verify round appends ``k+1``
-slots per row (the last emitted token and the ``k`` drafts), of which row ``r`` keeps the first
-``a_r + 1`` (``a_r`` accepted drafts). The rejected slots stay in the cache as holes: a 2-D
-``attention_mask`` over slots (0 = pad or rejected) hides them from every later query, and explicit
-``position_ids`` (row ``r``'s next position = its count of kept tokens) keep rotary positions
-contiguous per row. transformers builds the 4-D mask from the 2-D one by slot index (causal) and by
-``attention_mask[b, slot]`` (padding), which is exactly what holes need, for Llama and DeepseekV3
-alike; nothing is cropped, so every round has the same shapes and needs no host sync.
-The drafter's :class:`eagle3.drafter.model.DrafterCache` does the same with its ``valid`` mask.
+Batching: prompts are left-padded in one HF ``DynamicCache``; a verify round appends ``k+1`` slots
+per row and row ``r`` keeps ``a_r + 1``; rejected slots stay as holes hidden by the 2-D
+``attention_mask``, and explicit ``position_ids`` keep rotary positions contiguous, so every round
+has the same shapes and no host sync. The drafter's cache does the same with its ``valid`` mask.
 
-Speculative round (EAGLE-3 paper arXiv 2503.01840; same chain shape as SGLang ``--speculative-num-steps k
---speculative-eagle-topk 1 --speculative-num-draft-tokens k+1``), for every row at once:
+Round (arXiv 2503.01840; SGLang ``--speculative-eagle-topk 1``): draft ``k`` tokens from the
+drafter fed the last round's verified positions, verify ``[x_{t+1}, d_1..d_k]`` in one forward,
+accept the longest prefix equal to the verifier's argmax plus one bonus token. Finished rows run
+on until all have (checked every ``check_every`` rounds).
 
-1. Draft. The drafter's cache holds step-0 keys of verified positions. The positions verified in
-   the last round, ``t0..t``, are fed at step 0 (DESIGN.md TTT indexing: position ``s`` takes token
-   ``x_{s+1}`` and ``fc(f_s)``, rotary position ``s``); in a batch this chunk always has ``k+1``
-   slots, those after the row's accepted ones marked invalid. The output at ``t`` gives draft 1;
-   drafted step ``i`` (1..k-1) feeds the previous draft and the drafter's own previous output at
-   rotary position ``t+i``. Draft ids map to verifier ids with ``target = draft + d2t[draft]``.
-   Afterwards the ``k-1`` drafted slots are cropped (only verified positions keep step-0 keys).
-2. Verify. The verifier runs ``[x_{t+1}, d_1..d_k]`` (``x_{t+1}`` = last emitted token, not yet in
-   its cache) in one forward with ``output_hidden_states=True``. Greedy acceptance: the longest
-   prefix of drafts equal to the verifier's argmax, plus one bonus token (the verifier's argmax
-   after the accepted prefix). The aux states of the kept positions (``hidden_states[i]`` for the
-   configured HF indices) are the drafter's next step-0 input.
-
-Rows that finished (EOS or ``max_new_tokens``) keep running until every row has (their extra
-work is discarded); finishing is checked on the host every ``check_every`` rounds/steps.
-
-Acceptance length of a verify step = the tokens it EMITTED: accepted drafts + 1 (the bonus), the
-last step counted only up to the cut at EOS / ``max_new_tokens`` (a drafter that proposes the
-verifier's own tokens at 3 steps and ``max_new_tokens`` 10 emits 1 + 4 + 4 + 1 tokens: tau 9/3 = 3.0,
-not 12/3). SGLang's ``spec_accept_length = completion_tokens / spec_verify_ct`` also counts the
-prefill token (10/3 there).
-
-Losslessness: output equals greedy decoding token for token up to floating-point ties: the verify
-forward (``k+1`` tokens per row) and greedy's one-token forwards may round differently, which can
-flip an argmax between two near-equal logits. Given greedy's tokens as ``reference``, the
-speculative decoder finds each row's first difference and its logit gap (the verify logits'
-top-1 minus the logit of the token greedy chose there): a near-tie has a gap within the rounding
-of the dtype. In float32 this does not happen in practice; in bf16/fp16 (GPU) it can
-(:mod:`eagle3.decoding.offline` counts both kinds against an explicit tolerance).
+Acceptance length of a step = tokens it emitted (accepted + 1, the last step cut at EOS /
+``max_new_tokens``). Output equals greedy token for token up to floating-point ties; given
+greedy's ``reference``, each row's first difference and its logit gap are recorded.
 """
 
 from __future__ import annotations
@@ -63,6 +32,7 @@ from eagle3.decoding.common import (
     SpecResult,
     accepted_prefix,
     aux_states,
+    check_aux_layers,
     check_prompts,
     check_settings,
     cut,
@@ -79,10 +49,8 @@ from eagle3.sdpa import no_cudnn_sdpa
 
 
 def _cache_kwargs(model: torch.nn.Module, cache) -> dict:
-    """Pass the KV cache under the forward's name for it.
-
-    transformers 5.17 (and remote-code models such as Kimi's) call it ``past_key_values``;
-    transformers 5.24 renamed it ``cache`` (``past_key_values`` deprecated).
+    """The KV cache under the forward's name for it (``past_key_values``, or ``cache`` in
+    transformers >= 5.24).
     """
     if cache is None:
         return {}
@@ -95,10 +63,8 @@ def _returned_cache(out):
 
 
 def _left_pad(prompts: list[list[int]], device: torch.device):
-    """``(ids [B, P], mask [B, P] bool, positions [B, P], lengths [B])`` for left-padded prompts.
-
-    Pads hold token 0 at position 0 and are masked out; each row's last prompt token sits in the
-    last column, so one forward continues every row.
+    """``(ids [B, P], mask [B, P] bool, positions [B, P], lengths [B])`` for left-padded prompts
+    (pads: token 0 at position 0, masked).
     """
     B, P = len(prompts), max(len(p) for p in prompts)
     ids = torch.zeros(B, P, dtype=torch.long)  # [B, P]
@@ -128,9 +94,6 @@ def _forward(verifier, ids, mask, pos, cache, hidden: bool, last_only: bool = Fa
     )
 
 
-# ---------------------------------------------------------------------------------------------
-# greedy baseline
-# ---------------------------------------------------------------------------------------------
 @torch.inference_mode()
 @no_cudnn_sdpa()  # the KV caches grow every step: no per-shape cuDNN plans (eagle3.sdpa)
 def greedy_generate_batch(
@@ -141,15 +104,12 @@ def greedy_generate_batch(
     check_every: int = 8,
     sampler: Optional[Sampler] = None,
 ) -> BatchGreedy:
-    """Plain batched greedy decoding (the benchmark baseline), same cache machinery as the verify; with
-    ``sampler``, plain sampling from the verifier's processed distribution instead of the argmax.
+    """Plain batched greedy decoding (the baseline); with ``sampler``, plain sampling.
 
     Args:
-        verifier: HF causal LM (eval mode) taking ``attention_mask``, ``position_ids`` and a KV cache.
-        prompts: B prompts (lists of ids or 1-D tensors).
-        max_new_tokens: generate at most this many tokens per prompt (>= 1).
-        eos_ids: a row stops after emitting any of these ids (kept in its output).
-        check_every: steps between host checks of "every row finished" (each check is one sync).
+        verifier: HF causal LM (eval) taking ``attention_mask``, ``position_ids`` and a KV cache.
+        prompts: B prompts (id lists or 1-D tensors). max_new_tokens: per prompt (>= 1).
+        eos_ids: a row stops after emitting one (kept). check_every: steps between host checks.
 
     Returns:
         :class:`BatchGreedy`.
@@ -220,9 +180,6 @@ def greedy_generate(
     return res.tokens[0], res.seconds
 
 
-# ---------------------------------------------------------------------------------------------
-# speculative decoding
-# ---------------------------------------------------------------------------------------------
 def _reference_tensor(
     reference: Optional[Sequence[Sequence[int]]], B: int, width: int, device
 ) -> Optional[torch.Tensor]:
@@ -243,15 +200,11 @@ def _reference_tensor(
 
 @dataclass
 class _Chain:
-    """Device state of a speculative batch between rounds (``B`` rows, ``k`` drafts a round).
-
-    ``last [B]`` the last emitted token (not yet in the verifier cache), ``n [B]`` kept verifier positions,
-    ``e [B]`` tokens emitted, ``done [B]``, ``out_tok [B, W]`` the output (column ``W-1`` = discard), ``vmask``
-    ``[B, S]`` the verifier cache's slot mask; ``d_*`` the drafter's next step-0 chunk (ids, aux states, positions,
-    valid flags, and ``d_last [B]`` the slot of each row's last verified position); ``mm_idx``/``mm_gap`` ``[B]``
-    the first mismatch with the reference (-1 = none yet); ``accepted`` one ``[B]`` tensor of accepted drafts per
-    round; ``jj`` = ``arange(k+1)``, ``ones`` ``[B, k+1]`` True. Sampling only: ``q [B, k, Vd]`` float32 the
-    drafter's distributions of this round's drafts, ``targets [Vd]`` the verifier id of each draft id."""
+    """Device state of a speculative batch between rounds (``B`` rows, ``k`` drafts a round):
+    last emitted token, kept positions, emitted counts, ``done``, the output (column ``W-1`` =
+    discard), the verifier slot mask, the drafter's next step-0 chunk, first mismatch and gap,
+    accepted drafts per round; sampling: ``q [B, k, Vd]`` and ``targets [Vd]``.
+    """
 
     cache: object
     vmask: torch.Tensor
@@ -275,23 +228,6 @@ class _Chain:
     targets: Optional[torch.Tensor] = None
 
 
-def _check_aux_layers(aux_layers: Sequence[int]) -> list[int]:
-    aux_layers = [int(i) for i in aux_layers]
-    if len(aux_layers) != 3:
-        raise UserError(
-            f"aux_layers: EAGLE-3 needs exactly 3 HF hidden_states indices, got {aux_layers}"
-        )
-    return aux_layers
-
-
-def _check_aux_range(aux_layers: list[int], n_hidden: int) -> None:
-    """``n_hidden`` = ``len(hidden_states)`` of the verifier (its layers + 1)."""
-    if max(aux_layers) >= n_hidden - 1 or min(aux_layers) < 1:
-        raise UserError(
-            f"aux_layers: {aux_layers} outside 1..{n_hidden - 2} for this {n_hidden - 1}-layer verifier"
-        )
-
-
 def _spec_prefill(verifier, rows, aux_layers, k, max_new_tokens, eos_t, ref, sampler) -> _Chain:
     """The prompts' forward: the first new token of each row (argmax, or sampled by ``sampler``) and the
     drafter's first step-0 chunk."""
@@ -299,7 +235,7 @@ def _spec_prefill(verifier, rows, aux_layers, k, max_new_tokens, eos_t, ref, sam
     device = device_of(verifier)
     ids, vmask, pos, n = _left_pad(rows, device)  # [B, P] x3, [B]
     out = _forward(verifier, ids, vmask, pos, None, hidden=True, last_only=True)
-    _check_aux_range(aux_layers, len(out.hidden_states))
+    check_aux_layers(aux_layers, len(out.hidden_states))
     plogits = out.logits[:, -1:]  # [B, 1, V]
     # [B] x_n: the first new token, not yet in the verifier cache
     last = plogits[:, 0].argmax(-1) if sampler is None else sampler.sample(plogits[:, 0])
@@ -466,36 +402,30 @@ def speculative_generate_batch(
     check_every: int = 4,
     sampler: Optional[Sampler] = None,
 ) -> BatchSpec:
-    """EAGLE-3 chain speculative decoding at temperature 0 of a batch of prompts (lossless w.r.t.
-    :func:`greedy_generate_batch`; see the module docstring for the batching); with ``sampler``, chain
-    speculative sampling (:mod:`eagle3.decoding.sampling`: its output is distributed as plain sampling).
+    """EAGLE-3 chain speculative decoding of a batch at temperature 0 (lossless w.r.t.
+    :func:`greedy_generate_batch`); with ``sampler``, chain speculative sampling.
 
     Args:
-        verifier: HF causal LM; must accept ``attention_mask``, ``position_ids``, a KV cache and
-            ``output_hidden_states=True``.
-        drafter: :class:`eagle3.drafter.model.Eagle3Drafter` on the verifier's device (``project``, ``decode``
-            with ``valid``, ``compute_logits``, ``draft_to_target``).
-        prompts: B prompts (lists of ids or 1-D tensors).
-        aux_layers: three HF ``hidden_states`` indices (0 = embeddings, i = input of layer i), as in
-            ``data_config.json`` / the export's ``eagle3_train.json``.
-        steps: drafted tokens per verify step (k >= 1); the verifier checks k+1 tokens per forward.
-        max_new_tokens: generate at most this many tokens per prompt (>= 1).
-        eos_ids: a row stops after emitting any of these ids (kept, like greedy).
-        reference: optional per-prompt token lists (greedy's output): each row's first difference
-            and its logit gap are recorded in :attr:`SpecResult.mismatch` / :attr:`SpecResult.gap`.
-        check_every: rounds between host checks of "every row finished".
-        sampler: temperature > 0 (``reference`` must then be None: sampled tokens have no reference).
+        verifier: HF causal LM accepting ``attention_mask``, ``position_ids``, a KV cache and
+            ``output_hidden_states``.
+        drafter: :class:`eagle3.drafter.model.Eagle3Drafter` on the verifier's device.
+        prompts: B prompts. aux_layers: three HF ``hidden_states`` indices.
+        steps: drafts per verify step (>= 1). max_new_tokens: per prompt (>= 1).
+        eos_ids: a row stops after emitting one (kept).
+        reference: greedy's per-prompt tokens: first difference and gap recorded in
+            :attr:`SpecResult.mismatch` / :attr:`SpecResult.gap`.
+        check_every: rounds between host checks. sampler: temperature > 0 (no ``reference``).
 
     Raises:
-        UserError: bad ``steps``/``max_new_tokens``/``aux_layers``/``reference``, an empty prompt or batch, a
-            ``reference`` with a ``sampler``.
+        UserError: bad ``steps``/``max_new_tokens``/``aux_layers``/``reference``, an empty prompt
+            or batch, a ``reference`` with a ``sampler``.
     """
     if sampler is not None and reference is not None:
         raise UserError(
             "reference: sampled output (temperature > 0) has no token-by-token reference"
         )
     check_settings(max_new_tokens, steps)
-    aux_layers = _check_aux_layers(aux_layers)
+    aux_layers = check_aux_layers(aux_layers)
     rows = check_prompts(prompts)
     device = device_of(verifier)
     eos = {int(e) for e in eos_ids}

@@ -6,6 +6,8 @@ step of each prompt counted only up to the cut at EOS / ``max_new_tokens`` (coun
 there gives 4.0 instead of 3.0 for a perfect drafter at 3 steps and 10 tokens). SGLang's ``spec_accept_length`` =
 completion tokens / verify steps also counts the prefill token. ``conditional[k]`` = P(draft position k+1 accepted |
 positions <= k accepted); ``unconditional[k]`` = P(positions 1..k+1 all accepted); tau = 1 + sum(unconditional).
+Also: the expected tau of speculative sampling from the draft and target distributions (:func:`expected_tau`) and tau
+per context-length bucket of the prompts (:func:`context_buckets`).
 """
 
 from __future__ import annotations
@@ -247,3 +249,57 @@ def expected_tau(p: torch.Tensor, q: torch.Tensor) -> float:
         )
     alpha = acceptance_probs(p, q)  # [..., k]
     return float((1.0 + alpha.cumprod(-1).sum(-1)).mean())
+
+
+# ---------------------------------------------------------------------------------------------
+# acceptance against context length
+# ---------------------------------------------------------------------------------------------
+def bucket_index(tokens: int, edges: Sequence[int]) -> int:
+    """The context-length bucket of a prompt of ``tokens`` tokens: ``j`` with ``edges[j-1] < tokens <= edges[j]``
+    (``edges`` ascending; bucket 0 from 1 token), ``len(edges)`` past the last edge."""
+    return next((j for j, e in enumerate(edges) if tokens <= e), len(edges))
+
+
+def bucket_label(j: int, edges: Sequence[int]) -> str:
+    """``<=1024``, ``1025-2048``, ... ``>8192``: the prompt tokens bucket ``j`` of ``edges`` holds."""
+    if j == 0:
+        return f"<={edges[0]}"
+    return f">{edges[-1]}" if j == len(edges) else f"{edges[j - 1] + 1}-{edges[j]}"
+
+
+def context_buckets(per_prompt: Sequence[dict], edges: Sequence[int]) -> list[dict]:
+    """tau per context-length bucket of one set's ``per_prompt`` rows (``prompt_tokens``, ``accept_lengths``).
+
+    Returns:
+        one row per bucket, the one past the last edge only when a prompt is there: ``bucket`` (label),
+        ``max_tokens`` (its edge; None past the last), ``prompts``, ``verify_steps``, ``tau`` (emitted tokens per
+        verify step over the bucket's prompts, as the set's tau; NaN without a verify step).
+    """
+    n = len(edges) + 1
+    prompts, steps, emitted = [0] * n, [0] * n, [0] * n
+    for p in per_prompt:
+        j = bucket_index(int(p["prompt_tokens"]), edges)
+        prompts[j] += 1
+        steps[j] += len(p["accept_lengths"])
+        emitted[j] += sum(p["accept_lengths"])
+    return [
+        {
+            "bucket": bucket_label(j, edges),
+            "max_tokens": edges[j] if j < len(edges) else None,
+            "prompts": prompts[j],
+            "verify_steps": steps[j],
+            "tau": emitted[j] / steps[j] if steps[j] else float("nan"),
+        }
+        for j in range(n)
+        if j < len(edges) or prompts[j]
+    ]
+
+
+def add_context_buckets(report: dict, edges: Sequence[int]) -> None:
+    """With ``edges`` (``benchmark.context_lengths`` as capped): ``report["context_edges"]`` and each dataset row's
+    ``context_buckets`` (:func:`context_buckets`); nothing without edges."""
+    if not edges:
+        return
+    report["context_edges"] = list(edges)
+    for d in report["datasets"]:
+        d["context_buckets"] = context_buckets(d["per_prompt"], edges)

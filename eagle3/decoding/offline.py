@@ -1,17 +1,10 @@
-"""The offline benchmark of stage 05 over tokenised prompts: each batch decoded greedily (the baseline) and with
-chain speculative decoding (greedy's tokens as the reference), in the same run and with the same cache machinery, so
-the speedup is EAGLE-3 against greedy at the same batch size and every emitted token is checked.
+"""Stage 05's offline benchmark: each batch decoded greedily (the baseline) and speculatively
+with greedy's tokens as the reference, same run and cache machinery, every emitted token checked.
 
-Batching (``batch_size``): prompts sorted by length (longest first, least padding) are cut into batches; the
-``batched`` decoder (:mod:`eagle3.decoding.decode`) runs them, or at batch 1 the ``static`` one
-(:mod:`eagle3.decoding.static_decode`, CUDA graphs). ``drafter_share`` = drafter time / (drafter + verify time) of
-the speculative steps: where it is large, the drafter does not pay. Losslessness: a difference from greedy comes
-with its logit gap (verify top-1 minus the logit of greedy's token); a gap <= ``tie_tolerance`` is a near-tie
-(rounding of the ``k+1``-token verify vs the one-token greedy forward), larger ones are failures
-(:func:`eagle3.decoding.metrics.lossless_verdict`). At ``temperature`` > 0 the baseline is plain sampling and the
-speculative decoder samples its drafts and decides them by rejection sampling (:mod:`eagle3.decoding.sampling`):
-its output equals plain sampling in distribution only, so no token-by-token verdict is made (``lossless`` None per
-prompt, no mismatches); ``tests/benchmark/test_sampling.py`` checks the distribution.
+Prompts are sorted longest first and cut into batches (``batched`` decoder, or ``static`` at batch
+1). A difference from greedy with a logit gap <= ``tie_tolerance`` is a near-tie, larger ones are
+failures (:func:`eagle3.decoding.metrics.lossless_verdict`). At ``temperature`` > 0 the baseline is
+plain sampling and no token-by-token verdict is made.
 """
 
 from __future__ import annotations
@@ -44,24 +37,22 @@ def bench_prompts(
     temperature: float = 0.0,
     top_p: float = 1.0,
 ) -> dict:
-    """Greedy vs speculative decoding of tokenised prompts, batch by batch (longest first), greedy's tokens the
-    reference: every emitted token is checked, each prompt's first difference comes with its logit gap.
+    """Greedy vs speculative decoding of tokenised prompts, batch by batch (longest first).
 
     Args:
         verifier, drafter: see :func:`eagle3.decoding.decode.speculative_generate_batch`.
-        prompts_ids: ``(id, chat-rendered prompt ids)`` pairs.
-        aux_layers, steps, max_new_tokens, eos_ids: decoding settings (temperature 0).
-        label, batch_size: dataset label (tqdm and report); prompts decoded together (>= 1).
-        tie_tolerance: a difference whose logit gap is <= this is a near-tie (counted, not a failure).
-        decoder: ``benchmark.decoder`` (:func:`eagle3.decoding.static_decode.resolve_decoder`): ``batched``,
-            ``static`` (batch 1, CUDA graphs captured on the longest prompt before the timed set) or ``auto``.
-        temperature, top_p: 0 = greedy (every token checked); > 0 = plain sampling vs speculative sampling with a
-            sampler seeded afresh for this set (:func:`eagle3.decoding.sampling.make_sampler`), batched decoder.
+        prompts_ids: ``(id, prompt ids)`` pairs.
+        aux_layers, steps, max_new_tokens, eos_ids: decoding settings.
+        label, batch_size: dataset label; prompts decoded together (>= 1).
+        tie_tolerance: largest logit gap counted as a near-tie.
+        decoder: ``batched`` | ``static`` | ``auto`` (:func:`resolve_decoder`).
+        temperature, top_p: 0 = greedy; > 0 = sampling with a freshly seeded sampler.
 
     Returns:
-        the set's ``bench.json`` row (:meth:`_BenchTally.summary`) plus ``decoder`` (the one that ran) and
-        ``warm_up_seconds`` (static: graph capture, untimed; 0 for batched).
-    Raises UserError: ``batch_size < 1``, a bad ``decoder``, ``static`` at temperature > 0.
+        the set's ``bench.json`` row plus ``decoder`` and ``warm_up_seconds``.
+
+    Raises:
+        UserError: ``batch_size < 1``, a bad ``decoder``, ``static`` at temperature > 0.
     """
     if batch_size < 1:
         raise UserError(f"benchmark.batch_size: must be >= 1, got {batch_size}")
@@ -220,15 +211,12 @@ class _BenchTally:
     def summary(
         self, label: str, batch_size: int, steps: int, wall: float, tie_tolerance: float
     ) -> dict:
-        """The result dict of :func:`bench_prompts`: ``dataset``, ``num_prompts``, ``batch_size`` (the effective
-        one: ``min(batch_size, num_prompts)``, what the largest batch held), acceptance stats (:func:`acceptance_stats`,
-        emitted tokens only), ``greedy_tokens``, ``greedy_seconds``, ``greedy_tokens_per_s``,
-        ``spec_tokens``, ``spec_seconds``, ``spec_tokens_per_s``, ``speedup``, ``draft_seconds``,
-        ``verify_seconds``, ``drafter_share`` (draft / (draft + verify) of the speculative step time),
-        ``rounds``, ``wall_seconds`` (the whole set, both decoders and the checks), ``tie_tolerance``,
-        ``mismatches`` (list of ``{id, index, gap, near_tie}``: first differing output token, gap =
-        verify top-1 logit minus the logit of greedy's token, None if unknown), ``near_ties`` and
-        ``failures`` (counts of mismatches within / beyond ``tie_tolerance``), ``per_prompt``"""
+        """The result dict of :func:`bench_prompts`: ``dataset``, ``num_prompts``, ``batch_size``
+        (effective), acceptance stats, greedy and speculative tokens / seconds / tokens per second,
+        ``speedup``, ``draft_seconds``, ``verify_seconds``, ``drafter_share``, ``rounds``,
+        ``wall_seconds``, ``tie_tolerance``, ``mismatches`` (``{id, index, gap, near_tie}``),
+        ``near_ties``, ``failures``, ``per_prompt``.
+        """
         g_tok, g_sec, s_tok, s_sec, d_sec, v_sec = (
             self.g_tok,
             self.g_sec,
@@ -291,16 +279,11 @@ def check_context(
     steps: int,
     verifier_config,
 ) -> None:
-    """Refuse a prompt whose decode would run past the verifier's context (``max_position_embeddings``): its tokens
-    plus ``max_new_tokens`` plus the ``steps`` drafts of the last verify step. Such a prompt was benchmarked without a
-    word (a 2,500-token prompt file line on a 2,048-position verifier): positions the verifier was
-    never trained at, whose greedy output and tau mean nothing, and which a server refuses.
-
-    Args:
-        sets: ``[(label, [(prompt id, prompt token ids), ...]), ...]``.
+    """Refuse a prompt whose tokens + ``max_new_tokens`` + ``steps`` exceed the verifier's
+    ``max_position_embeddings``. ``sets``: ``[(label, [(id, ids), ...]), ...]``.
 
     Raises:
-        UserError: the first such prompt: set, id, its tokens, the limit and what to change.
+        UserError: the first such prompt (set, id, tokens, limit, what to change).
     """
     limit = getattr(verifier_config, "max_position_embeddings", None)
     if not limit:

@@ -80,6 +80,7 @@ def render_markdown(report: dict) -> str:
             f"{_f(c)} / {_f(u)}" for c, u in zip(d["conditional"], d["unconditional"])
         )
         lines.append(f"| {md_cell(d['dataset'])} | {d['verify_steps']} | {cells} |")
+    lines += context_lines(report)
     mism = [(d["dataset"], m) for d in report["datasets"] for m in d["mismatches"]]
     if mism:
         lines += [
@@ -97,6 +98,28 @@ def render_markdown(report: dict) -> str:
     for w in report.get("warnings", []):
         lines += ["", f"**warning**: {w}"]
     return "\n".join(lines) + "\n"
+
+
+def context_lines(report: dict) -> list[str]:
+    """``bench.md``'s table of tau per context-length bucket (``datasets[].context_buckets``, present with
+    ``benchmark.context_lengths``): one row per set and bucket holding a prompt; [] without buckets."""
+    if not report.get("context_edges"):
+        return []
+    lines = [
+        "",
+        "tau per context length (chat-rendered prompt tokens; benchmark.context_lengths):",
+        "",
+        "| dataset | prompt tokens | prompts | verify steps | tau |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for d in report["datasets"]:
+        for b in d.get("context_buckets", []):
+            if b["prompts"]:
+                lines.append(
+                    f"| {md_cell(d['dataset'])} | {b['bucket']} | {b['prompts']} | {b['verify_steps']} | "
+                    f"{_f(b['tau'])} |"
+                )
+    return lines
 
 
 def headline(report: dict, out_dir: str | Path) -> str:
@@ -140,14 +163,43 @@ def _lossless_cell(d: dict) -> str:
     return "yes" if not near else f"yes ({near} near-ties)"
 
 
+def plot_context(ax, datasets: Sequence[dict]) -> None:
+    """tau per context-length bucket (``context_buckets``) on ``ax``: one line per dataset over its buckets that
+    hold a prompt, x = the bucket's position among the edges, labelled ``<=1024``, ``1025-2048``, ..."""
+    labels: list[str] = []
+    for d in datasets:
+        for b in d.get("context_buckets", []):
+            if b["bucket"] not in labels:
+                labels.append(b["bucket"])
+    for d in datasets:
+        pts = [
+            (labels.index(b["bucket"]), b["tau"])
+            for b in d.get("context_buckets", [])
+            if b["prompts"]
+        ]
+        if pts:
+            ax.plot(*zip(*pts), "o-", label=str(d["dataset"]))
+    ax.set_xticks(range(len(labels)), labels, rotation=30, fontsize=8)
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("tau")
+    ax.set_title("tau per context length")
+    ax.legend(fontsize=8)
+
+
 def plot_acceptance(datasets: Sequence[dict], steps: int, title: str = "") -> bytes:
-    """PNG bytes: grouped bars of conditional and unconditional acceptance per draft position per dataset."""
+    """PNG bytes: grouped bars of conditional and unconditional acceptance per draft position per dataset, and
+    with context-length buckets (``benchmark.context_lengths``) a third panel of tau per bucket (:func:`plot_context`)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    if any(d.get("context_buckets") for d in datasets):
+        fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+        axes[1].sharey(axes[0])
+        plot_context(axes[2], datasets)
+    else:
+        fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
     width = 0.8 / max(1, len(datasets))
     for ax, key, name in (
         (axes[0], "conditional", "conditional"),

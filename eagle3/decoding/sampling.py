@@ -1,14 +1,11 @@
-"""Decoding at temperature > 0: the processed distributions, plain sampling and speculative rejection sampling.
+"""Decoding at temperature > 0: processed distributions, plain sampling and speculative rejection
+sampling (arXiv 2211.17192, 2302.01318).
 
-``p`` (verifier) and ``q`` (drafter) are the temperature / top-p processed distributions over the verifier's whole
-vocabulary (:func:`processed_probs`); the drafter's distribution is computed over its draft vocab and placed at the
-verifier ids ``draft + d2t[draft]``, so its mass outside the draft vocab is 0. A chain of ``k`` drafts, each sampled
-from ``q``, is decided by standard speculative rejection sampling (Leviathan et al. 2023, arXiv 2211.17192; Chen et
-al. 2023, arXiv 2302.01318): draft ``x`` at position ``j`` is accepted with probability ``min(1, p_j(x) / q_j(x))``
-(:func:`accept`); at the first rejection the token is sampled from ``norm(max(0, p_j - q_j))`` (:func:`residual`);
-when all ``k`` are accepted a bonus token is sampled from ``p_k``. The emitted tokens are distributed exactly as
-plain sampling from ``p`` (lossless in distribution, not token by token). Every draw takes the sampler's seeded
-``torch.Generator`` (one per device), so a run is reproducible.
+``p`` (verifier) and ``q`` (drafter, placed at verifier ids ``draft + d2t[draft]``) are the
+temperature / top-p processed distributions. Draft ``x`` at position ``j`` is accepted with
+probability ``min(1, p_j(x) / q_j(x))``; at the first rejection a token is sampled from
+``norm(max(0, p_j - q_j))``, after ``k`` acceptances a bonus from ``p_k``: the output is distributed
+as plain sampling from ``p``. Draws use the sampler's seeded generator per device.
 """
 
 from __future__ import annotations
@@ -24,13 +21,8 @@ SEED = 0
 
 
 def processed_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
-    """Probabilities of ``logits [..., V]`` at ``temperature`` (> 0) with top-p (nucleus) filtering.
-
-    Top-p keeps the smallest set of most probable tokens whose mass reaches ``top_p`` (a token is kept when the mass
-    of the tokens ranked before it is below ``top_p``; the top-1 always stays) and renormalises.
-
-    Returns:
-        float32 ``[..., V]``, each row summing to 1.
+    """float32 probabilities ``[..., V]`` of ``logits`` at ``temperature`` (> 0) with top-p: the most
+    probable tokens until the mass before a token reaches ``top_p`` (top-1 always), renormalised.
     """
     p = torch.softmax(logits.float() / temperature, dim=-1)
     if top_p >= 1.0:
@@ -98,18 +90,15 @@ class Sampler:
         targets: torch.Tensor,
         logits: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Speculative rejection sampling of a chain (see the module docstring).
+        """Speculative rejection sampling of a chain.
 
         Args:
-            drafts: int64 ``[B, k]`` verifier ids of the drafts.
-            q_draft: float32 ``[B, k, Vd]`` the drafter's processed distributions over its draft vocab.
-            targets: int64 ``[Vd]`` the verifier id of each draft id (``arange(Vd) + d2t``; distinct).
-            logits: ``[B, k+1, V]`` the verifier's logits at ``[last, d_1..d_k]``.
+            drafts: int64 ``[B, k]`` verifier ids. q_draft: float32 ``[B, k, Vd]``.
+            targets: int64 ``[Vd]`` verifier id of each draft id. logits: ``[B, k+1, V]``.
 
         Returns:
-            ``(accepted [B] int64 in 0..k, tokens [B, k+1] int64)``: ``tokens[:, j] = drafts[:, j]`` for
-            ``j < accepted``, ``tokens[:, accepted]`` the token sampled after them (residual or bonus); later
-            columns repeat draft 0 and are never emitted.
+            ``(accepted [B] int64, tokens [B, k+1] int64)``: drafts before ``accepted``, then the
+            residual or bonus token; later columns are never emitted.
         """
         B, k = drafts.shape
         V = logits.shape[-1]

@@ -1,45 +1,22 @@
-"""Benchmark a running SGLang server started with ``--speculative-algorithm EAGLE3`` (HTTP, stdlib only).
+"""Benchmark a running SGLang server started with ``--speculative-algorithm EAGLE3`` (HTTP).
 
-Each prompt is chat-rendered locally (:func:`eagle3.chat.template.prompt_ids`, same template and kwargs as training) and sent
-as ``input_ids`` to ``POST {url}/generate`` with ``sampling_params {temperature: 0, max_new_tokens}``.
+Each prompt is chat-rendered locally (:func:`eagle3.chat.template.prompt_ids`, as in training)
+and sent as ``input_ids`` to ``POST {url}/generate`` (temperature 0). The response's
+``meta_info`` (SGLang 0.5.23) carries ``completion_tokens`` and, with speculation,
+``spec_verify_ct``, ``spec_accept_length`` and ``spec_correct_drafts_histogram`` (``[a]`` = verify
+steps that accepted ``a`` drafts, counted before the cut at EOS / ``max_new_tokens``;
+:func:`emitted_histogram` moves each request's last step down to what it emitted).
 
-Response shape (SGLang 0.5.23, ``srt/managers/tokenizer_manager.py`` ``_handle_batch_output`` and
-``_calculate_spec_decoding_metrics``; non-streaming)::
-
-    {"text": str, "output_ids": [int], "meta_info": {
-        "id", "finish_reason": {"type": "length"|"stop", ...}, "prompt_tokens", "completion_tokens",
-        "cached_tokens", "reasoning_tokens", "e2e_latency",
-        # only with speculative decoding and at least one verify step:
-        "spec_verify_ct",                  # verify forwards of this request
-        "spec_accept_length",              # completion_tokens / spec_verify_ct (incl. bonus token)
-        "spec_accept_rate",                # spec_num_correct_drafts / spec_num_proposed_drafts
-        "spec_num_correct_drafts", "spec_num_proposed_drafts",
-        "spec_correct_drafts_histogram"}}  # [a] = verify steps that accepted exactly a drafts
-
-SGLang counts ``spec_correct_drafts_histogram`` (and ``spec_num_correct_drafts``) per verify step
-BEFORE the output is cut at EOS / ``max_new_tokens`` (``_resolve_spec_overlap_token_ids`` adds the
-accepted count, ``check_finished`` then trims ``output_ids``), while ``completion_tokens`` counts
-only what was emitted. Counted as reported, a drafter proposing the verifier's own tokens at 3
-steps with ``max_new_tokens`` 10 gives histogram ``[0, 0, 0, 3]`` (12 tokens) for 9 tokens emitted
-by the verify steps. :func:`emitted_histogram` moves each request's last step down to what it
-emitted, so every metric here counts emitted tokens only, exactly as the offline benchmark does.
-
-Metrics (pooled over requests, same definitions as :func:`eagle3.decoding.metrics.acceptance_stats`):
-``tau`` = tokens emitted by verify steps (``completion_tokens - 1`` per request: the first token
-comes from the prefill) / ``spec_verify_ct`` = 1 + sum of the unconditional per-position rates of the
-emitted histogram; ``sglang_accept_length`` = sum(completion_tokens) / sum(spec_verify_ct), SGLang's
-own figure (prefill token included); output tokens/s = sum(completion_tokens) / wall seconds
-of the whole set (client clock, ``concurrency`` requests in flight). With two URLs the second is the
-baseline server (no speculation): speedup = tokens/s ratio, and the greedy outputs are compared.
+Metrics (pooled, as :func:`eagle3.decoding.metrics.acceptance_stats`): ``tau`` = tokens emitted by
+verify steps (``completion_tokens - 1`` per request) / ``spec_verify_ct``; ``sglang_accept_length``
+= sum(completion_tokens) / sum(spec_verify_ct) (SGLang's own); output tokens/s over the whole set.
+With two URLs the second is the baseline: speedup = tokens/s ratio, greedy outputs compared.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional, Sequence
@@ -49,7 +26,8 @@ from tqdm import tqdm
 from eagle3.decoding.metrics import rates_from_hist, speedup_warning
 from eagle3.decoding.report import write_server_reports
 from eagle3.errors import UserError
-from eagle3.io import json_error_detail, read_json
+from eagle3.io import read_json
+from eagle3.io.http import request_json
 
 log = logging.getLogger(__name__)
 
@@ -77,30 +55,8 @@ INFO_KEYS = (
 
 
 def _http(url: str, payload: Optional[dict] = None, timeout: float = 600.0) -> dict:
-    """GET (payload None) or POST JSON to ``url``; return the decoded JSON object.
-
-    Raises:
-        UserError: connection failure, HTTP error status (with the body's first 200 chars), non-JSON body.
-    """
-    data = None if payload is None else json.dumps(payload).encode("utf-8")
-    req = urllib.request.Request(
-        url,
-        data=data,
-        headers={"Content-Type": "application/json"},
-        method="GET" if data is None else "POST",
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            body = r.read()
-    except urllib.error.HTTPError as e:
-        snippet = " ".join(e.read().decode("utf-8", "replace").split())[:200]
-        raise UserError(f"server {url}: HTTP {e.code}: {snippet}") from e
-    except (urllib.error.URLError, OSError) as e:
-        raise UserError(f"server {url}: cannot connect: {getattr(e, 'reason', e)}") from e
-    try:
-        return json.loads(body)
-    except json.JSONDecodeError as e:
-        raise UserError(f"server {url}: response is not JSON: {json_error_detail(e)}") from e
+    """:func:`eagle3.io.http.request_json` with errors named ``server {url}``."""
+    return request_json(url, payload, timeout, where=f"server {url}", unreachable="cannot connect")
 
 
 def server_info(url: str, timeout: float = 30.0) -> dict:
@@ -113,10 +69,10 @@ def server_info(url: str, timeout: float = 30.0) -> dict:
 
 
 def generate(url: str, input_ids: list[int], max_new_tokens: int, timeout: float = 600.0) -> dict:
-    """One greedy ``/generate`` request; returns ``{output_ids, text, meta_info, seconds}``.
+    """One greedy ``/generate`` request; ``{output_ids, text, meta_info, seconds}``.
 
     Raises:
-        UserError: transport errors (see :func:`_http`) or a response without ``meta_info.completion_tokens``.
+        UserError: transport errors or no ``meta_info.completion_tokens`` in the response.
     """
     payload = {
         "input_ids": list(input_ids),
@@ -145,25 +101,16 @@ def emitted_histogram(
 ) -> tuple[list[int], str]:
     """One request's accepted-drafts histogram restricted to the tokens it emitted.
 
-    SGLang records each verify step's accepted drafts before the cut at EOS / ``max_new_tokens``,
-    so the last step of a request may be counted with ``a`` accepted drafts although only
-    ``e < a + 1`` of its tokens were emitted. The tokens emitted by verify steps are
-    ``completion_tokens - 1`` (the first comes from the prefill); the histogram implies
-    ``sum((a + 1) * hist[a])``; the excess ``x`` belongs to the last step, which is moved from bucket
-    ``a`` to ``a - x``. ``a >= x`` is all the histogram says about ``a``: when several populated
-    buckets qualify, the most populated one is taken (largest ``a`` on a tie); this changes which
-    draft position loses one count, never the emitted total or tau.
+    Verify steps emitted ``completion_tokens - 1`` tokens; the histogram implies
+    ``sum((a + 1) * hist[a])``; the excess ``x`` is moved from the last step's bucket ``a`` to
+    ``a - x`` (``a >= x``; several candidates: the most populated, largest ``a`` on a tie).
 
     Args:
-        hist: ``spec_correct_drafts_histogram`` of one request (``hist[a]`` = steps with ``a`` accepted drafts).
-        completion_tokens: the request's ``completion_tokens`` (emitted, incl. the prefill token).
-        verify_ct: the request's ``spec_verify_ct``.
+        hist: ``spec_correct_drafts_histogram``; completion_tokens, verify_ct: the request's.
 
     Returns:
-        ``(hist, status)``: the emitted histogram (same length as ``hist``) and ``"exact"`` (nothing
-        to move, or one possible bucket), ``"ambiguous"`` (several buckets qualified) or
-        ``"inconsistent"`` (the histogram implies fewer tokens than emitted, or no bucket can hold
-        the excess; returned unchanged).
+        ``(hist, status)``: status ``"exact"``, ``"ambiguous"`` (several buckets qualified) or
+        ``"inconsistent"`` (returned unchanged).
     """
     h = [int(c) for c in hist]
     emitted = max(0, completion_tokens - 1) if verify_ct > 0 else 0
@@ -188,17 +135,14 @@ def bench_server(
     label: str = "",
     progress: bool = True,
 ) -> dict:
-    """Send every prompt to one server (``concurrency`` in flight) after one untimed warm-up request.
+    """Send every prompt to one server (``concurrency`` in flight) after one untimed warm-up.
 
     Returns:
-        dict: ``url``, ``server_info``, ``num_prompts``, ``completion_tokens``, ``wall_seconds``,
-        ``output_tokens_per_s``, ``mean_request_tokens_per_s``, ``speculative`` (bool), and when
-        speculative: ``verify_steps``, ``tau`` (emitted tokens only, see the module docstring),
-        ``sglang_accept_length`` (SGLang's pooled completion_tokens / verify steps),
-        ``mean_spec_accept_length`` (mean of per-request meta_info values), ``accepted_hist`` (emitted,
-        :func:`emitted_histogram`), ``reported_accepted_hist`` (as SGLang counted it),
-        ``histogram_trims`` (requests per :func:`emitted_histogram` status), ``conditional``,
-        ``unconditional``; ``per_request``.
+        ``url``, ``server_info``, ``num_prompts``, ``completion_tokens``, ``wall_seconds``,
+        ``output_tokens_per_s``, ``mean_request_tokens_per_s``, ``speculative``; when speculative
+        also ``verify_steps``, ``tau``, ``sglang_accept_length``, ``mean_spec_accept_length``,
+        ``accepted_hist`` (emitted), ``reported_accepted_hist``, ``histogram_trims``,
+        ``conditional``, ``unconditional``; ``per_request``.
 
     Raises:
         UserError: the server cannot be reached or answers malformed responses.
@@ -290,13 +234,8 @@ def _send_all(
 
 
 def _tally_requests(prompts_ids: Sequence[tuple[str, list[int]]], results: list[dict]) -> dict:
-    """Per-request rows and the pooled figures of the responses' ``meta_info``.
-
-    Returns:
-        dict: ``per_req`` (rows), ``tokens`` (completion tokens), ``verify`` (verify steps), ``verify_tokens``
-        (completion tokens of speculative requests minus their prefill token), ``accept_lengths``
-        (``spec_accept_length`` values), ``hist`` (emitted, :func:`emitted_histogram`), ``raw_hist`` (as
-        reported), ``trims`` (requests per :func:`emitted_histogram` status).
+    """Per-request rows and pooled figures of the responses' ``meta_info``: ``per_req``, ``tokens``,
+    ``verify``, ``verify_tokens``, ``accept_lengths``, ``hist`` (emitted), ``raw_hist``, ``trims``.
     """
     per_req, hist, raw_hist = [], [], []
     tokens = verify = verify_tokens = 0
@@ -356,17 +295,12 @@ def run_server_bench(
     progress: bool = True,
     extra: Optional[dict] = None,
 ) -> dict:
-    """Benchmark one speculative server (``urls[0]``) and optionally a baseline server (``urls[1]``).
-
-    Writes ``server_bench.json``, ``server_bench.md`` and (when speculative) ``server_acceptance.png``
-    into ``out_dir`` atomically. ``extra`` keys go into the report as they are (05: ``prompt_pick``, ``prompt_ids``,
-    ``warnings``: the subset's, shown in the Markdown too).
+    """Benchmark a speculative server (``urls[0]``) and optionally a baseline (``urls[1]``); write
+    ``server_bench.json``, ``.md`` and ``server_acceptance.png`` into ``out_dir`` (``extra`` keys as given).
 
     Returns:
-        the report: ``servers`` (list of :func:`bench_server` results) and, with two URLs,
-        ``speedup`` (tokens/s of server 1 / server 2) and ``identical_outputs`` (prompts whose
-        ``output_ids`` agree); a speedup above tau (:func:`eagle3.decoding.metrics.speedup_warning`) adds a line to
-        ``warnings`` (logged too).
+        the report: ``servers`` (:func:`bench_server` results) and, with two URLs, ``speedup`` and
+        ``identical_outputs``; a speedup above tau adds a line to ``warnings``.
 
     Raises:
         UserError: no URL or more than two, no prompts, server errors.

@@ -32,27 +32,14 @@ def draft_folder_warnings(
     shards_dir: Path,
     timeout: float = 30.0,
 ) -> tuple[list[str], dict]:
-    """Check the draft folder an SGLang server was started with, when it is readable here; say so when it is not.
-
-    ``GET {url}/server_info`` names ``speculative_draft_model_path``; if that folder exists on this
-    machine, :func:`eagle3.export.reader.check_export_folder` refuses a folder exported for vLLM (SGLang
-    would read its HF-index layer ids with its own +1 rule) and warns when the layers SGLang
-    captures differ from the HF layers of the run's shards (``data_config.json``). It also warns when the server
-    drafts more tokens a step (``speculative_num_steps`` in its ``server_info``, its ``--speculative-num-steps``) than
-    the folder's ``eagle3_train.json`` says the drafter was trained for (``ttt_length``;
-    :func:`eagle3.decoding.checks.ttt_length_warning`), as the offline benchmark does. ``verifier_name`` / ``weights``:
-    the configured verifier's display name and weights fingerprint; ``shards_dir``: the run's shards.
-
-    The server may run on another host, so the folder may not be readable here (or ``/server_info`` may not answer,
-    or name no folder): then none of these checks runs, and one warning line says which were not made and how to
-    make them (run 05 where the folder is readable, or compare by hand). Checks that could not run for want of a
-    file (the folder's ``eagle3_train.json`` ``ttt_length`` / ``config.json``, the shards' ``data_config.json``) are
-    each said in one warning line, also listed in the record's ``not_checked``.
+    """Check the draft folder an SGLang server names (``/server_info``
+    ``speculative_draft_model_path``) when readable here: refuse a vLLM export, warn on captured
+    layers other than the shards', on more draft steps than the drafter's ``ttt_length``, on another
+    verifier. When the folder is not readable, one warning says which checks were not made.
 
     Returns:
-        ``(warnings, record)``: the warning lines, and ``record`` = ``{"url", "path"`` (the folder the server names,
-        or None)``, "speculative_num_steps"`` (or None)``, "readable"`` (the folder was read here)``, "not_checked"``:
-        [what was not checked and why]``}`` (``server_bench.json`` key ``draft_folder``).
+        ``(warnings, record)``: ``record`` = ``{"url", "path", "speculative_num_steps", "readable",
+        "not_checked"}`` (``server_bench.json`` key ``draft_folder``).
 
     Raises:
         UserError: the folder is for the other engine or its layer ids contradict its metadata.
@@ -98,11 +85,10 @@ def _steps_lines(url: str, path: Path, steps: Optional[int], rec: dict) -> list[
 
 
 def _folder_lines(path: str, shards_dir: Path, rec: dict) -> list[str]:
-    """For :func:`draft_folder_warnings`: the folder's engine block and the layers SGLang captures against the shards'
-    (:func:`eagle3.export.reader.check_export_folder`), then every line of ``rec["not_checked"]``.
+    """The readable folder's engine and layer lines, then every line of ``rec["not_checked"]``.
 
     Raises:
-        UserError: the folder is for the other engine or its layer ids contradict its metadata.
+        UserError: as :func:`eagle3.export.reader.check_export_folder`.
     """
     if not (Path(path) / "config.json").is_file():
         rec["not_checked"].append(
@@ -127,13 +113,8 @@ def _folder_lines(path: str, shards_dir: Path, rec: dict) -> list[str]:
 
 
 def _drafter_verifier_lines(folder: Path, name: str, fp: Optional[str], rec: dict) -> list[str]:
-    """For :func:`draft_folder_warnings`: the readable draft folder's recorded verifier against the configured one, as
-    offline 05 checks it (:func:`eagle3.decoding.checks.verifier_warnings`: name, weights fingerprint; the
-    dimensions need the loaded verifier, which ``--server`` does not load). Before, ``--server`` never compared them.
-    A check that cannot be made (:func:`eagle3.decoding.checks.verifier_unchecked`) goes to ``rec["not_checked"]``.
-
-    Returns:
-        the mismatch line (or none).
+    """The readable folder's recorded verifier against the configured one (name, weights
+    fingerprint); a check that cannot be made goes to ``rec["not_checked"]``. Returns the lines.
     """
     mismatch = verifier_warnings(folder, name, None, fp)
     unchecked = None if mismatch else verifier_unchecked(folder, name, fp, dims_checked=False)
@@ -180,17 +161,11 @@ def _verifier_where(vcfg) -> tuple[Optional[Path], str]:
 
 
 def compare_served_model(vcfg, served: str) -> tuple[Optional[str], str]:
-    """Whether ``served`` (a server's ``model_path``: a local path or a hub id) is the configured verifier ``vcfg``.
-
-    Readable here: the same folder/file (``"same folder"``), else the same weights fingerprint
-    (:func:`eagle3.verifier.load.weights_fingerprint`; a copy: ``"same weights"``) or other weights (``"differs"``).
-    Otherwise (another host, a hub id, no weight file to fingerprint) only names can be compared: the last path
-    component of ``served`` against ``verifier.path``'s, its ``gguf_file`` and ``verifier.name``'s, case-insensitive
-    (``"same name"``; None when they differ: it may still be the same model under another name).
+    """Whether ``served`` (a server's ``model_path``) is the configured verifier ``vcfg``.
 
     Returns:
-        ``(verdict, detail)``: ``"same folder"`` | ``"same weights"`` | ``"same name"`` | ``"differs"`` | None, and
-        what the verdict rests on (for the warning line).
+        ``(verdict, detail)``: ``"same folder"`` | ``"same weights"`` (fingerprint) | ``"differs"``
+        when readable here, else ``"same name"`` (last path component, case-insensitive) or None.
     """
     mine, _ = _verifier_where(vcfg)
     sp = Path(served)
@@ -237,18 +212,12 @@ def compare_served_model(vcfg, served: str) -> tuple[Optional[str], str]:
 def served_model_warnings(
     vcfg, urls: Sequence[str], timeout: float = 30.0
 ) -> tuple[list[str], list[dict]]:
-    """Check that each server runs the configured verifier ``vcfg`` (the config's ``verifier:`` section; 05 renders the prompts with ``verifier.path``'s tokenizer
-    and chat template, so a server of another model gets the wrong tokens and its tau says nothing of the drafter).
-
-    Before, 05 never compared the server's ``model_path`` with the config. Now each URL's ``model_path``
-    (:func:`served_model_path`) is compared by :func:`compare_served_model`: other weights give one warning line; a
-    ``model_path`` that cannot be confirmed (unreadable here and named otherwise) or that no endpoint names gives one
-    line saying the check was not made and how to make it. Warnings only: a name says little for certain.
+    """Check that each server runs the configured verifier ``vcfg`` (:func:`compare_served_model`):
+    other weights, or a ``model_path`` that cannot be confirmed, give one warning line each.
 
     Returns:
-        ``(warnings, records)``: one record per URL, ``{"url", "model_path"`` (or None)``, "endpoint"`` (where it was
-        read, or None)``, "verifier"`` (the config's ``display_name()``)``, "match"`` (the verdict, or None)``,
-        "not_checked": [line]}`` (``server_bench.json`` key ``served_model``).
+        ``(warnings, records)``: per URL ``{"url", "model_path", "endpoint", "verifier", "match",
+        "not_checked"}`` (``server_bench.json`` key ``served_model``).
     """
     out, recs = [], []
     _, where = _verifier_where(vcfg)
@@ -290,11 +259,8 @@ def served_model_warnings(
 
 
 def check_speculative_algorithm(url: str, info: dict) -> None:
-    """Refuse a server that runs this project's EAGLE-3 drafter with SGLang's ``EAGLE`` algorithm.
-
-    ``info``: the server's ``/server_info`` (empty when it did not answer: nothing to check). SGLang's ``EAGLE``
-    path (``--speculative-algorithm EAGLE``) captures no aux hidden states, so an EAGLE-3 drafter loaded there
-    accepts almost no drafts without an error (sglang PR 21272); every export of this project is EAGLE-3.
+    """Refuse a server running SGLang's ``EAGLE`` algorithm (it captures no aux states, so an
+    EAGLE-3 drafter accepts almost nothing); ``info``: its ``/server_info`` (empty: not checked).
 
     Raises:
         UserError: ``speculative_algorithm`` is ``EAGLE`` (any case), naming the server and the fix.
@@ -311,14 +277,8 @@ def check_speculative_algorithm(url: str, info: dict) -> None:
 def check_servers(
     urls: Sequence[str], vcfg, shards_dir: Path, tokenizer, chat: ChatOptions
 ) -> tuple[list[str], dict]:
-    """05 ``--server``'s checks: the first server's draft folder (:func:`draft_folder_warnings`), each server's model
-    (:func:`served_model_warnings`) and the chat template and its kwargs against the shards'
-    (:func:`eagle3.decoding.checks.template_check`). ``vcfg``: the config's ``verifier:`` section; ``chat``: the
-    rendering options of the prompts.
-
-    Returns:
-        ``(warning lines, {"not_checked", "draft_folder", "served_model"})``, the dict's keys as each
-        ``server_bench.json`` records them.
+    """05 ``--server``'s checks: draft folder, each server's model, the chat template against the
+    shards'. Returns ``(warning lines, {"not_checked", "draft_folder", "served_model"})``.
     """
     for url in urls:
         check_speculative_algorithm(url, server_info(url))

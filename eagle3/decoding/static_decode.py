@@ -1,33 +1,15 @@
-"""Batch-1 static decoding for stage 05: greedy and EAGLE-3 chain decoding over preallocated caches, every decode step
-(greedy) and every phase of a speculative round captured once as a CUDA graph.
+"""Batch-1 static decoding for stage 05: greedy and EAGLE-3 chain decoding over preallocated
+caches, each decode step and each phase of a speculative round captured once as a CUDA graph (at
+batch 1 a small verifier's step is host-bound; graphs make the speedup measure the algorithm).
 
-Why: at batch 1 a small verifier's step is bound by the host, not the GPU. :mod:`eagle3.decoding.decode` runs
-transformers' ``DynamicCache`` forwards (a growing cache, a 2-D mask rebuilt every step): on the H200 a SmolLM2-135M
-greedy token cost 21.8 ms and an EAGLE-3 round 27.3 ms of verify + 5.4 ms of draft, 1.50x a greedy token, so the
-speedup was tau / 1.5. Replaying graphs, a step
-costs its kernels, for the baseline and for EAGLE-3 alike, so the speedup measures the algorithm, not Python.
+Same results as :mod:`eagle3.decoding.decode` at batch 1 (tests/benchmark/test_static_decode.py):
+the same verify rule, emission cut and mismatch record (:mod:`eagle3.decoding.common`).
 
-Same results as :mod:`eagle3.decoding.decode` at batch 1 (tests/benchmark/test_static_decode.py: greedy equal to
-transformers' ``generate``, EAGLE-3 tokens and acceptance lengths equal to the batched decoder's, tiny Llama and
-DeepseekV3 in float32): the same verify rule (:func:`~eagle3.decoding.common.accepted_prefix`), the same
-emission cut (:func:`~eagle3.decoding.common.emitted_lengths`) and the same first-mismatch record.
-
-How, for one sequence:
-
-* The verifier's keys/values live in a :class:`eagle3.drafter.model.StaticKVCache` (column = position) read by
-  :func:`static_attention`, registered in transformers' ``AttentionInterface`` as ``eagle3_static`` while the decoder
-  lives (the verifier's own modules, weights and rotary do the rest; transformers builds no mask for an
-  unregistered-mask attention). A forward at positions ``pos`` writes its keys there and attends columns ``<= pos``:
-  a rejected draft's columns are overwritten by the next verify, which starts at the first position not kept.
-* The drafter's step-0 keys live in a second one (:meth:`eagle3.drafter.model.Eagle3Drafter.decode_static`).
-* State (kept length, last token, emitted count, done flag, output buffer, per-round acceptance) stays on the device;
-  the host checks "done" every ``check_every`` steps or rounds (one sync each), as the batched decoders do.
-* A round is three graphs: **draft** (``k`` drafts from the previous step output), **verify** (the verifier on
-  ``[last, d_1..d_k]``, greedy acceptance, emission, the aux states of the verified positions), **chunk** (the
-  drafter's step 0 over those positions, whose output at the last kept one starts the next draft). Draft seconds =
-  draft + chunk graphs, verify seconds = the verify graph (CUDA events between replays).
-* Prefill (variable length) runs eagerly through the same attention; graphs are captured in :meth:`StaticDecoder.warm_up`
-  on a warm-up prompt, outside any timing. On the CPU (and with ``cuda_graphs=False``) the same functions run eagerly.
+The verifier's K/V live in a :class:`eagle3.drafter.model.StaticKVCache` (column = position) read by
+:func:`static_attention` (``AttentionInterface["eagle3_static"]``); a rejected draft's columns are
+overwritten by the next verify. A round is three graphs: draft, verify, chunk (the drafter's step 0
+over the verified positions). State stays on the device; the host checks "done" every
+``check_every`` steps. Prefill runs eagerly; graphs are captured in :meth:`StaticDecoder.warm_up`.
 """
 
 from __future__ import annotations
@@ -45,6 +27,7 @@ from eagle3.decoding.common import (
     SpecResult,
     accepted_prefix,
     aux_states,
+    check_aux_layers,
     check_prompts,
     check_settings,
     cut,
@@ -66,12 +49,10 @@ DECODERS = ("auto", "batched", "static")  # benchmark.decoder
 
 
 def resolve_decoder(decoder: str, batch_size: int, device: torch.device) -> str:
-    """``batched`` or ``static`` for ``benchmark.decoder`` at ``batch_size`` on ``device``.
-
-    ``auto``: ``static`` at batch 1 on CUDA (where the host bounds a small verifier's step), else ``batched``.
+    """``batched`` or ``static`` for ``benchmark.decoder`` (``auto``: static at batch 1 on CUDA).
 
     Raises:
-        UserError: an unknown name, or ``static`` at a batch size other than 1 (it decodes one sequence).
+        UserError: an unknown name, or ``static`` at a batch size other than 1.
     """
     if decoder not in DECODERS:
         raise UserError(f"benchmark.decoder: one of {', '.join(DECODERS)}, not {decoder!r}")
@@ -95,15 +76,13 @@ def static_attention(
     static_kv: Optional[StaticKVCache] = None,
     **kwargs,
 ):
-    """Attention of :class:`StaticDecoder`, registered as ``AttentionInterface["eagle3_static"]`` (the signature of
-    transformers' ``sdpa_attention_forward``).
-
-    query ``[1, H, T, Dk]``, key ``[1, Hkv, T, Dk]``, value ``[1, Hkv, T, Dv]`` of the positions ``static_kv.pos``:
-    written to those columns of layer ``module.layer_idx``, then SDPA over all ``C`` columns under
-    ``static_kv.attn_mask`` (``[1, 1, T, C]``, column ``<= position``). Returns ``(out [1, T, H, Dv], None)``.
+    """:class:`StaticDecoder`'s attention (``AttentionInterface["eagle3_static"]``, the signature of
+    ``sdpa_attention_forward``): query ``[1, H, T, Dk]``, key/value of positions ``static_kv.pos``
+    written to those columns, then SDPA over all columns under ``static_kv.attn_mask``
+    ``[1, 1, T, C]``. Returns ``(out [1, T, H, Dv], None)``.
 
     Raises:
-        RuntimeError: called without ``static_kv`` (only :class:`StaticDecoder` passes it).
+        RuntimeError: called without ``static_kv``.
     """
     c = static_kv
     if c is None:
@@ -116,19 +95,16 @@ def static_attention(
 
 
 class StaticDecoder:
-    """Greedy and EAGLE-3 chain decoding of one prompt at a time over static caches (module docstring).
+    """Greedy and EAGLE-3 chain decoding of one prompt at a time over static caches.
 
     Args:
-        verifier: HF causal LM (eval mode) whose attention modules carry ``layer_idx`` and call the attention
-            interface (Llama family, DeepseekV3); switched to ``eagle3_static`` until :meth:`close`.
-        capacity: cache columns: at least the longest prompt + ``max_new_tokens`` + ``2 * steps + 2``.
-        max_new_tokens, eos_ids: decoding settings of every call (a row stops after an EOS id, kept).
-        drafter: :class:`eagle3.drafter.model.Eagle3Drafter` (``project``, ``compute_logits``, ``draft_to_target``,
-            ``decode_static``), None for greedy only.
-        aux_layers: the drafter's three HF ``hidden_states`` indices.
-        steps: drafted tokens per round (k >= 1).
-        cuda_graphs: capture on CUDA (ignored on the CPU).
-        check_every: steps / rounds between host checks of "done".
+        verifier: HF causal LM (eval) whose attention modules carry ``layer_idx``; switched to
+            ``eagle3_static`` until :meth:`close`.
+        capacity: cache columns (>= longest prompt + ``max_new_tokens`` + ``2 * steps + 2``).
+        max_new_tokens, eos_ids: decoding settings (a row stops after an EOS id, kept).
+        drafter: :class:`eagle3.drafter.model.Eagle3Drafter`, None for greedy only.
+        aux_layers: the drafter's three HF indices. steps: drafts per round (>= 1).
+        cuda_graphs: capture on CUDA. check_every: steps / rounds between host checks.
 
     Raises:
         UserError: bad ``steps``/``max_new_tokens``/``aux_layers``.
@@ -147,10 +123,8 @@ class StaticDecoder:
         check_every: int = 4,
     ):
         check_settings(max_new_tokens, steps)
-        if drafter is not None and len(list(aux_layers)) != 3:
-            raise UserError(
-                f"aux_layers: EAGLE-3 needs exactly 3 HF hidden_states indices, got {list(aux_layers)}"
-            )
+        if drafter is not None:
+            check_aux_layers(aux_layers)
         self.verifier, self.drafter, self.k, self.max_new = verifier, drafter, steps, max_new_tokens
         self.aux_layers, self.check_every = [int(i) for i in aux_layers], check_every
         self.dev = next(verifier.parameters()).device
@@ -206,7 +180,6 @@ class StaticDecoder:
             1, dtype=torch.bool, device=self.dev
         )  # [1] live flag of the last verify
 
-    # ------------------------------------------------------------------ pieces
     def _vforward(
         self, ids: torch.Tensor, pos: torch.Tensor, hidden: bool, last_only: bool = False
     ):
@@ -390,7 +363,6 @@ class StaticDecoder:
         ]
         return ts + [t for t in (self.aux, self.h_prev) if t is not None]
 
-    # ------------------------------------------------------------------ contract
     @torch.inference_mode()
     def greedy(self, prompt: Sequence[int]) -> BatchGreedy:
         """Greedy decoding of one prompt (the baseline); result as :func:`eagle3.decoding.decode.greedy_generate_batch`'s.
@@ -433,10 +405,7 @@ class StaticDecoder:
         ids, pos = self._prompt_inputs(row)  # [1, P], [1, P]
         out = self._vforward(ids, pos, hidden=True, last_only=True)
         n_hidden = len(out.hidden_states)
-        if max(self.aux_layers) >= n_hidden - 1 or min(self.aux_layers) < 1:
-            raise UserError(
-                f"aux_layers: {self.aux_layers} outside 1..{n_hidden - 2} for this {n_hidden - 1}-layer verifier"
-            )
+        check_aux_layers(self.aux_layers, n_hidden)
         plogits = out.logits[:, -1:]  # [1, 1, V]
         first = plogits[:, 0].argmax(-1)  # [1]
         self._reset(first, len(row), reference)
@@ -481,12 +450,11 @@ class StaticDecoder:
     def speculative(
         self, prompt: Sequence[int], reference: Optional[Sequence[int]] = None
     ) -> BatchSpec:
-        """EAGLE-3 chain decoding of one prompt; result as :func:`eagle3.decoding.decode.speculative_generate_batch`'s
-        (``reference``: greedy's tokens, for the first mismatch and its logit gap).
+        """EAGLE-3 chain decoding of one prompt; result as :func:`speculative_generate_batch`'s.
 
         Raises:
-            UserError: an empty prompt, no drafter, or ``aux_layers`` outside the verifier. ValueError: the prompt does
-            not fit :attr:`capacity`.
+            UserError: an empty prompt, no drafter, ``aux_layers`` outside the verifier.
+            ValueError: the prompt does not fit :attr:`capacity`.
         """
         if self.drafter is None:
             raise UserError("StaticDecoder.speculative: built without a drafter")

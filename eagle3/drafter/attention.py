@@ -1,7 +1,8 @@
 """Rotary embeddings and the attention kernels of the EAGLE-3 drafter (TTT and KV-cached decode).
 
 Shapes: ``B`` batch, ``L`` sequence, ``nh`` query heads, ``kvh`` key/value heads (GQA, ``nh % kvh == 0``),
-``hd`` head dim, ``i`` the 0-based TTT step.
+``hd`` head dim of queries and keys, ``vd`` of values (``hd`` for the Llama-style layer; MLA's may differ), ``i`` the
+0-based TTT step.
 
 TTT attention (DESIGN.md "TTT indexing"; EAGLE-3 paper arXiv 2503.01840 section 3.3; SpecForge
 ``llama3_eagle.py``): the query of (step ``i``, position ``t``) sees the step-0 keys at positions
@@ -39,14 +40,19 @@ from eagle3.sdpa import resolve_attn_impl
 # rotary position embedding (Llama convention: rotate_half on two halves of the head dim)
 # ---------------------------------------------------------------------------------------------
 def rope_inv_freq(
-    head_dim: int, rope_theta: float, rope_scaling: Optional[dict], device=None
+    head_dim: int,
+    rope_theta: float,
+    rope_scaling: Optional[dict],
+    device=None,
+    allow_yarn: bool = False,
 ) -> torch.Tensor:
     """Inverse frequencies of the Llama rotary embedding, float32 ``[hd/2]``.
 
     ``inv_freq[k] = rope_theta ** (-2k / hd)``. ``rope_scaling`` (HF ``rope_scaling`` /
     ``rope_parameters`` dict, key ``rope_type`` or ``type``) may be ``None``/``default``,
     ``linear`` (positions divided by ``factor``) or ``llama3`` (Llama-3.1 frequency-dependent
-    scaling, HF ``_compute_llama3_parameters``). YaRN and other types are not implemented.
+    scaling, HF ``_compute_llama3_parameters``); with ``allow_yarn`` (the MLA layer) also ``yarn``
+    (:func:`yarn_inv_freq`). Other types are not implemented.
 
     Raises:
         UserError: unsupported ``rope_type``.
@@ -73,9 +79,69 @@ def rope_inv_freq(
         mid = (1 - smooth) * scaled / factor + smooth * scaled
         is_mid = (wavelen >= high_wl) & (wavelen <= low_wl)
         return torch.where(is_mid, mid, scaled)
+    if kind == "yarn" and allow_yarn:
+        return yarn_inv_freq(inv, head_dim, rope_theta, rope_scaling)
     raise UserError(
         f"drafter rope_scaling.rope_type '{kind}' is not supported (use default, linear or llama3)"
     )
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """DeepSeek-V3 / HF ``get_mscale``: ``0.1 * mscale * ln(factor) + 1`` (1 when ``factor <= 1``)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_inv_freq(
+    inv: torch.Tensor, head_dim: int, rope_theta: float, rope_scaling: dict
+) -> torch.Tensor:
+    """YaRN inverse frequencies ``[hd/2]`` (arXiv 2309.00071; DeepSeek-V3 ``yarn_find_correction_range`` /
+    HF ``_compute_yarn_parameters``, truncated correction range): dims rotating fewer than ``beta_slow`` times
+    over ``original_max_position_embeddings`` are interpolated (``inv / factor``), those rotating more than
+    ``beta_fast`` times kept (``inv``), a linear ramp between. ``inv``: the unscaled ``theta ** (-2k / hd)``."""
+    factor = float(rope_scaling["factor"])
+    fast = float(rope_scaling.get("beta_fast", 32.0))
+    slow = float(rope_scaling.get("beta_slow", 1.0))
+    old_ctx = float(rope_scaling["original_max_position_embeddings"])
+
+    def corr_dim(rotations: float) -> float:
+        return head_dim * math.log(old_ctx / (rotations * 2 * math.pi)) / (2 * math.log(rope_theta))
+
+    low = max(math.floor(corr_dim(fast)), 0)
+    high = min(math.ceil(corr_dim(slow)), head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = (
+        (torch.arange(head_dim // 2, dtype=torch.float32, device=inv.device) - low) / (high - low)
+    ).clamp(0, 1)  # [hd/2]: 0 = keep, 1 = interpolate
+    return inv / factor * ramp + inv * (1 - ramp)
+
+
+def rope_attention_factor(rope_scaling: Optional[dict]) -> float:
+    """The factor YaRN multiplies cos/sin by (HF ``attention_factor``; DeepSeek-V3 ``_mscale``):
+    ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)`` (1 for Kimi-K2, whose two are equal); 1 without
+    YaRN."""
+    if not rope_scaling or rope_scaling.get("rope_type", rope_scaling.get("type")) != "yarn":
+        return 1.0
+    factor = float(rope_scaling["factor"])
+    if "attention_factor" in rope_scaling and rope_scaling["attention_factor"] is not None:
+        return float(rope_scaling["attention_factor"])
+    m, m_all = rope_scaling.get("mscale"), rope_scaling.get("mscale_all_dim")
+    if m and m_all:
+        return _yarn_mscale(factor, float(m)) / _yarn_mscale(factor, float(m_all))
+    return _yarn_mscale(factor)
+
+
+def mla_softmax_scale(qk_head_dim: int, rope_scaling: Optional[dict]) -> float:
+    """Softmax scale of an MLA layer: ``qk_head_dim ** -0.5``, times ``mscale(factor, mscale_all_dim) ** 2`` under
+    YaRN with ``mscale_all_dim`` set (DeepSeek-V3 ``DeepseekV3Attention``, SGLang ``compute_mla_mscale_scaling``,
+    vLLM ``DeepseekV2MLAAttention``: ``scaling * mscale * mscale``)."""
+    scale = qk_head_dim**-0.5
+    if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) == "yarn":
+        m_all = rope_scaling.get("mscale_all_dim")
+        if m_all:
+            m = _yarn_mscale(float(rope_scaling["factor"]), float(m_all))
+            scale = scale * m * m
+    return scale
 
 
 def rotary_cos_sin(
@@ -186,6 +252,7 @@ def ttt_attention_sdpa(
     the construction). No host syncs; memory ``O(B nh L hd)``.
     """
     B, nh, L, hd = q.shape
+    vd = values[0].shape[-1]  # value head dim (MLA: may differ from hd)
     kvh = keys[0].shape[1]
     rep = nh // kvh
     i = len(keys) - 1
@@ -211,22 +278,22 @@ def ttt_attention_sdpa(
     sink_k = F.pad(
         eye.repeat_interleave(2, dim=1), (hd, pad - 2 * i)
     )  # [i, hd+pad]: sink j selects channels hd+2j, hd+2j+1
-    sink_v = F.pad(eye, (hd, pad - i))  # [i, hd+pad]: sink j writes its weight to column hd+j
+    sink_v = F.pad(eye, (vd, pad - i))  # [i, vd+pad]: sink j writes its weight to column vd+j
     k_aug = torch.cat(
         [sink_k.expand(B, kvh, i, hd + pad), F.pad(k0, (0, pad))], dim=2
     )  # [B, kvh, i+L, hd+pad]
     v_aug = torch.cat(
-        [sink_v.expand(B, kvh, i, hd + pad), F.pad(v0, (0, pad))], dim=2
-    )  # [B, kvh, i+L, hd+pad]
+        [sink_v.expand(B, kvh, i, vd + pad), F.pad(v0, (0, pad))], dim=2
+    )  # [B, kvh, i+L, vd+pad]
     o = _sdpa(q_aug, k_aug, v_aug, scale, is_causal=True)
-    o = o[:, :, i:]  # [B, nh, L, hd+pad]
-    w = o[..., hd : hd + i]  # [B, nh, L, i] softmax weights of the diagonal keys
-    out = o[..., :hd]  # [B, nh, L, hd] step-0 part, already normalised by the full denominator
+    o = o[:, :, i:]  # [B, nh, L, vd+pad]
+    w = o[..., vd : vd + i]  # [B, nh, L, i] softmax weights of the diagonal keys
+    out = o[..., :vd]  # [B, nh, L, vd] step-0 part, already normalised by the full denominator
     wg = w.reshape(B, kvh, rep, L, i)
     for j in range(1, i + 1):
         out = out + (wg[..., j - 1 : j] * values[j][:, :, None]).reshape(
-            B, nh, L, hd
-        )  # [B, nh, L, hd]
+            B, nh, L, vd
+        )  # [B, nh, L, vd]
     return out
 
 

@@ -1,4 +1,5 @@
-"""The served draft's HF config (a LlamaConfig of ``num_layers`` layers), written by the export
+"""The served draft's HF config (a LlamaConfig of ``num_layers`` layers, or for an MLA drafter a DeepseekV3Config of
+one layer: :func:`draft_layer_config`), written by the export
 (:mod:`eagle3.export.writer`); the engines' context-length rule reads it (:mod:`eagle3.engines.context`).
 """
 
@@ -23,6 +24,45 @@ def untrained_positions(ttt_length: int, steps: int, verb: bool = False) -> str:
     if first == int(steps):
         return f"position {first}" + (" was" if verb else "")
     return f"positions {first}..{int(steps)}" + (" were" if verb else "")
+
+
+def draft_layer_config(a: DrafterArgs, dtype: torch.dtype) -> dict:
+    """The decoder layer's HF config fields: :func:`deepseek_config` for an MLA drafter, else :func:`llama_config`."""
+    return deepseek_config(a, dtype) if a.is_mla else llama_config(a, dtype)
+
+
+def deepseek_config(a: DrafterArgs, dtype: torch.dtype) -> dict:
+    """DeepseekV3Config fields of an MLA drafter (one layer; ``vocab_size`` = verifier vocab, for embeddings): what
+    SGLang 0.5.23 ``kimi_k25_eagle3.py`` / vLLM 0.34 ``deepseek_eagle3.py`` read (``q_lora_rank``,
+    ``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``, ``rope_interleave``,
+    ``rope_theta`` / ``rope_scaling``, ``hidden_act``, ``intermediate_size`` of the dense MLP). ``head_dim`` is the
+    rotary part, as in DeepSeek-V3 configs."""
+    m = a.mla
+    return {
+        "model_type": "deepseek_v3",
+        "hidden_size": a.hidden_size,
+        "intermediate_size": a.intermediate_size,
+        "num_attention_heads": a.num_attention_heads,
+        "num_key_value_heads": a.num_attention_heads,
+        "num_hidden_layers": 1,
+        "q_lora_rank": m["q_lora_rank"],
+        "kv_lora_rank": m["kv_lora_rank"],
+        "qk_nope_head_dim": m["qk_nope_head_dim"],
+        "qk_rope_head_dim": m["qk_rope_head_dim"],
+        "v_head_dim": m["v_head_dim"],
+        "head_dim": m["qk_rope_head_dim"],
+        "rope_interleave": m["rope_interleave"],
+        "hidden_act": "silu",
+        "rms_norm_eps": a.rms_norm_eps,
+        "rope_theta": a.rope_theta,
+        "rope_scaling": a.rope_scaling,
+        "max_position_embeddings": a.max_position_embeddings,
+        "vocab_size": a.target_vocab_size,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "torch_dtype": str(dtype).replace("torch.", ""),
+        "dtype": str(dtype).replace("torch.", ""),
+    }
 
 
 def llama_config(a: DrafterArgs, dtype: torch.dtype) -> dict:

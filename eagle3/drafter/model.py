@@ -53,6 +53,8 @@ from eagle3.data.vocab import check_vocab_map
 from eagle3.drafter.attention import (
     apply_rotary,
     cached_attention,
+    mla_softmax_scale,
+    rope_attention_factor,
     rope_inv_freq,
     rotary_cos_sin,
     ttt_attention,
@@ -63,7 +65,19 @@ from eagle3.sdpa import resolve_attn_impl
 
 VARIANTS = ("eagle3", "eagle3.1")
 """Drafter architectures (module docstring): ``eagle3`` (paper) and ``eagle3.1`` (fc_norm + norm_output)."""
-OPTIONAL_FIELDS = ("rope_scaling", "variant", "num_layers")
+ATTENTIONS = ("llama", "mla")
+"""Decoder-layer attention (module docstring, "Attention"): ``llama`` (GQA, the default) or ``mla`` (DeepSeek-V3
+multi-head latent attention)."""
+MLA_FIELDS = (
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "rope_interleave",
+)
+"""The keys of ``DrafterArgs.mla`` (DeepSeek-V3 config names; ``q_lora_rank`` None = a plain ``q_proj``)."""
+OPTIONAL_FIELDS = ("rope_scaling", "variant", "num_layers", "attention", "mla")
 """:class:`DrafterArgs` fields with a default (absent in checkpoints/exports written before they existed)."""
 
 
@@ -94,6 +108,8 @@ class DrafterArgs:
     rope_scaling: Optional[dict] = None
     variant: str = "eagle3"
     num_layers: int = 1
+    attention: str = "llama"
+    mla: Optional[dict] = None
 
     def __post_init__(self):
         if self.variant not in VARIANTS:
@@ -108,8 +124,9 @@ class DrafterArgs:
             raise UserError(
                 f"drafter field 'num_layers' must be an integer >= 1, got {self.num_layers!r}"
             )
+        self._check_mla()
         for f in fields(self):
-            if f.name in ("rope_scaling", "variant", "num_layers"):
+            if f.name in OPTIONAL_FIELDS:
                 continue
             v = getattr(self, f.name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
@@ -127,13 +144,74 @@ class DrafterArgs:
             raise UserError(
                 f"drafter field 'draft_vocab_size' ({self.draft_vocab_size}) exceeds target_vocab_size ({self.target_vocab_size})"
             )
-        rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling)  # validates rope_scaling
+        rope_inv_freq(
+            self.rope_head_dim, self.rope_theta, self.rope_scaling, allow_yarn=self.is_mla
+        )  # validates rope_scaling
+
+    def _check_mla(self) -> None:
+        """``attention`` is one of :data:`ATTENTIONS`; ``mla`` is set (all of :data:`MLA_FIELDS`) iff it is ``mla``."""
+        if self.attention not in ATTENTIONS:
+            raise UserError(
+                f"drafter field 'attention' must be one of {', '.join(ATTENTIONS)}, got {self.attention!r}"
+            )
+        if not self.is_mla:
+            if self.mla is not None:
+                raise UserError(
+                    "drafter field 'mla' is set but attention is llama; set drafter.attention: mla"
+                )
+            return
+        if not isinstance(self.mla, dict):
+            raise UserError(
+                "drafter.attention is mla but its sizes are missing; set drafter.mla.kv_lora_rank etc."
+            )
+        unknown = sorted(set(self.mla) - set(MLA_FIELDS))
+        if unknown:
+            raise UserError(
+                f"drafter field 'mla.{unknown[0]}' is unknown (expected {', '.join(MLA_FIELDS)})"
+            )
+        for k in MLA_FIELDS:
+            v = self.mla.get(k)
+            if k == "rope_interleave":
+                if not isinstance(v, bool):
+                    raise UserError(
+                        f"drafter field 'mla.rope_interleave' must be true or false, got {v!r}"
+                    )
+                continue
+            if v is None and k == "q_lora_rank":
+                continue
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise UserError(
+                    f"drafter field 'mla.{k}' must be an integer >= 1, got {v!r}; set drafter.mla.{k}"
+                )
+        if self.mla["qk_rope_head_dim"] % 2:
+            raise UserError(
+                f"drafter field 'mla.qk_rope_head_dim' must be even for rotary embeddings, got "
+                f"{self.mla['qk_rope_head_dim']}"
+            )
+        if self.num_layers != 1:
+            raise UserError(
+                f"drafter.num_layers is {self.num_layers} with attention mla; the engines' MLA draft classes "
+                f"(SGLang 0.5.23 kimi_k25_eagle3.py) build one layer: set drafter.num_layers: 1"
+            )
+
+    @property
+    def is_mla(self) -> bool:
+        """Whether the decoder layer's attention is MLA (``attention == "mla"``)."""
+        return self.attention == "mla"
+
+    @property
+    def rope_head_dim(self) -> int:
+        """Width of the rotary part of a query/key head: ``head_dim`` (llama), ``mla.qk_rope_head_dim`` (mla)."""
+        return int(self.mla["qk_rope_head_dim"]) if self.is_mla else self.head_dim
 
     def to_json(self) -> dict[str, Any]:
-        """A JSON-serialisable dict of all fields (``num_layers`` only when it is not 1)."""
+        """A JSON-serialisable dict of all fields (``num_layers`` only when it is not 1; ``attention`` and ``mla`` only
+        for an MLA drafter)."""
         d = asdict(self)
         if d["num_layers"] == 1:
             del d["num_layers"]
+        if not self.is_mla:
+            del d["attention"], d["mla"]
         return d
 
     @classmethod
@@ -252,6 +330,90 @@ class Eagle3Attention(nn.Module):
         return self.o_proj(o.transpose(1, 2).reshape(B, T, self.nh * self.hd))
 
 
+class Eagle3MLAAttention(nn.Module):
+    """DeepSeek-V3 multi-head latent attention (non-absorbed form) from the ``in_mult * H`` wide input (no biases).
+
+    With ``D = in_mult * H``, ``nh`` heads, ``dn = qk_nope_head_dim``, ``dr = qk_rope_head_dim``, ``dv =
+    v_head_dim`` (DeepSeek-V3 ``modeling_deepseek.py`` / HF ``DeepseekV3Attention``; SGLang 0.5.23
+    ``kimi_k25_eagle3.py`` and vLLM 0.34 ``deepseek_eagle3.py`` widen the down projections to ``2H``):
+
+    - queries: ``q_b_proj(q_a_layernorm(q_a_proj(x)))`` (``D -> q_lora_rank -> nh*(dn+dr)``), or ``q_proj(x)`` when
+      ``q_lora_rank`` is None; per head ``[q_nope (dn), q_pe (dr)]``;
+    - ``kv_a_proj_with_mqa(x)`` (``D -> kv_lora_rank + dr``) = ``[c_kv, k_pe]``; ``kv_b_proj(kv_a_layernorm(c_kv))``
+      (``kv_lora_rank -> nh*(dn+dv)``) = per head ``[k_nope, v]``; ``k_pe`` is shared by all heads;
+    - rotary on ``q_pe`` / ``k_pe`` only: interleaved pairs ``(2k, 2k+1)`` when ``rope_interleave`` (DeepSeek, the
+      engines' ``is_neox_style=False``), else the two halves (Llama); YaRN scales them by
+      :func:`eagle3.drafter.attention.rope_attention_factor`;
+    - keys ``[k_nope, k_pe]``, softmax scale :func:`eagle3.drafter.attention.mla_softmax_scale`, ``o_proj``:
+      ``nh*dv -> H``.
+
+    Keys and values are per head after the up-projection (``kvh = nh``), so the TTT attention and the caches take
+    them as the Llama-style layer's, with value head dim ``dv``.
+    """
+
+    def __init__(self, a: DrafterArgs, in_mult: int = 2):
+        super().__init__()
+        m = a.mla
+        self.nh = self.kvh = a.num_attention_heads
+        self.dn, self.dr, self.dv = m["qk_nope_head_dim"], m["qk_rope_head_dim"], m["v_head_dim"]
+        self.kv_rank = m["kv_lora_rank"]
+        self.interleave = m["rope_interleave"]
+        D, qk = in_mult * a.hidden_size, self.dn + self.dr
+        if m["q_lora_rank"] is None:
+            self.q_proj = nn.Linear(D, self.nh * qk, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(D, m["q_lora_rank"], bias=False)
+            self.q_a_layernorm = RMSNorm(m["q_lora_rank"], a.rms_norm_eps)
+            self.q_b_proj = nn.Linear(m["q_lora_rank"], self.nh * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(D, self.kv_rank + self.dr, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.kv_rank, a.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(self.kv_rank, self.nh * (self.dn + self.dv), bias=False)
+        self.o_proj = nn.Linear(self.nh * self.dv, a.hidden_size, bias=False)
+        self.scale = mla_softmax_scale(qk, a.rope_scaling)
+        self.rope_factor = rope_attention_factor(a.rope_scaling)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` ``[B, heads, T, dr]``. Interleaved pairs are first gathered into halves (HF
+        ``apply_rotary_pos_emb_interleave``): the same permutation of q and k leaves every score unchanged."""
+        if self.interleave:
+            B, h, T, d = x.shape
+            x = x.view(B, h, T, d // 2, 2).transpose(-1, -2).reshape(B, h, T, d)
+        x = apply_rotary(x, cos, sin)
+        return x * self.rope_factor if self.rope_factor != 1.0 else x
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """``x`` ``[B, T, in_mult * H]``, cos/sin ``[B, 1, T, dr]`` -> q, k ``[B, nh, T, dn+dr]``, v ``[B, nh, T, dv]``."""
+        B, T, _ = x.shape
+        if hasattr(self, "q_proj"):
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(B, T, self.nh, self.dn + self.dr).transpose(1, 2)  # [B, nh, T, dn+dr]
+        q_nope, q_pe = q.split([self.dn, self.dr], dim=-1)
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split(
+            [self.kv_rank, self.dr], dim=-1
+        )  # [B, T, r], [B, T, dr]
+        kv = self.kv_b_proj(self.kv_a_layernorm(c_kv)).view(B, T, self.nh, self.dn + self.dv)
+        k_nope, v = kv.transpose(1, 2).split(
+            [self.dn, self.dv], dim=-1
+        )  # [B, nh, T, dn], [B, nh, T, dv]
+        q_pe = self._rope(q_pe, cos, sin)  # [B, nh, T, dr]
+        k_pe = self._rope(k_pe[:, None], cos, sin).expand(B, self.nh, T, self.dr)  # [B, nh, T, dr]
+        q = torch.cat([q_nope, q_pe], dim=-1)  # [B, nh, T, dn+dr]
+        k = torch.cat([k_nope, k_pe], dim=-1)  # [B, nh, T, dn+dr]
+        return q, k, v.contiguous()
+
+    def out(self, o: torch.Tensor) -> torch.Tensor:
+        """``o`` ``[B, nh, T, dv]`` -> ``[B, T, H]``."""
+        B, _, T, _ = o.shape
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, self.nh * self.dv))
+
+
+def make_attention(a: DrafterArgs, in_mult: int = 2) -> nn.Module:
+    """The decoder layer's attention for ``a.attention``: :class:`Eagle3Attention` or :class:`Eagle3MLAAttention`."""
+    return Eagle3MLAAttention(a, in_mult) if a.is_mla else Eagle3Attention(a, in_mult)
+
+
 class Eagle3MLP(nn.Module):
     """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
 
@@ -272,7 +434,7 @@ class Eagle3DecoderLayer(nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.hidden_norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.self_attn = Eagle3Attention(a)
+        self.self_attn = make_attention(a)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.mlp = Eagle3MLP(a)
 
@@ -282,7 +444,7 @@ class Eagle3DecoderLayer(nn.Module):
         return self.self_attn.qkv(x, cos, sin)
 
     def finish(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """Attention output ``[B, nh, T, hd]`` + residual ``[B, T, H]`` -> layer output ``[B, T, H]``."""
+        """Attention output ``[B, nh, T, hd]`` (MLA: ``v_head_dim``) + residual ``[B, T, H]`` -> layer output ``[B, T, H]``."""
         h = residual + self.self_attn.out(attn)  # [B, T, H]
         return h + self.mlp(self.post_attention_layernorm(h))  # [B, T, H]
 
@@ -433,7 +595,9 @@ class Eagle3Drafter(nn.Module):
 
     def _inv_freq(self, device) -> torch.Tensor:
         a = self.args
-        return rope_inv_freq(a.head_dim, a.rope_theta, a.rope_scaling, device=device)  # [hd/2]
+        return rope_inv_freq(
+            a.rope_head_dim, a.rope_theta, a.rope_scaling, device=device, allow_yarn=a.is_mla
+        )  # [rope_head_dim/2]
 
     # ---- training: training-time test -------------------------------------------------------
     def ttt_forward(

@@ -42,6 +42,21 @@ LAYER_KEYS = (
     "hidden_norm.weight",
     "post_attention_layernorm.weight",
 )
+MLA_ARCH = "Eagle3DeepseekV2ForCausalLM"
+"""The MLA draft class of both engines (SGLang 0.5.23 ``models/kimi_k25_eagle3.py`` ``EntryClass``; vLLM 0.34
+``models/registry.py`` -> ``deepseek_eagle3.py``): ``config.json`` ``architectures`` of an MLA export."""
+MLA_Q_KEYS = (
+    "self_attn.q_a_proj.weight",
+    "self_attn.q_a_layernorm.weight",
+    "self_attn.q_b_proj.weight",
+)
+"""The MLA layer's query tensors with ``q_lora_rank`` set (without it: ``self_attn.q_proj.weight``)."""
+MLA_KV_KEYS = (
+    "self_attn.kv_a_proj_with_mqa.weight",
+    "self_attn.kv_a_layernorm.weight",
+    "self_attn.kv_b_proj.weight",
+    "self_attn.o_proj.weight",
+)
 VOCAB_KEYS = ("d2t", "t2d")
 HEAD_KEYS = ("fc.weight", "norm.weight", "lm_head.weight") + VOCAB_KEYS
 FC_NORM_KEYS = tuple(f"fc_norm.{j}.weight" for j in range(3))
@@ -54,6 +69,16 @@ EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32"
 UPPER_NORM_KEYS = ("input_layernorm.weight", "hidden_norm.weight")
 """The two names of the pre-attention norm of a decoder layer ``i >= 1`` (vLLM 0.33 reads ``input_layernorm``,
 SGLang 0.5.23 ``hidden_norm``); an export writes the drafter's one weight (``layers.{i}.input_layernorm``) under both."""
+
+
+def layer_keys(a: DrafterArgs) -> tuple[str, ...]:
+    """Decoder layer 0's tensor names without prefix: :data:`LAYER_KEYS` (llama), or the MLA layer's (the names of
+    DeepSeek-V3 checkpoints, which both engines' MLA draft loaders take: q_a/q_b or q_proj, kv_a_proj_with_mqa,
+    the two latent norms, kv_b_proj, o_proj; the MLP and the three norms as :data:`LAYER_KEYS`)."""
+    if not a.is_mla:
+        return LAYER_KEYS
+    q = ("self_attn.q_proj.weight",) if a.mla["q_lora_rank"] is None else MLA_Q_KEYS
+    return q + MLA_KV_KEYS + tuple(k for k in LAYER_KEYS if not k.startswith("self_attn."))
 
 
 def upper_layer_keys(num_layers: int) -> tuple[str, ...]:

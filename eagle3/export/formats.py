@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import ModuleType
+from typing import Optional
 
 from eagle3.drafter.model import VARIANTS
 from eagle3.engines import ENGINES
 from eagle3.errors import UserError
 from eagle3.export import sglang, vllm
-from eagle3.export.common import FC_NORM_KEYS, upper_layer_keys
+from eagle3.export.common import FC_NORM_KEYS, HEAD_KEYS, upper_layer_keys
 
 FORMATS: dict[str, ModuleType] = {"vllm": vllm, "sglang": sglang}
 """Engine -> its format module, one entry an engine of :data:`eagle3.engines.ENGINES`, in the order
@@ -27,10 +28,17 @@ VARIANT_ENGINES = {
 """Which engine serves which drafter variant, and the model code read to say so."""
 
 
-def required_keys(engine: str, variant: str = "eagle3", num_layers: int = 1) -> tuple[str, ...]:
-    """Tensor names an export for ``engine`` must hold (``embed_tokens.weight`` optional): the format's ``KEYS``,
-    plus :data:`FC_NORM_KEYS` for ``eagle3.1`` and :func:`upper_layer_keys` for a deeper drafter."""
-    base = FORMATS[engine].KEYS
+def required_keys(
+    engine: str,
+    variant: str = "eagle3",
+    num_layers: int = 1,
+    layer0: Optional[tuple[str, ...]] = None,
+) -> tuple[str, ...]:
+    """Tensor names an export for ``engine`` must hold (``embed_tokens.weight`` optional): the format's ``KEYS``
+    (``layer0``: layer 0's names without prefix instead, e.g. :func:`eagle3.export.common.layer_keys` of an MLA
+    drafter), plus :data:`FC_NORM_KEYS` for ``eagle3.1`` and :func:`upper_layer_keys` for a deeper drafter."""
+    fmt = FORMATS[engine]
+    base = fmt.KEYS if layer0 is None else tuple(fmt.LAYER0 + k for k in layer0) + HEAD_KEYS
     return base + (FC_NORM_KEYS if variant == "eagle3.1" else ()) + upper_layer_keys(num_layers)
 
 
@@ -40,12 +48,18 @@ def writes_vocab_map(engine: str, draft_vocab_size: int, target_vocab_size: int)
     return FORMATS[engine].writes_vocab_map(draft_vocab_size, target_vocab_size)
 
 
-def check_engine_serves(engine: str, variant: str) -> None:
-    """Refuse an export of a drafter ``variant`` for an ``engine`` that cannot serve it (:data:`VARIANT_ENGINES`).
+def check_engine_serves(engine: str, variant: str, mla: Optional[dict] = None) -> None:
+    """Refuse an export of a drafter ``variant`` for an ``engine`` that cannot serve it (:data:`VARIANT_ENGINES`),
+    and of an MLA drafter (``mla``: its sizes, ``DrafterArgs.mla``) whose sizes the engine's MLA draft class cannot
+    build (the format's ``mla_refusal``).
 
     Raises:
-        UserError: one line naming the engine and the variant.
+        UserError: one line naming the engine and the variant or setting.
     """
+    if mla is not None and engine in FORMATS:
+        why = FORMATS[engine].mla_refusal(mla)
+        if why:
+            raise UserError(f"export.engine: {engine} cannot serve this MLA drafter: {why}")
     if variant not in VARIANT_ENGINES:
         raise UserError(
             f"drafter variant '{variant}': unknown (expected one of {', '.join(VARIANTS)})"

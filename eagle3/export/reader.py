@@ -25,13 +25,16 @@ from eagle3.export.common import (
     CONFIG_BLOCK,
     EMBED_KEY,
     META_FILE,
+    MLA_ARCH,
     UPPER_NORM_KEYS,
     WEIGHTS_FILE,
+    layer_keys,
     need,
 )
 from eagle3.export.formats import FORMATS, format_of, required_keys
 from eagle3.io import read_json
 from eagle3.train.checkpoint import ckpt_dir, list_checkpoints
+from eagle3.verifier.arch import MLA_SIZE_KEYS, mla_sizes
 
 log = logging.getLogger(__name__)
 
@@ -321,7 +324,9 @@ def _check_tensor_names(tensors: dict, args: DrafterArgs, fmt: ModuleType, wpath
     Raises:
         UserError: the first missing tensor (for ``d2t``, why it is needed), else the first unexpected one.
     """
-    want = required_keys("sglang", args.variant, args.num_layers)  # the drafter's names
+    want = required_keys(
+        "sglang", args.variant, args.num_layers, layer_keys(args)
+    )  # the drafter's names
     for key in want:
         if key not in tensors:
             shown = key.replace("midlayer.", fmt.LAYER0, 1)
@@ -438,11 +443,20 @@ def _args_from_config(cfg: dict, path: Path) -> tuple[str, DrafterArgs]:
         )
     heads = need(src, "num_attention_heads", path)
     H = need(src, "hidden_size", path)
+    mla = mla_sizes(src) if MLA_ARCH in (cfg.get("architectures") or []) else None
+    if mla is not None:
+        for k in MLA_SIZE_KEYS:
+            if k != "q_lora_rank":
+                need(src, k, path)
     args = DrafterArgs(
         hidden_size=H,
         num_attention_heads=heads,
-        num_key_value_heads=src.get("num_key_value_heads") or heads,
-        head_dim=src.get("head_dim") or H // heads,
+        num_key_value_heads=heads if mla else src.get("num_key_value_heads") or heads,
+        head_dim=(
+            mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]
+            if mla
+            else src.get("head_dim") or H // heads
+        ),
         intermediate_size=need(src, "intermediate_size", path),
         rms_norm_eps=need(src, "rms_norm_eps", path),
         rope_theta=src.get("rope_theta")
@@ -454,6 +468,7 @@ def _args_from_config(cfg: dict, path: Path) -> tuple[str, DrafterArgs]:
         rope_scaling=src.get("rope_scaling"),
         variant=variant,
         num_layers=n_layers,
+        **({"attention": "mla", "mla": mla} if mla else {}),
     )
     return engine, args
 

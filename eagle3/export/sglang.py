@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from eagle3.drafter.model import DrafterArgs
-from eagle3.export.common import CONFIG_BLOCK, HEAD_KEYS, LAYER_KEYS, variant_keys
+from eagle3.export.common import CONFIG_BLOCK, HEAD_KEYS, LAYER_KEYS, MLA_ARCH, variant_keys
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,14 @@ VOCAB_MAP_REFUSAL = None
 """This engine accepts ``d2t`` in every folder (:func:`writes_vocab_map` is always true)."""
 IDS_KEY = "eagle_config.eagle_aux_hidden_state_layer_ids"
 """Where ``config.json`` states the aux-layer ids."""
+
+
+def mla_refusal(mla: dict) -> Optional[str]:
+    """Why SGLang 0.5.23 cannot build an MLA drafter of these sizes (None: it can): ``kimi_k25_eagle3.py``
+    ``Eagle3MLADecoderLayer`` raises without ``q_lora_rank`` (it fuses ``q_a_proj`` with ``kv_a_proj_with_mqa``)."""
+    if mla.get("q_lora_rank") is None:
+        return "its kimi_k25_eagle3.py needs q_lora_rank (a q_a_proj); set drafter.mla.q_lora_rank"
+    return None
 
 
 def writes_vocab_map(draft_vocab_size: int, target_vocab_size: int) -> bool:
@@ -69,9 +77,12 @@ def build_config(
     num_speculative_tokens: int,
 ) -> dict:
     """SGLang's ``config.json``: ``llama`` (:func:`eagle3.drafter.draft_config.llama_config`) with the EAGLE-3 keys
-    and our ``block`` (:data:`eagle3.export.common.CONFIG_BLOCK`; ``verifier_info`` and ``num_speculative_tokens`` are not part of this format)."""
+    and our ``block`` (:data:`eagle3.export.common.CONFIG_BLOCK`; ``verifier_info`` and ``num_speculative_tokens`` are not part of this format).
+    An MLA drafter: ``llama`` is its DeepseekV3Config fields (:func:`eagle3.drafter.draft_config.deepseek_config`)
+    and ``architectures`` is :data:`eagle3.export.common.MLA_ARCH` (``kimi_k25_eagle3.py``, which reads the same
+    EAGLE-3 keys and maps ``midlayer.`` and ``layers.0.`` alike)."""
     return {
-        "architectures": [ARCH],
+        "architectures": [MLA_ARCH if a.is_mla else ARCH],
         **llama,
         "draft_vocab_size": a.draft_vocab_size,
         "target_hidden_size": a.target_hidden_size,
@@ -82,8 +93,13 @@ def build_config(
 
 
 def is_format(cfg: dict) -> bool:
-    """Whether a ``config.json`` dict is in this format (``architectures`` names :data:`ARCH`)."""
-    return ARCH in (cfg.get("architectures") or [])
+    """Whether a ``config.json`` dict is in this format: ``architectures`` names :data:`ARCH`, or
+    :data:`eagle3.export.common.MLA_ARCH` with the ids in ``eagle_config`` and none at the top level (a vLLM MLA
+    folder states them there)."""
+    archs = cfg.get("architectures") or []
+    if MLA_ARCH in archs:
+        return "eagle_aux_hidden_state_layer_ids" not in cfg
+    return ARCH in archs
 
 
 def layer_source(cfg: dict, path: Path) -> dict:

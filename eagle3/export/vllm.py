@@ -22,7 +22,7 @@ import torch
 
 from eagle3.drafter.model import DrafterArgs
 from eagle3.errors import UserError
-from eagle3.export.common import CONFIG_BLOCK, HEAD_KEYS, LAYER_KEYS, need, variant_keys
+from eagle3.export.common import CONFIG_BLOCK, HEAD_KEYS, LAYER_KEYS, MLA_ARCH, need, variant_keys
 
 ENGINE = "vllm"
 ARCH = "Eagle3Speculator"
@@ -45,6 +45,18 @@ VOCAB_MAP_REFUSAL = (
 """Why this engine refuses a ``d2t`` where :func:`writes_vocab_map` is false."""
 IDS_KEY = "eagle_aux_hidden_state_layer_ids"
 """Where ``config.json`` states the aux-layer ids."""
+
+
+def mla_refusal(mla: dict) -> Optional[str]:
+    """Why vLLM 0.34 cannot serve an MLA drafter of these sizes (None: it can): ``deepseek_eagle3.py``'s weight
+    mapper renames ``kv_a_proj_with_mqa`` to the fused ``fused_qkv_a_proj`` (shard 1), which
+    ``DeepseekV2MLAAttention`` creates only with ``q_lora_rank`` set; and it builds its rotary embedding with
+    ``is_neox_style=False`` (interleaved pairs) whatever the config says."""
+    if mla.get("q_lora_rank") is None:
+        return "its deepseek_eagle3.py loads kv_a_proj_with_mqa into a fused q_a projection; set drafter.mla.q_lora_rank"
+    if not mla.get("rope_interleave", True):
+        return "its deepseek_v2.py rotates interleaved pairs only; set drafter.mla.rope_interleave: true"
+    return None
 
 
 def writes_vocab_map(draft_vocab_size: int, target_vocab_size: int) -> bool:
@@ -72,7 +84,11 @@ def build_config(
 ) -> dict:
     """The speculators ``config.json``: ``llama`` (:func:`eagle3.drafter.draft_config.llama_config`) as the
     ``transformer_layer_config``, the greedy proposal of ``num_speculative_tokens``, the verifier's name and
-    architecture, and our ``block`` (:data:`eagle3.export.common.CONFIG_BLOCK`)."""
+    architecture, and our ``block`` (:data:`eagle3.export.common.CONFIG_BLOCK`). An MLA drafter: vLLM's
+    speculators configs map only llama / qwen3 layers (``speculators/algos.py``), so the folder is a plain HF config
+    (:func:`mla_config`)."""
+    if a.is_mla:
+        return mla_config(llama, a, ids, block)
     arch = str(verifier_info["architecture"])
     return {
         "architectures": [ARCH],
@@ -103,9 +119,31 @@ def build_config(
     }
 
 
+def mla_config(ds: dict, a: DrafterArgs, ids: list[int], block: dict) -> dict:
+    """The ``config.json`` of an MLA drafter for vLLM 0.34 ``deepseek_eagle3.py`` (``Eagle3DeepseekV2ForCausalLM``,
+    ``--speculative-config '{"method": "eagle3", ...}'``): its DeepseekV3Config fields ``ds``
+    (:func:`eagle3.drafter.draft_config.deepseek_config`), ``draft_vocab_size``, ``target_hidden_size``,
+    ``norm_before_residual: false`` (read by ``DeepseekV2Eagle3DecoderLayer``), the EAGLE-3.1 keys, and the
+    top-level ``eagle_aux_hidden_state_layer_ids`` (vLLM ids = HF indices)."""
+    return {
+        "architectures": [MLA_ARCH],
+        **ds,
+        "draft_vocab_size": a.draft_vocab_size,
+        "target_hidden_size": a.target_hidden_size,
+        "norm_before_residual": False,
+        **variant_keys(a.variant),
+        "eagle_aux_hidden_state_layer_ids": ids,
+        CONFIG_BLOCK: block,
+    }
+
+
 def is_format(cfg: dict) -> bool:
-    """Whether a ``config.json`` dict is in this format (``speculators_model_type: eagle3`` or :data:`ARCH`)."""
-    return cfg.get("speculators_model_type") == "eagle3" or ARCH in (cfg.get("architectures") or [])
+    """Whether a ``config.json`` dict is in this format (``speculators_model_type: eagle3`` or :data:`ARCH`, or
+    :data:`eagle3.export.common.MLA_ARCH` with top-level ``eagle_aux_hidden_state_layer_ids``)."""
+    archs = cfg.get("architectures") or []
+    if MLA_ARCH in archs:
+        return "eagle_aux_hidden_state_layer_ids" in cfg
+    return cfg.get("speculators_model_type") == "eagle3" or ARCH in archs
 
 
 def layer_source(cfg: dict, path: Path) -> dict:
@@ -115,7 +153,8 @@ def layer_source(cfg: dict, path: Path) -> dict:
     Raises:
         UserError: a missing key, or ``norm_before_residual`` not false (naming the file and key).
     """
-    layer = need(cfg, "transformer_layer_config", path)
+    mla = MLA_ARCH in (cfg.get("architectures") or [])
+    layer = cfg if mla else need(cfg, "transformer_layer_config", path)
     if cfg.get("norm_before_residual", True):
         raise UserError(
             f"{path}: key 'norm_before_residual' must be false for this drafter (hidden_norm before the residual "

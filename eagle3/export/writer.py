@@ -24,8 +24,8 @@ from typing import Optional
 
 import torch
 
-from eagle3.drafter.draft_config import DEFAULT_EXPORT_DTYPE, llama_config
-from eagle3.drafter.model import Eagle3Drafter
+from eagle3.drafter.draft_config import DEFAULT_EXPORT_DTYPE, draft_layer_config
+from eagle3.drafter.model import DrafterArgs, Eagle3Drafter
 from eagle3.engines import ENGINES, LABELS, others, spelled
 from eagle3.engines.context import check_context_length
 from eagle3.engines.layers import check_aux_layers, engine_layer_ids, layer_id_convention
@@ -37,6 +37,7 @@ from eagle3.export.common import (
     WEIGHTS_FILE,
     check_export_contract,
     export_dtype,
+    layer_keys,
     state_key,
 )
 from eagle3.export.folder import write_export_folder
@@ -82,17 +83,41 @@ def export_drafter(
     )
     a = drafter.args
     tensors = _export_tensors(drafter, engine, include_embeddings, out_dtype)
-    llama = llama_config(a, out_dtype)
+    llama = draft_layer_config(a, out_dtype)
     block = _config_block(engine, aux, ids, verifier_info, a.variant)
-    config = FORMATS[engine].build_config(
-        llama, a, ids, block, verifier_info, num_speculative_tokens
-    )
+    config = export_config(a, engine, aux, verifier_info, out_dtype, num_speculative_tokens)
     meta = _export_meta(engine, aux, ids, block, verifier_info, drafter, include_embeddings, llama)
     if ttt_length is not None:
         meta["ttt_length"] = int(ttt_length)
     if provenance is not None:
         meta["trained_from"] = dict(provenance)
     return write_export_folder(Path(out_dir), engine, tensors, config, meta, provenance)
+
+
+def export_config(
+    a: DrafterArgs,
+    engine: str,
+    aux_layers_hf: list[int],
+    verifier_info: dict,
+    dtype: torch.dtype = DEFAULT_EXPORT_DTYPE,
+    num_speculative_tokens: int = 3,
+) -> dict:
+    """The ``config.json`` :func:`export_drafter` writes for a drafter of args ``a`` (no weights needed: the
+    full-size loader tests read it with :func:`export_tensor_names`)."""
+    ids = engine_layer_ids(list(aux_layers_hf), engine, str(verifier_info["architecture"]))
+    block = _config_block(engine, list(aux_layers_hf), ids, verifier_info, a.variant)
+    return FORMATS[engine].build_config(
+        draft_layer_config(a, dtype), a, ids, block, verifier_info, num_speculative_tokens
+    )
+
+
+def export_tensor_names(a: DrafterArgs, engine: str) -> dict[str, str]:
+    """Export tensor name -> drafter ``state_dict`` name of what :func:`export_drafter` writes for args ``a``
+    (embedding omitted; without ``d2t``/``t2d`` where the engine refuses them)."""
+    required = required_keys(engine, a.variant, a.num_layers, layer_keys(a))
+    if not writes_vocab_map(engine, a.draft_vocab_size, a.target_vocab_size):
+        required = tuple(k for k in required if k not in VOCAB_KEYS)  # full vocab: vLLM refuses d2t
+    return {key: state_key(key) for key in required}
 
 
 def _check_request(
@@ -106,7 +131,7 @@ def _check_request(
     """:func:`export_drafter`'s refusals before anything is written; returns ``(dtype, HF aux layers, engine ids)``."""
     if engine not in ENGINES:
         raise UserError(f"export.engine: unknown engine '{engine}' (expected {spelled()})")
-    check_engine_serves(engine, drafter.args.variant)
+    check_engine_serves(engine, drafter.args.variant, drafter.args.mla)
     out_dtype = export_dtype(dtype)
     FORMATS[engine].warn_dtype(out_dtype)
     for f in VERIFIER_FIELDS:
@@ -127,14 +152,9 @@ def _export_tensors(
     Raises:
         UserError: a required tensor missing from the drafter's state.
     """
-    a = drafter.args
     sd = drafter.state_dict()
-    required = required_keys(engine, a.variant, a.num_layers)
-    if not writes_vocab_map(engine, a.draft_vocab_size, a.target_vocab_size):
-        required = tuple(k for k in required if k not in VOCAB_KEYS)  # full vocab: vLLM refuses d2t
     tensors: dict[str, torch.Tensor] = {}
-    for key in required:
-        src = state_key(key)
+    for key, src in export_tensor_names(drafter.args, engine).items():
         if src not in sd:
             raise UserError(f"drafter state: missing required tensor '{src}' (export key '{key}')")
         tensors[key] = sd[src]

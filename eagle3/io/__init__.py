@@ -1,15 +1,9 @@
 """Atomic file writes, output folders and disk-full errors.
 
-Every output of the pipeline is written to a temporary name in the destination folder and renamed into place
-(``os.replace`` is atomic on POSIX): a kill leaves the old file, the new one or an ignorable ``*.tmp-*`` file.
-
-A full disk (``ENOSPC``) or an exhausted quota (``EDQUOT``) during any of these writes removes the
-temporary file and raises :class:`~eagle3.errors.UserError` with one line: the path, the bytes the
-write needed (when known), the bytes free on that filesystem (``shutil.disk_usage``) and what to do
-after freeing space, worded per stage (:func:`rerun_hint`): 01 and 02 resume when re-run, 04 with
-``--resume``, while 03, 05 and ``04 --export-only`` start over. The CLIs turn it into ``error: ...``
-and exit code 2. Append-only logs (:func:`append_bytes`) roll a failed append back to the previous end of file.
-Reading inputs is :mod:`eagle3.io.read`; the one-writer lock is :mod:`eagle3.io.lock`.
+Every output is written to a temporary name in its folder and renamed into place (``os.replace``):
+a kill leaves the old file, the new one or an ignorable ``*.tmp-*`` file. A full disk or quota
+(``ENOSPC``/``EDQUOT``) removes the temporary file and raises one-line :class:`UserError`
+(:func:`disk_full_error`). Reading inputs: :mod:`eagle3.io.read`; the lock: :mod:`eagle3.io.lock`.
 """
 
 from __future__ import annotations
@@ -63,11 +57,7 @@ def format_bytes(n: int) -> str:
 
 
 def free_bytes(path: str | os.PathLike) -> tuple[int, Path]:
-    """``(bytes free to this user, folder measured)`` on the filesystem that holds ``path``.
-
-    The folder measured is ``path`` when it is a folder, else its parent, or the nearest existing
-    ancestor of that (``shutil.disk_usage``).
-    """
+    """``(bytes free to this user, folder measured)`` for ``path`` (nearest existing folder)."""
     p = Path(path).absolute()
     if not p.is_dir():
         p = p.parent  # name the folder the file goes into
@@ -83,13 +73,11 @@ _rerun_hint = RESUME_HINT
 
 @contextlib.contextmanager
 def rerun_hint(text: str) -> Iterator[None]:
-    """Word the disk-full line (:func:`disk_full_error`) of a stage that does not resume by re-running the same
-    command: ``... free space or move the output folder, then {text}`` for the block (03 and 05 start over, 04 resumes
-    with ``--resume``). A disk-full error the block raises that no writer here turned into one line (a
-    library's own file) gets the same wording before it leaves the block. Restores the earlier wording at the end.
+    """Word the disk-full line of the block's stage: ``... then {text}`` (03 and 05 start over, 04
+    resumes with ``--resume``); the earlier wording is restored at the end.
 
     Raises:
-        UserError: :func:`disk_full_error` for a disk-full exception of the block; other exceptions pass unchanged.
+        UserError: :func:`disk_full_error` for a disk-full exception of the block.
     """
     global _rerun_hint
     before, _rerun_hint = _rerun_hint, text
@@ -103,11 +91,9 @@ def rerun_hint(text: str) -> Iterator[None]:
 def disk_full_error(
     path: str | os.PathLike, exc: BaseException, needed: int | None = None
 ) -> "UserError":
-    """The one-line :class:`UserError` for a write to ``path`` that failed with ``exc`` (disk full).
-
-    Message: ``{path}: disk full (No space left on device) writing {needed}; {free} free on the
-    filesystem of {folder}; free space or move the output folder, then {what to do}``, the last part worded by the
-    running stage (:func:`rerun_hint`; default ``re-run the same command to resume``).
+    """The one-line :class:`UserError` for a write to ``path`` that failed with ``exc`` (disk full):
+    ``{path}: disk full (...) writing {needed}; {free} free on the filesystem of {folder}; free space or
+    move the output folder, then {rerun_hint}``.
     """
     err = getattr(exc, "errno", None)
     reason = (
@@ -127,11 +113,8 @@ def disk_full_error(
 
 @contextlib.contextmanager
 def disk_full_guard(path: Optional[str | os.PathLike], needed: int | None = None) -> Iterator[None]:
-    """Turn a disk-full error (:func:`is_disk_full`) raised inside the block into :func:`disk_full_error` for
-    ``path`` (None: the file the error names, else ``output``).
-
-    Other exceptions pass through unchanged. Cleaning up partial output is the block's job (the
-    atomic writers below do it before the error reaches this guard).
+    """Turn a disk-full error raised in the block into :func:`disk_full_error` for ``path`` (None: the
+    file the error names, else ``output``); other exceptions pass unchanged.
     """
     try:
         yield
@@ -145,19 +128,14 @@ def disk_full_guard(path: Optional[str | os.PathLike], needed: int | None = None
 
 
 def make_dirs(path: str | os.PathLike, field: Optional[str] = None) -> list[Path]:
-    """Create the folder ``path`` and its missing parents (``mkdir -p``); returns the folders made, deepest first.
-
-    A folder that cannot be made (a file in the way, no permission, a read-only file system) stops the run with one
-    line naming the config field that put it there, before anything is written.
+    """``mkdir -p path``; returns the folders made, deepest first.
 
     Args:
-        field: the config field or flag behind ``path`` (``output_root``, ``train.output_dir``, ``--dst``), from
-            the run config's ``output_field``; None: a writer's own parent folder (the path alone).
+        field: the config field or flag behind ``path`` (None: the path alone names it).
 
     Raises:
-        UserError: ``<field>: cannot create the output folder <path>: <why>`` (``why``: ``<p> is a file, not a
-            folder`` when a file is in the way, else the OS's reason); without ``field`` ``<path>: cannot create the
-            folder: <why>``; disk full: :func:`disk_full_error`.
+        UserError: ``<field>: cannot create the output folder <path>: <why>`` (without ``field``:
+            ``<path>: cannot create the folder: <why>``); disk full: :func:`disk_full_error`.
     """
     path = Path(path)
     missing = [p for p in (path, *path.parents) if not p.exists()]
@@ -179,13 +157,10 @@ def make_dirs(path: str | os.PathLike, field: Optional[str] = None) -> list[Path
 
 
 def probe_dirs(path: str | os.PathLike, field: Optional[str] = None) -> None:
-    """Check at a stage's start that :func:`make_dirs` can make ``path`` and that a file can be created in it (its
-    first write may come minutes later): make it, create and remove an empty temporary file there, then remove again
-    the folders this call made (nothing left behind): a read-only or unwritable folder stops the stage at its start.
+    """Check at a stage's start that ``path`` can be made and takes a file; leaves nothing behind.
 
     Raises:
-        UserError: as :func:`make_dirs`; a folder that takes no file: ``<field>: cannot write to the output folder
-            <path>: <why>`` (without ``field``: ``<path>: cannot write to the folder: <why>``).
+        UserError: as :func:`make_dirs`; ``<field>: cannot write to the output folder <path>: <why>``.
     """
     made = make_dirs(path, field)
     try:
@@ -216,10 +191,8 @@ def _probe_write(path: Path, field: Optional[str]) -> None:
 
 
 def _write_all(f, data: bytes) -> None:
-    """Hand ``data`` to the OS through the file object ``f`` (binary).
-
-    Every writer in this module goes through here, so a test can inject ``ENOSPC`` after N bytes
-    by replacing this function. Handles short writes of unbuffered files.
+    """Write all of ``data`` to the binary file ``f`` (short writes retried); every writer here
+    goes through it, so a test can inject ``ENOSPC`` by replacing it.
     """
     view = memoryview(data)
     while view:
@@ -257,18 +230,15 @@ def _umask() -> int:
 def atomic_path(
     path: str | os.PathLike, needed: int | None = None, tmp_prefix: str | None = None
 ) -> Iterator[Path]:
-    """Yield a temporary path next to ``path``; on success fsync and rename it to ``path``. The file gets the
-    permissions ``open()`` would give under the umask (:func:`file_mode`), not ``mkstemp``'s owner-only ``0o600``.
-
-    On an exception the temporary file is removed and ``path`` is untouched.
+    """Yield a temporary path next to ``path``; on success fsync and rename it to ``path`` (mode as
+    ``open()`` under the umask). On an exception the temporary file is removed, ``path`` untouched.
 
     Args:
-        needed: bytes the write will take, for the disk-full message (None: unknown).
-        tmp_prefix: the temporary name's stem (default ``path``'s name); ``TMP_MARK`` follows it.
+        needed: bytes the write takes, for the disk-full message (None: unknown).
+        tmp_prefix: the temporary name's stem (default ``path``'s name).
 
     Raises:
-        UserError: the disk is full or the quota exhausted (temp file already removed); see
-            :func:`disk_full_error`.
+        UserError: disk full / quota exhausted (:func:`disk_full_error`).
     """
     path = Path(path)
     with disk_full_guard(path, needed):
@@ -290,11 +260,7 @@ def atomic_path(
 
 
 def atomic_save_png(fig, path: str | os.PathLike, dpi: float | None = None) -> None:
-    """Save a matplotlib figure as PNG at ``path`` atomically (:func:`atomic_path`) and close it.
-
-    Args:
-        fig: a ``matplotlib.figure.Figure``.
-        dpi: dots per inch (None: matplotlib's ``savefig.dpi``, by default the figure's own).
+    """Save matplotlib ``fig`` as PNG at ``path`` atomically and close it (``dpi`` None: matplotlib's).
 
     Raises:
         UserError: disk full / quota exceeded (nothing left behind).
@@ -312,8 +278,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write ``data`` to ``path`` atomically.
 
     Raises:
-        UserError: disk full / quota exceeded (nothing left behind; message names ``path``,
-            ``len(data)`` and the free space).
+        UserError: disk full / quota exceeded (nothing left behind).
     """
     with atomic_path(path, needed=len(data)) as tmp:
         with open(tmp, "wb") as f:
@@ -323,13 +288,11 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
 def atomic_write_files(
     files: Sequence[tuple[str | os.PathLike, bytes]], remove: Sequence[str | os.PathLike] = ()
 ) -> None:
-    """Write several files as one set, all or nothing: each goes to its temporary name (:func:`atomic_path`), and
-    only once every one is written are they renamed, then the stale files ``remove`` names deleted (a plot an earlier
-    run left that this set has none of): a full disk never leaves new and old files of one report side by side.
+    """Write ``files`` all or nothing: every temporary file is written before any rename, then the
+    stale files ``remove`` names are deleted.
 
     Raises:
-        UserError: disk full / quota exceeded on any of them (every temporary file removed, no file replaced; the
-            message names the file that did not fit).
+        UserError: disk full / quota exceeded (no file replaced; names the file that did not fit).
     """
     with contextlib.ExitStack() as stack:
         for path, data in files:
@@ -342,10 +305,10 @@ def atomic_write_files(
 
 
 def open_append(path: str | os.PathLike):
-    """Open ``path`` for :func:`append_bytes` (unbuffered binary append; parent folders created).
+    """Open ``path`` for :func:`append_bytes` (unbuffered binary append; parents created).
 
     Raises:
-        UserError: disk full / quota exceeded while creating the folder or the file.
+        UserError: disk full / quota exceeded.
     """
     path = Path(path)
     with disk_full_guard(path):
@@ -354,10 +317,8 @@ def open_append(path: str | os.PathLike):
 
 
 def append_bytes(f, data: bytes, path: str | os.PathLike | None = None, fsync: bool = True) -> None:
-    """Append ``data`` to the file ``f`` (from :func:`open_append`) all-or-nothing, then fsync.
-
-    A failed or interrupted append is rolled back (``ftruncate`` to the previous end), so the
-    file never ends in a torn record because of this writer.
+    """Append ``data`` to ``f`` (from :func:`open_append`) all or nothing, then fsync; a failed
+    append is truncated back to the previous end.
 
     Raises:
         UserError: disk full / quota exceeded (file rolled back).
@@ -376,14 +337,8 @@ def append_bytes(f, data: bytes, path: str | os.PathLike | None = None, fsync: b
 
 
 def cut_torn_tail(path: str | os.PathLike, block: int = 1 << 16) -> int:
-    """Cut an append-only log of lines (``metrics.jsonl``) back to its last complete line: the rollback
-    :func:`append_bytes` does for a failed append, for one a kill cut before it could roll back. The bytes after the
-    last newline are that torn line; the next append would join it, and neither row would parse. The file is scanned
-    back ``block`` bytes at a time and cut through :func:`open_append`'s handle; a file that does not exist is left
-    alone (nothing is created).
-
-    Returns:
-        The bytes cut (0: the file ends with a complete line, is empty, or does not exist).
+    """Cut an append-only line log back to its last complete line (a torn tail a kill left), reading
+    back ``block`` bytes at a time; a missing file is left alone. Returns the bytes cut.
     """
     path = Path(path)
     if not path.is_file():
@@ -486,24 +441,15 @@ def _hash_file(f, hasher, block: int = 1 << 22) -> None:
 def atomic_torch_save(
     obj: Any, path: str | os.PathLike, hasher=None, via_path: bool = False
 ) -> None:
-    """``torch.save`` to ``path`` atomically (temp name in the same folder, fsync, rename).
+    """``torch.save(obj)`` to ``path`` atomically; ``hasher`` (e.g. ``xxh3_128``) sees every byte.
 
-    The bytes are those of ``torch.save(obj, io.BytesIO())`` either way. ``hasher`` (e.g.
-    ``xxhash.xxh3_128()``) is updated with every byte of the file.
-
-    Two ways to write the archive:
-
-    - ``via_path=False``: streamed through a Python file object (no in-memory copy of it), the
-      hasher fed as the bytes go out; a failed write's ``OSError`` (ENOSPC) is reported as such.
-    - ``via_path=True`` (stage 02's shard writer threads): torch's C++ zip writer writes the
-      temporary file ``archive.tmp-*`` itself (:data:`ARCHIVE_STEM`), then the file is read back from
-      the page cache for the hasher: no GIL round trip per archive record beside a thread that runs
-      Python. torch's writer reports a full disk without errno: a RuntimeError with less free space
-      left than the tensors need is reported as disk full.
+    ``via_path=False`` streams through a Python file object; ``via_path=True`` lets torch's C++ zip
+    writer write the temporary file (no GIL per record; 02's writer threads) and hashes it read back.
+    torch reports a full disk without errno: a RuntimeError with less free space than the tensors
+    need is taken as disk full.
 
     Raises:
-        UserError: disk full / quota exceeded (nothing left behind; the message names ``path``,
-            the tensor bytes to write and the free space).
+        UserError: disk full / quota exceeded (nothing left behind).
     """
     import torch  # on use (see _save_archive)
 
@@ -558,10 +504,8 @@ def read_json(path: str | os.PathLike) -> Any:
 def output_folder_lock(
     folder: str | os.PathLike, lock_name: str, holder: str, field: Optional[str] = None
 ) -> Iterator[None]:
-    """One writer per output folder for the block: make ``folder`` (:func:`probe_dirs`' checks: it can be made and
-    takes a file), then hold ``folder/lock_name`` (:func:`exclusive_lock`; a second run stops at once with
-    ``<folder>/<lock_name>: <holder>``). When the block fails, the folders this call made are removed again if
-    empty (a refused run leaves nothing behind).
+    """One writer per output folder for the block: :func:`probe_dirs` ``folder``, then hold
+    ``folder/lock_name`` (:func:`exclusive_lock`); on failure the folders made are removed if empty.
 
     Raises:
         UserError: as :func:`make_dirs` / :func:`probe_dirs`; another process holds the lock.

@@ -1,9 +1,7 @@
-"""One writer per output: an exclusive ``flock`` held for a block (:func:`exclusive_lock`) and the probe a reader
-uses to see whether a writer holds one now (:func:`lock_held`).
+"""One writer per output: an exclusive ``flock`` held for a block, and a probe of another's.
 
-filelock's ``FileLock`` takes the same flock, but keeps the lock file on release (this one removes it, a finished
-run leaves nothing behind), has no probe of another process's lock, and falls back to a soft lock file where
-flock is missing (a killed holder's soft lock would block the next run).
+Not filelock: its ``FileLock`` keeps the lock file on release, has no probe, and falls back to a
+soft lock file that a killed holder leaves blocking.
 """
 
 from __future__ import annotations
@@ -19,18 +17,13 @@ from eagle3.errors import UserError
 
 @contextlib.contextmanager
 def exclusive_lock(lock_path: str | os.PathLike, holder: str) -> Iterator[None]:
-    """Hold an exclusive, non-blocking ``flock`` on ``lock_path`` for the block (the OS releases it
-    even on SIGKILL, so a killed run never leaves a stale lock); the file is deleted again at the end
-    of the block, so a finished run leaves no empty lock file behind.
-
-    Deleting a lock file is safe only this way (the usual flock pattern): the holder unlinks it while
-    still holding the lock, and a process that obtains the lock checks that the file it locked is still
-    the one at ``lock_path`` (same device and inode); if the holder removed it in between, it opens the
-    new file and tries again. So two processes never both hold a lock on ``lock_path``.
+    """Hold an exclusive non-blocking ``flock`` on ``lock_path`` for the block (released by the OS even
+    on SIGKILL); the file is removed at the end while still held, and a process that gets the lock
+    checks that the file is still the one at ``lock_path`` (device, inode), else retries.
 
     Args:
-        lock_path: the lock file (created if absent, removed when the block ends).
-        holder: what writes there, for the error, e.g. ``"another 02_extract_hidden run is writing to X"``.
+        lock_path: the lock file (created if absent).
+        holder: what writes there, for the error.
 
     Raises:
         UserError: ``{lock_path}: {holder}`` when another process holds the lock.
@@ -63,11 +56,8 @@ def exclusive_lock(lock_path: str | os.PathLike, holder: str) -> Iterator[None]:
 
 
 def lock_held(lock_path: str | os.PathLike) -> bool:
-    """Whether a running process holds the :func:`exclusive_lock` on ``lock_path`` now, for a reader that must not
-    read what that process is writing (03 over 02's shards). The staleness rule is :func:`exclusive_lock`'s: the lock
-    is the ``flock``, not the file, and the OS releases it when its process ends, even on SIGKILL; so a lock file a
-    dead process left behind is not held (False), nor is a missing or unreadable one. The probe takes a shared lock
-    for an instant and releases it; nothing is created or removed.
+    """Whether a live process holds :func:`exclusive_lock` on ``lock_path`` now (a stale, missing or
+    unreadable file: False). Takes a shared lock for an instant; creates nothing.
     """
     try:
         f = open(lock_path, "rb")

@@ -90,11 +90,10 @@ def safe_torch_load(path: str | os.PathLike, map_location: str | torch.device = 
 
 
 def not_utf8_error(path: str | os.PathLike, exc: UnicodeDecodeError) -> UserError:
-    """The one-line error for a text file that is not UTF-8: ``file:line: not UTF-8 text: byte 0xff at column 12
-    ...``, the line and the byte's column (1-based, in bytes) found by decoding the file's bytes again (``.gz``
-    decompressed; a leading byte-order mark skipped, as the readers skip it). The text readers stream, so the
-    exception alone knows only an offset into the buffer that failed, not the line (before: ``cannot read: 'utf-8'
-    codec can't decode byte 0xff in position 131``, or a traceback)."""
+    """The one-line error for a file that is not UTF-8: ``file:line: not UTF-8 text: byte 0xff at
+    column 12 ...`` (line and 1-based byte column found by decoding the file again; ``.gz`` and a BOM
+    handled as the readers do).
+    """
     path = Path(path)
     try:
         with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as f:
@@ -149,11 +148,10 @@ def lone_surrogate_field(obj: Any, field: str = "") -> Optional[str]:
 
 
 def check_no_lone_surrogate(text: str, record: Any, where: str) -> None:
-    """Refuse a record parsed from the JSON ``text`` that holds a lone surrogate (:func:`lone_surrogate_field`; the
-    text is searched for a surrogate escape first, so a record without one costs one regex search).
+    """Refuse a record parsed from JSON ``text`` that holds a lone surrogate (regex pre-filter first).
 
     Raises:
-        UserError: ``<where>: field 'messages[0].content' holds an unpaired UTF-16 surrogate escape ...``.
+        UserError: ``<where>: field '...' holds an unpaired UTF-16 surrogate escape ...``.
     """
     if not _SURROGATE_ESCAPE.search(text):
         return
@@ -173,13 +171,11 @@ def lone_surrogate_error(where: str, field: str) -> UserError:
 
 
 def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
-    """Yield ``(line number, record)`` for each non-blank line of a JSONL file (``.gz`` read as gzip). A UTF-8
-    byte-order mark at the start (Windows editors write one) is skipped.
+    """Yield ``(line number, record)`` per non-blank line of a JSONL file (``.gz``: gzip; BOM skipped).
 
     Raises:
-        UserError: ``file:line: malformed JSON: ...`` on the first bad line; ``file:line: not UTF-8 text: ...``
-            (:func:`not_utf8_error`) on the first byte that is not UTF-8; ``file:line: field '...' holds an unpaired
-            UTF-16 surrogate escape ...`` (:func:`check_no_lone_surrogate`).
+        UserError: ``file:line: malformed JSON``, not UTF-8 (:func:`not_utf8_error`), or a lone
+            surrogate (:func:`check_no_lone_surrogate`).
     """
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open

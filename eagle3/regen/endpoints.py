@@ -1,40 +1,27 @@
 """A pool of HTTP serving endpoints: load spread, dead ones out of rotation, retries with backoff.
 
-Used by stage 01 to regenerate answers through serving nodes (``eagle3.regen.regen_server``). One
-endpoint = one server base URL (e.g. one SGLang node ``http://node3:30000``). Policy:
-
-* **Load spread**: each request goes to the live endpoint with the fewest requests in flight
-  (ties: the one used least recently), at most ``per_endpoint`` in flight per endpoint; a caller
-  waits for a free slot.
-* **Retries**: a request that fails with a timeout, a connection error (refused, reset, dropped
-  mid-response), HTTP 5xx or 429, or an unparsable body is retried up to ``max_attempts`` attempts
-  in all, after ``backoff_s * 2**(attempt-1)`` seconds (capped at ``backoff_max_s``, with +-25%
-  jitter), on another endpoint when one is free. Other 4xx statuses (a bad request: the prompt is
-  too long, an unknown model name) are not retried. :class:`RequestFailed` carries the last error.
-* **Dead endpoints**: ``dead_after`` consecutive failed attempts take an endpoint out of rotation
-  for ``revive_after_s`` seconds; then one probe request is let through, and a success brings it
-  back (a failed probe sends it out again). When every endpoint has been failing (out of rotation
-  or failing its probes) for ``give_up_after_s`` seconds,
-  :class:`AllEndpointsDown` (a :class:`UserError`) stops the run; work finished so far is kept by
-  the caller's resume log.
-
-HTTP uses the standard library (``urllib.request``): one connection per request, which costs
-nothing next to an LLM answer's latency.
+* Load spread: a request goes to the live endpoint with the fewest in flight (ties: least
+  recently used), at most ``per_endpoint`` each.
+* Retries: timeouts, connection errors, HTTP 5xx/408/429 and unparsable bodies are retried up to
+  ``max_attempts`` in all after ``backoff_s * 2**(attempt-1)`` s (capped, +-25% jitter), on another
+  endpoint when one is free; other 4xx are not.
+* Dead endpoints: ``dead_after`` consecutive failures take one out for ``revive_after_s``, then
+  one probe request; every endpoint failing for ``give_up_after_s`` raises :class:`AllEndpointsDown`.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import requests
+
 from eagle3.errors import UserError
+from eagle3.io.http import HTTPFailure, request_json, root_error
 
 log = logging.getLogger(__name__)
 
@@ -98,19 +85,17 @@ class RetryPolicy:
 
 
 class EndpointPool:
-    """Thread-safe choice of an endpoint for each request (see the module docstring for the policy).
+    """Thread-safe choice of an endpoint for each request (module docstring).
 
     Args:
-        urls: server base URLs (no trailing path), at least one, no duplicates.
+        urls: server base URLs, at least one, no duplicates.
         per_endpoint: requests in flight per endpoint (>= 1).
-        dead_after: consecutive failed attempts that take an endpoint out of rotation (>= 1).
-        revive_after_s: seconds out of rotation before a probe request is let through.
-        give_up_after_s: seconds with every endpoint out of rotation before :class:`AllEndpointsDown`.
-        headers: extra HTTP headers sent with every request (e.g. ``Authorization``).
-        what: config key named in error messages.
+        dead_after: consecutive failed attempts that take an endpoint out (>= 1).
+        revive_after_s, give_up_after_s: seconds out before a probe; seconds all out before giving up.
+        headers: extra HTTP headers (e.g. ``Authorization``). what: config key named in errors.
 
     Raises:
-        UserError: no URL, a duplicate URL, or a URL that is not ``http(s)://host[:port]``.
+        UserError: no URL, a duplicate, or one that is not ``http(s)://host[:port]``.
     """
 
     def __init__(
@@ -151,7 +136,6 @@ class EndpointPool:
         """Requests in flight over all endpoints at most."""
         return self.per_endpoint * len(self.endpoints)
 
-    # ---- choosing and releasing ---------------------------------------------------------------
     def _usable(self, ep: Endpoint, now: float) -> bool:
         if ep.in_flight >= self.per_endpoint:
             return False
@@ -162,12 +146,10 @@ class EndpointPool:
         return True
 
     def acquire(self, avoid: Optional[Endpoint] = None) -> Endpoint:
-        """Block until an endpoint has a free slot; return it with the slot taken.
-
-        ``avoid``: prefer another endpoint than this one (the one that just failed) when possible.
+        """Block until an endpoint has a free slot (preferring one other than ``avoid``); slot taken.
 
         Raises:
-            AllEndpointsDown: every endpoint has been out of rotation for ``give_up_after_s``.
+            AllEndpointsDown: every endpoint out of rotation for ``give_up_after_s``.
         """
         with self._cv:
             while True:
@@ -228,27 +210,20 @@ class EndpointPool:
                     ep.dead_until = time.monotonic() + self.revive_after_s
             self._cv.notify_all()
 
-    # ---- before the run --------------------------------------------------------------------------
     def preflight(self, timeout: float = 10.0, path: str = "/health") -> list[str]:
-        """GET ``path`` on every endpoint once; an endpoint that does not answer at all starts out of rotation.
-
-        Any HTTP answer (even 404 from a hosted API without ``/health``) counts as reachable; a refused
-        or timed-out connection does not. Returns the unreachable URLs.
+        """GET ``path`` on every endpoint once (any HTTP answer counts as reachable); unreachable
+        ones start out of rotation. Returns their URLs.
 
         Raises:
-            UserError: no endpoint answers (names each URL and its error), so a run against a wrong
-                address stops at once instead of after ``give_up_after_s``.
+            UserError: no endpoint answers (each URL and its error).
         """
         bad: dict[str, str] = {}
         for ep in self.endpoints:
-            req = urllib.request.Request(ep.url + path, method="GET", headers=self.headers)
             try:
-                with urllib.request.urlopen(req, timeout=timeout) as resp:
-                    resp.read()
-            except urllib.error.HTTPError:
-                pass  # it answered
-            except (urllib.error.URLError, TimeoutError, OSError) as e:
-                bad[ep.url] = f"{type(getattr(e, 'reason', e)).__name__}: {getattr(e, 'reason', e)}"
+                requests.get(ep.url + path, timeout=timeout, headers=self.headers)
+            except requests.RequestException as e:
+                root = root_error(e)
+                bad[ep.url] = f"{type(root).__name__}: {root}"
         if len(bad) == len(self.endpoints):
             raise UserError(
                 f"{self.what}: no endpoint answers ("
@@ -269,32 +244,13 @@ class EndpointPool:
                     ep.dead_until = time.monotonic() + self.revive_after_s
         return list(bad)
 
-    # ---- one request --------------------------------------------------------------------------
     def _post_once(self, ep: Endpoint, path: str, payload: dict, timeout: float) -> Any:
-        data = json.dumps(payload).encode("utf-8")
-        req = urllib.request.Request(ep.url + path, data=data, method="POST", headers=self.headers)
-        where = f"{ep.url}{path}"
         try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
-                body = resp.read()
-        except urllib.error.HTTPError as e:
-            detail = e.read().decode("utf-8", "replace").strip().splitlines()
-            msg = f"{where}: HTTP {e.code}: {detail[0][:300] if detail else e.reason}"
-            raise _AttemptError(msg, retryable=e.code >= 500 or e.code in (408, 429)) from e
-        except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
-            # refused, reset, dropped mid-response (http.client.RemoteDisconnected/IncompleteRead), timeout
-            reason = getattr(e, "reason", None) or e
-            raise _AttemptError(
-                f"{where}: {type(reason).__name__}: {reason}", retryable=True
-            ) from e
-        except Exception as e:  # http.client.HTTPException family not derived from OSError (IncompleteRead, BadStatusLine)
-            raise _AttemptError(f"{where}: {type(e).__name__}: {e}", retryable=True) from e
-        try:
-            return json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise _AttemptError(
-                f"{where}: response is not JSON: {body[:120]!r}", retryable=True
-            ) from e
+            return request_json(
+                ep.url + path, payload, timeout, unreachable="", headers=self.headers
+            )
+        except HTTPFailure as e:
+            raise _AttemptError(str(e), e.retryable) from e
 
     def post(
         self, path: str, payload: dict, timeout: float, policy: RetryPolicy, check=None
@@ -302,19 +258,14 @@ class EndpointPool:
         """POST ``payload`` as JSON to ``path`` on some endpoint, retrying per ``policy``.
 
         Args:
-            path: e.g. ``/generate`` or ``/v1/chat/completions``.
-            payload: the JSON body.
-            timeout: seconds allowed for one attempt (connect + answer).
-            policy: attempts and backoff.
-            check: optional ``check(response) -> parsed``; a ``ValueError`` it raises counts as a
-                retryable failed attempt (e.g. a response of the wrong shape, an aborted request).
+            timeout: seconds per attempt. check: optional ``check(response) -> parsed``; a
+                ``ValueError`` from it is a retryable failed attempt.
 
         Returns:
             ``(check(response) or response, attempts used)``.
 
         Raises:
-            RequestFailed: out of attempts, or a non-retryable HTTP status (message: the last error).
-            AllEndpointsDown: see :meth:`acquire`.
+            RequestFailed: out of attempts, or a non-retryable status. AllEndpointsDown: see :meth:`acquire`.
         """
         last: Optional[Endpoint] = None
         for attempt in range(1, policy.max_attempts + 1):

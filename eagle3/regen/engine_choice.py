@@ -23,12 +23,10 @@ def make_engine(
     options: Optional[dict] = None,
     planned_answers: Optional[int] = None,
 ):
-    """A continuous-batching engine of :mod:`eagle3.regen.slots` by name (``slots`` or ``hf_continuous``).
-
-    ``options``: the engine's keyword arguments (``SlotEngine``: check_every, prefill_tokens, width_classes,
-    cuda_graphs, attention, compile_step, prefix_reuse, refill_free, prefill_graphs, prefill_pack). The slot cache holds prompts shorter than ``max_context`` (the context cap; None = the model's
-    ``max_position_embeddings`` less ``max_new_tokens``) plus ``max_new_tokens`` answer tokens. ``planned_answers``:
-    the turns the run will submit (the slot engine's ``compile_step="auto"`` sizes the work with it).
+    """A continuous-batching engine by name (``slots`` | ``hf_continuous``) with ``options`` (its
+    keyword arguments); the cache holds prompts under ``max_context`` (None: the model's
+    ``max_position_embeddings`` less ``max_new_tokens``) plus the answer; ``planned_answers`` sizes
+    ``compile_step="auto"``.
     """
     stop_ids = stop_token_ids(tokenizer)
     cfg = model.config.get_text_config()
@@ -52,10 +50,7 @@ def make_engine(
 
 
 def engine_options(pc) -> Optional[dict]:
-    """The continuous engine's keyword arguments from ``prompts`` (:class:`eagle3.config.prompts.PromptsConfig`);
-    ``compile_step`` is ``prompts.regen_compile`` as set (``True``, ``False`` or ``"auto"``, which the engine decides),
-    ``prefix_reuse`` ``prompts.regen_prefix_reuse``, ``refill_free`` ``prompts.regen_refill_free``, ``prefill_graphs``
-    ``prompts.regen_prefill_graphs``, ``prefill_pack`` ``prompts.regen_prefill_pack``."""
+    """The continuous engine's keyword arguments from the ``prompts`` config's ``regen_*`` keys."""
     if pc.regen_engine == "slots":
         return {
             "check_every": pc.regen_check_every,

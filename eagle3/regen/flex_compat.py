@@ -32,16 +32,11 @@ def block_mask_from_kv_blocks(
     q_len: int,
     kv_len: int,
 ):
-    """``BlockMask`` of ``[.., q_len, kv_len]`` from per-query-block kv block lists (device ops only, no host sync).
+    """``BlockMask`` of ``[.., q_len, kv_len]`` from per-query-block kv block lists (device ops only).
 
     Args:
-        kv_num_blocks: int32 ``[B, H, nQ]``, blocks each query block reads; kv_indices: int32 ``[B, H, nQ, nK]``.
-        block: block size (query and kv).
-        mask_mod: ``fn(b, h, q_idx, kv_idx) -> bool`` applied inside the listed blocks (every block is partial).
-        q_len, kv_len: sequence lengths (torch's ``seq_lengths``; older torch: the mask is ``_adjust``-ed to them).
-
-    Returns:
-        The ``BlockMask`` (no transposed q-block index where this torch can skip it: inference only).
+        kv_num_blocks: int32 ``[B, H, nQ]``; kv_indices: int32 ``[B, H, nQ, nK]``.
+        block: block size. mask_mod: applied inside the listed blocks. q_len, kv_len: lengths.
     """
     from torch.nn.attention.flex_attention import BlockMask
 

@@ -14,21 +14,15 @@ log = logging.getLogger(__name__)
 
 
 class HFContinuousEngine(Engine):
-    """transformers' continuous batching (``model.init_continuous_batching``) behind the :class:`Engine` contract.
-
-    Its scheduler thread batches queued requests under ``max_requests_per_batch = slots`` (and its token
-    budget); priorities are honoured only as submission order (the manager is FIFO). ``generated_tokens``
-    ends with the stop token when one was produced; it is cut off here, as everywhere in stage 01.
+    """transformers' continuous batching (``model.init_continuous_batching``) behind :class:`Engine`
+    (FIFO: priorities only as submission order; the stop token is cut off).
 
     Args:
-        model: HF causal LM; its attention implementation is switched to ``paged|<impl>`` while the engine
-            lives (transformers does this) and restored by :meth:`close`.
-        slots: ``max_requests_per_batch``.
-        max_new_tokens, stop_ids: answer budget and stop set.
-        max_len: longest prompt + answer; sizes the paged cache to ``slots x max_len`` tokens (None: transformers'
-            sizing from free memory).
-        use_cuda_graph: transformers' switch (None = its own choice).
-        max_memory_percent: share of free accelerator memory for the paged cache (None = transformers' 0.9).
+        model: HF causal LM (attention switched to ``paged|<impl>`` until :meth:`close`).
+        slots: ``max_requests_per_batch``. max_new_tokens, stop_ids: answer budget and stop set.
+        max_len: longest prompt + answer, sizing the paged cache (None: transformers' sizing).
+        use_cuda_graph: transformers' switch (None: its choice).
+        max_memory_percent: share of free memory for the paged cache (None: 0.9).
     """
 
     def __init__(

@@ -28,22 +28,15 @@ class SlotCache:
     """Preallocated KV cache of :class:`SlotEngine` and the per-forward routing its attention reads.
 
     Attributes:
-        k, v: per layer ``[S, Hkv, L, D]`` in the verifier's dtype (``L``: ``max_len``, rounded up to whole
-            flex blocks on the flex path).
-        rows: prefill mode: slot index of each prefill row, int64 ``[P]``; None = decode mode.
-        lengths: decode mode: cached tokens per slot of the step's prefix (= the column the step's key is
-            written to), int64 ``[n]``.
-        groups: decode, ``sdpa_groups``: per slot group clipped to the prefix ``(first slot, end slot, mask
-            [S_g, 1, 1, cap])``, mask True where a slot's cached column is attended (the group reads its cap's columns).
-        flex: decode, ``flex``: ``fn(query, key, value, attn_len, kv_indices, scale, kv_num_blocks=)``
-            (:func:`flex_decode` with the block size bound); None on the sdpa_groups path.
-        attn_len: decode, ``flex``: last attended column per row of the prefix, int64 ``[n]`` (0 for finished
-            and empty slots: they read one block).
-        kv_indices: decode, ``flex``: static block indices ``[S, 1, 1, L / block]`` int32 (``arange`` per row).
-        prefill_cols, prefill_mask: prefill of rows at column offsets (cross-turn prefix reuse; None: every row from
-            column 0, causal): :func:`offset_prefill_layout`.
-        packed: packed prefill mode (``prefill_pack``): the forward's
-            :class:`eagle3.regen.packed_prefill.PackedRouting`; None otherwise.
+        k, v: per layer ``[S, Hkv, L, D]`` in the verifier's dtype.
+        rows: prefill: slot of each row, int64 ``[P]``; None = decode.
+        lengths: decode: cached tokens per slot of the prefix, int64 ``[n]``.
+        groups: decode, ``sdpa_groups``: ``(first slot, end slot, mask [S_g, 1, 1, cap])`` per group.
+        flex: decode, ``flex``: the bound :func:`flex_decode`; None otherwise.
+        attn_len: decode, ``flex``: last attended column per row, int64 ``[n]``.
+        kv_indices: decode, ``flex``: int32 ``[S, 1, 1, L / block]`` (``arange`` per row).
+        prefill_cols, prefill_mask: prefill at column offsets (:func:`offset_prefill_layout`).
+        packed: packed prefill: the forward's :class:`PackedRouting`; None otherwise.
     """
 
     k: list
@@ -86,15 +79,12 @@ def check_kv_fits(
     where: str = "the GPU has free",
     v_head_dim: Optional[int] = None,
 ) -> int:
-    """Bytes of a slot KV cache (K and V, ``n_layers`` x ``[rows, kv_heads, cols, head_dim]`` each (V ``v_head_dim``
-    wide when given: MLA), ``elem_bytes`` a value); raises :class:`KVCacheTooLarge` when they exceed :data:`KV_FREE_SHARE` of ``free_bytes`` (the GPU's free
-    memory, ``torch.cuda.mem_get_info``, or on the CPU the host's available memory: ``where`` says which), naming the
-    settings that size it, instead of a CUDA out-of-memory traceback at the allocation (on the CPU: the kernel's OOM
-    killer, a bare ``Killed`` and no line at all). SmolLM2-135M (30 layers, 3 KV heads
-    of 64, bf16) at 1,024 rows x 2,560 columns: 56.2 GiB; at 2,048 rows: 112.5 GiB.
+    """Bytes of a slot KV cache (``n_layers`` x K and V ``[rows, kv_heads, cols, head_dim]``, V
+    ``v_head_dim`` wide when given), checked against :data:`KV_FREE_SHARE` of ``free_bytes`` (``where``
+    names GPU or host memory).
 
     Raises:
-        KVCacheTooLarge: the cache would not fit (a :class:`eagle3.errors.UserError`: one line, exit 2 in 01).
+        KVCacheTooLarge: the cache would not fit (a one-line :class:`UserError` naming the settings).
     """
     dv = head_dim if v_head_dim is None else v_head_dim
     need = n_layers * rows * kv_heads * cols * (head_dim + dv) * elem_bytes

@@ -1,28 +1,13 @@
-"""Packed prefill for stage 01's slot engine (``prompts.regen_prefill_pack``): no padding between prompts.
+"""Packed prefill for the slot engine (``prompts.regen_prefill_pack``): no padding between prompts.
 
-A right-padded prefill forward of ``P`` prompts feeds ``P x width`` tokens, the longest prompt's width for every
-row (on the 17K config's run: 3.50M tokens fed for 1.83M real ones, 1.91x), and each new
-``(rows, width)`` is a new shape. A packed forward feeds the prompts' tokens back to back as ONE sequence
-``[1, Tq]``, ``Tq`` the token count rounded up to a power of two (:func:`packed_bucket`; the tail is padding), and
-attention keeps the prompts apart with a document mask:
-
-* query token ``t`` of row ``r`` (its ``j``-th fed token, at RoPE position and cache column ``offsets[r] + j``)
-  attends the tokens of row ``r`` at columns ``<= offsets[r] + j``: its own fed tokens up to itself, and, for a
-  row continuing a cached prefix (cross-turn prefix reuse, :mod:`eagle3.regen.slots`), the ``offsets[r]``
-  cached columns of its slot, gathered from the KV cache into a prefix stream of ``Tp`` entries after the fed ones
-  (``Tp``: ``sum(offsets)`` rounded up the same way; 0 when no row has a prefix);
-* the K/V of every fed token are written into its slot at its column first (padding tokens into column ``L - 1``
-  of slot 0, a column no request ever writes or reads: a prompt and its answer fill at most ``max_len - 1``
-  columns, the answer's last token is never fed back, so the engine needs no scratch row and its decode cache keeps
-  its shape);
-* FlexAttention (compiled on CUDA, eager on the CPU) runs over ``[fed tokens | prefix stream]`` with a
-  ``BlockMask`` built from kv-block ranges computed on the host (:func:`packed_layout`): a query block reads the
-  fed-token blocks from its first row's start to itself and the prefix blocks of its rows, nothing else, so the
-  work is the block-diagonal part, not ``Tq x (Tq + Tp)``. Padding queries form a document of their own at column
-  0 (they attend each other: finite values, never read).
-
-The few ``(Tq, Tp)`` shapes are what a CUDA graph captures (the engine captures a shape at its second use, so a
-shape seen once costs no capture). Greedy tokens equal the padded forward's (float32, tests/prompts/test_packed_prefill.py).
+A packed forward feeds the prompts' tokens back to back as one sequence ``[1, Tq]`` (``Tq``: the
+token count rounded up to a power of two, :func:`packed_bucket`). Query token ``j`` of row ``r``
+(RoPE position and cache column ``offsets[r] + j``) attends row ``r``'s keys at columns up to its
+own: its fed tokens and the ``offsets[r]`` cached columns of its slot, gathered into a prefix stream
+of ``Tp`` entries after the fed ones. Fed K/V are written into the slot first (padding into column
+``L - 1`` of slot 0, which no request writes or reads). FlexAttention runs over
+``[fed | prefix]`` with a ``BlockMask`` from host-computed block ranges (:func:`packed_layout`).
+Greedy tokens equal the padded forward's (float32, tests/prompts/test_packed_prefill.py).
 """
 
 from __future__ import annotations
@@ -42,9 +27,7 @@ from eagle3.regen.flex_compat import (
 
 
 def packed_bucket(n: int, block: int) -> int:
-    """Static length of a packed stream of ``n`` tokens: 0 for ``n == 0``, else the smallest power of two ``>= n``
-    and ``>= block`` (``block`` a power of two, so the length is a whole number of FlexAttention blocks). E.g.
-    ``packed_bucket(3000, 128) == 4096``, ``packed_bucket(5, 128) == 128``, ``packed_bucket(0, 128) == 0``.
+    """Stream length for ``n`` tokens: 0 for 0, else the smallest power of two ``>= max(n, block)``.
 
     Raises:
         ValueError: ``n < 0`` or ``block`` not a positive power of two.
@@ -56,21 +39,17 @@ def packed_bucket(n: int, block: int) -> int:
 
 @dataclass
 class PackedLayout:
-    """Host tensors of one packed prefill forward (:func:`packed_layout`); ``R`` rows, ``Tq`` fed-token positions,
-    ``Tp`` prefix-stream entries, ``nQ = Tq / block`` query blocks, ``nK = (Tq + Tp) / block`` kv blocks.
+    """Host tensors of one packed forward: ``R`` rows, ``Tq`` fed positions, ``Tp`` prefix entries,
+    ``nQ = Tq / block``, ``nK = (Tq + Tp) / block``.
 
     Attributes:
-        ids: int64 ``[1, Tq]`` token ids, rows back to back, padding 0.
-        q: int64 ``[4, Tq]``: document (row index; ``R`` for padding), RoPE position (= cache column of a real token;
-            0 for padding), slot the K/V are written to, column they are written to (padding: slot 0, column ``L - 1``).
-        kv: int64 ``[2, Tq + Tp]``: document and column of every key: the fed tokens as ``q`` rows 0-1, then the
-            prefix stream (row ``r``'s cached columns ``0 .. offsets[r] - 1``; padding: document -1, column 0).
-        prefix: int64 ``[2, Tp]``: slot and column each prefix-stream entry is gathered from (padding: slot 0,
-            column ``L - 1``).
-        rows: int64 ``[3, S]``: per row its slot, the index of its last fed token in the stream, its prompt length
-            (cached + fed); rows ``R .. S - 1`` padding (slot 0, index 0, length 0).
-        kv_num_blocks: int32 ``[1, 1, nQ]``; kv_indices: int32 ``[1, 1, nQ, nK]``: the kv blocks each query block
-            reads (``BlockMask.from_kv_blocks``).
+        ids: int64 ``[1, Tq]`` token ids, padding 0.
+        q: int64 ``[4, Tq]``: document (row; ``R`` for padding), RoPE position, slot and column
+            written (padding: slot 0, column ``L - 1``).
+        kv: int64 ``[2, Tq + Tp]``: document and column of every key (prefix padding: -1, 0).
+        prefix: int64 ``[2, Tp]``: slot and column each prefix entry is gathered from.
+        rows: int64 ``[3, S]``: per row its slot, last fed token's index, prompt length.
+        kv_num_blocks: int32 ``[1, 1, nQ]``; kv_indices: int32 ``[1, 1, nQ, nK]``.
     """
 
     ids: torch.Tensor
@@ -93,19 +72,16 @@ def packed_blocks(
     """The kv blocks each query block of a packed forward reads.
 
     Args:
-        doc_q: int64 ``[Tq]``, the row of each fed token, non-decreasing (padding: ``R``).
-        starts: int64 ``[R + 1]``, the first stream index of each row's fed tokens (``starts[R]``: the first padding
-            token, the fed-token count).
-        pstarts: int64 ``[R + 2]``, the first prefix-stream entry of each row, then the prefix total twice (the
-            padding document has an empty prefix range).
-        tq, tp: stream lengths (multiples of ``block``; ``tp`` may be 0).
+        doc_q: int64 ``[Tq]`` row of each fed token, non-decreasing (padding ``R``).
+        starts: int64 ``[R + 1]`` first stream index of each row (``starts[R]``: fed count).
+        pstarts: int64 ``[R + 2]`` first prefix entry of each row, then the prefix total twice.
+        tq, tp: stream lengths (multiples of ``block``).
         block: FlexAttention block size.
 
     Returns:
-        ``(kv_num_blocks int32 [1, 1, nQ], kv_indices int32 [1, 1, nQ, nK])``: query block ``i`` (tokens ``[i * block,
-        (i + 1) * block)``, rows ``d0 .. d1``) reads fed-token blocks ``starts[d0] // block .. i`` (its rows' fed
-        tokens up to itself; causality inside is the mask's) and prefix blocks covering stream positions ``[tq +
-        pstarts[d0], tq + pstarts[d1 + 1])``. Unused index slots are clamped into range (never read).
+        ``(kv_num_blocks int32 [1, 1, nQ], kv_indices int32 [1, 1, nQ, nK])``: query block ``i``
+        (rows ``d0 .. d1``) reads fed blocks ``starts[d0] // block .. i`` and the prefix blocks of
+        its rows; unused index slots clamped into range.
     """
     nq, nk = tq // block, (tq + tp) // block
     i = torch.arange(nq)
@@ -133,22 +109,22 @@ def packed_layout(
     cols: int,
     block: int,
 ) -> PackedLayout:
-    """Host layout of one packed prefill forward (module docstring).
+    """Host layout of one packed prefill forward.
 
     Args:
-        ids: per row, the prompt token ids fed (the suffix after its cached prefix; non-empty).
-        offsets: per row, the cached columns of its slot before the fed tokens (0: prefilled from scratch).
+        ids: per row, the prompt ids fed (after its cached prefix; non-empty).
+        offsets: per row, cached columns before the fed tokens.
         slots: per row, its slot (distinct, ``< n_slots``).
-        n_slots: the engine's slots ``S`` (the static size of ``rows``).
-        cols: cache columns per slot ``L`` (padding writes column ``L - 1``).
+        n_slots: the engine's slots ``S``.
+        cols: cache columns per slot ``L``.
         block: FlexAttention block size (a power of two).
 
     Returns:
-        :class:`PackedLayout` with ``Tq = packed_bucket(sum of fed tokens, block)`` and ``Tp =
-        packed_bucket(sum(offsets), block)``.
+        :class:`PackedLayout`.
 
     Raises:
-        ValueError: rows of different counts, an empty row, more rows than slots, or a token past column ``L - 2``.
+        ValueError: rows of different counts, an empty row, more rows than slots, or a token past
+            column ``L - 2``.
     """
     r = len(ids)
     fed, off = _check_layout(ids, offsets, slots, n_slots, cols)
@@ -240,17 +216,14 @@ def packed_flex(
     scale: Optional[float],
     block: int,
 ) -> torch.Tensor:
-    """FlexAttention of a packed prefill: query ``t`` attends key ``k`` iff ``kv_meta[0, k] == q_meta[0, t]`` (same
-    row) and ``kv_meta[1, k] <= q_meta[1, t]`` (column at or before its own), over the blocks of
-    :func:`packed_blocks` (built here, device ops only, so a CUDA graph captures it).
+    """FlexAttention of a packed prefill: query ``t`` attends key ``k`` iff same document and
+    ``kv_meta[1, k] <= q_meta[1, t]``, over :func:`packed_blocks`' blocks (device ops only).
 
     Args:
-        query: ``[1, H, Tq, D]``; key, value: ``[1, Hkv, Tq + Tp, D]`` (grouped-query heads: ``H`` a multiple of ``Hkv``).
-        q_meta: int64 ``[>= 2, Tq]``, rows 0-1 of :attr:`PackedLayout.q` (document, column).
-        kv_meta: int64 ``[2, Tq + Tp]`` (:attr:`PackedLayout.kv`).
-        kv_num_blocks, kv_indices: :attr:`PackedLayout.kv_num_blocks` / ``kv_indices``.
-        scale: softmax scale (None: ``1 / sqrt(D)``).
-        block: block size of the layout.
+        query: ``[1, H, Tq, D]``; key, value: ``[1, Hkv, Tq + Tp, D]``.
+        q_meta: int64 ``[>= 2, Tq]`` (document, column); kv_meta: int64 ``[2, Tq + Tp]``.
+        kv_num_blocks, kv_indices: :class:`PackedLayout`'s.
+        scale: softmax scale (None: ``1 / sqrt(D)``); block: the layout's block size.
 
     Returns:
         ``[1, H, Tq, D]`` in the query's dtype.
@@ -283,13 +256,10 @@ _COMPILED: dict = {}
 
 
 def compiled_packed_flex(dynamic: Optional[bool] = False):
-    """:func:`packed_flex` under ``torch.compile`` (one per process and ``dynamic`` setting; the recompile limit raised
-    to 64). ``dynamic=False``: static shapes, one compile per stream shape ``(Tq, Tp)``, as the decode's flex kernel.
-    ``dynamic=None``: Dynamo's automatic dynamic shapes, the first shape static, the second recompiled with dynamic
-    lengths that later shapes reuse (two compiles in all, where a compile costs seconds on the GPU). The slot engine
-    tries ``None`` first on CUDA and goes to ``False`` if it fails: Inductor's CPU FlexAttention template cannot build
-    the dynamic kernel (torch 2.13, ``cur_kvSplitSize8`` undeclared); its static kernels equal the eager result
-    (tests/prompts/test_packed_prefill.py)."""
+    """``torch.compile(packed_flex, dynamic=dynamic)``, one per process and setting. ``None``:
+    automatic dynamic shapes (two compiles); ``False``: one per ``(Tq, Tp)`` (the CPU fallback,
+    where Inductor cannot build the dynamic kernel).
+    """
     if dynamic not in _COMPILED:
         kv_blocks_params()  # inspect.signature eagerly: the traced function only reads the result
         raise_recompile_limit()
@@ -309,11 +279,10 @@ def packed_prefill_attention(
     """One layer's attention of a packed prefill forward.
 
     Args:
-        query: ``[1, H, Tq, D]``; key, value: ``[1, Hkv, Tq, D]`` of the packed fed tokens.
-        kc, vc: the layer's cache ``[S, Hkv, L, D]``; the fed tokens' K/V are written at ``routing.q`` rows 2-3 (slot,
-            column) first, then the prefix stream is gathered from ``routing.prefix`` (slot, column).
-        routing: the forward's :class:`PackedRouting` (device views of the bucket's buffers).
-        scaling: softmax scale.
+        query: ``[1, H, Tq, D]``; key, value: ``[1, Hkv, Tq, D]``.
+        kc, vc: the layer's cache ``[S, Hkv, L, D]``; fed K/V written at ``routing.q`` rows 2-3,
+            then the prefix stream gathered from ``routing.prefix``.
+        routing: the forward's :class:`PackedRouting`; scaling: softmax scale.
 
     Returns:
         ``[1, H, Tq, D]``.
@@ -358,10 +327,9 @@ class PackedRouting:
 
 @dataclass
 class PackedBuffers:
-    """Static device tensors of one packed shape ``key = (Tq, Tp)``: ``t``, a :class:`PackedLayout` on the device
-    (filled by ``copy_`` before each forward; a CUDA graph reads them), its first answer token per row out (``tok``
-    int64 ``[S]``), the graph once captured, and the forwards run at this shape (``uses``: the engine captures at the
-    second)."""
+    """Static device tensors of one packed shape ``(Tq, Tp)``: ``t`` (a device :class:`PackedLayout`),
+    ``tok`` int64 ``[S]`` first answer token per row, the captured graph and its ``uses``.
+    """
 
     key: tuple
     t: PackedLayout

@@ -1,26 +1,14 @@
-"""Stage 01 regeneration through serving endpoints: SGLang native ``/generate`` or OpenAI chat.
+"""Stage 01 regeneration through serving endpoints (``prompts.regenerate_via``).
 
-For a verifier too large to run in-process, the serving stack answers (``prompts.regenerate_via``):
+* ``sglang``: ``POST /generate`` with ``input_ids`` rendered here
+  (:func:`eagle3.chat.template.generation_prompt`); the matched stop id is cut off and recorded as
+  ``stop_token`` (``length``: ``truncated: true``); the remaining ids are the message's ``tokens``,
+  decoded and split at ``verifier.think_tags``. ``meta_info.prompt_tokens`` must equal the ids sent.
+* ``openai``: ``POST /v1/chat/completions`` with ``messages``, sampling, ``chat_template_kwargs``
+  and ``tools``; text comes back (no ``tokens``), ``stop_token`` when the choice names it.
 
-* ``sglang``: SGLang's native ``POST /generate`` (``GenerateReqInput``, SGLang 0.5.23). The prompt is rendered
-  HERE as the local path and 02 render a context (:func:`eagle3.chat.template.generation_prompt`) and sent as
-  ``input_ids`` with ``sampling_params`` (``max_new_tokens``, ``temperature``, ``top_p``, ``stop_token_ids``...).
-  The response's ``output_ids`` include the matched stop token (``meta_info.finish_reason: {"type": "stop",
-  "matched": id}``), cut off here and recorded as ``stop_token``; ``length`` is recorded as ``truncated: true``.
-  The remaining ids are the message's ``tokens`` (02 uses them verbatim), decoded for ``content`` and split at
-  ``verifier.think_tags`` into ``reasoning_content`` as on the local path. ``meta_info.prompt_tokens`` must equal
-  the number of ids sent (the server took this tokenisation as is).
-* ``openai``: ``POST /v1/chat/completions`` (vLLM, SGLang, hosted APIs) with ``messages`` (earlier answers with
-  their ``reasoning_content``), ``max_tokens``, ``temperature``, ``top_p``, ``chat_template_kwargs`` and the
-  record's ``tools``. Text comes back (``content``, ``tool_calls``, ``reasoning_content`` or ``reasoning``); no
-  ``tokens`` (02 tokenizes the text). ``stop_token`` when the choice names the stop id (SGLang ``matched_stop``,
-  vLLM ``stop_reason``); ``length`` is recorded as ``truncated: true``.
-
-Turns are answered one by one as on the local path; conversations holding tool results are kept as they are.
-Requests go through :class:`eagle3.regen.endpoints.EndpointPool` (several endpoints, timeouts, retries with backoff,
-dead endpoints out of rotation); a conversation whose request fails for good is reported on one ``error:`` line,
-counted (``failed``, ``failed_ids``) and left out. Each finished conversation is appended (fsynced) to the resume log
-(:class:`ResumeLog`) before it counts as done: a rerun with the same settings redoes only the rest.
+Requests go through :class:`eagle3.regen.endpoints.EndpointPool`; a conversation whose request
+fails for good is reported and left out. Finished conversations are appended to the resume log.
 """
 
 from __future__ import annotations
@@ -35,10 +23,7 @@ from typing import Optional
 
 from tqdm import tqdm
 
-from eagle3.chat.template import (
-    ChatOptions,
-    generation_prompt,
-)
+from eagle3.chat.template import ChatOptions, generation_prompt, has_tool_calls, user_turns
 from eagle3.errors import UserError
 from eagle3.regen.endpoints import EndpointPool, RequestFailed, RetryPolicy
 from eagle3.regen.resume_log import PARTIAL_NAME, ResumeLog, log_resuming  # noqa: F401 - PARTIAL_NAME: part of this module's API
@@ -47,9 +32,6 @@ from eagle3.regen.server_protocols import OpenAIChat, SGLangGenerate
 log = logging.getLogger(__name__)
 
 
-# ---------------------------------------------------------------------------------------------
-# orchestration
-# ---------------------------------------------------------------------------------------------
 class _ConversationFailed(Exception):
     def __init__(self, idx: int, turn: int, turns: int, attempts: int, message: str):
         super().__init__(message)
@@ -89,12 +71,6 @@ class _OverContext(Exception):
         self.idx = idx
 
 
-def _user_turns(conv: dict) -> tuple[list[dict], list[str]]:
-    msgs = conv["messages"]
-    system = [dict(msgs[0])] if msgs and msgs[0]["role"] == "system" else []
-    return system, [m["content"] for m in msgs if m["role"] == "user"]
-
-
 def regenerate_via_server(
     conversations: list[dict],
     tokenizer,
@@ -107,35 +83,25 @@ def regenerate_via_server(
     pool: Optional[EndpointPool] = None,
     max_context: Optional[int] = None,
 ) -> list[dict]:
-    """Replace every assistant turn with the serving endpoint's answer, turn by turn, resumably.
+    """Replace every assistant turn with the endpoint's answer, turn by turn, resumably.
 
     Args:
-        conversations: normalised ``{id, messages}`` (prompt-only ones included).
-        tokenizer: the verifier's tokenizer (renders prompts for ``sglang``; decodes answers).
-        pc: ``prompts`` config: ``regenerate_via`` (``sglang``|``openai``), sampling
-            (``max_new_tokens``, ``temperature``, ``top_p``) and ``server`` (endpoints and policy).
-        partial_path: the resume log (:class:`ResumeLog`); kept while any conversation is missing,
-            deleted by the caller after the final file is written.
-        settings: fingerprint stored in the log; a log with other settings is refused.
-        opts: rendering options (:meth:`eagle3.chat.template.ChatOptions.from_verifier`): template,
-            ``chat_template_kwargs`` (rendered with for ``sglang``, sent for ``openai``), ``reply_start``,
-            think tags.
-        stats: filled with ``answers``, ``new_tokens``, ``truncated``, ``failed``, ``failed_ids``, ``retries``,
-            ``resumed`` (conversations taken from the log), ``kept_with_tools``, ``seconds``, ``endpoints``,
+        conversations: normalised ``{id, messages}``.
+        tokenizer: the verifier's tokenizer (renders ``sglang`` prompts, decodes answers).
+        pc: ``prompts`` config (``regenerate_via``, sampling, ``server``).
+        partial_path: the resume log; settings: its fingerprint (other settings: refused).
+        opts: :class:`eagle3.chat.template.ChatOptions`.
+        stats: filled with ``answers``, ``new_tokens``, ``truncated``, ``failed``, ``failed_ids``,
+            ``retries``, ``resumed``, ``kept_with_tools``, ``seconds``, ``endpoints``,
             ``turns_over_context``, ``dropped_over_context``.
-        pool: endpoint pool to use (default: built from ``pc.server``).
-        max_context: context cap in tokens, as in :func:`eagle3.regen.regenerate.regenerate`: a turn whose
-            rendered prompt has at least this many tokens is not sent (nor are the later ones); a
-            conversation whose first prompt reaches it is left out. None = no cap.
+        pool: endpoint pool (default: from ``pc.server``).
+        max_context: token cap as in :func:`eagle3.regen.regenerate.regenerate`.
 
     Returns:
-        Finished conversations ``{id, messages, tools?}`` in input order (failed ones left out):
-        optional system message, then alternating user / regenerated assistant turns (see
-        :class:`eagle3.regen.server_protocols.Answer` for the fields); conversations with tool results unchanged.
+        finished conversations ``{id, messages, tools?}`` in input order (failed ones left out).
 
     Raises:
-        UserError: bad endpoint settings, a resume log from other settings, or every endpoint down
-            for ``give_up_after_s`` (finished conversations stay in the log).
+        UserError: bad endpoint settings, a resume log of other settings, every endpoint down.
     """
     sc = pc.server
     opts = opts if opts is not None else ChatOptions()
@@ -183,7 +149,7 @@ def _make_job(
         journal,
         max_context,
         st,
-        total_turns=sum(len(_user_turns(conversations[i])[1]) for i in todo),
+        total_turns=sum(len(user_turns(conversations[i])[1]) for i in todo),
     )
 
 
@@ -253,21 +219,16 @@ def _endpoint_pool(sc) -> EndpointPool:
 def _plan(
     conversations: list[dict], journal: ResumeLog
 ) -> tuple[dict[int, dict], list[int], list[int], int]:
-    """``(done, passthrough, todo, resumed)``: conversations finished in the resume log (``resumed`` of them) or
-    kept as they are (tool results answer the ORIGINAL calls, as :mod:`eagle3.regen.regenerate` does), and the
-    indices still to do.
+    """``(done, passthrough, todo, resumed)``: conversations finished in the resume log, kept as
+    they are (tool results), and the indices still to do.
 
     Raises:
-        UserError: a resume log written with other settings or input (:meth:`ResumeLog.load`).
+        UserError: a resume log of other settings or input.
     """
     done = journal.load(conversations)
     resumed = len(done)
     log_resuming(resumed, len(conversations))
-    passthrough = [
-        i
-        for i, c in enumerate(conversations)
-        if any(m["role"] == "tool" or m.get("tool_calls") for m in c["messages"])
-    ]
+    passthrough = [i for i, c in enumerate(conversations) if has_tool_calls(c)]
     for i in passthrough:
         done[i] = conversations[i]
     todo = [i for i in range(len(conversations)) if i not in done]
@@ -320,7 +281,8 @@ class _ServerJob:
             InterruptedError: the run is stopping.
         """
         conv_in, st = self.convs[i], self.st
-        msgs, users = _user_turns(conv_in)
+        system, users = user_turns(conv_in)
+        msgs = [dict(system)] if system else []
         for k, u in enumerate(users):
             if self.stop.is_set():
                 raise InterruptedError

@@ -1,37 +1,18 @@
 """Regeneration: replace assistant turns with the verifier's own greedy answers.
 
-A drafter learns to predict the verifier, so training on the verifier's own outputs (rather than
-on another model's answers, e.g. ShareGPT's ChatGPT replies) raises acceptance (EAGLE-3 paper and
-SpecForge/speculators both regenerate). Answers are produced turn by turn: turn k's prompt holds
-the user turns 0..k and the REGENERATED answers 0..k-1, so a multi-turn conversation stays
-self-consistent.
+Turn k's prompt holds user turns 0..k and the regenerated answers 0..k-1, so a multi-turn
+conversation stays self-consistent; turn k+1 becomes ready when turn k is answered.
 
-Engines (``prompts.regen_engine``; a conversation's turn k+1 becomes ready as soon as its turn k is
-answered, in every engine):
+Engines (``prompts.regen_engine``): ``slots`` (default, :class:`eagle3.regen.slots.SlotEngine`,
+conversations with the most turns left first), ``hf_continuous`` (transformers'
+``ContinuousBatchingManager``, the library baseline) and ``static`` (left-padded ``generate``
+batches chosen by :func:`pick_batch`, or ``schedule="rounds"``). Greedy decoding gives the same
+tokens in every engine and batch composition up to rounding (float32: equal, tested).
 
-* ``slots`` (default): continuous batching, :class:`eagle3.regen.slots.SlotEngine`: ``batch_size``
-  decode rows over a preallocated KV cache; a finished row is refilled by a waiting turn at the next
-  check (every ``regen_check_every`` steps), conversations with the most turns left first (they are the
-  critical path). ``stats["decode_steps"]`` = steps run; ``stats["batches"]`` = prefill forwards.
-* ``hf_continuous``: transformers' ``ContinuousBatchingManager`` behind the same contract (the library
-  baseline; see :mod:`eagle3.regen.slots` for why it is slow without flash-attn).
-* ``static``: ``generate`` batches of up to ``batch_size`` ready turns of ANY turn index chosen by
-  :func:`pick_batch` (or all turns k before any turn k+1: ``schedule="rounds"``), each running until its
-  longest answer stops, so the cost is the number of batches times their longest answer
-  (``stats["decode_steps"]``). Prompts are LEFT padded (one ``generate`` call continues all rows).
-
-Statistics (``regenerate(stats=...)``): ``answers``, ``new_tokens`` (answer tokens, stop token excluded),
-``truncated`` (answers cut at ``max_new_tokens``), ``seconds`` (wall time of generation), ``kept_with_tools``
-(conversations with tool calls, returned unchanged: their tool results answer the original calls, which cannot be
-re-run here), ``turns_over_context`` (user turns left unanswered by ``max_context``), ``dropped_over_context``
-(conversations left out), ``resumed``, ``batches`` (``generate`` calls; continuous engines: prefill forwards),
-``decode_steps``, ``engine``, ``engine_stats`` (continuous engines: the engine's ``stats``; the slot engine's
-``compile_decision`` says whether and why the decode step was compiled). The journal is appended after each
-batch (static) or at least every second (continuous).
-
-Greedy decoding gives the same tokens in every engine and batch composition up to floating-point
-rounding (float32: equal to unbatched transformers greedy decoding, tested), so neither the engine nor
-the schedule changes the answers.
+Statistics (``regenerate(stats=...)``): ``answers``, ``new_tokens`` (stop token excluded),
+``truncated``, ``seconds``, ``kept_with_tools`` (conversations with tool calls, returned unchanged),
+``turns_over_context``, ``dropped_over_context``, ``resumed``, ``batches``, ``decode_steps``,
+``engine``, ``engine_stats`` (a continuous engine's ``stats``).
 """
 
 from __future__ import annotations
@@ -45,7 +26,14 @@ import torch
 from tqdm import tqdm
 from transformers import GenerationConfig
 
-from eagle3.chat.template import ChatOptions, answer_ending, generation_prompt, split_reasoning
+from eagle3.chat.template import (
+    ChatOptions,
+    answer_ending,
+    generation_prompt,
+    has_tool_calls,
+    split_reasoning,
+    user_turns,
+)
 from eagle3.process_group import rank_tag
 from eagle3.regen.engine_choice import ENGINES, make_engine
 from eagle3.regen.resume_log import ResumeLog
@@ -57,39 +45,21 @@ from eagle3.verifier.load import (
 log = logging.getLogger(__name__)
 
 
-def _turns(conv: dict) -> tuple[Optional[dict], list[str]]:
-    """``(system message or None, user contents)``; assistant contents are discarded."""
-    msgs = conv["messages"]
-    system = msgs[0] if msgs and msgs[0]["role"] == "system" else None
-    return system, [m["content"] for m in msgs if m["role"] == "user"]
-
-
 def pick_batch(prompt_lens: Sequence[int], remaining: Sequence[int], batch_size: int) -> list[int]:
     """Which ready turns go into the next ``generate`` batch (a pure function of the ready pool).
 
-    Every unfinished conversation has exactly one ready turn, so ``bulk = ceil(sum(remaining) /
-    batch_size)`` is the number of full batches the answers still need. A conversation with
-    ``remaining >= bulk`` (and at least 2) is critical: it must advance in every batch to finish
-    inside the bulk instead of after it, where each of its turns would cost a batch of its own
-    (a batch runs up to ``max_new_tokens`` decode steps however few rows it has). The batch is:
-
-    1. the critical turns, most remaining first (ties: shorter prompt, then position), at most
-       ``batch_size``;
-    2. then the other turns ordered by prompt length (ties: more remaining, then position): first
-       those no longer than the widest critical prompt, longest first (they add no padding column),
-       then the shortest wider ones, up to ``batch_size``.
-
-    With first turns only (every ``remaining == 1``) this is the old round plan: batches of
-    consecutive prompt lengths from the shortest.
+    With ``bulk = ceil(sum(remaining) / batch_size)``, a conversation with ``remaining >= bulk``
+    (and >= 2) is critical and goes first (most remaining first; ties: shorter prompt, position);
+    then the others by prompt length: those no wider than the widest critical prompt, longest first,
+    then the shortest wider ones, up to ``batch_size``.
 
     Args:
         prompt_lens: token length of each ready turn's prompt.
-        remaining: per ready turn, the user turns its conversation still has to answer, this one
-            included (``>= 1``; later turns a context cap will drop are counted).
-        batch_size: rows per batch (``>= 1``).
+        remaining: per ready turn, user turns its conversation still has to answer (>= 1).
+        batch_size: rows per batch (>= 1).
 
     Returns:
-        positions into the ready lists, ``min(batch_size, len(prompt_lens))`` of them, in batch order.
+        ``min(batch_size, len(prompt_lens))`` positions into the ready lists, in batch order.
 
     Raises:
         ValueError: lists of different lengths, ``batch_size < 1`` or a ``remaining < 1``.
@@ -126,18 +96,11 @@ def answer_steps(n_tokens: int, stopped: bool, max_new_tokens: int) -> int:
 def generate_greedy(
     model, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int], pad_id: int
 ) -> list[tuple[list[int], Optional[int]]]:
-    """Greedy-decode a batch of token-id prompts with left padding.
-
-    Args:
-        model: HF causal LM (eval mode).
-        prompts: B prompts, ``list[int]`` each (no padding).
-        max_new_tokens: new-token budget per prompt.
-        stop_ids: token ids that end an answer (:func:`eagle3.chat.template.end_of_turn_ids`).
-        pad_id: id written in the padded positions (masked out by the attention mask).
+    """Greedy-decode token-id ``prompts`` with left padding (``pad_id``, masked out).
 
     Returns:
-        per prompt ``(answer_ids, stop)``: the new tokens up to (excluding) the first stop token, and that stop
-        token's id (``int``; None = truncated at ``max_new_tokens``, no stop token produced).
+        per prompt ``(answer_ids, stop)``: the new tokens before the first of ``stop_ids``, and that
+        token's id (None: ``max_new_tokens`` ran out).
     """
     dev = next(model.parameters()).device
     width = max(len(p) for p in prompts)
@@ -162,11 +125,6 @@ def generate_greedy(
         cut = next((j for j, t in enumerate(row) if t in stop_ids), None)
         results.append((row[:cut], row[cut]) if cut is not None else (row, None))
     return results
-
-
-def has_tool_calls(conv: dict) -> bool:
-    """Whether a conversation holds tool calls or results (kept as it is: no tools run here)."""
-    return any(m["role"] == "tool" or m.get("tool_calls") for m in conv["messages"])
 
 
 class _Run:
@@ -203,7 +161,9 @@ class _Run:
         self.state = []
         for i, c in enumerate(conversations):
             system, users = (
-                _turns(c) if i not in self.passthrough and i not in self.finished else (None, [])
+                user_turns(c)
+                if i not in self.passthrough and i not in self.finished
+                else (None, [])
             )
             self.state.append(([system] if system is not None else [], users))
         self.total = sum(len(u) for _, u in self.state)
@@ -372,11 +332,10 @@ def _decode_static(
 
 
 def _decode_continuous(run: _Run, engine, bar) -> None:
-    """A continuous engine: every ready turn is submitted (most turns left first: long conversations are the
-    critical path); each answer renders and submits its conversation's next turn at once, as the successor
-    (``parent``) of the answered turn, which was submitted with ``retain`` when a next turn existed: the slot engine
-    then reuses the answered turn's K/V (``prompts.regen_prefix_reuse``). A next turn dropped by the context cap is
-    simply not submitted; the engine frees the retained slot at its next check."""
+    """A continuous engine: every ready turn is submitted (most turns left first); each answer
+    submits its conversation's next turn as the ``parent``'s successor (the answered turn was
+    submitted with ``retain`` when a next turn existed).
+    """
 
     def submit(i: int, parent: bool = False) -> None:
         engine.submit(
@@ -434,28 +393,29 @@ def regenerate(
     engine: str = "slots",
     engine_options: Optional[dict] = None,
 ) -> list[dict]:
-    """Replace every assistant turn with the verifier's greedy answer, turn by turn (engines: module docstring).
+    """Replace every assistant turn with the verifier's greedy answer, turn by turn.
 
     Args:
-        model, tokenizer: the verifier (HF causal LM, eval mode) and its tokenizer. conversations: normalised
-            ``{id, messages}`` (prompt-only ones included: each user turn is answered).
-        max_new_tokens: answer budget per turn (an answer that hits it is kept). batch_size: decode rows
-            (continuous engines; at most the conversations) or prompts per ``generate`` call.
-        chat_template, opts: a Jinja template overriding the tokenizer's (ignored with ``opts``), or the rendering
-            options; prompts are :func:`eagle3.chat.template.generation_prompt` (what a server renders).
-        max_context: context cap in tokens (None: none): a turn whose prompt reaches it is not answered, nor are
-            the later ones; a conversation whose FIRST prompt reaches it is left out of the result.
-        journal: resume log (:class:`eagle3.regen.resume_log.ResumeLog`): what it holds is taken from it, finished
-            conversations are appended (fsynced); the caller deletes it once the output is written.
-        engine, engine_options: ``slots`` | ``hf_continuous`` | ``static`` (``prompts.regen_engine``), and the
-            continuous engine's keyword arguments (:func:`make_engine`). schedule: static only, ``pool`` |
-            ``rounds``. stats: filled with the run's figures (module docstring, "Statistics").
+        model, tokenizer: the verifier (eval mode) and its tokenizer.
+        conversations: normalised ``{id, messages}`` (each user turn is answered).
+        max_new_tokens: answer budget per turn. batch_size: decode rows or prompts per batch.
+        chat_template, opts: a Jinja template overriding the tokenizer's, or the rendering options
+            (prompts: :func:`eagle3.chat.template.generation_prompt`).
+        max_context: token cap: a turn whose prompt reaches it is not answered, nor later ones; a
+            conversation whose first prompt reaches it is left out. None: no cap.
+        journal: :class:`eagle3.regen.resume_log.ResumeLog`: its conversations are taken, finished
+            ones appended.
+        engine, engine_options: ``slots`` | ``hf_continuous`` | ``static`` and the continuous
+            engine's keyword arguments (:func:`make_engine`). schedule: static only, ``pool`` | ``rounds``.
+        stats: filled with the run's figures (module docstring).
 
-    Raises UserError for a ``journal`` of other settings or conversations, ValueError for a ``batch_size`` or
-    ``max_new_tokens`` < 1, an unknown schedule or engine. Returns:
-        new conversations ``{id, messages}`` in input order (less those left out by ``max_context``): system?,
-        then user / regenerated assistant turns (``reasoning_content`` split off as a server's parser does, the
-        generated ``tokens`` 02 uses verbatim, :func:`eagle3.chat.template.answer_ending`). Deterministic.
+    Returns:
+        new conversations ``{id, messages}`` in input order (less those left out): user and
+        regenerated assistant turns with ``reasoning_content`` split off and the generated ``tokens``.
+
+    Raises:
+        UserError: a ``journal`` of other settings or conversations.
+        ValueError: ``batch_size`` or ``max_new_tokens`` < 1, an unknown schedule or engine.
     """
     _check_arguments(batch_size, max_new_tokens, schedule, engine)
     opts = opts if opts is not None else ChatOptions(chat_template=chat_template)

@@ -1,18 +1,10 @@
-"""Stage 01's in-process regeneration over N verifier replicas (``torchrun --nproc_per_node N 01_prepare_prompts.py``).
+"""Stage 01's in-process regeneration over N verifier replicas (``torchrun --nproc_per_node N``).
 
-Every rank reads the same input (stage 01 is deterministic up to this point), loads the verifier on
-``cuda:LOCAL_RANK`` (CPU without CUDA) and answers its share of the conversations not yet in a resume log:
-the open conversations sorted by user turns (most first), dealt round-robin, so multi-turn conversations
-spread evenly. Rank r appends its finished conversations to its own resume log (rank 0:
-``prompts.regen-partial.jsonl``, the one-process name; rank r > 0: ``prompts.regen-partial.rank{r}.jsonl``),
-entries keyed by position in the FULL input. After a barrier rank 0 reads every log and writes
-``prompts.jsonl`` from them in input order: the file a one-process run writes (greedy answers do not depend
-on which replica or batch answered them, float32: equal, tests/prompts/test_replicas.py). Any run, of any
-world size, resumes from all logs found. One process (no ``WORLD_SIZE``) runs the same code with a
-world of 1.
-
-Process group: gloo (only barriers and small Python objects cross ranks), timeout 3 hours: a rank that
-finishes early waits for the slowest one.
+Each rank loads the verifier on ``cuda:LOCAL_RANK`` and answers a round-robin share of the open
+conversations (sorted by user turns), appending to its own resume log (rank 0:
+``prompts.regen-partial.jsonl``, rank r: ``...rank{r}.jsonl``, keyed by input position). After a
+barrier rank 0 merges every log into ``prompts.jsonl`` in input order, the file one process writes.
+Gloo process group, timeout 3 hours.
 """
 
 from __future__ import annotations
@@ -24,9 +16,10 @@ from typing import Optional
 
 import torch
 
+from eagle3.chat.template import has_tool_calls
 from eagle3.errors import UserError
 from eagle3.process_group import Dist, init_dist, process_group_scope
-from eagle3.regen.regenerate import has_tool_calls, regenerate
+from eagle3.regen.regenerate import regenerate
 from eagle3.regen.resume_log import PARTIAL_NAME, ResumeLog, log_resuming, logged_positions
 from eagle3.verifier.load import load_verifier, stop_token_ids
 
@@ -43,8 +36,8 @@ _SUMMED = (
 
 
 def init_replicas() -> Dist:
-    """This rank's :class:`Dist` among the replicas: a gloo group from the torchrun env when ``WORLD_SIZE > 1``
-    (timeout :data:`TIMEOUT`); else a world of 1.
+    """This rank's :class:`Dist`: a gloo group from the torchrun env when ``WORLD_SIZE > 1``, else
+    a world of 1.
 
     Raises:
         UserError: ``WORLD_SIZE``/``RANK``/``LOCAL_RANK`` are not integers.
@@ -53,16 +46,11 @@ def init_replicas() -> Dist:
 
 
 def ranks_agree(d: Dist, want: dict, fresh: bool, prompts_path: Path) -> bool:
-    """The torchrun ranks' one up-to-date decision (``fresh``), once every rank is known to want the same settings.
-
-    Each rank reads the config and the ``prompts.source`` files itself; a rank that read other ones (a node with
-    another copy of a file) regenerated its share for other input, refused only at the merge, after the whole
-    regeneration; and a rank 0 that found ``prompts.jsonl`` up to date returned while a rank that did not waited for
-    it in the process group's set-up (3 hours, deaf to SIGTERM). The ranks now compare their settings (the source
-    files' sha256 among them) and decisions first.
+    """The ranks' one decision (``fresh``), after checking that every rank read the same settings
+    (source files' sha256 included).
 
     Raises:
-        UserError: on every rank, naming the first rank whose settings (or decision) differ from rank 0's.
+        UserError: on every rank, naming the first rank whose settings or decision differ.
     """
     if d.world <= 1:
         return fresh
@@ -191,12 +179,11 @@ def regenerate_replicas(
     force: bool = False,
     regen_kwargs: Optional[dict] = None,
 ) -> Optional[list[dict]]:
-    """Regenerate ``convs`` over the torchrun replicas (module docstring). Returns the conversations on rank 0,
-    None on the other ranks (which must not write outputs); ``stats`` gets the merged figures on rank 0.
-    ``verifier_cfg``: the ``verifier:`` config section each replica loads; ``folder``: where the resume logs are.
+    """Regenerate ``convs`` over the torchrun replicas; the conversations on rank 0 (``stats``
+    merged), None elsewhere. ``verifier_cfg``: the section each replica loads; ``folder``: the logs'.
 
     Raises:
-        UserError: a resume log written under other settings or for other input.
+        UserError: a resume log of other settings or input.
     """
     d = init_replicas()
     with process_group_scope(

@@ -153,12 +153,10 @@ def limit_drops_self_instruct(
 
 
 def older_answers_warning(out: Path, report: Optional[dict]) -> Optional[str]:
-    """The one-line warning of an up-to-date ``prompts.jsonl`` whose answers an older 01 regenerated, without every
-    field this one records on an answer (:data:`eagle3.chat.template.ANSWER_FIELDS`; ``prompts_report.json``'s
-    ``answer_fields``, absent from older reports): its answers lack ``stop_token`` (and, in the oldest,
-    ``truncated``), so 02 trains the template's end-of-turn token after an answer cut at ``prompts.max_new_tokens``
-    or stopped on another stop id as if the verifier had emitted it. None for a file that was not regenerated or
-    records them all. Its settings still match, so the file stays up to date (a warning, not a remake)."""
+    """One warning line for an up-to-date ``prompts.jsonl`` whose answers lack some of
+    :data:`eagle3.chat.template.ANSWER_FIELDS` (02 then trains the template's end-of-turn token after
+    a cut or other-stop answer); None when not regenerated or complete.
+    """
     st = report.get("settings") if isinstance(report, dict) else None
     if (
         not isinstance(st, dict)

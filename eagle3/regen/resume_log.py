@@ -1,9 +1,6 @@
-"""Stage 01's regeneration resume log: the conversations already answered, appended and fsynced one by one.
-
-Both regeneration paths keep one next to the prompts file (:data:`PARTIAL_NAME`): through endpoints
-(:mod:`eagle3.regen.regen_server`) and in-process (:mod:`eagle3.regen.regenerate`). A run that stops (Ctrl-C, a crash,
-a preempted node) leaves the finished conversations in it; the next run with the same settings loads
-them and answers only the rest; 01 deletes the log once ``prompts.jsonl`` is written.
+"""Stage 01's regeneration resume log: finished conversations, appended and fsynced one by one,
+next to the prompts file (:data:`PARTIAL_NAME`); a rerun with the same settings answers only
+the rest, and 01 deletes it once ``prompts.jsonl`` is written.
 """
 
 from __future__ import annotations
@@ -32,17 +29,11 @@ CONDITIONAL_KEYS = ("seed", "hf_split", "top_p", "verifier_dtype")
 
 
 def comparable_settings(old: dict, want: dict) -> dict:
-    """``old`` (01 settings recorded in a report or a resume log) made comparable with ``want`` (this run's).
+    """``old`` (recorded 01 settings) made comparable with ``want`` (this run's).
 
-    A :data:`CONDITIONAL_KEYS` key recorded on one side only follows the other side: it counts under one side's
-    settings only, and the setting that decides whether it counts (``sample_size``, the sources, ``temperature``,
-    ``regenerate_via``) is compared itself, so a change is named by that setting (``sample_size: None -> 3``, not also
-    ``seed: unset -> 0``), and a report written before these keys were conditional (``seed: 0`` without sampling)
-    stays up to date. ``verifier_weights`` counts only when both record it (a report of before it was recorded, or a
-    verifier folder without weight files now: nothing to compare, as 03/04 do with ``data_config.json``).
-
-    Returns:
-        A new dict; equal to ``want`` exactly when the settings agree.
+    A :data:`CONDITIONAL_KEYS` key recorded on one side only follows the other (the setting that
+    decides whether it counts is compared itself); ``verifier_weights`` counts only when both record
+    it. Returns a new dict, equal to ``want`` exactly when the settings agree.
     """
     out = {k: v for k, v in old.items() if not (k in CONDITIONAL_KEYS and k not in want)}
     out.update({k: want[k] for k in CONDITIONAL_KEYS if k in want and k not in old})
@@ -56,12 +47,9 @@ def comparable_settings(old: dict, want: dict) -> dict:
 
 
 def older_fields_warning(path: Path, fields: Any, what: str) -> Optional[str]:
-    """One warning line when ``fields`` (the ``answer_fields`` a resume log's header or a reused report records;
-    absent from older logs and reports) lacks some of :data:`eagle3.chat.template.ANSWER_FIELDS`, else None. Its answers are
-    kept as they are (an answer without ``stop_token`` counts as stopped on the template's end-of-turn token, as before
-    the field): refusing them would throw away hours of regeneration for a field that matters only for answers a
-    verifier ends on another stop id; ``prompts_report.json`` then records the fields every answer has
-    (:func:`eagle3.chat.template.common_answer_fields`), so 01's up-to-date check keeps naming them."""
+    """One warning line when ``fields`` (a log's or report's ``answer_fields``) lacks some of
+    :data:`eagle3.chat.template.ANSWER_FIELDS` (its answers are kept), else None.
+    """
     missing = [f for f in ANSWER_FIELDS if not (isinstance(fields, list) and f in fields)]
     if not missing:
         return None
@@ -92,17 +80,13 @@ def logged_answer_fields(paths: list[Path]) -> list[str]:
 
 
 class ResumeLog:
-    """Append-only log of finished conversations that makes server regeneration resumable.
+    """Append-only log of finished conversations.
 
-    Line 1: ``{"settings": {...}, "answer_fields": [...]}`` (the stage-01 settings fingerprint, and the fields each
-    answer records: :data:`eagle3.chat.template.ANSWER_FIELDS`); then one
-    ``{"idx": int, "id": str, "messages": [...], "tools"?: [...]}`` per finished conversation (``idx`` = position in
-    the input list), each flushed and fsynced before :meth:`append` returns. A kill can leave a
-    last line cut mid-write; :meth:`load` drops it (and rewrites the file without it, atomically).
+    Line 1: ``{"settings", "answer_fields"}``; then ``{"idx", "id", "messages", "tools"?}`` per
+    finished conversation, fsynced before :meth:`append` returns. :meth:`load` drops a torn last line.
 
     Args:
-        path: the log file.
-        settings: JSON-serialisable fingerprint; a log written under other settings is refused.
+        path: the log file. settings: JSON fingerprint; a log of other settings is refused.
     """
 
     def __init__(self, path: str | os.PathLike, settings: dict):
@@ -112,12 +96,10 @@ class ResumeLog:
         self._lock = threading.Lock()
 
     def load(self, conversations: list[dict]) -> dict[int, dict]:
-        """Finished conversations already in the log, keyed by input position.
+        """Finished conversations in the log, by input position.
 
         Raises:
-            UserError: the log was started with other settings or other input (names the file and
-                the differing key / line), or a line other than the last is malformed. A log of a 01 that recorded
-                fewer answer fields is resumed with one warning (:func:`older_fields_warning`).
+            UserError: other settings or input, or a malformed line other than the last.
         """
         if not self.path.is_file():
             return {}
@@ -216,11 +198,10 @@ class ResumeLog:
 
 
 def logged_positions(paths: list[Path]) -> set[int]:
-    """The conversation positions (``idx``) that the resume logs ``paths`` hold, distinct (an interrupt inside a
-    flush can log a conversation twice; a resumed run takes it once), a torn last line not counted.
+    """Distinct conversation positions the logs ``paths`` hold (torn last line not counted).
 
     Raises:
-        UserError: a line other than the last is malformed (:func:`eagle3.shards.manifest.read_append_log`).
+        UserError: a line other than the last is malformed.
     """
     seen: set[int] = set()
     for p in paths:

@@ -20,18 +20,14 @@ log = logging.getLogger(__name__)
 def select_conversations(
     prompts, think_tags: tuple[str, str], self_instruct_path: Path, limit: Optional[int]
 ) -> tuple[list[dict], Counter, dict]:
-    """Read every source (in order), dedupe, sample ``prompts.sample_size`` (seeded) and keep the first ``limit``.
-
-    Args:
-        prompts: the ``prompts:`` config section; ``think_tags``: ``verifier.think_tags``;
-            ``self_instruct_path``: ``prompts.self_instruct``'s file (read when that is set).
+    """Read every source in order, dedupe, sample ``prompts.sample_size`` (seeded), keep ``limit``.
 
     Returns:
-        ``(conversations, counts, steps)``: the reader's counts (``read``, ``skipped_*``, ...) and the
-        steps' figures ``normalised``, ``deduped``, ``sampled_out``, ``limited_out``.
+        ``(conversations, counts, steps)``: the reader's counts and ``normalised``, ``deduped``,
+        ``sampled_out``, ``limited_out``.
 
     Raises:
-        UserError: no usable conversation left (with the reader's counts and a hint for prompt-only sources).
+        UserError: no usable conversation left.
     """
     pc, counts = prompts, Counter()
     convs = _read_sources(pc, think_tags, counts)
@@ -115,15 +111,14 @@ def _apply_limit(
 def add_self_instruct(
     prompts, think_tags: tuple[str, str], self_instruct_path: Path, convs: list[dict]
 ) -> tuple[list[dict], int, int]:
-    """``convs`` followed by the prompts of ``self_instruct_path`` (``prompts.self_instruct``'s file, read as 01
-    reads a source: prompt-only, ``prompts.system_prompt`` prepended), those whose dedupe key is already among
-    ``convs`` dropped when ``prompts.dedupe`` (the first conversation wins, as for the sources).
+    """``convs`` followed by the prompts of ``self_instruct_path`` (read as a prompt-only source),
+    duplicates of ``convs`` dropped when ``prompts.dedupe``.
 
     Returns:
-        ``(conversations, self-instruct prompts added, self-instruct prompts dropped as duplicates)``.
+        ``(conversations, prompts added, prompts dropped as duplicates)``.
 
     Raises:
-        UserError: the file is missing or unreadable (:func:`eagle3.data.readers.read_conversations`).
+        UserError: the file is missing or unreadable.
     """
     pc = prompts
     extra = read_conversations(

@@ -1,7 +1,5 @@
-"""The two request protocols of a regeneration through serving endpoints (:mod:`eagle3.regen.regen_server`):
-:class:`SGLangGenerate` (SGLang's native ``/generate``: token ids in, generated ids out) and :class:`OpenAIChat`
-(``/v1/chat/completions``: messages in, text out), each turning one turn's prompt into a request payload and a
-response into an :class:`Answer`.
+"""Request protocols of regeneration through endpoints: :class:`SGLangGenerate` (``/generate``,
+ids in and out) and :class:`OpenAIChat` (``/v1/chat/completions``, messages in, text out).
 """
 
 from __future__ import annotations
@@ -79,14 +77,11 @@ class SGLangGenerate:
         return payload, lambda resp: self.parse(resp, len(ids), head)
 
     def parse(self, resp, n_prompt: int, head: str = "") -> Answer:
-        """Check one ``/generate`` response and turn it into an :class:`Answer`.
-
-        ``head``: the rendered prompt text (a prompt ending with the open think tag means the answer
-        starts inside the reasoning, Kimi thinking mode).
+        """One ``/generate`` response as an :class:`Answer` (``head``: the rendered prompt; ending with
+        the open think tag means the answer starts inside the reasoning).
 
         Raises:
-            ValueError: not SGLang's shape, an aborted request, or a prompt length other than sent
-                (a retryable failure for :meth:`eagle3.regen.endpoints.EndpointPool.post`).
+            ValueError: not SGLang's shape, an aborted request, or another prompt length (retryable).
         """
         if isinstance(resp, list) and len(resp) == 1:
             resp = resp[0]

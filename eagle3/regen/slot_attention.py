@@ -42,21 +42,16 @@ def decode_block_mask(
     num_blocks: Optional[torch.Tensor] = None,
     q_len: int = 1,
 ):
-    """FlexAttention ``BlockMask`` of a decode step: row b attends columns ``[0, attn_len[b]]``.
+    """FlexAttention ``BlockMask`` ``[n, 1, q_len, kv_len]`` of a decode step: row b attends
+    columns ``[0, attn_len[b]]`` (``ceil((attn_len + 1) / block)`` blocks, a mask for the last).
 
     Args:
-        attn_len: int64 ``[n]``, last attended column per row (``< kv_len``).
-        kv_indices: int32 ``[n, 1, 1, kv_len / block]``, block ``j`` of every row at position ``j`` (``arange``).
-        block: KV block size (columns); ``kv_len`` must be a multiple of it.
-        kv_len: KV columns of the cache.
-        num_blocks: :func:`kv_num_blocks` of ``attn_len`` when already computed (the engine: once per step).
-        q_len: query positions (``<= block``: one query block); every position of a row sees the same columns
-            (:func:`flex_decode` puts a KV head's grouped query heads there).
+        attn_len: int64 ``[n]`` last attended column (``< kv_len``).
+        kv_indices: int32 ``[n, 1, 1, kv_len / block]`` (``arange``).
+        block: KV block size; kv_len: cache columns (a multiple of it).
+        num_blocks: :func:`kv_num_blocks` of ``attn_len`` if computed. q_len: query positions (<= block).
 
-    Returns:
-        ``BlockMask`` of shape ``[n, 1, q_len, kv_len]``: ``ceil((attn_len + 1) / block)`` blocks per row, a
-        ``mask_mod`` ``kv_idx <= attn_len[b]`` for the partial last block. Device ops only (no host sync), so
-        it is built inside the captured step.
+    Device ops only (built inside the captured step).
     """
     nb = kv_num_blocks(attn_len, block) if num_blocks is None else num_blocks  # [n, 1, 1]
 
@@ -78,21 +73,18 @@ def flex_decode(
 ) -> torch.Tensor:
     """Decode attention with per-row KV lengths through FlexAttention.
 
+    The ``G = H // Hkv`` query heads of a KV head become its ``G`` query positions (head
+    ``kv * G + g``, as HF's ``repeat_kv``) instead of ``enable_gqa``, whose split-KV kernel needs a
+    power-of-two ``G``.
+
     Args:
-        query: ``[n, H, 1, D]``; key, value: ``[n, Hkv, L, D]`` (``H`` a multiple of ``Hkv``). The ``G = H // Hkv``
-            query heads of a KV head become its ``G`` query positions (``[n, Hkv, G, D]``, head ``h = kv * G + g``
-            as HF's ``repeat_kv``), not ``enable_gqa``: Inductor's split-KV decode kernel takes GQA only for a
-            power-of-two ``G`` (torch ``_inductor/kernel/flex/flex_decoding.py`` ``_use_flex_decoding``) and
-            SmolLM2's is 3, so with ``enable_gqa`` the main kernel runs one query row per 128-row tile (H200: 0.66 ms
-            per layer for 1024 rows x ~400 columns, ~8x the bandwidth time).
-        attn_len: int64 ``[n]``, row b attends columns ``[0, attn_len[b]]``.
-        kv_indices: int32 ``[n, 1, 1, L / block]`` (see :func:`decode_block_mask`).
-        scale: softmax scale (None: ``1 / sqrt(D)``).
-        block: KV block size.
-        num_blocks: int32 ``[n, 1, 1]``, :func:`kv_num_blocks` of ``attn_len`` if already computed.
+        query: ``[n, H, 1, D]``; key, value: ``[n, Hkv, L, D]``.
+        attn_len: int64 ``[n]``; kv_indices: int32 ``[n, 1, 1, L / block]``.
+        scale: softmax scale (None: ``1 / sqrt(D)``); block: KV block size.
+        num_blocks: int32 ``[n, 1, 1]`` if computed.
 
     Returns:
-        ``[n, H, 1, D]``, the query's dtype.
+        ``[n, H, 1, D]`` in the query's dtype.
     """
     n, h, _, d = query.shape
     hkv = key.shape[1]
@@ -119,27 +111,18 @@ def compiled_flex_decode():
 def offset_prefill_layout(
     offsets: torch.Tensor, width: int, cols: int, kw: Optional[int] = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Where the queries of a prefill at column offsets go, and what they attend.
-
-    Row r's ``width`` query positions (its suffix, right-padded) are tokens ``offsets[r] + j`` of its sequence;
-    columns ``[0, offsets[r])`` of its slot already hold the K/V of the tokens before them (the parent turn's
-    prompt and answer).
+    """Where the queries of a prefill at column offsets go and what they attend.
 
     Args:
-        offsets: int64 ``[P]``, cached columns per row (0 for a row prefilled from scratch).
-        width: padded suffix width ``Wp``.
-        cols: cache columns per slot (``L``); every real token's column ``offsets[r] + j`` is ``< L - 1``.
-        kw: attended columns ``Kw`` of the mask when given (a bucketed prefill: a static shape, no host sync; it must
-            cover every real query, ``Kw >= offsets[r] + suffix length`` for each row); None: ``min(L, max(offsets) +
-            Wp)``, read from ``offsets`` (one host sync on CUDA).
+        offsets: int64 ``[P]`` cached columns per row. width: padded suffix width ``Wp``.
+        cols: cache columns per slot ``L``.
+        kw: attended columns ``Kw`` (static, no host sync; must cover every real query); None:
+            ``min(L, max(offsets) + Wp)``.
 
     Returns:
-        ``(cols_idx, mask)``: ``cols_idx`` int64 ``[P, Wp]``, the column each query's K/V is written to,
-        ``offsets[r] + j`` clamped to ``L - 1`` (only padding positions reach the clamp: their K/V land beyond the
-        row's length, where decode writes before it reads); ``mask`` bool ``[P, 1, Wp, Kw]``, ``Kw = min(L,
-        max(offsets) + Wp)``: query j of row r attends column c iff ``c <= offsets[r] + j`` (the cached prefix,
-        then causal within the suffix). A padding query at or past ``Kw`` attends all ``Kw`` columns (never none:
-        column 0 is always attended, so no row of the softmax is empty).
+        ``(cols_idx int64 [P, Wp], mask bool [P, 1, Wp, Kw])``: query j of row r writes column
+        ``offsets[r] + j`` (clamped to ``L - 1``; only padding reaches it) and attends columns
+        ``c <= offsets[r] + j``; column 0 is always attended.
     """
     j = torch.arange(width, device=offsets.device)  # [Wp]
     pos = offsets[:, None] + j  # [P, Wp] absolute position of each query
@@ -159,17 +142,15 @@ def offset_prefill_attention(
     mask: torch.Tensor,
     scaling: Optional[float],
 ) -> torch.Tensor:
-    """Prefill attention of suffixes that continue cached prefixes (one layer).
+    """Prefill attention of suffixes continuing cached prefixes (one layer).
 
     Args:
-        query: ``[P, H, Wp, D]``; key, value: ``[P, Hkv, Wp, D]`` of the right-padded suffixes.
-        kc, vc: the layer's cache ``[S, Hkv, L, D]``; the suffix K/V are written at ``cols_idx``.
-        rows: int64 ``[P]``, the rows' slots.
-        cols_idx, mask: :func:`offset_prefill_layout` (``[P, Wp]`` int64, ``[P, 1, Wp, Kw]`` bool).
-        scaling: softmax scale (None: ``1 / sqrt(D)``).
+        query: ``[P, H, Wp, D]``; key, value: ``[P, Hkv, Wp, D]``.
+        kc, vc: the layer's cache ``[S, Hkv, L, D]``; rows: int64 ``[P]`` slots.
+        cols_idx, mask: :func:`offset_prefill_layout`'s. scaling: softmax scale.
 
     Returns:
-        ``[P, H, Wp, D]``: each suffix query over its row's cached columns and the suffix up to itself.
+        ``[P, H, Wp, D]``.
     """
     h, hkv = query.shape[1], key.shape[1]
     kc[rows[:, None], :, cols_idx] = key.transpose(
@@ -197,19 +178,13 @@ def slot_attention(
     slot_cache: Optional[SlotCache] = None,
     **kwargs,
 ):
-    """Attention of :class:`SlotEngine`, registered as ``AttentionInterface[ATTN_NAME]`` (same signature as
-    transformers' ``sdpa_attention_forward``).
+    """:class:`SlotEngine`'s attention, registered as ``AttentionInterface[ATTN_NAME]`` (the
+    signature of transformers' ``sdpa_attention_forward``).
 
-    Packed prefill (``slot_cache.packed`` set): query ``[1, H, Tq, D]`` of rows back to back
-    (:func:`eagle3.regen.packed_prefill.packed_prefill_attention`). Prefill (``slot_cache.rows`` set): query
-    ``[P, H, Wp, D]``, key/value ``[P, Hkv, Wp, D]`` of right-padded prompts; K/V are written to columns ``[0, Wp)``
-    of the rows' slots and the output is causal attention over the prompt itself (a real token never sees the padding after it). With ``slot_cache.prefill_mask`` set the rows
-    are suffixes at column offsets (:func:`offset_prefill_attention`: written at ``offsets[r] + j``, attending the
-    slot's cached prefix and the suffix causally). Decode over the slot prefix ``[:n]``:
-    query ``[n, H, 1, D]``, key/value ``[n, Hkv, 1, D]`` written at column ``lengths[s]`` of slot s, then either
-    FlexAttention over each row's live blocks (``slot_cache.flex``) or per slot group SDPA over the group's
-    first ``cap`` columns under its mask, with the ``H // Hkv`` query heads of a KV head as its query
-    positions. Returns ``(out [B, q_len, H, D], None)``.
+    Modes by ``slot_cache``: ``packed`` (packed prefill), ``rows`` (right-padded prefill into the
+    rows' slots, causal; with ``prefill_mask`` at column offsets), else decode over the slot prefix
+    ``[:n]``: K/V written at ``lengths[s]``, then FlexAttention (``flex``) or per-group SDPA.
+    Returns ``(out [B, q_len, H, D], None)``.
     """
     c = slot_cache
     if c is None:

@@ -32,10 +32,10 @@ class SlotDecode:
         cols: int,
         dv: Optional[int] = None,
     ):
-        """The flex decode function, or None for sdpa_groups. On CUDA the compiled kernel is probed (compiled,
-        run and, with ``cuda_graphs``, captured in a throwaway graph at the full slot count): ``flex`` raises on a
-        failure, ``auto`` logs one line and takes sdpa_groups. On CPU ``flex`` is eager FlexAttention (it
-        materialises the scores: for tests) and ``auto`` is sdpa_groups."""
+        """The flex decode function, or None for sdpa_groups. On CUDA the compiled kernel is probed
+        (compiled, run, graph-captured): ``flex`` raises on failure, ``auto`` warns and takes
+        sdpa_groups; on CPU ``flex`` is eager, ``auto`` sdpa_groups.
+        """
         if attention == "sdpa_groups" or (attention == "auto" and self.dev.type != "cuda"):
             return None
         if self.dev.type != "cuda":

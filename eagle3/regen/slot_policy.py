@@ -49,26 +49,17 @@ def _pow2_ceil(n: int) -> int:
 def prefill_bucket(
     rows: int, width: int, kv: int, max_rows: int, cols: int, min_width: int = 16
 ) -> tuple[int, int, int]:
-    """The static shape a bucketed prefill forward (``SlotEngine(prefill_graphs=True)``) runs at.
-
-    Each dimension is rounded up to a power of two, then capped: a forward of ``rows`` prompts right-padded to
-    ``width`` tokens runs as ``Pb`` rows of ``Wb`` tokens (the ``Pb - rows`` padded rows write only the engine's
-    scratch cache row), and a prefill at column offsets attends ``Kwb`` cache columns. Few distinct shapes, so each
-    is captured once as a CUDA graph; the padding costs at most 2x per dimension.
+    """The static shape ``(Pb, Wb, Kwb)`` a bucketed prefill forward runs at: each dimension
+    rounded up to a power of two, then capped.
 
     Args:
-        rows: prompts in the forward, ``1 <= rows <= max_rows``.
-        width: the longest suffix fed (tokens), ``1 <= width <= cols``.
-        kv: cache columns the offset path must attend, the longest prompt of the forward (cached prefix + suffix,
-            ``<= cols``); 0 for a forward without offsets (the causal path, which reads no cache columns).
-        max_rows: the engine's slots (``Pb`` cap).
-        cols: cache columns per slot (``Wb`` and ``Kwb`` cap).
-        min_width: smallest ``Wb`` (tokens).
+        rows: prompts in the forward (``1..max_rows``); width: longest suffix fed (``1..cols``).
+        kv: cache columns the offset path attends (0: the causal path).
+        max_rows: the engine's slots; cols: cache columns per slot; min_width: smallest ``Wb``.
 
     Returns:
-        ``(Pb, Wb, Kwb)``: ``min(max_rows, 2^ceil(log2 rows))``, ``min(cols, max(min_width, 2^ceil(log2 width)))``
-        and ``min(cols, 2^ceil(log2 kv))`` (0 when ``kv`` is 0). E.g. ``prefill_bucket(5, 40, 0, 1024, 2560) == (8, 64,
-        0)``, ``prefill_bucket(3, 300, 1100, 1024, 2560) == (4, 512, 2048)``.
+        ``(min(max_rows, 2^ceil(log2 rows)), min(cols, max(min_width, 2^ceil(log2 width))),
+        min(cols, 2^ceil(log2 kv)) or 0)``; e.g. ``(5, 40, 0, 1024, 2560) -> (8, 64, 0)``.
 
     Raises:
         ValueError: an argument out of range.
@@ -107,20 +98,13 @@ def choose_prefix(sizes: Sequence[int], live: Sequence[int]) -> int:
 
 
 def defer_refill(n_free: int, slots: int, queued: int, refill_free: float) -> bool:
-    """Whether :class:`SlotEngine` leaves its free slots empty at this check instead of prefilling queued prompts.
-
-    A prefill forward costs about the same whatever it carries (H200: 35-39 ms per forward of
-    3-6K prompt tokens, bound by the eager forward's dispatch), so while the engine is busy it refills in bulk:
-    it defers while fewer than ``refill_free * slots`` slots are free, at least half the slots are busy, and more
-    prompts are queued than slots are free (so the next check will fill them all). Deferring leaves those rows idle
-    for ``check_every`` decode steps; a decode step costs about the same with or without them.
+    """Whether the engine leaves its free slots empty at this check: while fewer than
+    ``refill_free * slots`` are free, at least half are busy and more prompts are queued than slots
+    are free (a prefill forward costs about the same whatever it carries).
 
     Args:
-        n_free: free slots (a successor's retained slot counts as free for it).
-        slots: slots of the engine.
-        queued: prompts waiting, successors included.
-        refill_free: share of the slots that must be free before a refill (``prompts.regen_refill_free``; 1/32:
-            the setting every measured run used).
+        n_free: free slots (a successor's retained slot counts). slots: the engine's slots.
+        queued: prompts waiting. refill_free: ``prompts.regen_refill_free``.
     """
     return n_free < refill_free * slots and 2 * (slots - n_free) >= slots and queued > n_free
 
@@ -150,17 +134,11 @@ class Held:
 
 
 def capture_graph(fn, pool, after_warmup=None):
-    """``fn`` (device work on the current CUDA stream, static shapes, no host sync) captured as a CUDA graph.
-
-    As torch requires, ``fn`` runs once on a side stream first (allocator warm-up, lazy initialisation, a compile),
-    then ``after_warmup()`` (e.g. restoring state the warm-up advanced), then the capture into a graph allocating from
-    ``pool`` (``torch.cuda.graph_pool_handle()``; graphs sharing a pool must replay one at a time).
+    """``fn`` (device work, static shapes, no host sync) captured as a CUDA graph allocating from
+    ``pool``: warmed up once on a side stream, then ``after_warmup()``, then captured.
 
     Returns:
-        the ``torch.cuda.CUDAGraph``; replaying it repeats ``fn``'s device work on the captured tensors.
-
-    Raises:
-        whatever the warm-up or the capture raises (the caller falls back to eager).
+        the ``torch.cuda.CUDAGraph``. Raises whatever warm-up or capture raises.
     """
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -194,36 +172,19 @@ class PrefillBuffers:
         return cls(key, torch.zeros(pb, wb, **z), torch.zeros(4, pb, **z), torch.zeros(pb, **z))
 
 
-# ---------------------------------------------------------------- prompts.regen_compile: auto
-# What a compiled decode step costs and saves, measured on one H200 with SmolLM2-135M-Instruct in bf16, 1,024 slots,
-# flex attention, CUDA graphs, 512 new tokens (the committed 17K / 127K configs). Other verifiers, slot counts or GPUs
-# differ; `auto` uses these figures as they are, so its decision is an estimate for anything else.
-# Seconds of the first full-prefix step with the whole step compiled from a COLD Inductor cache (compile + CUDA graph
-# capture): bench/results/h200-20261204/regen_speed_cold.json, main.engine_stats.first_step_s["1024"] = 41.36 s (the
-# 100K run on that machine: 35.6 s, h200-20261204/prompts_report.json; a warm cache: 10.2 s, regen_speed_warm.json).
-# The cold figure, because a fresh machine is the usual case and a warm cache cannot be told apart before compiling.
+# prompts.regen_compile: auto. Decode-step costs measured on one H200, SmolLM2-135M-Instruct bf16, 1,024
+# slots, flex, CUDA graphs, 512 new tokens; `auto` applies them as they are to any other setup.
+# Cold-cache compile + capture of the full-prefix step (s): bench/results/h200-20261204/regen_speed_cold.json.
 COMPILE_COLD_S = 41.4
-
-
-# Milliseconds of one eager full-prefix decode step: bench/results/h200-20261203/prompts_report.json (100K
-# conversations uncompiled), regeneration.engine_stats[0]: decode_s 203.68 s / 26,928 decode steps = 7.56 ms.
+# Eager full-prefix step (ms): bench/results/h200-20261203/prompts_report.json, 203.68 s / 26,928 steps.
 EAGER_STEP_MS = 7.56
-
-
-# Milliseconds of one compiled full-prefix decode step in steady state: bench/results/h200-20261204/
-# regen_speed_{cold,warm}.json, (decode_s - sum(first_step_s)) / decode_steps = 5.64 / 5.67 ms (the 100K run: 5.10 ms).
+# Compiled full-prefix step in steady state (ms): bench/results/h200-20261204/regen_speed_{cold,warm}.json.
 COMPILED_STEP_MS = 5.65
 
 
 def estimate_decode_steps(answers: int, max_new_tokens: int, slots: int) -> int:
-    """Decode steps a slot engine is expected to run for ``answers`` turns: the answer-token budget over the rows,
-    ``ceil(answers * max_new_tokens / slots)``.
-
-    An ESTIMATE on the high side, not a bound: it takes every answer to use its whole ``max_new_tokens`` and every
-    row to stay busy. Measured runs used about half the budget (the H200 17K config: 18,081 answers, estimate 9,041
-    steps, ran 5,440; 100K conversations of the 127K config: 106,041 answers, estimate 53,021, ran 26,928;
-    bench/results/h200-20261204), while rows idling until the next check and a long multi-turn tail can add steps.
-    ``answers`` counts every user turn still to answer, so later turns a context cap will drop are in it.
+    """Decode steps expected for ``answers`` turns: ``ceil(answers * max_new_tokens / slots)``, a
+    high-side estimate (every answer at full budget, every row busy).
     """
     if answers < 0 or max_new_tokens < 1 or slots < 1:
         raise ValueError("estimate_decode_steps: answers >= 0, max_new_tokens >= 1 and slots >= 1")
@@ -238,32 +199,21 @@ def compile_decision(
     max_new_tokens: int,
     slots: int,
 ) -> dict:
-    """Whether the slot engine compiles its decode step (``prompts.regen_compile``), and why: recorded as
-    ``SlotEngine.stats["compile_decision"]`` (``prompts_report.json``: ``regeneration.engine_stats``).
+    """Whether the slot engine compiles its decode step (``prompts.regen_compile``), and why.
 
-    ``True`` / ``False`` are taken as they are (``True`` compiles on any device, as before ``auto`` existed).
-    ``"auto"`` compiles only on CUDA with the flex decode path (where the constants above were measured; on the CPU
-    it never compiles), and there only when the estimated saving beats the cold compile::
-
-        estimate_decode_steps(answers, max_new_tokens, slots) * (EAGER_STEP_MS - COMPILED_STEP_MS) / 1000 > COMPILE_COLD_S
-
-    i.e. above 41.4 s / 1.91 ms = 21,675 estimated steps (43,351 answers or more at 512 new tokens over 1,024 slots).
+    ``True`` / ``False`` as given; ``"auto"`` compiles only on CUDA with flex attention when
+    ``estimate_decode_steps(...) * (EAGER_STEP_MS - COMPILED_STEP_MS) / 1000 > COMPILE_COLD_S``.
 
     Args:
-        setting: ``True``, ``False`` or ``"auto"``.
-        device_type: the verifier's device type (``"cuda"``, ``"cpu"``, ...).
-        attention: the decode attention the engine took (``"flex"`` or ``"sdpa_groups"``).
-        answers: turns the engine will answer (None: not known, and ``auto`` does not compile).
-        max_new_tokens: answer budget per turn (tokens).
-        slots: decode rows.
+        setting: ``True``, ``False`` or ``"auto"``. device_type: the verifier's device type.
+        attention: ``"flex"`` or ``"sdpa_groups"``. answers: turns to answer (None: unknown, no compile).
+        max_new_tokens: answer budget per turn. slots: decode rows.
 
     Returns:
-        ``{"setting", "compile", "reason"}``; for ``auto`` also the inputs (``device``, ``attention``, ``answers``,
-        ``max_new_tokens``, ``slots``) and, where it got that far, ``estimated_steps``, ``saving_ms_per_step``,
-        ``estimated_saving_s`` and ``compile_cost_s``.
+        ``{"setting", "compile", "reason"}``; ``auto`` adds its inputs and estimates.
 
     Raises:
-        ValueError: ``setting`` is not ``True``, ``False`` or ``"auto"``.
+        ValueError: an unknown ``setting``.
     """
     if setting is True or setting is False:
         return {

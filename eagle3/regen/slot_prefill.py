@@ -31,7 +31,6 @@ log = logging.getLogger(__name__)
 class SlotPrefill:
     """:class:`eagle3.regen.slots.SlotEngine`'s admission and prefill (a mixin: the state is the engine's)."""
 
-    # ------------------------------------------------------------------ steps
     def _class_of(self, n_prompt: int) -> int:
         """Index of the narrowest width class holding a prompt of ``n_prompt`` tokens and its answer."""
         return next(c for c, cap in enumerate(self.caps) if cap >= n_prompt + self.max_new)
@@ -183,11 +182,10 @@ class SlotPrefill:
     ) -> None:
         """One right-padded prefill forward; each row's first answer token goes to its slot.
 
-        ``offsets[r]``: columns of slot ``slots[r]`` that already hold the K/V of ``reqs[r].ids[:offsets[r]]`` (a
-        retained parent's prompt + answer); only the suffix ``ids[offsets[r]:]`` is fed, at positions ``offsets[r] +
-        j`` (RoPE) and columns ``offsets[r] + j``, attending the cached prefix (:func:`offset_prefill_attention`).
-        A forward whose offsets are all 0 (or None) takes the causal path of a fresh prompt. ``width``: the longest
-        suffix. With ``prefill_graphs`` the forward runs at its bucketed shape (:meth:`_prefill_bucketed`)."""
+        ``offsets[r]``: columns of slot ``slots[r]`` already holding ``reqs[r].ids[:offsets[r]]``; only the
+        suffix is fed, at positions and columns ``offsets[r] + j`` (:func:`offset_prefill_attention`); all
+        offsets 0 or None: the causal path. ``width``: the longest suffix.
+        """
         p = len(reqs)
         offsets = offsets if offsets is not None else [0] * p
         if self.prefill_pack and self._prefill_packed(reqs, slots, offsets):
@@ -259,21 +257,13 @@ class SlotPrefill:
     def _prefill_bucketed(
         self, reqs: list[Waiting], slots: list[int], width: int, offsets: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One prefill forward at its bucketed shape (:func:`prefill_bucket`): replayed from a CUDA graph captured at
-        the bucket's first use (``prefill_graphs`` on CUDA with graphs), else run eagerly over the same buffers.
-
-        The ``P`` real rows fill rows ``[0, P)`` of the bucket's static buffers (ids right-padded with 0 to ``Wb``);
-        rows ``[P, Pb)`` are padding: slot ``S`` (the scratch cache row), offset 0, token ids 0, last index 0. A
-        forward with any offset runs the masked path over ``Kwb`` columns (all rows, offset 0 ones included),
-        else the causal path. Inputs reach the device in two copies (pinned and asynchronous on CUDA: no host
-        sync); the graph writes the first answer token of every row to the bucket's ``tok``.
-
-        Args:
-            reqs, slots, width, offsets: as :meth:`_prefill` (``offsets`` a list, 0 = from scratch).
+        """One prefill forward at its bucketed shape (:func:`prefill_bucket`), replayed from the
+        bucket's CUDA graph when captured, else eager over the same static buffers. Rows ``[P, Pb)`` pad
+        into slot ``S`` (the scratch row).
 
         Returns:
-            ``(rows, lens, tok)``: int64 ``[P]`` device views of the bucket's buffers (the real rows' slots, prompt
-            lengths and first answer tokens), valid until the bucket's next forward.
+            ``(rows, lens, tok)``: int64 ``[P]`` device views (slots, prompt lengths, first answer
+            tokens), valid until the bucket's next forward.
         """
         p, cols = len(reqs), self.cache.k[0].shape[2]
         kv = max(len(w.ids) for w in reqs) if any(offsets) else 0
@@ -337,11 +327,9 @@ class SlotPrefill:
         buf.tok.copy_(self.model.get_output_embeddings()(h).argmax(-1))  # [Pb]
 
     def _prefill_graph(self, buf, fn=None) -> None:
-        """Capture ``fn`` (default :meth:`_prefill_forward` over ``buf``; a packed forward passes its own) as a CUDA
-        graph (warm-up on a side stream first, as torch requires; the K/V the warm-up writes are rewritten
-        identically by the replay that follows). All prefill graphs share one memory pool (they replay one at a
-        time, and each one's output is read before the next replays). On a failure: one warning, and every prefill
-        runs eagerly from then on (same shapes, same tokens). Host seconds go to ``stats["prefill_capture_s"]``."""
+        """Capture ``fn`` (default :meth:`_prefill_forward` over ``buf``) as a CUDA graph in the shared
+        prefill pool; on a failure one warning and eager prefill from then on.
+        """
         t0 = time.perf_counter()
         try:
             if self._prefill_pool is None:
@@ -365,16 +353,9 @@ class SlotPrefill:
 
     # ------------------------------------------------------------------ packed prefill (prefill_pack)
     def _prefill_packed(self, reqs: list[Waiting], slots: list[int], offsets: list[int]) -> bool:
-        """One packed prefill forward (:mod:`eagle3.regen.packed_prefill`): the rows' suffixes back to back in one
-        stream of the shape's static buffers, each row's first answer token to its slot. The shape's CUDA graph is
-        captured at its second use (``cuda_graphs`` on CUDA) and replayed after; else the forward runs eagerly.
-
-        Args:
-            reqs, slots, offsets: as :meth:`_prefill` (``offsets`` a list, 0 = from scratch).
-
-        Returns:
-            True when done; False when the packed forward failed on CUDA (the compiled attention or a replay): one
-            warning, the engine leaves the packed path for good and the caller prefills these rows padded.
+        """One packed prefill forward (:mod:`eagle3.regen.packed_prefill`); the shape's CUDA graph is
+        captured at its second use. Returns False when it failed on CUDA (one warning, the engine leaves
+        the packed path and the caller prefills these rows padded).
         """
         lay = packed_layout(
             [w.ids[o:] for w, o in zip(reqs, offsets)],

@@ -1,71 +1,26 @@
 """Continuous-batching greedy decoders for stage 01's in-process regeneration.
 
-Both engines share one contract (:class:`Engine`): :meth:`Engine.submit` queues a prompt (token ids)
-under a key with a priority (and, optionally, ``retain`` / ``parent`` for cross-turn prefix reuse: hints the
-slot engine uses and :class:`HFContinuousEngine` ignores), :meth:`Engine.results` decodes and yields ``(key, answer_ids, stop)``
-as answers finish; the caller may submit more prompts while iterating (stage 01 submits turn k+1 of a
-conversation when turn k's answer arrives), and the iteration ends when nothing is queued or running.
-Answers are greedy: the new tokens up to (excluding) the first stop token, ``stop`` that token's id (``int``), None
-when the ``max_new_tokens`` budget ran out first, as :func:`eagle3.regen.regenerate.generate_greedy` returns them.
+Contract (:class:`Engine`): :meth:`Engine.submit` queues prompt ids under a key and a priority
+(``retain`` / ``parent``: cross-turn prefix-reuse hints); :meth:`Engine.results` yields
+``(key, answer_ids, stop)`` as answers finish (``stop``: the stop token's id, None when
+``max_new_tokens`` ran out) while the caller may submit more. Answers are greedy, as
+:func:`eagle3.regen.regenerate.generate_greedy` returns them.
 
-* :class:`SlotEngine` (``prompts.regen_engine: slots``): a fixed number of decode slots over a
-  preallocated KV cache ``[slots, kv_heads, max_len, head_dim]`` per layer. A finished row's slot is
-  refilled by the next waiting prompt at the next check (every ``check_every`` steps: the only host
-  syncs; rows that finish in between idle until then); new prompts are prefilled in right-padded
-  batches straight into their slots, the lowest free slot first. Attention runs through a function
-  registered in transformers' ``AttentionInterface`` (the verifier's own modules, weights and RoPE do the
-  rest). Decode attention (``attention``, ``prompts.regen_attention``):
-
-  - ``flex``: PyTorch FlexAttention (``torch.nn.attention.flex_attention``, compiled on CUDA, eager on
-    CPU) with a ``BlockMask`` built on device each step from the per-slot lengths: a live row reads only
-    its ``ceil((length + 1) / block)`` KV blocks (a mask for the partial last block), a finished or empty
-    slot one block. The whole cache is one group. Grouped-query heads are folded into the query
-    length, as on the SDPA path (:func:`flex_decode` says why).
-  - ``sdpa_groups``: slots form groups by width class (column caps, e.g. answer budget + 128 / + 512 /
-    + 1024 / the full cache): a prompt takes a slot of the narrowest class holding it and its answer, and a
-    group's SDPA reads only its cap's columns under a length mask. Grouped-query heads are folded into the
-    query length (``[S, kv_heads, group, D]`` against ``[S, kv_heads, cap, D]``), so K/V are never repeated.
-  - ``auto``: ``flex`` on CUDA when it compiles and captures in a CUDA graph (probed at construction),
-    else ``sdpa_groups`` with a one-line warning; ``sdpa_groups`` on CPU.
-
-  Every decode window runs over a slot prefix ``[:n]``, ``n`` the smallest of ``S, S/2, S/4, ... (>=
-  min_prefix)`` holding every live slot (state tensors and caches are sliced views, so a step over
-  ``[:n]`` touches only those rows): the long multi-turn tail, with a handful of rows live, costs a
-  small step instead of a full one. On CUDA each prefix's decode step is captured once as a CUDA graph
-  (``cuda_graphs``), so a step costs its kernels, not ~30 layers of Python.
-
-  Cross-turn prefix reuse (``prefix_reuse``, ``prompts.regen_prefix_reuse``): turn k+1 of a conversation begins
-  with turn k's prompt and answer, whose K/V were in a slot a moment ago. A request submitted with ``retain=True``
-  keeps its slot when it finishes, holding the K/V of its prompt and of its answer less the last generated token
-  (a token's K/V are written when it is fed back, and the last one never is), until the check after its answer
-  is yielded. A request submitted by then with ``parent=<that key>`` takes the slot (no free slot needed, ahead of
-  the priority order); the engine compares the cached ids with the new prompt's (a re-rendered template can
-  tokenise the boundary differently: ids, not assumptions) and prefills only the suffix after the longest common
-  prefix, at RoPE positions and cache columns offset by its length, attending the cached columns and causally
-  within the suffix (:func:`offset_prefill_attention`, an explicit mask per row; rows at offset 0 share the masked
-  forward, a forward without offsets takes the causal path). A common prefix under ``reuse_min_tokens``, a slot
-  of too narrow a width class or a parent no longer held means a full prefill. Unclaimed retained slots are
-  freed at that check, so a retained slot idles for at most one decode window more than a freed one.
-
-  Prefill graphs (``prefill_graphs``, ``prompts.regen_prefill_graphs``): an eager prefill forward is bound by the
-  host dispatch of the HF forward (H200, SmolLM2: 35-48 ms whatever it carries), so prefill forwards can run at
-  bucketed shapes (:func:`prefill_bucket`: rows, padded width and the offset path's attended columns rounded up to
-  powers of two), each bucket captured once as a CUDA graph over static buffers (ids, slots, offsets, last-token
-  index in; the first answer token per row out) and replayed after. Padded rows point at one scratch cache row after
-  the slots (never read: decode runs over prefixes ``[:n]``, ``n <= slots``); a real row's padded positions land past
-  its length, as before. On the CPU, without ``cuda_graphs`` or after a failed capture the same bucketed forwards
-  run eagerly.
+* :class:`SlotEngine` (``prompts.regen_engine: slots``): fixed decode slots over a preallocated KV
+  cache ``[slots, kv_heads, max_len, head_dim]`` per layer, refilled every ``check_every`` steps (the
+  only host syncs), attention registered in transformers' ``AttentionInterface``. Decode attention:
+  ``flex`` (FlexAttention, a per-step ``BlockMask`` of each row's live blocks), ``sdpa_groups``
+  (slot groups by width class, SDPA over the group's columns), ``auto`` (flex on CUDA when it
+  compiles and graph-captures, else sdpa_groups). Decode windows run over the smallest slot prefix
+  ``[:n]`` holding every live row, each prefix captured once as a CUDA graph. Cross-turn prefix reuse
+  keeps a retained slot's K/V for the next turn and prefills only the suffix after the longest common
+  prefix (:func:`offset_prefill_attention`). Prefill forwards run at bucketed shapes
+  (:func:`prefill_bucket`, CUDA graphs) or packed (:mod:`eagle3.regen.packed_prefill`).
 * :class:`HFContinuousEngine` (``prompts.regen_engine: hf_continuous``): transformers'
-  ``ContinuousBatchingManager`` (``model.init_continuous_batching``; paged KV cache, its own scheduler
-  thread). Without the flash-attn package its attention is ``paged|sdpa``, which packs every request of
-  a step into one sequence with a ``[1, 1, queries, all cached keys]`` mask: a decode step of B rows
-  scores B x (all rows' keys), B times the work of per-row attention (transformers 5.17 and 5.24,
-  ``integrations/sdpa_paged.py``; its fused decode path needs ``flash_attn_with_kvcache``). Kept as the
-  library baseline that ``bench/regen_speed.py`` measures beside the slot engine.
+  ``ContinuousBatchingManager``, the library baseline ``bench/regen_speed.py`` measures.
 
-Greedy tokens equal plain transformers greedy decoding in float32 (tests/test_continuous.py: a tiny
-random Llama and the real SmolLM2 GGUF, varied batch compositions); in bf16 other batch compositions
-round differently, which ``bench/regen_speed.py`` counts with the logit gap at the first difference.
+Greedy tokens equal plain transformers greedy decoding in float32 (tests/test_continuous.py).
+Design and measurements: DESIGN.md.
 """
 
 from __future__ import annotations
@@ -106,13 +61,11 @@ log = logging.getLogger(__name__)
 
 
 class Engine:
-    """Shared submit/results contract (see the module docstring).
+    """Shared submit/results contract (module docstring).
 
-    ``submit(key, ids, priority, parent=None, retain=False)``: ``key`` names the request (not None; unique among the
-    requests queued, running or retained, except that a successor may reuse its parent's key, as stage 01 does);
-    ``retain=True`` asks the engine to keep the request's K/V when it finishes, for a successor; ``parent=<key>``
-    says the prompt continues that retained request (its prompt + answer, then new tokens). Both are hints: an
-    engine may ignore them (:class:`HFContinuousEngine` does), and answers are the same either way.
+    ``submit(key, ids, priority, parent=None, retain=False)``: ``key`` unique among queued, running
+    or retained requests (a successor may reuse its parent's); ``retain`` / ``parent`` are hints an
+    engine may ignore (:class:`HFContinuousEngine` does): answers are the same either way.
     """
 
     def submit(
@@ -131,85 +84,42 @@ class SlotEngine(SlotPrefill, SlotDecode, Engine):
     """Continuous batching over ``slots`` decode rows with a preallocated KV cache (module docstring).
 
     Args:
-        model: HF causal LM (eval mode) whose attention layers carry ``layer_idx`` and call the attention
-            interface (Llama-family: Llama, SmolLM2, Qwen2/3, Mistral without sliding window).
+        model: HF causal LM (eval) whose attention layers carry ``layer_idx`` and call the attention
+            interface (Llama family).
         slots: decode rows (``prompts.gen_batch_size``).
-        max_len: cache columns per slot: longest prompt + ``max_new_tokens``; a longer prompt raises ValueError.
+        max_len: cache columns per slot (longest prompt + ``max_new_tokens``); longer: ValueError.
         max_new_tokens: answer budget.
         stop_ids: token ids that end an answer.
-        check_every: decode steps between host checks (finished rows harvested, free slots refilled).
+        check_every: decode steps between host checks (harvest finished rows, refill free slots).
         prefill_tokens: padded tokens per prefill forward (``rows x width``).
-        width_classes: ``sdpa_groups`` only: column caps of the slot groups (ascending; ``max_len`` is always the
-            last). Slots are split into one contiguous group per cap, in proportion to the first waiting prompts'
-            classes (a prompt's class: the smallest cap >= its length + ``max_new_tokens``; the widest group keeps
-            >= 1/16 of the slots); a prompt takes a free slot of its class or a wider one, and each group's
-            attention reads its cap's columns. Default: ``max_new_tokens`` + 128, + 512, + 1024 (those below
-            ``max_len``). The flex path has one group of the full cache.
-        cuda_graphs: capture decode steps as CUDA graphs, one per slot prefix (CUDA only; falls back to eager if
-            capture fails).
-        attention: ``auto`` | ``flex`` | ``sdpa_groups`` (module docstring). ``flex`` raises when FlexAttention
-            fails to compile or capture on CUDA; ``auto`` falls back to ``sdpa_groups`` with a warning.
-        flex_block: KV block size of the flex path (columns; the cache is rounded up to whole blocks).
+        width_classes: ``sdpa_groups`` only: ascending column caps of the slot groups (``max_len``
+            last; default ``max_new_tokens`` + 128, + 512, + 1024); a prompt takes a slot of the
+            narrowest class holding it and its answer.
+        cuda_graphs: capture each slot prefix's decode step as a CUDA graph (eager if capture fails).
+        attention: ``auto`` | ``flex`` | ``sdpa_groups``; ``flex`` raises when FlexAttention fails
+            to compile or capture on CUDA, ``auto`` falls back with a warning.
+        flex_block: KV block size of the flex path (columns).
         min_prefix: smallest slot prefix a decode window runs over (:func:`prefix_sizes`).
-        compile_step: ``torch.compile`` the whole decode step (verifier forward, attention, argmax, state update;
-            static shapes, one compile per slot prefix from ``compile_min_prefix`` up, before its CUDA graph is
-            captured). A SmolLM2 step at 1,024 rows is ~2,600 small kernels around the attention (H200:
-            7.6 ms, 3.4 ms of it attention), which Inductor fuses. A failed compile logs one warning and the engine goes on uncompiled.
-            ``"auto"``: compile only where :func:`compile_decision` expects the saving to beat the cold compile
-            (CUDA, flex attention, enough decode steps for ``planned_answers``); ``True`` / ``False`` as they are.
-        compile_min_prefix: smallest slot prefix the compiled step runs over (default ``slots``: only the full
-            prefix, where nearly every step of a long run falls: the H200 17K run stepped 5,424 times, all at 1,024);
-            smaller prefixes (a run's tail, small test batches) step eagerly with flex compiled alone. Each prefix
-            compiled costs one cold Inductor compile (tens of seconds on the H200).
-        planned_answers: turns the caller will submit over the engine's life (``compile_step="auto"`` sizes the
-            work with it: :func:`estimate_decode_steps`); None = unknown (``auto`` then does not compile).
-        prefix_reuse: honour :meth:`submit`'s ``retain`` / ``parent`` (cross-turn KV prefix reuse, module docstring);
-            False: every prompt is prefilled in full.
-        reuse_min_tokens: shortest common prefix worth reusing (tokens); a shorter one means a full prefill into the
-            parent's slot.
-        refill_free: while at least half the slots are busy, queued prompts wait until this share of the slots is
-            free (:func:`defer_refill`): fewer, fuller prefill forwards against rows idle until then.
-        prefill_graphs: run each prefill forward at a bucketed shape (:func:`prefill_bucket`: rows, padded width
-            and, at column offsets, the attended columns rounded up to powers of two; :meth:`_admit` keeps the
-            bucketed rows x width within ``prefill_tokens`` where a single row allows it), its padded rows writing
-            one scratch cache row after the slots, and (CUDA with ``cuda_graphs``) capture each bucket as a CUDA graph
-            at its first use, replayed after: an eager prefill forward is bound by host dispatch (SmolLM2: ~1,700
-            ops, 35-48 ms whatever it carries). A failed capture logs one warning and the same bucketed forwards run
-            eagerly (as always on the CPU). Greedy tokens are the same (fp32: equal).
-        prefill_pack: feed each prefill forward's prompts back to back as one sequence (no padding between rows, a
-            stream rounded up to a power of two; :mod:`eagle3.regen.packed_prefill`), within ``prefill_tokens``
-            fed tokens (a single longer prompt alone; off CUDA at most ``PACK_EAGER_TOKENS``, as eager FlexAttention
-            builds dense scores); FlexAttention keeps the rows apart (compiled on CUDA: automatic dynamic shapes,
-            static ones after a failure; eager on the CPU). On CUDA with ``cuda_graphs`` each stream shape ``(Tq,
-            Tp)`` is captured as a CUDA graph at its second use and replayed after (a shape seen once costs no
-            capture). A failed capture logs one warning and packed forwards run eagerly; a failed packed forward on
-            CUDA logs one and the engine prefills padded from then on. Exclusive with ``prefill_graphs``. Greedy
-            tokens are the same (fp32: equal).
+        compile_step: ``torch.compile`` the whole decode step per slot prefix from
+            ``compile_min_prefix`` up; ``"auto"``: where :func:`compile_decision` expects it to pay.
+            A failed compile warns once and runs uncompiled.
+        compile_min_prefix: smallest prefix the compiled step runs over (default ``slots``).
+        planned_answers: turns the caller will submit (sizes ``"auto"``; None: do not compile).
+        prefix_reuse: honour ``retain`` / ``parent`` (False: every prompt prefilled in full).
+        reuse_min_tokens: shortest common prefix worth reusing (tokens).
+        refill_free: while half the slots are busy, wait for this share free (:func:`defer_refill`).
+        prefill_graphs: bucketed prefill shapes (:func:`prefill_bucket`), padded rows into one
+            scratch cache row after the slots, each bucket a CUDA graph at first use (eager on CPU).
+        prefill_pack: packed prefill (:mod:`eagle3.regen.packed_prefill`), each ``(Tq, Tp)`` a CUDA
+            graph at its second use; a failed packed forward on CUDA falls back to padded.
+            Exclusive with ``prefill_graphs``.
 
-    Memory: ``2 * layers * slots * max_len * kv_heads * head_dim`` elements of the model dtype (``slots + 1`` rows with
-    ``prefill_graphs``: the scratch row), plus ``slots x max_new_tokens`` int64 answer buffer; with prefill graphs
-    on CUDA, their shared memory pool (the activations of the largest bucket captured, about). Priorities: lower tuples are admitted first.
-    Stats (``stats``): ``decode_steps``, ``prefill_calls``, ``prefill_tokens`` / ``prefill_padded_tokens`` (prompt
-    tokens prefilled, and rows x padded width summed over the prefill forwards: their ratio is the prefill's padding
-    overhead), ``graph_captures``, ``kv_bytes_per_token``,
-    ``kv_bytes_read`` (flex: the blocks the steps read, counted on device and read at each check;
-    sdpa_groups: every prefix row up to its group's cap), ``kv_tokens_needed`` (the live rows' attended
-    columns), ``prefix_steps`` (decode steps per prefix size, keys as strings), ``attention`` (the path taken),
-    ``prefill_s`` / ``decode_s`` (device seconds of the prefill forwards / decode windows between CUDA events,
-    read at each check; host seconds on the CPU), ``first_step_s`` (host seconds of each prefix's first step, keys
-    as strings: its compile and graph capture, timed between two syncs, within ``decode_s``), ``compiled_step``
-    (whether the compiled step is in use; False after a failed compile), ``compile_decision`` (:func:`compile_decision`:
-    the setting, the choice, its reason and inputs), ``prefix_reuse`` (the switch), ``reused_tokens`` (prompt tokens
-    whose K/V a retained parent left: not prefilled; ``prefill_tokens`` counts only the tokens fed, so their sum is
-    every admitted prompt's length), ``reuse_rows`` (prompts prefilled after a cached prefix),
-    ``reuse_full_prefills`` (successors of a held parent prefilled in full: prefix under ``reuse_min_tokens`` or a
-    too narrow slot), ``prefill_graphs`` (the switch), ``prefill_graph_captures`` (prefill buckets captured as CUDA
-    graphs), ``prefill_capture_s`` (host seconds of those captures, warm-up forward included; within ``prefill_s``'s
-    span), ``prefill_buckets`` (prefill forwards per bucket, keys ``"PbxWb"`` on the causal path and ``"PbxWbxKwb"``
-    at offsets; packed forwards ``"q<Tq>"`` / ``"q<Tq>+p<Tp>"``); with ``prefill_graphs``, ``prefill_padded_tokens``
-    counts the bucketed ``Pb x Wb``, with ``prefill_pack`` the streams' ``Tq``; ``prefill_pack`` (the switch; False
-    after a failed packed forward on CUDA), ``prefill_first_s`` (host seconds of each packed shape's first forward,
-    between two syncs: on CUDA its attention's compile; keys as ``prefill_buckets``).
+    Memory: ``2 * layers * slots * max_len * kv_heads * head_dim`` elements of the model dtype
+    (``slots + 1`` rows with ``prefill_graphs``) plus a ``[slots, max_new_tokens]`` int64 answer buffer.
+    Priorities: lower tuples are admitted first. ``stats``: counters and timings of the run (decode
+    steps, prefill calls and tokens fed / padded, graph captures, KV bytes read / needed, steps per
+    prefix, device seconds of prefill and decode, first-step seconds, the compile decision, reused
+    tokens and rows, prefill buckets used; keys as the code sets them).
     """
 
     def __init__(
@@ -478,19 +388,15 @@ class SlotEngine(SlotPrefill, SlotDecode, Engine):
                 self.flex = functools.partial(flex_decode, block=self.block)
             self._compiled = torch.compile(self._step_eager, dynamic=False)
 
-    # ------------------------------------------------------------------ contract
     def submit(
         self, key, ids: Sequence[int], priority: tuple = (), parent=None, retain: bool = False
     ) -> None:
-        """Queue prompt ``ids`` (non-empty, ``len < max_len - max_new_tokens + 1``) under ``key`` (not None).
+        """Queue prompt ``ids`` (non-empty, ``len < max_len - max_new_tokens + 1``) under ``key``.
 
-        Cross-turn prefix reuse (``prefix_reuse``; ignored without it): ``retain=True`` keeps the request's slot and
-        K/V when it finishes (the prompt and the answer tokens whose K/V were written: all but the last generated
-        token) until the check after its answer is yielded; a prompt submitted by then with ``parent=key`` (stage
-        01: the next turn, submitted while handling the answer) takes that slot at the next admission, without a
-        free slot and ahead of the priority order, and only its tokens after the longest common prefix with the
-        cached ids are prefilled (:meth:`_prefill`). Otherwise the slot is freed at that check. A ``parent`` that is
-        not retained (not asked, released, or ``prefix_reuse`` off) queues the prompt as any other (full prefill).
+        With ``prefix_reuse``: ``retain=True`` keeps the slot and the K/V written (prompt + answer less
+        its last token) until the check after the answer is yielded; a prompt submitted by then with
+        ``parent=key`` takes that slot ahead of the priority order and prefills only the tokens after
+        the longest common prefix. A ``parent`` not retained means a full prefill.
         """
         if not 0 < len(ids) <= self.max_len - self.max_new:
             raise ValueError(
@@ -512,11 +418,8 @@ class SlotEngine(SlotPrefill, SlotDecode, Engine):
             heapq.heappush(self.waiting, w)
 
     def results(self) -> Iterator[tuple[object, list[int], Optional[int]]]:
-        """Decode until nothing is waiting or live; yields answers as they are harvested.
-
-        The next window's decode steps are launched before the previous window's answers are yielded, so
-        the caller's host work on them (detokenising, rendering the next turn, the resume log) overlaps the
-        GPU; prompts submitted meanwhile are admitted at the next check.
+        """Decode until nothing is waiting or live; yield answers as they are harvested (the next
+        window is launched first, so the caller's host work overlaps the GPU).
         """
         ready: list = []
         # no cuDNN SDPA: its per-shape plans cost ~40 ms of host time per new prefill shape (eagle3.sdpa)

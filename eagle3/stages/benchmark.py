@@ -19,9 +19,9 @@ import torch
 
 from eagle3.chat.template import ChatOptions, end_of_turn_ids, prompt_ids
 from eagle3.config import RunConfig
-from eagle3.data import eval_prompts
+from eagle3.data import context_prompts, eval_prompts
 from eagle3.decoding import checks, drafter_folder
-from eagle3.decoding.metrics import check_measurement, default_tie_tolerance
+from eagle3.decoding.metrics import add_context_buckets, check_measurement, default_tie_tolerance
 from eagle3.decoding.offline import bench_prompts, check_context, effective_batch_size, warm_up
 from eagle3.decoding.report import headline, write_reports
 from eagle3.decoding.server import report_dirs, run_server_bench, stale_server_reports
@@ -98,6 +98,8 @@ def run(
     preflight_export(drafter_dir)  # before the verifier loads; load_exported logs its warnings
     more, not_checked = check_before_load(cfg, drafter_dir, steps, steps_field)  # each logged
     verifier, tokenizer, device = _load_verifier(cfg.verifier)
+    more_sets, capped = context_set(cfg, tokenizer, verifier.config, steps, max_new_tokens, sets)
+    sets, notes = [*sets, *more_sets], [*notes, *capped]
     drafter, aux, warnings, unchecked = load_checked_drafter(
         cfg, drafter_dir, verifier, tokenizer, device, serve_aux_layers
     )
@@ -108,6 +110,27 @@ def run(
         batch_size, tie_tolerance, notes + more, not_checked + unchecked,
     )  # fmt: skip
     return 0
+
+
+def context_set(cfg: RunConfig, tokenizer, verifier_config, steps: int, max_new_tokens: int, sets):
+    """``benchmark.context_lengths``' set, sized with the verifier's template and context, labelled apart from
+    ``sets``, and its warnings (logged here): ``([(label, prompts)], lines)``; ``([], [])`` when unset
+    (:mod:`eagle3.data.context_prompts`)."""
+    if not cfg.benchmark.context_lengths:
+        return [], []
+    chat = ChatOptions.from_verifier(cfg.verifier, cfg.extract.loss_on_reasoning)
+    built, lines = context_prompts.context_set(
+        cfg.benchmark.context_lengths, cfg.benchmark.context_prompts,
+        lambda m: len(prompt_ids(tokenizer, m, chat)), _max_positions(verifier_config), max_new_tokens, steps,
+        [label for label, _ in sets],
+    )  # fmt: skip
+    for w in lines:
+        log.warning("%s", w)
+    return [built], lines
+
+
+def _max_positions(verifier_config) -> Optional[int]:
+    return getattr(verifier_config, "max_position_embeddings", None)
 
 
 def _load_verifier(vcfg) -> tuple[Any, Any, torch.device]:
@@ -297,6 +320,8 @@ def run_offline(
     }
     settings = (steps, max_new_tokens, eos, batch_size, tie_tolerance, largest)
     report["datasets"] = _bench_sets(cfg, models, sets, *settings)
+    mp, lengths = _max_positions(verifier.config), bc.context_lengths
+    add_context_buckets(report, context_prompts.capped_edges(lengths, mp, max_new_tokens, steps)[0])
     _finish(report, Path(cfg.bench_dir), tie_tolerance, strict, logged)
     return report
 

@@ -288,6 +288,8 @@ def _sinks(cfg: RunConfig, loop: TrainLoop) -> None:
         start_step=pos.step,
         keep_best=t.select_best == "sim_accept",
         end_step=end,
+        temperature=t.select_temperature,
+        top_p=t.select_top_p,
     )
 
 

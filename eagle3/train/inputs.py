@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from eagle3.data.batching import sample_lengths
 from eagle3.data.dataset import ShardDataset
+from eagle3.drafter.mla import mla_drafter_fields
 from eagle3.drafter.model import DrafterArgs
 from eagle3.engines.context import check_context_length
 from eagle3.errors import UserError
@@ -94,7 +95,8 @@ def build_drafter_args(s: Setup, data_config: dict, vocab: dict, warn_context: b
         target_vocab_size=int(vocab["target_vocab_size"]),
         target_hidden_size=int(data_config["hidden_size"]),
     )
-    if all(v is not None for v in given.values()):
+    mla_given = s.drafter.mla.model_dump() if s.drafter.attention == "mla" else None
+    if mla_given is None and all(v is not None for v in given.values()):
         return checked(
             DrafterArgs(
                 **given, **fixed, variant=s.drafter.variant, num_layers=s.drafter.num_layers
@@ -104,6 +106,9 @@ def build_drafter_args(s: Setup, data_config: dict, vocab: dict, warn_context: b
     dims = verifier_dims(hf)
     check_verifier_dims(dims, data_config, s.shards_dir)  # before a drafter field's symptom
     over = {**given, "head_dim": _head_dim(given, dims)}
+    if mla_given is not None:  # MLA sizes: drafter.mla over the verifier's (eagle3/drafter/mla.py)
+        heads = given["num_attention_heads"] or dims["num_attention_heads"]
+        over.update(mla_drafter_fields(mla_given, heads, text_config(hf)))
     return checked(
         DrafterArgs.from_hf_config(
             text_config(hf),

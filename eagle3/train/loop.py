@@ -410,12 +410,19 @@ class TrainLoop:
                 sampler=list(range(d.rank, len(data.val_ds), d.world)),
             )
         acc = Accum(s.ttt_length)
+        meter = self.tracker.meter(s.ttt_length) if self.tracker is not None else None  # T > 0
         drafter.eval()
         with torch.no_grad():
             for batch in self.inputs.states.wrap(iter(vl)):
                 batch = self.device_batch(batch)
                 with _autocast(d, self.inputs.amp):  # no DDP wrapper: no gradient sync in eval
                     _loss, stats = _call(self.opt.objective, batch, self.targets(batch))
+                    if meter is not None:
+                        i = self.inputs
+                        meter.add(drafter, batch, i.head_lm, i.head_norm, i.head_eps)
                 acc.add(stats)
         drafter.train()
-        return Accum.summarize(reduce_totals(acc.totals(), d), s.step_weight)
+        out = Accum.summarize(reduce_totals(acc.totals(), d), s.step_weight)
+        return (
+            out if meter is None else {**out, **meter.summarize(reduce_totals(meter.totals(), d))}
+        )

@@ -202,10 +202,11 @@ def selected_weights_line(result: dict) -> Optional[str]:
 
 
 def drafter_shape(args, hidden: bool = False) -> str:
-    """``eagle3.1, 2 decoder layers, [hidden 576, ]MLP 6144, draft vocab 32000`` of a
+    """``eagle3.1, 2 decoder layers, [MLA attention, ][hidden 576, ]MLP 6144, draft vocab 32000`` of a
     :class:`eagle3.drafter.model.DrafterArgs` (04's closing lines and ``train_report.md``)."""
     return (
         f"{args.variant}, {args.num_layers} decoder layer{'s' if args.num_layers > 1 else ''}, "
+        + ("MLA attention, " if getattr(args, "is_mla", False) else "")
         + (f"hidden {args.hidden_size}, " if hidden else "")
         + f"MLP {args.intermediate_size}, draft vocab {args.draft_vocab_size}"
     )

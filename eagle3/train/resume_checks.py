@@ -44,7 +44,9 @@ def drafter_args_problem(saved: dict, current: dict) -> Optional[str]:
     ):  # a checkpoint written before DrafterArgs.variant existed holds an eagle3 drafter
         saved = {"variant": "eagle3", **saved}
     # DrafterArgs.to_json leaves num_layers out when 1 (and checkpoints written before it existed have one layer)
-    saved, current = {"num_layers": 1, **saved}, {"num_layers": 1, **current}
+    # and leaves attention / mla out for the Llama-style layer (the only one before they existed)
+    dflt = {"num_layers": 1, "attention": "llama", "mla": None}
+    saved, current = {**dflt, **saved}, {**dflt, **current}
     out = []
     for key in sorted(set(saved) | set(current)):
         a, b = saved.get(key, "<absent>"), current.get(key, "<absent>")
@@ -476,10 +478,12 @@ def check_resume(
 #: pins the equality); the others come from stage 03's vocab map and from the verifier.
 DRAFTER_CONFIG_KEYS = frozenset(
     {
+        "attention",
         "head_dim",
         "hidden_size",
         "intermediate_size",
         "max_position_embeddings",
+        "mla",
         "num_attention_heads",
         "num_key_value_heads",
         "num_layers",

@@ -28,6 +28,10 @@ run drops the rows after its checkpoint's step (they are recomputed) but keeps t
 it was taken after that step (a hard kill between a validation and the next checkpoint): that row is
 marked ``before_resume: true`` and stays the best until a validation of the resumed run beats it, so the
 export is never worse than a validation the killed run had already scored.
+
+At ``train.select_temperature`` T > 0 (the temperature the drafter will be served at) ``alpha_j`` is instead
+the expected acceptance of speculative rejection sampling (:mod:`eagle3.train.sampled_accept`); the curve records
+the temperature and a resume at another one is refused.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from torch import nn
 from eagle3.errors import UserError
 from eagle3.io import atomic_save_png, atomic_torch_save, atomic_write_json, read_json
 from eagle3.io.read import safe_torch_load
+from eagle3.train.sampled_accept import SAMPLED_KEY, SampledAcceptance
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +55,12 @@ BEST_FILE = "best_drafter.pt"
 PLOT_FILE = "sim_accept.png"
 
 
-def position_acceptance(val: dict) -> list[float]:
-    """``[alpha_1, ..., alpha_K]``: the ``acc_{j}`` entries of a validation row (``_Accum.summarize``) in order."""
+def position_acceptance(val: dict, key: str = "acc") -> list[float]:
+    """``[alpha_1, ..., alpha_K]``: the ``{key}_{j}`` entries of a validation row in order (``acc``: top-1,
+    :meth:`eagle3.train.metrics.Accum.summarize`; :data:`SAMPLED_KEY`: :meth:`SampledAcceptance.summarize`)."""
     out, j = [], 0
-    while f"acc_{j}" in val:
-        out.append(float(val[f"acc_{j}"]))
+    while f"{key}_{j}" in val:
+        out.append(float(val[f"{key}_{j}"]))
         j += 1
     return out
 
@@ -114,6 +120,12 @@ class BestTracker:
         keep_best: save the best weights (``train.select_best: sim_accept``); else only the curve.
         end_step: the step this run ends at (``--stop-at``, ``--max-steps``); a best kept from before the resume that
             lies past it is dropped (the run's export never holds weights of a step after its end). None: no limit.
+        temperature, top_p: ``train.select_temperature`` / ``train.select_top_p``; temperature 0 scores the top-1
+            ``alpha`` (``acc_{j}``), > 0 the sampled acceptance (``sampled_acc_{j}``, :meth:`meter`); a row keeps the
+            top-1 one as ``alpha_top1`` then.
+
+    Raises:
+        UserError: a resume whose curve was measured at another temperature / top-p.
     """
 
     def __init__(
@@ -124,10 +136,13 @@ class BestTracker:
         start_step: int = 0,
         keep_best: bool = False,
         end_step: Optional[int] = None,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
     ):
         self.dir = Path(train_dir)
         self.end_step = end_step
         self.chain = int(chain)
+        self.temperature, self.top_p = float(temperature), float(top_p)
         self.enabled = enabled
         self.keep_best = keep_best
         self.rows: list[dict] = []
@@ -150,6 +165,12 @@ class BestTracker:
         if not isinstance(old, dict) or not isinstance(old.get("rows"), list):
             raise UserError(
                 f"{path}: key 'rows' missing (delete the file to start the curve again)"
+            )
+        was = (float(old.get("temperature", 0.0)), float(old.get("top_p", 1.0)))
+        if path.is_file() and was != self._sampling():
+            raise UserError(
+                f"{path}: curve measured at train.select_temperature {was[0]:g}, select_top_p {was[1]:g}, now "
+                f"{self.temperature:g}, {self.top_p:g}; set them back, or delete {path.name} and {BEST_FILE}"
             )
         if int(old.get("chain", self.chain)) != self.chain:
             log.warning(
@@ -205,6 +226,17 @@ class BestTracker:
             return False
         return keep
 
+    def _sampling(self) -> tuple[float, float]:
+        """``(temperature, top_p)`` the curve is scored at; top-p is 1 at temperature 0 (greedy ignores it)."""
+        return (self.temperature, self.top_p) if self.temperature > 0 else (0.0, 1.0)
+
+    def meter(self, ttt_length: int) -> Optional[SampledAcceptance]:
+        """A fresh :class:`SampledAcceptance` for one validation at temperature > 0 (every rank, also one that
+        tracks nothing: the sums are reduced over ranks); None at temperature 0."""
+        if self.temperature <= 0:
+            return None
+        return SampledAcceptance(ttt_length, self.temperature, self.top_p)
+
     def _score(self, row: dict) -> dict:
         row = dict(row)
         row["tau_sim"] = simulated_tau(row["alpha"], self.chain)
@@ -217,17 +249,18 @@ class BestTracker:
             True when this validation is the new best (strictly higher ``tau_sim``; ties keep the earlier one, except
             that the same step measured again replaces a best kept from before a resume, ``before_resume``).
         """
-        alpha = position_acceptance(val)
+        alpha = position_acceptance(val, SAMPLED_KEY if self.temperature > 0 else "acc")
         if not self.enabled or not alpha:
             return False
-        row = self._score(
-            {
-                "step": int(step),
-                "epoch": int(epoch),
-                "alpha": [round(a, 6) for a in alpha],
-                "loss": val.get("loss"),
-            }
-        )
+        row = {
+            "step": int(step),
+            "epoch": int(epoch),
+            "alpha": [round(a, 6) for a in alpha],
+            "loss": val.get("loss"),
+        }
+        if self.temperature > 0:
+            row["alpha_top1"] = [round(a, 6) for a in position_acceptance(val)]
+        row = self._score(row)
         row["tau_sim_all"] = {
             str(k): round(simulated_tau(alpha, k), 6)
             for k in sorted({1, 3, 7, len(alpha)})
@@ -268,8 +301,9 @@ class BestTracker:
         return is_best
 
     def summary(self) -> dict:
-        """``{chain, formula, source, best: row | None, rows: [...]}`` (what ``sim_accept.json`` holds)."""
-        return {
+        """``{chain, formula, source, best: row | None, rows: [...]}`` (what ``sim_accept.json`` holds), with
+        ``temperature`` and ``top_p`` at temperature > 0."""
+        out = {
             "chain": self.chain,
             "formula": "tau_sim(k) = 1 + sum_{m=1..k} prod_{j<=m} alpha_j, alpha_j = held-out "
             "top-1 of TTT position j",
@@ -278,6 +312,16 @@ class BestTracker:
             "best": self.best,
             "rows": self.rows,
         }
+        if self.temperature > 0:
+            out["formula"] = (
+                "tau_sim(k) = 1 + sum_{m=1..k} prod_{j<=m} alpha_j, alpha_j = held-out mean of "
+                "sum_x min(p_T(x), q_T(x)) at TTT position j (speculative rejection sampling)"
+            )
+            out["source"] += (
+                "; alpha at T > 0: Leviathan et al. 2023 (arXiv 2211.17192), section 3.1"
+            )
+            out.update(temperature=self.temperature, top_p=self.top_p)
+        return out
 
     def restore_best(self, drafter: nn.Module) -> Optional[int]:
         """Load the best weights into ``drafter`` (in place); returns their step, or None when nothing was saved.
@@ -448,8 +492,15 @@ def markdown_lines(summary: dict) -> list[str]:
             f"Simulated acceptance length on the validation split, tau_sim({k}): not measured (no validation ran "
             f"before the run stopped; select_best: {sel}; exported step: {what})."
         ]
+    t = summary.get("temperature") or 0
+    at = (
+        f" at temperature {t:g}, top-p {summary.get('top_p', 1.0):g} (alpha_j = mean of sum_x min(p_T, q_T), "
+        f"the acceptance probability of rejection sampling)"
+        if t
+        else ""
+    )
     lines = [
-        f"Simulated acceptance length on the validation split, tau_sim({k}) = 1 + sum_m prod_(j<=m) alpha_j "
+        f"Simulated acceptance length on the validation split, tau_sim({k}) = 1 + sum_m prod_(j<=m) alpha_j{at} "
         f"(select_best: {sel}; exported step: {what}):",
         "",
         f"| step | tau_sim({k}) | "

@@ -126,6 +126,7 @@ def _source_rows(drafter: nn.Module, src: nn.Module) -> torch.Tensor:
 # them equal; draft_vocab_size may differ (lm_head rows move by target token), the rest (norm eps, rope, context) shape
 # nothing
 WARM_START_SHAPE = (
+    "attention",
     "variant",
     "num_layers",
     "hidden_size",
@@ -164,7 +165,7 @@ def check_shape_fields(src: str, exported: dict, mine: dict, config_keys: Collec
     export's ``drafter_args`` (absent ``variant`` / ``num_layers``: the DrafterArgs defaults eagle3 / 1); UserError
     naming ``drafter.<field>`` when the field is one of ``config_keys``."""
 
-    have = {"variant": "eagle3", "num_layers": 1, **exported}
+    have = {"variant": "eagle3", "num_layers": 1, "attention": "llama", **exported}
     for key, b in mine.items():
         # not recorded (left to warm_start's tensor-by-tensor check) or not known
         if key not in have or b is None:

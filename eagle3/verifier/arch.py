@@ -4,7 +4,9 @@
   language model's settings in a nested ``text_config`` (:func:`text_config`).
 - Attention widths: MLA models (DeepSeek-V3, Kimi-K2/K2.5: ``kv_lora_rank`` set) expand their latent into keys
   of ``qk_nope_head_dim + qk_rope_head_dim`` and values of ``v_head_dim`` (:func:`kv_head_dims`); the drafter,
-  a Llama-style layer, takes ``hidden_size // heads`` as its head dim (:func:`drafter_head_dim`).
+  a Llama-style layer, takes ``hidden_size // heads`` as its head dim (:func:`drafter_head_dim`); an MLA drafter
+  (``drafter.attention: mla``) copies the latent sizes, rope layout and RoPE scaling (:func:`mla_sizes`,
+  :func:`mla_rope_scaling`).
 - Layer-id family: the DeepSeek V2/V3 family that SGLang serves with ``deepseek_v2.py`` and its own aux-layer
   rule (:data:`DEEPSEEK_ARCHS`, :func:`is_deepseek_family`; the rule itself is in :mod:`eagle3.engines.layers`).
 - Final norm and head: module names of the final norm (:data:`FINAL_NORM_NAMES`, :func:`find_final_norm`,
@@ -72,6 +74,40 @@ def drafter_head_dim(tc: Any, hidden_size: int, heads: int) -> int:
     if head_dim is None or cfg_get(tc, "kv_lora_rank") is not None:
         head_dim = hidden_size // heads
     return int(head_dim)
+
+
+MLA_SIZE_KEYS = (
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+)
+"""The config keys of an MLA model's latent sizes (DeepSeek-V2/V3, Kimi-K2/K2.5 ``config.json``)."""
+
+
+def mla_sizes(tc: Any) -> Optional[dict]:
+    """The MLA sizes of a text config ``tc`` (:data:`MLA_SIZE_KEYS` plus ``rope_interleave``), or None when the
+    model is not MLA (no ``kv_lora_rank``). ``q_lora_rank`` may be None (DeepSeek-V2-Lite: a plain q_proj);
+    ``rope_interleave`` absent = true (DeepSeek-V3 / Kimi checkpoints lay rotary dims out in interleaved pairs:
+    HF ``DeepseekV3Config`` default, SGLang ``deepseek_v2.py`` ``getattr(config, "rope_interleave", True)``)."""
+    if cfg_get(tc, "kv_lora_rank") is None:
+        return None
+    out = {k: cfg_get(tc, k) for k in MLA_SIZE_KEYS}
+    out["rope_interleave"] = bool(cfg_get(tc, "rope_interleave", True))
+    return out
+
+
+def mla_rope_scaling(tc: Any) -> Optional[dict]:
+    """An MLA verifier's RoPE scaling (``rope_scaling``, or transformers 5 ``rope_parameters`` without
+    ``rope_theta``; None for default rope): Kimi-K2/K2.5 and DeepSeek-V3 use YaRN (factor 32..64,
+    ``original_max_position_embeddings`` 4096, ``mscale`` = ``mscale_all_dim``)."""
+    rs = cfg_get(tc, "rope_scaling") or cfg_get(tc, "rope_parameters") or None
+    if not rs:
+        return None
+    rs = {k: v for k, v in dict(rs).items() if k != "rope_theta"}
+    kind = rs.get("rope_type", rs.get("type", "default"))
+    return None if kind == "default" else rs
 
 
 # ---- layer-id family -----------------------------------------------------------------------------

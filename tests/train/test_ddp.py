@@ -8,6 +8,7 @@ first step's gradient in ``tests/train/test_loss_norm.py``.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -35,15 +36,11 @@ def test_two_gloo_ranks_match_one_process(tmp_path):
     from eagle3.stages.train import run
 
     common = dict(n_train=8, n_val=2, lengths=(10,), equal_lengths=True, vocab=32, draft_vocab=32)
-    # global batch 4 per optimizer step in both: 1 x (2 samples x 2 accum) vs 2 ranks x (1 sample x 2 accum)
-    one = load_config(
-        make_tiny_run(
-            tmp_path / "one", train={"batch_size": 2, "grad_accum": 2, "epochs": 2}, **common
-        )
-    )
-    two_yaml = make_tiny_run(
-        tmp_path / "two", train={"batch_size": 1, "grad_accum": 2, "epochs": 2}, **common
-    )
+    # global batch 4 per optimizer step in both: 1 x (2 samples x 2 accum) vs 2 ranks x (1 sample x 2 accum);
+    # validation at temperature 1: the sampled acceptance is summed over the ranks' val samples
+    sel = {"grad_accum": 2, "epochs": 2, "select_temperature": 1.0}
+    one = load_config(make_tiny_run(tmp_path / "one", train={"batch_size": 2, **sel}, **common))
+    two_yaml = make_tiny_run(tmp_path / "two", train={"batch_size": 1, **sel}, **common)
     r = run(one, device="cpu")
     assert r["step"] == 4  # 8 samples / 4 per step x 2 epochs
 
@@ -68,6 +65,13 @@ def test_two_gloo_ranks_match_one_process(tmp_path):
     assert s1["samples_in_epoch"] == s2["samples_in_epoch"]
     for k, v in s1["model"].items():
         torch.testing.assert_close(s2["model"][k], v, atol=1e-5, rtol=1e-5, msg=k)
+    c1, c2 = (json.loads((c.train_dir / "sim_accept.json").read_text()) for c in (one, two))
+    assert c1["temperature"] == c2["temperature"] == 1.0 and [r["step"] for r in c2["rows"]] == [
+        2,
+        4,
+    ]
+    a1, a2 = ([a for r in c["rows"] for a in r["alpha"]] for c in (c1, c2))
+    assert len(a1) == 6 and a2 == pytest.approx(a1, abs=1e-5)  # 2 validations x 3 TTT steps
     # the run moved the weights (so equality is not trivially the init)
     init = load_config(make_tiny_run(tmp_path / "init", **common))
     from eagle3.data.vocab import load_vocab_map
