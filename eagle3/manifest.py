@@ -16,7 +16,15 @@ import os
 from pathlib import Path
 from typing import Any, ClassVar, Mapping, Optional, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    StrictInt,
+    ValidationError,
+)
 
 from eagle3.errors import UserError
 from eagle3.io import atomic_write_bytes, read_json
@@ -48,6 +56,27 @@ class Manifest(BaseModel):
     def where(self) -> str:
         """The file it was read from (for messages), or the stage's manifest when built in memory."""
         return str(self._path) if self._path is not None else f"{self.STAGE}'s {FILE}"
+
+    @classmethod
+    def of_record(cls: type[M], record: Mapping[str, Any], where: str | os.PathLike) -> M:
+        """A stage's own record (a JSON object as read) as this manifest; ``where`` names it.
+
+        Raises:
+            UserError: ``<where>: key '<field>': <what is wrong>; re-run <STAGE>``.
+        """
+        if not isinstance(record, Mapping):
+            raise UserError(f"{where}: not a JSON object; re-run {cls.STAGE}")
+        try:
+            found = cls.make(
+                **{k: v for k, v in record.items() if k not in ("written_by", "version")}
+            )
+        except ValidationError as e:
+            err = e.errors()[0]
+            raise UserError(
+                f"{where}: key {'.'.join(map(str, err['loc']))!r}: {err['msg']}; re-run {cls.STAGE}"
+            ) from None
+        found._path = Path(where)
+        return found
 
 
 class DataManifest(Manifest):
@@ -91,20 +120,49 @@ class ShardsManifest(Manifest):
     aux_layers: Optional[list[int]] = Field(None, title="extract.aux_layers")
     max_length: Optional[int] = Field(None, title="extract.max_length")
 
+
+class ExportVerifier(BaseModel):
+    """The ``verifier`` block of an export's ``eagle3_train.json``: the verifier its shards were captured from."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    name: Optional[str] = None
+    architecture: Optional[str] = None
+    num_layers: Optional[StrictInt] = None
+    hidden_size: Optional[StrictInt] = None
+    vocab_size: Optional[StrictInt] = None
+    weights: Optional[str] = None
+
+
+class DrafterManifest(Manifest):
+    """Stage 04's export folder: its ``eagle3_train.json`` (:mod:`eagle3.export.writer`) read as this model by
+    :meth:`of_folder`; 05 compares the HF aux layers, the verifier and the trained ``ttt_length`` with its run. A key
+    an older export lacks is None (05 says which check it could not make)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    STAGE: ClassVar[str] = "04_train.py --export-only"
+    FILE: ClassVar[str] = "eagle3_train.json"
+
+    engine: Optional[str] = Field(None, title="engine (export.engine)")
+    aux_layers_hf: Optional[list[StrictInt]] = Field(
+        None,
+        min_length=3,
+        max_length=3,
+        validation_alias=AliasChoices("aux_layers_hf", "aux_layers"),
+        title="aux_layers_hf (the shards' extract.aux_layers)",
+    )
+    verifier: ExportVerifier = ExportVerifier()
+    ttt_length: Optional[StrictInt] = Field(None, title="ttt_length (train.ttt_length)")
+
     @classmethod
-    def of_record(cls, record: Mapping[str, Any], where: str | os.PathLike) -> ShardsManifest:
-        """02's record (``data_config.json`` as read, or a checkpoint's copy) as a manifest; ``where`` names it."""
-        try:
-            found = cls.make(
-                **{k: v for k, v in record.items() if k not in ("written_by", "version")}
-            )
-        except ValidationError as e:
-            err = e.errors()[0]
-            raise UserError(
-                f"{where}: key {'.'.join(map(str, err['loc']))!r}: {err['msg']}; re-run {cls.STAGE}"
-            ) from None
-        found._path = Path(where)
-        return found
+    def of_folder(cls, folder: str | os.PathLike) -> Optional[DrafterManifest]:
+        """``{folder}/eagle3_train.json`` as a manifest, or None when there is none (a drafter exported elsewhere).
+
+        Raises:
+            UserError: as :meth:`Manifest.of_record` (an unreadable file as :func:`eagle3.io.read_json`).
+        """
+        path = Path(folder) / cls.FILE
+        return cls.of_record(read_json(path), path) if path.is_file() else None
 
 
 def encode(manifest: Manifest) -> bytes:

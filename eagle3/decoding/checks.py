@@ -1,8 +1,8 @@
 """05's checks of an exported drafter against the run it is benchmarked in, each taking plain arguments: its
-recorded verifier (name, dimensions, weights), aux layers (the drafter's against the shards'), trained ``ttt_length``
-against the chain length, the export folder's engine block, its vocab map and shape, and the chat template and its
-kwargs against the shards'. A ``*_warning(s)``/``*_check`` function returns the lines that say something differs; an
-``*_unchecked`` one the line saying a check could not be made for want of metadata (None when it was made)."""
+``eagle3_train.json`` (read as :class:`eagle3.manifest.DrafterManifest`: recorded verifier, aux layers, trained
+``ttt_length``), the export folder's engine block, its vocab map and shape, and the chat template and its kwargs
+against the shards'. A ``*_check`` returns ``(warning, not_checked)``: the line saying something differs, the line
+saying a check could not be made for want of metadata; ``*_unchecked`` only the latter."""
 
 from __future__ import annotations
 
@@ -16,38 +16,19 @@ import torch
 
 from eagle3.chat.template import ChatOptions, chat_template_hash, template_name
 from eagle3.data.vocab import VOCAB_MAP, load_vocab_map
-from eagle3.drafter.draft_config import EXPORT_META_FILE, untrained_positions
+from eagle3.drafter.draft_config import untrained_positions
 from eagle3.errors import UserError
 from eagle3.export.reader import check_export_folder
 from eagle3.io import read_json
+from eagle3.manifest import DrafterManifest, ExportVerifier
 from eagle3.shards.checks import verifier_dims_differ
 from eagle3.verifier.load import weights_differ
 
 log = logging.getLogger(__name__)
 
-TRAIN_META = EXPORT_META_FILE  # the export's eagle3_train.json
-
-
+TRAIN_META = DrafterManifest.FILE  # the export's eagle3_train.json
 DATA_CONFIG = "data_config.json"
-
-
-# ---------------------------------------------------------------------------------------------
-# aux layers: drafter metadata vs shards metadata
-# ---------------------------------------------------------------------------------------------
-def _aux_from_meta(meta: dict, path: Path) -> Optional[list[int]]:
-    if not isinstance(meta, dict):
-        raise UserError(f"{path}: expected a JSON object")
-    for key in ("aux_layers_hf", "aux_layers"):
-        if key in meta:
-            val = meta[key]
-            if (
-                not isinstance(val, list)
-                or len(val) != 3
-                or not all(isinstance(i, int) for i in val)
-            ):
-                raise UserError(f"{path}: key '{key}' must be a list of 3 integers, got {val!r}")
-            return val
-    return None
+NOT_OURS = "not found (a drafter not exported by eagle3-train)"
 
 
 def resolve_aux_layers(
@@ -55,24 +36,23 @@ def resolve_aux_layers(
 ) -> tuple[list[int], list[str]]:
     """The aux layers (HF indices) to feed the drafter, and warnings.
 
-    Priority: the drafter's ``eagle3_train.json`` (``aux_layers_hf``/``aux_layers``), then the shards'
-    ``data_config.json``, then ``fallback``. A warning is returned when the drafter's and the
-    shards' lists differ (the FIELD-NOTES off-by-one failure: near-zero acceptance).
+    Priority: the drafter's ``eagle3_train.json`` (:class:`eagle3.manifest.DrafterManifest` ``aux_layers_hf``), then
+    the shards' ``data_config.json`` ``aux_layers``, then ``fallback``. A warning when the drafter's and the shards' lists differ
+    (the FIELD-NOTES off-by-one failure: near-zero acceptance).
 
     Raises:
-        UserError: no source names the aux layers, or a malformed metadata file.
+        UserError: no source names the aux layers, or a malformed metadata file (as
+            :meth:`eagle3.manifest.Manifest.of_record`).
     """
-    warnings: list[str] = []
-    drafter_aux = data_aux = None
-    meta_path = Path(drafter_dir) / TRAIN_META
-    if meta_path.is_file():
-        drafter_aux = _aux_from_meta(read_json(meta_path), meta_path)
-    if shards_dir is not None and (Path(shards_dir) / DATA_CONFIG).is_file():
-        dc = Path(shards_dir) / DATA_CONFIG
-        data_aux = _aux_from_meta(read_json(dc), dc)
-    if drafter_aux is not None and data_aux is not None and list(drafter_aux) != list(data_aux):
+    meta_path, dc = Path(drafter_dir) / TRAIN_META, Path(shards_dir or "") / DATA_CONFIG
+    meta = DrafterManifest.of_folder(drafter_dir)
+    drafter_aux = meta.aux_layers_hf if meta else None
+    raw = read_json(dc) if shards_dir is not None and dc.is_file() else None
+    data_aux = raw.get("aux_layers") if isinstance(raw, dict) else None
+    warnings = []
+    if drafter_aux is not None and data_aux is not None and drafter_aux != data_aux:
         warnings.append(
-            f"aux layers differ: drafter {meta_path} records {drafter_aux} but shards {Path(shards_dir) / DATA_CONFIG} "
+            f"aux layers differ: drafter {meta_path} records {drafter_aux} but shards {dc} "
             f"record {data_aux} (HF hidden_states indices); using the drafter's"
         )
     aux = drafter_aux or data_aux or fallback
@@ -83,99 +63,103 @@ def resolve_aux_layers(
     return [int(i) for i in aux], warnings
 
 
-def verifier_warnings(
+def verifier_check(
     drafter_dir: Path,
     verifier_name: str,
     dims: Optional[dict] = None,
     weights: Optional[str] = None,
-) -> list[str]:
-    """A warning when the drafter's ``eagle3_train.json`` names another verifier than the run config, or records
-    other dimensions than ``dims`` (the loaded verifier's, :func:`eagle3.verifier.load.verifier_dims`: a ``verifier.path``
-    pointed at another model under the same ``verifier.name``), or another weights fingerprint than ``weights``
-    (:func:`eagle3.verifier.load.weights_fingerprint` of ``verifier.path``; exports of shards 02 fingerprinted)."""
-    meta_path = Path(drafter_dir) / TRAIN_META
-    if not meta_path.is_file():
-        return []
-    meta = read_json(meta_path)
-    rec = (meta.get("verifier") or {}) if isinstance(meta, dict) else {}
-    rec = rec if isinstance(rec, dict) else {}
-    name = rec.get("name")
-    if name and name != verifier_name:
-        return [
-            f"drafter {meta_path} was exported for verifier '{name}', benchmarking it with '{verifier_name}'"
-        ]
-    diff = verifier_dims_differ(dims or {}, rec)
-    if diff:
-        return [
-            f"drafter {meta_path} was exported for verifier '{name or verifier_name}' of other dimensions than the "
-            f"model at verifier.path ({diff})"
-        ]
-    if weights_differ(rec.get("weights"), weights):
-        return [
-            f"drafter {meta_path} was exported for verifier '{name or verifier_name}' with other weights than the "
-            f"model at verifier.path (key 'verifier.weights': {str(rec['weights'])[:19]}... recorded, {weights[:19]}... "
-            f"at verifier.path): tau measures the drafter against another model"
-        ]
-    return []
+    dims_checked: bool = True,
+) -> tuple[Optional[str], Optional[str]]:
+    """The drafter's recorded verifier (``eagle3_train.json`` ``verifier``) against the run's: its name, the
+    dimensions ``dims`` of the loaded verifier (:func:`eagle3.verifier.load.verifier_dims`: a ``verifier.path`` pointed
+    at another model under the same name) and the weights fingerprint ``weights``
+    (:func:`eagle3.verifier.load.weights_fingerprint` of ``verifier.path``).
 
+    Returns:
+        ``(warning, not_checked)``: the line naming the first difference, or the line saying which comparison could
+        not be made (no ``eagle3_train.json`` or no verifier name in it; no fingerprint on one side); both None when
+        every comparison agrees. ``dims_checked`` False (``--server``, which loads no verifier): the not-checked line
+        does not claim the dimensions were compared.
 
-def ttt_length_warning(
-    drafter_dir: Path, steps: int, steps_field: str, fix: Optional[str] = None
-) -> Optional[str]:
-    """One warning line when 05 drafts more tokens a step (``steps``, from ``steps_field``: ``--steps`` or
-    ``benchmark.steps``; ``05 --server``: the server's ``speculative_num_steps``) than the drafter was trained for: its
-    ``eagle3_train.json`` key ``ttt_length`` (``train.ttt_length``). Draft positions past it were never trained, so
-    their acceptance (and tau) says little about the drafter. None when ``steps`` is within it, or the export records
-    no ``ttt_length`` (an export of before the key, or none of this project's). A malformed metadata file is left to
-    the checks that read it. ``fix``: how to draft fewer, ``{k}`` = the ``ttt_length`` (default ``benchmark with
-    {field} {k}``, ``{field}`` = ``steps_field``).
+    Raises:
+        UserError: a malformed ``eagle3_train.json`` (as :meth:`eagle3.manifest.DrafterManifest.of_folder`).
     """
     meta_path = Path(drafter_dir) / TRAIN_META
-    k = recorded_ttt_length(meta_path)
-    if k is None or steps <= k:
-        return None
+    meta = DrafterManifest.of_folder(drafter_dir)
+    rec = meta.verifier if meta else ExportVerifier()
+    exported = f"drafter {meta_path} was exported for verifier '{rec.name or verifier_name}'"
+    if rec.name and rec.name != verifier_name:
+        return f"{exported}, benchmarking it with '{verifier_name}'", None
+    diff = verifier_dims_differ(dims or {}, rec.model_dump())
+    if diff:
+        return f"{exported} of other dimensions than the model at verifier.path ({diff})", None
+    if weights_differ(rec.weights, weights):
+        return (
+            f"{exported} with other weights than the model at verifier.path (key 'verifier.weights': "
+            f"{rec.weights[:19]}... recorded, {weights[:19]}... at verifier.path): tau measures the drafter "
+            f"against another model"
+        ), None
+    if not rec.name:
+        why = "names no verifier" if meta else NOT_OURS
+        at_load = (
+            "; only the embedding and vocab shapes are checked at load" if dims_checked else ""
+        )
+        return None, (
+            f"{meta_path} {why}: 05 did not check that the drafter was trained for the verifier '{verifier_name}' "
+            f"(name, dimensions, weights{at_load}); check which verifier its training used"
+        )
+    if rec.weights and weights:
+        return None, None
+    side = (
+        f"{meta_path} records no verifier.weights (an export of shards captured before weight fingerprints)"
+        if not rec.weights
+        else "verifier.path holds no weight file on this machine"
+    )
+    return None, (
+        f"{side}: 05 did not check that the drafter was trained on the weights at verifier.path, only the name "
+        f"'{rec.name}'{' and dimensions' if dims_checked else ''}; check that verifier.path is the model its "
+        f"shards were captured from"
+    )
+
+
+def ttt_length_check(
+    drafter_dir: Path,
+    steps: int,
+    steps_field: str,
+    fix: Optional[str] = None,
+    unchecked_field: Optional[str] = None,
+) -> tuple[Optional[str], Optional[str]]:
+    """05's draft tokens a step (``steps``, from ``steps_field``: ``--steps``, ``benchmark.steps``, the server's
+    ``speculative_num_steps``) against the ``ttt_length`` the drafter's ``eagle3_train.json`` records
+    (``train.ttt_length``): draft positions past it were never trained, so their acceptance says little.
+
+    Returns:
+        ``(warning, not_checked)``: the line when ``steps`` exceeds it (``fix``: how to draft fewer, ``{k}`` = the
+        ``ttt_length``, ``{field}`` = ``steps_field``; default ``benchmark with {field} {k}``), or the line saying the
+        check could not be made (no file, or no ``ttt_length`` in it; named with ``unchecked_field``, default
+        ``steps_field``); both None when ``steps`` is within it.
+
+    Raises:
+        UserError: a malformed ``eagle3_train.json`` (as :meth:`eagle3.manifest.DrafterManifest.of_folder`).
+    """
+    meta_path = Path(drafter_dir) / TRAIN_META
+    meta = DrafterManifest.of_folder(drafter_dir)
+    k = meta.ttt_length if meta else None
+    if k is None:
+        why = "records no ttt_length" if meta else NOT_OURS
+        return None, (
+            f"{meta_path} {why}: 05 did not check {unchecked_field or steps_field} {steps} against the draft "
+            f"positions the drafter was trained for; check that its training's TTT length (train.ttt_length, "
+            f"SpecForge --ttt-length) is at least {steps}"
+        )
+    if steps <= k:
+        return None, None
     fix = (fix or "benchmark with {field} {k}").format(field=steps_field, k=k)
     return (
         f"{steps_field} {steps} drafts more tokens a step than the drafter was trained for: {meta_path} records "
         f"ttt_length {k} (train.ttt_length); {untrained_positions(k, steps, verb=True)} never trained, so the "
         f"acceptance there is low and tau understates a {k}-step chain: {fix}, or train with train.ttt_length {steps}"
-    )
-
-
-def recorded_ttt_length(meta_path: Path) -> Optional[int]:
-    """``ttt_length`` of an export's ``eagle3_train.json`` (None: no file, unreadable, or no integer key)."""
-    try:
-        meta = read_json(meta_path) if meta_path.is_file() else None
-    except UserError:
-        return None
-    k = meta.get("ttt_length") if isinstance(meta, dict) else None
-    return k if isinstance(k, int) and not isinstance(k, bool) else None
-
-
-def ttt_length_unchecked(drafter_dir: Path, steps: int, steps_field: str) -> Optional[str]:
-    """The line saying :func:`ttt_length_warning` could not be made: the drafter's ``eagle3_train.json`` is missing
-    (a drafter not exported by this project) or records no integer ``ttt_length`` (an export of before the key).
-    None when it records one. Before, 05 said nothing and a chain longer than the trained one went unnoticed.
-
-    Args:
-        drafter_dir: the exported folder.
-        steps: the draft tokens a step 05 (or the server) drafts.
-        steps_field: where ``steps`` came from (``--steps``, ``benchmark.steps``, the server's
-            ``--speculative-num-steps``).
-    """
-    meta_path = Path(drafter_dir) / TRAIN_META
-    if recorded_ttt_length(meta_path) is not None:
-        return None
-    why = (
-        "records no ttt_length"
-        if meta_path.is_file()
-        else "not found (a drafter not exported by eagle3-train)"
-    )
-    return (
-        f"{meta_path} {why}: 05 did not check {steps_field} {steps} against the draft positions the drafter was "
-        f"trained for; check that its training's TTT length (train.ttt_length, SpecForge --ttt-length) is at "
-        f"least {steps}"
-    )
+    ), None
 
 
 def shards_unchecked(
@@ -183,68 +167,24 @@ def shards_unchecked(
 ) -> Optional[str]:
     """The line saying which of 05's checks against the shards' ``data_config.json`` could not be made because the
     file is gone (shards deleted after training, or a drafter benchmarked without its run's shards): the config's
-    ``extract.aux_layers`` / ``extract.max_length`` (:func:`eagle3.shards.checks.check_extract_settings`, only keys
-    the config sets), the drafter's recorded aux layers (:func:`resolve_aux_layers`) and the chat template
-    (:func:`template_check`). None when the file exists. ``extract_set``: the ``extract`` keys the config sets."""
+    ``extract.aux_layers`` / ``extract.max_length`` (only keys the config sets, ``extract_set``), the drafter's
+    recorded aux layers (:func:`resolve_aux_layers`) and the chat template (:func:`template_check`). None when the
+    file exists."""
     dc = Path(shards_dir) / DATA_CONFIG
     if dc.is_file():
         return None
     what = ["the chat template (and verifier.chat_template_kwargs)"] + [
         f"the config's extract.{k}" for k in ("aux_layers", "max_length") if k in extract_set
     ]
-    meta_path = Path(drafter_dir) / TRAIN_META
     try:
-        has_aux = (
-            meta_path.is_file() and _aux_from_meta(read_json(meta_path), meta_path) is not None
-        )
+        meta = DrafterManifest.of_folder(drafter_dir)
     except UserError:
-        has_aux = False  # resolve_aux_layers refuses it
-    if has_aux:
-        what.append(f"the drafter's aux layers ({meta_path})")
+        meta = None  # resolve_aux_layers refuses it
+    if meta is not None and meta.aux_layers_hf is not None:
+        what.append(f"the drafter's aux layers ({meta.where})")
     return (
         f"{dc} not found: 05 did not check {', '.join(what)} against the template, layers and length the shards "
         f"were made with; check them against the data_config.json of the shards the drafter was trained on"
-    )
-
-
-def verifier_unchecked(
-    drafter_dir: Path, verifier_name: str, weights: Optional[str], dims_checked: bool = True
-) -> Optional[str]:
-    """The line saying which part of :func:`verifier_warnings` could not be made: the drafter's ``eagle3_train.json``
-    is missing or names no verifier (its name, dimensions and weights not compared), or one side has no weights
-    fingerprint (``verifier.weights``: an export of shards captured before fingerprints; ``weights`` None: no weight
-    file at ``verifier.path`` here). None when every comparison was made. ``dims_checked`` False (``--server``, which
-    loads no verifier): the line does not claim the dimensions were compared."""
-    meta_path = Path(drafter_dir) / TRAIN_META
-    try:
-        meta = read_json(meta_path) if meta_path.is_file() else None
-    except UserError:
-        meta = None  # verifier_warnings refuses it
-    rec = meta.get("verifier") if isinstance(meta, dict) else None
-    if not isinstance(rec, dict) or not rec.get("name"):
-        why = (
-            "names no verifier"
-            if meta_path.is_file()
-            else "not found (a drafter not exported by eagle3-train)"
-        )
-        at_load = (
-            "; only the embedding and vocab shapes are checked at load" if dims_checked else ""
-        )
-        return (
-            f"{meta_path} {why}: 05 did not check that the drafter was trained for the verifier '{verifier_name}' "
-            f"(name, dimensions, weights{at_load}); check which verifier its training used"
-        )
-    if rec.get("weights") and weights:
-        return None
-    side = (
-        f"{meta_path} records no verifier.weights (an export of shards captured before weight fingerprints)"
-        if not rec.get("weights")
-        else "verifier.path holds no weight file on this machine"
-    )
-    return (
-        f"{side}: 05 did not check that the drafter was trained on the weights at verifier.path, only the name "
-        f"'{rec['name']}'{' and dimensions' if dims_checked else ''}; check that verifier.path is the model its "
-        f"shards were captured from"
     )
 
 
@@ -352,8 +292,8 @@ def template_kwargs_check(shards_dir: Path, kwargs: dict) -> tuple[Optional[str]
 
 
 @contextlib.contextmanager
-def verifier_named_first(mismatch: list[str]):
-    """Around 05's checks of the drafter against the loaded verifier: when ``mismatch`` (:func:`verifier_warnings`)
+def verifier_named_first(mismatch: Optional[str]):
+    """Around 05's checks of the drafter against the loaded verifier: when ``mismatch`` (:func:`verifier_check`)
     says the drafter was exported for another verifier, a UserError of the block (an aux layer out of range, an
     embedding that does not fit) is re-raised with the mismatch first, the cause before its symptom.
 
@@ -365,7 +305,7 @@ def verifier_named_first(mismatch: list[str]):
     except UserError as e:
         if not mismatch:
             raise
-        raise UserError(f"{mismatch[0]} (verifier.name / verifier.path): {e}") from e
+        raise UserError(f"{mismatch} (verifier.name / verifier.path): {e}") from e
 
 
 def export_folder_warnings(

@@ -12,10 +12,8 @@ from eagle3.chat.template import ChatOptions
 from eagle3.decoding.checks import (
     template_check,
     template_kwargs_check,
-    ttt_length_unchecked,
-    ttt_length_warning,
-    verifier_unchecked,
-    verifier_warnings,
+    ttt_length_check,
+    verifier_check,
 )
 from eagle3.decoding.server import served_model_path, server_info
 from eagle3.errors import UserError
@@ -78,8 +76,9 @@ def _steps_lines(url: str, path: Path, steps: Optional[int], rec: dict) -> list[
         return []
     field = f"the server's speculative_num_steps (--speculative-num-steps, {url}/server_info)"
     fix = "restart the server with --speculative-num-steps {k}"
-    warning = ttt_length_warning(path, steps, field, fix=fix)
-    unchecked = ttt_length_unchecked(path, steps, "the server's --speculative-num-steps")
+    warning, unchecked = ttt_length_check(
+        path, steps, field, fix=fix, unchecked_field="the server's --speculative-num-steps"
+    )
     rec["not_checked"] += [unchecked] if unchecked else []
     return [warning] if warning else []
 
@@ -116,10 +115,9 @@ def _drafter_verifier_lines(folder: Path, name: str, fp: Optional[str], rec: dic
     """The readable folder's recorded verifier against the configured one (name, weights
     fingerprint); a check that cannot be made goes to ``rec["not_checked"]``. Returns the lines.
     """
-    mismatch = verifier_warnings(folder, name, None, fp)
-    unchecked = None if mismatch else verifier_unchecked(folder, name, fp, dims_checked=False)
+    mismatch, unchecked = verifier_check(folder, name, None, fp, dims_checked=False)
     rec["not_checked"] += [unchecked] if unchecked else []
-    return mismatch
+    return [mismatch] if mismatch else []
 
 
 def _unreadable_draft_folder(url: str, info: dict, path, steps: Optional[int]) -> Optional[str]:

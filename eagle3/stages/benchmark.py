@@ -177,12 +177,13 @@ def check_before_load(
         check_extract_settings(
             cfg.extract, read_json(cfg.shards_dir / checks.DATA_CONFIG), cfg.shards_dir
         )
+    ttt_warning, ttt_unchecked = checks.ttt_length_check(drafter_dir, steps, steps_field)
     lines = [
-        checks.ttt_length_unchecked(drafter_dir, steps, steps_field),
+        ttt_unchecked,
         checks.shards_unchecked(cfg.shards_dir, drafter_dir, cfg.extract.model_fields_set),
     ]
     not_checked = [w for w in lines if w]
-    warned = [checks.ttt_length_warning(drafter_dir, steps, steps_field)] + not_checked
+    warned = [ttt_warning] + not_checked
     for w in warned:
         if w:
             log.warning("%s", w)
@@ -216,10 +217,10 @@ def load_checked_drafter(
         except UserError:  # too few layers for the default: the drafter's metadata must say
             fallback = None
     name, fp = cfg.verifier.display_name(), vf.weights_fingerprint(cfg.verifier)
-    mismatch = checks.verifier_warnings(drafter_dir, name, dims, fp)
+    mismatch, verifier_unchecked = checks.verifier_check(drafter_dir, name, dims, fp)
     with checks.verifier_named_first(mismatch):  # another verifier: the cause before its symptom
         aux, warnings = checks.resolve_aux_layers(drafter_dir, cfg.shards_dir, fallback)
-        warnings += mismatch
+        warnings += [mismatch] if mismatch else []
         warnings += checks.export_folder_warnings(drafter_dir, aux, dims["architecture"])
         meta_field = f"{drafter_dir / checks.TRAIN_META}: aux_layers"
         aux = check_aux_layers(aux, dims["num_layers"], field=meta_field)
@@ -239,16 +240,15 @@ def load_checked_drafter(
         drafter, drafter_dir, cfg.data.draft_vocab_size, cfg.data_dir, own_export=own
     )
     warnings += checks.check_drafter_shape(cfg.drafter, drafter, drafter_dir, own_export=own)
-    late, unchecked = _after_load(cfg, drafter_dir, mismatch, tokenizer)
+    late, unchecked = _after_load(cfg, drafter_dir, verifier_unchecked, tokenizer)
     return drafter, aux, warnings + late, unchecked
 
 
 def _after_load(
-    cfg: RunConfig, drafter_dir: Path, mismatch: list[str], tokenizer
+    cfg: RunConfig, drafter_dir: Path, verifier_unchecked: Optional[str], tokenizer
 ) -> tuple[list[str], list[str]]:
     """The chat template and its kwargs against the shards', and which checks could not be made (the drafter's
-    verifier record unless ``mismatch`` names another verifier, its ``d2t``, the template): ``(lines, not_checked)``."""
-    name, fp = cfg.verifier.display_name(), vf.weights_fingerprint(cfg.verifier)
+    verifier record, ``verifier_unchecked``; its ``d2t``, the template): ``(lines, not_checked)``."""
     chat = ChatOptions.from_verifier(cfg.verifier, cfg.extract.loss_on_reasoning)
     other_template, template_unchecked = checks.template_check(cfg.shards_dir, tokenizer, chat)
     other_kwargs, kwargs_unchecked = checks.template_kwargs_check(
@@ -257,7 +257,7 @@ def _after_load(
     unchecked = [
         w
         for w in (
-            None if mismatch else checks.verifier_unchecked(drafter_dir, name, fp),
+            verifier_unchecked,
             checks.vocab_map_unchecked(cfg.data_dir, drafter_dir),
             template_unchecked,
             kwargs_unchecked,

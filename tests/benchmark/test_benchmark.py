@@ -374,13 +374,13 @@ def test_aux_layer_mismatch_warns_and_uses_the_drafters(tmp_path):
 
 
 def test_verifier_name_warning(tmp_path):
-    from eagle3.decoding.checks import verifier_warnings
+    from eagle3.decoding.checks import verifier_check
 
     (tmp_path / "eagle3_train.json").write_text(json.dumps({"verifier": {"name": "org/model-a"}}))
-    assert verifier_warnings(tmp_path, "org/model-a") == []
-    (w,) = verifier_warnings(tmp_path, "org/model-b")
-    assert "'org/model-a'" in w and "'org/model-b'" in w
-    assert verifier_warnings(tmp_path / "none", "x") == []
+    assert verifier_check(tmp_path, "org/model-a")[0] is None
+    w, unchecked = verifier_check(tmp_path, "org/model-b")
+    assert "'org/model-a'" in w and "'org/model-b'" in w and unchecked is None
+    assert verifier_check(tmp_path / "none", "x")[0] is None
 
 
 def test_checks_without_metadata_are_said_not_skipped(tmp_path):
@@ -391,7 +391,13 @@ def test_checks_without_metadata_are_said_not_skipped(tmp_path):
     from types import SimpleNamespace
 
     from eagle3.config import ExtractConfig
-    from eagle3.decoding.checks import shards_unchecked, ttt_length_unchecked, verifier_unchecked
+    from eagle3.decoding.checks import shards_unchecked, ttt_length_check, verifier_check
+
+    def ttt_length_unchecked(*a):
+        return ttt_length_check(*a)[1]
+
+    def verifier_unchecked(*a):
+        return verifier_check(a[0], a[1], None, a[2])[1]
 
     d, meta = tmp_path / "drafter", tmp_path / "drafter" / "eagle3_train.json"
     d.mkdir()
@@ -740,7 +746,10 @@ def test_more_steps_than_the_drafter_was_trained_for_warns_once(run_setup, tmp_p
     (trial 2026-12-05g). The export records `ttt_length` now, and 05 warns in one line naming both values and the
     file, in the log (before the verifier loads) and in bench.json; within it, or for an export without the key, no
     warning."""
-    from eagle3.decoding.checks import ttt_length_warning
+    from eagle3.decoding.checks import ttt_length_check
+
+    def ttt_length_warning(*a):
+        return ttt_length_check(*a)[0]
 
     root, cfg, _ = run_setup
     drafter = tmp_path / "drafter"
@@ -1455,18 +1464,27 @@ def test_full_vocab_drafter_without_the_runs_vocab_map_is_not_said_unchecked(tmp
 
 
 def test_export_recording_verifier_weights_of_another_type_gets_the_weights_line(tmp_path):
-    """An ``eagle3_train.json`` whose ``verifier.weights`` was edited to a number stopped 05 in ``TypeError:
-    'int' object is not subscriptable`` while wording the other-weights warning; it is now that warning."""
-    from eagle3.decoding.checks import verifier_warnings
+    """An ``eagle3_train.json`` whose ``verifier.weights`` was edited to a number is refused in one line naming the
+    key and the stage that writes the file (read as eagle3.manifest.DrafterManifest), not a TypeError."""
+    from eagle3.decoding.checks import verifier_check
 
     (tmp_path / "eagle3_train.json").write_text(
         json.dumps({"verifier": {"name": "tiny", "weights": 123}})
     )
-    (w,) = verifier_warnings(tmp_path, "tiny", None, "sha256:" + "ab" * 32)
-    assert w == (
+    with pytest.raises(UserError) as e:
+        verifier_check(tmp_path, "tiny", None, "sha256:" + "ab" * 32)
+    assert str(e.value) == (
+        f"{tmp_path / 'eagle3_train.json'}: key 'verifier.weights': Input should be a valid string; re-run "
+        f"04_train.py --export-only"
+    )
+    (tmp_path / "eagle3_train.json").write_text(
+        json.dumps({"verifier": {"name": "tiny", "weights": "sha256:" + "cd" * 32}})
+    )
+    assert verifier_check(tmp_path, "tiny", None, "sha256:" + "ab" * 32) == (
         f"drafter {tmp_path / 'eagle3_train.json'} was exported for verifier 'tiny' with other weights than "
-        f"the model at verifier.path (key 'verifier.weights': 123... recorded, sha256:abababababab... at "
-        f"verifier.path): tau measures the drafter against another model"
+        f"the model at verifier.path (key 'verifier.weights': sha256:cdcdcdcdcdcd... recorded, "
+        f"sha256:abababababab... at verifier.path): tau measures the drafter against another model",
+        None,
     )
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from eagle3 import manifest
 from eagle3.errors import UserError
-from eagle3.manifest import FILE, DataManifest, ShardsManifest
+from eagle3.manifest import FILE, DataManifest, DrafterManifest, ShardsManifest
 
 
 def _data(**over) -> DataManifest:
@@ -87,3 +87,40 @@ def test_shards_manifest_of_a_data_config_record(tmp_path):
         UserError, match=r"data_config.json: key 'verifier': Field required; re-run 02"
     ):
         ShardsManifest.of_record({"aux_layers": [1]}, where)
+
+
+def test_drafter_manifest_of_an_export_folder(tmp_path):
+    """04's eagle3_train.json read as DrafterManifest: none for a folder without one (a drafter exported elsewhere),
+    the older key ``aux_layers`` read as ``aux_layers_hf``, other keys ignored, a bad value one line naming the key
+    and the stage that writes the file."""
+    assert DrafterManifest.of_folder(tmp_path) is None
+    meta = tmp_path / "eagle3_train.json"
+    meta.write_text(
+        json.dumps({"aux_layers": [2, 3, 4], "verifier": {"name": "m", "num_layers": 6}, "x": 1})
+    )
+    found = DrafterManifest.of_folder(tmp_path)
+    assert (found.aux_layers_hf, found.ttt_length, found.where) == ([2, 3, 4], None, str(meta))
+    assert (found.verifier.name, found.verifier.num_layers, found.verifier.weights) == (
+        "m",
+        6,
+        None,
+    )
+    manifest.require(found, {"aux_layers_hf": [2, 3, 4]}, found.STAGE)
+    meta.write_text(json.dumps({"aux_layers_hf": [2, 3, 4], "ttt_length": 7}))
+    with pytest.raises(UserError) as e:
+        manifest.require(DrafterManifest.of_folder(tmp_path), {"ttt_length": 5}, "04_train.py")
+    assert str(e.value) == f"{meta}: ttt_length (train.ttt_length) 7 -> 5; re-run 04_train.py"
+    for bad, key in (
+        ({"aux_layers_hf": [2, 3]}, "aux_layers_hf"),
+        ({"ttt_length": True}, "ttt_length"),
+        ({"verifier": {"num_layers": "6"}}, "verifier.num_layers"),
+    ):
+        meta.write_text(json.dumps(bad))
+        with pytest.raises(UserError) as e:
+            DrafterManifest.of_folder(tmp_path)
+        assert str(e.value).startswith(f"{meta}: key '{key}': ")
+        assert str(e.value).endswith("; re-run 04_train.py --export-only")
+    meta.write_text("[1, 2]")
+    with pytest.raises(UserError) as e:
+        DrafterManifest.of_folder(tmp_path)
+    assert str(e.value) == f"{meta}: not a JSON object; re-run 04_train.py --export-only"

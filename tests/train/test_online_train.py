@@ -263,7 +263,7 @@ def test_verifier_path_to_other_weights_under_the_same_name_is_refused(
         prepare_data.run(cfg, plot=False)
     assert str(e.value) == want
     # the export records the fingerprint; 05 warns when verifier.path holds other weights (as for another name)
-    from eagle3.decoding.checks import verifier_warnings
+    from eagle3.decoding.checks import verifier_check
     from eagle3.stages.export import export_for_run
     from eagle3.verifier.load import load_verifier_config, verifier_dims
 
@@ -272,16 +272,15 @@ def test_verifier_path_to_other_weights_under_the_same_name_is_refused(
     rec = json.loads((cfg.export_dir / "eagle3_train.json").read_text())["verifier"]
     assert rec["weights"] == meta["verifier_weights"]
     dims = verifier_dims(load_verifier_config(cfg.verifier))
-    assert (
-        verifier_warnings(cfg.export_dir, "tiny-llama", dims, weights_fingerprint(cfg.verifier))
-        == []
-    )
+    assert verifier_check(
+        cfg.export_dir, "tiny-llama", dims, weights_fingerprint(cfg.verifier)
+    ) == (None, None)
     other_fp = weights_fingerprint(cfg.verifier.model_copy(update={"path": str(other)}))
-    assert verifier_warnings(cfg.export_dir, "tiny-llama", dims, other_fp) == [
+    assert verifier_check(cfg.export_dir, "tiny-llama", dims, other_fp)[0] == (
         f"drafter {cfg.export_dir / 'eagle3_train.json'} was exported for verifier 'tiny-llama' with other weights "
         f"than the model at verifier.path (key 'verifier.weights': {meta['verifier_weights'][:19]}... recorded, "
         f"{other_fp[:19]}... at verifier.path): tau measures the drafter against another model"
-    ]
+    )
 
 
 def test_online_from_servers_without_urls_is_refused_before_the_head_is_extracted(

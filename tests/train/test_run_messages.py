@@ -182,11 +182,11 @@ def test_a_verifier_path_to_another_model_is_named_not_a_drafter_field(tmp_path)
     edited): 04 and --export-only said `drafter.hidden_size: 576 differs from the verifier hidden size 64` / named
     drafter fields the user never set (fresh-user trial 2026-12-05d); now one line names the shards' data_config.json,
     the first differing dimension at verifier.path (recorded -> now) and 02. 05 says the same of an export
-    (verifier_warnings)."""
+    (verifier_check)."""
     from transformers import LlamaConfig
 
     from eagle3.data.vocab import load_run_vocab_map
-    from eagle3.decoding.checks import verifier_warnings
+    from eagle3.decoding.checks import verifier_check
     from eagle3.shards.data_config import read_data_config
     from eagle3.stages.train import run
     from eagle3.train.inputs import build_drafter_args
@@ -235,12 +235,12 @@ def test_a_verifier_path_to_another_model_is_named_not_a_drafter_field(tmp_path)
         '{"verifier": {"name": "synthetic", "num_layers": 6, "hidden_size": 16, "vocab_size": 48}}'
     )
     assert (
-        verifier_warnings(
+        verifier_check(
             tmp_path / "d", "synthetic", {"num_layers": 6, "hidden_size": 16, "vocab_size": 48}
-        )
-        == []
+        )[0]
+        is None
     )
-    (w,) = verifier_warnings(
+    w, _ = verifier_check(
         tmp_path / "d", "synthetic", {"num_layers": 30, "hidden_size": 64, "vocab_size": 48}
     )
     assert w == (
