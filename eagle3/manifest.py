@@ -136,8 +136,9 @@ class ExportVerifier(BaseModel):
 
 class DrafterManifest(Manifest):
     """Stage 04's export folder: its ``eagle3_train.json`` (:mod:`eagle3.export.writer`) read as this model by
-    :meth:`of_folder`; 05 compares the HF aux layers, the verifier and the trained ``ttt_length`` with its run. A key
-    an older export lacks is None (05 says which check it could not make)."""
+    :meth:`of_folder`; 05 compares the HF aux layers, the verifier and the trained ``ttt_length`` with its run, 04's
+    ``train.init_from`` the ``drafter_args``. A key an older export lacks is None (05 says which check it could not
+    make)."""
 
     model_config = ConfigDict(extra="ignore", frozen=True)
     STAGE: ClassVar[str] = "04_train.py --export-only"
@@ -153,6 +154,7 @@ class DrafterManifest(Manifest):
     )
     verifier: ExportVerifier = ExportVerifier()
     ttt_length: Optional[StrictInt] = Field(None, title="ttt_length (train.ttt_length)")
+    drafter_args: Optional[dict[str, Any]] = Field(None, title="drafter_args (drafter.*)")
 
     @classmethod
     def of_folder(cls, folder: str | os.PathLike) -> Optional[DrafterManifest]:

@@ -178,11 +178,9 @@ def load_init_drafter(cfg: RunConfig, embed_weight, data_config: dict):
 
 def export_from_checkpoint(cfg: RunConfig, engine: str | None = None) -> Path:
     """``04 --export-only``: :func:`_export_from_checkpoint` holding 04's lock on the train folder
-    (``{train_dir}/.train.lock``, :data:`eagle3.train.folder.TRAIN_LOCK`), as training does: a second
-    ``--export-only`` of the same train folder, or one beside a training 04 (which prunes checkpoints), stops at once
-    with one line. A train folder that does not exist takes no lock (the export then stops with "no complete
-    checkpoint to export"), nor one where the lock file cannot be made (read-only checkpoints: no 04 can be writing
-    there). A full disk says to re-run (:data:`REDO_HINT`): an export starts over, nothing of a stopped one is kept.
+    (:data:`eagle3.train.folder.TRAIN_LOCK`), as training does: a second export or a training 04 there stops at once
+    with one line. No lock where the train folder is missing or the lock file cannot be made (read-only checkpoints).
+    A full disk says to re-run (:data:`REDO_HINT`): an export starts over.
 
     Raises:
         UserError: ``<train_dir>/.train.lock: another 04_train run is training or exporting in <train_dir>; ...``;
@@ -207,21 +205,13 @@ def export_from_checkpoint(cfg: RunConfig, engine: str | None = None) -> Path:
 
 
 def _export_from_checkpoint(cfg: RunConfig, engine: str | None = None) -> Path:
-    """Build the drafter from the newest checkpoint and export it. Read-only with respect to training's outputs
-    (checkpoints, ``best_drafter.pt``, ``sim_accept.json``): only the export folder is written, and the run's
-    ``train_report.{json,md}`` when it was written at this checkpoint's step (it then names the export:
-    :func:`eagle3.train.report.record_export_only`).
+    """Build the drafter from the newest checkpoint and export it. Writes only the export folder, and the run's
+    ``train_report.{json,md}`` when written at this checkpoint's step (:func:`eagle3.train.report.record_export_only`).
 
     Weights: ``train.select_best: last`` -> the checkpoint's; ``sim_accept`` -> ``best_drafter.pt``
     (:func:`_select_weights`). Checkpoint: :func:`_latest_checkpoint`; drafter: :func:`_drafter_from_checkpoint`.
 
-    Args:
-        cfg: run config (``train_dir``, ``data_dir``, ``shards_dir``, ``export``).
-        engine: one of :data:`eagle3.engines.ENGINES`; default ``cfg.export.engine``. The folder is
-            ``export.output_dir`` or ``{output_root}/drafter-{engine}``.
-
-    Returns:
-        The export folder.
+    ``engine``: one of :data:`eagle3.engines.ENGINES` (default ``export.engine``). Returns the export folder.
 
     Raises:
         UserError: those of the three steps above and of :func:`export_for_run`.
@@ -279,7 +269,7 @@ def _drafter_from_checkpoint(cfg: RunConfig, path: Path, state: dict):
 
     Raises:
         UserError: missing target head / vocab map, no data_config.json and no record of it
-            (:func:`shards_data_config`), other trained inputs (:func:`_require_trained_inputs`), a drafter shape
+            (:func:`shards_data_config`), other trained inputs (:func:`eagle3.train.resume_checks.require_export_inputs`), a drafter shape
             that disagrees with the vocab map or with the config's ``drafter.*``
             (:func:`eagle3.train.resume_checks.check_drafter_args`), or a missing/unexpected state key.
     """
@@ -288,7 +278,9 @@ def _drafter_from_checkpoint(cfg: RunConfig, path: Path, state: dict):
         cfg.data_dir, cfg.data.draft_vocab_size, int(data_config["vocab_size"])
     )
     args = DrafterArgs.from_json(state["drafter_args"], source=f"{path}: drafter_args")
-    _require_trained_inputs(path, state, vocab, data_config, cfg)
+    resume_checks.require_export_inputs(
+        path, state.get("data_inputs"), vocab, data_config, cfg.data_dir
+    )
     if args.draft_vocab_size != int(vocab["d2t"].shape[0]):
         raise UserError(
             f"{path}: drafter_args.draft_vocab_size {args.draft_vocab_size} differs from "
@@ -374,38 +366,6 @@ def shards_data_config(cfg: RunConfig, path: Path, state: dict) -> dict:
         log.warning("%s", unchecked)
     check_extract_settings(cfg.extract, record, where)
     return dict(record)
-
-
-def _require_trained_inputs(
-    path: Path, state: dict, vocab: dict, data_config: dict, cfg: RunConfig
-) -> None:
-    """Refuse to export a checkpoint with another draft vocab map, other aux layers or shards of another verifier's
-    weights than it was trained with (its ``data_inputs`` records the map's content hash,
-    :func:`eagle3.train.resume_checks.vocab_sha256`, the shards' aux layers and ``verifier_weights``): the export takes
-    the map and the aux layers from the run's files, which must be those the weights were trained for. The split is
-    not compared: it does not change the weights. A checkpoint without a record (or an entry of it) passes with one
-    warning line (:func:`eagle3.train.resume_checks.data_inputs_unchecked`).
-
-    Raises:
-        UserError: ``{checkpoint}: ...`` naming each difference (:func:`eagle3.train.resume_checks.data_inputs_problem`).
-    """
-    saved = state.get("data_inputs")
-    keys = (resume_checks.VOCAB_FILE, resume_checks.AUX_LAYERS, resume_checks.VERIFIER_WEIGHTS)
-    current = {
-        resume_checks.VOCAB_FILE: resume_checks.vocab_sha256(vocab),
-        resume_checks.AUX_LAYERS: list(data_config["aux_layers"]),
-        resume_checks.VERIFIER_WEIGHTS: data_config.get(resume_checks.VERIFIER_WEIGHTS),
-    }
-    unchecked = resume_checks.data_inputs_unchecked(path, saved, current, "--export-only", keys)
-    if unchecked:  # said, not silent
-        log.warning("%s", unchecked)
-    if not isinstance(saved, dict):
-        return
-    problem = resume_checks.data_inputs_problem(
-        {k: saved.get(k) for k in keys}, current, cfg.data_dir
-    )
-    if problem:
-        raise UserError(f"{path}: {problem}")
 
 
 def _weights_from_checkpoint(cfg: RunConfig) -> bool:

@@ -2,22 +2,20 @@
 
 One call of :func:`run` does, on every process (single process, or ``torchrun`` ranks):
 
-1. torch.distributed from the torchrun environment (:func:`eagle3.train.ranks.init_distributed`); the ranks compare
-   their config and flags first (:func:`eagle3.train.ranks.ranks_agree`).
+1. torch.distributed from the torchrun environment; the ranks compare their config and flags first
+   (:mod:`eagle3.train.ranks`).
 2. Setup (:mod:`eagle3.train.inputs`), every input checked before the first write, under 04's lock on the train
-   folder (:func:`eagle3.train.folder.train_lock`): drafter shape (``cfg.drafter``, ``null`` fields from the
-   verifier), verifier head (``{train_dir}/target_head.safetensors``), drafter init (the verifier's embedding,
-   frozen, and its LM-head rows of the draft vocab) or warm start (``train.init_from``,
-   :mod:`eagle3.train.warm_start`), the hidden-state source (:mod:`eagle3.train.online`), the data order
-   (:mod:`eagle3.train.order`), AdamW with warmup + cosine (:mod:`eagle3.train.schedule`). A refusal or a signal
-   during setup removes what this call created.
+   folder (:func:`eagle3.train.folder.train_lock`): drafter shape, verifier head, drafter init or warm start
+   (``train.init_from``, :mod:`eagle3.train.warm_start`), the hidden-state source (:mod:`eagle3.train.online`), the
+   data order (:mod:`eagle3.train.order`), AdamW with warmup + cosine. A refusal or a signal during setup removes
+   what this call created.
 3. ``--resume``: the newest complete checkpoint, bit-identically on CPU (data order, LR, RNG), also on another
    number of processes (:func:`eagle3.train.resume.restore`).
-4. The loop (:class:`eagle3.train.loop.TrainLoop`): step-normalised TTT loss over micro-batches and ranks, metrics
-   at log steps, validation every ``eval_every`` steps (default: each epoch's end), checkpoints every ``ckpt_every``
-   steps and on SIGTERM/SIGINT (the current step finishes first; 04 then exits 128 + signal).
-5. The end: final validation, the simulated-acceptance choice of the exported weights (``train.select_best``), the
-   export (rank 0, ``export``) and ``train_report.{json,md}`` + ``loss.png`` (:mod:`eagle3.train.report`).
+4. The loop (:class:`eagle3.train.loop.TrainLoop`): step-normalised TTT loss over micro-batches and ranks, metrics,
+   validation every ``eval_every`` steps, checkpoints every ``ckpt_every`` steps and on SIGTERM/SIGINT (04 then
+   exits 128 + signal).
+5. The end: final validation, the choice of the exported weights (``train.select_best``), the export (rank 0) and
+   ``train_report.{json,md}`` + ``loss.png`` (:mod:`eagle3.train.report`).
 """
 
 from __future__ import annotations
@@ -109,8 +107,7 @@ def export_interrupt_hint(cfg: RunConfig) -> str:
 
 
 def interrupted_exit(res: dict) -> int:
-    """One stderr line for a run stopped by a signal (rank 0 only); returns ``128 + signal`` (SIGTERM when another
-    rank received it: every rank of a DDP run exits with the same code)."""
+    """One stderr line (rank 0) for a run stopped by a signal; returns ``128 + signal`` (SIGTERM: another rank's)."""
     signum = res.get("signal") or signal.SIGTERM
     if os.environ.get("RANK", "0") == "0":
         print(
@@ -134,16 +131,14 @@ def run(
     """Train (or continue training) the drafter described by ``cfg``; see the module docstring.
 
     Args:
-        cfg: the run config.
         resume: continue from the newest complete checkpoint (none: starts fresh, with a warning); without it, an
             existing checkpoint folder is refused.
         max_steps: a cap on the optimizer steps of ``train.epochs`` (overrides ``train.max_steps``).
         stop_after: stop after this many optimizer steps *of this call*, with a checkpoint (tests, time slices).
         device: ``"cpu"`` to force CPU.
-        export: ``export(cfg, drafter, data_config, provenance=...)`` -> the export folder, called on rank 0 when
-            training finishes (not when stopped); None = no export.
-        init: with ``train.init_from``: ``init(cfg, embed_weight [V, H], data_config)`` -> that folder's drafter.
-        stop_at: end the run at this optimizer step, before the schedule's last, as a finished run ends.
+        export: ``export(cfg, drafter, data_config, provenance=...)`` -> the export folder, on rank 0 when training
+            finishes (not when stopped). ``init``: ``init(cfg, embed_weight [V, H], data_config)`` -> the drafter of
+            ``train.init_from``. ``stop_at``: end at this optimizer step, as a finished run ends.
 
     Returns:
         ``train_report.json``'s dict: ``step``, ``total_steps``, ``stopped``, ``signal`` (this rank's, else None),
@@ -188,11 +183,10 @@ def _run(cfg, d, stop, resume, max_steps, stop_after, export=None, init=None, st
 
 def stop_before_training(stop: Optional[StopFlag], d: Dist) -> None:
     """Honour a signal that came before the first optimizer step of this call (04's start-up): stop now, nothing
-    trained and no checkpoint written. Every rank calls it at the same points and they agree.
+    trained and no checkpoint written; every rank calls it at the same points.
 
     Raises:
-        eagle3.cli.Terminated: a ``KeyboardInterrupt`` carrying the signal (``run_main`` prints ``interrupted by
-            SIGINT: <hint>`` and exits 128 + signal); inside the setup, what this call created is removed.
+        eagle3.cli.Terminated: a ``KeyboardInterrupt`` carrying the signal (``run_main`` exits 128 + signal).
     """
     if stop is None or not ranks.any_rank(stop.requested, d):
         return
@@ -205,8 +199,7 @@ def stop_before_training(stop: Optional[StopFlag], d: Dist) -> None:
 
 
 def _start(cfg, d, stop, resume, max_steps, init, stop_at, lock, warned):
-    """Setup and resume; a refusal (UserError) or a signal here removes what this call created. Returns the loop
-    and its :class:`eagle3.train.resume.RunRecord`."""
+    """Setup and resume (a refusal or a signal removes what this call created): the loop, its RunRecord."""
     stop_check = lambda: stop_before_training(stop, d)  # noqa: E731
     s = _setup(cfg)
     load = None if init is None else (lambda embed, dc: init(cfg, embed, dc))
@@ -315,8 +308,7 @@ def _record(cfg: RunConfig, s, d: Dist, inputs, opt, warned: list) -> resuming.R
 
 
 def _recipe_used(cfg: RunConfig, opt) -> dict:
-    """The recipe of ``train_report.json``: the config's values, except those a resumed checkpoint's optimizer
-    state overrides (``lr``, ``weight_decay``), i.e. what training used."""
+    """``train_report.json``'s recipe: the config's, but ``lr`` / ``weight_decay`` from the optimizer state."""
     keys = "loss lk_eta epochs batch_tokens batch_size grad_accum warmup_ratio ttt_length select_best".split()
     return {**{k: getattr(cfg.train, k) for k in keys}, **resuming.optimizer_values(opt)}
 
@@ -365,11 +357,9 @@ def _finish(
     loop.log_validation(final_val)
     loop.metrics.close()
     if d.is_main:
-        try:
+        try:  # training is done: its report is written anyway, saying why nothing was exported
             _select_and_export(cfg, loop, result, export)
-        except (
-            Exception
-        ) as e:  # training is done: its report is written anyway, saying why nothing was exported
+        except Exception as e:
             sim = dict(loop.tracker.summary(), select_best=t.select_best, exported_step=None)
             raise report.export_failed(
                 cfg.train_dir, result, loop.inputs.args, sim, p.last_ckpt, e
@@ -404,7 +394,6 @@ def _select_and_export(
 
 
 def check_init_from_config(cfg: RunConfig) -> bool:
-    """:func:`eagle3.train.warm_start.check_init_from` of ``cfg``: the warm-start checks that need neither the
-    verifier nor the shards (``bench/lease_preflight.py`` runs them at its start). Returns whether one is set."""
+    """:func:`eagle3.train.warm_start.check_init_from` of ``cfg`` (neither verifier nor shards needed)."""
     drafter = {k: getattr(cfg.drafter, k, None) for k in WARM_START_SHAPE}
     return check_init_from(cfg.train.init_from, drafter, resume_checks.DRAFTER_CONFIG_KEYS)

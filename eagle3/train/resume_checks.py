@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -18,6 +19,8 @@ from typing import Any, Optional, Sequence
 import torch
 
 from eagle3.errors import UserError
+
+log = logging.getLogger(__name__)
 
 
 def check_drafter_args(path: str | os.PathLike, saved: dict, current: dict) -> None:
@@ -438,6 +441,36 @@ def data_inputs_unchecked(
         f"{path}: {why}: {what} did not check {', '.join(_INPUT_NAMES[k] for k in gaps)} against what it was "
         f"trained on; check that 02 and 03 were not re-run with other settings since that checkpoint"
     )
+
+
+def require_export_inputs(
+    path: str | os.PathLike,
+    saved: Optional[dict],
+    vocab: dict,
+    data_config: dict,
+    data_dir: str | os.PathLike,
+) -> None:
+    """``04 --export-only``'s refusal of a checkpoint (``path``, its ``data_inputs`` ``saved``) trained with another
+    draft vocab map (``vocab``), other aux layers or another verifier's weights than the shards' ``data_config``: the
+    export takes the map and the aux layers from the run's files. The split is not compared (the weights do not
+    depend on it). A missing record or entry is one warning line (:func:`data_inputs_unchecked`).
+
+    Raises:
+        UserError: ``{path}: ...`` naming each difference (:func:`data_inputs_problem`).
+    """
+    keys = (VOCAB_FILE, AUX_LAYERS, VERIFIER_WEIGHTS)
+    current = {
+        VOCAB_FILE: vocab_sha256(vocab),
+        AUX_LAYERS: list(data_config["aux_layers"]),
+        VERIFIER_WEIGHTS: data_config.get(VERIFIER_WEIGHTS),
+    }
+    unchecked = data_inputs_unchecked(path, saved, current, "--export-only", keys)
+    if unchecked:  # said, not silent
+        log.warning("%s", unchecked)
+    if isinstance(saved, dict):
+        problem = data_inputs_problem({k: saved.get(k) for k in keys}, current, data_dir)
+        if problem:
+            raise UserError(f"{path}: {problem}")
 
 
 def check_resume(

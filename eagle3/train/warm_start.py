@@ -11,10 +11,9 @@ from typing import Collection, Optional
 import torch
 from torch import nn
 
-from eagle3.drafter.draft_config import EXPORT_META_FILE
 from eagle3.drafter.model import Eagle3Drafter
 from eagle3.errors import UserError
-from eagle3.io import read_json
+from eagle3.manifest import DrafterManifest
 from eagle3.train import checkpoint as ckpt
 from eagle3.verifier.head import TargetHead
 
@@ -218,12 +217,13 @@ def init_from_not_a_folder(path: Path) -> UserError:
 
 
 def exported_drafter_args(src: str) -> Optional[dict]:
-    """The ``drafter_args`` an export folder records (``eagle3_train.json``: EXPORT_META_FILE), after checking
+    """The ``drafter_args`` an export folder records (:class:`eagle3.manifest.DrafterManifest`), after checking
     that ``src`` is an exported drafter folder (``config.json`` + ``model.safetensors``); None when the metadata is
-    absent or holds no ``drafter_args`` object (an export of another tool: left to the tensor-by-tensor check).
+    absent or holds no ``drafter_args`` (an export of another tool: left to the tensor-by-tensor check).
 
     Raises:
-        UserError: the folder is missing or not an export; the metadata is not valid JSON.
+        UserError: the folder is missing or not an export; the metadata is not valid JSON or ``drafter_args`` is not
+            an object (:meth:`eagle3.manifest.DrafterManifest.of_folder`).
     """
     path = Path(src)
     if not path.is_dir():
@@ -234,12 +234,8 @@ def exported_drafter_args(src: str) -> Optional[dict]:
                 f"train.init_from: '{src}' is not an exported drafter folder (no {name}; 04 writes one "
                 f"into {{output_root}}/drafter-sglang)"
             )
-    if not (path / EXPORT_META_FILE).is_file():
-        return None
-
-    meta = read_json(path / EXPORT_META_FILE)
-    exported = meta.get("drafter_args") if isinstance(meta, dict) else None
-    return exported if isinstance(exported, dict) else None
+    meta = DrafterManifest.of_folder(path)
+    return meta.drafter_args if meta else None
 
 
 def warm_start_planned(
