@@ -45,9 +45,10 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Annotated, Literal, Optional, Union
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationError
 
 from eagle3.errors import UserError
 from eagle3.io import atomic_write_json
@@ -66,6 +67,34 @@ PASSED, FAILED, UNFINISHED = (
     "unfinished",
 )  # unfinished: a --revalidate pass under way
 STAT_KEYS = ("num_samples", "num_tokens", "num_loss_tokens", "max_len")
+Count = Annotated[StrictInt, Field(ge=0)]
+
+
+class RecordStats(BaseModel):
+    """A passing record's ``stats``: non-negative integers."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    num_samples: Count
+    num_tokens: Count
+    num_loss_tokens: Count
+    max_len: Count
+
+
+class ValidationRecord(BaseModel):
+    """The record file (fields in the file's order; see the module docstring). A passing one holds ``stats`` and
+    ``token_freq`` (int, ``[target_V]``), a failed or unfinished one ``error``."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    format: Literal["eagle3-03-validation"] = RECORD_FORMAT
+    version: Literal[1] = RECORD_VERSION
+    created_at: Union[StrictInt, StrictFloat] = Field(default_factory=time.time)
+    fingerprint: str
+    status: Literal["passed", "failed", "unfinished"] = PASSED
+    error: Optional[str] = None
+    stats: Optional[RecordStats] = None
+    token_freq: Optional[list[Count]] = None
 
 
 def shard_set_fingerprint(
@@ -95,30 +124,19 @@ def shard_set_fingerprint(
     return hashlib.sha256(blob).hexdigest()
 
 
-def _parse(obj, vocab_size: int) -> tuple[dict, torch.Tensor, float]:
-    """Check a loaded record; ValueError naming the first problem."""
-    if not isinstance(obj, dict):
-        raise ValueError("not a JSON object")
-    stats = obj.get("stats")
-    if not isinstance(stats, dict) or any(
-        type(stats.get(k)) is not int or stats[k] < 0 for k in STAT_KEYS
-    ):
-        raise ValueError(f"key 'stats' must hold non-negative integers {', '.join(STAT_KEYS)}")
-    freq = obj.get("token_freq")
-    if (
-        not isinstance(freq, list)
-        or len(freq) != vocab_size
-        or any(type(x) is not int or x < 0 for x in freq)
-    ):
-        raise ValueError(f"key 'token_freq' must be a list of {vocab_size} non-negative integers")
-    if sum(freq) != stats["num_loss_tokens"]:
-        raise ValueError(
-            f"key 'token_freq' sums to {sum(freq)}, key 'stats' says {stats['num_loss_tokens']} loss tokens"
+def _inconsistent(rec: ValidationRecord, vocab_size: int) -> Optional[str]:
+    """What makes a passing record unusable (None: nothing): ``stats`` / ``token_freq`` missing, another vocab
+    size, or counts that do not sum to ``stats.num_loss_tokens``."""
+    if rec.stats is None or rec.token_freq is None:
+        return "no stats / token_freq"
+    if len(rec.token_freq) != vocab_size:
+        return f"key 'token_freq' holds {len(rec.token_freq)} counts, not {vocab_size}"
+    if sum(rec.token_freq) != rec.stats.num_loss_tokens:
+        return (
+            f"key 'token_freq' sums to {sum(rec.token_freq)}, key 'stats' says "
+            f"{rec.stats.num_loss_tokens} loss tokens"
         )
-    created = obj.get("created_at")
-    if not isinstance(created, (int, float)):
-        raise ValueError("key 'created_at' must be a number")
-    return {k: stats[k] for k in STAT_KEYS}, torch.tensor(freq, dtype=torch.int64), float(created)
+    return None
 
 
 def load_matching_record(
@@ -134,37 +152,37 @@ def load_matching_record(
     """
     for folder in folders:
         path = folder / VALIDATION_RECORD
-        obj, problem = _read_record(path)
+        rec, problem = _read_record(path)
         if problem:
             log.warning("%s: %s; ignoring it, validating every shard, rewriting it", path, problem)
-        if obj is None:
+        if rec is None:
             continue
-        if obj.get("fingerprint") != fingerprint:
+        if rec.fingerprint != fingerprint:
             log.info("%s: the shards changed since that validation; validating every shard", path)
             continue
-        if obj.get("status") == UNFINISHED:
+        if rec.status == UNFINISHED:
             log.info(
                 "%s: an earlier 03_prepare_data.py --revalidate did not finish; validating every shard",
                 path,
             )
             continue
-        if obj.get("status", PASSED) != PASSED:
+        if rec.status != PASSED:
             log.info(
                 "%s: 03's last validation of these shards failed (%s); validating every shard",
                 path,
-                obj.get("error"),
+                rec.error,
             )
             continue
-        try:
-            stats, freq, created = _parse(obj, vocab_size)
-        except ValueError as e:
+        bad = _inconsistent(rec, vocab_size)
+        if bad:
             log.warning(
                 "%s: corrupt validation record (%s); ignoring it, validating every shard, rewriting it",
                 path,
-                e,
+                bad,
             )
             continue
-        return stats, freq, created, path
+        stats = rec.stats.model_dump()
+        return stats, torch.tensor(rec.token_freq, dtype=torch.int64), float(rec.created_at), path
     return None
 
 
@@ -181,15 +199,11 @@ def write_record(folders: list[Path], fingerprint: str, stats: dict, freq: torch
     Raises:
         UserError: no folder accepts it (stage 04 trains only on a shard set with a passing record).
     """
-    record = {
-        "format": RECORD_FORMAT,
-        "version": RECORD_VERSION,
-        "created_at": time.time(),
-        "fingerprint": fingerprint,
-        "status": PASSED,
-        "stats": {k: int(stats[k]) for k in STAT_KEYS},
-        "token_freq": [int(x) for x in freq.tolist()],
-    }
+    record = ValidationRecord(
+        fingerprint=fingerprint,
+        stats=RecordStats(**{k: int(stats[k]) for k in STAT_KEYS}),
+        token_freq=[int(x) for x in freq.tolist()],
+    )
     path = _write_first(folders, record)
     if path is None:
         raise UserError(
@@ -208,14 +222,9 @@ def write_failed_record(folders: list[Path], fingerprint: str, error: str) -> Op
     Returns:
         the path written, or None (no folder accepted it; warned).
     """
-    record = {
-        "format": RECORD_FORMAT,
-        "version": RECORD_VERSION,
-        "created_at": time.time(),
-        "fingerprint": fingerprint,
-        "status": FAILED,
-        "error": error.splitlines()[0] if error else "error",
-    }
+    record = ValidationRecord(
+        fingerprint=fingerprint, status=FAILED, error=error.splitlines()[0] if error else "error"
+    )
     return _write_first(folders, record)
 
 
@@ -227,18 +236,15 @@ def write_unfinished_record(folders: list[Path], fingerprint: str) -> Optional[P
     Returns:
         the path written, or None (no folder accepted it; warned).
     """
-    record = {
-        "format": RECORD_FORMAT,
-        "version": RECORD_VERSION,
-        "created_at": time.time(),
-        "fingerprint": fingerprint,
-        "status": UNFINISHED,
-        "error": "03_prepare_data.py --revalidate started a full validation that did not finish",
-    }
+    record = ValidationRecord(
+        fingerprint=fingerprint,
+        status=UNFINISHED,
+        error="03_prepare_data.py --revalidate started a full validation that did not finish",
+    )
     return _write_first(folders, record)
 
 
-def _write_first(folders: list[Path], record: dict) -> Optional[Path]:
+def _write_first(folders: list[Path], record: ValidationRecord) -> Optional[Path]:
     """``record`` into the first folder that accepts it; then a record of the same fingerprint in any other
     folder is removed (a failed one after a pass, or a passing one after a failure)."""
     written = None
@@ -246,7 +252,7 @@ def _write_first(folders: list[Path], record: dict) -> Optional[Path]:
         path = folder / VALIDATION_RECORD
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            atomic_write_json(path, record)
+            atomic_write_json(path, record.model_dump(exclude_none=True))
             written = path
             break
         except (OSError, UserError) as e:
@@ -260,7 +266,7 @@ def _write_first(folders: list[Path], record: dict) -> Optional[Path]:
         if (
             written is not None
             and path != written
-            and record_fingerprint(path) == record["fingerprint"]
+            and record_fingerprint(path) == record.fingerprint
         ):
             try:
                 path.unlink()
@@ -273,31 +279,30 @@ def _write_first(folders: list[Path], record: dict) -> Optional[Path]:
     return written
 
 
-def _read_record(path: Path) -> tuple[Optional[dict], Optional[str]]:
+def _read_record(path: Path) -> tuple[Optional[ValidationRecord], Optional[str]]:
     """The record at ``path`` when it is one of this version: ``(record, None)``; else ``(None, why)`` for a file
     that cannot be read or is not such a record, ``(None, None)`` when there is no file."""
     if not path.is_file():
         return None, None
     try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return ValidationRecord.model_validate_json(path.read_bytes()), None
+    except OSError as e:
         return None, f"unreadable validation record ({e})"
-    if (
-        not isinstance(obj, dict)
-        or obj.get("format") != RECORD_FORMAT
-        or obj.get("version") != RECORD_VERSION
-    ):
-        got = (
-            (obj.get("format"), obj.get("version")) if isinstance(obj, dict) else type(obj).__name__
+    except ValidationError as e:
+        err = e.errors()[0]
+        if err["type"] == "json_invalid":
+            return None, f"unreadable validation record ({err['msg']})"
+        where = ".".join(map(str, err["loc"])) or "(top level)"
+        return (
+            None,
+            f"not a version-{RECORD_VERSION} validation record (key {where!r}: {err['msg']})",
         )
-        return None, f"not a version-{RECORD_VERSION} validation record (format/version {got})"
-    return obj, None
 
 
 def record_fingerprint(path: Path) -> Optional[str]:
     """The ``fingerprint`` of the record at ``path``, or None (absent, unreadable, not a record)."""
-    obj, _ = _read_record(path)
-    return None if obj is None else obj.get("fingerprint")
+    rec, _ = _read_record(path)
+    return None if rec is None else rec.fingerprint
 
 
 def unfinished_record(folders: list[Path]) -> Optional[Path]:
@@ -306,9 +311,9 @@ def unfinished_record(folders: list[Path]) -> Optional[Path]:
     (03's own order: the shards folder, then the data folder)."""
     for folder in folders:
         path = Path(folder) / VALIDATION_RECORD
-        obj, _ = _read_record(path)
-        if obj is not None:
-            return path if obj.get("status") == UNFINISHED else None
+        rec, _ = _read_record(path)
+        if rec is not None:
+            return path if rec.status == UNFINISHED else None
     return None
 
 
@@ -345,19 +350,19 @@ def require_passed(shards: Path, data_dir: Path) -> Path:
     found, stale = None, None
     for folder in (shards, data_dir):
         path = folder / VALIDATION_RECORD
-        obj, _ = _read_record(path)
-        if obj is None:
+        rec, _ = _read_record(path)
+        if rec is None:
             continue
-        if obj.get("fingerprint") != fp:
+        if rec.fingerprint != fp:
             stale = stale or path
-        elif obj.get("status") == UNFINISHED:
+        elif rec.status == UNFINISHED:
             raise UserError(
                 f"{shards}: 03_prepare_data.py --revalidate of this shard set did not finish (record: "
                 f"{path}); run 03_prepare_data.py before training"
             )
-        elif obj.get("status", PASSED) != PASSED:
+        elif rec.status != PASSED:
             raise UserError(
-                f"{shards}: 03's last validation of this shard set failed ({obj.get('error')}); fix or "
+                f"{shards}: 03's last validation of this shard set failed ({rec.error}); fix or "
                 f"re-extract the shard and run 03_prepare_data.py (record: {path})"
             )
         else:
@@ -392,10 +397,10 @@ def _refuse_changed_file(shards: Path, stale: Path) -> None:
     """
     from eagle3.shards.format import list_samples
 
-    obj, _ = _read_record(stale)
-    created = obj.get("created_at") if obj is not None and stale.parent == shards else None
-    if not isinstance(created, (int, float)):
+    rec, _ = _read_record(stale)
+    if rec is None or stale.parent != shards:
         return None
+    created = rec.created_at
     newer = [p for _, p in list_samples(shards) if p.stat().st_mtime_ns > created * 1e9]
     if newer:
         more = (

@@ -312,3 +312,32 @@ def test_cli_revalidate_forces_full_pass(tmp_path, monkeypatch):
     assert cli.main(["--config", p, "--no-plot", "--revalidate"]) == 0
     assert len(spy.hashed) == 5 and len(spy.loaded) == 5
     assert json.loads((data / "data_report.json").read_text())["validation"] == "full"
+
+
+def test_record_round_trip_and_the_reasons_a_record_is_ignored(tmp_path, caplog):
+    """A written passing record loads back as written (stats, token_freq int64, created_at); a record of another
+    version, one whose counts do not sum to its loss tokens, or one of another vocab size is ignored with one
+    warning naming the file and the key."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    stats = {"num_samples": 2, "num_tokens": 9, "num_loss_tokens": 5, "max_len": 6}
+    path = vr.write_record([a, b], "fp", stats, torch.tensor([2, 0, 3]))
+    assert path == a / VALIDATION_RECORD
+    got_stats, freq, created, where = vr.load_matching_record([a, b], "fp", 3)
+    assert (got_stats, freq.tolist(), freq.dtype, where) == (stats, [2, 0, 3], torch.int64, path)
+    assert json.loads(path.read_text())["created_at"] == created
+    assert vr.load_matching_record([a, b], "other", 3) is None
+    raw = json.loads(path.read_text())
+    for edit, why in (
+        ({"version": 2}, "not a version-1 validation record (key 'version': Input should be 1)"),
+        ({"token_freq": [2, 0, 4]}, "corrupt validation record (key 'token_freq' sums to 6, key"),
+        ({"token_freq": [5]}, "corrupt validation record (key 'token_freq' holds 1 counts, not 3)"),
+    ):
+        path.write_text(json.dumps({**raw, **edit}))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="eagle3.data.validation_record"):
+            assert vr.load_matching_record([a, b], "fp", 3) is None
+        assert caplog.messages[0].startswith(f"{path}: {why}")
+    vr.write_failed_record([a, b], "fp", "shard 3 broken\nmore")
+    assert json.loads(path.read_text())["error"] == "shard 3 broken"
+    assert "stats" not in json.loads(path.read_text())
+    assert vr.load_matching_record([a, b], "fp", 3) is None and vr.record_fingerprint(path) == "fp"
