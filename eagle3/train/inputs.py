@@ -227,7 +227,7 @@ def autocast_dtype(bf16: str, device: torch.device) -> Optional[torch.dtype]:
 
 def recipe(s: Setup) -> dict:
     """The training recipe a checkpoint records (key ``recipe``, dotted config keys): what
-    :func:`eagle3.train.resume_checks.check_recipe` compares on ``--resume``, naming the fields that differ."""
+    :func:`eagle3.train.resume_checks.recipe_changes` compares on ``--resume``, naming the fields that differ."""
     t = s.train
     out = {
         f"train.{k}": getattr(t, k)

@@ -227,7 +227,7 @@ class TrainData:
 
 def data_order(seed: int, batch_tokens: Optional[int], batch_size: int, grad_accum: int) -> dict:
     """The settings that fix the batch order and the optimizer-step count of an epoch (checkpoint key
-    ``data_order``; :func:`eagle3.train.resume_checks.check_data_order`). ``batch_size`` is recorded as None when
+    ``data_order``; :func:`eagle3.train.resume_checks.data_order_problem`). ``batch_size`` is recorded as None when
     ``batch_tokens`` is set (it is ignored then)."""
     return {
         "train.seed": seed,

@@ -69,33 +69,6 @@ def drafter_args_problem(saved: dict, current: dict) -> Optional[str]:
     return "; ".join(out) or None
 
 
-def check_data_order(path: str | os.PathLike, saved: Optional[dict], current: dict) -> None:
-    """Refuse to resume a checkpoint written with other batching settings than the configured ones.
-
-    A checkpoint's data position is ``(epoch, steps_in_epoch)`` in optimizer steps; resume skips that
-    many steps of the epoch's batch order, which is a function of ``train.seed``, ``train.batch_tokens``
-    (token budget) or ``train.batch_size`` (fixed-size batches) and ``train.grad_accum``. With any of
-    them changed the skipped steps are not the ones trained on, and the epoch/step counts change, so
-    resume would neither see the promised data order nor end where it should.
-
-    Deliberately allowed (not checked here): ``train.epochs`` / ``train.max_steps`` / ``--max-steps``
-    (the horizon of a time-sliced job; the LR schedule is re-stretched with a warning) and the number
-    of processes (RNG states reseeded with a warning).
-
-    Args:
-        saved: ``data_order`` stored in the checkpoint (``None`` for checkpoints that predate it: not checked).
-        current: the same dict built from the config now (keys ``train.*``).
-
-    Raises:
-        UserError: naming the checkpoint and every differing key with both values, e.g.
-            ``step_00000010.pt: written with train.batch_tokens=1024, train.batch_size=None but the config
-            has train.batch_tokens=None, train.batch_size=1 ...``.
-    """
-    problem = data_order_problem(saved, current)
-    if problem:
-        raise UserError(f"{path}: {problem}")
-
-
 SPLIT_KEYS = (
     "train.batch_size",
     "train.grad_accum",
@@ -152,8 +125,12 @@ def global_batch_change(
 def data_order_problem(
     saved: Optional[dict], current: dict, worlds: Optional[tuple] = None
 ) -> Optional[str]:
-    """What :func:`check_data_order` refuses, without the path (None: nothing to refuse).
+    """What a resume refuses of a checkpoint's ``data_order`` (``saved``; None: a checkpoint from before the key,
+    not checked) against ``current`` (keys ``train.*``), without the path (None: nothing to refuse).
 
+    The checkpoint's position ``(epoch, steps_in_epoch)`` is skipped in the epoch's batch order, a function of
+    ``train.seed``, ``train.batch_tokens`` / ``train.batch_size`` and ``train.grad_accum``: another value would skip
+    other steps than those trained on. ``train.epochs`` / ``train.max_steps`` and the number of processes are free.
     ``worlds``: the checkpoint's and this run's process counts, when known. ``train.batch_size`` / ``train.grad_accum``
     may then change where the global batch (:func:`global_batch`) stays the checkpoint's: a step consumes the next
     global batch of the epoch's order whatever its split (``samples_in_epoch`` locates it), and the loss does not
@@ -210,34 +187,6 @@ _RECIPE_NOTES = {
 }
 
 
-def check_recipe(path: str | os.PathLike, saved: Optional[dict], current: dict) -> list[str]:
-    """Compare the training recipe a checkpoint recorded (key ``recipe``: dotted config keys -> values) with the
-    configured one on ``--resume``.
-
-    Refused (:data:`LOSS_FIELDS`): a changed ``train.ttt_length`` / ``train.step_weight`` / ``train.loss`` (and
-    ``train.lk_eta`` when either loss uses it) changes the loss definition mid-run: metrics, validations and
-    ``select_best`` scores before and after would measure different things, and the optimizer moments were
-    accumulated for the old objective. A different objective from the same weights is a warm start
-    (``train.init_from``) into a new ``train.output_dir``. Everything else is allowed, with one line per field
-    saying which value is used: :data:`KEPT_FIELDS` keep the checkpoint's, the rest take the config's.
-
-    Args:
-        saved: the checkpoint's ``recipe`` (None for checkpoints that predate it: nothing compared, returns []).
-        current: the same dict built from the config now.
-
-    Returns:
-        Sorted lines, e.g. ``["train.lr: the config's 0.05 is not used; the checkpoint's 0.001 is kept with its
-        optimizer state and lr schedule", "train.grad_clip 1.0 -> 0.5 (the new value applies from here on)"]``.
-
-    Raises:
-        UserError: naming the checkpoint and every changed loss field with both values.
-    """
-    problem, notes = recipe_changes(saved, current)
-    if problem:
-        raise UserError(f"{path}: {problem}")
-    return notes
-
-
 WHOLE_NUMBER_FIELDS = ("train.epochs",)
 """Recipe fields read as floats that a YAML writes as whole numbers (``epochs: 2``): named without ``.0``."""
 
@@ -249,7 +198,13 @@ def as_written(key: str, v: Any) -> Any:
 
 
 def recipe_changes(saved: Optional[dict], current: dict) -> tuple[Optional[str], list[str]]:
-    """:func:`check_recipe` without the path and without raising: ``(what is refused or None, the allowed changes)``."""
+    """A checkpoint's ``recipe`` (``saved``: dotted config keys -> values; None: from before the key, nothing
+    compared) against ``current`` on ``--resume``: ``(what is refused or None, the allowed changes)``.
+
+    Refused: a changed :data:`LOSS_FIELDS` (``train.lk_eta`` only when the loss uses it): another objective
+    mid-run, with the old one's optimizer moments; that is a warm start (``train.init_from``) into a new
+    ``train.output_dir``. Every other change is one sorted line saying which value is used: :data:`KEPT_FIELDS`
+    keep the checkpoint's, the rest take the config's."""
     if saved is None:
         return None, []
     changed = [
@@ -477,7 +432,7 @@ def check_resume(
     path: str | os.PathLike, state: dict, current: dict, data_dir: str | os.PathLike
 ) -> list[str]:
     """Every check of a checkpoint against the run now, before anything of it is loaded (``04 --resume``): drafter
-    shape (:func:`check_drafter_args`), data order (:func:`check_data_order`), loss definition (:func:`check_recipe`)
+    shape (:func:`check_drafter_args`), data order (:func:`data_order_problem`), loss definition (:func:`recipe_changes`)
     and data inputs (:func:`data_inputs_problem`). All refusals are gathered into one line, so a resume with several
     changed fields names every one of them.
 
@@ -487,7 +442,7 @@ def check_resume(
         data_dir: stage 03's folder (named in the data-input messages).
 
     Returns:
-        The allowed recipe changes (:func:`check_recipe`'s lines).
+        The allowed recipe changes (:func:`recipe_changes`' lines).
 
     Raises:
         UserError: one line, ``{path}: `` then every refusal, joined by ``; ``.
