@@ -138,62 +138,32 @@ WARM_START_SHAPE = (
 )
 
 
-def check_init_from_shape(src: str, exported: dict, args, config_keys: Collection[str]) -> None:
-    """Refuse a ``train.init_from`` export whose drafter shape differs from the one this run trains, before anything
-    is written (the full tensor check of :func:`warm_start` runs later, after the verifier head is extracted).
-
-    Args:
-        src: the export folder (for the message).
-        exported: the export's ``drafter_args`` (``eagle3_train.json``; absent keys take DrafterArgs' defaults:
-            ``variant`` eagle3 and ``num_layers`` 1 for exports written before those fields existed).
-        args: this run's :class:`eagle3.drafter.model.DrafterArgs`.
-        config_keys: the ``drafter.*`` config keys (a differing field is named as one of them, else as taken from
-            the verifier and its shards).
-
-    Raises:
-        UserError: naming the first differing field, e.g. ``train.init_from: 'x/drafter-sglang' holds a drafter with
-            num_layers 1, this run trains 2 (drafter.num_layers)``.
-    """
-    check_shape_fields(
-        src, exported, {key: getattr(args, key) for key in WARM_START_SHAPE}, config_keys
-    )
-
-
-def check_shape_fields(src: str, exported: dict, mine: dict, config_keys: Collection[str]) -> None:
-    """The first field of ``mine`` (shape field -> this run's value; None = not known yet) that differs from the
-    export's ``drafter_args`` (absent ``variant`` / ``num_layers``: the DrafterArgs defaults eagle3 / 1); UserError
-    naming ``drafter.<field>`` when the field is one of ``config_keys``."""
-
-    have = {"variant": "eagle3", "num_layers": 1, "attention": "llama", **exported}
-    for key, b in mine.items():
-        # not recorded (left to warm_start's tensor-by-tensor check) or not known
-        if key not in have or b is None:
-            continue
-        a = have[key]
-        if a != b:
-            where = f"drafter.{key}" if key in config_keys else "from the verifier and its shards"
-            raise UserError(
-                f"train.init_from: '{src}' holds a drafter with {key} {a!r}, this run trains {b!r} ({where})"
-            )
-
-
 def check_init_from(init_from: Optional[str], drafter: dict, config_keys: Collection[str]) -> bool:
-    """The part of the warm-start checks that needs neither the verifier nor the shards: ``init_from``
-    (``train.init_from``) is an export folder (``config.json`` + ``model.safetensors``) and the drafter shape fields
-    the config itself fixes (``drafter``: field -> the config's value, None = from the verifier) equal the export's
-    recorded ``drafter_args`` (``eagle3_train.json``). 04 checks the full shape later, before its first write.
+    """The warm-start checks made before anything is written: ``init_from`` (``train.init_from``) is an export folder
+    (``config.json`` + ``model.safetensors``) and its recorded ``drafter_args`` (:func:`exported_drafter_args`;
+    absent ``variant`` / ``num_layers`` / ``attention``: the DrafterArgs defaults) hold the shape fields of
+    ``drafter`` (:data:`WARM_START_SHAPE` field -> this run's value; None: not known yet). A field the export does
+    not record is left to :func:`warm_start`'s tensor-by-tensor check.
 
     Returns:
         whether a warm start is configured (``init_from`` set).
 
     Raises:
-        UserError: the folder missing or not an export, or a differing field (as :func:`check_init_from_shape`).
+        UserError: the folder missing or not an export; the first differing field, named ``drafter.<field>`` when
+            one of ``config_keys``, e.g. ``train.init_from: 'x/drafter-sglang' holds a drafter with num_layers 1,
+            this run trains 2 (drafter.num_layers)``.
     """
     if not init_from:
         return False
     exported = exported_drafter_args(init_from)
-    if exported is not None:
-        check_shape_fields(init_from, exported, drafter, config_keys)
+    have = {"variant": "eagle3", "num_layers": 1, "attention": "llama", **(exported or {})}
+    for key, b in drafter.items() if exported is not None else ():
+        if key in have and b is not None and have[key] != b:
+            where = f"drafter.{key}" if key in config_keys else "from the verifier and its shards"
+            raise UserError(
+                f"train.init_from: '{init_from}' holds a drafter with {key} {have[key]!r}, this run "
+                f"trains {b!r} ({where})"
+            )
     return True
 
 
@@ -249,7 +219,7 @@ def warm_start_planned(
     """Whether this call warm-starts from ``init_from`` (``train.init_from``): set, and no ``--resume`` checkpoint in
     ``train_dir`` to continue (that one holds the run's weights, the warm start's included). Checks, before anything
     is written, that the folder looks like an export (``config.json`` + ``model.safetensors``) and that the export's
-    recorded drafter shape is this run's ``args``' (:func:`check_init_from_shape`).
+    recorded drafter shape is this run's ``args``' (:func:`check_init_from`).
 
     Raises:
         UserError: ``train.init_from: folder ... not found`` / ``... is not an exported drafter folder`` / a shape
@@ -264,7 +234,5 @@ def warm_start_planned(
                 init_from,
             )
         return False
-    exported = exported_drafter_args(init_from)
-    if args is not None and exported is not None:
-        check_init_from_shape(init_from, exported, args, config_keys)
-    return True
+    mine = {} if args is None else {key: getattr(args, key) for key in WARM_START_SHAPE}
+    return check_init_from(init_from, mine, config_keys)
