@@ -22,24 +22,23 @@ def check_drafter_arg(drafter_dir: str | Path) -> Path:
             what to pass instead.
     """
     path = Path(drafter_dir)
+    hint = f"; {relative_hint(path)}" if relative_hint(path) else ""
     if path.is_file():  # a checkpoint file, not "folder not found"
-        raise UserError(
-            f"--drafter: '{path}' is a file, not an exported drafter folder; pass the folder 04 "
-            f"exported (drafter-sglang), or export a checkpoint first with 04_train.py --export-only"
+        problem = (
+            f"'{path}' is a file, not an exported drafter folder; pass the folder 04 exported (drafter-sglang), "
+            f"or export a checkpoint first with 04_train.py --export-only"
         )
-    if not path.is_dir():
-        raise UserError(
-            f"--drafter: folder '{path}' not found (export a trained drafter first"
-            + (f"; {relative_hint(path)})" if relative_hint(path) else ")")
+    elif not path.is_dir():
+        problem = f"folder '{path}' not found (export a trained drafter first{hint})"
+    elif not (path / "config.json").is_file() and (path / "checkpoints").is_dir():
+        problem = (
+            f"'{path}' is 04's train folder, not an exported drafter; pass the export folder (drafter-sglang "
+            f"beside it, or export.output_dir), or write it with 04_train.py --export-only"
         )
-    if not (path / "config.json").is_file() and (path / "checkpoints").is_dir():
-        raise UserError(
-            f"--drafter: '{path}' is 04's train folder, not an exported drafter; pass the export "
-            f"folder (drafter-sglang beside it, or export.output_dir), or write it with 04_train.py "
-            f"--export-only"
-        )
-    require_export_config(path, f"--drafter: '{path}'")
-    return path
+    else:
+        require_export_config(path, f"--drafter: '{path}'")
+        return path
+    raise UserError(f"--drafter: {problem}")
 
 
 def require_export_config(path: Path, what: str) -> None:

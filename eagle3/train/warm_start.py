@@ -65,34 +65,11 @@ def warm_start(drafter: nn.Module, src: nn.Module, source: str) -> dict:
     Raises:
         UserError: naming ``source`` and the first difference (variant, target vocab, a tensor).
     """
-    a, b = getattr(src.args, "variant", "eagle3"), getattr(drafter.args, "variant", "eagle3")
-    if a != b:
-        raise UserError(
-            f"{source}: train.init_from is a {a} drafter but this run trains {b} (drafter.variant)"
-        )
-    if int(src.args.target_vocab_size) != int(drafter.args.target_vocab_size):
-        raise UserError(
-            f"{source}: train.init_from drafts for a verifier vocab of {src.args.target_vocab_size} tokens, "
-            f"this run's verifier has {drafter.args.target_vocab_size} (another tokenizer)"
-        )
     mine = {n: p for n, p in drafter.named_parameters() if p.requires_grad}
     theirs = dict(src.named_parameters())
-    for name, p in mine.items():
-        if name not in theirs:
-            raise UserError(
-                f"{source}: train.init_from has no tensor '{name}' (drafter shape differs from the config)"
-            )
-        cut = 1 if name == "lm_head.weight" else 0  # lm_head: rows move (below), width must match
-        if theirs[name].shape[cut:] != p.shape[cut:]:
-            raise UserError(
-                f"{source}: train.init_from's '{name}' is {list(theirs[name].shape)}, this run's drafter "
-                f"needs {list(p.shape)} (drafter.* settings differ)"
-            )
-    extra = sorted(n for n, p in theirs.items() if n not in mine and n != "embed_tokens.weight")
-    if extra:
-        raise UserError(
-            f"{source}: train.init_from has tensor '{extra[0]}' that this run's drafter does not train"
-        )
+    problem = _warm_start_problem(drafter.args, src.args, mine, theirs)
+    if problem:
+        raise UserError(f"{source}: train.init_from{problem}")
     src_rows = _source_rows(drafter, src)  # [dV] -1 where src does not draft that token
     hit = src_rows >= 0  # [dV]
     with torch.no_grad():
@@ -108,6 +85,31 @@ def warm_start(drafter: nn.Module, src: nn.Module, source: str) -> dict:
         "lm_head_rows": drafter.d2t.numel(),
         "lm_head_rows_copied": int(hit.sum()),
     }
+
+
+def _warm_start_problem(args, src_args, mine: dict, theirs: dict) -> Optional[str]:
+    """The first reason :func:`warm_start` cannot copy ``theirs`` (the source's parameters, ``src_args``) into
+    ``mine`` (this run's trainable ones, ``args``), the words after ``train.init_from``; None when it can."""
+    a, b = getattr(src_args, "variant", "eagle3"), getattr(args, "variant", "eagle3")
+    if a != b:
+        return f" is a {a} drafter but this run trains {b} (drafter.variant)"
+    if int(src_args.target_vocab_size) != int(args.target_vocab_size):
+        return (
+            f" drafts for a verifier vocab of {src_args.target_vocab_size} tokens, this run's verifier has "
+            f"{args.target_vocab_size} (another tokenizer)"
+        )
+    for name, p in mine.items():
+        if name not in theirs:
+            return f" has no tensor '{name}' (drafter shape differs from the config)"
+        # lm_head: its rows move by target token (warm_start), its width must match
+        cut = 1 if name == "lm_head.weight" else 0
+        if theirs[name].shape[cut:] != p.shape[cut:]:
+            return (
+                f"'s '{name}' is {list(theirs[name].shape)}, this run's drafter needs {list(p.shape)} "
+                f"(drafter.* settings differ)"
+            )
+    extra = sorted(n for n, p in theirs.items() if n not in mine and n != "embed_tokens.weight")
+    return f" has tensor '{extra[0]}' that this run's drafter does not train" if extra else None
 
 
 def _source_rows(drafter: nn.Module, src: nn.Module) -> torch.Tensor:
