@@ -393,20 +393,14 @@ def test_checks_without_metadata_are_said_not_skipped(tmp_path):
     from eagle3.config import ExtractConfig
     from eagle3.decoding.checks import shards_unchecked, ttt_length_check, verifier_check
 
-    def ttt_length_unchecked(*a):
-        return ttt_length_check(*a)[1]
-
-    def verifier_unchecked(*a):
-        return verifier_check(a[0], a[1], None, a[2])[1]
-
     d, meta = tmp_path / "drafter", tmp_path / "drafter" / "eagle3_train.json"
     d.mkdir()
-    assert ttt_length_unchecked(d, 3, "benchmark.steps") == (
+    assert ttt_length_check(d, 3, "benchmark.steps")[1] == (
         f"{meta} not found (a drafter not exported by eagle3-train): 05 did not check benchmark.steps 3 against the "
         f"draft positions the drafter was trained for; check that its training's TTT length (train.ttt_length, "
         f"SpecForge --ttt-length) is at least 3"
     )
-    assert verifier_unchecked(d, "org/m", "sha256:ab") == (
+    assert verifier_check(d, "org/m", None, "sha256:ab")[1] == (
         f"{meta} not found (a drafter not exported by eagle3-train): 05 did not check that the drafter was trained for "
         f"the verifier 'org/m' (name, dimensions, weights; only the embedding and vocab shapes are checked at load); "
         f"check which verifier its training used"
@@ -414,17 +408,17 @@ def test_checks_without_metadata_are_said_not_skipped(tmp_path):
     meta.write_text(
         json.dumps({"ttt_length": 7, "aux_layers_hf": [2, 3, 4], "verifier": {"name": "org/m"}})
     )
-    assert ttt_length_unchecked(d, 3, "benchmark.steps") is None
-    assert verifier_unchecked(d, "org/m", "sha256:ab").startswith(
+    assert ttt_length_check(d, 3, "benchmark.steps")[1] is None
+    assert verifier_check(d, "org/m", None, "sha256:ab")[1].startswith(
         f"{meta} records no verifier.weights (an export of shards captured before weight fingerprints): 05 did not "
         f"check that the drafter was trained on the weights at verifier.path, only the name 'org/m' and dimensions"
     )
     meta.write_text(json.dumps({"verifier": {"name": "org/m", "weights": "sha256:ab"}}))
-    assert verifier_unchecked(d, "org/m", "sha256:ab") is None
-    assert verifier_unchecked(d, "org/m", None).startswith(
+    assert verifier_check(d, "org/m", None, "sha256:ab")[1] is None
+    assert verifier_check(d, "org/m", None, None)[1].startswith(
         "verifier.path holds no weight file on this machine: "
     )
-    assert ttt_length_unchecked(d, 3, "--steps").startswith(
+    assert ttt_length_check(d, 3, "--steps")[1].startswith(
         f"{meta} records no ttt_length: 05 did not check --steps 3"
     )
     # the shards' data_config.json gone: the template, the config's extract settings it sets (and the drafter's aux
@@ -748,26 +742,23 @@ def test_more_steps_than_the_drafter_was_trained_for_warns_once(run_setup, tmp_p
     warning."""
     from eagle3.decoding.checks import ttt_length_check
 
-    def ttt_length_warning(*a):
-        return ttt_length_check(*a)[0]
-
     root, cfg, _ = run_setup
     drafter = tmp_path / "drafter"
     shutil.copytree(root / "drafter", drafter)
     meta_path = drafter / "eagle3_train.json"
     meta = json.loads(meta_path.read_text())
     assert (
-        "ttt_length" not in meta and ttt_length_warning(drafter, 9, "--steps") is None
+        "ttt_length" not in meta and ttt_length_check(drafter, 9, "--steps")[0] is None
     )  # an older export
     meta_path.write_text(json.dumps({**meta, "ttt_length": 2}))
-    assert ttt_length_warning(drafter, 2, "--steps") is None
+    assert ttt_length_check(drafter, 2, "--steps")[0] is None
     want = (
         f"--steps 3 drafts more tokens a step than the drafter was trained for: {meta_path} records ttt_length 2 "
         f"(train.ttt_length); position 3 was never trained, so the acceptance there is low and tau understates a "
         f"2-step chain: benchmark with --steps 2, or train with train.ttt_length 3"
     )
-    assert ttt_length_warning(drafter, 3, "--steps") == want
-    assert ttt_length_warning(drafter, 4, "benchmark.steps").startswith(
+    assert ttt_length_check(drafter, 3, "--steps")[0] == want
+    assert ttt_length_check(drafter, 4, "benchmark.steps")[0].startswith(
         "benchmark.steps 4 drafts more tokens"
     )
     out = tmp_path / "b"
