@@ -188,34 +188,19 @@ def shards_unchecked(
     )
 
 
-def vocab_map_unchecked(data_dir: Path, drafter_dir: Path) -> Optional[str]:
+def vocab_map_unchecked(data_dir: Path, drafter_dir: Path, drafter) -> Optional[str]:
     """The line saying :func:`check_drafter_vocab` compared only the draft vocab size: the run's stage-03
-    ``vocab_map.pt`` is not there, so the drafter's ``d2t`` was not compared with it. None when it exists, or when
-    the drafter's ``config.json`` records a full vocab (``draft_vocab_size`` = ``vocab_size``: its ``d2t`` is the
+    ``vocab_map.pt`` is not there, so the loaded ``drafter``'s ``d2t`` was not compared with it. None when it exists,
+    or when the drafter drafts the full vocab (``draft_vocab_size`` = ``target_vocab_size``: its ``d2t`` is the
     identity, absent from a vLLM folder, so there is nothing but the size to compare)."""
     vm = Path(data_dir) / VOCAB_MAP
-    if vm.is_file() or _full_vocab_export(Path(drafter_dir)):
+    if vm.is_file() or drafter.args.draft_vocab_size == drafter.args.target_vocab_size:
         return None
     return (
         f"{vm} not found: 05 did not check {Path(drafter_dir) / 'model.safetensors'} d2t (its draft vocabulary) "
         f"against the run's stage-03 vocab map, only its size against data.draft_vocab_size; run 03 for this "
         f"config, or compare d2t with the vocab_map.pt of the data it was trained on"
     )
-
-
-def _full_vocab_export(drafter_dir: Path) -> bool:
-    """Whether the export's ``config.json`` records ``draft_vocab_size`` equal to ``vocab_size`` (False when it is
-    missing, unreadable, or either is not an integer)."""
-    try:
-        c = (
-            read_json(drafter_dir / "config.json")
-            if (drafter_dir / "config.json").is_file()
-            else None
-        )
-    except UserError:
-        return False
-    d, v = (c.get("draft_vocab_size"), c.get("vocab_size")) if isinstance(c, dict) else (None, None)
-    return isinstance(d, int) and not isinstance(d, bool) and d == v
 
 
 def template_check(

@@ -240,30 +240,22 @@ def load_checked_drafter(
         drafter, drafter_dir, cfg.data.draft_vocab_size, cfg.data_dir, own_export=own
     )
     warnings += checks.check_drafter_shape(cfg.drafter, drafter, drafter_dir, own_export=own)
-    late, unchecked = _after_load(cfg, drafter_dir, verifier_unchecked, tokenizer)
+    vocab_unchecked = checks.vocab_map_unchecked(cfg.data_dir, drafter_dir, drafter)
+    late, unchecked = _after_load(cfg, [verifier_unchecked, vocab_unchecked], tokenizer)
     return drafter, aux, warnings + late, unchecked
 
 
 def _after_load(
-    cfg: RunConfig, drafter_dir: Path, verifier_unchecked: Optional[str], tokenizer
+    cfg: RunConfig, unchecked: list[Optional[str]], tokenizer
 ) -> tuple[list[str], list[str]]:
-    """The chat template and its kwargs against the shards', and which checks could not be made (the drafter's
-    verifier record, ``verifier_unchecked``; its ``d2t``, the template): ``(lines, not_checked)``."""
+    """The chat template and its kwargs against the shards', and which checks could not be made (``unchecked``: the
+    drafter's verifier record and ``d2t``; then the template's): ``(lines, not_checked)``."""
     chat = ChatOptions.from_verifier(cfg.verifier, cfg.extract.loss_on_reasoning)
     other_template, template_unchecked = checks.template_check(cfg.shards_dir, tokenizer, chat)
     other_kwargs, kwargs_unchecked = checks.template_kwargs_check(
         cfg.shards_dir, cfg.verifier.chat_template_kwargs
     )
-    unchecked = [
-        w
-        for w in (
-            verifier_unchecked,
-            checks.vocab_map_unchecked(cfg.data_dir, drafter_dir),
-            template_unchecked,
-            kwargs_unchecked,
-        )
-        if w
-    ]
+    unchecked = [w for w in (*unchecked, template_unchecked, kwargs_unchecked) if w]
     return [w for w in (other_template, other_kwargs) if w] + unchecked, unchecked
 
 

@@ -1429,29 +1429,28 @@ def test_offline_run_refuses_a_prompt_past_the_context(run_setup, tmp_path):
 
 
 def test_full_vocab_drafter_without_the_runs_vocab_map_is_not_said_unchecked(tmp_path):
-    """A full-vocab drafter (``config.json`` draft_vocab_size = vocab_size) has the identity as its draft vocabulary (a
-    vLLM folder carries no d2t): without the run's ``vocab_map.pt`` 05 said it `did not check .../model.safetensors
-    d2t` against it, a not_checked line of a check with nothing to compare. Only a reduced vocab gets the line."""
-    from eagle3.config import load_config
+    """A full-vocab drafter (draft_vocab_size = target_vocab_size) has the identity as its draft vocabulary (a vLLM
+    folder carries no d2t): without the run's ``vocab_map.pt`` 05 said it `did not check .../model.safetensors d2t`
+    against it, a not_checked line of a check with nothing to compare. Only a reduced vocab gets the line, and none
+    once the run's vocab_map.pt is there."""
+    from types import SimpleNamespace
+
     from eagle3.decoding.checks import vocab_map_unchecked
 
-    (tmp_path / "run.yaml").write_text(
-        f"run_name: t\noutput_root: {tmp_path / 'out'}\n"
-        f"verifier: {{path: {tmp_path}}}\nprompts: {{source: humaneval}}\n"
+    data, drafter = tmp_path / "data", tmp_path / "drafter"
+
+    def loaded(draft_v):
+        return SimpleNamespace(
+            args=SimpleNamespace(draft_vocab_size=draft_v, target_vocab_size=49152)
+        )
+
+    assert vocab_map_unchecked(data, drafter, loaded(49152)) is None
+    assert vocab_map_unchecked(data, drafter, loaded(32000)).startswith(
+        f"{data / 'vocab_map.pt'} not found: 05 did not check {drafter / 'model.safetensors'} d2t"
     )
-    cfg = load_config(tmp_path / "run.yaml")
-    drafter = tmp_path / "drafter"
-    drafter.mkdir()
-    (drafter / "config.json").write_text(
-        json.dumps({"draft_vocab_size": 49152, "vocab_size": 49152})
-    )
-    assert vocab_map_unchecked(cfg.data_dir, drafter) is None
-    (drafter / "config.json").write_text(
-        json.dumps({"draft_vocab_size": 32000, "vocab_size": 49152})
-    )
-    assert vocab_map_unchecked(cfg.data_dir, drafter).startswith(
-        f"{cfg.data_dir / 'vocab_map.pt'} not found: 05 did not check {drafter / 'model.safetensors'} d2t"
-    )
+    data.mkdir()
+    (data / "vocab_map.pt").write_bytes(b"x")
+    assert vocab_map_unchecked(data, drafter, loaded(32000)) is None
 
 
 def test_export_recording_verifier_weights_of_another_type_gets_the_weights_line(tmp_path):
