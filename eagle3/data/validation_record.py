@@ -347,39 +347,37 @@ def require_passed(shards: Path, data_dir: Path) -> Path:
     """
     shards, data_dir = Path(shards), Path(data_dir)
     fp = fingerprint_now(shards)
-    found, stale = None, None
-    for folder in (shards, data_dir):
-        path = folder / VALIDATION_RECORD
-        rec, _ = _read_record(path)
-        if rec is None:
-            continue
-        if rec.fingerprint != fp:
-            stale = stale or path
-        elif rec.status == UNFINISHED:
-            raise UserError(
-                f"{shards}: 03_prepare_data.py --revalidate of this shard set did not finish (record: "
-                f"{path}); run 03_prepare_data.py before training"
-            )
-        elif rec.status != PASSED:
-            raise UserError(
-                f"{shards}: 03's last validation of this shard set failed ({rec.error}); fix or "
-                f"re-extract the shard and run 03_prepare_data.py (record: {path})"
-            )
-        else:
-            found = found or path
-    if found is not None:
-        return found
-    if stale is not None:
-        _refuse_changed_file(shards, stale)
-        raise UserError(
-            f"{shards}: the shards, manifest.jsonl or data_config.json changed since 03 last validated "
-            f"them, or the folder was moved or copied (the record holds its path, each shard's size and "
-            f"mtime: {stale}); run 03_prepare_data.py before training"
+    recs = [
+        (f / VALIDATION_RECORD, _read_record(f / VALIDATION_RECORD)[0]) for f in (shards, data_dir)
+    ]
+    recs = [(path, rec) for path, rec in recs if rec is not None]
+    current = [(path, rec) for path, rec in recs if rec.fingerprint == fp]
+    bad = [(path, rec) for path, rec in current if rec.status != PASSED]
+    if current and not bad:
+        return current[0][0]
+    if bad and bad[0][1].status == UNFINISHED:
+        why = (
+            f"03_prepare_data.py --revalidate of this shard set did not finish (record: {bad[0][0]}); run "
+            f"03_prepare_data.py before training"
         )
-    raise UserError(
-        f"{shards}: no record that 03 validated this shard set ({VALIDATION_RECORD} in {shards} or "
-        f"{data_dir}); run 03_prepare_data.py before training"
-    )
+    elif bad:
+        why = (
+            f"03's last validation of this shard set failed ({bad[0][1].error}); fix or re-extract the shard and "
+            f"run 03_prepare_data.py (record: {bad[0][0]})"
+        )
+    elif recs:
+        _refuse_changed_file(shards, recs[0][0])
+        why = (
+            f"the shards, manifest.jsonl or data_config.json changed since 03 last validated them, or the folder "
+            f"was moved or copied (the record holds its path, each shard's size and mtime: {recs[0][0]}); run "
+            f"03_prepare_data.py before training"
+        )
+    else:
+        why = (
+            f"no record that 03 validated this shard set ({VALIDATION_RECORD} in {shards} or {data_dir}); run "
+            f"03_prepare_data.py before training"
+        )
+    raise UserError(f"{shards}: {why}")
 
 
 def _refuse_changed_file(shards: Path, stale: Path) -> None:
