@@ -335,37 +335,32 @@ def shards_data_config(cfg: RunConfig, path: Path, state: dict) -> dict:
     """
     file = cfg.shards_dir / DATA_CONFIG
     record = state.get(resume_checks.DATA_CONFIG_RECORD)
-    if file.is_file() or not isinstance(record, dict):
-        if not file.is_file():
-            raise UserError(
-                f"{file}: file not found, and {path} has no record of it (checkpoint key "
-                f"'{resume_checks.DATA_CONFIG_RECORD}': written by 04 since 2026-12-05g, this checkpoint is older), "
-                f"so --export-only needs the shards' {DATA_CONFIG} for their aux layers, verifier and dims: "
-                f"put that one file back at {file} (the shard files are not read), or re-run "
-                f"02_extract_hidden.py"
-                + (f"; {relative_hint(file)}" if relative_hint(file) else "")
-            )
-        data_config = read_data_config(cfg.shards_dir)
-        unchecked = check_verifier(cfg.verifier, data_config, cfg.shards_dir)  # as 04 training does
-        if unchecked:
-            log.warning("%s", unchecked)
-        check_extract_settings(cfg.extract, data_config, cfg.shards_dir)
-        return data_config
-    log.info(
-        "export: %s not found; the shards' aux layers %s, verifier %r and dims from %s (key '%s', recorded at "
-        "training)",
-        file,
-        record.get("aux_layers"),
-        record.get("verifier"),
-        path.name,
-        resume_checks.DATA_CONFIG_RECORD,
-    )
-    where = f"{path} (key '{resume_checks.DATA_CONFIG_RECORD}')"
-    unchecked = check_verifier(cfg.verifier, record, where)  # as with the shards' own file
+    if file.is_file():
+        data_config, where = read_data_config(cfg.shards_dir), cfg.shards_dir
+    elif isinstance(record, dict):
+        log.info(
+            "export: %s not found; the shards' aux layers %s, verifier %r and dims from %s (key '%s', recorded "
+            "at training)",
+            file,
+            record.get("aux_layers"),
+            record.get("verifier"),
+            path.name,
+            resume_checks.DATA_CONFIG_RECORD,
+        )
+        data_config, where = dict(record), f"{path} (key '{resume_checks.DATA_CONFIG_RECORD}')"
+    else:
+        raise UserError(
+            f"{file}: file not found, and {path} has no record of it (checkpoint key "
+            f"'{resume_checks.DATA_CONFIG_RECORD}': written by 04 since 2026-12-05g, this checkpoint is older), "
+            f"so --export-only needs the shards' {DATA_CONFIG} for their aux layers, verifier and dims: "
+            f"put that one file back at {file} (the shard files are not read), or re-run "
+            f"02_extract_hidden.py" + (f"; {relative_hint(file)}" if relative_hint(file) else "")
+        )
+    unchecked = check_verifier(cfg.verifier, data_config, where)  # as 04 training does
     if unchecked:
         log.warning("%s", unchecked)
-    check_extract_settings(cfg.extract, record, where)
-    return dict(record)
+    check_extract_settings(cfg.extract, data_config, where)
+    return data_config
 
 
 def _weights_from_checkpoint(cfg: RunConfig) -> bool:
